@@ -1,0 +1,109 @@
+"""What GPUs this node has, read from NVML through pynvml. The same code
+runs on a real driver and on any library that speaks the NVML ABI."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any, TypeVar
+
+import pynvml
+
+from cgpud.errors import GpuQueryError
+
+T = TypeVar("T")
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: int
+    uuid: str
+    name: str
+    memory_total: int  # bytes
+    pci_bus_id: str
+    minor_number: int
+    compute_capability: tuple[int, int]
+    nvlink_peers: tuple[str, ...]  # PCI bus ids at the far end of active links
+
+
+@dataclass(frozen=True)
+class Inventory:
+    driver_version: str
+    cuda_driver_version: int
+    gpus: tuple[Gpu, ...]
+
+    def card_labels(self) -> dict[str, str]:
+        """The card-model facts ACK exposes as node labels (first GPU's model;
+        ACK nodes hold one model). Memory in whole MiB, as ACK writes it."""
+        if not self.gpus:
+            return {"aliyun.accelerator/nvidia_count": "0"}
+        first = self.gpus[0]
+        return {
+            "aliyun.accelerator/nvidia_name": first.name.replace(" ", "-"),
+            "aliyun.accelerator/nvidia_mem": f"{first.memory_total // (1 << 20)}MiB",
+            "aliyun.accelerator/nvidia_count": str(len(self.gpus)),
+        }
+
+    def as_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["labels"] = self.card_labels()
+        return data
+
+
+def _query(what: str, fn: Callable[..., T], *args: Any) -> T:
+    """Every NVML call goes through here: one place maps NVML errors."""
+    try:
+        return fn(*args)
+    except pynvml.NVMLError as e:
+        raise GpuQueryError(f"NVML {what} failed: {e}") from e
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _nvlink_peers(handle: Any) -> tuple[str, ...]:
+    peers = []
+    for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
+        try:
+            if pynvml.nvmlDeviceGetNvLinkState(handle, link) != pynvml.NVML_FEATURE_ENABLED:
+                continue
+            remote = pynvml.nvmlDeviceGetNvLinkRemotePciInfo(handle, link)
+        except pynvml.NVMLError:
+            break  # no such link, or NVLink not supported on this GPU
+        peers.append(_text(remote.busId))
+    return tuple(peers)
+
+
+def _gpu(index: int) -> Gpu:
+    h = _query(f"handle of GPU {index}", pynvml.nvmlDeviceGetHandleByIndex, index)
+    memory = _query("memory info", pynvml.nvmlDeviceGetMemoryInfo, h)
+    pci = _query("PCI info", pynvml.nvmlDeviceGetPciInfo, h)
+    return Gpu(
+        index=index,
+        uuid=_text(_query("UUID", pynvml.nvmlDeviceGetUUID, h)),
+        name=_text(_query("name", pynvml.nvmlDeviceGetName, h)),
+        memory_total=int(memory.total),
+        pci_bus_id=_text(pci.busId),
+        minor_number=_query("minor number", pynvml.nvmlDeviceGetMinorNumber, h),
+        compute_capability=tuple(_query("compute capability", pynvml.nvmlDeviceGetCudaComputeCapability, h)),
+        nvlink_peers=_nvlink_peers(h),
+    )
+
+
+def read_inventory() -> Inventory:
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as e:
+        raise GpuQueryError(
+            f"cannot initialise NVML ({e}): is the NVIDIA driver installed and libnvidia-ml.so.1 findable?"
+        ) from e
+    try:
+        count = _query("device count", pynvml.nvmlDeviceGetCount)
+        return Inventory(
+            driver_version=_text(_query("driver version", pynvml.nvmlSystemGetDriverVersion)),
+            cuda_driver_version=_query("CUDA driver version", pynvml.nvmlSystemGetCudaDriverVersion),
+            gpus=tuple(_gpu(i) for i in range(count)),
+        )
+    finally:
+        pynvml.nvmlShutdown()

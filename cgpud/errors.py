@@ -1,0 +1,15 @@
+"""The one exception hierarchy of cgpu: every failure a user can meet is a
+CgpuError whose message says what was being done and what to fix."""
+from __future__ import annotations
+
+
+class CgpuError(Exception):
+    """A failure with a message fit to print as one line."""
+
+
+class UsageError(CgpuError):
+    """A bad argument or setting; nothing was changed."""
+
+
+class GpuQueryError(CgpuError):
+    """The GPU driver (NVML) could not be queried."""

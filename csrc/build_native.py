@@ -1,0 +1,137 @@
+"""How every C part of cgpu is built: one table of targets, one compile
+function. setup.py calls it during `pip install`; tests call it for the
+sanitizer and real-cuda.h builds. Needs only a C compiler."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CSRC = Path(__file__).resolve().parent
+REAL_CUDA_INCLUDE = Path("/usr/local/cuda/include")
+
+WARNINGS = ("-Wall", "-Wextra", "-Werror")
+BASE_FLAGS = ("-std=c11", "-g", "-fPIC", "-fvisibility=hidden", "-fno-semantic-interposition", *WARNINGS)
+SANITIZE_FLAGS = ("-O1", "-fno-omit-frame-pointer", "-fsanitize=address,undefined", "-fno-sanitize-recover=all")
+SIM_STATE = ("simgpu/simstate.c", "simgpu/simconfig.c")
+
+
+@dataclass(frozen=True)
+class Target:
+    """One binary: a shared library (exports listed by an X-macro .def) or
+    an executable, relative to the output directory."""
+
+    output: str
+    sources: tuple[str, ...]
+    exports: tuple[str, str] | None = None  # (.def file under include/cgpu, macro)
+    libs: tuple[str, ...] = ()
+    includes: tuple[str, ...] = ("include",)
+
+    @property
+    def shared(self) -> bool:
+        return ".so" in Path(self.output).name
+
+
+TARGETS: tuple[Target, ...] = (
+    Target(
+        "sim/libcuda.so.1",
+        ("simgpu/driver_core.c", "simgpu/driver_memory.c", "simgpu/driver_exec.c", *SIM_STATE),
+        exports=("cuda_functions.def", "CU_FN"),
+        libs=("-lpthread",),
+        includes=("include", "simgpu"),
+    ),
+    Target(
+        "sim/libnvidia-ml.so.1",
+        ("simgpu/nvml.c", *SIM_STATE),
+        exports=("nvml_functions.def", "NVML_FN"),
+        libs=("-lpthread",),
+        includes=("include", "simgpu"),
+    ),
+    Target("bin/cgpu-sim-stat", ("simgpu/simstat.c", *SIM_STATE), includes=("include", "simgpu")),
+    Target("bin/cgpu-burn", ("tools/cgpu_burn.c",), libs=("-ldl",)),
+    Target("bin/cgpu-runtime", ("hook/cgpu_runtime.c",)),
+    Target("bin/cgpu-hook", ("hook/cgpu_hook.c",)),
+)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """How to compile: the release build, or a checking build."""
+
+    name: str = "release"
+    cflags: tuple[str, ...] = ("-O2",)
+    ldflags: tuple[str, ...] = ()
+    defines: tuple[str, ...] = ()
+    extra_includes: tuple[str, ...] = field(default=())
+
+
+RELEASE = Variant()
+SANITIZE = Variant("sanitize", SANITIZE_FLAGS, ("-fsanitize=address,undefined",))
+REAL_CUDA_H = Variant("real-cuda-h", ("-O2",), (), ("CGPU_USE_REAL_CUDA_H",), (str(REAL_CUDA_INCLUDE),))
+
+
+class NativeBuildError(RuntimeError):
+    pass
+
+
+def exported_symbols(def_file: str, macro: str) -> list[str]:
+    """Symbols a library exports: the first argument of each macro line."""
+    text = (CSRC / "include" / "cgpu" / def_file).read_text()
+    return sorted(set(re.findall(rf"^{macro}\((\w+)", text, re.MULTILINE)))
+
+
+def _version_script(target: Target, workdir: Path) -> list[str]:
+    if not target.exports:
+        return []
+    symbols = exported_symbols(*target.exports)
+    script = workdir / (Path(target.output).name + ".map")
+    script.write_text("{\n  global:\n" + "".join(f"    {s};\n" for s in symbols) + "  local: *;\n};\n")
+    return [f"-Wl,--version-script={script}"]
+
+
+def compile_target(target: Target, out_dir: Path, variant: Variant = RELEASE, cc: str | None = None) -> Path:
+    cc = cc or os.environ.get("CC") or "cc"
+    out = out_dir / target.output
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="cgpu-build-") as tmp:
+        cmd = [cc, *BASE_FLAGS, *variant.cflags]
+        cmd += [f"-D{d}" for d in variant.defines]
+        cmd += [f"-I{CSRC / inc}" for inc in target.includes]
+        cmd += [f"-I{inc}" for inc in variant.extra_includes]
+        if target.shared:
+            cmd += ["-shared", f"-Wl,-soname,{Path(target.output).name}", *_version_script(target, Path(tmp))]
+        cmd += [str(CSRC / src) for src in target.sources]
+        cmd += ["-o", str(out), *variant.ldflags, *target.libs]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise NativeBuildError(f"building {target.output} failed:\n$ {' '.join(cmd)}\n{proc.stderr}")
+    return out
+
+
+def build_all(out_dir: Path, variant: Variant = RELEASE, targets: tuple[Target, ...] = TARGETS) -> list[Path]:
+    if shutil.which(os.environ.get("CC") or "cc") is None:
+        raise NativeBuildError("no C compiler found: install gcc (apt-get install gcc) or set CC")
+    return [compile_target(t, out_dir, variant) for t in targets]
+
+
+def main(argv: list[str]) -> int:
+    variants = {v.name: v for v in (RELEASE, SANITIZE, REAL_CUDA_H)}
+    if len(argv) not in (1, 2) or (len(argv) == 2 and argv[1] not in variants):
+        print(f"usage: build_native.py OUT_DIR [{'|'.join(variants)}]", file=sys.stderr)
+        return 2
+    try:
+        for path in build_all(Path(argv[0]), variants[argv[1] if len(argv) == 2 else "release"]):
+            print(path)
+    except NativeBuildError as e:
+        print(e, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

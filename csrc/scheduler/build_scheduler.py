@@ -1,0 +1,35 @@
+"""cffi out-of-line API build of the scheduler core as cgpud._scheduler.
+The declarations come from scheduler.h itself, so they cannot drift."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from cffi import FFI
+
+HERE = Path(__file__).resolve().parent
+
+
+def _cdef_from_header(header: Path) -> str:
+    text = re.sub(r"/\*.*?\*/", "", header.read_text(), flags=re.DOTALL)
+    keep = []
+    for line in text.splitlines():
+        stripped = line.strip()
+        if re.fullmatch(r"#define \w+ \d+", stripped) or (stripped and not stripped.startswith("#")):
+            keep.append(stripped)
+    return "\n".join(keep) + "\n"
+
+
+ffibuilder = FFI()
+ffibuilder.cdef(_cdef_from_header(HERE / "scheduler.h"))
+ffibuilder.set_source(
+    "cgpud._scheduler",
+    '#include "scheduler.h"',
+    # setuptools wants sources relative to setup.py, which sits two levels up.
+    sources=["csrc/scheduler/scheduler.c"],
+    include_dirs=[str(HERE)],
+    extra_compile_args=["-std=c11", "-Wall", "-Wextra", "-Werror"],
+)
+
+if __name__ == "__main__":
+    ffibuilder.compile(verbose=True)

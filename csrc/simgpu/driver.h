@@ -1,0 +1,116 @@
+/* Internals of the simulated libcuda.so.1 shared by its source files.
+ *
+ * Ownership: one `sim_driver` per process (the driver's process state);
+ * handles given to the application point at heap objects that the driver
+ * owns until the matching destroy call. Thread-safety: `lock` guards the
+ * process-local tables; shared GPU state is atomics (simstate.h). */
+#ifndef CGPU_SIM_DRIVER_H
+#define CGPU_SIM_DRIVER_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+
+#include "cgpu/cuda_abi.h"
+#include "simstate.h"
+
+#define SIM_EXPORT __attribute__((visibility("default")))
+
+/* Handle magics catch stale and foreign handles instead of crashing. */
+enum sim_magic {
+    MAGIC_CTX = 0x43545831,
+    MAGIC_STREAM = 0x53545231,
+    MAGIC_EVENT = 0x45564e31,
+    MAGIC_MODULE = 0x4d4f4431,
+    MAGIC_FUNC = 0x46554e31,
+    MAGIC_GRAPH = 0x47525031,
+    MAGIC_GRAPH_EXEC = 0x47455831,
+    MAGIC_POOL = 0x504f4f31,
+    MAGIC_MEMHANDLE = 0x4d454d31,
+    MAGIC_ARRAY = 0x41525231,
+    MAGIC_DEAD = 0x44454144,
+};
+
+struct sim_stream {
+    uint32_t magic;
+    struct sim_ctx *ctx;
+    _Atomic uint64_t tail;        /* ns when the stream's queued work ends */
+    unsigned flags;
+    int priority;
+};
+
+struct sim_ctx {
+    uint32_t magic;
+    int dev;
+    unsigned flags;
+    bool primary;
+    _Atomic uint64_t last_end;    /* ns when all work of the context ends */
+    struct sim_stream legacy;     /* the NULL stream */
+};
+
+struct sim_event {
+    uint32_t magic;
+    unsigned flags;
+    _Atomic uint64_t when;        /* ns the recorded work completes */
+    _Atomic bool recorded;
+};
+
+struct sim_function {
+    uint32_t magic;
+    struct sim_module *module;
+    bool timed;                   /* spins on %globaltimer for param 0 ns */
+    char name[120];
+};
+
+struct sim_module {
+    uint32_t magic;
+    int dev;
+    int nfunc;
+    struct sim_function *funcs;
+};
+
+struct sim_pool {
+    uint32_t magic;
+    int dev;
+};
+
+struct sim_driver {
+    pthread_mutex_t lock;
+    _Atomic int initialized;
+    struct sim_handle shared;
+    struct sim_ctx primary[SIM_MAX_GPUS];
+    int primary_refs[SIM_MAX_GPUS];
+    struct sim_pool default_pool[SIM_MAX_GPUS];
+    struct alloc_entry *allocs[4096]; /* driver_memory.c: by device address */
+    uint64_t next_va[SIM_MAX_GPUS];
+};
+
+extern struct sim_driver sim_drv;
+
+static inline const struct sim_config *sim_cfg(void)
+{
+    return &sim_drv.shared.st->config;
+}
+
+/* CUDA_SUCCESS once cuInit succeeded, else CUDA_ERROR_NOT_INITIALIZED. */
+CUresult sim_check_init(void);
+CUresult sim_check_device(CUdevice dev);
+/* The calling thread's current context, or NULL. */
+struct sim_ctx *sim_current_ctx(void);
+CUresult sim_require_ctx(struct sim_ctx **out);
+/* Validates a context handle the application passed. */
+bool sim_ctx_valid(const struct sim_ctx *ctx);
+void sim_ctx_note_end(struct sim_ctx *ctx, uint64_t end);
+
+/* Drop the allocation records a forked child inherited: the memory is the
+ * parent's and stays charged to the parent's process slot. */
+void sim_forget_allocations(void);
+
+/* Resolve a stream argument: NULL, CU_STREAM_LEGACY and CU_STREAM_PER_THREAD
+ * included; per_thread selects what NULL means (_ptsz entry points). */
+CUresult sim_resolve_stream(CUstream h, bool per_thread, struct sim_stream **out);
+/* Queue dur_ns of device work on a stream; returns when it is queued. */
+void sim_stream_run(struct sim_stream *s, uint64_t dur_ns);
+
+
+#endif

@@ -1,0 +1,679 @@
+/* Simulated libcuda.so.1: initialisation, errors, entry-point lookup,
+ * devices and contexts. */
+#define _GNU_SOURCE
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "driver.h"
+
+struct sim_driver sim_drv = {.lock = PTHREAD_MUTEX_INITIALIZER, .shared = {.fd = -1, .slot = -1}};
+
+/* ---- initialisation ------------------------------------------------------ */
+
+/* A forked child must not share the parent's slot lock or its handles:
+ * like the real driver, it starts uninitialised. */
+static void after_fork_child(void)
+{
+    pthread_mutex_init(&sim_drv.lock, NULL);
+    if (atomic_load(&sim_drv.initialized)) {
+        sim_detach(&sim_drv.shared);
+        atomic_store(&sim_drv.initialized, 0);
+    }
+    memset(sim_drv.primary_refs, 0, sizeof(sim_drv.primary_refs));
+    sim_forget_allocations();
+}
+
+static void install_fork_handler(void)
+{
+    pthread_atfork(NULL, NULL, after_fork_child);
+}
+
+SIM_EXPORT CUresult cuInit(unsigned int Flags)
+{
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    if (Flags != 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_once(&once, install_fork_handler);
+    if (atomic_load(&sim_drv.initialized))
+        return CUDA_SUCCESS;
+    CUresult rc = CUDA_SUCCESS;
+    pthread_mutex_lock(&sim_drv.lock);
+    if (!atomic_load(&sim_drv.initialized)) {
+        char err[512];
+        if (sim_attach(&sim_drv.shared, err, sizeof(err)) != 0) {
+            fprintf(stderr, "cgpu-sim: %s\n", err);
+            rc = CUDA_ERROR_NO_DEVICE;
+        } else if (sim_claim_slot(&sim_drv.shared) != 0) {
+            fprintf(stderr, "cgpu-sim: all %d process slots of the simulated GPUs are taken\n", SIM_MAX_PROCS);
+            sim_detach(&sim_drv.shared);
+            rc = CUDA_ERROR_OUT_OF_MEMORY;
+        } else {
+            for (unsigned d = 0; d < SIM_MAX_GPUS; d++) {
+                sim_drv.primary[d] = (struct sim_ctx){.magic = MAGIC_CTX, .dev = (int)d, .primary = true};
+                sim_drv.primary[d].legacy = (struct sim_stream){.magic = MAGIC_STREAM, .ctx = &sim_drv.primary[d]};
+                sim_drv.default_pool[d] = (struct sim_pool){.magic = MAGIC_POOL, .dev = (int)d};
+                /* Distinct, recognisable device address ranges per GPU. */
+                sim_drv.next_va[d] = 0x100000000000ULL * (d + 1);
+            }
+            atomic_store(&sim_drv.initialized, 1);
+        }
+    }
+    pthread_mutex_unlock(&sim_drv.lock);
+    return rc;
+}
+
+CUresult sim_check_init(void)
+{
+    return atomic_load_explicit(&sim_drv.initialized, memory_order_acquire) ? CUDA_SUCCESS
+                                                                             : CUDA_ERROR_NOT_INITIALIZED;
+}
+
+CUresult sim_check_device(CUdevice dev)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    return dev >= 0 && (unsigned)dev < sim_cfg()->gpu_count ? CUDA_SUCCESS : CUDA_ERROR_INVALID_DEVICE;
+}
+
+SIM_EXPORT CUresult cuDriverGetVersion(int *driverVersion)
+{
+    if (!driverVersion)
+        return CUDA_ERROR_INVALID_VALUE;
+    /* Works before cuInit, as in the real driver; the config may not be
+     * mapped yet, so fall back to what the default machine reports. */
+    *driverVersion = sim_check_init() == CUDA_SUCCESS ? (int)sim_cfg()->driver_version : 13000;
+    return CUDA_SUCCESS;
+}
+
+/* ---- errors ---------------------------------------------------------------- */
+
+static const struct {
+    CUresult code;
+    const char *name;
+    const char *text;
+} error_table[] = {
+    {CUDA_SUCCESS, "CUDA_SUCCESS", "no error"},
+    {CUDA_ERROR_INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE", "invalid argument"},
+    {CUDA_ERROR_OUT_OF_MEMORY, "CUDA_ERROR_OUT_OF_MEMORY", "out of memory"},
+    {CUDA_ERROR_NOT_INITIALIZED, "CUDA_ERROR_NOT_INITIALIZED", "initialization error"},
+    {CUDA_ERROR_DEINITIALIZED, "CUDA_ERROR_DEINITIALIZED", "driver shutting down"},
+    {CUDA_ERROR_NO_DEVICE, "CUDA_ERROR_NO_DEVICE", "no CUDA-capable device is detected"},
+    {CUDA_ERROR_INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal"},
+    {CUDA_ERROR_INVALID_IMAGE, "CUDA_ERROR_INVALID_IMAGE", "device kernel image is invalid"},
+    {CUDA_ERROR_INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context"},
+    {CUDA_ERROR_ALREADY_MAPPED, "CUDA_ERROR_ALREADY_MAPPED", "resource already mapped"},
+    {CUDA_ERROR_NO_BINARY_FOR_GPU, "CUDA_ERROR_NO_BINARY_FOR_GPU", "no kernel image is available for execution on the device"},
+    {CUDA_ERROR_NOT_MAPPED, "CUDA_ERROR_NOT_MAPPED", "resource not mapped"},
+    {CUDA_ERROR_PEER_ACCESS_UNSUPPORTED, "CUDA_ERROR_PEER_ACCESS_UNSUPPORTED", "peer access is not supported between these two devices"},
+    {CUDA_ERROR_INVALID_PTX, "CUDA_ERROR_INVALID_PTX", "a PTX JIT compilation failed"},
+    {CUDA_ERROR_INVALID_SOURCE, "CUDA_ERROR_INVALID_SOURCE", "device kernel image is invalid"},
+    {CUDA_ERROR_FILE_NOT_FOUND, "CUDA_ERROR_FILE_NOT_FOUND", "file not found"},
+    {CUDA_ERROR_OPERATING_SYSTEM, "CUDA_ERROR_OPERATING_SYSTEM", "OS call failed or operation not supported on this OS"},
+    {CUDA_ERROR_INVALID_HANDLE, "CUDA_ERROR_INVALID_HANDLE", "invalid resource handle"},
+    {CUDA_ERROR_ILLEGAL_STATE, "CUDA_ERROR_ILLEGAL_STATE", "the operation cannot be performed in the present state"},
+    {CUDA_ERROR_NOT_FOUND, "CUDA_ERROR_NOT_FOUND", "named symbol not found"},
+    {CUDA_ERROR_NOT_READY, "CUDA_ERROR_NOT_READY", "device not ready"},
+    {CUDA_ERROR_ILLEGAL_ADDRESS, "CUDA_ERROR_ILLEGAL_ADDRESS", "an illegal memory access was encountered"},
+    {CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES, "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES", "too many resources requested for launch"},
+    {CUDA_ERROR_PRIMARY_CONTEXT_ACTIVE, "CUDA_ERROR_PRIMARY_CONTEXT_ACTIVE", "primary context active"},
+    {CUDA_ERROR_CONTEXT_IS_DESTROYED, "CUDA_ERROR_CONTEXT_IS_DESTROYED", "context is destroyed"},
+    {CUDA_ERROR_LAUNCH_FAILED, "CUDA_ERROR_LAUNCH_FAILED", "unspecified launch failure"},
+    {CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE, "CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE", "too many blocks in cooperative launch"},
+    {CUDA_ERROR_NOT_PERMITTED, "CUDA_ERROR_NOT_PERMITTED", "operation not permitted"},
+    {CUDA_ERROR_NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED", "operation not supported"},
+    {CUDA_ERROR_SYSTEM_DRIVER_MISMATCH, "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH", "system has unsupported display driver / cuda driver combination"},
+    {CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED", "operation not permitted when stream is capturing"},
+    {CUDA_ERROR_UNKNOWN, "CUDA_ERROR_UNKNOWN", "unknown error"},
+};
+
+static CUresult error_lookup(CUresult error, const char **pStr, bool name)
+{
+    if (!pStr)
+        return CUDA_ERROR_INVALID_VALUE;
+    for (size_t i = 0; i < sizeof(error_table) / sizeof(error_table[0]); i++) {
+        if (error_table[i].code == error) {
+            *pStr = name ? error_table[i].name : error_table[i].text;
+            return CUDA_SUCCESS;
+        }
+    }
+    *pStr = NULL;
+    return CUDA_ERROR_INVALID_VALUE;
+}
+
+SIM_EXPORT CUresult cuGetErrorName(CUresult error, const char **pStr)
+{
+    return error_lookup(error, pStr, true);
+}
+
+SIM_EXPORT CUresult cuGetErrorString(CUresult error, const char **pStr)
+{
+    return error_lookup(error, pStr, false);
+}
+
+/* ---- entry-point lookup ------------------------------------------------------ */
+
+enum { KIND_DEFAULT, KIND_PTSZ };
+
+static const struct proc_entry {
+    const char *base;
+    int since;
+    int kind;
+    void *fn;
+} proc_table[] = {
+#define CU_FN(symbol, base, since, kind, params) {#base, since, KIND_##kind, (void *)symbol},
+#include "cgpu/cuda_functions.def"
+#undef CU_FN
+};
+
+/* Which exported function a CUDA runtime built for cudaVersion gets for a
+ * base name: the newest variant it knows, the per-thread-stream one if asked. */
+static CUresult lookup_proc(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,
+                            CUdriverProcAddressQueryResult *status)
+{
+    if (!symbol || !pfn)
+        return CUDA_ERROR_INVALID_VALUE;
+    int want = (flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) ? KIND_PTSZ : KIND_DEFAULT;
+    const struct proc_entry *best = NULL;
+    bool known = false;
+    for (size_t i = 0; i < sizeof(proc_table) / sizeof(proc_table[0]); i++) {
+        const struct proc_entry *e = &proc_table[i];
+        if (strcmp(e->base, symbol) != 0)
+            continue;
+        known = true;
+        if (e->since > cudaVersion || (e->kind == KIND_PTSZ && want != KIND_PTSZ))
+            continue;
+        if (!best || (e->kind == want && best->kind != want) ||
+            (e->kind == best->kind && e->since > best->since))
+            best = e;
+    }
+    *pfn = best ? best->fn : NULL;
+    if (status)
+        *status = best    ? CU_GET_PROC_ADDRESS_SUCCESS
+                  : known ? CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT
+                          : CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+    return best ? CUDA_SUCCESS : CUDA_ERROR_NOT_FOUND;
+}
+
+SIM_EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags)
+{
+    return lookup_proc(symbol, pfn, cudaVersion, flags, NULL);
+}
+
+SIM_EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,
+                                        CUdriverProcAddressQueryResult *symbolStatus)
+{
+    return lookup_proc(symbol, pfn, cudaVersion, flags, symbolStatus);
+}
+
+/* ---- devices ------------------------------------------------------------------- */
+
+SIM_EXPORT CUresult cuDeviceGet(CUdevice *device, int ordinal)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (!device)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (ordinal < 0 || (unsigned)ordinal >= sim_cfg()->gpu_count)
+        return CUDA_ERROR_INVALID_DEVICE;
+    *device = ordinal;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuDeviceGetCount(int *count)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (!count)
+        return CUDA_ERROR_INVALID_VALUE;
+    *count = (int)sim_cfg()->gpu_count;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuDeviceGetName(char *name, int len, CUdevice dev)
+{
+    CUresult rc = sim_check_device(dev);
+    if (rc)
+        return rc;
+    if (!name || len <= 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    snprintf(name, (size_t)len, "%s", sim_cfg()->gpu[dev].name);
+    return CUDA_SUCCESS;
+}
+
+static int hexval(char c)
+{
+    return c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+}
+
+SIM_EXPORT CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev)
+{
+    CUresult rc = sim_check_device(dev);
+    if (rc)
+        return rc;
+    if (!uuid)
+        return CUDA_ERROR_INVALID_VALUE;
+    /* "GPU-" then 32 hex digits with dashes: the 16 bytes NVML prints. */
+    const char *s = sim_cfg()->gpu[dev].uuid;
+    s += strncmp(s, "GPU-", 4) == 0 ? 4 : 0;
+    memset(uuid->bytes, 0, sizeof(uuid->bytes));
+    for (int n = 0; *s && n < 32; s++) {
+        int v = hexval(*s);
+        if (v < 0)
+            continue;
+        uuid->bytes[n / 2] = (char)(uuid->bytes[n / 2] | (n % 2 ? v : v << 4));
+        n++;
+    }
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev)
+{
+    return cuDeviceGetUuid_v2(uuid, dev);
+}
+
+SIM_EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
+{
+    CUresult rc = sim_check_device(dev);
+    if (rc)
+        return rc;
+    if (!bytes)
+        return CUDA_ERROR_INVALID_VALUE;
+    *bytes = (size_t)sim_cfg()->gpu[dev].total_mem;
+    return CUDA_SUCCESS;
+}
+
+static int attribute_value(const struct sim_gpu_config *g, CUdevice_attribute a, bool *ok)
+{
+    *ok = true;
+    switch (a) {
+    case CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK: return 1024;
+    case CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_X: return 1024;
+    case CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Y: return 1024;
+    case CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Z: return 64;
+    case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_X: return 2147483647;
+    case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Y: return 65535;
+    case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Z: return 65535;
+    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK: return 49152;
+    case CU_DEVICE_ATTRIBUTE_TOTAL_CONSTANT_MEMORY: return 65536;
+    case CU_DEVICE_ATTRIBUTE_WARP_SIZE: return 32;
+    case CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_BLOCK: return 65536;
+    case CU_DEVICE_ATTRIBUTE_CLOCK_RATE: return 1980000;
+    case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: return (int)g->sm_count;
+    case CU_DEVICE_ATTRIBUTE_INTEGRATED: return 0;
+    case CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY: return 1;
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_MODE: return 0;
+    case CU_DEVICE_ATTRIBUTE_ECC_ENABLED: return 1;
+    case CU_DEVICE_ATTRIBUTE_PCI_BUS_ID: return (int)g->pci_bus;
+    case CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID: return (int)g->pci_device;
+    case CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID: return (int)g->pci_domain;
+    case CU_DEVICE_ATTRIBUTE_TCC_DRIVER: return 0;
+    case CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE: return 2619000;
+    case CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH: return 5120;
+    case CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE: return 50331648;
+    case CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR: return 2048;
+    case CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT: return 3;
+    case CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING: return 1;
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: return (int)g->cc_major;
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: return (int)g->cc_minor;
+    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR: return 233472;
+    case CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY: return 1;
+    case CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS: return 1;
+    case CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH: return 1;
+    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN: return 232448;
+    case CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: return 1;
+    case CU_DEVICE_ATTRIBUTE_MAX_BLOCKS_PER_MULTIPROCESSOR: return 32;
+    case CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED: return 1;
+    default:
+        /* Attributes we do not model read as 0 ("not supported"), which is
+         * what the driver reports for features a GPU lacks. */
+        *ok = a > 0 && a < CU_DEVICE_ATTRIBUTE_MAX;
+        return 0;
+    }
+}
+
+SIM_EXPORT CUresult cuDeviceGetAttribute(int *pi, CUdevice_attribute attrib, CUdevice dev)
+{
+    CUresult rc = sim_check_device(dev);
+    if (rc)
+        return rc;
+    if (!pi)
+        return CUDA_ERROR_INVALID_VALUE;
+    bool ok;
+    int v = attribute_value(&sim_cfg()->gpu[dev], attrib, &ok);
+    if (!ok)
+        return CUDA_ERROR_INVALID_VALUE;
+    *pi = v;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuDeviceComputeCapability(int *major, int *minor, CUdevice dev)
+{
+    CUresult rc = sim_check_device(dev);
+    if (rc)
+        return rc;
+    if (!major || !minor)
+        return CUDA_ERROR_INVALID_VALUE;
+    *major = (int)sim_cfg()->gpu[dev].cc_major;
+    *minor = (int)sim_cfg()->gpu[dev].cc_minor;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuDeviceGetPCIBusId(char *pciBusId, int len, CUdevice dev)
+{
+    CUresult rc = sim_check_device(dev);
+    if (rc)
+        return rc;
+    if (!pciBusId || len <= 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    const struct sim_gpu_config *g = &sim_cfg()->gpu[dev];
+    snprintf(pciBusId, (size_t)len, "%04x:%02x:%02x.0", g->pci_domain, g->pci_bus, g->pci_device);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuDeviceGetByPCIBusId(CUdevice *dev, const char *pciBusId)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    unsigned dom, bus, devno;
+    if (!dev || !pciBusId)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (sscanf(pciBusId, "%x:%x:%x", &dom, &bus, &devno) != 3) {
+        dom = 0;
+        if (sscanf(pciBusId, "%x:%x", &bus, &devno) != 2)
+            return CUDA_ERROR_INVALID_VALUE;
+    }
+    for (unsigned i = 0; i < sim_cfg()->gpu_count; i++) {
+        const struct sim_gpu_config *g = &sim_cfg()->gpu[i];
+        if (g->pci_domain == dom && g->pci_bus == bus && g->pci_device == devno) {
+            *dev = (CUdevice)i;
+            return CUDA_SUCCESS;
+        }
+    }
+    return CUDA_ERROR_INVALID_DEVICE;
+}
+
+SIM_EXPORT CUresult cuDeviceCanAccessPeer(int *canAccessPeer, CUdevice dev, CUdevice peerDev)
+{
+    CUresult rc = sim_check_device(dev);
+    if (!rc)
+        rc = sim_check_device(peerDev);
+    if (rc)
+        return rc;
+    if (!canAccessPeer)
+        return CUDA_ERROR_INVALID_VALUE;
+    *canAccessPeer = dev != peerDev && (sim_cfg()->gpu[dev].nvlink_peers >> peerDev) & 1u;
+    return CUDA_SUCCESS;
+}
+
+/* ---- contexts ------------------------------------------------------------------- */
+
+#define CTX_STACK_MAX 16
+static _Thread_local struct sim_ctx *ctx_stack[CTX_STACK_MAX];
+static _Thread_local int ctx_depth;
+
+struct sim_ctx *sim_current_ctx(void)
+{
+    return ctx_depth > 0 ? ctx_stack[ctx_depth - 1] : NULL;
+}
+
+bool sim_ctx_valid(const struct sim_ctx *ctx)
+{
+    return ctx && ctx->magic == MAGIC_CTX;
+}
+
+CUresult sim_require_ctx(struct sim_ctx **out)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    struct sim_ctx *ctx = sim_current_ctx();
+    if (!sim_ctx_valid(ctx))
+        return CUDA_ERROR_INVALID_CONTEXT;
+    *out = ctx;
+    return CUDA_SUCCESS;
+}
+
+void sim_ctx_note_end(struct sim_ctx *ctx, uint64_t end)
+{
+    uint64_t cur = atomic_load(&ctx->last_end);
+    while (cur < end && !atomic_compare_exchange_weak(&ctx->last_end, &cur, end)) {
+    }
+}
+
+static void mark_gpu_in_use(int dev)
+{
+    atomic_fetch_or(&sim_drv.shared.st->proc[sim_drv.shared.slot].gpu_mask, 1u << dev);
+}
+
+SIM_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
+{
+    CUresult rc = sim_check_device(dev);
+    if (rc)
+        return rc;
+    if (!pctx)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&sim_drv.lock);
+    sim_drv.primary_refs[dev]++;
+    pthread_mutex_unlock(&sim_drv.lock);
+    mark_gpu_in_use(dev);
+    *pctx = (CUcontext)&sim_drv.primary[dev];
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
+{
+    CUresult rc = sim_check_device(dev);
+    if (rc)
+        return rc;
+    pthread_mutex_lock(&sim_drv.lock);
+    if (sim_drv.primary_refs[dev] > 0)
+        sim_drv.primary_refs[dev]--;
+    else
+        rc = CUDA_ERROR_INVALID_CONTEXT;
+    pthread_mutex_unlock(&sim_drv.lock);
+    return rc;
+}
+
+SIM_EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev)
+{
+    CUresult rc = sim_check_device(dev);
+    if (rc)
+        return rc;
+    pthread_mutex_lock(&sim_drv.lock);
+    sim_drv.primary_refs[dev] = 0;
+    pthread_mutex_unlock(&sim_drv.lock);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags, int *active)
+{
+    CUresult rc = sim_check_device(dev);
+    if (rc)
+        return rc;
+    if (!flags || !active)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&sim_drv.lock);
+    *flags = sim_drv.primary[dev].flags;
+    *active = sim_drv.primary_refs[dev] > 0;
+    pthread_mutex_unlock(&sim_drv.lock);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuDevicePrimaryCtxSetFlags_v2(CUdevice dev, unsigned int flags)
+{
+    CUresult rc = sim_check_device(dev);
+    if (rc)
+        return rc;
+    if (flags & ~0xffu)
+        return CUDA_ERROR_INVALID_VALUE;
+    sim_drv.primary[dev].flags = flags;
+    return CUDA_SUCCESS;
+}
+
+static CUresult push_ctx(struct sim_ctx *ctx)
+{
+    if (ctx_depth >= CTX_STACK_MAX)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    ctx_stack[ctx_depth++] = ctx;
+    return CUDA_SUCCESS;
+}
+
+static CUresult create_ctx(CUcontext *pctx, unsigned int flags, CUdevice dev)
+{
+    CUresult rc = sim_check_device(dev);
+    if (rc)
+        return rc;
+    if (!pctx || (flags & ~0xffu))
+        return CUDA_ERROR_INVALID_VALUE;
+    struct sim_ctx *ctx = calloc(1, sizeof(*ctx));
+    if (!ctx)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    *ctx = (struct sim_ctx){.magic = MAGIC_CTX, .dev = dev, .flags = flags};
+    ctx->legacy = (struct sim_stream){.magic = MAGIC_STREAM, .ctx = ctx};
+    rc = push_ctx(ctx);
+    if (rc) {
+        free(ctx);
+        return rc;
+    }
+    mark_gpu_in_use(dev);
+    *pctx = (CUcontext)ctx;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev)
+{
+    return create_ctx(pctx, flags, dev);
+}
+
+SIM_EXPORT CUresult cuCtxCreate_v3(CUcontext *pctx, CUexecAffinityParam *paramsArray, int numParams,
+                                   unsigned int flags, CUdevice dev)
+{
+    if (numParams < 0 || (numParams > 0 && !paramsArray))
+        return CUDA_ERROR_INVALID_VALUE;
+    return create_ctx(pctx, flags, dev);
+}
+
+SIM_EXPORT CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *ctxCreateParams, unsigned int flags,
+                                   CUdevice dev)
+{
+    if (ctxCreateParams && ctxCreateParams->numExecAffinityParams < 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    return create_ctx(pctx, flags, dev);
+}
+
+SIM_EXPORT CUresult cuCtxDestroy_v2(CUcontext hctx)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    struct sim_ctx *ctx = (struct sim_ctx *)hctx;
+    if (!sim_ctx_valid(ctx) || ctx->primary)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    for (int i = 0; i < ctx_depth; i++) {
+        if (ctx_stack[i] == ctx) {
+            memmove(&ctx_stack[i], &ctx_stack[i + 1], (size_t)(ctx_depth - i - 1) * sizeof(ctx_stack[0]));
+            ctx_depth--;
+            i--;
+        }
+    }
+    ctx->magic = MAGIC_DEAD;
+    free(ctx);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuCtxPushCurrent_v2(CUcontext hctx)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (!sim_ctx_valid((struct sim_ctx *)hctx))
+        return CUDA_ERROR_INVALID_CONTEXT;
+    return push_ctx((struct sim_ctx *)hctx);
+}
+
+SIM_EXPORT CUresult cuCtxPopCurrent_v2(CUcontext *pctx)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (ctx_depth == 0)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    struct sim_ctx *ctx = ctx_stack[--ctx_depth];
+    if (pctx)
+        *pctx = (CUcontext)ctx;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuCtxSetCurrent(CUcontext hctx)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    struct sim_ctx *ctx = (struct sim_ctx *)hctx;
+    if (!ctx) {
+        if (ctx_depth > 0)
+            ctx_depth--;
+        return CUDA_SUCCESS;
+    }
+    if (!sim_ctx_valid(ctx))
+        return CUDA_ERROR_INVALID_CONTEXT;
+    if (ctx_depth == 0)
+        return push_ctx(ctx);
+    ctx_stack[ctx_depth - 1] = ctx;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuCtxGetCurrent(CUcontext *pctx)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (!pctx)
+        return CUDA_ERROR_INVALID_VALUE;
+    *pctx = (CUcontext)sim_current_ctx();
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuCtxGetDevice(CUdevice *device)
+{
+    struct sim_ctx *ctx;
+    CUresult rc = sim_require_ctx(&ctx);
+    if (rc)
+        return rc;
+    if (!device)
+        return CUDA_ERROR_INVALID_VALUE;
+    *device = ctx->dev;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuCtxSynchronize(void)
+{
+    struct sim_ctx *ctx;
+    CUresult rc = sim_require_ctx(&ctx);
+    if (rc)
+        return rc;
+    uint64_t end = atomic_load(&ctx->last_end);
+    if (end > sim_now_ns())
+        sim_sleep_until(end);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuCtxGetApiVersion(CUcontext hctx, unsigned int *version)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    struct sim_ctx *ctx = hctx ? (struct sim_ctx *)hctx : sim_current_ctx();
+    if (!sim_ctx_valid(ctx))
+        return CUDA_ERROR_INVALID_CONTEXT;
+    if (!version)
+        return CUDA_ERROR_INVALID_VALUE;
+    *version = 12050;
+    return CUDA_SUCCESS;
+}

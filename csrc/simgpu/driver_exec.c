@@ -1,0 +1,706 @@
+/* Simulated libcuda.so.1: modules, streams, events, kernel launches and
+ * graphs. A kernel takes device time on the shared timeline of its GPU
+ * (simstate.c): one kernel at a time per GPU across all processes. */
+#define _GNU_SOURCE
+#include <ctype.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "driver.h"
+
+/* ---- modules ------------------------------------------------------------------- */
+
+/* A kernel that reads %globaltimer and takes a u64 first parameter is the
+ * portable "spin for N ns" kernel: the simulation charges it N ns, which is
+ * what it does on a real GPU. Anything else costs default_kernel_ns. */
+static bool entry_is_timed(const char *params, const char *body_start, const char *body_end)
+{
+    const char *first = strstr(params, ".param");
+    if (!first || first > body_start)
+        return false;
+    first += strlen(".param");
+    while (isspace((unsigned char)*first))
+        first++;
+    if (strncmp(first, ".u64", 4) != 0 && strncmp(first, ".b64", 4) != 0 && strncmp(first, ".s64", 4) != 0)
+        return false;
+    const char *t = strstr(body_start, "%globaltimer");
+    return t && t < body_end;
+}
+
+/* Counts the entries of a PTX image and, when funcs is given, fills them. */
+static int parse_ptx(const char *ptx, struct sim_function *funcs, int cap)
+{
+    int n = 0;
+    for (const char *p = strstr(ptx, ".entry"); p; p = strstr(p + 6, ".entry")) {
+        if (p > ptx && !isspace((unsigned char)p[-1]))
+            continue;
+        const char *name = p + 6;
+        while (isspace((unsigned char)*name))
+            name++;
+        size_t len = 0;
+        while (isalnum((unsigned char)name[len]) || name[len] == '_' || name[len] == '$')
+            len++;
+        const char *body = strchr(name, '{');
+        if (len == 0 || !body)
+            return -1;
+        int depth = 0;
+        const char *end = body;
+        for (; *end; end++) {
+            depth += *end == '{' ? 1 : *end == '}' ? -1 : 0;
+            if (depth == 0)
+                break;
+        }
+        if (depth != 0)
+            return -1;
+        if (funcs && n < cap) {
+            struct sim_function *f = &funcs[n];
+            f->magic = MAGIC_FUNC;
+            f->timed = entry_is_timed(name + len, body, end);
+            snprintf(f->name, sizeof(f->name), "%.*s", (int)(len < sizeof(f->name) ? len : sizeof(f->name) - 1), name);
+        }
+        n++;
+    }
+    return n;
+}
+
+SIM_EXPORT CUresult cuModuleLoadData(CUmodule *module, const void *image)
+{
+    struct sim_ctx *ctx;
+    CUresult rc = sim_require_ctx(&ctx);
+    if (rc)
+        return rc;
+    if (!module || !image)
+        return CUDA_ERROR_INVALID_VALUE;
+    const char *ptx = image;
+    /* Only PTX text: machine code (ELF cubins, fatbins) cannot run on the
+     * simulated device, as sm_XX code cannot on a GPU of another arch. */
+    if (!strstr(ptx, ".version") || !strstr(ptx, ".target"))
+        return CUDA_ERROR_NO_BINARY_FOR_GPU;
+    int n = parse_ptx(ptx, NULL, 0);
+    if (n < 0)
+        return CUDA_ERROR_INVALID_PTX;
+    struct sim_module *m = calloc(1, sizeof(*m));
+    struct sim_function *funcs = calloc((size_t)(n ? n : 1), sizeof(*funcs));
+    if (!m || !funcs) {
+        free(m);
+        free(funcs);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    parse_ptx(ptx, funcs, n);
+    for (int i = 0; i < n; i++)
+        funcs[i].module = m;
+    *m = (struct sim_module){.magic = MAGIC_MODULE, .dev = ctx->dev, .nfunc = n, .funcs = funcs};
+    *module = (CUmodule)m;
+    return CUDA_SUCCESS;
+}
+
+static struct sim_module *module_of(CUmodule hmod)
+{
+    struct sim_module *m = (struct sim_module *)hmod;
+    return m && m->magic == MAGIC_MODULE ? m : NULL;
+}
+
+SIM_EXPORT CUresult cuModuleUnload(CUmodule hmod)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    struct sim_module *m = module_of(hmod);
+    if (!m)
+        return CUDA_ERROR_INVALID_HANDLE;
+    for (int i = 0; i < m->nfunc; i++)
+        m->funcs[i].magic = MAGIC_DEAD;
+    m->magic = MAGIC_DEAD;
+    free(m->funcs);
+    free(m);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuModuleGetFunction(CUfunction *hfunc, CUmodule hmod, const char *name)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    struct sim_module *m = module_of(hmod);
+    if (!m)
+        return CUDA_ERROR_INVALID_HANDLE;
+    if (!hfunc || !name)
+        return CUDA_ERROR_INVALID_VALUE;
+    for (int i = 0; i < m->nfunc; i++) {
+        if (strcmp(m->funcs[i].name, name) == 0) {
+            *hfunc = (CUfunction)&m->funcs[i];
+            return CUDA_SUCCESS;
+        }
+    }
+    return CUDA_ERROR_NOT_FOUND;
+}
+
+/* ---- streams ------------------------------------------------------------------- */
+
+#define PER_THREAD_SLOTS 8
+static _Thread_local struct sim_stream per_thread_stream[PER_THREAD_SLOTS];
+
+static struct sim_stream *per_thread_of(struct sim_ctx *ctx)
+{
+    for (int i = 0; i < PER_THREAD_SLOTS; i++) {
+        struct sim_stream *s = &per_thread_stream[i];
+        if (s->ctx == ctx && s->magic == MAGIC_STREAM)
+            return s;
+    }
+    for (int i = 0; i < PER_THREAD_SLOTS; i++) {
+        struct sim_stream *s = &per_thread_stream[i];
+        if (s->magic != MAGIC_STREAM || !sim_ctx_valid(s->ctx)) {
+            *s = (struct sim_stream){.magic = MAGIC_STREAM, .ctx = ctx};
+            return s;
+        }
+    }
+    /* More contexts than slots on one thread: share the legacy stream,
+     * which only costs concurrency the simulation does not have anyway. */
+    return &ctx->legacy;
+}
+
+CUresult sim_resolve_stream(CUstream h, bool per_thread, struct sim_stream **out)
+{
+    if (h == NULL || h == CU_STREAM_LEGACY || h == CU_STREAM_PER_THREAD) {
+        struct sim_ctx *ctx;
+        CUresult rc = sim_require_ctx(&ctx);
+        if (rc)
+            return rc;
+        bool pts = h == CU_STREAM_PER_THREAD || (h == NULL && per_thread);
+        *out = pts ? per_thread_of(ctx) : &ctx->legacy;
+        return CUDA_SUCCESS;
+    }
+    struct sim_stream *s = (struct sim_stream *)h;
+    if (s->magic != MAGIC_STREAM || !sim_ctx_valid(s->ctx))
+        return CUDA_ERROR_INVALID_HANDLE;
+    *out = s;
+    return CUDA_SUCCESS;
+}
+
+void sim_stream_run(struct sim_stream *s, uint64_t dur_ns)
+{
+    uint64_t end = sim_exec_reserve(&sim_drv.shared, s->ctx->dev, atomic_load(&s->tail), dur_ns);
+    atomic_store(&s->tail, end);
+    sim_ctx_note_end(s->ctx, end);
+}
+
+static CUresult stream_create(CUstream *phStream, unsigned int flags, int priority)
+{
+    struct sim_ctx *ctx;
+    CUresult rc = sim_require_ctx(&ctx);
+    if (rc)
+        return rc;
+    if (!phStream || (flags & ~(unsigned)CU_STREAM_NON_BLOCKING))
+        return CUDA_ERROR_INVALID_VALUE;
+    struct sim_stream *s = malloc(sizeof(*s));
+    if (!s)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    *s = (struct sim_stream){.magic = MAGIC_STREAM, .ctx = ctx, .flags = flags, .priority = priority};
+    *phStream = (CUstream)s;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuStreamCreate(CUstream *phStream, unsigned int Flags)
+{
+    return stream_create(phStream, Flags, 0);
+}
+
+SIM_EXPORT CUresult cuStreamCreateWithPriority(CUstream *phStream, unsigned int flags, int priority)
+{
+    return stream_create(phStream, flags, priority);
+}
+
+SIM_EXPORT CUresult cuStreamDestroy_v2(CUstream hStream)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (!hStream || hStream == CU_STREAM_LEGACY || hStream == CU_STREAM_PER_THREAD)
+        return CUDA_ERROR_INVALID_HANDLE;
+    struct sim_stream *s = (struct sim_stream *)hStream;
+    if (s->magic != MAGIC_STREAM || s == &s->ctx->legacy)
+        return CUDA_ERROR_INVALID_HANDLE;
+    s->magic = MAGIC_DEAD;
+    free(s);
+    return CUDA_SUCCESS;
+}
+
+static CUresult stream_sync(CUstream h, bool per_thread)
+{
+    CUresult rc = sim_check_init();
+    struct sim_stream *s;
+    if (rc || (rc = sim_resolve_stream(h, per_thread, &s)))
+        return rc;
+    uint64_t tail = atomic_load(&s->tail);
+    if (tail > sim_now_ns())
+        sim_sleep_until(tail);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuStreamSynchronize(CUstream hStream)
+{
+    return stream_sync(hStream, false);
+}
+
+SIM_EXPORT CUresult cuStreamSynchronize_ptsz(CUstream hStream)
+{
+    return stream_sync(hStream, true);
+}
+
+static CUresult stream_query(CUstream h, bool per_thread)
+{
+    CUresult rc = sim_check_init();
+    struct sim_stream *s;
+    if (rc || (rc = sim_resolve_stream(h, per_thread, &s)))
+        return rc;
+    return atomic_load(&s->tail) > sim_now_ns() ? CUDA_ERROR_NOT_READY : CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuStreamQuery(CUstream hStream)
+{
+    return stream_query(hStream, false);
+}
+
+SIM_EXPORT CUresult cuStreamQuery_ptsz(CUstream hStream)
+{
+    return stream_query(hStream, true);
+}
+
+/* ---- events -------------------------------------------------------------------- */
+
+static struct sim_event *event_of(CUevent h)
+{
+    struct sim_event *e = (struct sim_event *)h;
+    return e && e->magic == MAGIC_EVENT ? e : NULL;
+}
+
+static CUresult stream_wait_event(CUstream h, CUevent ev, unsigned int flags, bool per_thread)
+{
+    CUresult rc = sim_check_init();
+    struct sim_stream *s;
+    if (rc || (rc = sim_resolve_stream(h, per_thread, &s)))
+        return rc;
+    struct sim_event *e = event_of(ev);
+    if (!e)
+        return CUDA_ERROR_INVALID_HANDLE;
+    if (flags != 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    uint64_t when = atomic_load(&e->when), tail = atomic_load(&s->tail);
+    if (atomic_load(&e->recorded) && when > tail)
+        atomic_store(&s->tail, when);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int Flags)
+{
+    return stream_wait_event(hStream, hEvent, Flags, false);
+}
+
+SIM_EXPORT CUresult cuStreamWaitEvent_ptsz(CUstream hStream, CUevent hEvent, unsigned int Flags)
+{
+    return stream_wait_event(hStream, hEvent, Flags, true);
+}
+
+SIM_EXPORT CUresult cuEventCreate(CUevent *phEvent, unsigned int Flags)
+{
+    struct sim_ctx *ctx;
+    CUresult rc = sim_require_ctx(&ctx);
+    if (rc)
+        return rc;
+    if (!phEvent || (Flags & ~0x7u))
+        return CUDA_ERROR_INVALID_VALUE;
+    struct sim_event *e = calloc(1, sizeof(*e));
+    if (!e)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    e->magic = MAGIC_EVENT;
+    e->flags = Flags;
+    *phEvent = (CUevent)e;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuEventDestroy_v2(CUevent hEvent)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    struct sim_event *e = event_of(hEvent);
+    if (!e)
+        return CUDA_ERROR_INVALID_HANDLE;
+    e->magic = MAGIC_DEAD;
+    free(e);
+    return CUDA_SUCCESS;
+}
+
+static CUresult event_record(CUevent ev, CUstream h, bool per_thread)
+{
+    CUresult rc = sim_check_init();
+    struct sim_stream *s;
+    if (rc || (rc = sim_resolve_stream(h, per_thread, &s)))
+        return rc;
+    struct sim_event *e = event_of(ev);
+    if (!e)
+        return CUDA_ERROR_INVALID_HANDLE;
+    /* The event completes when the stream's queued work does, or now if
+     * the stream is idle: device time, as the GPU would stamp it. */
+    uint64_t now = sim_now_ns(), tail = atomic_load(&s->tail);
+    atomic_store(&e->when, tail > now ? tail : now);
+    atomic_store(&e->recorded, true);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuEventRecord(CUevent hEvent, CUstream hStream)
+{
+    return event_record(hEvent, hStream, false);
+}
+
+SIM_EXPORT CUresult cuEventRecord_ptsz(CUevent hEvent, CUstream hStream)
+{
+    return event_record(hEvent, hStream, true);
+}
+
+SIM_EXPORT CUresult cuEventQuery(CUevent hEvent)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    struct sim_event *e = event_of(hEvent);
+    if (!e)
+        return CUDA_ERROR_INVALID_HANDLE;
+    return atomic_load(&e->when) > sim_now_ns() ? CUDA_ERROR_NOT_READY : CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuEventSynchronize(CUevent hEvent)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    struct sim_event *e = event_of(hEvent);
+    if (!e)
+        return CUDA_ERROR_INVALID_HANDLE;
+    uint64_t when = atomic_load(&e->when);
+    if (when > sim_now_ns())
+        sim_sleep_until(when);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuEventElapsedTime_v2(float *pMilliseconds, CUevent hStart, CUevent hEnd)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    struct sim_event *a = event_of(hStart), *b = event_of(hEnd);
+    if (!pMilliseconds)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!a || !b || !atomic_load(&a->recorded) || !atomic_load(&b->recorded) ||
+        ((a->flags | b->flags) & CU_EVENT_DISABLE_TIMING))
+        return CUDA_ERROR_INVALID_HANDLE;
+    uint64_t now = sim_now_ns(), ta = atomic_load(&a->when), tb = atomic_load(&b->when);
+    if (ta > now || tb > now)
+        return CUDA_ERROR_NOT_READY;
+    *pMilliseconds = (float)(((double)tb - (double)ta) / 1e6);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuEventElapsedTime(float *pMilliseconds, CUevent hStart, CUevent hEnd)
+{
+    return cuEventElapsedTime_v2(pMilliseconds, hStart, hEnd);
+}
+
+/* ---- launches -------------------------------------------------------------------- */
+
+struct launch_shape {
+    unsigned grid[3], block[3];
+    bool cooperative;
+};
+
+static struct sim_function *function_of(CUfunction f)
+{
+    struct sim_function *fn = (struct sim_function *)f;
+    return fn && fn->magic == MAGIC_FUNC ? fn : NULL;
+}
+
+/* Device time of one launch: the first parameter of a timed kernel. */
+static uint64_t kernel_ns(const struct sim_function *fn, void **params, void **extra)
+{
+    if (fn->timed) {
+        if (params && params[0])
+            return *(const uint64_t *)params[0];
+        for (int i = 0; extra && extra[i] != CU_LAUNCH_PARAM_END && i < 16; i += 2) {
+            if (extra[i] == CU_LAUNCH_PARAM_BUFFER_POINTER && extra[i + 1])
+                return *(const uint64_t *)extra[i + 1];
+        }
+    }
+    return sim_cfg()->default_kernel_ns;
+}
+
+static CUresult check_shape(const struct sim_function *fn, const struct launch_shape *sh, int dev)
+{
+    for (int i = 0; i < 3; i++) {
+        if (sh->grid[i] == 0 || sh->block[i] == 0)
+            return CUDA_ERROR_INVALID_VALUE;
+    }
+    if ((uint64_t)sh->block[0] * sh->block[1] * sh->block[2] > 1024)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (fn->module->dev != dev)
+        return CUDA_ERROR_INVALID_HANDLE;
+    if (sh->cooperative) {
+        /* Every block of a cooperative grid must be resident at once. */
+        uint64_t blocks = (uint64_t)sh->grid[0] * sh->grid[1] * sh->grid[2];
+        if (blocks > (uint64_t)sim_cfg()->gpu[dev].sm_count * 32)
+            return CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE;
+    }
+    return CUDA_SUCCESS;
+}
+
+static CUresult launch(CUfunction f, const struct launch_shape *sh, CUstream h, bool per_thread, void **params,
+                       void **extra)
+{
+    CUresult rc = sim_check_init();
+    struct sim_stream *s;
+    if (rc || (rc = sim_resolve_stream(h, per_thread, &s)))
+        return rc;
+    struct sim_function *fn = function_of(f);
+    if (!fn)
+        return CUDA_ERROR_INVALID_HANDLE;
+    if (params && extra)
+        return CUDA_ERROR_INVALID_VALUE;
+    if ((rc = check_shape(fn, sh, s->ctx->dev)))
+        return rc;
+    sim_stream_run(s, kernel_ns(fn, params, extra));
+    return CUDA_SUCCESS;
+}
+
+#define SHAPE(coop)                                                                                            \
+    (struct launch_shape)                                                                                      \
+    {                                                                                                          \
+        .grid = {gridDimX, gridDimY, gridDimZ}, .block = {blockDimX, blockDimY, blockDimZ}, .cooperative = coop \
+    }
+
+SIM_EXPORT CUresult cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ,
+                                   unsigned int blockDimX, unsigned int blockDimY, unsigned int blockDimZ,
+                                   unsigned int sharedMemBytes, CUstream hStream, void **kernelParams, void **extra)
+{
+    (void)sharedMemBytes;
+    return launch(f, &SHAPE(false), hStream, false, kernelParams, extra);
+}
+
+SIM_EXPORT CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
+                                        unsigned int gridDimZ, unsigned int blockDimX, unsigned int blockDimY,
+                                        unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,
+                                        void **kernelParams, void **extra)
+{
+    (void)sharedMemBytes;
+    return launch(f, &SHAPE(false), hStream, true, kernelParams, extra);
+}
+
+SIM_EXPORT CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
+                                              unsigned int gridDimZ, unsigned int blockDimX, unsigned int blockDimY,
+                                              unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,
+                                              void **kernelParams)
+{
+    (void)sharedMemBytes;
+    return launch(f, &SHAPE(true), hStream, false, kernelParams, NULL);
+}
+
+SIM_EXPORT CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
+                                                   unsigned int gridDimZ, unsigned int blockDimX,
+                                                   unsigned int blockDimY, unsigned int blockDimZ,
+                                                   unsigned int sharedMemBytes, CUstream hStream, void **kernelParams)
+{
+    (void)sharedMemBytes;
+    return launch(f, &SHAPE(true), hStream, true, kernelParams, NULL);
+}
+
+static CUresult launch_ex(const CUlaunchConfig *c, CUfunction f, void **params, void **extra, bool per_thread)
+{
+    if (!c || (c->numAttrs && !c->attrs))
+        return CUDA_ERROR_INVALID_VALUE;
+    struct launch_shape sh = {.grid = {c->gridDimX, c->gridDimY, c->gridDimZ},
+                              .block = {c->blockDimX, c->blockDimY, c->blockDimZ}};
+    for (unsigned i = 0; i < c->numAttrs; i++) {
+        if (c->attrs[i].id == CU_LAUNCH_ATTRIBUTE_COOPERATIVE)
+            sh.cooperative = c->attrs[i].value.cooperative != 0;
+    }
+    return launch(f, &sh, c->hStream, per_thread, params, extra);
+}
+
+SIM_EXPORT CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra)
+{
+    return launch_ex(config, f, kernelParams, extra, false);
+}
+
+SIM_EXPORT CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f, void **kernelParams,
+                                          void **extra)
+{
+    return launch_ex(config, f, kernelParams, extra, true);
+}
+
+/* ---- graphs ---------------------------------------------------------------------- */
+
+struct sim_graph {
+    uint32_t magic;
+    int dev;
+    size_t nodes, cap;
+    uint64_t *node_ns;            /* device time of each kernel node */
+};
+
+struct sim_graph_exec {
+    uint32_t magic;
+    int dev;
+    uint64_t total_ns;
+};
+
+static struct sim_graph *graph_of(CUgraph h)
+{
+    struct sim_graph *g = (struct sim_graph *)h;
+    return g && g->magic == MAGIC_GRAPH ? g : NULL;
+}
+
+SIM_EXPORT CUresult cuGraphCreate(CUgraph *phGraph, unsigned int flags)
+{
+    struct sim_ctx *ctx;
+    CUresult rc = sim_require_ctx(&ctx);
+    if (rc)
+        return rc;
+    if (!phGraph || flags != 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct sim_graph *g = calloc(1, sizeof(*g));
+    if (!g)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    g->magic = MAGIC_GRAPH;
+    g->dev = ctx->dev;
+    *phGraph = (CUgraph)g;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuGraphDestroy(CUgraph hGraph)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    struct sim_graph *g = graph_of(hGraph);
+    if (!g)
+        return CUDA_ERROR_INVALID_VALUE;
+    g->magic = MAGIC_DEAD;
+    free(g->node_ns);
+    free(g);
+    return CUDA_SUCCESS;
+}
+
+/* Kernel parameters are captured when the node is added, as the driver does. */
+static CUresult add_kernel_node(CUgraphNode *phNode, CUgraph hGraph, size_t numDependencies, const void *deps,
+                                CUfunction func, const struct launch_shape *sh, void **params, void **extra)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    struct sim_graph *g = graph_of(hGraph);
+    struct sim_function *fn = function_of(func);
+    if (!g || !phNode || (numDependencies && !deps))
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!fn)
+        return CUDA_ERROR_INVALID_HANDLE;
+    if ((rc = check_shape(fn, sh, g->dev)))
+        return rc;
+    if (g->nodes == g->cap) {
+        size_t cap = g->cap ? g->cap * 2 : 8;
+        uint64_t *grown = realloc(g->node_ns, cap * sizeof(*grown));
+        if (!grown)
+            return CUDA_ERROR_OUT_OF_MEMORY;
+        g->node_ns = grown;
+        g->cap = cap;
+    }
+    g->node_ns[g->nodes] = kernel_ns(fn, params, extra);
+    /* A node handle encodes graph and index without another allocation. */
+    *phNode = (CUgraphNode)(uintptr_t)(g->nodes + 1);
+    g->nodes++;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuGraphAddKernelNode(CUgraphNode *phGraphNode, CUgraph hGraph, const CUgraphNode *dependencies,
+                                         size_t numDependencies, const CUDA_KERNEL_NODE_PARAMS_v1 *p)
+{
+    if (!p)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct launch_shape sh = {.grid = {p->gridDimX, p->gridDimY, p->gridDimZ},
+                              .block = {p->blockDimX, p->blockDimY, p->blockDimZ}};
+    return add_kernel_node(phGraphNode, hGraph, numDependencies, dependencies, p->func, &sh, p->kernelParams,
+                           p->extra);
+}
+
+SIM_EXPORT CUresult cuGraphAddKernelNode_v2(CUgraphNode *phGraphNode, CUgraph hGraph,
+                                            const CUgraphNode *dependencies, size_t numDependencies,
+                                            const CUDA_KERNEL_NODE_PARAMS *p)
+{
+    if (!p)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct launch_shape sh = {.grid = {p->gridDimX, p->gridDimY, p->gridDimZ},
+                              .block = {p->blockDimX, p->blockDimY, p->blockDimZ}};
+    return add_kernel_node(phGraphNode, hGraph, numDependencies, dependencies, p->func, &sh, p->kernelParams,
+                           p->extra);
+}
+
+SIM_EXPORT CUresult cuGraphInstantiateWithFlags(CUgraphExec *phGraphExec, CUgraph hGraph, unsigned long long flags)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    struct sim_graph *g = graph_of(hGraph);
+    if (!g || !phGraphExec || (flags & ~0xfULL))
+        return CUDA_ERROR_INVALID_VALUE;
+    struct sim_graph_exec *x = malloc(sizeof(*x));
+    if (!x)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    *x = (struct sim_graph_exec){.magic = MAGIC_GRAPH_EXEC, .dev = g->dev};
+    for (size_t i = 0; i < g->nodes; i++)
+        x->total_ns += g->node_ns[i];
+    *phGraphExec = (CUgraphExec)x;
+    return CUDA_SUCCESS;
+}
+
+static struct sim_graph_exec *exec_of(CUgraphExec h)
+{
+    struct sim_graph_exec *x = (struct sim_graph_exec *)h;
+    return x && x->magic == MAGIC_GRAPH_EXEC ? x : NULL;
+}
+
+SIM_EXPORT CUresult cuGraphExecDestroy(CUgraphExec hGraphExec)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    struct sim_graph_exec *x = exec_of(hGraphExec);
+    if (!x)
+        return CUDA_ERROR_INVALID_VALUE;
+    x->magic = MAGIC_DEAD;
+    free(x);
+    return CUDA_SUCCESS;
+}
+
+static CUresult graph_launch(CUgraphExec hGraphExec, CUstream h, bool per_thread)
+{
+    CUresult rc = sim_check_init();
+    struct sim_stream *s;
+    if (rc || (rc = sim_resolve_stream(h, per_thread, &s)))
+        return rc;
+    struct sim_graph_exec *x = exec_of(hGraphExec);
+    if (!x)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (x->dev != s->ctx->dev)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    /* The nodes run back to back on one device: one stretch of device time. */
+    if (x->total_ns)
+        sim_stream_run(s, x->total_ns);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream)
+{
+    return graph_launch(hGraphExec, hStream, false);
+}
+
+SIM_EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream)
+{
+    return graph_launch(hGraphExec, hStream, true);
+}

@@ -1,0 +1,602 @@
+/* Simulated libcuda.so.1: device memory. Every byte an allocation holds is
+ * charged to the shared GPU state, so memory runs out across processes and
+ * is returned when a process dies (simstate.c reaps its slot). */
+#define _GNU_SOURCE
+#include <stdlib.h>
+#include <string.h>
+
+#include "driver.h"
+
+#define VMM_GRANULARITY (2ULL << 20)
+#define PITCH_ALIGN 512
+#define TABLE_BUCKETS (sizeof(sim_drv.allocs) / sizeof(sim_drv.allocs[0]))
+
+enum alloc_kind { ALLOC_MEMORY, ALLOC_RESERVED, ALLOC_MAPPED };
+
+struct sim_memhandle {
+    uint32_t magic;
+    int dev;                      /* -1: host memory, charged to no GPU */
+    uint64_t size;
+    int mappings;
+    bool released;
+};
+
+struct sim_array {
+    uint32_t magic;
+    int dev;
+    uint64_t size;
+};
+
+struct alloc_entry {
+    struct alloc_entry *next;
+    CUdeviceptr ptr;
+    uint64_t size;
+    int dev;
+    enum alloc_kind kind;
+    struct sim_memhandle *handle; /* ALLOC_MAPPED */
+};
+
+static size_t bucket_of(CUdeviceptr p)
+{
+    return (size_t)((p >> 9) * 0x9E3779B97F4A7C15ULL >> 52) % TABLE_BUCKETS;
+}
+
+void sim_forget_allocations(void)
+{
+    for (size_t b = 0; b < TABLE_BUCKETS; b++) {
+        for (struct alloc_entry *e = sim_drv.allocs[b], *next; e; e = next) {
+            next = e->next;
+            free(e);
+        }
+        sim_drv.allocs[b] = NULL;
+    }
+}
+
+/* Caller holds sim_drv.lock. */
+static CUdeviceptr take_va(int dev, uint64_t size, uint64_t align)
+{
+    uint64_t a = align > PITCH_ALIGN ? align : PITCH_ALIGN;
+    uint64_t p = (sim_drv.next_va[dev] + a - 1) & ~(a - 1);
+    sim_drv.next_va[dev] = p + (size ? size : 1);
+    return (CUdeviceptr)p;
+}
+
+static void table_link(struct alloc_entry *e)
+{
+    size_t b = bucket_of(e->ptr);
+    e->next = sim_drv.allocs[b];
+    sim_drv.allocs[b] = e;
+}
+
+static CUresult table_insert(CUdeviceptr ptr, uint64_t size, int dev, enum alloc_kind kind,
+                             struct sim_memhandle *handle)
+{
+    struct alloc_entry *e = malloc(sizeof(*e));
+    if (!e)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    *e = (struct alloc_entry){.ptr = ptr, .size = size, .dev = dev, .kind = kind, .handle = handle};
+    table_link(e);
+    return CUDA_SUCCESS;
+}
+
+/* Unlinks and returns the entry starting at ptr of the given kind, or NULL.
+ * Caller holds sim_drv.lock and frees the entry. */
+static struct alloc_entry *table_remove(CUdeviceptr ptr, enum alloc_kind kind)
+{
+    for (struct alloc_entry **pp = &sim_drv.allocs[bucket_of(ptr)]; *pp; pp = &(*pp)->next) {
+        if ((*pp)->ptr == ptr && (*pp)->kind == kind) {
+            struct alloc_entry *e = *pp;
+            *pp = e->next;
+            return e;
+        }
+    }
+    return NULL;
+}
+
+/* Charges `size` to `dev` and records a device allocation. */
+static CUresult alloc_device(CUdeviceptr *dptr, uint64_t size, int dev)
+{
+    if (!dptr || size == 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!sim_mem_charge(&sim_drv.shared, dev, size))
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    pthread_mutex_lock(&sim_drv.lock);
+    CUdeviceptr p = take_va(dev, size, 0);
+    CUresult rc = table_insert(p, size, dev, ALLOC_MEMORY, NULL);
+    pthread_mutex_unlock(&sim_drv.lock);
+    if (rc) {
+        sim_mem_release(&sim_drv.shared, dev, size);
+        return rc;
+    }
+    *dptr = p;
+    return CUDA_SUCCESS;
+}
+
+static CUresult free_device(CUdeviceptr dptr)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    pthread_mutex_lock(&sim_drv.lock);
+    struct alloc_entry *e = table_remove(dptr, ALLOC_MEMORY);
+    pthread_mutex_unlock(&sim_drv.lock);
+    if (!e)
+        return CUDA_ERROR_INVALID_VALUE;
+    sim_mem_release(&sim_drv.shared, e->dev, e->size);
+    free(e);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total)
+{
+    struct sim_ctx *ctx;
+    CUresult rc = sim_require_ctx(&ctx);
+    if (rc)
+        return rc;
+    if (!free_bytes || !total)
+        return CUDA_ERROR_INVALID_VALUE;
+    /* A dead process's memory is free at once on a real GPU. */
+    sim_reap_dead(&sim_drv.shared);
+    uint64_t cap = sim_cfg()->gpu[ctx->dev].total_mem;
+    uint64_t used = atomic_load(&sim_drv.shared.st->gpu[ctx->dev].used);
+    *total = (size_t)cap;
+    *free_bytes = (size_t)(used < cap ? cap - used : 0);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
+{
+    struct sim_ctx *ctx;
+    CUresult rc = sim_require_ctx(&ctx);
+    return rc ? rc : alloc_device(dptr, bytesize, ctx->dev);
+}
+
+SIM_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes, size_t Height,
+                                       unsigned int ElementSizeBytes)
+{
+    struct sim_ctx *ctx;
+    CUresult rc = sim_require_ctx(&ctx);
+    if (rc)
+        return rc;
+    if (!pPitch || WidthInBytes == 0 || Height == 0 ||
+        (ElementSizeBytes != 4 && ElementSizeBytes != 8 && ElementSizeBytes != 16))
+        return CUDA_ERROR_INVALID_VALUE;
+    uint64_t pitch = ((uint64_t)WidthInBytes + PITCH_ALIGN - 1) / PITCH_ALIGN * PITCH_ALIGN;
+    if (Height > UINT64_MAX / pitch)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    rc = alloc_device(dptr, pitch * Height, ctx->dev);
+    if (rc == CUDA_SUCCESS)
+        *pPitch = (size_t)pitch;
+    return rc;
+}
+
+SIM_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr)
+{
+    return free_device(dptr);
+}
+
+SIM_EXPORT CUresult cuMemGetAddressRange_v2(CUdeviceptr *pbase, size_t *psize, CUdeviceptr dptr)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    rc = CUDA_ERROR_NOT_FOUND;
+    pthread_mutex_lock(&sim_drv.lock);
+    for (size_t b = 0; b < TABLE_BUCKETS && rc; b++) {
+        for (struct alloc_entry *e = sim_drv.allocs[b]; e; e = e->next) {
+            if (e->kind != ALLOC_RESERVED && dptr >= e->ptr && dptr < e->ptr + e->size) {
+                if (pbase)
+                    *pbase = e->ptr;
+                if (psize)
+                    *psize = (size_t)e->size;
+                rc = CUDA_SUCCESS;
+                break;
+            }
+        }
+    }
+    pthread_mutex_unlock(&sim_drv.lock);
+    return rc;
+}
+
+SIM_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags)
+{
+    struct sim_ctx *ctx;
+    CUresult rc = sim_require_ctx(&ctx);
+    if (rc)
+        return rc;
+    if (flags != CU_MEM_ATTACH_GLOBAL && flags != CU_MEM_ATTACH_HOST)
+        return CUDA_ERROR_INVALID_VALUE;
+    /* Charged in full on the current GPU: the simulation does not migrate
+     * pages, so managed memory behaves as if resident. */
+    return alloc_device(dptr, bytesize, ctx->dev);
+}
+
+static CUresult alloc_async(CUdeviceptr *dptr, size_t bytesize, CUstream hStream, bool per_thread)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    struct sim_stream *s;
+    rc = sim_resolve_stream(hStream, per_thread, &s);
+    return rc ? rc : alloc_device(dptr, bytesize, s->ctx->dev);
+}
+
+SIM_EXPORT CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
+{
+    return alloc_async(dptr, bytesize, hStream, false);
+}
+
+SIM_EXPORT CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
+{
+    return alloc_async(dptr, bytesize, hStream, true);
+}
+
+static CUresult free_async(CUdeviceptr dptr, CUstream hStream, bool per_thread)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    struct sim_stream *s;
+    rc = sim_resolve_stream(hStream, per_thread, &s);
+    /* Returned at once rather than when the stream reaches the free: the
+     * simulation never touches the memory, only its accounting. */
+    return rc ? rc : free_device(dptr);
+}
+
+SIM_EXPORT CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream)
+{
+    return free_async(dptr, hStream, false);
+}
+
+SIM_EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream)
+{
+    return free_async(dptr, hStream, true);
+}
+
+static CUresult pool_alloc(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream,
+                           bool per_thread)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    struct sim_pool *p = (struct sim_pool *)pool;
+    if (!p || p->magic != MAGIC_POOL)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct sim_stream *s;
+    rc = sim_resolve_stream(hStream, per_thread, &s);
+    return rc ? rc : alloc_device(dptr, bytesize, p->dev);
+}
+
+SIM_EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
+                                            CUstream hStream)
+{
+    return pool_alloc(dptr, bytesize, pool, hStream, false);
+}
+
+SIM_EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
+                                                 CUstream hStream)
+{
+    return pool_alloc(dptr, bytesize, pool, hStream, true);
+}
+
+SIM_EXPORT CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool_out, CUdevice dev)
+{
+    CUresult rc = sim_check_device(dev);
+    if (rc)
+        return rc;
+    if (!pool_out)
+        return CUDA_ERROR_INVALID_VALUE;
+    *pool_out = (CUmemoryPool)&sim_drv.default_pool[dev];
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *poolProps)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (!pool || !poolProps || poolProps->allocType != CU_MEM_ALLOCATION_TYPE_PINNED ||
+        poolProps->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
+        return CUDA_ERROR_INVALID_VALUE;
+    rc = sim_check_device(poolProps->location.id);
+    if (rc)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct sim_pool *p = malloc(sizeof(*p));
+    if (!p)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    *p = (struct sim_pool){.magic = MAGIC_POOL, .dev = poolProps->location.id};
+    *pool = (CUmemoryPool)p;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    struct sim_pool *p = (struct sim_pool *)pool;
+    if (!p || p->magic != MAGIC_POOL)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (p >= sim_drv.default_pool && p < sim_drv.default_pool + SIM_MAX_GPUS)
+        return CUDA_ERROR_INVALID_VALUE;
+    p->magic = MAGIC_DEAD;
+    free(p);
+    return CUDA_SUCCESS;
+}
+
+/* ---- virtual memory management -------------------------------------------- */
+
+SIM_EXPORT CUresult cuMemGetAllocationGranularity(size_t *granularity, const CUmemAllocationProp *prop,
+                                                  CUmemAllocationGranularity_flags option)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (!granularity || !prop || (option != CU_MEM_ALLOC_GRANULARITY_MINIMUM &&
+                                  option != CU_MEM_ALLOC_GRANULARITY_RECOMMENDED))
+        return CUDA_ERROR_INVALID_VALUE;
+    *granularity = (size_t)VMM_GRANULARITY;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
+                                unsigned long long flags)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (!handle || !prop || flags != 0 || size == 0 || size % VMM_GRANULARITY ||
+        prop->type != CU_MEM_ALLOCATION_TYPE_PINNED)
+        return CUDA_ERROR_INVALID_VALUE;
+    int dev = -1;
+    switch (prop->location.type) {
+    case CU_MEM_LOCATION_TYPE_DEVICE:
+        if (sim_check_device(prop->location.id))
+            return CUDA_ERROR_INVALID_DEVICE;
+        dev = prop->location.id;
+        break;
+    case CU_MEM_LOCATION_TYPE_HOST:
+    case CU_MEM_LOCATION_TYPE_HOST_NUMA:
+    case CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT:
+        break; /* host memory: no device memory is used */
+    default:
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    struct sim_memhandle *h = malloc(sizeof(*h));
+    if (!h)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    if (dev >= 0 && !sim_mem_charge(&sim_drv.shared, dev, size)) {
+        free(h);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    *h = (struct sim_memhandle){.magic = MAGIC_MEMHANDLE, .dev = dev, .size = size};
+    *handle = (CUmemGenericAllocationHandle)(uintptr_t)h;
+    return CUDA_SUCCESS;
+}
+
+/* Caller holds sim_drv.lock. Physical memory goes back once the handle is
+ * released and no mapping uses it, as in the real driver. */
+static void memhandle_maybe_free(struct sim_memhandle *h)
+{
+    if (!h->released || h->mappings > 0)
+        return;
+    if (h->dev >= 0)
+        sim_mem_release(&sim_drv.shared, h->dev, h->size);
+    h->magic = MAGIC_DEAD;
+    free(h);
+}
+
+static struct sim_memhandle *memhandle_of(CUmemGenericAllocationHandle handle)
+{
+    struct sim_memhandle *h = (struct sim_memhandle *)(uintptr_t)handle;
+    return h && h->magic == MAGIC_MEMHANDLE && !h->released ? h : NULL;
+}
+
+SIM_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    pthread_mutex_lock(&sim_drv.lock);
+    struct sim_memhandle *h = memhandle_of(handle);
+    if (h) {
+        h->released = true;
+        memhandle_maybe_free(h);
+    }
+    pthread_mutex_unlock(&sim_drv.lock);
+    return h ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+SIM_EXPORT CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CUdeviceptr addr,
+                                        unsigned long long flags)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    (void)addr; /* a hint; the simulation always picks the address */
+    if (!ptr || size == 0 || size % VMM_GRANULARITY || flags != 0 || (alignment & (alignment - 1)))
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&sim_drv.lock);
+    /* Reservations live above every GPU's allocation range. */
+    CUdeviceptr p = take_va(SIM_MAX_GPUS - 1, size, alignment > VMM_GRANULARITY ? alignment : VMM_GRANULARITY);
+    rc = table_insert(p, size, -1, ALLOC_RESERVED, NULL);
+    pthread_mutex_unlock(&sim_drv.lock);
+    if (rc == CUDA_SUCCESS)
+        *ptr = p;
+    return rc;
+}
+
+SIM_EXPORT CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    pthread_mutex_lock(&sim_drv.lock);
+    struct alloc_entry *e = table_remove(ptr, ALLOC_RESERVED);
+    if (e && e->size != size) {
+        table_link(e); /* the whole reservation must be freed at once */
+        e = NULL;
+    }
+    pthread_mutex_unlock(&sim_drv.lock);
+    rc = e ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    free(e);
+    return rc;
+}
+
+SIM_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
+                             unsigned long long flags)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (size == 0 || flags != 0 || offset != 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&sim_drv.lock);
+    struct sim_memhandle *h = memhandle_of(handle);
+    if (!h || size > h->size) {
+        rc = CUDA_ERROR_INVALID_VALUE;
+    } else if ((rc = table_insert(ptr, size, h->dev, ALLOC_MAPPED, h)) == CUDA_SUCCESS) {
+        h->mappings++;
+    }
+    pthread_mutex_unlock(&sim_drv.lock);
+    return rc;
+}
+
+SIM_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    pthread_mutex_lock(&sim_drv.lock);
+    struct alloc_entry *e = table_remove(ptr, ALLOC_MAPPED);
+    if (e) {
+        (void)size;
+        e->handle->mappings--;
+        memhandle_maybe_free(e->handle);
+    }
+    pthread_mutex_unlock(&sim_drv.lock);
+    rc = e ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    free(e);
+    return rc;
+}
+
+SIM_EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (!desc || count == 0 || size == 0 || ptr == 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    for (size_t i = 0; i < count; i++) {
+        if (desc[i].location.type != CU_MEM_LOCATION_TYPE_DEVICE || sim_check_device(desc[i].location.id))
+            return CUDA_ERROR_INVALID_DEVICE;
+    }
+    return CUDA_SUCCESS;
+}
+
+/* ---- arrays ----------------------------------------------------------------- */
+
+static uint64_t format_bytes(CUarray_format f)
+{
+    switch (f) {
+    case CU_AD_FORMAT_UNSIGNED_INT8:
+    case CU_AD_FORMAT_SIGNED_INT8: return 1;
+    case CU_AD_FORMAT_UNSIGNED_INT16:
+    case CU_AD_FORMAT_SIGNED_INT16:
+    case CU_AD_FORMAT_HALF: return 2;
+    case CU_AD_FORMAT_UNSIGNED_INT32:
+    case CU_AD_FORMAT_SIGNED_INT32:
+    case CU_AD_FORMAT_FLOAT: return 4;
+    default: return 0;
+    }
+}
+
+/* Bytes of a W x H x D array level, 0 if the description is invalid. */
+static uint64_t array_bytes(size_t w, size_t h, size_t d, CUarray_format f, unsigned channels)
+{
+    uint64_t elem = format_bytes(f);
+    if (!elem || w == 0 || (channels != 1 && channels != 2 && channels != 4))
+        return 0;
+    uint64_t n = (uint64_t)w * (h ? h : 1);
+    if (d && n > UINT64_MAX / d)
+        return 0;
+    n *= d ? d : 1;
+    return n > UINT64_MAX / (elem * channels) ? 0 : n * elem * channels;
+}
+
+static CUresult create_array(void **out, uint64_t bytes)
+{
+    struct sim_ctx *ctx;
+    CUresult rc = sim_require_ctx(&ctx);
+    if (rc)
+        return rc;
+    if (!out || bytes == 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct sim_array *a = malloc(sizeof(*a));
+    if (!a)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    if (!sim_mem_charge(&sim_drv.shared, ctx->dev, bytes)) {
+        free(a);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    *a = (struct sim_array){.magic = MAGIC_ARRAY, .dev = ctx->dev, .size = bytes};
+    *out = a;
+    return CUDA_SUCCESS;
+}
+
+static CUresult destroy_array(void *handle)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    struct sim_array *a = handle;
+    if (!a || a->magic != MAGIC_ARRAY)
+        return CUDA_ERROR_INVALID_HANDLE;
+    sim_mem_release(&sim_drv.shared, a->dev, a->size);
+    a->magic = MAGIC_DEAD;
+    free(a);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuArrayCreate_v2(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR *d)
+{
+    if (!pHandle || !d)
+        return CUDA_ERROR_INVALID_VALUE;
+    return create_array((void **)pHandle, array_bytes(d->Width, d->Height, 0, d->Format, d->NumChannels));
+}
+
+SIM_EXPORT CUresult cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *d)
+{
+    if (!pHandle || !d)
+        return CUDA_ERROR_INVALID_VALUE;
+    return create_array((void **)pHandle, array_bytes(d->Width, d->Height, d->Depth, d->Format, d->NumChannels));
+}
+
+SIM_EXPORT CUresult cuArrayDestroy(CUarray hArray)
+{
+    return destroy_array(hArray);
+}
+
+SIM_EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *d,
+                                           unsigned int numMipmapLevels)
+{
+    if (!pHandle || !d || numMipmapLevels == 0 || numMipmapLevels > 32)
+        return CUDA_ERROR_INVALID_VALUE;
+    uint64_t total = 0;
+    size_t w = d->Width, h = d->Height, z = d->Depth;
+    for (unsigned l = 0; l < numMipmapLevels; l++) {
+        uint64_t level = array_bytes(w, h, z, d->Format, d->NumChannels);
+        if (!level || total > UINT64_MAX - level)
+            return CUDA_ERROR_INVALID_VALUE;
+        total += level;
+        w = w > 1 ? w / 2 : 1;
+        h = h > 1 ? h / 2 : h;
+        z = z > 1 ? z / 2 : z;
+    }
+    return create_array((void **)pHandle, total);
+}
+
+SIM_EXPORT CUresult cuMipmappedArrayDestroy(CUmipmappedArray hMipmappedArray)
+{
+    return destroy_array(hMipmappedArray);
+}

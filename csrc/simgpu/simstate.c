@@ -1,0 +1,330 @@
+/* The shared state file of the simulated GPUs: creation, process slots,
+ * memory charging, the device timeline. See simstate.h for the contract. */
+#define _GNU_SOURCE
+#include "simstate.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+uint64_t sim_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+void sim_sleep_until(uint64_t t_ns)
+{
+    struct timespec ts = {.tv_sec = (time_t)(t_ns / 1000000000ULL), .tv_nsec = (long)(t_ns % 1000000000ULL)};
+    while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR) {
+    }
+}
+
+static uint64_t fnv1a(const void *data, size_t len)
+{
+    const unsigned char *p = data;
+    uint64_t h = 1469598103934665603ULL;
+    for (size_t i = 0; i < len; i++) {
+        h ^= p[i];
+        h *= 1099511628211ULL;
+    }
+    return h;
+}
+
+/* A byte-range lock on the open file description, not the process: closing
+ * another descriptor of the file does not drop it, and the kernel drops it
+ * when the process dies. */
+static int slot_lock(int fd, int slot, short type)
+{
+    struct flock fl = {.l_type = type, .l_whence = SEEK_SET, .l_start = SIM_SLOT_LOCK_OFFSET(slot), .l_len = 1};
+    return fcntl(fd, F_OFD_SETLK, &fl);
+}
+
+static int create_state(const char *path, const struct sim_config *cfg, uint64_t hash, char *err, size_t errlen)
+{
+    char tmp[4096];
+    if (snprintf(tmp, sizeof(tmp), "%s.tmp.%d", path, (int)getpid()) >= (int)sizeof(tmp)) {
+        snprintf(err, errlen, "simulated GPU state path too long: %s", path);
+        return -1;
+    }
+    int fd = open(tmp, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+    if (fd < 0) {
+        snprintf(err, errlen, "cannot create simulated GPU state %s: %s", tmp, strerror(errno));
+        return -1;
+    }
+    /* Any user of this machine may use its GPUs, as with /dev/nvidia*. */
+    (void)fchmod(fd, 0666);
+    size_t size = sizeof(struct sim_state);
+    struct sim_state *st = MAP_FAILED;
+    if (ftruncate(fd, (off_t)size) == 0)
+        st = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (st == MAP_FAILED) {
+        snprintf(err, errlen, "cannot size simulated GPU state %s: %s", tmp, strerror(errno));
+        close(fd);
+        unlink(tmp);
+        return -1;
+    }
+    st->version = SIM_VERSION;
+    st->size = (uint32_t)size;
+    st->config_hash = hash;
+    st->config = *cfg;
+    st->magic = SIM_MAGIC;
+    munmap(st, size);
+    close(fd);
+    /* link() publishes the fully written file or fails if another process
+     * already published one: nobody ever sees a half-initialised state. */
+    int rc = link(tmp, path);
+    int saved = errno;
+    unlink(tmp);
+    if (rc != 0 && saved != EEXIST) {
+        snprintf(err, errlen, "cannot publish simulated GPU state %s: %s", path, strerror(saved));
+        return -1;
+    }
+    return 0;
+}
+
+int sim_attach(struct sim_handle *h, char *err, size_t errlen)
+{
+    struct sim_config cfg;
+    if (sim_config_load(getenv(SIM_ENV_CONFIG), &cfg, err, errlen))
+        return -1;
+    uint64_t hash = fnv1a(&cfg, sizeof(cfg));
+    const char *path = getenv(SIM_ENV_STATE);
+    if (!path || !*path)
+        path = SIM_DEFAULT_STATE;
+
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0 && errno == ENOENT) {
+        if (create_state(path, &cfg, hash, err, errlen))
+            return -1;
+        fd = open(path, O_RDWR | O_CLOEXEC);
+    }
+    if (fd < 0) {
+        snprintf(err, errlen, "cannot open simulated GPU state %s: %s", path, strerror(errno));
+        return -1;
+    }
+    struct stat sb;
+    if (fstat(fd, &sb) || (size_t)sb.st_size != sizeof(struct sim_state)) {
+        snprintf(err, errlen, "simulated GPU state %s has the wrong size; run 'cgpuctl sim reset'", path);
+        close(fd);
+        return -1;
+    }
+    struct sim_state *st = mmap(NULL, sizeof(*st), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (st == MAP_FAILED) {
+        snprintf(err, errlen, "cannot map simulated GPU state %s: %s", path, strerror(errno));
+        close(fd);
+        return -1;
+    }
+    if (st->magic != SIM_MAGIC || st->version != SIM_VERSION) {
+        snprintf(err, errlen, "%s is not a simulated GPU state of this version; run 'cgpuctl sim reset'", path);
+        munmap(st, sizeof(*st));
+        close(fd);
+        return -1;
+    }
+    if (st->config_hash != hash) {
+        snprintf(err, errlen,
+                 "simulated GPU state %s was made for another configuration; "
+                 "run 'cgpuctl sim reset' or point %s elsewhere",
+                 path, SIM_ENV_STATE);
+        munmap(st, sizeof(*st));
+        close(fd);
+        return -1;
+    }
+    h->st = st;
+    h->fd = fd;
+    h->slot = -1;
+    pthread_mutex_init(&h->reap_lock, NULL);
+    return 0;
+}
+
+void sim_detach(struct sim_handle *h)
+{
+    /* reap_lock is left alone: a forked child detaches while another
+     * thread of its parent may have held it, and sim_attach re-creates it. */
+    if (h->st)
+        munmap(h->st, sizeof(*h->st));
+    if (h->fd >= 0)
+        close(h->fd);
+    h->st = NULL;
+    h->fd = -1;
+    h->slot = -1;
+}
+
+/* Give back everything a dead process held. The caller holds the slot's lock;
+ * the LIVE->FREE exchange makes exactly one caller do the work. */
+static void release_slot(struct sim_state *st, int i)
+{
+    struct sim_proc_slot *s = &st->proc[i];
+    for (unsigned g = 0; g < SIM_MAX_GPUS; g++) {
+        uint64_t held = atomic_exchange(&s->used[g], 0);
+        if (held)
+            atomic_fetch_sub(&st->gpu[g].used, held);
+    }
+}
+
+int sim_reap_dead(struct sim_handle *h)
+{
+    int reaped = 0;
+    pthread_mutex_lock(&h->reap_lock);
+    for (int i = 0; i < SIM_MAX_PROCS; i++) {
+        struct sim_proc_slot *s = &h->st->proc[i];
+        if (i == h->slot || atomic_load(&s->state) != SIM_SLOT_LIVE)
+            continue;
+        if (slot_lock(h->fd, i, F_WRLCK) != 0)
+            continue; /* owner alive */
+        uint32_t live = SIM_SLOT_LIVE;
+        if (atomic_compare_exchange_strong(&s->state, &live, SIM_SLOT_CLAIMING)) {
+            release_slot(h->st, i);
+            atomic_store(&s->gpu_mask, 0);
+            atomic_store(&s->state, SIM_SLOT_FREE);
+            reaped++;
+        }
+        slot_lock(h->fd, i, F_UNLCK);
+    }
+    pthread_mutex_unlock(&h->reap_lock);
+    return reaped;
+}
+
+static int claim_free_slot(struct sim_handle *h);
+
+int sim_claim_slot(struct sim_handle *h)
+{
+    pthread_mutex_lock(&h->reap_lock);
+    int rc = h->slot >= 0 ? 0 : claim_free_slot(h);
+    pthread_mutex_unlock(&h->reap_lock);
+    return rc;
+}
+
+static int claim_free_slot(struct sim_handle *h)
+{
+    for (int i = 0; i < SIM_MAX_PROCS; i++) {
+        struct sim_proc_slot *s = &h->st->proc[i];
+        if (slot_lock(h->fd, i, F_WRLCK) != 0)
+            continue;
+        /* Holding the lock: the slot is free, or its owner died. */
+        uint32_t cur = atomic_load(&s->state);
+        if (cur != SIM_SLOT_CLAIMING && !atomic_compare_exchange_strong(&s->state, &cur, SIM_SLOT_CLAIMING)) {
+            slot_lock(h->fd, i, F_UNLCK);
+            continue;
+        }
+        if (cur != SIM_SLOT_FREE) /* a live or half-claimed slot whose owner died */
+            release_slot(h->st, i);
+        for (unsigned g = 0; g < SIM_MAX_GPUS; g++)
+            atomic_store(&s->busy_ns[g], 0);
+        atomic_store(&s->gpu_mask, 0);
+        atomic_store(&s->pid, (int32_t)getpid());
+        memset(s->comm, 0, sizeof(s->comm));
+        (void)prctl(PR_GET_NAME, s->comm, 0, 0, 0);
+        s->comm[sizeof(s->comm) - 1] = '\0';
+        atomic_fetch_add(&s->generation, 1);
+        atomic_store(&s->state, SIM_SLOT_LIVE);
+        h->slot = i;
+        return 0;
+    }
+    return -1;
+}
+
+bool sim_mem_charge(struct sim_handle *h, int gpu, uint64_t bytes)
+{
+    struct sim_gpu_live *g = &h->st->gpu[gpu];
+    uint64_t total = h->st->config.gpu[gpu].total_mem;
+    for (int attempt = 0; attempt < 2; attempt++) {
+        uint64_t cur = atomic_load(&g->used);
+        while (bytes <= total && cur <= total - bytes) {
+            if (atomic_compare_exchange_weak(&g->used, &cur, cur + bytes)) {
+                atomic_fetch_add(&h->st->proc[h->slot].used[gpu], bytes);
+                return true;
+            }
+        }
+        if (attempt == 0 && sim_reap_dead(h) == 0)
+            break;
+    }
+    return false;
+}
+
+void sim_mem_release(struct sim_handle *h, int gpu, uint64_t bytes)
+{
+    atomic_fetch_sub(&h->st->proc[h->slot].used[gpu], bytes);
+    atomic_fetch_sub(&h->st->gpu[gpu].used, bytes);
+}
+
+static void record_exec(struct sim_handle *h, int gpu, uint64_t start, uint64_t end)
+{
+    struct sim_gpu_live *g = &h->st->gpu[gpu];
+    uint64_t head = atomic_load(&g->ring_head);
+    if (head > 0) {
+        struct sim_exec_record *last = &g->ring[(head - 1) % SIM_RING];
+        uint64_t expect = start;
+        /* Contiguous with our own latest stretch: extend it, keeping the ring
+         * long enough to cover a saturating tenant for seconds. */
+        if (atomic_load(&last->seq) == head && atomic_load(&last->slot) == (uint32_t)h->slot &&
+            atomic_compare_exchange_strong(&last->end_ns, &expect, end))
+            return;
+    }
+    uint64_t idx = atomic_fetch_add(&g->ring_head, 1);
+    struct sim_exec_record *r = &g->ring[idx % SIM_RING];
+    atomic_store(&r->seq, 0);
+    atomic_store(&r->start_ns, start);
+    atomic_store(&r->end_ns, end);
+    atomic_store(&r->slot, (uint32_t)h->slot);
+    atomic_store(&r->pid, atomic_load(&h->st->proc[h->slot].pid));
+    atomic_store_explicit(&r->seq, idx + 1, memory_order_release);
+}
+
+uint64_t sim_exec_reserve(struct sim_handle *h, int gpu, uint64_t not_before, uint64_t dur_ns)
+{
+    struct sim_gpu_live *g = &h->st->gpu[gpu];
+    uint64_t queue = h->st->config.queue_ns;
+    uint64_t now = sim_now_ns();
+    if (not_before > now + queue) {
+        /* The launch queue is full: wait, as a real launch blocks when the
+         * push buffer is. */
+        sim_sleep_until(not_before - queue);
+        now = sim_now_ns();
+    }
+    uint64_t old = atomic_load(&g->busy_until), start;
+    do {
+        start = old > now ? old : now;
+        if (not_before > start)
+            start = not_before;
+    } while (!atomic_compare_exchange_weak(&g->busy_until, &old, start + dur_ns));
+    record_exec(h, gpu, start, start + dur_ns);
+    atomic_fetch_add(&h->st->proc[h->slot].busy_ns[gpu], dur_ns);
+    atomic_fetch_add(&g->busy_total, dur_ns);
+    return start + dur_ns;
+}
+
+bool sim_busy_between(const struct sim_state *st, int gpu, int slot, uint64_t from, uint64_t to, uint64_t *busy)
+{
+    const struct sim_gpu_live *g = &st->gpu[gpu];
+    uint64_t head = atomic_load(&g->ring_head);
+    uint64_t n = head < SIM_RING ? head : SIM_RING;
+    uint64_t sum = 0, oldest = UINT64_MAX;
+    for (uint64_t k = 0; k < n; k++) {
+        uint64_t idx = head - 1 - k;
+        const struct sim_exec_record *r = &g->ring[idx % SIM_RING];
+        if (atomic_load_explicit(&r->seq, memory_order_acquire) != idx + 1)
+            continue;
+        uint64_t s = atomic_load(&r->start_ns), e = atomic_load(&r->end_ns);
+        uint32_t who = atomic_load(&r->slot);
+        if (atomic_load(&r->seq) != idx + 1)
+            continue;
+        if (s < oldest)
+            oldest = s;
+        if (slot >= 0 && who != (uint32_t)slot)
+            continue;
+        uint64_t lo = s > from ? s : from, hi = e < to ? e : to;
+        if (hi > lo)
+            sum += hi - lo;
+    }
+    *busy = sum;
+    return head <= SIM_RING || oldest <= from;
+}

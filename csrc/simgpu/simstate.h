@@ -1,0 +1,144 @@
+/* Shared state of the simulated GPUs: one file mapped by every process that
+ * uses the simulated driver, so that memory runs out and kernels contend
+ * across processes as on a real host.
+ *
+ * Ownership: the file belongs to the machine (like the real GPUs); each process
+ * owns one process slot while it lives. Thread-safety: every shared field is an
+ * atomic; there is no lock. A process slot is kept alive by a byte-range OFD
+ * lock that the kernel drops when the process dies, which is how others find
+ * and reclaim the memory of a process killed with SIGKILL. */
+#ifndef CGPU_SIMSTATE_H
+#define CGPU_SIMSTATE_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define SIM_MAGIC 0x31305453554d4953ULL /* "SIMUST01" */
+#define SIM_VERSION 1
+#define SIM_MAX_GPUS 16
+#define SIM_MAX_PROCS 512
+#define SIM_RING 8192 /* execution records kept per GPU */
+#define SIM_NAME_LEN 96
+#define SIM_UUID_LEN 80
+#define SIM_BUSID_LEN 32
+
+#define SIM_ENV_CONFIG "CGPU_SIM_CONFIG"
+#define SIM_ENV_STATE "CGPU_SIM_STATE"
+#define SIM_DEFAULT_STATE "/dev/shm/cgpu-sim-state"
+
+struct sim_gpu_config {
+    char name[SIM_NAME_LEN];
+    char uuid[SIM_UUID_LEN];      /* "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" */
+    char pci_bus_id[SIM_BUSID_LEN]; /* "00000000:18:00.0" as NVML prints it */
+    uint64_t total_mem;           /* bytes */
+    uint32_t sm_count;
+    uint32_t cc_major, cc_minor;
+    uint32_t pci_domain, pci_bus, pci_device, pci_device_id;
+    uint32_t minor_number;
+    uint32_t nvlink_peers;        /* bit i: an NVLink to GPU i */
+};
+
+struct sim_config {
+    uint32_t gpu_count;
+    uint32_t driver_version;      /* as cuDriverGetVersion: 13000 */
+    char driver_version_str[32];  /* as nvmlSystemGetDriverVersion */
+    uint64_t queue_ns;            /* device time a stream may queue ahead */
+    uint64_t default_kernel_ns;   /* cost of a kernel the simulation cannot time */
+    struct sim_gpu_config gpu[SIM_MAX_GPUS];
+};
+
+/* One stretch of device time given to one process. Written once, then only
+ * `end_ns` may grow (a process extending its own latest stretch). */
+struct sim_exec_record {
+    _Atomic uint64_t seq;         /* index + 1 once published */
+    _Atomic uint64_t start_ns;
+    _Atomic uint64_t end_ns;
+    _Atomic uint32_t slot;
+    _Atomic int32_t pid;
+};
+
+struct sim_gpu_live {
+    _Atomic uint64_t used;        /* bytes held by all processes */
+    _Atomic uint64_t busy_until;  /* CLOCK_MONOTONIC ns when queued work ends */
+    _Atomic uint64_t busy_total;  /* device ns ever scheduled */
+    _Atomic uint64_t ring_head;
+    struct sim_exec_record ring[SIM_RING];
+};
+
+enum sim_slot_state { SIM_SLOT_FREE = 0, SIM_SLOT_CLAIMING = 1, SIM_SLOT_LIVE = 2 };
+
+struct sim_proc_slot {
+    _Atomic uint32_t state;
+    _Atomic int32_t pid;          /* as the owner sees itself */
+    _Atomic uint64_t generation;  /* bumped on every claim */
+    _Atomic uint64_t used[SIM_MAX_GPUS];
+    _Atomic uint64_t busy_ns[SIM_MAX_GPUS];
+    _Atomic uint32_t gpu_mask;    /* GPUs this process has a context on */
+    char comm[16];
+};
+
+struct sim_state {
+    uint64_t magic;
+    uint32_t version;
+    uint32_t size;
+    uint64_t config_hash;
+    struct sim_config config;
+    struct sim_gpu_live gpu[SIM_MAX_GPUS];
+    struct sim_proc_slot proc[SIM_MAX_PROCS];
+};
+
+/* Byte offset of the lock that keeps process slot i alive. The lock bytes lie
+ * past the mapped structure so that nobody ever reads or writes them. */
+#define SIM_SLOT_LOCK_OFFSET(i) ((long)sizeof(struct sim_state) + (long)(i))
+
+/* The process's view of the simulation. */
+struct sim_handle {
+    struct sim_state *st;
+    int fd;
+    int slot;                     /* -1 until the process claims one */
+    /* Slot locks belong to the one open file description, shared by all our
+     * threads: two of them reaping at once would drop each other's locks. */
+    pthread_mutex_t reap_lock;
+};
+
+void sim_config_defaults(struct sim_config *cfg);
+
+/* Parse a configuration file (format in docs/simulated-gpu.md); NULL path
+ * gives the default machine. Returns 0, or -1 with a message in err. */
+int sim_config_load(const char *path, struct sim_config *cfg, char *err, size_t errlen);
+
+/* Map (creating if absent) the state named by CGPU_SIM_STATE for the
+ * configuration named by CGPU_SIM_CONFIG. Returns 0, or -1 with a message. */
+int sim_attach(struct sim_handle *h, char *err, size_t errlen);
+void sim_detach(struct sim_handle *h);
+
+/* Claim a process slot for the calling process (idempotent). 0 or -1. */
+int sim_claim_slot(struct sim_handle *h);
+
+/* Return the memory and slots of processes that have died. Lock-free and safe
+ * to run from several processes at once; returns slots reclaimed. */
+int sim_reap_dead(struct sim_handle *h);
+
+/* Charge or release device memory. sim_mem_charge fails (false) when the GPU
+ * has less than `bytes` free after reaping dead processes. */
+bool sim_mem_charge(struct sim_handle *h, int gpu, uint64_t bytes);
+void sim_mem_release(struct sim_handle *h, int gpu, uint64_t bytes);
+
+/* Reserve `dur_ns` of device time on `gpu` starting no earlier than
+ * `not_before`; returns the end time. Blocks (sleeping) while the caller
+ * already has more than queue_ns of work queued ahead of now. */
+uint64_t sim_exec_reserve(struct sim_handle *h, int gpu, uint64_t not_before, uint64_t dur_ns);
+
+/* Device busy time in [from, to) from the execution records: all processes
+ * when slot < 0, else one slot. Returns false if the records no longer
+ * reach back to `from`. */
+bool sim_busy_between(const struct sim_state *st, int gpu, int slot, uint64_t from, uint64_t to,
+                      uint64_t *busy);
+
+uint64_t sim_now_ns(void);
+void sim_sleep_until(uint64_t t_ns);
+
+#endif

@@ -1,0 +1,58 @@
+"""The ABI we implement is NVIDIA's: same values, layouts and prototypes as
+the real cuda.h (where the CUDA toolkit is installed), and exactly the
+exported symbols our X-macro lists name."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "csrc"))
+import build_native  # noqa: E402
+
+needs_real_cuda_h = pytest.mark.skipif(
+    not (build_native.REAL_CUDA_INCLUDE / "cuda.h").exists(),
+    reason="NVIDIA's cuda.h is not installed (CI machines have it at /usr/local/cuda)",
+)
+
+
+def _probe(tmp_path: Path, *flags: str) -> str:
+    exe = tmp_path / ("probe" + str(len(flags)))
+    subprocess.run(
+        ["cc", "-std=c11", "-Wall", "-Wextra", "-Werror", *flags, f"-I{ROOT / 'csrc/include'}",
+         str(ROOT / "tests/abi/abi_probe.c"), "-o", str(exe)],
+        check=True,
+    )
+    return subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+
+
+@needs_real_cuda_h
+def test_values_and_layouts_match_the_real_cuda_h(tmp_path):
+    ours = _probe(tmp_path)
+    real = _probe(tmp_path, "-DCGPU_USE_REAL_CUDA_H", f"-I{build_native.REAL_CUDA_INCLUDE}")
+    assert ours.count("\n") > 100
+    assert ours == real
+
+
+@needs_real_cuda_h
+@pytest.mark.parametrize("output", ["sim/libcuda.so.1", "bin/cgpu-burn"])
+def test_driver_code_compiles_against_the_real_cuda_h(tmp_path, output):
+    # A prototype that drifted from NVIDIA's is a "conflicting types" error.
+    target = next(t for t in build_native.TARGETS if t.output == output)
+    assert build_native.compile_target(target, tmp_path, build_native.REAL_CUDA_H).exists()
+
+
+def _exports(lib: Path) -> list[str]:
+    out = subprocess.run(["nm", "-D", "--defined-only", str(lib)], check=True, capture_output=True, text=True).stdout
+    return sorted(line.split()[-1] for line in out.splitlines() if line.split()[1] in "TW")
+
+
+@pytest.mark.parametrize(
+    ("lib", "def_file", "macro"),
+    [("sim/libcuda.so.1", "cuda_functions.def", "CU_FN"), ("sim/libnvidia-ml.so.1", "nvml_functions.def", "NVML_FN")],
+)
+def test_libraries_export_exactly_their_lists(native, lib, def_file, macro):
+    assert _exports(native / lib) == build_native.exported_symbols(def_file, macro)

@@ -1,0 +1,36 @@
+"""Fixtures shared by every test: the built native parts and a private
+simulated machine per test, so tests never see each other's GPU state."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from cgpud.native import native_dir
+
+
+@pytest.fixture(scope="session")
+def native() -> Path:
+    """Directory of the built C parts: sim/, bin/, lib/."""
+    return native_dir()
+
+
+def write_sim_config(path: Path, gpus: int = 2, mem: str = "16GiB", extra: str = "") -> Path:
+    lines = [extra] if extra else []
+    for i in range(gpus):
+        lines.append(f'gpu name="NVIDIA H100 80GB HBM3" mem={mem} sms=132 cc=9.0')
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture
+def sim_env(tmp_path: Path, native: Path) -> dict[str, str]:
+    """Environment for a subprocess that should see a fresh simulated machine
+    of 2 GPUs with 16 GiB each."""
+    cfg = write_sim_config(tmp_path / "sim.conf")
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = str(native / "sim")
+    env["CGPU_SIM_CONFIG"] = str(cfg)
+    env["CGPU_SIM_STATE"] = str(tmp_path / "sim.state")
+    return env

@@ -1,0 +1,49 @@
+"""Running test programs against the simulated GPUs in subprocesses."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+TESTS_DIR = Path(__file__).resolve().parent.parent
+
+
+def py_env(sim_env: dict[str, str]) -> dict[str, str]:
+    env = dict(sim_env)
+    env["PYTHONPATH"] = str(TESTS_DIR) + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def run_py(sim_env: dict[str, str], code: str, timeout: float = 60) -> Any:
+    """Run a script that prints one JSON value; return it."""
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=py_env(sim_env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, f"script failed ({proc.returncode}):\n{proc.stderr}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def start_py(sim_env: dict[str, str], code: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=py_env(sim_env),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def sim_stat(native: Path, sim_env: dict[str, str], *args: str) -> Any:
+    proc = subprocess.run(
+        [str(native / "bin" / "cgpu-sim-stat"), *args], env=sim_env, capture_output=True, text=True, timeout=30
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
