@@ -63,8 +63,17 @@ def run(machine: simulator.SimMachine, seconds: float) -> int:
         raise CgpuError("--seconds must be between 0.5 and 600")
     if machine.memory < 32 * GIB:
         raise CgpuError("the demo's tenants hold 32 GiB together: use --mem 32GiB or more")
-    files = simulator.write_config(machine)
-    simulator.reset(files.state)
+    shared = simulator.write_config(machine)
+    # A private state: the demo neither disturbs nor is disturbed by other
+    # programs using the same simulated machine.
+    files = simulator.SimFiles(shared.config, shared.state.with_name(f"{shared.state.stem}-demo-{os.getpid()}.state"))
+    try:
+        return _run_tenants(machine, files, seconds)
+    finally:
+        simulator.reset(files.state)
+
+
+def _run_tenants(machine: simulator.SimMachine, files: simulator.SimFiles, seconds: float) -> int:
     env = _env(files)
     burn = native_path("bin/cgpu-burn")
     print(f"Simulated machine: {machine.gpus} x {machine.name}, {machine.memory / GIB:g} GiB each")
@@ -87,10 +96,9 @@ def run(machine: simulator.SimMachine, seconds: float) -> int:
 
 def _report(procs: list[subprocess.Popen[str]], results: list[dict[str, Any]], during: dict[str, Any],
             busy: dict[str, Any], span_ns: int) -> None:
-    slot_of = {p["pid"]: str(p["slot"]) for p in during["procs"]}
     print(f"\n{'tenant':<8}{'memory':>10}{'launches':>10}{'device time':>13}{'GPU 0 share':>13}")
     for tenant, proc, res in zip(TENANTS, procs, results):
-        share = busy["per_slot"].get(slot_of.get(proc.pid, "?"), 0) / span_ns
+        share = busy["per_pid"].get(str(proc.pid), 0) / span_ns
         granted = res["alloc"]["granted_bytes"] / GIB
         device_s = res["launches"] * tenant.kernel_ms / 1000
         print(f"{tenant.label:<8}{granted:>7.0f} GiB{res['launches']:>10}{device_s:>11.2f} s{share:>12.0%}")

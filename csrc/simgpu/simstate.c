@@ -302,29 +302,46 @@ uint64_t sim_exec_reserve(struct sim_handle *h, int gpu, uint64_t not_before, ui
     return start + dur_ns;
 }
 
-bool sim_busy_between(const struct sim_state *st, int gpu, int slot, uint64_t from, uint64_t to, uint64_t *busy)
+static void add_pid_busy(struct sim_pid_busy *per, int cap, int *n, int32_t pid, uint64_t ns)
+{
+    for (int i = 0; i < *n; i++) {
+        if (per[i].pid == pid) {
+            per[i].ns += ns;
+            return;
+        }
+    }
+    if (*n < cap)
+        per[(*n)++] = (struct sim_pid_busy){.pid = pid, .ns = ns};
+}
+
+bool sim_busy_between(const struct sim_state *st, int gpu, uint64_t from, uint64_t to, uint64_t *total,
+                      struct sim_pid_busy *per_pid, int cap, int *n_pids)
 {
     const struct sim_gpu_live *g = &st->gpu[gpu];
     uint64_t head = atomic_load(&g->ring_head);
     uint64_t n = head < SIM_RING ? head : SIM_RING;
     uint64_t sum = 0, oldest = UINT64_MAX;
+    int found = 0;
     for (uint64_t k = 0; k < n; k++) {
         uint64_t idx = head - 1 - k;
         const struct sim_exec_record *r = &g->ring[idx % SIM_RING];
         if (atomic_load_explicit(&r->seq, memory_order_acquire) != idx + 1)
             continue;
         uint64_t s = atomic_load(&r->start_ns), e = atomic_load(&r->end_ns);
-        uint32_t who = atomic_load(&r->slot);
+        int32_t pid = atomic_load(&r->pid);
         if (atomic_load(&r->seq) != idx + 1)
-            continue;
+            continue; /* rewritten while we read it */
         if (s < oldest)
             oldest = s;
-        if (slot >= 0 && who != (uint32_t)slot)
-            continue;
         uint64_t lo = s > from ? s : from, hi = e < to ? e : to;
-        if (hi > lo)
-            sum += hi - lo;
+        if (hi <= lo)
+            continue;
+        sum += hi - lo;
+        if (per_pid)
+            add_pid_busy(per_pid, cap, &found, pid, hi - lo);
     }
-    *busy = sum;
+    *total = sum;
+    if (n_pids)
+        *n_pids = found;
     return head <= SIM_RING || oldest <= from;
 }

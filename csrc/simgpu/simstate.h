@@ -39,6 +39,7 @@ struct sim_gpu_config {
     uint32_t pci_domain, pci_bus, pci_device, pci_device_id;
     uint32_t minor_number;
     uint32_t nvlink_peers;        /* bit i: an NVLink to GPU i */
+    uint32_t reserved;            /* no padding: the config is hashed as bytes */
 };
 
 struct sim_config {
@@ -132,11 +133,17 @@ void sim_mem_release(struct sim_handle *h, int gpu, uint64_t bytes);
  * already has more than queue_ns of work queued ahead of now. */
 uint64_t sim_exec_reserve(struct sim_handle *h, int gpu, uint64_t not_before, uint64_t dur_ns);
 
-/* Device busy time in [from, to) from the execution records: all processes
- * when slot < 0, else one slot. Returns false if the records no longer
- * reach back to `from`. */
-bool sim_busy_between(const struct sim_state *st, int gpu, int slot, uint64_t from, uint64_t to,
-                      uint64_t *busy);
+struct sim_pid_busy {
+    int32_t pid;
+    uint64_t ns;
+};
+
+/* Device busy time of `gpu` in [from, to) from the execution records: the
+ * total, and per process (keyed by pid, which outlives slot reuse) for up to
+ * `cap` processes. Returns false if the records no longer reach back to
+ * `from`. Lock-free; safe while others write. */
+bool sim_busy_between(const struct sim_state *st, int gpu, uint64_t from, uint64_t to, uint64_t *total,
+                      struct sim_pid_busy *per_pid, int cap, int *n_pids);
 
 uint64_t sim_now_ns(void);
 void sim_sleep_until(uint64_t t_ns);

@@ -207,7 +207,7 @@ def _run_pair(native, sim_env, duty: float, seconds: float = 2.5):
     window = (t0 + 500_000_000, t0 + int((seconds - 0.2) * 1e9))
     busy = sim_stat(native, sim_env, "--busy", "0", str(window[0]), str(window[1]))
     span = window[1] - window[0]
-    shares = sorted(ns / span for ns in busy["per_slot"].values())
+    shares = sorted(ns / span for ns in busy["per_pid"].values())
     return busy["busy_ns"] / span, shares
 
 

@@ -1,0 +1,734 @@
+/* libnvidia-ml.so.1 of the simulated GPUs: NVML's real entry points and
+ * error codes over the shared simulation state (simstate.h).
+ *
+ * NVML creates no CUDA context, so this library never claims a process slot;
+ * it reads the state and reaps dead processes before reporting memory or
+ * processes, as the real driver frees a process's memory when it exits.
+ *
+ * Thread-safety: init and shutdown count references under a process-local
+ * mutex; the mapping, once made, stays for the life of the process, so a call
+ * racing nvmlShutdown in another thread never touches unmapped memory. */
+#define _GNU_SOURCE
+#include <ctype.h>
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "cgpu/nvml_abi.h"
+#include "simstate.h"
+
+#define NVML_EXPORT __attribute__((visibility("default")))
+/* A legacy entry point whose signature never changed: the same code under
+ * both names. */
+#define NVML_ALIAS(legacy, current, params) NVML_EXPORT nvmlReturn_t legacy params __attribute__((alias(#current)));
+
+_Static_assert(sizeof(nvmlPciInfo_t) == 68, "nvmlPciInfo_t layout");
+_Static_assert(sizeof(nvmlProcessInfo_v1_t) == 16, "nvmlProcessInfo_v1_t layout");
+_Static_assert(sizeof(nvmlProcessInfo_t) == 24, "nvmlProcessInfo_t layout");
+_Static_assert(sizeof(nvmlProcessUtilizationSample_t) == 32, "nvmlProcessUtilizationSample_t layout");
+_Static_assert(nvmlMemory_v2 == 0x02000028, "nvmlMemory_v2");
+
+/* Window of nvmlDeviceGetUtilizationRates and the longest window of
+ * nvmlDeviceGetProcessUtilization: the 1/6 s - 1 s real drivers sample. */
+#define UTIL_WINDOW_NS 1000000000ULL
+/* gpuInstanceId / computeInstanceId of a process outside MIG. */
+#define NO_MIG_INSTANCE 0xFFFFFFFFu
+
+struct nvmlDevice_st {
+    unsigned int index;
+};
+
+static pthread_mutex_t g_init_lock = PTHREAD_MUTEX_INITIALIZER;
+static _Atomic unsigned int g_refs;
+/* Written once under g_init_lock before g_attached and g_refs are set. */
+static struct sim_handle g_sim = {.st = NULL, .fd = -1, .slot = -1};
+static atomic_bool g_attached;
+/* A private copy with terminated strings: a corrupt state file cannot make
+ * a string query read past its field. */
+static struct sim_config g_cfg;
+static struct nvmlDevice_st g_dev[SIM_MAX_GPUS];
+
+static void snapshot_config(void)
+{
+    g_cfg = g_sim.st->config;
+    if (g_cfg.gpu_count > SIM_MAX_GPUS)
+        g_cfg.gpu_count = SIM_MAX_GPUS;
+    g_cfg.driver_version_str[sizeof(g_cfg.driver_version_str) - 1] = '\0';
+    for (unsigned int i = 0; i < SIM_MAX_GPUS; i++) {
+        struct sim_gpu_config *g = &g_cfg.gpu[i];
+        g->name[sizeof(g->name) - 1] = '\0';
+        g->uuid[sizeof(g->uuid) - 1] = '\0';
+        g->pci_bus_id[sizeof(g->pci_bus_id) - 1] = '\0';
+        g_dev[i].index = i;
+    }
+}
+
+static nvmlReturn_t init_common(void)
+{
+    nvmlReturn_t rc = NVML_SUCCESS;
+    pthread_mutex_lock(&g_init_lock);
+    if (g_sim.st == NULL) {
+        char err[512];
+        if (sim_attach(&g_sim, err, sizeof(err)) != 0) {
+            /* The one message a user gets about why no GPU is visible. */
+            fprintf(stderr, "libnvidia-ml: %s\n", err);
+            rc = NVML_ERROR_DRIVER_NOT_LOADED;
+        } else {
+            snapshot_config();
+            atomic_store(&g_attached, true);
+        }
+    }
+    if (rc == NVML_SUCCESS)
+        atomic_fetch_add(&g_refs, 1);
+    pthread_mutex_unlock(&g_init_lock);
+    return rc;
+}
+
+NVML_EXPORT nvmlReturn_t nvmlInit_v2(void)
+{
+    return init_common();
+}
+
+NVML_ALIAS(nvmlInit, nvmlInit_v2, (void))
+
+NVML_EXPORT nvmlReturn_t nvmlInitWithFlags(unsigned int flags)
+{
+    /* NO_GPUS and NO_ATTACH change nothing: the simulation always has GPUs
+     * and attaching them costs nothing. */
+    (void)flags;
+    return init_common();
+}
+
+NVML_EXPORT nvmlReturn_t nvmlShutdown(void)
+{
+    unsigned int cur = atomic_load(&g_refs);
+    do {
+        if (cur == 0)
+            return NVML_ERROR_UNINITIALIZED;
+    } while (!atomic_compare_exchange_weak(&g_refs, &cur, cur - 1));
+    return NVML_SUCCESS;
+}
+
+NVML_EXPORT const char *nvmlErrorString(nvmlReturn_t result)
+{
+    switch (result) {
+    case NVML_SUCCESS: return "Success";
+    case NVML_ERROR_UNINITIALIZED: return "Uninitialized";
+    case NVML_ERROR_INVALID_ARGUMENT: return "Invalid Argument";
+    case NVML_ERROR_NOT_SUPPORTED: return "Not Supported";
+    case NVML_ERROR_NO_PERMISSION: return "Insufficient Permissions";
+    case NVML_ERROR_ALREADY_INITIALIZED: return "Already Initialized";
+    case NVML_ERROR_NOT_FOUND: return "Not Found";
+    case NVML_ERROR_INSUFFICIENT_SIZE: return "Insufficient Size";
+    case NVML_ERROR_INSUFFICIENT_POWER: return "Insufficient External Power";
+    case NVML_ERROR_DRIVER_NOT_LOADED: return "Driver Not Loaded";
+    case NVML_ERROR_TIMEOUT: return "Timeout";
+    case NVML_ERROR_IRQ_ISSUE: return "Interrupt Request Issue";
+    case NVML_ERROR_LIBRARY_NOT_FOUND: return "NVML Shared Library Not Found";
+    case NVML_ERROR_FUNCTION_NOT_FOUND: return "Function Not Found";
+    case NVML_ERROR_CORRUPTED_INFOROM: return "Corrupted infoROM";
+    case NVML_ERROR_GPU_IS_LOST: return "GPU is lost";
+    case NVML_ERROR_RESET_REQUIRED: return "GPU requires restart";
+    case NVML_ERROR_OPERATING_SYSTEM: return "The operating system has blocked the request.";
+    case NVML_ERROR_LIB_RM_VERSION_MISMATCH: return "RM has detected an NVML/RM version mismatch.";
+    case NVML_ERROR_IN_USE: return "In use by another client";
+    case NVML_ERROR_MEMORY: return "Insufficient Memory";
+    case NVML_ERROR_NO_DATA: return "No data";
+    case NVML_ERROR_ARGUMENT_VERSION_MISMATCH: return "Argument version mismatch";
+    default: return "Unknown Error";
+    }
+}
+
+static bool ready(void)
+{
+    return atomic_load(&g_refs) > 0;
+}
+
+/* Resolves a handle to its GPU; the first check of every device query. */
+static nvmlReturn_t lookup(nvmlDevice_t device, unsigned int *gpu)
+{
+    if (!ready())
+        return NVML_ERROR_UNINITIALIZED;
+    for (unsigned int i = 0; i < g_cfg.gpu_count; i++) {
+        if (device == &g_dev[i]) {
+            *gpu = i;
+            return NVML_SUCCESS;
+        }
+    }
+    return NVML_ERROR_INVALID_ARGUMENT;
+}
+
+/* lookup() for a query that writes through `out`. */
+static nvmlReturn_t lookup_out(nvmlDevice_t device, const void *out, unsigned int *gpu)
+{
+    nvmlReturn_t rc = lookup(device, gpu);
+    return rc == NVML_SUCCESS && out == NULL ? NVML_ERROR_INVALID_ARGUMENT : rc;
+}
+
+static nvmlReturn_t copy_string(char *dst, unsigned int length, const char *src)
+{
+    if (dst == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    size_t n = strlen(src);
+    if (n >= length)
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    memcpy(dst, src, n + 1);
+    return NVML_SUCCESS;
+}
+
+static void reap_dead(void)
+{
+    sim_reap_dead(&g_sim);
+}
+
+NVML_EXPORT nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length)
+{
+    if (!ready())
+        return NVML_ERROR_UNINITIALIZED;
+    return copy_string(version, length, g_cfg.driver_version_str);
+}
+
+/* Real NVML answers the version queries below before nvmlInit: they read the
+ * configuration file while the state is not attached. */
+static const struct sim_config *system_config(struct sim_config *buf)
+{
+    char err[256];
+    if (atomic_load(&g_attached))
+        return &g_cfg;
+    return sim_config_load(getenv(SIM_ENV_CONFIG), buf, err, sizeof(err)) == 0 ? buf : NULL;
+}
+
+NVML_EXPORT nvmlReturn_t nvmlSystemGetNVMLVersion(char *version, unsigned int length)
+{
+    struct sim_config buf;
+    const struct sim_config *cfg = system_config(&buf);
+    if (cfg == NULL)
+        return NVML_ERROR_UNKNOWN;
+    /* As real NVML: CUDA major, then the driver version ("13.580.65.06"). */
+    char text[NVML_SYSTEM_NVML_VERSION_BUFFER_SIZE];
+    snprintf(text, sizeof(text), "%u.%.31s", cfg->driver_version / 1000, cfg->driver_version_str);
+    return copy_string(version, length, text);
+}
+
+NVML_EXPORT nvmlReturn_t nvmlSystemGetCudaDriverVersion(int *cudaDriverVersion)
+{
+    struct sim_config buf;
+    const struct sim_config *cfg = system_config(&buf);
+    if (cudaDriverVersion == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (cfg == NULL)
+        return NVML_ERROR_UNKNOWN;
+    *cudaDriverVersion = (int)cfg->driver_version;
+    return NVML_SUCCESS;
+}
+
+NVML_ALIAS(nvmlSystemGetCudaDriverVersion_v2, nvmlSystemGetCudaDriverVersion, (int *cudaDriverVersion))
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *deviceCount)
+{
+    if (!ready())
+        return NVML_ERROR_UNINITIALIZED;
+    if (deviceCount == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *deviceCount = g_cfg.gpu_count;
+    return NVML_SUCCESS;
+}
+
+NVML_ALIAS(nvmlDeviceGetCount, nvmlDeviceGetCount_v2, (unsigned int *deviceCount))
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device)
+{
+    if (!ready())
+        return NVML_ERROR_UNINITIALIZED;
+    if (device == NULL || index >= g_cfg.gpu_count)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *device = &g_dev[index];
+    return NVML_SUCCESS;
+}
+
+NVML_ALIAS(nvmlDeviceGetHandleByIndex, nvmlDeviceGetHandleByIndex_v2, (unsigned int index, nvmlDevice_t *device))
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device)
+{
+    if (!ready())
+        return NVML_ERROR_UNINITIALIZED;
+    if (uuid == NULL || device == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    for (unsigned int i = 0; i < g_cfg.gpu_count; i++) {
+        if (strcmp(uuid, g_cfg.gpu[i].uuid) == 0) {
+            *device = &g_dev[i];
+            return NVML_SUCCESS;
+        }
+    }
+    return NVML_ERROR_NOT_FOUND;
+}
+
+/* Hex "domain:bus:device.function", "domain:bus:device" or
+ * "bus:device.function", the forms real NVML accepts. */
+static bool parse_bus_id(const char *s, unsigned long *domain, unsigned long *bus, unsigned long *dev,
+                         unsigned long *fn)
+{
+    unsigned long v[4];
+    char sep[4];
+    int n = 0;
+    for (;;) {
+        char *end;
+        if (n == 4 || !isxdigit((unsigned char)*s))
+            return false;
+        errno = 0;
+        v[n] = strtoul(s, &end, 16);
+        if (errno || v[n] > 0xFFFFFFFFul)
+            return false;
+        s = end;
+        sep[n++] = *s;
+        if (*s++ == '\0')
+            break;
+    }
+    if (n == 4 && sep[0] == ':' && sep[1] == ':' && sep[2] == '.') {
+        *domain = v[0], *bus = v[1], *dev = v[2], *fn = v[3];
+        return true;
+    }
+    if (n == 3 && sep[0] == ':' && sep[1] == ':') {
+        *domain = v[0], *bus = v[1], *dev = v[2], *fn = 0;
+        return true;
+    }
+    if (n == 3 && sep[0] == ':' && sep[1] == '.') {
+        *domain = 0, *bus = v[0], *dev = v[1], *fn = v[2];
+        return true;
+    }
+    return false;
+}
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetHandleByPciBusId_v2(const char *pciBusId, nvmlDevice_t *device)
+{
+    if (!ready())
+        return NVML_ERROR_UNINITIALIZED;
+    unsigned long domain, bus, dev, fn;
+    if (pciBusId == NULL || device == NULL || !parse_bus_id(pciBusId, &domain, &bus, &dev, &fn))
+        return NVML_ERROR_INVALID_ARGUMENT;
+    for (unsigned int i = 0; i < g_cfg.gpu_count && fn == 0; i++) {
+        const struct sim_gpu_config *g = &g_cfg.gpu[i];
+        if (g->pci_domain == domain && g->pci_bus == bus && g->pci_device == dev) {
+            *device = &g_dev[i];
+            return NVML_SUCCESS;
+        }
+    }
+    return NVML_ERROR_NOT_FOUND;
+}
+
+NVML_ALIAS(nvmlDeviceGetHandleByPciBusId, nvmlDeviceGetHandleByPciBusId_v2,
+           (const char *pciBusId, nvmlDevice_t *device))
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index)
+{
+    unsigned int g;
+    nvmlReturn_t rc = lookup_out(device, index, &g);
+    if (rc == NVML_SUCCESS)
+        *index = g;
+    return rc;
+}
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int length)
+{
+    unsigned int g;
+    nvmlReturn_t rc = lookup(device, &g);
+    return rc != NVML_SUCCESS ? rc : copy_string(name, length, g_cfg.gpu[g].name);
+}
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length)
+{
+    unsigned int g;
+    nvmlReturn_t rc = lookup(device, &g);
+    return rc != NVML_SUCCESS ? rc : copy_string(uuid, length, g_cfg.gpu[g].uuid);
+}
+
+/* Fills the fields the pre-9.0 struct shares with nvmlPciInfo_t. */
+static void fill_pci_legacy(nvmlPciInfo_t *pci, unsigned int gpu)
+{
+    const struct sim_gpu_config *g = &g_cfg.gpu[gpu];
+    snprintf(pci->busIdLegacy, sizeof(pci->busIdLegacy), NVML_DEVICE_PCI_BUS_ID_LEGACY_FMT,
+             g->pci_domain & 0xFFFFu, g->pci_bus & 0xFFu, g->pci_device & 0x1Fu);
+    pci->domain = g->pci_domain;
+    pci->bus = g->pci_bus;
+    pci->device = g->pci_device;
+    pci->pciDeviceId = g->pci_device_id;
+    pci->pciSubSystemId = 0;
+}
+
+static void fill_pci(nvmlPciInfo_t *pci, unsigned int gpu)
+{
+    fill_pci_legacy(pci, gpu);
+    snprintf(pci->busId, sizeof(pci->busId), "%s", g_cfg.gpu[gpu].pci_bus_id);
+}
+
+/* Callers of the legacy entry points may hold the 52-byte pre-9.0 struct:
+ * writing busId would run past it. */
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetPciInfo(nvmlDevice_t device, nvmlPciInfo_t *pci)
+{
+    unsigned int g;
+    nvmlReturn_t rc = lookup_out(device, pci, &g);
+    if (rc == NVML_SUCCESS)
+        fill_pci_legacy(pci, g);
+    return rc;
+}
+
+NVML_ALIAS(nvmlDeviceGetPciInfo_v2, nvmlDeviceGetPciInfo, (nvmlDevice_t device, nvmlPciInfo_t *pci))
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t device, nvmlPciInfo_t *pci)
+{
+    unsigned int g;
+    nvmlReturn_t rc = lookup_out(device, pci, &g);
+    if (rc == NVML_SUCCESS)
+        fill_pci(pci, g);
+    return rc;
+}
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t device, unsigned int *minorNumber)
+{
+    unsigned int g;
+    nvmlReturn_t rc = lookup_out(device, minorNumber, &g);
+    if (rc == NVML_SUCCESS)
+        *minorNumber = g_cfg.gpu[g].minor_number;
+    return rc;
+}
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device, int *major, int *minor)
+{
+    unsigned int g;
+    nvmlReturn_t rc = lookup(device, &g);
+    if (rc != NVML_SUCCESS)
+        return rc;
+    if (major == NULL || minor == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *major = (int)g_cfg.gpu[g].cc_major;
+    *minor = (int)g_cfg.gpu[g].cc_minor;
+    return NVML_SUCCESS;
+}
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetMultiGpuBoard(nvmlDevice_t device, unsigned int *multiGpuBool)
+{
+    unsigned int g;
+    nvmlReturn_t rc = lookup_out(device, multiGpuBool, &g);
+    if (rc == NVML_SUCCESS)
+        *multiGpuBool = 0;
+    return rc;
+}
+
+/* Used bytes, never above total: a transiently inconsistent counter must not
+ * show as 17592186044134 MiB free. */
+static unsigned long long used_bytes(unsigned int gpu)
+{
+    unsigned long long used = atomic_load(&g_sim.st->gpu[gpu].used);
+    return used < g_cfg.gpu[gpu].total_mem ? used : g_cfg.gpu[gpu].total_mem;
+}
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
+{
+    unsigned int g;
+    nvmlReturn_t rc = lookup_out(device, memory, &g);
+    if (rc != NVML_SUCCESS)
+        return rc;
+    reap_dead();
+    memory->total = g_cfg.gpu[g].total_mem;
+    memory->used = used_bytes(g);
+    memory->free = memory->total - memory->used;
+    return NVML_SUCCESS;
+}
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory)
+{
+    unsigned int g;
+    nvmlReturn_t rc = lookup_out(device, memory, &g);
+    if (rc != NVML_SUCCESS)
+        return rc;
+    if (memory->version != nvmlMemory_v2)
+        return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    reap_dead();
+    memory->total = g_cfg.gpu[g].total_mem;
+    memory->reserved = 0; /* the simulated driver keeps no memory for itself */
+    memory->used = used_bytes(g);
+    memory->free = memory->total - memory->used;
+    return NVML_SUCCESS;
+}
+
+static unsigned int percent(unsigned long long part, unsigned long long whole)
+{
+    if (whole == 0)
+        return 0;
+    double p = 100.0 * (double)part / (double)whole + 0.5;
+    return p >= 100.0 ? 100u : (unsigned int)p;
+}
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvmlUtilization_t *utilization)
+{
+    unsigned int g;
+    nvmlReturn_t rc = lookup_out(device, utilization, &g);
+    if (rc != NVML_SUCCESS)
+        return rc;
+    uint64_t now = sim_now_ns(), from = now > UTIL_WINDOW_NS ? now - UTIL_WINDOW_NS : 0, busy;
+    /* An incomplete history only undercounts: report what is known. */
+    (void)sim_busy_between(g_sim.st, (int)g, from, now, &busy, NULL, 0, NULL);
+    utilization->gpu = percent(busy, now - from);
+    /* The simulation has no memory bandwidth: report occupancy instead. */
+    utilization->memory = percent(used_bytes(g), g_cfg.gpu[g].total_mem);
+    return NVML_SUCCESS;
+}
+
+struct proc_view {
+    unsigned int pid;
+    unsigned long long used;
+};
+
+/* A consistent view of one slot, or false if it is not a live process on
+ * `gpu` (a process is on a GPU once it has a context there or holds memory
+ * there). The generation check rejects a slot re-claimed while read. */
+static bool read_slot(int i, unsigned int gpu, struct proc_view *v)
+{
+    const struct sim_proc_slot *s = &g_sim.st->proc[i];
+    uint64_t gen = atomic_load(&s->generation);
+    if (atomic_load(&s->state) != SIM_SLOT_LIVE)
+        return false;
+    v->pid = (unsigned int)atomic_load(&s->pid);
+    v->used = atomic_load(&s->used[gpu]);
+    uint32_t mask = atomic_load(&s->gpu_mask);
+    if (atomic_load(&s->state) != SIM_SLOT_LIVE || atomic_load(&s->generation) != gen)
+        return false;
+    return ((mask >> gpu) & 1u) || v->used > 0;
+}
+
+static unsigned int live_procs(unsigned int gpu, struct proc_view *out)
+{
+    unsigned int n = 0;
+    reap_dead();
+    for (int i = 0; i < SIM_MAX_PROCS; i++)
+        if (read_slot(i, gpu, &out[n]))
+            n++;
+    return n;
+}
+
+enum info_layout { INFO_V1, INFO_V2, INFO_V3 };
+
+/* The count protocol of every NVML list query: *count in is the room in
+ * `infos`; too little room (a NULL `infos` with room 0 asks for the size)
+ * gives NVML_ERROR_INSUFFICIENT_SIZE and the count needed. */
+static nvmlReturn_t list_procs(nvmlDevice_t device, unsigned int *infoCount, void *infos, enum info_layout layout,
+                               bool graphics)
+{
+    unsigned int g;
+    nvmlReturn_t rc = lookup_out(device, infoCount, &g);
+    if (rc != NVML_SUCCESS)
+        return rc;
+    struct proc_view procs[SIM_MAX_PROCS];
+    /* The simulated GPU runs no graphics contexts. */
+    unsigned int n = graphics ? 0 : live_procs(g, procs);
+    if (*infoCount < n) {
+        *infoCount = n;
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    if (infos == NULL && n > 0)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    for (unsigned int i = 0; i < n; i++) {
+        if (layout == INFO_V1)
+            ((nvmlProcessInfo_v1_t *)infos)[i] = (nvmlProcessInfo_v1_t){procs[i].pid, procs[i].used};
+        else if (layout == INFO_V2)
+            ((nvmlProcessInfo_v2_t *)infos)[i] =
+                (nvmlProcessInfo_v2_t){procs[i].pid, procs[i].used, NO_MIG_INSTANCE, NO_MIG_INSTANCE};
+        else
+            ((nvmlProcessInfo_t *)infos)[i] =
+                (nvmlProcessInfo_t){procs[i].pid, procs[i].used, NO_MIG_INSTANCE, NO_MIG_INSTANCE};
+    }
+    *infoCount = n;
+    return NVML_SUCCESS;
+}
+
+/* One definition per exported name and struct version. */
+#define RUNNING_PROCESSES(symbol, info_t, layout, graphics)                                 \
+    NVML_EXPORT nvmlReturn_t symbol(nvmlDevice_t device, unsigned int *infoCount, info_t *infos) \
+    {                                                                                        \
+        return list_procs(device, infoCount, infos, layout, graphics);                       \
+    }
+RUNNING_PROCESSES(nvmlDeviceGetComputeRunningProcesses, nvmlProcessInfo_v1_t, INFO_V1, false)
+RUNNING_PROCESSES(nvmlDeviceGetComputeRunningProcesses_v2, nvmlProcessInfo_v2_t, INFO_V2, false)
+RUNNING_PROCESSES(nvmlDeviceGetComputeRunningProcesses_v3, nvmlProcessInfo_t, INFO_V3, false)
+RUNNING_PROCESSES(nvmlDeviceGetGraphicsRunningProcesses, nvmlProcessInfo_v1_t, INFO_V1, true)
+RUNNING_PROCESSES(nvmlDeviceGetGraphicsRunningProcesses_v2, nvmlProcessInfo_v2_t, INFO_V2, true)
+RUNNING_PROCESSES(nvmlDeviceGetGraphicsRunningProcesses_v3, nvmlProcessInfo_t, INFO_V3, true)
+
+static uint64_t realtime_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+/* One sample per live process that ran on the GPU after lastSeenTimeStamp
+ * (microseconds of CLOCK_REALTIME, as real NVML stamps samples), over at most
+ * the last UTIL_WINDOW_NS. No such process: NVML_ERROR_NOT_FOUND, as the real
+ * driver answers when it has no newer sample. */
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device,
+                                                         nvmlProcessUtilizationSample_t *utilization,
+                                                         unsigned int *processSamplesCount,
+                                                         unsigned long long lastSeenTimeStamp)
+{
+    unsigned int g;
+    nvmlReturn_t rc = lookup_out(device, processSamplesCount, &g);
+    if (rc != NVML_SUCCESS)
+        return rc;
+    uint64_t mono = sim_now_ns(), real = realtime_ns();
+    uint64_t now_us = real / 1000, window = UTIL_WINDOW_NS;
+    if (lastSeenTimeStamp >= now_us) {
+        *processSamplesCount = 0;
+        return NVML_ERROR_NOT_FOUND;
+    }
+    /* Both clocks tick together: the window's length is the same on each. */
+    if ((now_us - lastSeenTimeStamp) * 1000 < window)
+        window = (now_us - lastSeenTimeStamp) * 1000;
+    uint64_t from = mono > window ? mono - window : 0;
+
+    struct proc_view procs[SIM_MAX_PROCS];
+    struct sim_pid_busy busy[SIM_MAX_PROCS];
+    nvmlProcessUtilizationSample_t samples[SIM_MAX_PROCS];
+    uint64_t total;
+    int nbusy;
+    unsigned int n = 0, nprocs = live_procs(g, procs);
+    (void)sim_busy_between(g_sim.st, (int)g, from, mono, &total, busy, SIM_MAX_PROCS, &nbusy);
+    for (unsigned int i = 0; i < nprocs; i++) {
+        for (int j = 0; j < nbusy; j++) {
+            if ((unsigned int)busy[j].pid == procs[i].pid)
+                samples[n++] = (nvmlProcessUtilizationSample_t){
+                    .pid = procs[i].pid, .timeStamp = now_us, .smUtil = percent(busy[j].ns, mono - from)};
+        }
+    }
+    if (n == 0) {
+        *processSamplesCount = 0;
+        return NVML_ERROR_NOT_FOUND;
+    }
+    if (utilization == NULL || *processSamplesCount < n) {
+        *processSamplesCount = n;
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    memcpy(utilization, samples, n * sizeof(samples[0]));
+    *processSamplesCount = n;
+    return NVML_SUCCESS;
+}
+
+/* lookup_out() for a query about a pair of GPUs. */
+static nvmlReturn_t lookup_pair(nvmlDevice_t device1, nvmlDevice_t device2, const void *out, unsigned int *a,
+                                unsigned int *b)
+{
+    nvmlReturn_t rc = lookup(device1, a);
+    return rc == NVML_SUCCESS ? lookup_out(device2, out, b) : rc;
+}
+
+/* The simulation has no PCIe tree, so every pair of distinct GPUs is reported
+ * as the most distant (SYSTEM) and nothing assumes PCIe peer access;
+ * NVLink peers are told apart by the NVLink and P2P queries instead. */
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetTopologyCommonAncestor(nvmlDevice_t device1, nvmlDevice_t device2,
+                                                             nvmlGpuTopologyLevel_t *pathInfo)
+{
+    unsigned int a, b;
+    nvmlReturn_t rc = lookup_pair(device1, device2, pathInfo, &a, &b);
+    if (rc == NVML_SUCCESS)
+        *pathInfo = a == b ? NVML_TOPOLOGY_INTERNAL : NVML_TOPOLOGY_SYSTEM;
+    return rc;
+}
+
+/* NVLink peers of a GPU among the GPUs that exist. A link joins two GPUs, so
+ * a link named on either side's config line counts for both. */
+static uint32_t nvlink_peers(unsigned int gpu)
+{
+    uint32_t peers = g_cfg.gpu[gpu].nvlink_peers;
+    for (unsigned int i = 0; i < g_cfg.gpu_count; i++)
+        if ((g_cfg.gpu[i].nvlink_peers >> gpu) & 1u)
+            peers |= 1u << i;
+    uint32_t exists = g_cfg.gpu_count >= 32 ? UINT32_MAX : (1u << g_cfg.gpu_count) - 1u;
+    return peers & exists & ~(1u << gpu);
+}
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetP2PStatus(nvmlDevice_t device1, nvmlDevice_t device2,
+                                                nvmlGpuP2PCapsIndex_t p2pIndex, nvmlGpuP2PStatus_t *p2pStatus)
+{
+    unsigned int a, b;
+    nvmlReturn_t rc = lookup_pair(device1, device2, p2pStatus, &a, &b);
+    if (rc != NVML_SUCCESS)
+        return rc;
+    if ((unsigned int)p2pIndex >= (unsigned int)NVML_P2P_CAPS_INDEX_UNKNOWN)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    /* Peer access runs over NVLink only (see the topology above); a GPU is
+     * not its own peer, as cuDeviceCanAccessPeer says. */
+    bool linked = a != b && ((nvlink_peers(a) >> b) & 1u);
+    *p2pStatus = linked && p2pIndex != NVML_P2P_CAPS_INDEX_PCI ? NVML_P2P_STATUS_OK : NVML_P2P_STATUS_NOT_SUPPORTED;
+    return NVML_SUCCESS;
+}
+
+/* Link i of a GPU leads to its i-th NVLink peer in index order. Returns the
+ * peer, -1 for a link that exists but is down, or an error through *rc. */
+static int link_peer(nvmlDevice_t device, unsigned int link, nvmlReturn_t *rc)
+{
+    unsigned int g;
+    *rc = lookup(device, &g);
+    if (*rc != NVML_SUCCESS)
+        return -1;
+    if (link >= NVML_NVLINK_MAX_LINKS) {
+        *rc = NVML_ERROR_INVALID_ARGUMENT;
+        return -1;
+    }
+    uint32_t peers = nvlink_peers(g);
+    if (peers == 0) {
+        *rc = NVML_ERROR_NOT_SUPPORTED; /* a GPU without NVLink */
+        return -1;
+    }
+    for (int i = 0; i < SIM_MAX_GPUS; i++)
+        if (((peers >> i) & 1u) && link-- == 0)
+            return i;
+    return -1;
+}
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetNvLinkState(nvmlDevice_t device, unsigned int link, nvmlEnableState_t *isActive)
+{
+    nvmlReturn_t rc;
+    int peer = link_peer(device, link, &rc);
+    if (rc != NVML_SUCCESS)
+        return rc;
+    if (isActive == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *isActive = peer >= 0 ? NVML_FEATURE_ENABLED : NVML_FEATURE_DISABLED;
+    return NVML_SUCCESS;
+}
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetNvLinkCapability(nvmlDevice_t device, unsigned int link,
+                                                       nvmlNvLinkCapability_t capability, unsigned int *capResult)
+{
+    nvmlReturn_t rc;
+    int peer = link_peer(device, link, &rc);
+    if (rc != NVML_SUCCESS)
+        return rc;
+    if (capResult == NULL || (unsigned int)capability >= (unsigned int)NVML_NVLINK_CAP_COUNT)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    /* A link between two GPUs: peer access and peer atomics; with no CPU at
+     * the other end, no system memory through it. */
+    bool gpu_link = capability == NVML_NVLINK_CAP_P2P_SUPPORTED || capability == NVML_NVLINK_CAP_P2P_ATOMICS ||
+                    capability == NVML_NVLINK_CAP_VALID;
+    *capResult = peer >= 0 && gpu_link;
+    return NVML_SUCCESS;
+}
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo_v2(nvmlDevice_t device, unsigned int link,
+                                                             nvmlPciInfo_t *pci)
+{
+    nvmlReturn_t rc;
+    int peer = link_peer(device, link, &rc);
+    if (rc != NVML_SUCCESS)
+        return rc;
+    if (pci == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (peer < 0)
+        return NVML_ERROR_NOT_SUPPORTED; /* nothing at the end of a link that is down */
+    fill_pci(pci, (unsigned int)peer);
+    return NVML_SUCCESS;
+}
