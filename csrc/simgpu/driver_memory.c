@@ -558,16 +558,28 @@ static CUresult destroy_array(void *handle)
     return CUDA_SUCCESS;
 }
 
+/* maxTexture2D / maxTexture3D of a compute capability 9.0 GPU. */
+#define MAX_2D_WIDTH 131072
+#define MAX_2D_HEIGHT 65536
+#define MAX_3D_EXTENT 16384
+
 SIM_EXPORT CUresult cuArrayCreate_v2(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR *d)
 {
-    if (!pHandle || !d)
+    if (!pHandle || !d || d->Width > MAX_2D_WIDTH || d->Height > MAX_2D_HEIGHT)
         return CUDA_ERROR_INVALID_VALUE;
     return create_array((void **)pHandle, array_bytes(d->Width, d->Height, 0, d->Format, d->NumChannels));
 }
 
+static bool extent3d_ok(const CUDA_ARRAY3D_DESCRIPTOR *d)
+{
+    if (d->Depth == 0)
+        return d->Width <= MAX_2D_WIDTH && d->Height <= MAX_2D_HEIGHT;
+    return d->Width <= MAX_3D_EXTENT && d->Height <= MAX_3D_EXTENT && d->Depth <= MAX_3D_EXTENT;
+}
+
 SIM_EXPORT CUresult cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *d)
 {
-    if (!pHandle || !d)
+    if (!pHandle || !d || !extent3d_ok(d))
         return CUDA_ERROR_INVALID_VALUE;
     return create_array((void **)pHandle, array_bytes(d->Width, d->Height, d->Depth, d->Format, d->NumChannels));
 }
@@ -580,7 +592,7 @@ SIM_EXPORT CUresult cuArrayDestroy(CUarray hArray)
 SIM_EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *d,
                                            unsigned int numMipmapLevels)
 {
-    if (!pHandle || !d || numMipmapLevels == 0 || numMipmapLevels > 32)
+    if (!pHandle || !d || numMipmapLevels == 0 || numMipmapLevels > 32 || !extent3d_ok(d))
         return CUDA_ERROR_INVALID_VALUE;
     uint64_t total = 0;
     size_t w = d->Width, h = d->Height, z = d->Depth;

@@ -71,7 +71,7 @@ ALLOCATORS = {
     "managed": "ptr = C.c_uint64(); r = cu.rc('cuMemAllocManaged', C.byref(ptr), C.c_size_t(SIZE), 1); free = lambda: cu.call('cuMemFree_v2', ptr)",
     "async": "ptr = C.c_uint64(); r = cu.rc('cuMemAllocAsync', C.byref(ptr), C.c_size_t(SIZE), None); free = lambda: cu.call('cuMemFreeAsync', ptr, None)",
     "pool": "pool = C.c_void_p(); cu.call('cuDeviceGetDefaultMemPool', C.byref(pool), 0); ptr = C.c_uint64(); r = cu.rc('cuMemAllocFromPoolAsync_ptsz', C.byref(ptr), C.c_size_t(SIZE), pool, None); free = lambda: cu.call('cuMemFreeAsync_ptsz', ptr, None)",
-    "array": "desc = (C.c_size_t * 3)(1024, SIZE // 4096, 0x20 | (1 << 32)); arr = C.c_void_p(); r = cu.rc('cuArrayCreate_v2', C.byref(arr), desc); free = lambda: cu.call('cuArrayDestroy', arr)",
+    "array": "desc = (C.c_size_t * 3)(16384, SIZE // (16384 * 4), 0x20 | (1 << 32)); arr = C.c_void_p(); r = cu.rc('cuArrayCreate_v2', C.byref(arr), desc); free = lambda: cu.call('cuArrayDestroy', arr)",
     "array3d": "desc = (C.c_size_t * 5)(256, 256, SIZE // (256 * 256 * 4), 0x20 | (1 << 32), 0); arr = C.c_void_p(); r = cu.rc('cuArray3DCreate_v2', C.byref(arr), desc); free = lambda: cu.call('cuArrayDestroy', arr)",
 }
 
@@ -196,11 +196,11 @@ def test_stream_query_and_per_thread_default_stream(sim_env):
     assert got == ["CUDA_SUCCESS", "CUDA_ERROR_NOT_READY", "CUDA_ERROR_NOT_READY", "CUDA_SUCCESS"]
 
 
-def _run_pair(native, sim_env, duty: float, seconds: float = 2.5):
+def _run_pair(native, sim_env, duty: float, kernel_ns: int = 1_000_000, seconds: float = 2.5):
     """Two cgpu-burn tenants on GPU 0; the simulation's own records give the
     device's busy time and each process's share over the steady middle."""
     t0 = sim_stat(native, sim_env)["now_ns"]
-    burn = [str(native / "bin" / "cgpu-burn"), "--kernel-ns=1000000", f"--duration={seconds}", f"--duty={duty}"]
+    burn = [str(native / "bin" / "cgpu-burn"), f"--kernel-ns={kernel_ns}", f"--duration={seconds}", f"--duty={duty}"]
     procs = [subprocess.Popen(burn, env=sim_env, stdout=subprocess.PIPE, text=True) for _ in range(2)]
     outs = [p.communicate(timeout=60)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
@@ -219,8 +219,9 @@ def test_kernels_of_two_processes_never_overlap(native, sim_env):
 
 
 def test_two_half_duty_processes_fill_the_device(native, sim_env):
-    device, shares = _run_pair(native, sim_env, duty=0.5)
-    assert device >= 0.85, device
+    # 5 ms kernels: each cycle also pays ~0.1 ms of wake-up latency on a VM.
+    device, shares = _run_pair(native, sim_env, duty=0.5, kernel_ns=5_000_000)
+    assert device >= 0.9, device
     assert all(0.40 <= s <= 0.55 for s in shares), shares
 
 
@@ -314,10 +315,11 @@ def test_graph_and_cooperative_and_ex_launches_take_device_time(sim_env):
                 cfg = LaunchConfig((1, 1, 1), (32, 1, 1), 0, None, None, 0)
                 cu.call("cuLaunchKernelEx", C.byref(cfg), fn, params, None)
             cu.call("cuEventRecord", b, None); cu.call("cuEventSynchronize", b)
-            out.append(round(cu.elapsed_ms(a, b), 1))
+            out.append(cu.elapsed_ms(a, b))
         print(json.dumps(out))
     """)
-    assert got == [3.0, 3.0, 3.0]
+    # Device time of the kernels plus the script's own gap between record and launch.
+    assert all(3.0 <= ms <= 3.3 for ms in got), got
 
 
 def test_forked_child_starts_uninitialised_and_keeps_parent_memory(sim_env):

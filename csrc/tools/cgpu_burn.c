@@ -1,0 +1,846 @@
+/* cgpu-burn: a GPU workload that uses only the CUDA driver API, so the same
+ * binary allocates and computes the same way on a real NVIDIA GPU, under
+ * libcgpu.so, and on the simulated driver. It loads libcuda like the CUDA
+ * runtime does (dlopen, then cuGetProcAddress for everything else), allocates
+ * through one chosen API, runs a PTX kernel that spins for a given time, and
+ * prints exactly one JSON object on stdout for tests and benchmarks to read.
+ *
+ * Exit codes: 0 done; 1 a CUDA error while running or freeing (listed in
+ * "errors"); 2 bad argument or setup failure (one line on stderr, no JSON);
+ * 3 --require-alloc and an allocation failed. */
+#define _POSIX_C_SOURCE 200809L
+
+#include <dlfcn.h>
+#include <errno.h>
+#include <getopt.h>
+#include <limits.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "cgpu/cuda_abi.h"
+
+/* Fixed rather than CUDA_VERSION: each base name must resolve to the variant
+ * whose prototype is typed below, whichever header this is compiled with
+ * (12000 gives cuGraphAddKernelNode_v2 and cuGraphInstantiateWithFlags). */
+#define BURN_CUDA_VERSION 12000
+#define MAX_ALLOCS 64
+#define MAX_STREAMS 64
+#define MAX_ERRORS 16
+
+/* X(exported symbol, base name for cuGetProcAddress, has a _ptsz variant) */
+#define BURN_FUNCTIONS(X)                                              \
+    X(cuInit, cuInit, 0)                                               \
+    X(cuGetErrorName, cuGetErrorName, 0)                               \
+    X(cuDeviceGet, cuDeviceGet, 0)                                     \
+    X(cuDeviceGetName, cuDeviceGetName, 0)                             \
+    X(cuDeviceGetUuid_v2, cuDeviceGetUuid, 0)                          \
+    X(cuDeviceTotalMem_v2, cuDeviceTotalMem, 0)                        \
+    X(cuDevicePrimaryCtxRetain, cuDevicePrimaryCtxRetain, 0)           \
+    X(cuDevicePrimaryCtxRelease_v2, cuDevicePrimaryCtxRelease, 0)      \
+    X(cuCtxSetCurrent, cuCtxSetCurrent, 0)                             \
+    X(cuMemGetInfo_v2, cuMemGetInfo, 0)                                \
+    X(cuMemAlloc_v2, cuMemAlloc, 0)                                    \
+    X(cuMemAllocPitch_v2, cuMemAllocPitch, 0)                          \
+    X(cuMemAllocManaged, cuMemAllocManaged, 0)                         \
+    X(cuMemFree_v2, cuMemFree, 0)                                      \
+    X(cuMemAllocAsync, cuMemAllocAsync, 1)                             \
+    X(cuMemFreeAsync, cuMemFreeAsync, 1)                               \
+    X(cuMemPoolCreate, cuMemPoolCreate, 0)                             \
+    X(cuMemPoolDestroy, cuMemPoolDestroy, 0)                           \
+    X(cuMemAllocFromPoolAsync, cuMemAllocFromPoolAsync, 1)             \
+    X(cuMemGetAllocationGranularity, cuMemGetAllocationGranularity, 0) \
+    X(cuMemCreate, cuMemCreate, 0)                                     \
+    X(cuMemRelease, cuMemRelease, 0)                                   \
+    X(cuMemAddressReserve, cuMemAddressReserve, 0)                     \
+    X(cuMemAddressFree, cuMemAddressFree, 0)                           \
+    X(cuMemMap, cuMemMap, 0)                                           \
+    X(cuMemUnmap, cuMemUnmap, 0)                                       \
+    X(cuMemSetAccess, cuMemSetAccess, 0)                               \
+    X(cuArrayCreate_v2, cuArrayCreate, 0)                              \
+    X(cuArrayDestroy, cuArrayDestroy, 0)                               \
+    X(cuModuleLoadData, cuModuleLoadData, 0)                           \
+    X(cuModuleGetFunction, cuModuleGetFunction, 0)                     \
+    X(cuModuleUnload, cuModuleUnload, 0)                               \
+    X(cuStreamCreate, cuStreamCreate, 0)                               \
+    X(cuStreamDestroy_v2, cuStreamDestroy, 0)                          \
+    X(cuStreamSynchronize, cuStreamSynchronize, 1)                     \
+    X(cuEventCreate, cuEventCreate, 0)                                 \
+    X(cuEventRecord, cuEventRecord, 1)                                 \
+    X(cuEventSynchronize, cuEventSynchronize, 0)                       \
+    X(cuEventElapsedTime, cuEventElapsedTime, 0)                       \
+    X(cuEventDestroy_v2, cuEventDestroy, 0)                            \
+    X(cuLaunchKernel, cuLaunchKernel, 1)                               \
+    X(cuLaunchKernelEx, cuLaunchKernelEx, 1)                           \
+    X(cuLaunchCooperativeKernel, cuLaunchCooperativeKernel, 1)         \
+    X(cuGraphCreate, cuGraphCreate, 0)                                 \
+    X(cuGraphAddKernelNode_v2, cuGraphAddKernelNode, 0)                \
+    X(cuGraphInstantiateWithFlags, cuGraphInstantiate, 0)              \
+    X(cuGraphLaunch, cuGraphLaunch, 1)                                 \
+    X(cuGraphExecDestroy, cuGraphExecDestroy, 0)                       \
+    X(cuGraphDestroy, cuGraphDestroy, 0)
+
+struct api {
+#define X(sym, base, ptsz) __typeof__(&sym) sym;
+    BURN_FUNCTIONS(X)
+#undef X
+};
+
+/* Spins on the device's nanosecond timer for its one parameter's worth of
+ * nanoseconds: a kernel whose cost is known without knowing the GPU. */
+static const char spin_ptx[] = ".version 7.0\n.target sm_70\n.address_size 64\n\n"
+                               ".visible .entry cgpu_spin(.param .u64 cgpu_spin_ns)\n{\n"
+                               "\t.reg .pred %p<2>;\n\t.reg .b64 %rd<5>;\n"
+                               "\tld.param.u64 %rd1, [cgpu_spin_ns];\n"
+                               "\tmov.u64 %rd2, %globaltimer;\n"
+                               "\tadd.u64 %rd3, %rd2, %rd1;\n"
+                               "$L_spin:\n"
+                               "\tmov.u64 %rd4, %globaltimer;\n"
+                               "\tsetp.lt.u64 %p1, %rd4, %rd3;\n"
+                               "\t@%p1 bra $L_spin;\n"
+                               "\tret;\n}\n";
+
+enum alloc_api { AA_ALLOC, AA_PITCH, AA_MANAGED, AA_ASYNC, AA_POOL, AA_VMM, AA_ARRAY };
+static const char *const alloc_apis[] = {"alloc", "pitch", "managed", "async",
+                                         "pool",  "vmm",   "array",   NULL};
+enum launch_api { LA_KERNEL, LA_EX, LA_COOP, LA_GRAPH };
+static const char *const launch_apis[] = {"kernel", "ex", "cooperative", "graph", NULL};
+static const char *const launch_calls[] = {"cuLaunchKernel", "cuLaunchKernelEx",
+                                           "cuLaunchCooperativeKernel", "cuGraphLaunch"};
+enum resolver { RESOLVE_PROC, RESOLVE_DLSYM };
+static const char *const resolvers[] = {"proc", "dlsym", NULL};
+
+struct options {
+    uint64_t device, kernel_ns, launches, streams, sync_every, graph_nodes;
+    size_t sizes[MAX_ALLOCS], nsizes, until_fail_chunk;
+    double hold_s, duration_s, duty;
+    int alloc_api, launch_api, resolve;
+    bool require_alloc, events, per_thread, launches_given;
+};
+
+/* The steps of a VMM allocation that succeeded, to undo when freeing. */
+enum { HELD_HANDLE = 1, HELD_VA = 2, HELD_MAP = 4 };
+
+struct alloc {
+    CUdeviceptr ptr;
+    size_t bytes; /* what the driver granted, not what was asked */
+    CUmemGenericAllocationHandle handle;
+    CUarray array;
+    unsigned held;
+};
+
+struct burn {
+    struct options opt;
+    void *dl;
+    struct api f;
+    CUdevice dev;
+    CUcontext ctx;
+    char name[256], uuid[48];
+    size_t total_mem, mem_free_before, mem_total_reported, mem_free_after_alloc;
+    CUmemoryPool pool;
+    struct alloc *allocs;
+    size_t nallocs, cap_allocs, granted, uf_count, uf_bytes;
+    CUresult results[MAX_ALLOCS], uf_result;
+    bool alloc_failed, timed;
+    CUmodule mod;
+    CUfunction fn;
+    CUgraph graph;
+    CUgraphExec exec;
+    CUstream streams[MAX_STREAMS];
+    CUevent ev[2][MAX_STREAMS]; /* start and end, per stream */
+    float ev_ms[MAX_STREAMS];
+    uint64_t launched;
+    double t0, busy_s, wall_s;
+    const char *error_calls[MAX_ERRORS];
+    CUresult error_results[MAX_ERRORS];
+    size_t nerrors;
+};
+
+/* ---- helpers ------------------------------------------------------------ */
+
+static int fail(const char *fmt, ...)
+{
+    va_list ap;
+    fputs("cgpu-burn: ", stderr);
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fputc('\n', stderr);
+    return 2;
+}
+
+static const char *result_name(const struct burn *b, CUresult r)
+{
+    const char *s = NULL;
+    if (b->f.cuGetErrorName && b->f.cuGetErrorName(r, &s) == CUDA_SUCCESS && s)
+        return s;
+    return "CUDA_ERROR_UNRECOGNIZED";
+}
+
+/* A setup step: on failure, one line naming the call, and exit code 2. */
+#define SETUP(b, call, expr)                                                      \
+    do {                                                                          \
+        CUresult r_ = (expr);                                                     \
+        if (r_ != CUDA_SUCCESS)                                                   \
+            return fail("%s failed: %s (%d)", call, result_name(b, r_), (int)r_); \
+    } while (0)
+
+/* Records a failure of the run (not of setup); true if r is success. */
+static bool check(struct burn *b, const char *call, CUresult r)
+{
+    if (r != CUDA_SUCCESS && b->nerrors < MAX_ERRORS) {
+        b->error_calls[b->nerrors] = call;
+        b->error_results[b->nerrors++] = r;
+    }
+    return r == CUDA_SUCCESS;
+}
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* Until a time on now_s()'s clock, clamped so that the conversion to time_t
+ * stays defined for any duty. */
+static void sleep_until(double t)
+{
+    t = t < 1e12 ? t : 1e12;
+    struct timespec ts = {.tv_sec = (time_t)t};
+    ts.tv_nsec = (long)((t - (double)ts.tv_sec) * 1e9);
+    while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR) {
+    }
+}
+
+/* ---- arguments: one table gives the options, their checks and --help ---- */
+
+/* K_REAL takes [min, max], K_POSITIVE (0, max]: bounds that keep every later
+ * conversion defined. */
+enum kind { K_FLAG, K_COUNT, K_SIZE, K_SIZES, K_REAL, K_POSITIVE, K_CHOICE, K_HELP };
+
+struct spec {
+    const char *name, *arg;
+    enum kind kind;
+    size_t off; /* of the field in struct options */
+    double min, max;
+    const char *const *choices;
+    const char *help;
+};
+
+#define OPT(name, arg, kind, field, min, max, help) \
+    {name, arg, kind, offsetof(struct options, field), min, max, NULL, help}
+#define CHOICE(name, arg, field, choices, help) \
+    {name, arg, K_CHOICE, offsetof(struct options, field), 0, 0, choices, help}
+static const struct spec specs[] = {
+    OPT("device", "N", K_COUNT, device, 0, INT_MAX, "device ordinal (0)"),
+    OPT("alloc", "SIZE", K_SIZES, sizes, 0, 0, "allocate SIZE: 1000000, 512MiB, 4G (repeatable)"),
+    CHOICE("alloc-api", "API", alloc_api, alloc_apis, "alloc|pitch|managed|async|pool|vmm|array"),
+    OPT("alloc-until-fail", "CHUNK", K_SIZE, until_fail_chunk, 0, 0,
+        "allocate CHUNK after CHUNK until the driver refuses"),
+    OPT("hold", "SECONDS", K_REAL, hold_s, 0, 1e9, "keep the allocations this long (0)"),
+    OPT("require-alloc", NULL, K_FLAG, require_alloc, 0, 0, "exit 3 if an allocation fails"),
+    OPT("kernel-ns", "NS", K_COUNT, kernel_ns, 0, 1e15, "device time of one kernel (1000000)"),
+    OPT("launches", "K", K_COUNT, launches, 0, 1e15, "launch K kernels (0)"),
+    OPT("duration", "SEC", K_POSITIVE, duration_s, 0, 1e9, "or launch kernels for SEC seconds"),
+    OPT("streams", "S", K_COUNT, streams, 1, MAX_STREAMS, "round-robin over S streams (1)"),
+    OPT("duty", "F", K_POSITIVE, duty, 0, 1, "sleep after each kernel: busy/total = F (1)"),
+    OPT("sync-every", "N", K_COUNT, sync_every, 1, 1e15,
+        "with duty 1, sync every N launch calls (at the end; ~50 ms with --duration)"),
+    CHOICE("launch-api", "API", launch_api, launch_apis, "kernel|ex|cooperative|graph"),
+    OPT("graph-nodes", "N", K_COUNT, graph_nodes, 1, 1024, "kernels per graph, each a launch (4)"),
+    OPT("events", NULL, K_FLAG, events, 0, 0, "time each stream with CUDA events"),
+    OPT("per-thread-stream", NULL, K_FLAG, per_thread, 0, 0, "use the per-thread default stream"),
+    CHOICE("resolve", "HOW", resolve, resolvers, "proc (cuGetProcAddress) or dlsym"),
+    {"help", NULL, K_HELP, 0, 0, 0, NULL, "print this help"},
+};
+#define NSPECS (sizeof specs / sizeof specs[0])
+
+static int print_usage(void)
+{
+    printf("usage: cgpu-burn [options]\nAllocate GPU memory and run timed kernels through the "
+           "CUDA driver API;\nprint one JSON object describing what happened.\n\n");
+    for (size_t i = 0; i < NSPECS; i++) {
+        int w = printf("  --%s %s", specs[i].name, specs[i].arg ? specs[i].arg : "");
+        printf("%*s%s\n", w < 28 ? 28 - w : 1, "", specs[i].help);
+    }
+    return 0;
+}
+
+static bool parse_u64(const char *s, uint64_t *out, char **end)
+{
+    if (*s < '0' || *s > '9')
+        return false; /* strtoull would take signs and spaces */
+    errno = 0;
+    *out = strtoull(s, end, 10);
+    return errno != ERANGE;
+}
+
+/* Binary multiples, written 4G or 4GiB, as nvidia-smi counts. */
+static bool parse_size(const char *s, size_t *out)
+{
+    static const char units[] = "KMGT";
+    uint64_t v;
+    char *end;
+    if (!parse_u64(s, &v, &end) || v == 0)
+        return false;
+    const char *unit = *end ? strchr(units, *end) : NULL;
+    unsigned shift = unit ? 10 * (unsigned)(unit - units + 1) : 0;
+    if ((*end && (!unit || (end[1] && strcmp(end + 1, "iB") != 0))) || v > SIZE_MAX >> shift)
+        return false;
+    *out = (size_t)(v << shift);
+    return true;
+}
+
+static bool apply(struct options *o, const struct spec *sp, const char *arg)
+{
+    void *field = (char *)o + sp->off;
+    char *end;
+    uint64_t u;
+    double d;
+    switch (sp->kind) {
+    case K_FLAG: return *(bool *)field = true;
+    case K_SIZE: return parse_size(arg, field);
+    case K_SIZES: return parse_size(arg, &o->sizes[o->nsizes++]);
+    case K_COUNT:
+        if (!parse_u64(arg, &u, &end) || *end || (double)u < sp->min || (double)u > sp->max)
+            return false;
+        return *(uint64_t *)field = u, true;
+    case K_REAL:
+    case K_POSITIVE:
+        errno = 0;
+        d = strtod(arg, &end);
+        if (end == arg || *end || errno || !isfinite(d) || d < sp->min || d > sp->max)
+            return false;
+        return *(double *)field = d, sp->kind == K_REAL || d > 0;
+    case K_CHOICE:
+        for (int i = 0; sp->choices[i]; i++)
+            if (strcmp(arg, sp->choices[i]) == 0)
+                return *(int *)field = i, true;
+        return false;
+    case K_HELP: break;
+    }
+    return false;
+}
+
+/* Returns -1 to go on, or the exit code. */
+static int parse_options(int argc, char **argv, struct options *o)
+{
+    struct option longopts[NSPECS + 1] = {{0}};
+    for (size_t i = 0; i < NSPECS; i++)
+        longopts[i] = (struct option){specs[i].name, specs[i].arg ? required_argument : no_argument,
+                                      NULL, 0x100 + (int)i};
+    *o = (struct options){.kernel_ns = 1000000, .streams = 1, .duty = 1, .graph_nodes = 4};
+    opterr = 0;
+    for (int c; (c = getopt_long(argc, argv, "+:", longopts, NULL)) != -1;) {
+        const struct spec *sp = c >= 0x100 ? &specs[c - 0x100] : NULL;
+        if (c == ':')
+            return fail("option %s needs a value (see --help)", argv[optind - 1]);
+        if (!sp)
+            return fail("unknown option or unexpected value: %s (see --help)", argv[optind - 1]);
+        if (sp->kind == K_HELP)
+            return print_usage();
+        if (sp->kind == K_SIZES && o->nsizes == MAX_ALLOCS)
+            return fail("at most %d --alloc options", MAX_ALLOCS);
+        if (!apply(o, sp, optarg))
+            return fail("invalid value '%s' for --%s %s: %s", optarg, sp->name, sp->arg, sp->help);
+        o->launches_given |= sp->off == offsetof(struct options, launches);
+    }
+    if (optind < argc)
+        return fail("unexpected argument '%s' (see --help)", argv[optind]);
+    if (o->launches_given && o->duration_s > 0)
+        return fail("--launches and --duration cannot be used together");
+    return -1;
+}
+
+/* ---- driver ------------------------------------------------------------- */
+
+static void *lookup(const struct burn *b, __typeof__(&cuGetProcAddress_v2) get_proc,
+                    const char *sym, const char *base, bool has_ptsz)
+{
+    void *pfn = NULL;
+    if (b->opt.resolve == RESOLVE_DLSYM) {
+        char name[96];
+        snprintf(name, sizeof name, "%s%s", sym, has_ptsz && b->opt.per_thread ? "_ptsz" : "");
+        if (!(pfn = dlsym(b->dl, name)))
+            fail("cannot resolve %s in libcuda.so.1: %s", name, dlerror());
+        return pfn;
+    }
+    CUdriverProcAddressQueryResult status = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+    CUresult r = get_proc(base, &pfn, BURN_CUDA_VERSION,
+                          b->opt.per_thread ? CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM
+                                            : CU_GET_PROC_ADDRESS_DEFAULT,
+                          &status);
+    if (r == CUDA_SUCCESS && status == CU_GET_PROC_ADDRESS_SUCCESS && pfn)
+        return pfn;
+    fail("cannot resolve %s with cuGetProcAddress (CUDA %d): result %d, %s", base,
+         BURN_CUDA_VERSION, (int)r,
+         status == CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT ? "version not sufficient"
+                                                               : "symbol not found");
+    return NULL;
+}
+
+/* POSIX guarantees object and function pointers share a representation
+ * (dlsym relies on it); copying the bytes avoids a cast ISO C leaves open. */
+_Static_assert(sizeof(void *) == sizeof(void (*)(void)), "dlsym needs same-size pointers");
+
+static int load_driver(struct burn *b)
+{
+    __typeof__(&cuGetProcAddress_v2) get_proc;
+    if (!(b->dl = dlopen("libcuda.so.1", RTLD_NOW)))
+        return fail("cannot load libcuda.so.1: %s", dlerror());
+    void *pfn = dlsym(b->dl, "cuGetProcAddress_v2");
+    if (!pfn)
+        return fail("cannot resolve cuGetProcAddress_v2 in libcuda.so.1: %s", dlerror());
+    memcpy(&get_proc, &pfn, sizeof pfn);
+#define X(sym, base, ptsz)                                   \
+    if (!(pfn = lookup(b, get_proc, #sym, #base, ptsz)))     \
+        return 2;                                            \
+    memcpy(&b->f.sym, &pfn, sizeof pfn);
+    BURN_FUNCTIONS(X)
+#undef X
+    return 0;
+}
+
+/* The context the CUDA runtime would use: the device's primary context. */
+static int open_device(struct burn *b)
+{
+    const struct api *f = &b->f;
+    CUuuid id;
+    SETUP(b, "cuInit", f->cuInit(0));
+    SETUP(b, "cuDeviceGet", f->cuDeviceGet(&b->dev, (int)b->opt.device));
+    SETUP(b, "cuDevicePrimaryCtxRetain", f->cuDevicePrimaryCtxRetain(&b->ctx, b->dev));
+    SETUP(b, "cuCtxSetCurrent", f->cuCtxSetCurrent(b->ctx));
+    SETUP(b, "cuDeviceGetName", f->cuDeviceGetName(b->name, (int)sizeof b->name, b->dev));
+    SETUP(b, "cuDeviceGetUuid", f->cuDeviceGetUuid_v2(&id, b->dev));
+    SETUP(b, "cuDeviceTotalMem", f->cuDeviceTotalMem_v2(&b->total_mem, b->dev));
+    SETUP(b, "cuMemGetInfo", f->cuMemGetInfo_v2(&b->mem_free_before, &b->mem_total_reported));
+    const unsigned char *x = (const unsigned char *)id.bytes;
+    snprintf(b->uuid, sizeof b->uuid,
+             "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", x[0],
+             x[1], x[2], x[3], x[4], x[5], x[6], x[7], x[8], x[9], x[10], x[11], x[12], x[13],
+             x[14], x[15]);
+    return 0;
+}
+
+/* ---- allocation --------------------------------------------------------- */
+
+/* Stream-ordered allocations only exist once the stream gets there. */
+static CUresult synced(const struct api *f, CUresult r)
+{
+    return r == CUDA_SUCCESS ? f->cuStreamSynchronize(NULL) : r;
+}
+
+/* 1024 rows of SIZE/1024 bytes: a shape any GPU takes up to terabytes. */
+static CUresult alloc_pitch(const struct api *f, size_t size, struct alloc *a)
+{
+    size_t height = size >= 1024 ? 1024 : 1, width = (size + height - 1) / height, pitch = 0;
+    CUresult r = f->cuMemAllocPitch_v2(&a->ptr, &pitch, width, height, 4);
+    a->bytes = pitch * height;
+    return r;
+}
+
+/* Texels of 16 bytes (4 floats) in rows of 16384: 2D CUDA arrays reach
+ * 131072 x 65536 texels on sm_70 and later, so one array can hold 16 GiB. */
+static CUresult alloc_array(const struct api *f, size_t size, struct alloc *a)
+{
+    size_t texels = size / 16 + (size % 16 != 0);
+    size_t width = texels < 16384 ? texels : 16384, height = (texels + width - 1) / width;
+    CUDA_ARRAY_DESCRIPTOR d = {
+        .Width = width, .Height = height, .Format = CU_AD_FORMAT_FLOAT, .NumChannels = 4};
+    a->bytes = width * height * 16;
+    return f->cuArrayCreate_v2(&a->array, &d);
+}
+
+static CUresult alloc_vmm(const struct burn *b, size_t size, struct alloc *a)
+{
+    const struct api *f = &b->f;
+    CUmemAllocationProp prop = {.type = CU_MEM_ALLOCATION_TYPE_PINNED,
+                                .location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = b->dev}};
+    CUmemAccessDesc rw = {.location = prop.location, .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+    size_t gran = 0;
+    CUresult r = f->cuMemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+    if (r != CUDA_SUCCESS || gran == 0 || size > SIZE_MAX - gran)
+        return r != CUDA_SUCCESS ? r : CUDA_ERROR_INVALID_VALUE;
+    a->bytes = (size + gran - 1) / gran * gran;
+    if ((r = f->cuMemCreate(&a->handle, a->bytes, &prop, 0)) != CUDA_SUCCESS)
+        return r;
+    a->held = HELD_HANDLE;
+    if ((r = f->cuMemAddressReserve(&a->ptr, a->bytes, 0, 0, 0)) != CUDA_SUCCESS)
+        return r;
+    a->held |= HELD_VA;
+    if ((r = f->cuMemMap(a->ptr, a->bytes, 0, a->handle, 0)) != CUDA_SUCCESS)
+        return r;
+    a->held |= HELD_MAP;
+    return f->cuMemSetAccess(a->ptr, a->bytes, &rw, 1);
+}
+
+static CUresult alloc_one(const struct burn *b, size_t size, struct alloc *a)
+{
+    const struct api *f = &b->f;
+    *a = (struct alloc){.bytes = size};
+    switch ((enum alloc_api)b->opt.alloc_api) {
+    case AA_ALLOC: return f->cuMemAlloc_v2(&a->ptr, size);
+    case AA_PITCH: return alloc_pitch(f, size, a);
+    case AA_MANAGED: return f->cuMemAllocManaged(&a->ptr, size, CU_MEM_ATTACH_GLOBAL);
+    case AA_ASYNC: return synced(f, f->cuMemAllocAsync(&a->ptr, size, NULL));
+    case AA_POOL: return synced(f, f->cuMemAllocFromPoolAsync(&a->ptr, size, b->pool, NULL));
+    case AA_VMM: return alloc_vmm(b, size, a);
+    case AA_ARRAY: return alloc_array(f, size, a);
+    }
+    return CUDA_ERROR_INVALID_VALUE;
+}
+
+/* Keeps whatever the driver handed out, even in a failed attempt, so that all
+ * of it is freed. Returns the attempt's result; *granted is 0 on failure. */
+static CUresult alloc_keep(struct burn *b, size_t size, size_t *granted)
+{
+    *granted = 0;
+    if (b->nallocs == b->cap_allocs) {
+        size_t cap = b->cap_allocs ? 2 * b->cap_allocs : 16;
+        struct alloc *p = realloc(b->allocs, cap * sizeof *p);
+        if (!p)
+            return CUDA_ERROR_OUT_OF_MEMORY; /* of host memory, but just as final */
+        b->allocs = p;
+        b->cap_allocs = cap;
+    }
+    struct alloc *a = &b->allocs[b->nallocs];
+    CUresult r = alloc_one(b, size, a);
+    b->nallocs += a->ptr || a->array || a->held;
+    *granted = r == CUDA_SUCCESS ? a->bytes : 0;
+    return r;
+}
+
+/* Managed memory can oversubscribe a real GPU without ever failing, so the
+ * search also stops, with CUDA_SUCCESS, at twice the device's memory. */
+static void alloc_until_fail(struct burn *b)
+{
+    size_t got;
+    while ((b->uf_result = alloc_keep(b, b->opt.until_fail_chunk, &got)) == CUDA_SUCCESS) {
+        b->uf_count++;
+        b->uf_bytes += got;
+        if (b->uf_bytes / 2 >= b->total_mem)
+            break;
+    }
+    b->alloc_failed |= b->uf_count == 0 || (b->uf_result != CUDA_SUCCESS &&
+                                            b->uf_result != CUDA_ERROR_OUT_OF_MEMORY);
+}
+
+static int allocate(struct burn *b)
+{
+    const struct options *o = &b->opt;
+    size_t got, total;
+    if (o->alloc_api == AA_POOL && (o->nsizes || o->until_fail_chunk)) {
+        CUmemPoolProps props = {.allocType = CU_MEM_ALLOCATION_TYPE_PINNED,
+                                .location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = b->dev}};
+        SETUP(b, "cuMemPoolCreate", b->f.cuMemPoolCreate(&b->pool, &props));
+    }
+    for (size_t i = 0; i < o->nsizes; i++) {
+        b->results[i] = alloc_keep(b, o->sizes[i], &got);
+        b->granted += got;
+        b->alloc_failed |= b->results[i] != CUDA_SUCCESS;
+    }
+    if (o->until_fail_chunk)
+        alloc_until_fail(b);
+    SETUP(b, "cuMemGetInfo", b->f.cuMemGetInfo_v2(&b->mem_free_after_alloc, &total));
+    return 0;
+}
+
+static void free_one(struct burn *b, const struct alloc *a)
+{
+    const struct api *f = &b->f;
+    switch ((enum alloc_api)b->opt.alloc_api) {
+    case AA_ASYNC:
+    case AA_POOL: check(b, "cuMemFreeAsync", f->cuMemFreeAsync(a->ptr, NULL)); break;
+    case AA_ARRAY: check(b, "cuArrayDestroy", f->cuArrayDestroy(a->array)); break;
+    case AA_VMM:
+        if (a->held & HELD_MAP)
+            check(b, "cuMemUnmap", f->cuMemUnmap(a->ptr, a->bytes));
+        if (a->held & HELD_VA)
+            check(b, "cuMemAddressFree", f->cuMemAddressFree(a->ptr, a->bytes));
+        if (a->held & HELD_HANDLE)
+            check(b, "cuMemRelease", f->cuMemRelease(a->handle));
+        break;
+    default: check(b, "cuMemFree", f->cuMemFree_v2(a->ptr));
+    }
+}
+
+static void free_allocs(struct burn *b)
+{
+    bool ordered = b->opt.alloc_api == AA_ASYNC || b->opt.alloc_api == AA_POOL;
+    for (size_t i = 0; i < b->nallocs; i++)
+        free_one(b, &b->allocs[i]);
+    if (ordered && b->nallocs)
+        check(b, "cuStreamSynchronize", b->f.cuStreamSynchronize(NULL));
+    if (b->pool)
+        check(b, "cuMemPoolDestroy", b->f.cuMemPoolDestroy(b->pool));
+    b->nallocs = 0;
+    b->pool = NULL;
+}
+
+/* ---- kernels ------------------------------------------------------------ */
+
+static CUresult build_graph(struct burn *b)
+{
+    const struct api *f = &b->f;
+    void *params[] = {&b->opt.kernel_ns};
+    CUDA_KERNEL_NODE_PARAMS_v2 np = {.func = b->fn, .gridDimX = 1, .gridDimY = 1, .gridDimZ = 1,
+                                     .blockDimX = 1, .blockDimY = 1, .blockDimZ = 1,
+                                     .kernelParams = params};
+    CUgraphNode prev = NULL, node = NULL;
+    CUresult r = f->cuGraphCreate(&b->graph, 0);
+    for (uint64_t i = 0; r == CUDA_SUCCESS && i < b->opt.graph_nodes; i++) {
+        r = f->cuGraphAddKernelNode_v2(&node, b->graph, prev ? &prev : NULL, prev ? 1 : 0, &np);
+        prev = node;
+    }
+    return r == CUDA_SUCCESS ? f->cuGraphInstantiateWithFlags(&b->exec, b->graph, 0) : r;
+}
+
+/* Done before allocating: on a real GPU the module, streams and events take
+ * device memory too, which --alloc-until-fail would otherwise have used up. */
+static int setup_kernel(struct burn *b)
+{
+    const struct api *f = &b->f;
+    SETUP(b, "cuModuleLoadData", f->cuModuleLoadData(&b->mod, spin_ptx));
+    SETUP(b, "cuModuleGetFunction", f->cuModuleGetFunction(&b->fn, b->mod, "cgpu_spin"));
+    for (uint64_t i = 0; i < b->opt.streams; i++) {
+        SETUP(b, "cuStreamCreate", f->cuStreamCreate(&b->streams[i], CU_STREAM_DEFAULT));
+        for (int k = 0; k < 2 && b->opt.events; k++)
+            SETUP(b, "cuEventCreate", f->cuEventCreate(&b->ev[k][i], CU_EVENT_DEFAULT));
+    }
+    if (b->opt.launch_api == LA_GRAPH)
+        SETUP(b, "building the CUDA graph", build_graph(b));
+    return 0;
+}
+
+static CUresult launch_one(struct burn *b, CUstream s)
+{
+    const struct api *f = &b->f;
+    void *params[] = {&b->opt.kernel_ns};
+    CUlaunchConfig cfg = {.gridDimX = 1, .gridDimY = 1, .gridDimZ = 1,
+                          .blockDimX = 1, .blockDimY = 1, .blockDimZ = 1, .hStream = s};
+    switch ((enum launch_api)b->opt.launch_api) {
+    case LA_KERNEL: return f->cuLaunchKernel(b->fn, 1, 1, 1, 1, 1, 1, 0, s, params, NULL);
+    case LA_EX: return f->cuLaunchKernelEx(&cfg, b->fn, params, NULL);
+    case LA_COOP: return f->cuLaunchCooperativeKernel(b->fn, 1, 1, 1, 1, 1, 1, 0, s, params);
+    case LA_GRAPH: return f->cuGraphLaunch(b->exec, s);
+    }
+    return CUDA_ERROR_INVALID_VALUE;
+}
+
+static bool sync_streams(struct burn *b)
+{
+    for (uint64_t i = 0; i < b->opt.streams; i++)
+        if (!check(b, "cuStreamSynchronize", b->f.cuStreamSynchronize(b->streams[i])))
+            return false;
+    return true;
+}
+
+/* Records event `which` (0 start, 1 end) on every stream. */
+static bool record_events(struct burn *b, int which)
+{
+    for (uint64_t i = 0; b->opt.events && i < b->opt.streams; i++)
+        if (!check(b, "cuEventRecord", b->f.cuEventRecord(b->ev[which][i], b->streams[i])))
+            return false;
+    return true;
+}
+
+static bool read_events(struct burn *b)
+{
+    const struct api *f = &b->f;
+    for (uint64_t i = 0; i < b->opt.streams; i++)
+        if (!check(b, "cuEventSynchronize", f->cuEventSynchronize(b->ev[1][i])) ||
+            !check(b, "cuEventElapsedTime",
+                   f->cuEventElapsedTime(&b->ev_ms[i], b->ev[0][i], b->ev[1][i])))
+            return false;
+    return true;
+}
+
+static bool launch_and_pace(struct burn *b, uint64_t call, uint64_t sync_every)
+{
+    const struct options *o = &b->opt;
+    CUstream s = b->streams[call % o->streams];
+    double start = now_s();
+    if (!check(b, launch_calls[o->launch_api], launch_one(b, s)))
+        return false;
+    b->launched += o->launch_api == LA_GRAPH ? o->graph_nodes : 1;
+    if (o->duty < 1) {
+        if (!check(b, "cuStreamSynchronize", b->f.cuStreamSynchronize(s)))
+            return false;
+        /* Paced on the totals, so one late wake-up is made up by the next. */
+        b->busy_s += now_s() - start;
+        sleep_until(b->t0 + b->busy_s / o->duty);
+        return true;
+    }
+    return !sync_every || (call + 1) % sync_every || sync_streams(b);
+}
+
+/* With a duration and no pacing, asynchronous launches would queue far past
+ * the deadline. Syncing after about 50 ms of device work keeps the overshoot
+ * small, and the device idle for one wake-up per sync, not one per kernel. */
+static uint64_t sync_interval(const struct options *o)
+{
+    uint64_t per_call = o->kernel_ns * (o->launch_api == LA_GRAPH ? o->graph_nodes : 1);
+    if (o->sync_every || o->duration_s <= 0)
+        return o->sync_every;
+    uint64_t n = per_call ? 50000000 / per_call : 1024;
+    return n < o->streams ? o->streams : n > 1024 ? 1024 : n;
+}
+
+static void run_launches(struct burn *b)
+{
+    const struct options *o = &b->opt;
+    uint64_t sync_every = sync_interval(o);
+    bool ok = record_events(b, 0);
+    b->t0 = now_s();
+    for (uint64_t call = 0; ok; call++) {
+        if (o->duration_s > 0 ? now_s() - b->t0 >= o->duration_s : b->launched >= o->launches)
+            break;
+        ok = launch_and_pace(b, call, sync_every);
+    }
+    ok = ok && record_events(b, 1);
+    ok = sync_streams(b) && ok;
+    b->wall_s = now_s() - b->t0;
+    b->timed = ok && o->events && read_events(b);
+}
+
+/* Destroy errors are not reported: the workload has run by then. */
+static void release_run(struct burn *b)
+{
+    const struct api *f = &b->f;
+    if (b->exec)
+        f->cuGraphExecDestroy(b->exec);
+    if (b->graph)
+        f->cuGraphDestroy(b->graph);
+    for (size_t i = 0; i < MAX_STREAMS; i++) {
+        for (int k = 0; k < 2; k++)
+            if (b->ev[k][i])
+                f->cuEventDestroy_v2(b->ev[k][i]);
+        if (b->streams[i])
+            f->cuStreamDestroy_v2(b->streams[i]);
+    }
+    if (b->mod)
+        f->cuModuleUnload(b->mod);
+}
+
+/* ---- report: one JSON object, written by hand ---------------------------- */
+
+/* Only the device name needs escaping: result names are C identifiers. */
+static void json_str(const char *s)
+{
+    putchar('"');
+    for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
+        if (*p == '"' || *p == '\\')
+            printf("\\%c", *p);
+        else if (*p < 0x20)
+            printf("\\u%04x", *p);
+        else
+            putchar(*p);
+    }
+    putchar('"');
+}
+
+static void print_alloc(const struct burn *b)
+{
+    const struct options *o = &b->opt;
+    printf("\"alloc\":{\"api\":\"%s\",\"requested\":[", alloc_apis[o->alloc_api]);
+    for (size_t i = 0; i < o->nsizes; i++)
+        printf("%s%zu", i ? "," : "", o->sizes[i]);
+    printf("],\"results\":[");
+    for (size_t i = 0; i < o->nsizes; i++)
+        printf("%s\"%s\"", i ? "," : "", result_name(b, b->results[i]));
+    printf("],\"granted_bytes\":%zu,\"until_fail_chunk\":%zu,\"until_fail_count\":%zu,"
+           "\"until_fail_bytes\":%zu,\"until_fail_result\":",
+           b->granted, o->until_fail_chunk, b->uf_count, b->uf_bytes);
+    if (o->until_fail_chunk)
+        printf("\"%s\"},", result_name(b, b->uf_result));
+    else
+        printf("null},");
+}
+
+/* event_ms is the slowest stream's: the device time the whole run took. */
+static void print_timing(const struct burn *b)
+{
+    const struct options *o = &b->opt;
+    float max_ms = 0;
+    printf("\"launches\":%llu,\"kernel_ns\":%llu,\"wall_s\":%.6f,\"stream_event_ms\":",
+           (unsigned long long)b->launched, (unsigned long long)o->kernel_ns, b->wall_s);
+    if (!b->timed) {
+        printf("null,\"event_ms\":null,");
+        return;
+    }
+    for (uint64_t i = 0; i < o->streams; i++) {
+        printf("%s%.4f", i ? "," : "[", (double)b->ev_ms[i]);
+        max_ms = b->ev_ms[i] > max_ms ? b->ev_ms[i] : max_ms;
+    }
+    printf("],\"event_ms\":%.4f,", (double)max_ms);
+}
+
+/* mem_total_reported is cuMemGetInfo's total, total_mem cuDeviceTotalMem's:
+ * under a memory limit the two may differ. */
+static void print_report(const struct burn *b)
+{
+    const struct options *o = &b->opt;
+    printf("{\"device\":%llu,\"name\":", (unsigned long long)o->device);
+    json_str(b->name);
+    printf(",\"uuid\":\"%s\",\"total_mem\":%zu,\"mem_free_before\":%zu,"
+           "\"mem_total_reported\":%zu,\"mem_free_after_alloc\":%zu,",
+           b->uuid, b->total_mem, b->mem_free_before, b->mem_total_reported,
+           b->mem_free_after_alloc);
+    print_alloc(b);
+    print_timing(b);
+    printf("\"launch_api\":\"%s\",\"graph_nodes\":%llu,\"streams\":%llu,\"duty\":%.4f,"
+           "\"resolve\":\"%s\",\"per_thread_stream\":%s,\"errors\":[",
+           launch_apis[o->launch_api], (unsigned long long)o->graph_nodes,
+           (unsigned long long)o->streams, o->duty, resolvers[o->resolve],
+           o->per_thread ? "true" : "false");
+    for (size_t i = 0; i < b->nerrors; i++)
+        printf("%s{\"call\":\"%s\",\"result\":\"%s\"}", i ? "," : "", b->error_calls[i],
+               result_name(b, b->error_results[i]));
+    printf("]}\n");
+}
+
+/* ---- main --------------------------------------------------------------- */
+
+static int run(struct burn *b)
+{
+    const struct options *o = &b->opt;
+    bool launching = o->launches || o->duration_s > 0;
+    int rc;
+    if ((rc = load_driver(b)) || (rc = open_device(b)) || (launching && (rc = setup_kernel(b))) ||
+        (rc = allocate(b)))
+        return rc;
+    if (launching)
+        run_launches(b);
+    sleep_until(now_s() + o->hold_s);
+    free_allocs(b);
+    print_report(b);
+    if (fflush(stdout) != 0)
+        return fail("cannot write the report: %s", strerror(errno));
+    if (b->nerrors)
+        return 1;
+    return o->require_alloc && b->alloc_failed ? 3 : 0;
+}
+
+int main(int argc, char **argv)
+{
+    static struct burn b;
+    int rc = parse_options(argc, argv, &b.opt);
+    if (rc >= 0)
+        return rc;
+    rc = run(&b);
+    release_run(&b);
+    free_allocs(&b); /* a no-op unless setup failed after allocating */
+    free(b.allocs);
+    if (b.ctx)
+        b.f.cuDevicePrimaryCtxRelease_v2(b.dev);
+    if (b.dl)
+        dlclose(b.dl);
+    return rc;
+}
