@@ -41,7 +41,7 @@ struct sim_stream {
 
 struct sim_ctx {
     uint32_t magic;
-    int dev;
+    int dev;                      /* simulated GPU, not the CUDA ordinal */
     unsigned flags;
     bool primary;
     _Atomic uint64_t last_end;    /* ns when all work of the context ends */
@@ -83,6 +83,8 @@ struct sim_driver {
     struct sim_pool default_pool[SIM_MAX_GPUS];
     struct alloc_entry *allocs[4096]; /* driver_memory.c: by device address */
     uint64_t next_va[SIM_MAX_GPUS];
+    int visible[SIM_MAX_GPUS];    /* CUDA ordinal -> simulated GPU */
+    int visible_count;
 };
 
 extern struct sim_driver sim_drv;
@@ -94,7 +96,10 @@ static inline const struct sim_config *sim_cfg(void)
 
 /* CUDA_SUCCESS once cuInit succeeded, else CUDA_ERROR_NOT_INITIALIZED. */
 CUresult sim_check_init(void);
-CUresult sim_check_device(CUdevice dev);
+/* Checks a CUDA ordinal and gives the simulated GPU behind it
+ * (CUDA_VISIBLE_DEVICES maps one to the other). */
+CUresult sim_device(CUdevice dev, int *phys);
+CUdevice sim_ordinal(int phys);
 /* The calling thread's current context, or NULL. */
 struct sim_ctx *sim_current_ctx(void);
 CUresult sim_require_ctx(struct sim_ctx **out);

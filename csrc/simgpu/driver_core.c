@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <unistd.h>
 
 #include "driver.h"
@@ -24,6 +25,8 @@ static void after_fork_child(void)
     memset(sim_drv.primary_refs, 0, sizeof(sim_drv.primary_refs));
     sim_forget_allocations();
 }
+
+static void read_visible_devices(void);
 
 static void install_fork_handler(void)
 {
@@ -57,7 +60,10 @@ SIM_EXPORT CUresult cuInit(unsigned int Flags)
                 /* Distinct, recognisable device address ranges per GPU. */
                 sim_drv.next_va[d] = 0x100000000000ULL * (d + 1);
             }
+            read_visible_devices();
             atomic_store(&sim_drv.initialized, 1);
+            if (sim_drv.visible_count == 0)
+                rc = CUDA_ERROR_NO_DEVICE;
         }
     }
     pthread_mutex_unlock(&sim_drv.lock);
@@ -70,13 +76,71 @@ CUresult sim_check_init(void)
                                                                              : CUDA_ERROR_NOT_INITIALIZED;
 }
 
-CUresult sim_check_device(CUdevice dev)
+CUresult sim_device(CUdevice dev, int *phys)
 {
     CUresult rc = sim_check_init();
     if (rc)
         return rc;
-    return dev >= 0 && (unsigned)dev < sim_cfg()->gpu_count ? CUDA_SUCCESS : CUDA_ERROR_INVALID_DEVICE;
+    if (dev < 0 || dev >= sim_drv.visible_count)
+        return CUDA_ERROR_INVALID_DEVICE;
+    *phys = sim_drv.visible[dev];
+    return CUDA_SUCCESS;
 }
+
+CUdevice sim_ordinal(int phys)
+{
+    for (int i = 0; i < sim_drv.visible_count; i++) {
+        if (sim_drv.visible[i] == phys)
+            return i;
+    }
+    return -1;
+}
+
+/* The GPU a CUDA_VISIBLE_DEVICES entry names: an index or a UUID prefix. */
+static int visible_entry(const char *entry)
+{
+    const struct sim_config *cfg = sim_cfg();
+    if (strncmp(entry, "GPU-", 4) == 0) {
+        int found = -1;
+        for (unsigned i = 0; i < cfg->gpu_count; i++) {
+            if (strncasecmp(cfg->gpu[i].uuid, entry, strlen(entry)) == 0) {
+                if (found >= 0)
+                    return -1; /* ambiguous prefix */
+                found = (int)i;
+            }
+        }
+        return found;
+    }
+    char *end;
+    long idx = strtol(entry, &end, 10);
+    return end != entry && *end == '\0' && idx >= 0 && idx < (long)cfg->gpu_count ? (int)idx : -1;
+}
+
+/* CUDA_VISIBLE_DEVICES as the driver reads it: the listed GPUs become
+ * ordinals 0, 1, ... in that order; the list ends at the first entry that
+ * names no GPU (or one already listed). Unset: every GPU. */
+static void read_visible_devices(void)
+{
+    const struct sim_config *cfg = sim_cfg();
+    const char *env = getenv("CUDA_VISIBLE_DEVICES");
+    sim_drv.visible_count = 0;
+    if (!env) {
+        for (unsigned i = 0; i < cfg->gpu_count; i++)
+            sim_drv.visible[sim_drv.visible_count++] = (int)i;
+        return;
+    }
+    char buf[1024];
+    snprintf(buf, sizeof(buf), "%s", env);
+    for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+        while (*tok == ' ')
+            tok++;
+        int g = visible_entry(tok);
+        if (g < 0 || sim_ordinal(g) >= 0)
+            break;
+        sim_drv.visible[sim_drv.visible_count++] = g;
+    }
+}
+
 
 SIM_EXPORT CUresult cuDriverGetVersion(int *driverVersion)
 {
@@ -217,7 +281,7 @@ SIM_EXPORT CUresult cuDeviceGet(CUdevice *device, int ordinal)
         return rc;
     if (!device)
         return CUDA_ERROR_INVALID_VALUE;
-    if (ordinal < 0 || (unsigned)ordinal >= sim_cfg()->gpu_count)
+    if (ordinal < 0 || ordinal >= sim_drv.visible_count)
         return CUDA_ERROR_INVALID_DEVICE;
     *device = ordinal;
     return CUDA_SUCCESS;
@@ -230,18 +294,19 @@ SIM_EXPORT CUresult cuDeviceGetCount(int *count)
         return rc;
     if (!count)
         return CUDA_ERROR_INVALID_VALUE;
-    *count = (int)sim_cfg()->gpu_count;
+    *count = sim_drv.visible_count;
     return CUDA_SUCCESS;
 }
 
 SIM_EXPORT CUresult cuDeviceGetName(char *name, int len, CUdevice dev)
 {
-    CUresult rc = sim_check_device(dev);
+    int phys;
+    CUresult rc = sim_device(dev, &phys);
     if (rc)
         return rc;
     if (!name || len <= 0)
         return CUDA_ERROR_INVALID_VALUE;
-    snprintf(name, (size_t)len, "%s", sim_cfg()->gpu[dev].name);
+    snprintf(name, (size_t)len, "%s", sim_cfg()->gpu[phys].name);
     return CUDA_SUCCESS;
 }
 
@@ -252,13 +317,14 @@ static int hexval(char c)
 
 SIM_EXPORT CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev)
 {
-    CUresult rc = sim_check_device(dev);
+    int phys;
+    CUresult rc = sim_device(dev, &phys);
     if (rc)
         return rc;
     if (!uuid)
         return CUDA_ERROR_INVALID_VALUE;
     /* "GPU-" then 32 hex digits with dashes: the 16 bytes NVML prints. */
-    const char *s = sim_cfg()->gpu[dev].uuid;
+    const char *s = sim_cfg()->gpu[phys].uuid;
     s += strncmp(s, "GPU-", 4) == 0 ? 4 : 0;
     memset(uuid->bytes, 0, sizeof(uuid->bytes));
     for (int n = 0; *s && n < 32; s++) {
@@ -278,12 +344,13 @@ SIM_EXPORT CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev)
 
 SIM_EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
 {
-    CUresult rc = sim_check_device(dev);
+    int phys;
+    CUresult rc = sim_device(dev, &phys);
     if (rc)
         return rc;
     if (!bytes)
         return CUDA_ERROR_INVALID_VALUE;
-    *bytes = (size_t)sim_cfg()->gpu[dev].total_mem;
+    *bytes = (size_t)sim_cfg()->gpu[phys].total_mem;
     return CUDA_SUCCESS;
 }
 
@@ -338,13 +405,14 @@ static int attribute_value(const struct sim_gpu_config *g, CUdevice_attribute a,
 
 SIM_EXPORT CUresult cuDeviceGetAttribute(int *pi, CUdevice_attribute attrib, CUdevice dev)
 {
-    CUresult rc = sim_check_device(dev);
+    int phys;
+    CUresult rc = sim_device(dev, &phys);
     if (rc)
         return rc;
     if (!pi)
         return CUDA_ERROR_INVALID_VALUE;
     bool ok;
-    int v = attribute_value(&sim_cfg()->gpu[dev], attrib, &ok);
+    int v = attribute_value(&sim_cfg()->gpu[phys], attrib, &ok);
     if (!ok)
         return CUDA_ERROR_INVALID_VALUE;
     *pi = v;
@@ -353,24 +421,26 @@ SIM_EXPORT CUresult cuDeviceGetAttribute(int *pi, CUdevice_attribute attrib, CUd
 
 SIM_EXPORT CUresult cuDeviceComputeCapability(int *major, int *minor, CUdevice dev)
 {
-    CUresult rc = sim_check_device(dev);
+    int phys;
+    CUresult rc = sim_device(dev, &phys);
     if (rc)
         return rc;
     if (!major || !minor)
         return CUDA_ERROR_INVALID_VALUE;
-    *major = (int)sim_cfg()->gpu[dev].cc_major;
-    *minor = (int)sim_cfg()->gpu[dev].cc_minor;
+    *major = (int)sim_cfg()->gpu[phys].cc_major;
+    *minor = (int)sim_cfg()->gpu[phys].cc_minor;
     return CUDA_SUCCESS;
 }
 
 SIM_EXPORT CUresult cuDeviceGetPCIBusId(char *pciBusId, int len, CUdevice dev)
 {
-    CUresult rc = sim_check_device(dev);
+    int phys;
+    CUresult rc = sim_device(dev, &phys);
     if (rc)
         return rc;
     if (!pciBusId || len <= 0)
         return CUDA_ERROR_INVALID_VALUE;
-    const struct sim_gpu_config *g = &sim_cfg()->gpu[dev];
+    const struct sim_gpu_config *g = &sim_cfg()->gpu[phys];
     snprintf(pciBusId, (size_t)len, "%04x:%02x:%02x.0", g->pci_domain, g->pci_bus, g->pci_device);
     return CUDA_SUCCESS;
 }
@@ -388,10 +458,10 @@ SIM_EXPORT CUresult cuDeviceGetByPCIBusId(CUdevice *dev, const char *pciBusId)
         if (sscanf(pciBusId, "%x:%x", &bus, &devno) != 2)
             return CUDA_ERROR_INVALID_VALUE;
     }
-    for (unsigned i = 0; i < sim_cfg()->gpu_count; i++) {
-        const struct sim_gpu_config *g = &sim_cfg()->gpu[i];
+    for (int ordinal = 0; ordinal < sim_drv.visible_count; ordinal++) {
+        const struct sim_gpu_config *g = &sim_cfg()->gpu[sim_drv.visible[ordinal]];
         if (g->pci_domain == dom && g->pci_bus == bus && g->pci_device == devno) {
-            *dev = (CUdevice)i;
+            *dev = ordinal;
             return CUDA_SUCCESS;
         }
     }
@@ -400,14 +470,15 @@ SIM_EXPORT CUresult cuDeviceGetByPCIBusId(CUdevice *dev, const char *pciBusId)
 
 SIM_EXPORT CUresult cuDeviceCanAccessPeer(int *canAccessPeer, CUdevice dev, CUdevice peerDev)
 {
-    CUresult rc = sim_check_device(dev);
+    int phys, peer;
+    CUresult rc = sim_device(dev, &phys);
     if (!rc)
-        rc = sim_check_device(peerDev);
+        rc = sim_device(peerDev, &peer);
     if (rc)
         return rc;
     if (!canAccessPeer)
         return CUDA_ERROR_INVALID_VALUE;
-    *canAccessPeer = dev != peerDev && (sim_cfg()->gpu[dev].nvlink_peers >> peerDev) & 1u;
+    *canAccessPeer = phys != peer && (sim_cfg()->gpu[phys].nvlink_peers >> peer) & 1u;
     return CUDA_SUCCESS;
 }
 
@@ -453,27 +524,29 @@ static void mark_gpu_in_use(int dev)
 
 SIM_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
 {
-    CUresult rc = sim_check_device(dev);
+    int phys;
+    CUresult rc = sim_device(dev, &phys);
     if (rc)
         return rc;
     if (!pctx)
         return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&sim_drv.lock);
-    sim_drv.primary_refs[dev]++;
+    sim_drv.primary_refs[phys]++;
     pthread_mutex_unlock(&sim_drv.lock);
-    mark_gpu_in_use(dev);
-    *pctx = (CUcontext)&sim_drv.primary[dev];
+    mark_gpu_in_use(phys);
+    *pctx = (CUcontext)&sim_drv.primary[phys];
     return CUDA_SUCCESS;
 }
 
 SIM_EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
 {
-    CUresult rc = sim_check_device(dev);
+    int phys;
+    CUresult rc = sim_device(dev, &phys);
     if (rc)
         return rc;
     pthread_mutex_lock(&sim_drv.lock);
-    if (sim_drv.primary_refs[dev] > 0)
-        sim_drv.primary_refs[dev]--;
+    if (sim_drv.primary_refs[phys] > 0)
+        sim_drv.primary_refs[phys]--;
     else
         rc = CUDA_ERROR_INVALID_CONTEXT;
     pthread_mutex_unlock(&sim_drv.lock);
@@ -482,37 +555,40 @@ SIM_EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
 
 SIM_EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev)
 {
-    CUresult rc = sim_check_device(dev);
+    int phys;
+    CUresult rc = sim_device(dev, &phys);
     if (rc)
         return rc;
     pthread_mutex_lock(&sim_drv.lock);
-    sim_drv.primary_refs[dev] = 0;
+    sim_drv.primary_refs[phys] = 0;
     pthread_mutex_unlock(&sim_drv.lock);
     return CUDA_SUCCESS;
 }
 
 SIM_EXPORT CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags, int *active)
 {
-    CUresult rc = sim_check_device(dev);
+    int phys;
+    CUresult rc = sim_device(dev, &phys);
     if (rc)
         return rc;
     if (!flags || !active)
         return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&sim_drv.lock);
-    *flags = sim_drv.primary[dev].flags;
-    *active = sim_drv.primary_refs[dev] > 0;
+    *flags = sim_drv.primary[phys].flags;
+    *active = sim_drv.primary_refs[phys] > 0;
     pthread_mutex_unlock(&sim_drv.lock);
     return CUDA_SUCCESS;
 }
 
 SIM_EXPORT CUresult cuDevicePrimaryCtxSetFlags_v2(CUdevice dev, unsigned int flags)
 {
-    CUresult rc = sim_check_device(dev);
+    int phys;
+    CUresult rc = sim_device(dev, &phys);
     if (rc)
         return rc;
     if (flags & ~0xffu)
         return CUDA_ERROR_INVALID_VALUE;
-    sim_drv.primary[dev].flags = flags;
+    sim_drv.primary[phys].flags = flags;
     return CUDA_SUCCESS;
 }
 
@@ -526,7 +602,8 @@ static CUresult push_ctx(struct sim_ctx *ctx)
 
 static CUresult create_ctx(CUcontext *pctx, unsigned int flags, CUdevice dev)
 {
-    CUresult rc = sim_check_device(dev);
+    int phys;
+    CUresult rc = sim_device(dev, &phys);
     if (rc)
         return rc;
     if (!pctx || (flags & ~0xffu))
@@ -534,14 +611,14 @@ static CUresult create_ctx(CUcontext *pctx, unsigned int flags, CUdevice dev)
     struct sim_ctx *ctx = calloc(1, sizeof(*ctx));
     if (!ctx)
         return CUDA_ERROR_OUT_OF_MEMORY;
-    *ctx = (struct sim_ctx){.magic = MAGIC_CTX, .dev = dev, .flags = flags};
+    *ctx = (struct sim_ctx){.magic = MAGIC_CTX, .dev = phys, .flags = flags};
     ctx->legacy = (struct sim_stream){.magic = MAGIC_STREAM, .ctx = ctx};
     rc = push_ctx(ctx);
     if (rc) {
         free(ctx);
         return rc;
     }
-    mark_gpu_in_use(dev);
+    mark_gpu_in_use(phys);
     *pctx = (CUcontext)ctx;
     return CUDA_SUCCESS;
 }
@@ -648,7 +725,7 @@ SIM_EXPORT CUresult cuCtxGetDevice(CUdevice *device)
         return rc;
     if (!device)
         return CUDA_ERROR_INVALID_VALUE;
-    *device = ctx->dev;
+    *device = sim_ordinal(ctx->dev);
     return CUDA_SUCCESS;
 }
 

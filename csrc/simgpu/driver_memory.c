@@ -281,12 +281,13 @@ SIM_EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytes
 
 SIM_EXPORT CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool_out, CUdevice dev)
 {
-    CUresult rc = sim_check_device(dev);
+    int phys;
+    CUresult rc = sim_device(dev, &phys);
     if (rc)
         return rc;
     if (!pool_out)
         return CUDA_ERROR_INVALID_VALUE;
-    *pool_out = (CUmemoryPool)&sim_drv.default_pool[dev];
+    *pool_out = (CUmemoryPool)&sim_drv.default_pool[phys];
     return CUDA_SUCCESS;
 }
 
@@ -298,13 +299,13 @@ SIM_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *po
     if (!pool || !poolProps || poolProps->allocType != CU_MEM_ALLOCATION_TYPE_PINNED ||
         poolProps->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
         return CUDA_ERROR_INVALID_VALUE;
-    rc = sim_check_device(poolProps->location.id);
-    if (rc)
+    int phys;
+    if (sim_device(poolProps->location.id, &phys))
         return CUDA_ERROR_INVALID_VALUE;
     struct sim_pool *p = malloc(sizeof(*p));
     if (!p)
         return CUDA_ERROR_OUT_OF_MEMORY;
-    *p = (struct sim_pool){.magic = MAGIC_POOL, .dev = poolProps->location.id};
+    *p = (struct sim_pool){.magic = MAGIC_POOL, .dev = phys};
     *pool = (CUmemoryPool)p;
     return CUDA_SUCCESS;
 }
@@ -351,9 +352,8 @@ SIM_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t siz
     int dev = -1;
     switch (prop->location.type) {
     case CU_MEM_LOCATION_TYPE_DEVICE:
-        if (sim_check_device(prop->location.id))
+        if (sim_device(prop->location.id, &dev))
             return CUDA_ERROR_INVALID_DEVICE;
-        dev = prop->location.id;
         break;
     case CU_MEM_LOCATION_TYPE_HOST:
     case CU_MEM_LOCATION_TYPE_HOST_NUMA:
@@ -488,7 +488,8 @@ SIM_EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAcce
     if (!desc || count == 0 || size == 0 || ptr == 0)
         return CUDA_ERROR_INVALID_VALUE;
     for (size_t i = 0; i < count; i++) {
-        if (desc[i].location.type != CU_MEM_LOCATION_TYPE_DEVICE || sim_check_device(desc[i].location.id))
+        int phys;
+        if (desc[i].location.type != CU_MEM_LOCATION_TYPE_DEVICE || sim_device(desc[i].location.id, &phys))
             return CUDA_ERROR_INVALID_DEVICE;
     }
     return CUDA_SUCCESS;
