@@ -50,5 +50,5 @@ build.sub_commands.append(("build_native", None))
 
 setup(
     cmdclass={"build_native": BuildNative},
-    cffi_modules=["csrc/scheduler/build_scheduler.py:ffibuilder"],
+    cffi_modules=["csrc/scheduler/build_scheduler.py:ffibuilder", "csrc/region/build_region.py:ffibuilder"],
 )

@@ -28,7 +28,7 @@ class Target:
 
     output: str
     sources: tuple[str, ...]
-    exports: tuple[str, str] | None = None  # (.def file under include/cgpu, macro)
+    exports: tuple[str, str] | None = None  # (.def file under csrc/, macro)
     libs: tuple[str, ...] = ()
     includes: tuple[str, ...] = ("include",)
 
@@ -41,16 +41,31 @@ TARGETS: tuple[Target, ...] = (
     Target(
         "sim/libcuda.so.1",
         ("simgpu/driver_core.c", "simgpu/driver_memory.c", "simgpu/driver_exec.c", *SIM_STATE),
-        exports=("cuda_functions.def", "CU_FN"),
+        exports=("include/cgpu/cuda_functions.def", "CU_FN"),
         libs=("-lpthread",),
         includes=("include", "simgpu"),
     ),
     Target(
         "sim/libnvidia-ml.so.1",
         ("simgpu/nvml.c", *SIM_STATE),
-        exports=("nvml_functions.def", "NVML_FN"),
+        exports=("include/cgpu/nvml_functions.def", "NVML_FN"),
         libs=("-lpthread",),
         includes=("include", "simgpu"),
+    ),
+    Target(
+        "lib/libcgpu.so",
+        (
+            "intercept/init.c",
+            "intercept/dispatch.c",
+            "intercept/resolve.c",
+            "intercept/memory.c",
+            "intercept/nvml_view.c",
+            "intercept/launch.c",
+            "region/region.c",
+        ),
+        exports=("intercept/hooks.def", "HOOK"),
+        libs=("-ldl", "-lpthread"),
+        includes=("include", "intercept"),
     ),
     Target("bin/cgpu-sim-stat", ("simgpu/simstat.c", *SIM_STATE), includes=("include", "simgpu")),
     Target("bin/cgpu-burn", ("tools/cgpu_burn.c",), libs=("-ldl",)),
@@ -81,7 +96,7 @@ class NativeBuildError(RuntimeError):
 
 def exported_symbols(def_file: str, macro: str) -> list[str]:
     """Symbols a library exports: the first argument of each macro line."""
-    text = (CSRC / "include" / "cgpu" / def_file).read_text()
+    text = (CSRC / def_file).read_text()
     return sorted(set(re.findall(rf"^{macro}\((\w+)", text, re.MULTILINE)))
 
 

@@ -38,7 +38,7 @@ def test_values_and_layouts_match_the_real_cuda_h(tmp_path):
 
 
 @needs_real_cuda_h
-@pytest.mark.parametrize("output", ["sim/libcuda.so.1", "bin/cgpu-burn"])
+@pytest.mark.parametrize("output", ["sim/libcuda.so.1", "bin/cgpu-burn", "lib/libcgpu.so"])
 def test_driver_code_compiles_against_the_real_cuda_h(tmp_path, output):
     # A prototype that drifted from NVIDIA's is a "conflicting types" error.
     target = next(t for t in build_native.TARGETS if t.output == output)
@@ -52,7 +52,11 @@ def _exports(lib: Path) -> list[str]:
 
 @pytest.mark.parametrize(
     ("lib", "def_file", "macro"),
-    [("sim/libcuda.so.1", "cuda_functions.def", "CU_FN"), ("sim/libnvidia-ml.so.1", "nvml_functions.def", "NVML_FN")],
+    [
+        ("sim/libcuda.so.1", "include/cgpu/cuda_functions.def", "CU_FN"),
+        ("sim/libnvidia-ml.so.1", "include/cgpu/nvml_functions.def", "NVML_FN"),
+        ("lib/libcgpu.so", "intercept/hooks.def", "HOOK"),
+    ],
 )
 def test_libraries_export_exactly_their_lists(native, lib, def_file, macro):
     assert _exports(native / lib) == build_native.exported_symbols(def_file, macro)

@@ -72,3 +72,27 @@ def test_state_dump_is_clean_under_sanitizers(san_native, san_env):
 def test_hook_relay_is_clean_under_sanitizers(san_native, san_env, stdin, code):
     proc = _run([str(san_native / "bin" / "cgpu-hook")], san_env, stdin)
     assert proc.returncode == code
+
+
+@pytest.fixture
+def san_instance(san_env, san_native, tmp_path) -> dict[str, str]:
+    """The sanitized workload in an instance enforced by the sanitized libcgpu.so."""
+    from cgpud.daemon.region import DeviceLimit, InstanceLimits, write_region
+
+    region = tmp_path / "region"
+    write_region(region, InstanceLimits("san", (DeviceLimit("GPU-5c1a0000-0000-4000-8000-000000c90000", 2 << 30, 0),)))
+    asan = subprocess.run(["cc", "-print-file-name=libasan.so"], capture_output=True, text=True, check=True).stdout
+    # The ASan runtime must come first in the initial library list.
+    preload = f"{asan.strip()}:{san_native / 'lib' / 'libcgpu.so'}"
+    return dict(san_env, LD_PRELOAD=preload, CGPU_REGION_DIR=str(region))
+
+
+@pytest.mark.parametrize("case", ["alloc-until-fail", "pitch", "async", "pool", "vmm", "array", "kernels", "graph"])
+def test_interception_library_is_clean_under_sanitizers(san_native, san_instance, case):
+    args = BURNS[case] if case != "alloc-until-fail" else ["--alloc-until-fail=256MiB"]
+    proc = _run([str(san_native / "bin" / "cgpu-burn"), *args], san_instance)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["errors"] == [] and out["mem_total_reported"] == 2 << 30
+    if case == "alloc-until-fail":
+        assert out["alloc"]["until_fail_count"] == 8

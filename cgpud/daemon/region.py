@@ -1,0 +1,397 @@
+"""The daemon's side of the instance region (csrc/include/cgpu/region.h):
+writing the limits an instance may use, creating the shared usage file, and
+watching and reaping the per-process ledgers in it.
+
+The layout, constants, checksum and checks all come from C through cffi
+(cgpud._region), so this module never restates the binary format. File I/O
+stays at the edges: the dataclasses are plain values, validated on creation.
+
+Ownership: cgpud is the only writer of `limits` and the creator of `usage`;
+tenant processes map `usage` and update it with C atomics. Thread-safety: a
+UsageRegion may be shared by threads (claim and reap are serialised on it);
+InstanceLimits values are immutable."""
+from __future__ import annotations
+
+import mmap
+import os
+import stat
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from cgpud._region import ffi, lib
+from cgpud.errors import CgpuError
+
+LIMITS_FILE: str = ffi.string(lib.CGPU_LIMITS_FILE).decode()
+USAGE_FILE: str = ffi.string(lib.CGPU_USAGE_FILE).decode()
+MAX_DEVICES: int = lib.CGPU_MAX_DEVICES
+MAX_PROCS: int = lib.CGPU_MAX_PROCS
+
+DIR_MODE = 0o755
+LIMITS_MODE = 0o644  # read-only for everyone but cgpud; mounted read-only too
+USAGE_MODE = 0o666  # a container process of any uid must update its ledger
+
+_U32_MAX = 2**32 - 1
+_U64_MAX = 2**64 - 1
+_ERRLEN = 256
+_LOG_LEVELS = range(lib.CGPU_LOG_QUIET, lib.CGPU_LOG_DEBUG + 1)
+
+
+class RegionError(CgpuError):
+    """An instance region could not be written or read, or a value for it is invalid."""
+
+
+def _check_c_string(what: str, value: str, capacity: int) -> None:
+    """The value must fit a NUL-terminated char[capacity] and mean the same in C."""
+    if not value:
+        raise RegionError(f"{what} is empty")
+    if "\0" in value:
+        raise RegionError(f"{what} {value!r} contains a NUL character")
+    size = len(value.encode())
+    if size >= capacity:
+        raise RegionError(f"{what} {value!r} is {size} bytes; at most {capacity - 1} fit")
+
+
+def _check_range(what: str, value: int, low: int, high: int) -> None:
+    if not low <= value <= high:
+        raise RegionError(f"{what} is {value}; it must be between {low} and {high}")
+
+
+@dataclass(frozen=True)
+class DeviceLimit:
+    """What one instance may use of one GPU."""
+
+    uuid: str  # "GPU-..." as NVML prints it: identity, never an index
+    mem_limit: int  # bytes
+    host_index: int  # NVML index on the host, for messages only
+    core_percent: int = 0  # 1-100; 0 = no compute limit
+    weight: int = 1
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        _check_c_string("device UUID", self.uuid, lib.CGPU_UUID_LEN)
+        _check_range(f"memory limit of {self.uuid}", self.mem_limit, 0, _U64_MAX)
+        _check_range(f"host index of {self.uuid}", self.host_index, 0, _U32_MAX)
+        _check_range(f"core percent of {self.uuid}", self.core_percent, 0, 100)
+        _check_range(f"weight of {self.uuid}", self.weight, 0, _U32_MAX)
+        _check_range(f"priority of {self.uuid}", self.priority, 0, _U32_MAX)
+
+
+@dataclass(frozen=True)
+class InstanceLimits:
+    """Everything the `limits` file of one instance says."""
+
+    instance_id: str
+    devices: tuple[DeviceLimit, ...]
+    log_level: int = lib.CGPU_LOG_QUIET
+    compute_policy: int = 5
+
+    def __post_init__(self) -> None:
+        # Accept any iterable but keep the value hashable and immutable.
+        object.__setattr__(self, "devices", tuple(self.devices))
+        _check_c_string("instance id", self.instance_id, lib.CGPU_INSTANCE_ID_LEN)
+        if not 1 <= len(self.devices) <= MAX_DEVICES:
+            raise RegionError(
+                f"instance {self.instance_id} has {len(self.devices)} devices; 1 to {MAX_DEVICES} allowed"
+            )
+        uuids = [d.uuid for d in self.devices]
+        duplicates = sorted({u for u in uuids if uuids.count(u) > 1})
+        if duplicates:
+            # Two entries for one GPU would give the instance two limits there.
+            raise RegionError(f"instance {self.instance_id} names device {', '.join(duplicates)} more than once")
+        _check_range(f"log level of instance {self.instance_id}", self.log_level, _LOG_LEVELS[0], _LOG_LEVELS[-1])
+        _check_range(f"compute policy of instance {self.instance_id}", self.compute_policy, 0, _U32_MAX)
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """One live process's share of the instance's usage."""
+
+    index: int
+    pid: int  # as the process sees itself (its own pid namespace)
+    used: tuple[int, ...]  # bytes per device slot, MAX_DEVICES entries
+
+
+# ---------------------------------------------------------------- encoding
+
+
+def _encode_limits(limits: InstanceLimits) -> bytes:
+    raw = ffi.new("struct cgpu_limits *")  # zeroed: unused devices and padding checksum as zeros
+    raw.magic = lib.CGPU_LIMITS_MAGIC
+    raw.version = lib.CGPU_REGION_VERSION
+    raw.size = ffi.sizeof("struct cgpu_limits")
+    raw.instance_id = limits.instance_id.encode()
+    raw.device_count = len(limits.devices)
+    raw.log_level = limits.log_level
+    raw.compute_policy = limits.compute_policy
+    for slot, dev in zip(raw.device, limits.devices):
+        slot.uuid = dev.uuid.encode()
+        slot.mem_limit = dev.mem_limit
+        slot.host_index = dev.host_index
+        slot.core_percent = dev.core_percent
+        slot.weight = dev.weight
+        slot.priority = dev.priority
+    raw.checksum = lib.cgpu_region_checksum(raw, ffi.offsetof("struct cgpu_limits", "checksum"))
+    return bytes(ffi.buffer(raw))
+
+
+def _decode_limits(raw: Any) -> InstanceLimits:
+    def text(field: Any) -> str:
+        return ffi.string(field).decode("utf-8", errors="replace")
+
+    devices = tuple(
+        DeviceLimit(
+            uuid=text(d.uuid),
+            mem_limit=d.mem_limit,
+            host_index=d.host_index,
+            core_percent=d.core_percent,
+            weight=d.weight,
+            priority=d.priority,
+        )
+        for d in raw.device[0 : raw.device_count]
+    )
+    return InstanceLimits(text(raw.instance_id), devices, raw.log_level, raw.compute_policy)
+
+
+def _new_usage() -> bytes:
+    raw = ffi.new("struct cgpu_usage *")  # zeroed: no usage, every ledger free
+    raw.magic = lib.CGPU_USAGE_MAGIC
+    raw.version = lib.CGPU_REGION_VERSION
+    raw.size = ffi.sizeof("struct cgpu_usage")
+    return bytes(ffi.buffer(raw))
+
+
+def _check_struct(check: Any, ctype: str, data: bytes) -> str | None:
+    """Runs a C check over file contents; None if valid, else its message."""
+    # The C check reads the header fields only when the file is big enough;
+    # pad a short file so no read can pass the end of the buffer anyway.
+    buf = ffi.new("char[]", max(len(data), ffi.sizeof(ctype)))
+    ffi.memmove(buf, data, len(data))
+    err = ffi.new("char[]", _ERRLEN)
+    if check(ffi.cast(f"{ctype} *", buf), len(data), err, _ERRLEN) == 0:
+        return None
+    return ffi.string(err).decode()
+
+
+# --------------------------------------------------------------- file I/O
+
+
+def _open_regular(path: Path, flags: int) -> int:
+    """Opens a regular file without following a final symlink: the usage file
+    is writable by tenants, so cgpud must not be steered to another file."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise RegionError(f"{path} is not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _read_file(path: Path) -> bytes:
+    fd = _open_regular(path, os.O_RDONLY)
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, data: bytes, mode: int) -> None:
+    """Readers see the old file or the new one, never a partial write."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), mode)  # explicit: the umask must not narrow it
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def _usage_problem(path: Path) -> str | None:
+    """Why the existing usage file cannot be kept, or None if it can."""
+    try:
+        data = _read_file(path)
+    except FileNotFoundError:
+        return "missing"
+    except (OSError, RegionError) as e:
+        return str(e)
+    return _check_struct(lib.cgpu_usage_check, "struct cgpu_usage", data)
+
+
+def write_region(directory: Path, limits: InstanceLimits) -> None:
+    """Publishes `limits` for an instance and makes sure its usage file exists.
+
+    A valid usage file is kept: processes already running keep their ledgers
+    and counters when the limits are rewritten. A missing or damaged one is
+    replaced by an empty one (cgpud is the only creator, so checking and then
+    replacing does not race with another writer)."""
+    directory = Path(directory)
+    try:
+        if not directory.is_dir():
+            directory.mkdir(mode=DIR_MODE, parents=True)
+            os.chmod(directory, DIR_MODE)  # mkdir's mode is narrowed by the umask
+        _write_atomic(directory / LIMITS_FILE, _encode_limits(limits), LIMITS_MODE)
+        usage = directory / USAGE_FILE
+        if _usage_problem(usage) is not None:
+            _write_atomic(usage, _new_usage(), USAGE_MODE)
+        _fsync_dir(directory)
+    except OSError as e:
+        raise RegionError(f"cannot write the region of instance {limits.instance_id} in {directory}: {e}") from e
+
+
+def read_limits(directory: Path) -> InstanceLimits:
+    """The limits cgpud published in `directory`, checked as libcgpu.so checks them."""
+    path = Path(directory) / LIMITS_FILE
+    try:
+        data = _read_file(path)
+    except OSError as e:
+        raise RegionError(f"cannot read limits region {path}: {e.strerror}") from e
+    problem = _check_struct(lib.cgpu_limits_check, "struct cgpu_limits", data)
+    if problem is not None:
+        raise RegionError(f"{path}: {problem}")
+    raw = ffi.from_buffer("struct cgpu_limits *", data)
+    try:
+        return _decode_limits(raw)
+    except RegionError as e:
+        # The C check does not cover every field (log level, core percent...).
+        raise RegionError(f"{path}: {e}") from e
+
+
+# ------------------------------------------------------------ usage region
+
+
+class UsageRegion:
+    """The shared usage file of one instance, mapped read-write.
+
+    Counters are read through C atomic loads (region_py.c) rather than cffi
+    field reads: cffi's loads are plain memory reads, which happen to be
+    atomic for aligned 64-bit values on x86_64 and aarch64 but promise no
+    ordering; the C helpers make the guarantee explicit and portable.
+
+    Each claimed ledger holds its lock on its own open file description:
+    OFD locks never conflict within one description, so sharing the
+    region's descriptor would let a second claim take over (and zero) the
+    first ledger, and let reap() reap the ledgers this object holds."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = Path(directory) / USAGE_FILE
+        self._lock = threading.Lock()  # claim and reap must be serialised (region.h)
+        self._claims: dict[int, int] = {}  # ledger index -> fd holding its lock
+        size = ffi.sizeof("struct cgpu_usage")
+        try:
+            self._fd = _open_regular(self.path, os.O_RDWR)
+        except OSError as e:
+            raise RegionError(f"cannot open usage region {self.path}: {e.strerror}") from e
+        try:
+            file_size = os.fstat(self._fd).st_size
+            if file_size < size:
+                # Too short to map as the struct; let C word the complaint.
+                problem = _check_struct(lib.cgpu_usage_check, "struct cgpu_usage", b"")
+                raise RegionError(f"{self.path}: {problem} ({file_size} bytes)")
+            self._map = mmap.mmap(self._fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self._u = ffi.from_buffer("struct cgpu_usage *", self._map, require_writable=True)
+            err = ffi.new("char[]", _ERRLEN)
+            if lib.cgpu_usage_check(self._u, file_size, err, _ERRLEN) != 0:
+                raise RegionError(f"{self.path}: {ffi.string(err).decode()}")
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> UsageRegion:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def _mapped(self) -> Any:
+        if getattr(self, "_u", None) is None:
+            raise RegionError(f"usage region {self.path} is closed")
+        return self._u
+
+    def device_used(self, index: int) -> int:
+        """Bytes all processes of the instance hold on device slot `index`."""
+        _check_range("device index", index, 0, MAX_DEVICES - 1)
+        return int(lib.cgpu_device_used(self._mapped(), index))
+
+    def ledgers(self) -> list[Ledger]:
+        """The live ledgers, including those of processes that died and were
+        not reaped yet. Each is read field by field, not as one snapshot."""
+        u = self._mapped()
+        pid = ffi.new("int32_t *")
+        used = ffi.new("uint64_t[]", MAX_DEVICES)
+        live = []
+        for i in range(MAX_PROCS):
+            if lib.cgpu_ledger_read(u, i, pid, used) == lib.CGPU_LEDGER_LIVE:
+                live.append(Ledger(i, pid[0], tuple(used)))
+        return live
+
+    def reap(self) -> int:
+        """Returns the usage of dead processes to the instance; how many were reaped."""
+        with self._lock:
+            return int(lib.cgpu_ledger_reap(self._mapped(), self._fd, -1))
+
+    def claim(self, pid: int) -> int:
+        """Claims a ledger for `pid`, held until close(); returns its index."""
+        u = self._mapped()
+        _check_range("pid", pid, 1, 2**31 - 1)
+        with self._lock:
+            try:
+                # A new open file description of the mapped inode itself:
+                # reopening by name could reach a file cgpud replaced since.
+                fd = os.open(f"/proc/self/fd/{self._fd}", os.O_RDWR | os.O_CLOEXEC)
+            except OSError as e:
+                raise RegionError(f"cannot open usage region {self.path} for a ledger: {e.strerror}") from e
+            index = lib.cgpu_ledger_claim(u, fd, pid)
+            if index < 0:
+                os.close(fd)
+                raise RegionError(f"{self.path}: all {MAX_PROCS} process ledgers are in use")
+            self._claims[index] = fd
+            return int(index)
+
+    def charge(self, ledger: int, device: int, limit: int, nbytes: int) -> bool:
+        """Reserves `nbytes` on `device` within `limit` for a ledger this
+        object claimed, as libcgpu.so does for an allocation; False if it
+        would exceed the limit (nothing is charged then)."""
+        u = self._mapped()
+        if ledger not in self._claims:
+            raise RegionError(f"{self.path}: ledger {ledger} was not claimed through this region")
+        _check_range("device index", device, 0, MAX_DEVICES - 1)
+        _check_range("limit", limit, 0, _U64_MAX)
+        _check_range("charge", nbytes, 0, _U64_MAX)
+        # The same C step libcgpu.so takes for an allocation.
+        return bool(lib.cgpu_ledger_charge(u, ledger, device, limit, nbytes))
+
+    def close(self) -> None:
+        """Unmaps the file and drops this object's ledger locks: its claimed
+        ledgers become reapable, as when a process exits."""
+        for fd in self._claims.values():
+            os.close(fd)
+        self._claims.clear()
+        u, self._u = getattr(self, "_u", None), None
+        if u is not None:
+            ffi.release(u)  # the mmap cannot close while cffi exports it
+        mapping, self._map = getattr(self, "_map", None), None
+        if mapping is not None:
+            mapping.close()
+        fd, self._fd = getattr(self, "_fd", -1), -1
+        if fd >= 0:
+            os.close(fd)

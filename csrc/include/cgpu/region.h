@@ -1,0 +1,91 @@
+/* The instance region: the one contract between cgpud (writes it), libcgpu.so
+ * (enforces it inside the container) and the compute scheduler. Two files in
+ * one directory:
+ *
+ *   limits  written once by cgpud, mounted read-only: what the instance may use
+ *   usage   shared, writable: what its processes use now, one ledger per process
+ *
+ * Versioned binary layout with magic numbers; C reads it directly, Python
+ * through cffi from this same header (csrc/region/build_region.py).
+ *
+ * Ownership: cgpud creates both files; every process of the instance maps
+ * them. Thread-safety: limits never change after publication (cgpud replaces
+ * the file atomically); every usage field is an atomic; there is no lock.
+ * A process ledger is kept alive by an OFD byte-range lock at
+ * CGPU_LEDGER_LOCK_OFFSET, which the kernel drops when the process dies. */
+#ifndef CGPU_REGION_H
+#define CGPU_REGION_H
+
+#include <stdint.h>
+
+#ifndef CGPU_ATOMIC
+#define CGPU_ATOMIC _Atomic
+#endif
+
+#define CGPU_LIMITS_MAGIC 0x53544d494c555047ULL /* "GPULIMTS" */
+#define CGPU_USAGE_MAGIC 0x4547415355555047ULL  /* "GPUUSAGE" */
+#define CGPU_REGION_VERSION 1
+#define CGPU_MAX_DEVICES 16
+#define CGPU_MAX_PROCS 1024
+#define CGPU_UUID_LEN 96 /* NVML_DEVICE_UUID_V2_BUFFER_SIZE */
+#define CGPU_INSTANCE_ID_LEN 64
+
+/* Inside a container the region is always here; the environment cannot move
+ * it. Host processes started by `cgpuctl run` name theirs in CGPU_REGION_DIR. */
+#define CGPU_REGION_FIXED_DIR "/run/cgpu"
+#define CGPU_REGION_ENV "CGPU_REGION_DIR"
+#define CGPU_LIMITS_FILE "limits"
+#define CGPU_USAGE_FILE "usage"
+/* Can only make the library louder than the region's log_level. */
+#define CGPU_LOG_ENV "CGPU_LOG_LEVEL"
+
+enum cgpu_log_level { CGPU_LOG_QUIET = 0, CGPU_LOG_ERROR = 1, CGPU_LOG_INFO = 2, CGPU_LOG_DEBUG = 3 };
+
+struct cgpu_device_limit {
+    char uuid[CGPU_UUID_LEN];     /* "GPU-..." as NVML prints it: identity, never an index */
+    uint64_t mem_limit;           /* bytes the instance may hold on this GPU */
+    uint32_t host_index;          /* NVML index on the host, for messages only */
+    uint32_t core_percent;        /* compute share 1-100; 0 = no compute limit */
+    uint32_t weight;              /* compute: weighted policies */
+    uint32_t priority;            /* compute: high-priority instances */
+};
+
+struct cgpu_limits {
+    uint64_t magic;               /* CGPU_LIMITS_MAGIC */
+    uint32_t version;             /* CGPU_REGION_VERSION */
+    uint32_t size;                /* sizeof(struct cgpu_limits) */
+    char instance_id[CGPU_INSTANCE_ID_LEN];
+    uint32_t device_count;
+    uint32_t log_level;           /* enum cgpu_log_level */
+    uint32_t compute_policy;      /* reserved for the compute scheduler */
+    uint32_t reserved;
+    struct cgpu_device_limit device[CGPU_MAX_DEVICES];
+    uint64_t checksum;            /* cgpu_region_checksum() of every byte before it */
+};
+
+struct cgpu_device_usage {
+    CGPU_ATOMIC uint64_t used;    /* bytes held by all processes of the instance */
+    CGPU_ATOMIC uint64_t grant;   /* reserved for the compute scheduler */
+    uint64_t reserved[6];         /* one cache line per device */
+};
+
+enum cgpu_ledger_state { CGPU_LEDGER_FREE = 0, CGPU_LEDGER_CLAIMING = 1, CGPU_LEDGER_LIVE = 2 };
+
+struct cgpu_proc_ledger {
+    CGPU_ATOMIC uint32_t state;   /* enum cgpu_ledger_state */
+    CGPU_ATOMIC int32_t pid;      /* as the process sees itself */
+    CGPU_ATOMIC uint64_t used[CGPU_MAX_DEVICES];
+};
+
+struct cgpu_usage {
+    uint64_t magic;               /* CGPU_USAGE_MAGIC */
+    uint32_t version;
+    uint32_t size;                /* sizeof(struct cgpu_usage) */
+    struct cgpu_device_usage device[CGPU_MAX_DEVICES];
+    struct cgpu_proc_ledger proc[CGPU_MAX_PROCS];
+};
+
+/* The lock bytes lie past the structure so nobody reads or writes them. */
+#define CGPU_LEDGER_LOCK_OFFSET(i) ((long)sizeof(struct cgpu_usage) + (long)(i))
+
+#endif

@@ -1,0 +1,177 @@
+/* libcgpu.so: finding the instance region, the process ledger, logging. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "../region/region.h"
+#include "libcgpu.h"
+
+struct cgpu_process g_cgpu = {.usage_fd = -1, .ledger = -1, .ledger_lock = PTHREAD_MUTEX_INITIALIZER};
+
+void cgpu_log(int level, const char *fmt, ...)
+{
+    if (level > g_cgpu.log_level)
+        return;
+    char line[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(line, sizeof(line), fmt, ap);
+    va_end(ap);
+    fprintf(stderr, "cgpu[%d]: %s\n", (int)getpid(), line);
+}
+
+/* The environment may only make the library louder, never quieter. */
+static int env_log_level(void)
+{
+    const char *v = getenv(CGPU_LOG_ENV);
+    if (!v || v[0] < '0' || v[0] > '3' || v[1] != '\0')
+        return CGPU_LOG_QUIET;
+    return v[0] - '0';
+}
+
+static void *map_file(const char *dir, const char *name, int flags, int *fd_out, size_t *size, char *err,
+                      size_t errlen)
+{
+    char path[4096];
+    snprintf(path, sizeof(path), "%s/%s", dir, name);
+    int fd = open(path, flags | O_CLOEXEC);
+    struct stat sb;
+    if (fd < 0 || fstat(fd, &sb) != 0) {
+        snprintf(err, errlen, "cannot open %.400s: %s", path, strerror(errno));
+        if (fd >= 0)
+            close(fd);
+        return NULL;
+    }
+    int prot = (flags & O_ACCMODE) == O_RDWR ? PROT_READ | PROT_WRITE : PROT_READ;
+    void *p = sb.st_size > 0 ? mmap(NULL, (size_t)sb.st_size, prot, MAP_SHARED, fd, 0) : MAP_FAILED;
+    if (p == MAP_FAILED) {
+        snprintf(err, errlen, "cannot map %.400s (%lld bytes)", path, (long long)sb.st_size);
+        close(fd);
+        return NULL;
+    }
+    *size = (size_t)sb.st_size;
+    if (fd_out)
+        *fd_out = fd;
+    else
+        close(fd);
+    return p;
+}
+
+/* Copies what the hot paths need out of the limits file, which then goes. */
+static int load_limits(const char *dir, char *err, size_t errlen)
+{
+    size_t size;
+    const struct cgpu_limits *l = map_file(dir, CGPU_LIMITS_FILE, O_RDONLY, NULL, &size, err, errlen);
+    if (!l)
+        return -1;
+    int rc = cgpu_limits_check(l, size, err, errlen);
+    if (rc == 0) {
+        g_cgpu.device_count = l->device_count;
+        for (unsigned i = 0; i < l->device_count; i++) {
+            memcpy(g_cgpu.device[i].uuid, l->device[i].uuid, CGPU_UUID_LEN);
+            g_cgpu.device[i].mem_limit = l->device[i].mem_limit;
+        }
+        if ((int)l->log_level > g_cgpu.log_level)
+            g_cgpu.log_level = (int)l->log_level;
+    }
+    munmap((void *)l, size);
+    return rc;
+}
+
+static int load_usage(const char *dir, char *err, size_t errlen)
+{
+    size_t size;
+    int fd;
+    struct cgpu_usage *u = map_file(dir, CGPU_USAGE_FILE, O_RDWR, &fd, &size, err, errlen);
+    if (!u)
+        return -1;
+    if (cgpu_usage_check(u, size, err, errlen) != 0) {
+        munmap(u, size);
+        close(fd);
+        return -1;
+    }
+    g_cgpu.usage = u;
+    g_cgpu.usage_fd = fd;
+    snprintf(g_cgpu.usage_path, sizeof(g_cgpu.usage_path), "%s/%s", dir, CGPU_USAGE_FILE);
+    return 0;
+}
+
+/* A forked child must not share its parent's ledger (or its lock): it gets
+ * its own when it first allocates. Only async-signal-safe calls here. */
+static void after_fork_child(void)
+{
+    pthread_mutex_init(&g_cgpu.ledger_lock, NULL);
+    if (g_cgpu.usage_fd >= 0)
+        close(g_cgpu.usage_fd);
+    g_cgpu.usage_fd = -1;
+    g_cgpu.ledger = -1;
+}
+
+/* Caller holds ledger_lock. */
+int cgpu_claim_ledger_locked(void)
+{
+    if (g_cgpu.ledger >= 0)
+        return 0;
+    if (g_cgpu.usage_fd < 0) {
+        g_cgpu.usage_fd = open(g_cgpu.usage_path, O_RDWR | O_CLOEXEC);
+        if (g_cgpu.usage_fd < 0)
+            return -1;
+    }
+    g_cgpu.ledger = cgpu_ledger_claim(g_cgpu.usage, g_cgpu.usage_fd, (int32_t)getpid());
+    return g_cgpu.ledger >= 0 ? 0 : -1;
+}
+
+static const char *region_dir(void)
+{
+    /* Inside a container the mounted region is authoritative: the
+     * environment cannot point the library anywhere else. */
+    if (access(CGPU_REGION_FIXED_DIR "/" CGPU_LIMITS_FILE, F_OK) == 0)
+        return CGPU_REGION_FIXED_DIR;
+    const char *env = getenv(CGPU_REGION_ENV);
+    return env && env[0] ? env : NULL;
+}
+
+static void init_locked(void)
+{
+    g_cgpu.log_level = env_log_level();
+    const char *dir = region_dir();
+    if (!dir) {
+        atomic_store(&g_cgpu.state, CGPU_PASSTHROUGH);
+        return;
+    }
+    char err[512] = "";
+    if (load_limits(dir, err, sizeof(err)) != 0 || load_usage(dir, err, sizeof(err)) != 0 ||
+        cgpu_claim_ledger_locked() != 0) {
+        if (!err[0])
+            snprintf(err, sizeof(err), "all %d process ledgers of %s are taken", CGPU_MAX_PROCS, dir);
+        /* Fail closed, loudly: a broken region must not mean "unlimited". */
+        fprintf(stderr, "cgpu[%d]: GPU memory limits unavailable (%s); device allocations will fail\n",
+                (int)getpid(), err);
+        atomic_store(&g_cgpu.state, CGPU_BROKEN);
+        return;
+    }
+    /* Usage left by processes that died since the last one looked. */
+    cgpu_ledger_reap(g_cgpu.usage, g_cgpu.usage_fd, g_cgpu.ledger);
+    pthread_atfork(NULL, NULL, after_fork_child);
+    cgpu_log(CGPU_LOG_INFO, "instance region %s: %u device(s)", dir, g_cgpu.device_count);
+    atomic_store(&g_cgpu.state, CGPU_ACTIVE);
+}
+
+void cgpu_init_slow(void)
+{
+    static pthread_mutex_t init_lock = PTHREAD_MUTEX_INITIALIZER;
+    pthread_mutex_lock(&init_lock);
+    if (atomic_load(&g_cgpu.state) == CGPU_UNINIT) {
+        pthread_mutex_lock(&g_cgpu.ledger_lock);
+        init_locked();
+        pthread_mutex_unlock(&g_cgpu.ledger_lock);
+    }
+    pthread_mutex_unlock(&init_lock);
+}

@@ -1,0 +1,191 @@
+#define _GNU_SOURCE
+#include "region.h"
+
+#include <fcntl.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+uint64_t cgpu_region_checksum(const void *data, size_t len)
+{
+    const unsigned char *p = data;
+    uint64_t h = 1469598103934665603ULL; /* FNV-1a */
+    for (size_t i = 0; i < len; i++) {
+        h ^= p[i];
+        h *= 1099511628211ULL;
+    }
+    return h;
+}
+
+int cgpu_limits_check(const struct cgpu_limits *l, size_t file_size, char *err, size_t errlen)
+{
+    if (file_size < sizeof(*l) || l->magic != CGPU_LIMITS_MAGIC) {
+        snprintf(err, errlen, "not a cgpu limits region (bad size or magic)");
+        return -1;
+    }
+    if (l->version != CGPU_REGION_VERSION || l->size != sizeof(*l)) {
+        snprintf(err, errlen, "limits region version %u (size %u); this library reads version %d (size %zu)",
+                 l->version, l->size, CGPU_REGION_VERSION, sizeof(*l));
+        return -1;
+    }
+    if (l->checksum != cgpu_region_checksum(l, offsetof(struct cgpu_limits, checksum))) {
+        snprintf(err, errlen, "limits region checksum mismatch: the file is damaged");
+        return -1;
+    }
+    if (l->device_count == 0 || l->device_count > CGPU_MAX_DEVICES) {
+        snprintf(err, errlen, "limits region names %u devices (1-%d allowed)", l->device_count, CGPU_MAX_DEVICES);
+        return -1;
+    }
+    if (memchr(l->instance_id, '\0', sizeof(l->instance_id)) == NULL) {
+        snprintf(err, errlen, "limits region instance id is not terminated");
+        return -1;
+    }
+    if (l->log_level > CGPU_LOG_DEBUG) {
+        snprintf(err, errlen, "limits region log level %u is not 0-3", l->log_level);
+        return -1;
+    }
+    for (unsigned i = 0; i < l->device_count; i++) {
+        if (memchr(l->device[i].uuid, '\0', sizeof(l->device[i].uuid)) == NULL || l->device[i].uuid[0] == '\0') {
+            snprintf(err, errlen, "limits region device %u has no UUID", i);
+            return -1;
+        }
+        if (l->device[i].core_percent > 100) {
+            snprintf(err, errlen, "limits region device %u has a compute share over 100%%", i);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+int cgpu_usage_check(const struct cgpu_usage *u, size_t file_size, char *err, size_t errlen)
+{
+    if (file_size < sizeof(*u) || u->magic != CGPU_USAGE_MAGIC) {
+        snprintf(err, errlen, "not a cgpu usage region (bad size or magic)");
+        return -1;
+    }
+    if (u->version != CGPU_REGION_VERSION || u->size != sizeof(*u)) {
+        snprintf(err, errlen, "usage region version %u (size %u); this library reads version %d (size %zu)",
+                 u->version, u->size, CGPU_REGION_VERSION, sizeof(*u));
+        return -1;
+    }
+    return 0;
+}
+
+static int ledger_lock(int fd, int i, short type)
+{
+    struct flock fl = {.l_type = type, .l_whence = SEEK_SET, .l_start = CGPU_LEDGER_LOCK_OFFSET(i), .l_len = 1};
+    return fcntl(fd, F_OFD_SETLK, &fl);
+}
+
+/* Subtracts without wrapping: the usage file is writable by the tenant, and
+ * a counter that wrapped would lock the whole instance out of memory. */
+static void sub_floor(_Atomic uint64_t *v, uint64_t n)
+{
+    uint64_t cur = atomic_load_explicit(v, memory_order_relaxed);
+    while (!atomic_compare_exchange_weak_explicit(v, &cur, cur > n ? cur - n : 0, memory_order_acq_rel,
+                                                  memory_order_relaxed)) {
+    }
+}
+
+/* Gives a dead process's usage back to the instance. */
+static void release_ledger(struct cgpu_usage *u, int i)
+{
+    struct cgpu_proc_ledger *p = &u->proc[i];
+    for (unsigned d = 0; d < CGPU_MAX_DEVICES; d++) {
+        uint64_t held = atomic_exchange(&p->used[d], 0);
+        if (held)
+            sub_floor(&u->device[d].used, held);
+    }
+}
+
+static int claim_free(struct cgpu_usage *u, int fd, int32_t pid)
+{
+    for (int i = 0; i < CGPU_MAX_PROCS; i++) {
+        struct cgpu_proc_ledger *p = &u->proc[i];
+        /* Only free ledgers: a live one whose lock we get may be held by
+         * this very file description, not by a dead process. */
+        if (atomic_load(&p->state) != CGPU_LEDGER_FREE || ledger_lock(fd, i, F_WRLCK) != 0)
+            continue;
+        uint32_t expect = CGPU_LEDGER_FREE;
+        if (!atomic_compare_exchange_strong(&p->state, &expect, CGPU_LEDGER_CLAIMING)) {
+            ledger_lock(fd, i, F_UNLCK);
+            continue;
+        }
+        for (unsigned d = 0; d < CGPU_MAX_DEVICES; d++)
+            atomic_store(&p->used[d], 0);
+        atomic_store(&p->pid, pid);
+        atomic_store(&p->state, CGPU_LEDGER_LIVE);
+        return i;
+    }
+    return -1;
+}
+
+int cgpu_ledger_claim(struct cgpu_usage *u, int fd, int32_t pid)
+{
+    int i = claim_free(u, fd, pid);
+    if (i < 0 && cgpu_ledger_reap(u, fd, -1) > 0)
+        i = claim_free(u, fd, pid);
+    return i;
+}
+
+int cgpu_ledger_reap(struct cgpu_usage *u, int fd, int self)
+{
+    int reaped = 0;
+    for (int i = 0; i < CGPU_MAX_PROCS; i++) {
+        struct cgpu_proc_ledger *p = &u->proc[i];
+        if (i == self || atomic_load(&p->state) != CGPU_LEDGER_LIVE)
+            continue;
+        if (ledger_lock(fd, i, F_WRLCK) != 0)
+            continue; /* owner alive */
+        uint32_t live = CGPU_LEDGER_LIVE;
+        if (atomic_compare_exchange_strong(&p->state, &live, CGPU_LEDGER_CLAIMING)) {
+            release_ledger(u, i);
+            atomic_store(&p->pid, 0);
+            atomic_store(&p->state, CGPU_LEDGER_FREE);
+            reaped++;
+        }
+        ledger_lock(fd, i, F_UNLCK);
+    }
+    return reaped;
+}
+
+bool cgpu_usage_reserve(struct cgpu_usage *u, unsigned dev, uint64_t limit, uint64_t bytes)
+{
+    if (dev >= CGPU_MAX_DEVICES)
+        return false;
+    _Atomic uint64_t *used = &u->device[dev].used;
+    uint64_t cur = atomic_load_explicit(used, memory_order_relaxed);
+    while (bytes <= limit && cur <= limit - bytes) {
+        if (atomic_compare_exchange_weak_explicit(used, &cur, cur + bytes, memory_order_acq_rel,
+                                                  memory_order_relaxed))
+            return true;
+    }
+    return false;
+}
+
+void cgpu_usage_unreserve(struct cgpu_usage *u, unsigned dev, uint64_t bytes)
+{
+    if (dev < CGPU_MAX_DEVICES)
+        sub_floor(&u->device[dev].used, bytes);
+}
+
+bool cgpu_ledger_charge(struct cgpu_usage *u, int ledger, unsigned dev, uint64_t limit, uint64_t bytes)
+{
+    if (ledger < 0 || ledger >= CGPU_MAX_PROCS || !cgpu_usage_reserve(u, dev, limit, bytes))
+        return false;
+    /* Device first, ledger second: a process killed in between leaves the
+     * bytes counted (safe) rather than a ledger the reaper would subtract
+     * from a device that never had them. */
+    atomic_fetch_add_explicit(&u->proc[ledger].used[dev], bytes, memory_order_relaxed);
+    return true;
+}
+
+void cgpu_ledger_uncharge(struct cgpu_usage *u, int ledger, unsigned dev, uint64_t bytes)
+{
+    if (dev >= CGPU_MAX_DEVICES)
+        return;
+    if (ledger >= 0 && ledger < CGPU_MAX_PROCS)
+        sub_floor(&u->proc[ledger].used[dev], bytes);
+    sub_floor(&u->device[dev].used, bytes);
+}

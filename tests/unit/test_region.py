@@ -1,0 +1,424 @@
+"""The instance region as cgpud writes and watches it: real files in tmp_path,
+real tenant processes that claim ledgers, charge, and die."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import stat
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cgpud._region import ffi, lib
+from cgpud.daemon.region import (
+    LIMITS_FILE,
+    MAX_DEVICES,
+    USAGE_FILE,
+    DeviceLimit,
+    InstanceLimits,
+    RegionError,
+    UsageRegion,
+    read_limits,
+    write_region,
+)
+
+MIB = 1 << 20
+GIB = 1 << 30
+
+
+def one_gpu(mem_limit: int = 4 * GIB, instance_id: str = "inst-1") -> InstanceLimits:
+    return InstanceLimits(instance_id, (DeviceLimit("GPU-0", mem_limit, host_index=0),))
+
+
+# ------------------------------------------------------------ tenants
+
+# A stand-in for a process of the instance running under libcgpu.so: claims
+# a ledger, charges, reports on stdout, holds the ledger until stdin closes.
+TENANT = """
+import os, sys
+from pathlib import Path
+from cgpud.daemon.region import UsageRegion
+directory, mode, device, limit, chunk = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
+with UsageRegion(Path(directory)) as region:
+    ledger = region.claim(os.getpid())
+    if mode == "once":
+        print("ready", ledger, int(region.charge(ledger, device, limit, chunk)), flush=True)
+    else:  # fill: on "go", charge chunks until refused
+        print("ready", ledger, flush=True)
+        sys.stdin.readline()
+        total = 0
+        while region.charge(ledger, device, limit, chunk):
+            total += chunk
+        print("done", ledger, total, flush=True)
+    sys.stdin.readline()
+"""
+
+
+@dataclass
+class Tenant:
+    proc: subprocess.Popen[str]
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def expect(self, word: str) -> list[int]:
+        """The numbers on the tenant's next line, which must start with `word`."""
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()  # EOF if the tenant died: no hang
+        assert line.split()[:1] == [word], f"tenant {self.pid} said {line!r}"
+        return [int(x) for x in line.split()[1:]]
+
+    def tell(self, text: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(text)
+        self.proc.stdin.flush()
+
+    def kill(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
+        assert self.proc.wait(timeout=10) == -signal.SIGKILL
+
+    def exit(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        assert self.proc.wait(timeout=10) == 0
+
+
+@pytest.fixture
+def spawn(tmp_path: Path) -> Iterator[Callable[..., Tenant]]:
+    started: list[Tenant] = []
+
+    def start(mode: str, device: int, limit: int, chunk: int, directory: Path = tmp_path) -> Tenant:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", TENANT, str(directory), mode, str(device), str(limit), str(chunk)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        started.append(Tenant(proc))
+        return started[-1]
+
+    yield start
+    for tenant in started:
+        if tenant.proc.poll() is None:
+            tenant.proc.kill()
+        tenant.proc.wait(timeout=10)
+        for stream in (tenant.proc.stdin, tenant.proc.stdout):
+            if stream is not None:
+                stream.close()
+
+
+# ------------------------------------------------------- limits values
+
+MAXED = InstanceLimits(
+    "i" * 63,
+    tuple(
+        DeviceLimit(f"GPU-{n:02d}".ljust(95, "x"), 2**64 - 1, n, core_percent=100, weight=2**32 - 1, priority=n)
+        for n in range(MAX_DEVICES)
+    ),
+    log_level=3,
+    compute_policy=2**32 - 1,
+)
+
+
+@pytest.mark.parametrize(
+    "limits",
+    [
+        pytest.param(one_gpu(), id="one-gpu"),
+        pytest.param(
+            InstanceLimits(
+                "pod-a/c",
+                (DeviceLimit("GPU-a", 0, 3), DeviceLimit("GPU-b", 5 * GIB + 1, 1, core_percent=30, weight=2)),
+                log_level=1,
+                compute_policy=0,
+            ),
+            id="two-gpus-zero-limit",
+        ),
+        pytest.param(MAXED, id="every-field-at-its-maximum"),
+    ],
+)
+def test_limits_roundtrip(tmp_path: Path, limits: InstanceLimits) -> None:
+    write_region(tmp_path / "r", limits)
+    assert read_limits(tmp_path / "r") == limits
+    # Temp files were renamed into place, none left behind.
+    assert sorted(os.listdir(tmp_path / "r")) == sorted([LIMITS_FILE, USAGE_FILE])
+
+
+def test_modes_do_not_depend_on_umask(tmp_path: Path) -> None:
+    old = os.umask(0o077)
+    try:
+        write_region(tmp_path / "a" / "b", one_gpu())
+    finally:
+        os.umask(old)
+    mode = lambda p: stat.S_IMODE(os.stat(p).st_mode)  # noqa: E731
+    assert mode(tmp_path / "a" / "b") == 0o755
+    assert mode(tmp_path / "a" / "b" / LIMITS_FILE) == 0o644
+    assert mode(tmp_path / "a" / "b" / USAGE_FILE) == 0o666
+
+
+def test_new_usage_file_is_empty(tmp_path: Path) -> None:
+    write_region(tmp_path, one_gpu())
+    data = (tmp_path / USAGE_FILE).read_bytes()
+    header = ffi.offsetof("struct cgpu_usage", "device")
+    assert len(data) == ffi.sizeof("struct cgpu_usage")
+    assert data[header:] == bytes(len(data) - header)
+    with UsageRegion(tmp_path) as region:
+        assert region.ledgers() == []
+
+
+def _device(**kw: Any) -> DeviceLimit:
+    return DeviceLimit(**{"uuid": "GPU-0", "mem_limit": GIB, "host_index": 0, **kw})
+
+
+def _instance(**kw: Any) -> InstanceLimits:
+    return InstanceLimits(**{"instance_id": "inst", "devices": (_device(),), **kw})
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        pytest.param(lambda: _instance(devices=()), "instance inst has 0 devices; 1 to 16 allowed", id="no-device"),
+        pytest.param(
+            lambda: _instance(devices=tuple(_device(uuid=f"GPU-{n}") for n in range(17))),
+            "instance inst has 17 devices; 1 to 16 allowed",
+            id="17-devices",
+        ),
+        pytest.param(
+            lambda: _instance(devices=(_device(), _device(host_index=1))),
+            "instance inst names device GPU-0 more than once",
+            id="duplicate-uuid",
+        ),
+        pytest.param(lambda: _device(uuid=""), "device UUID is empty", id="empty-uuid"),
+        pytest.param(lambda: _device(uuid="G" * 96), "is 96 bytes; at most 95 fit", id="uuid-too-long"),
+        pytest.param(lambda: _device(uuid="GPU-\0x"), "contains a NUL character", id="uuid-nul"),
+        pytest.param(lambda: _instance(instance_id=""), "instance id is empty", id="empty-instance-id"),
+        pytest.param(lambda: _instance(instance_id="i" * 64), "is 64 bytes; at most 63 fit", id="instance-id-too-long"),
+        pytest.param(
+            lambda: _device(mem_limit=-1),
+            "memory limit of GPU-0 is -1; it must be between 0 and 18446744073709551615",
+            id="negative-mem-limit",
+        ),
+        pytest.param(lambda: _device(mem_limit=2**64), "memory limit of GPU-0 is 18446744073709551616", id="huge-mem"),
+        pytest.param(
+            lambda: _device(core_percent=101), "core percent of GPU-0 is 101; it must be between 0 and 100", id="core-101"
+        ),
+        pytest.param(lambda: _device(core_percent=-1), "core percent of GPU-0 is -1", id="core-negative"),
+        pytest.param(lambda: _device(host_index=-1), "host index of GPU-0 is -1", id="host-index-negative"),
+        pytest.param(
+            lambda: _instance(log_level=4), "log level of instance inst is 4; it must be between 0 and 3", id="log-4"
+        ),
+        pytest.param(lambda: _instance(log_level=-1), "log level of instance inst is -1", id="log-negative"),
+    ],
+)
+def test_invalid_limits_are_refused(make: Callable[[], object], message: str) -> None:
+    with pytest.raises(RegionError, match=re.escape(message)):
+        make()
+
+
+# ---------------------------------------------------- damaged limits file
+
+
+def _patch_struct(path: Path, ctype: str, edit: Callable[[Any], None]) -> None:
+    data = bytearray(path.read_bytes())
+    edit(ffi.from_buffer(f"{ctype} *", data, require_writable=True))
+    path.write_bytes(bytes(data))
+
+
+def _flip_mem_limit_byte(path: Path) -> None:
+    # The top byte of GPU 0's limit: a tampered file that would raise the limit.
+    at = ffi.offsetof("struct cgpu_limits", "device") + ffi.offsetof("struct cgpu_device_limit", "mem_limit") + 7
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _set_log_level_resealed(path: Path) -> None:
+    # Valid for C (checksum recomputed) but out of range for Python.
+    def edit(raw: Any) -> None:
+        raw.log_level = 9
+        raw.checksum = lib.cgpu_region_checksum(raw, ffi.offsetof("struct cgpu_limits", "checksum"))
+
+    _patch_struct(path, "struct cgpu_limits", edit)
+
+
+def _set(field: str, value: int) -> Callable[[Path], None]:
+    return lambda path: _patch_struct(path, "struct cgpu_limits", lambda raw: setattr(raw, field, value))
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        pytest.param(_flip_mem_limit_byte, "limits region checksum mismatch: the file is damaged", id="flipped-byte"),
+        pytest.param(_set("magic", 0x1234), "not a cgpu limits region (bad size or magic)", id="magic"),
+        pytest.param(_set("version", 2), "limits region version 2 (size 2024); this library reads version 1", id="version"),
+        pytest.param(_set("size", 2016), "limits region version 1 (size 2016)", id="size-field"),
+        pytest.param(lambda p: os.truncate(p, 100), "not a cgpu limits region (bad size or magic)", id="truncated"),
+        pytest.param(lambda p: os.truncate(p, 0), "not a cgpu limits region (bad size or magic)", id="empty"),
+        pytest.param(_set("device_count", 0), "limits region checksum mismatch", id="device-count-unsealed"),
+        pytest.param(_set_log_level_resealed, "limits region log level 9 is not 0-3", id="log-level-resealed"),
+        pytest.param(os.unlink, "cannot read limits region", id="missing"),
+    ],
+)
+def test_damaged_limits_are_refused_naming_the_file(
+    tmp_path: Path, damage: Callable[[Path], None], message: str
+) -> None:
+    write_region(tmp_path, one_gpu())
+    path = tmp_path / LIMITS_FILE
+    read_limits(tmp_path)  # valid before the damage
+    damage(path)
+    with pytest.raises(RegionError) as caught:
+        read_limits(tmp_path)
+    assert message in str(caught.value)
+    assert str(path) in str(caught.value)
+
+
+# ----------------------------------------------------------- usage file
+
+
+def test_rewriting_limits_keeps_a_valid_usage_file(tmp_path: Path) -> None:
+    write_region(tmp_path, one_gpu(4 * GIB))
+    inode = os.stat(tmp_path / USAGE_FILE).st_ino
+    with UsageRegion(tmp_path) as region:
+        ledger = region.claim(4242)
+        assert region.charge(ledger, 0, 4 * GIB, 3 * MIB)
+        write_region(tmp_path, one_gpu(8 * GIB))  # while a process holds a ledger
+        assert region.device_used(0) == 3 * MIB
+    assert read_limits(tmp_path).devices[0].mem_limit == 8 * GIB
+    assert os.stat(tmp_path / USAGE_FILE).st_ino == inode
+    with UsageRegion(tmp_path) as region:
+        assert region.device_used(0) == 3 * MIB
+        assert [(lg.pid, lg.used[0]) for lg in region.ledgers()] == [(4242, 3 * MIB)]
+
+
+def _usage_set(field: str, value: int) -> Callable[[Path], None]:
+    return lambda path: _patch_struct(path, "struct cgpu_usage", lambda raw: setattr(raw, field, value))
+
+
+def _symlink_elsewhere(path: Path) -> None:
+    target = path.parent / "elsewhere"
+    os.replace(path, target)
+    path.symlink_to(target)
+
+
+USAGE_DAMAGE = [
+    pytest.param(_usage_set("magic", 7), "not a cgpu usage region (bad size or magic)", id="magic"),
+    pytest.param(_usage_set("version", 3), "usage region version 3 (size 140304)", id="version"),
+    pytest.param(_usage_set("size", 64), "usage region version 1 (size 64)", id="size-field"),
+    pytest.param(lambda p: os.truncate(p, 1000), "not a cgpu usage region (bad size or magic)", id="truncated"),
+    pytest.param(lambda p: os.truncate(p, 0), "not a cgpu usage region (bad size or magic)", id="empty"),
+    pytest.param(_symlink_elsewhere, "cannot open usage region", id="symlink"),
+]
+
+
+@pytest.mark.parametrize(("damage", "message"), USAGE_DAMAGE)
+def test_damaged_usage_is_refused_naming_the_file(
+    tmp_path: Path, damage: Callable[[Path], None], message: str
+) -> None:
+    write_region(tmp_path, one_gpu())
+    damage(tmp_path / USAGE_FILE)
+    with pytest.raises(RegionError) as caught:
+        UsageRegion(tmp_path)
+    assert message in str(caught.value)
+    assert str(tmp_path / USAGE_FILE) in str(caught.value)
+
+
+@pytest.mark.parametrize(("damage", "message"), USAGE_DAMAGE)
+def test_damaged_usage_is_replaced(tmp_path: Path, damage: Callable[[Path], None], message: str) -> None:
+    write_region(tmp_path, one_gpu())
+    with UsageRegion(tmp_path) as region:
+        assert region.charge(region.claim(1), 0, GIB, MIB)
+    damage(tmp_path / USAGE_FILE)
+    write_region(tmp_path, one_gpu())
+    path = tmp_path / USAGE_FILE
+    assert not path.is_symlink()
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o666
+    with UsageRegion(tmp_path) as region:
+        assert region.device_used(0) == 0
+        assert region.ledgers() == []
+
+
+# ------------------------------------------------------- charging, reaping
+
+
+def test_refused_charge_changes_nothing(tmp_path: Path) -> None:
+    write_region(tmp_path, one_gpu())
+    with UsageRegion(tmp_path) as region:
+        ledger = region.claim(7)
+        assert region.charge(ledger, 1, MIB, MIB)
+        assert not region.charge(ledger, 1, MIB, 1)
+        assert region.device_used(1) == MIB
+        assert region.ledgers()[0].used[1] == MIB
+        with pytest.raises(RegionError, match="ledger 999 was not claimed"):
+            region.charge(999, 0, GIB, 1)
+        with pytest.raises(RegionError, match="device index is 16; it must be between 0 and 15"):
+            region.charge(ledger, MAX_DEVICES, GIB, 1)
+
+
+def test_own_ledgers_are_distinct_and_not_reaped(tmp_path: Path) -> None:
+    write_region(tmp_path, one_gpu())
+    with UsageRegion(tmp_path) as region:
+        first, second = region.claim(10), region.claim(11)
+        assert first != second
+        assert region.charge(first, 0, GIB, MIB)
+        assert region.charge(second, 0, GIB, 2 * MIB)
+        assert region.reap() == 0
+        assert {(lg.pid, lg.used[0]) for lg in region.ledgers()} == {(10, MIB), (11, 2 * MIB)}
+        assert region.device_used(0) == 3 * MIB
+
+
+def test_killed_tenant_is_reaped(tmp_path: Path, spawn: Callable[..., Tenant]) -> None:
+    write_region(tmp_path, one_gpu())
+    tenant = spawn("once", 0, 4 * GIB, GIB)
+    assert tenant.expect("ready")[1] == 1  # charged
+    with UsageRegion(tmp_path) as region:
+        assert region.device_used(0) == GIB
+        assert [(lg.pid, lg.used[0]) for lg in region.ledgers()] == [(tenant.pid, GIB)]
+        assert region.reap() == 0  # alive: its lock is held
+        tenant.kill()
+        assert region.reap() == 1
+        assert region.device_used(0) == 0
+        assert region.ledgers() == []
+        assert region.reap() == 0
+
+
+def test_live_tenant_is_not_reaped(tmp_path: Path, spawn: Callable[..., Tenant]) -> None:
+    write_region(tmp_path, one_gpu())
+    dead, live = spawn("once", 0, 4 * GIB, GIB), spawn("once", 0, 4 * GIB, GIB)
+    assert dead.expect("ready")[1] == 1
+    assert live.expect("ready")[1] == 1
+    with UsageRegion(tmp_path) as region:
+        assert region.device_used(0) == 2 * GIB
+        dead.kill()
+        assert region.reap() == 1
+        assert region.device_used(0) == GIB
+        assert [(lg.pid, lg.used[0]) for lg in region.ledgers()] == [(live.pid, GIB)]
+        live.exit()  # a clean exit drops the lock too: reapable now
+        assert region.reap() == 1
+        assert region.device_used(0) == 0
+
+
+@pytest.mark.parametrize(
+    ("device", "limit"),
+    [pytest.param(0, 4 * GIB, id="4GiB-dev0"), pytest.param(15, 16 * GIB, id="16GiB-dev15")],
+)
+def test_concurrent_charging_stops_exactly_at_the_limit(
+    tmp_path: Path, spawn: Callable[..., Tenant], device: int, limit: int
+) -> None:
+    write_region(tmp_path, one_gpu())
+    tenants = [spawn("fill", device, limit, MIB) for _ in range(8)]
+    for tenant in tenants:
+        tenant.expect("ready")
+    for tenant in tenants:  # all are waiting: release them together
+        tenant.tell("go\n")
+    totals = {tenant.pid: tenant.expect("done")[1] for tenant in tenants}
+    assert sum(totals.values()) == limit
+    assert sum(1 for total in totals.values() if total) >= 2, f"no race happened: {totals}"
+    with UsageRegion(tmp_path) as region:
+        assert region.device_used(device) == limit
+        assert {lg.pid: lg.used[device] for lg in region.ledgers()} == totals
