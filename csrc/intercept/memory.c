@@ -476,6 +476,20 @@ CGPU_EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle, const CUD
     return create_array((void **)pHandle, total, HOOK_cuMipmappedArrayCreate, d, numMipmapLevels);
 }
 
+/* Graph memory nodes allocate when the graph runs and free when a free node
+ * or a trim says so: no moment to charge them exactly. Under a limit they
+ * are refused, as cGPU refuses what it cannot account; a runtime falls back
+ * to ordinary allocations. */
+CGPU_EXPORT CUresult cuGraphAddMemAllocNode(CUgraphNode *phGraphNode, CUgraph hGraph, const CUgraphNode *dependencies,
+                                            size_t numDependencies, CUDA_MEM_ALLOC_NODE_PARAMS *nodeParams)
+{
+    if (cgpu_state() != CGPU_PASSTHROUGH) {
+        cgpu_log(CGPU_LOG_INFO, "graph memory nodes are not supported under a memory limit");
+        return CUDA_ERROR_NOT_SUPPORTED;
+    }
+    return CALL_REAL(cuGraphAddMemAllocNode, phGraphNode, hGraph, dependencies, numDependencies, nodeParams);
+}
+
 CGPU_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr)
 {
     RELEASING_CALL(KIND_POINTER, dptr, cuMemFree_v2, dptr);

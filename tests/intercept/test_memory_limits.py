@@ -299,3 +299,15 @@ def test_forked_children_get_their_own_ledger(instance):
     """)
     # Each process charged its own ledger; the child's 512 MiB came back when it exited.
     assert got == [[True, True], 1024]
+
+
+def test_graph_memory_nodes_are_refused_under_a_limit(instance, libcgpu):
+    # Called on the library directly: the simulated driver has no graph memory nodes.
+    got = run_py(instance({0: GIB}), f"""
+        import ctypes as C, json; from cudapy import Driver
+        cu = Driver(); cu.init_device(0)
+        ours = C.CDLL({str(libcgpu)!r})
+        params = (C.c_char * 128)()
+        print(json.dumps(cu.error_name(ours.cuGraphAddMemAllocNode(C.byref(C.c_void_p()), None, None, C.c_size_t(0), params))))
+    """)
+    assert got == "CUDA_ERROR_NOT_SUPPORTED"

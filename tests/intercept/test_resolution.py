@@ -177,6 +177,7 @@ ALLOCATING_IN_CUDART = {
     "cuArrayCreate": "cuArrayCreate_v2", "cuArrayCreate_v2": "cuArrayCreate_v2",
     "cuArray3DCreate": "cuArray3DCreate_v2", "cuArray3DCreate_v2": "cuArray3DCreate_v2",
     "cuMipmappedArrayCreate": "cuMipmappedArrayCreate",
+    "cuGraphAddMemAllocNode": "cuGraphAddMemAllocNode",  # refused under a limit
 }
 # Named by the runtime and matching the allocation patterns below, but not
 # new device memory of this instance, with the reason.
@@ -191,7 +192,6 @@ NOT_INSTANCE_MEMORY = {
     "cuGraphicsResourceGetMappedMipmappedArray": "graphics interop", "cuGraphicsSubResourceGetMappedArray": "same",
     "cuMipmappedArrayGetLevel": "a view of an existing array",
     "cuMemPoolCreate": "a pool allocates through cuMemAllocFromPoolAsync",
-    "cuGraphAddMemAllocNode": "not yet accounted: graph memory nodes (stream-captured cudaMallocAsync)",
     "cuGraphMemAllocNodeGetParams": "a query",
     "cuMemPoolImportFromShareableHandle": "opens another process's pool",
     "cuImportExternalSemaphore": "a semaphore, no memory",

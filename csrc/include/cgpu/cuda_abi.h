@@ -337,7 +337,19 @@ typedef struct CUctxCreateParams_st {
     CUctxCigParam *cigParams;
 } CUctxCreateParams;
 
+typedef struct CUDA_MEM_ALLOC_NODE_PARAMS_v1_st {
+    CUmemPoolProps poolProps;
+    const CUmemAccessDesc *accessDescs;
+    size_t accessDescCount;
+    size_t bytesize;
+    CUdeviceptr dptr;
+} CUDA_MEM_ALLOC_NODE_PARAMS;
+
 #include "cuda_functions.h"
+
+/* Intercepted by libcgpu.so, not implemented by the simulation. */
+CUresult CUDAAPI cuGraphAddMemAllocNode(CUgraphNode *phGraphNode, CUgraph hGraph, const CUgraphNode *dependencies,
+                                        size_t numDependencies, CUDA_MEM_ALLOC_NODE_PARAMS *nodeParams);
 
 #endif /* CGPU_USE_REAL_CUDA_H */
 #endif /* CGPU_CUDA_ABI_H */
