@@ -1,0 +1,336 @@
+"""Overhead of libcgpu.so per intercepted CUDA driver call.
+
+Builds bench/intercept_calls.c, creates a private simulated machine (one GPU of
+16 GiB) and an instance region with an 8 GiB memory limit on it, then for each
+mode (cuLaunchKernel, cuMemAlloc_v2+cuMemFree_v2, cuMemGetInfo_v2) runs, side
+by side and interleaved, R rounds of {bare driver, driver + LD_PRELOAD=libcgpu.so}
+and reports the median ns per call of each, the ns added and the ratio. Then it
+counts instructions per call with callgrind, which does not drift with load:
+(Ir(2N) - Ir(N)) / N for each configuration, so start-up and warm-up cancel.
+
+Prints a table and the targets with PASS/FAIL. It is a report: the exit status
+is 0 whether or not a target is met, 1 on an error (build, setup, a failed CUDA
+call), 2 on a bad argument.
+
+Run from anywhere (it works from the repository root):
+    /tmp/v/bin/python bench/bench_intercept.py [--rounds 7] [--calls 200000]
+        [--modes launch,allocfree,meminfo] [--no-callgrind]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from cgpud.daemon.region import DeviceLimit, InstanceLimits, write_region  # noqa: E402
+from cgpud.native import native_dir  # noqa: E402
+
+MODES = ("launch", "allocfree", "meminfo")
+LABELS = {
+    "launch": "cuLaunchKernel",
+    "allocfree": "cuMemAlloc_v2+cuMemFree_v2",
+    "meminfo": "cuMemGetInfo_v2",
+}
+MEM_LIMIT = 8 << 30
+SIM_CONFIG = 'gpu name="NVIDIA H100 80GB HBM3" mem=16GiB sms=132\n'
+RUN_TIMEOUT_S = 300
+
+# (mode, metric, limit, unit, description) -- from the issue.
+TARGETS = (
+    ("launch", "ns", 50.0, "ns", "cuLaunchKernel (no compute limit) added time"),
+    ("launch", "ir", 150.0, "instructions", "cuLaunchKernel (no compute limit) added instructions"),
+    ("allocfree", "ns", 1000.0, "ns", "cuMemAlloc_v2+cuMemFree_v2 pair added time"),
+)
+
+
+class BenchError(Exception):
+    """The benchmark could not run; the message says what failed."""
+
+
+@dataclass
+class ModeResult:
+    bare_ns: list[float] = field(default_factory=list)
+    cgpu_ns: list[float] = field(default_factory=list)
+    bare_ir: float | None = None
+    cgpu_ir: float | None = None
+    intercepted: dict[str, bool] = field(default_factory=dict)
+
+    def median(self, which: str) -> float:
+        return statistics.median(self.bare_ns if which == "bare" else self.cgpu_ns)
+
+    def spread(self, which: str) -> float:
+        """Interquartile range of the rounds: how far apart the middle half lies."""
+        values = self.bare_ns if which == "bare" else self.cgpu_ns
+        if len(values) < 2:
+            return 0.0
+        q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+        return q3 - q1
+
+    @property
+    def added_ns(self) -> float:
+        return self.median("cgpu") - self.median("bare")
+
+    @property
+    def ratio(self) -> float:
+        return self.median("cgpu") / self.median("bare")
+
+    @property
+    def added_ir(self) -> float | None:
+        if self.bare_ir is None or self.cgpu_ir is None:
+            return None
+        return self.cgpu_ir - self.bare_ir
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=7, help="interleaved rounds per mode (7)")
+    p.add_argument("--calls", type=int, default=200000, help="timed calls per run (200000)")
+    p.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help=f"comma-separated subset of {','.join(MODES)} (all)",
+    )
+    p.add_argument("--no-callgrind", action="store_true", help="skip the instruction counts")
+    p.add_argument(
+        "--callgrind-calls",
+        type=int,
+        default=2000,
+        help="N for the instruction counts: runs with N and 2N calls (2000)",
+    )
+    p.add_argument(
+        "--library",
+        type=Path,
+        default=None,
+        help="interception library to preload (the built lib/libcgpu.so)",
+    )
+    args = p.parse_args(argv)
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in args.modes if m not in MODES]
+    if bad or not args.modes:
+        p.error(f"--modes: unknown mode {', '.join(bad) or '(none)'}; choose from {', '.join(MODES)}")
+    if args.rounds < 1 or args.calls < 1 or args.callgrind_calls < 1:
+        p.error("--rounds, --calls and --callgrind-calls must be at least 1")
+    return args
+
+
+def run(cmd: list[str], env: dict[str, str], what: str) -> subprocess.CompletedProcess[str]:
+    try:
+        proc = subprocess.run(
+            cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise BenchError(f"{what}: {shlex.join(cmd)}: {exc}") from exc
+    if proc.returncode != 0:
+        detail = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-5:]
+        raise BenchError(f"{what} exited {proc.returncode}: {shlex.join(cmd)}\n  " + "\n  ".join(detail))
+    return proc
+
+
+def build(workdir: Path) -> tuple[Path, list[str]]:
+    cc = os.environ.get("CC", "cc")
+    exe = workdir / "intercept_calls"
+    cmd = [cc, "-O2", "-g", "-std=c11", "-Wall", "-Wextra", "-I", "csrc/include",
+           "bench/intercept_calls.c", "-o", str(exe), "-ldl"]
+    run(cmd, dict(os.environ), "building bench/intercept_calls.c")
+    return exe, cmd
+
+
+def machine(workdir: Path, native: Path) -> dict[str, str]:
+    """Environment of a private simulated machine, with no preload inherited."""
+    config = workdir / "sim.conf"
+    config.write_text(SIM_CONFIG)
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "CGPU_REGION_DIR")}
+    env["LD_LIBRARY_PATH"] = str(native / "sim")
+    env["CGPU_SIM_CONFIG"] = str(config)
+    env["CGPU_SIM_STATE"] = str(workdir / "sim.state")
+    return env
+
+
+def gpu0_uuid(native: Path, env: dict[str, str]) -> str:
+    """Asked of the simulated driver (cgpu-burn reports it), not assumed."""
+    burn = native / "bin" / "cgpu-burn"
+    if not burn.exists():
+        raise BenchError(f"{burn} is missing: run `pip install -e .` in {ROOT}")
+    out = run([str(burn)], env, "reading GPU 0's UUID with cgpu-burn").stdout
+    return json.loads(out)["uuid"]
+
+
+def parse_report(out: str, what: str) -> dict:
+    """The JSON line of intercept_calls, which must report no failed call."""
+    try:
+        report = json.loads(out)
+    except json.JSONDecodeError as exc:
+        raise BenchError(f"{what}: unreadable output {out!r}") from exc
+    if report.get("error"):
+        raise BenchError(f"{what}: {report['error']}")
+    return report
+
+
+def measure(exe: Path, mode: str, calls: int, env: dict[str, str], what: str) -> dict:
+    return parse_report(run([str(exe), mode, str(calls)], env, what).stdout, what)
+
+
+def resolved_in(report: dict, path: Path) -> dict[str, bool]:
+    return {fn: Path(where).resolve() == path.resolve() for fn, where in report["resolved_from"].items()}
+
+
+def timed_rounds(exe: Path, mode: str, args: argparse.Namespace, envs: dict[str, dict[str, str]],
+                 driver: Path, library: Path) -> ModeResult:
+    result = ModeResult()
+    for r in range(args.rounds):
+        # Alternate which configuration goes first so that neither always
+        # runs on a warmer (or busier) machine.
+        order = ("bare", "cgpu") if r % 2 == 0 else ("cgpu", "bare")
+        for config in order:
+            report = measure(exe, mode, args.calls, envs[config], f"{mode} round {r + 1} ({config})")
+            if config == "bare":
+                if not all(resolved_in(report, driver).values()):
+                    raise BenchError(f"bare run of {mode} did not call the simulated driver: {report['resolved_from']}")
+                result.bare_ns.append(report["ns_per_call"])
+            else:
+                result.intercepted = resolved_in(report, library)
+                result.cgpu_ns.append(report["ns_per_call"])
+    return result
+
+
+def callgrind_ir(exe: Path, mode: str, calls: int, env: dict[str, str], out: Path, what: str) -> int:
+    cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", str(exe), mode, str(calls)]
+    parse_report(run(cmd, env, what).stdout, what)
+    for line in out.read_text().splitlines():
+        if line.startswith(("summary:", "totals:")):
+            return int(line.split()[1])
+    raise BenchError(f"{what}: no instruction total in {out}")
+
+
+def instructions(exe: Path, mode: str, n: int, env: dict[str, str], workdir: Path, config: str) -> float:
+    ir = {}
+    for calls in (n, 2 * n):
+        out = workdir / f"callgrind.{mode}.{config}.{calls}.out"
+        ir[calls] = callgrind_ir(exe, mode, calls, env, out, f"callgrind {mode} x{calls} ({config})")
+    return (ir[2 * n] - ir[n]) / n
+
+
+def fmt(value: float | None, spec: str, sign: bool = False) -> str:
+    if value is None:
+        return "-"
+    return format(value, ("+" if sign else "") + spec)
+
+
+def report(results: dict[str, ModeResult], args: argparse.Namespace, library: Path) -> None:
+    head = ("call", "bare ns", "cgpu ns", "added ns", "ratio", "bare Ir", "cgpu Ir", "added Ir")
+    rows = [
+        (
+            LABELS[m],
+            fmt(r.median("bare"), ".1f"),
+            fmt(r.median("cgpu"), ".1f"),
+            fmt(r.added_ns, ".1f", sign=True),
+            f"{r.ratio:.2f}x",
+            fmt(r.bare_ir, ".1f"),
+            fmt(r.cgpu_ir, ".1f"),
+            fmt(r.added_ir, ".1f", sign=True),
+        )
+        for m, r in results.items()
+    ]
+    widths = [max(len(row[i]) for row in (head, *rows)) for i in range(len(head))]
+    line = lambda row: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))  # noqa: E731
+    print()
+    print(f"Per call (allocfree: per alloc+free pair); ns = median of {args.rounds} interleaved rounds of "
+          f"{args.calls} calls; Ir = instructions per call (callgrind)")
+    print(line(head))
+    print(line(tuple("-" * w for w in widths)))
+    for row in rows:
+        print(line(row))
+
+    print("\nEach round (ns per call):")
+    for m, r in results.items():
+        print(f"  {m:<9} bare {' '.join(f'{v:.1f}' for v in r.bare_ns)}  (IQR {r.spread('bare'):.1f})")
+        print(f"  {'':<9} cgpu {' '.join(f'{v:.1f}' for v in r.cgpu_ns)}  (IQR {r.spread('cgpu'):.1f})")
+    for m, r in results.items():
+        direct = [fn for fn, hooked in r.intercepted.items() if not hooked]
+        if direct:
+            print(f"  note: under the preload, {', '.join(direct)} resolved to the driver itself, not to "
+                  f"{library.name}: that call is not intercepted")
+
+    print("\nTargets:")
+    for mode, metric, limit, unit, text in TARGETS:
+        r = results.get(mode)
+        value = None if r is None else (r.added_ns if metric == "ns" else r.added_ir)
+        if value is None:
+            verdict, shown = "NOT MEASURED", "-"
+        else:
+            verdict, shown = ("PASS" if value <= limit else "FAIL"), f"{value:+.1f}"
+        noise = ""
+        if r is not None and metric == "ns" and value is not None:
+            spread = max(r.spread("bare"), r.spread("cgpu"))
+            if spread > limit:
+                noise = f"  [noisy: rounds IQR {spread:.0f} ns > target; the Ir figure is the steady one]"
+        print(f"  {verdict:<12} {text}: {shown} (target <= {limit:g} {unit}){noise}")
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    native = native_dir()
+    driver = native / "sim" / "libcuda.so.1"
+    library = (args.library or native / "lib" / "libcgpu.so").resolve()
+    if args.library and not library.is_file():
+        raise BenchError(f"--library {args.library}: no such file")
+    for part in (driver, library):
+        if not part.exists():
+            raise BenchError(f"{part} is missing: run `pip install -e .` in {ROOT}")
+    if not args.no_callgrind and not shutil.which("valgrind"):
+        raise BenchError("valgrind is not installed; install it or pass --no-callgrind")
+
+    print("command:", shlex.join([sys.executable, *sys.argv]), f"(cwd {Path.cwd()})")
+    with tempfile.TemporaryDirectory(prefix="cgpu-bench-") as tmp:
+        workdir = Path(tmp)
+        exe, build_cmd = build(workdir)
+        bare = machine(workdir, native)
+        uuid = gpu0_uuid(native, bare)
+        region = workdir / "region"
+        write_region(region, InstanceLimits("bench", devices=(DeviceLimit(uuid, MEM_LIMIT, 0),)))
+        cgpu = dict(bare, LD_PRELOAD=str(library), CGPU_REGION_DIR=str(region))
+        envs = {"bare": bare, "cgpu": cgpu}
+        print("build:  ", shlex.join(build_cmd))
+        print(f"run:     LD_LIBRARY_PATH={bare['LD_LIBRARY_PATH']} CGPU_SIM_CONFIG=... CGPU_SIM_STATE=... "
+              f"[LD_PRELOAD={library} CGPU_REGION_DIR=...] intercept_calls MODE {args.calls}")
+        if not args.no_callgrind:
+            print(f"count:   valgrind --tool=callgrind --callgrind-out-file=F intercept_calls MODE "
+                  f"{args.callgrind_calls} (and {2 * args.callgrind_calls}), same two environments")
+        print(f"machine: simulated {SIM_CONFIG.strip()}; region: {MEM_LIMIT >> 30} GiB limit on {uuid}, "
+              f"no compute limit")
+        print(f"host:    {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start")
+
+        results: dict[str, ModeResult] = {}
+        for mode in args.modes:
+            results[mode] = timed_rounds(exe, mode, args, envs, driver, library)
+            print(f"  timed {mode}: bare {results[mode].median('bare'):.1f} ns, "
+                  f"cgpu {results[mode].median('cgpu'):.1f} ns", flush=True)
+        if not args.no_callgrind:
+            for mode in args.modes:
+                for config, env in envs.items():
+                    ir = instructions(exe, mode, args.callgrind_calls, env, workdir, config)
+                    setattr(results[mode], f"{config}_ir", ir)
+                print(f"  counted {mode}: bare {results[mode].bare_ir:.1f} Ir, "
+                      f"cgpu {results[mode].cgpu_ir:.1f} Ir", flush=True)
+        print(f"host:    load average {os.getloadavg()[0]:.2f} at end")
+        report(results, args, library)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except BenchError as exc:
+        print(f"bench_intercept: error: {exc}", file=sys.stderr)
+        sys.exit(1)

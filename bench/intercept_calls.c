@@ -1,0 +1,321 @@
+/* intercept_calls: the per-call cost of one CUDA driver entry point, for
+ * bench/bench_intercept.py to compare the bare driver with the driver under
+ * libcgpu.so (LD_PRELOAD).
+ *
+ *   intercept_calls MODE N [proc|dlsym]
+ *
+ * MODE is one of
+ *   launch     N x cuLaunchKernel of a PTX kernel that spins for 0 ns (no
+ *              device time, so the stream's queue never fills), on one
+ *              stream, then one cuStreamSynchronize;
+ *   allocfree  N x (cuMemAlloc_v2 of 1 MiB, cuMemFree_v2);
+ *   meminfo    N x cuMemGetInfo_v2.
+ *
+ * The driver is loaded the way the CUDA runtime loads it: dlopen("libcuda.so.1"),
+ * dlsym("cuGetProcAddress_v2"), then every function through cuGetProcAddress_v2
+ * (or, with "dlsym", by dlsym on the handle), so a preloaded interception
+ * library sees the calls as it would in a real application.
+ *
+ * After a warm-up of WARMUP calls, the N calls are timed with
+ * clock_gettime(CLOCK_MONOTONIC) around the loop (and the final synchronize in
+ * launch mode). Both the warm-up and the timed loop run in bench_measure(), so
+ * whole-program instruction counts taken with two different N differ only by
+ * the work of the extra calls.
+ *
+ * Prints one JSON object on stdout; "resolved_from" names the file that each
+ * measured function pointer lives in, so the caller can check that the
+ * interception applied. Exit codes: 0 done; 1 a CUDA call failed; 2 bad
+ * argument or setup failure (one line on stderr). */
+#define _GNU_SOURCE /* dladdr */
+
+#include <dlfcn.h>
+#include <errno.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "cgpu/cuda_abi.h"
+
+/* The base names below resolve, at this version, to the variants typed here. */
+#define BENCH_CUDA_VERSION 12000
+#define WARMUP 1000
+#define ALLOC_BYTES ((size_t)1 << 20)
+
+/* X(exported symbol, base name for cuGetProcAddress) */
+#define BENCH_FUNCTIONS(X)                                        \
+    X(cuInit, cuInit)                                             \
+    X(cuGetErrorName, cuGetErrorName)                             \
+    X(cuDeviceGet, cuDeviceGet)                                   \
+    X(cuDevicePrimaryCtxRetain, cuDevicePrimaryCtxRetain)         \
+    X(cuDevicePrimaryCtxRelease_v2, cuDevicePrimaryCtxRelease)    \
+    X(cuCtxSetCurrent, cuCtxSetCurrent)                           \
+    X(cuModuleLoadData, cuModuleLoadData)                         \
+    X(cuModuleGetFunction, cuModuleGetFunction)                   \
+    X(cuModuleUnload, cuModuleUnload)                             \
+    X(cuStreamCreate, cuStreamCreate)                             \
+    X(cuStreamDestroy_v2, cuStreamDestroy)                        \
+    X(cuStreamSynchronize, cuStreamSynchronize)                   \
+    X(cuLaunchKernel, cuLaunchKernel)                             \
+    X(cuMemAlloc_v2, cuMemAlloc)                                  \
+    X(cuMemFree_v2, cuMemFree)                                    \
+    X(cuMemGetInfo_v2, cuMemGetInfo)
+
+struct api {
+#define X(sym, base) __typeof__(&sym) sym;
+    BENCH_FUNCTIONS(X)
+#undef X
+};
+
+enum mode { M_LAUNCH, M_ALLOCFREE, M_MEMINFO };
+static const char *const mode_names[] = {"launch", "allocfree", "meminfo"};
+
+struct bench {
+    enum mode mode;
+    struct api f;
+    CUfunction fn;
+    CUstream stream;
+    uint64_t kernel_ns; /* 0: the kernel's only parameter */
+    void *params[1];
+    const char *failed_call;
+    CUresult failed_result;
+};
+
+/* Spins on the device's nanosecond timer for its parameter's nanoseconds
+ * (the same kernel as cgpu-burn's). */
+static const char spin_ptx[] = ".version 7.0\n.target sm_70\n.address_size 64\n\n"
+                               ".visible .entry cgpu_spin(.param .u64 cgpu_spin_ns)\n{\n"
+                               "\t.reg .pred %p<2>;\n\t.reg .b64 %rd<5>;\n"
+                               "\tld.param.u64 %rd1, [cgpu_spin_ns];\n"
+                               "\tmov.u64 %rd2, %globaltimer;\n"
+                               "\tadd.u64 %rd3, %rd2, %rd1;\n"
+                               "$L_spin:\n"
+                               "\tmov.u64 %rd4, %globaltimer;\n"
+                               "\tsetp.lt.u64 %p1, %rd4, %rd3;\n"
+                               "\t@%p1 bra $L_spin;\n"
+                               "\tret;\n}\n";
+
+static int fail(const char *fmt, ...)
+{
+    va_list ap;
+    fputs("intercept_calls: ", stderr);
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fputc('\n', stderr);
+    return 2;
+}
+
+static const char *result_name(const struct bench *b, CUresult r)
+{
+    const char *s = NULL;
+    if (b->f.cuGetErrorName && b->f.cuGetErrorName(r, &s) == CUDA_SUCCESS && s)
+        return s;
+    return "CUDA_ERROR_UNRECOGNIZED";
+}
+
+#define SETUP(b, call, expr)                                                                 \
+    do {                                                                                     \
+        CUresult r_ = (expr);                                                                \
+        if (r_ != CUDA_SUCCESS) {                                                            \
+            fprintf(stderr, "intercept_calls: %s failed: %s (%d)\n", call, result_name(b, r_), \
+                    (int)r_);                                                                \
+            return 2;                                                                        \
+        }                                                                                    \
+    } while (0)
+
+/* POSIX: object and function pointers share a representation (dlsym relies
+ * on it); copying the bytes avoids a cast ISO C leaves undefined. */
+_Static_assert(sizeof(void *) == sizeof(void (*)(void)), "dlsym needs same-size pointers");
+
+static int load_driver(struct bench *b, int by_dlsym, void **handle)
+{
+    __typeof__(&cuGetProcAddress_v2) get_proc;
+    void *dl = dlopen("libcuda.so.1", RTLD_NOW), *pfn;
+    if (!(*handle = dl))
+        return fail("cannot load libcuda.so.1: %s", dlerror());
+    if (!(pfn = dlsym(dl, "cuGetProcAddress_v2")))
+        return fail("cannot resolve cuGetProcAddress_v2: %s", dlerror());
+    memcpy(&get_proc, &pfn, sizeof pfn);
+#define X(sym, base)                                                                           \
+    {                                                                                          \
+        CUdriverProcAddressQueryResult st = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;              \
+        pfn = NULL;                                                                            \
+        if (by_dlsym)                                                                          \
+            pfn = dlsym(dl, #sym);                                                             \
+        else if (get_proc(#base, &pfn, BENCH_CUDA_VERSION, CU_GET_PROC_ADDRESS_DEFAULT, &st) != \
+                     CUDA_SUCCESS ||                                                           \
+                 st != CU_GET_PROC_ADDRESS_SUCCESS)                                            \
+            pfn = NULL;                                                                        \
+        if (!pfn)                                                                              \
+            return fail("cannot resolve %s (%s)", #sym, by_dlsym ? "dlsym" : "cuGetProcAddress"); \
+        memcpy(&b->f.sym, &pfn, sizeof pfn);                                                   \
+    }
+    BENCH_FUNCTIONS(X)
+#undef X
+    return 0;
+}
+
+static CUresult record(struct bench *b, const char *call, CUresult r)
+{
+    if (r != CUDA_SUCCESS && !b->failed_call) {
+        b->failed_call = call;
+        b->failed_result = r;
+    }
+    return r;
+}
+
+/* The measured loop, used for the warm-up and for the timed calls, so that
+ * the two differ only in n. Returns the wall time of the n calls (and, in
+ * launch mode, of the synchronize that ends them). Kept out of line so that
+ * it shows up under its own name in a profile. */
+__attribute__((noinline)) uint64_t bench_measure(struct bench *b, uint64_t n);
+
+uint64_t bench_measure(struct bench *b, uint64_t n)
+{
+    const struct api *f = &b->f;
+    struct timespec t0, t1;
+    CUresult r = CUDA_SUCCESS;
+    CUdeviceptr p;
+    size_t free_b, total_b;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    switch (b->mode) {
+    case M_LAUNCH:
+        for (uint64_t i = 0; i < n && r == CUDA_SUCCESS; i++)
+            r = record(b, "cuLaunchKernel",
+                       f->cuLaunchKernel(b->fn, 1, 1, 1, 1, 1, 1, 0, b->stream, b->params, NULL));
+        record(b, "cuStreamSynchronize", f->cuStreamSynchronize(b->stream));
+        break;
+    case M_ALLOCFREE:
+        for (uint64_t i = 0; i < n && r == CUDA_SUCCESS; i++) {
+            r = record(b, "cuMemAlloc_v2", f->cuMemAlloc_v2(&p, ALLOC_BYTES));
+            if (r == CUDA_SUCCESS)
+                r = record(b, "cuMemFree_v2", f->cuMemFree_v2(p));
+        }
+        break;
+    case M_MEMINFO:
+        for (uint64_t i = 0; i < n && r == CUDA_SUCCESS; i++)
+            r = record(b, "cuMemGetInfo_v2", f->cuMemGetInfo_v2(&free_b, &total_b));
+        break;
+    }
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    return (uint64_t)(t1.tv_sec - t0.tv_sec) * 1000000000u + (uint64_t)t1.tv_nsec -
+           (uint64_t)t0.tv_nsec;
+}
+
+/* The file a function pointer lives in: the driver, or the library that
+ * intercepted it. */
+static const char *origin(void (*fp)(void))
+{
+    Dl_info info;
+    void *p;
+    memcpy(&p, &fp, sizeof p);
+    return dladdr(p, &info) && info.dli_fname ? info.dli_fname : "?";
+}
+
+static void json_str(const char *s)
+{
+    putchar('"');
+    for (const unsigned char *c = (const unsigned char *)s; *c; c++) {
+        if (*c == '"' || *c == '\\')
+            printf("\\%c", *c);
+        else if (*c < 0x20)
+            printf("\\u%04x", *c);
+        else
+            putchar(*c);
+    }
+    putchar('"');
+}
+
+#define ORIGIN(fn) origin((void (*)(void))(fn))
+
+static void print_origins(const struct bench *b)
+{
+    const struct api *f = &b->f;
+    printf("\"resolved_from\":{");
+    switch (b->mode) {
+    case M_LAUNCH:
+        printf("\"cuLaunchKernel\":");
+        json_str(ORIGIN(f->cuLaunchKernel));
+        break;
+    case M_ALLOCFREE:
+        printf("\"cuMemAlloc_v2\":");
+        json_str(ORIGIN(f->cuMemAlloc_v2));
+        printf(",\"cuMemFree_v2\":");
+        json_str(ORIGIN(f->cuMemFree_v2));
+        break;
+    case M_MEMINFO:
+        printf("\"cuMemGetInfo_v2\":");
+        json_str(ORIGIN(f->cuMemGetInfo_v2));
+        break;
+    }
+    printf("}");
+}
+
+static int usage(void)
+{
+    fprintf(stderr, "usage: intercept_calls launch|allocfree|meminfo N [proc|dlsym]\n");
+    return 2;
+}
+
+int main(int argc, char **argv)
+{
+    static struct bench b;
+    void *dl = NULL;
+    CUdevice dev;
+    CUcontext ctx;
+    CUmodule mod = NULL;
+    char *end;
+    int rc, by_dlsym = 0;
+
+    if (argc < 3 || argc > 4)
+        return usage();
+    for (b.mode = M_LAUNCH; b.mode <= M_MEMINFO; b.mode++)
+        if (strcmp(argv[1], mode_names[b.mode]) == 0)
+            break;
+    if (b.mode > M_MEMINFO || argv[2][0] < '0' || argv[2][0] > '9')
+        return usage();
+    errno = 0;
+    uint64_t n = strtoull(argv[2], &end, 10);
+    if (*end || errno || n == 0)
+        return usage();
+    if (argc == 4 && !(by_dlsym = strcmp(argv[3], "dlsym") == 0) && strcmp(argv[3], "proc") != 0)
+        return usage();
+
+    if ((rc = load_driver(&b, by_dlsym, &dl)))
+        return rc;
+    SETUP(&b, "cuInit", b.f.cuInit(0));
+    SETUP(&b, "cuDeviceGet", b.f.cuDeviceGet(&dev, 0));
+    SETUP(&b, "cuDevicePrimaryCtxRetain", b.f.cuDevicePrimaryCtxRetain(&ctx, dev));
+    SETUP(&b, "cuCtxSetCurrent", b.f.cuCtxSetCurrent(ctx));
+    if (b.mode == M_LAUNCH) {
+        SETUP(&b, "cuModuleLoadData", b.f.cuModuleLoadData(&mod, spin_ptx));
+        SETUP(&b, "cuModuleGetFunction", b.f.cuModuleGetFunction(&b.fn, mod, "cgpu_spin"));
+        SETUP(&b, "cuStreamCreate", b.f.cuStreamCreate(&b.stream, CU_STREAM_DEFAULT));
+        b.params[0] = &b.kernel_ns;
+    }
+
+    bench_measure(&b, WARMUP);
+    uint64_t ns = b.failed_call ? 0 : bench_measure(&b, n);
+
+    printf("{\"mode\":\"%s\",\"calls\":%llu,\"warmup\":%d,\"resolve\":\"%s\",", mode_names[b.mode],
+           (unsigned long long)n, WARMUP, by_dlsym ? "dlsym" : "proc");
+    printf("\"total_ns\":%llu,\"ns_per_call\":%.3f,", (unsigned long long)ns, (double)ns / (double)n);
+    print_origins(&b);
+    printf(",\"error\":");
+    if (b.failed_call)
+        printf("{\"call\":\"%s\",\"result\":\"%s\"}}\n", b.failed_call, result_name(&b, b.failed_result));
+    else
+        printf("null}\n");
+    fflush(stdout);
+
+    if (b.stream)
+        b.f.cuStreamDestroy_v2(b.stream);
+    if (mod)
+        b.f.cuModuleUnload(mod);
+    b.f.cuDevicePrimaryCtxRelease_v2(dev);
+    dlclose(dl);
+    return b.failed_call ? 1 : 0;
+}
