@@ -86,7 +86,7 @@ uint64_t cgpu_slot_used(int slot)
 
 bool cgpu_pid_in_instance(unsigned int pid)
 {
-    for (int i = 0; i < CGPU_MAX_PROCS; i++) {
+    for (int i = 0, n = cgpu_ledger_count(g_cgpu.usage); i < n; i++) {
         const struct cgpu_proc_ledger *p = &g_cgpu.usage->proc[i];
         if (atomic_load(&p->state) == CGPU_LEDGER_LIVE && (unsigned int)atomic_load(&p->pid) == pid)
             return true;
@@ -140,9 +140,11 @@ static void uncharge(int slot, uint64_t bytes)
 
 /* ---- what each allocation holds ------------------------------------------------- */
 
-/* Lock-free open addressing, sized at first use, never grown: no allocation
- * and no lock on the allocation paths. */
-#define TABLE_SIZE (1u << 20)
+/* Lock-free open addressing, made and pre-faulted at the first allocation,
+ * never grown: no allocation, lock or page fault on the allocation paths
+ * after that. 128 Ki live allocations (3 MiB); past that an allocation's
+ * bytes stay charged (the safe side) and the library says so. */
+#define TABLE_SIZE (1u << 17)
 #define KEY_EMPTY 0ULL
 #define KEY_TOMB 1ULL
 
@@ -161,7 +163,7 @@ static struct alloc_entry *get_table(void)
 {
     struct alloc_entry *t = atomic_load_explicit(&table, memory_order_acquire);
     if (CGPU_UNLIKELY(!t)) {
-        void *m = mmap(NULL, TABLE_SIZE * sizeof(*t), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+        void *m = mmap(NULL, TABLE_SIZE * sizeof(*t), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE,
                        -1, 0);
         if (m == MAP_FAILED)
             return NULL;
@@ -182,7 +184,7 @@ static uint64_t make_key(enum alloc_kind kind, uint64_t value)
 
 static size_t home(uint64_t key)
 {
-    return (size_t)((key * 0x9E3779B97F4A7C15ULL) >> 44) & (TABLE_SIZE - 1);
+    return (size_t)((key * 0x9E3779B97F4A7C15ULL) >> 47) & (TABLE_SIZE - 1);
 }
 
 static bool remember(enum alloc_kind kind, uint64_t value, uint64_t bytes, int slot)

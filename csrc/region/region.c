@@ -58,6 +58,19 @@ int cgpu_limits_check(const struct cgpu_limits *l, size_t file_size, char *err, 
     return 0;
 }
 
+/* Ledgers worth looking at: claims fill from the front, so scans stop at the
+ * first never-claimed one instead of walking all of them. */
+static int ledgers_in_use(const struct cgpu_usage *u)
+{
+    uint32_t n = atomic_load_explicit(&u->ledgers_used, memory_order_acquire);
+    return n < CGPU_MAX_PROCS ? (int)n : CGPU_MAX_PROCS;
+}
+
+int cgpu_ledger_count(const struct cgpu_usage *u)
+{
+    return ledgers_in_use(u);
+}
+
 int cgpu_usage_check(const struct cgpu_usage *u, size_t file_size, char *err, size_t errlen)
 {
     if (file_size < sizeof(*u) || u->magic != CGPU_USAGE_MAGIC) {
@@ -99,6 +112,13 @@ static void release_ledger(struct cgpu_usage *u, int i)
     }
 }
 
+static void note_claimed(struct cgpu_usage *u, int i)
+{
+    uint32_t cur = atomic_load(&u->ledgers_used);
+    while (cur < (uint32_t)i + 1 && !atomic_compare_exchange_weak(&u->ledgers_used, &cur, (uint32_t)i + 1)) {
+    }
+}
+
 static int claim_free(struct cgpu_usage *u, int fd, int32_t pid)
 {
     for (int i = 0; i < CGPU_MAX_PROCS; i++) {
@@ -115,6 +135,7 @@ static int claim_free(struct cgpu_usage *u, int fd, int32_t pid)
         for (unsigned d = 0; d < CGPU_MAX_DEVICES; d++)
             atomic_store(&p->used[d], 0);
         atomic_store(&p->pid, pid);
+        note_claimed(u, i);
         atomic_store(&p->state, CGPU_LEDGER_LIVE);
         return i;
     }
@@ -131,8 +152,8 @@ int cgpu_ledger_claim(struct cgpu_usage *u, int fd, int32_t pid)
 
 int cgpu_ledger_reap(struct cgpu_usage *u, int fd, int self)
 {
-    int reaped = 0;
-    for (int i = 0; i < CGPU_MAX_PROCS; i++) {
+    int reaped = 0, n = ledgers_in_use(u);
+    for (int i = 0; i < n; i++) {
         struct cgpu_proc_ledger *p = &u->proc[i];
         if (i == self || atomic_load(&p->state) != CGPU_LEDGER_LIVE)
             continue;

@@ -27,6 +27,9 @@ int cgpu_usage_check(const struct cgpu_usage *u, size_t file_size, char *err, si
  * Returns the ledger index, or -1 when all are taken. */
 int cgpu_ledger_claim(struct cgpu_usage *u, int fd, int32_t pid);
 
+/* How many ledgers, from the first, have ever been claimed. */
+int cgpu_ledger_count(const struct cgpu_usage *u);
+
 /* Returns the usage of every process whose ledger lock is gone (it died) to
  * the instance. `self` is the caller's own ledger (skipped; -1 for none).
  * Returns the number of ledgers reaped. */

@@ -256,7 +256,7 @@ def _set(field: str, value: int) -> Callable[[Path], None]:
     [
         pytest.param(_flip_mem_limit_byte, "limits region checksum mismatch: the file is damaged", id="flipped-byte"),
         pytest.param(_set("magic", 0x1234), "not a cgpu limits region (bad size or magic)", id="magic"),
-        pytest.param(_set("version", 2), "limits region version 2 (size 2024); this library reads version 1", id="version"),
+        pytest.param(_set("version", 2), f"limits region version 2 (size {ffi.sizeof('struct cgpu_limits')}); this library reads version 1", id="version"),
         pytest.param(_set("size", 2016), "limits region version 1 (size 2016)", id="size-field"),
         pytest.param(lambda p: os.truncate(p, 100), "not a cgpu limits region (bad size or magic)", id="truncated"),
         pytest.param(lambda p: os.truncate(p, 0), "not a cgpu limits region (bad size or magic)", id="empty"),
@@ -308,7 +308,7 @@ def _symlink_elsewhere(path: Path) -> None:
 
 USAGE_DAMAGE = [
     pytest.param(_usage_set("magic", 7), "not a cgpu usage region (bad size or magic)", id="magic"),
-    pytest.param(_usage_set("version", 3), "usage region version 3 (size 140304)", id="version"),
+    pytest.param(_usage_set("version", 3), f"usage region version 3 (size {ffi.sizeof('struct cgpu_usage')})", id="version"),
     pytest.param(_usage_set("size", 64), "usage region version 1 (size 64)", id="size-field"),
     pytest.param(lambda p: os.truncate(p, 1000), "not a cgpu usage region (bad size or magic)", id="truncated"),
     pytest.param(lambda p: os.truncate(p, 0), "not a cgpu usage region (bad size or magic)", id="empty"),

@@ -81,6 +81,8 @@ struct cgpu_usage {
     uint64_t magic;               /* CGPU_USAGE_MAGIC */
     uint32_t version;
     uint32_t size;                /* sizeof(struct cgpu_usage) */
+    CGPU_ATOMIC uint32_t ledgers_used; /* ledgers at or past this index were never claimed */
+    uint32_t reserved[15];
     struct cgpu_device_usage device[CGPU_MAX_DEVICES];
     struct cgpu_proc_ledger proc[CGPU_MAX_PROCS];
 };
