@@ -13,3 +13,15 @@ class UsageError(CgpuError):
 
 class GpuQueryError(CgpuError):
     """The GPU driver (NVML) could not be queried."""
+
+
+class AdmissionError(CgpuError):
+    """The node cannot grant the request now (it does not fit)."""
+
+
+class NotFoundError(CgpuError):
+    """No such instance."""
+
+
+class StateError(CgpuError):
+    """The instance is not in a state that allows the operation."""

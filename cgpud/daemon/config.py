@@ -1,0 +1,109 @@
+"""cgpud's settings: one dataclass from which the TOML keys, the command-line
+flags and their help are all derived, so a setting is written down once."""
+from __future__ import annotations
+
+import argparse
+import tomllib
+import typing
+from dataclasses import dataclass, field, fields, replace
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from cgpud.daemon.model import ComputePolicy, NodeMode, NodePolicy, Placement
+from cgpud.errors import UsageError
+
+DEFAULT_CONFIG = Path("/etc/cgpu/config.toml")
+
+
+def _setting(default: Any, help_text: str) -> Any:
+    return field(default=default, metadata={"help": help_text})
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    mode: NodeMode = _setting(NodeMode.CGPU, "node mode: default, share, cgpu, core_mem or mps")
+    placement: Placement = _setting(Placement.BINPACK, "binpack (fill one GPU first) or spread")
+    max_instances_per_gpu: int = _setting(20, "instances one GPU may hold")
+    core_step: int = _setting(5, "compute shares are multiples of this percentage (1-100)")
+    compute_policy: ComputePolicy = _setting(
+        ComputePolicy.NATIVE, "0 fair, 1 preemptive, 2 weighted, 3 fixed, 4 soft, 5 native"
+    )
+    state_dir: Path = _setting(Path("/var/lib/cgpud"), "instance table and instance regions")
+    socket: Path = _setting(Path("/run/cgpud/cgpud.sock"), "local API socket (root only)")
+    sweep_interval: float = _setting(2.0, "seconds between checks for instances whose processes exited")
+
+    def policy(self) -> NodePolicy:
+        return NodePolicy(self.mode, self.placement, self.max_instances_per_gpu, self.core_step, self.compute_policy)
+
+    @property
+    def database(self) -> Path:
+        return self.state_dir / "cgpud.db"
+
+    @property
+    def regions(self) -> Path:
+        return self.state_dir / "instances"
+
+
+def _convert(name: str, kind: type, value: Any) -> Any:
+    try:
+        if isinstance(kind, type) and issubclass(kind, Enum):
+            return kind(int(value)) if issubclass(kind, int) else kind(str(value))
+        if kind is Path:
+            return Path(str(value))
+        if kind is int and not isinstance(value, bool):
+            return int(value)
+        if kind is float and not isinstance(value, bool):
+            return float(value)
+    except (TypeError, ValueError):
+        pass
+    choices = f" (one of: {', '.join(str(m.value) for m in kind)})" if isinstance(kind, type) and issubclass(kind, Enum) else ""
+    raise UsageError(f"setting {name} = {value!r} is not valid{choices}")
+
+
+def _types() -> dict[str, type]:
+    return typing.get_type_hints(DaemonConfig)
+
+
+def validate(config: DaemonConfig) -> DaemonConfig:
+    if not 1 <= config.max_instances_per_gpu <= 1000:
+        raise UsageError("max_instances_per_gpu must be between 1 and 1000")
+    if not 1 <= config.core_step <= 100:
+        raise UsageError("core_step must be between 1 and 100")
+    if not 0.1 <= config.sweep_interval <= 3600:
+        raise UsageError("sweep_interval must be between 0.1 and 3600 seconds")
+    return config
+
+
+def load(path: Path | None, overrides: dict[str, Any]) -> DaemonConfig:
+    """The file (missing is fine only for the default path), then flags."""
+    values: dict[str, Any] = {}
+    source = path or DEFAULT_CONFIG
+    try:
+        values = tomllib.loads(source.read_text())
+    except FileNotFoundError:
+        if path is not None:
+            raise UsageError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise UsageError(f"config file {source} is not valid TOML: {e}") from e
+    except OSError as e:
+        raise UsageError(f"cannot read config file {source}: {e.strerror}") from e
+    kinds = _types()
+    unknown = sorted(set(values) - set(kinds))
+    if unknown:
+        raise UsageError(f"config file {source}: unknown setting {unknown[0]!r} (known: {', '.join(sorted(kinds))})")
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    converted = {k: _convert(k, kinds[k], v) for k, v in values.items()}
+    return validate(replace(DaemonConfig(), **converted))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One --flag per setting, named and documented from the dataclass."""
+    parser.add_argument("--config", type=Path, help=f"settings file (default {DEFAULT_CONFIG}, if present)")
+    for f in fields(DaemonConfig):
+        parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=None, metavar=f.name.upper(),
+                            help=f"{f.metadata['help']} (default {getattr(f.default, 'value', f.default)})")
+
+
+def from_arguments(args: argparse.Namespace) -> DaemonConfig:
+    return load(args.config, {f.name: getattr(args, f.name) for f in fields(DaemonConfig)})

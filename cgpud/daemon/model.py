@@ -1,0 +1,141 @@
+"""The daemon's vocabulary: node settings, requests, grants and instances.
+Plain frozen data; every decision about them lives in placement.py (pure)
+and every I/O in store.py, region.py and the API."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum, IntEnum
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+
+class NodeMode(str, Enum):
+    """ACK's `ack.node.gpu.schedule` label values: one mode per node."""
+
+    DEFAULT = "default"  # whole GPUs, exclusive
+    SHARE = "share"  # memory bookkeeping and env vars only, no enforcement
+    CGPU = "cgpu"  # memory isolation
+    CORE_MEM = "core_mem"  # memory and compute isolation
+    MPS = "mps"  # memory isolation; compute through NVIDIA MPS
+
+
+class Placement(str, Enum):
+    """ACK's `ack.node.gpu.placement` label values."""
+
+    BINPACK = "binpack"  # fill one GPU before the next
+    SPREAD = "spread"  # balance across GPUs
+
+
+class ComputePolicy(IntEnum):
+    """cGPU's numbering of compute policies."""
+
+    FAIR = 0
+    PREEMPTIVE = 1
+    WEIGHTED = 2
+    FIXED = 3
+    SOFT = 4
+    NATIVE = 5
+
+
+class InstanceState(str, Enum):
+    RESERVED = "reserved"  # granted, not yet bound to a running owner
+    BOUND = "bound"  # its container or process runs
+    RELEASED = "released"  # gone; kept for history
+
+
+ACTIVE_STATES = (InstanceState.RESERVED, InstanceState.BOUND)
+
+
+class OwnerKind(str, Enum):
+    CONTAINER = "container"
+    POD = "pod"
+    PROCESS = "process"
+
+
+@dataclass(frozen=True)
+class Owner:
+    kind: OwnerKind
+    id: str  # container id, pod uid, or a label for a host process
+
+
+@dataclass(frozen=True)
+class GpuCapacity:
+    """What placement needs to know of a GPU."""
+
+    index: int
+    uuid: str
+    memory: int  # bytes
+
+
+@dataclass(frozen=True)
+class NodePolicy:
+    """Node settings that decide admission and placement."""
+
+    mode: NodeMode = NodeMode.CGPU
+    placement: Placement = Placement.BINPACK
+    max_instances_per_gpu: int = 20
+    core_step: int = 5  # compute shares are multiples of this (1..100)
+    compute_policy: ComputePolicy = ComputePolicy.NATIVE
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a container or process asks for. `memory` is per GPU in bytes
+    (GiB requests arrive as whole multiples of GIB); 0 means a whole GPU,
+    which is the only thing `default` mode grants."""
+
+    owner: Owner
+    memory: int
+    gpu_count: int = 1
+    core_percent: int = 0  # 0: no compute share asked
+    weight: int = 1
+    priority: int = 0
+
+
+@dataclass(frozen=True)
+class Grant:
+    """One GPU's part of an instance."""
+
+    gpu_index: int
+    gpu_uuid: str
+    memory: int  # bytes
+    core_percent: int  # 0: no compute limit on this GPU
+
+
+@dataclass(frozen=True)
+class Instance:
+    id: str
+    owner: Owner
+    grants: tuple[Grant, ...]
+    state: InstanceState
+    enforced: bool  # False in share mode: bookkeeping only
+    weight: int = 1
+    priority: int = 0
+    pids: tuple[int, ...] = ()
+    boot_id: str = ""
+    created: float = 0.0  # Unix seconds
+    updated: float = 0.0
+
+    @property
+    def active(self) -> bool:
+        return self.state in ACTIVE_STATES
+
+
+@dataclass(frozen=True)
+class GpuUsage:
+    """A GPU and what active instances hold of it."""
+
+    gpu: GpuCapacity
+    allocated: int  # bytes granted to active instances
+    core_percent: int  # sum of compute shares granted
+    instances: int
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    hostname: str
+    address: str  # the node's primary IPv4 address, "" if none
+    driver_version: str
+    policy: NodePolicy
+    gpus: tuple[GpuUsage, ...]

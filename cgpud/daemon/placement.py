@@ -1,0 +1,434 @@
+"""Admission and placement: which GPUs a request gets, or why it gets none.
+
+Pure functions over the model (no I/O, no clock, no state), so the daemon,
+the Capacity API and `cgpuctl inspect` all reach the same answer from the same
+instance table, and so every rule can be tested exhaustively.
+
+Errors: UsageError when the request (or node setting) is wrong in itself and
+would never be granted here; AdmissionError when it is well formed but does
+not fit now. Each message is one line that says what was asked, what the
+node has and what to change, in the words of ACK's resources and labels.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+
+from cgpud.daemon.model import (
+    GIB,
+    MIB,
+    GpuCapacity,
+    GpuUsage,
+    Grant,
+    Instance,
+    NodeMode,
+    NodePolicy,
+    Placement,
+    Request,
+)
+from cgpud.errors import AdmissionError, UsageError
+
+# A GPU's whole compute, in the percent units of aliyun.com/gpu-core.percentage.
+_FULL_CORE = 100
+# Stored in SQLite INTEGER columns and in the region's 64-bit fields.
+_MAX_BYTES = (1 << 63) - 1
+
+
+# --------------------------------------------------------------------------
+# Usage
+
+
+def gpu_usage(gpus: Sequence[GpuCapacity], active: Iterable[Instance]) -> tuple[GpuUsage, ...]:
+    """What active instances hold of each GPU, in GPU index order.
+
+    Released instances are skipped even if a caller passes them, so a stale
+    list can never make the node look fuller than it is. Grants on a GPU that
+    is not in `gpus` (gone from the inventory) count nowhere: placement can
+    only hand out GPUs that exist."""
+    by_index: dict[int, GpuCapacity] = {}
+    for gpu in gpus:
+        if gpu.index in by_index:
+            # An inventory bug, not a user error: two GPUs would share books.
+            raise ValueError(f"GPU index {gpu.index} is listed twice")
+        by_index[gpu.index] = gpu
+    allocated = dict.fromkeys(by_index, 0)
+    cores = dict.fromkeys(by_index, 0)
+    counts = dict.fromkeys(by_index, 0)
+    for inst in active:
+        if not inst.active:
+            continue
+        seen: set[int] = set()
+        for grant in inst.grants:
+            if grant.gpu_index not in by_index:
+                continue
+            allocated[grant.gpu_index] += grant.memory
+            cores[grant.gpu_index] += grant.core_percent
+            # An instance is one instance on a GPU however its grants split.
+            if grant.gpu_index not in seen:
+                seen.add(grant.gpu_index)
+                counts[grant.gpu_index] += 1
+    return tuple(
+        GpuUsage(gpu=by_index[i], allocated=allocated[i], core_percent=cores[i], instances=counts[i])
+        for i in sorted(by_index)
+    )
+
+
+# --------------------------------------------------------------------------
+# Sizes
+
+
+_MEMORY = re.compile(r"^(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|TiB)?$", re.IGNORECASE)
+_UNITS = {"b": 1, "kib": 1 << 10, "mib": MIB, "gib": GIB, "tib": 1 << 40}
+
+
+def parse_memory(text: str) -> int:
+    """A GPU memory size in bytes. A bare number is GiB, as in ACK's
+    `aliyun.com/gpu-mem`; otherwise a number with B, KiB, MiB, GiB or TiB
+    ("512MiB", "1.5GiB", "1073741824B")."""
+    hint = "use whole GiB as in aliyun.com/gpu-mem (4) or a number with B, MiB or GiB (512MiB, 1.5GiB)"
+    m = _MEMORY.match(text.strip())
+    if not m:
+        raise UsageError(f"bad memory size {text!r}: {hint}")
+    unit = (m.group(2) or "gib").lower()
+    if unit == "b" and "." in m.group(1):
+        raise UsageError(f"bad memory size {text!r}: bytes come whole; {hint}")
+    # Fraction, not float: "1.5GiB" is exact and large byte counts keep
+    # every digit. A size that is not whole bytes ("1.1GiB") is rounded
+    # down, so a limit is never more than what was asked.
+    value = int(Fraction(m.group(1)) * _UNITS[unit])
+    if value > _MAX_BYTES:
+        raise UsageError(f"bad memory size {text!r}: it is larger than any GPU; {hint}")
+    return value
+
+
+def format_memory(size: int) -> str:
+    """Bytes as a person reads them: "4 GiB" when whole, else MiB with up to
+    two decimals ("1536 MiB", "0.5 MiB"); sizes too small for that in bytes."""
+    if size % GIB == 0:
+        return f"{size // GIB} GiB"
+    mib = f"{size / MIB:.2f}".rstrip("0").rstrip(".")
+    if mib in ("0", "-0"):
+        return f"{size} bytes"
+    return f"{mib} MiB"
+
+
+# --------------------------------------------------------------------------
+# Admission
+
+
+def admit(
+    request: Request,
+    gpus: Sequence[GpuCapacity],
+    active: Sequence[Instance],
+    policy: NodePolicy,
+) -> tuple[Grant, ...]:
+    """The grants for `request`, one per GPU, sorted by GPU index, or an
+    error saying why there are none. Same inputs, same answer."""
+    mode, placement = _check_policy(policy)
+    _check_request(request, gpus, mode, policy)
+    usage = gpu_usage(gpus, active)
+    if mode == NodeMode.DEFAULT:
+        chosen = _whole_gpus(request, usage, placement)
+        grants = [Grant(u.gpu.index, u.gpu.uuid, u.gpu.memory, _FULL_CORE) for u in chosen]
+    else:
+        chosen = _shared_gpus(request, usage, placement, policy)
+        grants = [Grant(u.gpu.index, u.gpu.uuid, request.memory, request.core_percent) for u in chosen]
+    return tuple(sorted(grants, key=lambda g: g.gpu_index))
+
+
+def _check_policy(policy: NodePolicy) -> tuple[NodeMode, Placement]:
+    """Node settings arrive from labels and a config file: check them here
+    so a typo is reported as such instead of as a request that never fits."""
+    try:
+        mode = NodeMode(policy.mode)
+    except ValueError:
+        names = ", ".join(m.value for m in NodeMode)
+        raise UsageError(f"unknown node mode {policy.mode!r} (ack.node.gpu.schedule): use one of {names}") from None
+    try:
+        placement = Placement(policy.placement)
+    except ValueError:
+        raise UsageError(
+            f"unknown placement {policy.placement!r} (ack.node.gpu.placement): use binpack or spread"
+        ) from None
+    if not 1 <= policy.core_step <= 100:
+        raise UsageError(
+            f"node setting core_step is {policy.core_step}: set it between 1 and 100 "
+            "(compute shares are multiples of it)"
+        )
+    if policy.max_instances_per_gpu < 1:
+        raise UsageError(
+            f"node setting max_instances_per_gpu is {policy.max_instances_per_gpu}: set it to 1 or more"
+        )
+    return mode, placement
+
+
+def _check_request(request: Request, gpus: Sequence[GpuCapacity], mode: NodeMode, policy: NodePolicy) -> None:
+    """Everything wrong with the request itself, whatever the node holds."""
+    n = request.gpu_count
+    if n < 1:
+        raise UsageError(f"asked for {n} GPUs: ask for at least 1 (aliyun.com/gpu-count)")
+    if not gpus:
+        raise UsageError(f"asked for {_gpus(n)} but this node has no GPUs: run it on a GPU node")
+    if n > len(gpus):
+        raise UsageError(
+            f"asked for {_gpus(n)} but this node has {len(gpus)}: "
+            f"ask for {len(gpus)} or fewer (aliyun.com/gpu-count)"
+        )
+    if request.memory < 0:
+        raise UsageError(
+            f"asked for {request.memory} bytes of GPU memory: ask for a size of 0 or more (aliyun.com/gpu-mem)"
+        )
+    if mode != NodeMode.DEFAULT and request.memory == 0:
+        raise UsageError(
+            f"node mode {mode.value} shares GPUs by memory: ask for a memory size per GPU "
+            "(aliyun.com/gpu-mem, e.g. 4 GiB) or run on a default node for whole GPUs"
+        )
+    if request.core_percent != 0:
+        if mode == NodeMode.DEFAULT:
+            raise UsageError(
+                "node mode default gives whole GPUs and does not divide compute; "
+                "ask without a core percentage or run on a core_mem node"
+            )
+        if mode != NodeMode.CORE_MEM:
+            raise UsageError(
+                f"node mode {mode.value} does not enforce compute shares; "
+                "ask without a core percentage or run on a core_mem node"
+            )
+        step = policy.core_step
+        if not step <= request.core_percent <= 100 or request.core_percent % step:
+            raise UsageError(
+                f"asked for {request.core_percent}% compute: ask for 0 (no share) or a multiple of {step} "
+                f"from {step} to 100 (aliyun.com/gpu-core.percentage)"
+            )
+    if request.weight < 1:
+        raise UsageError(f"asked for weight {request.weight}: use 1 or more (ALIYUN_COM_GPU_SCHD_WEIGHT)")
+    if request.priority < 0:
+        raise UsageError(f"asked for priority {request.priority}: use 0 or more (ALIYUN_COM_GPU_HIGH_PRIO)")
+    if mode != NodeMode.DEFAULT:
+        # A size no GPU here could ever hold is a wrong request, not a busy
+        # node: waiting or releasing instances would never help.
+        big_enough = sum(1 for g in gpus if g.memory >= request.memory)
+        if big_enough < n:
+            mem = format_memory(request.memory)
+            if big_enough == 0:
+                largest = format_memory(max(g.memory for g in gpus))
+                raise UsageError(
+                    f"asked for {mem} per GPU but the largest GPU on this node has {largest}: "
+                    f"ask for {largest} or less (aliyun.com/gpu-mem)"
+                )
+            raise UsageError(
+                f"asked for {n} GPUs with {mem} each but only {big_enough} "
+                f"{_has(big_enough)} that much memory: ask for fewer GPUs or less memory"
+            )
+
+
+def _order(usage: Iterable[GpuUsage], placement: Placement) -> list[GpuUsage]:
+    """GPUs in the order placement prefers them.
+
+    binpack: GPUs that already hold instances first, then least free memory,
+    then lowest index. With identical GPUs this is plain "least free first";
+    the first key keeps the promise "fill one GPU before the next" on mixed
+    GPUs too, where a small empty GPU can have less free memory than a large
+    busy one.
+    spread: most free memory first, then lowest index."""
+    if placement == Placement.BINPACK:
+        return sorted(usage, key=lambda u: (u.instances == 0, _free(u), u.gpu.index))
+    return sorted(usage, key=lambda u: (-_free(u), u.gpu.index))
+
+
+def _free(u: GpuUsage) -> int:
+    return u.gpu.memory - u.allocated
+
+
+def _whole_gpus(request: Request, usage: tuple[GpuUsage, ...], placement: Placement) -> list[GpuUsage]:
+    """`default` mode: whole GPUs, each with no active instance at all."""
+    n = request.gpu_count
+    idle = [u for u in usage if u.instances == 0]
+    if len(idle) >= n:
+        return _order(idle, placement)[:n]
+    total = len(usage)
+    how = "node mode default gives each container whole GPUs"
+    if n == 1:
+        if total == 1:
+            raise AdmissionError(
+                f"GPU {usage[0].gpu.index} is in use and {how}; release its instance or run on a node that "
+                "shares GPUs (cgpu, core_mem)"
+            )
+        raise AdmissionError(
+            f"{_all(total)} GPUs are in use and {how}; release an instance or run on a node that "
+            "shares GPUs (cgpu, core_mem)"
+        )
+    free_part = f"none of {total} is free" if not idle else f"only {len(idle)} of {total} {_is(len(idle))} free"
+    raise AdmissionError(
+        f"asked for {n} whole GPUs but {free_part} ({how}); release an instance or ask for fewer GPUs"
+    )
+
+
+@dataclass(frozen=True)
+class _Check:
+    """One GPU measured against the request, constraint by constraint."""
+
+    usage: GpuUsage
+    memory_ok: bool
+    room_ok: bool  # below max_instances_per_gpu
+    core_ok: bool
+
+    @property
+    def fits(self) -> bool:
+        return self.memory_ok and self.room_ok and self.core_ok
+
+    @property
+    def misses(self) -> int:
+        return (not self.memory_ok) + (not self.room_ok) + (not self.core_ok)
+
+
+def _shared_gpus(
+    request: Request, usage: tuple[GpuUsage, ...], placement: Placement, policy: NodePolicy
+) -> list[GpuUsage]:
+    """cgpu, core_mem, share, mps: a GPU fits when it has the memory free,
+    room for one more instance and the compute share left. `share` and `mps`
+    book memory exactly like `cgpu`: what each mode enforces is decided where
+    the instance is set up, not here."""
+    checks = [
+        _Check(
+            usage=u,
+            memory_ok=_free(u) >= request.memory,
+            room_ok=u.instances < policy.max_instances_per_gpu,
+            core_ok=u.core_percent + request.core_percent <= _FULL_CORE,
+        )
+        for u in usage
+    ]
+    fitting = [c.usage for c in checks if c.fits]
+    if len(fitting) >= request.gpu_count:
+        return _order(fitting, placement)[: request.gpu_count]
+    raise AdmissionError(_shortfall(request, checks, policy))
+
+
+def _shortfall(request: Request, checks: list[_Check], policy: NodePolicy) -> str:
+    """Why fewer than gpu_count GPUs fit. When one constraint alone rules
+    out too many GPUs, name it and the GPU that comes closest to it; when
+    only their combination does, name the closest GPU and all it lacks."""
+    n = request.gpu_count
+    mem = format_memory(request.memory)
+    limit = policy.max_instances_per_gpu
+
+    def at_limit(count: int) -> str:
+        # The limit may have been lowered below what GPUs already hold.
+        if count > limit:
+            return f"more than this node now allows (max_instances_per_gpu={limit})"
+        return "the most this node allows (max_instances_per_gpu)"
+
+    def count_has(k: int, what: str) -> str:
+        return f"but none has {what}" if k == 0 else f"but only {k} {_has(k)} {what}"
+
+    def most_or_next(k: int) -> str:
+        return "most" if k == 0 else "the next most"
+
+    memory_ok = [c for c in checks if c.memory_ok]
+    if len(memory_ok) < n:
+        best = min((c.usage for c in checks if not c.memory_ok), key=lambda u: (-_free(u), u.gpu.index))
+        where = f"{format_memory(max(_free(best), 0))} on GPU {best.gpu.index} (of {format_memory(best.gpu.memory)})"
+        if n == 1:
+            return f"no GPU has {mem} free: most free is {where}; release an instance or ask for less memory"
+        return (
+            f"asked for {n} GPUs with {mem} free each {count_has(len(memory_ok), 'that much')}: "
+            f"{most_or_next(len(memory_ok))} free is {where}; release an instance, ask for fewer GPUs "
+            "or ask for less memory"
+        )
+
+    room_ok = [c for c in checks if c.room_ok]
+    if len(room_ok) < n:
+        full = [c.usage for c in checks if not c.room_ok]
+        most = max(u.instances for u in full)
+        # "20 instances" in the usual case; "20 or more" once the limit was
+        # lowered below what some GPUs already hold.
+        held = _instances(limit) if most == limit else f"{_instances(limit)} or more"
+        allows = "the most this node allows (max_instances_per_gpu)"
+        if len(checks) == 1:
+            only = full[0]
+            return (
+                f"GPU {only.gpu.index} already holds {_instances(only.instances)}, {at_limit(only.instances)}; "
+                "release one or raise the limit"
+            )
+        if not room_ok:
+            return f"{_all(len(checks))} GPUs already hold {held}, {allows}; release one or raise the limit"
+        verb = "holds" if len(full) == 1 else "hold"
+        return (
+            f"asked for {n} GPUs {count_has(len(room_ok), 'room for another instance')}: "
+            f"{_gpu_list([u.gpu.index for u in full])} already {verb} {held}, {allows}; "
+            "release one, raise the limit or ask for fewer GPUs"
+        )
+
+    core_ok = [c for c in checks if c.core_ok]
+    want = request.core_percent
+    if len(core_ok) < n:
+        best = min((c.usage for c in checks if not c.core_ok), key=lambda u: (u.core_percent, u.gpu.index))
+        where = f"{max(_FULL_CORE - best.core_percent, 0)}% on GPU {best.gpu.index}"
+        if n == 1:
+            return (
+                f"no GPU has {want}% compute left: most left is {where}; "
+                "release an instance or ask for a smaller core percentage"
+            )
+        return (
+            f"asked for {n} GPUs with {want}% compute each {count_has(len(core_ok), 'that much left')}: "
+            f"{most_or_next(len(core_ok))} left is {where}; release an instance, ask for fewer GPUs "
+            "or ask for a smaller core percentage"
+        )
+
+    # Each constraint alone leaves enough GPUs, only together they do not.
+    fitting = sum(1 for c in checks if c.fits)
+    closest = min(
+        (c for c in checks if not c.fits), key=lambda c: (c.misses, -_free(c.usage), c.usage.gpu.index)
+    )
+    u = closest.usage
+    lacks = []
+    if not closest.memory_ok:
+        lacks.append(f"has only {format_memory(max(_free(u), 0))} free (of {format_memory(u.gpu.memory)})")
+    if not closest.room_ok:
+        lacks.append(f"already holds {_instances(u.instances)}, {at_limit(u.instances)}")
+    if not closest.core_ok:
+        lacks.append(f"has only {max(_FULL_CORE - u.core_percent, 0)}% compute left")
+    whole = f"{mem} free, room for another instance" + (f" and {want}% compute" if want else "")
+    reason = f"GPU {u.gpu.index}, {' and '.join(lacks)}"
+    if n == 1:
+        return f"no GPU has all of {whole}: the closest, {reason}; release an instance or ask for less"
+    found = "none has all of it" if fitting == 0 else f"only {fitting} {_has(fitting)} all of it"
+    other = "the closest" if fitting == 0 else "the closest other"
+    return (
+        f"asked for {n} GPUs each with {whole} but {found}: {other}, {reason}; "
+        "release an instance or ask for fewer GPUs or less"
+    )
+
+
+# --------------------------------------------------------------------------
+# Words
+
+
+def _gpus(n: int) -> str:
+    return "1 GPU" if n == 1 else f"{n} GPUs"
+
+
+def _instances(n: int) -> str:
+    return "1 instance" if n == 1 else f"{n} instances"
+
+
+def _all(n: int) -> str:
+    return "both" if n == 2 else f"all {n}"
+
+
+def _has(n: int) -> str:
+    return "has" if n == 1 else "have"
+
+
+def _is(n: int) -> str:
+    return "is" if n == 1 else "are"
+
+
+def _gpu_list(indexes: list[int]) -> str:
+    """"GPU 0", "GPUs 0 and 2", "GPUs 0, 1 and 3"."""
+    if len(indexes) == 1:
+        return f"GPU {indexes[0]}"
+    head = ", ".join(str(i) for i in indexes[:-1])
+    return f"GPUs {head} and {indexes[-1]}"

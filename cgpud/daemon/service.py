@@ -1,0 +1,212 @@
+"""The instance service: what the local API (and later the device plugin and
+runtime hook) call. It serialises changes, asks placement.admit for the
+decision, records it in the store, then writes the region.
+
+Order of effects, so that a kill -9 at any point is repaired by reconcile():
+commit the instance row first; then write its region; a row without a region
+gets one at the next start, and a region without an active row is removed.
+Create and release are idempotent for retries after a crash: the same owner
+gets the same active instance back, and releasing twice is no error."""
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import psutil
+import structlog
+
+from cgpud.daemon import node, placement
+from cgpud.daemon.model import (
+    ComputePolicy,
+    GpuCapacity,
+    Instance,
+    InstanceState,
+    NodeInfo,
+    NodeMode,
+    NodePolicy,
+    OwnerKind,
+    Request,
+)
+from cgpud.daemon.region import DeviceLimit, InstanceLimits, RegionError, UsageRegion, read_limits, write_region
+from cgpud.daemon.store import Store, new_instance_id
+from cgpud.errors import StateError
+
+COMPUTE_POLICY_KEY = "compute_policy"
+# Modes whose instances get a region (and so libcgpu enforcement).
+ENFORCED_MODES = (NodeMode.CGPU, NodeMode.CORE_MEM, NodeMode.MPS)
+
+
+def pid_alive(pid: int, since: float) -> bool:
+    """The process exists and is the one we recorded, not a reused PID."""
+    try:
+        return psutil.Process(pid).create_time() <= since + 1.0
+    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+        return False
+
+
+class InstanceService:
+    def __init__(self, store: Store, gpus: Sequence[GpuCapacity], policy: NodePolicy, regions: Path,
+                 driver_version: str, boot_id: str, clock: Callable[[], float] = time.time) -> None:
+        self._store = store
+        self._gpus = tuple(gpus)
+        self._regions = regions
+        self._driver_version = driver_version
+        self._boot_id = boot_id
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._log = structlog.get_logger("cgpud.instances")
+        stored = store.get_setting(COMPUTE_POLICY_KEY)
+        self._policy = policy if stored is None else NodePolicy(
+            policy.mode, policy.placement, policy.max_instances_per_gpu, policy.core_step, ComputePolicy(int(stored)))
+
+    # ---- queries -----------------------------------------------------------------
+
+    def policy(self) -> NodePolicy:
+        return self._policy
+
+    def get(self, instance_id: str) -> Instance:
+        return self._store.get(instance_id)
+
+    def list(self, include_released: bool = False) -> list[Instance]:
+        return self._store.list(include_released=include_released)
+
+    def region_dir(self, instance_id: str) -> Path:
+        return self._regions / instance_id
+
+    def node_info(self) -> NodeInfo:
+        return NodeInfo(
+            hostname=node.hostname(),
+            address=node.primary_address(),
+            driver_version=self._driver_version,
+            policy=self._policy,
+            gpus=placement.gpu_usage(self._gpus, self._store.active()),
+        )
+
+    # ---- changes -------------------------------------------------------------------
+
+    def create(self, request: Request, pid: int | None = None) -> Instance:
+        with self._lock:
+            with self._store.transaction() as tx:
+                active = tx.active()
+                same_owner = [i for i in active if i.owner == request.owner]
+                if same_owner:
+                    return self._same_request(same_owner[0], request)
+                grants = placement.admit(request, self._gpus, active, self._policy)
+                now = self._clock()
+                instance = Instance(
+                    id=new_instance_id(), owner=request.owner, grants=grants,
+                    state=InstanceState.BOUND if pid else InstanceState.RESERVED,
+                    enforced=self._policy.mode in ENFORCED_MODES, weight=request.weight,
+                    priority=request.priority, pids=(pid,) if pid else (), boot_id=self._boot_id,
+                    created=now, updated=now)
+                tx.insert(instance)
+            self._write_region(instance)
+        self._log.info("created", id=instance.id, owner=instance.owner.id,
+                       grants=[(g.gpu_index, g.memory, g.core_percent) for g in instance.grants])
+        return instance
+
+    def bind(self, instance_id: str, pids: tuple[int, ...], owner_id: str | None = None) -> Instance:
+        with self._lock:
+            instance = self._store.set_state(instance_id, InstanceState.BOUND, pids=pids, owner_id=owner_id)
+        self._log.info("bound", id=instance_id, pids=list(pids))
+        return instance
+
+    def release(self, instance_id: str) -> Instance:
+        with self._lock:
+            current = self._store.get(instance_id)
+            if current.state is InstanceState.RELEASED:
+                return current  # a retry after a crash: already done
+            instance = self._store.set_state(instance_id, InstanceState.RELEASED)
+            shutil.rmtree(self.region_dir(instance_id), ignore_errors=True)
+        self._log.info("released", id=instance_id)
+        return instance
+
+    def set_compute_policy(self, policy: ComputePolicy) -> NodePolicy:
+        with self._lock:
+            self._store.set_setting(COMPUTE_POLICY_KEY, str(int(policy)))
+            p = self._policy
+            self._policy = NodePolicy(p.mode, p.placement, p.max_instances_per_gpu, p.core_step, policy)
+        self._log.info("policy", compute_policy=policy.name.lower())
+        return self._policy
+
+    # ---- upkeep -----------------------------------------------------------------------
+
+    def reconcile(self) -> dict[str, int]:
+        """At start: release what outlived its owner, repair regions, reclaim
+        the usage of dead processes, remove regions nobody owns."""
+        released = repaired = reaped = 0
+        for instance in self._store.active():
+            if instance.boot_id != self._boot_id or self._owner_gone(instance):
+                self.release(instance.id)
+                released += 1
+                continue
+            repaired += self._repair_region(instance)
+            reaped += self._reap(instance)
+        removed = self._remove_orphan_regions()
+        summary = {"released": released, "regions_repaired": repaired, "ledgers_reaped": reaped,
+                   "orphan_regions_removed": removed}
+        self._log.info("reconciled", **summary)
+        return summary
+
+    def sweep(self) -> int:
+        """Releases host-process instances whose processes all exited."""
+        gone = [i for i in self._store.active() if self._owner_gone(i)]
+        for instance in gone:
+            self.release(instance.id)
+        return len(gone)
+
+    # ---- helpers ------------------------------------------------------------------------
+
+    def _same_request(self, existing: Instance, request: Request) -> Instance:
+        wanted = (request.memory, request.gpu_count, request.core_percent)
+        held = (existing.grants[0].memory if request.memory else 0, len(existing.grants),
+                existing.grants[0].core_percent)
+        if wanted != held:
+            raise StateError(f"{existing.owner.kind.value} {existing.owner.id} already holds instance "
+                             f"{existing.id} with a different request; release it first")
+        return existing
+
+    def _owner_gone(self, instance: Instance) -> bool:
+        # Containers and pods are checked against their runtime (container
+        # issue); host processes by their PIDs.
+        if instance.owner.kind is not OwnerKind.PROCESS or not instance.pids:
+            return False
+        return not any(pid_alive(pid, instance.updated) for pid in instance.pids)
+
+    def _limits(self, instance: Instance) -> InstanceLimits:
+        devices = tuple(DeviceLimit(g.gpu_uuid, g.memory, g.gpu_index, g.core_percent, instance.weight,
+                                    instance.priority) for g in instance.grants)
+        return InstanceLimits(instance.id, devices, compute_policy=int(self._policy.compute_policy))
+
+    def _write_region(self, instance: Instance) -> None:
+        if instance.enforced:
+            write_region(self.region_dir(instance.id), self._limits(instance))
+
+    def _repair_region(self, instance: Instance) -> int:
+        if not instance.enforced:
+            return 0
+        try:
+            if read_limits(self.region_dir(instance.id)) == self._limits(instance):
+                return 0
+        except RegionError as e:
+            self._log.warning("region damaged", id=instance.id, error=str(e))
+        self._write_region(instance)  # also replaces a damaged usage file
+        return 1
+
+    def _reap(self, instance: Instance) -> int:
+        if not instance.enforced:
+            return 0
+        with UsageRegion(self.region_dir(instance.id)) as usage:
+            return usage.reap()
+
+    def _remove_orphan_regions(self) -> int:
+        if not self._regions.is_dir():
+            return 0
+        active = {i.id for i in self._store.active()}
+        orphans = [d for d in self._regions.iterdir() if d.is_dir() and d.name not in active]
+        for d in orphans:
+            shutil.rmtree(d, ignore_errors=True)
+        return len(orphans)

@@ -1,0 +1,83 @@
+"""The instance service over a real SQLite file and real region files:
+idempotent create/release, regions written and removed, and what
+reconcile() repairs after a crash."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cgpud.daemon.model import GIB, GpuCapacity, InstanceState, NodeMode, NodePolicy, Owner, OwnerKind, Request
+from cgpud.daemon.region import read_limits
+from cgpud.daemon.service import InstanceService
+from cgpud.daemon.store import Store
+from cgpud.errors import AdmissionError, StateError
+
+GPUS = (GpuCapacity(0, "GPU-aaaa", 16 * GIB), GpuCapacity(1, "GPU-bbbb", 16 * GIB))
+
+
+def service(tmp_path: Path, mode: NodeMode = NodeMode.CGPU, boot: str = "boot-1") -> InstanceService:
+    return InstanceService(Store(tmp_path / "db" / "cgpud.db"), GPUS, NodePolicy(mode=mode), tmp_path / "regions",
+                           "580.65.06", boot)
+
+
+def owner(name: str, kind: OwnerKind = OwnerKind.CONTAINER) -> Owner:
+    return Owner(kind, name)
+
+
+def test_create_writes_the_region_and_release_removes_it(tmp_path):
+    svc = service(tmp_path)
+    inst = svc.create(Request(owner("c1"), 4 * GIB, core_percent=0))
+    limits = read_limits(svc.region_dir(inst.id))
+    assert [(d.uuid, d.mem_limit) for d in limits.devices] == [("GPU-aaaa", 4 * GIB)]
+    svc.release(inst.id)
+    assert not svc.region_dir(inst.id).exists()
+    assert svc.get(inst.id).state is InstanceState.RELEASED
+
+
+def test_share_mode_keeps_books_without_a_region(tmp_path):
+    svc = service(tmp_path, NodeMode.SHARE)
+    inst = svc.create(Request(owner("c1"), 4 * GIB))
+    assert not inst.enforced and not svc.region_dir(inst.id).exists()
+
+
+def test_a_retried_create_gets_the_same_instance_and_release_twice_is_fine(tmp_path):
+    svc = service(tmp_path)
+    first = svc.create(Request(owner("c1"), 4 * GIB))
+    assert svc.create(Request(owner("c1"), 4 * GIB)) == first
+    with pytest.raises(StateError, match="already holds instance"):
+        svc.create(Request(owner("c1"), 8 * GIB))
+    svc.release(first.id)
+    assert svc.release(first.id).state is InstanceState.RELEASED
+
+
+def test_admission_refusal_changes_nothing(tmp_path):
+    svc = service(tmp_path)
+    svc.create(Request(owner("c1"), 16 * GIB, gpu_count=2))
+    with pytest.raises(AdmissionError):
+        svc.create(Request(owner("c2"), GIB))
+    assert [i.owner.id for i in svc.list()] == ["c1"]
+
+
+def test_reconcile_repairs_releases_and_cleans(tmp_path):
+    svc = service(tmp_path)
+    kept = svc.create(Request(owner("keep"), 2 * GIB))
+    (svc.region_dir(kept.id) / "limits").write_bytes(b"garbage")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    gone = svc.create(Request(owner("gone", OwnerKind.PROCESS), GIB), pid=dead.pid)
+    orphan = tmp_path / "regions" / "cgpu-orphan"
+    orphan.mkdir(parents=True)
+    summary = service(tmp_path).reconcile()  # as after a restart
+    assert summary == {"released": 1, "regions_repaired": 1, "ledgers_reaped": 0, "orphan_regions_removed": 1}
+    assert read_limits(svc.region_dir(kept.id)).devices[0].mem_limit == 2 * GIB
+    assert svc.get(gone.id).state is InstanceState.RELEASED and not orphan.exists()
+
+
+def test_a_reboot_releases_everything_from_before(tmp_path):
+    svc = service(tmp_path)
+    inst = svc.create(Request(owner("c1"), GIB))
+    assert service(tmp_path, boot="boot-2").reconcile()["released"] == 1
+    assert svc.get(inst.id).state is InstanceState.RELEASED
