@@ -1,9 +1,12 @@
 """Build glue: the cffi scheduler extension plus every other C part
-(csrc/build_native.py), so `pip install .` and `pip install -e .` need no
-separate make step."""
+(csrc/build_native.py) and the gRPC code generated from proto/, so
+`pip install .` and `pip install -e .` need no separate make step."""
 from __future__ import annotations
 
+import re
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from setuptools import Command, setup
@@ -46,9 +49,101 @@ class BuildNative(Command):
         return []
 
 
+ROOT = Path(__file__).resolve().parent
+PROTO_ROOT = ROOT / "proto"
+PROTOS = ("cgpu/v1/local.proto",)
+# protoc names modules after the proto's path ("cgpu/v1/local.proto" ->
+# cgpu.v1.local_pb2); they are shipped as cgpud.api.cgpu.v1.local_pb2.
+PROTO_PACKAGE_DIR = ("cgpud", "api")
+# The one line protoc emits that assumes `cgpu` is a top-level package.
+_ABSOLUTE_PB2_IMPORT = re.compile(r"^from cgpu\.v1 import (\w+_pb2) as ", re.MULTILINE)
+
+
+class BuildProto(Command):
+    """Generate cgpud/api/cgpu/v1/*_pb2{,_grpc}.py{,i} with grpc_tools.protoc.
+    Generated code is never committed: it must match the protobuf and grpcio
+    the package is installed with; pyproject.toml pins the generator."""
+
+    description = "generate the gRPC Python modules from proto/"
+    user_options: list = []
+
+    def initialize_options(self) -> None:
+        self.build_lib = None
+        self.editable_mode = False
+        self._outputs: list[str] = []
+
+    def finalize_options(self) -> None:
+        self.set_undefined_options("build_py", ("build_lib", "build_lib"))
+
+    def _out_dir(self) -> Path:
+        # Editable installs import cgpud from the source tree (as BuildNative).
+        root = ROOT if self.editable_mode else Path(self.build_lib)
+        return root.joinpath(*PROTO_PACKAGE_DIR)
+
+    def run(self) -> None:
+        try:
+            from importlib.resources import files
+
+            from grpc_tools import protoc
+        except ImportError as e:
+            raise SystemExit(
+                f"error: generating the gRPC code needs grpcio-tools ({e}); it is in"
+                " [build-system] requires, so this happens only with --no-build-isolation:"
+                " pip install grpcio-tools"
+            ) from e
+        out_dir = self._out_dir()
+        # Generate into a scratch directory and move finished files into place,
+        # so a failed protoc run never leaves half a set of modules in the package.
+        with tempfile.TemporaryDirectory(prefix="cgpu-protoc-") as tmp:
+            args = [
+                "grpc_tools.protoc",
+                f"-I{PROTO_ROOT}",
+                f"-I{files('grpc_tools') / '_proto'}",  # well-known types
+                f"--python_out={tmp}",
+                f"--pyi_out={tmp}",
+                f"--grpc_python_out={tmp}",
+                *(str(PROTO_ROOT / p) for p in PROTOS),
+            ]
+            if protoc.main(args) != 0:
+                raise SystemExit(f"error: grpc_tools.protoc failed: {' '.join(args[1:])}")
+            outputs = []
+            for src in sorted(Path(tmp).rglob("*_pb2*.py*")):
+                rel = src.relative_to(tmp)
+                if src.name.endswith("_grpc.py"):
+                    _make_pb2_import_relative(src)
+                dest = out_dir / rel
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(src, dest)
+                outputs.append(str(dest))
+        self._outputs = outputs
+
+    def get_outputs(self) -> list[str]:
+        return self._outputs
+
+    def get_output_mapping(self) -> dict[str, str]:
+        return {}
+
+    def get_source_files(self) -> list[str]:
+        # setuptools wants these relative to setup.py, /-separated.
+        return [f"proto/{p}" for p in PROTOS]
+
+
+def _make_pb2_import_relative(path: Path) -> None:
+    """`from cgpu.v1 import local_pb2` -> `from . import local_pb2`: the
+    generated package lives inside cgpud, and a relative import keeps it
+    from depending on where that is (or on a top-level `cgpu`)."""
+    text, n = _ABSOLUTE_PB2_IMPORT.subn(r"from . import \1 as ", path.read_text())
+    if n == 0 or "from cgpu." in text:
+        # protoc changed its output: fail the build rather than ship a module
+        # that cannot be imported.
+        raise SystemExit(f"error: unexpected import lines in generated {path.name}; update setup.py")
+    path.write_text(text)
+
+
 build.sub_commands.append(("build_native", None))
+build.sub_commands.append(("build_proto", None))
 
 setup(
-    cmdclass={"build_native": BuildNative},
+    cmdclass={"build_native": BuildNative, "build_proto": BuildProto},
     cffi_modules=["csrc/scheduler/build_scheduler.py:ffibuilder", "csrc/region/build_region.py:ffibuilder"],
 )

@@ -3,6 +3,7 @@ calls one function; errors print one line and exit non-zero."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -10,7 +11,9 @@ from pathlib import Path
 
 from cgpud import __version__
 from cgpud.cli import simulator
-from cgpud.errors import CgpuError
+from cgpud.daemon import config as settings
+from cgpud.daemon.model import ComputePolicy
+from cgpud.errors import CgpuError, UsageError
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -45,6 +48,77 @@ def _sim_demo(args: argparse.Namespace) -> int:
     return simdemo.run(_machine(args), seconds=args.seconds)
 
 
+def _socket(args: argparse.Namespace) -> Path:
+    if args.socket:
+        return Path(args.socket)
+    return settings.load(None, {}).socket
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from cgpud.cli import inspect
+    from cgpud.cli.client import LocalClient
+
+    with LocalClient(_socket(args)) as client:
+        info, instances = client.node_info(), client.list()
+    if args.output == "json":
+        print(json.dumps(inspect.as_json(info, instances), indent=2))
+    else:
+        sys.stdout.write(inspect.inspect_details(info, instances) if args.details else inspect.inspect_summary(info))
+    return 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    from cgpud.cli import inspect
+    from cgpud.cli.client import LocalClient
+
+    with LocalClient(_socket(args)) as client:
+        instances = client.list(include_released=args.all)
+    if args.output == "json":
+        print(json.dumps(inspect.as_json_instances(instances), indent=2))
+    else:
+        sys.stdout.write(inspect.instance_list(instances))
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    from cgpud.cli import run
+    from cgpud.daemon.placement import parse_memory
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    return run.run(_socket(args), parse_memory(args.mem), args.gpus, args.core, command)
+
+
+def _policy(args: argparse.Namespace) -> int:
+    from cgpud.cli.client import LocalClient
+
+    wanted = _compute_policy(args.value) if args.policy_verb == "set" else None
+    with LocalClient(_socket(args)) as client:
+        policy = client.set_compute_policy(wanted) if wanted is not None else client.policy()
+    print(f"mode={policy.mode.value} placement={policy.placement.value} "
+          f"compute_policy={int(policy.compute_policy)} ({policy.compute_policy.name.lower()}) "
+          f"max_instances_per_gpu={policy.max_instances_per_gpu} core_step={policy.core_step}")
+    return 0
+
+
+def _compute_policy(text: str) -> ComputePolicy:
+    names = {p.name.lower(): p for p in ComputePolicy}
+    if text.isdigit() and int(text) in ComputePolicy._value2member_map_:
+        return ComputePolicy(int(text))
+    if text.lower() in names:
+        return names[text.lower()]
+    choices = ", ".join(f"{int(p)} {p.name.lower()}" for p in ComputePolicy)
+    raise UsageError(f"unknown compute policy {text!r}: use one of {choices}")
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from cgpud.cli import doctor
+
+    config = settings.load(Path(args.config) if args.config else None, {})
+    text, code = doctor.report(doctor.diagnose(config, _socket(args)))
+    sys.stdout.write(text)
+    return code
+
+
 def _add_machine_options(p: argparse.ArgumentParser) -> None:
     d = simulator.SimMachine()
     p.add_argument("--gpus", type=int, default=d.gpus, help=f"number of GPUs (default {d.gpus})")
@@ -57,7 +131,39 @@ def _add_machine_options(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cgpuctl", description="Operate cgpu, the GPU sharing runtime, on this node.")
     p.add_argument("--version", action="version", version=f"cgpuctl {__version__}")
+    p.add_argument("--socket", help="cgpud's local API socket (default from /etc/cgpu/config.toml, "
+                                    "else /run/cgpud/cgpud.sock)")
     verbs = p.add_subparsers(dest="verb", metavar="VERB", required=True)
+
+    inspect = verbs.add_parser("inspect", help="GPU memory allocated on this node, as kubectl inspect cgpu shows it")
+    inspect.add_argument("-d", "--details", action="store_true", help="list every instance")
+    inspect.add_argument("--output", choices=["table", "json"], default="table")
+    inspect.set_defaults(handler=_inspect)
+
+    lst = verbs.add_parser("list", help="instances on this node")
+    lst.add_argument("--all", action="store_true", help="include released instances")
+    lst.add_argument("--output", choices=["table", "json"], default="table")
+    lst.set_defaults(handler=_list)
+
+    run = verbs.add_parser("run", help="run a command under a fresh instance (memory limit, compute share)",
+                           description="Example: cgpuctl run --mem 4GiB --core 30 -- python train.py")
+    run.add_argument("--mem", required=True, help="memory per GPU: 4 (GiB, like aliyun.com/gpu-mem), 4GiB, 512MiB")
+    run.add_argument("--core", type=int, default=0, help="compute share in percent (core_mem nodes)")
+    run.add_argument("--gpus", type=int, default=1, help="number of GPUs (default 1)")
+    run.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
+    run.set_defaults(handler=_run)
+
+    policy = verbs.add_parser("policy", help="show or change the compute policy")
+    policy_verbs = policy.add_subparsers(dest="policy_verb", metavar="ACTION", required=True)
+    policy_verbs.add_parser("get", help="show the node's policy").set_defaults(handler=_policy)
+    setp = policy_verbs.add_parser("set", help="set the compute policy: 0 fair, 1 preemptive, 2 weighted, "
+                                              "3 fixed, 4 soft, 5 native (number or name)")
+    setp.add_argument("value")
+    setp.set_defaults(handler=_policy)
+
+    doctor = verbs.add_parser("doctor", help="check driver, daemon, state directory, library and runtime")
+    doctor.add_argument("--config", help="cgpud settings file to check against")
+    doctor.set_defaults(handler=_doctor)
 
     sim = verbs.add_parser("sim", help="simulated GPUs for development, tests and demos")
     sim_verbs = sim.add_subparsers(dest="sim_verb", metavar="ACTION", required=True)

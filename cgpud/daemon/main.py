@@ -1,48 +1,82 @@
-"""cgpud entry point: parse arguments, wire the parts, run."""
+"""cgpud entry point: parse settings, wire the parts, run until told to stop."""
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
+from collections.abc import Sequence
 
 import structlog
 
 from cgpud import __version__
+from cgpud.daemon import config as settings
+from cgpud.daemon import node
 from cgpud.daemon.inventory import read_inventory
+from cgpud.daemon.model import GpuCapacity
+from cgpud.daemon.service import InstanceService
+from cgpud.daemon.store import Store
 from cgpud.errors import CgpuError
 from cgpud.logs import configure_logging
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="cgpud",
-        description="cgpu node daemon: owns the GPU inventory, instance tables and compute scheduler.",
-    )
+    p = argparse.ArgumentParser(prog="cgpud", description="cgpu node daemon: GPU inventory, instance tables, local API.")
     p.add_argument("--version", action="version", version=f"cgpud {__version__}")
-    p.add_argument(
-        "--inventory", action="store_true", help="print this node's GPU inventory as JSON and exit"
-    )
+    p.add_argument("--inventory", action="store_true", help="print this node's GPU inventory as JSON and exit")
+    settings.add_arguments(p)
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def _sweeper(service: InstanceService, interval: float, stop: threading.Event) -> None:
+    log = structlog.get_logger("cgpud.sweep")
+    while not stop.wait(interval):
+        try:
+            service.sweep()
+        except CgpuError as e:  # keep sweeping: the next round may succeed
+            log.error("sweep failed", error=str(e))
+
+
+def run(config: settings.DaemonConfig) -> int:
+    # Imported here: the API pulls in grpc, which --inventory does not need.
+    from cgpud.api.server import serve
+    from cgpud.daemon.notify import Notifier, start_watchdog
+
+    log = structlog.get_logger("cgpud")
+    inventory = read_inventory()
+    gpus = tuple(GpuCapacity(g.index, g.uuid, g.memory_total) for g in inventory.gpus)
+    store = Store(config.database)
+    service = InstanceService(store, gpus, config.policy(), config.regions, inventory.driver_version, node.boot_id())
+    service.reconcile()
+    server = serve(service, config.socket)
+    notifier = Notifier.from_env()
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    threading.Thread(target=_sweeper, args=(service, config.sweep_interval, stop), daemon=True).start()
+    start_watchdog(notifier, stop)
+    notifier.ready()  # only now: reconciled and serving
+    log.info("ready", socket=str(config.socket), gpus=len(gpus), mode=config.mode.value)
+    stop.wait()
+    notifier.stopping()
+    log.info("stopping")
+    server.stop(grace=2).wait()
+    store.close()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     configure_logging()
-    log = structlog.get_logger("cgpud")
     try:
-        inventory = read_inventory()
+        if args.inventory:
+            print(json.dumps(read_inventory().as_dict(), indent=2))
+            return 0
+        return run(settings.from_arguments(args))
     except CgpuError as e:
         print(f"cgpud: {e}", file=sys.stderr)
         return 1
-    if args.inventory:
-        print(json.dumps(inventory.as_dict(), indent=2))
-        return 0
-    log.info("inventory", gpus=len(inventory.gpus), driver=inventory.driver_version)
-    print(
-        "cgpud: serving instances is not implemented yet; use --inventory to read the GPUs",
-        file=sys.stderr,
-    )
-    return 2
 
 
 if __name__ == "__main__":

@@ -188,19 +188,26 @@ class InstanceService:
     def _repair_region(self, instance: Instance) -> int:
         if not instance.enforced:
             return 0
+        region = self.region_dir(instance.id)
         try:
-            if read_limits(self.region_dir(instance.id)) == self._limits(instance):
-                return 0
+            if read_limits(region) == self._limits(instance):
+                with UsageRegion(region):
+                    return 0
         except RegionError as e:
-            self._log.warning("region damaged", id=instance.id, error=str(e))
-        self._write_region(instance)  # also replaces a damaged usage file
+            # Damaged, or a crash came between committing and writing it.
+            self._log.warning("region repaired", id=instance.id, error=str(e))
+        self._write_region(instance)  # keeps a valid usage file, replaces a damaged one
         return 1
 
     def _reap(self, instance: Instance) -> int:
         if not instance.enforced:
             return 0
-        with UsageRegion(self.region_dir(instance.id)) as usage:
-            return usage.reap()
+        try:
+            with UsageRegion(self.region_dir(instance.id)) as usage:
+                return usage.reap()
+        except RegionError as e:  # repaired just before; never fatal for the daemon
+            self._log.error("cannot reap ledgers", id=instance.id, error=str(e))
+            return 0
 
     def _remove_orphan_regions(self) -> int:
         if not self._regions.is_dir():

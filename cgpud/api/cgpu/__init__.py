@@ -1,0 +1,1 @@
+"""Generated protobuf packages, laid out as proto/ is (cgpu/v1/...)."""

@@ -1,0 +1,210 @@
+"""Model <-> protobuf for the local API: pure functions, no I/O.
+
+Both directions live here so the server and the client cannot drift apart.
+Enumerated values travel as the model's own strings (see local.proto); the
+decoding side turns an unknown word into a UsageError naming the field, which
+the server answers as INVALID_ARGUMENT."""
+from __future__ import annotations
+
+from dataclasses import fields
+from enum import Enum
+from pathlib import Path
+from typing import TypeVar
+
+from cgpud.api.cgpu.v1 import local_pb2 as pb
+from cgpud.daemon import model
+from cgpud.errors import UsageError
+
+E = TypeVar("E", bound=Enum)
+
+
+def _enum(cls: type[E], value: str | int, field: str) -> E:
+    try:
+        return cls(value)
+    except ValueError:
+        allowed = ", ".join(str(m.value) for m in cls)  # type: ignore[attr-defined]
+        raise UsageError(f"{field}: unknown value {value!r}; expected one of {allowed}") from None
+
+
+# ---- owner, grant, instance ------------------------------------------------------
+
+
+def owner_to_pb(owner: model.Owner) -> pb.Owner:
+    return pb.Owner(kind=owner.kind.value, id=owner.id)
+
+
+def owner_from_pb(msg: pb.Owner) -> model.Owner:
+    return model.Owner(kind=_enum(model.OwnerKind, msg.kind, "owner.kind"), id=msg.id)
+
+
+def grant_to_pb(grant: model.Grant) -> pb.Grant:
+    return pb.Grant(
+        gpu_index=grant.gpu_index,
+        gpu_uuid=grant.gpu_uuid,
+        memory_bytes=grant.memory,
+        core_percent=grant.core_percent,
+    )
+
+
+def grant_from_pb(msg: pb.Grant) -> model.Grant:
+    return model.Grant(
+        gpu_index=msg.gpu_index, gpu_uuid=msg.gpu_uuid, memory=msg.memory_bytes, core_percent=msg.core_percent
+    )
+
+
+def instance_to_pb(instance: model.Instance, region_dir: Path | None = None) -> pb.Instance:
+    """`region_dir` is not part of the model (the service computes it), hence
+    a separate argument; None for a released instance whose region is gone."""
+    return pb.Instance(
+        id=instance.id,
+        owner=owner_to_pb(instance.owner),
+        grants=[grant_to_pb(g) for g in instance.grants],
+        state=instance.state.value,
+        enforced=instance.enforced,
+        weight=instance.weight,
+        priority=instance.priority,
+        pids=list(instance.pids),
+        boot_id=instance.boot_id,
+        created=instance.created,
+        updated=instance.updated,
+        region_dir=str(region_dir) if region_dir is not None else "",
+    )
+
+
+def instance_from_pb(msg: pb.Instance) -> model.Instance:
+    return model.Instance(
+        id=msg.id,
+        owner=owner_from_pb(msg.owner),
+        grants=tuple(grant_from_pb(g) for g in msg.grants),
+        state=_enum(model.InstanceState, msg.state, "instance.state"),
+        enforced=msg.enforced,
+        weight=msg.weight,
+        priority=msg.priority,
+        pids=tuple(msg.pids),
+        boot_id=msg.boot_id,
+        created=msg.created,
+        updated=msg.updated,
+    )
+
+
+def region_dir_from_pb(msg: pb.Instance) -> Path | None:
+    return Path(msg.region_dir) if msg.region_dir else None
+
+
+# ---- requests --------------------------------------------------------------------
+
+
+def request_to_pb(request: model.Request, pid: int | None = None) -> pb.CreateInstanceRequest:
+    msg = pb.CreateInstanceRequest(
+        owner=owner_to_pb(request.owner),
+        memory_bytes=request.memory,
+        gpu_count=request.gpu_count,
+        core_percent=request.core_percent,
+        weight=request.weight,
+        priority=request.priority,
+    )
+    if pid is not None:
+        msg.pid = pid
+    return msg
+
+
+def request_from_pb(msg: pb.CreateInstanceRequest) -> tuple[model.Request, int | None]:
+    """The model request and the pid to bind at once (None: reserve only).
+    Unset optional fields take the model's defaults; explicit values, even
+    nonsensical ones, are passed on for the service to judge."""
+    if not msg.HasField("owner"):
+        raise UsageError("owner: required (kind and id of the container, pod or process)")
+    request = model.Request(
+        owner=owner_from_pb(msg.owner),
+        memory=msg.memory_bytes,
+        gpu_count=msg.gpu_count if msg.HasField("gpu_count") else _request_default("gpu_count"),
+        core_percent=msg.core_percent,
+        weight=msg.weight if msg.HasField("weight") else _request_default("weight"),
+        priority=msg.priority,
+    )
+    return request, (msg.pid if msg.HasField("pid") else None)
+
+
+def _request_default(name: str) -> int:
+    # Read from the dataclass so the model stays the one place defaults live.
+    default = next(f.default for f in fields(model.Request) if f.name == name)
+    assert isinstance(default, int)
+    return default
+
+
+def bind_to_pb(instance_id: str, pids: tuple[int, ...], owner_id: str | None = None) -> pb.BindInstanceRequest:
+    msg = pb.BindInstanceRequest(id=instance_id, pids=list(pids))
+    if owner_id is not None:
+        msg.owner_id = owner_id
+    return msg
+
+
+def bind_from_pb(msg: pb.BindInstanceRequest) -> tuple[str, tuple[int, ...], str | None]:
+    return msg.id, tuple(msg.pids), (msg.owner_id if msg.HasField("owner_id") else None)
+
+
+# ---- policy and node ---------------------------------------------------------------
+
+
+def policy_to_pb(policy: model.NodePolicy) -> pb.Policy:
+    return pb.Policy(
+        mode=policy.mode.value,
+        placement=policy.placement.value,
+        max_instances_per_gpu=policy.max_instances_per_gpu,
+        core_step=policy.core_step,
+        compute_policy=int(policy.compute_policy),
+    )
+
+
+def policy_from_pb(msg: pb.Policy) -> model.NodePolicy:
+    return model.NodePolicy(
+        mode=_enum(model.NodeMode, msg.mode, "policy.mode"),
+        placement=_enum(model.Placement, msg.placement, "policy.placement"),
+        max_instances_per_gpu=msg.max_instances_per_gpu,
+        core_step=msg.core_step,
+        compute_policy=compute_policy_from_int(msg.compute_policy),
+    )
+
+
+def compute_policy_from_int(value: int) -> model.ComputePolicy:
+    return _enum(model.ComputePolicy, value, "compute_policy")
+
+
+def gpu_usage_to_pb(usage: model.GpuUsage) -> pb.GpuUsage:
+    return pb.GpuUsage(
+        index=usage.gpu.index,
+        uuid=usage.gpu.uuid,
+        memory_bytes=usage.gpu.memory,
+        allocated_bytes=usage.allocated,
+        core_percent=usage.core_percent,
+        instances=usage.instances,
+    )
+
+
+def gpu_usage_from_pb(msg: pb.GpuUsage) -> model.GpuUsage:
+    return model.GpuUsage(
+        gpu=model.GpuCapacity(index=msg.index, uuid=msg.uuid, memory=msg.memory_bytes),
+        allocated=msg.allocated_bytes,
+        core_percent=msg.core_percent,
+        instances=msg.instances,
+    )
+
+
+def node_info_to_pb(info: model.NodeInfo) -> pb.NodeInfo:
+    return pb.NodeInfo(
+        hostname=info.hostname,
+        address=info.address,
+        driver_version=info.driver_version,
+        policy=policy_to_pb(info.policy),
+        gpus=[gpu_usage_to_pb(g) for g in info.gpus],
+    )
+
+
+def node_info_from_pb(msg: pb.NodeInfo) -> model.NodeInfo:
+    return model.NodeInfo(
+        hostname=msg.hostname,
+        address=msg.address,
+        driver_version=msg.driver_version,
+        policy=policy_from_pb(msg.policy),
+        gpus=tuple(gpu_usage_from_pb(g) for g in msg.gpus),
+    )

@@ -1,0 +1,232 @@
+"""The local gRPC server of cgpud: cgpu.v1.Local and grpc.health.v1 on a
+root-only unix socket.
+
+Who may talk to cgpud is decided by file permissions alone (no TLS, no
+tokens): the socket is 0600 root and lives in a 0700 directory. gRPC creates
+the socket file at bind() with the process umask, and chmod can only follow
+it, so for a moment a connect() by another user could be accepted into the
+listen backlog. The 0700 directory closes that window: nobody but root can
+resolve a path inside it at any time, whatever the socket's own mode is.
+"""
+from __future__ import annotations
+
+import builtins
+import functools
+import os
+import socket
+import stat
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from cgpud.api import convert
+from cgpud.api.cgpu.v1 import local_pb2 as pb
+from cgpud.api.cgpu.v1 import local_pb2_grpc as pb_grpc
+from cgpud.api.status import status_for
+from cgpud.daemon import model
+from cgpud.errors import CgpuError, UsageError
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Local"].full_name  # "cgpu.v1.Local"
+
+# sockaddr_un.sun_path is 108 bytes including the terminating NUL.
+_SUN_PATH_MAX = 107
+
+
+class LocalService(Protocol):
+    """What the server needs of the daemon (cgpud.daemon.service implements
+    it). Methods raise cgpud.errors; anything else is a bug and is reported
+    to the client as INTERNAL."""
+
+    def create(self, request: model.Request, pid: int | None = None) -> model.Instance: ...
+
+    def bind(self, instance_id: str, pids: tuple[int, ...], owner_id: str | None = None) -> model.Instance: ...
+
+    def release(self, instance_id: str) -> model.Instance: ...
+
+    def list(self, include_released: bool = False) -> builtins.list[model.Instance]: ...
+
+    def get(self, instance_id: str) -> model.Instance: ...
+
+    def region_dir(self, instance_id: str) -> Path: ...
+
+    def policy(self) -> model.NodePolicy: ...
+
+    def set_compute_policy(self, policy: model.ComputePolicy) -> model.NodePolicy: ...
+
+    def node_info(self) -> model.NodeInfo: ...
+
+
+R = TypeVar("R")
+Handler = Callable[["LocalServicer", Any], R]
+
+
+def _rpc(method: Handler[R]) -> Callable[[LocalServicer, Any, grpc.ServicerContext], R]:
+    """Run one RPC body and turn cgpud errors into status codes carrying the
+    error's message. Request decoding happens inside the body, so a malformed
+    request is INVALID_ARGUMENT like any other UsageError."""
+
+    @functools.wraps(method)
+    def handler(self: LocalServicer, request: Any, context: grpc.ServicerContext) -> R:
+        try:
+            return method(self, request)
+        except CgpuError as e:
+            code, message = status_for(e), str(e)
+            # Refusals are the API working as intended: info, not error.
+            log = self._log.error if code is grpc.StatusCode.INTERNAL else self._log.info
+            log("rpc failed", rpc=method.__name__, code=code.name, error=message)
+        except Exception as e:  # a bug: keep the traceback here, give the client one line
+            self._log.exception("rpc crashed", rpc=method.__name__)
+            code = grpc.StatusCode.INTERNAL
+            message = f"internal error in cgpud ({type(e).__name__}: {e}); see its log (journalctl -u cgpud)"
+        # abort() raises; it stays outside the try so it is not caught above.
+        context.abort(code, message)
+        raise AssertionError("grpc.ServicerContext.abort returned")  # it always raises
+
+    return handler
+
+
+class LocalServicer(pb_grpc.LocalServicer):
+    """cgpu.v1.Local over a LocalService: decode, call, encode."""
+
+    def __init__(self, service: LocalService) -> None:
+        self._service = service
+        self._log = structlog.get_logger("cgpud.api")
+
+    def _instance(self, instance: model.Instance) -> pb.Instance:
+        # A released instance's region files are removed with it: no path.
+        region = self._service.region_dir(instance.id) if instance.active else None
+        return convert.instance_to_pb(instance, region)
+
+    @_rpc
+    def CreateInstance(self, request: pb.CreateInstanceRequest) -> pb.Instance:
+        req, pid = convert.request_from_pb(request)
+        return self._instance(self._service.create(req, pid))
+
+    @_rpc
+    def BindInstance(self, request: pb.BindInstanceRequest) -> pb.Instance:
+        instance_id, pids, owner_id = convert.bind_from_pb(request)
+        return self._instance(self._service.bind(instance_id, pids, owner_id))
+
+    @_rpc
+    def ReleaseInstance(self, request: pb.ReleaseInstanceRequest) -> pb.Instance:
+        return self._instance(self._service.release(request.id))
+
+    @_rpc
+    def ListInstances(self, request: pb.ListInstancesRequest) -> pb.ListInstancesResponse:
+        found = self._service.list(include_released=request.include_released)
+        return pb.ListInstancesResponse(instances=[self._instance(i) for i in found])
+
+    @_rpc
+    def InspectInstance(self, request: pb.InspectInstanceRequest) -> pb.Instance:
+        return self._instance(self._service.get(request.id))
+
+    @_rpc
+    def GetPolicy(self, request: pb.GetPolicyRequest) -> pb.Policy:
+        return convert.policy_to_pb(self._service.policy())
+
+    @_rpc
+    def SetPolicy(self, request: pb.SetPolicyRequest) -> pb.Policy:
+        policy = convert.compute_policy_from_int(request.compute_policy)
+        return convert.policy_to_pb(self._service.set_compute_policy(policy))
+
+    @_rpc
+    def GetNodeInfo(self, request: pb.GetNodeInfoRequest) -> pb.NodeInfo:
+        return convert.node_info_to_pb(self._service.node_info())
+
+
+def serve(
+    service: LocalService,
+    socket_path: Path,
+    *,
+    max_workers: int = 8,
+    health_servicer: health.HealthServicer | None = None,
+) -> grpc.Server:
+    """Start serving on `unix:<socket_path>` and return the started server
+    (stop it with `server.stop(grace)`). Pass `health_servicer` to keep a
+    handle for flipping health to NOT_SERVING on shutdown
+    (`health_servicer.enter_graceful_shutdown()`).
+
+    Raises CgpuError when the path cannot be used: too long for a unix
+    socket, a directory others can write to, a non-socket file in the way,
+    or another live server already on it."""
+    log = structlog.get_logger("cgpud.api")
+    path = Path(os.path.abspath(socket_path))
+    if len(os.fsencode(path)) > _SUN_PATH_MAX:
+        raise UsageError(f"socket path {path} is longer than a unix socket allows ({_SUN_PATH_MAX} bytes)")
+    _prepare_directory(path.parent, log)
+    _remove_stale_socket(path, log)
+
+    server = grpc.server(ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="cgpud-api"))
+    pb_grpc.add_LocalServicer_to_server(LocalServicer(service), server)
+    health_servicer = health_servicer or health.HealthServicer()
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+
+    try:
+        # gRPC binds and listens here; start() only begins accepting.
+        if server.add_insecure_port(f"unix:{path}") == 0:  # older grpcio reports failure as 0
+            raise RuntimeError("bind failed")
+        os.chmod(path, 0o600)
+    except (RuntimeError, OSError) as e:
+        server.stop(None)
+        raise CgpuError(f"cannot listen on {path}: {e}") from e
+    server.start()
+    log.info("serving", socket=str(path), services=[SERVICE_NAME, health.SERVICE_NAME])
+    return server
+
+
+def _prepare_directory(directory: Path, log: Any) -> None:
+    try:
+        directory.mkdir(mode=0o700, parents=True)
+        os.chmod(directory, 0o700)  # mkdir's mode passes through the umask
+        return
+    except FileExistsError:
+        pass
+    st = directory.stat()
+    if not stat.S_ISDIR(st.st_mode):
+        raise CgpuError(f"cannot serve in {directory}: not a directory")
+    if st.st_mode & 0o022:
+        # Anyone who can write there can replace our socket with theirs and
+        # answer cgpuctl (run as root) in our name.
+        raise CgpuError(
+            f"cannot serve in {directory}: it is writable by other users (mode "
+            f"{stat.S_IMODE(st.st_mode):04o}); use a root-owned 0700 directory such as /run/cgpud"
+        )
+    if st.st_mode & 0o077:
+        log.warning(
+            "socket directory is open to other users: between bind and chmod the socket is reachable;"
+            " make it 0700 (RuntimeDirectoryMode=0700)",
+            directory=str(directory),
+            mode=f"{stat.S_IMODE(st.st_mode):04o}",
+        )
+
+
+def _remove_stale_socket(path: Path, log: Any) -> None:
+    """Remove the socket a killed daemon left behind, but never one that a
+    live server still answers on (gRPC itself would silently unlink it and
+    steal the path) and never a file that is not a socket."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise CgpuError(f"cannot listen on {path}: a file that is not a socket is in the way; remove it if stale")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(2.0)  # a full backlog makes connect() wait; that server is alive
+        try:
+            probe.connect(str(path))
+        except ConnectionRefusedError:
+            path.unlink(missing_ok=True)
+            log.info("removed stale socket", socket=str(path))
+            return
+        except (TimeoutError, BlockingIOError):
+            pass
+        except OSError as e:
+            raise CgpuError(f"cannot check the existing socket {path}: {e}") from e
+    raise CgpuError(f"another process already serves on {path}: is cgpud running? (systemctl status cgpud)")

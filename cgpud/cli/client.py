@@ -1,0 +1,146 @@
+"""Client of cgpud's local API (cgpu.v1.Local on a unix socket).
+
+Methods mirror the daemon's service (cgpud.api.server.LocalService) and
+return model objects, so code written against one runs against the other.
+Every failure is a cgpud.errors exception: the daemon's refusals come back as
+the class it raised with its message; an unreachable daemon is a CgpuError
+that says what to check."""
+from __future__ import annotations
+
+import builtins
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeVar
+
+import grpc
+
+from cgpud.api import DEFAULT_SOCKET, convert
+from cgpud.api.cgpu.v1 import local_pb2 as pb
+from cgpud.api.cgpu.v1 import local_pb2_grpc as pb_grpc
+from cgpud.api.status import error_for
+from cgpud.daemon import model
+from cgpud.errors import CgpuError, UsageError
+
+T = TypeVar("T")
+
+_CHANNEL_OPTIONS = (
+    # Connections of this client are its own: gRPC otherwise shares them
+    # process-wide, and one client's failed attempt (say, made while the
+    # daemon restarted) would put another client into its reconnect backoff.
+    ("grpc.use_local_subchannel_pool", 1),
+    # A local socket is either there or not: retry connecting within a
+    # second, not after gRPC's default backoff of up to two minutes.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+
+
+class LocalClient:
+    """`with LocalClient() as c: c.list()`. Calls fail fast (no waiting for
+    the daemon to appear) and give up after `timeout` seconds."""
+
+    def __init__(self, socket_path: Path = DEFAULT_SOCKET, *, timeout: float = 30.0) -> None:
+        self.socket_path = Path(socket_path)
+        self.timeout = timeout
+        # Channels connect lazily: constructing one never fails, the first
+        # call reports an unreachable daemon.
+        self._channel = grpc.insecure_channel(f"unix:{self.socket_path}", options=_CHANNEL_OPTIONS)
+        self._stub = pb_grpc.LocalStub(self._channel)
+
+    def __enter__(self) -> LocalClient:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    # ---- the API ------------------------------------------------------------------
+
+    def create(self, request: model.Request, pid: int | None = None) -> model.Instance:
+        msg = self._encode(lambda: convert.request_to_pb(request, pid))
+        return convert.instance_from_pb(self._call(self._stub.CreateInstance, msg))
+
+    def bind(self, instance_id: str, pids: tuple[int, ...], owner_id: str | None = None) -> model.Instance:
+        msg = self._encode(lambda: convert.bind_to_pb(instance_id, tuple(pids), owner_id))
+        return convert.instance_from_pb(self._call(self._stub.BindInstance, msg))
+
+    def release(self, instance_id: str) -> model.Instance:
+        msg = pb.ReleaseInstanceRequest(id=instance_id)
+        return convert.instance_from_pb(self._call(self._stub.ReleaseInstance, msg))
+
+    def list(self, include_released: bool = False) -> builtins.list[model.Instance]:
+        msg = pb.ListInstancesRequest(include_released=include_released)
+        return [convert.instance_from_pb(i) for i in self._call(self._stub.ListInstances, msg).instances]
+
+    def get(self, instance_id: str) -> model.Instance:
+        return convert.instance_from_pb(self._inspect(instance_id))
+
+    def region_dir(self, instance_id: str) -> Path | None:
+        """Host directory of the instance's region files; None once released."""
+        return convert.region_dir_from_pb(self._inspect(instance_id))
+
+    def policy(self) -> model.NodePolicy:
+        return convert.policy_from_pb(self._call(self._stub.GetPolicy, pb.GetPolicyRequest()))
+
+    def set_compute_policy(self, policy: model.ComputePolicy) -> model.NodePolicy:
+        msg = pb.SetPolicyRequest(compute_policy=int(policy))
+        return convert.policy_from_pb(self._call(self._stub.SetPolicy, msg))
+
+    def node_info(self) -> model.NodeInfo:
+        return convert.node_info_from_pb(self._call(self._stub.GetNodeInfo, pb.GetNodeInfoRequest()))
+
+    # ---- plumbing -----------------------------------------------------------------
+
+    def _inspect(self, instance_id: str) -> pb.Instance:
+        return self._call(self._stub.InspectInstance, pb.InspectInstanceRequest(id=instance_id))
+
+    @staticmethod
+    def _encode(build: Callable[[], T]) -> T:
+        # protobuf refuses values out of a field's range (a pid past int32)
+        # with ValueError/TypeError: that is a bad argument, said as such.
+        try:
+            return build()
+        except (ValueError, TypeError) as e:
+            raise UsageError(f"invalid request: {e}") from None
+
+    def _call(self, rpc: Callable[..., T], request: Any) -> T:
+        try:
+            return rpc(request, timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise self._error(e) from None
+
+    def _error(self, e: grpc.RpcError) -> CgpuError:
+        code: grpc.StatusCode = e.code()  # type: ignore[attr-defined]
+        details: str = e.details() or ""  # type: ignore[attr-defined]
+        if code is grpc.StatusCode.UNAVAILABLE:
+            return unreachable(self.socket_path, details)
+        if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+            return CgpuError(f"cgpud at {self.socket_path} did not answer within {self.timeout:g} s")
+        # The daemon's own message, as the class it raised (CgpuError for
+        # INTERNAL and codes no class maps to).
+        return error_for(code, details or f"cgpud at {self.socket_path} failed: {code.name}")
+
+
+def unreachable(path: Path, details: str = "") -> CgpuError:
+    """Why cgpud cannot be reached, found out by connecting to the socket
+    ourselves: gRPC's own text ("failed to connect to all addresses") does not
+    tell a stopped daemon from a permission problem."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(2.0)
+        try:
+            probe.connect(str(path))
+        except PermissionError:
+            return CgpuError(f"cannot reach cgpud at {path}: its socket is root-only; run as root")
+        except (FileNotFoundError, ConnectionRefusedError, NotADirectoryError):
+            return CgpuError(f"cannot reach cgpud at {path}: is it running? (systemctl status cgpud)")
+        except OSError as e:
+            return CgpuError(f"cannot reach cgpud at {path}: {e.strerror or e}")
+    # The socket answers but gRPC did not get through: starting or stopping.
+    return CgpuError(f"cgpud at {path} is not accepting requests ({details or 'unavailable'}); try again")

@@ -1,0 +1,62 @@
+"""`cgpuctl run`: a host process under a fresh instance, with libcgpu.so
+preloaded, released when the process exits. If cgpuctl itself is killed,
+the daemon releases the instance once the process (bound by PID) exits."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+
+from cgpud.cli.client import LocalClient
+from cgpud.daemon.model import GIB, Instance, Owner, OwnerKind, Request
+from cgpud.errors import UsageError
+from cgpud.native import native_path
+
+
+def instance_environment(instance: Instance, region: Path, gpu_memory: dict[int, int], base: dict[str, str]) -> dict[str, str]:
+    """What the process sees: the library and its region, only its GPUs, and
+    the ALIYUN_COM_GPU_MEM_* variables cGPU applications read (outputs for
+    them, never inputs to enforcement)."""
+    env = dict(base)
+    grants = instance.grants
+    if instance.enforced:
+        lib = str(native_path("lib/libcgpu.so"))
+        env["LD_PRELOAD"] = f"{lib}:{env['LD_PRELOAD']}" if env.get("LD_PRELOAD") else lib
+        env["CGPU_REGION_DIR"] = str(region)
+    uuids = ",".join(g.gpu_uuid for g in grants)
+    env["CUDA_VISIBLE_DEVICES"] = uuids
+    env["NVIDIA_VISIBLE_DEVICES"] = uuids
+    env["ALIYUN_COM_GPU_MEM_IDX"] = ",".join(str(g.gpu_index) for g in grants)
+    env["ALIYUN_COM_GPU_MEM_CONTAINER"] = str(sum(g.memory for g in grants) // GIB)
+    env["ALIYUN_COM_GPU_MEM_POD"] = env["ALIYUN_COM_GPU_MEM_CONTAINER"]
+    env["ALIYUN_COM_GPU_MEM_DEV"] = str(gpu_memory[grants[0].gpu_index] // GIB)
+    return env
+
+
+def run(socket_path: Path, memory: int, gpus: int, core: int, command: Sequence[str]) -> int:
+    if not command:
+        raise UsageError("nothing to run: give the command after --, e.g. cgpuctl run --mem 4GiB -- python train.py")
+    owner = Owner(OwnerKind.PROCESS, f"cgpuctl-run-{socket.gethostname()}-{os.getpid()}")
+    with LocalClient(socket_path) as client:
+        instance = client.create(Request(owner, memory, gpus, core), pid=os.getpid())
+        try:
+            region = client.region_dir(instance.id)
+            gpu_memory = {g.gpu.index: g.gpu.memory for g in client.node_info().gpus}
+            env = instance_environment(instance, region, gpu_memory, dict(os.environ))
+            try:
+                child = subprocess.Popen(list(command), env=env)
+            except OSError as e:
+                raise UsageError(f"cannot run {command[0]}: {e.strerror}") from e
+            # Both PIDs: the instance lives while either does, so neither a
+            # killed cgpuctl nor a fast-exiting child releases it early.
+            client.bind(instance.id, (os.getpid(), child.pid))
+            # Ctrl-C and TERM go to the child; we wait for it either way.
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(signum, lambda s, _f, c=child: c.send_signal(s))
+            code = child.wait()
+        finally:
+            client.release(instance.id)
+    return code if code >= 0 else 128 - code

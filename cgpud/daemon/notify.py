@@ -1,0 +1,124 @@
+"""The systemd notify protocol (sd_notify(3)) without libsystemd: one
+datagram of newline-separated KEY=VALUE assignments to $NOTIFY_SOCKET.
+
+Used by cgpud under `Type=notify`: READY=1 once the API socket listens (so
+units ordered after cgpud, and cgpuctl, find it answering), STOPPING=1 on
+shutdown, STATUS= for `systemctl status`, and WATCHDOG=1 every half of
+$WATCHDOG_USEC when the unit sets WatchdogSec=. Outside systemd (no
+NOTIFY_SOCKET) every call does nothing, so the daemon needs no special case.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import structlog
+
+
+@dataclass(frozen=True)
+class Notifier:
+    # The socket address as socket.sendto wants it: a filesystem path, or a
+    # str starting with NUL for the abstract namespace. None: not under systemd.
+    address: str | None = None
+    # Watchdog period asked by systemd in microseconds; None: no watchdog.
+    watchdog_usec: int | None = None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Notifier:
+        env = os.environ if environ is None else environ
+        raw = env.get("NOTIFY_SOCKET", "")
+        # sd_notify: a leading '@' stands for the abstract namespace (NUL).
+        address = ("\0" + raw[1:] if raw.startswith("@") else raw) or None
+        return cls(address=address, watchdog_usec=_watchdog_usec(env))
+
+    @property
+    def enabled(self) -> bool:
+        return self.address is not None
+
+    @property
+    def watchdog_interval(self) -> float | None:
+        """Seconds between pings: half the period, as systemd recommends, so
+        one late ping is not yet a missed deadline."""
+        return None if self.watchdog_usec is None else self.watchdog_usec / 2_000_000
+
+    def ready(self) -> bool:
+        return self.notify("READY=1")
+
+    def stopping(self) -> bool:
+        return self.notify("STOPPING=1")
+
+    def status(self, text: str) -> bool:
+        # One assignment per line: a newline in the text would start a new one.
+        return self.notify("STATUS=" + " ".join(text.splitlines()))
+
+    def watchdog(self) -> bool:
+        return self.notify("WATCHDOG=1")
+
+    def notify(self, *assignments: str) -> bool:
+        """Send one datagram; True if sent. A failure is logged, not raised:
+        the daemon's work does not depend on systemd hearing it (if READY=1 is
+        lost, systemd's start timeout reports it)."""
+        if self.address is None:
+            return False
+        payload = "\n".join(assignments).encode()
+        try:
+            # A socket per message: nothing shared between the main thread and
+            # the watchdog thread, and nothing to reopen if systemd restarts.
+            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+                s.sendto(payload, self.address)
+        except OSError as e:
+            structlog.get_logger("cgpud.notify").warning(
+                "systemd notification failed", message=payload.decode(), socket=self.address, error=str(e)
+            )
+            return False
+        return True
+
+
+def _watchdog_usec(env: Mapping[str, str]) -> int | None:
+    """$WATCHDOG_USEC as sd_watchdog_enabled(3) reads it: ignored when
+    $WATCHDOG_PID names another process (the variables were inherited from a
+    parent that systemd watches, not meant for us)."""
+    raw = env.get("WATCHDOG_USEC", "")
+    try:
+        usec = int(raw)
+    except ValueError:
+        return None
+    if usec <= 0:
+        return None
+    pid = env.get("WATCHDOG_PID", "")
+    if pid and pid != str(os.getpid()):
+        return None
+    return usec
+
+
+def start_watchdog(
+    notifier: Notifier, stop_event: threading.Event, *, healthy: Callable[[], bool] | None = None
+) -> threading.Thread | None:
+    """Ping WATCHDOG=1 every `watchdog_interval` seconds from a daemon thread
+    until `stop_event` is set; None (no thread) when systemd asked for no
+    watchdog. `healthy`, when given, is asked before each ping and a False
+    answer skips it, so a wedged daemon is restarted by systemd instead of
+    being vouched for by a thread that merely still runs."""
+    interval = notifier.watchdog_interval
+    if not notifier.enabled or interval is None:
+        return None
+
+    def run() -> None:
+        log = structlog.get_logger("cgpud.notify")
+        while not stop_event.wait(interval):
+            try:
+                ok = healthy is None or healthy()
+            except Exception:
+                log.exception("watchdog health check crashed")
+                ok = False
+            if ok:
+                notifier.watchdog()
+            else:
+                log.warning("unhealthy: watchdog ping withheld")
+
+    thread = threading.Thread(target=run, name="cgpud-watchdog", daemon=True)
+    thread.start()
+    return thread

@@ -1,0 +1,294 @@
+"""cgpud as it runs on a node: a real process on a real unix socket with its
+SQLite file and regions in a temp dir, driven by cgpuctl and the client,
+on the simulated GPUs. Readiness is awaited on a real notify socket."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from cgpud.cli.client import LocalClient
+from cgpud.daemon.model import GIB, Owner, OwnerKind, Request
+from cgpud.errors import CgpuError
+from cgpud.native import native_path
+
+BIN = Path(sys.executable).parent
+
+
+@dataclass
+class Daemon:
+    socket: Path
+    state: Path
+    env: dict[str, str]
+    notify: socket.socket
+    args: list[str]
+    proc: subprocess.Popen[str] | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen([str(BIN / "cgpud"), *self.args], env=self.env, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, text=True)
+        self.wait_for(b"READY=1")
+
+    def wait_for(self, message: bytes, timeout: float = 30) -> list[bytes]:
+        seen: list[bytes] = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.notify.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                data = self.notify.recv(4096)
+            except TimeoutError:
+                break
+            seen.append(data)
+            if message in data.split(b"\n"):
+                return seen
+        err = self.proc.stderr.read() if self.proc and self.proc.poll() is not None else ""
+        raise AssertionError(f"no {message!r} from cgpud (got {seen}); stderr: {err}")
+
+    def kill(self) -> None:
+        assert self.proc
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.wait_for(b"STOPPING=1")
+            assert self.proc.wait(timeout=30) == 0
+
+    def cgpuctl(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(BIN / "cgpuctl"), "--socket", str(self.socket), *args], env=self.env,
+                              capture_output=True, text=True, timeout=timeout)
+
+
+def make_daemon(tmp_path: Path, sim_env: dict[str, str], *extra: str) -> Daemon:
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify_path = tmp_path / "notify.sock"
+    notify.bind(str(notify_path))
+    env = dict(sim_env, NOTIFY_SOCKET=str(notify_path), CGPU_SIM_CONFIG=sim_env["CGPU_SIM_CONFIG"])
+    env["PATH"] = f"{BIN}:{native_path('bin/cgpu-burn').parent}:{env['PATH']}"
+    args = ["--state-dir", str(tmp_path / "state"), "--socket", str(tmp_path / "run" / "cgpud.sock"),
+            "--config", str(tmp_path / "none.toml"), "--sweep-interval", "0.2", *extra]
+    (tmp_path / "none.toml").write_text("")
+    return Daemon(tmp_path / "run" / "cgpud.sock", tmp_path / "state", env, notify, args)
+
+
+@pytest.fixture
+def daemon(tmp_path, sim_env):
+    d = make_daemon(tmp_path, sim_env)
+    d.start()
+    yield d
+    d.stop()
+
+
+def test_ready_only_after_reconciliation_and_stopping_on_shutdown(tmp_path, sim_env):
+    d = make_daemon(tmp_path, sim_env)
+    d.env["WATCHDOG_USEC"] = "200000"
+    d.start()
+    assert d.socket.exists() and (d.socket.stat().st_mode & 0o777) == 0o600
+    assert any(b"WATCHDOG=1" in m for m in d.wait_for(b"WATCHDOG=1", timeout=5))
+    d.stop()
+
+
+def test_cgpuctl_run_makes_a_4gib_limit_real(daemon):
+    out = daemon.cgpuctl("run", "--mem", "4GiB", "--", "cgpu-burn", "--alloc-until-fail", "1GiB")
+    assert out.returncode == 0, out.stderr
+    burn = json.loads(out.stdout)
+    assert burn["alloc"]["until_fail_count"] == 4 and burn["mem_total_reported"] == 4 * GIB
+    listed = daemon.cgpuctl("list", "--all", "--output", "json")
+    [instance] = json.loads(listed.stdout)
+    assert instance["state"] == "released"  # released when the process exited
+
+
+def test_the_environment_names_the_instance(daemon):
+    out = daemon.cgpuctl("run", "--mem", "3", "--", "sh", "-c",
+                         "echo $ALIYUN_COM_GPU_MEM_CONTAINER $ALIYUN_COM_GPU_MEM_DEV $ALIYUN_COM_GPU_MEM_IDX "
+                         "$CUDA_VISIBLE_DEVICES; exit 7")
+    assert out.returncode == 7  # the command's own exit code
+    assert out.stdout.split() == ["3", "16", "0", "GPU-5c1a0000-0000-4000-8000-000000c90000"]
+
+
+def test_inspect_shows_the_ack_table(daemon):
+    with LocalClient(daemon.socket) as client:
+        for n, mem in enumerate((5, 5, 5, 4)):
+            client.create(Request(Owner(OwnerKind.CONTAINER, f"c{n}"), mem * GIB))
+    out = daemon.cgpuctl("inspect")
+    lines = out.stdout.splitlines()
+    assert re.fullmatch(r"NAME\s+IPADDRESS\s+GPU0\(Allocated/Total\)\s+GPU1\(Allocated/Total\)\s+GPU Memory\(GiB\)",
+                        lines[0])
+    assert lines[1].split()[2:] == ["15/16", "4/16", "19/32"]  # binpack fills GPU 0 first
+    assert lines[2] == "-" * 78
+    assert lines[3:] == ["Allocated/Total GPU Memory In Cluster:", "19/32 (59%)"]
+    details = daemon.cgpuctl("inspect", "-d").stdout
+    assert "Allocated :  19 (59%)" in details and "Total :      32" in details
+    assert len(re.findall(r"^cgpu-\w+\s+container/c\d", details, re.MULTILINE)) == 4
+    data = json.loads(daemon.cgpuctl("inspect", "--output", "json").stdout)
+    assert [g["allocated_gib"] for g in data["gpus"]] == [15, 4] and len(data["instances"]) == 4
+
+
+BAD = [
+    (["run", "--mem", "17GiB", "--", "true"], "17 GiB"),
+    (["run", "--mem", "4GiB", "--gpus", "3", "--", "true"], "3 GPUs"),
+    (["run", "--mem", "4GiB", "--core", "30", "--", "true"], "does not enforce compute shares"),
+    (["run", "--mem", "lots", "--", "true"], "lots"),
+    (["run", "--mem", "4GiB"], "nothing to run"),
+    (["policy", "set", "7"], "unknown compute policy '7'"),
+]
+
+
+@pytest.mark.parametrize(("args", "message"), BAD, ids=[" ".join(b[0][:4]) for b in BAD])
+def test_bad_requests_get_one_line_and_change_nothing(daemon, args, message):
+    before = daemon.cgpuctl("list", "--all", "--output", "json").stdout
+    out = daemon.cgpuctl(*args)
+    assert out.returncode != 0
+    assert out.stderr.count("\n") == 1 and message in out.stderr, out.stderr
+    assert daemon.cgpuctl("list", "--all", "--output", "json").stdout == before
+
+
+def test_the_most_instances_per_gpu_is_a_clear_error(tmp_path, sim_env):
+    d = make_daemon(tmp_path, sim_env, "--max-instances-per-gpu", "2")
+    d.start()
+    try:
+        with LocalClient(d.socket) as client:
+            for n in range(4):  # two per GPU fit
+                client.create(Request(Owner(OwnerKind.CONTAINER, f"c{n}"), GIB))
+            with pytest.raises(CgpuError, match="max_instances_per_gpu"):
+                client.create(Request(Owner(OwnerKind.CONTAINER, "c5"), GIB))
+    finally:
+        d.stop()
+
+
+def test_policy_set_survives_a_restart(tmp_path, sim_env):
+    d = make_daemon(tmp_path, sim_env, "--mode", "core_mem")
+    d.start()
+    assert "compute_policy=3 (fixed)" in d.cgpuctl("policy", "set", "fixed").stdout
+    d.kill()
+    d.start()
+    try:
+        assert "compute_policy=3 (fixed)" in d.cgpuctl("policy", "get").stdout
+    finally:
+        d.stop()
+
+
+def test_a_killed_cgpuctl_run_is_released_when_its_process_exits(daemon, tmp_path):
+    flag = tmp_path / "go"
+    runner = subprocess.Popen([str(BIN / "cgpuctl"), "--socket", str(daemon.socket), "run", "--mem", "1GiB", "--",
+                               "sh", "-c", f"while [ ! -e {flag} ]; do sleep 0.05; done"], env=daemon.env)
+    with LocalClient(daemon.socket) as client:
+        deadline = time.monotonic() + 30
+        while not [i for i in client.list() if len(i.pids) == 2] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        [instance] = client.list()
+        runner.send_signal(signal.SIGKILL)  # cgpuctl dies; its command lives on
+        runner.wait(timeout=30)
+        time.sleep(0.5)
+        assert client.get(instance.id).state.value == "bound"
+        flag.touch()
+        while client.get(instance.id).state.value != "released" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.get(instance.id).state.value == "released"
+
+
+def test_restart_repairs_a_damaged_region(tmp_path, sim_env):
+    d = make_daemon(tmp_path, sim_env)
+    d.start()
+    with LocalClient(d.socket) as client:
+        instance = client.create(Request(Owner(OwnerKind.CONTAINER, "c"), 2 * GIB))
+        region = client.region_dir(instance.id)
+    limits = region / "limits"
+    limits.write_bytes(b"\0" * limits.stat().st_size)
+    d.kill()
+    d.start()
+    try:
+        env = dict(d.env, LD_PRELOAD=str(native_path("lib/libcgpu.so")), CGPU_REGION_DIR=str(region))
+        out = subprocess.run([str(native_path("bin/cgpu-burn")), "--alloc-until-fail", "1GiB"], capture_output=True,
+                             text=True, env=env, timeout=60)
+        assert json.loads(out.stdout)["alloc"]["until_fail_count"] == 2, out.stderr
+    finally:
+        d.stop()
+
+
+def test_doctor_names_what_is_missing(daemon, tmp_path):
+    settings = tmp_path / "doctor.toml"
+    settings.write_text(f'state_dir = "{daemon.state}"\n')
+    ok = daemon.cgpuctl("doctor", "--config", str(settings))
+    for check in ("driver/NVML: 2 GPU(s)", "daemon socket: cgpud answers", "state directory", "libcgpu.so"):
+        assert f"ok    {check}" in ok.stdout, ok.stdout
+    assert "warn  container runtime" in ok.stdout and ok.returncode == 0  # nothing configured on this machine
+    daemon.stop()
+    down = daemon.cgpuctl("doctor", "--config", str(settings))
+    assert down.returncode == 1 and "FAIL  daemon socket: cannot reach cgpud" in down.stdout
+
+
+def _client_loop(sock: Path, name: str, stop: threading.Event, abandon: threading.Event, acked: set[str],
+                 released: set[str]) -> None:
+    """Creates and releases instances, retrying each call until the daemon
+    (killed and restarted underneath) acknowledges it."""
+    rng = random.Random(name)
+    held: list[str] = []
+    n = 0
+    while not stop.is_set():
+        n += 1
+        release = held and rng.random() < 0.4
+        while True:
+            try:
+                with LocalClient(sock, timeout=2) as client:
+                    if release:
+                        client.release(held[0])
+                    else:
+                        inst = client.create(Request(Owner(OwnerKind.CONTAINER, f"{name}-{n}"), 256 << 20))
+                break
+            except CgpuError:
+                if stop.is_set() and abandon.is_set():
+                    return
+                time.sleep(0.05)  # daemon down: retry the same request
+        if release:
+            released.add(held.pop(0))
+        else:
+            acked.add(inst.id)
+            held.append(inst.id)
+
+
+def test_kill_9_at_any_instant_loses_nothing_and_grants_nothing_twice(tmp_path, sim_env):
+    d = make_daemon(tmp_path, sim_env, "--max-instances-per-gpu", "1000")
+    d.start()
+    stop, abandon = threading.Event(), threading.Event()
+    acked: set[str] = set()
+    released: set[str] = set()
+    clients = [threading.Thread(target=_client_loop, args=(d.socket, f"client{i}", stop, abandon, acked, released))
+               for i in range(4)]
+    for c in clients:
+        c.start()
+    rng = random.Random(7)
+    try:
+        for _ in range(8):
+            time.sleep(rng.uniform(0.1, 0.6))
+            d.kill()
+            d.start()
+    except BaseException:
+        abandon.set()  # the test failed: let the clients give up
+        raise
+    finally:
+        stop.set()
+        for c in clients:
+            c.join(timeout=120)
+    try:
+        with LocalClient(d.socket) as client:
+            active = {i.id for i in client.list()}
+            info = client.node_info()
+        assert len(acked) > 20
+        assert active == acked - released
+        # Nothing double-granted: the bookkeeping equals the active grants.
+        assert sum(g.allocated for g in info.gpus) == len(active) * (256 << 20)
+    finally:
+        d.stop()
