@@ -20,6 +20,7 @@ class Gpu:
     uuid: str
     name: str
     memory_total: int  # bytes
+    sm_count: int | None  # None where the driver does not report it
     pci_bus_id: str
     minor_number: int
     compute_capability: tuple[int, int]
@@ -75,6 +76,13 @@ def _nvlink_peers(handle: Any) -> tuple[str, ...]:
     return tuple(peers)
 
 
+def _sm_count(handle: Any) -> int | None:
+    try:
+        return int(pynvml.nvmlDeviceGetAttributes(handle).multiprocessorCount)
+    except pynvml.NVMLError:
+        return None  # older GPUs and drivers answer "not supported"
+
+
 def _gpu(index: int) -> Gpu:
     h = _query(f"handle of GPU {index}", pynvml.nvmlDeviceGetHandleByIndex, index)
     memory = _query("memory info", pynvml.nvmlDeviceGetMemoryInfo, h)
@@ -84,6 +92,7 @@ def _gpu(index: int) -> Gpu:
         uuid=_text(_query("UUID", pynvml.nvmlDeviceGetUUID, h)),
         name=_text(_query("name", pynvml.nvmlDeviceGetName, h)),
         memory_total=int(memory.total),
+        sm_count=_sm_count(h),
         pci_bus_id=_text(pci.busId),
         minor_number=_query("minor number", pynvml.nvmlDeviceGetMinorNumber, h),
         compute_capability=tuple(_query("compute capability", pynvml.nvmlDeviceGetCudaComputeCapability, h)),

@@ -397,6 +397,20 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t device, unsigned 
     return rc;
 }
 
+/* The whole GPU as one instance: what a GPU outside MIG reports. */
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetAttributes_v2(nvmlDevice_t device, nvmlDeviceAttributes_t *attributes)
+{
+    unsigned int g;
+    nvmlReturn_t rc = lookup_out(device, attributes, &g);
+    if (rc == NVML_SUCCESS)
+        *attributes = (nvmlDeviceAttributes_t){.multiprocessorCount = g_cfg.gpu[g].sm_count,
+                                               .sharedCopyEngineCount = 3,
+                                               .gpuInstanceSliceCount = 7,
+                                               .computeInstanceSliceCount = 7,
+                                               .memorySizeMB = g_cfg.gpu[g].total_mem >> 20};
+    return rc;
+}
+
 NVML_EXPORT nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device, int *major, int *minor)
 {
     unsigned int g;

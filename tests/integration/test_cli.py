@@ -48,6 +48,7 @@ def test_inventory_reads_the_gpus_through_nvml(sim_env):
     assert proc.returncode == 0, proc.stderr
     inv = json.loads(proc.stdout)
     assert [g["memory_total"] for g in inv["gpus"]] == [16 << 30, 16 << 30]
+    assert [g["sm_count"] for g in inv["gpus"]] == [132, 132]
     assert inv["labels"] == {
         "aliyun.accelerator/nvidia_name": "NVIDIA-H100-80GB-HBM3",
         "aliyun.accelerator/nvidia_mem": "16384MiB",
