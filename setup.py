@@ -16,9 +16,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "csrc"))
 import build_native  # noqa: E402
 
 
-class BuildNative(Command):
-    description = "build the simulated driver, relays and tools into cgpud/_native"
+ROOT = Path(__file__).resolve().parent
+
+
+class GeneratedFiles(Command):
+    """A build step that writes files into the package: into the build
+    directory, or into the source tree for editable installs (which import
+    cgpud from there)."""
+
     user_options: list = []
+    package_dir: tuple[str, ...] = ()
 
     def initialize_options(self) -> None:
         self.build_lib = None
@@ -29,15 +36,8 @@ class BuildNative(Command):
         self.set_undefined_options("build_py", ("build_lib", "build_lib"))
 
     def _out_dir(self) -> Path:
-        # Editable installs import cgpud from the source tree.
-        root = Path(__file__).resolve().parent if self.editable_mode else Path(self.build_lib)
-        return root / "cgpud" / "_native"
-
-    def run(self) -> None:
-        try:
-            self._outputs = [str(p) for p in build_native.build_all(self._out_dir())]
-        except build_native.NativeBuildError as e:
-            raise SystemExit(f"error: {e}") from e
+        root = ROOT if self.editable_mode else Path(self.build_lib)
+        return root.joinpath(*self.package_dir)
 
     def get_outputs(self) -> list[str]:
         return self._outputs
@@ -49,7 +49,17 @@ class BuildNative(Command):
         return []
 
 
-ROOT = Path(__file__).resolve().parent
+class BuildNative(GeneratedFiles):
+    description = "build the simulated driver, relays and tools into cgpud/_native"
+    package_dir = ("cgpud", "_native")
+
+    def run(self) -> None:
+        try:
+            self._outputs = [str(p) for p in build_native.build_all(self._out_dir())]
+        except build_native.NativeBuildError as e:
+            raise SystemExit(f"error: {e}") from e
+
+
 PROTO_ROOT = ROOT / "proto"
 PROTOS = ("cgpu/v1/local.proto",)
 # protoc names modules after the proto's path ("cgpu/v1/local.proto" ->
@@ -59,26 +69,13 @@ PROTO_PACKAGE_DIR = ("cgpud", "api")
 _ABSOLUTE_PB2_IMPORT = re.compile(r"^from cgpu\.v1 import (\w+_pb2) as ", re.MULTILINE)
 
 
-class BuildProto(Command):
+class BuildProto(GeneratedFiles):
     """Generate cgpud/api/cgpu/v1/*_pb2{,_grpc}.py{,i} with grpc_tools.protoc.
     Generated code is never committed: it must match the protobuf and grpcio
     the package is installed with; pyproject.toml pins the generator."""
 
     description = "generate the gRPC Python modules from proto/"
-    user_options: list = []
-
-    def initialize_options(self) -> None:
-        self.build_lib = None
-        self.editable_mode = False
-        self._outputs: list[str] = []
-
-    def finalize_options(self) -> None:
-        self.set_undefined_options("build_py", ("build_lib", "build_lib"))
-
-    def _out_dir(self) -> Path:
-        # Editable installs import cgpud from the source tree (as BuildNative).
-        root = ROOT if self.editable_mode else Path(self.build_lib)
-        return root.joinpath(*PROTO_PACKAGE_DIR)
+    package_dir = PROTO_PACKAGE_DIR
 
     def run(self) -> None:
         try:
@@ -116,12 +113,6 @@ class BuildProto(Command):
                 shutil.copyfile(src, dest)
                 outputs.append(str(dest))
         self._outputs = outputs
-
-    def get_outputs(self) -> list[str]:
-        return self._outputs
-
-    def get_output_mapping(self) -> dict[str, str]:
-        return {}
 
     def get_source_files(self) -> list[str]:
         # setuptools wants these relative to setup.py, /-separated.
