@@ -161,9 +161,11 @@ class InstanceService:
     # ---- helpers ------------------------------------------------------------------------
 
     def _same_request(self, existing: Instance, request: Request) -> Instance:
-        wanted = (request.memory, request.gpu_count, request.core_percent)
-        held = (existing.grants[0].memory if request.memory else 0, len(existing.grants),
-                existing.grants[0].core_percent)
+        # Default mode grants whole GPUs whatever memory was asked.
+        whole = self._policy.mode is NodeMode.DEFAULT
+        wanted = (0 if whole else request.memory, request.gpu_count, request.core_percent)
+        held = (0 if whole else existing.grants[0].memory, len(existing.grants),
+                0 if whole else existing.grants[0].core_percent)
         if wanted != held:
             raise StateError(f"{existing.owner.kind.value} {existing.owner.id} already holds instance "
                              f"{existing.id} with a different request; release it first")

@@ -14,11 +14,10 @@
 /* ---- which instance device ------------------------------------------------------ */
 
 #define MAX_ORDINALS 64
-#define SLOT_UNKNOWN (-2)
-/* CUDA ordinal -> instance device; CUDA_VISIBLE_DEVICES reorders ordinals,
- * so identity is the UUID, looked up once per ordinal. */
+/* CUDA ordinal -> instance device + 2: 1 is "outside the instance", 0 "not
+ * looked up yet", as static storage starts. CUDA_VISIBLE_DEVICES reorders
+ * ordinals, so identity is the UUID, looked up once per ordinal. */
 static _Atomic int slot_of_ordinal[MAX_ORDINALS];
-static _Atomic int ordinals_ready;
 
 static int slot_of_uuid(const char *uuid)
 {
@@ -40,14 +39,9 @@ int cgpu_slot_of_cuda_device(CUdevice dev)
 {
     if (dev < 0 || dev >= MAX_ORDINALS)
         return -1;
-    if (!atomic_load_explicit(&ordinals_ready, memory_order_acquire)) {
-        for (int i = 0; i < MAX_ORDINALS; i++)
-            atomic_store(&slot_of_ordinal[i], SLOT_UNKNOWN);
-        atomic_store_explicit(&ordinals_ready, 1, memory_order_release);
-    }
-    int slot = atomic_load_explicit(&slot_of_ordinal[dev], memory_order_relaxed);
-    if (slot != SLOT_UNKNOWN)
-        return slot;
+    int cached = atomic_load_explicit(&slot_of_ordinal[dev], memory_order_relaxed);
+    if (cached)
+        return cached - 2;
     CUuuid uuid;
     __typeof__(&cuDeviceGetUuid_v2) get_uuid = REAL(cuDeviceGetUuid_v2);
     if (!get_uuid)
@@ -56,8 +50,8 @@ int cgpu_slot_of_cuda_device(CUdevice dev)
         return -1; /* not cached: the driver may not be initialised yet */
     char text[CGPU_UUID_LEN];
     format_uuid(&uuid, text, sizeof(text));
-    slot = slot_of_uuid(text);
-    atomic_store_explicit(&slot_of_ordinal[dev], slot, memory_order_relaxed);
+    int slot = slot_of_uuid(text);
+    atomic_store_explicit(&slot_of_ordinal[dev], slot + 2, memory_order_relaxed);
     return slot;
 }
 

@@ -81,3 +81,10 @@ def test_a_reboot_releases_everything_from_before(tmp_path):
     inst = svc.create(Request(owner("c1"), GIB))
     assert service(tmp_path, boot="boot-2").reconcile()["released"] == 1
     assert svc.get(inst.id).state is InstanceState.RELEASED
+
+
+def test_a_retry_in_default_mode_gets_the_same_whole_gpu(tmp_path):
+    svc = service(tmp_path, NodeMode.DEFAULT)
+    first = svc.create(Request(owner("c1"), 4 * GIB))
+    assert first.grants[0].memory == 16 * GIB
+    assert svc.create(Request(owner("c1"), 4 * GIB)) == first
