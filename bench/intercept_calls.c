@@ -38,6 +38,7 @@
 #include <time.h>
 
 #include "cgpu/cuda_abi.h"
+#include "cgpu/spin_kernel.h"
 
 /* The base names below resolve, at this version, to the variants typed here. */
 #define BENCH_CUDA_VERSION 12000
@@ -83,19 +84,6 @@ struct bench {
     CUresult failed_result;
 };
 
-/* Spins on the device's nanosecond timer for its parameter's nanoseconds
- * (the same kernel as cgpu-burn's). */
-static const char spin_ptx[] = ".version 7.0\n.target sm_70\n.address_size 64\n\n"
-                               ".visible .entry cgpu_spin(.param .u64 cgpu_spin_ns)\n{\n"
-                               "\t.reg .pred %p<2>;\n\t.reg .b64 %rd<5>;\n"
-                               "\tld.param.u64 %rd1, [cgpu_spin_ns];\n"
-                               "\tmov.u64 %rd2, %globaltimer;\n"
-                               "\tadd.u64 %rd3, %rd2, %rd1;\n"
-                               "$L_spin:\n"
-                               "\tmov.u64 %rd4, %globaltimer;\n"
-                               "\tsetp.lt.u64 %p1, %rd4, %rd3;\n"
-                               "\t@%p1 bra $L_spin;\n"
-                               "\tret;\n}\n";
 
 static int fail(const char *fmt, ...)
 {
@@ -291,8 +279,8 @@ int main(int argc, char **argv)
     SETUP(&b, "cuDevicePrimaryCtxRetain", b.f.cuDevicePrimaryCtxRetain(&ctx, dev));
     SETUP(&b, "cuCtxSetCurrent", b.f.cuCtxSetCurrent(ctx));
     if (b.mode == M_LAUNCH) {
-        SETUP(&b, "cuModuleLoadData", b.f.cuModuleLoadData(&mod, spin_ptx));
-        SETUP(&b, "cuModuleGetFunction", b.f.cuModuleGetFunction(&b.fn, mod, "cgpu_spin"));
+        SETUP(&b, "cuModuleLoadData", b.f.cuModuleLoadData(&mod, cgpu_spin_ptx));
+        SETUP(&b, "cuModuleGetFunction", b.f.cuModuleGetFunction(&b.fn, mod, CGPU_SPIN_ENTRY));
         SETUP(&b, "cuStreamCreate", b.f.cuStreamCreate(&b.stream, CU_STREAM_DEFAULT));
         b.params[0] = &b.kernel_ns;
     }

@@ -25,6 +25,7 @@
 #include <time.h>
 
 #include "cgpu/cuda_abi.h"
+#include "cgpu/spin_kernel.h"
 
 /* Fixed rather than CUDA_VERSION: each base name must resolve to the variant
  * whose prototype is typed below, whichever header this is compiled with
@@ -92,19 +93,6 @@ struct api {
 #undef X
 };
 
-/* Spins on the device's nanosecond timer for its one parameter's worth of
- * nanoseconds: a kernel whose cost is known without knowing the GPU. */
-static const char spin_ptx[] = ".version 7.0\n.target sm_70\n.address_size 64\n\n"
-                               ".visible .entry cgpu_spin(.param .u64 cgpu_spin_ns)\n{\n"
-                               "\t.reg .pred %p<2>;\n\t.reg .b64 %rd<5>;\n"
-                               "\tld.param.u64 %rd1, [cgpu_spin_ns];\n"
-                               "\tmov.u64 %rd2, %globaltimer;\n"
-                               "\tadd.u64 %rd3, %rd2, %rd1;\n"
-                               "$L_spin:\n"
-                               "\tmov.u64 %rd4, %globaltimer;\n"
-                               "\tsetp.lt.u64 %p1, %rd4, %rd3;\n"
-                               "\t@%p1 bra $L_spin;\n"
-                               "\tret;\n}\n";
 
 enum alloc_api { AA_ALLOC, AA_PITCH, AA_MANAGED, AA_ASYNC, AA_POOL, AA_VMM, AA_ARRAY };
 static const char *const alloc_apis[] = {"alloc", "pitch", "managed", "async",
@@ -607,8 +595,8 @@ static CUresult build_graph(struct burn *b)
 static int setup_kernel(struct burn *b)
 {
     const struct api *f = &b->f;
-    SETUP(b, "cuModuleLoadData", f->cuModuleLoadData(&b->mod, spin_ptx));
-    SETUP(b, "cuModuleGetFunction", f->cuModuleGetFunction(&b->fn, b->mod, "cgpu_spin"));
+    SETUP(b, "cuModuleLoadData", f->cuModuleLoadData(&b->mod, cgpu_spin_ptx));
+    SETUP(b, "cuModuleGetFunction", f->cuModuleGetFunction(&b->fn, b->mod, CGPU_SPIN_ENTRY));
     for (uint64_t i = 0; i < b->opt.streams; i++) {
         SETUP(b, "cuStreamCreate", f->cuStreamCreate(&b->streams[i], CU_STREAM_DEFAULT));
         for (int k = 0; k < 2 && b->opt.events; k++)
