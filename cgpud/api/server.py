@@ -13,8 +13,6 @@ from __future__ import annotations
 import builtins
 import functools
 import os
-import socket
-import stat
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -30,6 +28,7 @@ from cgpud.api.cgpu.v1 import local_pb2_grpc as pb_grpc
 from cgpud.api.status import status_for
 from cgpud.daemon import model
 from cgpud.errors import CgpuError, UsageError
+from cgpud.sockets import prepare_socket_directory, remove_stale_socket
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Local"].full_name  # "cgpu.v1.Local"
 
@@ -158,8 +157,8 @@ def serve(
     path = Path(os.path.abspath(socket_path))
     if len(os.fsencode(path)) > _SUN_PATH_MAX:
         raise UsageError(f"socket path {path} is longer than a unix socket allows ({_SUN_PATH_MAX} bytes)")
-    _prepare_directory(path.parent, log)
-    _remove_stale_socket(path, log)
+    prepare_socket_directory(path.parent, log)
+    remove_stale_socket(path, log)
 
     server = grpc.server(ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="cgpud-api"))
     pb_grpc.add_LocalServicer_to_server(LocalServicer(service), server)
@@ -179,54 +178,3 @@ def serve(
     server.start()
     log.info("serving", socket=str(path), services=[SERVICE_NAME, health.SERVICE_NAME])
     return server
-
-
-def _prepare_directory(directory: Path, log: Any) -> None:
-    try:
-        directory.mkdir(mode=0o700, parents=True)
-        os.chmod(directory, 0o700)  # mkdir's mode passes through the umask
-        return
-    except FileExistsError:
-        pass
-    st = directory.stat()
-    if not stat.S_ISDIR(st.st_mode):
-        raise CgpuError(f"cannot serve in {directory}: not a directory")
-    if st.st_mode & 0o022:
-        # Anyone who can write there can replace our socket with theirs and
-        # answer cgpuctl (run as root) in our name.
-        raise CgpuError(
-            f"cannot serve in {directory}: it is writable by other users (mode "
-            f"{stat.S_IMODE(st.st_mode):04o}); use a root-owned 0700 directory such as /run/cgpud"
-        )
-    if st.st_mode & 0o077:
-        log.warning(
-            "socket directory is open to other users: between bind and chmod the socket is reachable;"
-            " make it 0700 (RuntimeDirectoryMode=0700)",
-            directory=str(directory),
-            mode=f"{stat.S_IMODE(st.st_mode):04o}",
-        )
-
-
-def _remove_stale_socket(path: Path, log: Any) -> None:
-    """Remove the socket a killed daemon left behind, but never one that a
-    live server still answers on (gRPC itself would silently unlink it and
-    steal the path) and never a file that is not a socket."""
-    try:
-        st = path.lstat()
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(st.st_mode):
-        raise CgpuError(f"cannot listen on {path}: a file that is not a socket is in the way; remove it if stale")
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.settimeout(2.0)  # a full backlog makes connect() wait; that server is alive
-        try:
-            probe.connect(str(path))
-        except ConnectionRefusedError:
-            path.unlink(missing_ok=True)
-            log.info("removed stale socket", socket=str(path))
-            return
-        except (TimeoutError, BlockingIOError):
-            pass
-        except OSError as e:
-            raise CgpuError(f"cannot check the existing socket {path}: {e}") from e
-    raise CgpuError(f"another process already serves on {path}: is cgpud running? (systemctl status cgpud)")

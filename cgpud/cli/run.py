@@ -11,8 +11,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from cgpud.cli.client import LocalClient
-from cgpud.daemon.model import GIB, Instance, Owner, OwnerKind, Request
+from cgpud.daemon.model import Instance, Owner, OwnerKind, Request
 from cgpud.errors import UsageError
+from cgpud.hook.edits import application_env
 from cgpud.native import native_path
 
 
@@ -21,18 +22,13 @@ def instance_environment(instance: Instance, region: Path, gpu_memory: dict[int,
     the ALIYUN_COM_GPU_MEM_* variables cGPU applications read (outputs for
     them, never inputs to enforcement)."""
     env = dict(base)
-    grants = instance.grants
     if instance.enforced:
         lib = str(native_path("lib/libcgpu.so"))
         env["LD_PRELOAD"] = f"{lib}:{env['LD_PRELOAD']}" if env.get("LD_PRELOAD") else lib
         env["CGPU_REGION_DIR"] = str(region)
-    uuids = ",".join(g.gpu_uuid for g in grants)
-    env["CUDA_VISIBLE_DEVICES"] = uuids
-    env["NVIDIA_VISIBLE_DEVICES"] = uuids
-    env["ALIYUN_COM_GPU_MEM_IDX"] = ",".join(str(g.gpu_index) for g in grants)
-    env["ALIYUN_COM_GPU_MEM_CONTAINER"] = str(sum(g.memory for g in grants) // GIB)
-    env["ALIYUN_COM_GPU_MEM_POD"] = env["ALIYUN_COM_GPU_MEM_CONTAINER"]
-    env["ALIYUN_COM_GPU_MEM_DEV"] = str(gpu_memory[grants[0].gpu_index] // GIB)
+    env.update(application_env(instance, gpu_memory))
+    # No container runtime narrows a host process's view: the driver must.
+    env["CUDA_VISIBLE_DEVICES"] = env["NVIDIA_VISIBLE_DEVICES"]
     return env
 
 

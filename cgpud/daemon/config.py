@@ -10,7 +10,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from cgpud.daemon.model import ComputePolicy, NodeMode, NodePolicy, Placement
+from cgpud.daemon.model import ComputePolicy, NodeMode, NodePolicy, Orchestrator, Placement
 from cgpud.errors import UsageError
 
 DEFAULT_CONFIG = Path("/etc/cgpu/config.toml")
@@ -31,6 +31,13 @@ class DaemonConfig:
     )
     state_dir: Path = _setting(Path("/var/lib/cgpud"), "instance table and instance regions")
     socket: Path = _setting(Path("/run/cgpud/cgpud.sock"), "local API socket (root only)")
+    relay_socket: Path = _setting(
+        Path("/run/cgpud/relay.sock"), "socket cgpu-runtime and cgpu-hook talk to on the container start path"
+    )
+    orchestrator: Orchestrator = _setting(
+        Orchestrator.STANDALONE,
+        "standalone (containers may ask with ALIYUN_COM_GPU_* env) or kubernetes (only the device plugin's requests count)",
+    )
     sweep_interval: float = _setting(2.0, "seconds between checks for instances whose processes exited")
 
     def policy(self) -> NodePolicy:

@@ -14,7 +14,7 @@ from cgpud import __version__
 from cgpud.daemon import config as settings
 from cgpud.daemon import node
 from cgpud.daemon.inventory import read_inventory
-from cgpud.daemon.model import GpuCapacity
+from cgpud.daemon.model import GpuCapacity, Orchestrator
 from cgpud.daemon.service import InstanceService
 from cgpud.daemon.store import Store
 from cgpud.errors import CgpuError
@@ -42,6 +42,9 @@ def run(config: settings.DaemonConfig) -> int:
     # Imported here: the API pulls in grpc, which --inventory does not need.
     from cgpud.api.server import serve
     from cgpud.daemon.notify import Notifier, start_watchdog
+    from cgpud.hook.lifecycle import ContainerLifecycle
+    from cgpud.hook.relay import RelayServer
+    from cgpud.hook.runtime_files import install_runtime_files
 
     log = structlog.get_logger("cgpud")
     inventory = read_inventory()
@@ -49,6 +52,9 @@ def run(config: settings.DaemonConfig) -> int:
     store = Store(config.database)
     service = InstanceService(store, gpus, config.policy(), config.regions, inventory.driver_version, node.boot_id())
     service.reconcile()
+    files = install_runtime_files(config.state_dir, config.relay_socket)
+    trust_env = config.orchestrator is Orchestrator.STANDALONE
+    relay = RelayServer(ContainerLifecycle(service, files, trust_env), config.relay_socket).start()
     server = serve(service, config.socket)
     notifier = Notifier.from_env()
     stop = threading.Event()
@@ -61,6 +67,7 @@ def run(config: settings.DaemonConfig) -> int:
     stop.wait()
     notifier.stopping()
     log.info("stopping")
+    relay.stop()
     server.stop(grace=2).wait()
     store.close()
     return 0

@@ -27,6 +27,14 @@ class Placement(str, Enum):
     SPREAD = "spread"  # balance across GPUs
 
 
+class Orchestrator(str, Enum):
+    """Who writes container specs on this node, and so whether env in a
+    spec may ask for a GPU share."""
+
+    STANDALONE = "standalone"  # docker/containerd run by the host's operator
+    KUBERNETES = "kubernetes"  # pod authors write env: requests come from the device plugin
+
+
 class ComputePolicy(IntEnum):
     """cGPU's numbering of compute policies."""
 

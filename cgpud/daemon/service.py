@@ -37,6 +37,9 @@ from cgpud.errors import StateError
 COMPUTE_POLICY_KEY = "compute_policy"
 # Modes whose instances get a region (and so libcgpu enforcement).
 ENFORCED_MODES = (NodeMode.CGPU, NodeMode.CORE_MEM, NodeMode.MPS)
+# Seconds a container instance may wait between the shim's prepare and the
+# bind hook; runc gets there in tens of milliseconds.
+UNBOUND_CONTAINER_GRACE = 120.0
 
 
 def pid_alive(pid: int, since: float) -> bool:
@@ -76,6 +79,13 @@ class InstanceService:
     def region_dir(self, instance_id: str) -> Path:
         return self._regions / instance_id
 
+    @property
+    def regions(self) -> Path:
+        return self._regions
+
+    def gpus(self) -> tuple[GpuCapacity, ...]:
+        return self._gpus
+
     def node_info(self) -> NodeInfo:
         return NodeInfo(
             hostname=node.hostname(),
@@ -112,6 +122,28 @@ class InstanceService:
         with self._lock:
             instance = self._store.set_state(instance_id, InstanceState.BOUND, pids=pids, owner_id=owner_id)
         self._log.info("bound", id=instance_id, pids=list(pids))
+        return instance
+
+    def bind_container(self, instance_id: str, container_id: str, pid: int) -> Instance:
+        """Bind to a container's init process. A container's own instance
+        only to that container; a reserved (claimed) one only while free."""
+        with self._lock:
+            current = self._store.get(instance_id)
+            owner = current.owner
+            if owner.kind is OwnerKind.CONTAINER and owner.id != container_id:
+                raise StateError(f"instance {instance_id} belongs to container {owner.id}, not {container_id}")
+            if (owner.kind is not OwnerKind.CONTAINER and current.state is InstanceState.BOUND
+                    and current.pids != (pid,)):
+                raise StateError(f"instance {instance_id} is already used by another container")
+            instance = self._store.set_state(instance_id, InstanceState.BOUND, pids=(pid,))
+        self._log.info("bound", id=instance_id, container=container_id, pid=pid)
+        return instance
+
+    def unbind(self, instance_id: str) -> Instance:
+        """Hand a claimed instance back to `reserved` when its container stops."""
+        with self._lock:
+            instance = self._store.set_state(instance_id, InstanceState.RESERVED, pids=())
+        self._log.info("unbound", id=instance_id)
         return instance
 
     def release(self, instance_id: str) -> Instance:
@@ -152,8 +184,9 @@ class InstanceService:
         return summary
 
     def sweep(self) -> int:
-        """Releases host-process instances whose processes all exited."""
-        gone = [i for i in self._store.active() if self._owner_gone(i)]
+        """Releases instances whose processes all exited (a container whose
+        poststop never ran included) and container instances never bound."""
+        gone = [i for i in self._store.active() if self._owner_gone(i) or self._never_started(i)]
         for instance in gone:
             self.release(instance.id)
         return len(gone)
@@ -172,11 +205,17 @@ class InstanceService:
         return existing
 
     def _owner_gone(self, instance: Instance) -> bool:
-        # Containers and pods are checked against their runtime (container
-        # issue); host processes by their PIDs.
-        if instance.owner.kind is not OwnerKind.PROCESS or not instance.pids:
+        # Pod instances live until their pod goes (device plugin); host
+        # processes and containers while one of their bound PIDs runs.
+        if instance.owner.kind is OwnerKind.POD or not instance.pids:
             return False
         return not any(pid_alive(pid, instance.updated) for pid in instance.pids)
+
+    def _never_started(self, instance: Instance) -> bool:
+        # Prepared at create, but the runtime failed before the bind hook
+        # and never ran poststop.
+        return (instance.owner.kind is OwnerKind.CONTAINER and instance.state is InstanceState.RESERVED
+                and self._clock() - instance.created > UNBOUND_CONTAINER_GRACE)
 
     def _limits(self, instance: Instance) -> InstanceLimits:
         devices = tuple(DeviceLimit(g.gpu_uuid, g.memory, g.gpu_index, g.core_percent, instance.weight,

@@ -52,7 +52,8 @@ ID_PREFIX = "cgpu-"
 # updated; released is final (it is history, its resources are free again).
 _TRANSITIONS: dict[InstanceState, frozenset[InstanceState]] = {
     InstanceState.RESERVED: frozenset({InstanceState.BOUND, InstanceState.RELEASED}),
-    InstanceState.BOUND: frozenset({InstanceState.BOUND, InstanceState.RELEASED}),
+    # bound -> reserved: a claimed instance handed back when its container stops.
+    InstanceState.BOUND: frozenset({InstanceState.RESERVED, InstanceState.BOUND, InstanceState.RELEASED}),
     InstanceState.RELEASED: frozenset(),
 }
 
@@ -235,7 +236,8 @@ class Transaction:
         expect: InstanceState | Iterable[InstanceState] | None = None,
     ) -> Instance:
         """Move an instance along reserved -> bound -> released (or reserved ->
-        released; bound -> bound updates pids). `pids` and `owner_id` replace
+        released; bound -> bound updates pids; bound -> reserved hands a claimed
+        instance back). `pids` and `owner_id` replace
         the stored ones when given. `expect` makes it a compare-and-set: the
         current state must be one of those. Returns the instance as stored."""
         db = self._db(write=True)

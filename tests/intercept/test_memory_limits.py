@@ -14,7 +14,7 @@ import pytest
 
 from cgpud.daemon.region import UsageRegion
 from tests.integration.simrun import run_py, start_py
-from tests.intercept.conftest import GIB, build_c, sim_uuid
+from tests.intercept.conftest import GIB
 
 MIB = 1 << 20
 

@@ -1,0 +1,144 @@
+"""What giving a container its instance changes in its OCI spec: env for
+applications, mounts for libcgpu.so and the region, hooks that bind and
+release. Pure: the same edits feed the bundle rewrite (runtime shim) and the
+CDI spec, so both paths give a container exactly the same view.
+
+Every mount source is a file cgpud made in its own root-owned directories;
+no path of the container is ever a source. Targets are left to the runtime,
+which resolves them inside the rootfs without leaving it (runc's securejoin)."""
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cgpud.daemon.model import GIB, Instance
+from cgpud.hook.request import CONTAINER_REGION, ENV_CORE
+
+CONTAINER_LIBRARY = "/usr/local/cgpu/libcgpu.so"
+PRELOAD = "/etc/ld.so.preload"
+HOOK_TIMEOUT = 10  # seconds: a bind is one SQLite commit
+HOOK_ENV = ("PATH=/usr/sbin:/usr/bin:/sbin:/bin",)  # explicit: never the image's env
+BIND_STAGE = "createRuntime"
+RELEASE_STAGE = "poststop"
+ANNOTATION = "cgpu.io/instance"  # informative only; never read back as input
+
+# Set for applications; replaced wherever the spec already had them.
+APP_ENV = (
+    "ALIYUN_COM_GPU_MEM_CONTAINER",
+    "ALIYUN_COM_GPU_MEM_DEV",
+    "ALIYUN_COM_GPU_MEM_IDX",
+    "ALIYUN_COM_GPU_MEM_POD",
+    "NVIDIA_VISIBLE_DEVICES",
+    ENV_CORE,
+)
+
+
+@dataclass(frozen=True)
+class RuntimeFiles:
+    """Host files cgpud installs for containers (see runtime_files.py)."""
+
+    library: Path  # libcgpu.so
+    preload: Path  # an ld.so.preload naming CONTAINER_LIBRARY
+    hook: Path  # cgpu-hook
+    relay_socket: Path
+
+
+@dataclass(frozen=True)
+class Mount:
+    source: str
+    destination: str
+    read_only: bool
+    exec_ok: bool = False
+
+    @property
+    def options(self) -> list[str]:
+        opts = ["rbind", "ro" if self.read_only else "rw", "nosuid", "nodev"]
+        return opts if self.exec_ok else [*opts, "noexec"]
+
+
+@dataclass(frozen=True)
+class Hook:
+    stage: str
+    path: str
+    args: tuple[str, ...]
+    env: tuple[str, ...] = HOOK_ENV
+    timeout: int = HOOK_TIMEOUT
+
+
+@dataclass(frozen=True)
+class ContainerEdits:
+    env: tuple[tuple[str, str], ...]
+    mounts: tuple[Mount, ...]
+    hooks: tuple[Hook, ...]
+    instance_id: str
+
+
+def application_env(instance: Instance, gpu_memory: Mapping[int, int]) -> dict[str, str]:
+    """The variables cGPU applications read: outputs for them, never inputs
+    to enforcement. DEV is rounded down to whole GiB, as ACK shows it."""
+    grants = instance.grants
+    mem = str(sum(g.memory for g in grants) // GIB)
+    env = {
+        "ALIYUN_COM_GPU_MEM_CONTAINER": mem,
+        "ALIYUN_COM_GPU_MEM_DEV": str(gpu_memory[grants[0].gpu_index] // GIB),
+        "ALIYUN_COM_GPU_MEM_IDX": ",".join(str(g.gpu_index) for g in grants),
+        "ALIYUN_COM_GPU_MEM_POD": mem,
+        "NVIDIA_VISIBLE_DEVICES": ",".join(g.gpu_uuid for g in grants),
+    }
+    if grants[0].core_percent:
+        env[ENV_CORE] = str(grants[0].core_percent)
+    return env
+
+
+def instance_edits(instance: Instance, region: Path, gpu_memory: Mapping[int, int], files: RuntimeFiles) -> ContainerEdits:
+    """Env and hooks for every instance; the library, its preload entry and
+    the region only where the node enforces limits (not in share mode)."""
+    mounts: tuple[Mount, ...] = ()
+    if instance.enforced:
+        mounts = (
+            Mount(str(region), CONTAINER_REGION, read_only=True),
+            Mount(str(region / "usage"), f"{CONTAINER_REGION}/usage", read_only=False),
+            Mount(str(files.library), CONTAINER_LIBRARY, read_only=True, exec_ok=True),
+            Mount(str(files.preload), PRELOAD, read_only=True),
+        )
+    hooks = tuple(
+        Hook(stage, str(files.hook),
+             ("cgpu-hook", "--socket", str(files.relay_socket), "--instance", instance.id, stage))
+        for stage in (BIND_STAGE, RELEASE_STAGE)
+    )
+    return ContainerEdits(tuple(application_env(instance, gpu_memory).items()), mounts, hooks, instance.id)
+
+
+def _ours(mount: Any, destinations: set[str]) -> bool:
+    return isinstance(mount, Mapping) and str(mount.get("destination", "")).rstrip("/") in destinations
+
+
+def apply_edits(spec: Mapping[str, Any], edits: ContainerEdits, files: RuntimeFiles) -> dict[str, Any]:
+    """A new spec with the edits in. Idempotent: earlier cgpu edits (a
+    retried create on the same bundle) are replaced, not repeated. Our
+    mounts go last so they cover anything the image or user mounted there."""
+    out = copy.deepcopy(dict(spec))
+    process = out.setdefault("process", {})
+    names = {k for k, _ in edits.env} | set(APP_ENV)
+    env = [e for e in process.get("env", []) if e.split("=", 1)[0] not in names]
+    process["env"] = env + [f"{k}={v}" for k, v in edits.env]
+
+    ours = {m.destination for m in edits.mounts} | {CONTAINER_REGION, f"{CONTAINER_REGION}/usage",
+                                                     CONTAINER_LIBRARY, PRELOAD}
+    mounts = [m for m in out.get("mounts", []) if not _ours(m, ours)]
+    mounts += [{"destination": m.destination, "type": "bind", "source": m.source, "options": m.options}
+               for m in edits.mounts]
+    out["mounts"] = mounts
+
+    hooks = out.setdefault("hooks", {})
+    for stage in {h.stage for h in edits.hooks}:
+        kept = [h for h in hooks.get(stage, []) if not (isinstance(h, Mapping) and h.get("path") == str(files.hook))]
+        hooks[stage] = kept + [
+            {"path": h.path, "args": list(h.args), "env": list(h.env), "timeout": h.timeout}
+            for h in edits.hooks if h.stage == stage
+        ]
+    out.setdefault("annotations", {})[ANNOTATION] = edits.instance_id
+    return out

@@ -1,0 +1,140 @@
+"""The relay socket: where cgpu-runtime and cgpu-hook (small C programs on
+the container start path) hand their work to cgpud.
+
+Wire format (csrc/hook/relay.h is the other side): the client writes one
+request and shuts down its writing side; cgpud answers one line and closes.
+  request:  "<verb> <arg> [<arg>]\\n" then a body up to EOF
+    prepare <container-id>\\n<absolute bundle path>
+    hook <stage> <instance-id>\\n<OCI state JSON>
+  answer:   "ok[ <text>]\\n" or "error <one-line message>\\n"
+A line protocol rather than the gRPC API: a C relay then needs no HTTP/2
+stack and costs about a millisecond per container instead of tens.
+
+Only root may talk here (SO_PEERCRED): the verbs create instances and edit
+bundles anywhere on the host."""
+from __future__ import annotations
+
+import os
+import socket
+import socketserver
+import struct
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import structlog
+
+from cgpud.errors import CgpuError, UsageError
+from cgpud.hook.lifecycle import ContainerLifecycle
+from cgpud.sockets import prepare_socket_directory, remove_stale_socket
+
+MAX_REQUEST = 1 << 20
+READ_TIMEOUT = 10.0
+
+
+class RelayProtocolError(UsageError):
+    """The request does not follow the relay wire format."""
+
+
+def _read_request(conn: socket.socket) -> tuple[list[str], bytes]:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        chunk = conn.recv(65536)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > MAX_REQUEST:
+            raise RelayProtocolError(f"request larger than {MAX_REQUEST} bytes")
+    data = b"".join(chunks)
+    head, sep, body = data.partition(b"\n")
+    if not sep:
+        raise RelayProtocolError("request has no header line")
+    try:
+        words = head.decode("ascii").split(" ")
+    except UnicodeDecodeError:
+        raise RelayProtocolError("request header is not ASCII") from None
+    return words, body
+
+
+def handle(lifecycle: ContainerLifecycle, words: list[str], body: bytes) -> str:
+    """One request to one answer text; raises CgpuError for the error line."""
+    match words:
+        case ["prepare", container_id]:
+            try:
+                bundle = Path(os.fsdecode(body))
+            except (UnicodeDecodeError, ValueError):
+                raise RelayProtocolError("bundle path is not a valid path") from None
+            return lifecycle.prepare(container_id, bundle).summary()
+        case ["hook", stage, instance_id]:
+            return lifecycle.hook(stage, instance_id, body)
+        case _:
+            raise RelayProtocolError(f"unknown request {' '.join(words)[:80]!r}")
+
+
+def _peer_uid(conn: socket.socket) -> int:
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]
+
+
+class RelayServer:
+    """A threaded unix-socket server; one short connection per request."""
+
+    def __init__(self, lifecycle: ContainerLifecycle, path: Path) -> None:
+        self._lifecycle = lifecycle
+        self._path = Path(os.path.abspath(path))
+        self._log = structlog.get_logger("cgpud.relay")
+        self._server: socketserver.ThreadingUnixStreamServer | None = None
+
+    def start(self) -> RelayServer:
+        log = self._log
+        prepare_socket_directory(self._path.parent, log)
+        remove_stale_socket(self._path, log)
+        answer = self._answer
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                answer(self.request)
+
+        old = os.umask(0o177)  # the socket is 0600 from bind() on
+        try:
+            server = socketserver.ThreadingUnixStreamServer(str(self._path), Handler)
+        except OSError as e:
+            raise CgpuError(f"cannot listen on {self._path}: {e.strerror}") from e
+        finally:
+            os.umask(old)
+        server.daemon_threads = True
+        self._server = server
+        threading.Thread(target=server.serve_forever, name="cgpud-relay", daemon=True).start()
+        log.info("serving", socket=str(self._path))
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._path.unlink(missing_ok=True)
+            self._server = None
+
+    def _answer(self, conn: socket.socket) -> None:
+        conn.settimeout(READ_TIMEOUT)
+        reply: Callable[[str], None] = lambda line: conn.sendall((line.replace("\n", " ") + "\n").encode())
+        try:
+            if _peer_uid(conn) not in (0, os.geteuid()):
+                reply("error only root may use the cgpud relay socket")
+                return
+            words, body = _read_request(conn)
+            text = handle(self._lifecycle, words, body)
+            reply(f"ok {text}")
+        except CgpuError as e:
+            self._log.warning("refused", error=str(e))
+            reply(f"error {e}")
+        except OSError as e:  # the client went away or timed out: nobody to tell
+            self._log.warning("relay connection failed", error=str(e))
+        except Exception as e:  # never leave a runtime waiting on a silent daemon
+            self._log.exception("relay request failed")
+            try:
+                reply(f"error cgpud failed on this request: {type(e).__name__}: {e}")
+            except OSError:
+                pass

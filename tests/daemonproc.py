@@ -1,0 +1,76 @@
+"""cgpud as a real process for tests: its own state dir, sockets and
+notify socket under a test's temp dir, on the simulated GPUs."""
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from cgpud.native import native_path
+
+BIN = Path(sys.executable).parent
+
+
+@dataclass
+class Daemon:
+    socket: Path
+    state: Path
+    env: dict[str, str]
+    notify: socket.socket
+    args: list[str]
+    proc: subprocess.Popen[str] | None = None
+
+    @property
+    def relay(self) -> Path:
+        return self.socket.parent / "relay.sock"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen([str(BIN / "cgpud"), *self.args], env=self.env, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, text=True)
+        self.wait_for(b"READY=1")
+
+    def wait_for(self, message: bytes, timeout: float = 30) -> list[bytes]:
+        seen: list[bytes] = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.notify.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                data = self.notify.recv(4096)
+            except TimeoutError:
+                break
+            seen.append(data)
+            if message in data.split(b"\n"):
+                return seen
+        err = self.proc.stderr.read() if self.proc and self.proc.poll() is not None else ""
+        raise AssertionError(f"no {message!r} from cgpud (got {seen}); stderr: {err}")
+
+    def kill(self) -> None:
+        assert self.proc
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.wait_for(b"STOPPING=1")
+            assert self.proc.wait(timeout=30) == 0
+
+    def cgpuctl(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(BIN / "cgpuctl"), "--socket", str(self.socket), *args], env=self.env,
+                              capture_output=True, text=True, timeout=timeout)
+
+
+def make_daemon(tmp_path: Path, sim_env: dict[str, str], *extra: str) -> Daemon:
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify_path = tmp_path / "notify.sock"
+    notify.bind(str(notify_path))
+    env = dict(sim_env, NOTIFY_SOCKET=str(notify_path), CGPU_SIM_CONFIG=sim_env["CGPU_SIM_CONFIG"])
+    env["PATH"] = f"{BIN}:{native_path('bin/cgpu-burn').parent}:{env['PATH']}"
+    args = ["--state-dir", str(tmp_path / "state"), "--socket", str(tmp_path / "run" / "cgpud.sock"),
+            "--config", str(tmp_path / "none.toml"), "--relay-socket", str(tmp_path / "run" / "relay.sock"), "--sweep-interval", "0.2", *extra]
+    (tmp_path / "none.toml").write_text("")
+    return Daemon(tmp_path / "run" / "cgpud.sock", tmp_path / "state", env, notify, args)
