@@ -119,6 +119,16 @@ def _doctor(args: argparse.Namespace) -> int:
     return code
 
 
+def _runtime_configure(args: argparse.Namespace) -> int:
+    from cgpud.hook import runtime_config
+
+    sys.stdout.write(runtime_config.configure_from_cli(
+        args.engine, config=args.config, runtime_path=args.runtime_path, name=args.name,
+        set_as_default=args.set_as_default, dry_run=args.dry_run,
+    ))
+    return 0
+
+
 def _add_machine_options(p: argparse.ArgumentParser) -> None:
     d = simulator.SimMachine()
     p.add_argument("--gpus", type=int, default=d.gpus, help=f"number of GPUs (default {d.gpus})")
@@ -164,6 +174,26 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = verbs.add_parser("doctor", help="check driver, daemon, state directory, library and runtime")
     doctor.add_argument("--config", help="cgpud settings file to check against")
     doctor.set_defaults(handler=_doctor)
+
+    runtime = verbs.add_parser("runtime", help="register cgpu's runtime with containerd or Docker")
+    runtime_verbs = runtime.add_subparsers(dest="runtime_verb", metavar="ACTION", required=True)
+    configure = runtime_verbs.add_parser(
+        "configure",
+        help="add the cgpu runtime to containerd's or Docker's config, keeping the rest",
+        description="Example: cgpuctl runtime configure --containerd --dry-run. containerd gets a drop-in "
+                    "<config dir>/conf.d/cgpu.toml imported from its config; Docker gets daemon.json runtimes.",
+    )
+    engine = configure.add_mutually_exclusive_group(required=True)
+    engine.add_argument("--containerd", dest="engine", action="store_const", const="containerd",
+                        help="configure containerd (/etc/containerd/config.toml)")
+    engine.add_argument("--docker", dest="engine", action="store_const", const="docker",
+                        help="configure Docker (/etc/docker/daemon.json)")
+    configure.add_argument("--set-as-default", action="store_true", help="make it the default runtime")
+    configure.add_argument("--dry-run", action="store_true", help="print the changes as a diff, write nothing")
+    configure.add_argument("--config", help="the engine's config file, if not the default")
+    configure.add_argument("--runtime-path", help="absolute path of cgpu-runtime (default: the installed one)")
+    configure.add_argument("--name", default="cgpu", help="runtime name (default cgpu)")
+    configure.set_defaults(handler=_runtime_configure)
 
     sim = verbs.add_parser("sim", help="simulated GPUs for development, tests and demos")
     sim_verbs = sim.add_subparsers(dest="sim_verb", metavar="ACTION", required=True)
