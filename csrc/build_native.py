@@ -69,8 +69,8 @@ TARGETS: tuple[Target, ...] = (
     ),
     Target("bin/cgpu-sim-stat", ("simgpu/simstat.c", *SIM_STATE), includes=("include", "simgpu")),
     Target("bin/cgpu-burn", ("tools/cgpu_burn.c",), libs=("-ldl",)),
-    Target("bin/cgpu-runtime", ("hook/cgpu_runtime.c",)),
-    Target("bin/cgpu-hook", ("hook/cgpu_hook.c",)),
+    Target("bin/cgpu-runtime", ("hook/cgpu_runtime.c", "hook/relay.c")),
+    Target("bin/cgpu-hook", ("hook/cgpu_hook.c", "hook/relay.c")),
 )
 
 

@@ -22,7 +22,7 @@ import structlog
 from cgpud.daemon.model import GIB, Instance, InstanceState, Owner, OwnerKind, Request
 from cgpud.daemon.service import InstanceService
 from cgpud.errors import NotFoundError, StateError, UsageError
-from cgpud.hook.bundle import read_spec, write_spec
+from cgpud.hook.bundle import check_targets, read_spec, rootfs_path, write_spec
 from cgpud.hook.edits import BIND_STAGE, RELEASE_STAGE, RuntimeFiles, apply_edits, instance_edits
 from cgpud.hook.request import Claim, EnvRequest, read_request
 
@@ -60,6 +60,7 @@ class ContainerLifecycle:
         try:
             gpu_memory = {g.index: g.memory for g in self._service.gpus()}
             edits = instance_edits(instance, self._service.region_dir(instance.id), gpu_memory, self._files)
+            check_targets(rootfs_path(bundle, spec), [m.destination for m in edits.mounts])
             write_spec(bundle, apply_edits(spec, edits, self._files))
         except BaseException:
             if created:

@@ -1,28 +1,323 @@
 /* cgpu-runtime: the OCI runtime shim containerd and docker call instead of
- * runc. For now it only relays: every command goes to the real runtime
- * unchanged. The create path that asks cgpud to prepare a GPU bundle comes
- * with the container issue; this binary exists so packaging, runtime
- * configuration and tests have their real file from day one. */
+ * runc. Every command goes to the real runtime unchanged; before `create` or
+ * `run` of a bundle that may ask for a GPU share, cgpud prepares the bundle,
+ * and unless it answers ok the container does not start. */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
-#define CGPU_VERSION "0.1.0"
-#define REAL_RUNTIME "runc"
+#include "relay.h"
+
+#define PROG "cgpu-runtime"
+#define CONFIG_MAX (8 << 20)
+#define CONFIG_CHUNK (64 << 10)
+#define ID_MAX 1024
+
+/* A bundle may ask for a GPU share only if its config names one of these,
+ * or spells a name or path character as a JSON escape (see escaped_name). */
+static const char *const MARKERS[] = {"ALIYUN_COM_GPU", "\"/run/cgpu\"", "\\/"};
+#define MARKER_KEEP 13 /* longest marker - 1: a marker may straddle two reads */
+
+/* Value-taking flags; every other flag is taken as boolean. */
+static const char *const GLOBAL_VALUED[] = {"root", "log", "log-format", "criu", "rootless", NULL};
+static const char *const CREATE_VALUED[] = {"bundle", "b", "console-socket", "pid-file", "preserve-fds", NULL};
+
+struct globals {
+    const char *log;
+    const char *log_format;
+    int version;
+};
+
+static struct globals g_opts;
+
+static const char *env_or(const char *name, const char *fallback)
+{
+    const char *v = getenv(name);
+    return v && *v ? v : fallback;
+}
+
+/* runc parses flags with Go's flag package: "-name" and "--name" are the
+ * same flag, and a value follows "=" or comes as the next argument. Returns
+ * the index in `names` of the flag `arg` is, or -1; *value is the "=" part. */
+static int flag_index(const char *arg, const char *const *names, const char **value)
+{
+    const char *p = arg + 1 + (arg[1] == '-');
+    for (int k = 0; names[k]; k++) {
+        size_t n = strlen(names[k]);
+        if (strncmp(p, names[k], n) == 0 && (p[n] == '\0' || p[n] == '=')) {
+            *value = p[n] == '=' ? p + n + 1 : NULL;
+            return k;
+        }
+    }
+    return -1;
+}
+
+static int is_flag(const char *arg)
+{
+    return arg[0] == '-' && arg[1] != '\0';
+}
+
+static size_t json_escape(char *dst, size_t size, const char *src)
+{
+    size_t o = 0;
+    for (; *src; src++) {
+        unsigned char c = (unsigned char)*src;
+        char tmp[8];
+        if (c == '"' || c == '\\')
+            snprintf(tmp, sizeof(tmp), "\\%c", c);
+        else if (c < 0x20 || c == 0x7f)
+            snprintf(tmp, sizeof(tmp), "\\u%04x", c);
+        else
+            snprintf(tmp, sizeof(tmp), "%c", c);
+        size_t n = strlen(tmp);
+        if (o + n >= size)
+            break;
+        memcpy(dst + o, tmp, n);
+        o += n;
+    }
+    dst[o] = '\0';
+    return o;
+}
+
+/* containerd shows the user the last error entry of runc's --log file, not
+ * our stderr, so the reason has to be there too, in runc's format. */
+static void log_error(const char *msg)
+{
+    if (!g_opts.log || !*g_opts.log)
+        return;
+    char when[32] = "1970-01-01T00:00:00Z";
+    struct tm tm;
+    time_t now = time(NULL);
+    if (gmtime_r(&now, &tm))
+        strftime(when, sizeof(when), "%Y-%m-%dT%H:%M:%SZ", &tm);
+    char text[CGPU_RELAY_MSG_MAX + 512];
+    snprintf(text, sizeof(text), PROG ": %s", msg);
+    char escaped[sizeof(text) * 6];
+    json_escape(escaped, sizeof(escaped), text);
+    char line[sizeof(escaped) + 128];
+    int n;
+    if (g_opts.log_format && strcmp(g_opts.log_format, "json") == 0)
+        n = snprintf(line, sizeof(line), "{\"level\":\"error\",\"msg\":\"%s\",\"time\":\"%s\"}\n", escaped, when);
+    else
+        n = snprintf(line, sizeof(line), "time=\"%s\" level=error msg=\"%s\"\n", when, escaped);
+    int fd = open(g_opts.log, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
+    if (fd < 0)
+        return;
+    /* One write, so the line lands whole among runc's own appends. A failure
+     * has nowhere left to go: stderr already has the message. */
+    ssize_t written = write(fd, line, (size_t)n);
+    (void)written;
+    close(fd);
+}
+
+__attribute__((format(printf, 2, 3))) static _Noreturn void die(int code, const char *fmt, ...)
+{
+    char msg[CGPU_RELAY_MSG_MAX + 256];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    va_end(ap);
+    cgpu_relay_report(PROG, msg);
+    log_error(msg);
+    exit(code);
+}
+
+static _Noreturn void run_real_runtime(const char *runtime, char **argv)
+{
+    argv[0] = (char *)runtime;
+    execvp(runtime, argv);
+    /* Fails closed: a GPU container must not start without its limits. */
+    die(127, "cannot run %s: %s (install runc or set CGPU_REAL_RUNTIME)", runtime, strerror(errno));
+}
+
+/* Index of the command in argv (of its NULL end if none); fills g_opts. */
+static int parse_globals(char **argv)
+{
+    int i = 1;
+    while (argv[i] && is_flag(argv[i])) {
+        const char *a = argv[i++], *v;
+        if (strcmp(a, "--") == 0)
+            break;
+        if (flag_index(a, (const char *const[]){"version", "v", NULL}, &v) >= 0)
+            g_opts.version = 1;
+        int k = flag_index(a, GLOBAL_VALUED, &v);
+        if (k < 0)
+            continue;
+        if (!v && argv[i])
+            v = argv[i++];
+        if (k == 1)
+            g_opts.log = v;
+        else if (k == 2)
+            g_opts.log_format = v;
+    }
+    return i;
+}
+
+/* urfave/cli lets flags follow the container id, so the id is the last
+ * argument that is neither a flag nor a flag's value. */
+static void parse_create(char **args, const char **bundle, const char **id)
+{
+    int flags = 1;
+    for (int i = 0; args[i]; i++) {
+        const char *a = args[i], *v;
+        if (flags && strcmp(a, "--") == 0) {
+            flags = 0;
+            continue;
+        }
+        if (!flags || !is_flag(a)) {
+            *id = a;
+            continue;
+        }
+        int k = flag_index(a, CREATE_VALUED, &v);
+        if (k < 0)
+            continue;
+        if (!v && args[i + 1])
+            v = args[++i];
+        if (k <= 1 && v)
+            *bundle = v;
+    }
+}
+
+enum config_kind { CONFIG_UNREADABLE, CONFIG_PLAIN, CONFIG_MAY_ASK };
+
+static int hexval(char c)
+{
+    if (c >= '0' && c <= '9')
+        return c - '0';
+    if (c >= 'a' && c <= 'f')
+        return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F')
+        return c - 'A' + 10;
+    return -1;
+}
+
+/* A \uXXXX escape of a letter, digit, '_' or '/' could spell a request's
+ * name or /run/cgpu. Encoders never escape those on their own, while Go's
+ * (containerd's, dockerd's) escapes '&', '<' and '>': so "sh -c 'a && b'"
+ * stays on the fast path that works even with cgpud down. */
+static int escaped_name(const char *buf, size_t len)
+{
+    for (const char *p = buf; (p = memmem(p, len - (size_t)(p - buf), "\\u", 2)) != NULL; p += 2) {
+        if ((size_t)(p - buf) + 6 > len)
+            return 0; /* kept for the next read: MARKER_KEEP covers 5 bytes */
+        int code = 0;
+        for (int i = 2; i < 6; i++) {
+            int h = hexval(p[i]);
+            if (h < 0) {
+                code = -1;
+                break;
+            }
+            code = code * 16 + h;
+        }
+        if ((code >= '/' && code <= '9') || (code >= 'A' && code <= 'Z') || code == '_' ||
+            (code >= 'a' && code <= 'z'))
+            return 1;
+    }
+    return 0;
+}
+
+/* Decides from the raw bytes, without parsing JSON: this runs before every
+ * container start on the node, most of which ask for no GPU. */
+static enum config_kind read_config(const char *bundle)
+{
+    static char buf[MARKER_KEEP + CONFIG_CHUNK];
+    char path[PATH_MAX];
+    if (snprintf(path, sizeof(path), "%s/config.json", bundle) >= (int)sizeof(path))
+        return CONFIG_UNREADABLE;
+    /* O_NONBLOCK: opening a FIFO must not hang the start path. */
+    int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
+    if (fd < 0)
+        return CONFIG_UNREADABLE;
+    struct stat st;
+    enum config_kind kind = CONFIG_UNREADABLE;
+    if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode))
+        goto out;
+    /* Too big to scan cheaply: let cgpud decide rather than risk a GPU
+     * container starting without its limits. */
+    kind = CONFIG_MAY_ASK;
+    if (st.st_size > CONFIG_MAX)
+        goto out;
+    size_t keep = 0, total = 0;
+    for (;;) {
+        ssize_t n = read(fd, buf + keep, CONFIG_CHUNK);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0) {
+            kind = CONFIG_UNREADABLE;
+            goto out;
+        }
+        if (n == 0)
+            break;
+        size_t have = keep + (size_t)n;
+        for (size_t m = 0; m < sizeof(MARKERS) / sizeof(MARKERS[0]); m++)
+            if (memmem(buf, have, MARKERS[m], strlen(MARKERS[m])))
+                goto out;
+        if (escaped_name(buf, have))
+            goto out;
+        total += (size_t)n;
+        if (total > CONFIG_MAX)
+            goto out;
+        keep = have < MARKER_KEEP ? have : MARKER_KEEP;
+        memmove(buf, buf + have - keep, keep);
+    }
+    kind = CONFIG_PLAIN;
+out:
+    close(fd);
+    return kind;
+}
+
+static int valid_id(const char *id)
+{
+    size_t n = 0;
+    for (; id[n]; n++)
+        if (id[n] <= ' ' || id[n] > '~')
+            return 0;
+    return n > 0 && n <= ID_MAX;
+}
+
+/* Returns only if the real runtime should run. */
+static void prepare(const char *command, char **args, const char *socket)
+{
+    const char *bundle = ".", *id = NULL;
+    parse_create(args, &bundle, &id);
+    char bundle_abs[PATH_MAX];
+    /* A bundle that does not resolve is the runtime's error to report. */
+    if (!realpath(bundle, bundle_abs))
+        return;
+    enum config_kind kind = read_config(bundle_abs);
+    if (kind != CONFIG_MAY_ASK)
+        return;
+    if (!id)
+        die(1, "container id missing: usage is %s [options] <container-id>", command);
+    if (!valid_id(id))
+        die(1, "container id is not valid: expected 1-%d printable ASCII characters without spaces", ID_MAX);
+    static char request[ID_MAX + PATH_MAX + 16];
+    int len = snprintf(request, sizeof(request), "prepare %s\n%s", id, bundle_abs);
+    char msg[CGPU_RELAY_MSG_MAX];
+    if (cgpu_relay_call(socket, request, (size_t)len, msg, sizeof(msg)) != 0)
+        die(1, "%s", msg);
+}
 
 int main(int argc, char **argv)
 {
-    (void)argc;
-    if (argv[1] && strcmp(argv[1], "--version") == 0) {
-        printf("cgpu-runtime %s (relays to %s)\n", CGPU_VERSION, REAL_RUNTIME);
+    if (argc < 1)
+        return 2;
+    const char *runtime = env_or("CGPU_REAL_RUNTIME", "runc");
+    const char *socket = env_or("CGPU_RELAY_SOCKET", CGPU_RELAY_DEFAULT_SOCKET);
+    int cmd = parse_globals(argv);
+    if (g_opts.version) {
+        printf(PROG " " CGPU_VERSION "\n");
         fflush(stdout);
+    } else if (argv[cmd] && (strcmp(argv[cmd], "create") == 0 || strcmp(argv[cmd], "run") == 0)) {
+        prepare(argv[cmd], argv + cmd + 1, socket);
     }
-    argv[0] = (char *)REAL_RUNTIME;
-    execvp(REAL_RUNTIME, argv);
-    /* Fails closed: a GPU container must not start without its limits. */
-    fprintf(stderr, "cgpu-runtime: cannot run %s: %s (install runc or put it on PATH)\n", REAL_RUNTIME,
-            strerror(errno));
-    return 127;
+    run_real_runtime(runtime, argv);
 }

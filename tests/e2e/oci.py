@@ -1,0 +1,188 @@
+"""Real OCI containers for the end-to-end tests: busybox rootfs bundles run
+by real runc, directly or through cgpu-runtime.
+
+The rootfs holds what a GPU image plus the NVIDIA container toolkit would
+give a container: a C library, the workload (cgpu-burn) and the driver
+libraries, bind-mounted from the host with the device state. Here the
+driver is the simulated one, and this file plays the toolkit's part; cgpu
+itself is given nothing but the bundle."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cgpud.native import native_path
+
+BUSYBOX_CANDIDATES = ("/bin/busybox", "/usr/bin/busybox")
+APPLETS = ("sh", "true", "env", "cat", "sleep", "echo", "ls", "mount", "test", "touch", "id", "grep")
+HOOK_ENV_PATH = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+class MissingTool(AssertionError):
+    pass
+
+
+def require_tools() -> None:
+    """The e2e tests need root, runc and a static busybox; CI installs them
+    (`./dev test` does as root). Fail loudly rather than skip."""
+    if os.geteuid() != 0:
+        raise MissingTool("the container tests need root (runc creates namespaces and mounts)")
+    missing = [t for t in ("runc",) if shutil.which(t) is None]
+    if not any(Path(b).exists() for b in BUSYBOX_CANDIDATES):
+        missing.append("busybox-static")
+    if missing:
+        raise MissingTool(f"install {' '.join(missing)} (apt-get install runc containerd busybox-static)")
+
+
+def _busybox() -> Path:
+    for candidate in BUSYBOX_CANDIDATES:
+        p = Path(candidate)
+        if p.exists():
+            out = subprocess.run(["file", "-L", str(p)], capture_output=True, text=True).stdout
+            if "dynamically linked" not in out:
+                return p
+    raise MissingTool("no static busybox found: apt-get install busybox-static")
+
+
+def _shared_libs(binary: Path) -> list[Path]:
+    out = subprocess.run(["ldd", str(binary)], capture_output=True, text=True, check=True).stdout
+    libs = []
+    for line in out.splitlines():
+        parts = line.split()
+        path = parts[2] if "=>" in parts and len(parts) > 2 else parts[0]
+        if path.startswith("/"):
+            libs.append(Path(path))
+    return libs
+
+
+def _copy_in(root: Path, host: Path, inside: str | None = None) -> None:
+    dest = root / (inside or str(host)).lstrip("/")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(host.resolve(), dest)
+
+
+def build_rootfs(root: Path) -> Path:
+    (root / "bin").mkdir(parents=True)
+    shutil.copy2(_busybox(), root / "bin" / "busybox")
+    for applet in APPLETS:
+        (root / "bin" / applet).symlink_to("busybox")
+    for d in ("etc", "tmp", "proc", "sys", "dev", "run", "usr/lib/x86_64-linux-gnu"):
+        (root / d).mkdir(parents=True, exist_ok=True)
+    os.chmod(root / "tmp", 0o1777)
+    burn = native_path("bin/cgpu-burn")
+    _copy_in(root, burn, "/usr/bin/cgpu-burn")
+    for binary in (burn, native_path("lib/libcgpu.so"), native_path("sim/libcuda.so.1")):
+        for lib in _shared_libs(binary):
+            _copy_in(root, lib)
+    # The driver libraries, where the toolkit would put them.
+    for name in ("libcuda.so.1", "libnvidia-ml.so.1"):
+        _copy_in(root, native_path(f"sim/{name}"), f"/usr/lib/x86_64-linux-gnu/{name}")
+    (root / "etc" / "passwd").write_text("root:x:0:0:root:/:/bin/sh\nuser:x:1000:1000::/:/bin/sh\n")
+    return root
+
+
+@dataclass
+class Bundle:
+    path: Path
+    spec: dict[str, Any]
+
+    @property
+    def rootfs(self) -> Path:
+        return self.path / "rootfs"
+
+    def write(self) -> Bundle:
+        (self.path / "config.json").write_text(json.dumps(self.spec, indent=1))
+        return self
+
+    def read(self) -> dict[str, Any]:
+        return json.loads((self.path / "config.json").read_text())
+
+
+def default_spec() -> dict[str, Any]:
+    scratch = Path(os.environ.get("TMPDIR", "/tmp")) / f"cgpu-runc-spec-{os.getpid()}"
+    scratch.mkdir(exist_ok=True)
+    try:
+        subprocess.run(["runc", "spec"], cwd=scratch, check=True, capture_output=True)
+        return json.loads((scratch / "config.json").read_text())
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+@dataclass
+class Host:
+    """What the host provides every container: the rootfs template, the
+    simulated device (state shared with the host), runc's state root."""
+
+    template: Path
+    sim_dir: Path
+    sim_env: dict[str, str]
+    runc_root: Path
+    spec_template: dict[str, Any]
+    counter: list[int] = field(default_factory=lambda: [0])
+
+    def bundle(self, where: Path, args: list[str], env: tuple[str, ...] = (), gpu_device: bool = True) -> Bundle:
+        """A bundle whose rootfs shares the template's files by hard link
+        (tests replace, never modify, files in it)."""
+        where.mkdir(parents=True)
+        subprocess.run(["cp", "-al", str(self.template), str(where / "rootfs")], check=True)
+        spec = json.loads(json.dumps(self.spec_template))
+        spec["process"]["terminal"] = False
+        spec["process"]["args"] = args
+        spec["process"]["env"] = [HOOK_ENV_PATH, *env]
+        spec["root"] = {"path": "rootfs", "readonly": False}
+        if gpu_device:
+            # The toolkit's part: device state in, and the driver told where it is.
+            spec["mounts"].append({"destination": str(self.sim_dir), "type": "bind", "source": str(self.sim_dir),
+                                   "options": ["rbind", "rw"]})
+            spec["process"]["env"] += [f"CGPU_SIM_CONFIG={self.sim_env['CGPU_SIM_CONFIG']}",
+                                       f"CGPU_SIM_STATE={self.sim_env['CGPU_SIM_STATE']}"]
+        return Bundle(where, spec).write()
+
+    def new_id(self, prefix: str = "cgpu-e2e") -> str:
+        self.counter[0] += 1
+        return f"{prefix}-{os.getpid()}-{self.counter[0]}"
+
+
+def runtime_env(relay: Path, base: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(base or os.environ)
+    env["CGPU_RELAY_SOCKET"] = str(relay)
+    env["CGPU_REAL_RUNTIME"] = shutil.which("runc") or "runc"
+    return env
+
+
+def run(host: Host, bundle: Bundle, container_id: str, *, shim: bool, relay: Path | None = None,
+        timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """`runc run` of the bundle in the foreground, through the shim or not."""
+    binary = str(native_path("bin/cgpu-runtime")) if shim else "runc"
+    env = runtime_env(relay) if relay else dict(os.environ)
+    return subprocess.run([binary, "--root", str(host.runc_root), "run", "--bundle", str(bundle.path), container_id],
+                          env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def runc(host: Host, *args: str, shim: bool = False, relay: Path | None = None,
+         timeout: float = 60, **kw: Any) -> subprocess.CompletedProcess[str]:
+    binary = str(native_path("bin/cgpu-runtime")) if shim else "runc"
+    env = runtime_env(relay) if relay else dict(os.environ)
+    return subprocess.run([binary, "--root", str(host.runc_root), *args], env=env, capture_output=True, text=True,
+                          timeout=timeout, **kw)
+
+
+def create(host: Host, bundle: Bundle, container_id: str, relay: Path, timeout: float = 60) -> tuple[int, str]:
+    """`runc create` through the shim; the container's stdio goes to a file
+    in the bundle (a pipe would stay open as long as the container runs)."""
+    log = bundle.path / "stdio.log"
+    with open(log, "w") as out:
+        proc = subprocess.run([str(native_path("bin/cgpu-runtime")), "--root", str(host.runc_root), "create",
+                               "--bundle", str(bundle.path), container_id], env=runtime_env(relay),
+                              stdin=subprocess.DEVNULL, stdout=out, stderr=out, timeout=timeout)
+    return proc.returncode, log.read_text()
+
+
+def host_mounts() -> list[str]:
+    return Path("/proc/self/mountinfo").read_text().splitlines()
+

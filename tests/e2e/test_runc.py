@@ -1,0 +1,117 @@
+"""GPU containers under real runc through cgpu-runtime and cgpu-hook, with
+a real cgpud: the limit is real inside, the instance lives exactly as long
+as the container, and containers that ask for nothing are untouched."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cgpud.daemon.model import GIB
+from tests.daemonproc import Daemon
+from tests.e2e.oci import Host, create, run, runc
+
+BURN = "cgpu-burn --alloc-until-fail 512MiB"
+
+
+def burn_json(stdout: str) -> dict:
+    line = next(l for l in stdout.splitlines() if l.startswith('{"device"'))
+    return json.loads(line)
+
+
+def env_lines(stdout: str) -> dict[str, str]:
+    return dict(l.split("=", 1) for l in stdout.splitlines() if "=" in l and not l.startswith("{"))
+
+
+def instances(cgpud: Daemon, all_: bool = False) -> list[dict]:
+    out = cgpud.cgpuctl("list", *(["--all"] if all_ else []), "--output", "json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_2gib_container_sees_2gib_and_fails_past_it(tmp_path, host: Host, cgpud: Daemon) -> None:
+    b = host.bundle(tmp_path / "b", ["sh", "-c", f"env; {BURN}"], ("ALIYUN_COM_GPU_MEM_CONTAINER=2",))
+    out = run(host, b, host.new_id(), shim=True, relay=cgpud.relay)
+    assert out.returncode == 0, out.stderr
+    burn = burn_json(out.stdout)
+    assert burn["mem_total_reported"] == 2 * GIB
+    assert burn["alloc"]["until_fail_bytes"] == 2 * GIB
+    assert burn["alloc"]["until_fail_result"] == "CUDA_ERROR_OUT_OF_MEMORY"
+    env = env_lines(out.stdout)
+    assert env["ALIYUN_COM_GPU_MEM_CONTAINER"] == "2"
+    assert env["ALIYUN_COM_GPU_MEM_DEV"] == "16"
+    assert env["ALIYUN_COM_GPU_MEM_IDX"] == "0"
+    assert env["ALIYUN_COM_GPU_MEM_POD"] == "2"
+    assert env["NVIDIA_VISIBLE_DEVICES"].startswith("GPU-")
+    # Released at poststop: nothing active remains.
+    assert instances(cgpud) == []
+    [gone] = instances(cgpud, all_=True)
+    assert gone["state"] == "released"
+
+
+def test_inspect_shows_the_instance_while_the_container_runs(tmp_path, host: Host, cgpud: Daemon) -> None:
+    b = host.bundle(tmp_path / "b", ["sleep", "60"], ("ALIYUN_COM_GPU_MEM_CONTAINER=3",))
+    cid = host.new_id()
+    code, log = create(host, b, cid, cgpud.relay)
+    assert code == 0, log
+    try:
+        assert runc(host, "start", cid, shim=True, relay=cgpud.relay).returncode == 0
+        [inst] = instances(cgpud)
+        assert inst["state"] == "bound"
+        assert inst["owner"]["id"] == cid
+        state = json.loads(runc(host, "state", cid).stdout)
+        assert inst["pids"] == [state["pid"]]
+        shown = cgpud.cgpuctl("inspect", "-d")
+        assert cid in shown.stdout and "3" in shown.stdout, shown.stdout
+    finally:
+        runc(host, "kill", cid, "KILL", shim=True, relay=cgpud.relay)
+        deleted = runc(host, "delete", "--force", cid, shim=True, relay=cgpud.relay)
+    assert deleted.returncode == 0, deleted.stderr
+    assert instances(cgpud) == []
+    assert cid not in cgpud.cgpuctl("inspect", "-d").stdout
+
+
+def test_a_non_gpu_container_runs_exactly_as_without_the_shim(tmp_path, host: Host, cgpud: Daemon) -> None:
+    results = []
+    for shim in (False, True):
+        b = host.bundle(tmp_path / f"b{int(shim)}", ["sh", "-c", "env; cat /proc/self/mountinfo | wc -l; echo hi"],
+                        gpu_device=False)
+        before = b.read()
+        out = run(host, b, host.new_id(), shim=shim, relay=cgpud.relay)
+        assert out.returncode == 0, out.stderr
+        assert b.read() == before  # the spec was not rewritten
+        results.append((out.stdout, out.stderr))
+    assert results[0] == results[1]
+    assert instances(cgpud, all_=True) == []
+
+
+def test_cgpud_stopped_fails_gpu_containers_with_a_clear_message(tmp_path, host: Host, cgpud: Daemon) -> None:
+    cgpud.stop()
+    gpu = host.bundle(tmp_path / "b-gpu", ["true"], ("ALIYUN_COM_GPU_MEM_CONTAINER=1",))
+    out = run(host, gpu, host.new_id(), shim=True, relay=cgpud.relay)
+    assert out.returncode != 0
+    assert f"cannot reach cgpud at {cgpud.relay}" in out.stderr
+    plain = host.bundle(tmp_path / "plain", ["echo", "still fine"], gpu_device=False)
+    out = run(host, plain, host.new_id(), shim=True, relay=cgpud.relay)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "still fine"
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        (("ALIYUN_COM_GPU_MEM_CONTAINER=0",), "ALIYUN_COM_GPU_MEM_CONTAINER=0 is out of range"),
+        (("ALIYUN_COM_GPU_MEM_CONTAINER=17",), "asked for 17 GiB per GPU but the largest GPU on this node has 16 GiB"),
+        (("ALIYUN_COM_GPU_MEM_CONTAINER=1", "ALIYUN_COM_GPU_CORE_PERCENTAGE=33"), "core_mem node"),
+        (("ALIYUN_COM_GPU_MEM_CONTAINER=lots",), "ALIYUN_COM_GPU_MEM_CONTAINER='lots' is not a whole number of GiB"),
+    ],
+)
+def test_bad_requests_fail_the_start_and_leave_nothing(tmp_path, host: Host, cgpud: Daemon, env, message) -> None:
+    b = host.bundle(tmp_path / "b", ["true"], env)
+    before = b.read()
+    out = run(host, b, host.new_id(), shim=True, relay=cgpud.relay)
+    assert out.returncode != 0
+    assert message in out.stderr, out.stderr
+    assert out.stderr.count("cgpu-runtime:") == 1
+    assert b.read() == before
+    assert instances(cgpud, all_=True) == []

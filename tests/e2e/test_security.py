@@ -1,0 +1,138 @@
+"""What a hostile image or tenant can do to the container start path: each
+test is a real runc container through cgpu-runtime and cgpu-hook."""
+from __future__ import annotations
+
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+
+from cgpud.daemon.model import GIB
+from tests.daemonproc import Daemon
+from tests.e2e.oci import Host, create, host_mounts, run, runc
+from tests.e2e.test_runc import BURN, burn_json, instances
+
+POC_SOURCE = r"""
+#include <fcntl.h>
+#include <unistd.h>
+__attribute__((constructor)) static void poc(void) {
+    int fd = open(MARKER, O_CREAT | O_WRONLY, 0644);
+    if (fd >= 0) close(fd);
+}
+"""
+
+
+def build_poc(where: Path, marker: Path) -> Path:
+    src = where / "poc.c"
+    src.write_text(POC_SOURCE)
+    out = where / "poc.so"
+    subprocess.run(["cc", "-shared", "-fPIC", f'-DMARKER="{marker}"', "-o", str(out), str(src)], check=True)
+    return out
+
+
+def test_image_ld_preload_from_cwd_never_runs_on_the_host(tmp_path, host: Host, cgpud: Daemon) -> None:
+    """The NVIDIAScape pattern: an image's LD_PRELOAD that resolves, through
+    a hook's working directory, to a library in the rootfs."""
+    marker = Path("/tmp") / f"cgpu-poc-{uuid.uuid4().hex}"
+    b = host.bundle(tmp_path / "b", ["sh", "-c", "cgpu-burn --help >/dev/null; ls /tmp"],
+                    ("ALIYUN_COM_GPU_MEM_CONTAINER=1", "LD_PRELOAD=/proc/self/cwd/poc.so"))
+    (b.rootfs / "poc.so").write_bytes(build_poc(tmp_path, marker).read_bytes())
+    b.spec["process"]["cwd"] = "/"
+    b.write()
+    try:
+        out = run(host, b, host.new_id(), shim=True, relay=cgpud.relay)
+        assert out.returncode == 0, out.stderr
+        # It did run inside the container (the marker is in the rootfs's /tmp)...
+        assert marker.name in out.stdout
+        # ...and nowhere on the host.
+        assert not marker.exists()
+    finally:
+        marker.unlink(missing_ok=True)
+
+
+def _symlinked(host: Host, tmp_path: Path, name: str, link: str, target: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+    b = host.bundle(tmp_path / name, ["sh", "-c", f"cat /etc/ld.so.preload; {BURN}"],
+                    ("ALIYUN_COM_GPU_MEM_CONTAINER=2",))
+    inside = b.rootfs / link.lstrip("/")
+    if inside.is_dir() and not inside.is_symlink():
+        subprocess.run(["rm", "-rf", str(inside)], check=True)
+    else:
+        inside.unlink(missing_ok=True)
+    inside.parent.mkdir(parents=True, exist_ok=True)
+    inside.symlink_to(target)
+    return b, inside
+
+
+@pytest.mark.parametrize(
+    ("link", "escape"),
+    [
+        ("/etc", "/../../../{out}"),
+        ("/usr/local", "/../../../{out}"),
+        ("/run", "/../../../{out}"),
+        ("/etc/ld.so.preload", "/../../../{out}/preload"),
+        ("/etc/ld.so.preload", "/proc/sys/kernel/core_pattern"),
+        ("/run", "/proc/self/cwd"),
+    ],
+)
+def test_symlinks_in_the_rootfs_never_lead_outside_it(tmp_path, host: Host, cgpud: Daemon, link: str, escape: str) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    core_pattern = Path("/proc/sys/kernel/core_pattern").read_text()
+    mounts_before = host_mounts()
+    b, _ = _symlinked(host, tmp_path, "b", link, escape.format(out=outside))
+    out = run(host, b, host.new_id(), shim=True, relay=cgpud.relay)
+    # Either it started with its limit or it failed saying why.
+    if out.returncode == 0:
+        assert out.stdout.splitlines()[0] == "/usr/local/cgpu/libcgpu.so"
+        assert burn_json(out.stdout)["alloc"]["until_fail_bytes"] == 2 * GIB
+    else:
+        assert f"the image makes {link} a symbolic link" in out.stderr
+    assert list(outside.iterdir()) == []
+    assert Path("/proc/sys/kernel/core_pattern").read_text() == core_pattern
+    assert host_mounts() == mounts_before
+    assert instances(cgpud) == []
+
+
+def test_mount_table_unchanged_after_20_container_cycles(tmp_path, host: Host, cgpud: Daemon) -> None:
+    before = host_mounts()
+    for i in range(20):
+        b = host.bundle(tmp_path / f"b{i}", ["true"], ("ALIYUN_COM_GPU_MEM_CONTAINER=1",))
+        out = run(host, b, host.new_id(), shim=True, relay=cgpud.relay)
+        assert out.returncode == 0, out.stderr
+    assert host_mounts() == before
+    assert instances(cgpud) == []
+    assert len(instances(cgpud, all_=True)) == 20
+
+
+def test_a_container_cannot_write_its_limits_or_reach_other_instances(tmp_path, host: Host, cgpud: Daemon) -> None:
+    neighbour = host.bundle(tmp_path / "n", ["sleep", "60"], ("ALIYUN_COM_GPU_MEM_CONTAINER=1",))
+    nid = host.new_id()
+    code, log = create(host, neighbour, nid, cgpud.relay)
+    assert code == 0, log
+    try:
+        [other] = instances(cgpud)
+        other_region = cgpud.state / "instances" / other["id"]
+        other_limits = (other_region / "limits").read_bytes()
+        script = "; ".join([
+            "echo x > /run/cgpu/limits && echo WROTE-LIMITS",
+            "mount -o remount,rw /run/cgpu 2>/dev/null && echo REMOUNTED",
+            "echo x > /usr/local/cgpu/libcgpu.so && echo WROTE-LIB",
+            "echo x > /etc/ld.so.preload && echo WROTE-PRELOAD",
+            f"ls {other_region} 2>/dev/null && echo SEES-OTHER",
+            "ls /run/cgpu",
+            "id -u",
+        ])
+        for user in (0, 1000):
+            b = host.bundle(tmp_path / f"t{user}", ["sh", "-c", script], ("ALIYUN_COM_GPU_MEM_CONTAINER=1",))
+            b.spec["process"]["user"] = {"uid": user, "gid": user}
+            b.write()
+            out = run(host, b, host.new_id(), shim=True, relay=cgpud.relay)
+            assert out.returncode == 0, out.stderr
+            for bad in ("WROTE-LIMITS", "REMOUNTED", "WROTE-LIB", "WROTE-PRELOAD", "SEES-OTHER"):
+                assert bad not in out.stdout, out.stdout
+            assert out.stdout.split() == ["limits", "usage", str(user)]
+        assert (other_region / "limits").read_bytes() == other_limits
+    finally:
+        runc(host, "delete", "--force", nid, shim=True, relay=cgpud.relay)
+    assert instances(cgpud) == []
