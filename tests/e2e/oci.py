@@ -43,8 +43,7 @@ def _busybox() -> Path:
     for candidate in BUSYBOX_CANDIDATES:
         p = Path(candidate)
         if p.exists():
-            out = subprocess.run(["file", "-L", str(p)], capture_output=True, text=True).stdout
-            if "dynamically linked" not in out:
+            if subprocess.run(["ldd", str(p)], capture_output=True).returncode != 0:  # not dynamic
                 return p
     raise MissingTool("no static busybox found: apt-get install busybox-static")
 

@@ -4,11 +4,13 @@ as the container, and containers that ask for nothing are untouched."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
-from cgpud.daemon.model import GIB
-from tests.daemonproc import Daemon
+from cgpud.cli.client import LocalClient
+from cgpud.daemon.model import GIB, Owner, OwnerKind, Request
+from tests.daemonproc import Daemon, make_daemon
 from tests.e2e.oci import Host, create, run, runc
 
 BURN = "cgpu-burn --alloc-until-fail 512MiB"
@@ -115,3 +117,78 @@ def test_bad_requests_fail_the_start_and_leave_nothing(tmp_path, host: Host, cgp
     assert out.stderr.count("cgpu-runtime:") == 1
     assert b.read() == before
     assert instances(cgpud, all_=True) == []
+
+
+def test_the_21st_instance_on_a_gpu_is_refused(tmp_path, host: Host, cgpud: Daemon) -> None:
+    with LocalClient(cgpud.socket) as client:
+        for i in range(20):
+            client.create(Request(Owner(OwnerKind.PROCESS, f"holder-{i}"), 512 << 20), pid=os.getpid())
+    b = host.bundle(tmp_path / "b", ["true"], ("ALIYUN_COM_GPU_MEM_CONTAINER=1",))
+    out = run(host, b, host.new_id(), shim=True, relay=cgpud.relay)
+    assert out.returncode != 0
+    assert "max_instances_per_gpu" in out.stderr and "20 instances" in out.stderr, out.stderr
+    assert len(instances(cgpud)) == 20
+
+
+def test_33_percent_is_refused_on_a_core_mem_node(tmp_path, host: Host) -> None:
+    d = make_daemon(tmp_path, host.sim_env, "--mode", "core_mem")
+    d.start()
+    try:
+        b = host.bundle(tmp_path / "b", ["true"],
+                        ("ALIYUN_COM_GPU_MEM_CONTAINER=1", "ALIYUN_COM_GPU_CORE_PERCENTAGE=33"))
+        out = run(host, b, host.new_id(), shim=True, relay=d.relay)
+        assert out.returncode != 0
+        assert "asked for 33% compute: ask for 0 (no share) or a multiple of 5" in out.stderr, out.stderr
+        assert instances(d, all_=True) == []
+        # 30 % is fine, and the share reaches the container's env.
+        b = host.bundle(tmp_path / "ok", ["env"], ("ALIYUN_COM_GPU_MEM_CONTAINER=1", "ALIYUN_COM_GPU_CORE_PERCENTAGE=30"))
+        out = run(host, b, host.new_id(), shim=True, relay=d.relay)
+        assert out.returncode == 0, out.stderr
+        assert env_lines(out.stdout)["ALIYUN_COM_GPU_CORE_PERCENTAGE"] == "30"
+    finally:
+        d.stop()
+
+
+def test_share_mode_gives_env_but_no_library(tmp_path, host: Host) -> None:
+    d = make_daemon(tmp_path, host.sim_env, "--mode", "share")
+    d.start()
+    try:
+        b = host.bundle(tmp_path / "b", ["sh", "-c", f"env; ls /run /usr/local; {BURN}"],
+                        ("ALIYUN_COM_GPU_MEM_CONTAINER=2",))
+        out = run(host, b, host.new_id(), shim=True, relay=d.relay)
+        assert out.returncode == 0, out.stderr
+        assert env_lines(out.stdout)["ALIYUN_COM_GPU_MEM_CONTAINER"] == "2"
+        assert not [m for m in b.read()["mounts"] if m["destination"].startswith(("/run/cgpu", "/usr/local/cgpu"))]
+        # Not enforced: the application sees the whole GPU and divides by DEV itself.
+        assert burn_json(out.stdout)["mem_total_reported"] == 16 * GIB
+        assert instances(d) == []
+    finally:
+        d.stop()
+
+
+def test_kubernetes_mode_ignores_env_and_honours_the_device_plugin_channel(tmp_path, host: Host) -> None:
+    d = make_daemon(tmp_path, host.sim_env, "--orchestrator", "kubernetes")
+    d.start()
+    try:
+        # A pod spec's env is the pod author's: it asks for nothing here.
+        b = host.bundle(tmp_path / "env", ["sh", "-c", BURN], ("ALIYUN_COM_GPU_MEM_CONTAINER=2",))
+        out = run(host, b, host.new_id(), shim=True, relay=d.relay)
+        assert out.returncode == 0, out.stderr
+        assert burn_json(out.stdout)["mem_total_reported"] == 16 * GIB
+        assert instances(d, all_=True) == []
+        # The device plugin's answer: an instance reserved for the pod and
+        # its directory mounted at /run/cgpu, which a pod spec cannot name.
+        with LocalClient(d.socket) as client:
+            reserved = client.create(Request(Owner(OwnerKind.POD, "pod-uid-1"), 2 * GIB))
+        b = host.bundle(tmp_path / "claim", ["sh", "-c", BURN])
+        b.spec["mounts"].append({"destination": "/run/cgpu", "type": "bind",
+                                 "source": str(d.state / "instances" / reserved.id), "options": ["rbind", "ro"]})
+        b.write()
+        for _ in range(2):  # a restarted container gets the same instance back
+            out = run(host, b, host.new_id(), shim=True, relay=d.relay)
+            assert out.returncode == 0, out.stderr
+            assert burn_json(out.stdout)["alloc"]["until_fail_bytes"] == 2 * GIB
+            [inst] = instances(d)
+            assert inst["id"] == reserved.id and inst["state"] == "reserved"
+    finally:
+        d.stop()

@@ -1,0 +1,122 @@
+"""GPU containers through a real, throwaway containerd (own root, state and
+socket), with cgpu-runtime registered by `cgpuctl runtime configure`.
+
+`ctr run` is not a CRI client, so containerd's CRI runtime table does not
+apply to it; the test reads the BinaryName containerd itself loaded from
+the drop-in (`containerd config dump`) and hands it to ctr."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+import tomllib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from cgpud.daemon.model import GIB
+from cgpud.native import native_path
+from tests.daemonproc import BIN, Daemon
+from tests.e2e.oci import HOOK_ENV_PATH, Host, runtime_env
+from tests.e2e.test_runc import BURN, burn_json, env_lines, instances
+
+
+@dataclass
+class Containerd:
+    config: Path
+    address: Path
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def ctr(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["ctr", "--address", str(self.address), *args], capture_output=True, text=True,
+                              timeout=timeout)
+
+
+def _configure(tmp: Path) -> Path:
+    config = tmp / "config.toml"
+    config.write_text(f'version = 2\nroot = "{tmp}/root"\nstate = "{tmp}/state"\n\n'
+                      f'[grpc]\n  address = "{tmp}/containerd.sock"\n')
+    out = subprocess.run([str(BIN / "cgpuctl"), "runtime", "configure", "--containerd", "--config", str(config)],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return config
+
+
+def loaded_binary_name(config: Path) -> str:
+    dump = subprocess.run(["containerd", "--config", str(config), "config", "dump"], capture_output=True, text=True)
+    assert dump.returncode == 0, dump.stderr
+    cri = tomllib.loads(dump.stdout)["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["cgpu"]
+    assert cri["runtime_type"] == "io.containerd.runc.v2"
+    return cri["options"]["BinaryName"]
+
+
+@pytest.fixture
+def containerd(tmp_path: Path, cgpud: Daemon) -> Iterator[Containerd]:
+    if shutil.which("containerd") is None or shutil.which("ctr") is None:
+        raise AssertionError("install containerd (apt-get install containerd)")
+    tmp = tmp_path / "ctd"
+    tmp.mkdir()
+    config = _configure(tmp)
+    log = tmp / "containerd.log"
+    # containerd's environment reaches its shims and so cgpu-runtime.
+    env = runtime_env(cgpud.relay)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(["containerd", "--config", str(config)], env=env, stdout=out, stderr=out)
+    c = Containerd(config, tmp / "containerd.sock", proc, log)
+    deadline = time.monotonic() + 30
+    while c.ctr("version").returncode != 0:
+        if time.monotonic() > deadline or proc.poll() is not None:
+            raise AssertionError(f"containerd did not start:\n{log.read_text()[-3000:]}")
+        time.sleep(0.1)
+    yield c
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def ctr_run(c: Containerd, host: Host, tmp: Path, binary: str, env: tuple[str, ...], *cmd: str) -> subprocess.CompletedProcess[str]:
+    rootfs = tmp / f"rootfs-{host.new_id()}"
+    subprocess.run(["cp", "-al", str(host.template), str(rootfs)], check=True)
+    sim = host.sim_env
+    args = ["run", "--rm", "--runtime", "io.containerd.runc.v2", "--runc-binary", binary, "--rootfs",
+            "--mount", f"type=bind,src={host.sim_dir},dst={host.sim_dir},options=rbind:rw",
+            "--env", HOOK_ENV_PATH, "--env", f"CGPU_SIM_CONFIG={sim['CGPU_SIM_CONFIG']}", "--env", f"CGPU_SIM_STATE={sim['CGPU_SIM_STATE']}"]
+    for e in env:
+        args += ["--env", e]
+    return c.ctr(*args, str(rootfs), host.new_id(), *cmd)
+
+
+def test_runtime_configure_registers_the_shim_containerd_loads(containerd: Containerd) -> None:
+    assert loaded_binary_name(containerd.config) == str(native_path("bin/cgpu-runtime"))
+
+
+def test_2gib_container_through_containerd(tmp_path, host: Host, cgpud: Daemon, containerd: Containerd) -> None:
+    binary = loaded_binary_name(containerd.config)
+    out = ctr_run(containerd, host, tmp_path, binary, ("ALIYUN_COM_GPU_MEM_CONTAINER=2",), "sh", "-c", f"env; {BURN}")
+    assert out.returncode == 0, out.stderr + containerd.log.read_text()[-2000:]
+    burn = burn_json(out.stdout)
+    assert burn["mem_total_reported"] == 2 * GIB
+    assert burn["alloc"]["until_fail_bytes"] == 2 * GIB
+    assert burn["alloc"]["until_fail_result"] == "CUDA_ERROR_OUT_OF_MEMORY"
+    assert env_lines(out.stdout)["ALIYUN_COM_GPU_MEM_CONTAINER"] == "2"
+    assert instances(cgpud) == []
+    assert [i["state"] for i in instances(cgpud, all_=True)] == ["released"]
+
+
+def test_refusal_reaches_the_ctr_user(tmp_path, host: Host, cgpud: Daemon, containerd: Containerd) -> None:
+    binary = loaded_binary_name(containerd.config)
+    out = ctr_run(containerd, host, tmp_path, binary, ("ALIYUN_COM_GPU_MEM_CONTAINER=17",), "true")
+    assert out.returncode != 0
+    assert "asked for 17 GiB per GPU but the largest GPU on this node has 16 GiB" in out.stderr, out.stderr
+    assert instances(cgpud, all_=True) == []
+
+
+def test_non_gpu_container_through_containerd(tmp_path, host: Host, cgpud: Daemon, containerd: Containerd) -> None:
+    binary = loaded_binary_name(containerd.config)
+    out = ctr_run(containerd, host, tmp_path, binary, (), "echo", "plain")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "plain"
+    assert instances(cgpud, all_=True) == []
+
