@@ -27,7 +27,7 @@ from cgpud.api.cgpu.v1 import local_pb2 as pb
 from cgpud.api.cgpu.v1 import local_pb2_grpc as pb_grpc
 from cgpud.api.status import status_for
 from cgpud.daemon import model
-from cgpud.errors import CgpuError, UsageError
+from cgpud.errors import CgpuError, StateError, UsageError
 from cgpud.sockets import prepare_socket_directory, remove_stale_socket
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Local"].full_name  # "cgpu.v1.Local"
@@ -89,11 +89,18 @@ def _rpc(method: Handler[R]) -> Callable[[LocalServicer, Any, grpc.ServicerConte
     return handler
 
 
+# Renders the CDI spec of the daemon's device instances as JSON text.
+CdiSpecProvider = Callable[[], str]
+
+
 class LocalServicer(pb_grpc.LocalServicer):
     """cgpu.v1.Local over a LocalService: decode, call, encode."""
 
-    def __init__(self, service: LocalService) -> None:
+    def __init__(self, service: LocalService, cdi_spec: CdiSpecProvider | None = None) -> None:
         self._service = service
+        # A provider, not the service: the spec needs the runtime files the
+        # daemon installs for containers, which the API knows nothing of.
+        self._cdi_spec = cdi_spec
         self._log = structlog.get_logger("cgpud.api")
 
     def _instance(self, instance: model.Instance) -> pb.Instance:
@@ -137,6 +144,12 @@ class LocalServicer(pb_grpc.LocalServicer):
     def GetNodeInfo(self, request: pb.GetNodeInfoRequest) -> pb.NodeInfo:
         return convert.node_info_to_pb(self._service.node_info())
 
+    @_rpc
+    def GetCdiSpec(self, request: pb.GetCdiSpecRequest) -> pb.CdiSpec:
+        if self._cdi_spec is None:
+            raise StateError("this cgpud was started without container support: it has no CDI spec to give")
+        return pb.CdiSpec(json=self._cdi_spec())
+
 
 def serve(
     service: LocalService,
@@ -144,11 +157,13 @@ def serve(
     *,
     max_workers: int = 8,
     health_servicer: health.HealthServicer | None = None,
+    cdi_spec: CdiSpecProvider | None = None,
 ) -> grpc.Server:
     """Start serving on `unix:<socket_path>` and return the started server
     (stop it with `server.stop(grace)`). Pass `health_servicer` to keep a
     handle for flipping health to NOT_SERVING on shutdown
-    (`health_servicer.enter_graceful_shutdown()`).
+    (`health_servicer.enter_graceful_shutdown()`). `cdi_spec` answers
+    GetCdiSpec; without it that RPC is FAILED_PRECONDITION.
 
     Raises CgpuError when the path cannot be used: too long for a unix
     socket, a directory others can write to, a non-socket file in the way,
@@ -161,7 +176,7 @@ def serve(
     remove_stale_socket(path, log)
 
     server = grpc.server(ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="cgpud-api"))
-    pb_grpc.add_LocalServicer_to_server(LocalServicer(service), server)
+    pb_grpc.add_LocalServicer_to_server(LocalServicer(service, cdi_spec), server)
     health_servicer = health_servicer or health.HealthServicer()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

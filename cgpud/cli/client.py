@@ -96,6 +96,10 @@ class LocalClient:
     def node_info(self) -> model.NodeInfo:
         return convert.node_info_from_pb(self._call(self._stub.GetNodeInfo, pb.GetNodeInfoRequest()))
 
+    def cdi_spec(self) -> str:
+        """The CDI spec of the node's device instances, as JSON text."""
+        return self._call(self._stub.GetCdiSpec, pb.GetCdiSpecRequest()).json
+
     # ---- plumbing -----------------------------------------------------------------
 
     def _inspect(self, instance_id: str) -> pb.Instance:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
+import socket
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -88,6 +90,50 @@ def _run(args: argparse.Namespace) -> int:
     return run.run(_socket(args), parse_memory(args.mem), args.gpus, args.core, command)
 
 
+def _create(args: argparse.Namespace) -> int:
+    from cgpud.cli import inspect
+    from cgpud.cli.client import LocalClient
+    from cgpud.daemon.model import Owner, OwnerKind, Request
+    from cgpud.daemon.placement import parse_memory
+
+    # A random default name: each plain `create` is a new device. A given
+    # --name makes create idempotent (the same name gets the same instance).
+    name = args.name or f"cgpuctl-{socket.gethostname()}-{secrets.token_hex(3)}"
+    request = Request(Owner(OwnerKind.DEVICE, name), parse_memory(args.mem), args.gpus, args.core, args.weight,
+                      1 if args.high_priority else 0)
+    with LocalClient(_socket(args)) as client:
+        instance = client.create(request)
+    if args.output == "json":
+        print(json.dumps(inspect.as_json_instances([instance])[0], indent=2))
+    else:
+        print(instance.id)
+    return 0
+
+
+def _release(args: argparse.Namespace) -> int:
+    from cgpud.cli.client import LocalClient
+
+    with LocalClient(_socket(args)) as client:
+        instance = client.release(args.id)
+    print(f"released {instance.id}")
+    return 0
+
+
+def _cdi_generate(args: argparse.Namespace) -> int:
+    from cgpud.cli.client import LocalClient
+    from cgpud.hook import cdi
+
+    target = cdi.check_output(Path(args.output)) if args.output else None
+    with LocalClient(_socket(args)) as client:
+        text = client.cdi_spec()
+    if target is None:
+        sys.stdout.write(text)
+    else:
+        cdi.write_spec(text, target)
+        print(f"wrote {target}")
+    return 0
+
+
 def _policy(args: argparse.Namespace) -> int:
     from cgpud.cli.client import LocalClient
 
@@ -162,6 +208,38 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--gpus", type=int, default=1, help="number of GPUs (default 1)")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     run.set_defaults(handler=_run)
+
+    create = verbs.add_parser(
+        "create", help="reserve an instance to hand out as a device (CDI); it lives until released or reboot",
+        description="Example: cgpuctl create --mem 4GiB --name train-a. Prints the instance id; containers get it "
+                    "as the CDI device cgpu.io/gpu=<id> (see cgpuctl cdi generate).")
+    create.add_argument("--mem", required=True, help="memory per GPU: 4 (GiB, like aliyun.com/gpu-mem), 4GiB, 512MiB")
+    create.add_argument("--gpus", type=int, default=1, help="number of GPUs (default 1)")
+    create.add_argument("--core", type=int, default=0, help="compute share in percent (core_mem nodes)")
+    create.add_argument("--weight", type=int, default=1, help="scheduling weight (default 1)")
+    create.add_argument("--high-priority", action="store_true", help="schedule ahead of normal instances")
+    create.add_argument("--name", help="device name; the same name gets the same instance back "
+                                       "(default cgpuctl-<hostname>-<random>)")
+    create.add_argument("--output", choices=["text", "json"], default="text",
+                        help="text: the instance id; json: the instance")
+    create.set_defaults(handler=_create)
+
+    release = verbs.add_parser("release", help="release an instance (its GPU memory and compute share)")
+    release.add_argument("id", help="instance id, as cgpuctl create or cgpuctl list shows it")
+    release.set_defaults(handler=_release)
+
+    cdi = verbs.add_parser("cdi", help="Container Device Interface spec for reserved instances")
+    cdi_verbs = cdi.add_subparsers(dest="cdi_verb", metavar="ACTION", required=True)
+    generate = cdi_verbs.add_parser(
+        "generate",
+        help="print or write the CDI spec of the instances made by cgpuctl create",
+        description="Each instance reserved with cgpuctl create becomes the CDI device cgpu.io/gpu=<instance id>, "
+                    "e.g. podman run --device cgpu.io/gpu=cgpu-0123456789ab ... Runtimes read specs from /etc/cdi "
+                    "(static) and /var/run/cdi (dynamic): cgpuctl cdi generate --output /var/run/cdi/cgpu.json. "
+                    "Generate again after each create or release.")
+    generate.add_argument("--output", metavar="PATH",
+                          help="write the spec to this file (atomically, mode 0644) instead of printing it")
+    generate.set_defaults(handler=_cdi_generate)
 
     policy = verbs.add_parser("policy", help="show or change the compute policy")
     policy_verbs = policy.add_subparsers(dest="policy_verb", metavar="ACTION", required=True)

@@ -42,6 +42,7 @@ def run(config: settings.DaemonConfig) -> int:
     # Imported here: the API pulls in grpc, which --inventory does not need.
     from cgpud.api.server import serve
     from cgpud.daemon.notify import Notifier, start_watchdog
+    from cgpud.hook import cdi
     from cgpud.hook.lifecycle import ContainerLifecycle
     from cgpud.hook.relay import RelayServer
     from cgpud.hook.runtime_files import install_runtime_files
@@ -55,7 +56,7 @@ def run(config: settings.DaemonConfig) -> int:
     files = install_runtime_files(config.state_dir, config.relay_socket)
     trust_env = config.orchestrator is Orchestrator.STANDALONE
     relay = RelayServer(ContainerLifecycle(service, files, trust_env), config.relay_socket).start()
-    server = serve(service, config.socket)
+    server = serve(service, config.socket, cdi_spec=lambda: cdi.render(service, files))
     notifier = Notifier.from_env()
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -59,12 +59,16 @@ class OwnerKind(str, Enum):
     CONTAINER = "container"
     POD = "pod"
     PROCESS = "process"
+    # Reserved ahead of its container and handed out as a device (a CDI
+    # device; later the device plugin's): containers claim it in turn, and
+    # it lives until released (or the node reboots), not with any of them.
+    DEVICE = "device"
 
 
 @dataclass(frozen=True)
 class Owner:
     kind: OwnerKind
-    id: str  # container id, pod uid, or a label for a host process
+    id: str  # container id, pod uid, a label for a host process, or a device name
 
 
 @dataclass(frozen=True)

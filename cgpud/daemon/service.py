@@ -186,9 +186,15 @@ class InstanceService:
     def sweep(self) -> int:
         """Releases instances whose processes all exited (a container whose
         poststop never ran included) and container instances never bound."""
-        gone = [i for i in self._store.active() if self._owner_gone(i) or self._never_started(i)]
+        active = self._store.active()
+        gone = [i for i in active if self._owner_gone(i) or self._never_started(i)]
         for instance in gone:
             self.release(instance.id)
+        # A claimed instance whose container died without poststop goes back
+        # to reserved, or the next container of its pod could not bind it.
+        for instance in active:
+            if self._container_gone(instance):
+                self.unbind(instance.id)
         return len(gone)
 
     # ---- helpers ------------------------------------------------------------------------
@@ -205,11 +211,16 @@ class InstanceService:
         return existing
 
     def _owner_gone(self, instance: Instance) -> bool:
-        # Pod instances live until their pod goes (device plugin); host
-        # processes and containers while one of their bound PIDs runs.
-        if instance.owner.kind is OwnerKind.POD or not instance.pids:
+        # Pod instances live until their pod goes (device plugin), device
+        # instances until released; host processes and containers while one
+        # of their bound PIDs runs.
+        if instance.owner.kind in (OwnerKind.POD, OwnerKind.DEVICE) or not instance.pids:
             return False
         return not any(pid_alive(pid, instance.updated) for pid in instance.pids)
+
+    def _container_gone(self, instance: Instance) -> bool:
+        return (instance.owner.kind in (OwnerKind.POD, OwnerKind.DEVICE) and instance.state is InstanceState.BOUND
+                and bool(instance.pids) and not any(pid_alive(pid, instance.updated) for pid in instance.pids))
 
     def _never_started(self, instance: Instance) -> bool:
         # Prepared at create, but the runtime failed before the bind hook

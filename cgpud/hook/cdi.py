@@ -1,0 +1,107 @@
+"""CDI (Container Device Interface) spec for device-owned instances: each
+one a device `cgpu.io/gpu=<instance id>` whose containerEdits are exactly the
+edits the runtime shim writes into a bundle (edits.py), so a container gets
+the same view whichever path started it. The region mount in those edits is
+also the container's claim on the instance (request.py), and the hooks bind
+it at createRuntime and hand it back at poststop (lifecycle.py).
+
+Only fields the CDI spec defines are written: runtimes refuse a spec with an
+unknown field. Field names follow the CDI spec (SPEC.md, specs-go/config.go
+and schema/defs.json of cncf-tags/container-device-interface).
+
+Runtimes read specs from /etc/cdi (static) and /var/run/cdi (dynamic)."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from cgpud.daemon.model import OwnerKind
+from cgpud.errors import CgpuError, StateError, UsageError
+from cgpud.hook.edits import ContainerEdits, Mount, RuntimeFiles, instance_edits
+
+if TYPE_CHECKING:  # cgpuctl imports this module for write_spec; it needs no service
+    from cgpud.daemon.service import InstanceService
+
+# Loaders refuse a spec whose declared version is below what its fields
+# need (specs-go/version.go); ours need 0.4.0, for the mounts' `type`.
+CDI_VERSION = "0.6.0"
+KIND = "cgpu.io/gpu"
+SPEC_DIRS = ("/etc/cdi", "/var/run/cdi")
+NO_DEVICES = "no device instances to describe: reserve one with `cgpuctl create --mem SIZE` first"
+
+
+def _mount(m: Mount) -> dict[str, Any]:
+    return {"hostPath": m.source, "containerPath": m.destination, "type": "bind", "options": m.options}
+
+
+def device(edits: ContainerEdits) -> dict[str, Any]:
+    """One CDI device. Empty lists are left out: the CDI types mark them
+    omitempty, and a reader never has to tell [] from absent."""
+    container_edits: dict[str, Any] = {"env": [f"{k}={v}" for k, v in edits.env]}
+    if edits.mounts:
+        container_edits["mounts"] = [_mount(m) for m in edits.mounts]
+    if edits.hooks:
+        container_edits["hooks"] = [
+            {"hookName": h.stage, "path": h.path, "args": list(h.args), "env": list(h.env), "timeout": h.timeout}
+            for h in edits.hooks
+        ]
+    return {"name": edits.instance_id, "containerEdits": container_edits}
+
+
+def cdi_spec(devices: Sequence[ContainerEdits]) -> dict[str, Any]:
+    """The CDI spec for these instances, in the order given. Raises
+    StateError for none: a spec without devices is invalid ("invalid spec,
+    no devices"), so runtimes would refuse the file, and with it the kind."""
+    if not devices:
+        raise StateError(NO_DEVICES)
+    return {"cdiVersion": CDI_VERSION, "kind": KIND, "devices": [device(e) for e in devices]}
+
+
+def device_instance_edits(service: InstanceService, files: RuntimeFiles) -> list[ContainerEdits]:
+    """The edits of every active device-owned instance, oldest first."""
+    gpu_memory = {g.index: g.memory for g in service.gpus()}
+    return [instance_edits(i, service.region_dir(i.id), gpu_memory, files)
+            for i in service.list() if i.owner.kind is OwnerKind.DEVICE]
+
+
+def render(service: InstanceService, files: RuntimeFiles) -> str:
+    """The daemon's current CDI spec as JSON text (GetCdiSpec)."""
+    return json.dumps(cdi_spec(device_instance_edits(service, files)), indent=2) + "\n"
+
+
+def check_output(path: Path) -> Path:
+    """Where `cgpuctl cdi generate --output` may write, checked before the
+    daemon is asked so a typo costs nothing."""
+    parent = path.parent
+    if not parent.is_dir():
+        raise UsageError(f"cannot write {path}: directory {parent} does not exist "
+                         f"(runtimes read {' and '.join(SPEC_DIRS)}; create it first)")
+    if path.is_dir():
+        raise UsageError(f"cannot write {path}: it is a directory; give a file name such as {path / 'cgpu.json'}")
+    return path
+
+
+def write_spec(text: str, path: Path) -> None:
+    """Write atomically: runtimes may load the directory at any moment and
+    must see the old spec or the new one, never half of one. The temporary
+    name ends in .tmp, which runtimes skip (they read *.json and *.yaml)."""
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        raise CgpuError(f"cannot write {path}: {e.strerror or e}") from e
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            os.fchmod(f.fileno(), 0o644)
+            os.fsync(f.fileno())
+        os.rename(tmp, path)
+    except OSError as e:
+        os.unlink(tmp)
+        raise CgpuError(f"cannot write {path}: {e.strerror or e}") from e
+    except BaseException:
+        os.unlink(tmp)
+        raise
