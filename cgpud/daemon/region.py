@@ -15,7 +15,6 @@ from __future__ import annotations
 import mmap
 import os
 import stat
-import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from types import TracebackType
 from typing import Any
 
 from cgpud._region import ffi, lib
+from cgpud.atomicfile import fsync_dir, write_atomic
 from cgpud.errors import CgpuError
 
 LIMITS_FILE: str = ffi.string(lib.CGPU_LIMITS_FILE).decode()
@@ -198,32 +198,6 @@ def _read_file(path: Path) -> bytes:
         return f.read()
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, data: bytes, mode: int) -> None:
-    """Readers see the old file or the new one, never a partial write."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), mode)  # explicit: the umask must not narrow it
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-
-
 def _usage_problem(path: Path) -> str | None:
     """Why the existing usage file cannot be kept, or None if it can."""
     try:
@@ -247,11 +221,11 @@ def write_region(directory: Path, limits: InstanceLimits) -> None:
         if not directory.is_dir():
             directory.mkdir(mode=DIR_MODE, parents=True)
             os.chmod(directory, DIR_MODE)  # mkdir's mode is narrowed by the umask
-        _write_atomic(directory / LIMITS_FILE, _encode_limits(limits), LIMITS_MODE)
+        write_atomic(directory / LIMITS_FILE, _encode_limits(limits), LIMITS_MODE, sync_dir=False)
         usage = directory / USAGE_FILE
         if _usage_problem(usage) is not None:
-            _write_atomic(usage, _new_usage(), USAGE_MODE)
-        _fsync_dir(directory)
+            write_atomic(usage, _new_usage(), USAGE_MODE, sync_dir=False)
+        fsync_dir(directory)  # once, after both files
     except OSError as e:
         raise RegionError(f"cannot write the region of instance {limits.instance_id} in {directory}: {e}") from e
 

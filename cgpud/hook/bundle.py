@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 import os
 import stat
-import tempfile
-from pathlib import Path
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
+from cgpud.atomicfile import write_atomic
 from cgpud.errors import UsageError
 
 MAX_SPEC = 8 << 20  # the shim reads at most this much too
@@ -105,13 +105,4 @@ def _check_target(root_fd: int, target: str) -> None:
 def write_spec(bundle: Path, spec: dict[str, Any]) -> None:
     path = spec_path(bundle)
     mode = stat.S_IMODE(os.lstat(path).st_mode)
-    fd, tmp = tempfile.mkstemp(prefix=".config.json.cgpu-", dir=bundle)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(spec, f)
-            f.flush()
-            os.fchmod(f.fileno(), mode)
-        os.rename(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    write_atomic(path, json.dumps(spec).encode(), mode, durable=False)

@@ -13,12 +13,11 @@ Runtimes read specs from /etc/cdi (static) and /var/run/cdi (dynamic)."""
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cgpud.atomicfile import write_atomic
 from cgpud.daemon.model import OwnerKind
 from cgpud.errors import CgpuError, StateError, UsageError
 from cgpud.hook.edits import ContainerEdits, Mount, RuntimeFiles, instance_edits
@@ -90,18 +89,6 @@ def write_spec(text: str, path: Path) -> None:
     must see the old spec or the new one, never half of one. The temporary
     name ends in .tmp, which runtimes skip (they read *.json and *.yaml)."""
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        write_atomic(path, text.encode(), 0o644, suffix=".tmp")
     except OSError as e:
         raise CgpuError(f"cannot write {path}: {e.strerror or e}") from e
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            os.fchmod(f.fileno(), 0o644)
-            os.fsync(f.fileno())
-        os.rename(tmp, path)
-    except OSError as e:
-        os.unlink(tmp)
-        raise CgpuError(f"cannot write {path}: {e.strerror or e}") from e
-    except BaseException:
-        os.unlink(tmp)
-        raise

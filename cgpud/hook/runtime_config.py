@@ -29,13 +29,13 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 import tomllib
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from cgpud.atomicfile import write_atomic
 from cgpud.errors import CgpuError, UsageError
 
 RUNC_V2 = "io.containerd.runc.v2"
@@ -608,41 +608,14 @@ def apply(changes: Sequence[FileChange]) -> list[str]:
             if st and change.backup:
                 backup = target.with_name(target.name + BACKUP_SUFFIX)
                 if not backup.exists():
-                    _write_atomic(backup, change.old or "", mode, owner)
+                    write_atomic(backup, (change.old or "").encode(), mode, owner=owner, suffix=".tmp")
                     note = f" (original kept as {backup})"
-            _write_atomic(target, change.new, mode, owner)
+            write_atomic(target, change.new.encode(), mode, owner=owner, suffix=".tmp")
         except OSError as e:
             hint = " (run as root)" if e.errno in (errno.EPERM, errno.EACCES) else ""
             raise CgpuError(f"cannot write {e.filename or target}: {e.strerror}{hint}") from None
         done.append(f"{'updated' if change.old is not None else 'created'} {change.path}{note}")
     return done
-
-
-def _write_atomic(path: Path, text: str, mode: int, owner: tuple[int, int] | None) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(text.encode("utf-8"))
-            f.flush()
-            os.fchmod(f.fileno(), mode)
-            if owner is not None:
-                try:
-                    os.fchown(f.fileno(), *owner)
-                except PermissionError:
-                    pass  # not root: the file stays ours, which is all we can do
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
 
 
 def configure(

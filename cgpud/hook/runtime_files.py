@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import os
 import stat
-import tempfile
 from pathlib import Path
 
+from cgpud.atomicfile import write_atomic
 from cgpud.errors import CgpuError
 from cgpud.hook.edits import CONTAINER_LIBRARY, RuntimeFiles
 from cgpud.native import native_path
@@ -35,16 +35,7 @@ def _install(data: bytes, path: Path, mode: int) -> None:
             return
     except OSError:
         pass
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            os.fchmod(f.fileno(), mode)
-            os.fsync(f.fileno())
-        os.rename(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    write_atomic(path, data, mode)
 
 
 def install_runtime_files(state_dir: Path, relay_socket: Path) -> RuntimeFiles:

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from cgpud import atomicfile
 from cgpud.daemon.model import (
     GIB,
     GpuCapacity,
@@ -236,7 +237,7 @@ def test_a_failed_write_is_one_clear_error_and_leaves_nothing(tmp_path, monkeypa
     def refuse(src: str, dst: str) -> None:
         raise OSError(30, "Read-only file system")
 
-    monkeypatch.setattr(cdi.os, "rename", refuse)
+    monkeypatch.setattr(atomicfile.os, "replace", refuse)
     with pytest.raises(CgpuError, match=f"cannot write {tmp_path}/cgpu.json: Read-only file system$"):
         cdi.write_spec("{}", tmp_path / "cgpu.json")
     assert list(tmp_path.iterdir()) == []
