@@ -22,7 +22,7 @@ from types import TracebackType
 from typing import Any
 
 from cgpud._region import ffi, lib
-from cgpud.atomicfile import fsync_dir, write_atomic
+from cgpud.atomicfile import write_atomic
 from cgpud.errors import CgpuError
 
 LIMITS_FILE: str = ffi.string(lib.CGPU_LIMITS_FILE).decode()
@@ -221,11 +221,12 @@ def write_region(directory: Path, limits: InstanceLimits) -> None:
         if not directory.is_dir():
             directory.mkdir(mode=DIR_MODE, parents=True)
             os.chmod(directory, DIR_MODE)  # mkdir's mode is narrowed by the umask
-        write_atomic(directory / LIMITS_FILE, _encode_limits(limits), LIMITS_MODE, sync_dir=False)
+        # Not durable: after a crash reconcile rebuilds a region from SQLite,
+        # and a power loss ends every instance of that boot anyway.
+        write_atomic(directory / LIMITS_FILE, _encode_limits(limits), LIMITS_MODE, durable=False)
         usage = directory / USAGE_FILE
         if _usage_problem(usage) is not None:
-            write_atomic(usage, _new_usage(), USAGE_MODE, sync_dir=False)
-        fsync_dir(directory)  # once, after both files
+            write_atomic(usage, _new_usage(), USAGE_MODE, durable=False)
     except OSError as e:
         raise RegionError(f"cannot write the region of instance {limits.instance_id} in {directory}: {e}") from e
 

@@ -2,9 +2,13 @@
 one SQLite file (by default `<state_dir>/cgpud.db`).
 
 Crash safety (ARCHITECTURE rule 4): every change is one SQLite transaction
-taken with BEGIN IMMEDIATE and committed in WAL mode with synchronous=FULL, so
-a commit that returned survives `kill -9` of the daemon and a power loss, and
-a transaction that did not commit leaves no trace. An instance and its grants
+taken with BEGIN IMMEDIATE and committed in WAL mode, so a commit that
+returned survives `kill -9` of the daemon, and a transaction that did not
+commit leaves no trace. Instance changes commit with synchronous=NORMAL: a
+power loss may forget the last of them, but it also reboots the host, and
+reconcile releases every instance of an earlier boot, so forgetting changes
+nothing while sparing an fsync on every container start and stop. Node
+settings outlive reboots and commit with synchronous=FULL. An instance and its grants
 are written in the same transaction, so no reader ever sees one without the
 other.
 
@@ -410,7 +414,7 @@ class Store:
                 )
             # FULL: the WAL is fsynced at every commit, so a commit survives
             # power loss (NORMAL could lose the last ones).
-            conn.execute("PRAGMA synchronous=FULL")
+            conn.execute("PRAGMA synchronous=NORMAL")
             conn.execute("PRAGMA foreign_keys=ON")
             conn.execute(f"PRAGMA busy_timeout={int(BUSY_TIMEOUT * 1000)}")
         except BaseException:
@@ -560,8 +564,14 @@ class Store:
             return tx.set_state(instance_id, new_state, pids=pids, owner_id=owner_id, expect=expect)
 
     def set_setting(self, key: str, value: str) -> None:
-        with self.transaction() as tx:
-            tx.set_setting(key, value)
+        with self._lock:
+            conn = self._connection()
+            conn.execute("PRAGMA synchronous=FULL")
+            try:
+                with self.transaction() as tx:
+                    tx.set_setting(key, value)
+            finally:
+                conn.execute("PRAGMA synchronous=NORMAL")
 
     def purge_released(self, older_than: float) -> int:
         with self.transaction() as tx:

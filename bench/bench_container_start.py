@@ -1,0 +1,343 @@
+"""Container start latency with cgpu-runtime and cgpu-hook against plain runc.
+
+Times `runc create` + `runc start` + the wait for the container's exit +
+`runc delete` of a busybox container that runs `true`, four ways, round-robin
+within each round in one run:
+
+  runc    / non-GPU   plain runc, a bundle that asks for no GPU
+  shim    / non-GPU   the same bundle, every command through cgpu-runtime
+  runc    / GPU 2 GiB the bundle with ALIYUN_COM_GPU_MEM_CONTAINER=2, plain runc
+                      (the request is there but nobody acts on it)
+  shim    / GPU 2 GiB that bundle through cgpu-runtime: cgpud prepares it
+                      (instance created, config.json rewritten), the
+                      createRuntime hook binds, the poststop hook releases
+
+A real cgpud (its own state dir and sockets, on one simulated 16 GiB GPU)
+serves the shim. Prints the median and p90 of each variant, the median added
+by the shim for each bundle against the targets (<= 1 ms non-GPU, <= 5 ms
+GPU) and the ratio, then checks that cgpud has no active instance left.
+
+It is a report: the exit status is 0 whether or not a target is met, 1 when
+it could not measure (setup error, a failed runc command, an instance left
+behind), 2 on a bad argument. Needs root, runc and busybox-static.
+
+Run from the repository root:
+    /tmp/v/bin/python bench/bench_container_start.py [--rounds 100] [--warmup 2] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from cgpud.native import native_dir, native_path  # noqa: E402
+from tests.conftest import write_sim_config  # noqa: E402
+from tests.daemonproc import Daemon, make_daemon  # noqa: E402
+from tests.e2e.oci import (  # noqa: E402
+    Bundle,
+    Host,
+    MissingTool,
+    build_rootfs,
+    default_spec,
+    require_tools,
+    runtime_env,
+)
+
+GPU_REQUEST = "ALIYUN_COM_GPU_MEM_CONTAINER=2"
+RUN_TIMEOUT_S = 60
+PR_SET_CHILD_SUBREAPER = 36
+QUICK_ROUNDS = 5
+DAEMON_SWEEP_INTERVAL = "2"  # cgpud's default (the e2e tests use 0.2 s)
+
+# (key, label, shim, gpu)
+VARIANTS = (
+    ("runc-plain", "runc, non-GPU", False, False),
+    ("shim-plain", "shim, non-GPU", True, False),
+    ("runc-gpu", "runc, GPU 2 GiB (env only)", False, True),
+    ("shim-gpu", "shim, GPU 2 GiB", True, True),
+)
+# (label, baseline key, measured key, target ms added at the median) -- from the issue.
+TARGETS = (
+    ("non-GPU container", "runc-plain", "shim-plain", 1.0),
+    ("GPU container (2 GiB)", "runc-gpu", "shim-gpu", 5.0),
+)
+
+
+class BenchError(Exception):
+    """The benchmark could not run; the message says what failed."""
+
+
+@dataclass
+class Variant:
+    key: str
+    label: str
+    shim: bool
+    gpu: bool
+    bundle: Bundle
+    config: bytes  # config.json as written, restored before each start
+    env: dict[str, str]
+    argv0: str
+    ms: list[float] = field(default_factory=list)
+
+    def median(self) -> float:
+        return statistics.median(self.ms)
+
+    def p90(self) -> float:
+        ordered = sorted(self.ms)
+        return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+
+    def spread(self) -> float:
+        if len(self.ms) < 2:
+            return 0.0
+        q1, _, q3 = statistics.quantiles(self.ms, n=4, method="inclusive")
+        return q3 - q1
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=100, help="timed starts per variant, interleaved (100)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed rounds first (2)")
+    p.add_argument("--quick", action="store_true", help=f"a smoke run: {QUICK_ROUNDS} rounds, 1 warm-up round")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rounds, args.warmup = QUICK_ROUNDS, 1
+    if args.rounds < 1 or args.warmup < 0:
+        p.error("--rounds must be at least 1 and --warmup at least 0")
+    return args
+
+
+def become_subreaper() -> None:
+    """The container's init outlives `runc create`; as its subreaper this
+    process waits for it directly, as containerd's shim does, instead of
+    polling `runc state` (a runc exec of several ms per poll)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        raise BenchError(f"prctl(PR_SET_CHILD_SUBREAPER): {os.strerror(ctypes.get_errno())}")
+
+
+def reap_strays(cgpud: Daemon) -> None:
+    """Reaps orphans other than the container init that ended up with us
+    (a subreaper gets them all), but never cgpud: its exit is an error."""
+    while True:
+        try:
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return
+        if info is None:
+            return
+        if cgpud.proc is not None and info.si_pid == cgpud.proc.pid:
+            raise BenchError(f"cgpud exited during the run (status {info.si_status})")
+        os.waitpid(info.si_pid, 0)
+
+
+def runtime(v: Variant, runc_root: Path, *args: str, log: Path) -> None:
+    cmd = [v.argv0, "--root", str(runc_root), *args]
+    with open(log, "ab") as out:
+        try:
+            proc = subprocess.run(cmd, env=v.env, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                  timeout=RUN_TIMEOUT_S, check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise BenchError(f"{v.label}: {shlex.join(cmd)}: {exc}") from exc
+    if proc.returncode != 0:
+        tail = log.read_text(errors="replace").strip().splitlines()[-5:]
+        raise BenchError(f"{v.label}: {shlex.join(cmd)} exited {proc.returncode}\n  " + "\n  ".join(tail))
+
+
+def start_once(v: Variant, runc_root: Path, cid: str, work: Path, cgpud: Daemon) -> float:
+    """One create+start+exit+delete; returns wall ms. The container's stdio
+    goes to a file: runc create hands it to the container, which outlives
+    the create, so a pipe would never reach EOF."""
+    (v.bundle.path / "config.json").write_bytes(v.config)  # prepare rewrote it last time
+    log = work / f"{v.key}.log"
+    log.write_bytes(b"")
+    pid_file = work / f"{v.key}.pid"
+    pid_file.unlink(missing_ok=True)
+    t0 = time.perf_counter()
+    try:
+        runtime(v, runc_root, "create", "--bundle", str(v.bundle.path), "--pid-file", str(pid_file), cid, log=log)
+        pid = int(pid_file.read_text())
+        runtime(v, runc_root, "start", cid, log=log)
+        _, status = os.waitpid(pid, 0)
+        runtime(v, runc_root, "delete", cid, log=log)
+    except BaseException:
+        # Leave no container behind (through the same runtime, so a GPU
+        # container's poststop hook still releases its instance).
+        subprocess.run([v.argv0, "--root", str(runc_root), "delete", "--force", cid], env=v.env,
+                       stdin=subprocess.DEVNULL, capture_output=True, timeout=RUN_TIMEOUT_S, check=False)
+        raise
+    ms = (time.perf_counter() - t0) * 1e3
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise BenchError(f"{v.label}: container {cid} (`true`) exited with status {status:#x}")
+    if (not v.gpu or not v.shim) and (v.bundle.path / "config.json").read_bytes() != v.config:
+        raise BenchError(f"{v.label}: config.json was rewritten for a container that asked for nothing")
+    reap_strays(cgpud)
+    return ms
+
+
+def start_daemon(cgpud: Daemon, log: Path) -> None:
+    """Daemon.start, but cgpud's log goes to a file: it writes a few lines
+    per GPU start, and a pipe nobody reads would fill and stall it."""
+    with open(log, "wb") as err:
+        cgpud.proc = subprocess.Popen([str(Path(sys.executable).parent / "cgpud"), *cgpud.args], env=cgpud.env,
+                                      stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        cgpud.wait_for(b"READY=1")
+    except (AssertionError, AttributeError) as exc:  # AttributeError: wait_for reads a stderr pipe we did not make
+        cgpud.proc.kill()
+        cgpud.proc.wait()
+        tail = log.read_text(errors="replace").strip().splitlines()[-5:]
+        raise BenchError(f"cgpud did not start: {exc}\n  " + "\n  ".join(tail)) from exc
+
+
+def instances(cgpud: Daemon, *extra: str) -> list[dict]:
+    out = cgpud.cgpuctl("list", *extra, "--output", "json")
+    if out.returncode != 0:
+        raise BenchError(f"cgpuctl list {' '.join(extra)} failed: {out.stderr.strip()}")
+    return json.loads(out.stdout)
+
+
+def median_ci(values: list[float]) -> tuple[float, float]:
+    """Distribution-free ~95% interval of a median: order statistics at
+    n/2 -+ 0.98 sqrt(n) (the normal approximation of the sign test)."""
+    ordered = sorted(values)
+    n = len(ordered)
+    half = 0.98 * n ** 0.5
+    lo = max(0, int(n / 2 - half))
+    hi = min(n - 1, int(n / 2 + half + 0.999))
+    return ordered[lo], ordered[hi]
+
+
+def report(variants: dict[str, Variant], args: argparse.Namespace) -> None:
+    head = ("variant", "median ms", "p90 ms", "IQR ms")
+    rows = [(v.label, f"{v.median():.2f}", f"{v.p90():.2f}", f"{v.spread():.2f}") for v in variants.values()]
+    widths = [max(len(row[i]) for row in (head, *rows)) for i in range(len(head))]
+    line = lambda row: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))  # noqa: E731
+    print()
+    print(f"Wall ms per create+start+wait+delete of `true`; {args.rounds} interleaved rounds after "
+          f"{args.warmup} warm-up round(s)")
+    print(line(head))
+    print(line(tuple("-" * w for w in widths)))
+    for row in rows:
+        print(line(row))
+
+    print("\nEach round (ms):")
+    for v in variants.values():
+        print(f"  {v.key:<10} {' '.join(f'{x:.1f}' for x in v.ms)}")
+
+    print("\nTargets (added at the median = shim median - plain runc median, same bundle; paired = the "
+          "median of the per-round differences, with its ~95% interval):")
+    for text, base, measured, limit in TARGETS:
+        b, m = variants[base], variants[measured]
+        added = m.median() - b.median()
+        verdict = "PASS" if added <= limit else "FAIL"
+        paired = [y - x for x, y in zip(b.ms, m.ms)]
+        lo, hi = median_ci(paired)
+        noise = ""
+        if lo <= limit < hi:
+            noise = "  [not decided: the interval straddles the target; more --rounds or a quieter machine]"
+        print(f"  {verdict:<5} {text}: {added:+.2f} ms, ratio {m.median() / b.median():.3f}x "
+              f"(target <= {limit:g} ms); paired {statistics.median(paired):+.2f} ms "
+              f"[{lo:+.2f}, {hi:+.2f}]{noise}")
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    try:
+        require_tools()
+    except MissingTool as exc:
+        raise BenchError(str(exc)) from exc
+    shim = native_path("bin/cgpu-runtime")
+    for part in (shim, native_path("bin/cgpu-hook"), native_path("lib/libcgpu.so")):
+        if not part.exists():
+            raise BenchError(f"{part} is missing: run `pip install -e .` in {ROOT}")
+    runc = shutil.which("runc")
+    assert runc  # require_tools checked
+    become_subreaper()
+
+    print("command:", shlex.join([sys.executable, *sys.argv]), f"(cwd {Path.cwd()})")
+    with tempfile.TemporaryDirectory(prefix="cgpu-bench-start-") as tmp:
+        work = Path(tmp)
+        gpu = work / "gpu"
+        gpu.mkdir()
+        sim_env = dict(os.environ, LD_LIBRARY_PATH=str(native_dir() / "sim"),
+                       CGPU_SIM_CONFIG=str(write_sim_config(gpu / "sim.conf", gpus=1)),
+                       CGPU_SIM_STATE=str(gpu / "sim.state"))
+        host = Host(build_rootfs(work / "rootfs"), gpu, sim_env, work / "runc", default_spec())
+        daemon_dir = work / "cgpud"
+        daemon_dir.mkdir()
+        cgpud = make_daemon(daemon_dir, sim_env, "--sweep-interval", DAEMON_SWEEP_INTERVAL)
+        start_daemon(cgpud, work / "cgpud.log")
+        try:
+            variants: dict[str, Variant] = {}
+            for key, label, via_shim, wants_gpu in VARIANTS:
+                # One bundle per variant, so a GPU start never sees another's
+                # leftovers; the two of a kind have the same config.json bytes.
+                env = (GPU_REQUEST,) if wants_gpu else ()
+                bundle = host.bundle(work / "bundles" / key, ["true"], env, gpu_device=wants_gpu)
+                variants[key] = Variant(key, label, via_shim, wants_gpu, bundle,
+                                        (bundle.path / "config.json").read_bytes(),
+                                        runtime_env(cgpud.relay, dict(os.environ)) if via_shim else dict(os.environ),
+                                        str(shim) if via_shim else runc)
+            version = subprocess.run([runc, "--version"], capture_output=True, text=True, check=False).stdout
+            print(f"runtime: runc {version.split()[2] if len(version.split()) > 2 else '?'} ({runc}); shim {shim} with CGPU_REAL_RUNTIME={runc} CGPU_RELAY_SOCKET={cgpud.relay}")
+            print(f"timed:   RUNTIME --root {host.runc_root} create --bundle B --pid-file F ID; "
+                  f"RUNTIME --root {host.runc_root} start ID; waitpid(init); RUNTIME --root {host.runc_root} delete ID")
+            print(f"bundles: busybox `true`, non-GPU: no toolkit mounts; GPU: the simulated device directory "
+                  f"bind-mounted (the toolkit's part) and {GPU_REQUEST}")
+            print(f"cgpud:   {Path(sys.executable).parent / 'cgpud'} on a simulated 1 x 16 GiB GPU, --sweep-interval {DAEMON_SWEEP_INTERVAL}, "
+                  f"state in {cgpud.state}")
+            print(f"host:    {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start", flush=True)
+
+            order = list(variants.values())
+            for r in range(-args.warmup, args.rounds):
+                # Rotate the starting variant so none always runs first.
+                k = r % len(order)
+                for v in order[k:] + order[:k]:
+                    ms = start_once(v, host.runc_root, f"bench-{os.getpid()}-{v.key}-{r + args.warmup}", work, cgpud)
+                    if r >= 0:
+                        v.ms.append(ms)
+                if r >= 0 and (r + 1) % 25 == 0:
+                    print(f"  round {r + 1}/{args.rounds}: "
+                          + ", ".join(f"{v.key} {v.median():.1f}" for v in order) + " ms (medians so far)",
+                          flush=True)
+            print(f"host:    load average {os.getloadavg()[0]:.2f} at end")
+
+            left = instances(cgpud)
+            if left:
+                raise BenchError(f"cgpud still has {len(left)} active instance(s) after the run: "
+                                 + ", ".join(f"{i.get('id')} ({i.get('state')})" for i in left))
+            gpu_starts = args.rounds + args.warmup
+            released = [i for i in instances(cgpud, "--all") if i.get("state") == "released"]
+            print(f"cgpud:   no active instance left; {len(released)} released "
+                  f"(expected {gpu_starts}, one per GPU start through the shim)")
+            if len(released) != gpu_starts:
+                raise BenchError(f"expected {gpu_starts} released instances, cgpud lists {len(released)}")
+        finally:
+            try:
+                cgpud.stop()
+            except AssertionError as exc:
+                tail = (work / "cgpud.log").read_text(errors="replace").strip().splitlines()[-5:]
+                raise BenchError(f"cgpud did not stop cleanly: {exc}\n  " + "\n  ".join(tail)) from exc
+        report(variants, args)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except BenchError as exc:
+        print(f"bench_container_start: error: {exc}", file=sys.stderr)
+        sys.exit(1)
