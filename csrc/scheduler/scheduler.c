@@ -1,10 +1,270 @@
+/* The decisions of the time-slice scheduler. Two kinds of account per tenant:
+ *
+ * - budget_ns, for the reserving policies (fair, fixed): what the tenant may
+ *   still use in the current period. Refilled at each period boundary; what is
+ *   left is lost (a reservation is "exactly this much, never more"; see
+ *   refill() for the one exception), what was overdrawn is carried as debt, so
+ *   an overrunning kernel is paid back.
+ * - lag_ns, for ordering and for the work-conserving policies (preemptive,
+ *   weighted, soft): device time owed to the tenant. Each charge hands the used
+ *   time out to the tenants that wanted the GPU in proportion to their weights
+ *   and takes it from the one that used it (the same bookkeeping as
+ *   weighted fair queueing, kept in nanoseconds of service rather than virtual
+ *   time so weights and the set of tenants can change without rescaling).
+ *   Only tenants with work accrue, so idle share is lent without creating debt.
+ *
+ * Lags and debts are clamped to one period: enough to pay back any kernel
+ * shorter than a period, small enough that a history (a kernel longer than
+ * that, a high-priority burst) cannot starve a tenant for more than a period. */
 #include "scheduler.h"
 
+#include <errno.h>
 #include <stdlib.h>
+#include <string.h>
+
+_Static_assert(CGPU_SCHED_ENOENT == -ENOENT, "status codes are errno values");
+_Static_assert(CGPU_SCHED_ENODEV == -ENODEV, "status codes are errno values");
+_Static_assert(CGPU_SCHED_EINVAL == -EINVAL, "status codes are errno values");
+_Static_assert(CGPU_SCHED_ENOSPC == -ENOSPC, "status codes are errno values");
+_Static_assert(CGPU_SCHED_EDQUOT == -EDQUOT, "status codes are errno values");
+
+/* Charges above this are clamped: far beyond any lag bound, and small enough
+ * that charge * weight cannot overflow int64. */
+#define MAX_CHARGE_NS ((uint64_t)1 << 40)
+/* Shares are weights of share * SHARE_SCALE so that a memory-only tenant's part
+ * of the unreserved remainder stays a nonzero integer. */
+#define SHARE_SCALE 32u
+/* More skipped periods than this refill like this many: enough to clear any
+ * debt, small enough that k * quota cannot overflow. */
+#define MAX_REFILL_PERIODS ((uint64_t)1 << 20)
+
+struct tenant {
+    uint64_t key;
+    unsigned share;
+    unsigned weight;
+    int high;
+    int demand;
+    uint64_t charged;
+    int64_t lag;
+    int64_t budget;
+    int64_t quota;
+    uint64_t last_pick; /* decision sequence number; breaks ties round-robin */
+};
+
+struct gpu {
+    int policy;
+    uint64_t period;
+    uint64_t max_slice;
+    unsigned hp_percent;
+
+    int period_valid;
+    uint64_t period_start;
+    uint64_t seq;
+
+    unsigned n;
+    unsigned reserved;     /* sum of shares */
+    unsigned memory_only;  /* tenants with share 0 */
+    struct tenant t[CGPU_SCHED_MAX_TENANTS];
+
+    int64_t pool_budget; /* fixed: the unreserved remainder, for memory-only tenants */
+    int64_t pool_quota;
+    int64_t hp_budget;   /* high-priority precedence left in this period */
+    int64_t hp_quota;
+};
 
 struct cgpu_sched {
     unsigned gpu_count;
+    struct gpu g[CGPU_SCHED_MAX_GPUS];
 };
+
+static int64_t clamp64(int64_t v, int64_t lo, int64_t hi)
+{
+    return v < lo ? lo : v > hi ? hi : v;
+}
+
+static uint64_t min_u64(uint64_t a, uint64_t b)
+{
+    return a < b ? a : b;
+}
+
+static int reserving(const struct gpu *g)
+{
+    return g->policy == CGPU_SCHED_FAIR || g->policy == CGPU_SCHED_FIXED;
+}
+
+static int64_t bound(const struct gpu *g)
+{
+    return (int64_t)g->period;
+}
+
+static uint64_t weight_of(const struct gpu *g, const struct tenant *t)
+{
+    switch (g->policy) {
+    case CGPU_SCHED_WEIGHTED:
+        return t->weight;
+    case CGPU_SCHED_FIXED:
+    case CGPU_SCHED_SOFT:
+        if (t->share)
+            return (uint64_t)t->share * SHARE_SCALE;
+        /* Memory-only tenants split the unreserved remainder. With nothing
+         * unreserved they get a token weight rather than zero: the charge
+         * arithmetic divides by the sum, and they still run when the
+         * reserving tenants leave the GPU idle. */
+        {
+            uint64_t w = (uint64_t)(100u - g->reserved) * SHARE_SCALE / g->memory_only;
+            return w ? w : 1;
+        }
+    default:
+        return 1;
+    }
+}
+
+static int64_t quota_of(const struct gpu *g, const struct tenant *t)
+{
+    if (g->policy == CGPU_SCHED_FAIR)
+        return (int64_t)(g->period / g->n);
+    if (g->policy == CGPU_SCHED_FIXED)
+        return (int64_t)(g->period * t->share / 100u);
+    return 0;
+}
+
+/* A quota change takes effect in the current period, but never turns time
+ * already used under the old quota into debt. */
+static int64_t requota(int64_t budget, int64_t old_quota, int64_t new_quota)
+{
+    if (new_quota == old_quota)
+        return budget; /* keeps a carried leftover, which may exceed the quota */
+    int64_t floor = budget < 0 ? budget : 0;
+    int64_t b = budget + (new_quota - old_quota);
+    if (b > new_quota)
+        b = new_quota;
+    return b < floor ? floor : b;
+}
+
+static void update_quotas(struct gpu *g)
+{
+    for (unsigned i = 0; i < g->n; i++) {
+        struct tenant *t = &g->t[i];
+        int64_t q = quota_of(g, t);
+        if (g->period_valid)
+            t->budget = requota(t->budget, t->quota, q);
+        t->quota = q;
+    }
+    int64_t pool = g->policy == CGPU_SCHED_FIXED ? (int64_t)(g->period * (100u - g->reserved) / 100u) : 0;
+    int64_t hp = (int64_t)(g->period * g->hp_percent / 100u);
+    if (g->period_valid) {
+        g->pool_budget = requota(g->pool_budget, g->pool_quota, pool);
+        g->hp_budget = requota(g->hp_budget, g->hp_quota, hp);
+    }
+    g->pool_quota = pool;
+    g->hp_quota = hp;
+}
+
+/* Debt is carried and k periods pay k quotas of it. Leftover is lost, except
+ * that a tenant still waiting with work at the boundary keeps up to a slice of
+ * it: it was shut out by other tenants' overruns filling the period, and
+ * dropping its turn would hand their overrun to it. Only one boundary's worth
+ * carries, so no tenant can bank share. */
+static int64_t refill(int64_t budget, int64_t quota, uint64_t k, int64_t carry)
+{
+    if (budget > 0) {
+        int64_t kept = k == 1 ? (budget < carry ? budget : carry) : 0;
+        return kept + quota;
+    }
+    int64_t b = budget + (int64_t)min_u64(k, MAX_REFILL_PERIODS) * quota;
+    return b > quota ? quota : b;
+}
+
+static void refill_all(struct gpu *g, uint64_t k)
+{
+    int64_t slice = (int64_t)g->max_slice;
+    int memory_only_waiting = 0;
+    for (unsigned i = 0; i < g->n; i++) {
+        struct tenant *t = &g->t[i];
+        t->budget = refill(t->budget, t->quota, k, t->demand ? slice : 0);
+        memory_only_waiting |= t->demand && t->share == 0;
+    }
+    g->pool_budget = refill(g->pool_budget, g->pool_quota, k, memory_only_waiting ? slice : 0);
+    /* Precedence is not a reservation: none of it carries. */
+    g->hp_budget = refill(g->hp_budget, g->hp_quota, k, 0);
+}
+
+static void advance_period(struct gpu *g, uint64_t now)
+{
+    /* The first decision starts the first period; a clock that went backwards
+     * (a caller bug) restarts it rather than stalling until it catches up. */
+    if (!g->period_valid || now < g->period_start) {
+        g->period_valid = 1;
+        g->period_start = now;
+        refill_all(g, 1);
+        return;
+    }
+    uint64_t k = (now - g->period_start) / g->period;
+    if (k) {
+        g->period_start += k * g->period; /* k * period <= now - period_start */
+        refill_all(g, k);
+    }
+}
+
+static void reset_accounts(struct gpu *g)
+{
+    g->period_valid = 0;
+    g->period_start = 0;
+    for (unsigned i = 0; i < g->n; i++) {
+        g->t[i].lag = 0;
+        g->t[i].budget = 0;
+    }
+    g->pool_budget = 0;
+    g->hp_budget = 0;
+    update_quotas(g);
+}
+
+static void gpu_init(struct gpu *g)
+{
+    memset(g, 0, sizeof(*g));
+    g->policy = CGPU_SCHED_NATIVE;
+    g->period = CGPU_SCHED_DEFAULT_PERIOD_NS;
+    g->max_slice = CGPU_SCHED_DEFAULT_SLICE_NS;
+}
+
+static struct gpu *gpu_at(struct cgpu_sched *s, unsigned gpu, int *rc)
+{
+    if (!s) {
+        *rc = CGPU_SCHED_EINVAL;
+        return NULL;
+    }
+    if (gpu >= s->gpu_count) {
+        *rc = CGPU_SCHED_ENODEV;
+        return NULL;
+    }
+    return &s->g[gpu];
+}
+
+static int find(const struct gpu *g, uint64_t key)
+{
+    for (unsigned i = 0; i < g->n; i++)
+        if (g->t[i].key == key)
+            return (int)i;
+    return -1;
+}
+
+static struct tenant *tenant_at(struct cgpu_sched *s, unsigned gpu, uint64_t key, struct gpu **gp, int *rc)
+{
+    struct gpu *g = gpu_at(s, gpu, rc);
+    if (!g)
+        return NULL;
+    if (key == 0) {
+        *rc = CGPU_SCHED_EINVAL;
+        return NULL;
+    }
+    int i = find(g, key);
+    if (i < 0) {
+        *rc = CGPU_SCHED_ENOENT;
+        return NULL;
+    }
+    *gp = g;
+    return &g->t[i];
+}
 
 int cgpu_sched_abi_version(void)
 {
@@ -13,11 +273,14 @@ int cgpu_sched_abi_version(void)
 
 struct cgpu_sched *cgpu_sched_create(unsigned gpu_count)
 {
-    if (gpu_count == 0)
+    if (gpu_count == 0 || gpu_count > CGPU_SCHED_MAX_GPUS)
         return NULL;
     struct cgpu_sched *s = calloc(1, sizeof(*s));
-    if (s)
-        s->gpu_count = gpu_count;
+    if (!s)
+        return NULL;
+    s->gpu_count = gpu_count;
+    for (unsigned i = 0; i < gpu_count; i++)
+        gpu_init(&s->g[i]);
     return s;
 }
 
@@ -29,4 +292,266 @@ unsigned cgpu_sched_gpu_count(const struct cgpu_sched *s)
 void cgpu_sched_destroy(struct cgpu_sched *s)
 {
     free(s);
+}
+
+int cgpu_sched_configure(struct cgpu_sched *s, unsigned gpu, int policy, uint64_t period_ns,
+                         uint64_t max_slice_ns, unsigned high_prio_percent)
+{
+    int rc = 0;
+    struct gpu *g = gpu_at(s, gpu, &rc);
+    if (!g)
+        return rc;
+    if (policy < CGPU_SCHED_FAIR || policy > CGPU_SCHED_NATIVE)
+        return CGPU_SCHED_EINVAL;
+    if (period_ns < CGPU_SCHED_MIN_PERIOD_NS || period_ns > CGPU_SCHED_MAX_PERIOD_NS)
+        return CGPU_SCHED_EINVAL;
+    if (max_slice_ns < CGPU_SCHED_MIN_SLICE_NS || max_slice_ns > period_ns)
+        return CGPU_SCHED_EINVAL;
+    if (policy == CGPU_SCHED_SOFT && max_slice_ns > CGPU_SCHED_SOFT_MAX_SLICE_NS)
+        return CGPU_SCHED_EINVAL;
+    if (high_prio_percent > 100)
+        return CGPU_SCHED_EINVAL;
+    g->policy = policy;
+    g->period = period_ns;
+    g->max_slice = max_slice_ns;
+    g->hp_percent = high_prio_percent;
+    reset_accounts(g);
+    return CGPU_SCHED_OK;
+}
+
+int cgpu_sched_config_get(const struct cgpu_sched *s, unsigned gpu, struct cgpu_sched_config *out)
+{
+    int rc = 0;
+    const struct gpu *g = gpu_at((struct cgpu_sched *)s, gpu, &rc);
+    if (!g)
+        return rc;
+    if (!out)
+        return CGPU_SCHED_EINVAL;
+    out->policy = g->policy;
+    out->period_ns = g->period;
+    out->max_slice_ns = g->max_slice;
+    out->high_prio_percent = g->hp_percent;
+    return CGPU_SCHED_OK;
+}
+
+int cgpu_sched_tenant_set(struct cgpu_sched *s, unsigned gpu, uint64_t key, unsigned share_percent,
+                          unsigned weight, int high_priority)
+{
+    int rc = 0;
+    struct gpu *g = gpu_at(s, gpu, &rc);
+    if (!g)
+        return rc;
+    if (key == 0 || share_percent > 100 || weight < 1 || weight > 100)
+        return CGPU_SCHED_EINVAL;
+    int i = find(g, key);
+    unsigned old_share = i >= 0 ? g->t[i].share : 0;
+    if (g->reserved - old_share + share_percent > 100)
+        return CGPU_SCHED_EDQUOT;
+    if (i < 0) {
+        if (g->n == CGPU_SCHED_MAX_TENANTS)
+            return CGPU_SCHED_ENOSPC;
+        i = (int)g->n++;
+        memset(&g->t[i], 0, sizeof(g->t[i]));
+        g->t[i].key = key;
+        /* A newcomer starts level with the others: no credit, no debt. Its
+         * budget is filled when the quotas are recomputed below. */
+    } else if (old_share == 0) {
+        g->memory_only--;
+    }
+    struct tenant *t = &g->t[i];
+    g->reserved = g->reserved - old_share + share_percent;
+    if (share_percent == 0)
+        g->memory_only++;
+    t->share = share_percent;
+    t->weight = weight;
+    t->high = high_priority != 0;
+    update_quotas(g);
+    return CGPU_SCHED_OK;
+}
+
+int cgpu_sched_tenant_remove(struct cgpu_sched *s, unsigned gpu, uint64_t key)
+{
+    int rc = 0;
+    struct gpu *g = NULL;
+    struct tenant *t = tenant_at(s, gpu, key, &g, &rc);
+    if (!t)
+        return rc;
+    unsigned i = (unsigned)(t - g->t);
+    g->reserved -= t->share;
+    if (t->share == 0)
+        g->memory_only--;
+    /* Keep the order: ties are broken by it, and decisions stay reproducible. */
+    memmove(&g->t[i], &g->t[i + 1], (g->n - i - 1) * sizeof(g->t[0]));
+    g->n--;
+    update_quotas(g);
+    return CGPU_SCHED_OK;
+}
+
+int cgpu_sched_tenant_count(const struct cgpu_sched *s, unsigned gpu)
+{
+    int rc = 0;
+    const struct gpu *g = gpu_at((struct cgpu_sched *)s, gpu, &rc);
+    return g ? (int)g->n : rc;
+}
+
+int cgpu_sched_tenant_get(const struct cgpu_sched *s, unsigned gpu, uint64_t key,
+                          struct cgpu_sched_tenant_info *out)
+{
+    int rc = 0;
+    struct gpu *g = NULL;
+    const struct tenant *t = tenant_at((struct cgpu_sched *)s, gpu, key, &g, &rc);
+    if (!t)
+        return rc;
+    if (!out)
+        return CGPU_SCHED_EINVAL;
+    out->key = t->key;
+    out->share_percent = t->share;
+    out->weight = t->weight;
+    out->high_priority = t->high;
+    out->has_work = t->demand;
+    out->charged_ns = t->charged;
+    out->lag_ns = t->lag;
+    out->budget_ns = t->budget;
+    return CGPU_SCHED_OK;
+}
+
+int cgpu_sched_demand(struct cgpu_sched *s, unsigned gpu, uint64_t key, int has_work)
+{
+    int rc = 0;
+    struct gpu *g = NULL;
+    struct tenant *t = tenant_at(s, gpu, key, &g, &rc);
+    if (!t)
+        return rc;
+    /* Credit earned while waiting is not kept across an idle spell: a tenant
+     * that comes back starts level (soft reclaims promptly, but cannot bank
+     * share by idling). Debt is kept, or idling would launder an overrun. */
+    if (!has_work && t->lag > 0)
+        t->lag = 0;
+    t->demand = has_work != 0;
+    return CGPU_SCHED_OK;
+}
+
+/* Can the tenant be given a slice now? Reserving policies also need budget. */
+static int eligible(const struct gpu *g, const struct tenant *t)
+{
+    if (!t->demand)
+        return 0;
+    if (g->policy == CGPU_SCHED_FAIR)
+        return t->budget > 0;
+    if (g->policy == CGPU_SCHED_FIXED)
+        return t->share ? t->budget > 0 : g->pool_budget > 0;
+    return 1;
+}
+
+int cgpu_sched_charge(struct cgpu_sched *s, unsigned gpu, uint64_t key, uint64_t busy_ns)
+{
+    int rc = 0;
+    struct gpu *g = NULL;
+    struct tenant *t = tenant_at(s, gpu, key, &g, &rc);
+    if (!t)
+        return rc;
+    uint64_t b = min_u64(busy_ns, MAX_CHARGE_NS);
+    t->charged = t->charged > UINT64_MAX - busy_ns ? UINT64_MAX : t->charged + busy_ns;
+    if (g->policy == CGPU_SCHED_NATIVE)
+        return CGPU_SCHED_OK;
+
+    /* The time goes to those that wanted the GPU while it was used: tenants
+     * with work (and, under a reservation, budget to use) plus the user. */
+    unsigned char part[CGPU_SCHED_MAX_TENANTS];
+    uint64_t total = 0;
+    for (unsigned i = 0; i < g->n; i++) {
+        part[i] = &g->t[i] == t || eligible(g, &g->t[i]);
+        if (part[i])
+            total += weight_of(g, &g->t[i]);
+    }
+    const int64_t lim = bound(g);
+    for (unsigned i = 0; i < g->n; i++) {
+        if (!part[i])
+            continue;
+        struct tenant *u = &g->t[i];
+        /* b <= 2^40, weight <= 3200 and total >= weight: no overflow. */
+        int64_t lag = u->lag + (int64_t)(b * weight_of(g, u) / total);
+        if (u == t)
+            lag -= (int64_t)b;
+        u->lag = clamp64(lag, -lim, lim);
+    }
+
+    if (g->policy == CGPU_SCHED_FIXED && t->share == 0)
+        g->pool_budget = clamp64(g->pool_budget - (int64_t)b, -lim, lim);
+    else if (reserving(g))
+        t->budget = clamp64(t->budget - (int64_t)b, -lim, lim);
+    if (t->high)
+        g->hp_budget = clamp64(g->hp_budget - (int64_t)b, -lim, lim);
+    return CGPU_SCHED_OK;
+}
+
+/* The most owed eligible tenant; among equals the one served longest ago. */
+static struct tenant *pick(struct gpu *g, int high_only)
+{
+    struct tenant *best = NULL;
+    for (unsigned i = 0; i < g->n; i++) {
+        struct tenant *t = &g->t[i];
+        if ((high_only && !t->high) || !eligible(g, t))
+            continue;
+        if (!best || t->lag > best->lag || (t->lag == best->lag && t->last_pick < best->last_pick))
+            best = t;
+    }
+    return best;
+}
+
+int cgpu_sched_next(struct cgpu_sched *s, unsigned gpu, uint64_t now_ns, struct cgpu_sched_decision *out)
+{
+    int rc = 0;
+    struct gpu *g = gpu_at(s, gpu, &rc);
+    if (!g)
+        return rc;
+    if (!out)
+        return CGPU_SCHED_EINVAL;
+    if (g->policy == CGPU_SCHED_NATIVE) {
+        out->key = 0;
+        out->slice_ns = 0;
+        return CGPU_SCHED_UNGATED;
+    }
+    advance_period(g, now_ns);
+    /* now_ns - period_start < period, so this is >= 1. */
+    uint64_t to_period_end = g->period - (now_ns - g->period_start);
+
+    /* High-priority tenants go first while this period's precedence lasts. */
+    int hp_phase = g->hp_budget > 0;
+    struct tenant *t = hp_phase ? pick(g, 1) : NULL;
+    if (!t) {
+        hp_phase = 0;
+        t = pick(g, 0);
+    }
+    if (!t) {
+        /* Nobody may run until the next refill (or until someone reports
+         * work, when the caller asks again). */
+        out->key = 0;
+        out->slice_ns = to_period_end;
+        return CGPU_SCHED_OK;
+    }
+
+    uint64_t slice = g->max_slice;
+    if (reserving(g)) {
+        /* Budgets are per period: a slice ends with the period, so a
+         * reservation is honoured in every period, not just on average. */
+        slice = min_u64(slice, to_period_end);
+        int64_t left = (g->policy == CGPU_SCHED_FIXED && t->share == 0) ? g->pool_budget : t->budget;
+        slice = min_u64(slice, (uint64_t)left);
+    }
+    if (hp_phase) {
+        slice = min_u64(slice, (uint64_t)g->hp_budget);
+    } else if (g->hp_quota > 0) {
+        /* A high-priority tenant that is waiting for the refill gets the GPU
+         * as the period turns, not a slice later. */
+        for (unsigned i = 0; i < g->n; i++)
+            if (g->t[i].high && g->t[i].demand) {
+                slice = min_u64(slice, to_period_end);
+                break;
+            }
+    }
+    t->last_pick = ++g->seq;
+    out->key = t->key;
+    out->slice_ns = slice;
+    return CGPU_SCHED_OK;
 }

@@ -48,7 +48,7 @@ def test_pip_install_builds_everything_and_the_demo_runs(clean_copy, tmp_path):
     for part in ("sim/libcuda.so.1", "sim/libnvidia-ml.so.1", "bin/cgpu-burn", "bin/cgpu-sim-stat",
                  "bin/cgpu-runtime", "bin/cgpu-hook"):
         assert (native / part).is_file(), part
-    _run([str(venv / "bin" / "python"), "-c", "import cgpud._scheduler as s; assert s.lib.cgpu_sched_abi_version() == 1"],
+    _run([str(venv / "bin" / "python"), "-c", "import cgpud._scheduler as s; assert s.lib.cgpu_sched_abi_version() == 2"],
          cwd=tmp_path)
 
     # README command one, in the fresh copy, reusing this venv (dev installs editable over it).

@@ -1,0 +1,668 @@
+"""The scheduling core's decisions, policy by policy, through the cffi binding.
+
+A small discrete-event GPU lives in this file: tenants with demand patterns and
+kernel durations; the holder of each decision runs kernels back to back until
+its slice ends (the last kernel may overrun) and is charged what it really
+used. Shares are measured from that simulated device time, never from what the
+scheduler says about itself. Run with -s to print the accuracy table."""
+from __future__ import annotations
+
+import itertools
+import math
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from cgpud._scheduler import ffi, lib
+
+ROOT = Path(__file__).resolve().parents[2]
+
+US = 1_000
+MS = 1_000_000
+S = 1_000_000_000
+BIN = MS  # resolution of the busy-time record
+
+FAIR, PREEMPTIVE, WEIGHTED, FIXED, SOFT, NATIVE = range(6)
+NAMES = ("fair", "preemptive", "weighted", "fixed", "soft", "native")
+MIX = (20 * US, 200 * US, 2 * MS)
+
+
+# ------------------------------------------------------------ the simulated GPU
+
+
+@dataclass
+class Tenant:
+    key: int
+    share: int = 0
+    weight: int = 1
+    high: bool = False
+    kernel: int | tuple[int, ...] = 200 * US
+    # Intervals [start, end) with work waiting; None: always.
+    work: list[tuple[int, int]] | None = None
+    _cycle: itertools.cycle | None = field(default=None, repr=False)
+
+    def has_work(self, now: int) -> bool:
+        return self.work is None or any(a <= now < b for a, b in self.work)
+
+    def work_end(self, now: int) -> float:
+        if self.work is None:
+            return math.inf
+        return next(b for a, b in self.work if a <= now < b)
+
+    def changes_after(self, now: int) -> float:
+        if self.work is None:
+            return math.inf
+        return min((x for a, b in self.work for x in (a, b) if x > now), default=math.inf)
+
+    def run(self, now: int, slice_ns: int) -> int:
+        """Kernels back to back from now while the slice lasts and work is
+        waiting; the last one may overrun the slice."""
+        end = self.work_end(now)
+        if isinstance(self.kernel, int):
+            k = self.kernel
+            n = min(-(-slice_ns // k), math.ceil((end - now) / k) if end != math.inf else 1 << 62)
+            return n * k
+        if self._cycle is None:
+            self._cycle = itertools.cycle(self.kernel)
+        used = 0
+        while used < slice_ns and now + used < end:
+            used += next(self._cycle)
+        return used
+
+
+class Sim:
+    def __init__(self, policy: int, period: int = 100 * MS, max_slice: int = 5 * MS, high_prio: int = 0):
+        self.s = ffi.gc(lib.cgpu_sched_create(1), lib.cgpu_sched_destroy)
+        assert lib.cgpu_sched_configure(self.s, 0, policy, period, max_slice, high_prio) == 0
+        self.tenants: dict[int, Tenant] = {}
+        self.demand: dict[int, bool] = {}
+        self.busy: dict[int, list[int]] = {}
+        self.trace: list[tuple[int, int, int]] = []  # (start, key, used); key 0 = idle
+        self.events: list[tuple[int, object]] = []
+        self.now = 0
+        self._prefix: dict[int, tuple[int, list[int]]] = {}
+
+    def add(self, t: Tenant) -> Tenant:
+        assert lib.cgpu_sched_tenant_set(self.s, 0, t.key, t.share, t.weight, int(t.high)) == 0
+        self.tenants[t.key] = t
+        return t
+
+    def set_share(self, key: int, share: int) -> None:
+        t = self.tenants[key]
+        t.share = share
+        assert lib.cgpu_sched_tenant_set(self.s, 0, key, share, t.weight, int(t.high)) == 0
+
+    def set_weight(self, key: int, weight: int) -> None:
+        t = self.tenants[key]
+        t.weight = weight
+        assert lib.cgpu_sched_tenant_set(self.s, 0, key, t.share, weight, int(t.high)) == 0
+
+    def at(self, when: int, action) -> None:
+        self.events.append((when, action))
+        self.events.sort(key=lambda e: e[0])
+
+    def _record(self, key: int, start: int, used: int) -> None:
+        bins = self.busy.setdefault(key, [])
+        end = start + used
+        while start < end:
+            i = start // BIN
+            upto = min(end, (i + 1) * BIN)
+            if len(bins) <= i:
+                bins.extend([0] * (i + 1 - len(bins)))
+            bins[i] += upto - start
+            start = upto
+
+    def run(self, seconds: float) -> Sim:
+        end = self.now + int(seconds * S)
+        d = ffi.new("struct cgpu_sched_decision *")
+        while self.now < end:
+            while self.events and self.events[0][0] <= self.now:
+                self.events.pop(0)[1]()
+            for key, t in self.tenants.items():
+                w = t.has_work(self.now)
+                if self.demand.get(key) != w:
+                    assert lib.cgpu_sched_demand(self.s, 0, key, int(w)) == 0
+                    self.demand[key] = w
+            assert lib.cgpu_sched_next(self.s, 0, self.now, d) == 0
+            assert d.slice_ns > 0
+            if d.key == 0:
+                # Idle until the decision expires or something changes (new
+                # work, an event), when the caller asks again.
+                wake = min(
+                    [self.now + d.slice_ns, end]
+                    + [t.changes_after(self.now) for t in self.tenants.values()]
+                    + [e[0] for e in self.events[:1]]
+                )
+                self.trace.append((self.now, 0, int(wake) - self.now))
+                self.now = int(wake)
+                continue
+            t = self.tenants[d.key]
+            assert t.has_work(self.now), "a tenant without work was given the GPU"
+            used = t.run(self.now, d.slice_ns)
+            self.trace.append((self.now, t.key, used))
+            self._record(t.key, self.now, used)
+            assert lib.cgpu_sched_charge(self.s, 0, t.key, used) == 0
+            self.now += used
+        return self
+
+    # -- measurements, in percent of wall time
+
+    def share(self, key: int, t0: float = 0, t1: float | None = None) -> float:
+        a = round(t0 * S / BIN)
+        b = self.now // BIN if t1 is None else round(t1 * S / BIN)
+        if self._prefix.get(key, (None,))[0] != self.now:
+            self._prefix[key] = (self.now, [0, *itertools.accumulate(self.busy.get(key, []))])
+        prefix = self._prefix[key][1]
+        at = lambda i: prefix[min(i, len(prefix) - 1)]  # noqa: E731
+        return 100.0 * (at(b) - at(a)) / ((b - a) * BIN)
+
+    def util(self, t0: float = 0, t1: float | None = None) -> float:
+        return sum(self.share(k, t0, t1) for k in self.tenants)
+
+    def windows(self, key: int, t0: float, t1: float, width: float, step: float = 0.1) -> list[float]:
+        n = round((t1 - t0 - width) / step) + 1
+        return [self.share(key, t0 + i * step, t0 + i * step + width) for i in range(n)]
+
+
+TABLE: list[tuple[str, str, float, float, float, float]] = []
+
+
+def report(scenario: str, sim: Sim, expected: dict[int, float], seconds: float, t0: float = 0) -> None:
+    """Checks nothing; records requested vs achieved for the table. Many
+    tenants with one share are summarised by the worst of them."""
+    width = min(1.0, seconds - t0)
+    rows = []
+    for key, want in expected.items():
+        got = sim.share(key, t0, seconds)
+        worst = max(abs(w - want) for w in sim.windows(key, t0, seconds, width, 0.01))
+        rows.append((f"t{key}", want, got, worst))
+    if len(rows) > 4 and len({r[1] for r in rows}) == 1:
+        _, want, got, _ = max(rows, key=lambda r: abs(r[2] - r[1]))
+        rows = [(f"worst/{len(rows)}", want, got, max(r[3] for r in rows))]
+    for name, want, got, worst in rows:
+        TABLE.append((scenario, name, want, got, worst, sim.util(t0, seconds)))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def print_table():
+    yield
+    if TABLE:
+        print("\n\n(share and util in % of wall time; window: worst |err| over the 1 s windows starting"
+              " every 10 ms, or over the one shorter window for spans under 1 s)")
+        print(f"{'scenario':<42} tenant  requested  achieved  |err|  worst-window  util")
+        for scen, tenant, want, got, worst, util in TABLE:
+            err = abs(got - want)
+            print(f"{scen:<42} {tenant:>6} {want:>9.1f} {got:>9.2f} {err:>6.2f} {worst:>13.2f} {util:>5.1f}")
+
+
+def saturating(shares: list[int], kernel, **kw) -> list[Tenant]:
+    return [Tenant(i + 1, share=s, kernel=kernel, **kw) for i, s in enumerate(shares)]
+
+
+def kernel_name(k) -> str:
+    return "mix" if isinstance(k, tuple) else f"{k // US}us"
+
+
+# ------------------------------------------------------------ fixed
+
+
+@pytest.mark.parametrize("kernel", [20 * US, 200 * US, 2 * MS, MIX], ids=kernel_name)
+@pytest.mark.parametrize("split", [(10, 90), (30, 70), (25,) * 4, (5,) * 20], ids=("10/90", "30/70", "4x25", "20x5"))
+def test_fixed_splits_are_accurate_over_10s_and_every_1s_window(split, kernel):
+    sim = Sim(FIXED)
+    for t in saturating(list(split), kernel):
+        sim.add(t)
+    sim.run(10)
+    report(f"fixed {'/'.join(map(str, split[:4]))}{'..' if len(split) > 4 else ''} {kernel_name(kernel)}", sim,
+           {t.key: t.share for t in sim.tenants.values()}, 10)
+    for t in sim.tenants.values():
+        assert abs(sim.share(t.key) - t.share) <= 2, (t.key, sim.share(t.key))
+        assert all(abs(w - t.share) <= 5 for w in sim.windows(t.key, 0, 10, 1.0, 0.01)), t.key
+
+
+@pytest.mark.parametrize("kernel", [20 * US, 2 * MS, MIX], ids=kernel_name)
+def test_fixed_tenant_alone_gets_its_share_and_the_gpu_idles_otherwise(kernel):
+    sim = Sim(FIXED)
+    sim.add(Tenant(1, share=30, kernel=kernel))
+    sim.run(10)
+    report(f"fixed 30 alone {kernel_name(kernel)}", sim, {1: 30}, 10)
+    assert abs(sim.share(1) - 30) <= 2
+    assert all(abs(w - 30) <= 5 for w in sim.windows(1, 0, 10, 1.0, 0.01))
+    assert abs(sim.util() - 30) <= 2
+    # Never more, in any period, than its share plus the kernel that overran it.
+    longest = kernel if isinstance(kernel, int) else max(kernel)
+    assert max(sim.windows(1, 0, 10, 0.1, 0.1)) <= 30 + 100 * longest / (100 * MS) + 1e-9
+
+
+def test_fixed_reservation_of_an_idle_tenant_is_not_lent():
+    sim = Sim(FIXED)
+    sim.add(Tenant(1, share=10))
+    sim.add(Tenant(2, share=90, work=[]))
+    sim.run(5)
+    report("fixed 10 busy + 90 idle", sim, {1: 10, 2: 0}, 5)
+    assert abs(sim.share(1) - 10) <= 2 and sim.share(2) == 0
+
+
+def test_fixed_memory_only_tenants_share_the_unreserved_remainder():
+    sim = Sim(FIXED)
+    sim.add(Tenant(1, share=30))
+    sim.add(Tenant(2, share=0))
+    sim.add(Tenant(3, share=0, work=[(0, 2 * S)]))
+    sim.run(4)
+    report("fixed 30 + 2 memory-only, 0-2s", sim, {1: 30, 2: 35, 3: 35}, 2)
+    report("fixed 30 + 1 memory-only, 2-4s", sim, {1: 30, 2: 70, 3: 0}, 4, t0=2)
+    assert abs(sim.share(1, 0, 4) - 30) <= 2
+    assert abs(sim.share(2, 0, 2) - 35) <= 2 and abs(sim.share(3, 0, 2) - 35) <= 2
+    assert abs(sim.share(2, 2, 4) - 70) <= 2
+
+
+def test_fixed_memory_only_tenant_gets_nothing_when_everything_is_reserved():
+    sim = Sim(FIXED)
+    sim.add(Tenant(1, share=60))
+    sim.add(Tenant(2, share=40, work=[]))
+    sim.add(Tenant(3, share=0))
+    sim.run(2)
+    assert abs(sim.share(1) - 60) <= 2 and sim.share(3) == 0
+
+
+# ------------------------------------------------------------ fair
+
+
+def test_fair_gives_every_tenant_an_equal_slot_reserved_even_when_idle():
+    sim = Sim(FAIR)
+    sim.add(Tenant(1))
+    sim.add(Tenant(2, work=[]))
+    sim.add(Tenant(3, share=0, work=[(0, 1 * S)]))
+    sim.run(3)
+    report("fair 3 tenants, 2 busy 0-1s", sim, {1: 100 / 3, 3: 100 / 3}, 1)
+    report("fair 3 tenants, 1 busy 1-3s", sim, {1: 100 / 3}, 3, t0=1)
+    assert abs(sim.share(1, 0, 1) - 100 / 3) <= 2 and abs(sim.share(3, 0, 1) - 100 / 3) <= 2
+    assert abs(sim.share(1, 1, 3) - 100 / 3) <= 2
+    assert abs(sim.util(1, 3) - 100 / 3) <= 2, "the idle tenants' slots were given away"
+
+
+def test_fair_all_busy_splits_equally():
+    sim = Sim(FAIR)
+    for k in range(1, 5):
+        sim.add(Tenant(k, kernel=MIX))
+    sim.run(3)
+    for k in range(1, 5):
+        assert abs(sim.share(k) - 25) <= 2
+    assert sim.util() >= 95
+
+
+# ------------------------------------------------------------ preemptive and weighted
+
+
+def test_preemptive_is_work_conserving_and_equal_among_tenants_with_work():
+    sim = Sim(PREEMPTIVE)
+    sim.add(Tenant(1, share=50, kernel=2 * MS))
+    sim.add(Tenant(2, share=10))
+    # Work half the time: 50 ms on, 50 ms off.
+    sim.add(Tenant(3, work=[(a, a + 50 * MS) for a in range(0, 4 * S, 100 * MS)]))
+    sim.add(Tenant(4, work=[(2 * S, 4 * S)]))  # arrives late
+    sim.run(4)
+    report("preemptive 2 busy + half-time, 0-2s", sim, {1: 100 * 5 / 12, 2: 100 * 5 / 12, 3: 100 / 6}, 2)
+    third = 100 * 7 / 24  # 1/3 while tenant 3 idles, 1/4 while it has work
+    report("preemptive + late arrival, 2-4s", sim, {1: third, 2: third, 3: 12.5, 4: third}, 4, t0=2)
+    assert sim.util() >= 99
+    # Shares ignore share_percent: equal whenever both have work.
+    assert abs(sim.share(1, 0, 2) - sim.share(2, 0, 2)) <= 2
+    assert abs(sim.share(3, 0, 2) - 100 / 6) <= 2  # a third of its half
+    for k in (1, 2, 4):
+        assert abs(sim.share(k, 2.2, 4) - 100 * 7 / 24) <= 2, k
+
+
+@pytest.mark.parametrize("kernel", [20 * US, 2 * MS, MIX], ids=kernel_name)
+def test_weighted_shares_follow_weights_and_waste_nothing(kernel):
+    sim = Sim(WEIGHTED)
+    for k, w in ((1, 1), (2, 2), (3, 3)):
+        sim.add(Tenant(k, weight=w, kernel=kernel))
+    sim.add(Tenant(4, weight=4, work=[(2 * S, 3 * S)]))
+    sim.run(3)
+    report(f"weighted 1:2:3 {kernel_name(kernel)}", sim, {1: 100 / 6, 2: 100 / 3, 3: 50}, 2)
+    report(f"weighted 1:2:3:4 {kernel_name(kernel)}", sim, {1: 10, 2: 20, 3: 30, 4: 40}, 3, t0=2)
+    for k, want in ((1, 100 / 6), (2, 100 / 3), (3, 50)):
+        assert abs(sim.share(k, 0, 2) - want) <= 2, k
+    for k in (1, 2, 3, 4):
+        assert abs(sim.share(k, 2, 3) - 10 * k) <= 2, k
+    assert sim.util() >= 99
+
+
+def test_long_kernels_cannot_steal_share():
+    """2 ms kernels against 20 us kernels: every overrun is charged and paid back."""
+    for policy, shares, weights, want in (
+        (PREEMPTIVE, (0, 0), (1, 1), (50, 50)),
+        (WEIGHTED, (0, 0), (1, 3), (25, 75)),
+        (FIXED, (30, 70), (1, 1), (30, 70)),
+        (SOFT, (20, 80), (1, 1), (20, 80)),
+    ):
+        sim = Sim(policy, max_slice=1 * MS)
+        sim.add(Tenant(1, share=shares[0], weight=weights[0], kernel=2 * MS))
+        sim.add(Tenant(2, share=shares[1], weight=weights[1], kernel=20 * US))
+        sim.run(3)
+        report(f"{NAMES[policy]}: 2ms vs 20us kernels", sim, {1: want[0], 2: want[1]}, 3)
+        assert abs(sim.share(1) - want[0]) <= 2, (policy, sim.share(1))
+        assert abs(sim.share(2) - want[1]) <= 2, (policy, sim.share(2))
+
+
+def test_fixed_overruns_are_paid_back_when_kernels_outlast_the_reservation():
+    # 15 % of a 10 ms period is 1.5 ms: every 2 ms kernel overruns it.
+    sim = Sim(FIXED, period=10 * MS, max_slice=1 * MS)
+    sim.add(Tenant(1, share=15, kernel=2 * MS))
+    sim.add(Tenant(2, share=85, kernel=20 * US))
+    sim.run(3)
+    report("fixed 15/85, 2ms kernels, 10ms period", sim, {1: 15, 2: 85}, 3)
+    assert abs(sim.share(1) - 15) <= 1 and abs(sim.share(2) - 85) <= 1
+
+
+# ------------------------------------------------------------ soft
+
+
+def test_soft_lends_idle_share_and_a_returning_tenant_reclaims_it_within_100ms():
+    sim = Sim(SOFT)
+    sim.add(Tenant(1, share=50, kernel=2 * MS))
+    sim.add(Tenant(2, share=30, kernel=MIX))
+    sim.add(Tenant(3, share=20, kernel=200 * US, work=[(0, 2 * S), (3 * S, 5 * S)]))
+    sim.run(5)
+    report("soft 50/30/20", sim, {1: 50, 2: 30, 3: 20}, 2)
+    report("soft 50/30 + 20 idle (lent)", sim, {1: 62.5, 2: 37.5}, 3, t0=2)
+    report("soft 20 back, first 100ms", sim, {3: 20}, 3.1, t0=3)
+    for k, want in ((1, 50), (2, 30), (3, 20)):
+        assert abs(sim.share(k, 0, 2) - want) <= 2
+    assert abs(sim.share(1, 2, 3) - 62.5) <= 2 and abs(sim.share(2, 2, 3) - 37.5) <= 2  # lent ∝ shares
+    assert sim.util() >= 99
+    assert sim.share(3, 3, 3.1) >= 20 - 5
+    assert all(abs(w - 20) <= 5 for w in sim.windows(3, 3, 5, 0.1))
+
+
+def test_soft_memory_only_tenants_get_the_unreserved_remainder_and_lend_it():
+    sim = Sim(SOFT)
+    sim.add(Tenant(1, share=40))
+    sim.add(Tenant(2, share=0))
+    sim.add(Tenant(3, share=0, work=[(0, 1 * S)]))
+    sim.run(2)
+    assert abs(sim.share(1, 0, 1) - 40) <= 2 and abs(sim.share(2, 0, 1) - 30) <= 2
+    assert abs(sim.share(1, 1, 2) - 40 / 0.7) <= 2  # tenant 3's 30 lent ∝ guarantees
+
+
+# ------------------------------------------------------------ high priority
+
+
+def test_high_priority_tenant_goes_first_up_to_its_percentage():
+    sim = Sim(PREEMPTIVE, high_prio=60)
+    sim.add(Tenant(1, high=True, work=[(0, 2 * S)]))
+    sim.add(Tenant(2))
+    sim.add(Tenant(3))
+    sim.run(3)
+    report("preemptive, high-prio 60% cap", sim, {1: 60, 2: 20, 3: 20}, 2)
+    assert abs(sim.share(1, 0, 2) - 60) <= 2
+    assert abs(sim.share(2, 0, 2) - 20) <= 2 and abs(sim.share(3, 0, 2) - 20) <= 2
+    assert abs(sim.share(2, 2, 3) - 50) <= 2  # without it, back to equal shares
+
+
+def test_high_priority_work_is_served_within_one_slice():
+    # Bursts of 3 ms of work every 100 ms, at an offset inside the period.
+    bursts = [(a + 37 * MS, a + 40 * MS) for a in range(0, 3 * S, 100 * MS)]
+    sim = Sim(WEIGHTED, max_slice=2 * MS, high_prio=20)
+    sim.add(Tenant(1, high=True, kernel=100 * US, work=bursts))
+    sim.add(Tenant(2, weight=100))
+    sim.run(3)
+    runs = [(st, used) for st, key, used in sim.trace if key == 1]
+    for a, b in bursts:
+        mine = [(st, used) for st, used in runs if a <= st < b]
+        first = mine[0][0]
+        assert first - a <= 2 * MS, (a, first)
+        # From then on it keeps the GPU until its work is done, despite weight 1:100.
+        assert sum(used for _, used in mine) >= b - first, (a, mine)
+
+
+def test_high_priority_under_fixed_changes_order_not_shares():
+    sim = Sim(FIXED, high_prio=100)
+    sim.add(Tenant(1, share=30, high=True))
+    sim.add(Tenant(2, share=70))
+    sim.run(3)
+    assert abs(sim.share(1) - 30) <= 2 and abs(sim.share(2) - 70) <= 2
+    # Each period opens with the high-priority tenant's reservation.
+    period_starts = [st for st, key, _ in sim.trace if st % (100 * MS) == 0]
+    assert period_starts and all(key == 1 for st, key, _ in sim.trace if st in period_starts)
+
+
+# ------------------------------------------------------------ changes settle
+
+
+def _settling(sim: Sim, expected: dict[int, float], at: float) -> tuple[float, float]:
+    """Worst error over every 200 ms window (10 ms apart) from the change on,
+    and over the period-aligned 100 ms windows from 200 ms after it."""
+    sliding = max(abs(w - want) for key, want in expected.items() for w in sim.windows(key, at, at + 1, 0.2, 0.01))
+    aligned = max(abs(w - want) for key, want in expected.items() for w in sim.windows(key, at + 0.2, at + 1, 0.1))
+    return sliding, aligned
+
+
+@pytest.mark.parametrize("policy", [FIXED, SOFT, WEIGHTED, PREEMPTIVE])
+def test_share_change_and_new_tenant_settle_within_200ms(policy):
+    sim = Sim(policy)
+    sim.add(Tenant(1, share=30, weight=3, kernel=MIX))
+    sim.add(Tenant(2, share=40, weight=4, kernel=2 * MS))
+    sim.at(1 * S, lambda: (sim.set_share(1, 60), sim.set_share(2, 10), sim.set_weight(1, 6), sim.set_weight(2, 1)))
+    sim.at(2 * S, lambda: sim.add(Tenant(3, share=30, weight=3, kernel=200 * US)))
+    sim.run(3)
+    if policy == FIXED:
+        before, after_change, after_new = {1: 30, 2: 40}, {1: 60, 2: 10}, {1: 60, 2: 10, 3: 30}
+    elif policy == PREEMPTIVE:
+        before, after_change, after_new = {1: 50, 2: 50}, {1: 50, 2: 50}, {1: 100 / 3, 2: 100 / 3, 3: 100 / 3}
+    else:
+        before, after_change, after_new = {1: 300 / 7, 2: 400 / 7}, {1: 600 / 7, 2: 100 / 7}, {1: 60, 2: 10, 3: 30}
+    for key, want in before.items():
+        assert abs(sim.share(key, 0, 1) - want) <= 2
+    for what, at, expected in (("share change", 1, after_change), ("new tenant", 2, after_new)):
+        sliding, aligned = _settling(sim, expected, at)
+        TABLE.append((f"{NAMES[policy]} {what}, 200ms windows", "all", 0, 0, sliding, sim.util(at, at + 1)))
+        TABLE.append((f"{NAMES[policy]} {what}, 100ms from +200ms", "all", 0, 0, aligned, sim.util(at, at + 1)))
+        assert sliding <= 5 and aligned <= 5, (what, sliding, aligned)
+
+
+# ------------------------------------------------------------ native, determinism
+
+
+def test_native_means_no_control():
+    s = ffi.gc(lib.cgpu_sched_create(2), lib.cgpu_sched_destroy)
+    d = ffi.new("struct cgpu_sched_decision *", {"key": 7, "slice_ns": 7})
+    assert lib.cgpu_sched_tenant_set(s, 0, 1, 30, 1, 0) == 0
+    assert lib.cgpu_sched_demand(s, 0, 1, 1) == 0
+    # Unconfigured GPUs are native: ACK's default.
+    assert lib.cgpu_sched_next(s, 0, 0, d) == lib.CGPU_SCHED_UNGATED and (d.key, d.slice_ns) == (0, 0)
+    assert lib.cgpu_sched_configure(s, 1, NATIVE, 100 * MS, 5 * MS, 0) == 0
+    assert lib.cgpu_sched_next(s, 1, 0, d) == lib.CGPU_SCHED_UNGATED
+    assert lib.cgpu_sched_charge(s, 0, 1, 123) == 0
+
+
+def test_decisions_are_deterministic():
+    def once():
+        sim = Sim(SOFT)
+        sim.add(Tenant(1, share=50, kernel=MIX))
+        sim.add(Tenant(2, share=20, kernel=2 * MS, work=[(a, a + 30 * MS) for a in range(0, S, 70 * MS)]))
+        sim.add(Tenant(3, share=0, kernel=20 * US))
+        return sim.run(1).trace
+
+    assert once() == once()
+
+
+def test_idle_decision_lasts_until_the_next_period_and_new_work_is_served_at_once():
+    s = ffi.gc(lib.cgpu_sched_create(1), lib.cgpu_sched_destroy)
+    d = ffi.new("struct cgpu_sched_decision *")
+    assert lib.cgpu_sched_configure(s, 0, FIXED, 100 * MS, 5 * MS, 0) == 0
+    assert lib.cgpu_sched_tenant_set(s, 0, 9, 30, 1, 0) == 0
+    assert lib.cgpu_sched_next(s, 0, 1000, d) == 0 and (d.key, d.slice_ns) == (0, 100 * MS)
+    assert lib.cgpu_sched_next(s, 0, 1000 + 40 * MS, d) == 0 and (d.key, d.slice_ns) == (0, 60 * MS)
+    assert lib.cgpu_sched_demand(s, 0, 9, 1) == 0
+    assert lib.cgpu_sched_next(s, 0, 1000 + 40 * MS, d) == 0 and (d.key, d.slice_ns) == (9, 5 * MS)
+
+
+def test_extreme_charges_and_clocks_are_safe():
+    s = ffi.gc(lib.cgpu_sched_create(1), lib.cgpu_sched_destroy)
+    d = ffi.new("struct cgpu_sched_decision *")
+    info = ffi.new("struct cgpu_sched_tenant_info *")
+    assert lib.cgpu_sched_configure(s, 0, SOFT, 100 * MS, 5 * MS, 50) == 0
+    for k in (1, 2):
+        assert lib.cgpu_sched_tenant_set(s, 0, k, 50, 1, k == 1) == 0
+        assert lib.cgpu_sched_demand(s, 0, k, 1) == 0
+    top = 2**64 - 1
+    for now in (top - 1, top, 5, 0, top // 2):  # including a clock that goes backwards
+        assert lib.cgpu_sched_next(s, 0, now, d) == 0 and d.key in (1, 2) and d.slice_ns > 0
+        assert lib.cgpu_sched_charge(s, 0, d.key, top) == 0
+        assert lib.cgpu_sched_charge(s, 0, d.key, top) == 0
+    assert lib.cgpu_sched_tenant_get(s, 0, 1, info) == 0
+    assert info.charged_ns == top or info.charged_ns == 0
+    assert -100 * MS <= info.lag_ns <= 100 * MS
+
+
+# ------------------------------------------------------------ bad input
+
+
+def _snapshot(s) -> tuple:
+    cfg = ffi.new("struct cgpu_sched_config *")
+    info = ffi.new("struct cgpu_sched_tenant_info *")
+    out = []
+    for gpu in range(lib.cgpu_sched_gpu_count(s)):
+        assert lib.cgpu_sched_config_get(s, gpu, cfg) == 0
+        count = lib.cgpu_sched_tenant_count(s, gpu)
+        out.append((cfg.policy, cfg.period_ns, cfg.max_slice_ns, cfg.high_prio_percent, count))
+        for key in range(1, 40):
+            if lib.cgpu_sched_tenant_get(s, gpu, key, info) == 0:
+                out.append(tuple(getattr(info, f) for f in ("key", "share_percent", "weight", "high_priority",
+                                                             "has_work", "charged_ns", "lag_ns", "budget_ns")))
+    return tuple(out)
+
+
+def test_bad_input_is_refused_and_changes_nothing():
+    s = ffi.gc(lib.cgpu_sched_create(2), lib.cgpu_sched_destroy)
+    d = ffi.new("struct cgpu_sched_decision *")
+    assert lib.cgpu_sched_configure(s, 0, FIXED, 100 * MS, 5 * MS, 10) == 0
+    assert lib.cgpu_sched_tenant_set(s, 0, 1, 60, 5, 1) == 0
+    assert lib.cgpu_sched_tenant_set(s, 0, 2, 30, 5, 0) == 0
+    assert lib.cgpu_sched_demand(s, 0, 1, 1) == 0
+    assert lib.cgpu_sched_next(s, 0, 0, d) == 0 and lib.cgpu_sched_charge(s, 0, d.key, 7 * MS) == 0
+    for key in range(3, 35):
+        assert lib.cgpu_sched_tenant_set(s, 1, key, 0, 1, 0) == 0
+    before = _snapshot(s)
+
+    E = lib
+    cases = [
+        (lib.cgpu_sched_configure(s, 2, FIXED, 100 * MS, 5 * MS, 0), E.CGPU_SCHED_ENODEV),
+        (lib.cgpu_sched_configure(s, 0, 9, 100 * MS, 5 * MS, 0), E.CGPU_SCHED_EINVAL),
+        (lib.cgpu_sched_configure(s, 0, -1, 100 * MS, 5 * MS, 0), E.CGPU_SCHED_EINVAL),
+        (lib.cgpu_sched_configure(s, 0, FIXED, 0, 0, 0), E.CGPU_SCHED_EINVAL),
+        (lib.cgpu_sched_configure(s, 0, FIXED, 2 * S, 5 * MS, 0), E.CGPU_SCHED_EINVAL),
+        (lib.cgpu_sched_configure(s, 0, FIXED, 100 * MS, 200 * MS, 0), E.CGPU_SCHED_EINVAL),
+        (lib.cgpu_sched_configure(s, 0, FIXED, 100 * MS, 1 * US, 0), E.CGPU_SCHED_EINVAL),
+        (lib.cgpu_sched_configure(s, 0, SOFT, 100 * MS, 50 * MS, 0), E.CGPU_SCHED_EINVAL),
+        (lib.cgpu_sched_configure(s, 0, FIXED, 100 * MS, 5 * MS, 101), E.CGPU_SCHED_EINVAL),
+        (lib.cgpu_sched_configure(ffi.NULL, 0, FIXED, 100 * MS, 5 * MS, 0), E.CGPU_SCHED_EINVAL),
+        (lib.cgpu_sched_tenant_set(s, 5, 3, 10, 1, 0), E.CGPU_SCHED_ENODEV),
+        (lib.cgpu_sched_tenant_set(s, 0, 0, 10, 1, 0), E.CGPU_SCHED_EINVAL),
+        (lib.cgpu_sched_tenant_set(s, 0, 3, 101, 1, 0), E.CGPU_SCHED_EINVAL),
+        (lib.cgpu_sched_tenant_set(s, 0, 3, 10, 0, 0), E.CGPU_SCHED_EINVAL),
+        (lib.cgpu_sched_tenant_set(s, 0, 3, 10, 101, 0), E.CGPU_SCHED_EINVAL),
+        (lib.cgpu_sched_tenant_set(s, 0, 3, 11, 1, 0), E.CGPU_SCHED_EDQUOT),
+        (lib.cgpu_sched_tenant_set(s, 0, 2, 41, 1, 0), E.CGPU_SCHED_EDQUOT),
+        (lib.cgpu_sched_tenant_set(s, 1, 99, 0, 1, 0), E.CGPU_SCHED_ENOSPC),
+        (lib.cgpu_sched_tenant_remove(s, 0, 3), E.CGPU_SCHED_ENOENT),
+        (lib.cgpu_sched_tenant_remove(s, 0, 0), E.CGPU_SCHED_EINVAL),
+        (lib.cgpu_sched_tenant_remove(s, 9, 1), E.CGPU_SCHED_ENODEV),
+        (lib.cgpu_sched_demand(s, 0, 3, 1), E.CGPU_SCHED_ENOENT),
+        (lib.cgpu_sched_demand(s, 0, 0, 1), E.CGPU_SCHED_EINVAL),
+        (lib.cgpu_sched_demand(s, 16, 1, 1), E.CGPU_SCHED_ENODEV),
+        (lib.cgpu_sched_charge(s, 0, 3, 5), E.CGPU_SCHED_ENOENT),
+        (lib.cgpu_sched_charge(s, 0, 0, 5), E.CGPU_SCHED_EINVAL),
+        (lib.cgpu_sched_charge(s, 2, 1, 5), E.CGPU_SCHED_ENODEV),
+        (lib.cgpu_sched_next(s, 0, 0, ffi.NULL), E.CGPU_SCHED_EINVAL),
+        (lib.cgpu_sched_next(s, 2, 0, d), E.CGPU_SCHED_ENODEV),
+        (lib.cgpu_sched_next(ffi.NULL, 0, 0, d), E.CGPU_SCHED_EINVAL),
+        (lib.cgpu_sched_tenant_get(s, 0, 3, ffi.new("struct cgpu_sched_tenant_info *")), E.CGPU_SCHED_ENOENT),
+        (lib.cgpu_sched_tenant_get(s, 0, 1, ffi.NULL), E.CGPU_SCHED_EINVAL),
+        (lib.cgpu_sched_config_get(s, 0, ffi.NULL), E.CGPU_SCHED_EINVAL),
+        (lib.cgpu_sched_tenant_count(s, 2), E.CGPU_SCHED_ENODEV),
+        (lib.cgpu_sched_tenant_count(ffi.NULL, 0), E.CGPU_SCHED_EINVAL),
+    ]
+    for i, (got, want) in enumerate(cases):
+        assert got == want, (i, got, want)
+    assert _snapshot(s) == before
+    assert lib.cgpu_sched_create(0) == ffi.NULL and lib.cgpu_sched_create(17) == ffi.NULL
+    lib.cgpu_sched_destroy(ffi.NULL)
+    # Within the limits, updates and removal work: the 30 freed by tenant 2 is usable.
+    assert lib.cgpu_sched_tenant_set(s, 0, 2, 40, 1, 0) == 0
+    assert lib.cgpu_sched_tenant_remove(s, 0, 2) == 0 and lib.cgpu_sched_tenant_set(s, 0, 3, 40, 1, 0) == 0
+    assert lib.cgpu_sched_tenant_count(s, 0) == 2
+
+
+# ------------------------------------------------------------ sanitizers
+
+SAN_DRIVER = r"""
+#include "scheduler.h"
+#include <stdio.h>
+#include <stdlib.h>
+
+static unsigned long long rng = 88172645463325252ull;
+static unsigned long long next_rand(void) { rng ^= rng << 13; rng ^= rng >> 7; rng ^= rng << 17; return rng; }
+
+int main(void)
+{
+    struct cgpu_sched *s = cgpu_sched_create(CGPU_SCHED_MAX_GPUS);
+    if (!s) return 1;
+    struct cgpu_sched_decision d;
+    struct cgpu_sched_tenant_info info;
+    unsigned long long now = 0;
+    for (long i = 0; i < 400000; i++) {
+        unsigned gpu = (unsigned)(next_rand() % (CGPU_SCHED_MAX_GPUS + 1));
+        unsigned long long key = next_rand() % 40;
+        unsigned long long r = next_rand();
+        int rc;
+        switch (r % 16) {
+        case 0: rc = cgpu_sched_configure(s, gpu, (int)(r >> 8) % 7 - 1, (r >> 16) % 1200000000ull,
+                                          (r >> 20) % 30000000ull, (unsigned)(r >> 40) % 110); break;
+        case 1: case 2: rc = cgpu_sched_tenant_set(s, gpu, key, (unsigned)(r >> 8) % 60, (unsigned)(r >> 16) % 102,
+                                                   (int)(r >> 30) % 3); break;
+        case 3: rc = cgpu_sched_tenant_remove(s, gpu, key); break;
+        case 4: case 5: rc = cgpu_sched_demand(s, gpu, key, (int)(r >> 8) % 2); break;
+        case 6: rc = cgpu_sched_charge(s, gpu, key, (r >> 8) % 5 == 0 ? r : (r >> 20) % 3000000ull); break;
+        case 7: rc = cgpu_sched_tenant_get(s, gpu, key, &info); break;
+        case 8: now += (r >> 8) % 300000000ull; /* fallthrough */
+        default:
+            if ((r >> 60) == 0) now = r;  /* clocks jump, even backwards */
+            rc = cgpu_sched_next(s, gpu, now, &d);
+            if (rc == 0 && d.slice_ns == 0) { fprintf(stderr, "empty slice\n"); return 2; }
+            if (rc == 0 && d.key && cgpu_sched_tenant_get(s, gpu, d.key, &info) != 0) {
+                fprintf(stderr, "unknown key\n");
+                return 3;
+            }
+            if (rc == 0 && d.key && !info.has_work) { fprintf(stderr, "no work\n"); return 4; }
+            if (rc == 0 && d.key) rc = cgpu_sched_charge(s, gpu, d.key, (r >> 24) % 7000000ull);
+        }
+        if (rc > 1) { fprintf(stderr, "bad status %d\n", rc); return 5; }
+    }
+    cgpu_sched_destroy(s);
+    puts("ok");
+    return 0;
+}
+"""
+
+
+def test_core_is_clean_under_asan_and_ubsan(tmp_path):
+    sys.path.insert(0, str(ROOT / "csrc"))
+    import build_native
+
+    driver = tmp_path / "sched_fuzz.c"
+    driver.write_text(SAN_DRIVER)
+    target = build_native.Target("bin/sched-fuzz", (str(driver), "scheduler/scheduler.c"), includes=("scheduler",))
+    exe = build_native.compile_target(target, tmp_path, build_native.SANITIZE)
+    env = {
+        "ASAN_OPTIONS": "detect_leaks=1:exitcode=86",
+        "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1:exitcode=87",
+    }
+    proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120, env=env, check=False)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+    assert "runtime error" not in proc.stderr and "Sanitizer" not in proc.stderr
