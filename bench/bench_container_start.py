@@ -187,19 +187,14 @@ def start_once(v: Variant, runc_root: Path, cid: str, work: Path, cgpud: Daemon)
     return ms
 
 
-def start_daemon(cgpud: Daemon, log: Path) -> None:
-    """Daemon.start, but cgpud's log goes to a file: it writes a few lines
-    per GPU start, and a pipe nobody reads would fill and stall it."""
-    with open(log, "wb") as err:
-        cgpud.proc = subprocess.Popen([str(Path(sys.executable).parent / "cgpud"), *cgpud.args], env=cgpud.env,
-                                      stdout=subprocess.DEVNULL, stderr=err)
+def start_daemon(cgpud: Daemon) -> None:
     try:
-        cgpud.wait_for(b"READY=1")
-    except (AssertionError, AttributeError) as exc:  # AttributeError: wait_for reads a stderr pipe we did not make
-        cgpud.proc.kill()
-        cgpud.proc.wait()
-        tail = log.read_text(errors="replace").strip().splitlines()[-5:]
-        raise BenchError(f"cgpud did not start: {exc}\n  " + "\n  ".join(tail)) from exc
+        cgpud.start()  # its log goes to a file (Daemon.log)
+    except AssertionError as exc:
+        if cgpud.proc is not None:
+            cgpud.proc.kill()
+            cgpud.proc.wait()
+        raise BenchError(f"cgpud did not start: {exc}") from exc
 
 
 def instances(cgpud: Daemon, *extra: str) -> list[dict]:
@@ -279,7 +274,7 @@ def main(argv: list[str]) -> int:
         daemon_dir = work / "cgpud"
         daemon_dir.mkdir()
         cgpud = make_daemon(daemon_dir, sim_env, "--sweep-interval", DAEMON_SWEEP_INTERVAL)
-        start_daemon(cgpud, work / "cgpud.log")
+        start_daemon(cgpud)
         try:
             variants: dict[str, Variant] = {}
             for key, label, via_shim, wants_gpu in VARIANTS:
@@ -329,7 +324,7 @@ def main(argv: list[str]) -> int:
             try:
                 cgpud.stop()
             except AssertionError as exc:
-                tail = (work / "cgpud.log").read_text(errors="replace").strip().splitlines()[-5:]
+                tail = cgpud.log.read_text(errors="replace").strip().splitlines()[-5:]
                 raise BenchError(f"cgpud did not stop cleanly: {exc}\n  " + "\n  ".join(tail)) from exc
         report(variants, args)
     return 0

@@ -25,12 +25,19 @@ class Daemon:
     proc: subprocess.Popen[str] | None = None
 
     @property
+    def log(self) -> Path:
+        return self.state.parent / "cgpud.log"
+
+    @property
     def relay(self) -> Path:
         return self.socket.parent / "relay.sock"
 
     def start(self) -> None:
-        self.proc = subprocess.Popen([str(BIN / "cgpud"), *self.args], env=self.env, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, text=True)
+        # A file, not a pipe: nobody reads a pipe while the test runs, and a
+        # daemon whose log fills it blocks mid-request.
+        with open(self.log, "a") as log:
+            self.proc = subprocess.Popen([str(BIN / "cgpud"), *self.args], env=self.env, stdout=subprocess.DEVNULL,
+                                         stderr=log, text=True)
         self.wait_for(b"READY=1")
 
     def wait_for(self, message: bytes, timeout: float = 30) -> list[bytes]:
@@ -45,8 +52,8 @@ class Daemon:
             seen.append(data)
             if message in data.split(b"\n"):
                 return seen
-        err = self.proc.stderr.read() if self.proc and self.proc.poll() is not None else ""
-        raise AssertionError(f"no {message!r} from cgpud (got {seen}); stderr: {err}")
+        err = self.log.read_text()[-4000:] if self.log.exists() else ""
+        raise AssertionError(f"no {message!r} from cgpud (got {seen}); its log ends: {err}")
 
     def kill(self) -> None:
         assert self.proc
