@@ -43,6 +43,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.table import print_table  # noqa: E402
+
 from cgpud.native import native_dir, native_path  # noqa: E402
 from tests.conftest import write_sim_config  # noqa: E402
 from tests.daemonproc import Daemon, make_daemon  # noqa: E402
@@ -218,15 +220,10 @@ def median_ci(values: list[float]) -> tuple[float, float]:
 def report(variants: dict[str, Variant], args: argparse.Namespace) -> None:
     head = ("variant", "median ms", "p90 ms", "IQR ms")
     rows = [(v.label, f"{v.median():.2f}", f"{v.p90():.2f}", f"{v.spread():.2f}") for v in variants.values()]
-    widths = [max(len(row[i]) for row in (head, *rows)) for i in range(len(head))]
-    line = lambda row: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))  # noqa: E731
     print()
     print(f"Wall ms per create+start+wait+delete of `true`; {args.rounds} interleaved rounds after "
           f"{args.warmup} warm-up round(s)")
-    print(line(head))
-    print(line(tuple("-" * w for w in widths)))
-    for row in rows:
-        print(line(row))
+    print_table(head, rows)
 
     print("\nEach round (ms):")
     for v in variants.values():

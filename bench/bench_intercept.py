@@ -33,6 +33,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.table import print_table  # noqa: E402
+
 from cgpud.daemon.region import DeviceLimit, InstanceLimits, write_region  # noqa: E402
 from cgpud.native import native_dir  # noqa: E402
 
@@ -242,15 +244,10 @@ def report(results: dict[str, ModeResult], args: argparse.Namespace, library: Pa
         )
         for m, r in results.items()
     ]
-    widths = [max(len(row[i]) for row in (head, *rows)) for i in range(len(head))]
-    line = lambda row: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))  # noqa: E731
     print()
     print(f"Per call (allocfree: per alloc+free pair); ns = median of {args.rounds} interleaved rounds of "
           f"{args.calls} calls; Ir = instructions per call (callgrind)")
-    print(line(head))
-    print(line(tuple("-" * w for w in widths)))
-    for row in rows:
-        print(line(row))
+    print_table(head, rows)
 
     print("\nEach round (ns per call):")
     for m, r in results.items():
