@@ -12,15 +12,6 @@ import pytest
 from cgpud.daemon.model import GIB
 from cgpud.hook.edits import CONTAINER_LIBRARY, PRELOAD
 from cgpud.hook.request import CONTAINER_REGION
-from tests.daemonproc import make_daemon
-
-
-@pytest.fixture
-def daemon(tmp_path, sim_env):
-    d = make_daemon(tmp_path, sim_env)
-    d.start()
-    yield d
-    d.stop()
 
 
 def listed(daemon) -> str:

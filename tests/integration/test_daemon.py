@@ -21,14 +21,6 @@ from cgpud.native import native_path
 from tests.daemonproc import BIN, make_daemon
 
 
-@pytest.fixture
-def daemon(tmp_path, sim_env):
-    d = make_daemon(tmp_path, sim_env)
-    d.start()
-    yield d
-    d.stop()
-
-
 def test_ready_only_after_reconciliation_and_stopping_on_shutdown(tmp_path, sim_env):
     d = make_daemon(tmp_path, sim_env)
     d.env["WATCHDOG_USEC"] = "200000"
