@@ -85,6 +85,20 @@ int cgpu_usage_check(const struct cgpu_usage *u, size_t file_size, char *err, si
     return 0;
 }
 
+int cgpu_grants_check(const struct cgpu_grants *g, size_t file_size, char *err, size_t errlen)
+{
+    if (file_size < sizeof(*g) || g->magic != CGPU_GRANTS_MAGIC) {
+        snprintf(err, errlen, "not a cgpu grants region (bad size or magic)");
+        return -1;
+    }
+    if (g->version != CGPU_REGION_VERSION || g->size != sizeof(*g)) {
+        snprintf(err, errlen, "grants region version %u (size %u); this library reads version %d (size %zu)",
+                 g->version, g->size, CGPU_REGION_VERSION, sizeof(*g));
+        return -1;
+    }
+    return 0;
+}
+
 static int ledger_lock(int fd, int i, short type)
 {
     struct flock fl = {.l_type = type, .l_whence = SEEK_SET, .l_start = CGPU_LEDGER_LOCK_OFFSET(i), .l_len = 1};
@@ -132,8 +146,11 @@ static int claim_free(struct cgpu_usage *u, int fd, int32_t pid)
             ledger_lock(fd, i, F_UNLCK);
             continue;
         }
-        for (unsigned d = 0; d < CGPU_MAX_DEVICES; d++)
+        for (unsigned d = 0; d < CGPU_MAX_DEVICES; d++) {
             atomic_store(&p->used[d], 0);
+            atomic_store(&p->fence_ack[d], 0);
+        }
+        atomic_store(&p->watching, 0); /* cgpud waits for no fence from a fresh process */
         atomic_store(&p->pid, pid);
         note_claimed(u, i);
         atomic_store(&p->state, CGPU_LEDGER_LIVE);
@@ -162,6 +179,7 @@ int cgpu_ledger_reap(struct cgpu_usage *u, int fd, int self)
         uint32_t live = CGPU_LEDGER_LIVE;
         if (atomic_compare_exchange_strong(&p->state, &live, CGPU_LEDGER_CLAIMING)) {
             release_ledger(u, i);
+            atomic_store(&p->watching, 0);
             atomic_store(&p->pid, 0);
             atomic_store(&p->state, CGPU_LEDGER_FREE);
             reaped++;

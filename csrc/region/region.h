@@ -20,6 +20,7 @@ uint64_t cgpu_region_checksum(const void *data, size_t len);
  * with a message naming what is wrong. */
 int cgpu_limits_check(const struct cgpu_limits *l, size_t file_size, char *err, size_t errlen);
 int cgpu_usage_check(const struct cgpu_usage *u, size_t file_size, char *err, size_t errlen);
+int cgpu_grants_check(const struct cgpu_grants *g, size_t file_size, char *err, size_t errlen);
 
 /* Claims a free ledger for the calling process and holds its lock on fd,
  * reaping dead processes' ledgers if none is free. One ledger per open file

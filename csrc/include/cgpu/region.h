@@ -1,9 +1,11 @@
 /* The instance region: the one contract between cgpud (writes it), libcgpu.so
- * (enforces it inside the container) and the compute scheduler. Two files in
+ * (enforces it inside the container) and the compute scheduler. Three files in
  * one directory:
  *
  *   limits  written once by cgpud, mounted read-only: what the instance may use
  *   usage   shared, writable: what its processes use now, one ledger per process
+ *   grants  written by cgpud's scheduler, read-only to the instance: whether it
+ *           may launch work on each device now
  *
  * Versioned binary layout with magic numbers; C reads it directly, Python
  * through cffi from this same header (csrc/region/build_region.py).
@@ -24,7 +26,8 @@
 
 #define CGPU_LIMITS_MAGIC 0x53544d494c555047ULL /* "GPULIMTS" */
 #define CGPU_USAGE_MAGIC 0x4547415355555047ULL  /* "GPUUSAGE" */
-#define CGPU_REGION_VERSION 1
+#define CGPU_GRANTS_MAGIC 0x544e415247555047ULL /* "GPUGRANT" */
+#define CGPU_REGION_VERSION 2
 #define CGPU_MAX_DEVICES 16
 #define CGPU_MAX_PROCS 1024
 #define CGPU_UUID_LEN 96 /* NVML_DEVICE_UUID_V2_BUFFER_SIZE */
@@ -36,6 +39,7 @@
 #define CGPU_REGION_ENV "CGPU_REGION_DIR"
 #define CGPU_LIMITS_FILE "limits"
 #define CGPU_USAGE_FILE "usage"
+#define CGPU_GRANTS_FILE "grants"
 /* Can only make the library louder than the region's log_level. */
 #define CGPU_LOG_ENV "CGPU_LOG_LEVEL"
 
@@ -65,7 +69,8 @@ struct cgpu_limits {
 
 struct cgpu_device_usage {
     CGPU_ATOMIC uint64_t used;    /* bytes held by all processes of the instance */
-    CGPU_ATOMIC uint64_t grant;   /* reserved for the compute scheduler */
+    CGPU_ATOMIC uint32_t waiting; /* threads blocked at a closed gate: the instance's demand */
+    CGPU_ATOMIC uint32_t bell;    /* futex word: bumped and woken after each fence_ack */
     uint64_t reserved[6];         /* one cache line per device */
 };
 
@@ -75,6 +80,11 @@ struct cgpu_proc_ledger {
     CGPU_ATOMIC uint32_t state;   /* enum cgpu_ledger_state */
     CGPU_ATOMIC int32_t pid;      /* as the process sees itself */
     CGPU_ATOMIC uint64_t used[CGPU_MAX_DEVICES];
+    CGPU_ATOMIC uint32_t watching; /* bit per device: this process launches gated work there */
+    uint32_t reserved;
+    /* Per device: the gate sequence (CGPU_GATE_SEQ_MASK bits) whose revocation
+     * this process has fenced, | CGPU_ACK_LAUNCHED if it launched in that grant. */
+    CGPU_ATOMIC uint32_t fence_ack[CGPU_MAX_DEVICES];
 };
 
 struct cgpu_usage {
@@ -85,6 +95,45 @@ struct cgpu_usage {
     uint32_t reserved[15];
     struct cgpu_device_usage device[CGPU_MAX_DEVICES];
     struct cgpu_proc_ledger proc[CGPU_MAX_PROCS];
+};
+
+/* ---- grants: the compute scheduler's side ----------------------------------
+ *
+ * One gate word per device of the instance, a futex word on a shared file
+ * mapping. Protocol:
+ *   - cgpud opens the gate (new sequence | CGPU_GATE_OPEN) for the instance
+ *     that holds the device and closes it (new sequence, no OPEN) at the end of
+ *     its slice; every change adds CGPU_GATE_SEQ_STEP and is followed by a
+ *     FUTEX_WAKE of all waiters. CGPU_GATE_UNGATED means no compute control:
+ *     launch freely, never fence.
+ *   - A thread that wants to launch while the gate is closed counts itself in
+ *     usage.device[d].waiting and FUTEX_WAITs on the gate.
+ *   - A process that launched gated work on device d sets bit d of its
+ *     ledger's `watching`; when the gate closes it waits for its own work in
+ *     flight to finish (real driver synchronisation), then stores the closed
+ *     gate's sequence in fence_ack[d], bumps usage.device[d].bell and wakes it.
+ *   - cgpud charges the holder from the grant until every live watching
+ *     process has acknowledged (the device time it really used), then grants
+ *     the next instance. */
+#define CGPU_GATE_OPEN 1u
+#define CGPU_GATE_UNGATED 2u
+#define CGPU_GATE_SEQ_STEP 4u
+#define CGPU_GATE_SEQ_MASK 0xfffffffcu
+#define CGPU_ACK_LAUNCHED 1u
+
+struct cgpu_device_grant {
+    CGPU_ATOMIC uint32_t gate;
+    uint32_t reserved0;
+    CGPU_ATOMIC uint64_t slice_end_ns; /* CLOCK_MONOTONIC; while OPEN: when the slice ends (informational) */
+    uint64_t reserved[6];              /* one cache line per device */
+};
+
+struct cgpu_grants {
+    uint64_t magic;               /* CGPU_GRANTS_MAGIC */
+    uint32_t version;
+    uint32_t size;                /* sizeof(struct cgpu_grants) */
+    uint64_t reserved[6];
+    struct cgpu_device_grant device[CGPU_MAX_DEVICES];
 };
 
 /* The lock bytes lie past the structure so nobody reads or writes them. */
