@@ -10,10 +10,11 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from cgpud.daemon.model import ComputePolicy, NodeMode, NodePolicy, Orchestrator, Placement
+from cgpud.daemon.model import ComputePolicy, ComputeTiming, NodeMode, NodePolicy, Orchestrator, Placement
 from cgpud.errors import UsageError
 
 DEFAULT_CONFIG = Path("/etc/cgpu/config.toml")
+MAX_SCHEDULED = 32  # CGPU_SCHED_MAX_TENANTS; tests/unit/test_compute_engine.py checks they agree
 
 
 def _setting(default: Any, help_text: str) -> Any:
@@ -29,6 +30,15 @@ class DaemonConfig:
     compute_policy: ComputePolicy = _setting(
         ComputePolicy.NATIVE, "0 fair, 1 preemptive, 2 weighted, 3 fixed, 4 soft, 5 native"
     )
+    compute_period_ms: float = _setting(
+        100.0, "compute scheduling period: shares hold within each period (1-1000 ms)"
+    )
+    compute_slice_ms: float = _setting(
+        10.0, "longest time one instance holds a GPU before the scheduler decides again (0.01-20 ms)"
+    )
+    high_priority_percent: int = _setting(
+        80, "share of each period high-priority instances may take ahead of the others (0-100)"
+    )
     state_dir: Path = _setting(Path("/var/lib/cgpud"), "instance table and instance regions")
     socket: Path = _setting(Path("/run/cgpud/cgpud.sock"), "local API socket (root only)")
     relay_socket: Path = _setting(
@@ -42,6 +52,10 @@ class DaemonConfig:
 
     def policy(self) -> NodePolicy:
         return NodePolicy(self.mode, self.placement, self.max_instances_per_gpu, self.core_step, self.compute_policy)
+
+    def timing(self) -> ComputeTiming:
+        return ComputeTiming(round(self.compute_period_ms * 1e6), round(self.compute_slice_ms * 1e6),
+                      self.high_priority_percent)
 
     @property
     def database(self) -> Path:
@@ -77,6 +91,16 @@ def validate(config: DaemonConfig) -> DaemonConfig:
         raise UsageError("max_instances_per_gpu must be between 1 and 1000")
     if not 1 <= config.core_step <= 100:
         raise UsageError("core_step must be between 1 and 100")
+    if config.mode is NodeMode.CORE_MEM and config.max_instances_per_gpu > MAX_SCHEDULED:
+        raise UsageError(f"max_instances_per_gpu must be at most {MAX_SCHEDULED} in core_mem mode "
+                         "(the instances the compute scheduler takes per GPU)")
+    if not 1 <= config.compute_period_ms <= 1000:
+        raise UsageError("compute_period_ms must be between 1 and 1000")
+    # 20 ms is the soft policy's bound: a lent share must come back within 100 ms.
+    if not 0.01 <= config.compute_slice_ms <= min(20.0, config.compute_period_ms):
+        raise UsageError("compute_slice_ms must be between 0.01 and 20, and not longer than compute_period_ms")
+    if not 0 <= config.high_priority_percent <= 100:
+        raise UsageError("high_priority_percent must be between 0 and 100")
     if not 0.1 <= config.sweep_interval <= 3600:
         raise UsageError("sweep_interval must be between 0.1 and 3600 seconds")
     return config

@@ -15,6 +15,7 @@ from cgpud.daemon import config as settings
 from cgpud.daemon import node
 from cgpud.daemon.inventory import read_inventory
 from cgpud.daemon.model import GpuCapacity, Orchestrator
+from cgpud.daemon.compute import ComputeScheduler, limits_compute
 from cgpud.daemon.service import InstanceService
 from cgpud.daemon.store import Store
 from cgpud.errors import CgpuError
@@ -51,7 +52,9 @@ def run(config: settings.DaemonConfig) -> int:
     inventory = read_inventory()
     gpus = tuple(GpuCapacity(g.index, g.uuid, g.memory_total) for g in inventory.gpus)
     store = Store(config.database)
-    service = InstanceService(store, gpus, config.policy(), config.regions, inventory.driver_version, node.boot_id())
+    compute = ComputeScheduler(len(gpus), config.timing()).start() if gpus and limits_compute(config.mode) else None
+    service = InstanceService(store, gpus, config.policy(), config.regions, inventory.driver_version, node.boot_id(),
+                              compute=compute)
     service.reconcile()
     files = install_runtime_files(config.state_dir, config.relay_socket)
     trust_env = config.orchestrator is Orchestrator.STANDALONE
@@ -70,6 +73,8 @@ def run(config: settings.DaemonConfig) -> int:
     log.info("stopping")
     relay.stop()
     server.stop(grace=2).wait()
+    if compute is not None:
+        compute.stop()
     store.close()
     return 0
 

@@ -92,6 +92,15 @@ class NodePolicy:
 
 
 @dataclass(frozen=True)
+class ComputeTiming:
+    """How the compute scheduler slices time; the same for every GPU."""
+
+    period_ns: int = 100_000_000
+    max_slice_ns: int = 10_000_000
+    high_priority_percent: int = 80
+
+
+@dataclass(frozen=True)
 class Request:
     """What a container or process asks for. `memory` is per GPU in bytes
     (GiB requests arrive as whole multiples of GIB); 0 means a whole GPU,

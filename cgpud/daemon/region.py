@@ -27,12 +27,14 @@ from cgpud.errors import CgpuError
 
 LIMITS_FILE: str = ffi.string(lib.CGPU_LIMITS_FILE).decode()
 USAGE_FILE: str = ffi.string(lib.CGPU_USAGE_FILE).decode()
+GRANTS_FILE: str = ffi.string(lib.CGPU_GRANTS_FILE).decode()
 MAX_DEVICES: int = lib.CGPU_MAX_DEVICES
 MAX_PROCS: int = lib.CGPU_MAX_PROCS
 
 DIR_MODE = 0o755
 LIMITS_MODE = 0o644  # read-only for everyone but cgpud; mounted read-only too
 USAGE_MODE = 0o666  # a container process of any uid must update its ledger
+GRANTS_MODE = 0o644  # only cgpud's scheduler opens or closes a gate
 
 _U32_MAX = 2**32 - 1
 _U64_MAX = 2**64 - 1
@@ -164,6 +166,18 @@ def _new_usage() -> bytes:
     return bytes(ffi.buffer(raw))
 
 
+def _new_grants(gated: bool) -> bytes:
+    # Gated: every gate closed, so an instance computes only once the
+    # scheduler has it. Otherwise open for good.
+    raw = ffi.new("struct cgpu_grants *")
+    raw.magic = lib.CGPU_GRANTS_MAGIC
+    raw.version = lib.CGPU_REGION_VERSION
+    raw.size = ffi.sizeof("struct cgpu_grants")
+    for d in range(MAX_DEVICES):
+        raw.device[d].gate = 0 if gated else lib.CGPU_GATE_UNGATED
+    return bytes(ffi.buffer(raw))
+
+
 def _check_struct(check: Any, ctype: str, data: bytes) -> str | None:
     """Runs a C check over file contents; None if valid, else its message."""
     # The C check reads the header fields only when the file is big enough;
@@ -198,22 +212,23 @@ def _read_file(path: Path) -> bytes:
         return f.read()
 
 
-def _usage_problem(path: Path) -> str | None:
-    """Why the existing usage file cannot be kept, or None if it can."""
+def _file_problem(path: Path, check: Any, ctype: str) -> str | None:
+    """Why an existing usage or grants file cannot be kept, or None if it can."""
     try:
         data = _read_file(path)
     except FileNotFoundError:
         return "missing"
     except (OSError, RegionError) as e:
         return str(e)
-    return _check_struct(lib.cgpu_usage_check, "struct cgpu_usage", data)
+    return _check_struct(check, ctype, data)
 
 
-def write_region(directory: Path, limits: InstanceLimits) -> None:
-    """Publishes `limits` for an instance and makes sure its usage file exists.
+def write_region(directory: Path, limits: InstanceLimits, gated: bool = False) -> None:
+    """Publishes `limits` for an instance and makes sure its usage and grants
+    files exist.
 
-    A valid usage file is kept: processes already running keep their ledgers
-    and counters when the limits are rewritten. A missing or damaged one is
+    Valid usage and grants files are kept: processes already running keep
+    their ledgers, counters and gates when the limits are rewritten. A missing or damaged one is
     replaced by an empty one (cgpud is the only creator, so checking and then
     replacing does not race with another writer)."""
     directory = Path(directory)
@@ -225,10 +240,18 @@ def write_region(directory: Path, limits: InstanceLimits) -> None:
         # and a power loss ends every instance of that boot anyway.
         write_atomic(directory / LIMITS_FILE, _encode_limits(limits), LIMITS_MODE, durable=False)
         usage = directory / USAGE_FILE
-        if _usage_problem(usage) is not None:
+        if _file_problem(usage, lib.cgpu_usage_check, "struct cgpu_usage") is not None:
             write_atomic(usage, _new_usage(), USAGE_MODE, durable=False)
+        grants = directory / GRANTS_FILE
+        if _file_problem(grants, lib.cgpu_grants_check, "struct cgpu_grants") is not None:
+            write_atomic(grants, _new_grants(gated), GRANTS_MODE, durable=False)
     except OSError as e:
         raise RegionError(f"cannot write the region of instance {limits.instance_id} in {directory}: {e}") from e
+
+
+def grants_problem(directory: Path) -> str | None:
+    """Why the instance's grants file is unusable, or None if it is sound."""
+    return _file_problem(Path(directory) / GRANTS_FILE, lib.cgpu_grants_check, "struct cgpu_grants")
 
 
 def read_limits(directory: Path) -> InstanceLimits:

@@ -30,7 +30,9 @@ from cgpud.daemon.model import (
     OwnerKind,
     Request,
 )
-from cgpud.daemon.region import DeviceLimit, InstanceLimits, RegionError, UsageRegion, read_limits, write_region
+from cgpud.daemon.compute import ComputeError, ComputeScheduler
+from cgpud.daemon.region import (DeviceLimit, InstanceLimits, RegionError, UsageRegion, grants_problem, read_limits,
+                                 write_region)
 from cgpud.daemon.store import Store, new_instance_id
 from cgpud.errors import StateError
 
@@ -52,7 +54,8 @@ def pid_alive(pid: int, since: float) -> bool:
 
 class InstanceService:
     def __init__(self, store: Store, gpus: Sequence[GpuCapacity], policy: NodePolicy, regions: Path,
-                 driver_version: str, boot_id: str, clock: Callable[[], float] = time.time) -> None:
+                 driver_version: str, boot_id: str, clock: Callable[[], float] = time.time,
+                 compute: ComputeScheduler | None = None) -> None:
         self._store = store
         self._gpus = tuple(gpus)
         self._regions = regions
@@ -64,6 +67,9 @@ class InstanceService:
         stored = store.get_setting(COMPUTE_POLICY_KEY)
         self._policy = policy if stored is None else NodePolicy(
             policy.mode, policy.placement, policy.max_instances_per_gpu, policy.core_step, ComputePolicy(int(stored)))
+        self._compute = compute
+        if compute is not None:
+            compute.configure(self._policy.compute_policy)
 
     # ---- queries -----------------------------------------------------------------
 
@@ -114,6 +120,11 @@ class InstanceService:
                     created=now, updated=now)
                 tx.insert(instance)
             self._write_region(instance)
+            try:
+                self._schedule(instance)
+            except ComputeError:
+                self._release_locked(instance.id)  # no instance the scheduler does not know
+                raise
         self._log.info("created", id=instance.id, owner=instance.owner.id,
                        grants=[(g.gpu_index, g.memory, g.core_percent) for g in instance.grants])
         return instance
@@ -151,9 +162,15 @@ class InstanceService:
             current = self._store.get(instance_id)
             if current.state is InstanceState.RELEASED:
                 return current  # a retry after a crash: already done
-            instance = self._store.set_state(instance_id, InstanceState.RELEASED)
-            shutil.rmtree(self.region_dir(instance_id), ignore_errors=True)
+            instance = self._release_locked(instance_id)
         self._log.info("released", id=instance_id)
+        return instance
+
+    def _release_locked(self, instance_id: str) -> Instance:
+        instance = self._store.set_state(instance_id, InstanceState.RELEASED)
+        if self._compute is not None:
+            self._compute.detach(instance_id)
+        shutil.rmtree(self.region_dir(instance_id), ignore_errors=True)
         return instance
 
     def set_compute_policy(self, policy: ComputePolicy) -> NodePolicy:
@@ -161,6 +178,8 @@ class InstanceService:
             self._store.set_setting(COMPUTE_POLICY_KEY, str(int(policy)))
             p = self._policy
             self._policy = NodePolicy(p.mode, p.placement, p.max_instances_per_gpu, p.core_step, policy)
+            if self._compute is not None:
+                self._compute.configure(policy)
         self._log.info("policy", compute_policy=policy.name.lower())
         return self._policy
 
@@ -177,6 +196,13 @@ class InstanceService:
                 continue
             repaired += self._repair_region(instance)
             reaped += self._reap(instance)
+            try:
+                with self._lock:
+                    self._schedule(instance)
+            except ComputeError as e:
+                self._log.error("instance cannot be scheduled; releasing it", id=instance.id, error=str(e))
+                self.release(instance.id)
+                released += 1
         removed = self._remove_orphan_regions()
         summary = {"released": released, "regions_repaired": repaired, "ledgers_reaped": reaped,
                    "orphan_regions_removed": removed}
@@ -235,14 +261,18 @@ class InstanceService:
 
     def _write_region(self, instance: Instance) -> None:
         if instance.enforced:
-            write_region(self.region_dir(instance.id), self._limits(instance))
+            write_region(self.region_dir(instance.id), self._limits(instance), gated=self._compute is not None)
+
+    def _schedule(self, instance: Instance) -> None:
+        if self._compute is not None and instance.enforced:
+            self._compute.attach(instance, self.region_dir(instance.id))
 
     def _repair_region(self, instance: Instance) -> int:
         if not instance.enforced:
             return 0
         region = self.region_dir(instance.id)
         try:
-            if read_limits(region) == self._limits(instance):
+            if read_limits(region) == self._limits(instance) and grants_problem(region) is None:
                 with UsageRegion(region):
                     return 0
         except RegionError as e:

@@ -1,5 +1,6 @@
-"""cffi out-of-line API build of the scheduler core as cgpud._scheduler.
-The declarations come from scheduler.h itself, so they cannot drift."""
+"""cffi out-of-line API build of the scheduler core and its engine as
+cgpud._scheduler. The declarations come from the headers themselves, so they
+cannot drift."""
 from __future__ import annotations
 
 import re
@@ -21,13 +22,14 @@ def _cdef_from_header(header: Path) -> str:
 
 
 ffibuilder = FFI()
-ffibuilder.cdef(_cdef_from_header(HERE / "scheduler.h"))
+ffibuilder.cdef(_cdef_from_header(HERE / "scheduler.h") + _cdef_from_header(HERE / "engine.h"))
 ffibuilder.set_source(
     "cgpud._scheduler",
-    '#include "scheduler.h"',
+    '#include "scheduler.h"\n#include "engine.h"',
     # setuptools wants sources relative to setup.py, which sits two levels up.
-    sources=["csrc/scheduler/scheduler.c"],
-    include_dirs=[str(HERE)],
+    sources=["csrc/scheduler/scheduler.c", "csrc/scheduler/engine.c"],
+    include_dirs=[str(HERE), str(HERE.parent / "include")],
+    libraries=["pthread"],
     extra_compile_args=["-std=c11", "-Wall", "-Wextra", "-Werror"],
 )
 

@@ -17,6 +17,7 @@ import pytest
 
 from cgpud._region import ffi, lib
 from cgpud.daemon.region import (
+    GRANTS_FILE,
     LIMITS_FILE,
     MAX_DEVICES,
     USAGE_FILE,
@@ -147,7 +148,7 @@ def test_limits_roundtrip(tmp_path: Path, limits: InstanceLimits) -> None:
     write_region(tmp_path / "r", limits)
     assert read_limits(tmp_path / "r") == limits
     # Temp files were renamed into place, none left behind.
-    assert sorted(os.listdir(tmp_path / "r")) == sorted([LIMITS_FILE, USAGE_FILE])
+    assert sorted(os.listdir(tmp_path / "r")) == sorted([GRANTS_FILE, LIMITS_FILE, USAGE_FILE])
 
 
 def test_modes_do_not_depend_on_umask(tmp_path: Path) -> None:
@@ -256,8 +257,8 @@ def _set(field: str, value: int) -> Callable[[Path], None]:
     [
         pytest.param(_flip_mem_limit_byte, "limits region checksum mismatch: the file is damaged", id="flipped-byte"),
         pytest.param(_set("magic", 0x1234), "not a cgpu limits region (bad size or magic)", id="magic"),
-        pytest.param(_set("version", 2), f"limits region version 2 (size {ffi.sizeof('struct cgpu_limits')}); this library reads version 1", id="version"),
-        pytest.param(_set("size", 2016), "limits region version 1 (size 2016)", id="size-field"),
+        pytest.param(_set("version", 3), f"limits region version 3 (size {ffi.sizeof('struct cgpu_limits')}); this library reads version 2", id="version"),
+        pytest.param(_set("size", 2016), "limits region version 2 (size 2016)", id="size-field"),
         pytest.param(lambda p: os.truncate(p, 100), "not a cgpu limits region (bad size or magic)", id="truncated"),
         pytest.param(lambda p: os.truncate(p, 0), "not a cgpu limits region (bad size or magic)", id="empty"),
         pytest.param(_set("device_count", 0), "limits region checksum mismatch", id="device-count-unsealed"),
@@ -309,7 +310,7 @@ def _symlink_elsewhere(path: Path) -> None:
 USAGE_DAMAGE = [
     pytest.param(_usage_set("magic", 7), "not a cgpu usage region (bad size or magic)", id="magic"),
     pytest.param(_usage_set("version", 3), f"usage region version 3 (size {ffi.sizeof('struct cgpu_usage')})", id="version"),
-    pytest.param(_usage_set("size", 64), "usage region version 1 (size 64)", id="size-field"),
+    pytest.param(_usage_set("size", 64), "usage region version 2 (size 64)", id="size-field"),
     pytest.param(lambda p: os.truncate(p, 1000), "not a cgpu usage region (bad size or magic)", id="truncated"),
     pytest.param(lambda p: os.truncate(p, 0), "not a cgpu usage region (bad size or magic)", id="empty"),
     pytest.param(_symlink_elsewhere, "cannot open usage region", id="symlink"),

@@ -1,0 +1,140 @@
+"""cgpud's compute scheduler: one C loop per GPU (csrc/scheduler/engine.c)
+that opens and closes the instances' gates, run in threads that hold no GIL.
+
+Whether a node schedules compute at all is a pure decision
+(`limits_compute`); everything else here is wiring between instances and the
+engine.
+
+Ownership: ComputeScheduler owns the engine and its threads from start() to
+stop(). Thread-safety: every method may be called from any thread; the
+engine serialises them."""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from cgpud._scheduler import ffi, lib
+from cgpud.daemon.model import ComputePolicy, ComputeTiming, Instance, NodeMode
+from cgpud.errors import CgpuError
+
+MAX_GPUS: int = lib.CGPU_SCHED_MAX_GPUS
+MAX_TENANTS: int = lib.CGPU_SCHED_MAX_TENANTS
+_ERRLEN = 512
+_STATUS = {
+    lib.CGPU_SCHED_ENOENT: "no such tenant",
+    lib.CGPU_SCHED_ENODEV: "no such GPU",
+    lib.CGPU_SCHED_EINVAL: "invalid argument",
+    lib.CGPU_SCHED_ENOSPC: f"the GPU already schedules {MAX_TENANTS} instances",
+    lib.CGPU_SCHED_EDQUOT: "the compute shares on the GPU would add up to more than 100 %",
+}
+
+
+class ComputeError(CgpuError):
+    """The compute scheduler refused a change."""
+
+
+@dataclass(frozen=True)
+class GpuSchedule:
+    """What one GPU's loop is doing, for `cgpuctl` and tests."""
+
+    gpu: int
+    policy: ComputePolicy
+    tenants: int
+    holder: int
+    decisions: int
+    grants: int
+    fences: int
+    fence_timeouts: int
+    fence_wait_ns: int
+
+
+def limits_compute(mode: NodeMode) -> bool:
+    """Only core_mem nodes schedule compute; on the others every gate stays
+    open whatever the compute policy says."""
+    return mode is NodeMode.CORE_MEM
+
+
+def _check(rc: int, what: str, err: Any = None) -> None:
+    if rc == 0:
+        return
+    detail = ffi.string(err).decode(errors="replace") if err is not None and err[0] != b"\0" else ""
+    raise ComputeError(f"{what}: {detail or _STATUS.get(rc, f'status {rc}')}")
+
+
+class ComputeScheduler:
+    def __init__(self, gpu_count: int, timing: ComputeTiming = ComputeTiming()) -> None:
+        if not 1 <= gpu_count <= MAX_GPUS:
+            raise ComputeError(f"the compute scheduler handles 1 to {MAX_GPUS} GPUs, not {gpu_count}")
+        self._engine = ffi.gc(lib.cgpu_engine_create(gpu_count), lib.cgpu_engine_destroy)
+        if self._engine == ffi.NULL:
+            raise ComputeError("cannot create the compute scheduler (out of memory)")
+        self._gpu_count = gpu_count
+        self._timing = timing
+        self._keys: dict[str, list[tuple[int, int]]] = {}  # instance id -> [(gpu, key)]
+        self._next_key = 1
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._log = structlog.get_logger("cgpud.compute")
+
+    def start(self) -> ComputeScheduler:
+        for gpu in range(self._gpu_count):
+            t = threading.Thread(target=self._run, args=(gpu,), name=f"compute-gpu{gpu}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        return self
+
+    def _run(self, gpu: int) -> None:
+        rc = lib.cgpu_engine_run(self._engine, gpu)  # cffi releases the GIL for the call
+        if rc != 0:
+            self._log.error("scheduler loop refused to run", gpu=gpu, status=rc)
+
+    def stop(self) -> None:
+        """Ends every loop; the gates are left open so no process waits for
+        a grant nobody will give."""
+        lib.cgpu_engine_stop(self._engine)
+        for t in self._threads:
+            t.join()
+        self._threads.clear()
+
+    def configure(self, policy: ComputePolicy, gpus: range | None = None) -> None:
+        t = self._timing
+        for gpu in gpus if gpus is not None else range(self._gpu_count):
+            _check(lib.cgpu_engine_configure(self._engine, gpu, int(policy), t.period_ns, t.max_slice_ns,
+                                             t.high_priority_percent), f"cannot set policy {policy.name} on GPU {gpu}")
+
+    def attach(self, instance: Instance, region: Path) -> None:
+        """Schedules every GPU of the instance; all or nothing."""
+        err = ffi.new("char[]", _ERRLEN)
+        with self._lock:
+            if instance.id in self._keys:
+                return
+            done: list[tuple[int, int]] = []
+            try:
+                for slot, grant in enumerate(instance.grants):
+                    key = self._next_key
+                    self._next_key += 1
+                    _check(lib.cgpu_engine_attach(self._engine, grant.gpu_index, key, str(region).encode(), slot,
+                                                  grant.core_percent, instance.weight, int(instance.priority > 0),
+                                                  err, _ERRLEN),
+                           f"cannot schedule instance {instance.id} on GPU {grant.gpu_index}", err)
+                    done.append((grant.gpu_index, key))
+            except ComputeError:
+                for gpu, key in done:
+                    lib.cgpu_engine_detach(self._engine, gpu, key)
+                raise
+            self._keys[instance.id] = done
+
+    def detach(self, instance_id: str) -> None:
+        with self._lock:
+            for gpu, key in self._keys.pop(instance_id, []):
+                lib.cgpu_engine_detach(self._engine, gpu, key)
+
+    def schedule(self, gpu: int) -> GpuSchedule:
+        s = ffi.new("struct cgpu_engine_stats *")
+        _check(lib.cgpu_engine_stats_get(self._engine, gpu, s), f"no schedule for GPU {gpu}")
+        return GpuSchedule(gpu, ComputePolicy(s.policy), s.tenants, s.holder, s.decisions, s.grants, s.fences,
+                           s.fence_timeouts, s.fence_wait_ns)

@@ -1,0 +1,498 @@
+/* The compute scheduler's engine (engine.h): the decision core run against
+ * the instances' grants and usage files. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "cgpu/region.h"
+#include "scheduler.h"
+#include "engine.h"
+
+struct tenant {
+    uint64_t key;            /* 0: free entry */
+    unsigned slot;           /* device index within the instance */
+    struct cgpu_grants *grants;
+    struct cgpu_usage *usage;
+    int usage_fd;            /* for probing ledger locks */
+    int launched;            /* its last fence said it had launched work */
+    int detach_pending;      /* detached while its fence was awaited */
+};
+
+struct gpu_loop {
+    struct tenant t[CGPU_SCHED_MAX_TENANTS];
+    uint64_t holder;         /* key whose gate is open, 0 for none */
+    uint64_t charged_to;     /* the holder has been charged up to here */
+    uint64_t fencing;        /* key whose fence is awaited with the mutex released */
+    int ungated;             /* every gate says CGPU_GATE_UNGATED */
+    int running;
+    pthread_cond_t wake;
+    struct cgpu_engine_stats stats;
+};
+
+struct cgpu_engine {
+    pthread_mutex_t mu;
+    struct cgpu_sched *sched;
+    unsigned gpu_count;
+    int stop;
+    struct gpu_loop gpu[];
+};
+
+static uint64_t mono_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static struct timespec abs_timespec(uint64_t ns)
+{
+    return (struct timespec){.tv_sec = (time_t)(ns / 1000000000u), .tv_nsec = (long)(ns % 1000000000u)};
+}
+
+/* Shared (not private) futexes: the words live in files other processes map. */
+static void futex_wake_all(_Atomic uint32_t *word)
+{
+    syscall(SYS_futex, (uint32_t *)word, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+static void futex_wait_for(_Atomic uint32_t *word, uint32_t seen, uint64_t ns)
+{
+    struct timespec rel = abs_timespec(ns);
+    syscall(SYS_futex, (uint32_t *)word, FUTEX_WAIT, seen, &rel, NULL, 0);
+}
+
+static _Atomic uint32_t *gate_of(const struct tenant *t)
+{
+    return &t->grants->device[t->slot].gate;
+}
+
+/* Every change moves the sequence on, so a process that saw the old value
+ * wakes and a fence acknowledgement names exactly one closing. */
+static uint32_t gate_set(struct tenant *t, uint32_t bits)
+{
+    _Atomic uint32_t *g = gate_of(t);
+    uint32_t v = ((atomic_load(g) & CGPU_GATE_SEQ_MASK) + CGPU_GATE_SEQ_STEP) | bits;
+    atomic_store(g, v);
+    futex_wake_all(g);
+    return v;
+}
+
+static struct gpu_loop *loop_at(struct cgpu_engine *e, unsigned gpu)
+{
+    return e && gpu < e->gpu_count ? &e->gpu[gpu] : NULL;
+}
+
+static struct tenant *find(struct gpu_loop *g, uint64_t key)
+{
+    for (unsigned i = 0; key && i < CGPU_SCHED_MAX_TENANTS; i++)
+        if (g->t[i].key == key)
+            return &g->t[i];
+    return NULL;
+}
+
+static void unmap_tenant(struct tenant *t)
+{
+    if (t->grants)
+        munmap(t->grants, sizeof(*t->grants));
+    if (t->usage)
+        munmap(t->usage, sizeof(*t->usage));
+    if (t->usage_fd >= 0)
+        close(t->usage_fd);
+    *t = (struct tenant){.usage_fd = -1};
+}
+
+struct cgpu_engine *cgpu_engine_create(unsigned gpu_count)
+{
+    if (gpu_count == 0 || gpu_count > CGPU_SCHED_MAX_GPUS)
+        return NULL;
+    struct cgpu_engine *e = calloc(1, sizeof(*e) + gpu_count * sizeof(e->gpu[0]));
+    if (!e)
+        return NULL;
+    e->sched = cgpu_sched_create(gpu_count);
+    if (!e->sched) {
+        free(e);
+        return NULL;
+    }
+    e->gpu_count = gpu_count;
+    pthread_mutex_init(&e->mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    for (unsigned i = 0; i < gpu_count; i++) {
+        pthread_cond_init(&e->gpu[i].wake, &ca);
+        for (unsigned k = 0; k < CGPU_SCHED_MAX_TENANTS; k++)
+            e->gpu[i].t[k].usage_fd = -1;
+    }
+    pthread_condattr_destroy(&ca);
+    return e;
+}
+
+void cgpu_engine_destroy(struct cgpu_engine *e)
+{
+    if (!e)
+        return;
+    for (unsigned i = 0; i < e->gpu_count; i++) {
+        for (unsigned k = 0; k < CGPU_SCHED_MAX_TENANTS; k++)
+            if (e->gpu[i].t[k].key)
+                unmap_tenant(&e->gpu[i].t[k]);
+        pthread_cond_destroy(&e->gpu[i].wake);
+    }
+    pthread_mutex_destroy(&e->mu);
+    cgpu_sched_destroy(e->sched);
+    free(e);
+}
+
+int cgpu_engine_configure(struct cgpu_engine *e, unsigned gpu, int policy, uint64_t period_ns,
+                          uint64_t max_slice_ns, unsigned high_prio_percent)
+{
+    struct gpu_loop *g = loop_at(e, gpu);
+    if (!g)
+        return e ? CGPU_SCHED_ENODEV : CGPU_SCHED_EINVAL;
+    pthread_mutex_lock(&e->mu);
+    int rc = cgpu_sched_configure(e->sched, gpu, policy, period_ns, max_slice_ns, high_prio_percent);
+    if (rc == 0)
+        pthread_cond_signal(&g->wake);
+    pthread_mutex_unlock(&e->mu);
+    return rc;
+}
+
+static void *map_region_file(const char *dir, const char *name, int flags, size_t size, int *fd_out, char *err,
+                             unsigned errlen, int *rc)
+{
+    char path[4096];
+    snprintf(path, sizeof(path), "%s/%s", dir, name);
+    int fd = open(path, flags | O_CLOEXEC | O_NOFOLLOW);
+    struct stat sb;
+    if (fd < 0 || fstat(fd, &sb) != 0) {
+        *rc = -errno;
+        snprintf(err, errlen, "cannot open %s: %s", path, strerror(errno));
+        if (fd >= 0)
+            close(fd);
+        return NULL;
+    }
+    if (!S_ISREG(sb.st_mode) || (size_t)sb.st_size < size) {
+        *rc = CGPU_SCHED_EINVAL;
+        snprintf(err, errlen, "%s is not a cgpu region file of %zu bytes", path, size);
+        close(fd);
+        return NULL;
+    }
+    void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) {
+        *rc = -errno;
+        snprintf(err, errlen, "cannot map %s: %s", path, strerror(errno));
+        close(fd);
+        return NULL;
+    }
+    if (fd_out)
+        *fd_out = fd;
+    else
+        close(fd);
+    return p;
+}
+
+int cgpu_engine_attach(struct cgpu_engine *e, unsigned gpu, uint64_t key, const char *region_dir, unsigned slot,
+                       unsigned share_percent, unsigned weight, int high_priority, char *err, unsigned errlen)
+{
+    struct gpu_loop *g = loop_at(e, gpu);
+    if (!g)
+        return e ? CGPU_SCHED_ENODEV : CGPU_SCHED_EINVAL;
+    if (!key || !region_dir || !err || errlen == 0 || slot >= CGPU_MAX_DEVICES)
+        return CGPU_SCHED_EINVAL;
+    err[0] = '\0';
+    pthread_mutex_lock(&e->mu);
+    struct tenant *t = find(g, key);
+    int rc = 0;
+    if (t) { /* a new share, weight or priority for a known tenant */
+        rc = t->slot == slot ? cgpu_sched_tenant_set(e->sched, gpu, key, share_percent, weight, high_priority)
+                             : CGPU_SCHED_EINVAL;
+        goto out;
+    }
+    for (unsigned i = 0; !t && i < CGPU_SCHED_MAX_TENANTS; i++)
+        if (!g->t[i].key)
+            t = &g->t[i];
+    if (!t) {
+        rc = CGPU_SCHED_ENOSPC;
+        goto out;
+    }
+    struct tenant fresh = {.key = key, .slot = slot, .usage_fd = -1};
+    fresh.grants = map_region_file(region_dir, CGPU_GRANTS_FILE, O_RDWR, sizeof(struct cgpu_grants), NULL, err,
+                                   errlen, &rc);
+    if (fresh.grants)
+        fresh.usage = map_region_file(region_dir, CGPU_USAGE_FILE, O_RDWR, sizeof(struct cgpu_usage),
+                                      &fresh.usage_fd, err, errlen, &rc);
+    if (fresh.grants && fresh.usage &&
+        (fresh.grants->magic != CGPU_GRANTS_MAGIC || fresh.usage->magic != CGPU_USAGE_MAGIC)) {
+        rc = CGPU_SCHED_EINVAL;
+        snprintf(err, errlen, "%s holds no cgpu grants and usage files of this version", region_dir);
+    }
+    if (rc == 0)
+        rc = cgpu_sched_tenant_set(e->sched, gpu, key, share_percent, weight, high_priority);
+    if (rc != 0) {
+        unmap_tenant(&fresh);
+        goto out;
+    }
+    *t = fresh;
+    /* Closed until the loop grants it, or open if the GPU is ungated. */
+    gate_set(t, g->ungated ? CGPU_GATE_UNGATED : 0);
+    pthread_cond_signal(&g->wake);
+out:
+    pthread_mutex_unlock(&e->mu);
+    return rc;
+}
+
+/* Caller holds the mutex. */
+static void forget(struct cgpu_engine *e, unsigned gpu, struct tenant *t)
+{
+    struct gpu_loop *g = &e->gpu[gpu];
+    gate_set(t, 0);
+    cgpu_sched_tenant_remove(e->sched, gpu, t->key);
+    if (g->holder == t->key)
+        g->holder = 0;
+    unmap_tenant(t);
+}
+
+int cgpu_engine_detach(struct cgpu_engine *e, unsigned gpu, uint64_t key)
+{
+    struct gpu_loop *g = loop_at(e, gpu);
+    if (!g)
+        return e ? CGPU_SCHED_ENODEV : CGPU_SCHED_EINVAL;
+    pthread_mutex_lock(&e->mu);
+    struct tenant *t = find(g, key);
+    int rc = t ? 0 : CGPU_SCHED_ENOENT;
+    if (t && g->fencing == key)
+        t->detach_pending = 1; /* the loop reads its files right now; it finishes this */
+    else if (t)
+        forget(e, gpu, t);
+    if (t) {
+        cgpu_sched_tenant_remove(e->sched, gpu, key);
+        pthread_cond_signal(&g->wake);
+    }
+    pthread_mutex_unlock(&e->mu);
+    return rc;
+}
+
+void cgpu_engine_stop(struct cgpu_engine *e)
+{
+    if (!e)
+        return;
+    pthread_mutex_lock(&e->mu);
+    e->stop = 1;
+    for (unsigned i = 0; i < e->gpu_count; i++)
+        pthread_cond_signal(&e->gpu[i].wake);
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* True when no process holds ledger i's lock any more: it died without
+ * acknowledging, and has nothing left in flight. */
+static int ledger_dead(int fd, int i)
+{
+    struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = CGPU_LEDGER_LOCK_OFFSET(i), .l_len = 1};
+    return fcntl(fd, F_OFD_GETLK, &fl) == 0 && fl.l_type == F_UNLCK;
+}
+
+/* Waits, without the mutex, until every live process that launches on the
+ * tenant's device has acknowledged the closing `closed`. Returns 1 if all
+ * did, 0 on timeout; *launched tells whether any had launched work. The
+ * files stay mapped: detach defers to the loop while `fencing` names us. */
+static int await_fence(const struct tenant *t, uint32_t closed, int *launched)
+{
+    struct cgpu_usage *u = t->usage;
+    _Atomic uint32_t *bell = &u->device[t->slot].bell;
+    uint32_t bit = 1u << t->slot;
+    uint64_t deadline = mono_ns() + CGPU_ENGINE_FENCE_TIMEOUT_NS;
+    for (int round = 0;; round++) {
+        uint32_t rung = atomic_load(bell);
+        uint32_t n = atomic_load(&u->ledgers_used);
+        int pending = 0;
+        for (uint32_t i = 0; i < n && i < CGPU_MAX_PROCS; i++) {
+            struct cgpu_proc_ledger *p = &u->proc[i];
+            if (atomic_load(&p->state) != CGPU_LEDGER_LIVE || !(atomic_load(&p->watching) & bit))
+                continue;
+            uint32_t ack = atomic_load_explicit(&p->fence_ack[t->slot], memory_order_acquire);
+            if ((ack & CGPU_GATE_SEQ_MASK) == (closed & CGPU_GATE_SEQ_MASK)) {
+                *launched |= (ack & CGPU_ACK_LAUNCHED) != 0;
+                continue;
+            }
+            /* Probe locks only once the quick path failed: it costs a syscall. */
+            if (round > 0 && ledger_dead(t->usage_fd, (int)i))
+                continue;
+            pending++;
+        }
+        if (!pending)
+            return 1;
+        uint64_t now = mono_ns();
+        if (now >= deadline)
+            return 0;
+        uint64_t left = deadline - now;
+        futex_wait_for(bell, rung, left < CGPU_ENGINE_IDLE_POLL_NS ? left : CGPU_ENGINE_IDLE_POLL_NS);
+    }
+}
+
+static void charge_holder(struct cgpu_engine *e, unsigned gpu, uint64_t now)
+{
+    struct gpu_loop *g = &e->gpu[gpu];
+    if (g->holder && now > g->charged_to)
+        cgpu_sched_charge(e->sched, gpu, g->holder, now - g->charged_to);
+    g->charged_to = now;
+}
+
+/* Closes the holder's gate and charges it until its processes have fenced.
+ * Caller holds the mutex; it is released while waiting. */
+static void close_holder(struct cgpu_engine *e, unsigned gpu)
+{
+    struct gpu_loop *g = &e->gpu[gpu];
+    struct tenant *t = find(g, g->holder);
+    if (!t) {
+        g->holder = 0;
+        return;
+    }
+    uint32_t closed = gate_set(t, 0);
+    uint64_t start = mono_ns();
+    g->fencing = t->key;
+    pthread_mutex_unlock(&e->mu);
+    int launched = 0;
+    int acked = await_fence(t, closed, &launched);
+    pthread_mutex_lock(&e->mu);
+    g->fencing = 0;
+    uint64_t end = mono_ns();
+    charge_holder(e, gpu, end);
+    g->holder = 0;
+    g->stats.fence_wait_ns += end - start;
+    if (acked)
+        g->stats.fences++;
+    else
+        g->stats.fence_timeouts++;
+    t->launched = launched;
+    if (t->detach_pending)
+        forget(e, gpu, t);
+}
+
+static void set_all_gates(struct gpu_loop *g, uint32_t bits)
+{
+    for (unsigned i = 0; i < CGPU_SCHED_MAX_TENANTS; i++)
+        if (g->t[i].key)
+            gate_set(&g->t[i], bits);
+}
+
+/* Reports each tenant's demand to the core; returns how many have none. */
+static int report_demand(struct cgpu_engine *e, unsigned gpu)
+{
+    struct gpu_loop *g = &e->gpu[gpu];
+    int idle = 0;
+    for (unsigned i = 0; i < CGPU_SCHED_MAX_TENANTS; i++) {
+        struct tenant *t = &g->t[i];
+        if (!t->key)
+            continue;
+        int has = t->key == g->holder || t->launched || atomic_load(&t->usage->device[t->slot].waiting) > 0;
+        t->launched = 0;
+        cgpu_sched_demand(e->sched, gpu, t->key, has);
+        idle += !has;
+    }
+    return idle;
+}
+
+static int tenant_count(const struct gpu_loop *g)
+{
+    int n = 0;
+    for (unsigned i = 0; i < CGPU_SCHED_MAX_TENANTS; i++)
+        n += g->t[i].key != 0;
+    return n;
+}
+
+int cgpu_engine_run(struct cgpu_engine *e, unsigned gpu)
+{
+    struct gpu_loop *g = loop_at(e, gpu);
+    if (!g)
+        return e ? CGPU_SCHED_ENODEV : CGPU_SCHED_EINVAL;
+    pthread_mutex_lock(&e->mu);
+    if (g->running) {
+        pthread_mutex_unlock(&e->mu);
+        return CGPU_SCHED_EINVAL;
+    }
+    g->running = 1;
+    while (!e->stop) {
+        uint64_t now = mono_ns();
+        charge_holder(e, gpu, now);
+        int idle = report_demand(e, gpu);
+        struct cgpu_sched_decision d;
+        int rc = cgpu_sched_next(e->sched, gpu, now, &d);
+        g->stats.decisions++;
+        if (rc == CGPU_SCHED_UNGATED) {
+            g->holder = 0;
+            if (!g->ungated)
+                set_all_gates(g, CGPU_GATE_UNGATED);
+            g->ungated = 1;
+            pthread_cond_wait(&g->wake, &e->mu);
+            continue;
+        }
+        if (g->ungated) {
+            set_all_gates(g, 0);
+            g->ungated = 0;
+        }
+        if (g->holder && d.key != g->holder) {
+            close_holder(e, gpu);
+            continue; /* time has passed: decide afresh */
+        }
+        struct tenant *t = d.key != g->holder ? find(g, d.key) : NULL;
+        if (t) {
+            atomic_store(&t->grants->device[t->slot].slice_end_ns, now + d.slice_ns);
+            gate_set(t, CGPU_GATE_OPEN);
+            g->holder = d.key;
+            g->charged_to = now;
+            g->stats.grants++;
+        }
+        if (tenant_count(g) == 0) {
+            pthread_cond_wait(&g->wake, &e->mu);
+            continue;
+        }
+        uint64_t until = now + (d.slice_ns ? d.slice_ns : CGPU_ENGINE_IDLE_POLL_NS);
+        if (!d.key && idle && until > now + CGPU_ENGINE_IDLE_POLL_NS)
+            until = now + CGPU_ENGINE_IDLE_POLL_NS;
+        struct timespec ts = abs_timespec(until);
+        pthread_cond_timedwait(&g->wake, &e->mu, &ts);
+    }
+    /* cgpud is going away: nobody may be left waiting for a grant that no
+     * one will give. Compute runs unlimited until it is back. */
+    set_all_gates(g, CGPU_GATE_UNGATED);
+    g->holder = 0;
+    g->running = 0;
+    pthread_mutex_unlock(&e->mu);
+    return 0;
+}
+
+int cgpu_engine_stats_get(struct cgpu_engine *e, unsigned gpu, struct cgpu_engine_stats *out)
+{
+    struct gpu_loop *g = loop_at(e, gpu);
+    if (!g || !out)
+        return !e || !out ? CGPU_SCHED_EINVAL : CGPU_SCHED_ENODEV;
+    pthread_mutex_lock(&e->mu);
+    *out = g->stats;
+    out->holder = g->holder;
+    out->tenants = tenant_count(g);
+    struct cgpu_sched_config c;
+    out->policy = cgpu_sched_config_get(e->sched, gpu, &c) == 0 ? c.policy : -1;
+    pthread_mutex_unlock(&e->mu);
+    return 0;
+}
+
+int cgpu_engine_tenant_get(struct cgpu_engine *e, unsigned gpu, uint64_t key, struct cgpu_sched_tenant_info *out)
+{
+    if (!loop_at(e, gpu))
+        return e ? CGPU_SCHED_ENODEV : CGPU_SCHED_EINVAL;
+    pthread_mutex_lock(&e->mu);
+    int rc = cgpu_sched_tenant_get(e->sched, gpu, key, out);
+    pthread_mutex_unlock(&e->mu);
+    return rc;
+}

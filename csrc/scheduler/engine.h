@@ -1,0 +1,69 @@
+/* The compute scheduler's engine: drives the decision core (scheduler.h) for
+ * each GPU against the instances' shared regions, in cgpud, without the GIL.
+ *
+ * Per GPU, cgpu_engine_run() loops: read each tenant's demand from its usage
+ * file, ask the core who holds the GPU, open that tenant's gate in its grants
+ * file, sleep until the slice ends (or something changes), close the gate,
+ * wait until every process of the tenant has fenced its work in flight, and
+ * charge the tenant from grant to fence: the device time it really used.
+ * The protocol is in cgpu/region.h.
+ *
+ * Ownership: the caller owns an engine from create to destroy; the engine maps
+ * each attached tenant's grants and usage files until detach. Thread-safety:
+ * every function may be called from any thread; one thread per GPU runs
+ * cgpu_engine_run; a mutex inside guards the tables (this is cgpud's own
+ * memory: no other process can hold it). Tenant processes are never trusted:
+ * what they write can delay their own grants, never another tenant's beyond
+ * the fence timeout.
+ *
+ * This header is also part of the cffi cdef (build_scheduler.py): plain
+ * integer #defines only, no inline code, C comments only. */
+#ifndef CGPU_ENGINE_H
+#define CGPU_ENGINE_H
+
+#include <stdint.h>
+
+/* A closed gate waits this long for the processes' fence acknowledgements
+ * before the next tenant is granted anyway (a stopped or hung process). */
+#define CGPU_ENGINE_FENCE_TIMEOUT_NS 50000000
+/* With someone who might report work, an idle GPU looks this often. */
+#define CGPU_ENGINE_IDLE_POLL_NS 1000000
+
+struct cgpu_engine_stats {
+    uint64_t decisions;
+    uint64_t grants;          /* gate openings */
+    uint64_t fences;          /* gate closings that were acknowledged */
+    uint64_t fence_timeouts;  /* closings that ran into CGPU_ENGINE_FENCE_TIMEOUT_NS */
+    uint64_t fence_wait_ns;   /* total time from closing to acknowledgement */
+    uint64_t holder;          /* key holding the GPU now, 0 for none */
+    int tenants;
+    int policy;
+};
+
+struct cgpu_engine;
+
+/* NULL when gpu_count is 0 or above CGPU_SCHED_MAX_GPUS, or out of memory. */
+struct cgpu_engine *cgpu_engine_create(unsigned gpu_count);
+/* The caller has stopped and joined every run() first. */
+void cgpu_engine_destroy(struct cgpu_engine *e);
+
+/* Results are the cgpu_sched_status values; attach adds -errno of a failing
+ * open or map, with the message in err. */
+int cgpu_engine_configure(struct cgpu_engine *e, unsigned gpu, int policy, uint64_t period_ns,
+                          uint64_t max_slice_ns, unsigned high_prio_percent);
+/* Maps <region_dir>/grants and usage and schedules device `slot` of that
+ * instance as tenant `key` on `gpu`. */
+int cgpu_engine_attach(struct cgpu_engine *e, unsigned gpu, uint64_t key, const char *region_dir, unsigned slot,
+                       unsigned share_percent, unsigned weight, int high_priority, char *err, unsigned errlen);
+/* The tenant's gate is left closed: a released instance computes no more. */
+int cgpu_engine_detach(struct cgpu_engine *e, unsigned gpu, uint64_t key);
+
+/* Runs GPU `gpu`'s loop until cgpu_engine_stop(); returns 0, or a negative
+ * status at once for a bad GPU or a second runner. */
+int cgpu_engine_run(struct cgpu_engine *e, unsigned gpu);
+void cgpu_engine_stop(struct cgpu_engine *e);
+
+int cgpu_engine_stats_get(struct cgpu_engine *e, unsigned gpu, struct cgpu_engine_stats *out);
+int cgpu_engine_tenant_get(struct cgpu_engine *e, unsigned gpu, uint64_t key, struct cgpu_sched_tenant_info *out);
+
+#endif

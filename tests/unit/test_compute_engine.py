@@ -1,0 +1,213 @@
+"""The compute scheduler's engine against real region files: the test plays
+the tenant processes' side of the protocol in cgpu/region.h (demand, fence
+acknowledgements, a process dying with its ledger), and checks what cgpud
+does with the gates. libcgpu.so's side is tested in tests/intercept."""
+from __future__ import annotations
+
+import mmap
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from cgpud._region import ffi as rffi
+from cgpud._region import lib as rlib
+from cgpud.daemon.compute import MAX_TENANTS, ComputeError, ComputeScheduler, limits_compute
+from cgpud.daemon.config import MAX_SCHEDULED
+from cgpud.daemon.model import (ComputePolicy, ComputeTiming, Grant, Instance, InstanceState, NodeMode, Owner,
+                                OwnerKind)
+from cgpud.daemon.region import GRANTS_FILE, DeviceLimit, InstanceLimits, UsageRegion, write_region
+
+OPEN, UNGATED, SEQ = rlib.CGPU_GATE_OPEN, rlib.CGPU_GATE_UNGATED, rlib.CGPU_GATE_SEQ_MASK
+FAST = ComputeTiming(period_ns=20_000_000, max_slice_ns=2_000_000, high_priority_percent=80)
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 3.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.0005)
+    return cond()
+
+
+class Tenant:
+    """One instance's region, seen as its processes see it."""
+
+    def __init__(self, root: Path, name: str, core: int) -> None:
+        self.dir = root / name
+        write_region(self.dir, InstanceLimits(name, (DeviceLimit("GPU-x", 1 << 30, 0, core),)), gated=True)
+        self.instance = Instance(name, Owner(OwnerKind.PROCESS, name), (Grant(0, "GPU-x", 1 << 30, core),),
+                                 InstanceState.RESERVED, True)
+        fd = os.open(self.dir / GRANTS_FILE, os.O_RDONLY)
+        self._gmap = mmap.mmap(fd, rffi.sizeof("struct cgpu_grants"), mmap.MAP_SHARED, mmap.PROT_READ)
+        os.close(fd)
+        self.grants = rffi.from_buffer("struct cgpu_grants *", self._gmap)
+        self.usage = UsageRegion(self.dir)
+        self.u = self.usage._mapped()
+
+    @property
+    def gate(self) -> int:
+        return int(self.grants.device[0].gate)
+
+    def want(self, waiting: int) -> None:
+        self.u.device[0].waiting = waiting
+
+    def watch(self) -> int:
+        ledger = self.usage.claim(os.getpid())
+        self.u.proc[ledger].watching = 1
+        return ledger
+
+    def ack(self, ledger: int, launched: bool = True) -> None:
+        self.u.proc[ledger].fence_ack[0] = (self.gate & SEQ) | (rlib.CGPU_ACK_LAUNCHED if launched else 0)
+        self.u.device[0].bell += 1
+
+    def close(self) -> None:
+        self.usage.close()
+        del self.grants
+        self._gmap.close()
+
+
+@pytest.fixture
+def sched() -> Iterator[ComputeScheduler]:
+    s = ComputeScheduler(1, FAST).start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def tenants(tmp_path: Path) -> Iterator[Callable[[str, int], Tenant]]:
+    made: list[Tenant] = []
+
+    def make(name: str, core: int = 0) -> Tenant:
+        made.append(Tenant(tmp_path, name, core))
+        return made[-1]
+
+    yield make
+    for t in made:
+        t.close()
+
+
+def test_only_core_mem_nodes_limit_compute() -> None:
+    assert limits_compute(NodeMode.CORE_MEM)
+    assert not any(limits_compute(m) for m in (NodeMode.CGPU, NodeMode.SHARE, NodeMode.DEFAULT, NodeMode.MPS))
+    assert MAX_SCHEDULED == MAX_TENANTS
+
+
+def test_regions_of_nodes_without_compute_limits_are_open_for_good(tmp_path: Path) -> None:
+    write_region(tmp_path / "r", InstanceLimits("r", (DeviceLimit("GPU-x", 1 << 30, 0, 0),)), gated=False)
+    raw = (tmp_path / "r" / GRANTS_FILE).read_bytes()
+    g = rffi.from_buffer("struct cgpu_grants *", bytearray(raw))
+    assert all(g.device[d].gate == UNGATED for d in range(rlib.CGPU_MAX_DEVICES))
+
+
+def test_native_opens_every_gate_and_a_limiting_policy_closes_them(sched: ComputeScheduler, tenants) -> None:
+    a = tenants("a", 30)
+    assert a.gate & (OPEN | UNGATED) == 0  # a new region computes only once scheduled
+    sched.configure(ComputePolicy.NATIVE)
+    sched.attach(a.instance, a.dir)
+    assert wait_until(lambda: a.gate & UNGATED)
+    sched.configure(ComputePolicy.FIXED)
+    assert wait_until(lambda: a.gate & (OPEN | UNGATED) == 0)
+
+
+def test_a_waiting_tenant_is_granted_and_fenced_at_the_end_of_its_share(sched: ComputeScheduler, tenants) -> None:
+    sched.configure(ComputePolicy.FIXED)
+    a = tenants("a", 30)
+    sched.attach(a.instance, a.dir)
+    ledger = a.watch()
+    a.want(1)
+    assert wait_until(lambda: a.gate & OPEN)
+    opened = a.gate
+    # 30 % of a 20 ms period: the gate closes within a period, and stays
+    # closed (the daemon waits for the fence) until acknowledged.
+    assert wait_until(lambda: a.gate & OPEN == 0, timeout=1)
+    closed = a.gate
+    assert closed & SEQ != opened & SEQ
+    a.ack(ledger)
+    assert wait_until(lambda: sched.schedule(0).fences >= 1)
+    s = sched.schedule(0)
+    assert s.fence_timeouts == 0 and s.tenants == 1
+
+
+def test_an_unacknowledged_fence_times_out_and_the_next_tenant_runs(sched: ComputeScheduler, tenants) -> None:
+    sched.configure(ComputePolicy.PREEMPTIVE)
+    a, b = tenants("a"), tenants("b")
+    sched.attach(a.instance, a.dir)
+    sched.attach(b.instance, b.dir)
+    a.watch()  # a process that launches but never acknowledges (stopped, hung)
+    a.want(1)
+    b.want(1)
+    holder_first = a if wait_until(lambda: a.gate & OPEN, timeout=0.2) else b
+    assert wait_until(lambda: b.gate & OPEN and a.gate & OPEN == 0, timeout=2)
+    assert holder_first is b or sched.schedule(0).fence_timeouts == 1
+
+
+def test_a_tenant_killed_holding_the_gate_stalls_the_others_for_at_most_a_slice(
+        sched: ComputeScheduler, tenants) -> None:
+    sched.configure(ComputePolicy.PREEMPTIVE)
+    a, b = tenants("a"), tenants("b")
+    # A real process claims a ledger in a's usage file, says it launches on
+    # device 0, and is killed: its ledger lock goes with it.
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\n"
+        "from cgpud.daemon.region import UsageRegion\n"
+        f"r = UsageRegion({str(a.dir)!r})\n"
+        "i = r.claim(1)\n"
+        "r._mapped().proc[i].watching = 1\n"
+        "print(i, flush=True)\n"
+        "time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        int(child.stdout.readline())
+        sched.attach(a.instance, a.dir)
+        a.want(1)
+        assert wait_until(lambda: a.gate & OPEN)
+        child.kill()
+        child.wait()
+        a.want(0)
+        sched.attach(b.instance, b.dir)
+        b.want(1)
+        started = time.monotonic()
+        assert wait_until(lambda: b.gate & OPEN, timeout=2)
+        stalled = time.monotonic() - started
+    finally:
+        child.kill()
+        child.wait()
+    s = sched.schedule(0)
+    assert s.fence_timeouts == 0, "a dead process's ledger was waited for"
+    # One 2 ms slice plus the lock probe and wake-ups; the fence timeout is 50 ms.
+    assert stalled < 0.04, stalled
+
+
+def test_detach_closes_the_gate_and_stop_opens_every_gate(tenants) -> None:
+    s = ComputeScheduler(1, FAST).start()
+    a, b = tenants("a", 50), tenants("b", 50)
+    s.configure(ComputePolicy.FIXED)
+    s.attach(a.instance, a.dir)
+    s.attach(b.instance, b.dir)
+    a.want(1)
+    assert wait_until(lambda: a.gate & OPEN)
+    s.detach("a")
+    assert a.gate & (OPEN | UNGATED) == 0
+    assert s.schedule(0).tenants == 1
+    s.stop()
+    assert b.gate & UNGATED, "cgpud stopping must not leave processes waiting for a grant"
+
+
+def test_bad_attachments_are_refused_and_change_nothing(sched: ComputeScheduler, tenants, tmp_path: Path) -> None:
+    sched.configure(ComputePolicy.FIXED)
+    a, b = tenants("a", 70), tenants("b", 40)
+    sched.attach(a.instance, a.dir)
+    with pytest.raises(ComputeError, match="more than 100"):
+        sched.attach(b.instance, b.dir)
+    missing = Instance("gone", b.instance.owner, b.instance.grants, InstanceState.RESERVED, True)
+    with pytest.raises(ComputeError, match=f"cannot open {tmp_path}/nowhere/grants"):
+        sched.attach(missing, tmp_path / "nowhere")
+    assert sched.schedule(0).tenants == 1
+    with pytest.raises(ComputeError, match="GPU 3"):
+        ComputeScheduler(1, FAST).configure(ComputePolicy.FIXED, range(3, 4))
