@@ -87,7 +87,8 @@ def _run(args: argparse.Namespace) -> int:
     from cgpud.daemon.placement import parse_memory
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    return run.run(_socket(args), parse_memory(args.mem), args.gpus, args.core, command)
+    return run.run(_socket(args), parse_memory(args.mem), args.gpus, args.core, command, weight=args.weight,
+                   high_priority=args.high_priority)
 
 
 def _create(args: argparse.Namespace) -> int:
@@ -206,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--mem", required=True, help="memory per GPU: 4 (GiB, like aliyun.com/gpu-mem), 4GiB, 512MiB")
     run.add_argument("--core", type=int, default=0, help="compute share in percent (core_mem nodes)")
     run.add_argument("--gpus", type=int, default=1, help="number of GPUs (default 1)")
+    run.add_argument("--weight", type=int, default=1, help="scheduling weight under the weighted policy (default 1)")
+    run.add_argument("--high-priority", action="store_true", help="schedule ahead of normal instances")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     run.set_defaults(handler=_run)
 

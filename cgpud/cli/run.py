@@ -32,12 +32,13 @@ def instance_environment(instance: Instance, region: Path, gpu_memory: dict[int,
     return env
 
 
-def run(socket_path: Path, memory: int, gpus: int, core: int, command: Sequence[str]) -> int:
+def run(socket_path: Path, memory: int, gpus: int, core: int, command: Sequence[str], weight: int = 1,
+        high_priority: bool = False) -> int:
     if not command:
         raise UsageError("nothing to run: give the command after --, e.g. cgpuctl run --mem 4GiB -- python train.py")
     owner = Owner(OwnerKind.PROCESS, f"cgpuctl-run-{socket.gethostname()}-{os.getpid()}")
     with LocalClient(socket_path) as client:
-        instance = client.create(Request(owner, memory, gpus, core), pid=os.getpid())
+        instance = client.create(Request(owner, memory, gpus, core, weight, int(high_priority)), pid=os.getpid())
         try:
             region = client.region_dir(instance.id)
             gpu_memory = {g.gpu.index: g.gpu.memory for g in client.node_info().gpus}
