@@ -3,6 +3,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <stdarg.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,6 +15,10 @@
 #include "libcgpu.h"
 
 struct cgpu_process g_cgpu = {.usage_fd = -1, .ledger = -1, .ledger_lock = PTHREAD_MUTEX_INITIALIZER};
+
+/* What a gate reads without a grants file, and when launches are refused. */
+static const _Atomic uint32_t ungated_word = CGPU_GATE_UNGATED;
+static const _Atomic uint32_t refused_word = 0;
 
 void cgpu_log(int level, const char *fmt, ...)
 {
@@ -103,8 +108,47 @@ static int load_usage(const char *dir, char *err, size_t errlen)
     return 0;
 }
 
+static void gates_point_at(const _Atomic uint32_t *word)
+{
+    for (unsigned i = 0; i < CGPU_MAX_DEVICES; i++)
+        g_cgpu.gate[i] = word;
+}
+
+static void refuse_launches(const char *why)
+{
+    gates_point_at(&refused_word);
+    snprintf(g_cgpu.refused_why, sizeof(g_cgpu.refused_why), "%.500s", why);
+    g_cgpu.launches_refused = true;
+}
+
+/* The scheduler's gates, read-only. No file: no compute control. A file we
+ * cannot trust: no launches, rather than launches nobody schedules. */
+static void load_grants(const char *dir)
+{
+    char path[4096], err[512];
+    snprintf(path, sizeof(path), "%s/%s", dir, CGPU_GRANTS_FILE);
+    if (access(path, F_OK) != 0 && errno == ENOENT) {
+        cgpu_log(CGPU_LOG_INFO, "no %s: kernel launches are not gated", path);
+        return;
+    }
+    size_t size;
+    const struct cgpu_grants *g = map_file(dir, CGPU_GRANTS_FILE, O_RDONLY, NULL, &size, err, sizeof(err));
+    if (g && cgpu_grants_check(g, size, err, sizeof(err)) != 0) {
+        munmap((void *)g, size);
+        g = NULL;
+    }
+    if (!g) {
+        refuse_launches(err);
+        return;
+    }
+    /* Mapped for the life of the process: the hot path holds pointers into it. */
+    for (unsigned i = 0; i < CGPU_MAX_DEVICES; i++)
+        g_cgpu.gate[i] = &g->device[i].gate;
+}
+
 /* A forked child must not share its parent's ledger (or its lock): it gets
- * its own when it first allocates. Only async-signal-safe calls here. */
+ * its own when it first allocates or launches. Only async-signal-safe calls
+ * here. */
 static void after_fork_child(void)
 {
     pthread_mutex_init(&g_cgpu.ledger_lock, NULL);
@@ -112,6 +156,7 @@ static void after_fork_child(void)
         close(g_cgpu.usage_fd);
     g_cgpu.usage_fd = -1;
     g_cgpu.ledger = -1;
+    cgpu_gate_after_fork();
 }
 
 /* Caller holds ledger_lock. */
@@ -141,6 +186,7 @@ static const char *region_dir(void)
 static void init_locked(void)
 {
     g_cgpu.log_level = env_log_level();
+    gates_point_at(&ungated_word);
     const char *dir = region_dir();
     if (!dir) {
         atomic_store(&g_cgpu.state, CGPU_PASSTHROUGH);
@@ -151,12 +197,20 @@ static void init_locked(void)
         cgpu_claim_ledger_locked() != 0) {
         if (!err[0])
             snprintf(err, sizeof(err), "all %d process ledgers of %s are taken", CGPU_MAX_PROCS, dir);
-        /* Fail closed, loudly: a broken region must not mean "unlimited". */
-        fprintf(stderr, "cgpu[%d]: GPU memory limits unavailable (%s); device allocations will fail\n",
-                (int)getpid(), err);
+        /* Fail closed, loudly: a broken region must not mean "unlimited".
+         * With a grants file the instance is compute-scheduled, and without
+         * the region no launch could take part in it. */
+        char grants[4096];
+        snprintf(grants, sizeof(grants), "%s/%s", dir, CGPU_GRANTS_FILE);
+        bool gated = access(grants, F_OK) == 0;
+        if (gated)
+            refuse_launches(""); /* said here */
+        fprintf(stderr, "cgpu[%d]: GPU memory limits unavailable (%s); device allocations%s will fail\n",
+                (int)getpid(), err, gated ? " and kernel launches" : "");
         atomic_store(&g_cgpu.state, CGPU_BROKEN);
         return;
     }
+    load_grants(dir);
     /* Usage left by processes that died since the last one looked. */
     cgpu_ledger_reap(g_cgpu.usage, g_cgpu.usage_fd, g_cgpu.ledger);
     pthread_atfork(NULL, NULL, after_fork_child);

@@ -1,12 +1,320 @@
-/* libcgpu.so: kernel launches. This is where the compute scheduler's grant
- * will be checked; with no compute limit a launch costs one load of the
- * cached driver pointer and a call. */
+/* libcgpu.so: kernel launches, gated by the compute scheduler's grants
+ * (protocol in cgpu/region.h).
+ *
+ * Every launch reads its device's gate word. UNGATED (no compute control):
+ * the launch is forwarded at once. OPEN: the launch is counted in flight
+ * while the driver takes it. Closed: the thread counts itself waiting and
+ * sleeps on the gate (a futex) until cgpud opens it. One fence watcher thread
+ * per device and process acknowledges each closing once its work in flight
+ * has finished on the device.
+ *
+ * Ownership: the per-slot state below is process-local; fork resets it.
+ * Thread-safety: the launch path takes no lock (the slow path takes
+ * gate_lock, never across a driver call and never in a path a launch with
+ * an open or absent gate takes). */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <signal.h>
+#include <stdio.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
 #include "libcgpu.h"
 
-#define FORWARD(symbol, ...)                                                                    \
+#define MAX_CONTEXTS 8
+#define INFLIGHT_POLL_NS 20000
+
+struct gate_slot {
+    _Atomic uint32_t inflight; /* launches between their gate check and the driver's return */
+    _Atomic uint32_t launched; /* a launch since the last acknowledgement */
+    _Atomic uint32_t watched;  /* this process's fence watcher runs */
+    unsigned ncontexts;        /* under gate_lock */
+    CUcontext contexts[MAX_CONTEXTS];
+} __attribute__((aligned(64)));
+
+static struct gate_slot slots[CGPU_MAX_DEVICES];
+static pthread_mutex_t gate_lock = PTHREAD_MUTEX_INITIALIZER;
+static atomic_bool refusal_logged;
+static atomic_bool contexts_full_logged;
+static atomic_bool watcher_failure_logged;
+
+void cgpu_gate_after_fork(void)
+{
+    pthread_mutex_init(&gate_lock, NULL);
+    for (unsigned i = 0; i < CGPU_MAX_DEVICES; i++) {
+        atomic_store(&slots[i].inflight, 0);
+        atomic_store(&slots[i].launched, 0);
+        atomic_store(&slots[i].watched, 0);
+        slots[i].ncontexts = 0;
+    }
+}
+
+/* Shared futexes: the words live in MAP_SHARED file mappings. */
+static void futex_wait(const _Atomic uint32_t *word, uint32_t expected)
+{
+    syscall(SYS_futex, (uintptr_t)word, FUTEX_WAIT, expected, NULL, NULL, 0);
+}
+
+static void futex_wake_all(_Atomic uint32_t *word)
+{
+    syscall(SYS_futex, (uintptr_t)word, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+/* ---- contexts to synchronise at a fence ------------------------------------ */
+
+static void remember_context(struct gate_slot *s, CUcontext ctx)
+{
+    if (!ctx)
+        return;
+    bool full = false;
+    pthread_mutex_lock(&gate_lock);
+    unsigned i = 0;
+    while (i < s->ncontexts && s->contexts[i] != ctx)
+        i++;
+    if (i == s->ncontexts) {
+        if (i < MAX_CONTEXTS)
+            s->contexts[s->ncontexts++] = ctx;
+        else
+            full = true;
+    }
+    pthread_mutex_unlock(&gate_lock);
+    if (full && !atomic_exchange(&contexts_full_logged, true))
+        cgpu_log(CGPU_LOG_ERROR, "more than %d contexts on one GPU: the work of the others is not fenced",
+                 MAX_CONTEXTS);
+}
+
+static void remember_current_context(struct gate_slot *s)
+{
+    CUcontext ctx = NULL;
+    __typeof__(&cuCtxGetCurrent) get = REAL(cuCtxGetCurrent);
+    if (get && get(&ctx) == CUDA_SUCCESS)
+        remember_context(s, ctx);
+}
+
+static void forget_context(struct gate_slot *s, CUcontext ctx)
+{
+    pthread_mutex_lock(&gate_lock);
+    for (unsigned i = 0; i < s->ncontexts; i++) {
+        if (s->contexts[i] == ctx) {
+            s->contexts[i] = s->contexts[--s->ncontexts];
+            break;
+        }
+    }
+    pthread_mutex_unlock(&gate_lock);
+}
+
+/* Waits for the work the process queued in every recorded context. */
+static void synchronize_contexts(struct gate_slot *s)
+{
+    CUcontext ctx[MAX_CONTEXTS];
+    pthread_mutex_lock(&gate_lock);
+    unsigned n = s->ncontexts;
+    for (unsigned i = 0; i < n; i++)
+        ctx[i] = s->contexts[i];
+    pthread_mutex_unlock(&gate_lock);
+    __typeof__(&cuCtxPushCurrent_v2) push = REAL(cuCtxPushCurrent_v2);
+    __typeof__(&cuCtxPopCurrent_v2) pop = REAL(cuCtxPopCurrent_v2);
+    __typeof__(&cuCtxSynchronize) sync = REAL(cuCtxSynchronize);
+    if (!push || !pop || !sync)
+        return;
+    for (unsigned i = 0; i < n; i++) {
+        if (push(ctx[i]) != CUDA_SUCCESS) {
+            forget_context(s, ctx[i]); /* destroyed: nothing left to wait for */
+            continue;
+        }
+        sync(); /* an error here means the context's work is over too */
+        CUcontext popped;
+        pop(&popped);
+    }
+}
+
+/* ---- the fence watcher ------------------------------------------------------- */
+
+static void acknowledge(unsigned slot, uint32_t seq, struct cgpu_proc_ledger *ledger)
+{
+    struct gate_slot *s = &slots[slot];
+    /* A launch that saw the gate open is counted before it looks again, so
+     * once this reads zero every launch of the closed grant is in the driver. */
+    while (atomic_load(&s->inflight) != 0) {
+        struct timespec ts = {0, INFLIGHT_POLL_NS};
+        nanosleep(&ts, NULL);
+    }
+    bool launched = atomic_exchange(&s->launched, 0) != 0;
+    if (launched)
+        synchronize_contexts(s);
+    atomic_store_explicit(&ledger->fence_ack[slot], seq | (launched ? CGPU_ACK_LAUNCHED : 0), memory_order_release);
+    struct cgpu_device_usage *dev = &g_cgpu.usage->device[slot];
+    atomic_fetch_add(&dev->bell, 1);
+    futex_wake_all(&dev->bell);
+}
+
+/* The watcher's argument: its slot and its ledger, in one pointer-sized value. */
+static void *watch(void *arg)
+{
+    uintptr_t v = (uintptr_t)arg;
+    unsigned slot = (unsigned)(v % CGPU_MAX_DEVICES);
+    struct cgpu_proc_ledger *ledger = &g_cgpu.usage->proc[v / CGPU_MAX_DEVICES];
+    const _Atomic uint32_t *gate = g_cgpu.gate[slot];
+    bool acked = false;
+    uint32_t acked_seq = 0;
+    for (;;) {
+        uint32_t g = atomic_load(gate);
+        uint32_t seq = g & CGPU_GATE_SEQ_MASK;
+        if (!(g & (CGPU_GATE_OPEN | CGPU_GATE_UNGATED)) && (!acked || seq != acked_seq)) {
+            acknowledge(slot, seq, ledger);
+            acked = true;
+            acked_seq = seq;
+            continue;
+        }
+        futex_wait(gate, g);
+    }
+    return NULL;
+}
+
+/* Starts this process's watcher for the slot once; false if it cannot run.
+ * The ledger says `watching` before any launch this process makes in the
+ * grant, so cgpud never closes a gate without waiting for this fence. */
+static bool ensure_watcher(unsigned slot)
+{
+    struct gate_slot *s = &slots[slot];
+    if (atomic_load_explicit(&s->watched, memory_order_acquire))
+        return true;
+    pthread_mutex_lock(&g_cgpu.ledger_lock);
+    bool ok = atomic_load(&s->watched) || cgpu_claim_ledger_locked() == 0;
+    if (ok && !atomic_load(&s->watched)) {
+        _Atomic uint32_t *watching = &g_cgpu.usage->proc[g_cgpu.ledger].watching;
+        uint32_t bit = 1u << slot;
+        bool was = atomic_fetch_or(watching, bit) & bit;
+        void *arg = (void *)((uintptr_t)g_cgpu.ledger * CGPU_MAX_DEVICES + slot);
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        sigset_t all, old;
+        sigfillset(&all);
+        pthread_sigmask(SIG_BLOCK, &all, &old); /* the application's signals are not ours */
+        pthread_t tid;
+        ok = pthread_create(&tid, &attr, watch, arg) == 0;
+        pthread_sigmask(SIG_SETMASK, &old, NULL);
+        pthread_attr_destroy(&attr);
+        if (ok) {
+            pthread_setname_np(tid, "cgpu-fence");
+            atomic_store_explicit(&s->watched, 1, memory_order_release);
+        } else if (!was) {
+            atomic_fetch_and(watching, ~bit); /* nobody would acknowledge */
+        }
+    }
+    pthread_mutex_unlock(&g_cgpu.ledger_lock);
+    if (ok)
+        remember_current_context(s);
+    else if (!atomic_exchange(&watcher_failure_logged, true))
+        cgpu_log(CGPU_LOG_ERROR, "cannot start the fence watcher for %s: launches there fail",
+                 g_cgpu.device[slot].uuid);
+    return ok;
+}
+
+/* ---- the gate -------------------------------------------------------------------- */
+
+#define GATE_FREE (-1)  /* launch; nothing to do after */
+#define GATE_ERROR (-2) /* do not launch */
+
+static int slot_of_current_context(void)
+{
+    CUdevice dev;
+    __typeof__(&cuCtxGetDevice) get_dev = REAL(cuCtxGetDevice);
+    if (!get_dev || get_dev(&dev) != CUDA_SUCCESS)
+        return GATE_FREE; /* no context: the driver's error to give */
+    int slot = cgpu_slot_of_cuda_device(dev);
+    return slot >= 0 ? slot : GATE_FREE; /* a GPU outside the instance is not scheduled here */
+}
+
+/* Counts the launch in flight if the gate is still open once it is counted:
+ * either the watcher then sees the count, or this sees the gate closed. */
+static inline bool hold_open_gate(const _Atomic uint32_t *gate, struct gate_slot *s)
+{
+    atomic_fetch_add(&s->inflight, 1);
+    if (CGPU_LIKELY(atomic_load(gate) & CGPU_GATE_OPEN)) {
+        atomic_store_explicit(&s->launched, 1, memory_order_relaxed);
+        return true;
+    }
+    atomic_fetch_sub_explicit(&s->inflight, 1, memory_order_release);
+    return false;
+}
+
+/* Everything but an open gate with its watcher running and an absent one. */
+static __attribute__((noinline, cold)) int gate_slow(int slot, CUresult *err)
+{
+    if (g_cgpu.launches_refused) {
+        if (g_cgpu.refused_why[0] && !atomic_exchange(&refusal_logged, true))
+            fprintf(stderr, "cgpu[%d]: compute grants unavailable (%s); kernel launches will fail\n",
+                    (int)getpid(), g_cgpu.refused_why);
+        *err = CUDA_ERROR_NOT_PERMITTED;
+        return GATE_ERROR;
+    }
+    const _Atomic uint32_t *gate = g_cgpu.gate[slot];
+    struct gate_slot *s = &slots[slot];
+    for (;;) {
+        uint32_t g = atomic_load_explicit(gate, memory_order_acquire);
+        if (g & CGPU_GATE_UNGATED)
+            return GATE_FREE;
+        if (!ensure_watcher((unsigned)slot)) {
+            *err = CUDA_ERROR_OUT_OF_MEMORY;
+            return GATE_ERROR;
+        }
+        if ((g & CGPU_GATE_OPEN) && hold_open_gate(gate, s))
+            return slot;
+        if (g & CGPU_GATE_OPEN)
+            continue; /* closed between the two looks */
+        remember_current_context(s);
+        _Atomic uint32_t *waiting = &g_cgpu.usage->device[slot].waiting;
+        atomic_fetch_add(waiting, 1);
+        while (!((g = atomic_load_explicit(gate, memory_order_acquire)) & (CGPU_GATE_OPEN | CGPU_GATE_UNGATED)))
+            futex_wait(gate, g); /* EINTR, EAGAIN: look again */
+        atomic_fetch_sub(waiting, 1);
+    }
+}
+
+/* The slot whose grant the caller holds (call gate_leave after the
+ * driver), GATE_FREE, or GATE_ERROR with *err set. */
+static inline int gate_enter(CUresult *err)
+{
+    (void)cgpu_state();
+    int slot = CGPU_LIKELY(g_cgpu.device_count <= 1) ? 0 : slot_of_current_context();
+    if (slot < 0)
+        return slot;
+    const _Atomic uint32_t *gate = g_cgpu.gate[slot];
+    uint32_t g = atomic_load_explicit(gate, memory_order_acquire);
+    if (CGPU_LIKELY(g & CGPU_GATE_UNGATED))
+        return GATE_FREE;
+    struct gate_slot *s = &slots[slot];
+    if (CGPU_LIKELY((g & CGPU_GATE_OPEN) && atomic_load_explicit(&s->watched, memory_order_acquire)) &&
+        CGPU_LIKELY(hold_open_gate(gate, s)))
+        return slot;
+    return gate_slow(slot, err);
+}
+
+static inline void gate_leave(int slot)
+{
+    if (slot >= 0)
+        atomic_fetch_sub_explicit(&slots[slot].inflight, 1, memory_order_release);
+}
+
+#define GATED_CALL(symbol, ...)                                                                 \
     do {                                                                                        \
         __typeof__(&symbol) real_ = REAL(symbol);                                               \
-        return real_ ? real_(__VA_ARGS__) : CUDA_ERROR_NOT_INITIALIZED;                         \
+        if (CGPU_UNLIKELY(!real_))                                                              \
+            return CUDA_ERROR_NOT_INITIALIZED;                                                  \
+        CUresult rc_ = CUDA_SUCCESS;                                                            \
+        int slot_ = gate_enter(&rc_);                                                           \
+        if (CGPU_LIKELY(slot_ == GATE_FREE))                                                    \
+            return real_(__VA_ARGS__);                                                          \
+        if (slot_ == GATE_ERROR)                                                                \
+            return rc_;                                                                         \
+        rc_ = real_(__VA_ARGS__);                                                               \
+        gate_leave(slot_);                                                                      \
+        return rc_;                                                                             \
     } while (0)
 
 #define LAUNCH_HOOK(symbol)                                                                     \
@@ -14,7 +322,7 @@
                                 unsigned int by, unsigned int bz, unsigned int shmem, CUstream s, void **params, \
                                 void **extra)                                                   \
     {                                                                                           \
-        FORWARD(symbol, f, gx, gy, gz, bx, by, bz, shmem, s, params, extra);                     \
+        GATED_CALL(symbol, f, gx, gy, gz, bx, by, bz, shmem, s, params, extra);                  \
     }
 
 LAUNCH_HOOK(cuLaunchKernel)
@@ -22,20 +330,20 @@ LAUNCH_HOOK(cuLaunchKernel_ptsz)
 
 CGPU_EXPORT CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra)
 {
-    FORWARD(cuLaunchKernelEx, config, f, kernelParams, extra);
+    GATED_CALL(cuLaunchKernelEx, config, f, kernelParams, extra);
 }
 
 CGPU_EXPORT CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f, void **kernelParams,
                                            void **extra)
 {
-    FORWARD(cuLaunchKernelEx_ptsz, config, f, kernelParams, extra);
+    GATED_CALL(cuLaunchKernelEx_ptsz, config, f, kernelParams, extra);
 }
 
 #define COOPERATIVE_HOOK(symbol)                                                                \
     CGPU_EXPORT CUresult symbol(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx, \
                                 unsigned int by, unsigned int bz, unsigned int shmem, CUstream s, void **params) \
     {                                                                                           \
-        FORWARD(symbol, f, gx, gy, gz, bx, by, bz, shmem, s, params);                            \
+        GATED_CALL(symbol, f, gx, gy, gz, bx, by, bz, shmem, s, params);                         \
     }
 
 COOPERATIVE_HOOK(cuLaunchCooperativeKernel)
@@ -43,10 +351,10 @@ COOPERATIVE_HOOK(cuLaunchCooperativeKernel_ptsz)
 
 CGPU_EXPORT CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream)
 {
-    FORWARD(cuGraphLaunch, hGraphExec, hStream);
+    GATED_CALL(cuGraphLaunch, hGraphExec, hStream);
 }
 
 CGPU_EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream)
 {
-    FORWARD(cuGraphLaunch_ptsz, hGraphExec, hStream);
+    GATED_CALL(cuGraphLaunch_ptsz, hGraphExec, hStream);
 }

@@ -3,8 +3,9 @@
  * Ownership: one process-wide `g_cgpu`, set up once by cgpu_init() and then
  * read-only but for the ledger fields that fork resets. Thread-safety: hot
  * paths read `state` and the real-function cache with plain atomic loads;
- * the usage region is atomics; only ledger claim/reap take a process-local
- * mutex (never held across a driver call). */
+ * the usage and grants regions are atomics; only ledger claim/reap and the
+ * launch gate's slow path take process-local mutexes (never held across a
+ * driver call). */
 #ifndef CGPU_LIBCGPU_H
 #define CGPU_LIBCGPU_H
 
@@ -19,6 +20,7 @@
 
 #define CGPU_EXPORT __attribute__((visibility("default")))
 #define CGPU_UNLIKELY(x) __builtin_expect(!!(x), 0)
+#define CGPU_LIKELY(x) __builtin_expect(!!(x), 1)
 
 enum cgpu_hook_id {
 #define HOOK(symbol, library) HOOK_##symbol,
@@ -51,6 +53,12 @@ struct cgpu_process {
     int ledger;                    /* -1 until claimed (again, after fork) */
     char usage_path[4096];
     pthread_mutex_t ledger_lock;   /* claim and reap */
+    /* Per device slot: its gate word in the grants mapping, or a static word
+     * (UNGATED without compute control, closed when launches are refused),
+     * so the launch path never tests for NULL. */
+    const _Atomic uint32_t *gate[CGPU_MAX_DEVICES];
+    bool launches_refused;         /* a grants file that cannot be trusted */
+    char refused_why[512];         /* said at the first refused launch; empty: said already */
 };
 
 extern struct cgpu_process g_cgpu;
@@ -91,6 +99,12 @@ static inline void *cgpu_real(enum cgpu_hook_id id)
 void *cgpu_substitute(void *real_fn);
 /* Our hook for a symbol name, or NULL if we do not hook it. */
 void *cgpu_hook_by_name(const char *name);
+
+/* ---- launch gating (launch.c) ------------------------------------------------ */
+
+/* Process-local gate state goes with the threads a fork leaves behind.
+ * Async-signal-safe. */
+void cgpu_gate_after_fork(void);
 
 /* ---- memory accounting (memory.c) -------------------------------------------- */
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -94,3 +95,40 @@ def test_interception_library_is_clean_under_sanitizers(san_native, san_instance
     assert out["errors"] == [] and out["mem_total_reported"] == 2 << 30
     if case == "alloc-until-fail":
         assert out["alloc"]["until_fail_count"] == 8
+
+
+def _wait_for(what: str, predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize("api", ["kernel", "graph"])
+def test_gated_launches_are_clean_under_sanitizers(san_native, san_instance, api):
+    """A closed gate, an opening, a closing with a fence, a reopening: the
+    waiting path, the fence watcher thread and the open path, sanitized."""
+    from cgpud._region import lib
+    from tests.intercept.conftest import GATE_OPEN, GATE_SEQ_STEP, GrantsView, grants_bytes, write_grants
+
+    region = Path(san_instance["CGPU_REGION_DIR"])
+    write_grants(region, grants_bytes([GATE_SEQ_STEP]))
+    view = GrantsView(region)
+    cmd = [str(san_native / "bin" / "cgpu-burn"), f"--launch-api={api}", "--duration=1.5", "--kernel-ns=1000000",
+           "--per-thread-stream", "--streams=2"]
+    proc = subprocess.Popen(cmd, env=san_instance, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for("a launch waiting at the gate", lambda: view.waiting() >= 1)
+        view.set_gate(0, 2 * GATE_SEQ_STEP | GATE_OPEN)
+        _wait_for("launches", lambda: view.waiting() == 0)
+        time.sleep(0.2)
+        view.set_gate(0, 3 * GATE_SEQ_STEP)
+        _wait_for("the fence", lambda: view.fence_ack(proc.pid) == 3 * GATE_SEQ_STEP | lib.CGPU_ACK_LAUNCHED)
+        view.set_gate(0, 4 * GATE_SEQ_STEP | GATE_OPEN)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        view.close()
+    assert "Sanitizer" not in err and "runtime error" not in err, err
+    assert proc.returncode == 0, err
+    assert json.loads(out)["errors"] == []

@@ -1,0 +1,280 @@
+"""libcgpu.so gates kernel launches on the compute scheduler's grants
+(csrc/include/cgpu/region.h): a closed gate holds every launch API, an open
+or absent one lets launches through, closing a gate makes each process fence
+its work in flight and acknowledge it, a grants file that cannot be trusted
+refuses launches, and a forked child takes part on its own.
+
+cgpud's scheduler is not in these tests: the test plays its part on the
+grants file, storing gate words and waking the futex waiters as it would."""
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from cgpud._region import lib
+from cgpud.daemon.region import DeviceLimit, InstanceLimits, write_region
+from tests.conftest import write_sim_config
+from tests.integration.simrun import sim_stat, start_py
+from tests.intercept.conftest import (
+    GATE_OPEN,
+    GATE_SEQ_STEP,
+    GATE_UNGATED,
+    GIB,
+    GrantsView,
+    grants_bytes,
+    sim_uuid,
+    write_grants,
+)
+
+ACK_LAUNCHED = int(lib.CGPU_ACK_LAUNCHED)
+APIS = ["kernel", "ex", "cooperative", "graph"]
+STREAMS = pytest.mark.parametrize("per_thread", [False, True], ids=["legacy-stream", "per-thread-stream"])
+EVERY_API = pytest.mark.parametrize("api", APIS)
+
+
+def closed(seq: int) -> int:
+    return seq * GATE_SEQ_STEP
+
+
+def opened(seq: int) -> int:
+    return seq * GATE_SEQ_STEP | GATE_OPEN
+
+
+def wait_for(what: str, predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.005)
+
+
+def busy_ns(native: Path, env: dict[str, str], pid: int, gpu: int = 0) -> int:
+    """Device time the simulated GPU has given (or queued for) `pid`."""
+    for p in sim_stat(native, env)["procs"]:
+        if p["pid"] == pid:
+            return p["busy_ns"][gpu]
+    return 0
+
+
+def busy_between(native: Path, env: dict[str, str], pid: int, start: int, end: int, gpu: int = 0) -> int:
+    got = sim_stat(native, env, "--busy", str(gpu), str(start), str(end))
+    return int(got["per_pid"].get(str(pid), 0))
+
+
+@pytest.fixture
+def gated(tmp_path: Path, sim_env: dict[str, str], libcgpu: Path) -> Iterator[Callable[..., tuple[dict, GrantsView]]]:
+    """gated([word, ...], gpus=[g, ...]) -> (environment, GrantsView) of an
+    instance holding 4 GiB of each simulated GPU g (slot i for gpus[i]),
+    with the given gate words; None for no grants file, bytes for a
+    damaged one."""
+    made: list[GrantsView] = []
+    count = itertools.count()
+
+    def make(gates: list[int] | bytes | None, gpus: tuple[int, ...] = (0,),
+             env: dict[str, str] | None = None) -> tuple[dict[str, str], GrantsView | None]:
+        region = tmp_path / f"gated{next(count)}"
+        devices = tuple(DeviceLimit(sim_uuid(g), 4 * GIB, g) for g in gpus)
+        write_region(region, InstanceLimits(region.name, devices))
+        write_grants(region, grants_bytes(gates) if isinstance(gates, list) else gates)
+        env = dict(env or sim_env, LD_PRELOAD=str(libcgpu), CGPU_REGION_DIR=str(region))
+        env.pop("CGPU_LOG_LEVEL", None)
+        view = GrantsView(region) if isinstance(gates, list) else None
+        if view:
+            made.append(view)
+        return env, view
+
+    yield make
+    for view in made:
+        view.close()
+
+
+def start_burn(native: Path, env: dict[str, str], *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([str(native / "bin" / "cgpu-burn"), *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 30) -> dict:
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, err
+    return json.loads(out)
+
+
+def stream_args(api: str, per_thread: bool) -> list[str]:
+    return [f"--launch-api={api}", *(["--per-thread-stream"] if per_thread else [])]
+
+
+@STREAMS
+@EVERY_API
+def test_a_closed_gate_holds_every_launch_until_it_opens(native, sim_env, gated, api, per_thread):
+    env, region = gated([closed(1)])
+    t0 = time.monotonic_ns()
+    proc = start_burn(native, env, *stream_args(api, per_thread), "--launches=8", "--kernel-ns=200000")
+    try:
+        # Blocked in its first launch, counted as demand, nothing on the device.
+        wait_for("a thread waiting at the gate", lambda: region.waiting() >= 1)
+        wait_for("the fence watcher's first acknowledgement", lambda: region.fence_ack(proc.pid) == closed(1))
+        time.sleep(0.2)
+        assert proc.poll() is None
+        assert busy_ns(native, env, proc.pid) == 0
+        assert region.watching(proc.pid) == 1
+        region.set_gate(0, opened(2))
+        out = finish(proc)
+    finally:
+        proc.kill()
+    assert out["errors"] == [] and out["launches"] == 8
+    assert region.waiting() == 0
+    # It all ran, once the gate was open.
+    assert busy_between(native, sim_env, proc.pid, t0, time.monotonic_ns()) == 8 * 200000
+
+
+@pytest.mark.parametrize("grants", ["ungated", "no-grants-file"])
+@EVERY_API
+def test_without_compute_control_launches_run_freely(native, gated, grants, api):
+    env, region = gated([GATE_UNGATED] if grants == "ungated" else None)
+    out = finish(start_burn(native, env, f"--launch-api={api}", "--launches=20", "--kernel-ns=10000",
+                            "--per-thread-stream"))
+    assert out["errors"] == [] and out["launches"] == 20
+    if region is not None:
+        assert region.waiting() == 0 and region.usage.proc[0].watching == 0  # no watcher, nothing to fence
+
+
+@STREAMS
+@EVERY_API
+def test_closing_the_gate_fences_the_work_in_flight(native, sim_env, gated, api, per_thread):
+    env, region = gated([opened(1)])
+    proc = start_burn(native, env, *stream_args(api, per_thread), "--duration=1.5", "--kernel-ns=2000000",
+                      "--streams=2")
+    try:
+        wait_for("device work", lambda: busy_ns(native, env, proc.pid) > 0)
+        assert region.watching(proc.pid) == 1
+        time.sleep(0.1)
+        bell = region.bell()
+        region.set_gate(0, closed(2))
+        wait_for("the fence acknowledgement", lambda: region.fence_ack(proc.pid) == closed(2) | ACK_LAUNCHED,
+                 timeout=3)
+        acked = time.monotonic_ns()
+        assert region.bell() > bell
+        # Everything it had queued was done by the time it said so...
+        assert busy_between(native, sim_env, proc.pid, acked, acked + 60 * 10**9) == 0
+        # ...and nothing more reaches the device while the gate stays closed.
+        before = busy_ns(native, env, proc.pid)
+        time.sleep(0.3)
+        assert busy_ns(native, env, proc.pid) == before
+        assert region.waiting() >= 1
+        region.set_gate(0, opened(3))
+        out = finish(proc)
+    finally:
+        proc.kill()
+    assert out["errors"] == []
+
+
+@pytest.mark.parametrize("damage", ["magic", "version", "truncated"])
+def test_a_grants_file_that_cannot_be_trusted_refuses_launches(native, gated, damage):
+    good = bytearray(grants_bytes([opened(1)]))
+    if damage == "magic":
+        good[0] ^= 0xFF
+    elif damage == "version":
+        good[8] = 1
+    else:
+        good = good[:64]
+    env, _ = gated(bytes(good))
+    proc = subprocess.run([str(native / "bin" / "cgpu-burn"), "--alloc-until-fail=1GiB", "--launches=3",
+                           "--kernel-ns=1000"], env=env, capture_output=True, text=True, timeout=60, check=False)
+    out = json.loads(proc.stdout)
+    assert proc.returncode == 1
+    assert out["errors"] == [{"call": "cuLaunchKernel", "result": "CUDA_ERROR_NOT_PERMITTED"}]
+    assert out["launches"] == 0
+    # Memory limits hold as ever.
+    assert out["alloc"]["until_fail_count"] == 4 and out["mem_total_reported"] == 4 * GIB
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "compute grants unavailable" in lines[0] and "grants" in lines[0]
+
+
+def test_a_broken_region_with_grants_refuses_launches_too(native, gated):
+    env, _ = gated(grants_bytes([opened(1)]))
+    limits = Path(env["CGPU_REGION_DIR"]) / "limits"
+    data = bytearray(limits.read_bytes())
+    data[200] ^= 0xFF
+    limits.chmod(0o644)
+    limits.write_bytes(bytes(data))
+    proc = subprocess.run([str(native / "bin" / "cgpu-burn"), "--alloc=1MiB", "--launches=2"], env=env,
+                          capture_output=True, text=True, timeout=60, check=False)
+    out = json.loads(proc.stdout)
+    assert out["alloc"]["results"] == ["CUDA_ERROR_OUT_OF_MEMORY"]
+    assert out["errors"] == [{"call": "cuLaunchKernel", "result": "CUDA_ERROR_NOT_PERMITTED"}]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "allocations and kernel launches will fail" in lines[0]
+
+
+def test_each_gpu_of_an_instance_has_its_own_gate(native, tmp_path, sim_env, gated):
+    # Three GPUs; the instance holds GPU 1 (slot 0) and GPU 0 (slot 1), not GPU 2.
+    sim = dict(sim_env, CGPU_SIM_CONFIG=str(write_sim_config(tmp_path / "three.conf", gpus=3)))
+    env, region = gated([opened(1), closed(1)], gpus=(1, 0), env=sim)
+    args = ["--launches=4", "--kernel-ns=10000"]
+    assert finish(start_burn(native, env, "--device=1", *args))["errors"] == []
+    assert finish(start_burn(native, env, "--device=2", *args))["errors"] == []  # not the instance's to gate
+    held = start_burn(native, env, "--device=0", *args)
+    try:
+        wait_for("a launch waiting at GPU 0's gate", lambda: region.waiting(1) >= 1)
+        assert region.waiting(0) == 0 and held.poll() is None
+        assert region.watching(held.pid) == 2  # bit 1: slot 1
+        region.set_gate(1, opened(2))
+        assert finish(held)["errors"] == []
+    finally:
+        held.kill()
+
+
+FORKER = """
+import json, os, sys; from cudapy import Driver
+cu = Driver(); cu.init_device(0); fn = cu.spin_function()
+cu.launch_spin(fn, 1000000); cu.call("cuCtxSynchronize")
+print("parent", flush=True)
+pid = os.fork()
+if pid == 0:
+    child = Driver(); child.init_device(0); fn = child.spin_function()
+    child.launch_spin(fn, 1000000); child.call("cuCtxSynchronize")
+    print("child", os.getpid(), flush=True)
+    sys.stdin.readline()
+    for _ in range(5):
+        child.launch_spin(fn, 1000000)
+    child.call("cuCtxSynchronize")
+    print("child-done", flush=True)
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+print(json.dumps(status), flush=True)
+"""
+
+
+def test_a_forked_child_fences_and_waits_on_its_own(native, gated):
+    env, region = gated([opened(1)])
+    proc = start_py(env, FORKER)
+    try:
+        assert proc.stdout.readline().strip() == "parent"
+        word, child = proc.stdout.readline().split()
+        child = int(child)
+        assert word == "child"
+        # Two ledgers, each with its own watcher.
+        assert region.watching(proc.pid) == 1 and region.watching(child) == 1
+        assert region.ledger(proc.pid) != region.ledger(child)
+        region.set_gate(0, closed(2))
+        for pid in (proc.pid, child):
+            wait_for(f"{pid}'s fence", lambda pid=pid: region.fence_ack(pid) == closed(2) | ACK_LAUNCHED)
+        busy = busy_ns(native, env, child)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        wait_for("the child waiting at the gate", lambda: region.waiting() >= 1)
+        time.sleep(0.1)
+        assert busy_ns(native, env, child) == busy
+        region.set_gate(0, opened(3))
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert out.split() == ["child-done", "0"], err
+    assert region.waiting() == 0
+
