@@ -153,6 +153,7 @@ def policy_to_pb(policy: model.NodePolicy) -> pb.Policy:
         max_instances_per_gpu=policy.max_instances_per_gpu,
         core_step=policy.core_step,
         compute_policy=int(policy.compute_policy),
+        gpu_compute_policy={gpu: int(p) for gpu, p in policy.gpu_compute_policies},
     )
 
 
@@ -163,6 +164,8 @@ def policy_from_pb(msg: pb.Policy) -> model.NodePolicy:
         max_instances_per_gpu=msg.max_instances_per_gpu,
         core_step=msg.core_step,
         compute_policy=compute_policy_from_int(msg.compute_policy),
+        gpu_compute_policies=tuple(sorted((gpu, compute_policy_from_int(p))
+                                          for gpu, p in msg.gpu_compute_policy.items())),
     )
 
 

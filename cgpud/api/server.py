@@ -55,7 +55,7 @@ class LocalService(Protocol):
 
     def policy(self) -> model.NodePolicy: ...
 
-    def set_compute_policy(self, policy: model.ComputePolicy) -> model.NodePolicy: ...
+    def set_compute_policy(self, policy: model.ComputePolicy, gpu: int | None = None) -> model.NodePolicy: ...
 
     def node_info(self) -> model.NodeInfo: ...
 
@@ -138,7 +138,8 @@ class LocalServicer(pb_grpc.LocalServicer):
     @_rpc
     def SetPolicy(self, request: pb.SetPolicyRequest) -> pb.Policy:
         policy = convert.compute_policy_from_int(request.compute_policy)
-        return convert.policy_to_pb(self._service.set_compute_policy(policy))
+        gpu = request.gpu if request.HasField("gpu") else None
+        return convert.policy_to_pb(self._service.set_compute_policy(policy, gpu))
 
     @_rpc
     def GetNodeInfo(self, request: pb.GetNodeInfoRequest) -> pb.NodeInfo:

@@ -89,8 +89,8 @@ class LocalClient:
     def policy(self) -> model.NodePolicy:
         return convert.policy_from_pb(self._call(self._stub.GetPolicy, pb.GetPolicyRequest()))
 
-    def set_compute_policy(self, policy: model.ComputePolicy) -> model.NodePolicy:
-        msg = pb.SetPolicyRequest(compute_policy=int(policy))
+    def set_compute_policy(self, policy: model.ComputePolicy, gpu: int | None = None) -> model.NodePolicy:
+        msg = pb.SetPolicyRequest(compute_policy=int(policy), gpu=gpu)
         return convert.policy_from_pb(self._call(self._stub.SetPolicy, msg))
 
     def node_info(self) -> model.NodeInfo:

@@ -140,10 +140,12 @@ def _policy(args: argparse.Namespace) -> int:
 
     wanted = _compute_policy(args.value) if args.policy_verb == "set" else None
     with LocalClient(_socket(args)) as client:
-        policy = client.set_compute_policy(wanted) if wanted is not None else client.policy()
+        policy = client.set_compute_policy(wanted, args.gpu) if wanted is not None else client.policy()
     print(f"mode={policy.mode.value} placement={policy.placement.value} "
           f"compute_policy={int(policy.compute_policy)} ({policy.compute_policy.name.lower()}) "
           f"max_instances_per_gpu={policy.max_instances_per_gpu} core_step={policy.core_step}")
+    for gpu, p in policy.gpu_compute_policies:
+        print(f"gpu {gpu}: compute_policy={int(p)} ({p.name.lower()})")
     return 0
 
 
@@ -250,6 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     setp = policy_verbs.add_parser("set", help="set the compute policy: 0 fair, 1 preemptive, 2 weighted, "
                                               "3 fixed, 4 soft, 5 native (number or name)")
     setp.add_argument("value")
+    setp.add_argument("--gpu", type=int, help="this GPU only (index as nvidia-smi shows it); "
+                                              "without it the whole node, replacing every per-GPU policy")
     setp.set_defaults(handler=_policy)
 
     doctor = verbs.add_parser("doctor", help="check driver, daemon, state directory, library and runtime")

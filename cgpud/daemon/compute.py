@@ -1,9 +1,8 @@
 """cgpud's compute scheduler: one C loop per GPU (csrc/scheduler/engine.c)
 that opens and closes the instances' gates, run in threads that hold no GIL.
 
-Whether a node schedules compute at all is a pure decision
-(`limits_compute`); everything else here is wiring between instances and the
-engine.
+The policy decisions are pure functions in compute_policy.py; this module is
+wiring between instances and the engine.
 
 Ownership: ComputeScheduler owns the engine and its threads from start() to
 stop(). Thread-safety: every method may be called from any thread; the
@@ -18,7 +17,7 @@ from typing import Any
 import structlog
 
 from cgpud._scheduler import ffi, lib
-from cgpud.daemon.model import ComputePolicy, ComputeTiming, Instance, NodeMode
+from cgpud.daemon.model import ComputePolicy, ComputeTiming, Instance, NodePolicy
 from cgpud.errors import CgpuError
 
 MAX_GPUS: int = lib.CGPU_SCHED_MAX_GPUS
@@ -52,12 +51,6 @@ class GpuSchedule:
     fence_wait_ns: int
 
 
-def limits_compute(mode: NodeMode) -> bool:
-    """Only core_mem nodes schedule compute; on the others every gate stays
-    open whatever the compute policy says."""
-    return mode is NodeMode.CORE_MEM
-
-
 def _check(rc: int, what: str, err: Any = None) -> None:
     if rc == 0:
         return
@@ -76,6 +69,7 @@ class ComputeScheduler:
         self._timing = timing
         self._keys: dict[str, list[tuple[int, int]]] = {}  # instance id -> [(gpu, key)]
         self._next_key = 1
+        self._applied: dict[int, ComputePolicy] = {}
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._log = structlog.get_logger("cgpud.compute")
@@ -100,11 +94,17 @@ class ComputeScheduler:
             t.join()
         self._threads.clear()
 
-    def configure(self, policy: ComputePolicy, gpus: range | None = None) -> None:
+    def configure(self, node: NodePolicy) -> None:
+        """Applies the node's policies to every GPU; a GPU whose policy did
+        not change keeps its accounting."""
         t = self._timing
-        for gpu in gpus if gpus is not None else range(self._gpu_count):
+        for gpu in range(self._gpu_count):
+            policy = node.policy_for(gpu)
+            if self._applied.get(gpu) is policy:
+                continue
             _check(lib.cgpu_engine_configure(self._engine, gpu, int(policy), t.period_ns, t.max_slice_ns,
                                              t.high_priority_percent), f"cannot set policy {policy.name} on GPU {gpu}")
+            self._applied[gpu] = policy
 
     def attach(self, instance: Instance, region: Path) -> None:
         """Schedules every GPU of the instance; all or nothing."""

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from cgpud.daemon.model import ComputePolicy, ComputeTiming, NodeMode, NodePolicy, Orchestrator, Placement
+from cgpud.daemon.compute_policy import decode_compute_policies
 from cgpud.errors import UsageError
 
 DEFAULT_CONFIG = Path("/etc/cgpu/config.toml")
@@ -29,6 +30,9 @@ class DaemonConfig:
     core_step: int = _setting(5, "compute shares are multiples of this percentage (1-100)")
     compute_policy: ComputePolicy = _setting(
         ComputePolicy.NATIVE, "0 fair, 1 preemptive, 2 weighted, 3 fixed, 4 soft, 5 native"
+    )
+    gpu_compute_policy: str = _setting(
+        "", "GPUs whose compute policy differs from compute_policy, as index=policy pairs: \"1=5 2=3\""
     )
     compute_period_ms: float = _setting(
         100.0, "compute scheduling period: shares hold within each period (1-1000 ms)"
@@ -51,7 +55,8 @@ class DaemonConfig:
     sweep_interval: float = _setting(2.0, "seconds between checks for instances whose processes exited")
 
     def policy(self) -> NodePolicy:
-        return NodePolicy(self.mode, self.placement, self.max_instances_per_gpu, self.core_step, self.compute_policy)
+        node = NodePolicy(self.mode, self.placement, self.max_instances_per_gpu, self.core_step, self.compute_policy)
+        return decode_compute_policies(node, f"{int(self.compute_policy)} {self.gpu_compute_policy}")
 
     def timing(self) -> ComputeTiming:
         return ComputeTiming(round(self.compute_period_ms * 1e6), round(self.compute_slice_ms * 1e6),
@@ -94,6 +99,7 @@ def validate(config: DaemonConfig) -> DaemonConfig:
     if config.mode is NodeMode.CORE_MEM and config.max_instances_per_gpu > MAX_SCHEDULED:
         raise UsageError(f"max_instances_per_gpu must be at most {MAX_SCHEDULED} in core_mem mode "
                          "(the instances the compute scheduler takes per GPU)")
+    config.policy()  # a bad gpu_compute_policy is refused at start, not at the first request
     if not 1 <= config.compute_period_ms <= 1000:
         raise UsageError("compute_period_ms must be between 1 and 1000")
     # 20 ms is the soft policy's bound: a lent share must come back within 100 ms.

@@ -15,7 +15,8 @@ from cgpud.daemon import config as settings
 from cgpud.daemon import node
 from cgpud.daemon.inventory import read_inventory
 from cgpud.daemon.model import GpuCapacity, Orchestrator
-from cgpud.daemon.compute import ComputeScheduler, limits_compute
+from cgpud.daemon.compute import ComputeScheduler
+from cgpud.daemon.compute_policy import limits_compute
 from cgpud.daemon.service import InstanceService
 from cgpud.daemon.store import Store
 from cgpud.errors import CgpuError

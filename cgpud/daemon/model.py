@@ -89,6 +89,11 @@ class NodePolicy:
     max_instances_per_gpu: int = 20
     core_step: int = 5  # compute shares are multiples of this (1..100)
     compute_policy: ComputePolicy = ComputePolicy.NATIVE
+    # (gpu index, policy) for GPUs that do not follow compute_policy, sorted
+    gpu_compute_policies: tuple[tuple[int, ComputePolicy], ...] = ()
+
+    def policy_for(self, gpu: int) -> ComputePolicy:
+        return dict(self.gpu_compute_policies).get(gpu, self.compute_policy)
 
 
 @dataclass(frozen=True)

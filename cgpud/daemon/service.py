@@ -31,6 +31,7 @@ from cgpud.daemon.model import (
     Request,
 )
 from cgpud.daemon.compute import ComputeError, ComputeScheduler
+from cgpud.daemon.compute_policy import decode_compute_policies, encode_compute_policies, with_compute_policy
 from cgpud.daemon.region import (DeviceLimit, InstanceLimits, RegionError, UsageRegion, grants_problem, read_limits,
                                  write_region)
 from cgpud.daemon.store import Store, new_instance_id
@@ -65,11 +66,10 @@ class InstanceService:
         self._lock = threading.Lock()
         self._log = structlog.get_logger("cgpud.instances")
         stored = store.get_setting(COMPUTE_POLICY_KEY)
-        self._policy = policy if stored is None else NodePolicy(
-            policy.mode, policy.placement, policy.max_instances_per_gpu, policy.core_step, ComputePolicy(int(stored)))
+        self._policy = policy if stored is None else decode_compute_policies(policy, stored)
         self._compute = compute
         if compute is not None:
-            compute.configure(self._policy.compute_policy)
+            compute.configure(self._policy)
 
     # ---- queries -----------------------------------------------------------------
 
@@ -173,14 +173,15 @@ class InstanceService:
         shutil.rmtree(self.region_dir(instance_id), ignore_errors=True)
         return instance
 
-    def set_compute_policy(self, policy: ComputePolicy) -> NodePolicy:
+    def set_compute_policy(self, policy: ComputePolicy, gpu: int | None = None) -> NodePolicy:
+        """For the whole node, or for one GPU; survives restarts."""
         with self._lock:
-            self._store.set_setting(COMPUTE_POLICY_KEY, str(int(policy)))
-            p = self._policy
-            self._policy = NodePolicy(p.mode, p.placement, p.max_instances_per_gpu, p.core_step, policy)
+            changed = with_compute_policy(self._policy, policy, gpu, len(self._gpus))
+            self._store.set_setting(COMPUTE_POLICY_KEY, encode_compute_policies(changed))
+            self._policy = changed
             if self._compute is not None:
-                self._compute.configure(policy)
-        self._log.info("policy", compute_policy=policy.name.lower())
+                self._compute.configure(changed)
+        self._log.info("policy", compute_policy=policy.name.lower(), gpu="all" if gpu is None else gpu)
         return self._policy
 
     # ---- upkeep -----------------------------------------------------------------------

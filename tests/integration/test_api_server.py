@@ -98,9 +98,12 @@ class FakeService:
     def policy(self) -> model.NodePolicy:
         return self.node_policy
 
-    def set_compute_policy(self, policy: model.ComputePolicy) -> model.NodePolicy:
-        self.calls.append(("set_compute_policy", policy))
-        self.node_policy = replace(self.node_policy, compute_policy=policy)
+    def set_compute_policy(self, policy: model.ComputePolicy, gpu: int | None = None) -> model.NodePolicy:
+        self.calls.append(("set_compute_policy", policy, gpu))
+        if gpu is None:
+            self.node_policy = replace(self.node_policy, compute_policy=policy)
+        else:
+            self.node_policy = replace(self.node_policy, gpu_compute_policies=((gpu, policy),))
         return self.node_policy
 
     def node_info(self) -> model.NodeInfo:
@@ -190,7 +193,10 @@ def test_policy_and_node_info(api: Running) -> None:
     assert api.client.policy() == model.NodePolicy()
     changed = api.client.set_compute_policy(model.ComputePolicy.WEIGHTED)
     assert changed.compute_policy is model.ComputePolicy.WEIGHTED
-    assert api.service.calls[-1] == ("set_compute_policy", model.ComputePolicy.WEIGHTED)
+    assert api.service.calls[-1] == ("set_compute_policy", model.ComputePolicy.WEIGHTED, None)
+    one = api.client.set_compute_policy(model.ComputePolicy.NATIVE, 1)
+    assert api.service.calls[-1] == ("set_compute_policy", model.ComputePolicy.NATIVE, 1)
+    assert one.gpu_compute_policies == ((1, model.ComputePolicy.NATIVE),) and one.policy_for(1).name == "NATIVE"
     assert api.client.node_info() == api.service.node_info()
 
 

@@ -73,6 +73,7 @@ BAD = [
     (["run", "--mem", "lots", "--", "true"], "lots"),
     (["run", "--mem", "4GiB"], "nothing to run"),
     (["policy", "set", "7"], "unknown compute policy '7'"),
+    (["policy", "set", "fixed", "--gpu", "2"], "no GPU 2 on this node (it has GPUs 0 to 1)"),
 ]
 
 
@@ -102,10 +103,13 @@ def test_policy_set_survives_a_restart(tmp_path, sim_env):
     d = make_daemon(tmp_path, sim_env, "--mode", "core_mem")
     d.start()
     assert "compute_policy=3 (fixed)" in d.cgpuctl("policy", "set", "fixed").stdout
+    assert "gpu 1: compute_policy=5 (native)" in d.cgpuctl("policy", "set", "native", "--gpu", "1").stdout
     d.kill()
     d.start()
     try:
-        assert "compute_policy=3 (fixed)" in d.cgpuctl("policy", "get").stdout
+        shown = d.cgpuctl("policy", "get").stdout
+        assert "compute_policy=3 (fixed)" in shown and "gpu 1: compute_policy=5 (native)" in shown
+        assert "gpu 1" not in d.cgpuctl("policy", "set", "soft").stdout  # the node's policy replaces per-GPU ones
     finally:
         d.stop()
 

@@ -16,10 +16,11 @@ import pytest
 
 from cgpud._region import ffi as rffi
 from cgpud._region import lib as rlib
-from cgpud.daemon.compute import MAX_TENANTS, ComputeError, ComputeScheduler, limits_compute
+from cgpud.daemon.compute import MAX_TENANTS, ComputeError, ComputeScheduler
+from cgpud.daemon.compute_policy import limits_compute
 from cgpud.daemon.config import MAX_SCHEDULED
-from cgpud.daemon.model import (ComputePolicy, ComputeTiming, Grant, Instance, InstanceState, NodeMode, Owner,
-                                OwnerKind)
+from cgpud.daemon.model import (ComputePolicy, ComputeTiming, Grant, Instance, InstanceState, NodeMode, NodePolicy,
+                                Owner, OwnerKind)
 from cgpud.daemon.region import GRANTS_FILE, DeviceLimit, InstanceLimits, UsageRegion, write_region
 
 OPEN, UNGATED, SEQ = rlib.CGPU_GATE_OPEN, rlib.CGPU_GATE_UNGATED, rlib.CGPU_GATE_SEQ_MASK
@@ -98,6 +99,16 @@ def test_only_core_mem_nodes_limit_compute() -> None:
     assert MAX_SCHEDULED == MAX_TENANTS
 
 
+def test_one_gpu_can_run_its_own_policy(sched: ComputeScheduler, tenants) -> None:
+    two = ComputeScheduler(2, FAST).start()
+    try:
+        node = NodePolicy(compute_policy=ComputePolicy.FIXED, gpu_compute_policies=((1, ComputePolicy.NATIVE),))
+        two.configure(node)
+        assert two.schedule(0).policy is ComputePolicy.FIXED and two.schedule(1).policy is ComputePolicy.NATIVE
+    finally:
+        two.stop()
+
+
 def test_regions_of_nodes_without_compute_limits_are_open_for_good(tmp_path: Path) -> None:
     write_region(tmp_path / "r", InstanceLimits("r", (DeviceLimit("GPU-x", 1 << 30, 0, 0),)), gated=False)
     raw = (tmp_path / "r" / GRANTS_FILE).read_bytes()
@@ -108,15 +119,15 @@ def test_regions_of_nodes_without_compute_limits_are_open_for_good(tmp_path: Pat
 def test_native_opens_every_gate_and_a_limiting_policy_closes_them(sched: ComputeScheduler, tenants) -> None:
     a = tenants("a", 30)
     assert a.gate & (OPEN | UNGATED) == 0  # a new region computes only once scheduled
-    sched.configure(ComputePolicy.NATIVE)
+    sched.configure(NodePolicy(compute_policy=ComputePolicy.NATIVE))
     sched.attach(a.instance, a.dir)
     assert wait_until(lambda: a.gate & UNGATED)
-    sched.configure(ComputePolicy.FIXED)
+    sched.configure(NodePolicy(compute_policy=ComputePolicy.FIXED))
     assert wait_until(lambda: a.gate & (OPEN | UNGATED) == 0)
 
 
 def test_a_waiting_tenant_is_granted_and_fenced_at_the_end_of_its_share(sched: ComputeScheduler, tenants) -> None:
-    sched.configure(ComputePolicy.FIXED)
+    sched.configure(NodePolicy(compute_policy=ComputePolicy.FIXED))
     a = tenants("a", 30)
     sched.attach(a.instance, a.dir)
     ledger = a.watch()
@@ -135,7 +146,7 @@ def test_a_waiting_tenant_is_granted_and_fenced_at_the_end_of_its_share(sched: C
 
 
 def test_an_unacknowledged_fence_times_out_and_the_next_tenant_runs(sched: ComputeScheduler, tenants) -> None:
-    sched.configure(ComputePolicy.PREEMPTIVE)
+    sched.configure(NodePolicy(compute_policy=ComputePolicy.PREEMPTIVE))
     a, b = tenants("a"), tenants("b")
     sched.attach(a.instance, a.dir)
     sched.attach(b.instance, b.dir)
@@ -149,7 +160,7 @@ def test_an_unacknowledged_fence_times_out_and_the_next_tenant_runs(sched: Compu
 
 def test_a_tenant_killed_holding_the_gate_stalls_the_others_for_at_most_a_slice(
         sched: ComputeScheduler, tenants) -> None:
-    sched.configure(ComputePolicy.PREEMPTIVE)
+    sched.configure(NodePolicy(compute_policy=ComputePolicy.PREEMPTIVE))
     a, b = tenants("a"), tenants("b")
     # A real process claims a ledger in a's usage file, says it launches on
     # device 0, and is killed: its ledger lock goes with it.
@@ -187,7 +198,7 @@ def test_a_tenant_killed_holding_the_gate_stalls_the_others_for_at_most_a_slice(
 def test_detach_closes_the_gate_and_stop_opens_every_gate(tenants) -> None:
     s = ComputeScheduler(1, FAST).start()
     a, b = tenants("a", 50), tenants("b", 50)
-    s.configure(ComputePolicy.FIXED)
+    s.configure(NodePolicy(compute_policy=ComputePolicy.FIXED))
     s.attach(a.instance, a.dir)
     s.attach(b.instance, b.dir)
     a.want(1)
@@ -200,7 +211,7 @@ def test_detach_closes_the_gate_and_stop_opens_every_gate(tenants) -> None:
 
 
 def test_bad_attachments_are_refused_and_change_nothing(sched: ComputeScheduler, tenants, tmp_path: Path) -> None:
-    sched.configure(ComputePolicy.FIXED)
+    sched.configure(NodePolicy(compute_policy=ComputePolicy.FIXED))
     a, b = tenants("a", 70), tenants("b", 40)
     sched.attach(a.instance, a.dir)
     with pytest.raises(ComputeError, match="more than 100"):
@@ -209,5 +220,3 @@ def test_bad_attachments_are_refused_and_change_nothing(sched: ComputeScheduler,
     with pytest.raises(ComputeError, match=f"cannot open {tmp_path}/nowhere/grants"):
         sched.attach(missing, tmp_path / "nowhere")
     assert sched.schedule(0).tenants == 1
-    with pytest.raises(ComputeError, match="GPU 3"):
-        ComputeScheduler(1, FAST).configure(ComputePolicy.FIXED, range(3, 4))
