@@ -1,10 +1,13 @@
 """Overhead of libcgpu.so per intercepted CUDA driver call.
 
 Builds bench/intercept_calls.c, creates a private simulated machine (one GPU of
-16 GiB) and an instance region with an 8 GiB memory limit on it, then for each
-mode (cuLaunchKernel, cuMemAlloc_v2+cuMemFree_v2, cuMemGetInfo_v2) runs, side
-by side and interleaved, R rounds of {bare driver, driver + LD_PRELOAD=libcgpu.so}
-and reports the median ns per call of each, the ns added and the ratio. Then it
+16 GiB) and instance regions with an 8 GiB memory limit on it, then for each
+mode runs, side by side and interleaved, R rounds of {bare driver, driver +
+LD_PRELOAD=libcgpu.so} and reports the median ns per call of each, the ns
+added and the ratio. Modes: cuLaunchKernel with no region (launch-noregion),
+in a region whose gate is ungated (launch) and in one whose gate is open for
+the whole run, the process holding the grant (launch-open);
+cuMemAlloc_v2+cuMemFree_v2 (allocfree); cuMemGetInfo_v2 (meminfo). Then it
 counts instructions per call with callgrind, which does not drift with load:
 (Ir(2N) - Ir(N)) / N for each configuration, so start-up and warm-up cancel.
 
@@ -14,7 +17,7 @@ call), 2 on a bad argument.
 
 Run from anywhere (it works from the repository root):
     /tmp/v/bin/python bench/bench_intercept.py [--rounds 7] [--calls 200000]
-        [--modes launch,allocfree,meminfo] [--no-callgrind]
+        [--modes launch-noregion,launch,launch-open,allocfree,meminfo] [--no-callgrind]
 """
 from __future__ import annotations
 
@@ -35,23 +38,30 @@ sys.path.insert(0, str(ROOT))
 
 from bench.table import print_table  # noqa: E402
 
+from cgpud._region import ffi, lib  # noqa: E402
 from cgpud.daemon.region import DeviceLimit, InstanceLimits, write_region  # noqa: E402
 from cgpud.native import native_dir  # noqa: E402
 
-MODES = ("launch", "allocfree", "meminfo")
+MODES = ("launch-noregion", "launch", "launch-open", "allocfree", "meminfo")
 LABELS = {
-    "launch": "cuLaunchKernel",
+    "launch-noregion": "cuLaunchKernel, no region",
+    "launch": "cuLaunchKernel, gate ungated",
+    "launch-open": "cuLaunchKernel, gate open",
     "allocfree": "cuMemAlloc_v2+cuMemFree_v2",
     "meminfo": "cuMemGetInfo_v2",
 }
+# What intercept_calls runs, and under which preloaded configuration.
+PROGRAM = {"launch-noregion": "launch", "launch-open": "launch"}
+CONFIG = {"launch-noregion": "noregion", "launch-open": "open"}  # others: "ungated"
 MEM_LIMIT = 8 << 30
 SIM_CONFIG = 'gpu name="NVIDIA H100 80GB HBM3" mem=16GiB sms=132\n'
 RUN_TIMEOUT_S = 300
 
 # (mode, metric, limit, unit, description) -- from the issue.
 TARGETS = (
-    ("launch", "ns", 50.0, "ns", "cuLaunchKernel (no compute limit) added time"),
-    ("launch", "ir", 150.0, "instructions", "cuLaunchKernel (no compute limit) added instructions"),
+    ("launch", "ns", 50.0, "ns", "cuLaunchKernel (gate ungated) added time"),
+    ("launch", "ir", 150.0, "instructions", "cuLaunchKernel (gate ungated) added instructions"),
+    ("launch-open", "ns", 100.0, "ns", "cuLaunchKernel (gate open, grant held) added time"),
     ("allocfree", "ns", 1000.0, "ns", "cuMemAlloc_v2+cuMemFree_v2 pair added time"),
 )
 
@@ -168,6 +178,19 @@ def gpu0_uuid(native: Path, env: dict[str, str]) -> str:
     return json.loads(out)["uuid"]
 
 
+def make_region(directory: Path, uuid: str, gate: int) -> Path:
+    """An instance region on GPU 0 whose gate the scheduler leaves at `gate`
+    for the whole run (nobody closes it)."""
+    write_region(directory, InstanceLimits("bench", devices=(DeviceLimit(uuid, MEM_LIMIT, 0),)))
+    raw = ffi.new("struct cgpu_grants *")
+    raw.magic = lib.CGPU_GRANTS_MAGIC
+    raw.version = lib.CGPU_REGION_VERSION
+    raw.size = ffi.sizeof("struct cgpu_grants")
+    raw.device[0].gate = gate
+    (directory / "grants").write_bytes(bytes(ffi.buffer(raw)))
+    return directory
+
+
 def parse_report(out: str, what: str) -> dict:
     """The JSON line of intercept_calls, which must report no failed call."""
     try:
@@ -180,7 +203,7 @@ def parse_report(out: str, what: str) -> dict:
 
 
 def measure(exe: Path, mode: str, calls: int, env: dict[str, str], what: str) -> dict:
-    return parse_report(run([str(exe), mode, str(calls)], env, what).stdout, what)
+    return parse_report(run([str(exe), PROGRAM.get(mode, mode), str(calls)], env, what).stdout, what)
 
 
 def resolved_in(report: dict, path: Path) -> dict[str, bool]:
@@ -207,7 +230,8 @@ def timed_rounds(exe: Path, mode: str, args: argparse.Namespace, envs: dict[str,
 
 
 def callgrind_ir(exe: Path, mode: str, calls: int, env: dict[str, str], out: Path, what: str) -> int:
-    cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", str(exe), mode, str(calls)]
+    cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", str(exe), PROGRAM.get(mode, mode),
+           str(calls)]
     parse_report(run(cmd, env, what).stdout, what)
     for line in out.read_text().splitlines():
         if line.startswith(("summary:", "totals:")):
@@ -251,8 +275,8 @@ def report(results: dict[str, ModeResult], args: argparse.Namespace, library: Pa
 
     print("\nEach round (ns per call):")
     for m, r in results.items():
-        print(f"  {m:<9} bare {' '.join(f'{v:.1f}' for v in r.bare_ns)}  (IQR {r.spread('bare'):.1f})")
-        print(f"  {'':<9} cgpu {' '.join(f'{v:.1f}' for v in r.cgpu_ns)}  (IQR {r.spread('cgpu'):.1f})")
+        print(f"  {m:<15} bare {' '.join(f'{v:.1f}' for v in r.bare_ns)}  (IQR {r.spread('bare'):.1f})")
+        print(f"  {'':<15} cgpu {' '.join(f'{v:.1f}' for v in r.cgpu_ns)}  (IQR {r.spread('cgpu'):.1f})")
     for m, r in results.items():
         direct = [fn for fn, hooked in r.intercepted.items() if not hooked]
         if direct:
@@ -294,28 +318,34 @@ def main(argv: list[str]) -> int:
         exe, build_cmd = build(workdir)
         bare = machine(workdir, native)
         uuid = gpu0_uuid(native, bare)
-        region = workdir / "region"
-        write_region(region, InstanceLimits("bench", devices=(DeviceLimit(uuid, MEM_LIMIT, 0),)))
-        cgpu = dict(bare, LD_PRELOAD=str(library), CGPU_REGION_DIR=str(region))
-        envs = {"bare": bare, "cgpu": cgpu}
+        preloaded = dict(bare, LD_PRELOAD=str(library))
+        ungated = make_region(workdir / "ungated", uuid, lib.CGPU_GATE_UNGATED)
+        opened = make_region(workdir / "open", uuid, lib.CGPU_GATE_SEQ_STEP | lib.CGPU_GATE_OPEN)
+        configs = {
+            "noregion": preloaded,
+            "ungated": dict(preloaded, CGPU_REGION_DIR=str(ungated)),
+            "open": dict(preloaded, CGPU_REGION_DIR=str(opened)),
+        }
+        envs = {m: {"bare": bare, "cgpu": configs[CONFIG.get(m, "ungated")]} for m in args.modes}
         print("build:  ", shlex.join(build_cmd))
         print(f"run:     LD_LIBRARY_PATH={bare['LD_LIBRARY_PATH']} CGPU_SIM_CONFIG=... CGPU_SIM_STATE=... "
-              f"[LD_PRELOAD={library} CGPU_REGION_DIR=...] intercept_calls MODE {args.calls}")
+              f"[LD_PRELOAD={library} [CGPU_REGION_DIR=...]] intercept_calls MODE {args.calls}")
         if not args.no_callgrind:
             print(f"count:   valgrind --tool=callgrind --callgrind-out-file=F intercept_calls MODE "
                   f"{args.callgrind_calls} (and {2 * args.callgrind_calls}), same two environments")
-        print(f"machine: simulated {SIM_CONFIG.strip()}; region: {MEM_LIMIT >> 30} GiB limit on {uuid}, "
-              f"no compute limit")
+        print(f"machine: simulated {SIM_CONFIG.strip()}; regions: {MEM_LIMIT >> 30} GiB limit on {uuid}, "
+              f"gate ungated (launch, allocfree, meminfo) or open for the whole run (launch-open); "
+              f"launch-noregion preloads the library with no region")
         print(f"host:    {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start")
 
         results: dict[str, ModeResult] = {}
         for mode in args.modes:
-            results[mode] = timed_rounds(exe, mode, args, envs, driver, library)
+            results[mode] = timed_rounds(exe, mode, args, envs[mode], driver, library)
             print(f"  timed {mode}: bare {results[mode].median('bare'):.1f} ns, "
                   f"cgpu {results[mode].median('cgpu'):.1f} ns", flush=True)
         if not args.no_callgrind:
             for mode in args.modes:
-                for config, env in envs.items():
+                for config, env in envs[mode].items():
                     ir = instructions(exe, mode, args.callgrind_calls, env, workdir, config)
                     setattr(results[mode], f"{config}_ir", ir)
                 print(f"  counted {mode}: bare {results[mode].bare_ir:.1f} Ir, "
