@@ -27,6 +27,7 @@ struct tenant {
     struct cgpu_usage *usage;
     int usage_fd;            /* for probing ledger locks */
     int launched;            /* its last fence said it had launched work */
+    uint32_t stale_waiting;  /* `waiting` left behind by processes killed at the gate */
     int detach_pending;      /* detached while its fence was awaited */
 };
 
@@ -340,6 +341,20 @@ static int await_fence(const struct tenant *t, uint32_t closed, int *launched)
     }
 }
 
+/* Whether any process of the tenant that launches on its device still lives. */
+static int has_live_watcher(const struct tenant *t)
+{
+    const struct cgpu_usage *u = t->usage;
+    uint32_t n = atomic_load(&u->ledgers_used);
+    for (uint32_t i = 0; i < n && i < CGPU_MAX_PROCS; i++) {
+        const struct cgpu_proc_ledger *p = &u->proc[i];
+        if (atomic_load(&p->state) == CGPU_LEDGER_LIVE && (atomic_load(&p->watching) & (1u << t->slot)) &&
+            !ledger_dead(t->usage_fd, (int)i))
+            return 1;
+    }
+    return 0;
+}
+
 static void charge_holder(struct cgpu_engine *e, unsigned gpu, uint64_t now)
 {
     struct gpu_loop *g = &e->gpu[gpu];
@@ -375,6 +390,12 @@ static void close_holder(struct cgpu_engine *e, unsigned gpu)
     else
         g->stats.fence_timeouts++;
     t->launched = launched;
+    /* Granted, nothing launched, yet threads "wait": if no process that
+     * could be waiting is alive, the count is what killed waiters left
+     * (they cannot take themselves off it). It no longer means demand. */
+    uint32_t waiting = atomic_load(&t->usage->device[t->slot].waiting);
+    if (!launched && waiting > t->stale_waiting && !t->detach_pending && !has_live_watcher(t))
+        t->stale_waiting = waiting;
     if (t->detach_pending)
         forget(e, gpu, t);
 }
@@ -395,7 +416,10 @@ static int report_demand(struct cgpu_engine *e, unsigned gpu)
         struct tenant *t = &g->t[i];
         if (!t->key)
             continue;
-        int has = t->key == g->holder || t->launched || atomic_load(&t->usage->device[t->slot].waiting) > 0;
+        uint32_t waiting = atomic_load(&t->usage->device[t->slot].waiting);
+        if (waiting < t->stale_waiting)
+            t->stale_waiting = waiting;
+        int has = t->key == g->holder || t->launched || waiting > t->stale_waiting;
         t->launched = 0;
         cgpu_sched_demand(e->sched, gpu, t->key, has);
         idle += !has;

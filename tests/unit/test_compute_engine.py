@@ -220,3 +220,39 @@ def test_bad_attachments_are_refused_and_change_nothing(sched: ComputeScheduler,
     with pytest.raises(ComputeError, match=f"cannot open {tmp_path}/nowhere/grants"):
         sched.attach(missing, tmp_path / "nowhere")
     assert sched.schedule(0).tenants == 1
+
+
+def test_waiting_left_by_a_process_killed_at_the_gate_stops_counting_as_demand(
+        sched: ComputeScheduler, tenants) -> None:
+    sched.configure(NodePolicy(compute_policy=ComputePolicy.PREEMPTIVE))
+    a, b = tenants("a"), tenants("b")
+    # A process waits at a's closed gate (counted in `waiting`) and is
+    # killed there: nothing takes it off the count.
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import time\n"
+        "from cgpud.daemon.region import UsageRegion\n"
+        f"r = UsageRegion({str(a.dir)!r})\n"
+        "u = r._mapped()\n"
+        "i = r.claim(1)\n"
+        "u.proc[i].watching = 1\n"
+        "u.device[0].waiting += 1\n"
+        "print(i, flush=True)\n"
+        "time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    int(child.stdout.readline())
+    child.kill()
+    child.wait()
+    sched.attach(a.instance, a.dir)
+    sched.attach(b.instance, b.dir)
+    b.want(1)
+    opened: set[int] = set()
+    end = time.monotonic() + 0.3
+    while time.monotonic() < end:
+        g = a.gate
+        if g & OPEN:
+            opened.add(g & SEQ)
+        time.sleep(0.0002)
+    # One grant finds out nobody is there; with 2 ms slices a live waiter
+    # would have had the GPU every other slice, about 75 times.
+    assert len(opened) <= 2, len(opened)
+    assert wait_until(lambda: b.gate & OPEN)
