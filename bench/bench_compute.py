@@ -91,7 +91,7 @@ def report(r: ScenarioResult, cpu_percent: float) -> None:
         line += " (target >= 95)"
     if r.settle_error is not None:
         line += f"  first 200 ms after the join: worst error {r.settle_error:.2f} pt (target <= 5)"
-    line += f"  cgpud CPU {cpu_percent:.2f} % of a core"
+    line += f"  cgpud CPU {cpu_percent:.2f} % of a core, its GPU 0 scheduler thread {r.scheduler_cpu_percent:.2f} %"
     print(line)
 
 
@@ -117,11 +117,11 @@ def main(argv: list[str] | None = None) -> int:
                 report(r, cpu)
                 summary.append((sc.name, f"{r.mean_error:.2f}", f"{r.p95_window_error:.2f}",
                                 f"{r.utilisation:.1f}", "-" if r.settle_error is None else f"{r.settle_error:.2f}",
-                                f"{cpu:.2f}"))
+                                f"{cpu:.2f}", f"{r.scheduler_cpu_percent:.2f}"))
         finally:
             rig.close()
     print("\n## summary")
-    print_table(("scenario", "mean |err| pt", "p95 1 s pt", "util %", "join 200 ms pt", "cgpud CPU %"), summary)
+    print_table(("scenario", "mean |err| pt", "p95 1 s pt", "util %", "join 200 ms pt", "cgpud CPU %", "scheduler CPU %"), summary)
     return 0
 
 

@@ -10,6 +10,7 @@ tests/integration/test_compute_shares.py (2-3 s versions, looser bounds)."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import statistics
 import subprocess
@@ -71,6 +72,7 @@ class ScenarioResult:
     window_errors: list[float] = field(default_factory=list)
     settle_error: float | None = None  # worst tenant error over the first 200 ms after a tenant joins
     daemon_cpu_percent: float = 0.0  # cgpud's CPU time over the interval, % of one core
+    scheduler_cpu_percent: float = 0.0  # of that, GPU 0's scheduler thread
 
     @property
     def mean_error(self) -> float:
@@ -80,6 +82,16 @@ class ScenarioResult:
     def p95_window_error(self) -> float:
         errs = sorted(self.window_errors)
         return errs[min(len(errs) - 1, int(0.95 * len(errs)))] if errs else 0.0
+
+
+def _scheduler_cpu(pid: int, gpu: int = 0) -> float:
+    """CPU seconds of cgpud's scheduler thread for `gpu` (named by engine.c)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        if (task / "comm").read_text().strip() == f"cgpu-sched-{gpu}":
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    raise AssertionError(f"cgpud {pid} has no cgpu-sched-{gpu} thread")
 
 
 class Sampler:
@@ -129,7 +141,8 @@ class ShareRig:
         env["CGPU_SIM_CONFIG"] = str(cfg)
         env["CGPU_SIM_STATE"] = str(workdir / "sim.state")
         self.env = env
-        self.daemon: Daemon = make_daemon(workdir, env, "--mode", "core_mem", *daemon_args)
+        # The production sweep interval: the tests' 0.2 s would dominate cgpud's CPU time.
+        self.daemon: Daemon = make_daemon(workdir, env, "--mode", "core_mem", "--sweep-interval", "2", *daemon_args)
         self.daemon.start()
 
     def close(self) -> None:
@@ -192,10 +205,12 @@ class ShareRig:
             daemon = psutil.Process(self.daemon.proc.pid if self.daemon.proc else 0)
             while sampler.samples[-1][0] < start_ns:
                 time.sleep(sample_ms / 1000)
-            cpu0, t0 = sum(daemon.cpu_times()[:2]), time.monotonic()
+            cpu0, sched0, t0 = sum(daemon.cpu_times()[:2]), _scheduler_cpu(daemon.pid), time.monotonic()
             while sampler.samples[-1][0] < end_ns + sample_ms * 1_000_000:
                 time.sleep(sample_ms / 1000)
-            cpu = 100.0 * (sum(daemon.cpu_times()[:2]) - cpu0) / (time.monotonic() - t0)
+            wall = time.monotonic() - t0
+            cpu = 100.0 * (sum(daemon.cpu_times()[:2]) - cpu0) / wall
+            sched_cpu = 100.0 * (_scheduler_cpu(daemon.pid) - sched0) / wall
         finally:
             for r in runs.values():
                 if r.poll() is None:
@@ -209,6 +224,7 @@ class ShareRig:
         result = self._result(sc, sampler.samples, [pids[i] for i in range(len(sc.tenants))], start_ns, end_ns,
                               window_s, joined_ns, settle_window_s)
         result.daemon_cpu_percent = cpu
+        result.scheduler_cpu_percent = sched_cpu
         return result
 
     @staticmethod
