@@ -22,6 +22,8 @@ from pathlib import Path
 
 import psutil
 
+from cgpud.cli.client import LocalClient
+from cgpud.daemon.model import ComputePolicy
 from cgpud.native import native_path
 from tests.conftest import write_sim_config
 from tests.daemonproc import BIN, Daemon, make_daemon
@@ -47,6 +49,9 @@ class Scenario:
     tenants: tuple[TenantSpec, ...]
     seconds: float              # measured interval, once every tenant runs
     expected: tuple[float, ...] = ()  # share each tenant should get (default: its core)
+    # Switch to this policy 1 s after every tenant runs; `expected` is then
+    # what the new policy gives, and the interval starts after the switch.
+    then_policy: str | None = None
 
     def target(self, i: int) -> float:
         return self.expected[i] if self.expected else float(self.tenants[i].core)
@@ -175,8 +180,8 @@ class ShareRig:
         """Starts the tenants without a delay, waits until all of them run,
         then the delayed ones one by one; measures `sc.seconds` from
         `warmup_s` after the last one ran."""
-        if any(t.delay_s for t in sc.tenants):
-            sample_ms = min(sample_ms, 20)  # the join is timed to a sample
+        if any(t.delay_s for t in sc.tenants) or sc.then_policy:
+            sample_ms = min(sample_ms, 20)  # the join or switch is timed to a sample
         policy = self.daemon.cgpuctl("policy", "set", sc.policy)
         assert policy.returncode == 0, policy.stderr
         sampler = Sampler(self.env, sample_ms)
@@ -201,6 +206,16 @@ class ShareRig:
                 self._wait_running(sampler, [pids[i]], deadline)
                 joined_ns = self._first_busy(sampler, pids[i])
                 start_ns = max(start_ns, joined_ns + int(warmup_s * SECOND))
+            if sc.then_policy:
+                time.sleep(1.0)
+                # Through the API in this process, not cgpuctl, whose own
+                # start-up takes longer than the 200 ms being measured; timed
+                # from before the request (the simulator's clock is
+                # CLOCK_MONOTONIC).
+                with LocalClient(self.daemon.socket) as client:
+                    joined_ns = time.monotonic_ns()
+                    client.set_compute_policy(ComputePolicy[sc.then_policy.upper()])
+                start_ns = joined_ns + int(warmup_s * SECOND)
             end_ns = start_ns + int(sc.seconds * SECOND)
             daemon = psutil.Process(self.daemon.proc.pid if self.daemon.proc else 0)
             while sampler.samples[-1][0] < start_ns:

@@ -38,6 +38,8 @@ SCENARIOS = [
     Scenario("high priority takes its ratio first", "preemptive",
              (TenantSpec(0, high_priority=True), TenantSpec(0)), SECONDS, (80, 20)),
     Scenario("a tenant joins", "preemptive", (TenantSpec(0), TenantSpec(0, delay_s=0.5)), SECONDS, (50, 50)),
+    Scenario("fixed 30/70, then preemptive", "fixed", (TenantSpec(30), TenantSpec(70)), SECONDS, (50, 50),
+             then_policy="preemptive"),
 ]
 WORK_CONSERVING = {"preemptive", "weighted", "soft"}
 
