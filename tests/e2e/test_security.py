@@ -116,6 +116,7 @@ def test_a_container_cannot_write_its_limits_or_reach_other_instances(tmp_path, 
         other_limits = (other_region / "limits").read_bytes()
         script = "; ".join([
             "echo x > /run/cgpu/limits && echo WROTE-LIMITS",
+            "echo x > /run/cgpu/grants && echo WROTE-GRANTS",
             "mount -o remount,rw /run/cgpu 2>/dev/null && echo REMOUNTED",
             "echo x > /usr/local/cgpu/libcgpu.so && echo WROTE-LIB",
             "echo x > /etc/ld.so.preload && echo WROTE-PRELOAD",
@@ -129,9 +130,9 @@ def test_a_container_cannot_write_its_limits_or_reach_other_instances(tmp_path, 
             b.write()
             out = run(host, b, host.new_id(), shim=True, relay=cgpud.relay)
             assert out.returncode == 0, out.stderr
-            for bad in ("WROTE-LIMITS", "REMOUNTED", "WROTE-LIB", "WROTE-PRELOAD", "SEES-OTHER"):
+            for bad in ("WROTE-LIMITS", "WROTE-GRANTS", "REMOUNTED", "WROTE-LIB", "WROTE-PRELOAD", "SEES-OTHER"):
                 assert bad not in out.stdout, out.stdout
-            assert out.stdout.split() == ["limits", "usage", str(user)]
+            assert out.stdout.split() == ["grants", "limits", "usage", str(user)]
         assert (other_region / "limits").read_bytes() == other_limits
     finally:
         runc(host, "delete", "--force", nid, shim=True, relay=cgpud.relay)
