@@ -1,43 +1,51 @@
-"""`cgpuctl sim demo`: two copies of the portable workload share one
-simulated GPU; the report shows what each did and, from the simulation's own
-accounting, how the device was shared. Without cgpu's isolation (later
-issues) both get whatever the driver's time slicing gives them."""
+"""`cgpuctl sim demo`: two saturating copies of the portable workload share
+one simulated GPU, first bare, then each under a cgpu instance with a memory
+limit and a compute share (a private cgpud in core_mem mode, policy fixed).
+Shares come from the simulation's own per-process accounting
+(`cgpu-sim-stat --sample`), never from cgpu."""
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+
+import psutil
 
 from cgpud.cli import simulator
+from cgpud.cli.client import LocalClient
 from cgpud.errors import CgpuError
 from cgpud.native import native_path
 
 GIB = 1 << 30
+BIN = Path(sys.executable).parent
 
 
 @dataclass(frozen=True)
 class Tenant:
     label: str
     memory_gib: int
-    duty: float
-    kernel_ms: float
+    core: int
+    streams: int
 
-    def command(self, burn: Path, seconds: float) -> list[str]:
-        return [
-            str(burn),
-            f"--alloc={self.memory_gib}GiB",
-            f"--kernel-ns={int(self.kernel_ms * 1e6)}",
-            f"--duration={seconds}",
-            f"--duty={self.duty}",
-            "--events",
-        ]
+    def burn(self, seconds: float, until_fail: bool) -> list[str]:
+        alloc = ["--alloc-until-fail", "1GiB"] if until_fail else [f"--alloc={self.memory_gib}GiB"]
+        return [str(native_path("bin/cgpu-burn")), *alloc, "--kernel-ns=1000000", f"--streams={self.streams}",
+                f"--duration={seconds}"]
 
 
-TENANTS = (Tenant("A", 24, 1.0, 1.0), Tenant("B", 8, 0.5, 1.0))
+TENANTS = (Tenant("A", 24, 30, 4), Tenant("B", 8, 70, 1))
+
+
+@dataclass
+class Outcome:
+    share: float  # percent of GPU 0's wall time
+    granted_gib: float
 
 
 def _env(files: simulator.SimFiles) -> dict[str, str]:
@@ -49,61 +57,125 @@ def _env(files: simulator.SimFiles) -> dict[str, str]:
     return env
 
 
-def _stat(env: dict[str, str], *args: str) -> Any:
-    proc = subprocess.run(
-        [str(native_path("bin/cgpu-sim-stat")), *args], env=env, capture_output=True, text=True, timeout=30
-    )
-    if proc.returncode != 0:
-        raise CgpuError(f"reading the simulated GPU state failed: {proc.stderr.strip()}")
-    return json.loads(proc.stdout)
-
-
 def run(machine: simulator.SimMachine, seconds: float) -> int:
     if not 0.5 <= seconds <= 600:
         raise CgpuError("--seconds must be between 0.5 and 600")
-    if machine.memory < 32 * GIB:
-        raise CgpuError("the demo's tenants hold 32 GiB together: use --mem 32GiB or more")
+    if machine.memory < 40 * GIB:
+        raise CgpuError("the demo's tenants hold 32 GiB and try for more: use --mem 40GiB or more")
     shared = simulator.write_config(machine)
     # A private state: the demo neither disturbs nor is disturbed by other
     # programs using the same simulated machine.
     files = simulator.SimFiles(shared.config, shared.state.with_name(f"{shared.state.stem}-demo-{os.getpid()}.state"))
+    env = _env(files)
     try:
-        return _run_tenants(machine, files, seconds)
+        print(f"Simulated machine: {machine.gpus} x {machine.name}, {machine.memory / GIB:g} GiB each")
+        print(f"Two saturating workloads (1 ms kernels) share GPU 0 for {seconds:g} s each time.\n")
+        print("Without cgpu: the driver's time slicing decides.")
+        bare = _measure(env, [lambda t=t: subprocess.Popen(t.burn(seconds, False), env=env, stdout=subprocess.PIPE,
+                                                            text=True) for t in TENANTS], direct=True)
+        for t, o in zip(TENANTS, bare):
+            print(f"  tenant {t.label}: {o.granted_gib:4.0f} GiB, {o.share:5.1f} % of GPU 0")
+        print("\nWith cgpu: cgpud in core_mem mode, compute policy fixed; each tenant under cgpuctl run.")
+        with tempfile.TemporaryDirectory(prefix="cgpu-demo-") as tmp:
+            limited = _with_cgpud(env, Path(tmp), seconds)
+        for t, o in zip(TENANTS, limited):
+            print(f"  tenant {t.label}: cgpuctl run --mem {t.memory_gib}GiB --core {t.core}: "
+                  f"{o.granted_gib:4.0f} GiB, {o.share:5.1f} % of GPU 0")
+        print(f"\nA asked 30 % and got {limited[0].share:.1f} %; B asked 70 % and got {limited[1].share:.1f} %. "
+              f"A allocated 1 GiB at a time until refused and holds {limited[0].granted_gib:.0f} GiB.")
+        return 0
     finally:
         simulator.reset(files.state)
 
 
-def _run_tenants(machine: simulator.SimMachine, files: simulator.SimFiles, seconds: float) -> int:
-    env = _env(files)
-    burn = native_path("bin/cgpu-burn")
-    print(f"Simulated machine: {machine.gpus} x {machine.name}, {machine.memory / GIB:g} GiB each")
-    print(f"Two workloads share GPU 0 for {seconds:g} s, with no isolation yet:")
-    for t in TENANTS:
-        print(f"  tenant {t.label}: {t.memory_gib} GiB, {t.kernel_ms:g} ms kernels at {t.duty:.0%} duty")
+def _with_cgpud(env: dict[str, str], tmp: Path, seconds: float) -> list[Outcome]:
+    sock = tmp / "cgpud.sock"
+    (tmp / "config.toml").write_text("")
+    log = open(tmp / "cgpud.log", "w")
+    daemon = subprocess.Popen([str(BIN / "cgpud"), "--state-dir", str(tmp / "state"), "--socket", str(sock),
+                               "--relay-socket", str(tmp / "relay.sock"), "--config", str(tmp / "config.toml"),
+                               "--mode", "core_mem", "--compute-policy", "3"],
+                              env=env, stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        _wait_ready(daemon, sock, tmp / "cgpud.log")
+        ctl = [str(BIN / "cgpuctl"), "--socket", str(sock), "run"]
+        starts = [lambda t=t: subprocess.Popen([*ctl, "--mem", f"{t.memory_gib}GiB", "--core", str(t.core), "--",
+                                                *t.burn(seconds, t.label == "A")], env=env, stdout=subprocess.PIPE,
+                                               text=True) for t in TENANTS]
+        return _measure(env, starts, direct=False)
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        try:
+            daemon.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+        log.close()
 
-    start_ns = _stat(env)["now_ns"]
-    procs = [subprocess.Popen(t.command(burn, seconds), env=env, stdout=subprocess.PIPE, text=True) for t in TENANTS]
-    time.sleep(min(seconds / 2, 1.0))
-    during = _stat(env)
-    outputs = [p.communicate(timeout=seconds + 60)[0] for p in procs]
-    end_ns = _stat(env)["now_ns"]
+
+def _wait_ready(daemon: subprocess.Popen[bytes], sock: Path, log: Path) -> None:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if daemon.poll() is not None:
+            break
+        try:
+            with LocalClient(sock, timeout=1) as client:
+                client.node_info()
+                return
+        except CgpuError:
+            time.sleep(0.1)
+    tail = log.read_text()[-2000:] if log.exists() else ""
+    raise CgpuError(f"the demo's cgpud did not come up; its log ends:\n{tail}")
+
+
+def _measure(env: dict[str, str], starts: list, direct: bool) -> list[Outcome]:
+    """Runs the workloads side by side; each one's device time over the
+    span in which both ran, from the simulator's own accounting."""
+    sampler = subprocess.Popen([str(native_path("bin/cgpu-sim-stat")), "--sample", "0", "50", "0"], env=env,
+                               stdout=subprocess.PIPE, text=True)
+    procs = [start() for start in starts]
+    try:
+        pids = [p.pid if direct else _child(p) for p in procs]
+        outputs = [p.communicate(timeout=600)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        sampler.send_signal(signal.SIGTERM)
+        lines = sampler.communicate(timeout=30)[0].splitlines()
     if any(p.returncode != 0 for p in procs):
         raise CgpuError("a workload failed; run cgpu-burn by hand after `eval \"$(cgpuctl sim env)\"` to see why")
-    busy = _stat(env, "--busy", "0", str(start_ns), str(end_ns))
-    _report(procs, [json.loads(o) for o in outputs], during, busy, end_ns - start_ns)
-    return 0
+    samples = [json.loads(line) for line in lines]
+    both = [s for s in samples if all(s["per_pid"].get(str(pid), 0) > 0 for pid in pids)]
+    if len(both) < 2:
+        raise CgpuError("the workloads never ran together on GPU 0; try a longer --seconds")
+    # From the first sample where both ran to the last before either stopped.
+    ends = [max(s["now_ns"] for s in samples if s["per_pid"].get(str(pid), 0) < _final(samples, pid))
+            for pid in pids]
+    first = both[0]
+    last = max((s for s in samples if s["now_ns"] <= min(ends)), key=lambda s: s["now_ns"])
+    span = max(1, last["now_ns"] - first["now_ns"])
+    results = [json.loads(o) for o in outputs]
+    return [Outcome(100.0 * (last["per_pid"][str(pid)] - first["per_pid"][str(pid)]) / span, _granted(r) / GIB)
+            for pid, r in zip(pids, results)]
 
 
-def _report(procs: list[subprocess.Popen[str]], results: list[dict[str, Any]], during: dict[str, Any],
-            busy: dict[str, Any], span_ns: int) -> None:
-    print(f"\n{'tenant':<8}{'memory':>10}{'launches':>10}{'device time':>13}{'GPU 0 share':>13}")
-    for tenant, proc, res in zip(TENANTS, procs, results):
-        share = busy["per_pid"].get(str(proc.pid), 0) / span_ns
-        granted = res["alloc"]["granted_bytes"] / GIB
-        device_s = res["launches"] * tenant.kernel_ms / 1000
-        print(f"{tenant.label:<8}{granted:>7.0f} GiB{res['launches']:>10}{device_s:>11.2f} s{share:>12.0%}")
-    gpu0 = during["gpus"][0]
-    print(
-        f"\nGPU 0: busy {busy['busy_ns'] / span_ns:.0%} of {span_ns / 1e9:.2f} s; "
-        f"memory {gpu0['used'] / GIB:.0f} of {gpu0['total'] / GIB:.0f} GiB in use while both ran"
-    )
+def _granted(report: dict) -> int:
+    a = report["alloc"]
+    return a["granted_bytes"] + a["until_fail_chunk"] * a["until_fail_count"]
+
+
+def _final(samples: list[dict], pid: int) -> int:
+    return max(s["per_pid"].get(str(pid), 0) for s in samples)
+
+
+def _child(run: subprocess.Popen[str]) -> int:
+    """The workload `cgpuctl run` started: the process on the GPU."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if run.poll() is not None:
+            raise CgpuError(f"cgpuctl run exited with {run.returncode} before its workload started")
+        kids = psutil.Process(run.pid).children()
+        if kids:
+            return kids[0].pid
+        time.sleep(0.02)
+    raise CgpuError("cgpuctl run did not start its workload")
