@@ -18,17 +18,33 @@ uint64_t cgpu_region_checksum(const void *data, size_t len)
     return h;
 }
 
+/* Every region file starts with its magic, the layout version and its size;
+ * nothing is read before the file is known to be big enough. */
+static int check_header(const void *region, size_t file_size, uint64_t magic, size_t size, const char *what,
+                        char *err, size_t errlen)
+{
+    struct {
+        uint64_t magic;
+        uint32_t version, size;
+    } h;
+    if (file_size >= size)
+        memcpy(&h, region, sizeof(h));
+    if (file_size < size || h.magic != magic) {
+        snprintf(err, errlen, "not a cgpu %s region (bad size or magic)", what);
+        return -1;
+    }
+    if (h.version != CGPU_REGION_VERSION || h.size != size) {
+        snprintf(err, errlen, "%s region version %u (size %u); this library reads version %d (size %zu)", what,
+                 h.version, h.size, CGPU_REGION_VERSION, size);
+        return -1;
+    }
+    return 0;
+}
+
 int cgpu_limits_check(const struct cgpu_limits *l, size_t file_size, char *err, size_t errlen)
 {
-    if (file_size < sizeof(*l) || l->magic != CGPU_LIMITS_MAGIC) {
-        snprintf(err, errlen, "not a cgpu limits region (bad size or magic)");
+    if (check_header(l, file_size, CGPU_LIMITS_MAGIC, sizeof(*l), "limits", err, errlen) != 0)
         return -1;
-    }
-    if (l->version != CGPU_REGION_VERSION || l->size != sizeof(*l)) {
-        snprintf(err, errlen, "limits region version %u (size %u); this library reads version %d (size %zu)",
-                 l->version, l->size, CGPU_REGION_VERSION, sizeof(*l));
-        return -1;
-    }
     if (l->checksum != cgpu_region_checksum(l, offsetof(struct cgpu_limits, checksum))) {
         snprintf(err, errlen, "limits region checksum mismatch: the file is damaged");
         return -1;
@@ -73,30 +89,12 @@ int cgpu_ledger_count(const struct cgpu_usage *u)
 
 int cgpu_usage_check(const struct cgpu_usage *u, size_t file_size, char *err, size_t errlen)
 {
-    if (file_size < sizeof(*u) || u->magic != CGPU_USAGE_MAGIC) {
-        snprintf(err, errlen, "not a cgpu usage region (bad size or magic)");
-        return -1;
-    }
-    if (u->version != CGPU_REGION_VERSION || u->size != sizeof(*u)) {
-        snprintf(err, errlen, "usage region version %u (size %u); this library reads version %d (size %zu)",
-                 u->version, u->size, CGPU_REGION_VERSION, sizeof(*u));
-        return -1;
-    }
-    return 0;
+    return check_header(u, file_size, CGPU_USAGE_MAGIC, sizeof(*u), "usage", err, errlen);
 }
 
 int cgpu_grants_check(const struct cgpu_grants *g, size_t file_size, char *err, size_t errlen)
 {
-    if (file_size < sizeof(*g) || g->magic != CGPU_GRANTS_MAGIC) {
-        snprintf(err, errlen, "not a cgpu grants region (bad size or magic)");
-        return -1;
-    }
-    if (g->version != CGPU_REGION_VERSION || g->size != sizeof(*g)) {
-        snprintf(err, errlen, "grants region version %u (size %u); this library reads version %d (size %zu)",
-                 g->version, g->size, CGPU_REGION_VERSION, sizeof(*g));
-        return -1;
-    }
-    return 0;
+    return check_header(g, file_size, CGPU_GRANTS_MAGIC, sizeof(*g), "grants", err, errlen);
 }
 
 static int ledger_lock(int fd, int i, short type)

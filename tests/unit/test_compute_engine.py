@@ -73,6 +73,25 @@ class Tenant:
         self._gmap.close()
 
 
+def launching_process(region: Path, waiting: bool) -> subprocess.Popen[str]:
+    """A real process with a ledger in the region's usage file that says it
+    launches on device 0 (and, if `waiting`, waits at its gate); returns once
+    it holds the ledger, so killing it leaves what a killed tenant leaves."""
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import time\n"
+        "from cgpud.daemon.region import UsageRegion\n"
+        f"r = UsageRegion({str(region)!r})\n"
+        "u = r._mapped()\n"
+        "i = r.claim(1)\n"
+        "u.proc[i].watching = 1\n"
+        f"u.device[0].waiting += {int(waiting)}\n"
+        "print(i, flush=True)\n"
+        "time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    int(child.stdout.readline())
+    return child
+
+
 @pytest.fixture
 def sched() -> Iterator[ComputeScheduler]:
     s = ComputeScheduler(1, FAST).start()
@@ -164,17 +183,8 @@ def test_a_tenant_killed_holding_the_gate_stalls_the_others_for_at_most_a_slice(
     a, b = tenants("a"), tenants("b")
     # A real process claims a ledger in a's usage file, says it launches on
     # device 0, and is killed: its ledger lock goes with it.
-    child = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time\n"
-        "from cgpud.daemon.region import UsageRegion\n"
-        f"r = UsageRegion({str(a.dir)!r})\n"
-        "i = r.claim(1)\n"
-        "r._mapped().proc[i].watching = 1\n"
-        "print(i, flush=True)\n"
-        "time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
+    child = launching_process(a.dir, waiting=False)
     try:
-        assert child.stdout is not None
-        int(child.stdout.readline())
         sched.attach(a.instance, a.dir)
         a.want(1)
         assert wait_until(lambda: a.gate & OPEN)
@@ -228,18 +238,7 @@ def test_waiting_left_by_a_process_killed_at_the_gate_stops_counting_as_demand(
     a, b = tenants("a"), tenants("b")
     # A process waits at a's closed gate (counted in `waiting`) and is
     # killed there: nothing takes it off the count.
-    child = subprocess.Popen([sys.executable, "-c", (
-        "import time\n"
-        "from cgpud.daemon.region import UsageRegion\n"
-        f"r = UsageRegion({str(a.dir)!r})\n"
-        "u = r._mapped()\n"
-        "i = r.claim(1)\n"
-        "u.proc[i].watching = 1\n"
-        "u.device[0].waiting += 1\n"
-        "print(i, flush=True)\n"
-        "time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
-    assert child.stdout is not None
-    int(child.stdout.readline())
+    child = launching_process(a.dir, waiting=True)
     child.kill()
     child.wait()
     sched.attach(a.instance, a.dir)
