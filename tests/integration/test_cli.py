@@ -68,7 +68,7 @@ def test_inventory_without_a_driver_says_what_to_fix(tmp_path):
     [
         (["sim", "env", "--mem", "lots"], "bad size 'lots'"),
         (["sim", "env", "--gpus", "99"], "--gpus must be between 1 and 16"),
-        (["sim", "demo", "--mem", "8GiB"], "use --mem 32GiB or more"),
+        (["sim", "demo", "--mem", "8GiB"], "use --mem 40GiB or more"),
     ],
 )
 def test_bad_arguments_give_one_line_and_change_nothing(private_runtime_dir, tmp_path, args, message):
