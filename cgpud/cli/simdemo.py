@@ -35,8 +35,8 @@ class Tenant:
 
     def burn(self, seconds: float, until_fail: bool) -> list[str]:
         alloc = ["--alloc-until-fail", "1GiB"] if until_fail else [f"--alloc={self.memory_gib}GiB"]
-        return [str(native_path("bin/cgpu-burn")), *alloc, "--kernel-ns=1000000", f"--streams={self.streams}",
-                f"--duration={seconds}"]
+        return [str(native_path("bin/cgpu-burn")), *alloc, "--kernel-ns=1000000", "--duty=1",
+                f"--streams={self.streams}", f"--duration={seconds}"]
 
 
 TENANTS = (Tenant("A", 24, 30, 4), Tenant("B", 8, 70, 1))
@@ -54,6 +54,9 @@ def _env(files: simulator.SimFiles) -> dict[str, str]:
     env["LD_LIBRARY_PATH"] = f"{lib}:{env['LD_LIBRARY_PATH']}" if env.get("LD_LIBRARY_PATH") else str(lib)
     env["CGPU_SIM_CONFIG"] = str(files.config)
     env["CGPU_SIM_STATE"] = str(files.state)
+    # The demo's cgpud is no service: it must not report to a service
+    # manager the demo itself may run under; readiness is polled instead.
+    env.pop("NOTIFY_SOCKET", None)
     return env
 
 
@@ -61,7 +64,9 @@ def run(machine: simulator.SimMachine, seconds: float) -> int:
     if not 0.5 <= seconds <= 600:
         raise CgpuError("--seconds must be between 0.5 and 600")
     if machine.memory < 40 * GIB:
-        raise CgpuError("the demo's tenants hold 32 GiB and try for more: use --mem 40GiB or more")
+        # 32 GiB for the two tenants, and room beyond A's 24 GiB limit so that
+        # the limit, not the GPU running out, is what stops A.
+        raise CgpuError("the demo's tenants hold 32 GiB and A tries for more: use --mem 40GiB or more")
     shared = simulator.write_config(machine)
     # A private state: the demo neither disturbs nor is disturbed by other
     # programs using the same simulated machine.
@@ -74,15 +79,20 @@ def run(machine: simulator.SimMachine, seconds: float) -> int:
         bare = _measure(env, [lambda t=t: subprocess.Popen(t.burn(seconds, False), env=env, stdout=subprocess.PIPE,
                                                             text=True) for t in TENANTS], direct=True)
         for t, o in zip(TENANTS, bare):
-            print(f"  tenant {t.label}: {o.granted_gib:4.0f} GiB, {o.share:5.1f} % of GPU 0")
+            label = f"tenant {t.label} ({t.streams} stream{'s' if t.streams > 1 else ''}):"
+            print(f"  {label:21} {o.granted_gib:4.0f} GiB, {o.share:5.1f} % of GPU 0")
         print("\nWith cgpu: cgpud in core_mem mode, compute policy fixed; each tenant under cgpuctl run.")
         with tempfile.TemporaryDirectory(prefix="cgpu-demo-") as tmp:
             limited = _with_cgpud(env, Path(tmp), seconds)
         for t, o in zip(TENANTS, limited):
             print(f"  tenant {t.label}: cgpuctl run --mem {t.memory_gib}GiB --core {t.core}: "
                   f"{o.granted_gib:4.0f} GiB, {o.share:5.1f} % of GPU 0")
-        print(f"\nA asked 30 % and got {limited[0].share:.1f} %; B asked 70 % and got {limited[1].share:.1f} %. "
-              f"A allocated 1 GiB at a time until refused and holds {limited[0].granted_gib:.0f} GiB.")
+        a, b = TENANTS
+        print(f"\nWithout cgpu: A got {bare[0].share:.1f} %, B got {bare[1].share:.1f} % "
+              f"({a.streams} streams against {b.streams}; there is nothing to ask for).")
+        print(f"With cgpu:    A asked {a.core} %, got {limited[0].share:.1f} %; "
+              f"B asked {b.core} %, got {limited[1].share:.1f} %; "
+              f"A asked {a.memory_gib} GiB, got {limited[0].granted_gib:.0f} GiB (allocating until refused).")
         return 0
     finally:
         simulator.reset(files.state)
@@ -91,11 +101,12 @@ def run(machine: simulator.SimMachine, seconds: float) -> int:
 def _with_cgpud(env: dict[str, str], tmp: Path, seconds: float) -> list[Outcome]:
     sock = tmp / "cgpud.sock"
     (tmp / "config.toml").write_text("")
-    log = open(tmp / "cgpud.log", "w")
-    daemon = subprocess.Popen([str(BIN / "cgpud"), "--state-dir", str(tmp / "state"), "--socket", str(sock),
-                               "--relay-socket", str(tmp / "relay.sock"), "--config", str(tmp / "config.toml"),
-                               "--mode", "core_mem", "--compute-policy", "3"],
-                              env=env, stdout=subprocess.DEVNULL, stderr=log)
+    # A file, not a pipe: nobody reads a pipe while the demo runs.
+    with open(tmp / "cgpud.log", "w") as log:
+        daemon = subprocess.Popen([str(BIN / "cgpud"), "--state-dir", str(tmp / "state"), "--socket", str(sock),
+                                   "--relay-socket", str(tmp / "relay.sock"), "--config", str(tmp / "config.toml"),
+                                   "--mode", "core_mem", "--compute-policy", "3"],
+                                  env=env, stdout=subprocess.DEVNULL, stderr=log)
     try:
         _wait_ready(daemon, sock, tmp / "cgpud.log")
         ctl = [str(BIN / "cgpuctl"), "--socket", str(sock), "run"]
@@ -109,7 +120,7 @@ def _with_cgpud(env: dict[str, str], tmp: Path, seconds: float) -> list[Outcome]
             daemon.wait(timeout=30)
         except subprocess.TimeoutExpired:
             daemon.kill()
-        log.close()
+            daemon.wait()
 
 
 def _wait_ready(daemon: subprocess.Popen[bytes], sock: Path, log: Path) -> None:

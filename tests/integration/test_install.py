@@ -55,9 +55,13 @@ def test_pip_install_builds_everything_and_the_demo_runs(clean_copy, tmp_path):
     # README command one, in the fresh copy, reusing this venv (dev installs editable over it).
     env = dict(os.environ, CGPU_VENV=str(venv), XDG_RUNTIME_DIR=str(tmp_path))
     demo = _run([str(clean_copy / "dev"), "demo", "--seconds", "2"], env=env)
-    got = re.search(r"A asked 30 % and got ([\d.]+) %; B asked 70 % and got ([\d.]+) %\. .* holds (\d+) GiB",
-                    demo.stdout)
-    assert got, demo.stdout
-    # A short run on a shared CI machine: the benchmark holds these to 2 points.
-    assert abs(float(got[1]) - 30) <= 6 and abs(float(got[2]) - 70) <= 6, demo.stdout
-    assert got[3] == "24", demo.stdout  # the memory limit held
+    bare = re.search(r"^Without cgpu: A got ([\d.]+) %, B got ([\d.]+) %", demo.stdout, re.MULTILINE)
+    got = re.search(r"^With cgpu: +A asked 30 %, got ([\d.]+) %; B asked 70 %, got ([\d.]+) %; "
+                    r"A asked 24 GiB, got (\d+) GiB", demo.stdout, re.MULTILINE)
+    assert bare and got, demo.stdout
+    # Bare, the driver's time slicing favours A's four streams over B's one.
+    assert float(bare[1]) > float(bare[2]), demo.stdout
+    # Under cgpu the shares hold (the benchmark holds them to 2 points; this
+    # is a short run on a shared CI machine) and so does the memory limit.
+    assert abs(float(got[1]) - 30) <= 5 and abs(float(got[2]) - 70) <= 5, demo.stdout
+    assert got[3] == "24", demo.stdout
