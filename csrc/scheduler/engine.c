@@ -28,14 +28,15 @@ struct tenant {
     int usage_fd;            /* for probing ledger locks */
     int launched;            /* its last fence said it had launched work */
     uint32_t stale_waiting;  /* `waiting` left behind by processes killed at the gate */
-    int detach_pending;      /* detached while its fence was awaited */
+    int detach_pending;      /* detached while its fence was awaited: gone for every
+                                caller, the loop unmaps it once the fence is over */
 };
 
 struct gpu_loop {
     struct tenant t[CGPU_SCHED_MAX_TENANTS];
     uint64_t holder;         /* key whose gate is open, 0 for none */
     uint64_t charged_to;     /* the holder has been charged up to here */
-    uint64_t fencing;        /* key whose fence is awaited with the mutex released */
+    struct tenant *fencing;  /* entry whose fence is awaited with the mutex released */
     int ungated;             /* every gate says CGPU_GATE_UNGATED */
     int running;
     pthread_cond_t wake;
@@ -95,10 +96,12 @@ static struct gpu_loop *loop_at(struct cgpu_engine *e, unsigned gpu)
     return e && gpu < e->gpu_count ? &e->gpu[gpu] : NULL;
 }
 
+/* A detached entry still awaiting its fence is not found: its key may be
+ * attached afresh as a new entry meanwhile. */
 static struct tenant *find(struct gpu_loop *g, uint64_t key)
 {
     for (unsigned i = 0; key && i < CGPU_SCHED_MAX_TENANTS; i++)
-        if (g->t[i].key == key)
+        if (g->t[i].key == key && !g->t[i].detach_pending)
             return &g->t[i];
     return NULL;
 }
@@ -272,7 +275,7 @@ int cgpu_engine_detach(struct cgpu_engine *e, unsigned gpu, uint64_t key)
     pthread_mutex_lock(&e->mu);
     struct tenant *t = find(g, key);
     int rc = t ? 0 : CGPU_SCHED_ENOENT;
-    if (t && g->fencing == key)
+    if (t && g->fencing == t)
         t->detach_pending = 1; /* the loop reads its files right now; it finishes this */
     else if (t)
         forget(e, gpu, t);
@@ -377,13 +380,15 @@ static void close_holder(struct cgpu_engine *e, unsigned gpu)
     }
     uint32_t closed = gate_set(t, 0);
     uint64_t start = mono_ns();
-    g->fencing = t->key;
+    g->fencing = t;
     pthread_mutex_unlock(&e->mu);
     int launched = 0;
     int acked = await_fence(t, closed, &launched);
     pthread_mutex_lock(&e->mu);
-    g->fencing = 0;
+    g->fencing = NULL;
     uint64_t end = mono_ns();
+    if (t->detach_pending)
+        g->holder = 0; /* nobody to charge: the key may name a new tenant by now */
     charge_holder(e, gpu, end);
     g->holder = 0;
     g->stats.fence_wait_ns += end - start;
@@ -399,7 +404,7 @@ static void close_holder(struct cgpu_engine *e, unsigned gpu)
     if (!launched && waiting > t->stale_waiting && !t->detach_pending && !has_live_watcher(t))
         t->stale_waiting = waiting;
     if (t->detach_pending)
-        forget(e, gpu, t);
+        unmap_tenant(t); /* its gate is closed, and detach took it off the core */
 }
 
 static void set_all_gates(struct gpu_loop *g, uint32_t bits)
@@ -433,7 +438,7 @@ static int tenant_count(const struct gpu_loop *g)
 {
     int n = 0;
     for (unsigned i = 0; i < CGPU_SCHED_MAX_TENANTS; i++)
-        n += g->t[i].key != 0;
+        n += g->t[i].key != 0 && !g->t[i].detach_pending;
     return n;
 }
 

@@ -257,187 +257,47 @@ def test_waiting_left_by_a_process_killed_at_the_gate_stops_counting_as_demand(
     assert wait_until(lambda: b.gate & OPEN)
 
 
+def test_a_holder_detached_during_its_fence_is_gone_at_once_and_its_key_can_come_back(
+        sched: ComputeScheduler, tenants) -> None:
+    """The loop still reads the files of a holder detached while it awaits
+    the fence, and unmaps them afterwards; for every caller the key is gone at
+    once, and attaching it again makes a tenant the late unmapping leaves be."""
+    from cgpud._scheduler import ffi as sffi
+    from cgpud._scheduler import lib as slib
+
+    sched.configure(NodePolicy(compute_policy=ComputePolicy.FIXED))
+    a, b = tenants("a", 50), tenants("b", 50)
+    sched.attach(a.instance, a.dir)  # key 1
+    sched.attach(b.instance, b.dir)  # key 2
+    a.watch()  # never acknowledges: each fence of a lasts the 50 ms timeout
+    a.want(1)
+    b.want(1)
+    assert wait_until(lambda: a.gate & OPEN)
+    assert wait_until(lambda: not a.gate & OPEN)
+    e, err = sched._engine, sffi.new("char[]", 256)
+    assert slib.cgpu_engine_detach(e, 0, 1) == 0
+    assert slib.cgpu_engine_detach(e, 0, 1) == slib.CGPU_SCHED_ENOENT
+    assert slib.cgpu_engine_attach(e, 0, 1, str(a.dir).encode(), 0, 50, 1, 0, err, 256) == 0
+    time.sleep(0.1)  # the fence has timed out and the detached entry is gone
+    info = sffi.new("struct cgpu_sched_tenant_info *")
+    assert slib.cgpu_engine_tenant_get(e, 0, 1, info) == 0 and info.share_percent == 50
+    assert sched.schedule(0).tenants == 2
+    assert wait_until(lambda: a.gate & OPEN), "key 1, attached again, is never granted"
+
+
 # ------------------------------------------------------------ sanitizers
-
-ENGINE_DRIVER = r"""
-#define _GNU_SOURCE
-#include <fcntl.h>
-#include <limits.h>
-#include <linux/futex.h>
-#include <pthread.h>
-#include <stdatomic.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <sys/syscall.h>
-#include <time.h>
-#include <unistd.h>
-
-#include "cgpu/region.h"
-#include "region.h"
-#include "scheduler.h"
-#include "engine.h"
-
-#define N 4
-static char dirs[N][600];
-static atomic_int tenants_stop;
-static unsigned long long rng = 88172645463325252ull;
-static unsigned long long next_rand(void) { rng ^= rng << 13; rng ^= rng >> 7; rng ^= rng << 17; return rng; }
-
-static void *map(const char *dir, const char *name, size_t size, int *fd_out)
-{
-    char path[700];
-    snprintf(path, sizeof(path), "%s/%s", dir, name);
-    int fd = open(path, O_RDWR | O_CLOEXEC);
-    if (fd < 0) { perror(path); exit(10); }
-    void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (p == MAP_FAILED) { perror("mmap"); exit(11); }
-    if (fd_out) *fd_out = fd; else close(fd);
-    return p;
-}
-
-static void write_file(const char *dir, const char *name, const void *data, size_t size)
-{
-    char path[700];
-    snprintf(path, sizeof(path), "%s/%s", dir, name);
-    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd < 0 || write(fd, data, size) != (ssize_t)size) { perror(path); exit(12); }
-    close(fd);
-}
-
-/* libcgpu.so's side of the protocol, without a GPU: launch while open,
- * wait while closed, acknowledge every closing. */
-static void *tenant(void *arg)
-{
-    int i = (int)(long)arg, fd;
-    struct cgpu_usage *u = map(dirs[i], "usage", sizeof(*u), &fd);
-    struct cgpu_grants *g = map(dirs[i], "grants", sizeof(*g), NULL);
-    int ledger = cgpu_ledger_claim(u, fd, 1000 + i);
-    if (ledger < 0) { fprintf(stderr, "no ledger\n"); exit(13); }
-    atomic_fetch_or(&u->proc[ledger].watching, 1u);
-    uint32_t acked = 0;
-    int launched = 0;
-    while (!atomic_load(&tenants_stop)) {
-        uint32_t v = atomic_load(&g->device[0].gate);
-        if (v & (CGPU_GATE_OPEN | CGPU_GATE_UNGATED)) {
-            usleep(100);
-            launched = 1;
-            continue;
-        }
-        if ((v & CGPU_GATE_SEQ_MASK) != acked) {
-            acked = v & CGPU_GATE_SEQ_MASK;
-            atomic_store(&u->proc[ledger].fence_ack[0], acked | (launched ? CGPU_ACK_LAUNCHED : 0));
-            launched = 0;
-            atomic_fetch_add(&u->device[0].bell, 1);
-            syscall(SYS_futex, (uint32_t *)&u->device[0].bell, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
-        }
-        atomic_fetch_add(&u->device[0].waiting, 1);
-        struct timespec ts = {0, 5000000};
-        syscall(SYS_futex, (uint32_t *)&g->device[0].gate, FUTEX_WAIT, v, &ts, NULL, 0);
-        atomic_fetch_sub(&u->device[0].waiting, 1);
-    }
-    munmap(g, sizeof(*g));
-    munmap(u, sizeof(*u));
-    close(fd);
-    return NULL;
-}
-
-struct runner { struct cgpu_engine *e; unsigned gpu; };
-static void *run_gpu(void *arg)
-{
-    struct runner *r = arg;
-    if (cgpu_engine_run(r->e, r->gpu) != 0) { fprintf(stderr, "run refused\n"); exit(14); }
-    return NULL;
-}
-
-int main(int argc, char **argv)
-{
-    if (argc != 2) return 2;
-    for (int i = 0; i < N; i++) {
-        snprintf(dirs[i], sizeof(dirs[i]), "%s/r%d", argv[1], i);
-        mkdir(dirs[i], 0755);
-        struct cgpu_grants *g = calloc(1, sizeof(*g));
-        struct cgpu_usage *u = calloc(1, sizeof(*u));
-        g->magic = CGPU_GRANTS_MAGIC; g->version = CGPU_REGION_VERSION; g->size = sizeof(*g);
-        u->magic = CGPU_USAGE_MAGIC; u->version = CGPU_REGION_VERSION; u->size = sizeof(*u);
-        write_file(dirs[i], "grants", g, sizeof(*g));
-        write_file(dirs[i], "usage", u, sizeof(*u));
-        free(g);
-        free(u);
-    }
-    struct cgpu_engine *e = cgpu_engine_create(2);
-    if (!e || cgpu_engine_create(0) || cgpu_engine_create(CGPU_SCHED_MAX_GPUS + 1)) return 3;
-    char err[256];
-    pthread_t run[2], ten[N];
-    struct runner rs[2] = {{e, 0}, {e, 1}};
-    for (int i = 0; i < 2; i++) pthread_create(&run[i], NULL, run_gpu, &rs[i]);
-    if (cgpu_engine_run(e, 2) == 0) return 4;
-    for (long i = 0; i < N; i++) pthread_create(&ten[i], NULL, tenant, (void *)i);
-    struct cgpu_engine_stats st;
-    struct cgpu_sched_tenant_info info;
-    struct timespec t0, t;
-    clock_gettime(CLOCK_MONOTONIC, &t0);
-    do {
-        unsigned long long r = next_rand();
-        unsigned gpu = (unsigned)(r % 3);
-        unsigned long long key = (r >> 4) % 10;
-        const char *dir = (r >> 8) % 9 == 0 ? "/nonexistent" : dirs[(r >> 12) % N];
-        int rc = 0;
-        switch ((r >> 16) % 8) {
-        case 0: rc = cgpu_engine_configure(e, gpu, (int)((r >> 20) % 8) - 1, 1000000ull + (r >> 24) % 300000000ull,
-                                           1000ull + (r >> 32) % 30000000ull, (unsigned)(r >> 40) % 120); break;
-        case 1: case 2: rc = cgpu_engine_attach(e, gpu, key, dir, (unsigned)((r >> 20) % 18) % 17 ? 0 : 1,
-                                                (unsigned)(r >> 24) % 120, (unsigned)(r >> 32) % 120,
-                                                (int)(r >> 40) % 2, err, sizeof(err)); break;
-        case 3: rc = cgpu_engine_detach(e, gpu, key); break;
-        case 4: rc = cgpu_engine_stats_get(e, gpu, (r >> 20) % 5 ? &st : NULL); break;
-        case 5: rc = cgpu_engine_tenant_get(e, gpu, key, &info); break;
-        default: usleep(500);
-        }
-        if (rc > 0) { fprintf(stderr, "bad status %d\n", rc); return 5; }
-        clock_gettime(CLOCK_MONOTONIC, &t);
-    } while ((t.tv_sec - t0.tv_sec) * 1000000000ll + (t.tv_nsec - t0.tv_nsec) < 2000000000ll);
-    /* A known final state: every region attached under a fresh key, then stop. */
-    for (int i = 0; i < N; i++) {
-        cgpu_engine_configure(e, (unsigned)i % 2, CGPU_SCHED_PREEMPTIVE, 100000000ull, 5000000ull, 50);
-        if (cgpu_engine_attach(e, (unsigned)i % 2, 100 + (unsigned)i, dirs[i], 0, 0, 1, 0, err, sizeof(err)) != 0) {
-            fprintf(stderr, "final attach: %s\n", err);
-            return 6;
-        }
-    }
-    usleep(50000);
-    cgpu_engine_stop(e);
-    for (int i = 0; i < 2; i++) pthread_join(run[i], NULL);
-    for (int i = 0; i < N; i++) {
-        struct cgpu_grants *g = map(dirs[i], "grants", sizeof(*g), NULL);
-        if (!(atomic_load(&g->device[0].gate) & CGPU_GATE_UNGATED)) { fprintf(stderr, "gate %d left shut\n", i); return 7; }
-        munmap(g, sizeof(*g));
-    }
-    atomic_store(&tenants_stop, 1);
-    for (int i = 0; i < N; i++) pthread_join(ten[i], NULL);
-    for (unsigned gpu = 0; gpu < 2; gpu++)
-        for (unsigned long long key = 0; key < 110; key++)
-            cgpu_engine_detach(e, gpu, key);
-    cgpu_engine_destroy(e);
-    puts("ok");
-    return 0;
-}
-"""
-
 
 def test_engine_is_clean_under_asan_and_ubsan(tmp_path: Path) -> None:
     """Runner threads, tenant threads playing libcgpu's side, and random
-    valid and invalid control calls, all at once, for 2 s."""
+    valid and invalid control calls checked against what they should leave,
+    all at once, for 2 s (tests/unit/engine_driver.c)."""
     root = Path(__file__).resolve().parents[2]
     sys.path.insert(0, str(root / "csrc"))
     import build_native
 
-    driver = tmp_path / "engine_fuzz.c"
-    driver.write_text(ENGINE_DRIVER)
-    target = build_native.Target("bin/engine-fuzz", (str(driver), "scheduler/engine.c", "scheduler/scheduler.c",
-                                                      "region/region.c"),
+    driver = Path(__file__).resolve().parent / "engine_driver.c"
+    target = build_native.Target("bin/engine-driver", (str(driver), "scheduler/engine.c", "scheduler/scheduler.c",
+                                                        "region/region.c"),
                                  libs=("-lpthread",), includes=("include", "scheduler", "region"))
     exe = build_native.compile_target(target, tmp_path, build_native.SANITIZE)
     (tmp_path / "regions").mkdir()
