@@ -69,10 +69,11 @@ static void futex_wake_all(_Atomic uint32_t *word)
     syscall(SYS_futex, (uint32_t *)word, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
 }
 
-static void futex_wait_for(_Atomic uint32_t *word, uint32_t seen, uint64_t ns)
+/* Returns 1 when the wait ran out (rather than being woken or the word moving). */
+static int futex_wait_for(_Atomic uint32_t *word, uint32_t seen, uint64_t ns)
 {
     struct timespec rel = abs_timespec(ns);
-    syscall(SYS_futex, (uint32_t *)word, FUTEX_WAIT, seen, &rel, NULL, 0);
+    return syscall(SYS_futex, (uint32_t *)word, FUTEX_WAIT, seen, &rel, NULL, 0) != 0 && errno == ETIMEDOUT;
 }
 
 static _Atomic uint32_t *gate_of(const struct tenant *t)
@@ -316,7 +317,7 @@ static int await_fence(const struct tenant *t, uint32_t closed, int *launched)
     _Atomic uint32_t *bell = &u->device[t->slot].bell;
     uint32_t bit = 1u << t->slot;
     uint64_t deadline = mono_ns() + CGPU_ENGINE_FENCE_TIMEOUT_NS;
-    for (int round = 0;; round++) {
+    for (int probe = 0;;) {
         uint32_t rung = atomic_load(bell);
         uint32_t n = atomic_load(&u->ledgers_used);
         int pending = 0;
@@ -329,8 +330,8 @@ static int await_fence(const struct tenant *t, uint32_t closed, int *launched)
                 *launched |= (ack & CGPU_ACK_LAUNCHED) != 0;
                 continue;
             }
-            /* Probe locks only once the quick path failed: it costs a syscall. */
-            if (round > 0 && ledger_dead(t->usage_fd, (int)i))
+            /* A lock probe costs a syscall: only once a wait ran out. */
+            if (probe && ledger_dead(t->usage_fd, (int)i))
                 continue;
             pending++;
         }
@@ -339,10 +340,12 @@ static int await_fence(const struct tenant *t, uint32_t closed, int *launched)
         uint64_t now = mono_ns();
         if (now >= deadline)
             return 0;
-        /* Acknowledgements ring the bell; the timeout is only for noticing a
-         * process that died without one, so it backs off: 1, 2, 4, 8 ms. */
-        uint64_t left = deadline - now, step = (uint64_t)CGPU_ENGINE_IDLE_POLL_NS << (round < 3 ? round : 3);
-        futex_wait_for(bell, rung, left < step ? left : step);
+        /* Acknowledgements ring the bell, so the wait ends early only for a
+         * process that died without one; a fence drains up to a few ms of
+         * queued work, and waking before it is done costs a hand-over two
+         * futex calls and a probe per process for nothing. */
+        uint64_t left = deadline - now;
+        probe = futex_wait_for(bell, rung, left < CGPU_ENGINE_FENCE_PROBE_NS ? left : CGPU_ENGINE_FENCE_PROBE_NS);
     }
 }
 

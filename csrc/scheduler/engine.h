@@ -26,6 +26,9 @@
 /* A closed gate waits this long for the processes' fence acknowledgements
  * before the next tenant is granted anyway (a stopped or hung process). */
 #define CGPU_ENGINE_FENCE_TIMEOUT_NS 50000000
+/* A closed gate looks for processes that died without acknowledging after
+ * this long without an acknowledgement, and again every time as long. */
+#define CGPU_ENGINE_FENCE_PROBE_NS 4000000
 /* With someone who might report work, an idle GPU looks this often. */
 #define CGPU_ENGINE_IDLE_POLL_NS 1000000
 
