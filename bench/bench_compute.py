@@ -15,7 +15,7 @@ core per GPU with 10 tenants.
 
 It is a report: exit 0 whether or not a target is met, 1 when it could not
 measure. Run from the repository root:
-    /tmp/v/bin/python bench/bench_compute.py [--seconds 10] [--quick] [--only NAME]
+    .venv/bin/python bench/bench_compute.py [--seconds 10] [--quick] [--only NAME]
 """
 from __future__ import annotations
 
@@ -98,7 +98,8 @@ def report(r: ScenarioResult, cpu_percent: float) -> None:
     if r.settle_error is not None:
         change = "switch" if sc.then_policy else "join"
         line += f"  first 200 ms after the {change}: worst error {r.settle_error:.2f} pt (target <= 5)"
-    line += f"  cgpud CPU {cpu_percent:.2f} % of a core, its GPU 0 scheduler thread {r.scheduler_cpu_percent:.2f} %"
+    line += (f"  cgpud CPU {cpu_percent:.2f} % of a core (exact), its GPU 0 scheduler thread about "
+             f"{r.scheduler_cpu_percent:.2f} % (10 ms tick samples)")
     print(line)
 
 
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             rig.close()
     print("\n## summary")
-    print_table(("scenario", "mean |err| pt", "p95 1 s pt", "util %", "200 ms after join/switch pt", "cgpud CPU %", "scheduler CPU %"), summary)
+    print_table(("scenario", "mean |err| pt", "p95 1 s pt", "util %", "200 ms after join/switch pt", "cgpud CPU %", "scheduler CPU % (ticks)"), summary)
     return 0
 
 

@@ -22,7 +22,7 @@ it could not measure (setup error, a failed runc command, an instance left
 behind), 2 on a bad argument. Needs root, runc and busybox-static.
 
 Run from the repository root:
-    /tmp/v/bin/python bench/bench_container_start.py [--rounds 100] [--warmup 2] [--quick]
+    .venv/bin/python bench/bench_container_start.py [--rounds 100] [--warmup 2] [--quick]
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ is 0 whether or not a target is met, 1 on an error (build, setup, a failed CUDA
 call), 2 on a bad argument.
 
 Run from anywhere (it works from the repository root):
-    /tmp/v/bin/python bench/bench_intercept.py [--rounds 7] [--calls 200000]
+    .venv/bin/python bench/bench_intercept.py [--rounds 7] [--calls 200000]
         [--modes launch-noregion,launch,launch-open,allocfree,meminfo] [--no-callgrind]
 """
 from __future__ import annotations
