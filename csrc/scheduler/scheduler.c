@@ -59,6 +59,7 @@ struct gpu {
 
     int period_valid;
     uint64_t period_start;
+    uint64_t now;          /* of the last decision: where in the period a change lands */
     uint64_t seq;
 
     unsigned n;
@@ -128,14 +129,17 @@ static int64_t quota_of(const struct gpu *g, const struct tenant *t)
     return 0;
 }
 
-/* A quota change takes effect in the current period, but never turns time
- * already used under the old quota into debt. */
-static int64_t requota(int64_t budget, int64_t old_quota, int64_t new_quota)
+/* A quota change takes effect for the rest of the current period (`left` of
+ * `period`), but never turns time already used under the old quota into
+ * debt. Pro rata: a share raised as the period ends is not a whole extra
+ * quota to run, or to carry into the next period. */
+static int64_t requota(int64_t budget, int64_t old_quota, int64_t new_quota, uint64_t left, uint64_t period)
 {
     if (new_quota == old_quota)
         return budget; /* keeps a carried leftover, which may exceed the quota */
     int64_t floor = budget < 0 ? budget : 0;
-    int64_t b = budget + (new_quota - old_quota);
+    /* |difference| <= period <= 2^30 and left <= period: no overflow. */
+    int64_t b = budget + (new_quota - old_quota) * (int64_t)left / (int64_t)period;
     if (b > new_quota)
         b = new_quota;
     return b < floor ? floor : b;
@@ -143,27 +147,31 @@ static int64_t requota(int64_t budget, int64_t old_quota, int64_t new_quota)
 
 static void update_quotas(struct gpu *g)
 {
+    uint64_t into = g->now > g->period_start ? g->now - g->period_start : 0;
+    uint64_t left = g->period - min_u64(into, g->period);
     for (unsigned i = 0; i < g->n; i++) {
         struct tenant *t = &g->t[i];
         int64_t q = quota_of(g, t);
         if (g->period_valid)
-            t->budget = requota(t->budget, t->quota, q);
+            t->budget = requota(t->budget, t->quota, q, left, g->period);
         t->quota = q;
     }
     int64_t pool = g->policy == CGPU_SCHED_FIXED ? (int64_t)(g->period * (100u - g->reserved) / 100u) : 0;
     int64_t hp = (int64_t)(g->period * g->hp_percent / 100u);
     if (g->period_valid) {
-        g->pool_budget = requota(g->pool_budget, g->pool_quota, pool);
-        g->hp_budget = requota(g->hp_budget, g->hp_quota, hp);
+        g->pool_budget = requota(g->pool_budget, g->pool_quota, pool, left, g->period);
+        g->hp_budget = requota(g->hp_budget, g->hp_quota, hp, left, g->period);
     }
     g->pool_quota = pool;
     g->hp_quota = hp;
 }
 
 /* Debt is carried and k periods pay k quotas of it. Leftover is lost, except
- * that a tenant still waiting with work at the boundary keeps up to a slice of
- * it: it was shut out by other tenants' overruns filling the period, and
- * dropping its turn would hand their overrun to it. Only one boundary's worth
+ * that a tenant still waiting with work at the boundary keeps up to two
+ * slices of it: it was shut out by other tenants' overruns filling the
+ * period, and dropping its turn would hand their overrun to it. Two, because
+ * an overrunner pays its debt by skipping a period only every few periods
+ * while its victims lose a little in each. Only one boundary's worth
  * carries, so no tenant can bank share. */
 static int64_t refill(int64_t budget, int64_t quota, uint64_t k, int64_t carry)
 {
@@ -177,14 +185,14 @@ static int64_t refill(int64_t budget, int64_t quota, uint64_t k, int64_t carry)
 
 static void refill_all(struct gpu *g, uint64_t k)
 {
-    int64_t slice = (int64_t)g->max_slice;
+    int64_t carry = 2 * (int64_t)g->max_slice;
     int memory_only_waiting = 0;
     for (unsigned i = 0; i < g->n; i++) {
         struct tenant *t = &g->t[i];
-        t->budget = refill(t->budget, t->quota, k, t->demand ? slice : 0);
+        t->budget = refill(t->budget, t->quota, k, t->demand ? carry : 0);
         memory_only_waiting |= t->demand && t->share == 0;
     }
-    g->pool_budget = refill(g->pool_budget, g->pool_quota, k, memory_only_waiting ? slice : 0);
+    g->pool_budget = refill(g->pool_budget, g->pool_quota, k, memory_only_waiting ? carry : 0);
     /* Precedence is not a reservation: none of it carries. */
     g->hp_budget = refill(g->hp_budget, g->hp_quota, k, 0);
 }
@@ -485,14 +493,44 @@ int cgpu_sched_charge(struct cgpu_sched *s, unsigned gpu, uint64_t key, uint64_t
     return CGPU_SCHED_OK;
 }
 
-/* The most owed eligible tenant; among equals the one served longest ago. */
-static struct tenant *pick(struct gpu *g, int high_only)
+/* A reservation is paced: a tenant is given a slice only while what it has
+ * left is at least its quota's part of what is left of the period, less a
+ * quarter slice. A 30 % tenant alone so gets its 30 % in slices spread over
+ * the period, not all at once (no 70 ms stall per period for its latency); a
+ * tenant that joins at any moment finds the others' use spread evenly; one
+ * that joins mid-period (and got a pro-rata budget) runs at its rate from
+ * then on. The quarter slice keeps a tenant that runs right at its pace from
+ * being stopped for microseconds at slice ends. Returns 0 when on pace, else
+ * when (after the period's start) it will be. */
+static uint64_t pace_wait(const struct gpu *g, const struct tenant *t, uint64_t elapsed)
+{
+    int pool = g->policy == CGPU_SCHED_FIXED && t->share == 0;
+    int64_t budget = pool ? g->pool_budget : t->budget;
+    int64_t quota = pool ? g->pool_quota : t->quota;
+    if (!reserving(g) || budget <= 0 || quota <= 0)
+        return 0;
+    /* budget <= a period and two slices < 2^32, period and quota <= 2^30:
+     * every product < 2^62. */
+    uint64_t have = (uint64_t)budget + g->max_slice / 4;
+    if (have * g->period >= (uint64_t)quota * (g->period - elapsed))
+        return 0;
+    return g->period - have * g->period / (uint64_t)quota;
+}
+
+/* The most owed eligible tenant on pace; among equals the one served
+ * longest ago. *next: the earliest a tenant held back by its pace is due. */
+static struct tenant *pick(struct gpu *g, int high_only, uint64_t elapsed, uint64_t *next)
 {
     struct tenant *best = NULL;
     for (unsigned i = 0; i < g->n; i++) {
         struct tenant *t = &g->t[i];
         if ((high_only && !t->high) || !eligible(g, t))
             continue;
+        uint64_t due = pace_wait(g, t, elapsed);
+        if (due) {
+            *next = min_u64(*next, due);
+            continue;
+        }
         if (!best || t->lag > best->lag || (t->lag == best->lag && t->last_pick < best->last_pick))
             best = t;
     }
@@ -513,21 +551,24 @@ int cgpu_sched_next(struct cgpu_sched *s, unsigned gpu, uint64_t now_ns, struct 
         return CGPU_SCHED_UNGATED;
     }
     advance_period(g, now_ns);
+    g->now = now_ns;
     /* now_ns - period_start < period, so this is >= 1. */
-    uint64_t to_period_end = g->period - (now_ns - g->period_start);
+    uint64_t elapsed = now_ns - g->period_start;
+    uint64_t to_period_end = g->period - elapsed;
+    uint64_t due = g->period;
 
     /* High-priority tenants go first while this period's precedence lasts. */
     int hp_phase = g->hp_budget > 0;
-    struct tenant *t = hp_phase ? pick(g, 1) : NULL;
+    struct tenant *t = hp_phase ? pick(g, 1, elapsed, &due) : NULL;
     if (!t) {
         hp_phase = 0;
-        t = pick(g, 0);
+        t = pick(g, 0, elapsed, &due);
     }
     if (!t) {
-        /* Nobody may run until the next refill (or until someone reports
-         * work, when the caller asks again). */
+        /* Nobody may run until a paced tenant is due or the next refill (or
+         * until someone reports work, when the caller asks again). */
         out->key = 0;
-        out->slice_ns = to_period_end;
+        out->slice_ns = due - elapsed;
         return CGPU_SCHED_OK;
     }
 

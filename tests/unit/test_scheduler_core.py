@@ -237,6 +237,46 @@ def test_fixed_tenant_alone_gets_its_share_and_the_gpu_idles_otherwise(kernel):
     assert max(sim.windows(1, 0, 10, 0.1, 0.1)) <= 30 + 100 * longest / (100 * MS) + 1e-9
 
 
+def test_fixed_reservation_is_spread_over_the_period():
+    """cgpud's timing (10 ms slices): a 30 % tenant alone runs in three
+    slices spread over the period, not 30 ms and then a 70 ms stall."""
+    sim = Sim(FIXED, max_slice=10 * MS)
+    sim.add(Tenant(1, share=30, kernel=200 * US))
+    sim.run(2)
+    runs = [(st, st + used) for st, key, used in sim.trace if key == 1]
+    gaps = [b[0] - a[1] for a, b in zip(runs, runs[1:])]
+    assert max(gaps) <= 35 * MS, [g / MS for g in gaps[:10]]
+    assert all(abs(w - 30) <= 0.5 for w in sim.windows(1, 0, 2, 0.1, 0.1))
+
+
+def test_fixed_tenant_joining_mid_period_settles_at_once():
+    """Joining 37 ms into a period: every 200 ms window from the join on is
+    within 5 points, for the newcomer and for the tenant already there. (A
+    slice is the granularity: one 10 ms slice more or less is itself 5 points
+    of a 200 ms window, so this uses the core's default 5 ms.)"""
+    sim = Sim(FIXED)
+    sim.add(Tenant(1, share=30, kernel=MIX))
+    sim.at(1 * S + 37 * MS, lambda: sim.add(Tenant(2, share=70, kernel=200 * US)))
+    sim.run(2.5)
+    at = 1.037
+    report("fixed 30 + 70 joining mid-period, 200ms windows", sim, {1: 30, 2: 70}, at + 0.2, t0=at)
+    for key, want in ((1, 30), (2, 70)):
+        worst = max(abs(w - want) for w in sim.windows(key, at, 2.5, 0.2, 0.01))
+        assert worst <= 5, (key, worst)
+
+
+def test_a_share_raised_near_the_end_of_a_period_adds_only_its_part():
+    s = ffi.gc(lib.cgpu_sched_create(1), lib.cgpu_sched_destroy)
+    d = ffi.new("struct cgpu_sched_decision *")
+    info = ffi.new("struct cgpu_sched_tenant_info *")
+    assert lib.cgpu_sched_configure(s, 0, FIXED, 100 * MS, 10 * MS, 0) == 0
+    assert lib.cgpu_sched_tenant_set(s, 0, 1, 30, 1, 0) == 0
+    assert lib.cgpu_sched_next(s, 0, 0, d) == 0
+    assert lib.cgpu_sched_next(s, 0, 95 * MS, d) == 0
+    assert lib.cgpu_sched_tenant_set(s, 0, 1, 60, 1, 0) == 0  # 5 ms of the period left
+    assert lib.cgpu_sched_tenant_get(s, 0, 1, info) == 0 and info.budget_ns == 30 * MS + 30 * MS * 5 // 100
+
+
 def test_fixed_reservation_of_an_idle_tenant_is_not_lent():
     sim = Sim(FIXED)
     sim.add(Tenant(1, share=10))
