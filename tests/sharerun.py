@@ -76,6 +76,7 @@ class ScenarioResult:
     utilisation: float          # percent of the interval the GPU was busy
     window_errors: list[float] = field(default_factory=list)
     settle_error: float | None = None  # worst tenant error over the first 200 ms after a tenant joins
+    settled_error: float | None = None  # the same over the 200 ms after those: is it over by 200 ms?
     daemon_cpu_percent: float = 0.0  # cgpud's CPU time over the interval, % of one core
     scheduler_cpu_percent: float = 0.0  # of that, GPU 0's scheduler thread
 
@@ -282,14 +283,16 @@ class ShareRig:
             tenants.append(TenantResult(sc.tenants[i], target, share, windows))
         result = ScenarioResult(sc, tenants, 100.0 * (b[1] - a[1]) / span, window_errors)
         if joined_ns is not None:
-            result.settle_error = _settle_error(sc, samples, pids, joined_ns, int(settle_window_s * SECOND))
+            w = int(settle_window_s * SECOND)
+            result.settle_error = _settle_error(sc, samples, pids, joined_ns, w)
+            result.settled_error = _settle_error(sc, samples, pids, joined_ns + w, w)
         return result
 
 
 def _settle_error(sc: Scenario, samples: list[tuple[int, int, dict[int, int]]], pids: list[int], joined_ns: int,
                   w: int) -> float:
-    """The largest |share - target| of any tenant over the first w after the
-    last tenant's first launch: within 5 points means settled within w."""
+    """The largest |share - target| of any tenant over w from joined_ns (the
+    last tenant's first launch or the policy change, or w after it)."""
     s0, s1 = _at(samples, joined_ns), _at(samples, joined_ns + w)
     dt = max(1, s1[0] - s0[0])
     return max(abs(100.0 * (_busy(s1, p) - _busy(s0, p)) / dt - sc.target(i)) for i, p in enumerate(pids))
