@@ -76,7 +76,7 @@ def scenarios(seconds: float, quick: bool) -> list[Scenario]:
     return out
 
 
-def report(r: ScenarioResult, cpu_percent: float) -> None:
+def report(r: ScenarioResult) -> None:
     sc = r.scenario
     policy = f"{sc.policy} -> {sc.then_policy}" if sc.then_policy else sc.policy
     print(f"\n## {sc.name}  (policy {policy}, {sc.seconds:g} s)")
@@ -99,7 +99,7 @@ def report(r: ScenarioResult, cpu_percent: float) -> None:
         change = "switch" if sc.then_policy else "join"
         line += (f"  first 200 ms after the {change}: worst error {r.settle_error:.2f} pt, the 200 ms after "
                  f"those {r.settled_error:.2f} pt (target <= 5)")
-    line += (f"  cgpud CPU {cpu_percent:.2f} % of a core (exact), its GPU 0 scheduler thread about "
+    line += (f"  cgpud CPU {r.daemon_cpu_percent:.2f} % of a core (exact), its GPU 0 scheduler thread about "
              f"{r.scheduler_cpu_percent:.2f} % (10 ms tick samples)")
     print(line)
 
@@ -122,11 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for sc in chosen:
                 r = rig.run(sc)
-                cpu = r.daemon_cpu_percent
-                report(r, cpu)
-                summary.append((sc.name, f"{r.mean_error:.2f}", f"{r.p95_window_error:.2f}",
-                                f"{r.utilisation:.1f}", "-" if r.settle_error is None else f"{r.settle_error:.2f} / {r.settled_error:.2f}",
-                                f"{cpu:.2f}", f"{r.scheduler_cpu_percent:.2f}"))
+                report(r)
+                after = "-" if r.settle_error is None else f"{r.settle_error:.2f} / {r.settled_error:.2f}"
+                summary.append((sc.name, f"{r.mean_error:.2f}", f"{r.p95_window_error:.2f}", f"{r.utilisation:.1f}",
+                                after, f"{r.daemon_cpu_percent:.2f}", f"{r.scheduler_cpu_percent:.2f}"))
         finally:
             rig.close()
     print("\n## summary")

@@ -226,15 +226,16 @@ class ShareRig:
                     client.set_compute_policy(ComputePolicy[sc.then_policy.upper()])
                 start_ns = joined_ns + int(warmup_s * SECOND)
             end_ns = start_ns + int(sc.seconds * SECOND)
-            daemon = psutil.Process(self.daemon.proc.pid if self.daemon.proc else 0)
+            assert self.daemon.proc is not None, "cgpud is not running"
+            pid = self.daemon.proc.pid
             while sampler.samples[-1][0] < start_ns:
                 time.sleep(sample_ms / 1000)
-            cpu0, sched0, t0 = _process_cpu(daemon.pid), _scheduler_cpu(daemon.pid), time.monotonic()
+            cpu0, sched0, t0 = _process_cpu(pid), _scheduler_cpu(pid), time.monotonic()
             while sampler.samples[-1][0] < end_ns + sample_ms * 1_000_000:
                 time.sleep(sample_ms / 1000)
             wall = time.monotonic() - t0
-            cpu = 100.0 * (_process_cpu(daemon.pid) - cpu0) / wall
-            sched_cpu = 100.0 * (_scheduler_cpu(daemon.pid) - sched0) / wall
+            cpu = 100.0 * (_process_cpu(pid) - cpu0) / wall
+            sched_cpu = 100.0 * (_scheduler_cpu(pid) - sched0) / wall
         finally:
             for r in runs.values():
                 if r.poll() is None:
