@@ -142,6 +142,9 @@ class Instance:
     boot_id: str = ""
     created: float = 0.0  # Unix seconds
     updated: float = 0.0
+    # The container (ContainerKey text) bound to it; "" when none. Only that
+    # container's poststop hands a claimed instance back.
+    holder: str = ""
 
     @property
     def active(self) -> bool:

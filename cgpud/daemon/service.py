@@ -35,7 +35,7 @@ from cgpud.daemon.compute_policy import decode_compute_policies, encode_compute_
 from cgpud.daemon.region import (DeviceLimit, InstanceLimits, RegionError, UsageRegion, grants_problem, read_limits,
                                  write_region)
 from cgpud.daemon.store import Store, new_instance_id
-from cgpud.errors import StateError
+from cgpud.errors import NotFoundError, StateError
 
 COMPUTE_POLICY_KEY = "compute_policy"
 # Modes whose instances get a region (and so libcgpu enforcement).
@@ -135,25 +135,51 @@ class InstanceService:
         self._log.info("bound", id=instance_id, pids=list(pids))
         return instance
 
-    def bind_container(self, instance_id: str, container_id: str, pid: int) -> Instance:
-        """Bind to a container's init process. A container's own instance
-        only to that container; a reserved (claimed) one only while free."""
+    def bind_container(self, instance_id: str, container: str, pid: int) -> Instance:
+        """Bind to a container's init process; `container` is its key
+        (cgpud.hook.identity). A container's own instance only to that
+        container; a reserved (claimed) one only while free, and it records
+        who holds it."""
         with self._lock:
             current = self._store.get(instance_id)
             owner = current.owner
-            if owner.kind is OwnerKind.CONTAINER and owner.id != container_id:
-                raise StateError(f"instance {instance_id} belongs to container {owner.id}, not {container_id}")
+            if owner.kind is OwnerKind.CONTAINER and owner.id != container:
+                raise StateError(f"instance {instance_id} belongs to container {owner.id}, not {container}")
             if (owner.kind is not OwnerKind.CONTAINER and current.state is InstanceState.BOUND
-                    and current.pids != (pid,)):
-                raise StateError(f"instance {instance_id} is already used by another container")
-            instance = self._store.set_state(instance_id, InstanceState.BOUND, pids=(pid,))
-        self._log.info("bound", id=instance_id, container=container_id, pid=pid)
+                    and current.holder != container):
+                raise StateError(f"instance {instance_id} is already used by container {current.holder or '?'}")
+            instance = self._store.set_state(instance_id, InstanceState.BOUND, pids=(pid,), holder=container)
+        self._log.info("bound", id=instance_id, container=container, pid=pid)
         return instance
+
+    def container_stopped(self, instance_id: str, container: str) -> tuple[bool, str]:
+        """poststop of `container`: release its own instance, hand a claimed
+        one it holds back to `reserved`. Anything else is left as it is and
+        said why (False): another container's poststop must not free what a
+        running one holds."""
+        with self._lock:
+            try:
+                current = self._store.get(instance_id)
+            except NotFoundError:
+                return True, "nothing to release"  # a retried poststop after a purge
+            if current.owner.kind is OwnerKind.CONTAINER:
+                if current.owner.id != container:
+                    return False, f"instance {instance_id} belongs to container {current.owner.id}, not {container}"
+                if current.state is not InstanceState.RELEASED:
+                    self._release_locked(instance_id)
+                    self._log.info("released", id=instance_id)
+                return True, f"released {instance_id}"
+            if current.state is InstanceState.BOUND and current.holder == container:
+                self._store.set_state(instance_id, InstanceState.RESERVED, pids=(), holder="")
+                self._log.info("unbound", id=instance_id, container=container)
+                return True, f"returned {instance_id}"
+            holder = current.holder if current.state is InstanceState.BOUND else "nobody"
+            return False, f"instance {instance_id} is held by {holder or 'an unknown container'}, not {container}"
 
     def unbind(self, instance_id: str) -> Instance:
         """Hand a claimed instance back to `reserved` when its container stops."""
         with self._lock:
-            instance = self._store.set_state(instance_id, InstanceState.RESERVED, pids=())
+            instance = self._store.set_state(instance_id, InstanceState.RESERVED, pids=(), holder="")
         self._log.info("unbound", id=instance_id)
         return instance
 

@@ -45,7 +45,7 @@ from types import TracebackType
 from cgpud.daemon.model import ACTIVE_STATES, Grant, Instance, InstanceState, Owner, OwnerKind
 from cgpud.errors import CgpuError, NotFoundError, StateError, UsageError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 SCHEMA_KEY = "schema_version"  # in `meta`; reserved, not a setting
 DB_MODE = 0o600  # instance tables are root's business only
 DIR_MODE = 0o700
@@ -77,7 +77,8 @@ CREATE TABLE instances (
     pids       TEXT NOT NULL DEFAULT '[]',
     boot_id    TEXT NOT NULL DEFAULT '',
     created    REAL NOT NULL,
-    updated    REAL NOT NULL
+    updated    REAL NOT NULL,
+    holder     TEXT NOT NULL DEFAULT ''
 );
 -- active() and list() filter on state and sort by (created, id).
 CREATE INDEX instances_by_state ON instances (state, created, id);
@@ -92,8 +93,14 @@ CREATE TABLE grants (
 """
 
 _INSTANCE_COLUMNS = (
-    "id, owner_kind, owner_id, state, enforced, weight, priority, pids, boot_id, created, updated"
+    "id, owner_kind, owner_id, state, enforced, weight, priority, pids, boot_id, created, updated, holder"
 )
+# Version -> statements that bring the previous version's file up to it.
+# Version 2: `holder`, the container a claimed instance is bound to, so that
+# only that container's poststop hands it back.
+_MIGRATIONS: dict[int, tuple[str, ...]] = {
+    2: ("ALTER TABLE instances ADD COLUMN holder TEXT NOT NULL DEFAULT ''",),
+}
 
 
 def new_instance_id() -> str:
@@ -208,7 +215,7 @@ class Transaction:
             updated=instance.updated or created,
         )
         db.execute(
-            f"INSERT INTO instances ({_INSTANCE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            f"INSERT INTO instances ({_INSTANCE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 stored.id,
                 kind.value,
@@ -221,6 +228,7 @@ class Transaction:
                 stored.boot_id,
                 stored.created,
                 stored.updated,
+                stored.holder,
             ),
         )
         db.executemany(
@@ -237,11 +245,12 @@ class Transaction:
         *,
         pids: Iterable[int] | None = None,
         owner_id: str | None = None,
+        holder: str | None = None,
         expect: InstanceState | Iterable[InstanceState] | None = None,
     ) -> Instance:
         """Move an instance along reserved -> bound -> released (or reserved ->
         released; bound -> bound updates pids; bound -> reserved hands a claimed
-        instance back). `pids` and `owner_id` replace
+        instance back). `pids`, `owner_id` and `holder` replace
         the stored ones when given. `expect` makes it a compare-and-set: the
         current state must be one of those. Returns the instance as stored."""
         db = self._db(write=True)
@@ -264,14 +273,16 @@ class Transaction:
             state=new_state,
             pids=current.pids if pids is None else _check_pids(pids),
             owner=current.owner if owner_id is None else Owner(current.owner.kind, owner_id),
+            holder=current.holder if holder is None else holder,
             updated=self._clock(),
         )
         db.execute(
-            "UPDATE instances SET state = ?, pids = ?, owner_id = ?, updated = ? WHERE id = ?",
+            "UPDATE instances SET state = ?, pids = ?, owner_id = ?, holder = ?, updated = ? WHERE id = ?",
             (
                 changed.state.value,
                 json.dumps(list(changed.pids)),
                 changed.owner.id,
+                changed.holder,
                 changed.updated,
                 instance_id,
             ),
@@ -328,7 +339,7 @@ class Transaction:
 
     @staticmethod
     def _instance(row: tuple[object, ...], grants: builtins.list[Grant]) -> Instance:
-        iid, kind, owner_id, state, enforced, weight, priority, pids, boot_id, created, updated = row
+        iid, kind, owner_id, state, enforced, weight, priority, pids, boot_id, created, updated, holder = row
         try:
             return Instance(
                 id=str(iid),
@@ -342,6 +353,7 @@ class Transaction:
                 boot_id=str(boot_id),
                 created=float(created),  # type: ignore[arg-type]
                 updated=float(updated),  # type: ignore[arg-type]
+                holder=str(holder),
             )
         except (ValueError, TypeError) as e:
             raise CgpuError(f"instance {iid} in the state database is unreadable: {e}") from e
@@ -455,7 +467,12 @@ class Store:
                         f" newer cgpud; this one knows up to version {SCHEMA_VERSION}:"
                         " upgrade cgpud (do not downgrade over existing state)"
                     )
-                if version != SCHEMA_VERSION:
+                if 1 <= version < SCHEMA_VERSION:
+                    for step in range(version + 1, SCHEMA_VERSION + 1):
+                        for statement in _MIGRATIONS[step]:
+                            conn.execute(statement)
+                    conn.execute("UPDATE meta SET value = ? WHERE key = ?", (str(SCHEMA_VERSION), SCHEMA_KEY))
+                elif version != SCHEMA_VERSION:
                     raise CgpuError(
                         f"state database {self.path} has no valid schema version"
                         f" ({row[0] if row else 'missing'!r}); it is damaged or not cgpud's:"
@@ -558,10 +575,11 @@ class Store:
         *,
         pids: Iterable[int] | None = None,
         owner_id: str | None = None,
+        holder: str | None = None,
         expect: InstanceState | Iterable[InstanceState] | None = None,
     ) -> Instance:
         with self.transaction() as tx:
-            return tx.set_state(instance_id, new_state, pids=pids, owner_id=owner_id, expect=expect)
+            return tx.set_state(instance_id, new_state, pids=pids, owner_id=owner_id, holder=holder, expect=expect)
 
     def set_setting(self, key: str, value: str) -> None:
         with self._lock:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -76,30 +76,117 @@ def check_targets(rootfs: Path, targets: Iterable[str]) -> None:
 
 def _check_target(root_fd: int, target: str) -> None:
     parts = [p for p in target.split("/") if p]
-    fd = os.dup(root_fd)
+    found = _first_problem(root_fd, parts)
+    if found is None:
+        return
+    i, link = found
+    walked = "/" + "/".join(parts[: i + 1])
+    if link is None:
+        raise UsageError(f"the image has a file at {walked} where cgpu needs a directory for {target}")
+    raise UsageError(
+        f"the image makes {walked} a symbolic link (to {link}): cgpu mounts its files at {target} "
+        f"and never follows links in a container's rootfs; use an image where {walked} is a real "
+        f"{'file' if i == len(parts) - 1 else 'directory'}"
+    )
+
+
+def _first_problem(base_fd: int, parts: list[str]) -> tuple[int, str | None] | None:
+    """Walks `parts` below `base_fd` without following links: the index of
+    the first symbolic link (with its text) or of a non-directory with more
+    parts below it (None for the text); None if the walk is clean or stops
+    at a missing name (the runtime creates the rest as directories)."""
+    fd = os.dup(base_fd)
     try:
         for i, name in enumerate(parts):
-            walked = "/" + "/".join(parts[: i + 1])
             try:
                 st = os.stat(name, dir_fd=fd, follow_symlinks=False)
             except FileNotFoundError:
-                return  # the runtime creates the rest as plain directories
+                return None
             if stat.S_ISLNK(st.st_mode):
-                link = os.readlink(name, dir_fd=fd)
-                raise UsageError(
-                    f"the image makes {walked} a symbolic link (to {link}): cgpu mounts its files at {target} "
-                    f"and never follows links in a container's rootfs; use an image where {walked} is a real "
-                    f"{'file' if i == len(parts) - 1 else 'directory'}"
-                )
+                return i, os.readlink(name, dir_fd=fd)
             if i == len(parts) - 1:
-                return
+                return None
             if not stat.S_ISDIR(st.st_mode):
-                raise UsageError(f"the image has a file at {walked} where cgpu needs a directory for {target}")
+                return i, None
             nxt = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
             os.close(fd)
             fd = nxt
+        return None
     finally:
         os.close(fd)
+
+
+# Mount types that come up empty, so nothing in them can redirect a target.
+_EMPTY_TYPES = ("tmpfs", "ramfs")
+
+
+def _is_bind(mount: Mapping[str, Any]) -> bool:
+    options = mount.get("options")
+    return mount.get("type") == "bind" or (isinstance(options, list) and bool({"bind", "rbind"} & set(options)))
+
+
+def check_volumes(mounts: Any, targets: Iterable[str], ours: Iterable[str] = ()) -> None:
+    """The rootfs check for the spec's own mounts (volumes): the runtime
+    resolves a target through every earlier mount at or above it, so a bind
+    mount at /run, /etc or /usr/local whose host source holds a link where
+    cgpu mounts would redirect it as a link in the image would. The rest of
+    each target below such a mount is walked inside the mount's host source
+    without following links. tmpfs comes up empty; other kinds of mount
+    (overlay, proc, ...) over a target cannot be checked and are refused.
+    Mounts at exactly one of `ours` are replaced by cgpu's and skipped."""
+    if not isinstance(mounts, list):
+        return  # read_request already refused it
+    replaced = {d.rstrip("/") for d in ours}
+    for target in targets:
+        for mount in mounts:
+            if not isinstance(mount, Mapping) or str(mount.get("destination", "")).rstrip("/") in replaced:
+                continue
+            dest = "/" + os.path.normpath("/" + str(mount.get("destination", ""))).lstrip("/")
+            below = _below(target, dest)
+            if below is None or not below:  # elsewhere, or mounted over by cgpu's own mount
+                continue
+            _check_volume(mount, dest, target, below)
+
+
+def _below(target: str, dest: str) -> list[str] | None:
+    t = [p for p in target.split("/") if p]
+    d = [p for p in dest.split("/") if p]
+    return t[len(d):] if t[: len(d)] == d else None
+
+
+def _check_volume(mount: Mapping[str, Any], dest: str, target: str, below: list[str]) -> None:
+    kind = str(mount.get("type") or "bind")
+    if not _is_bind(mount):
+        if kind in _EMPTY_TYPES:
+            return
+        raise UsageError(
+            f"a {kind} mount at {dest} covers {target}, where cgpu mounts its files, and cgpu cannot check "
+            f"what is in it for links: mount it elsewhere or use a tmpfs"
+        )
+    source = str(mount.get("source", ""))
+    try:
+        fd = os.open(source, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        raise UsageError(
+            f"the volume at {dest} (from {source}) covers {target}, where cgpu mounts its files, and cgpu "
+            f"cannot look inside it ({e.strerror}): mount it elsewhere"
+        ) from e
+    try:
+        found = _first_problem(fd, below)
+    finally:
+        os.close(fd)
+    if found is None:
+        return
+    i, link = found
+    inside = os.path.join(dest, *below[: i + 1])
+    host = os.path.join(source, *below[: i + 1])
+    if link is None:
+        raise UsageError(f"the volume at {dest} (from {source}) has a file at {inside} ({host}) where cgpu "
+                         f"needs a directory for {target}")
+    raise UsageError(
+        f"the volume at {dest} (from {source}) makes {inside} a symbolic link ({host} -> {link}): cgpu mounts "
+        f"its files at {target} and never follows links; remove the link from the volume or mount it elsewhere"
+    )
 
 
 def write_spec(bundle: Path, spec: dict[str, Any]) -> None:

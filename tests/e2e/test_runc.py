@@ -60,7 +60,7 @@ def test_inspect_shows_the_instance_while_the_container_runs(tmp_path, host: Hos
         assert runc(host, "start", cid, shim=True, relay=cgpud.relay).returncode == 0
         [inst] = instances(cgpud)
         assert inst["state"] == "bound"
-        assert inst["owner"]["id"] == cid
+        assert inst["owner"]["id"] == f"{cid}@{b.path}"  # (engine namespace: the bundle, id)
         state = json.loads(runc(host, "state", cid).stdout)
         assert inst["pids"] == [state["pid"]]
         shown = cgpud.cgpuctl("inspect", "-d")

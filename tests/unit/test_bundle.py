@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from cgpud.errors import UsageError
-from cgpud.hook.bundle import check_targets, read_spec, rootfs_path, write_spec
+from cgpud.hook.bundle import check_targets, check_volumes, read_spec, rootfs_path, write_spec
 
 TARGETS = ["/run/cgpu", "/usr/local/cgpu/libcgpu.so", "/etc/ld.so.preload"]
 
@@ -78,3 +78,50 @@ def test_bad_specs(tmp_path: Path, text: str, message: str) -> None:
         read_spec(tmp_path)
     with pytest.raises(UsageError, match="root.path is missing"):
         rootfs_path(tmp_path, {})
+
+
+# ---- volumes over the paths cgpu mounts at (check_volumes)
+
+def bind(dest: str, source: Path | str, kind: str = "bind") -> dict:
+    return {"destination": dest, "type": kind, "source": str(source), "options": ["rbind", "ro"]}
+
+
+@pytest.mark.parametrize(
+    ("dest", "link", "target"),
+    [("/run", "cgpu", "/run/cgpu"), ("/etc", "ld.so.preload", "/etc/ld.so.preload"),
+     ("/usr/local", "cgpu", "/usr/local/cgpu/libcgpu.so"), ("/usr", "local", "/usr/local/cgpu/libcgpu.so"),
+     ("/", "run", "/run/cgpu")],
+)
+def test_a_link_in_a_volume_source_is_refused_naming_mount_and_link(tmp_path: Path, dest, link, target) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / link).symlink_to("/proc/self/cwd")
+    with pytest.raises(UsageError) as e:
+        check_volumes([bind(dest, src)], TARGETS)
+    assert f"the volume at {dest} (from {src})" in str(e.value)
+    assert f"{src / link} -> /proc/self/cwd" in str(e.value) and target in str(e.value)
+
+
+def test_clean_volumes_tmpfs_and_unrelated_mounts_pass(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    (src / "cgpu").mkdir(parents=True)
+    (src / "elsewhere").symlink_to("/proc/self/cwd")  # not on any target's way
+    mounts = [bind("/run", src), bind("/etc", src), {"destination": "/usr/local", "type": "tmpfs", "source": "tmpfs"},
+              bind("/data", tmp_path / "missing"), bind("/run/cgpu/x", "/nonexistent"), "not a mount"]
+    check_volumes(mounts, TARGETS)
+    # A mount exactly at one of cgpu's targets is replaced by cgpu's own.
+    (tmp_path / "pre").symlink_to("/proc/self/cwd")
+    check_volumes([bind("/etc/ld.so.preload", tmp_path / "pre")], TARGETS, ours=TARGETS)
+
+
+def test_volumes_cgpu_cannot_look_into_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="a overlay mount at /usr covers /usr/local/cgpu/libcgpu.so"):
+        check_volumes([{"destination": "/usr", "type": "overlay", "source": "overlay", "options": []}], TARGETS)
+    with pytest.raises(UsageError, match=r"the volume at /etc \(from /nonexistent\) .* cannot look inside it"):
+        check_volumes([bind("/etc", "/nonexistent")], TARGETS)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "usr").mkdir()
+    (src / "usr" / "local").write_text("")
+    with pytest.raises(UsageError, match="has a file at /usr/local .* needs a directory"):
+        check_volumes([{"destination": "/", "type": "none", "source": str(src), "options": ["bind"]}], TARGETS)

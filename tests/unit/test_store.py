@@ -551,3 +551,34 @@ def test_crash_safety_under_sigkill(tmp_path: Path) -> None:
         ).fetchone()[0] == 0
         conn.close()
     assert len(inserted) >= 100
+
+
+def test_a_version_1_file_opens_and_gains_the_holder_column(db: Path) -> None:
+    # The file as cgpud 0.1 wrote it: no `holder`, schema_version 1.
+    db.parent.mkdir(mode=0o700)
+    conn = raw(db)
+    conn.executescript("""
+        CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+        CREATE TABLE instances (id TEXT PRIMARY KEY, owner_kind TEXT NOT NULL, owner_id TEXT NOT NULL,
+            state TEXT NOT NULL CHECK (state IN ('reserved', 'bound', 'released')),
+            enforced INTEGER NOT NULL CHECK (enforced IN (0, 1)), weight INTEGER NOT NULL,
+            priority INTEGER NOT NULL, pids TEXT NOT NULL DEFAULT '[]', boot_id TEXT NOT NULL DEFAULT '',
+            created REAL NOT NULL, updated REAL NOT NULL);
+        CREATE INDEX instances_by_state ON instances (state, created, id);
+        CREATE TABLE grants (instance_id TEXT NOT NULL REFERENCES instances (id) ON DELETE CASCADE,
+            gpu_index INTEGER NOT NULL, gpu_uuid TEXT NOT NULL, memory INTEGER NOT NULL CHECK (memory >= 0),
+            core_percent INTEGER NOT NULL CHECK (core_percent BETWEEN 0 AND 100), PRIMARY KEY (instance_id, gpu_index));
+        INSERT INTO meta VALUES ('schema_version', '1');
+        INSERT INTO instances VALUES ('cgpu-old', 'device', 'd', 'bound', 1, 1, 0, '[42]', 'b', 1.0, 2.0);
+        INSERT INTO grants VALUES ('cgpu-old', 0, 'GPU-0', 1048576, 0);
+    """)
+    conn.close()
+    with Store(db) as s:
+        old = s.get("cgpu-old")
+        assert (old.state, old.pids, old.holder, old.owner.id) == (InstanceState.BOUND, (42,), "", "d")
+        assert s.set_state("cgpu-old", InstanceState.BOUND, holder="job@/b").holder == "job@/b"
+    conn = raw(db)
+    assert conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0] == str(SCHEMA_VERSION)
+    conn.close()
+    with Store(db) as s:  # and opens again as the current version
+        assert s.get("cgpu-old").holder == "job@/b"

@@ -1,0 +1,129 @@
+"""Which container a request is about, and what its poststop may change:
+the lifecycle over a real instance service (SQLite, region files) with
+bundles in a temp dir, driven as the relays drive it."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from cgpud.daemon.model import GIB, GpuCapacity, InstanceState, NodePolicy, Owner, OwnerKind, Request
+from cgpud.daemon.service import InstanceService
+from cgpud.daemon.store import Store
+from cgpud.errors import StateError, UsageError
+from cgpud.hook.edits import RuntimeFiles
+from cgpud.hook.identity import ContainerKey, container_key
+from cgpud.hook.lifecycle import ContainerLifecycle
+
+GPUS = (GpuCapacity(0, "GPU-aaaa", 16 * GIB),)
+
+
+def lifecycle(tmp_path: Path) -> tuple[ContainerLifecycle, InstanceService]:
+    svc = InstanceService(Store(tmp_path / "db" / "cgpud.db"), GPUS, NodePolicy(), tmp_path / "regions", "580", "b")
+    rt = tmp_path / "rt"
+    files = RuntimeFiles(rt / "libcgpu.so", rt / "ld.so.preload", rt / "cgpu-hook", tmp_path / "relay.sock")
+    return ContainerLifecycle(svc, files, trust_env=True), svc
+
+
+def bundle(where: Path, *env: str, mounts: list[dict] | None = None) -> Path:
+    (where / "rootfs").mkdir(parents=True)
+    spec = {"ociVersion": "1.0.2", "root": {"path": "rootfs"}, "mounts": mounts or [],
+            "process": {"args": ["sh"], "env": ["PATH=/bin", *env]}}
+    (where / "config.json").write_text(json.dumps(spec))
+    return where
+
+
+def state(cid: str, bundle_dir: Path, pid: int | None = None) -> bytes:
+    s: dict = {"ociVersion": "1.0.2", "id": cid, "status": "creating", "bundle": str(bundle_dir)}
+    if pid:
+        s["pid"] = pid
+    return json.dumps(s).encode()
+
+
+def test_the_key_is_the_canonical_bundle_and_the_id(tmp_path: Path) -> None:
+    (tmp_path / "real").mkdir()
+    (tmp_path / "via").symlink_to(tmp_path / "real")
+    assert container_key("job", tmp_path / "via") == ContainerKey(str(tmp_path / "real"), "job")
+    assert str(container_key("job", "/run/x/default/job")) == "job@/run/x/default/job"
+    for bad_id, bad_bundle in (("", "/b"), ("a@b", "/b"), ("a/b", "/b"), ("job", "rel"), ("job", ""), ("job", 3)):
+        with pytest.raises(UsageError):
+            container_key(bad_id, bad_bundle)  # type: ignore[arg-type]
+
+
+def test_one_id_in_two_namespaces_gets_two_instances_and_each_poststop_frees_only_its_own(tmp_path: Path) -> None:
+    lc, svc = lifecycle(tmp_path)
+    a = bundle(tmp_path / "ns-a" / "job", "ALIYUN_COM_GPU_MEM_CONTAINER=8")
+    b = bundle(tmp_path / "ns-b" / "job", "ALIYUN_COM_GPU_MEM_CONTAINER=8")
+    ia = lc.prepare("job", a).instance
+    ib = lc.prepare("job", b).instance
+    assert ia and ib and ia.id != ib.id
+    lc.hook("createRuntime", ia.id, state("job", a, os.getpid()))
+    lc.hook("createRuntime", ib.id, state("job", b, os.getpid()))
+    with pytest.raises(StateError, match="belongs to container job@"):
+        lc.hook("createRuntime", ia.id, state("job", b, os.getpid()))
+    # b's poststop naming a's instance (a hook entry copied between bundles) changes nothing.
+    assert "belongs to container" in lc.hook("poststop", ia.id, state("job", b))
+    assert svc.get(ia.id).state is InstanceState.BOUND
+    assert lc.hook("poststop", ib.id, state("job", b)) == f"released {ib.id}"
+    assert svc.get(ia.id).state is InstanceState.BOUND
+    with pytest.raises(Exception, match="memory"):  # a's 8 GiB are still held: 16 GiB GPU, 8 + 9 do not fit
+        svc.create(Request(Owner(OwnerKind.CONTAINER, "third"), 9 * GIB))
+
+
+def test_a_claimed_instance_goes_back_only_at_its_holders_poststop(tmp_path: Path) -> None:
+    lc, svc = lifecycle(tmp_path)
+    dev = svc.create(Request(Owner(OwnerKind.DEVICE, "d"), 2 * GIB))
+    claim = [{"destination": "/run/cgpu", "type": "bind", "source": str(svc.region_dir(dev.id)), "options": ["ro"]}]
+    holder = bundle(tmp_path / "holder", mounts=claim)
+    assert lc.prepare("c1", holder).instance.id == dev.id
+    lc.hook("createRuntime", dev.id, state("c1", holder, os.getpid()))
+    other = tmp_path / "other"
+    other.mkdir()
+    with pytest.raises(StateError, match="already used by container c1@"):
+        lc.hook("createRuntime", dev.id, state("c2", other, os.getpid()))
+    for cid, where in (("c2", other), ("c1", other), ("c2", holder)):
+        assert "is held by c1@" in lc.hook("poststop", dev.id, state(cid, where))
+        assert svc.get(dev.id).state is InstanceState.BOUND
+    assert lc.hook("poststop", dev.id, state("c1", holder)) == f"returned {dev.id}"
+    back = svc.get(dev.id)
+    assert back.state is InstanceState.RESERVED and back.holder == "" and back.pids == ()
+    # A second poststop of the same container is a harmless no-op.
+    assert "is held by nobody" in lc.hook("poststop", dev.id, state("c1", holder))
+
+
+def test_a_poststop_without_a_usable_identity_is_a_no_op(tmp_path: Path) -> None:
+    lc, svc = lifecycle(tmp_path)
+    a = bundle(tmp_path / "a", "ALIYUN_COM_GPU_MEM_CONTAINER=1")
+    inst = lc.prepare("job", a).instance
+    assert inst
+    assert lc.hook("poststop", inst.id, b'{"id": "job"}').startswith("nothing done")
+    assert svc.get(inst.id).state is InstanceState.RESERVED
+
+
+def test_the_same_bundle_and_id_under_a_second_runtime_root_is_refused(tmp_path: Path) -> None:
+    lc, svc = lifecycle(tmp_path)
+    a = bundle(tmp_path / "a", "ALIYUN_COM_GPU_MEM_CONTAINER=1")
+    inst = lc.prepare("job", a).instance
+    assert inst and lc.prepare("job", a).instance == inst  # a retried create before it ran
+    lc.hook("createRuntime", inst.id, state("job", a, os.getpid()))
+    before = (a / "config.json").read_bytes()
+    with pytest.raises(StateError, match="already runs with instance"):
+        lc.prepare("job", a)
+    assert (a / "config.json").read_bytes() == before
+    assert [i.id for i in svc.list()] == [inst.id]
+
+
+def test_a_linked_volume_is_refused_and_leaves_nothing(tmp_path: Path) -> None:
+    lc, svc = lifecycle(tmp_path)
+    src = tmp_path / "vol"
+    src.mkdir()
+    (src / "ld.so.preload").symlink_to("/proc/self/cwd/x")
+    a = bundle(tmp_path / "a", "ALIYUN_COM_GPU_MEM_CONTAINER=1",
+               mounts=[{"destination": "/etc", "type": "bind", "source": str(src), "options": ["rbind"]}])
+    before = (a / "config.json").read_bytes()
+    with pytest.raises(UsageError, match=r"the volume at /etc .* makes /etc/ld.so.preload a symbolic link"):
+        lc.prepare("job", a)
+    assert (a / "config.json").read_bytes() == before
+    assert svc.list() == [] and not any((tmp_path / "regions").iterdir())
