@@ -19,6 +19,7 @@
 #include "cgpu/region.h"
 #include "scheduler.h"
 #include "engine.h"
+#include "guard.h"
 
 struct tenant {
     uint64_t key;            /* 0: free entry */
@@ -26,6 +27,7 @@ struct tenant {
     struct cgpu_grants *grants;
     struct cgpu_usage *usage;
     int usage_fd;            /* for probing ledger locks */
+    int usage_guard;         /* guard.h handle + 1 (0: none): the tenant can truncate the file under us */
     int launched;            /* its last fence said it had launched work */
     uint32_t stale_waiting;  /* `waiting` left behind by processes killed at the gate */
     int detach_pending;      /* detached while its fence was awaited: gone for every
@@ -111,6 +113,8 @@ static void unmap_tenant(struct tenant *t)
 {
     if (t->grants)
         munmap(t->grants, sizeof(*t->grants));
+    if (t->usage_guard)
+        cgpu_guard_unregister(t->usage_guard - 1);
     if (t->usage)
         munmap(t->usage, sizeof(*t->usage));
     if (t->usage_fd >= 0)
@@ -237,7 +241,16 @@ int cgpu_engine_attach(struct cgpu_engine *e, unsigned gpu, uint64_t key, const 
     if (fresh.grants)
         fresh.usage = map_region_file(region_dir, CGPU_USAGE_FILE, O_RDWR, sizeof(struct cgpu_usage),
                                       &fresh.usage_fd, err, errlen, &rc);
-    if (fresh.grants && fresh.usage &&
+    /* Guarded before the first read: a truncated file then reads as zeros,
+     * which the loop takes as no demand and no live process. */
+    if (fresh.usage) {
+        fresh.usage_guard = cgpu_guard_register(fresh.usage, sizeof(struct cgpu_usage)) + 1;
+        if (!fresh.usage_guard) {
+            rc = CGPU_SCHED_ENOSPC;
+            snprintf(err, errlen, "no room to guard %s/%s against truncation", region_dir, CGPU_USAGE_FILE);
+        }
+    }
+    if (rc == 0 && fresh.grants && fresh.usage &&
         (fresh.grants->magic != CGPU_GRANTS_MAGIC || fresh.usage->magic != CGPU_USAGE_MAGIC)) {
         rc = CGPU_SCHED_EINVAL;
         snprintf(err, errlen, "%s holds no cgpu grants and usage files of this version", region_dir);
@@ -522,6 +535,18 @@ int cgpu_engine_stats_get(struct cgpu_engine *e, unsigned gpu, struct cgpu_engin
     out->policy = cgpu_sched_config_get(e->sched, gpu, &c) == 0 ? c.policy : -1;
     pthread_mutex_unlock(&e->mu);
     return 0;
+}
+
+int cgpu_engine_tenant_damaged(struct cgpu_engine *e, unsigned gpu, uint64_t key)
+{
+    struct gpu_loop *g = loop_at(e, gpu);
+    if (!g)
+        return e ? CGPU_SCHED_ENODEV : CGPU_SCHED_EINVAL;
+    pthread_mutex_lock(&e->mu);
+    struct tenant *t = find(g, key);
+    int rc = !t ? CGPU_SCHED_ENOENT : t->usage_guard && cgpu_guard_damaged(t->usage_guard - 1);
+    pthread_mutex_unlock(&e->mu);
+    return rc;
 }
 
 int cgpu_engine_tenant_get(struct cgpu_engine *e, unsigned gpu, uint64_t key, struct cgpu_sched_tenant_info *out)

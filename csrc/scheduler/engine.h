@@ -68,5 +68,9 @@ void cgpu_engine_stop(struct cgpu_engine *e);
 
 int cgpu_engine_stats_get(struct cgpu_engine *e, unsigned gpu, struct cgpu_engine_stats *out);
 int cgpu_engine_tenant_get(struct cgpu_engine *e, unsigned gpu, uint64_t key, struct cgpu_sched_tenant_info *out);
+/* 1 when the tenant truncated its usage file under the engine's mapping
+ * (guard.h: the engine now reads zeros there, so no demand and no live
+ * process), 0 if not, or a negative status. Re-attach it once repaired. */
+int cgpu_engine_tenant_damaged(struct cgpu_engine *e, unsigned gpu, uint64_t key);
 
 #endif

@@ -269,7 +269,7 @@ def test_a_holder_detached_during_its_fence_is_gone_at_once_and_its_key_can_come
     a, b = tenants("a", 50), tenants("b", 50)
     sched.attach(a.instance, a.dir)  # key 1
     sched.attach(b.instance, b.dir)  # key 2
-    a.watch()  # never acknowledges: each fence of a lasts the 50 ms timeout
+    ledger = a.watch()  # never acknowledges: the fence of a lasts the 50 ms timeout
     a.want(1)
     b.want(1)
     assert wait_until(lambda: a.gate & OPEN)
@@ -277,6 +277,9 @@ def test_a_holder_detached_during_its_fence_is_gone_at_once_and_its_key_can_come
     e, err = sched._engine, sffi.new("char[]", 256)
     assert slib.cgpu_engine_detach(e, 0, 1) == 0
     assert slib.cgpu_engine_detach(e, 0, 1) == slib.CGPU_SCHED_ENOENT
+    # Its process stops launching: a fence that never comes would keep the
+    # new entry off the GPU (charged until it comes).
+    a.u.proc[ledger].watching = 0
     assert slib.cgpu_engine_attach(e, 0, 1, str(a.dir).encode(), 0, 50, 1, 0, err, 256) == 0
     time.sleep(0.1)  # the fence has timed out and the detached entry is gone
     info = sffi.new("struct cgpu_sched_tenant_info *")
@@ -297,7 +300,7 @@ def test_engine_is_clean_under_asan_and_ubsan(tmp_path: Path) -> None:
 
     driver = Path(__file__).resolve().parent / "engine_driver.c"
     target = build_native.Target("bin/engine-driver", (str(driver), "scheduler/engine.c", "scheduler/scheduler.c",
-                                                        "region/region.c"),
+                                                        "region/region.c", "region/guard.c"),
                                  libs=("-lpthread",), includes=("include", "scheduler", "region"))
     exe = build_native.compile_target(target, tmp_path, build_native.SANITIZE)
     (tmp_path / "regions").mkdir()
