@@ -49,6 +49,7 @@ class GpuSchedule:
     fences: int
     fence_timeouts: int
     fence_wait_ns: int
+    fences_late: int = 0
 
 
 def _check(rc: int, what: str, err: Any = None) -> None:
@@ -137,4 +138,4 @@ class ComputeScheduler:
         s = ffi.new("struct cgpu_engine_stats *")
         _check(lib.cgpu_engine_stats_get(self._engine, gpu, s), f"no schedule for GPU {gpu}")
         return GpuSchedule(gpu, ComputePolicy(s.policy), s.tenants, s.holder, s.decisions, s.grants, s.fences,
-                           s.fence_timeouts, s.fence_wait_ns)
+                           s.fence_timeouts, s.fence_wait_ns, s.fences_late)

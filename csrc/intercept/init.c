@@ -14,7 +14,8 @@
 #include "../region/region.h"
 #include "libcgpu.h"
 
-struct cgpu_process g_cgpu = {.usage_fd = -1, .ledger = -1, .ledger_lock = PTHREAD_MUTEX_INITIALIZER};
+struct cgpu_process g_cgpu = {
+    .usage_fd = -1, .ledger = -1, .grants_fd = -1, .ledger_lock = PTHREAD_MUTEX_INITIALIZER};
 
 /* What a gate reads without a grants file, and when launches are refused. */
 static const _Atomic uint32_t ungated_word = CGPU_GATE_UNGATED;
@@ -132,16 +133,21 @@ static void load_grants(const char *dir)
         return;
     }
     size_t size;
-    const struct cgpu_grants *g = map_file(dir, CGPU_GRANTS_FILE, O_RDONLY, NULL, &size, err, sizeof(err));
+    int fd = -1;
+    const struct cgpu_grants *g = map_file(dir, CGPU_GRANTS_FILE, O_RDONLY, &fd, &size, err, sizeof(err));
     if (g && cgpu_grants_check(g, size, err, sizeof(err)) != 0) {
         munmap((void *)g, size);
+        close(fd);
         g = NULL;
     }
     if (!g) {
         refuse_launches(err);
         return;
     }
-    /* Mapped for the life of the process: the hot path holds pointers into it. */
+    /* Mapped for the life of the process: the hot path holds pointers into
+     * it. The descriptor stays too, and a forked child shares it: a closed
+     * gate's wait probes cgpud's lock through it. */
+    g_cgpu.grants_fd = fd;
     for (unsigned i = 0; i < CGPU_MAX_DEVICES; i++)
         g_cgpu.gate[i] = &g->device[i].gate;
 }

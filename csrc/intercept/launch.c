@@ -8,12 +8,22 @@
  * per device and process acknowledges each closing once its work in flight
  * has finished on the device.
  *
+ * No wait is unbounded: a thread at a closed gate looks every
+ * GATE_PROBE_NS whether cgpud still holds its lock on the grants file; when
+ * nobody does, cgpud is gone and the process launches ungated (fail open,
+ * said once on stderr) until the gate word changes, i.e. until a restarted
+ * cgpud takes the instance back. And no grant queues without a bound: after
+ * LAUNCH_CREDITS launches since its last fence, a launch first waits for
+ * the context's work (a real driver synchronisation), so what a process has
+ * queued when its gate closes is at most that many launches.
+ *
  * Ownership: the per-slot state below is process-local; fork resets it.
  * Thread-safety: the launch path takes no lock (the slow path takes
  * gate_lock, never across a driver call and never in a path a launch with
  * an open or absent gate takes). */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <linux/futex.h>
 #include <signal.h>
@@ -26,11 +36,14 @@
 
 #define MAX_CONTEXTS 8
 #define INFLIGHT_POLL_NS 20000
+#define GATE_PROBE_NS 200000000
+#define LAUNCH_CREDITS 128
 
 struct gate_slot {
     _Atomic uint32_t inflight; /* launches between their gate check and the driver's return */
-    _Atomic uint32_t launched; /* a launch since the last acknowledgement */
+    _Atomic uint32_t launched; /* launches since the last acknowledgement or drain */
     _Atomic uint32_t watched;  /* this process's fence watcher runs */
+    _Atomic uint64_t orphaned; /* ORPHANED | the closed gate word nobody drives, or 0 */
     unsigned ncontexts;        /* under gate_lock */
     CUcontext contexts[MAX_CONTEXTS];
 } __attribute__((aligned(64)));
@@ -40,6 +53,9 @@ static pthread_mutex_t gate_lock = PTHREAD_MUTEX_INITIALIZER;
 static atomic_bool refusal_logged;
 static atomic_bool contexts_full_logged;
 static atomic_bool watcher_failure_logged;
+static atomic_bool orphan_logged;
+
+#define ORPHANED (1ull << 32)
 
 void cgpu_gate_after_fork(void)
 {
@@ -56,6 +72,13 @@ void cgpu_gate_after_fork(void)
 static void futex_wait(const _Atomic uint32_t *word, uint32_t expected)
 {
     syscall(SYS_futex, (uintptr_t)word, FUTEX_WAIT, expected, NULL, NULL, 0);
+}
+
+/* True when the wait ran out rather than being woken or the word moving. */
+static bool futex_wait_timed(const _Atomic uint32_t *word, uint32_t expected, long ns)
+{
+    struct timespec rel = {ns / 1000000000L, ns % 1000000000L};
+    return syscall(SYS_futex, (uintptr_t)word, FUTEX_WAIT, expected, &rel, NULL, 0) != 0 && errno == ETIMEDOUT;
 }
 
 static void futex_wake_all(_Atomic uint32_t *word)
@@ -231,16 +254,41 @@ static int slot_of_current_context(void)
 }
 
 /* Counts the launch in flight if the gate is still open once it is counted:
- * either the watcher then sees the count, or this sees the gate closed. */
-static inline bool hold_open_gate(const _Atomic uint32_t *gate, struct gate_slot *s)
+ * either the watcher then sees the count, or this sees the gate closed.
+ * Returns how many launches this makes since the last fence, 0 if closed. */
+static inline uint32_t hold_open_gate(const _Atomic uint32_t *gate, struct gate_slot *s)
 {
     atomic_fetch_add(&s->inflight, 1);
-    if (CGPU_LIKELY(atomic_load(gate) & CGPU_GATE_OPEN)) {
-        atomic_store_explicit(&s->launched, 1, memory_order_relaxed);
-        return true;
-    }
+    if (CGPU_LIKELY(atomic_load(gate) & CGPU_GATE_OPEN))
+        return atomic_fetch_add_explicit(&s->launched, 1, memory_order_relaxed) + 1;
     atomic_fetch_sub_explicit(&s->inflight, 1, memory_order_release);
-    return false;
+    return 0;
+}
+
+/* Out of credits: the process's queue on this GPU drains before it grows.
+ * Counted in flight meanwhile, so a closing fence waits for this too. */
+static __attribute__((noinline, cold)) void drain_queue(struct gate_slot *s)
+{
+    __typeof__(&cuCtxSynchronize) sync = REAL(cuCtxSynchronize);
+    if (sync)
+        sync();
+    atomic_store_explicit(&s->launched, 1, memory_order_relaxed);
+}
+
+/* True when no cgpud holds the lock on the slot's gate: nobody will open it.
+ * A probe that fails says so too, so that a wait never outlives it. */
+static bool gate_orphaned(int slot)
+{
+    struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = CGPU_GRANTS_LOCK_OFFSET(slot), .l_len = 1};
+    return g_cgpu.grants_fd < 0 || fcntl(g_cgpu.grants_fd, F_OFD_GETLK, &fl) != 0 || fl.l_type == F_UNLCK;
+}
+
+static void note_orphaned(int slot, uint32_t g)
+{
+    atomic_store(&slots[slot].orphaned, ORPHANED | g);
+    if (!atomic_exchange(&orphan_logged, true))
+        fprintf(stderr, "cgpu[%d]: the compute scheduler (cgpud) is gone; kernel launches run ungated until it is back\n",
+                (int)getpid());
 }
 
 /* Everything but an open gate with its watcher running and an absent one. */
@@ -257,21 +305,31 @@ static __attribute__((noinline, cold)) int gate_slow(int slot, CUresult *err)
     struct gate_slot *s = &slots[slot];
     for (;;) {
         uint32_t g = atomic_load_explicit(gate, memory_order_acquire);
-        if (g & CGPU_GATE_UNGATED)
+        if ((g & CGPU_GATE_UNGATED) || atomic_load(&s->orphaned) == (ORPHANED | g))
             return GATE_FREE;
         if (!ensure_watcher((unsigned)slot)) {
             *err = CUDA_ERROR_OUT_OF_MEMORY;
             return GATE_ERROR;
         }
-        if ((g & CGPU_GATE_OPEN) && hold_open_gate(gate, s))
+        uint32_t n;
+        if ((g & CGPU_GATE_OPEN) && (n = hold_open_gate(gate, s)) != 0) {
+            if (n > LAUNCH_CREDITS)
+                drain_queue(s);
             return slot;
+        }
         if (g & CGPU_GATE_OPEN)
             continue; /* closed between the two looks */
         remember_current_context(s);
         _Atomic uint32_t *waiting = &g_cgpu.usage->device[slot].waiting;
         atomic_fetch_add(waiting, 1);
-        while (!((g = atomic_load_explicit(gate, memory_order_acquire)) & (CGPU_GATE_OPEN | CGPU_GATE_UNGATED)))
-            futex_wait(gate, g); /* EINTR, EAGAIN: look again */
+        while (!((g = atomic_load_explicit(gate, memory_order_acquire)) & (CGPU_GATE_OPEN | CGPU_GATE_UNGATED))) {
+            if (atomic_load(&s->orphaned) == (ORPHANED | g))
+                break;
+            /* EINTR, EAGAIN: look again. Only a wait that ran out with the
+             * word unchanged costs a probe. */
+            if (futex_wait_timed(gate, g, GATE_PROBE_NS) && atomic_load(gate) == g && gate_orphaned(slot))
+                note_orphaned(slot, g);
+        }
         atomic_fetch_sub(waiting, 1);
     }
 }
@@ -289,9 +347,14 @@ static inline int gate_enter(CUresult *err)
     if (CGPU_LIKELY(g & CGPU_GATE_UNGATED))
         return GATE_FREE;
     struct gate_slot *s = &slots[slot];
-    if (CGPU_LIKELY((g & CGPU_GATE_OPEN) && atomic_load_explicit(&s->watched, memory_order_acquire)) &&
-        CGPU_LIKELY(hold_open_gate(gate, s)))
-        return slot;
+    if (CGPU_LIKELY((g & CGPU_GATE_OPEN) && atomic_load_explicit(&s->watched, memory_order_acquire))) {
+        uint32_t n = hold_open_gate(gate, s);
+        if (CGPU_LIKELY(n != 0)) {
+            if (CGPU_UNLIKELY(n > LAUNCH_CREDITS))
+                drain_queue(s);
+            return slot;
+        }
+    }
     return gate_slow(slot, err);
 }
 
@@ -357,4 +420,21 @@ CGPU_EXPORT CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream)
 CGPU_EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream)
 {
     GATED_CALL(cuGraphLaunch_ptsz, hGraphExec, hStream);
+}
+
+/* The deprecated execution-control API: shape and parameters were set on the
+ * function beforehand; these run it on the NULL stream. */
+CGPU_EXPORT CUresult cuLaunch(CUfunction f)
+{
+    GATED_CALL(cuLaunch, f);
+}
+
+CGPU_EXPORT CUresult cuLaunchGrid(CUfunction f, int grid_width, int grid_height)
+{
+    GATED_CALL(cuLaunchGrid, f, grid_width, grid_height);
+}
+
+CGPU_EXPORT CUresult cuLaunchGridAsync(CUfunction f, int grid_width, int grid_height, CUstream hStream)
+{
+    GATED_CALL(cuLaunchGridAsync, f, grid_width, grid_height, hStream);
 }

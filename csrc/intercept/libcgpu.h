@@ -57,6 +57,7 @@ struct cgpu_process {
      * (UNGATED without compute control, closed when launches are refused),
      * so the launch path never tests for NULL. */
     const _Atomic uint32_t *gate[CGPU_MAX_DEVICES];
+    int grants_fd;                 /* read-only: probes cgpud's lock on it (CGPU_GRANTS_LOCK_OFFSET) */
     bool launches_refused;         /* a grants file that cannot be trusted */
     char refused_why[512];         /* said at the first refused launch; empty: said already */
 };

@@ -28,6 +28,11 @@ struct tenant {
     struct cgpu_usage *usage;
     int usage_fd;            /* for probing ledger locks */
     int usage_guard;         /* guard.h handle + 1 (0: none): the tenant can truncate the file under us */
+    int grants_fd;           /* holds the CGPU_GRANTS_LOCK_OFFSET(slot) lock: "cgpud drives this gate" */
+    int locked;              /* that lock is ours (retried by the loop until it is) */
+    int overdue;             /* a closing's fence outlived the timeout: still charged, not granted */
+    uint32_t overdue_seq;    /* that closing's gate word */
+    uint64_t overdue_charged_to;
     int launched;            /* its last fence said it had launched work */
     uint32_t stale_waiting;  /* `waiting` left behind by processes killed at the gate */
     int detach_pending;      /* detached while its fence was awaited: gone for every
@@ -119,7 +124,9 @@ static void unmap_tenant(struct tenant *t)
         munmap(t->usage, sizeof(*t->usage));
     if (t->usage_fd >= 0)
         close(t->usage_fd);
-    *t = (struct tenant){.usage_fd = -1};
+    if (t->grants_fd >= 0)
+        close(t->grants_fd); /* drops the lock */
+    *t = (struct tenant){.usage_fd = -1, .grants_fd = -1};
 }
 
 struct cgpu_engine *cgpu_engine_create(unsigned gpu_count)
@@ -142,7 +149,7 @@ struct cgpu_engine *cgpu_engine_create(unsigned gpu_count)
     for (unsigned i = 0; i < gpu_count; i++) {
         pthread_cond_init(&e->gpu[i].wake, &ca);
         for (unsigned k = 0; k < CGPU_SCHED_MAX_TENANTS; k++)
-            e->gpu[i].t[k].usage_fd = -1;
+            e->gpu[i].t[k].usage_fd = e->gpu[i].t[k].grants_fd = -1;
     }
     pthread_condattr_destroy(&ca);
     return e;
@@ -211,6 +218,16 @@ static void *map_region_file(const char *dir, const char *name, int flags, size_
     return p;
 }
 
+/* Tells the tenant's processes that cgpud drives this gate. Fails only
+ * while another descriptor still holds it (this slot re-attached while its
+ * old entry's fence is awaited, or a second cgpud): the loop tries again. */
+static int take_gate_lock(const struct tenant *t)
+{
+    struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = CGPU_GRANTS_LOCK_OFFSET(t->slot),
+                       .l_len = 1};
+    return fcntl(t->grants_fd, F_OFD_SETLK, &fl) == 0;
+}
+
 int cgpu_engine_attach(struct cgpu_engine *e, unsigned gpu, uint64_t key, const char *region_dir, unsigned slot,
                        unsigned share_percent, unsigned weight, int high_priority, char *err, unsigned errlen)
 {
@@ -235,9 +252,9 @@ int cgpu_engine_attach(struct cgpu_engine *e, unsigned gpu, uint64_t key, const 
         rc = CGPU_SCHED_ENOSPC;
         goto out;
     }
-    struct tenant fresh = {.key = key, .slot = slot, .usage_fd = -1};
-    fresh.grants = map_region_file(region_dir, CGPU_GRANTS_FILE, O_RDWR, sizeof(struct cgpu_grants), NULL, err,
-                                   errlen, &rc);
+    struct tenant fresh = {.key = key, .slot = slot, .usage_fd = -1, .grants_fd = -1};
+    fresh.grants = map_region_file(region_dir, CGPU_GRANTS_FILE, O_RDWR, sizeof(struct cgpu_grants),
+                                   &fresh.grants_fd, err, errlen, &rc);
     if (fresh.grants)
         fresh.usage = map_region_file(region_dir, CGPU_USAGE_FILE, O_RDWR, sizeof(struct cgpu_usage),
                                       &fresh.usage_fd, err, errlen, &rc);
@@ -262,6 +279,7 @@ int cgpu_engine_attach(struct cgpu_engine *e, unsigned gpu, uint64_t key, const 
         goto out;
     }
     *t = fresh;
+    t->locked = take_gate_lock(t);
     /* Closed until the loop grants it, or open if the GPU is ungated. */
     gate_set(t, g->ungated ? CGPU_GATE_UNGATED : 0);
     pthread_cond_signal(&g->wake);
@@ -320,35 +338,59 @@ static int ledger_dead(int fd, int i)
     return fcntl(fd, F_OFD_GETLK, &fl) == 0 && fl.l_type == F_UNLCK;
 }
 
+/* Whether a fence acknowledgement covers the closing `closed`: it names
+ * that closing or a later one (sequence arithmetic, so wrapping is fine). */
+static int ack_covers(uint32_t ack, uint32_t closed)
+{
+    return (int32_t)((ack & CGPU_GATE_SEQ_MASK) - (closed & CGPU_GATE_SEQ_MASK)) >= 0;
+}
+
+/* Live processes that launch on the tenant's device and have not fenced
+ * `closed`. Every field read here is the tenant's to scribble on: indices
+ * are bounded, and a ledger whose lock probe (only with `probe`) found it
+ * dead is marked in `dead` and never probed again for this closing, so a
+ * scribbled table costs at most one probe per ledger. */
+static int fence_pending(const struct tenant *t, uint32_t closed, int probe, uint64_t *dead, int *launched)
+{
+    struct cgpu_usage *u = t->usage;
+    uint32_t bit = 1u << t->slot;
+    uint32_t n = atomic_load(&u->ledgers_used);
+    int pending = 0;
+    for (uint32_t i = 0; i < n && i < CGPU_MAX_PROCS; i++) {
+        struct cgpu_proc_ledger *p = &u->proc[i];
+        if (dead[i / 64] & (1ull << (i % 64)))
+            continue;
+        if (atomic_load(&p->state) != CGPU_LEDGER_LIVE || !(atomic_load(&p->watching) & bit))
+            continue;
+        uint32_t ack = atomic_load_explicit(&p->fence_ack[t->slot], memory_order_acquire);
+        if (ack_covers(ack, closed)) {
+            *launched |= (ack & CGPU_ACK_LAUNCHED) != 0;
+            continue;
+        }
+        if (probe && ledger_dead(t->usage_fd, (int)i)) {
+            dead[i / 64] |= 1ull << (i % 64);
+            continue;
+        }
+        pending++;
+    }
+    return pending;
+}
+
+#define DEAD_WORDS (CGPU_MAX_PROCS / 64)
+
 /* Waits, without the mutex, until every live process that launches on the
  * tenant's device has acknowledged the closing `closed`. Returns 1 if all
  * did, 0 on timeout; *launched tells whether any had launched work. The
  * files stay mapped: detach defers to the loop while `fencing` names us. */
 static int await_fence(const struct tenant *t, uint32_t closed, int *launched)
 {
-    struct cgpu_usage *u = t->usage;
-    _Atomic uint32_t *bell = &u->device[t->slot].bell;
-    uint32_t bit = 1u << t->slot;
+    _Atomic uint32_t *bell = &t->usage->device[t->slot].bell;
+    uint64_t dead[DEAD_WORDS] = {0};
     uint64_t deadline = mono_ns() + CGPU_ENGINE_FENCE_TIMEOUT_NS;
     for (int probe = 0;;) {
         uint32_t rung = atomic_load(bell);
-        uint32_t n = atomic_load(&u->ledgers_used);
-        int pending = 0;
-        for (uint32_t i = 0; i < n && i < CGPU_MAX_PROCS; i++) {
-            struct cgpu_proc_ledger *p = &u->proc[i];
-            if (atomic_load(&p->state) != CGPU_LEDGER_LIVE || !(atomic_load(&p->watching) & bit))
-                continue;
-            uint32_t ack = atomic_load_explicit(&p->fence_ack[t->slot], memory_order_acquire);
-            if ((ack & CGPU_GATE_SEQ_MASK) == (closed & CGPU_GATE_SEQ_MASK)) {
-                *launched |= (ack & CGPU_ACK_LAUNCHED) != 0;
-                continue;
-            }
-            /* A lock probe costs a syscall: only once a wait ran out. */
-            if (probe && ledger_dead(t->usage_fd, (int)i))
-                continue;
-            pending++;
-        }
-        if (!pending)
+        /* A lock probe costs a syscall: only once a wait ran out. */
+        if (!fence_pending(t, closed, probe, dead, launched))
             return 1;
         uint64_t now = mono_ns();
         if (now >= deadline)
@@ -408,10 +450,17 @@ static void close_holder(struct cgpu_engine *e, unsigned gpu)
     charge_holder(e, gpu, end);
     g->holder = 0;
     g->stats.fence_wait_ns += end - start;
-    if (acked)
+    if (acked) {
         g->stats.fences++;
-    else
+    } else {
+        /* Its work (a kernel longer than the timeout, or a process that does
+         * not fence) may run on into the next slice: the loop goes on, and
+         * charges it until the fence really arrives. */
         g->stats.fence_timeouts++;
+        t->overdue = !t->detach_pending;
+        t->overdue_seq = closed;
+        t->overdue_charged_to = end;
+    }
     t->launched = launched;
     /* Granted, nothing launched, yet threads "wait": if no process that
      * could be waiting is alive, the count is what killed waiters left
@@ -425,9 +474,35 @@ static void close_holder(struct cgpu_engine *e, unsigned gpu)
 
 static void set_all_gates(struct gpu_loop *g, uint32_t bits)
 {
-    for (unsigned i = 0; i < CGPU_SCHED_MAX_TENANTS; i++)
+    for (unsigned i = 0; i < CGPU_SCHED_MAX_TENANTS; i++) {
         if (g->t[i].key)
             gate_set(&g->t[i], bits);
+        if (bits & CGPU_GATE_UNGATED)
+            g->t[i].overdue = 0; /* no control: nothing left to charge */
+    }
+}
+
+/* Charges each tenant whose fence outlived the timeout for the time since it
+ * was last charged, and ends that once its processes have fenced (or died).
+ * Until then it holds the device in all but name: it is not granted. */
+static void charge_overdue(struct cgpu_engine *e, unsigned gpu, uint64_t now)
+{
+    struct gpu_loop *g = &e->gpu[gpu];
+    for (unsigned i = 0; i < CGPU_SCHED_MAX_TENANTS; i++) {
+        struct tenant *t = &g->t[i];
+        if (!t->key || !t->overdue || t->detach_pending)
+            continue;
+        if (now > t->overdue_charged_to)
+            cgpu_sched_charge(e->sched, gpu, t->key, now - t->overdue_charged_to);
+        t->overdue_charged_to = now;
+        uint64_t dead[DEAD_WORDS] = {0};
+        int launched = 0;
+        if (!fence_pending(t, t->overdue_seq, 1, dead, &launched)) {
+            t->overdue = 0;
+            t->launched |= launched;
+            g->stats.fences_late++;
+        }
+    }
 }
 
 /* Reports each tenant's demand to the core; returns how many have none. */
@@ -442,7 +517,9 @@ static int report_demand(struct cgpu_engine *e, unsigned gpu)
         uint32_t waiting = atomic_load(&t->usage->device[t->slot].waiting);
         if (waiting < t->stale_waiting)
             t->stale_waiting = waiting;
-        int has = t->key == g->holder || t->launched || waiting > t->stale_waiting;
+        if (!t->locked)
+            t->locked = take_gate_lock(t);
+        int has = !t->overdue && (t->key == g->holder || t->launched || waiting > t->stale_waiting);
         t->launched = 0;
         cgpu_sched_demand(e->sched, gpu, t->key, has);
         idle += !has;
@@ -475,6 +552,7 @@ int cgpu_engine_run(struct cgpu_engine *e, unsigned gpu)
     while (!e->stop) {
         uint64_t now = mono_ns();
         charge_holder(e, gpu, now);
+        charge_overdue(e, gpu, now);
         int idle = report_demand(e, gpu);
         struct cgpu_sched_decision d;
         int rc = cgpu_sched_next(e->sched, gpu, now, &d);

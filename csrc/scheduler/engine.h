@@ -14,7 +14,9 @@
  * cgpu_engine_run; a mutex inside guards the tables (this is cgpud's own
  * memory: no other process can hold it). Tenant processes are never trusted:
  * what they write can delay their own grants, never another tenant's beyond
- * the fence timeout.
+ * the fence timeout. While a tenant is attached the engine holds an OFD lock
+ * on its grants file (CGPU_GRANTS_LOCK_OFFSET) so its processes can tell a
+ * closed gate from a dead cgpud.
  *
  * This header is also part of the cffi cdef (build_scheduler.py): plain
  * integer #defines only, no inline code, C comments only. */
@@ -24,7 +26,9 @@
 #include <stdint.h>
 
 /* A closed gate waits this long for the processes' fence acknowledgements
- * before the next tenant is granted anyway (a stopped or hung process). */
+ * before the next tenant is granted anyway (a kernel longer than that, a
+ * stopped or hung process). The late tenant is charged on until its fence
+ * arrives and is not granted meanwhile. */
 #define CGPU_ENGINE_FENCE_TIMEOUT_NS 50000000
 /* A closed gate looks for processes that died without acknowledging after
  * this long without an acknowledgement, and again every time as long. */
@@ -37,6 +41,7 @@ struct cgpu_engine_stats {
     uint64_t grants;          /* gate openings */
     uint64_t fences;          /* gate closings that were acknowledged */
     uint64_t fence_timeouts;  /* closings that ran into CGPU_ENGINE_FENCE_TIMEOUT_NS */
+    uint64_t fences_late;     /* of those, fenced later (charged until then, not granted meanwhile) */
     uint64_t fence_wait_ns;   /* total time from closing to acknowledgement */
     uint64_t holder;          /* key holding the GPU now, 0 for none */
     int tenants;

@@ -98,6 +98,16 @@ static int64_t bound(const struct gpu *g)
     return (int64_t)g->period;
 }
 
+/* A reservation's debt may reach this many periods: a kernel longer than a
+ * period (which no gate can cut short) is then paid back in full by the
+ * periods after it, not forgiven past the first. */
+#define MAX_DEBT_PERIODS 16
+
+static int64_t debt_bound(const struct gpu *g)
+{
+    return MAX_DEBT_PERIODS * (int64_t)g->period;
+}
+
 static uint64_t weight_of(const struct gpu *g, const struct tenant *t)
 {
     switch (g->policy) {
@@ -485,9 +495,9 @@ int cgpu_sched_charge(struct cgpu_sched *s, unsigned gpu, uint64_t key, uint64_t
     }
 
     if (g->policy == CGPU_SCHED_FIXED && t->share == 0)
-        g->pool_budget = clamp64(g->pool_budget - (int64_t)b, -lim, lim);
+        g->pool_budget = clamp64(g->pool_budget - (int64_t)b, -debt_bound(g), lim);
     else if (reserving(g))
-        t->budget = clamp64(t->budget - (int64_t)b, -lim, lim);
+        t->budget = clamp64(t->budget - (int64_t)b, -debt_bound(g), lim);
     if (t->high)
         g->hp_budget = clamp64(g->hp_budget - (int64_t)b, -lim, lim);
     return CGPU_SCHED_OK;

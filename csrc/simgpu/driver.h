@@ -55,11 +55,22 @@ struct sim_event {
     _Atomic bool recorded;
 };
 
+/* The deprecated launch API's per-function state (cuFuncSetBlockShape,
+ * cuParamSet*); process-local, as unsynchronised as the real driver's. */
+#define SIM_LEGACY_PARAM_MAX 4096
+struct sim_legacy_launch {
+    unsigned block[3];            /* 0 until cuFuncSetBlockShape */
+    unsigned shared_bytes;
+    unsigned param_size;
+    _Alignas(8) unsigned char params[SIM_LEGACY_PARAM_MAX];
+};
+
 struct sim_function {
     uint32_t magic;
     struct sim_module *module;
     bool timed;                   /* spins on %globaltimer for param 0 ns */
     char name[120];
+    struct sim_legacy_launch legacy;
 };
 
 struct sim_module {

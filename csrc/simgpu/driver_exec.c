@@ -536,6 +536,112 @@ SIM_EXPORT CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfuncti
     return launch_ex(config, f, kernelParams, extra, true);
 }
 
+/* ---- the deprecated execution-control API ---------------------------------------- */
+
+SIM_EXPORT CUresult cuFuncSetBlockShape(CUfunction hfunc, int x, int y, int z)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    struct sim_function *fn = function_of(hfunc);
+    if (!fn)
+        return CUDA_ERROR_INVALID_HANDLE;
+    if (x <= 0 || y <= 0 || z <= 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    fn->legacy.block[0] = (unsigned)x;
+    fn->legacy.block[1] = (unsigned)y;
+    fn->legacy.block[2] = (unsigned)z;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuFuncSetSharedSize(CUfunction hfunc, unsigned int bytes)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    struct sim_function *fn = function_of(hfunc);
+    if (!fn)
+        return CUDA_ERROR_INVALID_HANDLE;
+    fn->legacy.shared_bytes = bytes;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuParamSetSize(CUfunction hfunc, unsigned int numbytes)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    struct sim_function *fn = function_of(hfunc);
+    if (!fn)
+        return CUDA_ERROR_INVALID_HANDLE;
+    if (numbytes > SIM_LEGACY_PARAM_MAX)
+        return CUDA_ERROR_INVALID_VALUE;
+    fn->legacy.param_size = numbytes;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuParamSetv(CUfunction hfunc, int offset, void *ptr, unsigned int numbytes)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    struct sim_function *fn = function_of(hfunc);
+    if (!fn)
+        return CUDA_ERROR_INVALID_HANDLE;
+    if (offset < 0 || !ptr || numbytes > SIM_LEGACY_PARAM_MAX ||
+        (unsigned)offset > SIM_LEGACY_PARAM_MAX - numbytes)
+        return CUDA_ERROR_INVALID_VALUE;
+    memcpy(fn->legacy.params + offset, ptr, numbytes);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuParamSeti(CUfunction hfunc, int offset, unsigned int value)
+{
+    return cuParamSetv(hfunc, offset, &value, sizeof(value));
+}
+
+SIM_EXPORT CUresult cuParamSetf(CUfunction hfunc, int offset, float value)
+{
+    return cuParamSetv(hfunc, offset, &value, sizeof(value));
+}
+
+/* A grid_width x grid_height grid of the shape cuFuncSetBlockShape gave,
+ * with the parameter buffer cuParamSet* filled, on the NULL stream. */
+static CUresult launch_legacy(CUfunction f, int grid_width, int grid_height, CUstream h)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    struct sim_function *fn = function_of(f);
+    if (!fn)
+        return CUDA_ERROR_INVALID_HANDLE;
+    if (grid_width <= 0 || grid_height <= 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (fn->timed && fn->legacy.param_size < sizeof(uint64_t))
+        return CUDA_ERROR_INVALID_VALUE; /* its u64 parameter was never set */
+    struct launch_shape sh = {.grid = {(unsigned)grid_width, (unsigned)grid_height, 1},
+                              .block = {fn->legacy.block[0], fn->legacy.block[1], fn->legacy.block[2]}};
+    size_t size = fn->legacy.param_size;
+    void *extra[] = {CU_LAUNCH_PARAM_BUFFER_POINTER, fn->legacy.params, CU_LAUNCH_PARAM_BUFFER_SIZE, &size,
+                     CU_LAUNCH_PARAM_END};
+    return launch(f, &sh, h, false, NULL, extra);
+}
+
+SIM_EXPORT CUresult cuLaunch(CUfunction f)
+{
+    return launch_legacy(f, 1, 1, NULL);
+}
+
+SIM_EXPORT CUresult cuLaunchGrid(CUfunction f, int grid_width, int grid_height)
+{
+    return launch_legacy(f, grid_width, grid_height, NULL);
+}
+
+SIM_EXPORT CUresult cuLaunchGridAsync(CUfunction f, int grid_width, int grid_height, CUstream hStream)
+{
+    return launch_legacy(f, grid_width, grid_height, hStream);
+}
+
 /* ---- graphs ---------------------------------------------------------------------- */
 
 struct sim_graph {

@@ -80,6 +80,12 @@
     X(cuLaunchKernel, cuLaunchKernel, 1)                               \
     X(cuLaunchKernelEx, cuLaunchKernelEx, 1)                           \
     X(cuLaunchCooperativeKernel, cuLaunchCooperativeKernel, 1)         \
+    X(cuFuncSetBlockShape, cuFuncSetBlockShape, 0)                     \
+    X(cuParamSetSize, cuParamSetSize, 0)                               \
+    X(cuParamSetv, cuParamSetv, 0)                                     \
+    X(cuLaunch, cuLaunch, 0)                                           \
+    X(cuLaunchGrid, cuLaunchGrid, 0)                                   \
+    X(cuLaunchGridAsync, cuLaunchGridAsync, 0)                         \
     X(cuGraphCreate, cuGraphCreate, 0)                                 \
     X(cuGraphAddKernelNode_v2, cuGraphAddKernelNode, 0)                \
     X(cuGraphInstantiateWithFlags, cuGraphInstantiate, 0)              \
@@ -97,10 +103,12 @@ struct api {
 enum alloc_api { AA_ALLOC, AA_PITCH, AA_MANAGED, AA_ASYNC, AA_POOL, AA_VMM, AA_ARRAY };
 static const char *const alloc_apis[] = {"alloc", "pitch", "managed", "async",
                                          "pool",  "vmm",   "array",   NULL};
-enum launch_api { LA_KERNEL, LA_EX, LA_COOP, LA_GRAPH };
-static const char *const launch_apis[] = {"kernel", "ex", "cooperative", "graph", NULL};
+enum launch_api { LA_KERNEL, LA_EX, LA_COOP, LA_GRAPH, LA_LAUNCH, LA_GRID, LA_GRID_ASYNC };
+static const char *const launch_apis[] = {"kernel", "ex", "cooperative", "graph",
+                                          "launch", "grid", "grid-async", NULL};
 static const char *const launch_calls[] = {"cuLaunchKernel", "cuLaunchKernelEx",
-                                           "cuLaunchCooperativeKernel", "cuGraphLaunch"};
+                                           "cuLaunchCooperativeKernel", "cuGraphLaunch",
+                                           "cuLaunch", "cuLaunchGrid", "cuLaunchGridAsync"};
 enum resolver { RESOLVE_PROC, RESOLVE_DLSYM };
 static const char *const resolvers[] = {"proc", "dlsym", NULL};
 
@@ -241,7 +249,8 @@ static const struct spec specs[] = {
     OPT("duty", "F", K_POSITIVE, duty, 0, 1, "sleep after each kernel: busy/total = F (1)"),
     OPT("sync-every", "N", K_COUNT, sync_every, 1, 1e15,
         "with duty 1, sync every N launch calls (at the end; ~50 ms with --duration)"),
-    CHOICE("launch-api", "API", launch_api, launch_apis, "kernel|ex|cooperative|graph"),
+    CHOICE("launch-api", "API", launch_api, launch_apis,
+           "kernel|ex|cooperative|graph|launch|grid|grid-async (the last three: the deprecated API)"),
     OPT("graph-nodes", "N", K_COUNT, graph_nodes, 1, 1024, "kernels per graph, each a launch (4)"),
     OPT("events", NULL, K_FLAG, events, 0, 0, "time each stream with CUDA events"),
     OPT("per-thread-stream", NULL, K_FLAG, per_thread, 0, 0, "use the per-thread default stream"),
@@ -604,6 +613,11 @@ static int setup_kernel(struct burn *b)
     }
     if (b->opt.launch_api == LA_GRAPH)
         SETUP(b, "building the CUDA graph", build_graph(b));
+    if (b->opt.launch_api >= LA_LAUNCH) { /* the deprecated API: shape and parameters live on the function */
+        SETUP(b, "cuFuncSetBlockShape", f->cuFuncSetBlockShape(b->fn, 1, 1, 1));
+        SETUP(b, "cuParamSetv", f->cuParamSetv(b->fn, 0, &b->opt.kernel_ns, sizeof(b->opt.kernel_ns)));
+        SETUP(b, "cuParamSetSize", f->cuParamSetSize(b->fn, sizeof(b->opt.kernel_ns)));
+    }
     return 0;
 }
 
@@ -618,8 +632,17 @@ static CUresult launch_one(struct burn *b, CUstream s)
     case LA_EX: return f->cuLaunchKernelEx(&cfg, b->fn, params, NULL);
     case LA_COOP: return f->cuLaunchCooperativeKernel(b->fn, 1, 1, 1, 1, 1, 1, 0, s, params);
     case LA_GRAPH: return f->cuGraphLaunch(b->exec, s);
+    case LA_LAUNCH: return f->cuLaunch(b->fn);
+    case LA_GRID: return f->cuLaunchGrid(b->fn, 1, 1);
+    case LA_GRID_ASYNC: return f->cuLaunchGridAsync(b->fn, 1, 1, s);
     }
     return CUDA_ERROR_INVALID_VALUE;
+}
+
+/* cuLaunch and cuLaunchGrid take no stream: they run on the NULL stream. */
+static bool on_null_stream(const struct burn *b)
+{
+    return b->opt.launch_api == LA_LAUNCH || b->opt.launch_api == LA_GRID;
 }
 
 static bool sync_streams(struct burn *b)
@@ -627,7 +650,7 @@ static bool sync_streams(struct burn *b)
     for (uint64_t i = 0; i < b->opt.streams; i++)
         if (!check(b, "cuStreamSynchronize", b->f.cuStreamSynchronize(b->streams[i])))
             return false;
-    return true;
+    return !on_null_stream(b) || check(b, "cuStreamSynchronize", b->f.cuStreamSynchronize(CU_STREAM_LEGACY));
 }
 
 /* Records event `which` (0 start, 1 end) on every stream. */
@@ -659,7 +682,7 @@ static bool launch_and_pace(struct burn *b, uint64_t call, uint64_t sync_every)
         return false;
     b->launched += o->launch_api == LA_GRAPH ? o->graph_nodes : 1;
     if (o->duty < 1) {
-        if (!check(b, "cuStreamSynchronize", b->f.cuStreamSynchronize(s)))
+        if (!check(b, "cuStreamSynchronize", b->f.cuStreamSynchronize(on_null_stream(b) ? CU_STREAM_LEGACY : s)))
             return false;
         /* Paced on the totals, so one late wake-up is made up by the next. */
         b->busy_s += now_s() - start;

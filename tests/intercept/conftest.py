@@ -5,8 +5,11 @@ its part on the grants file (GrantsView)."""
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import mmap
+import os
 import platform
+import struct
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +29,16 @@ GATE_SEQ_STEP = int(lib.CGPU_GATE_SEQ_STEP)
 _SYS_FUTEX = {"x86_64": 202, "aarch64": 98}[platform.machine()]
 _FUTEX_WAKE = 1
 _libc = ctypes.CDLL(None, use_errno=True)
+
+
+def lock_grants(fd: int, lock: bool) -> None:
+    """Takes (or drops) the OFD locks cgpud's engine holds on a grants file
+    for every device it drives (CGPU_GRANTS_LOCK_OFFSET): without them a
+    process waiting at a closed gate concludes that cgpud is gone."""
+    base = ffi.sizeof("struct cgpu_grants")
+    kind = fcntl.F_WRLCK if lock else fcntl.F_UNLCK
+    # struct flock: l_type, l_whence, l_start, l_len, l_pid (x86_64 and aarch64 alike).
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, struct.pack("hhqqi4x", kind, os.SEEK_SET, base, lib.CGPU_MAX_DEVICES, 0))
 
 
 def grants_bytes(gates: list[int]) -> bytes:
@@ -56,6 +69,12 @@ class GrantsView:
         self._maps = [mmap.mmap(f.fileno(), 0) for f in self._files]
         self.grants = ffi.from_buffer("struct cgpu_grants *", self._maps[0], require_writable=True)
         self.usage = ffi.from_buffer("struct cgpu_usage *", self._maps[1])
+        self.drive(True)
+
+    def drive(self, alive: bool) -> None:
+        """Holds cgpud's locks on the grants file, or lets go of them as a
+        cgpud that died would."""
+        lock_grants(self._files[0].fileno(), alive)
 
     def close(self) -> None:
         for view in (self.grants, self.usage):

@@ -33,7 +33,7 @@ from tests.intercept.conftest import (
 )
 
 ACK_LAUNCHED = int(lib.CGPU_ACK_LAUNCHED)
-APIS = ["kernel", "ex", "cooperative", "graph"]
+APIS = ["kernel", "ex", "cooperative", "graph", "launch", "grid", "grid-async"]
 STREAMS = pytest.mark.parametrize("per_thread", [False, True], ids=["legacy-stream", "per-thread-stream"])
 EVERY_API = pytest.mark.parametrize("api", APIS)
 

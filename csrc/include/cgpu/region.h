@@ -138,5 +138,10 @@ struct cgpu_grants {
 
 /* The lock bytes lie past the structure so nobody reads or writes them. */
 #define CGPU_LEDGER_LOCK_OFFSET(i) ((long)sizeof(struct cgpu_usage) + (long)(i))
+/* cgpud's engine holds an OFD write lock on this byte of the grants file for
+ * every device it drives; the kernel drops it when cgpud dies. A tenant that
+ * finds it free (F_OFD_GETLK works on its read-only descriptor) knows that no
+ * one will open its closed gate. */
+#define CGPU_GRANTS_LOCK_OFFSET(slot) ((long)sizeof(struct cgpu_grants) + (long)(slot))
 
 #endif
