@@ -278,3 +278,30 @@ def test_a_forked_child_fences_and_waits_on_its_own(native, gated):
     assert out.split() == ["child-done", "0"], err
     assert region.waiting() == 0
 
+
+
+def test_a_closed_gate_nobody_drives_lets_launches_through_until_the_gate_moves(native, sim_env, gated):
+    """cgpud's lock on the grants file gone (cgpud died): a thread waiting at
+    the closed gate finds out within the probe interval and launches
+    ungated; a new gate word (a restarted cgpud) gates it again."""
+    env, region = gated([closed(1)])
+    proc = start_burn(native, env, "--duration=30", "--kernel-ns=100000")
+    try:
+        wait_for("a thread waiting at the gate", lambda: region.waiting() >= 1)
+        assert busy_ns(native, env, proc.pid) == 0
+        region.drive(False)
+        wait_for("launches past the orphaned gate", lambda: busy_ns(native, env, proc.pid) > 0, timeout=10)
+        wait_for("nobody left waiting", lambda: region.waiting() == 0)
+        region.drive(True)
+        region.set_gate(0, closed(2))
+        wait_for("the fence of the new closing", lambda: region.fence_ack(proc.pid) >> 2 == 2)
+        wait_for("a thread waiting at the new gate", lambda: region.waiting() >= 1)
+        held = busy_ns(native, env, proc.pid)
+        time.sleep(0.5)  # past the probe interval: the lock is held, so it keeps waiting
+        assert busy_ns(native, env, proc.pid) == held
+        region.set_gate(0, opened(3))
+        wait_for("launches after the opening", lambda: busy_ns(native, env, proc.pid) > held)
+    finally:
+        proc.kill()
+        _, err = proc.communicate(timeout=30)
+    assert err.count("compute scheduler (cgpud) is gone") == 1, err

@@ -3,7 +3,9 @@
  * decision core and region.c, and runs it on an empty directory.
  *
  * One runner thread per GPU; one tenant thread per region playing libcgpu's
- * side of the grants protocol (cgpu/region.h); the main thread makes random
+ * side of the grants protocol (cgpu/region.h), but the last one scribbles
+ * random values over every field of its usage file the engine reads (a
+ * hostile tenant); the main thread makes random
  * valid and invalid control calls for RUN_NS and checks each result against
  * what its own calls should have left in the engine (model[]). Then it stops
  * the engine, checks that every attached tenant's gate is ungated, detaches
@@ -81,10 +83,42 @@ static void make_region(const char *dir, uint64_t grants_magic, size_t cut)
 /* libcgpu.so's side of the protocol for device 0 of region i, without a GPU:
  * launch while open, count itself waiting and sleep on the gate while
  * closed, acknowledge every closing it sees. */
+/* The hostile tenant: ledger count, states, watching bits, fence
+ * acknowledgements, waiting counts and the bell, all random, all the time. */
+static void scribble(struct cgpu_usage *u)
+{
+    unsigned long long x = 0x9E3779B97F4A7C15ull;
+    while (!atomic_load(&tenants_stop)) {
+        for (int k = 0; k < 64; k++) {
+            x ^= x << 13; x ^= x >> 7; x ^= x << 17;
+            uint32_t v = (uint32_t)(x >> 32);
+            struct cgpu_proc_ledger *p = &u->proc[x % CGPU_MAX_PROCS];
+            switch ((x >> 16) % 8) {
+            case 0: atomic_store(&u->ledgers_used, v % 4 ? v % (CGPU_MAX_PROCS + 2) : v); break;
+            case 1: atomic_store(&p->state, v % 4 ? CGPU_LEDGER_LIVE : v); break;
+            case 2: atomic_store(&p->watching, v); break;
+            case 3: atomic_store(&p->fence_ack[(x >> 8) % CGPU_MAX_DEVICES], v); break;
+            case 4: atomic_store(&u->device[(x >> 8) % CGPU_MAX_DEVICES].waiting, v); break;
+            case 5: atomic_store(&p->pid, (int32_t)v); break;
+            default:
+                atomic_store(&u->device[(x >> 8) % 2].bell, v);
+                syscall(SYS_futex, (uint32_t *)&u->device[(x >> 8) % 2].bell, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+            }
+        }
+        usleep(200);
+    }
+}
+
 static void *tenant(void *arg)
 {
     int i = (int)(long)arg, fd;
     struct cgpu_usage *u = map(dirs[i], CGPU_USAGE_FILE, sizeof(*u), PROT_READ | PROT_WRITE, &fd);
+    if (i == N - 1) {
+        scribble(u);
+        munmap(u, sizeof(*u));
+        close(fd);
+        return NULL;
+    }
     const struct cgpu_grants *g = map(dirs[i], CGPU_GRANTS_FILE, sizeof(*g), PROT_READ, NULL);
     int ledger = cgpu_ledger_claim(u, fd, 1000 + i);
     if (ledger < 0) FAIL("tenant %d: no ledger", i);

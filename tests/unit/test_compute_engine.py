@@ -4,10 +4,13 @@ acknowledgements, a process dying with its ledger), and checks what cgpud
 does with the gates. libcgpu.so's side is tested in tests/intercept."""
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
+import struct
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -288,6 +291,130 @@ def test_a_holder_detached_during_its_fence_is_gone_at_once_and_its_key_can_come
         return int(info.charged_ns)
     # Granted (and then, its fence overdue, kept off the GPU and charged).
     assert wait_until(lambda: charged() > 0), "key 1, attached again, is never granted"
+
+
+class Acker:
+    """A well-behaved tenant process in a thread: launches whenever its gate
+    is open and acknowledges every closing at once."""
+
+    def __init__(self, t: Tenant) -> None:
+        self._t, self._ledger, self._stop = t, t.watch(), threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        acked = self._t.gate & SEQ
+        while not self._stop.is_set():
+            g = self._t.gate
+            if not g & (OPEN | UNGATED) and g & SEQ != acked:
+                self._t.ack(self._ledger)
+                acked = g & SEQ
+            time.sleep(0.0002)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+def _grants_lock(t: Tenant, slot: int = 0) -> int:
+    """The lock type (F_WRLCK or F_UNLCK) another process would find on cgpud's
+    byte of the tenant's grants file (CGPU_GRANTS_LOCK_OFFSET)."""
+    fd = os.open(t.dir / GRANTS_FILE, os.O_RDONLY)
+    try:
+        probe = struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, rffi.sizeof("struct cgpu_grants") + slot, 1, 0)
+        return struct.unpack("hhqqi4x", fcntl.fcntl(fd, fcntl.F_OFD_GETLK, probe))[0]
+    finally:
+        os.close(fd)
+
+
+def test_the_engine_holds_the_grants_lock_of_each_attached_tenant(sched: ComputeScheduler, tenants) -> None:
+    sched.configure(NodePolicy(compute_policy=ComputePolicy.FIXED))
+    a = tenants("a", 30)
+    assert _grants_lock(a) == fcntl.F_UNLCK
+    sched.attach(a.instance, a.dir)
+    assert _grants_lock(a) == fcntl.F_WRLCK  # what a process at a's closed gate probes
+    sched.detach(a.instance.id)
+    assert _grants_lock(a) == fcntl.F_UNLCK
+
+
+def test_a_fence_that_outlives_the_timeout_is_charged_until_it_comes(sched: ComputeScheduler, tenants) -> None:
+    """A kernel longer than the fence timeout: the next tenant runs after the
+    timeout, but the late one is charged until its fence really arrives and
+    is not granted before that."""
+    from cgpud._scheduler import ffi as sffi
+    from cgpud._scheduler import lib as slib
+
+    sched.configure(NodePolicy(compute_policy=ComputePolicy.PREEMPTIVE))
+    a, b = tenants("a"), tenants("b")
+    sched.attach(a.instance, a.dir)  # key 1
+    sched.attach(b.instance, b.dir)
+    ledger = a.watch()
+    a.want(1)
+    b.want(1)
+    assert wait_until(lambda: a.gate & OPEN)
+    assert wait_until(lambda: not a.gate & OPEN)
+    closed = a.gate
+    info = sffi.new("struct cgpu_sched_tenant_info *")
+
+    def charged() -> int:
+        assert slib.cgpu_engine_tenant_get(sched._engine, 0, 1, info) == 0
+        return int(info.charged_ns)
+    b_seq = b.gate & SEQ
+    # Far past the 50 ms timeout its charge keeps growing, b keeps running...
+    assert wait_until(lambda: charged() >= 300_000_000, timeout=10), charged()
+    assert wait_until(lambda: b.gate & SEQ != b_seq)
+    # ...and a was never granted meanwhile.
+    assert a.gate == closed
+    assert sched.schedule(0).fences_late == 0
+    a.ack(ledger)
+    assert wait_until(lambda: sched.schedule(0).fences_late == 1)
+    assert wait_until(lambda: a.gate & OPEN), "granted again once fenced"
+
+
+def test_a_scribbling_tenant_cannot_stall_the_engine_or_take_its_neighbours_share(
+        sched: ComputeScheduler, tenants) -> None:
+    """Every field of a's usage file the engine reads, scribbled on: 1024
+    "live" ledgers that launch everywhere and never acknowledge (one of them
+    a real process holding its ledger lock), a huge ledger count and waiting
+    count. b, next to it, still gets its share: a's fences cost it one
+    timeout, not one per grant of a's."""
+    from cgpud._scheduler import ffi as sffi
+    from cgpud._scheduler import lib as slib
+
+    sched.configure(NodePolicy(compute_policy=ComputePolicy.FIXED))
+    a, b = tenants("a", 50), tenants("b", 50)
+    sched.attach(a.instance, a.dir)  # key 1
+    sched.attach(b.instance, b.dir)  # key 2
+    b.want(1)
+    acker = Acker(b)
+    child = launching_process(a.dir, waiting=False)
+    u = a.u
+    for i in range(rlib.CGPU_MAX_PROCS):
+        u.proc[i].state = rlib.CGPU_LEDGER_LIVE
+        u.proc[i].watching = 0xFFFFFFFF
+        u.proc[i].fence_ack[0] = 0xFFFFFFF8  # "acknowledges" a closing long past
+    u.ledgers_used = 0xFFFFFFFF
+    u.device[0].waiting = 0xFFFFFFFF
+    info = sffi.new("struct cgpu_sched_tenant_info *")
+
+    def charged(key: int) -> int:
+        assert slib.cgpu_engine_tenant_get(sched._engine, 0, key, info) == 0
+        return int(info.charged_ns)
+    try:
+        start, b0, decisions = time.monotonic_ns(), charged(2), sched.schedule(0).decisions
+        assert wait_until(lambda: time.monotonic_ns() - start > 1_000_000_000 and sched.schedule(0).grants > 10,
+                          timeout=10), sched.schedule(0)
+        wall = time.monotonic_ns() - start
+    finally:
+        acker.stop()
+        child.kill()
+        child.wait()
+    # b's 50 % (less one slice and a fence per closing of a's).
+    assert charged(2) - b0 >= 0.35 * wall, (charged(2) - b0, wall)
+    assert sched.schedule(0).decisions > decisions + 20
+    # Only the live process's fence ran into the timeout, once: a is then
+    # charged as long as it holds out, and not granted.
+    assert sched.schedule(0).fence_timeouts == 1
 
 
 # ------------------------------------------------------------ sanitizers

@@ -1,0 +1,116 @@
+"""Compute isolation when things go wrong, with a real cgpud in core_mem mode
+and `cgpuctl run --core N -- cgpu-burn` tenants (libcgpu.so preloaded):
+cgpud killed with SIGKILL while a tenant waits at its closed gate, and a
+kernel far longer than the fence timeout. Device time comes from the
+simulated GPU's own per-process accounting."""
+from __future__ import annotations
+
+import mmap
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from cgpud._region import ffi, lib
+from tests.sharerun import Sampler, ShareRig, TenantSpec, _at, _busy
+
+OPEN = int(lib.CGPU_GATE_OPEN)
+
+
+def _share(sampler: Sampler, pid: int, start_ns: int, end_ns: int) -> float:
+    a, b = _at(sampler.samples, start_ns), _at(sampler.samples, end_ns)
+    return 100.0 * (_busy(b, pid) - _busy(a, pid)) / (b[0] - a[0])
+
+
+def _wait_samples_past(sampler: Sampler, t_ns: int, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not (sampler.samples and sampler.samples[-1][0] >= t_ns):
+        assert time.monotonic() < deadline, "the GPU sampler stopped"
+        time.sleep(0.02)
+
+
+def _gate_reader(pid: int) -> Callable[[], int]:
+    """Slot 0's gate word in the grants file of the tenant process `pid`."""
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    region = next(v.split(b"=", 1)[1] for v in environ if v.startswith(b"CGPU_REGION_DIR=")).decode()
+    with open(Path(region) / "grants", "rb") as f:
+        m = mmap.mmap(f.fileno(), ffi.sizeof("struct cgpu_grants"), mmap.MAP_SHARED, mmap.PROT_READ)
+    grants = ffi.from_buffer("struct cgpu_grants *", m)
+    return lambda: int(grants.device[0].gate)
+
+
+@pytest.fixture
+def rig(tmp_path: Path) -> Iterator[ShareRig]:
+    r = ShareRig(tmp_path, dict(os.environ))
+    yield r
+    if r.daemon.proc and r.daemon.proc.poll() is None:
+        r.close()
+
+
+def _stop(run: subprocess.Popen[bytes]) -> None:
+    if run.poll() is None:
+        run.send_signal(signal.SIGTERM)
+    run.wait(timeout=60)
+
+
+def test_a_tenant_at_a_closed_gate_runs_on_when_cgpud_is_killed_and_is_gated_again_after_restart(
+        rig: ShareRig) -> None:
+    assert rig.daemon.cgpuctl("policy", "set", "fixed").returncode == 0
+    run = rig._start(TenantSpec(30))
+    sampler = Sampler(rig.env, 20)
+    try:
+        pid = rig._burn_pid(run, time.monotonic() + 60)
+        rig._wait_running(sampler, [pid], time.monotonic() + 60)
+        gate = _gate_reader(pid)
+        # Alone at 30 % under fixed its gate is closed most of the time:
+        # kill cgpud right after seeing it closed.
+        deadline = time.monotonic() + 30
+        while gate() & OPEN:
+            assert time.monotonic() < deadline
+        rig.daemon.kill()
+        killed = time.monotonic_ns()
+        assert not gate() & OPEN, "the gate opened between the look and the kill; run again"
+        # Nobody opens that gate again, yet within the probe interval
+        # (200 ms) the tenant launches ungated: all of the GPU.
+        _wait_samples_past(sampler, killed + 1_500_000_000)
+        orphaned = _share(sampler, pid, killed + 500_000_000, killed + 1_500_000_000)
+        assert orphaned > 80, orphaned
+        assert not gate() & OPEN
+
+        # A restarted cgpud takes the instance back and gates it again.
+        rig.daemon.start()
+        restarted = time.monotonic_ns()
+        _wait_samples_past(sampler, restarted + 2_500_000_000)
+        gated = _share(sampler, pid, restarted + 500_000_000, restarted + 2_500_000_000)
+        assert 20 < gated < 40, gated
+        assert run.poll() is None
+    finally:
+        _stop(run)
+        sampler.stop()
+    err = run.stderr.read().decode() if run.stderr else ""
+    assert err.count("compute scheduler (cgpud) is gone") == 1, err
+
+
+def test_a_200ms_kernel_under_a_30_percent_share_is_charged_in_full(rig: ShareRig) -> None:
+    """Each 200 ms kernel outlives the 50 ms fence timeout fourfold: the
+    tenant is charged until its fence really comes, so it keeps to 30 %
+    over time instead of running a kernel each time it is granted."""
+    assert rig.daemon.cgpuctl("policy", "set", "fixed").returncode == 0
+    run = rig._start(TenantSpec(30, kernel_ns=200_000_000, streams=1))
+    sampler = Sampler(rig.env, 50)
+    try:
+        pid = rig._burn_pid(run, time.monotonic() + 60)
+        rig._wait_running(sampler, [pid], time.monotonic() + 60)
+        start = time.monotonic_ns() + 1_000_000_000
+        _wait_samples_past(sampler, start + 6_000_000_000, timeout=60)
+        share = _share(sampler, pid, start, start + 6_000_000_000)
+    finally:
+        _stop(run)
+        sampler.stop()
+    # 6 s hold 30 kernels' time; at 30 % nine of them run, give or take the
+    # one in progress at each end of the interval.
+    assert 20 <= share <= 37, share
