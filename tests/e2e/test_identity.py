@@ -1,0 +1,137 @@
+"""Which container holds which instance, with real runc: one container id
+under two runtime roots (as containerd namespaces run it), poststops of
+containers that hold nothing, and volumes that would redirect cgpu's mounts."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from cgpud.cli.client import LocalClient
+from cgpud.daemon.model import GIB, Owner, OwnerKind, Request
+from tests.daemonproc import Daemon
+from tests.e2e.oci import Host, create, host_mounts, run, runc
+from tests.e2e.test_runc import instances
+
+
+def in_namespace(host: Host, tmp_path: Path, ns: str) -> Host:
+    """The same host seen from another containerd namespace: its own runc
+    root and its own bundle directory per container."""
+    return dataclasses.replace(host, runc_root=tmp_path / ns / "runc")
+
+
+def test_one_id_under_two_runtime_roots_gets_two_instances(tmp_path, host: Host, cgpud: Daemon) -> None:
+    a, b = in_namespace(host, tmp_path, "ns-a"), in_namespace(host, tmp_path, "ns-b")
+    ba = a.bundle(tmp_path / "ns-a" / "job", ["sleep", "60"], ("ALIYUN_COM_GPU_MEM_CONTAINER=8",))
+    bb = b.bundle(tmp_path / "ns-b" / "job", ["sleep", "60"], ("ALIYUN_COM_GPU_MEM_CONTAINER=8",))
+    try:
+        for h, bundle in ((a, ba), (b, bb)):
+            code, log = create(h, bundle, "job", cgpud.relay)
+            assert code == 0, log
+            assert runc(h, "start", "job", shim=True, relay=cgpud.relay).returncode == 0
+        held = instances(cgpud)
+        assert sorted(i["owner"]["id"] for i in held) == [f"job@{ba.path}", f"job@{bb.path}"]
+        assert [i["state"] for i in held] == ["bound", "bound"]
+        mine = next(i for i in held if i["owner"]["id"] == f"job@{ba.path}")
+        pid_a = json.loads(runc(a, "state", "job").stdout)["pid"]
+        assert mine["pids"] == [pid_a]
+
+        runc(b, "kill", "job", "KILL", shim=True, relay=cgpud.relay)
+        deleted = runc(b, "delete", "--force", "job", shim=True, relay=cgpud.relay)
+        assert deleted.returncode == 0, deleted.stderr
+        [left] = instances(cgpud)
+        assert left["id"] == mine["id"] and left["state"] == "bound" and left["pids"] == [pid_a]
+        # Its 8 GiB are still held: a third container cannot get them.
+        third = host.bundle(tmp_path / "third", ["true"], ("ALIYUN_COM_GPU_MEM_CONTAINER=9",))
+        out = run(host, third, "job", shim=True, relay=cgpud.relay)
+        assert out.returncode != 0 and "cgpu-runtime:" in out.stderr, out.stderr
+        assert [i["id"] for i in instances(cgpud)] == [mine["id"]]
+    finally:
+        for h in (a, b):
+            runc(h, "kill", "job", "KILL", shim=True, relay=cgpud.relay)
+            runc(h, "delete", "--force", "job", shim=True, relay=cgpud.relay)
+    assert instances(cgpud) == []
+
+
+@pytest.mark.parametrize("owner", ["claimed", "own"])
+def test_a_poststop_of_a_container_that_holds_nothing_changes_nothing(tmp_path, host: Host, cgpud: Daemon,
+                                                                      owner: str) -> None:
+    """A second container whose spec carries the first one's hook entries
+    (copied, or written by someone careless): its poststop names the
+    instance, but the instance is not its own."""
+    holder = host.bundle(tmp_path / "holder", ["sleep", "60"],
+                         () if owner == "claimed" else ("ALIYUN_COM_GPU_MEM_CONTAINER=2",))
+    if owner == "claimed":
+        with LocalClient(cgpud.socket) as client:
+            reserved = client.create(Request(Owner(OwnerKind.DEVICE, "train"), 2 * GIB))
+        holder.spec["mounts"].append({"destination": "/run/cgpu", "type": "bind", "options": ["rbind", "ro"],
+                                      "source": str(cgpud.state / "instances" / reserved.id)})
+        holder.write()
+    hid = host.new_id()
+    code, log = create(host, holder, hid, cgpud.relay)
+    assert code == 0, log
+    try:
+        assert runc(host, "start", hid, shim=True, relay=cgpud.relay).returncode == 0
+        [inst] = instances(cgpud)
+        assert inst["state"] == "bound"
+        other = host.bundle(tmp_path / "other", ["true"], gpu_device=False)
+        other.spec["hooks"] = {"poststop": holder.read()["hooks"]["poststop"]}
+        other.write()
+        out = run(host, other, host.new_id(), shim=False)  # plain runc: its poststop runs cgpu-hook
+        # Neither runc nor the hook reports a failure for the other container.
+        assert out.returncode == 0 and "cgpu-hook" not in out.stderr, out.stderr
+        [still] = instances(cgpud)
+        assert (still["id"], still["state"], still["pids"]) == (inst["id"], "bound", inst["pids"])
+    finally:
+        runc(host, "kill", hid, "KILL", shim=True, relay=cgpud.relay)
+        runc(host, "delete", "--force", hid, shim=True, relay=cgpud.relay)
+    # The holder's own poststop did hand it back (claimed) or release it (own).
+    assert [i["state"] for i in instances(cgpud)] == (["reserved"] if owner == "claimed" else [])
+
+
+@pytest.mark.parametrize(
+    ("volume", "link", "target"),
+    [("/run", "cgpu", "/run/cgpu"), ("/etc", "ld.so.preload", "/etc/ld.so.preload"),
+     ("/usr/local", "cgpu", "/usr/local/cgpu/libcgpu.so")],
+)
+@pytest.mark.parametrize("escape", ["/proc/self/cwd", "/../../../../{out}/x"])
+def test_a_volume_whose_source_holds_a_link_on_cgpus_way_is_refused(tmp_path, host: Host, cgpud: Daemon,
+                                                                      volume: str, link: str, target: str,
+                                                                      escape: str) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    source = tmp_path / "volume"
+    source.mkdir()
+    (source / link).symlink_to(escape.format(out=outside))
+    b = host.bundle(tmp_path / "b", ["true"], ("ALIYUN_COM_GPU_MEM_CONTAINER=2",))
+    b.spec["mounts"].append({"destination": volume, "type": "bind", "source": str(source), "options": ["rbind", "rw"]})
+    b.write()
+    before, mounts_before = b.read(), host_mounts()
+    out = run(host, b, host.new_id(), shim=True, relay=cgpud.relay)
+    assert out.returncode != 0
+    assert (f"the volume at {volume} (from {source}) makes {volume}/{link} a symbolic link "
+            f"({source / link} -> {escape.format(out=outside)})") in out.stderr, out.stderr
+    assert target in out.stderr and out.stderr.count("cgpu-runtime:") == 1
+    assert b.read() == before
+    assert instances(cgpud) == []  # admitted, then released before the bundle was touched
+    assert list(outside.iterdir()) == [] and sorted(os.listdir(source)) == [link]
+    assert host_mounts() == mounts_before
+
+
+def test_a_clean_volume_at_etc_and_a_tmpfs_at_run_still_start_with_their_limit(tmp_path, host: Host,
+                                                                               cgpud: Daemon) -> None:
+    source = tmp_path / "etc-volume"
+    source.mkdir()
+    (source / "passwd").write_text("root:x:0:0:root:/:/bin/sh\n")
+    (source / "ld.so.preload").write_text("")  # a read-only volume needs the mount point there already
+    b = host.bundle(tmp_path / "b", ["sh", "-c", "cat /etc/ld.so.preload; ls /run/cgpu"],
+                    ("ALIYUN_COM_GPU_MEM_CONTAINER=2",))
+    b.spec["mounts"] += [{"destination": "/etc", "type": "bind", "source": str(source), "options": ["rbind", "ro"]},
+                         {"destination": "/run", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid"]}]
+    b.write()
+    out = run(host, b, host.new_id(), shim=True, relay=cgpud.relay)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["/usr/local/cgpu/libcgpu.so", "grants", "limits", "usage"]
