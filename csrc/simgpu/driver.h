@@ -45,6 +45,8 @@ struct sim_ctx {
     unsigned flags;
     bool primary;
     _Atomic uint64_t last_end;    /* ns when all work of the context ends */
+    uint64_t limit[3];            /* cuCtxSetLimit values by CUlimit; 0: the default */
+    uint64_t limit_charged;       /* device bytes they hold beyond the defaults */
     struct sim_stream legacy;     /* the NULL stream */
 };
 
@@ -94,6 +96,7 @@ struct sim_driver {
     struct sim_pool default_pool[SIM_MAX_GPUS];
     struct alloc_entry *allocs[4096]; /* driver_memory.c: by device address */
     uint64_t next_va[SIM_MAX_GPUS];
+    uint64_t next_va_low;         /* below 4 GiB, for the 32-bit entry points */
     int visible[SIM_MAX_GPUS];    /* CUDA ordinal -> simulated GPU */
     int visible_count;
 };
@@ -117,6 +120,13 @@ CUresult sim_require_ctx(struct sim_ctx **out);
 /* Validates a context handle the application passed. */
 bool sim_ctx_valid(const struct sim_ctx *ctx);
 void sim_ctx_note_end(struct sim_ctx *ctx, uint64_t end);
+
+/* A fresh device address range for a graph allocation node on `dev`. */
+CUdeviceptr sim_graph_va(int dev, uint64_t size);
+
+/* Gives back the device memory a context's stack, heap and printf FIFO
+ * settings hold, and forgets them (context destroyed or reset). */
+void sim_ctx_drop_limits(struct sim_ctx *ctx);
 
 /* Drop the allocation records a forked child inherited: the memory is the
  * parent's and stays charged to the parent's process slot. */

@@ -178,6 +178,7 @@ static const struct {
     {CUDA_ERROR_OPERATING_SYSTEM, "CUDA_ERROR_OPERATING_SYSTEM", "OS call failed or operation not supported on this OS"},
     {CUDA_ERROR_INVALID_HANDLE, "CUDA_ERROR_INVALID_HANDLE", "invalid resource handle"},
     {CUDA_ERROR_ILLEGAL_STATE, "CUDA_ERROR_ILLEGAL_STATE", "the operation cannot be performed in the present state"},
+    {CUDA_ERROR_UNSUPPORTED_LIMIT, "CUDA_ERROR_UNSUPPORTED_LIMIT", "limit is not supported on this architecture"},
     {CUDA_ERROR_NOT_FOUND, "CUDA_ERROR_NOT_FOUND", "named symbol not found"},
     {CUDA_ERROR_NOT_READY, "CUDA_ERROR_NOT_READY", "device not ready"},
     {CUDA_ERROR_ILLEGAL_ADDRESS, "CUDA_ERROR_ILLEGAL_ADDRESS", "an illegal memory access was encountered"},
@@ -545,10 +546,12 @@ SIM_EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
     if (rc)
         return rc;
     pthread_mutex_lock(&sim_drv.lock);
-    if (sim_drv.primary_refs[phys] > 0)
-        sim_drv.primary_refs[phys]--;
-    else
+    if (sim_drv.primary_refs[phys] > 0) {
+        if (--sim_drv.primary_refs[phys] == 0)
+            sim_ctx_drop_limits(&sim_drv.primary[phys]); /* the primary context goes */
+    } else {
         rc = CUDA_ERROR_INVALID_CONTEXT;
+    }
     pthread_mutex_unlock(&sim_drv.lock);
     return rc;
 }
@@ -561,6 +564,7 @@ SIM_EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev)
         return rc;
     pthread_mutex_lock(&sim_drv.lock);
     sim_drv.primary_refs[phys] = 0;
+    sim_ctx_drop_limits(&sim_drv.primary[phys]);
     pthread_mutex_unlock(&sim_drv.lock);
     return CUDA_SUCCESS;
 }
@@ -659,6 +663,9 @@ SIM_EXPORT CUresult cuCtxDestroy_v2(CUcontext hctx)
             i--;
         }
     }
+    pthread_mutex_lock(&sim_drv.lock);
+    sim_ctx_drop_limits(ctx);
+    pthread_mutex_unlock(&sim_drv.lock);
     ctx->magic = MAGIC_DEAD;
     free(ctx);
     return CUDA_SUCCESS;

@@ -649,12 +649,17 @@ struct sim_graph {
     int dev;
     size_t nodes, cap;
     uint64_t *node_ns;            /* device time of each kernel node */
+    uint64_t alloc_bytes;         /* of its memory-allocation nodes */
 };
 
+/* The memory of a graph's allocation nodes is held from instantiation to
+ * destruction of the executable graph (a real driver allocates it at the
+ * first launch and keeps it in the graph pool until trimmed). */
 struct sim_graph_exec {
     uint32_t magic;
     int dev;
     uint64_t total_ns;
+    uint64_t alloc_bytes;
 };
 
 static struct sim_graph *graph_of(CUgraph h)
@@ -747,6 +752,42 @@ SIM_EXPORT CUresult cuGraphAddKernelNode_v2(CUgraphNode *phGraphNode, CUgraph hG
                            p->extra);
 }
 
+/* Only memory-allocation nodes are simulated through the generic call. */
+static CUresult add_node(CUgraphNode *phNode, CUgraph hGraph, size_t numDependencies, const void *deps,
+                         CUgraphNodeParams *p)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    struct sim_graph *g = graph_of(hGraph);
+    if (!g || !phNode || !p || (numDependencies && !deps))
+        return CUDA_ERROR_INVALID_VALUE;
+    if (p->type != CU_GRAPH_NODE_TYPE_MEM_ALLOC)
+        return CUDA_ERROR_NOT_SUPPORTED;
+    uint64_t size = p->alloc.bytesize;
+    if (size == 0 || p->alloc.poolProps.location.type != CU_MEM_LOCATION_TYPE_DEVICE ||
+        size > UINT64_MAX - g->alloc_bytes)
+        return CUDA_ERROR_INVALID_VALUE;
+    p->alloc.dptr = sim_graph_va(g->dev, size);
+    g->alloc_bytes += size;
+    *phNode = (CUgraphNode)(uintptr_t)(g->nodes + 1 + (1ULL << 32)); /* never a kernel node's index */
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuGraphAddNode(CUgraphNode *phGraphNode, CUgraph hGraph, const CUgraphNode *dependencies,
+                                   size_t numDependencies, CUgraphNodeParams *nodeParams)
+{
+    return add_node(phGraphNode, hGraph, numDependencies, dependencies, nodeParams);
+}
+
+SIM_EXPORT CUresult cuGraphAddNode_v2(CUgraphNode *phGraphNode, CUgraph hGraph, const CUgraphNode *dependencies,
+                                      const CUgraphEdgeData *dependencyData, size_t numDependencies,
+                                      CUgraphNodeParams *nodeParams)
+{
+    (void)dependencyData;
+    return add_node(phGraphNode, hGraph, numDependencies, dependencies, nodeParams);
+}
+
 SIM_EXPORT CUresult cuGraphInstantiateWithFlags(CUgraphExec *phGraphExec, CUgraph hGraph, unsigned long long flags)
 {
     CUresult rc = sim_check_init();
@@ -758,7 +799,11 @@ SIM_EXPORT CUresult cuGraphInstantiateWithFlags(CUgraphExec *phGraphExec, CUgrap
     struct sim_graph_exec *x = malloc(sizeof(*x));
     if (!x)
         return CUDA_ERROR_OUT_OF_MEMORY;
-    *x = (struct sim_graph_exec){.magic = MAGIC_GRAPH_EXEC, .dev = g->dev};
+    *x = (struct sim_graph_exec){.magic = MAGIC_GRAPH_EXEC, .dev = g->dev, .alloc_bytes = g->alloc_bytes};
+    if (x->alloc_bytes && !sim_mem_charge(&sim_drv.shared, g->dev, x->alloc_bytes)) {
+        free(x);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
     for (size_t i = 0; i < g->nodes; i++)
         x->total_ns += g->node_ns[i];
     *phGraphExec = (CUgraphExec)x;
@@ -779,6 +824,8 @@ SIM_EXPORT CUresult cuGraphExecDestroy(CUgraphExec hGraphExec)
     struct sim_graph_exec *x = exec_of(hGraphExec);
     if (!x)
         return CUDA_ERROR_INVALID_VALUE;
+    if (x->alloc_bytes)
+        sim_mem_release(&sim_drv.shared, x->dev, x->alloc_bytes);
     x->magic = MAGIC_DEAD;
     free(x);
     return CUDA_SUCCESS;

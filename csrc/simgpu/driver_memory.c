@@ -2,8 +2,12 @@
  * charged to the shared GPU state, so memory runs out across processes and
  * is returned when a process dies (simstate.c reaps its slot). */
 #define _GNU_SOURCE
+#include <fcntl.h>
+#include <limits.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "driver.h"
 
@@ -19,6 +23,8 @@ struct sim_memhandle {
     uint64_t size;
     int mappings;
     bool released;
+    bool imported;                /* the memory is charged to the exporter */
+    CUmemAllocationHandleType handle_types;
 };
 
 struct sim_array {
@@ -61,6 +67,14 @@ static CUdeviceptr take_va(int dev, uint64_t size, uint64_t align)
     return (CUdeviceptr)p;
 }
 
+CUdeviceptr sim_graph_va(int dev, uint64_t size)
+{
+    pthread_mutex_lock(&sim_drv.lock);
+    CUdeviceptr p = take_va(dev, size, VMM_GRANULARITY);
+    pthread_mutex_unlock(&sim_drv.lock);
+    return p;
+}
+
 static void table_link(struct alloc_entry *e)
 {
     size_t b = bucket_of(e->ptr);
@@ -93,16 +107,32 @@ static struct alloc_entry *table_remove(CUdeviceptr ptr, enum alloc_kind kind)
     return NULL;
 }
 
-/* Charges `size` to `dev` and records a device allocation. */
-static CUresult alloc_device(CUdeviceptr *dptr, uint64_t size, int dev)
+#define LOW_VA_BASE 0x10000000ULL
+#define LOW_VA_END 0x100000000ULL
+
+/* An address a 32-bit CUdeviceptr_v1 can hold, or 0 when the window is
+ * used up. Caller holds sim_drv.lock. */
+static CUdeviceptr take_low_va(uint64_t size)
+{
+    uint64_t p = sim_drv.next_va_low ? sim_drv.next_va_low : LOW_VA_BASE;
+    p = (p + PITCH_ALIGN - 1) & ~(uint64_t)(PITCH_ALIGN - 1);
+    if (size > LOW_VA_END - p)
+        return 0;
+    sim_drv.next_va_low = p + size;
+    return (CUdeviceptr)p;
+}
+
+/* Charges `size` to `dev` and records a device allocation; `low`: at an
+ * address below 4 GiB. */
+static CUresult alloc_device_at(CUdeviceptr *dptr, uint64_t size, int dev, bool low)
 {
     if (!dptr || size == 0)
         return CUDA_ERROR_INVALID_VALUE;
     if (!sim_mem_charge(&sim_drv.shared, dev, size))
         return CUDA_ERROR_OUT_OF_MEMORY;
     pthread_mutex_lock(&sim_drv.lock);
-    CUdeviceptr p = take_va(dev, size, 0);
-    CUresult rc = table_insert(p, size, dev, ALLOC_MEMORY, NULL);
+    CUdeviceptr p = low ? take_low_va(size) : take_va(dev, size, 0);
+    CUresult rc = p ? table_insert(p, size, dev, ALLOC_MEMORY, NULL) : CUDA_ERROR_OUT_OF_MEMORY;
     pthread_mutex_unlock(&sim_drv.lock);
     if (rc) {
         sim_mem_release(&sim_drv.shared, dev, size);
@@ -110,6 +140,11 @@ static CUresult alloc_device(CUdeviceptr *dptr, uint64_t size, int dev)
     }
     *dptr = p;
     return CUDA_SUCCESS;
+}
+
+static CUresult alloc_device(CUdeviceptr *dptr, uint64_t size, int dev)
+{
+    return alloc_device_at(dptr, size, dev, false);
 }
 
 static CUresult free_device(CUdeviceptr dptr)
@@ -151,20 +186,31 @@ SIM_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
     return rc ? rc : alloc_device(dptr, bytesize, ctx->dev);
 }
 
-SIM_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes, size_t Height,
-                                       unsigned int ElementSizeBytes)
+static CUresult alloc_pitch(CUdeviceptr *dptr, uint64_t *pitch_out, uint64_t width, uint64_t height,
+                            unsigned int elem, bool low)
 {
     struct sim_ctx *ctx;
     CUresult rc = sim_require_ctx(&ctx);
     if (rc)
         return rc;
-    if (!pPitch || WidthInBytes == 0 || Height == 0 ||
-        (ElementSizeBytes != 4 && ElementSizeBytes != 8 && ElementSizeBytes != 16))
+    if (width == 0 || height == 0 || (elem != 4 && elem != 8 && elem != 16))
         return CUDA_ERROR_INVALID_VALUE;
-    uint64_t pitch = ((uint64_t)WidthInBytes + PITCH_ALIGN - 1) / PITCH_ALIGN * PITCH_ALIGN;
-    if (Height > UINT64_MAX / pitch)
+    uint64_t pitch = (width + PITCH_ALIGN - 1) / PITCH_ALIGN * PITCH_ALIGN;
+    if (height > UINT64_MAX / pitch)
         return CUDA_ERROR_OUT_OF_MEMORY;
-    rc = alloc_device(dptr, pitch * Height, ctx->dev);
+    rc = alloc_device_at(dptr, pitch * height, ctx->dev, low);
+    if (rc == CUDA_SUCCESS)
+        *pitch_out = pitch;
+    return rc;
+}
+
+SIM_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes, size_t Height,
+                                       unsigned int ElementSizeBytes)
+{
+    uint64_t pitch;
+    if (!pPitch)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = alloc_pitch(dptr, &pitch, WidthInBytes, Height, ElementSizeBytes, false);
     if (rc == CUDA_SUCCESS)
         *pPitch = (size_t)pitch;
     return rc;
@@ -173,6 +219,73 @@ SIM_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t
 SIM_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr)
 {
     return free_device(dptr);
+}
+
+/* ---- the 32-bit entry points of CUDA before 3.2 ------------------------------ */
+
+SIM_EXPORT CUresult cuMemAlloc(CUdeviceptr_v1 *dptr, unsigned int bytesize)
+{
+    struct sim_ctx *ctx;
+    CUdeviceptr p;
+    CUresult rc = sim_require_ctx(&ctx);
+    if (rc || (rc = alloc_device_at(dptr ? &p : NULL, bytesize, ctx->dev, true)))
+        return rc;
+    *dptr = (CUdeviceptr_v1)p;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuMemAllocPitch(CUdeviceptr_v1 *dptr, unsigned int *pPitch, unsigned int WidthInBytes,
+                                    unsigned int Height, unsigned int ElementSizeBytes)
+{
+    CUdeviceptr p;
+    uint64_t pitch;
+    if (!dptr || !pPitch)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = alloc_pitch(&p, &pitch, WidthInBytes, Height, ElementSizeBytes, true);
+    if (rc == CUDA_SUCCESS && pitch > UINT_MAX) {
+        free_device(p);
+        rc = CUDA_ERROR_INVALID_VALUE;
+    }
+    if (rc == CUDA_SUCCESS) {
+        *dptr = (CUdeviceptr_v1)p;
+        *pPitch = (unsigned int)pitch;
+    }
+    return rc;
+}
+
+SIM_EXPORT CUresult cuMemFree(CUdeviceptr_v1 dptr)
+{
+    return free_device(dptr);
+}
+
+/* 32-bit sizes: a larger GPU reads as 4 GiB - 1, as the old ABI would. */
+static unsigned int clamp32(size_t v)
+{
+    return v > UINT_MAX ? UINT_MAX : (unsigned int)v;
+}
+
+SIM_EXPORT CUresult cuMemGetInfo(unsigned int *free_bytes, unsigned int *total)
+{
+    size_t f, t;
+    if (!free_bytes || !total)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = cuMemGetInfo_v2(&f, &t);
+    if (rc == CUDA_SUCCESS) {
+        *free_bytes = clamp32(f);
+        *total = clamp32(t);
+    }
+    return rc;
+}
+
+SIM_EXPORT CUresult cuDeviceTotalMem(unsigned int *bytes, CUdevice dev)
+{
+    size_t b;
+    if (!bytes)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = cuDeviceTotalMem_v2(&b, dev);
+    if (rc == CUDA_SUCCESS)
+        *bytes = clamp32(b);
+    return rc;
 }
 
 SIM_EXPORT CUresult cuMemGetAddressRange_v2(CUdeviceptr *pbase, size_t *psize, CUdeviceptr dptr)
@@ -369,7 +482,8 @@ SIM_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t siz
         free(h);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
-    *h = (struct sim_memhandle){.magic = MAGIC_MEMHANDLE, .dev = dev, .size = size};
+    *h = (struct sim_memhandle){.magic = MAGIC_MEMHANDLE, .dev = dev, .size = size,
+                                .handle_types = prop->requestedHandleTypes};
     *handle = (CUmemGenericAllocationHandle)(uintptr_t)h;
     return CUDA_SUCCESS;
 }
@@ -380,7 +494,7 @@ static void memhandle_maybe_free(struct sim_memhandle *h)
 {
     if (!h->released || h->mappings > 0)
         return;
-    if (h->dev >= 0)
+    if (h->dev >= 0 && !h->imported)
         sim_mem_release(&sim_drv.shared, h->dev, h->size);
     h->magic = MAGIC_DEAD;
     free(h);
@@ -492,6 +606,169 @@ SIM_EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAcce
         if (desc[i].location.type != CU_MEM_LOCATION_TYPE_DEVICE || sim_device(desc[i].location.id, &phys))
             return CUDA_ERROR_INVALID_DEVICE;
     }
+    return CUDA_SUCCESS;
+}
+
+/* What an exported POSIX file descriptor carries: a sealed memfd naming
+ * the memory. The simulation keeps the memory charged to the exporting
+ * process (an imported handle charges nothing more, as on a real GPU, but
+ * neither does it keep the memory once the exporter has given it back). */
+struct sim_shared_mem {
+    uint64_t magic;
+    int32_t dev;
+    int32_t pad;
+    uint64_t size;
+};
+#define SHARED_MEM_MAGIC 0x4d454d5348415231ULL /* "1RAHSMEM" */
+
+SIM_EXPORT CUresult cuMemExportToShareableHandle(void *shareableHandle, CUmemGenericAllocationHandle handle,
+                                                 CUmemAllocationHandleType handleType, unsigned long long flags)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (!shareableHandle || flags != 0 || handleType != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&sim_drv.lock);
+    struct sim_memhandle *h = memhandle_of(handle);
+    struct sim_shared_mem d = {.magic = SHARED_MEM_MAGIC};
+    if (h && (h->handle_types & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)) {
+        d.dev = h->dev;
+        d.size = h->size;
+    }
+    pthread_mutex_unlock(&sim_drv.lock);
+    if (!d.size)
+        return CUDA_ERROR_INVALID_VALUE;
+    int fd = memfd_create("cgpu-sim-vmm", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (fd < 0)
+        return CUDA_ERROR_OPERATING_SYSTEM;
+    if (pwrite(fd, &d, sizeof(d), 0) != (ssize_t)sizeof(d) ||
+        fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL) != 0) {
+        close(fd);
+        return CUDA_ERROR_OPERATING_SYSTEM;
+    }
+    *(int *)shareableHandle = fd;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, void *osHandle,
+                                                   CUmemAllocationHandleType shHandleType)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (!handle || shHandleType != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct sim_shared_mem d;
+    int fd = (int)(intptr_t)osHandle;
+    if (pread(fd, &d, sizeof(d), 0) != (ssize_t)sizeof(d) || d.magic != SHARED_MEM_MAGIC || d.size == 0 ||
+        d.dev < -1 || d.dev >= SIM_MAX_GPUS)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct sim_memhandle *h = malloc(sizeof(*h));
+    if (!h)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    *h = (struct sim_memhandle){.magic = MAGIC_MEMHANDLE, .dev = d.dev, .size = d.size, .imported = true,
+                                .handle_types = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR};
+    *handle = (CUmemGenericAllocationHandle)(uintptr_t)h;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *prop,
+                                                           CUmemGenericAllocationHandle handle)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (!prop)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&sim_drv.lock);
+    struct sim_memhandle *h = memhandle_of(handle);
+    if (h) {
+        memset(prop, 0, sizeof(*prop));
+        prop->type = CU_MEM_ALLOCATION_TYPE_PINNED;
+        prop->requestedHandleTypes = h->handle_types;
+        prop->location.type = h->dev >= 0 ? CU_MEM_LOCATION_TYPE_DEVICE : CU_MEM_LOCATION_TYPE_HOST;
+        prop->location.id = h->dev >= 0 ? sim_ordinal(h->dev) : 0;
+    }
+    pthread_mutex_unlock(&sim_drv.lock);
+    return h ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+/* ---- context limits that hold device memory ------------------------------------ */
+
+#define DEFAULT_STACK 1024ULL
+#define DEFAULT_FIFO (1ULL << 20)
+#define DEFAULT_HEAP (8ULL << 20)
+#define THREADS_PER_SM 2048ULL /* CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR */
+
+static uint64_t limit_value(const struct sim_ctx *ctx, CUlimit l)
+{
+    static const uint64_t dflt[3] = {DEFAULT_STACK, DEFAULT_FIFO, DEFAULT_HEAP};
+    return ctx->limit[l] ? ctx->limit[l] : dflt[l];
+}
+
+/* Device bytes the settings hold beyond the defaults: the stack for every
+ * thread the GPU can hold resident, the heap and the FIFO. UINT64_MAX when
+ * that cannot be counted. */
+static uint64_t limits_extra(const struct sim_ctx *ctx, const uint64_t v[3])
+{
+    uint64_t threads = THREADS_PER_SM * sim_cfg()->gpu[ctx->dev].sm_count;
+    uint64_t stack = v[CU_LIMIT_STACK_SIZE] > DEFAULT_STACK ? v[CU_LIMIT_STACK_SIZE] - DEFAULT_STACK : 0;
+    uint64_t fifo = v[CU_LIMIT_PRINTF_FIFO_SIZE] > DEFAULT_FIFO ? v[CU_LIMIT_PRINTF_FIFO_SIZE] - DEFAULT_FIFO : 0;
+    uint64_t heap = v[CU_LIMIT_MALLOC_HEAP_SIZE] > DEFAULT_HEAP ? v[CU_LIMIT_MALLOC_HEAP_SIZE] - DEFAULT_HEAP : 0;
+    if (threads && stack > UINT64_MAX / threads)
+        return UINT64_MAX;
+    stack *= threads;
+    return stack > UINT64_MAX - fifo - heap || fifo > UINT64_MAX - heap ? UINT64_MAX : stack + fifo + heap;
+}
+
+void sim_ctx_drop_limits(struct sim_ctx *ctx)
+{
+    if (ctx->limit_charged)
+        sim_mem_release(&sim_drv.shared, ctx->dev, ctx->limit_charged);
+    ctx->limit_charged = 0;
+    memset(ctx->limit, 0, sizeof(ctx->limit));
+}
+
+SIM_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value)
+{
+    struct sim_ctx *ctx;
+    CUresult rc = sim_require_ctx(&ctx);
+    if (rc)
+        return rc;
+    if ((unsigned)limit > CU_LIMIT_MALLOC_HEAP_SIZE)
+        return CUDA_ERROR_UNSUPPORTED_LIMIT;
+    pthread_mutex_lock(&sim_drv.lock);
+    uint64_t v[3];
+    for (int i = 0; i < 3; i++)
+        v[i] = limit_value(ctx, (CUlimit)i);
+    v[limit] = value ? value : 1;
+    uint64_t want = limits_extra(ctx, v), have = ctx->limit_charged;
+    if (want == UINT64_MAX || (want > have && !sim_mem_charge(&sim_drv.shared, ctx->dev, want - have))) {
+        rc = CUDA_ERROR_OUT_OF_MEMORY;
+    } else {
+        if (want < have)
+            sim_mem_release(&sim_drv.shared, ctx->dev, have - want);
+        ctx->limit[limit] = v[limit];
+        ctx->limit_charged = want;
+    }
+    pthread_mutex_unlock(&sim_drv.lock);
+    return rc;
+}
+
+SIM_EXPORT CUresult cuCtxGetLimit(size_t *pvalue, CUlimit limit)
+{
+    struct sim_ctx *ctx;
+    CUresult rc = sim_require_ctx(&ctx);
+    if (rc)
+        return rc;
+    if (!pvalue)
+        return CUDA_ERROR_INVALID_VALUE;
+    if ((unsigned)limit > CU_LIMIT_MALLOC_HEAP_SIZE)
+        return CUDA_ERROR_UNSUPPORTED_LIMIT;
+    pthread_mutex_lock(&sim_drv.lock);
+    *pvalue = (size_t)limit_value(ctx, limit);
+    pthread_mutex_unlock(&sim_drv.lock);
     return CUDA_SUCCESS;
 }
 
@@ -612,4 +889,20 @@ SIM_EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle, const CUDA
 SIM_EXPORT CUresult cuMipmappedArrayDestroy(CUmipmappedArray hMipmappedArray)
 {
     return destroy_array(hMipmappedArray);
+}
+
+SIM_EXPORT CUresult cuArrayCreate(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR_v1 *d)
+{
+    if (!d)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUDA_ARRAY_DESCRIPTOR wide = {d->Width, d->Height, d->Format, d->NumChannels};
+    return cuArrayCreate_v2(pHandle, &wide);
+}
+
+SIM_EXPORT CUresult cuArray3DCreate(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR_v1 *d)
+{
+    if (!d)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUDA_ARRAY3D_DESCRIPTOR wide = {d->Width, d->Height, d->Depth, d->Format, d->NumChannels, d->Flags};
+    return cuArray3DCreate_v2(pHandle, &wide);
 }

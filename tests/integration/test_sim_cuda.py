@@ -235,7 +235,8 @@ def test_two_half_duty_processes_fill_the_device(native, sim_env):
 
 PROC_CASES = [
     ("cuMemAlloc", 12000, 0, "cuMemAlloc_v2", 0),
-    ("cuMemAlloc", 3000, 0, None, 2),
+    ("cuMemAlloc", 3000, 0, "cuMemAlloc", 0),  # the 32-bit v1 ABI of CUDA before 3.2
+    ("cuMemAlloc", 1000, 0, None, 2),
     ("cuLaunchKernel", 12000, 0, "cuLaunchKernel", 0),
     ("cuLaunchKernel", 12000, 1, "cuLaunchKernel", 0),
     ("cuLaunchKernel", 12000, 2, "cuLaunchKernel_ptsz", 0),

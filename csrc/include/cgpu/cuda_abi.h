@@ -64,6 +64,7 @@ typedef enum cudaError_enum {
     CUDA_ERROR_ALREADY_MAPPED = 208,
     CUDA_ERROR_NO_BINARY_FOR_GPU = 209,
     CUDA_ERROR_NOT_MAPPED = 211,
+    CUDA_ERROR_UNSUPPORTED_LIMIT = 215,
     CUDA_ERROR_PEER_ACCESS_UNSUPPORTED = 217,
     CUDA_ERROR_INVALID_PTX = 218,
     CUDA_ERROR_INVALID_SOURCE = 300,
@@ -209,8 +210,15 @@ typedef enum CUlaunchAttributeID_enum {
 } CUlaunchAttributeID;
 
 typedef enum CUgraphNodeType_enum {
-    CU_GRAPH_NODE_TYPE_KERNEL = 0
+    CU_GRAPH_NODE_TYPE_KERNEL = 0,
+    CU_GRAPH_NODE_TYPE_MEM_ALLOC = 10
 } CUgraphNodeType;
+
+typedef enum CUlimit_enum {
+    CU_LIMIT_STACK_SIZE = 0x00,
+    CU_LIMIT_PRINTF_FIFO_SIZE = 0x01,
+    CU_LIMIT_MALLOC_HEAP_SIZE = 0x02
+} CUlimit;
 
 typedef struct CUuuid_st {
     char bytes[16];
@@ -231,6 +239,23 @@ typedef struct CUDA_ARRAY3D_DESCRIPTOR_st {
     unsigned int NumChannels;
     unsigned int Flags;
 } CUDA_ARRAY3D_DESCRIPTOR;
+
+/* The 32-bit descriptors of the oldest entry points (cuArrayCreate). */
+typedef struct CUDA_ARRAY_DESCRIPTOR_v1_st {
+    unsigned int Width;
+    unsigned int Height;
+    CUarray_format Format;
+    unsigned int NumChannels;
+} CUDA_ARRAY_DESCRIPTOR_v1;
+
+typedef struct CUDA_ARRAY3D_DESCRIPTOR_v1_st {
+    unsigned int Width;
+    unsigned int Height;
+    unsigned int Depth;
+    CUarray_format Format;
+    unsigned int NumChannels;
+    unsigned int Flags;
+} CUDA_ARRAY3D_DESCRIPTOR_v1;
 
 typedef struct CUmemLocation_st {
     CUmemLocationType type;
@@ -344,6 +369,32 @@ typedef struct CUDA_MEM_ALLOC_NODE_PARAMS_v1_st {
     size_t bytesize;
     CUdeviceptr dptr;
 } CUDA_MEM_ALLOC_NODE_PARAMS;
+
+typedef struct CUDA_MEM_ALLOC_NODE_PARAMS_v2_st {
+    CUmemPoolProps poolProps;
+    const CUmemAccessDesc *accessDescs;
+    size_t accessDescCount;
+    size_t bytesize;
+    CUdeviceptr dptr;
+} CUDA_MEM_ALLOC_NODE_PARAMS_v2;
+
+/* Only the members cgpu reads; the union keeps NVIDIA's size. */
+typedef struct CUgraphNodeParams_st {
+    CUgraphNodeType type;
+    int reserved0[3];
+    union {
+        long long reserved1[29];
+        CUDA_MEM_ALLOC_NODE_PARAMS_v2 alloc;
+    };
+    long long reserved2;
+} CUgraphNodeParams;
+
+typedef struct CUgraphEdgeData_st {
+    unsigned char from_port;
+    unsigned char to_port;
+    unsigned char type;
+    unsigned char reserved[5];
+} CUgraphEdgeData;
 
 #include "cuda_functions.h"
 
