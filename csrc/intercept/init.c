@@ -163,6 +163,7 @@ static void after_fork_child(void)
     g_cgpu.usage_fd = -1;
     g_cgpu.ledger = -1;
     cgpu_gate_after_fork();
+    cgpu_memory_after_fork();
 }
 
 /* Caller holds ledger_lock. */

@@ -109,6 +109,10 @@ void cgpu_gate_after_fork(void);
 
 /* ---- memory accounting (memory.c) -------------------------------------------- */
 
+/* Process-local VMM bookkeeping goes with the threads a fork leaves
+ * behind. Async-signal-safe. */
+void cgpu_memory_after_fork(void);
+
 /* Index of the instance device the CUDA ordinal / NVML handle is, or -1. */
 int cgpu_slot_of_cuda_device(CUdevice dev);
 int cgpu_slot_of_nvml_device(nvmlDevice_t dev);

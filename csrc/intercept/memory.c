@@ -1,7 +1,10 @@
 /* libcgpu.so: device memory. Every allocation is charged to the instance
  * with one atomic check-and-add before the driver is asked, rolled back if
- * the driver fails, and given back exactly once when freed. */
+ * the driver fails, and given back exactly once when the memory is really
+ * gone: at the free, or for VMM memory when its handle is released and its
+ * last mapping unmapped, whichever comes last. */
 #define _GNU_SOURCE
+#include <limits.h>
 #include <stdio.h>
 #include <string.h>
 #include <strings.h>
@@ -136,19 +139,24 @@ static void uncharge(int slot, uint64_t bytes)
 
 /* Lock-free open addressing, made and pre-faulted at the first allocation,
  * never grown: no allocation, lock or page fault on the allocation paths
- * after that. 128 Ki live allocations (3 MiB); past that an allocation's
+ * after that. 128 Ki live records (4 MiB); past that an allocation's
  * bytes stay charged (the safe side) and the library says so. */
 #define TABLE_SIZE (1u << 17)
 #define KEY_EMPTY 0ULL
 #define KEY_TOMB 1ULL
 
-enum alloc_kind { KIND_POINTER = 1, KIND_HANDLE = 2, KIND_ARRAY = 3 };
+/* VMM memory has three kinds of record: PHYS (keyed by a serial of ours:
+ * the physical memory, its bytes and how many things keep it alive), HANDLE
+ * (the application's handle, naming its PHYS in aux) and MAPPING (a mapped
+ * VA, its size, and its PHYS in aux). LIMIT: a context's stack/heap charge. */
+enum alloc_kind { KIND_POINTER = 1, KIND_HANDLE = 2, KIND_ARRAY = 3, KIND_PHYS = 4, KIND_MAPPING = 5, KIND_LIMIT = 6 };
 
 struct alloc_entry {
     _Atomic uint64_t key;
     uint64_t bytes;
+    uint64_t aux;
     int slot;
-    int pad;
+    int refs; /* PHYS only, under vmm_lock */
 };
 
 static struct alloc_entry *_Atomic table;
@@ -181,7 +189,7 @@ static size_t home(uint64_t key)
     return (size_t)((key * 0x9E3779B97F4A7C15ULL) >> 47) & (TABLE_SIZE - 1);
 }
 
-static bool remember(enum alloc_kind kind, uint64_t value, uint64_t bytes, int slot)
+static bool remember_aux(enum alloc_kind kind, uint64_t value, uint64_t bytes, int slot, uint64_t aux)
 {
     struct alloc_entry *t = get_table();
     if (!t)
@@ -196,6 +204,8 @@ static bool remember(enum alloc_kind kind, uint64_t value, uint64_t bytes, int s
         if (atomic_compare_exchange_strong(&t[i].key, &cur, KEY_TOMB)) {
             t[i].bytes = bytes;
             t[i].slot = slot;
+            t[i].aux = aux;
+            t[i].refs = 1;
             atomic_store_explicit(&t[i].key, key, memory_order_release);
             return true;
         }
@@ -203,8 +213,30 @@ static bool remember(enum alloc_kind kind, uint64_t value, uint64_t bytes, int s
     return false;
 }
 
+static bool remember(enum alloc_kind kind, uint64_t value, uint64_t bytes, int slot)
+{
+    return remember_aux(kind, value, bytes, slot, 0);
+}
+
+/* The live record, left in place; callers serialise on vmm_lock. */
+static struct alloc_entry *lookup(enum alloc_kind kind, uint64_t value)
+{
+    struct alloc_entry *t = atomic_load_explicit(&table, memory_order_acquire);
+    if (!t)
+        return NULL;
+    uint64_t key = make_key(kind, value);
+    for (size_t n = 0, i = home(key); n < TABLE_SIZE; n++, i = (i + 1) & (TABLE_SIZE - 1)) {
+        uint64_t cur = atomic_load_explicit(&t[i].key, memory_order_acquire);
+        if (cur == KEY_EMPTY)
+            return NULL;
+        if (cur == key)
+            return &t[i];
+    }
+    return NULL;
+}
+
 /* Takes the record out; exactly one caller gets it. */
-static bool forget(enum alloc_kind kind, uint64_t value, uint64_t *bytes, int *slot)
+static bool forget_aux(enum alloc_kind kind, uint64_t value, uint64_t *bytes, int *slot, uint64_t *aux)
 {
     struct alloc_entry *t = atomic_load_explicit(&table, memory_order_acquire);
     if (!t)
@@ -218,10 +250,17 @@ static bool forget(enum alloc_kind kind, uint64_t value, uint64_t *bytes, int *s
             continue;
         *bytes = t[i].bytes;
         *slot = t[i].slot;
+        *aux = t[i].aux;
         if (atomic_compare_exchange_strong(&t[i].key, &cur, KEY_TOMB))
             return true;
     }
     return false;
+}
+
+static bool forget(enum alloc_kind kind, uint64_t value, uint64_t *bytes, int *slot)
+{
+    uint64_t aux;
+    return forget_aux(kind, value, bytes, slot, &aux);
 }
 
 /* ---- the hooks ------------------------------------------------------------------------ */
@@ -302,6 +341,13 @@ CGPU_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
     CHARGED_CALL(KIND_POINTER, slot, bytesize, *dptr, cuMemAlloc_v2, dptr, bytesize);
 }
 
+CGPU_EXPORT CUresult cuMemAlloc(CUdeviceptr_v1 *dptr, unsigned int bytesize)
+{
+    int slot = -1;
+    ROUTE_OR_RETURN(dptr && bytesize ? route_current(&slot) : ROUTE_FORWARD, cuMemAlloc, dptr, bytesize);
+    CHARGED_CALL(KIND_POINTER, slot, bytesize, *dptr, cuMemAlloc, dptr, bytesize);
+}
+
 CGPU_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags)
 {
     int slot = -1;
@@ -346,6 +392,22 @@ CGPU_EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t byte
     CHARGED_CALL(KIND_POINTER, slot, bytesize, *dptr, cuMemAllocFromPoolAsync_ptsz, dptr, bytesize, pool, hStream);
 }
 
+/* Moves the charge of a pitched allocation from the guess to its real size;
+ * frees it if the limit cannot take the difference. */
+static CUresult settle_pitch(int slot, uint64_t guess, uint64_t real, CUdeviceptr ptr)
+{
+    if (real > guess && !charge(slot, real - guess)) {
+        CALL_REAL(cuMemFree_v2, ptr);
+        uncharge(slot, guess);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    if (real < guess)
+        uncharge(slot, guess - real);
+    if (!remember(KIND_POINTER, ptr, real, slot))
+        cgpu_log(CGPU_LOG_ERROR, "allocation table full: %llu bytes stay charged", (unsigned long long)real);
+    return CUDA_SUCCESS;
+}
+
 /* The pitch is the driver's choice: charge a row rounded to 512 bytes (the
  * usual texture pitch alignment), then settle on the real pitch x height. */
 CGPU_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes, size_t Height,
@@ -364,27 +426,26 @@ CGPU_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_
         uncharge(slot, guess);
         return rc;
     }
-    uint64_t real = (uint64_t)*pPitch * Height;
-    if (real > guess && !charge(slot, real - guess)) {
-        CALL_REAL(cuMemFree_v2, *dptr);
-        uncharge(slot, guess);
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    }
-    if (real < guess)
-        uncharge(slot, guess - real);
-    if (!remember(KIND_POINTER, *dptr, real, slot))
-        cgpu_log(CGPU_LOG_ERROR, "allocation table full: %llu bytes stay charged", (unsigned long long)real);
-    return CUDA_SUCCESS;
+    return settle_pitch(slot, guess, (uint64_t)*pPitch * Height, *dptr);
 }
 
-CGPU_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
-                                 unsigned long long flags)
+CGPU_EXPORT CUresult cuMemAllocPitch(CUdeviceptr_v1 *dptr, unsigned int *pPitch, unsigned int WidthInBytes,
+                                     unsigned int Height, unsigned int ElementSizeBytes)
 {
-    /* Host locations (NCCL's host buffers) are not device memory. */
-    bool device = handle && size && prop && prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE;
-    int slot = device && cgpu_state() == CGPU_ACTIVE ? cgpu_slot_of_cuda_device(prop->location.id) : -1;
-    ROUTE_OR_RETURN(device ? route_to(slot) : ROUTE_FORWARD, cuMemCreate, handle, size, prop, flags);
-    CHARGED_CALL(KIND_HANDLE, slot, size, *handle, cuMemCreate, handle, size, prop, flags);
+    int slot = -1;
+    uint64_t row = ((uint64_t)WidthInBytes + 511) & ~511ULL;
+    bool sane = dptr && pPitch && WidthInBytes && Height;
+    ROUTE_OR_RETURN(sane ? route_current(&slot) : ROUTE_FORWARD, cuMemAllocPitch, dptr, pPitch, WidthInBytes, Height,
+                    ElementSizeBytes);
+    uint64_t guess = row * Height;
+    if (!charge(slot, guess))
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult rc = CALL_REAL(cuMemAllocPitch, dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
+    if (rc != CUDA_SUCCESS) {
+        uncharge(slot, guess);
+        return rc;
+    }
+    return settle_pitch(slot, guess, (uint64_t)*pPitch * Height, *dptr);
 }
 
 static uint64_t format_bytes(CUarray_format f)
@@ -421,6 +482,8 @@ static CUresult call_array_create(enum cgpu_hook_id id, void **out, const void *
     switch (id) {
     case HOOK_cuArrayCreate_v2: return CALL_REAL(cuArrayCreate_v2, (CUarray *)out, desc);
     case HOOK_cuArray3DCreate_v2: return CALL_REAL(cuArray3DCreate_v2, (CUarray *)out, desc);
+    case HOOK_cuArrayCreate: return CALL_REAL(cuArrayCreate, (CUarray *)out, desc);
+    case HOOK_cuArray3DCreate: return CALL_REAL(cuArray3DCreate, (CUarray *)out, desc);
     default: return CALL_REAL(cuMipmappedArrayCreate, (CUmipmappedArray *)out, desc, levels);
     }
 }
@@ -455,6 +518,18 @@ CGPU_EXPORT CUresult cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_DES
     return create_array((void **)pHandle, bytes, HOOK_cuArray3DCreate_v2, d, 0);
 }
 
+CGPU_EXPORT CUresult cuArrayCreate(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR_v1 *d)
+{
+    uint64_t bytes = d ? array_bytes(d->Width, d->Height, 0, d->Format, d->NumChannels) : 0;
+    return create_array((void **)pHandle, bytes, HOOK_cuArrayCreate, d, 0);
+}
+
+CGPU_EXPORT CUresult cuArray3DCreate(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR_v1 *d)
+{
+    uint64_t bytes = d ? array_bytes(d->Width, d->Height, d->Depth, d->Format, d->NumChannels) : 0;
+    return create_array((void **)pHandle, bytes, HOOK_cuArray3DCreate, d, 0);
+}
+
 CGPU_EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *d,
                                             unsigned int numMipmapLevels)
 {
@@ -486,9 +561,40 @@ CGPU_EXPORT CUresult cuGraphAddMemAllocNode(CUgraphNode *phGraphNode, CUgraph hG
     return CALL_REAL(cuGraphAddMemAllocNode, phGraphNode, hGraph, dependencies, numDependencies, nodeParams);
 }
 
+static bool refuse_graph_alloc(const CUgraphNodeParams *p)
+{
+    if (!p || p->type != CU_GRAPH_NODE_TYPE_MEM_ALLOC || cgpu_state() == CGPU_PASSTHROUGH)
+        return false;
+    cgpu_log(CGPU_LOG_INFO, "graph memory nodes are not supported under a memory limit");
+    return true;
+}
+
+CGPU_EXPORT CUresult cuGraphAddNode(CUgraphNode *phGraphNode, CUgraph hGraph, const CUgraphNode *dependencies,
+                                    size_t numDependencies, CUgraphNodeParams *nodeParams)
+{
+    if (refuse_graph_alloc(nodeParams))
+        return CUDA_ERROR_NOT_SUPPORTED;
+    return CALL_REAL(cuGraphAddNode, phGraphNode, hGraph, dependencies, numDependencies, nodeParams);
+}
+
+CGPU_EXPORT CUresult cuGraphAddNode_v2(CUgraphNode *phGraphNode, CUgraph hGraph, const CUgraphNode *dependencies,
+                                       const CUgraphEdgeData *dependencyData, size_t numDependencies,
+                                       CUgraphNodeParams *nodeParams)
+{
+    if (refuse_graph_alloc(nodeParams))
+        return CUDA_ERROR_NOT_SUPPORTED;
+    return CALL_REAL(cuGraphAddNode_v2, phGraphNode, hGraph, dependencies, dependencyData, numDependencies,
+                     nodeParams);
+}
+
 CGPU_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr)
 {
     RELEASING_CALL(KIND_POINTER, dptr, cuMemFree_v2, dptr);
+}
+
+CGPU_EXPORT CUresult cuMemFree(CUdeviceptr_v1 dptr)
+{
+    RELEASING_CALL(KIND_POINTER, dptr, cuMemFree, dptr);
 }
 
 CGPU_EXPORT CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream)
@@ -501,11 +607,6 @@ CGPU_EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream)
     RELEASING_CALL(KIND_POINTER, dptr, cuMemFreeAsync_ptsz, dptr, hStream);
 }
 
-CGPU_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
-{
-    RELEASING_CALL(KIND_HANDLE, handle, cuMemRelease, handle);
-}
-
 CGPU_EXPORT CUresult cuArrayDestroy(CUarray hArray)
 {
     RELEASING_CALL(KIND_ARRAY, (uintptr_t)hArray, cuArrayDestroy, hArray);
@@ -516,7 +617,310 @@ CGPU_EXPORT CUresult cuMipmappedArrayDestroy(CUmipmappedArray hMipmappedArray)
     RELEASING_CALL(KIND_ARRAY, (uintptr_t)hMipmappedArray, cuMipmappedArrayDestroy, hMipmappedArray);
 }
 
+/* ---- VMM memory: alive until released and unmapped ------------------------------- */
+
+/* Serialises the PHYS reference counts and the records naming them.
+ * Process-local and never held across a driver call. */
+static pthread_mutex_t vmm_lock = PTHREAD_MUTEX_INITIALIZER;
+static uint64_t vmm_serial; /* under vmm_lock */
+
+/* An exported allocation stays charged to the exporter until it exits:
+ * the file descriptor can keep the memory alive where we cannot see it. */
+#define EXPORT_PIN (1 << 30)
+
+void cgpu_memory_after_fork(void)
+{
+    pthread_mutex_init(&vmm_lock, NULL);
+}
+
+/* Records `bytes` (already charged) as held by `handle`. */
+static void track_handle(CUmemGenericAllocationHandle handle, uint64_t bytes, int slot)
+{
+    pthread_mutex_lock(&vmm_lock);
+    uint64_t serial = ++vmm_serial << 2; /* make_key() keeps bit 1 */
+    if (!remember_aux(KIND_PHYS, serial, bytes, slot, 0) || !remember_aux(KIND_HANDLE, handle, 0, slot, serial))
+        cgpu_log(CGPU_LOG_ERROR, "allocation table full: %llu bytes stay charged", (unsigned long long)bytes);
+    pthread_mutex_unlock(&vmm_lock);
+}
+
+/* One thing fewer keeps the memory alive; the last one gives its bytes
+ * back. Caller holds vmm_lock. */
+static void unref_phys_locked(uint64_t serial)
+{
+    struct alloc_entry *e = serial ? lookup(KIND_PHYS, serial) : NULL;
+    uint64_t bytes;
+    int slot;
+    if (e && --e->refs <= 0 && forget(KIND_PHYS, serial, &bytes, &slot))
+        uncharge(slot, bytes);
+}
+
+/* The PHYS serial of a handle we track, or 0. Caller holds vmm_lock. */
+static uint64_t serial_of_locked(CUmemGenericAllocationHandle handle)
+{
+    struct alloc_entry *h = lookup(KIND_HANDLE, handle);
+    return h && lookup(KIND_PHYS, h->aux) ? h->aux : 0;
+}
+
+CGPU_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
+                                 unsigned long long flags)
+{
+    /* Host locations (NCCL's host buffers) are not device memory. */
+    bool device = handle && size && prop && prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE;
+    int slot = device && cgpu_state() == CGPU_ACTIVE ? cgpu_slot_of_cuda_device(prop->location.id) : -1;
+    ROUTE_OR_RETURN(device ? route_to(slot) : ROUTE_FORWARD, cuMemCreate, handle, size, prop, flags);
+    if (!charge(slot, size))
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult rc = CALL_REAL(cuMemCreate, handle, size, prop, flags);
+    if (rc != CUDA_SUCCESS) {
+        uncharge(slot, size);
+        return rc;
+    }
+    track_handle(*handle, size, slot);
+    return CUDA_SUCCESS;
+}
+
+/* The handle's record goes before the driver is asked: once the driver has
+ * released it, a new allocation may get the same handle value. */
+CGPU_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
+{
+    if (cgpu_state() != CGPU_ACTIVE)
+        return CALL_REAL(cuMemRelease, handle);
+    uint64_t unused, serial = 0;
+    int slot = -1;
+    pthread_mutex_lock(&vmm_lock);
+    bool held = forget_aux(KIND_HANDLE, handle, &unused, &slot, &serial);
+    pthread_mutex_unlock(&vmm_lock);
+    CUresult rc = CALL_REAL(cuMemRelease, handle);
+    pthread_mutex_lock(&vmm_lock);
+    if (held && rc == CUDA_SUCCESS)
+        unref_phys_locked(serial);
+    else if (held)
+        remember_aux(KIND_HANDLE, handle, 0, slot, serial);
+    pthread_mutex_unlock(&vmm_lock);
+    return rc;
+}
+
+CGPU_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
+                              unsigned long long flags)
+{
+    if (cgpu_state() != CGPU_ACTIVE)
+        return CALL_REAL(cuMemMap, ptr, size, offset, handle, flags);
+    /* The mapping's reference is taken first, so that a release racing
+     * with the map never sees the memory unused. */
+    pthread_mutex_lock(&vmm_lock);
+    uint64_t serial = serial_of_locked(handle);
+    if (serial)
+        lookup(KIND_PHYS, serial)->refs++;
+    pthread_mutex_unlock(&vmm_lock);
+    CUresult rc = CALL_REAL(cuMemMap, ptr, size, offset, handle, flags);
+    pthread_mutex_lock(&vmm_lock);
+    if (rc != CUDA_SUCCESS)
+        unref_phys_locked(serial);
+    else if (!remember_aux(KIND_MAPPING, ptr, size, -1, serial)) /* untracked memory too: unmap walks ranges */
+        cgpu_log(CGPU_LOG_ERROR, "allocation table full: a mapping stays charged");
+    pthread_mutex_unlock(&vmm_lock);
+    return rc;
+}
+
+#define UNMAP_BATCH 64
+
+/* One unmap may cover several mappings. Their records go before the driver
+ * is asked (the range can be mapped again the moment it returns) and come
+ * back if it refuses; past UNMAP_BATCH mappings the rest are settled after. */
+CGPU_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
+{
+    if (cgpu_state() != CGPU_ACTIVE)
+        return CALL_REAL(cuMemUnmap, ptr, size);
+    struct {
+        CUdeviceptr at;
+        uint64_t bytes, serial;
+    } taken[UNMAP_BATCH];
+    int n = 0, slot;
+    CUdeviceptr at = ptr, end = ptr + size >= ptr ? ptr + size : ~(CUdeviceptr)0;
+    pthread_mutex_lock(&vmm_lock);
+    while (n < UNMAP_BATCH && at < end &&
+           forget_aux(KIND_MAPPING, at, &taken[n].bytes, &slot, &taken[n].serial) && taken[n].bytes) {
+        taken[n].at = at;
+        at += taken[n++].bytes;
+    }
+    pthread_mutex_unlock(&vmm_lock);
+    CUresult rc = CALL_REAL(cuMemUnmap, ptr, size);
+    pthread_mutex_lock(&vmm_lock);
+    for (int i = 0; i < n; i++) {
+        if (rc == CUDA_SUCCESS)
+            unref_phys_locked(taken[i].serial);
+        else
+            remember_aux(KIND_MAPPING, taken[i].at, taken[i].bytes, -1, taken[i].serial);
+    }
+    uint64_t bytes, serial;
+    while (rc == CUDA_SUCCESS && at < end && forget_aux(KIND_MAPPING, at, &bytes, &slot, &serial) && bytes) {
+        unref_phys_locked(serial);
+        at += bytes;
+    }
+    pthread_mutex_unlock(&vmm_lock);
+    return rc;
+}
+
+CGPU_EXPORT CUresult cuMemExportToShareableHandle(void *shareableHandle, CUmemGenericAllocationHandle handle,
+                                                  CUmemAllocationHandleType handleType, unsigned long long flags)
+{
+    CUresult rc = CALL_REAL(cuMemExportToShareableHandle, shareableHandle, handle, handleType, flags);
+    if (rc != CUDA_SUCCESS || cgpu_state() != CGPU_ACTIVE)
+        return rc;
+    pthread_mutex_lock(&vmm_lock);
+    uint64_t serial = serial_of_locked(handle);
+    if (serial)
+        lookup(KIND_PHYS, serial)->refs |= EXPORT_PIN;
+    pthread_mutex_unlock(&vmm_lock);
+    return rc;
+}
+
+/* The size of memory behind an imported handle: the driver has no query for
+ * it, but maps only what exists, so the largest mapping that succeeds at
+ * offset 0 is the size. Searched in granules up to one granule past the
+ * limit (anything larger is refused anyway); *bytes is 0 for host memory. */
+static CUresult imported_size(CUmemGenericAllocationHandle h, uint64_t *bytes, int *slot)
+{
+    CUmemAllocationProp prop;
+    CUresult rc = CALL_REAL(cuMemGetAllocationPropertiesFromHandle, &prop, h);
+    *bytes = 0;
+    *slot = -1;
+    if (rc != CUDA_SUCCESS || prop.location.type != CU_MEM_LOCATION_TYPE_DEVICE)
+        return rc;
+    if ((*slot = cgpu_slot_of_cuda_device(prop.location.id)) < 0)
+        return CUDA_ERROR_OUT_OF_MEMORY; /* a GPU outside the instance */
+    size_t gran = 0;
+    rc = CALL_REAL(cuMemGetAllocationGranularity, &gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+    if (rc != CUDA_SUCCESS || gran == 0)
+        return rc ? rc : CUDA_ERROR_INVALID_VALUE;
+    uint64_t most = g_cgpu.device[*slot].mem_limit / gran + 1;
+    CUdeviceptr va;
+    if ((rc = CALL_REAL(cuMemAddressReserve, &va, (size_t)(most * gran), 0, 0, 0)) != CUDA_SUCCESS)
+        return rc;
+    uint64_t lo = 0, hi = most + 1; /* lo granules map, hi do not */
+    while (hi - lo > 1) {
+        uint64_t mid = lo + (hi - lo) / 2;
+        if (CALL_REAL(cuMemMap, va, (size_t)(mid * gran), 0, h, 0) == CUDA_SUCCESS) {
+            CALL_REAL(cuMemUnmap, va, (size_t)(mid * gran));
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    CALL_REAL(cuMemAddressFree, va, (size_t)(most * gran));
+    *bytes = lo * gran;
+    return lo ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+/* Memory another process exported is resident on the device whatever the
+ * exporter does next: the importer pays for it in full. */
+CGPU_EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, void *osHandle,
+                                                    CUmemAllocationHandleType shHandleType)
+{
+    switch (handle ? cgpu_state() : CGPU_PASSTHROUGH) {
+    case CGPU_ACTIVE: break;
+    case CGPU_BROKEN: return CUDA_ERROR_OUT_OF_MEMORY; /* fail closed */
+    default: return CALL_REAL(cuMemImportFromShareableHandle, handle, osHandle, shHandleType);
+    }
+    CUresult rc = CALL_REAL(cuMemImportFromShareableHandle, handle, osHandle, shHandleType);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    uint64_t bytes;
+    int slot;
+    CUresult sized = imported_size(*handle, &bytes, &slot);
+    if (sized == CUDA_SUCCESS && bytes == 0)
+        return CUDA_SUCCESS; /* host memory */
+    if (sized != CUDA_SUCCESS || !charge(slot, bytes)) {
+        CALL_REAL(cuMemRelease, *handle);
+        return sized != CUDA_SUCCESS ? sized : CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    track_handle(*handle, bytes, slot);
+    return CUDA_SUCCESS;
+}
+
+/* ---- context limits that reserve device memory ------------------------------------ */
+
+/* Bytes the driver reserves for a limit's value: the heap and the printf
+ * FIFO as set; the stack for every thread the GPU can hold resident. */
+static uint64_t limit_bytes(CUlimit which, uint64_t value, CUdevice dev)
+{
+    if (which != CU_LIMIT_STACK_SIZE)
+        return value;
+    int sms = 0, threads = 0;
+    CALL_REAL(cuDeviceGetAttribute, &sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev);
+    CALL_REAL(cuDeviceGetAttribute, &threads, CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR, dev);
+    uint64_t n = (uint64_t)(sms > 0 ? sms : 1) * (uint64_t)(threads > 0 ? threads : 1);
+    return value > UINT64_MAX / n ? UINT64_MAX : value * n;
+}
+
+/* Growth past the value found at the first call is charged, before the
+ * driver is asked; shrinking gives back what was charged. What a context
+ * reserves at creation is the driver's overhead, not charged anywhere. */
+CGPU_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value)
+{
+    bool memory = limit == CU_LIMIT_STACK_SIZE || limit == CU_LIMIT_MALLOC_HEAP_SIZE ||
+                  limit == CU_LIMIT_PRINTF_FIFO_SIZE;
+    int slot = -1;
+    ROUTE_OR_RETURN(memory ? route_current(&slot) : ROUTE_FORWARD, cuCtxSetLimit, limit, value);
+    CUcontext ctx = NULL;
+    CUdevice dev;
+    size_t before = 0;
+    if (CALL_REAL(cuCtxGetCurrent, &ctx) != CUDA_SUCCESS || !ctx || CALL_REAL(cuCtxGetDevice, &dev) != CUDA_SUCCESS ||
+        CALL_REAL(cuCtxGetLimit, &before, limit) != CUDA_SUCCESS)
+        return CALL_REAL(cuCtxSetLimit, limit, value); /* the driver's error to give */
+    uint64_t old_b = limit_bytes(limit, before, dev), new_b = limit_bytes(limit, value, dev);
+    uint64_t grow = new_b > old_b ? new_b - old_b : 0;
+    if (grow && !charge(slot, grow))
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult rc = CALL_REAL(cuCtxSetLimit, limit, value);
+    if (rc != CUDA_SUCCESS) {
+        if (grow)
+            uncharge(slot, grow);
+        return rc;
+    }
+    /* Settle on the value the driver really took (it rounds). */
+    size_t after = value;
+    CALL_REAL(cuCtxGetLimit, &after, limit);
+    uint64_t real_b = limit_bytes(limit, after, dev);
+    uint64_t key = ((uint64_t)(uintptr_t)ctx << 4) | ((uint64_t)limit << 2), held = 0, aux;
+    int s;
+    pthread_mutex_lock(&vmm_lock);
+    forget_aux(KIND_LIMIT, key, &held, &s, &aux);
+    if (real_b >= old_b) {
+        uint64_t want = real_b - old_b;
+        if (want > grow && !charge(slot, want - grow))
+            want = grow; /* the driver gave more than asked and the limit is full: keep what we have */
+        else if (want < grow)
+            uncharge(slot, grow - want);
+        held += want;
+    } else {
+        uint64_t give = old_b - real_b < held ? old_b - real_b : held;
+        if (grow)
+            uncharge(slot, grow);
+        uncharge(slot, give);
+        held -= give;
+    }
+    if (held && !remember_aux(KIND_LIMIT, key, held, slot, 0))
+        cgpu_log(CGPU_LOG_ERROR, "allocation table full: %llu bytes stay charged", (unsigned long long)held);
+    pthread_mutex_unlock(&vmm_lock);
+    return CUDA_SUCCESS;
+}
+
 /* ---- memory as the instance sees it ------------------------------------------------ */
+
+/* The instance's free and total memory on the current device, given what
+ * the driver says is free on the GPU. False without an instance device. */
+static void instance_mem_info(uint64_t gpu_free, uint64_t *free_bytes, uint64_t *total)
+{
+    cgpu_reap_dead();
+    int slot = current_slot();
+    uint64_t limit = slot >= 0 ? g_cgpu.device[slot].mem_limit : 0;
+    uint64_t used = slot >= 0 ? cgpu_slot_used(slot) : 0;
+    uint64_t left = used < limit ? limit - used : 0;
+    /* Never more than the GPU really has free: other tenants may hold it. */
+    *free_bytes = left < gpu_free ? left : gpu_free;
+    *total = limit;
+}
 
 CGPU_EXPORT CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total)
 {
@@ -524,16 +928,29 @@ CGPU_EXPORT CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total)
     CUresult rc = CALL_REAL(cuMemGetInfo_v2, free_bytes, total);
     if (rc != CUDA_SUCCESS || cgpu_state() != CGPU_ACTIVE)
         return rc;
-    cgpu_reap_dead();
-    int slot = current_slot();
-    uint64_t limit = slot >= 0 ? g_cgpu.device[slot].mem_limit : 0;
-    uint64_t used = slot >= 0 ? cgpu_slot_used(slot) : 0;
-    uint64_t left = used < limit ? limit - used : 0;
-    /* Never more than the GPU really has free: other tenants may hold it. */
-    if (left > *free_bytes)
-        left = *free_bytes;
-    *total = (size_t)limit;
-    *free_bytes = (size_t)left;
+    uint64_t f, t;
+    instance_mem_info(*free_bytes, &f, &t);
+    *free_bytes = (size_t)f;
+    *total = (size_t)t;
+    return rc;
+}
+
+static unsigned int clamp32(uint64_t v)
+{
+    return v > UINT_MAX ? UINT_MAX : (unsigned int)v;
+}
+
+/* The 32-bit view: the driver's own free figure is already clamped, and
+ * may be below the instance's real free memory; never above it. */
+CGPU_EXPORT CUresult cuMemGetInfo(unsigned int *free_bytes, unsigned int *total)
+{
+    CUresult rc = CALL_REAL(cuMemGetInfo, free_bytes, total);
+    if (rc != CUDA_SUCCESS || cgpu_state() != CGPU_ACTIVE)
+        return rc;
+    uint64_t f, t;
+    instance_mem_info(*free_bytes, &f, &t);
+    *free_bytes = clamp32(f);
+    *total = clamp32(t);
     return rc;
 }
 
@@ -544,5 +961,15 @@ CGPU_EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
         return rc;
     int slot = cgpu_slot_of_cuda_device(dev);
     *bytes = slot >= 0 ? (size_t)g_cgpu.device[slot].mem_limit : 0;
+    return rc;
+}
+
+CGPU_EXPORT CUresult cuDeviceTotalMem(unsigned int *bytes, CUdevice dev)
+{
+    CUresult rc = CALL_REAL(cuDeviceTotalMem, bytes, dev);
+    if (rc != CUDA_SUCCESS || cgpu_state() != CGPU_ACTIVE)
+        return rc;
+    int slot = cgpu_slot_of_cuda_device(dev);
+    *bytes = slot >= 0 ? clamp32(g_cgpu.device[slot].mem_limit) : 0;
     return rc;
 }
