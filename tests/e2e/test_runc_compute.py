@@ -4,10 +4,15 @@ simulated GPU's own accounting (busy time of the whole GPU: the container's
 pids live in another namespace)."""
 from __future__ import annotations
 
+import mmap
+import subprocess
+import time
 from pathlib import Path
 
+from cgpud._region import ffi, lib
+from cgpud.native import native_path
 from tests.daemonproc import make_daemon
-from tests.e2e.oci import Host, run
+from tests.e2e.oci import Host, run, runtime_env
 from tests.e2e.test_runc import burn_json, instances
 from tests.sharerun import Sampler
 
@@ -45,3 +50,56 @@ def test_a_30_percent_container_alone_under_fixed_gets_30_percent(tmp_path: Path
         assert instances(d) == []
     finally:
         d.stop()
+
+
+def _grants_of_the_one_instance(state: Path, timeout: float = 60) -> Path:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = [p for p in state.rglob("grants") if p.is_file()]
+        if found:
+            assert len(found) == 1, found
+            return found[0]
+        time.sleep(0.02)
+    raise AssertionError(f"no instance region under {state}")
+
+
+def test_a_container_at_a_closed_gate_finishes_when_cgpud_is_killed(tmp_path: Path, host: Host) -> None:
+    """kill -9 of cgpud right after the 30 % container's gate was seen
+    closed: nobody will open it, yet the container's launches go on within
+    the probe interval and it finishes; its work alone takes about 0.6 s."""
+    d = make_daemon(tmp_path, host.sim_env, "--mode", "core_mem", "--compute-policy", "3")
+    d.start()
+    burn = "cgpu-burn --kernel-ns 1000000 --streams 2 --launches 600"
+    b = host.bundle(tmp_path / "core30", ["sh", "-c", burn],
+                    ("ALIYUN_COM_GPU_MEM_CONTAINER=2", "ALIYUN_COM_GPU_CORE_PERCENTAGE=30"))
+    cid = host.new_id()
+    proc = subprocess.Popen([str(native_path("bin/cgpu-runtime")), "--root", str(host.runc_root), "run", "--bundle",
+                             str(b.path), cid], env=runtime_env(d.relay), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    try:
+        grants = _grants_of_the_one_instance(d.state)
+        with open(grants, "rb") as f:
+            m = mmap.mmap(f.fileno(), ffi.sizeof("struct cgpu_grants"), mmap.MAP_SHARED, mmap.PROT_READ)
+        view = ffi.from_buffer("struct cgpu_grants *", m)
+        deadline = time.monotonic() + 60
+        while not view.device[0].gate & lib.CGPU_GATE_OPEN:  # scheduled: opened at least once
+            assert time.monotonic() < deadline and proc.poll() is None
+        while view.device[0].gate & lib.CGPU_GATE_OPEN:
+            assert time.monotonic() < deadline and proc.poll() is None
+        d.kill()
+        killed = time.monotonic()
+        assert not view.device[0].gate & lib.CGPU_GATE_OPEN, "the gate opened between the look and the kill"
+        # Generous: the work is 0.6 s, the probe interval 0.2 s; a hang is forever.
+        out, err = proc.communicate(timeout=60)
+        took = time.monotonic() - killed
+        assert view.device[0].gate & lib.CGPU_GATE_OPEN == 0  # nobody opened it
+        del view
+        m.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        subprocess.run(["runc", "--root", str(host.runc_root), "delete", "--force", cid], capture_output=True)
+    assert burn_json(out)["errors"] == [] and burn_json(out)["launches"] == 600, (out, err)
+    assert "compute scheduler (cgpud) is gone" in out + err
+    assert took < 30, took
