@@ -1,18 +1,19 @@
 """The local gRPC server of cgpud: cgpu.v1.Local and grpc.health.v1 on a
 root-only unix socket.
 
-Who may talk to cgpud is decided by file permissions alone (no TLS, no
-tokens): the socket is 0600 root and lives in a 0700 directory. gRPC creates
-the socket file at bind() with the process umask, and chmod can only follow
-it, so for a moment a connect() by another user could be accepted into the
-listen backlog. The 0700 directory closes that window: nobody but root can
-resolve a path inside it at any time, whatever the socket's own mode is.
+Only root may talk to cgpud here (no TLS, no tokens). The public socket is
+0600 root in a 0700 directory, and cgpud binds it itself: every connection's
+SO_PEERCRED is checked before a byte reaches gRPC, which listens on a private
+socket behind it (cgpud/api/gate.py). The modes keep ordinary users out;
+the check also refuses a non-root process that can pass them (one with
+CAP_DAC_OVERRIDE, or a directory an operator opened up).
 """
 from __future__ import annotations
 
 import builtins
 import functools
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,6 +24,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cgpud.api import convert
+from cgpud.api.gate import PeerGate, prepare_private_directory, private_socket_path
 from cgpud.api.cgpu.v1 import local_pb2 as pb
 from cgpud.api.cgpu.v1 import local_pb2_grpc as pb_grpc
 from cgpud.api.status import status_for
@@ -152,6 +154,28 @@ class LocalServicer(pb_grpc.LocalServicer):
         return pb.CdiSpec(json=self._cdi_spec())
 
 
+class LocalServer:
+    """The gRPC server and the gate in front of it."""
+
+    def __init__(self, server: grpc.Server, gate: PeerGate) -> None:
+        self.grpc_server = server
+        self._gate = gate
+
+    def stop(self, grace: float | None) -> threading.Event:
+        """As grpc.Server.stop: the returned event is set once both are down."""
+        self._gate.stop_accepting()
+        stopped = self.grpc_server.stop(grace)
+        finished = threading.Event()
+
+        def finish() -> None:
+            stopped.wait()
+            self._gate.stop()
+            finished.set()
+
+        threading.Thread(target=finish, name="cgpud-api-stop", daemon=True).start()
+        return finished
+
+
 def serve(
     service: LocalService,
     socket_path: Path,
@@ -159,7 +183,7 @@ def serve(
     max_workers: int = 8,
     health_servicer: health.HealthServicer | None = None,
     cdi_spec: CdiSpecProvider | None = None,
-) -> grpc.Server:
+) -> LocalServer:
     """Start serving on `unix:<socket_path>` and return the started server
     (stop it with `server.stop(grace)`). Pass `health_servicer` to keep a
     handle for flipping health to NOT_SERVING on shutdown
@@ -171,10 +195,14 @@ def serve(
     or another live server already on it."""
     log = structlog.get_logger("cgpud.api")
     path = Path(os.path.abspath(socket_path))
-    if len(os.fsencode(path)) > _SUN_PATH_MAX:
-        raise UsageError(f"socket path {path} is longer than a unix socket allows ({_SUN_PATH_MAX} bytes)")
+    private = private_socket_path(path)
+    if len(os.fsencode(private)) > _SUN_PATH_MAX:
+        raise UsageError(f"socket path {path} is too long: cgpud also serves at {private}, and a unix socket "
+                         f"path allows {_SUN_PATH_MAX} bytes")
     prepare_socket_directory(path.parent, log)
     remove_stale_socket(path, log)
+    prepare_private_directory(private.parent)
+    remove_stale_socket(private, log)
 
     server = grpc.server(ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="cgpud-api"))
     pb_grpc.add_LocalServicer_to_server(LocalServicer(service, cdi_spec), server)
@@ -185,12 +213,17 @@ def serve(
 
     try:
         # gRPC binds and listens here; start() only begins accepting.
-        if server.add_insecure_port(f"unix:{path}") == 0:  # older grpcio reports failure as 0
+        if server.add_insecure_port(f"unix:{private}") == 0:  # older grpcio reports failure as 0
             raise RuntimeError("bind failed")
-        os.chmod(path, 0o600)
+        os.chmod(private, 0o600)
     except (RuntimeError, OSError) as e:
         server.stop(None)
-        raise CgpuError(f"cannot listen on {path}: {e}") from e
+        raise CgpuError(f"cannot listen on {private}: {e}") from e
     server.start()
+    try:
+        gate = PeerGate(path, private, log).start()
+    except BaseException:
+        server.stop(None)
+        raise
     log.info("serving", socket=str(path), services=[SERVICE_NAME, health.SERVICE_NAME])
-    return server
+    return LocalServer(server, gate)

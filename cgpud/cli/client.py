@@ -19,6 +19,7 @@ import grpc
 from cgpud.api import DEFAULT_SOCKET, convert
 from cgpud.api.cgpu.v1 import local_pb2 as pb
 from cgpud.api.cgpu.v1 import local_pb2_grpc as pb_grpc
+from cgpud.api.gate import REFUSAL_PREFIX
 from cgpud.api.status import error_for
 from cgpud.daemon import model
 from cgpud.errors import CgpuError, UsageError
@@ -146,5 +147,21 @@ def unreachable(path: Path, details: str = "") -> CgpuError:
             return CgpuError(f"cannot reach cgpud at {path}: is it running? (systemctl status cgpud)")
         except OSError as e:
             return CgpuError(f"cannot reach cgpud at {path}: {e.strerror or e}")
+        refusal = _refusal(probe)
+        if refusal:
+            return CgpuError(f"cgpud refused this client: {refusal}")
     # The socket answers but gRPC did not get through: starting or stopping.
     return CgpuError(f"cgpud at {path} is not accepting requests ({details or 'unavailable'}); try again")
+
+
+def _refusal(probe: socket.socket) -> str | None:
+    """The line cgpud's gate sends a peer it turns away (not root), if any;
+    an admitted probe hears gRPC or nothing within the timeout."""
+    try:
+        probe.settimeout(1.0)
+        data = probe.recv(1024)
+    except OSError:
+        return None
+    if not data.startswith(REFUSAL_PREFIX):
+        return None
+    return data[len(REFUSAL_PREFIX):].split(b"\n")[0].decode("utf-8", "replace")
