@@ -1,6 +1,8 @@
 """Instance create+release round trips through cgpud's local API, with the
 SQLite state on disk, against the same operations on the instance service
-called in-process (the baseline: what the socket and gRPC add).
+called in-process (the baseline: what the socket and gRPC add), and through
+the gRPC server's private socket behind the peer-credential gate (what the
+gate adds).
 
     python bench/bench_api.py [--rounds 5] [--ops 300]
 
@@ -21,6 +23,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from cgpud.api.gate import private_socket_path
 from cgpud.cli.client import LocalClient
 from cgpud.daemon.model import GIB, GpuCapacity, NodePolicy, Owner, OwnerKind, Request
 from cgpud.daemon.service import InstanceService
@@ -83,35 +86,44 @@ def main() -> int:
                                 "bench", "bench-boot")
         api_lat: list[float] = []
         base_lat: list[float] = []
+        direct_lat: list[float] = []
         per_round = []
         try:
-            with LocalClient(sock) as client:
+            with LocalClient(sock) as client, LocalClient(private_socket_path(sock)) as direct:
                 for r in range(args.rounds):
                     def via_api(n: int, r: int = r) -> None:
                         inst = client.create(Request(Owner(OwnerKind.CONTAINER, f"api-{r}-{n}"), GIB))
                         client.release(inst.id)
+
+                    def via_private(n: int, r: int = r) -> None:
+                        inst = direct.create(Request(Owner(OwnerKind.CONTAINER, f"direct-{r}-{n}"), GIB))
+                        direct.release(inst.id)
 
                     def in_process(n: int, r: int = r) -> None:
                         inst = local.create(Request(Owner(OwnerKind.CONTAINER, f"base-{r}-{n}"), GIB))
                         local.release(inst.id)
 
                     # Alternate which side goes first: the machine is shared and noisy.
-                    sides = [(api_lat, via_api), (base_lat, in_process)]
-                    for lat, fn in sides if r % 2 == 0 else sides[::-1]:
+                    sides = [(api_lat, via_api, "api"), (direct_lat, via_private, "no-gate"),
+                             (base_lat, in_process, "in-process")]
+                    for lat, fn, name in sides if r % 2 == 0 else sides[::-1]:
                         got = timed(args.ops, fn)
                         lat.extend(got)
-                        per_round.append((r, "api" if fn is via_api else "in-process", summary(got)[0]))
+                        per_round.append((r, name, summary(got)[0]))
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=30)
-    api, base = summary(api_lat), summary(base_lat)
+    api, base, direct_ = summary(api_lat), summary(base_lat), summary(direct_lat)
     print(f"command: {' '.join(sys.argv)}")
     print(f"{args.rounds} rounds x {args.ops} create+release pairs per side, interleaved; SQLite (WAL, "
           f"synchronous=FULL) on {tempfile.gettempdir()}")
     print(f"{'side':<12}{'pairs/s':>10}{'p50 us':>10}{'p99 us':>10}")
     print(f"{'local API':<12}{api[0]:>10.0f}{api[1]:>10.0f}{api[2]:>10.0f}")
+    print(f"{'no gate':<12}{direct_[0]:>10.0f}{direct_[1]:>10.0f}{direct_[2]:>10.0f}")
     print(f"{'in-process':<12}{base[0]:>10.0f}{base[1]:>10.0f}{base[2]:>10.0f}")
     print(f"API / in-process latency (p50): {api[1] / base[1]:.2f}x")
+    print(f"API through the gate / gRPC socket direct (p50): {api[1] / direct_[1]:.2f}x "
+          f"(+{api[1] - direct_[1]:.0f} us)")
     print("per round (pairs/s): " + ", ".join(f"{r}:{side}={rate:.0f}" for r, side, rate in per_round))
     return 0
 
