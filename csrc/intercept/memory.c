@@ -633,6 +633,8 @@ void cgpu_memory_after_fork(void)
     pthread_mutex_init(&vmm_lock, NULL);
 }
 
+static CUresult imported_size(CUmemGenericAllocationHandle h, uint64_t *bytes, int *slot);
+
 /* Records `bytes` (already charged) as held by `handle`. */
 static void track_handle(CUmemGenericAllocationHandle handle, uint64_t bytes, int slot)
 {
@@ -679,8 +681,10 @@ CGPU_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t si
     return CUDA_SUCCESS;
 }
 
-/* The handle's record goes before the driver is asked: once the driver has
- * released it, a new allocation may get the same handle value. */
+/* A HANDLE record's refs count the application's references to the handle
+ * (cuMemCreate or import, then one per cuMemRetainAllocationHandle). The
+ * last one's record goes before the driver is asked: once the driver has
+ * released the handle, a new allocation may get the same value. */
 CGPU_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
 {
     if (cgpu_state() != CGPU_ACTIVE)
@@ -688,16 +692,60 @@ CGPU_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
     uint64_t unused, serial = 0;
     int slot = -1;
     pthread_mutex_lock(&vmm_lock);
-    bool held = forget_aux(KIND_HANDLE, handle, &unused, &slot, &serial);
+    struct alloc_entry *h = lookup(KIND_HANDLE, handle);
+    bool last = h && h->refs <= 1, held = h != NULL;
+    if (h && !last) {
+        h->refs--;
+        serial = h->aux;
+    } else if (h) {
+        forget_aux(KIND_HANDLE, handle, &unused, &slot, &serial);
+    }
     pthread_mutex_unlock(&vmm_lock);
     CUresult rc = CALL_REAL(cuMemRelease, handle);
     pthread_mutex_lock(&vmm_lock);
     if (held && rc == CUDA_SUCCESS)
         unref_phys_locked(serial);
-    else if (held)
+    else if (held && !last && (h = lookup(KIND_HANDLE, handle)))
+        h->refs++;
+    else if (held && last)
         remember_aux(KIND_HANDLE, handle, 0, slot, serial);
     pthread_mutex_unlock(&vmm_lock);
     return rc;
+}
+
+/* A retained handle is one more reference keeping the memory alive, even
+ * after every earlier reference was released (the mapping named it). */
+CGPU_EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle, void *addr)
+{
+    CUresult rc = CALL_REAL(cuMemRetainAllocationHandle, handle, addr);
+    if (rc != CUDA_SUCCESS || cgpu_state() != CGPU_ACTIVE)
+        return rc;
+    pthread_mutex_lock(&vmm_lock);
+    struct alloc_entry *h = lookup(KIND_HANDLE, *handle), *m = NULL, *phys = NULL;
+    uint64_t serial = h ? h->aux : (m = lookup(KIND_MAPPING, (uint64_t)(uintptr_t)addr)) ? m->aux : 0;
+    if (serial && (phys = lookup(KIND_PHYS, serial))) {
+        phys->refs++;
+        if (h)
+            h->refs++;
+        else if (!remember_aux(KIND_HANDLE, *handle, 0, phys->slot, serial))
+            cgpu_log(CGPU_LOG_ERROR, "allocation table full: a handle stays charged");
+    }
+    pthread_mutex_unlock(&vmm_lock);
+    if (phys)
+        return CUDA_SUCCESS;
+    /* An address inside a mapping, not its start: charged again in full
+     * (the safe side), as if imported. */
+    uint64_t bytes;
+    int slot;
+    CUresult sized = imported_size(*handle, &bytes, &slot);
+    if (sized == CUDA_SUCCESS && bytes == 0)
+        return CUDA_SUCCESS;
+    if (sized != CUDA_SUCCESS || !charge(slot, bytes)) {
+        CALL_REAL(cuMemRelease, *handle);
+        return sized != CUDA_SUCCESS ? sized : CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    track_handle(*handle, bytes, slot);
+    return CUDA_SUCCESS;
 }
 
 CGPU_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,

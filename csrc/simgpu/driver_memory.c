@@ -22,7 +22,8 @@ struct sim_memhandle {
     int dev;                      /* -1: host memory, charged to no GPU */
     uint64_t size;
     int mappings;
-    bool released;
+    int retains;                  /* references cuMemRetainAllocationHandle added */
+    bool released;                /* every reference to the handle released */
     bool imported;                /* the memory is charged to the exporter */
     CUmemAllocationHandleType handle_types;
 };
@@ -513,12 +514,43 @@ SIM_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
         return rc;
     pthread_mutex_lock(&sim_drv.lock);
     struct sim_memhandle *h = memhandle_of(handle);
-    if (h) {
+    if (h && h->retains > 0) {
+        h->retains--;
+    } else if (h) {
         h->released = true;
         memhandle_maybe_free(h);
     }
     pthread_mutex_unlock(&sim_drv.lock);
     return h ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+/* The handle behind a mapped address, one reference more: valid again even
+ * if every earlier reference was released. */
+SIM_EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle, void *addr)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (!handle)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUdeviceptr a = (CUdeviceptr)(uintptr_t)addr;
+    struct sim_memhandle *h = NULL;
+    pthread_mutex_lock(&sim_drv.lock);
+    for (size_t b = 0; b < TABLE_BUCKETS && !h; b++) {
+        for (struct alloc_entry *e = sim_drv.allocs[b]; e && !h; e = e->next) {
+            if (e->kind == ALLOC_MAPPED && a >= e->ptr && a - e->ptr < e->size)
+                h = e->handle;
+        }
+    }
+    if (h && h->released)
+        h->released = false;
+    else if (h)
+        h->retains++;
+    pthread_mutex_unlock(&sim_drv.lock);
+    if (!h)
+        return CUDA_ERROR_INVALID_VALUE;
+    *handle = (CUmemGenericAllocationHandle)(uintptr_t)h;
+    return CUDA_SUCCESS;
 }
 
 SIM_EXPORT CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CUdeviceptr addr,

@@ -94,6 +94,15 @@ def test_vmm_memory_is_charged_until_released_and_unmapped(native, instance, att
     run.finish()
 
 
+def test_a_retained_handle_keeps_the_memory_charged(instance, attacker):
+    [got] = run_once(attacker, instance({0: 1 * GIB}), "retain")
+    assert got["same_handle"] is True
+    # Released and unmapped, but retained through the mapping first.
+    assert got["free_retained"] == 512 * MIB
+    assert got["creates"] == ["CUDA_SUCCESS", "CUDA_ERROR_OUT_OF_MEMORY"]
+    assert got["free_released"] == 512 * MIB  # the retained 512 MiB is back; the new one is held
+
+
 def test_imported_memory_is_charged_to_the_importer_and_exported_memory_to_the_exporter(instance, attacker):
     # The exporter creates 512 MiB, exports it, releases its handle and
     # execs an importer that waits for the exporter to exit; both write to

@@ -7,6 +7,8 @@
  *   memory_attack vmm       create/reserve/map twice/release x 8 of 512 MiB,
  *                           then unmap the first mappings, then the second;
  *                           then create/map/unmap x 2, then release
+ *   memory_attack retain    create/map/retain/release/unmap: the retained
+ *                           handle alone keeps 512 MiB
  *   memory_attack export    create 512 MiB, export, release; exec an importer
  *   memory_attack import FD PIPE  (the importer, once the exporter is gone)
  *   memory_attack graph     graph memory-allocation nodes of 2 GiB
@@ -147,6 +149,28 @@ static int vmm(void)
     return 0;
 }
 
+/* A handle retained through its mapping is a reference of its own. */
+static int retain(void)
+{
+    CUmemAllocationProp prop = device_prop(CU_MEM_HANDLE_TYPE_NONE);
+    CUmemGenericAllocationHandle h, again, more[2];
+    CUdeviceptr va;
+    must(FN(cuMemCreate)(&h, CHUNK, &prop, 0), "create");
+    must(FN(cuMemAddressReserve)(&va, CHUNK, 0, 0, 0), "reserve");
+    must(FN(cuMemMap)(va, CHUNK, 0, h, 0), "map");
+    must(FN(cuMemRetainAllocationHandle)(&again, (void *)(uintptr_t)va), "retain");
+    must(FN(cuMemRelease)(h), "release");
+    must(FN(cuMemUnmap)(va, CHUNK), "unmap");
+    unsigned long long held = mem_free();
+    CUresult rc[2];
+    for (int i = 0; i < 2; i++)
+        rc[i] = FN(cuMemCreate)(&more[i], CHUNK, &prop, 0);
+    must(FN(cuMemRelease)(again), "release retained");
+    printf("{\"same_handle\":%s,\"free_retained\":%llu,\"creates\":[\"%s\",\"%s\"],\"free_released\":%llu}\n",
+           again == h ? "true" : "false", held, err(rc[0]), err(rc[1]), mem_free());
+    return 0;
+}
+
 static int export_then_exec(const char *self)
 {
     CUmemAllocationProp prop = device_prop(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
@@ -283,6 +307,8 @@ int main(int argc, char **argv)
     init();
     if (strcmp(argv[1], "vmm") == 0)
         return vmm();
+    if (strcmp(argv[1], "retain") == 0)
+        return retain();
     if (strcmp(argv[1], "graph") == 0)
         return graph();
     if (strcmp(argv[1], "limits") == 0)
