@@ -3,6 +3,7 @@ simulated machine per test, so tests never see each other's GPU state."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,3 +35,27 @@ def sim_env(tmp_path: Path, native: Path) -> dict[str, str]:
     env["CGPU_SIM_CONFIG"] = str(cfg)
     env["CGPU_SIM_STATE"] = str(tmp_path / "sim.state")
     return env
+
+
+def _region_mounts(under: Path) -> list[str]:
+    """Mount points of cgpud's per-instance tmpfs under `under`."""
+    points = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        point = fields[4].encode().decode("unicode_escape")  # \040 and friends
+        source = fields[fields.index("-") + 2]
+        if source == "cgpu-region" and Path(point).is_relative_to(under):
+            points.append(point)
+    return points
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_region_mounts_left(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """cgpud keeps an instance's tmpfs across its own restarts, as it
+    should; the daemons of a test module leave theirs behind when the
+    module ends, and they are detached here, not left on the host."""
+    yield
+    from cgpud._region import lib
+
+    for point in _region_mounts(tmp_path_factory.getbasetemp()):
+        lib.cgpu_region_unmount(point.encode())

@@ -134,6 +134,20 @@ class ComputeScheduler:
             for gpu, key in self._keys.pop(instance_id, []):
                 lib.cgpu_engine_detach(self._engine, gpu, key)
 
+    def damaged(self, instance_id: str) -> bool:
+        """Whether the instance's usage file was truncated under the
+        engine's mapping: the engine then sees no demand and no process of
+        it until it is re-attached."""
+        with self._lock:
+            return any(lib.cgpu_engine_tenant_damaged(self._engine, gpu, key) == 1
+                       for gpu, key in self._keys.get(instance_id, []))
+
+    def reattach(self, instance: Instance, region: Path) -> None:
+        """Maps the instance's files afresh once cgpud repaired them; its
+        scheduling history starts over."""
+        self.detach(instance.id)
+        self.attach(instance, region)
+
     def schedule(self, gpu: int) -> GpuSchedule:
         s = ffi.new("struct cgpu_engine_stats *")
         _check(lib.cgpu_engine_stats_get(self._engine, gpu, s), f"no schedule for GPU {gpu}")

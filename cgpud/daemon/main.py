@@ -7,6 +7,7 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 
 import structlog
 
@@ -36,8 +37,20 @@ def _sweeper(service: InstanceService, interval: float, stop: threading.Event) -
     while not stop.wait(interval):
         try:
             service.sweep()
-        except CgpuError as e:  # keep sweeping: the next round may succeed
+        except (CgpuError, OSError, MemoryError) as e:  # keep sweeping: the next round may succeed
             log.error("sweep failed", error=str(e))
+
+
+def _private_state_dir(path: Path) -> None:
+    """The instance tables and regions are root's alone (0700); an older
+    cgpud made the directory 0755. Containers reach the files they need
+    through bind mounts, which do not cross this directory's mode."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if path.stat().st_mode & 0o077:
+            path.chmod(0o700)
+    except OSError as e:
+        raise CgpuError(f"cannot prepare the state directory {path}: {e.strerror}") from e
 
 
 def run(config: settings.DaemonConfig) -> int:
@@ -52,10 +65,11 @@ def run(config: settings.DaemonConfig) -> int:
     log = structlog.get_logger("cgpud")
     inventory = read_inventory()
     gpus = tuple(GpuCapacity(g.index, g.uuid, g.memory_total) for g in inventory.gpus)
+    _private_state_dir(config.state_dir)
     store = Store(config.database)
     compute = ComputeScheduler(len(gpus), config.timing()).start() if gpus and limits_compute(config.mode) else None
     service = InstanceService(store, gpus, config.policy(), config.regions, inventory.driver_version, node.boot_id(),
-                              compute=compute)
+                              compute=compute, tmpfs_regions=True)
     service.reconcile()
     files = install_runtime_files(config.state_dir, config.relay_socket)
     trust_env = config.orchestrator is Orchestrator.STANDALONE

@@ -7,13 +7,21 @@ The layout, constants, checksum and checks all come from C through cffi
 stays at the edges: the dataclasses are plain values, validated on creation.
 
 Ownership: cgpud is the only writer of `limits` and the creator of `usage`;
-tenant processes map `usage` and update it with C atomics. Thread-safety: a
+tenant processes map `usage` and update it with C atomics. The usage file is
+the tenant's own cooperative counter, never truth for cgpud: every read of it
+is bounded (a fixed header, never the whole file), checked, and repaired in
+place when it is damaged; a mapping of it is guarded against truncation
+(csrc/region/guard.h). Each instance directory is a small tmpfs of its own
+where cgpud may mount one, so a tenant that grows its usage file fills only
+that. Thread-safety: a
 UsageRegion may be shared by threads (claim and reap are serialised on it);
 InstanceLimits values are immutable."""
 from __future__ import annotations
 
+import errno
 import mmap
 import os
+import shutil
 import stat
 import threading
 from dataclasses import dataclass
@@ -31,7 +39,8 @@ GRANTS_FILE: str = ffi.string(lib.CGPU_GRANTS_FILE).decode()
 MAX_DEVICES: int = lib.CGPU_MAX_DEVICES
 MAX_PROCS: int = lib.CGPU_MAX_PROCS
 
-DIR_MODE = 0o755
+DIR_MODE = 0o755  # it is the container's /run/cgpu; the instances directory above is 0700
+INSTANCES_MODE = 0o700  # no host user but root reaches any region file
 LIMITS_MODE = 0o644  # read-only for everyone but cgpud; mounted read-only too
 USAGE_MODE = 0o666  # a container process of any uid must update its ledger
 GRANTS_MODE = 0o644  # only cgpud's scheduler opens or closes a gate
@@ -39,6 +48,8 @@ GRANTS_MODE = 0o644  # only cgpud's scheduler opens or closes a gate
 _U32_MAX = 2**32 - 1
 _U64_MAX = 2**64 - 1
 _ERRLEN = 256
+_HEADER = 16  # magic, version, size: the same first bytes in every region file
+_PAGE = mmap.PAGESIZE
 _LOG_LEVELS = range(lib.CGPU_LOG_QUIET, lib.CGPU_LOG_DEBUG + 1)
 
 
@@ -206,21 +217,119 @@ def _open_regular(path: Path, flags: int) -> int:
     return fd
 
 
-def _read_file(path: Path) -> bytes:
+def _read_bounded(path: Path, size: int) -> tuple[bytes, int]:
+    """At most `size` bytes from the start of the file, and its real size: a
+    tenant decides how big its usage file is, so cgpud never reads it all."""
     fd = _open_regular(path, os.O_RDONLY)
-    with os.fdopen(fd, "rb") as f:
-        return f.read()
+    try:
+        return os.pread(fd, size, 0), os.fstat(fd).st_size
+    finally:
+        os.close(fd)
 
 
 def _file_problem(path: Path, check: Any, ctype: str) -> str | None:
-    """Why an existing usage or grants file cannot be kept, or None if it can."""
+    """Why an existing region file cannot be kept, or None if it can."""
+    size = ffi.sizeof(ctype)
     try:
-        data = _read_file(path)
+        data, file_size = _read_bounded(path, size)
     except FileNotFoundError:
         return "missing"
     except (OSError, RegionError) as e:
         return str(e)
+    if file_size != size:
+        return f"{path} is {file_size} bytes, not {size}"
     return _check_struct(check, ctype, data)
+
+
+def usage_problem(directory: Path) -> str | None:
+    """Why the instance's usage file is unusable, or None if it is sound.
+    Reads its size and its header only."""
+    return _file_problem(Path(directory) / USAGE_FILE, lib.cgpu_usage_check, "struct cgpu_usage")
+
+
+def repair_usage(path: Path) -> str | None:
+    """Puts a damaged usage file right in place, and says what was wrong
+    (None: nothing). The size and the header are restored on the same inode,
+    so processes that map it stay coherent with cgpud. A short file starts
+    afresh: what the truncation threw away (its own processes' accounting)
+    is gone, for that tenant only.
+    Its pages are preallocated so no later write into them can fail."""
+    size = ffi.sizeof("struct cgpu_usage")
+    header = _new_usage()[:_HEADER]
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        _create_usage(path)
+        return "missing"
+    if not stat.S_ISREG(st.st_mode):
+        os.unlink(path)
+        _create_usage(path)
+        return "not a regular file"
+    fd = _open_regular(path, os.O_RDWR)
+    try:
+        wrong = []
+        file_size = os.fstat(fd).st_size
+        if file_size != size:
+            os.ftruncate(fd, size)
+            wrong.append(f"{file_size} bytes, not {size}")
+        os.posix_fallocate(fd, 0, size)
+        if file_size < size:
+            # Ledgers were cut off: counters that no ledger explains would
+            # hold the instance's memory for good. Start it afresh.
+            os.pwrite(fd, _new_usage(), 0)
+        elif os.pread(fd, _HEADER, 0) != header:
+            os.pwrite(fd, header, 0)
+            wrong.append("bad header")
+        if stat.S_IMODE(os.fstat(fd).st_mode) != USAGE_MODE:
+            os.fchmod(fd, USAGE_MODE)
+        return ", ".join(wrong) or None
+    finally:
+        os.close(fd)
+
+
+def _create_usage(path: Path) -> None:
+    write_atomic(path, _new_usage(), USAGE_MODE, durable=False)
+    fd = _open_regular(path, os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, ffi.sizeof("struct cgpu_usage"))
+    finally:
+        os.close(fd)
+
+
+def region_fs_bytes() -> int:
+    """What one instance's tmpfs holds: its three files, a temporary copy of
+    each (write_atomic) and a few pages to spare."""
+    pages = sum(-(-ffi.sizeof(c) // _PAGE) for c in ("struct cgpu_limits", "struct cgpu_usage", "struct cgpu_grants"))
+    return (2 * pages + 4) * _PAGE
+
+
+def make_region_dir(directory: Path, tmpfs: bool = True) -> str | None:
+    """Creates an instance directory as its own size-capped tmpfs (with
+    `tmpfs`). Returns None when it is one, else why not (the directory is
+    then plain, on the state filesystem). An existing directory is left as
+    it is: running processes may hold its files."""
+    directory = Path(directory)
+    parent = directory.parent
+    parent.mkdir(mode=INSTANCES_MODE, parents=True, exist_ok=True)
+    if stat.S_IMODE(parent.stat().st_mode) != INSTANCES_MODE:
+        os.chmod(parent, INSTANCES_MODE)
+    if directory.is_dir():
+        return None if directory.is_mount() else "created before, as a plain directory"
+    directory.mkdir(mode=DIR_MODE)
+    rc = lib.cgpu_region_mount(str(directory).encode(), region_fs_bytes()) if tmpfs else -errno.ENOTSUP
+    os.chmod(directory, DIR_MODE)  # the tmpfs root, or mkdir's mode narrowed by the umask
+    return None if rc == 0 else f"cannot mount a tmpfs at {directory}: {os.strerror(-rc)}"
+
+
+def remove_region_dir(directory: Path) -> None:
+    """Removes an instance directory, detaching its tmpfs first."""
+    directory = Path(directory)
+    try:
+        if directory.is_mount():
+            lib.cgpu_region_unmount(str(directory).encode())
+    except OSError:
+        pass
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def write_region(directory: Path, limits: InstanceLimits, gated: bool = False) -> None:
@@ -236,12 +345,12 @@ def write_region(directory: Path, limits: InstanceLimits, gated: bool = False) -
         if not directory.is_dir():
             directory.mkdir(mode=DIR_MODE, parents=True)
             os.chmod(directory, DIR_MODE)  # mkdir's mode is narrowed by the umask
+        # Usage first: a tenant that filled its tmpfs must not make the
+        # limits below fail to write.
+        repair_usage(directory / USAGE_FILE)
         # Not durable: after a crash reconcile rebuilds a region from SQLite,
         # and a power loss ends every instance of that boot anyway.
         write_atomic(directory / LIMITS_FILE, _encode_limits(limits), LIMITS_MODE, durable=False)
-        usage = directory / USAGE_FILE
-        if _file_problem(usage, lib.cgpu_usage_check, "struct cgpu_usage") is not None:
-            write_atomic(usage, _new_usage(), USAGE_MODE, durable=False)
         grants = directory / GRANTS_FILE
         if _file_problem(grants, lib.cgpu_grants_check, "struct cgpu_grants") is not None:
             write_atomic(grants, _new_grants(gated), GRANTS_MODE, durable=False)
@@ -258,7 +367,7 @@ def read_limits(directory: Path) -> InstanceLimits:
     """The limits cgpud published in `directory`, checked as libcgpu.so checks them."""
     path = Path(directory) / LIMITS_FILE
     try:
-        data = _read_file(path)
+        data, _ = _read_bounded(path, ffi.sizeof("struct cgpu_limits"))
     except OSError as e:
         raise RegionError(f"cannot read limits region {path}: {e.strerror}") from e
     problem = _check_struct(lib.cgpu_limits_check, "struct cgpu_limits", data)
@@ -299,12 +408,17 @@ class UsageRegion:
             raise RegionError(f"cannot open usage region {self.path}: {e.strerror}") from e
         try:
             file_size = os.fstat(self._fd).st_size
-            if file_size < size:
+            if file_size != size:
                 # Too short to map as the struct; let C word the complaint.
                 problem = _check_struct(lib.cgpu_usage_check, "struct cgpu_usage", b"")
                 raise RegionError(f"{self.path}: {problem} ({file_size} bytes)")
             self._map = mmap.mmap(self._fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             self._u = ffi.from_buffer("struct cgpu_usage *", self._map, require_writable=True)
+            # Before the first read: the tenant may truncate the file at any
+            # moment, and cgpud must read zeros then, not die of SIGBUS.
+            self._guard = int(lib.cgpu_guard_register(self._u, size))
+            if self._guard < 0:
+                raise RegionError(f"cannot guard usage region {self.path} against truncation: too many mapped")
             err = ffi.new("char[]", _ERRLEN)
             if lib.cgpu_usage_check(self._u, file_size, err, _ERRLEN) != 0:
                 raise RegionError(f"{self.path}: {ffi.string(err).decode()}")
@@ -323,7 +437,22 @@ class UsageRegion:
     def _mapped(self) -> Any:
         if getattr(self, "_u", None) is None:
             raise RegionError(f"usage region {self.path} is closed")
+        self._check_intact()
         return self._u
+
+    def _check_intact(self) -> None:
+        """Refuses a mapping whose file was resized or truncated under it:
+        what it shows is no longer the tenant's counters."""
+        if self.damaged:
+            raise RegionError(f"usage region {self.path} was truncated while mapped")
+        size = os.fstat(self._fd).st_size
+        if size != ffi.sizeof("struct cgpu_usage"):
+            raise RegionError(f"usage region {self.path} is {size} bytes now")
+
+    @property
+    def damaged(self) -> bool:
+        """The file was truncated under the mapping (it reads zeros since)."""
+        return getattr(self, "_guard", -1) >= 0 and bool(lib.cgpu_guard_damaged(self._guard))
 
     def device_used(self, index: int) -> int:
         """Bytes all processes of the instance hold on device slot `index`."""
@@ -345,7 +474,9 @@ class UsageRegion:
     def reap(self) -> int:
         """Returns the usage of dead processes to the instance; how many were reaped."""
         with self._lock:
-            return int(lib.cgpu_ledger_reap(self._mapped(), self._fd, -1))
+            reaped = int(lib.cgpu_ledger_reap(self._mapped(), self._fd, -1))
+        self._check_intact()  # truncated meanwhile: the count means nothing
+        return reaped
 
     def claim(self, pid: int) -> int:
         """Claims a ledger for `pid`, held until close(); returns its index."""
@@ -384,6 +515,9 @@ class UsageRegion:
         for fd in self._claims.values():
             os.close(fd)
         self._claims.clear()
+        guard, self._guard = getattr(self, "_guard", -1), -1
+        if guard >= 0:
+            lib.cgpu_guard_unregister(guard)  # before the unmap: the range may be reused
         u, self._u = getattr(self, "_u", None), None
         if u is not None:
             ffi.release(u)  # the mmap cannot close while cffi exports it

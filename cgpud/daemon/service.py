@@ -9,7 +9,6 @@ Create and release are idempotent for retries after a crash: the same owner
 gets the same active instance back, and releasing twice is no error."""
 from __future__ import annotations
 
-import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -32,10 +31,11 @@ from cgpud.daemon.model import (
 )
 from cgpud.daemon.compute import ComputeError, ComputeScheduler
 from cgpud.daemon.compute_policy import decode_compute_policies, encode_compute_policies, with_compute_policy
-from cgpud.daemon.region import (DeviceLimit, InstanceLimits, RegionError, UsageRegion, grants_problem, read_limits,
-                                 write_region)
+from cgpud.daemon.region import (INSTANCES_MODE, USAGE_FILE, DeviceLimit, InstanceLimits, RegionError, UsageRegion,
+                                 grants_problem, make_region_dir, read_limits, remove_region_dir, repair_usage,
+                                 usage_problem, write_region)
 from cgpud.daemon.store import Store, new_instance_id
-from cgpud.errors import NotFoundError, StateError
+from cgpud.errors import CgpuError, NotFoundError, StateError
 
 COMPUTE_POLICY_KEY = "compute_policy"
 # Modes whose instances get a region (and so libcgpu enforcement).
@@ -43,6 +43,8 @@ ENFORCED_MODES = (NodeMode.CGPU, NodeMode.CORE_MEM, NodeMode.MPS)
 # Seconds a container instance may wait between the shim's prepare and the
 # bind hook; runc gets there in tens of milliseconds.
 UNBOUND_CONTAINER_GRACE = 120.0
+# In the instances directory: how cgpud holds regions (read by `cgpuctl doctor`).
+REGION_FS_FILE = ".filesystem"
 
 
 def pid_alive(pid: int, since: float) -> bool:
@@ -56,8 +58,9 @@ def pid_alive(pid: int, since: float) -> bool:
 class InstanceService:
     def __init__(self, store: Store, gpus: Sequence[GpuCapacity], policy: NodePolicy, regions: Path,
                  driver_version: str, boot_id: str, clock: Callable[[], float] = time.time,
-                 compute: ComputeScheduler | None = None) -> None:
+                 compute: ComputeScheduler | None = None, tmpfs_regions: bool = False) -> None:
         self._store = store
+        self._tmpfs_regions = tmpfs_regions  # a size-capped tmpfs per instance directory (cgpud: yes)
         self._gpus = tuple(gpus)
         self._regions = regions
         self._driver_version = driver_version
@@ -68,6 +71,7 @@ class InstanceService:
         stored = store.get_setting(COMPUTE_POLICY_KEY)
         self._policy = policy if stored is None else decode_compute_policies(policy, stored)
         self._compute = compute
+        self._region_fs_noted = False  # the first region directory of this run says how they are held
         if compute is not None:
             compute.configure(self._policy)
 
@@ -196,7 +200,7 @@ class InstanceService:
         instance = self._store.set_state(instance_id, InstanceState.RELEASED)
         if self._compute is not None:
             self._compute.detach(instance_id)
-        shutil.rmtree(self.region_dir(instance_id), ignore_errors=True)
+        remove_region_dir(self.region_dir(instance_id))
         return instance
 
     def set_compute_policy(self, policy: ComputePolicy, gpu: int | None = None) -> NodePolicy:
@@ -216,13 +220,20 @@ class InstanceService:
         """At start: release what outlived its owner, repair regions, reclaim
         the usage of dead processes, remove regions nobody owns."""
         released = repaired = reaped = 0
+        if self._regions.is_dir():
+            self._regions.chmod(INSTANCES_MODE)  # an older cgpud made it 0755
         for instance in self._store.active():
             if instance.boot_id != self._boot_id or self._owner_gone(instance):
                 self.release(instance.id)
                 released += 1
                 continue
-            repaired += self._repair_region(instance)
-            reaped += self._reap(instance)
+            # Each instance's damage is its own: one a tenant broke beyond
+            # repair never stops the start or the others.
+            try:
+                repaired += self._repair_region(instance)
+                reaped += self._reap(instance)
+            except (CgpuError, OSError, MemoryError) as e:
+                self._log.error("instance region cannot be repaired", id=instance.id, error=str(e))
             try:
                 with self._lock:
                     self._schedule(instance)
@@ -248,7 +259,38 @@ class InstanceService:
         for instance in active:
             if self._container_gone(instance):
                 self.unbind(instance.id)
+        self._check_usage([i for i in active if i not in gone])
         return len(gone)
+
+    def _check_usage(self, instances: Sequence[Instance]) -> int:
+        """Puts right the usage files tenants resized or scribbled on, and
+        maps afresh in the scheduler those it found truncated under its
+        mapping. Reads each file's size and header only; one instance's
+        damage never stops the others'. Returns how many were repaired."""
+        repaired = 0
+        for instance in instances:
+            if not instance.enforced:
+                continue
+            region = self.region_dir(instance.id)
+            try:
+                with self._lock:
+                    if self._store.get(instance.id).state is InstanceState.RELEASED:
+                        continue
+                    problem = usage_problem(region)
+                    damaged = self._compute is not None and self._compute.damaged(instance.id)
+                    if problem is None and not damaged:
+                        continue
+                    if problem is not None:
+                        repair_usage(region / USAGE_FILE)
+                    if self._compute is not None and damaged:
+                        self._compute.reattach(instance, region)
+            except (CgpuError, OSError, MemoryError) as e:
+                self._log.error("usage file cannot be repaired", id=instance.id, error=str(e))
+                continue
+            self._log.warning("usage file repaired", id=instance.id,
+                              problem=problem or "truncated under the scheduler's mapping")
+            repaired += 1
+        return repaired
 
     # ---- helpers ------------------------------------------------------------------------
 
@@ -288,7 +330,25 @@ class InstanceService:
 
     def _write_region(self, instance: Instance) -> None:
         if instance.enforced:
-            write_region(self.region_dir(instance.id), self._limits(instance), gated=self._compute is not None)
+            region = self.region_dir(instance.id)
+            if not region.is_dir():
+                self._note_region_fs(make_region_dir(region, self._tmpfs_regions))
+            write_region(region, self._limits(instance), gated=self._compute is not None)
+
+    def _note_region_fs(self, plain: str | None) -> None:
+        """Says once per run how regions are held; loudly if a tenant can
+        fill cgpud's state filesystem through its usage file."""
+        if self._region_fs_noted:
+            return
+        self._region_fs_noted = True
+        if plain is not None:
+            self._log.warning("instance regions are plain directories on the state filesystem: a tenant can fill "
+                              "it through its usage file (cgpud needs CAP_SYS_ADMIN to mount a tmpfs per instance)",
+                              reason=plain)
+        try:
+            (self._regions / REGION_FS_FILE).write_text("tmpfs\n" if plain is None else f"plain: {plain}\n")
+        except OSError as e:
+            self._log.error("cannot record how regions are held", error=str(e))
 
     def _schedule(self, instance: Instance) -> None:
         if self._compute is not None and instance.enforced:
@@ -299,13 +359,14 @@ class InstanceService:
             return 0
         region = self.region_dir(instance.id)
         try:
-            if read_limits(region) == self._limits(instance) and grants_problem(region) is None:
-                with UsageRegion(region):
-                    return 0
+            problem = usage_problem(region) or grants_problem(region)
+            if problem is None and read_limits(region) == self._limits(instance):
+                return 0
         except RegionError as e:
-            # Damaged, or a crash came between committing and writing it.
-            self._log.warning("region repaired", id=instance.id, error=str(e))
-        self._write_region(instance)  # keeps a valid usage file, replaces a damaged one
+            problem = str(e)
+        # Damaged, or a crash came between committing and writing it.
+        self._log.warning("region repaired", id=instance.id, error=problem or "other limits")
+        self._write_region(instance)  # repairs the usage file in place
         return 1
 
     def _reap(self, instance: Instance) -> int:
@@ -324,5 +385,5 @@ class InstanceService:
         active = {i.id for i in self._store.active()}
         orphans = [d for d in self._regions.iterdir() if d.is_dir() and d.name not in active]
         for d in orphans:
-            shutil.rmtree(d, ignore_errors=True)
+            remove_region_dir(d)
         return len(orphans)

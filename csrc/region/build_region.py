@@ -15,7 +15,7 @@ from cffi import FFI
 
 HERE = Path(__file__).resolve().parent
 INCLUDE = HERE.parent / "include"
-HEADERS = (INCLUDE / "cgpu" / "region.h", HERE / "region.h", HERE / "region_py.h")
+HEADERS = (INCLUDE / "cgpu" / "region.h", HERE / "region.h", HERE / "region_py.h", HERE / "guard.h")
 
 # cffi does not parse _Atomic. The plain integer types have the same size and
 # alignment (asserted in region_py.c), so the layout cffi computes is right.
@@ -71,11 +71,13 @@ ffibuilder.set_source(
     "cgpud._region",
     # The wrapper sees the same plain-integer layout as the cdef, so cffi's
     # generated field checks compile; region.c and region_py.c keep _Atomic.
-    f"#define {ATOMIC_MACRO}\n" '#include "region.h"\n#include "region_py.h"\n',
+    f"#define {ATOMIC_MACRO}\n" '#include "region.h"\n#include "region_py.h"\n#include "guard.h"\n',
     # setuptools wants sources relative to setup.py, which sits two levels up.
-    sources=["csrc/region/region.c", "csrc/region/region_py.c"],
+    # guard.c: this module's own SIGBUS guard for the usage files cgpud maps;
+    # hidden, so it never binds to the scheduler module's copy.
+    sources=["csrc/region/region.c", "csrc/region/region_py.c", "csrc/region/guard.c"],
     include_dirs=[str(HERE), str(INCLUDE)],
-    extra_compile_args=["-std=c11", "-Wall", "-Wextra", "-Werror"],
+    extra_compile_args=["-std=c11", "-Wall", "-Wextra", "-Werror", "-fvisibility=hidden"],
 )
 
 if __name__ == "__main__":

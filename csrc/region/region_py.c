@@ -1,6 +1,10 @@
+#define _GNU_SOURCE
 #include "region_py.h"
 
+#include <errno.h>
 #include <stdatomic.h>
+#include <stdio.h>
+#include <sys/mount.h>
 
 /* cgpud's cffi wrapper sees the usage layout with CGPU_ATOMIC defined empty
  * (cffi cannot parse _Atomic); that view is only right while the atomic
@@ -27,3 +31,16 @@ uint32_t cgpu_ledger_read(const struct cgpu_usage *u, unsigned i, int32_t *pid, 
     return state;
 }
 
+
+int cgpu_region_mount(const char *dir, uint64_t bytes)
+{
+    char opts[128];
+    /* Inodes: the root, three files and write_atomic's temporary copies. */
+    snprintf(opts, sizeof(opts), "size=%llu,nr_inodes=16,mode=0755", (unsigned long long)bytes);
+    return mount("cgpu-region", dir, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, opts) == 0 ? 0 : -errno;
+}
+
+int cgpu_region_unmount(const char *dir)
+{
+    return umount2(dir, MNT_DETACH | UMOUNT_NOFOLLOW) == 0 ? 0 : -errno;
+}

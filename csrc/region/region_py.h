@@ -19,4 +19,12 @@ uint64_t cgpu_device_used(const struct cgpu_usage *u, unsigned dev);
  * and per-device usage. */
 uint32_t cgpu_ledger_read(const struct cgpu_usage *u, unsigned i, int32_t *pid, uint64_t used[CGPU_MAX_DEVICES]);
 
+/* Mounts a tmpfs of `bytes` (rounded up to pages) at `dir` for one instance's
+ * region: mode 0755 (it is the container's /run/cgpu), nosuid, nodev, noexec,
+ * a handful of inodes. 0, or -errno (-EPERM without CAP_SYS_ADMIN). */
+int cgpu_region_mount(const char *dir, uint64_t bytes);
+/* Detaches the mount at `dir` lazily: containers may still hold bind mounts
+ * of its files. 0, or -errno. */
+int cgpu_region_unmount(const char *dir);
+
 #endif

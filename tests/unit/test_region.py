@@ -26,6 +26,7 @@ from cgpud.daemon.region import (
     RegionError,
     UsageRegion,
     read_limits,
+    usage_problem,
     write_region,
 )
 
@@ -314,6 +315,7 @@ USAGE_DAMAGE = [
     pytest.param(lambda p: os.truncate(p, 1000), "not a cgpu usage region (bad size or magic)", id="truncated"),
     pytest.param(lambda p: os.truncate(p, 0), "not a cgpu usage region (bad size or magic)", id="empty"),
     pytest.param(_symlink_elsewhere, "cannot open usage region", id="symlink"),
+    pytest.param(lambda p: os.truncate(p, 1 << 40), "not a cgpu usage region (bad size or magic)", id="grown-1TiB"),
 ]
 
 
@@ -330,18 +332,52 @@ def test_damaged_usage_is_refused_naming_the_file(
 
 
 @pytest.mark.parametrize(("damage", "message"), USAGE_DAMAGE)
-def test_damaged_usage_is_replaced(tmp_path: Path, damage: Callable[[Path], None], message: str) -> None:
+def test_damaged_usage_is_repaired(tmp_path: Path, damage: Callable[[Path], None], message: str) -> None:
     write_region(tmp_path, one_gpu())
     with UsageRegion(tmp_path) as region:
         assert region.charge(region.claim(1), 0, GIB, MIB)
     damage(tmp_path / USAGE_FILE)
+    assert usage_problem(tmp_path) is not None
     write_region(tmp_path, one_gpu())
     path = tmp_path / USAGE_FILE
     assert not path.is_symlink()
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o666
+    assert os.stat(path).st_size == ffi.sizeof("struct cgpu_usage")
+    assert usage_problem(tmp_path) is None
     with UsageRegion(tmp_path) as region:
+        region.reap()  # a scribbled header keeps the counters; the dead ledger goes back
         assert region.device_used(0) == 0
         assert region.ledgers() == []
+
+
+def test_usage_is_repaired_in_place_so_mappings_stay_coherent(tmp_path: Path) -> None:
+    write_region(tmp_path, one_gpu())
+    path = tmp_path / USAGE_FILE
+    inode = os.stat(path).st_ino
+    with UsageRegion(tmp_path) as region:
+        ledger = region.claim(5)
+        assert region.charge(ledger, 0, GIB, MIB)
+        _usage_set("magic", 7)(path)
+        os.truncate(path, 1 << 40)
+        write_region(tmp_path, one_gpu())
+        assert os.stat(path).st_ino == inode
+        assert region.device_used(0) == MIB  # the same pages: the tenant's counters survive
+        assert region.ledgers()[0].pid == 5
+
+
+def test_a_usage_file_truncated_under_the_mapping_reads_zeros_and_is_refused(tmp_path: Path) -> None:
+    write_region(tmp_path, one_gpu())
+    with UsageRegion(tmp_path) as region:
+        assert region.charge(region.claim(5), 0, GIB, MIB)
+        os.truncate(tmp_path / USAGE_FILE, 0)
+        assert not region.damaged
+        with pytest.raises(RegionError, match="0 bytes now"):
+            region.ledgers()
+        # What a read between the size check and the truncation sees: zeros, no SIGBUS.
+        assert lib.cgpu_device_used(region._u, 0) == 0  # noqa: SLF001
+        assert region.damaged
+        with pytest.raises(RegionError, match="truncated while mapped"):
+            region.reap()
 
 
 # ------------------------------------------------------- charging, reaping

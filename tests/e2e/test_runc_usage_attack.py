@@ -1,0 +1,78 @@
+"""A tenant inside a real runc container attacks the one region file it may
+write, /run/cgpu/usage: it computes, truncates the file, then tries to fill
+it. cgpud (core_mem, fixed policy) must stay up with the same pid, a 70 %
+neighbour keep its share and finish, and the instance go away cleanly."""
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+from cgpud.native import native_path
+from tests.daemonproc import BIN, Daemon, make_daemon
+from tests.e2e.oci import Host, host_mounts, run
+from tests.e2e.test_runc import instances
+from tests.sharerun import Sampler, ShareRig, _at, _busy
+
+# The burn runs first: a thread of the tenant's own waiting at its gate when
+# the file goes would lose its demand with it and wait on (docs/compute.md).
+SCRIPT = "\n".join([
+    "cgpu-burn --kernel-ns 200000 --streams 4 --duration 1 >/dev/null 2>&1 || echo BURN-FAILED",
+    ": > /run/cgpu/usage && echo TRUNCATED",
+    "sleep 1",  # cgpud's scheduler reads the truncated file meanwhile
+    "cat /dev/zero > /run/cgpu/usage 2>/dev/null || echo FILL-REFUSED",
+    "ls -l /run/cgpu/usage",
+])
+
+
+def test_a_container_truncating_and_filling_its_usage_file_harms_nobody(tmp_path: Path, host: Host) -> None:
+    d = make_daemon(tmp_path, host.sim_env, "--mode", "core_mem", "--compute-policy", "3")
+    mounts_before = host_mounts()
+    d.start()
+    try:
+        _attack_and_check(tmp_path, host, d)
+    finally:
+        if d.proc is not None and d.proc.poll() is None:
+            d.stop()
+    assert host_mounts() == mounts_before  # every instance's tmpfs went with it
+
+
+def _attack_and_check(tmp_path: Path, host: Host, d: Daemon) -> None:
+    assert d.proc is not None
+    pid = d.proc.pid
+    neighbour = subprocess.Popen(
+        [str(BIN / "cgpuctl"), "--socket", str(d.socket), "run", "--mem", "512MiB", "--core", "70", "--",
+         str(native_path("bin/cgpu-burn")), "--duration", "8", "--kernel-ns", "200000", "--streams", "4"],
+        env=d.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    sampler = Sampler(host.sim_env, 20)
+    try:
+        deadline = time.monotonic() + 60
+        burn = ShareRig._burn_pid(neighbour, deadline)
+        ShareRig._wait_running(sampler, [burn], deadline)
+        b = host.bundle(tmp_path / "attacker", ["sh", "-c", SCRIPT],
+                        ("ALIYUN_COM_GPU_MEM_CONTAINER=1", "ALIYUN_COM_GPU_CORE_PERCENTAGE=30"))
+        started = time.monotonic_ns()
+        out = run(host, b, host.new_id(), shim=True, relay=d.relay, timeout=120)
+        ended = time.monotonic_ns()
+        assert "TRUNCATED" in out.stdout and "FILL-REFUSED" in out.stdout, (out.stdout, out.stderr)
+        assert "BURN-FAILED" not in out.stdout, out.stdout
+        size = int(out.stdout.split("FILL-REFUSED", 1)[1].split()[4])
+        assert size < 1 << 20, out.stdout  # the instance's tmpfs is full long before a MiB
+        assert d.proc.poll() is None and d.proc.pid == pid, f"cgpud died: {d.proc.returncode}"
+        assert neighbour.poll() is None, "the neighbour ended before the attack was over"
+        assert d.cgpuctl("inspect").returncode == 0
+        assert neighbour.wait(timeout=120) == 0, neighbour.stderr.read().decode() if neighbour.stderr else ""
+    finally:
+        if neighbour.poll() is None:
+            neighbour.terminate()
+            neighbour.wait(timeout=60)
+        sampler.stop()
+    # The neighbour's own device time from the truncation on: its 70 %.
+    s = sampler.samples
+    a, z = _at(s, started + 1_500_000_000), _at(s, ended)
+    share = 100.0 * (_busy(z, burn) - _busy(a, burn)) / max(1, z[0] - a[0])
+    assert abs(share - 70) <= 10, share
+    assert instances(d) == []
+    d.stop()
+    d.start()  # a restart after all of that works
+    assert d.cgpuctl("inspect").returncode == 0

@@ -1,0 +1,182 @@
+"""A hostile process attacks one tenant's usage file (the one region file a
+container may write) while neighbours compute: truncated, grown to a huge
+sparse size with a broken header, filled with data, scribbled on. cgpud runs
+in core_mem mode with two `cgpuctl run` tenants at 30 % and 70 % (fixed
+policy); the attacker is a separate process, as a tenant inside its own
+container would be. cgpud must stay up (same pid), the neighbour keep its
+share and finish, `cgpuctl inspect` answer, the sweep and a restart repair
+the file, and the state filesystem (SQLite) see none of it."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from cgpud._region import ffi
+from cgpud.daemon.region import usage_problem
+from cgpud.native import native_path
+from tests.daemonproc import BIN
+from tests.sharerun import Sampler, ShareRig, TenantSpec, _at, _busy
+
+USAGE_SIZE = ffi.sizeof("struct cgpu_usage")
+MIB = 1 << 20
+
+# The attacker: a plain process with the file open read-write, as the
+# container's bind mount gives it. Prints how many bytes it managed to write.
+ATTACKER = r"""
+import os, sys
+path, attack = sys.argv[1], sys.argv[2]
+fd = os.open(path, os.O_RDWR)
+written = 0
+if attack in ("truncate",):
+    os.ftruncate(fd, 0)
+if attack in ("grow-sparse",):
+    os.ftruncate(fd, 1 << 40)
+if attack in ("grow-sparse", "scribble"):
+    os.pwrite(fd, b"\xff" * 4096, 0)
+if attack == "fill":
+    chunk = b"x" * (1 << 20)
+    try:
+        while written < (256 << 20):
+            written += os.pwrite(fd, chunk, os.fstat(fd).st_size)
+    except OSError as e:
+        print("refused:", e.strerror, file=sys.stderr)
+print(written)
+"""
+
+ATTACKS = ("truncate", "grow-sparse", "fill", "scribble")
+
+
+def attack(path: Path, how: str) -> int:
+    out = subprocess.run([sys.executable, "-c", ATTACKER, str(path), how], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    return int(out.stdout)
+
+
+def poll(check: Callable[[], bool], timeout: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.05)
+    return check()
+
+
+@pytest.fixture
+def rig(tmp_path: Path) -> Iterator[ShareRig]:
+    r = ShareRig(tmp_path, dict(os.environ))
+    yield r
+    if r.daemon.proc is not None and r.daemon.proc.poll() is None:
+        r.close()
+
+
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Processes a test starts, ended whatever happens to it."""
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in started:
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def _instances(rig: ShareRig) -> list[dict]:
+    out = rig.daemon.cgpuctl("list", "--output", "json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout or "[]")
+
+
+def _region_of(rig: ShareRig, core: int) -> Path:
+    ids = [i["id"] for i in _instances(rig) if i["grants"][0]["core_percent"] == core]
+    assert len(ids) == 1, _instances(rig)
+    return rig.daemon.state / "instances" / ids[0]
+
+
+def _free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+@pytest.mark.parametrize("how", ATTACKS)
+def test_an_attacked_usage_file_harms_neither_cgpud_nor_the_neighbour(rig: ShareRig, procs: list, how: str) -> None:
+    d = rig.daemon
+    assert d.proc is not None
+    pid = d.proc.pid
+    assert d.cgpuctl("policy", "set", "fixed").returncode == 0
+    # An idle instance too: nothing in it touches its file, so it is still
+    # there for the sweep and the restart to repair whatever the burning
+    # victim does after the attack.
+    idle = subprocess.Popen([str(BIN / "cgpuctl"), "--socket", str(d.socket), "run", "--mem", "256MiB", "--core",
+                             "0", "--", "sleep", "600"], env=d.env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    victim = rig._start(TenantSpec(30))
+    procs += [idle, victim]
+    sampler = Sampler(rig.env, 20)
+    neighbour_run: subprocess.Popen[bytes] | None = None
+    try:
+        deadline = time.monotonic() + 60
+        victim_pid = rig._burn_pid(victim, deadline)
+        assert poll(lambda: len(_instances(rig)) == 2)
+        target, idle_region = _region_of(rig, 30), _region_of(rig, 0)
+        neighbour_run = subprocess.Popen(
+            [str(BIN / "cgpuctl"), "--socket", str(d.socket), "run", "--mem", "512MiB", "--core", "70", "--",
+             str(native_path("bin/cgpu-burn")), "--duration", "5", "--kernel-ns", "200000", "--streams", "4"],
+            env=d.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        procs.append(neighbour_run)
+        pids = [victim_pid, rig._burn_pid(neighbour_run, deadline)]
+        rig._wait_running(sampler, pids, deadline)
+        free_before = _free_bytes(d.state)
+
+        attacked_at = time.monotonic_ns()
+        written = attack(target / "usage", how)
+        attack(idle_region / "usage", how)
+        time.sleep(1.5)  # the neighbour computes on while cgpud meets the damage
+        measured_at = time.monotonic_ns()
+        assert neighbour_run.poll() is None, "the neighbour ended before its share was measured"
+
+        assert d.proc.poll() is None and d.proc.pid == pid, f"cgpud died: {d.proc.returncode}"
+        inspect = d.cgpuctl("inspect")
+        assert inspect.returncode == 0, inspect.stderr
+        assert neighbour_run.wait(timeout=120) == 0, neighbour_run.stderr.read().decode()
+        if how == "fill":
+            assert written < MIB, f"a tenant wrote {written} bytes into its usage file"
+            assert free_before - _free_bytes(d.state) < 16 * MIB
+        # The sweep (every 2 s here) puts the idle instance's file right.
+        assert poll(lambda: usage_problem(idle_region) is None), usage_problem(idle_region)
+        assert os.stat(idle_region / "usage").st_size == USAGE_SIZE
+    finally:
+        runs = [p for p in (victim, neighbour_run) if p is not None]
+        for p in runs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in runs:
+            p.wait(timeout=60)
+        sampler.stop()
+    # Fixed shares: the neighbour had its 70 % after the attack as before it.
+    s = sampler.samples
+    a, b = _at(s, attacked_at + 200_000_000), _at(s, measured_at)
+    share = 100.0 * (_busy(b, pids[1]) - _busy(a, pids[1])) / max(1, b[0] - a[0])
+    assert abs(share - 70) <= 10, share
+
+    # The same damage while cgpud is down: the restart repairs it.
+    d.stop()
+    attack(idle_region / "usage", how)
+    d.start()
+    assert usage_problem(idle_region) is None
+    assert d.cgpuctl("inspect").returncode == 0
+    # SQLite took no harm: a new instance is admitted and recorded.
+    out = d.cgpuctl("run", "--mem", "256MiB", "--", "true")
+    assert out.returncode == 0, out.stderr
