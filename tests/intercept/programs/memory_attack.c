@@ -168,6 +168,9 @@ static int retain(void)
     must(FN(cuMemRelease)(again), "release retained");
     printf("{\"same_handle\":%s,\"free_retained\":%llu,\"creates\":[\"%s\",\"%s\"],\"free_released\":%llu}\n",
            again == h ? "true" : "false", held, err(rc[0]), err(rc[1]), mem_free());
+    for (int i = 0; i < 2; i++)
+        if (rc[i] == CUDA_SUCCESS)
+            FN(cuMemRelease)(more[i]);
     return 0;
 }
 
@@ -235,6 +238,9 @@ static int graph(void)
     CUresult inst = FN(cuGraphInstantiateWithFlags)(&x, g, 0);
     printf("{\"add_node\":\"%s\",\"add_node_v2\":\"%s\",\"instantiate\":\"%s\",\"free\":%llu}\n", err(v1), err(v2),
            err(inst), mem_free());
+    if (inst == CUDA_SUCCESS)
+        FN(cuGraphExecDestroy)(x);
+    FN(cuGraphDestroy)(g);
     return 0;
 }
 
@@ -290,6 +296,13 @@ static int oldabi(void)
     printf("{\"allocs\":[\"%s\",\"%s\",\"%s\"],\"free\":%u,\"total\":%u,\"device_total\":%u,\"pitch\":\"%s\","
            "\"array\":\"%s\",\"free_after_free\":%u}\n",
            err(rc[0]), err(rc[1]), err(rc[2]), f, t, total, err(prc), err(arc), f2);
+    for (int i = 1; i < 3; i++)
+        if (rc[i] == CUDA_SUCCESS)
+            mfree(p[i]);
+    if (prc == CUDA_SUCCESS)
+        mfree(pp);
+    if (arc == CUDA_SUCCESS)
+        FN(cuArrayDestroy)(a);
     return 0;
 }
 
