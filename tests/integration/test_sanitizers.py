@@ -104,7 +104,7 @@ def _wait_for(what: str, predicate, timeout: float = 10.0) -> None:
         time.sleep(0.005)
 
 
-@pytest.mark.parametrize("api", ["kernel", "graph"])
+@pytest.mark.parametrize("api", ["kernel", "graph", "grid-async"])
 def test_gated_launches_are_clean_under_sanitizers(san_native, san_instance, api):
     """A closed gate, an opening, a closing with a fence, a reopening: the
     waiting path, the fence watcher thread and the open path, sanitized."""
@@ -125,6 +125,33 @@ def test_gated_launches_are_clean_under_sanitizers(san_native, san_instance, api
         view.set_gate(0, 3 * GATE_SEQ_STEP)
         _wait_for("the fence", lambda: view.fence_ack(proc.pid) == 3 * GATE_SEQ_STEP | lib.CGPU_ACK_LAUNCHED)
         view.set_gate(0, 4 * GATE_SEQ_STEP | GATE_OPEN)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        view.close()
+    assert "Sanitizer" not in err and "runtime error" not in err, err
+    assert proc.returncode == 0, err
+    assert json.loads(out)["errors"] == []
+
+
+def test_a_gate_orphaned_by_a_dead_cgpud_is_clean_under_sanitizers(san_native, san_instance):
+    """The bounded wait, the lock probe, launching past the orphaned gate and
+    being gated again by a new gate word, sanitized."""
+    from tests.intercept.conftest import GATE_OPEN, GATE_SEQ_STEP, GrantsView, grants_bytes, write_grants
+
+    region = Path(san_instance["CGPU_REGION_DIR"])
+    write_grants(region, grants_bytes([GATE_SEQ_STEP]))
+    view = GrantsView(region)
+    cmd = [str(san_native / "bin" / "cgpu-burn"), "--duration=1.5", "--kernel-ns=100000", "--streams=2"]
+    proc = subprocess.Popen(cmd, env=san_instance, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for("a launch waiting at the gate", lambda: view.waiting() >= 1)
+        view.drive(False)
+        _wait_for("launches past the orphaned gate", lambda: view.waiting() == 0)
+        view.drive(True)
+        view.set_gate(0, 2 * GATE_SEQ_STEP)
+        _wait_for("a launch waiting at the new gate", lambda: view.waiting() >= 1)
+        view.set_gate(0, 3 * GATE_SEQ_STEP | GATE_OPEN)
         out, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
