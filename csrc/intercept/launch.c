@@ -412,6 +412,27 @@ CGPU_EXPORT CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunct
 COOPERATIVE_HOOK(cuLaunchCooperativeKernel)
 COOPERATIVE_HOOK(cuLaunchCooperativeKernel_ptsz)
 
+static bool every_gate_ungated(void)
+{
+    for (unsigned i = 0; i < g_cgpu.device_count; i++)
+        if (!(atomic_load_explicit(g_cgpu.gate[i], memory_order_acquire) & CGPU_GATE_UNGATED))
+            return false;
+    return true;
+}
+
+/* A thread waits at one gate at a time, and holding one GPU's grant while
+ * waiting for another's would stall the first GPU's fence: a grid over
+ * several GPUs of an instance under compute control is refused, as a driver
+ * refuses it on GPUs that cannot run it. One GPU is gated like the rest. */
+CGPU_EXPORT CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *launchParamsList,
+                                                          unsigned int numDevices, unsigned int flags)
+{
+    (void)cgpu_state();
+    if (numDevices > 1 && g_cgpu.device_count > 1 && !g_cgpu.launches_refused && !every_gate_ungated())
+        return CUDA_ERROR_NOT_SUPPORTED;
+    GATED_CALL(cuLaunchCooperativeKernelMultiDevice, launchParamsList, numDevices, flags);
+}
+
 CGPU_EXPORT CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream)
 {
     GATED_CALL(cuGraphLaunch, hGraphExec, hStream);

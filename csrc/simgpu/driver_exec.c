@@ -512,6 +512,59 @@ SIM_EXPORT CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned int gr
     return launch(f, &SHAPE(true), hStream, true, kernelParams, NULL);
 }
 
+#define MULTI_DEVICE_FLAGS \
+    (CUDA_COOPERATIVE_LAUNCH_MULTI_DEVICE_NO_PRE_LAUNCH_SYNC | CUDA_COOPERATIVE_LAUNCH_MULTI_DEVICE_NO_POST_LAUNCH_SYNC)
+
+/* One cooperative grid per device, each on its own (created) stream. Unless
+ * told otherwise, every kernel waits for the work queued before it in all
+ * the streams, and later work in any of them waits for every kernel. */
+SIM_EXPORT CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *launchParamsList,
+                                                         unsigned int numDevices, unsigned int flags)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (!launchParamsList || numDevices == 0 || numDevices > SIM_MAX_GPUS || (flags & ~(unsigned)MULTI_DEVICE_FLAGS))
+        return CUDA_ERROR_INVALID_VALUE;
+    struct sim_stream *s[SIM_MAX_GPUS];
+    uint64_t ns[SIM_MAX_GPUS], start = 0;
+    for (unsigned i = 0; i < numDevices; i++) {
+        const CUDA_LAUNCH_PARAMS *p = &launchParamsList[i];
+        if (p->hStream == NULL || p->hStream == CU_STREAM_LEGACY || p->hStream == CU_STREAM_PER_THREAD)
+            return CUDA_ERROR_INVALID_VALUE;
+        if ((rc = sim_resolve_stream(p->hStream, false, &s[i])))
+            return rc;
+        for (unsigned k = 0; k < i; k++)
+            if (s[k]->ctx->dev == s[i]->ctx->dev)
+                return CUDA_ERROR_INVALID_VALUE; /* one grid per device */
+        struct sim_function *fn = function_of(p->function);
+        if (!fn)
+            return CUDA_ERROR_INVALID_HANDLE;
+        struct launch_shape sh = {.grid = {p->gridDimX, p->gridDimY, p->gridDimZ},
+                                  .block = {p->blockDimX, p->blockDimY, p->blockDimZ},
+                                  .cooperative = true};
+        if ((rc = check_shape(fn, &sh, s[i]->ctx->dev)))
+            return rc;
+        ns[i] = kernel_ns(fn, p->kernelParams, NULL);
+        uint64_t tail = atomic_load(&s[i]->tail);
+        start = tail > start ? tail : start;
+    }
+    uint64_t end = 0;
+    for (unsigned i = 0; i < numDevices; i++) {
+        if (!(flags & CUDA_COOPERATIVE_LAUNCH_MULTI_DEVICE_NO_PRE_LAUNCH_SYNC) && atomic_load(&s[i]->tail) < start)
+            atomic_store(&s[i]->tail, start);
+        sim_stream_run(s[i], ns[i]);
+        uint64_t tail = atomic_load(&s[i]->tail);
+        end = tail > end ? tail : end;
+    }
+    for (unsigned i = 0; i < numDevices && !(flags & CUDA_COOPERATIVE_LAUNCH_MULTI_DEVICE_NO_POST_LAUNCH_SYNC); i++)
+        if (atomic_load(&s[i]->tail) < end) {
+            atomic_store(&s[i]->tail, end);
+            sim_ctx_note_end(s[i]->ctx, end);
+        }
+    return CUDA_SUCCESS;
+}
+
 static CUresult launch_ex(const CUlaunchConfig *c, CUfunction f, void **params, void **extra, bool per_thread)
 {
     if (!c || (c->numAttrs && !c->attrs))

@@ -86,6 +86,7 @@
     X(cuLaunch, cuLaunch, 0)                                           \
     X(cuLaunchGrid, cuLaunchGrid, 0)                                   \
     X(cuLaunchGridAsync, cuLaunchGridAsync, 0)                         \
+    X(cuLaunchCooperativeKernelMultiDevice, cuLaunchCooperativeKernelMultiDevice, 0) \
     X(cuGraphCreate, cuGraphCreate, 0)                                 \
     X(cuGraphAddKernelNode_v2, cuGraphAddKernelNode, 0)                \
     X(cuGraphInstantiateWithFlags, cuGraphInstantiate, 0)              \
@@ -103,12 +104,13 @@ struct api {
 enum alloc_api { AA_ALLOC, AA_PITCH, AA_MANAGED, AA_ASYNC, AA_POOL, AA_VMM, AA_ARRAY };
 static const char *const alloc_apis[] = {"alloc", "pitch", "managed", "async",
                                          "pool",  "vmm",   "array",   NULL};
-enum launch_api { LA_KERNEL, LA_EX, LA_COOP, LA_GRAPH, LA_LAUNCH, LA_GRID, LA_GRID_ASYNC };
+enum launch_api { LA_KERNEL, LA_EX, LA_COOP, LA_GRAPH, LA_LAUNCH, LA_GRID, LA_GRID_ASYNC, LA_MULTI };
 static const char *const launch_apis[] = {"kernel", "ex", "cooperative", "graph",
-                                          "launch", "grid", "grid-async", NULL};
+                                          "launch", "grid", "grid-async", "multi-device", NULL};
 static const char *const launch_calls[] = {"cuLaunchKernel", "cuLaunchKernelEx",
                                            "cuLaunchCooperativeKernel", "cuGraphLaunch",
-                                           "cuLaunch", "cuLaunchGrid", "cuLaunchGridAsync"};
+                                           "cuLaunch", "cuLaunchGrid", "cuLaunchGridAsync",
+                                           "cuLaunchCooperativeKernelMultiDevice"};
 enum resolver { RESOLVE_PROC, RESOLVE_DLSYM };
 static const char *const resolvers[] = {"proc", "dlsym", NULL};
 
@@ -250,7 +252,7 @@ static const struct spec specs[] = {
     OPT("sync-every", "N", K_COUNT, sync_every, 1, 1e15,
         "with duty 1, sync every N launch calls (at the end; ~50 ms with --duration)"),
     CHOICE("launch-api", "API", launch_api, launch_apis,
-           "kernel|ex|cooperative|graph|launch|grid|grid-async (the last three: the deprecated API)"),
+           "kernel|ex|cooperative|graph|launch|grid|grid-async|multi-device (the last four: deprecated)"),
     OPT("graph-nodes", "N", K_COUNT, graph_nodes, 1, 1024, "kernels per graph, each a launch (4)"),
     OPT("events", NULL, K_FLAG, events, 0, 0, "time each stream with CUDA events"),
     OPT("per-thread-stream", NULL, K_FLAG, per_thread, 0, 0, "use the per-thread default stream"),
@@ -613,7 +615,8 @@ static int setup_kernel(struct burn *b)
     }
     if (b->opt.launch_api == LA_GRAPH)
         SETUP(b, "building the CUDA graph", build_graph(b));
-    if (b->opt.launch_api >= LA_LAUNCH) { /* the deprecated API: shape and parameters live on the function */
+    if (b->opt.launch_api >= LA_LAUNCH && b->opt.launch_api <= LA_GRID_ASYNC) {
+        /* the deprecated API: shape and parameters live on the function */
         SETUP(b, "cuFuncSetBlockShape", f->cuFuncSetBlockShape(b->fn, 1, 1, 1));
         SETUP(b, "cuParamSetv", f->cuParamSetv(b->fn, 0, &b->opt.kernel_ns, sizeof(b->opt.kernel_ns)));
         SETUP(b, "cuParamSetSize", f->cuParamSetSize(b->fn, sizeof(b->opt.kernel_ns)));
@@ -635,6 +638,11 @@ static CUresult launch_one(struct burn *b, CUstream s)
     case LA_LAUNCH: return f->cuLaunch(b->fn);
     case LA_GRID: return f->cuLaunchGrid(b->fn, 1, 1);
     case LA_GRID_ASYNC: return f->cuLaunchGridAsync(b->fn, 1, 1, s);
+    case LA_MULTI: {
+        CUDA_LAUNCH_PARAMS one = {.function = b->fn, .gridDimX = 1, .gridDimY = 1, .gridDimZ = 1, .blockDimX = 1,
+                                  .blockDimY = 1, .blockDimZ = 1, .hStream = s, .kernelParams = params};
+        return f->cuLaunchCooperativeKernelMultiDevice(&one, 1, 0);
+    }
     }
     return CUDA_ERROR_INVALID_VALUE;
 }

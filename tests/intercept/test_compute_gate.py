@@ -33,7 +33,7 @@ from tests.intercept.conftest import (
 )
 
 ACK_LAUNCHED = int(lib.CGPU_ACK_LAUNCHED)
-APIS = ["kernel", "ex", "cooperative", "graph", "launch", "grid", "grid-async"]
+APIS = ["kernel", "ex", "cooperative", "graph", "launch", "grid", "grid-async", "multi-device"]
 STREAMS = pytest.mark.parametrize("per_thread", [False, True], ids=["legacy-stream", "per-thread-stream"])
 EVERY_API = pytest.mark.parametrize("api", APIS)
 
@@ -305,3 +305,35 @@ def test_a_closed_gate_nobody_drives_lets_launches_through_until_the_gate_moves(
         proc.kill()
         _, err = proc.communicate(timeout=30)
     assert err.count("compute scheduler (cgpud) is gone") == 1, err
+
+
+MULTI_DEVICE = """
+import ctypes as C, sys; from cudapy import Driver
+class Params(C.Structure):
+    _fields_ = [("function", C.c_void_p), *((n, C.c_uint) for n in ("gx", "gy", "gz", "bx", "by", "bz", "shmem")),
+                ("stream", C.c_void_p), ("params", C.c_void_p)]
+cu = Driver(); cu.call("cuInit", 0)
+arg = C.c_uint64(10000)
+argv = (C.c_void_p * 1)(C.cast(C.pointer(arg), C.c_void_p))
+launches = (Params * 2)()
+for dev in range(2):
+    ctx, stream = C.c_void_p(), C.c_void_p()
+    cu.call("cuDevicePrimaryCtxRetain", C.byref(ctx), dev)
+    cu.call("cuCtxSetCurrent", ctx)
+    cu.call("cuStreamCreate", C.byref(stream), 0)
+    launches[dev] = Params(cu.spin_function(), 1, 1, 1, 1, 1, 1, 0, stream, C.cast(argv, C.c_void_p))
+print(cu.rc("cuLaunchCooperativeKernelMultiDevice", launches, 2, 0), flush=True)
+"""
+
+
+@pytest.mark.parametrize("gates", ["gated", "ungated"])
+def test_a_cooperative_grid_over_two_gated_gpus_is_refused(native, tmp_path, sim_env, gated, gates):
+    """A thread waits at one gate at a time: a multi-device launch over two
+    GPUs under compute control is refused (NOT_SUPPORTED), not let through
+    ungated; without compute control it runs."""
+    words = [opened(1), opened(1)] if gates == "gated" else [GATE_UNGATED, GATE_UNGATED]
+    env, _ = gated(words, gpus=(0, 1))
+    proc = start_py(env, MULTI_DEVICE)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert out.strip() == ("CUDA_ERROR_NOT_SUPPORTED" if gates == "gated" else "CUDA_SUCCESS"), err

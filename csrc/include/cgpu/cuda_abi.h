@@ -16,6 +16,9 @@
  * instead of mapping the base names onto the newest one. */
 #define __CUDA_API_VERSION_INTERNAL 1
 #include <cuda.h>
+/* Deprecated, still exported by drivers, gone from CUDA 13's header. */
+CUresult CUDAAPI cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *launchParamsList, unsigned int numDevices,
+                                                      unsigned int flags);
 #else
 
 #include <stddef.h>
@@ -388,6 +391,18 @@ typedef struct CUgraphNodeParams_st {
     };
     long long reserved2;
 } CUgraphNodeParams;
+
+typedef struct CUDA_LAUNCH_PARAMS_st {
+    CUfunction function;
+    unsigned int gridDimX, gridDimY, gridDimZ;
+    unsigned int blockDimX, blockDimY, blockDimZ;
+    unsigned int sharedMemBytes;
+    CUstream hStream;
+    void **kernelParams;
+} CUDA_LAUNCH_PARAMS_v1;
+typedef CUDA_LAUNCH_PARAMS_v1 CUDA_LAUNCH_PARAMS;
+#define CUDA_COOPERATIVE_LAUNCH_MULTI_DEVICE_NO_PRE_LAUNCH_SYNC 0x01
+#define CUDA_COOPERATIVE_LAUNCH_MULTI_DEVICE_NO_POST_LAUNCH_SYNC 0x02
 
 typedef struct CUgraphEdgeData_st {
     unsigned char from_port;
