@@ -337,3 +337,26 @@ def test_a_cooperative_grid_over_two_gated_gpus_is_refused(native, tmp_path, sim
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
     assert out.strip() == ("CUDA_ERROR_NOT_SUPPORTED" if gates == "gated" else "CUDA_SUCCESS"), err
+
+
+def test_what_a_process_has_queued_when_its_gate_closes_is_bounded(native, tmp_path, sim_env, gated):
+    """A GPU whose launch queue holds a second of work, as a real push buffer
+    can, and a process that never synchronises: when its gate closes, at
+    most 128 launches (here 12.8 ms) are left to run into the next slice."""
+    deep = dict(sim_env, CGPU_SIM_CONFIG=str(write_sim_config(tmp_path / "deep.conf", extra="queue_us=1000000")))
+    env, region = gated([opened(1)], env=deep)
+    proc = start_burn(native, env, "--duration=3", "--kernel-ns=100000", "--streams=1", "--sync-every=1000000000")
+    try:
+        wait_for("device work", lambda: busy_ns(native, env, proc.pid) > 0)
+        time.sleep(0.3)
+        region.set_gate(0, closed(2))
+        closed_at = time.monotonic_ns()
+        wait_for("the fence", lambda: region.fence_ack(proc.pid) == closed(2) | ACK_LAUNCHED, timeout=10)
+        queued = busy_between(native, deep, proc.pid, closed_at, closed_at + 60 * 10**9)
+        region.set_gate(0, opened(3))
+        out = finish(proc)
+    finally:
+        proc.kill()
+    assert out["errors"] == []
+    # 128 launches of 100 us, and the few that raced the closing.
+    assert queued <= 16_000_000, queued
