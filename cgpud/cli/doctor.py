@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cgpud.daemon.config import DaemonConfig
+from cgpud.daemon.region import REGION_FS_FILE
 from cgpud.errors import CgpuError
 
 CONTAINERD_DROPINS = Path("/etc/containerd/conf.d")
@@ -43,9 +44,32 @@ def _state_dir(path: Path) -> Callable[[], str]:
     def check() -> str:
         if not path.is_dir():
             raise CgpuError(f"{path} does not exist; cgpud creates it at start (is it running with this config?)")
-        if path.stat().st_mode & 0o022:
-            raise CgpuError(f"{path} is writable by others; run: chmod go-w {path}")
+        if path.stat().st_mode & 0o077:
+            raise CgpuError(f"{path} is open to other users; run: chmod 700 {path} (cgpud does at start)")
         return str(path)
+
+    return check
+
+
+def _regions(regions: Path) -> Callable[[], str]:
+    """Whether each instance region is a tmpfs of its own (cgpud records how
+    it held the first one of its run in .filesystem)."""
+
+    def check() -> str:
+        try:
+            how = (regions / REGION_FS_FILE).read_text().strip()
+        except FileNotFoundError:
+            return "no instance region yet"
+        except OSError as e:
+            raise CgpuError(f"cannot read {regions / REGION_FS_FILE}: {e.strerror}") from e
+        dirs = [d for d in regions.iterdir() if d.is_dir()]
+        plain = [d for d in dirs if not d.is_mount()]
+        if how != "tmpfs" or plain:
+            why = how.removeprefix("plain: ") if how != "tmpfs" else "created before cgpud could mount"
+            raise CgpuError(f"{len(plain)} of {len(dirs)} instance regions are plain directories on the state "
+                            f"filesystem ({why}): a tenant can fill that filesystem through its usage file; run "
+                            "cgpud as root with CAP_SYS_ADMIN so each region gets a small tmpfs of its own")
+        return f"{len(dirs)} on a tmpfs of their own"
 
     return check
 
@@ -74,6 +98,7 @@ def diagnose(config: DaemonConfig, socket: Path) -> list[Finding]:
         ("driver/NVML", _nvml, True),
         ("daemon socket", _daemon(socket), True),
         ("state directory", _state_dir(config.state_dir), True),
+        ("instance regions", _regions(config.regions), False),
         ("libcgpu.so", _library, True),
         ("container runtime", _runtime, False),
     ]

@@ -41,6 +41,8 @@ MAX_PROCS: int = lib.CGPU_MAX_PROCS
 
 DIR_MODE = 0o755  # it is the container's /run/cgpu; the instances directory above is 0700
 INSTANCES_MODE = 0o700  # no host user but root reaches any region file
+# In the instances directory: how cgpud holds regions (read by `cgpuctl doctor`).
+REGION_FS_FILE = ".filesystem"
 LIMITS_MODE = 0o644  # read-only for everyone but cgpud; mounted read-only too
 USAGE_MODE = 0o666  # a container process of any uid must update its ledger
 GRANTS_MODE = 0o644  # only cgpud's scheduler opens or closes a gate

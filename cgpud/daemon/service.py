@@ -31,9 +31,9 @@ from cgpud.daemon.model import (
 )
 from cgpud.daemon.compute import ComputeError, ComputeScheduler
 from cgpud.daemon.compute_policy import decode_compute_policies, encode_compute_policies, with_compute_policy
-from cgpud.daemon.region import (INSTANCES_MODE, USAGE_FILE, DeviceLimit, InstanceLimits, RegionError, UsageRegion,
-                                 grants_problem, make_region_dir, read_limits, remove_region_dir, repair_usage,
-                                 usage_problem, write_region)
+from cgpud.daemon.region import (INSTANCES_MODE, REGION_FS_FILE, USAGE_FILE, DeviceLimit, InstanceLimits,
+                                 RegionError, UsageRegion, grants_problem, make_region_dir, read_limits,
+                                 remove_region_dir, repair_usage, usage_problem, write_region)
 from cgpud.daemon.store import Store, new_instance_id
 from cgpud.errors import CgpuError, NotFoundError, StateError
 
@@ -43,8 +43,6 @@ ENFORCED_MODES = (NodeMode.CGPU, NodeMode.CORE_MEM, NodeMode.MPS)
 # Seconds a container instance may wait between the shim's prepare and the
 # bind hook; runc gets there in tens of milliseconds.
 UNBOUND_CONTAINER_GRACE = 120.0
-# In the instances directory: how cgpud holds regions (read by `cgpuctl doctor`).
-REGION_FS_FILE = ".filesystem"
 
 
 def pid_alive(pid: int, since: float) -> bool:
