@@ -126,26 +126,29 @@ def _is_bind(mount: Mapping[str, Any]) -> bool:
 
 
 def check_volumes(mounts: Any, targets: Iterable[str], ours: Iterable[str] = ()) -> None:
-    """The rootfs check for the spec's own mounts (volumes): the runtime
-    resolves a target through every earlier mount at or above it, so a bind
-    mount at /run, /etc or /usr/local whose host source holds a link where
-    cgpu mounts would redirect it as a link in the image would. The rest of
-    each target below such a mount is walked inside the mount's host source
-    without following links. tmpfs comes up empty; other kinds of mount
-    (overlay, proc, ...) over a target cannot be checked and are refused.
-    Mounts at exactly one of `ours` are replaced by cgpu's and skipped."""
+    """The rootfs check for the spec's own mounts (volumes). The runtime
+    resolves a target through every earlier mount above it, so a bind mount
+    at /run, /etc or /usr/local whose host source holds a link where cgpu
+    mounts redirects it as a link in the image would: that is refused
+    naming the link (walked in the host source without following links).
+    A bind mount there is refused even without a link: whoever else can
+    write its source (a sidecar sharing an emptyDir, another container)
+    can rmdir or unlink cgpu's mount points in it, which detaches cgpu's
+    mounts in this container too, and put their own files there. A tmpfs
+    comes up empty and private, and passes; other kinds of mount (overlay,
+    proc, ...) cannot be checked and are refused. Mounts at exactly one of
+    `ours` are replaced by cgpu's and skipped."""
     if not isinstance(mounts, list):
         return  # read_request already refused it
     replaced = {d.rstrip("/") for d in ours}
-    for target in targets:
-        for mount in mounts:
-            if not isinstance(mount, Mapping) or str(mount.get("destination", "")).rstrip("/") in replaced:
-                continue
-            dest = "/" + os.path.normpath("/" + str(mount.get("destination", ""))).lstrip("/")
-            below = _below(target, dest)
-            if below is None or not below:  # elsewhere, or mounted over by cgpu's own mount
-                continue
-            _check_volume(mount, dest, target, below)
+    targets = list(targets)
+    for mount in mounts:
+        if not isinstance(mount, Mapping) or str(mount.get("destination", "")).rstrip("/") in replaced:
+            continue
+        dest = "/" + os.path.normpath("/" + str(mount.get("destination", ""))).lstrip("/")
+        covered = [(t, below) for t in targets if (below := _below(t, dest)) is not None]
+        if covered:
+            _check_volume(mount, dest, covered)
 
 
 def _below(target: str, dest: str) -> list[str] | None:
@@ -154,8 +157,9 @@ def _below(target: str, dest: str) -> list[str] | None:
     return t[len(d):] if t[: len(d)] == d else None
 
 
-def _check_volume(mount: Mapping[str, Any], dest: str, target: str, below: list[str]) -> None:
+def _check_volume(mount: Mapping[str, Any], dest: str, covered: list[tuple[str, list[str]]]) -> None:
     kind = str(mount.get("type") or "bind")
+    target = covered[0][0]
     if not _is_bind(mount):
         if kind in _EMPTY_TYPES:
             return
@@ -166,18 +170,23 @@ def _check_volume(mount: Mapping[str, Any], dest: str, target: str, below: list[
     source = str(mount.get("source", ""))
     try:
         fd = os.open(source, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError as e:
-        raise UsageError(
-            f"the volume at {dest} (from {source}) covers {target}, where cgpu mounts its files, and cgpu "
-            f"cannot look inside it ({e.strerror}): mount it elsewhere"
-        ) from e
+    except OSError:
+        fd = -1
     try:
-        found = _first_problem(fd, below)
+        for walked, below in covered if fd >= 0 else ():
+            found = _first_problem(fd, below)
+            if found is not None:
+                _refuse_link(dest, source, walked, below, *found)
     finally:
-        os.close(fd)
-    if found is None:
-        return
-    i, link = found
+        if fd >= 0:
+            os.close(fd)
+    raise UsageError(
+        f"the volume at {dest} (from {source}) covers {target}, where cgpu mounts its files: anyone else who "
+        f"can write {source} could remove cgpu's mount points there and so strip this container of its limits; "
+        f"mount the volume elsewhere, or use a tmpfs at {dest}")
+
+
+def _refuse_link(dest: str, source: str, target: str, below: list[str], i: int, link: str | None) -> None:
     inside = os.path.join(dest, *below[: i + 1])
     host = os.path.join(source, *below[: i + 1])
     if link is None:

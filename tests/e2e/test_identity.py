@@ -121,17 +121,33 @@ def test_a_volume_whose_source_holds_a_link_on_cgpus_way_is_refused(tmp_path, ho
     assert host_mounts() == mounts_before
 
 
-def test_a_clean_volume_at_etc_and_a_tmpfs_at_run_still_start_with_their_limit(tmp_path, host: Host,
-                                                                               cgpud: Daemon) -> None:
-    source = tmp_path / "etc-volume"
+def test_a_shared_volume_over_run_is_refused_even_without_links(tmp_path, host: Host, cgpud: Daemon) -> None:
+    """An emptyDir a sidecar also mounts: from outside this container's
+    mount namespace, rmdir of the empty `cgpu` directory in it succeeds and
+    detaches cgpu's mounts from this container; so it never starts."""
+    source = tmp_path / "empty-dir"
     source.mkdir()
-    (source / "passwd").write_text("root:x:0:0:root:/:/bin/sh\n")
-    (source / "ld.so.preload").write_text("")  # a read-only volume needs the mount point there already
-    b = host.bundle(tmp_path / "b", ["sh", "-c", "cat /etc/ld.so.preload; ls /run/cgpu"],
+    b = host.bundle(tmp_path / "b", ["true"], ("ALIYUN_COM_GPU_MEM_CONTAINER=2",))
+    b.spec["mounts"].append({"destination": "/run", "type": "bind", "source": str(source), "options": ["rbind", "rw"]})
+    b.write()
+    before = b.read()
+    out = run(host, b, host.new_id(), shim=True, relay=cgpud.relay)
+    assert out.returncode != 0
+    assert (f"cgpu-runtime: the volume at /run (from {source}) covers /run/cgpu, where cgpu mounts its files: "
+            f"anyone else who can write {source} could remove cgpu's mount points there") in out.stderr, out.stderr
+    assert b.read() == before and instances(cgpud) == [] and list(source.iterdir()) == []
+
+
+def test_a_tmpfs_at_run_and_volumes_beside_cgpus_paths_still_start_with_their_limit(tmp_path, host: Host,
+                                                                                  cgpud: Daemon) -> None:
+    source = tmp_path / "conf"
+    source.mkdir()
+    (source / "app.conf").write_text("x\n")
+    b = host.bundle(tmp_path / "b", ["sh", "-c", "cat /etc/ld.so.preload; ls /run/cgpu; cat /etc/app/app.conf"],
                     ("ALIYUN_COM_GPU_MEM_CONTAINER=2",))
-    b.spec["mounts"] += [{"destination": "/etc", "type": "bind", "source": str(source), "options": ["rbind", "ro"]},
+    b.spec["mounts"] += [{"destination": "/etc/app", "type": "bind", "source": str(source), "options": ["rbind", "ro"]},
                          {"destination": "/run", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid"]}]
     b.write()
     out = run(host, b, host.new_id(), shim=True, relay=cgpud.relay)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["/usr/local/cgpu/libcgpu.so", "grants", "limits", "usage"]
+    assert out.stdout.split() == ["/usr/local/cgpu/libcgpu.so", "grants", "limits", "usage", "x"]

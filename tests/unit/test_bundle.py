@@ -102,23 +102,34 @@ def test_a_link_in_a_volume_source_is_refused_naming_mount_and_link(tmp_path: Pa
     assert f"{src / link} -> /proc/self/cwd" in str(e.value) and target in str(e.value)
 
 
-def test_clean_volumes_tmpfs_and_unrelated_mounts_pass(tmp_path: Path) -> None:
+def test_tmpfs_unrelated_and_replaced_mounts_pass(tmp_path: Path) -> None:
     src = tmp_path / "src"
     (src / "cgpu").mkdir(parents=True)
-    (src / "elsewhere").symlink_to("/proc/self/cwd")  # not on any target's way
-    mounts = [bind("/run", src), bind("/etc", src), {"destination": "/usr/local", "type": "tmpfs", "source": "tmpfs"},
-              bind("/data", tmp_path / "missing"), bind("/run/cgpu/x", "/nonexistent"), "not a mount"]
+    mounts = [{"destination": "/usr/local", "type": "tmpfs", "source": "tmpfs"}, {"destination": "/run", "type": "tmpfs"},
+              bind("/data", tmp_path / "missing"), bind("/run/cgpu/x", "/nonexistent"), bind("/etc/hosts", src),
+              bind("/runner", src), "not a mount"]
     check_volumes(mounts, TARGETS)
     # A mount exactly at one of cgpu's targets is replaced by cgpu's own.
     (tmp_path / "pre").symlink_to("/proc/self/cwd")
     check_volumes([bind("/etc/ld.so.preload", tmp_path / "pre")], TARGETS, ours=TARGETS)
+    # Spelt so that it is not replaced, it stays under cgpu's mount: refused.
+    with pytest.raises(UsageError, match="could remove cgpu's mount points"):
+        check_volumes([bind("/etc//ld.so.preload", tmp_path / "pre")], TARGETS, ours=TARGETS)
+
+
+@pytest.mark.parametrize("dest", ["/run", "/etc", "/usr", "/usr/local", "/usr/local/cgpu", "/", "/etc/"])
+def test_a_bind_volume_over_a_target_is_refused_even_without_a_link(tmp_path: Path, dest: str) -> None:
+    src = tmp_path / "src"
+    (src / "cgpu").mkdir(parents=True)
+    with pytest.raises(UsageError, match=r"the volume at /\S* \(from .*\) covers .* could remove cgpu's mount points"):
+        check_volumes([bind(dest, src)], TARGETS)
+    with pytest.raises(UsageError, match="could remove cgpu's mount points"):  # a source that is not there
+        check_volumes([bind(dest, "/nonexistent")], TARGETS)
 
 
 def test_volumes_cgpu_cannot_look_into_are_refused(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="a overlay mount at /usr covers /usr/local/cgpu/libcgpu.so"):
         check_volumes([{"destination": "/usr", "type": "overlay", "source": "overlay", "options": []}], TARGETS)
-    with pytest.raises(UsageError, match=r"the volume at /etc \(from /nonexistent\) .* cannot look inside it"):
-        check_volumes([bind("/etc", "/nonexistent")], TARGETS)
     src = tmp_path / "src"
     src.mkdir()
     (src / "usr").mkdir()
