@@ -139,7 +139,7 @@ static void uncharge(int slot, uint64_t bytes)
 
 /* Lock-free open addressing, made and pre-faulted at the first allocation,
  * never grown: no allocation, lock or page fault on the allocation paths
- * after that. 128 Ki live records (4 MiB); past that an allocation's
+ * after that. 128 Ki live records (5 MiB); past that an allocation's
  * bytes stay charged (the safe side) and the library says so. */
 #define TABLE_SIZE (1u << 17)
 #define KEY_EMPTY 0ULL
@@ -153,6 +153,7 @@ enum alloc_kind { KIND_POINTER = 1, KIND_HANDLE = 2, KIND_ARRAY = 3, KIND_PHYS =
 
 struct alloc_entry {
     _Atomic uint64_t key;
+    uint64_t value; /* the full pointer or handle: keys of two values can collide */
     uint64_t bytes;
     uint64_t aux;
     int slot;
@@ -202,6 +203,7 @@ static bool remember_aux(enum alloc_kind kind, uint64_t value, uint64_t bytes, i
         /* Fill first, then publish the key: a reader who finds the key
          * finds the size with it. */
         if (atomic_compare_exchange_strong(&t[i].key, &cur, KEY_TOMB)) {
+            t[i].value = value;
             t[i].bytes = bytes;
             t[i].slot = slot;
             t[i].aux = aux;
@@ -229,7 +231,7 @@ static struct alloc_entry *lookup(enum alloc_kind kind, uint64_t value)
         uint64_t cur = atomic_load_explicit(&t[i].key, memory_order_acquire);
         if (cur == KEY_EMPTY)
             return NULL;
-        if (cur == key)
+        if (cur == key && t[i].value == value)
             return &t[i];
     }
     return NULL;
@@ -246,7 +248,7 @@ static bool forget_aux(enum alloc_kind kind, uint64_t value, uint64_t *bytes, in
         uint64_t cur = atomic_load_explicit(&t[i].key, memory_order_acquire);
         if (cur == KEY_EMPTY)
             return false;
-        if (cur != key)
+        if (cur != key || t[i].value != value)
             continue;
         *bytes = t[i].bytes;
         *slot = t[i].slot;
