@@ -266,11 +266,16 @@ static inline uint32_t hold_open_gate(const _Atomic uint32_t *gate, struct gate_
 }
 
 /* Out of credits: the process's queue on this GPU drains before it grows.
- * Counted in flight meanwhile, so a closing fence waits for this too. */
-static __attribute__((noinline, cold)) void drain_queue(struct gate_slot *s)
+ * Counted in flight meanwhile, so a closing fence waits for this too. A
+ * launch into a stream being captured queues nothing (it records a graph
+ * node), and synchronising would end the capture: no drain then, nor when
+ * the driver cannot say (a query refused during another thread's capture). */
+static __attribute__((noinline, cold)) void drain_queue(struct gate_slot *s, CUstream stream)
 {
+    __typeof__(&cuStreamIsCapturing) capturing = REAL(cuStreamIsCapturing);
     __typeof__(&cuCtxSynchronize) sync = REAL(cuCtxSynchronize);
-    if (sync)
+    CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_ACTIVE;
+    if (capturing && sync && capturing(stream, &status) == CUDA_SUCCESS && status == CU_STREAM_CAPTURE_STATUS_NONE)
         sync();
     atomic_store_explicit(&s->launched, 1, memory_order_relaxed);
 }
@@ -292,7 +297,7 @@ static void note_orphaned(int slot, uint32_t g)
 }
 
 /* Everything but an open gate with its watcher running and an absent one. */
-static __attribute__((noinline, cold)) int gate_slow(int slot, CUresult *err)
+static __attribute__((noinline, cold)) int gate_slow(int slot, CUresult *err, CUstream stream)
 {
     if (g_cgpu.launches_refused) {
         if (g_cgpu.refused_why[0] && !atomic_exchange(&refusal_logged, true))
@@ -314,7 +319,7 @@ static __attribute__((noinline, cold)) int gate_slow(int slot, CUresult *err)
         uint32_t n;
         if ((g & CGPU_GATE_OPEN) && (n = hold_open_gate(gate, s)) != 0) {
             if (n > LAUNCH_CREDITS)
-                drain_queue(s);
+                drain_queue(s, stream);
             return slot;
         }
         if (g & CGPU_GATE_OPEN)
@@ -336,7 +341,7 @@ static __attribute__((noinline, cold)) int gate_slow(int slot, CUresult *err)
 
 /* The slot whose grant the caller holds (call gate_leave after the
  * driver), GATE_FREE, or GATE_ERROR with *err set. */
-static inline int gate_enter(CUresult *err)
+static inline int gate_enter(CUresult *err, CUstream stream)
 {
     (void)cgpu_state();
     int slot = CGPU_LIKELY(g_cgpu.device_count <= 1) ? 0 : slot_of_current_context();
@@ -351,11 +356,11 @@ static inline int gate_enter(CUresult *err)
         uint32_t n = hold_open_gate(gate, s);
         if (CGPU_LIKELY(n != 0)) {
             if (CGPU_UNLIKELY(n > LAUNCH_CREDITS))
-                drain_queue(s);
+                drain_queue(s, stream);
             return slot;
         }
     }
-    return gate_slow(slot, err);
+    return gate_slow(slot, err, stream);
 }
 
 static inline void gate_leave(int slot)
@@ -364,13 +369,14 @@ static inline void gate_leave(int slot)
         atomic_fetch_sub_explicit(&slots[slot].inflight, 1, memory_order_release);
 }
 
-#define GATED_CALL(symbol, ...)                                                                 \
+/* `stream`: where the launch goes (only looked at when draining). */
+#define GATED_CALL(symbol, stream, ...)                                                         \
     do {                                                                                        \
         __typeof__(&symbol) real_ = REAL(symbol);                                               \
         if (CGPU_UNLIKELY(!real_))                                                              \
             return CUDA_ERROR_NOT_INITIALIZED;                                                  \
         CUresult rc_ = CUDA_SUCCESS;                                                            \
-        int slot_ = gate_enter(&rc_);                                                           \
+        int slot_ = gate_enter(&rc_, (stream));                                                 \
         if (CGPU_LIKELY(slot_ == GATE_FREE))                                                    \
             return real_(__VA_ARGS__);                                                          \
         if (slot_ == GATE_ERROR)                                                                \
@@ -380,37 +386,41 @@ static inline void gate_leave(int slot)
         return rc_;                                                                             \
     } while (0)
 
-#define LAUNCH_HOOK(symbol)                                                                     \
+/* The NULL stream of a _ptsz entry point is the thread's own. */
+#define LEGACY_NULL(s) (s)
+#define PTSZ_NULL(s) ((s) ? (s) : CU_STREAM_PER_THREAD)
+
+#define LAUNCH_HOOK(symbol, null)                                                               \
     CGPU_EXPORT CUresult symbol(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx, \
                                 unsigned int by, unsigned int bz, unsigned int shmem, CUstream s, void **params, \
                                 void **extra)                                                   \
     {                                                                                           \
-        GATED_CALL(symbol, f, gx, gy, gz, bx, by, bz, shmem, s, params, extra);                  \
+        GATED_CALL(symbol, null(s), f, gx, gy, gz, bx, by, bz, shmem, s, params, extra);         \
     }
 
-LAUNCH_HOOK(cuLaunchKernel)
-LAUNCH_HOOK(cuLaunchKernel_ptsz)
+LAUNCH_HOOK(cuLaunchKernel, LEGACY_NULL)
+LAUNCH_HOOK(cuLaunchKernel_ptsz, PTSZ_NULL)
 
 CGPU_EXPORT CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra)
 {
-    GATED_CALL(cuLaunchKernelEx, config, f, kernelParams, extra);
+    GATED_CALL(cuLaunchKernelEx, config ? config->hStream : NULL, config, f, kernelParams, extra);
 }
 
 CGPU_EXPORT CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f, void **kernelParams,
                                            void **extra)
 {
-    GATED_CALL(cuLaunchKernelEx_ptsz, config, f, kernelParams, extra);
+    GATED_CALL(cuLaunchKernelEx_ptsz, PTSZ_NULL(config ? config->hStream : NULL), config, f, kernelParams, extra);
 }
 
-#define COOPERATIVE_HOOK(symbol)                                                                \
+#define COOPERATIVE_HOOK(symbol, null)                                                          \
     CGPU_EXPORT CUresult symbol(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx, \
                                 unsigned int by, unsigned int bz, unsigned int shmem, CUstream s, void **params) \
     {                                                                                           \
-        GATED_CALL(symbol, f, gx, gy, gz, bx, by, bz, shmem, s, params);                         \
+        GATED_CALL(symbol, null(s), f, gx, gy, gz, bx, by, bz, shmem, s, params);                \
     }
 
-COOPERATIVE_HOOK(cuLaunchCooperativeKernel)
-COOPERATIVE_HOOK(cuLaunchCooperativeKernel_ptsz)
+COOPERATIVE_HOOK(cuLaunchCooperativeKernel, LEGACY_NULL)
+COOPERATIVE_HOOK(cuLaunchCooperativeKernel_ptsz, PTSZ_NULL)
 
 static bool every_gate_ungated(void)
 {
@@ -430,32 +440,33 @@ CGPU_EXPORT CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *la
     (void)cgpu_state();
     if (numDevices > 1 && g_cgpu.device_count > 1 && !g_cgpu.launches_refused && !every_gate_ungated())
         return CUDA_ERROR_NOT_SUPPORTED;
-    GATED_CALL(cuLaunchCooperativeKernelMultiDevice, launchParamsList, numDevices, flags);
+    GATED_CALL(cuLaunchCooperativeKernelMultiDevice, launchParamsList && numDevices ? launchParamsList[0].hStream : NULL,
+               launchParamsList, numDevices, flags);
 }
 
 CGPU_EXPORT CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream)
 {
-    GATED_CALL(cuGraphLaunch, hGraphExec, hStream);
+    GATED_CALL(cuGraphLaunch, hStream, hGraphExec, hStream);
 }
 
 CGPU_EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream)
 {
-    GATED_CALL(cuGraphLaunch_ptsz, hGraphExec, hStream);
+    GATED_CALL(cuGraphLaunch_ptsz, PTSZ_NULL(hStream), hGraphExec, hStream);
 }
 
 /* The deprecated execution-control API: shape and parameters were set on the
  * function beforehand; these run it on the NULL stream. */
 CGPU_EXPORT CUresult cuLaunch(CUfunction f)
 {
-    GATED_CALL(cuLaunch, f);
+    GATED_CALL(cuLaunch, NULL, f);
 }
 
 CGPU_EXPORT CUresult cuLaunchGrid(CUfunction f, int grid_width, int grid_height)
 {
-    GATED_CALL(cuLaunchGrid, f, grid_width, grid_height);
+    GATED_CALL(cuLaunchGrid, NULL, f, grid_width, grid_height);
 }
 
 CGPU_EXPORT CUresult cuLaunchGridAsync(CUfunction f, int grid_width, int grid_height, CUstream hStream)
 {
-    GATED_CALL(cuLaunchGridAsync, f, grid_width, grid_height, hStream);
+    GATED_CALL(cuLaunchGridAsync, hStream, f, grid_width, grid_height, hStream);
 }

@@ -257,6 +257,19 @@ static CUresult stream_query(CUstream h, bool per_thread)
     return atomic_load(&s->tail) > sim_now_ns() ? CUDA_ERROR_NOT_READY : CUDA_SUCCESS;
 }
 
+/* The simulation has no stream capture: every valid stream is not capturing. */
+SIM_EXPORT CUresult cuStreamIsCapturing(CUstream hStream, CUstreamCaptureStatus *captureStatus)
+{
+    CUresult rc = sim_check_init();
+    struct sim_stream *s;
+    if (rc || (rc = sim_resolve_stream(hStream, false, &s)))
+        return rc;
+    if (!captureStatus)
+        return CUDA_ERROR_INVALID_VALUE;
+    *captureStatus = CU_STREAM_CAPTURE_STATUS_NONE;
+    return CUDA_SUCCESS;
+}
+
 SIM_EXPORT CUresult cuStreamQuery(CUstream hStream)
 {
     return stream_query(hStream, false);

@@ -392,6 +392,12 @@ typedef struct CUgraphNodeParams_st {
     long long reserved2;
 } CUgraphNodeParams;
 
+typedef enum CUstreamCaptureStatus_enum {
+    CU_STREAM_CAPTURE_STATUS_NONE = 0,
+    CU_STREAM_CAPTURE_STATUS_ACTIVE = 1,
+    CU_STREAM_CAPTURE_STATUS_INVALIDATED = 2
+} CUstreamCaptureStatus;
+
 typedef struct CUDA_LAUNCH_PARAMS_st {
     CUfunction function;
     unsigned int gridDimX, gridDimY, gridDimZ;
