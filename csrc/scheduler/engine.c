@@ -33,6 +33,8 @@ struct tenant {
     int overdue;             /* a closing's fence outlived the timeout: still charged, not granted */
     uint32_t overdue_seq;    /* that closing's gate word */
     uint64_t overdue_charged_to;
+    uint64_t overdue_probed; /* when its ledger locks were last probed */
+    uint64_t overdue_dead[CGPU_MAX_PROCS / 64]; /* ledgers found dead since it became overdue */
     int launched;            /* its last fence said it had launched work */
     uint32_t stale_waiting;  /* `waiting` left behind by processes killed at the gate */
     int detach_pending;      /* detached while its fence was awaited: gone for every
@@ -380,12 +382,12 @@ static int fence_pending(const struct tenant *t, uint32_t closed, int probe, uin
 
 /* Waits, without the mutex, until every live process that launches on the
  * tenant's device has acknowledged the closing `closed`. Returns 1 if all
- * did, 0 on timeout; *launched tells whether any had launched work. The
+ * did, 0 on timeout; *launched tells whether any had launched work, and
+ * `dead` (DEAD_WORDS, zeroed by the caller) the ledgers found dead. The
  * files stay mapped: detach defers to the loop while `fencing` names us. */
-static int await_fence(const struct tenant *t, uint32_t closed, int *launched)
+static int await_fence(const struct tenant *t, uint32_t closed, int *launched, uint64_t *dead)
 {
     _Atomic uint32_t *bell = &t->usage->device[t->slot].bell;
-    uint64_t dead[DEAD_WORDS] = {0};
     uint64_t deadline = mono_ns() + CGPU_ENGINE_FENCE_TIMEOUT_NS;
     for (int probe = 0;;) {
         uint32_t rung = atomic_load(bell);
@@ -441,7 +443,8 @@ static void close_holder(struct cgpu_engine *e, unsigned gpu)
     g->fencing = t;
     pthread_mutex_unlock(&e->mu);
     int launched = 0;
-    int acked = await_fence(t, closed, &launched);
+    uint64_t dead[DEAD_WORDS] = {0};
+    int acked = await_fence(t, closed, &launched, dead);
     pthread_mutex_lock(&e->mu);
     g->fencing = NULL;
     uint64_t end = mono_ns();
@@ -459,7 +462,8 @@ static void close_holder(struct cgpu_engine *e, unsigned gpu)
         g->stats.fence_timeouts++;
         t->overdue = !t->detach_pending;
         t->overdue_seq = closed;
-        t->overdue_charged_to = end;
+        t->overdue_charged_to = t->overdue_probed = end;
+        memcpy(t->overdue_dead, dead, sizeof(dead));
     }
     t->launched = launched;
     /* Granted, nothing launched, yet threads "wait": if no process that
@@ -495,9 +499,14 @@ static void charge_overdue(struct cgpu_engine *e, unsigned gpu, uint64_t now)
         if (now > t->overdue_charged_to)
             cgpu_sched_charge(e->sched, gpu, t->key, now - t->overdue_charged_to);
         t->overdue_charged_to = now;
-        uint64_t dead[DEAD_WORDS] = {0};
+        /* Lock probes as often as a fence wait makes them, however often
+         * the loop turns: a tenant with many unacknowledging processes
+         * must not turn cgpud's thread into a probing loop. */
+        int probe = now - t->overdue_probed >= CGPU_ENGINE_FENCE_PROBE_NS;
+        if (probe)
+            t->overdue_probed = now;
         int launched = 0;
-        if (!fence_pending(t, t->overdue_seq, 1, dead, &launched)) {
+        if (!fence_pending(t, t->overdue_seq, probe, t->overdue_dead, &launched)) {
             t->overdue = 0;
             t->launched |= launched;
             g->stats.fences_late++;
