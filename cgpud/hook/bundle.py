@@ -41,11 +41,29 @@ def read_spec(bundle: Path) -> dict[str, Any]:
         raise UsageError(f"{path} is larger than {MAX_SPEC >> 20} MiB")
     try:
         spec = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # deep nesting recurses
         raise UsageError(f"{path} is not valid JSON: {e}") from e
     if not isinstance(spec, dict):
         raise UsageError(f"{path} is not a JSON object")
+    if _holds_nul(spec):
+        raise UsageError(f"{path} has a NUL character in a string: no path, argument or variable can hold one")
     return spec
+
+
+def _holds_nul(value: Any) -> bool:
+    """Any string in the spec with a NUL: os.open() of such a path raises
+    ValueError, not OSError, wherever the spec names a path."""
+    todo = [value]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, str) and "\0" in v:
+            return True
+        if isinstance(v, dict):
+            todo.extend(v.keys())
+            todo.extend(v.values())
+        elif isinstance(v, list):
+            todo.extend(v)
+    return False
 
 
 def rootfs_path(bundle: Path, spec: dict[str, Any]) -> Path:
@@ -122,10 +140,10 @@ _EMPTY_TYPES = ("tmpfs", "ramfs")
 
 def _is_bind(mount: Mapping[str, Any]) -> bool:
     options = mount.get("options")
-    return mount.get("type") == "bind" or (isinstance(options, list) and bool({"bind", "rbind"} & set(options)))
+    return mount.get("type") == "bind" or (isinstance(options, list) and any(o in ("bind", "rbind") for o in options))
 
 
-def check_volumes(mounts: Any, targets: Iterable[str], ours: Iterable[str] = ()) -> None:
+def check_volumes(rootfs: Path, mounts: Any, targets: Iterable[str], ours: Iterable[str] = ()) -> None:
     """The rootfs check for the spec's own mounts (volumes). The runtime
     resolves a target through every earlier mount above it, so a bind mount
     at /run, /etc or /usr/local whose host source holds a link where cgpu
@@ -137,18 +155,87 @@ def check_volumes(mounts: Any, targets: Iterable[str], ours: Iterable[str] = ())
     mounts in this container too, and put their own files there. A tmpfs
     comes up empty and private, and passes; other kinds of mount (overlay,
     proc, ...) cannot be checked and are refused. Mounts at exactly one of
-    `ours` are replaced by cgpu's and skipped."""
+    `ours` are replaced by cgpu's and skipped.
+
+    A destination counts where the runtime will put it: resolved like
+    runc's securejoin, following links inside the rootfs and inside the
+    earlier mounts (so `/var/run` in an image with `/var/run -> /run` is
+    `/run`)."""
     if not isinstance(mounts, list):
         return  # read_request already refused it
     replaced = {d.rstrip("/") for d in ours}
     targets = list(targets)
+    placed: list[tuple[list[str], Mapping[str, Any]]] = []
     for mount in mounts:
         if not isinstance(mount, Mapping) or str(mount.get("destination", "")).rstrip("/") in replaced:
             continue
-        dest = "/" + os.path.normpath("/" + str(mount.get("destination", ""))).lstrip("/")
+        written = str(mount.get("destination", ""))
+        where = _resolve(rootfs, placed, written)
+        placed.append((where, mount))
+        dest = "/" + "/".join(where)
         covered = [(t, below) for t in targets if (below := _below(t, dest)) is not None]
         if covered:
-            _check_volume(mount, dest, covered)
+            shown = dest if _lexical(written) == dest else f"{dest} (written as {written})"
+            _check_volume(mount, shown, covered)
+
+
+def _lexical(path: str) -> str:
+    return "/" + os.path.normpath("/" + path).lstrip("/")
+
+
+_MAX_LINKS = 40  # as the kernel allows in one path walk
+
+
+def _resolve(rootfs: Path, placed: list[tuple[list[str], Mapping[str, Any]]], dest: str) -> list[str]:
+    """The parts of the path a mount written at `dest` lands on: every link
+    on the way is followed and kept inside the root, looking at the rootfs
+    or at the latest earlier mount that covers each step. Stops at the first
+    name that does not exist (the runtime creates the rest as directories)."""
+    todo = [p for p in dest.split("/") if p]
+    done: list[str] = []
+    links = 0
+    while todo:
+        name = todo.pop(0)
+        if name == ".":
+            continue
+        if name == "..":
+            if done:
+                done.pop()
+            continue
+        link = _readlink_at(rootfs, placed, [*done, name])
+        if link is None:
+            done.append(name)
+            continue
+        links += 1
+        if links > _MAX_LINKS:
+            raise UsageError(f"the mount destination {dest} goes through more than {_MAX_LINKS} symbolic links")
+        if link.startswith("/"):
+            done = []
+        todo = [p for p in link.split("/") if p] + todo
+    return done
+
+
+def _readlink_at(rootfs: Path, placed: list[tuple[list[str], Mapping[str, Any]]], parts: list[str]) -> str | None:
+    """The link text at `parts` (whose parents are real directories), None
+    if it is anything else or missing."""
+    host: str | None = str(rootfs)
+    below = parts
+    for dest, mount in reversed(placed):  # the latest mount covering the path is the one seen there
+        if parts[: len(dest)] == dest:
+            if len(parts) == len(dest):
+                return None  # a mount's root: a directory
+            below = parts[len(dest):]
+            host = str(mount.get("source", "")) if _is_bind(mount) else None
+            break
+    if host is None:  # a tmpfs (or a kind of mount cgpu refuses over its targets) holds no links yet
+        return None
+    path = os.path.join(host, *below)
+    try:
+        if stat.S_ISLNK(os.lstat(path).st_mode):
+            return os.readlink(path)
+    except OSError:
+        return None
+    return None
 
 
 def _below(target: str, dest: str) -> list[str] | None:

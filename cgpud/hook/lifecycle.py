@@ -63,8 +63,9 @@ class ContainerLifecycle:
             gpu_memory = {g.index: g.memory for g in self._service.gpus()}
             edits = instance_edits(instance, self._service.region_dir(instance.id), gpu_memory, self._files)
             targets = [m.destination for m in edits.mounts]
-            check_targets(rootfs_path(bundle, spec), targets)
-            check_volumes(spec.get("mounts", []), targets, ours={m.destination for m in edits.mounts})
+            rootfs = rootfs_path(bundle, spec)
+            check_targets(rootfs, targets)
+            check_volumes(rootfs, spec.get("mounts", []), targets, ours={m.destination for m in edits.mounts})
             write_spec(bundle, apply_edits(spec, edits, self._files))
         except BaseException:
             if created:
@@ -127,7 +128,7 @@ def _refuse_running(instance: Instance, key: ContainerKey) -> None:
 def _parse_state(data: bytes) -> dict[str, Any]:
     try:
         state = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # deep nesting recurses
         raise UsageError(f"the OCI state is not valid JSON: {e}") from e
     if not isinstance(state, dict):
         raise UsageError("the OCI state is not a JSON object")

@@ -151,3 +151,22 @@ def test_a_tmpfs_at_run_and_volumes_beside_cgpus_paths_still_start_with_their_li
     out = run(host, b, host.new_id(), shim=True, relay=cgpud.relay)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["/usr/local/cgpu/libcgpu.so", "grants", "limits", "usage", "x"]
+
+
+def test_a_volume_at_var_run_in_an_image_where_it_links_to_run_is_refused(tmp_path, host: Host,
+                                                                           cgpud: Daemon) -> None:
+    """Debian images have /var/run -> /run, and runc follows it: a shared
+    volume written as /var/run is mounted over /run."""
+    source = tmp_path / "empty-dir"
+    source.mkdir()
+    b = host.bundle(tmp_path / "b", ["true"], ("ALIYUN_COM_GPU_MEM_CONTAINER=2",))
+    (b.rootfs / "var").mkdir(exist_ok=True)
+    (b.rootfs / "var" / "run").symlink_to("/run")
+    b.spec["mounts"].append({"destination": "/var/run", "type": "bind", "source": str(source),
+                             "options": ["rbind", "rw"]})
+    b.write()
+    before = b.read()
+    out = run(host, b, host.new_id(), shim=True, relay=cgpud.relay)
+    assert out.returncode != 0
+    assert f"the volume at /run (written as /var/run) (from {source}) covers /run/cgpu" in out.stderr, out.stderr
+    assert b.read() == before and instances(cgpud) == [] and list(source.iterdir()) == []

@@ -97,7 +97,7 @@ def test_a_link_in_a_volume_source_is_refused_naming_mount_and_link(tmp_path: Pa
     src.mkdir()
     (src / link).symlink_to("/proc/self/cwd")
     with pytest.raises(UsageError) as e:
-        check_volumes([bind(dest, src)], TARGETS)
+        check_volumes(tmp_path / "rootfs", [bind(dest, src)], TARGETS)
     assert f"the volume at {dest} (from {src})" in str(e.value)
     assert f"{src / link} -> /proc/self/cwd" in str(e.value) and target in str(e.value)
 
@@ -108,13 +108,13 @@ def test_tmpfs_unrelated_and_replaced_mounts_pass(tmp_path: Path) -> None:
     mounts = [{"destination": "/usr/local", "type": "tmpfs", "source": "tmpfs"}, {"destination": "/run", "type": "tmpfs"},
               bind("/data", tmp_path / "missing"), bind("/run/cgpu/x", "/nonexistent"), bind("/etc/hosts", src),
               bind("/runner", src), "not a mount"]
-    check_volumes(mounts, TARGETS)
+    check_volumes(tmp_path / "rootfs", mounts, TARGETS)
     # A mount exactly at one of cgpu's targets is replaced by cgpu's own.
     (tmp_path / "pre").symlink_to("/proc/self/cwd")
-    check_volumes([bind("/etc/ld.so.preload", tmp_path / "pre")], TARGETS, ours=TARGETS)
+    check_volumes(tmp_path / "rootfs", [bind("/etc/ld.so.preload", tmp_path / "pre")], TARGETS, ours=TARGETS)
     # Spelt so that it is not replaced, it stays under cgpu's mount: refused.
     with pytest.raises(UsageError, match="could remove cgpu's mount points"):
-        check_volumes([bind("/etc//ld.so.preload", tmp_path / "pre")], TARGETS, ours=TARGETS)
+        check_volumes(tmp_path / "rootfs", [bind("/etc//ld.so.preload", tmp_path / "pre")], TARGETS, ours=TARGETS)
 
 
 @pytest.mark.parametrize("dest", ["/run", "/etc", "/usr", "/usr/local", "/usr/local/cgpu", "/", "/etc/"])
@@ -122,17 +122,42 @@ def test_a_bind_volume_over_a_target_is_refused_even_without_a_link(tmp_path: Pa
     src = tmp_path / "src"
     (src / "cgpu").mkdir(parents=True)
     with pytest.raises(UsageError, match=r"the volume at /\S* \(from .*\) covers .* could remove cgpu's mount points"):
-        check_volumes([bind(dest, src)], TARGETS)
+        check_volumes(tmp_path / "rootfs", [bind(dest, src)], TARGETS)
     with pytest.raises(UsageError, match="could remove cgpu's mount points"):  # a source that is not there
-        check_volumes([bind(dest, "/nonexistent")], TARGETS)
+        check_volumes(tmp_path / "rootfs", [bind(dest, "/nonexistent")], TARGETS)
 
 
 def test_volumes_cgpu_cannot_look_into_are_refused(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="a overlay mount at /usr covers /usr/local/cgpu/libcgpu.so"):
-        check_volumes([{"destination": "/usr", "type": "overlay", "source": "overlay", "options": []}], TARGETS)
+        check_volumes(tmp_path / "rootfs", [{"destination": "/usr", "type": "overlay", "source": "overlay", "options": []}], TARGETS)
     src = tmp_path / "src"
     src.mkdir()
     (src / "usr").mkdir()
     (src / "usr" / "local").write_text("")
     with pytest.raises(UsageError, match="has a file at /usr/local .* needs a directory"):
-        check_volumes([{"destination": "/", "type": "none", "source": str(src), "options": ["bind"]}], TARGETS)
+        check_volumes(tmp_path / "rootfs", [{"destination": "/", "type": "none", "source": str(src), "options": ["bind"]}], TARGETS)
+
+
+def test_a_destination_counts_where_links_in_the_image_or_earlier_volumes_put_it(tmp_path: Path) -> None:
+    root = rootfs(tmp_path)
+    (root / "var").mkdir()
+    (root / "var" / "run").symlink_to("/run")
+    (root / "var" / "lock").symlink_to("../../../../run")  # clamped at the root, as runc does
+    (root / "opt").symlink_to("usr/local")
+    src = tmp_path / "src"
+    src.mkdir()
+    for written, lands in (("/var/run", "/run"), ("/var/lock", "/run"), ("/opt", "/usr/local"), ("/var/run/../etc", "/etc")):
+        with pytest.raises(UsageError, match=f"the volume at {lands} \\(written as {written}\\)"):
+            check_volumes(root, [bind(written, src)], TARGETS)
+    check_volumes(root, [{"destination": "/var/run", "type": "tmpfs", "source": "tmpfs"}], TARGETS)
+    # A link inside an earlier volume's source sends a later mount over /etc.
+    (src / "y").symlink_to("/etc")
+    other = tmp_path / "other"
+    other.mkdir()
+    with pytest.raises(UsageError, match=r"the volume at /etc \(written as /x/y\)"):
+        check_volumes(root, [bind("/x", src), bind("/x/y", other)], TARGETS)
+    # ...but not once a later mount covers that source, nor through a tmpfs.
+    check_volumes(root, [bind("/x", src), {"destination": "/x", "type": "tmpfs"}, bind("/x/y", other)], TARGETS)
+    (root / "loop").symlink_to("/loop")
+    with pytest.raises(UsageError, match="more than 40 symbolic links"):
+        check_volumes(root, [bind("/loop/a", src)], TARGETS)
