@@ -1,0 +1,168 @@
+/* libFuzzer target: the runtime shim's own parsing (csrc/hook/cgpu_runtime.c)
+ * - the config.json scanner that decides, from raw bytes, whether a bundle
+ *   may ask for a GPU: it must say so exactly when a marker or a \uXXXX
+ *   escape of a name character is anywhere in the file, also across the
+ *   64 KiB read boundary (a miss would start a GPU container without limits);
+ * - runc's argument parsing (global flags, create/run flags, the id);
+ * - the JSON escaping of the error line written into runc's log.
+ * Input: [part][part's fields]. The shim's main() is renamed away. */
+#define _GNU_SOURCE
+#define main cgpu_runtime_main
+#include "hook/cgpu_runtime.c"
+#undef main
+#include "hook/relay.c"
+
+#include <stdbool.h>
+
+#include "fuzz_input.h"
+
+enum { PART_SCAN, PART_ARGS, PART_ESCAPE, PART_COUNT };
+
+static char g_bundle[64];
+
+static void remove_bundle(void)
+{
+    char path[128];
+    snprintf(path, sizeof(path), "%s/config.json", g_bundle);
+    unlink(path);
+    rmdir(g_bundle);
+}
+
+int LLVMFuzzerInitialize(int *argc, char ***argv)
+{
+    (void)argc;
+    (void)argv;
+    snprintf(g_bundle, sizeof(g_bundle), "/tmp/cgpu-fuzz-shim-XXXXXX");
+    CHECK(mkdtemp(g_bundle) != NULL);
+    atexit(remove_bundle);
+    return 0;
+}
+
+/* The rule read_config() implements, over the whole file at once. */
+static bool may_ask(const uint8_t *p, size_t n)
+{
+    for (size_t m = 0; m < sizeof(MARKERS) / sizeof(MARKERS[0]); m++)
+        if (memmem(p, n, MARKERS[m], strlen(MARKERS[m])))
+            return true;
+    for (size_t i = 0; i + 6 <= n; i++) {
+        if (p[i] != '\\' || p[i + 1] != 'u')
+            continue;
+        int code = 0;
+        for (size_t k = 2; k < 6 && code >= 0; k++)
+            code = hexval((char)p[i + k]) < 0 ? -1 : code * 16 + hexval((char)p[i + k]);
+        if ((code >= '0' && code <= '9') || (code >= 'A' && code <= 'Z') || (code >= 'a' && code <= 'z') ||
+            code == '_' || code == '/')
+            return true;
+    }
+    return false;
+}
+
+/* [pad: 1][config bytes]: an odd pad byte puts the bytes within 128 of the
+ * end of the first read (CONFIG_CHUNK), where markers straddle two reads. */
+static void fuzz_scan(struct fuzz_reader *r)
+{
+    unsigned pad_sel = (unsigned)fuzz_uint(r, 1);
+    size_t pad = pad_sel & 1 ? CONFIG_CHUNK - 128 + (pad_sel >> 1) : 0;
+    const uint8_t *body;
+    size_t n = fuzz_take(r, r->left, &body);
+    uint8_t *file = malloc(pad + n + 1);
+    CHECK(file);
+    memset(file, 'x', pad); /* 'x' is in no marker: the pad cannot complete one */
+    memcpy(file + pad, body, n);
+    char path[128];
+    snprintf(path, sizeof(path), "%s/config.json", g_bundle);
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    CHECK(fd >= 0 && write(fd, file, pad + n) == (ssize_t)(pad + n));
+    close(fd);
+    enum config_kind kind = read_config(g_bundle);
+    CHECK(kind == (may_ask(file, pad + n) ? CONFIG_MAY_ASK : CONFIG_PLAIN));
+    free(file);
+}
+
+static bool within(const char *p, char **argv, int argc)
+{
+    for (int i = 0; i < argc; i++)
+        if (p >= argv[i] && p <= argv[i] + strlen(argv[i]))
+            return true;
+    return false;
+}
+
+/* Arguments separated by NUL bytes, after argv[0]. */
+static void fuzz_args(struct fuzz_reader *r)
+{
+    const uint8_t *blob;
+    size_t n = fuzz_take(r, r->left, &blob);
+    char *copy = malloc(n + 1);
+    CHECK(copy);
+    memcpy(copy, blob, n);
+    copy[n] = '\0';
+    char *argv[66] = {"cgpu-runtime"};
+    int argc = 1;
+    for (size_t i = 0; i < n && argc < 64; argc++) {
+        argv[argc] = copy + i;
+        i += strlen(copy + i) + 1;
+    }
+    argv[argc] = NULL;
+    g_opts = (struct globals){0};
+    int cmd = parse_globals(argv);
+    CHECK(cmd >= 1 && cmd <= argc);
+    CHECK(!g_opts.log || within(g_opts.log, argv, argc));
+    CHECK(!g_opts.log_format || within(g_opts.log_format, argv, argc));
+    if (argv[cmd] && (strcmp(argv[cmd], "create") == 0 || strcmp(argv[cmd], "run") == 0)) {
+        const char *bundle = ".", *id = NULL;
+        parse_create(argv + cmd + 1, &bundle, &id);
+        CHECK(strcmp(bundle, ".") == 0 || within(bundle, argv + cmd + 1, argc - cmd - 1));
+        CHECK(!id || within(id, argv + cmd + 1, argc - cmd - 1));
+        if (id && valid_id(id))
+            for (const char *c = id; *c; c++)
+                CHECK(*c > ' ' && *c <= '~');
+    }
+    free(copy);
+}
+
+/* [dst size: 2][text]: the escaped text is a prefix of the full escape,
+ * cut between escapes, with no raw quote, backslash or control byte. */
+static void fuzz_escape(struct fuzz_reader *r)
+{
+    size_t size = 1 + (size_t)fuzz_uint(r, 2) % 8192;
+    const uint8_t *text;
+    size_t n = fuzz_take(r, 4096, &text);
+    char *src = malloc(n + 1), *dst = malloc(size), *full = malloc(6 * n + 1);
+    CHECK(src && dst && full);
+    memcpy(src, text, n);
+    src[n] = '\0';
+    size_t len = json_escape(dst, size, src), full_len = json_escape(full, 6 * n + 1, src);
+    CHECK(len < size && dst[len] == '\0' && len <= full_len && memcmp(dst, full, len) == 0);
+    CHECK(full_len == strlen(full) && (len == full_len || full[len] == '\\' || len + 1 >= size ||
+                                       len + 6 >= size));
+    for (size_t i = 0; i < full_len; i++) {
+        unsigned char c = (unsigned char)full[i];
+        CHECK(c >= 0x20 && c != 0x7f);
+        if (c == '\\') {
+            CHECK(i + 1 < full_len && strchr("\"\\u", full[i + 1]));
+            i++;
+        } else {
+            CHECK(c != '"');
+        }
+    }
+    free(src);
+    free(dst);
+    free(full);
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+    struct fuzz_reader r = {data, size};
+    switch (fuzz_uint(&r, 1) % PART_COUNT) {
+    case PART_SCAN:
+        fuzz_scan(&r);
+        break;
+    case PART_ARGS:
+        fuzz_args(&r);
+        break;
+    default:
+        fuzz_escape(&r);
+        break;
+    }
+    return 0;
+}

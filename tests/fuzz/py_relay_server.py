@@ -1,0 +1,124 @@
+"""atheris target: cgpud's relay server from the wire in (cgpud/hook/relay.py
+reading a request off a real socket, handle() dispatching it, and the
+lifecycle it reaches: the container key, the bundle's config.json, the OCI
+state JSON of the hooks), over a real InstanceService on SQLite in a
+temporary directory.
+
+Input: the request bytes exactly as a relay would send them. A bundle path
+starting with /BUNDLES/ names one of the bundles made here (gpu, plain,
+claim, core), so the fuzzer can reach a real prepare.
+
+Every refusal must be a CgpuError (one clear line to the relay); anything
+else escaping is a bug the relay could only answer with "cgpud failed on
+this request". After each input, instances it made are released and the
+bundles rewritten, so every input meets the same state."""
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import atheris
+
+with atheris.instrument_imports(include=["cgpud.hook"]):
+    from cgpud.hook import relay
+    from cgpud.hook.edits import RuntimeFiles
+    from cgpud.hook.lifecycle import ContainerLifecycle
+
+from cgpud.daemon.model import GIB, GpuCapacity, NodePolicy, Owner, OwnerKind, Request
+from cgpud.daemon.service import InstanceService
+from cgpud.daemon.store import Store
+from cgpud.errors import CgpuError
+
+GPUS = (GpuCapacity(0, "GPU-aaaa", 16 * GIB), GpuCapacity(1, "GPU-bbbb", 16 * GIB))
+
+
+class Harness:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.service = InstanceService(Store(root / "db" / "cgpud.db"), GPUS, NodePolicy(), root / "regions",
+                                       "580.65.06", "boot-1")
+        files = RuntimeFiles(root / "runtime" / "libcgpu.so", root / "runtime" / "ld.so.preload",
+                             root / "runtime" / "cgpu-hook", root / "relay.sock")
+        self.lifecycle = ContainerLifecycle(self.service, files, trust_env=True)
+        self.device = self.service.create(Request(Owner(OwnerKind.DEVICE, "fuzz-device"), 2 * GIB))
+        self.bundles = root / "bundles"
+        self.reset()
+
+    def configs(self) -> dict[str, dict]:
+        process = {"args": ["sh"], "env": ["PATH=/bin"]}
+        return {
+            "plain": {"ociVersion": "1.0.2", "process": process, "root": {"path": "rootfs"}},
+            "gpu": {"ociVersion": "1.0.2", "root": {"path": "rootfs"},
+                    "process": {**process, "env": ["PATH=/bin", "ALIYUN_COM_GPU_MEM_CONTAINER=2"]}},
+            "core": {"ociVersion": "1.0.2", "root": {"path": "rootfs"},
+                     "process": {**process, "env": ["ALIYUN_COM_GPU_MEM_CONTAINER=1",
+                                                    "ALIYUN_COM_GPU_CORE_PERCENTAGE=30"]}},
+            "claim": {"ociVersion": "1.0.2", "process": process, "root": {"path": "rootfs"},
+                      "mounts": [{"destination": "/run/cgpu", "type": "bind", "options": ["rbind", "ro"],
+                                  "source": str(self.service.region_dir(self.device.id))}]},
+        }
+
+    def reset(self) -> None:
+        for name, spec in self.configs().items():
+            (self.bundles / name / "rootfs").mkdir(parents=True, exist_ok=True)
+            (self.bundles / name / "config.json").write_text(json.dumps(spec))
+
+    def tidy(self) -> None:
+        """Back to the state every input starts from."""
+        changed = False
+        for inst in self.service.list():
+            if inst.id != self.device.id:
+                self.service.release(inst.id)
+                changed = True
+        if self.service.get(self.device.id).owner.kind is not OwnerKind.DEVICE or not self.service.get(
+                self.device.id).active:
+            raise AssertionError("a relay request changed the reserved device instance's owner or ended it")
+        if changed or any(b"cgpu-hook" in (self.bundles / n / "config.json").read_bytes() for n in ("claim",)):
+            self.reset()
+
+    def one(self, data: bytes) -> None:
+        a, b = socket.socketpair()
+        writer = threading.Thread(target=send, args=(a, data))
+        try:
+            if len(data) <= 32768:  # fits the socket buffer: no reader needed yet
+                send(a, data)
+            else:
+                writer.start()
+            try:
+                words, body = relay._read_request(b)
+                if body.startswith(b"/BUNDLES/"):
+                    body = str(self.bundles).encode() + body[len(b"/BUNDLES"):]
+                text = relay.handle(self.lifecycle, words, body)
+                if not isinstance(text, str) or "\n" in text:
+                    raise AssertionError(f"answer text {text!r} is not one line")
+            except CgpuError as e:
+                if not str(e):
+                    raise AssertionError("a refusal without a message") from e
+        finally:
+            b.close()  # a writer still sending gets EPIPE
+            if writer.is_alive():
+                writer.join()
+            a.close()
+            self.tidy()
+
+
+def send(conn: socket.socket, data: bytes) -> None:
+    try:
+        conn.sendall(data)
+        conn.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass  # the server stopped reading (a request over MAX_REQUEST)
+
+
+def main() -> None:
+    harness = Harness(Path(tempfile.mkdtemp(prefix="cgpu-fuzz-relay-")))
+    atheris.Setup(sys.argv, harness.one)
+    atheris.Fuzz()
+
+
+if __name__ == "__main__":
+    main()
