@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from cgpud.daemon.model import GIB, Instance
+from cgpud.errors import UsageError
 from cgpud.hook.request import CONTAINER_REGION, ENV_CORE
 
 CONTAINER_LIBRARY = "/usr/local/cgpu/libcgpu.so"
@@ -121,24 +122,39 @@ def apply_edits(spec: Mapping[str, Any], edits: ContainerEdits, files: RuntimeFi
     retried create on the same bundle) are replaced, not repeated. Our
     mounts go last so they cover anything the image or user mounted there."""
     out = copy.deepcopy(dict(spec))
-    process = out.setdefault("process", {})
+    process = _member(out, "process", dict, "process")
     names = {k for k, _ in edits.env} | set(APP_ENV)
-    env = [e for e in process.get("env", []) if e.split("=", 1)[0] not in names]
+    env_in = _member(process, "env", list, "process.env")
+    if not all(isinstance(e, str) for e in env_in):
+        raise UsageError("config.json: process.env must be a list of NAME=VALUE strings")
+    env = [e for e in env_in if e.split("=", 1)[0] not in names]
     process["env"] = env + [f"{k}={v}" for k, v in edits.env]
 
     ours = {m.destination for m in edits.mounts} | {CONTAINER_REGION, f"{CONTAINER_REGION}/usage",
                                                      CONTAINER_LIBRARY, PRELOAD}
-    mounts = [m for m in out.get("mounts", []) if not _ours(m, ours)]
+    mounts = [m for m in _member(out, "mounts", list, "mounts") if not _ours(m, ours)]
     mounts += [{"destination": m.destination, "type": "bind", "source": m.source, "options": m.options}
                for m in edits.mounts]
     out["mounts"] = mounts
 
-    hooks = out.setdefault("hooks", {})
+    hooks = _member(out, "hooks", dict, "hooks")
     for stage in {h.stage for h in edits.hooks}:
-        kept = [h for h in hooks.get(stage, []) if not (isinstance(h, Mapping) and h.get("path") == str(files.hook))]
+        stage_hooks = _member(hooks, stage, list, f"hooks.{stage}")
+        kept = [h for h in stage_hooks if not (isinstance(h, Mapping) and h.get("path") == str(files.hook))]
         hooks[stage] = kept + [
             {"path": h.path, "args": list(h.args), "env": list(h.env), "timeout": h.timeout}
             for h in edits.hooks if h.stage == stage
         ]
-    out.setdefault("annotations", {})[ANNOTATION] = edits.instance_id
+    _member(out, "annotations", dict, "annotations")[ANNOTATION] = edits.instance_id
     return out
+
+
+def _member(obj: dict[str, Any], key: str, kind: type, what: str) -> Any:
+    """obj[key], made empty when absent or null. Another shape is refused,
+    not half-edited: a spec that claims an instance reaches here with
+    nothing but its mounts read."""
+    if obj.get(key) is None:
+        obj[key] = kind()
+    if not isinstance(obj[key], kind):
+        raise UsageError(f"config.json: {what} must be {'an object' if kind is dict else 'a list'}")
+    return obj[key]
