@@ -285,7 +285,7 @@ class InstanceService:
             except (CgpuError, OSError, MemoryError) as e:
                 self._log.error("usage file cannot be repaired", id=instance.id, error=str(e))
                 continue
-            self._log.warning("usage file repaired", id=instance.id,
+            self._log.warning("usage file repaired", id=instance.id, remapped=damaged,
                               problem=problem or "truncated under the scheduler's mapping")
             repaired += 1
         return repaired

@@ -157,6 +157,10 @@ def test_an_attacked_usage_file_harms_neither_cgpud_nor_the_neighbour(rig: Share
         # The sweep (every 2 s here) puts the idle instance's file right.
         assert poll(lambda: usage_problem(idle_region) is None), usage_problem(idle_region)
         assert os.stat(idle_region / "usage").st_size == USAGE_SIZE
+        if how == "truncate":
+            # cgpud's scheduler met the cut-off file (its guard read zeros)
+            # and mapped the repaired one afresh.
+            assert poll(lambda: '"remapped": true' in d.log.read_text()), d.log.read_text()[-3000:]
     finally:
         runs = [p for p in (victim, neighbour_run) if p is not None]
         for p in runs:
