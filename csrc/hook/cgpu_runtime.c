@@ -22,8 +22,11 @@
 #define ID_MAX 1024
 
 /* A bundle may ask for a GPU share only if its config names one of these,
- * or spells a name or path character as a JSON escape (see escaped_name). */
-static const char *const MARKERS[] = {"ALIYUN_COM_GPU", "\"/run/cgpu\"", "\\/"};
+ * or spells a name or path character as a JSON escape (see escaped_name).
+ * "/cgpu", not "\"/run/cgpu\"": cgpud reads a mount at /run/cgpu/,
+ * /run//cgpu or /run/cgpu/usage as a claim too (or refuses it), and every
+ * spelling of such a path holds "/cgpu" unescaped. */
+static const char *const MARKERS[] = {"ALIYUN_COM_GPU", "/cgpu", "\\/"};
 #define MARKER_KEEP 13 /* longest marker - 1: a marker may straddle two reads */
 
 /* Value-taking flags; every other flag is taken as boolean. */

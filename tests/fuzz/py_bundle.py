@@ -21,7 +21,6 @@ What must hold for any input:
   and editing it again changes nothing."""
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import re
@@ -40,7 +39,7 @@ from cgpud.daemon.model import GIB, Grant, Instance, InstanceState, Owner, Owner
 from cgpud.errors import CgpuError
 
 # The shim's markers (cgpu_runtime.c MARKERS) and its \uXXXX rule.
-SHIM_MARKERS = (b"ALIYUN_COM_GPU", b'"/run/cgpu"', b"\\/")
+SHIM_MARKERS = (b"ALIYUN_COM_GPU", b"/cgpu", b"\\/")
 _NAME_ESCAPE = re.compile(rb"\\u([0-9a-fA-F]{4})")
 GPU_MEMORY = {0: 16 * GIB, 1: 16 * GIB}
 KEYS = ("ociVersion", "process", "env", "args", "root", "path", "mounts", "destination", "source", "type",
@@ -124,11 +123,7 @@ class Harness:
             targets = [m.destination for m in edits.mounts]
             rootfs = rootfs_path(self.bundle, spec)
             check_targets(rootfs, targets)
-            ours = {m.destination for m in edits.mounts}
-            if "rootfs" in inspect.signature(check_volumes).parameters:  # TRANSITION: the newer check_volumes
-                check_volumes(rootfs, spec.get("mounts", []), targets, ours=ours)
-            else:
-                check_volumes(spec.get("mounts", []), targets, ours=ours)
+            check_volumes(rootfs, spec.get("mounts", []), targets, ours={m.destination for m in edits.mounts})
             out = apply_edits(spec, edits, self.files)
             write_spec(self.bundle, out)
         except CgpuError as e:

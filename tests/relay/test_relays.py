@@ -252,11 +252,15 @@ def test_prepare_finds_id_and_bundle_wherever_runc_accepts_them(bins, env, runti
         # JSON escapes could spell a marker that a byte scan would miss.
         '{"process":{"env":["ALIYUN\\u005fCOM_GPU_MEM_CONTAINER=2"]}}',
         '{"mounts":[{"destination":"\\/run\\/cgpu"}]}',
+        # cgpud reads these as claims of /run/cgpu as well (found by tests/fuzz py_bundle)
+        *(json.dumps({"mounts": [{"destination": d, "source": "/var/lib/cgpud/x", "type": "bind"}]})
+          for d in ("/run/cgpu/", "/run//cgpu", "/run/./cgpu/usage")),
         # a marker straddling two reads of the scan
         *(" " * (65536 - k) + GPU_CONFIG for k in (1, 8, 13, 20, 40)),
         " " * (8 * MIB + 1),  # too large to scan: cgpud decides
     ],
-    ids=["env", "mount", "u-escape", "slash-escape", "cut1", "cut8", "cut13", "cut20", "cut40", "huge"],
+    ids=["env", "mount", "u-escape", "slash-escape", "mount-slash", "mount-2slash", "mount-under", "cut1", "cut8",
+         "cut13", "cut20", "cut40", "huge"],
 )
 def test_any_marker_sends_the_bundle_to_cgpud(bins, env, runtime, cgpud, tmp_path, config):
     server = cgpud(b"ok prepared 1 GPU\n")
