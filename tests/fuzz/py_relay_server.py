@@ -4,9 +4,11 @@ lifecycle it reaches: the container key, the bundle's config.json, the OCI
 state JSON of the hooks), over a real InstanceService on SQLite in a
 temporary directory.
 
-Input: the request bytes exactly as a relay would send them. A bundle path
-starting with /BUNDLES/ names one of the bundles made here (gpu, plain,
-claim, core), so the fuzzer can reach a real prepare.
+Input: the request bytes exactly as a relay would send them. "/BUNDLES/"
+stands for the directory of the bundles made here (gpu, plain, claim,
+core) and "@DEVICE" for the id of an instance reserved as a device, which
+the claim bundle mounts: so the fuzzer reaches a real prepare, bind and
+poststop.
 
 Every refusal must be a CgpuError (one clear line to the relay); anything
 else escaping is a bug the relay could only answer with "cgpud failed on
@@ -28,7 +30,7 @@ with atheris.instrument_imports(include=["cgpud.hook"]):
     from cgpud.hook.edits import RuntimeFiles
     from cgpud.hook.lifecycle import ContainerLifecycle
 
-from cgpud.daemon.model import GIB, GpuCapacity, NodePolicy, Owner, OwnerKind, Request
+from cgpud.daemon.model import GIB, GpuCapacity, InstanceState, NodePolicy, Owner, OwnerKind, Request
 from cgpud.daemon.service import InstanceService
 from cgpud.daemon.store import Store
 from cgpud.errors import CgpuError
@@ -74,9 +76,11 @@ class Harness:
             if inst.id != self.device.id:
                 self.service.release(inst.id)
                 changed = True
-        if self.service.get(self.device.id).owner.kind is not OwnerKind.DEVICE or not self.service.get(
-                self.device.id).active:
+        device = self.service.get(self.device.id)
+        if device.owner.kind is not OwnerKind.DEVICE or not device.active:
             raise AssertionError("a relay request changed the reserved device instance's owner or ended it")
+        if device.state is InstanceState.BOUND:
+            self.service.unbind(device.id)
         if changed or any(b"cgpu-hook" in (self.bundles / n / "config.json").read_bytes() for n in ("claim",)):
             self.reset()
 
@@ -90,8 +94,8 @@ class Harness:
                 writer.start()
             try:
                 words, body = relay._read_request(b)
-                if body.startswith(b"/BUNDLES/"):
-                    body = str(self.bundles).encode() + body[len(b"/BUNDLES"):]
+                words = [w.replace("@DEVICE", self.device.id) for w in words]
+                body = body.replace(b"/BUNDLES/", str(self.bundles).encode() + b"/")
                 text = relay.handle(self.lifecycle, words, body)
                 if not isinstance(text, str) or "\n" in text:
                     raise AssertionError(f"answer text {text!r} is not one line")
