@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -34,3 +35,46 @@ def test_a_fault_outside_every_registered_mapping_still_kills(driver: Path) -> N
     proc = subprocess.run([str(driver), "unguarded"], env=ENV, capture_output=True, text=True, timeout=60)
     assert proc.returncode == -signal.SIGBUS, (proc.returncode, proc.stderr)
     assert "previous handler" in proc.stderr  # chained, not replaced
+
+
+# Both cffi modules of cgpud map usage files, each with its own copy of the
+# guard; whichever installs second sees the first as the previous handler.
+COMPOSED = r"""
+import os, sys, time
+from pathlib import Path
+from cgpud._region import lib as rlib
+from cgpud.daemon.compute import ComputeScheduler
+from cgpud.daemon.model import ComputePolicy, Grant, Instance, InstanceState, NodePolicy, Owner, OwnerKind
+from cgpud.daemon.region import USAGE_FILE, DeviceLimit, InstanceLimits, UsageRegion, write_region
+
+root, order = Path(sys.argv[1]), sys.argv[2]
+for name in ("engine", "python"):
+    write_region(root / name, InstanceLimits(name, (DeviceLimit("GPU-x", 1 << 30, 0, 50),)), gated=True)
+sched = ComputeScheduler(1)
+sched.configure(NodePolicy(compute_policy=ComputePolicy.FIXED))
+tenant = Instance("engine", Owner(OwnerKind.PROCESS, "engine"), (Grant(0, "GPU-x", 1 << 30, 50),),
+                  InstanceState.RESERVED, True)
+if order == "scheduler-first":
+    sched.attach(tenant, root / "engine")
+    usage = UsageRegion(root / "python")
+else:
+    usage = UsageRegion(root / "python")
+    sched.attach(tenant, root / "engine")
+sched.start()
+os.truncate(root / "python" / USAGE_FILE, 0)
+assert rlib.cgpu_device_used(usage._u, 0) == 0 and usage.damaged  # no SIGBUS in Python's own read
+os.truncate(root / "engine" / USAGE_FILE, 0)
+deadline = time.monotonic() + 30
+while not sched.damaged("engine"):  # the scheduler's loop reads the file every slice
+    assert time.monotonic() < deadline, "the engine never met the truncated file"
+    time.sleep(0.01)
+sched.stop()
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("order", ["scheduler-first", "region-first"])
+def test_the_guards_of_both_cgpud_modules_compose(tmp_path: Path, order: str) -> None:
+    proc = subprocess.run([sys.executable, "-c", COMPOSED, str(tmp_path), order], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", (proc.returncode, proc.stderr[-3000:])
