@@ -3,9 +3,9 @@
  * Ownership: one process-wide `g_cgpu`, set up once by cgpu_init() and then
  * read-only but for the ledger fields that fork resets. Thread-safety: hot
  * paths read `state` and the real-function cache with plain atomic loads;
- * the usage and grants regions are atomics; only ledger claim/reap and the
- * launch gate's slow path take process-local mutexes (never held across a
- * driver call). */
+ * the usage and grants regions are atomics; only ledger claim/reap, the
+ * launch gate's slow path and the VMM/context-limit bookkeeping (memory.c)
+ * take process-local mutexes (never held across a driver call). */
 #ifndef CGPU_LIBCGPU_H
 #define CGPU_LIBCGPU_H
 
