@@ -179,6 +179,9 @@ def _new_usage() -> bytes:
     return bytes(ffi.buffer(raw))
 
 
+_USAGE_HEADER = _new_usage()[:_HEADER]  # what every sound usage file starts with
+
+
 def _new_grants(gated: bool) -> bytes:
     # Gated: every gate closed, so an instance computes only once the
     # scheduler has it. Otherwise open for good.
@@ -245,8 +248,21 @@ def _file_problem(path: Path, check: Any, ctype: str) -> str | None:
 
 def usage_problem(directory: Path) -> str | None:
     """Why the instance's usage file is unusable, or None if it is sound.
-    Reads its size and its header only."""
-    return _file_problem(Path(directory) / USAGE_FILE, lib.cgpu_usage_check, "struct cgpu_usage")
+    Reads its size and its header only: the sweep asks this of every
+    instance each round."""
+    path = Path(directory) / USAGE_FILE
+    size = ffi.sizeof("struct cgpu_usage")
+    try:
+        head, file_size = _read_bounded(path, _HEADER)
+    except FileNotFoundError:
+        return "missing"
+    except (OSError, RegionError) as e:
+        return str(e)
+    if file_size != size:
+        return f"{path} is {file_size} bytes, not {size}"
+    if head == _USAGE_HEADER:
+        return None
+    return _check_struct(lib.cgpu_usage_check, "struct cgpu_usage", head + bytes(size - _HEADER))
 
 
 def repair_usage(path: Path) -> str | None:
@@ -257,7 +273,6 @@ def repair_usage(path: Path) -> str | None:
     is gone, for that tenant only.
     Its pages are preallocated so no later write into them can fail."""
     size = ffi.sizeof("struct cgpu_usage")
-    header = _new_usage()[:_HEADER]
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -279,8 +294,8 @@ def repair_usage(path: Path) -> str | None:
             # Ledgers were cut off: counters that no ledger explains would
             # hold the instance's memory for good. Start it afresh.
             os.pwrite(fd, _new_usage(), 0)
-        elif os.pread(fd, _HEADER, 0) != header:
-            os.pwrite(fd, header, 0)
+        elif os.pread(fd, _HEADER, 0) != _USAGE_HEADER:
+            os.pwrite(fd, _USAGE_HEADER, 0)
             wrong.append("bad header")
         if stat.S_IMODE(os.fstat(fd).st_mode) != USAGE_MODE:
             os.fchmod(fd, USAGE_MODE)
