@@ -33,6 +33,7 @@ struct tenant {
     int overdue;             /* a closing's fence outlived the timeout: still charged, not granted */
     uint32_t overdue_seq;    /* that closing's gate word */
     uint64_t overdue_charged_to;
+    uint64_t overdue_closed; /* when that closing was made */
     uint64_t overdue_probed; /* when its ledger locks were last probed */
     uint64_t overdue_dead[CGPU_MAX_PROCS / 64]; /* ledgers found dead since it became overdue */
     int launched;            /* its last fence said it had launched work */
@@ -463,6 +464,7 @@ static void close_holder(struct cgpu_engine *e, unsigned gpu)
         t->overdue = !t->detach_pending;
         t->overdue_seq = closed;
         t->overdue_charged_to = t->overdue_probed = end;
+        t->overdue_closed = start;
         memcpy(t->overdue_dead, dead, sizeof(dead));
     }
     t->launched = launched;
@@ -484,6 +486,18 @@ static void set_all_gates(struct gpu_loop *g, uint32_t bits)
         if (bits & CGPU_GATE_UNGATED)
             g->t[i].overdue = 0; /* no control: nothing left to charge */
     }
+}
+
+/* Whether a tenant's fence is overdue by less than CGPU_ENGINE_OVERDUE_HOLD_NS
+ * since its closing: the GPU is still its own, busy with its long kernel. */
+static int overdue_holds_gpu(const struct gpu_loop *g, uint64_t now)
+{
+    for (unsigned i = 0; i < CGPU_SCHED_MAX_TENANTS; i++) {
+        const struct tenant *t = &g->t[i];
+        if (t->key && t->overdue && !t->detach_pending && now - t->overdue_closed < CGPU_ENGINE_OVERDUE_HOLD_NS)
+            return 1;
+    }
+    return 0;
 }
 
 /* Charges each tenant whose fence outlived the timeout for the time since it
@@ -583,6 +597,11 @@ int cgpu_engine_run(struct cgpu_engine *e, unsigned gpu)
             continue; /* time has passed: decide afresh */
         }
         struct tenant *t = d.key != g->holder ? find(g, d.key) : NULL;
+        int held = t && overdue_holds_gpu(g, now);
+        if (held) {
+            t = NULL; /* its kernel still runs: a grant now would be charged for time it cannot use */
+            d = (struct cgpu_sched_decision){0};
+        }
         if (t) {
             atomic_store(&t->grants->device[t->slot].slice_end_ns, now + d.slice_ns);
             gate_set(t, CGPU_GATE_OPEN);
@@ -595,7 +614,7 @@ int cgpu_engine_run(struct cgpu_engine *e, unsigned gpu)
             continue;
         }
         uint64_t until = now + (d.slice_ns ? d.slice_ns : CGPU_ENGINE_IDLE_POLL_NS);
-        if (!d.key && idle && until > now + CGPU_ENGINE_IDLE_POLL_NS)
+        if (!d.key && (idle || held) && until > now + CGPU_ENGINE_IDLE_POLL_NS)
             until = now + CGPU_ENGINE_IDLE_POLL_NS;
         struct timespec ts = abs_timespec(until);
         pthread_cond_timedwait(&g->wake, &e->mu, &ts);

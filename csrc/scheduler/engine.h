@@ -30,6 +30,12 @@
  * stopped or hung process). The late tenant is charged on until its fence
  * arrives and is not granted meanwhile. */
 #define CGPU_ENGINE_FENCE_TIMEOUT_NS 50000000
+/* Until this long after a closing whose fence is overdue, nobody else is
+ * granted the GPU: on it runs the late tenant's kernel, for which that
+ * tenant is charged, and a grant meanwhile would charge another tenant for
+ * time it cannot use. Past it (a process stopped or hung rather than a long
+ * kernel) the others are granted again. */
+#define CGPU_ENGINE_OVERDUE_HOLD_NS 250000000
 /* A closed gate looks for processes that died without acknowledging after
  * this long without an acknowledgement, and again every time as long. */
 #define CGPU_ENGINE_FENCE_PROBE_NS 4000000

@@ -13,9 +13,11 @@
  *   time so weights and the set of tenants can change without rescaling).
  *   Only tenants with work accrue, so idle share is lent without creating debt.
  *
- * Lags and debts are clamped to one period: enough to pay back any kernel
- * shorter than a period, small enough that a history (a kernel longer than
- * that, a high-priority burst) cannot starve a tenant for more than a period. */
+ * What a tenant is owed (positive lag, leftover budget) is clamped to one
+ * period, so no history can make it starve the others for longer. What it
+ * owes is clamped to MAX_DEBT_PERIODS periods: a kernel longer than a period
+ * cannot be cut short by any gate, and is paid back in full by the periods
+ * after it instead of being forgiven past the first. */
 #include "scheduler.h"
 
 #include <errno.h>
@@ -98,9 +100,7 @@ static int64_t bound(const struct gpu *g)
     return (int64_t)g->period;
 }
 
-/* A reservation's debt may reach this many periods: a kernel longer than a
- * period (which no gate can cut short) is then paid back in full by the
- * periods after it, not forgiven past the first. */
+/* Debt (negative lag or budget) may reach this many periods. */
 #define MAX_DEBT_PERIODS 16
 
 static int64_t debt_bound(const struct gpu *g)
@@ -491,7 +491,7 @@ int cgpu_sched_charge(struct cgpu_sched *s, unsigned gpu, uint64_t key, uint64_t
         int64_t lag = u->lag + (int64_t)(b * weight_of(g, u) / total);
         if (u == t)
             lag -= (int64_t)b;
-        u->lag = clamp64(lag, -lim, lim);
+        u->lag = clamp64(lag, -debt_bound(g), lim);
     }
 
     if (g->policy == CGPU_SCHED_FIXED && t->share == 0)

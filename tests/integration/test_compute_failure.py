@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from cgpud._region import ffi, lib
-from tests.sharerun import Sampler, ShareRig, TenantSpec, _at, _busy
+from tests.sharerun import Sampler, Scenario, ShareRig, TenantSpec, _at, _busy
 
 OPEN = int(lib.CGPU_GATE_OPEN)
 
@@ -95,12 +95,15 @@ def test_a_tenant_at_a_closed_gate_runs_on_when_cgpud_is_killed_and_is_gated_aga
     assert err.count("compute scheduler (cgpud) is gone") == 1, err
 
 
+LONG = TenantSpec(30, kernel_ns=200_000_000, streams=1)
+
+
 def test_a_200ms_kernel_under_a_30_percent_share_is_charged_in_full(rig: ShareRig) -> None:
     """Each 200 ms kernel outlives the 50 ms fence timeout fourfold: the
     tenant is charged until its fence really comes, so it keeps to 30 %
     over time instead of running a kernel each time it is granted."""
     assert rig.daemon.cgpuctl("policy", "set", "fixed").returncode == 0
-    run = rig._start(TenantSpec(30, kernel_ns=200_000_000, streams=1))
+    run = rig._start(LONG)
     sampler = Sampler(rig.env, 50)
     try:
         pid = rig._burn_pid(run, time.monotonic() + 60)
@@ -114,3 +117,20 @@ def test_a_200ms_kernel_under_a_30_percent_share_is_charged_in_full(rig: ShareRi
     # 6 s hold 30 kernels' time; at 30 % nine of them run, give or take the
     # one in progress at each end of the interval.
     assert 20 <= share <= 37, share
+
+
+@pytest.mark.parametrize(("policy", "tenants", "long_range", "neighbour_min"), [
+    ("fixed", (LONG, TenantSpec(70)), (20, 37), 45),
+    ("soft", (LONG, TenantSpec(70)), (20, 37), 60),
+    ("preemptive", (TenantSpec(0, kernel_ns=200_000_000, streams=1), TenantSpec(0)), (40, 60), 40),
+], ids=["fixed 30/70", "soft 30/70", "preemptive"])
+def test_a_neighbour_of_200ms_kernels_keeps_its_share(rig: ShareRig, policy: str, tenants: tuple[TenantSpec, ...],
+                                                      long_range: tuple[float, float], neighbour_min: float) -> None:
+    """While the long kernel runs, nobody else is granted (a grant would be
+    charged for time the neighbour cannot use), and the long kernel's
+    tenant pays it back in full. Fixed leaves the neighbour short of its
+    70 %: the reservation its periods lost to the kernel is not made up."""
+    r = rig.run(Scenario(policy, policy, tenants, 6.0, (50, 50) if policy == "preemptive" else ()))
+    long, neighbour = (round(t.share, 1) for t in r.tenants)
+    assert long_range[0] <= long <= long_range[1], (long, neighbour)
+    assert neighbour >= neighbour_min, (long, neighbour)

@@ -401,6 +401,10 @@ def test_a_scribbling_tenant_cannot_stall_the_engine_or_take_its_neighbours_shar
         assert slib.cgpu_engine_tenant_get(sched._engine, 0, key, info) == 0
         return int(info.charged_ns)
     try:
+        # a's first closing runs into the fence timeout, and the GPU stays
+        # its own for CGPU_ENGINE_OVERDUE_HOLD_NS: once. Measure after that.
+        assert wait_until(lambda: sched.schedule(0).fence_timeouts >= 1, timeout=10)
+        time.sleep(slib.CGPU_ENGINE_OVERDUE_HOLD_NS / 1e9)
         start, b0, decisions = time.monotonic_ns(), charged(2), sched.schedule(0).decisions
         assert wait_until(lambda: time.monotonic_ns() - start > 1_000_000_000 and sched.schedule(0).grants > 10,
                           timeout=10), sched.schedule(0)
@@ -409,8 +413,8 @@ def test_a_scribbling_tenant_cannot_stall_the_engine_or_take_its_neighbours_shar
         acker.stop()
         child.kill()
         child.wait()
-    # b's 50 % (less one slice and a fence per closing of a's).
-    assert charged(2) - b0 >= 0.35 * wall, (charged(2) - b0, wall)
+    # b's 50 %, less a little: not one fence timeout per closing of a's.
+    assert charged(2) - b0 >= 0.4 * wall, (charged(2) - b0, wall)
     assert sched.schedule(0).decisions > decisions + 20
     # Only the live process's fence ran into the timeout, once: a is then
     # charged as long as it holds out, and not granted.
