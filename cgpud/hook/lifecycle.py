@@ -16,6 +16,7 @@ no-op that still answers ok, so runc does not fail that container's delete."""
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,11 +27,15 @@ from cgpud.daemon.model import GIB, Instance, InstanceState, Owner, OwnerKind, R
 from cgpud.daemon.service import InstanceService
 from cgpud.errors import StateError, UsageError
 from cgpud.hook.bundle import check_targets, check_volumes, read_spec, rootfs_path, write_spec
-from cgpud.hook.edits import BIND_STAGE, RELEASE_STAGE, RuntimeFiles, apply_edits, instance_edits
+from cgpud.hook.edits import (BIND_STAGE, CONTAINER_LIBRARY, PRELOAD, RELEASE_STAGE, RuntimeFiles, apply_edits,
+                              instance_edits)
+from cgpud.hook.placed import check_placed, read_mountinfo
 from cgpud.hook.identity import ContainerKey, container_key
-from cgpud.hook.request import Claim, EnvRequest, read_request
+from cgpud.hook.request import CONTAINER_REGION, Claim, EnvRequest, read_request
 
 BIND_STAGES = (BIND_STAGE, "prestart")
+# Where instance_edits mounts for an enforced instance.
+ENFORCED_TARGETS = (CONTAINER_REGION, f"{CONTAINER_REGION}/usage", CONTAINER_LIBRARY, PRELOAD)
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,7 @@ class ContainerLifecycle:
             pid = state.get("pid")
             if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
                 raise UsageError(f"the {stage} state of container {key.id} has no init pid")
+            self._check_placed(instance_id, key, pid)
             instance = self._service.bind_container(instance_id, str(key), pid)
             return f"bound {instance.id}"
         if stage == RELEASE_STAGE:
@@ -98,6 +104,22 @@ class ContainerLifecycle:
         raise UsageError(f"cgpu-hook runs at {BIND_STAGE} and {RELEASE_STAGE}, not at {stage}")
 
     # ---- helpers ---------------------------------------------------------------------
+
+    def _check_placed(self, instance_id: str, key: ContainerKey, pid: int) -> None:
+        """The mounts landed where the checks at prepare expected them. On a
+        refusal the container does not start, so its own instance goes."""
+        instance = self._service.get(instance_id)
+        if not instance.enforced:
+            return
+        try:
+            rootfs = os.path.realpath(rootfs_path(Path(key.namespace), read_spec(Path(key.namespace))))
+            if not check_placed(read_mountinfo(pid), rootfs, ENFORCED_TARGETS):
+                self._log.warning("mounts not in place yet at this hook: not checked", id=instance_id,
+                                  container=str(key))
+        except UsageError:
+            if instance.owner.kind is OwnerKind.CONTAINER and instance.owner.id == str(key):
+                self._service.release(instance_id)
+            raise
 
     def _admit(self, key: ContainerKey, ask: EnvRequest | Claim) -> Instance:
         if isinstance(ask, Claim):

@@ -6,6 +6,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
+import socket
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -109,7 +112,8 @@ def test_a_volume_whose_source_holds_a_link_on_cgpus_way_is_refused(tmp_path, ho
     b = host.bundle(tmp_path / "b", ["true"], ("ALIYUN_COM_GPU_MEM_CONTAINER=2",))
     b.spec["mounts"].append({"destination": volume, "type": "bind", "source": str(source), "options": ["rbind", "rw"]})
     b.write()
-    before, mounts_before = b.read(), host_mounts()
+    mine = lambda: [m for m in host_mounts() if str(tmp_path) in m]  # others' tests mount too
+    before, mounts_before = b.read(), mine()
     out = run(host, b, host.new_id(), shim=True, relay=cgpud.relay)
     assert out.returncode != 0
     assert (f"the volume at {volume} (from {source}) makes {volume}/{link} a symbolic link "
@@ -118,7 +122,7 @@ def test_a_volume_whose_source_holds_a_link_on_cgpus_way_is_refused(tmp_path, ho
     assert b.read() == before
     assert instances(cgpud) == []  # admitted, then released before the bundle was touched
     assert list(outside.iterdir()) == [] and sorted(os.listdir(source)) == [link]
-    assert host_mounts() == mounts_before
+    assert mine() == mounts_before
 
 
 def test_a_shared_volume_over_run_is_refused_even_without_links(tmp_path, host: Host, cgpud: Daemon) -> None:
@@ -170,3 +174,38 @@ def test_a_volume_at_var_run_in_an_image_where_it_links_to_run_is_refused(tmp_pa
     assert out.returncode != 0
     assert f"the volume at /run (written as /var/run) (from {source}) covers /run/cgpu" in out.stderr, out.stderr
     assert b.read() == before and instances(cgpud) == [] and list(source.iterdir()) == []
+
+
+def _prepare(relay: Path, container_id: str, bundle: Path) -> str:
+    """What cgpu-runtime sends before `runc create`, sent by hand so that
+    the test can change the rootfs between cgpud's check and runc's mounts."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(60)
+        s.connect(str(relay))
+        s.sendall(f"prepare {container_id}\n{bundle}".encode())
+        s.shutdown(socket.SHUT_WR)
+        return s.makefile().readline().strip()
+
+
+def test_a_link_swapped_in_after_the_check_keeps_the_container_from_starting(tmp_path, host: Host,
+                                                                             cgpud: Daemon) -> None:
+    b = host.bundle(tmp_path / "b", ["true"], ("ALIYUN_COM_GPU_MEM_CONTAINER=2",))
+    cid = host.new_id()
+    assert _prepare(cgpud.relay, cid, b.path).startswith("ok instance ")
+    [prepared] = instances(cgpud)
+    # Between the check and the mount: /run becomes a link (inside the root).
+    shutil.rmtree(b.rootfs / "run")
+    (b.rootfs / "srv").mkdir()
+    (b.rootfs / "run").symlink_to("/srv")
+    log = tmp_path / "create.log"
+    with open(log, "w") as f:  # a pipe would stay open while a created container runs
+        code = subprocess.run(["runc", "--root", str(host.runc_root), "create", "--bundle", str(b.path), cid],
+                              stdin=subprocess.DEVNULL, stdout=f, stderr=f, timeout=60).returncode
+    try:
+        assert code != 0
+        assert "cgpu-hook: cgpu's mount at /run/cgpu is not in place" in log.read_text(), log.read_text()
+        assert runc(host, "state", cid).returncode != 0  # no container left
+        assert instances(cgpud) == []
+        assert [i["state"] for i in instances(cgpud, all_=True) if i["id"] == prepared["id"]] == ["released"]
+    finally:
+        runc(host, "delete", "--force", cid)

@@ -79,8 +79,7 @@ def test_a_claimed_instance_goes_back_only_at_its_holders_poststop(tmp_path: Pat
     holder = bundle(tmp_path / "holder", mounts=claim)
     assert lc.prepare("c1", holder).instance.id == dev.id
     lc.hook("createRuntime", dev.id, state("c1", holder, os.getpid()))
-    other = tmp_path / "other"
-    other.mkdir()
+    other = bundle(tmp_path / "other")
     with pytest.raises(StateError, match="already used by container c1@"):
         lc.hook("createRuntime", dev.id, state("c2", other, os.getpid()))
     for cid, where in (("c2", other), ("c1", other), ("c2", holder)):
