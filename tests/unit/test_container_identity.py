@@ -126,3 +126,14 @@ def test_a_linked_volume_is_refused_and_leaves_nothing(tmp_path: Path) -> None:
         lc.prepare("job", a)
     assert (a / "config.json").read_bytes() == before
     assert svc.list() == [] and not list((tmp_path / "regions").glob("cgpu-*"))
+
+
+def test_the_createruntime_check_looks_where_the_edits_mount(tmp_path: Path) -> None:
+    from cgpud.hook.edits import instance_edits
+    from cgpud.hook.lifecycle import ENFORCED_TARGETS
+    lc, svc = lifecycle(tmp_path)
+    inst = svc.create(Request(Owner(OwnerKind.DEVICE, "d"), GIB))
+    rt = tmp_path / "rt"
+    files = RuntimeFiles(rt / "libcgpu.so", rt / "ld.so.preload", rt / "cgpu-hook", tmp_path / "relay.sock")
+    edits = instance_edits(inst, svc.region_dir(inst.id), {0: 16 * GIB}, files)
+    assert tuple(m.destination for m in edits.mounts) == ENFORCED_TARGETS
