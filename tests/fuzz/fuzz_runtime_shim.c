@@ -4,19 +4,37 @@
  *   escape of a name character is anywhere in the file, also across the
  *   64 KiB read boundary (a miss would start a GPU container without limits);
  * - runc's argument parsing (global flags, create/run flags, the id);
- * - the JSON escaping of the error line written into runc's log.
- * Input: [part][part's fields]. The shim's main() is renamed away. */
+ * - the JSON escaping of the error line written into runc's log;
+ * - prepare(): the request it builds for cgpud (fuzz_server.h plays cgpud)
+ *   and whether the container may start after cgpud's answer.
+ * Input: [part][part's fields]. The shim's main() is renamed away, and its
+ * exit() comes back to the harness. */
 #define _GNU_SOURCE
+#include <setjmp.h>
+#include <stdbool.h>
+#include <stdlib.h>
+
+#include "fuzz_server.h"
+
+static jmp_buf g_exit_jump;
+static int g_exit_code;
+
+static _Noreturn void fuzz_exit(int code)
+{
+    g_exit_code = code;
+    longjmp(g_exit_jump, 1);
+}
+
+#define exit(code) fuzz_exit(code)
 #define main cgpu_runtime_main
 #include "hook/cgpu_runtime.c"
 #undef main
+#undef exit
+#define connect fuzz_guarded_connect
 #include "hook/relay.c"
+#undef connect
 
-#include <stdbool.h>
-
-#include "fuzz_input.h"
-
-enum { PART_SCAN, PART_ARGS, PART_ESCAPE, PART_COUNT };
+enum { PART_SCAN, PART_ARGS, PART_ESCAPE, PART_PREPARE, PART_COUNT };
 
 static char g_bundle[64];
 
@@ -35,6 +53,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
     snprintf(g_bundle, sizeof(g_bundle), "/tmp/cgpu-fuzz-shim-XXXXXX");
     CHECK(mkdtemp(g_bundle) != NULL);
     atexit(remove_bundle);
+    fuzz_server_start("shim");
     return 0;
 }
 
@@ -150,6 +169,70 @@ static void fuzz_escape(struct fuzz_reader *r)
     free(full);
 }
 
+static const char *const ANSWERS[] = {"ok\n", "ok instance cgpu-0000aaaa\n", "error no GPU has 17 GiB free\n", "",
+                                      "bogus\n"};
+
+static void write_config(const char *text)
+{
+    char path[128];
+    snprintf(path, sizeof(path), "%s/config.json", g_bundle);
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    CHECK(fd >= 0 && write(fd, text, strlen(text)) == (ssize_t)strlen(text));
+    close(fd);
+}
+
+/* [config][answer][NUL-separated args]; an argument "@B" is the bundle made
+ * here, whose config asks for a GPU or not. */
+static void fuzz_prepare(struct fuzz_reader *r)
+{
+    write_config(fuzz_uint(r, 1) & 1 ? "{\"process\":{\"env\":[\"ALIYUN_COM_GPU_MEM_CONTAINER=2\"]}}"
+                                     : "{\"process\":{\"env\":[\"PATH=/bin\"]}}");
+    const char *answer = ANSWERS[fuzz_uint(r, 1) % (sizeof(ANSWERS) / sizeof(ANSWERS[0]))];
+    const uint8_t *blob;
+    size_t n = fuzz_take(r, r->left, &blob);
+    char *copy = malloc(n + 1);
+    CHECK(copy);
+    memcpy(copy, blob, n);
+    copy[n] = '\0';
+    char *argv[66] = {"cgpu-runtime"};
+    int argc = 1;
+    for (size_t i = 0; i < n && argc < 64; argc++) {
+        argv[argc] = strcmp(copy + i, "@B") == 0 ? g_bundle : copy + i;
+        i += strlen(copy + i) + 1;
+    }
+    argv[argc] = NULL;
+    g_opts = (struct globals){0};
+    int cmd = parse_globals(argv);
+    g_opts.log = NULL; /* die() appends to --log: never to a path from the input */
+    if (argv[cmd] && (strcmp(argv[cmd], "create") == 0 || strcmp(argv[cmd], "run") == 0)) {
+        int served = fuzz_server_arm(answer);
+        bool died = false;
+        if (setjmp(g_exit_jump) == 0)
+            prepare(argv[cmd], argv + cmd + 1, fuzz_srv.path);
+        else
+            died = true;
+        pthread_mutex_lock(&fuzz_srv.lock);
+        bool asked = fuzz_srv.served != served;
+        if (asked) {
+            /* "prepare <id>\n<absolute bundle>": the id is one printable word. */
+            char *nl = memchr(fuzz_srv.buf, '\n', fuzz_srv.len);
+            CHECK(nl && fuzz_srv.len >= 8 && memcmp(fuzz_srv.buf, "prepare ", 8) == 0);
+            CHECK(nl - fuzz_srv.buf > 8 && nl - fuzz_srv.buf - 8 <= ID_MAX);
+            for (char *c = fuzz_srv.buf + 8; c < nl; c++)
+                CHECK(*c > ' ' && *c <= '~');
+            CHECK((size_t)(nl + 1 - fuzz_srv.buf) < fuzz_srv.len && nl[1] == '/');
+            CHECK(memchr(nl + 1, '\0', fuzz_srv.len - (size_t)(nl + 1 - fuzz_srv.buf)) == NULL);
+        }
+        pthread_mutex_unlock(&fuzz_srv.lock);
+        bool ok = strncmp(answer, "ok", 2) == 0 && (answer[2] == '\n' || answer[2] == ' ');
+        if (died)
+            CHECK(g_exit_code == 1 && (!asked || !ok));
+        else
+            CHECK(!asked || ok); /* the container starts only on cgpud's ok */
+    }
+    free(copy);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     struct fuzz_reader r = {data, size};
@@ -159,6 +242,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         break;
     case PART_ARGS:
         fuzz_args(&r);
+        break;
+    case PART_PREPARE:
+        fuzz_prepare(&r);
         break;
     default:
         fuzz_escape(&r);
