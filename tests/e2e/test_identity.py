@@ -16,7 +16,8 @@ import pytest
 from cgpud.cli.client import LocalClient
 from cgpud.daemon.model import GIB, Owner, OwnerKind, Request
 from tests.daemonproc import Daemon
-from tests.e2e.oci import Host, create, host_mounts, run, runc
+from tests.e2e.oci import HOOK_ENV_PATH, Host, create, host_mounts, run, runc
+from tests.e2e.test_containerd import Containerd, containerd, loaded_binary_name  # noqa: F401 (fixture)
 from tests.e2e.test_runc import instances
 
 
@@ -209,3 +210,45 @@ def test_a_link_swapped_in_after_the_check_keeps_the_container_from_starting(tmp
         assert [i["state"] for i in instances(cgpud, all_=True) if i["id"] == prepared["id"]] == ["released"]
     finally:
         runc(host, "delete", "--force", cid)
+
+
+def test_one_id_in_two_containerd_namespaces_gets_two_instances(tmp_path, host: Host, cgpud: Daemon,
+                                                                 containerd: Containerd) -> None:
+    binary = loaded_binary_name(containerd.config)
+    sim = host.sim_env
+
+    def ctr(ns: str, *args: str) -> subprocess.CompletedProcess[str]:
+        return containerd.ctr("--namespace", ns, *args)
+
+    def start(ns: str, gib: int) -> subprocess.CompletedProcess[str]:
+        rootfs = tmp_path / f"rootfs-{ns}"
+        subprocess.run(["cp", "-al", str(host.template), str(rootfs)], check=True)
+        return ctr(ns, "run", "-d", "--runtime", "io.containerd.runc.v2", "--runc-binary", binary, "--rootfs",
+                   "--mount", f"type=bind,src={host.sim_dir},dst={host.sim_dir},options=rbind:rw",
+                   "--env", HOOK_ENV_PATH, "--env", f"CGPU_SIM_CONFIG={sim['CGPU_SIM_CONFIG']}",
+                   "--env", f"CGPU_SIM_STATE={sim['CGPU_SIM_STATE']}",
+                   "--env", f"ALIYUN_COM_GPU_MEM_CONTAINER={gib}", str(rootfs), "job", "sleep", "60")
+
+    def remove(ns: str) -> None:
+        ctr(ns, "task", "kill", "--signal", "SIGKILL", "job")
+        for _ in range(300):  # the task goes once its process has been reaped
+            if ctr(ns, "task", "delete", "job").returncode == 0 or "job" not in ctr(ns, "task", "ls").stdout:
+                break
+        ctr(ns, "container", "delete", "job")
+
+    try:
+        for ns in ("ns-a", "ns-b"):
+            out = start(ns, 8)
+            assert out.returncode == 0, out.stderr + containerd.log.read_text()[-2000:]
+        owners = sorted(i["owner"]["id"] for i in instances(cgpud))
+        assert len(owners) == 2 and [o.split("@")[0] for o in owners] == ["job", "job"]
+        assert [o.rstrip("/").split("/")[-2:] for o in owners] == [["ns-a", "job"], ["ns-b", "job"]]
+        remove("ns-b")
+        [left] = instances(cgpud)
+        assert left["state"] == "bound" and left["owner"]["id"] == owners[0]
+        third = host.bundle(tmp_path / "third", ["true"], ("ALIYUN_COM_GPU_MEM_CONTAINER=9",))
+        assert run(host, third, "job", shim=True, relay=cgpud.relay).returncode != 0
+    finally:
+        remove("ns-a")
+        remove("ns-b")
+    assert instances(cgpud) == []
