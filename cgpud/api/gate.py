@@ -67,6 +67,7 @@ class PeerGate:
         self._lock = threading.Lock()
         self._open: set[socket.socket] = set()
         self._stopping = False
+        self._stopped = threading.Event()
 
     def start(self) -> PeerGate:
         """Binds the public socket (0600 from the start) and accepts on it."""
@@ -89,6 +90,7 @@ class PeerGate:
         """New connections fail; open ones go on (a graceful stop's in-flight calls)."""
         with self._lock:
             self._stopping = True
+        self._stopped.set()
         if self._listener is not None:
             try:
                 self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept()
@@ -114,10 +116,13 @@ class PeerGate:
         while True:
             try:
                 conn, _ = listener.accept()
-            except OSError:
+            except OSError as e:
                 with self._lock:
                     if self._stopping:
                         return
+                # Out of descriptors, say: do not spin on a full table.
+                self._log.error("cannot accept on the admin socket", error=str(e))
+                self._stopped.wait(0.1)
                 continue
             try:
                 self._admit(conn)
