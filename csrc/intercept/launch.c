@@ -13,9 +13,12 @@
  * nobody does, cgpud is gone and the process launches ungated (fail open,
  * said once on stderr) until the gate word changes, i.e. until a restarted
  * cgpud takes the instance back. And no grant queues without a bound: after
- * LAUNCH_CREDITS launches since its last fence, a launch first waits for
- * the context's work (a real driver synchronisation), so what a process has
- * queued when its gate closes is at most that many launches.
+ * `credits` launches since its last fence, a launch first waits for the
+ * context's work (a real driver synchronisation), so what a process has
+ * queued when its gate closes is at most that many launches. The credits
+ * follow how long a drain takes, so that the queue holds a few ms of work:
+ * enough that the GPU does not idle while the process refills it, little
+ * next to a slice.
  *
  * Ownership: the per-slot state below is process-local; fork resets it.
  * Thread-safety: the launch path takes no lock (the slow path takes
@@ -37,18 +40,23 @@
 #define MAX_CONTEXTS 8
 #define INFLIGHT_POLL_NS 20000
 #define GATE_PROBE_NS 200000000
-#define LAUNCH_CREDITS 128
+#define LAUNCH_CREDITS 128       /* to start with */
+#define LAUNCH_CREDITS_MIN 2
+#define LAUNCH_CREDITS_MAX 8192
+#define DRAIN_FAST_NS 2500000    /* a drain quicker than this doubles the credits */
+#define DRAIN_SLOW_NS 10000000   /* one slower than this halves them */
 
 struct gate_slot {
     _Atomic uint32_t inflight; /* launches between their gate check and the driver's return */
     _Atomic uint32_t launched; /* launches since the last acknowledgement or drain */
     _Atomic uint32_t watched;  /* this process's fence watcher runs */
+    _Atomic uint32_t credits;  /* launches allowed between fences before a drain */
     _Atomic uint64_t orphaned; /* ORPHANED | the closed gate word nobody drives, or 0 */
     unsigned ncontexts;        /* under gate_lock */
     CUcontext contexts[MAX_CONTEXTS];
 } __attribute__((aligned(64)));
 
-static struct gate_slot slots[CGPU_MAX_DEVICES];
+static struct gate_slot slots[CGPU_MAX_DEVICES] = {[0 ... CGPU_MAX_DEVICES - 1] = {.credits = LAUNCH_CREDITS}};
 static pthread_mutex_t gate_lock = PTHREAD_MUTEX_INITIALIZER;
 static atomic_bool refusal_logged;
 static atomic_bool contexts_full_logged;
@@ -64,6 +72,8 @@ void cgpu_gate_after_fork(void)
         atomic_store(&slots[i].inflight, 0);
         atomic_store(&slots[i].launched, 0);
         atomic_store(&slots[i].watched, 0);
+        atomic_store(&slots[i].orphaned, 0);
+        atomic_store(&slots[i].credits, LAUNCH_CREDITS);
         slots[i].ncontexts = 0;
     }
 }
@@ -270,13 +280,29 @@ static inline uint32_t hold_open_gate(const _Atomic uint32_t *gate, struct gate_
  * launch into a stream being captured queues nothing (it records a graph
  * node), and synchronising would end the capture: no drain then, nor when
  * the driver cannot say (a query refused during another thread's capture). */
+static uint64_t mono_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
 static __attribute__((noinline, cold)) void drain_queue(struct gate_slot *s, CUstream stream)
 {
     __typeof__(&cuStreamIsCapturing) capturing = REAL(cuStreamIsCapturing);
     __typeof__(&cuCtxSynchronize) sync = REAL(cuCtxSynchronize);
     CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_ACTIVE;
-    if (capturing && sync && capturing(stream, &status) == CUDA_SUCCESS && status == CU_STREAM_CAPTURE_STATUS_NONE)
+    if (capturing && sync && capturing(stream, &status) == CUDA_SUCCESS && status == CU_STREAM_CAPTURE_STATUS_NONE) {
+        uint64_t t0 = mono_ns();
         sync();
+        uint64_t took = mono_ns() - t0;
+        /* The drain took as long as the queue's work: keep that a few ms. */
+        uint32_t c = atomic_load_explicit(&s->credits, memory_order_relaxed);
+        if (took < DRAIN_FAST_NS && c < LAUNCH_CREDITS_MAX)
+            atomic_store_explicit(&s->credits, c * 2, memory_order_relaxed);
+        else if (took > DRAIN_SLOW_NS && c > LAUNCH_CREDITS_MIN)
+            atomic_store_explicit(&s->credits, c / 2, memory_order_relaxed);
+    }
     atomic_store_explicit(&s->launched, 1, memory_order_relaxed);
 }
 
@@ -318,7 +344,7 @@ static __attribute__((noinline, cold)) int gate_slow(int slot, CUresult *err, CU
         }
         uint32_t n;
         if ((g & CGPU_GATE_OPEN) && (n = hold_open_gate(gate, s)) != 0) {
-            if (n > LAUNCH_CREDITS)
+            if (n > atomic_load_explicit(&s->credits, memory_order_relaxed))
                 drain_queue(s, stream);
             return slot;
         }
@@ -341,7 +367,9 @@ static __attribute__((noinline, cold)) int gate_slow(int slot, CUresult *err, CU
 
 /* The slot whose grant the caller holds (call gate_leave after the
  * driver), GATE_FREE, or GATE_ERROR with *err set. */
-static inline int gate_enter(CUresult *err, CUstream stream)
+/* Inlined into every hook: a call here would spill the hook's eleven
+ * arguments around it on the hot path. */
+static inline __attribute__((always_inline)) int gate_enter(CUresult *err, CUstream stream)
 {
     (void)cgpu_state();
     int slot = CGPU_LIKELY(g_cgpu.device_count <= 1) ? 0 : slot_of_current_context();
@@ -355,7 +383,7 @@ static inline int gate_enter(CUresult *err, CUstream stream)
     if (CGPU_LIKELY((g & CGPU_GATE_OPEN) && atomic_load_explicit(&s->watched, memory_order_acquire))) {
         uint32_t n = hold_open_gate(gate, s);
         if (CGPU_LIKELY(n != 0)) {
-            if (CGPU_UNLIKELY(n > LAUNCH_CREDITS))
+            if (CGPU_UNLIKELY(n > atomic_load_explicit(&s->credits, memory_order_relaxed)))
                 drain_queue(s, stream);
             return slot;
         }
