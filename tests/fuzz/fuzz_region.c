@@ -61,7 +61,8 @@ static void fuzz_check(struct fuzz_reader *r, int part)
     CHECK(buf && full && err);
     if (mode & 4) {
         const uint8_t *src;
-        memcpy(buf, src = r->p, fuzz_take(r, size, &src));
+        size_t got = fuzz_take(r, size, &src);
+        memcpy(buf, src, got);
     } else {
         if (mode & 1)
             fill_valid(full, part);
