@@ -43,6 +43,26 @@ def _gate_reader(pid: int) -> Callable[[], int]:
     return lambda: int(grants.device[0].gate)
 
 
+def _all_stopped(pid: int) -> bool:
+    tasks = Path(f"/proc/{pid}/task").iterdir()
+    return all((t / "stat").read_text().rsplit(")", 1)[1].split()[0] in "tT" for t in tasks)
+
+
+def freeze_with_gate_closed(pid: int, gate: Callable[[], int], timeout: float = 60) -> None:
+    """Stops cgpud (SIGSTOP, every thread) at a moment its tenant's gate is
+    closed: stopped, it cannot open it before the SIGKILL that follows."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert time.monotonic() < deadline, "never caught the gate closed"
+        os.kill(pid, signal.SIGSTOP)
+        while not _all_stopped(pid):
+            time.sleep(0.001)
+        if not gate() & OPEN:
+            return
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(0.005)
+
+
 @pytest.fixture
 def rig(tmp_path: Path) -> Iterator[ShareRig]:
     r = ShareRig(tmp_path, dict(os.environ))
@@ -66,14 +86,11 @@ def test_a_tenant_at_a_closed_gate_runs_on_when_cgpud_is_killed_and_is_gated_aga
         pid = rig._burn_pid(run, time.monotonic() + 60)
         rig._wait_running(sampler, [pid], time.monotonic() + 60)
         gate = _gate_reader(pid)
-        # Alone at 30 % under fixed its gate is closed most of the time:
-        # kill cgpud right after seeing it closed.
-        deadline = time.monotonic() + 30
-        while gate() & OPEN:
-            assert time.monotonic() < deadline
+        assert rig.daemon.proc
+        freeze_with_gate_closed(rig.daemon.proc.pid, gate)
         rig.daemon.kill()
         killed = time.monotonic_ns()
-        assert not gate() & OPEN, "the gate opened between the look and the kill; run again"
+        assert not gate() & OPEN
         # Nobody opens that gate again, yet within the probe interval
         # (200 ms) the tenant launches ungated: all of the GPU.
         _wait_samples_past(sampler, killed + 1_500_000_000)
