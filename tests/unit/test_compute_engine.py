@@ -351,24 +351,27 @@ def test_a_fence_that_outlives_the_timeout_is_charged_until_it_comes(sched: Comp
     ledger = a.watch()
     a.want(1)
     b.want(1)
-    assert wait_until(lambda: a.gate & OPEN)
-    assert wait_until(lambda: not a.gate & OPEN)
-    closed = a.gate
     info = sffi.new("struct cgpu_sched_tenant_info *")
 
     def charged() -> int:
         assert slib.cgpu_engine_tenant_get(sched._engine, 0, 1, info) == 0
         return int(info.charged_ns)
-    b_seq = b.gate & SEQ
-    # Far past the 50 ms timeout its charge keeps growing, b keeps running...
-    assert wait_until(lambda: charged() >= 300_000_000, timeout=10), charged()
-    assert wait_until(lambda: b.gate & SEQ != b_seq)
-    # ...and a was never granted meanwhile.
-    assert a.gate == closed
-    assert sched.schedule(0).fences_late == 0
-    a.ack(ledger)
-    assert wait_until(lambda: sched.schedule(0).fences_late == 1)
-    assert wait_until(lambda: a.gate & OPEN), "granted again once fenced"
+    acker = Acker(b)  # launches and fences: its demand never goes stale
+    try:
+        assert wait_until(lambda: a.gate & OPEN)
+        assert wait_until(lambda: not a.gate & OPEN)
+        closed, b_seq = a.gate, b.gate & SEQ
+        # Far past the 50 ms timeout its charge keeps growing, b runs again...
+        assert wait_until(lambda: charged() >= 300_000_000, timeout=10), charged()
+        assert wait_until(lambda: b.gate & SEQ != b_seq)
+        # ...and a was never granted meanwhile.
+        assert a.gate == closed
+        assert sched.schedule(0).fences_late == 0
+        a.ack(ledger)
+        assert wait_until(lambda: sched.schedule(0).fences_late == 1)
+        assert wait_until(lambda: a.gate & OPEN, timeout=10), "granted again once fenced"
+    finally:
+        acker.stop()
 
 
 def test_a_scribbling_tenant_cannot_stall_the_engine_or_take_its_neighbours_share(
