@@ -290,7 +290,7 @@ def test_a_holder_detached_during_its_fence_is_gone_at_once_and_its_key_can_come
         assert slib.cgpu_engine_tenant_get(e, 0, 1, info) == 0
         return int(info.charged_ns)
     # Granted (and then, its fence overdue, kept off the GPU and charged).
-    assert wait_until(lambda: charged() > 0), "key 1, attached again, is never granted"
+    assert wait_until(lambda: charged() > 0, timeout=10), "key 1, attached again, is never granted"
 
 
 class Acker:
