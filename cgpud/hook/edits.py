@@ -9,6 +9,7 @@ which resolves them inside the rootfs without leaving it (runc's securejoin)."""
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,7 +115,8 @@ def instance_edits(instance: Instance, region: Path, gpu_memory: Mapping[int, in
 
 
 def _ours(mount: Any, destinations: set[str]) -> bool:
-    return isinstance(mount, Mapping) and str(mount.get("destination", "")).rstrip("/") in destinations
+    # Normalised as request.claim() reads it: /run//cgpu is /run/cgpu.
+    return isinstance(mount, Mapping) and os.path.normpath(str(mount.get("destination", ""))) in destinations
 
 
 def apply_edits(spec: Mapping[str, Any], edits: ContainerEdits, files: RuntimeFiles) -> dict[str, Any]:
