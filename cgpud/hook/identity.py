@@ -37,7 +37,7 @@ class ContainerKey:
 
 
 def container_key(container_id: str, bundle: str | Path) -> ContainerKey:
-    if not isinstance(container_id, str) or not CONTAINER_ID.match(container_id):
+    if not isinstance(container_id, str) or not CONTAINER_ID.fullmatch(container_id):
         raise UsageError(f"container id {str(container_id)[:80]!r} is not a valid OCI container id")
     text = os.fspath(bundle) if isinstance(bundle, (str, Path)) else None
     if not text or not text.startswith("/") or len(text) > MAX_BUNDLE or "\0" in text:

@@ -142,7 +142,7 @@ def claim(mounts: Sequence[Any], regions: Path) -> Claim | None:
         if dest != CONTAINER_REGION and not dest.startswith(CONTAINER_REGION + "/"):
             continue
         instance = _within(str(m.get("source", "")), regions)
-        if instance is None or not _INSTANCE_ID.match(instance):
+        if instance is None or not _INSTANCE_ID.fullmatch(instance):
             raise UsageError(
                 f"a mount at {dest} from {m.get('source')!r} is not a cgpu instance: "
                 f"{CONTAINER_REGION} is reserved for cgpu; mount elsewhere"

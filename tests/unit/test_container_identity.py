@@ -137,3 +137,9 @@ def test_the_createruntime_check_looks_where_the_edits_mount(tmp_path: Path) -> 
     files = RuntimeFiles(rt / "libcgpu.so", rt / "ld.so.preload", rt / "cgpu-hook", tmp_path / "relay.sock")
     edits = instance_edits(inst, svc.region_dir(inst.id), {0: 16 * GIB}, files)
     assert tuple(m.destination for m in edits.mounts) == ENFORCED_TARGETS
+
+
+@pytest.mark.parametrize("cid", ["job\n", "", "-job", "a/b", "job@x", "x" * 1025])
+def test_an_id_runc_would_refuse_is_refused(cid: str) -> None:
+    with pytest.raises(UsageError, match="is not a valid OCI container id"):
+        container_key(cid, "/run/bundle")

@@ -91,7 +91,7 @@ def test_claim_by_region_mount_wins_and_works_untrusted() -> None:
 
 @pytest.mark.parametrize(
     "source",
-    ["/tmp/fake-region", f"{REGIONS}/../../../tmp/x", f"{REGIONS}", "relative/path"],
+    ["/tmp/fake-region", f"{REGIONS}/../../../tmp/x", f"{REGIONS}", "relative/path", f"{REGIONS}/cgpu-0123abcd\n"],
 )
 def test_foreign_mount_at_run_cgpu_is_refused(source: str) -> None:
     with pytest.raises(UsageError, match="is not a cgpu instance: /run/cgpu is reserved for cgpu"):
