@@ -7,7 +7,9 @@ LD_PRELOAD=libcgpu.so} and reports the median ns per call of each, the ns
 added and the ratio. Modes: cuLaunchKernel with no region (launch-noregion),
 in a region whose gate is ungated (launch) and in one whose gate is open for
 the whole run, the process holding the grant (launch-open);
-cuMemAlloc_v2+cuMemFree_v2 (allocfree); cuMemGetInfo_v2 (meminfo). Then it
+cuMemAlloc_v2+cuMemFree_v2 (allocfree); cuMemGetInfo_v2 (meminfo); a VMM
+cycle of 2 MiB, cuMemCreate+cuMemMap+cuMemRelease+cuMemUnmap into a range
+reserved once (vmm). Then it
 counts instructions per call with callgrind, which does not drift with load:
 (Ir(2N) - Ir(N)) / N for each configuration, so start-up and warm-up cancel.
 
@@ -17,7 +19,7 @@ call), 2 on a bad argument.
 
 Run from anywhere (it works from the repository root):
     .venv/bin/python bench/bench_intercept.py [--rounds 7] [--calls 200000]
-        [--modes launch-noregion,launch,launch-open,allocfree,meminfo] [--no-callgrind]
+        [--modes launch-noregion,launch,launch-open,allocfree,meminfo,vmm] [--no-callgrind]
 """
 from __future__ import annotations
 
@@ -42,13 +44,14 @@ from cgpud._region import ffi, lib  # noqa: E402
 from cgpud.daemon.region import DeviceLimit, InstanceLimits, write_region  # noqa: E402
 from cgpud.native import native_dir  # noqa: E402
 
-MODES = ("launch-noregion", "launch", "launch-open", "allocfree", "meminfo")
+MODES = ("launch-noregion", "launch", "launch-open", "allocfree", "meminfo", "vmm")
 LABELS = {
     "launch-noregion": "cuLaunchKernel, no region",
     "launch": "cuLaunchKernel, gate ungated",
     "launch-open": "cuLaunchKernel, gate open",
     "allocfree": "cuMemAlloc_v2+cuMemFree_v2",
     "meminfo": "cuMemGetInfo_v2",
+    "vmm": "cuMemCreate+Map+Release+Unmap",
 }
 # What intercept_calls runs, and under which preloaded configuration.
 PROGRAM = {"launch-noregion": "launch", "launch-open": "launch"}
@@ -57,7 +60,8 @@ MEM_LIMIT = 8 << 30
 SIM_CONFIG = 'gpu name="NVIDIA H100 80GB HBM3" mem=16GiB sms=132\n'
 RUN_TIMEOUT_S = 300
 
-# (mode, metric, limit, unit, description) -- from the issue.
+# (mode, metric, limit, unit, description) -- from the issue. vmm has none:
+# reported only.
 TARGETS = (
     ("launch", "ns", 50.0, "ns", "cuLaunchKernel (gate ungated) added time"),
     ("launch", "ir", 150.0, "instructions", "cuLaunchKernel (gate ungated) added instructions"),
@@ -77,6 +81,7 @@ class ModeResult:
     bare_ir: float | None = None
     cgpu_ir: float | None = None
     intercepted: dict[str, bool] = field(default_factory=dict)
+    cycle_bytes: int | None = None  # vmm: the size created and mapped per cycle
 
     def median(self, which: str) -> float:
         return statistics.median(self.bare_ns if which == "bare" else self.cgpu_ns)
@@ -226,6 +231,7 @@ def timed_rounds(exe: Path, mode: str, args: argparse.Namespace, envs: dict[str,
             else:
                 result.intercepted = resolved_in(report, library)
                 result.cgpu_ns.append(report["ns_per_call"])
+            result.cycle_bytes = report.get("bytes")
     return result
 
 
@@ -269,9 +275,14 @@ def report(results: dict[str, ModeResult], args: argparse.Namespace, library: Pa
         for m, r in results.items()
     ]
     print()
-    print(f"Per call (allocfree: per alloc+free pair); ns = median of {args.rounds} interleaved rounds of "
-          f"{args.calls} calls; Ir = instructions per call (callgrind)")
+    print(f"Per call (allocfree: per alloc+free pair; vmm: per create+map+release+unmap cycle); "
+          f"ns = median of {args.rounds} interleaved rounds of {args.calls} calls; "
+          f"Ir = instructions per call (callgrind)")
     print_table(head, rows)
+    for m, r in results.items():
+        if r.cycle_bytes:
+            print(f"{m}: {r.cycle_bytes / (1 << 20):g} MiB created and mapped per cycle (2 MiB rounded up to the "
+                  f"allocation granularity); the address range is reserved once, before the timed calls")
 
     print("\nEach round (ns per call):")
     for m, r in results.items():
@@ -334,7 +345,7 @@ def main(argv: list[str]) -> int:
             print(f"count:   valgrind --tool=callgrind --callgrind-out-file=F intercept_calls MODE "
                   f"{args.callgrind_calls} (and {2 * args.callgrind_calls}), same two environments")
         print(f"machine: simulated {SIM_CONFIG.strip()}; regions: {MEM_LIMIT >> 30} GiB limit on {uuid}, "
-              f"gate ungated (launch, allocfree, meminfo) or open for the whole run (launch-open); "
+              f"gate ungated (launch, allocfree, meminfo, vmm) or open for the whole run (launch-open); "
               f"launch-noregion preloads the library with no region")
         print(f"host:    {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start")
 

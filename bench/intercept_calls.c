@@ -9,7 +9,14 @@
  *              device time, so the stream's queue never fills), on one
  *              stream, then one cuStreamSynchronize;
  *   allocfree  N x (cuMemAlloc_v2 of 1 MiB, cuMemFree_v2);
- *   meminfo    N x cuMemGetInfo_v2.
+ *   meminfo    N x cuMemGetInfo_v2;
+ *   vmm        N x (cuMemCreate of 2 MiB on device 0, cuMemMap into a range
+ *              reserved once in setup, cuMemRelease, cuMemUnmap): released
+ *              while mapped, so the unmap, the last reference, frees the
+ *              memory. 2 MiB is rounded up to cuMemGetAllocationGranularity's
+ *              minimum, asked once in setup (2 MiB on the simulation, so no
+ *              change); the range is reserved (cuMemAddressReserve) before
+ *              and freed (cuMemAddressFree) after the measured loops.
  *
  * The driver is loaded the way the CUDA runtime loads it: dlopen("libcuda.so.1"),
  * dlsym("cuGetProcAddress_v2"), then every function through cuGetProcAddress_v2
@@ -44,6 +51,7 @@
 #define BENCH_CUDA_VERSION 12000
 #define WARMUP 1000
 #define ALLOC_BYTES ((size_t)1 << 20)
+#define VMM_BYTES ((size_t)2 << 20) /* rounded up to the allocation granularity */
 
 /* X(exported symbol, base name for cuGetProcAddress) */
 #define BENCH_FUNCTIONS(X)                                        \
@@ -62,7 +70,14 @@
     X(cuLaunchKernel, cuLaunchKernel)                             \
     X(cuMemAlloc_v2, cuMemAlloc)                                  \
     X(cuMemFree_v2, cuMemFree)                                    \
-    X(cuMemGetInfo_v2, cuMemGetInfo)
+    X(cuMemGetInfo_v2, cuMemGetInfo)                              \
+    X(cuMemGetAllocationGranularity, cuMemGetAllocationGranularity) \
+    X(cuMemAddressReserve, cuMemAddressReserve)                   \
+    X(cuMemAddressFree, cuMemAddressFree)                         \
+    X(cuMemCreate, cuMemCreate)                                   \
+    X(cuMemMap, cuMemMap)                                         \
+    X(cuMemRelease, cuMemRelease)                                 \
+    X(cuMemUnmap, cuMemUnmap)
 
 struct api {
 #define X(sym, base) __typeof__(&sym) sym;
@@ -70,8 +85,8 @@ struct api {
 #undef X
 };
 
-enum mode { M_LAUNCH, M_ALLOCFREE, M_MEMINFO };
-static const char *const mode_names[] = {"launch", "allocfree", "meminfo"};
+enum mode { M_LAUNCH, M_ALLOCFREE, M_MEMINFO, M_VMM };
+static const char *const mode_names[] = {"launch", "allocfree", "meminfo", "vmm"};
 
 struct bench {
     enum mode mode;
@@ -80,6 +95,9 @@ struct bench {
     CUstream stream;
     uint64_t kernel_ns; /* 0: the kernel's only parameter */
     void *params[1];
+    CUmemAllocationProp vmm_prop; /* vmm: pinned, device 0 */
+    size_t vmm_bytes;             /* vmm: VMM_BYTES rounded up to the granularity */
+    CUdeviceptr vmm_va;           /* vmm: the reserved range, vmm_bytes long */
     const char *failed_call;
     CUresult failed_result;
 };
@@ -187,6 +205,21 @@ uint64_t bench_measure(struct bench *b, uint64_t n)
         for (uint64_t i = 0; i < n && r == CUDA_SUCCESS; i++)
             r = record(b, "cuMemGetInfo_v2", f->cuMemGetInfo_v2(&free_b, &total_b));
         break;
+    case M_VMM:
+        for (uint64_t i = 0; i < n && r == CUDA_SUCCESS; i++) {
+            CUmemGenericAllocationHandle h;
+            r = record(b, "cuMemCreate", f->cuMemCreate(&h, b->vmm_bytes, &b->vmm_prop, 0));
+            if (r != CUDA_SUCCESS)
+                break;
+            r = record(b, "cuMemMap", f->cuMemMap(b->vmm_va, b->vmm_bytes, 0, h, 0));
+            /* Released while mapped: the unmap frees the memory. */
+            CUresult rel = record(b, "cuMemRelease", f->cuMemRelease(h));
+            if (r == CUDA_SUCCESS)
+                r = record(b, "cuMemUnmap", f->cuMemUnmap(b->vmm_va, b->vmm_bytes));
+            if (r == CUDA_SUCCESS)
+                r = rel;
+        }
+        break;
     }
     clock_gettime(CLOCK_MONOTONIC, &t1);
     return (uint64_t)(t1.tv_sec - t0.tv_sec) * 1000000000u + (uint64_t)t1.tv_nsec -
@@ -238,13 +271,23 @@ static void print_origins(const struct bench *b)
         printf("\"cuMemGetInfo_v2\":");
         json_str(ORIGIN(f->cuMemGetInfo_v2));
         break;
+    case M_VMM:
+        printf("\"cuMemCreate\":");
+        json_str(ORIGIN(f->cuMemCreate));
+        printf(",\"cuMemMap\":");
+        json_str(ORIGIN(f->cuMemMap));
+        printf(",\"cuMemRelease\":");
+        json_str(ORIGIN(f->cuMemRelease));
+        printf(",\"cuMemUnmap\":");
+        json_str(ORIGIN(f->cuMemUnmap));
+        break;
     }
     printf("}");
 }
 
 static int usage(void)
 {
-    fprintf(stderr, "usage: intercept_calls launch|allocfree|meminfo N [proc|dlsym]\n");
+    fprintf(stderr, "usage: intercept_calls launch|allocfree|meminfo|vmm N [proc|dlsym]\n");
     return 2;
 }
 
@@ -260,10 +303,10 @@ int main(int argc, char **argv)
 
     if (argc < 3 || argc > 4)
         return usage();
-    for (b.mode = M_LAUNCH; b.mode <= M_MEMINFO; b.mode++)
+    for (b.mode = M_LAUNCH; b.mode <= M_VMM; b.mode++)
         if (strcmp(argv[1], mode_names[b.mode]) == 0)
             break;
-    if (b.mode > M_MEMINFO || argv[2][0] < '0' || argv[2][0] > '9')
+    if (b.mode > M_VMM || argv[2][0] < '0' || argv[2][0] > '9')
         return usage();
     errno = 0;
     uint64_t n = strtoull(argv[2], &end, 10);
@@ -284,6 +327,18 @@ int main(int argc, char **argv)
         SETUP(&b, "cuStreamCreate", b.f.cuStreamCreate(&b.stream, CU_STREAM_DEFAULT));
         b.params[0] = &b.kernel_ns;
     }
+    if (b.mode == M_VMM) {
+        b.vmm_prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+        b.vmm_prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+        b.vmm_prop.location.id = dev;
+        size_t gran = 0;
+        SETUP(&b, "cuMemGetAllocationGranularity",
+              b.f.cuMemGetAllocationGranularity(&gran, &b.vmm_prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+        if (gran == 0)
+            return fail("cuMemGetAllocationGranularity reported 0 bytes");
+        b.vmm_bytes = (VMM_BYTES + gran - 1) / gran * gran;
+        SETUP(&b, "cuMemAddressReserve", b.f.cuMemAddressReserve(&b.vmm_va, b.vmm_bytes, 0, 0, 0));
+    }
 
     bench_measure(&b, WARMUP);
     uint64_t ns = b.failed_call ? 0 : bench_measure(&b, n);
@@ -291,6 +346,8 @@ int main(int argc, char **argv)
     printf("{\"mode\":\"%s\",\"calls\":%llu,\"warmup\":%d,\"resolve\":\"%s\",", mode_names[b.mode],
            (unsigned long long)n, WARMUP, by_dlsym ? "dlsym" : "proc");
     printf("\"total_ns\":%llu,\"ns_per_call\":%.3f,", (unsigned long long)ns, (double)ns / (double)n);
+    if (b.mode == M_VMM)
+        printf("\"bytes\":%zu,", b.vmm_bytes);
     print_origins(&b);
     printf(",\"error\":");
     if (b.failed_call)
@@ -303,6 +360,8 @@ int main(int argc, char **argv)
         b.f.cuStreamDestroy_v2(b.stream);
     if (mod)
         b.f.cuModuleUnload(mod);
+    if (b.vmm_va)
+        b.f.cuMemAddressFree(b.vmm_va, b.vmm_bytes);
     b.f.cuDevicePrimaryCtxRelease_v2(dev);
     dlclose(dl);
     return b.failed_call ? 1 : 0;
