@@ -322,6 +322,15 @@ static void note_orphaned(int slot, uint32_t g)
                 (int)getpid());
 }
 
+/* Takes back what this thread added to `waiting`, never below zero: the
+ * word lives in the tenant-writable usage file and may have been reset. */
+static void uncount_waiting(_Atomic uint32_t *waiting, uint32_t counted)
+{
+    uint32_t w = atomic_load(waiting);
+    while (!atomic_compare_exchange_weak(waiting, &w, w > counted ? w - counted : 0))
+        ;
+}
+
 /* Everything but an open gate with its watcher running and an absent one. */
 static __attribute__((noinline, cold)) int gate_slow(int slot, CUresult *err, CUstream stream)
 {
@@ -352,16 +361,26 @@ static __attribute__((noinline, cold)) int gate_slow(int slot, CUresult *err, CU
             continue; /* closed between the two looks */
         remember_current_context(s);
         _Atomic uint32_t *waiting = &g_cgpu.usage->device[slot].waiting;
+        uint32_t counted = 1;
         atomic_fetch_add(waiting, 1);
         while (!((g = atomic_load_explicit(gate, memory_order_acquire)) & (CGPU_GATE_OPEN | CGPU_GATE_UNGATED))) {
             if (atomic_load(&s->orphaned) == (ORPHANED | g))
                 break;
             /* EINTR, EAGAIN: look again. Only a wait that ran out with the
              * word unchanged costs a probe. */
-            if (futex_wait_timed(gate, g, GATE_PROBE_NS) && atomic_load(gate) == g && gate_orphaned(slot))
+            if (!futex_wait_timed(gate, g, GATE_PROBE_NS) || atomic_load(gate) != g)
+                continue;
+            if (gate_orphaned(slot)) {
                 note_orphaned(slot, g);
+            } else if (atomic_load(waiting) == 0 && counted < UINT32_MAX) {
+                /* Our demand was wiped with the usage file (a process of
+                 * this instance cut or scribbled it): cgpud would never
+                 * grant. Ask again. */
+                atomic_fetch_add(waiting, 1);
+                counted++;
+            }
         }
-        atomic_fetch_sub(waiting, 1);
+        uncount_waiting(waiting, counted);
     }
 }
 

@@ -184,3 +184,35 @@ def test_an_attacked_usage_file_harms_neither_cgpud_nor_the_neighbour(rig: Share
     # SQLite took no harm: a new instance is admitted and recorded.
     out = d.cgpuctl("run", "--mem", "256MiB", "--", "true")
     assert out.returncode == 0, out.stderr
+
+
+def test_a_tenant_whose_own_file_is_wiped_while_it_waits_at_its_gate_still_finishes(rig: ShareRig,
+                                                                                    procs: list) -> None:
+    """A process of the instance zeroes the usage file over and over: a
+    thread waiting at the closed gate loses its demand with it, and cgpud
+    would never grant it again. The thread asks again, so the run ends."""
+    d = rig.daemon
+    assert d.cgpuctl("policy", "set", "fixed").returncode == 0
+    victim = subprocess.Popen(
+        [str(BIN / "cgpuctl"), "--socket", str(d.socket), "run", "--mem", "256MiB", "--core", "30", "--",
+         str(native_path("bin/cgpu-burn")), "--duration", "3", "--kernel-ns", "200000"],
+        env=d.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    procs.append(victim)
+    rig._burn_pid(victim, time.monotonic() + 60)
+    assert poll(lambda: len(_instances(rig)) == 1)
+    usage = _region_of(rig, 30) / "usage"
+    fd = os.open(usage, os.O_RDWR)
+    try:
+        # Held 70 % of the time at its closed gate: some of these land
+        # while its launching thread waits there.
+        for _ in range(40):
+            os.pwrite(fd, bytes(USAGE_SIZE), 0)
+            time.sleep(0.025)
+    finally:
+        os.close(fd)
+    try:
+        rc = victim.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("the tenant hung at its gate after its usage file was wiped") from None
+    assert rc == 0, victim.stderr.read().decode()
+    assert d.proc is not None and d.proc.poll() is None
