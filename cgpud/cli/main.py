@@ -169,9 +169,9 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _runtime_configure(args: argparse.Namespace) -> int:
-    from cgpud.hook import runtime_config
+    from cgpud.cli import runtime_configure
 
-    sys.stdout.write(runtime_config.configure_from_cli(
+    sys.stdout.write(runtime_configure.configure_from_cli(
         args.engine, config=args.config, runtime_path=args.runtime_path, name=args.name,
         set_as_default=args.set_as_default, dry_run=args.dry_run,
     ))

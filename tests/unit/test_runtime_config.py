@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 
 from cgpud.cli.main import main
 from cgpud.errors import UsageError
-from cgpud.hook import runtime_config as rc
-from cgpud.hook.runtime_config import Engine, RuntimeSpec
+from cgpud.cli import runtime_configure as rc
+from cgpud.cli.runtime_configure import Engine, RuntimeSpec
 
 CONTAINERD = shutil.which("containerd") or "/usr/bin/containerd"
 CRI = "io.containerd.grpc.v1.cri"
