@@ -11,6 +11,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "../region/path.h"
 #include "../region/region.h"
 #include "libcgpu.h"
 
@@ -46,7 +47,11 @@ static void *map_file(const char *dir, const char *name, int flags, int *fd_out,
                       size_t errlen)
 {
     char path[4096];
-    snprintf(path, sizeof(path), "%s/%s", dir, name);
+    if (!cgpu_join_path(path, sizeof(path), dir, name)) {
+        snprintf(err, errlen, "region path %.200s.../%s is longer than %zu bytes; use a shorter %s", dir, name,
+                 sizeof(path) - 1, CGPU_REGION_ENV);
+        return NULL;
+    }
     int fd = open(path, flags | O_CLOEXEC);
     struct stat sb;
     if (fd < 0 || fstat(fd, &sb) != 0) {
@@ -105,7 +110,8 @@ static int load_usage(const char *dir, char *err, size_t errlen)
     }
     g_cgpu.usage = u;
     g_cgpu.usage_fd = fd;
-    snprintf(g_cgpu.usage_path, sizeof(g_cgpu.usage_path), "%s/%s", dir, CGPU_USAGE_FILE);
+    /* map_file joined the same path into a buffer of the same size */
+    (void)cgpu_join_path(g_cgpu.usage_path, sizeof(g_cgpu.usage_path), dir, CGPU_USAGE_FILE);
     return 0;
 }
 
@@ -127,7 +133,11 @@ static void refuse_launches(const char *why)
 static void load_grants(const char *dir)
 {
     char path[4096], err[512];
-    snprintf(path, sizeof(path), "%s/%s", dir, CGPU_GRANTS_FILE);
+    if (!cgpu_join_path(path, sizeof(path), dir, CGPU_GRANTS_FILE)) {
+        refuse_launches("region path too long"); /* cannot tell: fail closed */
+        cgpu_log(CGPU_LOG_ERROR, "region path %.200s.../%s too long: kernel launches fail", dir, CGPU_GRANTS_FILE);
+        return;
+    }
     if (access(path, F_OK) != 0 && errno == ENOENT) {
         cgpu_log(CGPU_LOG_INFO, "no %s: kernel launches are not gated", path);
         return;
@@ -208,8 +218,8 @@ static void init_locked(void)
          * With a grants file the instance is compute-scheduled, and without
          * the region no launch could take part in it. */
         char grants[4096];
-        snprintf(grants, sizeof(grants), "%s/%s", dir, CGPU_GRANTS_FILE);
-        bool gated = access(grants, F_OK) == 0;
+        /* a path too long to check may name a grants file: fail closed */
+        bool gated = !cgpu_join_path(grants, sizeof(grants), dir, CGPU_GRANTS_FILE) || access(grants, F_OK) == 0;
         if (gated)
             refuse_launches(""); /* said here */
         fprintf(stderr, "cgpu[%d]: GPU memory limits unavailable (%s); device allocations%s will fail\n",
@@ -220,7 +230,15 @@ static void init_locked(void)
     load_grants(dir);
     /* Usage left by processes that died since the last one looked. */
     cgpu_ledger_reap(g_cgpu.usage, g_cgpu.usage_fd, g_cgpu.ledger);
-    pthread_atfork(NULL, NULL, after_fork_child);
+    /* Without the handler a forked child would share its parent's ledger:
+     * refuse to enforce rather than enforce wrongly. */
+    int rc = pthread_atfork(NULL, NULL, after_fork_child);
+    if (rc != 0) {
+        fprintf(stderr, "cgpu[%d]: GPU memory limits unavailable (cannot register a fork handler: %s);"
+                        " device allocations will fail\n", (int)getpid(), strerror(rc));
+        atomic_store(&g_cgpu.state, CGPU_BROKEN);
+        return;
+    }
     cgpu_log(CGPU_LOG_INFO, "instance region %s: %u device(s)", dir, g_cgpu.device_count);
     atomic_store(&g_cgpu.state, CGPU_ACTIVE);
 }

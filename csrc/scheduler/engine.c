@@ -20,6 +20,7 @@
 #include "scheduler.h"
 #include "engine.h"
 #include "guard.h"
+#include "../region/path.h"
 
 struct tenant {
     uint64_t key;            /* 0: free entry */
@@ -191,7 +192,11 @@ static void *map_region_file(const char *dir, const char *name, int flags, size_
                              unsigned errlen, int *rc)
 {
     char path[4096];
-    snprintf(path, sizeof(path), "%s/%s", dir, name);
+    if (!cgpu_join_path(path, sizeof(path), dir, name)) {
+        *rc = -ENAMETOOLONG;
+        snprintf(err, errlen, "region path %.200s.../%s is longer than %zu bytes", dir, name, sizeof(path) - 1);
+        return NULL;
+    }
     int fd = open(path, flags | O_CLOEXEC | O_NOFOLLOW);
     struct stat sb;
     if (fd < 0 || fstat(fd, &sb) != 0) {

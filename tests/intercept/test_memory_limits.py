@@ -311,3 +311,16 @@ def test_graph_memory_nodes_are_refused_under_a_limit(instance, libcgpu):
         print(json.dumps(cu.error_name(ours.cuGraphAddMemAllocNode(C.byref(C.c_void_p()), None, None, C.c_size_t(0), params))))
     """)
     assert got == "CUDA_ERROR_NOT_SUPPORTED"
+
+
+def test_a_region_path_too_long_is_refused_not_truncated(native, instance):
+    env = instance({0: 4 * GIB})
+    # The same directory, named by a path too long to join with "/limits":
+    # truncated, it would name the directory itself.
+    padded = env["CGPU_REGION_DIR"] + "/." * ((4096 - len(env["CGPU_REGION_DIR"])) // 2)
+    proc = subprocess.run([str(native / "bin" / "cgpu-burn"), "--alloc=1MiB"],
+                          env=dict(env, CGPU_REGION_DIR=padded), capture_output=True, text=True, timeout=60)
+    assert json.loads(proc.stdout)["alloc"]["results"] == ["CUDA_ERROR_OUT_OF_MEMORY"]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "GPU memory limits unavailable" in lines[0]
+    assert "longer than 4095 bytes; use a shorter CGPU_REGION_DIR" in lines[0]

@@ -445,3 +445,15 @@ def test_engine_is_clean_under_asan_and_ubsan(tmp_path: Path) -> None:
                           check=False)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
     assert "runtime error" not in proc.stderr and "Sanitizer" not in proc.stderr
+
+
+def test_a_region_path_too_long_is_refused_not_truncated(sched: ComputeScheduler, tenants) -> None:
+    sched.configure(NodePolicy(compute_policy=ComputePolicy.FIXED))
+    a = tenants("a", 50)
+    # The tenant's own directory, named too long to join with "/grants"
+    # (pathlib keeps "..", not "."): truncated, it would name another file.
+    (a.dir / "x").mkdir()
+    padded = Path(str(a.dir) + "/x/.." * ((4096 - len(str(a.dir))) // 5))
+    with pytest.raises(ComputeError, match="longer than 4095 bytes"):
+        sched.attach(a.instance, padded)
+    assert sched.schedule(0).tenants == 0
