@@ -220,6 +220,16 @@ static bool remember(enum alloc_kind kind, uint64_t value, uint64_t bytes, int s
     return remember_aux(kind, value, bytes, slot, 0);
 }
 
+/* Puts a record back after the driver refused to free what it names. The
+ * slot it left may have been taken meanwhile; then the record is lost and
+ * its bytes stay charged until the process exits (its ledger is reaped). */
+static void put_back(enum alloc_kind kind, uint64_t value, uint64_t bytes, int slot, uint64_t aux)
+{
+    if (!remember_aux(kind, value, bytes, slot, aux))
+        cgpu_log(CGPU_LOG_ERROR, "allocation table full: a refused free's record is lost; %llu bytes stay charged",
+                 (unsigned long long)bytes);
+}
+
 /* The live record, left in place; callers serialise on vmm_lock. */
 static struct alloc_entry *lookup(enum alloc_kind kind, uint64_t value)
 {
@@ -332,7 +342,7 @@ static enum route route_current(int *slot)
         if (held_ && rc_ == CUDA_SUCCESS)                                                       \
             uncharge(slot_, bytes_);                                                            \
         else if (held_)                                                                         \
-            remember(kind, (uint64_t)(value), bytes_, slot_);                                   \
+            put_back(kind, (uint64_t)(value), bytes_, slot_, 0);                                \
         return rc_;                                                                             \
     } while (0)
 
@@ -710,7 +720,7 @@ CGPU_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
     else if (held && !last && (h = lookup(KIND_HANDLE, handle)))
         h->refs++;
     else if (held && last)
-        remember_aux(KIND_HANDLE, handle, 0, slot, serial);
+        put_back(KIND_HANDLE, handle, 0, slot, serial);
     pthread_mutex_unlock(&vmm_lock);
     return rc;
 }
@@ -800,7 +810,7 @@ CGPU_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
         if (rc == CUDA_SUCCESS)
             unref_phys_locked(taken[i].serial);
         else
-            remember_aux(KIND_MAPPING, taken[i].at, taken[i].bytes, -1, taken[i].serial);
+            put_back(KIND_MAPPING, taken[i].at, taken[i].bytes, -1, taken[i].serial);
     }
     uint64_t bytes, serial;
     while (rc == CUDA_SUCCESS && at < end && forget_aux(KIND_MAPPING, at, &bytes, &slot, &serial) && bytes) {
