@@ -339,14 +339,21 @@ def make_region_dir(directory: Path, tmpfs: bool = True) -> str | None:
 
 
 def remove_region_dir(directory: Path) -> None:
-    """Removes an instance directory, detaching its tmpfs first."""
+    """Removes an instance directory, detaching its tmpfs first; one already
+    gone is removed. Raises RegionError naming what is left behind."""
     directory = Path(directory)
     try:
-        if directory.is_mount():
-            lib.cgpu_region_unmount(str(directory).encode())
+        mounted = directory.is_mount()
     except OSError:
+        mounted = False  # cannot even stat it: rmtree below says why
+    rc = lib.cgpu_region_unmount(str(directory).encode()) if mounted else 0
+    try:
+        shutil.rmtree(directory)
+    except FileNotFoundError:
         pass
-    shutil.rmtree(directory, ignore_errors=True)
+    except OSError as e:
+        detail = f" (unmount: {os.strerror(-rc)})" if rc else ""
+        raise RegionError(f"cannot remove instance region {directory}: {e.strerror or e}{detail}") from e
 
 
 def write_region(directory: Path, limits: InstanceLimits, gated: bool = False) -> None:

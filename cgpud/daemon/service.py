@@ -198,7 +198,10 @@ class InstanceService:
         instance = self._store.set_state(instance_id, InstanceState.RELEASED)
         if self._compute is not None:
             self._compute.detach(instance_id)
-        remove_region_dir(self.region_dir(instance_id))
+        try:
+            remove_region_dir(self.region_dir(instance_id))
+        except RegionError as e:  # released all the same; the orphan sweep retries
+            self._log.error("region left behind", id=instance_id, error=str(e))
         return instance
 
     def set_compute_policy(self, policy: ComputePolicy, gpu: int | None = None) -> NodePolicy:
@@ -382,6 +385,11 @@ class InstanceService:
             return 0
         active = {i.id for i in self._store.active()}
         orphans = [d for d in self._regions.iterdir() if d.is_dir() and d.name not in active]
+        removed = 0
         for d in orphans:
-            remove_region_dir(d)
-        return len(orphans)
+            try:
+                remove_region_dir(d)
+                removed += 1
+            except RegionError as e:  # counted as left, tried again at the next sweep
+                self._log.error("cannot remove orphan region", dir=str(d), error=str(e))
+        return removed

@@ -459,3 +459,18 @@ def test_concurrent_charging_stops_exactly_at_the_limit(
     with UsageRegion(tmp_path) as region:
         assert region.device_used(device) == limit
         assert {lg.pid: lg.used[device] for lg in region.ledgers()} == totals
+
+
+def test_a_region_dir_that_cannot_be_removed_is_an_error_not_a_success(tmp_path: Path) -> None:
+    from cgpud.daemon.region import RegionError, remove_region_dir
+
+    remove_region_dir(tmp_path / "gone")  # already gone: removed
+    made = tmp_path / "made"
+    made.mkdir()
+    (made / "limits").write_bytes(b"x")
+    remove_region_dir(made)
+    assert not made.exists()
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_bytes(b"x")
+    with pytest.raises(RegionError, match=f"cannot remove instance region {not_a_dir}"):
+        remove_region_dir(not_a_dir)

@@ -76,6 +76,25 @@ def test_reconcile_repairs_releases_and_cleans(tmp_path):
     assert svc.get(gone.id).state is InstanceState.RELEASED and not orphan.exists()
 
 
+def test_an_orphan_region_that_cannot_be_removed_is_not_counted_removed(tmp_path, monkeypatch):
+    import shutil
+
+    from cgpud.daemon import region
+
+    svc = service(tmp_path)
+    stuck = tmp_path / "regions" / "cgpu-stuck"
+    stuck.mkdir(parents=True)
+    real = shutil.rmtree
+
+    def refuse(path, *args, **kwargs):
+        if str(path) == str(stuck):
+            raise PermissionError(13, "Permission denied", str(path))
+        real(path, *args, **kwargs)
+
+    monkeypatch.setattr(region.shutil, "rmtree", refuse)
+    assert svc.reconcile()["orphan_regions_removed"] == 0
+    assert stuck.exists()
+
 def test_a_reboot_releases_everything_from_before(tmp_path):
     svc = service(tmp_path)
     inst = svc.create(Request(owner("c1"), GIB))
