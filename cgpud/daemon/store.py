@@ -424,8 +424,9 @@ class Store:
                     f"state database {self.path} cannot use WAL journaling (got {mode!r});"
                     " put the state directory on a local filesystem"
                 )
-            # FULL: the WAL is fsynced at every commit, so a commit survives
-            # power loss (NORMAL could lose the last ones).
+            # NORMAL: a commit survives kill -9, and a power loss may forget
+            # the last instance changes (see above); node settings switch to
+            # FULL for their own commit.
             conn.execute("PRAGMA synchronous=NORMAL")
             conn.execute("PRAGMA foreign_keys=ON")
             conn.execute(f"PRAGMA busy_timeout={int(BUSY_TIMEOUT * 1000)}")

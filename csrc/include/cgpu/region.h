@@ -10,8 +10,8 @@
  * Versioned binary layout with magic numbers; C reads it directly, Python
  * through cffi from this same header (csrc/region/build_region.py).
  *
- * Ownership: cgpud creates both files; every process of the instance maps
- * them. Thread-safety: limits never change after publication (cgpud replaces
+ * Ownership: cgpud creates all three files; every process of the instance
+ * maps them. Thread-safety: limits never change after publication (cgpud replaces
  * the file atomically); every usage field is an atomic; there is no lock.
  * A process ledger is kept alive by an OFD byte-range lock at
  * CGPU_LEDGER_LOCK_OFFSET, which the kernel drops when the process dies. */
@@ -61,8 +61,9 @@ struct cgpu_limits {
     char instance_id[CGPU_INSTANCE_ID_LEN];
     uint32_t device_count;
     uint32_t log_level;           /* enum cgpu_log_level */
-    uint32_t compute_policy;      /* reserved for the compute scheduler */
-    uint32_t reserved;
+    uint32_t compute_policy;      /* cgpud writes the node's ComputePolicy; nothing reads it
+                                   * (the scheduler gets policy from cgpud): kept for the layout */
+    uint32_t reserved;            /* padding: device[] starts 8-byte aligned */
     struct cgpu_device_limit device[CGPU_MAX_DEVICES];
     uint64_t checksum;            /* cgpu_region_checksum() of every byte before it */
 };
