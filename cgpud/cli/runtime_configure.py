@@ -18,13 +18,11 @@ plugin, as nvidia-ctk's drop-ins do; running the command again refreshes it.
 from __future__ import annotations
 
 import copy
-import datetime
 import difflib
 import enum
 import errno
 import fnmatch
 import json
-import math
 import os
 import re
 import shutil
@@ -35,8 +33,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import structlog
+import tomlkit
+
 from cgpud.atomicfile import write_atomic
 from cgpud.errors import CgpuError, UsageError
+
+log = structlog.get_logger("cgpud.runtime_configure")
 
 RUNC_V2 = "io.containerd.runc.v2"
 DEFAULT_NAME = "cgpu"
@@ -49,7 +52,6 @@ BACKUP_SUFFIX = ".cgpu.bak"
 CRI_PLUGIN = {1: "cri", 2: "io.containerd.grpc.v1.cri", 3: "io.containerd.cri.v1.runtime"}
 
 _NAME = re.compile(r"[a-z0-9_-]+")
-_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 
 
 class Engine(enum.Enum):
@@ -157,42 +159,74 @@ def containerd_changes(
     main_section = _table(config, main_doc or {}, "plugins", plugin)
     replaces_sections = version < 3 and (containerd_major is None or containerd_major < 2)
 
-    entry = _runtime_entry(main_section, spec)
-    if replaces_sections:
-        section = copy.deepcopy(main_section)
-        containerd = _table(config, section, "containerd", create=True)
-        if "runtimes" not in containerd:
-            # Our runtimes table replaces containerd's built-in one, so the
-            # built-in runc runtime has to be spelled out to survive.
-            containerd["runtimes"] = {"runc": {"runtime_type": RUNC_V2}}
-        _table(config, containerd, "runtimes")[spec.name] = entry
-    else:
-        section = {"containerd": {"runtimes": {spec.name: entry}}}
-    if spec.set_as_default:
-        section["containerd"]["default_runtime_name"] = spec.name
-
     header = [
-        "# Written by `cgpuctl runtime configure --containerd`, which rewrites it on every run.",
-        f'# Registers the runtime "{spec.name}" (cgpu-runtime) with containerd; imported from {config}.',
+        "Written by `cgpuctl runtime configure --containerd`, which rewrites it on every run.",
+        f'Registers the runtime "{spec.name}" (cgpu-runtime) with containerd; imported from {config}.',
     ]
     if replaces_sections:
         header += [
-            f'# containerd 1.x replaces a whole plugin section with an imported one, so the [plugins."{plugin}"]',
-            f"# settings of {config} are copied here: after changing them there, run the command again.",
+            f'containerd 1.x replaces a whole plugin section with an imported one, so the [plugins."{plugin}"]',
+            f"settings of {config} are copied here: after changing them there, run the command again.",
         ]
+    entry = _runtime_entry(main_section, spec)
     dropin = dropin_path(config)
-    new_dropin = "\n".join(header) + "\n" + dump_toml({"version": version, "plugins": {plugin: section}})
+    # The copy of config.toml's section keeps the operator's comments
+    # (tomlkit's table), unless tomlkit cannot write it back as it read it.
+    commented = _commented_section(main_text, plugin) if replaces_sections else None
+    new_dropin: str | None = None
+    if commented is not None:
+        try:
+            new_dropin = _dropin_text(config, commented, version, plugin, entry, spec, header, keeps_runc=True)
+        except CgpuError:
+            log.warning("runtime_configure.comments_dropped", config=str(config), plugin=plugin)
+    if new_dropin is None:
+        section = copy.deepcopy(main_section) if replaces_sections else {}
+        new_dropin = _dropin_text(config, section, version, plugin, entry, spec, header, keeps_runc=replaces_sections)
 
     pattern = dropin.parent / "*.toml"
     wanted = str(dropin if _has_glob_chars(str(dropin.parent)) else pattern)
     if main_text is None:
-        new_main = f"version = {version}\nimports = [{_toml_str(wanted)}]\n"
+        new_main = tomlkit.dumps({"version": version, "imports": [wanted]})
     else:
         new_main = add_import(config, main_text, wanted, covers=dropin)
     return [
         FileChange(dropin, dropin_text, new_dropin, backup=False),
         FileChange(config, main_text, new_main),
     ]
+
+
+def _commented_section(main_text: str | None, plugin: str) -> Any:
+    """config.toml's section for `plugin` as tomlkit reads it, comments
+    included; None where there is none."""
+    if main_text is None:
+        return None
+    plugins = tomlkit.parse(main_text).get("plugins")
+    found = plugins.get(plugin) if isinstance(plugins, dict) else None
+    return copy.deepcopy(found) if isinstance(found, dict) else None
+
+
+def _dropin_text(
+    config: Path,
+    section: dict[str, Any],
+    version: int,
+    plugin: str,
+    entry: dict[str, Any],
+    spec: RuntimeSpec,
+    header: Sequence[str],
+    *,
+    keeps_runc: bool,
+) -> str:
+    """The drop-in: `section` (config.toml's copy, or empty where containerd
+    merges key by key) with our runtime added."""
+    containerd = _table(config, section, "containerd", create=True)
+    if keeps_runc and "runtimes" not in containerd:
+        # Our runtimes table replaces containerd's built-in one, so the
+        # built-in runc runtime has to be spelled out to survive.
+        containerd["runtimes"] = {"runc": {"runtime_type": RUNC_V2}}
+    _table(config, containerd, "runtimes", create=True)[spec.name] = entry
+    if spec.set_as_default:
+        containerd["default_runtime_name"] = spec.name
+    return dump_toml({"version": version, "plugins": {plugin: section}}, header)
 
 
 def containerd_warnings(config: Path, main_text: str | None) -> list[str]:
@@ -251,7 +285,7 @@ def _table(config: Path, doc: dict[str, Any], *keys: str, create: bool = False) 
             table[key] = {}
         table = table[key]
         if not isinstance(table, dict):
-            dotted = ".".join(_toml_key(k) for k in keys[: i + 1])
+            dotted = ".".join(tomlkit.key(k).as_string() for k in keys[: i + 1])
             raise UsageError(f"{config}: {dotted} is not a table: fix the file first")
     return table
 
@@ -280,244 +314,76 @@ def _import_covers(entry: str, base: Path, target: Path) -> bool:
 
 def add_import(config: Path, text: str, entry: str, covers: Path) -> str:
     """`text` with `entry` appended to its top-level `imports` array, unless an
-    import already loads `covers`. Only the inserted characters differ."""
+    import already loads `covers`. tomlkit edits the document in place, so the
+    operator's comments, key order and layout are kept."""
     doc = _parse_toml(config, text)
     imports = doc.get("imports", [])
     if not isinstance(imports, list) or not all(isinstance(i, str) for i in imports):
         raise UsageError(f"{config}: imports is not an array of strings: fix the file first")
     if any(_import_covers(i, config.parent, covers) for i in imports):
         return text
-    new = _insert_import(text, entry, "imports" in doc)
-    if new is None or _parse_toml(config, new) != {**doc, "imports": [*imports, entry]}:
+    wanted = {**doc, "imports": [*imports, entry]}
+    new = _with_import(text, entry, rewrite=False)
+    if _reads_as(new, wanted):
+        return new
+    # tomlkit 0.13 appends to a multi-line array ending in a comment without
+    # the comma it needs; writing the array anew loses only comments inside it.
+    log.warning("runtime_configure.imports_rewritten", config=str(config))
+    new = _with_import(text, entry, rewrite=True)
+    if not _reads_as(new, wanted):
         raise UsageError(f"{config}: cannot add {entry!r} to its imports safely: add it by hand, then run again")
     return new
 
 
-def _insert_import(text: str, entry: str, exists: bool) -> str | None:
-    nl = "\r\n" if "\r\n" in text else "\n"
-    stmts, tables_at = _top_level(text)
-    literal = _toml_str(entry)
-    if exists:
-        stmt = next((s for s in stmts if _unquote_key(text[s.start:s.eq]) == "imports"), None)
-        if stmt is None:
-            return None
-        open_at = stmt.eq + 1
-        while text[open_at:open_at + 1] in (" ", "\t"):
-            open_at += 1
-        if text[open_at:open_at + 1] != "[":
-            return None
-        close_at, last = _array_end(text, open_at)
-        if last == open_at:
-            return text[:open_at + 1] + literal + text[open_at + 1:]
-        if text[last] == ",":
-            if "\n" in text[last:close_at]:
-                line = text[text.rfind("\n", 0, last) + 1:last]
-                indent = line[: len(line) - len(line.lstrip())]
-                return text[:last + 1] + f"{nl}{indent}{literal}," + text[last + 1:]
-            return text[:last + 1] + f" {literal}," + text[last + 1:]
-        return text[:last + 1] + f", {literal}" + text[last + 1:]
-    line = f"imports = [{literal}]{nl}"
-    version = next((s for s in stmts if _unquote_key(text[s.start:s.eq]) == "version"), None)
-    if version is not None:
-        at = _line_end(text, version.end)
-    elif stmts:
-        at = stmts[0].line_start
+def _with_import(text: str, entry: str, *, rewrite: bool) -> str:
+    edited = tomlkit.parse(text)
+    if "imports" in edited and not rewrite:
+        edited["imports"].append(entry)
     else:
-        at = tables_at
-    prefix = text[:at]
-    if prefix and not prefix.endswith("\n"):
-        prefix += nl
-    return prefix + line + text[at:]
+        edited["imports"] = [*edited.get("imports", []), entry]
+    new = tomlkit.dumps(edited)
+    if "\r\n" in text:
+        # tomlkit writes "\n" for what it adds; keep the file's line ends.
+        new = re.sub(r"(?<!\r)\n", "\r\n", new)
+    return new
 
 
-@dataclass(frozen=True)
-class _Stmt:
-    line_start: int
-    start: int
-    eq: int
-    end: int  # the newline ending the statement, or len(text)
-
-
-def _top_level(text: str) -> tuple[list[_Stmt], int]:
-    """The key/value statements before the first table header, and where that
-    header's line starts (len(text) if there is none)."""
-    stmts: list[_Stmt] = []
-    i, n = 0, len(text)
-    while i < n:
-        j = i
-        while j < n and text[j] in " \t":
-            j += 1
-        if j >= n:
-            break
-        c = text[j]
-        if c in "\r\n#":
-            i = _line_end(text, j)
-            continue
-        if c == "[":
-            return stmts, i
-        end, eq = _statement_end(text, j)
-        if eq is None:
-            break
-        stmts.append(_Stmt(i, j, eq, end))
-        i = _line_end(text, end)
-    return stmts, n
-
-
-def _line_end(text: str, i: int) -> int:
-    """Just past the newline at or after i."""
-    k = text.find("\n", i)
-    return len(text) if k < 0 else k + 1
-
-
-def _statement_end(text: str, i: int) -> tuple[int, int | None]:
-    depth, eq, n = 0, None, len(text)
-    while i < n:
-        c = text[i]
-        if c in "\"'":
-            i = _string_end(text, i)
-            continue
-        if c == "#":
-            k = text.find("\n", i)
-            i = n if k < 0 else k
-            continue
-        if c == "\n" and depth == 0:
-            return i, eq
-        if c in "[{":
-            depth += 1
-        elif c in "]}":
-            depth -= 1
-        elif c == "=" and depth == 0 and eq is None:
-            eq = i
-        i += 1
-    return n, eq
-
-
-def _array_end(text: str, open_at: int) -> tuple[int, int]:
-    """For the array opening at `open_at`: where it closes, and the last
-    character before that which is not blank or comment (`open_at` if none)."""
-    depth, last, i, n = 0, open_at, open_at, len(text)
-    while i < n:
-        c = text[i]
-        if c in "\"'":
-            i = _string_end(text, i)
-            last = i - 1
-            continue
-        if c == "#":
-            k = text.find("\n", i)
-            i = n if k < 0 else k
-            continue
-        if c in "[{":
-            depth += 1
-        elif c in "]}":
-            depth -= 1
-            if depth == 0:
-                return i, last
-        if c not in " \t\r\n":
-            last = i
-        i += 1
-    return n, last
-
-
-def _string_end(text: str, i: int) -> int:
-    """Just past the TOML string starting at i."""
-    q = text[i]
-    if text.startswith(q * 3, i):
-        j = i + 3
-        while j < len(text):
-            if q == '"' and text[j] == "\\":
-                j += 2
-                continue
-            if text.startswith(q * 3, j):
-                end = j + 3
-                # Up to two quotes may precede the closing delimiter.
-                while end < len(text) and text[end] == q and end - j < 5:
-                    end += 1
-                return end
-            j += 1
-        return len(text)
-    j = i + 1
-    while j < len(text) and text[j] != q and text[j] != "\n":
-        j += 2 if q == '"' and text[j] == "\\" else 1
-    return j + 1
-
-
-def _unquote_key(raw: str) -> str:
-    key = raw.strip()
-    if len(key) >= 2 and key[0] == key[-1] and key[0] in "\"'":
-        return key[1:-1]
-    return key
+def _reads_as(text: str, wanted: dict[str, Any]) -> bool:
+    try:
+        return tomllib.loads(text) == wanted
+    except tomllib.TOMLDecodeError:
+        return False
 
 
 # ---------------------------------------------------------------- TOML writer
 
 
-def dump_toml(doc: dict[str, Any]) -> str:
-    """A TOML document for `doc` (what tomllib returns); checked by reading it back."""
-    lines: list[str] = []
-    _dump_table(doc, (), lines)
-    text = "\n".join(lines).lstrip("\n") + "\n"
-    if tomllib.loads(text) != doc:
+def dump_toml(doc: dict[str, Any], header: Sequence[str] = ()) -> str:
+    """A TOML document for `doc` (what tomllib returns, or a table tomlkit
+    parsed, whose comments are kept), `header` as comment lines on top;
+    checked by reading it back."""
+    out = tomlkit.document()
+    for line in header:
+        out.add(tomlkit.comment(line))
+    if header:
+        out.add(tomlkit.nl())
+    for key, value in doc.items():
+        out[key] = value
+    text = tomlkit.dumps(out)
+    if tomllib.loads(text) != _plain(doc):
         raise CgpuError("internal error: the generated TOML does not read back as written")
     return text
 
 
-def _dump_table(table: dict[str, Any], path: tuple[str, ...], lines: list[str], array_item: bool = False) -> None:
-    scalars = {k: v for k, v in table.items() if not _is_table(v) and not _is_table_array(v)}
-    dotted = ".".join(_toml_key(k) for k in path)
-    if array_item:
-        lines += ["", f"[[{dotted}]]"]
-    elif path and (scalars or not table):
-        # A table holding only tables needs no header of its own; an empty one
-        # does, or it would vanish.
-        lines += ["", f"[{dotted}]"]
-    indent = "  " if path else ""
-    lines += [f"{indent}{_toml_key(k)} = {_toml_value(v)}" for k, v in scalars.items()]
-    for key, value in table.items():
-        if _is_table(value):
-            _dump_table(value, (*path, key), lines)
-        elif _is_table_array(value):
-            for item in value:
-                _dump_table(item, (*path, key), lines, array_item=True)
-
-
-def _is_table(v: Any) -> bool:
-    return isinstance(v, dict)
-
-
-def _is_table_array(v: Any) -> bool:
-    return isinstance(v, list) and bool(v) and all(isinstance(i, dict) for i in v)
-
-
-def _toml_key(key: str) -> str:
-    return key if _BARE_KEY.fullmatch(key) else _toml_str(key)
-
-
-def _toml_str(s: str) -> str:
-    # JSON string escapes are a subset of TOML basic-string escapes; DEL is the
-    # one control character JSON leaves raw and TOML forbids.
-    return json.dumps(s, ensure_ascii=False).replace("\x7f", "\\u007f")
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int):
-        return str(v)
-    if isinstance(v, float):
-        if math.isnan(v):
-            return "nan"
-        if math.isinf(v):
-            return "inf" if v > 0 else "-inf"
-        return repr(v)
-    if isinstance(v, str):
-        return _toml_str(v)
-    if isinstance(v, (datetime.datetime, datetime.date, datetime.time)):
-        return v.isoformat()
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(i) for i in v) + "]"
-    if isinstance(v, dict):
-        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(i)}" for k, i in v.items()) + "}"
-    raise CgpuError(f"internal error: cannot write {type(v).__name__} as TOML")
+def _plain(value: Any) -> Any:
+    """A value holding tomlkit items as the plain Python value tomllib returns."""
+    if hasattr(value, "unwrap"):
+        return value.unwrap()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
 
 
 # ---------------------------------------------------------------- docker

@@ -123,6 +123,51 @@ def test_containerd_loads_the_runtime_and_keeps_every_setting(tmp_path, shim):
     assert after["plugins"][CRI]["containerd"]["default_runtime_name"] == "runc"
 
 
+def commented(config_text: str) -> str:
+    """`containerd config default` with an operator's comments: a line above
+    every table header and a trailing comment on every key line."""
+    out = []
+    for n, line in enumerate(config_text.splitlines(keepends=True)):
+        body = line.rstrip("\n")
+        if body.lstrip().startswith("["):
+            out.append(f"# note {n}: the table below\n{line}")
+        elif " = " in body and not body.rstrip().endswith(("[", "{")) and '"""' not in body:
+            out.append(f"{body}  # note {n}\n")
+        else:
+            out.append(line)
+    return "".join(out)
+
+
+def test_cli_keeps_every_comment_and_key_order_of_a_real_config(tmp_path, shim, capsys):
+    config = tmp_path / "containerd" / "config.toml"
+    config.parent.mkdir()
+    original = commented(default_config(tmp_path))
+    assert original.count("# note") > 50
+    config.write_text(original)
+    before = containerd_dump(config)
+
+    assert main(["runtime", "configure", "--containerd", "--config", str(config),
+                 "--runtime-path", str(shim)]) == 0
+    assert "created" in capsys.readouterr().out
+
+    # Every line of config.toml, comments included, is kept in its order: the
+    # only change is the imports entry.
+    glob = f"{config.parent}/conf.d/*.toml"
+    assert config.read_text() == original.replace("imports = []", f'imports = ["{glob}"]', 1)
+    # The drop-in's copy of the CRI section keeps the operator's comments too.
+    dropin = (config.parent / "conf.d" / "cgpu.toml").read_text()
+    cri_notes = [line.strip() for line in original.splitlines()
+                 if "# note" in line and ("sandbox_image" in line or "max_concurrent_downloads" in line)]
+    assert cri_notes and all(note in dropin for note in cri_notes)
+
+    after = containerd_dump(config)
+    assert after["plugins"][CRI]["containerd"]["runtimes"]["cgpu"]["options"]["BinaryName"] == str(shim)
+    expected = copy.deepcopy(before)
+    expected["imports"] = after["imports"]
+    expected["plugins"][CRI]["containerd"]["runtimes"]["cgpu"] = after["plugins"][CRI]["containerd"]["runtimes"]["cgpu"]
+    assert after == expected
+
+
 def test_containerd_set_as_default_through_the_real_parser(tmp_path, shim):
     config = tmp_path / "config.toml"
     config.write_text(default_config(tmp_path))
@@ -193,7 +238,7 @@ def test_containerd_backup_is_the_first_original(tmp_path, shim):
     configure(Engine.CONTAINERD, config, shim)
     config.write_text("version = 2\noom_score = -999\n")  # the operator rewrites it
     assert "original kept" not in configure(Engine.CONTAINERD, config, shim)
-    assert config.read_text() == f'version = 2\nimports = ["{tmp_path}/conf.d/*.toml"]\noom_score = -999\n'
+    assert config.read_text() == f'version = 2\noom_score = -999\nimports = ["{tmp_path}/conf.d/*.toml"]\n'
     assert (tmp_path / "config.toml.cgpu.bak").read_text() == "version = 2\n"
     assert not list((tmp_path / "conf.d").glob("*.bak"))
 
@@ -271,7 +316,7 @@ def test_containerd_dry_run_writes_nothing_and_prints_the_diff(tmp_path, shim):
     assert f"--- {config}\n+++ {config} (cgpu)\n" in out
     assert f'+imports = ["{tmp_path}/conf.d/*.toml"]\n' in out
     assert f"--- {tmp_path}/conf.d/cgpu.toml\n+++ {tmp_path}/conf.d/cgpu.toml (cgpu)\n" in out
-    assert f'+  BinaryName = "{shim}"\n' in out
+    assert f'+BinaryName = "{shim}"\n' in out
 
 
 def test_containerd_existing_import_is_respected(tmp_path, shim):
@@ -299,24 +344,31 @@ def test_containerd_with_cri_disabled_is_configured_with_a_warning(tmp_path, shi
 @pytest.mark.parametrize(("before", "after"), [
     ('version = 2\nimports = []\n', 'version = 2\nimports = ["/x/*.toml"]\n'),
     ('imports = ["/a.toml"] # keep\nversion = 2\n', 'imports = ["/a.toml", "/x/*.toml"] # keep\nversion = 2\n'),
-    ('imports = [\n  "/a.toml",  # first\n]\n', 'imports = [\n  "/a.toml",\n  "/x/*.toml",  # first\n]\n'),
-    ('imports = [ "/a].toml", ]\n', 'imports = [ "/a].toml", "/x/*.toml", ]\n'),
-    ('imports = [\n  "/a.toml"\n  # no trailing comma\n]\n',
-     'imports = [\n  "/a.toml", "/x/*.toml"\n  # no trailing comma\n]\n'),
+    ('imports = [\n  "/a.toml",  # first\n]\n', 'imports = [\n  "/a.toml",  # first\n  "/x/*.toml",\n]\n'),
+    ('imports = [ "/a].toml", ]\n', 'imports = [ "/a].toml", "/x/*.toml" ]\n'),
     ('# head\n\nversion = 2 # v\n\n[grpc]\n  address = "x"\n',
      '# head\n\nversion = 2 # v\nimports = ["/x/*.toml"]\n\n[grpc]\n  address = "x"\n'),
-    ('# head\noom_score = 0\n[grpc]\n', '# head\nimports = ["/x/*.toml"]\noom_score = 0\n[grpc]\n'),
-    ('# only a table\n[grpc]\n', '# only a table\nimports = ["/x/*.toml"]\n[grpc]\n'),
+    ('# head\noom_score = 0\n[grpc]\n', '# head\noom_score = 0\nimports = ["/x/*.toml"]\n\n[grpc]\n'),
+    ('# only a table\n[grpc]\n', '# only a table\nimports = ["/x/*.toml"]\n\n[grpc]\n'),
     ('version = 2', 'version = 2\nimports = ["/x/*.toml"]\n'),
     ('', 'imports = ["/x/*.toml"]\n'),
-    ('version = 2\r\n[grpc]\r\n', 'version = 2\r\nimports = ["/x/*.toml"]\r\n[grpc]\r\n'),
+    ('version = 2\r\n[grpc]\r\n', 'version = 2\r\nimports = ["/x/*.toml"]\r\n\r\n[grpc]\r\n'),
     ('s = """\n[imports]\nimports = [\n"""\nversion = 2\n',
      's = """\n[imports]\nimports = [\n"""\nversion = 2\nimports = ["/x/*.toml"]\n'),
     ("\"imports\" = ['/a.toml']\n", "\"imports\" = ['/a.toml', \"/x/*.toml\"]\n"),
-    ('[plugins]\nimports = ["/in/a/table"]\n', 'imports = ["/x/*.toml"]\n[plugins]\nimports = ["/in/a/table"]\n'),
+    ('[plugins]\nimports = ["/in/a/table"]\n', 'imports = ["/x/*.toml"]\n\n[plugins]\nimports = ["/in/a/table"]\n'),
 ])
 def test_imports_edit_is_minimal(before, after):
+    """tomlkit edits in place: the file's comments and key order stay."""
     assert rc.add_import(Path("/c/config.toml"), before, "/x/*.toml", covers=Path("/x/cgpu.toml")) == after
+
+
+def test_imports_after_a_comment_without_a_comma_are_rewritten_readably():
+    """tomlkit would append without the comma; the array is written anew."""
+    before = 'version = 2 # v\nimports = [\n  "/a.toml"\n  # no trailing comma\n]\n'
+    after = rc.add_import(Path("/c/config.toml"), before, "/x/*.toml", covers=Path("/x/cgpu.toml"))
+    assert tomllib.loads(after) == {"version": 2, "imports": ["/a.toml", "/x/*.toml"]}
+    assert after.startswith("version = 2 # v\n")
 
 
 def test_imports_that_are_not_strings_are_refused():
