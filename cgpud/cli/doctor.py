@@ -1,17 +1,16 @@
 """`cgpuctl doctor`: checks what cgpu needs on this node and says what to fix."""
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from cgpud.cli.docker_config import DOCKER_CONFIG, parse_daemon_json
 from cgpud.daemon.config import DaemonConfig
 from cgpud.daemon.region import REGION_FS_FILE
 from cgpud.errors import CgpuError
 
 CONTAINERD_DROPINS = Path("/etc/containerd/conf.d")
-DOCKER_CONFIG = Path("/etc/docker/daemon.json")
 
 
 @dataclass(frozen=True)
@@ -85,10 +84,16 @@ def _runtime() -> str:
     if dropins:
         return f"containerd: {dropins[0]}"
     try:
-        if "cgpu" in json.loads(DOCKER_CONFIG.read_text()).get("runtimes", {}):
-            return f"docker: {DOCKER_CONFIG}"
-    except (OSError, ValueError, AttributeError):
-        pass
+        text: str | None = DOCKER_CONFIG.read_text()
+    except FileNotFoundError:
+        text = None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CgpuError(f"cannot read {DOCKER_CONFIG}: {e}") from None
+    # A malformed daemon.json is reported as such (parse_daemon_json's error),
+    # not as a missing entry.
+    runtimes = parse_daemon_json(DOCKER_CONFIG, text).get("runtimes")
+    if isinstance(runtimes, dict) and "cgpu" in runtimes:
+        return f"docker: {DOCKER_CONFIG}"
     raise CgpuError("no containerd or docker runtime entry for cgpu; containers get no limits until one is "
                     "configured (host processes work through `cgpuctl run`)")
 

@@ -37,6 +37,7 @@ import structlog
 import tomlkit
 
 from cgpud.atomicfile import write_atomic
+from cgpud.cli.docker_config import DOCKER_CONFIG, parse_daemon_json
 from cgpud.errors import CgpuError, UsageError
 
 log = structlog.get_logger("cgpud.runtime_configure")
@@ -44,7 +45,6 @@ log = structlog.get_logger("cgpud.runtime_configure")
 RUNC_V2 = "io.containerd.runc.v2"
 DEFAULT_NAME = "cgpu"
 CONTAINERD_CONFIG = Path("/etc/containerd/config.toml")
-DOCKER_CONFIG = Path("/etc/docker/daemon.json")
 DROPIN_NAME = "cgpu.toml"
 BACKUP_SUFFIX = ".cgpu.bak"
 
@@ -391,15 +391,7 @@ def _plain(value: Any) -> Any:
 
 def docker_changes(config: Path, text: str | None, spec: RuntimeSpec) -> list[FileChange]:
     """daemon.json with the runtime registered, every other key kept in order."""
-    data: Any = {}
-    if text is not None and text.strip():
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise UsageError(f"{config} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}; "
-                             "fix it first, nothing was changed") from None
-    if not isinstance(data, dict):
-        raise UsageError(f"{config} does not hold a JSON object: fix it first, nothing was changed")
+    data = parse_daemon_json(config, text)
     new = copy.deepcopy(data)
     runtimes = new.setdefault("runtimes", {})
     if not isinstance(runtimes, dict):

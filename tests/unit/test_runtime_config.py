@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cgpud.cli.main import main
-from cgpud.errors import UsageError
+from cgpud.errors import CgpuError, UsageError
 from cgpud.cli import runtime_configure as rc
 from cgpud.cli.runtime_configure import Engine, RuntimeSpec
 
@@ -525,3 +525,44 @@ def test_cli_errors(tmp_path, shim, capsys):
             main(["runtime", "configure", *bad])
         assert e.value.code == 2
     assert "one of the arguments --containerd --docker is required" in capsys.readouterr().err
+
+
+def test_cli_malformed_daemon_json_is_one_error_and_nothing_is_written(tmp_path, shim, capsys):
+    config = tmp_path / "daemon.json"
+    config.write_text('{\n  "runtimes": {"nvidia": {"path": "nvidia-container-runtime"}},\n}\n')
+    files = snapshot(tmp_path)
+    assert main(["runtime", "configure", "--docker", "--config", str(config), "--runtime-path", str(shim)]) != 0
+    err = capsys.readouterr().err
+    # The JSON error's wording varies with the Python version; its place does not.
+    assert err.startswith(f"cgpuctl: {config} is not valid JSON: ") and err.count("\n") == 1
+    assert err.endswith(" at line 3 column 1; fix it first, nothing was changed\n")
+    assert snapshot(tmp_path) == files
+
+
+@pytest.mark.parametrize(("text", "detail"), [
+    ("{", "{path} is not valid JSON: "),
+    ("[]", "{path} does not hold a JSON object"),
+    ('{"runtimes": {}}', "no containerd or docker runtime entry for cgpu"),
+    (None, "no containerd or docker runtime entry for cgpu"),
+])
+def test_doctor_reports_a_malformed_daemon_json_as_malformed(tmp_path, monkeypatch, text, detail):
+    from cgpud.cli import doctor
+
+    path = tmp_path / "daemon.json"
+    if text is not None:
+        path.write_text(text)
+    monkeypatch.setattr(doctor, "DOCKER_CONFIG", path)
+    monkeypatch.setattr(doctor, "CONTAINERD_DROPINS", tmp_path / "no-conf.d")
+    with pytest.raises(CgpuError) as e:
+        doctor._runtime()
+    assert str(e.value).startswith(detail.format(path=path))
+
+
+def test_doctor_finds_the_docker_entry(tmp_path, monkeypatch):
+    from cgpud.cli import doctor
+
+    path = tmp_path / "daemon.json"
+    path.write_text('{"runtimes": {"cgpu": {"path": "/x"}}}')
+    monkeypatch.setattr(doctor, "DOCKER_CONFIG", path)
+    monkeypatch.setattr(doctor, "CONTAINERD_DROPINS", tmp_path / "no-conf.d")
+    assert doctor._runtime() == f"docker: {path}"
