@@ -28,9 +28,11 @@ static void after_fork_child(void)
 
 static void read_visible_devices(void);
 
+static int fork_handler_rc;
+
 static void install_fork_handler(void)
 {
-    pthread_atfork(NULL, NULL, after_fork_child);
+    fork_handler_rc = pthread_atfork(NULL, NULL, after_fork_child);
 }
 
 SIM_EXPORT CUresult cuInit(unsigned int Flags)
@@ -39,6 +41,10 @@ SIM_EXPORT CUresult cuInit(unsigned int Flags)
     if (Flags != 0)
         return CUDA_ERROR_INVALID_VALUE;
     pthread_once(&once, install_fork_handler);
+    if (fork_handler_rc != 0) { /* a forked child would share its parent's process slot */
+        fprintf(stderr, "cgpu-sim: cannot register a fork handler: %s\n", strerror(fork_handler_rc));
+        return CUDA_ERROR_OPERATING_SYSTEM;
+    }
     if (atomic_load(&sim_drv.initialized))
         return CUDA_SUCCESS;
     CUresult rc = CUDA_SUCCESS;
