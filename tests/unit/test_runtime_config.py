@@ -17,10 +17,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cgpud.cli.main import main
-from cgpud.errors import CgpuError, UsageError
+from cgpud.cli import containerd_config as cc
 from cgpud.cli import runtime_configure as rc
+from cgpud.cli.main import main
 from cgpud.cli.runtime_configure import Engine, RuntimeSpec
+from cgpud.errors import CgpuError, UsageError
 
 CONTAINERD = shutil.which("containerd") or "/usr/bin/containerd"
 CRI = "io.containerd.grpc.v1.cri"
@@ -96,7 +97,7 @@ def test_containerd_loads_the_runtime_and_keeps_every_setting(tmp_path, shim):
     config.write_text(original)
     before = containerd_dump(config)
 
-    out = configure(Engine.CONTAINERD, config, shim, major=rc.containerd_major_version(CONTAINERD))
+    out = configure(Engine.CONTAINERD, config, shim, major=cc.containerd_major_version(CONTAINERD))
     assert f"created {config.parent}/conf.d/cgpu.toml" in out
     assert 'restart containerd (systemctl restart containerd) to load the runtime "cgpu"' in out
 
@@ -215,8 +216,8 @@ def test_containerd_version1_config_through_the_real_parser(tmp_path, shim):
 
 def test_installed_containerd_version_is_read():
     need_containerd()
-    assert isinstance(rc.containerd_major_version(CONTAINERD), int)
-    assert rc.containerd_major_version("no-such-containerd-binary") is None
+    assert isinstance(cc.containerd_major_version(CONTAINERD), int)
+    assert cc.containerd_major_version("no-such-containerd-binary") is None
 
 
 # ---------------------------------------------------------------- containerd, files
@@ -257,7 +258,7 @@ def test_containerd_missing_config_gets_a_minimal_one(tmp_path, shim):
         "cgpu": {"runtime_type": "io.containerd.runc.v2", "options": {"BinaryName": str(shim)}},
     }
     # containerd 2.x's default config is version 3.
-    changes = rc.containerd_changes(config, None, None, spec(shim), containerd_major=2)
+    changes = cc.containerd_changes(config, None, None, spec(shim), containerd_major=2)
     assert changes[1].new.startswith("version = 3\n")
 
 
@@ -273,7 +274,7 @@ def test_containerd_keeps_file_mode_and_dropin_is_no_more_readable(tmp_path, shi
 
 def test_containerd_version3_and_version1_plugin_names(tmp_path, shim):
     config = tmp_path / "config.toml"
-    v3 = rc.containerd_changes(config, "version = 3\n", None, spec(shim, set_as_default=True), containerd_major=2)
+    v3 = cc.containerd_changes(config, "version = 3\n", None, spec(shim, set_as_default=True), containerd_major=2)
     doc = tomllib.loads(v3[0].new)
     # containerd 2.x merges plugin sections key by key: the drop-in holds only ours.
     assert doc == {"version": 3, "plugins": {"io.containerd.cri.v1.runtime": {"containerd": {
@@ -282,20 +283,20 @@ def test_containerd_version3_and_version1_plugin_names(tmp_path, shim):
     }}}}
     assert '[plugins."io.containerd.cri.v1.runtime".containerd.runtimes.cgpu.options]' in v3[0].new
 
-    v1 = rc.containerd_changes(config, "oom_score = 0\n", None, spec(shim), containerd_major=1)
+    v1 = cc.containerd_changes(config, "oom_score = 0\n", None, spec(shim), containerd_major=1)
     doc = tomllib.loads(v1[0].new)
     assert doc["version"] == 1
     assert doc["plugins"]["cri"]["containerd"]["runtimes"]["cgpu"]["options"]["BinaryName"] == str(shim)
     assert "[plugins.cri.containerd.runtimes.cgpu]" in v1[0].new
 
-    v2 = rc.containerd_changes(config, "version = 2\n", None, spec(shim), containerd_major=2)
+    v2 = cc.containerd_changes(config, "version = 2\n", None, spec(shim), containerd_major=2)
     assert tomllib.loads(v2[0].new)["plugins"][CRI] == {"containerd": {"runtimes": {"cgpu": {
         "runtime_type": "io.containerd.runc.v2", "options": {"BinaryName": str(shim)}}}}}
 
     with pytest.raises(UsageError, match="version 3, which the installed containerd 1.x cannot read"):
-        rc.containerd_changes(config, "version = 3\n", None, spec(shim), containerd_major=1)
+        cc.containerd_changes(config, "version = 3\n", None, spec(shim), containerd_major=1)
     with pytest.raises(UsageError, match=r"version = 7 is not a containerd config version"):
-        rc.containerd_changes(config, "version = 7\n", None, spec(shim), containerd_major=1)
+        cc.containerd_changes(config, "version = 7\n", None, spec(shim), containerd_major=1)
 
 
 def test_containerd_bad_toml_changes_nothing(tmp_path, shim):
@@ -322,10 +323,10 @@ def test_containerd_dry_run_writes_nothing_and_prints_the_diff(tmp_path, shim):
 def test_containerd_existing_import_is_respected(tmp_path, shim):
     config = tmp_path / "config.toml"
     text = 'version = 2\nimports = ["conf.d/*.toml"]  # relative to this file\n'
-    changes = rc.containerd_changes(config, text, None, spec(shim), containerd_major=1)
+    changes = cc.containerd_changes(config, text, None, spec(shim), containerd_major=1)
     assert changes[1].new == text
     exact = f'version = 2\nimports = ["{tmp_path}/conf.d/cgpu.toml"]\n'
-    assert rc.containerd_changes(config, exact, None, spec(shim), containerd_major=1)[1].new == exact
+    assert cc.containerd_changes(config, exact, None, spec(shim), containerd_major=1)[1].new == exact
 
 
 def test_containerd_with_cri_disabled_is_configured_with_a_warning(tmp_path, shim):
@@ -360,20 +361,20 @@ def test_containerd_with_cri_disabled_is_configured_with_a_warning(tmp_path, shi
 ])
 def test_imports_edit_is_minimal(before, after):
     """tomlkit edits in place: the file's comments and key order stay."""
-    assert rc.add_import(Path("/c/config.toml"), before, "/x/*.toml", covers=Path("/x/cgpu.toml")) == after
+    assert cc.add_import(Path("/c/config.toml"), before, "/x/*.toml", covers=Path("/x/cgpu.toml")) == after
 
 
 def test_imports_after_a_comment_without_a_comma_are_rewritten_readably():
     """tomlkit would append without the comma; the array is written anew."""
     before = 'version = 2 # v\nimports = [\n  "/a.toml"\n  # no trailing comma\n]\n'
-    after = rc.add_import(Path("/c/config.toml"), before, "/x/*.toml", covers=Path("/x/cgpu.toml"))
+    after = cc.add_import(Path("/c/config.toml"), before, "/x/*.toml", covers=Path("/x/cgpu.toml"))
     assert tomllib.loads(after) == {"version": 2, "imports": ["/a.toml", "/x/*.toml"]}
     assert after.startswith("version = 2 # v\n")
 
 
 def test_imports_that_are_not_strings_are_refused():
     with pytest.raises(UsageError, match="imports is not an array of strings"):
-        rc.add_import(Path("/c/config.toml"), "imports = [1]\n", "/x/*.toml", covers=Path("/x/cgpu.toml"))
+        cc.add_import(Path("/c/config.toml"), "imports = [1]\n", "/x/*.toml", covers=Path("/x/cgpu.toml"))
 
 
 # ---------------------------------------------------------------- TOML writer
@@ -393,7 +394,7 @@ _values = st.recursive(
 @settings(max_examples=300, deadline=None)
 @given(st.dictionaries(_keys, _values, max_size=5))
 def test_toml_writer_reads_back(doc):
-    assert tomllib.loads(rc.dump_toml(doc)) == doc
+    assert tomllib.loads(cc.dump_toml(doc)) == doc
 
 
 # ---------------------------------------------------------------- docker
