@@ -242,7 +242,7 @@ def add_import(config: Path, text: str, entry: str, covers: Path) -> str:
     new = _with_import(text, entry, rewrite=False)
     if _reads_as(new, wanted):
         return new
-    # tomlkit 0.13 appends to a multi-line array ending in a comment without
+    # tomlkit (0.15.2 still) appends to a multi-line array ending in a comment without
     # the comma it needs; writing the array anew loses only comments inside it.
     log.warning("runtime_configure.imports_rewritten", config=str(config))
     new = _with_import(text, entry, rewrite=True)
