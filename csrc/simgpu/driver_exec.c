@@ -604,14 +604,22 @@ SIM_EXPORT CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfuncti
 
 /* ---- the deprecated execution-control API ---------------------------------------- */
 
-SIM_EXPORT CUresult cuFuncSetBlockShape(CUfunction hfunc, int x, int y, int z)
+/* The function a deprecated call names, once the driver is initialised. */
+static CUresult legacy_function(CUfunction h, struct sim_function **fn)
 {
     CUresult rc = sim_check_init();
     if (rc)
         return rc;
-    struct sim_function *fn = function_of(hfunc);
-    if (!fn)
-        return CUDA_ERROR_INVALID_HANDLE;
+    *fn = function_of(h);
+    return *fn ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+SIM_EXPORT CUresult cuFuncSetBlockShape(CUfunction hfunc, int x, int y, int z)
+{
+    struct sim_function *fn;
+    CUresult rc = legacy_function(hfunc, &fn);
+    if (rc)
+        return rc;
     if (x <= 0 || y <= 0 || z <= 0)
         return CUDA_ERROR_INVALID_VALUE;
     fn->legacy.block[0] = (unsigned)x;
@@ -622,24 +630,20 @@ SIM_EXPORT CUresult cuFuncSetBlockShape(CUfunction hfunc, int x, int y, int z)
 
 SIM_EXPORT CUresult cuFuncSetSharedSize(CUfunction hfunc, unsigned int bytes)
 {
-    CUresult rc = sim_check_init();
+    struct sim_function *fn;
+    CUresult rc = legacy_function(hfunc, &fn);
     if (rc)
         return rc;
-    struct sim_function *fn = function_of(hfunc);
-    if (!fn)
-        return CUDA_ERROR_INVALID_HANDLE;
     fn->legacy.shared_bytes = bytes;
     return CUDA_SUCCESS;
 }
 
 SIM_EXPORT CUresult cuParamSetSize(CUfunction hfunc, unsigned int numbytes)
 {
-    CUresult rc = sim_check_init();
+    struct sim_function *fn;
+    CUresult rc = legacy_function(hfunc, &fn);
     if (rc)
         return rc;
-    struct sim_function *fn = function_of(hfunc);
-    if (!fn)
-        return CUDA_ERROR_INVALID_HANDLE;
     if (numbytes > SIM_LEGACY_PARAM_MAX)
         return CUDA_ERROR_INVALID_VALUE;
     fn->legacy.param_size = numbytes;
@@ -648,12 +652,10 @@ SIM_EXPORT CUresult cuParamSetSize(CUfunction hfunc, unsigned int numbytes)
 
 SIM_EXPORT CUresult cuParamSetv(CUfunction hfunc, int offset, void *ptr, unsigned int numbytes)
 {
-    CUresult rc = sim_check_init();
+    struct sim_function *fn;
+    CUresult rc = legacy_function(hfunc, &fn);
     if (rc)
         return rc;
-    struct sim_function *fn = function_of(hfunc);
-    if (!fn)
-        return CUDA_ERROR_INVALID_HANDLE;
     if (offset < 0 || !ptr || numbytes > SIM_LEGACY_PARAM_MAX ||
         (unsigned)offset > SIM_LEGACY_PARAM_MAX - numbytes)
         return CUDA_ERROR_INVALID_VALUE;
@@ -675,12 +677,10 @@ SIM_EXPORT CUresult cuParamSetf(CUfunction hfunc, int offset, float value)
  * with the parameter buffer cuParamSet* filled, on the NULL stream. */
 static CUresult launch_legacy(CUfunction f, int grid_width, int grid_height, CUstream h)
 {
-    CUresult rc = sim_check_init();
+    struct sim_function *fn;
+    CUresult rc = legacy_function(f, &fn);
     if (rc)
         return rc;
-    struct sim_function *fn = function_of(f);
-    if (!fn)
-        return CUDA_ERROR_INVALID_HANDLE;
     if (grid_width <= 0 || grid_height <= 0)
         return CUDA_ERROR_INVALID_VALUE;
     if (fn->timed && fn->legacy.param_size < sizeof(uint64_t))
