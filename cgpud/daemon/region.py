@@ -232,34 +232,35 @@ def _read_bounded(path: Path, size: int) -> tuple[bytes, int]:
         os.close(fd)
 
 
-def _file_problem(path: Path, check: Any, ctype: str) -> str | None:
-    """Why an existing region file cannot be kept, or None if it can."""
-    size = ffi.sizeof(ctype)
+def _read_sized(path: Path, read: int, size: int) -> bytes | str:
+    """The first `read` bytes of a region file that is exactly `size` bytes
+    long, or why it cannot be kept."""
     try:
-        data, file_size = _read_bounded(path, size)
+        data, file_size = _read_bounded(path, read)
     except FileNotFoundError:
         return "missing"
     except (OSError, RegionError) as e:
         return str(e)
     if file_size != size:
         return f"{path} is {file_size} bytes, not {size}"
-    return _check_struct(check, ctype, data)
+    return data
+
+
+def _file_problem(path: Path, check: Any, ctype: str) -> str | None:
+    """Why an existing region file cannot be kept, or None if it can."""
+    size = ffi.sizeof(ctype)
+    data = _read_sized(path, size, size)
+    return data if isinstance(data, str) else _check_struct(check, ctype, data)
 
 
 def usage_problem(directory: Path) -> str | None:
     """Why the instance's usage file is unusable, or None if it is sound.
     Reads its size and its header only: the sweep asks this of every
     instance each round."""
-    path = Path(directory) / USAGE_FILE
     size = ffi.sizeof("struct cgpu_usage")
-    try:
-        head, file_size = _read_bounded(path, _HEADER)
-    except FileNotFoundError:
-        return "missing"
-    except (OSError, RegionError) as e:
-        return str(e)
-    if file_size != size:
-        return f"{path} is {file_size} bytes, not {size}"
+    head = _read_sized(Path(directory) / USAGE_FILE, _HEADER, size)
+    if isinstance(head, str):
+        return head
     if head == _USAGE_HEADER:
         return None
     return _check_struct(lib.cgpu_usage_check, "struct cgpu_usage", head + bytes(size - _HEADER))
