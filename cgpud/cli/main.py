@@ -122,7 +122,7 @@ def _release(args: argparse.Namespace) -> int:
 
 def _cdi_generate(args: argparse.Namespace) -> int:
     from cgpud.cli.client import LocalClient
-    from cgpud.hook import cdi
+    from cgpud.containers import cdi
 
     target = cdi.check_output(Path(args.output)) if args.output else None
     with LocalClient(_socket(args)) as client:

@@ -13,7 +13,7 @@ from pathlib import Path
 from cgpud.cli.client import LocalClient
 from cgpud.daemon.model import Instance, Owner, OwnerKind, Request
 from cgpud.errors import UsageError
-from cgpud.hook.edits import application_env
+from cgpud.containers.edits import application_env
 from cgpud.native import native_path
 
 

@@ -57,10 +57,10 @@ def run(config: settings.DaemonConfig) -> int:
     # Imported here: the API pulls in grpc, which --inventory does not need.
     from cgpud.api.server import serve
     from cgpud.daemon.notify import Notifier, start_watchdog
-    from cgpud.hook import cdi
-    from cgpud.hook.lifecycle import ContainerLifecycle
-    from cgpud.hook.relay import RelayServer
-    from cgpud.hook.runtime_files import install_runtime_files
+    from cgpud.containers import cdi
+    from cgpud.containers.lifecycle import ContainerLifecycle
+    from cgpud.containers.relay import RelayServer
+    from cgpud.containers.runtime_files import install_runtime_files
 
     log = structlog.get_logger("cgpud")
     inventory = read_inventory()

@@ -139,7 +139,7 @@ class InstanceService:
 
     def bind_container(self, instance_id: str, container: str, pid: int) -> Instance:
         """Bind to a container's init process; `container` is its key
-        (cgpud.hook.identity). A container's own instance only to that
+        (cgpud.containers.identity). A container's own instance only to that
         container; a reserved (claimed) one only while free, and it records
         who holds it."""
         with self._lock:

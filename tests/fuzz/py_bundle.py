@@ -1,5 +1,5 @@
 """atheris target: a bundle's config.json through everything cgpud does with
-it at `prepare` (cgpud/hook/bundle.py, request.py, edits.py): read the spec,
+it at `prepare` (cgpud/containers/bundle.py, request.py, edits.py): read the spec,
 read its GPU request, check the mount targets in a real rootfs and the
 spec's own volumes, apply the edits, write the spec back.
 
@@ -30,10 +30,10 @@ from pathlib import Path
 
 import atheris
 
-with atheris.instrument_imports(include=["cgpud.hook"]):
-    from cgpud.hook.bundle import check_targets, check_volumes, read_spec, rootfs_path, write_spec
-    from cgpud.hook.edits import RuntimeFiles, apply_edits, instance_edits
-    from cgpud.hook.request import Claim, read_request
+with atheris.instrument_imports(include=["cgpud.containers"]):
+    from cgpud.containers.bundle import check_targets, check_volumes, read_spec, rootfs_path, write_spec
+    from cgpud.containers.edits import RuntimeFiles, apply_edits, instance_edits
+    from cgpud.containers.request import Claim, read_request
 
 from cgpud.daemon.model import GIB, Grant, Instance, InstanceState, Owner, OwnerKind
 from cgpud.errors import CgpuError

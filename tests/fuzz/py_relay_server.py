@@ -1,4 +1,4 @@
-"""atheris target: cgpud's relay server from the wire in (cgpud/hook/relay.py
+"""atheris target: cgpud's relay server from the wire in (cgpud/containers/relay.py
 reading a request off a real socket, handle() dispatching it, and the
 lifecycle it reaches: the container key, the bundle's config.json, the OCI
 state JSON of the hooks), over a real InstanceService on SQLite in a
@@ -25,10 +25,10 @@ from pathlib import Path
 
 import atheris
 
-with atheris.instrument_imports(include=["cgpud.hook"]):
-    from cgpud.hook import relay
-    from cgpud.hook.edits import RuntimeFiles
-    from cgpud.hook.lifecycle import ContainerLifecycle
+with atheris.instrument_imports(include=["cgpud.containers"]):
+    from cgpud.containers import relay
+    from cgpud.containers.edits import RuntimeFiles
+    from cgpud.containers.lifecycle import ContainerLifecycle
 
 from cgpud.daemon.model import GIB, GpuCapacity, InstanceState, NodePolicy, Owner, OwnerKind, Request
 from cgpud.daemon.service import InstanceService

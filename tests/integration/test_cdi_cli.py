@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from cgpud.daemon.model import GIB
-from cgpud.hook.edits import CONTAINER_LIBRARY, PRELOAD
-from cgpud.hook.request import CONTAINER_REGION
+from cgpud.containers.edits import CONTAINER_LIBRARY, PRELOAD
+from cgpud.containers.request import CONTAINER_REGION
 
 
 def listed(daemon) -> str:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from cgpud.errors import UsageError
-from cgpud.hook.bundle import check_targets, check_volumes, read_spec, rootfs_path, write_spec
+from cgpud.containers.bundle import check_targets, check_volumes, read_spec, rootfs_path, write_spec
 
 TARGETS = ["/run/cgpu", "/usr/local/cgpu/libcgpu.so", "/etc/ld.so.preload"]
 

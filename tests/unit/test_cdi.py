@@ -33,8 +33,8 @@ from cgpud.daemon.model import (
 from cgpud.daemon.service import InstanceService
 from cgpud.daemon.store import Store
 from cgpud.errors import CgpuError, StateError, UsageError
-from cgpud.hook import cdi
-from cgpud.hook.edits import (
+from cgpud.containers import cdi
+from cgpud.containers.edits import (
     CONTAINER_LIBRARY,
     HOOK_ENV,
     HOOK_TIMEOUT,
@@ -45,7 +45,7 @@ from cgpud.hook.edits import (
     RuntimeFiles,
     instance_edits,
 )
-from cgpud.hook.request import CONTAINER_REGION
+from cgpud.containers.request import CONTAINER_REGION
 
 REGIONS = Path("/var/lib/cgpud/instances")
 FILES = RuntimeFiles(Path("/var/lib/cgpud/runtime/libcgpu.so"), Path("/var/lib/cgpud/runtime/ld.so.preload"),

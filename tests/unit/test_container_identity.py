@@ -13,9 +13,9 @@ from cgpud.daemon.model import GIB, GpuCapacity, InstanceState, NodePolicy, Owne
 from cgpud.daemon.service import InstanceService
 from cgpud.daemon.store import Store
 from cgpud.errors import StateError, UsageError
-from cgpud.hook.edits import RuntimeFiles
-from cgpud.hook.identity import ContainerKey, container_key
-from cgpud.hook.lifecycle import ContainerLifecycle
+from cgpud.containers.edits import RuntimeFiles
+from cgpud.containers.identity import ContainerKey, container_key
+from cgpud.containers.lifecycle import ContainerLifecycle
 
 GPUS = (GpuCapacity(0, "GPU-aaaa", 16 * GIB),)
 
@@ -129,8 +129,8 @@ def test_a_linked_volume_is_refused_and_leaves_nothing(tmp_path: Path) -> None:
 
 
 def test_the_createruntime_check_looks_where_the_edits_mount(tmp_path: Path) -> None:
-    from cgpud.hook.edits import instance_edits
-    from cgpud.hook.lifecycle import ENFORCED_TARGETS
+    from cgpud.containers.edits import instance_edits
+    from cgpud.containers.lifecycle import ENFORCED_TARGETS
     lc, svc = lifecycle(tmp_path)
     inst = svc.create(Request(Owner(OwnerKind.DEVICE, "d"), GIB))
     rt = tmp_path / "rt"

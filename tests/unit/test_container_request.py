@@ -9,8 +9,8 @@ import pytest
 
 from cgpud.daemon.model import GIB, Grant, Instance, InstanceState, Owner, OwnerKind
 from cgpud.errors import UsageError
-from cgpud.hook.edits import CONTAINER_LIBRARY, PRELOAD, RuntimeFiles, apply_edits, instance_edits
-from cgpud.hook.request import Claim, EnvRequest, read_request
+from cgpud.containers.edits import CONTAINER_LIBRARY, PRELOAD, RuntimeFiles, apply_edits, instance_edits
+from cgpud.containers.request import Claim, EnvRequest, read_request
 
 REGIONS = Path("/var/lib/cgpud/instances")
 FILES = RuntimeFiles(Path("/var/lib/cgpud/runtime/libcgpu.so"), Path("/var/lib/cgpud/runtime/ld.so.preload"),

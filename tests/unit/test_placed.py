@@ -7,7 +7,7 @@ import os
 import pytest
 
 from cgpud.errors import UsageError
-from cgpud.hook.placed import MountPoint, check_placed, parse_mountinfo, read_mountinfo
+from cgpud.containers.placed import MountPoint, check_placed, parse_mountinfo, read_mountinfo
 
 ROOT = "/b/root fs"
 TARGETS = ("/run/cgpu", "/run/cgpu/usage", "/usr/local/cgpu/libcgpu.so", "/etc/ld.so.preload")

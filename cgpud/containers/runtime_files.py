@@ -12,7 +12,7 @@ from pathlib import Path
 
 from cgpud.atomicfile import write_atomic
 from cgpud.errors import CgpuError
-from cgpud.hook.edits import CONTAINER_LIBRARY, RuntimeFiles
+from cgpud.containers.edits import CONTAINER_LIBRARY, RuntimeFiles
 from cgpud.native import native_path
 
 

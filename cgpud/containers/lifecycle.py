@@ -26,12 +26,12 @@ import structlog
 from cgpud.daemon.model import GIB, Instance, InstanceState, Owner, OwnerKind, Request
 from cgpud.daemon.service import InstanceService
 from cgpud.errors import StateError, UsageError
-from cgpud.hook.bundle import check_targets, check_volumes, read_spec, rootfs_path, write_spec
-from cgpud.hook.edits import (BIND_STAGE, CONTAINER_LIBRARY, PRELOAD, RELEASE_STAGE, RuntimeFiles, apply_edits,
+from cgpud.containers.bundle import check_targets, check_volumes, read_spec, rootfs_path, write_spec
+from cgpud.containers.edits import (BIND_STAGE, CONTAINER_LIBRARY, PRELOAD, RELEASE_STAGE, RuntimeFiles, apply_edits,
                               instance_edits)
-from cgpud.hook.placed import check_placed, read_mountinfo
-from cgpud.hook.identity import ContainerKey, container_key
-from cgpud.hook.request import CONTAINER_REGION, Claim, EnvRequest, read_request
+from cgpud.containers.placed import check_placed, read_mountinfo
+from cgpud.containers.identity import ContainerKey, container_key
+from cgpud.containers.request import CONTAINER_REGION, Claim, EnvRequest, read_request
 
 BIND_STAGES = (BIND_STAGE, "prestart")
 # Where instance_edits mounts for an enforced instance.

@@ -17,7 +17,7 @@ from typing import Any
 
 from cgpud.daemon.model import GIB, Instance
 from cgpud.errors import UsageError
-from cgpud.hook.request import CONTAINER_REGION, ENV_CORE
+from cgpud.containers.request import CONTAINER_REGION, ENV_CORE
 
 CONTAINER_LIBRARY = "/usr/local/cgpu/libcgpu.so"
 PRELOAD = "/etc/ld.so.preload"

@@ -25,7 +25,7 @@ from pathlib import Path
 import structlog
 
 from cgpud.errors import CgpuError, UsageError
-from cgpud.hook.lifecycle import ContainerLifecycle
+from cgpud.containers.lifecycle import ContainerLifecycle
 from cgpud.sockets import prepare_socket_directory, remove_stale_socket
 
 MAX_REQUEST = 1 << 20

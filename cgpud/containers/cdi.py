@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from cgpud.atomicfile import write_atomic
 from cgpud.daemon.model import OwnerKind
 from cgpud.errors import CgpuError, StateError, UsageError
-from cgpud.hook.edits import ContainerEdits, Mount, RuntimeFiles, instance_edits
+from cgpud.containers.edits import ContainerEdits, Mount, RuntimeFiles, instance_edits
 
 if TYPE_CHECKING:  # cgpuctl imports this module for write_spec; it needs no service
     from cgpud.daemon.service import InstanceService

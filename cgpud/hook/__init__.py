@@ -1,1 +1,0 @@
-"""Server side of the container start path: OCI bundle edits, relay socket, CDI, runtime configuration."""
