@@ -46,10 +46,17 @@ UNBOUND_CONTAINER_GRACE = 120.0
 
 
 def pid_alive(pid: int, since: float) -> bool:
-    """The process exists and is the one we recorded, not a reused PID."""
+    """The process exists and is the one we recorded, not a reused PID.
+
+    A process cgpud may not inspect (proc mounted hidepid=1, an LSM) still
+    exists: taking it for dead would release a live instance's memory. Its
+    start time is unreadable, so a reused PID holds the instance until it exits.
+    """
     try:
         return psutil.Process(pid).create_time() <= since + 1.0
-    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+    except psutil.AccessDenied:
+        return True
+    except (psutil.NoSuchProcess, ValueError):
         return False
 
 
