@@ -29,6 +29,7 @@ BUSY_TIMEOUT for a writer to finish."""
 from __future__ import annotations
 
 import builtins
+import functools
 import json
 import os
 import secrets
@@ -41,9 +42,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import TracebackType
+from typing import Concatenate, ParamSpec, TypeVar
 
 from cgpud.daemon.model import ACTIVE_STATES, Grant, Instance, InstanceState, Owner, OwnerKind
 from cgpud.errors import CgpuError, NotFoundError, StateError, UsageError
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 SCHEMA_VERSION = 2
 SCHEMA_KEY = "schema_version"  # in `meta`; reserved, not a setting
@@ -359,6 +364,16 @@ class Transaction:
             raise CgpuError(f"instance {iid} in the state database is unreadable: {e}") from e
 
 
+def _one_call(method: Callable[Concatenate[Transaction, _P], _R], *,
+              write: bool) -> Callable[Concatenate[Store, _P], _R]:
+    """A Store method running one Transaction method in a transaction of its own."""
+    @functools.wraps(method)
+    def call(store: Store, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with store._transaction(write=write) as tx:
+            return method(tx, *args, **kwargs)
+    return call
+
+
 class Store:
     """The SQLite file holding cgpud's instance tables and run-time settings.
     See the module docstring for crash safety and thread-safety."""
@@ -549,38 +564,13 @@ class Store:
 
     # ------------------------------------------------- one-call transactions
 
-    def get(self, instance_id: str) -> Instance:
-        with self._transaction(write=False) as tx:
-            return tx.get(instance_id)
-
-    def list(self, include_released: bool = False) -> builtins.list[Instance]:
-        with self._transaction(write=False) as tx:
-            return tx.list(include_released)
-
-    def active(self) -> builtins.list[Instance]:
-        with self._transaction(write=False) as tx:
-            return tx.active()
-
-    def get_setting(self, key: str) -> str | None:
-        with self._transaction(write=False) as tx:
-            return tx.get_setting(key)
-
-    def insert(self, instance: Instance) -> Instance:
-        with self.transaction() as tx:
-            return tx.insert(instance)
-
-    def set_state(
-        self,
-        instance_id: str,
-        new_state: InstanceState,
-        *,
-        pids: Iterable[int] | None = None,
-        owner_id: str | None = None,
-        holder: str | None = None,
-        expect: InstanceState | Iterable[InstanceState] | None = None,
-    ) -> Instance:
-        with self.transaction() as tx:
-            return tx.set_state(instance_id, new_state, pids=pids, owner_id=owner_id, holder=holder, expect=expect)
+    get = _one_call(Transaction.get, write=False)
+    list = _one_call(Transaction.list, write=False)
+    active = _one_call(Transaction.active, write=False)
+    get_setting = _one_call(Transaction.get_setting, write=False)
+    insert = _one_call(Transaction.insert, write=True)
+    set_state = _one_call(Transaction.set_state, write=True)
+    purge_released = _one_call(Transaction.purge_released, write=True)
 
     def set_setting(self, key: str, value: str) -> None:
         with self._lock:
@@ -592,16 +582,4 @@ class Store:
             finally:
                 conn.execute("PRAGMA synchronous=NORMAL")
 
-    def purge_released(self, older_than: float) -> int:
-        with self.transaction() as tx:
-            return tx.purge_released(older_than)
-
-    # Docstrings of the one-call forms are those of Transaction's methods.
-    get.__doc__ = Transaction.get.__doc__
-    list.__doc__ = Transaction.list.__doc__
-    active.__doc__ = Transaction.active.__doc__
-    get_setting.__doc__ = Transaction.get_setting.__doc__
-    insert.__doc__ = Transaction.insert.__doc__
-    set_state.__doc__ = Transaction.set_state.__doc__
     set_setting.__doc__ = Transaction.set_setting.__doc__
-    purge_released.__doc__ = Transaction.purge_released.__doc__
