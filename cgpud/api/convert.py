@@ -26,6 +26,16 @@ def _enum(cls: type[E], value: str | int, field: str) -> E:
         raise UsageError(f"{field}: unknown value {value!r}; expected one of {allowed}") from None
 
 
+def _same(source: object, *names: str) -> dict[str, object]:
+    # Fields named alike on both sides, copied as they are.
+    return {name: getattr(source, name) for name in names}
+
+
+# Scalar fields an instance carries under one name in the model and the message.
+_INSTANCE_SCALARS = ("id", "state", "enforced", "weight", "priority", "boot_id", "created", "updated")
+_REQUEST_SCALARS = ("core_percent", "weight", "priority")
+
+
 # ---- owner, grant, instance ------------------------------------------------------
 
 
@@ -55,35 +65,23 @@ def grant_from_pb(msg: pb.Grant) -> model.Grant:
 def instance_to_pb(instance: model.Instance, region_dir: Path | None = None) -> pb.Instance:
     """`region_dir` is not part of the model (the service computes it), hence
     a separate argument; None for a released instance whose region is gone."""
+    scalars = _same(instance, *_INSTANCE_SCALARS) | {"state": instance.state.value}
     return pb.Instance(
-        id=instance.id,
         owner=owner_to_pb(instance.owner),
         grants=[grant_to_pb(g) for g in instance.grants],
-        state=instance.state.value,
-        enforced=instance.enforced,
-        weight=instance.weight,
-        priority=instance.priority,
         pids=list(instance.pids),
-        boot_id=instance.boot_id,
-        created=instance.created,
-        updated=instance.updated,
         region_dir=str(region_dir) if region_dir is not None else "",
+        **scalars,
     )
 
 
 def instance_from_pb(msg: pb.Instance) -> model.Instance:
+    scalars = _same(msg, *_INSTANCE_SCALARS) | {"state": _enum(model.InstanceState, msg.state, "instance.state")}
     return model.Instance(
-        id=msg.id,
         owner=owner_from_pb(msg.owner),
         grants=tuple(grant_from_pb(g) for g in msg.grants),
-        state=_enum(model.InstanceState, msg.state, "instance.state"),
-        enforced=msg.enforced,
-        weight=msg.weight,
-        priority=msg.priority,
         pids=tuple(msg.pids),
-        boot_id=msg.boot_id,
-        created=msg.created,
-        updated=msg.updated,
+        **scalars,  # type: ignore[arg-type]
     )
 
 
@@ -95,14 +93,8 @@ def region_dir_from_pb(msg: pb.Instance) -> Path | None:
 
 
 def request_to_pb(request: model.Request, pid: int | None = None) -> pb.CreateInstanceRequest:
-    msg = pb.CreateInstanceRequest(
-        owner=owner_to_pb(request.owner),
-        memory_bytes=request.memory,
-        gpu_count=request.gpu_count,
-        core_percent=request.core_percent,
-        weight=request.weight,
-        priority=request.priority,
-    )
+    msg = pb.CreateInstanceRequest(owner=owner_to_pb(request.owner), memory_bytes=request.memory,
+                                   gpu_count=request.gpu_count, **_same(request, *_REQUEST_SCALARS))
     if pid is not None:
         msg.pid = pid
     return msg
