@@ -16,13 +16,14 @@ from cgpud.cli import simulator
 from cgpud.daemon import config as settings
 from cgpud.daemon.model import ComputePolicy
 from cgpud.errors import CgpuError, UsageError
+from cgpud.units import parse_memory
 
 Handler = Callable[[argparse.Namespace], int]
 
 
 def _machine(args: argparse.Namespace) -> simulator.SimMachine:
     return simulator.SimMachine(
-        gpus=args.gpus, memory=simulator.parse_size(args.mem), name=args.name, sms=args.sms, nvlink=args.nvlink
+        gpus=args.gpus, memory=parse_memory(args.mem), name=args.name, sms=args.sms, nvlink=args.nvlink
     )
 
 
@@ -84,7 +85,6 @@ def _list(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from cgpud.cli import run
-    from cgpud.daemon.placement import parse_memory
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     return run.run(_socket(args), parse_memory(args.mem), args.gpus, args.core, command, weight=args.weight,
@@ -95,7 +95,6 @@ def _create(args: argparse.Namespace) -> int:
     from cgpud.cli import inspect
     from cgpud.cli.client import LocalClient
     from cgpud.daemon.model import Owner, OwnerKind, Request
-    from cgpud.daemon.placement import parse_memory
 
     # A random default name: each plain `create` is a new device. A given
     # --name makes create idempotent (the same name gets the same instance).
@@ -181,7 +180,8 @@ def _runtime_configure(args: argparse.Namespace) -> int:
 def _add_machine_options(p: argparse.ArgumentParser) -> None:
     d = simulator.SimMachine()
     p.add_argument("--gpus", type=int, default=d.gpus, help=f"number of GPUs (default {d.gpus})")
-    p.add_argument("--mem", default="80GiB", help="memory per GPU, e.g. 16GiB (default 80GiB)")
+    p.add_argument("--mem", default="80GiB",
+                   help="memory per GPU: 16 (GiB, like aliyun.com/gpu-mem), 16GiB, 512MiB (default 80GiB)")
     p.add_argument("--name", default=d.name, help=f"GPU model name (default {d.name!r})")
     p.add_argument("--sms", type=int, default=d.sms, help=f"streaming multiprocessors per GPU (default {d.sms})")
     p.add_argument("--nvlink", action="store_true", help="connect every GPU to every other by NVLink")

@@ -21,8 +21,8 @@ from cgpud.cli import simulator
 from cgpud.cli.client import LocalClient
 from cgpud.errors import CgpuError
 from cgpud.native import native_path
+from cgpud.units import GIB
 
-GIB = 1 << 30
 BIN = Path(sys.executable).parent
 
 

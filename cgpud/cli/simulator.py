@@ -5,25 +5,15 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from cgpud.errors import UsageError
 from cgpud.native import native_path
+from cgpud.units import GIB, MIB
 
-_SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|TiB)?$", re.IGNORECASE)
-_UNITS = {"b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 MAX_GPUS = 16  # SIM_MAX_GPUS in csrc/simgpu/simstate.h
-
-
-def parse_size(text: str) -> int:
-    """'16GiB' -> bytes; plain numbers are bytes."""
-    m = _SIZE.match(text.strip())
-    if not m:
-        raise UsageError(f"bad size {text!r}: use a number with B, KiB, MiB, GiB or TiB, e.g. 16GiB")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
 
 
 @dataclass(frozen=True)
@@ -31,7 +21,7 @@ class SimMachine:
     """A simulated machine: identical GPUs described by one config file."""
 
     gpus: int = 2
-    memory: int = 80 << 30
+    memory: int = 80 * GIB
     name: str = "NVIDIA H100 80GB HBM3"
     sms: int = 132
     nvlink: bool = False  # all GPUs linked to each other
@@ -39,7 +29,7 @@ class SimMachine:
     def validate(self) -> None:
         if not 1 <= self.gpus <= MAX_GPUS:
             raise UsageError(f"--gpus must be between 1 and {MAX_GPUS}, got {self.gpus}")
-        if self.memory < (1 << 20):
+        if self.memory < MIB:
             raise UsageError("--mem must be at least 1MiB")
         if self.sms < 1:
             raise UsageError("--sms must be at least 1")

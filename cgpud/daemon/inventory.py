@@ -9,9 +9,9 @@ from typing import Any, TypeVar
 import pynvml
 
 from cgpud.errors import GpuQueryError
+from cgpud.units import MIB
 
 T = TypeVar("T")
-GIB = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class Inventory:
         first = self.gpus[0]
         return {
             "aliyun.accelerator/nvidia_name": first.name.replace(" ", "-"),
-            "aliyun.accelerator/nvidia_mem": f"{first.memory_total // (1 << 20)}MiB",
+            "aliyun.accelerator/nvidia_mem": f"{first.memory_total // MIB}MiB",
             "aliyun.accelerator/nvidia_count": str(len(self.gpus)),
         }
 

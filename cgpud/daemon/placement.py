@@ -11,14 +11,10 @@ node has and what to change, in the words of ACK's resources and labels.
 """
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from fractions import Fraction
 
 from cgpud.daemon.model import (
-    GIB,
-    MIB,
     GpuCapacity,
     GpuUsage,
     Grant,
@@ -29,11 +25,10 @@ from cgpud.daemon.model import (
     Request,
 )
 from cgpud.errors import AdmissionError, UsageError
+from cgpud.units import format_memory
 
 # A GPU's whole compute, in the percent units of aliyun.com/gpu-core.percentage.
 _FULL_CORE = 100
-# Stored in SQLite INTEGER columns and in the region's 64-bit fields.
-_MAX_BYTES = (1 << 63) - 1
 
 
 # --------------------------------------------------------------------------
@@ -73,45 +68,6 @@ def gpu_usage(gpus: Sequence[GpuCapacity], active: Iterable[Instance]) -> tuple[
         GpuUsage(gpu=by_index[i], allocated=allocated[i], core_percent=cores[i], instances=counts[i])
         for i in sorted(by_index)
     )
-
-
-# --------------------------------------------------------------------------
-# Sizes
-
-
-_MEMORY = re.compile(r"^(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|TiB)?$", re.IGNORECASE)
-_UNITS = {"b": 1, "kib": 1 << 10, "mib": MIB, "gib": GIB, "tib": 1 << 40}
-
-
-def parse_memory(text: str) -> int:
-    """A GPU memory size in bytes. A bare number is GiB, as in ACK's
-    `aliyun.com/gpu-mem`; otherwise a number with B, KiB, MiB, GiB or TiB
-    ("512MiB", "1.5GiB", "1073741824B")."""
-    hint = "use whole GiB as in aliyun.com/gpu-mem (4) or a number with B, MiB or GiB (512MiB, 1.5GiB)"
-    m = _MEMORY.match(text.strip())
-    if not m:
-        raise UsageError(f"bad memory size {text!r}: {hint}")
-    unit = (m.group(2) or "gib").lower()
-    if unit == "b" and "." in m.group(1):
-        raise UsageError(f"bad memory size {text!r}: bytes come whole; {hint}")
-    # Fraction, not float: "1.5GiB" is exact and large byte counts keep
-    # every digit. A size that is not whole bytes ("1.1GiB") is rounded
-    # down, so a limit is never more than what was asked.
-    value = int(Fraction(m.group(1)) * _UNITS[unit])
-    if value > _MAX_BYTES:
-        raise UsageError(f"bad memory size {text!r}: it is larger than any GPU; {hint}")
-    return value
-
-
-def format_memory(size: int) -> str:
-    """Bytes as a person reads them: "4 GiB" when whole, else MiB with up to
-    two decimals ("1536 MiB", "0.5 MiB"); sizes too small for that in bytes."""
-    if size % GIB == 0:
-        return f"{size // GIB} GiB"
-    mib = f"{size / MIB:.2f}".rstrip("0").rstrip(".")
-    if mib in ("0", "-0"):
-        return f"{size} bytes"
-    return f"{mib} MiB"
 
 
 # --------------------------------------------------------------------------

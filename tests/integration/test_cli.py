@@ -66,7 +66,7 @@ def test_inventory_without_a_driver_says_what_to_fix(tmp_path):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["sim", "env", "--mem", "lots"], "bad size 'lots'"),
+        (["sim", "env", "--mem", "lots"], "bad memory size 'lots'"),
         (["sim", "env", "--gpus", "99"], "--gpus must be between 1 and 16"),
         (["sim", "demo", "--mem", "8GiB"], "use --mem 40GiB or more"),
     ],

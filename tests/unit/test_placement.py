@@ -24,7 +24,7 @@ from cgpud.daemon.model import (
     Placement,
     Request,
 )
-from cgpud.daemon.placement import admit, format_memory, gpu_usage, parse_memory
+from cgpud.daemon.placement import admit, gpu_usage
 from cgpud.errors import AdmissionError, UsageError
 
 OWNER = Owner(OwnerKind.CONTAINER, "c0ffee")
@@ -564,60 +564,6 @@ def test_gpu_usage_counts_an_instance_once_per_gpu_and_orders_by_index():
 def test_gpu_usage_refuses_two_gpus_with_one_index():
     with pytest.raises(ValueError, match="GPU index 0 is listed twice"):
         gpu_usage(node(15) + node(15), [])
-
-
-# --------------------------------------------------------------------------
-# Sizes
-
-
-@pytest.mark.parametrize(
-    ("text", "size"),
-    [
-        ("4", 4 * GIB),
-        ("0", 0),
-        ("4GiB", 4 * GIB),
-        ("4 gib", 4 * GIB),
-        ("512MiB", 512 * MIB),
-        ("1.5GiB", 3 * GIB // 2),
-        ("1073741824B", GIB),
-        (" 16 ", 16 * GIB),
-        ("1TiB", 1 << 40),
-        ("64KiB", 64 << 10),
-        ("1.1GiB", (11 * GIB) // 10),  # rounded down to whole bytes
-    ],
-)
-def test_memory_sizes(text, size):
-    assert parse_memory(text) == size
-
-
-@pytest.mark.parametrize("text", ["", "GiB", "-1", "4GB", "4 gigs", "1e3", "0x10", "1.5B", "4 GiB per GPU"])
-def test_bad_memory_sizes_say_what_is_accepted(text):
-    with pytest.raises(UsageError) as err:
-        parse_memory(text)
-    assert str(err.value).startswith(f"bad memory size {text!r}: ")
-    assert str(err.value).endswith(
-        "use whole GiB as in aliyun.com/gpu-mem (4) or a number with B, MiB or GiB (512MiB, 1.5GiB)"
-    )
-
-
-def test_absurd_memory_size_is_refused():
-    with pytest.raises(UsageError, match="larger than any GPU"):
-        parse_memory("99999999999TiB")
-
-
-@pytest.mark.parametrize(
-    ("size", "text"),
-    [
-        (4 * GIB, "4 GiB"),
-        (0, "0 GiB"),
-        (1536 * MIB, "1536 MiB"),
-        (MIB // 2, "0.5 MiB"),
-        (MIB + MIB // 3, "1.33 MiB"),
-        (1000, "1000 bytes"),
-    ],
-)
-def test_format_memory(size, text):
-    assert format_memory(size) == text
 
 
 # --------------------------------------------------------------------------

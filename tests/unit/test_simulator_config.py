@@ -1,24 +1,10 @@
-"""cgpuctl sim: sizes, the config it writes, and its one-line errors."""
+"""cgpuctl sim: the config it writes, and its one-line errors (sizes: test_units.py)."""
 from __future__ import annotations
 
 import pytest
 
-from cgpud.cli.simulator import SimMachine, parse_size
+from cgpud.cli.simulator import SimMachine
 from cgpud.errors import UsageError
-
-
-@pytest.mark.parametrize(
-    ("text", "size"),
-    [("16GiB", 16 << 30), ("512MiB", 512 << 20), ("1.5GiB", 3 << 29), ("4096", 4096), ("2 TiB", 2 << 40)],
-)
-def test_sizes(text, size):
-    assert parse_size(text) == size
-
-
-@pytest.mark.parametrize("text", ["", "GiB", "-1GiB", "16GB", "16 gigs", "1e3"])
-def test_bad_sizes_name_the_accepted_units(text):
-    with pytest.raises(UsageError, match="use a number with B, KiB, MiB, GiB or TiB"):
-        parse_size(text)
 
 
 def test_config_has_one_gpu_line_each_and_nvlink_peers():
