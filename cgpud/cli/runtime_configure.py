@@ -31,7 +31,6 @@ from cgpud.cli.containerd_config import (
 from cgpud.cli.docker_config import DOCKER_CONFIG, docker_changes
 from cgpud.errors import CgpuError, UsageError
 
-DEFAULT_NAME = "cgpu"
 BACKUP_SUFFIX = ".cgpu.bak"
 
 _NAME = re.compile(r"[a-z0-9_-]+")
