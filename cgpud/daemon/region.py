@@ -424,7 +424,7 @@ class UsageRegion:
 
     def __init__(self, directory: Path) -> None:
         self.path = Path(directory) / USAGE_FILE
-        self._lock = threading.Lock()  # claim and reap must be serialised (region.h)
+        self._lock = threading.Lock()  # claim and reap must be serialised (region_ops.h)
         self._claims: dict[int, int] = {}  # ledger index -> fd holding its lock
         size = ffi.sizeof("struct cgpu_usage")
         try:

@@ -12,7 +12,7 @@
 #include <unistd.h>
 
 #include "../region/path.h"
-#include "../region/region.h"
+#include "../region/region_ops.h"
 #include "libcgpu.h"
 
 struct cgpu_process g_cgpu = {

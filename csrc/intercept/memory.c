@@ -11,7 +11,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include "../region/region.h"
+#include "../region/region_ops.h"
 #include "libcgpu.h"
 
 /* ---- which instance device ------------------------------------------------------ */

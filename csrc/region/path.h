@@ -1,5 +1,5 @@
 /* Building a region file's path, shared by libcgpu.so and the scheduler
- * engine. Header-only: the cffi region module parses region.h as its cdef. */
+ * engine. Header-only: the cffi region module parses the region headers as its cdef. */
 #ifndef CGPU_REGION_PATH_H
 #define CGPU_REGION_PATH_H
 

@@ -1,5 +1,5 @@
 #define _GNU_SOURCE
-#include "region.h"
+#include "region_ops.h"
 
 #include <fcntl.h>
 #include <stdatomic.h>

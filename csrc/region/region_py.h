@@ -1,5 +1,5 @@
 /* Small operations on the usage region that cgpud needs through cffi and
- * region.h does not offer: atomic reads of the counters. Python cannot load
+ * region_ops.h does not offer: atomic reads of the counters. Python cannot load
  * shared memory atomically, so each read is one C call here.
  *
  * Ownership: the caller maps the usage file. Thread-safety: every function

@@ -28,7 +28,7 @@
 #include <unistd.h>
 
 #include "cgpu/region.h"
-#include "region.h"
+#include "region_ops.h"
 #include "scheduler.h"
 #include "engine.h"
 
