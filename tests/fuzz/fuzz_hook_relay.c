@@ -7,31 +7,14 @@
  * An argument "@S" stands for the server's socket path (fuzz_server.h: the
  * relay can reach no other socket). */
 #define _GNU_SOURCE
-#include <setjmp.h>
 #include <stdbool.h>
 #include <stdlib.h>
 #include <sys/mman.h>
 
-#include "fuzz_server.h"
-
-static jmp_buf g_exit_jump;
-static int g_exit_code;
-
 /* usage_error() exits; the harness takes the exit back instead. */
-static _Noreturn void fuzz_exit(int code)
-{
-    g_exit_code = code;
-    longjmp(g_exit_jump, 1);
-}
-
-#define exit(code) fuzz_exit(code)
-#define main cgpu_hook_main
-#include "hook/cgpu_hook.c"
-#undef main
-#undef exit
-#define connect fuzz_guarded_connect
-#include "hook/relay.c"
-#undef connect
+#define FUZZ_RELAY_SOURCE "hook/cgpu_hook.c"
+#define FUZZ_RELAY_MAIN cgpu_hook_main
+#include "fuzz_relay_main.h"
 
 static const char *const ANSWERS[] = {"ok\n", "ok bound cgpu-0000aaaa\n", "error instance is released\n", "",
                                       "error\n", "okay\n", "ok"};

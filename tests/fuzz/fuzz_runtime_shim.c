@@ -10,29 +10,12 @@
  * Input: [part][part's fields]. The shim's main() is renamed away, and its
  * exit() comes back to the harness. */
 #define _GNU_SOURCE
-#include <setjmp.h>
 #include <stdbool.h>
 #include <stdlib.h>
 
-#include "fuzz_server.h"
-
-static jmp_buf g_exit_jump;
-static int g_exit_code;
-
-static _Noreturn void fuzz_exit(int code)
-{
-    g_exit_code = code;
-    longjmp(g_exit_jump, 1);
-}
-
-#define exit(code) fuzz_exit(code)
-#define main cgpu_runtime_main
-#include "hook/cgpu_runtime.c"
-#undef main
-#undef exit
-#define connect fuzz_guarded_connect
-#include "hook/relay.c"
-#undef connect
+#define FUZZ_RELAY_SOURCE "hook/cgpu_runtime.c"
+#define FUZZ_RELAY_MAIN cgpu_runtime_main
+#include "fuzz_relay_main.h"
 
 enum { PART_SCAN, PART_ARGS, PART_ESCAPE, PART_PREPARE, PART_COUNT };
 
@@ -106,23 +89,40 @@ static bool within(const char *p, char **argv, int argc)
     return false;
 }
 
-/* Arguments separated by NUL bytes, after argv[0]. */
-static void fuzz_args(struct fuzz_reader *r)
+/* runc's argv from the rest of the input: arguments separated by NUL
+ * bytes after argv[0], an argument "@B" standing for the bundle made here.
+ * The arguments point into copy: free it when done. */
+struct fuzz_argv {
+    char *copy;
+    char *argv[66];
+    int argc;
+};
+
+static void take_argv(struct fuzz_reader *r, struct fuzz_argv *a)
 {
     const uint8_t *blob;
     size_t n = fuzz_take(r, r->left, &blob);
-    char *copy = malloc(n + 1);
-    CHECK(copy);
-    memcpy(copy, blob, n);
-    copy[n] = '\0';
-    char *argv[66] = {"cgpu-runtime"};
-    int argc = 1;
-    for (size_t i = 0; i < n && argc < 64; argc++) {
-        argv[argc] = copy + i;
-        i += strlen(copy + i) + 1;
+    a->copy = malloc(n + 1);
+    CHECK(a->copy);
+    memcpy(a->copy, blob, n);
+    a->copy[n] = '\0';
+    a->argv[0] = "cgpu-runtime";
+    a->argc = 1;
+    for (size_t i = 0; i < n && a->argc < 64; a->argc++) {
+        char *arg = a->copy + i;
+        a->argv[a->argc] = strcmp(arg, "@B") == 0 ? g_bundle : arg;
+        i += strlen(arg) + 1;
     }
-    argv[argc] = NULL;
+    a->argv[a->argc] = NULL;
     g_opts = (struct globals){0};
+}
+
+static void fuzz_args(struct fuzz_reader *r)
+{
+    struct fuzz_argv a;
+    take_argv(r, &a);
+    char **argv = a.argv;
+    int argc = a.argc;
     int cmd = parse_globals(argv);
     CHECK(cmd >= 1 && cmd <= argc);
     CHECK(!g_opts.log || within(g_opts.log, argv, argc));
@@ -136,7 +136,7 @@ static void fuzz_args(struct fuzz_reader *r)
             for (const char *c = id; *c; c++)
                 CHECK(*c > ' ' && *c <= '~');
     }
-    free(copy);
+    free(a.copy);
 }
 
 /* [dst size: 2][text]: the escaped text is a prefix of the full escape,
@@ -188,20 +188,9 @@ static void fuzz_prepare(struct fuzz_reader *r)
     write_config(fuzz_uint(r, 1) & 1 ? "{\"process\":{\"env\":[\"ALIYUN_COM_GPU_MEM_CONTAINER=2\"]}}"
                                      : "{\"process\":{\"env\":[\"PATH=/bin\"]}}");
     const char *answer = ANSWERS[fuzz_uint(r, 1) % (sizeof(ANSWERS) / sizeof(ANSWERS[0]))];
-    const uint8_t *blob;
-    size_t n = fuzz_take(r, r->left, &blob);
-    char *copy = malloc(n + 1);
-    CHECK(copy);
-    memcpy(copy, blob, n);
-    copy[n] = '\0';
-    char *argv[66] = {"cgpu-runtime"};
-    int argc = 1;
-    for (size_t i = 0; i < n && argc < 64; argc++) {
-        argv[argc] = strcmp(copy + i, "@B") == 0 ? g_bundle : copy + i;
-        i += strlen(copy + i) + 1;
-    }
-    argv[argc] = NULL;
-    g_opts = (struct globals){0};
+    struct fuzz_argv a;
+    take_argv(r, &a);
+    char **argv = a.argv;
     int cmd = parse_globals(argv);
     g_opts.log = NULL; /* die() appends to --log: never to a path from the input */
     if (argv[cmd] && (strcmp(argv[cmd], "create") == 0 || strcmp(argv[cmd], "run") == 0)) {
@@ -230,7 +219,7 @@ static void fuzz_prepare(struct fuzz_reader *r)
         else
             CHECK(!asked || ok); /* the container starts only on cgpud's ok */
     }
-    free(copy);
+    free(a.copy);
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
