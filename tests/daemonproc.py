@@ -7,6 +7,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,3 +83,14 @@ def make_daemon(tmp_path: Path, sim_env: dict[str, str], *extra: str) -> Daemon:
             "--config", str(tmp_path / "none.toml"), "--relay-socket", str(tmp_path / "run" / "relay.sock"), "--sweep-interval", "0.2", *extra]
     (tmp_path / "none.toml").write_text("")
     return Daemon(tmp_path / "run" / "cgpud.sock", tmp_path / "state", env, notify, args)
+
+
+@contextmanager
+def running_daemon(tmp_path: Path, sim_env: dict[str, str], *extra: str) -> Iterator[Daemon]:
+    """A started cgpud, stopped cleanly when the block ends however it ends."""
+    d = make_daemon(tmp_path, sim_env, *extra)
+    d.start()
+    try:
+        yield d
+    finally:
+        d.stop()

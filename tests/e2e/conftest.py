@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import write_sim_config
-from tests.daemonproc import Daemon, make_daemon
+from tests.daemonproc import Daemon, running_daemon
 from tests.e2e.oci import Host, build_rootfs, default_spec, require_tools
 
 
@@ -46,7 +46,5 @@ def host(tmp_path: Path, rootfs_template: Path, runc_spec: dict, gpu_env: dict[s
 
 @pytest.fixture
 def cgpud(tmp_path: Path, gpu_env: dict[str, str]) -> Iterator[Daemon]:
-    d = make_daemon(tmp_path, gpu_env)
-    d.start()
-    yield d
-    d.stop()
+    with running_daemon(tmp_path, gpu_env) as d:
+        yield d

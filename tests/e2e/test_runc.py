@@ -10,7 +10,7 @@ import pytest
 
 from cgpud.cli.client import LocalClient
 from cgpud.daemon.model import GIB, Owner, OwnerKind, Request
-from tests.daemonproc import Daemon, make_daemon
+from tests.daemonproc import Daemon, running_daemon
 from tests.e2e.oci import Host, create, run, runc
 
 BURN = "cgpu-burn --alloc-until-fail 512MiB"
@@ -131,9 +131,7 @@ def test_the_21st_instance_on_a_gpu_is_refused(tmp_path, host: Host, cgpud: Daem
 
 
 def test_33_percent_is_refused_on_a_core_mem_node(tmp_path, host: Host) -> None:
-    d = make_daemon(tmp_path, host.sim_env, "--mode", "core_mem")
-    d.start()
-    try:
+    with running_daemon(tmp_path, host.sim_env, "--mode", "core_mem") as d:
         b = host.bundle(tmp_path / "b", ["true"],
                         ("ALIYUN_COM_GPU_MEM_CONTAINER=1", "ALIYUN_COM_GPU_CORE_PERCENTAGE=33"))
         out = run(host, b, host.new_id(), shim=True, relay=d.relay)
@@ -145,14 +143,10 @@ def test_33_percent_is_refused_on_a_core_mem_node(tmp_path, host: Host) -> None:
         out = run(host, b, host.new_id(), shim=True, relay=d.relay)
         assert out.returncode == 0, out.stderr
         assert env_lines(out.stdout)["ALIYUN_COM_GPU_CORE_PERCENTAGE"] == "30"
-    finally:
-        d.stop()
 
 
 def test_share_mode_gives_env_but_no_library(tmp_path, host: Host) -> None:
-    d = make_daemon(tmp_path, host.sim_env, "--mode", "share")
-    d.start()
-    try:
+    with running_daemon(tmp_path, host.sim_env, "--mode", "share") as d:
         b = host.bundle(tmp_path / "b", ["sh", "-c", f"env; ls /run /usr/local; {BURN}"],
                         ("ALIYUN_COM_GPU_MEM_CONTAINER=2",))
         out = run(host, b, host.new_id(), shim=True, relay=d.relay)
@@ -162,14 +156,10 @@ def test_share_mode_gives_env_but_no_library(tmp_path, host: Host) -> None:
         # Not enforced: the application sees the whole GPU and divides by DEV itself.
         assert burn_json(out.stdout)["mem_total_reported"] == 16 * GIB
         assert instances(d) == []
-    finally:
-        d.stop()
 
 
 def test_kubernetes_mode_ignores_env_and_honours_the_device_plugin_channel(tmp_path, host: Host) -> None:
-    d = make_daemon(tmp_path, host.sim_env, "--orchestrator", "kubernetes")
-    d.start()
-    try:
+    with running_daemon(tmp_path, host.sim_env, "--orchestrator", "kubernetes") as d:
         # A pod spec's env is the pod author's: it asks for nothing here.
         b = host.bundle(tmp_path / "env", ["sh", "-c", BURN], ("ALIYUN_COM_GPU_MEM_CONTAINER=2",))
         out = run(host, b, host.new_id(), shim=True, relay=d.relay)
@@ -190,5 +180,3 @@ def test_kubernetes_mode_ignores_env_and_honours_the_device_plugin_channel(tmp_p
             assert burn_json(out.stdout)["alloc"]["until_fail_bytes"] == 2 * GIB
             [inst] = instances(d)
             assert inst["id"] == reserved.id and inst["state"] == "reserved"
-    finally:
-        d.stop()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from cgpud._region import ffi, lib
 from cgpud.native import native_path
-from tests.daemonproc import make_daemon
+from tests.daemonproc import make_daemon, running_daemon
 from tests.e2e.oci import Host, run, runtime_env
 from tests.e2e.test_runc import burn_json, instances
 from tests.integration.test_compute_failure import freeze_with_gate_closed
@@ -30,9 +30,7 @@ def _busy_percent(sampler: Sampler) -> float:
 
 
 def test_a_30_percent_container_alone_under_fixed_gets_30_percent(tmp_path: Path, host: Host) -> None:
-    d = make_daemon(tmp_path, host.sim_env, "--mode", "core_mem", "--compute-policy", "3")
-    d.start()
-    try:
+    with running_daemon(tmp_path, host.sim_env, "--mode", "core_mem", "--compute-policy", "3") as d:
         shares = {}
         for name, extra in (("core30", ("ALIYUN_COM_GPU_CORE_PERCENTAGE=30",)), ("memory-only", ())):
             b = host.bundle(tmp_path / name, ["sh", "-c", BURN], ("ALIYUN_COM_GPU_MEM_CONTAINER=2", *extra))
@@ -49,8 +47,6 @@ def test_a_30_percent_container_alone_under_fixed_gets_30_percent(tmp_path: Path
         # the unreserved rest, which is all of it.
         assert shares["memory-only"] >= 90, shares
         assert instances(d) == []
-    finally:
-        d.stop()
 
 
 def _grants_of_the_one_instance(state: Path, timeout: float = 60) -> Path:

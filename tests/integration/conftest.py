@@ -6,13 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemonproc import Daemon, make_daemon
+from tests.daemonproc import Daemon, running_daemon
 
 
 @pytest.fixture
 def daemon(tmp_path: Path, sim_env: dict[str, str]) -> Iterator[Daemon]:
     """A started cgpud on the test's simulated GPUs, stopped cleanly after."""
-    d = make_daemon(tmp_path, sim_env)
-    d.start()
-    yield d
-    d.stop()
+    with running_daemon(tmp_path, sim_env) as d:
+        yield d
