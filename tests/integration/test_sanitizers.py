@@ -7,7 +7,10 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -104,20 +107,37 @@ def _wait_for(what: str, predicate, timeout: float = 10.0) -> None:
         time.sleep(0.005)
 
 
+@contextmanager
+def _gated_burn(san_native: Path, env: dict[str, str], *args: str) -> Iterator[tuple[subprocess.Popen[str], Any]]:
+    """cgpu-burn started behind a closed gate, with a view of its grants for
+    the block to drive; then it must finish sanitizer-clean with no error."""
+    from tests.intercept.conftest import GATE_SEQ_STEP, GrantsView, grants_bytes, write_grants
+
+    region = Path(env["CGPU_REGION_DIR"])
+    write_grants(region, grants_bytes([GATE_SEQ_STEP]))
+    view = GrantsView(region)
+    proc = subprocess.Popen([str(san_native / "bin" / "cgpu-burn"), *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        yield proc, view
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        view.close()
+    assert "Sanitizer" not in err and "runtime error" not in err, err
+    assert proc.returncode == 0, err
+    assert json.loads(out)["errors"] == []
+
+
 @pytest.mark.parametrize("api", ["kernel", "graph", "grid-async"])
 def test_gated_launches_are_clean_under_sanitizers(san_native, san_instance, api):
     """A closed gate, an opening, a closing with a fence, a reopening: the
     waiting path, the fence watcher thread and the open path, sanitized."""
     from cgpud._region import lib
-    from tests.intercept.conftest import GATE_OPEN, GATE_SEQ_STEP, GrantsView, grants_bytes, write_grants
+    from tests.intercept.conftest import GATE_OPEN, GATE_SEQ_STEP
 
-    region = Path(san_instance["CGPU_REGION_DIR"])
-    write_grants(region, grants_bytes([GATE_SEQ_STEP]))
-    view = GrantsView(region)
-    cmd = [str(san_native / "bin" / "cgpu-burn"), f"--launch-api={api}", "--duration=1.5", "--kernel-ns=1000000",
-           "--per-thread-stream", "--streams=2"]
-    proc = subprocess.Popen(cmd, env=san_instance, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with _gated_burn(san_native, san_instance, f"--launch-api={api}", "--duration=1.5", "--kernel-ns=1000000",
+                     "--per-thread-stream", "--streams=2") as (proc, view):
         _wait_for("a launch waiting at the gate", lambda: view.waiting() >= 1)
         view.set_gate(0, 2 * GATE_SEQ_STEP | GATE_OPEN)
         _wait_for("launches", lambda: view.waiting() == 0)
@@ -125,26 +145,14 @@ def test_gated_launches_are_clean_under_sanitizers(san_native, san_instance, api
         view.set_gate(0, 3 * GATE_SEQ_STEP)
         _wait_for("the fence", lambda: view.fence_ack(proc.pid) == 3 * GATE_SEQ_STEP | lib.CGPU_ACK_LAUNCHED)
         view.set_gate(0, 4 * GATE_SEQ_STEP | GATE_OPEN)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-        view.close()
-    assert "Sanitizer" not in err and "runtime error" not in err, err
-    assert proc.returncode == 0, err
-    assert json.loads(out)["errors"] == []
 
 
 def test_a_gate_orphaned_by_a_dead_cgpud_is_clean_under_sanitizers(san_native, san_instance):
     """The bounded wait, the lock probe, launching past the orphaned gate and
     being gated again by a new gate word, sanitized."""
-    from tests.intercept.conftest import GATE_OPEN, GATE_SEQ_STEP, GrantsView, grants_bytes, write_grants
+    from tests.intercept.conftest import GATE_OPEN, GATE_SEQ_STEP
 
-    region = Path(san_instance["CGPU_REGION_DIR"])
-    write_grants(region, grants_bytes([GATE_SEQ_STEP]))
-    view = GrantsView(region)
-    cmd = [str(san_native / "bin" / "cgpu-burn"), "--duration=1.5", "--kernel-ns=100000", "--streams=2"]
-    proc = subprocess.Popen(cmd, env=san_instance, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with _gated_burn(san_native, san_instance, "--duration=1.5", "--kernel-ns=100000", "--streams=2") as (_, view):
         _wait_for("a launch waiting at the gate", lambda: view.waiting() >= 1)
         view.drive(False)
         _wait_for("launches past the orphaned gate", lambda: view.waiting() == 0)
@@ -152,10 +160,3 @@ def test_a_gate_orphaned_by_a_dead_cgpud_is_clean_under_sanitizers(san_native, s
         view.set_gate(0, 2 * GATE_SEQ_STEP)
         _wait_for("a launch waiting at the new gate", lambda: view.waiting() >= 1)
         view.set_gate(0, 3 * GATE_SEQ_STEP | GATE_OPEN)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-        view.close()
-    assert "Sanitizer" not in err and "runtime error" not in err, err
-    assert proc.returncode == 0, err
-    assert json.loads(out)["errors"] == []
