@@ -12,6 +12,8 @@ import json
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -180,6 +182,22 @@ def create(host: Host, bundle: Bundle, container_id: str, relay: Path, timeout: 
                                "--bundle", str(bundle.path), container_id], env=runtime_env(relay),
                               stdin=subprocess.DEVNULL, stdout=out, stderr=out, timeout=timeout)
     return proc.returncode, log.read_text()
+
+
+@contextmanager
+def shim_container(host: Host, bundle: Bundle, container_id: str, relay: Path, *, start: bool = True) -> Iterator[None]:
+    """A container created (and started) through the shim for the block;
+    killed and deleted through it after, however the block ends."""
+    code, log = create(host, bundle, container_id, relay)
+    assert code == 0, log
+    try:
+        if start:
+            assert runc(host, "start", container_id, shim=True, relay=relay).returncode == 0
+        yield
+    finally:
+        runc(host, "kill", container_id, "KILL", shim=True, relay=relay)
+        deleted = runc(host, "delete", "--force", container_id, shim=True, relay=relay)
+    assert deleted.returncode == 0, deleted.stderr
 
 
 def host_mounts() -> list[str]:

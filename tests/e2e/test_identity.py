@@ -16,7 +16,7 @@ import pytest
 from cgpud.cli.client import LocalClient
 from cgpud.daemon.model import GIB, Owner, OwnerKind, Request
 from tests.daemonproc import Daemon
-from tests.e2e.oci import HOOK_ENV_PATH, Host, create, host_mounts, run, runc
+from tests.e2e.oci import HOOK_ENV_PATH, Host, create, host_mounts, run, runc, shim_container
 from tests.e2e.test_containerd import Containerd, containerd, loaded_binary_name  # noqa: F401 (fixture)
 from tests.e2e.test_runc import instances
 
@@ -75,10 +75,7 @@ def test_a_poststop_of_a_container_that_holds_nothing_changes_nothing(tmp_path, 
                                       "source": str(cgpud.state / "instances" / reserved.id)})
         holder.write()
     hid = host.new_id()
-    code, log = create(host, holder, hid, cgpud.relay)
-    assert code == 0, log
-    try:
-        assert runc(host, "start", hid, shim=True, relay=cgpud.relay).returncode == 0
+    with shim_container(host, holder, hid, cgpud.relay):
         [inst] = instances(cgpud)
         assert inst["state"] == "bound"
         other = host.bundle(tmp_path / "other", ["true"], gpu_device=False)
@@ -89,9 +86,6 @@ def test_a_poststop_of_a_container_that_holds_nothing_changes_nothing(tmp_path, 
         assert out.returncode == 0 and "cgpu-hook" not in out.stderr, out.stderr
         [still] = instances(cgpud)
         assert (still["id"], still["state"], still["pids"]) == (inst["id"], "bound", inst["pids"])
-    finally:
-        runc(host, "kill", hid, "KILL", shim=True, relay=cgpud.relay)
-        runc(host, "delete", "--force", hid, shim=True, relay=cgpud.relay)
     # The holder's own poststop did hand it back (claimed) or release it (own).
     assert [i["state"] for i in instances(cgpud)] == (["reserved"] if owner == "claimed" else [])
 

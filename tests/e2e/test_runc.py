@@ -11,7 +11,7 @@ import pytest
 from cgpud.cli.client import LocalClient
 from cgpud.daemon.model import GIB, Owner, OwnerKind, Request
 from tests.daemonproc import Daemon, running_daemon
-from tests.e2e.oci import Host, create, run, runc
+from tests.e2e.oci import Host, run, runc, shim_container
 
 BURN = "cgpu-burn --alloc-until-fail 512MiB"
 
@@ -54,10 +54,7 @@ def test_2gib_container_sees_2gib_and_fails_past_it(tmp_path, host: Host, cgpud:
 def test_inspect_shows_the_instance_while_the_container_runs(tmp_path, host: Host, cgpud: Daemon) -> None:
     b = host.bundle(tmp_path / "b", ["sleep", "60"], ("ALIYUN_COM_GPU_MEM_CONTAINER=3",))
     cid = host.new_id()
-    code, log = create(host, b, cid, cgpud.relay)
-    assert code == 0, log
-    try:
-        assert runc(host, "start", cid, shim=True, relay=cgpud.relay).returncode == 0
+    with shim_container(host, b, cid, cgpud.relay):
         [inst] = instances(cgpud)
         assert inst["state"] == "bound"
         assert inst["owner"]["id"] == f"{cid}@{b.path}"  # (engine namespace: the bundle, id)
@@ -65,10 +62,6 @@ def test_inspect_shows_the_instance_while_the_container_runs(tmp_path, host: Hos
         assert inst["pids"] == [state["pid"]]
         shown = cgpud.cgpuctl("inspect", "-d")
         assert cid in shown.stdout and "3" in shown.stdout, shown.stdout
-    finally:
-        runc(host, "kill", cid, "KILL", shim=True, relay=cgpud.relay)
-        deleted = runc(host, "delete", "--force", cid, shim=True, relay=cgpud.relay)
-    assert deleted.returncode == 0, deleted.stderr
     assert instances(cgpud) == []
     assert cid not in cgpud.cgpuctl("inspect", "-d").stdout
 

@@ -10,7 +10,7 @@ import pytest
 
 from cgpud.daemon.model import GIB
 from tests.daemonproc import Daemon
-from tests.e2e.oci import Host, create, host_mounts, run, runc
+from tests.e2e.oci import Host, host_mounts, run, shim_container
 from tests.e2e.test_runc import BURN, burn_json, instances
 
 POC_SOURCE = r"""
@@ -108,9 +108,7 @@ def test_mount_table_unchanged_after_20_container_cycles(tmp_path, host: Host, c
 def test_a_container_cannot_write_its_limits_or_reach_other_instances(tmp_path, host: Host, cgpud: Daemon) -> None:
     neighbour = host.bundle(tmp_path / "n", ["sleep", "60"], ("ALIYUN_COM_GPU_MEM_CONTAINER=1",))
     nid = host.new_id()
-    code, log = create(host, neighbour, nid, cgpud.relay)
-    assert code == 0, log
-    try:
+    with shim_container(host, neighbour, nid, cgpud.relay, start=False):
         [other] = instances(cgpud)
         other_region = cgpud.state / "instances" / other["id"]
         other_limits = (other_region / "limits").read_bytes()
@@ -134,6 +132,4 @@ def test_a_container_cannot_write_its_limits_or_reach_other_instances(tmp_path, 
                 assert bad not in out.stdout, out.stdout
             assert out.stdout.split() == ["grants", "limits", "usage", str(user)]
         assert (other_region / "limits").read_bytes() == other_limits
-    finally:
-        runc(host, "delete", "--force", nid, shim=True, relay=cgpud.relay)
     assert instances(cgpud) == []
