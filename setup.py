@@ -61,12 +61,16 @@ class BuildNative(GeneratedFiles):
 
 
 PROTO_ROOT = ROOT / "proto"
-PROTOS = ("cgpu/v1/local.proto",)
+PROTOS = (
+    "cgpu/v1/local.proto",
+    # The kubelet's APIs, which cgpud's device plugin serves and calls.
+    "k8s/deviceplugin/v1beta1/api.proto",
+    "k8s/podresources/v1/api.proto",
+)
 # protoc names modules after the proto's path ("cgpu/v1/local.proto" ->
-# cgpu.v1.local_pb2); they are shipped as cgpud.api.cgpu.v1.local_pb2.
+# cgpu.v1.local_pb2); they are shipped as cgpud.api.cgpu.v1.local_pb2 (and
+# cgpud.api.k8s.deviceplugin.v1beta1.api_pb2, ...).
 PROTO_PACKAGE_DIR = ("cgpud", "api")
-# The one line protoc emits that assumes `cgpu` is a top-level package.
-_ABSOLUTE_PB2_IMPORT = re.compile(r"^from cgpu\.v1 import (\w+_pb2) as ", re.MULTILINE)
 
 
 class BuildProto(GeneratedFiles):
@@ -107,7 +111,7 @@ class BuildProto(GeneratedFiles):
             for src in sorted(Path(tmp).rglob("*_pb2*.py*")):
                 rel = src.relative_to(tmp)
                 if src.name.endswith("_grpc.py"):
-                    _make_pb2_import_relative(src)
+                    _make_pb2_import_relative(src, ".".join(rel.parent.parts))
                 dest = out_dir / rel
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(src, dest)
@@ -119,12 +123,15 @@ class BuildProto(GeneratedFiles):
         return [f"proto/{p}" for p in PROTOS]
 
 
-def _make_pb2_import_relative(path: Path) -> None:
+def _make_pb2_import_relative(path: Path, package: str) -> None:
     """`from cgpu.v1 import local_pb2` -> `from . import local_pb2`: the
     generated package lives inside cgpud, and a relative import keeps it
-    from depending on where that is (or on a top-level `cgpu`)."""
-    text, n = _ABSOLUTE_PB2_IMPORT.subn(r"from . import \1 as ", path.read_text())
-    if n == 0 or "from cgpu." in text:
+    from depending on where that is (or on a top-level `cgpu` or `k8s`).
+    `package` is the module's own dotted package ("cgpu.v1")."""
+    absolute = re.compile(rf"^from {re.escape(package)} import (\w+_pb2) as ", re.MULTILINE)
+    text, n = absolute.subn(r"from . import \1 as ", path.read_text())
+    top = package.split(".")[0]
+    if n == 0 or f"from {top}." in text or f"import {top}." in text:
         # protoc changed its output: fail the build rather than ship a module
         # that cannot be imported.
         raise SystemExit(f"error: unexpected import lines in generated {path.name}; update setup.py")
