@@ -1,6 +1,8 @@
 """The daemon's side of the instance region (csrc/include/cgpu/region.h):
 writing the limits an instance may use, creating the shared usage file, and
-watching and reaping the per-process ledgers in it.
+reaping the ledgers of dead processes in it (a tenant's side of that file,
+claiming and charging, lives in libcgpu.so; tests play it with
+tests/usage_tenant.py).
 
 The layout, constants, checksum and checks all come from C through cffi
 (cgpud._region), so this module never restates the binary format. File I/O
@@ -14,7 +16,7 @@ place when it is damaged; a mapping of it is guarded against truncation
 (csrc/region/guard.h). Each instance directory is a small tmpfs of its own
 where cgpud may mount one, so a tenant that grows its usage file fills only
 that. Thread-safety: a
-UsageRegion may be shared by threads (claim and reap are serialised on it);
+UsageRegion may be shared by threads (reap is serialised on it);
 InstanceLimits values are immutable."""
 from __future__ import annotations
 
@@ -119,15 +121,6 @@ class InstanceLimits:
             raise RegionError(f"instance {self.instance_id} names device {', '.join(duplicates)} more than once")
         _check_range(f"log level of instance {self.instance_id}", self.log_level, _LOG_LEVELS[0], _LOG_LEVELS[-1])
         _check_range(f"compute policy of instance {self.instance_id}", self.compute_policy, 0, _U32_MAX)
-
-
-@dataclass(frozen=True)
-class Ledger:
-    """One live process's share of the instance's usage."""
-
-    index: int
-    pid: int  # as the process sees itself (its own pid namespace)
-    used: tuple[int, ...]  # bytes per device slot, MAX_DEVICES entries
 
 
 # ---------------------------------------------------------------- encoding
@@ -410,22 +403,16 @@ def read_limits(directory: Path) -> InstanceLimits:
 
 
 class UsageRegion:
-    """The shared usage file of one instance, mapped read-write.
+    """The shared usage file of one instance, mapped read-write to reap the
+    ledgers of dead processes.
 
-    Counters are read through C atomic loads (region_py.c) rather than cffi
-    field reads: cffi's loads are plain memory reads, which happen to be
-    atomic for aligned 64-bit values on x86_64 and aarch64 but promise no
-    ordering; the C helpers make the guarantee explicit and portable.
-
-    Each claimed ledger holds its lock on its own open file description:
-    OFD locks never conflict within one description, so sharing the
-    region's descriptor would let a second claim take over (and zero) the
-    first ledger, and let reap() reap the ledgers this object holds."""
+    Ledger locks are OFD locks on this object's descriptor: two reaps on it
+    at once could both take a dead ledger's lock (locks never conflict within
+    one description) and return its usage twice, so reaps are serialised."""
 
     def __init__(self, directory: Path) -> None:
         self.path = Path(directory) / USAGE_FILE
-        self._lock = threading.Lock()  # claim and reap must be serialised (region_ops.h)
-        self._claims: dict[int, int] = {}  # ledger index -> fd holding its lock
+        self._lock = threading.Lock()  # reaps must be serialised (region_ops.h)
         size = ffi.sizeof("struct cgpu_usage")
         try:
             self._fd = _open_regular(self.path, os.O_RDWR)
@@ -479,23 +466,6 @@ class UsageRegion:
         """The file was truncated under the mapping (it reads zeros since)."""
         return getattr(self, "_guard", -1) >= 0 and bool(lib.cgpu_guard_damaged(self._guard))
 
-    def device_used(self, index: int) -> int:
-        """Bytes all processes of the instance hold on device slot `index`."""
-        _check_range("device index", index, 0, MAX_DEVICES - 1)
-        return int(lib.cgpu_device_used(self._mapped(), index))
-
-    def ledgers(self) -> list[Ledger]:
-        """The live ledgers, including those of processes that died and were
-        not reaped yet. Each is read field by field, not as one snapshot."""
-        u = self._mapped()
-        pid = ffi.new("int32_t *")
-        used = ffi.new("uint64_t[]", MAX_DEVICES)
-        live = []
-        for i in range(MAX_PROCS):
-            if lib.cgpu_ledger_read(u, i, pid, used) == lib.CGPU_LEDGER_LIVE:
-                live.append(Ledger(i, pid[0], tuple(used)))
-        return live
-
     def reap(self) -> int:
         """Returns the usage of dead processes to the instance; how many were reaped."""
         with self._lock:
@@ -503,43 +473,8 @@ class UsageRegion:
         self._check_intact()  # truncated meanwhile: the count means nothing
         return reaped
 
-    def claim(self, pid: int) -> int:
-        """Claims a ledger for `pid`, held until close(); returns its index."""
-        u = self._mapped()
-        _check_range("pid", pid, 1, 2**31 - 1)
-        with self._lock:
-            try:
-                # A new open file description of the mapped inode itself:
-                # reopening by name could reach a file cgpud replaced since.
-                fd = os.open(f"/proc/self/fd/{self._fd}", os.O_RDWR | os.O_CLOEXEC)
-            except OSError as e:
-                raise RegionError(f"cannot open usage region {self.path} for a ledger: {e.strerror}") from e
-            index = lib.cgpu_ledger_claim(u, fd, pid)
-            if index < 0:
-                os.close(fd)
-                raise RegionError(f"{self.path}: all {MAX_PROCS} process ledgers are in use")
-            self._claims[index] = fd
-            return int(index)
-
-    def charge(self, ledger: int, device: int, limit: int, nbytes: int) -> bool:
-        """Reserves `nbytes` on `device` within `limit` for a ledger this
-        object claimed, as libcgpu.so does for an allocation; False if it
-        would exceed the limit (nothing is charged then)."""
-        u = self._mapped()
-        if ledger not in self._claims:
-            raise RegionError(f"{self.path}: ledger {ledger} was not claimed through this region")
-        _check_range("device index", device, 0, MAX_DEVICES - 1)
-        _check_range("limit", limit, 0, _U64_MAX)
-        _check_range("charge", nbytes, 0, _U64_MAX)
-        # The same C step libcgpu.so takes for an allocation.
-        return bool(lib.cgpu_ledger_charge(u, ledger, device, limit, nbytes))
-
     def close(self) -> None:
-        """Unmaps the file and drops this object's ledger locks: its claimed
-        ledgers become reapable, as when a process exits."""
-        for fd in self._claims.values():
-            os.close(fd)
-        self._claims.clear()
+        """Unmaps the file and closes it."""
         guard, self._guard = getattr(self, "_guard", -1), -1
         if guard >= 0:
             lib.cgpu_guard_unregister(guard)  # before the unmap: the range may be reused

@@ -1,8 +1,9 @@
 #define _GNU_SOURCE
-#include "region_py.h"
+#include "region_cgpud.h"
 
 #include <errno.h>
 #include <stdatomic.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <sys/mount.h>
 
@@ -15,22 +16,6 @@ _Static_assert(sizeof(_Atomic uint32_t) == sizeof(uint32_t) && _Alignof(_Atomic 
                "_Atomic uint32_t differs from uint32_t");
 _Static_assert(sizeof(_Atomic int32_t) == sizeof(int32_t) && _Alignof(_Atomic int32_t) == _Alignof(int32_t),
                "_Atomic int32_t differs from int32_t");
-
-uint64_t cgpu_device_used(const struct cgpu_usage *u, unsigned dev)
-{
-    return atomic_load(&u->device[dev].used);
-}
-
-uint32_t cgpu_ledger_read(const struct cgpu_usage *u, unsigned i, int32_t *pid, uint64_t used[CGPU_MAX_DEVICES])
-{
-    const struct cgpu_proc_ledger *p = &u->proc[i];
-    uint32_t state = atomic_load(&p->state);
-    *pid = atomic_load(&p->pid);
-    for (unsigned d = 0; d < CGPU_MAX_DEVICES; d++)
-        used[d] = atomic_load(&p->used[d]);
-    return state;
-}
-
 
 int cgpu_region_mount(const char *dir, uint64_t bytes)
 {

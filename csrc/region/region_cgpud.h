@@ -1,23 +1,11 @@
-/* Small operations on the usage region that cgpud needs through cffi and
- * region_ops.h does not offer: atomic reads of the counters. Python cannot load
- * shared memory atomically, so each read is one C call here.
+/* The region operations only cgpud needs (through cffi), beside the ones it
+ * shares with libcgpu.so in region_ops.h: one tmpfs per instance region.
  *
- * Ownership: the caller maps the usage file. Thread-safety: every function
- * is a set of independent atomic operations; a ledger read is not a snapshot
- * of all its fields at one instant. */
-#ifndef CGPU_REGION_PY_H
-#define CGPU_REGION_PY_H
+ * Thread-safety: each function is one system call. */
+#ifndef CGPU_REGION_CGPUD_H
+#define CGPU_REGION_CGPUD_H
 
 #include <stdint.h>
-
-#include "cgpu/region.h"
-
-/* Bytes all processes of the instance hold on device `dev`. */
-uint64_t cgpu_device_used(const struct cgpu_usage *u, unsigned dev);
-
-/* Returns the state of ledger `i` (enum cgpu_ledger_state) and fills its pid
- * and per-device usage. */
-uint32_t cgpu_ledger_read(const struct cgpu_usage *u, unsigned i, int32_t *pid, uint64_t used[CGPU_MAX_DEVICES]);
 
 /* Mounts a tmpfs of `bytes` (rounded up to pages) at `dir` for one instance's
  * region: mode 0755 (it is the container's /run/cgpu), nosuid, nodev, noexec,

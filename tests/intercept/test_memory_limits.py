@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from cgpud.daemon.region import UsageRegion
 from tests.integration.simrun import run_py, start_py
 from tests.intercept.conftest import GIB
+from tests.usage_tenant import TenantUsage
 
 MIB = 1 << 20
 
@@ -128,7 +128,7 @@ def test_memory_of_a_killed_process_is_reclaimed(instance):
     assert grabber.stdout.readline().strip() == "ready"
     grabber.send_signal(signal.SIGKILL)  # killed while still allocating
     grabber.wait(timeout=30)
-    with UsageRegion(Path(env["CGPU_REGION_DIR"])) as usage:
+    with TenantUsage(Path(env["CGPU_REGION_DIR"])) as usage:
         held = usage.device_used(0)
         assert held >= 1536 * MIB  # errs on the safe side until someone reaps
     # The next process reclaims the dead one's ledger when it needs the room.
@@ -150,7 +150,7 @@ def test_the_daemon_reaps_a_killed_process_alone(instance):
     assert survivor.stdout.readline().strip() == "ready"
     grabber.send_signal(signal.SIGKILL)
     grabber.wait(timeout=30)
-    with UsageRegion(Path(env["CGPU_REGION_DIR"])) as usage:
+    with TenantUsage(Path(env["CGPU_REGION_DIR"])) as usage:
         assert usage.reap() == 1  # the killed one, not the live one
         assert [ledger.pid for ledger in usage.ledgers()] == [survivor.pid]
         assert usage.device_used(0) == sum(ledger.used[0] for ledger in usage.ledgers())
@@ -282,14 +282,14 @@ def test_forked_children_get_their_own_ledger(instance):
     got = run_py(env, """
         import json, os; from cudapy import Driver
         from pathlib import Path
-        from cgpud.daemon.region import UsageRegion
+        from usage_tenant import TenantUsage  # tests/ is on PYTHONPATH
         cu = Driver(); cu.init_device(0); cu.alloc(1 << 30)
         r, w = os.pipe()
         pid = os.fork()
         if pid == 0:
             cu2 = Driver(); cu2.init_device(0)
             ok = cu2.alloc(512 << 20)[0] == "CUDA_SUCCESS"
-            with UsageRegion(Path(os.environ["CGPU_REGION_DIR"])) as u:
+            with TenantUsage(Path(os.environ["CGPU_REGION_DIR"])) as u:
                 ledgers = sorted((l.pid, l.used[0] >> 20) for l in u.ledgers())
             os.write(w, json.dumps([ok, ledgers == sorted([(os.getpid(), 512), (os.getppid(), 1024)])]).encode())
             os._exit(0)

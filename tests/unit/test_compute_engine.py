@@ -24,7 +24,8 @@ from cgpud.daemon.compute_policy import limits_compute
 from cgpud.daemon.config import MAX_SCHEDULED
 from cgpud.daemon.model import (ComputePolicy, ComputeTiming, Grant, Instance, InstanceState, NodeMode, NodePolicy,
                                 Owner, OwnerKind)
-from cgpud.daemon.region import GRANTS_FILE, DeviceLimit, InstanceLimits, UsageRegion, write_region
+from cgpud.daemon.region import GRANTS_FILE, DeviceLimit, InstanceLimits, write_region
+from tests.usage_tenant import TenantUsage
 
 OPEN, UNGATED, SEQ = rlib.CGPU_GATE_OPEN, rlib.CGPU_GATE_UNGATED, rlib.CGPU_GATE_SEQ_MASK
 FAST = ComputeTiming(period_ns=20_000_000, max_slice_ns=2_000_000, high_priority_percent=80)
@@ -51,7 +52,7 @@ class Tenant:
         self._gmap = mmap.mmap(fd, rffi.sizeof("struct cgpu_grants"), mmap.MAP_SHARED, mmap.PROT_READ)
         os.close(fd)
         self.grants = rffi.from_buffer("struct cgpu_grants *", self._gmap)
-        self.usage = UsageRegion(self.dir)
+        self.usage = TenantUsage(self.dir)
         self.u = self.usage._mapped()
 
     @property
@@ -82,14 +83,14 @@ def launching_process(region: Path, waiting: bool) -> subprocess.Popen[str]:
     it holds the ledger, so killing it leaves what a killed tenant leaves."""
     child = subprocess.Popen([sys.executable, "-c", (
         "import time\n"
-        "from cgpud.daemon.region import UsageRegion\n"
-        f"r = UsageRegion({str(region)!r})\n"
+        "from tests.usage_tenant import TenantUsage\n"
+        f"r = TenantUsage({str(region)!r})\n"
         "u = r._mapped()\n"
         "i = r.claim(1)\n"
         "u.proc[i].watching = 1\n"
         f"u.device[0].waiting += {int(waiting)}\n"
         "print(i, flush=True)\n"
-        "time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
+        "time.sleep(60)\n")], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2])
     assert child.stdout is not None
     int(child.stdout.readline())
     return child

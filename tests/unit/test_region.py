@@ -29,7 +29,9 @@ from cgpud.daemon.region import (
     usage_problem,
     write_region,
 )
+from tests.usage_tenant import TenantUsage
 
+ROOT = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
 GIB = 1 << 30
 
@@ -45,9 +47,9 @@ def one_gpu(mem_limit: int = 4 * GIB, instance_id: str = "inst-1") -> InstanceLi
 TENANT = """
 import os, sys
 from pathlib import Path
-from cgpud.daemon.region import UsageRegion
+from tests.usage_tenant import TenantUsage
 directory, mode, device, limit, chunk = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
-with UsageRegion(Path(directory)) as region:
+with TenantUsage(Path(directory)) as region:
     ledger = region.claim(os.getpid())
     if mode == "once":
         print("ready", ledger, int(region.charge(ledger, device, limit, chunk)), flush=True)
@@ -102,6 +104,7 @@ def spawn(tmp_path: Path) -> Iterator[Callable[..., Tenant]]:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
+            cwd=ROOT,  # the tenant imports tests.usage_tenant
         )
         started.append(Tenant(proc))
         return started[-1]
@@ -170,7 +173,7 @@ def test_new_usage_file_is_empty(tmp_path: Path) -> None:
     header = ffi.offsetof("struct cgpu_usage", "device")
     assert len(data) == ffi.sizeof("struct cgpu_usage")
     assert data[header:] == bytes(len(data) - header)
-    with UsageRegion(tmp_path) as region:
+    with TenantUsage(tmp_path) as region:
         assert region.ledgers() == []
 
 
@@ -286,14 +289,14 @@ def test_damaged_limits_are_refused_naming_the_file(
 def test_rewriting_limits_keeps_a_valid_usage_file(tmp_path: Path) -> None:
     write_region(tmp_path, one_gpu(4 * GIB))
     inode = os.stat(tmp_path / USAGE_FILE).st_ino
-    with UsageRegion(tmp_path) as region:
+    with TenantUsage(tmp_path) as region:
         ledger = region.claim(4242)
         assert region.charge(ledger, 0, 4 * GIB, 3 * MIB)
         write_region(tmp_path, one_gpu(8 * GIB))  # while a process holds a ledger
         assert region.device_used(0) == 3 * MIB
     assert read_limits(tmp_path).devices[0].mem_limit == 8 * GIB
     assert os.stat(tmp_path / USAGE_FILE).st_ino == inode
-    with UsageRegion(tmp_path) as region:
+    with TenantUsage(tmp_path) as region:
         assert region.device_used(0) == 3 * MIB
         assert [(lg.pid, lg.used[0]) for lg in region.ledgers()] == [(4242, 3 * MIB)]
 
@@ -334,7 +337,7 @@ def test_damaged_usage_is_refused_naming_the_file(
 @pytest.mark.parametrize(("damage", "message"), USAGE_DAMAGE)
 def test_damaged_usage_is_repaired(tmp_path: Path, damage: Callable[[Path], None], message: str) -> None:
     write_region(tmp_path, one_gpu())
-    with UsageRegion(tmp_path) as region:
+    with TenantUsage(tmp_path) as region:
         assert region.charge(region.claim(1), 0, GIB, MIB)
     damage(tmp_path / USAGE_FILE)
     assert usage_problem(tmp_path) is not None
@@ -344,7 +347,7 @@ def test_damaged_usage_is_repaired(tmp_path: Path, damage: Callable[[Path], None
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o666
     assert os.stat(path).st_size == ffi.sizeof("struct cgpu_usage")
     assert usage_problem(tmp_path) is None
-    with UsageRegion(tmp_path) as region:
+    with TenantUsage(tmp_path) as region:
         region.reap()  # a scribbled header keeps the counters; the dead ledger goes back
         assert region.device_used(0) == 0
         assert region.ledgers() == []
@@ -354,7 +357,7 @@ def test_usage_is_repaired_in_place_so_mappings_stay_coherent(tmp_path: Path) ->
     write_region(tmp_path, one_gpu())
     path = tmp_path / USAGE_FILE
     inode = os.stat(path).st_ino
-    with UsageRegion(tmp_path) as region:
+    with TenantUsage(tmp_path) as region:
         ledger = region.claim(5)
         assert region.charge(ledger, 0, GIB, MIB)
         _usage_set("magic", 7)(path)
@@ -367,14 +370,14 @@ def test_usage_is_repaired_in_place_so_mappings_stay_coherent(tmp_path: Path) ->
 
 def test_a_usage_file_truncated_under_the_mapping_reads_zeros_and_is_refused(tmp_path: Path) -> None:
     write_region(tmp_path, one_gpu())
-    with UsageRegion(tmp_path) as region:
+    with TenantUsage(tmp_path) as region:
         assert region.charge(region.claim(5), 0, GIB, MIB)
         os.truncate(tmp_path / USAGE_FILE, 0)
         assert not region.damaged
         with pytest.raises(RegionError, match="0 bytes now"):
             region.ledgers()
         # What a read between the size check and the truncation sees: zeros, no SIGBUS.
-        assert lib.cgpu_device_used(region._u, 0) == 0  # noqa: SLF001
+        assert region._u.device[0].used == 0  # noqa: SLF001
         assert region.damaged
         with pytest.raises(RegionError, match="truncated while mapped"):
             region.reap()
@@ -385,7 +388,7 @@ def test_a_usage_file_truncated_under_the_mapping_reads_zeros_and_is_refused(tmp
 
 def test_refused_charge_changes_nothing(tmp_path: Path) -> None:
     write_region(tmp_path, one_gpu())
-    with UsageRegion(tmp_path) as region:
+    with TenantUsage(tmp_path) as region:
         ledger = region.claim(7)
         assert region.charge(ledger, 1, MIB, MIB)
         assert not region.charge(ledger, 1, MIB, 1)
@@ -399,7 +402,7 @@ def test_refused_charge_changes_nothing(tmp_path: Path) -> None:
 
 def test_own_ledgers_are_distinct_and_not_reaped(tmp_path: Path) -> None:
     write_region(tmp_path, one_gpu())
-    with UsageRegion(tmp_path) as region:
+    with TenantUsage(tmp_path) as region:
         first, second = region.claim(10), region.claim(11)
         assert first != second
         assert region.charge(first, 0, GIB, MIB)
@@ -413,7 +416,7 @@ def test_killed_tenant_is_reaped(tmp_path: Path, spawn: Callable[..., Tenant]) -
     write_region(tmp_path, one_gpu())
     tenant = spawn("once", 0, 4 * GIB, GIB)
     assert tenant.expect("ready")[1] == 1  # charged
-    with UsageRegion(tmp_path) as region:
+    with TenantUsage(tmp_path) as region:
         assert region.device_used(0) == GIB
         assert [(lg.pid, lg.used[0]) for lg in region.ledgers()] == [(tenant.pid, GIB)]
         assert region.reap() == 0  # alive: its lock is held
@@ -429,7 +432,7 @@ def test_live_tenant_is_not_reaped(tmp_path: Path, spawn: Callable[..., Tenant])
     dead, live = spawn("once", 0, 4 * GIB, GIB), spawn("once", 0, 4 * GIB, GIB)
     assert dead.expect("ready")[1] == 1
     assert live.expect("ready")[1] == 1
-    with UsageRegion(tmp_path) as region:
+    with TenantUsage(tmp_path) as region:
         assert region.device_used(0) == 2 * GIB
         dead.kill()
         assert region.reap() == 1
@@ -456,7 +459,7 @@ def test_concurrent_charging_stops_exactly_at_the_limit(
     totals = {tenant.pid: tenant.expect("done")[1] for tenant in tenants}
     assert sum(totals.values()) == limit
     assert sum(1 for total in totals.values() if total) >= 2, f"no race happened: {totals}"
-    with UsageRegion(tmp_path) as region:
+    with TenantUsage(tmp_path) as region:
         assert region.device_used(device) == limit
         assert {lg.pid: lg.used[device] for lg in region.ledgers()} == totals
 
