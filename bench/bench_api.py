@@ -4,7 +4,7 @@ called in-process (the baseline: what the socket and gRPC add), and through
 the gRPC server's private socket behind the peer-credential gate (what the
 gate adds).
 
-    python bench/bench_api.py [--rounds 5] [--ops 300]
+    python -m bench.bench_api [--rounds 5] [--ops 300]
 
 Starts a real cgpud on a private simulated machine in a temp dir; prints
 round trips per second, p50 and p99 latency of each side, and the ratio."""

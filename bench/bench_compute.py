@@ -15,7 +15,7 @@ core per GPU with 10 tenants.
 
 It is a report: exit 0 whether or not a target is met, 1 when it could not
 measure. Run from the repository root:
-    .venv/bin/python bench/bench_compute.py [--seconds 10] [--quick] [--only NAME]
+    .venv/bin/python -m bench.bench_compute [--seconds 10] [--quick] [--only NAME]
 """
 from __future__ import annotations
 
@@ -25,12 +25,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.table import print_table  # noqa: E402
-
-from tests.sharerun import Scenario, ScenarioResult, ShareRig, TenantSpec  # noqa: E402
+from bench.table import print_table
+from tests.sharerun import Scenario, ScenarioResult, ShareRig, TenantSpec
 
 KERNELS = {"20us": (20_000,), "200us": (200_000,), "2ms": (2_000_000,), "mix": (20_000, 200_000, 2_000_000)}
 SPLITS = {"10/90": (10, 90), "30/70": (30, 70), "4x25": (25,) * 4, "20x5": (5,) * 20}

@@ -22,7 +22,7 @@ it could not measure (setup error, a failed runc command, an instance left
 behind), 2 on a bad argument. Needs root, runc and busybox-static.
 
 Run from the repository root:
-    .venv/bin/python bench/bench_container_start.py [--rounds 100] [--warmup 2] [--quick]
+    .venv/bin/python -m bench.bench_container_start [--rounds 100] [--warmup 2] [--quick]
 """
 from __future__ import annotations
 
@@ -40,15 +40,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.table import print_table  # noqa: E402
-
-from cgpud.native import native_dir, native_path  # noqa: E402
-from tests.conftest import write_sim_config  # noqa: E402
-from tests.daemonproc import Daemon, make_daemon  # noqa: E402
-from tests.e2e.oci import (  # noqa: E402
+from bench.table import print_table
+from cgpud.native import native_dir, native_path
+from tests.conftest import write_sim_config
+from tests.daemonproc import Daemon, make_daemon
+from tests.e2e.oci import (
     Bundle,
     Host,
     MissingTool,
@@ -58,6 +54,7 @@ from tests.e2e.oci import (  # noqa: E402
     runtime_env,
 )
 
+ROOT = Path(__file__).resolve().parent.parent
 GPU_REQUEST = "ALIYUN_COM_GPU_MEM_CONTAINER=2"
 RUN_TIMEOUT_S = 60
 PR_SET_CHILD_SUBREAPER = 36

@@ -17,8 +17,8 @@ Prints a table and the targets with PASS/FAIL. It is a report: the exit status
 is 0 whether or not a target is met, 1 on an error (build, setup, a failed CUDA
 call), 2 on a bad argument.
 
-Run from anywhere (it works from the repository root):
-    .venv/bin/python bench/bench_intercept.py [--rounds 7] [--calls 200000]
+Run from the repository root:
+    .venv/bin/python -m bench.bench_intercept [--rounds 7] [--calls 200000]
         [--modes launch-noregion,launch,launch-open,allocfree,meminfo,vmm] [--no-callgrind]
 """
 from __future__ import annotations
@@ -35,15 +35,12 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.table import print_table
+from cgpud._region import ffi, lib
+from cgpud.daemon.region import DeviceLimit, InstanceLimits, write_region
+from cgpud.native import native_dir
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.table import print_table  # noqa: E402
-
-from cgpud._region import ffi, lib  # noqa: E402
-from cgpud.daemon.region import DeviceLimit, InstanceLimits, write_region  # noqa: E402
-from cgpud.native import native_dir  # noqa: E402
-
 MODES = ("launch-noregion", "launch", "launch-open", "allocfree", "meminfo", "vmm")
 LABELS = {
     "launch-noregion": "cuLaunchKernel, no region",
