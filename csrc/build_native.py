@@ -9,10 +9,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 CSRC = Path(__file__).resolve().parent
+PYPROJECT = CSRC.parent / "pyproject.toml"
 REAL_CUDA_INCLUDE = Path("/usr/local/cuda/include")
 
 WARNINGS = ("-Wall", "-Wextra", "-Werror")
@@ -94,6 +96,16 @@ class NativeBuildError(RuntimeError):
     pass
 
 
+def package_version() -> str:
+    """The version the relays print: the package's own, read where the
+    package gets it (cgpud.__version__ is the installed metadata of it)."""
+    return tomllib.loads(PYPROJECT.read_text())["project"]["version"]
+
+
+def version_define() -> str:
+    return f'-DCGPU_VERSION="{package_version()}"'
+
+
 def exported_symbols(def_file: str, macro: str) -> list[str]:
     """Symbols a library exports: the first argument of each macro line."""
     text = (CSRC / def_file).read_text()
@@ -114,7 +126,7 @@ def compile_target(target: Target, out_dir: Path, variant: Variant = RELEASE, cc
     out = out_dir / target.output
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="cgpu-build-") as tmp:
-        cmd = [cc, *BASE_FLAGS, *variant.cflags]
+        cmd = [cc, *BASE_FLAGS, *variant.cflags, version_define()]
         cmd += [f"-D{d}" for d in variant.defines]
         cmd += [f"-I{CSRC / inc}" for inc in target.includes]
         cmd += [f"-I{inc}" for inc in variant.extra_includes]

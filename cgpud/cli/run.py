@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from cgpud.cli.client import LocalClient
+from cgpud.contract import REGION_ENV
 from cgpud.daemon.model import Instance, Owner, OwnerKind, Request
 from cgpud.errors import UsageError
 from cgpud.containers.edits import application_env
@@ -25,7 +26,7 @@ def instance_environment(instance: Instance, region: Path, gpu_memory: dict[int,
     if instance.enforced:
         lib = str(native_path("lib/libcgpu.so"))
         env["LD_PRELOAD"] = f"{lib}:{env['LD_PRELOAD']}" if env.get("LD_PRELOAD") else lib
-        env["CGPU_REGION_DIR"] = str(region)
+        env[REGION_ENV] = str(region)
     env.update(application_env(instance, gpu_memory))
     # No container runtime narrows a host process's view: the driver must.
     env["CUDA_VISIBLE_DEVICES"] = env["NVIDIA_VISIBLE_DEVICES"]

@@ -19,10 +19,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from cgpud.contract import CONTAINER_ID_MAX
 from cgpud.errors import UsageError
 
 # runc's own rule for container ids; '@' and '/' never occur in one.
-CONTAINER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,1023}$")
+CONTAINER_ID = re.compile(rf"^[A-Za-z0-9][A-Za-z0-9_.+-]{{0,{CONTAINER_ID_MAX - 1}}}$")
 MAX_BUNDLE = 4096
 
 

@@ -1,14 +1,7 @@
 """The relay socket: where cgpu-runtime and cgpu-hook (small C programs on
-the container start path) hand their work to cgpud.
-
-Wire format (csrc/hook/relay.h is the other side): the client writes one
-request and shuts down its writing side; cgpud answers one line and closes.
-  request:  "<verb> <arg> [<arg>]\\n" then a body up to EOF
-    prepare <container-id>\\n<absolute bundle path>
-    hook <stage> <instance-id>\\n<OCI state JSON>
-  answer:   "ok[ <text>]\\n" or "error <one-line message>\\n"
-A line protocol rather than the gRPC API: a C relay then needs no HTTP/2
-stack and costs about a millisecond per container instead of tens.
+the container start path) hand their work to cgpud. The wire format is
+described in csrc/include/cgpu/relay_wire.h, whose limits this side reads
+through cgpud.contract.
 
 Only root may talk here (SO_PEERCRED): the verbs create instances and edit
 bundles anywhere on the host."""
@@ -24,11 +17,11 @@ from pathlib import Path
 
 import structlog
 
+from cgpud.contract import RELAY_MAX_REQUEST, RELAY_MSG_MAX
 from cgpud.errors import CgpuError, UsageError
 from cgpud.containers.lifecycle import ContainerLifecycle
 from cgpud.sockets import prepare_socket_directory, remove_stale_socket
 
-MAX_REQUEST = 1 << 20
 READ_TIMEOUT = 10.0
 
 
@@ -45,8 +38,8 @@ def _read_request(conn: socket.socket) -> tuple[list[str], bytes]:
             break
         chunks.append(chunk)
         size += len(chunk)
-        if size > MAX_REQUEST:
-            raise RelayProtocolError(f"request larger than {MAX_REQUEST} bytes")
+        if size > RELAY_MAX_REQUEST:
+            raise RelayProtocolError(f"request larger than {RELAY_MAX_REQUEST} bytes")
     data = b"".join(chunks)
     head, sep, body = data.partition(b"\n")
     if not sep:
@@ -56,6 +49,13 @@ def _read_request(conn: socket.socket) -> tuple[list[str], bytes]:
     except UnicodeDecodeError:
         raise RelayProtocolError("request header is not ASCII") from None
     return words, body
+
+
+def answer_line(text: str) -> bytes:
+    """`text` as one answer line the relays read whole: a longer one would
+    reach the user as "answer too long" instead of the message."""
+    data = text.replace("\n", " ").encode()[: RELAY_MSG_MAX - 1]
+    return data.decode(errors="ignore").encode() + b"\n"  # no character cut in half
 
 
 def handle(lifecycle: ContainerLifecycle, words: list[str], body: bytes) -> str:
@@ -119,7 +119,7 @@ class RelayServer:
 
     def _answer(self, conn: socket.socket) -> None:
         conn.settimeout(READ_TIMEOUT)
-        reply: Callable[[str], None] = lambda line: conn.sendall((line.replace("\n", " ") + "\n").encode())
+        reply: Callable[[str], None] = lambda line: conn.sendall(answer_line(line))
         try:
             if _peer_uid(conn) not in (0, os.geteuid()):
                 reply("error only root may use the cgpud relay socket")

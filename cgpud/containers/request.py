@@ -21,20 +21,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cgpud.contract import CONTAINER_REGION, ENV_PREFIX, INSTANCE_ID_MAX
 from cgpud.errors import UsageError
 
-CONTAINER_REGION = "/run/cgpu"  # the fixed place libcgpu.so looks for its region
-
-ENV_MEMORY = "ALIYUN_COM_GPU_MEM_CONTAINER"  # GiB per GPU
-ENV_CORE = "ALIYUN_COM_GPU_CORE_PERCENTAGE"  # aliyun.com/gpu-core.percentage
-ENV_COUNT = "ALIYUN_COM_GPU_COUNT"  # aliyun.com/gpu-count
-ENV_WEIGHT = "ALIYUN_COM_GPU_SCHD_WEIGHT"
-ENV_PRIORITY = "ALIYUN_COM_GPU_HIGH_PRIO"
-ENV_VISIBLE = "ALIYUN_COM_GPU_VISIBLE_DEVICES"
-ENV_DISABLE = "CGPU_DISABLE"
+# The runtime shim sends a bundle to cgpud only if its config holds
+# ENV_PREFIX (or a claim): every name a request is read from starts so.
+ENV_MEMORY = f"{ENV_PREFIX}_MEM_CONTAINER"  # GiB per GPU
+ENV_CORE = f"{ENV_PREFIX}_CORE_PERCENTAGE"  # aliyun.com/gpu-core.percentage
+ENV_COUNT = f"{ENV_PREFIX}_COUNT"  # aliyun.com/gpu-count
+ENV_WEIGHT = f"{ENV_PREFIX}_SCHD_WEIGHT"
+ENV_PRIORITY = f"{ENV_PREFIX}_HIGH_PRIO"
+ENV_VISIBLE = f"{ENV_PREFIX}_VISIBLE_DEVICES"
+ENV_DISABLE = "CGPU_DISABLE"  # only ever turns a request off
 REQUEST_ENV = (ENV_MEMORY, ENV_CORE, ENV_COUNT, ENV_WEIGHT, ENV_PRIORITY)
 
-_INSTANCE_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_INSTANCE_ID = re.compile(rf"^[A-Za-z0-9_.-]{{1,{INSTANCE_ID_MAX}}}$")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
 

@@ -10,11 +10,12 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "cgpu/region.h"
 #include "relay.h"
 
 #define PROG "cgpu-hook"
 #define USAGE "usage: cgpu-hook [--socket PATH] --instance ID STAGE"
-#define INSTANCE_MAX 64
+#define INSTANCE_MAX (CGPU_INSTANCE_ID_LEN - 1) /* the longest id a region holds */
 #define STAGE_MAX 64
 
 __attribute__((format(printf, 1, 2))) static _Noreturn void usage_error(const char *fmt, ...)

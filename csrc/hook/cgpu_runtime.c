@@ -19,15 +19,18 @@
 #define PROG "cgpu-runtime"
 #define CONFIG_MAX (8 << 20)
 #define CONFIG_CHUNK (64 << 10)
-#define ID_MAX 1024
+#define ID_MAX CGPU_CONTAINER_ID_MAX
 
 /* A bundle may ask for a GPU share only if its config names one of these,
  * or spells a name or path character as a JSON escape (see escaped_name).
- * "/cgpu", not "\"/run/cgpu\"": cgpud reads a mount at /run/cgpu/,
- * /run//cgpu or /run/cgpu/usage as a claim too (or refuses it), and every
- * spelling of such a path holds "/cgpu" unescaped. */
-static const char *const MARKERS[] = {"ALIYUN_COM_GPU", "/cgpu", "\\/"};
-#define MARKER_KEEP 13 /* longest marker - 1: a marker may straddle two reads */
+ * "/cgpu", not "\"/run/cgpu\"" (CGPU_REGION_FIXED_DIR): cgpud reads a mount
+ * at /run/cgpu/, /run//cgpu or /run/cgpu/usage as a claim too (or refuses
+ * it), and every spelling of such a path holds "/cgpu" unescaped. */
+static const char *const MARKERS[] = {CGPU_ENV_PREFIX, "/cgpu", "\\/"};
+/* The longest marker - 1: a marker may straddle two reads. */
+#define MARKER_KEEP (sizeof(CGPU_ENV_PREFIX) - 2)
+_Static_assert(sizeof(CGPU_ENV_PREFIX) >= sizeof("/cgpu"), "MARKER_KEEP assumes the prefix is the longest marker");
+_Static_assert(MARKER_KEEP >= 5, "escaped_name leaves up to 5 bytes of an escape to the next read");
 
 /* Value-taking flags; every other flag is taken as boolean. */
 static const char *const GLOBAL_VALUED[] = {"root", "log", "log-format", "criu", "rootless", NULL};

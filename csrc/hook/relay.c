@@ -115,7 +115,7 @@ int cgpu_relay_call(const char *path, const char *request, size_t len, char *msg
     struct sockaddr_un addr = {.sun_family = AF_UNIX};
     size_t path_len = strlen(path);
     if (len > CGPU_RELAY_MAX_REQUEST)
-        return fail(msg, size, "request of %zu bytes is larger than the %zu cgpud accepts", len,
+        return fail(msg, size, "request of %zu bytes is larger than the %d cgpud accepts", len,
                     CGPU_RELAY_MAX_REQUEST);
     if (path_len >= sizeof(addr.sun_path))
         return fail(msg, size, "cannot reach cgpud at %s: socket path longer than %zu bytes", path,

@@ -1,6 +1,6 @@
 /* Client side of the relay protocol between the container start path
- * (cgpu-runtime, cgpu-hook) and cgpud: one request per connection, one
- * answer line back. The policy lives in cgpud; this side only carries bytes.
+ * (cgpu-runtime, cgpu-hook) and cgpud; the protocol is described in
+ * cgpu/relay_wire.h. The policy lives in cgpud; this side only carries bytes.
  * Ownership: callers own every buffer they pass, nothing is allocated;
  * thread-safety: no shared state, any thread may call (the relays use one). */
 #ifndef CGPU_HOOK_RELAY_H
@@ -8,18 +8,19 @@
 
 #include <stddef.h>
 
-#define CGPU_VERSION "0.1.0"
-#define CGPU_RELAY_DEFAULT_SOCKET "/run/cgpud/relay.sock"
-#define CGPU_RELAY_MAX_REQUEST ((size_t)1 << 20)
-#define CGPU_RELAY_TIMEOUT_S 30
-/* Longest answer line accepted; also the size callers give for `msg`. */
-#define CGPU_RELAY_MSG_MAX 4096
+#include "cgpu/relay_wire.h"
+
+/* The package's version, from pyproject.toml: build_native.py passes it. */
+#ifndef CGPU_VERSION
+#error "CGPU_VERSION is not defined: build the relays with csrc/build_native.py"
+#endif
 
 /* Sends `request` (first line, "\n", body) on a fresh connection to the
  * unix socket at `socket_path`, half-closes, and reads the answer line.
  * Returns 0 if cgpud answered "ok" (msg = the text after "ok ", maybe empty),
  * -1 otherwise (msg = cgpud's error message, or why cgpud could not be asked).
- * msg is always one NUL-terminated line of printable text. */
+ * msg is always one NUL-terminated line of printable text; callers give
+ * CGPU_RELAY_MSG_MAX bytes for it. */
 int cgpu_relay_call(const char *socket_path, const char *request, size_t len, char *msg, size_t msg_size);
 
 /* "<prog>: <msg>" on stderr. */

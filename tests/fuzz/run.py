@@ -27,6 +27,8 @@ CSRC = HERE.parents[1] / "csrc"
 CFLAGS = ("-std=c11", "-g", "-O1", "-fno-omit-frame-pointer", "-fsanitize=fuzzer,address,undefined",
           "-fno-sanitize-recover=all", "-Wall", "-Wextra", "-Werror")
 INCLUDES = (CSRC / "include", CSRC, CSRC / "intercept", CSRC / "hook", HERE)
+sys.path.insert(0, str(CSRC))
+import build_native  # noqa: E402  # the relays need CGPU_VERSION, passed as in every build
 SANITIZER_ENV = {"ASAN_OPTIONS": "detect_leaks=1:allocator_may_return_null=1",
                  "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1"}
 
@@ -88,8 +90,8 @@ def build(target: Target, out_dir: Path) -> list[str]:
         return [sys.executable, str(HERE / target.source)]
     out_dir.mkdir(parents=True, exist_ok=True)
     exe = out_dir / f"fuzz_{target.name}"
-    cmd = [clang(), *CFLAGS, *(f"-I{i}" for i in INCLUDES), str(HERE / target.source), "-o", str(exe),
-           *target.libs]
+    cmd = [clang(), *CFLAGS, build_native.version_define(), *(f"-I{i}" for i in INCLUDES),
+           str(HERE / target.source), "-o", str(exe), *target.libs]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise FuzzError(f"building {target.name} failed:\n$ {' '.join(cmd)}\n{proc.stderr}")

@@ -20,6 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from cgpud import __version__
+from cgpud.contract import INSTANCE_ID_MAX
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "csrc"))
 import build_native  # noqa: E402
@@ -181,7 +184,7 @@ def test_other_commands_go_to_the_runtime_unchanged_without_cgpud(bins, env, run
 def test_version_names_the_shim_then_the_runtime(bins, env, runtime):
     proc = run(bins / "cgpu-runtime", ["--version"], env)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == "cgpu-runtime 0.1.0\nfake-runc ran\n" and runtime.argv == ["--version"]
+    assert proc.stdout == f"cgpu-runtime {__version__}\nfake-runc ran\n" and runtime.argv == ["--version"]
 
 
 @pytest.mark.parametrize("command", ["create", "run"])
@@ -475,7 +478,7 @@ def test_hook_default_socket(bins, hook_env):
         (["createRuntime"], "missing --instance"),
         (["--instance", "i1"], "missing STAGE"),
         (["--instance", "a b", "prestart"], "--instance must be"),
-        (["--instance", "x" * 65, "prestart"], "--instance must be"),
+        (["--instance", "x" * (INSTANCE_ID_MAX + 1), "prestart"], "--instance must be"),
         (["--instance", "../x", "prestart"], "--instance must be"),
         (["--instance=", "prestart"], "--instance must be"),
         (["--instance", "i1", "create-runtime"], "STAGE must be"),
@@ -492,9 +495,9 @@ def test_hook_usage_errors_exit_2_without_contacting_cgpud(bins, hook_env, cgpud
     assert "usage: cgpu-hook" in proc.stderr and server.requests == []
 
 
-def test_hook_accepts_a_64_character_instance(bins, hook_env, cgpud, sock_path):
+def test_hook_accepts_the_longest_instance_id(bins, hook_env, cgpud, sock_path):
     server = cgpud()
-    instance = "A" * 64
+    instance = "A" * INSTANCE_ID_MAX
     args = ["--socket", str(sock_path), "--instance", instance, "poststop"]
     proc = run(bins / "cgpu-hook", args, hook_env, stdin=b"{}")
     assert proc.returncode == 0 and server.requests == [f"hook poststop {instance}\n{{}}".encode()]

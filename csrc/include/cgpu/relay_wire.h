@@ -1,0 +1,33 @@
+/* The relay protocol between the container start path (cgpu-runtime,
+ * cgpu-hook) and cgpud: its one description. cgpud reads these constants
+ * through cffi (cgpud._region, build_region.py), so this header holds only
+ * plain integer and string #defines.
+ *
+ * One request per connection. The client writes its request and shuts down
+ * its writing side; cgpud answers one line and closes.
+ *   request: "<verb> <arg> [<arg>]\n", then a body up to EOF;
+ *            at most CGPU_RELAY_MAX_REQUEST bytes in all
+ *     prepare <container-id>\n<absolute bundle path>
+ *     hook <stage> <instance-id>\n<OCI state JSON>
+ *   answer:  "ok[ <text>]\n" or "error <one-line message>\n";
+ *            at most CGPU_RELAY_MSG_MAX bytes, the "\n" included
+ * A line protocol rather than cgpud's gRPC API: a C relay then needs no
+ * HTTP/2 stack and costs about a millisecond per container, not tens. */
+#ifndef CGPU_RELAY_WIRE_H
+#define CGPU_RELAY_WIRE_H
+
+#define CGPU_RELAY_DEFAULT_SOCKET "/run/cgpud/relay.sock"
+#define CGPU_RELAY_MAX_REQUEST 1048576
+#define CGPU_RELAY_MSG_MAX 4096
+/* How long a relay waits for cgpud at each step. */
+#define CGPU_RELAY_TIMEOUT_S 30
+
+/* runc's limit on a container id. An instance id is at most
+ * CGPU_INSTANCE_ID_LEN - 1 bytes (cgpu/region.h): the region holds it. */
+#define CGPU_CONTAINER_ID_MAX 1024
+
+/* Every env variable a container spec asks for a GPU share with starts so
+ * (ALIYUN_COM_GPU_MEM_CONTAINER, ...): the runtime shim scans for it. */
+#define CGPU_ENV_PREFIX "ALIYUN_COM_GPU"
+
+#endif
