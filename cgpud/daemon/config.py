@@ -1,5 +1,7 @@
 """cgpud's settings: one dataclass from which the TOML keys, the command-line
-flags and their help are all derived, so a setting is written down once."""
+flags and their help are all derived, so a setting is written down once.
+Defaults the daemon's vocabulary (model.py) or the C scheduler core already
+state are taken from there, and the core's limits come from its header."""
 from __future__ import annotations
 
 import argparse
@@ -10,12 +12,26 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from cgpud._scheduler import lib as _sched
+from cgpud.api import DEFAULT_SOCKET
+from cgpud.contract import ENV_PREFIX, RELAY_DEFAULT_SOCKET
 from cgpud.daemon.model import ComputePolicy, ComputeTiming, NodeMode, NodePolicy, Orchestrator, Placement
 from cgpud.daemon.compute_policy import decode_compute_policies
 from cgpud.errors import UsageError
 
 DEFAULT_CONFIG = Path("/etc/cgpu/config.toml")
-MAX_SCHEDULED = 32  # CGPU_SCHED_MAX_TENANTS; tests/unit/test_compute_engine.py checks they agree
+MAX_SCHEDULED = _sched.CGPU_SCHED_MAX_TENANTS
+_MS = 1e6  # ns
+PERIOD_MS = (_sched.CGPU_SCHED_MIN_PERIOD_NS / _MS, _sched.CGPU_SCHED_MAX_PERIOD_NS / _MS)
+# The soft policy's bound (a lent share must come back within 100 ms); cgpud
+# holds every policy's slice to it.
+SLICE_MS = (_sched.CGPU_SCHED_MIN_SLICE_NS / _MS, _sched.CGPU_SCHED_SOFT_MAX_SLICE_NS / _MS)
+_NODE = NodePolicy()
+_TIMING = ComputeTiming()
+
+
+def _range(bounds: tuple[float, float]) -> str:
+    return f"{bounds[0]:g}-{bounds[1]:g}"
 
 
 def _setting(default: Any, help_text: str) -> Any:
@@ -24,33 +40,35 @@ def _setting(default: Any, help_text: str) -> Any:
 
 @dataclass(frozen=True)
 class DaemonConfig:
-    mode: NodeMode = _setting(NodeMode.CGPU, "node mode: default, share, cgpu, core_mem or mps")
-    placement: Placement = _setting(Placement.BINPACK, "binpack (fill one GPU first) or spread")
-    max_instances_per_gpu: int = _setting(20, "instances one GPU may hold")
-    core_step: int = _setting(5, "compute shares are multiples of this percentage (1-100)")
+    mode: NodeMode = _setting(_NODE.mode, "node mode: default, share, cgpu, core_mem or mps")
+    placement: Placement = _setting(_NODE.placement, "binpack (fill one GPU first) or spread")
+    max_instances_per_gpu: int = _setting(_NODE.max_instances_per_gpu, "instances one GPU may hold")
+    core_step: int = _setting(_NODE.core_step, "compute shares are multiples of this percentage (1-100)")
     compute_policy: ComputePolicy = _setting(
-        ComputePolicy.NATIVE, "0 fair, 1 preemptive, 2 weighted, 3 fixed, 4 soft, 5 native"
+        _NODE.compute_policy, ", ".join(f"{int(p)} {p.name.lower()}" for p in ComputePolicy)
     )
     gpu_compute_policy: str = _setting(
         "", "GPUs whose compute policy differs from compute_policy, as index=policy pairs: \"1=5 2=3\""
     )
     compute_period_ms: float = _setting(
-        100.0, "compute scheduling period: shares hold within each period (1-1000 ms)"
+        _TIMING.period_ns / _MS, f"compute scheduling period: shares hold within each period ({_range(PERIOD_MS)} ms)"
     )
     compute_slice_ms: float = _setting(
-        10.0, "longest time one instance holds a GPU before the scheduler decides again (0.01-20 ms)"
+        _TIMING.max_slice_ns / _MS,
+        f"longest time one instance holds a GPU before the scheduler decides again ({_range(SLICE_MS)} ms)",
     )
     high_priority_percent: int = _setting(
-        80, "share of each period high-priority instances may take ahead of the others (0-100)"
+        _TIMING.high_priority_percent,
+        "share of each period high-priority instances may take ahead of the others (0-100)",
     )
     state_dir: Path = _setting(Path("/var/lib/cgpud"), "instance table and instance regions")
-    socket: Path = _setting(Path("/run/cgpud/cgpud.sock"), "local API socket (root only)")
+    socket: Path = _setting(DEFAULT_SOCKET, "local API socket (root only)")
     relay_socket: Path = _setting(
-        Path("/run/cgpud/relay.sock"), "socket cgpu-runtime and cgpu-hook talk to on the container start path"
+        Path(RELAY_DEFAULT_SOCKET), "socket cgpu-runtime and cgpu-hook talk to on the container start path"
     )
     orchestrator: Orchestrator = _setting(
         Orchestrator.STANDALONE,
-        "standalone (containers may ask with ALIYUN_COM_GPU_* env) or kubernetes (only the device plugin's requests count)",
+        f"standalone (containers may ask with {ENV_PREFIX}_* env) or kubernetes (only the device plugin's requests count)",
     )
     sweep_interval: float = _setting(2.0, "seconds between checks for instances whose processes exited")
 
@@ -77,6 +95,8 @@ def _convert(name: str, kind: type, value: Any) -> Any:
             return kind(int(value)) if issubclass(kind, int) else kind(str(value))
         if kind is Path:
             return Path(str(value))
+        if kind is str and isinstance(value, str):
+            return value
         if kind is int and not isinstance(value, bool):
             return int(value)
         if kind is float and not isinstance(value, bool):
@@ -100,11 +120,11 @@ def validate(config: DaemonConfig) -> DaemonConfig:
         raise UsageError(f"max_instances_per_gpu must be at most {MAX_SCHEDULED} in core_mem mode "
                          "(the instances the compute scheduler takes per GPU)")
     config.policy()  # a bad gpu_compute_policy is refused at start, not at the first request
-    if not 1 <= config.compute_period_ms <= 1000:
-        raise UsageError("compute_period_ms must be between 1 and 1000")
-    # 20 ms is the soft policy's bound: a lent share must come back within 100 ms.
-    if not 0.01 <= config.compute_slice_ms <= min(20.0, config.compute_period_ms):
-        raise UsageError("compute_slice_ms must be between 0.01 and 20, and not longer than compute_period_ms")
+    if not PERIOD_MS[0] <= config.compute_period_ms <= PERIOD_MS[1]:
+        raise UsageError(f"compute_period_ms must be between {PERIOD_MS[0]:g} and {PERIOD_MS[1]:g}")
+    if not SLICE_MS[0] <= config.compute_slice_ms <= min(SLICE_MS[1], config.compute_period_ms):
+        raise UsageError(f"compute_slice_ms must be between {SLICE_MS[0]:g} and {SLICE_MS[1]:g}, "
+                         "and not longer than compute_period_ms")
     if not 0 <= config.high_priority_percent <= 100:
         raise UsageError("high_priority_percent must be between 0 and 100")
     if not 0.1 <= config.sweep_interval <= 3600:

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum, IntEnum
 
+from cgpud._scheduler import lib as _sched
+
 GIB = 1 << 30
 MIB = 1 << 20
 
@@ -36,14 +38,15 @@ class Orchestrator(str, Enum):
 
 
 class ComputePolicy(IntEnum):
-    """cGPU's numbering of compute policies."""
+    """cGPU's numbering of compute policies, as the scheduler core numbers
+    them (enum cgpu_sched_policy)."""
 
-    FAIR = 0
-    PREEMPTIVE = 1
-    WEIGHTED = 2
-    FIXED = 3
-    SOFT = 4
-    NATIVE = 5
+    FAIR = _sched.CGPU_SCHED_FAIR
+    PREEMPTIVE = _sched.CGPU_SCHED_PREEMPTIVE
+    WEIGHTED = _sched.CGPU_SCHED_WEIGHTED
+    FIXED = _sched.CGPU_SCHED_FIXED
+    SOFT = _sched.CGPU_SCHED_SOFT
+    NATIVE = _sched.CGPU_SCHED_NATIVE
 
 
 class InstanceState(str, Enum):
@@ -82,7 +85,8 @@ class GpuCapacity:
 
 @dataclass(frozen=True)
 class NodePolicy:
-    """Node settings that decide admission and placement."""
+    """Node settings that decide admission and placement. The defaults are
+    cgpud's (DaemonConfig takes them from here)."""
 
     mode: NodeMode = NodeMode.CGPU
     placement: Placement = Placement.BINPACK
@@ -98,10 +102,12 @@ class NodePolicy:
 
 @dataclass(frozen=True)
 class ComputeTiming:
-    """How the compute scheduler slices time; the same for every GPU."""
+    """How the compute scheduler slices time; the same for every GPU. The
+    defaults are cgpud's (DaemonConfig takes them from here), the core's own
+    where it has one."""
 
-    period_ns: int = 100_000_000
-    max_slice_ns: int = 10_000_000
+    period_ns: int = _sched.CGPU_SCHED_DEFAULT_PERIOD_NS
+    max_slice_ns: int = _sched.CGPU_SCHED_DEFAULT_SLICE_NS
     high_priority_percent: int = 80
 
 

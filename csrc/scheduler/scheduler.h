@@ -31,9 +31,10 @@
 #define CGPU_SCHED_MIN_SLICE_NS 10000
 #define CGPU_SCHED_SOFT_MAX_SLICE_NS 20000000
 
-/* What a GPU uses until it is configured: native, i.e. no compute control. */
+/* What a GPU uses until it is configured: native, i.e. no compute control.
+ * Also cgpud's defaults (compute_period_ms, compute_slice_ms). */
 #define CGPU_SCHED_DEFAULT_PERIOD_NS 100000000
-#define CGPU_SCHED_DEFAULT_SLICE_NS 5000000
+#define CGPU_SCHED_DEFAULT_SLICE_NS 10000000
 
 /* Policies, numbered as cGPU numbers them. "Reserved" time is held for its
  * tenant in every period and idles when that tenant has no work.

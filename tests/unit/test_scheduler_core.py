@@ -253,7 +253,7 @@ def test_fixed_tenant_joining_mid_period_settles_at_once():
     """Joining 37 ms into a period: every 200 ms window from the join on is
     within 5 points, for the newcomer and for the tenant already there. (A
     slice is the granularity: one 10 ms slice more or less is itself 5 points
-    of a 200 ms window, so this uses the core's default 5 ms.)"""
+    of a 200 ms window, so this uses Sim's 5 ms slices.)"""
     sim = Sim(FIXED)
     sim.add(Tenant(1, share=30, kernel=MIX))
     sim.at(1 * S + 37 * MS, lambda: sim.add(Tenant(2, share=70, kernel=200 * US)))
