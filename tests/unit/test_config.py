@@ -1,0 +1,24 @@
+"""cgpud's settings as the file and the flags give them."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cgpud.daemon import config
+from cgpud.daemon.model import ComputePolicy
+from cgpud.errors import UsageError
+
+
+def test_a_text_setting_is_read_from_the_file_and_the_flags(tmp_path: Path):
+    path = tmp_path / "config.toml"
+    path.write_text('mode = "core_mem"\ngpu_compute_policy = "1=3"\n')
+    assert config.load(path, {}).policy().policy_for(1) is ComputePolicy.FIXED
+    assert config.load(path, {"gpu_compute_policy": "1=4"}).policy().policy_for(1) is ComputePolicy.SOFT
+
+
+def test_a_text_setting_given_a_number_is_refused(tmp_path: Path):
+    path = tmp_path / "config.toml"
+    path.write_text("gpu_compute_policy = 3\n")
+    with pytest.raises(UsageError, match="setting gpu_compute_policy = 3 is not valid"):
+        config.load(path, {})
