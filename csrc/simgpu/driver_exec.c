@@ -95,20 +95,22 @@ SIM_EXPORT CUresult cuModuleLoadData(CUmodule *module, const void *image)
     return CUDA_SUCCESS;
 }
 
-static struct sim_module *module_of(CUmodule hmod)
-{
-    struct sim_module *m = (struct sim_module *)hmod;
-    return m && m->magic == MAGIC_MODULE ? m : NULL;
-}
-
-SIM_EXPORT CUresult cuModuleUnload(CUmodule hmod)
+/* The init check and handle lookup that open every module call. */
+static CUresult module_get(CUmodule hmod, struct sim_module **m)
 {
     CUresult rc = sim_check_init();
     if (rc)
         return rc;
-    struct sim_module *m = module_of(hmod);
-    if (!m)
-        return CUDA_ERROR_INVALID_HANDLE;
+    *m = (struct sim_module *)hmod;
+    return *m && (*m)->magic == MAGIC_MODULE ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+SIM_EXPORT CUresult cuModuleUnload(CUmodule hmod)
+{
+    struct sim_module *m;
+    CUresult rc = module_get(hmod, &m);
+    if (rc)
+        return rc;
     for (int i = 0; i < m->nfunc; i++)
         m->funcs[i].magic = MAGIC_DEAD;
     m->magic = MAGIC_DEAD;
@@ -119,12 +121,10 @@ SIM_EXPORT CUresult cuModuleUnload(CUmodule hmod)
 
 SIM_EXPORT CUresult cuModuleGetFunction(CUfunction *hfunc, CUmodule hmod, const char *name)
 {
-    CUresult rc = sim_check_init();
+    struct sim_module *m;
+    CUresult rc = module_get(hmod, &m);
     if (rc)
         return rc;
-    struct sim_module *m = module_of(hmod);
-    if (!m)
-        return CUDA_ERROR_INVALID_HANDLE;
     if (!hfunc || !name)
         return CUDA_ERROR_INVALID_VALUE;
     for (int i = 0; i < m->nfunc; i++) {
@@ -288,6 +288,16 @@ static struct sim_event *event_of(CUevent h)
     return e && e->magic == MAGIC_EVENT ? e : NULL;
 }
 
+/* The init check and handle lookup of the calls on an event alone. */
+static CUresult event_get(CUevent h, struct sim_event **e)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    *e = event_of(h);
+    return *e ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
 static CUresult stream_wait_event(CUstream h, CUevent ev, unsigned int flags, bool per_thread)
 {
     CUresult rc = sim_check_init();
@@ -334,12 +344,10 @@ SIM_EXPORT CUresult cuEventCreate(CUevent *phEvent, unsigned int Flags)
 
 SIM_EXPORT CUresult cuEventDestroy_v2(CUevent hEvent)
 {
-    CUresult rc = sim_check_init();
+    struct sim_event *e;
+    CUresult rc = event_get(hEvent, &e);
     if (rc)
         return rc;
-    struct sim_event *e = event_of(hEvent);
-    if (!e)
-        return CUDA_ERROR_INVALID_HANDLE;
     e->magic = MAGIC_DEAD;
     free(e);
     return CUDA_SUCCESS;
@@ -374,23 +382,19 @@ SIM_EXPORT CUresult cuEventRecord_ptsz(CUevent hEvent, CUstream hStream)
 
 SIM_EXPORT CUresult cuEventQuery(CUevent hEvent)
 {
-    CUresult rc = sim_check_init();
+    struct sim_event *e;
+    CUresult rc = event_get(hEvent, &e);
     if (rc)
         return rc;
-    struct sim_event *e = event_of(hEvent);
-    if (!e)
-        return CUDA_ERROR_INVALID_HANDLE;
     return atomic_load(&e->when) > sim_now_ns() ? CUDA_ERROR_NOT_READY : CUDA_SUCCESS;
 }
 
 SIM_EXPORT CUresult cuEventSynchronize(CUevent hEvent)
 {
-    CUresult rc = sim_check_init();
+    struct sim_event *e;
+    CUresult rc = event_get(hEvent, &e);
     if (rc)
         return rc;
-    struct sim_event *e = event_of(hEvent);
-    if (!e)
-        return CUDA_ERROR_INVALID_HANDLE;
     uint64_t when = atomic_load(&e->when);
     if (when > sim_now_ns())
         sim_sleep_until(when);

@@ -572,21 +572,31 @@ SIM_EXPORT CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t al
     return rc;
 }
 
-SIM_EXPORT CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size)
+/* Ends a reservation (only whole) or a mapping (whole whatever the size,
+ * dropping its handle's count). */
+static CUresult vmm_remove(CUdeviceptr ptr, size_t size, enum alloc_kind kind)
 {
     CUresult rc = sim_check_init();
     if (rc)
         return rc;
     pthread_mutex_lock(&sim_drv.lock);
-    struct alloc_entry *e = table_remove(ptr, ALLOC_RESERVED);
-    if (e && e->size != size) {
-        table_link(e); /* the whole reservation must be freed at once */
+    struct alloc_entry *e = table_remove(ptr, kind);
+    if (e && kind == ALLOC_RESERVED && e->size != size) {
+        table_link(e);
         e = NULL;
+    } else if (e && kind == ALLOC_MAPPED) {
+        e->handle->mappings--;
+        memhandle_maybe_free(e->handle);
     }
     pthread_mutex_unlock(&sim_drv.lock);
     rc = e ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
     free(e);
     return rc;
+}
+
+SIM_EXPORT CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size)
+{
+    return vmm_remove(ptr, size, ALLOC_RESERVED);
 }
 
 SIM_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
@@ -610,20 +620,7 @@ SIM_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemG
 
 SIM_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
-    pthread_mutex_lock(&sim_drv.lock);
-    struct alloc_entry *e = table_remove(ptr, ALLOC_MAPPED);
-    if (e) {
-        (void)size;
-        e->handle->mappings--;
-        memhandle_maybe_free(e->handle);
-    }
-    pthread_mutex_unlock(&sim_drv.lock);
-    rc = e ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
-    free(e);
-    return rc;
+    return vmm_remove(ptr, size, ALLOC_MAPPED);
 }
 
 SIM_EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count)
