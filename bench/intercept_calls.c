@@ -47,6 +47,9 @@
 #include "cgpu/cuda_abi.h"
 #include "cgpu/spin_kernel.h"
 
+#define CUDA_TOOL_NAME "intercept_calls"
+#include "cgpu/cuda_tool.h"
+
 /* The base names below resolve, at this version, to the variants typed here. */
 #define BENCH_CUDA_VERSION 12000
 #define WARMUP 1000
@@ -102,49 +105,14 @@ struct bench {
     CUresult failed_result;
 };
 
-
-static int fail(const char *fmt, ...)
-{
-    va_list ap;
-    fputs("intercept_calls: ", stderr);
-    va_start(ap, fmt);
-    vfprintf(stderr, fmt, ap);
-    va_end(ap);
-    fputc('\n', stderr);
-    return 2;
-}
-
-static const char *result_name(const struct bench *b, CUresult r)
-{
-    const char *s = NULL;
-    if (b->f.cuGetErrorName && b->f.cuGetErrorName(r, &s) == CUDA_SUCCESS && s)
-        return s;
-    return "CUDA_ERROR_UNRECOGNIZED";
-}
-
-#define SETUP(b, call, expr)                                                                 \
-    do {                                                                                     \
-        CUresult r_ = (expr);                                                                \
-        if (r_ != CUDA_SUCCESS) {                                                            \
-            fprintf(stderr, "intercept_calls: %s failed: %s (%d)\n", call, result_name(b, r_), \
-                    (int)r_);                                                                \
-            return 2;                                                                        \
-        }                                                                                    \
-    } while (0)
-
-/* POSIX: object and function pointers share a representation (dlsym relies
- * on it); copying the bytes avoids a cast ISO C leaves undefined. */
-_Static_assert(sizeof(void *) == sizeof(void (*)(void)), "dlsym needs same-size pointers");
-
 static int load_driver(struct bench *b, int by_dlsym, void **handle)
 {
-    __typeof__(&cuGetProcAddress_v2) get_proc;
-    void *dl = dlopen("libcuda.so.1", RTLD_NOW), *pfn;
-    if (!(*handle = dl))
-        return fail("cannot load libcuda.so.1: %s", dlerror());
-    if (!(pfn = dlsym(dl, "cuGetProcAddress_v2")))
-        return fail("cannot resolve cuGetProcAddress_v2: %s", dlerror());
-    memcpy(&get_proc, &pfn, sizeof pfn);
+    __typeof__(&cuGetProcAddress_v2) get_proc = NULL;
+    void *pfn;
+    int rc = open_driver(handle, &get_proc);
+    if (rc)
+        return rc;
+    void *dl = *handle;
 #define X(sym, base)                                                                           \
     {                                                                                          \
         CUdriverProcAddressQueryResult st = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;              \
@@ -351,7 +319,8 @@ int main(int argc, char **argv)
     print_origins(&b);
     printf(",\"error\":");
     if (b.failed_call)
-        printf("{\"call\":\"%s\",\"result\":\"%s\"}}\n", b.failed_call, result_name(&b, b.failed_result));
+        printf("{\"call\":\"%s\",\"result\":\"%s\"}}\n", b.failed_call,
+               result_name(b.f.cuGetErrorName, b.failed_result));
     else
         printf("null}\n");
     fflush(stdout);

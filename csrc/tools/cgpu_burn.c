@@ -27,6 +27,9 @@
 #include "cgpu/cuda_abi.h"
 #include "cgpu/spin_kernel.h"
 
+#define CUDA_TOOL_NAME "cgpu-burn"
+#include "cgpu/cuda_tool.h"
+
 /* Fixed rather than CUDA_VERSION: each base name must resolve to the variant
  * whose prototype is typed below, whichever header this is compiled with
  * (12000 gives cuGraphAddKernelNode_v2 and cuGraphInstantiateWithFlags). */
@@ -161,33 +164,6 @@ struct burn {
 };
 
 /* ---- helpers ------------------------------------------------------------ */
-
-static int fail(const char *fmt, ...)
-{
-    va_list ap;
-    fputs("cgpu-burn: ", stderr);
-    va_start(ap, fmt);
-    vfprintf(stderr, fmt, ap);
-    va_end(ap);
-    fputc('\n', stderr);
-    return 2;
-}
-
-static const char *result_name(const struct burn *b, CUresult r)
-{
-    const char *s = NULL;
-    if (b->f.cuGetErrorName && b->f.cuGetErrorName(r, &s) == CUDA_SUCCESS && s)
-        return s;
-    return "CUDA_ERROR_UNRECOGNIZED";
-}
-
-/* A setup step: on failure, one line naming the call, and exit code 2. */
-#define SETUP(b, call, expr)                                                      \
-    do {                                                                          \
-        CUresult r_ = (expr);                                                     \
-        if (r_ != CUDA_SUCCESS)                                                   \
-            return fail("%s failed: %s (%d)", call, result_name(b, r_), (int)r_); \
-    } while (0)
 
 /* Records a failure of the run (not of setup); true if r is success. */
 static bool check(struct burn *b, const char *call, CUresult r)
@@ -385,19 +361,13 @@ static void *lookup(const struct burn *b, __typeof__(&cuGetProcAddress_v2) get_p
     return NULL;
 }
 
-/* POSIX guarantees object and function pointers share a representation
- * (dlsym relies on it); copying the bytes avoids a cast ISO C leaves open. */
-_Static_assert(sizeof(void *) == sizeof(void (*)(void)), "dlsym needs same-size pointers");
-
 static int load_driver(struct burn *b)
 {
-    __typeof__(&cuGetProcAddress_v2) get_proc;
-    if (!(b->dl = dlopen("libcuda.so.1", RTLD_NOW)))
-        return fail("cannot load libcuda.so.1: %s", dlerror());
-    void *pfn = dlsym(b->dl, "cuGetProcAddress_v2");
-    if (!pfn)
-        return fail("cannot resolve cuGetProcAddress_v2 in libcuda.so.1: %s", dlerror());
-    memcpy(&get_proc, &pfn, sizeof pfn);
+    __typeof__(&cuGetProcAddress_v2) get_proc = NULL;
+    void *pfn;
+    int rc = open_driver(&b->dl, &get_proc);
+    if (rc)
+        return rc;
 #define X(sym, base, ptsz)                                   \
     if (!(pfn = lookup(b, get_proc, #sym, #base, ptsz)))     \
         return 2;                                            \
@@ -773,12 +743,12 @@ static void print_alloc(const struct burn *b)
         printf("%s%zu", i ? "," : "", o->sizes[i]);
     printf("],\"results\":[");
     for (size_t i = 0; i < o->nsizes; i++)
-        printf("%s\"%s\"", i ? "," : "", result_name(b, b->results[i]));
+        printf("%s\"%s\"", i ? "," : "", result_name(b->f.cuGetErrorName, b->results[i]));
     printf("],\"granted_bytes\":%zu,\"until_fail_chunk\":%zu,\"until_fail_count\":%zu,"
            "\"until_fail_bytes\":%zu,\"until_fail_result\":",
            b->granted, o->until_fail_chunk, b->uf_count, b->uf_bytes);
     if (o->until_fail_chunk)
-        printf("\"%s\"},", result_name(b, b->uf_result));
+        printf("\"%s\"},", result_name(b->f.cuGetErrorName, b->uf_result));
     else
         printf("null},");
 }
@@ -821,7 +791,7 @@ static void print_report(const struct burn *b)
            o->per_thread ? "true" : "false");
     for (size_t i = 0; i < b->nerrors; i++)
         printf("%s{\"call\":\"%s\",\"result\":\"%s\"}", i ? "," : "", b->error_calls[i],
-               result_name(b, b->error_results[i]));
+               result_name(b->f.cuGetErrorName, b->error_results[i]));
     printf("]}\n");
 }
 
