@@ -1,0 +1,421 @@
+"""The device plugin over real gRPC on real unix sockets, with the test
+playing the kubelet: it serves v1beta1.Registration on kubelet.sock, takes
+the Register calls, dials the plugin's sockets back and calls what a
+kubelet calls; a kubelet restart is played the way a kubelet does it.
+
+Allocate's real work is H6's allocator (cgpud/kube/allocator.py, tested
+with it); here a small recording allocator stands in for it, only to test
+the gRPC plumbing around it: the tests that use it say so in their names."""
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import stat
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import grpc
+import pytest
+
+from cgpud.api.k8s.deviceplugin.v1beta1 import api_pb2 as pb
+from cgpud.api.k8s.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
+from cgpud.daemon.model import GpuCapacity, NodeMode, Placement
+from cgpud.errors import AdmissionError
+from cgpud.kube.model import AllocationError, ContainerAllocation, MountSpec, Resource
+from cgpud.kube.plugin import DevicePlugin, PluginSettings
+from cgpud.kube.resources import SOCKET_NAMES
+from cgpud.units import GIB
+
+UUID0 = "GPU-6a1e0c55-0000-4c3e-8f00-000000000000"
+UUID1 = "GPU-6a1e0c55-1111-4c3e-8f00-111111111111"
+GPUS = (GpuCapacity(0, UUID0, 16 * GIB), GpuCapacity(1, UUID1, 8 * GIB))
+WAIT = 10.0  # seconds any one expected event may take
+
+
+class Kubelet(pb_grpc.RegistrationServicer):
+    """The kubelet's side: Registration on <dir>/kubelet.sock."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.registered: queue.Queue[pb.RegisterRequest] = queue.Queue()
+        self.refuse: str | None = None
+        self._server: grpc.Server | None = None
+
+    @property
+    def socket(self) -> Path:
+        return self.directory / "kubelet.sock"
+
+    def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.Empty:
+        if self.refuse is not None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, self.refuse)
+        self.registered.put(request)
+        return pb.Empty()
+
+    def start(self) -> Kubelet:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._server = grpc.server(ThreadPoolExecutor(max_workers=4))
+        pb_grpc.add_RegistrationServicer_to_server(self, self._server)
+        assert self._server.add_insecure_port(f"unix:{self.socket}") != 0
+        self._server.start()
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop(None).wait(WAIT)
+            self._server = None
+        self.socket.unlink(missing_ok=True)
+
+    def restart(self) -> None:
+        """What a kubelet restart does to the directory: its socket goes,
+        every plugin socket is deleted, a new kubelet.sock appears."""
+        self.stop()
+        for path in self.directory.glob("*.sock"):
+            path.unlink()
+        self.start()
+
+    def take_registrations(self, count: int) -> list[pb.RegisterRequest]:
+        return [self.registered.get(timeout=WAIT) for _ in range(count)]
+
+
+class RecordingAllocator:
+    """Stands in for H6's allocator in the plumbing tests only: records the
+    calls and answers with a fixed allocation or raises what it is told."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Resource, tuple[str, ...]]] = []
+        self.error: Exception | None = None
+
+    def allocate(self, resource: Resource, device_ids: Sequence[str]) -> ContainerAllocation:
+        self.calls.append((resource, tuple(device_ids)))
+        if self.error is not None:
+            raise self.error
+        return ContainerAllocation(
+            cdi_devices=(f"cgpu.io/gpu=test-{len(self.calls)}",),
+            envs={"ALIYUN_COM_GPU_MEM_CONTAINER": str(len(device_ids))},
+            mounts=(MountSpec("/host/region", "/run/cgpu/region"),),
+            annotations={"cgpu.io/instance": f"test-{len(self.calls)}"},
+        )
+
+
+@pytest.fixture
+def directory() -> Iterator[Path]:
+    # Short: a unix socket path has 107 bytes, pytest's tmp_path can be longer.
+    path = Path(tempfile.mkdtemp(prefix="dp-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def kubelet(directory: Path) -> Iterator[Kubelet]:
+    k = Kubelet(directory).start()
+    yield k
+    k.stop()
+
+
+@pytest.fixture
+def allocator() -> RecordingAllocator:
+    return RecordingAllocator()
+
+
+@pytest.fixture
+def plugin(directory: Path, kubelet: Kubelet, allocator: RecordingAllocator) -> Iterator[DevicePlugin]:
+    p = DevicePlugin(PluginSettings(directory, watch_interval=0.1, register_timeout=2.0), allocator,
+                     mode=NodeMode.CGPU, placement=Placement.BINPACK, gpus=GPUS).start()
+    kubelet.take_registrations(len(Resource))
+    yield p
+    p.stop(grace=0.5)
+
+
+def stub(directory: Path, resource: Resource) -> pb_grpc.DevicePluginStub:
+    channel = grpc.insecure_channel(f"unix:{directory / SOCKET_NAMES[resource]}")
+    return pb_grpc.DevicePluginStub(channel)
+
+
+def eventually(check: Callable[[], bool]) -> bool:
+    deadline = time.monotonic() + WAIT
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def ends(stream: Iterator[pb.ListAndWatchResponse]) -> bool:
+    """The stream closes (the plugin ends it, or its server goes) before
+    its deadline, with no further list."""
+    try:
+        for _ in stream:
+            return False
+    except grpc.RpcError as e:
+        return e.code() != grpc.StatusCode.DEADLINE_EXCEEDED
+    return True
+
+
+def devices(response: pb.ListAndWatchResponse) -> dict[str, str]:
+    return {d.ID: d.health for d in response.devices}
+
+
+def test_registers_every_resource_with_the_kubelet(directory: Path, kubelet: Kubelet,
+                                                   allocator: RecordingAllocator) -> None:
+    p = DevicePlugin(PluginSettings(directory, watch_interval=0.1), allocator,
+                     mode=NodeMode.CGPU, placement=Placement.BINPACK, gpus=GPUS).start()
+    try:
+        got = kubelet.take_registrations(len(Resource))
+        assert {r.resource_name for r in got} == {r.value for r in Resource}
+        for r in got:
+            assert r.version == "v1beta1"
+            assert r.endpoint == SOCKET_NAMES[Resource(r.resource_name)]
+            assert "/" not in r.endpoint  # relative to the kubelet's directory
+            assert r.options.get_preferred_allocation_available and not r.options.pre_start_required
+            # The kubelet dials it; nobody else may (Allocate makes instances).
+            mode = (directory / r.endpoint).stat().st_mode
+            assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600
+        options = stub(directory, Resource.GPU_MEM).GetDevicePluginOptions(pb.Empty(), timeout=WAIT)
+        assert options.get_preferred_allocation_available
+        assert kubelet.registered.empty()  # once per kubelet, not once per watch round
+        time.sleep(0.5)
+        assert kubelet.registered.empty()
+    finally:
+        p.stop(grace=0.5)
+
+
+def test_list_and_watch_sends_the_modes_lists_then_a_health_change(directory: Path, plugin: DevicePlugin) -> None:
+    stream = stub(directory, Resource.GPU_MEM).ListAndWatch(pb.Empty(), timeout=WAIT)
+    first = devices(next(stream))
+    assert len(first) == 16 + 8 and set(first.values()) == {"Healthy"}
+    assert f"{UUID0}-_-15" in first and f"{UUID1}-_-7" in first
+
+    plugin.update(health={0: True, 1: False})
+    second = devices(next(stream))
+    assert sorted(i for i, h in second.items() if h == "Unhealthy") == sorted(f"{UUID1}-_-{j}" for j in range(8))
+    assert sum(1 for h in second.values() if h == "Healthy") == 16
+
+    plugin.update(health={})  # recovered
+    assert set(devices(next(stream)).values()) == {"Healthy"}
+    stream.cancel()
+
+
+def test_other_modes_resources_advertise_no_devices(directory: Path, plugin: DevicePlugin) -> None:
+    counts = {}
+    for resource in Resource:
+        stream = stub(directory, resource).ListAndWatch(pb.Empty(), timeout=WAIT)
+        counts[resource] = len(next(stream).devices)
+        stream.cancel()
+    assert counts == {Resource.GPU_MEM: 24, Resource.GPU_COUNT: 2, Resource.GPU_CORE: 0,
+                      Resource.GPU_TOPOLOGY: 0, Resource.NVIDIA_GPU: 0}
+
+
+def test_a_mode_change_moves_capacity(directory: Path, plugin: DevicePlugin) -> None:
+    mem = stub(directory, Resource.GPU_MEM).ListAndWatch(pb.Empty(), timeout=WAIT)
+    whole = stub(directory, Resource.NVIDIA_GPU).ListAndWatch(pb.Empty(), timeout=WAIT)
+    core = stub(directory, Resource.GPU_CORE).ListAndWatch(pb.Empty(), timeout=WAIT)
+    assert len(next(mem).devices) == 24 and len(next(whole).devices) == 0 and len(next(core).devices) == 0
+
+    plugin.update(mode=NodeMode.CORE_MEM)
+    assert len(next(core).devices) == 200  # memory lists did not change: no resend needed there
+
+    plugin.update(mode=NodeMode.DEFAULT)
+    assert len(next(mem).devices) == 0
+    assert set(devices(next(whole))) == {UUID0, UUID1}
+    assert len(next(core).devices) == 0
+    for s in (mem, whole, core):
+        s.cancel()
+
+
+def test_an_inventory_change_is_sent(directory: Path, plugin: DevicePlugin) -> None:
+    count = stub(directory, Resource.GPU_COUNT).ListAndWatch(pb.Empty(), timeout=WAIT)
+    assert set(devices(next(count))) == {UUID0, UUID1}
+    plugin.update(gpus=GPUS[:1])
+    assert set(devices(next(count))) == {UUID0}
+    count.cancel()
+
+
+def test_get_preferred_allocation_packs_one_gpu(directory: Path, plugin: DevicePlugin) -> None:
+    available = [f"{UUID0}-_-{j}" for j in range(4, 16)] + [f"{UUID1}-_-{j}" for j in range(3, 8)]
+    request = pb.PreferredAllocationRequest(container_requests=[
+        pb.ContainerPreferredAllocationRequest(available_deviceIDs=available, allocation_size=4),
+        pb.ContainerPreferredAllocationRequest(available_deviceIDs=available, allocation_size=6),
+    ])
+    answer = stub(directory, Resource.GPU_MEM).GetPreferredAllocation(request, timeout=WAIT)
+    first, second = (list(r.deviceIDs) for r in answer.container_responses)
+    assert first == [f"{UUID1}-_-{j}" for j in range(3, 7)]  # binpack: the fuller GPU that fits
+    assert second == [f"{UUID0}-_-{j}" for j in range(4, 10)]  # 6 do not fit on GPU 1
+
+    plugin.update(placement=Placement.SPREAD)
+    answer = stub(directory, Resource.GPU_MEM).GetPreferredAllocation(request, timeout=WAIT)
+    assert list(answer.container_responses[0].deviceIDs) == [f"{UUID0}-_-{j}" for j in range(4, 8)]
+
+
+def test_allocate_plumbing_passes_ids_to_the_allocator_and_its_answer_back(
+    directory: Path, plugin: DevicePlugin, allocator: RecordingAllocator
+) -> None:
+    ids = [f"{UUID1}-_-0", f"{UUID1}-_-1"]
+    request = pb.AllocateRequest(container_requests=[
+        pb.ContainerAllocateRequest(devices_ids=ids),
+        pb.ContainerAllocateRequest(devices_ids=[f"{UUID0}-_-3"]),
+    ])
+    answer = stub(directory, Resource.GPU_MEM).Allocate(request, timeout=WAIT)
+    assert allocator.calls == [(Resource.GPU_MEM, tuple(ids)), (Resource.GPU_MEM, (f"{UUID0}-_-3",))]
+    first, second = answer.container_responses
+    assert [d.name for d in first.cdi_devices] == ["cgpu.io/gpu=test-1"]
+    assert [d.name for d in second.cdi_devices] == ["cgpu.io/gpu=test-2"]
+    assert dict(first.envs) == {"ALIYUN_COM_GPU_MEM_CONTAINER": "2"}
+    assert [(m.host_path, m.container_path, m.read_only) for m in first.mounts] == [
+        ("/host/region", "/run/cgpu/region", True)]
+    assert dict(first.annotations) == {"cgpu.io/instance": "test-1"}
+    assert len(first.devices) == 0  # no device nodes: CDI or the mounts carry everything
+
+    pre = stub(directory, Resource.GPU_MEM).PreStartContainer(pb.PreStartContainerRequest(devices_ids=ids),
+                                                              timeout=WAIT)
+    assert pre == pb.PreStartContainerResponse()
+
+
+@pytest.mark.parametrize(
+    "error,code",
+    [
+        (AllocationError("no pod on node n1 is assumed for 2 GiB of aliyun.com/gpu-mem"),
+         grpc.StatusCode.INVALID_ARGUMENT),
+        (AdmissionError("2 GiB does not fit on GPU 1 (1 GiB free)"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+    ],
+)
+def test_allocate_plumbing_turns_allocator_errors_into_statuses_with_their_message(
+    directory: Path, plugin: DevicePlugin, allocator: RecordingAllocator, error: Exception, code: grpc.StatusCode
+) -> None:
+    allocator.error = error
+    request = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=[f"{UUID0}-_-0"])])
+    with pytest.raises(grpc.RpcError) as caught:
+        stub(directory, Resource.GPU_MEM).Allocate(request, timeout=WAIT)
+    assert caught.value.code() == code
+    assert caught.value.details() == str(error)
+
+
+@pytest.mark.parametrize(
+    "resource,ids",
+    [
+        (Resource.GPU_MEM, [f"{UUID1}-_-8"]),  # GPU 1 has 8 GiB: units 0..7
+        (Resource.GPU_MEM, ["GPU-not-on-this-node-_-0"]),
+        (Resource.GPU_CORE, [f"{UUID0}-_-c0"]),  # cgpu mode advertises no compute shares
+        (Resource.GPU_MEM, []),
+    ],
+)
+def test_allocate_of_unknown_device_ids_is_refused_before_the_allocator(
+    directory: Path, plugin: DevicePlugin, allocator: RecordingAllocator, resource: Resource, ids: list[str]
+) -> None:
+    request = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)])
+    with pytest.raises(grpc.RpcError) as caught:
+        stub(directory, resource).Allocate(request, timeout=WAIT)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert resource.value in caught.value.details()
+    if ids:
+        assert ids[0] in caught.value.details()
+    assert allocator.calls == []
+
+
+def test_kubelet_restart_brings_a_new_registration_and_fresh_sockets(
+    directory: Path, kubelet: Kubelet, plugin: DevicePlugin
+) -> None:
+    old = stub(directory, Resource.GPU_MEM).ListAndWatch(pb.Empty(), timeout=WAIT)
+    assert len(next(old).devices) == 24
+    before = plugin.registrations
+
+    kubelet.restart()
+    again = kubelet.take_registrations(len(Resource))
+    assert {r.resource_name for r in again} == {r.value for r in Resource}
+    for r in again:
+        assert (directory / r.endpoint).exists()
+    assert eventually(lambda: plugin.registrations == before + 1)
+    # The old stream belonged to the old kubelet: it ends.
+    assert ends(old)
+    # The new kubelet gets the lists on the new sockets.
+    fresh = stub(directory, Resource.GPU_MEM).ListAndWatch(pb.Empty(), timeout=WAIT)
+    assert len(next(fresh).devices) == 24
+    fresh.cancel()
+
+
+def test_a_deleted_plugin_socket_alone_is_served_and_registered_again(
+    directory: Path, kubelet: Kubelet, plugin: DevicePlugin
+) -> None:
+    (directory / SOCKET_NAMES[Resource.GPU_CORE]).unlink()
+    again = kubelet.take_registrations(len(Resource))
+    assert {r.resource_name for r in again} == {r.value for r in Resource}
+    options = stub(directory, Resource.GPU_CORE).GetDevicePluginOptions(pb.Empty(), timeout=WAIT)
+    assert options.get_preferred_allocation_available
+
+
+def test_a_refused_registration_is_retried_until_the_kubelet_accepts(
+    directory: Path, kubelet: Kubelet, allocator: RecordingAllocator
+) -> None:
+    kubelet.refuse = "resource name already registered"
+    p = DevicePlugin(PluginSettings(directory, watch_interval=0.1), allocator,
+                     mode=NodeMode.CGPU, placement=Placement.BINPACK, gpus=GPUS).start()
+    try:
+        time.sleep(0.5)
+        assert p.registrations == 0 and kubelet.registered.empty()
+        kubelet.refuse = None
+        assert len(kubelet.take_registrations(len(Resource))) == len(Resource)
+    finally:
+        p.stop(grace=0.5)
+
+
+def test_no_kubelet_yet_means_waiting_then_registering(directory: Path, allocator: RecordingAllocator) -> None:
+    p = DevicePlugin(PluginSettings(directory, watch_interval=0.1), allocator,
+                     mode=NodeMode.DEFAULT, placement=Placement.BINPACK, gpus=GPUS).start()
+    k = Kubelet(directory)
+    try:
+        time.sleep(0.3)
+        assert not list(directory.glob("cgpu-*.sock"))  # nothing served before a kubelet is there
+        k.start()
+        got = k.take_registrations(len(Resource))
+        assert {r.resource_name for r in got} == {r.value for r in Resource}
+    finally:
+        p.stop(grace=0.5)
+        k.stop()
+
+
+def test_stop_is_bounded_and_ends_open_streams(directory: Path, kubelet: Kubelet,
+                                               allocator: RecordingAllocator) -> None:
+    p = DevicePlugin(PluginSettings(directory, watch_interval=0.1), allocator,
+                     mode=NodeMode.CGPU, placement=Placement.BINPACK, gpus=GPUS).start()
+    kubelet.take_registrations(len(Resource))
+    stream = stub(directory, Resource.GPU_MEM).ListAndWatch(pb.Empty(), timeout=WAIT)
+    next(stream)
+    ended = threading.Event()
+
+    def drain() -> None:
+        try:
+            for _ in stream:
+                pass
+        except grpc.RpcError:
+            pass
+        ended.set()
+
+    threading.Thread(target=drain, daemon=True).start()
+    start = time.monotonic()
+    p.stop(grace=0.5)
+    assert time.monotonic() - start < 3.0
+    assert ended.wait(WAIT)
+    assert not list(directory.glob("cgpu-*.sock"))  # its own sockets removed
+    assert kubelet.socket.exists()  # never the kubelet's
+
+
+def test_an_unknown_mode_update_changes_nothing(directory: Path, plugin: DevicePlugin) -> None:
+    from cgpud.errors import UsageError
+
+    with pytest.raises(UsageError, match="unknown node mode"):
+        plugin.update(mode="exclusive", gpus=GPUS[:1])
+    assert len(plugin.devices(Resource.GPU_MEM)) == 24
+    assert len(plugin.devices(Resource.GPU_COUNT)) == 2
+
+
+def test_socket_paths_longer_than_a_unix_socket_allows_are_refused(allocator: RecordingAllocator) -> None:
+    from cgpud.errors import UsageError
+
+    long_dir = Path("/tmp") / ("d" * 100)
+    with pytest.raises(UsageError, match="too long"):
+        DevicePlugin(PluginSettings(long_dir), allocator, mode=NodeMode.CGPU, placement=Placement.BINPACK, gpus=GPUS)
+    assert not os.path.exists(long_dir)
