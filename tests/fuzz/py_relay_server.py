@@ -115,7 +115,7 @@ def send(conn: socket.socket, data: bytes) -> None:
         conn.sendall(data)
         conn.shutdown(socket.SHUT_WR)
     except OSError:
-        pass  # the server stopped reading (a request over MAX_REQUEST)
+        pass  # the server stopped reading (a request over RELAY_MAX_REQUEST)
 
 
 def main() -> None:
