@@ -304,7 +304,7 @@ class DevicePlugin:
             else:
                 self._problem("no kubelet socket yet: waiting for the kubelet", socket=str(self.kubelet_socket))
             return
-        ours_intact = self._endpoints and all(
+        ours_intact = len(self._endpoints) == len(Resource) and all(
             (ident := _socket_identity(e.path)) is not None and ident[:2] == e.inode for e in self._endpoints.values()
         )
         if ours_intact and kubelet == self._registered_with:

@@ -16,6 +16,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -56,8 +57,6 @@ class Kubelet(pb_grpc.RegistrationServicer):
         return pb.Empty()
 
     def start(self) -> Kubelet:
-        from concurrent.futures import ThreadPoolExecutor
-
         self._server = grpc.server(ThreadPoolExecutor(max_workers=4))
         pb_grpc.add_RegistrationServicer_to_server(self, self._server)
         assert self._server.add_insecure_port(f"unix:{self.socket}") != 0
@@ -419,3 +418,40 @@ def test_socket_paths_longer_than_a_unix_socket_allows_are_refused(allocator: Re
     with pytest.raises(UsageError, match="too long"):
         DevicePlugin(PluginSettings(long_dir), allocator, mode=NodeMode.CGPU, placement=Placement.BINPACK, gpus=GPUS)
     assert not os.path.exists(long_dir)
+
+
+def test_sockets_a_killed_cgpud_left_are_replaced(directory: Path, kubelet: Kubelet,
+                                                  allocator: RecordingAllocator) -> None:
+    import socket
+
+    stale = directory / SOCKET_NAMES[Resource.GPU_MEM]
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(stale))
+    s.close()  # the file stays, nothing answers on it
+    p = DevicePlugin(PluginSettings(directory, watch_interval=0.1), allocator,
+                     mode=NodeMode.CGPU, placement=Placement.BINPACK, gpus=GPUS).start()
+    try:
+        kubelet.take_registrations(len(Resource))
+        stream = stub(directory, Resource.GPU_MEM).ListAndWatch(pb.Empty(), timeout=WAIT)
+        assert len(next(stream).devices) == 24
+        stream.cancel()
+    finally:
+        p.stop(grace=0.5)
+
+
+def test_a_socket_another_live_server_holds_is_not_taken(directory: Path, kubelet: Kubelet,
+                                                         allocator: RecordingAllocator) -> None:
+    held = directory / SOCKET_NAMES[Resource.GPU_COUNT]
+    other = grpc.server(ThreadPoolExecutor(max_workers=1))  # another cgpud, say
+    assert other.add_insecure_port(f"unix:{held}") != 0
+    other.start()
+    p = DevicePlugin(PluginSettings(directory, watch_interval=0.1), allocator,
+                     mode=NodeMode.CGPU, placement=Placement.BINPACK, gpus=GPUS).start()
+    try:
+        time.sleep(0.5)
+        assert kubelet.registered.empty()  # half a plugin is not registered
+        p.stop(grace=0.5)
+        assert held.exists()  # stopping removes only its own sockets
+    finally:
+        p.stop(grace=0.5)
+        other.stop(None).wait(WAIT)
