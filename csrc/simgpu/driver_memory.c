@@ -367,15 +367,23 @@ SIM_EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream)
     return free_async(dptr, hStream, true);
 }
 
-static CUresult pool_alloc(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream,
-                           bool per_thread)
+/* The init check and handle lookup that open the calls on a pool. */
+static CUresult pool_get(CUmemoryPool pool, struct sim_pool **p)
 {
     CUresult rc = sim_check_init();
     if (rc)
         return rc;
-    struct sim_pool *p = (struct sim_pool *)pool;
-    if (!p || p->magic != MAGIC_POOL)
-        return CUDA_ERROR_INVALID_VALUE;
+    *p = (struct sim_pool *)pool;
+    return *p && (*p)->magic == MAGIC_POOL ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+static CUresult pool_alloc(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream,
+                           bool per_thread)
+{
+    struct sim_pool *p;
+    CUresult rc = pool_get(pool, &p);
+    if (rc)
+        return rc;
     struct sim_stream *s;
     rc = sim_resolve_stream(hStream, per_thread, &s);
     return rc ? rc : alloc_device(dptr, bytesize, p->dev);
@@ -426,12 +434,10 @@ SIM_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *po
 
 SIM_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
 {
-    CUresult rc = sim_check_init();
+    struct sim_pool *p;
+    CUresult rc = pool_get(pool, &p);
     if (rc)
         return rc;
-    struct sim_pool *p = (struct sim_pool *)pool;
-    if (!p || p->magic != MAGIC_POOL)
-        return CUDA_ERROR_INVALID_VALUE;
     if (p >= sim_drv.default_pool && p < sim_drv.default_pool + SIM_MAX_GPUS)
         return CUDA_ERROR_INVALID_VALUE;
     p->magic = MAGIC_DEAD;
