@@ -34,6 +34,7 @@ def _same(source: object, *names: str) -> dict[str, object]:
 # Scalar fields an instance carries under one name in the model and the message.
 _INSTANCE_SCALARS = ("id", "state", "enforced", "weight", "priority", "boot_id", "created", "updated")
 _REQUEST_SCALARS = ("core_percent", "weight", "priority")
+_NODE_SCALARS = ("hostname", "address", "driver_version")
 
 
 # ---- owner, grant, instance ------------------------------------------------------
@@ -187,9 +188,7 @@ def gpu_usage_from_pb(msg: pb.GpuUsage) -> model.GpuUsage:
 
 def node_info_to_pb(info: model.NodeInfo) -> pb.NodeInfo:
     return pb.NodeInfo(
-        hostname=info.hostname,
-        address=info.address,
-        driver_version=info.driver_version,
+        **_same(info, *_NODE_SCALARS),
         policy=policy_to_pb(info.policy),
         gpus=[gpu_usage_to_pb(g) for g in info.gpus],
     )
@@ -197,9 +196,7 @@ def node_info_to_pb(info: model.NodeInfo) -> pb.NodeInfo:
 
 def node_info_from_pb(msg: pb.NodeInfo) -> model.NodeInfo:
     return model.NodeInfo(
-        hostname=msg.hostname,
-        address=msg.address,
-        driver_version=msg.driver_version,
+        **_same(msg, *_NODE_SCALARS),  # type: ignore[arg-type]
         policy=policy_from_pb(msg.policy),
         gpus=tuple(gpu_usage_from_pb(g) for g in msg.gpus),
     )
