@@ -1,11 +1,12 @@
 """cffi out-of-line API build of the region operations as cgpud._region.
 
 The declarations are derived from the headers themselves (the layout in
-include/cgpu/region.h, the operations in region.h, the Python helpers in
-region_py.h), so Python and C cannot drift. Every constant's value comes from
-the C compiler: plain integers stay `#define NAME N` (cffi needs them to size
-arrays and checks them against C at import), the rest become
-`static const T NAME;` read from C."""
+include/cgpu/region.h, the relay protocol's constants in
+include/cgpu/relay_wire.h, the operations in region_ops.h, the ones only cgpud
+needs in region_cgpud.h), so Python and C cannot drift. Every constant's
+value comes from the C compiler: plain integers stay `#define NAME N` (cffi
+needs them to size arrays and checks them against C at import), the rest
+become `static const T NAME;` read from C."""
 from __future__ import annotations
 
 import re
@@ -15,10 +16,11 @@ from cffi import FFI
 
 HERE = Path(__file__).resolve().parent
 INCLUDE = HERE.parent / "include"
-HEADERS = (INCLUDE / "cgpu" / "region.h", HERE / "region.h", HERE / "region_py.h", HERE / "guard.h")
+HEADERS = (INCLUDE / "cgpu" / "region.h", INCLUDE / "cgpu" / "relay_wire.h", HERE / "region_ops.h",
+           HERE / "region_cgpud.h", HERE / "guard.h")
 
 # cffi does not parse _Atomic. The plain integer types have the same size and
-# alignment (asserted in region_py.c), so the layout cffi computes is right.
+# alignment (asserted in region_cgpud.c), so the layout cffi computes is right.
 ATOMIC_MACRO = "CGPU_ATOMIC"
 
 _DEFINE = re.compile(r"#\s*define\s+(\w+)(\(.*?\))?(?:\s+(.*))?")
@@ -70,12 +72,13 @@ ffibuilder.cdef("".join(cdef_from_header(h) for h in HEADERS))
 ffibuilder.set_source(
     "cgpud._region",
     # The wrapper sees the same plain-integer layout as the cdef, so cffi's
-    # generated field checks compile; region.c and region_py.c keep _Atomic.
-    f"#define {ATOMIC_MACRO}\n" '#include "region.h"\n#include "region_py.h"\n#include "guard.h"\n',
+    # generated field checks compile; region.c and region_cgpud.c keep _Atomic.
+    f"#define {ATOMIC_MACRO}\n" '#include "region_ops.h"\n#include "region_cgpud.h"\n#include "guard.h"\n'
+    '#include "cgpu/relay_wire.h"\n',
     # setuptools wants sources relative to setup.py, which sits two levels up.
     # guard.c: this module's own SIGBUS guard for the usage files cgpud maps;
     # hidden, so it never binds to the scheduler module's copy.
-    sources=["csrc/region/region.c", "csrc/region/region_py.c", "csrc/region/guard.c"],
+    sources=["csrc/region/region.c", "csrc/region/region_cgpud.c", "csrc/region/guard.c"],
     include_dirs=[str(HERE), str(INCLUDE)],
     extra_compile_args=["-std=c11", "-Wall", "-Wextra", "-Werror", "-fvisibility=hidden"],
 )
