@@ -205,6 +205,7 @@ class _Endpoint:
     resource: Resource
     path: Path
     server: grpc.Server
+    pool: ThreadPoolExecutor
     stopped: threading.Event
     inode: tuple[int, int]
 
@@ -291,7 +292,9 @@ class DevicePlugin:
         while not self._stop.is_set():
             try:
                 self._reconcile()
-            except Exception as e:  # keep watching: the next look may succeed
+            except CgpuError as e:  # keep watching: the next look may succeed
+                self._problem("device plugin cannot serve yet; retrying", error=str(e))
+            except Exception as e:  # a bug: keep its traceback, and keep watching
                 self._problem("device plugin round failed", error=f"{type(e).__name__}: {e}", exc_info=True)
             self._stop.wait(self._settings.watch_interval)
 
@@ -328,8 +331,8 @@ class DevicePlugin:
         path = self.socket_path(resource)
         remove_stale_socket(path, self._log)
         stopped = threading.Event()
-        server = grpc.server(ThreadPoolExecutor(max_workers=self._settings.max_workers,
-                                                thread_name_prefix=f"cgpud-dp-{path.stem}"))
+        pool = ThreadPoolExecutor(max_workers=self._settings.max_workers, thread_name_prefix=f"cgpud-dp-{path.stem}")
+        server = grpc.server(pool)
         pb_grpc.add_DevicePluginServicer_to_server(
             DevicePluginServicer(resource, self._state, self._allocator, stopped), server)
         try:
@@ -340,9 +343,10 @@ class DevicePlugin:
             st = path.lstat()
         except (RuntimeError, OSError) as e:
             server.stop(None)
+            pool.shutdown(wait=False)
             raise CgpuError(f"cannot serve the device plugin for {resource.value} on {path}: {e}") from e
         server.start()
-        return _Endpoint(resource, path, server, stopped, (st.st_dev, st.st_ino))
+        return _Endpoint(resource, path, server, pool, stopped, (st.st_dev, st.st_ino))
 
     def _stop_endpoints(self, grace: float) -> None:
         endpoints, self._endpoints = list(self._endpoints.values()), {}
@@ -352,6 +356,7 @@ class DevicePlugin:
         done = [e.server.stop(grace) for e in endpoints]
         for e, event in zip(endpoints, done):
             event.wait(grace + 1.0)
+            e.pool.shutdown(wait=False)  # grpc leaves its pool to its owner
             try:  # ours only: the inode tells it from a newer server's socket
                 if e.path.lstat().st_ino == e.inode[1]:
                     e.path.unlink()

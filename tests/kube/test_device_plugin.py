@@ -400,6 +400,8 @@ def test_stop_is_bounded_and_ends_open_streams(directory: Path, kubelet: Kubelet
     assert ended.wait(WAIT)
     assert not list(directory.glob("cgpu-*.sock"))  # its own sockets removed
     assert kubelet.socket.exists()  # never the kubelet's
+    assert eventually(lambda: not [t for t in threading.enumerate()
+                                   if t.name.startswith(("cgpud-dp-", "cgpud-device-plugin"))])
 
 
 def test_an_unknown_mode_update_changes_nothing(directory: Path, plugin: DevicePlugin) -> None:
