@@ -18,18 +18,8 @@ from typing import Any
 import pytest
 
 from cgpud import atomicfile
-from cgpud.daemon.model import (
-    GIB,
-    GpuCapacity,
-    Grant,
-    Instance,
-    InstanceState,
-    NodeMode,
-    NodePolicy,
-    Owner,
-    OwnerKind,
-    Request,
-)
+from cgpud.daemon.model import (GIB, GpuCapacity, Grant, Instance, InstanceState, NodeMode, NodePolicy, Owner,
+                                OwnerKind, Request)
 from cgpud.daemon.service import InstanceService
 from cgpud.daemon.store import Store
 from cgpud.errors import CgpuError, StateError, UsageError
