@@ -73,7 +73,8 @@ def test_the_daemonset_has_only_real_fields_and_what_cgpud_needs():
     # Host paths at the same paths: CDI specs and Allocate mounts name them for the host.
     host = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"]}
     assert all(host[m["name"]] == m["mountPath"] for m in container["volumeMounts"])
-    assert pod["nodeSelector"]
+    [term] = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert term["matchExpressions"] == [{"key": "ack.node.gpu.schedule", "operator": "Exists"}]
 
 
 def test_rbac_grants_what_the_agent_calls(tmp_path):
