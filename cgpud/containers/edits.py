@@ -17,7 +17,9 @@ from typing import Any
 
 from cgpud.daemon.model import GIB, Instance
 from cgpud.errors import UsageError
-from cgpud.containers.request import CONTAINER_REGION, ENV_CORE
+from cgpud.containers.request import (CONTAINER_REGION, ENV_CORE, ENV_MEMORY, ENV_MEMORY_DEV, ENV_MEMORY_INDEX,
+                                      ENV_MEMORY_POD)
+from cgpud.daemon.region import USAGE_FILE
 
 CONTAINER_LIBRARY = "/usr/local/cgpu/libcgpu.so"
 PRELOAD = "/etc/ld.so.preload"
@@ -29,10 +31,10 @@ ANNOTATION = "cgpu.io/instance"  # informative only; never read back as input
 
 # Set for applications; replaced wherever the spec already had them.
 APP_ENV = (
-    "ALIYUN_COM_GPU_MEM_CONTAINER",
-    "ALIYUN_COM_GPU_MEM_DEV",
-    "ALIYUN_COM_GPU_MEM_IDX",
-    "ALIYUN_COM_GPU_MEM_POD",
+    ENV_MEMORY,
+    ENV_MEMORY_DEV,
+    ENV_MEMORY_INDEX,
+    ENV_MEMORY_POD,
     "NVIDIA_VISIBLE_DEVICES",
     ENV_CORE,
 )
@@ -84,10 +86,10 @@ def application_env(instance: Instance, gpu_memory: Mapping[int, int]) -> dict[s
     grants = instance.grants
     mem = str(sum(g.memory for g in grants) // GIB)
     env = {
-        "ALIYUN_COM_GPU_MEM_CONTAINER": mem,
-        "ALIYUN_COM_GPU_MEM_DEV": str(gpu_memory[grants[0].gpu_index] // GIB),
-        "ALIYUN_COM_GPU_MEM_IDX": ",".join(str(g.gpu_index) for g in grants),
-        "ALIYUN_COM_GPU_MEM_POD": mem,
+        ENV_MEMORY: mem,
+        ENV_MEMORY_DEV: str(gpu_memory[grants[0].gpu_index] // GIB),
+        ENV_MEMORY_INDEX: ",".join(str(g.gpu_index) for g in grants),
+        ENV_MEMORY_POD: mem,
         "NVIDIA_VISIBLE_DEVICES": ",".join(g.gpu_uuid for g in grants),
     }
     if grants[0].core_percent:
@@ -102,7 +104,7 @@ def instance_edits(instance: Instance, region: Path, gpu_memory: Mapping[int, in
     if instance.enforced:
         mounts = (
             Mount(str(region), CONTAINER_REGION, read_only=True),
-            Mount(str(region / "usage"), f"{CONTAINER_REGION}/usage", read_only=False),
+            Mount(str(region / USAGE_FILE), f"{CONTAINER_REGION}/{USAGE_FILE}", read_only=False),
             Mount(str(files.library), CONTAINER_LIBRARY, read_only=True, exec_ok=True),
             Mount(str(files.preload), PRELOAD, read_only=True),
         )

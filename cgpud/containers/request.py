@@ -27,6 +27,10 @@ from cgpud.errors import UsageError
 # The runtime shim sends a bundle to cgpud only if its config holds
 # ENV_PREFIX (or a claim): every name a request is read from starts so.
 ENV_MEMORY = f"{ENV_PREFIX}_MEM_CONTAINER"  # GiB per GPU
+# Outputs for applications only (ACK sets them too); never read as a request.
+ENV_MEMORY_DEV = f"{ENV_PREFIX}_MEM_DEV"  # GiB of the physical GPU
+ENV_MEMORY_INDEX = f"{ENV_PREFIX}_MEM_IDX"
+ENV_MEMORY_POD = f"{ENV_PREFIX}_MEM_POD"
 ENV_CORE = f"{ENV_PREFIX}_CORE_PERCENTAGE"  # aliyun.com/gpu-core.percentage
 ENV_COUNT = f"{ENV_PREFIX}_COUNT"  # aliyun.com/gpu-count
 ENV_WEIGHT = f"{ENV_PREFIX}_SCHD_WEIGHT"
