@@ -45,6 +45,18 @@ def _sim_reset(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sim_fault(args: argparse.Namespace) -> int:
+    fault = simulator.Fault(gpu=args.gpu, xid=args.xid, lost=args.lost, recover=args.recover)
+    fault.sim_stat_args()  # a bad fault is refused before any file is written
+    if os.environ.get("CGPU_SIM_CONFIG") and os.environ.get("CGPU_SIM_STATE"):
+        files = simulator.SimFiles(Path(os.environ["CGPU_SIM_CONFIG"]), Path(os.environ["CGPU_SIM_STATE"]))
+    else:
+        files = simulator.write_config(_machine(args))
+    state = simulator.inject_fault(files, fault)
+    print(f"gpu {state['index']}: {'lost' if state['lost'] else 'on the bus'}, {state['xids']} XIDs reported")
+    return 0
+
+
 def _sim_demo(args: argparse.Namespace) -> int:
     from cgpud.cli import simdemo
 
@@ -297,6 +309,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_machine_options(reset)
     reset.add_argument("--state", help="state file to clear")
     reset.set_defaults(handler=_sim_reset)
+    fault = sim_verbs.add_parser(
+        "fault",
+        help="inject a GPU fault: an XID, the GPU falling off the bus, or a reset",
+        description="Acts on the machine of $CGPU_SIM_CONFIG and $CGPU_SIM_STATE, else on the one the options "
+                    "describe. Example: cgpuctl sim fault --gpu 1 --xid 48; cgpuctl sim fault --gpu 1 --lost; "
+                    "cgpuctl sim fault --gpu 1 --recover",
+    )
+    _add_machine_options(fault)
+    fault.add_argument("--gpu", type=int, required=True, help="GPU index, as nvidia-smi shows it")
+    kind = fault.add_mutually_exclusive_group(required=True)
+    kind.add_argument("--xid", type=int, help="report this XID (1-999) as an NVML event")
+    kind.add_argument("--lost", action="store_true",
+                      help="the GPU falls off the bus: XID 79, then NVML answers GPU_IS_LOST")
+    kind.add_argument("--recover", action="store_true", help="bring a lost GPU back, as a reset does")
+    fault.set_defaults(handler=_sim_fault)
     demo = sim_verbs.add_parser("demo", help="run two workloads sharing one simulated GPU and report")
     _add_machine_options(demo)
     demo.add_argument("--seconds", type=float, default=2.0, help="how long each workload runs (default 2)")

@@ -4,12 +4,14 @@ the simulation itself lives in csrc/simgpu."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from cgpud.errors import UsageError
+from cgpud.errors import CgpuError, UsageError
 from cgpud.native import native_path
 from cgpud.units import GIB, MIB
 
@@ -100,3 +102,45 @@ def reset(state: Path) -> bool:
     except FileNotFoundError:
         return False
     return True
+
+
+MAX_XID = 999  # NVML reports 999 for an XID it cannot name
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault to inject into a simulated GPU: an XID, the GPU falling off
+    the bus (reported as XID 79, then NVML answers GPU_IS_LOST), or a reset
+    that brings a lost GPU back."""
+
+    gpu: int
+    xid: int | None = None
+    lost: bool = False
+    recover: bool = False
+
+    def sim_stat_args(self) -> list[str]:
+        """cgpu-sim-stat's arguments for the fault; checks it first."""
+        if self.gpu < 0:
+            raise UsageError(f"--gpu must be 0 or more, got {self.gpu}")
+        if (self.xid is not None) + self.lost + self.recover != 1:
+            raise UsageError("give exactly one of --xid N, --lost, --recover")
+        if self.xid is not None:
+            if not 1 <= self.xid <= MAX_XID:
+                raise UsageError(f"--xid must be between 1 and {MAX_XID}, got {self.xid}")
+            return ["--xid", str(self.gpu), str(self.xid)]
+        return ["--lost" if self.lost else "--recover", str(self.gpu)]
+
+
+def inject_fault(files: SimFiles, fault: Fault) -> dict[str, object]:
+    """Inject `fault` into the machine of `files`; returns the GPU's fault
+    state as the simulator reports it ({"index", "lost", "xids"})."""
+    args = fault.sim_stat_args()
+    env = dict(os.environ, CGPU_SIM_CONFIG=str(files.config), CGPU_SIM_STATE=str(files.state))
+    proc = subprocess.run([str(native_path("bin/cgpu-sim-stat")), *args], env=env, capture_output=True, text=True,
+                          timeout=30)
+    if proc.returncode != 0:
+        message = proc.stderr.strip().removeprefix("cgpu-sim-stat: ")
+        raise (UsageError if proc.returncode == 2 else CgpuError)(f"cannot inject the fault: {message}")
+    state: dict[str, object] = json.loads(proc.stdout)
+    return state
+

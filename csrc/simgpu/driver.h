@@ -48,6 +48,7 @@ struct sim_ctx {
     uint64_t limit[3];            /* cuCtxSetLimit values by CUlimit; 0: the default */
     uint64_t limit_charged;       /* device bytes they hold beyond the defaults */
     struct sim_stream legacy;     /* the NULL stream */
+    uint64_t lost_count;          /* the GPU's loss count when the context was made */
 };
 
 struct sim_event {

@@ -505,6 +505,17 @@ bool sim_ctx_valid(const struct sim_ctx *ctx)
     return ctx && ctx->magic == MAGIC_CTX;
 }
 
+/* A GPU that fell off the bus fails every call that needs it with
+ * CUDA_ERROR_UNKNOWN (what applications report after an XID 79), and a
+ * context from before the loss stays broken after the GPU is back. */
+static CUresult gpu_usable(int phys, const struct sim_ctx *ctx)
+{
+    const struct sim_state *st = sim_drv.shared.st;
+    if (sim_gpu_lost(st, phys) || (ctx && ctx->lost_count != sim_gpu_lost_count(st, phys)))
+        return CUDA_ERROR_UNKNOWN;
+    return CUDA_SUCCESS;
+}
+
 CUresult sim_require_ctx(struct sim_ctx **out)
 {
     CUresult rc = sim_check_init();
@@ -513,6 +524,9 @@ CUresult sim_require_ctx(struct sim_ctx **out)
     struct sim_ctx *ctx = sim_current_ctx();
     if (!sim_ctx_valid(ctx))
         return CUDA_ERROR_INVALID_CONTEXT;
+    rc = gpu_usable(ctx->dev, ctx);
+    if (rc)
+        return rc;
     *out = ctx;
     return CUDA_SUCCESS;
 }
@@ -537,8 +551,12 @@ SIM_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
         return rc;
     if (!pctx)
         return CUDA_ERROR_INVALID_VALUE;
+    rc = gpu_usable(phys, NULL);
+    if (rc)
+        return rc;
     pthread_mutex_lock(&sim_drv.lock);
-    sim_drv.primary_refs[phys]++;
+    if (sim_drv.primary_refs[phys]++ == 0)
+        sim_drv.primary[phys].lost_count = sim_gpu_lost_count(sim_drv.shared.st, phys);
     pthread_mutex_unlock(&sim_drv.lock);
     mark_gpu_in_use(phys);
     *pctx = (CUcontext)&sim_drv.primary[phys];
@@ -618,10 +636,14 @@ static CUresult create_ctx(CUcontext *pctx, unsigned int flags, CUdevice dev)
         return rc;
     if (!pctx || (flags & ~0xffu))
         return CUDA_ERROR_INVALID_VALUE;
+    rc = gpu_usable(phys, NULL);
+    if (rc)
+        return rc;
     struct sim_ctx *ctx = calloc(1, sizeof(*ctx));
     if (!ctx)
         return CUDA_ERROR_OUT_OF_MEMORY;
-    *ctx = (struct sim_ctx){.magic = MAGIC_CTX, .dev = phys, .flags = flags};
+    *ctx = (struct sim_ctx){.magic = MAGIC_CTX, .dev = phys, .flags = flags,
+                            .lost_count = sim_gpu_lost_count(sim_drv.shared.st, phys)};
     ctx->legacy = (struct sim_stream){.magic = MAGIC_STREAM, .ctx = ctx};
     rc = push_ctx(ctx);
     if (rc) {

@@ -1,10 +1,14 @@
 /* cgpu-sim-stat: the simulated GPUs' shared state as one JSON object, for
- * tests and for people looking at a demo.
+ * tests and for people looking at a demo; and the faults a test injects.
  *
  *   cgpu-sim-stat                              GPUs, live processes, now_ns
  *   cgpu-sim-stat --busy GPU FROM TO           device busy ns in [FROM, TO)
  *   cgpu-sim-stat --sample GPU INTERVAL_MS N   N JSON lines, one per interval
+ *   cgpu-sim-stat --xid GPU XID                the GPU reports an XID (NVML event)
+ *   cgpu-sim-stat --lost GPU                   the GPU falls off the bus (XID 79)
+ *   cgpu-sim-stat --recover GPU                the GPU is back (a reset)
  *
+ * A fault prints the GPU's state as {"index", "lost", "xids"}.
  * Times are CLOCK_MONOTONIC ns, the clock of the state's records. Reaps dead
  * processes first, as any user of the state may. Exit 1 if the state cannot
  * be attached, 2 on a usage error; one line on stderr either way. */
@@ -57,8 +61,10 @@ static void print_state(struct sim_handle *h)
         json_string(c->uuid, sizeof(c->uuid));
         printf(",\"name\":");
         json_string(c->name, sizeof(c->name));
-        printf(",\"total\":%" PRIu64 ",\"used\":%" PRIu64 ",\"busy_total_ns\":%" PRIu64 "}", c->total_mem,
-               atomic_load(&st->gpu[g].used), atomic_load(&st->gpu[g].busy_total));
+        printf(",\"total\":%" PRIu64 ",\"used\":%" PRIu64 ",\"busy_total_ns\":%" PRIu64
+               ",\"lost\":%s,\"xids\":%" PRIu64 "}",
+               c->total_mem, atomic_load(&st->gpu[g].used), atomic_load(&st->gpu[g].busy_total),
+               sim_gpu_lost(st, (int)g) ? "true" : "false", atomic_load(&st->gpu[g].fault.xid_head));
     }
     printf("],\"procs\":[");
     int first = 1;
@@ -480,16 +486,28 @@ static int parse_u64(const char *s, uint64_t *out)
     return 0;
 }
 
+static void print_fault(const struct sim_state *st, int gpu)
+{
+    printf("{\"index\":%d,\"lost\":%s,\"xids\":%" PRIu64 "}\n", gpu, sim_gpu_lost(st, gpu) ? "true" : "false",
+           atomic_load(&st->gpu[gpu].fault.xid_head));
+}
+
 int main(int argc, char **argv)
 {
-    uint64_t gpu = 0, from = 0, to = 0, interval_ms = 0, count = 0;
-    int busy = argc > 1 && strcmp(argv[1], "--busy") == 0;
-    int sample = argc > 1 && strcmp(argv[1], "--sample") == 0;
-    if ((argc != 1 && !busy && !sample) ||
+    uint64_t gpu = 0, from = 0, to = 0, interval_ms = 0, count = 0, xid = 0;
+    const char *mode = argc > 1 ? argv[1] : "";
+    int busy = strcmp(mode, "--busy") == 0, sample = strcmp(mode, "--sample") == 0;
+    int fault_xid = strcmp(mode, "--xid") == 0, lost = strcmp(mode, "--lost") == 0;
+    int recover = strcmp(mode, "--recover") == 0;
+    if ((argc != 1 && !busy && !sample && !fault_xid && !lost && !recover) ||
         (busy && (argc != 5 || parse_u64(argv[2], &gpu) || parse_u64(argv[3], &from) || parse_u64(argv[4], &to))) ||
         (sample && (argc != 5 || parse_u64(argv[2], &gpu) || parse_u64(argv[3], &interval_ms) ||
-                    parse_u64(argv[4], &count) || interval_ms == 0 || interval_ms > UINT64_MAX / 2000000ULL))) {
-        fprintf(stderr, "usage: cgpu-sim-stat [--busy GPU FROM_NS TO_NS | --sample GPU INTERVAL_MS COUNT]\n");
+                    parse_u64(argv[4], &count) || interval_ms == 0 || interval_ms > UINT64_MAX / 2000000ULL)) ||
+        /* NVML reports 999 for an XID it cannot name: any number up to that. */
+        (fault_xid && (argc != 4 || parse_u64(argv[2], &gpu) || parse_u64(argv[3], &xid) || xid == 0 || xid > 999)) ||
+        ((lost || recover) && (argc != 3 || parse_u64(argv[2], &gpu)))) {
+        fprintf(stderr, "usage: cgpu-sim-stat [--busy GPU FROM_NS TO_NS | --sample GPU INTERVAL_MS COUNT | "
+                        "--xid GPU XID(1-999) | --lost GPU | --recover GPU]\n");
         return 2;
     }
     struct sim_handle h;
@@ -498,14 +516,20 @@ int main(int argc, char **argv)
         fprintf(stderr, "cgpu-sim-stat: %s\n", err);
         return 1;
     }
-    if ((busy || sample) && gpu >= h.st->config.gpu_count) {
+    if (argc > 2 && gpu >= h.st->config.gpu_count) {
         fprintf(stderr, "cgpu-sim-stat: no GPU %" PRIu64 ": the machine has %u\n", gpu, h.st->config.gpu_count);
         sim_detach(&h);
         return 2;
     }
     sim_reap_dead(&h);
     int rc = 0;
-    if (sample)
+    if (fault_xid || lost || recover) {
+        if (fault_xid)
+            sim_fault_xid(h.st, (int)gpu, xid);
+        else
+            sim_fault_set_lost(h.st, (int)gpu, lost);
+        print_fault(h.st, (int)gpu);
+    } else if (sample)
         rc = run_sample(h.st, (int)gpu, interval_ms, count);
     else if (busy)
         print_busy(h.st, (int)gpu, from, to);

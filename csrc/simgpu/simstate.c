@@ -5,12 +5,15 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
+#include <linux/futex.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -344,4 +347,74 @@ bool sim_busy_between(const struct sim_state *st, int gpu, uint64_t from, uint64
     if (n_pids)
         *n_pids = found;
     return head <= SIM_RING || oldest <= from;
+}
+
+/* ---- faults ---------------------------------------------------------------- */
+
+static void fault_changed(struct sim_state *st)
+{
+    atomic_fetch_add(&st->fault_epoch, 1);
+    /* Every process maps the file: a shared (not private) futex wakes them
+     * all. A poster killed before this line leaves waiters to their timeout. */
+    syscall(SYS_futex, (uint32_t *)&st->fault_epoch, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+void sim_fault_xid(struct sim_state *st, int gpu, uint64_t xid)
+{
+    struct sim_gpu_fault *f = &st->gpu[gpu].fault;
+    uint64_t idx = atomic_fetch_add(&f->xid_head, 1);
+    struct sim_xid_record *r = &f->xid[idx % SIM_XID_RING];
+    atomic_store(&r->seq, 0);
+    atomic_store(&r->xid, xid);
+    atomic_store_explicit(&r->seq, idx + 1, memory_order_release);
+    fault_changed(st);
+}
+
+void sim_fault_set_lost(struct sim_state *st, int gpu, bool lost)
+{
+    struct sim_gpu_fault *f = &st->gpu[gpu].fault;
+    if (lost) {
+        /* Lost before the XID is seen: whoever reacts to XID 79 finds the
+         * GPU already off the bus, as on a real host. */
+        if (atomic_exchange(&f->lost, 1) == 0)
+            atomic_fetch_add(&f->lost_count, 1);
+        sim_fault_xid(st, gpu, SIM_XID_GPU_LOST);
+    } else {
+        atomic_store(&f->lost, 0);
+        fault_changed(st);
+    }
+}
+
+bool sim_gpu_lost(const struct sim_state *st, int gpu)
+{
+    return atomic_load(&st->gpu[gpu].fault.lost) != 0;
+}
+
+uint64_t sim_gpu_lost_count(const struct sim_state *st, int gpu)
+{
+    return atomic_load(&st->gpu[gpu].fault.lost_count);
+}
+
+int sim_xid_read(const struct sim_state *st, int gpu, uint64_t seq, uint64_t *xid)
+{
+    const struct sim_xid_record *r = &st->gpu[gpu].fault.xid[seq % SIM_XID_RING];
+    uint64_t got = atomic_load_explicit(&r->seq, memory_order_acquire);
+    if (got > seq + 1)
+        return -1;
+    if (got != seq + 1)
+        return 0;
+    uint64_t v = atomic_load(&r->xid);
+    if (atomic_load(&r->seq) != seq + 1)
+        return -1; /* reused while we read it */
+    *xid = v;
+    return 1;
+}
+
+int sim_fault_wait(struct sim_state *st, uint32_t seen, uint64_t timeout_ns)
+{
+    struct timespec ts = {.tv_sec = (time_t)(timeout_ns / 1000000000ULL), .tv_nsec = (long)(timeout_ns % 1000000000ULL)};
+    /* FUTEX_WAIT returns at once if the epoch already moved (EAGAIN). */
+    if (syscall(SYS_futex, (uint32_t *)&st->fault_epoch, FUTEX_WAIT, seen, &ts, NULL, 0) != 0 && errno == EINTR)
+        return -1;
+    return 0;
 }

@@ -17,10 +17,12 @@
 #include <stdint.h>
 
 #define SIM_MAGIC 0x31305453554d4953ULL /* "SIMUST01" */
-#define SIM_VERSION 1
+#define SIM_VERSION 2
 #define SIM_MAX_GPUS 16
 #define SIM_MAX_PROCS 512
 #define SIM_RING 8192 /* execution records kept per GPU */
+#define SIM_XID_RING 64 /* recent XIDs kept per GPU for NVML event sets */
+#define SIM_XID_GPU_LOST 79 /* "GPU has fallen off the bus" */
 #define SIM_NAME_LEN 96
 #define SIM_UUID_LEN 80
 #define SIM_BUSID_LEN 32
@@ -61,12 +63,29 @@ struct sim_exec_record {
     _Atomic int32_t pid;
 };
 
+/* One XID the GPU reported. Written once per use of its ring slot. */
+struct sim_xid_record {
+    _Atomic uint64_t seq;         /* index + 1 once published */
+    _Atomic uint64_t xid;
+};
+
+/* Faults injected into a GPU (cgpu-sim-stat --xid, --lost, --recover): what
+ * a real GPU's driver reports through NVML events and GPU_IS_LOST errors. */
+struct sim_gpu_fault {
+    _Atomic uint64_t xid_head;    /* XIDs ever reported */
+    _Atomic uint32_t lost;        /* 1 while the GPU is off the bus */
+    _Atomic uint32_t reserved;
+    _Atomic uint64_t lost_count;  /* times it was lost: contexts from before a loss stay broken */
+    struct sim_xid_record xid[SIM_XID_RING];
+};
+
 struct sim_gpu_live {
     _Atomic uint64_t used;        /* bytes held by all processes */
     _Atomic uint64_t busy_until;  /* CLOCK_MONOTONIC ns when queued work ends */
     _Atomic uint64_t busy_total;  /* device ns ever scheduled */
     _Atomic uint64_t ring_head;
     struct sim_exec_record ring[SIM_RING];
+    struct sim_gpu_fault fault;
 };
 
 enum sim_slot_state { SIM_SLOT_FREE = 0, SIM_SLOT_CLAIMING = 1, SIM_SLOT_LIVE = 2 };
@@ -89,6 +108,10 @@ struct sim_state {
     struct sim_config config;
     struct sim_gpu_live gpu[SIM_MAX_GPUS];
     struct sim_proc_slot proc[SIM_MAX_PROCS];
+    /* Bumped on every fault change; a futex word that NVML event waits
+     * sleep on (shared mapping, so not FUTEX_PRIVATE). */
+    _Atomic uint32_t fault_epoch;
+    uint32_t reserved;
 };
 
 /* Byte offset of the lock that keeps process slot i alive. The lock bytes lie
@@ -144,6 +167,23 @@ struct sim_pid_busy {
  * `from`. Lock-free; safe while others write. */
 bool sim_busy_between(const struct sim_state *st, int gpu, uint64_t from, uint64_t to, uint64_t *total,
                       struct sim_pid_busy *per_pid, int cap, int *n_pids);
+
+/* Faults. sim_fault_xid reports an XID on `gpu`; sim_fault_set_lost takes
+ * the GPU off the bus (reporting XID 79) or brings it back (a reset). Both
+ * wake every NVML event wait. Lock-free. */
+void sim_fault_xid(struct sim_state *st, int gpu, uint64_t xid);
+void sim_fault_set_lost(struct sim_state *st, int gpu, bool lost);
+bool sim_gpu_lost(const struct sim_state *st, int gpu);
+uint64_t sim_gpu_lost_count(const struct sim_state *st, int gpu);
+
+/* XID number `seq` (0-based, below xid_head) of `gpu`: 1 and *xid when
+ * published, 0 while its writer is still writing, -1 when the ring has
+ * reused its slot (the reader fell more than SIM_XID_RING behind). */
+int sim_xid_read(const struct sim_state *st, int gpu, uint64_t seq, uint64_t *xid);
+
+/* Sleep until fault_epoch differs from `seen`, at most timeout_ns. 0 when
+ * woken or timed out, -1 if a signal interrupted the sleep. */
+int sim_fault_wait(struct sim_state *st, uint32_t seen, uint64_t timeout_ns);
 
 uint64_t sim_now_ns(void);
 void sim_sleep_until(uint64_t t_ns);

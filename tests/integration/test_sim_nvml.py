@@ -331,7 +331,7 @@ def test_sim_stat_shape_matches_nvml(native, sim_env):
     assert set(stat) == {"gpus", "procs", "now_ns"}
     assert [(g["index"], g["uuid"]) for g in stat["gpus"]] == list(enumerate(uuids))
     for g in stat["gpus"]:
-        assert set(g) == {"index", "uuid", "name", "total", "used", "busy_total_ns"}
+        assert set(g) == {"index", "uuid", "name", "total", "used", "busy_total_ns", "lost", "xids"}
         assert (g["name"], g["total"], g["used"], g["busy_total_ns"]) == ("NVIDIA H100 80GB HBM3", 16 * GIB, 0, 0)
     assert stat["procs"] == []
     assert isinstance(stat["now_ns"], int) and stat["now_ns"] > 0
