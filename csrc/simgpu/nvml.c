@@ -14,6 +14,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -32,6 +33,7 @@ _Static_assert(sizeof(nvmlProcessInfo_v1_t) == 16, "nvmlProcessInfo_v1_t layout"
 _Static_assert(sizeof(nvmlProcessInfo_t) == 24, "nvmlProcessInfo_t layout");
 _Static_assert(sizeof(nvmlProcessUtilizationSample_t) == 32, "nvmlProcessUtilizationSample_t layout");
 _Static_assert(nvmlMemory_v2 == 0x02000028, "nvmlMemory_v2");
+_Static_assert(sizeof(nvmlEventData_t) == 32, "nvmlEventData_t layout");
 
 /* Window of nvmlDeviceGetUtilizationRates and the longest window of
  * nvmlDeviceGetProcessUtilization: the 1/6 s - 1 s real drivers sample. */
@@ -149,8 +151,8 @@ static bool ready(void)
     return atomic_load(&g_refs) > 0;
 }
 
-/* Resolves a handle to its GPU; the first check of every device query. */
-static nvmlReturn_t lookup(nvmlDevice_t device, unsigned int *gpu)
+/* Resolves a handle to its GPU without asking the GPU anything. */
+static nvmlReturn_t lookup_handle(nvmlDevice_t device, unsigned int *gpu)
 {
     if (!ready())
         return NVML_ERROR_UNINITIALIZED;
@@ -161,6 +163,24 @@ static nvmlReturn_t lookup(nvmlDevice_t device, unsigned int *gpu)
         }
     }
     return NVML_ERROR_INVALID_ARGUMENT;
+}
+
+/* The first check of every device query: a GPU off the bus answers
+ * nothing, as the real driver's queries fail with GPU_IS_LOST. */
+static nvmlReturn_t lookup(nvmlDevice_t device, unsigned int *gpu)
+{
+    nvmlReturn_t rc = lookup_handle(device, gpu);
+    return rc == NVML_SUCCESS && sim_gpu_lost(g_sim.st, (int)*gpu) ? NVML_ERROR_GPU_IS_LOST : rc;
+}
+
+/* A handle lookup's answer for GPU i: NVIDIA documents GPU_IS_LOST for the
+ * GetHandleBy* calls, and nvidia-smi shows exactly that for a lost GPU. */
+static nvmlReturn_t give_handle(unsigned int i, nvmlDevice_t *device)
+{
+    if (sim_gpu_lost(g_sim.st, (int)i))
+        return NVML_ERROR_GPU_IS_LOST;
+    *device = &g_dev[i];
+    return NVML_SUCCESS;
 }
 
 /* lookup() for a query that writes through `out`. */
@@ -247,8 +267,7 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlD
         return NVML_ERROR_UNINITIALIZED;
     if (device == NULL || index >= g_cfg.gpu_count)
         return NVML_ERROR_INVALID_ARGUMENT;
-    *device = &g_dev[index];
-    return NVML_SUCCESS;
+    return give_handle(index, device);
 }
 
 NVML_ALIAS(nvmlDeviceGetHandleByIndex, nvmlDeviceGetHandleByIndex_v2, (unsigned int index, nvmlDevice_t *device))
@@ -260,10 +279,8 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_
     if (uuid == NULL || device == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
     for (unsigned int i = 0; i < g_cfg.gpu_count; i++) {
-        if (strcmp(uuid, g_cfg.gpu[i].uuid) == 0) {
-            *device = &g_dev[i];
-            return NVML_SUCCESS;
-        }
+        if (strcmp(uuid, g_cfg.gpu[i].uuid) == 0)
+            return give_handle(i, device);
     }
     return NVML_ERROR_NOT_FOUND;
 }
@@ -313,10 +330,8 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetHandleByPciBusId_v2(const char *pciBusId, 
         return NVML_ERROR_INVALID_ARGUMENT;
     for (unsigned int i = 0; i < g_cfg.gpu_count && fn == 0; i++) {
         const struct sim_gpu_config *g = &g_cfg.gpu[i];
-        if (g->pci_domain == domain && g->pci_bus == bus && g->pci_device == dev) {
-            *device = &g_dev[i];
-            return NVML_SUCCESS;
-        }
+        if (g->pci_domain == domain && g->pci_bus == bus && g->pci_device == dev)
+            return give_handle(i, device);
     }
     return NVML_ERROR_NOT_FOUND;
 }
@@ -745,4 +760,172 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo_v2(nvmlDevice_t device
         return NVML_ERROR_NOT_SUPPORTED; /* nothing at the end of a link that is down */
     fill_pci(pci, (unsigned int)peer);
     return NVML_SUCCESS;
+}
+
+/* ---- events ------------------------------------------------------------------
+ *
+ * The simulation raises one kind of event: XIDs, posted to a per-GPU ring in
+ * the shared state (cgpu-sim-stat --xid, --lost). An event set remembers, per
+ * GPU, the next XID it delivers, starting from the ones posted after it
+ * registered: every set in every process sees each XID once. A set that
+ * falls more than SIM_XID_RING behind skips the oldest, as a real driver's
+ * event queue overflows. */
+
+#define EVENT_SET_MAGIC 0x45565331u
+/* What a data-centre GPU reports as supported; of these the simulation only
+ * ever raises XIDs. */
+#define SUPPORTED_EVENTS                                                                                  \
+    ((unsigned long long)(nvmlEventTypeSingleBitEccError | nvmlEventTypeDoubleBitEccError |               \
+                          nvmlEventTypePState | nvmlEventTypeXidCriticalError | nvmlEventTypeClock))
+
+struct nvmlEventSet_st {
+    uint32_t magic;
+    /* NVML is thread-safe: one thread may register while another waits. */
+    pthread_mutex_t lock;
+    unsigned long long types[SIM_MAX_GPUS];
+    uint64_t next_xid[SIM_MAX_GPUS];
+    unsigned int first_gpu; /* where the next scan starts: one noisy GPU cannot starve the rest */
+};
+
+static bool set_valid(const struct nvmlEventSet_st *set)
+{
+    return set != NULL && set->magic == EVENT_SET_MAGIC;
+}
+
+NVML_EXPORT nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t *set)
+{
+    if (!ready())
+        return NVML_ERROR_UNINITIALIZED;
+    if (set == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    struct nvmlEventSet_st *s = calloc(1, sizeof(*s));
+    if (s == NULL)
+        return NVML_ERROR_MEMORY;
+    pthread_mutex_init(&s->lock, NULL);
+    s->magic = EVENT_SET_MAGIC;
+    *set = s;
+    return NVML_SUCCESS;
+}
+
+NVML_EXPORT nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t set)
+{
+    if (!ready())
+        return NVML_ERROR_UNINITIALIZED;
+    if (!set_valid(set))
+        return NVML_ERROR_INVALID_ARGUMENT;
+    set->magic = 0;
+    pthread_mutex_destroy(&set->lock);
+    free(set);
+    return NVML_SUCCESS;
+}
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetSupportedEventTypes(nvmlDevice_t device, unsigned long long *eventTypes)
+{
+    unsigned int g;
+    nvmlReturn_t rc = lookup_out(device, eventTypes, &g);
+    if (rc == NVML_SUCCESS)
+        *eventTypes = SUPPORTED_EVENTS;
+    return rc;
+}
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t device, unsigned long long eventTypes,
+                                                  nvmlEventSet_t set)
+{
+    unsigned int g;
+    nvmlReturn_t rc = lookup(device, &g);
+    if (rc != NVML_SUCCESS)
+        return rc;
+    if (!set_valid(set))
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (eventTypes & ~SUPPORTED_EVENTS)
+        return NVML_ERROR_NOT_SUPPORTED;
+    pthread_mutex_lock(&set->lock);
+    /* Registering again keeps the set's place: nothing is delivered twice. */
+    if ((eventTypes & nvmlEventTypeXidCriticalError) && !(set->types[g] & nvmlEventTypeXidCriticalError))
+        set->next_xid[g] = atomic_load(&g_sim.st->gpu[g].fault.xid_head);
+    set->types[g] |= eventTypes;
+    pthread_mutex_unlock(&set->lock);
+    return NVML_SUCCESS;
+}
+
+/* The next XID for the set on GPU g, if one is published. Caller holds the
+ * set's lock. */
+static bool next_xid(struct nvmlEventSet_st *set, unsigned int g, uint64_t *xid)
+{
+    const struct sim_gpu_fault *f = &g_sim.st->gpu[g].fault;
+    for (;;) {
+        uint64_t head = atomic_load(&f->xid_head), *next = &set->next_xid[g];
+        if (*next >= head)
+            return false;
+        if (head - *next > SIM_XID_RING)
+            *next = head - SIM_XID_RING;
+        int got = sim_xid_read(g_sim.st, (int)g, *next, xid);
+        if (got == 0)
+            return false; /* its poster is still writing it: the next wait gets it */
+        (*next)++;
+        if (got > 0)
+            return true;
+    }
+}
+
+/* One pass over the set: an event into *data (true), else whether a GPU of
+ * the set is lost. */
+static bool take_event(struct nvmlEventSet_st *set, nvmlEventData_t *data, bool *lost)
+{
+    bool found = false;
+    *lost = false;
+    pthread_mutex_lock(&set->lock);
+    for (unsigned int k = 0; k < g_cfg.gpu_count && !found; k++) {
+        unsigned int g = (set->first_gpu + k) % g_cfg.gpu_count;
+        uint64_t xid;
+        if (set->types[g] == 0)
+            continue;
+        if ((set->types[g] & nvmlEventTypeXidCriticalError) && next_xid(set, g, &xid)) {
+            *data = (nvmlEventData_t){.device = &g_dev[g],
+                                      .eventType = nvmlEventTypeXidCriticalError,
+                                      .eventData = xid,
+                                      .gpuInstanceId = NO_MIG_INSTANCE,
+                                      .computeInstanceId = NO_MIG_INSTANCE};
+            set->first_gpu = (g + 1) % g_cfg.gpu_count;
+            found = true;
+        }
+        *lost = *lost || sim_gpu_lost(g_sim.st, (int)g);
+    }
+    pthread_mutex_unlock(&set->lock);
+    return found;
+}
+
+/* Events already posted come first; then a lost GPU in the set makes the
+ * wait fail with GPU_IS_LOST, as NVIDIA documents; else it sleeps until an
+ * event or the timeout (ms). A signal ends the sleep with TIMEOUT, as the
+ * real call returns early "when interrupt arrives". */
+NVML_EXPORT nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeoutms)
+{
+    if (!ready())
+        return NVML_ERROR_UNINITIALIZED;
+    if (!set_valid(set) || data == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    uint64_t deadline = sim_now_ns() + (uint64_t)timeoutms * 1000000ULL;
+    for (;;) {
+        uint32_t epoch = atomic_load(&g_sim.st->fault_epoch);
+        bool lost;
+        if (take_event(set, data, &lost))
+            return NVML_SUCCESS;
+        if (lost)
+            return NVML_ERROR_GPU_IS_LOST;
+        uint64_t now = sim_now_ns();
+        if (now >= deadline || sim_fault_wait(g_sim.st, epoch, deadline - now) != 0)
+            return NVML_ERROR_TIMEOUT;
+    }
+}
+
+NVML_EXPORT nvmlReturn_t nvmlEventSetWait(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeoutms)
+{
+    if (data == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    nvmlEventData_t full;
+    nvmlReturn_t rc = nvmlEventSetWait_v2(set, &full, timeoutms);
+    if (rc == NVML_SUCCESS) /* the caller's struct may end before gpuInstanceId */
+        memcpy(data, &full, offsetof(nvmlEventData_t, gpuInstanceId));
+    return rc;
 }

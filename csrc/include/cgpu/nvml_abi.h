@@ -195,6 +195,28 @@ typedef struct nvmlDeviceAttributes_st {
     unsigned long long memorySizeMB;
 } nvmlDeviceAttributes_t;
 
+typedef struct nvmlEventSet_st *nvmlEventSet_t;
+
+/* Event types (a mask for nvmlDeviceRegisterEvents). */
+#define nvmlEventTypeSingleBitEccError 0x0000000000000001LL
+#define nvmlEventTypeDoubleBitEccError 0x0000000000000002LL
+#define nvmlEventTypePState 0x0000000000000004LL
+#define nvmlEventTypeXidCriticalError 0x0000000000000008LL
+#define nvmlEventTypeClock 0x0000000000000010LL
+#define nvmlEventTypePowerSourceChange 0x0000000000000080LL
+#define nvmlEventMigConfigChange 0x0000000000000100LL
+#define nvmlEventTypeNone 0x0000000000000000LL
+
+/* The legacy nvmlEventSetWait was built against the first three fields
+ * alone (before MIG added the instance ids). */
+typedef struct nvmlEventData_st {
+    nvmlDevice_t device;
+    unsigned long long eventType;
+    unsigned long long eventData;    /* the XID for nvmlEventTypeXidCriticalError, else 0 */
+    unsigned int gpuInstanceId;      /* 0xFFFFFFFF outside MIG */
+    unsigned int computeInstanceId;  /* 0xFFFFFFFF outside MIG */
+} nvmlEventData_t;
+
 #define NVML_FN(symbol, params) nvmlReturn_t DECLDIR symbol params;
 #define NVML_FN_SKIP_ERRORSTRING
 #include "nvml_functions.def"
