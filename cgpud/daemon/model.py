@@ -8,8 +8,7 @@ from enum import Enum, IntEnum
 
 from cgpud._scheduler import lib as _sched
 
-GIB = 1 << 30
-MIB = 1 << 20
+from cgpud.units import GIB, MIB  # noqa: F401  (re-exported: the vocabulary speaks in them)
 
 
 class NodeMode(str, Enum):
