@@ -72,6 +72,49 @@ def test_state_dump_is_clean_under_sanitizers(san_native, san_env):
     assert proc.returncode == 0 and len(json.loads(proc.stdout)["gpus"]) == 2
 
 
+def test_faults_and_nvml_events_are_clean_under_sanitizers(san_native, san_env):
+    """XIDs, a lost GPU and its reset injected by the sanitized cgpu-sim-stat;
+    the sanitized libnvidia-ml.so.1's event sets, waits and lost-GPU answers
+    driven by pynvml in a Python that preloads the ASan runtime."""
+    stat = str(san_native / "bin" / "cgpu-sim-stat")
+    asan = subprocess.run(["cc", "-print-file-name=libasan.so"], capture_output=True, text=True, check=True).stdout
+    # Python itself leaks at exit by design: leak checking is for the C tools.
+    py_env = dict(san_env, LD_PRELOAD=asan.strip(), ASAN_OPTIONS="detect_leaks=0:abort_on_error=0:exitcode=86")
+    script = f"""
+import json, subprocess, pynvml as n
+n.nvmlInit()
+h = [n.nvmlDeviceGetHandleByIndex(i) for i in range(2)]
+s = n.nvmlEventSetCreate()
+for x in h:
+    n.nvmlDeviceRegisterEvents(x, n.nvmlDeviceGetSupportedEventTypes(x), s)
+for x in range(1, 80):
+    subprocess.run(["{stat}", "--xid", str(x % 2), str(x)], check=True, capture_output=True)
+got = []
+while True:
+    try:
+        got.append(n.nvmlEventSetWait_v2(s, 0).eventData)
+    except n.NVMLError_Timeout:
+        break
+subprocess.run(["{stat}", "--lost", "1"], check=True, capture_output=True)
+lost = [n.nvmlEventSetWait(s, 100).eventData]
+for f in (lambda: n.nvmlEventSetWait(s, 100), lambda: n.nvmlDeviceGetMemoryInfo(h[1])):
+    try:
+        f()
+    except n.NVMLError_GpuIsLost:
+        lost.append("lost")
+subprocess.run(["{stat}", "--recover", "1"], check=True, capture_output=True)
+n.nvmlEventSetFree(s)
+n.nvmlShutdown()
+print(json.dumps([len(got), lost]))
+"""
+    proc = _run([sys.executable, "-c", script], py_env)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == [79, [79, "lost", "lost"]]
+    proc = _run([stat], san_env)
+    assert [g["xids"] for g in json.loads(proc.stdout)["gpus"]] == [39, 41]
+    assert _run([stat, "--xid", "0", "1000"], san_env).returncode == 2
+
+
 # The relays (cgpu-runtime, cgpu-hook) run every case of tests/relay under
 # sanitizers too.
 
