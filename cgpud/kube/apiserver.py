@@ -220,3 +220,40 @@ def _reason(e: ApiException) -> str:
     except (ValueError, TypeError):
         pass
     return str(e.reason or "")
+
+
+class LazyApiServer:
+    """An ApiServer made at first use and again after each failure to make
+    one: credentials that are missing at start (no service account yet, a
+    kubeconfig not yet written) are picked up when they appear, and until
+    then every call is ApiServerUnavailable, which callers treat as an
+    outage."""
+
+    def __init__(self, kubeconfig: Path | None = None, timeout: float = DEFAULT_TIMEOUT) -> None:
+        self._kubeconfig = kubeconfig
+        self._timeout = timeout
+        self._api: ApiServer | None = None
+
+    def _connected(self) -> ApiServer:
+        if self._api is None:
+            self._api = ApiServer.connect(self._kubeconfig, self._timeout)
+        return self._api
+
+    def pods_on_node(self, node: str) -> list[PodInfo]:
+        return self._connected().pods_on_node(node)
+
+    def pod(self, namespace: str, name: str) -> PodInfo | None:
+        return self._connected().pod(namespace, name)
+
+    def annotate_pod(self, namespace: str, name: str, annotations: Mapping[str, str | None]) -> PodInfo:
+        return self._connected().annotate_pod(namespace, name, annotations)
+
+    def node(self, name: str) -> NodeInfo:
+        return self._connected().node(name)
+
+    def label_node(self, name: str, labels: Mapping[str, str | None]) -> NodeInfo:
+        return self._connected().label_node(name, labels)
+
+    def close(self) -> None:
+        if self._api is not None:
+            self._api.close()

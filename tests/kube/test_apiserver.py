@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from cgpud.kube.apiserver import ApiServer, ApiServerError, ApiServerUnavailable, ContainerInfo, client_from
+from cgpud.kube.apiserver import (ApiServer, ApiServerError, ApiServerUnavailable, ContainerInfo, LazyApiServer,
+                                  client_from)
 from tests.kube.api_server import ApiServerProcess, api_server, node_json, pod_json
 
 
@@ -84,3 +85,17 @@ def test_no_credentials_is_unavailable(tmp_path, monkeypatch):
     (tmp_path / "broken").write_text("{}")
     with pytest.raises(ApiServerUnavailable, match="cannot load the API server's credentials"):
         client_from(tmp_path / "broken")
+
+
+def test_the_lazy_client_connects_when_credentials_appear(tmp_path, monkeypatch):
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    later = tmp_path / "later" / "kubeconfig"
+    lazy = LazyApiServer(later, timeout=2.0)
+    with pytest.raises(ApiServerUnavailable, match="does not exist"):
+        lazy.pods_on_node("node-1")
+    with api_server(tmp_path) as (server, kubeconfig):
+        server.state.nodes["node-1"] = node_json("node-1", {"a": "b"})
+        later.parent.mkdir()
+        later.write_text(kubeconfig.read_text())
+        assert lazy.node("node-1").labels == {"a": "b"}
+        lazy.close()
