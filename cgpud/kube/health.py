@@ -62,6 +62,15 @@ class GpuRef(Protocol):
     def uuid(self) -> str: ...
 
 
+def parse_xids(text: str) -> frozenset[int]:
+    """XIDs written as a setting: numbers separated by spaces or commas."""
+    words = text.replace(",", " ").split()
+    bad = [w for w in words if not w.isdigit() or not 1 <= int(w) <= 999]
+    if bad:
+        raise UsageError(f"XIDs must be numbers from 1 to 999 separated by spaces or commas; {bad[0]!r} is not")
+    return frozenset(int(w) for w in words)
+
+
 @dataclass(frozen=True)
 class HealthPolicy:
     skipped_xids: frozenset[int] = DEFAULT_SKIPPED_XIDS

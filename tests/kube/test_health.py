@@ -28,6 +28,7 @@ from cgpud.kube.health import (
     apply,
     decide,
     healthy_by_index,
+    parse_xids,
 )
 from tests.integration.simrun import py_env, sim_stat
 
@@ -53,6 +54,14 @@ def test_a_configured_xid_is_skipped_too():
     policy = HealthPolicy.build(extra_skipped=[94], recovery_window=60.0)
     assert decide(GPU, XidObserved(1, 94, 5.0), policy) == GPU
     assert not decide(GPU, XidObserved(1, 95, 5.0), policy).healthy
+
+
+def test_xids_to_skip_are_read_from_a_setting():
+    assert parse_xids("48, 94 119") == {48, 94, 119}
+    assert parse_xids("") == frozenset()
+    for bad in ("48 x", "0", "1000", "-5"):
+        with pytest.raises(UsageError, match="XIDs must be numbers from 1 to 999"):
+            parse_xids(bad)
 
 
 @pytest.mark.parametrize(("extra", "window"), [([0], 60.0), ([1000], 60.0), ([], -1.0)])
