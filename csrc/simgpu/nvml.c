@@ -190,6 +190,18 @@ static nvmlReturn_t lookup_out(nvmlDevice_t device, const void *out, unsigned in
     return rc == NVML_SUCCESS && out == NULL ? NVML_ERROR_INVALID_ARGUMENT : rc;
 }
 
+/* A query answered from the GPU's index g alone, once the handle and the
+ * output pointer have been checked. */
+#define NVML_GPU_QUERY(name, type, out, answer)                   \
+    NVML_EXPORT nvmlReturn_t name(nvmlDevice_t device, type *out) \
+    {                                                             \
+        unsigned int g;                                           \
+        nvmlReturn_t rc = lookup_out(device, out, &g);            \
+        if (rc == NVML_SUCCESS)                                   \
+            answer;                                               \
+        return rc;                                                \
+    }
+
 static nvmlReturn_t copy_string(char *dst, unsigned int length, const char *src)
 {
     if (dst == NULL)
@@ -339,14 +351,7 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetHandleByPciBusId_v2(const char *pciBusId, 
 NVML_ALIAS(nvmlDeviceGetHandleByPciBusId, nvmlDeviceGetHandleByPciBusId_v2,
            (const char *pciBusId, nvmlDevice_t *device))
 
-NVML_EXPORT nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index)
-{
-    unsigned int g;
-    nvmlReturn_t rc = lookup_out(device, index, &g);
-    if (rc == NVML_SUCCESS)
-        *index = g;
-    return rc;
-}
+NVML_GPU_QUERY(nvmlDeviceGetIndex, unsigned int, index, *index = g)
 
 NVML_EXPORT nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int length)
 {
@@ -383,48 +388,21 @@ static void fill_pci(nvmlPciInfo_t *pci, unsigned int gpu)
 
 /* Callers of the legacy entry points may hold the 52-byte pre-9.0 struct:
  * writing busId would run past it. */
-NVML_EXPORT nvmlReturn_t nvmlDeviceGetPciInfo(nvmlDevice_t device, nvmlPciInfo_t *pci)
-{
-    unsigned int g;
-    nvmlReturn_t rc = lookup_out(device, pci, &g);
-    if (rc == NVML_SUCCESS)
-        fill_pci_legacy(pci, g);
-    return rc;
-}
+NVML_GPU_QUERY(nvmlDeviceGetPciInfo, nvmlPciInfo_t, pci, fill_pci_legacy(pci, g))
 
 NVML_ALIAS(nvmlDeviceGetPciInfo_v2, nvmlDeviceGetPciInfo, (nvmlDevice_t device, nvmlPciInfo_t *pci))
 
-NVML_EXPORT nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t device, nvmlPciInfo_t *pci)
-{
-    unsigned int g;
-    nvmlReturn_t rc = lookup_out(device, pci, &g);
-    if (rc == NVML_SUCCESS)
-        fill_pci(pci, g);
-    return rc;
-}
+NVML_GPU_QUERY(nvmlDeviceGetPciInfo_v3, nvmlPciInfo_t, pci, fill_pci(pci, g))
 
-NVML_EXPORT nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t device, unsigned int *minorNumber)
-{
-    unsigned int g;
-    nvmlReturn_t rc = lookup_out(device, minorNumber, &g);
-    if (rc == NVML_SUCCESS)
-        *minorNumber = g_cfg.gpu[g].minor_number;
-    return rc;
-}
+NVML_GPU_QUERY(nvmlDeviceGetMinorNumber, unsigned int, minorNumber, *minorNumber = g_cfg.gpu[g].minor_number)
 
 /* The whole GPU as one instance: what a GPU outside MIG reports. */
-NVML_EXPORT nvmlReturn_t nvmlDeviceGetAttributes_v2(nvmlDevice_t device, nvmlDeviceAttributes_t *attributes)
-{
-    unsigned int g;
-    nvmlReturn_t rc = lookup_out(device, attributes, &g);
-    if (rc == NVML_SUCCESS)
-        *attributes = (nvmlDeviceAttributes_t){.multiprocessorCount = g_cfg.gpu[g].sm_count,
-                                               .sharedCopyEngineCount = 3,
-                                               .gpuInstanceSliceCount = 7,
-                                               .computeInstanceSliceCount = 7,
-                                               .memorySizeMB = g_cfg.gpu[g].total_mem >> 20};
-    return rc;
-}
+NVML_GPU_QUERY(nvmlDeviceGetAttributes_v2, nvmlDeviceAttributes_t, attributes,
+               *attributes = ((nvmlDeviceAttributes_t){.multiprocessorCount = g_cfg.gpu[g].sm_count,
+                                                       .sharedCopyEngineCount = 3,
+                                                       .gpuInstanceSliceCount = 7,
+                                                       .computeInstanceSliceCount = 7,
+                                                       .memorySizeMB = g_cfg.gpu[g].total_mem >> 20}))
 
 NVML_EXPORT nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device, int *major, int *minor)
 {
@@ -439,14 +417,7 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device,
     return NVML_SUCCESS;
 }
 
-NVML_EXPORT nvmlReturn_t nvmlDeviceGetMultiGpuBoard(nvmlDevice_t device, unsigned int *multiGpuBool)
-{
-    unsigned int g;
-    nvmlReturn_t rc = lookup_out(device, multiGpuBool, &g);
-    if (rc == NVML_SUCCESS)
-        *multiGpuBool = 0;
-    return rc;
-}
+NVML_GPU_QUERY(nvmlDeviceGetMultiGpuBoard, unsigned int, multiGpuBool, *multiGpuBool = 0)
 
 /* Used bytes, never above total: a transiently inconsistent counter must not
  * show as 17592186044134 MiB free. */
