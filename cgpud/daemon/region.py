@@ -33,6 +33,7 @@ from typing import Any
 
 from cgpud._region import ffi, lib
 from cgpud.atomicfile import write_atomic
+from cgpud.daemon.model import ComputePolicy
 from cgpud.errors import CgpuError
 
 LIMITS_FILE: str = ffi.string(lib.CGPU_LIMITS_FILE).decode()
@@ -104,7 +105,7 @@ class InstanceLimits:
     instance_id: str
     devices: tuple[DeviceLimit, ...]
     log_level: int = lib.CGPU_LOG_QUIET
-    compute_policy: int = 5
+    compute_policy: int = ComputePolicy.NATIVE
 
     def __post_init__(self) -> None:
         # Accept any iterable but keep the value hashable and immutable.
