@@ -18,6 +18,7 @@ from cgpud.contract import ENV_PREFIX, RELAY_DEFAULT_SOCKET
 from cgpud.daemon.model import ComputePolicy, ComputeTiming, NodeMode, NodePolicy, Orchestrator, Placement
 from cgpud.daemon.compute_policy import decode_compute_policies
 from cgpud.errors import UsageError
+from cgpud.kube.model import DEFAULT_DEVICE_PLUGIN_DIR, DEFAULT_POD_RESOURCES_SOCKET
 
 DEFAULT_CONFIG = Path("/etc/cgpu/config.toml")
 MAX_SCHEDULED = _sched.CGPU_SCHED_MAX_TENANTS
@@ -71,6 +72,15 @@ class DaemonConfig:
         f"standalone (containers may ask with {ENV_PREFIX}_* env) or kubernetes (only the device plugin's requests count)",
     )
     sweep_interval: float = _setting(2.0, "seconds between checks for instances whose processes exited")
+    device_plugin_dir: Path = _setting(
+        Path(DEFAULT_DEVICE_PLUGIN_DIR),
+        "the kubelet's device-plugins directory: cgpud serves its device plugin sockets there and registers with "
+        "its kubelet.sock (orchestrator kubernetes)",
+    )
+    pod_resources_socket: Path = _setting(
+        Path(DEFAULT_POD_RESOURCES_SOCKET),
+        "the kubelet's pod-resources socket: which pods still hold devices (orchestrator kubernetes)",
+    )
 
     def policy(self) -> NodePolicy:
         node = NodePolicy(self.mode, self.placement, self.max_instances_per_gpu, self.core_step, self.compute_policy)
