@@ -18,6 +18,7 @@ from cgpud.contract import ENV_PREFIX, RELAY_DEFAULT_SOCKET
 from cgpud.daemon.model import ComputePolicy, ComputeTiming, NodeMode, NodePolicy, Orchestrator, Placement
 from cgpud.daemon.compute_policy import decode_compute_policies
 from cgpud.errors import UsageError
+from cgpud.kube.health import DEFAULT_PROBE_INTERVAL, DEFAULT_RECOVERY_WINDOW, HealthPolicy, parse_xids
 from cgpud.kube.model import DEFAULT_DEVICE_PLUGIN_DIR, DEFAULT_POD_RESOURCES_SOCKET
 
 DEFAULT_CONFIG = Path("/etc/cgpu/config.toml")
@@ -81,10 +82,22 @@ class DaemonConfig:
         Path(DEFAULT_POD_RESOURCES_SOCKET),
         "the kubelet's pod-resources socket: which pods still hold devices (orchestrator kubernetes)",
     )
+    gpu_health_probe_interval: float = _setting(
+        DEFAULT_PROBE_INTERVAL, "seconds between NVML probes of every GPU for its device plugin health (0.1-3600)"
+    )
+    gpu_health_skip_xids: str = _setting(
+        "", "XIDs that leave a GPU Healthy besides NVIDIA's application ones (13 31 43 45 68 109): \"48 94\""
+    )
+    gpu_health_recovery_window: float = _setting(
+        DEFAULT_RECOVERY_WINDOW, "seconds with no fatal XID after which a GPU is Healthy again (0: only a reset)"
+    )
 
     def policy(self) -> NodePolicy:
         node = NodePolicy(self.mode, self.placement, self.max_instances_per_gpu, self.core_step, self.compute_policy)
         return decode_compute_policies(node, f"{int(self.compute_policy)} {self.gpu_compute_policy}")
+
+    def health_policy(self) -> HealthPolicy:
+        return HealthPolicy.build(parse_xids(self.gpu_health_skip_xids), self.gpu_health_recovery_window)
 
     def timing(self) -> ComputeTiming:
         return ComputeTiming(round(self.compute_period_ms * 1e6), round(self.compute_slice_ms * 1e6),
@@ -139,6 +152,9 @@ def validate(config: DaemonConfig) -> DaemonConfig:
         raise UsageError("high_priority_percent must be between 0 and 100")
     if not 0.1 <= config.sweep_interval <= 3600:
         raise UsageError("sweep_interval must be between 0.1 and 3600 seconds")
+    if not 0.1 <= config.gpu_health_probe_interval <= 3600:
+        raise UsageError("gpu_health_probe_interval must be between 0.1 and 3600 seconds")
+    config.health_policy()  # bad XIDs or a negative window are refused at start
     return config
 
 

@@ -286,3 +286,20 @@ def test_snapshot_before_start_is_all_healthy():
     w = HealthWatcher(gpus, lambda _: None)
     assert healthy_by_index(w.snapshot()) == {0: True, 1: True}
     w.stop()  # never started: nothing to stop
+
+
+def test_the_daemon_settings_make_the_policy(tmp_path):
+    from cgpud.daemon import config
+
+    empty = tmp_path / "config.toml"
+    empty.write_text("")
+    settings = config.load(empty, {
+        "gpu_health_skip_xids": "48,94", "gpu_health_recovery_window": "0", "gpu_health_probe_interval": "2.5"})
+    assert settings.health_policy() == HealthPolicy(DEFAULT_SKIPPED_XIDS | {48, 94}, 0.0)
+    assert settings.gpu_health_probe_interval == 2.5
+    assert config.DaemonConfig().health_policy() == HealthPolicy()
+    for bad, message in [({"gpu_health_skip_xids": "48 x"}, "XIDs must be numbers"),
+                         ({"gpu_health_recovery_window": "-1"}, "recovery window"),
+                         ({"gpu_health_probe_interval": "0"}, "gpu_health_probe_interval")]:
+        with pytest.raises(UsageError, match=message):
+            config.load(empty, bad)
