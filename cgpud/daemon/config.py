@@ -18,7 +18,7 @@ from cgpud.contract import ENV_PREFIX, RELAY_DEFAULT_SOCKET
 from cgpud.daemon.model import ComputePolicy, ComputeTiming, NodeMode, NodePolicy, Orchestrator, Placement
 from cgpud.daemon.compute_policy import decode_compute_policies
 from cgpud.errors import UsageError
-from cgpud.kube.health import DEFAULT_PROBE_INTERVAL, DEFAULT_RECOVERY_WINDOW, HealthPolicy, parse_xids
+from cgpud.kube.health_policy import DEFAULT_PROBE_INTERVAL, DEFAULT_RECOVERY_WINDOW, HealthPolicy, parse_xids
 from cgpud.kube.model import DEFAULT_DEVICE_PLUGIN_DIR, DEFAULT_POD_RESOURCES_SOCKET
 
 DEFAULT_CONFIG = Path("/etc/cgpu/config.toml")
