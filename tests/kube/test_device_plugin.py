@@ -336,6 +336,18 @@ def test_kubelet_restart_brings_a_new_registration_and_fresh_sockets(
     fresh.cancel()
 
 
+def test_a_recreated_kubelet_socket_alone_brings_a_new_registration(
+    directory: Path, kubelet: Kubelet, plugin: DevicePlugin
+) -> None:
+    kubelet.stop()  # the plugin sockets stay: only kubelet.sock is new
+    kubelet.start()
+    again = kubelet.take_registrations(len(Resource))
+    assert {r.resource_name for r in again} == {r.value for r in Resource}
+    stream = stub(directory, Resource.GPU_MEM).ListAndWatch(pb.Empty(), timeout=WAIT)
+    assert len(next(stream).devices) == 24
+    stream.cancel()
+
+
 def test_a_deleted_plugin_socket_alone_is_served_and_registered_again(
     directory: Path, kubelet: Kubelet, plugin: DevicePlugin
 ) -> None:
@@ -457,3 +469,4 @@ def test_a_socket_another_live_server_holds_is_not_taken(directory: Path, kubele
     finally:
         p.stop(grace=0.5)
         other.stop(None).wait(WAIT)
+
