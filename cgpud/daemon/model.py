@@ -122,6 +122,9 @@ class Request:
     core_percent: int = 0  # 0: no compute share asked
     weight: int = 1
     priority: int = 0
+    # The GPUs a cluster scheduler already chose (the device plugin reads
+    # them from the pod); () lets the node's placement choose.
+    gpu_indexes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

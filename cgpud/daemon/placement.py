@@ -85,12 +85,19 @@ def admit(
     mode, placement = _check_policy(policy)
     _check_request(request, gpus, mode, policy)
     usage = gpu_usage(gpus, active)
-    if mode == NodeMode.DEFAULT:
-        chosen = _whole_gpus(request, usage, placement)
-        grants = [Grant(u.gpu.index, u.gpu.uuid, u.gpu.memory, _FULL_CORE) for u in chosen]
-    else:
-        chosen = _shared_gpus(request, usage, placement, policy)
-        grants = [Grant(u.gpu.index, u.gpu.uuid, request.memory, request.core_percent) for u in chosen]
+    if request.gpu_indexes:  # a cluster scheduler chose them: those or none
+        usage = tuple(u for u in usage if u.gpu.index in request.gpu_indexes)
+    try:
+        if mode == NodeMode.DEFAULT:
+            chosen = _whole_gpus(request, usage, placement)
+            grants = [Grant(u.gpu.index, u.gpu.uuid, u.gpu.memory, _FULL_CORE) for u in chosen]
+        else:
+            chosen = _shared_gpus(request, usage, placement, policy)
+            grants = [Grant(u.gpu.index, u.gpu.uuid, request.memory, request.core_percent) for u in chosen]
+    except AdmissionError as e:
+        if not request.gpu_indexes:
+            raise
+        raise AdmissionError(f"the scheduler chose {_gpu_list(list(request.gpu_indexes))}: {e}") from None
     return tuple(sorted(grants, key=lambda g: g.gpu_index))
 
 
@@ -132,6 +139,8 @@ def _check_request(request: Request, gpus: Sequence[GpuCapacity], mode: NodeMode
             f"asked for {_gpus(n)} but this node has {len(gpus)}: "
             f"ask for {len(gpus)} or fewer (aliyun.com/gpu-count)"
         )
+    if request.gpu_indexes:
+        _check_named(request, gpus)
     if request.memory < 0:
         raise UsageError(
             f"asked for {request.memory} bytes of GPU memory: ask for a size of 0 or more (aliyun.com/gpu-mem)"
@@ -178,6 +187,28 @@ def _check_request(request: Request, gpus: Sequence[GpuCapacity], mode: NodeMode
                 f"asked for {n} GPUs with {mem} each but only {big_enough} "
                 f"{_has(big_enough)} that much memory: ask for fewer GPUs or less memory"
             )
+
+
+def _check_named(request: Request, gpus: Sequence[GpuCapacity]) -> None:
+    """GPUs a cluster scheduler chose: each once, as many as asked, all
+    here, each large enough."""
+    named = list(request.gpu_indexes)
+    n = request.gpu_count
+    if len(set(named)) != len(named) or len(named) != n:
+        raise UsageError(f"asked for {_gpus(n)} on {_gpu_list(named)}: name each of the {_gpus(n)} once")
+    by_index = {g.index: g for g in gpus}
+    absent = [i for i in named if i not in by_index]
+    if absent:
+        raise UsageError(
+            f"asked for {_gpu_list(absent)}, which this node does not have (it has {_gpu_list(sorted(by_index))}): "
+            "the scheduler's view of this node is out of date"
+        )
+    small = [by_index[i] for i in named if by_index[i].memory < request.memory]
+    if small:
+        raise UsageError(
+            f"asked for {format_memory(request.memory)} on GPU {small[0].index}, which has "
+            f"{format_memory(small[0].memory)}: ask for less memory (aliyun.com/gpu-mem)"
+        )
 
 
 def _order(usage: Iterable[GpuUsage], placement: Placement) -> list[GpuUsage]:
@@ -356,6 +387,46 @@ def _shortfall(request: Request, checks: list[_Check], policy: NodePolicy) -> st
         f"asked for {n} GPUs each with {whole} but {found}: {other}, {reason}; "
         "release an instance or ask for fewer GPUs or less"
     )
+
+
+# --------------------------------------------------------------------------
+# Node policy changes (labels, at runtime)
+
+# What each mode does to an instance; a change between modes that do the
+# same leaves every instance as it was granted.
+_ENFORCEMENT = {
+    NodeMode.DEFAULT: "whole GPUs",
+    NodeMode.SHARE: "memory bookkeeping only",
+    NodeMode.CGPU: "memory isolation",
+    NodeMode.MPS: "memory isolation",
+    NodeMode.CORE_MEM: "memory and compute isolation",
+}
+
+
+def policy_change_problem(current: NodePolicy, mode: NodeMode, active: Sequence[Instance],
+                          compute_running: bool) -> str | None:
+    """Why the node may not switch to `mode` now, None when it may. A
+    placement change is always allowed: it only orders GPUs for the next
+    request. A mode change is refused while an active instance was granted
+    under a mode that enforces otherwise (it would keep limits the node no
+    longer has, or lack ones it has), and into or out of core_mem while the
+    compute scheduler's presence does not match (cgpud starts it at start)."""
+    if mode == current.mode:
+        return None
+    live = [i for i in active if i.active]
+    if live and _ENFORCEMENT[mode] != _ENFORCEMENT[current.mode]:
+        return (
+            f"mode {mode.value} ({_ENFORCEMENT[mode]}) would break the {_instances(len(live))} granted under "
+            f"{current.mode.value} ({_ENFORCEMENT[current.mode]}); release them (drain the node) first"
+        )
+    wants_compute = mode == NodeMode.CORE_MEM
+    if wants_compute != compute_running:
+        started = "runs" if compute_running else "does not run"
+        return (
+            f"the compute scheduler {started} in this cgpud (it is started with core_mem mode only): restart cgpud "
+            f"to switch to {mode.value}; it reads the node's labels at start"
+        )
+    return None
 
 
 # --------------------------------------------------------------------------

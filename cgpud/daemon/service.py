@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
@@ -27,6 +28,7 @@ from cgpud.daemon.model import (
     NodeMode,
     NodePolicy,
     OwnerKind,
+    Placement,
     Request,
 )
 from cgpud.daemon.compute import ComputeError, ComputeScheduler
@@ -220,6 +222,19 @@ class InstanceService:
             if self._compute is not None:
                 self._compute.configure(changed)
         self._log.info("policy", compute_policy=policy.name.lower(), gpu="all" if gpu is None else gpu)
+        return self._policy
+
+    def set_node_policy(self, mode: NodeMode, node_placement: Placement) -> NodePolicy:
+        """Mode and placement at runtime (the Node's labels); a mode change
+        only as placement.policy_change_problem allows. Not stored: the
+        labels are read again at every start."""
+        with self._lock:
+            problem = placement.policy_change_problem(self._policy, mode, self._store.active(),
+                                                      self._compute is not None)
+            if problem is not None:
+                raise StateError(problem)
+            self._policy = replace(self._policy, mode=mode, placement=node_placement)
+        self._log.info("policy", mode=mode.value, placement=node_placement.value)
         return self._policy
 
     # ---- upkeep -----------------------------------------------------------------------
