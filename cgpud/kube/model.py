@@ -13,6 +13,8 @@ from cgpud.errors import UsageError
 DEVICE_PLUGIN_VERSION = "v1beta1"
 DEFAULT_DEVICE_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
 DEFAULT_POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
+# Runtimes read dynamic CDI specs here; cgpud writes its pod instances' specs.
+DEFAULT_CDI_DIR = "/var/run/cdi"
 
 
 class Resource(str, Enum):

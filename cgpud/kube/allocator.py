@@ -1,0 +1,187 @@
+"""The device plugin's Allocator: an Allocate becomes a pod-owned instance
+and the container's answer (a CDI device, env, mounts).
+
+For aliyun.com/gpu-mem: resolve the container (assignment.py, over the pods
+the API server lists on this node), create its instance on the scheduler's
+GPUs, write the instance's CDI spec to the dynamic spec directory, mark the
+pod ALIYUN_COM_GPU_MEM_ASSIGNED=true once each of its GPU containers has an
+instance. Any failure after the instance is created undoes it: an Allocate
+that fails leaves nothing behind.
+
+A retried Allocate (the kubelet lost our answer) names the same devices for
+the same live pod and gets the same instance back; the instance's owner
+(pod UID and container) makes a second instance impossible anyway.
+aliyun.com/gpu-core.percentage and aliyun.com/gpu-count create nothing (see
+assignment.py); whole-GPU resources (nvidia.com/gpu, aliyun.com/gpu) name
+their GPUs in their device IDs and get env only."""
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Protocol
+
+import structlog
+
+from cgpud.daemon.model import GIB, Instance, Owner, OwnerKind, Request
+from cgpud.daemon.service import InstanceService
+from cgpud.errors import CgpuError
+from cgpud.containers import cdi
+from cgpud.containers.edits import RuntimeFiles, instance_edits
+from cgpud.containers.request import ENV_CORE
+from cgpud.kube import assignment
+from cgpud.kube.apiserver import ApiServerError, ApiServerUnavailable, PodInfo
+from cgpud.kube.model import (ANNOTATION_ASSIGNED, ANNOTATION_GPU_INDEX, DEFAULT_CDI_DIR, AllocationError,
+                              ContainerAllocation, MountSpec, Resource)
+
+DYNAMIC_CDI_DIR = Path(DEFAULT_CDI_DIR)
+SPEC_PREFIX = "cgpu-pod-"  # one spec file per pod instance: cgpu-pod-<instance id>.json
+
+
+class PodSource(Protocol):
+    """What the allocator asks of the API server (apiserver.ApiServer)."""
+
+    def pods_on_node(self, node: str) -> list[PodInfo]: ...
+
+    def annotate_pod(self, namespace: str, name: str, annotations: Mapping[str, str | None]) -> PodInfo: ...
+
+
+def spec_path(cdi_dir: Path, instance_id: str) -> Path:
+    return cdi_dir / f"{SPEC_PREFIX}{instance_id}.json"
+
+
+def remove_spec(cdi_dir: Path, instance_id: str) -> None:
+    spec_path(cdi_dir, instance_id).unlink(missing_ok=True)
+
+
+def pod_memory_gib(pod: PodInfo) -> int:
+    """ALIYUN_COM_GPU_MEM_POD: what the pod's containers ask in all. Init
+    containers run before the others, so the pod holds at most the larger."""
+    init = max((c.limit(Resource.GPU_MEM) for c in pod.containers if c.init), default=0)
+    return max(init, sum(c.limit(Resource.GPU_MEM) for c in pod.containers if not c.init))
+
+
+class PodAllocator:
+    """cgpud's Allocator (cgpud.kube.model.Allocator)."""
+
+    def __init__(self, service: InstanceService, api: PodSource, node: str, files: RuntimeFiles,
+                 cdi_dir: Path = DYNAMIC_CDI_DIR) -> None:
+        self._service = service
+        self._api = api
+        self._node = node
+        self._files = files
+        self._cdi_dir = cdi_dir
+        self._lock = threading.Lock()  # one Allocate at a time: resolution reads what the last one made
+        # (resource, device IDs) -> instance id of answered memory Allocates, for retries.
+        self._answered: dict[tuple[Resource, frozenset[str]], str] = {}
+        self._log = structlog.get_logger("cgpud.kube.allocator")
+
+    def allocate(self, resource: Resource, device_ids: Sequence[str]) -> ContainerAllocation:
+        count = assignment.check_count(device_ids, resource)
+        with self._lock:
+            if resource in (Resource.NVIDIA_GPU, Resource.GPU_TOPOLOGY):
+                return self._whole_gpus(resource, device_ids)
+            pods = self._pods()
+            if resource is Resource.GPU_MEM:
+                return self._memory(pods, count, frozenset(device_ids))
+            pod, container = assignment.find_asker(pods, resource, count, self._node)
+            self._log.info("allocated", resource=resource.value, count=count, pod=pod.key, container=container.name)
+            return ContainerAllocation(envs={ENV_CORE: str(count)} if resource is Resource.GPU_CORE else {})
+
+    # ---- memory: the instance ----------------------------------------------------------
+
+    def _memory(self, pods: list[PodInfo], gib: int, ids: frozenset[str]) -> ContainerAllocation:
+        retried = self._retried(pods, ids)
+        if retried is not None:
+            self._write_spec(retried)  # the spec may be what failed the first time
+            return self._answer(retried, pods)
+        held = {i.owner.id for i in self._service.list() if i.owner.kind is OwnerKind.POD}
+        chosen = assignment.resolve_memory(pods, gib, self._node, held)
+        request = Request(Owner(OwnerKind.POD, chosen.owner.owner_id), chosen.memory_gib * GIB, chosen.gpu_count,
+                          chosen.core_percent, gpu_indexes=chosen.gpu_indexes)
+        where = f"pod {chosen.pod.key} container {chosen.container}"
+        try:
+            instance = self._service.create(request)
+        except CgpuError as e:  # does not fit, or a request the node refuses: the kubelet shows why
+            raise AllocationError(f"{where}: {e}") from e
+        try:
+            self._write_spec(instance)
+            if assignment.complete(chosen.pod, held | {chosen.owner.owner_id}):
+                self._api.annotate_pod(chosen.pod.namespace, chosen.pod.name, {ANNOTATION_ASSIGNED: "true"})
+        except (CgpuError, OSError) as e:
+            self._undo(instance)
+            raise AllocationError(f"{where}: instance not kept: {e}") from e
+        except BaseException:
+            self._undo(instance)
+            raise
+        self._answered[(Resource.GPU_MEM, ids)] = instance.id
+        self._log.info("allocated", resource=Resource.GPU_MEM.value, id=instance.id, pod=chosen.pod.key,
+                       container=chosen.container, gpus=[g.gpu_index for g in instance.grants])
+        return self._answer(instance, pods)
+
+    def _retried(self, pods: list[PodInfo], ids: frozenset[str]) -> Instance | None:
+        """The instance an earlier Allocate of these very devices made, while
+        its pod lives: the kubelet frees devices only from finished pods."""
+        instance_id = self._answered.get((Resource.GPU_MEM, ids))
+        if instance_id is None:
+            return None
+        try:
+            instance = self._service.get(instance_id)
+        except CgpuError:
+            instance = None
+        owner = assignment.PodContainer.parse(instance.owner.id) if instance is not None else None
+        if instance is None or not instance.active or owner is None or not any(
+                p.uid == owner.uid and assignment.live(p) for p in pods):
+            del self._answered[(Resource.GPU_MEM, ids)]
+            return None
+        return instance
+
+    def _answer(self, instance: Instance, pods: list[PodInfo]) -> ContainerAllocation:
+        gpu_memory = {g.index: g.memory for g in self._service.gpus()}
+        edits = instance_edits(instance, self._service.region_dir(instance.id), gpu_memory, self._files)
+        envs = dict(edits.env)
+        owner = assignment.PodContainer.parse(instance.owner.id)
+        pod = next((p for p in pods if owner is not None and p.uid == owner.uid), None)
+        if pod is not None:
+            envs["ALIYUN_COM_GPU_MEM_POD"] = str(pod_memory_gib(pod))
+        mounts = tuple(MountSpec(m.source, m.destination, m.read_only) for m in edits.mounts)
+        return ContainerAllocation(cdi_devices=(f"{cdi.KIND}={instance.id}",), envs=envs, mounts=mounts,
+                                   annotations={"cgpu.io/instance": instance.id})
+
+    def _write_spec(self, instance: Instance) -> None:
+        gpu_memory = {g.index: g.memory for g in self._service.gpus()}
+        edits = instance_edits(instance, self._service.region_dir(instance.id), gpu_memory, self._files)
+        text = json.dumps(cdi.cdi_spec([edits]), indent=2) + "\n"
+        cdi.write_spec(text, spec_path(self._cdi_dir, instance.id))
+
+    def _undo(self, instance: Instance) -> None:
+        try:
+            remove_spec(self._cdi_dir, instance.id)
+        except OSError as e:
+            self._log.error("cannot remove CDI spec", id=instance.id, error=str(e))
+        self._service.release(instance.id)
+
+    # ---- helpers ---------------------------------------------------------------------
+
+    def _pods(self) -> list[PodInfo]:
+        try:
+            return self._api.pods_on_node(self._node)
+        except ApiServerUnavailable as e:
+            raise AllocationError(f"cannot tell which pod this Allocate is for: {e}; the kubelet retries when the "
+                                  "pod is created again") from e
+        except ApiServerError as e:
+            raise AllocationError(f"cannot tell which pod this Allocate is for: {e}") from e
+
+    def _whole_gpus(self, resource: Resource, device_ids: Sequence[str]) -> ContainerAllocation:
+        """Whole GPUs: the device IDs are GPU UUIDs and the kubelet alone
+        keeps each GPU to one container."""
+        by_uuid = {g.uuid: g.index for g in self._service.gpus()}
+        unknown = [d for d in device_ids if d not in by_uuid]
+        if unknown:
+            raise AllocationError(f"{resource.value}: no GPU with UUID {unknown[0]!r} on node {self._node}")
+        indexes = sorted(by_uuid[d] for d in device_ids)
+        uuids = [u for i in indexes for u, j in by_uuid.items() if i == j]
+        return ContainerAllocation(envs={"NVIDIA_VISIBLE_DEVICES": ",".join(uuids),
+                                         ANNOTATION_GPU_INDEX: ",".join(map(str, indexes))})
+

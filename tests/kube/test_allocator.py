@@ -1,0 +1,244 @@
+"""The device plugin's Allocator and pod releases over real parts: the
+instance service on a real SQLite file and real region files, the official
+Kubernetes client against tests/kube/api_server.py, the kubelet's
+pod-resources API over real gRPC (tests/kube/kubelet_pods.py)."""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from cgpud.containers.edits import RuntimeFiles
+from cgpud.daemon.model import GIB, GpuCapacity, InstanceState, NodeMode, NodePolicy, OwnerKind
+from cgpud.daemon.region import read_limits
+from cgpud.daemon.service import InstanceService
+from cgpud.daemon.store import Store
+from cgpud.kube.allocator import PodAllocator, spec_path
+from cgpud.kube.apiserver import ApiServer
+from cgpud.kube.model import AllocationError, Resource
+from cgpud.kube.pod_resources import PodResourcesClient
+from cgpud.kube.releases import PodReleaser, kubelet_pods
+from tests.kube.api_server import ApiServerProcess, api_server, pod_json
+from tests.kube.kubelet_pods import KubeletPods
+from tests.kube.kubelet_pods import kubelet_pods as serve_kubelet_pods
+
+GPUS = (GpuCapacity(0, "GPU-aaaa", 16 * GIB), GpuCapacity(1, "GPU-bbbb", 16 * GIB))
+NODE = "node-1"
+MEM, CORE = Resource.GPU_MEM.value, Resource.GPU_CORE.value
+
+
+@dataclass
+class Rig:
+    service: InstanceService
+    server: ApiServerProcess
+    api: ApiServer
+    allocator: PodAllocator
+    kubelet: KubeletPods
+    releaser: PodReleaser
+    cdi: Path
+
+    def assumed_pod(self, name: str, gib: int = 2, idx: str | None = "1", t: int = 100, **limits: int) -> dict:
+        annotations = {"ALIYUN_COM_GPU_MEM_ASSUME_TIME": str(t), "ALIYUN_COM_GPU_MEM_ASSIGNED": "false"}
+        if idx is not None:
+            annotations["ALIYUN_COM_GPU_MEM_IDX"] = idx
+        return self.server.state.add_pod(pod_json(name, NODE, containers={"main": {MEM: gib, **limits}},
+                                                  annotations=annotations))
+
+    def nothing_made(self) -> None:
+        assert self.service.list() == []
+        assert list(self.cdi.iterdir()) == []
+
+
+def ids(n: int, gpu: str = "GPU-aaaa", start: int = 0) -> list[str]:
+    return [f"{gpu}-_-{j}" for j in range(start, start + n)]
+
+
+@pytest.fixture
+def rig(tmp_path: Path) -> Iterator[Rig]:
+    mode = NodeMode.CORE_MEM
+    service = InstanceService(Store(tmp_path / "cgpud.db"), GPUS, NodePolicy(mode=mode), tmp_path / "regions",
+                              "580.65.06", "boot-1")
+    rt = tmp_path / "rt"
+    files = RuntimeFiles(rt / "libcgpu.so", rt / "ld.so.preload", rt / "cgpu-hook", tmp_path / "relay.sock")
+    cdi = tmp_path / "cdi"
+    cdi.mkdir()
+    with api_server(tmp_path) as (server, kubeconfig), serve_kubelet_pods() as (kubelet, socket):
+        api = ApiServer.connect(kubeconfig, timeout=2.0)
+        allocator = PodAllocator(service, api, NODE, files, cdi)
+        client = PodResourcesClient(socket, timeout=2.0)
+        releaser = PodReleaser(service, lambda: api.pods_on_node(NODE), lambda: kubelet_pods(client.list()), cdi)
+        yield Rig(service, server, api, allocator, kubelet, releaser, cdi)
+        api.close()
+
+
+def test_allocate_creates_the_instance_on_the_annotated_gpu_and_marks_the_pod(rig: Rig):
+    pod = rig.assumed_pod("train", gib=2, idx="1")
+    got = rig.allocator.allocate(Resource.GPU_MEM, ids(2))  # the kubelet's IDs say nothing of the GPU
+    [inst] = rig.service.list()
+    uid = pod["metadata"]["uid"]
+    assert inst.owner.kind is OwnerKind.POD and inst.owner.id == f"{uid}/default/train/main"
+    assert [(g.gpu_index, g.memory) for g in inst.grants] == [(1, 2 * GIB)]
+    assert [(d.uuid, d.mem_limit) for d in read_limits(rig.service.region_dir(inst.id)).devices] == [
+        ("GPU-bbbb", 2 * GIB)]
+    assert got.cdi_devices == (f"cgpu.io/gpu={inst.id}",)
+    assert got.envs["ALIYUN_COM_GPU_MEM_CONTAINER"] == "2" and got.envs["ALIYUN_COM_GPU_MEM_IDX"] == "1"
+    assert got.envs["ALIYUN_COM_GPU_MEM_DEV"] == "16" and got.envs["ALIYUN_COM_GPU_MEM_POD"] == "2"
+    assert got.envs["NVIDIA_VISIBLE_DEVICES"] == "GPU-bbbb"
+    assert {m.container_path for m in got.mounts} >= {"/run/cgpu", "/run/cgpu/usage"}
+    spec = json.loads(spec_path(rig.cdi, inst.id).read_text())
+    assert spec["kind"] == "cgpu.io/gpu" and [d["name"] for d in spec["devices"]] == [inst.id]
+    assert rig.server.state.pod("default", "train")["metadata"]["annotations"]["ALIYUN_COM_GPU_MEM_ASSIGNED"] == "true"
+
+
+def test_a_retried_allocate_gets_the_same_instance(rig: Rig):
+    rig.assumed_pod("train")
+    first = rig.allocator.allocate(Resource.GPU_MEM, ids(2))
+    again = rig.allocator.allocate(Resource.GPU_MEM, list(reversed(ids(2))))
+    assert again == first and len(rig.service.list()) == 1
+
+
+def test_the_oldest_assumed_pod_is_served_first(rig: Rig):
+    rig.assumed_pod("young", t=200, idx="0")
+    rig.assumed_pod("old", t=100, idx="1")
+    rig.allocator.allocate(Resource.GPU_MEM, ids(2))
+    rig.allocator.allocate(Resource.GPU_MEM, ids(2, start=2))
+    by_pod = {i.owner.id.split("/")[2]: i.grants[0].gpu_index for i in rig.service.list()}
+    assert by_pod == {"old": 1, "young": 0}
+    first = min(rig.service.list(), key=lambda i: i.created)
+    assert "/old/" in first.owner.id
+
+
+def test_no_assigned_pod_is_a_clear_error_and_makes_nothing(rig: Rig):
+    rig.server.state.add_pod(pod_json("plain", NODE, containers={"main": {MEM: 2}}))
+    with pytest.raises(AllocationError, match=r"no pod on node node-1 is assumed for 2 GiB of aliyun.com/gpu-mem: "
+                       r"is the cgpu scheduler extender \(or gpushare\) configured\? \(pod default/plain"):
+        rig.allocator.allocate(Resource.GPU_MEM, ids(2))
+    rig.nothing_made()
+    assert rig.server.state.patches == []
+
+
+def test_a_malformed_annotation_names_the_pod_and_makes_nothing(rig: Rig):
+    rig.assumed_pod("bad", idx="GPU one")
+    with pytest.raises(AllocationError, match="pod default/bad: annotation ALIYUN_COM_GPU_MEM_IDX='GPU one' is not "
+                       "a GPU index"):
+        rig.allocator.allocate(Resource.GPU_MEM, ids(2))
+    rig.nothing_made()
+
+
+def test_more_than_the_annotated_gpu_holds_fails_with_the_reason(rig: Rig):
+    rig.assumed_pod("big", gib=12, idx="1", t=1)
+    rig.assumed_pod("next", gib=8, idx="1", t=2)
+    rig.allocator.allocate(Resource.GPU_MEM, ids(12))
+    with pytest.raises(AllocationError, match=r"pod default/next container main: .*GPU 1"):
+        rig.allocator.allocate(Resource.GPU_MEM, ids(8, start=12))
+    assert len(rig.service.list()) == 1
+    assert rig.server.state.pod("default", "next")["metadata"]["annotations"]["ALIYUN_COM_GPU_MEM_ASSIGNED"] == "false"
+
+
+def test_a_failed_patch_undoes_the_instance(rig: Rig):
+    rig.assumed_pod("train")
+    rig.server.state.fail_patch = 403
+    with pytest.raises(AllocationError, match=r"pod default/train container main: instance not kept: cannot annotate "
+                       r"pod default/train: the API server refused it \(403"):
+        rig.allocator.allocate(Resource.GPU_MEM, ids(2))
+    assert [i.state for i in rig.service.list(include_released=True)] == [InstanceState.RELEASED]
+    rig.nothing_made()
+    rig.server.state.fail_patch = None
+    assert rig.allocator.allocate(Resource.GPU_MEM, ids(2)).cdi_devices  # the kubelet's next try works
+
+
+def test_an_unreachable_api_server_fails_allocate_and_makes_nothing(rig: Rig):
+    rig.assumed_pod("train")
+    rig.server.stop()
+    with pytest.raises(AllocationError, match="cannot tell which pod this Allocate is for: .*cannot be reached"):
+        rig.allocator.allocate(Resource.GPU_MEM, ids(2))
+    rig.nothing_made()
+
+
+def test_containers_one_by_one_and_the_pod_is_assigned_with_the_last(rig: Rig):
+    rig.server.state.add_pod(pod_json("duo", NODE, containers={"a": {MEM: 3}, "b": {MEM: 3}}, annotations={
+        "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "5", "ALIYUN_COM_GPU_MEM_ASSIGNED": "false", "ALIYUN_COM_GPU_MEM_IDX": "0"}))
+    a = rig.allocator.allocate(Resource.GPU_MEM, ids(3))
+    assert rig.server.state.pod("default", "duo")["metadata"]["annotations"]["ALIYUN_COM_GPU_MEM_ASSIGNED"] == "false"
+    b = rig.allocator.allocate(Resource.GPU_MEM, ids(3, start=3))
+    assert a.cdi_devices != b.cdi_devices
+    assert sorted(i.owner.id.rsplit("/", 1)[1] for i in rig.service.list()) == ["a", "b"]
+    assert a.envs["ALIYUN_COM_GPU_MEM_POD"] == "6"
+    assert rig.server.state.pod("default", "duo")["metadata"]["annotations"]["ALIYUN_COM_GPU_MEM_ASSIGNED"] == "true"
+
+
+@pytest.mark.parametrize("core_first", [True, False])
+def test_the_core_allocate_creates_nothing_and_the_instance_gets_the_spec_core(rig: Rig, core_first: bool):
+    rig.assumed_pod("mixed", gib=4, **{CORE: 30})
+    core_ids = [f"GPU-aaaa-_-c{j}" for j in range(30)]
+    if core_first:
+        got = rig.allocator.allocate(Resource.GPU_CORE, core_ids)
+        assert got.envs == {"ALIYUN_COM_GPU_CORE_PERCENTAGE": "30"} and not got.cdi_devices
+        assert rig.service.list() == []
+    mem = rig.allocator.allocate(Resource.GPU_MEM, ids(4))
+    if not core_first:
+        assert rig.allocator.allocate(Resource.GPU_CORE, core_ids).envs == {"ALIYUN_COM_GPU_CORE_PERCENTAGE": "30"}
+    [inst] = rig.service.list()
+    assert inst.grants[0].core_percent == 30 and mem.envs["ALIYUN_COM_GPU_CORE_PERCENTAGE"] == "30"
+    with pytest.raises(AllocationError, match="no pod on node node-1 is assumed for 50 percent"):
+        rig.allocator.allocate(Resource.GPU_CORE, core_ids + [f"GPU-aaaa-_-c{j}" for j in range(30, 50)])
+
+
+def test_whole_gpus_name_their_gpus(rig: Rig):
+    got = rig.allocator.allocate(Resource.NVIDIA_GPU, ["GPU-bbbb"])
+    assert got.envs == {"NVIDIA_VISIBLE_DEVICES": "GPU-bbbb", "ALIYUN_COM_GPU_MEM_IDX": "1"}
+    with pytest.raises(AllocationError, match="no GPU with UUID 'GPU-zzzz'"):
+        rig.allocator.allocate(Resource.NVIDIA_GPU, ["GPU-zzzz"])
+    assert rig.service.list() == []
+
+
+# ---- releases ------------------------------------------------------------------------------
+
+
+def _allocated(rig: Rig, name: str, start: int) -> str:
+    rig.assumed_pod(name, idx="0")
+    rig.allocator.allocate(Resource.GPU_MEM, ids(2, start=start))
+    rig.kubelet.hold("default", name, "main", MEM, tuple(ids(2, start=start)))
+    return next(i.id for i in rig.service.list() if f"/{name}/" in i.owner.id)
+
+
+def test_a_deleted_pods_instance_is_released_in_one_sweep_and_a_live_one_is_not(rig: Rig):
+    gone = _allocated(rig, "gone", 0)
+    kept = _allocated(rig, "kept", 2)
+    rig.server.state.delete_pod("default", "gone")
+    assert rig.releaser.sweep() == 0  # the kubelet still lists it: wait
+    rig.kubelet.forget("default", "gone")
+    assert rig.releaser.sweep() == 1
+    assert rig.service.get(gone).state is InstanceState.RELEASED and not spec_path(rig.cdi, gone).exists()
+    assert rig.service.get(kept).active and spec_path(rig.cdi, kept).exists()
+    assert rig.releaser.sweep() == 0
+
+
+def test_a_finished_pod_is_released(rig: Rig):
+    done = _allocated(rig, "job", 0)
+    rig.server.state.pods[("default", "job")]["status"]["phase"] = "Succeeded"
+    assert rig.releaser.sweep() == 1 and not rig.service.get(done).active
+
+
+def test_nothing_is_released_while_a_witness_cannot_be_asked(rig: Rig, tmp_path: Path):
+    inst = _allocated(rig, "gone", 0)
+    rig.server.state.delete_pod("default", "gone")
+    rig.kubelet.forget("default", "gone")
+    rig.server.stop()
+    assert rig.releaser.sweep() == 0 and rig.service.get(inst).active
+    rig.server.start()
+    blind_kubelet = PodReleaser(rig.service, lambda: rig.api.pods_on_node(NODE),
+                                lambda: kubelet_pods(PodResourcesClient(tmp_path / "no.sock").list()), rig.cdi)
+    assert blind_kubelet.sweep() == 0 and rig.service.get(inst).active
+    assert rig.releaser.sweep() == 1  # both answer again: caught up
+
+
+def test_a_spec_of_an_instance_released_elsewhere_is_removed(rig: Rig):
+    inst = _allocated(rig, "train", 0)
+    rig.service.release(inst)  # cgpuctl release, or a reboot's reconcile
+    assert spec_path(rig.cdi, inst).exists()
+    rig.releaser.sweep()
+    assert not spec_path(rig.cdi, inst).exists()
