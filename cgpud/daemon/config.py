@@ -19,7 +19,7 @@ from cgpud.daemon.model import ComputePolicy, ComputeTiming, NodeMode, NodePolic
 from cgpud.daemon.compute_policy import decode_compute_policies
 from cgpud.errors import UsageError
 from cgpud.kube.health_policy import DEFAULT_PROBE_INTERVAL, DEFAULT_RECOVERY_WINDOW, HealthPolicy, parse_xids
-from cgpud.kube.model import DEFAULT_DEVICE_PLUGIN_DIR, DEFAULT_POD_RESOURCES_SOCKET
+from cgpud.kube.model import DEFAULT_CDI_DIR, DEFAULT_DEVICE_PLUGIN_DIR, DEFAULT_POD_RESOURCES_SOCKET
 
 DEFAULT_CONFIG = Path("/etc/cgpu/config.toml")
 MAX_SCHEDULED = _sched.CGPU_SCHED_MAX_TENANTS
@@ -90,6 +90,15 @@ class DaemonConfig:
     )
     gpu_health_recovery_window: float = _setting(
         DEFAULT_RECOVERY_WINDOW, "seconds with no fatal XID after which a GPU is Healthy again (0: only a reset)"
+    )
+    node_name: str = _setting(
+        "", "this node's name in the cluster (orchestrator kubernetes): empty means $NODE_NAME, else the host name"
+    )
+    kubeconfig: str = _setting(
+        "", "kubeconfig file for the API server (orchestrator kubernetes); empty means the pod's service account"
+    )
+    cdi_dir: Path = _setting(
+        Path(DEFAULT_CDI_DIR), "where cgpud writes the CDI specs of pod instances (orchestrator kubernetes)"
     )
 
     def policy(self) -> NodePolicy:

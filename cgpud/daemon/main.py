@@ -6,7 +6,7 @@ import json
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import structlog
@@ -32,13 +32,15 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _sweeper(service: InstanceService, interval: float, stop: threading.Event) -> None:
+def _sweeper(service: InstanceService, interval: float, stop: threading.Event,
+             also: Sequence[Callable[[], object]] = ()) -> None:
     log = structlog.get_logger("cgpud.sweep")
     while not stop.wait(interval):
-        try:
-            service.sweep()
-        except (CgpuError, OSError, MemoryError) as e:  # keep sweeping: the next round may succeed
-            log.error("sweep failed", error=str(e))
+        for sweep in (service.sweep, *also):
+            try:
+                sweep()
+            except (CgpuError, OSError, MemoryError) as e:  # keep sweeping: the next round may succeed
+                log.error("sweep failed", error=str(e))
 
 
 def _private_state_dir(path: Path) -> None:
@@ -67,8 +69,16 @@ def run(config: settings.DaemonConfig) -> int:
     gpus = tuple(GpuCapacity(g.index, g.uuid, g.memory_total) for g in inventory.gpus)
     _private_state_dir(config.state_dir)
     store = Store(config.database)
-    compute = ComputeScheduler(len(gpus), config.timing()).start() if gpus and limits_compute(config.mode) else None
-    service = InstanceService(store, gpus, config.policy(), config.regions, inventory.driver_version, node.boot_id(),
+    kube = config.orchestrator is Orchestrator.KUBERNETES
+    policy = config.policy()
+    if kube:
+        from cgpud.kube.agent import kubeconfig_path, node_name
+        from cgpud.kube.apiserver import LazyApiServer
+        from cgpud.kube.node_labels import initial_policy
+        api = LazyApiServer(kubeconfig_path(config.kubeconfig))
+        policy = initial_policy(api, node_name(config.node_name), policy)  # the Node's labels win over the file
+    compute = ComputeScheduler(len(gpus), config.timing()).start() if gpus and limits_compute(policy.mode) else None
+    service = InstanceService(store, gpus, policy, config.regions, inventory.driver_version, node.boot_id(),
                               compute=compute, tmpfs_regions=True)
     service.reconcile()
     files = install_runtime_files(config.state_dir, config.relay_socket)
@@ -79,13 +89,29 @@ def run(config: settings.DaemonConfig) -> int:
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
-    threading.Thread(target=_sweeper, args=(service, config.sweep_interval, stop), daemon=True).start()
+    also: list[Callable[[], object]] = []
+    plugin = agent = None
+    if kube:
+        from cgpud.kube.agent import KubeAgent
+        from cgpud.kube.plugin import DevicePlugin, PluginSettings
+        agent = KubeAgent(service, api, node_name(config.node_name), files, config.policy(), inventory.card_labels(),
+                          cdi_dir=config.cdi_dir, pod_resources_socket=config.pod_resources_socket)
+        plugin = DevicePlugin(PluginSettings(config.device_plugin_dir), agent.allocator, mode=policy.mode,
+                              placement=policy.placement, gpus=gpus).start()
+        agent.on_policy = lambda p: plugin.update(mode=p.mode, placement=p.placement)
+        agent.start(stop)
+        also.append(agent.sweep)
+    threading.Thread(target=_sweeper, args=(service, config.sweep_interval, stop, also), daemon=True).start()
     start_watchdog(notifier, stop)
     notifier.ready()  # only now: reconciled and serving
-    log.info("ready", socket=str(config.socket), gpus=len(gpus), mode=config.mode.value)
+    log.info("ready", socket=str(config.socket), gpus=len(gpus), mode=policy.mode.value)
     stop.wait()
     notifier.stopping()
     log.info("stopping")
+    if plugin is not None:
+        plugin.stop()
+    if agent is not None:
+        agent.stop()
     relay.stop()
     server.stop(grace=2).wait()
     if compute is not None:

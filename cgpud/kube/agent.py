@@ -1,0 +1,79 @@
+"""The API-server side of cgpud's node agent, put together for the
+daemon's main: the Allocator the device plugin calls, pod releases for the
+daemon's sweep, and the Node's labels followed in a thread.
+
+Wiring, in order (cgpud/daemon/main.py):
+    api = LazyApiServer(kubeconfig)
+    policy = initial_policy(api, node, config.policy())   # before the service
+    service = InstanceService(..., policy, ...)
+    agent = KubeAgent(service, api, node, files, ...)
+    plugin = DevicePlugin(..., agent.allocator, mode=policy.mode, ...)
+    agent.on_policy = lambda p: plugin.update(mode=p.mode, placement=p.placement)
+    agent.start(stop); sweeper calls agent.sweep() after service.sweep()"""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import structlog
+
+from cgpud.containers.edits import RuntimeFiles
+from cgpud.daemon.model import NodePolicy
+from cgpud.daemon.service import InstanceService
+from cgpud.kube.allocator import DYNAMIC_CDI_DIR, PodAllocator
+from cgpud.kube.apiserver import LazyApiServer
+from cgpud.kube.model import DEFAULT_POD_RESOURCES_SOCKET
+from cgpud.kube.node_labels import DEFAULT_INTERVAL, NodeLabels
+from cgpud.kube.pod_resources import PodResourcesClient
+from cgpud.kube.releases import PodReleaser, kubelet_pods
+
+
+def node_name(configured: str = "") -> str:
+    """This node's name in the cluster: the setting, else NODE_NAME (the
+    DaemonSet sets it from spec.nodeName), else the host name."""
+    return configured or os.environ.get("NODE_NAME", "") or socket.gethostname()
+
+
+def kubeconfig_path(configured: str = "") -> Path | None:
+    """A kubeconfig file when one is set; None means in-cluster."""
+    return Path(configured) if configured else None
+
+
+class KubeAgent:
+    def __init__(self, service: InstanceService, api: LazyApiServer, node: str, files: RuntimeFiles,
+                 configured: NodePolicy, card_labels: Mapping[str, str], *, cdi_dir: Path = DYNAMIC_CDI_DIR,
+                 pod_resources_socket: Path = Path(DEFAULT_POD_RESOURCES_SOCKET),
+                 label_interval: float = DEFAULT_INTERVAL) -> None:
+        self.api = api
+        self.node = node
+        try:  # runtimes create it too; a spec written into a missing one would fail every Allocate
+            cdi_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
+        except OSError as e:
+            structlog.get_logger("cgpud.kube").error("cannot create the CDI spec directory", dir=str(cdi_dir),
+                                                     error=e.strerror)
+        self.on_policy: Callable[[NodePolicy], None] | None = None  # set once the device plugin exists
+        self.allocator = PodAllocator(service, api, node, files, cdi_dir)
+        kubelet = PodResourcesClient(pod_resources_socket)
+        self.releaser = PodReleaser(service, lambda: api.pods_on_node(node), lambda: kubelet_pods(kubelet.list()),
+                                    cdi_dir)
+        self.labels = NodeLabels(api, node, service, configured, card_labels, on_policy=self._policy_changed,
+                                 interval=label_interval)
+
+    def start(self, stop: threading.Event) -> KubeAgent:
+        self.labels.start(stop)
+        return self
+
+    def sweep(self) -> int:
+        return self.releaser.sweep()
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """After `stop` (the event) is set: wait for the label thread, close the client."""
+        self.labels.join(timeout)
+        self.api.close()
+
+    def _policy_changed(self, policy: NodePolicy) -> None:
+        if self.on_policy is not None:
+            self.on_policy(policy)

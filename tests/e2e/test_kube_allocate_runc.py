@@ -1,0 +1,143 @@
+"""Kubernetes end to end on the simulated GPU: cgpud runs with
+orchestrator=kubernetes; the test plays the kubelet (Registration on
+kubelet.sock, then Allocate over the plugin's socket, the kubelet's
+pod-resources API) and the API server (tests/kube/api_server.py). The
+Allocate answer's CDI device is looked up in the spec cgpud wrote, its edits
+are applied to a runc bundle the way a CDI-aware runtime applies them, and
+plain runc (no cgpu shim) starts the container: it sees exactly its GiB in
+the driver's view (cuMemGetInfo, allocations until failure) and in NVML's.
+Deleting the pod releases the instance within a sweep."""
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from cgpud.api.k8s.deviceplugin.v1beta1 import api_pb2 as pb
+from cgpud.api.k8s.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
+from cgpud.daemon.model import GIB
+from tests.daemonproc import Daemon, running_daemon
+from tests.e2e.oci import Bundle, Host, run
+from tests.e2e.test_cdi_runc import BURN, apply_cdi, burn_json
+from tests.kube.api_server import ApiServerProcess, api_server, node_json, pod_json
+from tests.kube.kubelet_pods import kubelet_pods
+from tests.kube.test_device_plugin import Kubelet
+
+NODE = "node-e2e"
+WAIT = 20.0
+
+# NVML's view from inside the container: the driver library the toolkit
+# mounted, found by dlopen as any NVML program finds it.
+NVML_TOTAL = r"""
+#include <dlfcn.h>
+#include <stdio.h>
+typedef struct { unsigned long long total, free, used; } mem_t;
+int main(void) {
+    void *h = dlopen("libnvidia-ml.so.1", RTLD_NOW);
+    if (!h) { fprintf(stderr, "dlopen: %s\n", dlerror()); return 2; }
+    int (*init)(void) = (int (*)(void))dlsym(h, "nvmlInit_v2");
+    int (*get)(unsigned, void **) = (int (*)(unsigned, void **))dlsym(h, "nvmlDeviceGetHandleByIndex_v2");
+    int (*info)(void *, mem_t *) = (int (*)(void *, mem_t *))dlsym(h, "nvmlDeviceGetMemoryInfo");
+    void *dev; mem_t m;
+    if (!init || !get || !info || init() || get(0, &dev) || info(dev, &m)) return 3;
+    printf("NVML_TOTAL=%llu\n", m.total);
+    return 0;
+}
+"""
+
+
+@pytest.fixture
+def nvml_total(tmp_path: Path) -> Path:
+    src = tmp_path / "nvml_total.c"
+    src.write_text(NVML_TOTAL)
+    out = tmp_path / "nvml_total"
+    subprocess.run(["cc", "-O1", "-o", str(out), str(src), "-ldl"], check=True, capture_output=True)
+    return out
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[tuple[ApiServerProcess, Path]]:
+    with api_server(tmp_path) as (server, kubeconfig):
+        server.state.nodes[NODE] = node_json(NODE, {"ack.node.gpu.schedule": "cgpu"})
+        yield server, kubeconfig
+
+
+def _allocate(plugin: Path, ids: list[str]) -> pb.ContainerAllocateResponse:
+    with grpc.insecure_channel(f"unix:{plugin}") as channel:
+        stub = pb_grpc.DevicePluginStub(channel)
+        answer = stub.Allocate(pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)]),
+                               timeout=WAIT)
+    [container] = answer.container_responses
+    return container
+
+
+def _devices(plugin: Path) -> list[str]:
+    with grpc.insecure_channel(f"unix:{plugin}") as channel:
+        stream = pb_grpc.DevicePluginStub(channel).ListAndWatch(pb.Empty(), timeout=WAIT)
+        first = next(iter(stream))
+        stream.cancel()
+    return [d.ID for d in first.devices]
+
+
+def _list(cgpud: Daemon) -> list[dict]:
+    out = cgpud.cgpuctl("list", "--output", "json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_allocate_cdi_runc_sees_its_gib_and_the_pod_delete_releases_it(tmp_path: Path, host: Host, gpu_env: dict,
+                                                                       cluster, nvml_total: Path) -> None:
+    server, kubeconfig = cluster
+    pod = server.state.add_pod(pod_json("train", NODE, containers={"main": {"aliyun.com/gpu-mem": 2}}, annotations={
+        "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "1", "ALIYUN_COM_GPU_MEM_ASSIGNED": "false", "ALIYUN_COM_GPU_MEM_IDX": "0"}))
+    cdi_dir = tmp_path / "cdi"
+    import tempfile
+    plugins = Path(tempfile.mkdtemp(prefix="e2e-dp-", dir="/tmp"))
+    kubelet = Kubelet(plugins).start()
+    try:
+        with kubelet_pods() as (kubelet_api, pod_resources), running_daemon(
+                tmp_path, gpu_env, "--orchestrator", "kubernetes", "--device-plugin-dir", str(plugins),
+                "--pod-resources-socket", str(pod_resources), "--kubeconfig", str(kubeconfig),
+                "--node-name", NODE, "--cdi-dir", str(cdi_dir)) as cgpud:
+            names = {r.resource_name: r.endpoint for r in kubelet.take_registrations(5)}
+            mem_plugin = plugins / names["aliyun.com/gpu-mem"]
+            devices = _devices(mem_plugin)
+            assert len(devices) == 16  # one per GiB of the 16 GiB GPU
+            answer = _allocate(mem_plugin, devices[:2])
+            [cdi_name] = [d.name for d in answer.cdi_devices]
+            iid = cdi_name.removeprefix("cgpu.io/gpu=")
+            assert answer.envs["ALIYUN_COM_GPU_MEM_CONTAINER"] == "2"
+            assert server.state.pod("default", "train")["metadata"]["annotations"][
+                "ALIYUN_COM_GPU_MEM_ASSIGNED"] == "true"
+            assert [(i["id"], i["owner"]["kind"]) for i in _list(cgpud)] == [(iid, "pod")]
+
+            spec = json.loads((cdi_dir / f"cgpu-pod-{iid}.json").read_text())
+            [device] = [d for d in spec["devices"] if f"{spec['kind']}={d['name']}" == cdi_name]
+            b = host.bundle(tmp_path / "b0", ["sh", "-c", f"echo MEM=$ALIYUN_COM_GPU_MEM_CONTAINER; /nvml_total; {BURN}"])
+            (b.rootfs / "nvml_total").write_bytes(nvml_total.read_bytes())
+            (b.rootfs / "nvml_total").chmod(0o755)
+            b = Bundle(b.path, apply_cdi(b.spec, device)).write()
+            ran = run(host, b, host.new_id(), shim=False)
+            assert ran.returncode == 0, ran.stderr
+            assert "MEM=2" in ran.stdout.splitlines()
+            assert f"NVML_TOTAL={2 * GIB}" in ran.stdout.splitlines()
+            burn = burn_json(ran.stdout)
+            assert burn["mem_total_reported"] == 2 * GIB and burn["alloc"]["until_fail_bytes"] == 2 * GIB
+
+            # The pod goes: the API server and the kubelet both stop listing it.
+            kubelet_api.hold("default", "train", "main", "aliyun.com/gpu-mem", tuple(devices[:2]))
+            server.state.delete_pod("default", "train")
+            kubelet_api.forget("default", "train")
+            deadline = time.monotonic() + WAIT
+            while _list(cgpud) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert _list(cgpud) == []
+            assert not (cdi_dir / f"cgpu-pod-{iid}.json").exists()
+            assert pod["metadata"]["uid"]
+    finally:
+        kubelet.stop()
