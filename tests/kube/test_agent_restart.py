@@ -1,0 +1,88 @@
+"""A restart of cgpud (kill -9) or of the kubelet loses nothing and grants
+nothing twice: cgpud as a real process with orchestrator=kubernetes on the
+simulated GPUs, the test playing the kubelet (Registration, Allocate, the
+pod-resources API) and the API server."""
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from cgpud.api.k8s.deviceplugin.v1beta1 import api_pb2 as pb
+from cgpud.api.k8s.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
+from tests.daemonproc import Daemon, make_daemon
+from tests.kube.api_server import api_server, node_json, pod_json
+from tests.kube.kubelet_pods import kubelet_pods
+from tests.kube.test_device_plugin import Kubelet
+
+NODE = "node-r"
+WAIT = 20.0
+
+
+def _allocate(plugin: Path, ids: list[str]) -> pb.ContainerAllocateResponse:
+    with grpc.insecure_channel(f"unix:{plugin}") as channel:
+        answer = pb_grpc.DevicePluginStub(channel).Allocate(
+            pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)]), timeout=WAIT)
+    return answer.container_responses[0]
+
+
+def _listed(cgpud: Daemon) -> list[tuple[str, str, str]]:
+    out = cgpud.cgpuctl("list", "--output", "json")
+    assert out.returncode == 0, out.stderr
+    return [(i["id"], i["owner"]["kind"], i["state"]) for i in json.loads(out.stdout)]
+
+
+def test_restarts_of_cgpud_and_the_kubelet_keep_the_pod_instance_and_grant_nothing_twice(tmp_path, sim_env):
+    plugins = Path(tempfile.mkdtemp(prefix="rs-dp-", dir="/tmp"))
+    kubelet = Kubelet(plugins).start()
+    try:
+        with api_server(tmp_path) as (server, kubeconfig), kubelet_pods() as (kubelet_api, pod_resources):
+            server.state.nodes[NODE] = node_json(NODE, {"ack.node.gpu.schedule": "cgpu"})
+            server.state.add_pod(pod_json("train", NODE, containers={"main": {"aliyun.com/gpu-mem": 3}}, annotations={
+                "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "1", "ALIYUN_COM_GPU_MEM_ASSIGNED": "false",
+                "ALIYUN_COM_GPU_MEM_IDX": "1"}))
+            cgpud = make_daemon(tmp_path, sim_env, "--orchestrator", "kubernetes", "--device-plugin-dir", str(plugins),
+                                "--pod-resources-socket", str(pod_resources), "--kubeconfig", str(kubeconfig),
+                                "--node-name", NODE, "--cdi-dir", str(tmp_path / "cdi"))
+            cgpud.start()
+            try:
+                names = {r.resource_name: r.endpoint for r in kubelet.take_registrations(5)}
+                mem = plugins / names["aliyun.com/gpu-mem"]
+                with grpc.insecure_channel(f"unix:{mem}") as channel:
+                    stream = pb_grpc.DevicePluginStub(channel).ListAndWatch(pb.Empty(), timeout=WAIT)
+                    ids = [d.ID for d in next(iter(stream)).devices][:3]
+                    stream.cancel()
+                first = _allocate(mem, ids)
+                [(iid, kind, _)] = _listed(cgpud)
+                assert kind == "pod" and first.cdi_devices[0].name == f"cgpu.io/gpu={iid}"
+                kubelet_api.hold("default", "train", "main", "aliyun.com/gpu-mem", tuple(ids))
+
+                cgpud.kill()  # kill -9 mid-life
+                cgpud.start()
+                assert [i[0] for i in _listed(cgpud)] == [iid]  # nothing lost
+                kubelet.take_registrations(5)  # it registers again with the running kubelet
+
+                kubelet.restart()  # the kubelet's own restart: sockets deleted, a new kubelet.sock
+                kubelet.take_registrations(5)
+                assert [i[0] for i in _listed(cgpud)] == [iid]
+                # The pod is assigned: another Allocate of that size finds no pod and makes nothing.
+                with pytest.raises(grpc.RpcError, match="no pod on node node-r is assumed for 3 GiB"):
+                    _allocate(mem, ids)
+                assert [i[0] for i in _listed(cgpud)] == [iid]
+
+                server.state.delete_pod("default", "train")
+                kubelet_api.forget("default", "train")
+                deadline = time.monotonic() + WAIT
+                while _listed(cgpud) and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                assert _listed(cgpud) == []
+            finally:
+                cgpud.stop()
+    finally:
+        kubelet.stop()
+        shutil.rmtree(plugins, ignore_errors=True)
