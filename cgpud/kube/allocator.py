@@ -96,7 +96,10 @@ class PodAllocator:
         if retried is not None:
             self._write_spec(retried)  # the spec may be what failed the first time
             return self._answer(retried, pods)
-        held = {i.owner.id for i in self._service.list() if i.owner.kind is OwnerKind.POD}
+        pod_instances = [i for i in self._service.list() if i.owner.kind is OwnerKind.POD]
+        held = {i.owner.id for i in pod_instances}
+        live_ids = {i.id for i in pod_instances}  # answers of released instances are no retry's any more
+        self._answered = {k: v for k, v in self._answered.items() if v in live_ids}
         chosen = assignment.resolve_memory(pods, gib, self._node, held)
         request = Request(Owner(OwnerKind.POD, chosen.owner.owner_id), chosen.memory_gib * GIB, chosen.gpu_count,
                           chosen.core_percent, gpu_indexes=chosen.gpu_indexes)

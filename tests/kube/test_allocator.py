@@ -242,3 +242,14 @@ def test_a_spec_of_an_instance_released_elsewhere_is_removed(rig: Rig):
     assert spec_path(rig.cdi, inst).exists()
     rig.releaser.sweep()
     assert not spec_path(rig.cdi, inst).exists()
+
+
+def test_devices_freed_by_a_finished_pod_go_to_the_next_pod_not_back_to_the_old_instance(rig: Rig):
+    rig.assumed_pod("first", t=1)
+    old = rig.allocator.allocate(Resource.GPU_MEM, ids(2))
+    rig.server.state.pods[("default", "first")]["status"]["phase"] = "Succeeded"  # the kubelet frees its devices
+    rig.assumed_pod("second", t=2)
+    new = rig.allocator.allocate(Resource.GPU_MEM, ids(2))  # the very same device IDs
+    assert new.cdi_devices != old.cdi_devices
+    assert sorted(i.owner.id.split("/")[2] for i in rig.service.list()) == ["first", "second"]
+    assert rig.releaser.sweep() == 1 and [i.owner.id.split("/")[2] for i in rig.service.list()] == ["second"]
