@@ -42,7 +42,7 @@ def _setting(default: Any, help_text: str) -> Any:
 
 @dataclass(frozen=True)
 class DaemonConfig:
-    mode: NodeMode = _setting(_NODE.mode, "node mode: default, share, cgpu, core_mem or mps")
+    mode: NodeMode = _setting(_NODE.mode, "node mode: default, share, cgpu, core_mem, mps or topology")
     placement: Placement = _setting(_NODE.placement, "binpack (fill one GPU first) or spread")
     max_instances_per_gpu: int = _setting(_NODE.max_instances_per_gpu, "instances one GPU may hold")
     core_step: int = _setting(_NODE.core_step, "compute shares are multiples of this percentage (1-100)")

@@ -19,6 +19,11 @@ class NodeMode(str, Enum):
     CGPU = "cgpu"  # memory isolation
     CORE_MEM = "core_mem"  # memory and compute isolation
     MPS = "mps"  # memory isolation; compute through NVIDIA MPS
+    TOPOLOGY = "topology"  # whole GPUs, exclusive, as aliyun.com/gpu (topology-aware scheduling)
+
+
+# Modes that give each request whole GPUs, never a share of one.
+WHOLE_GPU_MODES = (NodeMode.DEFAULT, NodeMode.TOPOLOGY)
 
 
 class Placement(str, Enum):

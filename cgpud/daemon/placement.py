@@ -23,6 +23,7 @@ from cgpud.daemon.model import (
     NodePolicy,
     Placement,
     Request,
+    WHOLE_GPU_MODES,
 )
 from cgpud.errors import AdmissionError, UsageError
 from cgpud.units import format_memory
@@ -88,7 +89,7 @@ def admit(
     if request.gpu_indexes:  # a cluster scheduler chose them: those or none
         usage = tuple(u for u in usage if u.gpu.index in request.gpu_indexes)
     try:
-        if mode == NodeMode.DEFAULT:
+        if mode in WHOLE_GPU_MODES:
             chosen = _whole_gpus(request, usage, placement)
             grants = [Grant(u.gpu.index, u.gpu.uuid, u.gpu.memory, _FULL_CORE) for u in chosen]
         else:
@@ -145,15 +146,15 @@ def _check_request(request: Request, gpus: Sequence[GpuCapacity], mode: NodeMode
         raise UsageError(
             f"asked for {request.memory} bytes of GPU memory: ask for a size of 0 or more (aliyun.com/gpu-mem)"
         )
-    if mode != NodeMode.DEFAULT and request.memory == 0:
+    if mode not in WHOLE_GPU_MODES and request.memory == 0:
         raise UsageError(
             f"node mode {mode.value} shares GPUs by memory: ask for a memory size per GPU "
             "(aliyun.com/gpu-mem, e.g. 4 GiB) or run on a default node for whole GPUs"
         )
     if request.core_percent != 0:
-        if mode == NodeMode.DEFAULT:
+        if mode in WHOLE_GPU_MODES:
             raise UsageError(
-                "node mode default gives whole GPUs and does not divide compute; "
+                f"node mode {mode.value} gives whole GPUs and does not divide compute; "
                 "ask without a core percentage or run on a core_mem node"
             )
         if mode != NodeMode.CORE_MEM:
@@ -171,7 +172,7 @@ def _check_request(request: Request, gpus: Sequence[GpuCapacity], mode: NodeMode
         raise UsageError(f"asked for weight {request.weight}: use 1 or more (ALIYUN_COM_GPU_SCHD_WEIGHT)")
     if request.priority < 0:
         raise UsageError(f"asked for priority {request.priority}: use 0 or more (ALIYUN_COM_GPU_HIGH_PRIO)")
-    if mode != NodeMode.DEFAULT:
+    if mode not in WHOLE_GPU_MODES:
         # A size no GPU here could ever hold is a wrong request, not a busy
         # node: waiting or releasing instances would never help.
         big_enough = sum(1 for g in gpus if g.memory >= request.memory)
@@ -396,6 +397,7 @@ def _shortfall(request: Request, checks: list[_Check], policy: NodePolicy) -> st
 # same leaves every instance as it was granted.
 _ENFORCEMENT = {
     NodeMode.DEFAULT: "whole GPUs",
+    NodeMode.TOPOLOGY: "whole GPUs",
     NodeMode.SHARE: "memory bookkeeping only",
     NodeMode.CGPU: "memory isolation",
     NodeMode.MPS: "memory isolation",

@@ -30,6 +30,7 @@ from cgpud.daemon.model import (
     OwnerKind,
     Placement,
     Request,
+    WHOLE_GPU_MODES,
 )
 from cgpud.daemon.compute import ComputeError, ComputeScheduler
 from cgpud.daemon.compute_policy import decode_compute_policies, encode_compute_policies, with_compute_policy
@@ -319,7 +320,7 @@ class InstanceService:
 
     def _same_request(self, existing: Instance, request: Request) -> Instance:
         # Default mode grants whole GPUs whatever memory was asked.
-        whole = self._policy.mode is NodeMode.DEFAULT
+        whole = self._policy.mode in WHOLE_GPU_MODES
         wanted = (0 if whole else request.memory, request.gpu_count, request.core_percent)
         held = (0 if whole else existing.grants[0].memory, len(existing.grants),
                 0 if whole else existing.grants[0].core_percent)

@@ -23,6 +23,7 @@ from cgpud.daemon.model import (
     OwnerKind,
     Placement,
     Request,
+    WHOLE_GPU_MODES,
 )
 from cgpud.daemon.placement import admit, gpu_usage
 from cgpud.errors import AdmissionError, UsageError
@@ -199,8 +200,9 @@ TWO = node(15, 15)
         pytest.param(
             req(4),
             TWO,
-            NodePolicy(mode="topology"),  # type: ignore[arg-type]  # as read from a label
-            "unknown node mode 'topology' (ack.node.gpu.schedule): use one of default, share, cgpu, core_mem, mps",
+            NodePolicy(mode="exclusive"),  # type: ignore[arg-type]  # as read from a label
+            "unknown node mode 'exclusive' (ack.node.gpu.schedule): use one of default, share, cgpu, core_mem, mps, "
+            "topology",
             id="unknown-mode",
         ),
         pytest.param(
@@ -422,6 +424,15 @@ def test_default_mode_skips_a_gpu_holding_anything():
     assert [g.gpu_index for g in admit(req(0), TWO, busy, DEFAULT)] == [1]
 
 
+def test_topology_mode_gives_whole_gpus_as_default_does():
+    topology = NodePolicy(mode=NodeMode.TOPOLOGY)
+    busy = [held(TWO, (0, 0.125, 0))]
+    (grant,) = admit(req(0), TWO, busy, topology)
+    assert (grant.gpu_index, grant.memory, grant.core_percent) == (1, TWO[1].memory, 100)
+    with pytest.raises(UsageError, match="node mode topology gives whole GPUs and does not divide compute"):
+        admit(req(0, core_percent=50), TWO, [], topology)
+
+
 def test_shared_request_cannot_land_on_a_gpu_held_whole():
     # A node switched from default to cgpu still books the whole-GPU grant.
     whole = [held(TWO, (0, 15, 100))]
@@ -574,7 +585,7 @@ def fits(gpu: GpuCapacity, active: list[Instance], r: Request, policy: NodePolic
     """An independent statement of the fit rule, from the raw instances."""
     mine = [g for i in active if i.active for g in i.grants if g.gpu_index == gpu.index]
     count = len({i.id for i in active if i.active and any(g.gpu_index == gpu.index for g in i.grants)})
-    if policy.mode == NodeMode.DEFAULT:
+    if policy.mode in WHOLE_GPU_MODES:
         return count == 0
     return (
         gpu.memory - sum(g.memory for g in mine) >= r.memory
@@ -647,7 +658,7 @@ def replay(gpus, policy, steps, check) -> None:
 @given(scenarios())
 def test_no_gpu_is_ever_overcommitted(scenario):
     gpus, policy, steps = scenario
-    limit = 1 if policy.mode == NodeMode.DEFAULT else policy.max_instances_per_gpu
+    limit = 1 if policy.mode in WHOLE_GPU_MODES else policy.max_instances_per_gpu
 
     def check(r, before, outcome):
         if not isinstance(outcome, tuple):
@@ -676,7 +687,7 @@ def test_grants_match_the_request_and_refusals_are_justified(scenario):
                 gpu = by_index[g.gpu_index]
                 assert fits(gpu, before, r, policy)
                 assert g.gpu_uuid == gpu.uuid
-                if policy.mode == NodeMode.DEFAULT:
+                if policy.mode in WHOLE_GPU_MODES:
                     assert (g.memory, g.core_percent) == (gpu.memory, 100)
                 else:
                     assert (g.memory, g.core_percent) == (r.memory, r.core_percent)
@@ -686,7 +697,7 @@ def test_grants_match_the_request_and_refusals_are_justified(scenario):
             assert "\n" not in str(outcome) and "; " in str(outcome)
         else:
             # Only a size no GPU here can ever hold is a usage error here.
-            assert policy.mode != NodeMode.DEFAULT
+            assert policy.mode not in WHOLE_GPU_MODES
             assert sum(1 for g in gpus if g.memory >= r.memory) < r.gpu_count
             assert "\n" not in str(outcome)
 
