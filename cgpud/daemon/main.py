@@ -8,6 +8,7 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -55,6 +56,24 @@ def _private_state_dir(path: Path) -> None:
         raise CgpuError(f"cannot prepare the state directory {path}: {e.strerror}") from e
 
 
+def _watch_gpu_health(config: settings.DaemonConfig, gpus: Sequence[Any], plugin: Any) -> Any:
+    """GPU health into the device plugin's ListAndWatch; None when NVML
+    cannot watch (then devices stay Healthy rather than the node losing
+    its capacity, and the log says so)."""
+    from cgpud.kube.health import HealthWatcher, healthy_by_index
+
+    watcher = HealthWatcher(gpus, lambda snap: plugin.update(health=healthy_by_index(snap)),
+                            policy=config.health_policy(), probe_interval=config.gpu_health_probe_interval)
+    try:
+        watcher.start()
+    except CgpuError as e:
+        structlog.get_logger("cgpud.kube").error("GPU health is not watched: devices are advertised Healthy",
+                                                 error=str(e))
+        return None
+    plugin.update(health=healthy_by_index(watcher.snapshot()))  # start()'s first verdicts reach no callback
+    return watcher
+
+
 def run(config: settings.DaemonConfig) -> int:
     # Imported here: the API pulls in grpc, which --inventory does not need.
     from cgpud.api.server import serve
@@ -90,7 +109,7 @@ def run(config: settings.DaemonConfig) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     also: list[Callable[[], object]] = []
-    plugin = agent = None
+    plugin = agent = health = None
     if kube:
         from cgpud.kube.agent import KubeAgent
         from cgpud.kube.plugin import DevicePlugin, PluginSettings
@@ -99,6 +118,7 @@ def run(config: settings.DaemonConfig) -> int:
         plugin = DevicePlugin(PluginSettings(config.device_plugin_dir), agent.allocator, mode=policy.mode,
                               placement=policy.placement, gpus=gpus).start()
         agent.on_policy = lambda p: plugin.update(mode=p.mode, placement=p.placement)
+        health = _watch_gpu_health(config, inventory.gpus, plugin)
         agent.start(stop)
         also.append(agent.sweep)
     threading.Thread(target=_sweeper, args=(service, config.sweep_interval, stop, also), daemon=True).start()
@@ -110,6 +130,8 @@ def run(config: settings.DaemonConfig) -> int:
     log.info("stopping")
     if plugin is not None:
         plugin.stop()
+    if health is not None:
+        health.stop()
     if agent is not None:
         agent.stop()
     relay.stop()

@@ -470,3 +470,64 @@ def test_a_socket_another_live_server_holds_is_not_taken(directory: Path, kubele
         p.stop(grace=0.5)
         other.stop(None).wait(WAIT)
 
+
+# ---- cgpud itself: the process, the simulated GPUs, the test as kubelet
+
+
+def test_cgpud_in_kubernetes_mode_registers_and_reports_a_lost_gpu(sim_env: dict[str, str]) -> None:
+    """The whole node side but the API server (none here: cgpud says so and
+    runs on its configured mode): cgpud registers every resource with the
+    kubelet, advertises the simulated GPUs by its mode, and a GPU lost in
+    the simulator (injected from another process) turns Unhealthy in
+    ListAndWatch, then Healthy after it is reset."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.daemonproc import running_daemon
+
+    base = Path(tempfile.mkdtemp(prefix="dpd-", dir="/tmp"))
+    plugins = base / "dp"
+    plugins.mkdir()
+    kubelet = Kubelet(plugins).start()
+    env = dict(sim_env, NODE_NAME="gpu-node-1")
+
+    def fault(*args: str) -> None:
+        proc = subprocess.run([sys.executable, "-m", "cgpud.cli.main", "sim", "fault", *args], env=env,
+                              capture_output=True, text=True, timeout=30)
+        assert proc.returncode == 0, proc.stderr
+
+    try:
+        with running_daemon(base, env, "--orchestrator", "kubernetes", "--mode", "core_mem",
+                            "--device-plugin-dir", str(plugins), "--kubeconfig", str(base / "no-kubeconfig"),
+                            "--cdi-dir", str(base / "cdi"), "--pod-resources-socket", str(base / "pr.sock"),
+                            "--gpu-health-probe-interval", "0.2") as daemon:
+            got = kubelet.take_registrations(len(Resource))
+            assert {r.resource_name for r in got} == {r.value for r in Resource}
+            sizes = {}
+            for resource in Resource:
+                stream = stub(plugins, resource).ListAndWatch(pb.Empty(), timeout=WAIT)
+                sizes[resource] = len(next(stream).devices)
+                stream.cancel()
+            # Two simulated GPUs of 16 GiB (tests/conftest.py).
+            assert sizes == {Resource.GPU_MEM: 32, Resource.GPU_COUNT: 2, Resource.GPU_CORE: 200,
+                             Resource.GPU_TOPOLOGY: 0, Resource.NVIDIA_GPU: 0}
+
+            inventory = subprocess.run([sys.executable, "-m", "cgpud.daemon.main", "--inventory"], env=env,
+                                       capture_output=True, text=True, timeout=30, check=True)
+            uuids = [g["uuid"] for g in json.loads(inventory.stdout)["gpus"]]
+            stream = stub(plugins, Resource.GPU_COUNT).ListAndWatch(pb.Empty(), timeout=30)
+            assert devices(next(stream)) == {uuids[0]: "Healthy", uuids[1]: "Healthy"}
+            fault("--gpu", "1", "--lost")
+            lost = devices(next(stream))
+            assert lost == {uuids[0]: "Healthy", uuids[1]: "Unhealthy"}
+            fault("--gpu", "1", "--recover")
+            assert set(devices(next(stream)).values()) == {"Healthy"}
+            stream.cancel()
+            assert "API server cannot be reached" in daemon.log.read_text()
+        # cgpud stopped: its sockets are gone, the kubelet's is not.
+        assert not list(plugins.glob("cgpu-*.sock"))
+        assert kubelet.socket.exists()
+    finally:
+        kubelet.stop()
+        shutil.rmtree(base, ignore_errors=True)
