@@ -109,6 +109,9 @@ class ProbeObserved:
 Observation = XidObserved | ProbeObserved
 
 
+XID_LOST = 79
+
+
 def xid_text(xid: int) -> str:
     name = XID_NAMES.get(xid)
     return f"XID {xid} ({name})" if name else f"XID {xid}"
@@ -128,7 +131,9 @@ def decide(state: GpuHealth, obs: Observation, policy: HealthPolicy) -> GpuHealt
     """The GPU's state after one observation of it."""
     if isinstance(obs, XidObserved):
         if policy.fatal(obs.xid):
-            state = replace(state, fatal_xid=obs.xid, fatal_xid_at=obs.at)
+            # XID 79 says the GPU left the bus: it is lost, and a probe that
+            # answers again is its reset, even if no probe saw it gone.
+            state = replace(state, fatal_xid=obs.xid, fatal_xid_at=obs.at, lost=state.lost or obs.xid == XID_LOST)
     elif obs.ok:
         # Back on the bus means the GPU was reset: its XIDs are history.
         cleared = {"fatal_xid": None, "fatal_xid_at": 0.0} if state.lost else {}

@@ -98,6 +98,15 @@ def test_a_lost_gpu_is_unhealthy_until_it_answers_again():
     assert (back.healthy, back.reason, back.changed_at) == (True, "", 9.0)
 
 
+def test_an_xid_79_is_a_lost_gpu_whose_next_answer_is_its_reset():
+    """The XID comes by event within milliseconds; a GPU reset before the
+    next probe must not stay Unhealthy for the whole recovery window."""
+    gone = decide(GPU, XidObserved(1, 79, 3.0), POLICY)
+    assert (gone.healthy, gone.reason) == (False, "GPU is lost")
+    back = decide(gone, ProbeObserved(1, 3.2), POLICY)
+    assert (back.healthy, back.reason, back.fatal_xid) == (True, "", None)
+
+
 def test_a_probe_that_fails_otherwise_is_unhealthy_but_keeps_the_xid():
     bad = decide(GPU, XidObserved(1, 48, 1.0), POLICY)
     odd = decide(bad, ProbeObserved(1, 2.0, failure="Unknown Error"), POLICY)
@@ -252,8 +261,8 @@ def test_a_lost_gpu_is_unhealthy_until_reset(sim_env, watcher_factory):
     assert back["gpus"] == {"0": [True, ""], "1": [True, ""]}
     assert back["t"] - recovered < 1.0  # within a probe interval or so
     # XIDs are watched again after the reset.
-    inject(sim_env, "--gpu", "1", "--xid", "79")
-    assert w.next(5.0)["gpus"]["1"] == [False, "fatal XID 79 (GPU has fallen off the bus)"]
+    inject(sim_env, "--gpu", "1", "--xid", "48")
+    assert w.next(5.0)["gpus"]["1"] == [False, "fatal XID 48 (double-bit ECC error)"]
     assert w.stop()["stopped"] < 1.5
 
 
