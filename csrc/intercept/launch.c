@@ -40,6 +40,11 @@
 #define MAX_CONTEXTS 8
 #define INFLIGHT_POLL_NS 20000
 #define GATE_PROBE_NS 200000000
+/* A thread with demand is granted within a period (1 s at most) under every
+ * policy; a gate that has not moved for this many probes has lost our
+ * demand somehow (e.g. cgpud took a count that a wipe of the usage file left
+ * behind for one that killed waiters left) and is asked again. */
+#define GATE_STALL_PROBES 7
 #define LAUNCH_CREDITS 128       /* to start with */
 #define LAUNCH_CREDITS_MIN 2
 #define LAUNCH_CREDITS_MAX 8192
@@ -361,7 +366,7 @@ static __attribute__((noinline, cold)) int gate_slow(int slot, CUresult *err, CU
             continue; /* closed between the two looks */
         remember_current_context(s);
         _Atomic uint32_t *waiting = &g_cgpu.usage->device[slot].waiting;
-        uint32_t counted = 1;
+        uint32_t counted = 1, stalled = 0;
         atomic_fetch_add(waiting, 1);
         while (!((g = atomic_load_explicit(gate, memory_order_acquire)) & (CGPU_GATE_OPEN | CGPU_GATE_UNGATED))) {
             if (atomic_load(&s->orphaned) == (ORPHANED | g))
@@ -372,12 +377,13 @@ static __attribute__((noinline, cold)) int gate_slow(int slot, CUresult *err, CU
                 continue;
             if (gate_orphaned(slot)) {
                 note_orphaned(slot, g);
-            } else if (atomic_load(waiting) == 0 && counted < UINT32_MAX) {
+            } else if ((atomic_load(waiting) == 0 || ++stalled >= GATE_STALL_PROBES) && counted < UINT32_MAX) {
                 /* Our demand was wiped with the usage file (a process of
-                 * this instance cut or scribbled it): cgpud would never
-                 * grant. Ask again. */
+                 * this instance cut or scribbled it), or cgpud no longer
+                 * counts it: it would never grant. Ask again. */
                 atomic_fetch_add(waiting, 1);
                 counted++;
+                stalled = 0;
             }
         }
         uncount_waiting(waiting, counted);
