@@ -27,7 +27,7 @@ from cgpud.api import convert
 from cgpud.api.gate import PeerGate, prepare_private_directory, private_socket_path
 from cgpud.api.cgpu.v1 import local_pb2 as pb
 from cgpud.api.cgpu.v1 import local_pb2_grpc as pb_grpc
-from cgpud.api.status import status_for
+from cgpud.api.status import abort_rpc
 from cgpud.daemon import model
 from cgpud.errors import CgpuError, StateError, UsageError
 from cgpud.sockets import prepare_socket_directory, remove_stale_socket
@@ -75,18 +75,8 @@ def _rpc(method: Handler[R]) -> Callable[[LocalServicer, Any, grpc.ServicerConte
     def handler(self: LocalServicer, request: Any, context: grpc.ServicerContext) -> R:
         try:
             return method(self, request)
-        except CgpuError as e:
-            code, message = status_for(e), str(e)
-            # Refusals are the API working as intended: info, not error.
-            log = self._log.error if code is grpc.StatusCode.INTERNAL else self._log.info
-            log("rpc failed", rpc=method.__name__, code=code.name, error=message)
-        except Exception as e:  # a bug: keep the traceback here, give the client one line
-            self._log.exception("rpc crashed", rpc=method.__name__)
-            code = grpc.StatusCode.INTERNAL
-            message = f"internal error in cgpud ({type(e).__name__}: {e}); see its log (journalctl -u cgpud)"
-        # abort() raises; it stays outside the try so it is not caught above.
-        context.abort(code, message)
-        raise AssertionError("grpc.ServicerContext.abort returned")  # it always raises
+        except Exception as e:  # CgpuError: its status; anything else is a bug, INTERNAL
+            abort_rpc(context, self._log, method.__name__, e, "cgpud")
 
     return handler
 

@@ -30,7 +30,7 @@ import structlog
 
 from cgpud.api.k8s.deviceplugin.v1beta1 import api_pb2 as pb
 from cgpud.api.k8s.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
-from cgpud.api.status import status_for
+from cgpud.api.status import abort_rpc
 from cgpud.daemon.model import GpuCapacity, NodeMode, Placement
 from cgpud.errors import CgpuError, UsageError
 from cgpud.kube import resources
@@ -108,16 +108,8 @@ def _rpc(method: Callable[[Any, Any, grpc.ServicerContext], R]) -> Callable[[Any
     def handler(self: DevicePluginServicer, request: Any, context: grpc.ServicerContext) -> R:
         try:
             return method(self, request, context)
-        except CgpuError as e:
-            code, message = status_for(e), str(e)
-            log = self._log.error if code is grpc.StatusCode.INTERNAL else self._log.info
-            log("device plugin rpc failed", rpc=method.__name__, code=code.name, error=message)
-        except Exception as e:  # a bug: keep the traceback here, give the kubelet one line
-            self._log.exception("device plugin rpc crashed", rpc=method.__name__)
-            code = grpc.StatusCode.INTERNAL
-            message = f"internal error in cgpud's device plugin ({type(e).__name__}: {e}); see cgpud's log"
-        context.abort(code, message)
-        raise AssertionError("grpc.ServicerContext.abort returned")
+        except Exception as e:  # CgpuError: its status; anything else is a bug, INTERNAL
+            abort_rpc(context, self._log, method.__name__, e, "cgpud's device plugin")
 
     return handler
 
