@@ -47,3 +47,18 @@ def sim_stat(native: Path, sim_env: dict[str, str], *args: str) -> Any:
     )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
+
+
+# Prelude of the pynvml scripts run on the simulated GPUs: `err(f)` gives the
+# NVMLError class name a call raises, or "ok"; `addr(h)` a handle's address.
+PYNVML = """
+import ctypes as C, json, subprocess, sys, time, pynvml as n
+def err(f):
+    try:
+        f()
+        return "ok"
+    except n.NVMLError as e:
+        return type(e).__name__
+def addr(h):
+    return C.cast(h, C.c_void_p).value
+"""

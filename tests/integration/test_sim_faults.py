@@ -12,20 +12,7 @@ import textwrap
 
 import pytest
 
-from tests.integration.simrun import run_py, sim_stat, start_py
-
-# Prelude of the scripts: `err(f)` names the NVMLError a call raises, or "ok".
-PYNVML = """
-import ctypes as C, json, subprocess, sys, time, pynvml as n
-def err(f):
-    try:
-        f()
-        return "ok"
-    except n.NVMLError as e:
-        return type(e).__name__
-def addr(h):
-    return C.cast(h, C.c_void_p).value
-"""
+from tests.integration.simrun import PYNVML, run_py, sim_stat, start_py
 
 
 def nvml(sim_env: dict[str, str], body: str) -> object:

@@ -19,25 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.simrun import run_py, sim_stat, start_py
+from tests.integration.simrun import PYNVML, run_py, sim_stat, start_py
 
 GIB = 1 << 30
 DEF_FILE = Path(__file__).resolve().parents[2] / "csrc" / "include" / "cgpu" / "nvml_functions.def"
 UUID_RE = re.compile(r"^GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 
-# Prelude of the pynvml scripts: `err(f)` gives the NVMLError class name a
-# call raises, or "ok".
-PYNVML = """
-import ctypes as C, json, pynvml as n
-def err(f):
-    try:
-        f()
-        return "ok"
-    except n.NVMLError as e:
-        return type(e).__name__
-def addr(h):
-    return C.cast(h, C.c_void_p).value
-"""
 
 # Prelude of the ctypes scripts: the library itself, no binding in between.
 RAW = """
