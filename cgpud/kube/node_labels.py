@@ -22,6 +22,7 @@ from typing import Protocol
 
 import structlog
 
+from cgpud.daemon.config import MAX_SCHEDULED
 from cgpud.daemon.model import NodeMode, NodePolicy, Placement
 from cgpud.errors import CgpuError
 from cgpud.kube.apiserver import ApiServerError, ApiServerUnavailable, NodeInfo
@@ -67,6 +68,11 @@ def label_policy(labels: Mapping[str, str], configured: NodePolicy) -> LabelPoli
             names = ", ".join(m.value for m in NodeMode)
             problems.append(f"label {LABEL_MODE}={text!r} is not a mode cgpud knows ({names}): "
                             f"keeping {mode.value}")
+    if mode is NodeMode.CORE_MEM and configured.max_instances_per_gpu > MAX_SCHEDULED:
+        problems.append(f"label {LABEL_MODE}=core_mem needs max_instances_per_gpu of at most {MAX_SCHEDULED} "
+                        f"(the instances the compute scheduler takes per GPU; it is "
+                        f"{configured.max_instances_per_gpu}): keeping {configured.mode.value}")
+        mode = configured.mode
     text = labels.get(LABEL_PLACEMENT)
     if text is not None:
         try:

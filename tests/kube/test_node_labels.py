@@ -53,6 +53,17 @@ def test_label_policy_and_card_patch_are_pure():
     assert card_label_patch(CARD, CARD) == {}
 
 
+def test_a_core_mem_label_is_refused_where_more_instances_per_gpu_are_allowed_than_it_schedules():
+    from dataclasses import replace
+
+    many = replace(CONFIGURED, max_instances_per_gpu=40)
+    got = label_policy({"ack.node.gpu.schedule": "core_mem"}, many)
+    assert got.mode is NodeMode.CGPU
+    assert got.problems == ("label ack.node.gpu.schedule=core_mem needs max_instances_per_gpu of at most 32 (the "
+                            "instances the compute scheduler takes per GPU; it is 40): keeping cgpu",)
+    assert label_policy({"ack.node.gpu.schedule": "core_mem"}, CONFIGURED).mode is NodeMode.CORE_MEM
+
+
 def test_card_labels_are_written_once(served):
     server, api, service = served
     agent = NodeLabels(api, "node-1", service, CONFIGURED, CARD)
