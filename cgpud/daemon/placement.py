@@ -90,7 +90,7 @@ def admit(
         usage = tuple(u for u in usage if u.gpu.index in request.gpu_indexes)
     try:
         if mode in WHOLE_GPU_MODES:
-            chosen = _whole_gpus(request, usage, placement)
+            chosen = _whole_gpus(request, usage, placement, mode)
             grants = [Grant(u.gpu.index, u.gpu.uuid, u.gpu.memory, _FULL_CORE) for u in chosen]
         else:
             chosen = _shared_gpus(request, usage, placement, policy)
@@ -230,14 +230,15 @@ def _free(u: GpuUsage) -> int:
     return u.gpu.memory - u.allocated
 
 
-def _whole_gpus(request: Request, usage: tuple[GpuUsage, ...], placement: Placement) -> list[GpuUsage]:
-    """`default` mode: whole GPUs, each with no active instance at all."""
+def _whole_gpus(request: Request, usage: tuple[GpuUsage, ...], placement: Placement,
+                mode: NodeMode) -> list[GpuUsage]:
+    """`default` and `topology` modes: whole GPUs, each with no active instance at all."""
     n = request.gpu_count
     idle = [u for u in usage if u.instances == 0]
     if len(idle) >= n:
         return _order(idle, placement)[:n]
     total = len(usage)
-    how = "node mode default gives each container whole GPUs"
+    how = f"node mode {mode.value} gives each container whole GPUs"
     if n == 1:
         if total == 1:
             raise AdmissionError(

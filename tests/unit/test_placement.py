@@ -399,6 +399,15 @@ def at_limit(gpu: int, count: int = 20) -> list[Instance]:
             id="default-every-gpu-busy",
         ),
         pytest.param(
+            req(0),
+            node(15),
+            [held(node(15), (0, 1, 0))],
+            NodePolicy(mode=NodeMode.TOPOLOGY),
+            "GPU 0 is in use and node mode topology gives each container whole GPUs; release its instance or run "
+            "on a node that shares GPUs (cgpu, core_mem)",
+            id="topology-single-gpu-busy",
+        ),
+        pytest.param(
             req(0, gpu_count=4),
             FOUR,
             [held(FOUR, (2, 15, 100))],
