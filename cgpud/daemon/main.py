@@ -96,9 +96,10 @@ def run(config: settings.DaemonConfig) -> int:
         from cgpud.kube.node_labels import initial_policy
         api = LazyApiServer(kubeconfig_path(config.kubeconfig))
         policy = initial_policy(api, node_name(config.node_name), policy)  # the Node's labels win over the file
-    compute = ComputeScheduler(len(gpus), config.timing()).start() if gpus and limits_compute(policy.mode) else None
+    start_compute = (lambda: ComputeScheduler(len(gpus), config.timing()).start()) if gpus else None
+    compute = start_compute() if start_compute and limits_compute(policy.mode) else None
     service = InstanceService(store, gpus, policy, config.regions, inventory.driver_version, node.boot_id(),
-                              compute=compute, tmpfs_regions=True)
+                              compute=compute, tmpfs_regions=True, start_compute=start_compute)
     service.reconcile()
     files = install_runtime_files(config.state_dir, config.relay_socket)
     trust_env = config.orchestrator is Orchestrator.STANDALONE
@@ -136,8 +137,7 @@ def run(config: settings.DaemonConfig) -> int:
         agent.stop()
     relay.stop()
     server.stop(grace=2).wait()
-    if compute is not None:
-        compute.stop()
+    service.stop_compute()
     store.close()
     return 0
 

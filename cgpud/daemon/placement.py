@@ -412,8 +412,10 @@ def policy_change_problem(current: NodePolicy, mode: NodeMode, active: Sequence[
     placement change is always allowed: it only orders GPUs for the next
     request. A mode change is refused while an active instance was granted
     under a mode that enforces otherwise (it would keep limits the node no
-    longer has, or lack ones it has), and into or out of core_mem while the
-    compute scheduler's presence does not match (cgpud starts it at start)."""
+    longer has, or lack ones it has), and into or out of core_mem when the
+    compute scheduler would not match the mode (`compute_running`: whether
+    it runs once the change is made; the service starts or stops it on a
+    drained node)."""
     if mode == current.mode:
         return None
     live = [i for i in active if i.active]

@@ -33,7 +33,8 @@ from cgpud.daemon.model import (
     WHOLE_GPU_MODES,
 )
 from cgpud.daemon.compute import ComputeError, ComputeScheduler
-from cgpud.daemon.compute_policy import decode_compute_policies, encode_compute_policies, with_compute_policy
+from cgpud.daemon.compute_policy import (decode_compute_policies, encode_compute_policies, limits_compute,
+                                         with_compute_policy)
 from cgpud.daemon.region import (INSTANCES_MODE, REGION_FS_FILE, USAGE_FILE, DeviceLimit, InstanceLimits,
                                  RegionError, UsageRegion, grants_problem, make_region_dir, read_limits,
                                  remove_region_dir, repair_usage, usage_problem, write_region)
@@ -66,7 +67,8 @@ def pid_alive(pid: int, since: float) -> bool:
 class InstanceService:
     def __init__(self, store: Store, gpus: Sequence[GpuCapacity], policy: NodePolicy, regions: Path,
                  driver_version: str, boot_id: str, clock: Callable[[], float] = time.time,
-                 compute: ComputeScheduler | None = None, tmpfs_regions: bool = False) -> None:
+                 compute: ComputeScheduler | None = None, tmpfs_regions: bool = False,
+                 start_compute: Callable[[], ComputeScheduler] | None = None) -> None:
         self._store = store
         self._tmpfs_regions = tmpfs_regions  # a size-capped tmpfs per instance directory (cgpud: yes)
         self._gpus = tuple(gpus)
@@ -79,6 +81,9 @@ class InstanceService:
         stored = store.get_setting(COMPUTE_POLICY_KEY)
         self._policy = policy if stored is None else decode_compute_policies(policy, stored)
         self._compute = compute
+        # Starts a compute scheduler when a drained node turns core_mem at
+        # runtime (None: only a restart can, as `cgpuctl` hosts without one).
+        self._start_compute = start_compute
         self._region_fs_noted = False  # the first region directory of this run says how they are held
         if compute is not None:
             compute.configure(self._policy)
@@ -230,13 +235,38 @@ class InstanceService:
         only as placement.policy_change_problem allows. Not stored: the
         labels are read again at every start."""
         with self._lock:
-            problem = placement.policy_change_problem(self._policy, mode, self._store.active(),
-                                                      self._compute is not None)
+            active = self._store.active()
+            wants_compute = limits_compute(mode)
+            # Drained, the scheduler can be started or stopped with the mode.
+            switch = (self._start_compute is not None and wants_compute != (self._compute is not None)
+                      and not any(i.active for i in active))
+            problem = placement.policy_change_problem(self._policy, mode, active,
+                                                      wants_compute if switch else self._compute is not None)
             if problem is not None:
                 raise StateError(problem)
             self._policy = replace(self._policy, mode=mode, placement=node_placement)
+            if switch:
+                self._switch_compute(wants_compute)
         self._log.info("policy", mode=mode.value, placement=node_placement.value)
         return self._policy
+
+    def _switch_compute(self, wanted: bool) -> None:
+        """Caller holds the lock and has checked that no instance is active."""
+        if wanted and self._start_compute is not None:
+            self._compute = self._start_compute()
+            self._compute.configure(self._policy)
+            self._log.info("compute scheduler started", mode=self._policy.mode.value)
+        elif not wanted and self._compute is not None:
+            stopped, self._compute = self._compute, None
+            stopped.stop()
+            self._log.info("compute scheduler stopped", mode=self._policy.mode.value)
+
+    def stop_compute(self) -> None:
+        """At shutdown: ends the compute scheduler this service drives, if any."""
+        with self._lock:
+            stopped, self._compute = self._compute, None
+        if stopped is not None:
+            stopped.stop()
 
     # ---- upkeep -----------------------------------------------------------------------
 
