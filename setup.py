@@ -63,6 +63,7 @@ class BuildNative(GeneratedFiles):
 PROTO_ROOT = ROOT / "proto"
 PROTOS = (
     "cgpu/v1/local.proto",
+    "cgpu/v1/capacity.proto",
     # The kubelet's APIs, which cgpud's device plugin serves and calls.
     "k8s/deviceplugin/v1beta1/api.proto",
     "k8s/podresources/v1/api.proto",

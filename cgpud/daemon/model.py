@@ -130,6 +130,9 @@ class Request:
     # The GPUs a cluster scheduler already chose (the device plugin reads
     # them from the pod); () lets the node's placement choose.
     gpu_indexes: tuple[int, ...] = ()
+    # The pod UID whose reservation (Capacity Reserve) this request may draw
+    # on; "" for none. Every other reservation counts as taken.
+    reservation: str = ""
 
 
 @dataclass(frozen=True)
@@ -162,6 +165,31 @@ class Instance:
     @property
     def active(self) -> bool:
         return self.state in ACTIVE_STATES
+
+
+@dataclass(frozen=True)
+class Share:
+    """One GPU's part of a reservation."""
+
+    gpu_index: int
+    memory: int  # bytes
+    core_percent: int = 0
+    instances: int = 1  # instance slots held on the GPU (one per container placed there)
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Capacity a cluster scheduler holds for a pod it is binding here,
+    until the pod's Allocate consumes it or it expires."""
+
+    pod_uid: str
+    pod_namespace: str
+    pod_name: str
+    shares: tuple[Share, ...]  # sorted by GPU index, each GPU once
+    expires: float  # Unix seconds
+
+    def live(self, now: float) -> bool:
+        return now < self.expires
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,10 @@ ANNOTATION_ASSUME_TIME = "ALIYUN_COM_GPU_MEM_ASSUME_TIME"
 ANNOTATION_ASSIGNED = "ALIYUN_COM_GPU_MEM_ASSIGNED"
 ANNOTATION_ALLOCATION = "scheduler.framework.gpushare.allocation"
 
+# On the Node: HOST:PORT of its cgpud's Capacity API (cgpu.v1.Capacity),
+# where cgpu-scheduler finds it.
+ANNOTATION_CAPACITY_ADDRESS = "cgpu.io/capacity-address"
+
 LABEL_MODE = "ack.node.gpu.schedule"
 LABEL_PLACEMENT = "ack.node.gpu.placement"
 

@@ -1,0 +1,141 @@
+"""What the extender knows of a node: its cgpud's last NodeView, as plain
+data. Built from the Capacity protobuf here and nowhere else; the same data
+is the JSON of `GET /inspect`, which `kubectl inspect cgpu` reads."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from cgpud.api.cgpu.v1 import capacity_pb2 as pb
+
+
+@dataclass(frozen=True)
+class GpuState:
+    index: int
+    uuid: str
+    model: str
+    memory_total: int  # bytes
+    memory_allocated: int  # instances and reservations together
+    core_allocated: int  # percent
+    instances: int  # instances and reserved slots
+    max_instances: int
+    healthy: bool
+    health_reason: str = ""
+    memory_reserved: int = 0  # the reservations' part of memory_allocated
+    core_reserved: int = 0
+
+    @property
+    def memory_free(self) -> int:
+        return self.memory_total - self.memory_allocated
+
+
+@dataclass(frozen=True)
+class PodShare:
+    """A pod's hold on a node's GPUs: one container's instance, or a
+    reservation (container "" and reserved True) the pod's Allocate has not
+    consumed yet. `gpus` is ((GPU index, bytes, core percent), ...)."""
+
+    pod_uid: str
+    pod_namespace: str
+    pod_name: str
+    container: str
+    gpus: tuple[tuple[int, int, int], ...]
+    reserved: bool = False
+
+
+@dataclass(frozen=True)
+class NodeState:
+    name: str
+    incarnation: str
+    revision: int
+    addresses: tuple[str, ...]
+    mode: str
+    placement: str
+    core_step: int
+    card_name: str
+    gpus: tuple[GpuState, ...]
+    nvlinks: tuple[tuple[int, int], ...] = ()
+    pods: tuple[PodShare, ...] = ()
+    driver_version: str = ""
+    other_instances: int = 0
+
+    @property
+    def memory_total(self) -> int:
+        return sum(g.memory_total for g in self.gpus)
+
+    @property
+    def memory_allocated(self) -> int:
+        return sum(g.memory_allocated for g in self.gpus)
+
+
+@dataclass(frozen=True)
+class NodeEntry:
+    """One node of the cluster view: where its Capacity API is, whether its
+    stream is up, and its last view (None until the first arrives)."""
+
+    name: str
+    capacity_address: str  # HOST:PORT
+    connected: bool
+    error: str = ""  # why the stream is down; "" while connected
+    state: NodeState | None = None
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    nodes: tuple[NodeEntry, ...] = field(default_factory=tuple)
+
+
+# ---- protobuf -> model --------------------------------------------------------------
+
+
+def _shares(shares: Any) -> tuple[tuple[int, int, int], ...]:
+    return tuple(sorted((s.gpu_index, s.memory_bytes, s.core_percent) for s in shares))
+
+
+def node_from_pb(msg: pb.NodeView) -> NodeState:
+    gpus = tuple(GpuState(
+        index=g.index, uuid=g.uuid, model=g.model, memory_total=g.memory_total_bytes,
+        memory_allocated=g.memory_allocated_bytes, core_allocated=g.core_allocated_percent, instances=g.instances,
+        max_instances=g.max_instances, healthy=g.healthy, health_reason=g.health_reason,
+        memory_reserved=g.memory_reserved_bytes, core_reserved=g.core_reserved_percent) for g in msg.gpus)
+    pods = tuple(PodShare(p.pod_uid, p.pod_namespace, p.pod_name, p.container, _shares(p.shares))
+                 for p in msg.pod_instances)
+    reserved = tuple(PodShare(r.pod_uid, r.pod_namespace, r.pod_name, "", _shares(r.shares), reserved=True)
+                     for r in msg.reservations)
+    return NodeState(
+        name=msg.node_name, incarnation=msg.incarnation, revision=msg.revision, addresses=tuple(msg.addresses),
+        mode=msg.mode, placement=msg.placement, core_step=msg.core_step, card_name=msg.card.name,
+        gpus=tuple(sorted(gpus, key=lambda g: g.index)), nvlinks=tuple((n.gpu_a, n.gpu_b) for n in msg.nvlinks),
+        pods=pods + reserved, driver_version=msg.driver_version, other_instances=msg.other_instances)
+
+
+# ---- JSON (GET /inspect) ---------------------------------------------------------------
+
+
+def view_to_json(view: ClusterView) -> dict[str, Any]:
+    return {"nodes": [asdict(n) for n in view.nodes]}
+
+
+def view_from_json(data: Any) -> ClusterView:
+    """The inverse of view_to_json; ValueError on anything else."""
+    try:
+        return ClusterView(tuple(_entry(n) for n in data["nodes"]))
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"not a cgpu-scheduler cluster view: {e!r}") from None
+
+
+def _entry(d: dict[str, Any]) -> NodeEntry:
+    state = d.get("state")
+    return NodeEntry(d["name"], d["capacity_address"], bool(d["connected"]), d.get("error", ""),
+                     None if state is None else _state(state))
+
+
+def _state(d: dict[str, Any]) -> NodeState:
+    return NodeState(
+        **{k: d[k] for k in ("name", "incarnation", "revision", "mode", "placement", "core_step", "card_name")},
+        addresses=tuple(d["addresses"]), gpus=tuple(GpuState(**g) for g in d["gpus"]),
+        nvlinks=tuple((a, b) for a, b in d.get("nvlinks", ())),
+        pods=tuple(PodShare(p["pod_uid"], p["pod_namespace"], p["pod_name"], p["container"],
+                            tuple((i, m, c) for i, m, c in p["gpus"]), bool(p.get("reserved", False)))
+                   for p in d.get("pods", ())),
+        driver_version=d.get("driver_version", ""), other_instances=d.get("other_instances", 0))
