@@ -23,9 +23,11 @@ from cgpud.daemon.model import (
     NodePolicy,
     Placement,
     Request,
+    Reservation,
+    Share,
     WHOLE_GPU_MODES,
 )
-from cgpud.errors import AdmissionError, UsageError
+from cgpud.errors import AdmissionError, StateError, UsageError
 from cgpud.units import format_memory
 
 # A GPU's whole compute, in the percent units of aliyun.com/gpu-core.percentage.
@@ -36,13 +38,17 @@ _FULL_CORE = 100
 # Usage
 
 
-def gpu_usage(gpus: Sequence[GpuCapacity], active: Iterable[Instance]) -> tuple[GpuUsage, ...]:
-    """What active instances hold of each GPU, in GPU index order.
+def gpu_usage(gpus: Sequence[GpuCapacity], active: Iterable[Instance],
+              reserved: Iterable[Reservation] = ()) -> tuple[GpuUsage, ...]:
+    """What active instances and reservations hold of each GPU, in GPU index
+    order. A reservation's share holds its memory, compute and instance
+    slots as instances would; `reserved` are the live ones (the caller has
+    the clock).
 
     Released instances are skipped even if a caller passes them, so a stale
-    list can never make the node look fuller than it is. Grants on a GPU that
-    is not in `gpus` (gone from the inventory) count nowhere: placement can
-    only hand out GPUs that exist."""
+    list can never make the node look fuller than it is. Grants and shares on
+    a GPU that is not in `gpus` (gone from the inventory) count nowhere:
+    placement can only hand out GPUs that exist."""
     by_index: dict[int, GpuCapacity] = {}
     for gpu in gpus:
         if gpu.index in by_index:
@@ -65,6 +71,13 @@ def gpu_usage(gpus: Sequence[GpuCapacity], active: Iterable[Instance]) -> tuple[
             if grant.gpu_index not in seen:
                 seen.add(grant.gpu_index)
                 counts[grant.gpu_index] += 1
+    for reservation in reserved:
+        for share in reservation.shares:
+            if share.gpu_index not in by_index:
+                continue
+            allocated[share.gpu_index] += share.memory
+            cores[share.gpu_index] += share.core_percent
+            counts[share.gpu_index] += share.instances
     return tuple(
         GpuUsage(gpu=by_index[i], allocated=allocated[i], core_percent=cores[i], instances=counts[i])
         for i in sorted(by_index)
@@ -80,12 +93,16 @@ def admit(
     gpus: Sequence[GpuCapacity],
     active: Sequence[Instance],
     policy: NodePolicy,
+    reserved: Sequence[Reservation] = (),
 ) -> tuple[Grant, ...]:
     """The grants for `request`, one per GPU, sorted by GPU index, or an
-    error saying why there are none. Same inputs, same answer."""
+    error saying why there are none. Same inputs, same answer. Every live
+    reservation in `reserved` counts as taken, except the one of the pod
+    the request draws on (request.reservation)."""
     mode, placement = _check_policy(policy)
     _check_request(request, gpus, mode, policy)
-    usage = gpu_usage(gpus, active)
+    others = [r for r in reserved if not request.reservation or r.pod_uid != request.reservation]
+    usage = gpu_usage(gpus, active, others)
     if request.gpu_indexes:  # a cluster scheduler chose them: those or none
         usage = tuple(u for u in usage if u.gpu.index in request.gpu_indexes)
     try:
@@ -389,6 +406,116 @@ def _shortfall(request: Request, checks: list[_Check], policy: NodePolicy) -> st
         f"asked for {n} GPUs each with {whole} but {found}: {other}, {reason}; "
         "release an instance or ask for fewer GPUs or less"
     )
+
+
+# --------------------------------------------------------------------------
+# Reservations (a cluster scheduler holding capacity for a pod it binds here)
+
+
+def check_reservation(
+    shares: Sequence[Share],
+    gpus: Sequence[GpuCapacity],
+    active: Sequence[Instance],
+    reserved_others: Sequence[Reservation],
+    policy: NodePolicy,
+) -> None:
+    """None when `shares` can be held now on top of the active instances and
+    the other live reservations; else UsageError for a wrong request,
+    StateError when the node gives whole GPUs, AdmissionError when a share
+    does not fit now. Same inputs, same answer."""
+    mode, _ = _check_policy(policy)
+    if not shares:
+        raise UsageError("a reservation needs at least one GPU share: name a GPU, its memory and compute")
+    indexes = [s.gpu_index for s in shares]
+    twice = sorted({i for i in indexes if indexes.count(i) > 1})
+    if twice:
+        raise UsageError(f"the reservation names {_gpu_list(twice)} more than once: give one share per GPU")
+    by_index = {g.index: g for g in gpus}
+    absent = sorted(i for i in indexes if i not in by_index)
+    if absent:
+        have = f"it has {_gpu_list(sorted(by_index))}" if by_index else "it has no GPUs"
+        raise UsageError(
+            f"the reservation names {_gpu_list(absent)}, which this node does not have ({have}): "
+            "the scheduler's view of this node is out of date"
+        )
+    for share in sorted(shares, key=lambda s: s.gpu_index):
+        gpu = by_index[share.gpu_index]
+        if share.memory <= 0:
+            raise UsageError(
+                f"the reservation asks for {share.memory} bytes on GPU {gpu.index}: "
+                "ask for a memory size above 0 (aliyun.com/gpu-mem)"
+            )
+        if share.memory > gpu.memory:
+            raise UsageError(
+                f"the reservation asks for {format_memory(share.memory)} on GPU {gpu.index}, which has "
+                f"{format_memory(gpu.memory)}: ask for {format_memory(gpu.memory)} or less (aliyun.com/gpu-mem)"
+            )
+        if share.instances < 0:
+            raise UsageError(
+                f"the reservation asks for {share.instances} instance slots on GPU {gpu.index}: use 0 or more"
+            )
+    if mode in WHOLE_GPU_MODES:
+        raise StateError(
+            f"node mode {mode.value} gives whole GPUs (nvidia.com/gpu); "
+            "cgpu-scheduler reserves only on nodes that share GPUs (cgpu, core_mem)"
+        )
+    step = policy.core_step
+    for share in shares:
+        if share.core_percent == 0:
+            continue
+        if mode != NodeMode.CORE_MEM:
+            raise UsageError(
+                f"node mode {mode.value} does not enforce compute shares; "
+                "reserve without a core percentage or use a core_mem node"
+            )
+        if not step <= share.core_percent <= 100 or share.core_percent % step:
+            raise UsageError(
+                f"the reservation asks for {share.core_percent}% compute on GPU {share.gpu_index}: ask for 0 "
+                f"(no share) or a multiple of {step} from {step} to 100 (aliyun.com/gpu-core.percentage)"
+            )
+    usage = {u.gpu.index: u for u in gpu_usage(gpus, active, reserved_others)}
+    limit = policy.max_instances_per_gpu
+    for share in sorted(shares, key=lambda s: s.gpu_index):
+        u = usage[share.gpu_index]
+        free = max(_free(u), 0)
+        if share.memory > free:
+            raise AdmissionError(
+                f"GPU {u.gpu.index} has {format_memory(free)} free (of {format_memory(u.gpu.memory)}) and the "
+                f"reservation asks for {format_memory(share.memory)}; release an instance or reserve less"
+            )
+        if share.instances and u.instances + share.instances > limit:
+            room = max(limit - u.instances, 0)
+            raise AdmissionError(
+                f"GPU {u.gpu.index} has room for {_instances(room)} more (max_instances_per_gpu={limit}, "
+                f"{u.instances} held) and the reservation asks for {share.instances}; "
+                "release one or raise the limit"
+            )
+        if u.core_percent + share.core_percent > _FULL_CORE:
+            left = max(_FULL_CORE - u.core_percent, 0)
+            raise AdmissionError(
+                f"GPU {u.gpu.index} has {left}% compute left and the reservation asks for "
+                f"{share.core_percent}%; release an instance or reserve a smaller core percentage"
+            )
+
+
+def consume(reservation: Reservation, grants: Sequence[Grant]) -> tuple[Share, ...]:
+    """What is left of `reservation` once an instance with `grants` drew on
+    it: each granted GPU's share loses the grant's memory, compute and one
+    instance slot; a share left with no memory is dropped. Grants on GPUs
+    the reservation does not hold take nothing from it."""
+    taken = {g.gpu_index: g for g in grants}
+    left = []
+    for share in reservation.shares:
+        grant = taken.get(share.gpu_index)
+        if grant is None:
+            left.append(share)
+            continue
+        memory = share.memory - grant.memory
+        if memory <= 0:
+            continue
+        left.append(Share(share.gpu_index, memory, max(share.core_percent - grant.core_percent, 0),
+                          max(share.instances - 1, 0)))
+    return tuple(left)
 
 
 # --------------------------------------------------------------------------

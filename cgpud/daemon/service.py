@@ -19,6 +19,7 @@ import psutil
 import structlog
 
 from cgpud.daemon import node, placement
+from cgpud.daemon.changes import Changes
 from cgpud.daemon.model import (
     ComputePolicy,
     GpuCapacity,
@@ -30,6 +31,8 @@ from cgpud.daemon.model import (
     OwnerKind,
     Placement,
     Request,
+    Reservation,
+    Share,
     WHOLE_GPU_MODES,
 )
 from cgpud.daemon.compute import ComputeError, ComputeScheduler
@@ -39,7 +42,7 @@ from cgpud.daemon.region import (INSTANCES_MODE, REGION_FS_FILE, USAGE_FILE, Dev
                                  RegionError, UsageRegion, grants_problem, make_region_dir, read_limits,
                                  remove_region_dir, repair_usage, usage_problem, write_region)
 from cgpud.daemon.store import Store, new_instance_id
-from cgpud.errors import CgpuError, NotFoundError, StateError
+from cgpud.errors import CgpuError, NotFoundError, StateError, UsageError
 
 COMPUTE_POLICY_KEY = "compute_policy"
 # Modes whose instances get a region (and so libcgpu enforcement).
@@ -47,6 +50,10 @@ ENFORCED_MODES = (NodeMode.CGPU, NodeMode.CORE_MEM, NodeMode.MPS)
 # Seconds a container instance may wait between the shim's prepare and the
 # bind hook; runc gets there in tens of milliseconds.
 UNBOUND_CONTAINER_GRACE = 120.0
+# A reservation's time to live: long enough for a bind and the kubelet's
+# Allocate, short enough that a scheduler that died holds nothing for long.
+DEFAULT_RESERVATION_TTL = 120.0
+RESERVATION_TTL_RANGE = (1.0, 3600.0)
 
 
 def pid_alive(pid: int, since: float) -> bool:
@@ -68,8 +75,13 @@ class InstanceService:
     def __init__(self, store: Store, gpus: Sequence[GpuCapacity], policy: NodePolicy, regions: Path,
                  driver_version: str, boot_id: str, clock: Callable[[], float] = time.time,
                  compute: ComputeScheduler | None = None, tmpfs_regions: bool = False,
-                 start_compute: Callable[[], ComputeScheduler] | None = None) -> None:
+                 start_compute: Callable[[], ComputeScheduler] | None = None,
+                 reservation_ttl: float = DEFAULT_RESERVATION_TTL) -> None:
         self._store = store
+        self._reservation_ttl = self._check_ttl(reservation_ttl)
+        # Bumped on every change a node view shows (instances, policy,
+        # reservations); the Capacity API's watchers wait on it.
+        self.changes = Changes()
         self._tmpfs_regions = tmpfs_regions  # a size-capped tmpfs per instance directory (cgpud: yes)
         self._gpus = tuple(gpus)
         self._regions = regions
@@ -115,8 +127,14 @@ class InstanceService:
             address=node.primary_address(),
             driver_version=self._driver_version,
             policy=self._policy,
-            gpus=placement.gpu_usage(self._gpus, self._store.active()),
+            gpus=placement.gpu_usage(self._gpus, self._store.active(), self.reservations()),
         )
+
+    def reservations(self) -> list[Reservation]:
+        """The live reservations, by pod UID; expired ones hold nothing even
+        before the sweep deletes them."""
+        now = self._clock()
+        return [r for r in self._store.reservations() if r.live(now)]
 
     # ---- changes -------------------------------------------------------------------
 
@@ -127,8 +145,9 @@ class InstanceService:
                 same_owner = [i for i in active if i.owner == request.owner]
                 if same_owner:
                     return self._same_request(same_owner[0], request)
-                grants = placement.admit(request, self._gpus, active, self._policy)
                 now = self._clock()
+                reserved = [r for r in tx.reservations() if r.live(now)]
+                grants = placement.admit(request, self._gpus, active, self._policy, reserved)
                 instance = Instance(
                     id=new_instance_id(), owner=request.owner, grants=grants,
                     state=InstanceState.BOUND if pid else InstanceState.RESERVED,
@@ -136,6 +155,16 @@ class InstanceService:
                     priority=request.priority, pids=(pid,) if pid else (), boot_id=self._boot_id,
                     created=now, updated=now)
                 tx.insert(instance)
+                drawn = next((r for r in reserved if request.reservation and r.pod_uid == request.reservation),
+                             None)
+                if drawn is not None:
+                    # What the instance took is no longer held for the pod.
+                    left = placement.consume(drawn, grants)
+                    if left:
+                        tx.put_reservation(replace(drawn, shares=left))
+                    else:
+                        tx.delete_reservation(drawn.pod_uid)
+            self.changes.bump()
             self._write_region(instance)
             try:
                 self._schedule(instance)
@@ -149,6 +178,7 @@ class InstanceService:
     def bind(self, instance_id: str, pids: tuple[int, ...], owner_id: str | None = None) -> Instance:
         with self._lock:
             instance = self._store.set_state(instance_id, InstanceState.BOUND, pids=pids, owner_id=owner_id)
+            self.changes.bump()
         self._log.info("bound", id=instance_id, pids=list(pids))
         return instance
 
@@ -166,6 +196,7 @@ class InstanceService:
                     and current.holder != container):
                 raise StateError(f"instance {instance_id} is already used by container {current.holder or '?'}")
             instance = self._store.set_state(instance_id, InstanceState.BOUND, pids=(pid,), holder=container)
+            self.changes.bump()
         self._log.info("bound", id=instance_id, container=container, pid=pid)
         return instance
 
@@ -188,6 +219,7 @@ class InstanceService:
                 return True, f"released {instance_id}"
             if current.state is InstanceState.BOUND and current.holder == container:
                 self._store.set_state(instance_id, InstanceState.RESERVED, pids=(), holder="")
+                self.changes.bump()
                 self._log.info("unbound", id=instance_id, container=container)
                 return True, f"returned {instance_id}"
             holder = current.holder if current.state is InstanceState.BOUND else "nobody"
@@ -197,6 +229,7 @@ class InstanceService:
         """Hand a claimed instance back to `reserved` when its container stops."""
         with self._lock:
             instance = self._store.set_state(instance_id, InstanceState.RESERVED, pids=(), holder="")
+            self.changes.bump()
         self._log.info("unbound", id=instance_id)
         return instance
 
@@ -211,6 +244,7 @@ class InstanceService:
 
     def _release_locked(self, instance_id: str) -> Instance:
         instance = self._store.set_state(instance_id, InstanceState.RELEASED)
+        self.changes.bump()
         if self._compute is not None:
             self._compute.detach(instance_id)
         try:
@@ -227,6 +261,7 @@ class InstanceService:
             self._policy = changed
             if self._compute is not None:
                 self._compute.configure(changed)
+            self.changes.bump()
         self._log.info("policy", compute_policy=policy.name.lower(), gpu="all" if gpu is None else gpu)
         return self._policy
 
@@ -247,6 +282,7 @@ class InstanceService:
             self._policy = replace(self._policy, mode=mode, placement=node_placement)
             if switch:
                 self._switch_compute(wants_compute)
+            self.changes.bump()
         self._log.info("policy", mode=mode.value, placement=node_placement.value)
         return self._policy
 
@@ -260,6 +296,48 @@ class InstanceService:
             stopped, self._compute = self._compute, None
             stopped.stop()
             self._log.info("compute scheduler stopped", mode=self._policy.mode.value)
+
+    def reserve(self, pod_uid: str, namespace: str, name: str, shares: Sequence[Share],
+                ttl: float | None = None) -> Reservation:
+        """Hold `shares` for a pod a cluster scheduler is binding here, until
+        its Allocate draws on them (Request.reservation) or `ttl` seconds
+        pass (None: the node's default). The same pod again replaces its
+        reservation, checked as if the old one were gone. UsageError for a
+        wrong request, StateError on a node that gives whole GPUs,
+        AdmissionError when a share does not fit now; nothing changes then."""
+        if not pod_uid:
+            raise UsageError("a reservation needs a pod UID")
+        seconds = self._reservation_ttl if ttl is None else self._check_ttl(ttl)
+        ordered = tuple(sorted(shares, key=lambda s: s.gpu_index))
+        with self._lock:
+            # Check and write in one transaction: two reserves can never
+            # both get the last of a GPU.
+            with self._store.transaction() as tx:
+                now = self._clock()
+                others = [r for r in tx.reservations() if r.live(now) and r.pod_uid != pod_uid]
+                placement.check_reservation(ordered, self._gpus, tx.active(), others, self._policy)
+                reservation = tx.put_reservation(Reservation(pod_uid, namespace, name, ordered, now + seconds))
+            self.changes.bump()
+        self._log.info("reserved", pod_uid=pod_uid, pod=f"{namespace}/{name}", ttl=seconds,
+                       shares=[(s.gpu_index, s.memory, s.core_percent, s.instances) for s in ordered])
+        return reservation
+
+    def unreserve(self, pod_uid: str) -> bool:
+        """Give a pod's reservation back; False when it had none."""
+        with self._lock:
+            deleted = self._store.delete_reservation(pod_uid)
+            if deleted:
+                self.changes.bump()
+        if deleted:
+            self._log.info("unreserved", pod_uid=pod_uid)
+        return deleted
+
+    @staticmethod
+    def _check_ttl(ttl: float) -> float:
+        low, high = RESERVATION_TTL_RANGE
+        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not low <= ttl <= high:
+            raise UsageError(f"a reservation's time to live is {ttl!r} seconds: use {low:g} to {high:g}")
+        return float(ttl)
 
     def stop_compute(self) -> None:
         """At shutdown: ends the compute scheduler this service drives, if any."""
@@ -303,7 +381,8 @@ class InstanceService:
 
     def sweep(self) -> int:
         """Releases instances whose processes all exited (a container whose
-        poststop never ran included) and container instances never bound."""
+        poststop never ran included) and container instances never bound;
+        deletes expired reservations. Returns how many instances it released."""
         active = self._store.active()
         gone = [i for i in active if self._owner_gone(i) or self._never_started(i)]
         for instance in gone:
@@ -314,7 +393,19 @@ class InstanceService:
             if self._container_gone(instance):
                 self.unbind(instance.id)
         self._check_usage([i for i in active if i not in gone])
+        self._expire_reservations()
         return len(gone)
+
+    def _expire_reservations(self) -> int:
+        """Deletes reservations whose time ran out (admission already
+        ignored them); a scheduler that reserved and never bound."""
+        with self._lock:
+            expired = self._store.delete_expired_reservations(self._clock())
+            if expired:
+                self.changes.bump()
+        for pod_uid in expired:
+            self._log.info("reservation expired", pod_uid=pod_uid)
+        return len(expired)
 
     def _check_usage(self, instances: Sequence[Instance]) -> int:
         """Puts right the usage files tenants resized or scribbled on, and

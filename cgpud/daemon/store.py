@@ -44,13 +44,15 @@ from pathlib import Path
 from types import TracebackType
 from typing import Concatenate, ParamSpec, TypeVar
 
-from cgpud.daemon.model import ACTIVE_STATES, Grant, Instance, InstanceState, Owner, OwnerKind
+import structlog
+
+from cgpud.daemon.model import ACTIVE_STATES, Grant, Instance, InstanceState, Owner, OwnerKind, Reservation, Share
 from cgpud.errors import CgpuError, NotFoundError, StateError, UsageError
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 SCHEMA_KEY = "schema_version"  # in `meta`; reserved, not a setting
 DB_MODE = 0o600  # instance tables are root's business only
 DIR_MODE = 0o700
@@ -95,6 +97,13 @@ CREATE TABLE grants (
     core_percent INTEGER NOT NULL CHECK (core_percent BETWEEN 0 AND 100),
     PRIMARY KEY (instance_id, gpu_index)
 );
+CREATE TABLE reservations (
+    pod_uid   TEXT PRIMARY KEY,
+    namespace TEXT NOT NULL,
+    name      TEXT NOT NULL,
+    shares    TEXT NOT NULL,
+    expires   REAL NOT NULL
+);
 """
 
 _INSTANCE_COLUMNS = (
@@ -103,8 +112,17 @@ _INSTANCE_COLUMNS = (
 # Version -> statements that bring the previous version's file up to it.
 # Version 2: `holder`, the container a claimed instance is bound to, so that
 # only that container's poststop hands it back.
+# Version 3: `reservations`, capacity a cluster scheduler holds for a pod
+# it is binding here (the Capacity API's Reserve).
 _MIGRATIONS: dict[int, tuple[str, ...]] = {
     2: ("ALTER TABLE instances ADD COLUMN holder TEXT NOT NULL DEFAULT ''",),
+    3: ("""CREATE TABLE reservations (
+    pod_uid   TEXT PRIMARY KEY,
+    namespace TEXT NOT NULL,
+    name      TEXT NOT NULL,
+    shares    TEXT NOT NULL,
+    expires   REAL NOT NULL
+)""",),
 }
 
 
@@ -175,6 +193,22 @@ class Transaction:
         the ones that hold GPU resources."""
         marks = ", ".join("?" * len(ACTIVE_STATES))
         return self._select(f"WHERE state IN ({marks})", tuple(s.value for s in ACTIVE_STATES))
+
+    def reservations(self) -> builtins.list[Reservation]:
+        """Every stored reservation, expired ones included (the caller has
+        the clock), ordered by pod UID. A row that cannot be read (a damaged
+        file) is skipped and logged: one bad row must not stop admission."""
+        rows = self._db().execute(
+            "SELECT pod_uid, namespace, name, shares, expires FROM reservations ORDER BY pod_uid"
+        ).fetchall()
+        out = []
+        for row in rows:
+            try:
+                out.append(_reservation(row))
+            except (ValueError, TypeError, KeyError) as e:
+                structlog.get_logger("cgpud.store").error("unreadable reservation skipped", pod_uid=str(row[0]),
+                                                          error=str(e))
+        return out
 
     def get_setting(self, key: str) -> str | None:
         """A node setting stored at run time (e.g. the compute policy), or None."""
@@ -305,6 +339,34 @@ class Transaction:
             (key, value),
         )
 
+    def put_reservation(self, reservation: Reservation) -> Reservation:
+        """Store a reservation, replacing the same pod's."""
+        db = self._db(write=True)
+        if not reservation.pod_uid:
+            raise UsageError("a reservation needs a pod UID")
+        shares = json.dumps([{"gpu_index": s.gpu_index, "memory": s.memory, "core_percent": s.core_percent,
+                              "instances": s.instances} for s in reservation.shares])
+        db.execute(
+            "INSERT INTO reservations (pod_uid, namespace, name, shares, expires) VALUES (?, ?, ?, ?, ?)"
+            " ON CONFLICT (pod_uid) DO UPDATE SET namespace = excluded.namespace, name = excluded.name,"
+            " shares = excluded.shares, expires = excluded.expires",
+            (reservation.pod_uid, reservation.pod_namespace, reservation.pod_name, shares,
+             float(reservation.expires)),
+        )
+        return reservation
+
+    def delete_reservation(self, pod_uid: str) -> bool:
+        """Delete a pod's reservation; False when it had none."""
+        cur = self._db(write=True).execute("DELETE FROM reservations WHERE pod_uid = ?", (pod_uid,))
+        return cur.rowcount > 0
+
+    def delete_expired_reservations(self, now: float) -> builtins.list[str]:
+        """Delete the reservations expired at `now`; their pod UIDs."""
+        db = self._db(write=True)
+        gone = [str(r[0]) for r in db.execute("SELECT pod_uid FROM reservations WHERE expires <= ?", (now,))]
+        db.execute("DELETE FROM reservations WHERE expires <= ?", (now,))
+        return gone
+
     def purge_released(self, older_than: float) -> int:
         """Delete released instances last changed before `older_than` (Unix
         seconds) with their grants; returns how many were deleted."""
@@ -362,6 +424,21 @@ class Transaction:
             )
         except (ValueError, TypeError) as e:
             raise CgpuError(f"instance {iid} in the state database is unreadable: {e}") from e
+
+
+def _reservation(row: tuple[object, ...]) -> Reservation:
+    pod_uid, namespace, name, shares, expires = row
+    items = json.loads(str(shares))
+    if not isinstance(items, builtins.list):
+        raise ValueError("shares is not a list")
+    parsed = []
+    for item in items:
+        values = [item[k] for k in ("gpu_index", "memory", "core_percent", "instances")]
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in values):
+            raise ValueError(f"share {item!r} holds a value that is not an integer")
+        parsed.append(Share(*values))
+    return Reservation(str(pod_uid), str(namespace), str(name),
+                       tuple(sorted(parsed, key=lambda s: s.gpu_index)), float(expires))  # type: ignore[arg-type]
 
 
 def _one_call(method: Callable[Concatenate[Transaction, _P], _R], *,
@@ -571,6 +648,10 @@ class Store:
     insert = _one_call(Transaction.insert, write=True)
     set_state = _one_call(Transaction.set_state, write=True)
     purge_released = _one_call(Transaction.purge_released, write=True)
+    reservations = _one_call(Transaction.reservations, write=False)
+    put_reservation = _one_call(Transaction.put_reservation, write=True)
+    delete_reservation = _one_call(Transaction.delete_reservation, write=True)
+    delete_expired_reservations = _one_call(Transaction.delete_expired_reservations, write=True)
 
     def set_setting(self, key: str, value: str) -> None:
         with self._lock:

@@ -102,15 +102,16 @@ class PodAllocator:
         self._answered = {k: v for k, v in self._answered.items() if v in live_ids}
         chosen = assignment.resolve_memory(pods, gib, self._node, held)
         request = Request(Owner(OwnerKind.POD, chosen.owner.owner_id), chosen.memory_gib * GIB, chosen.gpu_count,
-                          chosen.core_percent, gpu_indexes=chosen.gpu_indexes)
+                          chosen.core_percent, gpu_indexes=chosen.gpu_indexes, reservation=chosen.pod.uid)
         where = f"pod {chosen.pod.key} container {chosen.container}"
         try:
             instance = self._service.create(request)
         except CgpuError as e:  # does not fit, or a request the node refuses: the kubelet shows why
             raise AllocationError(f"{where}: {e}") from e
+        complete = assignment.complete(chosen.pod, held | {chosen.owner.owner_id})
         try:
             self._write_spec(instance)
-            if assignment.complete(chosen.pod, held | {chosen.owner.owner_id}):
+            if complete:
                 self._api.annotate_pod(chosen.pod.namespace, chosen.pod.name, {ANNOTATION_ASSIGNED: "true"})
         except (CgpuError, OSError) as e:
             self._undo(instance)
@@ -119,9 +120,19 @@ class PodAllocator:
             self._undo(instance)
             raise
         self._answered[(Resource.GPU_MEM, ids)] = instance.id
+        if complete:
+            self._drop_reservation(chosen.pod)
         self._log.info("allocated", resource=Resource.GPU_MEM.value, id=instance.id, pod=chosen.pod.key,
                        container=chosen.container, gpus=[g.gpu_index for g in instance.grants])
         return self._answer(instance, pods)
+
+    def _drop_reservation(self, pod: PodInfo) -> None:
+        """Every container of the pod has its instance: what is left of the
+        scheduler's reservation for it holds capacity nobody will use."""
+        try:
+            self._service.unreserve(pod.uid)
+        except CgpuError as e:  # it expires on its own
+            self._log.error("cannot drop the pod's reservation", pod=pod.key, error=str(e))
 
     def _retried(self, pods: list[PodInfo], ids: frozenset[str]) -> Instance | None:
         """The instance an earlier Allocate of these very devices made, while
