@@ -1,10 +1,15 @@
 """Plays the Kubernetes API server for the node agent's few calls, over its
 real REST paths and JSON, so the official client library on cgpud's side
 runs unchanged: list pods by node (field selector), read and merge-patch a
-pod, read and merge-patch a Node. Plain HTTP on 127.0.0.1, a kubeconfig file
-pointing at it. Objects live in dicts the test owns (`pods`, `nodes`)."""
+pod, read and merge-patch a Node. For the scheduler side (cgpu-scheduler):
+bind a pod (POST pods/{name}/binding, or the bindings collection), list
+Nodes and watch them (`?watch=true`: the current Nodes as ADDED, then each
+change as it is seen). Plain HTTP on 127.0.0.1 (or a given address), a
+kubeconfig file pointing at it. Objects live in dicts the test owns (`pods`,
+`nodes`)."""
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
@@ -68,6 +73,8 @@ class ApiState:
         self.requests: list[tuple[str, str]] = []  # (method, path with query)
         self.patches: list[tuple[str, str, Any]] = []  # (path, content type, body)
         self.fail_patch: int | None = None  # answer pod PATCHes with this status
+        self.fail_binding: int | None = None  # answer Binding POSTs with this status
+        self.bindings: list[tuple[str, str, str]] = []  # (namespace, pod, node) of each Binding made
 
     def add_pod(self, pod: dict[str, Any]) -> dict[str, Any]:
         with self.lock:
@@ -81,6 +88,30 @@ class ApiState:
     def pod(self, namespace: str, name: str) -> dict[str, Any]:
         with self.lock:
             return json.loads(json.dumps(self.pods[(namespace, name)]))
+
+    def node(self, name: str) -> dict[str, Any]:
+        with self.lock:
+            return json.loads(json.dumps(self.nodes[name]))
+
+    def bind(self, namespace: str, name: str, node: str) -> tuple[int, dict[str, Any]]:
+        """What the API server does with a Binding: the pod gets its node,
+        once (409 Conflict for a pod already bound, as kube-scheduler sees it
+        when two binds race). Called with the lock held."""
+        pod = self.pods.get((namespace, name))
+        if pod is None:
+            return 404, _status(404, "NotFound", f'pods "{name}" not found')
+        if self.fail_binding is not None:
+            return self.fail_binding, _status(self.fail_binding, "InternalError", "binding refused by test")
+        if not node:
+            return 400, _status(400, "BadRequest", "Binding target node name is empty")
+        bound = pod["spec"].get("nodeName")
+        if bound:
+            return 409, _status(409, "Conflict",
+                                f'Operation cannot be fulfilled on pods/binding "{name}": pod {name} is already '
+                                f"assigned to node \"{bound}\"")
+        pod["spec"]["nodeName"] = node
+        self.bindings.append((namespace, name, node))
+        return 201, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -104,6 +135,10 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         state = self.server.state
         parts, query = self._route()
+        if parts == ["api", "v1", "nodes"] and query.get("watch", ["false"])[0].lower() in ("true", "1"):
+            with state.lock:
+                state.requests.append(("GET", self.path))
+            return self._watch_nodes(float(query.get("timeoutSeconds", ["300"])[0]))
         with state.lock:
             state.requests.append(("GET", self.path))
             if parts == ["api", "v1", "pods"]:
@@ -119,11 +154,65 @@ class _Handler(BaseHTTPRequestHandler):
                 if pod is None:
                     return self._send(404, _status(404, "NotFound", f'pods "{parts[5]}" not found'))
                 return self._send(200, pod)
+            if parts == ["api", "v1", "nodes"] and query.get("watch", ["false"])[0].lower() not in ("true", "1"):
+                return self._send(200, {"kind": "NodeList", "apiVersion": "v1",
+                                        "metadata": {"resourceVersion": str(self.server.revision)},
+                                        "items": list(state.nodes.values())})
             if len(parts) == 4 and parts[:3] == ["api", "v1", "nodes"]:
                 node_obj = state.nodes.get(parts[3])
                 if node_obj is None:
                     return self._send(404, _status(404, "NotFound", f'nodes "{parts[3]}" not found'))
                 return self._send(200, node_obj)
+        self._send(404, _status(404, "NotFound", f"no route {self.path}"))
+
+    def _watch_nodes(self, timeout: float) -> None:
+        """A watch of Nodes, as the API server streams it: one JSON event a
+        line, the current Nodes first (ADDED), then each change seen by
+        comparing the Nodes every few milliseconds (tests change the dict
+        directly), until the timeout, the client goes or the server stops."""
+        state = self.server.state
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+        seen: dict[str, str] = {}
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline and not self.server.stopping.is_set():
+                with state.lock:
+                    now = {name: json.dumps(obj, sort_keys=True) for name, obj in state.nodes.items()}
+                events = [("DELETED", seen[n]) for n in seen if n not in now]
+                events += [("ADDED" if n not in seen else "MODIFIED", text) for n, text in now.items()
+                           if seen.get(n) != text]
+                for kind, text in events:
+                    obj = json.loads(text)
+                    obj.setdefault("metadata", {})["resourceVersion"] = str(self.server.bump())
+                    self.wfile.write(json.dumps({"type": kind, "object": obj}).encode() + b"\n")
+                if events:
+                    self.wfile.flush()
+                seen = now
+                self.server.stopping.wait(0.02)
+        except OSError:  # the watcher went away
+            pass
+
+    def do_POST(self) -> None:
+        state = self.server.state
+        parts, _ = self._route()
+        try:
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))) or b"null")
+        except ValueError:
+            return self._send(400, _status(400, "BadRequest", "body is not JSON"))
+        with state.lock:
+            state.requests.append(("POST", self.path))
+            target = body.get("target") if isinstance(body, dict) else None
+            node = target.get("name", "") if isinstance(target, dict) else ""
+            # pods/{name}/binding (the subresource kube-scheduler uses) or the bindings collection
+            if len(parts) == 7 and parts[:3] == ["api", "v1", "namespaces"] and parts[4:7:2] == ["pods", "binding"]:
+                return self._send(*state.bind(parts[3], parts[5], node))
+            if parts[:3] == ["api", "v1", "namespaces"] and parts[4:] == ["bindings"]:
+                name = (body.get("metadata") or {}).get("name", "") if isinstance(body, dict) else ""
+                return self._send(*state.bind(parts[3], name, node))
         self._send(404, _status(404, "NotFound", f"no route {self.path}"))
 
     def do_PATCH(self) -> None:
@@ -154,31 +243,40 @@ class _Handler(BaseHTTPRequestHandler):
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = 128  # many clients at once (nodes and a scheduler)
 
-    def __init__(self, state: ApiState, port: int = 0) -> None:
-        super().__init__(("127.0.0.1", port), _Handler)
+    def __init__(self, state: ApiState, port: int = 0, host: str = "127.0.0.1") -> None:
+        super().__init__((host, port), _Handler)
         self.state = state
+        self.stopping = threading.Event()  # ends the watches
+        self._revision = itertools.count(1)
+        self.revision = 0
+
+    def bump(self) -> int:
+        self.revision = next(self._revision)
+        return self.revision
 
 
 class ApiServerProcess:
     """The server thread, startable again on the same port (an outage and
     its end)."""
 
-    def __init__(self, state: ApiState) -> None:
+    def __init__(self, state: ApiState, host: str = "127.0.0.1") -> None:
         self.state = state
-        self._server: _Server | None = _Server(state)
+        self.host = host
+        self._server: _Server | None = _Server(state, host=host)
         self.port = self._server.server_address[1]
         self._thread: threading.Thread | None = None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{'127.0.0.1' if self.host == '0.0.0.0' else self.host}:{self.port}"
 
     def start(self) -> ApiServerProcess:
         if self._server is None:
             for _ in range(50):  # the port lingers briefly after a stop
                 try:
-                    self._server = _Server(self.state, self.port)
+                    self._server = _Server(self.state, self.port, self.host)
                     break
                 except OSError:
                     time.sleep(0.1)
@@ -189,14 +287,18 @@ class ApiServerProcess:
 
     def stop(self) -> None:
         if self._server is not None:
+            self._server.stopping.set()
             self._server.shutdown()
             self._server.server_close()
             self._server = None
 
-    def kubeconfig(self, path: Path) -> Path:
+    def kubeconfig(self, path: Path, address: str | None = None) -> Path:
+        """A kubeconfig for this server; `address`: the host its client
+        reaches it at (another network namespace's view), else `url`'s."""
+        server = self.url if address is None else f"http://{address}:{self.port}"
         config = {
             "apiVersion": "v1", "kind": "Config", "current-context": "test",
-            "clusters": [{"name": "test", "cluster": {"server": self.url}}],
+            "clusters": [{"name": "test", "cluster": {"server": server}}],
             "users": [{"name": "cgpud", "user": {"token": "test-token"}}],
             "contexts": [{"name": "test", "context": {"cluster": "test", "user": "cgpud"}}],
         }

@@ -1,0 +1,615 @@
+"""Several cgpu nodes on one machine, for the cluster side's tests and the
+bind benchmark: each node is a real cgpud process (orchestrator kubernetes)
+in a network namespace of its own, reached over a veth pair the harness
+creates, with its own simulated GPUs, state, device-plugin directory (this
+harness plays its kubelet: Registration, ListAndWatch, GetPreferredAllocation,
+Allocate, the pod-resources List) and one fake API server for them all.
+
+    with Cluster(nodes=8) as cluster:
+        extender = cluster.start_extender()          # cgpu-scheduler, a real process
+        placed = schedule(extender.url, pod, cluster.names)   # kube-scheduler's part
+        cluster.allocate(cluster.index(placed.node), "default", name)  # the kubelet's part
+
+Addresses: node i has 10.X.i.2 (its Capacity API on CAPACITY_PORT), the host
+side of its veth 10.X.i.1 (where it reaches the API server); X is chosen per
+run among second octets no address or route of the host uses. Names carry
+the creating process id, so a later run sweeps what a killed one left
+(sweep_leftovers). Needs root (ip netns, cgpud).
+
+Processes enter only the network namespace (nsenter --net), not a mount
+namespace of their own as `ip netns exec` would give them: cgpud's instance
+tmpfs mounts must outlive a kill -9 of cgpud, as they do on a real node."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from cgpud.api.k8s.deviceplugin.v1beta1 import api_pb2 as dp
+from cgpud.api.k8s.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
+from cgpud.kube.model import LABEL_MODE, LABEL_PLACEMENT, Resource
+from cgpud.native import native_dir
+from tests.conftest import write_sim_config
+from tests.daemonproc import BIN, Daemon, make_daemon
+from tests.kube.api_server import ApiServerProcess, ApiState, node_json
+from tests.kube.kubelet_pods import KubeletPods, kubelet_pods
+from tests.kube.test_device_plugin import Kubelet
+
+CAPACITY_PORT = 9455
+NETNS_PREFIX = "cgpuc-"  # cgpuc-<tag>-<i>; tag = <pid hex><2 random hex>
+LINK_PREFIX = "cc"  # host side cc<tag>h<i>, node side cc<tag>n<i> (15 bytes at most)
+WAIT = 30.0  # seconds a node may take to start, register, answer
+SHARED = (Resource.GPU_MEM, Resource.GPU_CORE, Resource.GPU_COUNT)  # what the kubelet allocates for a share
+
+
+def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(args), capture_output=True, text=True, check=check, timeout=30)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _tag_pid(tag: str) -> int | None:
+    """The creating process id in a tag (all but its last two hex digits)."""
+    try:
+        return int(tag[:-2], 16) if len(tag) > 2 else None
+    except ValueError:
+        return None
+
+
+def sweep_leftovers() -> list[str]:
+    """Removes the namespaces (and their processes) and links an earlier
+    run left when it was killed: those whose creating process is gone."""
+    removed = []
+    names = [line.split()[0] for line in _run("ip", "netns", "list").stdout.splitlines() if line.strip()]
+    for name in names:
+        m = re.fullmatch(rf"{NETNS_PREFIX}([0-9a-f]+)-\d+", name)
+        pid = _tag_pid(m.group(1)) if m else None
+        if pid is None or _pid_alive(pid):
+            continue
+        for text in _run("ip", "netns", "pids", name, check=False).stdout.split():
+            try:
+                os.kill(int(text), signal.SIGKILL)
+            except (ValueError, ProcessLookupError):
+                pass
+        _run("ip", "netns", "del", name, check=False)
+        removed.append(name)
+    for line in _run("ip", "-o", "link", "show").stdout.splitlines():
+        m = re.match(rf"\d+: ({LINK_PREFIX}([0-9a-f]+)[hn]\d+)[@:]", line)
+        pid = _tag_pid(m.group(2)) if m else None
+        if m and pid is not None and not _pid_alive(pid):
+            _run("ip", "link", "del", m.group(1), check=False)
+            removed.append(m.group(1))
+    return removed
+
+
+def free_second_octet() -> int:
+    """X for 10.X.0.0/16: one no address or route of the host touches."""
+    used = set()
+    text = _run("ip", "-o", "-4", "addr", "show").stdout + _run("ip", "-4", "route", "show", "table", "all").stdout
+    for m in re.finditer(r"\b10\.(\d+)\.", text):
+        used.add(int(m.group(1)))
+    if re.search(r"\b10\.0\.0\.0/8\b", text):
+        raise RuntimeError("the host routes all of 10.0.0.0/8; no room for the test nodes' addresses")
+    free = [x for x in range(100, 250) if x not in used]
+    if not free:
+        raise RuntimeError("no free 10.X.0.0/16 for the test nodes")
+    return random.choice(free)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class NodeDaemon(Daemon):
+    """cgpud started inside a network namespace."""
+
+    netns: str = ""
+
+    def launch(self) -> None:
+        with open(self.log, "a") as log:
+            self.proc = subprocess.Popen(
+                ["nsenter", f"--net=/run/netns/{self.netns}", "--", str(BIN / "cgpud"), *self.args],
+                env=self.env, stdout=subprocess.DEVNULL, stderr=log, text=True)
+
+    def start(self) -> None:
+        self.launch()
+        self.wait_for(b"READY=1", timeout=WAIT)
+
+
+@dataclass
+class Node:
+    index: int
+    name: str
+    netns: str
+    host_ip: str  # the host's side of the veth
+    ip: str  # the node's address
+    directory: Path
+    daemon: NodeDaemon
+    kubelet: Kubelet
+    pods: KubeletPods
+    endpoints: dict[str, str] = field(default_factory=dict)  # resource -> plugin socket name
+    used: dict[str, set[str]] = field(default_factory=dict)  # device IDs the kubelet handed out, per resource
+    lock: threading.Lock = field(default_factory=threading.Lock)  # one admission at a time, as the kubelet
+
+    @property
+    def capacity_address(self) -> str:
+        return f"{self.ip}:{CAPACITY_PORT}"
+
+
+@dataclass
+class Extender:
+    """cgpu-scheduler as a process."""
+
+    url: str
+    proc: subprocess.Popen[str]
+    log: Path
+
+    def post(self, verb: str, body: Any, timeout: float = 10.0) -> tuple[int, Any]:
+        return post_json(f"{self.url}/{verb}", body, timeout)
+
+    def get(self, path: str, timeout: float = 10.0) -> tuple[int, Any]:
+        try:
+            with urllib.request.urlopen(f"{self.url}{path}", timeout=timeout) as r:
+                return r.status, json.loads(r.read() or b"null")
+        except urllib.error.HTTPError as e:
+            return e.code, _json_or_text(e.read())
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+
+def _json_or_text(data: bytes) -> Any:
+    try:
+        return json.loads(data)
+    except ValueError:
+        return data.decode(errors="replace")
+
+
+def post_json(url: str, body: Any, timeout: float = 10.0) -> tuple[int, Any]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method="POST", headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, _json_or_text(e.read())
+
+
+class Cluster:
+    """N nodes, one API server; a context manager that removes everything
+    it made however it ends. `mode`: the nodes' ack.node.gpu.schedule."""
+
+    def __init__(self, nodes: int = 8, *, gpus: int = 2, gpu_memory: str = "16GiB", mode: str = "cgpu",
+                 placement: str | None = None, tls: bool = True, capacity: bool = True,
+                 daemon_args: Sequence[str] = ()) -> None:
+        if not 1 <= nodes <= 250:
+            raise ValueError("1..250 nodes")
+        self.count = nodes
+        self.gpus = gpus
+        self.gpu_memory = gpu_memory
+        self.mode = mode
+        self.placement = placement
+        self.tls = tls and capacity
+        self.capacity = capacity
+        self.daemon_args = tuple(daemon_args)
+        self.tag = f"{os.getpid():x}{secrets.token_hex(1)}"
+        self.nodes: list[Node] = []
+        self.api: ApiServerProcess | None = None
+        self.pki: Any = None  # tests.tls.Pki when tls
+        self.root = Path(tempfile.mkdtemp(prefix="cgc-", dir="/tmp"))  # short: unix socket paths
+        self.octet = 0
+        self._stack = ExitStack()
+        self._extenders: list[Extender] = []
+
+    # ---- life ----------------------------------------------------------------------------
+
+    def __enter__(self) -> Cluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> Cluster:
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _start(self) -> None:
+        sweep_leftovers()
+        self.octet = free_second_octet()
+        self.api = ApiServerProcess(ApiState(), host="0.0.0.0").start()
+        self._stack.callback(self.api.stop)
+        if self.tls:
+            from tests.tls import make_pki
+
+            self.pki = make_pki(self.root / "pki", server_ips=[self.node_ip(i) for i in range(self.count)])
+        for i in range(self.count):
+            self.nodes.append(self._make_node(i))
+        self._stack.callback(self._stop_all)
+        for node in self.nodes:  # start them all, then wait: they start side by side
+            node.daemon.launch()
+        for node in self.nodes:
+            node.daemon.wait_for(b"READY=1", timeout=WAIT)
+            self._take_registrations(node)
+
+    def node_ip(self, i: int) -> str:
+        return f"10.{self.octet}.{i}.2"
+
+    def _make_node(self, i: int) -> Node:
+        assert self.api is not None
+        name = f"node-{i}"
+        netns = f"{NETNS_PREFIX}{self.tag}-{i}"
+        host_link, node_link = f"{LINK_PREFIX}{self.tag}h{i}", f"{LINK_PREFIX}{self.tag}n{i}"
+        host_ip, ip = f"10.{self.octet}.{i}.1", self.node_ip(i)
+        _run("ip", "netns", "add", netns)
+        self._stack.callback(_run, "ip", "netns", "del", netns, check=False)
+        _run("ip", "link", "add", host_link, "type", "veth", "peer", "name", node_link)
+        self._stack.callback(_run, "ip", "link", "del", host_link, check=False)  # gone with the netns anyway
+        _run("ip", "link", "set", node_link, "netns", netns)
+        _run("ip", "addr", "add", f"{host_ip}/30", "dev", host_link)
+        _run("ip", "link", "set", host_link, "up")
+        _run("ip", "-n", netns, "addr", "add", f"{ip}/30", "dev", node_link)
+        _run("ip", "-n", netns, "link", "set", node_link, "up")
+        _run("ip", "-n", netns, "link", "set", "lo", "up")
+
+        directory = self.root / f"n{i}"
+        directory.mkdir()
+        env = dict(os.environ)
+        env["LD_LIBRARY_PATH"] = str(native_dir() / "sim")
+        env["CGPU_SIM_CONFIG"] = str(write_sim_config(directory / "sim.conf", gpus=self.gpus, mem=self.gpu_memory))
+        env["CGPU_SIM_STATE"] = str(directory / "sim.state")
+        plugins = directory / "dp"
+        plugins.mkdir()
+        kubelet = Kubelet(plugins).start()
+        self._stack.callback(kubelet.stop)
+        lister, pod_resources = self._stack.enter_context(kubelet_pods())
+        labels = {LABEL_MODE: self.mode}
+        if self.placement:
+            labels[LABEL_PLACEMENT] = self.placement
+        with self.api.state.lock:
+            self.api.state.nodes[name] = node_json(name, labels)
+        kubeconfig = self.api.kubeconfig(directory / "kubeconfig", address=host_ip)
+        args = ["--orchestrator", "kubernetes", "--node-name", name, "--kubeconfig", str(kubeconfig),
+                "--device-plugin-dir", str(plugins), "--pod-resources-socket", str(pod_resources),
+                "--cdi-dir", str(directory / "cdi")]
+        if self.capacity:
+            args += ["--capacity-listen", f"{ip}:{CAPACITY_PORT}"]
+        if self.pki is not None:
+            args += ["--capacity-tls-cert", str(self.pki.server_cert), "--capacity-tls-key", str(self.pki.server_key),
+                     "--capacity-tls-ca", str(self.pki.ca)]
+        base = make_daemon(directory, env, *args, *self.daemon_args)
+        daemon = NodeDaemon(base.socket, base.state, base.env, base.notify, base.args, netns=netns)
+        self._stack.callback(base.notify.close)
+        self._stack.callback(self._stop_daemon, daemon)
+        return Node(i, name, netns, host_ip, ip, directory, daemon, kubelet, lister)
+
+    @staticmethod
+    def _stop_daemon(daemon: NodeDaemon) -> None:
+        proc = daemon.proc
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+    def _stop_all(self) -> None:
+        """SIGTERM to every node at once, then wait: they stop side by side."""
+        running = [n.daemon.proc for n in self.nodes if n.daemon.proc is not None and n.daemon.proc.poll() is None]
+        for proc in running:
+            proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        for proc in running:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+
+    def _take_registrations(self, node: Node) -> None:
+        """The plugin registers each resource with the kubelet (again after a
+        restart); the harness keeps the latest endpoint of each."""
+        wanted = {r.value for r in Resource}
+        got: dict[str, str] = {}
+        deadline = time.monotonic() + WAIT
+        while set(got) != wanted:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"{node.name}: registered only {sorted(got)}; log: {self.log_tail(node.index)}")
+            try:
+                r = node.kubelet.registered.get(timeout=left)
+            except Exception:
+                continue
+            got[r.resource_name] = r.endpoint
+        node.endpoints = got
+
+    def close(self) -> None:
+        for extender in self._extenders:
+            extender.stop()
+        self._extenders.clear()
+        try:
+            self._stack.close()  # daemons, kubelets, pod-resources servers, namespaces, the API server
+        finally:
+            self._unmount_regions()
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    def _unmount_regions(self) -> None:
+        """cgpud keeps its instances' tmpfs mounts after it stops, as on a
+        real node; the harness takes its nodes' away with them."""
+        from tests.conftest import _region_mounts
+
+        mounts = _region_mounts(self.root)
+        if mounts:
+            from cgpud._region import lib
+
+            for point in sorted(mounts, reverse=True):
+                lib.cgpu_region_unmount(point.encode())
+
+    # ---- nodes ---------------------------------------------------------------------------
+
+    @property
+    def names(self) -> list[str]:
+        return [n.name for n in self.nodes]
+
+    def index(self, name: str) -> int:
+        return next(n.index for n in self.nodes if n.name == name)
+
+    def addresses(self) -> dict[str, str]:
+        """Node name -> its Capacity address (HOST:PORT)."""
+        return {n.name: n.capacity_address for n in self.nodes}
+
+    def node_file(self, path: Path | None = None) -> Path:
+        """cgpu-scheduler's --nodes file."""
+        path = path or self.root / "nodes"
+        path.write_text("# name capacity address\n" + "".join(f"{n.name} {n.capacity_address}\n" for n in self.nodes))
+        return path
+
+    def kill(self, i: int) -> None:
+        """kill -9 node i's cgpud."""
+        self.nodes[i].daemon.kill()
+
+    def restart(self, i: int) -> None:
+        """Starts node i's cgpud again (after kill or stop) and waits until
+        its device plugin registered again."""
+        node = self.nodes[i]
+        if node.daemon.proc is not None and node.daemon.proc.poll() is None:
+            self._stop_daemon(node.daemon)
+        node.daemon.start()
+        self._take_registrations(node)
+
+    def alive(self, i: int) -> bool:
+        proc = self.nodes[i].daemon.proc
+        return proc is not None and proc.poll() is None
+
+    def log_tail(self, i: int, size: int = 4000) -> str:
+        log = self.nodes[i].daemon.log
+        return log.read_text()[-size:] if log.exists() else ""
+
+    def cgpuctl(self, i: int, *args: str) -> subprocess.CompletedProcess[str]:
+        return self.nodes[i].daemon.cgpuctl(*args)
+
+    def instances(self, i: int) -> list[dict[str, Any]]:
+        out = self.cgpuctl(i, "list", "--output", "json")
+        assert out.returncode == 0, out.stderr
+        return list(json.loads(out.stdout))
+
+    def capacity_tls(self) -> tuple[Path, Path, Path] | None:
+        """(client cert, client key, CA) for a Capacity client, or None."""
+        if self.pki is None:
+            return None
+        return self.pki.client_cert, self.pki.client_key, self.pki.ca
+
+    # ---- the extender --------------------------------------------------------------------
+
+    def start_extender(self, *args: str, with_api: bool = True) -> Extender:
+        """cgpu-scheduler on 127.0.0.1, watching every node (the node file);
+        bound to the fake API server unless with_api is False (standalone)."""
+        assert self.api is not None
+        port = free_port()
+        command = [str(BIN / "cgpu-scheduler"), "--listen", f"127.0.0.1:{port}", "--nodes", str(self.node_file())]
+        if with_api:
+            command += ["--kubeconfig", str(self.api.kubeconfig(self.root / "kubeconfig"))]
+        tls = self.capacity_tls()
+        if tls is not None:
+            command += ["--tls-cert", str(tls[0]), "--tls-key", str(tls[1]), "--tls-ca", str(tls[2])]
+        log = self.root / f"extender-{len(self._extenders)}.log"
+        with open(log, "a") as out:
+            proc = subprocess.Popen([*command, *args], stdout=subprocess.DEVNULL, stderr=out, text=True)
+        extender = Extender(f"http://127.0.0.1:{port}", proc, log)
+        self._extenders.append(extender)
+        deadline = time.monotonic() + WAIT
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"cgpu-scheduler exited {proc.returncode}: {log.read_text()[-4000:]}")
+            try:
+                if extender.get("/healthz", timeout=1.0)[0] == 200:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"cgpu-scheduler did not answer /healthz: {log.read_text()[-4000:]}")
+            time.sleep(0.05)
+        return extender
+
+    def wait_connected(self, extender: Extender, names: Sequence[str] | None = None, timeout: float = WAIT) -> None:
+        """Until the extender's view has a live stream and a view of each node."""
+        wanted = set(names if names is not None else self.names)
+        deadline = time.monotonic() + timeout
+        nodes: list[dict[str, Any]] = []
+        while time.monotonic() < deadline:
+            status, view = extender.get("/inspect")
+            nodes = view.get("nodes", []) if status == 200 and isinstance(view, dict) else []
+            if wanted <= {n["name"] for n in nodes if n.get("connected") and n.get("state")}:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"extender not connected to {sorted(wanted)}: {nodes}")
+
+    # ---- the kubelet ---------------------------------------------------------------------
+
+    def _devices(self, node: Node, resource: str) -> list[str]:
+        with grpc.insecure_channel(f"unix:{node.kubelet.directory / node.endpoints[resource]}") as channel:
+            stream = dp_grpc.DevicePluginStub(channel).ListAndWatch(dp.Empty(), timeout=WAIT)
+            first = next(iter(stream))
+            stream.cancel()
+        return [d.ID for d in first.devices if d.health == "Healthy"]
+
+    def allocate(self, i: int, namespace: str, name: str) -> list[dp.ContainerAllocateResponse]:
+        """What node i's kubelet does to admit a pod bound to it: for each
+        container (init containers first) and each GPU-share resource it
+        asks for, pick free device IDs (GetPreferredAllocation over the
+        healthy ones ListAndWatch lists), Allocate them, then list the pod
+        in pod-resources. Returns the memory Allocates' answers in order;
+        raises grpc.RpcError as the kubelet would see it."""
+        assert self.api is not None
+        node = self.nodes[i]
+        pod = self.api.state.pod(namespace, name)
+        bound = pod["spec"].get("nodeName")
+        if bound != node.name:
+            raise AssertionError(f"pod {namespace}/{name} is bound to {bound!r}, not {node.name}")
+        answers = []
+        with node.lock:
+            for container in [*pod["spec"].get("initContainers", []), *pod["spec"]["containers"]]:
+                limits = container.get("resources", {}).get("limits", {})
+                for resource in SHARED:
+                    count = int(limits.get(resource.value, 0))
+                    if count <= 0:
+                        continue
+                    ids = self._allocate_one(node, resource.value, count)
+                    if resource is Resource.GPU_MEM:
+                        answers.append(ids[1])
+                        node.pods.hold(namespace, name, container["name"], resource.value, tuple(ids[0]))
+        return answers
+
+    def _allocate_one(self, node: Node, resource: str, count: int) -> tuple[list[str], dp.ContainerAllocateResponse]:
+        used = node.used.setdefault(resource, set())
+        free = [d for d in self._devices(node, resource) if d not in used]
+        path = f"unix:{node.kubelet.directory / node.endpoints[resource]}"
+        with grpc.insecure_channel(path) as channel:
+            stub = dp_grpc.DevicePluginStub(channel)
+            preferred = stub.GetPreferredAllocation(dp.PreferredAllocationRequest(container_requests=[
+                dp.ContainerPreferredAllocationRequest(available_deviceIDs=free, allocation_size=count)]), timeout=WAIT)
+            ids = list(preferred.container_responses[0].deviceIDs) or free[:count]
+            answer = stub.Allocate(dp.AllocateRequest(container_requests=[
+                dp.ContainerAllocateRequest(devices_ids=ids)]), timeout=WAIT)
+        used.update(ids)
+        return ids, answer.container_responses[0]
+
+
+# ---- kube-scheduler's part ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One scheduling attempt: the node bound, or why not."""
+
+    node: str | None
+    failed: dict[str, str] = field(default_factory=dict)  # the filter's FailedNodes
+    error: str = ""  # the extender's Error (filter or bind)
+    stage: str = ""  # where it stopped: "filter", "prioritize", "bind", "" when bound
+
+
+def schedule_once(url: str, pod: dict[str, Any], names: Sequence[str], timeout: float = 10.0,
+                  rng: random.Random | None = None) -> Outcome:
+    """One scheduling cycle as kube-scheduler runs it against a
+    nodeCacheCapable extender: filter (NodeNames) -> prioritize on what
+    passed -> the best score (ties broken at random) -> bind."""
+    args = {"Pod": pod, "Nodes": None, "NodeNames": list(names)}
+    status, result = post_json(f"{url}/filter", args, timeout)
+    if status != 200:
+        return Outcome(None, error=f"filter: HTTP {status}: {result}", stage="filter")
+    failed = dict(result.get("FailedNodes") or {})
+    failed.update(result.get("FailedAndUnresolvableNodes") or {})
+    if result.get("Error"):
+        return Outcome(None, failed, result["Error"], "filter")
+    passed = list(result.get("NodeNames") or [])
+    if not passed:
+        return Outcome(None, failed, "no node fits", "filter")
+    status, scores = post_json(f"{url}/prioritize", dict(args, NodeNames=passed), timeout)
+    if status != 200 or not isinstance(scores, list):
+        return Outcome(None, failed, f"prioritize: HTTP {status}: {scores}", "prioritize")
+    by_host = {s["Host"]: s["Score"] for s in scores}
+    best = max(by_host.get(n, 0) for n in passed)
+    node = (rng or random).choice([n for n in passed if by_host.get(n, 0) == best])
+    meta = pod["metadata"]
+    status, bound = post_json(f"{url}/bind", {"PodName": meta["name"], "PodNamespace": meta["namespace"],
+                                              "PodUID": meta["uid"], "Node": node}, timeout)
+    if status != 200 or (isinstance(bound, dict) and bound.get("Error")):
+        error = bound.get("Error") if isinstance(bound, dict) else f"HTTP {status}: {bound}"
+        return Outcome(None, failed, f"bind on {node}: {error}", "bind")
+    return Outcome(node, failed)
+
+
+def schedule(url: str, pod: dict[str, Any], names: Sequence[str], *, attempts: int = 20, backoff: float = 0.05,
+             rng: random.Random | None = None) -> tuple[Outcome, list[Outcome]]:
+    """kube-scheduler's loop for one pod: a failed cycle (nothing fits, or
+    the bind failed) puts the pod back in the queue and it is tried again
+    after a backoff. Returns the final outcome and the failed attempts."""
+    failures: list[Outcome] = []
+    for attempt in range(attempts):
+        outcome = schedule_once(url, pod, names, rng=rng)
+        if outcome.node is not None:
+            return outcome, failures
+        failures.append(outcome)
+        time.sleep(min(backoff * 2 ** attempt, 1.0))
+    return failures[-1], failures[:-1]
+
+
+def share_pod(name: str, gib: int, *, namespace: str = "default", core: int = 0, count: int = 0) -> dict[str, Any]:
+    """An unbound pod asking for a GPU share, as the API server holds it."""
+    from tests.kube.api_server import pod_json
+
+    limits: dict[str, Any] = {Resource.GPU_MEM.value: gib}
+    if core:
+        limits[Resource.GPU_CORE.value] = core
+    if count:
+        limits[Resource.GPU_COUNT.value] = count
+    pod = pod_json(name, "", namespace=namespace, containers={"main": limits})
+    pod["spec"].pop("nodeName")
+    return pod
+
+
+def iter_pods(cluster: Cluster, namespace: str = "default") -> Iterator[dict[str, Any]]:
+    assert cluster.api is not None
+    with cluster.api.state.lock:
+        pods = [json.loads(json.dumps(p)) for (ns, _), p in cluster.api.state.pods.items() if ns == namespace]
+    yield from pods
