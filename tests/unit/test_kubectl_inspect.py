@@ -1,0 +1,335 @@
+"""kubectl inspect cgpu: ACK's tables from a ClusterView (golden text), and
+the ways the view is fetched: cgpu-scheduler's GET /inspect, the API
+server's service proxy (a small HTTP server on the real path, the real
+`kubernetes` client), and the real kubectl's plugin dispatch."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import unquote
+
+import pytest
+
+from cgpud.cli import kubectl_inspect as ki
+from cgpud.extender.model import ClusterView, GpuState, NodeEntry, NodeState, PodShare, view_from_json, view_to_json
+
+GIB = 1 << 30
+MIB = 1 << 20
+V100 = 16160 * MIB  # a "16 GB" V100: 15.78 GiB, shown as 15
+
+
+def gpu(index: int, allocated: int, total: int = V100, healthy: bool = True, reason: str = "",
+        core: int = 0) -> GpuState:
+    return GpuState(index=index, uuid=f"GPU-{index:08d}", model="Tesla V100-SXM2-16GB", memory_total=total,
+                    memory_allocated=allocated, core_allocated=core, instances=1, max_instances=20, healthy=healthy,
+                    health_reason=reason)
+
+
+def node(name: str, gpus: tuple[GpuState, ...], pods: tuple[PodShare, ...] = (), mode: str = "cgpu",
+         address: str = "192.0.2.109", other: int = 0) -> NodeState:
+    return NodeState(name=name, incarnation="i1", revision=7, addresses=(address,), mode=mode, placement="binpack",
+                     core_step=5, card_name="Tesla V100-SXM2-16GB", gpus=gpus, pods=pods, other_instances=other)
+
+
+def entry(state: NodeState, connected: bool = True, error: str = "") -> NodeEntry:
+    return NodeEntry(state.name, f"{state.addresses[0]}:9455", connected, error, state)
+
+
+def pod(name: str, *gpus: tuple[int, int, int], namespace: str = "default", uid: str = "",
+        container: str = "main", reserved: bool = False) -> PodShare:
+    return PodShare(uid or f"uid-{name}", namespace, name, "" if reserved else container, gpus, reserved)
+
+
+# ---- the summary table -------------------------------------------------------------------
+
+ACK_NODE = node("cn-shanghai.192.0.2.109", (gpu(0, 15 * GIB), gpu(1, 9 * GIB)))
+
+
+def test_the_summary_is_acks_table_to_the_character():
+    # FIELD-NOTES, "Inspect output": the same node, the same text.
+    assert ki.summary(ClusterView((entry(ACK_NODE),))) == (
+        "NAME                       IPADDRESS      GPU0(Allocated/Total)  GPU1(Allocated/Total)  GPU Memory(GiB)\n"
+        "cn-shanghai.192.0.2.109    192.0.2.109    15/15                  9/15                   24/30\n"
+        "------------------------------------------------------------------------------\n"
+        "Allocated/Total GPU Memory In Cluster:\n"
+        "24/30 (80%)\n")
+
+
+def test_gib_like_ack_totals_down_allocations_up_percent_truncated():
+    n = node("n1", (gpu(0, 1, total=16 * GIB - 1), gpu(1, 3 * GIB + 1, total=40 * GIB)))
+    out = ki.summary(ClusterView((entry(n),)))
+    rows = out.splitlines()
+    assert rows[1].split()[2:] == ["1/15", "4/40", "5/55"]
+    assert rows[-1] == "5/55 (9%)"  # 9.09 %, truncated as ACK does (20/56 is 35 %)
+    assert ki._percent(20, 56) == 35 and ki._percent(0, 0) == 0
+
+
+def test_nodes_with_fewer_gpus_show_dashes_and_the_cluster_adds_up():
+    a = node("a", (gpu(0, 2 * GIB), gpu(1, 0)), address="10.0.0.1")
+    b = node("b", (gpu(0, 4 * GIB, total=80 * GIB), gpu(1, 0, total=80 * GIB), gpu(2, 8 * GIB, total=80 * GIB)),
+             address="10.0.0.2")
+    rows = ki.summary(ClusterView((entry(a), entry(b)))).splitlines()
+    assert rows[0].split() == ["NAME", "IPADDRESS", "GPU0(Allocated/Total)", "GPU1(Allocated/Total)",
+                               "GPU2(Allocated/Total)", "GPU", "Memory(GiB)"]
+    assert rows[1].split() == ["a", "10.0.0.1", "2/15", "0/15", "-", "2/30"]
+    assert rows[2].split() == ["b", "10.0.0.2", "4/80", "0/80", "8/80", "12/240"]
+    assert rows[-1] == "14/270 (5%)"
+
+
+def test_a_node_whose_stream_is_down_is_listed_with_its_reason_and_no_stale_numbers():
+    up = entry(ACK_NODE)
+    # The last view it had says 14 GiB allocated: not shown, not counted.
+    stale = node("gpu-3", (gpu(0, 14 * GIB), gpu(1, 0)), address="10.9.9.9")
+    down = NodeEntry("gpu-3", "10.0.0.3:9455", False, "failed to connect to all addresses", stale)
+    waiting = NodeEntry("gpu-4", "[fd00::4]:9455", True, "", None)
+    out = ki.summary(ClusterView((up, down, waiting)))
+    rows = out.splitlines()
+    assert rows[2].split() == ["gpu-3", "10.0.0.3", "-", "-", "-"]
+    assert rows[3].split() == ["gpu-4", "fd00::4", "-", "-", "-"]
+    assert "14/" not in out and "10.9.9.9" not in out
+    assert rows[5:] == ["Allocated/Total GPU Memory In Cluster:", "24/30 (80%)",
+                        "Not counted (no current view):",
+                        "  gpu-3: capacity stream down: failed to connect to all addresses",
+                        "  gpu-4: no view from its cgpud yet"]
+
+
+def test_an_unhealthy_gpu_is_marked_and_named():
+    n = node("n1", (gpu(0, 0), gpu(1, 4 * GIB, healthy=False, reason="XID 79: fallen off the bus")))
+    rows = ki.summary(ClusterView((entry(n),))).splitlines()
+    assert rows[1].split()[2:4] == ["0/15", "4/15*"]
+    assert rows[-2:] == ["Unhealthy GPUs (*), not placed on:", "  n1 GPU1: XID 79: fallen off the bus"]
+
+
+def test_an_empty_cluster():
+    assert ki.summary(ClusterView(())).splitlines()[-1] == "0/0 (0%)"
+
+
+# ---- -d --------------------------------------------------------------------------------------
+
+
+def test_details_are_acks_layout_to_the_character():
+    # The layout of ACK's `-d` (totals written into the pods' table, so they line up).
+    gpus = tuple(gpu(i, a * GIB, total=14 * GIB + 512 * MIB) for i, a in enumerate((6, 14, 0, 0)))
+    n = node("k8s-gpu1", gpus, address="172.16.33.69", pods=(
+        pod("binpack-6-7d9f48946c-9strc", (0, 6 * GIB, 0)),
+        pod("binpack-10-6b5fcd9ddc-wzdzv", (1, 10 * GIB, 0)),
+        pod("binpack-4-5c857c579-5shjc", (1, 4 * GIB, 0))))
+    assert ki.details(ClusterView((entry(n),))) == (
+        "NAME:       k8s-gpu1\n"
+        "IPADDRESS:  172.16.33.69\n"
+        "\n"
+        "NAME                         NAMESPACE  GPU0(Allocated)  GPU1(Allocated)  GPU2(Allocated)  GPU3(Allocated)\n"
+        "binpack-10-6b5fcd9ddc-wzdzv  default    0                10               0                0\n"
+        "binpack-4-5c857c579-5shjc    default    0                4                0                0\n"
+        "binpack-6-7d9f48946c-9strc   default    6                0                0                0\n"
+        "Allocated :                  20 (35%)\n"
+        "Total :                      56\n"
+        "------------------------------------------------------------------------------\n"
+        "\n"
+        "Allocated/Total GPU Memory In Cluster:  20/56 (35%)\n")
+
+
+def test_details_add_up_a_pods_containers_and_mark_reservations():
+    n = node("n1", (gpu(0, 7 * GIB), gpu(1, 6 * GIB)), pods=(
+        pod("web", (0, 2 * GIB, 0), container="a"),
+        pod("web", (0, 1 * GIB, 0), (1, 1 * GIB, 0), container="b"),
+        pod("train", (0, 3 * GIB, 0), (1, 5 * GIB, 0), namespace="ml", reserved=True)), other=2)
+    rows = ki.details(ClusterView((entry(n),))).splitlines()
+    assert rows[3].split() == ["NAME", "NAMESPACE", "GPU0(Allocated)", "GPU1(Allocated)"]
+    assert rows[4].split() == ["web", "default", "3", "1"]
+    assert rows[5].split() == ["train(reserved)", "ml", "3", "5"]
+    assert rows[6].split() == ["Allocated", ":", "13", "(43%)"]
+    assert rows[8].split() == ["Not", "pods", ":", "2", "instances", "(in", "Allocated)"]
+
+
+def test_details_show_a_core_column_on_core_mem_nodes_only():
+    shares = (pod("a", (0, 2 * GIB, 30)), pod("b", (0, 1 * GIB, 0)))
+    cm = ki.details(ClusterView((entry(node("cm", (gpu(0, 3 * GIB),), shares, mode="core_mem")),))).splitlines()
+    assert cm[3].split()[-1] == "CORE(%)"
+    assert [r.split()[-1] for r in cm[4:6]] == ["30", "-"]
+    plain = ki.details(ClusterView((entry(node("c", (gpu(0, 3 * GIB),), shares)),))).splitlines()
+    assert "CORE(%)" not in plain[3]
+
+
+def test_details_of_a_down_node_give_its_reason_and_an_unhealthy_gpu_is_named():
+    sick = node("n1", (gpu(0, 0), gpu(1, 0, healthy=False, reason="XID 48: double-bit ECC")))
+    down = NodeEntry("n2", "10.0.0.2:9455", False, "deadline exceeded", ACK_NODE)
+    out = ki.details(ClusterView((entry(sick), down)))
+    assert "Unhealthy: GPU1*: XID 48: double-bit ECC\n" in out
+    assert ("NAME:       n2\nIPADDRESS:  10.0.0.2\n\nNot counted: capacity stream down: deadline exceeded\n"
+            in out)
+    assert out.endswith("Allocated/Total GPU Memory In Cluster:  0/30 (0%)\n")
+
+
+# ---- sources and the command line -----------------------------------------------------------
+
+VIEW = ClusterView((entry(ACK_NODE), NodeEntry("gpu-3", "10.0.0.3:9455", False, "connection refused", None)))
+
+
+@contextmanager
+def http_server(routes: dict[str, tuple[int, bytes]]) -> Iterator[tuple[str, list[str]]]:
+    """A real HTTP server answering GET path -> (status, body); yields its
+    base URL and the (URL-decoded) paths asked."""
+    asked: list[str] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            path = unquote(self.path.split("?", 1)[0])
+            asked.append(path)
+            status, body = routes.get(path, (404, b'{"kind":"Status","message":"no such path"}'))
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", asked
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def view_body(view: ClusterView = VIEW) -> bytes:
+    return json.dumps(view_to_json(view)).encode()
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = ki.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_from_the_extender_table_details_and_json(capsys):
+    with http_server({"/inspect": (200, view_body())}) as (url, asked):
+        code, out, err = run(capsys, "--extender", url)
+        assert (code, err) == (0, "") and out == ki.summary(VIEW)
+        # As kubectl's name for it when run by hand: a leading "cgpu" is the plugin's own name.
+        code, out, _ = run(capsys, "cgpu", "-d", "--extender", url + "/")
+        assert code == 0 and out == ki.details(VIEW)
+        code, out, _ = run(capsys, "-o", "json", "--extender", url)
+        assert code == 0 and view_from_json(json.loads(out)) == VIEW
+    assert asked == ["/inspect"] * 3
+
+
+@pytest.mark.parametrize(("status", "body", "says"), [
+    (200, b"<html>not json</html>", "did not answer with a cgpu cluster view"),
+    (200, b'{"nodes": [{"name": "x"}]}', "did not answer with a cgpu cluster view"),
+    (503, b"no view yet", "answered 503"),
+])
+def test_a_bad_answer_is_one_line_and_exit_1(capsys, status, body, says):
+    with http_server({"/inspect": (status, body)}) as (url, _):
+        code, out, err = run(capsys, "--extender", url)
+    assert code == 1 and out == ""
+    assert err.startswith("kubectl inspect cgpu: ") and says in err and err.count("\n") == 1
+
+
+def test_an_unreachable_extender_is_one_line_and_exit_1(capsys):
+    with http_server({}) as (url, _):
+        pass  # closed: nothing listens on its port now
+    code, out, err = run(capsys, "--extender", url, "--timeout", "5")
+    assert code == 1 and out == "" and err.count("\n") == 1
+    assert f"cannot reach cgpu-scheduler at {url}/inspect" in err
+
+
+def test_bad_arguments(capsys, tmp_path):
+    with pytest.raises(SystemExit) as exit_:
+        ki.main(["-o", "yaml"])
+    assert exit_.value.code == 2
+    code, _, err = run(capsys, "--extender", "localhost:1")
+    assert code == 1 and "give a URL" in err
+    bad = tmp_path / "nodes"
+    bad.write_text("# comment\nn1 10.0.0.1:9455\nn2\n")
+    code, _, err = run(capsys, "--nodes", str(bad))
+    assert code == 1 and f"{bad}:3: expected 'NAME HOST:PORT'" in err
+    code, _, err = run(capsys, "--nodes", str(tmp_path / "absent"))
+    assert code == 1 and "cannot read node file" in err
+
+
+def test_the_node_file_format(tmp_path):
+    f = tmp_path / "nodes"
+    f.write_text("# the test nodes\nn1 10.0.0.1:9455\n\n  n2   [fd00::2]:9455  # v6\n")
+    assert ki.read_node_file(f) == [("n1", "10.0.0.1:9455"), ("n2", "[fd00::2]:9455")]
+
+
+def kubeconfig(tmp_path: Path, server: str) -> Path:
+    path = tmp_path / "kubeconfig"
+    path.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "t",
+        "clusters": [{"name": "t", "cluster": {"server": server}}],
+        "users": [{"name": "t", "user": {"token": "secret"}}],
+        "contexts": [{"name": "t", "context": {"cluster": "t", "user": "t"}}]}))
+    return path
+
+
+PROXY = "/api/v1/namespaces/kube-system/services/cgpu-scheduler:http/proxy/inspect"
+
+
+def test_through_the_api_servers_service_proxy(capsys, tmp_path, monkeypatch):
+    routes = {PROXY: (200, view_body()),
+              "/api/v1/namespaces/gpu/services/sched:http/proxy/inspect": (200, view_body(ClusterView(())))}
+    with http_server(routes) as (url, asked):
+        config = kubeconfig(tmp_path, url)
+        code, out, err = run(capsys, "--kubeconfig", str(config))
+        assert (code, err) == (0, "") and out == ki.summary(VIEW)
+        monkeypatch.setenv("KUBECONFIG", str(config))  # what kubectl itself would use
+        code, out, _ = run(capsys, "-n", "gpu", "--service", "sched")
+        assert code == 0 and out.splitlines()[-1] == "0/0 (0%)"
+        code, _, err = run(capsys, "-n", "elsewhere")
+        assert code == 1 and err.count("\n") == 1
+        assert "cannot read the cluster view from service elsewhere/cgpu-scheduler (port http) through the API " \
+               "server: 404 no such path" in err
+    assert asked == [PROXY, "/api/v1/namespaces/gpu/services/sched:http/proxy/inspect",
+                     "/api/v1/namespaces/elsewhere/services/cgpu-scheduler:http/proxy/inspect"]
+
+
+def test_no_kubeconfig_and_not_in_a_pod_says_what_to_give(capsys, tmp_path, monkeypatch):
+    monkeypatch.delenv("KUBECONFIG", raising=False)
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    code, out, err = run(capsys)
+    assert code == 1 and out == "" and "give --extender URL or --nodes FILE" in err
+
+
+def test_the_real_kubectl_finds_the_plugin_and_passes_it_its_arguments(tmp_path):
+    kubectl = shutil.which("kubectl")
+    assert kubectl is not None, "kubectl is not installed"
+    plugin = Path(sys.executable).parent / "kubectl-inspect-cgpu"
+    assert plugin.is_file(), "the console script is not installed (pip install -e .)"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "kubectl-inspect-cgpu").symlink_to(plugin)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "KUBECONFIG": "/dev/null"}
+    listed = subprocess.run([kubectl, "plugin", "list"], capture_output=True, text=True, env=env, timeout=60)
+    assert f"{bin_dir}/kubectl-inspect-cgpu" in listed.stdout
+    with http_server({"/inspect": (200, view_body())}) as (url, _):
+        done = subprocess.run([kubectl, "inspect", "cgpu", "--extender", url], capture_output=True, text=True,
+                              env=env, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout == ki.summary(VIEW)
+        detailed = subprocess.run([kubectl, "inspect", "cgpu", "-d", "--extender", url], capture_output=True,
+                                  text=True, env=env, timeout=60)
+        assert detailed.stdout == ki.details(VIEW)
+    failed = subprocess.run([kubectl, "inspect", "cgpu", "--extender", url], capture_output=True, text=True,
+                            env=env, timeout=60)
+    assert failed.returncode == 1 and failed.stdout == ""
+    assert failed.stderr.startswith("kubectl inspect cgpu: cannot reach cgpu-scheduler")
+
+
+def test_json_is_the_views_json():
+    view = ClusterView((entry(replace(ACK_NODE, pods=(pod("a", (0, GIB, 0)),))),))
+    assert view_from_json(json.loads(ki.as_json(view))) == view
