@@ -43,6 +43,8 @@ from typing import Any
 
 import grpc
 
+from cgpud.api.cgpu.v1 import capacity_pb2 as cap
+from cgpud.api.cgpu.v1 import capacity_pb2_grpc as cap_grpc
 from cgpud.api.k8s.deviceplugin.v1beta1 import api_pb2 as dp
 from cgpud.api.k8s.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
 from cgpud.kube.model import LABEL_MODE, LABEL_PLACEMENT, Resource
@@ -438,6 +440,23 @@ class Cluster:
         if self.pki is None:
             return None
         return self.pki.client_cert, self.pki.client_key, self.pki.ca
+
+    def capacity_channel(self, i: int, cert: Path | None = None, key: Path | None = None) -> grpc.Channel:
+        """A channel to node i's Capacity API across its veth, with the
+        harness's client certificate (or the given one)."""
+        address = self.nodes[i].capacity_address
+        if self.pki is None:
+            return grpc.insecure_channel(address)
+        cert = cert or self.pki.client_cert
+        key = key or self.pki.client_key
+        credentials = grpc.ssl_channel_credentials(root_certificates=self.pki.ca.read_bytes(),
+                                                   private_key=key.read_bytes(), certificate_chain=cert.read_bytes())
+        return grpc.secure_channel(address, credentials)
+
+    def get_node(self, i: int, timeout: float = 10.0) -> cap.NodeView:
+        """Node i's own view (cgpu.v1.Capacity/GetNode)."""
+        with self.capacity_channel(i) as channel:
+            return cap_grpc.CapacityStub(channel).GetNode(cap.GetNodeRequest(), timeout=timeout)
 
     # ---- the extender --------------------------------------------------------------------
 

@@ -93,13 +93,17 @@ class ApiState:
         with self.lock:
             return json.loads(json.dumps(self.nodes[name]))
 
-    def bind(self, namespace: str, name: str, node: str) -> tuple[int, dict[str, Any]]:
+    def bind(self, namespace: str, name: str, node: str, uid: str = "") -> tuple[int, dict[str, Any]]:
         """What the API server does with a Binding: the pod gets its node,
         once (409 Conflict for a pod already bound, as kube-scheduler sees it
-        when two binds race). Called with the lock held."""
+        when two binds race, or for a UID precondition another pod of that
+        name fails). Called with the lock held."""
         pod = self.pods.get((namespace, name))
         if pod is None:
             return 404, _status(404, "NotFound", f'pods "{name}" not found')
+        if uid and uid != pod["metadata"].get("uid"):
+            return 409, _status(409, "Conflict", f"Precondition failed: UID in precondition: {uid}, UID in object "
+                                f"meta: {pod['metadata'].get('uid')}")
         if self.fail_binding is not None:
             return self.fail_binding, _status(self.fail_binding, "InternalError", "binding refused by test")
         if not node:
@@ -207,12 +211,12 @@ class _Handler(BaseHTTPRequestHandler):
             state.requests.append(("POST", self.path))
             target = body.get("target") if isinstance(body, dict) else None
             node = target.get("name", "") if isinstance(target, dict) else ""
+            meta = (body.get("metadata") or {}) if isinstance(body, dict) else {}
             # pods/{name}/binding (the subresource kube-scheduler uses) or the bindings collection
             if len(parts) == 7 and parts[:3] == ["api", "v1", "namespaces"] and parts[4:7:2] == ["pods", "binding"]:
-                return self._send(*state.bind(parts[3], parts[5], node))
+                return self._send(*state.bind(parts[3], parts[5], node, meta.get("uid", "")))
             if parts[:3] == ["api", "v1", "namespaces"] and parts[4:] == ["bindings"]:
-                name = (body.get("metadata") or {}).get("name", "") if isinstance(body, dict) else ""
-                return self._send(*state.bind(parts[3], name, node))
+                return self._send(*state.bind(parts[3], meta.get("name", ""), node, meta.get("uid", "")))
         self._send(404, _status(404, "NotFound", f"no route {self.path}"))
 
     def do_PATCH(self) -> None:
