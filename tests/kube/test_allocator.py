@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from cgpud.containers.edits import RuntimeFiles
-from cgpud.daemon.model import GIB, GpuCapacity, InstanceState, NodeMode, NodePolicy, OwnerKind
+from cgpud.daemon.model import GIB, GpuCapacity, InstanceState, NodeMode, NodePolicy, OwnerKind, Share
 from cgpud.daemon.region import read_limits
 from cgpud.daemon.service import InstanceService
 from cgpud.daemon.store import Store
@@ -193,6 +193,49 @@ def test_whole_gpus_name_their_gpus(rig: Rig):
     with pytest.raises(AllocationError, match="no GPU with UUID 'GPU-zzzz'"):
         rig.allocator.allocate(Resource.NVIDIA_GPU, ["GPU-zzzz"])
     assert rig.service.list() == []
+
+
+# ---- reservations (cgpu-scheduler's Reserve) ------------------------------------------------
+
+
+def test_a_reserved_gpu_is_full_for_others_and_its_pod_gets_it(rig: Rig):
+    other = rig.assumed_pod("other", gib=4, idx="1", t=1)  # served first: the oldest
+    mine = rig.assumed_pod("mine", gib=14, idx="1", t=2)
+    rig.service.reserve(mine["metadata"]["uid"], "default", "mine", [Share(1, 14 * GIB)])
+    with pytest.raises(AllocationError, match=r"pod default/other container main: .*GPU 1.*2 GiB"):
+        rig.allocator.allocate(Resource.GPU_MEM, ids(4))
+    assert rig.service.list() == []
+    got = rig.allocator.allocate(Resource.GPU_MEM, ids(14, start=4))
+    [inst] = rig.service.list()
+    assert inst.owner.id.startswith(mine["metadata"]["uid"] + "/")
+    assert [(g.gpu_index, g.memory) for g in inst.grants] == [(1, 14 * GIB)]
+    assert got.cdi_devices == (f"cgpu.io/gpu={inst.id}",)
+    assert rig.service.reservations() == []
+    assert other["metadata"]["uid"] not in inst.owner.id
+
+
+def test_each_container_draws_on_the_reservation_and_the_last_drops_what_is_left(rig: Rig):
+    pod = rig.server.state.add_pod(pod_json("duo", NODE, containers={"a": {MEM: 3}, "b": {MEM: 3}}, annotations={
+        "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "5", "ALIYUN_COM_GPU_MEM_ASSIGNED": "false", "ALIYUN_COM_GPU_MEM_IDX": "0"}))
+    uid = pod["metadata"]["uid"]
+    # One GiB more than the pod needs: the last Allocate gives it back.
+    rig.service.reserve(uid, "default", "duo", [Share(0, 7 * GIB, 0, 2)])
+    rig.allocator.allocate(Resource.GPU_MEM, ids(3))
+    [left] = rig.service.reservations()
+    assert left.shares == (Share(0, 4 * GIB, 0, 1),)
+    rig.allocator.allocate(Resource.GPU_MEM, ids(3, start=3))
+    assert rig.service.reservations() == []
+    assert sorted(g.memory for i in rig.service.list() for g in i.grants) == [3 * GIB, 3 * GIB]
+    usage = rig.service.node_info().gpus[0]
+    assert (usage.allocated, usage.instances) == (6 * GIB, 2)
+
+
+def test_another_pods_reservation_is_left_alone(rig: Rig):
+    rig.assumed_pod("train", gib=2, idx="0")
+    rig.service.reserve("uid-elsewhere", "default", "later", [Share(0, 10 * GIB)])
+    rig.allocator.allocate(Resource.GPU_MEM, ids(2))
+    assert [r.pod_uid for r in rig.service.reservations()] == ["uid-elsewhere"]
+    assert rig.service.node_info().gpus[0].allocated == 12 * GIB
 
 
 # ---- releases ------------------------------------------------------------------------------
