@@ -127,8 +127,17 @@ class InstanceService:
             address=node.primary_address(),
             driver_version=self._driver_version,
             policy=self._policy,
-            gpus=placement.gpu_usage(self._gpus, self._store.active(), self.reservations()),
+            gpus=placement.gpu_usage(self._gpus, *self.holdings()),
         )
+
+    def holdings(self) -> tuple[list[Instance], list[Reservation]]:
+        """The active instances and live reservations, read together (one
+        store snapshot): what admission sees as taken. Read after
+        `changes.revision`, it holds at least every change counted there
+        (each bump follows its commit)."""
+        now = self._clock()
+        active, reserved = self._store.holdings()
+        return active, [r for r in reserved if r.live(now)]
 
     def reservations(self) -> list[Reservation]:
         """The live reservations, by pod UID; expired ones hold nothing even

@@ -210,6 +210,12 @@ class Transaction:
                                                           error=str(e))
         return out
 
+    def holdings(self) -> tuple[builtins.list[Instance], builtins.list[Reservation]]:
+        """The active instances and every stored reservation, read in one
+        snapshot: a create that drew on a reservation is seen in both or in
+        neither."""
+        return self.active(), self.reservations()
+
     def get_setting(self, key: str) -> str | None:
         """A node setting stored at run time (e.g. the compute policy), or None."""
         self._check_key(key)
@@ -649,6 +655,7 @@ class Store:
     set_state = _one_call(Transaction.set_state, write=True)
     purge_released = _one_call(Transaction.purge_released, write=True)
     reservations = _one_call(Transaction.reservations, write=False)
+    holdings = _one_call(Transaction.holdings, write=False)
     put_reservation = _one_call(Transaction.put_reservation, write=True)
     delete_reservation = _one_call(Transaction.delete_reservation, write=True)
     delete_expired_reservations = _one_call(Transaction.delete_expired_reservations, write=True)

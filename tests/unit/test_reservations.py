@@ -494,3 +494,42 @@ def test_instance_state_is_untouched_by_reservations(tmp_path: Path):
     svc.reserve("uid-b", "ns", "b", [gib(1, 1)])
     svc.unreserve("uid-b")
     assert svc.get(inst.id).state is InstanceState.RESERVED
+
+
+def test_holdings_are_live_reservations_and_active_instances(tmp_path: Path):
+    clock = Clock()
+    svc = service(tmp_path, clock=clock)
+    inst = svc.create(Request(pod("uid-a"), GIB))
+    gone = svc.create(Request(pod("uid-b"), GIB))
+    svc.release(gone.id)
+    kept = svc.reserve("uid-c", "ns", "c", [gib(1, 2)], ttl=100)
+    svc.reserve("uid-d", "ns", "d", [gib(1, 2)], ttl=10)
+    clock.now += 10
+    assert svc.holdings() == ([inst], [kept])
+
+
+def test_holdings_never_show_a_drawn_share_twice_or_not_at_all(tmp_path: Path):
+    # While containers draw on their pod's reservation, what an instance took
+    # and what is left of the reservation always add up to what was reserved.
+    svc = service(tmp_path)
+    svc.reserve("uid-a", "ns", "a", [gib(0, 16, 0, 16)])
+    done = threading.Event()
+    seen: list[int] = []
+
+    def reader() -> None:
+        while not done.is_set():
+            active, reserved = svc.holdings()
+            seen.append(sum(g.memory for i in active for g in i.grants)
+                        + sum(s.memory for r in reserved for s in r.shares))
+
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        results = race([lambda i=i: svc.create(Request(pod("uid-a", f"c{i}"), GIB, gpu_indexes=(0,),
+                                                       reservation="uid-a")) for i in range(16)])
+    finally:
+        done.set()
+        t.join(10)
+    assert not [r for r in results if isinstance(r, Exception)]
+    assert svc.reservations() == []
+    assert len(seen) > 10 and set(seen) == {16 * GIB}
