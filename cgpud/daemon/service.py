@@ -178,7 +178,8 @@ class InstanceService:
             try:
                 self._schedule(instance)
             except ComputeError:
-                self._release_locked(instance.id)  # no instance the scheduler does not know
+                # No instance the scheduler does not know; the pod keeps what it had reserved.
+                self._release_locked(instance.id, restore=drawn)
                 raise
         self._log.info("created", id=instance.id, owner=instance.owner.id,
                        grants=[(g.gpu_index, g.memory, g.core_percent) for g in instance.grants])
@@ -242,17 +243,31 @@ class InstanceService:
         self._log.info("unbound", id=instance_id)
         return instance
 
-    def release(self, instance_id: str) -> Instance:
+    def release(self, instance_id: str, restore: Reservation | None = None) -> Instance:
+        """`restore`: the reservation the instance drew on, as it was before
+        (an Allocate undone): it is put back with the release when the stored
+        one is still exactly what the instance left of it, so an undone
+        Allocate costs its pod nothing; otherwise (replaced, given back) it
+        is left alone."""
         with self._lock:
             current = self._store.get(instance_id)
             if current.state is InstanceState.RELEASED:
                 return current  # a retry after a crash: already done
-            instance = self._release_locked(instance_id)
+            instance = self._release_locked(instance_id, restore)
         self._log.info("released", id=instance_id)
         return instance
 
-    def _release_locked(self, instance_id: str) -> Instance:
-        instance = self._store.set_state(instance_id, InstanceState.RELEASED)
+    def _release_locked(self, instance_id: str, restore: Reservation | None = None) -> Instance:
+        with self._store.transaction() as tx:
+            instance = tx.set_state(instance_id, InstanceState.RELEASED)
+            if restore is not None:
+                stored = next((r for r in tx.reservations() if r.pod_uid == restore.pod_uid), None)
+                left = placement.consume(restore, instance.grants)
+                untouched = (not left if stored is None
+                             else (stored.shares, stored.expires) == (left, restore.expires))
+                if untouched:
+                    tx.put_reservation(restore)
+                    self._log.info("reservation restored", pod_uid=restore.pod_uid, id=instance_id)
         self.changes.bump()
         if self._compute is not None:
             self._compute.detach(instance_id)

@@ -24,7 +24,7 @@ from typing import Protocol
 
 import structlog
 
-from cgpud.daemon.model import GIB, Instance, Owner, OwnerKind, Request
+from cgpud.daemon.model import GIB, Instance, Owner, OwnerKind, Request, Reservation
 from cgpud.daemon.service import InstanceService
 from cgpud.errors import CgpuError
 from cgpud.containers import cdi
@@ -104,6 +104,8 @@ class PodAllocator:
         request = Request(Owner(OwnerKind.POD, chosen.owner.owner_id), chosen.memory_gib * GIB, chosen.gpu_count,
                           chosen.core_percent, gpu_indexes=chosen.gpu_indexes, reservation=chosen.pod.uid)
         where = f"pod {chosen.pod.key} container {chosen.container}"
+        # As it is before the instance draws on it: an undone Allocate puts it back.
+        reserved = next((r for r in self._service.reservations() if r.pod_uid == chosen.pod.uid), None)
         try:
             instance = self._service.create(request)
         except CgpuError as e:  # does not fit, or a request the node refuses: the kubelet shows why
@@ -114,10 +116,10 @@ class PodAllocator:
             if complete:
                 self._api.annotate_pod(chosen.pod.namespace, chosen.pod.name, {ANNOTATION_ASSIGNED: "true"})
         except (CgpuError, OSError) as e:
-            self._undo(instance)
+            self._undo(instance, reserved)
             raise AllocationError(f"{where}: instance not kept: {e}") from e
         except BaseException:
-            self._undo(instance)
+            self._undo(instance, reserved)
             raise
         self._answered[(Resource.GPU_MEM, ids)] = instance.id
         if complete:
@@ -169,12 +171,12 @@ class PodAllocator:
         text = json.dumps(cdi.cdi_spec([edits]), indent=2) + "\n"
         cdi.write_spec(text, spec_path(self._cdi_dir, instance.id))
 
-    def _undo(self, instance: Instance) -> None:
+    def _undo(self, instance: Instance, reserved: Reservation | None = None) -> None:
         try:
             remove_spec(self._cdi_dir, instance.id)
         except OSError as e:
             self._log.error("cannot remove CDI spec", id=instance.id, error=str(e))
-        self._service.release(instance.id)
+        self._service.release(instance.id, restore=reserved)
 
     # ---- helpers ---------------------------------------------------------------------
 

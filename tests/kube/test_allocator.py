@@ -230,6 +230,19 @@ def test_each_container_draws_on_the_reservation_and_the_last_drops_what_is_left
     assert (usage.allocated, usage.instances) == (6 * GIB, 2)
 
 
+def test_a_failed_allocate_leaves_the_pods_reservation_as_it_was(rig: Rig):
+    pod = rig.assumed_pod("train", gib=2, idx="0")
+    before = rig.service.reserve(pod["metadata"]["uid"], "default", "train", [Share(0, 2 * GIB)])
+    rig.server.state.fail_patch = 403
+    with pytest.raises(AllocationError, match="instance not kept"):
+        rig.allocator.allocate(Resource.GPU_MEM, ids(2))
+    rig.nothing_made()
+    assert rig.service.reservations() == [before]
+    rig.server.state.fail_patch = None
+    rig.allocator.allocate(Resource.GPU_MEM, ids(2))
+    assert rig.service.reservations() == []
+
+
 def test_another_pods_reservation_is_left_alone(rig: Rig):
     rig.assumed_pod("train", gib=2, idx="0")
     rig.service.reserve("uid-elsewhere", "default", "later", [Share(0, 10 * GIB)])

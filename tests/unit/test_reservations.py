@@ -533,3 +533,66 @@ def test_holdings_never_show_a_drawn_share_twice_or_not_at_all(tmp_path: Path):
     assert not [r for r in results if isinstance(r, Exception)]
     assert svc.reservations() == []
     assert len(seen) > 10 and set(seen) == {16 * GIB}
+
+
+# --------------------------------------------------------------------------
+# Service: an undone instance gives its pod's reservation back
+
+
+def test_release_with_restore_puts_the_reservation_back(tmp_path: Path):
+    svc = service(tmp_path)
+    before = svc.reserve("uid-a", "ns", "a", [gib(0, 6, 0, 2)])
+    inst = svc.create(Request(pod("uid-a"), 4 * GIB, gpu_indexes=(0,), reservation="uid-a"))
+    assert svc.reservations()[0].shares == (gib(0, 2),)
+    svc.release(inst.id, restore=before)
+    assert svc.reservations() == [before]
+    assert svc.node_info().gpus[0].allocated == 6 * GIB
+
+
+def test_release_with_restore_brings_back_a_reservation_fully_drawn(tmp_path: Path):
+    svc = service(tmp_path)
+    before = svc.reserve("uid-a", "ns", "a", [gib(0, 4)])
+    inst = svc.create(Request(pod("uid-a"), 4 * GIB, gpu_indexes=(0,), reservation="uid-a"))
+    assert svc.reservations() == []
+    svc.release(inst.id, restore=before)
+    assert svc.reservations() == [before]
+
+
+def test_release_with_restore_leaves_a_replaced_reservation_alone(tmp_path: Path):
+    svc = service(tmp_path)
+    before = svc.reserve("uid-a", "ns", "a", [gib(0, 6)])
+    inst = svc.create(Request(pod("uid-a"), 4 * GIB, gpu_indexes=(0,), reservation="uid-a"))
+    replaced = svc.reserve("uid-a", "ns", "a", [gib(1, 3)])
+    svc.release(inst.id, restore=before)
+    assert svc.reservations() == [replaced]
+
+
+def test_release_with_restore_leaves_a_given_back_reservation_gone(tmp_path: Path):
+    svc = service(tmp_path)
+    before = svc.reserve("uid-a", "ns", "a", [gib(0, 6)])
+    inst = svc.create(Request(pod("uid-a"), 4 * GIB, gpu_indexes=(0,), reservation="uid-a"))
+    svc.unreserve("uid-a")
+    svc.release(inst.id, restore=before)
+    assert svc.reservations() == []
+
+
+def test_a_create_the_compute_scheduler_refuses_keeps_the_reservation(tmp_path: Path):
+    from cgpud.daemon.compute import ComputeError
+
+    class Refusing:
+        def configure(self, policy: NodePolicy) -> None:
+            pass
+
+        def attach(self, instance: object, region: Path) -> None:
+            raise ComputeError("no slot")
+
+        def detach(self, instance_id: str) -> None:
+            pass
+
+    svc = InstanceService(Store(tmp_path / "cgpud.db"), GPUS, NodePolicy(mode=NodeMode.CORE_MEM),
+                          tmp_path / "regions", "580.65.06", "boot-1", compute=Refusing())  # type: ignore[arg-type]
+    before = svc.reserve("uid-a", "ns", "a", [gib(0, 4, 20)])
+    with pytest.raises(ComputeError):
+        svc.create(Request(pod("uid-a"), 4 * GIB, core_percent=20, gpu_indexes=(0,), reservation="uid-a"))
+    assert svc.list() == []
+    assert svc.reservations() == [before]
