@@ -596,3 +596,51 @@ def test_a_create_the_compute_scheduler_refuses_keeps_the_reservation(tmp_path: 
         svc.create(Request(pod("uid-a"), 4 * GIB, core_percent=20, gpu_indexes=(0,), reservation="uid-a"))
     assert svc.list() == []
     assert svc.reservations() == [before]
+
+
+# --------------------------------------------------------------------------
+# Service: random operations with time passing never overcommit a GPU
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_reserves_creates_and_expiry_never_overcommit(tmp_path: Path, seed: int):
+    import random
+
+    rng = random.Random(seed)
+    clock = Clock()
+    policy = NodePolicy(mode=NodeMode.CORE_MEM, max_instances_per_gpu=3)
+    svc = InstanceService(Store(tmp_path / "cgpud.db"), GPUS, policy, tmp_path / "regions", "580.65.06", "boot-1",
+                          clock=clock)
+    pods = [f"uid-{n}" for n in range(5)]
+    created = 0
+    for step in range(150):
+        op = rng.choice(["reserve", "create", "create", "release", "unreserve", "time", "sweep"])
+        uid = rng.choice(pods)
+        try:
+            if op == "reserve":
+                shares = [Share(i, rng.randint(1, 10) * GIB, rng.choice([0, 25, 50]), rng.randint(0, 2))
+                          for i in rng.sample([0, 1], rng.randint(1, 2))]
+                svc.reserve(uid, "ns", uid, shares, ttl=rng.choice([1, 5, 30]))
+            elif op == "create":
+                gpu = rng.choice([(), (0,), (1,)])
+                svc.create(Request(pod(uid, f"c{step}"), rng.randint(1, 8) * GIB, core_percent=rng.choice([0, 25]),
+                                   gpu_indexes=gpu, reservation=rng.choice([uid, ""])))
+                created += 1
+            elif op == "release":
+                live = svc.list()
+                if live:
+                    svc.release(rng.choice(live).id)
+            elif op == "unreserve":
+                svc.unreserve(uid)
+            elif op == "time":
+                clock.now += rng.choice([0.5, 2, 10])
+            else:
+                svc.sweep()
+        except (AdmissionError, UsageError):
+            pass
+        for u in svc.node_info().gpus:
+            assert u.allocated <= u.gpu.memory, (seed, step)
+            assert u.core_percent <= 100, (seed, step)
+            assert u.instances <= policy.max_instances_per_gpu, (seed, step)
+        assert all(r.live(clock.now) for r in svc.reservations())
+    assert created > 5  # the sequence did exercise admission
