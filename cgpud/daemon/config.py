@@ -14,6 +14,7 @@ from typing import Any
 
 from cgpud._scheduler import lib as _sched
 from cgpud.api import DEFAULT_SOCKET
+from cgpud.api.listen import parse_endpoint, plaintext_problem, tls_problem
 from cgpud.contract import ENV_PREFIX, RELAY_DEFAULT_SOCKET
 from cgpud.daemon.model import ComputePolicy, ComputeTiming, NodeMode, NodePolicy, Orchestrator, Placement
 from cgpud.daemon.compute_policy import decode_compute_policies
@@ -100,6 +101,24 @@ class DaemonConfig:
     cdi_dir: Path = _setting(
         Path(DEFAULT_CDI_DIR), "where cgpud writes the CDI specs of pod instances (orchestrator kubernetes)"
     )
+    capacity_listen: str = _setting(
+        "", "HOST:PORT of the Capacity API for cluster schedulers (IPv6 in brackets); empty: not served"
+    )
+    capacity_tls_cert: str = _setting("", "the Capacity API's server certificate (PEM); TLS needs all three files")
+    capacity_tls_key: str = _setting("", "the key of capacity_tls_cert (PEM)")
+    capacity_tls_ca: str = _setting(
+        "", "CA (PEM) every Capacity API client's certificate must chain to: client certificates are required"
+    )
+    capacity_insecure: bool = _setting(
+        False, "serve the Capacity API in plaintext on a non-loopback address (without TLS files)"
+    )
+    capacity_advertise: str = _setting(
+        "", "HOST:PORT written on the Node for cgpu-scheduler (orchestrator kubernetes); empty: the listen address, "
+        "or the node's primary address when listening on every address"
+    )
+    reservation_ttl: float = _setting(
+        120.0, "seconds a Capacity reservation holds unless its Reserve says otherwise (1-3600)"
+    )
 
     def policy(self) -> NodePolicy:
         node = NodePolicy(self.mode, self.placement, self.max_instances_per_gpu, self.core_step, self.compute_policy)
@@ -133,10 +152,18 @@ def _convert(name: str, kind: type, value: Any) -> Any:
             return int(value)
         if kind is float and not isinstance(value, bool):
             return float(value)
+        if kind is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.strip().lower() in _BOOLS:
+                return _BOOLS[value.strip().lower()]
     except (TypeError, ValueError):
         pass
     choices = f" (one of: {', '.join(str(m.value) for m in kind)})" if isinstance(kind, type) and issubclass(kind, Enum) else ""
     raise UsageError(f"setting {name} = {value!r} is not valid{choices}")
+
+
+_BOOLS = {"true": True, "yes": True, "1": True, "on": True, "false": False, "no": False, "0": False, "off": False}
 
 
 def _types() -> dict[str, type]:
@@ -164,7 +191,23 @@ def validate(config: DaemonConfig) -> DaemonConfig:
     if not 0.1 <= config.gpu_health_probe_interval <= 3600:
         raise UsageError("gpu_health_probe_interval must be between 0.1 and 3600 seconds")
     config.health_policy()  # bad XIDs or a negative window are refused at start
+    if not 1 <= config.reservation_ttl <= 3600:
+        raise UsageError("reservation_ttl must be between 1 and 3600 seconds")
+    _validate_capacity(config)
     return config
+
+
+def _validate_capacity(config: DaemonConfig) -> None:
+    """The Capacity settings as serve_capacity will take them, refused at
+    start rather than after the daemon is half up."""
+    problem = tls_problem(config.capacity_tls_cert, config.capacity_tls_key, config.capacity_tls_ca)
+    if problem is None and config.capacity_advertise:
+        parse_endpoint(config.capacity_advertise, "capacity_advertise", port_optional=True)
+    if problem is None and config.capacity_listen:
+        problem = plaintext_problem(parse_endpoint(config.capacity_listen, "capacity_listen"),
+                                    bool(config.capacity_tls_cert), config.capacity_insecure)
+    if problem is not None:
+        raise UsageError(problem)
 
 
 def load(path: Path | None, overrides: dict[str, Any]) -> DaemonConfig:
@@ -192,9 +235,12 @@ def load(path: Path | None, overrides: dict[str, Any]) -> DaemonConfig:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One --flag per setting, named and documented from the dataclass."""
     parser.add_argument("--config", type=Path, help=f"settings file (default {DEFAULT_CONFIG}, if present)")
+    kinds = _types()
     for f in fields(DaemonConfig):
+        # A bool flag alone means true; "--flag false" still says no.
+        extra: dict[str, Any] = {"nargs": "?", "const": "true"} if kinds[f.name] is bool else {}
         parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=None, metavar=f.name.upper(),
-                            help=f"{f.metadata['help']} (default {getattr(f.default, 'value', f.default)})")
+                            help=f"{f.metadata['help']} (default {getattr(f.default, 'value', f.default)})", **extra)
 
 
 def from_arguments(args: argparse.Namespace) -> DaemonConfig:

@@ -21,7 +21,7 @@ from cgpud.daemon.compute import ComputeScheduler
 from cgpud.daemon.compute_policy import limits_compute
 from cgpud.daemon.service import InstanceService
 from cgpud.daemon.store import Store
-from cgpud.errors import CgpuError
+from cgpud.errors import CgpuError, UsageError
 from cgpud.logs import configure_logging
 
 
@@ -56,22 +56,64 @@ def _private_state_dir(path: Path) -> None:
         raise CgpuError(f"cannot prepare the state directory {path}: {e.strerror}") from e
 
 
-def _watch_gpu_health(config: settings.DaemonConfig, gpus: Sequence[Any], plugin: Any) -> Any:
-    """GPU health into the device plugin's ListAndWatch; None when NVML
-    cannot watch (then devices stay Healthy rather than the node losing
+def _watch_gpu_health(config: settings.DaemonConfig, gpus: Sequence[Any], plugin: Any,
+                      changed: Callable[[], object]) -> Any:
+    """GPU health into the device plugin's ListAndWatch (when there is one)
+    and the Capacity API's views (`changed` bumps their revision); None when
+    NVML cannot watch (then GPUs stay Healthy rather than the node losing
     its capacity, and the log says so)."""
     from cgpud.kube.health import HealthWatcher, healthy_by_index
 
-    watcher = HealthWatcher(gpus, lambda snap: plugin.update(health=healthy_by_index(snap)),
-                            policy=config.health_policy(), probe_interval=config.gpu_health_probe_interval)
+    def on_change(snap: Any) -> None:
+        if plugin is not None:
+            plugin.update(health=healthy_by_index(snap))
+        changed()
+
+    watcher = HealthWatcher(gpus, on_change, policy=config.health_policy(),
+                            probe_interval=config.gpu_health_probe_interval)
     try:
         watcher.start()
     except CgpuError as e:
-        structlog.get_logger("cgpud.kube").error("GPU health is not watched: devices are advertised Healthy",
+        structlog.get_logger("cgpud.kube").error("GPU health is not watched: GPUs are advertised Healthy",
                                                  error=str(e))
         return None
-    plugin.update(health=healthy_by_index(watcher.snapshot()))  # start()'s first verdicts reach no callback
+    if plugin is not None:
+        plugin.update(health=healthy_by_index(watcher.snapshot()))  # start()'s first verdicts reach no callback
+    changed()
     return watcher
+
+
+def _serve_capacity(config: settings.DaemonConfig, service: InstanceService, inventory: Any, health: Any,
+                    kube: bool) -> tuple[Any, str]:
+    """The Capacity API on capacity_listen, and the HOST:PORT to advertise
+    ("" when there is none: listening on every address of a node without a
+    primary one; only kubernetes mode needs it, and refuses to start then)."""
+    from cgpud.api.capacity import CapacityServicer, node_facts
+    from cgpud.api.capacity_server import CapacityTls, advertised, serve_capacity
+    from cgpud.api.listen import parse_endpoint
+    from cgpud.kube.agent import node_name
+
+    tls = CapacityTls.from_settings(config.capacity_tls_cert, config.capacity_tls_key, config.capacity_tls_ca)
+    primary = node.primary_address()
+    listen = parse_endpoint(config.capacity_listen, "capacity_listen")
+    try:
+        host = advertised(listen, config.capacity_advertise, primary).host  # the port may be 0 until bound
+    except UsageError:
+        if kube:
+            raise
+        host = ""
+
+    def gpu_health() -> dict[int, tuple[bool, str]]:
+        if health is None:
+            return {}
+        return {i: (h.healthy, h.reason) for i, h in health.snapshot().items()}
+
+    facts = node_facts(inventory, node_name(config.node_name), [primary, host])
+    server = serve_capacity(CapacityServicer(service, facts, gpu_health), config.capacity_listen, tls,
+                            config.capacity_insecure)
+    address = str(advertised(server.endpoint, config.capacity_advertise, primary)) if host else ""
+    structlog.get_logger("cgpud.capacity").info("capacity address", advertise=address)
+    return server, address
 
 
 def run(config: settings.DaemonConfig) -> int:
@@ -99,7 +141,8 @@ def run(config: settings.DaemonConfig) -> int:
     start_compute = (lambda: ComputeScheduler(len(gpus), config.timing()).start()) if gpus else None
     compute = start_compute() if start_compute and limits_compute(policy.mode) else None
     service = InstanceService(store, gpus, policy, config.regions, inventory.driver_version, node.boot_id(),
-                              compute=compute, tmpfs_regions=True, start_compute=start_compute)
+                              compute=compute, tmpfs_regions=True, start_compute=start_compute,
+                              reservation_ttl=config.reservation_ttl)
     service.reconcile()
     files = install_runtime_files(config.state_dir, config.relay_socket)
     trust_env = config.orchestrator is Orchestrator.STANDALONE
@@ -110,7 +153,7 @@ def run(config: settings.DaemonConfig) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     also: list[Callable[[], object]] = []
-    plugin = agent = health = None
+    plugin = agent = health = capacity = None
     if kube:
         from cgpud.kube.agent import KubeAgent
         from cgpud.kube.plugin import DevicePlugin, PluginSettings
@@ -119,8 +162,17 @@ def run(config: settings.DaemonConfig) -> int:
         plugin = DevicePlugin(PluginSettings(config.device_plugin_dir), agent.allocator, mode=policy.mode,
                               placement=policy.placement, gpus=gpus).start()
         agent.on_policy = lambda p: plugin.update(mode=p.mode, placement=p.placement)
-        health = _watch_gpu_health(config, inventory.gpus, plugin)
-        agent.start(stop)
+        health = _watch_gpu_health(config, inventory.gpus, plugin, service.changes.bump)
+    elif config.capacity_listen:
+        health = _watch_gpu_health(config, inventory.gpus, None, service.changes.bump)
+    annotations: dict[str, str] = {}
+    if config.capacity_listen:
+        from cgpud.kube.model import ANNOTATION_CAPACITY_ADDRESS
+        capacity, address = _serve_capacity(config, service, inventory, health, kube)
+        if address:
+            annotations[ANNOTATION_CAPACITY_ADDRESS] = address
+    if agent is not None:
+        agent.start(stop, annotations)
         also.append(agent.sweep)
     threading.Thread(target=_sweeper, args=(service, config.sweep_interval, stop, also), daemon=True).start()
     start_watchdog(notifier, stop)
@@ -129,6 +181,8 @@ def run(config: settings.DaemonConfig) -> int:
     stop.wait()
     notifier.stopping()
     log.info("stopping")
+    if capacity is not None:
+        capacity.stop(grace=1).wait()
     if plugin is not None:
         plugin.stop()
     if health is not None:

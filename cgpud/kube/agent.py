@@ -62,7 +62,11 @@ class KubeAgent:
         self.labels = NodeLabels(api, node, service, configured, card_labels, on_policy=self._policy_changed,
                                  interval=label_interval)
 
-    def start(self, stop: threading.Event) -> KubeAgent:
+    def start(self, stop: threading.Event, annotations: Mapping[str, str] | None = None) -> KubeAgent:
+        """`annotations` are kept on the Node by the label thread (the
+        Capacity API's address), retried while the API server is away."""
+        if annotations:
+            self.labels.annotate(annotations)
         self.labels.start(stop)
         return self
 

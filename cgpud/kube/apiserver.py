@@ -78,6 +78,7 @@ class PodInfo:
 class NodeInfo:
     name: str
     labels: Mapping[str, str] = field(default_factory=dict)
+    annotations: Mapping[str, str] = field(default_factory=dict)
 
 
 def _whole(quantity: str, what: str) -> int:
@@ -179,14 +180,19 @@ class ApiServer:
     # ---- nodes ----------------------------------------------------------------------
 
     def node(self, name: str) -> NodeInfo:
-        answer = self._call(f"read node {name}", self._core.read_node, name)
-        return NodeInfo(answer.metadata.name or name, dict(answer.metadata.labels or {}))
+        return _node_info(self._call(f"read node {name}", self._core.read_node, name), name)
 
     def label_node(self, name: str, labels: Mapping[str, str | None]) -> NodeInfo:
         """Merge-patch the Node's labels (None removes one)."""
         body = {"metadata": {"labels": dict(labels)}}
-        answer = self._call(f"label node {name}", self._core.patch_node, name, body, _content_type=MERGE_PATCH)
-        return NodeInfo(answer.metadata.name or name, dict(answer.metadata.labels or {}))
+        return _node_info(self._call(f"label node {name}", self._core.patch_node, name, body,
+                                     _content_type=MERGE_PATCH), name)
+
+    def annotate_node(self, name: str, annotations: Mapping[str, str | None]) -> NodeInfo:
+        """Merge-patch the Node's annotations (None removes one)."""
+        body = {"metadata": {"annotations": dict(annotations)}}
+        return _node_info(self._call(f"annotate node {name}", self._core.patch_node, name, body,
+                                     _content_type=MERGE_PATCH), name)
 
     # ---- edge ---------------------------------------------------------------------------
 
@@ -209,6 +215,11 @@ class ApiServer:
 
 class _NotFound(ApiServerError):
     pass
+
+
+def _node_info(node: Any, name: str) -> NodeInfo:
+    meta = node.metadata
+    return NodeInfo(meta.name or name, dict(meta.labels or {}), dict(meta.annotations or {}))
 
 
 def _reason(e: ApiException) -> str:
@@ -253,6 +264,9 @@ class LazyApiServer:
 
     def label_node(self, name: str, labels: Mapping[str, str | None]) -> NodeInfo:
         return self._connected().label_node(name, labels)
+
+    def annotate_node(self, name: str, annotations: Mapping[str, str | None]) -> NodeInfo:
+        return self._connected().annotate_node(name, annotations)
 
     def close(self) -> None:
         if self._api is not None:

@@ -1,6 +1,7 @@
 """The node describes itself: cgpud reads its Node's `ack.node.gpu.schedule`
 and `ack.node.gpu.placement` labels and writes the card-model labels
-(`aliyun.accelerator/nvidia_name`, `nvidia_mem`, `nvidia_count`).
+(`aliyun.accelerator/nvidia_name`, `nvidia_mem`, `nvidia_count`) and, with
+the Capacity API on, the `cgpu.io/capacity-address` annotation.
 
 A label absent means the config file's (or flag's) value. A label change
 takes effect without a restart, by the rules of
@@ -36,6 +37,8 @@ class NodeSource(Protocol):
     def node(self, name: str) -> NodeInfo: ...
 
     def label_node(self, name: str, labels: Mapping[str, str | None]) -> NodeInfo: ...
+
+    def annotate_node(self, name: str, annotations: Mapping[str, str | None]) -> NodeInfo: ...
 
 
 class PolicyTarget(Protocol):
@@ -114,6 +117,7 @@ class NodeLabels:
         self._target = target
         self._configured = configured
         self._card = dict(card_labels)
+        self._annotations: dict[str, str] = {}  # kept written on the Node (the Capacity API's address)
         self._on_policy = on_policy
         self._interval = interval
         self._max_backoff = max(max_backoff, interval)
@@ -138,6 +142,10 @@ class NodeLabels:
             if patch:
                 self._api.label_node(self._node, patch)
                 self._log.info("card labels written", node=self._node, labels=patch)
+            notes = {k: v for k, v in self._annotations.items() if info.annotations.get(k) != v}
+            if notes:
+                self._api.annotate_node(self._node, notes)
+                self._log.info("node annotated", node=self._node, annotations=notes)
         except ApiServerUnavailable as e:
             self._offline(str(e))
             return False
@@ -149,6 +157,12 @@ class NodeLabels:
             self._away = ""
         self._follow(info.labels)
         return True
+
+    def annotate(self, annotations: Mapping[str, str]) -> NodeLabels:
+        """Annotations each round keeps on the Node (written once, again
+        whenever they differ). Call before start()."""
+        self._annotations = dict(annotations)
+        return self
 
     def start(self, stop: threading.Event) -> NodeLabels:
         self._thread = threading.Thread(target=self._run, args=(stop,), name="cgpud-node-labels", daemon=True)

@@ -1,0 +1,59 @@
+"""Certificates for TLS tests, made with the openssl CLI: a CA, a server
+certificate for the given IPs (and localhost), a client certificate of the
+same CA, and an untrusted client whose certificate another CA signed."""
+from __future__ import annotations
+
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from collections.abc import Sequence
+
+
+@dataclass(frozen=True)
+class Pki:
+    ca: Path  # the trusted CA's certificate
+    ca_key: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+    untrusted_ca: Path  # another CA
+    untrusted_cert: Path  # a client certificate that CA signed
+    untrusted_key: Path
+
+
+def _openssl(*args: str) -> None:
+    done = subprocess.run(["openssl", *args], capture_output=True, text=True, timeout=60)
+    if done.returncode != 0:
+        raise RuntimeError(f"openssl {' '.join(args)} failed: {done.stderr}")
+
+
+def _ca(dir: Path, name: str) -> tuple[Path, Path]:
+    cert, key = dir / f"{name}.crt", dir / f"{name}.key"
+    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+             "-keyout", str(key), "-out", str(cert), "-days", "2", "-subj", f"/CN={name}",
+             "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign")
+    return cert, key
+
+
+def _leaf(dir: Path, name: str, ca: tuple[Path, Path], usage: str, san: str) -> tuple[Path, Path]:
+    cert, key, csr, ext = dir / f"{name}.crt", dir / f"{name}.key", dir / f"{name}.csr", dir / f"{name}.ext"
+    _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(key),
+             "-out", str(csr), "-subj", f"/CN={name}")
+    ext.write_text(f"basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\nextendedKeyUsage={usage}\n"
+                   f"subjectAltName={san}\n")
+    _openssl("x509", "-req", "-in", str(csr), "-CA", str(ca[0]), "-CAkey", str(ca[1]), "-CAcreateserial",
+             "-out", str(cert), "-days", "2", "-extfile", str(ext))
+    return cert, key
+
+
+def make_pki(dir: Path, server_ips: Sequence[str] = ("127.0.0.1",), server_names: Sequence[str] = ("localhost",)) -> Pki:
+    dir.mkdir(parents=True, exist_ok=True)
+    ca = _ca(dir, "cgpu-test-ca")
+    other = _ca(dir, "other-ca")
+    san = ",".join([*(f"IP:{ip}" for ip in server_ips), *(f"DNS:{n}" for n in server_names)])
+    server = _leaf(dir, "server", ca, "serverAuth", san)
+    client = _leaf(dir, "client", ca, "clientAuth", "DNS:cgpu-scheduler")
+    untrusted = _leaf(dir, "untrusted", other, "clientAuth", "DNS:intruder")
+    return Pki(ca=ca[0], ca_key=ca[1], server_cert=server[0], server_key=server[1], client_cert=client[0],
+               client_key=client[1], untrusted_ca=other[0], untrusted_cert=untrusted[0], untrusted_key=untrusted[1])
