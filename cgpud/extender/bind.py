@@ -1,0 +1,237 @@
+"""Bind: the one step that changes anything. The pod's placement is checked on
+the node's current view, the node reserves it (the node's admission is the
+judge), the gpushare annotations go on the pod, and the Binding is created.
+Anything that fails after the Reserve gives the reservation back, so a
+failed bind leaves nothing held; kube-scheduler retries the pod.
+
+Standalone (no API server): the reservation is made and the assignment
+reported (log, /inspect) without annotations or a Binding."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import structlog
+import urllib3
+from kubernetes import client as k8s
+from kubernetes.client.exceptions import ApiException
+
+from cgpud.errors import CgpuError
+from cgpud.extender.client import CapacityError, Clients
+from cgpud.extender.fit import Placement, Reason, annotations, fit, shares
+from cgpud.extender.pod import PodDemand, PodError, pod_demand
+from cgpud.extender.state import ClusterState, Hold
+from cgpud.kube.apiserver import MERGE_PATCH, client_from
+
+_log = structlog.get_logger("cgpud.extender")
+
+
+class BindError(CgpuError):
+    """The pod was not bound; nothing is held for it."""
+
+
+@dataclass(frozen=True)
+class BindArgs:
+    """ExtenderBindingArgs."""
+
+    pod_name: str
+    pod_namespace: str
+    pod_uid: str
+    node: str
+
+
+@dataclass(frozen=True)
+class Assignment:
+    pod: str  # namespace/name
+    uid: str
+    node: str
+    gpus: tuple[int, ...]
+    annotations: Mapping[str, str]
+    bound: bool  # a Binding was created (False standalone)
+    unix_time: float
+
+
+class PodApi(Protocol):
+    def get_pod(self, namespace: str, name: str) -> dict[str, Any]: ...
+    def annotate(self, namespace: str, name: str, annotations: Mapping[str, str]) -> None: ...
+    def bind(self, namespace: str, name: str, uid: str, node: str) -> None: ...
+
+
+class KubePodApi:
+    """The three calls bind makes, with the official client."""
+
+    def __init__(self, kubeconfig: Path | None, timeout: float = 5.0) -> None:
+        self._client = client_from(kubeconfig)
+        self._core = k8s.CoreV1Api(self._client)
+        self._timeout = timeout
+
+    def close(self) -> None:
+        self._client.close()
+
+    def get_pod(self, namespace: str, name: str) -> dict[str, Any]:
+        raw = self._call(f"read pod {namespace}/{name}", self._core.read_namespaced_pod, name, namespace,
+                         _preload_content=False)
+        return json.loads(raw.data)
+
+    def annotate(self, namespace: str, name: str, annotations: Mapping[str, str]) -> None:
+        self._call(f"annotate pod {namespace}/{name}", self._core.patch_namespaced_pod, name, namespace,
+                   {"metadata": {"annotations": dict(annotations)}}, _content_type=MERGE_PATCH,
+                   _preload_content=False)
+
+    def bind(self, namespace: str, name: str, uid: str, node: str) -> None:
+        body = {"apiVersion": "v1", "kind": "Binding",
+                "metadata": {"name": name, "namespace": namespace, **({"uid": uid} if uid else {})},
+                "target": {"apiVersion": "v1", "kind": "Node", "name": node}}
+        # The API server answers a Binding with a Status, which the client
+        # cannot read back as a V1Binding (kubernetes-client/python#547,
+        # #825): take the raw answer.
+        self._call(f"bind pod {namespace}/{name} to node {node}", self._core.create_namespaced_binding, namespace,
+                   body, _preload_content=False)
+
+    def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, _request_timeout=self._timeout, **kwargs)
+        except ApiException as e:
+            raise BindError(f"cannot {what}: {e.status} {_reason(e)}") from None
+        except (urllib3.exceptions.HTTPError, OSError) as e:
+            raise BindError(f"cannot {what}: the API server cannot be reached ({e})") from None
+
+
+def _reason(e: ApiException) -> str:
+    try:
+        status = json.loads(e.body or "")
+        if isinstance(status, dict) and status.get("message"):
+            return str(status["message"])
+    except (ValueError, TypeError):
+        pass
+    return str(e.reason or "")
+
+
+class Demands:
+    """Pods seen at filter and prioritize, by UID, for their bind (bounded:
+    the oldest are forgotten; bind then reads the pod from the API server)."""
+
+    def __init__(self, size: int = 4096) -> None:
+        self._lock = threading.Lock()
+        self._pods: OrderedDict[str, PodDemand] = OrderedDict()
+        self._size = size
+
+    def put(self, demand: PodDemand) -> None:
+        if not demand.uid:
+            return
+        with self._lock:
+            self._pods[demand.uid] = demand
+            self._pods.move_to_end(demand.uid)
+            while len(self._pods) > self._size:
+                self._pods.popitem(last=False)
+
+    def get(self, uid: str) -> PodDemand | None:
+        with self._lock:
+            return self._pods.get(uid)
+
+    def forget(self, uid: str) -> None:
+        with self._lock:
+            self._pods.pop(uid, None)
+
+
+class Binder:
+    def __init__(self, state: ClusterState, clients: Clients, api: PodApi | None = None, ttl: int = 0,
+                 keep: int = 100, clock: Callable[[], float] = time.time) -> None:
+        self.state = state
+        self.clients = clients
+        self.api = api
+        self.demands = Demands()
+        self._ttl = ttl
+        self._clock = clock
+        self._recent: deque[Assignment] = deque(maxlen=keep)
+
+    def remember(self, demand: PodDemand) -> None:
+        self.demands.put(demand)
+
+    def recent(self) -> list[dict[str, Any]]:
+        return [asdict(a) for a in list(self._recent)]
+
+    def bind(self, args: BindArgs) -> Assignment:
+        demand = self._demand(args)
+        key = f"{args.pod_namespace}/{args.pod_name}"
+        if not demand.containers:  # no GPU share: only the Binding
+            return self._finish(args, demand, None, {})
+        placement, address = self._place(args, demand)
+        try:
+            reservation = self.clients.get(address).reserve(demand.uid or args.pod_uid, args.pod_namespace,
+                                                            args.pod_name, shares(placement), self._ttl)
+        except CapacityError as e:
+            raise BindError(f"node {args.node} did not reserve for pod {key}: {e}") from None
+        uid = reservation.pod_uid
+        self.state.hold(args.node, Hold(uid, args.pod_namespace, args.pod_name, shares(placement),
+                                        reservation.incarnation, reservation.revision,
+                                        reservation.expires_unix_ms / 1000))
+        record = self.state.record(args.node)
+        view = record.entry.state if record is not None and record.entry.state is not None else None
+        notes = annotations(demand, placement, view, int(self._clock() * 1e9)) if view is not None else {}
+        try:
+            return self._finish(args, demand, placement, notes)
+        except BaseException as e:
+            self._give_back(args.node, address, uid)
+            if isinstance(e, BindError):
+                raise
+            raise BindError(f"binding pod {key} to node {args.node} failed: {e!r}") from None
+
+    def _demand(self, args: BindArgs) -> PodDemand:
+        demand = self.demands.get(args.pod_uid) if args.pod_uid else None
+        if demand is not None and (demand.namespace, demand.name) == (args.pod_namespace, args.pod_name):
+            return demand
+        if self.api is None:
+            raise BindError(f"pod {args.pod_namespace}/{args.pod_name} (uid {args.pod_uid or '?'}) was not seen at "
+                            "filter or prioritize and there is no API server to read it from")
+        pod = self.api.get_pod(args.pod_namespace, args.pod_name)
+        try:
+            demand = pod_demand(pod)
+        except PodError as e:
+            raise BindError(str(e)) from None
+        if args.pod_uid and demand.uid and demand.uid != args.pod_uid:
+            raise BindError(f"pod {demand.key} is now uid {demand.uid}, not {args.pod_uid}: it was recreated")
+        return demand
+
+    def _place(self, args: BindArgs, demand: PodDemand) -> tuple[Placement, str]:
+        self.state.expire()
+        record = self.state.record(args.node)
+        if record is None:
+            raise BindError(f"node {args.node} is unknown to cgpu-scheduler (no Capacity address for it)")
+        if not record.entry.connected:
+            raise BindError(f"node {args.node}'s Capacity stream is down ({record.entry.error}): not binding there")
+        if record.summary is None:
+            raise BindError(f"node {args.node} has sent no view yet")
+        answer = fit(demand, record.summary)
+        if isinstance(answer, Reason):
+            raise BindError(f"pod {demand.key} no longer fits node {args.node}: {answer.text}")
+        return answer, record.entry.capacity_address
+
+    def _finish(self, args: BindArgs, demand: PodDemand, placement: Placement | None,
+                notes: Mapping[str, str]) -> Assignment:
+        key = f"{args.pod_namespace}/{args.pod_name}"
+        if self.api is not None:
+            if notes:
+                self.api.annotate(args.pod_namespace, args.pod_name, notes)
+            self.api.bind(args.pod_namespace, args.pod_name, args.pod_uid, args.node)
+        done = Assignment(key, demand.uid or args.pod_uid, args.node, placement.gpus if placement else (),
+                          dict(notes), self.api is not None, self._clock())
+        self._recent.append(done)
+        self.demands.forget(args.pod_uid)
+        _log.info("bound" if self.api is not None else "reserved (standalone, no Binding)", pod=key, node=args.node,
+                  gpus=list(done.gpus))
+        return done
+
+    def _give_back(self, node: str, address: str, uid: str) -> None:
+        try:
+            self.clients.get(address).unreserve(uid)
+        except CapacityError as e:
+            # It expires on the node after its time to live.
+            _log.warning("cannot give a reservation back", node=node, pod_uid=uid, error=str(e))
+        self.state.release(node, uid)

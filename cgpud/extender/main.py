@@ -1,0 +1,124 @@
+"""cgpu-scheduler: the kube-scheduler extender. Wiring only.
+
+    cgpu-scheduler --listen HOST:PORT [--nodes FILE] [--kubeconfig FILE]
+                   [--tls-cert FILE --tls-key FILE --tls-ca FILE]
+
+Nodes come from --nodes (one `NAME HOST:PORT` a line) or, without it, from
+the API server's Nodes. Binding goes to the API server (--kubeconfig, or the
+pod's service account in a cluster); with --nodes and no API server it runs
+standalone: bind reserves on the node and reports the assignment.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import structlog
+
+from cgpud.errors import CgpuError, UsageError
+from cgpud.logs import configure_logging
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cgpu-scheduler",
+                                description="kube-scheduler extender placing cgpu GPU shares (filter, prioritize, "
+                                            "bind) from every node's live Capacity view.")
+    p.add_argument("--listen", required=True, metavar="HOST:PORT", help="where kube-scheduler calls the extender")
+    p.add_argument("--nodes", type=Path, metavar="FILE",
+                   help="node file: `NAME HOST:PORT` a line (its cgpud's Capacity address); default: the API "
+                        "server's Nodes (annotation cgpu.io/capacity-address)")
+    p.add_argument("--kubeconfig", type=Path, metavar="FILE",
+                   help="API server credentials (default: the pod's service account when in a cluster)")
+    p.add_argument("--tls-cert", type=Path, metavar="FILE", help="client certificate for the Capacity API")
+    p.add_argument("--tls-key", type=Path, metavar="FILE", help="its key")
+    p.add_argument("--tls-ca", type=Path, metavar="FILE", help="CA of the nodes' Capacity server certificates")
+    p.add_argument("--reservation-ttl", type=int, default=0, metavar="SECONDS",
+                   help="how long a node holds a bind's reservation for the pod's Allocate (0: the node's default)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def split_listen(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise UsageError(f"--listen {text!r}: use HOST:PORT (e.g. 0.0.0.0:12345)")
+    return host or "0.0.0.0", int(port)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kubernetes import client as k8s
+
+    from cgpud.extender.bind import Binder, KubePodApi
+    from cgpud.extender.client import Clients, TlsFiles
+    from cgpud.extender.server import ExtenderServer
+    from cgpud.extender.state import ClusterState
+    from cgpud.extender.watch import ApiNodeSource, Watchers, read_node_file
+    from cgpud.kube.apiserver import client_from
+
+    log = structlog.get_logger("cgpud.extender")
+    host, port = split_listen(args.listen)
+    tls = None
+    if args.tls_ca or args.tls_cert or args.tls_key:
+        if not args.tls_ca:
+            raise UsageError("--tls-cert/--tls-key need --tls-ca (the CA of the nodes' server certificates)")
+        tls = TlsFiles(args.tls_cert, args.tls_key, args.tls_ca)
+        tls.credentials()  # unreadable files fail now, not at the first node
+    nodes = read_node_file(args.nodes) if args.nodes else None
+    in_cluster = bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
+    api = KubePodApi(args.kubeconfig) if args.kubeconfig or in_cluster else None
+    if nodes is None and api is None:
+        raise UsageError("no nodes: give --nodes FILE, or --kubeconfig (or run in a cluster) to find them through "
+                         "the API server")
+    state = ClusterState()
+    clients = Clients(tls)
+    binder = Binder(state, clients, api, ttl=args.reservation_ttl)
+    server = ExtenderServer(state, binder, host, port)
+    watchers = Watchers(state, clients)
+    source = None
+    server.start()
+    if nodes is not None:
+        watchers.sync(nodes)
+    else:
+        def skipped(reasons: dict[str, str]) -> None:
+            server.extender.skipped = dict(reasons)
+
+        source = ApiNodeSource(k8s.CoreV1Api(client_from(args.kubeconfig)), watchers.sync, skipped).start()
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    log.info("ready", listen=f"{host}:{server.port}", nodes=len(nodes) if nodes is not None else "api-server",
+             tls=tls is not None, binding="api-server" if api is not None else "standalone")
+    print(f"cgpu-scheduler listening on {server.url}", file=sys.stderr, flush=True)
+    while not stop.wait(1.0):
+        state.expire()
+    log.info("stopping")
+    server.stop()
+    if source is not None:
+        source.stop()
+    watchers.stop()
+    clients.close()
+    if api is not None:
+        api.close()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    configure_logging(getattr(logging, args.log_level.upper()))
+    try:
+        return run(args)
+    except CgpuError as e:
+        print(f"cgpu-scheduler: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

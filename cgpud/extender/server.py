@@ -1,0 +1,299 @@
+"""The extender's HTTP face, as kube-scheduler calls it (extender v1 JSON, Go
+field names): POST /filter, /prioritize, /bind, GET /healthz, /inspect.
+
+Filter and prioritize only read the cluster state; bind is the only verb
+that changes anything. A request that is not what kube-scheduler sends gets
+HTTP 400 with {"Error": "..."} naming what is wrong, and changes nothing.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Protocol
+
+import structlog
+
+from cgpud.errors import CgpuError
+from cgpud.extender.bind import Assignment, BindArgs
+from cgpud.extender.fit import Reason, fit
+from cgpud.extender.model import view_to_json
+from cgpud.extender.pod import PodDemand, PodError, pod_demand
+from cgpud.extender.state import ClusterState
+
+MAX_BODY = 16 << 20
+_log = structlog.get_logger("cgpud.extender")
+
+
+class Binder(Protocol):
+    def remember(self, demand: PodDemand) -> None: ...
+    def bind(self, args: BindArgs) -> Assignment: ...
+    def recent(self) -> list[dict[str, Any]]: ...
+
+
+class BadRequest(ValueError):
+    pass
+
+
+UNKNOWN_NODE = ("unknown to cgpu-scheduler: no Capacity address for this node (not in the node file, or no "
+                "cgpu.io/capacity-address annotation: cgpud's capacity_listen is off there)")
+
+
+class Extender:
+    """The verbs as functions of parsed JSON (the HTTP layer is below)."""
+
+    def __init__(self, state: ClusterState, binder: Binder | None, unknown_node: str = UNKNOWN_NODE) -> None:
+        self.state = state
+        self.binder = binder
+        self.unknown_node = unknown_node
+        # Nodes the node source knows are not cgpu nodes, with why; replaced whole.
+        self.skipped: dict[str, str] = {}
+
+    def _args(self, body: Any) -> tuple[PodDemand | PodError, list[str], list[Any] | None]:
+        """(demand or why the pod cannot be placed, node names, node objects when given as Nodes)."""
+        if not isinstance(body, dict):
+            raise BadRequest(f"ExtenderArgs must be a JSON object, not {_kind(body)}")
+        pod = body.get("Pod")
+        if pod is None:
+            raise BadRequest("ExtenderArgs has no Pod")
+        names = body.get("NodeNames")
+        nodes = body.get("Nodes")
+        items: list[Any] | None = None
+        if names is not None:
+            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                raise BadRequest("ExtenderArgs.NodeNames must be a list of node names")
+        elif nodes is not None:
+            if not isinstance(nodes, dict) or not isinstance(nodes.get("items") or [], list):
+                raise BadRequest("ExtenderArgs.Nodes must be a v1.NodeList object with an items list")
+            items = nodes.get("items") or []
+            names = []
+            for i, n in enumerate(items):
+                name = n.get("metadata", {}).get("name") if isinstance(n, dict) else None
+                if not isinstance(name, str) or not name:
+                    raise BadRequest(f"ExtenderArgs.Nodes.items[{i}] has no metadata.name")
+                names.append(name)
+        else:
+            raise BadRequest("ExtenderArgs has neither NodeNames (nodeCacheCapable) nor Nodes")
+        try:
+            demand: PodDemand | PodError = pod_demand(pod)
+        except PodError as e:
+            if not isinstance(pod, dict) or not isinstance(pod.get("metadata"), dict):
+                raise BadRequest(f"ExtenderArgs.Pod: {e}") from None
+            demand = e
+        return demand, names, items
+
+    def _judge_all(self, demand: PodDemand, names: list[str]) -> list[Any]:
+        """fit's answer (Placement or Reason) for each node, in order: the hot loop."""
+        record = self.state.record
+        shape = demand.shape
+        out = []
+        for name in names:
+            rec = record(name)
+            summary = rec.summary if rec is not None else None
+            if summary is None:
+                out.append(self._missing(name, rec))
+                continue
+            answer = summary.cache.get(shape)
+            out.append(answer if answer is not None else fit(demand, summary))
+        return out
+
+    def _missing(self, name: str, rec: Any) -> Reason:
+        if rec is None:
+            return Reason(self.skipped.get(name, self.unknown_node), resolvable=False)
+        if not rec.entry.connected:
+            return Reason(f"cgpud's Capacity stream is down ({rec.entry.error}); the node is avoided until it is "
+                          "back", resolvable=False)
+        return Reason("no view from the node's cgpud yet", resolvable=False)
+
+    def filter(self, body: Any) -> dict[str, Any]:
+        demand, names, items = self._args(body)
+        failed: dict[str, str] = {}
+        unresolvable: dict[str, str] = {}
+        passed: list[str] = []
+        if isinstance(demand, PodError):
+            unresolvable = dict.fromkeys(names, str(demand))
+        elif not demand.containers:
+            passed = list(names)  # no GPU share asked: not this extender's business
+        else:
+            if self.binder is not None:
+                self.binder.remember(demand)
+            for name, answer in zip(names, self._judge_all(demand, names)):
+                if type(answer) is Reason:
+                    (failed if answer.resolvable else unresolvable)[name] = answer.text
+                else:
+                    passed.append(name)
+        out: dict[str, Any] = {"FailedNodes": failed, "FailedAndUnresolvableNodes": unresolvable, "Error": ""}
+        if items is None:
+            out["Nodes"] = None
+            out["NodeNames"] = passed
+        else:
+            keep = set(passed)
+            out["Nodes"] = {"metadata": {}, "items": [n for n in items if n["metadata"]["name"] in keep]}
+            out["NodeNames"] = None
+        return out
+
+    def prioritize(self, body: Any) -> list[dict[str, Any]]:
+        demand, names, _ = self._args(body)
+        if isinstance(demand, PodError) or not demand.containers:
+            return [{"Host": n, "Score": 0} for n in names]
+        if self.binder is not None:
+            self.binder.remember(demand)
+        return [{"Host": name, "Score": 0 if type(answer) is Reason else answer.score}
+                for name, answer in zip(names, self._judge_all(demand, names))]
+
+    def bind(self, body: Any) -> dict[str, Any]:
+        if not isinstance(body, dict):
+            raise BadRequest(f"ExtenderBindingArgs must be a JSON object, not {_kind(body)}")
+        fields = {}
+        for key in ("PodName", "PodNamespace", "PodUID", "Node"):
+            value = body.get(key, "")
+            if not isinstance(value, str):
+                raise BadRequest(f"ExtenderBindingArgs.{key} must be a string")
+            fields[key] = value
+        for key in ("PodName", "Node"):
+            if not fields[key]:
+                raise BadRequest(f"ExtenderBindingArgs has no {key}")
+        args = BindArgs(fields["PodName"], fields["PodNamespace"] or "default", fields["PodUID"], fields["Node"])
+        if self.binder is None:
+            return {"Error": "this cgpu-scheduler does not bind"}
+        try:
+            self.binder.bind(args)
+        except CgpuError as e:
+            _log.warning("bind failed", pod=f"{args.pod_namespace}/{args.pod_name}", node=args.node, error=str(e))
+            return {"Error": str(e)}
+        return {"Error": ""}
+
+    def inspect(self) -> dict[str, Any]:
+        out = view_to_json(self.state.view())
+        if self.binder is not None:
+            out["recent_binds"] = self.binder.recent()
+        return out
+
+
+def _kind(value: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", type(None): "null"}.get(type(value), "a number")
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive: kube-scheduler reuses its connections
+    server: _Http
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def setup(self) -> None:
+        super().setup()
+        # Answers are small and the connection is reused: without this a
+        # reply can wait for the peer's delayed ACK (~40 ms).
+        self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def _send(self, code: int, body: Any) -> None:
+        data = json.dumps(body, separators=(",", ":")).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        # Headers and body in one write (end_headers would send the headers alone).
+        self._headers_buffer.append(b"\r\n" + data)
+        self.flush_headers()
+
+    def _path(self) -> str:
+        return self.path.split("?", 1)[0].rstrip("/") or "/"
+
+    def do_GET(self) -> None:
+        path = self._path()
+        if path == "/healthz":
+            self._send(200, {"status": "ok"})
+        elif path == "/inspect":
+            self._send(200, self.server.extender.inspect())
+        else:
+            self._send(404, {"Error": f"no GET {path}: use /healthz or /inspect"})
+
+    def do_POST(self) -> None:
+        path = self._path()
+        verbs = {"/filter": self.server.extender.filter, "/prioritize": self.server.extender.prioritize,
+                 "/bind": self.server.extender.bind}
+        length_text = self.headers.get("Content-Length")
+        if length_text is None:
+            self.close_connection = True
+            self._send(411, {"Error": "a request body needs a Content-Length"})
+            return
+        try:
+            length = int(length_text)
+        except ValueError:
+            length = -1
+        if length < 0 or length > MAX_BODY:
+            self.close_connection = True
+            self._send(413, {"Error": f"request body of {length_text} bytes: at most {MAX_BODY} are read"})
+            return
+        raw = self.rfile.read(length)
+        verb = verbs.get(path)
+        if verb is None:
+            self._send(404, {"Error": f"no POST {path}: use /filter, /prioritize or /bind"})
+            return
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError) as e:
+            self._send(400, {"Error": f"{path}: the body is not JSON ({e})"})
+            return
+        try:
+            answer = verb(body)
+        except BadRequest as e:
+            self._send(400, {"Error": f"{path}: {e}"})
+            return
+        except Exception as e:  # a bug: say so, keep serving
+            _log.exception("extender verb failed", verb=path)
+            self._send(500, {"Error": f"{path}: internal error: {e!r}"})
+            return
+        self._send(200, answer)
+
+
+class _Http(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 128
+
+    def __init__(self, address: tuple[str, int], extender: Extender) -> None:
+        self.extender = extender
+        super().__init__(address, _Handler)
+
+
+class _Http6(_Http):
+    address_family = socket.AF_INET6
+
+
+class ExtenderServer:
+    def __init__(self, state: ClusterState, binder: Binder | None, host: str = "127.0.0.1", port: int = 0,
+                 unknown_node: str = UNKNOWN_NODE) -> None:
+        self.extender = Extender(state, binder, unknown_node)
+        self._host = host
+        self._want_port = port
+        self._http: _Http | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        assert self._http is not None, "not started"
+        return self._http.server_address[1]
+
+    @property
+    def url(self) -> str:
+        host = self._host if ":" not in self._host else f"[{self._host}]"
+        return f"http://{host}:{self.port}"
+
+    def start(self) -> ExtenderServer:
+        cls = _Http6 if ":" in self._host else _Http
+        self._http = cls((self._host, self._want_port), self.extender)
+        self._thread = threading.Thread(target=self._http.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name="extender-http", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._http is None:
+            return
+        self._http.shutdown()
+        self._http.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._http = None

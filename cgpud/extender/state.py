@@ -1,0 +1,173 @@
+"""The extender's live view of the cluster: each node's last NodeView from its
+WatchNode stream, whether the stream is up, and the reservations this
+extender made that the node's view does not show yet.
+
+Reads are the hot path (filter and prioritize look up every node for every
+pod): each node's record is immutable and replaced whole under the lock, so
+a read is one dictionary look-up and never waits for a writer.
+
+The overlay: a Reserve answers with the node's (incarnation, revision) once
+the reservation is held; until a view of that incarnation at that revision
+or later arrives (which counts it itself), the extender adds the
+reservation's shares to the node's view, so the next pod is not placed on
+capacity already promised. A view of another incarnation (the node
+restarted, or the stream is behind a restart) cannot be ordered against the
+reservation: the overlay stays until the view shows the pod (a persisted
+reservation or its instance), the pod's reservation is given back, or the
+reservation's time runs out.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from cgpud.daemon.model import Share
+from cgpud.extender.fit import NodeSummary, summarize
+from cgpud.extender.model import ClusterView, GpuState, NodeEntry, NodeState, PodShare
+
+
+@dataclass(frozen=True)
+class Hold:
+    """A reservation this extender made on a node."""
+
+    pod_uid: str
+    pod_namespace: str
+    pod_name: str
+    shares: tuple[Share, ...]
+    incarnation: str
+    revision: int
+    expires: float  # Unix seconds
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    entry: NodeEntry  # its state is the node's view with the holds added
+    summary: NodeSummary | None  # of entry.state; None until a view arrived
+    view: NodeState | None  # the node's own last view
+    holds: tuple[Hold, ...] = ()
+
+
+class ClusterState:
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._lock = threading.Lock()
+        self._records: dict[str, NodeRecord] = {}
+        self._clock = clock
+
+    # ---- reads ------------------------------------------------------------------------
+
+    def record(self, name: str) -> NodeRecord | None:
+        return self._records.get(name)
+
+    def entry(self, name: str) -> NodeEntry | None:
+        rec = self._records.get(name)
+        return None if rec is None else rec.entry
+
+    def names(self) -> list[str]:
+        return sorted(self._records)
+
+    def view(self) -> ClusterView:
+        records = dict(self._records)
+        return ClusterView(tuple(records[n].entry for n in sorted(records)))
+
+    # ---- writes (watchers, bind) --------------------------------------------------------
+
+    def set_state(self, name: str, address: str, state: NodeState) -> None:
+        with self._lock:
+            old = self._records.get(name)
+            holds = old.holds if old is not None else ()
+            self._put(name, address, True, "", state, _live(holds, state, self._clock()))
+
+    def set_down(self, name: str, address: str, error: str) -> None:
+        """The node's stream is down: the node is refused until it is back.
+        Its last view stays visible (for /inspect), marked down."""
+        with self._lock:
+            old = self._records.get(name)
+            view = old.view if old is not None else None
+            holds = old.holds if old is not None else ()
+            self._put(name, address, False, error or "stream down", view, holds)
+
+    def remove(self, name: str) -> None:
+        with self._lock:
+            self._records.pop(name, None)
+
+    def hold(self, name: str, hold: Hold) -> None:
+        """Count a reservation just made on `name` until its view does."""
+        with self._lock:
+            old = self._records.get(name)
+            if old is None:
+                return
+            holds = tuple(h for h in old.holds if h.pod_uid != hold.pod_uid) + (hold,)
+            if old.view is not None:
+                holds = _live(holds, old.view, self._clock())
+            self._put(name, old.entry.capacity_address, old.entry.connected, old.entry.error, old.view, holds)
+
+    def release(self, name: str, pod_uid: str) -> None:
+        """The pod's reservation on `name` was given back."""
+        with self._lock:
+            old = self._records.get(name)
+            if old is None or not any(h.pod_uid == pod_uid for h in old.holds):
+                return
+            holds = tuple(h for h in old.holds if h.pod_uid != pod_uid)
+            self._put(name, old.entry.capacity_address, old.entry.connected, old.entry.error, old.view, holds)
+
+    def expire(self) -> None:
+        """Drop holds whose time ran out (called now and then)."""
+        now = self._clock()
+        with self._lock:
+            for name, old in list(self._records.items()):
+                holds = tuple(h for h in old.holds if h.expires > now)
+                if len(holds) != len(old.holds):
+                    self._put(name, old.entry.capacity_address, old.entry.connected, old.entry.error, old.view,
+                              holds)
+
+    def _put(self, name: str, address: str, connected: bool, error: str, view: NodeState | None,
+             holds: tuple[Hold, ...]) -> None:
+        state = view if view is None or not holds else with_holds(view, holds)
+        entry = NodeEntry(name, address, connected, "" if connected else error, state)
+        summary = summarize(state) if state is not None and connected else None
+        self._records[name] = NodeRecord(entry, summary, view, holds)
+
+
+def _live(holds: Sequence[Hold], view: NodeState, now: float) -> tuple[Hold, ...]:
+    """The holds `view` does not count yet."""
+    shown = {p.pod_uid for p in view.pods}
+    out = []
+    for h in holds:
+        if h.expires <= now or h.pod_uid in shown:
+            continue
+        if h.incarnation == view.incarnation and view.revision >= h.revision:
+            continue
+        out.append(h)
+    return tuple(out)
+
+
+def with_holds(view: NodeState, holds: Sequence[Hold]) -> NodeState:
+    """The view as it is once the holds are counted, as the node counts a
+    reservation: memory, compute and instance slots taken on each GPU."""
+    add: dict[int, list[int]] = {}
+    for h in holds:
+        for s in h.shares:
+            a = add.setdefault(s.gpu_index, [0, 0, 0])
+            a[0] += s.memory
+            a[1] += s.core_percent
+            a[2] += max(s.instances, 1)
+    gpus = []
+    for g in view.gpus:
+        a = add.get(g.index)
+        if a is None:
+            gpus.append(g)
+            continue
+        gpus.append(_plus(g, a))
+    pods = view.pods + tuple(
+        PodShare(h.pod_uid, h.pod_namespace, h.pod_name, "",
+                 tuple((s.gpu_index, s.memory, s.core_percent) for s in h.shares), reserved=True)
+        for h in holds)
+    return replace(view, gpus=tuple(gpus), pods=pods)
+
+
+def _plus(g: GpuState, a: list[int]) -> GpuState:
+    return replace(g, memory_allocated=g.memory_allocated + a[0], core_allocated=g.core_allocated + a[1],
+                   instances=g.instances + a[2], memory_reserved=g.memory_reserved + a[0],
+                   core_reserved=g.core_reserved + a[1])

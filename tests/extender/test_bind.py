@@ -1,0 +1,166 @@
+"""bind.py with a fake node and a fake API server: reserve, annotate, bind,
+and give back on any failure after the Reserve."""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from cgpud.daemon.model import Share
+from cgpud.extender.bind import BindArgs, BindError, Binder
+from cgpud.extender.client import CapacityError
+from cgpud.extender.pod import pod_demand
+from cgpud.extender.state import ClusterState
+from tests.extender.nodes import GIB, container, gpu, node, pod
+
+
+class FakeNode:
+    def __init__(self) -> None:
+        self.reserved: dict[str, tuple[Share, ...]] = {}
+        self.refuse = ""
+        self.revision = 7
+
+    def reserve(self, uid: str, namespace: str, name: str, shares: Sequence[Share], ttl: int = 0) -> Any:
+        if self.refuse:
+            raise CapacityError(self.refuse)
+        self.reserved[uid] = tuple(shares)
+        self.revision += 1
+        return SimpleNamespace(pod_uid=uid, incarnation="inc-1", revision=self.revision, expires_unix_ms=9e15)
+
+    def unreserve(self, uid: str) -> Any:
+        return SimpleNamespace(released=self.reserved.pop(uid, None) is not None)
+
+
+class FakeClients:
+    def __init__(self) -> None:
+        self.node = FakeNode()
+        self.addresses: list[str] = []
+
+    def get(self, address: str) -> FakeNode:
+        self.addresses.append(address)
+        return self.node
+
+
+class FakeApi:
+    def __init__(self, pods: Mapping[str, dict[str, Any]] = {}) -> None:
+        self.pods = dict(pods)
+        self.notes: dict[str, dict[str, str]] = {}
+        self.bound: dict[str, str] = {}
+        self.fail_bind = ""
+
+    def get_pod(self, namespace: str, name: str) -> dict[str, Any]:
+        if name not in self.pods:
+            raise BindError(f"cannot read pod {namespace}/{name}: 404")
+        return self.pods[name]
+
+    def annotate(self, namespace: str, name: str, annotations: Mapping[str, str]) -> None:
+        self.notes[name] = dict(annotations)
+
+    def bind(self, namespace: str, name: str, uid: str, node: str) -> None:
+        if self.fail_bind:
+            raise BindError(self.fail_bind)
+        self.bound[name] = node
+
+
+@pytest.fixture
+def state() -> ClusterState:
+    s = ClusterState()
+    s.set_state("n1", "10.0.0.1:9455", node("n1", gpus=[gpu(0, used=8), gpu(1)], revision=7))
+    s.set_down("n2", "10.0.0.2:9455", "connection refused")
+    return s
+
+
+def test_standalone_bind_reserves_holds_and_reports(state: ClusterState) -> None:
+    clients = FakeClients()
+    b = Binder(state, clients, None, clock=lambda: 5.0)  # type: ignore[arg-type]
+    b.remember(pod_demand(pod("p", [container("c", mem="4")], uid="u1")))
+    a = b.bind(BindArgs("p", "default", "u1", "n1"))
+    assert a.gpus == (0,) and not a.bound and clients.addresses == ["10.0.0.1:9455"]
+    assert clients.node.reserved == {"u1": (Share(0, 4 * GIB, 0, 1),)}
+    assert a.annotations["ALIYUN_COM_GPU_MEM_IDX"] == "0"
+    assert a.annotations["ALIYUN_COM_GPU_MEM_ASSUME_TIME"] == str(5 * 10**9)
+    rec = state.record("n1")
+    assert rec is not None and rec.entry.state is not None
+    assert rec.entry.state.gpus[0].memory_allocated == 12 * GIB  # the hold counts until the view does
+    assert b.recent()[0]["pod"] == "default/p"
+
+
+def test_bind_with_api_annotates_then_binds(state: ClusterState) -> None:
+    api = FakeApi()
+    b = Binder(state, FakeClients(), api)  # type: ignore[arg-type]
+    b.remember(pod_demand(pod("p", [container("c", mem="8", count="2")], uid="u1")))
+    a = b.bind(BindArgs("p", "default", "u1", "n1"))
+    assert a.bound and api.bound == {"p": "n1"}
+    assert api.notes["p"]["ALIYUN_COM_GPU_MEM_IDX"] == "0,1"
+    assert api.notes["p"]["scheduler.framework.gpushare.allocation"] == '{"0":{"0":4,"1":4}}'
+
+
+def test_bind_reads_a_pod_it_did_not_see_from_the_api(state: ClusterState) -> None:
+    api = FakeApi({"p": pod("p", [container("c", mem="2")], uid="u9")})
+    clients = FakeClients()
+    b = Binder(state, clients, api)  # type: ignore[arg-type]
+    b.bind(BindArgs("p", "default", "u9", "n1"))
+    assert "u9" in clients.node.reserved and api.bound == {"p": "n1"}
+    with pytest.raises(BindError, match="recreated"):
+        b.bind(BindArgs("p", "default", "other-uid", "n1"))
+
+
+def test_standalone_bind_of_an_unseen_pod_is_an_error(state: ClusterState) -> None:
+    b = Binder(state, FakeClients(), None)  # type: ignore[arg-type]
+    with pytest.raises(BindError, match="was not seen at filter or prioritize and there is no API server"):
+        b.bind(BindArgs("p", "default", "u1", "n1"))
+
+
+def test_a_failed_binding_gives_the_reservation_back(state: ClusterState) -> None:
+    api = FakeApi()
+    api.fail_bind = "cannot bind pod default/p to node n1: 409 already bound"
+    clients = FakeClients()
+    b = Binder(state, clients, api)  # type: ignore[arg-type]
+    b.remember(pod_demand(pod("p", uid="u1")))
+    with pytest.raises(BindError, match="409 already bound"):
+        b.bind(BindArgs("p", "default", "u1", "n1"))
+    assert clients.node.reserved == {}
+    rec = state.record("n1")
+    assert rec is not None and rec.holds == ()
+
+
+def test_a_refused_reserve_is_the_bind_error(state: ClusterState) -> None:
+    clients = FakeClients()
+    clients.node.refuse = "Reserve at 10.0.0.1:9455: RESOURCE_EXHAUSTED: no GPU has 4 GiB free"
+    b = Binder(state, clients, FakeApi())  # type: ignore[arg-type]
+    b.remember(pod_demand(pod("p", uid="u1")))
+    with pytest.raises(BindError, match="node n1 did not reserve for pod default/p: .*RESOURCE_EXHAUSTED"):
+        b.bind(BindArgs("p", "default", "u1", "n1"))
+
+
+@pytest.mark.parametrize("target, words", [
+    ("n2", "Capacity stream is down \\(connection refused\\): not binding there"),
+    ("n9", "unknown to cgpu-scheduler"),
+])
+def test_down_or_unknown_node_is_never_guessed(state: ClusterState, target: str, words: str) -> None:
+    clients = FakeClients()
+    b = Binder(state, clients, FakeApi())  # type: ignore[arg-type]
+    b.remember(pod_demand(pod("p", uid="u1")))
+    with pytest.raises(BindError, match=words):
+        b.bind(BindArgs("p", "default", "u1", target))
+    assert clients.node.reserved == {}
+
+
+def test_a_pod_that_no_longer_fits_is_not_reserved(state: ClusterState) -> None:
+    clients = FakeClients()
+    b = Binder(state, clients, FakeApi())  # type: ignore[arg-type]
+    b.remember(pod_demand(pod("p", [container("c", mem="18", count="2")], uid="u1")))
+    with pytest.raises(BindError, match="no longer fits node n1"):
+        b.bind(BindArgs("p", "default", "u1", "n1"))
+    assert clients.node.reserved == {}
+
+
+def test_a_pod_without_gpu_share_is_only_bound(state: ClusterState) -> None:
+    api = FakeApi()
+    clients = FakeClients()
+    b = Binder(state, clients, api)  # type: ignore[arg-type]
+    b.remember(pod_demand(pod("p", [container("c")], uid="u1")))
+    b.bind(BindArgs("p", "default", "u1", "n2"))
+    assert api.bound == {"p": "n2"} and api.notes == {} and clients.addresses == []

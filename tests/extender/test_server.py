@@ -1,0 +1,193 @@
+"""server.py over real sockets: the extender v1 JSON as kube-scheduler sends it."""
+from __future__ import annotations
+
+import http.client
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from cgpud.extender.bind import Assignment, BindArgs, BindError
+from cgpud.extender.model import view_from_json
+from cgpud.extender.pod import PodDemand
+from cgpud.extender.server import MAX_BODY, ExtenderServer
+from cgpud.extender.state import ClusterState
+from tests.extender.nodes import container, gpu, node, pod
+
+
+class FakeBinder:
+    def __init__(self) -> None:
+        self.seen: list[PodDemand] = []
+        self.bound: list[BindArgs] = []
+        self.fail = ""
+
+    def remember(self, demand: PodDemand) -> None:
+        self.seen.append(demand)
+
+    def bind(self, args: BindArgs) -> Assignment:
+        if self.fail:
+            raise BindError(self.fail)
+        self.bound.append(args)
+        return Assignment(f"{args.pod_namespace}/{args.pod_name}", args.pod_uid, args.node, (0,), {}, False, 0.0)
+
+    def recent(self) -> list[dict[str, Any]]:
+        return [{"pod": b.pod_name} for b in self.bound]
+
+
+@pytest.fixture
+def cluster() -> ClusterState:
+    s = ClusterState()
+    s.set_state("busy", "10.0.0.1:9455", node("busy", gpus=[gpu(0, used=10), gpu(1, used=14)]))
+    s.set_state("idle", "10.0.0.2:9455", node("idle", gpus=[gpu(0), gpu(1)]))
+    s.set_state("whole", "10.0.0.3:9455", node("whole", mode="default"))
+    s.set_down("dead", "10.0.0.4:9455", "connection refused")
+    return s
+
+
+@pytest.fixture
+def server(cluster: ClusterState) -> Iterator[tuple[ExtenderServer, FakeBinder]]:
+    binder = FakeBinder()
+    srv = ExtenderServer(cluster, binder, "127.0.0.1", 0).start()
+    yield srv, binder
+    srv.stop()
+
+
+class Conn:
+    """One keep-alive connection, as kube-scheduler keeps one."""
+
+    def __init__(self, port: int) -> None:
+        self.c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+
+    def call(self, method: str, path: str, body: Any = None, raw: bytes | None = None,
+             headers: dict[str, str] | None = None) -> tuple[int, Any]:
+        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+        self.c.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+        r = self.c.getresponse()
+        return r.status, json.loads(r.read())
+
+
+def args(p: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    return {"Pod": p, "Nodes": None, "NodeNames": names}
+
+
+ALL = ["busy", "idle", "whole", "dead", "ghost"]
+
+
+def test_filter_with_node_names(server: tuple[ExtenderServer, FakeBinder]) -> None:
+    srv, binder = server
+    code, out = Conn(srv.port).call("POST", "/filter", args(pod(containers=[container("c", mem="4")]), ALL))
+    assert code == 200
+    assert out["NodeNames"] == ["busy", "idle"] and out["Nodes"] is None and out["Error"] == ""
+    unres = out["FailedAndUnresolvableNodes"]
+    assert set(unres) == {"whole", "dead", "ghost"}
+    assert "node mode default gives whole GPUs" in unres["whole"]
+    assert "Capacity stream is down (connection refused)" in unres["dead"]
+    assert "unknown to cgpu-scheduler" in unres["ghost"]
+    assert out["FailedNodes"] == {}
+    assert [d.name for d in binder.seen] == ["p"]
+
+
+def test_filter_resolvable_capacity_shortfall(server: tuple[ExtenderServer, FakeBinder]) -> None:
+    srv, _ = server
+    _, out = Conn(srv.port).call("POST", "/filter", args(pod(containers=[container("c", mem="8")]), ["busy", "idle"]))
+    assert out["NodeNames"] == ["idle"]
+    assert "no GPU has 8 GiB free" in out["FailedNodes"]["busy"]
+
+
+def test_filter_with_full_node_objects(server: tuple[ExtenderServer, FakeBinder]) -> None:
+    srv, _ = server
+    items = [{"metadata": {"name": n, "labels": {"x": n}}, "status": {}} for n in ("busy", "whole")]
+    body = {"Pod": pod(), "Nodes": {"metadata": {}, "items": items}, "NodeNames": None}
+    code, out = Conn(srv.port).call("POST", "/filter", body)
+    assert code == 200 and out["NodeNames"] is None
+    assert out["Nodes"]["items"] == [items[0]] and "whole" in out["FailedAndUnresolvableNodes"]
+
+
+def test_filter_pod_without_gpu_share_passes_every_node(server: tuple[ExtenderServer, FakeBinder]) -> None:
+    srv, _ = server
+    _, out = Conn(srv.port).call("POST", "/filter", args(pod(containers=[container("c")]), ALL))
+    assert out["NodeNames"] == ALL and out["FailedNodes"] == {} and out["FailedAndUnresolvableNodes"] == {}
+
+
+def test_filter_bad_pod_resources_fail_every_node_with_the_reason(server: tuple[ExtenderServer, FakeBinder]) -> None:
+    srv, _ = server
+    _, out = Conn(srv.port).call("POST", "/filter", args(pod(containers=[container("c", mem="2", core="7")]), ALL))
+    assert out["NodeNames"] == []
+    assert set(out["FailedAndUnresolvableNodes"]) == set(ALL)
+    assert "multiple of 5" in out["FailedAndUnresolvableNodes"]["idle"]
+
+
+def test_prioritize_binpack_prefers_the_fuller_node(server: tuple[ExtenderServer, FakeBinder]) -> None:
+    srv, _ = server
+    code, out = Conn(srv.port).call("POST", "/prioritize", args(pod(), ["busy", "idle", "whole", "ghost"]))
+    assert code == 200
+    scores = {h["Host"]: h["Score"] for h in out}
+    assert scores["busy"] > scores["idle"] > 0 and scores["whole"] == 0 and scores["ghost"] == 0
+    assert all(0 <= s <= 10 for s in scores.values())
+
+
+def test_bind_calls_the_binder_and_reports_its_error(server: tuple[ExtenderServer, FakeBinder]) -> None:
+    srv, binder = server
+    c = Conn(srv.port)
+    body = {"PodName": "p", "PodNamespace": "ns", "PodUID": "u", "Node": "idle"}
+    assert c.call("POST", "/bind", body) == (200, {"Error": ""})
+    assert binder.bound == [BindArgs("p", "ns", "u", "idle")]
+    binder.fail = "node idle did not reserve: RESOURCE_EXHAUSTED"
+    assert c.call("POST", "/bind", body) == (200, {"Error": "node idle did not reserve: RESOURCE_EXHAUSTED"})
+
+
+def test_healthz_and_inspect(server: tuple[ExtenderServer, FakeBinder], cluster: ClusterState) -> None:
+    srv, _ = server
+    c = Conn(srv.port)
+    assert c.call("GET", "/healthz") == (200, {"status": "ok"})
+    code, out = c.call("GET", "/inspect")
+    assert code == 200 and view_from_json(out) == cluster.view()
+    assert "recent_binds" in out
+
+
+@pytest.mark.parametrize("path, body, words", [
+    ("/filter", b"{not json", "the body is not JSON"),
+    ("/filter", b"[1]", "ExtenderArgs must be a JSON object, not a list"),
+    ("/filter", b'{"NodeNames": ["a"]}', "ExtenderArgs has no Pod"),
+    ("/filter", b'{"Pod": {"metadata": {"name": "p"}, "spec": {}}}', "neither NodeNames"),
+    ("/filter", b'{"Pod": {"metadata": {"name": "p"}, "spec": {}}, "NodeNames": "a"}', "list of node names"),
+    ("/filter", b'{"Pod": {"metadata": {"name": "p"}, "spec": {}}, "Nodes": {"items": [{}]}}',
+     r"Nodes.items\[0\] has no metadata.name"),
+    ("/prioritize", b'{"Pod": 3, "NodeNames": []}', "ExtenderArgs.Pod: Pod is int"),
+    ("/bind", b'{"PodName": "p"}', "ExtenderBindingArgs has no Node"),
+    ("/bind", b'{"PodName": 1, "Node": "n"}', "PodName must be a string"),
+])
+def test_malformed_requests_get_400_and_change_nothing(server: tuple[ExtenderServer, FakeBinder], path: str,
+                                                       body: bytes, words: str) -> None:
+    srv, binder = server
+    c = Conn(srv.port)
+    code, out = c.call("POST", path, raw=body)
+    assert code == 400 and set(out) == {"Error"}
+    import re
+    assert re.search(words, out["Error"]), out
+    assert binder.bound == [] and binder.seen == []
+    # The connection is still good for the next request.
+    assert c.call("GET", "/healthz")[0] == 200
+
+
+def test_unknown_paths_and_oversized_bodies(server: tuple[ExtenderServer, FakeBinder]) -> None:
+    srv, _ = server
+    code, out = Conn(srv.port).call("POST", "/schedule", {})
+    assert code == 404 and "use /filter" in out["Error"]
+    code, out = Conn(srv.port).call("GET", "/nope")
+    assert code == 404
+    c = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=5)
+    c.putrequest("POST", "/filter")
+    c.putheader("Content-Length", str(MAX_BODY + 1))
+    c.endheaders()
+    r = c.getresponse()
+    assert r.status == 413 and "at most" in json.loads(r.read())["Error"]
+
+
+def test_many_requests_on_one_connection(server: tuple[ExtenderServer, FakeBinder]) -> None:
+    srv, _ = server
+    c = Conn(srv.port)
+    for _ in range(50):
+        code, out = c.call("POST", "/filter", args(pod(), ["idle"]))
+        assert code == 200 and out["NodeNames"] == ["idle"]
