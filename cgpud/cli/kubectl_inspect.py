@@ -233,23 +233,6 @@ def from_extender(url: str, timeout: float = DEFAULT_TIMEOUT) -> ClusterView:
     return _parse(body, f"cgpu-scheduler at {target}")
 
 
-def read_node_file(path: Path) -> list[tuple[str, str]]:
-    """(name, HOST:PORT) per line of a node file; `#` starts a comment."""
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise UsageError(f"cannot read node file {path}: {e.strerror}") from e
-    nodes = []
-    for number, raw in enumerate(text.splitlines(), 1):
-        words = raw.split("#", 1)[0].split()
-        if not words:
-            continue
-        if len(words) != 2 or ":" not in words[1]:
-            raise UsageError(f"{path}:{number}: expected 'NAME HOST:PORT', got {raw.strip()!r}")
-        nodes.append((words[0], words[1]))
-    return nodes
-
-
 def from_nodes(nodes: Sequence[tuple[str, str]], tls: TlsFiles | None,
                timeout: float = DEFAULT_TIMEOUT) -> ClusterView:
     """Each node's GetNode, all at once; a node that does not answer is
@@ -349,7 +332,10 @@ def load_view(args: argparse.Namespace) -> ClusterView:
     if args.extender:
         return from_extender(args.extender, args.timeout)
     if args.nodes:
-        return from_nodes(read_node_file(Path(args.nodes)), _tls(args), args.timeout)
+        from cgpud.extender.watch import read_node_file  # cgpu-scheduler's own reader: one grammar
+
+        tls = _tls(args)
+        return from_nodes(list(read_node_file(Path(args.nodes)).items()), tls, args.timeout)
     return from_service_proxy(kubeconfig_path(args.kubeconfig), args.namespace, args.service, args.timeout)
 
 

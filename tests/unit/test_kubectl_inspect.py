@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote
 
 import pytest
@@ -255,15 +256,11 @@ def test_bad_arguments(capsys, tmp_path):
     bad = tmp_path / "nodes"
     bad.write_text("# comment\nn1 10.0.0.1:9455\nn2\n")
     code, _, err = run(capsys, "--nodes", str(bad))
-    assert code == 1 and f"{bad}:3: expected 'NAME HOST:PORT'" in err
+    assert code == 1 and f"{bad} line 3: 'n2' is not `NAME HOST:PORT`" in err
     code, _, err = run(capsys, "--nodes", str(tmp_path / "absent"))
-    assert code == 1 and "cannot read node file" in err
-
-
-def test_the_node_file_format(tmp_path):
-    f = tmp_path / "nodes"
-    f.write_text("# the test nodes\nn1 10.0.0.1:9455\n\n  n2   [fd00::2]:9455  # v6\n")
-    assert ki.read_node_file(f) == [("n1", "10.0.0.1:9455"), ("n2", "[fd00::2]:9455")]
+    assert code == 1 and "cannot read the node file" in err
+    code, _, err = run(capsys, "--nodes", str(tmp_path / "nodes"), "--tls-cert", "c.pem")
+    assert code == 1 and "--tls-cert, --tls-key and --tls-ca go together" in err
 
 
 def kubeconfig(tmp_path: Path, server: str) -> Path:
@@ -333,3 +330,77 @@ def test_the_real_kubectl_finds_the_plugin_and_passes_it_its_arguments(tmp_path)
 def test_json_is_the_views_json():
     view = ClusterView((entry(replace(ACK_NODE, pods=(pod("a", (0, GIB, 0)),))),))
     assert view_from_json(json.loads(ki.as_json(view))) == view
+
+
+def node_view_pb(name: str, address: str) -> Any:
+    from cgpud.api.cgpu.v1 import capacity_pb2 as pb
+
+    return pb.NodeView(
+        incarnation="i9", revision=3, node_name=name, addresses=[address], mode="cgpu", placement="binpack",
+        core_step=5, card=pb.CardModel(name="Tesla V100-SXM2-16GB", memory_bytes=V100, count=2),
+        gpus=[pb.GpuView(index=i, uuid=f"GPU-{i}", model="Tesla V100-SXM2-16GB", memory_total_bytes=V100,
+                         memory_allocated_bytes=a, instances=1, max_instances=20, healthy=True)
+              for i, a in enumerate((15 * GIB, 9 * GIB))],
+        pod_instances=[pb.PodInstance(instance_id="x", pod_uid="u1", pod_namespace="default", pod_name="web",
+                                      container="main", shares=[pb.Share(gpu_index=1, memory_bytes=9 * GIB)])],
+        reservations=[pb.Reservation(pod_uid="u2", pod_namespace="ml", pod_name="train",
+                                     shares=[pb.Share(gpu_index=0, memory_bytes=15 * GIB)])])
+
+
+@contextmanager
+def capacity_server(view: Any, pki: Any) -> Iterator[str]:
+    """A real gRPC Capacity server on loopback with TLS that requires a
+    client certificate of the test CA; GetNode answers `view`."""
+    from concurrent import futures
+
+    import grpc
+
+    from cgpud.api.cgpu.v1 import capacity_pb2_grpc as pb_grpc
+
+    class Servicer(pb_grpc.CapacityServicer):
+        def GetNode(self, request: Any, context: Any) -> Any:  # noqa: N802 (gRPC's name)
+            return view
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    pb_grpc.add_CapacityServicer_to_server(Servicer(), server)
+    credentials = grpc.ssl_server_credentials(
+        [(pki.server_key.read_bytes(), pki.server_cert.read_bytes())], root_certificates=pki.ca.read_bytes(),
+        require_client_auth=True)
+    port = server.add_secure_port("127.0.0.1:0", credentials)
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(None)
+
+
+def test_from_each_nodes_cgpud_with_client_certificates(capsys, tmp_path):
+    from tests.tls import make_pki
+
+    pki = make_pki(tmp_path / "pki")
+    with http_server({}) as (closed, _):
+        pass
+    dead = closed.rsplit(":", 1)[1]
+    with capacity_server(node_view_pb("gpu-1", "192.0.2.109"), pki) as address:
+        nodes = tmp_path / "nodes"
+        nodes.write_text(f"# the nodes\ngpu-1 {address}\ngpu-2 127.0.0.1:{dead}\n")
+        tls = ["--tls-cert", str(pki.client_cert), "--tls-key", str(pki.client_key), "--tls-ca", str(pki.ca)]
+        code, out, err = run(capsys, "--nodes", str(nodes), *tls, "--timeout", "5")
+        assert (code, err) == (0, "")
+        rows = out.splitlines()
+        assert rows[1].split() == ["gpu-1", "192.0.2.109", "15/15", "9/15", "24/30"]
+        assert rows[2].split() == ["gpu-2", "127.0.0.1", "-", "-", "-"]
+        assert rows[4:6] == ["Allocated/Total GPU Memory In Cluster:", "24/30 (80%)"]
+        assert rows[7].startswith(f"  gpu-2: capacity stream down: GetNode at 127.0.0.1:{dead}: UNAVAILABLE")
+        code, out, _ = run(capsys, "-d", "--nodes", str(nodes), *tls, "--timeout", "5")
+        assert code == 0
+        assert [r.split() for r in out.splitlines()[4:6]] == [["web", "default", "0", "9"],
+                                                              ["train(reserved)", "ml", "15", "0"]]
+        # A client certificate of another CA is refused by the node: it is down, with the reason.
+        other = ["--tls-cert", str(pki.untrusted_cert), "--tls-key", str(pki.untrusted_key), "--tls-ca", str(pki.ca)]
+        code, out, err = run(capsys, "--nodes", str(nodes), *other, "--timeout", "5")
+        assert code == 0 and err == ""
+        # No node has a current view: no GPU columns, nothing counted.
+        assert out.splitlines()[:3] == ["NAME     IPADDRESS    GPU Memory(GiB)", "gpu-1    127.0.0.1    -",
+                                        "gpu-2    127.0.0.1    -"]
+        assert "0/0 (0%)\nNot counted (no current view):\n  gpu-1: capacity stream down: GetNode at" in out
