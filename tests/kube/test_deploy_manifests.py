@@ -8,10 +8,13 @@ field the API does not have: each field we wrote must come back."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
+import urllib.request
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -50,11 +53,18 @@ def missing(written: Any, decoded: Any, path: str = "") -> list[str]:
     return [] if written == decoded or str(written) == str(decoded) else [path]
 
 
+# kube-scheduler's own configuration file, not an API object: checked below.
+SCHEDULER_CONFIG = "kube-scheduler-config.yaml"
+
+
 def test_every_object_decodes_with_its_kind():
-    objects = kubectl("label", "--local", "-f", str(DEPLOY), "checked=yes")
+    files = [a for p in sorted(DEPLOY.glob("*.yaml")) if p.name != SCHEDULER_CONFIG for a in ("-f", str(p))]
+    objects = kubectl("label", "--local", *files, "checked=yes")
     kinds = sorted((o["kind"], o["metadata"]["name"]) for o in objects)
-    assert kinds == [("ClusterRole", "cgpud"), ("ClusterRoleBinding", "cgpud"), ("DaemonSet", "cgpud"),
-                     ("ServiceAccount", "cgpud")]
+    assert kinds == [("ClusterRole", "cgpu-scheduler"), ("ClusterRole", "cgpud"),
+                     ("ClusterRoleBinding", "cgpu-scheduler"), ("ClusterRoleBinding", "cgpud"),
+                     ("DaemonSet", "cgpud"), ("Deployment", "cgpu-scheduler"), ("Service", "cgpu-scheduler"),
+                     ("ServiceAccount", "cgpu-scheduler"), ("ServiceAccount", "cgpud")]
 
 
 def test_the_daemonset_has_only_real_fields_and_what_cgpud_needs():
@@ -97,3 +107,154 @@ def test_a_misspelt_field_is_caught(tmp_path):
     [decoded] = kubectl("set", "env", "--local", "-f", str(bad), "CHECK=1")
     assert missing(written, decoded) == ["/spec/template/spec/hostPid"]
 
+
+
+# ---- the cluster side: cgpu-scheduler and kube-scheduler's configuration -------------------
+
+# k8s.io/kube-scheduler/config/v1 (types.go): the JSON names of Extender and
+# ExtenderManagedResource. kube-scheduler decodes its --config strictly, so
+# a field not among these stops it from starting.
+EXTENDER_FIELDS = {"urlPrefix", "filterVerb", "preemptVerb", "prioritizeVerb", "weight", "bindVerb", "enableHTTPS",
+                   "tlsConfig", "httpTimeout", "nodeCacheCapable", "managedResources", "ignorable"}
+MANAGED_RESOURCE_FIELDS = {"name", "ignoredByScheduler"}
+SCHEDULER_CONFIG_FIELDS = {"apiVersion", "kind", "parallelism", "leaderElection", "clientConnection",
+                           "healthzBindAddress", "metricsBindAddress", "enableProfiling", "enableContentionProfiling",
+                           "percentageOfNodesToScore", "podInitialBackoffSeconds", "podMaxBackoffSeconds", "profiles",
+                           "extenders", "delayCacheUntilActive"}
+
+
+def scheduler_objects() -> dict[str, dict[str, Any]]:
+    return {d["kind"]: d for d in documents("cgpu-scheduler.yaml")}
+
+
+def alone(tmp_path: Path, obj: dict[str, Any]) -> Path:
+    path = tmp_path / f"{obj['kind']}.yaml"
+    path.write_text(yaml.safe_dump(obj))
+    return path
+
+
+def test_the_scheduler_config_names_real_fields_and_our_resources():
+    [config] = documents(SCHEDULER_CONFIG)
+    assert config["apiVersion"] == "kubescheduler.config.k8s.io/v1"
+    assert config["kind"] == "KubeSchedulerConfiguration"
+    assert set(config) <= SCHEDULER_CONFIG_FIELDS
+    [extender] = config["extenders"]
+    assert set(extender) <= EXTENDER_FIELDS, set(extender) - EXTENDER_FIELDS
+    assert extender["nodeCacheCapable"] is True and extender["enableHTTPS"] is False
+    assert extender["ignorable"] is False  # pods asking for shares wait rather than being placed blind
+    assert isinstance(extender["weight"], int) and extender["weight"] > 0
+    assert re.fullmatch(r"\d+(ms|s|m)", extender["httpTimeout"])  # a metav1.Duration
+    resources = extender["managedResources"]
+    assert all(set(r) <= MANAGED_RESOURCE_FIELDS for r in resources)
+    assert {r["name"]: r["ignoredByScheduler"] for r in resources} == {
+        "aliyun.com/gpu-mem": True, "aliyun.com/gpu-core.percentage": True, "aliyun.com/gpu-count": True}
+    # The urlPrefix reaches the Service on its http port.
+    service = scheduler_objects()["Service"]
+    url = urlsplit(extender["urlPrefix"])
+    assert url.scheme == "http" and url.path in ("", "/")
+    assert url.hostname.split(".")[:2] == [service["metadata"]["name"], service["metadata"]["namespace"]]
+    assert url.port == next(p["port"] for p in service["spec"]["ports"] if p["name"] == "http")
+
+
+def test_the_configs_verbs_are_the_ones_the_extender_answers():
+    from cgpud.extender.server import ExtenderServer
+    from cgpud.extender.state import ClusterState
+
+    [config] = documents(SCHEDULER_CONFIG)
+    [extender] = config["extenders"]
+    pod = {"metadata": {"name": "p", "namespace": "default", "uid": "u1"},
+           "spec": {"containers": [{"name": "c", "resources": {"limits": {"aliyun.com/gpu-mem": "2"}}}]}}
+    bodies = {"filterVerb": {"Pod": pod, "NodeNames": ["n1"]}, "prioritizeVerb": {"Pod": pod, "NodeNames": ["n1"]},
+              "bindVerb": {"PodName": "p", "PodNamespace": "default", "PodUID": "u1", "Node": "n1"}}
+    server = ExtenderServer(ClusterState(), None).start()
+    try:
+        for verb, body in bodies.items():
+            request = urllib.request.Request(f"{server.url}/{extender[verb]}", data=json.dumps(body).encode(),
+                                             headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=10) as answer:
+                assert answer.status == 200, verb
+                reply = json.loads(answer.read())
+            if verb == "filterVerb":
+                assert "n1" in reply["FailedAndUnresolvableNodes"]  # an unknown node, with its reason
+            elif verb == "prioritizeVerb":
+                assert reply == [{"Host": "n1", "Score": 0}]
+            else:
+                assert reply["Error"]  # this one has no binder: it says so
+    finally:
+        server.stop()
+
+
+def test_the_deployment_runs_the_extender_where_the_service_and_config_say(tmp_path):
+    objects = scheduler_objects()
+    written = objects["Deployment"]
+    [decoded] = kubectl("set", "env", "--local", "-f", str(alone(tmp_path, written)), "CHECK=1")
+    assert missing(written, decoded) == []
+    pod = decoded["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "cgpu-scheduler"
+    assert pod["securityContext"]["runAsNonRoot"] is True and not pod.get("hostNetwork")
+    [container] = pod["containers"]
+    command = container["command"]
+    assert command[0] == "cgpu-scheduler"
+    flags = dict(zip(command[1::2], command[2::2]))
+    host, port = flags["--listen"].rsplit(":", 1)
+    assert host == "0.0.0.0"  # the Service reaches the pod on its own address
+    [http] = [p for p in container["ports"] if p["name"] == "http"]
+    assert http["containerPort"] == int(port)
+    assert container["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    # The Capacity client certificate, key and CA come from the Secret's mount.
+    [mount] = container["volumeMounts"]
+    assert mount["readOnly"] is True
+    for flag in ("--tls-cert", "--tls-key", "--tls-ca"):
+        assert Path(flags[flag]).parent == Path(mount["mountPath"])
+    [volume] = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert volume["secret"]["secretName"] == "cgpu-capacity-client"
+    assert volume["secret"]["defaultMode"] & 0o007 == 0  # not world-readable
+
+    service = objects["Service"]
+    selector = ",".join(f"{k}={v}" for k, v in service["spec"]["selector"].items())
+    [decoded_service] = kubectl("set", "selector", "--local", "-f", str(alone(tmp_path, service)), selector)
+    assert missing(service, decoded_service) == []
+    assert service["spec"]["selector"].items() <= decoded["spec"]["template"]["metadata"]["labels"].items()
+    assert [p["targetPort"] for p in service["spec"]["ports"] if p["name"] == "http"] == ["http"]
+
+
+# What each client call the extender makes needs from RBAC: (resource, verb).
+CALLS = {"read_namespaced_pod": ("pods", "get"), "patch_namespaced_pod": ("pods", "patch"),
+         "create_namespaced_binding": ("bindings", "create"),
+         "create_namespaced_pod_binding": ("pods/binding", "create"),
+         "read_node": ("nodes", "get"), "list_node": ("nodes", "list"), "watch:list_node": ("nodes", "watch")}
+
+
+def extender_calls() -> set[tuple[str, str]]:
+    """The core API calls the extender's code makes, as (resource, verb)."""
+    source = "\n".join(p.read_text() for p in sorted((DEPLOY.parent / "cgpud" / "extender").glob("*.py")))
+    called = set(re.findall(r"\.((?:read|list|patch|create|delete|replace)_(?:namespaced_)?"
+                            r"(?:pod|node|binding|service|endpoints|event|config_map|secret|namespace)\w*)\b", source))
+    unknown = called - set(CALLS)
+    assert not unknown, f"the extender calls {unknown}: add them to CALLS and to the ClusterRole"
+    needed = {CALLS[c] for c in called}
+    if "list_node" in called and re.search(r"\bWatch\(\)", source):
+        needed.add(CALLS["watch:list_node"])
+    return needed
+
+
+def test_the_scheduler_rbac_grants_exactly_what_the_extender_calls(tmp_path):
+    objects = scheduler_objects()
+    granted = {(resource, verb) for rule in objects["ClusterRole"]["rules"] for resource in rule["resources"]
+               for verb in rule["verbs"] if rule["apiGroups"] == [""]}
+    assert all(rule["apiGroups"] == [""] for rule in objects["ClusterRole"]["rules"])
+    needed = extender_calls()
+    assert {("pods", "get"), ("pods", "patch")} <= needed  # bind reads and annotates the pod
+    assert needed - granted == set(), "the extender calls what its ClusterRole does not grant"
+    # Node discovery (get/list/watch of the annotation) is granted for the API-server mode.
+    assert granted - needed <= {("nodes", "get"), ("nodes", "list"), ("nodes", "watch")}
+    binding = objects["ClusterRoleBinding"]
+    [decoded] = kubectl("set", "subject", "--local", "-f", str(alone(tmp_path, binding)),
+                        "--serviceaccount=kube-system:check")
+    assert missing(binding, decoded) == []
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                                  "name": objects["ClusterRole"]["metadata"]["name"]}
+    account = objects["ServiceAccount"]["metadata"]
+    assert {"kind": "ServiceAccount", "name": account["name"], "namespace": account["namespace"]} in \
+        binding["subjects"]
+    assert objects["Deployment"]["spec"]["template"]["spec"]["serviceAccountName"] == account["name"]
