@@ -77,7 +77,7 @@ def parse_endpoint(text: str, setting: str, *, port_optional: bool = False) -> E
             raise UsageError(f"{usage}: put an IPv6 address in brackets")
         host, sep, port_text = text.partition(":")
         if not sep:
-            if port_optional and host:
+            if port_optional and host and not any(c.isspace() for c in host):
                 return Endpoint(host, 0)
             raise UsageError(usage)
     if not host or any(c.isspace() for c in host):
