@@ -252,3 +252,16 @@ def test_kubernetes_mode_writes_the_capacity_address_on_the_node(tmp_path, sim_e
             with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
                 view = pb_grpc.CapacityStub(channel).GetNode(pb.GetNodeRequest(), timeout=WAIT)
             assert view.node_name == "node-c" and "198.51.100.7" in view.addresses
+
+
+def test_a_gpu_health_change_is_a_view_change_in_standalone_mode(tmp_path, sim_env):
+    with _capacity(tmp_path, sim_env, "--gpu-health-recovery-window", "0") as (_, stub, _address):
+        watch = _Watch(stub)
+        assert all(g.healthy for g in watch.next().gpus)
+        fault = subprocess.run([str(BIN / "cgpuctl"), "sim", "fault", "--gpu", "1", "--xid", "48"], env=sim_env,
+                               capture_output=True, text=True, timeout=30)
+        assert fault.returncode == 0, fault.stderr
+        view = watch.next()
+        assert [(g.healthy, g.health_reason) for g in view.gpus] == [
+            (True, ""), (False, "fatal XID 48 (double-bit ECC error)")]
+        watch.stream.cancel()
