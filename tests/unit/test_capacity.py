@@ -319,3 +319,18 @@ def test_reserve_and_unreserve_answer_with_the_revision_that_counts_them(service
     assert gone.released and gone.revision == held.revision + 1
     again = servicer.Unreserve(pb.UnreserveRequest(pod_uid="u1"), _Context())
     assert not again.released and again.revision == gone.revision
+
+
+def test_serving_refuses_plaintext_off_loopback_and_a_port_already_taken(service):
+    from cgpud.api.capacity_server import serve_capacity
+    from cgpud.errors import CgpuError
+
+    with pytest.raises(UsageError, match="capacity_listen = '0.0.0.0:0' is not a loopback address"):
+        serve_capacity(CapacityServicer(service, FACTS), "0.0.0.0:0", None, False)
+    first = serve_capacity(CapacityServicer(service, FACTS), "127.0.0.1:0", None, False)
+    try:
+        assert first.port > 0 and first.address == f"127.0.0.1:{first.port}" and not first.tls
+        with pytest.raises(CgpuError, match=f"cannot listen on 127.0.0.1:{first.port}"):
+            serve_capacity(CapacityServicer(service, FACTS), first.address, None, False)
+    finally:
+        first.stop(None).wait(5)
