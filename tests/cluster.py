@@ -58,6 +58,7 @@ from tests.kube.test_device_plugin import Kubelet
 CAPACITY_PORT = 9455
 NETNS_PREFIX = "cgpuc-"  # cgpuc-<tag>-<i>; tag = <pid hex><2 random hex>
 LINK_PREFIX = "cc"  # host side cc<tag>h<i>, node side cc<tag>n<i> (15 bytes at most)
+ROOT_PREFIX = "cgc-"  # the run's directory: /tmp/cgc-<tag>-<random>
 WAIT = 30.0  # seconds a node may take to start, register, answer
 SHARED = (Resource.GPU_MEM, Resource.GPU_CORE, Resource.GPU_COUNT)  # what the kubelet allocates for a share
 
@@ -67,13 +68,12 @@ def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 
 
 def _pid_alive(pid: int) -> bool:
+    """A process that runs (a zombie, killed and not yet reaped, does not)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
         return False
-    except PermissionError:
-        return True
-    return True
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
 
 
 def _tag_pid(tag: str) -> int | None:
@@ -85,8 +85,9 @@ def _tag_pid(tag: str) -> int | None:
 
 
 def sweep_leftovers() -> list[str]:
-    """Removes the namespaces (and their processes) and links an earlier
-    run left when it was killed: those whose creating process is gone."""
+    """Removes the namespaces (and their processes), links and directories
+    an earlier run left when it was killed: those whose creating process is
+    gone."""
     removed = []
     names = [line.split()[0] for line in _run("ip", "netns", "list").stdout.splitlines() if line.strip()]
     for name in names:
@@ -107,7 +108,27 @@ def sweep_leftovers() -> list[str]:
         if m and pid is not None and not _pid_alive(pid):
             _run("ip", "link", "del", m.group(1), check=False)
             removed.append(m.group(1))
+    for directory in Path("/tmp").glob(f"{ROOT_PREFIX}*"):
+        m = re.fullmatch(rf"{ROOT_PREFIX}([0-9a-f]+)-.*", directory.name)
+        pid = _tag_pid(m.group(1)) if m else None
+        if pid is not None and not _pid_alive(pid):
+            _unmount_regions(directory)
+            shutil.rmtree(directory, ignore_errors=True)
+            removed.append(str(directory))
     return removed
+
+
+def _unmount_regions(root: Path) -> None:
+    """cgpud keeps its instances' tmpfs mounts after it stops, as on a
+    real node; the harness takes its nodes' away with them."""
+    from tests.conftest import _region_mounts
+
+    mounts = _region_mounts(root)
+    if mounts:
+        from cgpud._region import lib
+
+        for point in sorted(mounts, reverse=True):
+            lib.cgpu_region_unmount(point.encode())
 
 
 def free_second_octet() -> int:
@@ -233,7 +254,8 @@ class Cluster:
         self.nodes: list[Node] = []
         self.api: ApiServerProcess | None = None
         self.pki: Any = None  # tests.tls.Pki when tls
-        self.root = Path(tempfile.mkdtemp(prefix="cgc-", dir="/tmp"))  # short: unix socket paths
+        # short (unix socket paths); the tag lets a later run sweep it
+        self.root = Path(tempfile.mkdtemp(prefix=f"{ROOT_PREFIX}{self.tag}-", dir="/tmp"))
         self.octet = 0
         self._stack = ExitStack()
         self._extenders: list[Extender] = []
@@ -372,20 +394,8 @@ class Cluster:
         try:
             self._stack.close()  # daemons, kubelets, pod-resources servers, namespaces, the API server
         finally:
-            self._unmount_regions()
+            _unmount_regions(self.root)
             shutil.rmtree(self.root, ignore_errors=True)
-
-    def _unmount_regions(self) -> None:
-        """cgpud keeps its instances' tmpfs mounts after it stops, as on a
-        real node; the harness takes its nodes' away with them."""
-        from tests.conftest import _region_mounts
-
-        mounts = _region_mounts(self.root)
-        if mounts:
-            from cgpud._region import lib
-
-            for point in sorted(mounts, reverse=True):
-                lib.cgpu_region_unmount(point.encode())
 
     # ---- nodes ---------------------------------------------------------------------------
 
