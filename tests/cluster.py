@@ -470,12 +470,17 @@ class Cluster:
 
     # ---- the extender --------------------------------------------------------------------
 
-    def start_extender(self, *args: str, with_api: bool = True) -> Extender:
-        """cgpu-scheduler on 127.0.0.1, watching every node (the node file);
-        bound to the fake API server unless with_api is False (standalone)."""
+    def start_extender(self, *args: str, with_api: bool = True, node_file: bool = True) -> Extender:
+        """cgpu-scheduler on 127.0.0.1, watching every node: from the node
+        file, or (node_file False) from the Nodes' capacity-address
+        annotations through the API server. Bound to the fake API server
+        unless with_api is False (standalone)."""
         assert self.api is not None
+        assert with_api or node_file, "without a node file the extender finds nodes through the API server"
         port = free_port()
-        command = [str(BIN / "cgpu-scheduler"), "--listen", f"127.0.0.1:{port}", "--nodes", str(self.node_file())]
+        command = [str(BIN / "cgpu-scheduler"), "--listen", f"127.0.0.1:{port}"]
+        if node_file:
+            command += ["--nodes", str(self.node_file())]
         if with_api:
             command += ["--kubeconfig", str(self.api.kubeconfig(self.root / "kubeconfig"))]
         tls = self.capacity_tls()

@@ -27,6 +27,7 @@ from cgpud.kube.model import (ANNOTATION_ASSIGNED, ANNOTATION_ASSUME_TIME, ANNOT
                               ANNOTATION_GPU_INDEX)
 from tests.cluster import Cluster, Extender, Outcome, post_json, schedule, schedule_once, share_pod
 from tests.daemonproc import BIN
+from tests.kube.api_server import node_json
 
 GIB = 1 << 30
 NODES, GPUS, GPU_GIB, POD_GIB = 8, 2, 16, 4
@@ -207,6 +208,28 @@ def test_capacity_api_across_the_network_refuses_untrusted_clients_and_oversized
     after = cluster.get_node(3)
     assert (after.incarnation, after.revision, list(after.reservations)) == (
         before.incarnation, before.revision, list(before.reservations))
+
+
+def test_without_a_node_file_the_extender_finds_the_nodes_by_their_annotation_through_the_api_server(
+        cluster: Cluster) -> None:
+    assert cluster.api is not None
+    with cluster.api.state.lock:
+        cluster.api.state.nodes["cpu-only"] = node_json("cpu-only")  # no cgpud: no capacity-address
+    extender = cluster.start_extender(node_file=False)
+    try:
+        cluster.wait_connected(extender)
+        status, view = extender.get("/inspect")
+        assert status == 200
+        assert {n["name"]: n["capacity_address"] for n in view["nodes"] if n["name"] != "cpu-only"} == \
+            cluster.addresses()
+        body = schedule_once_filter(extender, share_pod("looker", 1), [*cluster.names, "cpu-only"])
+        failed = {**(body.get("FailedNodes") or {}), **(body.get("FailedAndUnresolvableNodes") or {})}
+        assert "not a cgpu node" in failed["cpu-only"], failed
+        assert "cpu-only" not in (body.get("NodeNames") or [])
+    finally:
+        extender.stop()
+        with cluster.api.state.lock:
+            del cluster.api.state.nodes["cpu-only"]
 
 
 # ---- a node dies mid-run ---------------------------------------------------------------------
