@@ -124,8 +124,8 @@ def serve_capacity(servicer: CapacityServicer, listen: str, tls: CapacityTls | N
             raise RuntimeError("bind failed")
     except RuntimeError as e:
         server.stop(None)
-        raise CgpuError(f"the Capacity API cannot listen on {target} (capacity_listen): {e}; is the port in use "
-                        "or the address not this node's?") from e
+        raise CgpuError(f"the Capacity API cannot listen on {target} (capacity_listen): the port is in use, or the "
+                        "address is not one of this node's") from e
     server.start()
     bound = Endpoint(endpoint.host, port)
     log.info("serving", listen=str(bound), port=port, tls=credentials is not None,

@@ -13,15 +13,16 @@ import pytest
 
 from cgpud.api.capacity import (CapacityServicer, NodeFacts, NodeSnapshot, node_facts, node_view, nvlink_pairs,
                                 reserve_from_pb)
-from cgpud.api.capacity_server import CapacityTls, advertised
+from cgpud.api.capacity_server import CapacityTls, advertised, serve_capacity
 from cgpud.api.cgpu.v1 import capacity_pb2 as pb
+from cgpud.api.cgpu.v1 import capacity_pb2_grpc as pb_grpc
 from cgpud.api.listen import Endpoint, is_loopback, parse_endpoint, plaintext_problem, tls_problem
 from cgpud.daemon.inventory import Gpu, Inventory
 from cgpud.daemon.model import (GIB, GpuCapacity, Grant, Instance, InstanceState, NodeMode, NodePolicy, Owner,
                                 OwnerKind, Placement, Reservation, Share)
 from cgpud.daemon.service import InstanceService
 from cgpud.daemon.store import Store
-from cgpud.errors import UsageError
+from cgpud.errors import CgpuError, UsageError
 from cgpud.extender.model import node_from_pb
 
 GPUS = (GpuCapacity(0, "GPU-a", 16 * GIB), GpuCapacity(1, "GPU-b", 16 * GIB))
@@ -322,15 +323,23 @@ def test_reserve_and_unreserve_answer_with_the_revision_that_counts_them(service
 
 
 def test_serving_refuses_plaintext_off_loopback_and_a_port_already_taken(service):
-    from cgpud.api.capacity_server import serve_capacity
-    from cgpud.errors import CgpuError
-
     with pytest.raises(UsageError, match="capacity_listen = '0.0.0.0:0' is not a loopback address"):
         serve_capacity(CapacityServicer(service, FACTS), "0.0.0.0:0", None, False)
     first = serve_capacity(CapacityServicer(service, FACTS), "127.0.0.1:0", None, False)
     try:
         assert first.port > 0 and first.address == f"127.0.0.1:{first.port}" and not first.tls
-        with pytest.raises(CgpuError, match=f"cannot listen on 127.0.0.1:{first.port}"):
+        with pytest.raises(CgpuError, match=f"cannot listen on 127.0.0.1:{first.port} .*the port is in use"):
             serve_capacity(CapacityServicer(service, FACTS), first.address, None, False)
     finally:
         first.stop(None).wait(5)
+
+
+def test_serving_on_ipv6_loopback_in_brackets(service):
+    server = serve_capacity(CapacityServicer(service, FACTS), "[::1]:0", None, False)
+    try:
+        assert server.address == f"[::1]:{server.port}"
+        with grpc.insecure_channel(server.address) as channel:
+            view = pb_grpc.CapacityStub(channel).GetNode(pb.GetNodeRequest(), timeout=10)
+        assert view.node_name == "node-1" and len(view.gpus) == 2
+    finally:
+        server.stop(None).wait(5)
