@@ -265,3 +265,20 @@ def test_a_gpu_health_change_is_a_view_change_in_standalone_mode(tmp_path, sim_e
         assert [(g.healthy, g.health_reason) for g in view.gpus] == [
             (True, ""), (False, "fatal XID 48 (double-bit ECC error)")]
         watch.stream.cancel()
+
+
+def test_a_stopping_cgpud_ends_its_watch_streams_promptly(tmp_path, sim_env):
+    address = f"127.0.0.1:{_free_port()}"
+    d = make_daemon(tmp_path, sim_env, "--capacity-listen", address)
+    d.start()
+    with grpc.insecure_channel(address) as channel:
+        watch = _Watch(pb_grpc.CapacityStub(channel))
+        watch.next()
+        t0 = time.monotonic()
+        d.stop()  # SIGTERM; asserts exit status 0
+        assert time.monotonic() - t0 < 5.0
+        assert watch.stream.done() or watch.quiet(1.0)
+        deadline = time.monotonic() + WAIT
+        while not watch.stream.done() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert watch.stream.done()
