@@ -175,8 +175,12 @@ class _Handler(BaseHTTPRequestHandler):
         comparing the Nodes every few milliseconds (tests change the dict
         directly), until the timeout, the client goes or the server stops."""
         state = self.server.state
+        # Chunked, as the API server streams a watch: a client reading the
+        # body (urllib3's stream) gets each event as it comes, not at the end.
+        self.protocol_version = "HTTP/1.1"
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
+        self.send_header("Transfer-Encoding", "chunked")
         self.send_header("Connection", "close")
         self.end_headers()
         self.close_connection = True
@@ -192,11 +196,13 @@ class _Handler(BaseHTTPRequestHandler):
                 for kind, text in events:
                     obj = json.loads(text)
                     obj.setdefault("metadata", {})["resourceVersion"] = str(self.server.bump())
-                    self.wfile.write(json.dumps({"type": kind, "object": obj}).encode() + b"\n")
+                    line = json.dumps({"type": kind, "object": obj}).encode() + b"\n"
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
                 if events:
                     self.wfile.flush()
                 seen = now
                 self.server.stopping.wait(0.02)
+            self.wfile.write(b"0\r\n\r\n")
         except OSError:  # the watcher went away
             pass
 
