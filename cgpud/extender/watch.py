@@ -208,7 +208,10 @@ class ApiNodeSource:
         self._thread.start()
         return self
 
-    def stop(self, timeout: float = 2.0) -> None:
+    def stop(self, timeout: float = 0.5) -> None:
+        """Bounded: the client's Watch.stop does not always interrupt a read
+        blocked on an idle watch (plain HTTP), and the thread is a daemon
+        that ends with the process or the watch's own timeout."""
         self._stop.set()
         w = self._watch
         if w is not None:
