@@ -165,7 +165,21 @@ class NodeDaemon(Daemon):
 
     def start(self) -> None:
         self.launch()
-        self.wait_for(b"READY=1", timeout=WAIT)
+        self.wait_ready()
+
+    def wait_ready(self, timeout: float = WAIT) -> None:
+        """Until cgpud says READY=1; at once when it exited instead."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.wait_for(b"READY=1", timeout=0.5)
+                return
+            except AssertionError:
+                if self.proc is not None and self.proc.poll() is not None:
+                    raise AssertionError(f"cgpud in {self.netns} exited {self.proc.returncode}; its log ends: "
+                                         f"{self.log.read_text()[-4000:]}") from None
+                if time.monotonic() > deadline:
+                    raise
 
 
 @dataclass
@@ -291,7 +305,7 @@ class Cluster:
         for node in self.nodes:  # start them all, then wait: they start side by side
             node.daemon.launch()
         for node in self.nodes:
-            node.daemon.wait_for(b"READY=1", timeout=WAIT)
+            node.daemon.wait_ready()
             self._take_registrations(node)
 
     def node_ip(self, i: int) -> str:
@@ -336,6 +350,8 @@ class Cluster:
                 "--cdi-dir", str(directory / "cdi")]
         if self.capacity:
             args += ["--capacity-listen", f"{ip}:{CAPACITY_PORT}"]
+        if self.capacity and self.pki is None:
+            args += ["--capacity-insecure", "true"]  # plaintext across the veth: tls=False asked for it
         if self.pki is not None:
             args += ["--capacity-tls-cert", str(self.pki.server_cert), "--capacity-tls-key", str(self.pki.server_key),
                      "--capacity-tls-ca", str(self.pki.ca)]
