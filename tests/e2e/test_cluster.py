@@ -232,6 +232,30 @@ def test_without_a_node_file_the_extender_finds_the_nodes_by_their_annotation_th
             del cluster.api.state.nodes["cpu-only"]
 
 
+def test_memory_and_compute_pods_on_core_mem_nodes_fill_them_by_compute_and_the_kubelets_admit_both() -> None:
+    # 2 GiB and 30% each: memory would take 8 a GPU, compute takes 3 (90%).
+    with Cluster(nodes=2, gpus=GPUS, gpu_memory=f"{GPU_GIB}GiB", mode="core_mem") as cluster:
+        extender = cluster.start_extender()
+        cluster.wait_connected(extender)
+        results = submit(cluster, extender, [share_pod(f"mc-{i}", 2, core=30) for i in range(2 * GPUS * 3)], 6)
+        assert all(r[0].node for r in results.values()), results
+        extra = share_pod("mc-extra", 2, core=30)
+        outcome = schedule_once(extender.url, extra, cluster.names)
+        assert outcome.node is None and set(outcome.failed) == set(cluster.names)
+        assert all("compute" in reason for reason in outcome.failed.values()), outcome.failed
+
+        by_node = bound_pods(cluster)
+        allocate_all(cluster, by_node)
+        for i, node in enumerate(cluster.nodes):
+            view = cluster.get_node(i)
+            assert [(g.memory_allocated_bytes, g.core_allocated_percent) for g in view.gpus] == [(6 * GIB, 90)] * GPUS
+            assert list(view.reservations) == []
+            instances = cluster.instances(i)
+            assert {x["owner"]["id"] for x in instances} == {owner(p) for p in by_node[node.name]}
+            assert all([(g["memory_bytes"], g["core_percent"]) for g in x["grants"]] == [(2 * GIB, 30)]
+                       for x in instances)
+
+
 # ---- a node dies mid-run ---------------------------------------------------------------------
 
 
