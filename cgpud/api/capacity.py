@@ -243,10 +243,13 @@ class CapacityServicer(pb_grpc.CapacityServicer):
     def snapshot(self) -> NodeSnapshot:
         changes = self._service.changes
         revision = changes.revision  # first: the state read after it holds every change up to it
+        # One store snapshot: an instance that just drew on its pod's
+        # reservation is counted once, never twice or not at all.
+        active, reserved = self._service.holdings()
         return NodeSnapshot(
             facts=self._facts, incarnation=changes.incarnation, revision=revision, policy=self._service.policy(),
-            gpus=tuple(self._service.gpus()), active=tuple(self._service.list()),
-            reservations=tuple(self._service.reservations()), health=dict(self._health()))
+            gpus=tuple(self._service.gpus()), active=tuple(active), reservations=tuple(reserved),
+            health=dict(self._health()))
 
     def view(self) -> pb.NodeView:
         return node_view(self.snapshot())

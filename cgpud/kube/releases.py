@@ -12,7 +12,13 @@ When either cannot be asked, nothing is released in that sweep.
 
 An instance a running container holds (bound) is not released even then:
 the daemon's own sweep hands it back once the container's processes are
-gone, and the next sweep releases it."""
+gone, and the next sweep releases it.
+
+A reservation (cgpu-scheduler's Reserve) goes with its pod too: once the
+API server says the pod with that UID does not exist, finished, or was
+bound to another node, what it held is given back at once instead of at
+its expiry. A pod not yet bound anywhere keeps it: the scheduler reserves
+before it binds."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
@@ -22,7 +28,7 @@ from typing import Protocol
 
 import structlog
 
-from cgpud.daemon.model import Instance, InstanceState, OwnerKind
+from cgpud.daemon.model import Instance, InstanceState, OwnerKind, Reservation
 from cgpud.daemon.service import InstanceService
 from cgpud.errors import CgpuError
 from cgpud.kube.allocator import SPEC_PREFIX
@@ -84,13 +90,23 @@ def gone_instances(instances: Iterable[Instance], api_pods: Sequence[PodInfo],
     return out
 
 
+def reservation_gone(reservation: Reservation, pod: PodInfo | None, node: str) -> bool:
+    """Whether `pod` (the API server's pod of the reservation's namespace and
+    name, None when there is none) shows the reservation's pod is gone."""
+    return (pod is None or pod.uid != reservation.pod_uid or pod.terminal or pod.deleting
+            or (pod.node != "" and pod.node != node))
+
+
 class PodReleaser:
     """One release round per daemon sweep; `sweep()` is safe to call from
     the sweeper thread."""
 
     def __init__(self, service: InstanceService, list_api_pods: Callable[[], Sequence[PodInfo]],
-                 list_kubelet_pods: Callable[[], Iterable[KubeletPod]], cdi_dir: Path | None = None) -> None:
+                 list_kubelet_pods: Callable[[], Iterable[KubeletPod]], cdi_dir: Path | None = None, *,
+                 read_pod: Callable[[str, str], PodInfo | None] | None = None, node: str = "") -> None:
         self._service = service
+        self._read_pod = read_pod  # None: reservations only expire
+        self._node = node
         self._api_pods = list_api_pods
         self._kubelet_pods = list_kubelet_pods
         self._cdi_dir = cdi_dir
@@ -102,6 +118,7 @@ class PodReleaser:
         try:
             return self._release_gone()
         finally:
+            self._drop_gone_reservations()
             self._remove_stale_specs()
 
     def _release_gone(self) -> int:
@@ -126,6 +143,18 @@ class PodReleaser:
             self._service.release(instance.id)
             self._log.info("released: pod gone", id=instance.id, owner=instance.owner.id)
         return len(gone)
+
+    def _drop_gone_reservations(self) -> None:
+        if self._read_pod is None:
+            return
+        for reservation in self._service.reservations():
+            try:
+                pod = self._read_pod(reservation.pod_namespace, reservation.pod_name)
+            except (CgpuError, OSError):
+                return  # the API server cannot tell now: the next sweep asks again, expiry is the bound
+            if reservation_gone(reservation, pod, self._node) and self._service.unreserve(reservation.pod_uid):
+                self._log.info("reservation given back: pod gone", pod=f"{reservation.pod_namespace}/"
+                               f"{reservation.pod_name}", uid=reservation.pod_uid)
 
     def _remove_stale_specs(self) -> None:
         if self._cdi_dir is None:

@@ -50,3 +50,20 @@ def test_bound_foreign_and_other_owners_are_left_alone():
     device = instance("i3", "u3/ns/p3/main", kind=OwnerKind.DEVICE)
     released = instance("i4", "u4/ns/p4/main", InstanceState.RELEASED)
     assert gone_instances([held, odd, device, released], [], []) == []
+
+
+def test_a_reservation_goes_when_its_pod_is_gone_finished_or_bound_elsewhere():
+    from cgpud.daemon.model import Reservation, Share
+    from cgpud.kube.releases import reservation_gone
+    res = Reservation("u1", "ns", "p1", (Share(0, 1 << 30),), expires=1e12)
+
+    def pod(uid: str = "u1", node: str = "", phase: str = "Pending", deleting: bool = False) -> PodInfo:
+        return PodInfo(uid, "ns", "p1", node, phase, deleting=deleting)
+
+    assert reservation_gone(res, None, "node-1")
+    assert reservation_gone(res, pod(uid="u2"), "node-1")
+    assert reservation_gone(res, pod(node="node-2"), "node-1")
+    assert reservation_gone(res, pod(node="node-1", phase="Failed"), "node-1")
+    assert reservation_gone(res, pod(deleting=True), "node-1")
+    assert not reservation_gone(res, pod(), "node-1")  # binding in flight
+    assert not reservation_gone(res, pod(node="node-1", phase="Running"), "node-1")
