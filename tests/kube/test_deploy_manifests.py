@@ -81,8 +81,19 @@ def test_the_daemonset_has_only_real_fields_and_what_cgpud_needs():
     assert {"/var/lib/kubelet/device-plugins", "/var/lib/kubelet/pod-resources", "/var/run/cdi", "/run/cgpud",
             "/var/lib/cgpud", "/dev"} <= mounted
     # Host paths at the same paths: CDI specs and Allocate mounts name them for the host.
-    host = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"]}
-    assert all(host[m["name"]] == m["mountPath"] for m in container["volumeMounts"])
+    host = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
+    assert all(host[m["name"]] == m["mountPath"] for m in container["volumeMounts"] if m["name"] in host)
+    # The Capacity API: TLS files from the Secret, the node's own address on the Node.
+    assert pod["hostNetwork"] is True and env["HOST_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"
+    args = container["command"]
+    flags = dict(zip(args[3::2], args[4::2]))
+    assert flags["--capacity-listen"] == "0.0.0.0:9455" and flags["--capacity-advertise"] == "$(HOST_IP):9455"
+    secret = {v["name"]: v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
+    tls_dir = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}[next(iter(secret))]
+    assert secret == {"capacity-tls": "cgpu-capacity-tls"}
+    assert all(flags[f"--capacity-tls-{k}"].startswith(tls_dir + "/") for k in ("cert", "key", "ca"))
+    from cgpud.daemon.main import _parser
+    _parser().parse_args(args[1:])  # every flag is cgpud's
     [term] = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
     assert term["matchExpressions"] == [{"key": "ack.node.gpu.schedule", "operator": "Exists"}]
 
