@@ -5,14 +5,17 @@ creates, with its own simulated GPUs, state, device-plugin directory (this
 harness plays its kubelet: Registration, ListAndWatch, GetPreferredAllocation,
 Allocate, the pod-resources List) and one fake API server for them all.
 
-    with Cluster(nodes=8) as cluster:
-        extender = cluster.start_extender()          # cgpu-scheduler, a real process
-        placed = schedule(extender.url, pod, cluster.names)   # kube-scheduler's part
-        cluster.allocate(cluster.index(placed.node), "default", name)  # the kubelet's part
+    with Cluster(nodes=8) as cluster:                 # (root; PYTHONPATH = the repository)
+        extender = cluster.start_extender()           # cgpu-scheduler, a real process
+        cluster.wait_connected(extender)
+        cluster.api.state.add_pod(pod := share_pod("p", 4))
+        outcome, _ = schedule(extender.url, pod, cluster.names)      # kube-scheduler's part
+        cluster.allocate(cluster.index(outcome.node), "default", "p")  # the kubelet's part
 
 Addresses: node i has 10.X.i.2 (its Capacity API on CAPACITY_PORT), the host
-side of its veth 10.X.i.1 (where it reaches the API server); X is chosen per
-run among second octets no address or route of the host uses. Names carry
+side of its veth 10.X.i.1 (where it reaches the API server, which listens on
+all addresses); X is chosen per run among second octets no address or route
+of the host uses. Names carry
 the creating process id, so a later run sweeps what a killed one left
 (sweep_leftovers). Needs root (ip netns, cgpud).
 
@@ -35,7 +38,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +62,7 @@ CAPACITY_PORT = 9455
 NETNS_PREFIX = "cgpuc-"  # cgpuc-<tag>-<i>; tag = <pid hex><2 random hex>
 LINK_PREFIX = "cc"  # host side cc<tag>h<i>, node side cc<tag>n<i> (15 bytes at most)
 ROOT_PREFIX = "cgc-"  # the run's directory: /tmp/cgc-<tag>-<random>
+TOOLS = {"ip": "iproute2", "nsenter": "util-linux", "openssl": "openssl"}  # tool -> the package that has it
 WAIT = 30.0  # seconds a node may take to start, register, answer
 SHARED = (Resource.GPU_MEM, Resource.GPU_CORE, Resource.GPU_COUNT)  # what the kubelet allocates for a share
 
@@ -291,6 +295,10 @@ class Cluster:
         return self
 
     def _start(self) -> None:
+        missing = [tool for tool, package in TOOLS.items() if shutil.which(tool) is None]
+        if missing:
+            raise RuntimeError(f"the multi-node harness needs {', '.join(missing)} (Debian: "
+                               f"{', '.join(TOOLS[t] for t in missing)})")
         sweep_leftovers()
         self.octet = free_second_octet()
         self.api = ApiServerProcess(ApiState(), host="0.0.0.0").start()
@@ -657,9 +665,3 @@ def share_pod(name: str, gib: int, *, namespace: str = "default", core: int = 0,
     pod["spec"].pop("nodeName")
     return pod
 
-
-def iter_pods(cluster: Cluster, namespace: str = "default") -> Iterator[dict[str, Any]]:
-    assert cluster.api is not None
-    with cluster.api.state.lock:
-        pods = [json.loads(json.dumps(p)) for (ns, _), p in cluster.api.state.pods.items() if ns == namespace]
-    yield from pods

@@ -263,7 +263,7 @@ KILL_NODES = 4
 KILL_CAPACITY = KILL_NODES * GPUS * GPU_GIB // POD_GIB  # 32
 
 
-def test_kill_9_of_a_node_mid_run_keeps_its_pods_and_new_pods_avoid_it_until_it_is_back(tmp_path: Path) -> None:
+def test_kill_9_of_a_node_mid_run_keeps_its_pods_and_new_pods_avoid_it_until_it_is_back() -> None:
     with Cluster(nodes=KILL_NODES, gpus=GPUS, gpu_memory=f"{GPU_GIB}GiB") as cluster:
         assert cluster.api is not None
         extender = cluster.start_extender()
