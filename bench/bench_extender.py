@@ -176,6 +176,7 @@ def serve(n: int, seed: int, control: Connection) -> None:
 class Side:
     label: str
     ms: list[float] = field(default_factory=list)
+    cpu: float = 0.0  # the extender process's CPU seconds over this side's requests (10 ms ticks, summed)
 
 
 def _post(conn: http.client.HTTPConnection, path: str, body: bytes) -> tuple[float, bytes]:
@@ -228,6 +229,7 @@ class ExtenderProcess:
         if not self._conn.poll(120):
             raise RuntimeError(f"the extender with {n} nodes did not start")
         self.port: int = self._conn.recv()
+        self.pid = self._proc.pid
 
     def command(self, *c: Any) -> None:
         self._conn.send(c)
@@ -266,7 +268,9 @@ def measure_scale(n: int, rounds: int, pods: int, seed: int) -> dict[str, Side]:
                 pod = pod_json(serial, gib, count)
                 order = [("cache", None), ("no cache", full)]
                 for label, nodes in order if (r + p) % 2 == 0 else order[::-1]:
+                    cpu = cpu_seconds(servers[label].pid)
                     sides[label].ms.append(one_pod(conns[label], pod, names, nodes) * 1e3)
+                    sides[label].cpu += cpu_seconds(servers[label].pid) - cpu
                     time.sleep(SETTLE)
                 touched = rng.randrange(n)  # a bind somewhere gives that node a new view
                 for server in servers.values():
@@ -276,8 +280,10 @@ def measure_scale(n: int, rounds: int, pods: int, seed: int) -> dict[str, Side]:
                 serial += 1
                 servers["cache"].command("cold")
                 time.sleep(SETTLE)
+                cpu = cpu_seconds(servers["cache"].pid)
                 sides["cache, cold"].ms.append(one_pod(conns["cache"], pod_json(serial, gib, count), names, None)
                                                * 1e3)
+                sides["cache, cold"].cpu += cpu_seconds(servers["cache"].pid) - cpu
         for c in conns.values():
             c.close()
     finally:
@@ -298,9 +304,10 @@ def report_scale(results: dict[int, dict[str, Side]]) -> None:
         for side in sides.values():
             rows.append([f"{n} nodes, {side.label}", str(len(side.ms)), f"{statistics.median(side.ms):.2f}",
                          f"{quantile(side.ms, 0.99):.2f}", f"{max(side.ms):.2f}",
-                         f"{statistics.median(side.ms) / base:.2f}x"])
-    print("filter + prioritize per pod (ms, one pod = both round trips, all nodes sent)")
-    print_table(["pods", "n", "p50", "p99", "max", "vs no cache"], rows)
+                         f"{statistics.median(side.ms) / base:.2f}x", f"{side.cpu * 1e3 / len(side.ms):.2f}"])
+    print("filter + prioritize per pod (ms, one pod = both round trips, all nodes sent; CPU: the extender "
+          "process's, mean per pod)")
+    print_table(["pods", "n", "p50", "p99", "max", "vs no cache", "CPU"], rows)
     sizes = sorted(results)
     if len(sizes) >= 2:
         lo, hi = sizes[0], sizes[-1]
@@ -466,6 +473,10 @@ def measure_binds(pods: int, nodes: int, parallel: int, gpu_memory_gib: int) -> 
             "cpu_ms_per_pod": {k: v * 1e3 / pods for k, v in cpu.items()}}
 
 
+def load() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nodes", default="100,1000", help="cluster sizes, comma-separated")
@@ -484,8 +495,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not sizes or min(sizes) < 1 or args.rounds < 1 or args.pods < 1:
         p.error("sizes, --rounds and --pods must be positive")
     try:
+        before = load()
         results = {n: measure_scale(n, args.rounds, args.pods, args.seed) for n in sizes}
         report_scale(results)
+        print(f"load average {before} before, {load()} after (2 vCPUs here: above 1 the timings include waiting "
+              "for a CPU; the CPU column does not)")
         if args.bind_pods:
             bind = measure_binds(args.bind_pods, args.bind_nodes, args.bind_parallel, args.bind_gpu_gib)
             print(f"\nbind end to end: {bind['pods']} pods of 1 GiB on {args.bind_nodes} nodes x 2 GPUs, "
