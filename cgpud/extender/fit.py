@@ -85,10 +85,15 @@ class NodeSummary:
     unhealthy: tuple[tuple[int, str], ...]
     largest: int  # the largest GPU's memory, healthy or not
     most_free: int  # the most free memory of a GPU in `order`
+    name_json: str = ""  # the node's name as a JSON string, for answers built as text
     cache: dict[tuple[tuple[int, int, int], ...], Placement | Reason] = field(default_factory=dict)
+    # Per pod shape, fit's answer with the node's part of a filter or
+    # prioritize answer as JSON text: `"name":"reason"` (FailedNodes) or
+    # `{"Host":"name","Score":n}`.
+    rendered: dict[tuple[tuple[int, int, int], ...], tuple[Placement | Reason, str]] = field(default_factory=dict)
 
 
-def summarize(state: NodeState) -> NodeSummary:
+def summarize(state: NodeState, name: str | None = None) -> NodeSummary:
     problem = None
     if state.mode in _WHOLE_MODES:
         problem = Reason(f"node mode {state.mode} gives whole GPUs and takes no GPU shares; a pod asking for "
@@ -104,7 +109,7 @@ def summarize(state: NodeState) -> NodeSummary:
         spread=spread, gpus=gpus, order=order,
         unhealthy=tuple((g.index, g.health_reason) for g in state.gpus if not g.healthy),
         largest=max((g.memory_total for g in state.gpus), default=0),
-        most_free=max((g[2] for g in order), default=0))
+        most_free=max((g[2] for g in order), default=0), name_json=json.dumps(state.name if name is None else name))
 
 
 def _sorted(rows: list[Row], spread: bool) -> tuple[Row, ...]:
@@ -126,8 +131,25 @@ def fit(demand: PodDemand, node: NodeSummary | NodeState) -> Placement | Reason:
     answer = _fit(demand, summary)
     if len(summary.cache) >= _CACHE_SIZE:
         summary.cache.clear()
+        summary.rendered.clear()
     summary.cache[shape] = answer
     return answer
+
+
+def rendered(demand: PodDemand, summary: NodeSummary) -> tuple[Placement | Reason, str]:
+    """fit's answer and the node's part of the extender's answer as JSON
+    text (see NodeSummary.rendered), both remembered per pod shape."""
+    shape = demand.shape
+    hit = summary.rendered.get(shape)
+    if hit is not None:
+        return hit
+    answer = fit(demand, summary)
+    if type(answer) is Reason:
+        text = f"{summary.name_json}:{json.dumps(answer.text)}"
+    else:
+        text = f'{{"Host":{summary.name_json},"Score":{answer.score}}}'
+    summary.rendered[shape] = hit = (answer, text)
+    return hit
 
 
 def _fit(demand: PodDemand, s: NodeSummary) -> Placement | Reason:

@@ -7,6 +7,7 @@ HTTP 400 with {"Error": "..."} naming what is wrong, and changes nothing.
 """
 from __future__ import annotations
 
+import gc
 import json
 import socket
 import threading
@@ -17,7 +18,7 @@ import structlog
 
 from cgpud.errors import CgpuError
 from cgpud.extender.bind import Assignment, BindArgs
-from cgpud.extender.fit import Reason, fit
+from cgpud.extender.fit import Reason, rendered
 from cgpud.extender.model import view_to_json
 from cgpud.extender.pod import PodDemand, PodError, pod_demand
 from cgpud.extender.state import ClusterState
@@ -34,6 +35,10 @@ class Binder(Protocol):
 
 class BadRequest(ValueError):
     pass
+
+
+class Raw(str):
+    """An answer already encoded as JSON text."""
 
 
 UNKNOWN_NODE = ("unknown to cgpu-scheduler: no Capacity address for this node (not in the node file, or no "
@@ -61,7 +66,7 @@ class Extender:
         nodes = body.get("Nodes")
         items: list[Any] | None = None
         if names is not None:
-            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            if not isinstance(names, list) or not set(map(type, names)) <= {str}:
                 raise BadRequest("ExtenderArgs.NodeNames must be a list of node names")
         elif nodes is not None:
             if not isinstance(nodes, dict) or not isinstance(nodes.get("items") or [], list):
@@ -83,19 +88,22 @@ class Extender:
             demand = e
         return demand, names, items
 
-    def _judge_all(self, demand: PodDemand, names: list[str]) -> list[Any]:
-        """fit's answer (Placement or Reason) for each node, in order: the hot loop."""
-        record = self.state.record
+    def _judge_all(self, demand: PodDemand, names: list[str]) -> list[tuple[Any, str]]:
+        """For each node in order, fit's answer (Placement or Reason) and the
+        node's part of the answer as JSON text: the hot loop."""
+        record = self.state.records.get
         shape = demand.shape
         out = []
+        append = out.append
         for name in names:
             rec = record(name)
             summary = rec.summary if rec is not None else None
             if summary is None:
-                out.append(self._missing(name, rec))
+                reason = self._missing(name, rec)
+                append((reason, f"{json.dumps(name)}:{json.dumps(reason.text)}"))
                 continue
-            answer = summary.cache.get(shape)
-            out.append(answer if answer is not None else fit(demand, summary))
+            hit = summary.rendered.get(shape)
+            append(hit if hit is not None else rendered(demand, summary))
         return out
 
     def _missing(self, name: str, rec: Any) -> Reason:
@@ -106,7 +114,7 @@ class Extender:
                           "back", resolvable=False)
         return Reason("no view from the node's cgpud yet", resolvable=False)
 
-    def filter(self, body: Any) -> dict[str, Any]:
+    def filter(self, body: Any) -> dict[str, Any] | Raw:
         demand, names, items = self._args(body)
         failed: dict[str, str] = {}
         unresolvable: dict[str, str] = {}
@@ -118,7 +126,17 @@ class Extender:
         else:
             if self.binder is not None:
                 self.binder.remember(demand)
-            for name, answer in zip(names, self._judge_all(demand, names)):
+            judged = self._judge_all(demand, names)
+            if items is None:  # the node cache's answer, built as text from the nodes' rendered parts
+                ok, bad, never = [], [], []
+                for name, (answer, text) in zip(names, judged):
+                    if type(answer) is Reason:
+                        (bad if answer.resolvable else never).append(text)
+                    else:
+                        ok.append(name)
+                return Raw(f'{{"Nodes":null,"NodeNames":{json.dumps(ok)},"FailedNodes":{{{",".join(bad)}}},'
+                           f'"FailedAndUnresolvableNodes":{{{",".join(never)}}},"Error":""}}')
+            for name, (answer, _) in zip(names, judged):
                 if type(answer) is Reason:
                     (failed if answer.resolvable else unresolvable)[name] = answer.text
                 else:
@@ -133,14 +151,15 @@ class Extender:
             out["NodeNames"] = None
         return out
 
-    def prioritize(self, body: Any) -> list[dict[str, Any]]:
+    def prioritize(self, body: Any) -> list[dict[str, Any]] | Raw:
         demand, names, _ = self._args(body)
         if isinstance(demand, PodError) or not demand.containers:
             return [{"Host": n, "Score": 0} for n in names]
         if self.binder is not None:
             self.binder.remember(demand)
-        return [{"Host": name, "Score": 0 if type(answer) is Reason else answer.score}
-                for name, answer in zip(names, self._judge_all(demand, names))]
+        parts = [text if type(answer) is not Reason else f'{{"Host":{json.dumps(name)},"Score":0}}'
+                 for name, (answer, text) in zip(names, self._judge_all(demand, names))]
+        return Raw(f"[{','.join(parts)}]")
 
     def bind(self, body: Any) -> dict[str, Any]:
         if not isinstance(body, dict):
@@ -189,7 +208,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def _send(self, code: int, body: Any) -> None:
-        data = json.dumps(body, separators=(",", ":")).encode()
+        data = body.encode() if isinstance(body, Raw) else json.dumps(body, separators=(",", ":")).encode()
         self.send_response(code)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
@@ -262,14 +281,53 @@ class _Http6(_Http):
     address_family = socket.AF_INET6
 
 
+class QuietHeap:
+    """Keeps CPython's cyclic garbage collector off the request path.
+
+    The cluster view is a large heap of long-lived objects (every node's
+    view), and a full collection walks all of it: tens of milliseconds at
+    1,000 nodes, paid by whichever request allocates at the wrong moment.
+    So the heap is frozen (gc.freeze: O(1), the objects leave the
+    collector's generations; reference counting still frees them) after
+    every write to the view, and thawed, collected and frozen again once
+    a `collect_every` from a thread of its own, so cyclic garbage that got
+    frozen is reclaimed: one pause a minute instead of one every few
+    hundred requests."""
+
+    def __init__(self, state: ClusterState, collect_every: float = 60.0) -> None:
+        self._state = state
+        self._every = collect_every
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="extender-gc", daemon=True)
+
+    def start(self) -> QuietHeap:
+        self._state.on_write = gc.freeze
+        gc.freeze()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._state.on_write = None
+        gc.unfreeze()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._every):
+            gc.unfreeze()
+            gc.collect()
+            gc.freeze()
+
+
 class ExtenderServer:
     def __init__(self, state: ClusterState, binder: Binder | None, host: str = "127.0.0.1", port: int = 0,
-                 unknown_node: str = UNKNOWN_NODE) -> None:
+                 unknown_node: str = UNKNOWN_NODE, quiet_gc: bool = True) -> None:
         self.extender = Extender(state, binder, unknown_node)
         self._host = host
         self._want_port = port
         self._http: _Http | None = None
         self._thread: threading.Thread | None = None
+        self._heap = QuietHeap(state) if quiet_gc else None
 
     @property
     def port(self) -> int:
@@ -287,6 +345,8 @@ class ExtenderServer:
         self._thread = threading.Thread(target=self._http.serve_forever, kwargs={"poll_interval": 0.05},
                                         name="extender-http", daemon=True)
         self._thread.start()
+        if self._heap is not None:
+            self._heap.start()
         return self
 
     def stop(self) -> None:
@@ -296,4 +356,6 @@ class ExtenderServer:
         self._http.server_close()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        if self._heap is not None:
+            self._heap.stop()
         self._http = None

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from cgpud.daemon.model import Share
@@ -54,11 +54,20 @@ class ClusterState:
         self._lock = threading.Lock()
         self._records: dict[str, NodeRecord] = {}
         self._clock = clock
+        # Called after each write (the extender's server keeps the garbage
+        # collector off its hot path with it).
+        self.on_write: Callable[[], None] | None = None
 
     # ---- reads ------------------------------------------------------------------------
 
     def record(self, name: str) -> NodeRecord | None:
         return self._records.get(name)
+
+    @property
+    def records(self) -> Mapping[str, NodeRecord]:
+        """Every node's record, for loops over many nodes (read only: a
+        writer replaces a record whole, never changes one)."""
+        return self._records
 
     def entry(self, name: str) -> NodeEntry | None:
         rec = self._records.get(name)
@@ -126,8 +135,10 @@ class ClusterState:
              holds: tuple[Hold, ...]) -> None:
         state = view if view is None or not holds else with_holds(view, holds)
         entry = NodeEntry(name, address, connected, "" if connected else error, state)
-        summary = summarize(state) if state is not None and connected else None
+        summary = summarize(state, name) if state is not None and connected else None
         self._records[name] = NodeRecord(entry, summary, view, holds)
+        if self.on_write is not None:
+            self.on_write()
 
 
 def _live(holds: Sequence[Hold], view: NodeState, now: float) -> tuple[Hold, ...]:
