@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import grpc
 import structlog
 import urllib3
 from kubernetes import client as k8s
@@ -30,6 +31,12 @@ from cgpud.extender.state import ClusterState, Hold
 from cgpud.kube.apiserver import MERGE_PATCH, client_from
 
 _log = structlog.get_logger("cgpud.extender")
+
+# Reserve answers that mean the node decided and holds nothing new; any other
+# failure (a timeout, a dropped connection) leaves it unknown.
+_REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+            grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED,
+            grpc.StatusCode.PERMISSION_DENIED)
 
 
 class BindError(CgpuError):
@@ -167,6 +174,9 @@ class Binder:
             reservation = self.clients.get(address).reserve(demand.uid or args.pod_uid, args.pod_namespace,
                                                             args.pod_name, shares(placement), self._ttl)
         except CapacityError as e:
+            if e.code not in _REFUSED:
+                # The answer was lost, not the request: the node may hold it.
+                self._give_back(args.node, address, demand.uid or args.pod_uid)
             raise BindError(f"node {args.node} did not reserve for pod {key}: {e}") from None
         uid = reservation.pod_uid
         self.state.hold(args.node, Hold(uid, args.pod_namespace, args.pod_name, shares(placement),

@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
 
+import grpc
 import pytest
 
 from cgpud.daemon.model import Share
@@ -20,11 +21,17 @@ class FakeNode:
     def __init__(self) -> None:
         self.reserved: dict[str, tuple[Share, ...]] = {}
         self.refuse = ""
+        self.code = grpc.StatusCode.RESOURCE_EXHAUSTED
+        self.lose_answer = False
         self.revision = 7
 
     def reserve(self, uid: str, namespace: str, name: str, shares: Sequence[Share], ttl: int = 0) -> Any:
         if self.refuse:
-            raise CapacityError(self.refuse)
+            raise CapacityError(self.refuse, self.code)
+        if self.lose_answer:  # held on the node, the answer never came back
+            self.reserved[uid] = tuple(shares)
+            raise CapacityError("Reserve at 10.0.0.1:9455: DEADLINE_EXCEEDED: Deadline Exceeded",
+                                grpc.StatusCode.DEADLINE_EXCEEDED)
         self.reserved[uid] = tuple(shares)
         self.revision += 1
         return SimpleNamespace(pod_uid=uid, incarnation="inc-1", revision=self.revision, expires_unix_ms=9e15)
@@ -164,3 +171,13 @@ def test_a_pod_without_gpu_share_is_only_bound(state: ClusterState) -> None:
     b.remember(pod_demand(pod("p", [container("c")], uid="u1")))
     b.bind(BindArgs("p", "default", "u1", "n2"))
     assert api.bound == {"p": "n2"} and api.notes == {} and clients.addresses == []
+
+
+def test_a_reserve_whose_answer_was_lost_is_given_back(state: ClusterState) -> None:
+    clients = FakeClients()
+    clients.node.lose_answer = True
+    b = Binder(state, clients, FakeApi())  # type: ignore[arg-type]
+    b.remember(pod_demand(pod("p", uid="u1")))
+    with pytest.raises(BindError, match="DEADLINE_EXCEEDED"):
+        b.bind(BindArgs("p", "default", "u1", "n1"))
+    assert clients.node.reserved == {}

@@ -296,3 +296,32 @@ def test_bad_flags_are_refused_with_a_message(tmp_path: Path) -> None:
     done = subprocess.run([str(BIN / "cgpu-scheduler"), "--listen", "nowhere", "--nodes", str(bad)],
                           capture_output=True, text=True, timeout=30)
     assert done.returncode == 2 and "--listen 'nowhere'" in done.stderr
+
+
+def test_concurrent_binds_never_overcommit_a_node(tmp_path: Path, native: Path) -> None:
+    """Twelve 4 GiB pods bound at once to one node of 2 x 16 GiB: the
+    extender's view and the node's admission together let exactly 8 in."""
+    import concurrent.futures
+
+    with cgpud_nodes(tmp_path, native, 1) as nodes, extender(nodes) as ext:
+        until(lambda: connected(ext, "node-0"), what="the first view")
+        port = ext.server.port
+
+        def one(i: int) -> str:
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+            p = pod(f"p{i}", [container("c", mem="4")], uid=f"uid-{i}")
+            c.request("POST", "/filter", json.dumps(filter_args(p, ["node-0"])).encode())
+            json.loads(c.getresponse().read())
+            c.request("POST", "/bind", json.dumps({"PodName": f"p{i}", "PodNamespace": "default",
+                                                   "PodUID": f"uid-{i}", "Node": "node-0"}).encode())
+            error = json.loads(c.getresponse().read())["Error"]
+            c.close()
+            return str(error)
+
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
+            errors = list(pool.map(one, range(12)))
+        assert sum(1 for e in errors if e == "") == 8, errors
+        assert all("no GPU has 4 GiB free" in e or "RESOURCE_EXHAUSTED" in e for e in errors if e), errors
+        view = get_node(nodes[0].address, None)
+        assert [g.memory_allocated for g in view.gpus] == [16 * GIB, 16 * GIB]
+        assert len([p for p in view.pods if p.reserved]) == 8
