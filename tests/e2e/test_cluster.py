@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import threading
 import time
@@ -364,6 +365,7 @@ def _kubectl(cluster: Cluster, *args: str) -> subprocess.CompletedProcess[str]:
 
 def test_real_kubectl_lists_the_plugin_and_inspect_cgpu_prints_every_test_node(
         cluster: Cluster, extender: Extender) -> None:
+    assert cluster.pki is not None
     listed = _kubectl(cluster, "plugin", "list")
     assert listed.returncode == 0, listed.stderr
     assert str(BIN / "kubectl-inspect-cgpu") in listed.stdout.splitlines()
@@ -384,4 +386,7 @@ def test_real_kubectl_lists_the_plugin_and_inspect_cgpu_prints_every_test_node(
             view = cluster.get_node(node.index)
             assert total == GPUS * GPU_GIB
             assert allocated == sum(g.memory_allocated_bytes for g in view.gpus) // GIB
-        assert "Allocated/Total GPU Memory In Cluster:" in shown.stdout
+        in_cluster = re.search(r"Allocated/Total GPU Memory In Cluster:\s+(\d+)/(\d+) \(\d+%\)", shown.stdout)
+        assert in_cluster, shown.stdout
+        assert int(in_cluster[2]) == NODES * GPUS * GPU_GIB
+        assert int(in_cluster[1]) == sum(int(by_name[n][-1].split("/")[0]) for n in cluster.names)
