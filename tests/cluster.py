@@ -199,6 +199,7 @@ class Node:
     pods: KubeletPods
     endpoints: dict[str, str] = field(default_factory=dict)  # resource -> plugin socket name
     used: dict[str, set[str]] = field(default_factory=dict)  # device IDs the kubelet handed out, per resource
+    held: dict[tuple[str, str], list[tuple[str, list[str]]]] = field(default_factory=dict)  # pod -> (resource, IDs)
     lock: threading.Lock = field(default_factory=threading.Lock)  # one admission at a time, as the kubelet
 
     @property
@@ -257,7 +258,7 @@ class Cluster:
 
     def __init__(self, nodes: int = 8, *, gpus: int = 2, gpu_memory: str = "16GiB", mode: str = "cgpu",
                  placement: str | None = None, tls: bool = True, capacity: bool = True,
-                 daemon_args: Sequence[str] = ()) -> None:
+                 sweep_interval: float = 1.0, daemon_args: Sequence[str] = ()) -> None:
         if not 1 <= nodes <= 250:
             raise ValueError("1..250 nodes")
         self.count = nodes
@@ -267,7 +268,9 @@ class Cluster:
         self.placement = placement
         self.tls = tls and capacity
         self.capacity = capacity
-        self.daemon_args = tuple(daemon_args)
+        # cgpud's sweep (2 s by default) also asks the API server about each
+        # reservation's pod; every node asks the one API server of the test
+        self.daemon_args = ("--sweep-interval", str(sweep_interval), *daemon_args)
         self.tag = f"{os.getpid():x}{secrets.token_hex(1)}"
         self.nodes: list[Node] = []
         self.api: ApiServerProcess | None = None
@@ -557,7 +560,12 @@ class Cluster:
         asks for, pick free device IDs (GetPreferredAllocation over the
         healthy ones ListAndWatch lists), Allocate them, then list the pod
         in pod-resources. Returns the memory Allocates' answers in order;
-        raises grpc.RpcError as the kubelet would see it."""
+        raises grpc.RpcError as the kubelet would see it.
+
+        An Allocate does not name its pod: cgpud serves it to the oldest
+        assumed pod asking that much (gpushare's rule, docs/kubernetes.md),
+        so admit a node's pods in the order they were bound, as a kubelet
+        does, to get each pod its own instance."""
         assert self.api is not None
         node = self.nodes[i]
         pod = self.api.state.pod(namespace, name)
@@ -573,10 +581,25 @@ class Cluster:
                     if count <= 0:
                         continue
                     ids = self._allocate_one(node, resource.value, count)
+                    node.held.setdefault((namespace, name), []).append((resource.value, ids[0]))
                     if resource is Resource.GPU_MEM:
                         answers.append(ids[1])
                         node.pods.hold(namespace, name, container["name"], resource.value, tuple(ids[0]))
         return answers
+
+    def delete_pod(self, namespace: str, name: str) -> None:
+        """The pod is deleted: gone from the API server, and its node's
+        kubelet (if it admitted it) frees its devices and stops listing it."""
+        assert self.api is not None
+        bound = self.api.state.pod(namespace, name)["spec"].get("nodeName")
+        self.api.state.delete_pod(namespace, name)
+        node = next((n for n in self.nodes if n.name == bound), None)
+        if node is None:
+            return
+        with node.lock:
+            node.pods.forget(namespace, name)
+            for resource, ids in node.held.pop((namespace, name), []):
+                node.used.get(resource, set()).difference_update(ids)
 
     def _allocate_one(self, node: Node, resource: str, count: int) -> tuple[list[str], dp.ContainerAllocateResponse]:
         used = node.used.setdefault(resource, set())

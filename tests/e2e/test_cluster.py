@@ -62,7 +62,10 @@ def submit(cluster: Cluster, extender: Extender, pods: Sequence[dict[str, Any]],
 
 
 def bound_pods(cluster: Cluster) -> dict[str, list[dict[str, Any]]]:
-    """Node name -> the pods bound to it, from the API server."""
+    """Node name -> the pods bound to it, from the API server, in the order
+    they were bound (their ASSUME_TIME): the order a kubelet admits them,
+    and the one cgpud's Allocate serves same-size pods in (gpushare's rule:
+    an Allocate of n GiB is for the oldest assumed pod asking n GiB)."""
     assert cluster.api is not None
     out: dict[str, list[dict[str, Any]]] = {n: [] for n in cluster.names}
     with cluster.api.state.lock:
@@ -71,6 +74,8 @@ def bound_pods(cluster: Cluster) -> dict[str, list[dict[str, Any]]]:
         node = pod["spec"].get("nodeName")
         if node:
             out[node].append(pod)
+    for node_pods in out.values():
+        node_pods.sort(key=lambda p: int(p["metadata"]["annotations"].get(ANNOTATION_ASSUME_TIME, "0")))
     return out
 
 
@@ -255,6 +260,42 @@ def test_memory_and_compute_pods_on_core_mem_nodes_fill_them_by_compute_and_the_
             assert {x["owner"]["id"] for x in instances} == {owner(p) for p in by_node[node.name]}
             assert all([(g["memory_bytes"], g["core_percent"]) for g in x["grants"]] == [(2 * GIB, 30)]
                        for x in instances)
+
+
+def test_deleted_pods_give_their_share_back_admitted_or_not_and_the_next_pods_get_it() -> None:
+    # 2 nodes x 1 GPU x 16 GiB, 8 GiB pods: 4 fill them.
+    with Cluster(nodes=2, gpus=1, gpu_memory=f"{GPU_GIB}GiB") as cluster:
+        assert cluster.api is not None
+        extender = cluster.start_extender()
+        cluster.wait_connected(extender)
+        first = submit(cluster, extender, [share_pod(f"g-{i}", 8) for i in range(4)])
+        assert all(r[0].node for r in first.values()), first
+        by_node = bound_pods(cluster)
+        admitted = by_node["node-0"][0]  # the kubelet admits the first bound; the others stay reserved only
+        cluster.allocate(0, "default", admitted["metadata"]["name"])
+        reserved = by_node["node-1"][0]
+        assert schedule_once(extender.url, share_pod("nope", 8), cluster.names).node is None
+
+        # Deleted: one admitted (its instance goes), one only reserved (its reservation goes).
+        cluster.delete_pod("default", admitted["metadata"]["name"])
+        cluster.delete_pod("default", reserved["metadata"]["name"])
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and any(
+                v.gpus[0].memory_allocated_bytes > 8 * GIB for v in map(cluster.get_node, range(2))):
+            time.sleep(0.1)
+        views = [cluster.get_node(i) for i in range(2)]
+        assert [v.gpus[0].memory_allocated_bytes for v in views] == [8 * GIB, 8 * GIB]
+        assert cluster.instances(0) == []
+        assert [r.pod_uid for r in views[1].reservations] == [by_node["node-1"][1]["metadata"]["uid"]]
+
+        second = submit(cluster, extender, [share_pod(f"h-{i}", 8) for i in range(2)])
+        assert sorted(r[0].node for r in second.values()) == ["node-0", "node-1"], second
+        by_node = bound_pods(cluster)
+        allocate_all(cluster, by_node)
+        for i, node in enumerate(cluster.nodes):
+            view = cluster.get_node(i)
+            assert list(view.reservations) == [] and view.gpus[0].memory_allocated_bytes == GPU_GIB * GIB
+            assert {x["owner"]["id"] for x in cluster.instances(i)} == {owner(p) for p in by_node[node.name]}
 
 
 # ---- a node dies mid-run ---------------------------------------------------------------------
