@@ -20,11 +20,15 @@ DEFAULT_TIMEOUT = 5.0
 
 # A watcher whose node died without closing the connection (power, network)
 # learns it from a missed keepalive: a ping every 15 s on a live stream, and
-# the connection is dropped 5 s after one goes unanswered. cgpud allows pings
-# this often on its Capacity port.
+# the connection is dropped 5 s after one goes unanswered (a frozen node is
+# refused 20 s after it froze). cgpud allows pings every 10 s on its Capacity
+# port; more often would get the connection closed for too many pings.
 _KEEPALIVE = [
     ("grpc.keepalive_time_ms", 15_000),
     ("grpc.keepalive_timeout_ms", 5_000),
+    # Without this the core waits its default ping timeout (~30 s here), not
+    # keepalive_timeout_ms, for the pong.
+    ("grpc.http2.ping_timeout_ms", 5_000),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.keepalive_permit_without_calls", 0),
     # Reconnect soon after a node comes back; the watcher backs off itself.

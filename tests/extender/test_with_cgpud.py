@@ -325,3 +325,24 @@ def test_concurrent_binds_never_overcommit_a_node(tmp_path: Path, native: Path) 
         view = get_node(nodes[0].address, None)
         assert [g.memory_allocated for g in view.gpus] == [16 * GIB, 16 * GIB]
         assert len([p for p in view.pods if p.reserved]) == 8
+
+
+def test_a_node_that_stops_answering_is_refused_after_the_keepalive(tmp_path: Path, native: Path) -> None:
+    """A frozen cgpud keeps its TCP connection open (the kernel answers for
+    it): only the missing keepalive pong tells, 15 + 5 s later."""
+    with cgpud_nodes(tmp_path, native, 1) as nodes, extender(nodes) as ext:
+        until(lambda: connected(ext, "node-0"), what="the first view")
+        proc = nodes[0].daemon.proc
+        assert proc is not None
+        proc.send_signal(signal.SIGSTOP)
+        frozen = time.monotonic()
+        try:
+            until(lambda: not connected(ext, "node-0"), timeout=30, what="the keepalive to fail")
+            took = time.monotonic() - frozen
+            entry = ext.state.entry("node-0")
+            assert entry is not None and "ping timeout" in entry.error and 14 < took < 25, (took, entry.error)
+            _, out = ext.call("POST", "/filter", filter_args(pod("p", uid="uid-p"), ["node-0"]))
+            assert "Capacity stream is down" in out["FailedAndUnresolvableNodes"]["node-0"]
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        until(lambda: connected(ext, "node-0"), timeout=15, what="the node back")
