@@ -16,14 +16,18 @@ Go client does it on its own time; a pod's time is its filter round trip plus
 its prioritize round trip (prioritize gets the nodes the filter passed).
 Between pods one node gets a new view, as a bind on it would give it, and
 each pod draws its shape from a set of twelve, so the extender's per-view
-answer cache is as warm as a busy cluster keeps it; a `cold` row clears every
-node's cache before each pod (a burst of new views or new shapes).
+answer cache is as warm as a busy cluster keeps it. A round sends its pods
+as a burst through each side in turn (the order alternates by round), then
+some again to the cached side after an idle pause each (`after idle`: the
+extender's data has left the CPU caches), then a few after every node got a
+new view (`cold`: every node's fit worked out afresh).
 
 Bind (root; tests/cluster.py): 8 real cgpud nodes in network namespaces, the
-real cgpu-scheduler process and the test API server. Pods are created on the
-API server, then kube-scheduler is played with 16 pods in flight (its parallel
-binding goroutines): filter, prioritize, bind (Reserve on the node, annotate,
-Binding). Pods per second from the first filter to the last bind answer.
+real cgpu-scheduler process and the test API server. kube-scheduler's part
+runs in a process of its own: one scheduling loop (filter, prioritize, pick)
+handing pods to 16 binding threads (its parallel binding goroutines); a
+failed bind requeues the pod. Pods per second from the first filter to the
+last bind answer, and the CPU each process spent per pod.
 """
 from __future__ import annotations
 
@@ -50,9 +54,9 @@ GPUS = 8
 GPU_MEMORY = 80 * GIB
 SHAPES = [(gib, count) for gib in (1, 2, 3, 4, 6, 8, 12, 16, 24) for count in (1,)] + [(8, 2), (16, 2), (32, 4)]
 TARGET_P99_MS = 5.0
-# Pause after each side's pod: the other side's extender frees megabytes of
-# parsed JSON after it answers; that work must not land in the next timing.
-SETTLE = 0.03
+# A pod that comes after a quiet spell finds the extender's data out of the
+# CPU's caches (other processes ran meanwhile): the `after idle` row.
+IDLE = 0.05
 TARGET_BINDS = 300.0
 
 
@@ -176,7 +180,7 @@ def serve(n: int, seed: int, control: Connection) -> None:
 class Side:
     label: str
     ms: list[float] = field(default_factory=list)
-    cpu: float = 0.0  # the extender process's CPU seconds over this side's requests (10 ms ticks, summed)
+    cpu: float = 0.0  # the extender process's CPU seconds over this side's requests
 
 
 def _post(conn: http.client.HTTPConnection, path: str, body: bytes) -> tuple[float, bytes]:
@@ -244,11 +248,23 @@ class ExtenderProcess:
 
 
 def measure_scale(n: int, rounds: int, pods: int, seed: int) -> dict[str, Side]:
-    """Each side has an extender process of its own over the same synthetic
-    cluster (same seed), so the baseline's megabytes of JSON do not leave
-    their garbage in the measured side's process."""
-    sides = {k: Side(k) for k in ("cache", "no cache", "cache, cold")}
+    """Rounds of blocks: each round runs the same `pods` pods as a burst
+    through each side (the sides' order alternates round by round), then the
+    cache side again with an idle pause before each pod, then a few pods
+    after every view changed. Each side has an extender process of its own
+    over the same synthetic cluster (same seed)."""
+    sides = {k: Side(k) for k in ("cache", "no cache", "cache, after idle", "cache, cold")}
     servers: dict[str, ExtenderProcess] = {}
+
+    def timed(label: str, server: str, pod: dict[str, Any], nodes: list[dict[str, Any]] | None) -> None:
+        cpu = cpu_seconds(servers[server].pid)
+        sides[label].ms.append(one_pod(conns[server], pod, names, nodes) * 1e3)
+        sides[label].cpu += cpu_seconds(servers[server].pid) - cpu
+
+    def touch(i: int) -> None:  # a bind on node i gives it a new view
+        for server in servers.values():
+            server.command("touch", i)
+
     try:
         for label in ("cache", "no cache"):
             servers[label] = ExtenderProcess(n, seed)
@@ -262,28 +278,23 @@ def measure_scale(n: int, rounds: int, pods: int, seed: int) -> dict[str, Side]:
         one_pod(conns["no cache"], pod_json(-100, 1, 1), names, full)
         serial = 0
         for r in range(rounds):
-            for p in range(pods):
+            batch = []
+            for _ in range(pods):
                 serial += 1
                 gib, count = rng.choice(SHAPES)
-                pod = pod_json(serial, gib, count)
-                order = [("cache", None), ("no cache", full)]
-                for label, nodes in order if (r + p) % 2 == 0 else order[::-1]:
-                    cpu = cpu_seconds(servers[label].pid)
-                    sides[label].ms.append(one_pod(conns[label], pod, names, nodes) * 1e3)
-                    sides[label].cpu += cpu_seconds(servers[label].pid) - cpu
-                    time.sleep(SETTLE)
-                touched = rng.randrange(n)  # a bind somewhere gives that node a new view
-                for server in servers.values():
-                    server.command("touch", touched)
-            for _ in range(max(1, pods // 8)):
-                gib, count = rng.choice(SHAPES)
-                serial += 1
+                batch.append((pod_json(serial, gib, count), rng.randrange(n)))
+            order = [("cache", None), ("no cache", full)]
+            for label, nodes in order if r % 2 == 0 else order[::-1]:
+                for pod, touched in batch:
+                    timed(label, label, pod, nodes)
+                    touch(touched)
+            for pod, touched in batch[:max(1, pods // 4)]:
+                time.sleep(IDLE)
+                timed("cache, after idle", "cache", pod, None)
+                touch(touched)
+            for pod, _ in batch[:max(1, pods // 8)]:
                 servers["cache"].command("cold")
-                time.sleep(SETTLE)
-                cpu = cpu_seconds(servers["cache"].pid)
-                sides["cache, cold"].ms.append(one_pod(conns["cache"], pod_json(serial, gib, count), names, None)
-                                               * 1e3)
-                sides["cache, cold"].cpu += cpu_seconds(servers["cache"].pid) - cpu
+                timed("cache, cold", "cache", pod, None)
         for c in conns.values():
             c.close()
     finally:
@@ -314,7 +325,7 @@ def report_scale(results: dict[int, dict[str, Side]]) -> None:
         print(f"\ngrowth {lo} -> {hi} nodes ({hi / lo:.0f}x the nodes):")
         for label in results[lo]:
             a, b = results[lo][label].ms, results[hi][label].ms
-            print(f"  {label:12s} p50 {statistics.median(b) / statistics.median(a):5.1f}x   "
+            print(f"  {label:18s} p50 {statistics.median(b) / statistics.median(a):5.1f}x   "
                   f"p99 {quantile(b, 0.99) / quantile(a, 0.99):5.1f}x")
     if 1000 in results:
         p99 = quantile(results[1000]["cache"].ms, 0.99)
@@ -417,9 +428,17 @@ def scheduler_loop(url: str, names: list[str], pods: list[dict[str, Any]], paral
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process so far (its threads included)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU time of a process's live threads so far, to the nanosecond (the
+    scheduler's own account in /proc/PID/task/*/schedstat; /proc/PID/stat
+    counts 10 ms ticks). A thread that ended is no longer counted: measure
+    across keep-alive connections, whose threads live on."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (OSError, IndexError, ValueError):
+            continue  # the thread ended meanwhile
+    return total / 1e9
 
 
 def measure_binds(pods: int, nodes: int, parallel: int, gpu_memory_gib: int) -> dict[str, Any]:
