@@ -73,8 +73,13 @@ class PodApi(Protocol):
 class KubePodApi:
     """The three calls bind makes, with the official client."""
 
-    def __init__(self, kubeconfig: Path | None, timeout: float = 5.0) -> None:
-        self._client = client_from(kubeconfig)
+    def __init__(self, kubeconfig: Path | None, timeout: float = 5.0, connections: int = 32) -> None:
+        loaded = client_from(kubeconfig)
+        configuration = loaded.configuration
+        loaded.close()
+        # kube-scheduler binds up to 16 pods at once: a connection each, kept.
+        configuration.connection_pool_maxsize = connections
+        self._client = k8s.ApiClient(configuration)
         self._core = k8s.CoreV1Api(self._client)
         self._timeout = timeout
 
@@ -210,7 +215,8 @@ class Binder:
         return demand
 
     def _place(self, args: BindArgs, demand: PodDemand) -> tuple[Placement, str]:
-        self.state.expire()
+        # Holds whose time ran out are dropped by the main loop each second
+        # (ClusterState.expire): until then they only make the node look fuller.
         record = self.state.record(args.node)
         if record is None:
             raise BindError(f"node {args.node} is unknown to cgpu-scheduler (no Capacity address for it)")
