@@ -395,6 +395,7 @@ def scheduler_loop(url: str, names: list[str], pods: list[dict[str, Any]], paral
             failed_binds.append(str(answer)[:200])
             todo.put(pod)  # requeued, as kube-scheduler does after a failed binding cycle
 
+    control.send("ready")
     control.recv()  # go
     bound: dict[str, str] = {}
     t0 = time.perf_counter()
@@ -441,6 +442,13 @@ def cpu_seconds(pid: int) -> float:
     return total / 1e9
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU of a whole process so far, ended threads included
+    (10 ms ticks: for totals over a run, not single requests)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def measure_binds(pods: int, nodes: int, parallel: int, gpu_memory_gib: int) -> dict[str, Any]:
     """`pods` pods of 1 GiB through filter, prioritize and bind on the real
     multi-node setup; kube-scheduler's part runs in a process of its own
@@ -463,12 +471,14 @@ def measure_binds(pods: int, nodes: int, parallel: int, gpu_memory_gib: int) -> 
                 "cgpud x nodes": [n.daemon.proc.pid for n in cluster.nodes if n.daemon.proc is not None],
                 "kube-scheduler's part": [proc.pid]}
         try:
-            cpu0 = {k: sum(cpu_seconds(p) for p in v) for k, v in pids.items()}
+            if not parent.poll(120) or parent.recv() != "ready":
+                raise RuntimeError("the scheduling loop's process did not start")
+            cpu0 = {k: sum(process_cpu_seconds(p) for p in v) for k, v in pids.items()}
             parent.send("go")
             if not parent.poll(600):
                 raise RuntimeError("the scheduling loop did not finish in 600 s")
             answer = parent.recv()
-            cpu = {k: sum(cpu_seconds(p) for p in v) - cpu0[k] for k, v in pids.items()}
+            cpu = {k: sum(process_cpu_seconds(p) for p in v) - cpu0[k] for k, v in pids.items()}
         finally:
             proc.join(30)
             if proc.is_alive():
