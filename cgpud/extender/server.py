@@ -11,6 +11,7 @@ import gc
 import json
 import socket
 import threading
+from collections import OrderedDict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
 
@@ -18,12 +19,13 @@ import structlog
 
 from cgpud.errors import CgpuError
 from cgpud.extender.bind import Assignment, BindArgs
-from cgpud.extender.fit import Reason, rendered
+from cgpud.extender.fit import NodeSummary, Reason, rendered
 from cgpud.extender.model import view_to_json
 from cgpud.extender.pod import PodDemand, PodError, pod_demand
 from cgpud.extender.state import ClusterState
 
 MAX_BODY = 16 << 20
+RECENT_SHAPES = 16  # pod shapes answered ahead on each new node view
 _log = structlog.get_logger("cgpud.extender")
 
 
@@ -54,6 +56,28 @@ class Extender:
         self.unknown_node = unknown_node
         # Nodes the node source knows are not cgpu nodes, with why; replaced whole.
         self.skipped: dict[str, str] = {}
+        # The last pod shapes filtered, one demand each: a node's new view is
+        # answered for them as it arrives (warm), so the next pod of a
+        # recent shape finds every node's answer ready.
+        self._recent: OrderedDict[tuple[tuple[int, int, int], ...], PodDemand] = OrderedDict()
+        self._recent_lock = threading.Lock()
+
+    def warm(self, summary: NodeSummary) -> None:
+        """Answer the recent pod shapes on a node summary not yet published."""
+        with self._recent_lock:
+            demands = list(self._recent.values())
+        for demand in demands:
+            rendered(demand, summary)
+
+    def _seen(self, demand: PodDemand) -> None:
+        shape = demand.shape
+        with self._recent_lock:
+            if shape in self._recent:
+                self._recent.move_to_end(shape)
+                return
+            self._recent[shape] = demand
+            while len(self._recent) > RECENT_SHAPES:
+                self._recent.popitem(last=False)
 
     def _args(self, body: Any) -> tuple[PodDemand | PodError, list[str], list[Any] | None]:
         """(demand or why the pod cannot be placed, node names, node objects when given as Nodes)."""
@@ -126,6 +150,7 @@ class Extender:
         else:
             if self.binder is not None:
                 self.binder.remember(demand)
+            self._seen(demand)
             judged = self._judge_all(demand, names)
             if items is None:  # the node cache's answer, built as text from the nodes' rendered parts
                 ok, bad, never = [], [], []
@@ -328,6 +353,7 @@ class ExtenderServer:
         self._http: _Http | None = None
         self._thread: threading.Thread | None = None
         self._heap = QuietHeap(state) if quiet_gc else None
+        self._state = state
 
     @property
     def port(self) -> int:
@@ -345,6 +371,7 @@ class ExtenderServer:
         self._thread = threading.Thread(target=self._http.serve_forever, kwargs={"poll_interval": 0.05},
                                         name="extender-http", daemon=True)
         self._thread.start()
+        self._state.on_summary = self.extender.warm
         if self._heap is not None:
             self._heap.start()
         return self
@@ -358,4 +385,5 @@ class ExtenderServer:
             self._thread.join(timeout=5)
         if self._heap is not None:
             self._heap.stop()
+        self._state.on_summary = None
         self._http = None

@@ -57,6 +57,9 @@ class ClusterState:
         # Called after each write (the extender's server keeps the garbage
         # collector off its hot path with it).
         self.on_write: Callable[[], None] | None = None
+        # Called with each new node summary before readers see it (the
+        # server answers recent pod shapes there, off the request path).
+        self.on_summary: Callable[[NodeSummary], None] | None = None
 
     # ---- reads ------------------------------------------------------------------------
 
@@ -136,6 +139,8 @@ class ClusterState:
         state = view if view is None or not holds else with_holds(view, holds)
         entry = NodeEntry(name, address, connected, "" if connected else error, state)
         summary = summarize(state, name) if state is not None and connected else None
+        if summary is not None and self.on_summary is not None:
+            self.on_summary(summary)
         self._records[name] = NodeRecord(entry, summary, view, holds)
         if self.on_write is not None:
             self.on_write()

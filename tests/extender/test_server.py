@@ -191,3 +191,21 @@ def test_many_requests_on_one_connection(server: tuple[ExtenderServer, FakeBinde
     for _ in range(50):
         code, out = c.call("POST", "/filter", args(pod(), ["idle"]))
         assert code == 200 and out["NodeNames"] == ["idle"]
+
+
+def test_a_new_view_is_answered_for_recent_pod_shapes_before_it_is_read(
+        server: tuple[ExtenderServer, FakeBinder], cluster: ClusterState) -> None:
+    srv, _ = server
+    c = Conn(srv.port)
+    c.call("POST", "/filter", args(pod(containers=[container("c", mem="4")]), ["idle"]))
+    c.call("POST", "/filter", args(pod(containers=[container("c", mem="6", count="2")]), ["idle"]))
+    cluster.set_state("idle", "10.0.0.2:9455", node("idle", gpus=[gpu(0, used=2), gpu(1)], revision=2))
+    rec = cluster.record("idle")
+    assert rec is not None and rec.summary is not None
+    shapes = set(rec.summary.rendered)
+    assert shapes == {((4 << 30, 0, 1),), ((3 << 30, 0, 2),)}
+    answer, text = rec.summary.rendered[((4 << 30, 0, 1),)]
+    assert answer.containers == ((4 << 30, 0, (0,)),) and text == f'{{"Host":"idle","Score":{answer.score}}}'
+    # And the HTTP answer is that one.
+    code, out = c.call("POST", "/prioritize", args(pod(containers=[container("c", mem="4")]), ["idle"]))
+    assert out == [{"Host": "idle", "Score": answer.score}]
