@@ -162,9 +162,18 @@ class Binder:
         self._ttl = ttl
         self._clock = clock
         self._recent: deque[Assignment] = deque(maxlen=keep)
+        self._locks_lock = threading.Lock()
+        self._locks: dict[str, threading.Lock] = {}
 
     def remember(self, demand: PodDemand) -> None:
         self.demands.put(demand)
+
+    def _node_lock(self, node: str) -> threading.Lock:
+        with self._locks_lock:
+            lock = self._locks.get(node)
+            if lock is None:
+                lock = self._locks[node] = threading.Lock()
+            return lock
 
     def recent(self) -> list[dict[str, Any]]:
         return [asdict(a) for a in list(self._recent)]
@@ -174,19 +183,26 @@ class Binder:
         key = f"{args.pod_namespace}/{args.pod_name}"
         if not demand.containers:  # no GPU share: only the Binding
             return self._finish(args, demand, None, {})
-        placement, address = self._place(args, demand)
-        try:
-            reservation = self.clients.get(address).reserve(demand.uid or args.pod_uid, args.pod_namespace,
-                                                            args.pod_name, shares(placement), self._ttl)
-        except CapacityError as e:
-            if e.code not in _REFUSED:
-                # The answer was lost, not the request: the node may hold it.
-                self._give_back(args.node, address, demand.uid or args.pod_uid)
-            raise BindError(f"node {args.node} did not reserve for pod {key}: {e}") from None
-        uid = reservation.pod_uid
-        self.state.hold(args.node, Hold(uid, args.pod_namespace, args.pod_name, shares(placement),
-                                        reservation.incarnation, reservation.revision,
-                                        reservation.expires_unix_ms / 1000))
+        # One bind at a time per node from fit to hold: a second pod for the
+        # node is placed on a view that counts the first, instead of choosing
+        # the same GPU and being refused by the node (binds to different
+        # nodes still run side by side).
+        if self.state.record(args.node) is None:  # no lock for a name nobody knows
+            self._place(args, demand)
+        with self._node_lock(args.node):
+            placement, address = self._place(args, demand)
+            try:
+                reservation = self.clients.get(address).reserve(demand.uid or args.pod_uid, args.pod_namespace,
+                                                                args.pod_name, shares(placement), self._ttl)
+            except CapacityError as e:
+                if e.code not in _REFUSED:
+                    # The answer was lost, not the request: the node may hold it.
+                    self._give_back(args.node, address, demand.uid or args.pod_uid)
+                raise BindError(f"node {args.node} did not reserve for pod {key}: {e}") from None
+            uid = reservation.pod_uid
+            self.state.hold(args.node, Hold(uid, args.pod_namespace, args.pod_name, shares(placement),
+                                            reservation.incarnation, reservation.revision,
+                                            reservation.expires_unix_ms / 1000))
         record = self.state.record(args.node)
         view = record.entry.state if record is not None and record.entry.state is not None else None
         notes = annotations(demand, placement, view, int(self._clock() * 1e9)) if view is not None else {}
