@@ -32,6 +32,8 @@ from cgpud.kube.apiserver import MERGE_PATCH, client_from
 
 _log = structlog.get_logger("cgpud.extender")
 
+PENDING_HOLD = 30.0  # seconds a hold lives while its Reserve is under way (the RPC times out long before)
+
 # Reserve answers that mean the node decided and holds nothing new; any other
 # failure (a timeout, a dropped connection) leaves it unknown.
 _REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -80,49 +82,68 @@ class KubePodApi:
         # kube-scheduler binds up to 16 pods at once: a connection each, kept.
         configuration.connection_pool_maxsize = connections
         self._client = k8s.ApiClient(configuration)
-        self._core = k8s.CoreV1Api(self._client)
         self._timeout = timeout
 
     def close(self) -> None:
         self._client.close()
 
     def get_pod(self, namespace: str, name: str) -> dict[str, Any]:
-        raw = self._call(f"read pod {namespace}/{name}", self._core.read_namespaced_pod, name, namespace,
-                         _preload_content=False)
-        return json.loads(raw.data)
+        data = self._request(f"read pod {namespace}/{name}", "GET", "/api/v1/namespaces/{namespace}/pods/{name}",
+                             {"namespace": namespace, "name": name})
+        pod = json.loads(data)
+        if not isinstance(pod, dict):
+            raise BindError(f"cannot read pod {namespace}/{name}: the API server sent no object")
+        return pod
 
     def annotate(self, namespace: str, name: str, annotations: Mapping[str, str]) -> None:
-        self._call(f"annotate pod {namespace}/{name}", self._core.patch_namespaced_pod, name, namespace,
-                   {"metadata": {"annotations": dict(annotations)}}, _content_type=MERGE_PATCH,
-                   _preload_content=False)
+        self._request(f"annotate pod {namespace}/{name}", "PATCH", "/api/v1/namespaces/{namespace}/pods/{name}",
+                      {"namespace": namespace, "name": name}, {"metadata": {"annotations": dict(annotations)}},
+                      MERGE_PATCH)
 
     def bind(self, namespace: str, name: str, uid: str, node: str) -> None:
         body = {"apiVersion": "v1", "kind": "Binding",
                 "metadata": {"name": name, "namespace": namespace, **({"uid": uid} if uid else {})},
                 "target": {"apiVersion": "v1", "kind": "Node", "name": node}}
-        # The API server answers a Binding with a Status, which the client
-        # cannot read back as a V1Binding (kubernetes-client/python#547,
-        # #825): take the raw answer.
-        self._call(f"bind pod {namespace}/{name} to node {node}", self._core.create_namespaced_binding, namespace,
-                   body, _preload_content=False)
+        # The answer is a Status, which the generated create_namespaced_binding
+        # cannot read back as a V1Binding (kubernetes-client/python#547, #825);
+        # the raw answer is all bind needs.
+        self._request(f"bind pod {namespace}/{name} to node {node}", "POST",
+                      "/api/v1/namespaces/{namespace}/pods/{name}/binding", {"namespace": namespace, "name": name},
+                      body)
 
-    def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def _request(self, what: str, method: str, path: str, params: Mapping[str, str], body: Any = None,
+                 content_type: str = "application/json") -> bytes:
+        """One call through the client's serializer, auth and connection pool,
+        below its generated methods (their per-call argument validation costs
+        more CPU than the request; bind makes two on every pod)."""
+        headers = {"Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = content_type
         try:
-            return fn(*args, _request_timeout=self._timeout, **kwargs)
+            request = self._client.param_serialize(method=method, resource_path=path, path_params=dict(params),
+                                                   header_params=headers, body=body, auth_settings=["BearerToken"])
+            answer = self._client.call_api(*request, _request_timeout=self._timeout)
+            data = answer.read()
         except ApiException as e:
             raise BindError(f"cannot {what}: {e.status} {_reason(e)}") from None
         except (urllib3.exceptions.HTTPError, OSError) as e:
             raise BindError(f"cannot {what}: the API server cannot be reached ({e})") from None
+        if not 200 <= answer.status <= 299:
+            raise BindError(f"cannot {what}: {answer.status} {_message(data) or answer.reason}")
+        return data
+
+
+def _message(data: bytes | None) -> str:
+    """The message of a Status the API server sent, else ""."""
+    try:
+        status = json.loads(data or b"")
+    except (ValueError, TypeError):
+        return ""
+    return str(status.get("message", "")) if isinstance(status, dict) else ""
 
 
 def _reason(e: ApiException) -> str:
-    try:
-        status = json.loads(e.body or "")
-        if isinstance(status, dict) and status.get("message"):
-            return str(status["message"])
-    except (ValueError, TypeError):
-        pass
-    return str(e.reason or "")
+    return _message(e.body) or str(e.reason or "")
 
 
 class Demands:
@@ -183,26 +204,32 @@ class Binder:
         key = f"{args.pod_namespace}/{args.pod_name}"
         if not demand.containers:  # no GPU share: only the Binding
             return self._finish(args, demand, None, {})
-        # One bind at a time per node from fit to hold: a second pod for the
-        # node is placed on a view that counts the first, instead of choosing
-        # the same GPU and being refused by the node (binds to different
-        # nodes still run side by side).
+        # Fit and a pending hold under the node's lock, the Reserve outside
+        # it: a second pod for the node is placed at once on a view that
+        # counts the first (not on the same GPU, to be refused by the node),
+        # and Reserves to one node still overlap.
+        uid = demand.uid or args.pod_uid
         if self.state.record(args.node) is None:  # no lock for a name nobody knows
             self._place(args, demand)
         with self._node_lock(args.node):
             placement, address = self._place(args, demand)
-            try:
-                reservation = self.clients.get(address).reserve(demand.uid or args.pod_uid, args.pod_namespace,
-                                                                args.pod_name, shares(placement), self._ttl)
-            except CapacityError as e:
-                if e.code not in _REFUSED:
-                    # The answer was lost, not the request: the node may hold it.
-                    self._give_back(args.node, address, demand.uid or args.pod_uid)
-                raise BindError(f"node {args.node} did not reserve for pod {key}: {e}") from None
-            uid = reservation.pod_uid
-            self.state.hold(args.node, Hold(uid, args.pod_namespace, args.pod_name, shares(placement),
-                                            reservation.incarnation, reservation.revision,
-                                            reservation.expires_unix_ms / 1000))
+            held = shares(placement)
+            self.state.hold(args.node, Hold(uid, args.pod_namespace, args.pod_name, held, "", 0,
+                                            self._clock() + PENDING_HOLD))
+        try:
+            reservation = self.clients.get(address).reserve(uid, args.pod_namespace, args.pod_name, held, self._ttl)
+        except CapacityError as e:
+            self.state.release(args.node, uid)
+            if e.code not in _REFUSED:
+                # The answer was lost, not the request: the node may hold it.
+                self._give_back(args.node, address, uid)
+            raise BindError(f"node {args.node} did not reserve for pod {key}: {e}") from None
+        except BaseException:
+            self.state.release(args.node, uid)
+            raise
+        uid = reservation.pod_uid
+        self.state.hold(args.node, Hold(uid, args.pod_namespace, args.pod_name, held, reservation.incarnation,
+                                        reservation.revision, reservation.expires_unix_ms / 1000))
         record = self.state.record(args.node)
         view = record.entry.state if record is not None and record.entry.state is not None else None
         notes = annotations(demand, placement, view, int(self._clock() * 1e9)) if view is not None else {}

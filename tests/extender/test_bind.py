@@ -181,3 +181,34 @@ def test_a_reserve_whose_answer_was_lost_is_given_back(state: ClusterState) -> N
     with pytest.raises(BindError, match="DEADLINE_EXCEEDED"):
         b.bind(BindArgs("p", "default", "u1", "n1"))
     assert clients.node.reserved == {}
+
+
+def test_the_hold_counts_while_the_reserve_is_under_way(state: ClusterState) -> None:
+    clients = FakeClients()
+    seen: list[int] = []
+    real = clients.node.reserve
+
+    def reserve(*a: Any, **k: Any) -> Any:
+        rec = state.record("n1")
+        assert rec is not None and rec.entry.state is not None
+        seen.append(rec.entry.state.gpus[0].memory_allocated)
+        return real(*a, **k)
+
+    clients.node.reserve = reserve  # type: ignore[method-assign]
+    b = Binder(state, clients, None)  # type: ignore[arg-type]
+    b.remember(pod_demand(pod("p", [container("c", mem="4")], uid="u1")))
+    b.bind(BindArgs("p", "default", "u1", "n1"))
+    assert seen == [12 * GIB]  # 8 GiB the view had, 4 GiB pending
+    rec = state.record("n1")
+    assert rec is not None and [(h.pod_uid, h.incarnation) for h in rec.holds] == [("u1", "inc-1")]
+
+
+def test_a_refused_reserve_drops_its_pending_hold(state: ClusterState) -> None:
+    clients = FakeClients()
+    clients.node.refuse = "RESOURCE_EXHAUSTED: no"
+    b = Binder(state, clients, None)  # type: ignore[arg-type]
+    b.remember(pod_demand(pod("p", uid="u1")))
+    with pytest.raises(BindError):
+        b.bind(BindArgs("p", "default", "u1", "n1"))
+    rec = state.record("n1")
+    assert rec is not None and rec.holds == ()
