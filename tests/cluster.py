@@ -39,6 +39,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,12 +51,13 @@ from cgpud.api.cgpu.v1 import capacity_pb2 as cap
 from cgpud.api.cgpu.v1 import capacity_pb2_grpc as cap_grpc
 from cgpud.api.k8s.deviceplugin.v1beta1 import api_pb2 as dp
 from cgpud.api.k8s.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
+from cgpud.api.k8s.podresources.v1 import api_pb2_grpc as pr_grpc
 from cgpud.kube.model import LABEL_MODE, LABEL_PLACEMENT, Resource
 from cgpud.native import native_dir
 from tests.conftest import write_sim_config
 from tests.daemonproc import BIN, Daemon, make_daemon
 from tests.kube.api_server import ApiServerProcess, ApiState, node_json
-from tests.kube.kubelet_pods import KubeletPods, kubelet_pods
+from tests.kube.kubelet_pods import KubeletPods
 from tests.kube.test_device_plugin import Kubelet
 
 CAPACITY_PORT = 9455
@@ -349,7 +351,12 @@ class Cluster:
         plugins.mkdir()
         kubelet = Kubelet(plugins).start()
         self._stack.callback(kubelet.stop)
-        lister, pod_resources = self._stack.enter_context(kubelet_pods())
+        lister, pod_resources = KubeletPods(), directory / "pod-resources.sock"  # in the run's directory: swept
+        server = grpc.server(ThreadPoolExecutor(max_workers=2))
+        pr_grpc.add_PodResourcesListerServicer_to_server(lister, server)
+        assert server.add_insecure_port(f"unix:{pod_resources}") != 0
+        server.start()
+        self._stack.callback(lambda: server.stop(None).wait(5))
         labels = {LABEL_MODE: self.mode}
         if self.placement:
             labels[LABEL_PLACEMENT] = self.placement
