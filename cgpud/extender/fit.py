@@ -88,11 +88,11 @@ class NodeSummary:
     largest: int  # the largest GPU's memory, healthy or not
     most_free: int  # the most free memory of a GPU in `order`
     name_json: str = ""  # the node's name as a JSON string, for answers built as text
-    cache: dict[tuple[tuple[int, int, int], ...], Placement | Reason] = field(default_factory=dict)
+    cache: dict[Any, Placement | Reason] = field(default_factory=dict)  # by PodDemand.fit_key
     # Per pod shape, fit's answer with the node's part of a filter or
     # prioritize answer as JSON text: `"name":"reason"` (FailedNodes) or
     # `{"Host":"name","Score":n}`.
-    rendered: dict[tuple[tuple[int, int, int], ...], tuple[Placement | Reason, str]] = field(default_factory=dict)
+    rendered: dict[Any, tuple[Placement | Reason, str]] = field(default_factory=dict)
 
 
 def summarize(state: NodeState, name: str | None = None) -> NodeSummary:
@@ -126,7 +126,7 @@ def fit(demand: PodDemand, node: NodeSummary | NodeState) -> Placement | Reason:
     """Where the pod's GPU containers go on the node, or why they do not fit.
     Same inputs, same answer."""
     summary = node if isinstance(node, NodeSummary) else summarize(node)
-    shape = demand.shape
+    shape = demand.fit_key
     cached = summary.cache.get(shape)
     if cached is not None:
         return cached
@@ -141,7 +141,7 @@ def fit(demand: PodDemand, node: NodeSummary | NodeState) -> Placement | Reason:
 def rendered(demand: PodDemand, summary: NodeSummary) -> tuple[Placement | Reason, str]:
     """fit's answer and the node's part of the extender's answer as JSON
     text (see NodeSummary.rendered), both remembered per pod shape."""
-    shape = demand.shape
+    shape = demand.fit_key
     hit = summary.rendered.get(shape)
     if hit is not None:
         return hit

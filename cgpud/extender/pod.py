@@ -76,6 +76,12 @@ class PodDemand:
         return tuple((c.memory_per_gpu, c.core_percent, c.gpu_count) for c in self.containers)
 
     @cached_property
+    def fit_key(self) -> Any:
+        """What fit's answer, reasons included, depends on: the shape, and
+        the container names a reason quotes when there are several."""
+        return self.shape if len(self.containers) <= 1 else (self.shape, self.labels)
+
+    @cached_property
     def labels(self) -> tuple[str, ...]:
         """How a reason names each container ("" when there is one)."""
         many = len(self.containers) > 1

@@ -12,6 +12,7 @@ import json
 import socket
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
 
@@ -26,6 +27,7 @@ from cgpud.extender.state import ClusterState
 
 MAX_BODY = 16 << 20
 RECENT_SHAPES = 16  # pod shapes answered ahead on each new node view
+MEMOS = 16  # (pod shape, node list) answers kept
 _log = structlog.get_logger("cgpud.extender")
 
 
@@ -43,6 +45,13 @@ class Raw(str):
     """An answer already encoded as JSON text."""
 
 
+@dataclass
+class _Memo:
+    generation: int  # ClusterState.generation the answers are from
+    index: dict[str, list[int]]  # node name -> its places in the list
+    judged: list[tuple[Any, str]]
+
+
 UNKNOWN_NODE = ("unknown to cgpu-scheduler: no Capacity address for this node (not in the node file, or no "
                 "cgpu.io/capacity-address annotation: cgpud's capacity_listen is off there)")
 
@@ -54,13 +63,55 @@ class Extender:
         self.state = state
         self.binder = binder
         self.unknown_node = unknown_node
-        # Nodes the node source knows are not cgpu nodes, with why; replaced whole.
-        self.skipped: dict[str, str] = {}
+        # Nodes the node source knows are not cgpu nodes, with why.
+        self._skipped: dict[str, str] = {}
+        # Per (pod shape, node list): every node's answer, kept across
+        # requests; a request redoes only the nodes written since
+        # (ClusterState.changed_since). kube-scheduler sends the same node
+        # list pod after pod, and a bind changes one node.
+        self._memos: OrderedDict[tuple[Any, tuple[str, ...]], _Memo] = OrderedDict()
+        self._memo_lock = threading.Lock()
         # The last pod shapes filtered, one demand each: a node's new view is
         # answered for them as it arrives (warm), so the next pod of a
         # recent shape finds every node's answer ready.
-        self._recent: OrderedDict[tuple[tuple[int, int, int], ...], PodDemand] = OrderedDict()
+        self._recent: OrderedDict[Any, PodDemand] = OrderedDict()  # by PodDemand.fit_key
         self._recent_lock = threading.Lock()
+
+    @property
+    def skipped(self) -> dict[str, str]:
+        return self._skipped
+
+    @skipped.setter
+    def skipped(self, reasons: dict[str, str]) -> None:
+        with self._memo_lock:
+            self._skipped = dict(reasons)
+            self._memos.clear()  # their unknown nodes' reasons may have changed
+
+    def _judged(self, demand: PodDemand, names: list[str]) -> list[tuple[Any, str]]:
+        """_judge_all's answer, from the memo of this shape and node list when
+        there is one (redoing only the nodes written since)."""
+        key = (demand.fit_key, tuple(names))
+        with self._memo_lock:
+            memo = self._memos.get(key)
+            if memo is not None:
+                generation, changed = self.state.changed_since(memo.generation)
+                if changed is not None:
+                    for name in changed:
+                        for i in memo.index.get(name, ()):
+                            memo.judged[i] = self._judge_all(demand, [name])[0]
+                    memo.generation = generation
+                    self._memos.move_to_end(key)
+                    return list(memo.judged)
+            generation = self.state.generation  # before the nodes are read: a later write is redone next time
+            judged = self._judge_all(demand, names)
+            index: dict[str, list[int]] = {}
+            for i, name in enumerate(names):
+                index.setdefault(name, []).append(i)
+            self._memos[key] = _Memo(generation, index, judged)
+            self._memos.move_to_end(key)
+            while len(self._memos) > MEMOS:
+                self._memos.popitem(last=False)
+            return list(judged)
 
     def warm(self, summary: NodeSummary) -> None:
         """Answer the recent pod shapes on a node summary not yet published."""
@@ -70,7 +121,7 @@ class Extender:
             rendered(demand, summary)
 
     def _seen(self, demand: PodDemand) -> None:
-        shape = demand.shape
+        shape = demand.fit_key
         with self._recent_lock:
             if shape in self._recent:
                 self._recent.move_to_end(shape)
@@ -116,7 +167,7 @@ class Extender:
         """For each node in order, fit's answer (Placement or Reason) and the
         node's part of the answer as JSON text: the hot loop."""
         record = self.state.records.get
-        shape = demand.shape
+        shape = demand.fit_key
         out = []
         append = out.append
         for name in names:
@@ -151,7 +202,7 @@ class Extender:
             if self.binder is not None:
                 self.binder.remember(demand)
             self._seen(demand)
-            judged = self._judge_all(demand, names)
+            judged = self._judged(demand, names)
             if items is None:  # the node cache's answer, built as text from the nodes' rendered parts
                 ok, bad, never = [], [], []
                 for name, (answer, text) in zip(names, judged):
@@ -183,7 +234,7 @@ class Extender:
         if self.binder is not None:
             self.binder.remember(demand)
         parts = [text if type(answer) is not Reason else f'{{"Host":{json.dumps(name)},"Score":0}}'
-                 for name, (answer, text) in zip(names, self._judge_all(demand, names))]
+                 for name, (answer, text) in zip(names, self._judged(demand, names))]
         return Raw(f"[{','.join(parts)}]")
 
     def bind(self, body: Any) -> dict[str, Any]:

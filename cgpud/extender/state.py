@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -28,9 +29,13 @@ from cgpud.extender.fit import NodeSummary, summarize
 from cgpud.extender.model import ClusterView, GpuState, NodeEntry, NodeState, PodShare
 
 
+CHANGE_LOG = 4096  # node writes remembered for changed_since
+
+
 @dataclass(frozen=True)
 class Hold:
-    """A reservation this extender made on a node."""
+    """A reservation this extender made on a node; pending (incarnation "")
+    while its Reserve is under way, counted whatever the views say."""
 
     pod_uid: str
     pod_namespace: str
@@ -60,6 +65,10 @@ class ClusterState:
         # Called with each new node summary before readers see it (the
         # server answers recent pod shapes there, off the request path).
         self.on_summary: Callable[[NodeSummary], None] | None = None
+        # Every write bumps the generation and logs the node's name, so a
+        # reader that kept answers for many nodes redoes only the changed ones.
+        self._generation = 0
+        self._changes: deque[tuple[int, str]] = deque(maxlen=CHANGE_LOG)
 
     # ---- reads ------------------------------------------------------------------------
 
@@ -71,6 +80,22 @@ class ClusterState:
         """Every node's record, for loops over many nodes (read only: a
         writer replaces a record whole, never changes one)."""
         return self._records
+
+    @property
+    def generation(self) -> int:
+        """How many writes so far (read it before reading the nodes)."""
+        return self._generation
+
+    def changed_since(self, generation: int) -> tuple[int, set[str] | None]:
+        """(the generation now, the nodes written after `generation`), or
+        None for the names when the log no longer reaches back that far."""
+        with self._lock:
+            now = self._generation
+            if generation == now:
+                return now, set()
+            if generation > now or not self._changes or self._changes[0][0] > generation + 1:
+                return now, None
+            return now, {name for g, name in self._changes if g > generation}
 
     def entry(self, name: str) -> NodeEntry | None:
         rec = self._records.get(name)
@@ -102,7 +127,8 @@ class ClusterState:
 
     def remove(self, name: str) -> None:
         with self._lock:
-            self._records.pop(name, None)
+            if self._records.pop(name, None) is not None:
+                self._logged(name)
 
     def hold(self, name: str, hold: Hold) -> None:
         """Count a reservation just made on `name` until its view does."""
@@ -142,8 +168,14 @@ class ClusterState:
         if summary is not None and self.on_summary is not None:
             self.on_summary(summary)
         self._records[name] = NodeRecord(entry, summary, view, holds)
+        self._logged(name)
         if self.on_write is not None:
             self.on_write()
+
+
+    def _logged(self, name: str) -> None:
+        self._generation += 1
+        self._changes.append((self._generation, name))
 
 
 def _live(holds: Sequence[Hold], view: NodeState, now: float) -> tuple[Hold, ...]:

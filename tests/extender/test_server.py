@@ -209,3 +209,37 @@ def test_a_new_view_is_answered_for_recent_pod_shapes_before_it_is_read(
     # And the HTTP answer is that one.
     code, out = c.call("POST", "/prioritize", args(pod(containers=[container("c", mem="4")]), ["idle"]))
     assert out == [{"Host": "idle", "Score": answer.score}]
+
+
+def test_answers_kept_per_node_list_follow_every_change(server: tuple[ExtenderServer, FakeBinder],
+                                                         cluster: ClusterState) -> None:
+    srv, _ = server
+    c = Conn(srv.port)
+    names = ["busy", "idle", "ghost"]
+    p = pod(containers=[container("c", mem="8")])
+    _, out = c.call("POST", "/filter", args(p, names))
+    assert out["NodeNames"] == ["idle"] and "busy" in out["FailedNodes"]
+    # idle fills up, busy empties: the next pod of that shape sees both.
+    cluster.set_state("idle", "10.0.0.2:9455", node("idle", gpus=[gpu(0, used=12), gpu(1, used=12)], revision=2))
+    cluster.set_state("busy", "10.0.0.1:9455", node("busy", gpus=[gpu(0), gpu(1)], revision=2))
+    _, out = c.call("POST", "/filter", args(pod("q", containers=[container("c", mem="8")]), names))
+    assert out["NodeNames"] == ["busy"] and "no GPU has 8 GiB free" in out["FailedNodes"]["idle"]
+    _, prio = c.call("POST", "/prioritize", args(p, names))
+    assert [h["Host"] for h in prio] == names and prio[1]["Score"] == 0 and prio[0]["Score"] > 0
+    # A node going away, a node source's reason for one it skips.
+    cluster.remove("busy")
+    srv.extender.skipped = {"ghost": "no cgpu.io/capacity-address annotation: not a cgpu node"}
+    _, out = c.call("POST", "/filter", args(p, names))
+    assert out["NodeNames"] == [] and "unknown to cgpu-scheduler" in out["FailedAndUnresolvableNodes"]["busy"]
+    assert out["FailedAndUnresolvableNodes"]["ghost"] == "no cgpu.io/capacity-address annotation: not a cgpu node"
+
+
+def test_reasons_name_the_container_of_the_pod_asked_about(server: tuple[ExtenderServer, FakeBinder]) -> None:
+    srv, _ = server
+    c = Conn(srv.port)
+    one = pod("one", [container("a", mem="2"), container("b", mem="30")])
+    two = pod("two", [container("x", mem="2"), container("y", mem="30")])
+    _, out1 = c.call("POST", "/filter", args(one, ["idle"]))
+    _, out2 = c.call("POST", "/filter", args(two, ["idle"]))
+    assert "container b " in out1["FailedAndUnresolvableNodes"]["idle"]
+    assert "container y " in out2["FailedAndUnresolvableNodes"]["idle"]

@@ -159,3 +159,29 @@ def test_concurrent_writers_and_readers() -> None:
     for t in threads:
         t.join()
     assert errors == [] and len(s.view().nodes) == 20
+
+
+def test_changed_since_names_the_nodes_written_after_a_generation() -> None:
+    s = ClusterState()
+    g0 = s.generation
+    s.set_state("a", "a:1", node("a"))
+    s.set_state("b", "b:1", node("b"))
+    g2 = s.generation
+    assert s.changed_since(g0) == (g2, {"a", "b"})
+    assert s.changed_since(g2) == (g2, set())
+    s.set_down("a", "a:1", "gone")
+    s.remove("b")
+    s.remove("never-there")
+    assert s.changed_since(g2) == (g2 + 2, {"a", "b"})
+
+
+def test_changed_since_too_far_back_says_so() -> None:
+    from cgpud.extender.state import CHANGE_LOG
+
+    s = ClusterState()
+    s.set_state("a", "a:1", node("a"))
+    g1 = s.generation
+    for r in range(CHANGE_LOG + 1):
+        s.set_state("b", "b:1", node("b", revision=r))
+    assert s.changed_since(g1)[1] is None
+    assert s.changed_since(s.generation - 3)[1] == {"b"}
