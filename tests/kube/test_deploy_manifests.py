@@ -229,15 +229,41 @@ def test_the_deployment_runs_the_extender_where_the_service_and_config_say(tmp_p
     assert [p["targetPort"] for p in service["spec"]["ports"] if p["name"] == "http"] == ["http"]
 
 
-# What each client call the extender makes needs from RBAC: (resource, verb).
+# What each generated client method the extender may call needs from RBAC: (resource, verb).
 CALLS = {"read_namespaced_pod": ("pods", "get"), "patch_namespaced_pod": ("pods", "patch"),
          "create_namespaced_binding": ("bindings", "create"),
          "create_namespaced_pod_binding": ("pods/binding", "create"),
          "read_node": ("nodes", "get"), "list_node": ("nodes", "list"), "watch:list_node": ("nodes", "watch")}
+VERBS = {"GET": "get", "PATCH": "patch", "POST": "create", "PUT": "update", "DELETE": "delete"}
+
+
+def rest_permission(method: str, path: str) -> tuple[str, str]:
+    """(resource, verb) RBAC checks for a core API request, e.g. POST
+    /api/v1/namespaces/{namespace}/pods/{name}/binding -> (pods/binding, create)."""
+    parts = path.split("?", 1)[0].strip("/").split("/")
+    assert parts[:2] == ["api", "v1"], f"not a core API path: {path}"
+    rest = parts[2:]
+    if rest[:1] == ["namespaces"] and len(rest) > 2:
+        rest = rest[2:]
+    resource, named, sub = rest[0], len(rest) > 1, rest[2] if len(rest) > 2 else ""
+    verb = VERBS[method]
+    if method == "GET" and not named:
+        verb = "watch" if "watch" in path else "list"
+    return (f"{resource}/{sub}" if sub else resource), verb
+
+
+def test_rest_permission_reads_paths_as_rbac_does():
+    assert rest_permission("POST", "/api/v1/namespaces/{namespace}/pods/{name}/binding") == ("pods/binding", "create")
+    assert rest_permission("PATCH", "/api/v1/namespaces/{namespace}/pods/{name}") == ("pods", "patch")
+    assert rest_permission("GET", "/api/v1/namespaces/{namespace}/pods/{name}") == ("pods", "get")
+    assert rest_permission("POST", "/api/v1/namespaces/{namespace}/bindings") == ("bindings", "create")
+    assert rest_permission("GET", "/api/v1/nodes") == ("nodes", "list")
 
 
 def extender_calls() -> set[tuple[str, str]]:
-    """The core API calls the extender's code makes, as (resource, verb)."""
+    """The core API calls the extender's code makes, as (resource, verb):
+    the generated client methods it names and the REST requests it builds
+    itself (METHOD, "/api/v1/..." literals)."""
     source = "\n".join(p.read_text() for p in sorted((DEPLOY.parent / "cgpud" / "extender").glob("*.py")))
     called = set(re.findall(r"\.((?:read|list|patch|create|delete|replace)_(?:namespaced_)?"
                             r"(?:pod|node|binding|service|endpoints|event|config_map|secret|namespace)\w*)\b", source))
@@ -246,6 +272,9 @@ def extender_calls() -> set[tuple[str, str]]:
     needed = {CALLS[c] for c in called}
     if "list_node" in called and re.search(r"\bWatch\(\)", source):
         needed.add(CALLS["watch:list_node"])
+    requests = re.findall(r'"(GET|PATCH|POST|PUT|DELETE)",\s*"(/api/v1/[^"]*)"', source)
+    needed |= {rest_permission(method, path) for method, path in requests}
+    assert called or requests, "found no API call in cgpud/extender: has the way it calls the API server changed?"
     return needed
 
 
