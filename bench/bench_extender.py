@@ -508,7 +508,7 @@ def load() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--nodes", default="100,1000", help="cluster sizes, comma-separated")
+    p.add_argument("--nodes", default="100,1000", help="cluster sizes, comma-separated (\"\": bind only)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--pods", type=int, default=40, help="pods per round and size")
     p.add_argument("--seed", type=int, default=14)
@@ -521,15 +521,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         sizes = [int(x) for x in args.nodes.split(",") if x]
     except ValueError:
         p.error(f"--nodes {args.nodes!r}: give sizes like 100,1000")
-    if not sizes or min(sizes) < 1 or args.rounds < 1 or args.pods < 1:
+    if (sizes and min(sizes) < 1) or args.rounds < 1 or args.pods < 1 or args.bind_pods < 0:
         p.error("sizes, --rounds and --pods must be positive")
+    if not sizes and not args.bind_pods:
+        p.error("nothing to measure: give --nodes sizes or --bind-pods")
     try:
-        before = load()
-        results = {n: measure_scale(n, args.rounds, args.pods, args.seed) for n in sizes}
-        report_scale(results)
-        print(f"load average {before} before, {load()} after (2 vCPUs here: above 1 the timings include waiting "
-              "for a CPU; the CPU column does not)")
+        if sizes:
+            before = load()
+            results = {n: measure_scale(n, args.rounds, args.pods, args.seed) for n in sizes}
+            report_scale(results)
+            print(f"load average {before} before, {load()} after (2 vCPUs here: above 1 the timings include "
+                  "waiting for a CPU; the CPU column does not)")
         if args.bind_pods:
+            before = load()
             bind = measure_binds(args.bind_pods, args.bind_nodes, args.bind_parallel, args.bind_gpu_gib)
             print(f"\nbind end to end: {bind['pods']} pods of 1 GiB on {args.bind_nodes} nodes x 2 GPUs, "
                   f"{args.bind_parallel} in flight: {bind['seconds']:.2f} s, {bind['rate']:.0f} pods/s "
@@ -540,6 +544,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("  CPU per pod, ms: " + ", ".join(f"{k} {v:.1f}" for k, v in bind["cpu_ms_per_pod"].items()))
             verdict = "PASS" if bind["rate"] >= TARGET_BINDS else "FAIL"
             print(f"target: >= {TARGET_BINDS:.0f} pods/s: {bind['rate']:.0f}  {verdict}")
+            print(f"load average {before} before, {load()} after")
     except Exception as e:  # could not measure: say what, exit 1
         print(f"bench_extender: {e}", file=sys.stderr)
         return 1
