@@ -71,6 +71,7 @@ class Extender:
         # list pod after pod, and a bind changes one node.
         self._memos: OrderedDict[tuple[Any, tuple[str, ...]], _Memo] = OrderedDict()
         self._memo_lock = threading.Lock()
+        self._once: OrderedDict[tuple[Any, tuple[str, ...]], None] = OrderedDict()  # seen once, not kept yet
         # The last pod shapes filtered, one demand each: a node's new view is
         # answered for them as it arrives (warm), so the next pod of a
         # recent shape finds every node's answer ready.
@@ -105,6 +106,14 @@ class Extender:
                     return list(memo.judged)
             generation = self.state.generation  # before the nodes are read: a later write is redone next time
             judged = self._judge_all(demand, names)
+            if memo is None and key not in self._once:
+                # Kept from its second time on: kube-scheduler may send a
+                # different sample of nodes for every pod.
+                self._once[key] = None
+                while len(self._once) > 4 * MEMOS:
+                    self._once.popitem(last=False)
+                return judged
+            self._once.pop(key, None)
             index: dict[str, list[int]] = {}
             for i, name in enumerate(names):
                 index.setdefault(name, []).append(i)

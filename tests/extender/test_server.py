@@ -217,8 +217,11 @@ def test_answers_kept_per_node_list_follow_every_change(server: tuple[ExtenderSe
     c = Conn(srv.port)
     names = ["busy", "idle", "ghost"]
     p = pod(containers=[container("c", mem="8")])
-    _, out = c.call("POST", "/filter", args(p, names))
-    assert out["NodeNames"] == ["idle"] and "busy" in out["FailedNodes"]
+    for _ in range(2):  # kept from the second time
+        _, out = c.call("POST", "/filter", args(p, names))
+        assert out["NodeNames"] == ["idle"] and "busy" in out["FailedNodes"]
+    assert len(srv.extender._memos) == 1
+    kept = next(iter(srv.extender._memos.values()))
     # idle fills up, busy empties: the next pod of that shape sees both.
     cluster.set_state("idle", "10.0.0.2:9455", node("idle", gpus=[gpu(0, used=12), gpu(1, used=12)], revision=2))
     cluster.set_state("busy", "10.0.0.1:9455", node("busy", gpus=[gpu(0), gpu(1)], revision=2))
@@ -226,8 +229,12 @@ def test_answers_kept_per_node_list_follow_every_change(server: tuple[ExtenderSe
     assert out["NodeNames"] == ["busy"] and "no GPU has 8 GiB free" in out["FailedNodes"]["idle"]
     _, prio = c.call("POST", "/prioritize", args(p, names))
     assert [h["Host"] for h in prio] == names and prio[1]["Score"] == 0 and prio[0]["Score"] > 0
+    memo = next(iter(srv.extender._memos.values()))
+    assert memo is kept and memo.generation == cluster.generation  # patched, not rebuilt
     # A node going away, a node source's reason for one it skips.
     cluster.remove("busy")
+    _, out = c.call("POST", "/filter", args(p, names))
+    assert "unknown to cgpu-scheduler" in out["FailedAndUnresolvableNodes"]["busy"]
     srv.extender.skipped = {"ghost": "no cgpu.io/capacity-address annotation: not a cgpu node"}
     _, out = c.call("POST", "/filter", args(p, names))
     assert out["NodeNames"] == [] and "unknown to cgpu-scheduler" in out["FailedAndUnresolvableNodes"]["busy"]
