@@ -97,7 +97,7 @@ class Extender:
             if memo is not None:
                 generation, changed = self.state.changed_since(memo.generation)
                 # Most of the nodes changed (a burst of views): one pass over all is cheaper.
-                if changed is not None and len(changed) <= len(memo.judged) // 4:
+                if changed is not None and len(changed) <= max(len(memo.judged) // 4, 16):
                     for name in changed:
                         for i in memo.index.get(name, ()):
                             memo.judged[i] = self._judge_all(demand, [name])[0]
