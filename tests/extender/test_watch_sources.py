@@ -37,3 +37,44 @@ def test_capacity_addresses_from_node_annotations() -> None:
     assert set(skipped) == {"b", "c", "d"}
     assert "no cgpu.io/capacity-address annotation: not a cgpu node" in skipped["b"]
     assert "'nonsense' is not HOST:PORT" in skipped["c"]
+
+
+def test_api_node_source_follows_nodes_and_survives_an_api_server_outage(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import time
+
+    from kubernetes import client as k8s
+
+    from cgpud.extender.watch import ApiNodeSource
+    from cgpud.kube.apiserver import client_from
+    from tests.kube.api_server import api_server, node_json
+
+    seen: list[dict[str, str]] = []
+    skipped: list[dict[str, str]] = []
+
+    def until(check, timeout: float = 10.0):  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + timeout
+        while not check():
+            assert time.monotonic() < deadline, "timed out"
+            time.sleep(0.02)
+
+    with api_server(tmp_path) as (api, kubeconfig):
+        a = node_json("a")
+        a["metadata"]["annotations"] = {"cgpu.io/capacity-address": "10.0.0.1:9455"}
+        api.state.nodes["a"] = a
+        api.state.nodes["b"] = node_json("b")
+        source = ApiNodeSource(k8s.CoreV1Api(client_from(kubeconfig)), seen.append, skipped.append).start()
+        try:
+            until(lambda: bool(seen) and seen[-1] == {"a": "10.0.0.1:9455"})
+            assert "b" in skipped[-1]
+            # An annotation added by a watch event.
+            with api.state.lock:
+                api.state.nodes["b"]["metadata"]["annotations"] = {"cgpu.io/capacity-address": "10.0.0.2:9455"}
+            until(lambda: seen[-1] == {"a": "10.0.0.1:9455", "b": "10.0.0.2:9455"})
+            # The API server goes away and comes back with a node less: listed again.
+            api.stop()
+            with api.state.lock:
+                del api.state.nodes["a"]
+            api.start()
+            until(lambda: seen[-1] == {"b": "10.0.0.2:9455"}, timeout=15)
+        finally:
+            source.stop()
