@@ -1,6 +1,10 @@
 """Bind: the one step that changes anything. The pod's placement is checked on
 the node's current view, the node reserves it (the node's admission is the
-judge), the gpushare annotations go on the pod, and the Binding is created.
+judge), and one Binding carries the gpushare annotations with it: the API
+server writes a Binding's annotations onto the pod in the same update that
+sets its node (BindingREST, setPodHostAndAnnotations), so a pod is never
+seen bound without its GPUs or annotated without its node, and a bind costs
+one API call.
 Anything that fails after the Reserve gives the reservation back, so a
 failed bind leaves nothing held; kube-scheduler retries the pod.
 
@@ -28,7 +32,7 @@ from cgpud.extender.client import CapacityError, Clients
 from cgpud.extender.fit import Placement, Reason, annotations, fit, shares
 from cgpud.extender.pod import PodDemand, PodError, pod_demand
 from cgpud.extender.state import ClusterState, Hold
-from cgpud.kube.apiserver import MERGE_PATCH, client_from
+from cgpud.kube.apiserver import client_from
 
 _log = structlog.get_logger("cgpud.extender")
 
@@ -68,12 +72,11 @@ class Assignment:
 
 class PodApi(Protocol):
     def get_pod(self, namespace: str, name: str) -> dict[str, Any]: ...
-    def annotate(self, namespace: str, name: str, annotations: Mapping[str, str]) -> None: ...
-    def bind(self, namespace: str, name: str, uid: str, node: str) -> None: ...
+    def bind(self, namespace: str, name: str, uid: str, node: str, annotations: Mapping[str, str]) -> None: ...
 
 
 class KubePodApi:
-    """The three calls bind makes, with the official client."""
+    """The two calls bind makes, with the official client."""
 
     def __init__(self, kubeconfig: Path | None, timeout: float = 5.0, connections: int = 32) -> None:
         loaded = client_from(kubeconfig)
@@ -95,14 +98,13 @@ class KubePodApi:
             raise BindError(f"cannot read pod {namespace}/{name}: the API server sent no object")
         return pod
 
-    def annotate(self, namespace: str, name: str, annotations: Mapping[str, str]) -> None:
-        self._request(f"annotate pod {namespace}/{name}", "PATCH", "/api/v1/namespaces/{namespace}/pods/{name}",
-                      {"namespace": namespace, "name": name}, {"metadata": {"annotations": dict(annotations)}},
-                      MERGE_PATCH)
-
-    def bind(self, namespace: str, name: str, uid: str, node: str) -> None:
-        body = {"apiVersion": "v1", "kind": "Binding",
-                "metadata": {"name": name, "namespace": namespace, **({"uid": uid} if uid else {})},
+    def bind(self, namespace: str, name: str, uid: str, node: str, annotations: Mapping[str, str]) -> None:
+        meta: dict[str, Any] = {"name": name, "namespace": namespace}
+        if uid:
+            meta["uid"] = uid
+        if annotations:
+            meta["annotations"] = dict(annotations)
+        body = {"apiVersion": "v1", "kind": "Binding", "metadata": meta,
                 "target": {"apiVersion": "v1", "kind": "Node", "name": node}}
         # The answer is a Status, which the generated create_namespaced_binding
         # cannot read back as a V1Binding (kubernetes-client/python#547, #825);
@@ -115,7 +117,7 @@ class KubePodApi:
                  content_type: str = "application/json") -> bytes:
         """One call through the client's serializer, auth and connection pool,
         below its generated methods (their per-call argument validation costs
-        more CPU than the request; bind makes two on every pod)."""
+        more CPU than the request)."""
         headers = {"Accept": "application/json"}
         if body is not None:
             headers["Content-Type"] = content_type
@@ -276,9 +278,7 @@ class Binder:
                 notes: Mapping[str, str]) -> Assignment:
         key = f"{args.pod_namespace}/{args.pod_name}"
         if self.api is not None:
-            if notes:
-                self.api.annotate(args.pod_namespace, args.pod_name, notes)
-            self.api.bind(args.pod_namespace, args.pod_name, args.pod_uid, args.node)
+            self.api.bind(args.pod_namespace, args.pod_name, args.pod_uid, args.node, notes)
         done = Assignment(key, demand.uid or args.pod_uid, args.node, placement.gpus if placement else (),
                           dict(notes), self.api is not None, self._clock())
         self._recent.append(done)

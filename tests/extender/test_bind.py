@@ -1,4 +1,4 @@
-"""bind.py with a fake node and a fake API server: reserve, annotate, bind,
+"""bind.py with a fake node and a fake API server: reserve, bind with the annotations,
 and give back on any failure after the Reserve."""
 from __future__ import annotations
 
@@ -62,12 +62,10 @@ class FakeApi:
             raise BindError(f"cannot read pod {namespace}/{name}: 404")
         return self.pods[name]
 
-    def annotate(self, namespace: str, name: str, annotations: Mapping[str, str]) -> None:
-        self.notes[name] = dict(annotations)
-
-    def bind(self, namespace: str, name: str, uid: str, node: str) -> None:
+    def bind(self, namespace: str, name: str, uid: str, node: str, annotations: Mapping[str, str]) -> None:
         if self.fail_bind:
             raise BindError(self.fail_bind)
+        self.notes[name] = dict(annotations)
         self.bound[name] = node
 
 
@@ -94,7 +92,7 @@ def test_standalone_bind_reserves_holds_and_reports(state: ClusterState) -> None
     assert b.recent()[0]["pod"] == "default/p"
 
 
-def test_bind_with_api_annotates_then_binds(state: ClusterState) -> None:
+def test_bind_with_api_binds_with_the_annotations(state: ClusterState) -> None:
     api = FakeApi()
     b = Binder(state, FakeClients(), api)  # type: ignore[arg-type]
     b.remember(pod_demand(pod("p", [container("c", mem="8", count="2")], uid="u1")))
@@ -170,7 +168,7 @@ def test_a_pod_without_gpu_share_is_only_bound(state: ClusterState) -> None:
     b = Binder(state, clients, api)  # type: ignore[arg-type]
     b.remember(pod_demand(pod("p", [container("c")], uid="u1")))
     b.bind(BindArgs("p", "default", "u1", "n2"))
-    assert api.bound == {"p": "n2"} and api.notes == {} and clients.addresses == []
+    assert api.bound == {"p": "n2"} and api.notes == {"p": {}} and clients.addresses == []
 
 
 def test_a_reserve_whose_answer_was_lost_is_given_back(state: ClusterState) -> None:

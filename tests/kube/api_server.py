@@ -93,11 +93,13 @@ class ApiState:
         with self.lock:
             return json.loads(json.dumps(self.nodes[name]))
 
-    def bind(self, namespace: str, name: str, node: str, uid: str = "") -> tuple[int, dict[str, Any]]:
+    def bind(self, namespace: str, name: str, node: str, uid: str = "",
+             annotations: Mapping[str, str] | None = None) -> tuple[int, dict[str, Any]]:
         """What the API server does with a Binding: the pod gets its node,
         once (409 Conflict for a pod already bound, as kube-scheduler sees it
         when two binds race, or for a UID precondition another pod of that
-        name fails). Called with the lock held."""
+        name fails), and the Binding's annotations in the same update
+        (setPodHostAndAnnotations). Called with the lock held."""
         pod = self.pods.get((namespace, name))
         if pod is None:
             return 404, _status(404, "NotFound", f'pods "{name}" not found')
@@ -114,6 +116,8 @@ class ApiState:
                                 f'Operation cannot be fulfilled on pods/binding "{name}": pod {name} is already '
                                 f"assigned to node \"{bound}\"")
         pod["spec"]["nodeName"] = node
+        if annotations:
+            pod["metadata"].setdefault("annotations", {}).update(annotations)
         self.bindings.append((namespace, name, node))
         return 201, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}
 
@@ -220,9 +224,10 @@ class _Handler(BaseHTTPRequestHandler):
             meta = (body.get("metadata") or {}) if isinstance(body, dict) else {}
             # pods/{name}/binding (the subresource kube-scheduler uses) or the bindings collection
             if len(parts) == 7 and parts[:3] == ["api", "v1", "namespaces"] and parts[4:7:2] == ["pods", "binding"]:
-                return self._send(*state.bind(parts[3], parts[5], node, meta.get("uid", "")))
+                return self._send(*state.bind(parts[3], parts[5], node, meta.get("uid", ""), meta.get("annotations")))
             if parts[:3] == ["api", "v1", "namespaces"] and parts[4:] == ["bindings"]:
-                return self._send(*state.bind(parts[3], meta.get("name", ""), node, meta.get("uid", "")))
+                return self._send(*state.bind(parts[3], meta.get("name", ""), node, meta.get("uid", ""),
+                                              meta.get("annotations")))
         self._send(404, _status(404, "NotFound", f"no route {self.path}"))
 
     def do_PATCH(self) -> None:
