@@ -539,7 +539,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{args.bind_parallel} in flight: {bind['seconds']:.2f} s, {bind['rate']:.0f} pods/s "
                   f"({bind['retries']} cycles retried; pods per node {bind['per_node']})")
             print(f"  filter+prioritize in the loop: p50 {statistics.median(bind['cycle_ms']):.2f} ms, "
-                  f"p99 {quantile(bind['cycle_ms'], 0.99):.2f} ms; one bind (Reserve, annotate, Binding): "
+                  f"p99 {quantile(bind['cycle_ms'], 0.99):.2f} ms; one bind (Reserve, Binding with annotations): "
                   f"p50 {statistics.median(bind['bind_ms']):.2f} ms, p99 {quantile(bind['bind_ms'], 0.99):.2f} ms")
             print("  CPU per pod, ms: " + ", ".join(f"{k} {v:.1f}" for k, v in bind["cpu_ms_per_pod"].items()))
             verdict = "PASS" if bind["rate"] >= TARGET_BINDS else "FAIL"

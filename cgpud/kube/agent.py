@@ -58,7 +58,7 @@ class KubeAgent:
         self.allocator = PodAllocator(service, api, node, files, cdi_dir)
         kubelet = PodResourcesClient(pod_resources_socket)
         self.releaser = PodReleaser(service, lambda: api.pods_on_node(node), lambda: kubelet_pods(kubelet.list()),
-                                    cdi_dir, read_pod=api.pod, node=node)
+                                    cdi_dir)
         self.labels = NodeLabels(api, node, service, configured, card_labels, on_policy=self._policy_changed,
                                  interval=label_interval)
 

@@ -14,14 +14,17 @@ An instance a running container holds (bound) is not released even then:
 the daemon's own sweep hands it back once the container's processes are
 gone, and the next sweep releases it.
 
-A reservation (cgpu-scheduler's Reserve) goes with its pod too: once the
-API server says the pod with that UID does not exist, finished, or was
-bound to another node, what it held is given back at once instead of at
-its expiry. A pod not yet bound anywhere keeps it: the scheduler reserves
-before it binds."""
+A reservation (cgpu-scheduler's Reserve) goes with its pod too, from the
+same one list of this node's pods: a pod there that finished or is being
+deleted gives it back at once; a pod not there (deleted, bound elsewhere,
+or never bound because the scheduler died between its Reserve and its
+Binding) gives it back once it has been missing for RESERVATION_GRACE,
+long after any bind completes. Either is sooner than its expiry, and costs
+no API call per reservation."""
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -90,11 +93,32 @@ def gone_instances(instances: Iterable[Instance], api_pods: Sequence[PodInfo],
     return out
 
 
-def reservation_gone(reservation: Reservation, pod: PodInfo | None, node: str) -> bool:
-    """Whether `pod` (the API server's pod of the reservation's namespace and
-    name, None when there is none) shows the reservation's pod is gone."""
-    return (pod is None or pod.uid != reservation.pod_uid or pod.terminal or pod.deleting
-            or (pod.node != "" and pod.node != node))
+# Seconds a reserved pod may be missing from this node's pods before its
+# reservation goes: the scheduler binds within milliseconds of its Reserve.
+RESERVATION_GRACE = 5.0
+
+
+def gone_reservations(reservations: Iterable[Reservation], api_pods: Sequence[PodInfo],
+                      missing_since: Mapping[str, float], now: float,
+                      grace: float = RESERVATION_GRACE) -> tuple[list[Reservation], dict[str, float]]:
+    """The reservations whose pods are gone, and when each reservation still
+    kept was first seen without its pod (pod UID -> time), for the next round.
+    `api_pods`: the API server's pods bound to this node."""
+    by_uid = {p.uid: p for p in api_pods}
+    gone: list[Reservation] = []
+    missing: dict[str, float] = {}
+    for reservation in reservations:
+        pod = by_uid.get(reservation.pod_uid)
+        if pod is not None:
+            if pod.terminal or pod.deleting:
+                gone.append(reservation)
+            continue
+        since = missing_since.get(reservation.pod_uid, now)
+        if now - since >= grace:
+            gone.append(reservation)
+        else:
+            missing[reservation.pod_uid] = since
+    return gone, missing
 
 
 class PodReleaser:
@@ -103,10 +127,11 @@ class PodReleaser:
 
     def __init__(self, service: InstanceService, list_api_pods: Callable[[], Sequence[PodInfo]],
                  list_kubelet_pods: Callable[[], Iterable[KubeletPod]], cdi_dir: Path | None = None, *,
-                 read_pod: Callable[[str, str], PodInfo | None] | None = None, node: str = "") -> None:
+                 reservation_grace: float = RESERVATION_GRACE, clock: Callable[[], float] = time.monotonic) -> None:
         self._service = service
-        self._read_pod = read_pod  # None: reservations only expire
-        self._node = node
+        self._grace = reservation_grace
+        self._clock = clock
+        self._missing: dict[str, float] = {}  # reserved pods not yet seen on this node, since when
         self._api_pods = list_api_pods
         self._kubelet_pods = list_kubelet_pods
         self._cdi_dir = cdi_dir
@@ -118,16 +143,17 @@ class PodReleaser:
         try:
             return self._release_gone()
         finally:
-            self._drop_gone_reservations()
             self._remove_stale_specs()
 
     def _release_gone(self) -> int:
         active = [i for i in self._service.list() if i.owner.kind is OwnerKind.POD]
-        if not active:
+        reservations = self._service.reservations()
+        if not active and not reservations:
+            self._missing = {}
             return 0
         try:
             api_pods = self._api_pods()
-            kubelet_pods = list(self._kubelet_pods())
+            kubelet_pods = list(self._kubelet_pods()) if active else []
         except (CgpuError, OSError) as e:
             reason = str(e)
             if reason != self._blind:
@@ -138,21 +164,17 @@ class PodReleaser:
         if self._blind:
             self._log.info("pod releases resume")
             self._blind = ""
+        self._drop_gone_reservations(reservations, api_pods)
         gone = gone_instances(active, api_pods, kubelet_pods)
         for instance in gone:
             self._service.release(instance.id)
             self._log.info("released: pod gone", id=instance.id, owner=instance.owner.id)
         return len(gone)
 
-    def _drop_gone_reservations(self) -> None:
-        if self._read_pod is None:
-            return
-        for reservation in self._service.reservations():
-            try:
-                pod = self._read_pod(reservation.pod_namespace, reservation.pod_name)
-            except (CgpuError, OSError):
-                return  # the API server cannot tell now: the next sweep asks again, expiry is the bound
-            if reservation_gone(reservation, pod, self._node) and self._service.unreserve(reservation.pod_uid):
+    def _drop_gone_reservations(self, reservations: Sequence[Reservation], api_pods: Sequence[PodInfo]) -> None:
+        gone, self._missing = gone_reservations(reservations, api_pods, self._missing, self._clock(), self._grace)
+        for reservation in gone:
+            if self._service.unreserve(reservation.pod_uid):
                 self._log.info("reservation given back: pod gone", pod=f"{reservation.pod_namespace}/"
                                f"{reservation.pod_name}", uid=reservation.pod_uid)
 

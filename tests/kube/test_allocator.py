@@ -312,19 +312,27 @@ def test_devices_freed_by_a_finished_pod_go_to_the_next_pod_not_back_to_the_old_
 
 
 def test_a_gone_pods_reservation_is_given_back_at_the_sweep_not_at_its_expiry(tmp_path: Path, rig: Rig):
-    """Deleted, finished, bound elsewhere: given back. Not yet bound (the
-    scheduler reserves before it binds) or bound here: kept."""
+    """Finished or being deleted on this node: given back at once. Not on
+    this node (deleted, bound elsewhere, never bound): given back once it has
+    been missing for the grace. Bound here and live: kept."""
+    now = [100.0]
     releaser = PodReleaser(rig.service, lambda: rig.api.pods_on_node(NODE), lambda: [], rig.cdi,
-                           read_pod=rig.api.pod, node=NODE)
-    unbound = rig.server.state.add_pod(pod_json("unbound", "", containers={"main": {MEM: 2}}))
+                           reservation_grace=5.0, clock=lambda: now[0])
     here = rig.server.state.add_pod(pod_json("here", NODE, containers={"main": {MEM: 2}}))
-    elsewhere = rig.server.state.add_pod(pod_json("elsewhere", "node-2", containers={"main": {MEM: 2}}))
     done = rig.server.state.add_pod(pod_json("done", NODE, containers={"main": {MEM: 2}}, phase="Succeeded"))
-    renamed = rig.server.state.add_pod(pod_json("renamed", NODE, containers={"main": {MEM: 2}}))
-    for pod in (unbound, here, elsewhere, done):
+    unbound = rig.server.state.add_pod(pod_json("unbound", "", containers={"main": {MEM: 2}}))
+    elsewhere = rig.server.state.add_pod(pod_json("elsewhere", "node-2", containers={"main": {MEM: 2}}))
+    for pod in (here, done, unbound, elsewhere):
         rig.service.reserve(pod["metadata"]["uid"], "default", pod["metadata"]["name"], [Share(0, GIB)])
     rig.service.reserve("uid-deleted", "default", "deleted", [Share(1, GIB)])
-    rig.service.reserve("uid-older", "default", "renamed", [Share(1, GIB)])  # the name now has another UID
-    assert renamed["metadata"]["uid"] != "uid-older"
+    requests = len(rig.server.state.requests)
+    releaser.sweep()
+    assert sorted(r.pod_name for r in rig.service.reservations()) == ["deleted", "elsewhere", "here", "unbound"]
+    assert len(rig.server.state.requests) == requests + 1  # one list of the node's pods, no call per reservation
+    now[0] += 4.0
+    rig.server.state.bind("default", "unbound", NODE)  # its Binding came in time
+    releaser.sweep()
+    assert sorted(r.pod_name for r in rig.service.reservations()) == ["deleted", "elsewhere", "here", "unbound"]
+    now[0] += 1.0
     releaser.sweep()
     assert sorted(r.pod_name for r in rig.service.reservations()) == ["here", "unbound"]

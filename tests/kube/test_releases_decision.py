@@ -52,18 +52,22 @@ def test_bound_foreign_and_other_owners_are_left_alone():
     assert gone_instances([held, odd, device, released], [], []) == []
 
 
-def test_a_reservation_goes_when_its_pod_is_gone_finished_or_bound_elsewhere():
+def test_a_reservation_goes_when_its_pod_finished_or_has_been_missing_for_the_grace():
     from cgpud.daemon.model import Reservation, Share
-    from cgpud.kube.releases import reservation_gone
-    res = Reservation("u1", "ns", "p1", (Share(0, 1 << 30),), expires=1e12)
+    from cgpud.kube.releases import gone_reservations
 
-    def pod(uid: str = "u1", node: str = "", phase: str = "Pending", deleting: bool = False) -> PodInfo:
-        return PodInfo(uid, "ns", "p1", node, phase, deleting=deleting)
+    def res(uid: str) -> Reservation:
+        return Reservation(uid, "ns", uid, (Share(0, 1 << 30),), expires=1e12)
 
-    assert reservation_gone(res, None, "node-1")
-    assert reservation_gone(res, pod(uid="u2"), "node-1")
-    assert reservation_gone(res, pod(node="node-2"), "node-1")
-    assert reservation_gone(res, pod(node="node-1", phase="Failed"), "node-1")
-    assert reservation_gone(res, pod(deleting=True), "node-1")
-    assert not reservation_gone(res, pod(), "node-1")  # binding in flight
-    assert not reservation_gone(res, pod(node="node-1", phase="Running"), "node-1")
+    def on_node(uid: str, phase: str = "Running", deleting: bool = False) -> PodInfo:
+        return PodInfo(uid, "ns", uid, "node-1", phase, deleting=deleting)
+
+    held = [res("live"), res("done"), res("dying"), res("new"), res("old")]
+    pods = [on_node("live"), on_node("done", "Failed"), on_node("dying", deleting=True)]
+    gone, missing = gone_reservations(held, pods, {"old": 10.0}, now=15.0, grace=5.0)
+    assert [r.pod_uid for r in gone] == ["done", "dying", "old"]
+    assert missing == {"new": 15.0}  # first seen missing now; the live one is not missing
+    gone, missing = gone_reservations([res("new")], [], missing, now=19.9, grace=5.0)
+    assert gone == [] and missing == {"new": 15.0}
+    gone, missing = gone_reservations([res("new")], [on_node("new")], missing, now=19.9, grace=5.0)
+    assert gone == [] and missing == {}  # bound in time: forgotten
