@@ -95,7 +95,15 @@ class ClusterState:
                 return now, set()
             if generation > now or not self._changes or self._changes[0][0] > generation + 1:
                 return now, None
-            return now, {name for g, name in self._changes if g > generation}
+            # Newest first, stopping at `generation`: a reader that is nearly
+            # current (the usual case) pays for the few writes it missed, not
+            # for the whole log.
+            names: set[str] = set()
+            for g, name in reversed(self._changes):
+                if g <= generation:
+                    break
+                names.add(name)
+            return now, names
 
     def entry(self, name: str) -> NodeEntry | None:
         rec = self._records.get(name)
