@@ -56,7 +56,8 @@ def parse_endpoint(text: str, setting: str, *, port_optional: bool = False) -> E
     """"HOST:PORT" (IPv6 in brackets); with `port_optional`, "HOST" alone
     too (port 0: the caller's). UsageError naming `setting` otherwise."""
     text = text.strip()
-    usage = (f"setting {setting} = {text!r} is not HOST:PORT (an IPv6 address in brackets: [::1]:9455)"
+    named = f"{setting} {text!r}" if setting.startswith("--") else f"setting {setting} = {text!r}"
+    usage = (f"{named} is not HOST:PORT (an IPv6 address in brackets: [::1]:9455)"
              + (" or HOST" if port_optional else ""))
     if text.startswith("["):
         close = text.find("]")

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import structlog
 
+from cgpud.api.listen import join_host_port, parse_endpoint
 from cgpud.errors import CgpuError, UsageError
 from cgpud.logs import configure_logging
 
@@ -44,15 +45,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def split_listen(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise UsageError(f"--listen {text!r}: use HOST:PORT (e.g. 0.0.0.0:12345)")
-    return host or "0.0.0.0", int(port)
-
-
 def run(args: argparse.Namespace) -> int:
     from kubernetes import client as k8s
 
@@ -64,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     from cgpud.kube.apiserver import client_from
 
     log = structlog.get_logger("cgpud.extender")
-    host, port = split_listen(args.listen)
+    listen = parse_endpoint(args.listen, "--listen")
     tls = None
     if args.tls_ca or args.tls_cert or args.tls_key:
         if not args.tls_ca:
@@ -80,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     state = ClusterState()
     clients = Clients(tls)
     binder = Binder(state, clients, api, ttl=args.reservation_ttl)
-    server = ExtenderServer(state, binder, host, port)
+    server = ExtenderServer(state, binder, listen.host, listen.port)
     watchers = Watchers(state, clients)
     source = None
     server.start()
@@ -94,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
-    log.info("ready", listen=f"{host}:{server.port}", nodes=len(nodes) if nodes is not None else "api-server",
+    log.info("ready", listen=join_host_port(listen.host, server.port), nodes=len(nodes) if nodes is not None else "api-server",
              tls=tls is not None, binding="api-server" if api is not None else "standalone")
     print(f"cgpu-scheduler listening on {server.url}", file=sys.stderr, flush=True)
     while not stop.wait(1.0):

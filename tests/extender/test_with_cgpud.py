@@ -295,7 +295,7 @@ def test_bad_flags_are_refused_with_a_message(tmp_path: Path) -> None:
     assert done.returncode == 2 and "line 1: 'node-1 nowhere' is not `NAME HOST:PORT`" in done.stderr
     done = subprocess.run([str(BIN / "cgpu-scheduler"), "--listen", "nowhere", "--nodes", str(bad)],
                           capture_output=True, text=True, timeout=30)
-    assert done.returncode == 2 and "--listen 'nowhere'" in done.stderr
+    assert done.returncode == 2 and "--listen 'nowhere' is not HOST:PORT" in done.stderr
 
 
 def test_concurrent_binds_never_overcommit_a_node(tmp_path: Path, native: Path) -> None:
