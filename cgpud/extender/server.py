@@ -26,6 +26,10 @@ from cgpud.extender.pod import PodDemand, PodError, pod_demand
 from cgpud.extender.state import ClusterState
 
 MAX_BODY = 16 << 20
+# Nodes one request may name: above the largest clusters kube-scheduler
+# serves, and a bound on the answer (an unknown node's reason is ~170 bytes:
+# a million names in 5 MiB would otherwise ask for a 170 MB answer).
+MAX_NODES = 20_000
 RECENT_SHAPES = 16  # pod shapes answered ahead on each new node view
 MEMOS = 16  # (pod shape, node list) answers kept
 _log = structlog.get_logger("cgpud.extender")
@@ -165,6 +169,11 @@ class Extender:
                 names.append(name)
         else:
             raise BadRequest("ExtenderArgs has neither NodeNames (nodeCacheCapable) nor Nodes")
+        if len(names) > MAX_NODES:
+            raise BadRequest(f"ExtenderArgs names {len(names)} nodes: cgpu-scheduler takes at most {MAX_NODES} "
+                             "a request")
+        if len(set(names)) != len(names):
+            raise BadRequest("ExtenderArgs names a node more than once")
         try:
             demand: PodDemand | PodError = pod_demand(pod)
         except PodError as e:

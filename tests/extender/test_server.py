@@ -155,6 +155,11 @@ def test_healthz_and_inspect(server: tuple[ExtenderServer, FakeBinder], cluster:
     ("/filter", b'{"Pod": {"metadata": {"name": "p"}, "spec": {}}, "Nodes": {"items": [{}]}}',
      r"Nodes.items\[0\] has no metadata.name"),
     ("/prioritize", b'{"Pod": 3, "NodeNames": []}', "ExtenderArgs.Pod: Pod is int"),
+    # A small body must not ask for a huge answer (each unknown node gets its reason).
+    ("/filter", json.dumps({"Pod": {"metadata": {"name": "p"}, "spec": {}}, "NodeNames": ["x"] * 20_001}).encode(),
+     "names 20001 nodes: cgpu-scheduler takes at most 20000"),
+    ("/prioritize", b'{"Pod": {"metadata": {"name": "p"}, "spec": {}}, "NodeNames": ["busy", "idle", "busy"]}',
+     "names a node more than once"),
     ("/bind", b'{"PodName": "p"}', "ExtenderBindingArgs has no Node"),
     ("/bind", b'{"PodName": 1, "Node": "n"}', "PodName must be a string"),
 ])
