@@ -58,11 +58,11 @@ class NodeWatcher:
         delay = self._first
         said = ""
         while not self._stop.is_set():
-            reason = self._follow()
+            reason, had_view = self._follow()
             if self._stop.is_set():
                 break
-            if reason.startswith("+"):  # it had a view: reconnect at once, then back off
-                reason, delay, said = reason[1:], self._first, ""
+            if had_view:  # it was up: reconnect at once, then back off
+                delay, said = self._first, ""
             self._state.set_down(self.name, self.address, reason)
             if reason != said:  # once per outage and cause, not once per retry
                 _log.warning("node stream down", node=self.name, address=self.address, reason=reason)
@@ -71,9 +71,9 @@ class NodeWatcher:
                 break
             delay = min(delay * 2, self._max)
 
-    def _follow(self) -> str:
-        """Follow one stream until it ends; why it ended, "+"-prefixed when
-        at least one view arrived."""
+    def _follow(self) -> tuple[str, bool]:
+        """Follow one stream until it ends: why it ended, and whether at
+        least one view arrived."""
         got = False
         try:
             call = self._clients.get(self.address).stub.WatchNode(pb.WatchNodeRequest())
@@ -96,7 +96,7 @@ class NodeWatcher:
         finally:
             with self._lock:
                 self._call = None
-        return ("+" if got else "") + reason
+        return reason, got
 
 
 class Watchers:
