@@ -146,8 +146,8 @@ class PodReleaser:
             self._remove_stale_specs()
 
     def _release_gone(self) -> int:
-        active = [i for i in self._service.list() if i.owner.kind is OwnerKind.POD]
-        reservations = self._service.reservations()
+        held, reservations = self._service.holdings()  # one store read for both
+        active = [i for i in held if i.owner.kind is OwnerKind.POD]
         if not active and not reservations:
             self._missing = {}
             return 0
