@@ -52,6 +52,22 @@ class GpuSchedule:
     fences_late: int = 0
 
 
+@dataclass(frozen=True)
+class TenantMetrics:
+    """One instance's accounting on one GPU, as the engine counted it."""
+
+    gpu: int
+    charged_ns: int  # device time charged since it was scheduled
+    throttled_ns: int  # time its threads waited at its closed gate
+    grants: int  # gate openings
+    window_ns: int  # the last completed share window (0: none yet)
+    window_charged_ns: int  # device time charged in it
+
+    @property
+    def achieved_percent(self) -> float:
+        return 100.0 * self.window_charged_ns / self.window_ns if self.window_ns else 0.0
+
+
 def _check(rc: int, what: str, err: Any = None) -> None:
     if rc == 0:
         return
@@ -153,3 +169,15 @@ class ComputeScheduler:
         _check(lib.cgpu_engine_stats_get(self._engine, gpu, s), f"no schedule for GPU {gpu}")
         return GpuSchedule(gpu, ComputePolicy(s.policy), s.tenants, s.holder, s.decisions, s.grants, s.fences,
                            s.fence_timeouts, s.fence_wait_ns, s.fences_late)
+
+    def tenant_metrics(self) -> dict[str, list[TenantMetrics]]:
+        """Every scheduled instance's accounting, by instance id."""
+        m = ffi.new("struct cgpu_engine_tenant_metrics *")
+        out: dict[str, list[TenantMetrics]] = {}
+        with self._lock:
+            for instance_id, keys in self._keys.items():
+                for gpu, key in keys:
+                    if lib.cgpu_engine_tenant_metrics_get(self._engine, gpu, key, m) == 0:
+                        out.setdefault(instance_id, []).append(TenantMetrics(
+                            gpu, m.charged_ns, m.throttled_ns, m.grants, m.window_ns, m.window_charged_ns))
+        return out

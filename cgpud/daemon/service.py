@@ -35,7 +35,7 @@ from cgpud.daemon.model import (
     Share,
     WHOLE_GPU_MODES,
 )
-from cgpud.daemon.compute import ComputeError, ComputeScheduler
+from cgpud.daemon.compute import ComputeError, ComputeScheduler, TenantMetrics
 from cgpud.daemon.compute_policy import (decode_compute_policies, encode_compute_policies, limits_compute,
                                          with_compute_policy)
 from cgpud.daemon.region import (INSTANCES_MODE, REGION_FS_FILE, USAGE_FILE, DeviceLimit, InstanceLimits,
@@ -138,6 +138,11 @@ class InstanceService:
         now = self._clock()
         active, reserved = self._store.holdings()
         return active, [r for r in reserved if r.live(now)]
+
+    def compute_metrics(self) -> dict[str, list[TenantMetrics]]:
+        """The compute scheduler's accounting by instance id ({} without one)."""
+        compute = self._compute
+        return compute.tenant_metrics() if compute is not None else {}
 
     def reservations(self) -> list[Reservation]:
         """The live reservations, by pod UID; expired ones hold nothing even

@@ -368,6 +368,7 @@ static __attribute__((noinline, cold)) int gate_slow(int slot, CUresult *err, CU
         _Atomic uint32_t *waiting = &g_cgpu.usage->device[slot].waiting;
         uint32_t counted = 1, stalled = 0;
         atomic_fetch_add(waiting, 1);
+        atomic_fetch_add_explicit(&g_cgpu.usage->device[slot].gated, 1, memory_order_relaxed);
         while (!((g = atomic_load_explicit(gate, memory_order_acquire)) & (CGPU_GATE_OPEN | CGPU_GATE_UNGATED))) {
             if (atomic_load(&s->orphaned) == (ORPHANED | g))
                 break;

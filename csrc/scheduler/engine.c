@@ -41,6 +41,11 @@ struct tenant {
     uint32_t stale_waiting;  /* `waiting` left behind by processes killed at the gate */
     int detach_pending;      /* detached while its fence was awaited: gone for every
                                 caller, the loop unmaps it once the fence is over */
+    uint64_t charged_ns;     /* metrics (cgpu_engine_tenant_metrics) */
+    uint64_t throttled_ns;
+    uint64_t granted;
+    uint64_t win_mark;       /* charged_ns when the current window began */
+    uint64_t win_charged;    /* charged in the last completed window */
 };
 
 struct gpu_loop {
@@ -50,6 +55,9 @@ struct gpu_loop {
     struct tenant *fencing;  /* entry whose fence is awaited with the mutex released */
     int ungated;             /* every gate says CGPU_GATE_UNGATED */
     int running;
+    uint64_t last_turn;      /* when demand was last read; 0 after a wait with no time to account */
+    uint64_t win_start;      /* current share window; 0 before the first */
+    uint64_t win_ns;         /* length of the last completed one */
     pthread_cond_t wake;
     struct cgpu_engine_stats stats;
 };
@@ -429,8 +437,12 @@ static int has_live_watcher(const struct tenant *t)
 static void charge_holder(struct cgpu_engine *e, unsigned gpu, uint64_t now)
 {
     struct gpu_loop *g = &e->gpu[gpu];
-    if (g->holder && now > g->charged_to)
+    if (g->holder && now > g->charged_to) {
         cgpu_sched_charge(e->sched, gpu, g->holder, now - g->charged_to);
+        struct tenant *h = find(g, g->holder);
+        if (h)
+            h->charged_ns += now - g->charged_to;
+    }
     g->charged_to = now;
 }
 
@@ -515,8 +527,10 @@ static void charge_overdue(struct cgpu_engine *e, unsigned gpu, uint64_t now)
         struct tenant *t = &g->t[i];
         if (!t->key || !t->overdue || t->detach_pending)
             continue;
-        if (now > t->overdue_charged_to)
+        if (now > t->overdue_charged_to) {
             cgpu_sched_charge(e->sched, gpu, t->key, now - t->overdue_charged_to);
+            t->charged_ns += now - t->overdue_charged_to;
+        }
         t->overdue_charged_to = now;
         /* Lock probes as often as a fence wait makes them, however often
          * the loop turns: a tenant with many unacknowledging processes
@@ -533,8 +547,24 @@ static void charge_overdue(struct cgpu_engine *e, unsigned gpu, uint64_t now)
     }
 }
 
-/* Reports each tenant's demand to the core; returns how many have none. */
-static int report_demand(struct cgpu_engine *e, unsigned gpu)
+/* Ends the share window once it is CGPU_ENGINE_SHARE_WINDOW_NS old. */
+static void turn_window(struct gpu_loop *g, uint64_t now)
+{
+    if (g->win_start && now - g->win_start < CGPU_ENGINE_SHARE_WINDOW_NS)
+        return;
+    for (unsigned i = 0; i < CGPU_SCHED_MAX_TENANTS; i++) {
+        struct tenant *t = &g->t[i];
+        t->win_charged = g->win_start ? t->charged_ns - t->win_mark : 0;
+        t->win_mark = t->charged_ns;
+    }
+    g->win_ns = g->win_start ? now - g->win_start : 0;
+    g->win_start = now;
+}
+
+/* Reports each tenant's demand to the core; returns how many have none.
+ * A tenant with threads at its closed gate was throttled since the last
+ * turn (the loop turns at least once a slice). */
+static int report_demand(struct cgpu_engine *e, unsigned gpu, uint64_t now)
 {
     struct gpu_loop *g = &e->gpu[gpu];
     int idle = 0;
@@ -548,10 +578,13 @@ static int report_demand(struct cgpu_engine *e, unsigned gpu)
         if (!t->locked)
             t->locked = take_gate_lock(t);
         int has = !t->overdue && (t->key == g->holder || t->launched || waiting > t->stale_waiting);
+        if (waiting > t->stale_waiting && t->key != g->holder && g->last_turn && now > g->last_turn)
+            t->throttled_ns += now - g->last_turn;
         t->launched = 0;
         cgpu_sched_demand(e->sched, gpu, t->key, has);
         idle += !has;
     }
+    g->last_turn = now;
     return idle;
 }
 
@@ -581,7 +614,8 @@ int cgpu_engine_run(struct cgpu_engine *e, unsigned gpu)
         uint64_t now = mono_ns();
         charge_holder(e, gpu, now);
         charge_overdue(e, gpu, now);
-        int idle = report_demand(e, gpu);
+        turn_window(g, now);
+        int idle = report_demand(e, gpu, now);
         struct cgpu_sched_decision d;
         int rc = cgpu_sched_next(e->sched, gpu, now, &d);
         g->stats.decisions++;
@@ -590,6 +624,7 @@ int cgpu_engine_run(struct cgpu_engine *e, unsigned gpu)
             if (!g->ungated)
                 set_all_gates(g, CGPU_GATE_UNGATED);
             g->ungated = 1;
+            g->last_turn = 0; /* nobody waits at an open gate */
             pthread_cond_wait(&g->wake, &e->mu);
             continue;
         }
@@ -613,8 +648,10 @@ int cgpu_engine_run(struct cgpu_engine *e, unsigned gpu)
             g->holder = d.key;
             g->charged_to = now;
             g->stats.grants++;
+            t->granted++;
         }
         if (tenant_count(g) == 0) {
+            g->last_turn = 0;
             pthread_cond_wait(&g->wake, &e->mu);
             continue;
         }
@@ -668,4 +705,20 @@ int cgpu_engine_tenant_get(struct cgpu_engine *e, unsigned gpu, uint64_t key, st
     int rc = cgpu_sched_tenant_get(e->sched, gpu, key, out);
     pthread_mutex_unlock(&e->mu);
     return rc;
+}
+
+int cgpu_engine_tenant_metrics_get(struct cgpu_engine *e, unsigned gpu, uint64_t key,
+                                   struct cgpu_engine_tenant_metrics *out)
+{
+    struct gpu_loop *g = loop_at(e, gpu);
+    if (!g || !out)
+        return !e || !out ? CGPU_SCHED_EINVAL : CGPU_SCHED_ENODEV;
+    pthread_mutex_lock(&e->mu);
+    struct tenant *t = find(g, key);
+    if (t)
+        *out = (struct cgpu_engine_tenant_metrics){.charged_ns = t->charged_ns, .throttled_ns = t->throttled_ns,
+                                                   .grants = t->granted, .window_ns = g->win_ns,
+                                                   .window_charged_ns = t->win_charged};
+    pthread_mutex_unlock(&e->mu);
+    return t ? 0 : CGPU_SCHED_ENOENT;
 }

@@ -41,6 +41,9 @@
 #define CGPU_ENGINE_FENCE_PROBE_NS 4000000
 /* With someone who might report work, an idle GPU looks this often. */
 #define CGPU_ENGINE_IDLE_POLL_NS 1000000
+/* Achieved shares are measured over windows this long (at the loop's next
+ * turn after one ends): long enough to span ten default periods. */
+#define CGPU_ENGINE_SHARE_WINDOW_NS 1000000000
 
 struct cgpu_engine_stats {
     uint64_t decisions;
@@ -52,6 +55,17 @@ struct cgpu_engine_stats {
     uint64_t holder;          /* key holding the GPU now, 0 for none */
     int tenants;
     int policy;
+};
+
+/* One tenant's accounting, for metrics; counted by cgpud's loop alone,
+ * never from what the tenant writes, except that `throttled_ns` needs the
+ * tenant's own `waiting` to say it has work at the closed gate. */
+struct cgpu_engine_tenant_metrics {
+    uint64_t charged_ns;        /* device time charged since attach (grant to fence, overdue included) */
+    uint64_t throttled_ns;      /* time its threads waited at its closed gate, at the loop's granularity */
+    uint64_t grants;            /* gate openings for it */
+    uint64_t window_ns;         /* length of the last completed share window; 0 before the first */
+    uint64_t window_charged_ns; /* device time charged in that window */
 };
 
 struct cgpu_engine;
@@ -79,6 +93,8 @@ void cgpu_engine_stop(struct cgpu_engine *e);
 
 int cgpu_engine_stats_get(struct cgpu_engine *e, unsigned gpu, struct cgpu_engine_stats *out);
 int cgpu_engine_tenant_get(struct cgpu_engine *e, unsigned gpu, uint64_t key, struct cgpu_sched_tenant_info *out);
+int cgpu_engine_tenant_metrics_get(struct cgpu_engine *e, unsigned gpu, uint64_t key,
+                                   struct cgpu_engine_tenant_metrics *out);
 /* 1 when the tenant truncated its usage file under the engine's mapping
  * (guard.h: the engine now reads zeros there, so no demand and no live
  * process), 0 if not, or a negative status. Re-attach it once repaired. */

@@ -72,7 +72,9 @@ struct cgpu_device_usage {
     CGPU_ATOMIC uint64_t used;    /* bytes held by all processes of the instance */
     CGPU_ATOMIC uint32_t waiting; /* threads blocked at a closed gate: the instance's demand */
     CGPU_ATOMIC uint32_t bell;    /* futex word: bumped and woken after each fence_ack */
-    uint64_t reserved[6];         /* one cache line per device */
+    CGPU_ATOMIC uint64_t gated;   /* launches that found the gate closed and waited (metrics only;
+                                   * tenant-written, so never trusted for a decision) */
+    uint64_t reserved[5];         /* one cache line per device */
 };
 
 enum cgpu_ledger_state { CGPU_LEDGER_FREE = 0, CGPU_LEDGER_CLAIMING = 1, CGPU_LEDGER_LIVE = 2 };
