@@ -144,6 +144,32 @@ class LocalServicer(pb_grpc.LocalServicer):
         return pb.CdiSpec(json=self._cdi_spec())
 
 
+class _Counting(grpc.ServerInterceptor):
+    """Reports each unary call's method and status code (metrics)."""
+
+    def __init__(self, on_request: Callable[[str, str], None]) -> None:
+        self._on_request = on_request
+
+    def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
+        handler = continuation(details)
+        if handler is None or handler.unary_unary is None:
+            return handler
+        method = details.method.rsplit("/", 1)[-1]
+        inner, on_request = handler.unary_unary, self._on_request
+
+        def counted(request: Any, context: grpc.ServicerContext) -> Any:
+            try:
+                response = inner(request, context)
+            except BaseException:
+                on_request(method, (context.code() or grpc.StatusCode.UNKNOWN).name)
+                raise
+            on_request(method, (context.code() or grpc.StatusCode.OK).name)
+            return response
+
+        return grpc.unary_unary_rpc_method_handler(counted, handler.request_deserializer,
+                                                   handler.response_serializer)
+
+
 class LocalServer:
     """The gRPC server and the gate in front of it."""
 
@@ -173,12 +199,14 @@ def serve(
     max_workers: int = 8,
     health_servicer: health.HealthServicer | None = None,
     cdi_spec: CdiSpecProvider | None = None,
+    on_request: Callable[[str, str], None] | None = None,
 ) -> LocalServer:
     """Start serving on `unix:<socket_path>` and return the started server
     (stop it with `server.stop(grace)`). Pass `health_servicer` to keep a
     handle for flipping health to NOT_SERVING on shutdown
     (`health_servicer.enter_graceful_shutdown()`). `cdi_spec` answers
-    GetCdiSpec; without it that RPC is FAILED_PRECONDITION.
+    GetCdiSpec; without it that RPC is FAILED_PRECONDITION. `on_request`
+    hears every call's method and status code name ("OK", "NOT_FOUND").
 
     Raises CgpuError when the path cannot be used: too long for a unix
     socket, a directory others can write to, a non-socket file in the way,
@@ -194,7 +222,9 @@ def serve(
     prepare_private_directory(private.parent)
     remove_stale_socket(private, log)
 
-    server = grpc.server(ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="cgpud-api"))
+    interceptors = [_Counting(on_request)] if on_request is not None else []
+    server = grpc.server(ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="cgpud-api"),
+                         interceptors=interceptors)
     pb_grpc.add_LocalServicer_to_server(LocalServicer(service, cdi_spec), server)
     health_servicer = health_servicer or health.HealthServicer()
     for name in ("", SERVICE_NAME):

@@ -19,10 +19,13 @@ import structlog
 
 from cgpud.contract import RELAY_MAX_REQUEST, RELAY_MSG_MAX
 from cgpud.errors import CgpuError, UsageError
-from cgpud.containers.lifecycle import ContainerLifecycle
+from cgpud.containers.edits import RELEASE_STAGE
+from cgpud.containers.lifecycle import BIND_STAGES, ContainerLifecycle
 from cgpud.sockets import prepare_socket_directory, remove_stale_socket
 
 READ_TIMEOUT = 10.0
+# Verbs counted by name in metrics; anything else (a malformed request) is "other".
+_VERBS = ("prepare", *(f"hook {stage}" for stage in (*BIND_STAGES, RELEASE_STAGE)))
 
 
 class RelayProtocolError(UsageError):
@@ -81,8 +84,10 @@ def _peer_uid(conn: socket.socket) -> int:
 class RelayServer:
     """A threaded unix-socket server; one short connection per request."""
 
-    def __init__(self, lifecycle: ContainerLifecycle, path: Path) -> None:
+    def __init__(self, lifecycle: ContainerLifecycle, path: Path,
+                 on_request: Callable[[str, str], None] = lambda verb, code: None) -> None:
         self._lifecycle = lifecycle
+        self._on_request = on_request  # (verb, "OK" or "error"), for metrics
         self._path = Path(os.path.abspath(path))
         self._log = structlog.get_logger("cgpud.relay")
         self._server: socketserver.ThreadingUnixStreamServer | None = None
@@ -125,7 +130,14 @@ class RelayServer:
                 reply("error only root may use the cgpud relay socket")
                 return
             words, body = _read_request(conn)
-            text = handle(self._lifecycle, words, body)
+            verb = f"{words[0]} {words[1]}" if words[:1] == ["hook"] and len(words) > 1 else words[0]
+            verb = verb if verb in _VERBS else "other"
+            try:
+                text = handle(self._lifecycle, words, body)
+            except Exception:
+                self._on_request(verb, "error")
+                raise
+            self._on_request(verb, "OK")
             reply(f"ok {text}")
         except CgpuError as e:
             self._log.warning("refused", error=str(e))

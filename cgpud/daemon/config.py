@@ -119,6 +119,9 @@ class DaemonConfig:
     reservation_ttl: float = _setting(
         120.0, "seconds a Capacity reservation holds unless its Reserve says otherwise (1-3600)"
     )
+    metrics_listen: str = _setting(
+        "", "HOST:PORT where cgpud serves Prometheus metrics at /metrics (IPv6 in brackets); empty: not served"
+    )
 
     def policy(self) -> NodePolicy:
         node = NodePolicy(self.mode, self.placement, self.max_instances_per_gpu, self.core_step, self.compute_policy)
@@ -194,6 +197,8 @@ def validate(config: DaemonConfig) -> DaemonConfig:
     if not 1 <= config.reservation_ttl <= 3600:
         raise UsageError("reservation_ttl must be between 1 and 3600 seconds")
     _validate_capacity(config)
+    if config.metrics_listen:
+        parse_endpoint(config.metrics_listen, "metrics_listen")
     return config
 
 

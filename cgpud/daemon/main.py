@@ -8,7 +8,7 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -24,6 +24,9 @@ from cgpud.daemon.store import Store
 from cgpud.errors import CgpuError, UsageError
 from cgpud.logs import configure_logging
 
+if TYPE_CHECKING:
+    from cgpud.daemon.metrics import DaemonStats
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cgpud", description="cgpu node daemon: GPU inventory, instance tables, local API.")
@@ -34,10 +37,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _sweeper(service: InstanceService, interval: float, stop: threading.Event,
-             also: Sequence[Callable[[], object]] = ()) -> None:
+             also: Sequence[Callable[[], object]] = (), stats: DaemonStats | None = None) -> None:
     log = structlog.get_logger("cgpud.sweep")
+    own: Callable[[], object] = service.sweep if stats is None else lambda: stats.timed("sweep", service.sweep)
     while not stop.wait(interval):
-        for sweep in (service.sweep, *also):
+        for sweep in (own, *also):
             try:
                 sweep()
             except (CgpuError, OSError, MemoryError) as e:  # keep sweeping: the next round may succeed
@@ -124,6 +128,7 @@ def run(config: settings.DaemonConfig) -> int:
     from cgpud.containers.lifecycle import ContainerLifecycle
     from cgpud.containers.relay import RelayServer
     from cgpud.containers.runtime_files import install_runtime_files
+    from cgpud.daemon.metrics import DaemonStats
 
     log = structlog.get_logger("cgpud")
     inventory = read_inventory()
@@ -143,11 +148,19 @@ def run(config: settings.DaemonConfig) -> int:
     service = InstanceService(store, gpus, policy, config.regions, inventory.driver_version, node.boot_id(),
                               compute=compute, tmpfs_regions=True, start_compute=start_compute,
                               reservation_ttl=config.reservation_ttl)
-    service.reconcile()
+    stats = DaemonStats()
+    stats.timed("reconcile", service.reconcile)
+    metrics = None
+    if config.metrics_listen:
+        from cgpud.daemon.metrics import serve_metrics
+        metrics = serve_metrics(config.metrics_listen, service, stats, __version__,
+                                {g.index: g.name for g in inventory.gpus})
     files = install_runtime_files(config.state_dir, config.relay_socket)
     trust_env = config.orchestrator is Orchestrator.STANDALONE
-    relay = RelayServer(ContainerLifecycle(service, files, trust_env), config.relay_socket).start()
-    server = serve(service, config.socket, cdi_spec=lambda: cdi.render(service, files))
+    relay = RelayServer(ContainerLifecycle(service, files, trust_env), config.relay_socket,
+                        on_request=lambda verb, code: stats.request("relay", verb, code)).start()
+    server = serve(service, config.socket, cdi_spec=lambda: cdi.render(service, files),
+                   on_request=lambda method, code: stats.request("admin", method, code))
     notifier = Notifier.from_env()
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -174,7 +187,7 @@ def run(config: settings.DaemonConfig) -> int:
     if agent is not None:
         agent.start(stop, annotations)
         also.append(agent.sweep)
-    threading.Thread(target=_sweeper, args=(service, config.sweep_interval, stop, also), daemon=True).start()
+    threading.Thread(target=_sweeper, args=(service, config.sweep_interval, stop, also, stats), daemon=True).start()
     start_watchdog(notifier, stop)
     notifier.ready()  # only now: reconciled and serving
     log.info("ready", socket=str(config.socket), gpus=len(gpus), mode=policy.mode.value)
@@ -191,6 +204,8 @@ def run(config: settings.DaemonConfig) -> int:
         agent.stop()
     relay.stop()
     server.stop(grace=2).wait()
+    if metrics is not None:
+        metrics.stop()
     service.stop_compute()
     store.close()
     return 0

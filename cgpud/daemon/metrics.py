@@ -1,0 +1,405 @@
+"""cgpud's Prometheus metrics (`metrics_listen`, GET /metrics).
+
+Values are built at scrape time from cgpud's own state: one store snapshot
+(the active instances), the compute engine's per-instance accounting, one
+read of each instance's usage file, one NVML utilisation query per GPU. No
+module-level registry: each daemon owns a CollectorRegistry with one
+Collector. Names and labels follow dcgm-exporter (gpu, UUID, modelName) and
+HAMi's vGPU monitor; docs/metrics.md maps them.
+
+Ownership: MetricsServer owns its HTTP server thread from start() to stop().
+Thread-safety: DaemonStats is called from every API thread (its own lock);
+the Collector runs on the HTTP server's threads and only reads."""
+from __future__ import annotations
+
+import bisect
+import os
+import socket
+import stat
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from socketserver import ThreadingMixIn
+from typing import Any, Protocol, TypeVar
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+import structlog
+from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from cgpud._region import ffi as _region_ffi
+from cgpud._region import lib as _region_lib
+from cgpud.api.listen import Endpoint, parse_endpoint
+from cgpud.daemon.compute import TenantMetrics
+from cgpud.daemon.model import GpuCapacity, Instance, NodePolicy, Reservation
+from cgpud.daemon.region import USAGE_FILE
+from cgpud.errors import CgpuError
+
+_T = TypeVar("_T")
+
+# Seconds; sweeps of a few instances take milliseconds, a slow disk seconds.
+DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+OK = "OK"
+
+_DEVICE_OFFSET = _region_ffi.offsetof("struct cgpu_usage", "device")
+_DEVICE_SIZE = _region_ffi.sizeof("struct cgpu_device_usage")
+_USED_OFFSET = _region_ffi.offsetof("struct cgpu_device_usage", "used")
+_GATED_OFFSET = _region_ffi.offsetof("struct cgpu_device_usage", "gated")
+_MAX_DEVICES: int = _region_lib.CGPU_MAX_DEVICES
+
+
+@dataclass
+class _Histogram:
+    counts: list[int] = field(default_factory=lambda: [0] * (len(DURATION_BUCKETS) + 1))
+    total: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(DURATION_BUCKETS, seconds)] += 1
+        self.total += seconds
+
+    def buckets(self) -> list[tuple[str, int]]:
+        out, running = [], 0
+        for bound, n in zip((*(f"{b:g}" for b in DURATION_BUCKETS), "+Inf"), self.counts):
+            running += n
+            out.append((bound, running))
+        return out
+
+
+class DaemonStats:
+    """Requests by kind and outcome, and how long upkeep takes: what the
+    daemon's parts report as they work."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._lock = threading.Lock()
+        self._requests: dict[tuple[str, str], int] = {}
+        self._errors: dict[tuple[str, str, str], int] = {}
+        self._durations: dict[str, _Histogram] = {}
+        self._clock = clock
+        self.started = time.time()
+
+    def request(self, kind: str, method: str, code: str = OK) -> None:
+        """One request of `kind` (admin, relay, device_plugin) answered with
+        `code` (OK, or the error's name: a gRPC status, "error")."""
+        with self._lock:
+            self._requests[(kind, method)] = self._requests.get((kind, method), 0) + 1
+            if code != OK:
+                self._errors[(kind, method, code)] = self._errors.get((kind, method, code), 0) + 1
+
+    def timed(self, what: str, fn: Callable[[], _T]) -> _T:
+        """Runs fn and records its duration under `what` (reconcile, sweep),
+        failed runs included."""
+        start = self._clock()
+        try:
+            return fn()
+        finally:
+            elapsed = self._clock() - start
+            with self._lock:
+                self._durations.setdefault(what, _Histogram()).observe(elapsed)
+
+    def snapshot(self) -> tuple[dict[tuple[str, str], int], dict[tuple[str, str, str], int],
+                                dict[str, tuple[list[tuple[str, int]], float]]]:
+        with self._lock:
+            return (dict(self._requests), dict(self._errors),
+                    {k: (h.buckets(), h.total) for k, h in self._durations.items()})
+
+
+@dataclass(frozen=True)
+class DeviceUsage:
+    used: int  # bytes, as the tenant's processes account them
+    gated: int  # launches that waited at a closed gate, as they count them
+
+
+def read_usage(path: os.PathLike[str] | str, slots: int) -> list[DeviceUsage] | None:
+    """The tenant-written counters of the first `slots` devices of a usage
+    file, in one read; None when the file is missing, not a regular file or
+    cut short (a tenant can truncate it). Values are not yet bounded."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        size = slots * _DEVICE_SIZE
+        raw = os.pread(fd, size, _DEVICE_OFFSET)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if len(raw) < size:
+        return None
+    out = []
+    for slot in range(slots):
+        base = slot * _DEVICE_SIZE
+        out.append(DeviceUsage(int.from_bytes(raw[base + _USED_OFFSET:base + _USED_OFFSET + 8], "little"),
+                               int.from_bytes(raw[base + _GATED_OFFSET:base + _GATED_OFFSET + 8], "little")))
+    return out
+
+
+class MetricsSource(Protocol):
+    """What the collector needs of the daemon (InstanceService has it)."""
+
+    def holdings(self) -> tuple[list[Instance], list[Reservation]]: ...
+
+    def gpus(self) -> tuple[GpuCapacity, ...]: ...
+
+    def policy(self) -> NodePolicy: ...
+
+    def compute_metrics(self) -> dict[str, list[TenantMetrics]]: ...
+
+    def region_dir(self, instance_id: str) -> os.PathLike[str]: ...
+
+
+class NvmlUtilisation:
+    """Device busy percent from NVML, one query per GPU per scrape. NVML is
+    initialised once for the server's life; GPUs it cannot answer for are
+    left out of the scrape rather than shown idle."""
+
+    def __init__(self, indexes: Iterable[int]) -> None:
+        import pynvml
+
+        self._nvml = pynvml
+        self._handles: dict[int, Any] = {}
+        self._log = structlog.get_logger("cgpud.metrics")
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as e:
+            self._log.error("GPU utilisation is not reported: NVML does not start", error=str(e))
+            self._up = False
+            return
+        self._up = True
+        for index in indexes:
+            try:
+                self._handles[index] = pynvml.nvmlDeviceGetHandleByIndex(index)
+            except pynvml.NVMLError as e:
+                self._log.error("GPU utilisation is not reported", gpu=index, error=str(e))
+
+    def __call__(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for index, handle in self._handles.items():
+            try:
+                out[index] = int(self._nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+            except self._nvml.NVMLError:
+                continue
+        return out
+
+    def close(self) -> None:
+        if self._up:
+            self._up = False
+            self._handles.clear()
+            try:
+                self._nvml.nvmlShutdown()
+            except self._nvml.NVMLError:
+                pass  # nothing is left to release
+
+
+_GPU_LABELS = ("gpu", "UUID", "modelName")
+_INSTANCE_LABELS = ("instance_id", "owner_kind", "owner", *_GPU_LABELS)
+
+
+def _family(kind: type[Metric], name: str, doc: str, labels: Sequence[str], unit: str = "") -> Any:
+    return kind(name, doc, labels=list(labels), unit=unit) if unit else kind(name, doc, labels=list(labels))
+
+
+class CgpuCollector(Collector):
+    """Builds every cgpu_* family from the daemon's state at scrape time."""
+
+    def __init__(self, source: MetricsSource, stats: DaemonStats, version: str,
+                 models: Mapping[int, str] | None = None, utilisation: Callable[[], Mapping[int, int]] | None = None):
+        self._source = source
+        self._stats = stats
+        self._version = version
+        self._models = dict(models or {})
+        self._utilisation = utilisation
+
+    def _gpu_labels(self, gpu: GpuCapacity) -> list[str]:
+        return [str(gpu.index), gpu.uuid, self._models.get(gpu.index, "")]
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._daemon()
+        gpus = {g.index: g for g in self._source.gpus()}
+        instances, _ = self._source.holdings()  # one store snapshot
+        yield from self._per_gpu(gpus, instances)
+        yield from self._per_instance(gpus, instances)
+
+    def _daemon(self) -> Iterator[Metric]:
+        info = GaugeMetricFamily("cgpu_build_info", "cgpud's version; always 1", labels=["version"])
+        info.add_metric([self._version], 1)
+        yield info
+        yield GaugeMetricFamily("cgpu_start_time_seconds", "when this cgpud started (Unix time)",
+                                value=self._stats.started)
+        policy = self._source.policy()
+        node = GaugeMetricFamily("cgpu_node_info", "the node's mode, placement and compute policy; always 1",
+                                 labels=["mode", "placement", "compute_policy"])
+        node.add_metric([policy.mode.value, policy.placement.value, policy.compute_policy.name.lower()], 1)
+        yield node
+        requests, errors, durations = self._stats.snapshot()
+        total = CounterMetricFamily("cgpu_requests", "requests cgpud answered, by kind and method",
+                                    labels=["kind", "method"])
+        for (kind, method), n in sorted(requests.items()):
+            total.add_metric([kind, method], n)
+        yield total
+        failed = CounterMetricFamily("cgpu_request_errors", "requests cgpud refused or failed, by kind, method "
+                                     "and code", labels=["kind", "method", "code"])
+        for (kind, method, code), n in sorted(errors.items()):
+            failed.add_metric([kind, method, code], n)
+        yield failed
+        for what in ("reconcile", "sweep"):
+            h = HistogramMetricFamily(f"cgpu_{what}_duration_seconds",
+                                      f"how long each {what} of the instance tables took")
+            buckets, total_s = durations.get(what, ([(f"{b:g}", 0) for b in DURATION_BUCKETS] + [("+Inf", 0)], 0.0))
+            h.add_metric([], buckets, total_s)
+            yield h
+
+    def _per_gpu(self, gpus: Mapping[int, GpuCapacity], instances: Sequence[Instance]) -> Iterator[Metric]:
+        total = GaugeMetricFamily("cgpu_gpu_memory_total_bytes", "GPU memory (NVML total)", labels=_GPU_LABELS)
+        allocated = GaugeMetricFamily("cgpu_gpu_memory_allocated_bytes",
+                                      "GPU memory granted to active instances", labels=_GPU_LABELS)
+        cores = GaugeMetricFamily("cgpu_gpu_compute_allocated_percent",
+                                  "compute shares granted to active instances", labels=_GPU_LABELS)
+        count = GaugeMetricFamily("cgpu_gpu_instances", "active instances on the GPU", labels=_GPU_LABELS)
+        held: dict[int, list[int]] = {i: [0, 0, 0] for i in gpus}
+        for instance in instances:
+            for grant in instance.grants:
+                h = held.setdefault(grant.gpu_index, [0, 0, 0])
+                h[0] += grant.memory
+                h[1] += grant.core_percent
+                h[2] += 1
+        for index, gpu in sorted(gpus.items()):
+            labels = self._gpu_labels(gpu)
+            total.add_metric(labels, gpu.memory)
+            allocated.add_metric(labels, held[index][0])
+            cores.add_metric(labels, held[index][1])
+            count.add_metric(labels, held[index][2])
+        yield from (total, allocated, cores, count)
+        if self._utilisation is not None:
+            busy = GaugeMetricFamily("cgpu_gpu_utilization_percent",
+                                     "percent of the last sample period the GPU was busy (NVML)", labels=_GPU_LABELS)
+            for index, percent in sorted(self._utilisation().items()):
+                if index in gpus:
+                    busy.add_metric(self._gpu_labels(gpus[index]), percent)
+            yield busy
+
+    def _per_instance(self, gpus: Mapping[int, GpuCapacity], instances: Sequence[Instance]) -> Iterator[Metric]:
+        limit = GaugeMetricFamily("cgpu_instance_memory_limit_bytes", "GPU memory the instance may hold",
+                                  labels=_INSTANCE_LABELS)
+        used = GaugeMetricFamily("cgpu_instance_memory_used_bytes", "GPU memory the instance's processes hold, "
+                                 "as they report it in the usage file (tenant-reported, bounded by the GPU's memory)",
+                                 labels=_INSTANCE_LABELS)
+        share = GaugeMetricFamily("cgpu_instance_compute_share_percent",
+                                  "compute share granted (0: no compute limit)", labels=_INSTANCE_LABELS)
+        achieved = GaugeMetricFamily("cgpu_instance_compute_achieved_percent", "device time charged to the "
+                                     "instance over the scheduler's last 1 s window, in percent",
+                                     labels=_INSTANCE_LABELS)
+        charged = CounterMetricFamily("cgpu_instance_compute_charged_seconds",
+                                      "device time charged to the instance by the compute scheduler",
+                                      labels=_INSTANCE_LABELS)
+        throttled = CounterMetricFamily("cgpu_instance_throttled_seconds",
+                                        "time the instance had launches waiting at its closed gate",
+                                        labels=_INSTANCE_LABELS)
+        grants = CounterMetricFamily("cgpu_instance_compute_grants", "times the scheduler opened the "
+                                     "instance's gate", labels=_INSTANCE_LABELS)
+        gated = CounterMetricFamily("cgpu_instance_launches_gated", "launches that waited at a closed gate "
+                                    "(tenant-reported)", labels=_INSTANCE_LABELS)
+        compute = self._source.compute_metrics()
+        for instance in instances:
+            by_gpu = {m.gpu: m for m in compute.get(instance.id, [])}
+            usage = (read_usage(os.path.join(self._source.region_dir(instance.id), USAGE_FILE),
+                                min(len(instance.grants), _MAX_DEVICES)) if instance.enforced else None)
+            for slot, grant in enumerate(instance.grants):
+                gpu = gpus.get(grant.gpu_index)
+                labels = [instance.id, instance.owner.kind.value, instance.owner.id, str(grant.gpu_index),
+                          grant.gpu_uuid, self._models.get(grant.gpu_index, "")]
+                limit.add_metric(labels, grant.memory or (gpu.memory if gpu else 0))
+                share.add_metric(labels, grant.core_percent)
+                if usage is not None and slot < len(usage):
+                    bound = gpu.memory if gpu else grant.memory
+                    used.add_metric(labels, min(usage[slot].used, bound))
+                    gated.add_metric(labels, usage[slot].gated)
+                m = by_gpu.get(grant.gpu_index)
+                if m is not None:
+                    achieved.add_metric(labels, round(m.achieved_percent, 3))
+                    charged.add_metric(labels, m.charged_ns / 1e9)
+                    throttled.add_metric(labels, m.throttled_ns / 1e9)
+                    grants.add_metric(labels, m.grants)
+        yield from (limit, used, share, achieved, charged, throttled, grants, gated)
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002  (the base class's name)
+        pass  # one line per scrape would drown cgpud's log
+
+
+def _only_metrics(app: Callable[..., Any]) -> Callable[..., Any]:
+    def routed(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        if environ.get("PATH_INFO") != "/metrics":
+            start_response("404 Not Found", [("Content-Type", "text/plain")])
+            return [b"cgpud serves /metrics only\n"]
+        return app(environ, start_response)
+    return routed
+
+
+class MetricsServer:
+    """GET /metrics over HTTP on one HOST:PORT (plaintext: no tenant data
+    beyond counts and instance ids; bind it where only your Prometheus
+    reaches)."""
+
+    def __init__(self, registry: CollectorRegistry, listen: str, on_close: Callable[[], None] = lambda: None):
+        self._registry = registry
+        self._endpoint: Endpoint = parse_endpoint(listen, "metrics_listen")
+        self._on_close = on_close
+        self._server: _Server | None = None
+
+    @property
+    def endpoint(self) -> Endpoint:
+        """Where it listens; the real port once started (listen said 0)."""
+        if self._server is None:
+            return self._endpoint
+        return Endpoint(self._endpoint.host, self._server.server_address[1])
+
+    def start(self) -> MetricsServer:
+        host = self._endpoint.host
+        try:
+            family = socket.getaddrinfo(host, self._endpoint.port, type=socket.SOCK_STREAM)[0][0]
+        except socket.gaierror as e:
+            raise CgpuError(f"cannot serve metrics on {self._endpoint}: {e.strerror}") from e
+
+        class Server(_Server):
+            address_family = family
+
+        try:
+            server = make_server(host, self._endpoint.port, _only_metrics(make_wsgi_app(self._registry)),
+                                 Server, handler_class=_QuietHandler)
+        except OSError as e:
+            raise CgpuError(f"cannot serve metrics on {self._endpoint}: {e.strerror or e}") from e
+        self._server = server
+        threading.Thread(target=server.serve_forever, name="cgpud-metrics", daemon=True).start()
+        structlog.get_logger("cgpud.metrics").info("serving metrics", listen=str(self.endpoint))
+        return self
+
+    def stop(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        self._on_close()
+
+
+def serve_metrics(listen: str, source: MetricsSource, stats: DaemonStats, version: str,
+                  models: Mapping[int, str]) -> MetricsServer:
+    """A started MetricsServer with its own registry and collector."""
+    nvml = NvmlUtilisation(models.keys())
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(CgpuCollector(source, stats, version, models, nvml))
+    server = MetricsServer(registry, listen, on_close=nvml.close)
+    try:
+        return server.start()
+    except CgpuError:
+        nvml.close()
+        raise
