@@ -128,7 +128,7 @@ def run(config: settings.DaemonConfig) -> int:
     from cgpud.containers.lifecycle import ContainerLifecycle
     from cgpud.containers.relay import RelayServer
     from cgpud.containers.runtime_files import install_runtime_files
-    from cgpud.daemon.metrics import DaemonStats
+    from cgpud.daemon.metrics import CountedAllocator, DaemonStats
 
     log = structlog.get_logger("cgpud")
     inventory = read_inventory()
@@ -172,8 +172,8 @@ def run(config: settings.DaemonConfig) -> int:
         from cgpud.kube.plugin import DevicePlugin, PluginSettings
         agent = KubeAgent(service, api, node_name(config.node_name), files, config.policy(), inventory.card_labels(),
                           cdi_dir=config.cdi_dir, pod_resources_socket=config.pod_resources_socket)
-        plugin = DevicePlugin(PluginSettings(config.device_plugin_dir), agent.allocator, mode=policy.mode,
-                              placement=policy.placement, gpus=gpus).start()
+        plugin = DevicePlugin(PluginSettings(config.device_plugin_dir), CountedAllocator(agent.allocator, stats),
+                              mode=policy.mode, placement=policy.placement, gpus=gpus).start()
         agent.on_policy = lambda p: plugin.update(mode=p.mode, placement=p.placement)
         health = _watch_gpu_health(config, inventory.gpus, plugin, service.changes.bump)
     elif config.capacity_listen:

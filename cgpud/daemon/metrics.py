@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from socketserver import ThreadingMixIn
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import structlog
@@ -36,6 +36,9 @@ from cgpud.daemon.compute import TenantMetrics
 from cgpud.daemon.model import GpuCapacity, Instance, NodePolicy, Reservation
 from cgpud.daemon.region import USAGE_FILE
 from cgpud.errors import CgpuError
+
+if TYPE_CHECKING:
+    from cgpud.kube.model import Allocator, ContainerAllocation, Resource
 
 _T = TypeVar("_T")
 
@@ -103,6 +106,24 @@ class DaemonStats:
         with self._lock:
             return (dict(self._requests), dict(self._errors),
                     {k: (h.buckets(), h.total) for k, h in self._durations.items()})
+
+
+class CountedAllocator:
+    """The device plugin's allocator with each container's Allocate counted
+    (kind device_plugin; the error's class name as its code)."""
+
+    def __init__(self, allocator: Allocator, stats: DaemonStats) -> None:
+        self._allocator = allocator
+        self._stats = stats
+
+    def allocate(self, resource: Resource, device_ids: Sequence[str]) -> ContainerAllocation:
+        try:
+            allocation = self._allocator.allocate(resource, device_ids)
+        except Exception as e:
+            self._stats.request("device_plugin", "Allocate", type(e).__name__)
+            raise
+        self._stats.request("device_plugin", "Allocate")
+        return allocation
 
 
 @dataclass(frozen=True)

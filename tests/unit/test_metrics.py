@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from cgpud._region import ffi as rffi
 from cgpud.containers.relay import RelayServer
 from cgpud.daemon import config as settings
 from cgpud.daemon.compute import TenantMetrics
-from cgpud.daemon.metrics import CgpuCollector, DaemonStats, read_usage
+from cgpud.daemon.metrics import CgpuCollector, CountedAllocator, DaemonStats, read_usage
 from cgpud.daemon.model import (GIB, MIB, GpuCapacity, Grant, Instance, InstanceState, NodeMode, NodePolicy, Owner,
                                 OwnerKind, Reservation)
 from cgpud.daemon.region import USAGE_FILE, DeviceLimit, InstanceLimits, write_region
@@ -245,3 +246,21 @@ def test_relay_requests_are_counted_by_verb_and_outcome(tmp_path: Path) -> None:
                         ("relay", "other"): 1}
     assert errors == {("relay", "hook poststop", "error"): 1, ("relay", "hook createRuntime", "error"): 1,
                       ("relay", "other", "error"): 1}
+
+
+class FakeAllocator:
+    def allocate(self, resource: object, device_ids: Sequence[str]) -> str:
+        if "bad" in device_ids:
+            raise UsageError("no such device")
+        return "allocation"
+
+
+def test_device_plugin_allocations_are_counted_and_errors_named() -> None:
+    stats = DaemonStats()
+    counted = CountedAllocator(FakeAllocator(), stats)  # type: ignore[arg-type]  (duck-typed allocator)
+    assert counted.allocate(object(), ["gpu-0"]) == "allocation"  # type: ignore[arg-type]
+    with pytest.raises(UsageError):
+        counted.allocate(object(), ["bad"])  # type: ignore[arg-type]
+    requests, errors, _ = stats.snapshot()
+    assert requests == {("device_plugin", "Allocate"): 2}
+    assert errors == {("device_plugin", "Allocate", "UsageError"): 1}
