@@ -12,10 +12,13 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
+
+from cgpud.errors import UsageError
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,46 @@ def _watchdog_usec(env: Mapping[str, str]) -> int | None:
     if pid and pid != str(os.getpid()):
         return None
     return usec
+
+
+@dataclass
+class Heartbeat:
+    """When a loop last completed a round. The loop beats; the watchdog
+    thread asks whether the last beat is recent, so a ping means the loop
+    still turns, not merely that the watchdog thread does. A float
+    assignment is atomic under the GIL: no lock."""
+    clock: Callable[[], float] = time.monotonic
+    last: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.last = self.clock()
+
+    def beat(self) -> None:
+        self.last = self.clock()
+
+    def age(self) -> float:
+        return self.clock() - self.last
+
+    def fresh(self, max_age: float) -> bool:
+        return self.age() <= max_age
+
+
+def heartbeat_max_age(notifier: Notifier, loop_interval: float) -> float | None:
+    """How old the loop's last beat may be when a ping is due: one ping
+    interval (half the watchdog period), so a loop stuck for longer than
+    that misses systemd's deadline within one more interval. None without a
+    watchdog. A period that leaves room for fewer than two rounds of the
+    loop would restart a healthy daemon: refused."""
+    interval = notifier.watchdog_interval
+    if not notifier.enabled or interval is None:
+        return None
+    if interval < 2 * loop_interval:
+        raise UsageError(
+            f"the systemd watchdog period ({interval * 2:g} s, WatchdogSec=) must be at least 4 sweep intervals "
+            f"({4 * loop_interval:g} s with sweep_interval = {loop_interval:g}): raise WatchdogSec= or lower "
+            "sweep_interval"
+        )
+    return interval
 
 
 def start_watchdog(

@@ -23,7 +23,7 @@ from tests.daemonproc import BIN, make_daemon
 
 def test_ready_only_after_reconciliation_and_stopping_on_shutdown(tmp_path, sim_env):
     d = make_daemon(tmp_path, sim_env)
-    d.env["WATCHDOG_USEC"] = "200000"
+    d.env["WATCHDOG_USEC"] = "1000000"  # at least 4 sweeps (0.2 s): shorter is refused
     d.start()
     assert d.socket.exists() and (d.socket.stat().st_mode & 0o777) == 0o600
     assert any(b"WATCHDOG=1" in m for m in d.wait_for(b"WATCHDOG=1", timeout=5))

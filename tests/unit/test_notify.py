@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from cgpud.daemon.notify import Notifier, start_watchdog
+from cgpud.daemon.notify import Heartbeat, Notifier, heartbeat_max_age, start_watchdog
+from cgpud.errors import UsageError
 
 
 @pytest.fixture
@@ -131,3 +132,23 @@ def test_watchdog_withholds_pings_while_unhealthy(listener) -> None:
     finally:
         stop.set()
         thread.join(timeout=2)
+
+
+def test_heartbeat_is_fresh_only_within_its_bound() -> None:
+    now = [100.0]
+    beat = Heartbeat(clock=lambda: now[0])
+    assert beat.fresh(1.0)
+    now[0] = 101.5
+    assert beat.age() == 1.5 and not beat.fresh(1.0)
+    beat.beat()
+    assert beat.fresh(1.0) and beat.age() == 0.0
+
+
+def test_heartbeat_bound_is_the_ping_interval_and_short_periods_are_refused() -> None:
+    watched = Notifier.from_env({"NOTIFY_SOCKET": "/nonexistent", "WATCHDOG_USEC": "30000000"})
+    assert heartbeat_max_age(watched, 2.0) == 15.0  # the unit's WatchdogSec=30s, the default sweep
+    assert heartbeat_max_age(Notifier.from_env({"WATCHDOG_USEC": "30000000"}), 2.0) is None  # no socket
+    assert heartbeat_max_age(Notifier.from_env({"NOTIFY_SOCKET": "/x"}), 2.0) is None  # no watchdog
+    assert heartbeat_max_age(watched, 7.5) == 15.0  # exactly four sweeps fit
+    with pytest.raises(UsageError, match="at least 4 sweep intervals"):
+        heartbeat_max_age(watched, 7.6)
