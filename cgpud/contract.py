@@ -19,5 +19,6 @@ RELAY_DEFAULT_SOCKET: str = _text(lib.CGPU_RELAY_DEFAULT_SOCKET)
 RELAY_MAX_REQUEST: int = lib.CGPU_RELAY_MAX_REQUEST
 RELAY_MSG_MAX: int = lib.CGPU_RELAY_MSG_MAX  # the answer line, "\n" included
 RELAY_TIMEOUT_S: int = lib.CGPU_RELAY_TIMEOUT_S
+RELAY_WAIT_S: int = lib.CGPU_RELAY_WAIT_S  # how long a relay waits for a cgpud that is down
 CONTAINER_ID_MAX: int = lib.CGPU_CONTAINER_ID_MAX
 INSTANCE_ID_MAX: int = lib.CGPU_INSTANCE_ID_LEN - 1  # the region's char[] keeps its NUL

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cgpud.contract import RELAY_WAIT_S
 from cgpud.daemon.model import GIB, Instance
 from cgpud.errors import UsageError
 from cgpud.containers.request import (CONTAINER_REGION, ENV_CORE, ENV_MEMORY, ENV_MEMORY_DEV, ENV_MEMORY_INDEX,
@@ -23,7 +24,10 @@ from cgpud.daemon.region import USAGE_FILE
 
 CONTAINER_LIBRARY = "/usr/local/cgpu/libcgpu.so"
 PRELOAD = "/etc/ld.so.preload"
-HOOK_TIMEOUT = 10  # seconds: a bind is one SQLite commit
+# Seconds runc gives the hook: a bind is one SQLite commit, but the hook may
+# first wait RELAY_WAIT_S for a restarting cgpud, and its own message must
+# come before runc's kill.
+HOOK_TIMEOUT = RELAY_WAIT_S + 20
 HOOK_ENV = ("PATH=/usr/sbin:/usr/bin:/sbin:/bin",)  # explicit: never the image's env
 BIND_STAGE = "createRuntime"
 RELEASE_STAGE = "poststop"

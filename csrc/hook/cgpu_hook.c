@@ -124,7 +124,7 @@ int main(int argc, char **argv)
         return 1;
     }
     char msg[CGPU_RELAY_MSG_MAX];
-    if (cgpu_relay_call(socket, request, head + n, msg, sizeof(msg)) != 0) {
+    if (cgpu_relay_call(PROG, socket, request, head + n, msg, sizeof(msg)) != 0) {
         cgpu_relay_report(PROG, msg);
         return 1;
     }

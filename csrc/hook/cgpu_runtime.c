@@ -308,7 +308,7 @@ static void prepare(const char *command, char **args, const char *socket)
     static char request[ID_MAX + PATH_MAX + 16];
     int len = snprintf(request, sizeof(request), "prepare %s\n%s", id, bundle_abs);
     char msg[CGPU_RELAY_MSG_MAX];
-    if (cgpu_relay_call(socket, request, (size_t)len, msg, sizeof(msg)) != 0)
+    if (cgpu_relay_call(PROG, socket, request, (size_t)len, msg, sizeof(msg)) != 0)
         die(1, "%s", msg);
 }
 

@@ -5,11 +5,16 @@
 #include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <sys/un.h>
+#include <time.h>
 #include <unistd.h>
+
+#define RETRY_FIRST_MS 50
+#define RETRY_MAX_MS 500
 
 __attribute__((format(printf, 3, 4))) static int fail(char *msg, size_t size, const char *fmt, ...)
 {
@@ -72,10 +77,21 @@ static int parse_answer(const char *line, size_t len, const char *path, char *ms
     return fail(msg, size, "cgpud sent an unexpected answer on %s: %s", path, shown);
 }
 
-/* After a failed send cgpud may still have answered (e.g. it rejected the
- * request early and closed), so the answer is read either way. */
-static int exchange(int fd, const char *path, const char *request, size_t len, char *msg, size_t size)
+static int went_away(const char *path, const char *why, char *msg, size_t size, int *gone)
 {
+    *gone = 1;
+    return fail(msg, size, "cgpud went away without answering (%s: %s)", path, why);
+}
+
+/* After a failed send cgpud may still have answered (e.g. it rejected the
+ * request early and closed), so the answer is read either way. *gone is set
+ * when cgpud closed or reset the connection without a byte of answer, as a
+ * daemon that dies or restarts mid-request does: every request is safe to
+ * send again (prepare and the hooks are idempotent for the same container
+ * and instance; docs/containers.md). */
+static int exchange(int fd, const char *path, const char *request, size_t len, char *msg, size_t size, int *gone)
+{
+    *gone = 0;
     int send_err = 0;
     if (send_all(fd, request, len) < 0 || shutdown(fd, SHUT_WR) < 0)
         send_err = errno;
@@ -91,6 +107,8 @@ static int exchange(int fd, const char *path, const char *request, size_t len, c
             continue;
         if (r < 0 && errno == EAGAIN)
             return timed_out(path, msg, size);
+        if (r < 0 && n == 0 && errno == ECONNRESET)
+            return went_away(path, strerror(errno), msg, size, gone);
         if (r < 0)
             return fail(msg, size, "lost the connection to cgpud at %s: %s", path,
                         strerror(send_err ? send_err : errno));
@@ -101,27 +119,21 @@ static int exchange(int fd, const char *path, const char *request, size_t len, c
     }
     if (nl)
         return parse_answer(line, (size_t)(nl - line), path, msg, size);
+    if (n == 0 && (send_err == 0 || send_err == EPIPE || send_err == ECONNRESET))
+        return went_away(path, send_err ? strerror(send_err) : "connection closed", msg, size, gone);
     if (send_err)
         return fail(msg, size, "lost the connection to cgpud at %s: %s", path, strerror(send_err));
-    if (n == 0)
-        return fail(msg, size, "cgpud sent no answer on %s", path);
     if (n == sizeof(line))
         return fail(msg, size, "cgpud sent an answer longer than %zu bytes on %s", sizeof(line), path);
     return fail(msg, size, "cgpud sent an incomplete answer on %s", path);
 }
 
-int cgpu_relay_call(const char *path, const char *request, size_t len, char *msg, size_t size)
+/* One connection, one request. *down is set when cgpud was not there to
+ * ask (socket missing or refusing) or went away before answering. */
+static int attempt(const struct sockaddr_un *addr, const char *path, const char *request, size_t len, char *msg,
+                   size_t size, int *down)
 {
-    struct sockaddr_un addr = {.sun_family = AF_UNIX};
-    size_t path_len = strlen(path);
-    if (len > CGPU_RELAY_MAX_REQUEST)
-        return fail(msg, size, "request of %zu bytes is larger than the %d cgpud accepts", len,
-                    CGPU_RELAY_MAX_REQUEST);
-    if (path_len >= sizeof(addr.sun_path))
-        return fail(msg, size, "cannot reach cgpud at %s: socket path longer than %zu bytes", path,
-                    sizeof(addr.sun_path) - 1);
-    memcpy(addr.sun_path, path, path_len + 1);
-
+    *down = 0;
     int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0)
         return fail(msg, size, "cannot reach cgpud at %s: %s", path, strerror(errno));
@@ -134,16 +146,94 @@ int cgpu_relay_call(const char *path, const char *request, size_t len, char *msg
         close(fd);
         return fail(msg, size, "cannot reach cgpud at %s: %s", path, strerror(err));
     }
-    if (connect(fd, (const struct sockaddr *)&addr, sizeof(addr)) < 0) {
+    if (connect(fd, (const struct sockaddr *)addr, sizeof(*addr)) < 0) {
         int err = errno;
         close(fd);
         if (err == EAGAIN)
             return timed_out(path, msg, size);
-        return fail(msg, size, "cannot reach cgpud at %s: %s (is cgpud running?)", path, strerror(err));
+        /* ENOENT: cgpud stopped and removed its socket; ECONNREFUSED: it
+         * died and left the socket behind. Anything else (EACCES, ...) is
+         * not cured by waiting. */
+        if (err == ENOENT || err == ECONNREFUSED) {
+            *down = 1;
+            return fail(msg, size, "cgpud is not running (%s: %s)", path, strerror(err));
+        }
+        return fail(msg, size, "cannot reach cgpud at %s: %s", path, strerror(err));
     }
-    int rc = exchange(fd, path, request, len, msg, size);
+    int rc = exchange(fd, path, request, len, msg, size, down);
     close(fd);
     return rc;
+}
+
+/* The wait bound: CGPU_RELAY_WAIT_S, or less if CGPU_RELAY_WAIT_MS says so
+ * (0: fail at once). Never more: a longer wait would outlast the timeouts
+ * of runc and containerd, whose own message then says less than ours. */
+static long wait_budget_ms(void)
+{
+    const long most = CGPU_RELAY_WAIT_S * 1000L;
+    const char *v = getenv("CGPU_RELAY_WAIT_MS");
+    if (!v || !*v)
+        return most;
+    char *end;
+    errno = 0;
+    long ms = strtol(v, &end, 10);
+    if (errno || *end || ms < 0)
+        return most;
+    return ms < most ? ms : most;
+}
+
+static long now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long)ts.tv_sec * 1000L + ts.tv_nsec / 1000000L;
+}
+
+static void sleep_ms(long ms)
+{
+    struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (ms % 1000) * 1000000L};
+    while (nanosleep(&ts, &ts) < 0 && errno == EINTR)
+        ;
+}
+
+int cgpu_relay_call(const char *prog, const char *path, const char *request, size_t len, char *msg, size_t size)
+{
+    struct sockaddr_un addr = {.sun_family = AF_UNIX};
+    size_t path_len = strlen(path);
+    if (len > CGPU_RELAY_MAX_REQUEST)
+        return fail(msg, size, "request of %zu bytes is larger than the %d cgpud accepts", len,
+                    CGPU_RELAY_MAX_REQUEST);
+    if (path_len >= sizeof(addr.sun_path))
+        return fail(msg, size, "cannot reach cgpud at %s: socket path longer than %zu bytes", path,
+                    sizeof(addr.sun_path) - 1);
+    memcpy(addr.sun_path, path, path_len + 1);
+
+    const long budget = wait_budget_ms(), deadline = now_ms() + budget;
+    long delay = RETRY_FIRST_MS;
+    for (int tries = 0;; tries++) {
+        int down = 0;
+        int rc = attempt(&addr, path, request, len, msg, size, &down);
+        if (!down)
+            return rc;
+        long left = deadline - now_ms();
+        if (left <= 0) {
+            /* msg is at most size - 1 bytes, so the copy fits what fail() cuts. */
+            char why[CGPU_RELAY_MSG_MAX];
+            snprintf(why, sizeof(why), "%s", msg);
+            if (tries == 0)
+                return fail(msg, size, "%s: start it (systemctl start cgpud)", why);
+            return fail(msg, size, "%s; it did not come back within %.3g s: start it (systemctl start cgpud)",
+                        why, (double)budget / 1000.0);
+        }
+        /* One line, once: the start is slow on purpose, not hung. */
+        if (tries == 0) {
+            char note[CGPU_RELAY_MSG_MAX + 64];
+            snprintf(note, sizeof(note), "%s; retrying for %.3g s", msg, (double)budget / 1000.0);
+            cgpu_relay_report(prog, note);
+        }
+        sleep_ms(delay < left ? delay : left);
+        delay = delay * 2 < RETRY_MAX_MS ? delay * 2 : RETRY_MAX_MS;
+    }
 }
 
 void cgpu_relay_report(const char *prog, const char *msg)

@@ -17,11 +17,15 @@
 
 /* Sends `request` (first line, "\n", body) on a fresh connection to the
  * unix socket at `socket_path`, half-closes, and reads the answer line.
- * Returns 0 if cgpud answered "ok" (msg = the text after "ok ", maybe empty),
- * -1 otherwise (msg = cgpud's error message, or why cgpud could not be asked).
- * msg is always one NUL-terminated line of printable text; callers give
- * CGPU_RELAY_MSG_MAX bytes for it. */
-int cgpu_relay_call(const char *socket_path, const char *request, size_t len, char *msg, size_t msg_size);
+ * While cgpud is down (socket missing or refusing, or gone before answering)
+ * it tries again with backoff (50 ms up to 500 ms) for CGPU_RELAY_WAIT_S, or
+ * less if the env variable CGPU_RELAY_WAIT_MS asks, saying so once on stderr
+ * as `prog`. Returns 0 if cgpud answered "ok" (msg = the text after "ok ",
+ * maybe empty), -1 otherwise (msg = cgpud's error message, or why cgpud
+ * could not be asked). msg is always one NUL-terminated line of printable
+ * text; callers give CGPU_RELAY_MSG_MAX bytes for it. */
+int cgpu_relay_call(const char *prog, const char *socket_path, const char *request, size_t len, char *msg,
+                    size_t msg_size);
 
 /* "<prog>: <msg>" on stderr. */
 void cgpu_relay_report(const char *prog, const char *msg);

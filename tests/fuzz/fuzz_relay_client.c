@@ -31,12 +31,15 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         shutdown(sv[1], SHUT_WR);
     char *msg = malloc(msg_size);
     CHECK(msg);
-    int rc = exchange(sv[0], "/run/cgpud/relay.sock", REQUEST, sizeof(REQUEST) - 1, msg, msg_size);
+    int gone = 0;
+    int rc = exchange(sv[0], "/run/cgpud/relay.sock", REQUEST, sizeof(REQUEST) - 1, msg, msg_size, &gone);
     close(sv[0]);
     if (!(flags & 1))
         close(sv[1]);
 
     CHECK(rc == 0 || rc == -1);
+    /* Sent again only when cgpud said nothing at all. */
+    CHECK(!gone || (rc == -1 && len == 0));
     size_t shown = strnlen(msg, msg_size);
     CHECK(shown < msg_size);
     for (size_t i = 0; i < shown; i++)

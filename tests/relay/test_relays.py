@@ -135,6 +135,7 @@ def env(runtime: FakeRuntime, sock_path: Path) -> dict[str, str]:
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "CGPU_REAL_RUNTIME": str(runtime.path),
         "CGPU_RELAY_SOCKET": str(sock_path),
+        "CGPU_RELAY_WAIT_MS": "0",  # no waiting for a cgpud that is down (test_relay_wait.py waits)
         **SAN_OPTIONS,
     }
 
@@ -326,7 +327,7 @@ def test_unreachable_cgpud_fails_closed_and_names_the_socket(bins, env, runtime,
     log = tmp_path / "log"
     args = ["--log", str(log), "create", "--bundle", str(bundle(tmp_path)), "c1"]
     proc = run(bins / "cgpu-runtime", args, env)
-    msg = f"cgpu-runtime: cannot reach cgpud at {sock_path}: No such file or directory (is cgpud running?)"
+    msg = f"cgpu-runtime: cgpud is not running ({sock_path}: No such file or directory): start it (systemctl start cgpud)"
     assert proc.returncode == 1 and runtime.argv is None and proc.stderr == msg + "\n"
     assert log.read_text().endswith(f'level=error msg="{msg}"\n')
 
@@ -337,13 +338,14 @@ def test_socket_without_listener_is_unreachable(bins, env, runtime, sock_path, t
     dead.close()
     proc = run(bins / "cgpu-runtime", ["create", "--bundle", str(bundle(tmp_path)), "c1"], env)
     assert proc.returncode == 1 and runtime.argv is None
-    assert proc.stderr == f"cgpu-runtime: cannot reach cgpud at {sock_path}: Connection refused (is cgpud running?)\n"
+    assert proc.stderr == (f"cgpu-runtime: cgpud is not running ({sock_path}: Connection refused): "
+                           "start it (systemctl start cgpud)\n")
 
 
 @pytest.mark.parametrize(
     ("answer", "message"),
     [
-        (None, "cgpud sent no answer on {sock}"),
+        (None, "cgpud went away without answering ({sock}: connection closed): start it (systemctl start cgpud)"),
         (b"ok", "cgpud sent an incomplete answer on {sock}"),
         (b"okay\n", "cgpud sent an unexpected answer on {sock}: okay"),
         (b"OK\n", "cgpud sent an unexpected answer on {sock}: OK"),
@@ -422,8 +424,9 @@ STATE = b'  {"ociVersion":"1.0.2","id":"c1","status":"creating","pid":4242,"bund
 
 @pytest.fixture
 def hook_env() -> dict[str, str]:
-    """What runc gives a hook whose entry has an empty env."""
-    return dict(SAN_OPTIONS)
+    """What runc gives a hook whose entry has an empty env (and no waiting
+    for a cgpud that is down: test_relay_wait.py waits)."""
+    return {**SAN_OPTIONS, "CGPU_RELAY_WAIT_MS": "0"}
 
 
 @pytest.mark.parametrize(
@@ -454,7 +457,8 @@ def test_hook_without_answer_fails(bins, hook_env, cgpud, sock_path):
     server = cgpud(None)
     args = ["--socket", str(sock_path), "--instance", "i1", "createRuntime"]
     proc = run(bins / "cgpu-hook", args, hook_env, stdin=STATE)
-    assert proc.returncode == 1 and proc.stderr == f"cgpu-hook: cgpud sent no answer on {sock_path}\n"
+    assert proc.returncode == 1 and proc.stderr == (
+        f"cgpu-hook: cgpud went away without answering ({sock_path}: connection closed): start it (systemctl start cgpud)\n")
     assert len(server.requests) == 1
 
 
@@ -462,13 +466,13 @@ def test_hook_with_cgpud_down_names_the_socket(bins, hook_env, sock_path):
     args = ["--socket", str(sock_path), "--instance", "i1", "createRuntime"]
     proc = run(bins / "cgpu-hook", args, hook_env, stdin=STATE)
     assert proc.returncode == 1
-    msg = f"cgpu-hook: cannot reach cgpud at {sock_path}: No such file or directory (is cgpud running?)"
+    msg = f"cgpu-hook: cgpud is not running ({sock_path}: No such file or directory): start it (systemctl start cgpud)"
     assert proc.stderr == msg + "\n"
 
 
 def test_hook_default_socket(bins, hook_env):
     proc = run(bins / "cgpu-hook", ["--instance", "i1", "createRuntime"], hook_env, stdin=STATE)
-    assert proc.returncode == 1 and "at /run/cgpud/relay.sock: " in proc.stderr
+    assert proc.returncode == 1 and "(/run/cgpud/relay.sock: " in proc.stderr
 
 
 @pytest.mark.parametrize(

@@ -62,9 +62,10 @@ def _bundle(tmp_path: Path, config: dict) -> Path:
 
 def _shim(native: Path, tmp_path: Path, config: dict, container_id: str = "c1") -> subprocess.CompletedProcess:
     """`cgpu-runtime create` of a bundle, with no cgpud listening: a bundle
-    the shim sends to cgpud fails with "cannot reach cgpud", any other runs
-    the real runtime (`true`)."""
-    env = dict(os.environ, CGPU_REAL_RUNTIME="true", CGPU_RELAY_SOCKET=str(tmp_path / "no-cgpud.sock"))
+    the shim sends to cgpud fails at once with "cgpud is not running", any
+    other runs the real runtime (`true`)."""
+    env = dict(os.environ, CGPU_REAL_RUNTIME="true", CGPU_RELAY_SOCKET=str(tmp_path / "no-cgpud.sock"),
+               CGPU_RELAY_WAIT_MS="0")
     args = [str(native / "bin/cgpu-runtime"), "create", "--bundle", str(_bundle(tmp_path, config)), container_id]
     return subprocess.run(args, env=env, capture_output=True, text=True, timeout=30)
 
@@ -72,7 +73,7 @@ def _shim(native: Path, tmp_path: Path, config: dict, container_id: str = "c1") 
 def _asked_cgpud(proc: subprocess.CompletedProcess) -> bool:
     if proc.returncode == 0:
         return False
-    assert proc.returncode == 1 and "cannot reach cgpud" in proc.stderr, proc.stderr
+    assert proc.returncode == 1 and "cgpud is not running" in proc.stderr, proc.stderr
     return True
 
 
@@ -175,9 +176,10 @@ def test_instance_id_limit_is_what_a_region_and_the_hook_hold(native, tmp_path):
     def hook(instance: str) -> subprocess.CompletedProcess:
         args = [str(native / "bin/cgpu-hook"), "--socket", str(tmp_path / "none.sock"), "--instance", instance,
                 "poststop"]
-        return subprocess.run(args, input="{}", capture_output=True, text=True, timeout=30)
+        return subprocess.run(args, input="{}", capture_output=True, text=True, timeout=30,
+                              env=dict(os.environ, CGPU_RELAY_WAIT_MS="0"))
 
-    assert hook(longest).returncode == 1 and "cannot reach cgpud" in hook(longest).stderr
+    assert hook(longest).returncode == 1 and "cgpud is not running" in hook(longest).stderr
     assert hook(too_long).returncode == 2 and f"1-{contract.INSTANCE_ID_MAX} characters" in hook(too_long).stderr
 
 

@@ -21,6 +21,11 @@
 #define CGPU_RELAY_MSG_MAX 4096
 /* How long a relay waits for cgpud at each step. */
 #define CGPU_RELAY_TIMEOUT_S 30
+/* How long a relay keeps retrying while cgpud is down (its socket missing
+ * or refusing, or cgpud gone before answering): a restart takes 1-3 s.
+ * Well below what containerd and runc give a runtime call, and below the
+ * timeout cgpud writes into its hook entries (HOOK_TIMEOUT, edits.py). */
+#define CGPU_RELAY_WAIT_S 10
 
 /* runc's limit on a container id. An instance id is at most
  * CGPU_INSTANCE_ID_LEN - 1 bytes (cgpu/region.h): the region holds it. */
