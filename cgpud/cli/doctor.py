@@ -1,6 +1,8 @@
 """`cgpuctl doctor`: checks what cgpu needs on this node and says what to fix."""
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,33 +81,50 @@ def _library() -> str:
     return str(native_path("lib/libcgpu.so"))
 
 
-def _runtime() -> str:
-    dropins = sorted(CONTAINERD_DROPINS.glob("*cgpu*")) if CONTAINERD_DROPINS.is_dir() else []
-    if dropins:
-        return f"containerd: {dropins[0]}"
+def _docker_runtimes(path: Path) -> list[str]:
+    """The runtimes daemon.json registers that run cgpu-runtime (by the name
+    `runtime configure` gives or by the program), each checked to exist."""
     try:
-        text: str | None = DOCKER_CONFIG.read_text()
+        text: str | None = path.read_text()
     except FileNotFoundError:
         text = None
     except (OSError, UnicodeDecodeError) as e:
-        raise CgpuError(f"cannot read {DOCKER_CONFIG}: {e}") from None
+        raise CgpuError(f"cannot read {path}: {e}") from None
     # A malformed daemon.json is reported as such (parse_daemon_json's error),
-    # not as a missing entry.
-    runtimes = parse_daemon_json(DOCKER_CONFIG, text).get("runtimes")
-    if isinstance(runtimes, dict) and "cgpu" in runtimes:
-        return f"docker: {DOCKER_CONFIG}"
+    # not as a missing entry: dockerd does not start with it either.
+    runtimes = parse_daemon_json(path, text).get("runtimes")
+    found = []
+    for name, entry in (runtimes.items() if isinstance(runtimes, dict) else ()):
+        program = entry.get("path") if isinstance(entry, dict) else None
+        if not isinstance(program, str) or (name != "cgpu" and Path(program).name != "cgpu-runtime"):
+            continue
+        # dockerd looks a relative name up on its PATH.
+        resolved = program if Path(program).is_absolute() else shutil.which(program)
+        if not resolved or not Path(resolved).is_file() or not os.access(resolved, os.X_OK):
+            raise CgpuError(f'{path}: runtime "{name}" runs {program}, which is not an executable file, so '
+                            f"`docker run --runtime {name}` fails; run: cgpuctl runtime configure --docker")
+        found.append(f'docker: runtime "{name}" runs {program} ({path})')
+    return found
+
+
+def _runtime(docker_config: Path | None = None) -> str:
+    dropins = sorted(CONTAINERD_DROPINS.glob("*cgpu*")) if CONTAINERD_DROPINS.is_dir() else []
+    found = [f"containerd: {dropins[0]}"] if dropins else []
+    found += _docker_runtimes(docker_config or DOCKER_CONFIG)
+    if found:
+        return "; ".join(found)
     raise CgpuError("no containerd or docker runtime entry for cgpu; containers get no limits until one is "
                     "configured (host processes work through `cgpuctl run`)")
 
 
-def diagnose(config: DaemonConfig, socket: Path) -> list[Finding]:
+def diagnose(config: DaemonConfig, socket: Path, docker_config: Path | None = None) -> list[Finding]:
     checks: list[tuple[str, Callable[[], str], bool]] = [
         ("driver/NVML", _nvml, True),
         ("daemon socket", _daemon(socket), True),
         ("state directory", _state_dir(config.state_dir), True),
         ("instance regions", _regions(config.regions), False),
         ("libcgpu.so", _library, True),
-        ("container runtime", _runtime, False),
+        ("container runtime", lambda: _runtime(docker_config), False),
     ]
     findings = []
     for name, check, required in checks:

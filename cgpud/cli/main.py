@@ -174,7 +174,8 @@ def _doctor(args: argparse.Namespace) -> int:
     from cgpud.cli import doctor
 
     config = settings.load(Path(args.config) if args.config else None, {})
-    text, code = doctor.report(doctor.diagnose(config, _socket(args)))
+    docker_config = Path(args.docker_config) if args.docker_config else None
+    text, code = doctor.report(doctor.diagnose(config, _socket(args), docker_config))
     sys.stdout.write(text)
     return code
 
@@ -270,6 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     doctor = verbs.add_parser("doctor", help="check driver, daemon, state directory, library and runtime")
     doctor.add_argument("--config", help="cgpud settings file to check against")
+    doctor.add_argument("--docker-config", help="dockerd's daemon.json, if not /etc/docker/daemon.json "
+                        "(dockerd --config-file)")
     doctor.set_defaults(handler=_doctor)
 
     runtime = verbs.add_parser("runtime", help="register cgpu's runtime with containerd or Docker")

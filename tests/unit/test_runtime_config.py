@@ -559,11 +559,39 @@ def test_doctor_reports_a_malformed_daemon_json_as_malformed(tmp_path, monkeypat
     assert str(e.value).startswith(detail.format(path=path))
 
 
-def test_doctor_finds_the_docker_entry(tmp_path, monkeypatch):
+def test_doctor_finds_the_docker_entry(tmp_path, monkeypatch, shim):
     from cgpud.cli import doctor
 
     path = tmp_path / "daemon.json"
-    path.write_text('{"runtimes": {"cgpu": {"path": "/x"}}}')
+    path.write_text(json.dumps({"runtimes": {"cgpu": {"path": str(shim)}}}))
     monkeypatch.setattr(doctor, "DOCKER_CONFIG", path)
     monkeypatch.setattr(doctor, "CONTAINERD_DROPINS", tmp_path / "no-conf.d")
-    assert doctor._runtime() == f"docker: {path}"
+    assert doctor._runtime() == f'docker: runtime "cgpu" runs {shim} ({path})'
+
+
+def test_doctor_finds_a_renamed_docker_entry_and_containerd_too(tmp_path, monkeypatch, shim):
+    from cgpud.cli import doctor
+
+    path = tmp_path / "daemon.json"
+    path.write_text(json.dumps({"runtimes": {"gpu-share": {"path": str(shim)}, "other": {"path": "runc"}}}))
+    (tmp_path / "conf.d").mkdir()
+    (tmp_path / "conf.d" / "cgpu.toml").write_text("")
+    monkeypatch.setattr(doctor, "CONTAINERD_DROPINS", tmp_path / "conf.d")
+    assert doctor._runtime(path) == (f'containerd: {tmp_path / "conf.d" / "cgpu.toml"}; '
+                                     f'docker: runtime "gpu-share" runs {shim} ({path})')
+
+
+@pytest.mark.parametrize("program", ["{tmp}/gone/cgpu-runtime", "{tmp}/daemon.json", "cgpu-runtime-not-on-path"])
+def test_doctor_reports_a_docker_entry_whose_program_is_gone(tmp_path, monkeypatch, program):
+    """An upgrade or a moved tree leaves daemon.json naming a program that is
+    no longer there: `docker run --runtime cgpu` would fail on every start."""
+    from cgpud.cli import doctor
+
+    path = tmp_path / "daemon.json"
+    program = program.format(tmp=tmp_path)
+    path.write_text(json.dumps({"runtimes": {"cgpu": {"path": program}}}))
+    monkeypatch.setattr(doctor, "CONTAINERD_DROPINS", tmp_path / "no-conf.d")
+    with pytest.raises(CgpuError) as e:
+        doctor._runtime(path)
+    assert str(e.value) == (f'{path}: runtime "cgpu" runs {program}, which is not an executable file, so '
+                            "`docker run --runtime cgpu` fails; run: cgpuctl runtime configure --docker")
