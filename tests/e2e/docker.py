@@ -1,0 +1,141 @@
+"""A real, throwaway Docker for the end-to-end tests, laid out as Debian's
+docker.io runs it: dockerd on a containerd of its own
+(`dockerd --containerd=<socket>`, as docker.service passes
+/run/containerd/containerd.sock), so cgpu-runtime runs with containerd's
+environment, not dockerd's. Each has its own root, state and socket under a
+temp dir; no network set-up (no iptables, no bridge); the vfs storage
+driver (plain directories: no mounts left behind); images made by `docker
+import` of the busybox rootfs the runc tests use. The client is named by
+its full path because a newer one may come first on PATH."""
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+DOCKERD = Path("/usr/sbin/dockerd")
+DOCKER = Path("/usr/bin/docker")
+IMAGE = "cgpu-e2e:busybox"
+
+
+@dataclass
+class Dockerd:
+    root: Path
+    config: Path
+    socket: Path
+    relay: Path
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    @property
+    def task_dir(self) -> Path:
+        """Where containerd makes a Docker container's bundle: <task_dir>/<id>."""
+        return self.root / "containerd" / "state" / "io.containerd.runtime.v2.task" / "moby"
+
+    def docker(self, *args: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(DOCKER), "-H", f"unix://{self.socket}", *args], capture_output=True, text=True,
+                              timeout=timeout, **kw)
+
+    def runtimes(self) -> dict[str, dict]:
+        out = self.docker("info", "--format", "{{json .Runtimes}}")
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    def import_rootfs(self, rootfs: Path, tag: str) -> None:
+        """An image of one layer: the rootfs as it is, symbolic links included."""
+        tar = subprocess.Popen(["tar", "-C", str(rootfs), "-cf", "-", "."], stdout=subprocess.PIPE)
+        out = subprocess.run([str(DOCKER), "-H", f"unix://{self.socket}", "import", "-", tag], stdin=tar.stdout,
+                             capture_output=True, text=True, timeout=120)
+        assert tar.stdout is not None
+        tar.stdout.close()
+        assert tar.wait() == 0 and out.returncode == 0, out.stderr
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:]
+
+
+def require_docker() -> None:
+    missing = [str(p) for p in (DOCKERD, DOCKER) if not p.exists()]
+    missing += [t for t in ("containerd", "containerd-shim-runc-v2") if shutil.which(t) is None]
+    if missing:
+        raise AssertionError(f"{', '.join(missing)} missing: apt-get install docker.io containerd")
+
+
+def _wait(what: str, ready: Callable[[], bool], proc: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + 60
+    while not ready():
+        if time.monotonic() > deadline or proc.poll() is not None:
+            raise AssertionError(f"{what} did not start:\n{log.read_text(errors='replace')[-3000:]}")
+        time.sleep(0.1)
+
+
+def _terminate(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+@contextmanager
+def running_dockerd(root: Path, daemon_json: dict, containerd_env: dict[str, str]) -> Iterator[Dockerd]:
+    """containerd (with `containerd_env`, which reaches cgpu-runtime) and a
+    dockerd on it; when the block ends, however it ends, Docker's
+    containers are removed, both daemons stopped and `root` deleted."""
+    require_docker()
+    with ExitStack() as stack:
+        stack.callback(_remove, root)
+        ctd = root / "containerd"
+        ctd.mkdir(parents=True)
+        (ctd / "config.toml").write_text(f'version = 2\nroot = "{ctd}/root"\nstate = "{ctd}/state"\n\n'
+                                         f'[grpc]\n  address = "{ctd}/containerd.sock"\n')
+        ctd_log = ctd / "containerd.log"
+        with open(ctd_log, "wb") as out:
+            containerd = subprocess.Popen(["containerd", "--config", str(ctd / "config.toml")], env=containerd_env,
+                                          stdout=out, stderr=out, stdin=subprocess.DEVNULL)
+        stack.callback(_terminate, containerd)
+        _wait("containerd", lambda: (ctd / "containerd.sock").exists(), containerd, ctd_log)
+
+        config = root / "daemon.json"
+        config.write_text(json.dumps(daemon_json, indent=4) + "\n")
+        log = root / "dockerd.log"
+        sock = root / "docker.sock"
+        # dockerd's own environment says nothing of cgpu: only containerd's
+        # reaches the runtime.
+        env = {k: v for k, v in containerd_env.items() if not k.startswith("CGPU_")}
+        args = [str(DOCKERD), "--containerd", str(ctd / "containerd.sock"), "--data-root", str(root / "data"),
+                "--exec-root", str(root / "exec"), "-H", f"unix://{sock}", "--pidfile", str(root / "docker.pid"),
+                "--config-file", str(config), "--iptables=false", "--ip6tables=false", "--bridge=none",
+                "--storage-driver", "vfs"]
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(args, env=env, stdout=out, stderr=out, stdin=subprocess.DEVNULL)
+        d = Dockerd(root, config, sock, Path(containerd_env["CGPU_RELAY_SOCKET"]), proc, log)
+        stack.callback(_stop, d)
+        _wait("dockerd", lambda: d.docker("version").returncode == 0, proc, log)
+        yield d
+
+
+def _stop(d: Dockerd) -> None:
+    if d.proc.poll() is None:
+        left = d.docker("ps", "-aq").stdout.split()
+        if left:
+            d.docker("rm", "-f", *left)
+    _terminate(d.proc)
+
+
+def _remove(root: Path) -> None:
+    # dockerd bind-mounts its data root onto itself and unmounts it on a
+    # clean exit; after a kill it would stay.
+    for line in reversed(Path("/proc/self/mountinfo").read_text().splitlines()):
+        point = line.split()[4].encode().decode("unicode_escape")
+        if Path(point).is_relative_to(root):
+            subprocess.run(["umount", "-l", point], check=False)
+    shutil.rmtree(root, ignore_errors=True)

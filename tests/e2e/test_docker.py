@@ -1,0 +1,427 @@
+"""GPU containers through a real, throwaway dockerd (Debian's docker.io, its
+own managed containerd) with cgpu-runtime registered by `cgpuctl runtime
+configure --docker` and loaded by a reload (SIGHUP). The same checks as the
+containerd and runc tests, the way Docker calls the runtime:
+containerd-shim-runc-v2 runs `cgpu-runtime --root <exec-root>/runtime-cgpu/moby
+--log <bundle>/log.json --log-format json create --bundle <bundle> …` with
+the bundle at `<exec-root>/containerd/daemon/io.containerd.runtime.v2.task/moby/<id>`.
+
+One dockerd serves the module; every test has its own cgpud and simulated
+GPU, on the one relay socket dockerd was started with."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from cgpud.cli.client import LocalClient
+from cgpud.daemon.model import GIB, Owner, OwnerKind, Request
+from cgpud.native import native_path
+from tests.daemonproc import BIN, Daemon, running_daemon
+from tests.e2e.docker import IMAGE, Dockerd, running_dockerd
+from tests.e2e.oci import host_mounts, runtime_env
+from tests.e2e.test_runc import BURN, burn_json, env_lines, instances
+from tests.e2e.test_security import build_poc
+
+# An operator's settings that `runtime configure` must keep.
+OPERATOR_JSON = {"log-level": "info", "runtimes": {"other": {"path": "runc"}}}
+MODULE_RELAY = "relay/relay.sock"
+
+
+@pytest.fixture(scope="module")
+def dockerd(tmp_path_factory: pytest.TempPathFactory, rootfs_template: Path) -> Iterator[Dockerd]:
+    base = tmp_path_factory.mktemp("docker")
+    env = runtime_env(base / MODULE_RELAY)
+    env["CGPU_RELAY_WAIT_MS"] = "300"  # how long the relays wait for a cgpud that is down
+    with running_dockerd(base / "d", OPERATOR_JSON, env) as d:
+        assert "cgpu" not in d.runtimes()
+        configured = subprocess.run([str(BIN / "cgpuctl"), "runtime", "configure", "--docker", "--config", str(d.config)],
+                                    capture_output=True, text=True)
+        assert configured.returncode == 0, configured.stderr
+        # Runtimes are among the settings dockerd reloads (systemctl reload docker).
+        d.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 20
+        while "cgpu" not in d.runtimes():
+            assert time.monotonic() < deadline, f"dockerd did not load the runtime:\n{d.tail()}"
+            time.sleep(0.1)
+        d.import_rootfs(rootfs_template, IMAGE)
+        yield d
+    shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def cgpud(tmp_path: Path, gpu_env: dict[str, str], dockerd: Dockerd) -> Iterator[Daemon]:
+    with running_daemon(tmp_path, gpu_env, "--relay-socket", str(dockerd.relay)) as d:
+        yield d
+
+
+def docker_run(d: Dockerd, gpu_env: dict[str, str], *cmd: str, env: tuple[str, ...] = (), runtime: str = "cgpu",
+               opts: tuple[str, ...] = ("--rm",), image: str = IMAGE) -> subprocess.CompletedProcess[str]:
+    """`docker run` with the simulated device handed in as the NVIDIA
+    toolkit would hand in the real one (tests/e2e/oci.py)."""
+    sim = Path(gpu_env["CGPU_SIM_CONFIG"]).parent
+    args = ["run", "--network", "none", "--runtime", runtime, "-v", f"{sim}:{sim}",
+            "-e", f"CGPU_SIM_CONFIG={gpu_env['CGPU_SIM_CONFIG']}", "-e", f"CGPU_SIM_STATE={gpu_env['CGPU_SIM_STATE']}"]
+    for e in env:
+        args += ["-e", e]
+    return d.docker(*args, *opts, image, *cmd)
+
+
+def state(d: Dockerd, name: str) -> dict:
+    out = d.docker("inspect", name)
+    assert out.returncode == 0, out.stderr
+    [info] = json.loads(out.stdout)
+    return info
+
+
+@pytest.fixture
+def mounts(tmp_path_factory: pytest.TempPathFactory) -> Callable[[], list[str]]:
+    """The host's mount table, less the mounts of other pytest runs on the
+    machine (whose cgpud regions come and go meanwhile)."""
+    ours = tmp_path_factory.getbasetemp()
+
+    def table() -> list[str]:
+        def other_run(line: str) -> bool:
+            point = Path(line.split()[4].encode().decode("unicode_escape"))
+            return point.is_relative_to(ours.parent) and not point.is_relative_to(ours)
+
+        return [line for line in host_mounts() if not other_run(line)]
+
+    return table
+
+
+def owner(d: Dockerd, container_id: str) -> str:
+    """The instance owner cgpud records: Docker's full id and the bundle its
+    containerd made for it."""
+    return f"{container_id}@{d.task_dir / container_id}"
+
+
+def test_runtime_configure_registers_the_shim_dockerd_reloads(dockerd: Dockerd) -> None:
+    runtimes = dockerd.runtimes()
+    assert runtimes["cgpu"]["path"] == str(native_path("bin/cgpu-runtime"))
+    assert runtimes["other"]["path"] == "runc"
+    saved = json.loads(dockerd.config.read_text())
+    assert saved["log-level"] == "info" and saved["runtimes"]["other"] == {"path": "runc"}
+
+
+def test_doctor_reports_the_runtime_dockerd_loaded(tmp_path, cgpud: Daemon, dockerd: Dockerd) -> None:
+    settings = tmp_path / "doctor.toml"
+    settings.write_text(f'state_dir = "{cgpud.state}"\n')
+    out = cgpud.cgpuctl("doctor", "--config", str(settings), "--docker-config", str(dockerd.config))
+    runtime = native_path("bin/cgpu-runtime")
+    assert f'ok    container runtime: docker: runtime "cgpu" runs {runtime} ({dockerd.config})' in out.stdout, out.stdout
+
+
+def test_2gib_container_through_docker(tmp_path, gpu_env, cgpud: Daemon, dockerd: Dockerd) -> None:
+    cidfile = tmp_path / "cid"
+    out = docker_run(dockerd, gpu_env, "sh", "-c", f"env; {BURN}", env=("ALIYUN_COM_GPU_MEM_CONTAINER=2",),
+                     opts=("--rm", "--cidfile", str(cidfile)))
+    assert out.returncode == 0, out.stderr + dockerd.tail()
+    burn = burn_json(out.stdout)
+    assert burn["mem_total_reported"] == 2 * GIB
+    assert burn["alloc"]["until_fail_bytes"] == 2 * GIB
+    assert burn["alloc"]["until_fail_result"] == "CUDA_ERROR_OUT_OF_MEMORY"
+    env = env_lines(out.stdout)
+    assert env["ALIYUN_COM_GPU_MEM_CONTAINER"] == "2"
+    assert env["ALIYUN_COM_GPU_MEM_DEV"] == "16"
+    assert env["ALIYUN_COM_GPU_MEM_IDX"] == "0"
+    assert env["ALIYUN_COM_GPU_MEM_POD"] == "2"
+    assert env["NVIDIA_VISIBLE_DEVICES"].startswith("GPU-")
+    assert instances(cgpud) == []
+    [gone] = instances(cgpud, all_=True)
+    assert gone["state"] == "released"
+    assert gone["owner"]["id"] == owner(dockerd, cidfile.read_text().strip())
+
+
+def test_a_container_holds_its_instance_across_exec_restart_stop_and_start(gpu_env, cgpud: Daemon,
+                                                                          dockerd: Dockerd) -> None:
+    name = f"cgpu-e2e-{uuid.uuid4().hex[:8]}"
+    out = docker_run(dockerd, gpu_env, "sleep", "600", env=("ALIYUN_COM_GPU_MEM_CONTAINER=3",),
+                     opts=("-d", "--name", name))
+    assert out.returncode == 0, out.stderr + dockerd.tail()
+    try:
+        cid = out.stdout.strip()
+
+        def bound_to_init() -> dict:
+            [inst] = instances(cgpud)
+            assert inst["state"] == "bound"
+            assert inst["owner"]["id"] == owner(dockerd, cid)
+            assert inst["pids"] == [state(dockerd, name)["State"]["Pid"]]
+            return inst
+
+        first = bound_to_init()
+        # `docker exec` joins the container: the same library, region and limit.
+        ex = dockerd.docker("exec", name, "sh", "-c", BURN)
+        assert ex.returncode == 0, ex.stderr
+        assert burn_json(ex.stdout)["alloc"]["until_fail_bytes"] == 3 * GIB
+        # Its env is Docker's record of the container, not the spec cgpud
+        # edited: the request is there, cgpud's outputs only in the init's.
+        ex = dockerd.docker("exec", name, "sh", "-c", "env; echo; tr '\\0' '\\n' < /proc/1/environ")
+        mine, init = ex.stdout.split("\n\n", 1)
+        assert env_lines(mine)["ALIYUN_COM_GPU_MEM_CONTAINER"] == "3" and "ALIYUN_COM_GPU_MEM_DEV" not in mine
+        assert env_lines(init)["ALIYUN_COM_GPU_MEM_DEV"] == "16"
+        assert instances(cgpud)[0]["id"] == first["id"]
+
+        assert dockerd.docker("restart", "-t", "0", name).returncode == 0
+        second = bound_to_init()
+        assert second["id"] != first["id"]
+
+        assert dockerd.docker("stop", "-t", "0", name).returncode == 0
+        assert instances(cgpud) == []  # stopped, not removed: the instance is gone all the same
+        assert dockerd.docker("start", name).returncode == 0
+        bound_to_init()
+    finally:
+        removed = dockerd.docker("rm", "-f", name)
+    assert removed.returncode == 0, removed.stderr
+    assert instances(cgpud) == []
+    assert [i["state"] for i in instances(cgpud, all_=True)] == ["released"] * 3
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        (("ALIYUN_COM_GPU_MEM_CONTAINER=17",), "asked for 17 GiB per GPU but the largest GPU on this node has 16 GiB"),
+        (("ALIYUN_COM_GPU_MEM_CONTAINER=lots",), "ALIYUN_COM_GPU_MEM_CONTAINER='lots' is not a whole number of GiB"),
+        (("ALIYUN_COM_GPU_MEM_CONTAINER=1", "ALIYUN_COM_GPU_CORE_PERCENTAGE=30"), "node mode cgpu does not enforce compute shares"),
+    ],
+)
+def test_refusal_reaches_the_docker_user_and_leaves_nothing(gpu_env, cgpud: Daemon, dockerd: Dockerd, env,
+                                                            message) -> None:
+    out = docker_run(dockerd, gpu_env, "true", env=env)
+    assert out.returncode != 0
+    assert f"OCI runtime create failed: cgpu-runtime: {message}" in out.stderr, out.stderr
+    assert instances(cgpud, all_=True) == []
+    assert dockerd.docker("ps", "-aq").stdout.strip() == ""
+
+
+def test_the_21st_instance_on_a_gpu_is_refused(gpu_env, cgpud: Daemon, dockerd: Dockerd) -> None:
+    with LocalClient(cgpud.socket) as client:
+        for i in range(20):
+            client.create(Request(Owner(OwnerKind.PROCESS, f"holder-{i}"), 512 << 20), pid=os.getpid())
+    out = docker_run(dockerd, gpu_env, "true", env=("ALIYUN_COM_GPU_MEM_CONTAINER=1",))
+    assert out.returncode != 0
+    assert "max_instances_per_gpu" in out.stderr and "20 instances" in out.stderr, out.stderr
+    assert len(instances(cgpud, all_=True)) == 20
+
+
+def test_a_non_gpu_container_runs_exactly_as_under_runc(gpu_env, cgpud: Daemon, dockerd: Dockerd) -> None:
+    script = "env | sort; wc -l < /proc/self/mountinfo; ls /etc /run /usr/local; echo hi"
+    runs = [docker_run(dockerd, gpu_env, "sh", "-c", script, runtime=rt, opts=("--rm", "--hostname", "plain"))
+            for rt in ("runc", "cgpu")]
+    for out in runs:
+        assert out.returncode == 0, out.stderr
+    assert runs[0].stdout == runs[1].stdout and runs[1].stdout.endswith("hi\n")
+    assert instances(cgpud, all_=True) == []
+    # With cgpud down, only containers that ask for a GPU fail.
+    cgpud.stop()
+    out = docker_run(dockerd, gpu_env, "echo", "still fine")
+    assert out.returncode == 0 and out.stdout == "still fine\n", out.stderr
+    out = docker_run(dockerd, gpu_env, "true", env=("ALIYUN_COM_GPU_MEM_CONTAINER=1",))
+    assert out.returncode != 0
+    assert "OCI runtime create failed: cgpu-runtime: cgpud" in out.stderr and str(dockerd.relay) in out.stderr, \
+        out.stderr
+
+
+def test_compute_share_on_a_core_mem_node(tmp_path, gpu_env, dockerd: Dockerd) -> None:
+    with running_daemon(tmp_path, gpu_env, "--relay-socket", str(dockerd.relay), "--mode", "core_mem") as d:
+        out = docker_run(dockerd, gpu_env, "true",
+                         env=("ALIYUN_COM_GPU_MEM_CONTAINER=1", "ALIYUN_COM_GPU_CORE_PERCENTAGE=33"))
+        assert out.returncode != 0
+        assert "asked for 33% compute: ask for 0 (no share) or a multiple of 5" in out.stderr, out.stderr
+        assert instances(d, all_=True) == []
+        name = f"cgpu-e2e-{uuid.uuid4().hex[:8]}"
+        out = docker_run(dockerd, gpu_env, "sh", "-c", "env; sleep 600",
+                         env=("ALIYUN_COM_GPU_MEM_CONTAINER=1", "ALIYUN_COM_GPU_CORE_PERCENTAGE=30"),
+                         opts=("-d", "--name", name))
+        assert out.returncode == 0, out.stderr
+        try:
+            [inst] = instances(d)
+            assert [(g["memory_bytes"], g["core_percent"]) for g in inst["grants"]] == [(GIB, 30)]
+            deadline = time.monotonic() + 10
+            while "ALIYUN_COM_GPU_CORE_PERCENTAGE" not in (logs := dockerd.docker("logs", name).stdout):
+                assert time.monotonic() < deadline, logs
+                time.sleep(0.05)
+            assert env_lines(logs)["ALIYUN_COM_GPU_CORE_PERCENTAGE"] == "30"
+        finally:
+            assert dockerd.docker("rm", "-f", name).returncode == 0
+        assert instances(d) == []
+
+
+# ---------------------------------------------------------------- hostile images
+
+
+def _image_with_symlink(dockerd: Dockerd, template: Path, where: Path, link: str, target: str) -> str:
+    rootfs = where / "rootfs"
+    subprocess.run(["cp", "-al", str(template), str(rootfs)], check=True)
+    inside = rootfs / link.lstrip("/")
+    if inside.is_dir() and not inside.is_symlink():
+        subprocess.run(["rm", "-rf", str(inside)], check=True)
+    else:
+        inside.unlink(missing_ok=True)
+    inside.parent.mkdir(parents=True, exist_ok=True)
+    inside.symlink_to(target)
+    tag = f"cgpu-e2e:hostile-{uuid.uuid4().hex[:8]}"
+    dockerd.import_rootfs(rootfs, tag)
+    return tag
+
+
+@pytest.mark.parametrize(
+    ("link", "escape", "refused"),
+    [
+        # Docker's init layer unlinks /etc and makes it a real directory
+        # (for /etc/hosts and friends): the container starts, contained.
+        ("/etc", "/../../../{out}", False),
+        ("/etc/ld.so.preload", "/../../../{out}/preload", True),
+        ("/etc/ld.so.preload", "/proc/sys/kernel/core_pattern", True),
+        ("/usr/local", "/../../../{out}", True),
+        ("/run", "/proc/self/cwd", True),
+    ],
+)
+def test_symlinks_in_an_image_never_lead_outside_it(tmp_path, gpu_env, rootfs_template, cgpud: Daemon,
+                                                    dockerd: Dockerd, mounts, link: str, escape: str,
+                                                    refused: bool) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    core_pattern = Path("/proc/sys/kernel/core_pattern").read_text()
+    tag = _image_with_symlink(dockerd, rootfs_template, tmp_path, link, escape.format(out=outside))
+    mounts_before = mounts()
+    try:
+        out = docker_run(dockerd, gpu_env, "sh", "-c", f"cat /etc/ld.so.preload; {BURN}",
+                         env=("ALIYUN_COM_GPU_MEM_CONTAINER=2",), image=tag)
+    finally:
+        dockerd.docker("rmi", tag)
+    # Either it failed saying why or it started with its limit.
+    if refused:
+        assert out.returncode != 0
+        assert f"cgpu-runtime: the image makes {link} a symbolic link" in out.stderr, out.stderr
+    else:
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.splitlines()[0] == "/usr/local/cgpu/libcgpu.so"
+        assert burn_json(out.stdout)["alloc"]["until_fail_bytes"] == 2 * GIB
+    assert list(outside.iterdir()) == []
+    assert Path("/proc/sys/kernel/core_pattern").read_text() == core_pattern
+    assert mounts() == mounts_before
+    assert instances(cgpud) == []
+
+
+def test_an_image_ld_preload_from_cwd_never_runs_on_the_host(tmp_path, gpu_env, rootfs_template, cgpud: Daemon,
+                                                             dockerd: Dockerd) -> None:
+    """The NVIDIAScape pattern, in an image: LD_PRELOAD resolving through a
+    hook's working directory to a library in the rootfs."""
+    marker = Path("/tmp") / f"cgpu-poc-{uuid.uuid4().hex}"
+    rootfs = tmp_path / "rootfs"
+    subprocess.run(["cp", "-al", str(rootfs_template), str(rootfs)], check=True)
+    (rootfs / "poc.so").write_bytes(build_poc(tmp_path, marker).read_bytes())
+    tag = f"cgpu-e2e:poc-{uuid.uuid4().hex[:8]}"
+    dockerd.import_rootfs(rootfs, tag)
+    try:
+        out = docker_run(dockerd, gpu_env, "sh", "-c", "cgpu-burn --help >/dev/null; ls /tmp",
+                         env=("ALIYUN_COM_GPU_MEM_CONTAINER=1", "LD_PRELOAD=/proc/self/cwd/poc.so"),
+                         opts=("--rm", "--workdir", "/"), image=tag)
+        assert out.returncode == 0, out.stderr
+        assert marker.name in out.stdout  # it ran inside the container...
+        assert not marker.exists()  # ...and nowhere on the host
+    finally:
+        dockerd.docker("rmi", tag)
+        marker.unlink(missing_ok=True)
+
+
+def test_a_container_cannot_write_its_limits_or_reach_other_instances(gpu_env, cgpud: Daemon,
+                                                                      dockerd: Dockerd) -> None:
+    name = f"cgpu-e2e-{uuid.uuid4().hex[:8]}"
+    out = docker_run(dockerd, gpu_env, "sleep", "600", env=("ALIYUN_COM_GPU_MEM_CONTAINER=1",),
+                     opts=("-d", "--name", name))
+    assert out.returncode == 0, out.stderr
+    try:
+        [other] = instances(cgpud)
+        other_region = cgpud.state / "instances" / other["id"]
+        other_limits = (other_region / "limits").read_bytes()
+        script = "; ".join([
+            "echo x > /run/cgpu/limits && echo WROTE-LIMITS",
+            "echo x > /run/cgpu/grants && echo WROTE-GRANTS",
+            "mount -o remount,rw /run/cgpu 2>/dev/null && echo REMOUNTED",
+            "echo x > /usr/local/cgpu/libcgpu.so && echo WROTE-LIB",
+            "echo x > /etc/ld.so.preload && echo WROTE-PRELOAD",
+            f"ls {other_region} 2>/dev/null && echo SEES-OTHER",
+            "ls /run/cgpu",
+            "id -u",
+        ])
+        for user in ("0", "1000"):
+            out = docker_run(dockerd, gpu_env, "sh", "-c", script, env=("ALIYUN_COM_GPU_MEM_CONTAINER=1",),
+                             opts=("--rm", "--user", f"{user}:{user}"))
+            assert out.returncode == 0, out.stderr
+            for bad in ("WROTE-LIMITS", "WROTE-GRANTS", "REMOUNTED", "WROTE-LIB", "WROTE-PRELOAD", "SEES-OTHER"):
+                assert bad not in out.stdout, out.stdout
+            assert out.stdout.split() == ["grants", "limits", "usage", user]
+        assert (other_region / "limits").read_bytes() == other_limits
+    finally:
+        assert dockerd.docker("rm", "-f", name).returncode == 0
+    assert instances(cgpud) == []
+
+
+def test_mount_table_unchanged_after_10_container_cycles(gpu_env, cgpud: Daemon, dockerd: Dockerd, mounts) -> None:
+    before = mounts()
+    for _ in range(10):
+        out = docker_run(dockerd, gpu_env, "true", env=("ALIYUN_COM_GPU_MEM_CONTAINER=1",))
+        assert out.returncode == 0, out.stderr
+    assert mounts() == before
+    assert instances(cgpud) == []
+    assert len(instances(cgpud, all_=True)) == 10
+
+
+@pytest.mark.parametrize("opts", [("-t",), ("--read-only",), ("--init",), ("--tmpfs", "/run"), ("--ipc", "host")],
+                         ids=lambda o: " ".join(o))
+def test_docker_run_options_keep_the_limit(gpu_env, cgpud: Daemon, dockerd: Dockerd, opts) -> None:
+    out = docker_run(dockerd, gpu_env, "sh", "-c", BURN, env=("ALIYUN_COM_GPU_MEM_CONTAINER=1",), opts=("--rm", *opts))
+    assert out.returncode == 0, out.stderr
+    assert burn_json(out.stdout)["alloc"]["until_fail_bytes"] == GIB
+    assert instances(cgpud) == []
+
+
+def test_a_volume_over_run_is_refused(tmp_path, gpu_env, cgpud: Daemon, dockerd: Dockerd) -> None:
+    source = tmp_path / "volume"
+    source.mkdir()
+    out = docker_run(dockerd, gpu_env, "true", env=("ALIYUN_COM_GPU_MEM_CONTAINER=1",),
+                     opts=("--rm", "-v", f"{source}:/run"))
+    assert out.returncode != 0
+    assert f"cgpu-runtime: the volume at /run (from {source}) covers /run/cgpu" in out.stderr, out.stderr
+    assert list(source.iterdir()) == []
+    assert instances(cgpud) == []  # admitted, then released when the check failed
+
+
+def test_cgpu_as_the_default_runtime(gpu_env, cgpud: Daemon, dockerd: Dockerd) -> None:
+    before = dockerd.config.read_text()
+    try:
+        configured = subprocess.run([str(BIN / "cgpuctl"), "runtime", "configure", "--docker", "--set-as-default",
+                                     "--config", str(dockerd.config)], capture_output=True, text=True)
+        assert configured.returncode == 0, configured.stderr
+        dockerd.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 20
+        while dockerd.docker("info", "--format", "{{.DefaultRuntime}}").stdout.strip() != "cgpu":
+            assert time.monotonic() < deadline, dockerd.tail()
+            time.sleep(0.1)
+        sim = Path(gpu_env["CGPU_SIM_CONFIG"]).parent
+        out = dockerd.docker("run", "--rm", "--network", "none", "-v", f"{sim}:{sim}",
+                             "-e", f"CGPU_SIM_CONFIG={gpu_env['CGPU_SIM_CONFIG']}",
+                             "-e", f"CGPU_SIM_STATE={gpu_env['CGPU_SIM_STATE']}",
+                             "-e", "ALIYUN_COM_GPU_MEM_CONTAINER=2", IMAGE, "sh", "-c", BURN)
+        assert out.returncode == 0, out.stderr
+        assert burn_json(out.stdout)["alloc"]["until_fail_bytes"] == 2 * GIB
+        assert [i["state"] for i in instances(cgpud, all_=True)] == ["released"]
+    finally:
+        # A reload keeps the default runtime when daemon.json no longer
+        # names one: it has to be named back.
+        dockerd.config.write_text(json.dumps(json.loads(before) | {"default-runtime": "runc"}))
+        dockerd.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 20
+        while dockerd.docker("info", "--format", "{{.DefaultRuntime}}").stdout.strip() != "runc":
+            assert time.monotonic() < deadline, dockerd.tail()
+            time.sleep(0.1)
