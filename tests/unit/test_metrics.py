@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import socket
+import urllib.error
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -16,11 +18,11 @@ from cgpud._region import ffi as rffi
 from cgpud.containers.relay import RelayServer
 from cgpud.daemon import config as settings
 from cgpud.daemon.compute import TenantMetrics
-from cgpud.daemon.metrics import CgpuCollector, CountedAllocator, DaemonStats, read_usage
+from cgpud.daemon.metrics import CgpuCollector, CountedAllocator, DaemonStats, MetricsServer, read_usage
 from cgpud.daemon.model import (GIB, MIB, GpuCapacity, Grant, Instance, InstanceState, NodeMode, NodePolicy, Owner,
                                 OwnerKind, Reservation)
 from cgpud.daemon.region import USAGE_FILE, DeviceLimit, InstanceLimits, write_region
-from cgpud.errors import UsageError
+from cgpud.errors import CgpuError, UsageError
 
 DEVICE = rffi.offsetof("struct cgpu_usage", "device")
 DEVSIZE = rffi.sizeof("struct cgpu_device_usage")
@@ -264,3 +266,25 @@ def test_device_plugin_allocations_are_counted_and_errors_named() -> None:
     requests, errors, _ = stats.snapshot()
     assert requests == {("device_plugin", "Allocate"): 2}
     assert errors == {("device_plugin", "Allocate", "UsageError"): 1}
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1:0", "[::1]:0"])
+def test_the_server_answers_metrics_only_and_reports_its_port(listen: str) -> None:
+    registry = CollectorRegistry(auto_describe=False)
+    closed: list[bool] = []
+    server = MetricsServer(registry, listen, on_close=lambda: closed.append(True)).start()
+    try:
+        port = server.endpoint.port
+        assert port != 0
+        host = server.endpoint.host
+        url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(url + "/other", timeout=10)
+        assert e.value.code == 404
+        with pytest.raises(CgpuError, match=rf"cannot serve metrics on .*:{port}: .*in use"):
+            MetricsServer(registry, f"{listen.rsplit(':', 1)[0]}:{port}").start()
+    finally:
+        server.stop()
+    assert closed == [True]
