@@ -4,11 +4,16 @@ Methods mirror the daemon's service (cgpud.api.server.LocalService) and
 return model objects, so code written against one runs against the other.
 Every failure is a cgpud.errors exception: the daemon's refusals come back as
 the class it raised with its message; an unreachable daemon is a CgpuError
-that says what to check."""
+that says what to check.
+
+A client made with `wait` rides out a cgpud restart: while the socket is
+missing or refuses, it says so once through `notice` and tries again with
+backoff for up to `wait` seconds, as the relays do (CGPU_RELAY_WAIT_S)."""
 from __future__ import annotations
 
 import builtins
 import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
@@ -26,6 +31,9 @@ from cgpud.errors import CgpuError, UsageError
 
 T = TypeVar("T")
 
+_FIRST_RETRY = 0.05  # seconds, doubling up to _MAX_RETRY: no busy loop
+_MAX_RETRY = 0.5
+
 _CHANNEL_OPTIONS = (
     # Connections of this client are its own: gRPC otherwise shares them
     # process-wide, and one client's failed attempt (say, made while the
@@ -40,12 +48,18 @@ _CHANNEL_OPTIONS = (
 
 
 class LocalClient:
-    """`with LocalClient() as c: c.list()`. Calls fail fast (no waiting for
-    the daemon to appear) and give up after `timeout` seconds."""
+    """`with LocalClient() as c: c.list()`. Calls give up after `timeout`
+    seconds. Without `wait` they fail fast when the daemon is down; with it,
+    each call waits up to `wait` seconds for the daemon to come back, and
+    the first wait is announced once through `notice`."""
 
-    def __init__(self, socket_path: Path = DEFAULT_SOCKET, *, timeout: float = 30.0) -> None:
+    def __init__(self, socket_path: Path = DEFAULT_SOCKET, *, timeout: float = 30.0, wait: float = 0.0,
+                 notice: Callable[[str], None] | None = None) -> None:
         self.socket_path = Path(socket_path)
         self.timeout = timeout
+        self.wait = wait
+        self._notice = notice
+        self._told = False
         # Channels connect lazily: constructing one never fails, the first
         # call reports an unreachable daemon.
         self._channel = grpc.insecure_channel(f"unix:{self.socket_path}", options=_CHANNEL_OPTIONS)
@@ -119,7 +133,53 @@ class LocalClient:
         try:
             return rpc(request, timeout=self.timeout)
         except grpc.RpcError as e:
-            raise self._error(e) from None
+            why = self._waitable(e)
+            if not why:
+                raise self._error(e) from None
+        return self._call_when_back(rpc, request, why)
+
+    def _waitable(self, e: grpc.RpcError) -> str | None:
+        """_down's answer for a failed call worth waiting on; else None."""
+        if self.wait <= 0 or e.code() is not grpc.StatusCode.UNAVAILABLE:  # type: ignore[attr-defined]
+            return None
+        return _down(self.socket_path)
+
+    def _call_when_back(self, rpc: Callable[..., T], request: Any, why: str) -> T:
+        """Sends the request again once the socket accepts. Safe: a refused
+        connection carried nothing, and the verbs cgpuctl repeats after a
+        daemon died mid-call are idempotent (create by owner, bind)."""
+        if self._notice is not None and not self._told:
+            self._notice(f"cgpud is not running ({self.socket_path}: {why}); retrying for {self.wait:g} s")
+            self._told = True
+        deadline = time.monotonic() + self.wait
+        delay = _FIRST_RETRY
+        last: grpc.RpcError | None = None
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if why or last is None:
+                    raise CgpuError(f"cgpud is not running ({self.socket_path}: {why}); it did not come back "
+                                    f"within {self.wait:g} s: start it (systemctl start cgpud)")
+                raise self._error(last)  # it accepts but does not serve: unreachable() says why
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, _MAX_RETRY)
+            still = _down(self.socket_path)
+            if still is None:
+                raise unreachable(self.socket_path)
+            why = still
+            if why:
+                continue
+            # The socket accepts. gRPC's channel may still be in its
+            # reconnect backoff (at most 1 s): then the call fails fast and
+            # the loop comes round again.
+            try:
+                return rpc(request, timeout=self.timeout)
+            except grpc.RpcError as e:
+                last = e
+                again = self._waitable(e)
+                if again is None:
+                    raise self._error(e) from None
+                why = again
 
     def _error(self, e: grpc.RpcError) -> CgpuError:
         code: grpc.StatusCode = e.code()  # type: ignore[attr-defined]
@@ -131,6 +191,21 @@ class LocalClient:
         # The daemon's own message, as the class it raised (CgpuError for
         # INTERNAL and codes no class maps to).
         return error_for(code, details or f"cgpud at {self.socket_path} failed: {code.name}")
+
+
+def _down(path: Path) -> str | None:
+    """Why cgpud is down (its socket missing, or left behind refusing); ""
+    if the socket accepts; None if it fails for a reason waiting does not
+    cure (permissions), which unreachable() then explains."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(2.0)
+        try:
+            probe.connect(str(path))
+        except (FileNotFoundError, ConnectionRefusedError) as e:
+            return e.strerror or str(e)
+        except OSError:
+            return None
+    return ""
 
 
 def unreachable(path: Path, details: str = "") -> CgpuError:

@@ -10,6 +10,7 @@ import socket
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cgpud import __version__
 from cgpud.cli import simulator
@@ -17,6 +18,9 @@ from cgpud.daemon import config as settings
 from cgpud.daemon.model import ComputePolicy
 from cgpud.errors import CgpuError, UsageError
 from cgpud.units import parse_memory
+
+if TYPE_CHECKING:
+    from cgpud.cli.client import LocalClient
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -69,11 +73,44 @@ def _socket(args: argparse.Namespace) -> Path:
     return settings.load(None, {}).socket
 
 
-def _inspect(args: argparse.Namespace) -> int:
-    from cgpud.cli import inspect
+# How long cgpuctl waits for a cgpud that is down or restarting: as long as
+# the relays (a tenant started during a restart starts after it), shorter for
+# commands that only read.
+READ_WAIT = 3.0
+
+
+def _wait(args: argparse.Namespace, reads: bool = False) -> float:
+    from cgpud.contract import RELAY_WAIT_S
+
+    if args.wait is not None:
+        return args.wait
+    return READ_WAIT if reads else float(RELAY_WAIT_S)
+
+
+def _say(message: str) -> None:
+    print(f"cgpuctl: {message}", file=sys.stderr, flush=True)
+
+
+def _client(args: argparse.Namespace, reads: bool = False) -> LocalClient:
     from cgpud.cli.client import LocalClient
 
-    with LocalClient(_socket(args)) as client:
+    return LocalClient(_socket(args), wait=_wait(args, reads), notice=_say)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"{text} is out of range: give 0 to 3600 seconds")
+    return value
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from cgpud.cli import inspect
+
+    with _client(args, reads=True) as client:
         info, instances = client.node_info(), client.list()
     if args.output == "json":
         print(json.dumps(inspect.as_json(info, instances), indent=2))
@@ -84,9 +121,8 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _list(args: argparse.Namespace) -> int:
     from cgpud.cli import inspect
-    from cgpud.cli.client import LocalClient
 
-    with LocalClient(_socket(args)) as client:
+    with _client(args, reads=True) as client:
         instances = client.list(include_released=args.all)
     if args.output == "json":
         print(json.dumps(inspect.as_json_instances(instances), indent=2))
@@ -100,12 +136,11 @@ def _run(args: argparse.Namespace) -> int:
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     return run.run(_socket(args), parse_memory(args.mem), args.gpus, args.core, command, weight=args.weight,
-                   high_priority=args.high_priority)
+                   high_priority=args.high_priority, wait=_wait(args), notice=_say)
 
 
 def _create(args: argparse.Namespace) -> int:
     from cgpud.cli import inspect
-    from cgpud.cli.client import LocalClient
     from cgpud.daemon.model import Owner, OwnerKind, Request
 
     # A random default name: each plain `create` is a new device. A given
@@ -113,7 +148,7 @@ def _create(args: argparse.Namespace) -> int:
     name = args.name or f"cgpuctl-{socket.gethostname()}-{secrets.token_hex(3)}"
     request = Request(Owner(OwnerKind.DEVICE, name), parse_memory(args.mem), args.gpus, args.core, args.weight,
                       1 if args.high_priority else 0)
-    with LocalClient(_socket(args)) as client:
+    with _client(args) as client:
         instance = client.create(request)
     if args.output == "json":
         print(json.dumps(inspect.as_json_instances([instance])[0], indent=2))
@@ -123,20 +158,17 @@ def _create(args: argparse.Namespace) -> int:
 
 
 def _release(args: argparse.Namespace) -> int:
-    from cgpud.cli.client import LocalClient
-
-    with LocalClient(_socket(args)) as client:
+    with _client(args) as client:
         instance = client.release(args.id)
     print(f"released {instance.id}")
     return 0
 
 
 def _cdi_generate(args: argparse.Namespace) -> int:
-    from cgpud.cli.client import LocalClient
     from cgpud.containers import cdi
 
     target = cdi.check_output(Path(args.output)) if args.output else None
-    with LocalClient(_socket(args)) as client:
+    with _client(args) as client:
         text = client.cdi_spec()
     if target is None:
         sys.stdout.write(text)
@@ -147,10 +179,8 @@ def _cdi_generate(args: argparse.Namespace) -> int:
 
 
 def _policy(args: argparse.Namespace) -> int:
-    from cgpud.cli.client import LocalClient
-
     wanted = _compute_policy(args.value) if args.policy_verb == "set" else None
-    with LocalClient(_socket(args)) as client:
+    with _client(args, reads=wanted is None) as client:
         policy = client.set_compute_policy(wanted, args.gpu) if wanted is not None else client.policy()
     print(f"mode={policy.mode.value} placement={policy.placement.value} "
           f"compute_policy={int(policy.compute_policy)} ({policy.compute_policy.name.lower()}) "
@@ -205,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"cgpuctl {__version__}")
     p.add_argument("--socket", help="cgpud's local API socket (default from /etc/cgpu/config.toml, "
                                     "else /run/cgpud/cgpud.sock)")
+    p.add_argument("--wait", type=_seconds, metavar="SECONDS",
+                   help="how long to wait for a cgpud that is down or restarting, saying so once "
+                        "(default 10; 3 for list, inspect and policy show; 0 fails at once)")
     verbs = p.add_subparsers(dest="verb", metavar="VERB", required=True)
 
     inspect = verbs.add_parser("inspect", help="GPU memory allocated on this node, as kubectl inspect cgpu shows it")

@@ -7,7 +7,7 @@ import os
 import signal
 import socket
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from cgpud.cli.client import LocalClient
@@ -34,11 +34,14 @@ def instance_environment(instance: Instance, region: Path, gpu_memory: dict[int,
 
 
 def run(socket_path: Path, memory: int, gpus: int, core: int, command: Sequence[str], weight: int = 1,
-        high_priority: bool = False) -> int:
+        high_priority: bool = False, wait: float = 0.0, notice: Callable[[str], None] | None = None) -> int:
+    """Runs `command` under a fresh instance; waits up to `wait` seconds for
+    a cgpud that is down (LocalClient), so a tenant started during a restart
+    starts after it."""
     if not command:
         raise UsageError("nothing to run: give the command after --, e.g. cgpuctl run --mem 4GiB -- python train.py")
     owner = Owner(OwnerKind.PROCESS, f"cgpuctl-run-{socket.gethostname()}-{os.getpid()}")
-    with LocalClient(socket_path) as client:
+    with LocalClient(socket_path, wait=wait, notice=notice) as client:
         instance = client.create(Request(owner, memory, gpus, core, weight, int(high_priority)), pid=os.getpid())
         try:
             region = client.region_dir(instance.id)

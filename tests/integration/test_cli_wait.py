@@ -1,0 +1,70 @@
+"""cgpuctl while cgpud is down: it says so once, waits for cgpud to come back
+(as long as the relays for commands that change something, shorter for
+reads), and fails with a clear message when it does not. Real cgpuctl and
+cgpud processes on the simulated GPUs."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from cgpud.contract import RELAY_WAIT_S
+from tests.daemonproc import make_daemon
+
+BIN = Path(sys.executable).parent
+
+
+def _cgpuctl(socket: Path, env: dict[str, str], *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([str(BIN / "cgpuctl"), "--socket", str(socket), *args], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def test_run_started_while_cgpud_is_down_waits_for_it(tmp_path, sim_env):
+    d = make_daemon(tmp_path, sim_env)
+    (tmp_path / "run").mkdir(exist_ok=True)
+    proc = _cgpuctl(d.socket, d.env, "run", "--mem", "1GiB", "--", "sh", "-c", "echo tenant ran")
+    try:
+        time.sleep(1.0)
+        assert proc.poll() is None, proc.communicate()
+        d.start()
+        out, err = proc.communicate(timeout=RELAY_WAIT_S + 20)
+        assert proc.returncode == 0, err
+        assert out == "tenant ran\n"
+        assert err == (f"cgpuctl: cgpud is not running ({d.socket}: No such file or directory); "
+                       f"retrying for {RELAY_WAIT_S} s\n")
+        # The tenant's instance was made and released by the daemon that came up.
+        listed = d.cgpuctl("list", "--all", "--output", "json")
+        assert listed.returncode == 0 and '"state": "released"' in listed.stdout, listed.stdout
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        d.stop()
+
+
+def test_cgpud_that_never_comes_back_fails_within_the_bound(tmp_path, sim_env):
+    socket = tmp_path / "run" / "cgpud.sock"
+    started = time.monotonic()
+    proc = _cgpuctl(socket, sim_env, "--wait", "1.5", "create", "--mem", "1GiB")
+    _, err = proc.communicate(timeout=30)
+    took = time.monotonic() - started
+    assert proc.returncode == 1
+    why = f"cgpud is not running ({socket}: No such file or directory)"
+    assert err == (f"cgpuctl: {why}; retrying for 1.5 s\n"
+                   f"cgpuctl: {why}; it did not come back within 1.5 s: start it (systemctl start cgpud)\n")
+    assert 1.5 <= took < 6, took
+
+
+def test_reads_wait_less_and_zero_fails_at_once(tmp_path, sim_env):
+    socket = tmp_path / "cgpud.sock"
+    started = time.monotonic()
+    proc = _cgpuctl(socket, sim_env, "list")
+    _, err = proc.communicate(timeout=30)
+    took = time.monotonic() - started
+    assert proc.returncode == 1 and "retrying for 3 s" in err and "within 3 s" in err, err
+    assert 3 <= took < 8, took
+
+    proc = _cgpuctl(socket, sim_env, "--wait", "0", "list")
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1
+    assert err == f"cgpuctl: cannot reach cgpud at {socket}: is it running? (systemctl status cgpud)\n"
