@@ -3,9 +3,10 @@ docker.io runs it: dockerd on a containerd of its own
 (`dockerd --containerd=<socket>`, as docker.service passes
 /run/containerd/containerd.sock), so cgpu-runtime runs with containerd's
 environment, not dockerd's. Each has its own root, state and socket under a
-temp dir; no network set-up (no iptables, no bridge); the vfs storage
-driver (plain directories: no mounts left behind); images made by `docker
-import` of the busybox rootfs the runc tests use. The client is named by
+temp dir; no network set-up (no iptables, no bridge); the storage driver
+dockerd picks itself (overlay2 where the temp dir's filesystem allows it,
+as on a real host; vfs where it does not); images made by `docker import`
+of the busybox rootfs the runc tests use. The client is named by
 its full path because a newer one may come first on PATH."""
 from __future__ import annotations
 
@@ -86,10 +87,12 @@ def _terminate(proc: subprocess.Popen[bytes]) -> None:
 
 
 @contextmanager
-def running_dockerd(root: Path, daemon_json: dict, containerd_env: dict[str, str]) -> Iterator[Dockerd]:
+def running_dockerd(root: Path, daemon_json: dict, containerd_env: dict[str, str],
+                    dockerd_path: Path | None = None) -> Iterator[Dockerd]:
     """containerd (with `containerd_env`, which reaches cgpu-runtime) and a
-    dockerd on it; when the block ends, however it ends, Docker's
-    containers are removed, both daemons stopped and `root` deleted."""
+    dockerd on it, with `dockerd_path` first on its PATH; when the block
+    ends, however it ends, Docker's containers are removed, both daemons
+    stopped and `root` deleted."""
     require_docker()
     with ExitStack() as stack:
         stack.callback(_remove, root)
@@ -111,10 +114,11 @@ def running_dockerd(root: Path, daemon_json: dict, containerd_env: dict[str, str
         # dockerd's own environment says nothing of cgpu: only containerd's
         # reaches the runtime.
         env = {k: v for k, v in containerd_env.items() if not k.startswith("CGPU_")}
+        if dockerd_path:
+            env["PATH"] = f"{dockerd_path}:{env['PATH']}"
         args = [str(DOCKERD), "--containerd", str(ctd / "containerd.sock"), "--data-root", str(root / "data"),
                 "--exec-root", str(root / "exec"), "-H", f"unix://{sock}", "--pidfile", str(root / "docker.pid"),
-                "--config-file", str(config), "--iptables=false", "--ip6tables=false", "--bridge=none",
-                "--storage-driver", "vfs"]
+                "--config-file", str(config), "--iptables=false", "--ip6tables=false", "--bridge=none"]
         with open(log, "wb") as out:
             proc = subprocess.Popen(args, env=env, stdout=out, stderr=out, stdin=subprocess.DEVNULL)
         d = Dockerd(root, config, sock, Path(containerd_env["CGPU_RELAY_SOCKET"]), proc, log)

@@ -34,6 +34,15 @@ from tests.e2e.test_security import build_poc
 # An operator's settings that `runtime configure` must keep.
 OPERATOR_JSON = {"log-level": "info", "runtimes": {"other": {"path": "runc"}}}
 MODULE_RELAY = "relay/relay.sock"
+# A stand-in for the NVIDIA container toolkit's prestart hook, which dockerd
+# adds for `--gpus` when it finds the program on its PATH: it records the
+# devices the container is given, as the real one would mount them.
+TOOLKIT_HOOK = """#!/bin/sh
+state=$(cat)
+id=$(printf '%s' "$state" | sed -n 's/.*"id":"\\([^"]*\\)".*/\\1/p')
+bundle=$(printf '%s' "$state" | sed -n 's/.*"bundle":"\\([^"]*\\)".*/\\1/p')
+grep -o '"NVIDIA_VISIBLE_DEVICES=[^"]*"' "$bundle/config.json" > "{seen}/$id"
+"""
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +50,12 @@ def dockerd(tmp_path_factory: pytest.TempPathFactory, rootfs_template: Path) -> 
     base = tmp_path_factory.mktemp("docker")
     env = runtime_env(base / MODULE_RELAY)
     env["CGPU_RELAY_WAIT_MS"] = "300"  # how long the relays wait for a cgpud that is down
-    with running_dockerd(base / "d", OPERATOR_JSON, env) as d:
+    toolkit = base / "toolkit"
+    (toolkit / "seen").mkdir(parents=True)
+    hook = toolkit / "nvidia-container-runtime-hook"
+    hook.write_text(TOOLKIT_HOOK.format(seen=toolkit / "seen"))
+    hook.chmod(0o755)
+    with running_dockerd(base / "d", OPERATOR_JSON, env, dockerd_path=toolkit) as d:
         assert "cgpu" not in d.runtimes()
         configured = subprocess.run([str(BIN / "cgpuctl"), "runtime", "configure", "--docker", "--config", str(d.config)],
                                     capture_output=True, text=True)
@@ -425,3 +439,22 @@ def test_cgpu_as_the_default_runtime(gpu_env, cgpud: Daemon, dockerd: Dockerd) -
         while dockerd.docker("info", "--format", "{{.DefaultRuntime}}").stdout.strip() != "runc":
             assert time.monotonic() < deadline, dockerd.tail()
             time.sleep(0.1)
+
+
+def test_gpus_all_gives_the_toolkit_only_the_granted_gpu(gpu_env, cgpud: Daemon, dockerd: Dockerd) -> None:
+    """`docker run --gpus all` appends NVIDIA_VISIBLE_DEVICES=all to the
+    spec and adds the toolkit's prestart hook; cgpud narrows the variable
+    the hook reads to the GPU it granted."""
+    seen = dockerd.root.parent / "toolkit" / "seen"
+    for gpus, env in ((("--gpus", "all"), ("ALIYUN_COM_GPU_MEM_CONTAINER=2",)), (("--gpus", "all"), ())):
+        cidfile = seen.parent / f"cid-{uuid.uuid4().hex[:8]}"
+        out = docker_run(dockerd, gpu_env, "sh", "-c", "echo $NVIDIA_VISIBLE_DEVICES", env=env,
+                         opts=("--rm", "--cidfile", str(cidfile), *gpus))
+        assert out.returncode == 0, out.stderr
+        devices = (seen / cidfile.read_text().strip()).read_text().split()
+        if env:
+            [granted] = instances(cgpud, all_=True)
+            uuid_ = granted["grants"][0]["uuid"]
+            assert devices == [f'"NVIDIA_VISIBLE_DEVICES={uuid_}"'] and out.stdout.strip() == uuid_
+        else:  # no request: the container gets what Docker asked for, untouched
+            assert devices == ['"NVIDIA_VISIBLE_DEVICES=all"'] and out.stdout.strip() == "all"
