@@ -63,10 +63,17 @@ def check_runtime_path(path: str | Path) -> Path:
     return p
 
 
-def default_runtime_path() -> Path:
+def default_runtime_path(stable: Path = Path("/usr/bin/cgpu-runtime")) -> Path:
     from cgpud.native import native_path
 
-    return native_path("bin/cgpu-runtime")
+    native = native_path("bin/cgpu-runtime")
+    # The deb and rpm keep each version's files under /opt/cgpu/<version>/
+    # and link /usr/bin/cgpu-runtime to the current one: containerd's and
+    # Docker's config must name the link, or an upgrade leaves it pointing at
+    # a removed version.
+    if stable.is_symlink() and stable.resolve() == native.resolve():
+        return stable
+    return native
 
 
 # ---------------------------------------------------------------- I/O
@@ -154,7 +161,12 @@ def configure(
     if not changes:
         return f'already configured: {engine.value} runs the runtime "{spec.name}" as {spec.path}\n' + warnings
     lines = apply(changes)
-    lines.append(f"restart {engine.value} (systemctl restart {engine.value}) to load the runtime \"{spec.name}\"")
+    if engine is Engine.DOCKER:
+        # dockerd reloads runtimes on SIGHUP; a restart stops every running
+        # container unless live-restore is on.
+        lines.append(f"reload docker (systemctl reload docker) to load the runtime \"{spec.name}\"")
+    else:
+        lines.append(f"restart containerd (systemctl restart containerd) to load the runtime \"{spec.name}\"")
     return "\n".join(lines) + "\n" + warnings
 
 
