@@ -161,7 +161,12 @@ def configure(
     if not changes:
         return f'already configured: {engine.value} runs the runtime "{spec.name}" as {spec.path}\n' + warnings
     lines = apply(changes)
-    lines.append(f"restart {engine.value} (systemctl restart {engine.value}) to load the runtime \"{spec.name}\"")
+    if engine is Engine.DOCKER:
+        # dockerd reloads runtimes on SIGHUP; a restart stops every running
+        # container unless live-restore is on.
+        lines.append(f"reload docker (systemctl reload docker) to load the runtime \"{spec.name}\"")
+    else:
+        lines.append(f"restart containerd (systemctl restart containerd) to load the runtime \"{spec.name}\"")
     return "\n".join(lines) + "\n" + warnings
 
 

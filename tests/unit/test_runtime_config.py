@@ -408,7 +408,7 @@ def test_docker_keeps_other_keys_and_runtimes(tmp_path, shim):
     config.write_text(json.dumps(original))
     out = configure(Engine.DOCKER, config, shim)
     assert f"updated {config} (original kept as {config}.cgpu.bak)" in out
-    assert 'restart docker (systemctl restart docker) to load the runtime "cgpu"' in out
+    assert 'reload docker (systemctl reload docker) to load the runtime "cgpu"' in out
     text = config.read_text()
     data = json.loads(text)
     assert list(data) == ["log-driver", "runtimes", "default-runtime", "storage-driver"]
