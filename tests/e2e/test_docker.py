@@ -17,6 +17,7 @@ import signal
 import subprocess
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -60,6 +61,7 @@ def dockerd(tmp_path_factory: pytest.TempPathFactory, rootfs_template: Path) -> 
         configured = subprocess.run([str(BIN / "cgpuctl"), "runtime", "configure", "--docker", "--config", str(d.config)],
                                     capture_output=True, text=True)
         assert configured.returncode == 0, configured.stderr
+        assert 'reload docker (systemctl reload docker) to load the runtime "cgpu"' in configured.stdout
         # Runtimes are among the settings dockerd reloads (systemctl reload docker).
         d.proc.send_signal(signal.SIGHUP)
         deadline = time.monotonic() + 20
@@ -381,11 +383,15 @@ def test_a_container_cannot_write_its_limits_or_reach_other_instances(gpu_env, c
     assert instances(cgpud) == []
 
 
-def test_mount_table_unchanged_after_10_container_cycles(gpu_env, cgpud: Daemon, dockerd: Dockerd, mounts) -> None:
+def test_mount_table_unchanged_after_10_containers_5_at_a_time(gpu_env, cgpud: Daemon, dockerd: Dockerd,
+                                                               mounts) -> None:
     before = mounts()
-    for _ in range(10):
-        out = docker_run(dockerd, gpu_env, "true", env=("ALIYUN_COM_GPU_MEM_CONTAINER=1",))
+    with ThreadPoolExecutor(5) as pool:
+        runs = list(pool.map(lambda _: docker_run(dockerd, gpu_env, "sh", "-c", BURN,
+                                                  env=("ALIYUN_COM_GPU_MEM_CONTAINER=1",)), range(10)))
+    for out in runs:
         assert out.returncode == 0, out.stderr
+        assert burn_json(out.stdout)["alloc"]["until_fail_bytes"] == GIB
     assert mounts() == before
     assert instances(cgpud) == []
     assert len(instances(cgpud, all_=True)) == 10
@@ -458,3 +464,32 @@ def test_gpus_all_gives_the_toolkit_only_the_granted_gpu(gpu_env, cgpud: Daemon,
             assert devices == [f'"NVIDIA_VISIBLE_DEVICES={uuid_}"'] and out.stdout.strip() == uuid_
         else:  # no request: the container gets what Docker asked for, untouched
             assert devices == ['"NVIDIA_VISIBLE_DEVICES=all"'] and out.stdout.strip() == "all"
+
+
+def test_a_command_that_does_not_exist_leaves_no_instance(gpu_env, cgpud: Daemon, dockerd: Dockerd) -> None:
+    """runc fails the start after cgpu's createRuntime hook bound the
+    instance: Docker's error is the user's, and the instance goes."""
+    out = docker_run(dockerd, gpu_env, "/no/such/program", env=("ALIYUN_COM_GPU_MEM_CONTAINER=2",))
+    assert out.returncode == 127, out.stderr
+    assert "/no/such/program" in out.stderr and "cgpu" not in out.stderr, out.stderr
+    assert [i["state"] for i in instances(cgpud, all_=True)] == ["released"]
+
+
+def test_a_running_container_keeps_its_instance_across_a_cgpud_kill(gpu_env, cgpud: Daemon, dockerd: Dockerd) -> None:
+    name = f"cgpu-e2e-{uuid.uuid4().hex[:8]}"
+    out = docker_run(dockerd, gpu_env, "sleep", "600", env=("ALIYUN_COM_GPU_MEM_CONTAINER=2",),
+                     opts=("-d", "--name", name))
+    assert out.returncode == 0, out.stderr
+    try:
+        [before] = instances(cgpud)
+        cgpud.kill()
+        cgpud.start()
+        [after] = instances(cgpud)
+        assert (after["id"], after["state"], after["pids"]) == (before["id"], "bound", before["pids"])
+        ex = dockerd.docker("exec", name, "sh", "-c", BURN)
+        assert ex.returncode == 0, ex.stderr
+        assert burn_json(ex.stdout)["alloc"]["until_fail_bytes"] == 2 * GIB
+    finally:
+        removed = dockerd.docker("rm", "-f", name)
+    assert removed.returncode == 0, removed.stderr
+    assert instances(cgpud) == []
