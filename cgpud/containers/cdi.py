@@ -61,10 +61,12 @@ def cdi_spec(devices: Sequence[ContainerEdits]) -> dict[str, Any]:
 
 
 def device_instance_edits(service: InstanceService, files: RuntimeFiles) -> list[ContainerEdits]:
-    """The edits of every active device-owned instance, oldest first."""
+    """The edits of every active device-owned instance, oldest first. Each
+    instance is recorded as using these runtime files first (runtime_files.py)."""
     gpu_memory = {g.index: g.memory for g in service.gpus()}
-    return [instance_edits(i, service.region_dir(i.id), gpu_memory, files)
-            for i in service.list() if i.owner.kind is OwnerKind.DEVICE]
+    devices = [i for i in service.list() if i.owner.kind is OwnerKind.DEVICE]
+    service.use_runtime([i.id for i in devices], files.version)
+    return [instance_edits(i, service.region_dir(i.id), gpu_memory, files) for i in devices]
 
 
 def render(service: InstanceService, files: RuntimeFiles) -> str:

@@ -31,6 +31,7 @@ HOOK_TIMEOUT = RELAY_WAIT_S + 20
 HOOK_ENV = ("PATH=/usr/sbin:/usr/bin:/sbin:/bin",)  # explicit: never the image's env
 BIND_STAGE = "createRuntime"
 RELEASE_STAGE = "poststop"
+HOOK_NAME = "cgpu-hook"  # argv[0] of cgpud's hook entries, whichever version's copy they run
 ANNOTATION = "cgpu.io/instance"  # informative only; never read back as input
 
 # Set for applications; replaced wherever the spec already had them.
@@ -52,6 +53,7 @@ class RuntimeFiles:
     preload: Path  # an ld.so.preload naming CONTAINER_LIBRARY
     hook: Path  # cgpu-hook
     relay_socket: Path
+    version: str = ""  # the runtime directory's name (runtime_files.py); "" for the unversioned files
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,7 @@ def instance_edits(instance: Instance, region: Path, gpu_memory: Mapping[int, in
         )
     hooks = tuple(
         Hook(stage, str(files.hook),
-             ("cgpu-hook", "--socket", str(files.relay_socket), "--instance", instance.id, stage))
+             (HOOK_NAME, "--socket", str(files.relay_socket), "--instance", instance.id, stage))
         for stage in (BIND_STAGE, RELEASE_STAGE)
     )
     return ContainerEdits(tuple(application_env(instance, gpu_memory).items()), mounts, hooks, instance.id)
@@ -148,13 +150,21 @@ def apply_edits(spec: Mapping[str, Any], edits: ContainerEdits, files: RuntimeFi
     hooks = _member(out, "hooks", dict, "hooks")
     for stage in {h.stage for h in edits.hooks}:
         stage_hooks = _member(hooks, stage, list, f"hooks.{stage}")
-        kept = [h for h in stage_hooks if not (isinstance(h, Mapping) and h.get("path") == str(files.hook))]
+        # Ours by path, or by name: an edit by another cgpud version names
+        # that version's copy of the hook.
+        kept = [h for h in stage_hooks if not (isinstance(h, Mapping) and (
+            h.get("path") == str(files.hook) or _hook_name(h) == HOOK_NAME))]
         hooks[stage] = kept + [
             {"path": h.path, "args": list(h.args), "env": list(h.env), "timeout": h.timeout}
             for h in edits.hooks if h.stage == stage
         ]
     _member(out, "annotations", dict, "annotations")[ANNOTATION] = edits.instance_id
     return out
+
+
+def _hook_name(hook: Mapping[str, Any]) -> object:
+    args = hook.get("args")
+    return args[0] if isinstance(args, list) and args else None
 
 
 def _member(obj: dict[str, Any], key: str, kind: type, what: str) -> Any:

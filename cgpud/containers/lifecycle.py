@@ -65,6 +65,9 @@ class ContainerLifecycle:
         created = isinstance(ask, EnvRequest)
         instance = self._admit(key, ask)
         try:
+            # Recorded before the bundle names these files: their version's
+            # directory then outlives an upgrade while the instance lives.
+            self._service.use_runtime([instance.id], self._files.version)
             gpu_memory = {g.index: g.memory for g in self._service.gpus()}
             edits = instance_edits(instance, self._service.region_dir(instance.id), gpu_memory, self._files)
             targets = [m.destination for m in edits.mounts]

@@ -144,6 +144,15 @@ class InstanceService:
         compute = self._compute
         return compute.tenant_metrics() if compute is not None else {}
 
+    def use_runtime(self, instance_ids: Sequence[str], version: str) -> None:
+        """Records that these instances' edits name runtime `version`'s files,
+        before the edits are handed out (runtime_files.py removes a version's
+        directory only when no active instance uses it)."""
+        self._store.add_runtime_users(instance_ids, version)
+
+    def runtime_versions_in_use(self) -> set[str]:
+        return self._store.runtime_versions_in_use()
+
     def reservations(self) -> list[Reservation]:
         """The live reservations, by pod UID; expired ones hold nothing even
         before the sweep deletes them."""

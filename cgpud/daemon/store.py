@@ -52,7 +52,7 @@ from cgpud.errors import CgpuError, NotFoundError, StateError, UsageError
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 SCHEMA_KEY = "schema_version"  # in `meta`; reserved, not a setting
 DB_MODE = 0o600  # instance tables are root's business only
 DIR_MODE = 0o700
@@ -104,6 +104,11 @@ CREATE TABLE reservations (
     shares    TEXT NOT NULL,
     expires   REAL NOT NULL
 );
+CREATE TABLE runtime_users (
+    instance_id TEXT NOT NULL REFERENCES instances (id) ON DELETE CASCADE,
+    version     TEXT NOT NULL,
+    PRIMARY KEY (instance_id, version)
+);
 """
 
 _INSTANCE_COLUMNS = (
@@ -114,6 +119,9 @@ _INSTANCE_COLUMNS = (
 # only that container's poststop hands it back.
 # Version 3: `reservations`, capacity a cluster scheduler holds for a pod
 # it is binding here (the Capacity API's Reserve).
+# Version 4: `runtime_users`, the runtime file versions whose paths each
+# instance's edits named (runtime_files.py). Instances from before it may
+# use the unversioned files: they are recorded under LEGACY_RUNTIME.
 _MIGRATIONS: dict[int, tuple[str, ...]] = {
     2: ("ALTER TABLE instances ADD COLUMN holder TEXT NOT NULL DEFAULT ''",),
     3: ("""CREATE TABLE reservations (
@@ -123,7 +131,13 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
     shares    TEXT NOT NULL,
     expires   REAL NOT NULL
 )""",),
+    4: ("""CREATE TABLE runtime_users (
+    instance_id TEXT NOT NULL REFERENCES instances (id) ON DELETE CASCADE,
+    version     TEXT NOT NULL,
+    PRIMARY KEY (instance_id, version)
+)""", "INSERT INTO runtime_users (instance_id, version) SELECT id, '' FROM instances WHERE state != 'released'"),
 }
+LEGACY_RUNTIME = ""  # runtime_users.version of the files in <state_dir>/runtime/ itself
 
 
 def new_instance_id() -> str:
@@ -372,6 +386,21 @@ class Transaction:
         gone = [str(r[0]) for r in db.execute("SELECT pod_uid FROM reservations WHERE expires <= ?", (now,))]
         db.execute("DELETE FROM reservations WHERE expires <= ?", (now,))
         return gone
+
+    def runtime_versions_in_use(self) -> set[str]:
+        """The runtime versions some active instance's edits named."""
+        marks = ", ".join("?" * len(ACTIVE_STATES))
+        rows = self._db().execute(
+            f"SELECT DISTINCT u.version FROM runtime_users u JOIN instances i ON i.id = u.instance_id "
+            f"WHERE i.state IN ({marks})", tuple(s.value for s in ACTIVE_STATES))
+        return {str(r[0]) for r in rows}
+
+    def add_runtime_users(self, instance_ids: Iterable[str], version: str) -> None:
+        """Records that these instances' edits name `version`'s files, before
+        the edits leave cgpud: its directory then stays while they are active."""
+        self._db(write=True).executemany(
+            "INSERT OR IGNORE INTO runtime_users (instance_id, version) SELECT id, ? FROM instances WHERE id = ?",
+            [(version, i) for i in instance_ids])
 
     def purge_released(self, older_than: float) -> int:
         """Delete released instances last changed before `older_than` (Unix
@@ -654,6 +683,8 @@ class Store:
     insert = _one_call(Transaction.insert, write=True)
     set_state = _one_call(Transaction.set_state, write=True)
     purge_released = _one_call(Transaction.purge_released, write=True)
+    runtime_versions_in_use = _one_call(Transaction.runtime_versions_in_use, write=False)
+    add_runtime_users = _one_call(Transaction.add_runtime_users, write=True)
     reservations = _one_call(Transaction.reservations, write=False)
     holdings = _one_call(Transaction.holdings, write=False)
     put_reservation = _one_call(Transaction.put_reservation, write=True)

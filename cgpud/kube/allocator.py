@@ -155,6 +155,7 @@ class PodAllocator:
 
     def _answer(self, instance: Instance, pods: list[PodInfo]) -> ContainerAllocation:
         gpu_memory = {g.index: g.memory for g in self._service.gpus()}
+        self._service.use_runtime([instance.id], self._files.version)  # before the edits leave (runtime_files.py)
         edits = instance_edits(instance, self._service.region_dir(instance.id), gpu_memory, self._files)
         envs = dict(edits.env)
         owner = assignment.PodContainer.parse(instance.owner.id)
@@ -167,6 +168,7 @@ class PodAllocator:
 
     def _write_spec(self, instance: Instance) -> None:
         gpu_memory = {g.index: g.memory for g in self._service.gpus()}
+        self._service.use_runtime([instance.id], self._files.version)  # before the edits leave (runtime_files.py)
         edits = instance_edits(instance, self._service.region_dir(instance.id), gpu_memory, self._files)
         text = json.dumps(cdi.cdi_spec([edits]), indent=2) + "\n"
         cdi.write_spec(text, spec_path(self._cdi_dir, instance.id))

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from cgpud.daemon.model import GIB
+from cgpud import __version__
 from cgpud.containers.edits import CONTAINER_LIBRARY, PRELOAD
+from cgpud.containers.runtime_files import version_dir_name
 from cgpud.containers.request import CONTAINER_REGION
 
 
@@ -45,7 +47,7 @@ def test_create_generate_release(daemon, tmp_path):
     assert device["name"] == iid
     edits = device["containerEdits"]
     mounts = {m["containerPath"]: m for m in edits["mounts"]}
-    runtime = daemon.state / "runtime"
+    runtime = daemon.state / "runtime" / version_dir_name(__version__)  # this cgpud's own copy
     assert mounts[CONTAINER_REGION]["hostPath"] == str(daemon.state / "instances" / iid)
     assert (daemon.state / "instances" / iid).is_dir()
     assert mounts[CONTAINER_LIBRARY]["hostPath"] == str(runtime / "libcgpu.so")

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from cgpud import __version__
+from cgpud.containers.runtime_files import version_dir_name
 from tests.daemonproc import BIN, Daemon, make_daemon
 
 NOBODY = 65534
@@ -85,7 +87,7 @@ def test_no_host_user_but_root_opens_any_state_file(open_state: tuple[Daemon, Pa
         # What containers open through their mounts keeps the mode they need.
         assert stat.S_IMODE(region.stat().st_mode) == 0o755
         assert stat.S_IMODE((region / "usage").stat().st_mode) == 0o666
-        assert stat.S_IMODE((state / "runtime" / "libcgpu.so").stat().st_mode) == 0o755
+        assert stat.S_IMODE((state / "runtime" / version_dir_name(__version__) / "libcgpu.so").stat().st_mode) == 0o755
     finally:
         run.terminate()
         run.wait(timeout=60)

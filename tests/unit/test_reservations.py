@@ -203,6 +203,7 @@ def test_a_version_2_file_opens_and_gains_the_reservations_table(tmp_path: Path)
     # Make it the file cgpud wrote before reservations: version 2, no table.
     conn = sqlite3.connect(path, isolation_level=None)
     conn.execute("DROP TABLE reservations")
+    conn.execute("DROP TABLE runtime_users")  # version 4's
     conn.execute("UPDATE meta SET value = '2' WHERE key = 'schema_version'")
     conn.close()
     r = Reservation("uid-a", "ns", "a", (gib(1, 2),), 10.0)
