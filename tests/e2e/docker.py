@@ -37,7 +37,7 @@ class Dockerd:
     @property
     def task_dir(self) -> Path:
         """Where containerd makes a Docker container's bundle: <task_dir>/<id>."""
-        return self.root / "containerd" / "state" / "io.containerd.runtime.v2.task" / "moby"
+        return self.root / "run" / "containerd" / "io.containerd.runtime.v2.task" / "moby"
 
     def docker(self, *args: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess[str]:
         return subprocess.run([str(DOCKER), "-H", f"unix://{self.socket}", *args], capture_output=True, text=True,
@@ -98,7 +98,11 @@ def running_dockerd(root: Path, daemon_json: dict, containerd_env: dict[str, str
         stack.callback(_remove, root)
         ctd = root / "containerd"
         ctd.mkdir(parents=True)
-        (ctd / "config.toml").write_text(f'version = 2\nroot = "{ctd}/root"\nstate = "{ctd}/state"\n\n'
+        # Bundles reached through a link, as /var/run -> /run on a real host:
+        # cgpu keys a container by the bundle with links resolved.
+        (root / "run").mkdir()
+        (root / "var-run").symlink_to("run")
+        (ctd / "config.toml").write_text(f'version = 2\nroot = "{ctd}/root"\nstate = "{root}/var-run/containerd"\n\n'
                                          f'[grpc]\n  address = "{ctd}/containerd.sock"\n')
         ctd_log = ctd / "containerd.log"
         with open(ctd_log, "wb") as out:
