@@ -305,14 +305,7 @@ def deb_depends(root: Path) -> list[str]:
     tree load (libssl, libsqlite3, libffi ...): what pyenv's CPython was
     built against on this machine."""
     libs: set[str] = set()
-    for path in root.rglob("*"):
-        if path.is_symlink() or not path.is_file():
-            continue
-        if not (path.suffix == ".so" or ".so." in path.name or os.access(path, os.X_OK)):
-            continue
-        with open(path, "rb") as f:
-            if f.read(4) != b"\x7fELF":
-                continue
+    for path in _elf_files(root):
         out = subprocess.run(["ldd", str(path)], capture_output=True, text=True).stdout
         for m in re.finditer(r"=> (/\S+)", out):
             lib = Path(m.group(1))
@@ -335,7 +328,31 @@ def deb_depends(root: Path) -> list[str]:
                     break
         else:
             raise BuildError(f"no Debian package owns {lib}: cannot state the deb's dependencies")
-    return sorted(packages)
+    floor = glibc_floor(root)
+    return sorted(f"{p} (>= {floor})" if p == "libc6" else p for p in packages)
+
+
+def _elf_files(root: Path) -> list[Path]:
+    found = []
+    for path in root.rglob("*"):
+        if path.is_symlink() or not path.is_file():
+            continue
+        if not (path.suffix == ".so" or ".so." in path.name or os.access(path, os.X_OK)):
+            continue
+        with open(path, "rb") as f:
+            if f.read(4) == b"\x7fELF":
+                found.append(path)
+    return found
+
+
+def glibc_floor(root: Path) -> str:
+    """The newest GLIBC_x.y symbol version any ELF file in the tree needs:
+    the oldest glibc the package runs on (what this machine built against)."""
+    versions = {tuple(int(n) for n in m.split(b"."))
+                for path in _elf_files(root) for m in re.findall(rb"GLIBC_(2\.[0-9]+)", path.read_bytes())}
+    if not versions:
+        raise BuildError(f"no GLIBC_ symbol versions under {root}")
+    return ".".join(map(str, max(versions)))
 
 
 def _installed_size_kib(root: Path) -> int:
@@ -384,6 +401,7 @@ def build_rpm(root: Path, layout: Layout, out: Path, work: Path) -> Path:
         "--define", f"_topdir {top}",
         "--define", f"cgpu_version {layout.version}",
         "--define", f"cgpu_root {root}",
+        "--define", f"glibc_min {glibc_floor(root)}",
         "--define", f"cgpu_unit {REPO / 'systemd' / 'cgpud.service'}",
         PACKAGING / "rpm" / "cgpu.spec")
     built = list((top / "RPMS").rglob("*.rpm"))

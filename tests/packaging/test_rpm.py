@@ -3,6 +3,7 @@ a throwaway root with its own rpm database. rpm runs scriptlets chrooted in
 the root; a static busybox is its /bin/sh, as on a minimal host."""
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -28,6 +29,8 @@ def test_rpm_lists_the_expected_files(packages: Packages) -> None:
                  f"{site}/cgpud/_native/sim/libcuda.so.1", f"{site}/cgpud-{NEW}.dist-info/METADATA"):
         assert path in files, path
     assert not any(f.startswith("/var/") for f in files)
+    requires = rpm("-qp", "--requires", str(packages.new_rpm)).stdout.splitlines()
+    assert any(re.fullmatch(r"glibc >= 2\.[0-9]+", r) for r in requires), requires
     configs = rpm("-qcp", str(packages.new_rpm)).stdout.split()
     assert configs == ["/etc/cgpu/config.toml"]
     scripts = rpm("-qp", "--scripts", str(packages.new_rpm)).stdout
