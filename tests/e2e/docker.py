@@ -11,6 +11,7 @@ its full path because a newer one may come first on PATH."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -31,8 +32,26 @@ class Dockerd:
     config: Path
     socket: Path
     relay: Path
-    proc: subprocess.Popen[bytes]
+    args: list[str]
+    env: dict[str, str]
     log: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(self.args, env=self.env, stdout=out, stderr=out, stdin=subprocess.DEVNULL)
+        _wait("dockerd", lambda: self.docker("version").returncode == 0, self.proc, self.log)
+
+    def reload(self) -> None:
+        """What `systemctl reload docker` does."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGHUP)
+
+    def restart(self) -> None:
+        """Stop dockerd and start it again: what an upgrade of docker.io does."""
+        assert self.proc is not None
+        _terminate(self.proc)
+        self.start()
 
     @property
     def task_dir(self) -> Path:
@@ -109,6 +128,7 @@ def running_dockerd(root: Path, daemon_json: dict, containerd_env: dict[str, str
             containerd = subprocess.Popen(["containerd", "--config", str(ctd / "config.toml")], env=containerd_env,
                                           stdout=out, stderr=out, stdin=subprocess.DEVNULL)
         stack.callback(_terminate, containerd)
+        stack.callback(_reap_containers, root, ctd / "containerd.sock")
         _wait("containerd", lambda: (ctd / "containerd.sock").exists(), containerd, ctd_log)
 
         config = root / "daemon.json"
@@ -123,20 +143,38 @@ def running_dockerd(root: Path, daemon_json: dict, containerd_env: dict[str, str
         args = [str(DOCKERD), "--containerd", str(ctd / "containerd.sock"), "--data-root", str(root / "data"),
                 "--exec-root", str(root / "exec"), "-H", f"unix://{sock}", "--pidfile", str(root / "docker.pid"),
                 "--config-file", str(config), "--iptables=false", "--ip6tables=false", "--bridge=none"]
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(args, env=env, stdout=out, stderr=out, stdin=subprocess.DEVNULL)
-        d = Dockerd(root, config, sock, Path(containerd_env["CGPU_RELAY_SOCKET"]), proc, log)
+        d = Dockerd(root, config, sock, Path(containerd_env["CGPU_RELAY_SOCKET"]), args, env, log)
         stack.callback(_stop, d)
-        _wait("dockerd", lambda: d.docker("version").returncode == 0, proc, log)
+        d.start()
         yield d
 
 
 def _stop(d: Dockerd) -> None:
+    if d.proc is None:
+        return
     if d.proc.poll() is None:
         left = d.docker("ps", "-aq").stdout.split()
         if left:
             d.docker("rm", "-f", *left)
     _terminate(d.proc)
+
+
+def _reap_containers(root: Path, containerd_socket: Path) -> None:
+    """What a failed run leaves: containers dockerd did not remove (with
+    live-restore they outlive it) and the shims of this containerd."""
+    runc_root = root / "exec" / "runtime-runc" / "moby"
+    if runc_root.is_dir():
+        for container in runc_root.iterdir():
+            subprocess.run(["runc", "--root", str(runc_root), "delete", "--force", container.name],
+                           capture_output=True, timeout=60)
+    address = str(containerd_socket).encode()
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv[0].endswith(b"containerd-shim-runc-v2") and address in argv:
+            os.kill(int(proc.name), signal.SIGKILL)
 
 
 def _remove(root: Path) -> None:

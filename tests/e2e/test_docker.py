@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import time
 import uuid
@@ -33,7 +32,7 @@ from tests.e2e.test_runc import BURN, burn_json, env_lines, instances
 from tests.e2e.test_security import build_poc
 
 # An operator's settings that `runtime configure` must keep.
-OPERATOR_JSON = {"log-level": "info", "runtimes": {"other": {"path": "runc"}}}
+OPERATOR_JSON = {"log-level": "info", "live-restore": True, "runtimes": {"other": {"path": "runc"}}}
 MODULE_RELAY = "relay/relay.sock"
 # A stand-in for the NVIDIA container toolkit's prestart hook, which dockerd
 # adds for `--gpus` when it finds the program on its PATH: it records the
@@ -63,7 +62,7 @@ def dockerd(tmp_path_factory: pytest.TempPathFactory, rootfs_template: Path) -> 
         assert configured.returncode == 0, configured.stderr
         assert 'reload docker (systemctl reload docker) to load the runtime "cgpu"' in configured.stdout
         # Runtimes are among the settings dockerd reloads (systemctl reload docker).
-        d.proc.send_signal(signal.SIGHUP)
+        d.reload()
         deadline = time.monotonic() + 20
         while "cgpu" not in d.runtimes():
             assert time.monotonic() < deadline, f"dockerd did not load the runtime:\n{d.tail()}"
@@ -125,7 +124,8 @@ def test_runtime_configure_registers_the_shim_dockerd_reloads(dockerd: Dockerd) 
     assert runtimes["cgpu"]["path"] == str(native_path("bin/cgpu-runtime"))
     assert runtimes["other"]["path"] == "runc"
     saved = json.loads(dockerd.config.read_text())
-    assert saved["log-level"] == "info" and saved["runtimes"]["other"] == {"path": "runc"}
+    assert saved["log-level"] == "info" and saved["live-restore"] is True
+    assert saved["runtimes"]["other"] == {"path": "runc"}
 
 
 def test_doctor_reports_the_runtime_dockerd_loaded(tmp_path, cgpud: Daemon, dockerd: Dockerd) -> None:
@@ -428,7 +428,7 @@ def test_cgpu_as_the_default_runtime(gpu_env, cgpud: Daemon, dockerd: Dockerd) -
         configured = subprocess.run([str(BIN / "cgpuctl"), "runtime", "configure", "--docker", "--set-as-default",
                                      "--config", str(dockerd.config)], capture_output=True, text=True)
         assert configured.returncode == 0, configured.stderr
-        dockerd.proc.send_signal(signal.SIGHUP)
+        dockerd.reload()
         deadline = time.monotonic() + 20
         while dockerd.docker("info", "--format", "{{.DefaultRuntime}}").stdout.strip() != "cgpu":
             assert time.monotonic() < deadline, dockerd.tail()
@@ -445,7 +445,7 @@ def test_cgpu_as_the_default_runtime(gpu_env, cgpud: Daemon, dockerd: Dockerd) -
         # A reload keeps the default runtime when daemon.json no longer
         # names one: it has to be named back.
         dockerd.config.write_text(json.dumps(json.loads(before) | {"default-runtime": "runc"}))
-        dockerd.proc.send_signal(signal.SIGHUP)
+        dockerd.reload()
         deadline = time.monotonic() + 20
         while dockerd.docker("info", "--format", "{{.DefaultRuntime}}").stdout.strip() != "runc":
             assert time.monotonic() < deadline, dockerd.tail()
@@ -491,6 +491,29 @@ def test_a_running_container_keeps_its_instance_across_a_cgpud_kill(gpu_env, cgp
         cgpud.start()
         [after] = instances(cgpud)
         assert (after["id"], after["state"], after["pids"]) == (before["id"], "bound", before["pids"])
+        ex = dockerd.docker("exec", name, "sh", "-c", BURN)
+        assert ex.returncode == 0, ex.stderr
+        assert burn_json(ex.stdout)["alloc"]["until_fail_bytes"] == 2 * GIB
+    finally:
+        removed = dockerd.docker("rm", "-f", name)
+    assert removed.returncode == 0, removed.stderr
+    assert instances(cgpud) == []
+
+
+def test_a_gpu_container_runs_on_with_its_limit_across_a_dockerd_restart(gpu_env, cgpud: Daemon,
+                                                                         dockerd: Dockerd) -> None:
+    """With live-restore (set in the operator's daemon.json here), an
+    upgrade of docker.io leaves containers running: the container keeps its
+    instance, and its removal after the restart still releases it."""
+    name = f"cgpu-e2e-{uuid.uuid4().hex[:8]}"
+    out = docker_run(dockerd, gpu_env, "sleep", "600", env=("ALIYUN_COM_GPU_MEM_CONTAINER=2",),
+                     opts=("-d", "--name", name))
+    assert out.returncode == 0, out.stderr
+    try:
+        [before] = instances(cgpud)
+        dockerd.restart()
+        assert state(dockerd, name)["State"]["Running"]
+        assert instances(cgpud) == [before]
         ex = dockerd.docker("exec", name, "sh", "-c", BURN)
         assert ex.returncode == 0, ex.stderr
         assert burn_json(ex.stdout)["alloc"]["until_fail_bytes"] == 2 * GIB
