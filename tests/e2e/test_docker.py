@@ -28,6 +28,7 @@ from cgpud.native import native_path
 from tests.daemonproc import BIN, Daemon, running_daemon
 from tests.e2e.docker import IMAGE, Dockerd, running_dockerd
 from tests.e2e.oci import host_mounts, runtime_env
+from tests.e2e.test_kube_allocate_runc import nvml_total  # noqa: F401 (fixture)
 from tests.e2e.test_runc import BURN, burn_json, env_lines, instances
 from tests.e2e.test_security import build_poc
 
@@ -136,11 +137,12 @@ def test_doctor_reports_the_runtime_dockerd_loaded(tmp_path, cgpud: Daemon, dock
     assert f'ok    container runtime: docker: runtime "cgpu" runs {runtime} ({dockerd.config})' in out.stdout, out.stdout
 
 
-def test_2gib_container_through_docker(tmp_path, gpu_env, cgpud: Daemon, dockerd: Dockerd) -> None:
+def test_2gib_container_through_docker(tmp_path, gpu_env, cgpud: Daemon, dockerd: Dockerd, nvml_total: Path) -> None:
     cidfile = tmp_path / "cid"
-    out = docker_run(dockerd, gpu_env, "sh", "-c", f"env; {BURN}", env=("ALIYUN_COM_GPU_MEM_CONTAINER=2",),
-                     opts=("--rm", "--cidfile", str(cidfile)))
+    out = docker_run(dockerd, gpu_env, "sh", "-c", f"env; nvml-total; {BURN}", env=("ALIYUN_COM_GPU_MEM_CONTAINER=2",),
+                     opts=("--rm", "--cidfile", str(cidfile), "-v", f"{nvml_total}:/usr/bin/nvml-total:ro"))
     assert out.returncode == 0, out.stderr + dockerd.tail()
+    assert f"NVML_TOTAL={2 * GIB}" in out.stdout.splitlines()  # what nvidia-smi would show
     burn = burn_json(out.stdout)
     assert burn["mem_total_reported"] == 2 * GIB
     assert burn["alloc"]["until_fail_bytes"] == 2 * GIB
