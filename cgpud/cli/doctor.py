@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,10 +107,35 @@ def _docker_runtimes(path: Path) -> list[str]:
     return found
 
 
-def _runtime(docker_config: Path | None = None) -> str:
+def running_dockerd_configs(proc: Path = Path("/proc")) -> list[Path]:
+    """The daemon.json each running dockerd reads: its --config-file, or
+    the default. Checking that file, not a guess, is what tells whether
+    `docker run --runtime cgpu` can work."""
+    configs = set()
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = [os.fsdecode(a) for a in (entry / "cmdline").read_bytes().split(b"\0")]
+            if Path(argv[0]).name != "dockerd":
+                continue
+            config = DOCKER_CONFIG
+            for i, arg in enumerate(argv[1:], 1):
+                if arg == "--config-file" and i + 1 < len(argv):
+                    config = Path(argv[i + 1])
+                elif arg.startswith("--config-file="):
+                    config = Path(arg.split("=", 1)[1])
+            configs.add(config if config.is_absolute() else Path(os.readlink(entry / "cwd")) / config)
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return sorted(configs)
+
+
+def _runtime(docker_configs: Sequence[Path] = ()) -> str:
     dropins = sorted(CONTAINERD_DROPINS.glob("*cgpu*")) if CONTAINERD_DROPINS.is_dir() else []
     found = [f"containerd: {dropins[0]}"] if dropins else []
-    found += _docker_runtimes(docker_config or DOCKER_CONFIG)
+    for path in docker_configs or [DOCKER_CONFIG]:
+        found += _docker_runtimes(path)
     if found:
         return "; ".join(found)
     raise CgpuError("no containerd or docker runtime entry for cgpu; containers get no limits until one is "
@@ -118,13 +143,16 @@ def _runtime(docker_config: Path | None = None) -> str:
 
 
 def diagnose(config: DaemonConfig, socket: Path, docker_config: Path | None = None) -> list[Finding]:
+    """`docker_config`: the daemon.json to check; by default the one each
+    running dockerd reads, or /etc/docker/daemon.json with none running."""
+    docker_configs = [docker_config] if docker_config else running_dockerd_configs()
     checks: list[tuple[str, Callable[[], str], bool]] = [
         ("driver/NVML", _nvml, True),
         ("daemon socket", _daemon(socket), True),
         ("state directory", _state_dir(config.state_dir), True),
         ("instance regions", _regions(config.regions), False),
         ("libcgpu.so", _library, True),
-        ("container runtime", lambda: _runtime(docker_config), False),
+        ("container runtime", lambda: _runtime(docker_configs), False),
     ]
     findings = []
     for name, check, required in checks:

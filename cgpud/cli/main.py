@@ -304,8 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     doctor = verbs.add_parser("doctor", help="check driver, daemon, state directory, library and runtime")
     doctor.add_argument("--config", help="cgpud settings file to check against")
-    doctor.add_argument("--docker-config", help="dockerd's daemon.json, if not /etc/docker/daemon.json "
-                        "(dockerd --config-file)")
+    doctor.add_argument("--docker-config", help="the daemon.json to check (default: the one each running dockerd "
+                        "reads, or /etc/docker/daemon.json)")
     doctor.set_defaults(handler=_doctor)
 
     runtime = verbs.add_parser("runtime", help="register cgpu's runtime with containerd or Docker")

@@ -132,9 +132,18 @@ def test_runtime_configure_registers_the_shim_dockerd_reloads(dockerd: Dockerd) 
 def test_doctor_reports_the_runtime_dockerd_loaded(tmp_path, cgpud: Daemon, dockerd: Dockerd) -> None:
     settings = tmp_path / "doctor.toml"
     settings.write_text(f'state_dir = "{cgpud.state}"\n')
-    out = cgpud.cgpuctl("doctor", "--config", str(settings), "--docker-config", str(dockerd.config))
     runtime = native_path("bin/cgpu-runtime")
-    assert f'ok    container runtime: docker: runtime "cgpu" runs {runtime} ({dockerd.config})' in out.stdout, out.stdout
+    # Named, and found as the --config-file of the running dockerd.
+    for args in (("--docker-config", str(dockerd.config)), ()):
+        out = cgpud.cgpuctl("doctor", "--config", str(settings), *args)
+        assert f'ok    container runtime: docker: runtime "cgpu" runs {runtime} ({dockerd.config})' in out.stdout, \
+            out.stdout
+    # Pointed at a daemon.json whose runtime has gone, it says so.
+    stale = tmp_path / "daemon.json"
+    stale.write_text(json.dumps({"runtimes": {"cgpu": {"path": str(tmp_path / "gone" / "cgpu-runtime")}}}))
+    out = cgpud.cgpuctl("doctor", "--config", str(settings), "--docker-config", str(stale))
+    assert f'warn  container runtime: {stale}: runtime "cgpu" runs {tmp_path / "gone" / "cgpu-runtime"}, which is ' \
+           "not an executable file" in out.stdout, out.stdout
 
 
 def test_2gib_container_through_docker(tmp_path, gpu_env, cgpud: Daemon, dockerd: Dockerd, nvml_total: Path) -> None:

@@ -577,8 +577,8 @@ def test_doctor_finds_a_renamed_docker_entry_and_containerd_too(tmp_path, monkey
     (tmp_path / "conf.d").mkdir()
     (tmp_path / "conf.d" / "cgpu.toml").write_text("")
     monkeypatch.setattr(doctor, "CONTAINERD_DROPINS", tmp_path / "conf.d")
-    assert doctor._runtime(path) == (f'containerd: {tmp_path / "conf.d" / "cgpu.toml"}; '
-                                     f'docker: runtime "gpu-share" runs {shim} ({path})')
+    assert doctor._runtime([path]) == (f'containerd: {tmp_path / "conf.d" / "cgpu.toml"}; '
+                                       f'docker: runtime "gpu-share" runs {shim} ({path})')
 
 
 @pytest.mark.parametrize("program", ["{tmp}/gone/cgpu-runtime", "{tmp}/daemon.json", "cgpu-runtime-not-on-path"])
@@ -592,6 +592,23 @@ def test_doctor_reports_a_docker_entry_whose_program_is_gone(tmp_path, monkeypat
     path.write_text(json.dumps({"runtimes": {"cgpu": {"path": program}}}))
     monkeypatch.setattr(doctor, "CONTAINERD_DROPINS", tmp_path / "no-conf.d")
     with pytest.raises(CgpuError) as e:
-        doctor._runtime(path)
+        doctor._runtime([path])
     assert str(e.value) == (f'{path}: runtime "cgpu" runs {program}, which is not an executable file, so '
                             "`docker run --runtime cgpu` fails; run: cgpuctl runtime configure --docker")
+
+
+def test_doctor_reads_the_daemon_json_each_running_dockerd_reads(tmp_path):
+    from cgpud.cli import doctor
+
+    proc = tmp_path / "proc"
+    for pid, argv in {"10": ["/usr/sbin/dockerd", "-H", "fd://", "--config-file", "/srv/docker.json"],
+                      "11": ["dockerd", "--config-file=conf/d.json"],
+                      "12": ["/usr/sbin/dockerd", "-H", "fd://"],
+                      "13": ["/usr/bin/containerd", "--config-file", "/nope"],
+                      "self": ["dockerd", "--config-file", "/nope"]}.items():
+        (proc / pid).mkdir(parents=True)
+        (proc / pid / "cmdline").write_bytes(b"\0".join(a.encode() for a in argv) + b"\0")
+        (proc / pid / "cwd").symlink_to(tmp_path / "cwd")
+    (proc / "14").mkdir()  # a process that exited while /proc was read
+    assert doctor.running_dockerd_configs(proc) == sorted(
+        [Path("/srv/docker.json"), tmp_path / "cwd" / "conf" / "d.json", doctor.DOCKER_CONFIG])
