@@ -102,7 +102,15 @@ def test_install_upgrade_keeps_edits_remove_keeps_state_purge_deletes_it(package
     assert (state / "cgpud.db").read_text() == "instances"  # state stays
     assert config.exists()  # conffiles stay until purge
 
-    dpkg(root, "--purge", "cgpu")
+    # An instance's tmpfs, kept by cgpud across its restarts, is still mounted.
+    region = state / "instances" / "cgpu-1"
+    region.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "cgpu-test", str(region)], check=True)
+    try:
+        dpkg(root, "--purge", "cgpu")
+    finally:
+        if region.is_mount():
+            subprocess.run(["umount", str(region)])
     assert not state.exists() and not config.parent.exists()
 
 
