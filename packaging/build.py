@@ -14,7 +14,6 @@ staged once under --work and reused by every version built in the same call
 from __future__ import annotations
 
 import argparse
-import compileall
 import dataclasses
 import enum
 import os
@@ -150,35 +149,37 @@ def stage_python(dest: Path) -> None:
     _relocate(dest / "bin" / PYVER, str(base))
 
 
-def _requirements(dist: metadata.Distribution, extras: Sequence[str] = ()) -> list[str]:
+def _requirements(dist: metadata.Distribution, extras: Iterable[str] = ()) -> list[tuple[str, frozenset[str]]]:
+    """What `dist` with `extras` needs on this platform: (name, its extras)."""
     from packaging.requirements import Requirement
 
-    names = []
+    needed = []
     for raw in dist.requires or []:
         req = Requirement(raw)
-        env = {"extra": ""}
-        if req.marker is not None and not any(req.marker.evaluate(dict(env, extra=e)) for e in ("", *extras)):
+        if req.marker is not None and not any(req.marker.evaluate({"extra": e}) for e in ("", *extras)):
             continue
-        names.append(req.name)
-    return names
+        needed.append((req.name, frozenset(req.extras)))
+    return needed
 
 
 def runtime_distributions() -> list[metadata.Distribution]:
     """cgpud's dependencies, transitively, as installed in this venv
     (without extras: no test tools)."""
     seen: dict[str, metadata.Distribution] = {}
+    done: set[tuple[str, frozenset[str]]] = set()
     todo = _requirements(metadata.distribution("cgpud"))
     while todo:
-        name = todo.pop()
+        name, extras = todo.pop()
         key = re.sub(r"[-_.]+", "-", name).lower()
-        if key in seen:
+        if (key, extras) in done:
             continue
+        done.add((key, extras))
         try:
-            dist = metadata.distribution(name)
+            dist = seen.get(key) or metadata.distribution(name)
         except metadata.PackageNotFoundError as e:
             raise BuildError(f"dependency {name} is not installed in {sys.prefix}: run ./dev first") from e
         seen[key] = dist
-        todo.extend(_requirements(dist))
+        todo.extend(_requirements(dist, extras))
     return sorted(seen.values(), key=lambda d: d.metadata["Name"].lower())
 
 

@@ -11,7 +11,6 @@ import re
 import signal
 import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -107,3 +106,14 @@ def test_runtime_configure_names_the_stable_runtime_path(installed: Packages, tm
     assert out.returncode == 0, out.stderr
     assert '"path": "/usr/bin/cgpu-runtime"' in out.stdout
     assert os.path.realpath("/usr/bin/cgpu-runtime").startswith(f"/opt/cgpu/{NEW}/")
+
+
+def test_every_entry_point_and_the_kubernetes_side_import_from_the_package(installed: Packages) -> None:
+    for tool in ("cgpud", "cgpuctl", "cgpu-scheduler", "kubectl-inspect-cgpu"):
+        out = run(f"/usr/bin/{tool}", "--help")
+        assert out.returncode == 0 and out.stdout.startswith("usage:"), (tool, out.stderr)
+    python = f"/opt/cgpu/{NEW}/python/bin/python3.11"
+    out = run(python, "-I", "-c", "import cgpud, cgpud.kube.agent, cgpud.kube.plugin, cgpud.extender.main, "
+              "cgpud.daemon.metrics, cgpud._region, cgpud._scheduler, ssl, sqlite3, ctypes; print(cgpud.__file__)")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"/opt/cgpu/{NEW}/")  # not the source tree's
