@@ -11,6 +11,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -117,3 +118,19 @@ def test_every_entry_point_and_the_kubernetes_side_import_from_the_package(insta
               "cgpud.daemon.metrics, cgpud._region, cgpud._scheduler, ssl, sqlite3, ctypes; print(cgpud.__file__)")
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(f"/opt/cgpu/{NEW}/")  # not the source tree's
+
+
+def test_the_bundled_python_needs_nothing_of_the_build_machine(installed: Packages) -> None:
+    """The interpreter the package was built from and the source tree,
+    hidden under empty tmpfs mounts in a private mount namespace: the
+    package's Python still starts, with its stdlib, libpython and C parts."""
+    python = f"/opt/cgpu/{NEW}/python/bin/python3.11"
+    hidden = [sys.base_prefix, str(Path(__file__).resolve().parents[2])]
+    assert all(not p.startswith(("/usr", "/opt/cgpu")) for p in hidden)  # hiding these keeps sh working
+    mounts = " && ".join(f"mount -t tmpfs cgpu-hide {p}" for p in hidden)
+    check = "import sys, ssl, sqlite3, cgpud._region, cgpud._scheduler, grpc; print(sys.prefix)"
+    out = run("unshare", "-m", "--propagation", "private", "sh", "-c", f"{mounts} && exec {python} -I -c '{check}'")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"/opt/cgpu/{NEW}/python"
+    readelf = run("readelf", "-d", python).stdout
+    assert "[$ORIGIN/../lib]" in readelf
