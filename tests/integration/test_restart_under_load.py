@@ -46,8 +46,10 @@ SECOND = 1_000_000_000
 CORE = 20                # the measured tenant's share
 SYNC_CORE = 15
 # Documented in docs/operations.md. A launch with a share waits for its
-# grant as always, and when cgpud is killed at most one more probe (200 ms).
-STALL_BOUND_S = 0.5
+# grant as always (up to ~150 ms at 15 % under fixed), and when cgpud is
+# killed at most one more probe (200 ms); the rest is slack for 20 tenants
+# on two shared cores.
+STALL_BOUND_S = 1.0
 # A memory-only instance under fixed waits for the unreserved pool: about
 # 0.3 s a launch here without any restart, below GATE_STALL_PROBES' 1.4 s.
 POOL_STALL_BOUND_S = 1.4
@@ -84,7 +86,10 @@ class Restart:
 
 @pytest.fixture(scope="module")
 def newer(tmp_path_factory: pytest.TempPathFactory) -> Build:
-    return newer_build(tmp_path_factory.mktemp("newer") / "cgpu")
+    t0 = time.monotonic()
+    build = newer_build(tmp_path_factory.mktemp("newer") / "cgpu")
+    print(f"\nnewer build {build.version} made in {time.monotonic() - t0:.1f} s")
+    return build
 
 
 def _grants(instances: list[Instance]) -> dict[str, tuple[object, ...]]:
@@ -266,6 +271,11 @@ def test_twenty_tenants_keep_their_limits_and_shares_through_ten_restarts_and_an
     print(f"\nrestart under load: 20 tenants, 10 restarts and an upgrade; baseline share {baseline:.1f} % "
           f"(fixed {CORE} %)\n  worst launch stall {stall * 1000:.0f} ms ({stall_at}; memory-only, from the "
           f"unreserved pool: {pool_stall * 1000:.0f} ms, {pool_at}); worst allocation call {alloc * 1000:.1f} ms")
+    stalled = next(t for t in tenants if t.name == stall_at)
+    at = int(stalled.counts["worst_launch_gap_at_ns"])
+    near = min(restarts, key=lambda r: abs(at - r.down_ns))
+    print(f"  the worst stall ended {(at - near.down_ns) / MS:+.0f} ms from a {near.how} "
+          f"(READY at {(near.ready_ns - near.down_ns) / MS:+.0f} ms)")
     for r in restarts:
         rec = "never" if r.recovery_s is None else f"{r.recovery_s * 1000:.0f} ms"
         extra = f", share while down {r.open_share:.0f} %" if r.open_share is not None else ""
