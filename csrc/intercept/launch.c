@@ -39,12 +39,14 @@
 
 #define MAX_CONTEXTS 8
 #define INFLIGHT_POLL_NS 20000
-#define GATE_PROBE_NS 200000000
+/* How long a killed cgpud can hold a launch up beyond its usual wait: a
+ * probe is one fcntl, made only by a thread already waiting that long. */
+#define GATE_PROBE_NS 50000000
 /* A thread with demand is granted within a period (1 s at most) under every
- * policy; a gate that has not moved for this many probes has lost our
- * demand somehow (e.g. cgpud took a count that a wipe of the usage file left
- * behind for one that killed waiters left) and is asked again. */
-#define GATE_STALL_PROBES 7
+ * policy; a gate that has not moved for this many probes (1.4 s) has lost
+ * our demand somehow (e.g. cgpud took a count that a wipe of the usage file
+ * left behind for one that killed waiters left) and is asked again. */
+#define GATE_STALL_PROBES 28
 #define LAUNCH_CREDITS 128       /* to start with */
 #define LAUNCH_CREDITS_MIN 2
 #define LAUNCH_CREDITS_MAX 8192

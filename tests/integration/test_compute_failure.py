@@ -92,7 +92,7 @@ def test_a_tenant_at_a_closed_gate_runs_on_when_cgpud_is_killed_and_is_gated_aga
         killed = time.monotonic_ns()
         assert not gate() & OPEN
         # Nobody opens that gate again, yet within the probe interval
-        # (200 ms) the tenant launches ungated: all of the GPU.
+        # (50 ms) the tenant launches ungated: all of the GPU.
         _wait_samples_past(sampler, killed + 1_500_000_000)
         orphaned = _share(sampler, pid, killed + 500_000_000, killed + 1_500_000_000)
         assert orphaned > 80, orphaned

@@ -47,7 +47,7 @@ CORE = 20                # the measured tenant's share
 SYNC_CORE = 15
 # Documented in docs/operations.md. A launch with a share waits for its
 # grant as always (up to ~150 ms at 15 % under fixed), and when cgpud is
-# killed at most one more probe (200 ms); the rest is slack for 20 tenants
+# killed at most one more probe (50 ms); the rest is slack for 20 tenants
 # on two shared cores.
 STALL_BOUND_S = 1.0
 # A memory-only instance under fixed waits for the unreserved pool: about
