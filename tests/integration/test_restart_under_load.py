@@ -35,7 +35,6 @@ import pytest
 from cgpud.cli.client import LocalClient
 from cgpud.cli.run import instance_environment
 from cgpud.daemon.model import ComputePolicy, Instance, Owner, OwnerKind, Request
-from cgpud.native import native_path
 from tests.daemonproc import Daemon, make_daemon
 from tests.restart_build import ROOT, Build, newer_build
 from tests.sharerun import Sampler, _at, _busy
@@ -50,8 +49,8 @@ SYNC_CORE = 15
 # killed at most one more probe (50 ms); the rest is slack for 20 tenants
 # on two shared cores.
 STALL_BOUND_S = 1.0
-# A memory-only instance under fixed waits for the unreserved pool: about
-# 0.3 s a launch here without any restart, below GATE_STALL_PROBES' 1.4 s.
+# A memory-only instance under fixed waits for the unreserved pool: up to
+# 0.34 s a launch here without any restart; the re-ask bounds it at 1.4 s.
 POOL_STALL_BOUND_S = 1.4
 # Allocation never talks to cgpud: only CPU contention shows.
 ALLOC_BOUND_S = 0.25
@@ -179,6 +178,7 @@ def test_twenty_tenants_keep_their_limits_and_shares_through_ten_restarts_and_an
     d = daemon
     base_env = dict(sim_env, PYTHONPATH=str(ROOT))
     tenants: list[Tenant] = []
+    late: Tenant | None = None
     sampler: Sampler | None = None
     restarts: list[Restart] = []
     try:
@@ -241,7 +241,7 @@ def test_twenty_tenants_keep_their_limits_and_shares_through_ten_restarts_and_an
         with LocalClient(d.socket) as client:
             client.release(device.id)
     finally:
-        for t in tenants:
+        for t in tenants + ([late] if late else []):
             if t.proc.poll() is None and not t.counts:
                 try:
                     _finish(t)
@@ -249,6 +249,7 @@ def test_twenty_tenants_keep_their_limits_and_shares_through_ten_restarts_and_an
                     t.proc.kill()
         if sampler is not None:
             sampler.stop()
+    assert late is not None and sampler is not None
     listed = d.cgpuctl("list")
     assert listed.returncode == 0, listed.stderr
     assert all(t.instance.id in listed.stdout for t in tenants), listed.stdout
