@@ -91,8 +91,16 @@ def newer(tmp_path_factory: pytest.TempPathFactory) -> Build:
     return build
 
 
-def _grants(instances: list[Instance]) -> dict[str, tuple[object, ...]]:
-    return {i.id: (i.owner, i.grants, i.state, i.pids) for i in instances}
+def _adopted(client: LocalClient) -> dict[str, tuple[object, ...]]:
+    """What must not change across a restart: every instance's owner,
+    grants, state and PIDs, its region directory and grants file (the
+    same inode: the one its processes have mapped)."""
+    out: dict[str, tuple[object, ...]] = {}
+    for i in client.list():
+        region = client.region_dir(i.id)
+        assert region is not None
+        out[i.id] = (i.owner, i.grants, i.state, i.pids, region, (region / "grants").stat().st_ino)
+    return out
 
 
 def _launch(client: LocalClient, name: str, mode: str, instance: Instance, base_env: dict[str, str],
@@ -191,7 +199,7 @@ def test_twenty_tenants_keep_their_limits_and_shares_through_ten_restarts_and_an
             tenants += [_spawn(client, f"sync{i}", "compute", SYNC_CORE, base_env) for i in range(8)]
             tenants += [_spawn(client, f"mem{i}", "mem", 0, base_env, "--kernel-ns", "100000")
                         for i in range(10)]
-            before = _grants(client.list())
+            before = _adopted(client)
         for t in tenants:
             _wait_ready(t)
         measured = tenants[0]
@@ -218,7 +226,7 @@ def test_twenty_tenants_keep_their_limits_and_shares_through_ten_restarts_and_an
             label = "upgrade" if build else how.name
             restarts.append(Restart(label, down_ns, start_ns, ready_ns))
             with LocalClient(d.socket) as client:
-                after = _grants(client.list())
+                after = _adopted(client)
             assert after == before, f"after {label}: instances changed"
             _wait_samples_past(sampler, ready_ns + RECOVERY_BOUND_S * SECOND + 2 * WINDOW)
 
