@@ -76,7 +76,7 @@ def _verb_memory(monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> int:
     class Client:
         """Stands in for the local API client: records what `create` asks."""
 
-        def __init__(self, socket: Any) -> None:
+        def __init__(self, socket: Any, **options: Any) -> None:
             pass
 
         def __enter__(self) -> Client:
