@@ -26,6 +26,7 @@ from cgpud.logs import configure_logging
 
 if TYPE_CHECKING:
     from cgpud.daemon.metrics import DaemonStats
+    from cgpud.daemon.notify import Heartbeat
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -37,7 +38,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _sweeper(service: InstanceService, interval: float, stop: threading.Event,
-             also: Sequence[Callable[[], object]] = (), stats: DaemonStats | None = None) -> None:
+             also: Sequence[Callable[[], object]] = (), stats: DaemonStats | None = None,
+             heartbeat: Heartbeat | None = None) -> None:
     log = structlog.get_logger("cgpud.sweep")
     own: Callable[[], object] = service.sweep if stats is None else lambda: stats.timed("sweep", service.sweep)
     while not stop.wait(interval):
@@ -46,6 +48,8 @@ def _sweeper(service: InstanceService, interval: float, stop: threading.Event,
                 sweep()
             except (CgpuError, OSError, MemoryError) as e:  # keep sweeping: the next round may succeed
                 log.error("sweep failed", error=str(e))
+        if heartbeat is not None:  # a round done, failed or not: the loop turns
+            heartbeat.beat()
 
 
 def _private_state_dir(path: Path) -> None:
@@ -123,14 +127,16 @@ def _serve_capacity(config: settings.DaemonConfig, service: InstanceService, inv
 def run(config: settings.DaemonConfig) -> int:
     # Imported here: the API pulls in grpc, which --inventory does not need.
     from cgpud.api.server import serve
-    from cgpud.daemon.notify import Notifier, start_watchdog
+    from cgpud.daemon.notify import Heartbeat, Notifier, heartbeat_max_age, start_watchdog
     from cgpud.containers import cdi
     from cgpud.containers.lifecycle import ContainerLifecycle
     from cgpud.containers.relay import RelayServer
-    from cgpud.containers.runtime_files import install_runtime_files
+    from cgpud.containers import runtime_files
     from cgpud.daemon.metrics import CountedAllocator, DaemonStats
 
     log = structlog.get_logger("cgpud")
+    # Refused before anything starts: a watchdog too short for the sweep.
+    max_age = heartbeat_max_age(Notifier.from_env(), config.sweep_interval)
     inventory = read_inventory()
     gpus = tuple(GpuCapacity(g.index, g.uuid, g.memory_total) for g in inventory.gpus)
     _private_state_dir(config.state_dir)
@@ -155,7 +161,7 @@ def run(config: settings.DaemonConfig) -> int:
         from cgpud.daemon.metrics import serve_metrics
         metrics = serve_metrics(config.metrics_listen, service, stats, __version__,
                                 {g.index: g.name for g in inventory.gpus})
-    files = install_runtime_files(config.state_dir, config.relay_socket)
+    files = runtime_files.install_runtime_files(config.state_dir, config.relay_socket)
     trust_env = config.orchestrator is Orchestrator.STANDALONE
     relay = RelayServer(ContainerLifecycle(service, files, trust_env), config.relay_socket,
                         on_request=lambda verb, code: stats.request("relay", verb, code)).start()
@@ -165,7 +171,9 @@ def run(config: settings.DaemonConfig) -> int:
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
-    also: list[Callable[[], object]] = []
+    # Old versions' runtime files go once no active instance uses them.
+    also: list[Callable[[], object]] = [
+        lambda: runtime_files.collect(service, files, runtime_files.runtime_root(config.state_dir))]
     plugin = agent = health = capacity = None
     if kube:
         from cgpud.kube.agent import KubeAgent
@@ -187,8 +195,12 @@ def run(config: settings.DaemonConfig) -> int:
     if agent is not None:
         agent.start(stop, annotations)
         also.append(agent.sweep)
-    threading.Thread(target=_sweeper, args=(service, config.sweep_interval, stop, also, stats), daemon=True).start()
-    start_watchdog(notifier, stop)
+    # Pings vouch for the sweep loop: it touches the store, the instance
+    # table and the kubelet/API server clients every round.
+    heartbeat = Heartbeat()
+    threading.Thread(target=_sweeper, args=(service, config.sweep_interval, stop, also, stats, heartbeat),
+                     daemon=True).start()
+    start_watchdog(notifier, stop, healthy=None if max_age is None else lambda: heartbeat.fresh(max_age))
     notifier.ready()  # only now: reconciled and serving
     log.info("ready", socket=str(config.socket), gpus=len(gpus), mode=policy.mode.value)
     stop.wait()
