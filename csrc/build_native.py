@@ -33,6 +33,7 @@ class Target:
     exports: tuple[str, str] | None = None  # (.def file under csrc/, macro)
     libs: tuple[str, ...] = ()
     includes: tuple[str, ...] = ("include",)
+    cflags: tuple[str, ...] = ()  # paths under csrc/ given as csrc/<path>
 
     @property
     def shared(self) -> bool:
@@ -66,8 +67,11 @@ TARGETS: tuple[Target, ...] = (
             "region/region.c",
         ),
         exports=("intercept/hooks.def", "HOOK"),
-        libs=("-ldl", "-lpthread"),
+        # Linked even where glibc >= 2.34 no longer needs them: older images
+        # find dlopen and pthread_create there (intercept/glibc_baseline.h).
+        libs=("-Wl,--no-as-needed", "-l:libdl.so.2", "-l:libpthread.so.0", "-Wl,--as-needed"),
         includes=("include", "intercept"),
+        cflags=("-include", "csrc/intercept/glibc_baseline.h"),
     ),
     Target("bin/cgpu-sim-stat", ("simgpu/simstat.c", *SIM_STATE), includes=("include", "simgpu")),
     Target("bin/cgpu-burn", ("tools/cgpu_burn.c",), libs=("-ldl",)),
@@ -128,6 +132,7 @@ def compile_target(target: Target, out_dir: Path, variant: Variant = RELEASE, cc
     with tempfile.TemporaryDirectory(prefix="cgpu-build-") as tmp:
         cmd = [cc, *BASE_FLAGS, *variant.cflags, version_define()]
         cmd += [f"-D{d}" for d in variant.defines]
+        cmd += [str(CSRC / f[len("csrc/"):]) if f.startswith("csrc/") else f for f in target.cflags]
         cmd += [f"-I{CSRC / inc}" for inc in target.includes]
         cmd += [f"-I{inc}" for inc in variant.extra_includes]
         if target.shared:

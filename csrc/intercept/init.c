@@ -53,21 +53,23 @@ static void *map_file(const char *dir, const char *name, int flags, int *fd_out,
         return NULL;
     }
     int fd = open(path, flags | O_CLOEXEC);
-    struct stat sb;
-    if (fd < 0 || fstat(fd, &sb) != 0) {
+    /* The size by lseek, not fstat: fstat is a glibc 2.33 symbol, and images
+     * with an older libc would skip the preload (glibc_baseline.h). */
+    off_t length = fd < 0 ? -1 : lseek(fd, 0, SEEK_END);
+    if (fd < 0 || length < 0) {
         snprintf(err, errlen, "cannot open %.400s: %s", path, strerror(errno));
         if (fd >= 0)
             close(fd);
         return NULL;
     }
     int prot = (flags & O_ACCMODE) == O_RDWR ? PROT_READ | PROT_WRITE : PROT_READ;
-    void *p = sb.st_size > 0 ? mmap(NULL, (size_t)sb.st_size, prot, MAP_SHARED, fd, 0) : MAP_FAILED;
+    void *p = length > 0 ? mmap(NULL, (size_t)length, prot, MAP_SHARED, fd, 0) : MAP_FAILED;
     if (p == MAP_FAILED) {
-        snprintf(err, errlen, "cannot map %.400s (%lld bytes)", path, (long long)sb.st_size);
+        snprintf(err, errlen, "cannot map %.400s (%lld bytes)", path, (long long)length);
         close(fd);
         return NULL;
     }
-    *size = (size_t)sb.st_size;
+    *size = (size_t)length;
     if (fd_out)
         *fd_out = fd;
     else
