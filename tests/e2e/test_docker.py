@@ -30,7 +30,7 @@ from tests.daemonproc import BIN, Daemon, running_daemon
 from tests.e2e.docker import IMAGE, Dockerd, running_dockerd
 from tests.e2e.oci import host_mounts, runtime_env
 from tests.e2e.test_kube_allocate_runc import nvml_total  # noqa: F401 (fixture)
-from tests.e2e.test_runc import BURN, burn_json, env_lines, instances
+from tests.e2e.test_runc import BURN, assert_2gib_granted, burn_json, env_lines, instances
 from tests.e2e.test_security import build_poc
 
 # An operator's settings that `runtime configure` must keep.
@@ -153,16 +153,7 @@ def test_2gib_container_through_docker(tmp_path, gpu_env, cgpud: Daemon, dockerd
                      opts=("--rm", "--cidfile", str(cidfile), "-v", f"{nvml_total}:/usr/bin/nvml-total:ro"))
     assert out.returncode == 0, out.stderr + dockerd.tail()
     assert f"NVML_TOTAL={2 * GIB}" in out.stdout.splitlines()  # what nvidia-smi would show
-    burn = burn_json(out.stdout)
-    assert burn["mem_total_reported"] == 2 * GIB
-    assert burn["alloc"]["until_fail_bytes"] == 2 * GIB
-    assert burn["alloc"]["until_fail_result"] == "CUDA_ERROR_OUT_OF_MEMORY"
-    env = env_lines(out.stdout)
-    assert env["ALIYUN_COM_GPU_MEM_CONTAINER"] == "2"
-    assert env["ALIYUN_COM_GPU_MEM_DEV"] == "16"
-    assert env["ALIYUN_COM_GPU_MEM_IDX"] == "0"
-    assert env["ALIYUN_COM_GPU_MEM_POD"] == "2"
-    assert env["NVIDIA_VISIBLE_DEVICES"].startswith("GPU-")
+    assert_2gib_granted(out.stdout)
     assert instances(cgpud) == []
     [gone] = instances(cgpud, all_=True)
     assert gone["state"] == "released"
