@@ -482,31 +482,38 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvml
 struct proc_view {
     unsigned int pid;
     unsigned long long used;
+    int slot;
+    uint64_t generation;
 };
 
 /* A consistent view of one slot, or false if it is not a live process on
  * `gpu` (a process is on a GPU once it has a context there or holds memory
- * there). The generation check rejects a slot re-claimed while read. */
-static bool read_slot(int i, unsigned int gpu, struct proc_view *v)
+ * there) or not visible from the caller's pid namespace (`self_ns`), which
+ * newer drivers leave out too. The generation check rejects a slot
+ * re-claimed while read, and with it a pid translated for its new owner. */
+static bool read_slot(int i, unsigned int gpu, uint64_t self_ns, struct proc_view *v)
 {
     const struct sim_proc_slot *s = &g_sim.st->proc[i];
     uint64_t gen = atomic_load(&s->generation);
     if (atomic_load(&s->state) != SIM_SLOT_LIVE)
         return false;
-    v->pid = (unsigned int)atomic_load(&s->pid);
     v->used = atomic_load(&s->used[gpu]);
     uint32_t mask = atomic_load(&s->gpu_mask);
-    if (atomic_load(&s->state) != SIM_SLOT_LIVE || atomic_load(&s->generation) != gen)
+    if (!((mask >> gpu) & 1u) && v->used == 0)
         return false;
-    return ((mask >> gpu) & 1u) || v->used > 0;
+    v->pid = (unsigned int)sim_slot_pid(&g_sim, i, self_ns);
+    v->slot = i;
+    v->generation = gen;
+    return v->pid != 0 && atomic_load(&s->state) == SIM_SLOT_LIVE && atomic_load(&s->generation) == gen;
 }
 
 static unsigned int live_procs(unsigned int gpu, struct proc_view *out)
 {
     unsigned int n = 0;
+    uint64_t self_ns = sim_pidns_self();
     reap_dead();
     for (int i = 0; i < SIM_MAX_PROCS; i++)
-        if (read_slot(i, gpu, &out[n]))
+        if (read_slot(i, gpu, self_ns, &out[n]))
             n++;
     return n;
 }
@@ -599,7 +606,7 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device,
     (void)sim_busy_between(g_sim.st, (int)g, from, mono, &total, busy, SIM_MAX_PROCS, &nbusy);
     for (unsigned int i = 0; i < nprocs; i++) {
         for (int j = 0; j < nbusy; j++) {
-            if ((unsigned int)busy[j].pid == procs[i].pid)
+            if ((int)busy[j].slot == procs[i].slot && busy[j].generation == procs[i].generation)
                 samples[n++] = (nvmlProcessUtilizationSample_t){
                     .pid = procs[i].pid, .timeStamp = now_us, .smUtil = percent(busy[j].ns, mono - from)};
         }

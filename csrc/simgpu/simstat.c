@@ -50,9 +50,25 @@ static int slot_alive(int fd, int slot)
     return fl.l_type != F_UNLCK;
 }
 
+/* The pid of a process known by its records, as the caller's namespace sees
+ * it: through its slot while it lives, else only if it was of the caller's
+ * own namespace (the pid of a process gone from another namespace is lost,
+ * as a real driver's is); 0 when unknown or not visible. */
+static int32_t record_pid(const struct sim_handle *h, const struct sim_pid_busy *r, uint64_t self_ns)
+{
+    if (r->pidns == 0 || r->pidns == self_ns)
+        return r->pid;
+    const struct sim_proc_slot *s = &h->st->proc[r->slot % SIM_MAX_PROCS];
+    if (atomic_load(&s->state) != SIM_SLOT_LIVE || atomic_load(&s->generation) != r->generation)
+        return 0;
+    int32_t pid = sim_slot_pid(h, (int)(r->slot % SIM_MAX_PROCS), self_ns);
+    return atomic_load(&s->generation) == r->generation ? pid : 0;
+}
+
 static void print_state(struct sim_handle *h)
 {
     const struct sim_state *st = h->st;
+    uint64_t self_ns = sim_pidns_self();
     unsigned int ngpu = st->config.gpu_count < SIM_MAX_GPUS ? st->config.gpu_count : SIM_MAX_GPUS;
     printf("{\"gpus\":[");
     for (unsigned int g = 0; g < ngpu; g++) {
@@ -74,7 +90,9 @@ static void print_state(struct sim_handle *h)
             continue;
         char comm[sizeof(s->comm)];
         memcpy(comm, s->comm, sizeof(comm));
-        printf("%s{\"slot\":%d,\"pid\":%" PRId32 ",\"comm\":", first ? "" : ",", i, atomic_load(&s->pid));
+        /* pid: in our namespace (0 if not visible from it); ns_pid: in its own. */
+        printf("%s{\"slot\":%d,\"pid\":%" PRId32 ",\"ns_pid\":%" PRId32 ",\"comm\":", first ? "" : ",", i,
+               sim_slot_pid(h, i, self_ns), atomic_load(&s->pid));
         json_string(comm, sizeof(comm));
         printf(",\"alive\":%s,\"used\":[", slot_alive(h->fd, i) ? "true" : "false");
         for (unsigned int g = 0; g < ngpu; g++)
@@ -88,14 +106,30 @@ static void print_state(struct sim_handle *h)
     printf("],\"now_ns\":%" PRIu64 "}\n", sim_now_ns());
 }
 
-static void print_busy(const struct sim_state *st, int gpu, uint64_t from, uint64_t to)
+/* per_pid: by pid in our namespace; processes not visible from it (or gone
+ * from another namespace) count in busy_ns only. */
+static void print_busy(const struct sim_handle *h, int gpu, uint64_t from, uint64_t to)
 {
     static struct sim_pid_busy per[SIM_MAX_PROCS];
-    uint64_t busy;
-    int n;
-    bool complete = sim_busy_between(st, gpu, from, to, &busy, per, SIM_MAX_PROCS, &n);
+    uint64_t busy, self_ns = sim_pidns_self();
+    int n, out = 0;
+    bool complete = sim_busy_between(h->st, gpu, from, to, &busy, per, SIM_MAX_PROCS, &n);
+    for (int i = 0; i < n; i++) {
+        int32_t pid = record_pid(h, &per[i], self_ns);
+        int k = 0;
+        while (k < out && per[k].pid != pid)
+            k++;
+        if (pid == 0)
+            continue;
+        if (k < out) {
+            per[k].ns += per[i].ns;
+        } else {
+            per[out] = per[i];
+            per[out++].pid = pid;
+        }
+    }
     printf("{\"busy_ns\":%" PRIu64 ",\"per_pid\":{", busy);
-    for (int i = 0; i < n; i++)
+    for (int i = 0; i < out; i++)
         printf("%s\"%d\":%" PRIu64, i ? "," : "", (int)per[i].pid, per[i].ns);
     printf("},\"complete\":%s}\n", complete ? "true" : "false");
 }
@@ -106,11 +140,13 @@ static void print_busy(const struct sim_state *st, int gpu, uint64_t from, uint6
  * few ms ahead of now; the part of its execution records after now is
  * subtracted to get what it has completed by now. Slots are reused: a claim
  * resets the counter and bumps the generation, so the sampler follows each
- * (slot, generation) and sums them by pid. A process whose slot was claimed
- * again between two samples ends at its last value plus what the ring shows
- * it ran since (kept pending while any of it lies in the future); the ring
- * holds SIM_RING records, seconds of a saturated GPU, so that recovery is
- * exact unless the ring wrapped within one interval. */
+ * (slot, generation) and sums them by pid as the sampler's pid namespace
+ * sees it (sim_slot_pid; processes not visible from it are left out). A
+ * process whose slot was claimed again between two samples ends at its last
+ * value plus what the ring shows it ran since (kept pending while any of it
+ * lies in the future); the ring holds SIM_RING records, seconds of a
+ * saturated GPU, so that recovery is exact unless the ring wrapped within
+ * one interval. */
 
 #define QUIET_RECORDS 64 /* consecutive records ending before the span: stop */
 
@@ -119,9 +155,10 @@ struct slot_view {
     bool tracked;  /* that entity has run on the GPU: pidx and value are valid */
     bool fresh;    /* read consistently in this sample */
     bool gap;      /* claimed again since t_obs: recover the ring since gap_t */
-    int32_t pid;
+    int32_t pid; /* in the owner's namespace */
     int pidx;
     uint64_t gen, t_obs, gap_t;
+    uint64_t hidden_gen; /* that entity is not visible from our namespace: not asked again */
     uint64_t counter; /* busy_ns[gpu] in this sample */
     uint64_t future;  /* its reserved work after now, from the ring */
     uint64_t value;   /* device time completed by t_obs; never decreases */
@@ -132,7 +169,7 @@ struct slot_view {
 
 struct retired {
     int slot;
-    int32_t pid;
+    uint64_t gen;
     int pidx;
     uint64_t base, t_base; /* completed by t_base */
     uint64_t tail;         /* its device time in [t_base, now) */
@@ -140,14 +177,16 @@ struct retired {
 };
 
 struct pid_row {
-    int32_t pid;
+    int32_t pid; /* in the sampler's namespace */
     uint64_t done; /* final totals of its processes that are gone */
     uint64_t cur;  /* this sample's total */
     uint64_t out;  /* the last value printed: never decreases */
 };
 
 struct sampler {
+    const struct sim_handle *h;
     const struct sim_state *st;
+    uint64_t self_ns;
     int gpu;
     uint64_t stop_t; /* the ring is needed back to here */
     uint64_t busy_out;
@@ -183,12 +222,12 @@ static int pid_index(struct sampler *sm, int32_t pid)
     return sm->npids++;
 }
 
-static struct retired *retire(struct sampler *sm, int slot, int32_t pid, int pidx, uint64_t base, uint64_t t_base)
+static struct retired *retire(struct sampler *sm, int slot, uint64_t gen, int pidx, uint64_t base, uint64_t t_base)
 {
     if (sm->nret == sm->cap_ret)
         sm->ret = grow(sm->ret, sizeof(*sm->ret), &sm->cap_ret);
     struct retired *r = &sm->ret[sm->nret++];
-    *r = (struct retired){.slot = slot, .pid = pid, .pidx = pidx, .base = base, .t_base = t_base};
+    *r = (struct retired){.slot = slot, .gen = gen, .pidx = pidx, .base = base, .t_base = t_base};
     if (t_base < sm->stop_t)
         sm->stop_t = t_base;
     return r;
@@ -224,9 +263,9 @@ static void read_slots(struct sampler *sm, uint64_t now)
             if (v->gap_t < sm->stop_t)
                 sm->stop_t = v->gap_t;
             if (v->tracked && v->vbase_t)
-                retire(sm, i, v->pid, v->pidx, v->vbase, v->vbase_t);
+                retire(sm, i, v->gen, v->pidx, v->vbase, v->vbase_t);
             else if (v->tracked)
-                retire(sm, i, v->pid, v->pidx, v->value, v->t_obs);
+                retire(sm, i, v->gen, v->pidx, v->value, v->t_obs);
             v->tracked = false;
         }
         v->observed = true;
@@ -234,10 +273,18 @@ static void read_slots(struct sampler *sm, uint64_t now)
         v->t_obs = now;
         if (!v->tracked) {
             v->pid = pid;
-            if (counter == 0 && !(state == SIM_SLOT_LIVE && (mask >> sm->gpu) & 1u))
-                continue; /* not a process of this GPU (yet) */
+            if ((counter == 0 && !(state == SIM_SLOT_LIVE && (mask >> sm->gpu) & 1u)) || v->hidden_gen == gen)
+                continue; /* not a process of this GPU (yet), or hidden */
+            /* Named once, while it lives: its pid as we see it. */
+            int32_t seen = sim_slot_pid(sm->h, i, sm->self_ns);
+            if (atomic_load(&s->generation) != gen)
+                continue;
+            if (seen == 0) { /* not visible from our namespace */
+                v->hidden_gen = gen;
+                continue;
+            }
             v->tracked = true;
-            v->pidx = pid_index(sm, pid);
+            v->pidx = pid_index(sm, seen);
             v->value = v->vbase = v->vbase_t = 0;
         }
         v->fresh = true;
@@ -248,17 +295,22 @@ static void read_slots(struct sampler *sm, uint64_t now)
 
 /* A record of a process that is gone, or of one that came and went between
  * two samples on a slot claimed again since. */
-static void attribute_past(struct sampler *sm, uint32_t slot, int32_t pid, uint64_t s, uint64_t e, uint64_t now)
+static void attribute_past(struct sampler *sm, const struct sim_pid_busy *who, uint64_t s, uint64_t e, uint64_t now)
 {
     struct retired *r = NULL;
+    uint32_t slot = who->slot;
     for (int i = 0; i < sm->nret && !r; i++)
-        if (sm->ret[i].slot == (int)slot && sm->ret[i].pid == pid)
+        if (sm->ret[i].slot == (int)slot && sm->ret[i].gen == who->generation)
             r = &sm->ret[i];
     if (!r) {
         const struct slot_view *v = &sm->slot[slot];
-        if (!v->gap || pid == v->pid || e <= v->gap_t)
+        if (!v->gap || who->generation == v->gen || e <= v->gap_t)
             return;
-        r = retire(sm, (int)slot, pid, pid_index(sm, pid), 0, v->gap_t);
+        /* Never seen alive: its recorded pid is ours only if it shared our
+         * namespace; else its time counts in busy_ns alone. */
+        if (who->pidns != 0 && who->pidns != sm->self_ns)
+            return;
+        r = retire(sm, (int)slot, who->generation, pid_index(sm, who->pid), 0, v->gap_t);
     }
     if (e <= r->t_base)
         return;
@@ -288,18 +340,21 @@ static uint64_t scan_ring(struct sampler *sm, uint64_t now)
         if (atomic_load_explicit(&r->seq, memory_order_acquire) != idx + 1)
             continue; /* being written: its owner has not charged it yet */
         uint64_t s = atomic_load(&r->start_ns), e = atomic_load(&r->end_ns);
-        uint32_t slot = atomic_load(&r->slot);
-        int32_t pid = atomic_load(&r->pid);
+        struct sim_pid_busy who = {.pid = atomic_load(&r->pid),
+                                   .slot = atomic_load(&r->slot),
+                                   .generation = atomic_load(&r->generation),
+                                   .pidns = atomic_load(&r->pidns)};
+        uint32_t slot = who.slot;
         if (atomic_load(&r->seq) != idx + 1)
             continue;
         if (e > now) {
             uint64_t f = e - (s > now ? s : now);
             all += f;
-            if (slot < SIM_MAX_PROCS && sm->slot[slot].fresh && sm->slot[slot].pid == pid)
+            if (slot < SIM_MAX_PROCS && sm->slot[slot].fresh && sm->slot[slot].gen == who.generation)
                 sm->slot[slot].future += f;
         }
         if (e > sm->stop_t && slot < SIM_MAX_PROCS && (sm->nret || sm->slot[slot].gap))
-            attribute_past(sm, slot, pid, s, e, now);
+            attribute_past(sm, &who, s, e, now);
         quiet = e <= sm->stop_t ? quiet + 1 : 0;
     }
     return all;
@@ -435,7 +490,7 @@ static bool wait_until(uint64_t t_ns, const sigset_t *waitmask)
     return false;
 }
 
-static int run_sample(const struct sim_state *st, int gpu, uint64_t interval_ms, uint64_t count)
+static int run_sample(const struct sim_handle *h, int gpu, uint64_t interval_ms, uint64_t count)
 {
     sigset_t block, waitmask;
     sigemptyset(&block);
@@ -450,7 +505,9 @@ static int run_sample(const struct sim_state *st, int gpu, uint64_t interval_ms,
     sigaction(SIGINT, &sa, NULL);
 
     static struct sampler sm;
-    sm.st = st;
+    sm.h = h;
+    sm.st = h->st;
+    sm.self_ns = sim_pidns_self();
     sm.gpu = gpu;
     uint64_t interval = interval_ms * 1000000ULL, next = sim_now_ns();
     int rc = 0;
@@ -530,9 +587,9 @@ int main(int argc, char **argv)
             sim_fault_set_lost(h.st, (int)gpu, lost);
         print_fault(h.st, (int)gpu);
     } else if (sample)
-        rc = run_sample(h.st, (int)gpu, interval_ms, count);
+        rc = run_sample(&h, (int)gpu, interval_ms, count);
     else if (busy)
-        print_busy(h.st, (int)gpu, from, to);
+        print_busy(&h, (int)gpu, from, to);
     else
         print_state(&h);
     sim_detach(&h);

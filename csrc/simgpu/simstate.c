@@ -3,6 +3,7 @@
 #define _GNU_SOURCE
 #include "simstate.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -54,11 +55,12 @@ static int slot_lock(int fd, int slot, short type)
 static int create_state(const char *path, const struct sim_config *cfg, uint64_t hash, char *err, size_t errlen)
 {
     char tmp[4096];
-    if (snprintf(tmp, sizeof(tmp), "%s.tmp.%d", path, (int)getpid()) >= (int)sizeof(tmp)) {
+    if (snprintf(tmp, sizeof(tmp), "%s.tmp.XXXXXX", path) >= (int)sizeof(tmp)) {
         snprintf(err, errlen, "simulated GPU state path too long: %s", path);
         return -1;
     }
-    int fd = open(tmp, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+    /* Not named by pid: processes of two pid namespaces may both be pid 1. */
+    int fd = mkostemp(tmp, O_CLOEXEC);
     if (fd < 0) {
         snprintf(err, errlen, "cannot create simulated GPU state %s: %s", tmp, strerror(errno));
         return -1;
@@ -223,7 +225,11 @@ static int claim_free_slot(struct sim_handle *h)
         for (unsigned g = 0; g < SIM_MAX_GPUS; g++)
             atomic_store(&s->busy_ns[g], 0);
         atomic_store(&s->gpu_mask, 0);
+        /* Best effort: without the pid lock readers fall back to /proc. */
+        struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = SIM_SLOT_PID_OFFSET(i), .l_len = 1};
+        (void)fcntl(h->fd, F_SETLK, &fl);
         atomic_store(&s->pid, (int32_t)getpid());
+        atomic_store(&s->pidns, sim_pidns_self());
         memset(s->comm, 0, sizeof(s->comm));
         (void)prctl(PR_GET_NAME, s->comm, 0, 0, 0);
         s->comm[sizeof(s->comm) - 1] = '\0';
@@ -278,7 +284,10 @@ static void record_exec(struct sim_handle *h, int gpu, uint64_t start, uint64_t 
     atomic_store(&r->start_ns, start);
     atomic_store(&r->end_ns, end);
     atomic_store(&r->slot, (uint32_t)h->slot);
-    atomic_store(&r->pid, atomic_load(&h->st->proc[h->slot].pid));
+    const struct sim_proc_slot *owner = &h->st->proc[h->slot];
+    atomic_store(&r->pid, atomic_load(&owner->pid));
+    atomic_store(&r->generation, atomic_load(&owner->generation));
+    atomic_store(&r->pidns, atomic_load(&owner->pidns));
     atomic_store_explicit(&r->seq, idx + 1, memory_order_release);
 }
 
@@ -305,16 +314,16 @@ uint64_t sim_exec_reserve(struct sim_handle *h, int gpu, uint64_t not_before, ui
     return start + dur_ns;
 }
 
-static void add_pid_busy(struct sim_pid_busy *per, int cap, int *n, int32_t pid, uint64_t ns)
+static void add_proc_busy(struct sim_pid_busy *per, int cap, int *n, const struct sim_pid_busy *r)
 {
     for (int i = 0; i < *n; i++) {
-        if (per[i].pid == pid) {
-            per[i].ns += ns;
+        if (per[i].slot == r->slot && per[i].generation == r->generation) {
+            per[i].ns += r->ns;
             return;
         }
     }
     if (*n < cap)
-        per[(*n)++] = (struct sim_pid_busy){.pid = pid, .ns = ns};
+        per[(*n)++] = *r;
 }
 
 bool sim_busy_between(const struct sim_state *st, int gpu, uint64_t from, uint64_t to, uint64_t *total,
@@ -331,7 +340,10 @@ bool sim_busy_between(const struct sim_state *st, int gpu, uint64_t from, uint64
         if (atomic_load_explicit(&r->seq, memory_order_acquire) != idx + 1)
             continue;
         uint64_t s = atomic_load(&r->start_ns), e = atomic_load(&r->end_ns);
-        int32_t pid = atomic_load(&r->pid);
+        struct sim_pid_busy who = {.pid = atomic_load(&r->pid),
+                                   .slot = atomic_load(&r->slot),
+                                   .generation = atomic_load(&r->generation),
+                                   .pidns = atomic_load(&r->pidns)};
         if (atomic_load(&r->seq) != idx + 1)
             continue; /* rewritten while we read it */
         if (s < oldest)
@@ -340,13 +352,83 @@ bool sim_busy_between(const struct sim_state *st, int gpu, uint64_t from, uint64
         if (hi <= lo)
             continue;
         sum += hi - lo;
+        who.ns = hi - lo;
         if (per_pid)
-            add_pid_busy(per_pid, cap, &found, pid, hi - lo);
+            add_proc_busy(per_pid, cap, &found, &who);
     }
     *total = sum;
     if (n_pids)
         *n_pids = found;
     return head <= SIM_RING || oldest <= from;
+}
+
+/* ---- pids as each caller's namespace sees them ---------------------------- */
+
+static uint64_t ns_inode(const char *path)
+{
+    struct stat sb;
+    return stat(path, &sb) == 0 ? (uint64_t)sb.st_ino : 0;
+}
+
+uint64_t sim_pidns_self(void)
+{
+    return ns_inode("/proc/self/ns/pid");
+}
+
+/* The last NSpid field of /proc/<pid>/status: the pid in its own namespace. */
+static int32_t innermost_pid(long pid)
+{
+    char path[64], line[256];
+    snprintf(path, sizeof(path), "/proc/%ld/status", pid);
+    FILE *f = fopen(path, "re");
+    if (!f)
+        return 0;
+    int32_t nspid = 0;
+    while (fgets(line, sizeof(line), f)) {
+        if (strncmp(line, "NSpid:", 6) != 0)
+            continue;
+        char *tok = strrchr(line, '\t');
+        nspid = tok ? (int32_t)strtol(tok + 1, NULL, 10) : 0;
+        break;
+    }
+    fclose(f);
+    return nspid;
+}
+
+/* The slow path: the process of namespace `ns` whose own pid is `nspid`,
+ * among the processes /proc shows the caller. */
+static int32_t pid_from_proc(uint64_t ns, int32_t nspid)
+{
+    DIR *d = opendir("/proc");
+    if (!d)
+        return 0;
+    int32_t found = 0;
+    struct dirent *e;
+    while (!found && (e = readdir(d)) != NULL) {
+        char *end;
+        long pid = strtol(e->d_name, &end, 10);
+        if (pid <= 0 || *end != '\0' || pid > INT32_MAX)
+            continue;
+        char path[64];
+        snprintf(path, sizeof(path), "/proc/%ld/ns/pid", pid);
+        if (ns_inode(path) == ns && innermost_pid(pid) == nspid)
+            found = (int32_t)pid;
+    }
+    closedir(d);
+    return found;
+}
+
+int32_t sim_slot_pid(const struct sim_handle *h, int slot, uint64_t self_ns)
+{
+    const struct sim_proc_slot *s = &h->st->proc[slot];
+    int32_t pid = atomic_load(&s->pid);
+    uint64_t ns = atomic_load(&s->pidns);
+    if (ns == 0 || ns == self_ns)
+        return pid;
+    struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = SIM_SLOT_PID_OFFSET(slot), .l_len = 1};
+    if (fcntl(h->fd, F_GETLK, &fl) == 0 && fl.l_type != F_UNLCK)
+        return fl.l_pid > 0 ? (int32_t)fl.l_pid : 0;
+    return pid_from_proc(ns, pid);
 }
 
 /* ---- faults ---------------------------------------------------------------- */

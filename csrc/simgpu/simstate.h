@@ -17,7 +17,7 @@
 #include <stdint.h>
 
 #define SIM_MAGIC 0x31305453554d4953ULL /* "SIMUST01" */
-#define SIM_VERSION 2
+#define SIM_VERSION 3
 #define SIM_MAX_GPUS 16
 #define SIM_MAX_PROCS 512
 #define SIM_RING 8192 /* execution records kept per GPU */
@@ -50,17 +50,21 @@ struct sim_config {
     char driver_version_str[32];  /* as nvmlSystemGetDriverVersion */
     uint64_t queue_ns;            /* device time a stream may queue ahead */
     uint64_t default_kernel_ns;   /* cost of a kernel the simulation cannot time */
+    uint64_t context_bytes;       /* driver memory of a process's first context on a GPU */
     struct sim_gpu_config gpu[SIM_MAX_GPUS];
 };
 
 /* One stretch of device time given to one process. Written once, then only
- * `end_ns` may grow (a process extending its own latest stretch). */
+ * `end_ns` may grow (a process extending its own latest stretch). The
+ * process is (slot, generation); pid and pidns name it after it is gone. */
 struct sim_exec_record {
     _Atomic uint64_t seq;         /* index + 1 once published */
     _Atomic uint64_t start_ns;
     _Atomic uint64_t end_ns;
     _Atomic uint32_t slot;
     _Atomic int32_t pid;
+    _Atomic uint64_t generation;
+    _Atomic uint64_t pidns;
 };
 
 /* One XID the GPU reported. Written once per use of its ring slot. */
@@ -92,8 +96,9 @@ enum sim_slot_state { SIM_SLOT_FREE = 0, SIM_SLOT_CLAIMING = 1, SIM_SLOT_LIVE = 
 
 struct sim_proc_slot {
     _Atomic uint32_t state;
-    _Atomic int32_t pid;          /* as the owner sees itself */
+    _Atomic int32_t pid;          /* as the owner sees itself: see sim_slot_pid */
     _Atomic uint64_t generation;  /* bumped on every claim */
+    _Atomic uint64_t pidns;       /* inode of the owner's pid namespace, 0 if unknown */
     _Atomic uint64_t used[SIM_MAX_GPUS];
     _Atomic uint64_t busy_ns[SIM_MAX_GPUS];
     _Atomic uint32_t gpu_mask;    /* GPUs this process has a context on */
@@ -117,6 +122,11 @@ struct sim_state {
 /* Byte offset of the lock that keeps process slot i alive. The lock bytes lie
  * past the mapped structure so that nobody ever reads or writes them. */
 #define SIM_SLOT_LOCK_OFFSET(i) ((long)sizeof(struct sim_state) + (long)(i))
+/* Byte offset of slot i's pid lock: a classic POSIX record lock its owner
+ * holds, only so that F_GETLK tells others the owner's pid in *their* pid
+ * namespace (the kernel translates l_pid, 0 when not visible there), as a
+ * real driver reports pids to each caller. Liveness stays on the OFD lock. */
+#define SIM_SLOT_PID_OFFSET(i) ((long)sizeof(struct sim_state) + SIM_MAX_PROCS + (long)(i))
 
 /* The process's view of the simulation. */
 struct sim_handle {
@@ -156,15 +166,32 @@ void sim_mem_release(struct sim_handle *h, int gpu, uint64_t bytes);
  * already has more than queue_ns of work queued ahead of now. */
 uint64_t sim_exec_reserve(struct sim_handle *h, int gpu, uint64_t not_before, uint64_t dur_ns);
 
+/* The pid namespace of the calling process (inode), 0 if /proc cannot say. */
+uint64_t sim_pidns_self(void);
+
+/* The pid of slot i's owner in the caller's pid namespace (`self_ns` from
+ * sim_pidns_self), as a real driver reports it: the recorded pid in the
+ * owner's own namespace, else the kernel's translation of the slot's pid
+ * lock, else (the owner closed a descriptor of the state file, which drops
+ * POSIX locks) a /proc search by namespace and NSpid. 0 when the owner is
+ * not visible from the caller's namespace. Check the slot's generation after
+ * the call: a slot claimed again meanwhile gives the new owner's pid. */
+int32_t sim_slot_pid(const struct sim_handle *h, int slot, uint64_t self_ns);
+
+/* The time of one process (slot, generation) in a window; pid and pidns are
+ * those recorded with it (the owner's own namespace). */
 struct sim_pid_busy {
     int32_t pid;
+    uint32_t slot;
+    uint64_t generation;
+    uint64_t pidns;
     uint64_t ns;
 };
 
 /* Device busy time of `gpu` in [from, to) from the execution records: the
- * total, and per process (keyed by pid, which outlives slot reuse) for up to
- * `cap` processes. Returns false if the records no longer reach back to
- * `from`. Lock-free; safe while others write. */
+ * total, and per process (slot, generation) for up to `cap` processes.
+ * Returns false if the records no longer reach back to `from`. Lock-free;
+ * safe while others write. */
 bool sim_busy_between(const struct sim_state *st, int gpu, uint64_t from, uint64_t to, uint64_t *total,
                       struct sim_pid_busy *per_pid, int cap, int *n_pids);
 

@@ -9,17 +9,20 @@ to create processes on the GPUs; they skip, naming the missing file, when it
 has not been built."""
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.integration.simrun import PYNVML, run_py, sim_stat, start_py
+from tests.integration.simrun import PYNVML, py_env, run_py, sim_stat, start_py
 
 GIB = 1 << 30
 DEF_FILE = Path(__file__).resolve().parents[2] / "csrc" / "include" / "cgpu" / "nvml_functions.def"
@@ -474,3 +477,151 @@ def test_with_libcuda_utilization_follows_kernels(libcuda, native, sim_env):
     assert proc["pid"] == pid and proc["busy_ns"][0] >= 300_000_000
     assert busy["complete"] and busy["busy_ns"] == proc["busy_ns"][0]
     assert busy["per_pid"] == {str(proc["pid"]): busy["busy_ns"]}
+
+
+# --- Pid namespaces: NVML reports each process as the caller's pid namespace
+# sees it, as a real driver does (a host caller gets host pids; a process not
+# visible from the caller's namespace is left out). Tenants run under
+# `unshare -p -f --mount-proc`, where they are pid 1. ---------------------------
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: unshare -p makes a pid namespace")
+
+# Holds `size` bytes on GPU `gpu`, optionally runs `spin_s` seconds of
+# kernels on it, then (optionally) drops its POSIX locks on the state file
+# by closing a second descriptor of it, reports its own pid and waits.
+NS_TENANT = """
+import json, os, sys, time
+from cudapy import Driver
+size, gpu, spin_s, drop = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), sys.argv[4] == "drop"
+cu = Driver(); cu.init_device(gpu)
+assert cu.alloc(size)[0] == "CUDA_SUCCESS"
+if spin_s:
+    fn = cu.spin_function(); end = time.monotonic() + spin_s
+    while time.monotonic() < end:
+        cu.launch_spin(fn, 1_000_000)
+    cu.call("cuCtxSynchronize")
+if drop:
+    os.close(os.open(os.environ["CGPU_SIM_STATE"], os.O_RDONLY))
+print(json.dumps(os.getpid()), flush=True)
+sys.stdin.readline()
+"""
+
+
+class NsTenant:
+    """A tenant in a pid namespace of its own: `ns_pid` as it sees itself,
+    `host_pid` as the host does."""
+
+    def __init__(self, sim_env: dict[str, str], size: int, gpu: int = 1, spin_s: float = 0, drop: bool = False):
+        self.proc = subprocess.Popen(
+            ["unshare", "-p", "-f", "--mount-proc", sys.executable, "-c", NS_TENANT, str(size), str(gpu),
+             str(spin_s), "drop" if drop else "keep"],
+            env=py_env(sim_env), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def started(self) -> NsTenant:
+        line = self.proc.stdout.readline()
+        assert line, self.proc.stderr.read()
+        self.ns_pid = json.loads(line)
+        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        [self.host_pid] = [int(c) for c in children]
+        return self
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.host_pid, signal.SIGKILL)  # pid 1 of its namespace: the namespace goes with it
+        self.proc.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def ns_tenants(sim_env: dict[str, str], *specs: dict) -> Iterator[list[NsTenant]]:
+    tenants = [NsTenant(sim_env, **spec) for spec in specs]
+    try:
+        yield [t.started() for t in tenants]
+    finally:
+        for t in tenants:
+            t.kill()
+
+
+LIST_PROCS = """
+n.nvmlInit(); h = n.nvmlDeviceGetHandleByIndex({gpu})
+print(json.dumps({{"procs": sorted([p.pid, p.usedGpuMemory] for p in n.nvmlDeviceGetComputeRunningProcesses(h)),
+                  "used": n.nvmlDeviceGetMemoryInfo(h).used}}))
+"""
+
+
+def nvml_in(sim_env: dict[str, str], prefix: list[str], body: str) -> object:
+    """A pynvml script run under `prefix` (unshare, nsenter)."""
+    proc = subprocess.run([*prefix, sys.executable, "-c", PYNVML + textwrap.dedent(body)], env=py_env(sim_env),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@needs_root
+def test_pids_are_those_of_the_callers_namespace(libcuda, native, sim_env):
+    with ns_tenants(sim_env, {"size": GIB}) as [t]:
+        host = nvml(sim_env, LIST_PROCS.format(gpu=1))
+        other = nvml_in(sim_env, ["unshare", "-p", "-f", "--mount-proc"], LIST_PROCS.format(gpu=1))
+        inside = nvml_in(sim_env, ["nsenter", "-p", "-t", str(t.host_pid)], LIST_PROCS.format(gpu=1))
+        [stat] = sim_stat(native, sim_env)["procs"]
+    assert t.ns_pid == 1 and t.host_pid != 1
+    assert host == {"procs": [[t.host_pid, GIB]], "used": GIB}
+    # Another namespace cannot see the tenant; the device's memory is still used.
+    assert other == {"procs": [], "used": GIB}
+    # Its own namespace sees it as it sees itself.
+    assert inside == {"procs": [[1, GIB]], "used": GIB}
+    assert (stat["pid"], stat["ns_pid"], stat["used"]) == (t.host_pid, 1, [0, GIB])
+
+
+@needs_root
+def test_same_pid_in_two_namespaces_is_two_processes(libcuda, native, sim_env):
+    with ns_tenants(sim_env, {"size": GIB, "gpu": 0, "spin_s": 0.8},
+                    {"size": 2 * GIB, "gpu": 0, "spin_s": 0.4}) as [a, b]:
+        got = nvml(sim_env, """
+            n.nvmlInit(); h = n.nvmlDeviceGetHandleByIndex(0)
+            procs = sorted([p.pid, p.usedGpuMemory] for p in n.nvmlDeviceGetComputeRunningProcesses(h))
+            before = time.monotonic_ns()
+            samples = sorted([s.pid, s.smUtil] for s in n.nvmlDeviceGetProcessUtilization(h, 0))
+            after = time.monotonic_ns()
+            print(json.dumps({"procs": procs, "samples": samples, "before": before, "after": after}))
+        """)
+        # Each one's busy share of the second before each end of the sampling.
+        shares = [sim_stat(native, sim_env, "--busy", "0", str(t - 1_000_000_000), str(t))["per_pid"]
+                  for t in (got["before"], got["after"])]
+    assert a.ns_pid == b.ns_pid == 1
+    assert got["procs"] == sorted([[a.host_pid, GIB], [b.host_pid, 2 * GIB]])
+    assert [pid for pid, _ in got["samples"]] == sorted([a.host_pid, b.host_pid])
+    for pid, sm in got["samples"]:
+        seen = [s.get(str(pid), 0) / 1e7 for s in shares]
+        assert min(seen) - 1 <= sm <= max(seen) + 1 and sm > 0, (pid, sm, seen)
+    # Its own kernels only: a ran twice as long as b.
+    assert got["samples"][0][1] != got["samples"][1][1]
+
+
+@needs_root
+def test_killed_namespaced_process_memory_returns(libcuda, native, sim_env):
+    with ns_tenants(sim_env, {"size": 3 * GIB}) as [t]:
+        before = nvml(sim_env, LIST_PROCS.format(gpu=1))
+        t.kill()
+        after = nvml(sim_env, LIST_PROCS.format(gpu=1))
+    assert before == {"procs": [[t.host_pid, 3 * GIB]], "used": 3 * GIB}
+    assert after == {"procs": [], "used": 0}
+    assert sim_stat(native, sim_env)["procs"] == []
+
+
+def _posix_lock_holders() -> set[int]:
+    return {int(line.split()[4]) for line in Path("/proc/locks").read_text().splitlines()
+            if line.split()[1] == "POSIX"}
+
+
+@needs_root
+def test_lost_pid_lock_falls_back_to_proc(libcuda, native, sim_env):
+    with ns_tenants(sim_env, {"size": GIB}, {"size": 2 * GIB, "drop": True}) as [keeps, dropped]:
+        holders = _posix_lock_holders()
+        host = nvml(sim_env, LIST_PROCS.format(gpu=1))
+        other = nvml_in(sim_env, ["unshare", "-p", "-f", "--mount-proc"], LIST_PROCS.format(gpu=1))
+        stat = sim_stat(native, sim_env)["procs"]
+    # Closing a descriptor of the state file dropped the tenant's pid lock.
+    assert keeps.host_pid in holders and dropped.host_pid not in holders
+    assert host == {"procs": sorted([[keeps.host_pid, GIB], [dropped.host_pid, 2 * GIB]]), "used": 3 * GIB}
+    assert other == {"procs": [], "used": 3 * GIB}
+    assert sorted(p["pid"] for p in stat) == sorted([keeps.host_pid, dropped.host_pid])
