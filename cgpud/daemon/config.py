@@ -16,11 +16,15 @@ from cgpud._scheduler import lib as _sched
 from cgpud.api import DEFAULT_SOCKET
 from cgpud.api.listen import parse_endpoint, plaintext_problem, tls_problem
 from cgpud.contract import ENV_PREFIX, RELAY_DEFAULT_SOCKET
+from cgpud.daemon.bypass_model import AllowRule, BypassAction, WatchSettings
 from cgpud.daemon.model import ComputePolicy, ComputeTiming, NodeMode, NodePolicy, Orchestrator, Placement
 from cgpud.daemon.compute_policy import decode_compute_policies
+from cgpud.daemon.watchdog import isolates
+from cgpud.daemon.watchdog_policy import DEFAULT_ALLOW, parse_allow
 from cgpud.errors import UsageError
 from cgpud.kube.health_policy import DEFAULT_PROBE_INTERVAL, DEFAULT_RECOVERY_WINDOW, HealthPolicy, parse_xids
 from cgpud.kube.model import DEFAULT_CDI_DIR, DEFAULT_DEVICE_PLUGIN_DIR, DEFAULT_POD_RESOURCES_SOCKET
+from cgpud.units import MIB
 
 DEFAULT_CONFIG = Path("/etc/cgpu/config.toml")
 MAX_SCHEDULED = _sched.CGPU_SCHED_MAX_TENANTS
@@ -122,6 +126,28 @@ class DaemonConfig:
     metrics_listen: str = _setting(
         "", "HOST:PORT where cgpud serves Prometheus metrics at /metrics (IPv6 in brackets); empty: not served"
     )
+    bypass_interval: float = _setting(
+        1.0, "seconds between rounds of the bypass watchdog, which finds processes going around libcgpu through "
+        "NVML (0.1-60; 0: off); it watches only in modes that isolate (cgpu, core_mem, mps)"
+    )
+    bypass_action: BypassAction = _setting(
+        BypassAction.REPORT, "what the bypass watchdog does about an instance's offending processes: report, or kill "
+        "(SIGKILL; a process of no instance is only reported)"
+    )
+    bypass_memory_slack_mib: int = _setting(
+        512, "MiB each of an instance's processes on a GPU may hold past its limit there before the watchdog counts "
+        "it (the driver's context memory, which libcgpu does not charge; 0-65536)"
+    )
+    bypass_allow: str = _setting(
+        "", "processes that may use a GPU without an instance, besides NVIDIA's daemons: space-separated "
+        "cgroup:GLOB or exe:GLOB, \"cgroup:/system.slice/dcgm* exe:/usr/bin/nv-hostengine\""
+    )
+    bypass_compute_window: float = _setting(
+        5.0, "seconds of NVML utilisation samples the watchdog's compute rule averages (1-600)"
+    )
+    bypass_compute_excess_percent: float = _setting(
+        20.0, "points of GPU time above its share (fixed and soft policies) before an instance's use counts (1-100)"
+    )
 
     def policy(self) -> NodePolicy:
         node = NodePolicy(self.mode, self.placement, self.max_instances_per_gpu, self.core_step, self.compute_policy)
@@ -133,6 +159,15 @@ class DaemonConfig:
     def timing(self) -> ComputeTiming:
         return ComputeTiming(round(self.compute_period_ms * 1e6), round(self.compute_slice_ms * 1e6),
                       self.high_priority_percent)
+
+    def allow_rules(self) -> tuple[AllowRule, ...]:
+        return (*DEFAULT_ALLOW, *parse_allow(self.bypass_allow))
+
+    def watch_settings(self) -> WatchSettings:
+        """The bypass watchdog's rule settings; `isolating` follows the mode
+        of each round (node labels may change it)."""
+        return WatchSettings(self.bypass_memory_slack_mib * MIB, self.bypass_compute_excess_percent,
+                             self.allow_rules(), isolating=isolates(self.mode))
 
     @property
     def database(self) -> Path:
@@ -199,7 +234,20 @@ def validate(config: DaemonConfig) -> DaemonConfig:
     _validate_capacity(config)
     if config.metrics_listen:
         parse_endpoint(config.metrics_listen, "metrics_listen")
+    _validate_bypass(config)
     return config
+
+
+def _validate_bypass(config: DaemonConfig) -> None:
+    if config.bypass_interval != 0 and not 0.1 <= config.bypass_interval <= 60:
+        raise UsageError("bypass_interval must be 0 (off) or between 0.1 and 60 seconds")
+    if not 0 <= config.bypass_memory_slack_mib <= 65536:
+        raise UsageError("bypass_memory_slack_mib must be between 0 and 65536")
+    if not 1 <= config.bypass_compute_window <= 600:
+        raise UsageError("bypass_compute_window must be between 1 and 600 seconds")
+    if not 1 <= config.bypass_compute_excess_percent <= 100:
+        raise UsageError("bypass_compute_excess_percent must be between 1 and 100")
+    config.allow_rules()  # a bad allow rule is refused at start, with the entry named
 
 
 def _validate_capacity(config: DaemonConfig) -> None:
