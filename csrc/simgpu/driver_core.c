@@ -538,9 +538,24 @@ void sim_ctx_note_end(struct sim_ctx *ctx, uint64_t end)
     }
 }
 
-static void mark_gpu_in_use(int dev)
+/* The process's first context on a GPU puts it on the GPU and costs the
+ * driver's context memory (context_mib), held until the process exits: what
+ * a real driver charges and libcgpu never sees. OUT_OF_MEMORY when it does
+ * not fit, as a real context creation fails on a full GPU. */
+static CUresult use_gpu(int dev)
 {
-    atomic_fetch_or(&sim_drv.shared.st->proc[sim_drv.shared.slot].gpu_mask, 1u << dev);
+    struct sim_proc_slot *slot = &sim_drv.shared.st->proc[sim_drv.shared.slot];
+    uint64_t bytes = sim_cfg()->context_bytes;
+    CUresult rc = CUDA_SUCCESS;
+    pthread_mutex_lock(&sim_drv.lock);
+    if (!((atomic_load(&slot->gpu_mask) >> dev) & 1u)) {
+        if (bytes && !sim_mem_charge(&sim_drv.shared, dev, bytes))
+            rc = CUDA_ERROR_OUT_OF_MEMORY;
+        else
+            atomic_fetch_or(&slot->gpu_mask, 1u << dev);
+    }
+    pthread_mutex_unlock(&sim_drv.lock);
+    return rc;
 }
 
 SIM_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
@@ -552,13 +567,14 @@ SIM_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
     if (!pctx)
         return CUDA_ERROR_INVALID_VALUE;
     rc = gpu_usable(phys, NULL);
+    if (!rc)
+        rc = use_gpu(phys);
     if (rc)
         return rc;
     pthread_mutex_lock(&sim_drv.lock);
     if (sim_drv.primary_refs[phys]++ == 0)
         sim_drv.primary[phys].lost_count = sim_gpu_lost_count(sim_drv.shared.st, phys);
     pthread_mutex_unlock(&sim_drv.lock);
-    mark_gpu_in_use(phys);
     *pctx = (CUcontext)&sim_drv.primary[phys];
     return CUDA_SUCCESS;
 }
@@ -637,6 +653,8 @@ static CUresult create_ctx(CUcontext *pctx, unsigned int flags, CUdevice dev)
     if (!pctx || (flags & ~0xffu))
         return CUDA_ERROR_INVALID_VALUE;
     rc = gpu_usable(phys, NULL);
+    if (!rc)
+        rc = use_gpu(phys);
     if (rc)
         return rc;
     struct sim_ctx *ctx = calloc(1, sizeof(*ctx));
@@ -650,7 +668,6 @@ static CUresult create_ctx(CUcontext *pctx, unsigned int flags, CUdevice dev)
         free(ctx);
         return rc;
     }
-    mark_gpu_in_use(phys);
     *pctx = (CUcontext)ctx;
     return CUDA_SUCCESS;
 }

@@ -161,6 +161,12 @@ static int set_global_field(struct sim_config *cfg, const char *key, const char 
         cfg->queue_ns = (uint64_t)v * 1000;
         return 0;
     }
+    if (!strcmp(key, "context_mib")) {
+        if (parse_uint(val, &v, 10) || v > (1u << 20))
+            return -1;
+        cfg->context_bytes = (uint64_t)v << 20;
+        return 0;
+    }
     if (!strcmp(key, "default_kernel_us")) {
         if (parse_uint(val, &v, 10))
             return -1;

@@ -625,3 +625,64 @@ def test_lost_pid_lock_falls_back_to_proc(libcuda, native, sim_env):
     assert host == {"procs": sorted([[keeps.host_pid, GIB], [dropped.host_pid, 2 * GIB]]), "used": 3 * GIB}
     assert other == {"procs": [], "used": 3 * GIB}
     assert sorted(p["pid"] for p in stat) == sorted([keeps.host_pid, dropped.host_pid])
+
+
+# --- context_mib: the driver memory of a process's first context on a GPU. --
+
+CONTEXTS = """
+import ctypes as C, json, os, sys
+from cudapy import Driver
+cu = Driver(); cu.init_device(0)
+again, other, own = C.c_void_p(), C.c_void_p(), C.c_void_p()
+cu.call("cuDevicePrimaryCtxRetain", C.byref(again), 0)  # the same context again: no new charge
+cu.call("cuCtxCreate_v2", C.byref(own), 0, 0)  # another context on GPU 0: the process pays once per GPU
+cu.call("cuCtxPopCurrent_v2", C.byref(own))
+cu.call("cuDevicePrimaryCtxRetain", C.byref(other), 1)
+assert cu.alloc({size})[0] == "CUDA_SUCCESS"
+print(json.dumps([os.getpid(), cu.mem_info()]), flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_context_mib_is_charged_once_per_process_and_gpu(libcuda, tmp_path, native, sim_env):
+    mib = 1 << 20
+    env = machine(tmp_path, sim_env, ["context_mib=300", "gpu mem=16GiB", "gpu mem=16GiB"])
+    tenants = [start_py(env, CONTEXTS.format(size=size)) for size in (GIB, 2 * GIB)]
+    try:
+        seen = [json.loads(t.stdout.readline()) for t in tenants]
+        got = nvml(env, """
+            n.nvmlInit(); h = [n.nvmlDeviceGetHandleByIndex(i) for i in range(2)]
+            print(json.dumps([[sorted([p.pid, p.usedGpuMemory] for p in n.nvmlDeviceGetComputeRunningProcesses(d)),
+                               n.nvmlDeviceGetMemoryInfo(d).used] for d in h]))
+        """)
+        stat = sim_stat(native, env)
+    finally:
+        for t in tenants:
+            t.kill()
+            t.wait(timeout=30)
+    (a, a_mem), (b, b_mem) = seen
+    gpu0 = sorted([[a, GIB + 300 * mib], [b, 2 * GIB + 300 * mib]])
+    assert got == [[gpu0, 3 * GIB + 600 * mib], [sorted([[a, 300 * mib], [b, 300 * mib]]), 600 * mib]]
+    assert stat["gpus"][0]["used"] == 3 * GIB + 600 * mib
+    # cuMemGetInfo's free, as a real driver's, counts the contexts: the
+    # second tenant saw all of it.
+    assert b_mem == [16 * GIB - 3 * GIB - 600 * mib, 16 * GIB]
+    assert a_mem[1] == 16 * GIB and a_mem[0] >= b_mem[0]
+
+
+def test_a_context_that_does_not_fit_fails(libcuda, tmp_path, sim_env):
+    env = machine(tmp_path, sim_env, ["context_mib=2048", "gpu mem=1GiB"])
+    got = run_py(env, """
+        import ctypes as C, json
+        from cudapy import Driver
+        cu = Driver(); cu.call("cuInit", 0); ctx = C.c_void_p()
+        print(json.dumps([cu.rc("cuDevicePrimaryCtxRetain", C.byref(ctx), 0),
+                          cu.rc("cuCtxCreate_v2", C.byref(ctx), 0, 0)]))
+    """)
+    assert got == ["CUDA_ERROR_OUT_OF_MEMORY", "CUDA_ERROR_OUT_OF_MEMORY"]
+
+
+def test_context_mib_must_be_a_number(tmp_path, native, sim_env):
+    env = machine(tmp_path, sim_env, ["context_mib=lots", "gpu mem=1GiB"])
+    proc = subprocess.run([str(native / "bin" / "cgpu-sim-stat")], env=env, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 1 and "bad setting context_mib=lots" in proc.stderr
