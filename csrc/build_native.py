@@ -75,6 +75,8 @@ TARGETS: tuple[Target, ...] = (
     ),
     Target("bin/cgpu-sim-stat", ("simgpu/simstat.c", *SIM_STATE), includes=("include", "simgpu")),
     Target("bin/cgpu-burn", ("tools/cgpu_burn.c",), libs=("-ldl",)),
+    # Hostile tenant that finds the driver's entry points without dlsym (tests/bypass_build.py).
+    Target("bin/cgpu-bypass", ("tools/cgpu_bypass.c",), libs=("-ldl",)),
     Target("bin/cgpu-runtime", ("hook/cgpu_runtime.c", "hook/relay.c")),
     Target("bin/cgpu-hook", ("hook/cgpu_hook.c", "hook/relay.c")),
 )
