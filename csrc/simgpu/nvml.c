@@ -34,6 +34,9 @@ _Static_assert(sizeof(nvmlProcessInfo_t) == 24, "nvmlProcessInfo_t layout");
 _Static_assert(sizeof(nvmlProcessUtilizationSample_t) == 32, "nvmlProcessUtilizationSample_t layout");
 _Static_assert(nvmlMemory_v2 == 0x02000028, "nvmlMemory_v2");
 _Static_assert(sizeof(nvmlEventData_t) == 32, "nvmlEventData_t layout");
+_Static_assert(sizeof(nvmlProcessUtilizationInfo_v1_t) == 40, "nvmlProcessUtilizationInfo_v1_t layout");
+_Static_assert(sizeof(nvmlProcessesUtilizationInfo_v1_t) == 24, "nvmlProcessesUtilizationInfo_v1_t layout");
+_Static_assert(nvmlProcessesUtilizationInfo_v1 == 0x01000018, "nvmlProcessesUtilizationInfo_v1");
 
 /* Window of nvmlDeviceGetUtilizationRates and the longest window of
  * nvmlDeviceGetProcessUtilization: the 1/6 s - 1 s real drivers sample. */
@@ -524,15 +527,14 @@ enum info_layout { INFO_V1, INFO_V2, INFO_V3 };
  * `infos`; too little room (a NULL `infos` with room 0 asks for the size)
  * gives NVML_ERROR_INSUFFICIENT_SIZE and the count needed. */
 static nvmlReturn_t list_procs(nvmlDevice_t device, unsigned int *infoCount, void *infos, enum info_layout layout,
-                               bool graphics)
+                               bool none)
 {
     unsigned int g;
     nvmlReturn_t rc = lookup_out(device, infoCount, &g);
     if (rc != NVML_SUCCESS)
         return rc;
     struct proc_view procs[SIM_MAX_PROCS];
-    /* The simulated GPU runs no graphics contexts. */
-    unsigned int n = graphics ? 0 : live_procs(g, procs);
+    unsigned int n = none ? 0 : live_procs(g, procs);
     if (*infoCount < n) {
         *infoCount = n;
         return NVML_ERROR_INSUFFICIENT_SIZE;
@@ -553,11 +555,12 @@ static nvmlReturn_t list_procs(nvmlDevice_t device, unsigned int *infoCount, voi
     return NVML_SUCCESS;
 }
 
-/* One definition per exported name and struct version. */
-#define RUNNING_PROCESSES(symbol, info_t, layout, graphics)                                 \
+/* One definition per exported name and struct version. `none`: a list the
+ * simulation never fills (no graphics contexts, no MPS clients). */
+#define RUNNING_PROCESSES(symbol, info_t, layout, none)                                     \
     NVML_EXPORT nvmlReturn_t symbol(nvmlDevice_t device, unsigned int *infoCount, info_t *infos) \
     {                                                                                        \
-        return list_procs(device, infoCount, infos, layout, graphics);                       \
+        return list_procs(device, infoCount, infos, layout, none);                           \
     }
 RUNNING_PROCESSES(nvmlDeviceGetComputeRunningProcesses, nvmlProcessInfo_v1_t, INFO_V1, false)
 RUNNING_PROCESSES(nvmlDeviceGetComputeRunningProcesses_v2, nvmlProcessInfo_v2_t, INFO_V2, false)
@@ -565,6 +568,9 @@ RUNNING_PROCESSES(nvmlDeviceGetComputeRunningProcesses_v3, nvmlProcessInfo_t, IN
 RUNNING_PROCESSES(nvmlDeviceGetGraphicsRunningProcesses, nvmlProcessInfo_v1_t, INFO_V1, true)
 RUNNING_PROCESSES(nvmlDeviceGetGraphicsRunningProcesses_v2, nvmlProcessInfo_v2_t, INFO_V2, true)
 RUNNING_PROCESSES(nvmlDeviceGetGraphicsRunningProcesses_v3, nvmlProcessInfo_t, INFO_V3, true)
+RUNNING_PROCESSES(nvmlDeviceGetMPSComputeRunningProcesses, nvmlProcessInfo_v1_t, INFO_V1, true)
+RUNNING_PROCESSES(nvmlDeviceGetMPSComputeRunningProcesses_v2, nvmlProcessInfo_v2_t, INFO_V2, true)
+RUNNING_PROCESSES(nvmlDeviceGetMPSComputeRunningProcesses_v3, nvmlProcessInfo_t, INFO_V3, true)
 
 static uint64_t realtime_ns(void)
 {
@@ -575,23 +581,17 @@ static uint64_t realtime_ns(void)
 
 /* One sample per live process that ran on the GPU after lastSeenTimeStamp
  * (microseconds of CLOCK_REALTIME, as real NVML stamps samples), over at most
- * the last UTIL_WINDOW_NS. No such process: NVML_ERROR_NOT_FOUND, as the real
- * driver answers when it has no newer sample. */
-NVML_EXPORT nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device,
-                                                         nvmlProcessUtilizationSample_t *utilization,
-                                                         unsigned int *processSamplesCount,
-                                                         unsigned long long lastSeenTimeStamp)
+ * the last UTIL_WINDOW_NS, into samples[]: their count; 0 means
+ * NVML_ERROR_NOT_FOUND, as the real driver answers when it has no newer
+ * sample. Time is matched to processes by (slot, generation), so two
+ * processes sharing a pid in different namespaces stay two. */
+static unsigned int util_samples(unsigned int g, unsigned long long lastSeenTimeStamp,
+                                 nvmlProcessUtilizationSample_t *samples)
 {
-    unsigned int g;
-    nvmlReturn_t rc = lookup_out(device, processSamplesCount, &g);
-    if (rc != NVML_SUCCESS)
-        return rc;
     uint64_t mono = sim_now_ns(), real = realtime_ns();
     uint64_t now_us = real / 1000, window = UTIL_WINDOW_NS;
-    if (lastSeenTimeStamp >= now_us) {
-        *processSamplesCount = 0;
-        return NVML_ERROR_NOT_FOUND;
-    }
+    if (lastSeenTimeStamp >= now_us)
+        return 0;
     /* Both clocks tick together: the window's length is the same on each. */
     if ((now_us - lastSeenTimeStamp) * 1000 < window)
         window = (now_us - lastSeenTimeStamp) * 1000;
@@ -599,7 +599,6 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device,
 
     struct proc_view procs[SIM_MAX_PROCS];
     struct sim_pid_busy busy[SIM_MAX_PROCS];
-    nvmlProcessUtilizationSample_t samples[SIM_MAX_PROCS];
     uint64_t total;
     int nbusy;
     unsigned int n = 0, nprocs = live_procs(g, procs);
@@ -611,6 +610,20 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device,
                     .pid = procs[i].pid, .timeStamp = now_us, .smUtil = percent(busy[j].ns, mono - from)};
         }
     }
+    return n;
+}
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device,
+                                                         nvmlProcessUtilizationSample_t *utilization,
+                                                         unsigned int *processSamplesCount,
+                                                         unsigned long long lastSeenTimeStamp)
+{
+    unsigned int g;
+    nvmlReturn_t rc = lookup_out(device, processSamplesCount, &g);
+    if (rc != NVML_SUCCESS)
+        return rc;
+    nvmlProcessUtilizationSample_t samples[SIM_MAX_PROCS];
+    unsigned int n = util_samples(g, lastSeenTimeStamp, samples);
     if (n == 0) {
         *processSamplesCount = 0;
         return NVML_ERROR_NOT_FOUND;
@@ -621,6 +634,34 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device,
     }
     memcpy(utilization, samples, n * sizeof(samples[0]));
     *processSamplesCount = n;
+    return NVML_SUCCESS;
+}
+
+/* The same samples in the newer, versioned layout. */
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetProcessesUtilizationInfo(nvmlDevice_t device,
+                                                               nvmlProcessesUtilizationInfo_t *procesesUtilInfo)
+{
+    unsigned int g;
+    nvmlReturn_t rc = lookup_out(device, procesesUtilInfo, &g);
+    if (rc != NVML_SUCCESS)
+        return rc;
+    nvmlProcessesUtilizationInfo_t *info = procesesUtilInfo;
+    if (info->version != nvmlProcessesUtilizationInfo_v1)
+        return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    nvmlProcessUtilizationSample_t samples[SIM_MAX_PROCS];
+    unsigned int n = util_samples(g, info->lastSeenTimeStamp, samples);
+    if (n == 0) {
+        info->processSamplesCount = 0;
+        return NVML_ERROR_NOT_FOUND;
+    }
+    if (info->procUtilArray == NULL || info->processSamplesCount < n) {
+        info->processSamplesCount = n;
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    for (unsigned int i = 0; i < n; i++)
+        info->procUtilArray[i] = (nvmlProcessUtilizationInfo_v1_t){
+            .timeStamp = samples[i].timeStamp, .pid = samples[i].pid, .smUtil = samples[i].smUtil};
+    info->processSamplesCount = n;
     return NVML_SUCCESS;
 }
 

@@ -647,9 +647,11 @@ sys.stdin.readline()
 def test_context_mib_is_charged_once_per_process_and_gpu(libcuda, tmp_path, native, sim_env):
     mib = 1 << 20
     env = machine(tmp_path, sim_env, ["context_mib=300", "gpu mem=16GiB", "gpu mem=16GiB"])
-    tenants = [start_py(env, CONTEXTS.format(size=size)) for size in (GIB, 2 * GIB)]
+    tenants, seen = [], []
     try:
-        seen = [json.loads(t.stdout.readline()) for t in tenants]
+        for size in (GIB, 2 * GIB):  # one after the other: b's free memory counts all of a
+            tenants.append(start_py(env, CONTEXTS.format(size=size)))
+            seen.append(json.loads(tenants[-1].stdout.readline()))
         got = nvml(env, """
             n.nvmlInit(); h = [n.nvmlDeviceGetHandleByIndex(i) for i in range(2)]
             print(json.dumps([[sorted([p.pid, p.usedGpuMemory] for p in n.nvmlDeviceGetComputeRunningProcesses(d)),
@@ -664,10 +666,9 @@ def test_context_mib_is_charged_once_per_process_and_gpu(libcuda, tmp_path, nati
     gpu0 = sorted([[a, GIB + 300 * mib], [b, 2 * GIB + 300 * mib]])
     assert got == [[gpu0, 3 * GIB + 600 * mib], [sorted([[a, 300 * mib], [b, 300 * mib]]), 600 * mib]]
     assert stat["gpus"][0]["used"] == 3 * GIB + 600 * mib
-    # cuMemGetInfo's free, as a real driver's, counts the contexts: the
-    # second tenant saw all of it.
+    # cuMemGetInfo's free, as a real driver's, counts the contexts.
+    assert a_mem == [16 * GIB - GIB - 300 * mib, 16 * GIB]
     assert b_mem == [16 * GIB - 3 * GIB - 600 * mib, 16 * GIB]
-    assert a_mem[1] == 16 * GIB and a_mem[0] >= b_mem[0]
 
 
 def test_a_context_that_does_not_fit_fails(libcuda, tmp_path, sim_env):
@@ -686,3 +687,45 @@ def test_context_mib_must_be_a_number(tmp_path, native, sim_env):
     env = machine(tmp_path, sim_env, ["context_mib=lots", "gpu mem=1GiB"])
     proc = subprocess.run([str(native / "bin" / "cgpu-sim-stat")], env=env, capture_output=True, text=True, timeout=30)
     assert proc.returncode == 1 and "bad setting context_mib=lots" in proc.stderr
+
+
+def test_with_libcuda_mps_lists_and_processes_utilization_info(libcuda, sim_env):
+    spinner = start_py(sim_env, SPINNER)
+    try:
+        pid = json.loads(spinner.stdout.readline())
+        got = nvml(sim_env, """
+            n.nvmlInit(); h = n.nvmlDeviceGetHandleByIndex(0)
+            old = [[s.pid, s.smUtil] for s in n.nvmlDeviceGetProcessUtilization(h, 0)]
+            new = [[s.pid, s.smUtil, s.timeStamp, s.memUtil, s.jpgUtil, s.ofaUtil]
+                   for s in n.nvmlDeviceGetProcessesUtilizationInfo(h, 0)]
+            later = err(lambda: n.nvmlDeviceGetProcessesUtilizationInfo(h, new[0][2]))
+            # The raw protocol: a bad version, then a NULL array asking for the size.
+            info = n.c_nvmlProcessesUtilizationInfo_v1_t(0)
+            fn = n._nvmlGetFunctionPointer("nvmlDeviceGetProcessesUtilizationInfo")
+            info.version = 0x02000018
+            bad = fn(h, C.byref(info))
+            info.version = n.ProcessesUtilizationInfo_v1
+            size = [fn(h, C.byref(info)), info.processSamplesCount]
+            print(json.dumps({"old": old, "new": new, "later": later, "bad": bad, "size": size,
+                              "compute": [p.pid for p in n.nvmlDeviceGetComputeRunningProcesses(h)],
+                              "mps": [n.nvmlDeviceGetMPSComputeRunningProcesses(h),
+                                      n.nvmlDeviceGetMPSComputeRunningProcesses_v2(h)]}))
+        """)
+        count = raw(sim_env, """
+            lib.nvmlInit_v2(); count = C.c_uint(0)
+            print(json.dumps([lib.nvmlDeviceGetMPSComputeRunningProcesses(handle(0), C.byref(count), None),
+                              count.value]))
+        """)
+    finally:
+        spinner.send_signal(signal.SIGKILL)
+        spinner.wait(timeout=30)
+    # The simulation has no MPS server: its list is empty, as on a GPU without one.
+    assert got["compute"] == [pid] and got["mps"] == [[], []]
+    assert count == [0, 0]  # the legacy name too: SUCCESS with nothing to list
+    [(old_pid, old_sm)] = got["old"]
+    [(new_pid, new_sm, _, mem, jpg, ofa)] = got["new"]
+    assert old_pid == new_pid == pid and old_sm > 0 and abs(new_sm - old_sm) <= 2, got
+    assert (mem, jpg, ofa) == (0, 0, 0)
+    assert got["later"] == "NVMLError_NotFound"
+    assert got["bad"] == 25  # NVML_ERROR_ARGUMENT_VERSION_MISMATCH
+    assert got["size"] == [7, 1]  # INSUFFICIENT_SIZE and the count needed

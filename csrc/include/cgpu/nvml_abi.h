@@ -183,6 +183,26 @@ typedef struct nvmlProcessUtilizationSample_st {
     unsigned int decUtil;
 } nvmlProcessUtilizationSample_t;
 
+typedef struct {
+    unsigned long long timeStamp;    /* CPU timestamp, microseconds */
+    unsigned int pid;
+    unsigned int smUtil;
+    unsigned int memUtil;
+    unsigned int encUtil;
+    unsigned int decUtil;
+    unsigned int jpgUtil;
+    unsigned int ofaUtil;
+} nvmlProcessUtilizationInfo_v1_t;
+
+typedef struct {
+    unsigned int version;            /* nvmlProcessesUtilizationInfo_v1 */
+    unsigned int processSamplesCount;
+    unsigned long long lastSeenTimeStamp;
+    nvmlProcessUtilizationInfo_v1_t *procUtilArray;
+} nvmlProcessesUtilizationInfo_v1_t;
+typedef nvmlProcessesUtilizationInfo_v1_t nvmlProcessesUtilizationInfo_t;
+#define nvmlProcessesUtilizationInfo_v1 NVML_STRUCT_VERSION(ProcessesUtilizationInfo, 1)
+
 typedef struct nvmlDeviceAttributes_st {
     unsigned int multiprocessorCount;
     unsigned int sharedCopyEngineCount;
