@@ -1,8 +1,10 @@
 """The ABI we implement is NVIDIA's: same values, layouts and prototypes as
-the real cuda.h (where the CUDA toolkit is installed), and exactly the
+the real cuda.h (where the CUDA toolkit is installed) and the real nvml.h
+(from the nvidia-nvml-dev wheel, a test dependency), and exactly the
 exported symbols our X-macro lists name."""
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -19,11 +21,31 @@ needs_real_cuda_h = pytest.mark.skipif(
 )
 
 
-def _probe(tmp_path: Path, *flags: str) -> str:
-    exe = tmp_path / ("probe" + str(len(flags)))
+
+
+def _real_nvml_include() -> Path | None:
+    """The directory of NVIDIA's nvml.h in the installed nvidia-nvml-dev wheel
+    (nvidia/<cuda major>/include), wherever pip put it."""
+    spec = importlib.util.find_spec("nvidia")
+    for base in spec.submodule_search_locations or () if spec else ():
+        for inc in sorted(Path(base).glob("*/include")):
+            if (inc / "nvml.h").is_file():
+                return inc
+    return None
+
+
+REAL_NVML_INCLUDE = _real_nvml_include()
+needs_real_nvml_h = pytest.mark.skipif(
+    REAL_NVML_INCLUDE is None,
+    reason="NVIDIA's nvml.h is not installed (the nvidia-nvml-dev wheel of the test extra ships it)",
+)
+
+
+def _probe(tmp_path: Path, *flags: str, source: str = "abi_probe.c") -> str:
+    exe = tmp_path / f"{Path(source).stem}{len(flags)}"
     subprocess.run(
         ["cc", "-std=c11", "-Wall", "-Wextra", "-Werror", *flags, f"-I{ROOT / 'csrc/include'}",
-         str(ROOT / "tests/abi/abi_probe.c"), "-o", str(exe)],
+         str(ROOT / "tests/abi" / source), "-o", str(exe)],
         check=True,
     )
     return subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
@@ -43,6 +65,23 @@ def test_driver_code_compiles_against_the_real_cuda_h(tmp_path, output):
     # A prototype that drifted from NVIDIA's is a "conflicting types" error.
     target = next(t for t in build_native.TARGETS if t.output == output)
     assert build_native.compile_target(target, tmp_path, build_native.REAL_CUDA_H).exists()
+
+
+@needs_real_nvml_h
+def test_nvml_values_and_layouts_match_the_real_nvml_h(tmp_path):
+    ours = _probe(tmp_path, source="nvml_probe.c")
+    real = _probe(tmp_path, "-DCGPU_USE_REAL_NVML_H", f"-I{REAL_NVML_INCLUDE}", source="nvml_probe.c")
+    assert ours.count("\n") > 150
+    assert ours == real
+
+
+@needs_real_nvml_h
+@pytest.mark.parametrize("output", ["sim/libnvidia-ml.so.1", "lib/libcgpu.so"])
+def test_nvml_code_compiles_against_the_real_nvml_h(tmp_path, output):
+    # A prototype that drifted from NVIDIA's is a "conflicting types" error.
+    variant = build_native.Variant("real-nvml-h", ("-O2",), (), ("CGPU_USE_REAL_NVML_H",), (str(REAL_NVML_INCLUDE),))
+    target = next(t for t in build_native.TARGETS if t.output == output)
+    assert build_native.compile_target(target, tmp_path, variant).exists()
 
 
 def _exports(lib: Path) -> list[str]:
