@@ -354,13 +354,20 @@ static void on_signal(int sig)
     stop_holding = 1;
 }
 
-/* Until the deadline or a signal; nanosleep returns early on either. */
-static void hold(double seconds)
+/* Installed before anything is printed, so a signal sent on seeing a line
+ * always ends the hold (the default would kill us, or, as PID 1 of a
+ * container, be ignored). */
+static void catch_signals(void)
 {
     struct sigaction sa = {.sa_handler = on_signal};
     sigemptyset(&sa.sa_mask);
     sigaction(SIGTERM, &sa, NULL);
     sigaction(SIGINT, &sa, NULL);
+}
+
+/* Until the deadline or a signal; nanosleep returns early on either. */
+static void hold(double seconds)
+{
     struct timespec end;
     clock_gettime(CLOCK_MONOTONIC, &end);
     double t = (double)end.tv_sec + (double)end.tv_nsec * 1e-9 + seconds;
@@ -421,6 +428,7 @@ int main(int argc, char **argv)
         return rc;
     /* Lines reach a pipe as they happen: tests time them. */
     setvbuf(stdout, NULL, _IOLBF, 0);
+    catch_signals();
     if ((rc = resolve(&t)) || (rc = open_device(&t)))
         return rc;
     allocate(&t);
