@@ -260,20 +260,13 @@ class Mapper(Protocol):
 
 Decide = Callable[[Sequence[Instance], Sequence[GpuProcess], Mapping[int, ProcessIdentity],
                    Sequence[ComputeView], WatchSettings], list[Violation]]
-Kill = Callable[[ProcessIdentity, Any, Sequence[Instance]], Any]
+Kill = Callable[..., tuple[bool, str]]  # procmap.kill_process(identity, mapper, instances, allow=...)
 
 
 @dataclass
 class _Seen:
     first: float
     reported: float | None = None
-
-
-def _kill_outcome(result: Any) -> tuple[bool, str]:
-    """procmap.kill_process's answer as (killed, one line)."""
-    if isinstance(result, tuple):
-        return bool(result[0]), str(result[1])
-    return bool(getattr(result, "killed", getattr(result, "ok", False))), str(getattr(result, "detail", ""))
 
 
 class BypassWatchdog:
@@ -358,16 +351,16 @@ class BypassWatchdog:
         for pid in v.pids:
             identity = identities.get(pid)
             if identity is None:
-                failures.append(f"pid {pid}: not identified")
+                failures.append(f"pid {pid} not killed: not identified")
                 continue
             try:
-                ok, detail = _kill_outcome(self._kill(identity, self._mapper, instances))
+                ok, detail = self._kill(identity, self._mapper, instances, allow=self._settings.allow)
             except (CgpuError, OSError) as e:
-                ok, detail = False, str(e)
+                ok, detail = False, f"pid {pid} not killed: {e}"
             if ok:
                 killed.append(pid)
             else:
-                failures.append(f"pid {pid}: {detail}")
+                failures.append(detail)
         action = EventAction.KILLED if not failures else EventAction.KILL_FAILED
         return BypassEvent(now, v, action, killed=tuple(killed), detail="; ".join([v.detail, *failures]).strip("; "))
 

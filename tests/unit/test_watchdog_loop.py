@@ -308,9 +308,11 @@ class Kills:
     refuse: set[int] = field(default_factory=set)
     done: list[int] = field(default_factory=list)
 
-    def __call__(self, identity: ProcessIdentity, mapper: Any, instances: Sequence[Instance]) -> tuple[bool, str]:
+    def __call__(self, identity: ProcessIdentity, mapper: Any, instances: Sequence[Instance],
+                 allow: Sequence[Any] = ()) -> tuple[bool, str]:
+        assert allow == SETTINGS.allow
         if identity.pid in self.refuse:
-            return False, f"pid {identity.pid} now maps to another instance"
+            return False, f"pid {identity.pid} not killed: it now maps to another instance"
         self.done.append(identity.pid)
         return True, f"killed pid {identity.pid}"
 
@@ -390,12 +392,15 @@ def test_kill_mode_kills_every_round_and_never_a_process_of_no_instance():
 
 def test_a_kill_refused_by_the_safety_checks_is_an_event_saying_why():
     kills = Kills(refuse={101})
-    w = watchdog(FakeService([instance("inst-a", (0, GIB, 0))]), FakeReader([PROCS]), Script([MEMORY]),
-                 BypassAction.KILL, kills, owners={100: "inst-a"})  # 101 was not identified
+    three = Violation(ViolationKind.MEMORY_OVER_LIMIT, 0, "inst-a", (100, 101, 102), used_bytes=6 * GIB,
+                      limit_bytes=GIB, detail="over")
+    w = watchdog(FakeService([instance("inst-a", (0, GIB, 0))]), FakeReader([PROCS]), Script([three]),
+                 BypassAction.KILL, kills, owners={100: "inst-a", 101: "inst-a"})  # 102 was not identified
     with capture_logs() as logs:
         [event] = w.tick(100.0)
-    assert event.action is EventAction.KILL_FAILED and event.killed == (100,)
-    assert "pid 101: not identified" in event.detail
+    assert event.action is EventAction.KILL_FAILED and event.killed == (100,) and kills.done == [100]
+    assert event.detail == ("over; pid 101 not killed: it now maps to another instance; "
+                            "pid 102 not killed: not identified")
     assert logs[0]["action"] == "kill_failed" and logs[0]["killed"] == [100]
 
 
