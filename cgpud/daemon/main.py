@@ -25,8 +25,10 @@ from cgpud.errors import CgpuError, UsageError
 from cgpud.logs import configure_logging
 
 if TYPE_CHECKING:
+    from cgpud.daemon.bypass_model import BypassEvents
     from cgpud.daemon.metrics import DaemonStats
     from cgpud.daemon.notify import Heartbeat
+    from cgpud.daemon.watchdog import BypassWatchdog
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -62,6 +64,31 @@ def _private_state_dir(path: Path) -> None:
             path.chmod(0o700)
     except OSError as e:
         raise CgpuError(f"cannot prepare the state directory {path}: {e.strerror}") from e
+
+
+def _bypass_watchdog(config: settings.DaemonConfig, service: InstanceService, gpus: Sequence[GpuCapacity],
+                     events: BypassEvents, stats: DaemonStats) -> tuple[BypassWatchdog | None, Callable[[], object]]:
+    """The bypass watchdog (not started) and what closes its NVML; None
+    when bypass_interval is 0 or there is no GPU. It is built whatever the
+    mode: node labels may turn an isolating mode on later, and until then
+    its rounds only read the policy."""
+    if config.bypass_interval <= 0 or not gpus:
+        return None, lambda: None
+    from cgpud.daemon.procmap import ProcessMapper
+    from cgpud.daemon.watchdog import BypassWatchdog, NvmlProcessReader
+
+    reader = NvmlProcessReader([g.index for g in gpus], config.bypass_compute_window)
+    watchdog = BypassWatchdog(service, events, reader, ProcessMapper(), config.watch_settings(), config.bypass_action,
+                              config.bypass_interval, stats=stats)
+    return watchdog, reader.close
+
+
+def _bypass_watching(config: settings.DaemonConfig, watchdog: BypassWatchdog | None) -> Callable[[], tuple[bool, str]]:
+    """Whether the watchdog looks now, and why not, for the admin API."""
+    if watchdog is not None:
+        return watchdog.watching
+    reason = "bypass_interval is 0" if config.bypass_interval <= 0 else "this node has no GPU"
+    return lambda: (False, reason)
 
 
 def _watch_gpu_health(config: settings.DaemonConfig, gpus: Sequence[Any], plugin: Any,
@@ -132,6 +159,7 @@ def run(config: settings.DaemonConfig) -> int:
     from cgpud.containers.lifecycle import ContainerLifecycle
     from cgpud.containers.relay import RelayServer
     from cgpud.containers import runtime_files
+    from cgpud.daemon.bypass_model import BypassEvents
     from cgpud.daemon.metrics import CountedAllocator, DaemonStats
 
     log = structlog.get_logger("cgpud")
@@ -156,6 +184,8 @@ def run(config: settings.DaemonConfig) -> int:
                               reservation_ttl=config.reservation_ttl)
     stats = DaemonStats()
     stats.timed("reconcile", service.reconcile)
+    events = BypassEvents()
+    bypass, close_bypass = _bypass_watchdog(config, service, gpus, events, stats)
     metrics = None
     if config.metrics_listen:
         from cgpud.daemon.metrics import serve_metrics
@@ -200,9 +230,12 @@ def run(config: settings.DaemonConfig) -> int:
     heartbeat = Heartbeat()
     threading.Thread(target=_sweeper, args=(service, config.sweep_interval, stop, also, stats, heartbeat),
                      daemon=True).start()
+    bypass_thread = bypass.start(stop) if bypass is not None else None
     start_watchdog(notifier, stop, healthy=None if max_age is None else lambda: heartbeat.fresh(max_age))
     notifier.ready()  # only now: reconciled and serving
-    log.info("ready", socket=str(config.socket), gpus=len(gpus), mode=policy.mode.value)
+    log.info("ready", socket=str(config.socket), gpus=len(gpus), mode=policy.mode.value,
+             bypass_interval=config.bypass_interval if bypass is not None else 0,
+             bypass_action=config.bypass_action.value)
     stop.wait()
     notifier.stopping()
     log.info("stopping")
@@ -215,6 +248,9 @@ def run(config: settings.DaemonConfig) -> int:
     if agent is not None:
         agent.stop()
     relay.stop()
+    if bypass_thread is not None:  # its wait ends with `stop`; a round under way finishes first
+        bypass_thread.join(timeout=config.bypass_interval + 10)
+    close_bypass()
     server.stop(grace=2).wait()
     if metrics is not None:
         metrics.stop()
