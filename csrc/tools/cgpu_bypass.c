@@ -189,11 +189,11 @@ static int find_object(struct dl_phdr_info *info, size_t size, void *arg)
     return 1;
 }
 
+/* Plain functions only: an IFUNC's value is its resolver, not the entry. */
 static bool defines(const struct dynamic *d, uint32_t ix, const char *name)
 {
     const ElfW(Sym) *s = &d->symtab[ix];
-    unsigned type = ELF64_ST_TYPE(s->st_info);
-    return s->st_shndx != SHN_UNDEF && s->st_value && (type == STT_FUNC || type == STT_GNU_IFUNC) &&
+    return s->st_shndx != SHN_UNDEF && s->st_value && ELF64_ST_TYPE(s->st_info) == STT_FUNC &&
            strcmp(d->strtab + s->st_name, name) == 0;
 }
 
