@@ -177,3 +177,20 @@ def test_musl_tenant_with_the_preload_kept_cannot_start(machine: tuple[Daemon, d
                           env=d.env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 127, (proc.returncode, proc.stdout, proc.stderr)
     assert "libcgpu.so" in proc.stderr and '"allocated"' not in proc.stdout
+
+
+def test_bypass_tool_exit_codes_and_refusal(sim_env: dict[str, str]) -> None:
+    """The documented exit codes, with no cgpud: a driver refusal ends the
+    allocations (exit 3), a resolver this build lacks is a setup error (2)."""
+    tool = str(bypass_build.elf_bypass())
+    proc = subprocess.run([tool, "--resolve", "elf", "--alloc-mib", "4096", "--count", "5"], env=sim_env,
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 3, proc.stderr
+    events = [json.loads(x) for x in proc.stdout.splitlines()]
+    assert [e["event"] for e in events] == ["ready"] + ["allocated"] * 4 + ["refused", "holding", "summary"]
+    assert events[5]["result"] == "CUDA_ERROR_OUT_OF_MEMORY" and events[5]["total_bytes"] == GPU_MEM
+    assert events[-1]["allocated"] == 4 and events[-1]["refused"] == "CUDA_ERROR_OUT_OF_MEMORY"
+    for args in (["--resolve", "link"], ["--count", "0"], ["--alloc-mib", "1.5"], ["extra"]):
+        bad = subprocess.run([tool, *args], env=sim_env, capture_output=True, text=True, timeout=30)
+        assert bad.returncode == 2 and bad.stdout == "" and bad.stderr.startswith("cgpu-bypass: "), (args, bad)
+    assert subprocess.run([tool, "--help"], capture_output=True, timeout=30).returncode == 0
