@@ -12,13 +12,14 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests import bypass_build
-from tests.daemonproc import Daemon
+from tests.daemonproc import Daemon, running_daemon
 from tests.e2e.oci import Bundle, Host, runc, shim_container
 from tests.integration.simrun import sim_stat
 
@@ -27,6 +28,14 @@ GPU_MEM = 16 * GIB
 TENANT = "/usr/bin/cgpu-bypass"
 ALLOC = ["--alloc-mib", "1024", "--count", "4"]
 GRANT = ("ALIYUN_COM_GPU_MEM_CONTAINER=1",)
+
+
+@pytest.fixture
+def cgpud(tmp_path: Path, gpu_env: dict[str, str]) -> Iterator[Daemon]:
+    """The e2e conftest's cgpud with its watchdog off: what libcgpu alone
+    lets through."""
+    with running_daemon(tmp_path, gpu_env, "--bypass-interval", "0") as d:
+        yield d
 
 
 def bundle(host: Host, where: Path, kind: str) -> Bundle:

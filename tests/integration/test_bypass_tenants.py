@@ -77,11 +77,12 @@ class Tenant:
 @pytest.fixture(scope="module")
 def machine(tmp_path_factory: pytest.TempPathFactory, native: Path) -> Iterator[tuple[Daemon, dict[str, str]]]:
     """One cgpud for the module (tenants run one at a time and leave the GPUs
-    empty); 2 simulated GPUs of 16 GiB."""
+    empty), its watchdog off: what libcgpu alone lets through; 2 simulated
+    GPUs of 16 GiB."""
     tmp = tmp_path_factory.mktemp("bypass")
     env = dict(os.environ, LD_LIBRARY_PATH=str(native / "sim"), CGPU_SIM_STATE=str(tmp / "sim.state"),
                CGPU_SIM_CONFIG=str(write_sim_config(tmp / "sim.conf")))
-    with running_daemon(tmp, env) as d:
+    with running_daemon(tmp, env, "--bypass-interval", "0") as d:
         yield d, env
 
 
