@@ -489,6 +489,34 @@ struct proc_view {
     uint64_t generation;
 };
 
+/* Pids of processes of other pid namespaces, as sim_slot_pid found them, by
+ * (slot, generation): a process's pid never changes, and the /proc search
+ * for one that dropped its pid lock costs ~150 µs a process at each query. */
+static pthread_mutex_t g_pid_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct {
+    uint64_t generation, self_ns;
+    int32_t pid;
+} g_pid_cache[SIM_MAX_PROCS];
+
+static int32_t cached_pid(int i, uint64_t gen, uint64_t self_ns)
+{
+    int32_t pid = -1;
+    pthread_mutex_lock(&g_pid_lock);
+    if (g_pid_cache[i].generation == gen && g_pid_cache[i].self_ns == self_ns)
+        pid = g_pid_cache[i].pid;
+    pthread_mutex_unlock(&g_pid_lock);
+    return pid;
+}
+
+static void cache_pid(int i, uint64_t gen, uint64_t self_ns, int32_t pid)
+{
+    pthread_mutex_lock(&g_pid_lock);
+    g_pid_cache[i].generation = gen;
+    g_pid_cache[i].self_ns = self_ns;
+    g_pid_cache[i].pid = pid;
+    pthread_mutex_unlock(&g_pid_lock);
+}
+
 /* A consistent view of one slot, or false if it is not a live process on
  * `gpu` (a process is on a GPU once it has a context there or holds memory
  * there) or not visible from the caller's pid namespace (`self_ns`), which
@@ -504,10 +532,18 @@ static bool read_slot(int i, unsigned int gpu, uint64_t self_ns, struct proc_vie
     uint32_t mask = atomic_load(&s->gpu_mask);
     if (!((mask >> gpu) & 1u) && v->used == 0)
         return false;
-    v->pid = (unsigned int)sim_slot_pid(&g_sim, i, self_ns);
+    int32_t pid = cached_pid(i, gen, self_ns);
+    bool cached = pid >= 0;
+    if (!cached)
+        pid = sim_slot_pid(&g_sim, i, self_ns);
+    if (atomic_load(&s->state) != SIM_SLOT_LIVE || atomic_load(&s->generation) != gen)
+        return false;
+    if (!cached)
+        cache_pid(i, gen, self_ns, pid); /* 0 too: a process never becomes visible */
+    v->pid = (unsigned int)pid;
     v->slot = i;
     v->generation = gen;
-    return v->pid != 0 && atomic_load(&s->state) == SIM_SLOT_LIVE && atomic_load(&s->generation) == gen;
+    return pid != 0;
 }
 
 static unsigned int live_procs(unsigned int gpu, struct proc_view *out)
