@@ -48,21 +48,20 @@ class ProcStat:
     starttime: int  # clock ticks after boot (stat field 22)
 
 
-def _read(path: Path, limit: int) -> bytes | None:
+def _read(path: str, limit: int, dir_fd: int | None = None) -> bytes | None:
     """At most `limit` bytes; None if it cannot be read (the process is
     gone, or cgpud may not look) or is longer (not what the kernel writes)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError:
         return None
     try:
-        chunks, size = [], 0
-        while size <= limit:
-            chunk = os.read(fd, limit + 1 - size)
-            if not chunk:
-                return b"".join(chunks)
-            chunks.append(chunk)
-            size += len(chunk)
+        data = b""
+        while len(data) <= limit:
+            more = os.read(fd, limit + 1 - len(data))
+            if not more:
+                return data
+            data += more
         return None
     except OSError:
         return None
@@ -82,13 +81,13 @@ def parse_stat(pid: int, text: bytes) -> ProcStat | None:
 
 
 def read_stat(pid: int, proc: Path = PROC) -> ProcStat | None:
-    text = _read(proc / str(pid) / "stat", _STAT_MAX)
+    text = _read(f"{proc}/{pid}/stat", _STAT_MAX)
     return parse_stat(pid, text) if text is not None else None
 
 
 def read_exe(pid: int, proc: Path = PROC) -> str:
     try:
-        return os.readlink(proc / str(pid) / "exe")
+        return os.readlink(f"{proc}/{pid}/exe")
     except OSError:
         return ""
 
@@ -111,20 +110,48 @@ def parse_cgroups(text: bytes) -> dict[str, str] | None:
     return out
 
 
-def hierarchies_of(text: bytes) -> frozenset[str]:
-    """The "id:controllers" of each line."""
-    return frozenset(":".join(line.split(":", 2)[:2]) for line in text.decode("utf-8", "surrogateescape").split("\n")
-                     if line)
+def read_cgroups(pid: int, proc: Path = PROC, hierarchies: tuple[str, ...] | None = None) -> dict[str, str] | None:
+    return checked_cgroups(_read(f"{proc}/{pid}/cgroup", _CGROUP_MAX), hierarchies)
 
 
-def read_cgroups(pid: int, proc: Path = PROC, hierarchies: frozenset[str] | None = None) -> dict[str, str] | None:
-    text = _read(proc / str(pid) / "cgroup", _CGROUP_MAX)
-    if text is None:
+def checked_cgroups(text: bytes | None, hierarchies: tuple[str, ...] | None) -> dict[str, str] | None:
+    """parse_cgroups, and None unless the lines name `hierarchies` (the
+    controllers of each line, in order: every process is in every
+    hierarchy, so a line more is a forged one)."""
+    cgroups = parse_cgroups(text) if text is not None else None
+    if cgroups is not None and hierarchies is not None and tuple(cgroups) != hierarchies:
         return None
-    cgroups = parse_cgroups(text)
-    if cgroups is not None and hierarchies is not None and hierarchies_of(text) != hierarchies:
-        return None  # a line more or fewer than every process has: forged
     return cgroups
+
+
+@dataclass(frozen=True)
+class ProcInfo:
+    stat: ProcStat
+    exe: str
+    cgroup_text: bytes | None
+
+
+def read_process(pid: int, proc: Path = PROC) -> ProcInfo | None:
+    """stat, exe and cgroup of one process, all of that very process: reads
+    through a /proc/<pid> directory fd fail once it has exited, even if its
+    pid is reused meanwhile."""
+    try:
+        d = os.open(f"{proc}/{pid}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        text = _read("stat", _STAT_MAX, d)
+        st = parse_stat(pid, text) if text is not None else None
+        if st is None:
+            return None
+        cgroup = _read("cgroup", _CGROUP_MAX, d)
+        try:
+            exe = os.readlink("exe", dir_fd=d)
+        except OSError:
+            exe = ""
+        return ProcInfo(st, exe, cgroup)
+    finally:
+        os.close(d)
 
 
 def read_pidns(pid: int, proc: Path = PROC) -> tuple[int, int] | None:
@@ -206,15 +233,24 @@ class _Round:
         self.m = mapper
         self.active = {i.id: i for i in instances if i.active}
         self.stats: dict[int, ProcStat | None] = {}
-        own = _read(mapper.proc / str(mapper.self_pid) / "cgroup", _CGROUP_MAX)
-        self.own_cgroups = (parse_cgroups(own) if own is not None else None) or {}
+        own = read_cgroups(mapper.self_pid, mapper.proc)
+        self.own_cgroups = own or {}
         # Every process is in every hierarchy: cgpud's own lines say which.
-        self.hierarchies = hierarchies_of(own) if own is not None and self.own_cgroups else None
+        self.hierarchies = tuple(own) if own else None
         self._bound: dict[tuple[int, int], str] | None = None  # (pid, starttime) -> instance, walked to
         self._anchors: list[_Anchor] | None = None
 
     def cgroups(self, pid: int) -> dict[str, str] | None:
         return read_cgroups(pid, self.m.proc, self.hierarchies)
+
+    def binding(self, iid: str) -> tuple[str, int] | None:
+        """Who the active instance is bound to (its container, its first
+        pid); None when it is not active. A sticky mapping holds only while
+        this stays: a claimed instance handed to another container starts afresh."""
+        inst = self.active.get(iid)
+        if inst is None:
+            return None
+        return (inst.holder, inst.pids[0] if inst.pids else 0)
 
     def stat(self, pid: int) -> ProcStat | None:
         if pid not in self.stats:
@@ -244,15 +280,13 @@ class _Round:
             if init is None:
                 continue
             anchor = self._anchor(inst.id, init, own_cg, own_ns)
-            if anchor is None:
-                continue
             anchors.append(anchor)
             if anchor.how == "tree":
                 bound[(init.pid, init.starttime)] = inst.id
         self._bound, self._anchors = bound, anchors
 
     def _anchor(self, iid: str, init: ProcStat, own_cg: Mapping[str, str],
-                own_ns: tuple[int, int] | None) -> _Anchor | None:
+                own_ns: tuple[int, int] | None) -> _Anchor:
         cg = self.cgroups(init.pid)
         if cg:
             key, path = preferred_cgroup(cg)
@@ -303,7 +337,8 @@ class ProcessMapper:
         self.proc = proc
         self.self_pid = os.getpid() if self_pid is None else self_pid
         self._cache_size = cache_size
-        self._sticky: dict[tuple[int, int], str] = {}
+        # (pid, starttime) -> (instance, its binding when the process was seen)
+        self._sticky: dict[tuple[int, int], tuple[str, tuple[str, int]]] = {}
         self._btime: float | None = None
         self._ticks = os.sysconf("SC_CLK_TCK")
 
@@ -312,7 +347,7 @@ class ProcessMapper:
         pid_alive): boot time plus its start in clock ticks."""
         if self._btime is None:
             self._btime = 0.0
-            for line in (_read(self.proc / "stat", 1 << 20) or b"").splitlines():
+            for line in (_read(f"{self.proc}/stat", 1 << 20) or b"").splitlines():
                 if line.startswith(b"btime "):
                     self._btime = float(line.split()[1])
         return self._btime + st.starttime / self._ticks
@@ -333,10 +368,11 @@ class ProcessMapper:
         """The process's stat as read now and the instance it maps to now
         (sticky map included), for a re-check before a kill."""
         rnd = _Round(self, instances)
-        st = rnd.stat(pid)
-        if st is None:
+        info = read_process(pid, self.proc)
+        if info is None:
             return None, None
-        return st, self._map(rnd, st, rnd.cgroups(pid))
+        rnd.stats[pid] = info.stat
+        return info.stat, self._map(rnd, info.stat, checked_cgroups(info.cgroup_text, rnd.hierarchies))
 
     def protected(self) -> set[int]:
         """cgpud and its ancestors: never killed, whatever maps where."""
@@ -351,38 +387,36 @@ class ProcessMapper:
 
     def _map(self, rnd: _Round, st: ProcStat, cgroups: Mapping[str, str] | None) -> str | None:
         key = (st.pid, st.starttime)
-        iid = self._sticky.get(key)
-        if iid is not None and iid in rnd.active:
-            return iid
+        seen = self._sticky.get(key)
+        if seen is not None and rnd.binding(seen[0]) == seen[1]:
+            return seen[0]
         iid = rnd.fresh(st, cgroups)
         if iid is not None:
-            self._remember(key, iid)
+            self._remember(key, iid, rnd.binding(iid))
         return iid
 
     def _identify(self, rnd: _Round, pid: int) -> ProcessIdentity | None:
-        st = rnd.stat(pid)
-        if st is None:
+        info = read_process(pid, self.proc)
+        if info is None:
             return None
-        cgroups = rnd.cgroups(pid)
-        exe = read_exe(pid, self.proc)
+        rnd.stats[pid] = st = info.stat
+        cgroups = checked_cgroups(info.cgroup_text, rnd.hierarchies)
         iid = self._map(rnd, st, cgroups)
-        # Read last: the pid may have been reused while the rest was read.
-        again = read_stat(pid, self.proc)
-        if again is None or again.starttime != st.starttime:
-            return None
-        return ProcessIdentity(pid, st.starttime, exe, preferred_cgroup(cgroups)[1] if cgroups else "", iid)
+        return ProcessIdentity(pid, st.starttime, info.exe, preferred_cgroup(cgroups)[1] if cgroups else "", iid)
 
-    def _remember(self, key: tuple[int, int], iid: str) -> None:
+    def _remember(self, key: tuple[int, int], iid: str, binding: tuple[str, int] | None) -> None:
+        if binding is None:
+            return
         self._sticky.pop(key, None)
         while len(self._sticky) >= self._cache_size:
             del self._sticky[next(iter(self._sticky))]
-        self._sticky[key] = iid
+        self._sticky[key] = (iid, binding)
 
     def _prune(self, rnd: _Round, seen: Mapping[int, ProcessIdentity]) -> None:
         """Forget processes that are gone and instances no longer active."""
-        for key, iid in list(self._sticky.items()):
+        for key, (iid, binding) in list(self._sticky.items()):
             pid, start = key
-            if iid not in rnd.active:
+            if rnd.binding(iid) != binding:
                 del self._sticky[key]
             elif pid in seen:
                 if seen[pid].starttime != start:

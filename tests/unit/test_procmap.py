@@ -12,7 +12,6 @@ import pytest
 from cgpud.daemon.model import GIB, Grant, Instance, InstanceState, Owner, OwnerKind
 from cgpud.daemon.procmap import (
     ProcessMapper,
-    hierarchies_of,
     parse_cgroups,
     parse_stat,
     preferred_cgroup,
@@ -135,9 +134,9 @@ def test_a_forged_line_is_refused_against_the_hierarchies_every_process_has(proc
     forged = own.decode().replace("8:pids:/\n", "8:pids:/x\n3:cpuset:/victim\n")
     proc.add(42, 1, 1, raw_cgroup=forged)
     assert read_cgroups(42, proc.root) is not None  # well formed on its own...
-    assert read_cgroups(42, proc.root, hierarchies_of(own)) is None  # ...but one line too many
+    assert read_cgroups(42, proc.root, tuple(parse_cgroups(own))) is None  # ...but one line too many
     proc.add(43, 1, 1, raw_cgroup=own.decode())
-    assert read_cgroups(43, proc.root, hierarchies_of(own)) == parse_cgroups(own)
+    assert read_cgroups(43, proc.root, tuple(parse_cgroups(own))) == parse_cgroups(own)
 
 
 @pytest.mark.parametrize("path,top,inside", [
@@ -285,3 +284,18 @@ def test_identity_fields(proc):
     got = ProcessMapper(proc.root, SELF).identify([100, 101], [container("c1", 100, at(50))])
     assert got[100].exe == "/opt/app/bin/train" and got[100].cgroup == "/ct1"
     assert got[101].exe == "" and got[101].starttime == int(51 * TICKS) and got[101].instance_id == "c1"
+
+
+def test_a_claimed_instance_handed_to_another_container_forgets_the_first_ones_processes(proc):
+    proc.add(100, 1, 50, "/ct1")
+    proc.add(101, 100, 51, "/ct1")
+    proc.add(200, 1, 70, "/ct2")
+    mapper = ProcessMapper(proc.root, SELF)
+
+    def claimed(holder: str, init: int) -> Instance:
+        return Instance("d1", Owner(OwnerKind.DEVICE, "dev-1"), (Grant(0, "GPU-0", GIB, 0),), InstanceState.BOUND,
+                        True, pids=(init,), updated=at(80), holder=holder)
+
+    assert owners(mapper, [101], [claimed("a@/ba", 100)]) == {101: "d1"}
+    assert owners(mapper, [101], [claimed("b@/bb", 200)]) == {101: None}
+    assert len(mapper) == 0
