@@ -4,6 +4,7 @@ test process plays cgpud (procmap compares with its own cgroup and PID
 namespace)."""
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
@@ -329,3 +330,21 @@ def test_identify_cost_for_24_processes(cgroups: Cgroups, procs: Procs) -> None:
     print(f"\nidentify() of 24 processes in 6 instances: first round {cold * 1e3:.2f} ms, "
           f"then median {median * 1e3:.2f} ms, worst {max(rounds) * 1e3:.2f} ms")
     assert median < 0.02  # ~1 ms measured; 20x for a loaded 2-core machine
+
+
+def test_kill_without_pidfd_rechecks_then_kills(procs: Procs, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A kernel before 5.3: pidfd_open fails with ENOSYS.
+    def no_pidfd(pid: int) -> int:
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(os, "pidfd_open", no_pidfd)
+    p, c, g = fork_tree(procs)
+    inst = run_instance("r1", (p, c))
+    mapper = ProcessMapper()
+    ids = mapper.identify([g], [inst])
+    stale = ProcessIdentity(g, ids[g].starttime - 1, ids[g].exe, ids[g].cgroup, "r1")
+    ok, detail = kill_process(stale, mapper, [inst])
+    assert not ok and "pid reused" in detail and not dead(g)
+    ok, detail = kill_process(ids[g], mapper, [inst])
+    assert ok and "no pidfd" in detail, detail
+    poll("G dead", lambda: dead(g))
