@@ -342,27 +342,30 @@ class BypassWatchdog:
         if seen.reported is not None and now - seen.reported < self._repeat_s:
             return None
         seen.reported = now
-        return BypassEvent(now, v, EventAction.REPORTED, detail=v.detail)
+        return BypassEvent(now, v, EventAction.REPORTED)
 
     def _kill_all(self, v: Violation, identities: Mapping[int, ProcessIdentity], instances: Sequence[Instance],
                   now: float) -> BypassEvent:
+        """The event's detail says what happened to each pid (the
+        violation's own detail says what was wrong)."""
         killed: list[int] = []
-        failures: list[str] = []
+        outcomes: list[str] = []
+        failed = False
         for pid in v.pids:
             identity = identities.get(pid)
             if identity is None:
-                failures.append(f"pid {pid} not killed: not identified")
-                continue
-            try:
-                ok, detail = self._kill(identity, self._mapper, instances, allow=self._settings.allow)
-            except (CgpuError, OSError) as e:
-                ok, detail = False, f"pid {pid} not killed: {e}"
+                ok, detail = False, f"pid {pid} not killed: not identified"
+            else:
+                try:
+                    ok, detail = self._kill(identity, self._mapper, instances, allow=self._settings.allow)
+                except (CgpuError, OSError) as e:
+                    ok, detail = False, f"pid {pid} not killed: {e}"
             if ok:
                 killed.append(pid)
-            else:
-                failures.append(detail)
-        action = EventAction.KILLED if not failures else EventAction.KILL_FAILED
-        return BypassEvent(now, v, action, killed=tuple(killed), detail="; ".join([v.detail, *failures]).strip("; "))
+            failed |= not ok
+            outcomes.append(detail)
+        action = EventAction.KILL_FAILED if failed else EventAction.KILLED
+        return BypassEvent(now, v, action, killed=tuple(killed), detail="; ".join(outcomes))
 
     def _compute_views(self, instances: Sequence[Instance], policy: NodePolicy, now: float) -> list[ComputeView]:
         """Each instance's share of each GPU it holds, and what the
@@ -402,8 +405,9 @@ class BypassWatchdog:
             fields.update(measured_percent=round(v.measured_percent, 1), allowed_percent=round(v.allowed_percent, 1))
         if e.killed:
             fields["killed"] = list(e.killed)
+        fields["detail"] = v.detail
         if e.detail:
-            fields["detail"] = e.detail
+            fields["outcome"] = e.detail
         self._log.warning("bypass", **fields)
 
     def watching(self) -> tuple[bool, str]:

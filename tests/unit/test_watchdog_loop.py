@@ -399,9 +399,10 @@ def test_a_kill_refused_by_the_safety_checks_is_an_event_saying_why():
     with capture_logs() as logs:
         [event] = w.tick(100.0)
     assert event.action is EventAction.KILL_FAILED and event.killed == (100,) and kills.done == [100]
-    assert event.detail == ("over; pid 101 not killed: it now maps to another instance; "
+    assert event.detail == ("killed pid 100; pid 101 not killed: it now maps to another instance; "
                             "pid 102 not killed: not identified")
     assert logs[0]["action"] == "kill_failed" and logs[0]["killed"] == [100]
+    assert logs[0]["detail"] == "over" and logs[0]["outcome"] == event.detail
 
 
 def test_compute_views_follow_the_policy_per_gpu_and_average_the_engine_over_the_window():
