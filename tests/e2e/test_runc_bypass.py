@@ -1,0 +1,150 @@
+"""The bypass watchdog against containers: the three hostile tenants of
+tests/bypass_build.py (ELF walk, static, musl), each in a real runc
+container made through cgpu-runtime with a 1 GiB grant, allocating
+4 x 1 GiB past libcgpu (/etc/ld.so.preload does not reach them), beside a
+well-behaved 2 GiB neighbour container on the same simulated GPU. NVML on
+the host lists them with host PIDs, as a real driver does; cgpud maps them
+to their containers by cgroup.
+
+Report mode: an event within 2 intervals of the crossing allocation, the
+container runs on. Kill mode: the container's process is dead within 2
+intervals (runc says stopped), NVML shows the memory back, and deleting the
+container (its poststop hook) releases the instance. The neighbour runs on
+with no event."""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests import bypass_build
+from tests.bypass_watch import GIB, INTERVAL, SLACK, Nvml, bypass_events, wait_dead, wait_events, watch_flags
+from tests.daemonproc import Daemon, running_daemon
+from tests.e2e.oci import Host, create, runc
+
+KINDS = ("elf", "static", "musl")
+OBSERVE = 0.1  # what the test process may add to a death it observes (see test_bypass_watchdog)
+HOLD = ["--alloc-mib", "1024", "--count", "4", "--hold", "600"]
+
+
+@dataclass
+class Container:
+    cid: str
+    pid: int  # host PID of its process (runc state)
+    instance_id: str
+    log: Path  # its stdout and stderr
+
+    def lines(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in self.log.read_text().splitlines() if line.startswith("{")]
+
+    def crossing(self, limit: int, timeout: float = 30) -> float:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for o in self.lines():
+                if o.get("event") == "allocated" and o["total_bytes"] > limit + SLACK:
+                    return float(o["time"])
+            time.sleep(0.01)
+        raise AssertionError(f"no allocation past the limit in {self.cid}: {self.log.read_text()[-2000:]}")
+
+
+def tenant_bundle(host: Host, where: Path, kind: str) -> Any:
+    """A 1 GiB container running one bypass tenant, which the rootfs holds."""
+    env = ("ALIYUN_COM_GPU_MEM_CONTAINER=1",)
+    if kind == "musl":
+        b = host.bundle(where, ["/usr/bin/cgpu-bypass", "--resolve", "link", *HOLD], (*env, *bypass_build.MUSL_ENV))
+        bypass_build.musl_rootfs(b.rootfs)
+        return b
+    b = host.bundle(where, ["/usr/bin/cgpu-bypass", "--resolve", "elf" if kind == "elf" else "link", *HOLD], env)
+    tool = bypass_build.elf_bypass() if kind == "elf" else bypass_build.static_bypass()
+    (b.rootfs / "usr/bin/cgpu-bypass").unlink(missing_ok=True)  # hard-linked to the template: replace it
+    shutil.copy2(tool, b.rootfs / "usr/bin/cgpu-bypass")
+    return b
+
+
+@contextmanager
+def container(host: Host, d: Daemon, bundle: Any) -> Iterator[Container]:
+    """Created and started through the shim; killed and deleted after."""
+    cid = host.new_id("bypass")
+    code, log = create(host, bundle, cid, d.relay)
+    assert code == 0, log
+    try:
+        pid = json.loads(runc(host, "state", cid).stdout)["pid"]
+        listed = json.loads(d.cgpuctl("list", "--output", "json").stdout)
+        [inst] = [i for i in listed if pid in i["pids"]]
+        assert runc(host, "start", cid, shim=True, relay=d.relay).returncode == 0
+        yield Container(cid, pid, inst["id"], bundle.path / "stdio.log")
+    finally:
+        runc(host, "kill", cid, "KILL", shim=True, relay=d.relay)
+        deleted = runc(host, "delete", "--force", cid, shim=True, relay=d.relay)
+        assert deleted.returncode == 0, deleted.stderr
+
+
+@contextmanager
+def neighbour(host: Host, d: Daemon, nvml: Nvml, where: Path) -> Iterator[tuple[Container, int]]:
+    """A 2 GiB container holding its 2 GiB through libcgpu; NVML's used
+    memory once it does."""
+    b = host.bundle(where, ["/usr/bin/cgpu-burn", "--alloc", "2048MiB", "--require-alloc", "--hold", "600"],
+                    ("ALIYUN_COM_GPU_MEM_CONTAINER=2",))
+    with container(host, d, b) as c:
+        nvml.wait(lambda v: v["procs"].get(c.pid) == 2 * GIB, 30, "the neighbour container's 2 GiB")
+        yield c, nvml.query()["used"]
+
+
+def status(host: Host, cid: str) -> str:
+    return str(json.loads(runc(host, "state", cid).stdout)["status"])
+
+
+@pytest.fixture
+def nvml(host: Host) -> Iterator[Nvml]:
+    probe = Nvml(host.sim_env)
+    yield probe
+    probe.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_report_mode_reports_a_bypass_container(kind: str, tmp_path: Path, host: Host, nvml: Nvml) -> None:
+    with running_daemon(tmp_path, host.sim_env, *watch_flags("report")) as d, \
+            neighbour(host, d, nvml, tmp_path / "n") as (n, _), \
+            container(host, d, tenant_bundle(host, tmp_path / "t", kind)) as t:
+        crossed = t.crossing(GIB)
+        [event] = wait_events(d, lambda e: e["instance_id"] == t.instance_id, 10, "an event for the container")
+        assert event["kind"] == "memory_over_limit" and event["action"] == "reported", event
+        assert event["pids"] == [t.pid], event  # its host PID
+        assert event["time"] - crossed <= 2 * INTERVAL, (event["time"] - crossed, event)
+        print(f"{kind}: reported {(event['time'] - crossed) * 1e3:.0f} ms after the crossing allocation")
+        time.sleep(5 * INTERVAL)
+        assert status(host, t.cid) == "running" and status(host, n.cid) == "running"
+        view = nvml.query()
+        assert view["procs"].get(t.pid) == 4 * GIB and view["procs"].get(n.pid) == 2 * GIB
+        assert [e["instance_id"] for e in bypass_events(d)] == [t.instance_id]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_kill_mode_stops_a_bypass_container(kind: str, tmp_path: Path, host: Host, nvml: Nvml) -> None:
+    with running_daemon(tmp_path, host.sim_env, *watch_flags("kill")) as d, \
+            neighbour(host, d, nvml, tmp_path / "n") as (n, baseline):
+        with container(host, d, tenant_bundle(host, tmp_path / "t", kind)) as t:
+            crossed = t.crossing(GIB)
+            dead = wait_dead(t.pid, 10)
+            assert dead is not None, f"container {t.cid} (pid {t.pid}) still runs 10 s after crossing its limit"
+            assert dead - crossed <= 2 * INTERVAL + OBSERVE, dead - crossed
+            [event] = [e for e in bypass_events(d) if e["instance_id"] == t.instance_id]
+            assert event["action"] == "killed" and event["killed"] == [t.pid], event
+            assert event["time"] - crossed <= 2 * INTERVAL, event
+            print(f"{kind}: killed at {(event['time'] - crossed) * 1e3:.0f} ms, seen dead at "
+                  f"{(dead - crossed) * 1e3:.0f} ms after the crossing allocation")
+            assert status(host, t.cid) == "stopped"
+            view = nvml.wait(lambda v: v["used"] == baseline, 2, f"used memory back to {baseline}")
+            assert t.pid not in view["procs"]
+        # Deleted (its poststop ran): the instance is released.
+        listed = json.loads(d.cgpuctl("list", "--output", "json").stdout)
+        assert [i["id"] for i in listed] == [n.instance_id]
+        assert status(host, n.cid) == "running" and nvml.query()["procs"].get(n.pid) == 2 * GIB
+        assert [e["instance_id"] for e in bypass_events(d)] == [t.instance_id]

@@ -1,0 +1,183 @@
+"""The bypass watchdog end to end: a real cgpud (`--bypass-interval 0.2`)
+on one simulated 16 GiB GPU, hostile tenants under `cgpuctl run --mem 1`
+that go around libcgpu (an ELF-walking one, a static one, a musl one with
+LD_PRELOAD dropped: tests/bypass_build.py) and allocate 4 x 1 GiB, beside a
+well-behaved neighbour (`cgpuctl run --mem 2 -- cgpu-burn` holding its
+2 GiB through libcgpu).
+
+Report mode reports each within 2 intervals of the allocation that took it
+past its limit plus the slack (the tenant's CLOCK_REALTIME stamp against
+the event's), and leaves it running; kill mode kills it within 2 intervals
+and NVML shows its memory back; the neighbour is untouched either way. A
+process of no instance is reported, never killed; an allow-listed one is
+not reported. A tenant whose kernels skip the compute gate is reported over
+its fixed share; a gated one with the same share is not."""
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cgpud.native import native_path
+from tests.bypass_watch import (GIB, INTERVAL, Nvml, Tenant, bypass_command, bypass_events, neighbour_command,
+                                run_plain, run_tenant, wait_dead, wait_events, watch_flags)
+from tests.conftest import write_sim_config
+from tests.daemonproc import Daemon, running_daemon
+
+KINDS = ("elf", "static", "musl")
+# What the test process may add to a measured death: it sees the pidfd turn
+# readable when the scheduler next runs it (2 cores shared with cgpud, the
+# tenants and the NVML probe).
+OBSERVE = 0.1
+
+
+@pytest.fixture
+def gpu_env(tmp_path: Path, native: Path) -> dict[str, str]:
+    """One simulated 16 GiB GPU: tenant and neighbour share it."""
+    env = dict(os.environ)
+    env.pop("LD_PRELOAD", None)
+    env["LD_LIBRARY_PATH"] = str(native / "sim")
+    env["CGPU_SIM_CONFIG"] = str(write_sim_config(tmp_path / "sim.conf", gpus=1))
+    env["CGPU_SIM_STATE"] = str(tmp_path / "sim.state")
+    return env
+
+
+@pytest.fixture
+def nvml(gpu_env: dict[str, str]) -> Iterator[Nvml]:
+    probe = Nvml(gpu_env)
+    yield probe
+    probe.close()
+
+
+def start_neighbour(d: Daemon, nvml: Nvml, where: Path) -> tuple[Tenant, int]:
+    """The neighbour, once NVML shows its 2 GiB; and NVML's used memory then."""
+    neighbour = run_tenant(d, "2", neighbour_command(2 * GIB), where)
+    nvml.wait(lambda v: v["procs"].get(neighbour.pid) == 2 * GIB, 30, "the neighbour's 2 GiB")
+    return neighbour, nvml.query()["used"]
+
+
+def assert_untouched(d: Daemon, neighbour: Tenant, nvml: Nvml) -> None:
+    assert neighbour.alive(), neighbour.errors()
+    assert nvml.query()["procs"].get(neighbour.pid) == 2 * GIB
+    assert not [e for e in bypass_events(d) if e["instance_id"] == neighbour.instance_id]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_report_mode_reports_a_bypass_within_two_intervals(kind: str, tmp_path: Path, gpu_env: dict[str, str],
+                                                           nvml: Nvml) -> None:
+    with running_daemon(tmp_path, gpu_env, *watch_flags("report")) as d:
+        neighbour, _ = start_neighbour(d, nvml, tmp_path)
+        tenant = run_tenant(d, "1", bypass_command(kind), tmp_path)
+        try:
+            crossed = tenant.crossing(GIB)
+            [event] = wait_events(d, lambda e: e["instance_id"] == tenant.instance_id, 10, "event for the tenant")
+            assert event["kind"] == "memory_over_limit" and event["action"] == "reported", event
+            assert tenant.pid in event["pids"] and event["limit_bytes"] == GIB and event["used_bytes"] > 1.5 * GIB
+            assert event["time"] - crossed <= 2 * INTERVAL, (event["time"] - crossed, event)
+            print(f"{kind}: reported {(event['time'] - crossed) * 1e3:.0f} ms after the crossing allocation")
+            tenant.out.wait(lambda o: o.get("event") == "allocated" and o["total_bytes"] == 4 * GIB, 10,
+                            "the 4th GiB")
+            # Rounds later: still running with its 4 GiB, reported once (again only after 60 s).
+            time.sleep(5 * INTERVAL)
+            assert tenant.alive(), tenant.errors()
+            assert nvml.query()["procs"].get(tenant.pid) == 4 * GIB
+            events = bypass_events(d)
+            assert [e["instance_id"] for e in events] == [tenant.instance_id], events
+            assert_untouched(d, neighbour, nvml)
+        finally:
+            tenant.stop()
+            neighbour.stop()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_kill_mode_kills_a_bypass_within_two_intervals_and_the_memory_returns(
+        kind: str, tmp_path: Path, gpu_env: dict[str, str], nvml: Nvml) -> None:
+    with running_daemon(tmp_path, gpu_env, *watch_flags("kill")) as d:
+        neighbour, baseline = start_neighbour(d, nvml, tmp_path)
+        tenant = run_tenant(d, "1", bypass_command(kind), tmp_path)
+        try:
+            crossed = tenant.crossing(GIB)
+            dead = wait_dead(tenant.pid, 10)
+            assert dead is not None, f"tenant {tenant.pid} still runs 10 s after crossing its limit"
+            assert dead - crossed <= 2 * INTERVAL + OBSERVE, dead - crossed
+            [event] = [e for e in bypass_events(d) if e["instance_id"] == tenant.instance_id]
+            print(f"{kind}: killed at {(event['time'] - crossed) * 1e3:.0f} ms, seen dead at "
+                  f"{(dead - crossed) * 1e3:.0f} ms after the crossing allocation")
+            assert event["kind"] == "memory_over_limit" and event["action"] == "killed", event
+            assert event["killed"] == [tenant.pid] and event["time"] - crossed <= 2 * INTERVAL, event
+            # cgpuctl run sees its child killed, and releases the instance.
+            assert tenant.proc.wait(timeout=30) == 128 + 9
+            view = nvml.wait(lambda v: v["used"] == baseline, 2, f"used memory back to {baseline}")
+            assert tenant.pid not in view["procs"]
+            listed = d.cgpuctl("list", "--output", "json")
+            assert tenant.instance_id not in listed.stdout
+            assert_untouched(d, neighbour, nvml)
+            assert [e["instance_id"] for e in bypass_events(d)] == [tenant.instance_id]
+        finally:
+            tenant.stop()
+            neighbour.stop()
+
+
+def test_an_unknown_process_is_reported_not_killed_and_an_allowed_one_is_left_alone(
+        tmp_path: Path, gpu_env: dict[str, str], nvml: Nvml) -> None:
+    """Kill mode: a GPU process of no instance (the bypass tool with no
+    cgpuctl at all) is reported as unknown_process and keeps running; the
+    same tool at an allow-listed path is not reported."""
+    from tests import bypass_build
+
+    allowed_exe = tmp_path / "allowed" / "cgpu-bypass"
+    allowed_exe.parent.mkdir()
+    shutil.copy2(bypass_build.elf_bypass(), allowed_exe)
+    hold = ["--resolve", "elf", "--alloc-mib", "256", "--count", "1", "--hold", "600"]
+    with running_daemon(tmp_path, gpu_env, *watch_flags("kill", INTERVAL, "--bypass-allow",
+                                                         f"exe:{allowed_exe}")) as d:
+        allowed = run_plain(gpu_env, [str(allowed_exe), *hold], tmp_path)
+        unknown = run_plain(gpu_env, [str(bypass_build.elf_bypass()), *hold], tmp_path)
+        try:
+            allocated = [float(t.out.wait(lambda o: o.get("event") == "allocated", 10, "an allocation")["time"])
+                         for t in (allowed, unknown)]
+            [event] = wait_events(d, lambda e: e["kind"] == "unknown_process", 10, "an unknown_process event")
+            assert event["pids"] == [unknown.pid] and event["instance_id"] == "", event
+            assert event["action"] == "reported" and event["killed"] == [], event
+            assert event["time"] - max(allocated) <= 2 * INTERVAL, event["time"] - max(allocated)
+            time.sleep(5 * INTERVAL)
+            assert unknown.alive() and allowed.alive()
+            assert nvml.query()["procs"].get(unknown.pid) == 256 << 20
+            assert [e["pids"] for e in bypass_events(d)] == [[unknown.pid]]
+        finally:
+            allowed.stop()
+            unknown.stop()
+
+
+def test_ungated_kernels_over_a_fixed_share_are_reported_and_gated_ones_are_not(
+        tmp_path: Path, gpu_env: dict[str, str], nvml: Nvml) -> None:
+    """core_mem, policy fixed, two tenants of 20 % on one GPU running 1 ms
+    kernels back to back: one with LD_PRELOAD removed (no gate), one through
+    libcgpu. Only the first is over its share plus 20 points."""
+    window = 2.0
+    burn = [str(native_path("bin/cgpu-burn")), "--duration", "60", "--kernel-ns", "1000000"]
+    with running_daemon(tmp_path, gpu_env, "--mode", "core_mem", "--compute-policy", "3",
+                        *watch_flags("report", INTERVAL, "--bypass-compute-window", str(window))) as d:
+        gated = run_tenant(d, "1", burn, tmp_path, core=20)
+        ungated = run_tenant(d, "1", ["env", "-u", "LD_PRELOAD", *burn], tmp_path, core=20)
+        try:
+            nvml.wait(lambda v: ungated.pid in v["procs"] and gated.pid in v["procs"], 10, "both tenants' contexts")
+            started = time.time()
+            [event] = wait_events(d, lambda e: e["kind"] == "compute_over_share", window + 10,
+                                  "a compute_over_share event")
+            assert event["instance_id"] == ungated.instance_id and event["pids"] == [ungated.pid], event
+            assert event["time"] - started <= window + 2 * INTERVAL, event["time"] - started
+            print(f"compute: reported {event['time'] - started:.2f} s after both ran, measured "
+                  f"{event['measured_percent']:.0f} % of a 20 % share")
+            assert event["measured_percent"] > 20 + 20 and event["allowed_percent"] == 20, event
+            # A full window and more later, the gated tenant (at its share) is still not reported.
+            time.sleep(max(0.0, started + window + 3 * INTERVAL - time.time()))
+            assert gated.alive() and ungated.alive()
+            assert {e["instance_id"] for e in bypass_events(d)} == {ungated.instance_id}
+        finally:
+            gated.stop()
+            ungated.stop()
