@@ -6,13 +6,14 @@ decoding side turns an unknown word into a UsageError naming the field, which
 the server answers as INVALID_ARGUMENT."""
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from enum import Enum
 from pathlib import Path
 from typing import TypeVar
 
 from cgpud.api.cgpu.v1 import local_pb2 as pb
 from cgpud.daemon import model
+from cgpud.daemon.bypass_model import BypassEvent, EventAction, Violation, ViolationKind
 from cgpud.errors import UsageError
 
 E = TypeVar("E", bound=Enum)
@@ -63,15 +64,17 @@ def grant_from_pb(msg: pb.Grant) -> model.Grant:
     )
 
 
-def instance_to_pb(instance: model.Instance, region_dir: Path | None = None) -> pb.Instance:
-    """`region_dir` is not part of the model (the service computes it), hence
-    a separate argument; None for a released instance whose region is gone."""
+def instance_to_pb(instance: model.Instance, region_dir: Path | None = None, violations: int = 0) -> pb.Instance:
+    """`region_dir` and `violations` are not part of the model (the service
+    computes the one, the bypass watchdog counts the other), hence separate
+    arguments; region_dir is None for a released instance whose region is gone."""
     scalars = _same(instance, *_INSTANCE_SCALARS) | {"state": instance.state.value}
     return pb.Instance(
         owner=owner_to_pb(instance.owner),
         grants=[grant_to_pb(g) for g in instance.grants],
         pids=list(instance.pids),
         region_dir=str(region_dir) if region_dir is not None else "",
+        violations=violations,
         **scalars,
     )
 
@@ -200,3 +203,45 @@ def node_info_from_pb(msg: pb.NodeInfo) -> model.NodeInfo:
         policy=policy_from_pb(msg.policy),
         gpus=tuple(gpu_usage_from_pb(g) for g in msg.gpus),
     )
+
+
+# ---- bypass events -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BypassListing:
+    """ListBypassEvents' answer: events newest last, and whether the
+    watchdog looks at the GPUs now (when not, `watch_detail` says why)."""
+
+    events: tuple[BypassEvent, ...]
+    watching: bool
+    watch_detail: str = ""
+
+
+def bypass_event_to_pb(event: BypassEvent) -> pb.BypassEvent:
+    v = event.violation
+    return pb.BypassEvent(
+        time=event.time, kind=v.kind.value, instance_id=v.instance_id, gpu_index=v.gpu_index, pids=list(v.pids),
+        used_bytes=v.used_bytes, limit_bytes=v.limit_bytes, measured_percent=v.measured_percent,
+        allowed_percent=v.allowed_percent, action=event.action.value, killed=list(event.killed), detail=v.detail,
+        action_detail=event.detail,
+    )
+
+
+def bypass_event_from_pb(msg: pb.BypassEvent) -> BypassEvent:
+    violation = Violation(
+        kind=_enum(ViolationKind, msg.kind, "event.kind"), gpu_index=msg.gpu_index, instance_id=msg.instance_id,
+        pids=tuple(msg.pids), used_bytes=msg.used_bytes, limit_bytes=msg.limit_bytes,
+        measured_percent=msg.measured_percent, allowed_percent=msg.allowed_percent, detail=msg.detail,
+    )
+    return BypassEvent(time=msg.time, violation=violation, action=_enum(EventAction, msg.action, "event.action"),
+                       killed=tuple(msg.killed), detail=msg.action_detail)
+
+
+def bypass_listing_to_pb(listing: BypassListing) -> pb.ListBypassEventsResponse:
+    return pb.ListBypassEventsResponse(events=[bypass_event_to_pb(e) for e in listing.events],
+                                       watching=listing.watching, watch_detail=listing.watch_detail)
+
+
+def bypass_listing_from_pb(msg: pb.ListBypassEventsResponse) -> BypassListing:
+    return BypassListing(tuple(bypass_event_from_pb(e) for e in msg.events), msg.watching, msg.watch_detail)

@@ -29,6 +29,7 @@ from cgpud.api.cgpu.v1 import local_pb2 as pb
 from cgpud.api.cgpu.v1 import local_pb2_grpc as pb_grpc
 from cgpud.api.status import abort_rpc
 from cgpud.daemon import model
+from cgpud.daemon.bypass_model import BypassEvents
 from cgpud.errors import CgpuError, StateError, UsageError
 from cgpud.sockets import prepare_socket_directory, remove_stale_socket
 
@@ -83,22 +84,32 @@ def _rpc(method: Handler[R]) -> Callable[[LocalServicer, Any, grpc.ServicerConte
 
 # Renders the CDI spec of the daemon's device instances as JSON text.
 CdiSpecProvider = Callable[[], str]
+# Whether the bypass watchdog looks at the GPUs now, and why not.
+WatchState = Callable[[], tuple[bool, str]]
+
+NOT_WATCHING = "the bypass watchdog is not running"
+# ListBypassEvents' answer when the request sets no limit.
+DEFAULT_EVENT_LIMIT = 100
 
 
 class LocalServicer(pb_grpc.LocalServicer):
     """cgpu.v1.Local over a LocalService: decode, call, encode."""
 
-    def __init__(self, service: LocalService, cdi_spec: CdiSpecProvider | None = None) -> None:
+    def __init__(self, service: LocalService, cdi_spec: CdiSpecProvider | None = None,
+                 events: BypassEvents | None = None, watching: WatchState | None = None) -> None:
         self._service = service
         # A provider, not the service: the spec needs the runtime files the
         # daemon installs for containers, which the API knows nothing of.
         self._cdi_spec = cdi_spec
+        self._events = events
+        self._watching = watching
         self._log = structlog.get_logger("cgpud.api")
 
     def _instance(self, instance: model.Instance) -> pb.Instance:
         # A released instance's region files are removed with it: no path.
         region = self._service.region_dir(instance.id) if instance.active else None
-        return convert.instance_to_pb(instance, region)
+        violations = self._events.count(instance.id) if self._events is not None else 0
+        return convert.instance_to_pb(instance, region, violations)
 
     @_rpc
     def CreateInstance(self, request: pb.CreateInstanceRequest) -> pb.Instance:
@@ -142,6 +153,17 @@ class LocalServicer(pb_grpc.LocalServicer):
         if self._cdi_spec is None:
             raise StateError("this cgpud was started without container support: it has no CDI spec to give")
         return pb.CdiSpec(json=self._cdi_spec())
+
+    @_rpc
+    def ListBypassEvents(self, request: pb.ListBypassEventsRequest) -> pb.ListBypassEventsResponse:
+        instance_id = request.instance_id or None
+        if instance_id is not None:
+            self._service.get(instance_id)  # NOT_FOUND for an id the daemon never had
+        if self._events is None:
+            return convert.bypass_listing_to_pb(convert.BypassListing((), False, NOT_WATCHING))
+        watching, why = self._watching() if self._watching is not None else (True, "")
+        events = self._events.recent(instance_id, request.limit or DEFAULT_EVENT_LIMIT)
+        return convert.bypass_listing_to_pb(convert.BypassListing(tuple(events), watching, "" if watching else why))
 
 
 class _Counting(grpc.ServerInterceptor):
@@ -200,6 +222,8 @@ def serve(
     health_servicer: health.HealthServicer | None = None,
     cdi_spec: CdiSpecProvider | None = None,
     on_request: Callable[[str, str], None] | None = None,
+    events: BypassEvents | None = None,
+    watching: WatchState | None = None,
 ) -> LocalServer:
     """Start serving on `unix:<socket_path>` and return the started server
     (stop it with `server.stop(grace)`). Pass `health_servicer` to keep a
@@ -207,6 +231,10 @@ def serve(
     (`health_servicer.enter_graceful_shutdown()`). `cdi_spec` answers
     GetCdiSpec; without it that RPC is FAILED_PRECONDITION. `on_request`
     hears every call's method and status code name ("OK", "NOT_FOUND").
+    `events` is the bypass watchdog's ring (ListBypassEvents, each
+    instance's violations) and `watching` says whether the watchdog looks
+    now; without events ListBypassEvents is empty and says the watchdog is
+    not running.
 
     Raises CgpuError when the path cannot be used: too long for a unix
     socket, a directory others can write to, a non-socket file in the way,
@@ -225,7 +253,7 @@ def serve(
     interceptors = [_Counting(on_request)] if on_request is not None else []
     server = grpc.server(ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="cgpud-api"),
                          interceptors=interceptors)
-    pb_grpc.add_LocalServicer_to_server(LocalServicer(service, cdi_spec), server)
+    pb_grpc.add_LocalServicer_to_server(LocalServicer(service, cdi_spec, events, watching), server)
     health_servicer = health_servicer or health.HealthServicer()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
