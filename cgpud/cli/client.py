@@ -94,8 +94,18 @@ class LocalClient:
         msg = pb.ListInstancesRequest(include_released=include_released)
         return [convert.instance_from_pb(i) for i in self._call(self._stub.ListInstances, msg).instances]
 
+    def list_with_violations(self, include_released: bool = False) -> builtins.list[tuple[model.Instance, int]]:
+        """As list(), each instance with its bypass events since cgpud started."""
+        msg = pb.ListInstancesRequest(include_released=include_released)
+        return [(convert.instance_from_pb(i), i.violations)
+                for i in self._call(self._stub.ListInstances, msg).instances]
+
     def get(self, instance_id: str) -> model.Instance:
         return convert.instance_from_pb(self._inspect(instance_id))
+
+    def get_with_violations(self, instance_id: str) -> tuple[model.Instance, int]:
+        msg = self._inspect(instance_id)
+        return convert.instance_from_pb(msg), msg.violations
 
     def region_dir(self, instance_id: str) -> Path | None:
         """Host directory of the instance's region files; None once released."""
@@ -114,6 +124,12 @@ class LocalClient:
     def cdi_spec(self) -> str:
         """The CDI spec of the node's device instances, as JSON text."""
         return self._call(self._stub.GetCdiSpec, pb.GetCdiSpecRequest()).json
+
+    def bypass_events(self, instance_id: str | None = None, limit: int = 0) -> convert.BypassListing:
+        """The bypass watchdog's recent events, newest last (one instance's
+        when given; the daemon's default number when limit is 0)."""
+        msg = self._encode(lambda: pb.ListBypassEventsRequest(instance_id=instance_id or "", limit=limit))
+        return convert.bypass_listing_from_pb(self._call(self._stub.ListBypassEvents, msg))
 
     # ---- plumbing -----------------------------------------------------------------
 

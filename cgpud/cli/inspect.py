@@ -1,13 +1,20 @@
-"""`cgpuctl inspect` and `cgpuctl list`: the tables ACK users know from
-`kubectl inspect cgpu`, for this node. Pure formatting of what the daemon
-reports; memory in whole GiB as ACK shows it (totals rounded down, so a
-16 GB card shows 15; allocations rounded up, never under-reported)."""
+"""`cgpuctl inspect`, `cgpuctl list` and `cgpuctl events`: the tables ACK
+users know from `kubectl inspect cgpu`, for this node, and what the bypass
+watchdog found. Pure formatting of what the daemon reports; memory in whole
+GiB as ACK shows it (totals rounded down, so a 16 GB card shows 15;
+allocations rounded up, never under-reported), except per-instance and
+per-event amounts, which are MiB."""
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
+from cgpud.daemon.bypass_model import BypassEvent, ViolationKind
 from cgpud.daemon.model import GIB, Instance, NodeInfo
+
+if TYPE_CHECKING:  # the kubectl plugin imports this module and needs no protobuf
+    from cgpud.api.convert import BypassListing
 
 RULE = "-" * 78
 
@@ -66,8 +73,11 @@ def inspect_details(info: NodeInfo, instances: Sequence[Instance]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def instance_list(instances: Sequence[Instance]) -> str:
-    rows = [["ID", "STATE", "OWNER", "GPUS", "MEMORY(MiB)", "CORE(%)", "PIDS"]]
+def instance_list(instances: Sequence[Instance], violations: Mapping[str, int] | None = None) -> str:
+    """`violations`: bypass events per instance id; the column is left out
+    without it."""
+    rows = [["ID", "STATE", "OWNER", "GPUS", "MEMORY(MiB)", "CORE(%)", "PIDS",
+             *(["VIOLATIONS"] if violations is not None else [])]]
     for inst in instances:
         rows.append([
             inst.id, inst.state.value, f"{inst.owner.kind.value}/{inst.owner.id}",
@@ -75,18 +85,25 @@ def instance_list(instances: Sequence[Instance]) -> str:
             ",".join(str(g.memory >> 20) for g in inst.grants),
             ",".join(str(g.core_percent) for g in inst.grants),
             ",".join(str(p) for p in inst.pids) or "-",
+            *([str(violations.get(inst.id, 0))] if violations is not None else []),
         ])
     return "\n".join(_table(rows)) + "\n"
 
 
-def as_json_instances(instances: Sequence[Instance]) -> list[dict[str, Any]]:
-    return [{"id": i.id, "state": i.state.value, "owner": {"kind": i.owner.kind.value, "id": i.owner.id},
-             "grants": [{"gpu": g.gpu_index, "uuid": g.gpu_uuid, "memory_bytes": g.memory,
-                         "core_percent": g.core_percent} for g in i.grants],
-             "pids": list(i.pids), "enforced": i.enforced} for i in instances]
+def as_json_instances(instances: Sequence[Instance],
+                      violations: Mapping[str, int] | None = None) -> list[dict[str, Any]]:
+    out = [{"id": i.id, "state": i.state.value, "owner": {"kind": i.owner.kind.value, "id": i.owner.id},
+            "grants": [{"gpu": g.gpu_index, "uuid": g.gpu_uuid, "memory_bytes": g.memory,
+                        "core_percent": g.core_percent} for g in i.grants],
+            "pids": list(i.pids), "enforced": i.enforced} for i in instances]
+    if violations is not None:
+        for entry in out:
+            entry["violations"] = violations.get(entry["id"], 0)
+    return out
 
 
-def as_json(info: NodeInfo, instances: Sequence[Instance]) -> dict[str, Any]:
+def as_json(info: NodeInfo, instances: Sequence[Instance],
+            violations: Mapping[str, int] | None = None) -> dict[str, Any]:
     allocated, total = _totals(info)
     return {
         "name": info.hostname,
@@ -100,5 +117,83 @@ def as_json(info: NodeInfo, instances: Sequence[Instance]) -> dict[str, Any]:
                   "core_percent": g.core_percent, "instances": g.instances} for g in info.gpus],
         "allocated_gib": allocated,
         "total_gib": total,
-        "instances": as_json_instances(instances),
+        "instances": as_json_instances(instances, violations),
     }
+
+
+# ---- bypass events ------------------------------------------------------------------------
+
+
+def _when(unix: float) -> str:
+    # UTC, as cgpud's log lines stamp the same events.
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(unix))
+
+
+def _amount(event: BypassEvent) -> str:
+    """What was found against what is allowed: memory in MiB (an unknown
+    process is allowed none), compute in percent."""
+    v = event.violation
+    if v.kind is ViolationKind.COMPUTE_OVER_SHARE:
+        return f"{v.measured_percent:.0f}/{v.allowed_percent:.0f}%"
+    return f"{v.used_bytes >> 20}/{v.limit_bytes >> 20}MiB"
+
+
+def _action(event: BypassEvent) -> str:
+    if event.killed:
+        return f"{event.action.value}:{','.join(map(str, event.killed))}"
+    return event.action.value
+
+
+def event_table(events: Sequence[BypassEvent], with_instance: bool = True) -> list[str]:
+    """One line per event, oldest first. USED/ALLOWED is used/limit for
+    memory and measured/allowed for compute; ACTION names the killed PIDs;
+    DETAIL is why a kill failed, else the watchdog's own line."""
+    header = ["TIME", "KIND", *(["INSTANCE"] if with_instance else []), "GPU", "PIDS", "USED/ALLOWED", "ACTION",
+              "DETAIL"]
+    rows = [header]
+    for e in events:
+        v = e.violation
+        rows.append([_when(e.time), v.kind.value, *([v.instance_id or "-"] if with_instance else []),
+                     str(v.gpu_index), ",".join(map(str, v.pids)) or "-", _amount(e), _action(e),
+                     e.detail or v.detail or "-"])
+    return _table(rows)
+
+
+def watch_line(listing: BypassListing) -> str | None:
+    """One plain line when the watchdog is off, else None."""
+    if listing.watching:
+        return None
+    return f"the bypass watchdog is off: {listing.watch_detail or 'no reason given'}"
+
+
+def events_text(listing: BypassListing, with_instance: bool = True) -> str:
+    lines = [line] if (line := watch_line(listing)) else []
+    if listing.events:
+        lines += event_table(listing.events, with_instance)
+    else:
+        lines.append("no bypass events")
+    return "\n".join(lines) + "\n"
+
+
+def instance_details(inst: Instance, violations: int, listing: BypassListing) -> str:
+    """`cgpuctl inspect -d ID`: the instance and its recent bypass events."""
+    grants = "; ".join(f"gpu {g.gpu_index} {g.gpu_uuid} {g.memory >> 20} MiB"
+                       + (f" core {g.core_percent}%" if g.core_percent else "") for g in inst.grants)
+    lines = [f"ID:          {inst.id}", f"STATE:       {inst.state.value}",
+             f"OWNER:       {inst.owner.kind.value}/{inst.owner.id}", f"GRANTS:      {grants or '-'}",
+             f"PIDS:        {','.join(map(str, inst.pids)) or '-'}", f"ENFORCED:    {'yes' if inst.enforced else 'no'}",
+             f"VIOLATIONS:  {violations}", "", "Bypass events (newest last):"]
+    return "\n".join(lines) + "\n" + events_text(listing, with_instance=False)
+
+
+def as_json_event(e: BypassEvent) -> dict[str, Any]:
+    v = e.violation
+    return {"time": e.time, "kind": v.kind.value, "instance_id": v.instance_id, "gpu": v.gpu_index,
+            "pids": list(v.pids), "used_bytes": v.used_bytes, "limit_bytes": v.limit_bytes,
+            "measured_percent": v.measured_percent, "allowed_percent": v.allowed_percent,
+            "action": e.action.value, "killed": list(e.killed), "detail": v.detail, "action_detail": e.detail}
+
+
+def as_json_events(listing: BypassListing) -> dict[str, Any]:
+    return {"watching": listing.watching, "watch_detail": listing.watch_detail,
+            "events": [as_json_event(e) for e in listing.events]}

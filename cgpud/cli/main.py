@@ -110,12 +110,29 @@ def _seconds(text: str) -> float:
 def _inspect(args: argparse.Namespace) -> int:
     from cgpud.cli import inspect
 
+    if isinstance(args.details, str):
+        return _inspect_instance(args, args.details)
     with _client(args, reads=True) as client:
-        info, instances = client.node_info(), client.list()
+        info, counted = client.node_info(), client.list_with_violations()
+    instances = [i for i, _ in counted]
     if args.output == "json":
-        print(json.dumps(inspect.as_json(info, instances), indent=2))
+        print(json.dumps(inspect.as_json(info, instances, {i.id: n for i, n in counted}), indent=2))
     else:
         sys.stdout.write(inspect.inspect_details(info, instances) if args.details else inspect.inspect_summary(info))
+    return 0
+
+
+def _inspect_instance(args: argparse.Namespace, instance_id: str) -> int:
+    from cgpud.cli import inspect
+
+    with _client(args, reads=True) as client:
+        instance, violations = client.get_with_violations(instance_id)
+        listing = client.bypass_events(instance_id, args.limit)
+    if args.output == "json":
+        [out] = inspect.as_json_instances([instance], {instance.id: violations})
+        print(json.dumps(out | inspect.as_json_events(listing), indent=2))
+    else:
+        sys.stdout.write(inspect.instance_details(instance, violations, listing))
     return 0
 
 
@@ -123,12 +140,35 @@ def _list(args: argparse.Namespace) -> int:
     from cgpud.cli import inspect
 
     with _client(args, reads=True) as client:
-        instances = client.list(include_released=args.all)
+        counted = client.list_with_violations(include_released=args.all)
+    instances, violations = [i for i, _ in counted], {i.id: n for i, n in counted}
     if args.output == "json":
-        print(json.dumps(inspect.as_json_instances(instances), indent=2))
+        print(json.dumps(inspect.as_json_instances(instances, violations), indent=2))
     else:
-        sys.stdout.write(inspect.instance_list(instances))
+        sys.stdout.write(inspect.instance_list(instances, violations))
     return 0
+
+
+def _events(args: argparse.Namespace) -> int:
+    from cgpud.cli import inspect
+
+    with _client(args, reads=True) as client:
+        listing = client.bypass_events(args.instance, args.limit)
+    if args.output == "json":
+        print(json.dumps(inspect.as_json_events(listing), indent=2))
+    else:
+        sys.stdout.write(inspect.events_text(listing))
+    return 0
+
+
+def _limit(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 1 <= value <= 1000:
+        raise argparse.ArgumentTypeError(f"{text} is out of range: give 1 to 1000 events")
+    return value
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -237,11 +277,15 @@ def build_parser() -> argparse.ArgumentParser:
                                     "else /run/cgpud/cgpud.sock)")
     p.add_argument("--wait", type=_seconds, metavar="SECONDS",
                    help="how long to wait for a cgpud that is down or restarting, saying so once "
-                        "(default 10; 3 for list, inspect and policy show; 0 fails at once)")
+                        "(default 10; 3 for list, inspect, events and policy show; 0 fails at once)")
     verbs = p.add_subparsers(dest="verb", metavar="VERB", required=True)
 
     inspect = verbs.add_parser("inspect", help="GPU memory allocated on this node, as kubectl inspect cgpu shows it")
-    inspect.add_argument("-d", "--details", action="store_true", help="list every instance")
+    inspect.add_argument("-d", "--details", nargs="?", const=True, default=False, metavar="ID",
+                         help="list every instance; with an instance id, that instance and its recent "
+                              "bypass events")
+    inspect.add_argument("--limit", type=_limit, default=20, metavar="N",
+                         help="with -d ID: show its newest N bypass events (default 20)")
     inspect.add_argument("--output", choices=["table", "json"], default="table")
     inspect.set_defaults(handler=_inspect)
 
@@ -249,6 +293,17 @@ def build_parser() -> argparse.ArgumentParser:
     lst.add_argument("--all", action="store_true", help="include released instances")
     lst.add_argument("--output", choices=["table", "json"], default="table")
     lst.set_defaults(handler=_list)
+
+    events = verbs.add_parser(
+        "events", help="what the bypass watchdog found: GPU use around libcgpu, newest last",
+        description="Reports and kills of the bypass watchdog since cgpud started (the newest 1000 are kept): "
+                    "instances holding more GPU memory or compute than granted, and processes on a GPU that "
+                    "belong to no instance. Says so when the watchdog is off. See docs/bypass.md.")
+    events.add_argument("--instance", metavar="ID", help="only this instance's events")
+    events.add_argument("--limit", type=_limit, default=100, metavar="N",
+                        help="the newest N events (default 100, at most 1000)")
+    events.add_argument("--output", choices=["table", "json"], default="table")
+    events.set_defaults(handler=_events)
 
     run = verbs.add_parser("run", help="run a command under a fresh instance (memory limit, compute share)",
                            description="Example: cgpuctl run --mem 4GiB --core 30 -- python train.py")
