@@ -32,6 +32,7 @@ from prometheus_client.registry import Collector
 from cgpud._region import ffi as _region_ffi
 from cgpud._region import lib as _region_lib
 from cgpud.api.listen import Endpoint, parse_endpoint
+from cgpud.daemon.bypass_model import BypassEvents
 from cgpud.daemon.compute import TenantMetrics
 from cgpud.daemon.model import GpuCapacity, Instance, NodePolicy, Reservation
 from cgpud.daemon.region import USAGE_FILE
@@ -228,12 +229,14 @@ class CgpuCollector(Collector):
     """Builds every cgpu_* family from the daemon's state at scrape time."""
 
     def __init__(self, source: MetricsSource, stats: DaemonStats, version: str,
-                 models: Mapping[int, str] | None = None, utilisation: Callable[[], Mapping[int, int]] | None = None):
+                 models: Mapping[int, str] | None = None, utilisation: Callable[[], Mapping[int, int]] | None = None,
+                 events: BypassEvents | None = None):
         self._source = source
         self._stats = stats
         self._version = version
         self._models = dict(models or {})
         self._utilisation = utilisation
+        self._events = events
 
     def _gpu_labels(self, gpu: GpuCapacity) -> list[str]:
         return [str(gpu.index), gpu.uuid, self._models.get(gpu.index, "")]
@@ -267,12 +270,24 @@ class CgpuCollector(Collector):
         for (kind, method, code), n in sorted(errors.items()):
             failed.add_metric([kind, method, code], n)
         yield failed
-        for what in ("reconcile", "sweep"):
-            h = HistogramMetricFamily(f"cgpu_{what}_duration_seconds",
-                                      f"how long each {what} of the instance tables took")
+        for what, doc in (("reconcile", "how long each reconcile of the instance tables took"),
+                          ("sweep", "how long each sweep of the instance tables took"),
+                          ("bypass", "how long each round of the bypass watchdog took")):
+            h = HistogramMetricFamily(f"cgpu_{what}_duration_seconds", doc)
             buckets, total_s = durations.get(what, ([(f"{b:g}", 0) for b in DURATION_BUCKETS] + [("+Inf", 0)], 0.0))
             h.add_metric([], buckets, total_s)
             yield h
+        yield from self._bypass()
+
+    def _bypass(self) -> Iterator[Metric]:
+        by_kind, killed = self._events.totals() if self._events is not None else ({}, 0)
+        events = CounterMetricFamily("cgpu_bypass_events", "the bypass watchdog's reports and kills, by kind "
+                                     "of violation and action", labels=["kind", "action"])
+        for (kind, action), n in sorted(by_kind.items()):
+            events.add_metric([kind, action], n)
+        yield events
+        yield CounterMetricFamily("cgpu_bypass_processes_killed", "processes the bypass watchdog killed",
+                                  value=killed)
 
     def _per_gpu(self, gpus: Mapping[int, GpuCapacity], instances: Sequence[Instance]) -> Iterator[Metric]:
         total = GaugeMetricFamily("cgpu_gpu_memory_total_bytes", "GPU memory (NVML total)", labels=_GPU_LABELS)
@@ -324,16 +339,21 @@ class CgpuCollector(Collector):
                                      "instance's gate", labels=_INSTANCE_LABELS)
         gated = CounterMetricFamily("cgpu_instance_launches_gated", "launches that waited at a closed gate "
                                     "(tenant-reported)", labels=_INSTANCE_LABELS)
+        violations = CounterMetricFamily("cgpu_instance_bypass_violations", "the bypass watchdog's reports and "
+                                         "kills for the instance (on any of its GPUs)", labels=_INSTANCE_LABELS)
         compute = self._source.compute_metrics()
         for instance in instances:
             by_gpu = {m.gpu: m for m in compute.get(instance.id, [])}
             usage = (read_usage(os.path.join(self._source.region_dir(instance.id), USAGE_FILE),
                                 min(len(instance.grants), _MAX_DEVICES)) if instance.enforced else None)
+            counted = self._events.count(instance.id) if self._events is not None else 0
             for slot, grant in enumerate(instance.grants):
                 gpu = gpus.get(grant.gpu_index)
                 labels = [instance.id, instance.owner.kind.value, instance.owner.id, str(grant.gpu_index),
                           grant.gpu_uuid, self._models.get(grant.gpu_index, "")]
                 limit.add_metric(labels, grant.memory or (gpu.memory if gpu else 0))
+                if slot == 0:  # one series per instance: events are not kept per GPU
+                    violations.add_metric(labels, counted)
                 share.add_metric(labels, grant.core_percent)
                 if usage is not None and slot < len(usage):
                     bound = gpu.memory if gpu else grant.memory
@@ -345,7 +365,7 @@ class CgpuCollector(Collector):
                     charged.add_metric(labels, m.charged_ns / 1e9)
                     throttled.add_metric(labels, m.throttled_ns / 1e9)
                     grants.add_metric(labels, m.grants)
-        yield from (limit, used, share, achieved, charged, throttled, grants, gated)
+        yield from (limit, used, share, achieved, charged, throttled, grants, gated, violations)
 
 
 class _Server(ThreadingMixIn, WSGIServer):
@@ -413,11 +433,12 @@ class MetricsServer:
 
 
 def serve_metrics(listen: str, source: MetricsSource, stats: DaemonStats, version: str,
-                  models: Mapping[int, str]) -> MetricsServer:
-    """A started MetricsServer with its own registry and collector."""
+                  models: Mapping[int, str], events: BypassEvents | None = None) -> MetricsServer:
+    """A started MetricsServer with its own registry and collector;
+    `events` is the bypass watchdog's ring (its counters are 0 without it)."""
     nvml = NvmlUtilisation(models.keys())
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(CgpuCollector(source, stats, version, models, nvml))
+    registry.register(CgpuCollector(source, stats, version, models, nvml, events))
     server = MetricsServer(registry, listen, on_close=nvml.close)
     try:
         return server.start()
