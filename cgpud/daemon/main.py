@@ -190,13 +190,14 @@ def run(config: settings.DaemonConfig) -> int:
     if config.metrics_listen:
         from cgpud.daemon.metrics import serve_metrics
         metrics = serve_metrics(config.metrics_listen, service, stats, __version__,
-                                {g.index: g.name for g in inventory.gpus})
+                                {g.index: g.name for g in inventory.gpus}, events=events)
     files = runtime_files.install_runtime_files(config.state_dir, config.relay_socket)
     trust_env = config.orchestrator is Orchestrator.STANDALONE
     relay = RelayServer(ContainerLifecycle(service, files, trust_env), config.relay_socket,
                         on_request=lambda verb, code: stats.request("relay", verb, code)).start()
     server = serve(service, config.socket, cdi_spec=lambda: cdi.render(service, files),
-                   on_request=lambda method, code: stats.request("admin", method, code))
+                   on_request=lambda method, code: stats.request("admin", method, code),
+                   events=events, watching=_bypass_watching(config, bypass))
     notifier = Notifier.from_env()
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):

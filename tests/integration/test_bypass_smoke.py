@@ -47,6 +47,12 @@ def bypass_tenant(d: Daemon, hold: int) -> subprocess.Popen[str]:
                             env=d.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def events(d: Daemon) -> dict[str, Any]:
+    got = d.cgpuctl("events", "--output", "json")
+    assert got.returncode == 0, got.stderr
+    return dict(json.loads(got.stdout))
+
+
 def instance_ids(d: Daemon) -> list[str]:
     listed = d.cgpuctl("list", "--output", "json")
     assert listed.returncode == 0, listed.stderr
@@ -59,6 +65,7 @@ def test_report_mode_names_the_instance_and_leaves_the_process(tmp_path: Path, s
         try:
             [event, *_] = wait_bypass(d)
             ids = instance_ids(d)
+            listing = events(d)
             assert tenant.poll() is None  # reported, not killed
         finally:
             tenant.terminate()
@@ -67,6 +74,21 @@ def test_report_mode_names_the_instance_and_leaves_the_process(tmp_path: Path, s
     assert ids == [event["instance"]] and event["gpu"] == 0
     assert event["used"] >= 3 << 30 and event["limit"] == 1 << 30 and len(event["pids"]) == 1
     assert len(bypass_lines(d)) == 1  # once, not every round (the next report is 60 s later)
+    # the admin API hands out the daemon's own ring
+    assert listing["watching"] and [(e["instance_id"], e["action"]) for e in listing["events"]] == [
+        (event["instance"], "reported")]
+
+
+@pytest.mark.parametrize("flags, watching, why", [
+    (["--bypass-interval", "0"], False, "bypass_interval is 0"),
+    (["--mode", "share"], False, "mode share does not isolate"),
+    ([], True, ""),
+])
+def test_the_api_says_whether_the_watchdog_looks(tmp_path: Path, sim_env: dict[str, str], flags: list[str],
+                                                 watching: bool, why: str):
+    with running_daemon(tmp_path, sim_env, *flags) as d:
+        listing = events(d)
+    assert (listing["watching"], listing["watch_detail"]) == (watching, why)
 
 
 def test_kill_mode_kills_the_tenant_within_rounds(tmp_path: Path, sim_env: dict[str, str]):
