@@ -313,8 +313,10 @@ class BypassWatchdog:
             self._seen.clear()
             self._engine.clear()
             return []
-        instances, _ = self._service.holdings()
         processes = self._reader.read(mps=policy.mode is NodeMode.MPS)
+        # Read after NVML: an instance is created before its processes start,
+        # so every listed process's instance is in this snapshot.
+        instances, _ = self._service.holdings()
         identities = self._mapper.identify(sorted({p.pid for p in processes}), instances) if processes else {}
         compute = self._compute_views(instances, policy, now)
         violations = self._decide(instances, processes, identities, compute,

@@ -463,3 +463,22 @@ def test_a_round_with_the_real_decision():
     assert [(e.violation.kind, e.violation.instance_id, e.violation.pids) for e in got] == [
         (ViolationKind.MEMORY_OVER_LIMIT, "inst-a", (100,)), (ViolationKind.UNKNOWN_PROCESS, "", (301,))]
     assert got[0].violation.used_bytes == 3 * GIB and got[0].violation.limit_bytes == GIB
+
+
+def test_the_instances_are_read_after_nvml_so_a_new_tenant_is_not_unknown():
+    """An instance is committed before its process starts: a tenant that
+    starts between the two reads of a round must find its instance."""
+    from cgpud.daemon.watchdog_policy import DEFAULT_ALLOW
+
+    service = FakeService([])
+    new = instance("inst-new", (0, GIB, 0), pids=(100,))
+
+    class Starting(FakeReader):
+        def read(self, mps: bool = False) -> list[GpuProcess]:
+            service.instances.append(new)  # created, then its process listed by NVML
+            return [GpuProcess(0, 100, 200 * MIB)]
+
+    w = BypassWatchdog(service, BypassEvents(), Starting([]), FakeMapper({100: "inst-new"}),
+                       WatchSettings(512 * MIB, 20.0, DEFAULT_ALLOW, isolating=False), BypassAction.REPORT, 1.0,
+                       kill=Kills())
+    assert w.tick(100.0) == []
