@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 
+from cgpud.daemon import procmap, watchdog_policy
 from cgpud.daemon.bypass_model import (
     BypassAction,
     BypassEvent,
@@ -279,10 +280,6 @@ class BypassWatchdog:
                  settings: WatchSettings, action: BypassAction, interval: float,
                  stats: DaemonStats | None = None, log: Any = None, decide: Decide | None = None,
                  kill: Kill | None = None, repeat_s: float = REPEAT_S) -> None:
-        if decide is None:
-            from cgpud.daemon.watchdog_policy import decide
-        if kill is None:
-            from cgpud.daemon.procmap import kill_process as kill
         self._service = service
         self._events = events
         self._reader = reader
@@ -292,8 +289,8 @@ class BypassWatchdog:
         self.interval = interval
         self._stats = stats
         self._log = log if log is not None else structlog.get_logger("cgpud.bypass")
-        self._decide = decide
-        self._kill = kill
+        self._decide = decide if decide is not None else watchdog_policy.decide
+        self._kill = kill if kill is not None else procmap.kill_process
         self._repeat_s = repeat_s
         self._seen: dict[tuple[str, str, int], _Seen] = {}
         self._engine: dict[tuple[str, int], deque[tuple[float, float]]] = {}
