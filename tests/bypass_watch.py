@@ -2,7 +2,7 @@
 share: tenants as real processes whose JSON lines are read as they come,
 the host's NVML view through one long-lived pynvml process (what the
 simulated driver reports, as `nvidia-smi` would), and cgpud's bypass
-events as `cgpuctl events --json` gives them.
+events as `cgpuctl events --output json` gives them.
 
 Times are CLOCK_REALTIME seconds on both sides: the tenants stamp each
 allocation with it and cgpud stamps each event with it."""
@@ -247,25 +247,26 @@ class Nvml:
         self._proc.wait(timeout=10)
 
 
-def bypass_events(daemon: Daemon) -> list[dict[str, Any]]:
-    """Every event cgpud holds, oldest first, as `cgpuctl events --json`
-    gives them (time, kind, instance_id, gpu, pids, used_bytes, limit_bytes,
-    measured_percent, allowed_percent, action, killed, detail)."""
-    from datetime import datetime
+def bypass_listing(daemon: Daemon) -> dict[str, Any]:
+    """`cgpuctl events --output json`: whether the watchdog looks (and why
+    not), and every event cgpud holds, oldest first."""
+    got = daemon.cgpuctl("events", "--output", "json", "--limit", "1000")
+    assert got.returncode == 0, got.stderr
+    return dict(json.loads(got.stdout))
 
-    events = []
-    for line in daemon.log.read_text().splitlines():
-        if '"bypass"' not in line:
-            continue
-        o = json.loads(line)
-        if o.get("event") != "bypass":
-            continue
-        events.append({"time": datetime.fromisoformat(o["timestamp"].replace("Z", "+00:00")).timestamp(),
-                       "kind": o["kind"], "instance_id": o["instance"], "gpu": o["gpu"], "pids": o["pids"],
-                       "used_bytes": o["used"], "limit_bytes": o["limit"], "action": o["action"],
-                       "killed": o.get("killed", []), "measured_percent": o.get("measured_percent", 0.0),
-                       "allowed_percent": o.get("allowed_percent", 0.0), "detail": o.get("detail", "")})
-    return events
+
+def bypass_events(daemon: Daemon) -> list[dict[str, Any]]:
+    """Each event as cgpuctl gives it: time (Unix seconds, the round's),
+    kind, instance_id, gpu, pids, used_bytes, limit_bytes, measured_percent,
+    allowed_percent, action, killed, detail, action_detail."""
+    return list(bypass_listing(daemon)["events"])
+
+
+def violations(daemon: Daemon) -> dict[str, int]:
+    """The VIOLATIONS column of `cgpuctl list`, by instance (released ones too)."""
+    got = daemon.cgpuctl("list", "--all", "--output", "json")
+    assert got.returncode == 0, got.stderr
+    return {i["id"]: i["violations"] for i in json.loads(got.stdout)}
 
 
 def wait_events(daemon: Daemon, pred: Callable[[dict[str, Any]], bool], timeout: float,

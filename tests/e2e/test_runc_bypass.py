@@ -25,7 +25,8 @@ from typing import Any
 import pytest
 
 from tests import bypass_build
-from tests.bypass_watch import GIB, INTERVAL, SLACK, Nvml, bypass_events, wait_dead, wait_events, watch_flags
+from tests.bypass_watch import (GIB, INTERVAL, SLACK, Nvml, bypass_events, violations, wait_dead, wait_events,
+                                watch_flags)
 from tests.daemonproc import Daemon, running_daemon
 from tests.e2e.oci import Host, create, runc
 
@@ -124,6 +125,7 @@ def test_report_mode_reports_a_bypass_container(kind: str, tmp_path: Path, host:
         view = nvml.query()
         assert view["procs"].get(t.pid) == 4 * GIB and view["procs"].get(n.pid) == 2 * GIB
         assert [e["instance_id"] for e in bypass_events(d)] == [t.instance_id]
+        assert violations(d) == {t.instance_id: 1, n.instance_id: 0}  # cgpuctl list
 
 
 @pytest.mark.parametrize("kind", KINDS)

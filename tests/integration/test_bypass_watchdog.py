@@ -23,8 +23,9 @@ from pathlib import Path
 import pytest
 
 from cgpud.native import native_path
-from tests.bypass_watch import (GIB, INTERVAL, Nvml, Tenant, bypass_command, bypass_events, neighbour_command,
-                                run_plain, run_tenant, wait_dead, wait_events, watch_flags)
+from tests.bypass_watch import (GIB, INTERVAL, Nvml, Tenant, bypass_command, bypass_events, bypass_listing,
+                                neighbour_command, run_plain, run_tenant, violations, wait_dead, wait_events,
+                                watch_flags)
 from tests.conftest import write_sim_config
 from tests.daemonproc import Daemon, running_daemon
 
@@ -85,8 +86,10 @@ def test_report_mode_reports_a_bypass_within_two_intervals(kind: str, tmp_path: 
             time.sleep(5 * INTERVAL)
             assert tenant.alive(), tenant.errors()
             assert nvml.query()["procs"].get(tenant.pid) == 4 * GIB
-            events = bypass_events(d)
-            assert [e["instance_id"] for e in events] == [tenant.instance_id], events
+            listing = bypass_listing(d)
+            assert listing["watching"] is True, listing
+            assert [e["instance_id"] for e in listing["events"]] == [tenant.instance_id], listing
+            assert violations(d) == {tenant.instance_id: 1, neighbour.instance_id: 0}  # cgpuctl list
             assert_untouched(d, neighbour, nvml)
         finally:
             tenant.stop()
