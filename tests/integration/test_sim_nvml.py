@@ -729,3 +729,32 @@ def test_with_libcuda_mps_lists_and_processes_utilization_info(libcuda, sim_env)
     assert got["later"] == "NVMLError_NotFound"
     assert got["bad"] == 25  # NVML_ERROR_ARGUMENT_VERSION_MISMATCH
     assert got["size"] == [7, 1]  # INSUFFICIENT_SIZE and the count needed
+
+
+@needs_root
+def test_sim_stat_sample_names_namespaced_processes_by_the_samplers_pids(libcuda, native, sim_env):
+    stat = str(native / "bin" / "cgpu-sim-stat")
+    samplers = [subprocess.Popen([*prefix, stat, "--sample", "0", "50", "0"], env=sim_env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+                for prefix in ([], ["unshare", "-p", "-f", "--mount-proc", "--kill-child"])]
+    try:
+        for s in samplers:
+            s.stdout.readline()  # running before the tenant starts
+        with ns_tenants(sim_env, {"size": GIB, "gpu": 0, "spin_s": 0.3}) as [t]:
+            done = sim_stat(native, sim_env)["now_ns"]  # its kernels have ended
+            busy = sim_stat(native, sim_env, "--busy", "0", "0", str(done))
+            lines = []
+            for s in samplers:
+                line = json.loads(s.stdout.readline())
+                while line["now_ns"] <= done:
+                    line = json.loads(s.stdout.readline())
+                lines.append(line)
+    finally:
+        for s in samplers:
+            s.kill()  # --kill-child: unshare's death takes the sampler with it
+            s.wait(timeout=30)
+    host, other = lines
+    assert busy["per_pid"] == {str(t.host_pid): busy["busy_ns"]} and busy["busy_ns"] >= 250_000_000
+    assert host["per_pid"] == {str(t.host_pid): busy["busy_ns"]}
+    # From another namespace the process is not visible: its time counts for the GPU only.
+    assert other["per_pid"] == {} and other["busy_ns"] == busy["busy_ns"]
