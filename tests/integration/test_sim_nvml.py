@@ -527,7 +527,8 @@ class NsTenant:
 
     def kill(self) -> None:
         if self.proc.poll() is None:
-            os.kill(self.host_pid, signal.SIGKILL)  # pid 1 of its namespace: the namespace goes with it
+            # pid 1 of its namespace: the namespace goes with it (unshare, if it never started).
+            os.kill(getattr(self, "host_pid", self.proc.pid), signal.SIGKILL)
         self.proc.wait(timeout=30)
 
 
