@@ -19,7 +19,7 @@ cgpud's CPU-time clock over the same wall time; rounds are medians.
 
 It is a report: exit 0 whether or not a figure is good, 1 when it could not
 measure. Run from the repository root:
-    .venv/bin/python -m bench.bench_watchdog [--trials 50] [--rounds 6] [--seconds 10] [--quick]
+    .venv/bin/python -m bench.bench_watchdog [--trials 50] [--rounds 6] [--seconds 10] [--seed 16] [--quick]
 """
 from __future__ import annotations
 
