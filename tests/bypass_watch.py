@@ -278,7 +278,8 @@ def wait_events(daemon: Daemon, pred: Callable[[dict[str, Any]], bool], timeout:
         if found:
             return found
         if time.monotonic() > deadline:
-            raise AssertionError(f"no {what} within {timeout} s; events: {events}; log: {daemon.log.read_text()[-3000:]}")
+            log = daemon.log.read_text()[-3000:]
+            raise AssertionError(f"no {what} within {timeout} s; events: {events}; cgpud's log ends: {log}")
         time.sleep(0.05)
 
 

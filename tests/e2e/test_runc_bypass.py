@@ -137,7 +137,7 @@ def test_kill_mode_stops_a_bypass_container(kind: str, tmp_path: Path, host: Hos
             dead = wait_dead(t.pid, 10)
             assert dead is not None, f"container {t.cid} (pid {t.pid}) still runs 10 s after crossing its limit"
             assert dead - crossed <= 2 * INTERVAL + OBSERVE, dead - crossed
-            [event] = [e for e in bypass_events(d) if e["instance_id"] == t.instance_id]
+            [event] = wait_events(d, lambda e: e["instance_id"] == t.instance_id, 10, "the kill's event")
             assert event["action"] == "killed" and event["killed"] == [t.pid], event
             assert event["time"] - crossed <= 2 * INTERVAL, event
             print(f"{kind}: killed at {(event['time'] - crossed) * 1e3:.0f} ms, seen dead at "

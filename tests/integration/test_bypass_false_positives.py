@@ -44,7 +44,8 @@ def test_twenty_well_behaved_tenants_for_60_s_make_no_event(tmp_path: Path, nati
     env.pop("LD_PRELOAD", None)
     conf = tmp_path / "sim.conf"
     conf.write_text(f"context_mib={CONTEXT_MIB}\n" + 'gpu name="NVIDIA H100 80GB HBM3" mem=80GiB sms=132\n' * 2)
-    env.update(LD_LIBRARY_PATH=str(native / "sim"), CGPU_SIM_CONFIG=str(conf), CGPU_SIM_STATE=str(tmp_path / "sim.state"))
+    env.update(LD_LIBRARY_PATH=str(native / "sim"), CGPU_SIM_CONFIG=str(conf),
+               CGPU_SIM_STATE=str(tmp_path / "sim.state"))
     nvml = Nvml(env)
     tenants: list[Tenant] = []
     with running_daemon(tmp_path, env, "--mode", "core_mem", "--placement", "spread", "--compute-policy", "3",

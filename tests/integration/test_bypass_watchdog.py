@@ -107,7 +107,7 @@ def test_kill_mode_kills_a_bypass_within_two_intervals_and_the_memory_returns(
             dead = wait_dead(tenant.pid, 10)
             assert dead is not None, f"tenant {tenant.pid} still runs 10 s after crossing its limit"
             assert dead - crossed <= 2 * INTERVAL + OBSERVE, dead - crossed
-            [event] = [e for e in bypass_events(d) if e["instance_id"] == tenant.instance_id]
+            [event] = wait_events(d, lambda e: e["instance_id"] == tenant.instance_id, 10, "the kill's event")
             print(f"{kind}: killed at {(event['time'] - crossed) * 1e3:.0f} ms, seen dead at "
                   f"{(dead - crossed) * 1e3:.0f} ms after the crossing allocation")
             assert event["kind"] == "memory_over_limit" and event["action"] == "killed", event
