@@ -10,11 +10,13 @@ Report mode: an event within 2 intervals of the crossing allocation, the
 container runs on. Kill mode: the container's process is dead within 2
 intervals (runc says stopped), NVML shows the memory back, and deleting the
 container (its poststop hook) releases the instance. The neighbour runs on
-with no event."""
+with no event. A container run by plain runc (no instance) is reported as
+an unknown process and never killed, unless an allow rule names its cgroup."""
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -150,3 +152,51 @@ def test_kill_mode_stops_a_bypass_container(kind: str, tmp_path: Path, host: Hos
         assert [i["id"] for i in listed] == [n.instance_id]
         assert status(host, n.cid) == "running" and nvml.query()["procs"].get(n.pid) == 2 * GIB
         assert [e["instance_id"] for e in bypass_events(d)] == [t.instance_id]
+
+
+@contextmanager
+def plain_container(host: Host, bundle: Any, cid: str) -> Iterator[int]:
+    """A container run by runc itself, not through cgpu-runtime: a GPU user
+    cgpu never heard of. Yields its host PID."""
+    log = bundle.path / "stdio.log"
+    with open(log, "w") as out:
+        made = subprocess.run(["runc", "--root", str(host.runc_root), "create", "--bundle", str(bundle.path), cid],
+                              stdin=subprocess.DEVNULL, stdout=out, stderr=out, timeout=60)
+    assert made.returncode == 0, log.read_text()
+    try:
+        assert runc(host, "start", cid).returncode == 0
+        yield int(json.loads(runc(host, "state", cid).stdout)["pid"])
+    finally:
+        runc(host, "kill", cid, "KILL")
+        deleted = runc(host, "delete", "--force", cid)
+    assert deleted.returncode == 0, deleted.stderr
+
+
+def test_a_container_outside_cgpu_is_reported_not_killed_and_an_allowed_cgroup_is_left_alone(
+        tmp_path: Path, host: Host, nvml: Nvml) -> None:
+    """Kill mode. Two containers run by plain runc (no cgpu-runtime, no
+    instance) allocate 256 MiB with the ELF-walking tool: the one whose
+    cgroup an allow rule names (`cgroup:*/allowed-*`, runc puts a container
+    in a cgroup named by its id) is not reported; the other is reported as
+    unknown_process by its host PID and keeps running."""
+    args = ["/usr/bin/cgpu-bypass", "--resolve", "elf", "--alloc-mib", "256", "--count", "1", "--hold", "600"]
+    bundles = []
+    for name in ("allowed", "plain"):
+        b = host.bundle(tmp_path / name, args)
+        (b.rootfs / "usr/bin/cgpu-bypass").unlink(missing_ok=True)
+        shutil.copy2(bypass_build.elf_bypass(), b.rootfs / "usr/bin/cgpu-bypass")
+        bundles.append(b)
+    with running_daemon(tmp_path, host.sim_env, *watch_flags("kill", INTERVAL, "--bypass-allow",
+                                                              "cgroup:*/allowed-*")) as d, \
+            plain_container(host, bundles[0], host.new_id("allowed")) as allowed, \
+            plain_container(host, bundles[1], host.new_id("plain")) as plain:
+        cgroup = Path(f"/proc/{allowed}/cgroup").read_text()
+        assert "/allowed-" in cgroup, cgroup  # what the rule relies on
+        nvml.wait(lambda v: v["procs"].get(allowed) == v["procs"].get(plain) == 256 << 20, 10,
+                  "both containers' 256 MiB")
+        [event] = wait_events(d, lambda e: e["kind"] == "unknown_process", 10, "an unknown_process event")
+        assert event["pids"] == [plain] and event["instance_id"] == "", event
+        assert event["action"] == "reported" and event["killed"] == [], event
+        time.sleep(5 * INTERVAL)
+        assert wait_dead(plain, 0) is None and wait_dead(allowed, 0) is None  # both still run
+        assert [e["pids"] for e in bypass_events(d)] == [[plain]]
