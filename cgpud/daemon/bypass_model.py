@@ -55,6 +55,10 @@ class ProcessIdentity:
     exe: str  # readlink of /proc/<pid>/exe as cgpud reads it; "" when unreadable
     cgroup: str  # the cgroup path the mapping compared; "" when unknown
     instance_id: str | None  # None: it belongs to no active instance
+    # It runs in cgpud's root filesystem. A container's /proc/<pid>/exe names
+    # a path in the container's own root, which its image chooses: exe
+    # allow rules hold only for host processes.
+    host_root: bool = True
 
 
 @dataclass(frozen=True)

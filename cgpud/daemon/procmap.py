@@ -85,13 +85,6 @@ def read_stat(pid: int, proc: Path = PROC) -> ProcStat | None:
     return parse_stat(pid, text) if text is not None else None
 
 
-def read_exe(pid: int, proc: Path = PROC) -> str:
-    try:
-        return os.readlink(f"{proc}/{pid}/exe")
-    except OSError:
-        return ""
-
-
 def parse_cgroups(text: bytes) -> dict[str, str] | None:
     """Controllers ("" for the unified hierarchy, "cpu,cpuacct", "name=systemd")
     to path. None when the text is not one line per hierarchy: a cgroup
@@ -129,6 +122,15 @@ class ProcInfo:
     stat: ProcStat
     exe: str
     cgroup_text: bytes | None
+    root: tuple[int, int] | None = None  # (device, inode) of its root directory; None: unreadable
+
+
+def _file_id(path: str, dir_fd: int | None = None) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path, dir_fd=dir_fd)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
 
 
 def read_process(pid: int, proc: Path = PROC) -> ProcInfo | None:
@@ -149,7 +151,7 @@ def read_process(pid: int, proc: Path = PROC) -> ProcInfo | None:
             exe = os.readlink("exe", dir_fd=d)
         except OSError:
             exe = ""
-        return ProcInfo(st, exe, cgroup)
+        return ProcInfo(st, exe, cgroup, _file_id("root", d))
     finally:
         os.close(d)
 
@@ -341,6 +343,11 @@ class ProcessMapper:
         self._sticky: dict[tuple[int, int], tuple[str, tuple[str, int]]] = {}
         self._btime: float | None = None
         self._ticks = os.sysconf("SC_CLK_TCK")
+        self._root = _file_id(f"{proc}/{self.self_pid}/root")
+
+    def host_root(self, info: ProcInfo) -> bool:
+        """The process runs in cgpud's own root filesystem."""
+        return info.root == self._root
 
     def created(self, st: ProcStat) -> float:
         """Unix time the process started, as psutil computes it (and so
@@ -402,7 +409,8 @@ class ProcessMapper:
         rnd.stats[pid] = st = info.stat
         cgroups = checked_cgroups(info.cgroup_text, rnd.hierarchies)
         iid = self._map(rnd, st, cgroups)
-        return ProcessIdentity(pid, st.starttime, info.exe, preferred_cgroup(cgroups)[1] if cgroups else "", iid)
+        return ProcessIdentity(pid, st.starttime, info.exe, preferred_cgroup(cgroups)[1] if cgroups else "", iid,
+                               self.host_root(info))
 
     def _remember(self, key: tuple[int, int], iid: str, binding: tuple[str, int] | None) -> None:
         if binding is None:
@@ -447,8 +455,9 @@ def _recheck(identity: ProcessIdentity, mapper: ProcessMapper, instances: Sequen
         return False, f"pid {pid} not killed: it is another process now (pid reused)"
     if iid != identity.instance_id:
         return False, f"pid {pid} not killed: it now maps to {iid or 'no instance'}, not {identity.instance_id}"
-    if allow and allowed(ProcessIdentity(pid, st.starttime, read_exe(pid, mapper.proc), identity.cgroup, iid),
-                         allow):
+    info = read_process(pid, mapper.proc) if allow else None
+    if info is not None and allowed(ProcessIdentity(pid, st.starttime, info.exe, identity.cgroup, iid,
+                                                    mapper.host_root(info)), allow):
         return False, f"pid {pid} not killed: it is on the allow list"
     return None
 

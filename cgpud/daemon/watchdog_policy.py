@@ -51,9 +51,14 @@ def parse_allow(text: str) -> tuple[AllowRule, ...]:
 
 def allowed(identity: ProcessIdentity, rules: Iterable[AllowRule]) -> bool:
     """The process may use a GPU with no instance. A field cgpud could not
-    read ("") matches no rule, so an unreadable process is never allowed."""
+    read ("") matches no rule, so an unreadable process is never allowed;
+    an exe rule names a host path, so it never matches a process in another
+    root (a container's image can put any name at /usr/bin/Xorg)."""
     for rule in rules:
-        value = identity.exe if rule.kind == "exe" else identity.cgroup if rule.kind == "cgroup" else ""
+        if rule.kind == "exe":
+            value = identity.exe if identity.host_root else ""
+        else:
+            value = identity.cgroup if rule.kind == "cgroup" else ""
         if value and fnmatchcase(value, rule.pattern):
             return True
     return False

@@ -15,6 +15,7 @@ an unknown process and never killed, unless an allow rule names its cgroup."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import time
@@ -200,3 +201,31 @@ def test_a_container_outside_cgpu_is_reported_not_killed_and_an_allowed_cgroup_i
         time.sleep(5 * INTERVAL)
         assert wait_dead(plain, 0) is None and wait_dead(allowed, 0) is None  # both still run
         assert [e["pids"] for e in bypass_events(d)] == [[plain]]
+
+
+def test_naming_the_binary_like_an_allowed_daemon_protects_nothing(tmp_path: Path, host: Host, nvml: Nvml) -> None:
+    """The allow list names NVIDIA's daemons by executable (`*/Xorg`,
+    `*/nvidia-persistenced`...). Inside a container, /proc/<pid>/exe is a
+    path in the image, which the tenant chooses. Kill mode: a 1 GiB
+    container whose bypass tool is /usr/bin/nvidia-persistenced is still
+    killed, and a container outside cgpu whose tool is /usr/bin/Xorg is
+    still reported."""
+    tenant = host.bundle(tmp_path / "t", ["/usr/bin/nvidia-persistenced", "--resolve", "elf", *HOLD],
+                         ("ALIYUN_COM_GPU_MEM_CONTAINER=1",))
+    shutil.copy2(bypass_build.elf_bypass(), tenant.rootfs / "usr/bin/nvidia-persistenced")
+    stranger = host.bundle(tmp_path / "s", ["/usr/bin/Xorg", "--resolve", "elf", "--alloc-mib", "256", "--count", "1",
+                                            "--hold", "600"])
+    shutil.copy2(bypass_build.elf_bypass(), stranger.rootfs / "usr/bin/Xorg")
+    with running_daemon(tmp_path, host.sim_env, *watch_flags("kill")) as d, \
+            plain_container(host, stranger, host.new_id("xorg")) as xorg:
+        assert os.readlink(f"/proc/{xorg}/exe") == "/usr/bin/Xorg"  # what cgpud reads: the image's path
+        [unknown] = wait_events(d, lambda e: e["kind"] == "unknown_process", 10, "the Xorg container reported")
+        assert unknown["pids"] == [xorg] and unknown["action"] == "reported", unknown
+        with container(host, d, tenant) as t:
+            assert os.readlink(f"/proc/{t.pid}/exe") == "/usr/bin/nvidia-persistenced"
+            crossed = t.crossing(GIB)
+            dead = wait_dead(t.pid, 10)
+            assert dead is not None, f"the tenant named nvidia-persistenced still runs: {bypass_events(d)}"
+            assert dead - crossed <= 2 * INTERVAL + OBSERVE, dead - crossed
+            [event] = wait_events(d, lambda e: e["instance_id"] == t.instance_id, 10, "the kill's event")
+            assert event["action"] == "killed" and event["killed"] == [t.pid], event

@@ -2,6 +2,8 @@
 process is, in; violations, out."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from cgpud.daemon.bypass_model import (
@@ -197,3 +199,12 @@ def test_allowed_matches_exe_or_cgroup_only_by_its_own_field():
     assert allowed(who(1, None, cgroup="/b/c"), rules)
     assert not allowed(who(1, None, exe="/b/c", cgroup="/opt/a"), rules)
     assert not allowed(who(1, None, exe="/opt/a", cgroup="/b"), parse_allow("cgroup:/b/*"))
+
+
+def test_an_exe_rule_never_allows_a_process_in_another_root():
+    """A container's /proc/<pid>/exe is a path in its own image, which the
+    tenant chooses: naming its binary Xorg must not make it allowed."""
+    in_container = ProcessIdentity(7, 1007, "/usr/bin/Xorg", "/ct", None, host_root=False)
+    assert allowed(replace(in_container, host_root=True), DEFAULT_ALLOW)
+    assert not allowed(in_container, DEFAULT_ALLOW)
+    assert allowed(in_container, parse_allow("cgroup:/ct"))  # the operator named its cgroup
