@@ -80,6 +80,9 @@ class WatchSettings:
     compute_excess_percent: float  # points above the allowed share before it counts
     allow: tuple[AllowRule, ...]
     isolating: bool  # the node's mode isolates (cgpu, core_mem, mps): unknown processes count
+    # The slack is given for at most this many of an instance's processes on
+    # a GPU: a tenant that forks more gains nothing from it.
+    memory_slack_processes: int = 4
 
 
 @dataclass(frozen=True)

@@ -138,6 +138,10 @@ class DaemonConfig:
         512, "MiB each of an instance's processes on a GPU may hold past its limit there before the watchdog counts "
         "it (the driver's context memory, which libcgpu does not charge; 0-65536)"
     )
+    bypass_memory_slack_processes: int = _setting(
+        4, "processes of an instance on a GPU the memory slack is given for, at most: a tenant that forks more "
+        "gains nothing (1-1024)"
+    )
     bypass_allow: str = _setting(
         "", "processes that may use a GPU without an instance, besides NVIDIA's daemons: space-separated "
         "cgroup:GLOB or exe:GLOB, \"cgroup:/system.slice/dcgm* exe:/usr/bin/nv-hostengine\""
@@ -167,7 +171,8 @@ class DaemonConfig:
         """The bypass watchdog's rule settings; `isolating` follows the mode
         of each round (node labels may change it)."""
         return WatchSettings(self.bypass_memory_slack_mib * MIB, self.bypass_compute_excess_percent,
-                             self.allow_rules(), isolating=isolates(self.mode))
+                             self.allow_rules(), isolating=isolates(self.mode),
+                             memory_slack_processes=self.bypass_memory_slack_processes)
 
     @property
     def database(self) -> Path:
@@ -243,6 +248,8 @@ def _validate_bypass(config: DaemonConfig) -> None:
         raise UsageError("bypass_interval must be 0 (off) or between 0.1 and 60 seconds")
     if not 0 <= config.bypass_memory_slack_mib <= 65536:
         raise UsageError("bypass_memory_slack_mib must be between 0 and 65536")
+    if not 1 <= config.bypass_memory_slack_processes <= 1024:
+        raise UsageError("bypass_memory_slack_processes must be between 1 and 1024")
     if not 1 <= config.bypass_compute_window <= 600:
         raise UsageError("bypass_compute_window must be between 1 and 600 seconds")
     if not 1 <= config.bypass_compute_excess_percent <= 100:

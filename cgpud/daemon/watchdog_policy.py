@@ -71,7 +71,8 @@ def decide(instances: Sequence[Instance], processes: Sequence[GpuProcess],
 
     Memory: per (instance, GPU), what its processes hold there (used None
     counts 0) above its grant there (0 on a GPU it has no grant on) plus
-    memory_slack_bytes per process of it there. Unknown (isolating nodes
+    memory_slack_bytes per process of it there (for memory_slack_processes
+    of them at most). Unknown (isolating nodes
     only): each process of no active instance that the allow rules do not
     name; one that vanished before it was identified is skipped. Compute:
     per capped view, the instance's summed sm_percent on the GPU above the
@@ -90,7 +91,7 @@ def decide(instances: Sequence[Instance], processes: Sequence[GpuProcess],
         elif settings.isolating and not allowed(identity, settings.allow):
             out.append(_unknown(p, identity))
     for (iid, gpu), procs in mine.items():
-        v = _memory(active[iid], gpu, procs, settings.memory_slack_bytes)
+        v = _memory(active[iid], gpu, procs, settings.memory_slack_bytes, settings.memory_slack_processes)
         if v is not None:
             out.append(v)
     for view in compute:
@@ -115,19 +116,21 @@ def _unknown(p: GpuProcess, identity: ProcessIdentity) -> Violation:
     return Violation(ViolationKind.UNKNOWN_PROCESS, p.gpu_index, "", (p.pid,), used_bytes=used, detail=detail)
 
 
-def _memory(inst: Instance, gpu: int, procs: list[GpuProcess], slack: int) -> Violation | None:
+def _memory(inst: Instance, gpu: int, procs: list[GpuProcess], slack: int, slack_processes: int
+            ) -> Violation | None:
     grant = next((g for g in inst.grants if g.gpu_index == gpu), None)
     if not inst.enforced or (grant is not None and grant.memory == 0):
         return None
     limit = grant.memory if grant is not None else 0
     pids = _pids(procs)
     used = sum(p.used_bytes or 0 for p in procs)
-    if used <= limit + slack * len(pids):
+    if used <= limit + slack * min(len(pids), slack_processes):
         return None
     where = f"a limit of {format_memory(limit)}" if grant is not None else "no grant there"
     noun = "process" if len(pids) == 1 else "processes"
     detail = (f"instance {inst.id} holds {format_memory(used)} on GPU {gpu} in {len(pids)} {noun} "
-              f"({', '.join(map(str, pids))}) with {where} (+ {format_memory(slack)} slack per process)")
+              f"({', '.join(map(str, pids))}) with {where} (+ {format_memory(slack)} slack per process, "
+              f"for at most {slack_processes})")
     return Violation(ViolationKind.MEMORY_OVER_LIMIT, gpu, inst.id, pids, used_bytes=used, limit_bytes=limit,
                      detail=detail)
 

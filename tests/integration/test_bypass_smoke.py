@@ -108,6 +108,7 @@ def test_kill_mode_kills_the_tenant_within_rounds(tmp_path: Path, sim_env: dict[
     (["--bypass-interval", "0.05"], "bypass_interval must be 0 (off) or between 0.1 and 60 seconds"),
     (["--bypass-action", "stop"], "setting bypass_action = 'stop' is not valid (one of: report, kill)"),
     (["--bypass-memory-slack-mib", "-1"], "bypass_memory_slack_mib must be between 0 and 65536"),
+    (["--bypass-memory-slack-processes", "0"], "bypass_memory_slack_processes must be between 1 and 1024"),
     (["--bypass-compute-window", "0.5"], "bypass_compute_window must be between 1 and 600 seconds"),
     (["--bypass-compute-excess-percent", "0"], "bypass_compute_excess_percent must be between 1 and 100"),
     (["--bypass-allow", "cgroup:/system.slice/dcgm* pid:1"], "pid:1"),

@@ -184,3 +184,25 @@ def test_ungated_kernels_over_a_fixed_share_are_reported_and_gated_ones_are_not(
         finally:
             gated.stop()
             ungated.stop()
+
+
+def test_forking_for_more_slack_gains_nothing(tmp_path: Path, gpu_env: dict[str, str], nvml: Nvml) -> None:
+    """The slack is per process: a tenant that forks eight bypassing
+    processes of 500 MiB each (3.9 GiB in a 1 GiB instance, under 1 GiB +
+    8 x 512 MiB) gets the slack of four at most: once seven or eight hold
+    their 500 MiB the round kills them (one left alone is within its limit)."""
+    from tests import bypass_build
+
+    tool = f"{bypass_build.elf_bypass()} --resolve elf --alloc-mib 500 --count 1 --hold 600"
+    script = f"for i in 1 2 3 4 5 6 7 8; do {tool} > /dev/null & done; wait"
+    with running_daemon(tmp_path, gpu_env, *watch_flags("kill")) as d:
+        tenant = run_tenant(d, "1", ["sh", "-c", script], tmp_path)
+        try:
+            event = wait_events(d, lambda e: e["instance_id"] == tenant.instance_id, 20, "the forked tenant's event")[0]
+            assert event["kind"] == "memory_over_limit" and event["action"] == "killed", event
+            assert event["used_bytes"] > GIB + 4 * 512 * 2**20, event  # past four slacks, under eight
+            killed = event["killed"]
+            assert len(killed) >= 7 and killed == event["pids"], event
+            nvml.wait(lambda v: not set(v["procs"]) & set(killed), 5, "the forked processes' memory back")
+        finally:
+            tenant.stop()
