@@ -91,7 +91,9 @@ def parse_cgroups(text: bytes) -> dict[str, str] | None:
     name holding a newline would otherwise forge a line of its own."""
     out: dict[str, str] = {}
     seen: set[str] = set()
-    for line in text.decode("utf-8", "surrogateescape").split("\n"):
+    # Paths are bytes; \xNN for what is not UTF-8 keeps them printable and
+    # encodable everywhere they go (logs, protobuf strings).
+    for line in text.decode("utf-8", "backslashreplace").split("\n"):
         if not line:
             continue
         hid, sep1, rest = line.partition(":")
@@ -148,7 +150,9 @@ def read_process(pid: int, proc: Path = PROC) -> ProcInfo | None:
             return None
         cgroup = _read("cgroup", _CGROUP_MAX, d)
         try:
-            exe = os.readlink("exe", dir_fd=d)
+            # The image chooses this name: bytes that are not UTF-8 must not
+            # reach a protobuf string (it refuses them) as lone surrogates.
+            exe = os.fsencode(os.readlink("exe", dir_fd=d)).decode("utf-8", "backslashreplace")
         except OSError:
             exe = ""
         return ProcInfo(st, exe, cgroup, _file_id("root", d))

@@ -206,3 +206,26 @@ def test_forking_for_more_slack_gains_nothing(tmp_path: Path, gpu_env: dict[str,
             nvml.wait(lambda v: not set(v["procs"]) & set(killed), 5, "the forked processes' memory back")
         finally:
             tenant.stop()
+
+
+def test_an_executable_name_that_is_not_utf8_is_reported_and_breaks_no_listing(
+        tmp_path: Path, gpu_env: dict[str, str]) -> None:
+    """A process of no instance whose executable's name holds a byte that
+    is not UTF-8 (0xff): the event carries the name as \\xff, and cgpuctl
+    events, list and inspect still answer (a protobuf string refuses lone
+    surrogates, which is what Python would make of that byte)."""
+    from tests import bypass_build
+
+    odd = Path(os.fsdecode(bytes(tmp_path) + b"/gpu\xff-tool"))
+    shutil.copy2(bypass_build.elf_bypass(), odd)
+    with running_daemon(tmp_path, gpu_env, *watch_flags("report")) as d:
+        tenant = run_plain(gpu_env, [str(odd), "--resolve", "elf", "--alloc-mib", "256", "--count", "1",
+                                     "--hold", "600"], tmp_path)
+        try:
+            [event] = wait_events(d, lambda e: e["kind"] == "unknown_process", 10, "the odd name's event")
+            assert event["pids"] == [tenant.pid] and "gpu\\xff-tool" in event["detail"], event
+            assert d.cgpuctl("events").returncode == 0
+            assert d.cgpuctl("list").returncode == 0
+            assert d.cgpuctl("inspect", "-d").returncode == 0
+        finally:
+            tenant.stop()
