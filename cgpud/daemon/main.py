@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -23,6 +22,7 @@ from cgpud.daemon.service import InstanceService
 from cgpud.daemon.store import Store
 from cgpud.errors import CgpuError, UsageError
 from cgpud.logs import configure_logging
+from cgpud.signals import StopSignals
 
 if TYPE_CHECKING:
     from cgpud.daemon.bypass_model import BypassEvents
@@ -200,8 +200,7 @@ def run(config: settings.DaemonConfig) -> int:
                    events=events, watching=_bypass_watching(config, bypass))
     notifier = Notifier.from_env()
     stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
+    signals = StopSignals(stop)
     # Old versions' runtime files go once no active instance uses them.
     also: list[Callable[[], object]] = [
         lambda: runtime_files.collect(service, files, runtime_files.runtime_root(config.state_dir))]
@@ -237,7 +236,7 @@ def run(config: settings.DaemonConfig) -> int:
     log.info("ready", socket=str(config.socket), gpus=len(gpus), mode=policy.mode.value,
              bypass_interval=config.bypass_interval if bypass is not None else 0,
              bypass_action=config.bypass_action.value)
-    stop.wait()
+    signals.wait()
     notifier.stopping()
     log.info("stopping")
     if capacity is not None:
@@ -257,6 +256,7 @@ def run(config: settings.DaemonConfig) -> int:
         metrics.stop()
     service.stop_compute()
     store.close()
+    signals.close()
     return 0
 
 

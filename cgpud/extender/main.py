@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
 import threading
 from collections.abc import Sequence
@@ -24,6 +23,7 @@ import structlog
 from cgpud.api.listen import join_host_port, parse_endpoint
 from cgpud.errors import CgpuError, UsageError
 from cgpud.logs import configure_logging
+from cgpud.signals import StopSignals
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -83,13 +83,11 @@ def run(args: argparse.Namespace) -> int:
             server.extender.skipped = dict(reasons)
 
         source = ApiNodeSource(k8s.CoreV1Api(client_from(args.kubeconfig)), watchers.sync, skipped).start()
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
+    signals = StopSignals(threading.Event())
     log.info("ready", listen=join_host_port(listen.host, server.port), nodes=len(nodes) if nodes is not None else "api-server",
              tls=tls is not None, binding="api-server" if api is not None else "standalone")
     print(f"cgpu-scheduler listening on {server.url}", file=sys.stderr, flush=True)
-    while not stop.wait(1.0):
+    while not signals.wait(1.0):
         state.expire()
     log.info("stopping")
     server.stop()
