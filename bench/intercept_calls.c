@@ -204,20 +204,6 @@ static const char *origin(void (*fp)(void))
     return dladdr(p, &info) && info.dli_fname ? info.dli_fname : "?";
 }
 
-static void json_str(const char *s)
-{
-    putchar('"');
-    for (const unsigned char *c = (const unsigned char *)s; *c; c++) {
-        if (*c == '"' || *c == '\\')
-            printf("\\%c", *c);
-        else if (*c < 0x20)
-            printf("\\u%04x", *c);
-        else
-            putchar(*c);
-    }
-    putchar('"');
-}
-
 #define ORIGIN(fn) origin((void (*)(void))(fn))
 
 static void print_origins(const struct bench *b)

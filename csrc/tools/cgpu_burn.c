@@ -720,21 +720,6 @@ static void release_run(struct burn *b)
 
 /* ---- report: one JSON object, written by hand ---------------------------- */
 
-/* Only the device name needs escaping: result names are C identifiers. */
-static void json_str(const char *s)
-{
-    putchar('"');
-    for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
-        if (*p == '"' || *p == '\\')
-            printf("\\%c", *p);
-        else if (*p < 0x20)
-            printf("\\u%04x", *p);
-        else
-            putchar(*p);
-    }
-    putchar('"');
-}
-
 static void print_alloc(const struct burn *b)
 {
     const struct options *o = &b->opt;

@@ -50,6 +50,9 @@
 #include "cgpu/cuda_abi.h"
 
 #define TOOL "cgpu-bypass"
+#define CUDA_TOOL_NAME TOOL
+#include "cgpu/tool_output.h"
+
 #define MAX_CHUNKS 4096
 
 #define BYPASS_FUNCTIONS(X) \
@@ -90,18 +93,6 @@ struct tenant {
 
 static volatile sig_atomic_t stop_holding;
 
-static int fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static int fail(const char *fmt, ...)
-{
-    va_list ap;
-    fputs(TOOL ": ", stderr);
-    va_start(ap, fmt);
-    vfprintf(stderr, fmt, ap);
-    va_end(ap);
-    fputc('\n', stderr);
-    return 2;
-}
-
 static double realtime(void)
 {
     struct timespec ts;
@@ -115,21 +106,6 @@ static const char *result_name(const struct tenant *t, CUresult r)
     if (t->f.cuGetErrorName && t->f.cuGetErrorName(r, &s) == CUDA_SUCCESS && s)
         return s;
     return "CUDA_ERROR_UNRECOGNIZED";
-}
-
-/* The object's path is the only string that may need escaping. */
-static void json_str(const char *s)
-{
-    putchar('"');
-    for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
-        if (*p == '"' || *p == '\\')
-            printf("\\%c", *p);
-        else if (*p < 0x20)
-            printf("\\u%04x", *p);
-        else
-            putchar(*p);
-    }
-    putchar('"');
 }
 
 /* ---- resolving the driver's entry points -------------------------------- */

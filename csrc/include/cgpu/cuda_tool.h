@@ -1,7 +1,7 @@
 /* What the programs that drive the CUDA driver API themselves (cgpu-burn,
- * bench/intercept_calls) share: the one-line failure report, the name of a
- * CUresult, and opening the driver to resolve entry points the way the CUDA
- * runtime does. Each program is one file: define CUDA_TOOL_NAME, give the
+ * bench/intercept_calls) share: the one-line failure report and JSON strings
+ * (tool_output.h), the name of a CUresult, and opening the driver to resolve
+ * entry points the way the CUDA runtime does. Each program is one file: define CUDA_TOOL_NAME, give the
  * program's state an `f` table holding cuGetErrorName, then include this. */
 #ifndef CGPU_CUDA_TOOL_H
 #define CGPU_CUDA_TOOL_H
@@ -12,23 +12,12 @@
 #include <string.h>
 
 #include "cgpu/cuda_abi.h"
+#include "cgpu/tool_output.h"
 
 /* POSIX: object and function pointers share a representation (dlsym relies
  * on it); copying the bytes avoids a cast ISO C leaves undefined. */
 _Static_assert(sizeof(void *) == sizeof(void (*)(void)), "dlsym needs same-size pointers");
 
-/* One line on stderr; returns the exit code of a failed setup. */
-static int fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static int fail(const char *fmt, ...)
-{
-    va_list ap;
-    fputs(CUDA_TOOL_NAME ": ", stderr);
-    va_start(ap, fmt);
-    vfprintf(stderr, fmt, ap);
-    va_end(ap);
-    fputc('\n', stderr);
-    return 2;
-}
 
 /* The driver's own name for r, when the program could resolve cuGetErrorName. */
 static const char *result_name(__typeof__(&cuGetErrorName) get_error_name, CUresult r)
