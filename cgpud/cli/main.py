@@ -10,7 +10,7 @@ import socket
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from cgpud import __version__
 from cgpud.cli import simulator
@@ -97,14 +97,20 @@ def _client(args: argparse.Namespace, reads: bool = False) -> LocalClient:
     return LocalClient(_socket(args), wait=_wait(args, reads), notice=_say)
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not 0 <= value <= 3600:
-        raise argparse.ArgumentTypeError(f"{text} is out of range: give 0 to 3600 seconds")
-    return value
+def _bounded(convert: Callable[[str], float], low: int, high: int, what: str, unit: str) -> Callable[[str], Any]:
+    """An argparse type: `convert`ed, and between low and high."""
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text} is out of range: give {low} to {high} {unit}")
+        return value
+    return parse
+
+
+_seconds = _bounded(float, 0, 3600, "a number of seconds", "seconds")
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -161,14 +167,7 @@ def _events(args: argparse.Namespace) -> int:
     return 0
 
 
-def _limit(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if not 1 <= value <= 1000:
-        raise argparse.ArgumentTypeError(f"{text} is out of range: give 1 to 1000 events")
-    return value
+_limit = _bounded(int, 1, 1000, "a whole number", "events")
 
 
 def _run(args: argparse.Namespace) -> int:

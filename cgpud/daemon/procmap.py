@@ -20,7 +20,7 @@ import fcntl
 import os
 import select
 import signal
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -504,13 +504,7 @@ def kill_process(identity: ProcessIdentity, mapper: ProcessMapper, instances: Se
         # Not yet exited, so the /proc reads above were of this very process.
         if _exited(fd):
             return True, f"pid {pid} had exited before the kill"
-        try:
-            signal.pidfd_send_signal(fd, signal.SIGKILL)
-        except ProcessLookupError:
-            return True, f"pid {pid} had exited before the kill"
-        except OSError as e:
-            return False, f"pid {pid} not killed: pidfd_send_signal: {e.strerror}"
-        return True, f"pid {pid} killed (SIGKILL)"
+        return _send_kill(pid, lambda: signal.pidfd_send_signal(fd, signal.SIGKILL), "pidfd_send_signal", "")
     finally:
         os.close(fd)
 
@@ -521,10 +515,14 @@ def _kill_unpinned(identity: ProcessIdentity, mapper: ProcessMapper, instances: 
     refused = _recheck(identity, mapper, instances, allow)
     if refused is not None:
         return refused
+    return _send_kill(pid, lambda: os.kill(pid, signal.SIGKILL), "kill", ", no pidfd on this kernel")
+
+
+def _send_kill(pid: int, send: Callable[[], None], call: str, note: str) -> tuple[bool, str]:
     try:
-        os.kill(pid, signal.SIGKILL)
+        send()
     except ProcessLookupError:
         return True, f"pid {pid} had exited before the kill"
     except OSError as e:
-        return False, f"pid {pid} not killed: kill: {e.strerror}"
-    return True, f"pid {pid} killed (SIGKILL, no pidfd on this kernel)"
+        return False, f"pid {pid} not killed: {call}: {e.strerror}"
+    return True, f"pid {pid} killed (SIGKILL{note})"
