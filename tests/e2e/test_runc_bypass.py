@@ -203,6 +203,17 @@ def test_a_container_outside_cgpu_is_reported_not_killed_and_an_allowed_cgroup_i
         assert [e["pids"] for e in bypass_events(d)] == [[plain]]
 
 
+def exe_once_started(pid: int, timeout: float = 10) -> str:
+    """/proc/<pid>/exe once the container's process has left runc's init:
+    `runc start` returns before the init execs the container's program."""
+    deadline = time.monotonic() + timeout
+    while True:
+        exe = os.readlink(f"/proc/{pid}/exe")
+        if exe.startswith("/usr/bin/") or time.monotonic() > deadline:
+            return exe
+        time.sleep(0.01)
+
+
 def test_naming_the_binary_like_an_allowed_daemon_protects_nothing(tmp_path: Path, host: Host, nvml: Nvml) -> None:
     """The allow list names NVIDIA's daemons by executable (`*/Xorg`,
     `*/nvidia-persistenced`...). Inside a container, /proc/<pid>/exe is a
@@ -218,11 +229,11 @@ def test_naming_the_binary_like_an_allowed_daemon_protects_nothing(tmp_path: Pat
     shutil.copy2(bypass_build.elf_bypass(), stranger.rootfs / "usr/bin/Xorg")
     with running_daemon(tmp_path, host.sim_env, *watch_flags("kill")) as d, \
             plain_container(host, stranger, host.new_id("xorg")) as xorg:
-        assert os.readlink(f"/proc/{xorg}/exe") == "/usr/bin/Xorg"  # what cgpud reads: the image's path
+        assert exe_once_started(xorg) == "/usr/bin/Xorg"  # what cgpud reads: the image's path
         [unknown] = wait_events(d, lambda e: e["kind"] == "unknown_process", 10, "the Xorg container reported")
         assert unknown["pids"] == [xorg] and unknown["action"] == "reported", unknown
         with container(host, d, tenant) as t:
-            assert os.readlink(f"/proc/{t.pid}/exe") == "/usr/bin/nvidia-persistenced"
+            assert exe_once_started(t.pid) == "/usr/bin/nvidia-persistenced"
             crossed = t.crossing(GIB)
             dead = wait_dead(t.pid, 10)
             assert dead is not None, f"the tenant named nvidia-persistenced still runs: {bypass_events(d)}"
