@@ -8,6 +8,16 @@
  * per device and process acknowledges each closing once its work in flight
  * has finished on the device.
  *
+ * A process that has nothing in flight and nothing queued while it holds the
+ * GPU says so (an idle report in its fence_ack, cgpu/region.h), so that
+ * cgpud can pass the GPU on before the slice ends: its watcher does when a
+ * grant opens and it has launched nothing since its last fence, and an
+ * application thread does when its own synchronisation (cuCtxSynchronize,
+ * cuStreamSynchronize, cuEventSynchronize, or a query that finds the work
+ * done) returns with nothing launched meanwhile. The next launch withdraws
+ * the report. A report is a hint: a stream or event synchronisation says
+ * nothing about other streams, and the fence still waits for all of them.
+ *
  * No wait is unbounded: a thread at a closed gate looks every
  * GATE_PROBE_NS whether cgpud still holds its lock on the grants file; when
  * nobody does, cgpud is gone and the process launches ungated (fail open,
@@ -52,12 +62,17 @@
 #define LAUNCH_CREDITS_MAX 8192
 #define DRAIN_FAST_NS 2500000    /* a drain quicker than this doubles the credits */
 #define DRAIN_SLOW_NS 10000000   /* one slower than this halves them */
+#define IDLE_RING_NS 1000000     /* idle reports wake cgpud at most this often per process */
 
 struct gate_slot {
     _Atomic uint32_t inflight; /* launches between their gate check and the driver's return */
     _Atomic uint32_t launched; /* launches since the last acknowledgement or drain */
     _Atomic uint32_t watched;  /* this process's fence watcher runs */
     _Atomic uint32_t credits;  /* launches allowed between fences before a drain */
+    _Atomic uint32_t resets;   /* times `launched` was reset: with it, an unchanged (launched, resets) means no launch */
+    _Atomic uint32_t idle_report; /* the idle report this process has in its fence_ack, 0 for none */
+    _Atomic uint32_t idle_prev;   /* the acknowledgement that report replaced, restored on withdrawal */
+    _Atomic uint64_t rung_at;     /* CLOCK_MONOTONIC of this process's last idle wake-up of cgpud */
     _Atomic uint64_t orphaned; /* ORPHANED | the closed gate word nobody drives, or 0 */
     unsigned ncontexts;        /* under gate_lock */
     CUcontext contexts[MAX_CONTEXTS];
@@ -81,6 +96,8 @@ void cgpu_gate_after_fork(void)
         atomic_store(&slots[i].watched, 0);
         atomic_store(&slots[i].orphaned, 0);
         atomic_store(&slots[i].credits, LAUNCH_CREDITS);
+        atomic_store(&slots[i].resets, 0);
+        atomic_store(&slots[i].idle_report, 0);
         slots[i].ncontexts = 0;
     }
 }
@@ -171,6 +188,88 @@ static void synchronize_contexts(struct gate_slot *s)
     }
 }
 
+static uint64_t mono_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* ---- idle reports ------------------------------------------------------------------ */
+
+/* (launched, resets) in one word: equal marks mean no launch in between. */
+static uint64_t launch_mark(struct gate_slot *s)
+{
+    return (uint64_t)atomic_load(&s->resets) << 32 | atomic_load(&s->launched);
+}
+
+static struct cgpu_proc_ledger *own_ledger(void)
+{
+    return g_cgpu.ledger >= 0 ? &g_cgpu.usage->proc[g_cgpu.ledger] : NULL;
+}
+
+/* Takes this process's idle report out of its fence_ack, unless an
+ * acknowledgement has replaced it already. Lock-free: launches call it. */
+static __attribute__((noinline, cold)) void withdraw_idle(struct gate_slot *s, unsigned slot)
+{
+    uint32_t report = atomic_exchange(&s->idle_report, 0);
+    struct cgpu_proc_ledger *ledger = own_ledger();
+    if (report && ledger)
+        atomic_compare_exchange_strong(&ledger->fence_ack[slot], &report, atomic_load(&s->idle_prev));
+}
+
+/* Says in the ledger that this process holds the open grant with nothing in
+ * flight and nothing launched since `mark` was taken (after a drain: a fence
+ * or the application's own synchronisation), and rings the bell so cgpud
+ * looks. `drained`: the whole queue is known empty (a fence, or a context
+ * synchronisation in the one context it launches in), so cgpud need not
+ * wait for a fence when it passes the GPU on. A report never replaces the
+ * acknowledgement of a later closing. */
+static void cgpu_report_idle(unsigned slot, uint64_t mark, bool drained)
+{
+    struct gate_slot *s = &slots[slot];
+    if (!atomic_load_explicit(&s->watched, memory_order_acquire))
+        return;
+    struct cgpu_proc_ledger *ledger = own_ledger();
+    uint32_t g = atomic_load(g_cgpu.gate[slot]);
+    if (!ledger || (g & (CGPU_GATE_OPEN | CGPU_GATE_UNGATED)) != CGPU_GATE_OPEN)
+        return;
+    if (drained) {
+        pthread_mutex_lock(&gate_lock);
+        drained = s->ncontexts <= 1;
+        pthread_mutex_unlock(&gate_lock);
+    }
+    uint32_t report = (g & CGPU_GATE_SEQ_MASK) | CGPU_ACK_IDLE | (drained ? CGPU_ACK_DRAINED : 0);
+    if (atomic_load(&s->idle_report) == report)
+        return;
+    pthread_mutex_lock(&gate_lock);
+    uint32_t ack = atomic_load(&ledger->fence_ack[slot]);
+    bool posted = false;
+    if ((int32_t)((ack & CGPU_GATE_SEQ_MASK) - (report & CGPU_GATE_SEQ_MASK)) < 0) {
+        atomic_store(&s->idle_prev, ack);
+        atomic_store(&s->idle_report, report);
+        posted = atomic_compare_exchange_strong(&ledger->fence_ack[slot], &ack, report);
+        if (!posted)
+            atomic_store(&s->idle_report, 0);
+        /* A launch counts itself in flight, then looks at idle_report: either
+         * it sees the report and withdraws it, or this sees it here. */
+        else if (atomic_load(&s->inflight) != 0 || launch_mark(s) != mark)
+            withdraw_idle(s, slot), posted = false;
+    }
+    pthread_mutex_unlock(&gate_lock);
+    if (!posted)
+        return;
+    /* Every report moves the bell, so cgpud can tell a report that stood
+     * from one withdrawn and made again; the wake-up (a syscall, and a
+     * wake-up in cgpud) at most once per IDLE_RING_NS: cgpud looks again
+     * on its own after a ring that found this process busy. */
+    struct cgpu_device_usage *dev = &g_cgpu.usage->device[slot];
+    atomic_fetch_add(&dev->bell, 1);
+    uint64_t now = mono_ns(), last = atomic_load_explicit(&s->rung_at, memory_order_relaxed);
+    if (now - last >= IDLE_RING_NS && atomic_compare_exchange_strong(&s->rung_at, &last, now))
+        futex_wake_all(&dev->bell);
+}
+
 /* ---- the fence watcher ------------------------------------------------------- */
 
 static void acknowledge(unsigned slot, uint32_t seq, struct cgpu_proc_ledger *ledger)
@@ -183,6 +282,8 @@ static void acknowledge(unsigned slot, uint32_t seq, struct cgpu_proc_ledger *le
         nanosleep(&ts, NULL);
     }
     bool launched = atomic_exchange(&s->launched, 0) != 0;
+    atomic_fetch_add(&s->resets, 1);
+    atomic_store(&s->idle_report, 0); /* the acknowledgement below replaces it */
     if (launched)
         synchronize_contexts(s);
     atomic_store_explicit(&ledger->fence_ack[slot], seq | (launched ? CGPU_ACK_LAUNCHED : 0), memory_order_release);
@@ -209,6 +310,10 @@ static void *watch(void *arg)
             acked_seq = seq;
             continue;
         }
+        /* A grant to a process that has launched nothing since its last
+         * fence (which drained its queue): idle from the start. */
+        if ((g & (CGPU_GATE_OPEN | CGPU_GATE_UNGATED)) == CGPU_GATE_OPEN && atomic_load(&slots[slot].launched) == 0)
+            cgpu_report_idle(slot, launch_mark(&slots[slot]), true);
         futex_wait(gate, g);
     }
     return NULL;
@@ -276,6 +381,11 @@ static int slot_of_current_context(void)
 static inline uint32_t hold_open_gate(const _Atomic uint32_t *gate, struct gate_slot *s)
 {
     atomic_fetch_add(&s->inflight, 1);
+    /* Withdrawn before the gate is read, as cgpud closes the gate before it
+     * reads the reports: either this sees the gate closed, or cgpud sees
+     * the report gone and waits for the fence. */
+    if (CGPU_UNLIKELY(atomic_load(&s->idle_report) != 0))
+        withdraw_idle(s, (unsigned)(s - slots));
     if (CGPU_LIKELY(atomic_load(gate) & CGPU_GATE_OPEN))
         return atomic_fetch_add_explicit(&s->launched, 1, memory_order_relaxed) + 1;
     atomic_fetch_sub_explicit(&s->inflight, 1, memory_order_release);
@@ -287,13 +397,6 @@ static inline uint32_t hold_open_gate(const _Atomic uint32_t *gate, struct gate_
  * launch into a stream being captured queues nothing (it records a graph
  * node), and synchronising would end the capture: no drain then, nor when
  * the driver cannot say (a query refused during another thread's capture). */
-static uint64_t mono_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
 static __attribute__((noinline, cold)) void drain_queue(struct gate_slot *s, CUstream stream)
 {
     __typeof__(&cuStreamIsCapturing) capturing = REAL(cuStreamIsCapturing);
@@ -311,6 +414,7 @@ static __attribute__((noinline, cold)) void drain_queue(struct gate_slot *s, CUs
             atomic_store_explicit(&s->credits, c / 2, memory_order_relaxed);
     }
     atomic_store_explicit(&s->launched, 1, memory_order_relaxed);
+    atomic_fetch_add(&s->resets, 1);
 }
 
 /* True when no cgpud holds the lock on the slot's gate: nobody will open it.
@@ -525,4 +629,53 @@ CGPU_EXPORT CUresult cuLaunchGrid(CUfunction f, int grid_width, int grid_height)
 CGPU_EXPORT CUresult cuLaunchGridAsync(CUfunction f, int grid_width, int grid_height, CUstream hStream)
 {
     GATED_CALL(cuLaunchGridAsync, hStream, f, grid_width, grid_height, hStream);
+}
+
+/* ---- synchronisation: where an application learns its queue is empty ---------- */
+
+/* The slot to report on once the call returns, with a mark taken before it;
+ * -1 when this process launches nothing gated there. */
+static inline int idle_watch_begin(uint64_t *mark)
+{
+    (void)cgpu_state();
+    int slot = CGPU_LIKELY(g_cgpu.device_count <= 1) ? 0 : slot_of_current_context();
+    if (slot < 0 || (atomic_load_explicit(g_cgpu.gate[slot], memory_order_acquire) & CGPU_GATE_UNGATED) ||
+        !atomic_load_explicit(&slots[slot].watched, memory_order_acquire))
+        return -1;
+    *mark = launch_mark(&slots[slot]);
+    return slot;
+}
+
+#define SYNC_HOOK(symbol, params, ...)                                                          \
+    CGPU_EXPORT CUresult symbol params                                                          \
+    {                                                                                           \
+        __typeof__(&symbol) real_ = REAL(symbol);                                               \
+        if (CGPU_UNLIKELY(!real_))                                                              \
+            return CUDA_ERROR_NOT_INITIALIZED;                                                  \
+        uint64_t mark_ = 0;                                                                     \
+        int slot_ = idle_watch_begin(&mark_);                                                   \
+        CUresult rc_ = real_(__VA_ARGS__);                                                      \
+        if (slot_ >= 0 && rc_ == CUDA_SUCCESS)                                                  \
+            cgpu_report_idle((unsigned)slot_, mark_, false);                                    \
+        return rc_;                                                                             \
+    }
+
+SYNC_HOOK(cuStreamSynchronize, (CUstream hStream), hStream)
+SYNC_HOOK(cuStreamSynchronize_ptsz, (CUstream hStream), hStream)
+SYNC_HOOK(cuStreamQuery, (CUstream hStream), hStream)
+SYNC_HOOK(cuStreamQuery_ptsz, (CUstream hStream), hStream)
+SYNC_HOOK(cuEventSynchronize, (CUevent hEvent), hEvent)
+SYNC_HOOK(cuEventQuery, (CUevent hEvent), hEvent)
+
+CGPU_EXPORT CUresult cuCtxSynchronize(void)
+{
+    __typeof__(&cuCtxSynchronize) real = REAL(cuCtxSynchronize);
+    if (CGPU_UNLIKELY(!real))
+        return CUDA_ERROR_NOT_INITIALIZED;
+    uint64_t mark = 0;
+    int slot = idle_watch_begin(&mark);
+    CUresult rc = real();
+    if (slot >= 0 && rc == CUDA_SUCCESS)
+        cgpu_report_idle((unsigned)slot, mark, true);
+    return rc;
 }

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import itertools
 import mmap
 import os
 import platform
 import struct
 import subprocess
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -152,3 +154,46 @@ def build_c(tmp_path: Path, source: str, name: str, *flags: str) -> Path:
     out = tmp_path / name
     subprocess.run(["cc", "-std=c11", "-Wall", "-Wextra", "-Werror", "-o", str(out), str(src), *flags], check=True)
     return out
+
+
+def closed(seq: int) -> int:
+    return seq * GATE_SEQ_STEP
+
+
+def opened(seq: int) -> int:
+    return seq * GATE_SEQ_STEP | GATE_OPEN
+
+
+def wait_for(what: str, predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.005)
+
+
+@pytest.fixture
+def gated(tmp_path: Path, sim_env: dict[str, str], libcgpu: Path) -> Iterator[Callable[..., tuple[dict, GrantsView]]]:
+    """gated([word, ...], gpus=[g, ...]) -> (environment, GrantsView) of an
+    instance holding 4 GiB of each simulated GPU g (slot i for gpus[i]),
+    with the given gate words; None for no grants file, bytes for a
+    damaged one."""
+    made: list[GrantsView] = []
+    count = itertools.count()
+
+    def make(gates: list[int] | bytes | None, gpus: tuple[int, ...] = (0,),
+             env: dict[str, str] | None = None) -> tuple[dict[str, str], GrantsView | None]:
+        region = tmp_path / f"gated{next(count)}"
+        devices = tuple(DeviceLimit(sim_uuid(g), 4 * GIB, g) for g in gpus)
+        write_region(region, InstanceLimits(region.name, devices))
+        write_grants(region, grants_bytes(gates) if isinstance(gates, list) else gates)
+        env = dict(env or sim_env, LD_PRELOAD=str(libcgpu), CGPU_REGION_DIR=str(region))
+        env.pop("CGPU_LOG_LEVEL", None)
+        view = GrantsView(region) if isinstance(gates, list) else None
+        if view:
+            made.append(view)
+        return env, view
+
+    yield make
+    for view in made:
+        view.close()

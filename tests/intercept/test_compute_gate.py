@@ -8,50 +8,29 @@ cgpud's scheduler is not in these tests: the test plays its part on the
 grants file, storing gate words and waking the futex waiters as it would."""
 from __future__ import annotations
 
-import itertools
 import json
 import subprocess
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from cgpud._region import lib
-from cgpud.daemon.region import DeviceLimit, InstanceLimits, write_region
 from tests.conftest import write_sim_config
 from tests.integration.simrun import sim_stat, start_py
 from tests.intercept.conftest import (
-    GATE_OPEN,
-    GATE_SEQ_STEP,
     GATE_UNGATED,
     GIB,
-    GrantsView,
+    closed,
     grants_bytes,
-    sim_uuid,
-    write_grants,
+    opened,
+    wait_for,
 )
 
 ACK_LAUNCHED = int(lib.CGPU_ACK_LAUNCHED)
 APIS = ["kernel", "ex", "cooperative", "graph", "launch", "grid", "grid-async", "multi-device"]
 STREAMS = pytest.mark.parametrize("per_thread", [False, True], ids=["legacy-stream", "per-thread-stream"])
 EVERY_API = pytest.mark.parametrize("api", APIS)
-
-
-def closed(seq: int) -> int:
-    return seq * GATE_SEQ_STEP
-
-
-def opened(seq: int) -> int:
-    return seq * GATE_SEQ_STEP | GATE_OPEN
-
-
-def wait_for(what: str, predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.005)
 
 
 def busy_ns(native: Path, env: dict[str, str], pid: int, gpu: int = 0) -> int:
@@ -65,33 +44,6 @@ def busy_ns(native: Path, env: dict[str, str], pid: int, gpu: int = 0) -> int:
 def busy_between(native: Path, env: dict[str, str], pid: int, start: int, end: int, gpu: int = 0) -> int:
     got = sim_stat(native, env, "--busy", str(gpu), str(start), str(end))
     return int(got["per_pid"].get(str(pid), 0))
-
-
-@pytest.fixture
-def gated(tmp_path: Path, sim_env: dict[str, str], libcgpu: Path) -> Iterator[Callable[..., tuple[dict, GrantsView]]]:
-    """gated([word, ...], gpus=[g, ...]) -> (environment, GrantsView) of an
-    instance holding 4 GiB of each simulated GPU g (slot i for gpus[i]),
-    with the given gate words; None for no grants file, bytes for a
-    damaged one."""
-    made: list[GrantsView] = []
-    count = itertools.count()
-
-    def make(gates: list[int] | bytes | None, gpus: tuple[int, ...] = (0,),
-             env: dict[str, str] | None = None) -> tuple[dict[str, str], GrantsView | None]:
-        region = tmp_path / f"gated{next(count)}"
-        devices = tuple(DeviceLimit(sim_uuid(g), 4 * GIB, g) for g in gpus)
-        write_region(region, InstanceLimits(region.name, devices))
-        write_grants(region, grants_bytes(gates) if isinstance(gates, list) else gates)
-        env = dict(env or sim_env, LD_PRELOAD=str(libcgpu), CGPU_REGION_DIR=str(region))
-        env.pop("CGPU_LOG_LEVEL", None)
-        view = GrantsView(region) if isinstance(gates, list) else None
-        if view:
-            made.append(view)
-        return env, view
-
-    yield make
-    for view in made:
-        view.close()
 
 
 def start_burn(native: Path, env: dict[str, str], *args: str) -> subprocess.Popen[str]:

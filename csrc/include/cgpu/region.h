@@ -86,7 +86,8 @@ struct cgpu_proc_ledger {
     CGPU_ATOMIC uint32_t watching; /* bit per device: this process launches gated work there */
     uint32_t reserved;
     /* Per device: the gate sequence (CGPU_GATE_SEQ_MASK bits) whose revocation
-     * this process has fenced, | CGPU_ACK_LAUNCHED if it launched in that grant. */
+     * this process has fenced, | CGPU_ACK_LAUNCHED if it launched in that grant;
+     * or, while a gate is open, its idle report for it (| CGPU_ACK_IDLE). */
     CGPU_ATOMIC uint32_t fence_ack[CGPU_MAX_DEVICES];
 };
 
@@ -117,12 +118,25 @@ struct cgpu_usage {
  *     gate's sequence in fence_ack[d], bumps usage.device[d].bell and wakes it.
  *   - cgpud charges the holder from the grant until every live watching
  *     process has acknowledged (the device time it really used), then grants
- *     the next instance. */
+ *     the next instance.
+ *   - While the gate is open with sequence S, a process with nothing in flight
+ *     may store S | CGPU_ACK_IDLE in fence_ack[d] (never over the
+ *     acknowledgement of a closing after S), | CGPU_ACK_DRAINED when its whole
+ *     queue is known empty; it bumps the bell (and wakes it, at most once a
+ *     ms). Its next launch first puts the old value back, then reads the gate.
+ *     When every live watching process of the holder reports S idle for a
+ *     short grace and another instance waits, cgpud closes the gate early:
+ *     the GPU is passed on, the holder's entitlement is not (it was charged
+ *     only what it used). Reports that still stand, all DRAINED, once the
+ *     gate is closed end the closing at once (no launch can have passed the
+ *     gate since); otherwise it is fenced as any other. */
 #define CGPU_GATE_OPEN 1u
 #define CGPU_GATE_UNGATED 2u
 #define CGPU_GATE_SEQ_STEP 4u
 #define CGPU_GATE_SEQ_MASK 0xfffffffcu
 #define CGPU_ACK_LAUNCHED 1u
+#define CGPU_ACK_IDLE 2u
+#define CGPU_ACK_DRAINED 1u /* with CGPU_ACK_IDLE only */
 
 struct cgpu_device_grant {
     CGPU_ATOMIC uint32_t gate;

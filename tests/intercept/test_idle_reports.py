@@ -1,0 +1,132 @@
+"""libcgpu.so says when a process holding its instance's grant has nothing
+left to run (an idle report in its ledger's fence_ack, cgpu/region.h), so
+that cgpud can pass the GPU on before the slice ends; its next launch takes
+the report back. The test plays cgpud on the grants file and drives a real
+program's driver calls one at a time."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from cgpud._region import lib
+from tests.integration.simrun import start_py
+from tests.intercept.conftest import GATE_OPEN, GrantsView, closed, opened, wait_for
+
+IDLE, DRAINED, LAUNCHED = int(lib.CGPU_ACK_IDLE), int(lib.CGPU_ACK_DRAINED), int(lib.CGPU_ACK_LAUNCHED)
+
+PROGRAM = """
+import ctypes as C, sys; from cudapy import Driver
+cu = Driver(); cu.init_device()
+fn = cu.spin_function()
+stream, event = C.c_void_p(), cu.event()
+cu.call("cuStreamCreate", C.byref(stream), 0)
+print("ready", flush=True)
+for line in sys.stdin:
+    what = line.split()
+    if what[0] == "launch":
+        cu.launch_spin(fn, int(what[1]), stream)
+    elif what[0] == "ctxsync":
+        cu.call("cuCtxSynchronize")
+    elif what[0] == "streamsync":
+        cu.call("cuStreamSynchronize", stream)
+    elif what[0] == "eventsync":
+        cu.call("cuEventRecord", event, stream)
+        cu.call("cuEventSynchronize", event)
+    elif what[0] == "query":
+        print(cu.rc("cuStreamQuery", stream), flush=True)
+        continue
+    print("ok", flush=True)
+"""
+
+
+class Program:
+    """A CUDA program under libcgpu that does what the test tells it."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.proc = start_py(env, PROGRAM)
+        assert self._line() == "ready"
+
+    def _line(self) -> str:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline().strip()
+        if not line:
+            raise AssertionError(f"the program ended: {self.proc.communicate(timeout=10)[1]}")
+        return line
+
+    def do(self, command: str) -> str:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self._line()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.communicate(timeout=30)
+
+
+@pytest.fixture
+def program(gated) -> Iterator[tuple[Program, GrantsView]]:
+    env, region = gated([opened(1)])
+    p = Program(env)
+    yield p, region
+    p.stop()
+
+
+def report(seq_word: int, drained: bool) -> int:
+    return (seq_word & ~GATE_OPEN) | IDLE | (DRAINED if drained else 0)
+
+
+@pytest.mark.parametrize("sync, drained", [("ctxsync", True), ("streamsync", False), ("eventsync", False)])
+def test_a_synchronisation_with_nothing_launched_since_reports_the_grant_idle(program, sync, drained):
+    p, region = program
+    assert p.do("launch 2000000") == "ok"
+    before, bell = region.fence_ack(p.pid), region.bell()
+    assert before is not None and not before & IDLE
+    assert p.do(sync) == "ok"
+    # Only a context synchronisation knows the whole queue is empty.
+    assert region.fence_ack(p.pid) == report(opened(1), drained)
+    assert region.bell() == bell + 1
+    assert p.do("launch 1000") == "ok"
+    assert region.fence_ack(p.pid) == before, "the next launch did not take the report back"
+
+
+def test_a_query_that_finds_the_work_done_reports_too(program):
+    p, region = program
+    assert p.do("launch 1000000") == "ok"
+    assert p.do("query") == "CUDA_ERROR_NOT_READY"
+    assert not region.fence_ack(p.pid) & IDLE
+    wait_for("the kernel to finish", lambda: p.do("query") == "CUDA_SUCCESS")
+    assert region.fence_ack(p.pid) == report(opened(1), False)
+
+
+def test_a_grant_to_a_process_with_nothing_launched_since_its_fence_is_idle_from_the_start(program):
+    p, region = program
+    assert p.do("launch 1000000") == "ok"
+    region.set_gate(0, closed(2))
+    wait_for("the fence", lambda: region.fence_ack(p.pid) == closed(2) | LAUNCHED)
+    region.set_gate(0, opened(3))
+    wait_for("the watcher's idle report", lambda: region.fence_ack(p.pid) == report(opened(3), True))
+    assert p.do("launch 1000") == "ok"
+    assert region.fence_ack(p.pid) == closed(2) | LAUNCHED
+
+
+def test_no_report_while_the_gate_is_closed_or_over_a_later_closings_acknowledgement(program):
+    p, region = program
+    assert p.do("launch 1000") == "ok"
+    region.set_gate(0, closed(2))
+    wait_for("the fence", lambda: region.fence_ack(p.pid) == closed(2) | LAUNCHED)
+    assert p.do("ctxsync") == "ok"
+    assert region.fence_ack(p.pid) == closed(2) | LAUNCHED  # a closed gate is no grant to be idle in
+    # An acknowledgement newer than the open grant (as a race with a closing
+    # would leave) is never replaced by a report for the older grant.
+    region.set_gate(0, opened(3))
+    wait_for("the watcher's idle report", lambda: region.fence_ack(p.pid) == report(opened(3), True))
+    assert p.do("launch 1000") == "ok"
+    region.usage.proc[0].fence_ack[0] = closed(4)
+    assert p.do("ctxsync") == "ok"
+    assert region.fence_ack(p.pid) == closed(4)
