@@ -50,6 +50,7 @@ class GpuSchedule:
     fence_timeouts: int
     fence_wait_ns: int
     fences_late: int = 0
+    idle_handovers: int = 0  # grants ended early: the holder was idle and another instance waited
 
 
 @dataclass(frozen=True)
@@ -168,7 +169,7 @@ class ComputeScheduler:
         s = ffi.new("struct cgpu_engine_stats *")
         _check(lib.cgpu_engine_stats_get(self._engine, gpu, s), f"no schedule for GPU {gpu}")
         return GpuSchedule(gpu, ComputePolicy(s.policy), s.tenants, s.holder, s.decisions, s.grants, s.fences,
-                           s.fence_timeouts, s.fence_wait_ns, s.fences_late)
+                           s.fence_timeouts, s.fence_wait_ns, s.fences_late, s.idle_handovers)
 
     def tenant_metrics(self) -> dict[str, list[TenantMetrics]]:
         """Every scheduled instance's accounting, by instance id."""

@@ -46,6 +46,9 @@ struct tenant {
     uint64_t granted;
     uint64_t win_mark;       /* charged_ns when the current window began */
     uint64_t win_charged;    /* charged in the last completed window */
+    int idle_out;            /* its grant ends for idleness: that grant is no demand */
+    uint64_t idle_probed[CGPU_MAX_PROCS / 64]; /* ledgers whose lock this grant's idle checks probed */
+    uint64_t idle_dead[CGPU_MAX_PROCS / 64];   /* of those, the dead */
 };
 
 struct gpu_loop {
@@ -58,6 +61,11 @@ struct gpu_loop {
     uint64_t last_turn;      /* when demand was last read; 0 after a wait with no time to account */
     uint64_t win_start;      /* current share window; 0 before the first */
     uint64_t win_ns;         /* length of the last completed one */
+    uint32_t open_word;      /* the holder's gate word at its grant */
+    uint64_t idle_since;     /* since when the holder has been seen idle, 0: not */
+    uint32_t idle_bell;      /* the holder's bell then: a report since moves it */
+    _Atomic uint32_t *bell_wait; /* the holder's bell while the loop sleeps on it */
+    int kicked;              /* something changed since the loop last turned */
     pthread_cond_t wake;
     struct cgpu_engine_stats stats;
 };
@@ -114,6 +122,16 @@ static uint32_t gate_set(struct tenant *t, uint32_t bits)
 static struct gpu_loop *loop_at(struct cgpu_engine *e, unsigned gpu)
 {
     return e && gpu < e->gpu_count ? &e->gpu[gpu] : NULL;
+}
+
+/* Caller holds the mutex. The loop sleeps on its condition variable, or on
+ * the holder's bell (a futex) while it watches for idleness. */
+static void wake_loop(struct gpu_loop *g)
+{
+    g->kicked = 1;
+    pthread_cond_signal(&g->wake);
+    if (g->bell_wait)
+        futex_wake_all(g->bell_wait);
 }
 
 /* A detached entry still awaiting its fence is not found: its key may be
@@ -191,7 +209,7 @@ int cgpu_engine_configure(struct cgpu_engine *e, unsigned gpu, int policy, uint6
     pthread_mutex_lock(&e->mu);
     int rc = cgpu_sched_configure(e->sched, gpu, policy, period_ns, max_slice_ns, high_prio_percent);
     if (rc == 0)
-        pthread_cond_signal(&g->wake);
+        wake_loop(g);
     pthread_mutex_unlock(&e->mu);
     return rc;
 }
@@ -298,7 +316,7 @@ int cgpu_engine_attach(struct cgpu_engine *e, unsigned gpu, uint64_t key, const 
     t->locked = take_gate_lock(t);
     /* Closed until the loop grants it, or open if the GPU is ungated. */
     gate_set(t, g->ungated ? CGPU_GATE_UNGATED : 0);
-    pthread_cond_signal(&g->wake);
+    wake_loop(g);
 out:
     pthread_mutex_unlock(&e->mu);
     return rc;
@@ -323,13 +341,16 @@ int cgpu_engine_detach(struct cgpu_engine *e, unsigned gpu, uint64_t key)
     pthread_mutex_lock(&e->mu);
     struct tenant *t = find(g, key);
     int rc = t ? 0 : CGPU_SCHED_ENOENT;
-    if (t && g->fencing == t)
+    if (t && g->fencing == t) {
         t->detach_pending = 1; /* the loop reads its files right now; it finishes this */
+        if (g->bell_wait)
+            gate_set(t, 0); /* it only sleeps on the holder's bell: close now, as forget would */
+    }
     else if (t)
         forget(e, gpu, t);
     if (t) {
         cgpu_sched_tenant_remove(e->sched, gpu, key);
-        pthread_cond_signal(&g->wake);
+        wake_loop(g);
     }
     pthread_mutex_unlock(&e->mu);
     return rc;
@@ -342,7 +363,7 @@ void cgpu_engine_stop(struct cgpu_engine *e)
     pthread_mutex_lock(&e->mu);
     e->stop = 1;
     for (unsigned i = 0; i < e->gpu_count; i++)
-        pthread_cond_signal(&e->gpu[i].wake);
+        wake_loop(&e->gpu[i]);
     pthread_mutex_unlock(&e->mu);
 }
 
@@ -446,6 +467,9 @@ static void charge_holder(struct cgpu_engine *e, unsigned gpu, uint64_t now)
     g->charged_to = now;
 }
 
+static int reports_drained(const struct tenant *t, uint32_t open_word);
+static int tenant_count(const struct gpu_loop *g);
+
 /* Closes the holder's gate and charges it until its processes have fenced.
  * Caller holds the mutex; it is released while waiting. */
 static void close_holder(struct cgpu_engine *e, unsigned gpu)
@@ -458,6 +482,14 @@ static void close_holder(struct cgpu_engine *e, unsigned gpu)
     }
     uint32_t closed = gate_set(t, 0);
     uint64_t start = mono_ns();
+    if (t->idle_out && reports_drained(t, g->open_word)) {
+        charge_holder(e, gpu, start);
+        g->holder = 0;
+        g->stats.fences++;
+        t->launched = 0;
+        t->idle_out = 0;
+        return;
+    }
     g->fencing = t;
     pthread_mutex_unlock(&e->mu);
     int launched = 0;
@@ -484,7 +516,9 @@ static void close_holder(struct cgpu_engine *e, unsigned gpu)
         t->overdue_closed = start;
         memcpy(t->overdue_dead, dead, sizeof(dead));
     }
-    t->launched = launched;
+    /* Passed over for idleness: what it launched in the grant is done. */
+    t->launched = launched && !t->idle_out;
+    t->idle_out = 0;
     /* Granted, nothing launched, yet threads "wait": if no process that
      * could be waiting is alive, the count is what killed waiters left
      * (they cannot take themselves off it). It no longer means demand. */
@@ -577,7 +611,8 @@ static int report_demand(struct cgpu_engine *e, unsigned gpu, uint64_t now)
             t->stale_waiting = waiting;
         if (!t->locked)
             t->locked = take_gate_lock(t);
-        int has = !t->overdue && (t->key == g->holder || t->launched || waiting > t->stale_waiting);
+        int has = !t->overdue &&
+                  ((t->key == g->holder && !t->idle_out) || t->launched || waiting > t->stale_waiting);
         if (waiting > t->stale_waiting && t->key != g->holder && g->last_turn && now > g->last_turn)
             t->throttled_ns += now - g->last_turn;
         t->launched = 0;
@@ -586,6 +621,131 @@ static int report_demand(struct cgpu_engine *e, unsigned gpu, uint64_t now)
     }
     g->last_turn = now;
     return idle;
+}
+
+
+/* Whether the holder has nothing to do: nobody waits at its gate, and every
+ * live process that launches on its device reports the open grant idle.
+ * The ledgers are the tenant's to scribble on: each is probed for a dead
+ * owner at most once per grant. */
+static int holder_idle(struct tenant *t, uint32_t open_word)
+{
+    struct cgpu_usage *u = t->usage;
+    if (atomic_load(&u->device[t->slot].waiting) > t->stale_waiting)
+        return 0;
+    uint32_t want = (open_word & CGPU_GATE_SEQ_MASK) | CGPU_ACK_IDLE, bit = 1u << t->slot;
+    const uint32_t report = CGPU_GATE_SEQ_MASK | CGPU_ACK_IDLE; /* drained or not */
+    uint32_t n = atomic_load(&u->ledgers_used);
+    for (uint32_t i = 0; i < n && i < CGPU_MAX_PROCS; i++) {
+        struct cgpu_proc_ledger *p = &u->proc[i];
+        uint64_t mask = 1ull << (i % 64);
+        if ((t->idle_dead[i / 64] & mask) || atomic_load(&p->state) != CGPU_LEDGER_LIVE ||
+            !(atomic_load(&p->watching) & bit) || (atomic_load(&p->fence_ack[t->slot]) & report) == want)
+            continue;
+        if (t->idle_probed[i / 64] & mask)
+            return 0;
+        t->idle_probed[i / 64] |= mask;
+        if (!ledger_dead(t->usage_fd, (int)i))
+            return 0;
+        t->idle_dead[i / 64] |= mask;
+    }
+    return 1;
+}
+
+/* After the closing of an idle holder's gate: whether every live process of
+ * it still reports the grant idle with its queue drained. A launch withdraws
+ * its process's report before it reads the gate, so none can have passed the
+ * gate since, and there is nothing left to fence. */
+static int reports_drained(const struct tenant *t, uint32_t open_word)
+{
+    const struct cgpu_usage *u = t->usage;
+    uint32_t want = (open_word & CGPU_GATE_SEQ_MASK) | CGPU_ACK_IDLE | CGPU_ACK_DRAINED, bit = 1u << t->slot;
+    uint32_t n = atomic_load(&u->ledgers_used);
+    for (uint32_t i = 0; i < n && i < CGPU_MAX_PROCS; i++) {
+        const struct cgpu_proc_ledger *p = &u->proc[i];
+        if (!(t->idle_dead[i / 64] & (1ull << (i % 64))) && atomic_load(&p->state) == CGPU_LEDGER_LIVE &&
+            (atomic_load(&p->watching) & bit) && atomic_load(&p->fence_ack[t->slot]) != want)
+            return 0;
+    }
+    return 1;
+}
+
+/* Whether a tenant other than the holder has threads at its closed gate. */
+static int others_waiting(const struct gpu_loop *g, const struct tenant *holder)
+{
+    for (unsigned i = 0; i < CGPU_SCHED_MAX_TENANTS; i++) {
+        const struct tenant *t = &g->t[i];
+        if (t != holder && t->key && !t->detach_pending && !t->overdue &&
+            atomic_load(&t->usage->device[t->slot].waiting) > t->stale_waiting)
+            return 1;
+    }
+    return 0;
+}
+
+/* Sleeps, with the mutex released, until `until`, or a change (wake_loop), or
+ * until the holder has stayed idle for CGPU_ENGINE_IDLE_GRACE_NS while another
+ * tenant waits: then returns 1. Every idle report bumps the holder's bell, so
+ * "idle at two looks and the bell unmoved between them" means idle all along.
+ * Reports ring the bell (wake the loop) at most once a ms per process, and a
+ * look that finds the holder busy after a ring is followed by a plain sleep
+ * of CGPU_ENGINE_IDLE_RECHECK_NS: a tenant that synchronises often cannot
+ * keep this thread busy. While the holder is idle and nobody waits, it looks
+ * for a waiter every CGPU_ENGINE_IDLE_WATCH_NS, backing off. Caller holds
+ * the mutex. */
+static int hold_while_busy(struct cgpu_engine *e, struct gpu_loop *g, struct tenant *t, uint64_t until)
+{
+    _Atomic uint32_t *bell = &t->usage->device[t->slot].bell;
+    uint64_t watch = CGPU_ENGINE_IDLE_WATCH_NS;
+    int rang = 1; /* the first look follows the grant, as a look after a ring does */
+    for (;;) {
+        uint64_t now = mono_ns();
+        if (e->stop || g->kicked || t->detach_pending || now >= until)
+            return 0;
+        uint32_t ring = atomic_load(bell);
+        uint64_t wake = until;
+        int listen = 0; /* to the bell */
+        if (holder_idle(t, g->open_word)) {
+            if (!g->idle_since || ring != g->idle_bell) {
+                g->idle_since = now;
+                g->idle_bell = ring;
+            }
+            if (others_waiting(g, t)) {
+                if (now - g->idle_since >= CGPU_ENGINE_IDLE_GRACE_NS)
+                    return 1;
+                wake = g->idle_since + CGPU_ENGINE_IDLE_GRACE_NS;
+            } else if (tenant_count(g) > 1) { /* a newcomer wakes the loop itself */
+                wake = now + watch;
+                watch = watch * 2 < CGPU_ENGINE_IDLE_POLL_NS ? watch * 2 : CGPU_ENGINE_IDLE_POLL_NS;
+            } else {
+                listen = 1;
+            }
+        } else {
+            g->idle_since = 0;
+            watch = CGPU_ENGINE_IDLE_WATCH_NS;
+            if (rang)
+                wake = now + CGPU_ENGINE_IDLE_RECHECK_NS;
+            else
+                listen = 1;
+        }
+        if (wake > until)
+            wake = until;
+        if (!listen) {
+            struct timespec ts = abs_timespec(wake);
+            pthread_cond_timedwait(&g->wake, &e->mu, &ts);
+            rang = 0;
+            continue;
+        }
+        /* The files stay mapped while `fencing` names the holder: detach
+         * leaves them to the loop. */
+        g->fencing = t;
+        g->bell_wait = bell;
+        pthread_mutex_unlock(&e->mu);
+        futex_wait_for(bell, ring, wake - now);
+        pthread_mutex_lock(&e->mu);
+        g->bell_wait = NULL;
+        g->fencing = NULL;
+        rang = !t->detach_pending && atomic_load(bell) != ring;
+    }
 }
 
 static int tenant_count(const struct gpu_loop *g)
@@ -611,6 +771,7 @@ int cgpu_engine_run(struct cgpu_engine *e, unsigned gpu)
     snprintf(name, sizeof(name), "cgpu-sched-%u", gpu % 100);
     pthread_setname_np(pthread_self(), name); /* so top -H and benchmarks can tell it apart */
     while (!e->stop) {
+        g->kicked = 0;
         uint64_t now = mono_ns();
         charge_holder(e, gpu, now);
         charge_overdue(e, gpu, now);
@@ -644,7 +805,11 @@ int cgpu_engine_run(struct cgpu_engine *e, unsigned gpu)
         }
         if (t) {
             atomic_store(&t->grants->device[t->slot].slice_end_ns, now + d.slice_ns);
-            gate_set(t, CGPU_GATE_OPEN);
+            g->open_word = gate_set(t, CGPU_GATE_OPEN);
+            g->idle_since = 0;
+            t->idle_out = 0;
+            memset(t->idle_probed, 0, sizeof(t->idle_probed));
+            memset(t->idle_dead, 0, sizeof(t->idle_dead));
             g->holder = d.key;
             g->charged_to = now;
             g->stats.grants++;
@@ -658,6 +823,17 @@ int cgpu_engine_run(struct cgpu_engine *e, unsigned gpu)
         uint64_t until = now + (d.slice_ns ? d.slice_ns : CGPU_ENGINE_IDLE_POLL_NS);
         if (!d.key && (idle || held) && until > now + CGPU_ENGINE_IDLE_POLL_NS)
             until = now + CGPU_ENGINE_IDLE_POLL_NS;
+        struct tenant *h = g->holder ? find(g, g->holder) : NULL;
+        if (h && !h->idle_out) {
+            if (hold_while_busy(e, g, h, until)) {
+                h->idle_out = 1;
+                g->stats.idle_handovers++;
+            } else if (h->detach_pending) {
+                g->holder = 0; /* detached while the loop slept on its bell (which closed its gate) */
+                unmap_tenant(h);
+            }
+            continue;
+        }
         struct timespec ts = abs_timespec(until);
         pthread_cond_timedwait(&g->wake, &e->mu, &ts);
     }

@@ -3,7 +3,8 @@
  *
  * Per GPU, cgpu_engine_run() loops: read each tenant's demand from its usage
  * file, ask the core who holds the GPU, open that tenant's gate in its grants
- * file, sleep until the slice ends (or something changes), close the gate,
+ * file, sleep until the slice ends (or something changes, or the holder's
+ * processes all report idle while another tenant waits), close the gate,
  * wait until every process of the tenant has fenced its work in flight, and
  * charge the tenant from grant to fence: the device time it really used.
  * The protocol is in cgpu/region.h.
@@ -41,6 +42,18 @@
 #define CGPU_ENGINE_FENCE_PROBE_NS 4000000
 /* With someone who might report work, an idle GPU looks this often. */
 #define CGPU_ENGINE_IDLE_POLL_NS 1000000
+/* A holder whose every process reports idle (region.h) is passed over once
+ * it has stayed so this long while another tenant waits: long enough for a
+ * program that synchronises after each kernel to launch its next one, short
+ * next to a slice. */
+#define CGPU_ENGINE_IDLE_GRACE_NS 200000
+/* While the holder is idle and nobody waits, the loop looks for a waiter this
+ * often at first, backing off to CGPU_ENGINE_IDLE_POLL_NS. */
+#define CGPU_ENGINE_IDLE_WATCH_NS 250000
+/* After its bell rang and the holder was found busy, the loop looks again
+ * this much later without listening to the bell: a tenant can ring it at
+ * will, and one that synchronises often reports idle often. */
+#define CGPU_ENGINE_IDLE_RECHECK_NS 1000000
 /* Achieved shares are measured over windows this long (at the loop's next
  * turn after one ends): long enough to span ten default periods. */
 #define CGPU_ENGINE_SHARE_WINDOW_NS 1000000000
@@ -52,6 +65,7 @@ struct cgpu_engine_stats {
     uint64_t fence_timeouts;  /* closings that ran into CGPU_ENGINE_FENCE_TIMEOUT_NS */
     uint64_t fences_late;     /* of those, fenced later (charged until then, not granted meanwhile) */
     uint64_t fence_wait_ns;   /* total time from closing to acknowledgement */
+    uint64_t idle_handovers;  /* grants ended early: the holder was idle and another tenant waited */
     uint64_t holder;          /* key holding the GPU now, 0 for none */
     int tenants;
     int policy;

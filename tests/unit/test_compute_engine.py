@@ -4,9 +4,11 @@ acknowledgements, a process dying with its ledger), and checks what cgpud
 does with the gates. libcgpu.so's side is tested in tests/intercept."""
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import mmap
 import os
+import platform
 import struct
 import subprocess
 import sys
@@ -458,3 +460,191 @@ def test_a_region_path_too_long_is_refused_not_truncated(sched: ComputeScheduler
     with pytest.raises(ComputeError, match="longer than 4095 bytes"):
         sched.attach(a.instance, padded)
     assert sched.schedule(0).tenants == 0
+
+
+# ---- hand-over on idle (region.h: idle reports) -------------------------------------
+
+IDLE, DRAINED = int(rlib.CGPU_ACK_IDLE), int(rlib.CGPU_ACK_DRAINED)
+LONG = ComputeTiming(period_ns=400_000_000, max_slice_ns=200_000_000, high_priority_percent=80)
+
+
+@pytest.fixture
+def slow_sched() -> Iterator[ComputeScheduler]:
+    """Slices of 200 ms: a hand-over well inside one is the engine's doing."""
+    s = ComputeScheduler(1, LONG).start()
+    s.configure(NodePolicy(compute_policy=ComputePolicy.PREEMPTIVE))
+    yield s
+    s.stop()
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_SYS_FUTEX, _FUTEX_WAKE = {"x86_64": 202, "aarch64": 98}[platform.machine()], 1
+
+
+def report_idle(t: Tenant, ledger: int, drained: bool = True) -> None:
+    """What libcgpu does when a process holding the open grant has nothing
+    left: the report, a move of the bell, and a wake-up of whoever sleeps on it."""
+    t.u.proc[ledger].fence_ack[0] = (t.gate & SEQ) | IDLE | (DRAINED if drained else 0)
+    t.u.device[0].bell += 1
+    bell = int(rffi.cast("uintptr_t", rffi.addressof(t.u.device[0], "bell")))
+    assert _LIBC.syscall(_SYS_FUTEX, ctypes.c_void_p(bell), _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0) >= 0
+
+
+def granted(t: Tenant, timeout: float = 3.0) -> bool:
+    return wait_until(lambda: bool(t.gate & OPEN), timeout)
+
+
+@pytest.mark.parametrize("drained", [True, False], ids=["drained", "stream-synchronised"])
+def test_an_idle_holder_is_passed_over_well_inside_its_slice(slow_sched: ComputeScheduler, tenants,
+                                                             drained: bool) -> None:
+    a, b = tenants("a"), tenants("b")
+    slow_sched.attach(a.instance, a.dir)
+    slow_sched.attach(b.instance, b.dir)
+    ledger = a.watch()
+    a.want(1)
+    assert granted(a)
+    a.want(0)  # its thread went through the gate and launched
+    b.want(1)
+    time.sleep(0.02)
+    assert a.gate & OPEN and not b.gate & OPEN, "a busy holder keeps its slice"
+    reported = time.monotonic()
+    report_idle(a, ledger, drained)
+    if not drained:
+        # A stream's synchronisation says nothing of the other streams: the
+        # closing is fenced as any other.
+        assert wait_until(lambda: not a.gate & OPEN, 0.1)
+        time.sleep(0.02)
+        assert not b.gate & OPEN, "granted before the idle holder's fence"
+        a.ack(ledger, launched=True)
+    assert granted(b, 0.15), "the idle holder kept the GPU"
+    assert time.monotonic() - reported < 0.1  # the slice is 200 ms
+    assert not a.gate & OPEN
+    s = slow_sched.schedule(0)
+    assert s.idle_handovers == 1 and s.fence_timeouts == 0
+    # It keeps its entitlement: charged only the time it held the GPU.
+    assert slow_sched.tenant_metrics()["a"][0].charged_ns < 150_000_000
+
+
+def test_an_idle_holder_keeps_the_gpu_while_nobody_else_wants_it(slow_sched: ComputeScheduler, tenants) -> None:
+    a, b = tenants("a"), tenants("b")
+    slow_sched.attach(a.instance, a.dir)
+    slow_sched.attach(b.instance, b.dir)
+    ledger = a.watch()
+    a.want(1)
+    assert granted(a)
+    a.want(0)
+    report_idle(a, ledger)
+    time.sleep(0.05)
+    assert a.gate & OPEN, "passed on to nobody: its next launch would wait for a grant"
+    b.want(1)  # a newcomer is seen without a bell of its own
+    assert granted(b, 0.05)
+    assert slow_sched.schedule(0).idle_handovers == 1
+
+
+def test_one_busy_process_keeps_its_instance_on_the_gpu(slow_sched: ComputeScheduler, tenants) -> None:
+    a, b = tenants("a"), tenants("b")
+    slow_sched.attach(a.instance, a.dir)
+    slow_sched.attach(b.instance, b.dir)
+    idle = a.watch()
+    busy = launching_process(a.dir, waiting=False)
+    try:
+        a.want(1)
+        assert granted(a)
+        a.want(0)
+        b.want(1)
+        report_idle(a, idle)
+        time.sleep(0.05)
+        assert a.gate & OPEN and not b.gate & OPEN, "passed over while one of its processes works"
+        assert slow_sched.schedule(0).idle_handovers == 0
+    finally:
+        busy.kill()
+        busy.wait()
+
+
+def test_a_dead_process_does_not_keep_its_instance_on_the_gpu(slow_sched: ComputeScheduler, tenants) -> None:
+    """Its ledger still says it launches there; its lock is gone."""
+    a, b = tenants("a"), tenants("b")
+    slow_sched.attach(a.instance, a.dir)
+    slow_sched.attach(b.instance, b.dir)
+    idle = a.watch()
+    dead = launching_process(a.dir, waiting=False)
+    dead.kill()
+    dead.wait()
+    a.want(1)
+    assert granted(a)
+    a.want(0)
+    b.want(1)
+    report_idle(a, idle)
+    assert granted(b, 0.15)
+    assert slow_sched.schedule(0).idle_handovers == 1
+
+
+def test_a_withdrawn_report_is_not_idleness(slow_sched: ComputeScheduler, tenants) -> None:
+    """A program that synchronises after every kernel reports idle after each
+    synchronisation and withdraws the report at its next launch: it keeps
+    its slice."""
+    a, b = tenants("a"), tenants("b")
+    slow_sched.attach(a.instance, a.dir)
+    slow_sched.attach(b.instance, b.dir)
+    ledger = a.watch()
+    a.want(1)
+    assert granted(a)
+    a.want(0)
+    b.want(1)
+    before = int(a.u.proc[ledger].fence_ack[0])
+    for _ in range(300):  # about 60 ms of report, launch, report...
+        report_idle(a, ledger)
+        a.u.proc[ledger].fence_ack[0] = before
+        time.sleep(0.0002)
+    assert a.gate & OPEN and not b.gate & OPEN
+    assert slow_sched.schedule(0).idle_handovers == 0
+
+
+def _engine_thread_cpu(name: str = "cgpu-sched-0") -> float:
+    tick = os.sysconf("SC_CLK_TCK")
+    for task in Path("/proc/self/task").iterdir():
+        if (task / "comm").read_text().strip() == name:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / tick
+    raise AssertionError(f"no {name} thread")
+
+
+def test_a_tenant_ringing_its_bell_flat_out_costs_cgpud_little(slow_sched: ComputeScheduler, tenants) -> None:
+    """A hostile holder reports idle, withdraws, and wakes the engine's futex
+    in a tight loop from its own process."""
+    a, b = tenants("a"), tenants("b")
+    slow_sched.attach(a.instance, a.dir)
+    slow_sched.attach(b.instance, b.dir)
+    a.want(1)
+    assert granted(a)
+    b.want(1)
+    ringer = subprocess.Popen([sys.executable, "-c", (
+        "import ctypes, time\n"
+        "from tests.usage_tenant import TenantUsage\n"
+        "from cgpud._region import ffi\n"
+        f"r = TenantUsage({str(a.dir)!r})\n"
+        "u = r._mapped()\n"
+        "i = r.claim(1)\n"
+        "u.proc[i].watching = 1\n"
+        f"g = open({str(a.dir / GRANTS_FILE)!r}, 'rb')\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "bell = int(ffi.cast('uintptr_t', ffi.addressof(u.device[0], 'bell')))\n"
+        "print(i, flush=True)\n"
+        "end = time.monotonic() + 60\n"
+        "while time.monotonic() < end:\n"
+        f"    u.proc[i].fence_ack[0] = {IDLE | DRAINED}\n"  # a report for a grant that is not open
+        "    u.device[0].bell += 1\n"
+        f"    libc.syscall({_SYS_FUTEX}, ctypes.c_void_p(bell), {_FUTEX_WAKE}, 0x7fffffff, None, None, 0)\n"
+        "    u.proc[i].fence_ack[0] = 0\n")], stdout=subprocess.PIPE, text=True,
+        cwd=Path(__file__).resolve().parents[2])
+    try:
+        assert ringer.stdout is not None
+        int(ringer.stdout.readline())
+        a.want(0)
+        cpu0, t0 = _engine_thread_cpu(), time.monotonic()
+        time.sleep(2.0)
+        cpu = (_engine_thread_cpu() - cpu0) / (time.monotonic() - t0)
+    finally:
+        ringer.kill()
+        ringer.wait()
+    assert cpu < 0.05, f"the engine thread used {cpu:.1%} of a core"
