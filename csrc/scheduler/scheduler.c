@@ -4,7 +4,10 @@
  *   still use in the current period. Refilled at each period boundary; what is
  *   left is lost (a reservation is "exactly this much, never more"; see
  *   refill() for the one exception), what was overdrawn is carried as debt, so
- *   an overrunning kernel is paid back.
+ *   an overrunning kernel is paid back. Under fair, time that no tenant may
+ *   use by its budget is lent (see lend()); a lent slice is not charged to
+ *   the budget, so borrowing neither creates debt nor eats a reservation the
+ *   borrower still has for later in the period.
  * - lag_ns, for ordering and for the work-conserving policies (preemptive,
  *   weighted, soft): device time owed to the tenant. Each charge hands the used
  *   time out to the tenants that wanted the GPU in proportion to their weights
@@ -51,6 +54,7 @@ struct tenant {
     int64_t budget;
     int64_t quota;
     uint64_t last_pick; /* decision sequence number; breaks ties round-robin */
+    uint64_t lent;      /* what is left of its last grant's lent slice, uncharged */
 };
 
 struct gpu {
@@ -231,6 +235,7 @@ static void reset_accounts(struct gpu *g)
     for (unsigned i = 0; i < g->n; i++) {
         g->t[i].lag = 0;
         g->t[i].budget = 0;
+        g->t[i].lent = 0;
     }
     g->pool_budget = 0;
     g->hp_budget = 0;
@@ -474,11 +479,12 @@ int cgpu_sched_charge(struct cgpu_sched *s, unsigned gpu, uint64_t key, uint64_t
         return CGPU_SCHED_OK;
 
     /* The time goes to those that wanted the GPU while it was used: tenants
-     * with work (and, under a reservation, budget to use) plus the user. */
+     * with work (and, under fixed, budget to use) plus the user. Under fair a
+     * tenant without budget still wants the lent time, which goes by lag. */
     unsigned char part[CGPU_SCHED_MAX_TENANTS];
     uint64_t total = 0;
     for (unsigned i = 0; i < g->n; i++) {
-        part[i] = &g->t[i] == t || eligible(g, &g->t[i]);
+        part[i] = &g->t[i] == t || (g->policy == CGPU_SCHED_FAIR ? g->t[i].demand : eligible(g, &g->t[i]));
         if (part[i])
             total += weight_of(g, &g->t[i]);
     }
@@ -494,12 +500,19 @@ int cgpu_sched_charge(struct cgpu_sched *s, unsigned gpu, uint64_t key, uint64_t
         u->lag = clamp64(lag, -debt_bound(g), lim);
     }
 
+    /* Lent time is borrowed, not the tenant's own: only what outlasts the
+     * lent slice (a kernel that overran it) is, and becomes debt like any
+     * overrun. A charge arrives before the next decision, so `lent` still
+     * describes the grant being charged. */
+    uint64_t lent = min_u64(b, t->lent);
+    t->lent -= lent;
+    b -= lent;
     if (g->policy == CGPU_SCHED_FIXED && t->share == 0)
         g->pool_budget = clamp64(g->pool_budget - (int64_t)b, -debt_bound(g), lim);
     else if (reserving(g))
         t->budget = clamp64(t->budget - (int64_t)b, -debt_bound(g), lim);
     if (t->high)
-        g->hp_budget = clamp64(g->hp_budget - (int64_t)b, -lim, lim);
+        g->hp_budget = clamp64(g->hp_budget - (int64_t)(b + lent), -lim, lim);
     return CGPU_SCHED_OK;
 }
 
@@ -547,6 +560,21 @@ static struct tenant *pick(struct gpu *g, int high_only, uint64_t elapsed, uint6
     return best;
 }
 
+/* Under fair, when no tenant may run by its budget and pace: the most owed
+ * tenant with work, whatever its budget (two busy tenants beside an idle one
+ * split its time equally, by lag, as under preemptive). */
+static struct tenant *lend(struct gpu *g)
+{
+    struct tenant *best = NULL;
+    for (unsigned i = 0; i < g->n; i++) {
+        struct tenant *t = &g->t[i];
+        if (t->demand &&
+            (!best || t->lag > best->lag || (t->lag == best->lag && t->last_pick < best->last_pick)))
+            best = t;
+    }
+    return best;
+}
+
 int cgpu_sched_next(struct cgpu_sched *s, unsigned gpu, uint64_t now_ns, struct cgpu_sched_decision *out)
 {
     int rc = 0;
@@ -574,6 +602,18 @@ int cgpu_sched_next(struct cgpu_sched *s, unsigned gpu, uint64_t now_ns, struct 
         hp_phase = 0;
         t = pick(g, 0, elapsed, &due);
     }
+    /* Fair keeps every tenant's entitlement, not the device: time nobody may
+     * use by budget and pace is lent, up to the moment a tenant holding back
+     * for its pace is due (or the period ends, which refills), so lending
+     * delays no reservation beyond the slice a returning tenant waits for
+     * anyway. A shorter loan than the shortest slice costs more than it
+     * gives. */
+    uint64_t loan = 0;
+    if (!t && g->policy == CGPU_SCHED_FAIR && due - elapsed >= CGPU_SCHED_MIN_SLICE_NS) {
+        t = lend(g);
+        if (t)
+            loan = min_u64(g->max_slice, due - elapsed);
+    }
     if (!t) {
         /* Nobody may run until a paced tenant is due or the next refill (or
          * until someone reports work, when the caller asks again). */
@@ -583,7 +623,9 @@ int cgpu_sched_next(struct cgpu_sched *s, unsigned gpu, uint64_t now_ns, struct 
     }
 
     uint64_t slice = g->max_slice;
-    if (reserving(g)) {
+    if (loan) {
+        slice = loan; /* <= to_period_end: due <= period */
+    } else if (reserving(g)) {
         /* Budgets are per period: a slice ends with the period, so a
          * reservation is honoured in every period, not just on average. */
         slice = min_u64(slice, to_period_end);
@@ -602,6 +644,7 @@ int cgpu_sched_next(struct cgpu_sched *s, unsigned gpu, uint64_t now_ns, struct 
             }
     }
     t->last_pick = ++g->seq;
+    t->lent = loan ? slice : 0;
     out->key = t->key;
     out->slice_ns = slice;
     return CGPU_SCHED_OK;

@@ -37,12 +37,17 @@
 #define CGPU_SCHED_DEFAULT_SLICE_NS 10000000
 
 /* Policies, numbered as cGPU numbers them. "Reserved" time is held for its
- * tenant in every period and idles when that tenant has no work.
+ * tenant in every period, paced over it; under fixed it idles when that
+ * tenant has no work, under fair it is lent meanwhile (a lent slice ends
+ * when a paced tenant is due, is not charged to the borrower's reservation,
+ * and leaves no debt unless a kernel outlasts it).
  * High-priority tenants with work go first in each period until their usage
  * reaches high_prio_percent of it; under fair and fixed that only reorders
  * their own reservation. */
 enum cgpu_sched_policy {
-    CGPU_SCHED_FAIR = 0,       /* every tenant reserved period / tenants */
+    CGPU_SCHED_FAIR = 0,       /* every tenant reserved period / tenants; time
+                                  nobody may use by reservation is lent to the
+                                  tenants with work, most owed first */
     CGPU_SCHED_PREEMPTIVE = 1, /* equal shares among tenants with work, never idle */
     CGPU_SCHED_WEIGHTED = 2,   /* shares by weight among tenants with work, never idle */
     CGPU_SCHED_FIXED = 3,      /* share_percent reserved, never more; memory-only
