@@ -575,6 +575,19 @@ static struct tenant *lend(struct gpu *g)
     return best;
 }
 
+/* When (since the period's start) the first tenant other than `t` that is
+ * held back by its pace is due; the period's end if none is. */
+static uint64_t due_of_others(const struct gpu *g, const struct tenant *t, uint64_t elapsed)
+{
+    uint64_t due = g->period;
+    for (unsigned i = 0; i < g->n; i++) {
+        const struct tenant *u = &g->t[i];
+        if (u != t && eligible(g, u))
+            due = min_u64(due, pace_wait(g, u, elapsed) ? pace_wait(g, u, elapsed) : due);
+    }
+    return due;
+}
+
 int cgpu_sched_next(struct cgpu_sched *s, unsigned gpu, uint64_t now_ns, struct cgpu_sched_decision *out)
 {
     int rc = 0;
@@ -608,11 +621,20 @@ int cgpu_sched_next(struct cgpu_sched *s, unsigned gpu, uint64_t now_ns, struct 
      * delays no reservation beyond the slice a returning tenant waits for
      * anyway. A shorter loan than the shortest slice costs more than it
      * gives. */
-    uint64_t loan = 0;
-    if (!t && g->policy == CGPU_SCHED_FAIR && due - elapsed >= CGPU_SCHED_MIN_SLICE_NS) {
-        t = lend(g);
-        if (t)
-            loan = min_u64(g->max_slice, due - elapsed);
+    uint64_t loan = 0, ahead = 0;
+    struct tenant *borrower = !t && g->policy == CGPU_SCHED_FAIR ? lend(g) : NULL;
+    if (borrower) {
+        uint64_t until = due_of_others(g, borrower, elapsed);
+        if (until - elapsed >= CGPU_SCHED_MIN_SLICE_NS) {
+            t = borrower;
+            /* One held back only by its own pace runs on its budget, ahead
+             * of pace, rather than on loans ending at its own due time: those
+             * would be microseconds long, turning the caller's loop as often. */
+            if (borrower->budget > 0)
+                ahead = until - elapsed;
+            else
+                loan = min_u64(g->max_slice, until - elapsed);
+        }
     }
     if (!t) {
         /* Nobody may run until a paced tenant is due or the next refill (or
@@ -631,6 +653,8 @@ int cgpu_sched_next(struct cgpu_sched *s, unsigned gpu, uint64_t now_ns, struct 
         slice = min_u64(slice, to_period_end);
         int64_t left = (g->policy == CGPU_SCHED_FIXED && t->share == 0) ? g->pool_budget : t->budget;
         slice = min_u64(slice, (uint64_t)left);
+        if (ahead)
+            slice = min_u64(slice, ahead);
     }
     if (hp_phase) {
         slice = min_u64(slice, (uint64_t)g->hp_budget);
