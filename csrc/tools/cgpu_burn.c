@@ -49,6 +49,7 @@
     X(cuDevicePrimaryCtxRetain, cuDevicePrimaryCtxRetain, 0)           \
     X(cuDevicePrimaryCtxRelease_v2, cuDevicePrimaryCtxRelease, 0)      \
     X(cuCtxSetCurrent, cuCtxSetCurrent, 0)                             \
+    X(cuCtxSynchronize, cuCtxSynchronize, 0)                           \
     X(cuMemGetInfo_v2, cuMemGetInfo, 0)                                \
     X(cuMemAlloc_v2, cuMemAlloc, 0)                                    \
     X(cuMemAllocPitch_v2, cuMemAllocPitch, 0)                          \
@@ -120,7 +121,7 @@ static const char *const resolvers[] = {"proc", "dlsym", NULL};
 struct options {
     uint64_t device, kernel_ns, launches, streams, sync_every, graph_nodes;
     size_t sizes[MAX_ALLOCS], nsizes, until_fail_chunk;
-    double hold_s, duration_s, duty;
+    double hold_s, duration_s, duty, burst_ms, gap_ms;
     int alloc_api, launch_api, resolve;
     bool require_alloc, events, per_thread, launches_given;
 };
@@ -156,7 +157,7 @@ struct burn {
     CUstream streams[MAX_STREAMS];
     CUevent ev[2][MAX_STREAMS]; /* start and end, per stream */
     float ev_ms[MAX_STREAMS];
-    uint64_t launched;
+    uint64_t launched, bursts;
     double t0, busy_s, wall_s;
     const char *error_calls[MAX_ERRORS];
     CUresult error_results[MAX_ERRORS];
@@ -227,6 +228,9 @@ static const struct spec specs[] = {
     OPT("duty", "F", K_POSITIVE, duty, 0, 1, "sleep after each kernel: busy/total = F (1)"),
     OPT("sync-every", "N", K_COUNT, sync_every, 1, 1e15,
         "with duty 1, sync every N launch calls (at the end; ~50 ms with --duration)"),
+    OPT("burst-ms", "MS", K_POSITIVE, burst_ms, 0, 1e9,
+        "with --duration: queue MS of kernels, cuCtxSynchronize, sleep --gap-ms, repeat"),
+    OPT("gap-ms", "MS", K_REAL, gap_ms, 0, 1e9, "idle time after each burst (0)"),
     CHOICE("launch-api", "API", launch_api, launch_apis,
            "kernel|ex|cooperative|graph|launch|grid|grid-async|multi-device (the last four: deprecated)"),
     OPT("graph-nodes", "N", K_COUNT, graph_nodes, 1, 1024, "kernels per graph, each a launch (4)"),
@@ -331,6 +335,12 @@ static int parse_options(int argc, char **argv, struct options *o)
         return fail("unexpected argument '%s' (see --help)", argv[optind]);
     if (o->launches_given && o->duration_s > 0)
         return fail("--launches and --duration cannot be used together");
+    if (o->burst_ms > 0 && o->duration_s <= 0)
+        return fail("--burst-ms needs --duration");
+    if (o->burst_ms > 0 && (o->duty < 1 || o->sync_every))
+        return fail("--burst-ms cannot be used with --duty or --sync-every");
+    if (o->gap_ms > 0 && o->burst_ms <= 0)
+        return fail("--gap-ms needs --burst-ms");
     return -1;
 }
 
@@ -682,13 +692,38 @@ static uint64_t sync_interval(const struct options *o)
     return n < o->streams ? o->streams : n > 1024 ? 1024 : n;
 }
 
+/* An inference server's pattern: a burst of queued work, a wait for all of
+ * it, then idle. The wait is cuCtxSynchronize on purpose: libcgpu takes an
+ * application's context sync as the moment its queue is known empty. */
+static bool run_bursts(struct burn *b)
+{
+    const struct options *o = &b->opt;
+    uint64_t per_call = o->kernel_ns * (o->launch_api == LA_GRAPH ? o->graph_nodes : 1);
+    double want = o->burst_ms * 1e6 / (per_call ? (double)per_call : 1.0);
+    uint64_t calls = want < 1 ? 1 : want > 1e9 ? 1000000000 : (uint64_t)want;
+    calls += (double)calls < want; /* rounded up, without libm */
+    double end = b->t0 + o->duration_s;
+    bool ok = true;
+    for (uint64_t call = 0; ok && now_s() < end;) {
+        for (uint64_t i = 0; ok && i < calls; i++)
+            ok = launch_and_pace(b, call++, 0);
+        ok = ok && check(b, "cuCtxSynchronize", b->f.cuCtxSynchronize());
+        b->bursts += ok;
+        double wake = now_s() + o->gap_ms * 1e-3;
+        sleep_until(wake < end ? wake : end);
+    }
+    return ok;
+}
+
 static void run_launches(struct burn *b)
 {
     const struct options *o = &b->opt;
     uint64_t sync_every = sync_interval(o);
     bool ok = record_events(b, 0);
     b->t0 = now_s();
-    for (uint64_t call = 0; ok; call++) {
+    if (o->burst_ms > 0)
+        ok = ok && run_bursts(b);
+    for (uint64_t call = 0; ok && o->burst_ms <= 0; call++) {
         if (o->duration_s > 0 ? now_s() - b->t0 >= o->duration_s : b->launched >= o->launches)
             break;
         ok = launch_and_pace(b, call, sync_every);
@@ -769,6 +804,8 @@ static void print_report(const struct burn *b)
            b->mem_free_after_alloc);
     print_alloc(b);
     print_timing(b);
+    printf("\"burst_ms\":%.3f,\"gap_ms\":%.3f,\"bursts\":%llu,", o->burst_ms, o->gap_ms,
+           (unsigned long long)b->bursts);
     printf("\"launch_api\":\"%s\",\"graph_nodes\":%llu,\"streams\":%llu,\"duty\":%.4f,"
            "\"resolve\":\"%s\",\"per_thread_stream\":%s,\"errors\":[",
            launch_apis[o->launch_api], (unsigned long long)o->graph_nodes,

@@ -60,7 +60,8 @@ def test_help_lists_every_option(native):
     assert proc.returncode == 0 and proc.stderr == ""
     for option in ("--device", "--alloc", "--alloc-api", "--alloc-until-fail", "--hold", "--kernel-ns",
                    "--streams", "--duration", "--launches", "--duty", "--launch-api", "--events",
-                   "--per-thread-stream", "--resolve", "--require-alloc", "--sync-every", "--graph-nodes"):
+                   "--per-thread-stream", "--resolve", "--require-alloc", "--sync-every", "--graph-nodes",
+                   "--burst-ms", "--gap-ms"):
         assert option in proc.stdout
 
 
@@ -83,6 +84,11 @@ BAD_ARGS = [
     (["--hold", "soon"], ["--hold", "'soon'"]),
     (["--launches", "5", "--duration", "1"], ["--launches", "--duration"]),
     (["--events=yes"], ["--events=yes"]),
+    (["--burst-ms", "0", "--duration", "1"], ["--burst-ms", "'0'"]),
+    (["--burst-ms", "2", "--gap-ms", "-1", "--duration", "1"], ["--gap-ms", "'-1'"]),
+    (["--burst-ms", "2"], ["--burst-ms", "--duration"]),
+    (["--gap-ms", "5", "--duration", "1"], ["--gap-ms", "--burst-ms"]),
+    (["--burst-ms", "2", "--sync-every", "3", "--duration", "1"], ["--burst-ms", "--sync-every"]),
     (["stray"], ["'stray'"]),
 ]
 
@@ -261,3 +267,14 @@ def test_duration_stops_the_run(native, sim_env):
     assert 0.3 <= out["wall_s"] < 0.6
     assert out["launches"] >= 100
     assert out["event_ms"] >= 250
+
+
+def test_bursts_queue_the_burst_then_idle_for_the_gap(native, sim_env):
+    # 2 ms of 200 us kernels over 4 streams, then 10 ms idle: about 12 ms a burst
+    out = burn_json(native, sim_env, "--duration", "0.6", "--burst-ms", "2", "--gap-ms", "10",
+                    "--kernel-ns", "200000", "--streams", "4")
+    assert out["burst_ms"] == 2 and out["gap_ms"] == 10
+    assert 30 <= out["bursts"] <= 52, out["bursts"]
+    assert out["launches"] == 10 * out["bursts"]  # the last burst is whole too
+    # each burst ran its 2 ms of kernels (synchronised) and idled 10 ms before the next
+    assert out["wall_s"] >= (out["bursts"] - 1) * 0.012
