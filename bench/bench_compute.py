@@ -13,16 +13,30 @@ are within +-5 points over the first 200 ms after a new tenant starts or the
 policy changes; cgpud <= 1 % of a
 core per GPU with 10 tenants.
 
+`--bursty` runs the bursty grid instead (issue 17): tenants that queue B ms
+of kernels, wait for them with cuCtxSynchronize and idle G ms, beside one
+saturating tenant, each cell under cgpu and natively (the same processes on
+the simulated driver, no libcgpu), interleaved round by round. Target:
+utilisation >= 95 % of native's under fair, preemptive and weighted; soft and
+fixed are shown for information. With it, a tenant that synchronises after
+every 20 us kernel beside a saturating one under preemptive should get 50 %:
+a hand-over on idle that is too eager would starve it.
+
 It is a report: exit 0 whether or not a target is met, 1 when it could not
 measure. Run from the repository root:
     .venv/bin/python -m bench.bench_compute [--seconds 10] [--quick] [--only NAME]
+    .venv/bin/python -m bench.bench_compute --bursty [--quick] [--rounds 3] [--seconds 2] [--only NAME]
 """
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from bench.table import print_table
@@ -31,6 +45,14 @@ from tests.sharerun import Scenario, ScenarioResult, ShareRig, TenantSpec
 KERNELS = {"20us": (20_000,), "200us": (200_000,), "2ms": (2_000_000,), "mix": (20_000, 200_000, 2_000_000)}
 SPLITS = {"10/90": (10, 90), "30/70": (30, 70), "4x25": (25,) * 4, "20x5": (5,) * 20}
 WORK_CONSERVING = {"preemptive", "weighted", "soft"}
+
+BURSTS_MS = (1, 5, 20)
+GAPS_MS = (5, 20, 100)
+BURSTY_COUNTS = (1, 4)
+HANDOVER_POLICIES = ("fair", "preemptive", "weighted")  # the >= 95 % of native target
+INFO_POLICIES = ("soft", "fixed")  # shown for one burst/gap only
+INFO_CELL = (5, 20)
+SATURATING_CORE = 50  # under soft and fixed: the saturating tenant's share, the bursty ones split the rest
 
 
 def _split(name: str, shares: tuple[int, ...], kernels: tuple[int, ...], seconds: float) -> Scenario:
@@ -72,6 +94,118 @@ def scenarios(seconds: float, quick: bool) -> list[Scenario]:
     return out
 
 
+@dataclass(frozen=True)
+class BurstyGroup:
+    """One burst/gap/count: the native run and one scenario per policy."""
+    burst_ms: int
+    gap_ms: int
+    count: int
+    policies: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        return f"bursty {self.burst_ms} ms on / {self.gap_ms} ms off x {self.count}"
+
+    def scenario(self, policy: str, seconds: float) -> Scenario:
+        reserved = policy in INFO_POLICIES
+        core = (100 - SATURATING_CORE) // self.count if reserved else 0
+        bursty = TenantSpec(core, burst_ms=self.burst_ms, gap_ms=self.gap_ms)
+        return Scenario(f"{self.name}, {policy}", policy,
+                        (TenantSpec(SATURATING_CORE if reserved else 0), *(bursty,) * self.count), seconds)
+
+
+def bursty_groups(quick: bool) -> list[BurstyGroup]:
+    bursts, gaps, counts = ((1, 20), (5, 100), (1,)) if quick else (BURSTS_MS, GAPS_MS, BURSTY_COUNTS)
+    return [BurstyGroup(b, g, n, HANDOVER_POLICIES + (INFO_POLICIES if (b, g) == INFO_CELL and not quick else ()))
+            for b in bursts for g in gaps for n in counts]
+
+
+SYNCING = TenantSpec(0, kernel_ns=20_000, streams=1, sync_every=1)
+
+
+def sync_scenario(seconds: float, alone: bool = False) -> Scenario:
+    """A tenant that synchronises after every kernel is idle between its
+    kernels for a host round trip each time: alone it keeps the device only
+    about 20 % busy. Beside a saturating tenant under preemptive it is owed
+    half the time, so half of what it does alone; an eager hand-over would
+    pass the GPU on at each of its syncs and starve it."""
+    tenants = (SYNCING,) if alone else (SYNCING, TenantSpec(0))
+    return Scenario("preemptive, a tenant syncing after every 20 us kernel" + (", alone" if alone else ""),
+                    "preemptive", tenants, seconds)
+
+
+def _median(results: list[ScenarioResult], value: Callable[[ScenarioResult], float]) -> float:
+    return statistics.median(value(r) for r in results)
+
+
+def _bursty_share(r: ScenarioResult) -> float:
+    """The bursty tenants' device time, % of wall time, per tenant on average."""
+    return statistics.fmean(t.share for t in r.tenants[1:])
+
+
+def run_bursty(rig: ShareRig, groups: list[BurstyGroup], seconds: float, rounds: int,
+               with_sync: bool) -> list[tuple[str, ...]]:
+    rows = []
+    for g in groups:
+        native = g.scenario("native", seconds)
+        runs = [(native, True), *((g.scenario(p, seconds), False) for p in g.policies)]
+        results = rig.run_rounds(runs, rounds)
+        nat_util, nat_bursty = _median(results[0], lambda r: r.utilisation), _median(results[0], _bursty_share)
+        print(f"\n## {g.name}  ({rounds} rounds x {seconds:g} s, median)")
+        print(f"native: utilisation {nat_util:.1f} % (rounds {', '.join(f'{r.utilisation:.1f}' for r in results[0])}),"
+              f" each bursty tenant {nat_bursty:.2f} %")
+        for (sc, _), res in zip(runs[1:], results[1:]):
+            util, bursty = _median(res, lambda r: r.utilisation), _median(res, _bursty_share)
+            ratio = 100.0 * util / nat_util
+            target = "yes" if ratio >= 95 else "NO"
+            if sc.policy in INFO_POLICIES:
+                target = "(info)"
+            print(f"{sc.policy}: utilisation {util:.1f} % (rounds {', '.join(f'{r.utilisation:.1f}' for r in res)}),"
+                  f" {ratio:.1f} % of native, each bursty tenant {bursty:.2f} %, saturating tenant "
+                  f"{_median(res, lambda r: r.tenants[0].share):.1f} %")
+            rows.append((f"{g.burst_ms}", f"{g.gap_ms}", f"{g.count}", sc.policy, f"{nat_util:.1f}", f"{util:.1f}",
+                         f"{ratio:.1f}", target, f"{nat_bursty:.2f}", f"{bursty:.2f}"))
+    if with_sync:
+        sc = sync_scenario(seconds)
+        nat, res, alone = rig.run_rounds([(sc, True), (sc, False), (sync_scenario(seconds, alone=True), False)],
+                                         rounds)
+        dev, nat_dev = _median(res, lambda r: r.tenants[0].share), _median(nat, lambda r: r.tenants[0].share)
+        alone_dev = _median(alone, lambda r: r.tenants[0].share)
+        util, nat_util = _median(res, lambda r: r.utilisation), _median(nat, lambda r: r.utilisation)
+        share = 100.0 * dev / alone_dev
+        print(f"\n## {sc.name}\nits device time {dev:.2f} % of wall (rounds "
+              f"{', '.join(f'{r.tenants[0].share:.2f}' for r in res)}), alone {alone_dev:.2f} %: a share of "
+              f"{share:.1f} % (expected 50); natively beside the same tenant {nat_dev:.2f} %. Utilisation "
+              f"{util:.1f} % (natively {nat_util:.1f} %: the syncing tenant's slices are mostly host round trips)")
+        rows.append(("sync every kernel (20 us)", "-", "1", "preemptive", f"{nat_util:.1f}", f"{util:.1f}",
+                     f"{100.0 * util / nat_util:.1f}", f"share {share:.1f} (50)", f"{nat_dev:.2f}", f"{dev:.2f}"))
+    return rows
+
+
+def bursty_main(args: argparse.Namespace) -> int:
+    seconds = args.seconds or (1.5 if args.quick else 2.0)
+    rounds = args.rounds or (2 if args.quick else 3)
+    groups = [g for g in bursty_groups(args.quick) if not args.only or args.only in g.name]
+    with_sync = not args.only or args.only in sync_scenario(seconds).name
+    if not groups and not with_sync:
+        print(f"no bursty scenario matches {args.only!r}", file=sys.stderr)
+        return 2
+    print(f"# bursty tenants on the simulated GPU: {len(groups)} burst/gap/count groups, {rounds} rounds x "
+          f"{seconds:g} s each, native and cgpu interleaved; load {os.getloadavg()[0]:.2f}")
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="cgpu-bench-compute-") as tmp:
+        rig = ShareRig(Path(tmp), dict(os.environ))
+        try:
+            rows = run_bursty(rig, groups, seconds, rounds, with_sync)
+        finally:
+            rig.close()
+    print(f"\n## summary ({time.monotonic() - t0:.0f} s; target: cgpu utilisation >= 95 % of native under "
+          f"{', '.join(HANDOVER_POLICIES)})")
+    print_table(("burst ms", "gap ms", "bursty tenants", "policy", "native util %", "cgpu util %", "% of native",
+                 ">= 95", "bursty native %", "bursty cgpu %"), rows)
+    return 0
+
+
 def report(r: ScenarioResult) -> None:
     sc = r.scenario
     policy = f"{sc.policy} -> {sc.then_policy}" if sc.then_policy else sc.policy
@@ -102,11 +236,15 @@ def report(r: ScenarioResult) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seconds", type=float, default=10.0, help="measured interval per scenario (10)")
+    ap.add_argument("--seconds", type=float, help="measured interval per scenario (10; --bursty: 2 per round)")
     ap.add_argument("--quick", action="store_true", help="2 s and fewer scenarios")
     ap.add_argument("--only", help="run the scenarios whose name contains this")
+    ap.add_argument("--bursty", action="store_true", help="the bursty grid, cgpu against native, instead")
+    ap.add_argument("--rounds", type=int, help="--bursty: rounds per cell, the median is reported (3)")
     args = ap.parse_args(argv)
-    seconds = 2.0 if args.quick else args.seconds
+    if args.bursty:
+        return bursty_main(args)
+    seconds = 2.0 if args.quick else (args.seconds or 10.0)
     chosen = [s for s in scenarios(seconds, args.quick) if not args.only or args.only in s.name]
     if not chosen:
         print(f"no scenario matches {args.only!r}", file=sys.stderr)

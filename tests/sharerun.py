@@ -3,7 +3,10 @@ truth: a real cgpud in core_mem mode, tenants started with `cgpuctl run
 --core N -- cgpu-burn ...` (libcgpu.so preloaded, saturating, asynchronous
 launches over several streams), and each tenant's completed device time
 sampled by `cgpu-sim-stat --sample` from the simulation's own per-process
-accounting, never from anything the scheduler says about itself.
+accounting, never from anything the scheduler says about itself. A scenario
+can also run natively: the same cgpu-burn processes on the simulated driver
+directly, no libcgpu and no `cgpuctl run`, so nothing of cgpud controls
+them; `ShareRig.run_rounds` interleaves the two for a side-by-side figure.
 
 Used by bench/bench_compute.py (10 s scenarios, the report) and by
 tests/integration/test_compute_shares.py (2-3 s versions, looser bounds)."""
@@ -40,6 +43,19 @@ class TenantSpec:
     weight: int = 1
     high_priority: bool = False
     delay_s: float = 0.0        # starts this long after the others are running
+    burst_ms: float = 0.0       # > 0: bursts of this much queued work, each ended by cuCtxSynchronize ...
+    gap_ms: float = 0.0         # ... then this long idle
+    sync_every: int = 0         # > 0: synchronise every this many launches
+
+    def burn_args(self) -> list[str]:
+        """cgpu-burn's command line for this tenant (after the program)."""
+        args = ["--duration", "600", "--kernel-ns", str(self.kernel_ns), "--streams", str(self.streams),
+                "--launch-api", self.launch_api]
+        if self.burst_ms:
+            args += ["--burst-ms", f"{self.burst_ms:g}", "--gap-ms", f"{self.gap_ms:g}"]
+        if self.sync_every:
+            args += ["--sync-every", str(self.sync_every)]
+        return args
 
 
 @dataclass(frozen=True)
@@ -162,10 +178,11 @@ class ShareRig:
     def close(self) -> None:
         self.daemon.stop()
 
-    def _start(self, spec: TenantSpec) -> subprocess.Popen[bytes]:
+    def _start(self, spec: TenantSpec, native: bool = False) -> subprocess.Popen[bytes]:
         d = self.daemon
-        cmd = [str(Path(native_path("bin/cgpu-burn"))), "--duration", "600", "--kernel-ns", str(spec.kernel_ns),
-               "--streams", str(spec.streams), "--launch-api", spec.launch_api]
+        cmd = [str(Path(native_path("bin/cgpu-burn"))), *spec.burn_args()]
+        if native:  # the simulator's environment only: no libcgpu, nothing registered with cgpud
+            return subprocess.Popen(cmd, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         run = ["run", "--mem", "512MiB", "--core", str(spec.core), "--weight", str(spec.weight)]
         if spec.high_priority:
             run.append("--high-priority")
@@ -173,26 +190,43 @@ class ShareRig:
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
     @staticmethod
-    def _burn_pid(run: subprocess.Popen[bytes], deadline: float) -> int:
+    def _burn_pid(run: subprocess.Popen[bytes], deadline: float, native: bool = False) -> int:
         while time.monotonic() < deadline:
             if run.poll() is not None:
                 err = run.stderr.read().decode() if run.stderr else ""
-                raise AssertionError(f"cgpuctl run exited with {run.returncode}: {err}")
+                raise AssertionError(f"{'cgpu-burn' if native else 'cgpuctl run'} exited with {run.returncode}: {err}")
+            if native:
+                return run.pid
             kids = psutil.Process(run.pid).children()
             if kids:
                 return kids[0].pid
             time.sleep(0.02)
         raise AssertionError("cgpu-burn did not start under cgpuctl run")
 
+    def run_rounds(self, runs: Sequence[tuple[Scenario, bool]], rounds: int) -> list[list[ScenarioResult]]:
+        """Each (scenario, native) `rounds` times, interleaved: every round
+        runs them all, starting one further along each time, so neither the
+        order nor a drift of the machine's load favours one of them. Returns
+        the results per entry of `runs`, in round order."""
+        out: list[list[ScenarioResult]] = [[] for _ in runs]
+        for r in range(rounds):
+            for k in range(len(runs)):
+                i = (k + r) % len(runs)
+                out[i].append(self.run(runs[i][0], native=runs[i][1]))
+        return out
+
     def run(self, sc: Scenario, sample_ms: int = 50, warmup_s: float = 0.5, window_s: float = 1.0,
-            settle_window_s: float = 0.2) -> ScenarioResult:
+            settle_window_s: float = 0.2, native: bool = False) -> ScenarioResult:
         """Starts the tenants without a delay, waits until all of them run,
         then the delayed ones one by one; measures `sc.seconds` from
-        `warmup_s` after the last one ran."""
+        `warmup_s` after the last one ran. `native`: the same processes
+        without cgpu (the policy and cores are then moot)."""
+        assert not (native and sc.then_policy), "a policy switch means nothing natively"
         if any(t.delay_s for t in sc.tenants) or sc.then_policy:
             sample_ms = min(sample_ms, 20)  # the join or switch is timed to a sample
-        policy = self.daemon.cgpuctl("policy", "set", sc.policy)
-        assert policy.returncode == 0, policy.stderr
+        if not native:
+            policy = self.daemon.cgpuctl("policy", "set", sc.policy)
+            assert policy.returncode == 0, policy.stderr
         sampler = Sampler(self.env, sample_ms)
         runs: dict[int, subprocess.Popen[bytes]] = {}
         pids: dict[int, int] = {}
@@ -200,9 +234,9 @@ class ShareRig:
         try:
             first = [i for i, s in enumerate(sc.tenants) if s.delay_s == 0]
             for i in first:
-                runs[i] = self._start(sc.tenants[i])
+                runs[i] = self._start(sc.tenants[i], native)
             for i in first:
-                pids[i] = self._burn_pid(runs[i], deadline)
+                pids[i] = self._burn_pid(runs[i], deadline, native)
             self._wait_running(sampler, [pids[i] for i in first], deadline)
             start_ns = sampler.samples[-1][0] + int(warmup_s * SECOND)
             joined_ns: int | None = None
@@ -210,8 +244,8 @@ class ShareRig:
                 if s.delay_s == 0:
                     continue
                 time.sleep(s.delay_s)
-                runs[i] = self._start(s)
-                pids[i] = self._burn_pid(runs[i], deadline)
+                runs[i] = self._start(s, native)
+                pids[i] = self._burn_pid(runs[i], deadline, native)
                 self._wait_running(sampler, [pids[i]], deadline)
                 joined_ns = self._first_busy(sampler, pids[i])
                 start_ns = max(start_ns, joined_ns + int(warmup_s * SECOND))
