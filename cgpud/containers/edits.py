@@ -103,9 +103,12 @@ def application_env(instance: Instance, gpu_memory: Mapping[int, int]) -> dict[s
     return env
 
 
-def instance_edits(instance: Instance, region: Path, gpu_memory: Mapping[int, int], files: RuntimeFiles) -> ContainerEdits:
+def instance_edits(instance: Instance, region: Path, gpu_memory: Mapping[int, int], files: RuntimeFiles,
+                   *, hooks: bool = True) -> ContainerEdits:
     """Env and hooks for every instance; the library, its preload entry and
-    the region only where the node enforces limits (not in share mode)."""
+    the region only where the node enforces limits (not in share mode).
+    hooks=False: the runtime shim binds after `create` and releases after
+    `delete` itself, so runc runs no hook of ours."""
     mounts: tuple[Mount, ...] = ()
     if instance.enforced:
         mounts = (
@@ -114,12 +117,12 @@ def instance_edits(instance: Instance, region: Path, gpu_memory: Mapping[int, in
             Mount(str(files.library), CONTAINER_LIBRARY, read_only=True, exec_ok=True),
             Mount(str(files.preload), PRELOAD, read_only=True),
         )
-    hooks = tuple(
+    entries = tuple(
         Hook(stage, str(files.hook),
              (HOOK_NAME, "--socket", str(files.relay_socket), "--instance", instance.id, stage))
         for stage in (BIND_STAGE, RELEASE_STAGE)
-    )
-    return ContainerEdits(tuple(application_env(instance, gpu_memory).items()), mounts, hooks, instance.id)
+    ) if hooks else ()
+    return ContainerEdits(tuple(application_env(instance, gpu_memory).items()), mounts, entries, instance.id)
 
 
 def _ours(mount: Any, destinations: set[str]) -> bool:
@@ -147,17 +150,25 @@ def apply_edits(spec: Mapping[str, Any], edits: ContainerEdits, files: RuntimeFi
                for m in edits.mounts]
     out["mounts"] = mounts
 
-    hooks = _member(out, "hooks", dict, "hooks")
-    for stage in {h.stage for h in edits.hooks}:
-        stage_hooks = _member(hooks, stage, list, f"hooks.{stage}")
-        # Ours by path, or by name: an edit by another cgpud version names
-        # that version's copy of the hook.
-        kept = [h for h in stage_hooks if not (isinstance(h, Mapping) and (
-            h.get("path") == str(files.hook) or _hook_name(h) == HOOK_NAME))]
-        hooks[stage] = kept + [
-            {"path": h.path, "args": list(h.args), "env": list(h.env), "timeout": h.timeout}
-            for h in edits.hooks if h.stage == stage
-        ]
+    # Our stages are always swept, so a retried create that the shim now
+    # binds itself drops the entries an earlier prepare wrote.
+    stages = {BIND_STAGE, RELEASE_STAGE} | {h.stage for h in edits.hooks}
+    if edits.hooks or (isinstance(out.get("hooks"), Mapping) and stages & set(out["hooks"])):
+        hooks = _member(out, "hooks", dict, "hooks")
+        for stage in sorted(stages):
+            if hooks.get(stage) is None and not any(h.stage == stage for h in edits.hooks):
+                continue
+            stage_hooks = _member(hooks, stage, list, f"hooks.{stage}")
+            # Ours by path, or by name: an edit by another cgpud version names
+            # that version's copy of the hook.
+            kept = [h for h in stage_hooks if not (isinstance(h, Mapping) and (
+                h.get("path") == str(files.hook) or _hook_name(h) == HOOK_NAME))]
+            kept += [{"path": h.path, "args": list(h.args), "env": list(h.env), "timeout": h.timeout}
+                     for h in edits.hooks if h.stage == stage]
+            if kept:
+                hooks[stage] = kept
+            else:
+                del hooks[stage]
     _member(out, "annotations", dict, "annotations")[ANNOTATION] = edits.instance_id
     return out
 

@@ -53,10 +53,11 @@ class ContainerLifecycle:
         self._trust_env = trust_env
         self._log = structlog.get_logger("cgpud.containers")
 
-    def prepare(self, container_id: str, bundle: Path) -> Prepared:
+    def prepare(self, container_id: str, bundle: Path, *, hooks: bool = True) -> Prepared:
         """Read the bundle's request, admit it, write the edits. On any
         failure after admission the instance is released again, so a refused
-        start leaves nothing behind."""
+        start leaves nothing behind. hooks=False: the runtime shim binds and
+        releases itself (bind/release requests), so no hook entry is written."""
         key = container_key(container_id, bundle)
         spec = read_spec(bundle)
         ask = read_request(spec, trust_env=self._trust_env, regions=self._service.regions)
@@ -69,7 +70,8 @@ class ContainerLifecycle:
             # directory then outlives an upgrade while the instance lives.
             self._service.use_runtime([instance.id], self._files.version)
             gpu_memory = {g.index: g.memory for g in self._service.gpus()}
-            edits = instance_edits(instance, self._service.region_dir(instance.id), gpu_memory, self._files)
+            edits = instance_edits(instance, self._service.region_dir(instance.id), gpu_memory, self._files,
+                                   hooks=hooks)
             targets = [m.destination for m in edits.mounts]
             rootfs = rootfs_path(bundle, spec)
             check_targets(rootfs, targets)
@@ -79,7 +81,7 @@ class ContainerLifecycle:
             if created:
                 self._service.release(instance.id)
             raise
-        self._log.info("prepared", container=str(key), id=instance.id, claimed=not created)
+        self._log.info("prepared", container=str(key), id=instance.id, claimed=not created, hooks=hooks)
         return Prepared(instance)
 
     def hook(self, stage: str, instance_id: str, state_json: bytes) -> str:

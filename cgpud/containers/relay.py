@@ -19,13 +19,16 @@ import structlog
 
 from cgpud.contract import RELAY_MAX_REQUEST, RELAY_MSG_MAX
 from cgpud.errors import CgpuError, UsageError
-from cgpud.containers.edits import RELEASE_STAGE
+from cgpud.containers.edits import BIND_STAGE, RELEASE_STAGE
 from cgpud.containers.lifecycle import BIND_STAGES, ContainerLifecycle
 from cgpud.sockets import prepare_socket_directory, remove_stale_socket
 
 READ_TIMEOUT = 10.0
 # Verbs counted by name in metrics; anything else (a malformed request) is "other".
-_VERBS = ("prepare", *(f"hook {stage}" for stage in (*BIND_STAGES, RELEASE_STAGE)))
+_VERBS = ("prepare", "bind", "release", *(f"hook {stage}" for stage in (*BIND_STAGES, RELEASE_STAGE)))
+# The one flag of prepare: the shim binds after create and releases after
+# delete itself, so cgpud writes no hook entries.
+SHIM_BINDS = "shim-binds"
 
 
 class RelayProtocolError(UsageError):
@@ -64,14 +67,20 @@ def answer_line(text: str) -> bytes:
 def handle(lifecycle: ContainerLifecycle, words: list[str], body: bytes) -> str:
     """One request to one answer text; raises CgpuError for the error line."""
     match words:
-        case ["prepare", container_id]:
+        case ["prepare", container_id, *flags] if flags in ([], [SHIM_BINDS]):
             try:
                 bundle = Path(os.fsdecode(body))
             except (UnicodeDecodeError, ValueError):
                 raise RelayProtocolError("bundle path is not a valid path") from None
-            return lifecycle.prepare(container_id, bundle).summary()
+            return lifecycle.prepare(container_id, bundle, hooks=not flags).summary()
         case ["hook", stage, instance_id]:
             return lifecycle.hook(stage, instance_id, body)
+        # The shim's own bind (after create) and release (after delete): the
+        # createRuntime and poststop hooks' work, with the same checks.
+        case ["bind", instance_id]:
+            return lifecycle.hook(BIND_STAGE, instance_id, body)
+        case ["release", instance_id]:
+            return lifecycle.hook(RELEASE_STAGE, instance_id, body)
         case _:
             raise RelayProtocolError(f"unknown request {' '.join(words)[:80]!r}")
 

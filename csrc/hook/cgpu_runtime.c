@@ -1,16 +1,28 @@
 /* cgpu-runtime: the OCI runtime shim containerd and docker call instead of
  * runc. Every command goes to the real runtime unchanged; before `create` or
  * `run` of a bundle that may ask for a GPU share, cgpud prepares the bundle,
- * and unless it answers ok the container does not start. */
+ * and unless it answers ok the container does not start.
+ *
+ * `create --pid-file` of a GPU container (what containerd and docker run):
+ * the shim binds the instance to the init pid itself once the real create
+ * succeeded, and releases it after the real delete, so runc runs no hook of
+ * ours (a hook is a fork+exec of cgpu-hook by runc at each stage). A marker
+ * file under CGPU_RUNTIME_STATE_DIR says which containers those are, so a
+ * delete of any other container is a plain exec of the real runtime.
+ * `run`, and `create` without --pid-file, keep the OCI hooks. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
 #include <stdarg.h>
+#include <signal.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -20,6 +32,11 @@
 #define CONFIG_MAX (8 << 20)
 #define CONFIG_CHUNK (64 << 10)
 #define ID_MAX CGPU_CONTAINER_ID_MAX
+#define INSTANCE_MAX 63
+#define STATE_DIR "/run/cgpu-runtime"
+#define RUNC_ROOT "/run/runc" /* runc's --root default for root */
+#define MARKER_MAX (2 * PATH_MAX + ID_MAX + INSTANCE_MAX + 8)
+#define SHIM_BINDS "shim-binds" /* relay.py SHIM_BINDS */
 
 /* A bundle may ask for a GPU share only if its config names one of these,
  * or spells a name or path character as a JSON escape (see escaped_name).
@@ -37,12 +54,21 @@ static const char *const GLOBAL_VALUED[] = {"root", "log", "log-format", "criu",
 static const char *const CREATE_VALUED[] = {"bundle", "b", "console-socket", "pid-file", "preserve-fds", NULL};
 
 struct globals {
+    const char *root;
     const char *log;
     const char *log_format;
     int version;
 };
 
 static struct globals g_opts;
+
+/* A GPU container the shim binds and releases itself. */
+struct shim_bound {
+    char instance[INSTANCE_MAX + 1];
+    char bundle[PATH_MAX];
+    const char *id;
+    const char *pid_file;
+};
 
 static const char *env_or(const char *name, const char *fallback)
 {
@@ -159,7 +185,9 @@ static int parse_globals(char **argv)
             continue;
         if (!v && argv[i])
             v = argv[i++];
-        if (k == 1)
+        if (k == 0)
+            g_opts.root = v;
+        else if (k == 1)
             g_opts.log = v;
         else if (k == 2)
             g_opts.log_format = v;
@@ -289,8 +317,30 @@ static int valid_id(const char *id)
     return n > 0 && n <= ID_MAX;
 }
 
-/* Returns only if the real runtime should run. */
-static void prepare(const char *command, char **args, const char *socket)
+/* The value of --pid-file among create's arguments, or NULL. */
+static const char *find_pid_file(char **args)
+{
+    for (int i = 0; args[i]; i++) {
+        const char *a = args[i], *v;
+        if (strcmp(a, "--") == 0)
+            break;
+        if (!is_flag(a))
+            continue;
+        int k = flag_index(a, CREATE_VALUED, &v);
+        if (k < 0)
+            continue;
+        if (!v && args[i + 1])
+            v = args[++i];
+        if (k == 3)
+            return v && *v ? v : NULL;
+    }
+    return NULL;
+}
+
+/* Returns only if the real runtime should run. With `bound` (create with
+ * --pid-file), cgpud writes no hooks and bound->instance names the instance
+ * the shim must bind ("" when the bundle asks for no GPU). */
+static void prepare(const char *command, char **args, const char *socket, struct shim_bound *bound)
 {
     const char *bundle = ".", *id = NULL;
     parse_create(args, &bundle, &id);
@@ -305,11 +355,274 @@ static void prepare(const char *command, char **args, const char *socket)
         die(1, "container id missing: usage is %s [options] <container-id>", command);
     if (!valid_id(id))
         die(1, "container id is not valid: expected 1-%d printable ASCII characters without spaces", ID_MAX);
-    static char request[ID_MAX + PATH_MAX + 16];
-    int len = snprintf(request, sizeof(request), "prepare %s\n%s", id, bundle_abs);
+    static char request[ID_MAX + PATH_MAX + 32];
+    int len = snprintf(request, sizeof(request), "prepare %s%s\n%s", id, bound ? " " SHIM_BINDS : "", bundle_abs);
     char msg[CGPU_RELAY_MSG_MAX];
     if (cgpu_relay_call(PROG, socket, request, (size_t)len, msg, sizeof(msg)) != 0)
         die(1, "%s", msg);
+    if (!bound || strncmp(msg, "instance ", 9) != 0)
+        return;
+    const char *inst = msg + 9;
+    size_t n = strlen(inst);
+    if (n == 0 || n > INSTANCE_MAX || strspn(inst, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-") != n)
+        die(1, "cgpud named an instance the shim cannot use: %.80s", inst);
+    memcpy(bound->instance, inst, n + 1);
+    memcpy(bound->bundle, bundle_abs, sizeof(bound->bundle));
+    bound->id = id;
+}
+
+/* ---- the shim's own bind and release ----------------------------------------------- */
+
+static uint64_t fnv1a(uint64_t h, const char *s, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        h = (h ^ (unsigned char)s[i]) * 0x100000001b3ULL;
+    return h;
+}
+
+/* The marker of (runtime root, id): one file named by a hash of both (an id
+ * may hold any printable byte), whose content repeats them, so a collision
+ * reads as "no marker" rather than another container's. */
+static const char *runc_root(void)
+{
+    return g_opts.root && *g_opts.root ? g_opts.root : RUNC_ROOT;
+}
+
+static int state_dir(void)
+{
+    const char *dir = env_or("CGPU_RUNTIME_STATE_DIR", STATE_DIR);
+    if (mkdir(dir, 0700) < 0 && errno != EEXIST)
+        return -1;
+    return open(dir, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+}
+
+static void marker_name(char *name, size_t size, const char *id)
+{
+    const char *root = runc_root();
+    uint64_t h = fnv1a(0xcbf29ce484222325ULL, root, strlen(root) + 1);
+    h = fnv1a(h, id, strlen(id));
+    snprintf(name, size, "%016llx", (unsigned long long)h);
+}
+
+static int marker_body(char *buf, size_t size, const char *id, const char *instance, const char *bundle)
+{
+    int n = snprintf(buf, size, "%s\n%s\n%s\n%s\n", runc_root(), id, instance, bundle);
+    return n > 0 && (size_t)n < size ? n : -1;
+}
+
+/* Written before the real create: a delete, whoever's, then finds it. */
+static int write_marker(const struct shim_bound *b)
+{
+    static char body[MARKER_MAX];
+    int n = marker_body(body, sizeof(body), b->id, b->instance, b->bundle);
+    int dfd = state_dir();
+    if (n < 0 || dfd < 0) {
+        if (dfd >= 0)
+            close(dfd);
+        return -1;
+    }
+    char name[32], tmp[64];
+    marker_name(name, sizeof(name), b->id);
+    snprintf(tmp, sizeof(tmp), "%s.%ld", name, (long)getpid());
+    int fd = openat(dfd, tmp, O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0600);
+    int ok = fd >= 0 && write(fd, body, (size_t)n) == n;
+    if (fd >= 0)
+        close(fd);
+    ok = ok && renameat(dfd, tmp, dfd, name) == 0;
+    if (!ok)
+        unlinkat(dfd, tmp, 0);
+    close(dfd);
+    return ok ? 0 : -1;
+}
+
+static void remove_marker(const char *id)
+{
+    int dfd = state_dir();
+    if (dfd < 0)
+        return;
+    char name[32];
+    marker_name(name, sizeof(name), id);
+    unlinkat(dfd, name, 0);
+    close(dfd);
+}
+
+/* Fills b from the marker of `id`; 0 if there is one that names it. */
+static int read_marker(const char *id, struct shim_bound *b)
+{
+    const char *dir = env_or("CGPU_RUNTIME_STATE_DIR", STATE_DIR);
+    char name[32], path[PATH_MAX];
+    marker_name(name, sizeof(name), id);
+    if (snprintf(path, sizeof(path), "%s/%s", dir, name) >= (int)sizeof(path))
+        return -1;
+    int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
+    if (fd < 0)
+        return -1; /* the common case: not a container the shim bound */
+    static char buf[MARKER_MAX + 1];
+    ssize_t n = read(fd, buf, MARKER_MAX);
+    close(fd);
+    if (n <= 0 || n >= MARKER_MAX)
+        return -1;
+    buf[n] = '\0';
+    char *f[4], *p = buf;
+    for (int i = 0; i < 4; i++) {
+        char *nl = strchr(p, '\n');
+        if (!nl)
+            return -1;
+        *nl = '\0';
+        f[i] = p;
+        p = nl + 1;
+    }
+    size_t len = strlen(f[2]);
+    if (strcmp(f[0], runc_root()) != 0 || strcmp(f[1], id) != 0 || len == 0 || len > INSTANCE_MAX ||
+        strlen(f[3]) >= sizeof(b->bundle) || f[3][0] != '/')
+        return -1;
+    memcpy(b->instance, f[2], len + 1);
+    snprintf(b->bundle, sizeof(b->bundle), "%s", f[3]);
+    b->id = id;
+    return 0;
+}
+
+/* The OCI state the createRuntime/poststop hooks would get, as far as
+ * cgpud reads it: id, bundle, pid. */
+static int bound_request(char *buf, size_t size, const char *verb, const struct shim_bound *b, long pid)
+{
+    static char id[ID_MAX * 6 + 1], bundle[PATH_MAX * 6 + 1];
+    json_escape(id, sizeof(id), b->id);
+    json_escape(bundle, sizeof(bundle), b->bundle);
+    int n = snprintf(buf, size, "%s %s\n{\"ociVersion\":\"1.0.2\",\"id\":\"%s\",\"bundle\":\"%s\"", verb, b->instance, id,
+                     bundle);
+    if (n > 0 && (size_t)n < size && pid > 0)
+        n += snprintf(buf + n, size - (size_t)n, ",\"status\":\"created\",\"pid\":%ld", pid);
+    if (n > 0 && (size_t)n < size)
+        n += snprintf(buf + n, size - (size_t)n, "}");
+    return n > 0 && (size_t)n < size ? n : -1;
+}
+
+static int relay_bound(const char *socket, const char *verb, const struct shim_bound *b, long pid, char *msg,
+                       size_t size)
+{
+    static char request[ID_MAX * 6 + PATH_MAX * 6 + 256];
+    int n = bound_request(request, sizeof(request), verb, b, pid);
+    if (n < 0) {
+        snprintf(msg, size, "container id and bundle too long for a %s request", verb);
+        return -1;
+    }
+    return cgpu_relay_call(PROG, socket, request, (size_t)n, msg, size);
+}
+
+/* The init pid runc wrote: a decimal number > 1, from a regular file. */
+static long read_pid_file(const char *path)
+{
+    int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
+    if (fd < 0)
+        return -1;
+    struct stat st;
+    char buf[32];
+    ssize_t n = -1;
+    if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode))
+        n = read(fd, buf, sizeof(buf) - 1);
+    close(fd);
+    if (n <= 0)
+        return -1;
+    buf[n] = '\0';
+    char *end;
+    errno = 0;
+    long pid = strtol(buf, &end, 10);
+    if (errno || end == buf || (*end && *end != '\n') || pid <= 1 || buf[0] == '-' || buf[0] == '+')
+        return -1;
+    return pid;
+}
+
+/* Runs the real runtime and waits; returns its exit code (128+signal). A
+ * shim killed meanwhile takes the runtime with it, as when it exec'd it. */
+static int spawn_runtime(const char *runtime, char **argv)
+{
+    pid_t parent = getpid();
+    pid_t child = fork();
+    if (child < 0)
+        die(127, "cannot run %s: fork: %s", runtime, strerror(errno));
+    if (child == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        if (getppid() != parent)
+            _exit(127);
+        argv[0] = (char *)runtime;
+        execvp(runtime, argv);
+        cgpu_relay_report(PROG, "cannot run the real runtime (install runc or set CGPU_REAL_RUNTIME)");
+        _exit(127);
+    }
+    int status;
+    while (waitpid(child, &status, 0) < 0)
+        if (errno != EINTR)
+            die(127, "cannot wait for %s: %s", runtime, strerror(errno));
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+/* `<globals> delete --force <id>`: undoes a create whose bind failed. */
+static void force_delete(const char *runtime, char **argv, int cmd, const char *id)
+{
+    static char *args[256];
+    if (cmd + 4 > (int)(sizeof(args) / sizeof(args[0])))
+        return;
+    for (int i = 0; i < cmd; i++)
+        args[i] = argv[i];
+    args[cmd] = "delete";
+    args[cmd + 1] = "--force";
+    args[cmd + 2] = (char *)id;
+    args[cmd + 3] = NULL;
+    spawn_runtime(runtime, args);
+}
+
+static _Noreturn void create_and_bind(const char *runtime, char **argv, int cmd, const char *socket,
+                                      const struct shim_bound *b)
+{
+    char msg[CGPU_RELAY_MSG_MAX], ignored[CGPU_RELAY_MSG_MAX];
+    if (write_marker(b) != 0) {
+        int err = errno;
+        relay_bound(socket, "release", b, 0, ignored, sizeof(ignored));
+        die(1, "cannot record container %s under %s: %s", b->id, env_or("CGPU_RUNTIME_STATE_DIR", STATE_DIR),
+            strerror(err));
+    }
+    int code = spawn_runtime(runtime, argv);
+    if (code != 0) {
+        /* runc said why; the instance made for this start goes. */
+        relay_bound(socket, "release", b, 0, ignored, sizeof(ignored));
+        remove_marker(b->id);
+        exit(code);
+    }
+    long pid = read_pid_file(b->pid_file);
+    int bound = pid > 1 ? relay_bound(socket, "bind", b, pid, msg, sizeof(msg)) : -1;
+    if (pid <= 1)
+        snprintf(msg, sizeof(msg), "cannot read the init pid of container %s from %s", b->id, b->pid_file);
+    if (bound == 0)
+        exit(0);
+    force_delete(runtime, argv, cmd, b->id);
+    relay_bound(socket, "release", b, 0, ignored, sizeof(ignored));
+    remove_marker(b->id);
+    die(1, "%s", msg);
+}
+
+/* Returns only if the container is none the shim bound: exec the runtime. */
+static void delete_and_release(const char *runtime, char **argv, int cmd, const char *socket)
+{
+    const char *bundle = NULL, *id = NULL;
+    parse_create(argv + cmd + 1, &bundle, &id);
+    struct shim_bound b = {0};
+    if (!id || read_marker(id, &b) != 0)
+        return;
+    int code = spawn_runtime(runtime, argv);
+    char path[PATH_MAX];
+    struct stat st;
+    /* Gone from the runtime's root (deleted now, or before): release. */
+    if (snprintf(path, sizeof(path), "%s/%s", runc_root(), id) >= (int)sizeof(path) || lstat(path, &st) == 0 ||
+        errno != ENOENT)
+        exit(code);
+    char msg[CGPU_RELAY_MSG_MAX];
+    /* As runc treats a failed poststop hook: said, but the delete stands;
+     * cgpud's sweep frees the instance once its processes are gone. */
+    if (relay_bound(socket, "release", &b, 0, msg, sizeof(msg)) != 0)
+        cgpu_relay_report(PROG, msg);
+    remove_marker(id);
+    exit(code);
 }
 
 int main(int argc, char **argv)
@@ -322,8 +635,15 @@ int main(int argc, char **argv)
     if (g_opts.version) {
         printf(PROG " " CGPU_VERSION "\n");
         fflush(stdout);
+    } else if (argv[cmd] && strcmp(argv[cmd], "create") == 0 && find_pid_file(argv + cmd + 1)) {
+        struct shim_bound b = {.pid_file = find_pid_file(argv + cmd + 1)};
+        prepare(argv[cmd], argv + cmd + 1, socket, &b);
+        if (b.instance[0])
+            create_and_bind(runtime, argv, cmd, socket, &b);
     } else if (argv[cmd] && (strcmp(argv[cmd], "create") == 0 || strcmp(argv[cmd], "run") == 0)) {
-        prepare(argv[cmd], argv + cmd + 1, socket);
+        prepare(argv[cmd], argv + cmd + 1, socket, NULL);
+    } else if (argv[cmd] && strcmp(argv[cmd], "delete") == 0) {
+        delete_and_release(runtime, argv, cmd, socket);
     }
     run_real_runtime(runtime, argv);
 }

@@ -197,7 +197,7 @@ static void fuzz_prepare(struct fuzz_reader *r)
         int served = fuzz_server_arm(answer);
         bool died = false;
         if (setjmp(g_exit_jump) == 0)
-            prepare(argv[cmd], argv + cmd + 1, fuzz_srv.path);
+            prepare(argv[cmd], argv + cmd + 1, fuzz_srv.path, NULL);
         else
             died = true;
         pthread_mutex_lock(&fuzz_srv.lock);

@@ -7,8 +7,13 @@
  * its writing side; cgpud answers one line and closes.
  *   request: "<verb> <arg> [<arg>]\n", then a body up to EOF;
  *            at most CGPU_RELAY_MAX_REQUEST bytes in all
- *     prepare <container-id>\n<absolute bundle path>
+ *     prepare <container-id>[ shim-binds]\n<absolute bundle path>
+ *       shim-binds: the shim binds after `create` and releases after
+ *       `delete` itself (bind/release below), so no hook entry is written
  *     hook <stage> <instance-id>\n<OCI state JSON>
+ *     bind <instance-id>\n<OCI state JSON with the init pid>
+ *     release <instance-id>\n<OCI state JSON>
+ *       the createRuntime and poststop hooks' work, asked by the shim
  *   answer:  "ok[ <text>]\n" or "error <one-line message>\n";
  *            at most CGPU_RELAY_MSG_MAX bytes, the "\n" included
  * A line protocol rather than cgpud's gRPC API: a C relay then needs no
