@@ -173,22 +173,29 @@ def runc(host: Host, *args: str, shim: bool = False, relay: Path | None = None,
                           timeout=timeout, **kw)
 
 
-def create(host: Host, bundle: Bundle, container_id: str, relay: Path, timeout: float = 60) -> tuple[int, str]:
+def create(host: Host, bundle: Bundle, container_id: str, relay: Path, timeout: float = 60,
+           pid_file: Path | None = None, env: dict[str, str] | None = None) -> tuple[int, str]:
     """`runc create` through the shim; the container's stdio goes to a file
-    in the bundle (a pipe would stay open as long as the container runs)."""
+    in the bundle (a pipe would stay open as long as the container runs).
+    With pid_file (as containerd and docker always pass it) the shim binds
+    the instance itself; without, runc's createRuntime hook does."""
     log = bundle.path / "stdio.log"
+    extra = ["--pid-file", str(pid_file)] if pid_file else []
     with open(log, "w") as out:
         proc = subprocess.run([str(native_path("bin/cgpu-runtime")), "--root", str(host.runc_root), "create",
-                               "--bundle", str(bundle.path), container_id], env=runtime_env(relay),
+                               "--bundle", str(bundle.path), *extra, container_id], env=env or runtime_env(relay),
                               stdin=subprocess.DEVNULL, stdout=out, stderr=out, timeout=timeout)
     return proc.returncode, log.read_text()
 
 
 @contextmanager
-def shim_container(host: Host, bundle: Bundle, container_id: str, relay: Path, *, start: bool = True) -> Iterator[None]:
+def shim_container(host: Host, bundle: Bundle, container_id: str, relay: Path, *, start: bool = True,
+                   pid_file: bool = False) -> Iterator[None]:
     """A container created (and started) through the shim for the block;
-    killed and deleted through it after, however the block ends."""
-    code, log = create(host, bundle, container_id, relay)
+    killed and deleted through it after, however the block ends. pid_file:
+    created as containerd does it, so the shim binds and releases."""
+    code, log = create(host, bundle, container_id, relay,
+                       pid_file=bundle.path / f"{container_id}.pid" if pid_file else None)
     assert code == 0, log
     try:
         if start:

@@ -215,7 +215,7 @@ class FakeLifecycle:
         def summary(self) -> str:
             return "prepared"
 
-    def prepare(self, container_id: str, bundle: Path) -> FakeLifecycle.Prepared:
+    def prepare(self, container_id: str, bundle: Path, *, hooks: bool = True) -> FakeLifecycle.Prepared:
         return self.Prepared()
 
     def hook(self, stage: str, instance_id: str, state_json: bytes) -> str:
@@ -237,16 +237,19 @@ def test_relay_requests_are_counted_by_verb_and_outcome(tmp_path: Path) -> None:
                         on_request=lambda verb, code: stats.request("relay", verb, code)).start()
     try:
         assert _ask(path, b"prepare c1\n/b").startswith(b"ok ")
-        assert _ask(path, b"prepare c2\n/b").startswith(b"ok ")
+        assert _ask(path, b"prepare c2 shim-binds\n/b").startswith(b"ok ")
+        assert _ask(path, b"prepare c3 other-flag\n/b").startswith(b"error ")  # malformed
+        assert _ask(path, b"bind i1\n{}").startswith(b"error ")
         assert _ask(path, b"hook poststop i1\n{}").startswith(b"error ")
         assert _ask(path, b"hook createRuntime\n{}").startswith(b"error ")  # no instance id: malformed
         assert _ask(path, b"bogus x\n").startswith(b"error ")
     finally:
         relay.stop()
     requests, errors, _ = stats.snapshot()
-    assert requests == {("relay", "prepare"): 2, ("relay", "hook poststop"): 1, ("relay", "hook createRuntime"): 1,
-                        ("relay", "other"): 1}
-    assert errors == {("relay", "hook poststop", "error"): 1, ("relay", "hook createRuntime", "error"): 1,
+    assert requests == {("relay", "prepare"): 3, ("relay", "bind"): 1, ("relay", "hook poststop"): 1,
+                        ("relay", "hook createRuntime"): 1, ("relay", "other"): 1}
+    assert errors == {("relay", "prepare", "error"): 1, ("relay", "bind", "error"): 1,
+                      ("relay", "hook poststop", "error"): 1, ("relay", "hook createRuntime", "error"): 1,
                       ("relay", "other", "error"): 1}
 
 

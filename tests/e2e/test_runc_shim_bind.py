@@ -1,0 +1,135 @@
+"""Bind and release by the runtime shim, as containerd and docker start a
+container (`create --pid-file`, `start`, `delete`): the instance is bound to
+the init pid when `create` returns, released when `delete` returns, and runc
+runs no cgpu hook. Real runc, a real cgpud; the hook path (no --pid-file,
+`run`, an engine without the shim) still binds and releases."""
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+
+from cgpud.native import native_path
+from tests.daemonproc import Daemon
+from tests.e2e.oci import Host, create, runc, runtime_env, shim_container
+
+GPU = ("ALIYUN_COM_GPU_MEM_CONTAINER=2",)
+SWEEP_WAIT_S = 10.0  # the e2e cgpud sweeps every 0.2 s
+
+
+def instances(cgpud: Daemon, all_: bool = False) -> list[dict]:
+    out = cgpud.cgpuctl("list", *(["--all"] if all_ else []), "--output", "json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def cgpu_hooks(config: dict) -> list[dict]:
+    return [h for stage in (config.get("hooks") or {}).values() for h in stage
+            if (h.get("args") or [""])[0] == "cgpu-hook"]
+
+
+def listed_in_root(host: Host) -> list[str]:
+    out = runc(host, "list", "--quiet")
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
+
+
+def test_the_shim_binds_at_create_and_releases_at_delete_without_hooks(tmp_path, host: Host, cgpud: Daemon) -> None:
+    b = host.bundle(tmp_path / "b", ["sleep", "60"], GPU)
+    cid = host.new_id()
+    pid_file = tmp_path / "init.pid"
+    code, log = create(host, b, cid, cgpud.relay, pid_file=pid_file)
+    assert code == 0, log
+    try:
+        [inst] = instances(cgpud)
+        # Bound when create returned, before start: no hook ran for it.
+        assert inst["state"] == "bound" and inst["pids"] == [int(pid_file.read_text())]
+        assert inst["owner"]["id"] == f"{cid}@{b.path}"
+        assert cgpu_hooks(b.read()) == [] and "cgpu.io/instance" in b.read()["annotations"]
+        assert runc(host, "start", cid, shim=True, relay=cgpud.relay).returncode == 0
+    finally:
+        runc(host, "kill", cid, "KILL", shim=True, relay=cgpud.relay)
+        deleted = runc(host, "delete", "--force", cid, shim=True, relay=cgpud.relay)
+    assert deleted.returncode == 0, deleted.stderr
+    # Released by the shim's delete itself, not by a later sweep.
+    assert instances(cgpud) == []
+    assert [i["state"] for i in instances(cgpud, all_=True)] == ["released"]
+
+
+def test_a_failed_bind_leaves_no_container_and_no_instance(tmp_path, host: Host, cgpud: Daemon) -> None:
+    """The real runtime creates the container but its pid file names pid 1
+    (a runtime or a file that lies): the shim refuses to bind, deletes the
+    container and gives the instance back, with one message in runc's log."""
+    pid_file = tmp_path / "init.pid"
+    liar = tmp_path / "liar-runc"
+    liar.write_text(f"#!/bin/sh\nrunc \"$@\" || exit $?\ncase \" $* \" in *\" create \"*) echo 1 > {pid_file};; esac\n")
+    liar.chmod(0o755)
+    env = runtime_env(cgpud.relay)
+    env["CGPU_REAL_RUNTIME"] = str(liar)
+    b = host.bundle(tmp_path / "b", ["sleep", "60"], GPU)
+    cid = host.new_id()
+    code, log = create(host, b, cid, cgpud.relay, pid_file=pid_file, env=env)
+    assert code == 1 and f"cannot read the init pid of container {cid}" in log, log
+    assert cid not in listed_in_root(host)
+    assert instances(cgpud) == []
+    assert [i["state"] for i in instances(cgpud, all_=True)] == ["released"]
+
+
+def test_a_failed_create_keeps_runcs_exit_code_and_frees_the_instance(tmp_path, host: Host, cgpud: Daemon) -> None:
+    b = host.bundle(tmp_path / "b", ["/no/such/program"], GPU)
+    cid = host.new_id()
+    code, log = create(host, b, cid, cgpud.relay, pid_file=tmp_path / "init.pid")
+    plain = runc(host, "create", "--bundle", str(b.path), host.new_id(), stdin=subprocess.DEVNULL)
+    assert code == plain.returncode != 0, log
+    assert "no such file" in log.lower(), log
+    assert cid not in listed_in_root(host)
+    assert instances(cgpud) == []
+
+
+def test_without_a_pid_file_the_hooks_bind_and_release(tmp_path, host: Host, cgpud: Daemon) -> None:
+    b = host.bundle(tmp_path / "b", ["sleep", "60"], GPU)
+    cid = host.new_id()
+    with shim_container(host, b, cid, cgpud.relay, start=False):
+        assert {h["args"][-1] for h in cgpu_hooks(b.read())} == {"createRuntime", "poststop"}
+        [inst] = instances(cgpud)
+        state = json.loads(runc(host, "state", cid).stdout)
+        assert inst["state"] == "bound" and inst["pids"] == [state["pid"]]
+    assert instances(cgpud) == []
+
+
+def test_a_delete_by_plain_runc_is_swept(tmp_path, host: Host, cgpud: Daemon) -> None:
+    """An engine that bypasses the shim at delete: no poststop hook and no
+    shim release, so cgpud's sweep frees the instance once the init is gone."""
+    b = host.bundle(tmp_path / "b", ["sleep", "60"], GPU)
+    cid = host.new_id()
+    code, log = create(host, b, cid, cgpud.relay, pid_file=tmp_path / "init.pid")
+    assert code == 0, log
+    assert runc(host, "start", cid).returncode == 0
+    deleted = runc(host, "delete", "--force", cid)  # plain runc
+    assert deleted.returncode == 0, deleted.stderr
+    deadline = time.monotonic() + SWEEP_WAIT_S
+    while instances(cgpud) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert instances(cgpud) == []
+    # The shim's marker outlives that; a later delete of the id through the
+    # shim (the container is gone) only repeats a release, and succeeds as runc's does.
+    again = runc(host, "delete", cid, shim=True, relay=cgpud.relay)
+    assert again.returncode == runc(host, "delete", cid).returncode
+
+
+def test_a_non_gpu_container_never_asks_cgpud(tmp_path, host: Host) -> None:
+    """No cgpud at all (its socket missing, no wait): a container that asked
+    for nothing is created, started and deleted through the shim all the same."""
+    sock = tmp_path / "no-cgpud.sock"
+    env = runtime_env(sock)
+    env["CGPU_RELAY_WAIT_MS"] = "0"
+    b = host.bundle(tmp_path / "b", ["sleep", "60"], gpu_device=False)
+    cid = host.new_id()
+    code, log = create(host, b, cid, sock, pid_file=tmp_path / "init.pid", env=env)
+    assert code == 0, log
+    shim = [str(native_path("bin/cgpu-runtime")), "--root", str(host.runc_root)]
+    for args in (["start", cid], ["delete", "--force", cid]):
+        done = subprocess.run([*shim, *args], env=env, capture_output=True, text=True, timeout=60,
+                              stdin=subprocess.DEVNULL)
+        assert done.returncode == 0 and done.stderr == "", (args, done.stderr)
+    assert cid not in listed_in_root(host)
