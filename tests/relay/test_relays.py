@@ -534,3 +534,158 @@ def test_hook_state_up_to_the_request_limit(bins, hook_env, cgpud, sock_path):
 def test_hook_version(bins, hook_env, args):
     proc = run(bins / "cgpu-hook", args, hook_env)
     assert proc.returncode == 0 and proc.stdout == "cgpu-hook 0.1.0\n"
+
+
+# --- cgpu-runtime binding and releasing itself (create --pid-file, delete) ------------------------
+# Against a scripted cgpud and a fake runc: the requests it sends, the pid
+# file read as hostile input, the real runtime's exit code passed through,
+# and a failed bind undone with `delete --force`.
+
+INSTANCE = "cgpu-0123456789ab"
+
+
+class ShimRunc:
+    """A fake runc: logs each call's argv as one line; `create` writes
+    $FAKE_PID into the --pid-file (raw, as a lying runtime could) and exits
+    $FAKE_CREATE_RC; `delete` removes <root>/<id> as runc removes its state."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.log = path, path.with_suffix(".log")
+        path.write_text(f"""#!/bin/sh
+echo "$*" >> {shlex.quote(str(self.log))}
+root=""; pidf=""; cmd=""; last=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --root) root="$2"; shift;;
+    --pid-file) pidf="$2"; shift;;
+    create|delete) [ -z "$cmd" ] && cmd="$1";;
+    *) last="$1";;
+  esac
+  shift
+done
+if [ "$cmd" = create ]; then
+  [ "${{FAKE_CREATE_RC:-0}}" = 0 ] || exit "$FAKE_CREATE_RC"
+  mkdir -p "$root/$last"
+  [ -n "$FAKE_PID_LINK" ] && ln -s "$FAKE_PID_LINK" "$pidf" || printf '%s' "$FAKE_PID" > "$pidf"
+fi
+[ "$cmd" = delete ] && rm -rf "$root/$last"
+exit 0
+""")
+        path.chmod(0o755)
+
+    def calls(self) -> list[str]:
+        return self.log.read_text().splitlines() if self.log.exists() else []
+
+
+@pytest.fixture
+def fake(tmp_path: Path) -> ShimRunc:
+    (tmp_path / "rt").mkdir()
+    return ShimRunc(tmp_path / "rt" / "runc")
+
+
+@pytest.fixture
+def shim_env(fake: ShimRunc, sock_path: Path, tmp_path: Path) -> dict[str, str]:
+    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "CGPU_REAL_RUNTIME": str(fake.path),
+            "CGPU_RELAY_SOCKET": str(sock_path), "CGPU_RELAY_WAIT_MS": "0",
+            "CGPU_RUNTIME_STATE_DIR": str(tmp_path / "state"), **SAN_OPTIONS}
+
+
+def bodies(requests: list[bytes]) -> list[tuple[str, dict | str]]:
+    out = []
+    for r in requests:
+        head, _, body = r.decode().partition("\n")
+        out.append((head, json.loads(body) if body.startswith("{") else body))
+    return out
+
+
+def create_args(tmp_path: Path, b: Path) -> list[str]:
+    return ["--root", str(tmp_path / "root"), "create", "--bundle", str(b), "--pid-file", str(tmp_path / "pid"), "c1"]
+
+
+def test_create_binds_the_pid_and_delete_releases(bins, cgpud, fake, shim_env, tmp_path) -> None:
+    server = cgpud(f"ok instance {INSTANCE}\n".encode())
+    b = bundle(tmp_path)
+    proc = run(bins / "cgpu-runtime", create_args(tmp_path, b), dict(shim_env, FAKE_PID="4242\n"))
+    assert proc.returncode == 0, proc.stderr
+    assert bodies(server.requests) == [
+        ("prepare c1 shim-binds", str(b)),
+        (f"bind {INSTANCE}", {"ociVersion": "1.0.2", "id": "c1", "bundle": str(b), "status": "created", "pid": 4242}),
+    ]
+    assert len(list((tmp_path / "state").iterdir())) == 1  # the marker
+    gone = run(bins / "cgpu-runtime", ["--root", str(tmp_path / "root"), "delete", "c1"], shim_env)
+    assert gone.returncode == 0, gone.stderr
+    assert bodies(server.requests)[2:] == [(f"release {INSTANCE}", {"ociVersion": "1.0.2", "id": "c1", "bundle": str(b)})]
+    assert list((tmp_path / "state").iterdir()) == []
+    # Deleted again (or any container the shim did not bind): no request at all.
+    again = run(bins / "cgpu-runtime", ["--root", str(tmp_path / "root"), "delete", "c1"], shim_env)
+    assert again.returncode == 0 and len(server.requests) == 3
+    assert fake.calls()[1:] == [f"--root {tmp_path / 'root'} delete c1"] * 2
+
+
+@pytest.mark.parametrize("pid", ["0", "1", "-5", "+7", "12x", "", "99999999999999999999999", "4242 4243", "link"])
+def test_a_pid_file_that_is_not_a_pid_undoes_the_create(bins, cgpud, fake, shim_env, tmp_path, pid) -> None:
+    server = cgpud(f"ok instance {INSTANCE}\n".encode())
+    b = bundle(tmp_path)
+    env = dict(shim_env, FAKE_PID=pid)
+    if pid == "link":  # a symlink to a file that holds a fine pid: not followed
+        (tmp_path / "elsewhere").write_text("4242\n")
+        env["FAKE_PID_LINK"] = str(tmp_path / "elsewhere")
+    log = tmp_path / "runc.log"
+    proc = run(bins / "cgpu-runtime", ["--log", str(log), *create_args(tmp_path, b)], env)
+    assert proc.returncode == 1
+    assert "cannot read the init pid of container c1" in proc.stderr
+    assert "cannot read the init pid of container c1" in log.read_text()  # where containerd looks
+    assert [h for h, _ in bodies(server.requests)] == ["prepare c1 shim-binds", f"release {INSTANCE}"]
+    assert fake.calls()[-1] == f"--log {log} --root {tmp_path / 'root'} delete --force c1"
+    assert not (tmp_path / "root" / "c1").exists() and list((tmp_path / "state").iterdir()) == []
+
+
+class Scripted(Cgpud):
+    """cgpud answering each request with the next line of a script."""
+
+    def __init__(self, path: Path, answers: list[str]) -> None:
+        self._answers = [a.encode() for a in answers]
+        super().__init__(path, None)
+
+    @property
+    def answer(self) -> bytes | None:  # read after the request is recorded
+        n = len(getattr(self, "requests", []))
+        return self._answers[n - 1] if 0 < n <= len(self._answers) else None
+
+    @answer.setter
+    def answer(self, value: bytes | None) -> None:
+        pass
+
+
+def test_a_refused_bind_undoes_the_create(bins, fake, shim_env, tmp_path, sock_path) -> None:
+    server = Scripted(sock_path, [f"ok instance {INSTANCE}\n", "error instance belongs to container x\n", "ok\n"])
+    try:
+        b = bundle(tmp_path)
+        proc = run(bins / "cgpu-runtime", create_args(tmp_path, b), dict(shim_env, FAKE_PID="4242"))
+    finally:
+        server.close()
+    assert proc.returncode == 1 and "cgpu-runtime: instance belongs to container x" in proc.stderr
+    assert [h for h, _ in bodies(server.requests)] == ["prepare c1 shim-binds", f"bind {INSTANCE}",
+                                                         f"release {INSTANCE}"]
+    assert fake.calls()[-1] == f"--root {tmp_path / 'root'} delete --force c1"
+    assert not (tmp_path / "root" / "c1").exists() and list((tmp_path / "state").iterdir()) == []
+
+
+def test_the_real_runtimes_failure_is_its_exit_code_and_frees_the_instance(bins, cgpud, fake, shim_env,
+                                                                             tmp_path) -> None:
+    server = cgpud(f"ok instance {INSTANCE}\n".encode())
+    b = bundle(tmp_path)
+    proc = run(bins / "cgpu-runtime", create_args(tmp_path, b), dict(shim_env, FAKE_CREATE_RC="3"))
+    assert proc.returncode == 3
+    assert [h for h, _ in bodies(server.requests)] == ["prepare c1 shim-binds", f"release {INSTANCE}"]
+    assert list((tmp_path / "state").iterdir()) == []
+
+
+def test_run_and_create_without_pid_file_keep_the_hooks(bins, cgpud, fake, shim_env, tmp_path) -> None:
+    server = cgpud(f"ok instance {INSTANCE}\n".encode())
+    b = bundle(tmp_path)
+    for args in (["create", "--bundle", str(b), "c1"], ["run", "--bundle", str(b), "--pid-file", "p", "c1"]):
+        proc = run(bins / "cgpu-runtime", ["--root", str(tmp_path / "root"), *args], shim_env)
+        assert proc.returncode == 0, proc.stderr
+    assert [h for h, _ in bodies(server.requests)] == ["prepare c1", "prepare c1"]
+    assert not (tmp_path / "state").exists() or list((tmp_path / "state").iterdir()) == []
