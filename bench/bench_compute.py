@@ -108,7 +108,7 @@ class BurstyGroup:
 
     def scenario(self, policy: str, seconds: float) -> Scenario:
         reserved = policy in INFO_POLICIES
-        core = (100 - SATURATING_CORE) // self.count if reserved else 0
+        core = (100 - SATURATING_CORE) // self.count // 5 * 5 if reserved else 0  # cgpuctl takes multiples of 5
         bursty = TenantSpec(core, burst_ms=self.burst_ms, gap_ms=self.gap_ms)
         return Scenario(f"{self.name}, {policy}", policy,
                         (TenantSpec(SATURATING_CORE if reserved else 0), *(bursty,) * self.count), seconds)
