@@ -46,7 +46,7 @@
  * it has stayed so this long while another tenant waits: long enough for a
  * program that synchronises after each kernel to launch its next one, short
  * next to a slice. */
-#define CGPU_ENGINE_IDLE_GRACE_NS 200000
+#define CGPU_ENGINE_IDLE_GRACE_NS 100000
 /* While the holder is idle and nobody waits, the loop looks for a waiter this
  * often at first, backing off to CGPU_ENGINE_IDLE_POLL_NS. */
 #define CGPU_ENGINE_IDLE_WATCH_NS 250000
