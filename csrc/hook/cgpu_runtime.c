@@ -197,7 +197,7 @@ static int parse_globals(char **argv)
 
 /* urfave/cli lets flags follow the container id, so the id is the last
  * argument that is neither a flag nor a flag's value. */
-static void parse_create(char **args, const char **bundle, const char **id)
+static void parse_create(char **args, const char **bundle, const char **id, const char **pid_file)
 {
     int flags = 1;
     for (int i = 0; args[i]; i++) {
@@ -217,6 +217,8 @@ static void parse_create(char **args, const char **bundle, const char **id)
             v = args[++i];
         if (k <= 1 && v)
             *bundle = v;
+        else if (k == 3 && pid_file)
+            *pid_file = v && *v ? v : NULL;
     }
 }
 
@@ -318,23 +320,11 @@ static int valid_id(const char *id)
 }
 
 /* The value of --pid-file among create's arguments, or NULL. */
-static const char *find_pid_file(char **args)
+static const char *create_pid_file(char **args)
 {
-    for (int i = 0; args[i]; i++) {
-        const char *a = args[i], *v;
-        if (strcmp(a, "--") == 0)
-            break;
-        if (!is_flag(a))
-            continue;
-        int k = flag_index(a, CREATE_VALUED, &v);
-        if (k < 0)
-            continue;
-        if (!v && args[i + 1])
-            v = args[++i];
-        if (k == 3)
-            return v && *v ? v : NULL;
-    }
-    return NULL;
+    const char *bundle = ".", *id = NULL, *pid_file = NULL;
+    parse_create(args, &bundle, &id, &pid_file);
+    return pid_file;
 }
 
 /* Returns only if the real runtime should run. With `bound` (create with
@@ -343,7 +333,7 @@ static const char *find_pid_file(char **args)
 static void prepare(const char *command, char **args, const char *socket, struct shim_bound *bound)
 {
     const char *bundle = ".", *id = NULL;
-    parse_create(args, &bundle, &id);
+    parse_create(args, &bundle, &id, NULL);
     char bundle_abs[PATH_MAX];
     /* A bundle that does not resolve is the runtime's error to report. */
     if (!realpath(bundle, bundle_abs))
@@ -605,7 +595,7 @@ static _Noreturn void create_and_bind(const char *runtime, char **argv, int cmd,
 static void delete_and_release(const char *runtime, char **argv, int cmd, const char *socket)
 {
     const char *bundle = NULL, *id = NULL;
-    parse_create(argv + cmd + 1, &bundle, &id);
+    parse_create(argv + cmd + 1, &bundle, &id, NULL);
     struct shim_bound b = {0};
     if (!id || read_marker(id, &b) != 0)
         return;
@@ -632,11 +622,12 @@ int main(int argc, char **argv)
     const char *runtime = env_or("CGPU_REAL_RUNTIME", "runc");
     const char *socket = env_or("CGPU_RELAY_SOCKET", CGPU_RELAY_DEFAULT_SOCKET);
     int cmd = parse_globals(argv);
+    const char *pid_file;
     if (g_opts.version) {
         printf(PROG " " CGPU_VERSION "\n");
         fflush(stdout);
-    } else if (argv[cmd] && strcmp(argv[cmd], "create") == 0 && find_pid_file(argv + cmd + 1)) {
-        struct shim_bound b = {.pid_file = find_pid_file(argv + cmd + 1)};
+    } else if (argv[cmd] && strcmp(argv[cmd], "create") == 0 && (pid_file = create_pid_file(argv + cmd + 1))) {
+        struct shim_bound b = {.pid_file = pid_file};
         prepare(argv[cmd], argv + cmd + 1, socket, &b);
         if (b.instance[0])
             create_and_bind(runtime, argv, cmd, socket, &b);

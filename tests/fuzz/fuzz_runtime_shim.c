@@ -128,8 +128,9 @@ static void fuzz_args(struct fuzz_reader *r)
     CHECK(!g_opts.log || within(g_opts.log, argv, argc));
     CHECK(!g_opts.log_format || within(g_opts.log_format, argv, argc));
     if (argv[cmd] && (strcmp(argv[cmd], "create") == 0 || strcmp(argv[cmd], "run") == 0)) {
-        const char *bundle = ".", *id = NULL;
-        parse_create(argv + cmd + 1, &bundle, &id);
+        const char *bundle = ".", *id = NULL, *pid_file = NULL;
+        parse_create(argv + cmd + 1, &bundle, &id, &pid_file);
+        CHECK(!pid_file || within(pid_file, argv + cmd + 1, argc - cmd - 1));
         CHECK(strcmp(bundle, ".") == 0 || within(bundle, argv + cmd + 1, argc - cmd - 1));
         CHECK(!id || within(id, argv + cmd + 1, argc - cmd - 1));
         if (id && valid_id(id))

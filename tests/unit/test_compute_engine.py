@@ -481,6 +481,13 @@ _LIBC = ctypes.CDLL(None, use_errno=True)
 _SYS_FUTEX, _FUTEX_WAKE = {"x86_64": 202, "aarch64": 98}[platform.machine()], 1
 
 
+def attach_two(sched: ComputeScheduler, tenants) -> tuple[Tenant, Tenant]:
+    a, b = tenants("a"), tenants("b")
+    sched.attach(a.instance, a.dir)
+    sched.attach(b.instance, b.dir)
+    return a, b
+
+
 def report_idle(t: Tenant, ledger: int, drained: bool = True) -> None:
     """What libcgpu does when a process holding the open grant has nothing
     left: the report, a move of the bell, and a wake-up of whoever sleeps on it."""
@@ -497,9 +504,7 @@ def granted(t: Tenant, timeout: float = 3.0) -> bool:
 @pytest.mark.parametrize("drained", [True, False], ids=["drained", "stream-synchronised"])
 def test_an_idle_holder_is_passed_over_well_inside_its_slice(slow_sched: ComputeScheduler, tenants,
                                                              drained: bool) -> None:
-    a, b = tenants("a"), tenants("b")
-    slow_sched.attach(a.instance, a.dir)
-    slow_sched.attach(b.instance, b.dir)
+    a, b = attach_two(slow_sched, tenants)
     ledger = a.watch()
     a.want(1)
     assert granted(a)
@@ -526,9 +531,7 @@ def test_an_idle_holder_is_passed_over_well_inside_its_slice(slow_sched: Compute
 
 
 def test_an_idle_holder_keeps_the_gpu_while_nobody_else_wants_it(slow_sched: ComputeScheduler, tenants) -> None:
-    a, b = tenants("a"), tenants("b")
-    slow_sched.attach(a.instance, a.dir)
-    slow_sched.attach(b.instance, b.dir)
+    a, b = attach_two(slow_sched, tenants)
     ledger = a.watch()
     a.want(1)
     assert granted(a)
@@ -542,9 +545,7 @@ def test_an_idle_holder_keeps_the_gpu_while_nobody_else_wants_it(slow_sched: Com
 
 
 def test_one_busy_process_keeps_its_instance_on_the_gpu(slow_sched: ComputeScheduler, tenants) -> None:
-    a, b = tenants("a"), tenants("b")
-    slow_sched.attach(a.instance, a.dir)
-    slow_sched.attach(b.instance, b.dir)
+    a, b = attach_two(slow_sched, tenants)
     idle = a.watch()
     busy = launching_process(a.dir, waiting=False)
     try:
@@ -563,9 +564,7 @@ def test_one_busy_process_keeps_its_instance_on_the_gpu(slow_sched: ComputeSched
 
 def test_a_dead_process_does_not_keep_its_instance_on_the_gpu(slow_sched: ComputeScheduler, tenants) -> None:
     """Its ledger still says it launches there; its lock is gone."""
-    a, b = tenants("a"), tenants("b")
-    slow_sched.attach(a.instance, a.dir)
-    slow_sched.attach(b.instance, b.dir)
+    a, b = attach_two(slow_sched, tenants)
     idle = a.watch()
     dead = launching_process(a.dir, waiting=False)
     dead.kill()
@@ -583,9 +582,7 @@ def test_a_withdrawn_report_is_not_idleness(slow_sched: ComputeScheduler, tenant
     """A program that synchronises after every kernel reports idle after each
     synchronisation and withdraws the report at its next launch: it keeps
     its slice."""
-    a, b = tenants("a"), tenants("b")
-    slow_sched.attach(a.instance, a.dir)
-    slow_sched.attach(b.instance, b.dir)
+    a, b = attach_two(slow_sched, tenants)
     ledger = a.watch()
     a.want(1)
     assert granted(a)
@@ -612,9 +609,7 @@ def _engine_thread_cpu(name: str = "cgpu-sched-0") -> float:
 def test_a_tenant_ringing_its_bell_flat_out_costs_cgpud_little(slow_sched: ComputeScheduler, tenants) -> None:
     """A hostile holder reports idle, withdraws, and wakes the engine's futex
     in a tight loop from its own process."""
-    a, b = tenants("a"), tenants("b")
-    slow_sched.attach(a.instance, a.dir)
-    slow_sched.attach(b.instance, b.dir)
+    a, b = attach_two(slow_sched, tenants)
     a.want(1)
     assert granted(a)
     b.want(1)
