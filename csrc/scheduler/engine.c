@@ -636,12 +636,17 @@ static int holder_idle(struct tenant *t, uint32_t open_word)
     uint32_t want = (open_word & CGPU_GATE_SEQ_MASK) | CGPU_ACK_IDLE, bit = 1u << t->slot;
     const uint32_t report = CGPU_GATE_SEQ_MASK | CGPU_ACK_IDLE; /* drained or not */
     uint32_t n = atomic_load(&u->ledgers_used);
+    int reported = 0;
     for (uint32_t i = 0; i < n && i < CGPU_MAX_PROCS; i++) {
         struct cgpu_proc_ledger *p = &u->proc[i];
         uint64_t mask = 1ull << (i % 64);
         if ((t->idle_dead[i / 64] & mask) || atomic_load(&p->state) != CGPU_LEDGER_LIVE ||
-            !(atomic_load(&p->watching) & bit) || (atomic_load(&p->fence_ack[t->slot]) & report) == want)
+            !(atomic_load(&p->watching) & bit))
             continue;
+        if ((atomic_load(&p->fence_ack[t->slot]) & report) == want) {
+            reported = 1;
+            continue;
+        }
         if (t->idle_probed[i / 64] & mask)
             return 0;
         t->idle_probed[i / 64] |= mask;
@@ -649,7 +654,10 @@ static int holder_idle(struct tenant *t, uint32_t open_word)
             return 0;
         t->idle_dead[i / 64] |= mask;
     }
-    return 1;
+    /* Not idle for want of processes: one whose ledger is gone (its file
+     * scribbled) may still be launching, and a grant ended at once would
+     * let its queue run on uncharged, grant after grant. */
+    return reported;
 }
 
 /* After the closing of an idle holder's gate: whether every live process of
@@ -661,13 +669,17 @@ static int reports_drained(const struct tenant *t, uint32_t open_word)
     const struct cgpu_usage *u = t->usage;
     uint32_t want = (open_word & CGPU_GATE_SEQ_MASK) | CGPU_ACK_IDLE | CGPU_ACK_DRAINED, bit = 1u << t->slot;
     uint32_t n = atomic_load(&u->ledgers_used);
+    int reported = 0;
     for (uint32_t i = 0; i < n && i < CGPU_MAX_PROCS; i++) {
         const struct cgpu_proc_ledger *p = &u->proc[i];
-        if (!(t->idle_dead[i / 64] & (1ull << (i % 64))) && atomic_load(&p->state) == CGPU_LEDGER_LIVE &&
-            (atomic_load(&p->watching) & bit) && atomic_load(&p->fence_ack[t->slot]) != want)
+        if ((t->idle_dead[i / 64] & (1ull << (i % 64))) || atomic_load(&p->state) != CGPU_LEDGER_LIVE ||
+            !(atomic_load(&p->watching) & bit))
+            continue;
+        if (atomic_load(&p->fence_ack[t->slot]) != want)
             return 0;
+        reported = 1;
     }
-    return 1;
+    return reported;
 }
 
 /* Whether a tenant other than the holder has threads at its closed gate. */

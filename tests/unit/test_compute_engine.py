@@ -578,6 +578,25 @@ def test_a_dead_process_does_not_keep_its_instance_on_the_gpu(slow_sched: Comput
     assert slow_sched.schedule(0).idle_handovers == 1
 
 
+def test_a_holder_without_a_live_ledger_is_not_idle(slow_sched: ComputeScheduler, tenants) -> None:
+    """Its processes' ledgers scribbled away (state no longer LIVE), it may
+    still be launching: passed over after every short grant, its queue would
+    run on uncharged into the others' time, grant after grant. It keeps its
+    slice, as before the hand-over existed."""
+    a, b = attach_two(slow_sched, tenants)
+    ledger = a.watch()
+    a.want(1)
+    assert granted(a)
+    a.want(0)
+    b.want(1)
+    report_idle(a, ledger)
+    a.u.proc[ledger].state = 0xFFFFFFFF
+    report_idle(a, ledger)
+    time.sleep(0.05)
+    assert a.gate & OPEN and not b.gate & OPEN
+    assert slow_sched.schedule(0).idle_handovers == 0
+
+
 def test_a_withdrawn_report_is_not_idleness(slow_sched: ComputeScheduler, tenants) -> None:
     """A program that synchronises after every kernel reports idle after each
     synchronisation and withdraws the report at its next launch: it keeps
