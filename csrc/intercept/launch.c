@@ -225,7 +225,7 @@ static __attribute__((noinline, cold)) void withdraw_idle(struct gate_slot *s, u
  * synchronisation in the one context it launches in), so cgpud need not
  * wait for a fence when it passes the GPU on. A report never replaces the
  * acknowledgement of a later closing. */
-static void cgpu_report_idle(unsigned slot, uint64_t mark, bool drained)
+static void cgpu_report_idle(unsigned slot, uint64_t mark, bool drained, bool ring)
 {
     struct gate_slot *s = &slots[slot];
     if (!atomic_load_explicit(&s->watched, memory_order_acquire))
@@ -266,7 +266,7 @@ static void cgpu_report_idle(unsigned slot, uint64_t mark, bool drained)
     struct cgpu_device_usage *dev = &g_cgpu.usage->device[slot];
     atomic_fetch_add(&dev->bell, 1);
     uint64_t now = mono_ns(), last = atomic_load_explicit(&s->rung_at, memory_order_relaxed);
-    if (now - last >= IDLE_RING_NS && atomic_compare_exchange_strong(&s->rung_at, &last, now))
+    if (ring && now - last >= IDLE_RING_NS && atomic_compare_exchange_strong(&s->rung_at, &last, now))
         futex_wake_all(&dev->bell);
 }
 
@@ -311,9 +311,11 @@ static void *watch(void *arg)
             continue;
         }
         /* A grant to a process that has launched nothing since its last
-         * fence (which drained its queue): idle from the start. */
+         * fence (which drained its queue): idle from the start. No wake-up:
+         * its threads waiting at the gate launch at once, and cgpud looks
+         * when another process's report rings. */
         if ((g & (CGPU_GATE_OPEN | CGPU_GATE_UNGATED)) == CGPU_GATE_OPEN && atomic_load(&slots[slot].launched) == 0)
-            cgpu_report_idle(slot, launch_mark(&slots[slot]), true);
+            cgpu_report_idle(slot, launch_mark(&slots[slot]), true, false);
         futex_wait(gate, g);
     }
     return NULL;
@@ -656,7 +658,7 @@ static inline int idle_watch_begin(uint64_t *mark)
         int slot_ = idle_watch_begin(&mark_);                                                   \
         CUresult rc_ = real_(__VA_ARGS__);                                                      \
         if (slot_ >= 0 && rc_ == CUDA_SUCCESS)                                                  \
-            cgpu_report_idle((unsigned)slot_, mark_, false);                                    \
+            cgpu_report_idle((unsigned)slot_, mark_, false, true);                              \
         return rc_;                                                                             \
     }
 
@@ -676,6 +678,6 @@ CGPU_EXPORT CUresult cuCtxSynchronize(void)
     int slot = idle_watch_begin(&mark);
     CUresult rc = real();
     if (slot >= 0 && rc == CUDA_SUCCESS)
-        cgpu_report_idle((unsigned)slot, mark, true);
+        cgpu_report_idle((unsigned)slot, mark, true, true);
     return rc;
 }

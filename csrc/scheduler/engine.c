@@ -708,7 +708,7 @@ static int hold_while_busy(struct cgpu_engine *e, struct gpu_loop *g, struct ten
 {
     _Atomic uint32_t *bell = &t->usage->device[t->slot].bell;
     uint64_t watch = CGPU_ENGINE_IDLE_WATCH_NS;
-    int rang = 1; /* the first look follows the grant, as a look after a ring does */
+    int rang = 0; /* the first look, at the grant, finds its threads still at the gate */
     for (;;) {
         uint64_t now = mono_ns();
         if (e->stop || g->kicked || t->detach_pending || now >= until)
