@@ -488,6 +488,16 @@ def attach_two(sched: ComputeScheduler, tenants) -> tuple[Tenant, Tenant]:
     return a, b
 
 
+def holding_with_a_waiter(a: Tenant, b: Tenant) -> int:
+    """a holds the GPU, its thread through the gate, b waits; a's ledger."""
+    ledger = a.watch()
+    a.want(1)
+    assert granted(a)
+    a.want(0)
+    b.want(1)
+    return ledger
+
+
 def report_idle(t: Tenant, ledger: int, drained: bool = True) -> None:
     """What libcgpu does when a process holding the open grant has nothing
     left: the report, a move of the bell, and a wake-up of whoever sleeps on it."""
@@ -584,11 +594,7 @@ def test_a_holder_without_a_live_ledger_is_not_idle(slow_sched: ComputeScheduler
     run on uncharged into the others' time, grant after grant. It keeps its
     slice, as before the hand-over existed."""
     a, b = attach_two(slow_sched, tenants)
-    ledger = a.watch()
-    a.want(1)
-    assert granted(a)
-    a.want(0)
-    b.want(1)
+    ledger = holding_with_a_waiter(a, b)
     report_idle(a, ledger)
     a.u.proc[ledger].state = 0xFFFFFFFF
     report_idle(a, ledger)
@@ -602,11 +608,7 @@ def test_a_withdrawn_report_is_not_idleness(slow_sched: ComputeScheduler, tenant
     synchronisation and withdraws the report at its next launch: it keeps
     its slice."""
     a, b = attach_two(slow_sched, tenants)
-    ledger = a.watch()
-    a.want(1)
-    assert granted(a)
-    a.want(0)
-    b.want(1)
+    ledger = holding_with_a_waiter(a, b)
     before = int(a.u.proc[ledger].fence_ack[0])
     for _ in range(300):  # about 60 ms of report, launch, report...
         report_idle(a, ledger)
