@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include "driver.h"
+#include "driver_procs.h"
 
 struct sim_driver sim_drv = {.lock = PTHREAD_MUTEX_INITIALIZER, .shared = {.fd = -1, .slot = -1}};
 
@@ -226,39 +227,47 @@ SIM_EXPORT CUresult cuGetErrorString(CUresult error, const char **pStr)
 
 /* ---- entry-point lookup ------------------------------------------------------ */
 
-enum { KIND_DEFAULT, KIND_PTSZ };
+_Static_assert(CUDA_ERROR_NOT_SUPPORTED == 801, "driver_stubs.c returns CUDA_ERROR_NOT_SUPPORTED as 801");
 
-static const struct proc_entry {
-    const char *base;
-    int since;
-    int kind;
-    void *fn;
-} proc_table[] = {
-#define CU_FN(symbol, base, since, kind, params) {#base, since, KIND_##kind, (void *)symbol},
+static const struct sim_proc proc_table[] = {
+#define CU_FN(symbol, base, since, kind, params) {#base, since, SIM_PROC_##kind, (void *)symbol},
 #include "cgpu/cuda_functions.def"
 #undef CU_FN
 };
 
+/* Of two answers for the name asked, the better one: the variant asked for
+ * over the other, then the newer. */
+static bool proc_better(const struct sim_proc *e, const struct sim_proc *best, enum sim_proc_kind want)
+{
+    return !best || (e->kind == want && best->kind != want) || (e->kind == best->kind && e->since > best->since);
+}
+
 /* Which exported function a CUDA runtime built for cudaVersion gets for a
- * base name: the newest variant it knows, the per-thread-stream one if asked. */
+ * base name: the newest variant it knows, the per-thread-stream one if asked.
+ * Modelled functions and stubs answer alike, as every name a real driver
+ * knows resolves on it. */
 static CUresult lookup_proc(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,
                             CUdriverProcAddressQueryResult *status)
 {
     if (!symbol || !pfn)
         return CUDA_ERROR_INVALID_VALUE;
-    int want = (flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) ? KIND_PTSZ : KIND_DEFAULT;
-    const struct proc_entry *best = NULL;
+    enum sim_proc_kind want = (flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) ? SIM_PROC_PTSZ
+                                                                                        : SIM_PROC_DEFAULT;
+    const struct sim_proc *tables[] = {proc_table, sim_stub_procs};
+    const size_t sizes[] = {sizeof(proc_table) / sizeof(proc_table[0]), sim_stub_proc_count};
+    const struct sim_proc *best = NULL;
     bool known = false;
-    for (size_t i = 0; i < sizeof(proc_table) / sizeof(proc_table[0]); i++) {
-        const struct proc_entry *e = &proc_table[i];
-        if (strcmp(e->base, symbol) != 0)
-            continue;
-        known = true;
-        if (e->since > cudaVersion || (e->kind == KIND_PTSZ && want != KIND_PTSZ))
-            continue;
-        if (!best || (e->kind == want && best->kind != want) ||
-            (e->kind == best->kind && e->since > best->since))
-            best = e;
+    for (size_t t = 0; t < 2; t++) {
+        for (size_t i = 0; i < sizes[t]; i++) {
+            const struct sim_proc *e = &tables[t][i];
+            if (strcmp(e->base, symbol) != 0)
+                continue;
+            known = true;
+            if (e->since > cudaVersion || (e->kind == SIM_PROC_PTSZ && want != SIM_PROC_PTSZ))
+                continue;
+            if (proc_better(e, best, want))
+                best = e;
+        }
     }
     *pfn = best ? best->fn : NULL;
     if (status)
