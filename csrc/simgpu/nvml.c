@@ -37,6 +37,7 @@ _Static_assert(sizeof(nvmlEventData_t) == 32, "nvmlEventData_t layout");
 _Static_assert(sizeof(nvmlProcessUtilizationInfo_v1_t) == 40, "nvmlProcessUtilizationInfo_v1_t layout");
 _Static_assert(sizeof(nvmlProcessesUtilizationInfo_v1_t) == 24, "nvmlProcessesUtilizationInfo_v1_t layout");
 _Static_assert(nvmlProcessesUtilizationInfo_v1 == 0x01000018, "nvmlProcessesUtilizationInfo_v1");
+_Static_assert(nvmlTemperature_v1 == 0x0100000C, "nvmlTemperature_v1");
 
 /* Window of nvmlDeviceGetUtilizationRates and the longest window of
  * nvmlDeviceGetProcessUtilization: the 1/6 s - 1 s real drivers sample. */
@@ -467,18 +468,246 @@ static unsigned int percent(unsigned long long part, unsigned long long whole)
     return p >= 100.0 ? 100u : (unsigned int)p;
 }
 
+/* Percent of the last UTIL_WINDOW_NS that GPU g ran a kernel. */
+static unsigned int busy_percent(unsigned int g)
+{
+    uint64_t now = sim_now_ns(), from = now > UTIL_WINDOW_NS ? now - UTIL_WINDOW_NS : 0, busy;
+    /* An incomplete history only undercounts: report what is known. */
+    (void)sim_busy_between(g_sim.st, (int)g, from, now, &busy, NULL, 0, NULL);
+    return percent(busy, now - from);
+}
+
 NVML_EXPORT nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvmlUtilization_t *utilization)
 {
     unsigned int g;
     nvmlReturn_t rc = lookup_out(device, utilization, &g);
     if (rc != NVML_SUCCESS)
         return rc;
-    uint64_t now = sim_now_ns(), from = now > UTIL_WINDOW_NS ? now - UTIL_WINDOW_NS : 0, busy;
-    /* An incomplete history only undercounts: report what is known. */
-    (void)sim_busy_between(g_sim.st, (int)g, from, now, &busy, NULL, 0, NULL);
-    utilization->gpu = percent(busy, now - from);
+    utilization->gpu = busy_percent(g);
     /* The simulation has no memory bandwidth: report occupancy instead. */
     utilization->memory = percent(used_bytes(g), g_cfg.gpu[g].total_mem);
+    return NVML_SUCCESS;
+}
+
+/* ---- what a monitoring tool shows ------------------------------------------
+ *
+ * The simulation has no fans, sensors, clocks or PCIe link. A data-centre GPU
+ * in a server is what it imitates, so these answer as one does: the figures
+ * are an H100 SXM5's (700 W board limit, 200 W its lowest setting, SM clock
+ * 1980 MHz boost and 345 MHz idle, HBM3 at 2619 MHz, PCIe Gen5 x16), whatever
+ * name the configuration gives the GPU. Temperature and power follow the
+ * GPU's utilisation linearly between idle and full load, so a busy GPU looks
+ * busy. A GPU cooled by the server's fans has none of its own: the fan
+ * queries stay NOT_SUPPORTED (nvml_unmodelled.def), as on real SXM boards,
+ * and nvmlDeviceGetDriverModel is Windows-only. */
+#define SIM_POWER_LIMIT_MW 700000u
+#define SIM_POWER_MIN_LIMIT_MW 200000u
+#define SIM_POWER_IDLE_MW 70000u
+#define SIM_TEMP_IDLE_C 32u
+#define SIM_TEMP_FULL_LOAD_C 72u
+#define SIM_CLOCK_SM_MAX_MHZ 1980u
+#define SIM_CLOCK_SM_IDLE_MHZ 345u
+#define SIM_CLOCK_MEM_MHZ 2619u
+#define SIM_CLOCK_VIDEO_MAX_MHZ 1755u
+#define SIM_CLOCK_VIDEO_IDLE_MHZ 765u
+#define SIM_PCIE_GEN 5u
+#define SIM_PCIE_WIDTH 16u
+/* The sampling period real drivers report for encoder/decoder utilisation. */
+#define SIM_CODEC_SAMPLE_US 167000u
+
+/* Multi-process contexts are allowed: sharing the GPU is what cgpu does. */
+NVML_GPU_QUERY(nvmlDeviceGetComputeMode, nvmlComputeMode_t, mode, *mode = NVML_COMPUTEMODE_DEFAULT)
+/* Servers run nvidia-persistenced and drive no display. */
+NVML_GPU_QUERY(nvmlDeviceGetPersistenceMode, nvmlEnableState_t, mode, *mode = NVML_FEATURE_ENABLED)
+NVML_GPU_QUERY(nvmlDeviceGetDisplayMode, nvmlEnableState_t, display, *display = NVML_FEATURE_DISABLED)
+NVML_GPU_QUERY(nvmlDeviceGetDisplayActive, nvmlEnableState_t, isActive, *isActive = NVML_FEATURE_DISABLED)
+/* With persistence on, a data-centre GPU stays in P0 and idles by clock. */
+NVML_GPU_QUERY(nvmlDeviceGetPerformanceState, nvmlPstates_t, pState, *pState = NVML_PSTATE_0)
+NVML_GPU_QUERY(nvmlDeviceGetPowerManagementMode, nvmlEnableState_t, mode, *mode = NVML_FEATURE_ENABLED)
+NVML_GPU_QUERY(nvmlDeviceGetPowerManagementLimit, unsigned int, limit, *limit = SIM_POWER_LIMIT_MW)
+NVML_GPU_QUERY(nvmlDeviceGetPowerManagementDefaultLimit, unsigned int, defaultLimit, *defaultLimit = SIM_POWER_LIMIT_MW)
+NVML_GPU_QUERY(nvmlDeviceGetEnforcedPowerLimit, unsigned int, limit, *limit = SIM_POWER_LIMIT_MW)
+NVML_GPU_QUERY(nvmlDeviceGetPowerUsage, unsigned int, power,
+               *power = SIM_POWER_IDLE_MW + (SIM_POWER_LIMIT_MW - SIM_POWER_IDLE_MW) / 100u * busy_percent(g))
+NVML_GPU_QUERY(nvmlDeviceGetCurrPcieLinkGeneration, unsigned int, currLinkGen, *currLinkGen = SIM_PCIE_GEN)
+NVML_GPU_QUERY(nvmlDeviceGetMaxPcieLinkGeneration, unsigned int, maxLinkGen, *maxLinkGen = SIM_PCIE_GEN)
+NVML_GPU_QUERY(nvmlDeviceGetCurrPcieLinkWidth, unsigned int, currLinkWidth, *currLinkWidth = SIM_PCIE_WIDTH)
+NVML_GPU_QUERY(nvmlDeviceGetMaxPcieLinkWidth, unsigned int, maxLinkWidth, *maxLinkWidth = SIM_PCIE_WIDTH)
+/* A GPU handle is never a MIG device: the simulation has no MIG. */
+NVML_GPU_QUERY(nvmlDeviceIsMigDeviceHandle, unsigned int, isMigDevice, *isMigDevice = 0)
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetPowerManagementLimitConstraints(nvmlDevice_t device, unsigned int *minLimit,
+                                                                      unsigned int *maxLimit)
+{
+    unsigned int g;
+    nvmlReturn_t rc = lookup_out(device, minLimit, &g);
+    if (rc != NVML_SUCCESS)
+        return rc;
+    if (maxLimit == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *minLimit = SIM_POWER_MIN_LIMIT_MW;
+    *maxLimit = SIM_POWER_LIMIT_MW;
+    return NVML_SUCCESS;
+}
+
+static unsigned int temperature(unsigned int g)
+{
+    return SIM_TEMP_IDLE_C + (SIM_TEMP_FULL_LOAD_C - SIM_TEMP_IDLE_C) * busy_percent(g) / 100u;
+}
+
+/* The die's one reading stands for its hottest part too. */
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t device, nvmlTemperatureSensors_t sensorType,
+                                                  unsigned int *temp)
+{
+    unsigned int g;
+    nvmlReturn_t rc = lookup_out(device, temp, &g);
+    if (rc != NVML_SUCCESS)
+        return rc;
+    if ((unsigned int)sensorType >= (unsigned int)NVML_TEMPERATURE_COUNT)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *temp = temperature(g);
+    return NVML_SUCCESS;
+}
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetTemperatureV(nvmlDevice_t device, nvmlTemperature_t *temp)
+{
+    unsigned int g;
+    nvmlReturn_t rc = lookup_out(device, temp, &g);
+    if (rc != NVML_SUCCESS)
+        return rc;
+    if (temp->version != nvmlTemperature_v1)
+        return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    if ((unsigned int)temp->sensorType >= (unsigned int)NVML_TEMPERATURE_COUNT)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    temp->temperature = (int)temperature(g);
+    return NVML_SUCCESS;
+}
+
+/* Clocks run at boost while a kernel ran in the last window, else idle;
+ * the memory clock never drops in P0. */
+static nvmlReturn_t clock_query(nvmlDevice_t device, nvmlClockType_t type, unsigned int *clock, bool max)
+{
+    unsigned int g;
+    nvmlReturn_t rc = lookup_out(device, clock, &g);
+    if (rc != NVML_SUCCESS)
+        return rc;
+    bool boost = max || busy_percent(g) > 0;
+    switch (type) {
+    case NVML_CLOCK_GRAPHICS:
+    case NVML_CLOCK_SM: *clock = boost ? SIM_CLOCK_SM_MAX_MHZ : SIM_CLOCK_SM_IDLE_MHZ; break;
+    case NVML_CLOCK_MEM: *clock = SIM_CLOCK_MEM_MHZ; break;
+    case NVML_CLOCK_VIDEO: *clock = boost ? SIM_CLOCK_VIDEO_MAX_MHZ : SIM_CLOCK_VIDEO_IDLE_MHZ; break;
+    default: return NVML_ERROR_INVALID_ARGUMENT;
+    }
+    return NVML_SUCCESS;
+}
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetClockInfo(nvmlDevice_t device, nvmlClockType_t type, unsigned int *clock)
+{
+    return clock_query(device, type, clock, false);
+}
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetMaxClockInfo(nvmlDevice_t device, nvmlClockType_t type, unsigned int *clock)
+{
+    return clock_query(device, type, clock, true);
+}
+
+/* The simulation runs no video codecs: idle engines, over a real period. */
+static nvmlReturn_t codec_utilization(nvmlDevice_t device, unsigned int *utilization, unsigned int *samplingPeriodUs)
+{
+    unsigned int g;
+    nvmlReturn_t rc = lookup_out(device, utilization, &g);
+    if (rc != NVML_SUCCESS)
+        return rc;
+    if (samplingPeriodUs == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *utilization = 0;
+    *samplingPeriodUs = SIM_CODEC_SAMPLE_US;
+    return NVML_SUCCESS;
+}
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetEncoderUtilization(nvmlDevice_t device, unsigned int *utilization,
+                                                         unsigned int *samplingPeriodUs)
+{
+    return codec_utilization(device, utilization, samplingPeriodUs);
+}
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetDecoderUtilization(nvmlDevice_t device, unsigned int *utilization,
+                                                         unsigned int *samplingPeriodUs)
+{
+    return codec_utilization(device, utilization, samplingPeriodUs);
+}
+
+/* ECC on, as data-centre GPUs ship; simulated memory never flips a bit. */
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetEccMode(nvmlDevice_t device, nvmlEnableState_t *current,
+                                              nvmlEnableState_t *pending)
+{
+    unsigned int g;
+    nvmlReturn_t rc = lookup_out(device, current, &g);
+    if (rc != NVML_SUCCESS)
+        return rc;
+    if (pending == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *current = *pending = NVML_FEATURE_ENABLED;
+    return NVML_SUCCESS;
+}
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t device, nvmlMemoryErrorType_t errorType,
+                                                     nvmlEccCounterType_t counterType, unsigned long long *eccCounts)
+{
+    unsigned int g;
+    nvmlReturn_t rc = lookup_out(device, eccCounts, &g);
+    if (rc != NVML_SUCCESS)
+        return rc;
+    if ((unsigned int)errorType >= (unsigned int)NVML_MEMORY_ERROR_TYPE_COUNT ||
+        (unsigned int)counterType >= (unsigned int)NVML_ECC_COUNTER_TYPE_COUNT)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *eccCounts = 0;
+    return NVML_SUCCESS;
+}
+
+/* Copies between host and simulated device memory are plain memcpy: nothing
+ * crosses a bus. */
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetPcieThroughput(nvmlDevice_t device, nvmlPcieUtilCounter_t counter,
+                                                     unsigned int *value)
+{
+    unsigned int g;
+    nvmlReturn_t rc = lookup_out(device, value, &g);
+    if (rc != NVML_SUCCESS)
+        return rc;
+    if ((unsigned int)counter >= (unsigned int)NVML_PCIE_UTIL_COUNT)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *value = 0;
+    return NVML_SUCCESS;
+}
+
+/* BAR1 is the device memory's size rounded up to a power of two, as on the
+ * A100 40GB (64 GiB) and H100 80GB (128 GiB); the simulation maps nothing
+ * through it. */
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetBAR1MemoryInfo(nvmlDevice_t device, nvmlBAR1Memory_t *bar1Memory)
+{
+    unsigned int g;
+    nvmlReturn_t rc = lookup_out(device, bar1Memory, &g);
+    if (rc != NVML_SUCCESS)
+        return rc;
+    unsigned long long total = 1;
+    while (total < g_cfg.gpu[g].total_mem && total < (1ULL << 62))
+        total <<= 1;
+    *bar1Memory = (nvmlBAR1Memory_t){.bar1Total = total, .bar1Free = total, .bar1Used = 0};
+    return NVML_SUCCESS;
+}
+
+/* MIG off: the simulation partitions no GPU. */
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *currentMode,
+                                              unsigned int *pendingMode)
+{
+    unsigned int g;
+    nvmlReturn_t rc = lookup_out(device, currentMode, &g);
+    if (rc != NVML_SUCCESS)
+        return rc;
+    if (pendingMode == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *currentMode = *pendingMode = NVML_DEVICE_MIG_DISABLE;
     return NVML_SUCCESS;
 }
 

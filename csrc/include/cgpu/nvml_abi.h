@@ -215,6 +215,83 @@ typedef struct nvmlDeviceAttributes_st {
     unsigned long long memorySizeMB;
 } nvmlDeviceAttributes_t;
 
+typedef enum nvmlComputeMode_enum {
+    NVML_COMPUTEMODE_DEFAULT = 0,
+    NVML_COMPUTEMODE_EXCLUSIVE_THREAD = 1,
+    NVML_COMPUTEMODE_PROHIBITED = 2,
+    NVML_COMPUTEMODE_EXCLUSIVE_PROCESS = 3,
+    NVML_COMPUTEMODE_COUNT
+} nvmlComputeMode_t;
+
+typedef enum nvmlPStates_enum {
+    NVML_PSTATE_0 = 0,
+    NVML_PSTATE_1 = 1,
+    NVML_PSTATE_2 = 2,
+    NVML_PSTATE_3 = 3,
+    NVML_PSTATE_4 = 4,
+    NVML_PSTATE_5 = 5,
+    NVML_PSTATE_6 = 6,
+    NVML_PSTATE_7 = 7,
+    NVML_PSTATE_8 = 8,
+    NVML_PSTATE_9 = 9,
+    NVML_PSTATE_10 = 10,
+    NVML_PSTATE_11 = 11,
+    NVML_PSTATE_12 = 12,
+    NVML_PSTATE_13 = 13,
+    NVML_PSTATE_14 = 14,
+    NVML_PSTATE_15 = 15,
+    NVML_PSTATE_UNKNOWN = 32
+} nvmlPstates_t;
+
+typedef enum nvmlTemperatureSensors_enum {
+    NVML_TEMPERATURE_GPU = 0,
+    NVML_TEMPERATURE_GPU_MAX = 1,
+    NVML_TEMPERATURE_COUNT
+} nvmlTemperatureSensors_t;
+
+typedef struct {
+    unsigned int version;            /* nvmlTemperature_v1 */
+    nvmlTemperatureSensors_t sensorType;
+    int temperature;                 /* degrees C */
+} nvmlTemperature_v1_t;
+typedef nvmlTemperature_v1_t nvmlTemperature_t;
+#define nvmlTemperature_v1 NVML_STRUCT_VERSION(Temperature, 1)
+
+typedef enum nvmlMemoryErrorType_enum {
+    NVML_MEMORY_ERROR_TYPE_CORRECTED = 0,
+    NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 1,
+    NVML_MEMORY_ERROR_TYPE_COUNT
+} nvmlMemoryErrorType_t;
+
+typedef enum nvmlEccCounterType_enum {
+    NVML_VOLATILE_ECC = 0,
+    NVML_AGGREGATE_ECC = 1,
+    NVML_ECC_COUNTER_TYPE_COUNT
+} nvmlEccCounterType_t;
+
+typedef enum nvmlClockType_enum {
+    NVML_CLOCK_GRAPHICS = 0,
+    NVML_CLOCK_SM = 1,
+    NVML_CLOCK_MEM = 2,
+    NVML_CLOCK_VIDEO = 3,
+    NVML_CLOCK_COUNT
+} nvmlClockType_t;
+
+typedef enum nvmlPcieUtilCounter_enum {
+    NVML_PCIE_UTIL_TX_BYTES = 0,     /* KB/s */
+    NVML_PCIE_UTIL_RX_BYTES = 1,
+    NVML_PCIE_UTIL_COUNT
+} nvmlPcieUtilCounter_t;
+
+typedef struct nvmlBAR1Memory_st {
+    unsigned long long bar1Total;
+    unsigned long long bar1Free;
+    unsigned long long bar1Used;
+} nvmlBAR1Memory_t;
+
+#define NVML_DEVICE_MIG_DISABLE 0x0
+#define NVML_DEVICE_MIG_ENABLE 0x1
+
 typedef struct nvmlEventSet_st *nvmlEventSet_t;
 
 /* Event types (a mask for nvmlDeviceRegisterEvents). */
