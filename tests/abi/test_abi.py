@@ -98,4 +98,44 @@ def _exports(lib: Path) -> list[str]:
     ],
 )
 def test_libraries_export_exactly_their_lists(native, lib, def_file, macro):
-    assert _exports(native / lib) == build_native.exported_symbols(def_file, macro)
+    target = next(t for t in build_native.TARGETS if t.output == lib)
+    assert (def_file, macro) == target.exports
+    assert build_native.exported_symbols(def_file, macro)
+    assert _exports(native / lib) == build_native.target_exports(target)
+
+
+def _nvml_generator():
+    sys.path.insert(0, str(ROOT / "csrc" / "simgpu"))
+    import gen_nvml_unmodelled
+
+    return gen_nvml_unmodelled
+
+
+@needs_real_nvml_h
+def test_simulated_nvml_exports_every_function_of_the_real_nvml_h(native):
+    # Newest versions and the legacy names alike: what a real libnvidia-ml.so.1 exports.
+    gen = _nvml_generator()
+    declared = {name for name, _ in gen.header_functions(gen.preprocess(REAL_NVML_INCLUDE / "nvml.h"))}
+    assert len(declared) > 400 and {"nvmlInit", "nvmlInit_v2", "nvmlDeviceGetCount"} <= declared
+    assert set(_exports(native / "sim/libnvidia-ml.so.1")) == declared
+
+
+@needs_real_nvml_h
+def test_generated_nvml_stub_list_is_current():
+    gen = _nvml_generator()
+    assert gen.UNMODELLED_DEF.read_text() == gen.generate(REAL_NVML_INCLUDE / "nvml.h"), (
+        "run: .venv/bin/python csrc/simgpu/gen_nvml_unmodelled.py"
+    )
+
+
+def test_every_nvml_stub_answers_not_supported(native):
+    # Stubs read no arguments, so each can be called bare; none may need init.
+    stubs = build_native.exported_symbols("simgpu/nvml_unmodelled.def", "NVML_STUB")
+    script = (
+        "import ctypes, sys\n"
+        f"lib = ctypes.CDLL({str(native / 'sim/libnvidia-ml.so.1')!r})\n"
+        "print(sorted({getattr(lib, n)() for n in sys.argv[1:]}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script, *stubs], check=True, capture_output=True, text=True).stdout
+    assert len(stubs) > 300
+    assert out.strip() == "[3]"  # NVML_ERROR_NOT_SUPPORTED

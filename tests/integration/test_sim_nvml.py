@@ -26,6 +26,7 @@ from tests.integration.simrun import PYNVML, py_env, run_py, sim_stat, start_py
 
 GIB = 1 << 30
 DEF_FILE = Path(__file__).resolve().parents[2] / "csrc" / "include" / "cgpu" / "nvml_functions.def"
+STUB_FILE = Path(__file__).resolve().parents[2] / "csrc" / "simgpu" / "nvml_unmodelled.def"
 UUID_RE = re.compile(r"^GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 
 
@@ -306,6 +307,7 @@ def test_init_fails_with_driver_not_loaded_on_a_bad_config(tmp_path, sim_env):
 
 def test_exported_symbols_are_the_def_list(native):
     listed = set(re.findall(r"^NVML_FN\((\w+)", DEF_FILE.read_text(), re.M))
+    listed |= set(re.findall(r"^NVML_STUB\((\w+)", STUB_FILE.read_text(), re.M))
     nm = subprocess.run(["nm", "-D", "--defined-only", str(native / "sim" / "libnvidia-ml.so.1")],
                         capture_output=True, text=True, check=True)
     exported = {line.split()[-1] for line in nm.stdout.splitlines() if line.strip()}
