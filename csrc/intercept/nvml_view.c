@@ -1,5 +1,9 @@
-/* libcgpu.so: what NVML (and so nvidia-smi) shows inside the instance:
- * its memory limit as the total, its own usage, its own processes. */
+/* libcgpu.so: what NVML (and so nvidia-smi, nvitop, gpustat) shows inside
+ * the instance: its memory limit as the total, its own usage, its own
+ * processes. Every NVML call that reports the device's memory size or lists
+ * processes is answered here, so no path shows the whole GPU or a
+ * neighbour's pid. */
+#include <stddef.h>
 #include <string.h>
 
 #include "libcgpu.h"
@@ -49,16 +53,15 @@ CGPU_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMem
     return rc;
 }
 
-/* Keeps the entries of the instance's own processes (the pid is the first
- * field of every nvmlProcessInfo version) and answers with NVML's
- * size protocol. */
-static nvmlReturn_t keep_own(const unsigned char *all, unsigned int n, size_t size, unsigned int *count,
-                             unsigned char *out)
+/* Keeps the entries of `all` whose pid (at `pid_at` in each) is one of the
+ * instance's processes and answers with NVML's size protocol. */
+static nvmlReturn_t keep_own(const unsigned char *all, unsigned int n, size_t size, size_t pid_at,
+                             unsigned int *count, unsigned char *out)
 {
     unsigned int mine = 0;
     for (unsigned int i = 0; i < n; i++) {
         unsigned int pid;
-        memcpy(&pid, all + i * size, sizeof(pid));
+        memcpy(&pid, all + i * size + pid_at, sizeof(pid));
         if (!cgpu_pid_in_instance(pid))
             continue;
         if (out && mine < *count)
@@ -70,6 +73,7 @@ static nvmlReturn_t keep_own(const unsigned char *all, unsigned int n, size_t si
     return rc;
 }
 
+/* The pid is the first field of every nvmlProcessInfo version. */
 #define PROCESS_HOOK(symbol, type)                                                              \
     CGPU_EXPORT nvmlReturn_t symbol(nvmlDevice_t device, unsigned int *infoCount, type *infos)  \
     {                                                                                           \
@@ -80,9 +84,69 @@ static nvmlReturn_t keep_own(const unsigned char *all, unsigned int n, size_t si
         nvmlReturn_t rc = CALL_NVML(symbol, device, &n, all);                                   \
         if (rc != NVML_SUCCESS)                                                                 \
             return rc;                                                                          \
-        return keep_own((const unsigned char *)all, n, sizeof(type), infoCount, (unsigned char *)infos); \
+        return keep_own((const unsigned char *)all, n, sizeof(type), 0, infoCount, (unsigned char *)infos); \
     }
 
 PROCESS_HOOK(nvmlDeviceGetComputeRunningProcesses, nvmlProcessInfo_v1_t)
 PROCESS_HOOK(nvmlDeviceGetComputeRunningProcesses_v2, nvmlProcessInfo_v2_t)
 PROCESS_HOOK(nvmlDeviceGetComputeRunningProcesses_v3, nvmlProcessInfo_t)
+PROCESS_HOOK(nvmlDeviceGetGraphicsRunningProcesses, nvmlProcessInfo_v1_t)
+PROCESS_HOOK(nvmlDeviceGetGraphicsRunningProcesses_v2, nvmlProcessInfo_v2_t)
+PROCESS_HOOK(nvmlDeviceGetGraphicsRunningProcesses_v3, nvmlProcessInfo_t)
+PROCESS_HOOK(nvmlDeviceGetMPSComputeRunningProcesses, nvmlProcessInfo_v1_t)
+PROCESS_HOOK(nvmlDeviceGetMPSComputeRunningProcesses_v2, nvmlProcessInfo_v2_t)
+PROCESS_HOOK(nvmlDeviceGetMPSComputeRunningProcesses_v3, nvmlProcessInfo_t)
+
+/* Per-process utilisation names pids and their share of the GPU: only the
+ * instance's own. No sample left is NOT_FOUND, as NVML answers when no
+ * process has a sample. */
+CGPU_EXPORT nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device,
+                                                         nvmlProcessUtilizationSample_t *utilization,
+                                                         unsigned int *processSamplesCount,
+                                                         unsigned long long lastSeenTimeStamp)
+{
+    if (cgpu_state() != CGPU_ACTIVE || !processSamplesCount)
+        return CALL_NVML(nvmlDeviceGetProcessUtilization, device, utilization, processSamplesCount,
+                         lastSeenTimeStamp);
+    nvmlProcessUtilizationSample_t all[MAX_LISTED];
+    unsigned int n = MAX_LISTED;
+    nvmlReturn_t rc = CALL_NVML(nvmlDeviceGetProcessUtilization, device, all, &n, lastSeenTimeStamp);
+    if (rc == NVML_ERROR_NOT_FOUND)
+        *processSamplesCount = 0;
+    if (rc != NVML_SUCCESS)
+        return rc;
+    rc = keep_own((const unsigned char *)all, n, sizeof(all[0]), offsetof(nvmlProcessUtilizationSample_t, pid),
+                  processSamplesCount, (unsigned char *)utilization);
+    return rc == NVML_SUCCESS && *processSamplesCount == 0 ? NVML_ERROR_NOT_FOUND : rc;
+}
+
+CGPU_EXPORT nvmlReturn_t nvmlDeviceGetProcessesUtilizationInfo(nvmlDevice_t device,
+                                                               nvmlProcessesUtilizationInfo_t *procesesUtilInfo)
+{
+    nvmlProcessesUtilizationInfo_t *info = procesesUtilInfo;
+    if (cgpu_state() != CGPU_ACTIVE || !info)
+        return CALL_NVML(nvmlDeviceGetProcessesUtilizationInfo, device, info);
+    nvmlProcessUtilizationInfo_v1_t all[MAX_LISTED];
+    nvmlProcessesUtilizationInfo_t mine = *info;
+    mine.processSamplesCount = MAX_LISTED;
+    mine.procUtilArray = all;
+    nvmlReturn_t rc = CALL_NVML(nvmlDeviceGetProcessesUtilizationInfo, device, &mine);
+    if (rc == NVML_ERROR_NOT_FOUND)
+        info->processSamplesCount = 0;
+    if (rc != NVML_SUCCESS)
+        return rc;
+    rc = keep_own((const unsigned char *)all, mine.processSamplesCount, sizeof(all[0]),
+                  offsetof(nvmlProcessUtilizationInfo_v1_t, pid), &info->processSamplesCount,
+                  (unsigned char *)info->procUtilArray);
+    return rc == NVML_SUCCESS && info->processSamplesCount == 0 ? NVML_ERROR_NOT_FOUND : rc;
+}
+
+/* The attributes carry the device's memory size too. */
+CGPU_EXPORT nvmlReturn_t nvmlDeviceGetAttributes_v2(nvmlDevice_t device, nvmlDeviceAttributes_t *attributes)
+{
+    nvmlReturn_t rc = CALL_NVML(nvmlDeviceGetAttributes_v2, device, attributes);
+    unsigned long long limit, used;
+    if (rc == NVML_SUCCESS && instance_memory(device, &limit, &used))
+        attributes->memorySizeMB = limit >> 20;
+    return rc;
+}

@@ -1,0 +1,183 @@
+"""The NVML tools people run, nvitop and gpustat (both from PyPI, the test
+extra), on the simulated GPUs: bare they show the machine without an error,
+and inside an instance (`cgpuctl run --mem 1GiB`) they show the instance's
+1 GiB as the GPU's memory and its own processes, never a neighbour's.
+
+A process on the GPU is cgpu-burn holding memory and running kernels."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from tests.daemonproc import BIN
+
+NVITOP = BIN / "nvitop"
+GPUSTAT = BIN / "gpustat"
+GPU_NAME = "H100 80GB HBM3"
+# What either tool prints when an NVML call fails (nvitop logs the error and
+# a traceback, gpustat raises) or shows "??" for a value it could not read.
+ERROR_TEXT = re.compile(r"error|traceback|exception|not found", re.IGNORECASE)
+
+pytestmark = pytest.mark.skipif(
+    not (NVITOP.exists() and GPUSTAT.exists()),
+    reason="nvitop or gpustat is not installed (both are in the test extra)",
+)
+
+
+def _run_tool(cmd: list[str], env: dict[str, str]) -> str:
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert not ERROR_TEXT.search(out), out
+    return proc.stdout
+
+
+def nvitop(env: dict[str, str]) -> str:
+    # A wide terminal: nvitop cuts command names to the width it is given.
+    return _run_tool([str(NVITOP), "--once"], dict(env, COLUMNS="160"))
+
+
+def gpustat(env: dict[str, str]) -> str:
+    return _run_tool([str(GPUSTAT), "--no-color", "--show-cmd", "--show-pid", "--show-power", "--show-codec"], env)
+
+
+def _on_gpu(env: dict[str, str], pid: int, timeout: float = 30) -> None:
+    """Returns once NVML lists `pid` on GPU 0 (bounded)."""
+    script = textwrap.dedent(f"""
+        import time, pynvml as n
+        n.nvmlInit()
+        h = n.nvmlDeviceGetHandleByIndex(0)
+        deadline = time.monotonic() + {timeout}
+        while {pid} not in [p.pid for p in n.nvmlDeviceGetComputeRunningProcesses(h)]:
+            assert time.monotonic() < deadline, "process never reached the GPU"
+            time.sleep(0.02)
+    """)
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=timeout + 30)
+
+
+@contextmanager
+def burner(env: dict[str, str], native: Path, mem: str, seconds: int = 60) -> Iterator[subprocess.Popen[str]]:
+    """cgpu-burn holding `mem` on GPU 0 and keeping it half busy, until the block ends."""
+    proc = subprocess.Popen([str(native / "bin/cgpu-burn"), "--alloc", mem, "--duration", str(seconds),
+                             "--duty", "0.5", "--kernel-ns", "2000000"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _on_gpu(env, proc.pid)
+        yield proc
+    finally:
+        proc.kill()
+        proc.communicate(timeout=30)
+
+
+def test_nvitop_bare_shows_the_gpus_and_a_running_process(native, sim_env):
+    with burner(sim_env, native, "1GiB") as burn:
+        out = nvitop(sim_env)
+    assert out.count(GPU_NAME) == 2
+    assert out.count("/ 16384MiB") == 2
+    assert "1024MiB / 16384MiB" in out
+    assert re.search(rf"^│\s+0\s+{burn.pid}\s+C\s+\S+\s+1024MiB", out, re.MULTILINE), out
+    # Power, temperature, P-state, persistence, MIG and ECC are values, not N/A.
+    assert out.count("W / 700W") == 2 and "P0" in out and "Disabled" in out
+    assert re.search(r"\d+C\s+P0", out), out
+
+
+def test_gpustat_bare_shows_the_gpus_and_a_running_process(native, sim_env):
+    with burner(sim_env, native, "1GiB") as burn:
+        out = gpustat(sim_env)
+    lines = [line for line in out.splitlines() if line.startswith("[")]
+    assert len(lines) == 2 and all(f"NVIDIA {GPU_NAME}" in line for line in lines), out
+    assert re.search(r"\b1024 /\s+16384 MB", lines[0]) and re.search(r"\b0 /\s+16384 MB", lines[1]), out
+    assert f"cgpu-burn/{burn.pid}(1024M)" in lines[0], out
+    assert "??" not in out  # temperature, utilisation and power were all read
+    assert re.search(r"\d+ / 700 W", lines[0]), out
+
+
+# Run inside the instance: its own cgpu-burn on the GPU, then both tools.
+INSIDE = """
+import json, os, subprocess, sys
+env = dict(os.environ, COLUMNS="160")
+burn = subprocess.Popen([sys.argv[1], "--alloc", "256MiB", "--duration", "60", "--duty", "0.5",
+                         "--kernel-ns", "2000000"], stdout=subprocess.DEVNULL)
+try:
+    subprocess.run([sys.executable, "-c", sys.argv[4], str(burn.pid)], check=True, timeout=60)
+    tools = {"nvml": json.loads(subprocess.run([sys.executable, "-c", sys.argv[5]], check=True, timeout=60,
+                                               capture_output=True, text=True).stdout)}
+    for name, cmd in (("nvitop", [sys.argv[2], "--once"]),
+                      ("gpustat", [sys.argv[3], "--no-color", "--show-cmd", "--show-pid", "--show-power", "--show-codec"])):
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+        tools[name] = {"rc": p.returncode, "out": p.stdout, "err": p.stderr}
+    print(json.dumps({"pid": burn.pid, "tools": tools}))
+finally:
+    burn.kill()
+    burn.wait()
+"""
+
+# Every NVML call that tells memory size or pids, straight, inside the instance.
+NVML_CALLS = """
+import json, time, pynvml as n
+n.nvmlInit()
+h = n.nvmlDeviceGetHandleByIndex(0)
+since = int(time.time() * 1e6) - 5_000_000
+def pids(samples):
+    return sorted(s.pid for s in samples)
+print(json.dumps({
+    "total": [n.nvmlDeviceGetMemoryInfo(h).total, n.nvmlDeviceGetMemoryInfo(h, version=n.nvmlMemory_v2).total,
+              n.nvmlDeviceGetAttributes_v2(h).memorySizeMB << 20],
+    "lists": [pids(f(h)) for f in (n.nvmlDeviceGetComputeRunningProcesses, n.nvmlDeviceGetComputeRunningProcesses_v2,
+                                   n.nvmlDeviceGetGraphicsRunningProcesses, n.nvmlDeviceGetGraphicsRunningProcesses_v2,
+                                   n.nvmlDeviceGetMPSComputeRunningProcesses, n.nvmlDeviceGetMPSComputeRunningProcesses_v2)],
+    "util": pids(n.nvmlDeviceGetProcessUtilization(h, since)),
+    "util_info": pids(n.nvmlDeviceGetProcessesUtilizationInfo(h, since)),
+}))
+"""
+
+# Waits, inside the instance, until NVML lists the instance's burner.
+WAIT_OWN = """
+import sys, time, pynvml as n
+n.nvmlInit()
+h = n.nvmlDeviceGetHandleByIndex(0)
+deadline = time.monotonic() + 30
+while int(sys.argv[1]) not in [p.pid for p in n.nvmlDeviceGetComputeRunningProcesses(h)]:
+    assert time.monotonic() < deadline, "own process never reached the GPU"
+    time.sleep(0.02)
+"""
+
+
+def test_inside_an_instance_both_tools_show_its_limit_and_only_its_processes(daemon, native, sim_env):
+    # The neighbour runs outside any instance on the same GPU; 1 GiB instance
+    # on a 2-GPU machine: binpack puts it on GPU 0, where the neighbour is.
+    with burner(daemon.env, native, "2GiB") as neighbour:
+        proc = subprocess.run(
+            [str(BIN / "cgpuctl"), "--socket", str(daemon.socket), "run", "--mem", "1GiB", "--",
+             sys.executable, "-c", INSIDE, str(native / "bin/cgpu-burn"), str(NVITOP), str(GPUSTAT), WAIT_OWN,
+             NVML_CALLS],
+            env=daemon.env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        got = json.loads(proc.stdout.strip().splitlines()[-1])
+    own, tools = got["pid"], got["tools"]
+    calls = tools.pop("nvml")
+    assert calls == {"total": [1 << 30] * 3, "lists": [[own], [own], [], [], [], []], "util": [own],
+                     "util_info": [own]}, (calls, own, neighbour.pid)
+    for name, t in tools.items():
+        assert t["rc"] == 0, (name, t)
+        assert not ERROR_TEXT.search(t["out"] + t["err"]), (name, t)
+        assert str(neighbour.pid) not in t["out"], (name, t["out"])
+        assert "2048" not in t["out"], (name, t["out"])  # the neighbour's 2 GiB shows nowhere
+        assert "16384" not in t["out"], (name, t["out"])  # nor the whole GPU
+
+    top = tools["nvitop"]["out"]
+    assert re.search(r"\b256(\.0)?MiB / 1024MiB", top), top
+    assert re.search(rf"^│\s+0\s+{own}\s+C\s+\S+\s+256(\.0)?MiB", top, re.MULTILINE), top
+    stat = [line for line in tools["gpustat"]["out"].splitlines() if line.startswith("[0]")]
+    assert stat and re.search(r"\b256 /\s+1024 MB", stat[0]), tools["gpustat"]["out"]
+    assert f"cgpu-burn/{own}(256M)" in stat[0], stat
