@@ -47,6 +47,7 @@ struct sim_ctx {
     _Atomic uint64_t last_end;    /* ns when all work of the context ends */
     uint64_t limit[3];            /* cuCtxSetLimit values by CUlimit; 0: the default */
     uint64_t limit_charged;       /* device bytes they hold beyond the defaults */
+    CUfunc_cache cache_config;    /* cuCtxSetCacheConfig's preference */
     struct sim_stream legacy;     /* the NULL stream */
     uint64_t lost_count;          /* the GPU's loss count when the context was made */
 };
@@ -96,6 +97,7 @@ struct sim_driver {
     int primary_refs[SIM_MAX_GPUS];
     struct sim_pool default_pool[SIM_MAX_GPUS];
     struct alloc_entry *allocs[4096]; /* driver_memory.c: by device address */
+    struct sim_host_mem *pinned;  /* driver_memory.c: page-locked host memory */
     uint64_t next_va[SIM_MAX_GPUS];
     uint64_t next_va_low;         /* below 4 GiB, for the 32-bit entry points */
     int visible[SIM_MAX_GPUS];    /* CUDA ordinal -> simulated GPU */
@@ -128,6 +130,10 @@ CUdeviceptr sim_graph_va(int dev, uint64_t size);
 /* Gives back the device memory a context's stack, heap and printf FIFO
  * settings hold, and forgets them (context destroyed or reset). */
 void sim_ctx_drop_limits(struct sim_ctx *ctx);
+
+/* Least and greatest stream priority (CUDA: lower is more urgent). */
+#define SIM_STREAM_PRIORITY_LEAST 0
+#define SIM_STREAM_PRIORITY_GREATEST (-5)
 
 /* Drop the allocation records a forked child inherited: the memory is the
  * parent's and stays charged to the parent's process slot. */

@@ -192,6 +192,8 @@ static const struct {
     {CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES, "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES", "too many resources requested for launch"},
     {CUDA_ERROR_PRIMARY_CONTEXT_ACTIVE, "CUDA_ERROR_PRIMARY_CONTEXT_ACTIVE", "primary context active"},
     {CUDA_ERROR_CONTEXT_IS_DESTROYED, "CUDA_ERROR_CONTEXT_IS_DESTROYED", "context is destroyed"},
+    {CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED, "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED", "part or all of the requested memory range is already mapped"},
+    {CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED, "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED", "pointer does not correspond to a registered memory region"},
     {CUDA_ERROR_LAUNCH_FAILED, "CUDA_ERROR_LAUNCH_FAILED", "unspecified launch failure"},
     {CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE, "CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE", "too many blocks in cooperative launch"},
     {CUDA_ERROR_NOT_PERMITTED, "CUDA_ERROR_NOT_PERMITTED", "operation not permitted"},
@@ -495,6 +497,33 @@ SIM_EXPORT CUresult cuDeviceCanAccessPeer(int *canAccessPeer, CUdevice dev, CUde
     if (!canAccessPeer)
         return CUDA_ERROR_INVALID_VALUE;
     *canAccessPeer = phys != peer && (sim_cfg()->gpu[phys].nvlink_peers >> peer) & 1u;
+    return CUDA_SUCCESS;
+}
+
+/* Peers are GPUs joined by NVLink: they reach each other's memory and
+ * atomics; without a link, nothing (the simulation has no PCIe P2P). */
+SIM_EXPORT CUresult cuDeviceGetP2PAttribute(int *value, CUdevice_P2PAttribute attrib, CUdevice srcDevice,
+                                            CUdevice dstDevice)
+{
+    int src, dst;
+    CUresult rc = sim_device(srcDevice, &src);
+    if (!rc)
+        rc = sim_device(dstDevice, &dst);
+    if (rc)
+        return rc;
+    if (src == dst)
+        return CUDA_ERROR_INVALID_DEVICE;
+    if (!value)
+        return CUDA_ERROR_INVALID_VALUE;
+    int peer = (sim_cfg()->gpu[src].nvlink_peers >> dst) & 1u;
+    switch (attrib) {
+    case CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK: *value = 0; break;
+    case CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED:
+    case CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED:
+    case CU_DEVICE_P2P_ATTRIBUTE_CUDA_ARRAY_ACCESS_SUPPORTED: *value = peer; break;
+    case CU_DEVICE_P2P_ATTRIBUTE_ONLY_PARTIAL_NATIVE_ATOMIC_SUPPORTED: *value = 0; break;
+    default: return CUDA_ERROR_INVALID_VALUE;
+    }
     return CUDA_SUCCESS;
 }
 
@@ -813,5 +842,56 @@ SIM_EXPORT CUresult cuCtxGetApiVersion(CUcontext hctx, unsigned int *version)
     if (!version)
         return CUDA_ERROR_INVALID_VALUE;
     *version = 12050;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuCtxGetFlags(unsigned int *flags)
+{
+    struct sim_ctx *ctx;
+    CUresult rc = sim_require_ctx(&ctx);
+    if (rc)
+        return rc;
+    if (!flags)
+        return CUDA_ERROR_INVALID_VALUE;
+    *flags = ctx->flags;
+    return CUDA_SUCCESS;
+}
+
+/* A preference only: the simulation keeps it for the query and times
+ * kernels the same whatever it says. */
+SIM_EXPORT CUresult cuCtxSetCacheConfig(CUfunc_cache config)
+{
+    struct sim_ctx *ctx;
+    CUresult rc = sim_require_ctx(&ctx);
+    if (rc)
+        return rc;
+    if ((unsigned)config > CU_FUNC_CACHE_PREFER_EQUAL)
+        return CUDA_ERROR_INVALID_VALUE;
+    ctx->cache_config = config;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuCtxGetCacheConfig(CUfunc_cache *pconfig)
+{
+    struct sim_ctx *ctx;
+    CUresult rc = sim_require_ctx(&ctx);
+    if (rc)
+        return rc;
+    if (!pconfig)
+        return CUDA_ERROR_INVALID_VALUE;
+    *pconfig = ctx->cache_config;
+    return CUDA_SUCCESS;
+}
+
+/* Either pointer may be NULL, as in the driver. */
+SIM_EXPORT CUresult cuCtxGetStreamPriorityRange(int *leastPriority, int *greatestPriority)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (leastPriority)
+        *leastPriority = SIM_STREAM_PRIORITY_LEAST;
+    if (greatestPriority)
+        *greatestPriority = SIM_STREAM_PRIORITY_GREATEST;
     return CUDA_SUCCESS;
 }

@@ -196,9 +196,46 @@ static CUresult stream_create(CUstream *phStream, unsigned int flags, int priori
     struct sim_stream *s = malloc(sizeof(*s));
     if (!s)
         return CUDA_ERROR_OUT_OF_MEMORY;
+    /* Out-of-range priorities are clamped, as the driver does. */
+    priority = priority > SIM_STREAM_PRIORITY_LEAST      ? SIM_STREAM_PRIORITY_LEAST
+               : priority < SIM_STREAM_PRIORITY_GREATEST ? SIM_STREAM_PRIORITY_GREATEST
+                                                         : priority;
     *s = (struct sim_stream){.magic = MAGIC_STREAM, .ctx = ctx, .flags = flags, .priority = priority};
     *phStream = (CUstream)s;
     return CUDA_SUCCESS;
+}
+
+static CUresult stream_get(CUstream h, bool per_thread, int *priority, unsigned *flags)
+{
+    CUresult rc = sim_check_init();
+    struct sim_stream *s;
+    if (rc || (rc = sim_resolve_stream(h, per_thread, &s)))
+        return rc;
+    if (priority)
+        *priority = s->priority;
+    if (flags)
+        *flags = s->flags;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuStreamGetPriority(CUstream hStream, int *priority)
+{
+    return priority ? stream_get(hStream, false, priority, NULL) : CUDA_ERROR_INVALID_VALUE;
+}
+
+SIM_EXPORT CUresult cuStreamGetPriority_ptsz(CUstream hStream, int *priority)
+{
+    return priority ? stream_get(hStream, true, priority, NULL) : CUDA_ERROR_INVALID_VALUE;
+}
+
+SIM_EXPORT CUresult cuStreamGetFlags(CUstream hStream, unsigned int *flags)
+{
+    return flags ? stream_get(hStream, false, NULL, flags) : CUDA_ERROR_INVALID_VALUE;
+}
+
+SIM_EXPORT CUresult cuStreamGetFlags_ptsz(CUstream hStream, unsigned int *flags)
+{
+    return flags ? stream_get(hStream, true, NULL, flags) : CUDA_ERROR_INVALID_VALUE;
 }
 
 SIM_EXPORT CUresult cuStreamCreate(CUstream *phStream, unsigned int Flags)

@@ -26,6 +26,7 @@ struct sim_memhandle {
     bool released;                /* every reference to the handle released */
     bool imported;                /* the memory is charged to the exporter */
     CUmemAllocationHandleType handle_types;
+    void *bytes;                  /* backing of its contents, made on first copy */
 };
 
 struct sim_array {
@@ -41,7 +42,24 @@ struct alloc_entry {
     int dev;
     enum alloc_kind kind;
     struct sim_memhandle *handle; /* ALLOC_MAPPED */
+    void *bytes;                  /* ALLOC_MEMORY: backing of its contents, made on first copy */
 };
+
+/* Contents of device memory live in host pages mapped when a copy or fill
+ * first touches the allocation, so memory only ever charged (the usual
+ * case: the simulation runs no kernels) costs no host memory, and touched
+ * memory costs only the pages touched (MAP_NORESERVE). */
+static void *backing_map(uint64_t size)
+{
+    void *p = mmap(NULL, (size_t)size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    return p == MAP_FAILED ? NULL : p;
+}
+
+static void backing_unmap(void *p, uint64_t size)
+{
+    if (p)
+        munmap(p, (size_t)size);
+}
 
 static size_t bucket_of(CUdeviceptr p)
 {
@@ -53,6 +71,7 @@ void sim_forget_allocations(void)
     for (size_t b = 0; b < TABLE_BUCKETS; b++) {
         for (struct alloc_entry *e = sim_drv.allocs[b], *next; e; e = next) {
             next = e->next;
+            backing_unmap(e->bytes, e->size);
             free(e);
         }
         sim_drv.allocs[b] = NULL;
@@ -159,6 +178,7 @@ static CUresult free_device(CUdeviceptr dptr)
     if (!e)
         return CUDA_ERROR_INVALID_VALUE;
     sim_mem_release(&sim_drv.shared, e->dev, e->size);
+    backing_unmap(e->bytes, e->size);
     free(e);
     return CUDA_SUCCESS;
 }
@@ -503,6 +523,7 @@ static void memhandle_maybe_free(struct sim_memhandle *h)
         return;
     if (h->dev >= 0 && !h->imported)
         sim_mem_release(&sim_drv.shared, h->dev, h->size);
+    backing_unmap(h->bytes, h->size);
     h->magic = MAGIC_DEAD;
     free(h);
 }
@@ -940,4 +961,392 @@ SIM_EXPORT CUresult cuArray3DCreate(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIP
         return CUDA_ERROR_INVALID_VALUE;
     CUDA_ARRAY3D_DESCRIPTOR wide = {d->Width, d->Height, d->Depth, d->Format, d->NumChannels, d->Flags};
     return cuArray3DCreate_v2(pHandle, &wide);
+}
+
+/* ---- pinned host memory ------------------------------------------------------ */
+
+/* Page-locked host memory as the driver hands it out or registers it. It is
+ * host memory: nothing is charged to a GPU. The simulation does not lock the
+ * pages (RLIMIT_MEMLOCK would fail large allocations a real driver makes). */
+struct sim_host_mem {
+    struct sim_host_mem *next;
+    char *base;
+    size_t size;
+    unsigned flags;
+    bool registered;              /* cuMemHostRegister: the application's memory */
+};
+
+/* The record whose range holds p, or NULL. Caller holds sim_drv.lock. */
+static struct sim_host_mem *pinned_at(const void *p)
+{
+    for (struct sim_host_mem *m = sim_drv.pinned; m; m = m->next) {
+        if ((const char *)p >= m->base && (const char *)p - m->base < (ptrdiff_t)m->size)
+            return m;
+    }
+    return NULL;
+}
+
+static CUresult pinned_add(void *base, size_t size, unsigned flags, bool registered)
+{
+    struct sim_host_mem *m = malloc(sizeof(*m));
+    if (!m)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    *m = (struct sim_host_mem){.base = base, .size = size, .flags = flags, .registered = registered};
+    m->next = sim_drv.pinned;
+    sim_drv.pinned = m;
+    return CUDA_SUCCESS;
+}
+
+/* Unlinks the record starting at p of the given sort. Caller holds
+ * sim_drv.lock and frees it. */
+static struct sim_host_mem *pinned_remove(const void *p, bool registered)
+{
+    for (struct sim_host_mem **pp = &sim_drv.pinned; *pp; pp = &(*pp)->next) {
+        if ((*pp)->base == p && (*pp)->registered == registered) {
+            struct sim_host_mem *m = *pp;
+            *pp = m->next;
+            return m;
+        }
+    }
+    return NULL;
+}
+
+SIM_EXPORT CUresult cuMemHostAlloc(void **pp, size_t bytesize, unsigned int Flags)
+{
+    struct sim_ctx *ctx;
+    CUresult rc = sim_require_ctx(&ctx);
+    if (rc)
+        return rc;
+    if (!pp || bytesize == 0 ||
+        (Flags & ~(unsigned)(CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_WRITECOMBINED)))
+        return CUDA_ERROR_INVALID_VALUE;
+    void *p = mmap(NULL, bytesize, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    pthread_mutex_lock(&sim_drv.lock);
+    rc = pinned_add(p, bytesize, Flags, false);
+    pthread_mutex_unlock(&sim_drv.lock);
+    if (rc) {
+        munmap(p, bytesize);
+        return rc;
+    }
+    *pp = p;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuMemAllocHost_v2(void **pp, size_t bytesize)
+{
+    return cuMemHostAlloc(pp, bytesize, 0);
+}
+
+SIM_EXPORT CUresult cuMemFreeHost(void *p)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    pthread_mutex_lock(&sim_drv.lock);
+    struct sim_host_mem *m = pinned_remove(p, false);
+    pthread_mutex_unlock(&sim_drv.lock);
+    if (!m)
+        return CUDA_ERROR_INVALID_VALUE;
+    munmap(m->base, m->size);
+    free(m);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuMemHostRegister_v2(void *p, size_t bytesize, unsigned int Flags)
+{
+    struct sim_ctx *ctx;
+    CUresult rc = sim_require_ctx(&ctx);
+    if (rc)
+        return rc;
+    if (!p || bytesize == 0 || (Flags & ~(unsigned)(CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP |
+                                                    CU_MEMHOSTREGISTER_IOMEMORY | CU_MEMHOSTREGISTER_READ_ONLY)))
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&sim_drv.lock);
+    bool overlap = false;
+    for (struct sim_host_mem *m = sim_drv.pinned; m && !overlap; m = m->next)
+        overlap = (char *)p < m->base + m->size && m->base < (char *)p + bytesize;
+    rc = overlap ? CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED : pinned_add(p, bytesize, Flags, true);
+    pthread_mutex_unlock(&sim_drv.lock);
+    return rc;
+}
+
+SIM_EXPORT CUresult cuMemHostUnregister(void *p)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (!p)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&sim_drv.lock);
+    struct sim_host_mem *m = pinned_remove(p, true);
+    pthread_mutex_unlock(&sim_drv.lock);
+    free(m);
+    return m ? CUDA_SUCCESS : CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED;
+}
+
+/* With unified addressing (CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING is 1)
+ * pinned memory has the same address on the device as on the host. */
+SIM_EXPORT CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr *pdptr, void *p, unsigned int Flags)
+{
+    struct sim_ctx *ctx;
+    CUresult rc = sim_require_ctx(&ctx);
+    if (rc)
+        return rc;
+    if (!pdptr || !p || Flags != 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&sim_drv.lock);
+    bool found = pinned_at(p) != NULL;
+    pthread_mutex_unlock(&sim_drv.lock);
+    if (!found)
+        return CUDA_ERROR_INVALID_VALUE;
+    *pdptr = (CUdeviceptr)(uintptr_t)p;
+    return CUDA_SUCCESS;
+}
+
+/* Unified addressing makes every pinned allocation portable and mapped
+ * (cuMemHostAlloc's documentation), whatever flags it was made with. */
+SIM_EXPORT CUresult cuMemHostGetFlags(unsigned int *pFlags, void *p)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (!pFlags || !p)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&sim_drv.lock);
+    struct sim_host_mem *m = pinned_at(p);
+    if (m && !m->registered)
+        *pFlags = m->flags | CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP;
+    pthread_mutex_unlock(&sim_drv.lock);
+    return m && !m->registered ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+/* ---- copies and fills ------------------------------------------------------------ */
+
+/* Where n bytes at a unified address live in this process: device memory's
+ * backing (mapped on first touch) or, for an address no device allocation
+ * holds, the host memory at that address, as unified addressing lets a copy
+ * take pageable host memory. A range running past its allocation, or device
+ * addresses the driver handed out and no allocation holds any more, are
+ * invalid. Caller holds sim_drv.lock. */
+static CUresult bytes_at(CUdeviceptr p, size_t n, void **out)
+{
+    if (p == 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct alloc_entry *hit = NULL;
+    for (struct alloc_entry *e = sim_drv.allocs[bucket_of(p)]; e && !hit; e = e->next) {
+        if (e->ptr == p && e->kind != ALLOC_RESERVED)
+            hit = e;
+    }
+    for (size_t b = 0; b < TABLE_BUCKETS && !hit; b++) {
+        for (struct alloc_entry *e = sim_drv.allocs[b]; e && !hit; e = e->next) {
+            if (e->kind != ALLOC_RESERVED && p >= e->ptr && p - e->ptr < e->size)
+                hit = e;
+        }
+    }
+    if (!hit) {
+        for (int d = 0; d < SIM_MAX_GPUS; d++) {
+            if (p >= 0x100000000000ULL * (d + 1) && p < sim_drv.next_va[d])
+                return CUDA_ERROR_INVALID_VALUE; /* freed, reserved or a graph's: no bytes here */
+        }
+        *out = (void *)(uintptr_t)p;
+        return CUDA_SUCCESS;
+    }
+    if (n > hit->size - (p - hit->ptr))
+        return CUDA_ERROR_INVALID_VALUE;
+    void **backing = hit->kind == ALLOC_MAPPED ? &hit->handle->bytes : &hit->bytes;
+    uint64_t size = hit->kind == ALLOC_MAPPED ? hit->handle->size : hit->size;
+    if (!*backing && !(*backing = backing_map(size)))
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    *out = (char *)*backing + (p - hit->ptr);
+    return CUDA_SUCCESS;
+}
+
+/* The stream a copy is ordered on; `sync`: the call returns once the work
+ * queued before it is done, as a synchronous copy does (on the legacy
+ * stream that is all of the context's blocking work). */
+static CUresult copy_stream(CUstream h, bool per_thread, bool sync, struct sim_stream **out)
+{
+    CUresult rc = sim_check_init();
+    if (rc || (rc = sim_resolve_stream(h, per_thread, out)))
+        return rc;
+    if (sync) {
+        uint64_t end = *out == &(*out)->ctx->legacy ? atomic_load(&(*out)->ctx->last_end) : atomic_load(&(*out)->tail);
+        if (end > sim_now_ns())
+            sim_sleep_until(end);
+    }
+    return CUDA_SUCCESS;
+}
+
+/* The bytes move when the call is made, asynchronous or not: simulated
+ * kernels never read or write memory, so nothing queued before the copy can
+ * change what it moves, and the copy itself takes no simulated time. The
+ * lock is held across the move so that a concurrent free cannot unmap the
+ * backing under it. */
+static CUresult copy(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream h, bool per_thread, bool sync)
+{
+    struct sim_stream *s;
+    CUresult rc = copy_stream(h, per_thread, sync, &s);
+    if (rc || n == 0)
+        return rc;
+    void *d, *from;
+    pthread_mutex_lock(&sim_drv.lock);
+    rc = bytes_at(dst, n, &d);
+    if (!rc)
+        rc = bytes_at(src, n, &from);
+    if (!rc)
+        memmove(d, from, n);
+    pthread_mutex_unlock(&sim_drv.lock);
+    return rc;
+}
+
+static CUresult fill(CUdeviceptr dst, unsigned value, size_t elem, size_t count, CUstream h, bool per_thread,
+                     bool sync)
+{
+    struct sim_stream *s;
+    CUresult rc = copy_stream(h, per_thread, sync, &s);
+    if (rc || count == 0)
+        return rc;
+    if (dst % elem || count > SIZE_MAX / elem)
+        return CUDA_ERROR_INVALID_VALUE;
+    void *d;
+    pthread_mutex_lock(&sim_drv.lock);
+    rc = bytes_at(dst, count * elem, &d);
+    if (!rc && elem == 1) {
+        memset(d, (int)value, count);
+    } else if (!rc) {
+        uint32_t v = value;
+        for (size_t i = 0; i < count; i++)
+            memcpy((char *)d + i * elem, &v, elem);
+    }
+    pthread_mutex_unlock(&sim_drv.lock);
+    return rc;
+}
+
+#define HOST(p) ((CUdeviceptr)(uintptr_t)(p))
+
+SIM_EXPORT CUresult cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t ByteCount)
+{
+    return copy(dst, src, ByteCount, NULL, false, true);
+}
+
+SIM_EXPORT CUresult cuMemcpy_ptds(CUdeviceptr dst, CUdeviceptr src, size_t ByteCount)
+{
+    return copy(dst, src, ByteCount, NULL, true, true);
+}
+
+SIM_EXPORT CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t ByteCount, CUstream hStream)
+{
+    return copy(dst, src, ByteCount, hStream, false, false);
+}
+
+SIM_EXPORT CUresult cuMemcpyAsync_ptsz(CUdeviceptr dst, CUdeviceptr src, size_t ByteCount, CUstream hStream)
+{
+    return copy(dst, src, ByteCount, hStream, true, false);
+}
+
+SIM_EXPORT CUresult cuMemcpyHtoD_v2(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount)
+{
+    return copy(dstDevice, HOST(srcHost), ByteCount, NULL, false, true);
+}
+
+SIM_EXPORT CUresult cuMemcpyHtoD_v2_ptds(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount)
+{
+    return copy(dstDevice, HOST(srcHost), ByteCount, NULL, true, true);
+}
+
+SIM_EXPORT CUresult cuMemcpyDtoH_v2(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount)
+{
+    return copy(HOST(dstHost), srcDevice, ByteCount, NULL, false, true);
+}
+
+SIM_EXPORT CUresult cuMemcpyDtoH_v2_ptds(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount)
+{
+    return copy(HOST(dstHost), srcDevice, ByteCount, NULL, true, true);
+}
+
+SIM_EXPORT CUresult cuMemcpyDtoD_v2(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount)
+{
+    return copy(dstDevice, srcDevice, ByteCount, NULL, false, true);
+}
+
+SIM_EXPORT CUresult cuMemcpyDtoD_v2_ptds(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount)
+{
+    return copy(dstDevice, srcDevice, ByteCount, NULL, true, true);
+}
+
+SIM_EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount,
+                                         CUstream hStream)
+{
+    return copy(dstDevice, HOST(srcHost), ByteCount, hStream, false, false);
+}
+
+SIM_EXPORT CUresult cuMemcpyHtoDAsync_v2_ptsz(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount,
+                                              CUstream hStream)
+{
+    return copy(dstDevice, HOST(srcHost), ByteCount, hStream, true, false);
+}
+
+SIM_EXPORT CUresult cuMemcpyDtoHAsync_v2(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount, CUstream hStream)
+{
+    return copy(HOST(dstHost), srcDevice, ByteCount, hStream, false, false);
+}
+
+SIM_EXPORT CUresult cuMemcpyDtoHAsync_v2_ptsz(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount,
+                                              CUstream hStream)
+{
+    return copy(HOST(dstHost), srcDevice, ByteCount, hStream, true, false);
+}
+
+SIM_EXPORT CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount,
+                                         CUstream hStream)
+{
+    return copy(dstDevice, srcDevice, ByteCount, hStream, false, false);
+}
+
+SIM_EXPORT CUresult cuMemcpyDtoDAsync_v2_ptsz(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount,
+                                              CUstream hStream)
+{
+    return copy(dstDevice, srcDevice, ByteCount, hStream, true, false);
+}
+
+SIM_EXPORT CUresult cuMemsetD8_v2(CUdeviceptr dstDevice, unsigned char uc, size_t N)
+{
+    return fill(dstDevice, uc, 1, N, NULL, false, true);
+}
+
+SIM_EXPORT CUresult cuMemsetD8_v2_ptds(CUdeviceptr dstDevice, unsigned char uc, size_t N)
+{
+    return fill(dstDevice, uc, 1, N, NULL, true, true);
+}
+
+SIM_EXPORT CUresult cuMemsetD32_v2(CUdeviceptr dstDevice, unsigned int ui, size_t N)
+{
+    return fill(dstDevice, ui, 4, N, NULL, false, true);
+}
+
+SIM_EXPORT CUresult cuMemsetD32_v2_ptds(CUdeviceptr dstDevice, unsigned int ui, size_t N)
+{
+    return fill(dstDevice, ui, 4, N, NULL, true, true);
+}
+
+SIM_EXPORT CUresult cuMemsetD8Async(CUdeviceptr dstDevice, unsigned char uc, size_t N, CUstream hStream)
+{
+    return fill(dstDevice, uc, 1, N, hStream, false, false);
+}
+
+SIM_EXPORT CUresult cuMemsetD8Async_ptsz(CUdeviceptr dstDevice, unsigned char uc, size_t N, CUstream hStream)
+{
+    return fill(dstDevice, uc, 1, N, hStream, true, false);
+}
+
+SIM_EXPORT CUresult cuMemsetD32Async(CUdeviceptr dstDevice, unsigned int ui, size_t N, CUstream hStream)
+{
+    return fill(dstDevice, ui, 4, N, hStream, false, false);
+}
+
+SIM_EXPORT CUresult cuMemsetD32Async_ptsz(CUdeviceptr dstDevice, unsigned int ui, size_t N, CUstream hStream)
+{
+    return fill(dstDevice, ui, 4, N, hStream, true, false);
 }
