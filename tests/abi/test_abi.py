@@ -139,3 +139,39 @@ def test_every_nvml_stub_answers_not_supported(native):
     out = subprocess.run([sys.executable, "-c", script, *stubs], check=True, capture_output=True, text=True).stdout
     assert len(stubs) > 300
     assert out.strip() == "[3]"  # NVML_ERROR_NOT_SUPPORTED
+
+
+def _cuda_generator():
+    sys.path.insert(0, str(ROOT / "csrc" / "simgpu"))
+    import gen_cuda_exports
+
+    return gen_cuda_exports
+
+
+@needs_real_cuda_h
+def test_simulated_driver_exports_every_function_of_the_real_cuda_h(native):
+    # Every variant a real libcuda.so.1 exports (_v2, _ptds, the 32-bit v1 forms), nothing else.
+    declared = set(_cuda_generator().declarations(build_native.REAL_CUDA_INCLUDE))
+    assert len(declared) > 600 and {"cuMemAlloc", "cuMemAlloc_v2", "cuMemcpy_ptds", "cuGetExportTable"} <= declared
+    assert set(_exports(native / "sim/libcuda.so.1")) == declared
+
+
+@needs_real_cuda_h
+def test_generated_cuda_stub_list_is_current():
+    gen = _cuda_generator()
+    made = gen.render(build_native.REAL_CUDA_INCLUDE, gen.MODELLED_DEF.read_text())
+    assert gen.UNMODELLED_DEF.read_text() == made, "run: .venv/bin/python csrc/simgpu/gen_cuda_exports.py"
+
+
+@needs_real_cuda_h
+def test_cuda_stub_prototypes_match_the_real_cuda_h(tmp_path):
+    # The stubs are defined without parameters; the list's prototypes, kept
+    # for readers and checks, must still be NVIDIA's ("conflicting types").
+    src = tmp_path / "stubs.c"
+    src.write_text(
+        "#define __CUDA_API_VERSION_INTERNAL 1\n#include <cuda.h>\n"
+        "#define CU_STUB(symbol, params) CUresult CUDAAPI symbol params;\n#define CU_PROC(symbol, base, since, kind)\n"
+        f'#include "{ROOT / "csrc/simgpu/cuda_unmodelled.def"}"\n'
+    )
+    subprocess.run(["cc", "-std=c11", "-Wall", "-Wextra", "-Werror", "-fsyntax-only",
+                    f"-I{build_native.REAL_CUDA_INCLUDE}", str(src)], check=True)

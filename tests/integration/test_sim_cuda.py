@@ -247,7 +247,8 @@ PROC_CASES = [
     ("cuCtxCreate", 12000, 0, "cuCtxCreate_v3", 0),
     ("cuCtxCreate", 13000, 0, "cuCtxCreate_v4", 0),
     ("cuGraphInstantiate", 12000, 0, "cuGraphInstantiateWithFlags", 0),
-    ("cuGraphInstantiate", 11040, 0, None, 2),
+    ("cuGraphInstantiate", 11040, 0, "cuGraphInstantiate_v2", 0),  # an unmodelled stub, still the header's answer
+    ("cuGraphInstantiate", 9020, 0, None, 2),
     ("cuGraphAddKernelNode", 11080, 0, "cuGraphAddKernelNode", 0),
     ("cuGraphAddKernelNode", 12000, 0, "cuGraphAddKernelNode_v2", 0),
     ("cuGraphLaunch", 12000, 2, "cuGraphLaunch_ptsz", 0),

@@ -1,0 +1,112 @@
+/* Ordinary driver calls a framework makes, built against NVIDIA's cuda.h
+ * (the real header's macros pick the exported names: cuMemAllocHost ->
+ * cuMemAllocHost_v2, ...) and linked against the simulated libcuda.so.1.
+ * Prints one JSON object of what each call answered. argv[1]: bytes of
+ * pinned memory to take (more than the GPU holds, to show it is host
+ * memory). */
+#include <cuda.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define N (1 << 20)
+
+static int ok_count, first_fail_line;
+#define CHECK(call)                                                    \
+    do {                                                               \
+        CUresult rc_ = (call);                                         \
+        if (rc_ == CUDA_SUCCESS)                                       \
+            ok_count++;                                                \
+        else if (!first_fail_line) {                                   \
+            first_fail_line = __LINE__;                                \
+            fprintf(stderr, "line %d: %s -> %d\n", __LINE__, #call, rc_); \
+        }                                                              \
+    } while (0)
+
+int main(int argc, char **argv)
+{
+    size_t big = argc > 1 ? strtoull(argv[1], NULL, 10) : (size_t)1 << 30;
+    CUcontext ctx;
+    CUdevice dev;
+    CHECK(cuInit(0));
+    CHECK(cuDeviceGet(&dev, 0));
+    CHECK(cuDevicePrimaryCtxRetain(&ctx, dev));
+    CHECK(cuCtxSetCurrent(ctx));
+
+    size_t free0, total, free1, free2;
+    CHECK(cuMemGetInfo(&free0, &total));
+
+    /* Pinned memory larger than the GPU: host memory, never charged. */
+    void *huge = NULL;
+    CUresult huge_rc = cuMemAllocHost(&huge, big);
+    CHECK(cuMemGetInfo(&free1, &total));
+    if (huge)
+        ((volatile char *)huge)[big - 1] = 1;
+
+    /* A round trip: pinned -> device -> registered pageable -> device -> pinned. */
+    unsigned char *src, *back;
+    CHECK(cuMemHostAlloc((void **)&src, N, CU_MEMHOSTALLOC_DEVICEMAP));
+    CHECK(cuMemAllocHost((void **)&back, N));
+    unsigned char *pageable = malloc(N);
+    CHECK(cuMemHostRegister(pageable, N, CU_MEMHOSTREGISTER_PORTABLE));
+    for (int i = 0; i < N; i++)
+        src[i] = (unsigned char)(i * 7 + 3);
+    CUdeviceptr d1, d2;
+    CHECK(cuMemAlloc(&d1, N));
+    CHECK(cuMemAlloc(&d2, N));
+    CHECK(cuMemGetInfo(&free2, &total));
+    CHECK(cuMemcpyHtoD(d1, src, N));
+    CHECK(cuMemcpyDtoH(pageable, d1, N));
+    CUstream s;
+    CHECK(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+    CHECK(cuMemcpyAsync(d2, (CUdeviceptr)(uintptr_t)pageable, N, s)); /* unified addressing */
+    CHECK(cuStreamSynchronize(s));
+    CHECK(cuMemsetD8(d2 + 16, 0xAB, 4));
+    CHECK(cuMemcpy((CUdeviceptr)(uintptr_t)back, d2, N));
+    int roundtrip = memcmp(src + 20, back + 20, N - 20) == 0 && memcmp(src, back, 16) == 0 &&
+                    back[16] == 0xAB && back[19] == 0xAB;
+    CUresult past_end = cuMemcpyDtoH(back, d1 + 1, N);
+
+    CUdeviceptr mapped = 0;
+    CHECK(cuMemHostGetDevicePointer(&mapped, src + 8, 0));
+    unsigned flags = 0;
+    CHECK(cuMemHostGetFlags(&flags, src));
+    CUresult unregister_rc = cuMemHostUnregister(pageable);
+    CUresult unregister_again = cuMemHostUnregister(pageable);
+    CUresult register_twice = cuMemHostRegister(src, 4096, 0);
+    CUresult free_pageable = cuMemFreeHost(pageable);
+    CHECK(cuMemFreeHost(src));
+    CHECK(cuMemFreeHost(back));
+    if (huge)
+        CHECK(cuMemFreeHost(huge));
+
+    int p2p = -1, p2p_self = 0;
+    CUresult p2p_rc = cuDeviceGetP2PAttribute(&p2p, CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED, 0, 1);
+    p2p_self = cuDeviceGetP2PAttribute(&p2p_self, CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED, 0, 0);
+    CUfunc_cache cache = CU_FUNC_CACHE_PREFER_NONE;
+    CHECK(cuCtxSetCacheConfig(CU_FUNC_CACHE_PREFER_L1));
+    CHECK(cuCtxGetCacheConfig(&cache));
+    size_t stack = 0;
+    CHECK(cuCtxGetLimit(&stack, CU_LIMIT_STACK_SIZE));
+    int least = 1, greatest = 1, prio = 1;
+    CHECK(cuCtxGetStreamPriorityRange(&least, &greatest));
+    CUstream ps;
+    CHECK(cuStreamCreateWithPriority(&ps, 0, -100));
+    CHECK(cuStreamGetPriority(ps, &prio));
+    unsigned ctx_flags = 99;
+    CHECK(cuCtxGetFlags(&ctx_flags));
+    /* Unmodelled: a stub, as a driver without the feature answers. */
+    CUresult stub = cuMemAdvise(d1, N, CU_MEM_ADVISE_SET_READ_MOSTLY, (CUmemLocation){CU_MEM_LOCATION_TYPE_DEVICE, 0});
+    CHECK(cuMemFree(d1));
+    CHECK(cuMemFree(d2));
+
+    printf("{\"ok\": %d, \"first_fail_line\": %d, \"total\": %zu, \"free_before\": %zu, \"free_pinned\": %zu, "
+           "\"free_device\": %zu, \"huge\": %d, \"roundtrip\": %d, \"past_end\": %d, \"mapped_is_host\": %d, "
+           "\"flags\": %u, \"unregister\": [%d, %d], \"register_twice\": %d, \"free_pageable\": %d, "
+           "\"p2p\": [%d, %d, %d], \"cache\": %d, \"stack\": %zu, \"priority\": [%d, %d, %d], \"ctx_flags\": %u, "
+           "\"stub\": %d}\n",
+           ok_count, first_fail_line, total, free0, free1, free2, huge_rc, roundtrip, past_end,
+           mapped == (CUdeviceptr)(uintptr_t)(src + 8), flags, unregister_rc, unregister_again, register_twice,
+           free_pageable, p2p_rc, p2p, p2p_self, cache, stack, least, greatest, prio, ctx_flags, stub);
+    return 0;
+}

@@ -1,0 +1,206 @@
+"""The simulated libcuda.so.1 as a real driver looks from outside: every
+entry point exported, the unmodelled ones answering
+CUDA_ERROR_NOT_SUPPORTED, cuGetProcAddress answering every (name, version,
+variant) the headers know with the function of that name, and the ordinary
+calls frameworks make at start (pinned host memory, copies, P2P attributes,
+cache configuration, limits) behaving, from a program built against
+NVIDIA's cuda.h."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import write_sim_config
+from tests.integration.simrun import run_py
+
+ROOT = Path(__file__).resolve().parents[2]
+CSRC = ROOT / "csrc"
+REAL_CUDA_INCLUDE = Path("/usr/local/cuda/include")
+CUDA_ERROR_NOT_SUPPORTED = 801
+CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM = 2
+
+needs_real_cuda_h = pytest.mark.skipif(
+    not (REAL_CUDA_INCLUDE / "cuda.h").exists(),
+    reason="NVIDIA's cuda.h is not installed (CI machines have it at /usr/local/cuda)",
+)
+
+
+def _rows() -> list[tuple[str, str, int, str]]:
+    """(symbol, base, since, kind) of every cuGetProcAddress answer."""
+    modelled = re.findall(r"^CU_FN\((\w+),\s*(\w+),\s*(\d+),\s*(\w+),",
+                          (CSRC / "include/cgpu/cuda_functions.def").read_text(), re.MULTILINE)
+    stubs = re.findall(r"^CU_PROC\((\w+),\s*(\w+),\s*(\d+),\s*(\w+)\)",
+                       (CSRC / "simgpu/cuda_unmodelled.def").read_text(), re.MULTILINE)
+    return [(s, b, int(v), k) for s, b, v, k in modelled + stubs]
+
+
+def _stubs() -> list[str]:
+    return re.findall(r"^CU_STUB\((\w+),", (CSRC / "simgpu/cuda_unmodelled.def").read_text(), re.MULTILINE)
+
+
+# What a runtime asks, and which exported function (by dlsym in the same
+# process) it gets: [cuGetProcAddress_v2's result, its symbolStatus, the
+# name whose address came back, cuGetProcAddress's result, its name].
+RESOLVE = """
+import ctypes as C, json, sys
+lib = C.CDLL("libcuda.so.1")
+lib.cuInit(0)
+queries, names = json.loads(sys.argv[1])
+by_addr = {C.cast(getattr(lib, s), C.c_void_p).value: s for s in names}
+out = []
+for base, version, flags in queries:
+    fn, status, old_fn = C.c_void_p(), C.c_int(-1), C.c_void_p()
+    rc = lib.cuGetProcAddress_v2(base.encode(), C.byref(fn), version, C.c_uint64(flags), C.byref(status))
+    old_rc = lib.cuGetProcAddress(base.encode(), C.byref(old_fn), version, C.c_uint64(flags))
+    out.append([rc, status.value, by_addr.get(fn.value, fn.value), old_rc, by_addr.get(old_fn.value, old_fn.value)])
+print(json.dumps(out))
+"""
+
+
+def _run(sim_env: dict[str, str], code: str, arg: object) -> object:
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code), json.dumps(arg)], env=sim_env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def _resolve(sim_env, queries: list[tuple[str, int, int]], names: list[str]) -> list[list[object]]:
+    return _run(sim_env, RESOLVE, [queries, names])  # type: ignore[return-value]
+
+
+def test_every_answer_the_headers_know_resolves_to_its_function(sim_env):
+    rows = _rows()
+    assert len(rows) > 600
+    queries = [(b, v, CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM if k == "PTSZ" else 0) for _, b, v, k in rows]
+    got = _resolve(sim_env, queries, sorted({s for s, *_ in rows}))
+    wrong = [(row, res) for row, res in zip(rows, got) if res != [0, 0, row[0], 0, row[0]]]
+    assert wrong == []
+
+
+SAMPLES = [
+    # base, cudaVersion, flags -> exported name
+    ("cuMemAlloc", 2000, 0, "cuMemAlloc"),
+    ("cuMemAlloc", 13000, 0, "cuMemAlloc_v2"),
+    ("cuMemAlloc", 13000, 2, "cuMemAlloc_v2"),  # no per-thread variant: the default one
+    ("cuMemcpyHtoD", 13000, 2, "cuMemcpyHtoD_v2_ptds"),
+    ("cuMemcpyHtoD", 13000, 1, "cuMemcpyHtoD_v2"),  # CU_GET_PROC_ADDRESS_LEGACY_STREAM
+    ("cuMemcpyHtoD", 6050, 2, "cuMemcpyHtoD_v2"),  # per-thread variants began with 7.0
+    ("cuMemcpyHtoD", 3000, 0, "cuMemcpyHtoD"),
+    ("cuStreamBeginCapture", 10000, 2, "cuStreamBeginCapture_ptsz"),
+    ("cuStreamBeginCapture", 13000, 2, "cuStreamBeginCapture_v2_ptsz"),
+    ("cuStreamGetCaptureInfo", 11080, 0, "cuStreamGetCaptureInfo_v2"),
+    ("cuStreamGetCaptureInfo", 13000, 2, "cuStreamGetCaptureInfo_v3_ptsz"),
+    ("cuCtxCreate", 11040, 0, "cuCtxCreate_v3"),
+    ("cuCtxCreate", 13000, 0, "cuCtxCreate_v4"),
+    ("cuCtxDestroy", 3020, 0, "cuCtxDestroy"),
+    ("cuCtxDestroy", 4000, 0, "cuCtxDestroy_v2"),
+    ("cuEventElapsedTime", 12080, 0, "cuEventElapsedTime_v2"),
+    ("cuGraphInstantiate", 11000, 0, "cuGraphInstantiate_v2"),
+    ("cuGraphInstantiate", 12000, 0, "cuGraphInstantiateWithFlags"),
+    ("cuTexRefSetAddress2D", 4010, 0, "cuTexRefSetAddress2D_v3"),
+    ("cuMemAdvise", 12020, 0, "cuMemAdvise_v2"),
+    ("cuMemAllocHost", 13000, 0, "cuMemAllocHost_v2"),
+    ("cuMemHostRegister", 6050, 0, "cuMemHostRegister_v2"),
+    ("cuGetExportTable", 13000, 0, "cuGetExportTable"),
+    ("cuGetProcAddress", 13000, 0, "cuGetProcAddress_v2"),
+]
+
+
+def test_a_sample_of_queries_resolves_as_a_real_driver(sim_env):
+    got = _resolve(sim_env, [(b, v, f) for b, v, f, _ in SAMPLES], sorted({s for *_, s in SAMPLES}))
+    assert [(b, v, f, r) for (b, v, f, _), r in zip(SAMPLES, got)] == [
+        (b, v, f, [0, 0, s, 0, s]) for b, v, f, s in SAMPLES]
+
+
+def test_queries_it_cannot_answer_say_why(sim_env):
+    got = _resolve(sim_env, [
+        ("cuLogsCurrent", 12080, 0),  # added in 12.9: too new for a 12.8 runtime
+        ("cuMemcpyBatchAsync", 12000, 2),
+        ("cuNoSuchFunction", 13000, 0),
+        ("cuMemAlloc_v2", 13000, 0),  # exported names are not base names
+    ], [])
+    CUDA_ERROR_NOT_FOUND, SYMBOL_NOT_FOUND, VERSION_NOT_SUFFICIENT = 500, 1, 2
+    assert got == [
+        [CUDA_ERROR_NOT_FOUND, VERSION_NOT_SUFFICIENT, None, CUDA_ERROR_NOT_FOUND, None],
+        [CUDA_ERROR_NOT_FOUND, VERSION_NOT_SUFFICIENT, None, CUDA_ERROR_NOT_FOUND, None],
+        [CUDA_ERROR_NOT_FOUND, SYMBOL_NOT_FOUND, None, CUDA_ERROR_NOT_FOUND, None],
+        [CUDA_ERROR_NOT_FOUND, SYMBOL_NOT_FOUND, None, CUDA_ERROR_NOT_FOUND, None],
+    ]
+
+
+def test_every_stub_answers_not_supported(sim_env):
+    # Stubs read no argument, so calling them bare is what any caller gets.
+    stubs = _stubs()
+    assert len(stubs) > 300
+    got = _run(sim_env, """
+        import ctypes as C, json, sys
+        lib = C.CDLL("libcuda.so.1")
+        print(json.dumps({s: getattr(lib, s)() for s in json.loads(sys.argv[1])}))
+    """, stubs)
+    assert {s for s, rc in got.items() if rc != CUDA_ERROR_NOT_SUPPORTED} == set()
+
+
+@pytest.fixture(scope="module")
+def calls_program(native: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    exe = tmp_path_factory.mktemp("driver-calls") / "sim_driver_calls"
+    subprocess.run(
+        ["cc", "-std=c11", "-Wall", "-Wextra", "-Werror", f"-I{REAL_CUDA_INCLUDE}",
+         str(Path(__file__).with_name("sim_driver_calls.c")), "-o", str(exe),
+         f"-L{native / 'sim'}", "-l:libcuda.so.1"],
+        check=True,
+    )
+    return exe
+
+
+@needs_real_cuda_h
+def test_a_program_built_against_cuda_h_pins_copies_and_queries(calls_program, sim_env, tmp_path):
+    # GPUs of 1 GiB, 2 GiB pinned: pinned memory is host memory.
+    write_sim_config(Path(sim_env["CGPU_SIM_CONFIG"]), mem="1GiB")
+    proc = subprocess.run([str(calls_program), str(2 << 30)], env=sim_env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    assert got["first_fail_line"] == 0, proc.stderr
+    assert got["total"] == 1 << 30
+    assert got["huge"] == 0
+    assert got["free_pinned"] == got["free_before"]  # 2 GiB pinned, nothing charged
+    assert got["free_before"] - got["free_device"] == 2 << 20  # the two device buffers
+    assert got["roundtrip"] == 1
+    assert got["past_end"] == 1  # CUDA_ERROR_INVALID_VALUE
+    assert got["mapped_is_host"] == 1  # unified addressing
+    assert got["flags"] == 0x3  # portable and mapped, as with unified addressing
+    assert got["unregister"] == [0, 713]  # then CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED
+    assert got["register_twice"] == 712  # CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED
+    assert got["free_pageable"] == 1
+    assert got["p2p"] == [0, 0, 101]  # no NVLink in this config; same device: invalid
+    assert got["cache"] == 2  # CU_FUNC_CACHE_PREFER_L1
+    assert got["stack"] == 1024
+    assert got["priority"] == [0, -5, -5]  # clamped to the greatest
+    assert got["ctx_flags"] == 0
+    assert got["stub"] == CUDA_ERROR_NOT_SUPPORTED
+
+
+def test_pinned_memory_is_not_device_memory_across_processes(sim_env):
+    # One process pins 4 GiB and holds it; another sees the GPU whole.
+    got = run_py(sim_env, """
+        import ctypes as C, json, subprocess, sys
+        from cudapy import Driver
+        cu = Driver(); cu.init_device(0)
+        p = C.c_void_p()
+        rc = cu.rc("cuMemHostAlloc", C.byref(p), C.c_size_t(4 << 30), 0)
+        other = subprocess.run([sys.executable, "-c",
+            "import json; from cudapy import Driver; cu = Driver(); cu.init_device(0); print(json.dumps(cu.mem_info()))"],
+            capture_output=True, text=True, check=True).stdout
+        freed = cu.rc("cuMemFreeHost", p)
+        print(json.dumps([rc, json.loads(other), freed, cu.rc("cuMemFreeHost", p)]))
+    """)
+    assert got[0] == "CUDA_SUCCESS"
+    free, total = got[1]
+    assert total == 16 << 30 and total - free < 1 << 30  # only the contexts' memory
+    assert got[2:] == ["CUDA_SUCCESS", "CUDA_ERROR_INVALID_VALUE"]
