@@ -181,3 +181,56 @@ def test_inside_an_instance_both_tools_show_its_limit_and_only_its_processes(dae
     stat = [line for line in tools["gpustat"]["out"].splitlines() if line.startswith("[0]")]
     assert stat and re.search(r"\b256 /\s+1024 MB", stat[0]), tools["gpustat"]["out"]
     assert f"cgpu-burn/{own}(256M)" in stat[0], stat
+
+
+MONITOR = """
+import json, pynvml as n
+def err(f):
+    try:
+        f()
+        return "ok"
+    except n.NVMLError as e:
+        return type(e).__name__
+n.nvmlInit()
+def state(i):
+    h = n.nvmlDeviceGetHandleByIndex(i)
+    return {
+        "temp": n.nvmlDeviceGetTemperature(h, n.NVML_TEMPERATURE_GPU),
+        "power": n.nvmlDeviceGetPowerUsage(h),
+        "sm_clock": n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_SM),
+        "util": n.nvmlDeviceGetUtilizationRates(h).gpu,
+    }
+h = n.nvmlDeviceGetHandleByIndex(1)
+print(json.dumps({
+    "busy": state(0), "idle": state(1),
+    "fixed": [n.nvmlDeviceGetComputeMode(h), n.nvmlDeviceGetPersistenceMode(h), n.nvmlDeviceGetDisplayActive(h),
+              n.nvmlDeviceGetDisplayMode(h), n.nvmlDeviceGetPerformanceState(h), n.nvmlDeviceGetEccMode(h),
+              n.nvmlDeviceGetMigMode(h), n.nvmlDeviceIsMigDeviceHandle(h).value,
+              n.nvmlDeviceGetTotalEccErrors(h, n.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, n.NVML_VOLATILE_ECC),
+              n.nvmlDeviceGetPowerManagementLimit(h), n.nvmlDeviceGetEnforcedPowerLimit(h),
+              n.nvmlDeviceGetPowerManagementLimitConstraints(h), n.nvmlDeviceGetMaxClockInfo(h, n.NVML_CLOCK_SM),
+              n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_MEM), n.nvmlDeviceGetEncoderUtilization(h),
+              n.nvmlDeviceGetDecoderUtilization(h), n.nvmlDeviceGetPcieThroughput(h, n.NVML_PCIE_UTIL_TX_BYTES),
+              [n.nvmlDeviceGetCurrPcieLinkGeneration(h), n.nvmlDeviceGetCurrPcieLinkWidth(h)],
+              n.nvmlDeviceGetBAR1MemoryInfo(h).bar1Total >> 30],
+    "errors": [err(lambda: n.nvmlDeviceGetFanSpeed(h)), err(lambda: n.nvmlDeviceGetClockInfo(h, 7)),
+               err(lambda: n.nvmlDeviceGetTemperature(h, 5)),
+               err(lambda: n.nvmlDeviceGetTotalEccErrors(h, 2, 0))],
+}))
+"""
+
+
+def test_monitoring_queries_answer_like_a_data_centre_gpu(native, sim_env):
+    with burner(sim_env, native, "64MiB"):
+        out = subprocess.run([sys.executable, "-c", MONITOR], env=sim_env, capture_output=True, text=True,
+                             timeout=60, check=True).stdout
+    got = json.loads(out)
+    assert got["idle"] == {"temp": 32, "power": 70000, "sm_clock": 345, "util": 0}
+    busy = got["busy"]
+    assert busy["util"] > 0 and busy["sm_clock"] == 1980
+    # Each query reads utilisation at its own moment: linear in some share above 0.
+    assert 32 < busy["temp"] <= 72 and 70000 < busy["power"] <= 700000 and (busy["power"] - 70000) % 6300 == 0
+    assert got["fixed"] == [0, 1, 0, 0, 0, [1, 1], [0, 0], 0, 0, 700000, 700000, [200000, 700000], 1980, 2619,
+                            [0, 167000], [0, 167000], 0, [5, 16], 16]
+    assert got["errors"] == ["NVMLError_NotSupported", "NVMLError_InvalidArgument", "NVMLError_InvalidArgument",
+                             "NVMLError_InvalidArgument"]
