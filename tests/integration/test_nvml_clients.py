@@ -7,12 +7,11 @@ A process on the GPU is cgpu-burn holding memory and running kernels."""
 from __future__ import annotations
 
 import json
-import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,6 +19,10 @@ from pathlib import Path
 import pytest
 
 from tests.daemonproc import BIN
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "csrc"))
+import build_native  # noqa: E402
 
 NVITOP = BIN / "nvitop"
 GPUSTAT = BIN / "gpustat"
@@ -153,6 +156,27 @@ while int(sys.argv[1]) not in [p.pid for p in n.nvmlDeviceGetComputeRunningProce
 """
 
 
+def check_inside(got: dict, neighbour: int) -> None:
+    """What INSIDE saw: 1 GiB and its own process, nothing of `neighbour`."""
+    own, tools = got["pid"], got["tools"]
+    calls = tools.pop("nvml")
+    assert calls == {"total": [1 << 30] * 3, "lists": [[own], [own], [], [], [], []], "util": [own],
+                     "util_info": [own]}, (calls, own, neighbour)
+    for name, t in tools.items():
+        assert t["rc"] == 0, (name, t)
+        assert not ERROR_TEXT.search(t["out"] + t["err"]), (name, t)
+        assert str(neighbour) not in t["out"], (name, t["out"])
+        assert "2048" not in t["out"], (name, t["out"])  # the neighbour's 2 GiB shows nowhere
+        assert "16384" not in t["out"], (name, t["out"])  # nor the whole GPU
+
+    top = tools["nvitop"]["out"]
+    assert re.search(r"\b256(\.0)?MiB / 1024MiB", top), top
+    assert re.search(rf"^│\s+0\s+{own}\s+C\s+\S+\s+256(\.0)?MiB", top, re.MULTILINE), top
+    stat = [line for line in tools["gpustat"]["out"].splitlines() if line.startswith("[0]")]
+    assert stat and re.search(r"\b256 /\s+1024 MB", stat[0]), tools["gpustat"]["out"]
+    assert f"cgpu-burn/{own}(256M)" in stat[0], stat
+
+
 def test_inside_an_instance_both_tools_show_its_limit_and_only_its_processes(daemon, native, sim_env):
     # The neighbour runs outside any instance on the same GPU; 1 GiB instance
     # on a 2-GPU machine: binpack puts it on GPU 0, where the neighbour is.
@@ -164,23 +188,36 @@ def test_inside_an_instance_both_tools_show_its_limit_and_only_its_processes(dae
             env=daemon.env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         got = json.loads(proc.stdout.strip().splitlines()[-1])
-    own, tools = got["pid"], got["tools"]
-    calls = tools.pop("nvml")
-    assert calls == {"total": [1 << 30] * 3, "lists": [[own], [own], [], [], [], []], "util": [own],
-                     "util_info": [own]}, (calls, own, neighbour.pid)
-    for name, t in tools.items():
-        assert t["rc"] == 0, (name, t)
-        assert not ERROR_TEXT.search(t["out"] + t["err"]), (name, t)
-        assert str(neighbour.pid) not in t["out"], (name, t["out"])
-        assert "2048" not in t["out"], (name, t["out"])  # the neighbour's 2 GiB shows nowhere
-        assert "16384" not in t["out"], (name, t["out"])  # nor the whole GPU
+    check_inside(got, neighbour.pid)
 
-    top = tools["nvitop"]["out"]
-    assert re.search(r"\b256(\.0)?MiB / 1024MiB", top), top
-    assert re.search(rf"^│\s+0\s+{own}\s+C\s+\S+\s+256(\.0)?MiB", top, re.MULTILINE), top
-    stat = [line for line in tools["gpustat"]["out"].splitlines() if line.startswith("[0]")]
-    assert stat and re.search(r"\b256 /\s+1024 MB", stat[0]), tools["gpustat"]["out"]
-    assert f"cgpu-burn/{own}(256M)" in stat[0], stat
+
+def test_the_tools_nvml_paths_are_clean_under_sanitizers(tmp_path, native, sim_env):
+    """The same run over the simulated NVML and libcgpu.so built with ASan and
+    UBSan, preloaded into the tools' Python (an instance made from a region
+    alone: no daemon)."""
+    from cgpud.daemon.region import DeviceLimit, InstanceLimits, write_region
+
+    san = tmp_path / "san"
+    for target in build_native.TARGETS:
+        if target.output in ("sim/libnvidia-ml.so.1", "lib/libcgpu.so"):
+            build_native.compile_target(target, san, build_native.SANITIZE)
+    shutil.copy(native / "sim/libcuda.so.1", san / "sim/libcuda.so.1")
+    uuid = subprocess.run([sys.executable, "-c", "import pynvml as n; n.nvmlInit(); "
+                           "print(n.nvmlDeviceGetUUID(n.nvmlDeviceGetHandleByIndex(0)))"],
+                          env=sim_env, capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+    write_region(tmp_path / "region", InstanceLimits("san", (DeviceLimit(uuid, 1 << 30, 0),)))
+    asan = subprocess.run(["cc", "-print-file-name=libasan.so"], capture_output=True, text=True, check=True).stdout
+    env = dict(sim_env, LD_LIBRARY_PATH=str(san / "sim"), CGPU_REGION_DIR=str(tmp_path / "region"),
+               # The ASan runtime first; Python itself leaks at exit by design.
+               LD_PRELOAD=f"{asan.strip()}:{san / 'lib/libcgpu.so'}",
+               ASAN_OPTIONS="detect_leaks=0:abort_on_error=0:exitcode=86",
+               UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:exitcode=87")
+    with burner(sim_env, native, "2GiB") as neighbour:
+        proc = subprocess.run([sys.executable, "-c", INSIDE, str(native / "bin/cgpu-burn"), str(NVITOP), str(GPUSTAT),
+                               WAIT_OWN, NVML_CALLS], env=env, capture_output=True, text=True, timeout=300)
+    assert "Sanitizer" not in proc.stderr and "runtime error" not in proc.stderr, proc.stderr
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    check_inside(json.loads(proc.stdout.strip().splitlines()[-1]), neighbour.pid)
 
 
 MONITOR = """
