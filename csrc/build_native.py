@@ -31,6 +31,7 @@ class Target:
     output: str
     sources: tuple[str, ...]
     exports: tuple[str, str] | None = None  # (.def file under csrc/, macro)
+    extra_exports: tuple[tuple[str, str], ...] = ()  # more (.def, macro) lists, e.g. generated stubs
     libs: tuple[str, ...] = ()
     includes: tuple[str, ...] = ("include",)
     cflags: tuple[str, ...] = ()  # paths under csrc/ given as csrc/<path>
@@ -43,15 +44,17 @@ class Target:
 TARGETS: tuple[Target, ...] = (
     Target(
         "sim/libcuda.so.1",
-        ("simgpu/driver_core.c", "simgpu/driver_memory.c", "simgpu/driver_exec.c", *SIM_STATE),
+        ("simgpu/driver_core.c", "simgpu/driver_memory.c", "simgpu/driver_exec.c", "simgpu/export_tables.c", "simgpu/library.c", "simgpu/driver_stubs.c", *SIM_STATE),
         exports=("include/cgpu/cuda_functions.def", "CU_FN"),
+        extra_exports=(("simgpu/cuda_unmodelled.def", "CU_STUB"),),
         libs=("-lpthread",),
         includes=("include", "simgpu"),
     ),
     Target(
         "sim/libnvidia-ml.so.1",
-        ("simgpu/nvml.c", *SIM_STATE),
+        ("simgpu/nvml.c", "simgpu/nvml_stubs.c", *SIM_STATE),
         exports=("include/cgpu/nvml_functions.def", "NVML_FN"),
+        extra_exports=(("simgpu/nvml_unmodelled.def", "NVML_STUB"),),
         libs=("-lpthread",),
         includes=("include", "simgpu"),
     ),
@@ -118,10 +121,16 @@ def exported_symbols(def_file: str, macro: str) -> list[str]:
     return sorted(set(re.findall(rf"^{macro}\((\w+)", text, re.MULTILINE)))
 
 
+def target_exports(target: Target) -> list[str]:
+    """Every symbol the target's library exports, from all its lists."""
+    lists = ((target.exports,) if target.exports else ()) + target.extra_exports
+    return sorted({s for def_file, macro in lists for s in exported_symbols(def_file, macro)})
+
+
 def _version_script(target: Target, workdir: Path) -> list[str]:
     if not target.exports:
         return []
-    symbols = exported_symbols(*target.exports)
+    symbols = target_exports(target)
     script = workdir / (Path(target.output).name + ".map")
     script.write_text("{\n  global:\n" + "".join(f"    {s};\n" for s in symbols) + "  local: *;\n};\n")
     return [f"-Wl,--version-script={script}"]
