@@ -171,7 +171,8 @@ def check_inside(got: dict, neighbour: int) -> None:
 
     top = tools["nvitop"]["out"]
     assert re.search(r"\b256(\.0)?MiB / 1024MiB", top), top
-    assert re.search(rf"^│\s+0\s+{own}\s+C\s+\S+\s+256(\.0)?MiB", top, re.MULTILINE), top
+    # nvitop draws with "|" where the locale has no UTF-8 (a bare container).
+    assert re.search(rf"^[│|]\s+0\s+{own}\s+C\s+\S+\s+256(\.0)?MiB", top, re.MULTILINE), top
     stat = [line for line in tools["gpustat"]["out"].splitlines() if line.startswith("[0]")]
     assert stat and re.search(r"\b256 /\s+1024 MB", stat[0]), tools["gpustat"]["out"]
     assert f"cgpu-burn/{own}(256M)" in stat[0], stat
