@@ -681,3 +681,22 @@ CGPU_EXPORT CUresult cuCtxSynchronize(void)
         cgpu_report_idle((unsigned)slot, mark, true, true);
     return rc;
 }
+
+/* CUDA 13's form, which cudaDeviceSynchronize goes through: the same idle
+ * report when the context waited for is the calling thread's. */
+CGPU_EXPORT CUresult cuCtxSynchronize_v2(CUcontext ctx)
+{
+    __typeof__(&cuCtxSynchronize_v2) real = REAL(cuCtxSynchronize_v2);
+    __typeof__(&cuCtxGetCurrent) current = REAL(cuCtxGetCurrent);
+    if (CGPU_UNLIKELY(!real))
+        return CUDA_ERROR_NOT_INITIALIZED;
+    CUcontext cur = NULL;
+    uint64_t mark = 0;
+    int slot = -1;
+    if (!ctx || (current && current(&cur) == CUDA_SUCCESS && cur == ctx))
+        slot = idle_watch_begin(&mark);
+    CUresult rc = real(ctx);
+    if (slot >= 0 && rc == CUDA_SUCCESS)
+        cgpu_report_idle((unsigned)slot, mark, true, true);
+    return rc;
+}

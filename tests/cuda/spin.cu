@@ -1,0 +1,151 @@
+// The portable spin kernel built by nvcc and driven through the CUDA
+// runtime (tests/integration/test_cudart.py): each step prints one line
+// "<step> <cudaError name> [values]" so the test reads how far cudart got
+// and what it saw. argv: the steps to run, in order.
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <cuda_runtime.h>
+
+// Spins on the device's nanosecond timer for ns nanoseconds: its cost is
+// known without knowing the GPU, as the driver-API workload's cgpu_spin.
+__global__ void cgpu_spin(unsigned long long ns)
+{
+    unsigned long long start;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    for (;;) {
+        unsigned long long now;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+        if (now - start >= ns)
+            break;
+    }
+}
+
+static void report(const char *step, cudaError_t rc, const char *fmt = "", unsigned long long a = 0,
+                   unsigned long long b = 0)
+{
+    printf("%s %s", step, cudaGetErrorName(rc));
+    if (*fmt) {
+        printf(" ");
+        printf(fmt, a, b);
+    }
+    printf("\n");
+    fflush(stdout);
+}
+
+static double now_s()
+{
+    timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+int main(int argc, char **argv)
+{
+    for (int i = 1; i < argc; i++) {
+        const char *s = argv[i];
+        if (!strcmp(s, "count")) {
+            int n = -1;
+            cudaError_t rc = cudaGetDeviceCount(&n);
+            report(s, rc, "%llu", (unsigned long long)n);
+        } else if (!strcmp(s, "meminfo")) {
+            size_t free_b = 0, total = 0;
+            cudaError_t rc = cudaMemGetInfo(&free_b, &total);
+            report(s, rc, "%llu %llu", free_b, total);
+        } else if (!strcmp(s, "malloc")) {
+            void *p = nullptr;
+            cudaError_t rc = cudaMalloc(&p, 64 << 20);
+            report(s, rc);
+            if (!rc)
+                report("free", cudaFree(p));
+        } else if (!strcmp(s, "async")) {
+            void *p = nullptr;
+            cudaError_t rc = cudaMallocAsync(&p, 64 << 20, 0);
+            report(s, rc);
+            if (!rc) {
+                rc = cudaFreeAsync(p, 0);
+                if (!rc)
+                    rc = cudaStreamSynchronize(0);
+                report("freeasync", rc);
+            }
+        } else if (!strcmp(s, "managed")) {
+            void *p = nullptr;
+            cudaError_t rc = cudaMallocManaged(&p, 64 << 20);
+            report(s, rc);
+            if (!rc)
+                report("free", cudaFree(p));
+        } else if (!strcmp(s, "fill")) {
+            // cudaMalloc 64 MiB blocks until it fails: what the limit lets through.
+            unsigned long long held = 0;
+            cudaError_t rc = cudaSuccess;
+            for (;;) {
+                void *p = nullptr;
+                rc = cudaMalloc(&p, 64 << 20);
+                if (rc)
+                    break;
+                held += 64 << 20;
+            }
+            report(s, rc, "%llu", held);
+        } else if (!strcmp(s, "kernel")) {
+            // one 50 ms kernel, timed on the host
+            cudaGetLastError(); // a failed step before must not stop this one
+            double t0 = now_s();
+            cgpu_spin<<<1, 1>>>(50000000ULL);
+            cudaError_t rc = cudaGetLastError();
+            if (!rc)
+                rc = cudaDeviceSynchronize();
+            report(s, rc, "%llu", (unsigned long long)((now_s() - t0) * 1e6));
+        } else if (!strncmp(s, "burn=", 5)) {
+            // 10 ms kernels for the given seconds: the share the GPU gave
+            cudaGetLastError();
+            double secs = atof(s + 5), t0 = now_s();
+            unsigned long long n = 0;
+            cudaError_t rc = cudaSuccess;
+            while (!rc && now_s() - t0 < secs) {
+                cgpu_spin<<<1, 1>>>(10000000ULL);
+                rc = cudaGetLastError();
+                if (!rc && ++n % 4 == 0)
+                    rc = cudaDeviceSynchronize();
+            }
+            if (!rc)
+                rc = cudaDeviceSynchronize();
+            report("burn", rc, "%llu %llu", n * 10000000ULL, (unsigned long long)((now_s() - t0) * 1e9));
+        } else if (!strcmp(s, "graph")) {
+            // a graph of two 20 ms kernel nodes built node by node, launched once
+            cudaGraph_t g;
+            cudaGraphExec_t x;
+            cudaGraphNode_t a, b;
+            unsigned long long ns = 20000000ULL;
+            void *args[] = {&ns};
+            cudaKernelNodeParams p = {};
+            p.func = (void *)cgpu_spin;
+            p.gridDim = dim3(1);
+            p.blockDim = dim3(1);
+            p.kernelParams = args;
+            cudaError_t rc = cudaGraphCreate(&g, 0);
+            if (!rc)
+                rc = cudaGraphAddKernelNode(&a, g, nullptr, 0, &p);
+            if (!rc)
+                rc = cudaGraphAddKernelNode(&b, g, &a, 1, &p);
+            if (!rc)
+                rc = cudaGraphInstantiate(&x, g, 0);
+            double t0 = now_s();
+            if (!rc)
+                rc = cudaGraphLaunch(x, 0);
+            if (!rc)
+                rc = cudaStreamSynchronize(0);
+            report(s, rc, "%llu", (unsigned long long)((now_s() - t0) * 1e6));
+        } else if (!strcmp(s, "capture")) {
+            // stream capture: what the simulated driver does not model
+            cudaStream_t st;
+            cudaError_t rc = cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking);
+            if (!rc)
+                rc = cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal);
+            report(s, rc);
+        } else {
+            fprintf(stderr, "unknown step %s\n", s);
+            return 2;
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,167 @@
+"""Real CUDA programs on the simulated GPU: a C program linked against the
+real libcudart.so.13 and a CUDA C++ program built here by nvcc
+(tests/cuda/spin.cu: its spin kernel embedded as PTX in a fatbin), bare and
+as tenants of `cgpuctl run --mem 1GiB --core 30`. Each program step prints
+"<step> <cudaError name> [values]" (see spin.cu)."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.daemonproc import BIN, running_daemon
+from tests.integration.test_sanitizers import san_env, san_native  # noqa: F401 (fixtures)
+
+ROOT = Path(__file__).resolve().parents[2]
+CUDA = Path("/usr/local/cuda")
+NVCC = CUDA / "bin" / "nvcc"
+CUDART_DIR = CUDA / "lib64"
+GIB = 1 << 30
+MIB64 = 64 << 20
+
+C_PROGRAM = r"""
+#include <stdio.h>
+#include <string.h>
+#include <cuda_runtime_api.h>
+
+/* The runtime API from plain C: devices, memory, and how far cudaMalloc goes. */
+int main(int argc, char **argv)
+{
+    for (int i = 1; i < argc; i++) {
+        cudaError_t rc;
+        if (!strcmp(argv[i], "count")) {
+            int n = -1;
+            rc = cudaGetDeviceCount(&n);
+            printf("count %s %d\n", cudaGetErrorName(rc), n);
+        } else if (!strcmp(argv[i], "meminfo")) {
+            size_t free_b = 0, total = 0;
+            rc = cudaMemGetInfo(&free_b, &total);
+            printf("meminfo %s %zu %zu\n", cudaGetErrorName(rc), free_b, total);
+        } else {
+            unsigned long long held = 0;
+            void *p;
+            while ((rc = cudaMalloc(&p, 64u << 20)) == cudaSuccess)
+                held += 64u << 20;
+            printf("fill %s %llu\n", cudaGetErrorName(rc), held);
+        }
+    }
+    return 0;
+}
+"""
+
+
+def needs_cuda(*tools: Path) -> None:
+    for tool in (CUDART_DIR / "libcudart.so.13", *tools):
+        if not tool.exists():
+            pytest.skip(f"needs the CUDA 13 toolkit ({tool})")
+
+
+@pytest.fixture(scope="module")
+def c_program(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    needs_cuda()
+    if not shutil.which("cc"):
+        pytest.skip("needs a C compiler")
+    tmp = tmp_path_factory.mktemp("cudart_c")
+    (tmp / "prog.c").write_text(C_PROGRAM)
+    subprocess.run(["cc", "-std=c11", "-Wall", "-Werror", "-o", str(tmp / "prog"), str(tmp / "prog.c"),
+                    f"-I{CUDA / 'include'}", f"-L{CUDART_DIR}", "-lcudart", f"-Wl,-rpath,{CUDART_DIR}"], check=True)
+    return tmp / "prog"
+
+
+def build_spin(out: Path, compress: str) -> Path:
+    """spin.cu as PTX only (compute_75), the fatbin compressed as asked."""
+    needs_cuda(NVCC)
+    subprocess.run([str(NVCC), "-gencode", "arch=compute_75,code=compute_75", "-cudart", "shared",
+                    f"--compress-mode={compress}", "-o", str(out), str(ROOT / "tests/cuda/spin.cu")],
+                   check=True, capture_output=True, timeout=300)
+    return out
+
+
+@pytest.fixture(scope="module")
+def spin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_spin(tmp_path_factory.mktemp("spin") / "spin", "default")
+
+
+def steps(exe: Path, env: dict[str, str], *args: str, prefix: tuple[str, ...] = ()) -> dict[str, list[str]]:
+    proc = subprocess.run([*prefix, str(exe), *args], env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out: dict[str, list[str]] = {}
+    for line in proc.stdout.splitlines():
+        name, *rest = line.split()
+        out.setdefault(name, rest)  # the first report of a step
+        out[name + "@last"] = rest
+    return out
+
+
+def test_c_program_on_the_real_runtime_sees_and_fills_the_simulated_gpus(c_program, sim_env):
+    got = steps(c_program, sim_env, "count", "meminfo", "fill")
+    assert got["count"] == ["cudaSuccess", "2"]
+    assert got["meminfo"][0] == "cudaSuccess" and int(got["meminfo"][2]) == 16 * GIB
+    assert got["fill"] == ["cudaErrorMemoryAllocation", str(16 * GIB)]
+
+
+def test_nvcc_program_allocates_launches_and_runs_a_graph_through_cudart(spin, sim_env):
+    got = steps(spin, sim_env, "count", "meminfo", "malloc", "async", "managed", "kernel", "graph", "capture")
+    assert got["count"] == ["cudaSuccess", "2"]
+    assert got["meminfo"] == ["cudaSuccess", str(16 * GIB), str(16 * GIB)]
+    for step in ("malloc", "free", "async", "freeasync", "managed"):
+        assert got[step] == ["cudaSuccess"], step
+    # the spin kernel is timed from its PTX: 50 ms, and the graph's two 20 ms nodes
+    assert got["kernel"][0] == "cudaSuccess" and 49_000 <= int(got["kernel"][1]) < 500_000, got["kernel"]
+    assert got["graph"][0] == "cudaSuccess" and 39_000 <= int(got["graph"][1]) < 500_000, got["graph"]
+    # stream capture is not simulated (docs/simulated-gpu.md, "CUDA runtime")
+    assert got["capture"] == ["cudaErrorNotSupported"]
+
+
+@pytest.mark.parametrize("compress", ["none", "speed", "size"])
+def test_the_spin_kernel_is_read_from_plain_lz4_and_zstd_fatbins(tmp_path, sim_env, compress):
+    exe = build_spin(tmp_path / "spin", compress)
+    got = steps(exe, sim_env, "kernel")
+    assert got["kernel"][0] == "cudaSuccess" and 49_000 <= int(got["kernel"][1]) < 500_000, got["kernel"]
+
+
+def test_device_memory_through_cudart_is_what_the_simulated_gpu_counts(spin, sim_env, native):
+    from tests.integration.simrun import sim_stat
+
+    proc = subprocess.Popen([str(spin), "fill", "kernel"], env=sim_env, stdout=subprocess.PIPE, text=True)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0
+    assert f"fill cudaErrorMemoryAllocation {16 * GIB}" in out
+    # the process is gone: what it held is back
+    assert int(sim_stat(native, sim_env)["gpus"][0]["used"]) == 0
+
+
+@pytest.fixture
+def tenant_daemon(tmp_path, sim_env):
+    with running_daemon(tmp_path, sim_env, "--mode", "core_mem") as d:
+        assert d.cgpuctl("policy", "set", "fixed").returncode == 0
+        yield d
+
+
+def test_under_cgpuctl_run_cudart_sees_1gib_stops_there_and_gets_30_percent(tenant_daemon, spin, c_program):
+    run = (str(BIN / "cgpuctl"), "--socket", str(tenant_daemon.socket), "run", "--mem", "1GiB", "--core", "30", "--")
+    got = steps(spin, tenant_daemon.env, "meminfo", "burn=4", "fill", "meminfo", prefix=run)
+    assert got["meminfo"] == ["cudaSuccess", str(GIB), str(GIB)]
+    assert got["fill"] == ["cudaErrorMemoryAllocation", str(GIB)]
+    assert got["meminfo@last"] == ["cudaSuccess", "0", str(GIB)]
+    busy, wall = (int(v) for v in got["burn"][1:])
+    assert got["burn"][0] == "cudaSuccess"
+    assert 0.22 <= busy / wall <= 0.40, (busy, wall)
+    # the plain C program under the same limit
+    got = steps(c_program, tenant_daemon.env, "meminfo", "fill", prefix=run)
+    assert got["meminfo"][0] == "cudaSuccess" and int(got["meminfo"][2]) == GIB
+    assert got["fill"] == ["cudaErrorMemoryAllocation", str(GIB)]
+
+
+def test_cudart_paths_are_clean_under_sanitizers(spin, san_env):
+    """Export tables, fatbin reading, libraries and kernels through the
+    sanitized simulated driver (the program itself is not instrumented: the
+    ASan runtime is preloaded; cudart's own allocations are not ours to check)."""
+    asan = subprocess.run(["cc", "-print-file-name=libasan.so"], capture_output=True, text=True, check=True).stdout
+    env = dict(san_env, LD_PRELOAD=asan.strip(), ASAN_OPTIONS="detect_leaks=0:abort_on_error=0:exitcode=86")
+    proc = subprocess.run([str(spin), "count", "meminfo", "malloc", "async", "managed", "kernel", "graph"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert "Sanitizer" not in proc.stderr and "runtime error" not in proc.stderr, proc.stderr
+    assert proc.returncode == 0 and proc.stdout.count("cudaSuccess") == 10, proc.stdout + proc.stderr
