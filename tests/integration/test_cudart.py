@@ -70,10 +70,13 @@ def c_program(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp / "prog"
 
 
-def build_spin(out: Path, compress: str) -> Path:
-    """spin.cu as PTX only (compute_75), the fatbin compressed as asked."""
+def build_spin(out: Path, compress: str, code: str = "compute_75", cudart: str = "shared") -> Path:
+    """spin.cu as PTX only (compute_75) or as machine code (sm_80), the
+    fatbin compressed as asked, with the shared or nvcc's default, static
+    runtime."""
     needs_cuda(NVCC)
-    subprocess.run([str(NVCC), "-gencode", "arch=compute_75,code=compute_75", "-cudart", "shared",
+    arch = code.replace("sm_", "compute_")
+    subprocess.run([str(NVCC), "-gencode", f"arch={arch},code={code}", "-cudart", cudart,
                     f"--compress-mode={compress}", "-o", str(out), str(ROOT / "tests/cuda/spin.cu")],
                    check=True, capture_output=True, timeout=300)
     return out
@@ -103,7 +106,8 @@ def test_c_program_on_the_real_runtime_sees_and_fills_the_simulated_gpus(c_progr
 
 
 def test_nvcc_program_allocates_launches_and_runs_a_graph_through_cudart(spin, sim_env):
-    got = steps(spin, sim_env, "count", "meminfo", "malloc", "async", "managed", "kernel", "graph", "capture")
+    got = steps(spin, sim_env, "count", "meminfo", "malloc", "async", "managed", "kernel", "graph", "capture", "reset",
+                "kernel")
     assert got["count"] == ["cudaSuccess", "2"]
     assert got["meminfo"] == ["cudaSuccess", str(16 * GIB), str(16 * GIB)]
     for step in ("malloc", "free", "async", "freeasync", "managed"):
@@ -113,6 +117,8 @@ def test_nvcc_program_allocates_launches_and_runs_a_graph_through_cudart(spin, s
     assert got["graph"][0] == "cudaSuccess" and 39_000 <= int(got["graph"][1]) < 500_000, got["graph"]
     # stream capture is not simulated (docs/simulated-gpu.md, "CUDA runtime")
     assert got["capture"] == ["cudaErrorNotSupported"]
+    # cudaDeviceReset, and the runtime starts over on the reset context
+    assert got["reset"] == ["cudaSuccess"] and got["kernel@last"][0] == "cudaSuccess"
 
 
 @pytest.mark.parametrize("compress", ["none", "speed", "size"])
@@ -120,6 +126,19 @@ def test_the_spin_kernel_is_read_from_plain_lz4_and_zstd_fatbins(tmp_path, sim_e
     exe = build_spin(tmp_path / "spin", compress)
     got = steps(exe, sim_env, "kernel")
     assert got["kernel"][0] == "cudaSuccess" and 49_000 <= int(got["kernel"][1]) < 500_000, got["kernel"]
+
+
+def test_the_static_runtime_nvcc_links_by_default_runs_too(tmp_path, sim_env):
+    exe = build_spin(tmp_path / "spin", "default", cudart="static")
+    got = steps(exe, sim_env, "count", "malloc", "kernel", "graph")
+    assert [got[s][0] for s in ("count", "malloc", "kernel", "graph")] == ["cudaSuccess"] * 4
+
+
+def test_machine_code_without_ptx_has_no_image_for_the_simulated_gpu(tmp_path, sim_env):
+    """As on a GPU of another architecture: the simulation runs PTX only."""
+    got = steps(build_spin(tmp_path / "spin", "default", code="sm_80"), sim_env, "malloc", "kernel")
+    assert got["malloc"] == ["cudaSuccess"]
+    assert got["kernel"][0] == "cudaErrorNoKernelImageForDevice"
 
 
 def test_device_memory_through_cudart_is_what_the_simulated_gpu_counts(spin, sim_env, native):
