@@ -75,6 +75,8 @@ struct sim_function {
     bool timed;                   /* spins on %globaltimer for param 0 ns */
     char name[120];
     struct sim_legacy_launch legacy;
+    int attr[CU_FUNC_ATTRIBUTE_MAX];  /* cuFuncSetAttribute's values ... */
+    uint32_t attr_set;            /* ... where bit i is set; else the default */
 };
 
 struct sim_module {
@@ -84,9 +86,14 @@ struct sim_module {
     struct sim_function *funcs;
 };
 
+/* A memory pool. The simulation keeps nothing reserved beyond what is
+ * allocated (frees return memory at once), so reserved equals used. */
 struct sim_pool {
     uint32_t magic;
     int dev;
+    uint64_t used, used_high;     /* bytes allocated from it; under sim_drv.lock */
+    uint64_t release_threshold;
+    bool reuse_off[3];            /* CU_MEMPOOL_ATTR_REUSE_* set to 0 (default 1) */
 };
 
 struct sim_driver {
@@ -96,8 +103,10 @@ struct sim_driver {
     struct sim_ctx primary[SIM_MAX_GPUS];
     int primary_refs[SIM_MAX_GPUS];
     struct sim_pool default_pool[SIM_MAX_GPUS];
+    struct sim_pool *current_pool[SIM_MAX_GPUS]; /* cuDeviceSetMemPool's; NULL: the default */
     struct alloc_entry *allocs[4096]; /* driver_memory.c: by device address */
     struct sim_host_mem *pinned;  /* driver_memory.c: page-locked host memory */
+    uint64_t next_buffer_id;      /* CU_POINTER_ATTRIBUTE_BUFFER_ID of the last allocation */
     uint64_t next_va[SIM_MAX_GPUS];
     uint64_t next_va_low;         /* below 4 GiB, for the 32-bit entry points */
     int visible[SIM_MAX_GPUS];    /* CUDA ordinal -> simulated GPU */

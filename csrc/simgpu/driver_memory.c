@@ -43,6 +43,9 @@ struct alloc_entry {
     enum alloc_kind kind;
     struct sim_memhandle *handle; /* ALLOC_MAPPED */
     void *bytes;                  /* ALLOC_MEMORY: backing of its contents, made on first copy */
+    uint64_t id;                  /* unique in the process (CU_POINTER_ATTRIBUTE_BUFFER_ID) */
+    bool managed;                 /* cuMemAllocManaged */
+    struct sim_pool *pool;        /* the pool of a stream-ordered allocation */
 };
 
 /* Contents of device memory live in host pages mapped when a copy or fill
@@ -108,7 +111,8 @@ static CUresult table_insert(CUdeviceptr ptr, uint64_t size, int dev, enum alloc
     struct alloc_entry *e = malloc(sizeof(*e));
     if (!e)
         return CUDA_ERROR_OUT_OF_MEMORY;
-    *e = (struct alloc_entry){.ptr = ptr, .size = size, .dev = dev, .kind = kind, .handle = handle};
+    *e = (struct alloc_entry){.ptr = ptr, .size = size, .dev = dev, .kind = kind, .handle = handle,
+                              .id = ++sim_drv.next_buffer_id};
     table_link(e);
     return CUDA_SUCCESS;
 }
@@ -167,6 +171,31 @@ static CUresult alloc_device(CUdeviceptr *dptr, uint64_t size, int dev)
     return alloc_device_at(dptr, size, dev, false);
 }
 
+/* Records what kind of allocation starts at p: managed, or from a pool
+ * (whose usage it then counts). */
+static void tag_allocation(CUdeviceptr p, bool managed, struct sim_pool *pool)
+{
+    pthread_mutex_lock(&sim_drv.lock);
+    for (struct alloc_entry *e = sim_drv.allocs[bucket_of(p)]; e; e = e->next) {
+        if (e->ptr == p && e->kind == ALLOC_MEMORY) {
+            e->managed = managed;
+            e->pool = pool;
+            if (pool) {
+                pool->used += e->size;
+                pool->used_high = pool->used > pool->used_high ? pool->used : pool->used_high;
+            }
+            break;
+        }
+    }
+    pthread_mutex_unlock(&sim_drv.lock);
+}
+
+/* The pool cuMemAllocAsync takes from on a GPU: cuDeviceSetMemPool's. */
+static struct sim_pool *current_pool(int dev)
+{
+    return sim_drv.current_pool[dev] ? sim_drv.current_pool[dev] : &sim_drv.default_pool[dev];
+}
+
 static CUresult free_device(CUdeviceptr dptr)
 {
     CUresult rc = sim_check_init();
@@ -174,6 +203,8 @@ static CUresult free_device(CUdeviceptr dptr)
         return rc;
     pthread_mutex_lock(&sim_drv.lock);
     struct alloc_entry *e = table_remove(dptr, ALLOC_MEMORY);
+    if (e && e->pool)
+        e->pool->used -= e->size;
     pthread_mutex_unlock(&sim_drv.lock);
     if (!e)
         return CUDA_ERROR_INVALID_VALUE;
@@ -342,7 +373,10 @@ SIM_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsign
         return CUDA_ERROR_INVALID_VALUE;
     /* Charged in full on the current GPU: the simulation does not migrate
      * pages, so managed memory behaves as if resident. */
-    return alloc_device(dptr, bytesize, ctx->dev);
+    rc = alloc_device(dptr, bytesize, ctx->dev);
+    if (rc == CUDA_SUCCESS)
+        tag_allocation(*dptr, true, NULL);
+    return rc;
 }
 
 static CUresult alloc_async(CUdeviceptr *dptr, size_t bytesize, CUstream hStream, bool per_thread)
@@ -352,7 +386,11 @@ static CUresult alloc_async(CUdeviceptr *dptr, size_t bytesize, CUstream hStream
         return rc;
     struct sim_stream *s;
     rc = sim_resolve_stream(hStream, per_thread, &s);
-    return rc ? rc : alloc_device(dptr, bytesize, s->ctx->dev);
+    if (!rc)
+        rc = alloc_device(dptr, bytesize, s->ctx->dev);
+    if (!rc)
+        tag_allocation(*dptr, false, current_pool(s->ctx->dev));
+    return rc;
 }
 
 SIM_EXPORT CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
@@ -406,7 +444,11 @@ static CUresult pool_alloc(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool
         return rc;
     struct sim_stream *s;
     rc = sim_resolve_stream(hStream, per_thread, &s);
-    return rc ? rc : alloc_device(dptr, bytesize, p->dev);
+    if (!rc)
+        rc = alloc_device(dptr, bytesize, p->dev);
+    if (!rc)
+        tag_allocation(*dptr, false, p);
+    return rc;
 }
 
 SIM_EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
@@ -460,7 +502,17 @@ SIM_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
         return rc;
     if (p >= sim_drv.default_pool && p < sim_drv.default_pool + SIM_MAX_GPUS)
         return CUDA_ERROR_INVALID_VALUE;
+    /* Its allocations stay valid (a real driver defers the destruction
+     * until they are freed); they only stop naming it. */
+    pthread_mutex_lock(&sim_drv.lock);
+    for (size_t b = 0; b < TABLE_BUCKETS; b++) {
+        for (struct alloc_entry *e = sim_drv.allocs[b]; e; e = e->next)
+            e->pool = e->pool == p ? NULL : e->pool;
+    }
+    if (sim_drv.current_pool[p->dev] == p)
+        sim_drv.current_pool[p->dev] = NULL;
     p->magic = MAGIC_DEAD;
+    pthread_mutex_unlock(&sim_drv.lock);
     free(p);
     return CUDA_SUCCESS;
 }
@@ -974,6 +1026,7 @@ struct sim_host_mem {
     size_t size;
     unsigned flags;
     bool registered;              /* cuMemHostRegister: the application's memory */
+    uint64_t id;                  /* CU_POINTER_ATTRIBUTE_BUFFER_ID */
 };
 
 /* The record whose range holds p, or NULL. Caller holds sim_drv.lock. */
@@ -991,7 +1044,8 @@ static CUresult pinned_add(void *base, size_t size, unsigned flags, bool registe
     struct sim_host_mem *m = malloc(sizeof(*m));
     if (!m)
         return CUDA_ERROR_OUT_OF_MEMORY;
-    *m = (struct sim_host_mem){.base = base, .size = size, .flags = flags, .registered = registered};
+    *m = (struct sim_host_mem){.base = base, .size = size, .flags = flags, .registered = registered,
+                               .id = ++sim_drv.next_buffer_id};
     m->next = sim_drv.pinned;
     sim_drv.pinned = m;
     return CUDA_SUCCESS;
@@ -1124,6 +1178,24 @@ SIM_EXPORT CUresult cuMemHostGetFlags(unsigned int *pFlags, void *p)
 
 /* ---- copies and fills ------------------------------------------------------------ */
 
+/* The allocation or mapping holding device address p, or NULL: its start
+ * first (the common case, one bucket), then every range. Caller holds
+ * sim_drv.lock. */
+static struct alloc_entry *entry_at(CUdeviceptr p)
+{
+    for (struct alloc_entry *e = sim_drv.allocs[bucket_of(p)]; e; e = e->next) {
+        if (e->ptr == p && e->kind != ALLOC_RESERVED)
+            return e;
+    }
+    for (size_t b = 0; b < TABLE_BUCKETS; b++) {
+        for (struct alloc_entry *e = sim_drv.allocs[b]; e; e = e->next) {
+            if (e->kind != ALLOC_RESERVED && p >= e->ptr && p - e->ptr < e->size)
+                return e;
+        }
+    }
+    return NULL;
+}
+
 /* Where n bytes at a unified address live in this process: device memory's
  * backing (mapped on first touch) or, for an address no device allocation
  * holds, the host memory at that address, as unified addressing lets a copy
@@ -1134,17 +1206,7 @@ static CUresult bytes_at(CUdeviceptr p, size_t n, void **out)
 {
     if (p == 0)
         return CUDA_ERROR_INVALID_VALUE;
-    struct alloc_entry *hit = NULL;
-    for (struct alloc_entry *e = sim_drv.allocs[bucket_of(p)]; e && !hit; e = e->next) {
-        if (e->ptr == p && e->kind != ALLOC_RESERVED)
-            hit = e;
-    }
-    for (size_t b = 0; b < TABLE_BUCKETS && !hit; b++) {
-        for (struct alloc_entry *e = sim_drv.allocs[b]; e && !hit; e = e->next) {
-            if (e->kind != ALLOC_RESERVED && p >= e->ptr && p - e->ptr < e->size)
-                hit = e;
-        }
-    }
+    struct alloc_entry *hit = entry_at(p);
     if (!hit) {
         for (int d = 0; d < SIM_MAX_GPUS; d++) {
             if (p >= 0x100000000000ULL * (d + 1) && p < sim_drv.next_va[d])
@@ -1349,4 +1411,241 @@ SIM_EXPORT CUresult cuMemsetD32Async(CUdeviceptr dstDevice, unsigned int ui, siz
 SIM_EXPORT CUresult cuMemsetD32Async_ptsz(CUdeviceptr dstDevice, unsigned int ui, size_t N, CUstream hStream)
 {
     return fill(dstDevice, ui, 4, N, hStream, true, false);
+}
+
+/* ---- pools -------------------------------------------------------------------------- */
+
+SIM_EXPORT CUresult cuDeviceGetMemPool(CUmemoryPool *pool, CUdevice dev)
+{
+    int phys;
+    CUresult rc = sim_device(dev, &phys);
+    if (rc)
+        return rc;
+    if (!pool)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&sim_drv.lock);
+    *pool = (CUmemoryPool)current_pool(phys);
+    pthread_mutex_unlock(&sim_drv.lock);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuDeviceSetMemPool(CUdevice dev, CUmemoryPool pool)
+{
+    int phys;
+    struct sim_pool *p;
+    CUresult rc = sim_device(dev, &phys);
+    if (rc || (rc = pool_get(pool, &p)))
+        return rc;
+    if (p->dev != phys)
+        return CUDA_ERROR_INVALID_DEVICE;
+    pthread_mutex_lock(&sim_drv.lock);
+    sim_drv.current_pool[phys] = p == &sim_drv.default_pool[phys] ? NULL : p;
+    pthread_mutex_unlock(&sim_drv.lock);
+    return CUDA_SUCCESS;
+}
+
+/* Nothing is kept beyond what is allocated: nothing to trim. */
+SIM_EXPORT CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep)
+{
+    struct sim_pool *p;
+    (void)minBytesToKeep;
+    return pool_get(pool, &p);
+}
+
+/* Value types as the driver's: int for the reuse switches, cuuint64_t for
+ * the sizes. The high-water marks can only be reset (to the current use). */
+SIM_EXPORT CUresult cuMemPoolSetAttribute(CUmemoryPool pool, CUmemPool_attribute attr, void *value)
+{
+    struct sim_pool *p;
+    CUresult rc = pool_get(pool, &p);
+    if (rc)
+        return rc;
+    if (!value)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&sim_drv.lock);
+    switch (attr) {
+    case CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES:
+    case CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC:
+    case CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES:
+        p->reuse_off[attr - CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES] = *(int *)value == 0;
+        break;
+    case CU_MEMPOOL_ATTR_RELEASE_THRESHOLD: p->release_threshold = *(cuuint64_t *)value; break;
+    case CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH:
+    case CU_MEMPOOL_ATTR_USED_MEM_HIGH:
+        if (*(cuuint64_t *)value != 0)
+            rc = CUDA_ERROR_INVALID_VALUE;
+        else
+            p->used_high = p->used;
+        break;
+    default: rc = CUDA_ERROR_INVALID_VALUE;
+    }
+    pthread_mutex_unlock(&sim_drv.lock);
+    return rc;
+}
+
+SIM_EXPORT CUresult cuMemPoolGetAttribute(CUmemoryPool pool, CUmemPool_attribute attr, void *value)
+{
+    struct sim_pool *p;
+    CUresult rc = pool_get(pool, &p);
+    if (rc)
+        return rc;
+    if (!value)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&sim_drv.lock);
+    switch (attr) {
+    case CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES:
+    case CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC:
+    case CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES:
+        *(int *)value = !p->reuse_off[attr - CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES];
+        break;
+    case CU_MEMPOOL_ATTR_RELEASE_THRESHOLD: *(cuuint64_t *)value = p->release_threshold; break;
+    case CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT:
+    case CU_MEMPOOL_ATTR_USED_MEM_CURRENT: *(cuuint64_t *)value = p->used; break;
+    case CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH:
+    case CU_MEMPOOL_ATTR_USED_MEM_HIGH: *(cuuint64_t *)value = p->used_high; break;
+    default: rc = CUDA_ERROR_INVALID_VALUE;
+    }
+    pthread_mutex_unlock(&sim_drv.lock);
+    return rc;
+}
+
+/* ---- pointer attributes -------------------------------------------------------------- */
+
+/* What the driver knows of an address. */
+struct ptr_info {
+    bool device;                  /* device memory (else pinned host memory) */
+    bool managed, legacy_ipc, vmm;
+    int dev;                      /* simulated GPU; -1: host memory */
+    CUdeviceptr base;
+    uint64_t size, id;
+    struct sim_pool *pool;
+    CUmemAllocationHandleType handle_types;
+};
+
+static bool pointer_info(CUdeviceptr p, struct ptr_info *out)
+{
+    bool found = true;
+    pthread_mutex_lock(&sim_drv.lock);
+    const struct alloc_entry *e = p ? entry_at(p) : NULL;
+    const struct sim_host_mem *m = p && !e ? pinned_at((const void *)(uintptr_t)p) : NULL;
+    if (e) {
+        bool vmm = e->kind == ALLOC_MAPPED;
+        *out = (struct ptr_info){.device = e->dev >= 0, .managed = e->managed, .vmm = vmm,
+                                 .legacy_ipc = !vmm && !e->managed && !e->pool, .dev = e->dev, .base = e->ptr,
+                                 .size = e->size, .id = e->id, .pool = e->pool,
+                                 .handle_types = vmm ? e->handle->handle_types : CU_MEM_HANDLE_TYPE_NONE};
+    } else if (m) {
+        *out = (struct ptr_info){.dev = -1, .base = (CUdeviceptr)(uintptr_t)m->base, .size = m->size, .id = m->id};
+    } else {
+        found = false;
+    }
+    pthread_mutex_unlock(&sim_drv.lock);
+    return found;
+}
+
+/* Sizes as the driver writes them: booleans are one byte (NVIDIA's own
+ * Python bindings read them as bool), the memory type, handle types, RDMA
+ * capability and access flags unsigned int. */
+static CUresult pointer_attribute(void *data, CUpointer_attribute attr, CUdeviceptr p, const struct ptr_info *in)
+{
+    struct sim_ctx *cur = sim_current_ctx();
+    int dev = in->dev >= 0 ? in->dev : sim_ctx_valid(cur) ? cur->dev : sim_drv.visible[0];
+    switch (attr) {
+    case CU_POINTER_ATTRIBUTE_CONTEXT:
+        /* The simulation does not record the allocating context: the
+         * current one if on that GPU, else the GPU's primary context. */
+        *(CUcontext *)data = (CUcontext)(sim_ctx_valid(cur) && cur->dev == dev ? cur : &sim_drv.primary[dev]);
+        break;
+    case CU_POINTER_ATTRIBUTE_MEMORY_TYPE:
+        *(unsigned *)data = in->device ? CU_MEMORYTYPE_DEVICE : CU_MEMORYTYPE_HOST;
+        break;
+    case CU_POINTER_ATTRIBUTE_DEVICE_POINTER: *(CUdeviceptr *)data = p; break;
+    case CU_POINTER_ATTRIBUTE_HOST_POINTER:
+        if (in->device && !in->managed)
+            return CUDA_ERROR_INVALID_VALUE; /* not reachable from the host */
+        *(void **)data = (void *)(uintptr_t)p;
+        break;
+    case CU_POINTER_ATTRIBUTE_P2P_TOKENS: return CUDA_ERROR_NOT_SUPPORTED; /* no nv-p2p kernel interface */
+    case CU_POINTER_ATTRIBUTE_SYNC_MEMOPS: *(bool *)data = false; break;
+    case CU_POINTER_ATTRIBUTE_BUFFER_ID:
+    case CU_POINTER_ATTRIBUTE_MEMORY_BLOCK_ID: *(unsigned long long *)data = in->id; break;
+    case CU_POINTER_ATTRIBUTE_IS_MANAGED: *(bool *)data = in->managed; break;
+    case CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL: *(int *)data = sim_ordinal(dev); break;
+    case CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE: *(bool *)data = in->legacy_ipc; break;
+    case CU_POINTER_ATTRIBUTE_RANGE_START_ADDR:
+    case CU_POINTER_ATTRIBUTE_MAPPING_BASE_ADDR: *(CUdeviceptr *)data = in->base; break;
+    case CU_POINTER_ATTRIBUTE_RANGE_SIZE:
+    case CU_POINTER_ATTRIBUTE_MAPPING_SIZE: *(size_t *)data = (size_t)in->size; break;
+    case CU_POINTER_ATTRIBUTE_MAPPED: *(bool *)data = true; break;
+    case CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES: *(unsigned *)data = in->handle_types; break;
+    case CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE: *(unsigned *)data = 0; break;
+    case CU_POINTER_ATTRIBUTE_ACCESS_FLAGS: *(unsigned *)data = CU_POINTER_ATTRIBUTE_ACCESS_FLAG_READWRITE; break;
+    case CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE: *(CUmemoryPool *)data = (CUmemoryPool)in->pool; break;
+    default: return CUDA_ERROR_INVALID_VALUE;
+    }
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuPointerGetAttribute(void *data, CUpointer_attribute attribute, CUdeviceptr ptr)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    struct ptr_info info;
+    if (!data || !pointer_info(ptr, &info))
+        return CUDA_ERROR_INVALID_VALUE;
+    return pointer_attribute(data, attribute, ptr, &info);
+}
+
+/* Bytes pointer_attribute writes for an attribute; 0: unknown attribute. */
+static size_t pointer_attribute_size(CUpointer_attribute attr)
+{
+    switch (attr) {
+    case CU_POINTER_ATTRIBUTE_SYNC_MEMOPS:
+    case CU_POINTER_ATTRIBUTE_IS_MANAGED:
+    case CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE:
+    case CU_POINTER_ATTRIBUTE_MAPPED: return sizeof(bool);
+    case CU_POINTER_ATTRIBUTE_MEMORY_TYPE:
+    case CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL:
+    case CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES:
+    case CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE:
+    case CU_POINTER_ATTRIBUTE_ACCESS_FLAGS: return sizeof(unsigned);
+    case CU_POINTER_ATTRIBUTE_P2P_TOKENS: return 2 * sizeof(unsigned long long); /* CUDA_POINTER_ATTRIBUTE_P2P_TOKENS */
+    case CU_POINTER_ATTRIBUTE_CONTEXT:
+    case CU_POINTER_ATTRIBUTE_DEVICE_POINTER:
+    case CU_POINTER_ATTRIBUTE_HOST_POINTER:
+    case CU_POINTER_ATTRIBUTE_BUFFER_ID:
+    case CU_POINTER_ATTRIBUTE_RANGE_START_ADDR:
+    case CU_POINTER_ATTRIBUTE_RANGE_SIZE:
+    case CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE:
+    case CU_POINTER_ATTRIBUTE_MAPPING_SIZE:
+    case CU_POINTER_ATTRIBUTE_MAPPING_BASE_ADDR:
+    case CU_POINTER_ATTRIBUTE_MEMORY_BLOCK_ID: return 8;
+    default: return 0;
+    }
+}
+
+/* Unlike the single query, what cannot be answered is no error: an address
+ * the driver does not know reads as zeros (memory type 0: unregistered),
+ * and so does an attribute that does not apply (the host pointer of device
+ * memory). */
+SIM_EXPORT CUresult cuPointerGetAttributes(unsigned int numAttributes, CUpointer_attribute *attributes, void **data,
+                                           CUdeviceptr ptr)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (numAttributes == 0 || !attributes || !data)
+        return CUDA_ERROR_INVALID_VALUE;
+    for (unsigned i = 0; i < numAttributes; i++) {
+        if (!data[i] || !pointer_attribute_size(attributes[i]))
+            return CUDA_ERROR_INVALID_VALUE;
+    }
+    struct ptr_info info;
+    bool known = pointer_info(ptr, &info);
+    for (unsigned i = 0; i < numAttributes; i++) {
+        if (!known || pointer_attribute(data[i], attributes[i], ptr, &info) != CUDA_SUCCESS)
+            memset(data[i], 0, pointer_attribute_size(attributes[i]));
+    }
+    return CUDA_SUCCESS;
 }

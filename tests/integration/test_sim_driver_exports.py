@@ -204,3 +204,82 @@ def test_pinned_memory_is_not_device_memory_across_processes(sim_env):
     free, total = got[1]
     assert total == 16 << 30 and total - free < 1 << 30  # only the contexts' memory
     assert got[2:] == ["CUDA_SUCCESS", "CUDA_ERROR_INVALID_VALUE"]
+
+
+def test_pointer_attributes_tell_device_managed_pool_and_pinned_memory(sim_env):
+    got = run_py(sim_env, """
+        import ctypes as C, json
+        from cudapy import Driver
+        cu = Driver(); ctx = cu.init_device(1)
+        MEMORY_TYPE, DEVICE_POINTER, HOST_POINTER, BUFFER_ID, IS_MANAGED, ORDINAL, IPC, START, SIZE, POOL = (
+            2, 3, 4, 7, 8, 9, 10, 11, 12, 17)
+        def attrs(p):
+            mt, dp, hp, bid, man, ordl, ipc, start, size, pool = (C.c_uint(), C.c_uint64(), C.c_void_p(),
+                C.c_ulonglong(), C.c_bool(), C.c_int(), C.c_bool(), C.c_uint64(), C.c_size_t(), C.c_void_p())
+            rcs = [cu.rc("cuPointerGetAttribute", C.byref(v), a, C.c_uint64(p)) for v, a in (
+                (mt, MEMORY_TYPE), (dp, DEVICE_POINTER), (hp, HOST_POINTER), (bid, BUFFER_ID), (man, IS_MANAGED),
+                (ordl, ORDINAL), (ipc, IPC), (start, START), (size, SIZE), (pool, POOL))]
+            return {"rc": sorted(set(rcs)), "type": mt.value, "dev_is_p": dp.value == p, "host": hp.value,
+                    "id": bid.value, "managed": man.value, "ordinal": ordl.value, "ipc": ipc.value,
+                    "start_off": p - start.value, "size": size.value, "pool": pool.value}
+        dev, man = C.c_uint64(), C.c_uint64()
+        cu.call("cuMemAlloc_v2", C.byref(dev), C.c_size_t(1 << 20))
+        cu.call("cuMemAllocManaged", C.byref(man), C.c_size_t(4096), 1)
+        pool = C.c_void_p(); cu.call("cuDeviceGetMemPool", C.byref(pool), 1)
+        asy = C.c_uint64(); cu.call("cuMemAllocAsync", C.byref(asy), C.c_size_t(3 << 20), None)
+        used = C.c_uint64(); cu.call("cuMemPoolGetAttribute", pool, 7, C.byref(used))  # USED_MEM_CURRENT
+        thr = C.c_uint64(1 << 30); cu.call("cuMemPoolSetAttribute", pool, 4, C.byref(thr))  # RELEASE_THRESHOLD
+        thr_back = C.c_uint64(); cu.call("cuMemPoolGetAttribute", pool, 4, C.byref(thr_back))
+        host = C.c_void_p(); cu.call("cuMemAllocHost_v2", C.byref(host), C.c_size_t(8192))
+        out = {"dev": attrs(dev.value + 100), "managed": attrs(man.value), "async": attrs(asy.value),
+               "pinned": attrs(host.value + 8), "pool": pool.value, "used": used.value, "threshold": thr_back.value}
+        cu.call("cuMemFreeAsync", asy, None)
+        cu.call("cuMemPoolGetAttribute", pool, 7, C.byref(used)); out["used_after"] = used.value
+        high = C.c_uint64(); cu.call("cuMemPoolGetAttribute", pool, 8, C.byref(high)); out["high"] = high.value
+        junk = C.create_string_buffer(64)
+        out["unknown"] = cu.rc("cuPointerGetAttribute", C.byref(C.c_uint()), MEMORY_TYPE, C.c_uint64(C.addressof(junk)))
+        mt = C.c_uint(7); data = (C.c_void_p * 1)(C.cast(C.byref(mt), C.c_void_p)); which = (C.c_int * 1)(MEMORY_TYPE)
+        out["unknown_many"] = [cu.rc("cuPointerGetAttributes", 1, which, data, C.c_uint64(C.addressof(junk))), mt.value]
+        print(json.dumps(out))
+    """)
+    dev, managed, asy, pinned = got["dev"], got["managed"], got["async"], got["pinned"]
+    assert dev == {"rc": ["CUDA_ERROR_INVALID_VALUE", "CUDA_SUCCESS"], "type": 2, "dev_is_p": True, "host": None,
+                   "id": dev["id"], "managed": False, "ordinal": 1, "ipc": True, "start_off": 100,
+                   "size": 1 << 20, "pool": None}  # no host pointer to device memory
+    assert managed["rc"] == ["CUDA_SUCCESS"] and managed["managed"] and not managed["ipc"] and managed["host"]
+    assert asy["pool"] == got["pool"] and asy["size"] == 3 << 20 and not asy["ipc"]
+    assert pinned["rc"] == ["CUDA_SUCCESS"] and pinned["type"] == 1 and pinned["start_off"] == 8
+    assert pinned["size"] == 8192 and pinned["host"] is not None
+    assert len({dev["id"], managed["id"], asy["id"], pinned["id"]}) == 4
+    assert got["used"] == 3 << 20 and got["used_after"] == 0 and got["high"] == 3 << 20
+    assert got["threshold"] == 1 << 30
+    assert got["unknown"] == "CUDA_ERROR_INVALID_VALUE"
+    assert got["unknown_many"] == ["CUDA_SUCCESS", 0]  # unregistered memory
+
+
+def test_function_attributes_have_defaults_and_take_what_may_be_set(sim_env):
+    got = run_py(sim_env, """
+        import ctypes as C, json
+        from cudapy import Driver
+        cu = Driver(); primary = cu.init_device(0); fn = cu.spin_function()
+        def get(a):
+            v = C.c_int(-99); rc = cu.rc("cuFuncGetAttribute", C.byref(v), a, fn); return [rc, v.value]
+        out = {"max_threads": get(0), "binary": get(6), "dyn_shared": get(8), "carveout": get(9)}
+        out["set_dyn"] = cu.rc("cuFuncSetAttribute", fn, 8, 100000)
+        out["dyn_after"] = get(8)
+        out["set_too_much"] = cu.rc("cuFuncSetAttribute", fn, 8, 300000)
+        out["set_read_only"] = cu.rc("cuFuncSetAttribute", fn, 4, 32)
+        out["bad_attr"] = get(99)
+        out["cache"] = [cu.rc("cuFuncSetCacheConfig", fn, 1), cu.rc("cuFuncSetCacheConfig", fn, 9)]
+        ctx = C.c_void_p()
+        out["stream_ctx"] = [cu.rc("cuStreamGetCtx", None, C.byref(ctx)), ctx.value == primary.value]
+        print(json.dumps(out))
+    """)
+    assert got["max_threads"] == ["CUDA_SUCCESS", 1024]
+    assert got["binary"] == ["CUDA_SUCCESS", 90]  # the config's compute capability 9.0
+    assert got["dyn_shared"] == ["CUDA_SUCCESS", 49152] and got["carveout"] == ["CUDA_SUCCESS", -1]
+    assert got["set_dyn"] == "CUDA_SUCCESS" and got["dyn_after"] == ["CUDA_SUCCESS", 100000]
+    assert got["set_too_much"] == got["set_read_only"] == "CUDA_ERROR_INVALID_VALUE"
+    assert got["bad_attr"][0] == "CUDA_ERROR_INVALID_VALUE"
+    assert got["cache"] == ["CUDA_SUCCESS", "CUDA_ERROR_INVALID_VALUE"]
+    assert got["stream_ctx"] == ["CUDA_SUCCESS", True]  # the NULL stream's: the current context
