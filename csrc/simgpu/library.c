@@ -194,16 +194,13 @@ SIM_EXPORT CUresult cuModuleLoadFatBinary(CUmodule *module, const void *fatCubin
     return rc;
 }
 
-/* A library is its code loaded as a module once, on the first request for
- * its kernels. cudart loads libraries and looks their kernels up before any
- * context is current (lazy loading), so with none current the module is
- * made under device 0's primary context, pushed for the call without being
- * retained (nothing is charged for it). A kernel handle is that module's
- * function: the real driver lets a CUkernel stand for a CUfunction of the
- * current context in cuLaunchKernel, and here the two are one; so a kernel
- * launches on the device its module was loaded for (device 0 when loaded
- * lazily: kernels of a library on a second device need cuKernelGetFunction
- * from that device's context, which loads the code there). */
+/* A library is its code, loaded as a module per device on first need.
+ * cudart loads libraries and looks their kernels up before any context is
+ * current (lazy loading): with none current the module is made under
+ * device 0's primary context, pushed for the call without being retained
+ * (nothing is charged for it). A kernel handle is that module's function;
+ * a launch on another device takes the twin loaded there
+ * (sim_kernel_function). */
 struct sim_library {
     uint32_t magic;
     pthread_mutex_t lock;
@@ -350,6 +347,24 @@ SIM_EXPORT CUresult cuLibraryGetKernel(CUkernel *pKernel, CUlibrary library, con
     if ((rc = library_module(lib, &m)))
         return rc;
     return cuModuleGetFunction((CUfunction *)pKernel, m, name);
+}
+
+/* What a launch (or graph node) on the calling thread's device means by a
+ * function handle. The real driver takes a CUkernel in place of a CUfunction
+ * and runs the kernel's code for the current context, whichever device that
+ * is; so a library's kernel loaded for another device gives its twin for
+ * this one (loaded on first use). Anything else is itself: a function of a
+ * plain module on another device stays an invalid handle there. */
+struct sim_function *sim_kernel_function(struct sim_function *fn)
+{
+    struct sim_ctx *ctx = sim_current_ctx();
+    if (!ctx || fn->module->dev == ctx->dev)
+        return fn;
+    struct sim_library *lib = library_of_module((CUmodule)fn->module);
+    CUfunction twin;
+    if (!lib || cuLibraryGetKernel((CUkernel *)&twin, (CUlibrary)lib, fn->name) != CUDA_SUCCESS)
+        return fn;
+    return (struct sim_function *)twin;
 }
 
 SIM_EXPORT CUresult cuKernelGetFunction(CUfunction *pFunc, CUkernel kernel)

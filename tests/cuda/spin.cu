@@ -135,6 +135,8 @@ int main(int argc, char **argv)
             if (!rc)
                 rc = cudaStreamSynchronize(0);
             report(s, rc, "%llu", (unsigned long long)((now_s() - t0) * 1e6));
+        } else if (!strncmp(s, "device=", 7)) {
+            report("device", cudaSetDevice(atoi(s + 7)));
         } else if (!strcmp(s, "reset")) {
             report(s, cudaDeviceReset());
         } else if (!strcmp(s, "capture")) {

@@ -107,7 +107,7 @@ def test_c_program_on_the_real_runtime_sees_and_fills_the_simulated_gpus(c_progr
 
 def test_nvcc_program_allocates_launches_and_runs_a_graph_through_cudart(spin, sim_env):
     got = steps(spin, sim_env, "count", "meminfo", "malloc", "async", "managed", "kernel", "graph", "capture", "reset",
-                "kernel")
+                "kernel", "device=1", "kernel", "graph")
     assert got["count"] == ["cudaSuccess", "2"]
     assert got["meminfo"] == ["cudaSuccess", str(16 * GIB), str(16 * GIB)]
     for step in ("malloc", "free", "async", "freeasync", "managed"):
@@ -117,8 +117,10 @@ def test_nvcc_program_allocates_launches_and_runs_a_graph_through_cudart(spin, s
     assert got["graph"][0] == "cudaSuccess" and 39_000 <= int(got["graph"][1]) < 500_000, got["graph"]
     # stream capture is not simulated (docs/simulated-gpu.md, "CUDA runtime")
     assert got["capture"] == ["cudaErrorNotSupported"]
-    # cudaDeviceReset, and the runtime starts over on the reset context
-    assert got["reset"] == ["cudaSuccess"] and got["kernel@last"][0] == "cudaSuccess"
+    # cudaDeviceReset, and the runtime starts over on the reset context; the
+    # same kernel on the second GPU (its code loaded there on first use)
+    assert got["reset"] == ["cudaSuccess"] and got["device"] == ["cudaSuccess"]
+    assert got["kernel@last"][0] == got["graph@last"][0] == "cudaSuccess", got
 
 
 @pytest.mark.parametrize("compress", ["none", "speed", "size"])
