@@ -67,6 +67,22 @@ int main(int argc, char **argv)
                     back[16] == 0xAB && back[19] == 0xAB;
     CUresult past_end = cuMemcpyDtoH(back, d1 + 1, N);
 
+    /* What the driver says of each address, and a pool's usage. */
+    unsigned type_dev = 0, type_pinned = 0, type_pageable = 9;
+    CHECK(cuPointerGetAttribute(&type_dev, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, d1 + 5));
+    CHECK(cuPointerGetAttribute(&type_pinned, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, (CUdeviceptr)(uintptr_t)src));
+    CUpointer_attribute which[1] = {CU_POINTER_ATTRIBUTE_MEMORY_TYPE};
+    void *data[1] = {&type_pageable};
+    unsigned char on_stack[16];
+    CHECK(cuPointerGetAttributes(1, which, data, (CUdeviceptr)(uintptr_t)on_stack));
+    CUmemoryPool pool;
+    CUdeviceptr from_pool;
+    cuuint64_t pool_used = 0;
+    CHECK(cuDeviceGetMemPool(&pool, dev));
+    CHECK(cuMemAllocAsync(&from_pool, 4096, s));
+    CHECK(cuMemPoolGetAttribute(pool, CU_MEMPOOL_ATTR_USED_MEM_CURRENT, &pool_used));
+    CHECK(cuMemFreeAsync(from_pool, s));
+
     CUdeviceptr mapped = 0;
     CHECK(cuMemHostGetDevicePointer(&mapped, src + 8, 0));
     unsigned flags = 0;
@@ -99,14 +115,18 @@ int main(int argc, char **argv)
     CUresult stub = cuMemAdvise(d1, N, CU_MEM_ADVISE_SET_READ_MOSTLY, (CUmemLocation){CU_MEM_LOCATION_TYPE_DEVICE, 0});
     CHECK(cuMemFree(d1));
     CHECK(cuMemFree(d2));
+    CHECK(cuStreamDestroy(s));
+    CHECK(cuStreamDestroy(ps));
+    free(pageable);
 
     printf("{\"ok\": %d, \"first_fail_line\": %d, \"total\": %zu, \"free_before\": %zu, \"free_pinned\": %zu, "
            "\"free_device\": %zu, \"huge\": %d, \"roundtrip\": %d, \"past_end\": %d, \"mapped_is_host\": %d, "
            "\"flags\": %u, \"unregister\": [%d, %d], \"register_twice\": %d, \"free_pageable\": %d, "
            "\"p2p\": [%d, %d, %d], \"cache\": %d, \"stack\": %zu, \"priority\": [%d, %d, %d], \"ctx_flags\": %u, "
-           "\"stub\": %d}\n",
+           "\"stub\": %d, \"types\": [%u, %u, %u], \"pool_used\": %llu}\n",
            ok_count, first_fail_line, total, free0, free1, free2, huge_rc, roundtrip, past_end,
            mapped == (CUdeviceptr)(uintptr_t)(src + 8), flags, unregister_rc, unregister_again, register_twice,
-           free_pageable, p2p_rc, p2p, p2p_self, cache, stack, least, greatest, prio, ctx_flags, stub);
+           free_pageable, p2p_rc, p2p, p2p_self, cache, stack, least, greatest, prio, ctx_flags, stub, type_dev, type_pinned,
+           type_pageable, (unsigned long long)pool_used);
     return 0;
 }

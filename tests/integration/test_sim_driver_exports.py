@@ -146,26 +146,32 @@ def test_every_stub_answers_not_supported(sim_env):
     assert {s for s, rc in got.items() if rc != CUDA_ERROR_NOT_SUPPORTED} == set()
 
 
-@pytest.fixture(scope="module")
-def calls_program(native: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    exe = tmp_path_factory.mktemp("driver-calls") / "sim_driver_calls"
+def _build_calls(out: Path, lib_dir: Path, *flags: str) -> Path:
+    exe = out / "sim_driver_calls"
     subprocess.run(
-        ["cc", "-std=c11", "-Wall", "-Wextra", "-Werror", f"-I{REAL_CUDA_INCLUDE}",
-         str(Path(__file__).with_name("sim_driver_calls.c")), "-o", str(exe),
-         f"-L{native / 'sim'}", "-l:libcuda.so.1"],
+        ["cc", "-std=c11", "-Wall", "-Wextra", "-Werror", *flags, f"-I{REAL_CUDA_INCLUDE}",
+         str(Path(__file__).with_name("sim_driver_calls.c")), "-o", str(exe), f"-L{lib_dir}", "-l:libcuda.so.1"],
         check=True,
     )
     return exe
 
 
-@needs_real_cuda_h
-def test_a_program_built_against_cuda_h_pins_copies_and_queries(calls_program, sim_env, tmp_path):
+@pytest.fixture(scope="module")
+def calls_program(native: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _build_calls(tmp_path_factory.mktemp("driver-calls"), native / "sim")
+
+
+def _run_calls(exe: Path, sim_env: dict[str, str]) -> dict[str, object]:
     # GPUs of 1 GiB, 2 GiB pinned: pinned memory is host memory.
     write_sim_config(Path(sim_env["CGPU_SIM_CONFIG"]), mem="1GiB")
-    proc = subprocess.run([str(calls_program), str(2 << 30)], env=sim_env, capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run([str(exe), str(2 << 30)], env=sim_env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    got = json.loads(proc.stdout)
+    return json.loads(proc.stdout)
+
+
+@needs_real_cuda_h
+def test_a_program_built_against_cuda_h_pins_copies_and_queries(calls_program, sim_env):
+    got = _run_calls(calls_program, sim_env)
     assert got["first_fail_line"] == 0, proc.stderr
     assert got["total"] == 1 << 30
     assert got["huge"] == 0
@@ -184,6 +190,8 @@ def test_a_program_built_against_cuda_h_pins_copies_and_queries(calls_program, s
     assert got["priority"] == [0, -5, -5]  # clamped to the greatest
     assert got["ctx_flags"] == 0
     assert got["stub"] == CUDA_ERROR_NOT_SUPPORTED
+    assert got["types"] == [2, 1, 0]  # device, host, unregistered
+    assert got["pool_used"] == 4096
 
 
 def test_pinned_memory_is_not_device_memory_across_processes(sim_env):
@@ -283,3 +291,20 @@ def test_function_attributes_have_defaults_and_take_what_may_be_set(sim_env):
     assert got["bad_attr"][0] == "CUDA_ERROR_INVALID_VALUE"
     assert got["cache"] == ["CUDA_SUCCESS", "CUDA_ERROR_INVALID_VALUE"]
     assert got["stream_ctx"] == ["CUDA_SUCCESS", True]  # the NULL stream's: the current context
+
+
+@needs_real_cuda_h
+def test_pinning_and_copies_are_clean_under_sanitizers(sim_env, tmp_path):
+    # The simulated driver and the program both built with ASan/UBSan (leaks
+    # included): the copies' backing, the pinned records, the pools.
+    sys.path.insert(0, str(CSRC))
+    import build_native
+
+    target = next(t for t in build_native.TARGETS if t.output == "sim/libcuda.so.1")
+    build_native.compile_target(target, tmp_path, build_native.SANITIZE)
+    exe = _build_calls(tmp_path, tmp_path / "sim", *build_native.SANITIZE_FLAGS)
+    env = dict(sim_env, LD_LIBRARY_PATH=str(tmp_path / "sim"),
+               ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:exitcode=86",
+               UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:exitcode=87")
+    got = _run_calls(exe, env)
+    assert got["first_fail_line"] == 0 and got["roundtrip"] == 1
