@@ -115,8 +115,9 @@ def test_nvcc_program_allocates_launches_and_runs_a_graph_through_cudart(spin, s
     # the spin kernel is timed from its PTX: 50 ms, and the graph's two 20 ms nodes
     assert got["kernel"][0] == "cudaSuccess" and 49_000 <= int(got["kernel"][1]) < 500_000, got["kernel"]
     assert got["graph"][0] == "cudaSuccess" and 39_000 <= int(got["graph"][1]) < 500_000, got["graph"]
-    # stream capture is not simulated (docs/simulated-gpu.md, "CUDA runtime")
-    assert got["capture"] == ["cudaErrorNotSupported"]
+    # two kernels captured from a stream (capturing while they were queued) run as a 40 ms graph
+    assert got["capture"][0] == "cudaSuccess" and got["capture"][2] == "1", got["capture"]
+    assert 39_000 <= int(got["capture"][1]) < 500_000, got["capture"]
     # cudaDeviceReset, and the runtime starts over on the reset context; the
     # same kernel on the second GPU (its code loaded there on first use)
     assert got["reset"] == ["cudaSuccess"] and got["device"] == ["cudaSuccess"]
@@ -163,13 +164,14 @@ def tenant_daemon(tmp_path, sim_env):
 
 def test_under_cgpuctl_run_cudart_sees_1gib_stops_there_and_gets_30_percent(tenant_daemon, spin, c_program):
     run = (str(BIN / "cgpuctl"), "--socket", str(tenant_daemon.socket), "run", "--mem", "1GiB", "--core", "30", "--")
-    got = steps(spin, tenant_daemon.env, "meminfo", "burn=4", "fill", "meminfo", prefix=run)
+    got = steps(spin, tenant_daemon.env, "meminfo", "burn=4", "capture", "fill", "meminfo", prefix=run)
     assert got["meminfo"] == ["cudaSuccess", str(GIB), str(GIB)]
     assert got["fill"] == ["cudaErrorMemoryAllocation", str(GIB)]
     assert got["meminfo@last"] == ["cudaSuccess", "0", str(GIB)]
     busy, wall = (int(v) for v in got["burn"][1:])
     assert got["burn"][0] == "cudaSuccess"
     assert 0.22 <= busy / wall <= 0.40, (busy, wall)
+    assert got["capture"][0] == "cudaSuccess" and got["capture"][2] == "1", got["capture"]
     # the plain C program under the same limit
     got = steps(c_program, tenant_daemon.env, "meminfo", "fill", prefix=run)
     assert got["meminfo"][0] == "cudaSuccess" and int(got["meminfo"][2]) == GIB
@@ -182,7 +184,7 @@ def test_cudart_paths_are_clean_under_sanitizers(spin, san_env):
     ASan runtime is preloaded; cudart's own allocations are not ours to check)."""
     asan = subprocess.run(["cc", "-print-file-name=libasan.so"], capture_output=True, text=True, check=True).stdout
     env = dict(san_env, LD_PRELOAD=asan.strip(), ASAN_OPTIONS="detect_leaks=0:abort_on_error=0:exitcode=86")
-    proc = subprocess.run([str(spin), "count", "meminfo", "malloc", "async", "managed", "kernel", "graph"], env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([str(spin), "count", "meminfo", "malloc", "async", "managed", "kernel", "graph", "capture",
+                           "device=1", "kernel"], env=env, capture_output=True, text=True, timeout=300)
     assert "Sanitizer" not in proc.stderr and "runtime error" not in proc.stderr, proc.stderr
-    assert proc.returncode == 0 and proc.stdout.count("cudaSuccess") == 10, proc.stdout + proc.stderr
+    assert proc.returncode == 0 and proc.stdout.count("cudaSuccess") == 13, proc.stdout + proc.stderr
