@@ -895,3 +895,96 @@ SIM_EXPORT CUresult cuCtxGetStreamPriorityRange(int *leastPriority, int *greates
         *greatestPriority = SIM_STREAM_PRIORITY_GREATEST;
     return CUDA_SUCCESS;
 }
+
+/* ---- occupancy ------------------------------------------------------------------ */
+
+/* A compute capability 9.0 SM: what bounds how many blocks it holds. */
+#define SM_THREADS 2048
+#define SM_BLOCKS 32
+#define SM_REGS 65536
+#define SM_REG_UNIT 256           /* registers are given to warps in units of 256 */
+#define SM_SHARED 233472
+#define BLOCK_SHARED_RESERVED 1024 /* the driver's per-block share of shared memory */
+
+/* Blocks of `block` threads using `smem` dynamic shared memory one SM holds
+ * at once; 0 when one does not fit. */
+static int blocks_per_sm(CUfunction f, int block, size_t smem, CUresult *rc)
+{
+    int regs, static_smem, max_dyn, max_threads;
+    if ((*rc = cuFuncGetAttribute(&regs, CU_FUNC_ATTRIBUTE_NUM_REGS, f)) ||
+        (*rc = cuFuncGetAttribute(&static_smem, CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, f)) ||
+        (*rc = cuFuncGetAttribute(&max_dyn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, f)) ||
+        (*rc = cuFuncGetAttribute(&max_threads, CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, f)))
+        return 0;
+    if (block > max_threads || smem > (size_t)max_dyn)
+        return 0;
+    int warps = (block + 31) / 32;
+    int per_warp_regs = (regs * 32 + SM_REG_UNIT - 1) / SM_REG_UNIT * SM_REG_UNIT;
+    int by_threads = SM_THREADS / (warps * 32);
+    int by_regs = per_warp_regs ? SM_REGS / per_warp_regs / warps : SM_BLOCKS;
+    int by_smem = (int)(SM_SHARED / (smem + (size_t)static_smem + BLOCK_SHARED_RESERVED));
+    int n = SM_BLOCKS;
+    n = by_threads < n ? by_threads : n;
+    n = by_regs < n ? by_regs : n;
+    return by_smem < n ? by_smem : n;
+}
+
+SIM_EXPORT CUresult cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(int *numBlocks, CUfunction func,
+                                                                         int blockSize, size_t dynamicSMemSize,
+                                                                         unsigned int flags)
+{
+    if (!numBlocks || blockSize <= 0 || (flags & ~(unsigned)CU_OCCUPANCY_DISABLE_CACHING_OVERRIDE))
+        return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc;
+    int n = blocks_per_sm(func, blockSize, dynamicSMemSize, &rc);
+    if (rc == CUDA_SUCCESS)
+        *numBlocks = n;
+    return rc;
+}
+
+SIM_EXPORT CUresult cuOccupancyMaxActiveBlocksPerMultiprocessor(int *numBlocks, CUfunction func, int blockSize,
+                                                                size_t dynamicSMemSize)
+{
+    return cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(numBlocks, func, blockSize, dynamicSMemSize, 0);
+}
+
+/* The block size (a multiple of the warp) that keeps the most threads
+ * resident, the larger on a tie; the grid that fills every SM with it. */
+SIM_EXPORT CUresult cuOccupancyMaxPotentialBlockSizeWithFlags(int *minGridSize, int *blockSize, CUfunction func,
+                                                              CUoccupancyB2DSize blockSizeToDynamicSMemSize,
+                                                              size_t dynamicSMemSize, int blockSizeLimit,
+                                                              unsigned int flags)
+{
+    int max_threads;
+    CUresult rc = cuFuncGetAttribute(&max_threads, CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, func);
+    if (rc)
+        return rc;
+    if (!minGridSize || !blockSize || blockSizeLimit < 0 || (flags & ~(unsigned)CU_OCCUPANCY_DISABLE_CACHING_OVERRIDE))
+        return CUDA_ERROR_INVALID_VALUE;
+    int limit = blockSizeLimit && blockSizeLimit < max_threads ? blockSizeLimit : max_threads;
+    int best_block = 0, best_blocks = 0;
+    for (int b = (limit + 31) / 32 * 32; b > 0; b -= 32) {
+        int size = b > limit ? limit : b;
+        size_t smem = blockSizeToDynamicSMemSize ? blockSizeToDynamicSMemSize(size) : dynamicSMemSize;
+        int n = blocks_per_sm(func, size, smem, &rc);
+        if (rc)
+            return rc;
+        if (n * size > best_blocks * best_block) {
+            best_block = size;
+            best_blocks = n;
+        }
+    }
+    struct sim_ctx *ctx = sim_current_ctx();
+    int sms = sim_ctx_valid(ctx) ? (int)sim_cfg()->gpu[ctx->dev].sm_count : 0;
+    *blockSize = best_block;
+    *minGridSize = best_blocks * sms;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuOccupancyMaxPotentialBlockSize(int *minGridSize, int *blockSize, CUfunction func,
+                                                     CUoccupancyB2DSize blockSizeToDynamicSMemSize,
+                                                     size_t dynamicSMemSize, int blockSizeLimit)
+{
+    return cuOccupancyMaxPotentialBlockSizeWithFlags(minGridSize, blockSize, func, blockSizeToDynamicSMemSize,
+                                                     dynamicSMemSize, blockSizeLimit, 0);
+}

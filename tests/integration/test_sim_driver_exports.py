@@ -308,3 +308,36 @@ def test_pinning_and_copies_are_clean_under_sanitizers(sim_env, tmp_path):
                UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:exitcode=87")
     got = _run_calls(exe, env)
     assert got["first_fail_line"] == 0 and got["roundtrip"] == 1
+
+
+def test_occupancy_follows_threads_shared_memory_and_limits(sim_env):
+    got = run_py(sim_env, """
+        import ctypes as C, json
+        from cudapy import Driver
+        cu = Driver(); cu.init_device(0); fn = cu.spin_function()
+        def blocks(size, smem, flags=0):
+            n = C.c_int(-1)
+            rc = cu.rc("cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags", C.byref(n), fn, size, C.c_size_t(smem), flags)
+            return [rc, n.value]
+        def best(limit, smem=0, per_block=None):
+            grid, block = C.c_int(-1), C.c_int(-1)
+            cb = C.CFUNCTYPE(C.c_size_t, C.c_int)(per_block) if per_block else None
+            rc = cu.rc("cuOccupancyMaxPotentialBlockSize", C.byref(grid), C.byref(block), fn, cb, C.c_size_t(smem), limit)
+            return [rc, grid.value, block.value]
+        print(json.dumps({
+            "b256": blocks(256, 0), "b1024": blocks(1024, 0), "b96": blocks(96, 0),
+            "smem": blocks(128, 40000), "too_much_smem": blocks(128, 100000), "too_big": blocks(2048, 0),
+            "bad_flags": blocks(128, 0, 4)[0], "zero": blocks(0, 0)[0],
+            "best": best(0), "best_100": best(100), "best_cb": best(0, per_block=lambda b: 48 * b),
+        }))
+    """)
+    assert got["b256"] == ["CUDA_SUCCESS", 8] and got["b1024"] == ["CUDA_SUCCESS", 2]  # 2048 threads an SM
+    assert got["b96"] == ["CUDA_SUCCESS", 21]
+    assert got["smem"] == ["CUDA_SUCCESS", 5]  # 228 KiB of shared memory an SM
+    assert got["too_much_smem"] == got["too_big"] == ["CUDA_SUCCESS", 0]
+    assert got["bad_flags"] == got["zero"] == "CUDA_ERROR_INVALID_VALUE"
+    assert got["best"] == ["CUDA_SUCCESS", 2 * 132, 1024]
+    # at most 100 threads: 64-thread blocks fill an SM (32 blocks), 96 or 100 do not
+    assert got["best_100"] == ["CUDA_SUCCESS", 32 * 132, 64]
+    # 48 bytes of shared memory a thread: 1024 threads need 48 KiB (fits 4 an SM by memory, 2 by threads)
+    assert got["best_cb"][0] == "CUDA_SUCCESS" and got["best_cb"][2] == 1024
