@@ -141,6 +141,20 @@ CUstreamCaptureStatus sim_capture_status(const struct sim_stream *s)
     return active ? CU_STREAM_CAPTURE_STATUS_ACTIVE : CU_STREAM_CAPTURE_STATUS_NONE;
 }
 
+/* cuStreamIsCapturing itself is in driver_exec.c; this is the form a
+ * program built with --default-stream per-thread gets. */
+SIM_EXPORT CUresult cuStreamIsCapturing_ptsz(CUstream hStream, CUstreamCaptureStatus *captureStatus)
+{
+    CUresult rc = sim_check_init();
+    struct sim_stream *s;
+    if (rc || (rc = sim_resolve_stream(hStream, true, &s)))
+        return rc;
+    if (!captureStatus)
+        return CUDA_ERROR_INVALID_VALUE;
+    *captureStatus = sim_capture_status(s);
+    return CUDA_SUCCESS;
+}
+
 /* Status, id, graph and the nodes the next captured node will depend on
  * (the last one captured); the dependency array lives until the next
  * capture call on the stream, as the driver's does. */

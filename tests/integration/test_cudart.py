@@ -70,14 +70,14 @@ def c_program(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp / "prog"
 
 
-def build_spin(out: Path, compress: str, code: str = "compute_75", cudart: str = "shared") -> Path:
+def build_spin(out: Path, compress: str, code: str = "compute_75", cudart: str = "shared", *flags: str) -> Path:
     """spin.cu as PTX only (compute_75) or as machine code (sm_80), the
     fatbin compressed as asked, with the shared or nvcc's default, static
     runtime."""
     needs_cuda(NVCC)
     arch = code.replace("sm_", "compute_")
     subprocess.run([str(NVCC), "-gencode", f"arch={arch},code={code}", "-cudart", cudart,
-                    f"--compress-mode={compress}", "-o", str(out), str(ROOT / "tests/cuda/spin.cu")],
+                    f"--compress-mode={compress}", *flags, "-o", str(out), str(ROOT / "tests/cuda/spin.cu")],
                    check=True, capture_output=True, timeout=300)
     return out
 
@@ -135,6 +135,16 @@ def test_the_static_runtime_nvcc_links_by_default_runs_too(tmp_path, sim_env):
     exe = build_spin(tmp_path / "spin", "default", cudart="static")
     got = steps(exe, sim_env, "count", "malloc", "kernel", "graph")
     assert [got[s][0] for s in ("count", "malloc", "kernel", "graph")] == ["cudaSuccess"] * 4
+
+
+def test_per_thread_default_stream_and_eager_loading(tmp_path, sim_env):
+    """Built with --default-stream per-thread cudart takes the _ptsz entry
+    points; CUDA_MODULE_LOADING=EAGER loads code at start instead of first use."""
+    exe = build_spin(tmp_path / "spin", "default", "compute_75", "shared", "--default-stream", "per-thread")
+    for loading in ("LAZY", "EAGER"):
+        got = steps(exe, dict(sim_env, CUDA_MODULE_LOADING=loading), "async", "kernel", "graph", "capture")
+        assert [got[s][0] for s in ("async", "kernel", "graph", "capture")] == ["cudaSuccess"] * 4, (loading, got)
+        assert 49_000 <= int(got["kernel"][1]) < 500_000, got["kernel"]
 
 
 def test_machine_code_without_ptx_has_no_image_for_the_simulated_gpu(tmp_path, sim_env):
