@@ -133,6 +133,21 @@ SIM_EXPORT CUresult cuStreamEndCapture_ptsz(CUstream hStream, CUgraph *phGraph)
     return end(hStream, phGraph, true);
 }
 
+/* A stream destroyed while capturing ends its capture (the graph goes), so
+ * that a stream made later at the same address does not inherit it. */
+void sim_capture_forget(const struct sim_stream *s)
+{
+    pthread_mutex_lock(&captures.lock);
+    struct capture **at = capture_at(s), *c = *at;
+    if (c)
+        *at = c->next;
+    pthread_mutex_unlock(&captures.lock);
+    if (c) {
+        cuGraphDestroy(c->graph);
+        free(c);
+    }
+}
+
 CUstreamCaptureStatus sim_capture_status(const struct sim_stream *s)
 {
     pthread_mutex_lock(&captures.lock);

@@ -133,7 +133,7 @@ static char *fatbin_ptx(const unsigned char *fb)
     while (e + 0x40 <= end) {
         uint32_t ehsize = rd32(e + 4);
         uint64_t payload = rd64(e + 8);
-        if (ehsize < 0x40 || payload > (uint64_t)(end - e) - ehsize)
+        if (ehsize < 0x40 || ehsize > (uint64_t)(end - e) || payload > (uint64_t)(end - e) - ehsize)
             return NULL;
         if ((rd32(e) & 0xffff) == FATBIN_KIND_PTX && (!best || rd32(e + 0x1c) > rd32(best + 0x1c)))
             best = e;
@@ -167,13 +167,14 @@ static const char *image_ptx(const void *image, bool *owned)
 {
     const unsigned char *p = image;
     *owned = false;
-    if (rd32(p) == FATBINC_MAGIC) {
+    /* Magics have no zero byte: a shorter string is PTX (or nothing). */
+    if (strnlen(image, 4) == 4 && rd32(p) == FATBINC_MAGIC) {
         const struct fatbinc_wrapper *w = image;
         p = (const unsigned char *)w->data;
         if (!p)
             return NULL;
     }
-    if (rd32(p) == FATBIN_MAGIC) {
+    if (strnlen((const char *)p, 4) == 4 && rd32(p) == FATBIN_MAGIC) {
         *owned = true;
         return fatbin_ptx(p);
     }
