@@ -83,6 +83,51 @@ int main(int argc, char **argv)
     CHECK(cuMemPoolGetAttribute(pool, CU_MEMPOOL_ATTR_USED_MEM_CURRENT, &pool_used));
     CHECK(cuMemFreeAsync(from_pool, s));
 
+    /* 2D: a 4x3 block of a 16-byte-wide host matrix into a pitched buffer,
+     * a 2D fill below it, all of it back; D16 fills; a copy to the other GPU. */
+    unsigned char mat[8][16], out[8][16];
+    memset(out, 0xEE, sizeof(out));
+    for (int r = 0; r < 8; r++)
+        for (int c = 0; c < 16; c++)
+            mat[r][c] = (unsigned char)(r * 16 + c);
+    CUdeviceptr pitched;
+    size_t pitch = 0;
+    CHECK(cuMemAllocPitch(&pitched, &pitch, 16, 8, 4));
+    CHECK(cuMemsetD8(pitched, 0, pitch * 8));
+    CUDA_MEMCPY2D up = {.srcXInBytes = 2, .srcY = 1, .srcMemoryType = CU_MEMORYTYPE_HOST, .srcHost = mat,
+                        .srcPitch = 16, .dstMemoryType = CU_MEMORYTYPE_DEVICE, .dstDevice = pitched,
+                        .dstPitch = pitch, .WidthInBytes = 4, .Height = 3};
+    CHECK(cuMemcpy2D(&up));
+    CHECK(cuMemsetD2D32(pitched + pitch * 5, pitch, 0x01020304u, 2, 2));
+    CUDA_MEMCPY2D down = {.srcMemoryType = CU_MEMORYTYPE_DEVICE, .srcDevice = pitched, .srcPitch = pitch,
+                          .dstMemoryType = CU_MEMORYTYPE_HOST, .dstHost = out, .dstPitch = 16,
+                          .WidthInBytes = 16, .Height = 8};
+    CHECK(cuMemcpy2DAsync(&down, s));
+    CHECK(cuStreamSynchronize(s));
+    int block_ok = 1;
+    for (int r = 0; r < 3; r++)
+        block_ok &= memcmp(out[r], &mat[r + 1][2], 4) == 0 && out[r][4] == 0;
+    block_ok &= out[3][0] == 0 && out[5][0] == 4 && out[5][3] == 1 && out[6][7] == 1 && out[6][8] == 0;
+    CUDA_MEMCPY2D to_array = up;
+    to_array.dstMemoryType = CU_MEMORYTYPE_ARRAY;
+    CUresult array_rc = cuMemcpy2D(&to_array);
+    unsigned short halves[4] = {0};
+    CHECK(cuMemsetD16(d1, 0xBEEF, 4));
+    CHECK(cuMemcpyDtoH(halves, d1, sizeof(halves)));
+    int d16_ok = halves[0] == 0xBEEF && halves[3] == 0xBEEF;
+    CUcontext ctx1;
+    CUdeviceptr on1;
+    unsigned char peer_back[64] = {0};
+    CHECK(cuDevicePrimaryCtxRetain(&ctx1, 1));
+    CHECK(cuCtxPushCurrent(ctx1));
+    CHECK(cuMemAlloc(&on1, 64));
+    CHECK(cuCtxPopCurrent(NULL));
+    CHECK(cuMemcpyPeer(on1, ctx1, d1 + 64, ctx, 64));
+    CHECK(cuMemcpyDtoH(peer_back, on1, 64));
+    int peer_ok = memcmp(peer_back, src + 64, 64) == 0;
+    CHECK(cuMemFree(on1));
+    CHECK(cuMemFree(pitched));
+
     CUdeviceptr mapped = 0;
     CHECK(cuMemHostGetDevicePointer(&mapped, src + 8, 0));
     unsigned flags = 0;
@@ -123,10 +168,11 @@ int main(int argc, char **argv)
            "\"free_device\": %zu, \"huge\": %d, \"roundtrip\": %d, \"past_end\": %d, \"mapped_is_host\": %d, "
            "\"flags\": %u, \"unregister\": [%d, %d], \"register_twice\": %d, \"free_pageable\": %d, "
            "\"p2p\": [%d, %d, %d], \"cache\": %d, \"stack\": %zu, \"priority\": [%d, %d, %d], \"ctx_flags\": %u, "
-           "\"stub\": %d, \"types\": [%u, %u, %u], \"pool_used\": %llu}\n",
+           "\"stub\": %d, \"types\": [%u, %u, %u], \"pool_used\": %llu, \"block_ok\": %d, \"array\": %d, "
+           "\"d16_ok\": %d, \"peer_ok\": %d}\n",
            ok_count, first_fail_line, total, free0, free1, free2, huge_rc, roundtrip, past_end,
            mapped == (CUdeviceptr)(uintptr_t)(src + 8), flags, unregister_rc, unregister_again, register_twice,
            free_pageable, p2p_rc, p2p, p2p_self, cache, stack, least, greatest, prio, ctx_flags, stub, type_dev, type_pinned,
-           type_pageable, (unsigned long long)pool_used);
+           type_pageable, (unsigned long long)pool_used, block_ok, array_rc, d16_ok, peer_ok);
     return 0;
 }

@@ -192,6 +192,9 @@ def test_a_program_built_against_cuda_h_pins_copies_and_queries(calls_program, s
     assert got["stub"] == CUDA_ERROR_NOT_SUPPORTED
     assert got["types"] == [2, 1, 0]  # device, host, unregistered
     assert got["pool_used"] == 4096
+    assert got["block_ok"] == 1  # 2D copies both ways and a 2D fill, at the right pitch
+    assert got["array"] == CUDA_ERROR_NOT_SUPPORTED  # arrays hold no bytes here
+    assert got["d16_ok"] == 1 and got["peer_ok"] == 1
 
 
 def test_pinned_memory_is_not_device_memory_across_processes(sim_env):
