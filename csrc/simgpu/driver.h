@@ -37,6 +37,7 @@ struct sim_stream {
     _Atomic uint64_t tail;        /* ns when the stream's queued work ends */
     unsigned flags;
     int priority;
+    uint64_t id;                  /* cuStreamGetId's, given on first ask; 0: none yet */
 };
 
 struct sim_ctx {
@@ -50,6 +51,7 @@ struct sim_ctx {
     CUfunc_cache cache_config;    /* cuCtxSetCacheConfig's preference */
     struct sim_stream legacy;     /* the NULL stream */
     uint64_t lost_count;          /* the GPU's loss count when the context was made */
+    uint64_t id;                  /* cuCtxGetId's, given on first ask; 0: none yet */
 };
 
 struct sim_event {
@@ -107,6 +109,7 @@ struct sim_driver {
     struct alloc_entry *allocs[4096]; /* driver_memory.c: by device address */
     struct sim_host_mem *pinned;  /* driver_memory.c: page-locked host memory */
     uint64_t next_buffer_id;      /* CU_POINTER_ATTRIBUTE_BUFFER_ID of the last allocation */
+    uint64_t next_object_id;      /* the last context or stream id given */
     uint64_t next_va[SIM_MAX_GPUS];
     uint64_t next_va_low;         /* below 4 GiB, for the 32-bit entry points */
     int visible[SIM_MAX_GPUS];    /* CUDA ordinal -> simulated GPU */

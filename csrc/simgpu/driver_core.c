@@ -988,3 +988,65 @@ SIM_EXPORT CUresult cuOccupancyMaxPotentialBlockSize(int *minGridSize, int *bloc
     return cuOccupancyMaxPotentialBlockSizeWithFlags(minGridSize, blockSize, func, blockSizeToDynamicSMemSize,
                                                      dynamicSMemSize, blockSizeLimit, 0);
 }
+
+/* ---- ids -------------------------------------------------------------------------- */
+
+/* Ids are unique in the process and never reused, given on first ask. */
+static unsigned long long object_id(uint64_t *id)
+{
+    pthread_mutex_lock(&sim_drv.lock);
+    if (!*id)
+        *id = ++sim_drv.next_object_id;
+    unsigned long long v = *id;
+    pthread_mutex_unlock(&sim_drv.lock);
+    return v;
+}
+
+SIM_EXPORT CUresult cuCtxGetId(CUcontext ctx, unsigned long long *ctxId)
+{
+    struct sim_ctx *c = (struct sim_ctx *)ctx;
+    CUresult rc = c ? sim_check_init() : sim_require_ctx(&c);
+    if (rc)
+        return rc;
+    if (!sim_ctx_valid(c))
+        return CUDA_ERROR_INVALID_CONTEXT;
+    if (!ctxId)
+        return CUDA_ERROR_INVALID_VALUE;
+    *ctxId = object_id(&c->id);
+    return CUDA_SUCCESS;
+}
+
+static CUresult stream_id(CUstream h, bool per_thread, unsigned long long *id)
+{
+    CUresult rc = sim_check_init();
+    struct sim_stream *s;
+    if (rc || (rc = sim_resolve_stream(h, per_thread, &s)))
+        return rc;
+    if (!id)
+        return CUDA_ERROR_INVALID_VALUE;
+    *id = object_id(&s->id);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuStreamGetId(CUstream hStream, unsigned long long *streamId)
+{
+    return stream_id(hStream, false, streamId);
+}
+
+SIM_EXPORT CUresult cuStreamGetId_ptsz(CUstream hStream, unsigned long long *streamId)
+{
+    return stream_id(hStream, true, streamId);
+}
+
+/* CU_EVENT_RECORD_EXTERNAL only means something to stream capture, which
+ * records an event node either way. */
+SIM_EXPORT CUresult cuEventRecordWithFlags(CUevent hEvent, CUstream hStream, unsigned int flags)
+{
+    return flags & ~(unsigned)CU_EVENT_RECORD_EXTERNAL ? CUDA_ERROR_INVALID_VALUE : cuEventRecord(hEvent, hStream);
+}
+
+SIM_EXPORT CUresult cuEventRecordWithFlags_ptsz(CUevent hEvent, CUstream hStream, unsigned int flags)
+{
+    return flags & ~(unsigned)CU_EVENT_RECORD_EXTERNAL ? CUDA_ERROR_INVALID_VALUE
+                                                       : cuEventRecord_ptsz(hEvent, hStream);
+}

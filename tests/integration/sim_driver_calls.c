@@ -157,7 +157,9 @@ int main(int argc, char **argv)
     unsigned ctx_flags = 99;
     CHECK(cuCtxGetFlags(&ctx_flags));
     /* Unmodelled: a stub, as a driver without the feature answers. */
-    CUresult stub = cuMemAdvise(d1, N, CU_MEM_ADVISE_SET_READ_MOSTLY, (CUmemLocation){CU_MEM_LOCATION_TYPE_DEVICE, 0});
+    char luid[8];
+    unsigned luid_mask;
+    CUresult stub = cuDeviceGetLuid(luid, &luid_mask, dev);
     CHECK(cuMemFree(d1));
     CHECK(cuMemFree(d2));
     CHECK(cuStreamDestroy(s));

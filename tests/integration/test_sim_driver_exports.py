@@ -344,3 +344,45 @@ def test_occupancy_follows_threads_shared_memory_and_limits(sim_env):
     assert got["best_100"] == ["CUDA_SUCCESS", 32 * 132, 64]
     # 48 bytes of shared memory a thread: 1024 threads need 48 KiB (fits 4 an SM by memory, 2 by threads)
     assert got["best_cb"][0] == "CUDA_SUCCESS" and got["best_cb"][2] == 1024
+
+
+def test_managed_hints_ids_and_event_flags(sim_env):
+    got = run_py(sim_env, """
+        import ctypes as C, json
+        from cudapy import Driver
+        cu = Driver(); ctx = cu.init_device(0)
+        class Loc(C.Structure):
+            _fields_ = [("type", C.c_int), ("id", C.c_int)]
+        man, dev = C.c_uint64(), C.c_uint64()
+        cu.call("cuMemAllocManaged", C.byref(man), C.c_size_t(1 << 20), 1)
+        cu.call("cuMemAlloc_v2", C.byref(dev), C.c_size_t(1 << 20))
+        n = C.c_size_t
+        out = {
+            "advise": cu.rc("cuMemAdvise_v2", man, n(4096), 3, Loc(1, 0)),  # preferred location: GPU 0
+            "advise_cpu": cu.rc("cuMemAdvise", man, n(4096), 5, -1),  # accessed by the host
+            "advise_bad_gpu": cu.rc("cuMemAdvise", man, n(4096), 3, 7),
+            "advise_device_mem": cu.rc("cuMemAdvise_v2", dev, n(4096), 1, Loc(1, 0)),
+            "advise_past_end": cu.rc("cuMemAdvise_v2", man, n(2 << 20), 1, Loc(1, 0)),
+            "prefetch": cu.rc("cuMemPrefetchAsync_v2", man, n(1 << 20), Loc(2, 0), 0, None),
+            "prefetch_ptsz": cu.rc("cuMemPrefetchAsync_ptsz", man, n(1 << 20), 1, None),
+        }
+        ids = []
+        for name, h in (("cuCtxGetId", ctx), ("cuCtxGetId", None), ("cuStreamGetId", None)):
+            v = C.c_ulonglong(); ids.append([cu.rc(name, h, C.byref(v)), v.value])
+        s = C.c_void_p(); cu.call("cuStreamCreate", C.byref(s), 0)
+        v = C.c_ulonglong(); ids.append([cu.rc("cuStreamGetId", s, C.byref(v)), v.value])
+        v = C.c_ulonglong(); ids.append([cu.rc("cuStreamGetId_ptsz", None, C.byref(v)), v.value])
+        out["ids"] = ids
+        ev = C.c_void_p(); cu.call("cuEventCreate", C.byref(ev), 0)
+        out["record"] = [cu.rc("cuEventRecordWithFlags", ev, s, 0), cu.rc("cuEventRecordWithFlags_ptsz", ev, None, 1),
+                         cu.rc("cuEventRecordWithFlags", ev, s, 2), cu.rc("cuEventQuery", ev)]
+        print(json.dumps(out))
+    """)
+    assert got["advise"] == got["advise_cpu"] == got["prefetch"] == got["prefetch_ptsz"] == "CUDA_SUCCESS"
+    assert got["advise_bad_gpu"] == "CUDA_ERROR_INVALID_DEVICE"
+    assert got["advise_device_mem"] == got["advise_past_end"] == "CUDA_ERROR_INVALID_VALUE"  # managed memory only
+    ctx_id, ctx_id_again, legacy, created, per_thread = got["ids"]
+    assert all(rc == "CUDA_SUCCESS" for rc, _ in got["ids"])
+    assert ctx_id == ctx_id_again  # the current context is the primary one
+    assert len({legacy[1], created[1], per_thread[1], ctx_id[1]}) == 4 and 0 not in {legacy[1], created[1]}
+    assert got["record"] == ["CUDA_SUCCESS", "CUDA_SUCCESS", "CUDA_ERROR_INVALID_VALUE", "CUDA_SUCCESS"]
