@@ -86,6 +86,34 @@ int main(int argc, char **argv)
                 held += 64 << 20;
             }
             report(s, rc, "%llu", held);
+        } else if (!strcmp(s, "asyncfill") || !strcmp(s, "poolfill")) {
+            // cudaMallocAsync 64 MiB blocks from the device's default pool, or
+            // from a pool of its own, until it fails; then all back
+            cudaMemPool_t pool = nullptr;
+            cudaError_t rc = cudaSuccess;
+            if (s[0] == 'p') {
+                cudaMemPoolProps props = {};
+                props.allocType = cudaMemAllocationTypePinned;
+                props.location.type = cudaMemLocationTypeDevice;
+                props.location.id = 0;
+                rc = cudaMemPoolCreate(&pool, &props);
+            }
+            void *held[1024];
+            unsigned n = 0;
+            while (!rc && n < 1024) {
+                rc = pool ? cudaMallocFromPoolAsync(&held[n], 64 << 20, pool, 0) : cudaMallocAsync(&held[n], 64 << 20, 0);
+                if (!rc)
+                    rc = cudaStreamSynchronize(0);
+                if (!rc)
+                    n++;
+            }
+            report(s, rc, "%llu", (unsigned long long)n * (64 << 20));
+            cudaGetLastError();
+            for (unsigned i = 0; i < n; i++)
+                cudaFreeAsync(held[i], 0);
+            cudaStreamSynchronize(0);
+            if (pool)
+                cudaMemPoolDestroy(pool);
         } else if (!strcmp(s, "kernel")) {
             // one 50 ms kernel, timed on the host
             cudaGetLastError(); // a failed step before must not stop this one

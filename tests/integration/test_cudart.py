@@ -174,8 +174,12 @@ def tenant_daemon(tmp_path, sim_env):
 
 def test_under_cgpuctl_run_cudart_sees_1gib_stops_there_and_gets_30_percent(tenant_daemon, spin, c_program):
     run = (str(BIN / "cgpuctl"), "--socket", str(tenant_daemon.socket), "run", "--mem", "1GiB", "--core", "30", "--")
-    got = steps(spin, tenant_daemon.env, "meminfo", "burn=4", "capture", "fill", "meminfo", prefix=run)
+    got = steps(spin, tenant_daemon.env, "meminfo", "burn=4", "capture", "asyncfill", "poolfill", "fill", "meminfo",
+                prefix=run)
     assert got["meminfo"] == ["cudaSuccess", str(GIB), str(GIB)]
+    # stream-ordered allocation, from the default pool and from one of its own:
+    # held at 1 GiB too, and given back by cudaFreeAsync (fill gets it all)
+    assert got["asyncfill"] == got["poolfill"] == ["cudaErrorMemoryAllocation", str(GIB)]
     assert got["fill"] == ["cudaErrorMemoryAllocation", str(GIB)]
     assert got["meminfo@last"] == ["cudaSuccess", "0", str(GIB)]
     busy, wall = (int(v) for v in got["burn"][1:])
