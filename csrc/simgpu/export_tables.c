@@ -20,7 +20,9 @@
  * f8cff951 (refused: it goes on), cudart interface, tools runtime callback
  * hooks (slot 2 of the cudart interface, then slots 2 and 6 of the hooks),
  * tools TLS, context-local storage, context checks (slot 3), integrity check
- * (slot 1 three times, for 13000, 13001 and 13002). */
+ * (slot 1 three times, for 13000, 13001 and 13002). Allocations, memory
+ * info, launches and graphs then use only the context-local storage and
+ * context checks slot 2 (docs/simulated-gpu.md, "CUDA runtime"). */
 #define _GNU_SOURCE
 #include <pthread.h>
 #include <stdint.h>
@@ -129,10 +131,11 @@ static const void *integrity_table[3];
  * Known: 13 slots (slot 0 says 13 * 8 bytes); libcudart refuses to start
  * without it (cudaErrorNotSupported). Slot 2 gives the primary context of a
  * device: called once per device as the runtime makes its per-device state,
- * before any public context call; it is taken as a retain (the runtime holds
- * the primary context from then on, and cuDevicePrimaryCtxGetState then says
- * active, as with a real driver) - the retain is a guess, the context is not.
- * The others were never seen called. */
+ * before any public context call. It is a retain: the runtime balances it
+ * with one cuDevicePrimaryCtxRelease at exit. The other slots were never
+ * seen called by libcudart 13.0 (public notes say 1, 6 and 8 load modules
+ * from fatbins for older runtimes; this one loads code with
+ * cuLibraryLoadData instead, library.c). */
 
 static CUresult cudart_primary_ctx(CUcontext *pctx, CUdevice dev)
 {
@@ -230,10 +233,12 @@ static const void *tools_tls_table[4] = {
  * slot 1 forgets (context, key), slot 2 looks up (value *, context, key) and
  * fails when nothing is stored, which is how the runtime finds out a
  * context is new to it. A NULL context means the calling thread's. The
- * runtime keeps its per-context state (modules, streams) here. Guessed:
- * the error codes of a failed lookup (CUDA_ERROR_INVALID_HANDLE); the
+ * runtime keeps its per-context state here: it looks it up at every call,
+ * stores it at a context's first use and forgets it at exit. Guessed:
+ * the error code of a failed lookup (CUDA_ERROR_INVALID_HANDLE); the
  * destructors, which the real driver calls when the context is destroyed,
- * are kept but not called (the simulated primary context is never freed). */
+ * are kept but not called (the simulated primary context is never freed,
+ * and cudaDeviceReset works without: the runtime forgets its state). */
 
 struct cls_entry {
     CUcontext ctx;
@@ -327,9 +332,11 @@ static const void *cls_table[4] = {
 
 /* ---- context checks 263e8860-7cd2-6143-92f6-bbd5006dfa7e ---------------------
  * Known: required at start; slot 3 is called once with no meaningful
- * arguments and its result 0 lets the runtime go on. Guessed: slot 2 asks
- * whether a context is one the runtime may use (flags and a detail out,
- * both "nothing special"); slots 0 and 1 were never seen called. */
+ * arguments and its result 0 lets the runtime go on. Slot 2 is called with
+ * (context, unsigned *, pointer *) at a context's first use, before each
+ * launch and in cudaDeviceSynchronize; answering success, 0 and NULL lets
+ * the runtime go on. Guessed: what it asks (whether the context needs
+ * anything special of the runtime); slots 0 and 1 were never seen called. */
 
 static unsigned ctx_checks_global(void)
 {
