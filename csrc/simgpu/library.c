@@ -230,6 +230,29 @@ static struct sim_library *library_of_module(CUmodule m)
     return found;
 }
 
+/* The library's module on simulated GPU `phys`, loaded on first need under
+ * the current context if it is on that GPU, else under the GPU's primary
+ * context pushed for the call (not retained: nothing is charged for it). */
+static CUresult library_module_on(struct sim_library *lib, int phys, CUmodule *out)
+{
+    struct sim_ctx *ctx = sim_current_ctx();
+    CUresult rc = CUDA_SUCCESS;
+    pthread_mutex_lock(&lib->lock);
+    if (!lib->module[phys]) {
+        bool push = !ctx || ctx->dev != phys;
+        if (!push || (rc = cuCtxPushCurrent_v2((CUcontext)&sim_drv.primary[phys])) == CUDA_SUCCESS) {
+            rc = cuModuleLoadData(&lib->module[phys], lib->ptx);
+            CUcontext popped;
+            if (push)
+                cuCtxPopCurrent_v2(&popped);
+        }
+    }
+    *out = lib->module[phys];
+    pthread_mutex_unlock(&lib->lock);
+    return rc;
+}
+
+/* On the current context's GPU, or device 0's when none is current. */
 static CUresult library_module(struct sim_library *lib, CUmodule *out)
 {
     struct sim_ctx *ctx = sim_current_ctx();
@@ -237,21 +260,7 @@ static CUresult library_module(struct sim_library *lib, CUmodule *out)
     CUresult rc = ctx ? CUDA_SUCCESS : sim_device(0, &phys);
     if (rc)
         return rc;
-    if (ctx)
-        phys = ctx->dev;
-    pthread_mutex_lock(&lib->lock);
-    if (!lib->module[phys]) {
-        if (!ctx && (rc = cuCtxPushCurrent_v2((CUcontext)&sim_drv.primary[phys])) == CUDA_SUCCESS) {
-            rc = cuModuleLoadData(&lib->module[phys], lib->ptx);
-            CUcontext popped;
-            cuCtxPopCurrent_v2(&popped);
-        } else if (ctx) {
-            rc = cuModuleLoadData(&lib->module[phys], lib->ptx);
-        }
-    }
-    *out = lib->module[phys];
-    pthread_mutex_unlock(&lib->lock);
-    return rc;
+    return library_module_on(lib, ctx ? ctx->dev : phys, out);
 }
 
 SIM_EXPORT CUresult cuLibraryLoadData(CUlibrary *library, const void *code, CUjit_option *jitOptions,
@@ -350,6 +359,22 @@ SIM_EXPORT CUresult cuLibraryGetKernel(CUkernel *pKernel, CUlibrary library, con
     return cuModuleGetFunction((CUfunction *)pKernel, m, name);
 }
 
+/* A kernel's function on simulated GPU `phys`: itself, or its twin loaded
+ * there from its library. A function of a plain module has no twin. */
+static CUresult kernel_on(CUkernel kernel, int phys, struct sim_function **out)
+{
+    struct sim_function *fn = (struct sim_function *)kernel;
+    if (!fn || fn->magic != MAGIC_FUNC)
+        return CUDA_ERROR_INVALID_HANDLE;
+    *out = fn;
+    if (fn->module->dev == phys)
+        return CUDA_SUCCESS;
+    struct sim_library *lib = library_of_module((CUmodule)fn->module);
+    CUmodule m;
+    CUresult rc = lib ? library_module_on(lib, phys, &m) : CUDA_ERROR_INVALID_HANDLE;
+    return rc ? rc : cuModuleGetFunction((CUfunction *)out, m, fn->name);
+}
+
 /* What a launch (or graph node) on the calling thread's device means by a
  * function handle. The real driver takes a CUkernel in place of a CUfunction
  * and runs the kernel's code for the current context, whichever device that
@@ -359,32 +384,84 @@ SIM_EXPORT CUresult cuLibraryGetKernel(CUkernel *pKernel, CUlibrary library, con
 struct sim_function *sim_kernel_function(struct sim_function *fn)
 {
     struct sim_ctx *ctx = sim_current_ctx();
-    if (!ctx || fn->module->dev == ctx->dev)
+    struct sim_function *twin;
+    if (!ctx || fn->module->dev == ctx->dev || kernel_on((CUkernel)fn, ctx->dev, &twin))
         return fn;
-    struct sim_library *lib = library_of_module((CUmodule)fn->module);
-    CUfunction twin;
-    if (!lib || cuLibraryGetKernel((CUkernel *)&twin, (CUlibrary)lib, fn->name) != CUDA_SUCCESS)
-        return fn;
-    return (struct sim_function *)twin;
+    return twin;
 }
 
 SIM_EXPORT CUresult cuKernelGetFunction(CUfunction *pFunc, CUkernel kernel)
 {
     struct sim_ctx *ctx;
     CUresult rc = sim_require_ctx(&ctx);
+    struct sim_function *fn = (struct sim_function *)kernel;
     if (rc)
         return rc;
-    struct sim_function *fn = (struct sim_function *)kernel;
-    struct sim_library *lib = fn && fn->magic == MAGIC_FUNC ? library_of_module((CUmodule)fn->module) : NULL;
-    if (!lib)
+    if (!fn || fn->magic != MAGIC_FUNC || !library_of_module((CUmodule)fn->module))
         return CUDA_ERROR_INVALID_HANDLE;
     if (!pFunc)
         return CUDA_ERROR_INVALID_VALUE;
-    if (fn->module->dev == ctx->dev) {
-        *pFunc = (CUfunction)fn;
-        return CUDA_SUCCESS;
-    }
-    return cuLibraryGetKernel((CUkernel *)pFunc, (CUlibrary)lib, fn->name);
+    return kernel_on(kernel, ctx->dev, (struct sim_function **)pFunc);
+}
+
+/* The per-device calls on a kernel act on its function on that device. */
+static CUresult kernel_of_device(CUkernel kernel, CUdevice dev, CUfunction *out)
+{
+    int phys;
+    CUresult rc = sim_check_init();
+    if (rc || (rc = sim_device(dev, &phys)))
+        return rc;
+    return kernel_on(kernel, phys, (struct sim_function **)out);
+}
+
+SIM_EXPORT CUresult cuKernelGetAttribute(int *pi, CUfunction_attribute attrib, CUkernel kernel, CUdevice dev)
+{
+    CUfunction f;
+    CUresult rc = kernel_of_device(kernel, dev, &f);
+    return rc ? rc : cuFuncGetAttribute(pi, attrib, f);
+}
+
+SIM_EXPORT CUresult cuKernelSetAttribute(CUfunction_attribute attrib, int val, CUkernel kernel, CUdevice dev)
+{
+    CUfunction f;
+    CUresult rc = kernel_of_device(kernel, dev, &f);
+    return rc ? rc : cuFuncSetAttribute(f, attrib, val);
+}
+
+SIM_EXPORT CUresult cuKernelSetCacheConfig(CUkernel kernel, CUfunc_cache config, CUdevice dev)
+{
+    CUfunction f;
+    CUresult rc = kernel_of_device(kernel, dev, &f);
+    return rc ? rc : cuFuncSetCacheConfig(f, config);
+}
+
+SIM_EXPORT CUresult cuKernelGetName(const char **name, CUkernel hfunc)
+{
+    CUresult rc = sim_check_init();
+    struct sim_function *fn = (struct sim_function *)hfunc;
+    if (rc)
+        return rc;
+    if (!name)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!fn || fn->magic != MAGIC_FUNC)
+        return CUDA_ERROR_INVALID_HANDLE;
+    *name = fn->name;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuKernelGetLibrary(CUlibrary *pLib, CUkernel kernel)
+{
+    CUresult rc = sim_check_init();
+    struct sim_function *fn = (struct sim_function *)kernel;
+    if (rc)
+        return rc;
+    if (!pLib)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct sim_library *lib = fn && fn->magic == MAGIC_FUNC ? library_of_module((CUmodule)fn->module) : NULL;
+    if (!lib)
+        return CUDA_ERROR_INVALID_HANDLE;
+    *pLib = (CUlibrary)lib;
+    return CUDA_SUCCESS;
 }
 
 /* CUDA 13: waits for the work of a given context, or the current one for
