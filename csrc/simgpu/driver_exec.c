@@ -138,6 +138,13 @@ SIM_EXPORT CUresult cuModuleGetFunction(CUfunction *hfunc, CUmodule hmod, const 
 
 /* ---- streams ------------------------------------------------------------------- */
 
+/* capture.c: whether a stream is capturing, its capture ended when it is
+ * destroyed, and a launch made a node of its graph instead of device time. */
+CUstreamCaptureStatus sim_capture_status(const struct sim_stream *s);
+void sim_capture_forget(const struct sim_stream *s);
+CUresult sim_capture_launch(struct sim_stream *s, CUfunction f, const unsigned grid[3], const unsigned block[3],
+                            void **params, void **extra, bool *captured);
+
 #define PER_THREAD_SLOTS 8
 static _Thread_local struct sim_stream per_thread_stream[PER_THREAD_SLOTS];
 
@@ -258,6 +265,7 @@ SIM_EXPORT CUresult cuStreamDestroy_v2(CUstream hStream)
     struct sim_stream *s = (struct sim_stream *)hStream;
     if (s->magic != MAGIC_STREAM || s == &s->ctx->legacy)
         return CUDA_ERROR_INVALID_HANDLE;
+    sim_capture_forget(s);
     s->magic = MAGIC_DEAD;
     free(s);
     return CUDA_SUCCESS;
@@ -294,7 +302,6 @@ static CUresult stream_query(CUstream h, bool per_thread)
     return atomic_load(&s->tail) > sim_now_ns() ? CUDA_ERROR_NOT_READY : CUDA_SUCCESS;
 }
 
-/* The simulation has no stream capture: every valid stream is not capturing. */
 SIM_EXPORT CUresult cuStreamIsCapturing(CUstream hStream, CUstreamCaptureStatus *captureStatus)
 {
     CUresult rc = sim_check_init();
@@ -303,7 +310,7 @@ SIM_EXPORT CUresult cuStreamIsCapturing(CUstream hStream, CUstreamCaptureStatus 
         return rc;
     if (!captureStatus)
         return CUDA_ERROR_INVALID_VALUE;
-    *captureStatus = CU_STREAM_CAPTURE_STATUS_NONE;
+    *captureStatus = sim_capture_status(s);
     return CUDA_SUCCESS;
 }
 
@@ -468,10 +475,14 @@ struct launch_shape {
     bool cooperative;
 };
 
+/* library.c: a library's kernel stands for its function on the current
+ * context's device. */
+struct sim_function *sim_kernel_function(struct sim_function *fn);
+
 static struct sim_function *function_of(CUfunction f)
 {
     struct sim_function *fn = (struct sim_function *)f;
-    return fn && fn->magic == MAGIC_FUNC ? fn : NULL;
+    return fn && fn->magic == MAGIC_FUNC ? sim_kernel_function(fn) : NULL;
 }
 
 /* Device time of one launch: the first parameter of a timed kernel. */
@@ -520,6 +531,9 @@ static CUresult launch(CUfunction f, const struct launch_shape *sh, CUstream h, 
     if (params && extra)
         return CUDA_ERROR_INVALID_VALUE;
     if ((rc = check_shape(fn, sh, s->ctx->dev)))
+        return rc;
+    bool captured;
+    if ((rc = sim_capture_launch(s, (CUfunction)fn, sh->grid, sh->block, params, extra, &captured)) || captured)
         return rc;
     sim_stream_run(s, kernel_ns(fn, params, extra));
     return CUDA_SUCCESS;
