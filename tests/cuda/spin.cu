@@ -163,6 +163,28 @@ int main(int argc, char **argv)
             if (!rc)
                 rc = cudaStreamSynchronize(0);
             report(s, rc, "%llu", (unsigned long long)((now_s() - t0) * 1e6));
+        } else if (!strcmp(s, "attrs")) {
+            // what frameworks ask of a kernel before launching it
+            cudaFuncAttributes fa = {};
+            int min_grid = 0, block = 0;
+            cudaError_t rc = cudaFuncGetAttributes(&fa, cgpu_spin);
+            if (!rc)
+                rc = cudaFuncSetAttribute(cgpu_spin, cudaFuncAttributeMaxDynamicSharedMemorySize, 65536);
+            if (!rc)
+                rc = cudaOccupancyMaxPotentialBlockSize(&min_grid, &block, cgpu_spin, 0, 0);
+            report(s, rc, "%llu %llu", (unsigned long long)fa.maxThreadsPerBlock, (unsigned long long)block);
+        } else if (!strcmp(s, "copy")) {
+            // bytes through device memory and back
+            int in[256], out[256] = {0}, *d = nullptr;
+            for (int k = 0; k < 256; k++)
+                in[k] = k * 7;
+            cudaError_t rc = cudaMalloc(&d, sizeof(in));
+            if (!rc)
+                rc = cudaMemcpy(d, in, sizeof(in), cudaMemcpyHostToDevice);
+            if (!rc)
+                rc = cudaMemcpy(out, d, sizeof(out), cudaMemcpyDeviceToHost);
+            report(s, rc, "%llu", (unsigned long long)!memcmp(in, out, sizeof(in)));
+            cudaFree(d);
         } else if (!strncmp(s, "device=", 7)) {
             report("device", cudaSetDevice(atoi(s + 7)));
         } else if (!strcmp(s, "reset")) {

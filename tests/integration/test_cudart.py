@@ -106,12 +106,15 @@ def test_c_program_on_the_real_runtime_sees_and_fills_the_simulated_gpus(c_progr
 
 
 def test_nvcc_program_allocates_launches_and_runs_a_graph_through_cudart(spin, sim_env):
-    got = steps(spin, sim_env, "count", "meminfo", "malloc", "async", "managed", "kernel", "graph", "capture", "reset",
-                "kernel", "device=1", "kernel", "graph")
+    got = steps(spin, sim_env, "count", "meminfo", "malloc", "async", "managed", "copy", "attrs", "kernel", "graph",
+                "capture", "reset", "kernel", "device=1", "kernel", "graph")
     assert got["count"] == ["cudaSuccess", "2"]
     assert got["meminfo"] == ["cudaSuccess", str(16 * GIB), str(16 * GIB)]
     for step in ("malloc", "free", "async", "freeasync", "managed"):
         assert got[step] == ["cudaSuccess"], step
+    assert got["copy"] == ["cudaSuccess", "1"]
+    # kernel attributes and occupancy go through the cuKernel* calls of lazy loading
+    assert got["attrs"][:2] == ["cudaSuccess", "1024"] and int(got["attrs"][2]) > 0, got["attrs"]
     # the spin kernel is timed from its PTX: 50 ms, and the graph's two 20 ms nodes
     assert got["kernel"][0] == "cudaSuccess" and 49_000 <= int(got["kernel"][1]) < 500_000, got["kernel"]
     assert got["graph"][0] == "cudaSuccess" and 39_000 <= int(got["graph"][1]) < 500_000, got["graph"]
