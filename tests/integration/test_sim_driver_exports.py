@@ -386,3 +386,32 @@ def test_managed_hints_ids_and_event_flags(sim_env):
     assert ctx_id == ctx_id_again  # the current context is the primary one
     assert len({legacy[1], created[1], per_thread[1], ctx_id[1]}) == 4 and 0 not in {legacy[1], created[1]}
     assert got["record"] == ["CUDA_SUCCESS", "CUDA_SUCCESS", "CUDA_ERROR_INVALID_VALUE", "CUDA_SUCCESS"]
+
+
+def test_host_functions_run_after_the_work_queued_before_them(sim_env):
+    got = run_py(sim_env, """
+        import ctypes as C, json, time
+        from cudapy import Driver
+        cu = Driver(); cu.init_device(0); fn = cu.spin_function()
+        s = C.c_void_p(); cu.call("cuStreamCreate", C.byref(s), 0)
+        seen = []
+        HOST = C.CFUNCTYPE(None, C.c_void_p)
+        CALLBACK = C.CFUNCTYPE(None, C.c_void_p, C.c_int, C.c_void_p)
+        host = HOST(lambda data: seen.append(["host", time.monotonic_ns(), data]))
+        cb = CALLBACK(lambda stream, status, data: seen.append(["cb", time.monotonic_ns(), stream == s.value, status, data]))
+        t0 = time.monotonic_ns()
+        cu.launch_spin(fn, 50_000_000, s)
+        rcs = [cu.rc("cuLaunchHostFunc", s, host, C.c_void_p(7)),
+               cu.rc("cuStreamAddCallback_ptsz", s, cb, C.c_void_p(9), 0),
+               cu.rc("cuStreamAddCallback", s, cb, None, 1), cu.rc("cuLaunchHostFunc", s, None, None)]
+        cap = C.c_void_p(); cu.call("cuStreamCreate", C.byref(cap), 1)
+        cu.call("cuStreamBeginCapture_v2", cap, 0)
+        rcs.append(cu.rc("cuLaunchHostFunc", cap, host, None))
+        graph = C.c_void_p(); cu.call("cuStreamEndCapture", cap, C.byref(graph))
+        print(json.dumps({"rcs": rcs, "seen": [[k, (t - t0) // 1_000_000, *rest] for k, t, *rest in seen]}))
+    """)
+    assert got["rcs"] == ["CUDA_SUCCESS", "CUDA_SUCCESS", "CUDA_ERROR_INVALID_VALUE", "CUDA_ERROR_INVALID_VALUE",
+                          "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED"]
+    (host, host_ms, host_data), (cb, cb_ms, same_stream, status, cb_data) = got["seen"]
+    assert (host, host_data, cb, same_stream, status, cb_data) == ("host", 7, "cb", True, 0, 9)
+    assert 49 <= host_ms <= cb_ms < 1000  # after the 50 ms kernel, in order

@@ -369,6 +369,9 @@ typedef enum CUevent_record_flags_enum {
 #define CU_DEVICE_CPU ((CUdevice)-1)
 #define CU_DEVICE_INVALID ((CUdevice)-2)
 
+typedef void(CUDA_CB *CUhostFn)(void *userData);
+typedef void(CUDA_CB *CUstreamCallback)(CUstream hStream, CUresult status, void *userData);
+
 typedef enum CUlimit_enum {
     CU_LIMIT_STACK_SIZE = 0x00,
     CU_LIMIT_PRINTF_FIFO_SIZE = 0x01,
