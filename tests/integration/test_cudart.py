@@ -205,3 +205,60 @@ def test_cudart_paths_are_clean_under_sanitizers(spin, san_env):
                            "device=1", "kernel"], env=env, capture_output=True, text=True, timeout=300)
     assert "Sanitizer" not in proc.stderr and "runtime error" not in proc.stderr, proc.stderr
     assert proc.returncode == 0 and proc.stdout.count("cudaSuccess") == 13, proc.stdout + proc.stderr
+
+
+FATBIN_ATTACKS = r'''
+import ctypes as C, json, struct
+from cudapy import Driver, SPIN_PTX
+cu = Driver()
+cu.init_device()
+
+def entry(kind, payload, flags=0, header=0x40, size=None, packed=0, full=0):
+    head = struct.pack("<HHIQII", kind, 0x101, header, len(payload) if size is None else size, packed, 0x40)
+    head += struct.pack("<II", 0x90000, 75) + b"\0" * 8 + struct.pack("<Q", flags) + b"\0" * 8 + struct.pack("<Q", full)
+    return head + b"\0" * (header - len(head)) + payload
+
+def fatbin(entries, size=None):
+    body = b"".join(entries)
+    return struct.pack("<IHHQ", 0xba55ed50, 1, 16, len(body) if size is None else size) + body
+
+ptx = SPIN_PTX + b"\0"
+cases = {
+    "good": fatbin([entry(1, ptx)]),
+    "elf_only": fatbin([entry(2, b"\x7fELF" + b"\0" * 60)]),
+    "entry_past_end": fatbin([entry(1, ptx, size=1 << 40)]),
+    "header_past_end": fatbin([entry(1, ptx, header=0xfff0)], size=0x60),
+    "files_past_end": fatbin([entry(1, ptx)], size=1 << 20)[:0x100],
+    "short_header": fatbin([entry(1, ptx, header=8)]),
+    "zstd_garbage": fatbin([entry(1, b"\x28\xb5\x2f\xfd" + b"\xff" * 60, flags=0x8000, packed=64, full=1 << 20)]),
+    "lz4_garbage": fatbin([entry(1, b"\xff" * 64, flags=0x2000, packed=64, full=4096)]),
+    "lz4_huge": fatbin([entry(1, b"\xff" * 64, flags=0x2000, packed=64, full=1 << 40)]),
+    "packed_past_payload": fatbin([entry(1, b"\xff" * 64, flags=0x2000, packed=1 << 30, full=4096)]),
+    "tiny": b"\x50\xed",
+}
+out = {}
+for name, data in cases.items():
+    buf = C.create_string_buffer(data, len(data) + 1)
+    lib, mod = C.c_void_p(), C.c_void_p()
+    out[name] = [cu.rc("cuLibraryLoadData", C.byref(lib), buf, None, None, 0, None, None, 0),
+                 cu.rc("cuModuleLoadFatBinary", C.byref(mod), buf)]
+    if lib.value:
+        k = C.c_void_p()
+        out[name].append(cu.rc("cuLibraryGetKernel", C.byref(k), lib, b"cgpu_spin"))
+        cu.rc("cuLibraryUnload", lib)
+print(json.dumps(out))
+'''
+
+
+def test_hostile_fatbins_are_refused_cleanly_by_the_sanitized_driver(san_env):
+    """Fatbins a program could hand the driver, cut short, with sizes past
+    their end, or compressed garbage: refused with an error, read nowhere
+    past their bytes (the simulated driver built with ASan/UBSan)."""
+    from tests.integration.simrun import run_py
+
+    asan = subprocess.run(["cc", "-print-file-name=libasan.so"], capture_output=True, text=True, check=True).stdout
+    env = dict(san_env, LD_PRELOAD=asan.strip(), ASAN_OPTIONS="detect_leaks=0:abort_on_error=0:exitcode=86")
+    got = run_py(env, FATBIN_ATTACKS)
+    assert got.pop("good") == ["CUDA_SUCCESS", "CUDA_SUCCESS", "CUDA_SUCCESS"]
+    for name, rcs in got.items():
+        assert rcs[:2] in (["CUDA_ERROR_NO_BINARY_FOR_GPU"] * 2, ["CUDA_ERROR_INVALID_PTX"] * 2), (name, rcs)
