@@ -978,3 +978,102 @@ SIM_EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream)
 {
     return graph_launch(hGraphExec, hStream, true);
 }
+
+/* ---- function attributes -------------------------------------------------------------- */
+
+#define SHARED_PER_BLOCK 49152          /* CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK */
+#define SHARED_PER_BLOCK_OPTIN 232448   /* ..._OPTIN: what a kernel may opt into */
+
+/* The function a call names, once the driver is initialised. */
+static CUresult attr_function(CUfunction h, struct sim_function **fn)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    *fn = function_of(h);
+    return *fn ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+/* What a small kernel compiled for the GPU reports: no static shared,
+ * constant or local memory, 16 registers, code for the GPU's own
+ * compute capability (the simulation JIT-compiles PTX for it). */
+static int function_default(const struct sim_function *fn, CUfunction_attribute a)
+{
+    const struct sim_gpu_config *g = &sim_cfg()->gpu[fn->module->dev];
+    switch (a) {
+    case CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK: return 1024;
+    case CU_FUNC_ATTRIBUTE_NUM_REGS: return 16;
+    case CU_FUNC_ATTRIBUTE_PTX_VERSION:
+    case CU_FUNC_ATTRIBUTE_BINARY_VERSION: return (int)(g->cc_major * 10 + g->cc_minor);
+    case CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: return SHARED_PER_BLOCK;
+    case CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT: return -1;
+    default: return 0;
+    }
+}
+
+SIM_EXPORT CUresult cuFuncGetAttribute(int *pi, CUfunction_attribute attrib, CUfunction hfunc)
+{
+    struct sim_function *fn;
+    CUresult rc = attr_function(hfunc, &fn);
+    if (rc)
+        return rc;
+    if (!pi || (unsigned)attrib >= CU_FUNC_ATTRIBUTE_MAX)
+        return CUDA_ERROR_INVALID_VALUE;
+    *pi = (fn->attr_set >> attrib) & 1u ? fn->attr[attrib] : function_default(fn, attrib);
+    return CUDA_SUCCESS;
+}
+
+/* Only the attributes the driver lets a program set, within their ranges. */
+SIM_EXPORT CUresult cuFuncSetAttribute(CUfunction hfunc, CUfunction_attribute attrib, int value)
+{
+    struct sim_function *fn;
+    CUresult rc = attr_function(hfunc, &fn);
+    if (rc)
+        return rc;
+    bool ok;
+    switch (attrib) {
+    case CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: ok = value >= 0 && value <= SHARED_PER_BLOCK_OPTIN; break;
+    case CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT: ok = value >= -1 && value <= 100; break;
+    case CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_WIDTH:
+    case CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_HEIGHT:
+    case CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_DEPTH: ok = value >= 0 && value <= 16; break;
+    case CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED: ok = value == 0 || value == 1; break;
+    case CU_FUNC_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE: ok = value >= 0 && value <= 2; break;
+    default: ok = false;
+    }
+    if (!ok)
+        return CUDA_ERROR_INVALID_VALUE;
+    fn->attr[attrib] = value;
+    fn->attr_set |= 1u << attrib;
+    return CUDA_SUCCESS;
+}
+
+/* A preference only, as the context's (cuCtxSetCacheConfig). */
+SIM_EXPORT CUresult cuFuncSetCacheConfig(CUfunction hfunc, CUfunc_cache config)
+{
+    struct sim_function *fn;
+    CUresult rc = attr_function(hfunc, &fn);
+    if (rc)
+        return rc;
+    return (unsigned)config <= CU_FUNC_CACHE_PREFER_EQUAL ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+static CUresult stream_ctx(CUstream h, bool per_thread, CUcontext *pctx)
+{
+    CUresult rc = sim_check_init();
+    struct sim_stream *s;
+    if (rc || (rc = sim_resolve_stream(h, per_thread, &s)))
+        return rc;
+    *pctx = (CUcontext)s->ctx;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuStreamGetCtx(CUstream hStream, CUcontext *pctx)
+{
+    return pctx ? stream_ctx(hStream, false, pctx) : CUDA_ERROR_INVALID_VALUE;
+}
+
+SIM_EXPORT CUresult cuStreamGetCtx_ptsz(CUstream hStream, CUcontext *pctx)
+{
+    return pctx ? stream_ctx(hStream, true, pctx) : CUDA_ERROR_INVALID_VALUE;
+}
