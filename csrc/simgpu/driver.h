@@ -143,6 +143,9 @@ CUdeviceptr sim_graph_va(int dev, uint64_t size);
  * settings hold, and forgets them (context destroyed or reset). */
 void sim_ctx_drop_limits(struct sim_ctx *ctx);
 
+/* Where GPU d's device addresses start: distinct, recognisable ranges. */
+#define SIM_VA_BASE(d) (0x100000000000ULL * ((uint64_t)(d) + 1))
+
 /* Least and greatest stream priority (CUDA: lower is more urgent). */
 #define SIM_STREAM_PRIORITY_LEAST 0
 #define SIM_STREAM_PRIORITY_GREATEST (-5)

@@ -64,8 +64,7 @@ SIM_EXPORT CUresult cuInit(unsigned int Flags)
                 sim_drv.primary[d] = (struct sim_ctx){.magic = MAGIC_CTX, .dev = (int)d, .primary = true};
                 sim_drv.primary[d].legacy = (struct sim_stream){.magic = MAGIC_STREAM, .ctx = &sim_drv.primary[d]};
                 sim_drv.default_pool[d] = (struct sim_pool){.magic = MAGIC_POOL, .dev = (int)d};
-                /* Distinct, recognisable device address ranges per GPU. */
-                sim_drv.next_va[d] = 0x100000000000ULL * (d + 1);
+                sim_drv.next_va[d] = SIM_VA_BASE(d);
             }
             read_visible_devices();
             atomic_store(&sim_drv.initialized, 1);

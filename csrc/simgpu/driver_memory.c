@@ -1209,7 +1209,7 @@ static CUresult bytes_at(CUdeviceptr p, size_t n, void **out)
     struct alloc_entry *hit = entry_at(p);
     if (!hit) {
         for (int d = 0; d < SIM_MAX_GPUS; d++) {
-            if (p >= 0x100000000000ULL * (d + 1) && p < sim_drv.next_va[d])
+            if (p >= SIM_VA_BASE(d) && p < sim_drv.next_va[d])
                 return CUDA_ERROR_INVALID_VALUE; /* freed, reserved or a graph's: no bytes here */
         }
         *out = (void *)(uintptr_t)p;
