@@ -124,8 +124,8 @@ static void hmac_md2_finish(struct md2 *m, const uint8_t key[16], uint8_t out[16
 
 /* ---- tables the integrity check hashes by address ----------------------------- */
 
-static const void *cudart_interface[13];
-static const void *integrity_table[3];
+static const void *const cudart_interface[13];
+static const void *const integrity_table[3];
 
 /* ---- cudart interface 6bd5fb6c-5bf4-e74a-8987-d93912fd9df9 --------------------
  * Known: 13 slots (slot 0 says 13 * 8 bytes); libcudart refuses to start
@@ -154,7 +154,7 @@ UNKNOWN_SLOT(cudart, 10)
 UNKNOWN_SLOT(cudart, 11)
 UNKNOWN_SLOT(cudart, 12)
 
-static const void *cudart_interface[13] = {
+static const void *const cudart_interface[13] = {
     TABLE_BYTES(13),
     (const void *)export_slot_cudart_1,
     (const void *)cudart_primary_ctx,
@@ -174,22 +174,26 @@ static const void *cudart_interface[13] = {
  * Known: 7 slots; slots 2 and 6 are each called once at start with
  * (void **buffer, size_t *size) and return nothing: they hand the runtime
  * memory where profilers' callbacks would be registered. Guessed: the
- * sizes (1024 words, 14 bytes) are what public reimplementations give;
- * the runtime only reads the buffers, so zeroes mean "no tool attached". */
+ * sizes, 1024 and 14, are what public reimplementations answer; whether
+ * they count bytes or words is not known, so each buffer holds that many
+ * words. Zeroes mean "no tool attached". */
 
-static _Alignas(16) unsigned char hooks_buffer_2[1024 * sizeof(void *)];
-static _Alignas(16) unsigned char hooks_buffer_6[14];
+#define HOOKS_SIZE_2 1024
+#define HOOKS_SIZE_6 14
+
+static _Alignas(16) void *hooks_buffer_2[HOOKS_SIZE_2];
+static _Alignas(16) void *hooks_buffer_6[HOOKS_SIZE_6];
 
 static void hooks_buffer_of_2(void **buffer, size_t *size)
 {
     *buffer = hooks_buffer_2;
-    *size = sizeof(hooks_buffer_2);
+    *size = HOOKS_SIZE_2;
 }
 
 static void hooks_buffer_of_6(void **buffer, size_t *size)
 {
     *buffer = hooks_buffer_6;
-    *size = sizeof(hooks_buffer_6);
+    *size = HOOKS_SIZE_6;
 }
 
 UNKNOWN_SLOT(hooks, 1)
@@ -197,7 +201,7 @@ UNKNOWN_SLOT(hooks, 3)
 UNKNOWN_SLOT(hooks, 4)
 UNKNOWN_SLOT(hooks, 5)
 
-static const void *hooks_table[7] = {
+static const void *const hooks_table[7] = {
     TABLE_BYTES(7),
     (const void *)export_slot_hooks_1,
     (const void *)hooks_buffer_of_2,
@@ -221,7 +225,7 @@ static CUresult tools_tls_current(CUcontext *pctx)
 UNKNOWN_SLOT(tls, 1)
 UNKNOWN_SLOT(tls, 3)
 
-static const void *tools_tls_table[4] = {
+static const void *const tools_tls_table[4] = {
     TABLE_BYTES(4),
     (const void *)export_slot_tls_1,
     (const void *)tools_tls_current,
@@ -323,7 +327,7 @@ static CUresult cls_get(void **value, CUcontext ctx, void *key)
 
 UNKNOWN_SLOT(cls, 3)
 
-static const void *cls_table[4] = {
+static const void *const cls_table[4] = {
     (const void *)cls_put,
     (const void *)cls_delete,
     (const void *)cls_get,
@@ -356,7 +360,7 @@ static CUresult ctx_checks_context(CUcontext ctx, unsigned *flags, const void **
 UNKNOWN_SLOT(checks, 0)
 UNKNOWN_SLOT(checks, 1)
 
-static const void *ctx_checks_table[4] = {
+static const void *const ctx_checks_table[4] = {
     (const void *)export_slot_checks_0,
     (const void *)export_slot_checks_1,
     (const void *)ctx_checks_context,
@@ -439,7 +443,7 @@ static CUresult integrity_check(unsigned version, uint64_t unix_seconds, uint64_
 
 UNKNOWN_SLOT(integrity, 2)
 
-static const void *integrity_table[3] = {
+static const void *const integrity_table[3] = {
     TABLE_BYTES(3),
     (const void *)integrity_check,
     (const void *)export_slot_integrity_2,
