@@ -125,6 +125,15 @@ int main(int argc, char **argv)
     CHECK(cuMemcpyPeer(on1, ctx1, d1 + 64, ctx, 64));
     CHECK(cuMemcpyDtoH(peer_back, on1, 64));
     int peer_ok = memcmp(peer_back, src + 64, 64) == 0;
+    /* Its own IPC handle opens too (through /proc/self): the same bytes. */
+    CUipcMemHandle ipc;
+    CUdeviceptr opened = 0;
+    unsigned char ipc_back[64] = {0};
+    CHECK(cuIpcGetMemHandle(&ipc, d1));
+    CHECK(cuIpcOpenMemHandle(&opened, ipc, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS));
+    CHECK(cuMemcpyDtoH(ipc_back, opened + 64, 64));
+    CHECK(cuIpcCloseMemHandle(opened));
+    peer_ok &= memcmp(ipc_back, src + 64, 64) == 0;
     CHECK(cuMemFree(on1));
     CHECK(cuMemFree(pitched));
 

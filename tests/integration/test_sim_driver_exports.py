@@ -415,3 +415,46 @@ def test_host_functions_run_after_the_work_queued_before_them(sim_env):
     (host, host_ms, host_data), (cb, cb_ms, same_stream, status, cb_data) = got["seen"]
     assert (host, host_data, cb, same_stream, status, cb_data) == ("host", 7, "cb", True, 0, 9)
     assert 49 <= host_ms <= cb_ms < 1000  # after the 50 ms kernel, in order
+
+
+IPC_CHILD = """
+import ctypes as C, json, sys
+from cudapy import Driver
+class Handle(C.Structure):
+    _fields_ = [("reserved", C.c_char * 64)]
+cu = Driver(); cu.init_device(0)
+free_before = cu.mem_info()[0]
+h = Handle.from_buffer_copy(bytes.fromhex(sys.argv[1]))
+p = C.c_uint64()
+rc = cu.rc("cuIpcOpenMemHandle_v2", C.byref(p), h, 1)
+buf = C.create_string_buffer(16)
+cu.call("cuMemcpyDtoH_v2", buf, p, C.c_size_t(16))
+cu.call("cuMemcpyHtoD_v2", C.c_uint64(p.value + 8), b"from-kid", C.c_size_t(8))
+print(json.dumps([rc, buf.raw[:8].decode(), free_before - cu.mem_info()[0], cu.rc("cuMemFree_v2", p),
+                  cu.rc("cuIpcCloseMemHandle", p), cu.rc("cuIpcCloseMemHandle", p)]))
+"""
+
+
+def test_ipc_handles_share_the_bytes_and_charge_only_the_exporter(sim_env):
+    got = run_py(sim_env, f"""
+        import ctypes as C, json, subprocess, sys
+        from cudapy import Driver
+        class Handle(C.Structure):
+            _fields_ = [("reserved", C.c_char * 64)]
+        cu = Driver(); cu.init_device(0)
+        p = C.c_uint64(); cu.call("cuMemAlloc_v2", C.byref(p), C.c_size_t(1 << 20))
+        cu.call("cuMemcpyHtoD_v2", p, b"parent!!", C.c_size_t(8))
+        h = Handle(); rc = cu.rc("cuIpcGetMemHandle", C.byref(h), C.c_uint64(p.value + 4096))
+        kid = subprocess.run([sys.executable, "-c", {IPC_CHILD!r}, bytes(h).hex()],
+                             capture_output=True, text=True)
+        back = C.create_string_buffer(16); cu.call("cuMemcpyDtoH_v2", back, p, C.c_size_t(16))
+        man = C.c_uint64(); cu.call("cuMemAllocManaged", C.byref(man), C.c_size_t(4096), 1)
+        print(json.dumps({{"rc": rc, "kid": json.loads(kid.stdout) if kid.returncode == 0 else kid.stderr,
+                          "back": back.raw.decode(), "managed": cu.rc("cuIpcGetMemHandle", C.byref(h), man)}}))
+    """)
+    assert got["rc"] == "CUDA_SUCCESS"
+    opened, seen, charged, free_rc, close_rc, close_again = got["kid"]
+    assert opened == "CUDA_SUCCESS" and seen == "parent!!" and charged == 0
+    assert (free_rc, close_rc, close_again) == ("CUDA_ERROR_INVALID_VALUE", "CUDA_SUCCESS", "CUDA_ERROR_INVALID_VALUE")
+    assert got["back"] == "parent!!from-kid"  # the child's write is in the parent's memory
+    assert got["managed"] == "CUDA_ERROR_INVALID_VALUE"  # only cuMemAlloc's memory has legacy IPC
