@@ -38,6 +38,8 @@ _Static_assert(sizeof(nvmlProcessUtilizationInfo_v1_t) == 40, "nvmlProcessUtiliz
 _Static_assert(sizeof(nvmlProcessesUtilizationInfo_v1_t) == 24, "nvmlProcessesUtilizationInfo_v1_t layout");
 _Static_assert(nvmlProcessesUtilizationInfo_v1 == 0x01000018, "nvmlProcessesUtilizationInfo_v1");
 _Static_assert(nvmlTemperature_v1 == 0x0100000C, "nvmlTemperature_v1");
+_Static_assert(sizeof(nvmlProcessDetail_v1_t) == 32, "nvmlProcessDetail_v1_t layout");
+_Static_assert(nvmlProcessDetailList_v1 == 0x01000018, "nvmlProcessDetailList_v1");
 
 /* Window of nvmlDeviceGetUtilizationRates and the longest window of
  * nvmlDeviceGetProcessUtilization: the 1/6 s - 1 s real drivers sample. */
@@ -407,6 +409,8 @@ NVML_GPU_QUERY(nvmlDeviceGetAttributes_v2, nvmlDeviceAttributes_t, attributes,
                                                        .gpuInstanceSliceCount = 7,
                                                        .computeInstanceSliceCount = 7,
                                                        .memorySizeMB = g_cfg.gpu[g].total_mem >> 20}))
+/* The pre-MIG name binds the same struct. */
+NVML_ALIAS(nvmlDeviceGetAttributes, nvmlDeviceGetAttributes_v2, (nvmlDevice_t device, nvmlDeviceAttributes_t *attributes))
 
 NVML_EXPORT nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device, int *major, int *minor)
 {
@@ -836,6 +840,30 @@ RUNNING_PROCESSES(nvmlDeviceGetGraphicsRunningProcesses_v3, nvmlProcessInfo_t, I
 RUNNING_PROCESSES(nvmlDeviceGetMPSComputeRunningProcesses, nvmlProcessInfo_v1_t, INFO_V1, true)
 RUNNING_PROCESSES(nvmlDeviceGetMPSComputeRunningProcesses_v2, nvmlProcessInfo_v2_t, INFO_V2, true)
 RUNNING_PROCESSES(nvmlDeviceGetMPSComputeRunningProcesses_v3, nvmlProcessInfo_t, INFO_V3, true)
+
+/* The same processes in one versioned call per mode. nvml.h documents a bad
+ * version or mode as INVALID_ARGUMENT here, not ARGUMENT_VERSION_MISMATCH.
+ * No confidential computing: no protected memory. */
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetRunningProcessDetailList(nvmlDevice_t device, nvmlProcessDetailList_t *plist)
+{
+    unsigned int g;
+    nvmlReturn_t rc = lookup_out(device, plist, &g);
+    if (rc != NVML_SUCCESS)
+        return rc;
+    if (plist->version != nvmlProcessDetailList_v1 || plist->mode >= NVML_PROCESS_MODE_MAX)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    struct proc_view procs[SIM_MAX_PROCS];
+    bool compute = plist->mode == NVML_PROCESS_MODE_COMPUTE || plist->mode == NVML_PROCESS_MODE_ALL;
+    unsigned int n = compute ? live_procs(g, procs) : 0;
+    if (plist->numProcArrayEntries < n || (n > 0 && plist->procArray == NULL)) {
+        plist->numProcArrayEntries = n;
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    for (unsigned int i = 0; i < n; i++)
+        plist->procArray[i] = (nvmlProcessDetail_v1_t){procs[i].pid, procs[i].used, NO_MIG_INSTANCE, NO_MIG_INSTANCE, 0};
+    plist->numProcArrayEntries = n;
+    return NVML_SUCCESS;
+}
 
 static uint64_t realtime_ns(void)
 {

@@ -174,6 +174,31 @@ typedef struct nvmlProcessInfo_st {
     unsigned int computeInstanceId;
 } nvmlProcessInfo_t;
 
+typedef struct {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+    unsigned int gpuInstanceId;      /* 0xFFFFFFFF outside MIG */
+    unsigned int computeInstanceId;  /* 0xFFFFFFFF outside MIG */
+    unsigned long long usedGpuCcProtectedMemory;
+} nvmlProcessDetail_v1_t;
+
+typedef enum nvmlProcessMode_enum {
+    NVML_PROCESS_MODE_COMPUTE = 0,
+    NVML_PROCESS_MODE_GRAPHICS = 1,
+    NVML_PROCESS_MODE_MPS = 2,
+    NVML_PROCESS_MODE_ALL = 3,
+    NVML_PROCESS_MODE_MAX = NVML_PROCESS_MODE_ALL + 1
+} nvmlProcessMode_t;
+
+typedef struct {
+    unsigned int version;            /* nvmlProcessDetailList_v1 */
+    unsigned int mode;               /* nvmlProcessMode_t */
+    unsigned int numProcArrayEntries;
+    nvmlProcessDetail_v1_t *procArray;
+} nvmlProcessDetailList_v1_t;
+typedef nvmlProcessDetailList_v1_t nvmlProcessDetailList_t;
+#define nvmlProcessDetailList_v1 NVML_STRUCT_VERSION(ProcessDetailList, 1)
+
 typedef struct nvmlProcessUtilizationSample_st {
     unsigned int pid;
     unsigned long long timeStamp;    /* CPU timestamp, microseconds */
