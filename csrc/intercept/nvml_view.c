@@ -2,7 +2,7 @@
  * the instance: its memory limit as the total, its own usage, its own
  * processes. Every NVML call that reports the device's memory size or lists
  * processes is answered here, so no path shows the whole GPU or a
- * neighbour's pid. */
+ * neighbour's pid; docs/libcgpu.md lists the few that are not, and why. */
 #include <stddef.h>
 #include <string.h>
 
@@ -49,6 +49,24 @@ CGPU_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMem
         memory->reserved = 0; /* the driver's reserve is outside the instance */
         memory->used = used;
         memory->free = limit - used;
+    }
+    return rc;
+}
+
+/* BAR1 is the aperture the CPU maps device memory through: its size follows
+ * the board's memory (rounded up to a power of two on large-BAR boards), and
+ * its usage counts every process's mappings. Inside an instance no more than
+ * the limit can be mapped, so that is the most it shows. */
+CGPU_EXPORT nvmlReturn_t nvmlDeviceGetBAR1MemoryInfo(nvmlDevice_t device, nvmlBAR1Memory_t *bar1Memory)
+{
+    nvmlReturn_t rc = CALL_NVML(nvmlDeviceGetBAR1MemoryInfo, device, bar1Memory);
+    unsigned long long limit, used;
+    if (rc == NVML_SUCCESS && instance_memory(device, &limit, &used)) {
+        if (bar1Memory->bar1Total > limit)
+            bar1Memory->bar1Total = limit;
+        if (bar1Memory->bar1Used > bar1Memory->bar1Total)
+            bar1Memory->bar1Used = bar1Memory->bar1Total;
+        bar1Memory->bar1Free = bar1Memory->bar1Total - bar1Memory->bar1Used;
     }
     return rc;
 }
@@ -126,8 +144,13 @@ CGPU_EXPORT nvmlReturn_t nvmlDeviceGetProcessesUtilizationInfo(nvmlDevice_t devi
     nvmlProcessesUtilizationInfo_t *info = procesesUtilInfo;
     if (cgpu_state() != CGPU_ACTIVE || !info)
         return CALL_NVML(nvmlDeviceGetProcessesUtilizationInfo, device, info);
+    /* `all` has the v1 element: a driver told of a newer version would write
+     * larger elements past it, and the caller's array has an unknown layout. */
+    if (info->version != nvmlProcessesUtilizationInfo_v1)
+        return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
     nvmlProcessUtilizationInfo_v1_t all[MAX_LISTED];
     nvmlProcessesUtilizationInfo_t mine = *info;
+    mine.version = nvmlProcessesUtilizationInfo_v1;
     mine.processSamplesCount = MAX_LISTED;
     mine.procUtilArray = all;
     nvmlReturn_t rc = CALL_NVML(nvmlDeviceGetProcessesUtilizationInfo, device, &mine);
@@ -141,12 +164,38 @@ CGPU_EXPORT nvmlReturn_t nvmlDeviceGetProcessesUtilizationInfo(nvmlDevice_t devi
     return rc == NVML_SUCCESS && info->processSamplesCount == 0 ? NVML_ERROR_NOT_FOUND : rc;
 }
 
-/* The attributes carry the device's memory size too. */
-CGPU_EXPORT nvmlReturn_t nvmlDeviceGetAttributes_v2(nvmlDevice_t device, nvmlDeviceAttributes_t *attributes)
+/* Every mode of the list, pid first in each entry. An unknown version is
+ * refused, not passed on, for the same reason as above; nvml.h documents
+ * INVALID_ARGUMENT for it here. */
+CGPU_EXPORT nvmlReturn_t nvmlDeviceGetRunningProcessDetailList(nvmlDevice_t device, nvmlProcessDetailList_t *plist)
 {
-    nvmlReturn_t rc = CALL_NVML(nvmlDeviceGetAttributes_v2, device, attributes);
-    unsigned long long limit, used;
-    if (rc == NVML_SUCCESS && instance_memory(device, &limit, &used))
-        attributes->memorySizeMB = limit >> 20;
-    return rc;
+    if (cgpu_state() != CGPU_ACTIVE || !plist)
+        return CALL_NVML(nvmlDeviceGetRunningProcessDetailList, device, plist);
+    if (plist->version != nvmlProcessDetailList_v1)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    nvmlProcessDetail_v1_t all[MAX_LISTED];
+    nvmlProcessDetailList_t mine = *plist;
+    mine.numProcArrayEntries = MAX_LISTED;
+    mine.procArray = all;
+    nvmlReturn_t rc = CALL_NVML(nvmlDeviceGetRunningProcessDetailList, device, &mine);
+    if (rc != NVML_SUCCESS)
+        return rc;
+    return keep_own((const unsigned char *)all, mine.numProcArrayEntries, sizeof(all[0]),
+                    offsetof(nvmlProcessDetail_v1_t, pid), &plist->numProcArrayEntries,
+                    (unsigned char *)plist->procArray);
 }
+
+/* The attributes carry the device's memory size too, under the current and
+ * the pre-MIG name (same struct). */
+#define ATTRIBUTES_HOOK(symbol)                                                                  \
+    CGPU_EXPORT nvmlReturn_t symbol(nvmlDevice_t device, nvmlDeviceAttributes_t *attributes)    \
+    {                                                                                           \
+        nvmlReturn_t rc = CALL_NVML(symbol, device, attributes);                                \
+        unsigned long long limit, used;                                                         \
+        if (rc == NVML_SUCCESS && instance_memory(device, &limit, &used))                       \
+            attributes->memorySizeMB = limit >> 20;                                             \
+        return rc;                                                                              \
+    }
+
+ATTRIBUTES_HOOK(nvmlDeviceGetAttributes)
+ATTRIBUTES_HOOK(nvmlDeviceGetAttributes_v2)

@@ -105,6 +105,36 @@ def test_gpustat_bare_shows_the_gpus_and_a_running_process(native, sim_env):
     assert re.search(r"\d+ / 700 W", lines[0]), out
 
 
+# nvmlDeviceGetRunningProcessDetailList's size protocol, bare, straight
+# through ctypes: asked with no room, with too little, then with enough.
+DETAIL_LIST = """
+import ctypes, json, pynvml as n
+n.nvmlInit()
+h = n.nvmlDeviceGetHandleByIndex(0)
+fn = n._nvmlGetFunctionPointer("nvmlDeviceGetRunningProcessDetailList")
+def call(mode, room, version=n.nvmlProcessDetailList_v1):
+    array = (n.c_nvmlProcessDetail_v1_t * max(room, 1))()
+    plist = n.c_nvmlProcessDetailList_v1_t(version=version, mode=mode, numProcArrayEntries=room,
+                                           procArray=array if room else None)
+    rc = fn(h, ctypes.byref(plist))
+    return [rc, plist.numProcArrayEntries,
+            sorted([p.pid, p.usedGpuMemory >> 20] for p in array[:plist.numProcArrayEntries] if rc == 0)]
+print(json.dumps({"sizes": [call(0, 0), call(0, 1), call(0, 8), call(3, 8)],
+                  "none": [call(1, 0), call(2, 0)], "bad": [call(0, 8, version=0), call(4, 8)]}))
+"""
+
+
+def test_detail_list_bare_lists_every_process_with_its_memory(native, sim_env):
+    with burner(sim_env, native, "1GiB") as one, burner(sim_env, native, "256MiB") as two:
+        got = json.loads(subprocess.run([sys.executable, "-c", DETAIL_LIST], env=sim_env, capture_output=True,
+                                        text=True, timeout=60, check=True).stdout)
+    both = sorted([[one.pid, 1024], [two.pid, 256]])
+    # INSUFFICIENT_SIZE (7) with the count needed; compute and "all" list both.
+    assert got["sizes"] == [[7, 2, []], [7, 2, []], [0, 2, both], [0, 2, both]], got
+    assert got["none"] == [[0, 0, []], [0, 0, []]], got  # no graphics contexts, no MPS clients
+    assert got["bad"] == [[2, 8, []], [2, 8, []]], got  # a bad version or mode is INVALID_ARGUMENT
+
+
 # Run inside the instance: its own cgpu-burn on the GPU, then both tools.
 INSIDE = """
 import json, os, subprocess, sys
@@ -127,20 +157,43 @@ finally:
 
 # Every NVML call that tells memory size or pids, straight, inside the instance.
 NVML_CALLS = """
-import json, time, pynvml as n
+import ctypes, json, time, pynvml as n
 n.nvmlInit()
 h = n.nvmlDeviceGetHandleByIndex(0)
 since = int(time.time() * 1e6) - 5_000_000
 def pids(samples):
     return sorted(s.pid for s in samples)
+def legacy_attributes():
+    a = n.c_nvmlDeviceAttributes()
+    assert n._nvmlGetFunctionPointer("nvmlDeviceGetAttributes")(h, ctypes.byref(a)) == 0
+    return a.memorySizeMB << 20
+def details(mode):
+    return pids(n.nvmlDeviceGetRunningProcessDetailList(h, n.nvmlProcessDetailList_v1, mode))
+def util_info_newer_version():
+    # A v2 a driver might know: larger elements than the v1 array libcgpu holds.
+    room = (n.c_nvmlProcessUtilizationInfo_v1_t * 4)()
+    info = n.c_nvmlProcessesUtilizationInfo_v1_t(version=n.ProcessesUtilizationInfo_v1 + (1 << 24) + 8,
+                                                 processSamplesCount=4, lastSeenTimeStamp=since,
+                                                 procUtilArray=room)
+    rc = n._nvmlGetFunctionPointer("nvmlDeviceGetProcessesUtilizationInfo")(h, ctypes.byref(info))
+    return [rc, info.processSamplesCount]
+def details_newer_version():
+    room = (n.c_nvmlProcessDetail_v1_t * 4)()
+    plist = n.c_nvmlProcessDetailList_v1_t(version=n.nvmlProcessDetailList_v1 + (1 << 24), mode=0,
+                                           numProcArrayEntries=4, procArray=room)
+    rc = n._nvmlGetFunctionPointer("nvmlDeviceGetRunningProcessDetailList")(h, ctypes.byref(plist))
+    return [rc, plist.numProcArrayEntries, room[0].pid]
 print(json.dumps({
     "total": [n.nvmlDeviceGetMemoryInfo(h).total, n.nvmlDeviceGetMemoryInfo(h, version=n.nvmlMemory_v2).total,
-              n.nvmlDeviceGetAttributes_v2(h).memorySizeMB << 20],
+              n.nvmlDeviceGetAttributes_v2(h).memorySizeMB << 20, legacy_attributes(),
+              n.nvmlDeviceGetBAR1MemoryInfo(h).bar1Total],
     "lists": [pids(f(h)) for f in (n.nvmlDeviceGetComputeRunningProcesses, n.nvmlDeviceGetComputeRunningProcesses_v2,
                                    n.nvmlDeviceGetGraphicsRunningProcesses, n.nvmlDeviceGetGraphicsRunningProcesses_v2,
                                    n.nvmlDeviceGetMPSComputeRunningProcesses, n.nvmlDeviceGetMPSComputeRunningProcesses_v2)],
+    "details": [details(mode) for mode in range(4)],
     "util": pids(n.nvmlDeviceGetProcessUtilization(h, since)),
     "util_info": pids(n.nvmlDeviceGetProcessesUtilizationInfo(h, since)),
+    "newer_versions": [util_info_newer_version(), details_newer_version()],
 }))
 """
 
@@ -160,8 +213,10 @@ def check_inside(got: dict, neighbour: int) -> None:
     """What INSIDE saw: 1 GiB and its own process, nothing of `neighbour`."""
     own, tools = got["pid"], got["tools"]
     calls = tools.pop("nvml")
-    assert calls == {"total": [1 << 30] * 3, "lists": [[own], [own], [], [], [], []], "util": [own],
-                     "util_info": [own]}, (calls, own, neighbour)
+    assert calls == {"total": [1 << 30] * 5, "lists": [[own], [own], [], [], [], []],
+                     "details": [[own], [], [], [own]], "util": [own], "util_info": [own],
+                     # ARGUMENT_VERSION_MISMATCH / INVALID_ARGUMENT (as nvml.h documents each), untouched
+                     "newer_versions": [[25, 4], [2, 4, 0]]}, (calls, own, neighbour)
     for name, t in tools.items():
         assert t["rc"] == 0, (name, t)
         assert not ERROR_TEXT.search(t["out"] + t["err"]), (name, t)
