@@ -262,3 +262,71 @@ def test_hostile_fatbins_are_refused_cleanly_by_the_sanitized_driver(san_env):
     assert got.pop("good") == ["CUDA_SUCCESS", "CUDA_SUCCESS", "CUDA_SUCCESS"]
     for name, rcs in got.items():
         assert rcs[:2] in (["CUDA_ERROR_NO_BINARY_FOR_GPU"] * 2, ["CUDA_ERROR_INVALID_PTX"] * 2), (name, rcs)
+
+
+EVERY_ALLOCATOR = r"""
+#include <stdio.h>
+#include <string.h>
+#include <cuda_runtime_api.h>
+
+/* A tenant trying each allocator the runtime offers, 64 MiB at a time, each
+ * until it fails, then giving it all back: prints "<kind> <error> <bytes>". */
+int main(int argc, char **argv)
+{
+    static void *held[4096];
+    for (int i = 1; i < argc; i++) {
+        int n = 0;
+        unsigned long long bytes = 0;
+        cudaError_t rc = cudaSuccess;
+        const size_t chunk = 64u << 20;
+        while (rc == cudaSuccess && n < 4096) {
+            void *p = NULL;
+            if (!strcmp(argv[i], "managed")) {
+                rc = cudaMallocManaged(&p, chunk, cudaMemAttachGlobal);
+            } else if (!strcmp(argv[i], "pitch")) {
+                size_t pitch = 0;
+                rc = cudaMallocPitch(&p, &pitch, 1u << 20, 64);
+            } else if (!strcmp(argv[i], "3d")) {
+                struct cudaPitchedPtr pp;
+                struct cudaExtent extent = {1u << 20, 8, 8};  /* make_cudaExtent is C++ */
+                rc = cudaMalloc3D(&pp, extent);
+                p = pp.ptr;
+            } else if (!strcmp(argv[i], "pinned")) {
+                rc = cudaMallocHost(&p, chunk);
+                if (rc == cudaSuccess && bytes >= (2ull << 30)) {  /* host memory: 2 GiB is plenty */
+                    held[n++] = p;
+                    bytes += chunk;
+                    break;
+                }
+            } else {
+                return 2;
+            }
+            if (rc == cudaSuccess) {
+                held[n++] = p;
+                bytes += chunk;
+            }
+        }
+        printf("%s %s %llu\n", argv[i], cudaGetErrorName(rc), bytes);
+        (void)cudaGetLastError();
+        for (int k = 0; k < n; k++)
+            (void)(!strcmp(argv[i], "pinned") ? cudaFreeHost(held[k]) : cudaFree(held[k]));
+    }
+    return 0;
+}
+"""
+
+
+def test_a_tenant_trying_every_runtime_allocator_stops_at_its_limit(tmp_path, tenant_daemon):
+    """Managed, pitched and 3D allocations through cudart are device memory
+    and stop at the instance's 1 GiB, each given back in full before the
+    next; pinned host memory is not the GPU's and goes past it."""
+    needs_cuda()
+    src, exe = tmp_path / "allocators.c", tmp_path / "allocators"
+    src.write_text(EVERY_ALLOCATOR)
+    subprocess.run(["cc", "-o", str(exe), str(src), f"-I{CUDA / 'include'}", f"-L{CUDART_DIR}", "-lcudart",
+                    f"-Wl,-rpath,{CUDART_DIR}"], check=True)
+    run = (str(BIN / "cgpuctl"), "--socket", str(tenant_daemon.socket), "run", "--mem", "1GiB", "--")
+    got = steps(exe, tenant_daemon.env, "managed", "pitch", "3d", "pinned", "managed", prefix=run)
+    for kind in ("managed", "pitch", "3d", "managed@last"):
+        assert got[kind] == ["cudaErrorMemoryAllocation", str(GIB)], (kind, got[kind])
+    assert got["pinned"][0] == "cudaSuccess" and int(got["pinned"][1]) > GIB, got["pinned"]
