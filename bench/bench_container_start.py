@@ -44,6 +44,7 @@ import argparse
 import ctypes
 import json
 import os
+import random
 import select
 import shlex
 import shutil
@@ -128,6 +129,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=100, help="timed starts per variant, interleaved (100)")
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds first (2)")
+    p.add_argument("--seed", type=int, default=1, help="seed of the per-round shuffle of the variants (1)")
     p.add_argument("--quick", action="store_true", help=f"a smoke run: {QUICK_ROUNDS} rounds, 1 warm-up round")
     args = p.parse_args(argv)
     if args.quick:
@@ -354,13 +356,17 @@ def main(argv: list[str]) -> int:
                   f"over the relay socket before each start, untimed")
             print(f"cgpud:   {Path(sys.executable).parent / 'cgpud'} on a simulated 1 x 16 GiB GPU, --sweep-interval {DAEMON_SWEEP_INTERVAL}, "
                   f"state in {cgpud.state}")
-            print(f"host:    {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start", flush=True)
+            print(f"host:    {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start; variants in a fresh "
+                  f"order each round (--seed {args.seed})", flush=True)
 
             order = list(variants.values())
+            rng = random.Random(args.seed)
             for r in range(-args.warmup, args.rounds):
-                # Rotate the starting variant so none always runs first.
-                k = r % len(order)
-                for v in order[k:] + order[:k]:
+                # A fresh order every round: a start runs measurably slower
+                # right after some others (a heavier one before it leaves
+                # the caches and cgpud busy), so each variant must follow
+                # every other as often, not always the same one.
+                for v in rng.sample(order, len(order)):
                     ms = start_once(v, host.runc_root, f"bench-{os.getpid()}-{v.key}-{r + args.warmup}", work, cgpud)
                     if r >= 0:
                         v.ms.append(ms)
