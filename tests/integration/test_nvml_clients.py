@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.daemonproc import BIN
+from tests.integration.simrun import PYNVML
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "csrc"))
@@ -276,14 +277,7 @@ def test_the_tools_nvml_paths_are_clean_under_sanitizers(tmp_path, native, sim_e
     check_inside(json.loads(proc.stdout.strip().splitlines()[-1]), neighbour.pid)
 
 
-MONITOR = """
-import json, pynvml as n
-def err(f):
-    try:
-        f()
-        return "ok"
-    except n.NVMLError as e:
-        return type(e).__name__
+MONITOR = PYNVML + """
 n.nvmlInit()
 def state(i):
     h = n.nvmlDeviceGetHandleByIndex(i)
