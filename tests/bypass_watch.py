@@ -197,10 +197,17 @@ import json, sys, pynvml as n
 n.nvmlInit()
 h = [n.nvmlDeviceGetHandleByIndex(i) for i in range(n.nvmlDeviceGetCount())]
 def samples(d):
-    try:
-        got = n.nvmlDeviceGetProcessUtilization(d, 0)
-    except n.NVMLError_NotFound:
-        return {}
+    # pynvml sizes the array in one call and fills it in the next; a sample
+    # taken in between makes the second INSUFFICIENT_SIZE, as on a real driver.
+    for attempt in range(20):
+        try:
+            got = n.nvmlDeviceGetProcessUtilization(d, 0)
+            break
+        except n.NVMLError_NotFound:
+            return {}
+        except n.NVMLError_InsufficientSize:
+            if attempt == 19:
+                raise
     best = {}
     for s in got:
         best[str(s.pid)] = max(best.get(str(s.pid), 0), s.smUtil)
