@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,7 +85,10 @@ class ContainerLifecycle:
         self._log.info("prepared", container=str(key), id=instance.id, claimed=not created, hooks=hooks)
         return Prepared(instance)
 
-    def hook(self, stage: str, instance_id: str, state_json: bytes) -> str:
+    def hook(self, stage: str, instance_id: str, state_json: bytes,
+             decided: Callable[[str], None] = lambda text: None) -> str:
+        """`decided`: see InstanceService.container_stopped (release only; a
+        bind answers when its checks are done, since they can refuse it)."""
         state = _parse_state(state_json)
         if stage in BIND_STAGES:
             key = container_key(state.get("id", ""), state.get("bundle", ""))
@@ -102,7 +106,7 @@ class ContainerLifecycle:
                 # instance once its processes are gone.
                 self._log.warning("poststop ignored", id=instance_id, error=str(e))
                 return f"nothing done: {e}"
-            done, text = self._service.container_stopped(instance_id, str(key))
+            done, text = self._service.container_stopped(instance_id, str(key), decided)
             if not done:
                 self._log.warning("poststop ignored", id=instance_id, container=str(key), reason=text)
             return text

@@ -64,8 +64,11 @@ def answer_line(text: str) -> bytes:
     return data.decode(errors="ignore").encode() + b"\n"  # no character cut in half
 
 
-def handle(lifecycle: ContainerLifecycle, words: list[str], body: bytes) -> str:
-    """One request to one answer text; raises CgpuError for the error line."""
+def handle(lifecycle: ContainerLifecycle, words: list[str], body: bytes,
+           decided: Callable[[str], None] = lambda text: None) -> str:
+    """One request to one answer text; raises CgpuError for the error line.
+    A release calls `decided(text)` with its answer before doing the work
+    (InstanceService.container_stopped), so the runtime need not wait for it."""
     match words:
         case ["prepare", container_id, *flags] if flags in ([], [SHIM_BINDS]):
             try:
@@ -74,13 +77,13 @@ def handle(lifecycle: ContainerLifecycle, words: list[str], body: bytes) -> str:
                 raise RelayProtocolError("bundle path is not a valid path") from None
             return lifecycle.prepare(container_id, bundle, hooks=not flags).summary()
         case ["hook", stage, instance_id]:
-            return lifecycle.hook(stage, instance_id, body)
+            return lifecycle.hook(stage, instance_id, body, decided)
         # The shim's own bind (after create) and release (after delete): the
         # createRuntime and poststop hooks' work, with the same checks.
         case ["bind", instance_id]:
             return lifecycle.hook(BIND_STAGE, instance_id, body)
         case ["release", instance_id]:
-            return lifecycle.hook(RELEASE_STAGE, instance_id, body)
+            return lifecycle.hook(RELEASE_STAGE, instance_id, body, decided)
         case _:
             raise RelayProtocolError(f"unknown request {' '.join(words)[:80]!r}")
 
@@ -133,7 +136,20 @@ class RelayServer:
 
     def _answer(self, conn: socket.socket) -> None:
         conn.settimeout(READ_TIMEOUT)
-        reply: Callable[[str], None] = lambda line: conn.sendall(answer_line(line))
+        answered = False
+
+        def reply(line: str) -> None:
+            nonlocal answered
+            if not answered:  # a release answers early, once (handle's `decided`)
+                answered = True
+                conn.sendall(answer_line(line))
+
+        def early(text: str) -> None:
+            try:
+                reply(f"ok {text}")
+            except OSError as e:  # the work goes on: the runtime's going away must not stop a release
+                self._log.warning("relay connection failed", error=str(e))
+
         try:
             if _peer_uid(conn) not in (0, os.geteuid()):
                 reply("error only root may use the cgpud relay socket")
@@ -142,9 +158,12 @@ class RelayServer:
             verb = f"{words[0]} {words[1]}" if words[:1] == ["hook"] and len(words) > 1 else words[0]
             verb = verb if verb in _VERBS else "other"
             try:
-                text = handle(self._lifecycle, words, body)
+                text = handle(self._lifecycle, words, body, early)
             except Exception:
                 self._on_request(verb, "error")
+                if answered:  # the runtime already has its ok: the release failed after it
+                    self._log.exception("release failed after it was answered", verb=verb)
+                    return
                 raise
             self._on_request(verb, "OK")
             reply(f"ok {text}")

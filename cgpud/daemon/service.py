@@ -224,11 +224,17 @@ class InstanceService:
         self._log.info("bound", id=instance_id, container=container, pid=pid)
         return instance
 
-    def container_stopped(self, instance_id: str, container: str) -> tuple[bool, str]:
+    def container_stopped(self, instance_id: str, container: str,
+                          decided: Callable[[str], None] = lambda text: None) -> tuple[bool, str]:
         """poststop of `container`: release its own instance, hand a claimed
         one it holds back to `reserved`. Anything else is left as it is and
         said why (False): another container's poststop must not free what a
-        running one holds."""
+        running one holds.
+
+        `decided(text)` is called once a release is certain, before its work
+        (SQLite, the region's tmpfs): the caller can answer a waiting runtime
+        then. The lock is held from the decision to the end of the work, so
+        any request that comes after the answer sees the memory free."""
         with self._lock:
             try:
                 current = self._store.get(instance_id)
@@ -237,10 +243,12 @@ class InstanceService:
             if current.owner.kind is OwnerKind.CONTAINER:
                 if current.owner.id != container:
                     return False, f"instance {instance_id} belongs to container {current.owner.id}, not {container}"
+                text = f"released {instance_id}"
                 if current.state is not InstanceState.RELEASED:
+                    decided(text)
                     self._release_locked(instance_id)
                     self._log.info("released", id=instance_id)
-                return True, f"released {instance_id}"
+                return True, text
             if current.state is InstanceState.BOUND and current.holder == container:
                 self._store.set_state(instance_id, InstanceState.RESERVED, pids=(), holder="")
                 self.changes.bump()

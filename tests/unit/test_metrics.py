@@ -218,7 +218,7 @@ class FakeLifecycle:
     def prepare(self, container_id: str, bundle: Path, *, hooks: bool = True) -> FakeLifecycle.Prepared:
         return self.Prepared()
 
-    def hook(self, stage: str, instance_id: str, state_json: bytes) -> str:
+    def hook(self, stage: str, instance_id: str, state_json: bytes, decided: object = None) -> str:
         raise UsageError(f"no instance {instance_id}")
 
 

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import threading
+import time
 from pathlib import Path
 
 import pytest
+import structlog
 
 from cgpud.errors import StateError, UsageError
-from cgpud.containers.relay import RelayProtocolError, handle
+from cgpud.containers.relay import RelayProtocolError, RelayServer, handle
 from tests.unit.test_container_identity import bundle, lifecycle, state
 
 GPU = "ALIYUN_COM_GPU_MEM_CONTAINER=2"
@@ -66,3 +70,91 @@ def test_prepare_takes_only_the_shim_binds_flag(tmp_path: Path) -> None:
     with pytest.raises(RelayProtocolError):
         handle(lc, ["prepare", "job", "no-hooks-please"], str(b).encode())
     assert "hooks" not in json.loads((b / "config.json").read_text())
+
+
+def test_a_release_answers_before_its_work_and_holds_the_memory_until_done(tmp_path: Path) -> None:
+    """The runtime gets its ok before the SQLite write and the tmpfs umount,
+    so `runc delete` need not wait for them; but a start that comes after
+    the answer must still find the memory free, never a spurious refusal."""
+    lc, svc = lifecycle(tmp_path)
+    b = bundle(tmp_path / "b", "ALIYUN_COM_GPU_MEM_CONTAINER=12")
+    iid = handle(lc, ["prepare", "job", "shim-binds"], str(b).encode()).split()[-1]
+    handle(lc, ["bind", iid], state("job", b, os.getpid()))
+    second = bundle(tmp_path / "second", "ALIYUN_COM_GPU_MEM_CONTAINER=12")  # fits only once `job` is gone
+    seen: dict[str, object] = {}
+
+    def decided(text: str) -> None:
+        seen["text"] = text
+        seen["region then"] = svc.region_dir(iid).exists()
+        seen["state then"] = svc.get(iid).state.value
+        # The next start, sent the moment the runtime has its answer.
+        nxt = threading.Thread(target=lambda: seen.setdefault(
+            "next", handle(lc, ["prepare", "next", "shim-binds"], str(second).encode())))
+        nxt.start()
+        nxt.join(0.3)
+        seen["next waited"] = nxt.is_alive()  # it must queue behind the release, not be refused
+        seen["thread"] = nxt
+
+    assert handle(lc, ["release", iid], state("job", b), decided) == f"released {iid}"
+    seen["thread"].join(10)  # type: ignore[attr-defined]
+    assert seen["text"] == f"released {iid}"
+    assert seen["region then"] is True and seen["state then"] == "bound"  # answered before the work
+    assert seen["next waited"] is True
+    assert str(seen["next"]).startswith("instance ")
+    assert svc.get(iid).state.value == "released" and not svc.region_dir(iid).exists()
+
+
+def test_only_a_release_answers_early(tmp_path: Path) -> None:
+    lc, svc = lifecycle(tmp_path)
+    b = bundle(tmp_path / "b", GPU)
+    early: list[str] = []
+    iid = handle(lc, ["prepare", "job", "shim-binds"], str(b).encode(), early.append).split()[-1]
+    handle(lc, ["bind", iid], state("job", b, os.getpid()), early.append)
+    assert "not" in handle(lc, ["release", iid], state("job", bundle(tmp_path / "o", GPU)), early.append)
+    assert early == []  # a refusal or a no-op is answered at the end, as before
+    handle(lc, ["release", iid], state("job", b), early.append)
+    assert early == [f"released {iid}"]
+    handle(lc, ["release", iid], state("job", b), early.append)  # a retried poststop: nothing left to do
+    assert early == [f"released {iid}"]
+
+
+def _ask(path: Path, request: bytes, *, read: bool = True) -> bytes:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(str(path))
+        s.sendall(request)
+        s.shutdown(socket.SHUT_WR)
+        return b"".join(iter(lambda: s.recv(65536), b"")) if read else b""  # all of it, up to the close
+
+
+def test_over_the_socket_a_release_answers_once_and_finishes_without_its_runtime(tmp_path: Path,
+                                                                                 monkeypatch) -> None:
+    lc, svc = lifecycle(tmp_path)
+    relay_path = tmp_path / "relay.sock"
+    relay = RelayServer(lc, relay_path).start()
+    try:
+        ids = []
+        for name in ("a", "b", "c"):
+            b = bundle(tmp_path / name, GPU)
+            iid = _ask(relay_path, f"prepare {name} shim-binds\n{b}".encode()).split()[-1]
+            ids.append((name, b, iid.decode()))
+        name, b, iid = ids[0]
+        # One line, then the end of the connection: the relays read up to the newline.
+        assert _ask(relay_path, f"release {iid}\n".encode() + state(name, b)) == f"ok released {iid}\n".encode()
+        # A runtime killed before reading its answer still has its release done.
+        name, b, iid = ids[1]
+        _ask(relay_path, f"release {iid}\n".encode() + state(name, b), read=False)
+        deadline = time.monotonic() + 10
+        while svc.get(iid).state.value != "released" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert svc.get(iid).state.value == "released"
+        # Work that fails after the ok is logged, not answered a second time.
+        name, b, iid = ids[2]
+
+        def broken(instance_id: str, restore: object = None) -> None:
+            raise StateError("the store is gone")
+        monkeypatch.setattr(svc, "_release_locked", broken)
+        with structlog.testing.capture_logs() as logs:
+            assert _ask(relay_path, f"release {iid}\n".encode() + state(name, b)) == f"ok released {iid}\n".encode()
+        assert [e["event"] for e in logs if e["log_level"] == "error"] == ["release failed after it was answered"]
+    finally:
+        relay.stop()
