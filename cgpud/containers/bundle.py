@@ -45,7 +45,10 @@ def read_spec(bundle: Path) -> dict[str, Any]:
         raise UsageError(f"{path} is not valid JSON: {e}") from e
     if not isinstance(spec, dict):
         raise UsageError(f"{path} is not a JSON object")
-    if _holds_nul(spec):
+    # UTF-8 JSON holds a NUL only as the escape \u0000 (json.loads refuses raw
+    # control characters in strings), so a spec with neither needs no walk;
+    # UTF-16 or -32 text has NUL bytes and is walked.
+    if (b"\0" in data or b"\\u0000" in data) and _holds_nul(spec):
         raise UsageError(f"{path} has a NUL character in a string: no path, argument or variable can hold one")
     return spec
 

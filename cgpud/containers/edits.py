@@ -8,7 +8,7 @@ no path of the container is ever a source. Targets are left to the runtime,
 which resolves them inside the rootfs without leaving it (runc's securejoin)."""
 from __future__ import annotations
 
-import copy
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -134,7 +134,7 @@ def apply_edits(spec: Mapping[str, Any], edits: ContainerEdits, files: RuntimeFi
     """A new spec with the edits in. Idempotent: earlier cgpu edits (a
     retried create on the same bundle) are replaced, not repeated. Our
     mounts go last so they cover anything the image or user mounted there."""
-    out = copy.deepcopy(dict(spec))
+    out = json.loads(json.dumps(spec))  # a deep copy: JSON in, JSON out, and faster than copy.deepcopy
     process = _member(out, "process", dict, "process")
     names = {k for k, _ in edits.env} | set(APP_ENV)
     env_in = _member(process, "env", list, "process.env")

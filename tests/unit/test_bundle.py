@@ -161,3 +161,23 @@ def test_a_destination_counts_where_links_in_the_image_or_earlier_volumes_put_it
     (root / "loop").symlink_to("/loop")
     with pytest.raises(UsageError, match="more than 40 symbolic links"):
         check_volumes(root, [bind("/loop/a", src)], TARGETS)
+
+
+@pytest.mark.parametrize(("encoding", "text", "refused"), [
+    ("utf-8", '"A=\\u0000x"', True),                    # the escape, in UTF-8
+    ("utf-16", '"A=\\u0000x"', True),                   # the same in UTF-16, which json.loads also reads
+    ("utf-32", '"\\u0000"', True),
+    ("utf-8", '"A=\\\\u0000"', False),                  # a backslash, then the text u0000: no NUL
+    ("utf-8", '"caf\\u00e9 \\u0001"', False),
+])
+def test_a_nul_anywhere_in_the_spec_is_refused_whatever_its_encoding(tmp_path: Path, encoding: str, text: str,
+                                                                      refused: bool) -> None:
+    """A NUL would make os.open() raise ValueError where a path is used; the
+    check that finds it skips the walk only when the bytes cannot hold one."""
+    (tmp_path / "config.json").write_bytes(
+        f'{{"ociVersion": "1.0.2", "root": {{"path": "rootfs"}}, "process": {{"env": [{text}]}}}}'.encode(encoding))
+    if refused:
+        with pytest.raises(UsageError, match="NUL character"):
+            read_spec(tmp_path)
+    else:
+        assert "\0" not in read_spec(tmp_path)["process"]["env"][0]
