@@ -1,8 +1,8 @@
 """Container start latency with cgpu-runtime and cgpu-hook against plain runc.
 
 Times `runc create` + `runc start` + the wait for the container's exit +
-`runc delete` of a busybox container that runs `true`, five ways, round-robin
-within each round in one run:
+`runc delete` of a busybox container that runs `true`, six ways, in a fresh
+random order within each round of one run:
 
   runc    / non-GPU   plain runc, a bundle that asks for no GPU
   shim    / non-GPU   the same bundle, every command through cgpu-runtime
@@ -18,6 +18,13 @@ within each round in one run:
                       as a device plugin's Allocate does before containerd
                       applies the CDI spec, so the timed part is exactly what
                       an engine that only runs hooks pays: runc's hook runs
+  shim    / GPU floor the GPU bundle through cgpu-runtime against a relay
+                      socket that answers every request at once and does
+                      nothing (no instance, config.json untouched): what the
+                      shim's GPU path costs by itself (its exec, the fork of
+                      runc create, the marker, three round trips to a Python
+                      socketserver like cgpud's), for information: the
+                      difference to `shim / GPU 2 GiB` is cgpud's own work
 
 A real cgpud (its own state dir and sockets, on one simulated 16 GiB GPU)
 serves the shim. Prints the median and p90 of each variant, the time added
@@ -49,10 +56,12 @@ import select
 import shlex
 import shutil
 import socket
+import socketserver
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,12 +88,14 @@ QUICK_ROUNDS = 5
 DAEMON_SWEEP_INTERVAL = "2"  # cgpud's default (the e2e tests use 0.2 s)
 
 # (key, label, shim, gpu, hooks: plain runc on a hook-mode prepared bundle)
+FLOOR = "shim-floor"  # the shim against InstantRelay instead of cgpud
 VARIANTS = (
     ("runc-plain", "runc, non-GPU", False, False, False),
     ("shim-plain", "shim, non-GPU", True, False, False),
     ("runc-gpu", "runc, GPU 2 GiB (env only)", False, True, False),
     ("shim-gpu", "shim, GPU 2 GiB", True, True, False),
     ("hook-gpu", "runc + hooks (CDI), GPU 2 GiB", False, True, True),
+    (FLOOR, "shim, GPU, relay doing nothing", True, True, False),
 )
 # (label, baseline key, measured key, target ms added at the median, at p90 or None) -- from the issue.
 TARGETS = (
@@ -96,6 +107,39 @@ TARGETS = (
 
 class BenchError(Exception):
     """The benchmark could not run; the message says what failed."""
+
+
+class InstantRelay:
+    """A relay socket that answers the shim's prepare, bind and release at
+    once and does nothing: the same transport as cgpud's (a threaded
+    socketserver, one connection per request), none of its work. It counts
+    what it was asked, so the run can check that the shim took its GPU path."""
+
+    INSTANCE = "cgpu-000000000000"
+
+    def __init__(self, path: Path) -> None:
+        self.asked: dict[str, int] = {"prepare": 0, "bind": 0, "release": 0}
+        asked = self.asked
+        instance = self.INSTANCE
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                data = b""
+                while chunk := self.request.recv(65536):
+                    data += chunk
+                verb = data.split(b"\n", 1)[0].split(b" ", 1)[0].decode(errors="replace")
+                answer = {"prepare": f"ok instance {instance}", "bind": f"ok bound {instance}",
+                          "release": f"ok released {instance}"}.get(verb, f"error unknown request {verb!r}")
+                asked[verb] = asked.get(verb, 0) + 1
+                self.request.sendall(answer.encode() + b"\n")
+
+        self._server = socketserver.ThreadingUnixStreamServer(str(path), Handler)
+        self._server.daemon_threads = True
+        threading.Thread(target=self._server.serve_forever, name="instant-relay", daemon=True).start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
 
 
 @dataclass
@@ -242,7 +286,9 @@ def start_once(v: Variant, runc_root: Path, cid: str, work: Path, cgpud: Daemon)
     config = (v.bundle.path / "config.json").read_bytes()
     if not v.gpu and config != v.config:
         raise BenchError(f"{v.label}: config.json was rewritten for a container that asked for nothing")
-    if v.shim and v.gpu and (config == v.config or b"cgpu-hook" in config):
+    if v.key == FLOOR and config != v.config:
+        raise BenchError(f"{v.label}: config.json changed, but nothing should have prepared it")
+    if v.key != FLOOR and v.shim and v.gpu and (config == v.config or b"cgpu-hook" in config):
         raise BenchError(f"{v.label}: the shim's prepare should rewrite config.json without hooks")
     reap_strays(cgpud)
     return ms
@@ -307,6 +353,14 @@ def report(variants: dict[str, Variant], args: argparse.Namespace) -> None:
             verdict = "PASS" if added90 <= p90_limit else "FAIL"
             print(f"  {verdict:<5} {text}: {added90:+.2f} ms at p90 ({m.p90():.2f} vs {b.p90():.2f} ms), "
                   f"ratio {m.p90() / b.p90():.3f}x (target <= {p90_limit:g} ms)")
+    base, floor, full = variants["runc-gpu"], variants[FLOOR], variants["shim-gpu"]
+    print("\nWhere the GPU shim's time goes (information; paired medians with their ~95% intervals):")
+    for text, x, y in (("the shim by itself, against a relay doing nothing", base, floor),
+                       ("cgpud's work (prepare, bind, release) on top of that", floor, full)):
+        paired = [b - a for a, b in zip(x.ms, y.ms)]
+        lo, hi = median_ci(paired)
+        print(f"  {text}: {y.median() - x.median():+.2f} ms at the median; paired "
+              f"{statistics.median(paired):+.2f} ms [{lo:+.2f}, {hi:+.2f}]")
 
 
 def main(argv: list[str]) -> int:
@@ -336,6 +390,7 @@ def main(argv: list[str]) -> int:
         daemon_dir.mkdir()
         cgpud = make_daemon(daemon_dir, sim_env, "--sweep-interval", DAEMON_SWEEP_INTERVAL)
         start_daemon(cgpud)
+        instant = InstantRelay(work / "instant-relay.sock")
         try:
             variants: dict[str, Variant] = {}
             for key, label, via_shim, wants_gpu, hooks in VARIANTS:
@@ -343,9 +398,10 @@ def main(argv: list[str]) -> int:
                 # leftovers; the two of a kind have the same config.json bytes.
                 env = (GPU_REQUEST,) if wants_gpu else ()
                 bundle = host.bundle(work / "bundles" / key, ["true"], env, gpu_device=wants_gpu)
+                relay = work / "instant-relay.sock" if key == FLOOR else cgpud.relay
                 variants[key] = Variant(key, label, via_shim, wants_gpu, hooks, bundle,
                                         (bundle.path / "config.json").read_bytes(),
-                                        runtime_env(cgpud.relay, dict(os.environ)) if via_shim else dict(os.environ),
+                                        runtime_env(relay, dict(os.environ)) if via_shim else dict(os.environ),
                                         str(shim) if via_shim else runc)
             version = subprocess.run([runc, "--version"], capture_output=True, text=True, check=False).stdout
             print(f"runtime: runc {version.split()[2] if len(version.split()) > 2 else '?'} ({runc}); shim {shim} with CGPU_REAL_RUNTIME={runc} CGPU_RELAY_SOCKET={cgpud.relay}")
@@ -386,7 +442,12 @@ def main(argv: list[str]) -> int:
                   f"(expected {gpu_starts}, one per GPU start through the shim or the hooks)")
             if len(released) != gpu_starts:
                 raise BenchError(f"expected {gpu_starts} released instances, cgpud lists {len(released)}")
+            starts = args.rounds + args.warmup
+            if instant.asked != {"prepare": starts, "bind": starts, "release": starts}:
+                raise BenchError(f"the relay doing nothing was asked {instant.asked}, expected {starts} "
+                                 f"prepare, bind and release: the shim did not take its GPU path")
         finally:
+            instant.close()
             try:
                 cgpud.stop()
             except AssertionError as exc:
