@@ -1,7 +1,7 @@
 """Container start latency with cgpu-runtime and cgpu-hook against plain runc.
 
 Times `runc create` + `runc start` + the wait for the container's exit +
-`runc delete` of a busybox container that runs `true`, six ways, in a fresh
+`runc delete` of a busybox container that runs `true`, seven ways, in a fresh
 random order within each round of one run:
 
   runc    / non-GPU   plain runc, a bundle that asks for no GPU
@@ -25,6 +25,10 @@ random order within each round of one run:
                       runc create, the marker, three round trips to a Python
                       socketserver like cgpud's), for information: the
                       difference to `shim / GPU 2 GiB` is cgpud's own work
+  hooks   / GPU floor the hooks' bundle with each cgpu-hook entry replaced
+                      by `true`: what runc's running of two hooks costs by
+                      itself, for information (the instance is released
+                      after the timed part)
 
 A real cgpud (its own state dir and sockets, on one simulated 16 GiB GPU)
 serves the shim. Prints the median and p90 of each variant, the time added
@@ -86,9 +90,11 @@ RUN_TIMEOUT_S = 60
 PR_SET_CHILD_SUBREAPER = 36
 QUICK_ROUNDS = 5
 DAEMON_SWEEP_INTERVAL = "2"  # cgpud's default (the e2e tests use 0.2 s)
+TRUE = shutil.which("true") or "/bin/true"
 
 # (key, label, shim, gpu, hooks: plain runc on a hook-mode prepared bundle)
 FLOOR = "shim-floor"  # the shim against InstantRelay instead of cgpud
+HOOK_FLOOR = "hook-floor"  # the hook bundle, its cgpu-hook entries running `true`
 VARIANTS = (
     ("runc-plain", "runc, non-GPU", False, False, False),
     ("shim-plain", "shim, non-GPU", True, False, False),
@@ -96,6 +102,7 @@ VARIANTS = (
     ("shim-gpu", "shim, GPU 2 GiB", True, True, False),
     ("hook-gpu", "runc + hooks (CDI), GPU 2 GiB", False, True, True),
     (FLOOR, "shim, GPU, relay doing nothing", True, True, False),
+    (HOOK_FLOOR, "runc + hooks doing nothing (true)", False, True, True),
 )
 # (label, baseline key, measured key, target ms added at the median, at p90 or None) -- from the issue.
 TARGETS = (
@@ -254,15 +261,35 @@ def relay_prepare(relay: Path, cid: str, bundle: Path) -> str:
     return text.removeprefix("ok instance ")
 
 
+def relay_release(relay: Path, instance: str, cid: str, bundle: Path) -> None:
+    """What the poststop hook would have asked."""
+    state = json.dumps({"ociVersion": "1.0.2", "id": cid, "status": "stopped", "bundle": str(bundle)})
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(RUN_TIMEOUT_S)
+        conn.connect(str(relay))
+        conn.sendall(f"release {instance}\n{state}".encode())
+        conn.shutdown(socket.SHUT_WR)
+        answer = conn.recv(4096).decode(errors="replace").strip()
+    if not answer.startswith("ok released"):
+        raise BenchError(f"cgpud's release of {instance} answered {answer!r}")
+
+
 def start_once(v: Variant, runc_root: Path, cid: str, work: Path, cgpud: Daemon) -> float:
     """One create+start+exit+delete; returns wall ms. The container's stdio
     goes to a file: runc create hands it to the container, which outlives
     the create, so a pipe would never reach EOF."""
     (v.bundle.path / "config.json").write_bytes(v.config)  # prepare rewrote it last time
+    instance = None
     if v.hooks:
-        relay_prepare(cgpud.relay, cid, v.bundle.path)  # untimed: the device plugin's part
-        if "createRuntime" not in json.loads((v.bundle.path / "config.json").read_bytes()).get("hooks", {}):
+        instance = relay_prepare(cgpud.relay, cid, v.bundle.path)  # untimed: the device plugin's part
+        spec = json.loads((v.bundle.path / "config.json").read_bytes())
+        if "createRuntime" not in spec.get("hooks", {}):
             raise BenchError(f"{v.label}: cgpud's hook-mode prepare wrote no createRuntime hook")
+        if v.key == HOOK_FLOOR:
+            for entries in spec["hooks"].values():
+                for hook in entries:
+                    hook["path"], hook["args"] = TRUE, ["true"]
+            (v.bundle.path / "config.json").write_text(json.dumps(spec))
     log = work / f"{v.key}.log"
     log.write_bytes(b"")
     pid_file = work / f"{v.key}.pid"
@@ -281,6 +308,8 @@ def start_once(v: Variant, runc_root: Path, cid: str, work: Path, cgpud: Daemon)
                        stdin=subprocess.DEVNULL, capture_output=True, timeout=RUN_TIMEOUT_S, check=False)
         raise
     ms = (time.perf_counter() - t0) * 1e3
+    if v.key == HOOK_FLOOR and instance is not None:  # no cgpu-hook ran at poststop: release it here, untimed
+        relay_release(cgpud.relay, instance, cid, v.bundle.path)
     if os.waitstatus_to_exitcode(status) != 0:
         raise BenchError(f"{v.label}: container {cid} (`true`) exited with status {status:#x}")
     config = (v.bundle.path / "config.json").read_bytes()
@@ -354,9 +383,12 @@ def report(variants: dict[str, Variant], args: argparse.Namespace) -> None:
             print(f"  {verdict:<5} {text}: {added90:+.2f} ms at p90 ({m.p90():.2f} vs {b.p90():.2f} ms), "
                   f"ratio {m.p90() / b.p90():.3f}x (target <= {p90_limit:g} ms)")
     base, floor, full = variants["runc-gpu"], variants[FLOOR], variants["shim-gpu"]
-    print("\nWhere the GPU shim's time goes (information; paired medians with their ~95% intervals):")
-    for text, x, y in (("the shim by itself, against a relay doing nothing", base, floor),
-                       ("cgpud's work (prepare, bind, release) on top of that", floor, full)):
+    hook_floor, hooks = variants[HOOK_FLOOR], variants["hook-gpu"]
+    print("\nWhere the added time goes (information; paired medians with their ~95% intervals):")
+    for text, x, y in (("shim: itself, against a relay doing nothing", base, floor),
+                       ("shim: cgpud's work (prepare, bind, release) on top of that", floor, full),
+                       ("hooks: runc running two hooks that do nothing (true)", base, hook_floor),
+                       ("hooks: cgpu-hook and cgpud's work (bind, release) on top of that", hook_floor, hooks)):
         paired = [b - a for a, b in zip(x.ms, y.ms)]
         lo, hi = median_ci(paired)
         print(f"  {text}: {y.median() - x.median():+.2f} ms at the median; paired "
@@ -436,10 +468,10 @@ def main(argv: list[str]) -> int:
             if left:
                 raise BenchError(f"cgpud still has {len(left)} active instance(s) after the run: "
                                  + ", ".join(f"{i.get('id')} ({i.get('state')})" for i in left))
-            gpu_starts = 2 * (args.rounds + args.warmup)
+            gpu_starts = 3 * (args.rounds + args.warmup)
             released = [i for i in instances(cgpud, "--all") if i.get("state") == "released"]
             print(f"cgpud:   no active instance left; {len(released)} released "
-                  f"(expected {gpu_starts}, one per GPU start through the shim or the hooks)")
+                  f"(expected {gpu_starts}, one per GPU start through the shim or the hooks, real or doing nothing)")
             if len(released) != gpu_starts:
                 raise BenchError(f"expected {gpu_starts} released instances, cgpud lists {len(released)}")
             starts = args.rounds + args.warmup
