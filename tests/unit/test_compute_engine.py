@@ -627,6 +627,19 @@ def _engine_thread_cpu(name: str = "cgpu-sched-0") -> float:
     raise AssertionError(f"no {name} thread")
 
 
+def test_the_engine_thread_waits_without_timer_slack(sched: ComputeScheduler) -> None:
+    """Its waits are the 0.1 ms idle grace and slice ends: with a thread's
+    default 50 us of slack every hand-over would wait up to half a grace more."""
+    def engine_tids() -> list[str]:
+        return [t.name for t in Path("/proc/self/task").iterdir()
+                if (t / "comm").read_text().strip() == "cgpu-sched-0"]
+    assert wait_until(lambda: len(engine_tids()) == 1), engine_tids()
+    # Named first, then the slack set: wait for both.
+    assert wait_until(lambda: int(Path(f"/proc/{engine_tids()[0]}/timerslack_ns").read_text()) == 1)
+    # Other threads keep the default: the setting is the engine thread's own.
+    assert int(Path("/proc/self/timerslack_ns").read_text()) > 1
+
+
 def test_a_tenant_ringing_its_bell_flat_out_costs_cgpud_little(slow_sched: ComputeScheduler, tenants) -> None:
     """A hostile holder reports idle, withdraws, and wakes the engine's futex
     in a tight loop from its own process."""
