@@ -25,11 +25,19 @@ uint64_t sim_now_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
 }
 
+/* A real driver's synchronisation returns once the work is done (it spins
+ * or yields by default); with the thread's default 50 us of timer slack a
+ * sleep here would end up to that much later. The caller's slack is put back. */
 void sim_sleep_until(uint64_t t_ns)
 {
     struct timespec ts = {.tv_sec = (time_t)(t_ns / 1000000000ULL), .tv_nsec = (long)(t_ns % 1000000000ULL)};
+    int slack = prctl(PR_GET_TIMERSLACK, 0UL, 0UL, 0UL, 0UL);
+    if (slack > 1)
+        prctl(PR_SET_TIMERSLACK, 1UL, 0UL, 0UL, 0UL);
     while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR) {
     }
+    if (slack > 1)
+        prctl(PR_SET_TIMERSLACK, (unsigned long)slack, 0UL, 0UL, 0UL);
 }
 
 static uint64_t fnv1a(const void *data, size_t len)

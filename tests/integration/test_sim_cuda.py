@@ -177,6 +177,30 @@ def test_events_time_kernels_in_device_time(sim_env, tmp_path):
     assert 9.99 <= got[3] <= 10.01
 
 
+def test_synchronisation_returns_when_the_work_is_done(sim_env):
+    """A real driver's synchronisation returns once the work is done (it spins
+    or yields); the simulation's sleep must not end up to the caller's timer
+    slack later (5 ms here, so the difference cannot hide in noise: with it
+    the median lateness was over a ms), and the caller's slack is left as
+    it was."""
+    got = run_py(sim_env, """
+        import ctypes as C, json, statistics, time; from cudapy import Driver
+        libc = C.CDLL(None, use_errno=True)
+        PR_SET_TIMERSLACK, PR_GET_TIMERSLACK = 29, 30
+        assert libc.prctl(PR_SET_TIMERSLACK, C.c_ulong(5_000_000), 0, 0, 0) == 0
+        cu = Driver(); cu.init_device(0); fn = cu.spin_function()
+        late = []
+        for _ in range(20):
+            t0 = time.monotonic_ns()
+            cu.launch_spin(fn, 2_000_000)
+            cu.call("cuCtxSynchronize")
+            late.append(time.monotonic_ns() - t0 - 2_000_000)
+        print(json.dumps([statistics.median(late), libc.prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0)]))
+    """)
+    assert got[0] < 1_000_000, got  # ns after the kernel's end, at most: launched at t0 or later
+    assert got[1] == 5_000_000
+
+
 def test_events_without_timing_cannot_be_timed(sim_env):
     got = run_py(sim_env, """
         import ctypes as C, json; from cudapy import Driver
