@@ -63,6 +63,7 @@ class TenantMetrics:
     grants: int  # gate openings
     window_ns: int  # the last completed share window (0: none yet)
     window_charged_ns: int  # device time charged in it
+    idle_grace_ns: int  # how long it may hold the GPU idle while another waits (learned per tenant)
 
     @property
     def achieved_percent(self) -> float:
@@ -180,5 +181,6 @@ class ComputeScheduler:
                 for gpu, key in keys:
                     if lib.cgpu_engine_tenant_metrics_get(self._engine, gpu, key, m) == 0:
                         out.setdefault(instance_id, []).append(TenantMetrics(
-                            gpu, m.charged_ns, m.throttled_ns, m.grants, m.window_ns, m.window_charged_ns))
+                            gpu, m.charged_ns, m.throttled_ns, m.grants, m.window_ns, m.window_charged_ns,
+                            m.idle_grace_ns))
         return out

@@ -337,6 +337,9 @@ class CgpuCollector(Collector):
                                         labels=_INSTANCE_LABELS)
         grants = CounterMetricFamily("cgpu_instance_compute_grants", "times the scheduler opened the "
                                      "instance's gate", labels=_INSTANCE_LABELS)
+        grace = GaugeMetricFamily("cgpu_instance_idle_grace_seconds", "how long the instance may hold the GPU "
+                                  "idle while another instance waits: the full grace, or none once it has shown "
+                                  "it stays idle", labels=_INSTANCE_LABELS)
         gated = CounterMetricFamily("cgpu_instance_launches_gated", "launches that waited at a closed gate "
                                     "(tenant-reported)", labels=_INSTANCE_LABELS)
         violations = CounterMetricFamily("cgpu_instance_bypass_violations", "the bypass watchdog's reports and "
@@ -365,7 +368,8 @@ class CgpuCollector(Collector):
                     charged.add_metric(labels, m.charged_ns / 1e9)
                     throttled.add_metric(labels, m.throttled_ns / 1e9)
                     grants.add_metric(labels, m.grants)
-        yield from (limit, used, share, achieved, charged, throttled, grants, gated, violations)
+                    grace.add_metric(labels, m.idle_grace_ns / 1e9)
+        yield from (limit, used, share, achieved, charged, throttled, grants, grace, gated, violations)
 
 
 class _Server(ThreadingMixIn, WSGIServer):

@@ -50,6 +50,8 @@ struct tenant {
     int idle_out;            /* its grant ends for idleness: that grant is no demand */
     uint64_t idle_probed[CGPU_MAX_PROCS / 64]; /* ledgers whose lock this grant's idle checks probed */
     uint64_t idle_dead[CGPU_MAX_PROCS / 64];   /* of those, the dead */
+    uint32_t quiet_handovers; /* idle hand-overs in a row it did not come back from within a grace */
+    uint32_t learn_after;     /* how many make its grace short (CGPU_ENGINE_GRACE_LEARN, doubling) */
 };
 
 struct gpu_loop {
@@ -65,6 +67,8 @@ struct gpu_loop {
     uint32_t open_word;      /* the holder's gate word at its grant */
     uint64_t idle_since;     /* since when the holder has been seen idle, 0: not */
     uint32_t idle_bell;      /* the holder's bell then: a report since moves it */
+    uint64_t quiet_key;      /* the tenant last passed over for idleness, until it is judged */
+    uint64_t quiet_until;    /* back at its gate before this, it would have kept a full grace */
     _Atomic uint32_t *bell_wait; /* the holder's bell while the loop sleeps on it */
     int kicked;              /* something changed since the loop last turned */
     pthread_cond_t wake;
@@ -287,7 +291,8 @@ int cgpu_engine_attach(struct cgpu_engine *e, unsigned gpu, uint64_t key, const 
         rc = CGPU_SCHED_ENOSPC;
         goto out;
     }
-    struct tenant fresh = {.key = key, .slot = slot, .usage_fd = -1, .grants_fd = -1};
+    struct tenant fresh = {
+        .key = key, .slot = slot, .usage_fd = -1, .grants_fd = -1, .learn_after = CGPU_ENGINE_GRACE_LEARN};
     fresh.grants = map_region_file(region_dir, CGPU_GRANTS_FILE, O_RDWR, sizeof(struct cgpu_grants),
                                    &fresh.grants_fd, err, errlen, &rc);
     if (fresh.grants)
@@ -351,6 +356,8 @@ int cgpu_engine_detach(struct cgpu_engine *e, unsigned gpu, uint64_t key)
         forget(e, gpu, t);
     if (t) {
         cgpu_sched_tenant_remove(e->sched, gpu, key);
+        if (g->quiet_key == key)
+            g->quiet_key = 0;
         wake_loop(g);
     }
     pthread_mutex_unlock(&e->mu);
@@ -695,8 +702,36 @@ static int others_waiting(const struct gpu_loop *g, const struct tenant *holder)
     return 0;
 }
 
+static uint64_t idle_grace(const struct tenant *t)
+{
+    return t->quiet_handovers >= t->learn_after ? CGPU_ENGINE_IDLE_GRACE_SHORT_NS : CGPU_ENGINE_IDLE_GRACE_NS;
+}
+
+/* Judges the tenant last passed over for idleness once a full grace has gone
+ * by since, or at once when `granted_key` names it (then it came back) or
+ * `now_or_never` is set: back at its gate by then, a full grace would have
+ * kept it on the GPU. Only its own threads' count at its own gate decides,
+ * so a tenant can lengthen its own grace to the full one, never shorten
+ * anyone else's. */
+static void judge_quiet(struct gpu_loop *g, uint64_t now, uint64_t granted_key, int now_or_never)
+{
+    if (!g->quiet_key || (now < g->quiet_until && granted_key != g->quiet_key && !now_or_never))
+        return;
+    struct tenant *t = find(g, g->quiet_key);
+    g->quiet_key = 0;
+    if (!t)
+        return;
+    if (granted_key == t->key || atomic_load(&t->usage->device[t->slot].waiting) > t->stale_waiting) {
+        if (t->quiet_handovers >= t->learn_after && t->learn_after < CGPU_ENGINE_GRACE_LEARN_MAX)
+            t->learn_after *= 2;
+        t->quiet_handovers = 0;
+    } else if (t->quiet_handovers < UINT32_MAX) {
+        t->quiet_handovers++;
+    }
+}
+
 /* Sleeps, with the mutex released, until `until`, or a change (wake_loop), or
- * until the holder has stayed idle for CGPU_ENGINE_IDLE_GRACE_NS while another
+ * until the holder has stayed idle for its grace (idle_grace) while another
  * tenant waits: then returns 1. Every idle report bumps the holder's bell, so
  * "idle at two looks and the bell unmoved between them" means idle all along.
  * Reports ring the bell (wake the loop) at most once a ms per process, and a
@@ -712,6 +747,7 @@ static int hold_while_busy(struct cgpu_engine *e, struct gpu_loop *g, struct ten
     int rang = 0; /* the first look, at the grant, finds its threads still at the gate */
     for (;;) {
         uint64_t now = mono_ns();
+        judge_quiet(g, now, 0, 0);
         if (e->stop || g->kicked || t->detach_pending || now >= until)
             return 0;
         uint32_t ring = atomic_load(bell);
@@ -723,9 +759,10 @@ static int hold_while_busy(struct cgpu_engine *e, struct gpu_loop *g, struct ten
                 g->idle_bell = ring;
             }
             if (others_waiting(g, t)) {
-                if (now - g->idle_since >= CGPU_ENGINE_IDLE_GRACE_NS)
+                uint64_t grace = idle_grace(t);
+                if (now - g->idle_since >= grace)
                     return 1;
-                wake = g->idle_since + CGPU_ENGINE_IDLE_GRACE_NS;
+                wake = g->idle_since + grace;
             } else if (tenant_count(g) > 1) { /* a newcomer wakes the loop itself */
                 wake = now + watch;
                 watch = watch * 2 < CGPU_ENGINE_IDLE_POLL_NS ? watch * 2 : CGPU_ENGINE_IDLE_POLL_NS;
@@ -742,6 +779,8 @@ static int hold_while_busy(struct cgpu_engine *e, struct gpu_loop *g, struct ten
         }
         if (wake > until)
             wake = until;
+        if (g->quiet_key && g->quiet_until < wake)
+            wake = g->quiet_until; /* the judgement wants its moment, not the next slice's */
         if (!listen) {
             struct timespec ts = abs_timespec(wake);
             pthread_cond_timedwait(&g->wake, &e->mu, &ts);
@@ -820,6 +859,7 @@ int cgpu_engine_run(struct cgpu_engine *e, unsigned gpu)
             t = NULL; /* its kernel still runs: a grant now would be charged for time it cannot use */
             d = (struct cgpu_sched_decision){0};
         }
+        judge_quiet(g, now, t ? t->key : 0, 0);
         if (t) {
             atomic_store(&t->grants->device[t->slot].slice_end_ns, now + d.slice_ns);
             g->open_word = gate_set(t, CGPU_GATE_OPEN);
@@ -845,6 +885,10 @@ int cgpu_engine_run(struct cgpu_engine *e, unsigned gpu)
             if (hold_while_busy(e, g, h, until)) {
                 h->idle_out = 1;
                 g->stats.idle_handovers++;
+                uint64_t at = mono_ns();
+                judge_quiet(g, at, 0, 1); /* one judgement at a time */
+                g->quiet_key = h->key;
+                g->quiet_until = at + CGPU_ENGINE_IDLE_GRACE_NS;
             } else if (h->detach_pending) {
                 g->holder = 0; /* detached while the loop slept on its bell (which closed its gate) */
                 unmap_tenant(h);
@@ -911,7 +955,8 @@ int cgpu_engine_tenant_metrics_get(struct cgpu_engine *e, unsigned gpu, uint64_t
     if (t)
         *out = (struct cgpu_engine_tenant_metrics){.charged_ns = t->charged_ns, .throttled_ns = t->throttled_ns,
                                                    .grants = t->granted, .window_ns = g->win_ns,
-                                                   .window_charged_ns = t->win_charged};
+                                                   .window_charged_ns = t->win_charged,
+                                                   .idle_grace_ns = idle_grace(t)};
     pthread_mutex_unlock(&e->mu);
     return t ? 0 : CGPU_SCHED_ENOENT;
 }

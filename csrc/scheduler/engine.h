@@ -47,6 +47,18 @@
  * program that synchronises after each kernel to launch its next one, short
  * next to a slice. */
 #define CGPU_ENGINE_IDLE_GRACE_NS 100000
+/* A holder that has shown it stays idle (CGPU_ENGINE_GRACE_LEARN hand-overs
+ * in a row after which it did not come back to its gate within a full grace)
+ * has this grace instead, none: it is passed over at the first look that
+ * finds it idle. An inference server between requests would otherwise leave
+ * the GPU idle for the whole grace after every burst. A tenant found back at
+ * its gate within a full grace of such a hand-over has the full grace again,
+ * and needs twice as many quiet hand-overs (at most
+ * CGPU_ENGINE_GRACE_LEARN_MAX) before the next short one. Whatever a tenant
+ * writes decides only how soon it loses the GPU itself. */
+#define CGPU_ENGINE_IDLE_GRACE_SHORT_NS 0
+#define CGPU_ENGINE_GRACE_LEARN 3
+#define CGPU_ENGINE_GRACE_LEARN_MAX 256
 /* While the holder is idle and nobody waits, the loop looks for a waiter this
  * often at first, backing off to CGPU_ENGINE_IDLE_POLL_NS. */
 #define CGPU_ENGINE_IDLE_WATCH_NS 250000
@@ -80,6 +92,7 @@ struct cgpu_engine_tenant_metrics {
     uint64_t grants;            /* gate openings for it */
     uint64_t window_ns;         /* length of the last completed share window; 0 before the first */
     uint64_t window_charged_ns; /* device time charged in that window */
+    uint64_t idle_grace_ns;     /* how long it may hold the GPU idle while another waits (learned) */
 };
 
 struct cgpu_engine;

@@ -21,6 +21,8 @@ import pytest
 
 from cgpud._region import ffi as rffi
 from cgpud._region import lib as rlib
+from cgpud._scheduler import ffi as sffi
+from cgpud._scheduler import lib as slib
 from cgpud.daemon.compute import MAX_TENANTS, ComputeError, ComputeScheduler
 from cgpud.daemon.compute_policy import limits_compute
 from cgpud.daemon.config import MAX_SCHEDULED
@@ -268,8 +270,6 @@ def test_a_holder_detached_during_its_fence_is_gone_at_once_and_its_key_can_come
     """The loop still reads the files of a holder detached while it awaits
     the fence, and unmaps them afterwards; for every caller the key is gone at
     once, and attaching it again makes a tenant the late unmapping leaves be."""
-    from cgpud._scheduler import ffi as sffi
-    from cgpud._scheduler import lib as slib
 
     sched.configure(NodePolicy(compute_policy=ComputePolicy.FIXED))
     a, b = tenants("a", 50), tenants("b", 50)
@@ -344,8 +344,6 @@ def test_a_fence_that_outlives_the_timeout_is_charged_until_it_comes(sched: Comp
     """A kernel longer than the fence timeout: the next tenant runs after the
     timeout, but the late one is charged until its fence really arrives and
     is not granted before that."""
-    from cgpud._scheduler import ffi as sffi
-    from cgpud._scheduler import lib as slib
 
     sched.configure(NodePolicy(compute_policy=ComputePolicy.PREEMPTIVE))
     a, b = tenants("a"), tenants("b")
@@ -384,8 +382,6 @@ def test_a_scribbling_tenant_cannot_stall_the_engine_or_take_its_neighbours_shar
     a real process holding its ledger lock), a huge ledger count and waiting
     count. b, next to it, still gets its share: a's fences cost it one
     timeout, not one per grant of a's."""
-    from cgpud._scheduler import ffi as sffi
-    from cgpud._scheduler import lib as slib
 
     sched.configure(NodePolicy(compute_policy=ComputePolicy.FIXED))
     a, b = tenants("a", 50), tenants("b", 50)
@@ -616,6 +612,84 @@ def test_a_withdrawn_report_is_not_idleness(slow_sched: ComputeScheduler, tenant
         time.sleep(0.0002)
     assert a.gate & OPEN and not b.gate & OPEN
     assert slow_sched.schedule(0).idle_handovers == 0
+
+
+FULL_GRACE, SHORT_GRACE = int(slib.CGPU_ENGINE_IDLE_GRACE_NS), int(slib.CGPU_ENGINE_IDLE_GRACE_SHORT_NS)
+LEARN = int(slib.CGPU_ENGINE_GRACE_LEARN)
+
+
+def grace_of(sched: ComputeScheduler, t: Tenant) -> int:
+    return sched.tenant_metrics()[t.instance.id][0].idle_grace_ns
+
+
+def pass_over(sched: ComputeScheduler, holder: Tenant, ledger: int, to: Tenant, back_at_once: bool = False) -> None:
+    """`holder` holds the GPU with its thread through the gate and `to`
+    waits; the holder reports idle and is passed over. `back_at_once`: its
+    next launch comes as soon as its gate closes (a program that synchronises
+    after every kernel); otherwise only after a few ms (an inference server
+    between requests), when the engine has judged the hand-over."""
+    to.want(1)
+    report_idle(holder, ledger)
+    if back_at_once:
+        deadline = time.monotonic() + 3
+        while holder.gate & OPEN and time.monotonic() < deadline:
+            pass
+        holder.want(1)
+    assert granted(to), "the idle holder kept the GPU"
+    to.want(0)  # its thread went through the gate
+    if not back_at_once:
+        time.sleep(0.005)
+
+
+def test_a_holder_that_stays_idle_is_passed_over_without_a_grace(slow_sched: ComputeScheduler, tenants) -> None:
+    """Two inference servers taking turns: after LEARN hand-overs from which
+    neither came back within a grace, each is passed over at once."""
+    a, b = attach_two(slow_sched, tenants)
+    la, lb = a.watch(), b.watch()
+    a.want(1)
+    assert granted(a)
+    a.want(0)
+    assert grace_of(slow_sched, a) == grace_of(slow_sched, b) == FULL_GRACE
+    for i in range(LEARN):
+        pass_over(slow_sched, a, la, b)
+        pass_over(slow_sched, b, lb, a)
+        want = SHORT_GRACE if i == LEARN - 1 else FULL_GRACE
+        assert wait_until(lambda: grace_of(slow_sched, a) == want), (i, grace_of(slow_sched, a))
+    assert wait_until(lambda: grace_of(slow_sched, b) == SHORT_GRACE)
+    assert SHORT_GRACE < FULL_GRACE
+    assert slow_sched.schedule(0).idle_handovers == 2 * LEARN
+
+
+def test_a_holder_back_at_its_gate_within_the_grace_has_it_again(slow_sched: ComputeScheduler, tenants) -> None:
+    """A program that synchronises after every kernel, passed over at once,
+    is back at its gate within microseconds: it has the full grace again,
+    and needs twice as many quiet hand-overs before the next short one."""
+    a, b = attach_two(slow_sched, tenants)
+    la, lb = a.watch(), b.watch()
+    a.want(1)
+    assert granted(a)
+    a.want(0)
+    for _ in range(LEARN):
+        pass_over(slow_sched, a, la, b)
+        pass_over(slow_sched, b, lb, a)
+    assert wait_until(lambda: grace_of(slow_sched, a) == SHORT_GRACE)
+    # Back at once: the engine sees it waiting when it judges the hand-over.
+    # On a loaded machine this thread may see the gate close late; a
+    # hand-over it came back from too late to tell is judged quiet, so try
+    # a few times.
+    for _ in range(20):
+        pass_over(slow_sched, a, la, b, back_at_once=True)
+        a.want(0)
+        pass_over(slow_sched, b, lb, a)
+        if grace_of(slow_sched, a) == FULL_GRACE:
+            break
+    assert grace_of(slow_sched, a) == FULL_GRACE, "a tenant back at its gate keeps the short grace"
+    assert grace_of(slow_sched, b) == SHORT_GRACE, "one tenant's return changed another's grace"
+    for i in range(2 * LEARN):
+        pass_over(slow_sched, a, la, b)
+        pass_over(slow_sched, b, lb, a)
+        want = SHORT_GRACE if i == 2 * LEARN - 1 else FULL_GRACE
+        assert wait_until(lambda: grace_of(slow_sched, a) == want), (i, grace_of(slow_sched, a))
 
 
 def _engine_thread_cpu(name: str = "cgpu-sched-0") -> float:

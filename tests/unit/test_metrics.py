@@ -147,7 +147,7 @@ def test_collector_builds_instance_and_gpu_families_from_one_snapshot(tmp_path: 
     poke(tmp_path / "a" / USAGE_FILE, 0, USED, 512 * MIB)
     poke(tmp_path / "a" / USAGE_FILE, 0, GATED, 17)
     poke(tmp_path / "b" / USAGE_FILE, 1, USED, 1 << 62)  # scribbled: bounded by the GPU's memory
-    compute = {"a": [TenantMetrics(0, 3_000_000_000, 7_000_000_000, 300, 1_000_000_000, 290_000_000)]}
+    compute = {"a": [TenantMetrics(0, 3_000_000_000, 7_000_000_000, 300, 1_000_000_000, 290_000_000, 100_000)]}
     daemon = FakeDaemon(tmp_path, [a, b], compute)
     stats = DaemonStats()
     stats.request("admin", "CreateInstance")
@@ -165,6 +165,7 @@ def test_collector_builds_instance_and_gpu_families_from_one_snapshot(tmp_path: 
     assert _one(s, "cgpu_instance_compute_charged_seconds_total", **ia) == 3
     assert _one(s, "cgpu_instance_throttled_seconds_total", **ia) == 7
     assert _one(s, "cgpu_instance_compute_grants_total", **ia) == 300
+    assert _one(s, "cgpu_instance_idle_grace_seconds", **ia) == 0.0001
     assert _one(s, "cgpu_instance_memory_used_bytes", instance_id="b", gpu="1") == 16 * GIB
     assert _one(s, "cgpu_instance_memory_used_bytes", instance_id="b", gpu="0") == 0
     # Not scheduled (no compute metrics): no achieved share rather than a made-up 0.

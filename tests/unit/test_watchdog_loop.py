@@ -413,7 +413,7 @@ def test_compute_views_follow_the_policy_per_gpu_and_average_the_engine_over_the
     decide = Script([])
     w = watchdog(service, FakeReader([PROCS], window_s=2.0), decide)
     for t, pct in ((100.0, 20), (101.0, 40), (102.0, 60), (103.0, 80)):
-        service.engine = {"inst-a": [TenantMetrics(0, 0, 0, 0, 100, pct)]}
+        service.engine = {"inst-a": [TenantMetrics(0, 0, 0, 0, 100, pct, 100_000)]}
         w.tick(t)
     views = {v.gpu_index: v for v in decide.given[-1][3]}
     assert views[0] == ComputeView("inst-a", 0, 30, True, pytest.approx(70))  # 102 and 103: the 2 s window
