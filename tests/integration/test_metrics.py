@@ -18,42 +18,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from cgpud.native import native_path
 from tests.conftest import write_sim_config
 from tests.daemonproc import BIN, Daemon, make_daemon
+from tests.promscrape import scrape, value
+from tests.promscrape import free_port as _free_port
 from tests.sharerun import Sampler, ShareRig, _at, _busy
 
 MIB = 1 << 20
 SECOND = 1_000_000_000
-Samples = dict[str, list[tuple[dict[str, str], float]]]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def scrape(port: int) -> Samples:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out: Samples = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out.setdefault(s.name, []).append((dict(s.labels), s.value))
-    return out
-
-
-def value(samples: Samples, name: str, default: float | None = None, **labels: str) -> float:
-    """The one sample of `name` with these labels; `default` when there is
-    none and one is given (a counter whose labels never occurred)."""
-    found = [v for lab, v in samples.get(name, []) if all(lab.get(k) == x for k, x in labels.items())]
-    if not found and default is not None:
-        return default
-    assert len(found) == 1, (name, labels, samples.get(name))
-    return found[0]
 
 
 class Tenants:
