@@ -74,6 +74,11 @@ struct gate_slot {
     _Atomic uint32_t idle_prev;   /* the acknowledgement that report replaced, restored on withdrawal */
     _Atomic uint64_t rung_at;     /* CLOCK_MONOTONIC of this process's last idle wake-up of cgpud */
     _Atomic uint64_t orphaned; /* ORPHANED | the closed gate word nobody drives, or 0 */
+    /* The one stream this process has launched into since its queue was
+     * last known empty (a fence or a drain: `launched` counted from 1), or
+     * QUEUE_MANY. A stream's synchronisation says the queue is empty only
+     * when that stream is the one. */
+    _Atomic uintptr_t queue_stream;
     unsigned ncontexts;        /* under gate_lock */
     CUcontext contexts[MAX_CONTEXTS];
 } __attribute__((aligned(64)));
@@ -86,6 +91,8 @@ static atomic_bool watcher_failure_logged;
 static atomic_bool orphan_logged;
 
 #define ORPHANED (1ull << 32)
+#define QUEUE_MANY UINTPTR_MAX     /* queue_stream: launches went to more than one stream */
+#define QUEUE_ANY (UINTPTR_MAX - 1) /* a synchronisation whose stream is unknown (an event's) */
 
 void cgpu_gate_after_fork(void)
 {
@@ -416,7 +423,21 @@ static __attribute__((noinline, cold)) void drain_queue(struct gate_slot *s, CUs
             atomic_store_explicit(&s->credits, c / 2, memory_order_relaxed);
     }
     atomic_store_explicit(&s->launched, 1, memory_order_relaxed);
+    atomic_store_explicit(&s->queue_stream, (uintptr_t)stream, memory_order_relaxed);
     atomic_fetch_add(&s->resets, 1);
+}
+
+/* Records where launch number `n` since the queue was last empty goes. */
+static __attribute__((noinline, cold)) void note_stream(struct gate_slot *s, uint32_t n, CUstream stream)
+{
+    atomic_store_explicit(&s->queue_stream, n == 1 ? (uintptr_t)stream : QUEUE_MANY, memory_order_relaxed);
+}
+
+static inline void track_stream(struct gate_slot *s, uint32_t n, CUstream stream)
+{
+    uintptr_t q = atomic_load_explicit(&s->queue_stream, memory_order_relaxed);
+    if (CGPU_UNLIKELY(n == 1 || (q != (uintptr_t)stream && q != QUEUE_MANY)))
+        note_stream(s, n, stream);
 }
 
 /* True when no cgpud holds the lock on the slot's gate: nobody will open it.
@@ -468,6 +489,7 @@ static __attribute__((noinline, cold)) int gate_slow(int slot, CUresult *err, CU
         if ((g & CGPU_GATE_OPEN) && (n = hold_open_gate(gate, s)) != 0) {
             if (n > atomic_load_explicit(&s->credits, memory_order_relaxed))
                 drain_queue(s, stream);
+            track_stream(s, n, stream);
             return slot;
         }
         if (g & CGPU_GATE_OPEN)
@@ -519,6 +541,7 @@ static inline __attribute__((always_inline)) int gate_enter(CUresult *err, CUstr
         if (CGPU_LIKELY(n != 0)) {
             if (CGPU_UNLIKELY(n > atomic_load_explicit(&s->credits, memory_order_relaxed)))
                 drain_queue(s, stream);
+            track_stream(s, n, stream);
             return slot;
         }
     }
@@ -648,7 +671,22 @@ static inline int idle_watch_begin(uint64_t *mark)
     return slot;
 }
 
-#define SYNC_HOOK(symbol, params, ...)                                                          \
+/* Whether a synchronisation of `stream` (QUEUE_ANY: some stream) leaves
+ * the process's queue empty: nothing launched since the last fence or
+ * drain, or everything into that one stream. One stream of a process that
+ * launches into several is no idleness: the others may hold its work, and
+ * passed over then, it would wait out a neighbour's slice (and a long
+ * kernel of the neighbour's) with its own work still queued. */
+static bool queue_in(int slot, uintptr_t stream)
+{
+    struct gate_slot *s = &slots[slot];
+    if (atomic_load_explicit(&s->launched, memory_order_relaxed) == 0)
+        return true;
+    uintptr_t q = atomic_load_explicit(&s->queue_stream, memory_order_relaxed);
+    return stream == QUEUE_ANY ? q != QUEUE_MANY : q == stream;
+}
+
+#define SYNC_HOOK(symbol, params, stream, ...)                                                  \
     CGPU_EXPORT CUresult symbol params                                                          \
     {                                                                                           \
         __typeof__(&symbol) real_ = REAL(symbol);                                               \
@@ -657,17 +695,17 @@ static inline int idle_watch_begin(uint64_t *mark)
         uint64_t mark_ = 0;                                                                     \
         int slot_ = idle_watch_begin(&mark_);                                                   \
         CUresult rc_ = real_(__VA_ARGS__);                                                      \
-        if (slot_ >= 0 && rc_ == CUDA_SUCCESS)                                                  \
+        if (slot_ >= 0 && rc_ == CUDA_SUCCESS && queue_in(slot_, (stream)))                     \
             cgpu_report_idle((unsigned)slot_, mark_, false, true);                              \
         return rc_;                                                                             \
     }
 
-SYNC_HOOK(cuStreamSynchronize, (CUstream hStream), hStream)
-SYNC_HOOK(cuStreamSynchronize_ptsz, (CUstream hStream), hStream)
-SYNC_HOOK(cuStreamQuery, (CUstream hStream), hStream)
-SYNC_HOOK(cuStreamQuery_ptsz, (CUstream hStream), hStream)
-SYNC_HOOK(cuEventSynchronize, (CUevent hEvent), hEvent)
-SYNC_HOOK(cuEventQuery, (CUevent hEvent), hEvent)
+SYNC_HOOK(cuStreamSynchronize, (CUstream hStream), (uintptr_t)LEGACY_NULL(hStream), hStream)
+SYNC_HOOK(cuStreamSynchronize_ptsz, (CUstream hStream), (uintptr_t)PTSZ_NULL(hStream), hStream)
+SYNC_HOOK(cuStreamQuery, (CUstream hStream), (uintptr_t)LEGACY_NULL(hStream), hStream)
+SYNC_HOOK(cuStreamQuery_ptsz, (CUstream hStream), (uintptr_t)PTSZ_NULL(hStream), hStream)
+SYNC_HOOK(cuEventSynchronize, (CUevent hEvent), QUEUE_ANY, hEvent)
+SYNC_HOOK(cuEventQuery, (CUevent hEvent), QUEUE_ANY, hEvent)
 
 CGPU_EXPORT CUresult cuCtxSynchronize(void)
 {

@@ -19,17 +19,22 @@ PROGRAM = """
 import ctypes as C, sys; from cudapy import Driver
 cu = Driver(); cu.init_device()
 fn = cu.spin_function()
-stream, event = C.c_void_p(), cu.event()
+stream, other, event = C.c_void_p(), C.c_void_p(), cu.event()
 cu.call("cuStreamCreate", C.byref(stream), 0)
+cu.call("cuStreamCreate", C.byref(other), 0)
 print("ready", flush=True)
 for line in sys.stdin:
     what = line.split()
     if what[0] == "launch":
         cu.launch_spin(fn, int(what[1]), stream)
+    elif what[0] == "launch-other":
+        cu.launch_spin(fn, int(what[1]), other)
     elif what[0] == "ctxsync":
         cu.call("cuCtxSynchronize")
     elif what[0] == "streamsync":
         cu.call("cuStreamSynchronize", stream)
+    elif what[0] == "streamsync-other":
+        cu.call("cuStreamSynchronize", other)
     elif what[0] == "eventsync":
         cu.call("cuEventRecord", event, stream)
         cu.call("cuEventSynchronize", event)
@@ -93,6 +98,41 @@ def test_a_synchronisation_with_nothing_launched_since_reports_the_grant_idle(pr
     assert region.bell() == bell + 1
     assert p.do("launch 1000") == "ok"
     assert region.fence_ack(p.pid) == before, "the next launch did not take the report back"
+
+
+def test_one_stream_of_several_is_no_idleness(program):
+    """A process that queued work into two streams and synchronises one (or
+    an event, whose stream libcgpu does not know) may still have the other's
+    work queued: no report. Passed over there, it would wait out the
+    neighbour's slice, and a long kernel of the neighbour's, with its own
+    work still queued. Its context synchronisation still reports."""
+    p, region = program
+    assert p.do("launch 1000") == "ok"
+    assert p.do("launch-other 2000000") == "ok"
+    before, bell = region.fence_ack(p.pid), region.bell()
+    for sync in ("streamsync", "eventsync", "streamsync-other"):
+        assert p.do(sync) == "ok"
+        assert region.fence_ack(p.pid) == before and region.bell() == bell, sync
+    assert p.do("ctxsync") == "ok"
+    assert region.fence_ack(p.pid) == report(opened(1), True)
+
+
+def test_after_a_fence_one_stream_is_idleness_again(program):
+    """The queue is empty after a fence: from there, work in one stream
+    again makes that stream's synchronisation an idle report, and another
+    stream's not."""
+    p, region = program
+    assert p.do("launch 1000") == "ok"
+    assert p.do("launch-other 1000") == "ok"
+    region.set_gate(0, closed(2))
+    wait_for("the fence", lambda: region.fence_ack(p.pid) == closed(2) | LAUNCHED)
+    region.set_gate(0, opened(3))
+    wait_for("the watcher's idle report", lambda: region.fence_ack(p.pid) == report(opened(3), True))
+    assert p.do("launch 1000000") == "ok"
+    assert p.do("streamsync-other") == "ok"
+    assert region.fence_ack(p.pid) == closed(2) | LAUNCHED, "the other stream's synchronisation said idle"
+    assert p.do("streamsync") == "ok"
+    assert region.fence_ack(p.pid) == report(opened(3), False)
 
 
 def test_a_query_that_finds_the_work_done_reports_too(program):
