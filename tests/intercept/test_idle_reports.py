@@ -86,6 +86,15 @@ def report(seq_word: int, drained: bool) -> int:
     return (seq_word & ~GATE_OPEN) | IDLE | (DRAINED if drained else 0)
 
 
+def fence_and_grant_again(p: Program, region: GrantsView) -> None:
+    """cgpud closes the gate (sequence 2) after p launched, p fences, and
+    the gate opens again (3): p's watcher reports the new grant idle."""
+    region.set_gate(0, closed(2))
+    wait_for("the fence", lambda: region.fence_ack(p.pid) == closed(2) | LAUNCHED)
+    region.set_gate(0, opened(3))
+    wait_for("the watcher's idle report", lambda: region.fence_ack(p.pid) == report(opened(3), True))
+
+
 @pytest.mark.parametrize("sync, drained", [("ctxsync", True), ("streamsync", False), ("eventsync", False)])
 def test_a_synchronisation_with_nothing_launched_since_reports_the_grant_idle(program, sync, drained):
     p, region = program
@@ -124,10 +133,7 @@ def test_after_a_fence_one_stream_is_idleness_again(program):
     p, region = program
     assert p.do("launch 1000") == "ok"
     assert p.do("launch-other 1000") == "ok"
-    region.set_gate(0, closed(2))
-    wait_for("the fence", lambda: region.fence_ack(p.pid) == closed(2) | LAUNCHED)
-    region.set_gate(0, opened(3))
-    wait_for("the watcher's idle report", lambda: region.fence_ack(p.pid) == report(opened(3), True))
+    fence_and_grant_again(p, region)
     assert p.do("launch 1000000") == "ok"
     assert p.do("streamsync-other") == "ok"
     assert region.fence_ack(p.pid) == closed(2) | LAUNCHED, "the other stream's synchronisation said idle"
@@ -147,10 +153,7 @@ def test_a_query_that_finds_the_work_done_reports_too(program):
 def test_a_grant_to_a_process_with_nothing_launched_since_its_fence_is_idle_from_the_start(program):
     p, region = program
     assert p.do("launch 1000000") == "ok"
-    region.set_gate(0, closed(2))
-    wait_for("the fence", lambda: region.fence_ack(p.pid) == closed(2) | LAUNCHED)
-    region.set_gate(0, opened(3))
-    wait_for("the watcher's idle report", lambda: region.fence_ack(p.pid) == report(opened(3), True))
+    fence_and_grant_again(p, region)
     assert p.do("launch 1000") == "ok"
     assert region.fence_ack(p.pid) == closed(2) | LAUNCHED
 
