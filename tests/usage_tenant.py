@@ -84,6 +84,14 @@ class TenantUsage(UsageRegion):
         _check_range("charge", nbytes, 0, _U64_MAX)
         return bool(lib.cgpu_ledger_charge(u, ledger, device, limit, nbytes))
 
+    def reserve_unrecorded(self, device: int, limit: int, nbytes: int) -> bool:
+        """The device half of a charge alone: what a process killed between
+        reserving on the device and recording in its ledger leaves behind."""
+        _check_range("device index", device, 0, MAX_DEVICES - 1)
+        _check_range("limit", limit, 0, _U64_MAX)
+        _check_range("charge", nbytes, 0, _U64_MAX)
+        return bool(lib.cgpu_usage_reserve(self._mapped(), device, limit, nbytes))
+
     def close(self) -> None:
         """Drops this object's ledger locks too: its claimed ledgers become
         reapable, as when a process exits."""

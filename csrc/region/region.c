@@ -1,6 +1,7 @@
 #define _GNU_SOURCE
 #include "region_ops.h"
 
+#include <errno.h>
 #include <fcntl.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -97,10 +98,20 @@ int cgpu_grants_check(const struct cgpu_grants *g, size_t file_size, char *err, 
     return check_header(g, file_size, CGPU_GRANTS_MAGIC, sizeof(*g), "grants", err, errlen);
 }
 
+/* Claims of one instance take turns on this byte (a blocking OFD write lock
+ * held for the claim only), so the claimer that finds no ledger lock held can
+ * recount the device counters while no other claim starts. */
+#define CLAIM_LOCK_OFFSET CGPU_LEDGER_LOCK_OFFSET(CGPU_MAX_PROCS)
+
+static int lock_bytes(int fd, int cmd, short type, long start, long len)
+{
+    struct flock fl = {.l_type = type, .l_whence = SEEK_SET, .l_start = start, .l_len = len};
+    return fcntl(fd, cmd, &fl);
+}
+
 static int ledger_lock(int fd, int i, short type)
 {
-    struct flock fl = {.l_type = type, .l_whence = SEEK_SET, .l_start = CGPU_LEDGER_LOCK_OFFSET(i), .l_len = 1};
-    return fcntl(fd, F_OFD_SETLK, &fl);
+    return lock_bytes(fd, F_OFD_SETLK, type, CGPU_LEDGER_LOCK_OFFSET(i), 1);
 }
 
 /* Subtracts without wrapping: the usage file is writable by the tenant, and
@@ -157,11 +168,46 @@ static int claim_free(struct cgpu_usage *u, int fd, int32_t pid)
     return -1;
 }
 
+/* A charge reserves on the device before it records in the ledger, and a
+ * return takes from the ledger before the device: a process killed between
+ * the two leaves bytes counted that no ledger holds (the safe side), which
+ * reaping cannot tell from a live process's charge in flight. With every
+ * ledger lock free no process can be charging, so the counters are recounted
+ * from nothing. The caller holds the claim lock: no claim starts meanwhile. */
+static void recount_if_nobody_lives(struct cgpu_usage *u, int fd)
+{
+    if (lock_bytes(fd, F_OFD_SETLK, F_WRLCK, CGPU_LEDGER_LOCK_OFFSET(0), CGPU_MAX_PROCS) != 0)
+        return; /* a process holds its ledger, or a reaper is at one */
+    int n = ledgers_in_use(u);
+    for (int i = 0; i < n; i++) {
+        struct cgpu_proc_ledger *p = &u->proc[i];
+        if (atomic_load(&p->state) == CGPU_LEDGER_FREE)
+            continue;
+        for (unsigned d = 0; d < CGPU_MAX_DEVICES; d++)
+            atomic_store(&p->used[d], 0);
+        atomic_store(&p->watching, 0);
+        atomic_store(&p->pid, 0);
+        atomic_store(&p->state, CGPU_LEDGER_FREE);
+    }
+    for (unsigned d = 0; d < CGPU_MAX_DEVICES; d++)
+        atomic_store(&u->device[d].used, 0);
+    atomic_store(&u->ledgers_used, 0);
+    lock_bytes(fd, F_OFD_SETLK, F_UNLCK, CGPU_LEDGER_LOCK_OFFSET(0), CGPU_MAX_PROCS);
+}
+
 int cgpu_ledger_claim(struct cgpu_usage *u, int fd, int32_t pid)
 {
+    int serial;
+    do
+        serial = lock_bytes(fd, F_OFD_SETLKW, F_WRLCK, CLAIM_LOCK_OFFSET, 1);
+    while (serial != 0 && errno == EINTR);
+    if (serial == 0)
+        recount_if_nobody_lives(u, fd);
     int i = claim_free(u, fd, pid);
     if (i < 0 && cgpu_ledger_reap(u, fd, -1) > 0)
         i = claim_free(u, fd, pid);
+    if (serial == 0)
+        lock_bytes(fd, F_OFD_SETLK, F_UNLCK, CLAIM_LOCK_OFFSET, 1);
     return i;
 }
 

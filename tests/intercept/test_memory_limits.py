@@ -153,8 +153,18 @@ def test_the_daemon_reaps_a_killed_process_alone(instance):
     with TenantUsage(Path(env["CGPU_REGION_DIR"])) as usage:
         assert usage.reap() == 1  # the killed one, not the live one
         assert [ledger.pid for ledger in usage.ledgers()] == [survivor.pid]
-        assert usage.device_used(0) == sum(ledger.used[0] for ledger in usage.ledgers())
+        # Killed between the device and the ledger half of a charge, the
+        # grabber leaves its last 1 MiB counted (the safe side) ...
+        unrecorded = usage.device_used(0) - sum(ledger.used[0] for ledger in usage.ledgers())
+        assert unrecorded in (0, MIB)
     survivor.communicate("done\n", timeout=30)
+    # ... until a process starts with nobody alive: the instance is whole.
+    got = run_py(env, """
+        import json; from cudapy import Driver
+        cu = Driver(); cu.init_device(0)
+        print(json.dumps([cu.alloc(2 << 30)[0], cu.mem_info()[0]]))
+    """)
+    assert got == ["CUDA_SUCCESS", 0]
 
 
 VISIBLE = """

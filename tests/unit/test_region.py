@@ -8,6 +8,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,9 +51,15 @@ from pathlib import Path
 from tests.usage_tenant import TenantUsage
 directory, mode, device, limit, chunk = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
 with TenantUsage(Path(directory)) as region:
+    if mode == "claim-on-go":  # start together with others on "go"
+        print("waiting", flush=True)
+        sys.stdin.readline()
+        mode = "once"
     ledger = region.claim(os.getpid())
     if mode == "once":
         print("ready", ledger, int(region.charge(ledger, device, limit, chunk)), flush=True)
+    elif mode == "torn":  # as if killed between the two halves of a charge
+        print("ready", ledger, int(region.reserve_unrecorded(device, limit, chunk)), flush=True)
     else:  # fill: on "go", charge chunks until refused
         print("ready", ledger, flush=True)
         sys.stdin.readline()
@@ -441,6 +448,67 @@ def test_live_tenant_is_not_reaped(tmp_path: Path, spawn: Callable[..., Tenant])
         live.exit()  # a clean exit drops the lock too: reapable now
         assert region.reap() == 1
         assert region.device_used(0) == 0
+
+
+def test_a_charge_torn_by_a_kill_comes_back_when_no_process_lives(
+    tmp_path: Path, spawn: Callable[..., Tenant]
+) -> None:
+    write_region(tmp_path, one_gpu())
+    torn, live = spawn("torn", 0, 4 * GIB, GIB), spawn("once", 0, 4 * GIB, MIB)
+    assert torn.expect("ready")[1] == 1
+    assert live.expect("ready")[1] == 1
+    torn.kill()
+    with TenantUsage(tmp_path) as region:
+        assert region.reap() == 1
+        # Reaping cannot tell the torn gigabyte from a live charge in flight.
+        assert region.device_used(0) == GIB + MIB
+        newcomer = spawn("once", 0, 4 * GIB, MIB)
+        assert newcomer.expect("ready")[1] == 1
+        assert region.device_used(0) == GIB + 2 * MIB, "recounted while a process lived"
+        live.exit()
+        newcomer.exit()
+        assert region.reap() == 2
+        assert region.device_used(0) == GIB
+        # The next process to start finds nobody alive and recounts.
+        last = spawn("once", 0, 4 * GIB, MIB)
+        assert last.expect("ready")[1] == 1
+        assert region.device_used(0) == MIB
+        assert [(lg.pid, lg.used[0]) for lg in region.ledgers()] == [(last.pid, MIB)]
+
+
+def test_claims_racing_recounts_never_fail(tmp_path: Path) -> None:
+    """Threads that each open, claim and drop (cffi releases the GIL, so the
+    claims race in C): whoever finds the instance empty recounts, and a claim
+    meanwhile must wait for it, not find every ledger locked."""
+    write_region(tmp_path, one_gpu())
+    refused: list[str] = []
+
+    def start_and_exit_repeatedly() -> None:
+        for _ in range(400):
+            with TenantUsage(tmp_path) as region:
+                try:
+                    region.claim(os.getpid())
+                except RegionError as e:
+                    refused.append(str(e))
+
+    threads = [threading.Thread(target=start_and_exit_repeatedly) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert refused == []
+    # And with one process alive throughout, no recount takes its charge.
+    with TenantUsage(tmp_path) as holder:
+        ledger = holder.claim(os.getpid())
+        assert holder.charge(ledger, 0, 4 * GIB, MIB)
+        threads = [threading.Thread(target=start_and_exit_repeatedly) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert [lg.used[0] for lg in holder.ledgers() if lg.index == ledger] == [MIB]
+        assert holder.device_used(0) == MIB
+    assert refused == []
 
 
 @pytest.mark.parametrize(

@@ -12,9 +12,10 @@
  *
  * Ownership: cgpud creates all three files; every process of the instance
  * maps them. Thread-safety: limits never change after publication (cgpud replaces
- * the file atomically); every usage field is an atomic; there is no lock.
- * A process ledger is kept alive by an OFD byte-range lock at
- * CGPU_LEDGER_LOCK_OFFSET, which the kernel drops when the process dies. */
+ * the file atomically); every usage field is an atomic; charging takes no
+ * lock. A process ledger is kept alive by an OFD byte-range lock at
+ * CGPU_LEDGER_LOCK_OFFSET, which the kernel drops when the process dies;
+ * claims take turns on one more lock byte. */
 #ifndef CGPU_REGION_H
 #define CGPU_REGION_H
 
@@ -155,6 +156,8 @@ struct cgpu_grants {
 
 /* The lock bytes lie past the structure so nobody reads or writes them. */
 #define CGPU_LEDGER_LOCK_OFFSET(i) ((long)sizeof(struct cgpu_usage) + (long)(i))
+/* Claims of one instance take turns on the byte after the last ledger's
+ * (csrc/region/region.c). */
 /* cgpud's engine holds an OFD write lock on this byte of the grants file for
  * every device it drives; the kernel drops it when cgpud dies. A tenant that
  * finds it free (F_OFD_GETLK works on its read-only descriptor) knows that no
