@@ -6,6 +6,7 @@
 #include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 uint64_t cgpu_region_checksum(const void *data, size_t len)
@@ -98,10 +99,11 @@ int cgpu_grants_check(const struct cgpu_grants *g, size_t file_size, char *err, 
     return check_header(g, file_size, CGPU_GRANTS_MAGIC, sizeof(*g), "grants", err, errlen);
 }
 
-/* Claims of one instance take turns on this byte (a blocking OFD write lock
- * held for the claim only), so the claimer that finds no ledger lock held can
+/* Claims of one instance take turns on this byte (an OFD write lock held
+ * for the claim only), so the claimer that finds no ledger lock held can
  * recount the device counters while no other claim starts. */
 #define CLAIM_LOCK_OFFSET CGPU_LEDGER_LOCK_OFFSET(CGPU_MAX_PROCS)
+#define CLAIM_WAIT_MAX_NS 2000000000L
 
 static int lock_bytes(int fd, int cmd, short type, long start, long len)
 {
@@ -195,12 +197,27 @@ static void recount_if_nobody_lives(struct cgpu_usage *u, int fd)
     lock_bytes(fd, F_OFD_SETLK, F_UNLCK, CGPU_LEDGER_LOCK_OFFSET(0), CGPU_MAX_PROCS);
 }
 
+/* A claim holds the turn for microseconds, but a stopped process (a
+ * debugger, SIGSTOP) can hold it for good: the wait is bounded, and a claim
+ * that gave up goes on without its turn and without recounting. */
+static int take_claim_turn(int fd)
+{
+    long pause_ns = 20000, waited_ns = 0;
+    for (;;) {
+        if (lock_bytes(fd, F_OFD_SETLK, F_WRLCK, CLAIM_LOCK_OFFSET, 1) == 0)
+            return 0;
+        if ((errno != EAGAIN && errno != EACCES && errno != EINTR) || waited_ns >= CLAIM_WAIT_MAX_NS)
+            return -1;
+        struct timespec ts = {0, pause_ns};
+        nanosleep(&ts, NULL);
+        waited_ns += pause_ns;
+        pause_ns = pause_ns < 1000000 ? pause_ns * 2 : 1000000;
+    }
+}
+
 int cgpu_ledger_claim(struct cgpu_usage *u, int fd, int32_t pid)
 {
-    int serial;
-    do
-        serial = lock_bytes(fd, F_OFD_SETLKW, F_WRLCK, CLAIM_LOCK_OFFSET, 1);
-    while (serial != 0 && errno == EINTR);
+    int serial = take_claim_turn(fd);
     if (serial == 0)
         recount_if_nobody_lives(u, fd);
     int i = claim_free(u, fd, pid);

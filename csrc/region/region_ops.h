@@ -25,8 +25,8 @@ int cgpu_grants_check(const struct cgpu_grants *g, size_t file_size, char *err, 
 /* Claims a free ledger for the calling process and holds its lock on fd,
  * reaping dead processes' ledgers if none is free. One ledger per open file
  * description: a second claim needs its own open() of the usage file. Claims
- * of one instance take turns (on a lock byte; it may wait while
- * another process claims); the first to find no process alive recounts the
+ * of one instance take turns (on a lock byte; it may wait up to 2 s
+ * while another process claims); the first to find no process alive recounts the
  * instance's usage from zero. Returns the ledger index, or -1 when all are
  * taken. */
 int cgpu_ledger_claim(struct cgpu_usage *u, int fd, int32_t pid);

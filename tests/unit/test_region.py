@@ -2,13 +2,16 @@
 real tenant processes that claim ledgers, charge, and die."""
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import signal
 import stat
+import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +24,7 @@ from cgpud.daemon.region import (
     GRANTS_FILE,
     LIMITS_FILE,
     MAX_DEVICES,
+    MAX_PROCS,
     USAGE_FILE,
     DeviceLimit,
     InstanceLimits,
@@ -474,6 +478,34 @@ def test_a_charge_torn_by_a_kill_comes_back_when_no_process_lives(
         assert last.expect("ready")[1] == 1
         assert region.device_used(0) == MIB
         assert [(lg.pid, lg.used[0]) for lg in region.ledgers()] == [(last.pid, MIB)]
+
+
+def test_a_claim_turn_held_for_good_delays_a_claim_boundedly_and_skips_the_recount(
+    tmp_path: Path, spawn: Callable[..., Tenant]
+) -> None:
+    """A process stopped mid-claim keeps the turn: the next claim waits at
+    most 2 s, then goes on without it (and so without recounting)."""
+    write_region(tmp_path, one_gpu())
+    torn = spawn("torn", 0, 4 * GIB, GIB)
+    assert torn.expect("ready")[1] == 1
+    torn.kill()
+    turn = ffi.sizeof("struct cgpu_usage") + MAX_PROCS  # the byte after the last ledger's
+    fd = os.open(tmp_path / USAGE_FILE, os.O_RDWR)
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, struct.pack("@hhqqixxxx", fcntl.F_WRLCK, os.SEEK_SET, turn, 1, 0))
+        started = time.monotonic()
+        waiter = spawn("once", 0, 4 * GIB, MIB)
+        assert waiter.expect("ready")[1] == 1
+        assert 1.5 < time.monotonic() - started < 10
+        with TenantUsage(tmp_path) as region:
+            assert region.device_used(0) == GIB + MIB  # no turn, no recount
+    finally:
+        os.close(fd)
+    waiter.exit()
+    last = spawn("once", 0, 4 * GIB, MIB)
+    assert last.expect("ready")[1] == 1
+    with TenantUsage(tmp_path) as region:
+        assert region.device_used(0) == MIB
 
 
 def test_claims_racing_recounts_never_fail(tmp_path: Path) -> None:
