@@ -5,7 +5,8 @@
  *
  * `create --pid-file` of a GPU container (what containerd and docker run):
  * the shim binds the instance to the init pid itself once the real create
- * succeeded, and releases it after the real delete, so runc runs no hook of
+ * succeeded, and releases it at the real delete (first, then exec, when the
+ * container's init has exited; after it otherwise), so runc runs no hook of
  * ours (a hook is a fork+exec of cgpu-hook by runc at each stage). A marker
  * file under CGPU_RUNTIME_STATE_DIR says which containers those are, so a
  * delete of any other container is a plain exec of the real runtime.
@@ -591,7 +592,72 @@ static _Noreturn void create_and_bind(const char *runtime, char **argv, int cmd,
     die(1, "%s", msg);
 }
 
-/* Returns only if the container is none the shim bound: exec the runtime. */
+/* The unsigned number after `"key":` in `json` (`len` bytes, NUL after). */
+static int json_number(const char *json, size_t len, const char *key, unsigned long long *out)
+{
+    char needle[64];
+    int n = snprintf(needle, sizeof(needle), "\"%s\":", key);
+    const char *at = memmem(json, len, needle, (size_t)n);
+    if (!at || at + n >= json + len || *(at + n) < '0' || *(at + n) > '9')
+        return -1;
+    char *end;
+    errno = 0;
+    *out = strtoull(at + n, &end, 10);
+    return errno || end >= json + len || (*end != ',' && *end != '}') ? -1 : 0;
+}
+
+/* The start time (clock ticks since boot) of a live, non-zombie process, or
+ * 0 if there is none. proc(5): field 22 of stat, counted after the last
+ * ')' since the command name may hold anything. */
+static unsigned long long live_start_time(unsigned long long pid)
+{
+    char path[64], buf[1024];
+    snprintf(path, sizeof(path), "/proc/%llu/stat", pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return 0;
+    ssize_t n = read(fd, buf, sizeof(buf) - 1);
+    close(fd);
+    if (n <= 0)
+        return 0;
+    buf[n] = '\0';
+    char *p = strrchr(buf, ')');
+    if (!p || p[1] != ' ' || p[2] == 'Z' || p[2] == 'X')
+        return 0;
+    p += 2; /* field 3, the state */
+    for (int field = 3; field < 22 && p; field++) {
+        p = strchr(p, ' ');
+        if (p)
+            p++;
+    }
+    return p ? strtoull(p, NULL, 10) : 0;
+}
+
+/* 1 if the container's init has exited (a stopped container: nothing of it
+ * runs), as the real runtime's state records it (runc's state.json: the
+ * init's pid and start time, so a pid reused since reads as exited). 0 when
+ * it runs, or cannot be told (another runtime's state, a damaged file). */
+static int init_exited(const char *id)
+{
+    char path[PATH_MAX], state[4096];
+    if (snprintf(path, sizeof(path), "%s/%s/state.json", runc_root(), id) >= (int)sizeof(path))
+        return 0;
+    int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
+    if (fd < 0)
+        return 0;
+    ssize_t n = read(fd, state, sizeof(state) - 1);
+    close(fd);
+    if (n > 0)
+        state[n] = '\0'; /* the fields come first in runc's file; one cut off reads as unknown */
+    unsigned long long pid, start;
+    if (n <= 0 || json_number(state, (size_t)n, "init_process_pid", &pid) != 0 ||
+        json_number(state, (size_t)n, "init_process_start", &start) != 0 || pid <= 1 || start == 0)
+        return 0;
+    return live_start_time(pid) != start;
+}
+
+/* Returns only if the container is none the shim bound, or is stopped and
+ * released already: exec the runtime. */
 static void delete_and_release(const char *runtime, char **argv, int cmd, const char *socket)
 {
     const char *bundle = NULL, *id = NULL;
@@ -599,6 +665,16 @@ static void delete_and_release(const char *runtime, char **argv, int cmd, const 
     struct shim_bound b = {0};
     if (!id || read_marker(id, &b) != 0)
         return;
+    char msg[CGPU_RELAY_MSG_MAX];
+    if (init_exited(id)) {
+        /* Nothing of a stopped container runs: its instance can go before
+         * the runtime deletes it, and the runtime is exec'd, not waited for.
+         * A running one (delete refused, or --force) is released after. */
+        if (relay_bound(socket, "release", &b, 0, msg, sizeof(msg)) != 0)
+            cgpu_relay_report(PROG, msg);
+        remove_marker(id);
+        return;
+    }
     int code = spawn_runtime(runtime, argv);
     char path[PATH_MAX];
     struct stat st;
@@ -606,7 +682,6 @@ static void delete_and_release(const char *runtime, char **argv, int cmd, const 
     if (snprintf(path, sizeof(path), "%s/%s", runc_root(), id) >= (int)sizeof(path) || lstat(path, &st) == 0 ||
         errno != ENOENT)
         exit(code);
-    char msg[CGPU_RELAY_MSG_MAX];
     /* As runc treats a failed poststop hook: said, but the delete stands;
      * cgpud's sweep frees the instance once its processes are gone. */
     if (relay_bound(socket, "release", &b, 0, msg, sizeof(msg)) != 0)

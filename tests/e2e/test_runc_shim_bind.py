@@ -10,7 +10,7 @@ import subprocess
 import time
 
 from cgpud.native import native_path
-from tests.daemonproc import Daemon
+from tests.daemonproc import BIN, Daemon
 from tests.e2e.oci import Host, create, runc, runtime_env, shim_container
 
 GPU = ("ALIYUN_COM_GPU_MEM_CONTAINER=2",)
@@ -133,3 +133,65 @@ def test_a_non_gpu_container_never_asks_cgpud(tmp_path, host: Host) -> None:
                               stdin=subprocess.DEVNULL)
         assert done.returncode == 0 and done.stderr == "", (args, done.stderr)
     assert cid not in listed_in_root(host)
+
+
+def watching_runtime(tmp_path, cgpud: Daemon) -> tuple[dict[str, str], Path]:
+    """The real runc, behind a script that notes what cgpud lists just
+    before each `delete` reaches runc."""
+    seen = tmp_path / "listed-at-delete.json"
+    script = tmp_path / "watching-runc"
+    script.write_text(
+        "#!/bin/sh\n"
+        f"case \" $* \" in *\" delete \"*) '{BIN / 'cgpuctl'}' --socket '{cgpud.socket}' list --all --output json"
+        f" > '{seen}';; esac\n"
+        "exec runc \"$@\"\n")
+    script.chmod(0o755)
+    env = runtime_env(cgpud.relay)
+    env["CGPU_REAL_RUNTIME"] = str(script)
+    return env, seen
+
+
+def shim(host: Host, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(native_path("bin/cgpu-runtime")), "--root", str(host.runc_root), *args], env=env,
+                          capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+
+
+def test_a_stopped_container_is_released_before_the_runtime_deletes_it(tmp_path, host: Host, cgpud: Daemon) -> None:
+    """Nothing of a stopped container runs, so the shim releases first and
+    execs runc's delete instead of waiting for it."""
+    env, seen = watching_runtime(tmp_path, cgpud)
+    b = host.bundle(tmp_path / "b", ["true"], GPU)
+    cid = host.new_id()
+    code, log = create(host, b, cid, cgpud.relay, pid_file=tmp_path / "init.pid", env=env)
+    assert code == 0, log
+    assert shim(host, env, "start", cid).returncode == 0
+    deadline = time.monotonic() + 30
+    while json.loads(runc(host, "state", cid).stdout)["status"] != "stopped":
+        assert time.monotonic() < deadline, "the container did not exit"
+        time.sleep(0.02)
+    deleted = shim(host, env, "delete", cid)
+    assert deleted.returncode == 0 and deleted.stderr == "", deleted.stderr
+    assert [i["state"] for i in json.loads(seen.read_text())] == ["released"]
+    assert cid not in listed_in_root(host)
+    assert instances(cgpud) == []
+
+
+def test_a_running_container_keeps_its_instance_until_the_runtime_deleted_it(
+    tmp_path, host: Host, cgpud: Daemon
+) -> None:
+    """runc refuses a plain delete of a running container: its instance
+    stays bound. With --force the release comes after runc's delete."""
+    env, seen = watching_runtime(tmp_path, cgpud)
+    b = host.bundle(tmp_path / "b", ["sleep", "60"], GPU)
+    cid = host.new_id()
+    code, log = create(host, b, cid, cgpud.relay, pid_file=tmp_path / "init.pid", env=env)
+    assert code == 0, log
+    assert shim(host, env, "start", cid).returncode == 0
+    refused = shim(host, env, "delete", cid)
+    assert refused.returncode != 0 and "running" in refused.stderr, refused.stderr
+    assert [i["state"] for i in instances(cgpud)] == ["bound"]
+    forced = shim(host, env, "delete", "--force", cid)
+    assert forced.returncode == 0, forced.stderr
+    assert [i["state"] for i in json.loads(seen.read_text())] == ["bound"]
+    assert cid not in listed_in_root(host)
+    assert instances(cgpud) == []
