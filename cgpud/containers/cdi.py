@@ -2,8 +2,9 @@
 one a device `cgpu.io/gpu=<instance id>` whose containerEdits are exactly the
 edits the runtime shim writes into a bundle (edits.py), so a container gets
 the same view whichever path started it. The region mount in those edits is
-also the container's claim on the instance (request.py), and the hooks bind
-it at createRuntime and hand it back at poststop (lifecycle.py).
+also the container's claim on the instance (request.py), and the hook binds
+it at createRuntime; cgpud hands it back when the container's init exits
+(lifecycle.py, daemon/exits.py).
 
 Only fields the CDI spec defines are written: runtimes refuse a spec with an
 unknown field. Field names follow the CDI spec (SPEC.md, specs-go/config.go

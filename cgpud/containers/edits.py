@@ -105,10 +105,12 @@ def application_env(instance: Instance, gpu_memory: Mapping[int, int]) -> dict[s
 
 def instance_edits(instance: Instance, region: Path, gpu_memory: Mapping[int, int], files: RuntimeFiles,
                    *, hooks: bool = True) -> ContainerEdits:
-    """Env and hooks for every instance; the library, its preload entry and
-    the region only where the node enforces limits (not in share mode).
-    hooks=False: the runtime shim binds after `create` and releases after
-    `delete` itself, so runc runs no hook of ours."""
+    """Env and the bind hook for every instance; the library, its preload
+    entry and the region only where the node enforces limits (not in share
+    mode). hooks=False: the runtime shim binds after `create` itself, so runc
+    runs no hook of ours. No poststop hook: cgpud learns of the init's exit
+    itself (daemon/exits.py); apply_edits still drops one an older version
+    wrote."""
     mounts: tuple[Mount, ...] = ()
     if instance.enforced:
         mounts = (
@@ -120,7 +122,7 @@ def instance_edits(instance: Instance, region: Path, gpu_memory: Mapping[int, in
     entries = tuple(
         Hook(stage, str(files.hook),
              (HOOK_NAME, "--socket", str(files.relay_socket), "--instance", instance.id, stage))
-        for stage in (BIND_STAGE, RELEASE_STAGE)
+        for stage in (BIND_STAGE,)
     ) if hooks else ()
     return ContainerEdits(tuple(application_env(instance, gpu_memory).items()), mounts, entries, instance.id)
 

@@ -1,18 +1,20 @@
 """A GPU container's life as cgpud sees it: prepared at create (the shim),
-bound when its init process exists (createRuntime hook), released or handed
-back at poststop. Decisions come from request.py, placement and edits.py;
-this class only sequences them against the instance service and the
-bundle on disk.
+bound when its init process exists (the shim's bind, or the createRuntime
+hook), released or handed back when that init exits (the instance service
+watches it: daemon/exits.py). Decisions come from request.py, placement and
+edits.py; this class only sequences them against the instance service and
+the bundle on disk.
 
 An instance the container's env asked for belongs to that container and is
-released at poststop. An instance reserved beforehand and claimed by a
-mount (device plugin, CDI) outlives the container: poststop hands it back
+released at its exit. An instance reserved beforehand and claimed by a
+mount (device plugin, CDI) outlives the container: its exit hands it back
 to `reserved`, since Kubernetes restarts a container with the same
 allocation.
 
-Containers are told apart by (engine namespace, id) (identity.py), and a
-poststop changes only what its own container holds: any other is a logged
-no-op that still answers ok, so runc does not fail that container's delete."""
+Containers are told apart by (engine namespace, id) (identity.py). A
+poststop hook (written by an older version) changes only what its own
+container holds: any other is a logged no-op that still answers ok, so runc
+does not fail that container's delete."""
 from __future__ import annotations
 
 import json

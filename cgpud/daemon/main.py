@@ -18,6 +18,7 @@ from cgpud.daemon.inventory import read_inventory
 from cgpud.daemon.model import GpuCapacity, Orchestrator
 from cgpud.daemon.compute import ComputeScheduler
 from cgpud.daemon.compute_policy import limits_compute
+from cgpud.daemon.exits import ExitWatch
 from cgpud.daemon.service import InstanceService
 from cgpud.daemon.store import Store
 from cgpud.errors import CgpuError, UsageError
@@ -179,9 +180,12 @@ def run(config: settings.DaemonConfig) -> int:
         policy = initial_policy(api, node_name(config.node_name), policy)  # the Node's labels win over the file
     start_compute = (lambda: ComputeScheduler(len(gpus), config.timing()).start()) if gpus else None
     compute = start_compute() if start_compute and limits_compute(policy.mode) else None
+    exits = ExitWatch()
     service = InstanceService(store, gpus, policy, config.regions, inventory.driver_version, node.boot_id(),
                               compute=compute, tmpfs_regions=True, start_compute=start_compute,
-                              reservation_ttl=config.reservation_ttl)
+                              reservation_ttl=config.reservation_ttl, exits=exits)
+    stop = threading.Event()
+    exits.start(service.init_exited, stop)
     stats = DaemonStats()
     stats.timed("reconcile", service.reconcile)
     events = BypassEvents()
@@ -199,7 +203,6 @@ def run(config: settings.DaemonConfig) -> int:
                    on_request=lambda method, code: stats.request("admin", method, code),
                    events=events, watching=_bypass_watching(config, bypass))
     notifier = Notifier.from_env()
-    stop = threading.Event()
     signals = StopSignals(stop)
     # Old versions' runtime files go once no active instance uses them.
     also: list[Callable[[], object]] = [

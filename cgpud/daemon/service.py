@@ -38,11 +38,12 @@ from cgpud.daemon.model import (
 from cgpud.daemon.compute import ComputeError, ComputeScheduler, TenantMetrics
 from cgpud.daemon.compute_policy import (decode_compute_policies, encode_compute_policies, limits_compute,
                                          with_compute_policy)
+from cgpud.daemon.exits import ExitWatch
 from cgpud.daemon.region import (INSTANCES_MODE, REGION_FS_FILE, USAGE_FILE, DeviceLimit, InstanceLimits,
                                  RegionError, UsageRegion, grants_problem, make_region_dir, read_limits,
                                  remove_region_dir, repair_usage, usage_problem, write_region)
 from cgpud.daemon.store import Store, new_instance_id
-from cgpud.errors import CgpuError, NotFoundError, StateError, UsageError
+from cgpud.errors import AdmissionError, CgpuError, NotFoundError, StateError, UsageError
 
 COMPUTE_POLICY_KEY = "compute_policy"
 # Modes whose instances get a region (and so libcgpu enforcement).
@@ -62,9 +63,11 @@ def pid_alive(pid: int, since: float) -> bool:
     A process cgpud may not inspect (proc mounted hidepid=1, an LSM) still
     exists: taking it for dead would release a live instance's memory. Its
     start time is unreadable, so a reused PID holds the instance until it exits.
+    A zombie has exited: nothing of it runs, only its parent has not waited.
     """
     try:
-        return psutil.Process(pid).create_time() <= since + 1.0
+        process = psutil.Process(pid)
+        return process.create_time() <= since + 1.0 and process.status() != psutil.STATUS_ZOMBIE
     except psutil.AccessDenied:
         return True
     except (psutil.NoSuchProcess, ValueError):
@@ -76,7 +79,7 @@ class InstanceService:
                  driver_version: str, boot_id: str, clock: Callable[[], float] = time.time,
                  compute: ComputeScheduler | None = None, tmpfs_regions: bool = False,
                  start_compute: Callable[[], ComputeScheduler] | None = None,
-                 reservation_ttl: float = DEFAULT_RESERVATION_TTL) -> None:
+                 reservation_ttl: float = DEFAULT_RESERVATION_TTL, exits: ExitWatch | None = None) -> None:
         self._store = store
         self._reservation_ttl = self._check_ttl(reservation_ttl)
         # Bumped on every change a node view shows (instances, policy,
@@ -96,6 +99,9 @@ class InstanceService:
         # Starts a compute scheduler when a drained node turns core_mem at
         # runtime (None: only a restart can, as `cgpuctl` hosts without one).
         self._start_compute = start_compute
+        # Told at bind which init each container instance follows; tells
+        # init_exited() when it is gone (None: only the sweep notices).
+        self._exits = exits
         self._region_fs_noted = False  # the first region directory of this run says how they are held
         if compute is not None:
             compute.configure(self._policy)
@@ -162,6 +168,17 @@ class InstanceService:
     # ---- changes -------------------------------------------------------------------
 
     def create(self, request: Request, pid: int | None = None) -> Instance:
+        try:
+            return self._create(request, pid)
+        except AdmissionError:
+            # The room may be held by a container that stopped a moment ago
+            # and whose exit is not handled yet (`docker rm -f` then `docker
+            # run`): handle the exits that are ready, then ask once more.
+            if self._exits is None or not self._exits.settle():
+                raise
+            return self._create(request, pid)
+
+    def _create(self, request: Request, pid: int | None) -> Instance:
         with self._lock:
             with self._store.transaction() as tx:
                 active = tx.active()
@@ -221,11 +238,28 @@ class InstanceService:
                 raise StateError(f"instance {instance_id} is already used by container {current.holder or '?'}")
             instance = self._store.set_state(instance_id, InstanceState.BOUND, pids=(pid,), holder=container)
             self.changes.bump()
+        if self._exits is not None:
+            self._exits.watch(instance_id, pid)
         self._log.info("bound", id=instance_id, container=container, pid=pid)
         return instance
 
+    def init_exited(self, instance_id: str, pid: int) -> None:
+        """The init process a container instance was bound to exited
+        (ExitWatch): what its container's poststop would do, at once. Nothing
+        if the instance was released, handed back or bound to another since."""
+        try:
+            current = self.get(instance_id)
+        except NotFoundError:
+            return
+        if current.state is not InstanceState.BOUND or pid not in current.pids:
+            return
+        container = current.owner.id if current.owner.kind is OwnerKind.CONTAINER else current.holder
+        if container:
+            self.container_stopped(instance_id, container, pid=pid, why="its container's init exited")
+
     def container_stopped(self, instance_id: str, container: str,
-                          decided: Callable[[str], None] = lambda text: None) -> tuple[bool, str]:
+                          decided: Callable[[str], None] = lambda text: None, pid: int | None = None,
+                          why: str = "poststop") -> tuple[bool, str]:
         """poststop of `container`: release its own instance, hand a claimed
         one it holds back to `reserved`. Anything else is left as it is and
         said why (False): another container's poststop must not free what a
@@ -234,12 +268,15 @@ class InstanceService:
         `decided(text)` is called once a release is certain, before its work
         (SQLite, the region's tmpfs): the caller can answer a waiting runtime
         then. The lock is held from the decision to the end of the work, so
-        any request that comes after the answer sees the memory free."""
+        any request that comes after the answer sees the memory free.
+        `pid`: only if the instance is still bound to that init process."""
         with self._lock:
             try:
                 current = self._store.get(instance_id)
             except NotFoundError:
                 return True, "nothing to release"  # a retried poststop after a purge
+            if pid is not None and pid not in current.pids:
+                return False, f"instance {instance_id} is no longer bound to process {pid}"
             if current.owner.kind is OwnerKind.CONTAINER:
                 if current.owner.id != container:
                     return False, f"instance {instance_id} belongs to container {current.owner.id}, not {container}"
@@ -247,12 +284,14 @@ class InstanceService:
                 if current.state is not InstanceState.RELEASED:
                     decided(text)
                     self._release_locked(instance_id)
-                    self._log.info("released", id=instance_id)
+                    self._log.info("released", id=instance_id, reason=why)
                 return True, text
             if current.state is InstanceState.BOUND and current.holder == container:
                 self._store.set_state(instance_id, InstanceState.RESERVED, pids=(), holder="")
                 self.changes.bump()
-                self._log.info("unbound", id=instance_id, container=container)
+                if self._exits is not None:
+                    self._exits.forget(instance_id)
+                self._log.info("unbound", id=instance_id, container=container, reason=why)
                 return True, f"returned {instance_id}"
             holder = current.holder if current.state is InstanceState.BOUND else "nobody"
             return False, f"instance {instance_id} is held by {holder or 'an unknown container'}, not {container}"
@@ -262,6 +301,8 @@ class InstanceService:
         with self._lock:
             instance = self._store.set_state(instance_id, InstanceState.RESERVED, pids=(), holder="")
             self.changes.bump()
+        if self._exits is not None:
+            self._exits.forget(instance_id)
         self._log.info("unbound", id=instance_id)
         return instance
 
@@ -291,6 +332,8 @@ class InstanceService:
                     tx.put_reservation(restore)
                     self._log.info("reservation restored", pod_uid=restore.pod_uid, id=instance_id)
         self.changes.bump()
+        if self._exits is not None:
+            self._exits.forget(instance_id)
         if self._compute is not None:
             self._compute.detach(instance_id)
         try:
@@ -405,6 +448,9 @@ class InstanceService:
                 self.release(instance.id)
                 released += 1
                 continue
+            if self._exits is not None and instance.state is InstanceState.BOUND and len(instance.pids) == 1 and (
+                    instance.owner.kind is OwnerKind.CONTAINER or instance.holder):
+                self._exits.watch(instance.id, instance.pids[0])
             # Each instance's damage is its own: one a tenant broke beyond
             # repair never stops the start or the others.
             try:

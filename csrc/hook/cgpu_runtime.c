@@ -5,19 +5,17 @@
  *
  * `create --pid-file` of a GPU container (what containerd and docker run):
  * the shim binds the instance to the init pid itself once the real create
- * succeeded, and releases it at the real delete (first, then exec, when the
- * container's init has exited; after it otherwise), so runc runs no hook of
- * ours (a hook is a fork+exec of cgpu-hook by runc at each stage). A marker
- * file under CGPU_RUNTIME_STATE_DIR says which containers those are, so a
- * delete of any other container is a plain exec of the real runtime.
- * `run`, and `create` without --pid-file, keep the OCI hooks. */
+ * succeeded, so runc runs no hook of ours (a hook is a fork+exec of
+ * cgpu-hook by runc at each stage). `run`, and `create` without --pid-file,
+ * keep the OCI hook. Nothing is released at `delete`, which is a plain exec
+ * of the real runtime: cgpud watches the init it bound and releases the
+ * instance when it exits. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
 #include <stdarg.h>
 #include <signal.h>
-#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -34,9 +32,6 @@
 #define CONFIG_CHUNK (64 << 10)
 #define ID_MAX CGPU_CONTAINER_ID_MAX
 #define INSTANCE_MAX 63
-#define STATE_DIR "/run/cgpu-runtime"
-#define RUNC_ROOT "/run/runc" /* runc's --root default for root */
-#define MARKER_MAX (2 * PATH_MAX + ID_MAX + INSTANCE_MAX + 8)
 #define SHIM_BINDS "shim-binds" /* relay.py SHIM_BINDS */
 
 /* A bundle may ask for a GPU share only if its config names one of these,
@@ -55,7 +50,6 @@ static const char *const GLOBAL_VALUED[] = {"root", "log", "log-format", "criu",
 static const char *const CREATE_VALUED[] = {"bundle", "b", "console-socket", "pid-file", "preserve-fds", NULL};
 
 struct globals {
-    const char *root;
     const char *log;
     const char *log_format;
     int version;
@@ -186,9 +180,7 @@ static int parse_globals(char **argv)
             continue;
         if (!v && argv[i])
             v = argv[i++];
-        if (k == 0)
-            g_opts.root = v;
-        else if (k == 1)
+        if (k == 1)
             g_opts.log = v;
         else if (k == 2)
             g_opts.log_format = v;
@@ -364,115 +356,6 @@ static void prepare(const char *command, char **args, const char *socket, struct
 
 /* ---- the shim's own bind and release ----------------------------------------------- */
 
-static uint64_t fnv1a(uint64_t h, const char *s, size_t n)
-{
-    for (size_t i = 0; i < n; i++)
-        h = (h ^ (unsigned char)s[i]) * 0x100000001b3ULL;
-    return h;
-}
-
-/* The marker of (runtime root, id): one file named by a hash of both (an id
- * may hold any printable byte), whose content repeats them, so a collision
- * reads as "no marker" rather than another container's. */
-static const char *runc_root(void)
-{
-    return g_opts.root && *g_opts.root ? g_opts.root : RUNC_ROOT;
-}
-
-static int state_dir(void)
-{
-    const char *dir = env_or("CGPU_RUNTIME_STATE_DIR", STATE_DIR);
-    if (mkdir(dir, 0700) < 0 && errno != EEXIST)
-        return -1;
-    return open(dir, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-}
-
-static void marker_name(char *name, size_t size, const char *id)
-{
-    const char *root = runc_root();
-    uint64_t h = fnv1a(0xcbf29ce484222325ULL, root, strlen(root) + 1);
-    h = fnv1a(h, id, strlen(id));
-    snprintf(name, size, "%016llx", (unsigned long long)h);
-}
-
-static int marker_body(char *buf, size_t size, const char *id, const char *instance, const char *bundle)
-{
-    int n = snprintf(buf, size, "%s\n%s\n%s\n%s\n", runc_root(), id, instance, bundle);
-    return n > 0 && (size_t)n < size ? n : -1;
-}
-
-/* Written before the real create: a delete, whoever's, then finds it. */
-static int write_marker(const struct shim_bound *b)
-{
-    static char body[MARKER_MAX];
-    int n = marker_body(body, sizeof(body), b->id, b->instance, b->bundle);
-    int dfd = state_dir();
-    if (n < 0 || dfd < 0) {
-        if (dfd >= 0)
-            close(dfd);
-        return -1;
-    }
-    char name[32], tmp[64];
-    marker_name(name, sizeof(name), b->id);
-    snprintf(tmp, sizeof(tmp), "%s.%ld", name, (long)getpid());
-    int fd = openat(dfd, tmp, O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0600);
-    int ok = fd >= 0 && write(fd, body, (size_t)n) == n;
-    if (fd >= 0)
-        close(fd);
-    ok = ok && renameat(dfd, tmp, dfd, name) == 0;
-    if (!ok)
-        unlinkat(dfd, tmp, 0);
-    close(dfd);
-    return ok ? 0 : -1;
-}
-
-static void remove_marker(const char *id)
-{
-    int dfd = state_dir();
-    if (dfd < 0)
-        return;
-    char name[32];
-    marker_name(name, sizeof(name), id);
-    unlinkat(dfd, name, 0);
-    close(dfd);
-}
-
-/* Fills b from the marker of `id`; 0 if there is one that names it. */
-static int read_marker(const char *id, struct shim_bound *b)
-{
-    const char *dir = env_or("CGPU_RUNTIME_STATE_DIR", STATE_DIR);
-    char name[32], path[PATH_MAX];
-    marker_name(name, sizeof(name), id);
-    if (snprintf(path, sizeof(path), "%s/%s", dir, name) >= (int)sizeof(path))
-        return -1;
-    int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
-    if (fd < 0)
-        return -1; /* the common case: not a container the shim bound */
-    static char buf[MARKER_MAX + 1];
-    ssize_t n = read(fd, buf, MARKER_MAX);
-    close(fd);
-    if (n <= 0 || n >= MARKER_MAX)
-        return -1;
-    buf[n] = '\0';
-    char *f[4], *p = buf;
-    for (int i = 0; i < 4; i++) {
-        char *nl = strchr(p, '\n');
-        if (!nl)
-            return -1;
-        *nl = '\0';
-        f[i] = p;
-        p = nl + 1;
-    }
-    size_t len = strlen(f[2]);
-    if (strcmp(f[0], runc_root()) != 0 || strcmp(f[1], id) != 0 || len == 0 || len > INSTANCE_MAX ||
-        strlen(f[3]) >= sizeof(b->bundle) || f[3][0] != '/')
-        return -1;
-    memcpy(b->instance, f[2], len + 1);
-    snprintf(b->bundle, sizeof(b->bundle), "%s", f[3]);
-    b->id = id;
-    return 0;
-}
-
 /* The OCI state the createRuntime/poststop hooks would get, as far as
  * cgpud reads it: id, bundle, pid. */
 static int bound_request(char *buf, size_t size, const char *verb, const struct shim_bound *b, long pid)
@@ -567,17 +450,10 @@ static _Noreturn void create_and_bind(const char *runtime, char **argv, int cmd,
                                       const struct shim_bound *b)
 {
     char msg[CGPU_RELAY_MSG_MAX], ignored[CGPU_RELAY_MSG_MAX];
-    if (write_marker(b) != 0) {
-        int err = errno;
-        relay_bound(socket, "release", b, 0, ignored, sizeof(ignored));
-        die(1, "cannot record container %s under %s: %s", b->id, env_or("CGPU_RUNTIME_STATE_DIR", STATE_DIR),
-            strerror(err));
-    }
     int code = spawn_runtime(runtime, argv);
     if (code != 0) {
         /* runc said why; the instance made for this start goes. */
         relay_bound(socket, "release", b, 0, ignored, sizeof(ignored));
-        remove_marker(b->id);
         exit(code);
     }
     long pid = read_pid_file(b->pid_file);
@@ -588,106 +464,7 @@ static _Noreturn void create_and_bind(const char *runtime, char **argv, int cmd,
         exit(0);
     force_delete(runtime, argv, cmd, b->id);
     relay_bound(socket, "release", b, 0, ignored, sizeof(ignored));
-    remove_marker(b->id);
     die(1, "%s", msg);
-}
-
-/* The unsigned number after `"key":` in `json` (`len` bytes, NUL after). */
-static int json_number(const char *json, size_t len, const char *key, unsigned long long *out)
-{
-    char needle[64];
-    int n = snprintf(needle, sizeof(needle), "\"%s\":", key);
-    const char *at = memmem(json, len, needle, (size_t)n);
-    if (!at || at + n >= json + len || *(at + n) < '0' || *(at + n) > '9')
-        return -1;
-    char *end;
-    errno = 0;
-    *out = strtoull(at + n, &end, 10);
-    return errno || end >= json + len || (*end != ',' && *end != '}') ? -1 : 0;
-}
-
-/* The start time (clock ticks since boot) of a live, non-zombie process, or
- * 0 if there is none. proc(5): field 22 of stat, counted after the last
- * ')' since the command name may hold anything. */
-static unsigned long long live_start_time(unsigned long long pid)
-{
-    char path[64], buf[1024];
-    snprintf(path, sizeof(path), "/proc/%llu/stat", pid);
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
-        return 0;
-    ssize_t n = read(fd, buf, sizeof(buf) - 1);
-    close(fd);
-    if (n <= 0)
-        return 0;
-    buf[n] = '\0';
-    char *p = strrchr(buf, ')');
-    if (!p || p[1] != ' ' || p[2] == 'Z' || p[2] == 'X')
-        return 0;
-    p += 2; /* field 3, the state */
-    for (int field = 3; field < 22 && p; field++) {
-        p = strchr(p, ' ');
-        if (p)
-            p++;
-    }
-    return p ? strtoull(p, NULL, 10) : 0;
-}
-
-/* 1 if the container's init has exited (a stopped container: nothing of it
- * runs), as the real runtime's state records it (runc's state.json: the
- * init's pid and start time, so a pid reused since reads as exited). 0 when
- * it runs, or cannot be told (another runtime's state, a damaged file). */
-static int init_exited(const char *id)
-{
-    char path[PATH_MAX], state[4096];
-    if (snprintf(path, sizeof(path), "%s/%s/state.json", runc_root(), id) >= (int)sizeof(path))
-        return 0;
-    int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
-    if (fd < 0)
-        return 0;
-    ssize_t n = read(fd, state, sizeof(state) - 1);
-    close(fd);
-    if (n > 0)
-        state[n] = '\0'; /* the fields come first in runc's file; one cut off reads as unknown */
-    unsigned long long pid, start;
-    if (n <= 0 || json_number(state, (size_t)n, "init_process_pid", &pid) != 0 ||
-        json_number(state, (size_t)n, "init_process_start", &start) != 0 || pid <= 1 || start == 0)
-        return 0;
-    return live_start_time(pid) != start;
-}
-
-/* Returns only if the container is none the shim bound, or is stopped and
- * released already: exec the runtime. */
-static void delete_and_release(const char *runtime, char **argv, int cmd, const char *socket)
-{
-    const char *bundle = NULL, *id = NULL;
-    parse_create(argv + cmd + 1, &bundle, &id, NULL);
-    struct shim_bound b = {0};
-    if (!id || read_marker(id, &b) != 0)
-        return;
-    char msg[CGPU_RELAY_MSG_MAX];
-    if (init_exited(id)) {
-        /* Nothing of a stopped container runs: its instance can go before
-         * the runtime deletes it, and the runtime is exec'd, not waited for.
-         * A running one (delete refused, or --force) is released after. */
-        if (relay_bound(socket, "release", &b, 0, msg, sizeof(msg)) != 0)
-            cgpu_relay_report(PROG, msg);
-        remove_marker(id);
-        return;
-    }
-    int code = spawn_runtime(runtime, argv);
-    char path[PATH_MAX];
-    struct stat st;
-    /* Gone from the runtime's root (deleted now, or before): release. */
-    if (snprintf(path, sizeof(path), "%s/%s", runc_root(), id) >= (int)sizeof(path) || lstat(path, &st) == 0 ||
-        errno != ENOENT)
-        exit(code);
-    /* As runc treats a failed poststop hook: said, but the delete stands;
-     * cgpud's sweep frees the instance once its processes are gone. */
-    if (relay_bound(socket, "release", &b, 0, msg, sizeof(msg)) != 0)
-        cgpu_relay_report(PROG, msg);
-    remove_marker(id);
-    exit(code);
 }
 
 int main(int argc, char **argv)
@@ -708,8 +485,6 @@ int main(int argc, char **argv)
             create_and_bind(runtime, argv, cmd, socket, &b);
     } else if (argv[cmd] && (strcmp(argv[cmd], "create") == 0 || strcmp(argv[cmd], "run") == 0)) {
         prepare(argv[cmd], argv + cmd + 1, socket, NULL);
-    } else if (argv[cmd] && strcmp(argv[cmd], "delete") == 0) {
-        delete_and_release(runtime, argv, cmd, socket);
     }
     run_real_runtime(runtime, argv);
 }

@@ -63,9 +63,9 @@ def test_one_id_under_two_runtime_roots_gets_two_instances(tmp_path, host: Host,
 @pytest.mark.parametrize("owner", ["claimed", "own"])
 def test_a_poststop_of_a_container_that_holds_nothing_changes_nothing(tmp_path, host: Host, cgpud: Daemon,
                                                                       owner: str) -> None:
-    """A second container whose spec carries the first one's hook entries
-    (copied, or written by someone careless): its poststop names the
-    instance, but the instance is not its own."""
+    """A second container whose spec carries a poststop entry naming the
+    first one's instance (as an older version wrote them, copied, or written
+    by someone careless): the instance is not its own."""
     holder = host.bundle(tmp_path / "holder", ["sleep", "60"],
                          () if owner == "claimed" else ("ALIYUN_COM_GPU_MEM_CONTAINER=2",))
     if owner == "claimed":
@@ -79,14 +79,16 @@ def test_a_poststop_of_a_container_that_holds_nothing_changes_nothing(tmp_path, 
         [inst] = instances(cgpud)
         assert inst["state"] == "bound"
         other = host.bundle(tmp_path / "other", ["true"], gpu_device=False)
-        other.spec["hooks"] = {"poststop": holder.read()["hooks"]["poststop"]}
+        [bind_hook] = holder.read()["hooks"]["createRuntime"]
+        poststop = dict(bind_hook, args=[*bind_hook["args"][:-1], "poststop"])
+        other.spec["hooks"] = {"poststop": [poststop]}
         other.write()
         out = run(host, other, host.new_id(), shim=False)  # plain runc: its poststop runs cgpu-hook
         # Neither runc nor the hook reports a failure for the other container.
         assert out.returncode == 0 and "cgpu-hook" not in out.stderr, out.stderr
         [still] = instances(cgpud)
         assert (still["id"], still["state"], still["pids"]) == (inst["id"], "bound", inst["pids"])
-    # The holder's own poststop did hand it back (claimed) or release it (own).
+    # The holder's own exit did hand it back (claimed) or release it (own).
     assert [i["state"] for i in instances(cgpud)] == (["reserved"] if owner == "claimed" else [])
 
 

@@ -8,9 +8,12 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+from collections.abc import Iterator
+
+import pytest
 
 from cgpud.native import native_path
-from tests.daemonproc import BIN, Daemon
+from tests.daemonproc import BIN, Daemon, running_daemon
 from tests.e2e.oci import Host, create, runc, runtime_env, shim_container
 
 GPU = ("ALIYUN_COM_GPU_MEM_CONTAINER=2",)
@@ -86,15 +89,15 @@ def test_a_failed_create_keeps_runcs_exit_code_and_frees_the_instance(tmp_path, 
     assert instances(cgpud) == []
 
 
-def test_without_a_pid_file_the_hooks_bind_and_release(tmp_path, host: Host, cgpud: Daemon) -> None:
+def test_without_a_pid_file_the_hook_binds_and_the_exit_releases(tmp_path, host: Host, cgpud: Daemon) -> None:
     b = host.bundle(tmp_path / "b", ["sleep", "60"], GPU)
     cid = host.new_id()
     with shim_container(host, b, cid, cgpud.relay, start=False):
-        assert {h["args"][-1] for h in cgpu_hooks(b.read())} == {"createRuntime", "poststop"}
+        assert {h["args"][-1] for h in cgpu_hooks(b.read())} == {"createRuntime"}
         [inst] = instances(cgpud)
         state = json.loads(runc(host, "state", cid).stdout)
         assert inst["state"] == "bound" and inst["pids"] == [state["pid"]]
-    assert instances(cgpud) == []
+    wait_released(cgpud)
 
 
 def test_a_delete_by_plain_runc_is_swept(tmp_path, host: Host, cgpud: Daemon) -> None:
@@ -156,31 +159,39 @@ def shim(host: Host, env: dict[str, str], *args: str) -> subprocess.CompletedPro
                           capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
 
 
-def test_a_stopped_container_is_released_before_the_runtime_deletes_it(tmp_path, host: Host, cgpud: Daemon) -> None:
-    """Nothing of a stopped container runs, so the shim releases first and
-    execs runc's delete instead of waiting for it."""
+@pytest.fixture
+def unswept(tmp_path, gpu_env) -> Iterator[Daemon]:
+    """A cgpud whose sweep would come only after a minute: what releases
+    within the tests' second is the exit watch."""
+    (tmp_path / "unswept").mkdir()
+    with running_daemon(tmp_path / "unswept", gpu_env, "--sweep-interval", "60") as d:
+        yield d
+
+
+def test_a_stopped_containers_instance_is_released_when_its_init_exits(tmp_path, host: Host, unswept: Daemon) -> None:
+    """cgpud watches the init it bound (a pidfd): the instance goes when the
+    container stops, before any delete, which is then runc's alone."""
+    cgpud = unswept
     env, seen = watching_runtime(tmp_path, cgpud)
     b = host.bundle(tmp_path / "b", ["true"], GPU)
     cid = host.new_id()
     code, log = create(host, b, cid, cgpud.relay, pid_file=tmp_path / "init.pid", env=env)
     assert code == 0, log
     assert shim(host, env, "start", cid).returncode == 0
-    deadline = time.monotonic() + 30
-    while json.loads(runc(host, "state", cid).stdout)["status"] != "stopped":
-        assert time.monotonic() < deadline, "the container did not exit"
-        time.sleep(0.02)
+    wait_released(cgpud)
+    assert cid in listed_in_root(host)  # stopped, not deleted
     deleted = shim(host, env, "delete", cid)
     assert deleted.returncode == 0 and deleted.stderr == "", deleted.stderr
     assert [i["state"] for i in json.loads(seen.read_text())] == ["released"]
     assert cid not in listed_in_root(host)
-    assert instances(cgpud) == []
 
 
-def test_a_running_container_keeps_its_instance_until_the_runtime_deleted_it(
-    tmp_path, host: Host, cgpud: Daemon
+def test_a_running_container_keeps_its_instance_until_the_runtime_killed_it(
+    tmp_path, host: Host, unswept: Daemon
 ) -> None:
     """runc refuses a plain delete of a running container: its instance
-    stays bound. With --force the release comes after runc's delete."""
+    stays bound. delete --force kills the init: then it goes."""
+    cgpud = unswept
     env, seen = watching_runtime(tmp_path, cgpud)
     b = host.bundle(tmp_path / "b", ["sleep", "60"], GPU)
     cid = host.new_id()
@@ -194,4 +205,13 @@ def test_a_running_container_keeps_its_instance_until_the_runtime_deleted_it(
     assert forced.returncode == 0, forced.stderr
     assert [i["state"] for i in json.loads(seen.read_text())] == ["bound"]
     assert cid not in listed_in_root(host)
-    assert instances(cgpud) == []
+    wait_released(cgpud)
+
+
+def wait_released(cgpud: Daemon, within: float = 1.0) -> None:
+    """Long before the sweep would: the exit watch did it."""
+    deadline = time.monotonic() + within
+    while instances(cgpud):
+        assert time.monotonic() < deadline, f"still active after {within} s: {instances(cgpud)}"
+        time.sleep(0.01)
+    assert [i["state"] for i in instances(cgpud, all_=True)] == ["released"]

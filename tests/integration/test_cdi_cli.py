@@ -53,7 +53,7 @@ def test_create_generate_release(daemon, tmp_path):
     assert mounts[CONTAINER_LIBRARY]["hostPath"] == str(runtime / "libcgpu.so")
     assert mounts[PRELOAD]["hostPath"] == str(runtime / "ld.so.preload")
     assert all(Path(m["hostPath"]).exists() for m in edits["mounts"])
-    assert [h["hookName"] for h in edits["hooks"]] == ["createRuntime", "poststop"]
+    assert [h["hookName"] for h in edits["hooks"]] == ["createRuntime"]
     for hook in edits["hooks"]:
         assert hook["path"] == str(runtime / "cgpu-hook") and Path(hook["path"]).exists()
         assert hook["args"][hook["args"].index("--instance") + 1] == iid

@@ -587,7 +587,7 @@ def fake(tmp_path: Path) -> ShimRunc:
 def shim_env(fake: ShimRunc, sock_path: Path, tmp_path: Path) -> dict[str, str]:
     return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "CGPU_REAL_RUNTIME": str(fake.path),
             "CGPU_RELAY_SOCKET": str(sock_path), "CGPU_RELAY_WAIT_MS": "0",
-            "CGPU_RUNTIME_STATE_DIR": str(tmp_path / "state"), **SAN_OPTIONS}
+            **SAN_OPTIONS}
 
 
 def bodies(requests: list[bytes]) -> list[tuple[str, dict | str]]:
@@ -602,7 +602,7 @@ def create_args(tmp_path: Path, b: Path) -> list[str]:
     return ["--root", str(tmp_path / "root"), "create", "--bundle", str(b), "--pid-file", str(tmp_path / "pid"), "c1"]
 
 
-def test_create_binds_the_pid_and_delete_releases(bins, cgpud, fake, shim_env, tmp_path) -> None:
+def test_create_binds_the_pid_and_delete_is_the_runtimes_alone(bins, cgpud, fake, shim_env, tmp_path) -> None:
     server = cgpud(f"ok instance {INSTANCE}\n".encode())
     b = bundle(tmp_path)
     proc = run(bins / "cgpu-runtime", create_args(tmp_path, b), dict(shim_env, FAKE_PID="4242\n"))
@@ -611,15 +611,11 @@ def test_create_binds_the_pid_and_delete_releases(bins, cgpud, fake, shim_env, t
         ("prepare c1 shim-binds", str(b)),
         (f"bind {INSTANCE}", {"ociVersion": "1.0.2", "id": "c1", "bundle": str(b), "status": "created", "pid": 4242}),
     ]
-    assert len(list((tmp_path / "state").iterdir())) == 1  # the marker
+    # cgpud releases when the init it bound exits: delete asks it nothing.
     gone = run(bins / "cgpu-runtime", ["--root", str(tmp_path / "root"), "delete", "c1"], shim_env)
     assert gone.returncode == 0, gone.stderr
-    assert bodies(server.requests)[2:] == [(f"release {INSTANCE}", {"ociVersion": "1.0.2", "id": "c1", "bundle": str(b)})]
-    assert list((tmp_path / "state").iterdir()) == []
-    # Deleted again (or any container the shim did not bind): no request at all.
-    again = run(bins / "cgpu-runtime", ["--root", str(tmp_path / "root"), "delete", "c1"], shim_env)
-    assert again.returncode == 0 and len(server.requests) == 3
-    assert fake.calls()[1:] == [f"--root {tmp_path / 'root'} delete c1"] * 2
+    assert len(server.requests) == 2
+    assert fake.calls()[1:] == [f"--root {tmp_path / 'root'} delete c1"]
 
 
 @pytest.mark.parametrize("pid", ["0", "1", "-5", "+7", "12x", "", "99999999999999999999999", "4242 4243", "link"])
@@ -637,7 +633,7 @@ def test_a_pid_file_that_is_not_a_pid_undoes_the_create(bins, cgpud, fake, shim_
     assert "cannot read the init pid of container c1" in log.read_text()  # where containerd looks
     assert [h for h, _ in bodies(server.requests)] == ["prepare c1 shim-binds", f"release {INSTANCE}"]
     assert fake.calls()[-1] == f"--log {log} --root {tmp_path / 'root'} delete --force c1"
-    assert not (tmp_path / "root" / "c1").exists() and list((tmp_path / "state").iterdir()) == []
+    assert not (tmp_path / "root" / "c1").exists()
 
 
 class Scripted(Cgpud):
@@ -668,7 +664,7 @@ def test_a_refused_bind_undoes_the_create(bins, fake, shim_env, tmp_path, sock_p
     assert [h for h, _ in bodies(server.requests)] == ["prepare c1 shim-binds", f"bind {INSTANCE}",
                                                          f"release {INSTANCE}"]
     assert fake.calls()[-1] == f"--root {tmp_path / 'root'} delete --force c1"
-    assert not (tmp_path / "root" / "c1").exists() and list((tmp_path / "state").iterdir()) == []
+    assert not (tmp_path / "root" / "c1").exists()
 
 
 def test_the_real_runtimes_failure_is_its_exit_code_and_frees_the_instance(bins, cgpud, fake, shim_env,
@@ -678,7 +674,6 @@ def test_the_real_runtimes_failure_is_its_exit_code_and_frees_the_instance(bins,
     proc = run(bins / "cgpu-runtime", create_args(tmp_path, b), dict(shim_env, FAKE_CREATE_RC="3"))
     assert proc.returncode == 3
     assert [h for h, _ in bodies(server.requests)] == ["prepare c1 shim-binds", f"release {INSTANCE}"]
-    assert list((tmp_path / "state").iterdir()) == []
 
 
 def test_run_and_create_without_pid_file_keep_the_hooks(bins, cgpud, fake, shim_env, tmp_path) -> None:
@@ -688,4 +683,3 @@ def test_run_and_create_without_pid_file_keep_the_hooks(bins, cgpud, fake, shim_
         proc = run(bins / "cgpu-runtime", ["--root", str(tmp_path / "root"), *args], shim_env)
         assert proc.returncode == 0, proc.stderr
     assert [h for h, _ in bodies(server.requests)] == ["prepare c1", "prepare c1"]
-    assert not (tmp_path / "state").exists() or list((tmp_path / "state").iterdir()) == []

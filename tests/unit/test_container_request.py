@@ -154,7 +154,8 @@ def test_edits_mount_only_daemon_files() -> None:
 
 def test_edits_hooks_carry_env_timeout_and_instance() -> None:
     hooks = edited(instance())["hooks"]
-    for stage in ("createRuntime", "poststop"):
+    assert set(hooks) == {"createRuntime"}  # no poststop: cgpud sees the init exit itself
+    for stage in ("createRuntime",):
         (h,) = hooks[stage]
         assert h["path"] == str(FILES.hook)
         assert h["args"] == ["cgpu-hook", "--socket", "/run/cgpud/relay.sock", "--instance", "cgpu-0000aaaa", stage]
@@ -165,7 +166,7 @@ def test_share_mode_gets_env_and_hooks_but_no_library() -> None:
     s = edited(instance(enforced=False))
     assert [m["destination"] for m in s["mounts"]] == ["/proc"]
     assert env_of(s)["ALIYUN_COM_GPU_MEM_CONTAINER"] == "2"
-    assert set(s["hooks"]) == {"createRuntime", "poststop"}
+    assert set(s["hooks"]) == {"createRuntime"}
 
 
 def test_edits_are_idempotent_and_keep_user_hooks() -> None:

@@ -141,10 +141,13 @@ def test_a_retried_prepare_across_versions_replaces_the_old_hooks(state):
                        state / "runtime/0.1.0/cgpu-hook", Path("/r.sock"), "0.1.0")
     new = RuntimeFiles(state / "runtime/0.2.0/libcgpu.so", state / "runtime/0.2.0/ld.so.preload",
                        state / "runtime/0.2.0/cgpu-hook", Path("/r.sock"), "0.2.0")
-    spec = {"process": {"env": []}, "mounts": [], "hooks": {"poststop": [{"path": "/usr/bin/mine", "args": ["mine"]}]}}
+    # An older version also wrote a poststop entry of its own hook: dropped.
+    theirs = {"path": str(old.hook), "args": ["cgpu-hook", "--instance", inst.id, "poststop"]}
+    spec = {"process": {"env": []}, "mounts": [],
+            "hooks": {"poststop": [{"path": "/usr/bin/mine", "args": ["mine"]}, theirs]}}
     first = apply_edits(spec, instance_edits(inst, state / "instances" / inst.id, {0: 16 * GIB}, old), old)
     second = apply_edits(first, instance_edits(inst, state / "instances" / inst.id, {0: 16 * GIB}, new), new)
-    assert [h["path"] for h in second["hooks"]["poststop"]] == ["/usr/bin/mine", str(new.hook)]
+    assert [h["path"] for h in second["hooks"]["poststop"]] == ["/usr/bin/mine"]
     assert [h["path"] for h in second["hooks"]["createRuntime"]] == [str(new.hook)]
     assert {m["source"] for m in second["mounts"]} >= {str(new.library), str(new.preload)}
     assert not any("0.1.0" in m["source"] for m in second["mounts"])

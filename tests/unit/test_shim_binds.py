@@ -29,7 +29,7 @@ def test_shim_binds_prepare_writes_no_hooks_and_drops_earlier_ones(tmp_path: Pat
     lc, _ = lifecycle(tmp_path)
     b = bundle(tmp_path / "b", GPU)
     assert handle(lc, ["prepare", "job"], str(b).encode()).startswith("instance ")
-    assert set(hooks_of(b)) == {"createRuntime", "poststop"}
+    assert set(hooks_of(b)) == {"createRuntime"}
     # A retried create of the same bundle, now by a shim that binds itself.
     assert handle(lc, ["prepare", "job", "shim-binds"], str(b).encode()).startswith("instance ")
     assert hooks_of(b) == {}
