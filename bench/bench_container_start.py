@@ -10,11 +10,12 @@ random order within each round of one run:
                       (the request is there but nobody acts on it)
   shim    / GPU 2 GiB that bundle through cgpu-runtime: cgpud prepares it
                       (instance created, config.json rewritten, no hooks), the
-                      shim binds after `create` and releases after `delete`
+                      shim binds after `create`; cgpud releases the instance
+                      when the init exits, and `delete` is a plain exec
   hooks   / GPU 2 GiB the CDI / hooks.d path: plain runc runs the bundle as
                       cgpud's hook-mode prepare left it (the same edits its CDI
-                      spec carries: mounts, env, createRuntime and poststop
-                      hooks); the prepare happens untimed before the start,
+                      spec carries: mounts, env, the createRuntime hook); the
+                      prepare happens untimed before the start,
                       as a device plugin's Allocate does before containerd
                       applies the CDI spec, so the timed part is exactly what
                       an engine that only runs hooks pays: runc's hook runs
@@ -22,11 +23,11 @@ random order within each round of one run:
                       socket that answers every request at once and does
                       nothing (no instance, config.json untouched): what the
                       shim's GPU path costs by itself (its exec, the fork of
-                      runc create, the marker, three round trips to a Python
-                      socketserver like cgpud's), for information: the
-                      difference to `shim / GPU 2 GiB` is cgpud's own work
-  hooks   / GPU floor the hooks' bundle with each cgpu-hook entry replaced
-                      by `true`: what runc's running of two hooks costs by
+                      runc create, two round trips to a Python socketserver
+                      like cgpud's), for information: the difference to
+                      `shim / GPU 2 GiB` is cgpud's own work
+  hooks   / GPU floor the hooks' bundle with the cgpu-hook entry replaced
+                      by `true`: what runc's running of a hook costs by
                       itself, for information (the instance is released
                       after the timed part)
 
@@ -104,6 +105,11 @@ VARIANTS = (
     (FLOOR, "shim, GPU, relay doing nothing", True, True, False),
     (HOOK_FLOOR, "runc + hooks doing nothing (true)", False, True, True),
 )
+# --baseline-tree: the GPU paths again, through the other checkout's cgpud and binaries.
+BASELINE_VARIANTS = (
+    ("shim-gpu-base", "shim, GPU 2 GiB, --baseline-tree", True, False),
+    ("hook-gpu-base", "runc + hooks (CDI), GPU 2 GiB, --baseline-tree", False, True),
+)
 # (label, baseline key, measured key, target ms added at the median, at p90 or None) -- from the issue.
 TARGETS = (
     ("non-GPU container", "runc-plain", "shim-plain", 1.0, None),
@@ -117,7 +123,7 @@ class BenchError(Exception):
 
 
 class InstantRelay:
-    """A relay socket that answers the shim's prepare, bind and release at
+    """A relay socket that answers the shim's prepare and bind (and release) at
     once and does nothing: the same transport as cgpud's (a threaded
     socketserver, one connection per request), none of its work. It counts
     what it was asked, so the run can check that the shim took its GPU path."""
@@ -161,6 +167,7 @@ class Variant:
     env: dict[str, str]
     argv0: str
     ms: list[float] = field(default_factory=list)
+    daemon: Daemon | None = None  # the cgpud it talks to, when not the run's own (--baseline-tree)
 
     def median(self) -> float:
         return statistics.median(self.ms)
@@ -182,11 +189,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds first (2)")
     p.add_argument("--seed", type=int, default=1, help="seed of the per-round shuffle of the variants (1)")
     p.add_argument("--quick", action="store_true", help=f"a smoke run: {QUICK_ROUNDS} rounds, 1 warm-up round")
+    p.add_argument("--baseline-tree", type=Path, metavar="DIR",
+                   help="another built checkout (e.g. `git worktree add DIR REV`, then `./dev build` there): its "
+                        "cgpud, shim and hook run beside this tree's, as two more variants, and the report adds "
+                        "this tree minus that one, paired")
     args = p.parse_args(argv)
     if args.quick:
         args.rounds, args.warmup = QUICK_ROUNDS, 1
     if args.rounds < 1 or args.warmup < 0:
         p.error("--rounds must be at least 1 and --warmup at least 0")
+    if args.baseline_tree is not None:
+        args.baseline_tree = args.baseline_tree.resolve()
+        for part in ("cgpud/daemon/main.py", "cgpud/_native/bin/cgpu-runtime"):
+            if not (args.baseline_tree / part).exists():
+                p.error(f"--baseline-tree {args.baseline_tree}: no {part}: a built checkout of this repository")
     return args
 
 
@@ -308,7 +324,7 @@ def start_once(v: Variant, runc_root: Path, cid: str, work: Path, cgpud: Daemon)
                        stdin=subprocess.DEVNULL, capture_output=True, timeout=RUN_TIMEOUT_S, check=False)
         raise
     ms = (time.perf_counter() - t0) * 1e3
-    if v.key == HOOK_FLOOR and instance is not None:  # no cgpu-hook ran at poststop: release it here, untimed
+    if v.key == HOOK_FLOOR and instance is not None:  # no cgpu-hook bound it, so no exit releases it: here, untimed
         relay_release(cgpud.relay, instance, cid, v.bundle.path)
     if os.waitstatus_to_exitcode(status) != 0:
         raise BenchError(f"{v.label}: container {cid} (`true`) exited with status {status:#x}")
@@ -382,13 +398,22 @@ def report(variants: dict[str, Variant], args: argparse.Namespace) -> None:
             verdict = "PASS" if added90 <= p90_limit else "FAIL"
             print(f"  {verdict:<5} {text}: {added90:+.2f} ms at p90 ({m.p90():.2f} vs {b.p90():.2f} ms), "
                   f"ratio {m.p90() / b.p90():.3f}x (target <= {p90_limit:g} ms)")
+    if "shim-gpu-base" in variants:
+        print("\nThis tree against --baseline-tree (paired medians of this tree minus that one, ~95% intervals):")
+        for text, theirs, ours in (("shim, GPU 2 GiB", "shim-gpu-base", "shim-gpu"),
+                                   ("runc + hooks (CDI), GPU 2 GiB", "hook-gpu-base", "hook-gpu")):
+            paired = [b - a for a, b in zip(variants[theirs].ms, variants[ours].ms)]
+            lo, hi = median_ci(paired)
+            print(f"  {text}: {variants[ours].median() - variants[theirs].median():+.2f} ms at the median; "
+                  f"paired {statistics.median(paired):+.2f} ms [{lo:+.2f}, {hi:+.2f}]")
     base, floor, full = variants["runc-gpu"], variants[FLOOR], variants["shim-gpu"]
     hook_floor, hooks = variants[HOOK_FLOOR], variants["hook-gpu"]
     print("\nWhere the added time goes (information; paired medians with their ~95% intervals):")
     for text, x, y in (("shim: itself, against a relay doing nothing", base, floor),
-                       ("shim: cgpud's work (prepare, bind, release) on top of that", floor, full),
-                       ("hooks: runc running two hooks that do nothing (true)", base, hook_floor),
-                       ("hooks: cgpu-hook and cgpud's work (bind, release) on top of that", hook_floor, hooks)):
+                       ("shim: cgpud's work (prepare, bind, the release at the exit) on top of that", floor, full),
+                       ("hooks: runc running a hook that does nothing (true)", base, hook_floor),
+                       ("hooks: cgpu-hook and cgpud's work (bind, the release at the exit) on top of that", hook_floor,
+                        hooks)):
         paired = [b - a for a, b in zip(x.ms, y.ms)]
         lo, hi = median_ci(paired)
         print(f"  {text}: {y.median() - x.median():+.2f} ms at the median; paired "
@@ -422,6 +447,13 @@ def main(argv: list[str]) -> int:
         daemon_dir.mkdir()
         cgpud = make_daemon(daemon_dir, sim_env, "--sweep-interval", DAEMON_SWEEP_INTERVAL)
         start_daemon(cgpud)
+        baseline = None
+        if args.baseline_tree is not None:
+            # The same cgpud entry point, importing the other checkout first.
+            (work / "cgpud-baseline").mkdir()
+            baseline = make_daemon(work / "cgpud-baseline", dict(sim_env, PYTHONPATH=str(args.baseline_tree)),
+                                   "--sweep-interval", DAEMON_SWEEP_INTERVAL)
+            start_daemon(baseline)
         instant = InstantRelay(work / "instant-relay.sock")
         try:
             variants: dict[str, Variant] = {}
@@ -435,6 +467,14 @@ def main(argv: list[str]) -> int:
                                         (bundle.path / "config.json").read_bytes(),
                                         runtime_env(relay, dict(os.environ)) if via_shim else dict(os.environ),
                                         str(shim) if via_shim else runc)
+            if baseline is not None:
+                for key, label, via_shim, hooks in BASELINE_VARIANTS:
+                    bundle = host.bundle(work / "bundles" / key, ["true"], (GPU_REQUEST,), gpu_device=True)
+                    variants[key] = Variant(
+                        key, label, via_shim, True, hooks, bundle, (bundle.path / "config.json").read_bytes(),
+                        runtime_env(baseline.relay, dict(os.environ)) if via_shim else dict(os.environ),
+                        str(args.baseline_tree / "cgpud/_native/bin/cgpu-runtime") if via_shim else runc,
+                        daemon=baseline)
             version = subprocess.run([runc, "--version"], capture_output=True, text=True, check=False).stdout
             print(f"runtime: runc {version.split()[2] if len(version.split()) > 2 else '?'} ({runc}); shim {shim} with CGPU_REAL_RUNTIME={runc} CGPU_RELAY_SOCKET={cgpud.relay}")
             print(f"timed:   RUNTIME --root {host.runc_root} create --bundle B --pid-file F ID; "
@@ -455,7 +495,8 @@ def main(argv: list[str]) -> int:
                 # the caches and cgpud busy), so each variant must follow
                 # every other as often, not always the same one.
                 for v in rng.sample(order, len(order)):
-                    ms = start_once(v, host.runc_root, f"bench-{os.getpid()}-{v.key}-{r + args.warmup}", work, cgpud)
+                    ms = start_once(v, host.runc_root, f"bench-{os.getpid()}-{v.key}-{r + args.warmup}", work,
+                                    v.daemon or cgpud)
                     if r >= 0:
                         v.ms.append(ms)
                 if r >= 0 and (r + 1) % 25 == 0:
@@ -475,11 +516,13 @@ def main(argv: list[str]) -> int:
             if len(released) != gpu_starts:
                 raise BenchError(f"expected {gpu_starts} released instances, cgpud lists {len(released)}")
             starts = args.rounds + args.warmup
-            if instant.asked != {"prepare": starts, "bind": starts, "release": starts}:
+            if instant.asked != {"prepare": starts, "bind": starts, "release": 0}:
                 raise BenchError(f"the relay doing nothing was asked {instant.asked}, expected {starts} "
-                                 f"prepare, bind and release: the shim did not take its GPU path")
+                                 f"prepare and bind and no release: the shim did not take its GPU path")
         finally:
             instant.close()
+            if baseline is not None:
+                baseline.stop()
             try:
                 cgpud.stop()
             except AssertionError as exc:
