@@ -159,7 +159,7 @@ class Instance:
     created: float = 0.0  # Unix seconds
     updated: float = 0.0
     # The container (ContainerKey text) bound to it; "" when none. Only that
-    # container's poststop hands a claimed instance back.
+    # container's exit (or its poststop) hands a claimed instance back.
     holder: str = ""
 
     @property

@@ -473,13 +473,14 @@ class InstanceService:
 
     def sweep(self) -> int:
         """Releases instances whose processes all exited (a container whose
-        poststop never ran included) and container instances never bound;
+        exit the watch missed included: cgpud was down, or no pidfd) and
+        container instances never bound;
         deletes expired reservations. Returns how many instances it released."""
         active = self._store.active()
         gone = [i for i in active if self._owner_gone(i) or self._never_started(i)]
         for instance in gone:
             self.release(instance.id)
-        # A claimed instance whose container died without poststop goes back
+        # A claimed instance whose container's exit went unseen goes back
         # to reserved, or the next container of its pod could not bind it.
         for instance in active:
             if self._container_gone(instance):
@@ -555,8 +556,8 @@ class InstanceService:
                 and bool(instance.pids) and not any(pid_alive(pid, instance.updated) for pid in instance.pids))
 
     def _never_started(self, instance: Instance) -> bool:
-        # Prepared at create, but the runtime failed before the bind hook
-        # and never ran poststop.
+        # Prepared at create, but the runtime failed before the bind and
+        # nobody released it.
         return (instance.owner.kind is OwnerKind.CONTAINER and instance.state is InstanceState.RESERVED
                 and self._clock() - instance.created > UNBOUND_CONTAINER_GRACE)
 
