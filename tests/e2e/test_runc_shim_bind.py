@@ -215,3 +215,22 @@ def wait_released(cgpud: Daemon, within: float = 1.0) -> None:
         assert time.monotonic() < deadline, f"still active after {within} s: {instances(cgpud)}"
         time.sleep(0.01)
     assert [i["state"] for i in instances(cgpud, all_=True)] == ["released"]
+
+
+def test_a_container_outliving_a_cgpud_restart_is_released_at_its_exit_by_the_new_cgpud(
+    tmp_path, host: Host, unswept: Daemon
+) -> None:
+    """Reconcile watches the inits it finds running: the exit that comes
+    after a restart (here a kill -9 of cgpud) is seen as fast as before."""
+    cgpud = unswept
+    b = host.bundle(tmp_path / "b", ["sleep", "60"], GPU)
+    cid = host.new_id()
+    code, log = create(host, b, cid, cgpud.relay, pid_file=tmp_path / "init.pid")
+    assert code == 0, log
+    assert runc(host, "start", cid).returncode == 0
+    cgpud.kill()
+    cgpud.start()
+    assert [i["state"] for i in instances(cgpud)] == ["bound"]  # adopted, not released
+    assert runc(host, "kill", cid, "KILL").returncode == 0
+    wait_released(cgpud)
+    assert runc(host, "delete", cid).returncode == 0
