@@ -12,6 +12,7 @@ ExitWatch may be shared by threads: its table has its own lock, and the
 callback is called without it."""
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import threading
@@ -46,23 +47,25 @@ class ExitWatch:
 
     def watch(self, instance_id: str, pid: int) -> None:
         """Watches `pid` for the instance, instead of any pid watched for it."""
-        self.forget(instance_id)
         try:
-            fd = os.pidfd_open(pid)
+            fd: int | None = os.pidfd_open(pid)
         except ProcessLookupError:
-            with self._lock:
-                if self._closed:
-                    return
-                self._gone.append(_Watched(instance_id, pid))
-                os.write(self._wake_w, b"x")
-            return
+            fd = None
         except OSError as e:  # EMFILE and the like: the sweep still finds it gone
+            self.forget(instance_id)
             self._log.warning("cannot watch the init process; the sweep will notice its exit", id=instance_id,
                               pid=pid, error=str(e))
             return
         with self._lock:
             if self._closed:
-                os.close(fd)
+                if fd is not None:
+                    os.close(fd)
+                return
+            self._forget_locked(instance_id)
+            if fd is None:  # gone already: told on the watch's thread, as any exit
+                self._gone.append(_Watched(instance_id, pid))
+                with contextlib.suppress(BlockingIOError):  # full: a wake-up is pending anyway
+                    os.write(self._wake_w, b"x")
                 return
             self._by_fd[fd] = _Watched(instance_id, pid)
             self._fd_of[instance_id] = fd
@@ -70,13 +73,15 @@ class ExitWatch:
 
     def forget(self, instance_id: str) -> None:
         with self._lock:
-            if self._closed:
-                return
-            fd = self._fd_of.pop(instance_id, None)
-            if fd is not None:
-                del self._by_fd[fd]
-                self._epoll.unregister(fd)
-                os.close(fd)
+            if not self._closed:
+                self._forget_locked(instance_id)
+
+    def _forget_locked(self, instance_id: str) -> None:
+        fd = self._fd_of.pop(instance_id, None)
+        if fd is not None:
+            del self._by_fd[fd]
+            self._epoll.unregister(fd)
+            os.close(fd)
 
     def watching(self) -> dict[str, int]:
         """Instance id -> watched pid."""
