@@ -190,9 +190,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1, help="seed of the per-round shuffle of the variants (1)")
     p.add_argument("--quick", action="store_true", help=f"a smoke run: {QUICK_ROUNDS} rounds, 1 warm-up round")
     p.add_argument("--baseline-tree", type=Path, metavar="DIR",
-                   help="another built checkout (e.g. `git worktree add DIR REV`, then `./dev build` there): its "
-                        "cgpud, shim and hook run beside this tree's, as two more variants, and the report adds "
-                        "this tree minus that one, paired")
+                   help="another built checkout (a git worktree with its C parts built in place and the "
+                        "generated gRPC modules; bench/README.md says how): its cgpud, shim and hook run beside "
+                        "this tree's, as two more variants, and the report adds this tree minus that one, paired")
     args = p.parse_args(argv)
     if args.quick:
         args.rounds, args.warmup = QUICK_ROUNDS, 1
@@ -200,7 +200,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--rounds must be at least 1 and --warmup at least 0")
     if args.baseline_tree is not None:
         args.baseline_tree = args.baseline_tree.resolve()
-        for part in ("cgpud/daemon/main.py", "cgpud/_native/bin/cgpu-runtime"):
+        for part in ("cgpud/daemon/main.py", "cgpud/_native/bin/cgpu-runtime", "cgpud/api/cgpu/v1/local_pb2.py"):
             if not (args.baseline_tree / part).exists():
                 p.error(f"--baseline-tree {args.baseline_tree}: no {part}: a built checkout of this repository")
     return args
