@@ -12,11 +12,12 @@ import json
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from cgpud.native import native_path
 
@@ -209,4 +210,18 @@ def shim_container(host: Host, bundle: Bundle, container_id: str, relay: Path, *
 
 def host_mounts() -> list[str]:
     return Path("/proc/self/mountinfo").read_text().splitlines()
+
+
+T = TypeVar("T")
+
+
+def settled(read: Callable[[], T], expected: T, within: float = 5.0) -> T:
+    """What `read` gives once it equals `expected`, or its last value after
+    `within` seconds. cgpud releases an instance, and unmounts its region, at
+    the container's exit: a few milliseconds after the runtime has returned,
+    not before."""
+    deadline = time.monotonic() + within
+    while (got := read()) != expected and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return got
 

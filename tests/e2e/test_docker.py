@@ -28,7 +28,7 @@ from cgpud.daemon.model import GIB, Owner, OwnerKind, Request
 from cgpud.native import native_path
 from tests.daemonproc import BIN, Daemon, running_daemon
 from tests.e2e.docker import IMAGE, Dockerd, running_dockerd
-from tests.e2e.oci import host_mounts, runtime_env
+from tests.e2e.oci import host_mounts, runtime_env, settled
 from tests.e2e.test_kube_allocate_runc import nvml_total  # noqa: F401 (fixture)
 from tests.e2e.test_runc import BURN, assert_2gib_granted, burn_json, env_lines, instances
 from tests.e2e.test_security import build_poc
@@ -401,7 +401,7 @@ def test_mount_table_unchanged_after_10_containers_5_at_a_time(gpu_env, cgpud: D
     for out in runs:
         assert out.returncode == 0, out.stderr
         assert burn_json(out.stdout)["alloc"]["until_fail_bytes"] == GIB
-    assert mounts() == before
+    assert settled(mounts, before) == before
     assert instances(cgpud) == []
     assert len(instances(cgpud, all_=True)) == 10
 
