@@ -137,6 +137,14 @@ static void release_ledger(struct cgpu_usage *u, int i)
     }
 }
 
+/* Hands a ledger back once its usage is gone from it. */
+static void mark_free(struct cgpu_proc_ledger *p)
+{
+    atomic_store(&p->watching, 0);
+    atomic_store(&p->pid, 0);
+    atomic_store(&p->state, CGPU_LEDGER_FREE);
+}
+
 static void note_claimed(struct cgpu_usage *u, int i)
 {
     uint32_t cur = atomic_load(&u->ledgers_used);
@@ -187,9 +195,7 @@ static void recount_if_nobody_lives(struct cgpu_usage *u, int fd)
             continue;
         for (unsigned d = 0; d < CGPU_MAX_DEVICES; d++)
             atomic_store(&p->used[d], 0);
-        atomic_store(&p->watching, 0);
-        atomic_store(&p->pid, 0);
-        atomic_store(&p->state, CGPU_LEDGER_FREE);
+        mark_free(p);
     }
     for (unsigned d = 0; d < CGPU_MAX_DEVICES; d++)
         atomic_store(&u->device[d].used, 0);
@@ -240,9 +246,7 @@ int cgpu_ledger_reap(struct cgpu_usage *u, int fd, int self)
         uint32_t live = CGPU_LEDGER_LIVE;
         if (atomic_compare_exchange_strong(&p->state, &live, CGPU_LEDGER_CLAIMING)) {
             release_ledger(u, i);
-            atomic_store(&p->watching, 0);
-            atomic_store(&p->pid, 0);
-            atomic_store(&p->state, CGPU_LEDGER_FREE);
+            mark_free(p);
             reaped++;
         }
         ledger_lock(fd, i, F_UNLCK);
