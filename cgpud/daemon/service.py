@@ -243,6 +243,10 @@ class InstanceService:
         self._log.info("bound", id=instance_id, container=container, pid=pid)
         return instance
 
+    def _unwatch(self, instance_id: str) -> None:
+        if self._exits is not None:  # released or handed back: its init no longer matters
+            self._exits.forget(instance_id)
+
     def init_exited(self, instance_id: str, pid: int) -> None:
         """The init process a container instance was bound to exited
         (ExitWatch): what its container's poststop would do, at once. Nothing
@@ -289,8 +293,7 @@ class InstanceService:
             if current.state is InstanceState.BOUND and current.holder == container:
                 self._store.set_state(instance_id, InstanceState.RESERVED, pids=(), holder="")
                 self.changes.bump()
-                if self._exits is not None:
-                    self._exits.forget(instance_id)
+                self._unwatch(instance_id)
                 self._log.info("unbound", id=instance_id, container=container, reason=why)
                 return True, f"returned {instance_id}"
             holder = current.holder if current.state is InstanceState.BOUND else "nobody"
@@ -301,8 +304,7 @@ class InstanceService:
         with self._lock:
             instance = self._store.set_state(instance_id, InstanceState.RESERVED, pids=(), holder="")
             self.changes.bump()
-        if self._exits is not None:
-            self._exits.forget(instance_id)
+        self._unwatch(instance_id)
         self._log.info("unbound", id=instance_id)
         return instance
 
@@ -332,8 +334,7 @@ class InstanceService:
                     tx.put_reservation(restore)
                     self._log.info("reservation restored", pod_uid=restore.pod_uid, id=instance_id)
         self.changes.bump()
-        if self._exits is not None:
-            self._exits.forget(instance_id)
+        self._unwatch(instance_id)
         if self._compute is not None:
             self._compute.detach(instance_id)
         try:
