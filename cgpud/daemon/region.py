@@ -299,6 +299,21 @@ def repair_usage(path: Path) -> str | None:
         os.close(fd)
 
 
+def _create_new(path: Path, data: bytes, mode: int, *, preallocate: bool = False) -> None:
+    """A file that must not exist yet (O_EXCL, no link followed), written
+    whole; `preallocate`: its pages too, so no later write into a mapping of
+    it can fail."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    try:
+        os.fchmod(fd, mode)  # the umask must not narrow it
+        if preallocate:
+            os.posix_fallocate(fd, 0, len(data))
+        if os.write(fd, data) != len(data):
+            raise OSError(errno.EIO, f"short write to {path}")
+    finally:
+        os.close(fd)
+
+
 def _create_usage(path: Path) -> None:
     write_atomic(path, _new_usage(), USAGE_MODE, durable=False)
     fd = _open_regular(path, os.O_RDWR)
@@ -343,7 +358,12 @@ def remove_region_dir(directory: Path) -> None:
         mounted = False  # cannot even stat it: rmtree below says why
     rc = lib.cgpu_region_unmount(str(directory).encode()) if mounted else 0
     try:
-        shutil.rmtree(directory)
+        try:
+            os.rmdir(directory)  # what the unmount leaves: the empty mount point
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.EBUSY):
+                raise
+            shutil.rmtree(directory)  # a plain directory, or a tmpfs that would not unmount
     except FileNotFoundError:
         pass
     except OSError as e:
@@ -351,15 +371,28 @@ def remove_region_dir(directory: Path) -> None:
         raise RegionError(f"cannot remove instance region {directory}: {e.strerror or e}{detail}") from e
 
 
-def write_region(directory: Path, limits: InstanceLimits, gated: bool = False) -> None:
+def write_region(directory: Path, limits: InstanceLimits, gated: bool = False, *, fresh: bool = False) -> None:
     """Publishes `limits` for an instance and makes sure its usage and grants
     files exist.
 
     Valid usage and grants files are kept: processes already running keep
     their ledgers, counters and gates when the limits are rewritten. A missing or damaged one is
     replaced by an empty one (cgpud is the only creator, so checking and then
-    replacing does not race with another writer)."""
+    replacing does not race with another writer).
+
+    `fresh`: cgpud made `directory` empty a moment ago and nobody has seen it
+    yet, so each file is created in place rather than renamed into it (a
+    container start waits on this). A crash halfway leaves a short file,
+    which reconcile's repair rewrites like any damaged one."""
     directory = Path(directory)
+    if fresh:
+        try:
+            _create_new(directory / USAGE_FILE, _new_usage(), USAGE_MODE, preallocate=True)
+            _create_new(directory / LIMITS_FILE, _encode_limits(limits), LIMITS_MODE)
+            _create_new(directory / GRANTS_FILE, _new_grants(gated), GRANTS_MODE)
+        except OSError as e:
+            raise RegionError(f"cannot write the region of instance {limits.instance_id} in {directory}: {e}") from e
+        return
     try:
         if not directory.is_dir():
             directory.mkdir(mode=DIR_MODE, parents=True)

@@ -188,6 +188,37 @@ def test_new_usage_file_is_empty(tmp_path: Path) -> None:
         assert region.ledgers() == []
 
 
+@pytest.mark.parametrize("gated", [False, True])
+def test_a_fresh_region_is_written_in_place_as_the_renaming_path_writes_it(tmp_path: Path, gated: bool) -> None:
+    renamed, fresh = tmp_path / "renamed", tmp_path / "fresh"
+    fresh.mkdir()
+    old = os.umask(0o077)
+    try:
+        write_region(renamed, one_gpu(), gated=gated)
+        write_region(fresh, one_gpu(), gated=gated, fresh=True)
+    finally:
+        os.umask(old)
+    for name in (LIMITS_FILE, USAGE_FILE, GRANTS_FILE):
+        a, b = os.stat(renamed / name), os.stat(fresh / name)
+        assert (fresh / name).read_bytes() == (renamed / name).read_bytes(), name
+        assert stat.S_IMODE(b.st_mode) == stat.S_IMODE(a.st_mode), name
+    # The usage file's pages are allocated, so a write through a mapping cannot fail later.
+    assert os.stat(fresh / USAGE_FILE).st_blocks * 512 >= ffi.sizeof("struct cgpu_usage")
+    assert sorted(os.listdir(fresh)) == sorted([GRANTS_FILE, LIMITS_FILE, USAGE_FILE])
+    assert read_limits(fresh) == one_gpu()
+
+
+def test_a_fresh_region_never_writes_through_what_is_already_there(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"keep")
+    region = tmp_path / "r"
+    region.mkdir()
+    (region / USAGE_FILE).symlink_to(outside)
+    with pytest.raises(RegionError, match="cannot write the region of instance inst-1"):
+        write_region(region, one_gpu(), fresh=True)
+    assert outside.read_bytes() == b"keep"
+
+
 def _device(**kw: Any) -> DeviceLimit:
     return DeviceLimit(**{"uuid": "GPU-0", "mem_limit": GIB, "host_index": 0, **kw})
 

@@ -84,6 +84,7 @@ def test_an_orphan_region_that_cannot_be_removed_is_not_counted_removed(tmp_path
     svc = service(tmp_path)
     stuck = tmp_path / "regions" / "cgpu-stuck"
     stuck.mkdir(parents=True)
+    (stuck / "limits").write_bytes(b"x")  # not empty: an rmdir alone cannot remove it
     real = shutil.rmtree
 
     def refuse(path, *args, **kwargs):
