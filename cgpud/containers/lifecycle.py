@@ -37,6 +37,9 @@ from cgpud.containers.identity import ContainerKey, container_key
 from cgpud.containers.request import CONTAINER_REGION, Claim, EnvRequest, read_request
 
 BIND_STAGES = (BIND_STAGE, "prestart")
+# Rootfs paths remembered from prepare for the bind; a start whose runtime
+# failed before its bind leaves one, so the oldest go past this many.
+REMEMBERED_ROOTS = 1024
 # Where instance_edits mounts for an enforced instance.
 ENFORCED_TARGETS = (CONTAINER_REGION, f"{CONTAINER_REGION}/usage", CONTAINER_LIBRARY, PRELOAD)
 
@@ -55,6 +58,10 @@ class ContainerLifecycle:
         self._files = files
         self._trust_env = trust_env
         self._log = structlog.get_logger("cgpud.containers")
+        # instance id -> (container key, real rootfs path) as prepare saw
+        # them, so the bind need not read config.json again (after a restart
+        # it does). Plain dict operations: atomic under the GIL.
+        self._roots: dict[str, tuple[str, str]] = {}
 
     def prepare(self, container_id: str, bundle: Path, *, hooks: bool = True) -> Prepared:
         """Read the bundle's request, admit it, write the edits. On any
@@ -70,8 +77,10 @@ class ContainerLifecycle:
         instance = self._admit(key, ask)
         try:
             # Recorded before the bundle names these files: their version's
-            # directory then outlives an upgrade while the instance lives.
-            self._service.use_runtime([instance.id], self._files.version)
+            # directory then outlives an upgrade while the instance lives
+            # (a created instance had it recorded with its row).
+            if not created:
+                self._service.use_runtime([instance.id], self._files.version)
             gpu_memory = {g.index: g.memory for g in self._service.gpus()}
             edits = instance_edits(instance, self._service.region_dir(instance.id), gpu_memory, self._files,
                                    hooks=hooks)
@@ -80,6 +89,7 @@ class ContainerLifecycle:
             check_targets(rootfs, targets)
             check_volumes(rootfs, spec.get("mounts", []), targets, ours={m.destination for m in edits.mounts})
             write_spec(bundle, apply_edits(spec, edits, self._files))
+            self._remember_root(instance.id, str(key), os.path.realpath(rootfs))
         except BaseException:
             if created:
                 self._service.release(instance.id)
@@ -116,15 +126,26 @@ class ContainerLifecycle:
 
     # ---- helpers ---------------------------------------------------------------------
 
+    def _remember_root(self, instance_id: str, key: str, rootfs: str) -> None:
+        roots = self._roots
+        roots.pop(instance_id, None)
+        roots[instance_id] = (key, rootfs)
+        while len(roots) > REMEMBERED_ROOTS:
+            roots.pop(next(iter(roots)), None)
+
     def _check_placed(self, instance_id: str, key: ContainerKey, pid: int) -> None:
         """The mounts landed where the checks at prepare expected them. On a
         refusal the container does not start, so its own instance goes."""
+        known = self._roots.pop(instance_id, None)
         instance = self._service.get(instance_id)
         if not instance.enforced:
             return
         try:
-            rootfs = os.path.realpath(rootfs_path(Path(key.namespace), read_spec(Path(key.namespace))))
-            if not check_placed(read_mountinfo(pid), rootfs, ENFORCED_TARGETS):
+            # What prepare saw (the spec runc then read), or read again: a
+            # bind after a restart, or of a bundle prepared another way.
+            rootfs = (known[1] if known is not None and known[0] == str(key) else
+                      os.path.realpath(rootfs_path(Path(key.namespace), read_spec(Path(key.namespace)))))
+            if not check_placed(read_mountinfo(pid, under=rootfs), rootfs, ENFORCED_TARGETS):
                 self._log.warning("mounts not in place yet at this hook: not checked", id=instance_id,
                                   container=str(key))
         except UsageError:
@@ -144,7 +165,7 @@ class ContainerLifecycle:
         request = Request(
             Owner(OwnerKind.CONTAINER, str(key)), ask.memory_gib * GIB, ask.gpu_count, ask.core_percent,
             ask.weight, ask.priority)
-        instance = self._service.create(request)
+        instance = self._service.create(request, runtime_version=self._files.version)
         _refuse_running(instance, key)  # create handed back an existing one: nothing to undo
         return instance
 

@@ -33,22 +33,36 @@ def _unescape(field: bytes) -> str:
     return os.fsdecode(_ESCAPE.sub(lambda m: bytes([int(m.group(1), 8) & 0xFF]), field))
 
 
-def parse_mountinfo(data: bytes) -> list[MountPoint]:
+def _escape(path: str) -> bytes:
+    """A path as mountinfo writes it (the kernel's mangle: space, tab,
+    newline and backslash in octal)."""
+    return b"".join(b"\\%03o" % c if c in b" \t\n\\" else bytes([c]) for c in os.fsencode(path))
+
+
+def parse_mountinfo(data: bytes, under: str | None = None) -> list[MountPoint]:
     """Mount points and filesystem types, in mount order (proc(5): the
-    fifth field, and the first after the " - " separator)."""
+    fifth field, and the first after the " - " separator). `under`: only
+    the mount points at or below that path (a cheap test skips the other
+    lines before they are split)."""
     out = []
+    root = under.rstrip("/") if under is not None else None
+    prefix = _escape(root) if root is not None else None
     for line in data.split(b"\n"):
+        if prefix is not None and prefix not in line:
+            continue
         fields = line.split(b" ")
         if len(fields) < 7 or b"-" not in fields[6:]:
             continue
         sep = fields.index(b"-", 6)
         if sep + 1 >= len(fields) or not fields[sep + 1]:
             continue
-        out.append(MountPoint(_unescape(fields[4]), _unescape(fields[sep + 1])))
+        point = _unescape(fields[4])
+        if root is None or point == root or point.startswith(root + "/"):
+            out.append(MountPoint(point, _unescape(fields[sep + 1])))
     return out
 
 
-def read_mountinfo(pid: int) -> list[MountPoint]:
+def read_mountinfo(pid: int, under: str | None = None) -> list[MountPoint]:
     try:
         with open(f"/proc/{pid}/mountinfo", "rb") as f:
             data = f.read(MAX_MOUNTINFO + 1)
@@ -56,7 +70,7 @@ def read_mountinfo(pid: int) -> list[MountPoint]:
         raise UsageError(f"cannot read the mounts of the container's init process {pid}: {e.strerror}") from e
     if len(data) > MAX_MOUNTINFO:
         raise UsageError(f"the mount table of process {pid} is larger than {MAX_MOUNTINFO >> 20} MiB")
-    return parse_mountinfo(data)
+    return parse_mountinfo(data, under)
 
 
 def _ancestors(targets: Iterable[str]) -> set[str]:

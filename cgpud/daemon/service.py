@@ -167,24 +167,29 @@ class InstanceService:
 
     # ---- changes -------------------------------------------------------------------
 
-    def create(self, request: Request, pid: int | None = None) -> Instance:
+    def create(self, request: Request, pid: int | None = None, runtime_version: str | None = None) -> Instance:
+        """`runtime_version`: recorded as use_runtime() would, in the same
+        transaction (the container start path saves one)."""
         try:
-            return self._create(request, pid)
+            return self._create(request, pid, runtime_version)
         except AdmissionError:
             # The room may be held by a container that stopped a moment ago
             # and whose exit is not handled yet (`docker rm -f` then `docker
             # run`): handle the exits that are ready, then ask once more.
             if self._exits is None or not self._exits.settle():
                 raise
-            return self._create(request, pid)
+            return self._create(request, pid, runtime_version)
 
-    def _create(self, request: Request, pid: int | None) -> Instance:
+    def _create(self, request: Request, pid: int | None, runtime_version: str | None) -> Instance:
         with self._lock:
             with self._store.transaction() as tx:
                 active = tx.active()
                 same_owner = [i for i in active if i.owner == request.owner]
                 if same_owner:
-                    return self._same_request(same_owner[0], request)
+                    existing = self._same_request(same_owner[0], request)
+                    if runtime_version is not None:
+                        tx.add_runtime_users([existing.id], runtime_version)
+                    return existing
                 now = self._clock()
                 reserved = [r for r in tx.reservations() if r.live(now)]
                 grants = placement.admit(request, self._gpus, active, self._policy, reserved)
@@ -195,6 +200,8 @@ class InstanceService:
                     priority=request.priority, pids=(pid,) if pid else (), boot_id=self._boot_id,
                     created=now, updated=now)
                 tx.insert(instance)
+                if runtime_version is not None:
+                    tx.add_runtime_users([instance.id], runtime_version)
                 drawn = next((r for r in reserved if request.reservation and r.pod_uid == request.reservation),
                              None)
                 if drawn is not None:
@@ -229,14 +236,16 @@ class InstanceService:
         container; a reserved (claimed) one only while free, and it records
         who holds it."""
         with self._lock:
-            current = self._store.get(instance_id)
-            owner = current.owner
-            if owner.kind is OwnerKind.CONTAINER and owner.id != container:
-                raise StateError(f"instance {instance_id} belongs to container {owner.id}, not {container}")
-            if (owner.kind is not OwnerKind.CONTAINER and current.state is InstanceState.BOUND
-                    and current.holder != container):
-                raise StateError(f"instance {instance_id} is already used by container {current.holder or '?'}")
-            instance = self._store.set_state(instance_id, InstanceState.BOUND, pids=(pid,), holder=container)
+            with self._store.transaction() as tx:  # one, not two: this is on the container start path
+                current = tx.get(instance_id)
+                owner = current.owner
+                if owner.kind is OwnerKind.CONTAINER and owner.id != container:
+                    raise StateError(f"instance {instance_id} belongs to container {owner.id}, not {container}")
+                if (owner.kind is not OwnerKind.CONTAINER and current.state is InstanceState.BOUND
+                        and current.holder != container):
+                    raise StateError(
+                        f"instance {instance_id} is already used by container {current.holder or '?'}")
+                instance = tx.set_state(instance_id, InstanceState.BOUND, pids=(pid,), holder=container)
             self.changes.bump()
         if self._exits is not None:
             self._exits.watch(instance_id, pid)
@@ -570,9 +579,10 @@ class InstanceService:
     def _write_region(self, instance: Instance) -> None:
         if instance.enforced:
             region = self.region_dir(instance.id)
-            if not region.is_dir():
+            fresh = not region.is_dir()
+            if fresh:
                 self._note_region_fs(make_region_dir(region, self._tmpfs_regions))
-            write_region(region, self._limits(instance), gated=self._compute is not None)
+            write_region(region, self._limits(instance), gated=self._compute is not None, fresh=fresh)
 
     def _note_region_fs(self, plain: str | None) -> None:
         """Says once per run how regions are held; loudly if a tenant can

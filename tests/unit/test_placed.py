@@ -21,6 +21,24 @@ def test_parse_mountinfo_fields_and_escapes() -> None:
     assert any(m.path == "/" for m in read_mountinfo(os.getpid()))
 
 
+def test_parse_mountinfo_under_a_root_keeps_only_what_lies_there() -> None:
+    data = (b"22 1 0:21 / / rw - ext4 /dev/vda rw\n"
+            b"30 22 0:30 / /b/root\\040fs rw - overlay overlay rw\n"
+            b"31 30 0:31 / /b/root\\040fs/proc rw - proc proc rw\n"
+            b"32 22 0:32 / /b/root\\040fs2/run rw - tmpfs tmpfs rw\n"  # a sibling whose name starts alike
+            b"33 22 0:33 / /elsewhere/b/root\\040fs/run rw - tmpfs tmpfs rw\n"  # holds it, not below it
+            b"40 30 0:39 / /b/root\\040fs/run/cgpu ro - tmpfs cgpu-region rw\n")
+    expected = [MountPoint(ROOT, "overlay"), MountPoint(f"{ROOT}/proc", "proc"),
+                MountPoint(f"{ROOT}/run/cgpu", "tmpfs")]
+    assert parse_mountinfo(data, under=ROOT) == expected
+    assert parse_mountinfo(data, under=ROOT + "/") == expected
+    # The same verdict as from the whole table: the filter drops nothing check_placed reads.
+    assert [m for m in parse_mountinfo(data) if m.path == ROOT or m.path.startswith(ROOT + "/")] == expected
+    tricky = "/b/a\\b\tc\nd"
+    line = b"50 22 0:50 / /b/a\\134b\\011c\\012d/proc rw - proc proc rw\n"
+    assert parse_mountinfo(line, under=tricky) == [MountPoint(f"{tricky}/proc", "proc")]
+
+
 def placed(*extra: tuple[str, str]) -> list[MountPoint]:
     base = [MountPoint(ROOT, "overlay"), MountPoint(f"{ROOT}/proc", "proc")]
     return base + [MountPoint(ROOT + p, t) for p, t in extra]

@@ -15,7 +15,9 @@ import pytest
 import structlog
 
 from cgpud.errors import StateError, UsageError
+from cgpud.containers.lifecycle import ContainerLifecycle
 from cgpud.containers.relay import RelayProtocolError, RelayServer, handle
+from cgpud.daemon.model import InstanceState
 from tests.unit.test_container_identity import bundle, lifecycle, state
 
 GPU = "ALIYUN_COM_GPU_MEM_CONTAINER=2"
@@ -62,6 +64,26 @@ def test_bind_and_release_requests_do_the_hooks_work(tmp_path: Path) -> None:
     assert svc.get(iid).state.value == "bound"
     assert handle(lc, ["release", iid], state("job", b)) == f"released {iid}"
     assert svc.get(iid).state.value == "released"
+
+
+def test_a_bind_checks_the_rootfs_its_prepare_saw_and_reads_the_spec_only_without_it(tmp_path: Path) -> None:
+    lc, svc = lifecycle(tmp_path)
+    b = bundle(tmp_path / "b", GPU)
+    iid = handle(lc, ["prepare", "job", "shim-binds"], str(b).encode()).split()[-1]
+    (b / "config.json").write_text("not json")  # what runc read is what prepare wrote and saw
+    assert handle(lc, ["bind", iid], state("job", b, os.getpid())) == f"bound {iid}"
+    # A cgpud started since (nothing remembered) reads the spec, and says what is wrong with it.
+    again = ContainerLifecycle(svc, lc._files, trust_env=True)
+    with pytest.raises(UsageError, match="is not valid JSON"):
+        handle(again, ["bind", iid], state("job", b, os.getpid()))
+    # What one container's prepare saw never stands for another's bundle.
+    c = bundle(tmp_path / "c", GPU)
+    cid = handle(lc, ["prepare", "job", "shim-binds"], str(c).encode()).split()[-1]
+    other = bundle(tmp_path / "other")
+    (other / "config.json").write_text("not json")
+    with pytest.raises(UsageError, match="is not valid JSON"):
+        handle(lc, ["bind", cid], state("job", other, os.getpid()))
+    assert svc.get(cid).state is InstanceState.RESERVED
 
 
 def test_prepare_takes_only_the_shim_binds_flag(tmp_path: Path) -> None:
