@@ -124,8 +124,9 @@ class BenchError(Exception):
 
 class InstantRelay:
     """A relay socket that answers the shim's prepare and bind (and release) at
-    once and does nothing: the same transport as cgpud's (a threaded
-    socketserver, one connection per request), none of its work. It counts
+    once and does nothing: the same transport as cgpud's (a socketserver
+    answering on its accepting thread, one connection per request), none of
+    its work. It counts
     what it was asked, so the run can check that the shim took its GPU path."""
 
     INSTANCE = "cgpu-000000000000"
@@ -146,8 +147,7 @@ class InstantRelay:
                 asked[verb] = asked.get(verb, 0) + 1
                 self.request.sendall(answer.encode() + b"\n")
 
-        self._server = socketserver.ThreadingUnixStreamServer(str(path), Handler)
-        self._server.daemon_threads = True
+        self._server = socketserver.UnixStreamServer(str(path), Handler)
         threading.Thread(target=self._server.serve_forever, name="instant-relay", daemon=True).start()
 
     def close(self) -> None:
