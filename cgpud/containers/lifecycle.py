@@ -107,8 +107,16 @@ class ContainerLifecycle:
             pid = state.get("pid")
             if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
                 raise UsageError(f"the {stage} state of container {key.id} has no init pid")
-            self._check_placed(instance_id, key, pid)
-            instance = self._service.bind_container(instance_id, str(key), pid)
+            known = self._roots.pop(instance_id, None)
+            try:
+                instance = self._service.bind_container(
+                    instance_id, str(key), pid, check=lambda current: self._check_placed(current, key, pid, known))
+            except UsageError:
+                # Refused by the placement check: the container does not start, so its own instance goes.
+                current = self._service.get(instance_id)
+                if current.owner.kind is OwnerKind.CONTAINER and current.owner.id == str(key) and current.active:
+                    self._service.release(instance_id)
+                raise
             return f"bound {instance.id}"
         if stage == RELEASE_STAGE:
             try:
@@ -133,25 +141,19 @@ class ContainerLifecycle:
         while len(roots) > REMEMBERED_ROOTS:
             roots.pop(next(iter(roots)), None)
 
-    def _check_placed(self, instance_id: str, key: ContainerKey, pid: int) -> None:
-        """The mounts landed where the checks at prepare expected them. On a
-        refusal the container does not start, so its own instance goes."""
-        known = self._roots.pop(instance_id, None)
-        instance = self._service.get(instance_id)
+    def _check_placed(self, instance: Instance, key: ContainerKey, pid: int,
+                      known: tuple[str, str] | None) -> None:
+        """The mounts landed where the checks at prepare expected them
+        (UsageError if not). `known`: (key, real rootfs) as prepare saw them."""
         if not instance.enforced:
             return
-        try:
-            # What prepare saw (the spec runc then read), or read again: a
-            # bind after a restart, or of a bundle prepared another way.
-            rootfs = (known[1] if known is not None and known[0] == str(key) else
-                      os.path.realpath(rootfs_path(Path(key.namespace), read_spec(Path(key.namespace)))))
-            if not check_placed(read_mountinfo(pid, under=rootfs), rootfs, ENFORCED_TARGETS):
-                self._log.warning("mounts not in place yet at this hook: not checked", id=instance_id,
-                                  container=str(key))
-        except UsageError:
-            if instance.owner.kind is OwnerKind.CONTAINER and instance.owner.id == str(key):
-                self._service.release(instance_id)
-            raise
+        # What prepare saw (the spec runc then read), or read again: a bind
+        # after a restart, or of a bundle prepared another way.
+        rootfs = (known[1] if known is not None and known[0] == str(key) else
+                  os.path.realpath(rootfs_path(Path(key.namespace), read_spec(Path(key.namespace)))))
+        if not check_placed(read_mountinfo(pid, under=rootfs), rootfs, ENFORCED_TARGETS):
+            self._log.warning("mounts not in place yet at this hook: not checked", id=instance.id,
+                              container=str(key))
 
     def _admit(self, key: ContainerKey, ask: EnvRequest | Claim) -> Instance:
         if isinstance(ask, Claim):

@@ -230,13 +230,16 @@ class InstanceService:
         self._log.info("bound", id=instance_id, pids=list(pids))
         return instance
 
-    def bind_container(self, instance_id: str, container: str, pid: int) -> Instance:
+    def bind_container(self, instance_id: str, container: str, pid: int,
+                       check: Callable[[Instance], None] = lambda instance: None) -> Instance:
         """Bind to a container's init process; `container` is its key
         (cgpud.containers.identity). A container's own instance only to that
         container; a reserved (claimed) one only while free, and it records
-        who holds it."""
+        who holds it. `check(instance)` runs once those pass, before the
+        bind, and refuses it by raising (nothing is changed then)."""
         with self._lock:
-            with self._store.transaction() as tx:  # one, not two: this is on the container start path
+            # One transaction for the read, the check and the write: this is on the container start path.
+            with self._store.transaction() as tx:
                 current = tx.get(instance_id)
                 owner = current.owner
                 if owner.kind is OwnerKind.CONTAINER and owner.id != container:
@@ -245,6 +248,7 @@ class InstanceService:
                         and current.holder != container):
                     raise StateError(
                         f"instance {instance_id} is already used by container {current.holder or '?'}")
+                check(current)
                 instance = tx.set_state(instance_id, InstanceState.BOUND, pids=(pid,), holder=container)
             self.changes.bump()
         if self._exits is not None:

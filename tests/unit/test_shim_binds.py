@@ -17,7 +17,7 @@ import structlog
 from cgpud.errors import StateError, UsageError
 from cgpud.containers.lifecycle import ContainerLifecycle
 from cgpud.containers.relay import RelayProtocolError, RelayServer, handle
-from cgpud.daemon.model import InstanceState
+from cgpud.daemon.model import GIB, InstanceState, Owner, OwnerKind, Request
 from tests.unit.test_container_identity import bundle, lifecycle, state
 
 GPU = "ALIYUN_COM_GPU_MEM_CONTAINER=2"
@@ -76,14 +76,17 @@ def test_a_bind_checks_the_rootfs_its_prepare_saw_and_reads_the_spec_only_withou
     again = ContainerLifecycle(svc, lc._files, trust_env=True)
     with pytest.raises(UsageError, match="is not valid JSON"):
         handle(again, ["bind", iid], state("job", b, os.getpid()))
-    # What one container's prepare saw never stands for another's bundle.
-    c = bundle(tmp_path / "c", GPU)
-    cid = handle(lc, ["prepare", "job", "shim-binds"], str(c).encode()).split()[-1]
+    # What one container's prepare saw never stands for another's bundle (a
+    # claimed instance, which any container may bind while it is free).
+    dev = svc.create(Request(Owner(OwnerKind.DEVICE, "d"), 2 * GIB))
+    claim = [{"destination": "/run/cgpu", "type": "bind", "source": str(svc.region_dir(dev.id)), "options": ["ro"]}]
+    c = bundle(tmp_path / "c", mounts=claim)
+    assert handle(lc, ["prepare", "job", "shim-binds"], str(c).encode()) == f"instance {dev.id}"
     other = bundle(tmp_path / "other")
     (other / "config.json").write_text("not json")
     with pytest.raises(UsageError, match="is not valid JSON"):
-        handle(lc, ["bind", cid], state("job", other, os.getpid()))
-    assert svc.get(cid).state is InstanceState.RESERVED
+        handle(lc, ["bind", dev.id], state("job", other, os.getpid()))
+    assert svc.get(dev.id).state is InstanceState.RESERVED  # refused: nothing changed, and not released
 
 
 def test_prepare_takes_only_the_shim_binds_flag(tmp_path: Path) -> None:
