@@ -68,6 +68,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -189,6 +191,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds first (2)")
     p.add_argument("--seed", type=int, default=1, help="seed of the per-round shuffle of the variants (1)")
     p.add_argument("--quick", action="store_true", help=f"a smoke run: {QUICK_ROUNDS} rounds, 1 warm-up round")
+    p.add_argument("--bundles-on", choices=("tmpfs", "disk"), default="tmpfs",
+                   help="where the bundles, their rootfs and runc's state live: a tmpfs of the run's own (tmpfs, "
+                        "the default), as under /run where containerd, Docker and CRI-O keep them on a host; or the "
+                        "temp directory's filesystem (disk)")
     p.add_argument("--baseline-tree", type=Path, metavar="DIR",
                    help="another built checkout (a git worktree with its C parts built in place and the "
                         "generated gRPC modules; bench/README.md says how): its cgpud, shim and hook run beside "
@@ -204,6 +210,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             if not (args.baseline_tree / part).exists():
                 p.error(f"--baseline-tree {args.baseline_tree}: no {part}: a built checkout of this repository")
     return args
+
+
+@contextmanager
+def run_directory(path: Path, kind: str) -> Iterator[Path]:
+    """Where the bundles and runc's state go. On a host that is /run, a
+    tmpfs; these VMs have none there, and on their ext4 every rewrite of a
+    file that already has data (cgpud's config.json, runc's state.json)
+    waits for ext4 to allocate the new data's blocks (auto_da_alloc), about
+    0.2 ms a file, which no host pays."""
+    path.mkdir()
+    if kind == "tmpfs":
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0700,size=512m", "cgpu-bench-run", str(path)],
+                       check=True)
+    try:
+        yield path
+    finally:
+        if kind == "tmpfs":
+            subprocess.run(["umount", "--lazy", str(path)], check=False)
 
 
 def become_subreaper() -> None:
@@ -435,14 +459,15 @@ def main(argv: list[str]) -> int:
     become_subreaper()
 
     print("command:", shlex.join([sys.executable, *sys.argv]), f"(cwd {Path.cwd()})")
-    with tempfile.TemporaryDirectory(prefix="cgpu-bench-start-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="cgpu-bench-start-") as tmp, run_directory(Path(tmp) / "run",
+                                                                                       args.bundles_on) as run:
         work = Path(tmp)
         gpu = work / "gpu"
         gpu.mkdir()
         sim_env = dict(os.environ, LD_LIBRARY_PATH=str(native_dir() / "sim"),
                        CGPU_SIM_CONFIG=str(write_sim_config(gpu / "sim.conf", gpus=1)),
                        CGPU_SIM_STATE=str(gpu / "sim.state"))
-        host = Host(build_rootfs(work / "rootfs"), gpu, sim_env, work / "runc", default_spec())
+        host = Host(build_rootfs(run / "rootfs"), gpu, sim_env, run / "runc", default_spec())
         daemon_dir = work / "cgpud"
         daemon_dir.mkdir()
         cgpud = make_daemon(daemon_dir, sim_env, "--sweep-interval", DAEMON_SWEEP_INTERVAL)
@@ -461,7 +486,7 @@ def main(argv: list[str]) -> int:
                 # One bundle per variant, so a GPU start never sees another's
                 # leftovers; the two of a kind have the same config.json bytes.
                 env = (GPU_REQUEST,) if wants_gpu else ()
-                bundle = host.bundle(work / "bundles" / key, ["true"], env, gpu_device=wants_gpu)
+                bundle = host.bundle(run / "bundles" / key, ["true"], env, gpu_device=wants_gpu)
                 relay = work / "instant-relay.sock" if key == FLOOR else cgpud.relay
                 variants[key] = Variant(key, label, via_shim, wants_gpu, hooks, bundle,
                                         (bundle.path / "config.json").read_bytes(),
@@ -469,7 +494,7 @@ def main(argv: list[str]) -> int:
                                         str(shim) if via_shim else runc)
             if baseline is not None:
                 for key, label, via_shim, hooks in BASELINE_VARIANTS:
-                    bundle = host.bundle(work / "bundles" / key, ["true"], (GPU_REQUEST,), gpu_device=True)
+                    bundle = host.bundle(run / "bundles" / key, ["true"], (GPU_REQUEST,), gpu_device=True)
                     variants[key] = Variant(
                         key, label, via_shim, True, hooks, bundle, (bundle.path / "config.json").read_bytes(),
                         runtime_env(baseline.relay, dict(os.environ)) if via_shim else dict(os.environ),
@@ -479,7 +504,8 @@ def main(argv: list[str]) -> int:
             print(f"runtime: runc {version.split()[2] if len(version.split()) > 2 else '?'} ({runc}); shim {shim} with CGPU_REAL_RUNTIME={runc} CGPU_RELAY_SOCKET={cgpud.relay}")
             print(f"timed:   RUNTIME --root {host.runc_root} create --bundle B --pid-file F ID; "
                   f"RUNTIME --root {host.runc_root} start ID; waitpid(init); RUNTIME --root {host.runc_root} delete ID")
-            print(f"bundles: busybox `true`, non-GPU: no toolkit mounts; GPU: the simulated device directory "
+            print(f"bundles: on {args.bundles_on} ({run}), with runc's state; "
+                  f"busybox `true`, non-GPU: no toolkit mounts; GPU: the simulated device directory "
                   f"bind-mounted (the toolkit's part) and {GPU_REQUEST}; hooks: cgpud's hook-mode prepare "
                   f"over the relay socket before each start, untimed")
             print(f"cgpud:   {Path(sys.executable).parent / 'cgpud'} on a simulated 1 x 16 GiB GPU, --sweep-interval {DAEMON_SWEEP_INTERVAL}, "
