@@ -1,13 +1,14 @@
 """What one runtime command costs when a wrapper sits in front of runc.
 
 containerd and Docker run the configured runtime binary once per command,
-and a container needs three (create, start, delete). cgpu-runtime passes a
-non-GPU command straight to runc with one more execve; this measures that
-execve against the least any wrapper can cost on this machine: a minimal C
-program that only execs runc, built here dynamically linked (as
-cgpu-runtime is) and statically linked. Each is timed from the spawn to the
-exit (pidfd), running `--root R list` on an empty state directory, in a
-fresh random order each round, beside runc alone.
+and a container needs three (create, start, delete). cgpu-runtime (its
+front, built without libc where it can be: csrc/hook/runtime_front.c)
+passes a non-GPU command straight to runc with one more execve; this
+measures that execve beside a minimal C program on libc that only execs
+runc, built here dynamically and statically linked: what a wrapper costs
+whose start-up is glibc's. Each is timed from the spawn to the exit
+(pidfd), running `--root R list` on an empty state directory, in a fresh
+random order each round, beside runc alone.
 
 It is a report (exit 0 whatever the figures; 1 when it cannot measure).
 Needs runc and a C compiler (`cc`).
@@ -122,8 +123,8 @@ def main(argv: list[str]) -> int:
         shim_added = statistics.median([x - y for x, y in zip(ms["cgpu-runtime"], base)])
         floor = statistics.median([x - y for x, y in zip(ms["wrapper, static"], base)])
         print(f"\nPer container ({COMMANDS_PER_CONTAINER} commands): cgpu-runtime adds "
-              f"{COMMANDS_PER_CONTAINER * shim_added:+.2f} ms; the least a wrapper adds on this machine "
-              f"(static, exec only): {COMMANDS_PER_CONTAINER * floor:+.2f} ms")
+              f"{COMMANDS_PER_CONTAINER * shim_added:+.2f} ms; a minimal wrapper on static glibc "
+              f"{COMMANDS_PER_CONTAINER * floor:+.2f} ms")
     return 0
 
 

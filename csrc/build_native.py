@@ -4,6 +4,7 @@ sanitizer and real-cuda.h builds. Needs only a C compiler."""
 from __future__ import annotations
 
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -21,6 +22,11 @@ WARNINGS = ("-Wall", "-Wextra", "-Werror")
 BASE_FLAGS = ("-std=c11", "-g", "-fPIC", "-fvisibility=hidden", "-fno-semantic-interposition", *WARNINGS)
 SANITIZE_FLAGS = ("-O1", "-fno-omit-frame-pointer", "-fsanitize=address,undefined", "-fno-sanitize-recover=all")
 SIM_STATE = ("simgpu/simstate.c", "simgpu/simconfig.c")
+FREESTANDING_MACHINES = ("x86_64", "aarch64")
+FREESTANDING_CFLAGS = ("-DCGPU_FRONT_FREESTANDING", "-ffreestanding", "-fno-stack-protector",
+                       # else GCC may turn memset's own loop into a call to memset
+                       "-fno-tree-loop-distribute-patterns")
+FREESTANDING_LDFLAGS = ("-static", "-nostdlib", "-no-pie")
 
 
 @dataclass(frozen=True)
@@ -35,6 +41,9 @@ class Target:
     libs: tuple[str, ...] = ()
     includes: tuple[str, ...] = ("include",)
     cflags: tuple[str, ...] = ()  # paths under csrc/ given as csrc/<path>
+    # Built without libc (its own _start and system calls) where it knows
+    # how (FREESTANDING_MACHINES) and the variant allows (not sanitizers).
+    freestanding: bool = False
 
     @property
     def shared(self) -> bool:
@@ -80,7 +89,10 @@ TARGETS: tuple[Target, ...] = (
     Target("bin/cgpu-burn", ("tools/cgpu_burn.c",), libs=("-ldl",)),
     # Hostile tenant that finds the driver's entry points without dlsym (tests/bypass_build.py).
     Target("bin/cgpu-bypass", ("tools/cgpu_bypass.c",), libs=("-ldl",)),
-    Target("bin/cgpu-runtime", ("hook/cgpu_runtime.c", "hook/relay.c")),
+    # The front every runtime command goes through (runtime_front.c), and
+    # the shim proper it hands GPU starts to, found beside it.
+    Target("bin/cgpu-runtime", ("hook/runtime_front.c",), freestanding=True),
+    Target("bin/cgpu-runtime-gpu", ("hook/cgpu_runtime.c", "hook/relay.c")),
     Target("bin/cgpu-hook", ("hook/cgpu_hook.c", "hook/relay.c")),
 )
 
@@ -141,7 +153,9 @@ def compile_target(target: Target, out_dir: Path, variant: Variant = RELEASE, cc
     out = out_dir / target.output
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="cgpu-build-") as tmp:
-        cmd = [cc, *BASE_FLAGS, *variant.cflags, version_define()]
+        freestanding = target.freestanding and variant.name != SANITIZE.name and \
+            platform.machine() in FREESTANDING_MACHINES
+        cmd = [cc, *BASE_FLAGS, *variant.cflags, version_define(), *(FREESTANDING_CFLAGS if freestanding else ())]
         cmd += [f"-D{d}" for d in variant.defines]
         cmd += [str(CSRC / f[len("csrc/"):]) if f.startswith("csrc/") else f for f in target.cflags]
         cmd += [f"-I{CSRC / inc}" for inc in target.includes]
@@ -149,7 +163,7 @@ def compile_target(target: Target, out_dir: Path, variant: Variant = RELEASE, cc
         if target.shared:
             cmd += ["-shared", f"-Wl,-soname,{Path(target.output).name}", *_version_script(target, Path(tmp))]
         cmd += [str(CSRC / src) for src in target.sources]
-        cmd += ["-o", str(out), *variant.ldflags, *target.libs]
+        cmd += ["-o", str(out), *variant.ldflags, *target.libs, *(FREESTANDING_LDFLAGS if freestanding else ())]
         proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise NativeBuildError(f"building {target.output} failed:\n$ {' '.join(cmd)}\n{proc.stderr}")

@@ -199,7 +199,8 @@ def stage_project(site: Path) -> None:
     """The source tree's cgpud with the C parts built in place (the
     extensions, the relays, libcgpu, the simulated driver and its tools)."""
     src = REPO / "cgpud"
-    for needed in ("_native/lib/libcgpu.so", "_native/bin/cgpu-runtime", "_native/sim/libcuda.so.1"):
+    for needed in ("_native/lib/libcgpu.so", "_native/bin/cgpu-runtime", "_native/bin/cgpu-runtime-gpu",
+                   "_native/sim/libcuda.so.1"):
         if not (src / needed).exists():
             raise BuildError(f"{src / needed} is missing: build the C parts first (./dev package does)")
     if not list(src.glob("_region*.so")) or not list(src.glob("_scheduler*.so")):

@@ -1,7 +1,11 @@
-/* cgpu-runtime: the OCI runtime shim containerd and docker call instead of
- * runc. Every command goes to the real runtime unchanged; before `create` or
- * `run` of a bundle that may ask for a GPU share, cgpud prepares the bundle,
- * and unless it answers ok the container does not start.
+/* cgpu-runtime-gpu: the OCI runtime shim proper. containerd and docker call
+ * cgpu-runtime (runtime_front.c) instead of runc; it execs the real runtime
+ * itself unless a command needs this program: `create` or `run` of a bundle
+ * that may ask for a GPU share, `--version`, or a real runtime it could not
+ * run (the message is written here). Every command goes to the real runtime
+ * unchanged; before `create` or `run` of a bundle that may ask for a GPU
+ * share, cgpud prepares the bundle, and unless it answers ok the container
+ * does not start. Messages still say cgpu-runtime: that is what users run.
  *
  * `create --pid-file` of a GPU container (what containerd and docker run):
  * the shim binds the instance to the init pid itself once the real create
@@ -26,36 +30,14 @@
 #include <unistd.h>
 
 #include "relay.h"
+#include "runtime_rules.h"
 
 #define PROG "cgpu-runtime"
-#define CONFIG_MAX (8 << 20)
-#define CONFIG_CHUNK (64 << 10)
 #define ID_MAX CGPU_CONTAINER_ID_MAX
 #define INSTANCE_MAX 63
 #define SHIM_BINDS "shim-binds" /* relay.py SHIM_BINDS */
 
-/* A bundle may ask for a GPU share only if its config names one of these,
- * or spells a name or path character as a JSON escape (see escaped_name).
- * "/cgpu", not "\"/run/cgpu\"" (CGPU_REGION_FIXED_DIR): cgpud reads a mount
- * at /run/cgpu/, /run//cgpu or /run/cgpu/usage as a claim too (or refuses
- * it), and every spelling of such a path holds "/cgpu" unescaped. */
-static const char *const MARKERS[] = {CGPU_ENV_PREFIX, "/cgpu", "\\/"};
-/* The longest marker - 1: a marker may straddle two reads. */
-#define MARKER_KEEP (sizeof(CGPU_ENV_PREFIX) - 2)
-_Static_assert(sizeof(CGPU_ENV_PREFIX) >= sizeof("/cgpu"), "MARKER_KEEP assumes the prefix is the longest marker");
-_Static_assert(MARKER_KEEP >= 5, "escaped_name leaves up to 5 bytes of an escape to the next read");
-
-/* Value-taking flags; every other flag is taken as boolean. */
-static const char *const GLOBAL_VALUED[] = {"root", "log", "log-format", "criu", "rootless", NULL};
-static const char *const CREATE_VALUED[] = {"bundle", "b", "console-socket", "pid-file", "preserve-fds", NULL};
-
-struct globals {
-    const char *log;
-    const char *log_format;
-    int version;
-};
-
-static struct globals g_opts;
+static struct runc_globals g_opts;
 
 /* A GPU container the shim binds and releases itself. */
 struct shim_bound {
@@ -69,27 +51,6 @@ static const char *env_or(const char *name, const char *fallback)
 {
     const char *v = getenv(name);
     return v && *v ? v : fallback;
-}
-
-/* runc parses flags with Go's flag package: "-name" and "--name" are the
- * same flag, and a value follows "=" or comes as the next argument. Returns
- * the index in `names` of the flag `arg` is, or -1; *value is the "=" part. */
-static int flag_index(const char *arg, const char *const *names, const char **value)
-{
-    const char *p = arg + 1 + (arg[1] == '-');
-    for (int k = 0; names[k]; k++) {
-        size_t n = strlen(names[k]);
-        if (strncmp(p, names[k], n) == 0 && (p[n] == '\0' || p[n] == '=')) {
-            *value = p[n] == '=' ? p + n + 1 : NULL;
-            return k;
-        }
-    }
-    return -1;
-}
-
-static int is_flag(const char *arg)
-{
-    return arg[0] == '-' && arg[1] != '\0';
 }
 
 static size_t json_escape(char *dst, size_t size, const char *src)
@@ -168,89 +129,7 @@ static _Noreturn void run_real_runtime(const char *runtime, char **argv)
 /* Index of the command in argv (of its NULL end if none); fills g_opts. */
 static int parse_globals(char **argv)
 {
-    int i = 1;
-    while (argv[i] && is_flag(argv[i])) {
-        const char *a = argv[i++], *v;
-        if (strcmp(a, "--") == 0)
-            break;
-        if (flag_index(a, (const char *const[]){"version", "v", NULL}, &v) >= 0)
-            g_opts.version = 1;
-        int k = flag_index(a, GLOBAL_VALUED, &v);
-        if (k < 0)
-            continue;
-        if (!v && argv[i])
-            v = argv[i++];
-        if (k == 1)
-            g_opts.log = v;
-        else if (k == 2)
-            g_opts.log_format = v;
-    }
-    return i;
-}
-
-/* urfave/cli lets flags follow the container id, so the id is the last
- * argument that is neither a flag nor a flag's value. */
-static void parse_create(char **args, const char **bundle, const char **id, const char **pid_file)
-{
-    int flags = 1;
-    for (int i = 0; args[i]; i++) {
-        const char *a = args[i], *v;
-        if (flags && strcmp(a, "--") == 0) {
-            flags = 0;
-            continue;
-        }
-        if (!flags || !is_flag(a)) {
-            *id = a;
-            continue;
-        }
-        int k = flag_index(a, CREATE_VALUED, &v);
-        if (k < 0)
-            continue;
-        if (!v && args[i + 1])
-            v = args[++i];
-        if (k <= 1 && v)
-            *bundle = v;
-        else if (k == 3 && pid_file)
-            *pid_file = v && *v ? v : NULL;
-    }
-}
-
-enum config_kind { CONFIG_UNREADABLE, CONFIG_PLAIN, CONFIG_MAY_ASK };
-
-static int hexval(char c)
-{
-    if (c >= '0' && c <= '9')
-        return c - '0';
-    if (c >= 'a' && c <= 'f')
-        return c - 'a' + 10;
-    if (c >= 'A' && c <= 'F')
-        return c - 'A' + 10;
-    return -1;
-}
-
-/* A \uXXXX escape of a letter, digit, '_' or '/' could spell a request's
- * name or /run/cgpu. Encoders never escape those on their own, while Go's
- * (containerd's, dockerd's) escapes '&', '<' and '>': so "sh -c 'a && b'"
- * stays on the fast path that works even with cgpud down. */
-static int escaped_name(const char *buf, size_t len)
-{
-    for (const char *p = buf; (p = memmem(p, len - (size_t)(p - buf), "\\u", 2)) != NULL; p += 2) {
-        if ((size_t)(p - buf) + 6 > len)
-            return 0; /* kept for the next read: MARKER_KEEP covers 5 bytes */
-        int code = 0;
-        for (int i = 2; i < 6; i++) {
-            int h = hexval(p[i]);
-            if (h < 0) {
-                code = -1;
-                break;
-            }
-            code = code * 16 + h;
-        }
-        if ((code >= '/' && code <= '9') || (code >= 'A' && code <= 'Z') || code == '_' ||
-            (code >= 'a' && code <= 'z'))
-            return 1;
-    }
-    return 0;
+    return runc_globals(argv, &g_opts);
 }
 
 /* Decides from the raw bytes, without parsing JSON: this runs before every
@@ -286,10 +165,7 @@ static enum config_kind read_config(const char *bundle)
         if (n == 0)
             break;
         size_t have = keep + (size_t)n;
-        for (size_t m = 0; m < sizeof(MARKERS) / sizeof(MARKERS[0]); m++)
-            if (memmem(buf, have, MARKERS[m], strlen(MARKERS[m])))
-                goto out;
-        if (escaped_name(buf, have))
+        if (config_bytes_may_ask(buf, have))
             goto out;
         total += (size_t)n;
         if (total > CONFIG_MAX)

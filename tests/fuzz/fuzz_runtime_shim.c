@@ -114,7 +114,7 @@ static void take_argv(struct fuzz_reader *r, struct fuzz_argv *a)
         i += strlen(arg) + 1;
     }
     a->argv[a->argc] = NULL;
-    g_opts = (struct globals){0};
+    g_opts = (struct runc_globals){0};
 }
 
 static void fuzz_args(struct fuzz_reader *r)

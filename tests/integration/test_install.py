@@ -47,7 +47,7 @@ def test_pip_install_builds_everything_and_the_demo_runs(clean_copy, tmp_path):
     native = Path(where.stdout.strip())
     assert "site-packages" in str(native)
     for part in ("sim/libcuda.so.1", "sim/libnvidia-ml.so.1", "bin/cgpu-burn", "bin/cgpu-sim-stat",
-                 "bin/cgpu-runtime", "bin/cgpu-hook"):
+                 "bin/cgpu-runtime", "bin/cgpu-runtime-gpu", "bin/cgpu-hook"):
         assert (native / part).is_file(), part
     _run([str(venv / "bin" / "python"), "-c", "import cgpud._scheduler as s; assert s.lib.cgpu_sched_abi_version() == 2"],
          cwd=tmp_path)

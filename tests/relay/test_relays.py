@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "csrc"))
 import build_native  # noqa: E402
 
-RELAYS = ("bin/cgpu-runtime", "bin/cgpu-hook")
+RELAYS = ("bin/cgpu-runtime", "bin/cgpu-runtime-gpu", "bin/cgpu-hook")
 SAN_OPTIONS = {
     "ASAN_OPTIONS": "detect_leaks=1:abort_on_error=0:exitcode=86",
     "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1:exitcode=87",

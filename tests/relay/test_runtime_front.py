@@ -1,0 +1,144 @@
+"""cgpu-runtime's front (csrc/hook/runtime_front.c): every runtime command
+of every container goes through it, and it execs the real runtime itself
+unless the command needs the shim proper, cgpu-runtime-gpu beside it. Played
+with the real binaries (the release front, built without libc, and the
+sanitizer build of the same logic on libc) and a fake runc."""
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import struct
+import sys
+from pathlib import Path
+
+from tests.fuzz.py_bundle import shim_may_ask
+from tests.relay.test_relays import GPU_CONFIG, PLAIN_CONFIG, bins, bundle, cgpud, env, run, runtime, sock_path  # noqa: F401
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "csrc"))
+import build_native  # noqa: E402
+CHUNK = 64 << 10  # runtime_rules.h CONFIG_CHUNK: a marker may straddle two reads
+CONFIG_MAX = 8 << 20
+
+
+def front_in(where: Path, bins: Path, gpu_shim: str | None) -> Path:
+    """A copy of the front in `where`, with `gpu_shim` (a script) or nothing beside it."""
+    where.mkdir(parents=True, exist_ok=True)
+    front = where / "cgpu-runtime"
+    shutil.copy2(bins / "cgpu-runtime", front)
+    if gpu_shim is not None:
+        spy = where / "cgpu-runtime-gpu"
+        spy.write_text(gpu_shim)
+        spy.chmod(0o755)
+    return front
+
+
+SPY = "#!/bin/sh\nprintf '%s\\0' \"$@\" > \"$(dirname \"$0\")/gpu-shim.argv\"\nexit 42\n"
+
+
+def spied(front: Path) -> list[str] | None:
+    record = front.parent / "gpu-shim.argv"
+    if not record.exists():
+        return None
+    argv = record.read_bytes().decode().split("\0")[:-1]
+    record.unlink()
+    return argv
+
+
+def test_commands_that_need_nothing_of_cgpu_run_without_the_gpu_shim(bins, env, runtime, tmp_path):
+    front = front_in(tmp_path / "alone", bins, None)
+    plain = bundle(tmp_path, "plain", PLAIN_CONFIG)
+    for args in (["state", "c1"], ["--root", str(tmp_path / "root"), "delete", "c1"],
+                 ["--log", str(tmp_path / "log"), "create", "--bundle", str(plain), "--pid-file", "p", "c1"],
+                 ["run", "-b", str(plain), "c1"], ["create", "--bundle", str(tmp_path / "missing"), "c1"],
+                 ["kill", "c1", "KILL"]):
+        proc = run(front, args, env)
+        assert (proc.returncode, proc.stdout) == (0, "fake-runc ran\n"), proc.stderr
+        assert runtime.argv == args
+
+
+def test_a_gpu_start_without_the_gpu_shim_fails_closed(bins, env, runtime, tmp_path):
+    front = front_in(tmp_path / "alone", bins, None)
+    proc = run(front, ["create", "--bundle", str(bundle(tmp_path)), "c1"], env)
+    assert proc.returncode == 127
+    assert proc.stderr.startswith(f"cgpu-runtime: cannot run {front.parent}/cgpu-runtime-gpu: it is installed with "
+                                  "cgpu-runtime, in the same directory; reinstall cgpu")
+    assert runtime.argv is None
+
+
+def _config(tmp_path: Path, name: str, raw: bytes) -> Path:
+    b = tmp_path / "bundles" / name
+    b.mkdir(parents=True)
+    (b / "config.json").write_bytes(raw)
+    return b
+
+
+def test_the_front_hands_on_exactly_what_may_ask_for_a_gpu(bins, env, runtime, tmp_path):
+    front = front_in(tmp_path / "spied", bins, SPY)
+    pad = b" " * (CHUNK - 7)
+    cases = {
+        "plain": PLAIN_CONFIG.encode(),
+        "env": GPU_CONFIG.encode(),
+        "claim": b'{"mounts":[{"destination":"/run//cgpu"}]}',
+        "escaped slash": b'{"mounts":[{"destination":"\\/run"}]}',
+        "escaped letter": b'{"process":{"env":["\\u0041LIYUN_COM_GPU_MEM_CONTAINER=2"]}}',
+        "escaped ampersand": b'{"process":{"args":["sh","-c","a \\u0026\\u0026 b"]}}',
+        "marker across reads": b'{"x":"' + pad[:-3] + b'ALIYUN_COM_GPU_MEM_CONTAINER=1"}',
+        "escape across reads": b'{"x":"' + pad[:-1] + b'\\u0061"}',
+        "half an escape at the end": b'{"x":"\\u00',
+        "empty": b"",
+    }
+    for name, raw in cases.items():
+        b = _config(tmp_path, name.replace(" ", "-"), raw)
+        args = ["--root", "r", "create", "--bundle", str(b), "c1"]
+        proc = run(front, args, env)
+        handed = spied(front)
+        if shim_may_ask(raw):
+            assert (proc.returncode, handed, runtime.argv) == (42, args, None), name
+        else:
+            assert (proc.returncode, handed, runtime.argv) == (0, None, args), name
+        runtime.record.unlink(missing_ok=True)
+    # Too big to scan: the shim proper (and cgpud) decide. A FIFO or a link is unreadable: runc says why.
+    big = _config(tmp_path, "big", b"")
+    os.truncate(big / "config.json", CONFIG_MAX + 1)
+    assert run(front, ["create", "--bundle", str(big), "c1"], env).returncode == 42 and spied(front)
+    fifo = tmp_path / "bundles" / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / "config.json")
+    linked = tmp_path / "bundles" / "linked"
+    linked.mkdir()
+    (linked / "config.json").symlink_to(tmp_path / "bundles" / "env" / "config.json")
+    for b in (fifo, linked):
+        assert run(front, ["create", "--bundle", str(b), "c1"], env).returncode == 0
+        assert spied(front) is None and runtime.argv == ["create", "--bundle", str(b), "c1"]
+    assert run(front, ["--version"], env).returncode == 42 and spied(front) == ["--version"]
+
+
+def test_a_real_runtime_that_cannot_run_is_reported_by_the_gpu_shim(bins, env, runtime, tmp_path):
+    env["CGPU_REAL_RUNTIME"] = "no-such-runc"
+    proc = run(bins / "cgpu-runtime", ["state", "c1"], env)
+    assert proc.returncode == 127
+    assert "cgpu-runtime: cannot run no-such-runc: No such file or directory" in proc.stderr
+
+
+def test_through_a_link_the_gpu_shim_is_found_beside_the_real_file(bins, env, runtime, cgpud, tmp_path):
+    (tmp_path / "usr-bin").mkdir()
+    link = tmp_path / "usr-bin" / "cgpu-runtime"
+    link.symlink_to(bins / "cgpu-runtime")  # as the packages install /usr/bin/cgpu-runtime
+    server = cgpud(b"error no room here\n")
+    proc = run(link, ["create", "--bundle", str(bundle(tmp_path)), "c1"], env)
+    assert proc.returncode == 1 and "no room here" in proc.stderr
+    assert len(server.requests) == 1 and server.requests[0].startswith(b"prepare c1\n")
+    assert runtime.argv is None
+
+
+def test_the_release_front_runs_without_libc_where_it_knows_how(native):
+    data = (native / "bin" / "cgpu-runtime").read_bytes()
+    assert data[:4] == b"\x7fELF" and data[4] == 2  # 64-bit
+    phoff, = struct.unpack_from("<Q", data, 0x20)
+    phentsize, phnum = struct.unpack_from("<HH", data, 0x36)
+    kinds = {struct.unpack_from("<I", data, phoff + i * phentsize)[0] for i in range(phnum)}
+    # No PT_INTERP and no PT_DYNAMIC: nothing is loaded or relocated before it runs.
+    loads_nothing = 3 not in kinds and 2 not in kinds
+    assert loads_nothing == (platform.machine() in build_native.FREESTANDING_MACHINES)
