@@ -60,6 +60,11 @@ def check_runtime_path(path: str | Path) -> Path:
         raise UsageError(f"--runtime-path {p} is not an existing file: give the path of the installed cgpu-runtime")
     if not os.access(p, os.X_OK):
         raise UsageError(f"--runtime-path {p} is not executable: chmod +x it or give the installed cgpu-runtime")
+    # cgpu-runtime hands GPU starts to the shim proper beside its real file.
+    gpu = p.resolve().parent / "cgpu-runtime-gpu"
+    if not (gpu.is_file() and os.access(gpu, os.X_OK)):
+        raise UsageError(f"--runtime-path {p}: there is no executable cgpu-runtime-gpu beside {p.resolve()}, and "
+                         f"GPU containers would fail to start without it: give the installed cgpu-runtime")
     return p
 
 

@@ -31,8 +31,9 @@ CRI = "io.containerd.grpc.v1.cri"
 def shim(tmp_path: Path) -> Path:
     path = tmp_path / "bin" / "cgpu-runtime"
     path.parent.mkdir()
-    path.write_text("#!/bin/sh\nexit 0\n")
-    path.chmod(0o755)
+    for program in (path, path.with_name("cgpu-runtime-gpu")):
+        program.write_text("#!/bin/sh\nexit 0\n")
+        program.chmod(0o755)
     return path
 
 
@@ -479,6 +480,14 @@ def test_runtime_path_must_be_an_absolute_executable(tmp_path, shim):
     plain.chmod(0o644)  # no x bit at all: not executable even for root
     with pytest.raises(UsageError, match="not executable"):
         rc.check_runtime_path(str(plain))
+    # Through a link, the shim proper is looked for beside the real file.
+    (tmp_path / "usr-bin").mkdir()
+    link = tmp_path / "usr-bin" / "cgpu-runtime"
+    link.symlink_to(shim)
+    assert rc.check_runtime_path(str(link)) == link
+    shim.with_name("cgpu-runtime-gpu").unlink()
+    with pytest.raises(UsageError, match="no executable cgpu-runtime-gpu beside .*GPU containers would fail"):
+        rc.check_runtime_path(str(link))
 
 
 @pytest.mark.parametrize("name", ["", "Cgpu", "a b", "x.y", "runc"])
