@@ -132,11 +132,18 @@ static int parse_globals(char **argv)
     return runc_globals(argv, &g_opts);
 }
 
+static long read_or_errno(int fd, char *buf, size_t n)
+{
+    ssize_t got = read(fd, buf, n);
+    return got < 0 ? -errno : got;
+}
+_Static_assert(EINTR == RR_EINTR, "runtime_rules.h retries reads on RR_EINTR");
+
 /* Decides from the raw bytes, without parsing JSON: this runs before every
  * container start on the node, most of which ask for no GPU. */
 static enum config_kind read_config(const char *bundle)
 {
-    static char buf[MARKER_KEEP + CONFIG_CHUNK];
+    static char buf[CONFIG_BUF];
     char path[PATH_MAX];
     if (snprintf(path, sizeof(path), "%s/config.json", bundle) >= (int)sizeof(path))
         return CONFIG_UNREADABLE;
@@ -153,27 +160,7 @@ static enum config_kind read_config(const char *bundle)
     kind = CONFIG_MAY_ASK;
     if (st.st_size > CONFIG_MAX)
         goto out;
-    size_t keep = 0, total = 0;
-    for (;;) {
-        ssize_t n = read(fd, buf + keep, CONFIG_CHUNK);
-        if (n < 0 && errno == EINTR)
-            continue;
-        if (n < 0) {
-            kind = CONFIG_UNREADABLE;
-            goto out;
-        }
-        if (n == 0)
-            break;
-        size_t have = keep + (size_t)n;
-        if (config_bytes_may_ask(buf, have))
-            goto out;
-        total += (size_t)n;
-        if (total > CONFIG_MAX)
-            goto out;
-        keep = have < MARKER_KEEP ? have : MARKER_KEEP;
-        memmove(buf, buf + have - keep, keep);
-    }
-    kind = CONFIG_PLAIN;
+    kind = scan_config_reads(fd, buf, read_or_errno);
 out:
     close(fd);
     return kind;

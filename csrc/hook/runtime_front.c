@@ -32,7 +32,6 @@
 
 /* The generic Linux numbers, which x86-64 and aarch64 both use. */
 #define E_NOENT 2
-#define E_INTR 4
 #define E_ACCES 13
 #define E_NOTDIR 20
 
@@ -163,7 +162,6 @@ int memcmp(const void *a, const void *b, size_t n)
 #include <unistd.h>
 
 #define E_NOENT ENOENT
-#define E_INTR EINTR
 #define E_NOTDIR ENOTDIR
 #define E_ACCES EACCES
 #define OPEN_CONFIG (O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK)
@@ -224,7 +222,7 @@ static _Noreturn void f_exit(int code)
  * reads it (runtime_rules.h; cgpu_runtime.c read_config). */
 static enum config_kind scan_config(const char *bundle)
 {
-    static char buf[MARKER_KEEP + CONFIG_CHUNK];
+    static char buf[CONFIG_BUF];
     char path[PATH_BYTES];
     size_t n = rr_strlen(bundle);
     if (n + sizeof("/config.json") > sizeof(path))
@@ -244,27 +242,7 @@ static enum config_kind scan_config(const char *bundle)
     kind = CONFIG_MAY_ASK;
     if (size > CONFIG_MAX)
         goto out;
-    size_t keep = 0, total = 0;
-    for (;;) {
-        long got = f_read(fd, buf + keep, CONFIG_CHUNK);
-        if (got == -E_INTR)
-            continue;
-        if (got < 0) {
-            kind = CONFIG_UNREADABLE;
-            goto out;
-        }
-        if (got == 0)
-            break;
-        size_t have = keep + (size_t)got;
-        if (config_bytes_may_ask(buf, have))
-            goto out;
-        total += (size_t)got;
-        if (total > CONFIG_MAX)
-            goto out;
-        keep = have < MARKER_KEEP ? have : MARKER_KEEP;
-        memmove(buf, buf + have - keep, keep);
-    }
-    kind = CONFIG_PLAIN;
+    kind = scan_config_reads(fd, buf, f_read);
 out:
     f_close(fd);
     return kind;

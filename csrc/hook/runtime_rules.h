@@ -185,4 +185,33 @@ static inline int config_bytes_may_ask(const char *buf, size_t have)
     return escaped_name(buf, have);
 }
 
+#define CONFIG_BUF (MARKER_KEEP + CONFIG_CHUNK)
+#define RR_EINTR 4 /* EINTR's number on Linux, on every architecture */
+
+/* The rule over the whole of an open config.json, read through `read_fn`
+ * (bytes read, 0 at the end, or -errno) into `buf`, the caller's
+ * CONFIG_BUF bytes; a marker or escape may straddle two reads. */
+static inline enum config_kind scan_config_reads(int fd, char *buf, long (*read_fn)(int, char *, size_t))
+{
+    size_t keep = 0, total = 0;
+    for (;;) {
+        long n = read_fn(fd, buf + keep, CONFIG_CHUNK);
+        if (n == -RR_EINTR)
+            continue;
+        if (n < 0)
+            return CONFIG_UNREADABLE;
+        if (n == 0)
+            return CONFIG_PLAIN;
+        size_t have = keep + (size_t)n;
+        if (config_bytes_may_ask(buf, have))
+            return CONFIG_MAY_ASK;
+        total += (size_t)n;
+        if (total > CONFIG_MAX) /* it grew past what was checked: cgpud decides */
+            return CONFIG_MAY_ASK;
+        keep = have < MARKER_KEEP ? have : MARKER_KEEP;
+        for (size_t i = 0; i < keep; i++) /* forward: the source lies after the target */
+            buf[i] = buf[have - keep + i];
+    }
+}
+
 #endif
