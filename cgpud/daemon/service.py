@@ -51,6 +51,11 @@ ENFORCED_MODES = (NodeMode.CGPU, NodeMode.CORE_MEM, NodeMode.MPS)
 # Seconds a container instance may wait between the shim's prepare and the
 # bind hook; runc gets there in tens of milliseconds.
 UNBOUND_CONTAINER_GRACE = 120.0
+# How long a released instance stays listed (`cgpuctl list --all`,
+# `inspect`) before the sweep deletes its row; every GPU container start
+# adds one. The sweep looks at most once per RELEASED_PURGE_EVERY.
+RELEASED_KEPT = 7 * 24 * 3600.0
+RELEASED_PURGE_EVERY = 3600.0
 # A reservation's time to live: long enough for a bind and the kubelet's
 # Allocate, short enough that a scheduler that died holds nothing for long.
 DEFAULT_RESERVATION_TTL = 120.0
@@ -91,6 +96,7 @@ class InstanceService:
         self._driver_version = driver_version
         self._boot_id = boot_id
         self._clock = clock
+        self._purged_at: float | None = None  # the sweep's last purge of released rows
         self._lock = threading.Lock()
         self._log = structlog.get_logger("cgpud.instances")
         stored = store.get_setting(COMPUTE_POLICY_KEY)
@@ -501,7 +507,22 @@ class InstanceService:
                 self.unbind(instance.id)
         self._check_usage([i for i in active if i not in gone])
         self._expire_reservations()
+        self._purge_released()
         return len(gone)
+
+    def _purge_released(self) -> int:
+        """Deletes the rows of instances released more than RELEASED_KEPT
+        ago, at most once per RELEASED_PURGE_EVERY: the table would
+        otherwise grow by one row per container start, for good."""
+        now = self._clock()
+        if self._purged_at is not None and now - self._purged_at < RELEASED_PURGE_EVERY:
+            return 0
+        self._purged_at = now
+        with self._lock:
+            purged = self._store.purge_released(now - RELEASED_KEPT)
+        if purged:
+            self._log.info("released instances purged", count=purged, older_than_days=RELEASED_KEPT / 86400)
+        return purged
 
     def _expire_reservations(self) -> int:
         """Deletes reservations whose time ran out (admission already

@@ -153,3 +153,30 @@ def test_a_drained_node_starts_and_stops_its_compute_scheduler_with_the_mode(tmp
         assert len(started) == 1
     finally:
         svc.stop_compute()
+
+
+def test_released_instances_are_purged_after_a_week_and_looked_for_once_an_hour(tmp_path):
+    from cgpud.daemon.service import RELEASED_KEPT, RELEASED_PURGE_EVERY
+    from cgpud.errors import NotFoundError
+
+    now = [1_000_000.0]
+    clock = lambda: now[0]  # noqa: E731
+    svc = InstanceService(Store(tmp_path / "db" / "cgpud.db", clock=clock), GPUS, NodePolicy(mode=NodeMode.CGPU),
+                          tmp_path / "regions", "580", "boot-1", clock=clock)
+    old = svc.create(Request(owner("old"), GIB))
+    svc.release(old.id)
+    now[0] += RELEASED_KEPT - 60
+    recent = svc.create(Request(owner("recent"), GIB))
+    svc.release(recent.id)
+    active = svc.create(Request(owner("active", OwnerKind.DEVICE), GIB))  # held until released
+    svc.sweep()  # the first sweep looks: nothing is a week old yet
+    assert {i.id for i in svc.list(include_released=True)} == {old.id, recent.id, active.id}
+    now[0] += 120  # `old` is now past a week, but the last look was a minute ago
+    svc.sweep()
+    assert svc.get(old.id).state is InstanceState.RELEASED
+    now[0] += RELEASED_PURGE_EVERY
+    svc.sweep()
+    with pytest.raises(NotFoundError):
+        svc.get(old.id)
+    assert {i.id for i in svc.list(include_released=True)} == {recent.id, active.id}
+    assert svc.get(active.id).state is InstanceState.RESERVED  # an active instance is never purged, however old
