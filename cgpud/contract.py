@@ -20,5 +20,6 @@ RELAY_MAX_REQUEST: int = lib.CGPU_RELAY_MAX_REQUEST
 RELAY_MSG_MAX: int = lib.CGPU_RELAY_MSG_MAX  # the answer line, "\n" included
 RELAY_TIMEOUT_S: int = lib.CGPU_RELAY_TIMEOUT_S
 RELAY_WAIT_S: int = lib.CGPU_RELAY_WAIT_S  # how long a relay waits for a cgpud that is down
+RUNTIME_GPU_PROGRAM: str = _text(lib.CGPU_RUNTIME_GPU_PROGRAM)  # beside cgpu-runtime, which hands GPU starts to it
 CONTAINER_ID_MAX: int = lib.CGPU_CONTAINER_ID_MAX
 INSTANCE_ID_MAX: int = lib.CGPU_INSTANCE_ID_LEN - 1  # the region's char[] keeps its NUL

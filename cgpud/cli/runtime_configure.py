@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from cgpud.atomicfile import write_atomic
+from cgpud.contract import RUNTIME_GPU_PROGRAM
 from cgpud.cli.config_change import FileChange, RuntimeSpec
 from cgpud.cli.containerd_config import (
     CONTAINERD_CONFIG,
@@ -61,10 +62,10 @@ def check_runtime_path(path: str | Path) -> Path:
     if not os.access(p, os.X_OK):
         raise UsageError(f"--runtime-path {p} is not executable: chmod +x it or give the installed cgpu-runtime")
     # cgpu-runtime hands GPU starts to the shim proper beside its real file.
-    gpu = p.resolve().parent / "cgpu-runtime-gpu"
+    gpu = p.resolve().parent / RUNTIME_GPU_PROGRAM
     if not (gpu.is_file() and os.access(gpu, os.X_OK)):
-        raise UsageError(f"--runtime-path {p}: there is no executable cgpu-runtime-gpu beside {p.resolve()}, and "
-                         f"GPU containers would fail to start without it: give the installed cgpu-runtime")
+        raise UsageError(f"--runtime-path {p}: there is no executable {RUNTIME_GPU_PROGRAM} beside {p.resolve()}, "
+                         f"and GPU containers would fail to start without it: give the installed cgpu-runtime")
     return p
 
 

@@ -20,7 +20,7 @@
 #include "runtime_rules.h"
 
 #define PROG "cgpu-runtime"
-#define GPU_SHIM "cgpu-runtime-gpu"
+#define GPU_SHIM CGPU_RUNTIME_GPU_PROGRAM /* runtime_rules.h includes relay_wire.h */
 #define PATH_BYTES 4096 /* PATH_MAX */
 #define DEFAULT_PATH "/bin:/usr/bin" /* what execvp searches when PATH is unset */
 

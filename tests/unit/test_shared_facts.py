@@ -101,6 +101,12 @@ def test_relay_limits_come_from_relay_wire_h():
     assert str(DaemonConfig().relay_socket) == contract.RELAY_DEFAULT_SOCKET
 
 
+def test_the_gpu_shims_name_comes_from_relay_wire_h(native):
+    assert contract.RUNTIME_GPU_PROGRAM == "cgpu-runtime-gpu"
+    assert _restatements(contract.RUNTIME_GPU_PROGRAM) == []
+    assert (native / "bin" / contract.RUNTIME_GPU_PROGRAM).is_file()  # built under the name the front looks for
+
+
 @pytest.mark.parametrize("size", [contract.RELAY_MAX_REQUEST, contract.RELAY_MAX_REQUEST + 1])
 def test_cgpud_reads_a_request_exactly_as_large_as_the_relays_send(size):
     server, client = socket.socketpair()

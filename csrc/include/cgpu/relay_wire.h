@@ -32,6 +32,10 @@
  * timeout cgpud writes into its hook entries (HOOK_TIMEOUT, edits.py). */
 #define CGPU_RELAY_WAIT_S 10
 
+/* cgpu-runtime (every runtime command) hands a GPU start to this program,
+ * found in the directory of its own real file. */
+#define CGPU_RUNTIME_GPU_PROGRAM "cgpu-runtime-gpu"
+
 /* runc's limit on a container id. An instance id is at most
  * CGPU_INSTANCE_ID_LEN - 1 bytes (cgpu/region.h): the region holds it. */
 #define CGPU_CONTAINER_ID_MAX 1024
