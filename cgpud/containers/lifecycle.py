@@ -37,9 +37,6 @@ from cgpud.containers.identity import ContainerKey, container_key
 from cgpud.containers.request import CONTAINER_REGION, Claim, EnvRequest, read_request
 
 BIND_STAGES = (BIND_STAGE, "prestart")
-# Rootfs paths remembered from prepare for the bind; a start whose runtime
-# failed before its bind leaves one, so the oldest go past this many.
-REMEMBERED_ROOTS = 1024
 # Where instance_edits mounts for an enforced instance.
 ENFORCED_TARGETS = (CONTAINER_REGION, f"{CONTAINER_REGION}/usage", CONTAINER_LIBRARY, PRELOAD)
 
@@ -58,10 +55,6 @@ class ContainerLifecycle:
         self._files = files
         self._trust_env = trust_env
         self._log = structlog.get_logger("cgpud.containers")
-        # instance id -> (container key, real rootfs path) as prepare saw
-        # them, so the bind need not read config.json again (after a restart
-        # it does). Plain dict operations: atomic under the GIL.
-        self._roots: dict[str, tuple[str, str]] = {}
 
     def prepare(self, container_id: str, bundle: Path, *, hooks: bool = True) -> Prepared:
         """Read the bundle's request, admit it, write the edits. On any
@@ -89,7 +82,6 @@ class ContainerLifecycle:
             check_targets(rootfs, targets)
             check_volumes(rootfs, spec.get("mounts", []), targets, ours={m.destination for m in edits.mounts})
             write_spec(bundle, apply_edits(spec, edits, self._files))
-            self._remember_root(instance.id, str(key), os.path.realpath(rootfs))
         except BaseException:
             if created:
                 self._service.release(instance.id)
@@ -98,19 +90,20 @@ class ContainerLifecycle:
         return Prepared(instance)
 
     def hook(self, stage: str, instance_id: str, state_json: bytes,
-             decided: Callable[[str], None] = lambda text: None) -> str:
+             decided: Callable[[str], None] = lambda text: None, *, created: bool = False) -> str:
         """`decided`: see InstanceService.container_stopped (release only; a
-        bind answers when its checks are done, since they can refuse it)."""
+        bind answers when its checks are done, since they can refuse it).
+        `created`: a bind after the runtime's create returned (the shim's),
+        when the init has already moved into its root."""
         state = _parse_state(state_json)
         if stage in BIND_STAGES:
             key = container_key(state.get("id", ""), state.get("bundle", ""))
             pid = state.get("pid")
             if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
                 raise UsageError(f"the {stage} state of container {key.id} has no init pid")
-            known = self._roots.pop(instance_id, None)
             try:
                 instance = self._service.bind_container(
-                    instance_id, str(key), pid, check=lambda current: self._check_placed(current, key, pid, known))
+                    instance_id, str(key), pid, check=lambda current: self._check_placed(current, key, pid, created))
             except UsageError:
                 # Refused by the placement check: the container does not start, so its own instance goes.
                 current = self._service.get(instance_id)
@@ -134,24 +127,21 @@ class ContainerLifecycle:
 
     # ---- helpers ---------------------------------------------------------------------
 
-    def _remember_root(self, instance_id: str, key: str, rootfs: str) -> None:
-        roots = self._roots
-        roots.pop(instance_id, None)
-        roots[instance_id] = (key, rootfs)
-        while len(roots) > REMEMBERED_ROOTS:
-            roots.pop(next(iter(roots)), None)
-
-    def _check_placed(self, instance: Instance, key: ContainerKey, pid: int,
-                      known: tuple[str, str] | None) -> None:
+    def _check_placed(self, instance: Instance, key: ContainerKey, pid: int, created: bool) -> None:
         """The mounts landed where the checks at prepare expected them
-        (UsageError if not). `known`: (key, real rootfs) as prepare saw them."""
+        (UsageError if not). The init's mount table names them under the
+        rootfs while the runtime prepares it (createRuntime, prestart), and
+        from its own root once `create` returned (pivot_root: the table then
+        holds the container's mounts only)."""
         if not instance.enforced:
             return
-        # What prepare saw (the spec runc then read), or read again: a bind
-        # after a restart, or of a bundle prepared another way.
-        rootfs = (known[1] if known is not None and known[0] == str(key) else
-                  os.path.realpath(rootfs_path(Path(key.namespace), read_spec(Path(key.namespace)))))
-        if not check_placed(read_mountinfo(pid, under=rootfs), rootfs, ENFORCED_TARGETS):
+        if created:
+            rootfs = ""
+            mounts = read_mountinfo(pid)
+        else:
+            rootfs = os.path.realpath(rootfs_path(Path(key.namespace), read_spec(Path(key.namespace))))
+            mounts = read_mountinfo(pid, under=rootfs)
+        if not check_placed(mounts, rootfs, ENFORCED_TARGETS):
             self._log.warning("mounts not in place yet at this hook: not checked", id=instance.id,
                               container=str(key))
 

@@ -1,10 +1,12 @@
-"""Where the runtime really put cgpu's mounts, checked at createRuntime.
+"""Where the runtime really put cgpu's mounts, checked at the bind.
 
 The rootfs and volume checks (bundle.py) run at prepare; runc mounts a few
 milliseconds later, following whatever links are there by then. runc runs
 the createRuntime (and prestart) hooks after every mount is in place and
 before pivot_root, so the container's init process then shows each mount
-in /proc/<pid>/mountinfo at `<rootfs><destination>`. A cgpu mount that is
+in /proc/<pid>/mountinfo at `<rootfs><destination>`. The shim binds once
+`create` has returned, after pivot_root: the init's table then holds the
+container's mounts only, at `<destination>` (rootfs ""). A cgpu mount that is
 not at its place, or anything but a tmpfs over one of its parent
 directories, means a link or a volume changed after the check: the
 container does not start.

@@ -84,7 +84,7 @@ def handle(lifecycle: ContainerLifecycle, words: list[str], body: bytes,
         # The shim's own bind (after create) and release (after delete): the
         # createRuntime and poststop hooks' work, with the same checks.
         case ["bind", instance_id]:
-            return lifecycle.hook(BIND_STAGE, instance_id, body)
+            return lifecycle.hook(BIND_STAGE, instance_id, body, created=True)
         case ["release", instance_id]:
             return lifecycle.hook(RELEASE_STAGE, instance_id, body, decided)
         case _:

@@ -173,15 +173,19 @@ def test_a_volume_at_var_run_in_an_image_where_it_links_to_run_is_refused(tmp_pa
     assert b.read() == before and instances(cgpud) == [] and list(source.iterdir()) == []
 
 
-def _prepare(relay: Path, container_id: str, bundle: Path) -> str:
-    """What cgpu-runtime sends before `runc create`, sent by hand so that
-    the test can change the rootfs between cgpud's check and runc's mounts."""
+def _ask(relay: Path, request: str) -> str:
+    """A relay request cgpu-runtime would send, sent by hand so that the
+    test can change the rootfs between cgpud's check and runc's mounts."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(60)
         s.connect(str(relay))
-        s.sendall(f"prepare {container_id}\n{bundle}".encode())
+        s.sendall(request.encode())
         s.shutdown(socket.SHUT_WR)
         return s.makefile().readline().strip()
+
+
+def _prepare(relay: Path, container_id: str, bundle: Path) -> str:
+    return _ask(relay, f"prepare {container_id}\n{bundle}")
 
 
 def test_a_link_swapped_in_after_the_check_keeps_the_container_from_starting(tmp_path, host: Host,
@@ -204,6 +208,33 @@ def test_a_link_swapped_in_after_the_check_keeps_the_container_from_starting(tmp
         assert runc(host, "state", cid).returncode != 0  # no container left
         assert instances(cgpud) == []
         assert [i["state"] for i in instances(cgpud, all_=True) if i["id"] == prepared["id"]] == ["released"]
+    finally:
+        runc(host, "delete", "--force", cid)
+
+
+def test_a_link_swapped_in_after_the_check_fails_the_shims_own_bind(tmp_path, host: Host, cgpud: Daemon) -> None:
+    """The shim's path: cgpud remembers the rootfs its prepare checked and
+    checks the init's mounts there at the bind, without the spec again."""
+    b = host.bundle(tmp_path / "b", ["true"], ("ALIYUN_COM_GPU_MEM_CONTAINER=2",))
+    cid = host.new_id()
+    answer = _ask(cgpud.relay, f"prepare {cid} shim-binds\n{b.path}")
+    assert answer.startswith("ok instance "), answer
+    instance = answer.split()[-1]
+    shutil.rmtree(b.rootfs / "run")
+    (b.rootfs / "srv").mkdir()
+    (b.rootfs / "run").symlink_to("/srv")
+    pid_file = tmp_path / "pid"
+    with open(tmp_path / "create.log", "w") as f:
+        code = subprocess.run(["runc", "--root", str(host.runc_root), "create", "--bundle", str(b.path),
+                               "--pid-file", str(pid_file), cid],
+                              stdin=subprocess.DEVNULL, stdout=f, stderr=f, timeout=60).returncode
+    try:
+        assert code == 0  # runc follows the link inside the root: only cgpud's bind can tell
+        state = json.dumps({"ociVersion": "1.0.2", "id": cid, "bundle": str(b.path), "status": "created",
+                            "pid": int(pid_file.read_text())})
+        answer = _ask(cgpud.relay, f"bind {instance}\n{state}")
+        assert answer.startswith("error cgpu's mount at /run/cgpu is not in place"), answer
+        assert instances(cgpud) == []  # its own instance went with the refusal
     finally:
         runc(host, "delete", "--force", cid)
 

@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,19 @@ from cgpud.daemon.model import GIB, InstanceState, Owner, OwnerKind, Request
 from tests.unit.test_container_identity import bundle, lifecycle, state
 
 GPU = "ALIYUN_COM_GPU_MEM_CONTAINER=2"
+
+
+@pytest.fixture
+def init() -> Iterator[int]:
+    """A stand-in for a created container's init, as the shim's bind finds
+    it: in a mount namespace of its own (here without /proc, which cgpud
+    takes for a table it cannot check: the unit tests have no rootfs)."""
+    proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                             "umount -l /proc && echo ready && exec sleep 300"], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    yield proc.pid
+    proc.kill()
+    proc.wait()
 
 
 def hooks_of(b: Path) -> dict:
@@ -48,45 +63,48 @@ def test_shim_binds_keeps_hooks_that_are_not_cgpus(tmp_path: Path) -> None:
     assert hooks_of(b) == {"poststop": [theirs]}
 
 
-def test_bind_and_release_requests_do_the_hooks_work(tmp_path: Path) -> None:
+def test_bind_and_release_requests_do_the_hooks_work(tmp_path: Path, init: int) -> None:
     lc, svc = lifecycle(tmp_path)
     b = bundle(tmp_path / "b", GPU)
     iid = handle(lc, ["prepare", "job", "shim-binds"], str(b).encode()).split()[-1]
-    assert handle(lc, ["bind", iid], state("job", b, os.getpid())) == f"bound {iid}"
-    assert svc.get(iid).pids == (os.getpid(),)
+    assert handle(lc, ["bind", iid], state("job", b, init)) == f"bound {iid}"
+    assert svc.get(iid).pids == (init,)
     with pytest.raises(UsageError, match="no init pid"):
         handle(lc, ["bind", iid], state("job", b))
     # Another container's bind or release changes nothing.
     other = bundle(tmp_path / "other", GPU)
     with pytest.raises(StateError, match="belongs to container"):
-        handle(lc, ["bind", iid], state("job", other, os.getpid()))
+        handle(lc, ["bind", iid], state("job", other, init))
     assert "not" in handle(lc, ["release", iid], state("job", other))
     assert svc.get(iid).state.value == "bound"
     assert handle(lc, ["release", iid], state("job", b)) == f"released {iid}"
     assert svc.get(iid).state.value == "released"
 
 
-def test_a_bind_checks_the_rootfs_its_prepare_saw_and_reads_the_spec_only_without_it(tmp_path: Path) -> None:
+def test_the_shims_bind_checks_the_inits_own_mount_table_and_never_reads_the_spec(tmp_path: Path, init: int) -> None:
     lc, svc = lifecycle(tmp_path)
     b = bundle(tmp_path / "b", GPU)
     iid = handle(lc, ["prepare", "job", "shim-binds"], str(b).encode()).split()[-1]
-    (b / "config.json").write_text("not json")  # what runc read is what prepare wrote and saw
-    assert handle(lc, ["bind", iid], state("job", b, os.getpid())) == f"bound {iid}"
-    # A cgpud started since (nothing remembered) reads the spec, and says what is wrong with it.
-    again = ContainerLifecycle(svc, lc._files, trust_env=True)
+    (b / "config.json").write_text("not json")  # runc read the spec before; the bind needs no rootfs path
+    assert handle(lc, ["bind", iid], state("job", b, init)) == f"bound {iid}"
+    # A createRuntime hook's bind (before pivot_root) takes the rootfs from the spec, and says what is wrong with it.
+    c = bundle(tmp_path / "c", GPU)
+    cid = handle(lc, ["prepare", "job", "shim-binds"], str(c).encode()).split()[-1]
+    (c / "config.json").write_text("not json")
     with pytest.raises(UsageError, match="is not valid JSON"):
-        handle(again, ["bind", iid], state("job", b, os.getpid()))
-    # What one container's prepare saw never stands for another's bundle (a
-    # claimed instance, which any container may bind while it is free).
-    dev = svc.create(Request(Owner(OwnerKind.DEVICE, "d"), 2 * GIB))
-    claim = [{"destination": "/run/cgpu", "type": "bind", "source": str(svc.region_dir(dev.id)), "options": ["ro"]}]
-    c = bundle(tmp_path / "c", mounts=claim)
-    assert handle(lc, ["prepare", "job", "shim-binds"], str(c).encode()) == f"instance {dev.id}"
-    other = bundle(tmp_path / "other")
-    (other / "config.json").write_text("not json")
-    with pytest.raises(UsageError, match="is not valid JSON"):
-        handle(lc, ["bind", dev.id], state("job", other, os.getpid()))
-    assert svc.get(dev.id).state is InstanceState.RESERVED  # refused: nothing changed, and not released
+        lc.hook("createRuntime", cid, state("job", c, init))
+
+
+def test_the_shims_bind_refuses_an_init_whose_table_lacks_cgpus_mounts(tmp_path: Path) -> None:
+    """After `create` the init's table is the container's own, read from its
+    root: this process's table (with /proc, without /run/cgpu) stands for a
+    container whose mounts a link sent elsewhere."""
+    lc, svc = lifecycle(tmp_path)
+    b = bundle(tmp_path / "b", GPU)
+    iid = handle(lc, ["prepare", "job", "shim-binds"], str(b).encode()).split()[-1]
+    with pytest.raises(UsageError, match="cgpu's mount at /run/cgpu is not in place"):
+        handle(lc, ["bind", iid], state("job", b, os.getpid()))
+    assert svc.get(iid).state is InstanceState.RELEASED  # the container does not start: its instance goes
 
 
 def test_prepare_takes_only_the_shim_binds_flag(tmp_path: Path) -> None:
@@ -97,14 +115,14 @@ def test_prepare_takes_only_the_shim_binds_flag(tmp_path: Path) -> None:
     assert "hooks" not in json.loads((b / "config.json").read_text())
 
 
-def test_a_release_answers_before_its_work_and_holds_the_memory_until_done(tmp_path: Path) -> None:
+def test_a_release_answers_before_its_work_and_holds_the_memory_until_done(tmp_path: Path, init: int) -> None:
     """The runtime gets its ok before the SQLite write and the tmpfs umount,
     so `runc delete` need not wait for them; but a start that comes after
     the answer must still find the memory free, never a spurious refusal."""
     lc, svc = lifecycle(tmp_path)
     b = bundle(tmp_path / "b", "ALIYUN_COM_GPU_MEM_CONTAINER=12")
     iid = handle(lc, ["prepare", "job", "shim-binds"], str(b).encode()).split()[-1]
-    handle(lc, ["bind", iid], state("job", b, os.getpid()))
+    handle(lc, ["bind", iid], state("job", b, init))
     second = bundle(tmp_path / "second", "ALIYUN_COM_GPU_MEM_CONTAINER=12")  # fits only once `job` is gone
     seen: dict[str, object] = {}
 
@@ -129,12 +147,12 @@ def test_a_release_answers_before_its_work_and_holds_the_memory_until_done(tmp_p
     assert svc.get(iid).state.value == "released" and not svc.region_dir(iid).exists()
 
 
-def test_only_a_release_answers_early(tmp_path: Path) -> None:
+def test_only_a_release_answers_early(tmp_path: Path, init: int) -> None:
     lc, svc = lifecycle(tmp_path)
     b = bundle(tmp_path / "b", GPU)
     early: list[str] = []
     iid = handle(lc, ["prepare", "job", "shim-binds"], str(b).encode(), early.append).split()[-1]
-    handle(lc, ["bind", iid], state("job", b, os.getpid()), early.append)
+    handle(lc, ["bind", iid], state("job", b, init), early.append)
     assert "not" in handle(lc, ["release", iid], state("job", bundle(tmp_path / "o", GPU)), early.append)
     assert early == []  # a refusal or a no-op is answered at the end, as before
     handle(lc, ["release", iid], state("job", b), early.append)
