@@ -19,12 +19,15 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <stdarg.h>
+#include <stddef.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -35,7 +38,6 @@
 #define PROG "cgpu-runtime"
 #define ID_MAX CGPU_CONTAINER_ID_MAX
 #define INSTANCE_MAX 63
-#define SHIM_BINDS "shim-binds" /* relay.py SHIM_BINDS */
 
 static struct runc_globals g_opts;
 
@@ -166,13 +168,30 @@ out:
     return kind;
 }
 
-static int valid_id(const char *id)
+/* The socket on which the front sent this start's prepare request
+ * (runtime_front.c), or -1: then the shim sends it. Taken only if it is a
+ * connection to `socket` (a variable from elsewhere names no such thing). */
+static int sent_prepare(const char *socket)
 {
-    size_t n = 0;
-    for (; id[n]; n++)
-        if (id[n] <= ' ' || id[n] > '~')
-            return 0;
-    return n > 0 && n <= ID_MAX;
+    const char *v = getenv(SENT_FD_ENV);
+    if (!v)
+        return -1;
+    char *end;
+    errno = 0;
+    long fd = strtol(v, &end, 10);
+    int bad = errno || end == v || *end || fd < 3 || fd > INT_MAX;
+    unsetenv(SENT_FD_ENV); /* not the real runtime's */
+    struct stat st;
+    struct sockaddr_un peer;
+    socklen_t len = sizeof(peer);
+    if (bad || fstat((int)fd, &st) < 0 || !S_ISSOCK(st.st_mode) ||
+        getpeername((int)fd, (struct sockaddr *)&peer, &len) < 0 || peer.sun_family != AF_UNIX ||
+        len <= offsetof(struct sockaddr_un, sun_path) ||
+        strncmp(peer.sun_path, socket, len - offsetof(struct sockaddr_un, sun_path)) != 0 ||
+        strlen(socket) != strnlen(peer.sun_path, len - offsetof(struct sockaddr_un, sun_path)))
+        return -1;
+    fcntl((int)fd, F_SETFD, FD_CLOEXEC);
+    return (int)fd;
 }
 
 /* The value of --pid-file among create's arguments, or NULL. */
@@ -190,21 +209,29 @@ static void prepare(const char *command, char **args, const char *socket, struct
 {
     const char *bundle = ".", *id = NULL;
     parse_create(args, &bundle, &id, NULL);
+    /* Sent by the front: cgpud has been working on it while this program
+     * started, and decides whether the bundle asks for anything. */
+    int sent = sent_prepare(socket);
     char bundle_abs[PATH_MAX];
-    /* A bundle that does not resolve is the runtime's error to report. */
-    if (!realpath(bundle, bundle_abs))
-        return;
-    enum config_kind kind = read_config(bundle_abs);
-    if (kind != CONFIG_MAY_ASK)
+    if (!realpath(bundle, bundle_abs)) {
+        if (sent < 0)
+            return; /* the runtime's error to report */
+        die(1, "cannot resolve bundle %s: %s", bundle, strerror(errno)); /* it did a moment ago */
+    }
+    if (sent < 0 && read_config(bundle_abs) != CONFIG_MAY_ASK)
         return;
     if (!id)
         die(1, "container id missing: usage is %s [options] <container-id>", command);
-    if (!valid_id(id))
+    if (!valid_container_id(id))
         die(1, "container id is not valid: expected 1-%d printable ASCII characters without spaces", ID_MAX);
     static char request[ID_MAX + PATH_MAX + 32];
-    int len = snprintf(request, sizeof(request), "prepare %s%s\n%s", id, bound ? " " SHIM_BINDS : "", bundle_abs);
+    long len = prepare_request(request, sizeof(request), id, bundle_abs, bound != NULL);
+    if (len < 0)
+        die(1, "container id and bundle path too long for a prepare request");
     char msg[CGPU_RELAY_MSG_MAX];
-    if (cgpu_relay_call(PROG, socket, request, (size_t)len, msg, sizeof(msg)) != 0)
+    int rc = sent >= 0 ? cgpu_relay_finish(PROG, sent, socket, request, (size_t)len, msg, sizeof(msg))
+                       : cgpu_relay_call(PROG, socket, request, (size_t)len, msg, sizeof(msg));
+    if (rc != 0)
         die(1, "%s", msg);
     if (!bound || strncmp(msg, "instance ", 9) != 0)
         return;

@@ -83,6 +83,8 @@ static int went_away(const char *path, const char *why, char *msg, size_t size, 
     return fail(msg, size, "cgpud went away without answering (%s: %s)", path, why);
 }
 
+static int read_answer(int fd, const char *path, int send_err, char *msg, size_t size, int *gone);
+
 /* After a failed send cgpud may still have answered (e.g. it rejected the
  * request early and closed), so the answer is read either way. *gone is set
  * when cgpud closed or reset the connection without a byte of answer, as a
@@ -91,13 +93,20 @@ static int went_away(const char *path, const char *why, char *msg, size_t size, 
  * and instance; docs/containers.md). */
 static int exchange(int fd, const char *path, const char *request, size_t len, char *msg, size_t size, int *gone)
 {
-    *gone = 0;
     int send_err = 0;
     if (send_all(fd, request, len) < 0 || shutdown(fd, SHUT_WR) < 0)
         send_err = errno;
-    if (send_err == EAGAIN)
+    if (send_err == EAGAIN) {
+        *gone = 0;
         return timed_out(path, msg, size);
+    }
+    return read_answer(fd, path, send_err, msg, size, gone);
+}
 
+/* The answer to a request sent on fd; send_err: the errno of a failed send, or 0. */
+static int read_answer(int fd, const char *path, int send_err, char *msg, size_t size, int *gone)
+{
+    *gone = 0;
     char line[CGPU_RELAY_MSG_MAX];
     size_t n = 0;
     const char *nl = NULL;
@@ -196,7 +205,9 @@ static void sleep_ms(long ms)
         ;
 }
 
-int cgpu_relay_call(const char *prog, const char *path, const char *request, size_t len, char *msg, size_t size)
+/* `lost`: a first try, made elsewhere, found cgpud gone (msg says how). */
+static int call(const char *prog, const char *path, const char *request, size_t len, char *msg, size_t size,
+                int lost)
 {
     struct sockaddr_un addr = {.sun_family = AF_UNIX};
     size_t path_len = strlen(path);
@@ -211,8 +222,9 @@ int cgpu_relay_call(const char *prog, const char *path, const char *request, siz
     const long budget = wait_budget_ms(), deadline = now_ms() + budget;
     long delay = RETRY_FIRST_MS;
     for (int tries = 0;; tries++) {
-        int down = 0;
-        int rc = attempt(&addr, path, request, len, msg, size, &down);
+        int down = tries == 0 && lost, rc = -1;
+        if (!down)
+            rc = attempt(&addr, path, request, len, msg, size, &down);
         if (!down)
             return rc;
         long left = deadline - now_ms();
@@ -234,6 +246,25 @@ int cgpu_relay_call(const char *prog, const char *path, const char *request, siz
         sleep_ms(delay < left ? delay : left);
         delay = delay * 2 < RETRY_MAX_MS ? delay * 2 : RETRY_MAX_MS;
     }
+}
+
+int cgpu_relay_call(const char *prog, const char *path, const char *request, size_t len, char *msg, size_t size)
+{
+    return call(prog, path, request, len, msg, size, 0);
+}
+
+int cgpu_relay_finish(const char *prog, int fd, const char *path, const char *request, size_t len, char *msg,
+                      size_t size)
+{
+    struct timeval tv = {.tv_sec = CGPU_RELAY_TIMEOUT_S};
+    int gone = 0, rc;
+    if (setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv)) < 0)
+        rc = fail(msg, size, "cannot wait for cgpud's answer on %s: %s", path, strerror(errno));
+    else
+        rc = read_answer(fd, path, 0, msg, size, &gone);
+    close(fd);
+    /* Gone before answering (a restart): asked again, as any request is. */
+    return gone ? call(prog, path, request, len, msg, size, 1) : rc;
 }
 
 void cgpu_relay_report(const char *prog, const char *msg)

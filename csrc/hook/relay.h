@@ -27,6 +27,12 @@
 int cgpu_relay_call(const char *prog, const char *socket_path, const char *request, size_t len, char *msg,
                     size_t msg_size);
 
+/* The same for a request already sent on fd, a connection to `path`:
+ * reads the answer and closes fd; if cgpud went away without answering,
+ * asks again as cgpu_relay_call does. `request` is what was sent. */
+int cgpu_relay_finish(const char *prog, int fd, const char *path, const char *request, size_t len, char *msg,
+                      size_t msg_size);
+
 /* "<prog>: <msg>" on stderr. */
 void cgpu_relay_report(const char *prog, const char *msg);
 

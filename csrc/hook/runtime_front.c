@@ -32,6 +32,7 @@
 
 /* The generic Linux numbers, which x86-64 and aarch64 both use. */
 #define E_NOENT 2
+#define E_INTR 4
 #define E_ACCES 13
 #define E_NOTDIR 20
 
@@ -109,7 +110,51 @@ static _Noreturn void f_exit(int code)
         sys6(__NR_exit_group, code, 0, 0, 0, 0, 0);
 }
 
+/* The generic Linux values, which x86-64 and aarch64 both use. */
+#define F_AF_UNIX 1
+#define F_SOCK_STREAM 1
+#define F_SOL_SOCKET 1
+#define F_SO_SNDTIMEO 21
+#define F_MSG_NOSIGNAL 0x4000
+#define F_SHUT_WR 1
+
+struct f_timeval {
+    long sec, usec;
+};
+
+/* A blocking stream socket, kept open across execve; every step bounded by
+ * `timeout_s`. -errno on failure. */
+static int f_unix_socket(long timeout_s)
+{
+    int fd = (int)sys6(__NR_socket, F_AF_UNIX, F_SOCK_STREAM, 0, 0, 0, 0);
+    if (fd < 0)
+        return fd;
+    struct f_timeval tv = {timeout_s, 0};
+    long rc = sys6(__NR_setsockopt, fd, F_SOL_SOCKET, F_SO_SNDTIMEO, (long)&tv, sizeof(tv), 0);
+    if (rc < 0) {
+        f_close(fd);
+        return (int)rc;
+    }
+    return fd;
+}
+
+static int f_connect(int fd, const void *addr, size_t len)
+{
+    return (int)sys6(__NR_connect, fd, (long)addr, (long)len, 0, 0, 0);
+}
+
+static long f_send(int fd, const char *buf, size_t n)
+{
+    return sys6(__NR_sendto, fd, (long)buf, (long)n, F_MSG_NOSIGNAL, 0, 0);
+}
+
+static int f_shutdown_write(int fd)
+{
+    return (int)sys6(__NR_shutdown, fd, F_SHUT_WR, 0, 0, 0, 0);
+}
+
 #define OPEN_CONFIG (O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK)
+#define OPEN_BUNDLE (O_PATH | O_DIRECTORY | O_CLOEXEC)
 
 /* The compiler may call these for copies and zeroing; there is no libc to
  * provide them. */
@@ -158,13 +203,17 @@ int memcmp(const void *a, const void *b, size_t n)
 #include <errno.h>
 #include <fcntl.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/time.h>
 #include <unistd.h>
 
 #define E_NOENT ENOENT
 #define E_NOTDIR ENOTDIR
 #define E_ACCES EACCES
+#define E_INTR EINTR
 #define OPEN_CONFIG (O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK)
+#define OPEN_BUNDLE (O_PATH | O_DIRECTORY | O_CLOEXEC)
 
 static int f_open(const char *path, int flags)
 {
@@ -213,6 +262,38 @@ static void f_write(int fd, const char *buf, size_t n)
 static _Noreturn void f_exit(int code)
 {
     _exit(code);
+}
+
+#define F_AF_UNIX AF_UNIX
+
+static int f_unix_socket(long timeout_s)
+{
+    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    if (fd < 0)
+        return -errno;
+    struct timeval tv = {.tv_sec = timeout_s};
+    if (setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv)) < 0) {
+        int err = errno;
+        close(fd);
+        return -err;
+    }
+    return fd;
+}
+
+static int f_connect(int fd, const void *addr, size_t len)
+{
+    return connect(fd, addr, (socklen_t)len) < 0 ? -errno : 0;
+}
+
+static long f_send(int fd, const char *buf, size_t n)
+{
+    ssize_t done = send(fd, buf, n, MSG_NOSIGNAL);
+    return done < 0 ? -errno : done;
+}
+
+static int f_shutdown_write(int fd)
+{
+    return shutdown(fd, SHUT_WR) < 0 ? -errno : 0;
 }
 #endif
 
@@ -335,6 +416,116 @@ static _Noreturn void exec_gpu_shim(char **argv, char *const *envp)
     f_exit(127);
 }
 
+/* Decimal digits of v at out (no NUL); how many. */
+static size_t put_decimal(char *out, unsigned long v)
+{
+    char tmp[24];
+    size_t n = 0;
+    do
+        tmp[n++] = (char)('0' + v % 10);
+    while ((v /= 10) != 0);
+    for (size_t i = 0; i < n; i++)
+        out[i] = tmp[n - 1 - i];
+    return n;
+}
+
+/* What realpath(3) gives for a directory: the kernel's name for it, opened. */
+static int bundle_path(const char *bundle, char *out, size_t size)
+{
+    int dir = f_open(bundle, OPEN_BUNDLE);
+    if (dir < 0)
+        return 0;
+    char link[sizeof("/proc/self/fd/") + 24];
+    size_t k = sizeof("/proc/self/fd/") - 1;
+    memcpy(link, "/proc/self/fd/", k);
+    link[k + put_decimal(link + k, (unsigned long)dir)] = '\0';
+    long n = f_readlink(link, out, size - 1);
+    f_close(dir);
+    if (n <= 0 || out[0] != '/')
+        return 0;
+    out[n] = '\0';
+    return 1;
+}
+
+struct f_sockaddr_un {
+    unsigned short family;
+    char path[108];
+};
+
+/* Sends the shim proper's prepare request itself (runtime_rules.h builds
+ * the bytes for both), before the exec: cgpud then works on it while the
+ * shim starts, which costs a glibc program about half a millisecond. The
+ * connected socket, left open for the shim to read the answer on; -1 if
+ * anything is off, and the shim then asks itself (and says why, and waits
+ * for a restarting cgpud). */
+static int send_prepare(const char *command, const char *bundle, const char *id, const char *pid_file,
+                        char *const *envp)
+{
+    static char request[CGPU_CONTAINER_ID_MAX + PATH_BYTES + 32];
+    char abs[PATH_BYTES];
+    if (!id || !valid_container_id(id) || !bundle_path(bundle, abs, sizeof(abs)))
+        return -1;
+    int shim_binds = rr_streq(command, "create") && pid_file != NULL; /* cgpu_runtime.c main */
+    long len = prepare_request(request, sizeof(request), id, abs, shim_binds);
+    const char *relay = env_value(envp, "CGPU_RELAY_SOCKET");
+    if (!relay || !*relay)
+        relay = CGPU_RELAY_DEFAULT_SOCKET;
+    struct f_sockaddr_un addr = {.family = F_AF_UNIX};
+    size_t path_len = rr_strlen(relay);
+    if (len < 0 || path_len >= sizeof(addr.path))
+        return -1;
+    memcpy(addr.path, relay, path_len + 1);
+    int fd = f_unix_socket(CGPU_RELAY_TIMEOUT_S);
+    if (fd < 0)
+        return -1;
+    /* Below 3 it would stand for a closed stdio in the runtime. */
+    if (fd < 3 || f_connect(fd, &addr, sizeof(addr)) < 0)
+        goto fail;
+    for (long sent = 0; sent < len;) {
+        long n = f_send(fd, request + sent, (size_t)(len - sent));
+        if (n == -E_INTR)
+            continue;
+        if (n <= 0)
+            goto fail;
+        sent += n;
+    }
+    if (f_shutdown_write(fd) < 0)
+        goto fail;
+    return fd;
+fail:
+    f_close(fd);
+    return -1;
+}
+
+/* envp with SENT_FD_ENV naming `fd` (any inherited value dropped), or envp
+ * itself, fd closed, if that does not fit. */
+static char *const *with_sent_fd(char *const *envp, int fd)
+{
+    static char *env[4096 + 2];
+    static char var[sizeof(SENT_FD_ENV "=") + 24];
+    if (fd < 0)
+        return envp;
+    size_t k = 0, name = sizeof(SENT_FD_ENV "=") - 1;
+    for (char *const *e = envp; *e; e++) {
+        const char *v = *e;
+        size_t i = 0;
+        while (i < name && v[i] == (SENT_FD_ENV "=")[i])
+            i++;
+        if (i == name)
+            continue;
+        if (k == sizeof(env) / sizeof(env[0]) - 2) {
+            f_close(fd);
+            return envp;
+        }
+        env[k++] = *e;
+    }
+    memcpy(var, SENT_FD_ENV "=", name);
+    var[name + put_decimal(var + name, (unsigned long)fd)] = '\0';
+    env[k++] = var;
+    env[k] = NULL;
+    return env;
+}
+
 static _Noreturn void front_main(int argc, char **argv, char *const *envp)
 {
     struct runc_globals g = {0};
@@ -344,10 +535,10 @@ static _Noreturn void front_main(int argc, char **argv, char *const *envp)
     if (g.version)
         exec_gpu_shim(argv, envp);
     if (argv[cmd] && (rr_streq(argv[cmd], "create") || rr_streq(argv[cmd], "run"))) {
-        const char *bundle = ".", *id = NULL;
-        parse_create(argv + cmd + 1, &bundle, &id, NULL);
+        const char *bundle = ".", *id = NULL, *pid_file = NULL;
+        parse_create(argv + cmd + 1, &bundle, &id, &pid_file);
         if (scan_config(bundle) == CONFIG_MAY_ASK)
-            exec_gpu_shim(argv, envp);
+            exec_gpu_shim(argv, with_sent_fd(envp, send_prepare(argv[cmd], bundle, id, pid_file, envp)));
     }
     const char *runtime = env_value(envp, "CGPU_REAL_RUNTIME");
     exec_runtime(runtime && *runtime ? runtime : "runc", argv, envp);

@@ -32,6 +32,12 @@ static const char *const CREATE_VALUED[] = {"bundle", "b", "console-socket", "pi
 
 enum config_kind { CONFIG_UNREADABLE, CONFIG_PLAIN, CONFIG_MAY_ASK };
 
+#define SHIM_BINDS "shim-binds" /* relay.py SHIM_BINDS */
+/* The front's prepare request, already sent (see prepare_request): the
+ * connected socket's number, for the shim proper to read the answer on. */
+#define SENT_FD_ENV "CGPU_RUNTIME_SENT_FD"
+
+
 /* The global flags cgpu-runtime reads itself (pointers into argv). */
 struct runc_globals {
     const char *log;
@@ -212,6 +218,35 @@ static inline enum config_kind scan_config_reads(int fd, char *buf, long (*read_
         for (size_t i = 0; i < keep; i++) /* forward: the source lies after the target */
             buf[i] = buf[have - keep + i];
     }
+}
+
+/* An id cgpu-runtime sends to cgpud: 1 to CGPU_CONTAINER_ID_MAX printable
+ * ASCII characters, no space. */
+static inline int valid_container_id(const char *id)
+{
+    size_t n = 0;
+    for (; id[n]; n++)
+        if (id[n] <= ' ' || id[n] > '~')
+            return 0;
+    return n > 0 && n <= CGPU_CONTAINER_ID_MAX;
+}
+
+/* "prepare <id>[ shim-binds]\n<bundle>" (relay_wire.h) into buf, NUL-ended:
+ * the front sends it before it execs the shim proper, which sends it itself
+ * when the front could not; both build it here, so it is the same bytes.
+ * Its length, or -1 if it does not fit. */
+static inline long prepare_request(char *buf, size_t size, const char *id, const char *bundle, int shim_binds)
+{
+    const char *parts[] = {"prepare ", id, shim_binds ? " " SHIM_BINDS : "", "\n", bundle};
+    size_t o = 0;
+    for (size_t k = 0; k < sizeof(parts) / sizeof(parts[0]); k++)
+        for (const char *c = parts[k]; *c; c++) {
+            if (o + 1 >= size)
+                return -1;
+            buf[o++] = *c;
+        }
+    buf[o] = '\0';
+    return (long)o;
 }
 
 #endif

@@ -8,7 +8,9 @@ from __future__ import annotations
 import os
 import platform
 import shutil
+import socket
 import struct
+import subprocess
 import sys
 from pathlib import Path
 
@@ -142,3 +144,85 @@ def test_the_release_front_runs_without_libc_where_it_knows_how(native):
     # No PT_INTERP and no PT_DYNAMIC: nothing is loaded or relocated before it runs.
     loads_nothing = 3 not in kinds and 2 not in kinds
     assert loads_nothing == (platform.machine() in build_native.FREESTANDING_MACHINES)
+
+
+# --- the prepare request the front sends before the shim proper starts ----------------------------
+
+SENT_FD = "CGPU_RUNTIME_SENT_FD"  # runtime_rules.h SENT_FD_ENV
+
+
+def test_the_front_sends_the_prepare_request_before_the_gpu_shim_runs(bins, env, runtime, cgpud, tmp_path):
+    # No shim beside this front: whatever cgpud got, the front sent.
+    front = front_in(tmp_path / "alone", bins, None)
+    server = cgpud(None)
+    b = bundle(tmp_path)
+    link = tmp_path / "via-link"
+    link.symlink_to(b)
+    args = ["--root", str(tmp_path / "root"), "create", "--bundle", str(link), "--pid-file", "p", "c1"]
+    proc = run(front, args, env)
+    assert proc.returncode == 127 and "cannot run" in proc.stderr
+    # What the shim proper would send: the bundle as realpath(3) names it, shim-binds for create --pid-file.
+    assert server.requests == [b"prepare c1 shim-binds\n" + os.path.realpath(b).encode()]
+
+
+SHIM_SEES = """#!/bin/sh
+{{ printf '%s\\n' "${var}"; [ -S "/proc/$$/fd/${var}" ] && echo socket; }} > "$(dirname "$0")/seen"
+exit 42
+"""
+
+
+def test_the_gpu_shim_gets_the_connection_and_never_an_inherited_one(bins, env, runtime, cgpud, tmp_path):
+    front = front_in(tmp_path / "spied", bins, SHIM_SEES.format(var=SENT_FD))
+    server = cgpud(None)
+    proc = run(front, ["run", "--bundle", str(bundle(tmp_path)), "c1"], dict(env, **{SENT_FD: "999"}))
+    assert proc.returncode == 42, proc.stderr
+    fd, kind = (front.parent / "seen").read_text().split()
+    assert fd != "999" and int(fd) >= 3 and kind == "socket"
+    assert server.requests == [b"prepare c1\n" + str(tmp_path / "bundles" / "c1").encode()]
+
+
+def test_nothing_is_sent_ahead_for_a_start_the_shim_refuses(bins, env, runtime, cgpud, tmp_path):
+    front = front_in(tmp_path / "spied", bins, SHIM_SEES.format(var=SENT_FD))
+    server = cgpud(None)
+    b = bundle(tmp_path)
+    for args in (["create", "--bundle", str(b)], ["create", "--bundle", str(b), "bad id"],
+                 ["create", "--bundle", str(b), "x" * 1025]):
+        assert run(front, args, env).returncode == 42
+        assert (front.parent / "seen").read_text() == "\n"  # no variable, so no socket either
+    assert server.requests == []
+
+
+def shim_with_fd(bins: Path, env: dict[str, str], b: Path, fd: int) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run([str(bins / "cgpu-runtime-gpu"), "create", "--bundle", str(b), "c1"],
+                          env=dict(env, **{SENT_FD: str(fd)}), pass_fds=(fd,), capture_output=True, timeout=20)
+
+
+def test_the_gpu_shim_asks_itself_when_the_fd_it_is_told_of_is_no_connection_to_cgpud(
+        bins, env, runtime, cgpud, tmp_path):
+    server = cgpud(b"ok\n")
+    b = bundle(tmp_path)
+    other = tmp_path / "other.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(other))
+    listener.listen(1)
+    elsewhere = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    elsewhere.connect(str(other))
+    pair = socket.socketpair()
+    with open(b / "config.json", "rb") as file, listener, elsewhere, pair[0], pair[1]:
+        for fd in (file.fileno(), pair[0].fileno(), elsewhere.fileno()):
+            proc = shim_with_fd(bins, env, b, fd)
+            assert proc.returncode == 0, proc.stderr
+    assert server.requests == [b"prepare c1\n" + str(b).encode()] * 3
+    assert runtime.argv == ["create", "--bundle", str(b), "c1"]
+
+
+def test_the_real_runtime_inherits_neither_the_connection_nor_the_variable(bins, env, cgpud, tmp_path):
+    record = tmp_path / "runc-saw"
+    fake = tmp_path / "runc-recording"
+    fake.write_text(f"#!/bin/sh\n{{ env | grep {SENT_FD}; ls -l /proc/$$/fd | grep -c socket; }} > {record}\nexit 0\n")
+    fake.chmod(0o755)
+    server = cgpud(b"ok\n")
+    proc = run(bins / "cgpu-runtime", ["run", "--bundle", str(bundle(tmp_path)), "c1"],
+               dict(env, CGPU_REAL_RUNTIME=str(fake)))
+    assert proc.returncode == 0, proc.stderr
+    assert len(server.requests) == 1 and record.read_text() == "0\n"
