@@ -298,20 +298,24 @@ static long read_pid_file(const char *path)
 }
 
 /* Runs the real runtime and waits; returns its exit code (128+signal). A
- * shim killed meanwhile takes the runtime with it, as when it exec'd it. */
+ * shim killed meanwhile takes the runtime with it, as when it exec'd it.
+ * vfork: nothing to copy on the start path; the child only makes system
+ * calls until it execs or exits. */
 static int spawn_runtime(const char *runtime, char **argv)
 {
+    static const char cannot[] = PROG ": cannot run the real runtime (install runc or set CGPU_REAL_RUNTIME)\n";
     pid_t parent = getpid();
-    pid_t child = fork();
+    argv[0] = (char *)runtime;
+    pid_t child = vfork();
     if (child < 0)
         die(127, "cannot run %s: fork: %s", runtime, strerror(errno));
     if (child == 0) {
         prctl(PR_SET_PDEATHSIG, SIGKILL);
         if (getppid() != parent)
             _exit(127);
-        argv[0] = (char *)runtime;
         execvp(runtime, argv);
-        cgpu_relay_report(PROG, "cannot run the real runtime (install runc or set CGPU_REAL_RUNTIME)");
+        ssize_t said = write(2, cannot, sizeof(cannot) - 1);
+        (void)said;
         _exit(127);
     }
     int status;
