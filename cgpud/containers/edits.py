@@ -132,11 +132,15 @@ def _ours(mount: Any, destinations: set[str]) -> bool:
     return isinstance(mount, Mapping) and os.path.normpath(str(mount.get("destination", ""))) in destinations
 
 
-def apply_edits(spec: Mapping[str, Any], edits: ContainerEdits, files: RuntimeFiles) -> dict[str, Any]:
+def apply_edits(spec: Mapping[str, Any], edits: ContainerEdits, files: RuntimeFiles, *,
+                copy: bool = True) -> dict[str, Any]:
     """A new spec with the edits in. Idempotent: earlier cgpu edits (a
     retried create on the same bundle) are replaced, not repeated. Our
-    mounts go last so they cover anything the image or user mounted there."""
-    out = json.loads(json.dumps(spec))  # a deep copy: JSON in, JSON out, and faster than copy.deepcopy
+    mounts go last so they cover anything the image or user mounted there.
+    copy=False edits `spec` itself, for a caller that owns it (the start
+    path, which has just parsed it)."""
+    # A deep copy: JSON in, JSON out, and faster than copy.deepcopy.
+    out = spec if not copy and isinstance(spec, dict) else json.loads(json.dumps(spec))
     process = _member(out, "process", dict, "process")
     names = {k for k, _ in edits.env} | set(APP_ENV)
     env_in = _member(process, "env", list, "process.env")

@@ -9,7 +9,7 @@ tenant does not: containerd and dockerd use
 (`prepare <id>` + bundle) and the hooks (OCI state: `id`, `bundle`) both
 see it, so both derive the same key without anything new on the wire.
 
-Pure apart from resolving the bundle path (realpath): runc reports the
+Pure apart from resolving the bundle path (as realpath does): runc reports the
 bundle as its working directory, which may differ from the path the shim
 was given by symbolic links."""
 from __future__ import annotations
@@ -43,4 +43,21 @@ def container_key(container_id: str, bundle: str | Path) -> ContainerKey:
     text = os.fspath(bundle) if isinstance(bundle, (str, Path)) else None
     if not text or not text.startswith("/") or len(text) > MAX_BUNDLE or "\0" in text:
         raise UsageError(f"container {container_id}: bundle path {str(bundle)[:80]!r} is not an absolute path")
-    return ContainerKey(os.path.realpath(text), container_id)
+    return ContainerKey(_canonical(text), container_id)
+
+
+def _canonical(path: str) -> str:
+    """realpath(path): the kernel's name for the open path (three calls on
+    the start path, where os.path.realpath makes one per component); that
+    of os.path.realpath when it cannot be opened or has been removed."""
+    try:
+        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except OSError:
+        return os.path.realpath(path)
+    try:
+        name = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return os.path.realpath(path)
+    finally:
+        os.close(fd)
+    return name if name.startswith("/") and not name.endswith(" (deleted)") else os.path.realpath(path)

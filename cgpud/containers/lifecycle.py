@@ -81,7 +81,7 @@ class ContainerLifecycle:
             rootfs = rootfs_path(bundle, spec)
             check_targets(rootfs, targets)
             check_volumes(rootfs, spec.get("mounts", []), targets, ours={m.destination for m in edits.mounts})
-            write_spec(bundle, apply_edits(spec, edits, self._files))
+            write_spec(bundle, apply_edits(spec, edits, self._files, copy=False))
         except BaseException:
             if created:
                 self._service.release(instance.id)

@@ -32,7 +32,9 @@ class MountPoint:
 
 
 def _unescape(field: bytes) -> str:
-    return os.fsdecode(_ESCAPE.sub(lambda m: bytes([int(m.group(1), 8) & 0xFF]), field))
+    if b"\\" in field:
+        field = _ESCAPE.sub(lambda m: bytes([int(m.group(1), 8) & 0xFF]), field)
+    return os.fsdecode(field)
 
 
 def _escape(path: str) -> bytes:

@@ -337,12 +337,19 @@ def make_region_dir(directory: Path, tmpfs: bool = True) -> str | None:
     it is: running processes may hold its files."""
     directory = Path(directory)
     parent = directory.parent
-    parent.mkdir(mode=INSTANCES_MODE, parents=True, exist_ok=True)
-    if stat.S_IMODE(parent.stat().st_mode) != INSTANCES_MODE:
+    try:
+        parent_mode = os.stat(parent).st_mode  # on the start path: one call when all is in place
+    except FileNotFoundError:
+        parent.mkdir(mode=INSTANCES_MODE, parents=True, exist_ok=True)
+        parent_mode = os.stat(parent).st_mode
+    if stat.S_IMODE(parent_mode) != INSTANCES_MODE:
         os.chmod(parent, INSTANCES_MODE)
-    if directory.is_dir():
-        return None if directory.is_mount() else "created before, as a plain directory"
-    directory.mkdir(mode=DIR_MODE)
+    try:
+        os.mkdir(directory, DIR_MODE)
+    except FileExistsError:
+        if directory.is_dir():
+            return None if directory.is_mount() else "created before, as a plain directory"
+        raise
     rc = lib.cgpu_region_mount(str(directory).encode(), region_fs_bytes()) if tmpfs else -errno.ENOTSUP
     os.chmod(directory, DIR_MODE)  # the tmpfs root, or mkdir's mode narrowed by the umask
     return None if rc == 0 else f"cannot mount a tmpfs at {directory}: {os.strerror(-rc)}"

@@ -255,7 +255,8 @@ class InstanceService:
                     raise StateError(
                         f"instance {instance_id} is already used by container {current.holder or '?'}")
                 check(current)
-                instance = tx.set_state(instance_id, InstanceState.BOUND, pids=(pid,), holder=container)
+                instance = tx.set_state(instance_id, InstanceState.BOUND, pids=(pid,), holder=container,
+                                        current=current)
             self.changes.bump()
         if self._exits is not None:
             self._exits.watch(instance_id, pid)

@@ -306,18 +306,22 @@ class Transaction:
         owner_id: str | None = None,
         holder: str | None = None,
         expect: InstanceState | Iterable[InstanceState] | None = None,
+        current: Instance | None = None,
     ) -> Instance:
         """Move an instance along reserved -> bound -> released (or reserved ->
         released; bound -> bound updates pids; bound -> reserved hands a claimed
         instance back). `pids`, `owner_id` and `holder` replace
         the stored ones when given. `expect` makes it a compare-and-set: the
-        current state must be one of those. Returns the instance as stored."""
+        current state must be one of those. `current`: the instance as this
+        transaction read it already, which saves reading it again. Returns
+        the instance as stored."""
         db = self._db(write=True)
         try:
             new_state = InstanceState(new_state)
         except ValueError as e:
             raise UsageError(f"instance {instance_id}: {e}") from e
-        current = self.get(instance_id)
+        if current is None or current.id != instance_id:
+            current = self.get(instance_id)
         if new_state not in _TRANSITIONS[current.state]:
             raise _state_error(instance_id, current.state, new_state)
         if expect is not None:

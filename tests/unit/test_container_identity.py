@@ -47,6 +47,16 @@ def test_the_key_is_the_canonical_bundle_and_the_id(tmp_path: Path) -> None:
     (tmp_path / "via").symlink_to(tmp_path / "real")
     assert container_key("job", tmp_path / "via") == ContainerKey(str(tmp_path / "real"), "job")
     assert str(container_key("job", "/run/x/default/job")) == "job@/run/x/default/job"
+    # Opened or not, the name is realpath's: a link inside, a link to a
+    # bundle that is gone, a bundle removed since.
+    (tmp_path / "real" / "inner").mkdir()
+    (tmp_path / "real" / "up").symlink_to("inner/..")
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    (tmp_path / "removed").mkdir()
+    for path in (tmp_path / "via" / "up", tmp_path / "dangling" / "x", tmp_path / "removed"):
+        assert container_key("job", path).namespace == os.path.realpath(path)
+    (tmp_path / "removed").rmdir()
+    assert container_key("job", tmp_path / "removed").namespace == str(tmp_path / "removed")
     for bad_id, bad_bundle in (("", "/b"), ("a@b", "/b"), ("a/b", "/b"), ("job", "rel"), ("job", ""), ("job", 3)):
         with pytest.raises(UsageError):
             container_key(bad_id, bad_bundle)  # type: ignore[arg-type]
