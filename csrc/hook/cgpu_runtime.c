@@ -190,7 +190,9 @@ static int sent_prepare(const char *socket)
         strncmp(peer.sun_path, socket, len - offsetof(struct sockaddr_un, sun_path)) != 0 ||
         strlen(socket) != strnlen(peer.sun_path, len - offsetof(struct sockaddr_un, sun_path)))
         return -1;
-    fcntl((int)fd, F_SETFD, FD_CLOEXEC);
+    int flags = fcntl((int)fd, F_GETFL);
+    if (flags < 0 || fcntl((int)fd, F_SETFL, flags & ~O_NONBLOCK) < 0 || fcntl((int)fd, F_SETFD, FD_CLOEXEC) < 0)
+        return -1; /* the front opened it without waiting; the answer is waited for */
     return (int)fd;
 }
 

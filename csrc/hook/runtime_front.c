@@ -113,29 +113,14 @@ static _Noreturn void f_exit(int code)
 /* The generic Linux values, which x86-64 and aarch64 both use. */
 #define F_AF_UNIX 1
 #define F_SOCK_STREAM 1
-#define F_SOL_SOCKET 1
-#define F_SO_SNDTIMEO 21
+#define F_SOCK_NONBLOCK 04000 /* O_NONBLOCK */
 #define F_MSG_NOSIGNAL 0x4000
 #define F_SHUT_WR 1
 
-struct f_timeval {
-    long sec, usec;
-};
-
-/* A blocking stream socket, kept open across execve; every step bounded by
- * `timeout_s`. -errno on failure. */
-static int f_unix_socket(long timeout_s)
+/* A non-blocking unix stream socket, kept open across execve; -errno. */
+static int f_unix_socket(void)
 {
-    int fd = (int)sys6(__NR_socket, F_AF_UNIX, F_SOCK_STREAM, 0, 0, 0, 0);
-    if (fd < 0)
-        return fd;
-    struct f_timeval tv = {timeout_s, 0};
-    long rc = sys6(__NR_setsockopt, fd, F_SOL_SOCKET, F_SO_SNDTIMEO, (long)&tv, sizeof(tv), 0);
-    if (rc < 0) {
-        f_close(fd);
-        return (int)rc;
-    }
-    return fd;
+    return (int)sys6(__NR_socket, F_AF_UNIX, F_SOCK_STREAM | F_SOCK_NONBLOCK, 0, 0, 0, 0);
 }
 
 static int f_connect(int fd, const void *addr, size_t len)
@@ -205,7 +190,6 @@ int memcmp(const void *a, const void *b, size_t n)
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
-#include <sys/time.h>
 #include <unistd.h>
 
 #define E_NOENT ENOENT
@@ -266,18 +250,10 @@ static _Noreturn void f_exit(int code)
 
 #define F_AF_UNIX AF_UNIX
 
-static int f_unix_socket(long timeout_s)
+static int f_unix_socket(void)
 {
-    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
-    if (fd < 0)
-        return -errno;
-    struct timeval tv = {.tv_sec = timeout_s};
-    if (setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv)) < 0) {
-        int err = errno;
-        close(fd);
-        return -err;
-    }
-    return fd;
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK, 0);
+    return fd < 0 ? -errno : fd;
 }
 
 static int f_connect(int fd, const void *addr, size_t len)
@@ -457,7 +433,9 @@ struct f_sockaddr_un {
  * shim starts, which costs a glibc program about half a millisecond. The
  * connected socket, left open for the shim to read the answer on; -1 if
  * anything is off, and the shim then asks itself (and says why, and waits
- * for a restarting cgpud). */
+ * for a restarting cgpud). Nothing here waits: a connect that would (a
+ * wedged cgpud's full backlog) gives up, and the request, a few KiB, goes
+ * whole into a fresh socket's buffer or not at all. */
 static int send_prepare(const char *command, const char *bundle, const char *id, const char *pid_file,
                         char *const *envp)
 {
@@ -475,21 +453,17 @@ static int send_prepare(const char *command, const char *bundle, const char *id,
     if (len < 0 || path_len >= sizeof(addr.path))
         return -1;
     memcpy(addr.path, relay, path_len + 1);
-    int fd = f_unix_socket(CGPU_RELAY_TIMEOUT_S);
+    int fd = f_unix_socket();
     if (fd < 0)
         return -1;
     /* Below 3 it would stand for a closed stdio in the runtime. */
     if (fd < 3 || f_connect(fd, &addr, sizeof(addr)) < 0)
         goto fail;
-    for (long sent = 0; sent < len;) {
-        long n = f_send(fd, request + sent, (size_t)(len - sent));
-        if (n == -E_INTR)
-            continue;
-        if (n <= 0)
-            goto fail;
-        sent += n;
-    }
-    if (f_shutdown_write(fd) < 0)
+    long n;
+    do
+        n = f_send(fd, request, (size_t)len);
+    while (n == -E_INTR);
+    if (n != len || f_shutdown_write(fd) < 0)
         goto fail;
     return fd;
 fail:

@@ -226,3 +226,28 @@ def test_the_real_runtime_inherits_neither_the_connection_nor_the_variable(bins,
                dict(env, CGPU_REAL_RUNTIME=str(fake)))
     assert proc.returncode == 0, proc.stderr
     assert len(server.requests) == 1 and record.read_text() == "0\n"
+
+
+def test_a_cgpud_whose_backlog_is_full_does_not_hold_the_front(bins, env, runtime, sock_path, tmp_path):
+    # A wedged cgpud: listening, never accepting, its queue full. The front
+    # gives up at once, and the shim proper deals with it (and says so).
+    front = front_in(tmp_path / "spied", bins, SHIM_SEES.format(var=SENT_FD))
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(sock_path))
+    listener.listen(0)
+    queued = []
+    while True:
+        c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        c.setblocking(False)
+        try:
+            c.connect(str(sock_path))
+        except BlockingIOError:
+            c.close()
+            break
+        queued.append(c)
+    try:
+        proc = run(front, ["create", "--bundle", str(bundle(tmp_path)), "c1"], env)  # run() allows 20 s
+    finally:
+        for c in [*queued, listener]:
+            c.close()
+    assert proc.returncode == 42 and (front.parent / "seen").read_text() == "\n"
