@@ -9,7 +9,7 @@ from pathlib import Path
 
 from cgpud.cli.docker_config import DOCKER_CONFIG, parse_daemon_json
 from cgpud.daemon.config import DaemonConfig
-from cgpud.daemon.region import REGION_FS_FILE
+from cgpud.daemon.region import REGION_FS_FILE, SPARE_REGION
 from cgpud.errors import CgpuError
 
 CONTAINERD_DROPINS = Path("/etc/containerd/conf.d")
@@ -63,7 +63,7 @@ def _regions(regions: Path) -> Callable[[], str]:
             return "no instance region yet"
         except OSError as e:
             raise CgpuError(f"cannot read {regions / REGION_FS_FILE}: {e.strerror}") from e
-        dirs = [d for d in regions.iterdir() if d.is_dir()]
+        dirs = [d for d in regions.iterdir() if d.is_dir() and d.name != SPARE_REGION]
         plain = [d for d in dirs if not d.is_mount()]
         if how != "tmpfs" or plain:
             why = how.removeprefix("plain: ") if how != "tmpfs" else "created before cgpud could mount"

@@ -89,6 +89,11 @@ class ContainerLifecycle:
         self._log.info("prepared", container=str(key), id=instance.id, claimed=not created, hooks=hooks)
         return Prepared(instance)
 
+    def idle(self) -> None:
+        """What waits until the runtime has its answer: the next instance's
+        region, made ahead (InstanceService.refill_region_spare)."""
+        self._service.refill_region_spare()
+
     def hook(self, stage: str, instance_id: str, state_json: bytes,
              decided: Callable[[str], None] = lambda text: None, *, created: bool = False) -> str:
         """`decided`: see InstanceService.container_stopped (release only; a

@@ -184,3 +184,7 @@ class RelayServer:
                 reply(f"error cgpud failed on this request: {type(e).__name__}: {e}")
             except OSError:
                 pass
+        try:
+            self._lifecycle.idle()  # the runtime has read its line and goes on meanwhile
+        except Exception:
+            self._log.exception("work after the answer failed")

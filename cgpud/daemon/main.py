@@ -188,6 +188,7 @@ def run(config: settings.DaemonConfig) -> int:
     exits.start(service.init_exited, stop)
     stats = DaemonStats()
     stats.timed("reconcile", service.reconcile)
+    service.refill_region_spare()
     events = BypassEvents()
     bypass, close_bypass = _bypass_watchdog(config, service, gpus, events, stats)
     metrics = None
@@ -258,6 +259,7 @@ def run(config: settings.DaemonConfig) -> int:
     if metrics is not None:
         metrics.stop()
     service.stop_compute()
+    service.drop_region_spare()
     store.close()
     signals.close()
     return 0

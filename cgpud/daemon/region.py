@@ -46,6 +46,9 @@ DIR_MODE = 0o755  # it is the container's /run/cgpu; the instances directory abo
 INSTANCES_MODE = 0o700  # no host user but root reaches any region file
 # In the instances directory: how cgpud holds regions (read by `cgpuctl doctor`).
 REGION_FS_FILE = ".filesystem"
+# Also there: the region made ahead of the next instance (make_spare_region).
+# No instance id looks like it, so reconcile removes one a previous run left.
+SPARE_REGION = ".spare"
 LIMITS_MODE = 0o644  # read-only for everyone but cgpud; mounted read-only too
 USAGE_MODE = 0o666  # a container process of any uid must update its ledger
 GRANTS_MODE = 0o644  # only cgpud's scheduler opens or closes a gate
@@ -415,6 +418,53 @@ def write_region(directory: Path, limits: InstanceLimits, gated: bool = False, *
             write_atomic(grants, _new_grants(gated), GRANTS_MODE, durable=False)
     except OSError as e:
         raise RegionError(f"cannot write the region of instance {limits.instance_id} in {directory}: {e}") from e
+
+
+def make_spare_region(directory: Path, gated: bool, tmpfs: bool = True) -> str | None:
+    """A region made ahead of the instance that will have it, off the start
+    path: its own tmpfs (as make_region_dir, whose answer this is), a fresh
+    usage file and grants file. claim_spare_region gives it an instance's
+    name and limits. `directory` must not exist."""
+    plain = make_region_dir(directory, tmpfs)
+    try:
+        _create_new(directory / USAGE_FILE, _new_usage(), USAGE_MODE, preallocate=True)
+        _create_new(directory / GRANTS_FILE, _new_grants(gated), GRANTS_MODE)
+    except OSError as e:
+        raise RegionError(f"cannot make a spare region in {directory}: {e}") from e
+    return plain
+
+
+def claim_spare_region(spare: Path, directory: Path, limits: InstanceLimits, mounted: bool) -> bool:
+    """Moves a spare region (make_spare_region; `mounted`: it is a tmpfs) to
+    `directory`, which must not exist, and publishes `limits` in it: a
+    mkdir, a move and one file, where a new region takes a mount and three
+    files. False if the spare could not be moved, with nothing changed.
+    Once moved, `spare` is an empty directory or gone."""
+    try:
+        os.mkdir(directory, DIR_MODE)
+    except OSError:
+        return False
+    if mounted:
+        moved = lib.cgpu_region_move(str(spare).encode(), str(directory).encode()) == 0
+    else:
+        moved = _rename_over(spare, directory)
+    if not moved:
+        os.rmdir(directory)
+        return False
+    try:
+        _create_new(directory / LIMITS_FILE, _encode_limits(limits), LIMITS_MODE)
+    except OSError as e:
+        raise RegionError(f"cannot write the region of instance {limits.instance_id} in {directory}: {e}") from e
+    return True
+
+
+def _rename_over(plain: Path, empty: Path) -> bool:
+    # A plain spare (no tmpfs), renamed over the empty directory just made.
+    try:
+        os.rename(plain, empty)
+    except OSError:
+        return False
+    return True
 
 
 def grants_problem(directory: Path) -> str | None:

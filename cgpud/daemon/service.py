@@ -40,8 +40,9 @@ from cgpud.daemon.compute_policy import (decode_compute_policies, encode_compute
                                          with_compute_policy)
 from cgpud.daemon.exits import ExitWatch
 from cgpud.daemon.region import (INSTANCES_MODE, REGION_FS_FILE, USAGE_FILE, DeviceLimit, InstanceLimits,
-                                 RegionError, UsageRegion, grants_problem, make_region_dir, read_limits,
-                                 remove_region_dir, repair_usage, usage_problem, write_region)
+                                 SPARE_REGION, RegionError, UsageRegion, claim_spare_region, grants_problem, make_region_dir,
+                                 make_spare_region, read_limits, remove_region_dir, repair_usage, usage_problem,
+                                 write_region)
 from cgpud.daemon.store import Store, new_instance_id
 from cgpud.errors import AdmissionError, CgpuError, NotFoundError, StateError, UsageError
 
@@ -109,6 +110,9 @@ class InstanceService:
         # init_exited() when it is gone (None: only the sweep notices).
         self._exits = exits
         self._region_fs_noted = False  # the first region directory of this run says how they are held
+        # The spare region's grants gated (for a scheduler) or not; None: no spare ready.
+        self._spare: bool | None = None
+        self._spare_mounted = False
         if compute is not None:
             compute.configure(self._policy)
 
@@ -602,9 +606,43 @@ class InstanceService:
                                     instance.priority) for g in instance.grants)
         return InstanceLimits(instance.id, devices, compute_policy=int(self._policy.compute_policy))
 
+    def refill_region_spare(self) -> None:
+        """Makes the region of the next instance ahead of it, off the start
+        path: the relay calls this once it has answered, main once the
+        regions are reconciled. A no-op when a spare is ready for the
+        scheduler as it is now, or when the node enforces nothing."""
+        with self._lock:
+            gated = self._compute is not None
+            if self._spare == gated or self._policy.mode not in ENFORCED_MODES:
+                return
+            spare = self._regions / SPARE_REGION
+            self._spare = None
+            try:
+                remove_region_dir(spare)  # what a claim left, or one for another scheduler
+                plain = make_spare_region(spare, gated, self._tmpfs_regions)
+            except (RegionError, OSError) as e:
+                self._log.warning("no spare region: the next instance makes its own", error=str(e))
+                return
+            self._note_region_fs(plain)
+            self._spare, self._spare_mounted = gated, plain is None
+
+    def drop_region_spare(self) -> None:
+        """At stop: no tmpfs of cgpud's outlives it unless an instance holds it."""
+        with self._lock:
+            self._spare = None
+            try:
+                remove_region_dir(self._regions / SPARE_REGION)
+            except RegionError as e:
+                self._log.warning("spare region left behind", error=str(e))
+
     def _write_region(self, instance: Instance) -> None:
         if instance.enforced:
             region = self.region_dir(instance.id)
+            if self._spare is not None and self._spare == (self._compute is not None):
+                self._spare = None  # taken or spoilt: the next refill makes another
+                if claim_spare_region(self._regions / SPARE_REGION, region, self._limits(instance),
+                                      self._spare_mounted):
+                    return
             fresh = not region.is_dir()
             if fresh:
                 self._note_region_fs(make_region_dir(region, self._tmpfs_regions))

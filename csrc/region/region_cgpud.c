@@ -29,3 +29,8 @@ int cgpu_region_unmount(const char *dir)
 {
     return umount2(dir, MNT_DETACH | UMOUNT_NOFOLLOW) == 0 ? 0 : -errno;
 }
+
+int cgpu_region_move(const char *from, const char *to)
+{
+    return mount(from, to, NULL, MS_MOVE, NULL) == 0 ? 0 : -errno;
+}

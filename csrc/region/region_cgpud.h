@@ -14,5 +14,8 @@ int cgpu_region_mount(const char *dir, uint64_t bytes);
 /* Detaches the mount at `dir` lazily: containers may still hold bind mounts
  * of its files. 0, or -errno. */
 int cgpu_region_unmount(const char *dir);
+/* Moves the mount at `from` (a region made ahead of its instance) to `to`,
+ * an empty directory; `from` is left an empty directory. 0, or -errno. */
+int cgpu_region_move(const char *from, const char *to);
 
 #endif

@@ -5,13 +5,16 @@ runs no cgpu hook. Real runc, a real cgpud; the hook path (no --pid-file,
 `run`, an engine without the shim) still binds and releases."""
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import subprocess
 import time
 from collections.abc import Iterator
 
 import pytest
 
+from cgpud.daemon.region import SPARE_REGION
 from cgpud.native import native_path
 from tests.daemonproc import BIN, Daemon, running_daemon
 from tests.e2e.oci import Host, create, runc, runtime_env, shim_container
@@ -118,6 +121,31 @@ def test_a_delete_by_plain_runc_is_swept(tmp_path, host: Host, cgpud: Daemon) ->
     # shim (the container is gone) only repeats a release, and succeeds as runc's does.
     again = runc(host, "delete", cid, shim=True, relay=cgpud.relay)
     assert again.returncode == runc(host, "delete", cid).returncode
+
+
+def test_the_container_gets_the_region_cgpud_made_ahead_and_none_outlives_cgpud(tmp_path, host: Host,
+                                                                                gpu_env) -> None:
+    (tmp_path / "d").mkdir()
+    with running_daemon(tmp_path / "d", gpu_env) as d:
+        spare = d.state / "instances" / SPARE_REGION
+        assert os.path.ismount(spare)  # made once cgpud reconciled, before any start
+        spare_fs = os.stat(spare).st_dev
+        b = host.bundle(tmp_path / "b", ["sleep", "60"], GPU)
+        cid = host.new_id()
+        code, log = create(host, b, cid, d.relay, pid_file=tmp_path / "init.pid")
+        assert code == 0, log
+        try:
+            [inst] = instances(d)
+            region = d.state / "instances" / inst["id"]
+            assert os.path.ismount(region) and os.stat(region).st_dev == spare_fs
+            # The container sees the limits written into it at the prepare.
+            seen = runc(host, "exec", cid, "/bin/busybox", "sha256sum", "/run/cgpu/limits")
+            assert seen.returncode == 0, seen.stderr
+            assert seen.stdout.split()[0] == hashlib.sha256((region / "limits").read_bytes()).hexdigest()
+            assert os.path.ismount(spare) and os.stat(spare).st_dev != spare_fs  # made again after the answer
+        finally:
+            runc(host, "delete", "--force", cid, shim=True, relay=d.relay)
+    assert not spare.exists()  # cgpud stopped: its spare went with it
 
 
 def test_a_non_gpu_container_never_asks_cgpud(tmp_path, host: Host) -> None:
