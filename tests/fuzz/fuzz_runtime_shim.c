@@ -133,9 +133,18 @@ static void fuzz_args(struct fuzz_reader *r)
         CHECK(!pid_file || within(pid_file, argv + cmd + 1, argc - cmd - 1));
         CHECK(strcmp(bundle, ".") == 0 || within(bundle, argv + cmd + 1, argc - cmd - 1));
         CHECK(!id || within(id, argv + cmd + 1, argc - cmd - 1));
-        if (id && valid_id(id))
+        if (id && valid_container_id(id)) {
             for (const char *c = id; *c; c++)
                 CHECK(*c > ' ' && *c <= '~');
+            /* The request the front and the shim both build: whole, or -1 when it does not fit. */
+            static char request[CGPU_CONTAINER_ID_MAX + 64];
+            size_t size = 1 + strlen(bundle) % sizeof(request);
+            long len = prepare_request(request, size, id, bundle, pid_file != NULL);
+            size_t want = strlen("prepare ") + strlen(id) + (pid_file ? strlen(" " SHIM_BINDS) : 0) + 1 + strlen(bundle);
+            CHECK(len == (want < size ? (long)want : -1));
+            CHECK(len < 0 || (strncmp(request, "prepare ", 8) == 0 && strlen(request) == want &&
+                              strcmp(request + want - strlen(bundle), bundle) == 0 && request[want - strlen(bundle) - 1] == '\n'));
+        }
     }
     free(a.copy);
 }
