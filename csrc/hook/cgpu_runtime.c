@@ -186,9 +186,12 @@ static int sent_prepare(const char *socket)
     socklen_t len = sizeof(peer);
     if (bad || fstat((int)fd, &st) < 0 || !S_ISSOCK(st.st_mode) ||
         getpeername((int)fd, (struct sockaddr *)&peer, &len) < 0 || peer.sun_family != AF_UNIX ||
-        len <= offsetof(struct sockaddr_un, sun_path) ||
-        strncmp(peer.sun_path, socket, len - offsetof(struct sockaddr_un, sun_path)) != 0 ||
-        strlen(socket) != strnlen(peer.sun_path, len - offsetof(struct sockaddr_un, sun_path)))
+        len < offsetof(struct sockaddr_un, sun_path))
+        return -1;
+    /* The address cgpud bound: its socket path, which may fill sun_path without a NUL. */
+    size_t room = (len < sizeof(peer) ? len : sizeof(peer)) - offsetof(struct sockaddr_un, sun_path);
+    size_t n = strnlen(peer.sun_path, room);
+    if (n != strlen(socket) || memcmp(peer.sun_path, socket, n) != 0)
         return -1;
     int flags = fcntl((int)fd, F_GETFL);
     if (flags < 0 || fcntl((int)fd, F_SETFL, flags & ~O_NONBLOCK) < 0 || fcntl((int)fd, F_SETFD, FD_CLOEXEC) < 0)
