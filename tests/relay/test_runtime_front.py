@@ -12,6 +12,7 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from tests.fuzz.py_bundle import shim_may_ask
@@ -151,6 +152,15 @@ def test_the_release_front_runs_without_libc_where_it_knows_how(native):
 SENT_FD = "CGPU_RUNTIME_SENT_FD"  # runtime_rules.h SENT_FD_ENV
 
 
+def recorded(server) -> None:
+    """Waits (10 s at most) for the server's thread to record a request: it
+    does once it has read it to the end, which may come after the process
+    that sent it has exited and nobody waited for an answer."""
+    deadline = time.monotonic() + 10
+    while not server.requests and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def test_the_front_sends_the_prepare_request_before_the_gpu_shim_runs(bins, env, runtime, cgpud, tmp_path):
     # No shim beside this front: whatever cgpud got, the front sent.
     front = front_in(tmp_path / "alone", bins, None)
@@ -161,6 +171,7 @@ def test_the_front_sends_the_prepare_request_before_the_gpu_shim_runs(bins, env,
     args = ["--root", str(tmp_path / "root"), "create", "--bundle", str(link), "--pid-file", "p", "c1"]
     proc = run(front, args, env)
     assert proc.returncode == 127 and "cannot run" in proc.stderr
+    recorded(server)
     # What the shim proper would send: the bundle as realpath(3) names it, shim-binds for create --pid-file.
     assert server.requests == [b"prepare c1 shim-binds\n" + os.path.realpath(b).encode()]
 
@@ -178,6 +189,7 @@ def test_the_gpu_shim_gets_the_connection_and_never_an_inherited_one(bins, env, 
     assert proc.returncode == 42, proc.stderr
     fd, kind = (front.parent / "seen").read_text().split()
     assert fd != "999" and int(fd) >= 3 and kind == "socket"
+    recorded(server)
     assert server.requests == [b"prepare c1\n" + str(tmp_path / "bundles" / "c1").encode()]
 
 
