@@ -612,7 +612,7 @@ class InstanceService:
         regions are reconciled. A no-op when a spare is ready for the
         scheduler as it is now, or when the node enforces nothing."""
         with self._lock:
-            gated = self._compute is not None
+            gated = self._gated()
             if self._spare == gated or self._policy.mode not in ENFORCED_MODES:
                 return
             spare = self._regions / SPARE_REGION
@@ -638,7 +638,7 @@ class InstanceService:
     def _write_region(self, instance: Instance) -> None:
         if instance.enforced:
             region = self.region_dir(instance.id)
-            if self._spare is not None and self._spare == (self._compute is not None):
+            if self._spare is not None and self._spare == self._gated():
                 self._spare = None  # taken or spoilt: the next refill makes another
                 if claim_spare_region(self._regions / SPARE_REGION, region, self._limits(instance),
                                       self._spare_mounted):
@@ -646,7 +646,11 @@ class InstanceService:
             fresh = not region.is_dir()
             if fresh:
                 self._note_region_fs(make_region_dir(region, self._tmpfs_regions))
-            write_region(region, self._limits(instance), gated=self._compute is not None, fresh=fresh)
+            write_region(region, self._limits(instance), gated=self._gated(), fresh=fresh)
+
+    def _gated(self) -> bool:
+        # A region's gates start closed only where a scheduler will open them.
+        return self._compute is not None
 
     def _note_region_fs(self, plain: str | None) -> None:
         """Says once per run how regions are held; loudly if a tenant can

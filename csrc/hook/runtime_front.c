@@ -305,16 +305,21 @@ out:
     return kind;
 }
 
+/* The value of an environment entry "name=value", or NULL if it names another variable. */
+static const char *entry_value(const char *entry, const char *name)
+{
+    size_t i = 0;
+    while (name[i] && entry[i] == name[i])
+        i++;
+    return !name[i] && entry[i] == '=' ? entry + i + 1 : NULL;
+}
+
 static const char *env_value(char *const *envp, const char *name)
 {
-    size_t n = rr_strlen(name);
     for (; *envp; envp++) {
-        const char *e = *envp;
-        size_t i = 0;
-        while (i < n && e[i] == name[i])
-            i++;
-        if (i == n && e[n] == '=')
-            return e + n + 1;
+        const char *v = entry_value(*envp, name);
+        if (v)
+            return v;
     }
     return NULL;
 }
@@ -481,11 +486,7 @@ static char *const *with_sent_fd(char *const *envp, int fd)
         return envp;
     size_t k = 0, name = sizeof(SENT_FD_ENV "=") - 1;
     for (char *const *e = envp; *e; e++) {
-        const char *v = *e;
-        size_t i = 0;
-        while (i < name && v[i] == (SENT_FD_ENV "=")[i])
-            i++;
-        if (i == name)
+        if (entry_value(*e, SENT_FD_ENV))
             continue;
         if (k == sizeof(env) / sizeof(env[0]) - 2) {
             f_close(fd);
