@@ -32,7 +32,9 @@ random order within each round of one run:
                       after the timed part)
 
 A real cgpud (its own state dir and sockets, on one simulated 16 GiB GPU)
-serves the shim. Prints the median and p90 of each variant, the time added
+serves the shim. Prints the median and p90 of each variant, each step's
+median (create, start, the wait for the exit, delete) with what it added
+over plain runc, the time added
 at the median and at p90 against plain runc on the same request bundle, the
 targets (<= 1 ms non-GPU; <= 5 ms median and <= 10 ms p90 GPU), ratios and
 paired per-round differences, then checks that cgpud has no active
@@ -120,6 +122,10 @@ TARGETS = (
 )
 
 
+# The timed steps, each from the end of the one before: where an added millisecond lies.
+PHASES = ("create", "start", "exit", "delete")
+
+
 class BenchError(Exception):
     """The benchmark could not run; the message says what failed."""
 
@@ -169,6 +175,7 @@ class Variant:
     env: dict[str, str]
     argv0: str
     ms: list[float] = field(default_factory=list)
+    phases: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in PHASES})
     daemon: Daemon | None = None  # the cgpud it talks to, when not the run's own (--baseline-tree)
 
     def median(self) -> float:
@@ -314,8 +321,9 @@ def relay_release(relay: Path, instance: str, cid: str, bundle: Path) -> None:
         raise BenchError(f"cgpud's release of {instance} answered {answer!r}")
 
 
-def start_once(v: Variant, runc_root: Path, cid: str, work: Path, cgpud: Daemon) -> float:
-    """One create+start+exit+delete; returns wall ms. The container's stdio
+def start_once(v: Variant, runc_root: Path, cid: str, work: Path, cgpud: Daemon) -> tuple[float, list[float]]:
+    """One create+start+exit+delete; returns wall ms, and the ms of each of
+    PHASES (the pid file's read counts to `start`). The container's stdio
     goes to a file: runc create hands it to the container, which outlives
     the create, so a pipe would never reach EOF."""
     (v.bundle.path / "config.json").write_bytes(v.config)  # prepare rewrote it last time
@@ -335,19 +343,25 @@ def start_once(v: Variant, runc_root: Path, cid: str, work: Path, cgpud: Daemon)
     pid_file = work / f"{v.key}.pid"
     pid_file.unlink(missing_ok=True)
     t0 = time.perf_counter()
+    marks = []
     try:
         runtime(v, runc_root, "create", "--bundle", str(v.bundle.path), "--pid-file", str(pid_file), cid, log=log)
+        marks.append(time.perf_counter())
         pid = int(pid_file.read_text())
         runtime(v, runc_root, "start", cid, log=log)
+        marks.append(time.perf_counter())
         _, status = os.waitpid(pid, 0)  # blocking: no polling
+        marks.append(time.perf_counter())
         runtime(v, runc_root, "delete", cid, log=log)
+        marks.append(time.perf_counter())
     except BaseException:
         # Leave no container behind (through the same runtime, so a GPU
         # container's poststop hook still releases its instance).
         subprocess.run([v.argv0, "--root", str(runc_root), "delete", "--force", cid], env=v.env,
                        stdin=subprocess.DEVNULL, capture_output=True, timeout=RUN_TIMEOUT_S, check=False)
         raise
-    ms = (time.perf_counter() - t0) * 1e3
+    ms = (marks[-1] - t0) * 1e3
+    phases = [(b - a) * 1e3 for a, b in zip([t0, *marks], marks)]
     if v.key == HOOK_FLOOR and instance is not None:  # no cgpu-hook bound it, so no exit releases it: here, untimed
         relay_release(cgpud.relay, instance, cid, v.bundle.path)
     if os.waitstatus_to_exitcode(status) != 0:
@@ -360,7 +374,7 @@ def start_once(v: Variant, runc_root: Path, cid: str, work: Path, cgpud: Daemon)
     if v.key != FLOOR and v.shim and v.gpu and (config == v.config or b"cgpu-hook" in config):
         raise BenchError(f"{v.label}: the shim's prepare should rewrite config.json without hooks")
     reap_strays(cgpud)
-    return ms
+    return ms, phases
 
 
 def start_daemon(cgpud: Daemon) -> None:
@@ -398,6 +412,21 @@ def report(variants: dict[str, Variant], args: argparse.Namespace) -> None:
     print(f"Wall ms per create+start+wait+delete of `true`; {args.rounds} interleaved rounds after "
           f"{args.warmup} warm-up round(s)")
     print_table(head, rows)
+
+    print("\nEach step's median ms, and what it added over plain runc with the GPU bundle (paired, ~95% interval):")
+    base = variants["runc-gpu"]
+    phase_rows = []
+    for v in variants.values():
+        cells = []
+        for name in PHASES:
+            cell = f"{statistics.median(v.phases[name]):.2f}"
+            if v.gpu and v is not base:
+                paired = [y - x for x, y in zip(base.phases[name], v.phases[name])]
+                lo, hi = median_ci(paired)
+                cell += f" ({statistics.median(paired):+.2f} [{lo:+.2f}, {hi:+.2f}])"
+            cells.append(cell)
+        phase_rows.append((v.label, *cells))
+    print_table(("variant", *PHASES), phase_rows)
 
     print("\nEach round (ms):")
     for v in variants.values():
@@ -521,10 +550,12 @@ def main(argv: list[str]) -> int:
                 # the caches and cgpud busy), so each variant must follow
                 # every other as often, not always the same one.
                 for v in rng.sample(order, len(order)):
-                    ms = start_once(v, host.runc_root, f"bench-{os.getpid()}-{v.key}-{r + args.warmup}", work,
-                                    v.daemon or cgpud)
+                    ms, phases = start_once(v, host.runc_root, f"bench-{os.getpid()}-{v.key}-{r + args.warmup}",
+                                            work, v.daemon or cgpud)
                     if r >= 0:
                         v.ms.append(ms)
+                        for name, phase_ms in zip(PHASES, phases):
+                            v.phases[name].append(phase_ms)
                 if r >= 0 and (r + 1) % 25 == 0:
                     print(f"  round {r + 1}/{args.rounds}: "
                           + ", ".join(f"{v.key} {v.median():.1f}" for v in order) + " ms (medians so far)",
