@@ -55,6 +55,7 @@ Run from the repository root:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
@@ -199,9 +200,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1, help="seed of the per-round shuffle of the variants (1)")
     p.add_argument("--quick", action="store_true", help=f"a smoke run: {QUICK_ROUNDS} rounds, 1 warm-up round")
     p.add_argument("--bundles-on", choices=("tmpfs", "disk"), default="tmpfs",
-                   help="where the bundles, their rootfs and runc's state live: a tmpfs of the run's own (tmpfs, "
-                        "the default), as under /run where containerd, Docker and CRI-O keep them on a host; or the "
-                        "temp directory's filesystem (disk)")
+                   help="where the bundles, their rootfs, runc's state and cgpud's sockets live: tmpfs of the "
+                        "run's own (tmpfs, the default), as under /run where containerd, Docker and CRI-O keep them "
+                        "and cgpud its sockets (/run/cgpud) on a host; or the temp directory's filesystem (disk). "
+                        "cgpud's state directory stays on the temp directory's filesystem, as /var/lib/cgpud does")
     p.add_argument("--baseline-tree", type=Path, metavar="DIR",
                    help="another built checkout (a git worktree with its C parts built in place and the "
                         "generated gRPC modules; bench/README.md says how): its cgpud, shim and hook run beside "
@@ -221,11 +223,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 @contextmanager
 def run_directory(path: Path, kind: str) -> Iterator[Path]:
-    """Where the bundles and runc's state go. On a host that is /run, a
+    """Where the bundles and runc's state go, and cgpud's sockets (with the
+    shim's pending-bind files beside them). On a host that is /run, a
     tmpfs; these VMs have none there, and on their ext4 every rewrite of a
     file that already has data (cgpud's config.json, runc's state.json)
     waits for ext4 to allocate the new data's blocks (auto_da_alloc), about
-    0.2 ms a file, which no host pays."""
+    0.2 ms a file, and a file's creation or removal about 0.09 ms, which no
+    host pays there."""
     path.mkdir()
     if kind == "tmpfs":
         subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0700,size=512m", "cgpu-bench-run", str(path)],
@@ -488,8 +492,8 @@ def main(argv: list[str]) -> int:
     become_subreaper()
 
     print("command:", shlex.join([sys.executable, *sys.argv]), f"(cwd {Path.cwd()})")
-    with tempfile.TemporaryDirectory(prefix="cgpu-bench-start-") as tmp, run_directory(Path(tmp) / "run",
-                                                                                       args.bundles_on) as run:
+    with (tempfile.TemporaryDirectory(prefix="cgpu-bench-start-") as tmp,
+          run_directory(Path(tmp) / "run", args.bundles_on) as run, contextlib.ExitStack() as sockets):
         work = Path(tmp)
         gpu = work / "gpu"
         gpu.mkdir()
@@ -499,16 +503,20 @@ def main(argv: list[str]) -> int:
         host = Host(build_rootfs(run / "rootfs"), gpu, sim_env, run / "runc", default_spec())
         daemon_dir = work / "cgpud"
         daemon_dir.mkdir()
+        # Its sockets' directory (make_daemon's run/): /run/cgpud on a host, a tmpfs.
+        sockets.enter_context(run_directory(daemon_dir / "run", args.bundles_on))
         cgpud = make_daemon(daemon_dir, sim_env, "--sweep-interval", DAEMON_SWEEP_INTERVAL)
         start_daemon(cgpud)
         baseline = None
         if args.baseline_tree is not None:
             # The same cgpud entry point, importing the other checkout first.
             (work / "cgpud-baseline").mkdir()
+            sockets.enter_context(run_directory(work / "cgpud-baseline" / "run", args.bundles_on))
             baseline = make_daemon(work / "cgpud-baseline", dict(sim_env, PYTHONPATH=str(args.baseline_tree)),
                                    "--sweep-interval", DAEMON_SWEEP_INTERVAL)
             start_daemon(baseline)
-        instant = InstantRelay(work / "instant-relay.sock")
+        (run / "instant-relay").mkdir(mode=0o700)
+        instant = InstantRelay(run / "instant-relay" / "relay.sock")
         try:
             variants: dict[str, Variant] = {}
             for key, label, via_shim, wants_gpu, hooks in VARIANTS:
@@ -516,7 +524,7 @@ def main(argv: list[str]) -> int:
                 # leftovers; the two of a kind have the same config.json bytes.
                 env = (GPU_REQUEST,) if wants_gpu else ()
                 bundle = host.bundle(run / "bundles" / key, ["true"], env, gpu_device=wants_gpu)
-                relay = work / "instant-relay.sock" if key == FLOOR else cgpud.relay
+                relay = run / "instant-relay" / "relay.sock" if key == FLOOR else cgpud.relay
                 variants[key] = Variant(key, label, via_shim, wants_gpu, hooks, bundle,
                                         (bundle.path / "config.json").read_bytes(),
                                         runtime_env(relay, dict(os.environ)) if via_shim else dict(os.environ),
