@@ -96,8 +96,9 @@ class ContainerLifecycle:
 
     def hook(self, stage: str, instance_id: str, state_json: bytes,
              decided: Callable[[str], None] = lambda text: None, *, created: bool = False) -> str:
-        """`decided`: see InstanceService.container_stopped (release only; a
-        bind answers when its checks are done, since they can refuse it).
+        """`decided`: called with the answer once it is certain, before the
+        work that cannot change it (InstanceService.bind_container, after the
+        bind's checks; container_stopped).
         `created`: a bind after the runtime's create returned (the shim's),
         when the init has already moved into its root."""
         state = _parse_state(state_json)
@@ -108,7 +109,8 @@ class ContainerLifecycle:
                 raise UsageError(f"the {stage} state of container {key.id} has no init pid")
             try:
                 instance = self._service.bind_container(
-                    instance_id, str(key), pid, check=lambda current: self._check_placed(current, key, pid, created))
+                    instance_id, str(key), pid, check=lambda current: self._check_placed(current, key, pid, created),
+                    decided=decided)
             except UsageError:
                 # Refused by the placement check: the container does not start, so its own instance goes.
                 current = self._service.get(instance_id)

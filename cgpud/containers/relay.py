@@ -27,6 +27,8 @@ from cgpud.sockets import prepare_socket_directory, remove_stale_socket
 # connects and stalls holds the others up to this long. The relays send
 # their whole request right after connecting.
 READ_TIMEOUT = 2.0
+# The after-answer work's niceness: under the runtime's, a weight about a tenth of it.
+AFTER_ANSWER_NICE = 10
 # Verbs counted by name in metrics; anything else (a malformed request) is "other".
 _VERBS = ("prepare", "bind", "release", *(f"hook {stage}" for stage in (*BIND_STAGES, RELEASE_STAGE)))
 # The one flag of prepare: the shim binds after create and releases after
@@ -70,8 +72,9 @@ def answer_line(text: str) -> bytes:
 def handle(lifecycle: ContainerLifecycle, words: list[str], body: bytes,
            decided: Callable[[str], None] = lambda text: None) -> str:
     """One request to one answer text; raises CgpuError for the error line.
-    A release calls `decided(text)` with its answer before doing the work
-    (InstanceService.container_stopped), so the runtime need not wait for it."""
+    A bind or a release calls `decided(text)` with its answer before the
+    work that cannot change it (InstanceService.bind_container,
+    container_stopped), so the runtime need not wait for that."""
     match words:
         case ["prepare", container_id, *flags] if flags in ([], [SHIM_BINDS]):
             try:
@@ -84,7 +87,7 @@ def handle(lifecycle: ContainerLifecycle, words: list[str], body: bytes,
         # The shim's own bind (after create) and release (after delete): the
         # createRuntime and poststop hooks' work, with the same checks.
         case ["bind", instance_id]:
-            return lifecycle.hook(BIND_STAGE, instance_id, body, created=True)
+            return lifecycle.hook(BIND_STAGE, instance_id, body, decided, created=True)
         case ["release", instance_id]:
             return lifecycle.hook(RELEASE_STAGE, instance_id, body, decided)
         case _:
@@ -110,6 +113,9 @@ class RelayServer:
         self._path = Path(os.path.abspath(path))
         self._log = structlog.get_logger("cgpud.relay")
         self._server: socketserver.UnixStreamServer | None = None
+        self._after = threading.Event()  # set after each answer: work for the after thread
+        self._after_thread: threading.Thread | None = None
+        self._stopping = False
 
     def start(self) -> RelayServer:
         log = self._log
@@ -129,6 +135,8 @@ class RelayServer:
         finally:
             os.umask(old)
         self._server = server
+        self._after_thread = threading.Thread(target=self._work_after_answers, name="cgpud-relay-after", daemon=True)
+        self._after_thread.start()
         threading.Thread(target=server.serve_forever, name="cgpud-relay", daemon=True).start()
         log.info("serving", socket=str(self._path))
         return self
@@ -139,6 +147,11 @@ class RelayServer:
             self._server.server_close()
             self._path.unlink(missing_ok=True)
             self._server = None
+        if self._after_thread is not None:  # its last work done before the daemon drops the spare
+            self._stopping = True
+            self._after.set()
+            self._after_thread.join()
+            self._after_thread = None
 
     def _answer(self, conn: socket.socket) -> None:
         conn.settimeout(READ_TIMEOUT)
@@ -146,7 +159,7 @@ class RelayServer:
 
         def reply(line: str) -> None:
             nonlocal answered
-            if not answered:  # a release answers early, once (handle's `decided`)
+            if not answered:  # a bind or a release answers early, once (handle's `decided`)
                 answered = True
                 conn.sendall(answer_line(line))
 
@@ -167,8 +180,8 @@ class RelayServer:
                 text = handle(self._lifecycle, words, body, early)
             except Exception:
                 self._on_request(verb, "error")
-                if answered:  # the runtime already has its ok: the release failed after it
-                    self._log.exception("release failed after it was answered", verb=verb)
+                if answered:  # the runtime already has its ok: the work failed after it
+                    self._log.exception("request failed after it was answered", verb=verb)
                     return
                 raise
             self._on_request(verb, "OK")
@@ -184,7 +197,26 @@ class RelayServer:
                 reply(f"error cgpud failed on this request: {type(e).__name__}: {e}")
             except OSError:
                 pass
+        self._after.set()
+
+    def _work_after_answers(self) -> None:
+        """What the runtime need not wait for (ContainerLifecycle.idle), on a
+        thread of its own at a lower CPU priority: it runs while the runtime
+        it answered creates the container, and on a busy node it should yield
+        the CPU to that runtime rather than compete with it (nice is per
+        thread on Linux). It holds the instance lock only for moments
+        (InstanceService.refill_region_spare), so a start never waits long on
+        this thread while the kernel makes it wait."""
         try:
-            self._lifecycle.idle()  # the runtime has read its line and goes on meanwhile
-        except Exception:
-            self._log.exception("work after the answer failed")
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), AFTER_ANSWER_NICE)
+        except OSError as e:
+            self._log.warning("work after answers runs at the daemon's own priority", error=e.strerror)
+        while True:
+            self._after.wait()
+            if self._stopping:
+                return
+            self._after.clear()
+            try:
+                self._lifecycle.idle()
+            except Exception:
+                self._log.exception("work after the answer failed")

@@ -9,6 +9,9 @@ Create and release are idempotent for retries after a crash: the same owner
 gets the same active instance back, and releasing twice is no error."""
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -241,31 +244,68 @@ class InstanceService:
         return instance
 
     def bind_container(self, instance_id: str, container: str, pid: int,
-                       check: Callable[[Instance], None] = lambda instance: None) -> Instance:
+                       check: Callable[[Instance], None] = lambda instance: None,
+                       decided: Callable[[str], None] = lambda text: None) -> Instance:
         """Bind to a container's init process; `container` is its key
         (cgpud.containers.identity). A container's own instance only to that
         container; a reserved (claimed) one only while free, and it records
         who holds it. `check(instance)` runs once those pass, before the
-        bind, and refuses it by raising (nothing is changed then)."""
-        with self._lock:
-            # One transaction for the read, the check and the write: this is on the container start path.
-            with self._store.transaction() as tx:
-                current = tx.get(instance_id)
-                owner = current.owner
-                if owner.kind is OwnerKind.CONTAINER and owner.id != container:
-                    raise StateError(f"instance {instance_id} belongs to container {owner.id}, not {container}")
-                if (owner.kind is not OwnerKind.CONTAINER and current.state is InstanceState.BOUND
-                        and current.holder != container):
-                    raise StateError(
-                        f"instance {instance_id} is already used by container {current.holder or '?'}")
-                check(current)
-                instance = tx.set_state(instance_id, InstanceState.BOUND, pids=(pid,), holder=container,
-                                        current=current)
-            self.changes.bump()
-        if self._exits is not None:
-            self._exits.watch(instance_id, pid)
+        bind, and refuses it by raising (nothing is changed then).
+
+        `decided(text)` is called once the bind is certain, before its
+        write: the runtime goes on meanwhile, and the lock is held to the
+        end, so any request after the answer sees the instance bound. Should
+        the write fail after the answer, the init is killed (it has not run
+        the container's process yet: that waits for `start`) and a
+        container's own instance released, so nothing runs unaccounted."""
+        pidfd = _pidfd(pid)
+        try:
+            with self._lock:
+                answered = False
+                try:
+                    # One transaction for the read, the check and the write: this is on the container start path.
+                    with self._store.transaction() as tx:
+                        current = tx.get(instance_id)
+                        owner = current.owner
+                        if owner.kind is OwnerKind.CONTAINER and owner.id != container:
+                            raise StateError(
+                                f"instance {instance_id} belongs to container {owner.id}, not {container}")
+                        if (owner.kind is not OwnerKind.CONTAINER and current.state is InstanceState.BOUND
+                                and current.holder != container):
+                            raise StateError(
+                                f"instance {instance_id} is already used by container {current.holder or '?'}")
+                        check(current)
+                        decided(f"bound {instance_id}")
+                        answered = True
+                        instance = tx.set_state(instance_id, InstanceState.BOUND, pids=(pid,), holder=container,
+                                                current=current)
+                    self.changes.bump()
+                except BaseException:
+                    if answered:
+                        self._undo_answered_bind(instance_id, pid, pidfd)
+                    raise
+            if self._exits is not None:
+                self._exits.watch(instance_id, pid)
+        finally:
+            if pidfd is not None:
+                os.close(pidfd)
         self._log.info("bound", id=instance_id, container=container, pid=pid)
         return instance
+
+    def _undo_answered_bind(self, instance_id: str, pid: int, pidfd: int | None) -> None:
+        """The runtime was told `bound` but the bind was not written: the
+        init goes (through its pidfd, never a reused pid), and a container's
+        own instance with it."""
+        self._log.error("bind failed after it was answered: killing the container's init", id=instance_id, pid=pid)
+        if pidfd is not None:
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        try:
+            current = self._store.get(instance_id)
+            if current.owner.kind is OwnerKind.CONTAINER and current.active:
+                self._release_locked(instance_id)
+        except Exception:  # the store failing is why we are here: the sweep retries
+            self._log.exception("instance left for the sweep", id=instance_id)
 
     def _unwatch(self, instance_id: str) -> None:
         if self._exits is not None:  # released or handed back: its init no longer matters
@@ -610,21 +650,27 @@ class InstanceService:
         """Makes the region of the next instance ahead of it, off the start
         path: the relay calls this once it has answered, main once the
         regions are reconciled. A no-op when a spare is ready for the
-        scheduler as it is now, or when the node enforces nothing."""
+        scheduler as it is now, or when the node enforces nothing. One
+        caller at a time (the relay's after-answer thread, or main before
+        the relay starts). The region is made outside the instance lock: no
+        create takes the spare while `_spare` says none is ready, and the
+        relay's thread that calls this runs at a lower priority."""
         with self._lock:
             gated = self._gated()
             if self._spare == gated or self._policy.mode not in ENFORCED_MODES:
                 return
-            spare = self._regions / SPARE_REGION
             self._spare = None
-            try:
-                remove_region_dir(spare)  # what a claim left, or one for another scheduler
-                plain = make_spare_region(spare, gated, self._tmpfs_regions)
-            except (RegionError, OSError) as e:
-                self._log.warning("no spare region: the next instance makes its own", error=str(e))
-                return
+        spare = self._regions / SPARE_REGION
+        try:
+            remove_region_dir(spare)  # what a claim left, or one for another scheduler
+            plain = make_spare_region(spare, gated, self._tmpfs_regions)
+        except (RegionError, OSError) as e:
+            self._log.warning("no spare region: the next instance makes its own", error=str(e))
+            return
+        with self._lock:
             self._note_region_fs(plain)
-            self._spare, self._spare_mounted = gated, plain is None
+            if self._gated() == gated:  # else the next refill makes one for the scheduler as it is now
+                self._spare, self._spare_mounted = gated, plain is None
 
     def drop_region_spare(self) -> None:
         """At stop: no tmpfs of cgpud's outlives it unless an instance holds it."""
@@ -709,3 +755,12 @@ class InstanceService:
             except RegionError as e:  # counted as left, tried again at the next sweep
                 self._log.error("cannot remove orphan region", dir=str(d), error=str(e))
         return removed
+
+
+def _pidfd(pid: int) -> int | None:
+    """A pidfd on the init a bind names, or None if it is gone (the bind
+    goes on: the exit watch then releases at once)."""
+    try:
+        return os.pidfd_open(pid)
+    except OSError:
+        return None

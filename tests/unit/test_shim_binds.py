@@ -18,7 +18,7 @@ import structlog
 
 from cgpud.errors import StateError, UsageError
 from cgpud.containers.lifecycle import ContainerLifecycle
-from cgpud.containers.relay import RelayProtocolError, RelayServer, handle
+from cgpud.containers.relay import AFTER_ANSWER_NICE, RelayProtocolError, RelayServer, handle
 from cgpud.daemon.model import GIB, InstanceState, Owner, OwnerKind, Request
 from tests.unit.test_container_identity import bundle, lifecycle, state
 
@@ -147,18 +147,73 @@ def test_a_release_answers_before_its_work_and_holds_the_memory_until_done(tmp_p
     assert svc.get(iid).state.value == "released" and not svc.region_dir(iid).exists()
 
 
-def test_only_a_release_answers_early(tmp_path: Path, init: int) -> None:
+def test_a_bind_and_a_release_answer_early_and_refusals_at_the_end(tmp_path: Path, init: int) -> None:
     lc, svc = lifecycle(tmp_path)
     b = bundle(tmp_path / "b", GPU)
     early: list[str] = []
+    seen: dict[str, object] = {}
     iid = handle(lc, ["prepare", "job", "shim-binds"], str(b).encode(), early.append).split()[-1]
-    handle(lc, ["bind", iid], state("job", b, init), early.append)
+    assert early == []
+    # A bind for another container is refused by its checks: answered at the end.
+    with pytest.raises(StateError):
+        handle(lc, ["bind", iid], state("other", b, init), early.append)
+    assert early == []
+
+    def bind_decided(text: str) -> None:
+        early.append(text)
+        # A request sent the moment the runtime has its answer waits for the write, and sees it.
+        reader = threading.Thread(target=lambda: seen.setdefault("state after", svc.get(iid).state.value))
+        reader.start()
+        reader.join(0.3)
+        seen["waited"] = "yes" if reader.is_alive() else "no"
+        seen["reader"] = reader  # type: ignore[assignment]
+
+    handle(lc, ["bind", iid], state("job", b, init), bind_decided)
+    seen["reader"].join(10)  # type: ignore[attr-defined]
+    assert early == [f"bound {iid}"]
+    assert seen["waited"] == "yes" and seen["state after"] == "bound"
     assert "not" in handle(lc, ["release", iid], state("job", bundle(tmp_path / "o", GPU)), early.append)
-    assert early == []  # a refusal or a no-op is answered at the end, as before
+    assert early == [f"bound {iid}"]  # a refusal or a no-op is answered at the end, as before
     handle(lc, ["release", iid], state("job", b), early.append)
-    assert early == [f"released {iid}"]
+    assert early == [f"bound {iid}", f"released {iid}"]
     handle(lc, ["release", iid], state("job", b), early.append)  # a retried poststop: nothing left to do
-    assert early == [f"released {iid}"]
+    assert early == [f"bound {iid}", f"released {iid}"]
+
+
+def test_a_bind_whose_write_fails_after_its_answer_kills_the_init_and_frees_the_instance(
+        tmp_path: Path, init: int, monkeypatch) -> None:
+    """The runtime already has `ok bound`; the container must not then run
+    with an instance cgpud never recorded as bound."""
+    from cgpud.daemon import store as store_module
+    lc, svc = lifecycle(tmp_path)
+    b = bundle(tmp_path / "b", GPU)
+    iid = handle(lc, ["prepare", "job", "shim-binds"], str(b).encode()).split()[-1]
+    early: list[str] = []
+    real = store_module.Transaction.set_state
+
+    def failing(self, instance_id, new_state, **kw):
+        if new_state is InstanceState.BOUND:
+            raise StateError("disk full")
+        return real(self, instance_id, new_state, **kw)
+
+    monkeypatch.setattr(store_module.Transaction, "set_state", failing)
+    with pytest.raises(StateError, match="disk full"):
+        handle(lc, ["bind", iid], state("job", b, init), early.append)
+    assert early == [f"bound {iid}"]
+    deadline = time.monotonic() + 10
+    while _alive(init) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not _alive(init)
+    assert svc.get(iid).state is InstanceState.RELEASED
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie (the fixture reaps it only at the end)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def _ask(path: Path, request: bytes, *, read: bool = True) -> bytes:
@@ -198,6 +253,24 @@ def test_over_the_socket_a_release_answers_once_and_finishes_without_its_runtime
         monkeypatch.setattr(svc, "_release_locked", broken)
         with structlog.testing.capture_logs() as logs:
             assert _ask(relay_path, f"release {iid}\n".encode() + state(name, b)) == f"ok released {iid}\n".encode()
-        assert [e["event"] for e in logs if e["log_level"] == "error"] == ["release failed after it was answered"]
+        assert [e["event"] for e in logs if e["log_level"] == "error"] == ["request failed after it was answered"]
     finally:
         relay.stop()
+
+
+def test_the_work_after_answers_runs_at_a_lower_priority(tmp_path: Path) -> None:
+    lc, _ = lifecycle(tmp_path)
+    relay = RelayServer(lc, tmp_path / "relay.sock").start()
+    try:
+        [after] = [t for t in threading.enumerate() if t.name == "cgpud-relay-after"]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # the thread sets it first thing
+            with open(f"/proc/self/task/{after.native_id}/stat") as f:
+                nice = int(f.read().rsplit(")", 1)[1].split()[16])
+            if nice == AFTER_ANSWER_NICE:
+                break
+            time.sleep(0.01)
+        assert nice == AFTER_ANSWER_NICE > os.getpriority(os.PRIO_PROCESS, 0)
+    finally:
+        relay.stop()
+    assert not after.is_alive()

@@ -114,3 +114,36 @@ def test_a_spare_that_cannot_be_moved_leaves_the_create_to_make_its_own(tmp_path
     svc.refill_region_spare()
     assert os.path.ismount(spare)
     svc.drop_region_spare()
+
+
+def test_a_refill_holds_the_instance_lock_only_for_moments(tmp_path, monkeypatch):
+    """The relay makes the spare on a thread of lower priority: a create
+    meanwhile must not wait on the making (it makes its own region), and
+    the spare made then is not handed out half made."""
+    import threading
+
+    from cgpud.daemon import service as service_module
+    svc = service(tmp_path, tmpfs=False)
+    making, go_on = threading.Event(), threading.Event()
+    real = service_module.make_spare_region
+
+    def slow(*args: object, **kw: object) -> object:
+        making.set()
+        assert go_on.wait(10)
+        return real(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(service_module, "make_spare_region", slow)
+    refill = threading.Thread(target=svc.refill_region_spare)
+    refill.start()
+    assert making.wait(10)
+    done: list = []
+    creator = threading.Thread(target=lambda: done.append(svc.create(request("c1"))))
+    creator.start()
+    creator.join(5)
+    assert done, "the create waited for the refill's region"
+    assert_region_sound(svc, done[0].id, 4)
+    go_on.set()
+    refill.join(10)
+    second = svc.create(request("c2", gib=2))  # now the spare, whole
+    assert_region_sound(svc, second.id, 2)
+    assert not (tmp_path / "regions" / SPARE_REGION).exists()
