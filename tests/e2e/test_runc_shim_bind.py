@@ -81,6 +81,33 @@ def test_a_failed_bind_leaves_no_container_and_no_instance(tmp_path, host: Host,
     assert [i["state"] for i in instances(cgpud, all_=True)] == ["released"]
 
 
+def test_a_link_swapped_in_before_runc_mounts_fails_the_create_and_leaves_nothing(tmp_path, host: Host,
+                                                                                  cgpud: Daemon) -> None:
+    """A tenant's image racing the start, played by a runtime wrapper that
+    turns the rootfs's /run into a link after cgpud checked the bundle:
+    runc follows it inside the root, and only the shim's bind can tell. It
+    is refused before any process of the container runs: `create` fails
+    with cgpud's reason, and no container and no instance are left."""
+    b = host.bundle(tmp_path / "b", ["sleep", "60"], GPU)
+    swapper = tmp_path / "swapping-runc"
+    swapper.write_text(f"""#!/bin/sh
+case " $* " in *" create "*) rm -rf {b.rootfs}/run && mkdir -p {b.rootfs}/srv && ln -s /srv {b.rootfs}/run;; esac
+exec runc "$@"
+""")
+    swapper.chmod(0o755)
+    env = runtime_env(cgpud.relay)
+    env["CGPU_REAL_RUNTIME"] = str(swapper)
+    cid = host.new_id()
+    code, out = create(host, b, cid, cgpud.relay, pid_file=tmp_path / "init.pid", env=env)
+    try:
+        assert code == 1, out
+        assert "cgpu's mount at /run/cgpu is not in place" in out, out
+        assert cid not in listed_in_root(host)
+        assert instances(cgpud) == []
+    finally:
+        runc(host, "delete", "--force", cid)
+
+
 def test_a_failed_create_keeps_runcs_exit_code_and_frees_the_instance(tmp_path, host: Host, cgpud: Daemon) -> None:
     b = host.bundle(tmp_path / "b", ["/no/such/program"], GPU)
     cid = host.new_id()
