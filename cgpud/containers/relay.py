@@ -27,8 +27,6 @@ from cgpud.sockets import prepare_socket_directory, remove_stale_socket
 # connects and stalls holds the others up to this long. The relays send
 # their whole request right after connecting.
 READ_TIMEOUT = 2.0
-# The after-answer work's niceness: under the runtime's, a weight about a tenth of it.
-AFTER_ANSWER_NICE = 10
 # Verbs counted by name in metrics; anything else (a malformed request) is "other".
 _VERBS = ("prepare", "bind", "release", *(f"hook {stage}" for stage in (*BIND_STAGES, RELEASE_STAGE)))
 # The one flag of prepare: the shim binds after create and releases after
@@ -201,16 +199,10 @@ class RelayServer:
 
     def _work_after_answers(self) -> None:
         """What the runtime need not wait for (ContainerLifecycle.idle), on a
-        thread of its own at a lower CPU priority: it runs while the runtime
-        it answered creates the container, and on a busy node it should yield
-        the CPU to that runtime rather than compete with it (nice is per
-        thread on Linux). It holds the instance lock only for moments
-        (InstanceService.refill_region_spare), so a start never waits long on
-        this thread while the kernel makes it wait."""
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), AFTER_ANSWER_NICE)
-        except OSError as e:
-            self._log.warning("work after answers runs at the daemon's own priority", error=e.strerror)
+        thread of its own: the next request (another container's start, this
+        one's bind) is read and answered meanwhile, and the work takes the
+        instance lock only for moments (InstanceService.refill_region_spare).
+        Answers that come while it runs fold into one more round of it."""
         while True:
             self._after.wait()
             if self._stopping:

@@ -18,7 +18,7 @@ import structlog
 
 from cgpud.errors import StateError, UsageError
 from cgpud.containers.lifecycle import ContainerLifecycle
-from cgpud.containers.relay import AFTER_ANSWER_NICE, RelayProtocolError, RelayServer, handle
+from cgpud.containers.relay import RelayProtocolError, RelayServer, handle
 from cgpud.daemon.model import GIB, InstanceState, Owner, OwnerKind, Request
 from tests.unit.test_container_identity import bundle, lifecycle, state
 
@@ -258,19 +258,27 @@ def test_over_the_socket_a_release_answers_once_and_finishes_without_its_runtime
         relay.stop()
 
 
-def test_the_work_after_answers_runs_at_a_lower_priority(tmp_path: Path) -> None:
+def test_a_request_is_answered_while_the_work_after_an_earlier_answer_runs(tmp_path: Path, monkeypatch) -> None:
+    """The spare region made after an answer must not hold up the next
+    container's start: it runs on its own thread, beside the accepting one."""
     lc, _ = lifecycle(tmp_path)
-    relay = RelayServer(lc, tmp_path / "relay.sock").start()
+    busy, go_on = threading.Event(), threading.Event()
+
+    def slow_idle() -> None:
+        busy.set()
+        assert go_on.wait(10)
+
+    monkeypatch.setattr(lc, "idle", slow_idle)
+    relay_path = tmp_path / "relay.sock"
+    relay = RelayServer(lc, relay_path).start()
     try:
-        [after] = [t for t in threading.enumerate() if t.name == "cgpud-relay-after"]
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:  # the thread sets it first thing
-            with open(f"/proc/self/task/{after.native_id}/stat") as f:
-                nice = int(f.read().rsplit(")", 1)[1].split()[16])
-            if nice == AFTER_ANSWER_NICE:
-                break
-            time.sleep(0.01)
-        assert nice == AFTER_ANSWER_NICE > os.getpriority(os.PRIO_PROCESS, 0)
+        first = _ask(relay_path, f"prepare a shim-binds\n{bundle(tmp_path / 'a', GPU)}".encode())
+        assert first.startswith(b"ok instance ") and busy.wait(10)
+        began = time.monotonic()
+        second = _ask(relay_path, f"prepare b shim-binds\n{bundle(tmp_path / 'b', GPU)}".encode())
+        assert second.startswith(b"ok instance ") and not go_on.is_set()
+        assert time.monotonic() - began < 5
     finally:
+        go_on.set()
         relay.stop()
-    assert not after.is_alive()
+    assert not [t for t in threading.enumerate() if t.name == "cgpud-relay-after"]
