@@ -51,6 +51,9 @@ behind), 2 on a bad argument. Needs root, runc and busybox-static.
 
 Run from the repository root:
     .venv/bin/python -m bench.bench_container_start [--rounds 100] [--warmup 2] [--quick]
+        [--baseline-tree DIR] [--only KEY,...]
+`--only shim-gpu,shim-gpu-base` is a focused A/B of two builds' shim path
+(with plain runc beside): three variants, so twice the rounds in the time.
 """
 from __future__ import annotations
 
@@ -208,7 +211,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="another built checkout (a git worktree with its C parts built in place and the "
                         "generated gRPC modules; bench/README.md says how): its cgpud, shim and hook run beside "
                         "this tree's, as two more variants, and the report adds this tree minus that one, paired")
+    p.add_argument("--only", metavar="KEY[,KEY...]",
+                   help="only these variants, and plain runc with the GPU bundle that they are measured against: "
+                        "more rounds of the few that matter in the same time (keys as printed each round, "
+                        "e.g. shim-gpu,shim-gpu-base)")
     args = p.parse_args(argv)
+    keys = {k for k, *_ in VARIANTS} | {k for k, *_ in BASELINE_VARIANTS}
+    if args.only is not None:
+        args.only = {k.strip() for k in args.only.split(",") if k.strip()} | {"runc-gpu"}
+        if args.only - keys:
+            p.error(f"--only: no variant {', '.join(sorted(args.only - keys))}; the keys are {', '.join(sorted(keys))}")
+        if args.only & {k for k, *_ in BASELINE_VARIANTS} and args.baseline_tree is None:
+            p.error("--only: the *-base variants need --baseline-tree")
     if args.quick:
         args.rounds, args.warmup = QUICK_ROUNDS, 1
     if args.rounds < 1 or args.warmup < 0:
@@ -439,6 +453,8 @@ def report(variants: dict[str, Variant], args: argparse.Namespace) -> None:
     print("\nTargets (added at the median = shim median - plain runc median, same bundle; paired = the "
           "median of the per-round differences, with its ~95% interval):")
     for text, base, measured, limit, p90_limit in TARGETS:
+        if base not in variants or measured not in variants:
+            continue
         b, m = variants[base], variants[measured]
         added = m.median() - b.median()
         verdict = "PASS" if added <= limit else "FAIL"
@@ -455,22 +471,34 @@ def report(variants: dict[str, Variant], args: argparse.Namespace) -> None:
             verdict = "PASS" if added90 <= p90_limit else "FAIL"
             print(f"  {verdict:<5} {text}: {added90:+.2f} ms at p90 ({m.p90():.2f} vs {b.p90():.2f} ms), "
                   f"ratio {m.p90() / b.p90():.3f}x (target <= {p90_limit:g} ms)")
-    if "shim-gpu-base" in variants:
-        print("\nThis tree against --baseline-tree (paired medians of this tree minus that one, ~95% intervals):")
-        for text, theirs, ours in (("shim, GPU 2 GiB", "shim-gpu-base", "shim-gpu"),
-                                   ("runc + hooks (CDI), GPU 2 GiB", "hook-gpu-base", "hook-gpu")):
+    pairs = [(text, theirs, ours) for text, theirs, ours in
+             (("shim, GPU 2 GiB", "shim-gpu-base", "shim-gpu"),
+              ("runc + hooks (CDI), GPU 2 GiB", "hook-gpu-base", "hook-gpu"))
+             if theirs in variants and ours in variants]
+    if pairs:
+        print("\nThis tree against --baseline-tree (paired medians of this tree minus that one, ~95% intervals; "
+              "and each step's):")
+        for text, theirs, ours in pairs:
             paired = [b - a for a, b in zip(variants[theirs].ms, variants[ours].ms)]
             lo, hi = median_ci(paired)
+            steps = []
+            for name in PHASES:
+                step = [b - a for a, b in zip(variants[theirs].phases[name], variants[ours].phases[name])]
+                slo, shi = median_ci(step)
+                steps.append(f"{name} {statistics.median(step):+.2f} [{slo:+.2f}, {shi:+.2f}]")
             print(f"  {text}: {variants[ours].median() - variants[theirs].median():+.2f} ms at the median; "
-                  f"paired {statistics.median(paired):+.2f} ms [{lo:+.2f}, {hi:+.2f}]")
-    base, floor, full = variants["runc-gpu"], variants[FLOOR], variants["shim-gpu"]
-    hook_floor, hooks = variants[HOOK_FLOOR], variants["hook-gpu"]
-    print("\nWhere the added time goes (information; paired medians with their ~95% intervals):")
-    for text, x, y in (("shim: itself, against a relay doing nothing", base, floor),
-                       ("shim: cgpud's work (prepare, bind, the release at the exit) on top of that", floor, full),
-                       ("hooks: runc running a hook that does nothing (true)", base, hook_floor),
-                       ("hooks: cgpu-hook and cgpud's work (bind, the release at the exit) on top of that", hook_floor,
-                        hooks)):
+                  f"paired {statistics.median(paired):+.2f} ms [{lo:+.2f}, {hi:+.2f}]; {', '.join(steps)}")
+    parts = [(text, x, y) for text, x, y in
+             (("shim: itself, against a relay doing nothing", "runc-gpu", FLOOR),
+              ("shim: cgpud's work (prepare, bind, the release at the exit) on top of that", FLOOR, "shim-gpu"),
+              ("hooks: runc running a hook that does nothing (true)", "runc-gpu", HOOK_FLOOR),
+              ("hooks: cgpu-hook and cgpud's work (bind, the release at the exit) on top of that", HOOK_FLOOR,
+               "hook-gpu"))
+             if x in variants and y in variants]
+    if parts:
+        print("\nWhere the added time goes (information; paired medians with their ~95% intervals):")
+    for text, x_key, y_key in parts:
+        x, y = variants[x_key], variants[y_key]
         paired = [b - a for a, b in zip(x.ms, y.ms)]
         lo, hi = median_ci(paired)
         print(f"  {text}: {y.median() - x.median():+.2f} ms at the median; paired "
@@ -520,6 +548,8 @@ def main(argv: list[str]) -> int:
         try:
             variants: dict[str, Variant] = {}
             for key, label, via_shim, wants_gpu, hooks in VARIANTS:
+                if args.only is not None and key not in args.only:
+                    continue
                 # One bundle per variant, so a GPU start never sees another's
                 # leftovers; the two of a kind have the same config.json bytes.
                 env = (GPU_REQUEST,) if wants_gpu else ()
@@ -531,6 +561,8 @@ def main(argv: list[str]) -> int:
                                         str(shim) if via_shim else runc)
             if baseline is not None:
                 for key, label, via_shim, hooks in BASELINE_VARIANTS:
+                    if args.only is not None and key not in args.only:
+                        continue
                     bundle = host.bundle(run / "bundles" / key, ["true"], (GPU_REQUEST,), gpu_device=True)
                     variants[key] = Variant(
                         key, label, via_shim, True, hooks, bundle, (bundle.path / "config.json").read_bytes(),
@@ -574,15 +606,17 @@ def main(argv: list[str]) -> int:
             if left:
                 raise BenchError(f"cgpud still has {len(left)} active instance(s) after the run: "
                                  + ", ".join(f"{i.get('id')} ({i.get('state')})" for i in left))
-            gpu_starts = 3 * (args.rounds + args.warmup)
+            # The GPU starts through this cgpud: each releases one instance.
+            gpu_starts = len(variants.keys() & {"shim-gpu", "hook-gpu", HOOK_FLOOR}) * (args.rounds + args.warmup)
             released = [i for i in instances(cgpud, "--all") if i.get("state") == "released"]
             print(f"cgpud:   no active instance left; {len(released)} released "
                   f"(expected {gpu_starts}, one per GPU start through the shim or the hooks, real or doing nothing)")
             if len(released) != gpu_starts:
                 raise BenchError(f"expected {gpu_starts} released instances, cgpud lists {len(released)}")
             starts = args.rounds + args.warmup
-            if instant.asked != {"prepare": starts, "bind": starts, "release": 0}:
-                raise BenchError(f"the relay doing nothing was asked {instant.asked}, expected {starts} "
+            floor_starts = starts if FLOOR in variants else 0
+            if instant.asked != {"prepare": floor_starts, "bind": floor_starts, "release": 0}:
+                raise BenchError(f"the relay doing nothing was asked {instant.asked}, expected {floor_starts} "
                                  f"prepare and bind and no release: the shim did not take its GPU path")
         finally:
             instant.close()
