@@ -653,8 +653,8 @@ class InstanceService:
         scheduler as it is now, or when the node enforces nothing. One
         caller at a time (the relay's after-answer thread, or main before
         the relay starts). The region is made outside the instance lock: no
-        create takes the spare while `_spare` says none is ready, and the
-        relay's thread that calls this runs at a lower priority."""
+        create takes the spare while `_spare` says none is ready, and none
+        waits for the mount."""
         with self._lock:
             gated = self._gated()
             if self._spare == gated or self._policy.mode not in ENFORCED_MODES:
