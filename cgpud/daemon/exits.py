@@ -45,10 +45,11 @@ class ExitWatch:
         self._closed = False
         self._log = structlog.get_logger("cgpud.exits")
 
-    def watch(self, instance_id: str, pid: int) -> None:
-        """Watches `pid` for the instance, instead of any pid watched for it."""
+    def watch(self, instance_id: str, pid: int, pidfd: int | None = None) -> None:
+        """Watches `pid` for the instance, instead of any pid watched for it.
+        `pidfd`: one the caller already opened on `pid`; the watch owns it."""
         try:
-            fd: int | None = os.pidfd_open(pid)
+            fd: int | None = pidfd if pidfd is not None else os.pidfd_open(pid)
         except ProcessLookupError:
             fd = None
         except OSError as e:  # EMFILE and the like: the sweep still finds it gone

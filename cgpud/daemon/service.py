@@ -285,7 +285,8 @@ class InstanceService:
                         self._undo_answered_bind(instance_id, pid, pidfd)
                     raise
             if self._exits is not None:
-                self._exits.watch(instance_id, pid)
+                self._exits.watch(instance_id, pid, pidfd)  # the pidfd is the watch's now
+                pidfd = None
         finally:
             if pidfd is not None:
                 os.close(pidfd)
@@ -758,8 +759,9 @@ class InstanceService:
 
 
 def _pidfd(pid: int) -> int | None:
-    """A pidfd on the init a bind names, or None if it is gone (the bind
-    goes on: the exit watch then releases at once)."""
+    """A pidfd on the init a bind names (for an undo, then for the exit
+    watch), or None if it cannot be opened: the watch then tries itself and
+    says why, or releases at once if the init is gone."""
     try:
         return os.pidfd_open(pid)
     except OSError:
