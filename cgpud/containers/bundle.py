@@ -29,7 +29,8 @@ def spec_path(bundle: Path) -> Path:
 def read_spec(bundle: Path) -> dict[str, Any]:
     path = spec_path(bundle)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # O_NONBLOCK: opening a FIFO must not hold the relay (and every start behind it) until a writer comes.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as e:
         raise UsageError(f"cannot read {path}: {e.strerror}") from e
     with os.fdopen(fd, "rb") as f:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from cgpud.errors import UsageError
-from cgpud.containers.bundle import check_targets, check_volumes, read_spec, rootfs_path, write_spec
+from cgpud.containers.bundle import MAX_SPEC, check_targets, check_volumes, read_spec, rootfs_path, write_spec
 
 TARGETS = ["/run/cgpu", "/usr/local/cgpu/libcgpu.so", "/etc/ld.so.preload"]
 
@@ -78,6 +78,20 @@ def test_bad_specs(tmp_path: Path, text: str, message: str) -> None:
         read_spec(tmp_path)
     with pytest.raises(UsageError, match="root.path is missing"):
         rootfs_path(tmp_path, {})
+
+
+def test_a_spec_over_the_limit_is_refused_and_one_at_it_is_read(tmp_path: Path) -> None:
+    body = json.dumps({"root": {"path": "rootfs"}, "pad": ""})
+    at_limit = body[:-2] + " " * (MAX_SPEC - len(body)) + body[-2:]
+    (tmp_path / "config.json").write_text(at_limit)
+    assert read_spec(tmp_path)["root"] == {"path": "rootfs"}
+    (tmp_path / "config.json").write_text(at_limit + " ")
+    with pytest.raises(UsageError, match="config.json is larger than 8 MiB"):
+        read_spec(tmp_path)
+    os.unlink(tmp_path / "config.json")
+    os.mkfifo(tmp_path / "config.json")
+    with pytest.raises(UsageError, match="config.json is not a regular file"):
+        read_spec(tmp_path)
 
 
 # ---- volumes over the paths cgpu mounts at (check_volumes)
