@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from cgpud.atomicfile import write_atomic
+from cgpud.boundedread import read_at_most
 from cgpud.errors import UsageError
 
 MAX_SPEC = 8 << 20  # the shim reads at most this much too
@@ -33,11 +34,12 @@ def read_spec(bundle: Path) -> dict[str, Any]:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as e:
         raise UsageError(f"cannot read {path}: {e.strerror}") from e
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise UsageError(f"{path} is not a regular file")
-        data = f.read(MAX_SPEC + 1)
+        data = read_at_most(fd, MAX_SPEC)
+    finally:
+        os.close(fd)
     if len(data) > MAX_SPEC:
         raise UsageError(f"{path} is larger than {MAX_SPEC >> 20} MiB")
     try:

@@ -19,6 +19,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from cgpud.boundedread import read_at_most
 from cgpud.errors import UsageError
 
 MAX_MOUNTINFO = 16 << 20
@@ -68,8 +69,11 @@ def parse_mountinfo(data: bytes, under: str | None = None) -> list[MountPoint]:
 
 def read_mountinfo(pid: int, under: str | None = None) -> list[MountPoint]:
     try:
-        with open(f"/proc/{pid}/mountinfo", "rb") as f:
-            data = f.read(MAX_MOUNTINFO + 1)
+        fd = os.open(f"/proc/{pid}/mountinfo", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            data = read_at_most(fd, MAX_MOUNTINFO)
+        finally:
+            os.close(fd)
     except OSError as e:
         raise UsageError(f"cannot read the mounts of the container's init process {pid}: {e.strerror}") from e
     if len(data) > MAX_MOUNTINFO:

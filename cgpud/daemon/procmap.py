@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from cgpud.boundedread import read_at_most
 from cgpud.daemon.bypass_model import AllowRule, ProcessIdentity
 from cgpud.daemon.model import Instance
 from cgpud.daemon.watchdog_policy import allowed
@@ -56,17 +57,12 @@ def _read(path: str, limit: int, dir_fd: int | None = None) -> bytes | None:
     except OSError:
         return None
     try:
-        data = b""
-        while len(data) <= limit:
-            more = os.read(fd, limit + 1 - len(data))
-            if not more:
-                return data
-            data += more
-        return None
+        data = read_at_most(fd, limit)
     except OSError:
         return None
     finally:
         os.close(fd)
+    return data if len(data) <= limit else None
 
 
 def parse_stat(pid: int, text: bytes) -> ProcStat | None:

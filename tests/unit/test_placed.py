@@ -7,6 +7,7 @@ import os
 import pytest
 
 from cgpud.errors import UsageError
+import cgpud.containers.placed as placed_module
 from cgpud.containers.placed import MountPoint, check_placed, parse_mountinfo, read_mountinfo
 
 ROOT = "/b/root fs"
@@ -66,3 +67,15 @@ def test_in_place_passes_and_a_runtime_that_has_not_mounted_yet_is_not_checked()
 def test_a_mount_out_of_place_is_refused(mounts, message: str) -> None:
     with pytest.raises(UsageError, match=message):
         check_placed(placed(*mounts), ROOT, TARGETS)
+
+
+def test_a_mount_table_over_the_limit_is_refused_and_a_missing_process_named(monkeypatch) -> None:
+    with open("/proc/self/mountinfo", "rb") as f:
+        size = len(f.read())
+    monkeypatch.setattr(placed_module, "MAX_MOUNTINFO", size - 1)
+    with pytest.raises(UsageError, match="mount table of process .* is larger than"):
+        read_mountinfo(os.getpid())
+    monkeypatch.setattr(placed_module, "MAX_MOUNTINFO", size)
+    assert any(m.path == "/" for m in read_mountinfo(os.getpid()))
+    with pytest.raises(UsageError, match="cannot read the mounts of the container's init process"):
+        read_mountinfo(2 ** 22 + 1)  # above pid_max's ceiling: no such process
