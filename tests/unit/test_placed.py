@@ -70,12 +70,8 @@ def test_a_mount_out_of_place_is_refused(mounts, message: str) -> None:
 
 
 def test_a_mount_table_over_the_limit_is_refused_and_a_missing_process_named(monkeypatch) -> None:
-    with open("/proc/self/mountinfo", "rb") as f:
-        size = len(f.read())
-    monkeypatch.setattr(placed_module, "MAX_MOUNTINFO", size - 1)
+    monkeypatch.setattr(placed_module, "MAX_MOUNTINFO", 100)  # a mount table has more than one line
     with pytest.raises(UsageError, match="mount table of process .* is larger than"):
         read_mountinfo(os.getpid())
-    monkeypatch.setattr(placed_module, "MAX_MOUNTINFO", size)
-    assert any(m.path == "/" for m in read_mountinfo(os.getpid()))
     with pytest.raises(UsageError, match="cannot read the mounts of the container's init process"):
         read_mountinfo(2 ** 22 + 1)  # above pid_max's ceiling: no such process
