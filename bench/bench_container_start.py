@@ -237,13 +237,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 @contextmanager
 def run_directory(path: Path, kind: str) -> Iterator[Path]:
-    """Where the bundles and runc's state go, and cgpud's sockets (with the
-    shim's pending-bind files beside them). On a host that is /run, a
-    tmpfs; these VMs have none there, and on their ext4 every rewrite of a
-    file that already has data (cgpud's config.json, runc's state.json)
-    waits for ext4 to allocate the new data's blocks (auto_da_alloc), about
-    0.2 ms a file, and a file's creation or removal about 0.09 ms, which no
-    host pays there."""
+    """Where the bundles and runc's state go, and cgpud's sockets. On a
+    host that is /run, a tmpfs; these VMs have none there, and on their ext4
+    every rewrite of a file that already has data (cgpud's config.json,
+    runc's state.json) waits for ext4 to allocate the new data's blocks
+    (auto_da_alloc), about 0.2 ms a file, and a file's creation or removal
+    about 0.09 ms, which no host pays there."""
     path.mkdir()
     if kind == "tmpfs":
         subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0700,size=512m", "cgpu-bench-run", str(path)],

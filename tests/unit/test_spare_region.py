@@ -117,7 +117,7 @@ def test_a_spare_that_cannot_be_moved_leaves_the_create_to_make_its_own(tmp_path
 
 
 def test_a_refill_holds_the_instance_lock_only_for_moments(tmp_path, monkeypatch):
-    """The relay makes the spare on a thread of lower priority: a create
+    """The relay makes the spare on its after-answer thread: a create
     meanwhile must not wait on the making (it makes its own region), and
     the spare made then is not handed out half made."""
     import threading
