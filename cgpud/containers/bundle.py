@@ -27,19 +27,29 @@ def spec_path(bundle: Path) -> Path:
     return bundle / "config.json"
 
 
-def read_spec(bundle: Path) -> dict[str, Any]:
+def read_spec(bundle: Path, opened: int | None = None) -> dict[str, Any]:
+    """`opened`: the spec as an fd its caller opened (the shim's, whose
+    config.json path holds a FIFO by now); read from its start, not closed."""
     path = spec_path(bundle)
-    try:
-        # O_NONBLOCK: opening a FIFO must not hold the relay (and every start behind it) until a writer comes.
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError as e:
-        raise UsageError(f"cannot read {path}: {e.strerror}") from e
+    if opened is not None:
+        fd = opened
+    else:
+        try:
+            # O_NONBLOCK: opening a FIFO must not hold the relay (and every start behind it) until a writer comes.
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError as e:
+            raise UsageError(f"cannot read {path}: {e.strerror}") from e
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise UsageError(f"{path} is not a regular file")
+        if opened is not None:
+            os.lseek(fd, 0, os.SEEK_SET)
         data = read_at_most(fd, MAX_SPEC)
+    except OSError as e:
+        raise UsageError(f"cannot read {path}: {e.strerror}") from e
     finally:
-        os.close(fd)
+        if opened is None:
+            os.close(fd)
     if len(data) > MAX_SPEC:
         raise UsageError(f"{path} is larger than {MAX_SPEC >> 20} MiB")
     try:

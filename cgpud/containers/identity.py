@@ -43,6 +43,10 @@ def container_key(container_id: str, bundle: str | Path) -> ContainerKey:
     text = os.fspath(bundle) if isinstance(bundle, (str, Path)) else None
     if not text or not text.startswith("/") or len(text) > MAX_BUNDLE or "\0" in text:
         raise UsageError(f"container {container_id}: bundle path {str(bundle)[:80]!r} is not an absolute path")
+    try:
+        text.encode()  # it becomes the instance's owner, a TEXT column
+    except UnicodeEncodeError:
+        raise UsageError(f"container {container_id}: bundle path {text[:80]!r} is not valid UTF-8") from None
     return ContainerKey(_canonical(text), container_id)
 
 

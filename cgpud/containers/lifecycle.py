@@ -56,13 +56,17 @@ class ContainerLifecycle:
         self._trust_env = trust_env
         self._log = structlog.get_logger("cgpud.containers")
 
-    def prepare(self, container_id: str, bundle: Path, *, hooks: bool = True) -> Prepared:
+    def prepare(self, container_id: str, bundle: Path, *, hooks: bool = True, spec_fd: int | None = None) -> Prepared:
         """Read the bundle's request, admit it, write the edits. On any
         failure after admission the instance is released again, so a refused
         start leaves nothing behind. hooks=False: the runtime shim binds and
-        releases itself (bind/release requests), so no hook entry is written."""
+        releases itself (bind/release requests), so no hook entry is written.
+        spec_fd: the bundle's config.json as the shim opened it, before it
+        put a FIFO at its path (the edits are still written to the path)."""
         key = container_key(container_id, bundle)
-        spec = read_spec(bundle)
+        if spec_fd is not None and not os.path.isdir(bundle):  # the spec came open: the path was not walked
+            raise UsageError(f"bundle {bundle} is not a directory")
+        spec = read_spec(bundle, spec_fd)
         ask = read_request(spec, trust_env=self._trust_env, regions=self._service.regions)
         if ask is None:
             return Prepared(None)
@@ -86,7 +90,8 @@ class ContainerLifecycle:
             if created:
                 self._service.release(instance.id)
             raise
-        self._log.info("prepared", container=str(key), id=instance.id, claimed=not created, hooks=hooks)
+        self._log.info("prepared", container=str(key), id=instance.id, claimed=not created, hooks=hooks,
+                       spec_fd=spec_fd is not None)
         return Prepared(instance)
 
     def idle(self) -> None:

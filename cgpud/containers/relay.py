@@ -29,26 +29,38 @@ from cgpud.sockets import prepare_socket_directory, remove_stale_socket
 READ_TIMEOUT = 2.0
 # Verbs counted by name in metrics; anything else (a malformed request) is "other".
 _VERBS = ("prepare", "bind", "release", *(f"hook {stage}" for stage in (*BIND_STAGES, RELEASE_STAGE)))
-# The one flag of prepare: the shim binds after create and releases after
-# delete itself, so cgpud writes no hook entries.
+# The flags of prepare. shim-binds: the shim binds after create and releases
+# after delete itself, so cgpud writes no hook entries. spec-fd: the spec
+# comes as the request's one file descriptor (the shim has put a FIFO at
+# config.json for the runtime to wait on; relay_wire.h).
 SHIM_BINDS = "shim-binds"
+SPEC_FD = "spec-fd"
+_PREPARE_FLAGS = ([], [SHIM_BINDS], [SHIM_BINDS, SPEC_FD])
 
 
 class RelayProtocolError(UsageError):
     """The request does not follow the relay wire format."""
 
 
-def _read_request(conn: socket.socket) -> tuple[list[str], bytes]:
+def _read_request(conn: socket.socket, fds: list[int]) -> tuple[list[str], bytes]:
+    """The request's words and body; file descriptors passed with it are
+    appended to `fds` (the caller closes them; more than one is refused,
+    the kernel closing the rest)."""
     chunks: list[bytes] = []
     size = 0
+    too_many = False
     while True:
-        chunk = conn.recv(65536)
+        chunk, passed, flags, _ = socket.recv_fds(conn, 65536, 1)
+        fds.extend(passed)
+        too_many = too_many or bool(flags & socket.MSG_CTRUNC) or len(fds) > 1
         if not chunk:
             break
         chunks.append(chunk)
         size += len(chunk)
         if size > RELAY_MAX_REQUEST:
             raise RelayProtocolError(f"request larger than {RELAY_MAX_REQUEST} bytes")
+    if too_many:  # read to its end first, so the answer is not lost to a reset
+        raise RelayProtocolError("more than one file descriptor came with the request")
     data = b"".join(chunks)
     head, sep, body = data.partition(b"\n")
     if not sep:
@@ -68,18 +80,25 @@ def answer_line(text: str) -> bytes:
 
 
 def handle(lifecycle: ContainerLifecycle, words: list[str], body: bytes,
-           decided: Callable[[str], None] = lambda text: None) -> str:
+           decided: Callable[[str], None] = lambda text: None, fds: tuple[int, ...] = ()) -> str:
     """One request to one answer text; raises CgpuError for the error line.
     A bind or a release calls `decided(text)` with its answer before the
     work that cannot change it (InstanceService.bind_container,
-    container_stopped), so the runtime need not wait for that."""
+    container_stopped), so the runtime need not wait for that. `fds`: the
+    file descriptors that came with the request (only prepare spec-fd takes
+    one)."""
+    spec_fd = words[3:] == [SPEC_FD] and words[:1] == ["prepare"]
+    if len(fds) != spec_fd:
+        raise RelayProtocolError("prepare spec-fd came without the spec's file descriptor" if spec_fd
+                                 else "a file descriptor came with a request that takes none")
     match words:
-        case ["prepare", container_id, *flags] if flags in ([], [SHIM_BINDS]):
+        case ["prepare", container_id, *flags] if flags in _PREPARE_FLAGS:
             try:
                 bundle = Path(os.fsdecode(body))
             except (UnicodeDecodeError, ValueError):
                 raise RelayProtocolError("bundle path is not a valid path") from None
-            return lifecycle.prepare(container_id, bundle, hooks=not flags).summary()
+            return lifecycle.prepare(container_id, bundle, hooks=not flags,
+                                     spec_fd=fds[0] if spec_fd else None).summary()
         case ["hook", stage, instance_id]:
             return lifecycle.hook(stage, instance_id, body, decided)
         # The shim's own bind (after create) and release (after delete): the
@@ -154,6 +173,7 @@ class RelayServer:
     def _answer(self, conn: socket.socket) -> None:
         conn.settimeout(READ_TIMEOUT)
         answered = False
+        fds: list[int] = []
 
         def reply(line: str) -> None:
             nonlocal answered
@@ -171,11 +191,11 @@ class RelayServer:
             if _peer_uid(conn) not in (0, os.geteuid()):
                 reply("error only root may use the cgpud relay socket")
                 return
-            words, body = _read_request(conn)
+            words, body = _read_request(conn, fds)
             verb = f"{words[0]} {words[1]}" if words[:1] == ["hook"] and len(words) > 1 else words[0]
             verb = verb if verb in _VERBS else "other"
             try:
-                text = handle(self._lifecycle, words, body, early)
+                text = handle(self._lifecycle, words, body, early, tuple(fds))
             except Exception:
                 self._on_request(verb, "error")
                 if answered:  # the runtime already has its ok: the work failed after it
@@ -195,6 +215,9 @@ class RelayServer:
                 reply(f"error cgpud failed on this request: {type(e).__name__}: {e}")
             except OSError:
                 pass
+        finally:
+            for fd in fds:
+                os.close(fd)
         self._after.set()
 
     def _work_after_answers(self) -> None:

@@ -8,7 +8,8 @@ Input: the request bytes exactly as a relay would send them. "/BUNDLES/"
 stands for the directory of the bundles made here (gpu, plain, claim,
 core) and "@DEVICE" for the id of an instance reserved as a device, which
 the claim bundle mounts: so the fuzzer reaches a real prepare, bind and
-poststop.
+poststop. An input starting "@SPEC" sends the gpu bundle's config.json as a
+descriptor with the rest, as the shim's `prepare ... spec-fd` does.
 
 Every refusal must be a CgpuError (one clear line to the relay); anything
 else escaping is a bug the relay could only answer with "cgpud failed on
@@ -17,6 +18,7 @@ bundles rewritten, so every input meets the same state."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
 import tempfile
@@ -86,6 +88,14 @@ class Harness:
 
     def one(self, data: bytes) -> None:
         a, b = socket.socketpair()
+        fds: list[int] = []
+        if data.startswith(b"@SPEC") and len(data) > 5:  # the gpu bundle's config.json rides on the first byte
+            spec = os.open(self.bundles / "gpu" / "config.json", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                socket.send_fds(a, [data[5:6]], [spec])
+            finally:
+                os.close(spec)
+            data = data[6:]
         writer = threading.Thread(target=send, args=(a, data))
         try:
             if len(data) <= 32768:  # fits the socket buffer: no reader needed yet
@@ -93,16 +103,18 @@ class Harness:
             else:
                 writer.start()
             try:
-                words, body = relay._read_request(b)
+                words, body = relay._read_request(b, fds)
                 words = [w.replace("@DEVICE", self.device.id) for w in words]
                 body = body.replace(b"/BUNDLES/", str(self.bundles).encode() + b"/")
-                text = relay.handle(self.lifecycle, words, body)
+                text = relay.handle(self.lifecycle, words, body, fds=tuple(fds))
                 if not isinstance(text, str) or "\n" in text:
                     raise AssertionError(f"answer text {text!r} is not one line")
             except CgpuError as e:
                 if not str(e):
                     raise AssertionError("a refusal without a message") from e
         finally:
+            for fd in fds:
+                os.close(fd)
             b.close()  # a writer still sending gets EPIPE
             if writer.is_alive():
                 writer.join()

@@ -216,7 +216,8 @@ class FakeLifecycle:
         def summary(self) -> str:
             return "prepared"
 
-    def prepare(self, container_id: str, bundle: Path, *, hooks: bool = True) -> FakeLifecycle.Prepared:
+    def prepare(self, container_id: str, bundle: Path, *, hooks: bool = True,
+                spec_fd: int | None = None) -> FakeLifecycle.Prepared:
         return self.Prepared()
 
     def hook(self, stage: str, instance_id: str, state_json: bytes, decided: object = None) -> str:

@@ -123,11 +123,11 @@ def test_cgpud_reads_a_request_exactly_as_large_as_the_relays_send(size):
     sender.start()
     try:
         if size <= contract.RELAY_MAX_REQUEST:
-            words, body = relay._read_request(server)
+            words, body = relay._read_request(server, [])
             assert words == ["hook", "poststop", "i1"] and len(body) == size - len(b"hook poststop i1\n")
         else:
             with pytest.raises(relay.RelayProtocolError, match=str(contract.RELAY_MAX_REQUEST)):
-                relay._read_request(server)
+                relay._read_request(server, [])
     finally:
         server.close()
         sender.join()
