@@ -10,7 +10,8 @@
  * `create --pid-file` of a GPU container (what containerd and docker run):
  * the shim binds the instance to the init pid itself once the real create
  * succeeded, so runc runs no hook of ours (a hook is a fork+exec of
- * cgpu-hook by runc at each stage). `run`, and `create` without --pid-file,
+ * cgpu-hook by runc at each stage). With runc, `create` starts while cgpud
+ * prepares the bundle (create_streamed). `run`, and `create` without --pid-file,
  * keep the OCI hook. Nothing is released at `delete`, which is a plain exec
  * of the real runtime: cgpud watches the init it bound and releases the
  * instance when it exits. */
@@ -18,14 +19,17 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <poll.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -207,6 +211,22 @@ static const char *create_pid_file(char **args)
     return pid_file;
 }
 
+/* Fills `bound` from a prepare's answer "instance <id>" (left empty for
+ * any other: the bundle asked for no GPU); -1 if the name is not one. */
+static int take_instance(const char *msg, const char *bundle_abs, const char *id, struct shim_bound *bound)
+{
+    if (strncmp(msg, "instance ", 9) != 0)
+        return 0;
+    const char *inst = msg + 9;
+    size_t n = strlen(inst);
+    if (n == 0 || n > INSTANCE_MAX || strspn(inst, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-") != n)
+        return -1;
+    memcpy(bound->instance, inst, n + 1);
+    memcpy(bound->bundle, bundle_abs, sizeof(bound->bundle));
+    bound->id = id;
+    return 0;
+}
+
 /* Returns only if the real runtime should run. With `bound` (create with
  * --pid-file), cgpud writes no hooks and bound->instance names the instance
  * the shim must bind ("" when the bundle asks for no GPU). */
@@ -230,7 +250,7 @@ static void prepare(const char *command, char **args, const char *socket, struct
     if (!valid_container_id(id))
         die(1, "container id is not valid: expected 1-%d printable ASCII characters without spaces", ID_MAX);
     static char request[ID_MAX + PATH_MAX + 32];
-    long len = prepare_request(request, sizeof(request), id, bundle_abs, bound != NULL);
+    long len = prepare_request(request, sizeof(request), id, bundle_abs, bound ? " " SHIM_BINDS : "");
     if (len < 0)
         die(1, "container id and bundle path too long for a prepare request");
     char msg[CGPU_RELAY_MSG_MAX];
@@ -238,15 +258,8 @@ static void prepare(const char *command, char **args, const char *socket, struct
                        : cgpu_relay_call(PROG, socket, request, (size_t)len, msg, sizeof(msg));
     if (rc != 0)
         die(1, "%s", msg);
-    if (!bound || strncmp(msg, "instance ", 9) != 0)
-        return;
-    const char *inst = msg + 9;
-    size_t n = strlen(inst);
-    if (n == 0 || n > INSTANCE_MAX || strspn(inst, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-") != n)
-        die(1, "cgpud named an instance the shim cannot use: %.80s", inst);
-    memcpy(bound->instance, inst, n + 1);
-    memcpy(bound->bundle, bundle_abs, sizeof(bound->bundle));
-    bound->id = id;
+    if (bound && take_instance(msg, bundle_abs, id, bound) < 0)
+        die(1, "cgpud named an instance the shim cannot use: %.80s", msg + 9);
 }
 
 /* ---- the shim's own bind and release ----------------------------------------------- */
@@ -302,11 +315,10 @@ static long read_pid_file(const char *path)
     return pid;
 }
 
-/* Runs the real runtime and waits; returns its exit code (128+signal). A
- * shim killed meanwhile takes the runtime with it, as when it exec'd it.
- * vfork: nothing to copy on the start path; the child only makes system
- * calls until it execs or exits. */
-static int spawn_runtime(const char *runtime, char **argv)
+/* Starts the real runtime; its pid. A shim killed meanwhile takes the
+ * runtime with it, as when it exec'd it. vfork: nothing to copy on the
+ * start path; the child only makes system calls until it execs or exits. */
+static pid_t start_runtime(const char *runtime, char **argv)
 {
     static const char cannot[] = PROG ": cannot run the real runtime (install runc or set CGPU_REAL_RUNTIME)\n";
     pid_t parent = getpid();
@@ -323,11 +335,22 @@ static int spawn_runtime(const char *runtime, char **argv)
         (void)said;
         _exit(127);
     }
+    return child;
+}
+
+/* Its exit code (128+signal). */
+static int wait_runtime(const char *runtime, pid_t child)
+{
     int status;
     while (waitpid(child, &status, 0) < 0)
         if (errno != EINTR)
             die(127, "cannot wait for %s: %s", runtime, strerror(errno));
     return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+static int spawn_runtime(const char *runtime, char **argv)
+{
+    return wait_runtime(runtime, start_runtime(runtime, argv));
 }
 
 /* `<globals> delete --force <id>`: undoes a create whose bind failed. */
@@ -345,11 +368,12 @@ static void force_delete(const char *runtime, char **argv, int cmd, const char *
     spawn_runtime(runtime, args);
 }
 
-static _Noreturn void create_and_bind(const char *runtime, char **argv, int cmd, const char *socket,
-                                      const struct shim_bound *b)
+/* After the real `create` exited with `code`: binds the instance to the
+ * init it made, or undoes the start. */
+static _Noreturn void bind_created(const char *runtime, char **argv, int cmd, const char *socket,
+                                   const struct shim_bound *b, int code)
 {
     char msg[CGPU_RELAY_MSG_MAX], ignored[CGPU_RELAY_MSG_MAX];
-    int code = spawn_runtime(runtime, argv);
     if (code != 0) {
         /* runc said why; the instance made for this start goes. */
         relay_bound(socket, "release", b, 0, ignored, sizeof(ignored));
@@ -366,6 +390,229 @@ static _Noreturn void create_and_bind(const char *runtime, char **argv, int cmd,
     die(1, "%s", msg);
 }
 
+static _Noreturn void create_and_bind(const char *runtime, char **argv, int cmd, const char *socket,
+                                      const struct shim_bound *b)
+{
+    bind_created(runtime, argv, cmd, socket, b, spawn_runtime(runtime, argv));
+}
+
+/* ---- create with the spec streamed to runc --------------------------------------------- */
+
+/* runc spends about 2 ms starting (its Go runtime) before it reads
+ * config.json, about what cgpud takes to prepare the bundle. So a GPU
+ * `create` starts runc at once, with a FIFO at config.json for it to wait
+ * on, and cgpud reads the engine's spec through the descriptor sent with
+ * the prepare request. cgpud renames the edited spec over the FIFO; the
+ * shim then writes the same bytes into the FIFO, so runc gets them whether
+ * its open found the FIFO or the file. The shim holds both ends of the
+ * FIFO, so runc's open never waits for a writer (wait_streamed says until
+ * when). If cgpud refuses or is not there, the FIFO is still in place, runc
+ * cannot have read a spec, and is killed; the engine's config.json is put
+ * back. runtime_streams_spec() says which runtimes read the spec so. */
+struct streamed {
+    int dir;      /* the bundle */
+    int original; /* its config.json as the engine wrote it */
+    int fifo;     /* the FIFO put at config.json, opened read-write */
+    struct stat original_st, fifo_st;
+    char tmp[64]; /* the name the FIFO, and a restored copy, are made under */
+};
+
+static void close_fd(int *fd)
+{
+    if (*fd >= 0)
+        close(*fd);
+    *fd = -1;
+}
+
+static void stream_close(struct streamed *s)
+{
+    close_fd(&s->dir);
+    close_fd(&s->original);
+    close_fd(&s->fifo);
+}
+
+/* The FIFO in place of the bundle's config.json: 0, or -1 with the bundle
+ * as it was. */
+static int stream_setup(const char *bundle_abs, struct streamed *s)
+{
+    *s = (struct streamed){.dir = -1, .original = -1, .fifo = -1};
+    snprintf(s->tmp, sizeof(s->tmp), ".config.json.cgpu-%ld", (long)getpid());
+    s->dir = open(bundle_abs, O_PATH | O_DIRECTORY | O_CLOEXEC);
+    if (s->dir < 0)
+        goto fail;
+    s->original = openat(s->dir, "config.json", O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
+    if (s->original < 0 || fstat(s->original, &s->original_st) < 0 || !S_ISREG(s->original_st.st_mode))
+        goto fail;
+    if (mkfifoat(s->dir, s->tmp, 0600) < 0)
+        goto fail;
+    s->fifo = openat(s->dir, s->tmp, O_RDWR | O_NONBLOCK | O_CLOEXEC);
+    /* The engine's mode: cgpud gives the edited spec the mode it finds there. */
+    if (s->fifo < 0 || fchmod(s->fifo, s->original_st.st_mode & 07777) < 0 || fstat(s->fifo, &s->fifo_st) < 0 ||
+        renameat(s->dir, s->tmp, s->dir, "config.json") < 0) {
+        unlinkat(s->dir, s->tmp, 0);
+        goto fail;
+    }
+    return 0;
+fail:
+    stream_close(s);
+    return -1;
+}
+
+static int fifo_in_place(const struct streamed *s)
+{
+    struct stat st;
+    return fstatat(s->dir, "config.json", &st, AT_SYMLINK_NOFOLLOW) == 0 && st.st_dev == s->fifo_st.st_dev &&
+           st.st_ino == s->fifo_st.st_ino;
+}
+
+/* Copies `from` (from its start) into `to`; 0, or -1. The FIFO's end is
+ * non-blocking: while it is full, runc is reading it, or it opened the
+ * file instead and the rest is not needed once it has exited. */
+static int copy_spec(int from, int to, pid_t runtime)
+{
+    static char buf[1 << 16];
+    for (off_t off = 0;;) {
+        ssize_t n = pread(from, buf, sizeof(buf), off);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0)
+            return (int)n;
+        off += n;
+        for (ssize_t done = 0; done < n;) {
+            ssize_t w = write(to, buf + done, (size_t)(n - done));
+            if (w > 0) {
+                done += w;
+            } else if (w < 0 && errno == EAGAIN && runtime > 0) {
+                siginfo_t info = {0};
+                if (waitid(P_PID, (id_t)runtime, &info, WEXITED | WNOHANG | WNOWAIT) == 0 && info.si_pid == runtime)
+                    return 0;
+                struct pollfd p = {.fd = to, .events = POLLOUT};
+                poll(&p, 1, 1);
+            } else if (w < 0 && errno != EINTR) {
+                return -1;
+            }
+        }
+    }
+}
+
+/* The engine's config.json back at its path if the FIFO is still there; 0,
+ * or -1. */
+static int stream_restore(struct streamed *s)
+{
+    if (!fifo_in_place(s))
+        return 0;
+    int fd = openat(s->dir, s->tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd < 0)
+        return -1;
+    int ok = copy_spec(s->original, fd, 0) == 0 && fchmod(fd, s->original_st.st_mode & 07777) == 0;
+    ok = close(fd) == 0 && ok && renameat(s->dir, s->tmp, s->dir, "config.json") == 0;
+    if (!ok)
+        unlinkat(s->dir, s->tmp, 0);
+    return ok ? 0 : -1;
+}
+
+/* Undoes the setup when runc has not read a spec: it is killed, the spec
+ * put back. */
+static void stream_abandon(struct streamed *s, const char *runtime, pid_t child)
+{
+    if (child > 0) {
+        kill(child, SIGKILL);
+        wait_runtime(runtime, child);
+    }
+    if (stream_restore(s) < 0)
+        cgpu_relay_report(PROG, "could not put the bundle's config.json back in place of the FIFO");
+    stream_close(s);
+}
+
+/* Waits for runc; its exit code. The FIFO is closed once runc has taken
+ * all of it, so a reader that wants the end of the file gets it; not
+ * before: an open of the FIFO still on its way would then wait for a
+ * writer forever. Without pidfd_open (Linux < 5.3) it stays open until
+ * runc exits, which runc's decoder does not mind. */
+static int wait_streamed(const char *runtime, pid_t child, struct streamed *s)
+{
+    int pidfd = (int)syscall(SYS_pidfd_open, child, 0);
+    for (int tick = 1; pidfd >= 0 && s->fifo >= 0; tick = tick < 16 ? tick * 2 : 16) {
+        int queued = 0;
+        if (ioctl(s->fifo, FIONREAD, &queued) == 0 && queued == 0) {
+            close_fd(&s->fifo);
+            break;
+        }
+        struct pollfd p = {.fd = pidfd, .events = POLLIN};
+        if (poll(&p, 1, tick) > 0)
+            break; /* runc exited */
+    }
+    if (pidfd >= 0)
+        close(pidfd);
+    return wait_runtime(runtime, child);
+}
+
+/* `create --pid-file` of a bundle that may ask for a GPU share, with the
+ * spec streamed. Returns only if that could not be set up, or cgpud was not
+ * there to ask: the bundle is as it was, and the caller asks the usual way. */
+static void create_streamed(const char *runtime, char **argv, int cmd, const char *socket, struct shim_bound *b)
+{
+    const char *bundle = ".", *id = NULL;
+    parse_create(argv + cmd + 1, &bundle, &id, NULL);
+    char bundle_abs[PATH_MAX];
+    static char request[ID_MAX + PATH_MAX + 32];
+    struct streamed s;
+    if (!id || !valid_container_id(id) || !realpath(bundle, bundle_abs) ||
+        prepare_request(request, sizeof(request), id, bundle_abs, " " SHIM_BINDS " " SPEC_FD) < 0 ||
+        stream_setup(bundle_abs, &s) < 0)
+        return; /* the usual path says what is wrong */
+    char msg[CGPU_RELAY_MSG_MAX];
+    int down, gone = 0;
+    int conn = cgpu_relay_send_fd(socket, request, strlen(request), s.original, msg, sizeof(msg), &down);
+    if (conn < 0) {
+        stream_abandon(&s, runtime, 0);
+        return;
+    }
+    pid_t child = start_runtime(runtime, argv);
+    int rc = cgpu_relay_answer(conn, socket, msg, sizeof(msg), &gone);
+    if (rc == 0 && take_instance(msg, bundle_abs, id, b) < 0) {
+        char named[81] = {0};
+        memcpy(named, msg + 9, strnlen(msg + 9, sizeof(named) - 1));
+        snprintf(msg, sizeof(msg), "cgpud named an instance the shim cannot use: %s", named);
+        rc = -1;
+    }
+    if (fifo_in_place(&s) && (rc != 0 || stream_restore(&s) < 0)) {
+        /* Refused, or cgpud went away, before any spec was there to read. */
+        stream_abandon(&s, runtime, child);
+        if (gone)
+            return;
+        die(1, "%s", rc != 0 ? msg : "could not put the bundle's config.json back for the runtime");
+    }
+    /* At config.json now: cgpud's edit, or the engine's spec put back (the
+     * bundle asked for no GPU). runc reads it there or from the FIFO. */
+    int spec = openat(s.dir, "config.json", O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
+    struct stat st;
+    if (spec < 0 || fstat(spec, &st) < 0 || !S_ISREG(st.st_mode)) {
+        if (spec >= 0)
+            close(spec);
+        stream_abandon(&s, runtime, child); /* nothing for it to have read */
+        die(1, "%s", rc != 0 ? msg : "the bundle's config.json is gone after cgpud prepared it");
+    }
+    fcntl(s.fifo, F_SETPIPE_SZ, (int)(st.st_size < (1 << 20) ? st.st_size + 1 : (1 << 20)));
+    int fed = copy_spec(spec, s.fifo, child);
+    close(spec);
+    int code = wait_streamed(runtime, child, &s);
+    stream_close(&s);
+    if (rc != 0 || fed < 0) {
+        /* No start without cgpud's ok on the spec runc read: cgpud edited
+         * the bundle and then failed or went away, or the hand-over broke. */
+        char ignored[CGPU_RELAY_MSG_MAX];
+        if (code == 0)
+            force_delete(runtime, argv, cmd, id);
+        if (b->instance[0])
+            relay_bound(socket, "release", b, 0, ignored, sizeof(ignored));
+        die(1, "%s", rc != 0 ? msg : "could not hand the prepared spec to the runtime");
+    }
+    if (!b->instance[0])
+        exit(code); /* no GPU asked for: runc's create as it was, nothing to bind */
+    bind_created(runtime, argv, cmd, socket, b, code);
+}
+
 int main(int argc, char **argv)
 {
     if (argc < 1)
@@ -379,6 +626,8 @@ int main(int argc, char **argv)
         fflush(stdout);
     } else if (argv[cmd] && strcmp(argv[cmd], "create") == 0 && (pid_file = create_pid_file(argv + cmd + 1))) {
         struct shim_bound b = {.pid_file = pid_file};
+        if (runtime_streams_spec(runtime) && getenv(SENT_FD_ENV) == NULL)
+            create_streamed(runtime, argv, cmd, socket, &b);
         prepare(argv[cmd], argv + cmd + 1, socket, &b);
         if (b.instance[0])
             create_and_bind(runtime, argv, cmd, socket, &b);

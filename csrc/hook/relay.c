@@ -9,6 +9,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/time.h>
+#include <sys/uio.h>
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
@@ -137,10 +138,9 @@ static int read_answer(int fd, const char *path, int send_err, char *msg, size_t
     return fail(msg, size, "cgpud sent an incomplete answer on %s", path);
 }
 
-/* One connection, one request. *down is set when cgpud was not there to
- * ask (socket missing or refusing) or went away before answering. */
-static int attempt(const struct sockaddr_un *addr, const char *path, const char *request, size_t len, char *msg,
-                   size_t size, int *down)
+/* A connection to cgpud with every step bounded, or -1 (msg says why;
+ * *down set when cgpud is not there: socket missing or refusing). */
+static int connect_relay(const struct sockaddr_un *addr, const char *path, char *msg, size_t size, int *down)
 {
     *down = 0;
     int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -169,9 +169,32 @@ static int attempt(const struct sockaddr_un *addr, const char *path, const char 
         }
         return fail(msg, size, "cannot reach cgpud at %s: %s", path, strerror(err));
     }
+    return fd;
+}
+
+/* One connection, one request. *down is set when cgpud was not there to
+ * ask (socket missing or refusing) or went away before answering. */
+static int attempt(const struct sockaddr_un *addr, const char *path, const char *request, size_t len, char *msg,
+                   size_t size, int *down)
+{
+    int fd = connect_relay(addr, path, msg, size, down);
+    if (fd < 0)
+        return -1;
     int rc = exchange(fd, path, request, len, msg, size, down);
     close(fd);
     return rc;
+}
+
+/* The socket's address, or -1 with msg saying why. */
+static int relay_address(struct sockaddr_un *addr, const char *path, char *msg, size_t size)
+{
+    size_t path_len = strlen(path);
+    if (path_len >= sizeof(addr->sun_path))
+        return fail(msg, size, "cannot reach cgpud at %s: socket path longer than %zu bytes", path,
+                    sizeof(addr->sun_path) - 1);
+    addr->sun_family = AF_UNIX;
+    memcpy(addr->sun_path, path, path_len + 1);
+    return 0;
 }
 
 /* The wait bound: CGPU_RELAY_WAIT_S, or less if CGPU_RELAY_WAIT_MS says so
@@ -209,15 +232,12 @@ static void sleep_ms(long ms)
 static int call(const char *prog, const char *path, const char *request, size_t len, char *msg, size_t size,
                 int lost)
 {
-    struct sockaddr_un addr = {.sun_family = AF_UNIX};
-    size_t path_len = strlen(path);
+    struct sockaddr_un addr;
     if (len > CGPU_RELAY_MAX_REQUEST)
         return fail(msg, size, "request of %zu bytes is larger than the %d cgpud accepts", len,
                     CGPU_RELAY_MAX_REQUEST);
-    if (path_len >= sizeof(addr.sun_path))
-        return fail(msg, size, "cannot reach cgpud at %s: socket path longer than %zu bytes", path,
-                    sizeof(addr.sun_path) - 1);
-    memcpy(addr.sun_path, path, path_len + 1);
+    if (relay_address(&addr, path, msg, size) < 0)
+        return -1;
 
     const long budget = wait_budget_ms(), deadline = now_ms() + budget;
     long delay = RETRY_FIRST_MS;
@@ -265,6 +285,52 @@ int cgpu_relay_finish(const char *prog, int fd, const char *path, const char *re
     close(fd);
     /* Gone before answering (a restart): asked again, as any request is. */
     return gone ? call(prog, path, request, len, msg, size, 1) : rc;
+}
+
+int cgpu_relay_send_fd(const char *path, const char *request, size_t len, int pass_fd, char *msg, size_t size,
+                      int *down)
+{
+    struct sockaddr_un addr;
+    *down = 0;
+    if (len > CGPU_RELAY_MAX_REQUEST)
+        return fail(msg, size, "request of %zu bytes is larger than the %d cgpud accepts", len,
+                    CGPU_RELAY_MAX_REQUEST);
+    if (relay_address(&addr, path, msg, size) < 0)
+        return -1;
+    int fd = connect_relay(&addr, path, msg, size, down);
+    if (fd < 0)
+        return -1;
+    /* The descriptor rides on the first byte; the rest follows as usual. */
+    union {
+        char buf[CMSG_SPACE(sizeof(int))];
+        struct cmsghdr align;
+    } control;
+    memset(&control, 0, sizeof(control));
+    struct iovec iov = {.iov_base = (void *)request, .iov_len = 1};
+    struct msghdr m = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf,
+                       .msg_controllen = sizeof(control.buf)};
+    struct cmsghdr *c = CMSG_FIRSTHDR(&m);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(c), &pass_fd, sizeof(int));
+    ssize_t n;
+    do
+        n = sendmsg(fd, &m, MSG_NOSIGNAL);
+    while (n < 0 && errno == EINTR);
+    if (len == 0 || n != 1 || send_all(fd, request + 1, len - 1) < 0 || shutdown(fd, SHUT_WR) < 0) {
+        int err = errno;
+        close(fd);
+        return fail(msg, size, "cannot send to cgpud at %s: %s", path, strerror(err));
+    }
+    return fd;
+}
+
+int cgpu_relay_answer(int fd, const char *path, char *msg, size_t size, int *gone)
+{
+    int rc = read_answer(fd, path, 0, msg, size, gone);
+    close(fd);
+    return rc;
 }
 
 void cgpu_relay_report(const char *prog, const char *msg)

@@ -33,6 +33,18 @@ int cgpu_relay_call(const char *prog, const char *socket_path, const char *reque
 int cgpu_relay_finish(const char *prog, int fd, const char *path, const char *request, size_t len, char *msg,
                       size_t msg_size);
 
+/* Sends `request` with the descriptor `pass_fd` (SCM_RIGHTS, on its first
+ * byte) on a fresh connection to `socket_path` and half-closes: the
+ * connection, for cgpu_relay_answer. -1 if that failed (msg says why; *down
+ * set when cgpud is not running: socket missing or refusing). No retry:
+ * the caller decides what a missing cgpud means. */
+int cgpu_relay_send_fd(const char *socket_path, const char *request, size_t len, int pass_fd, char *msg,
+                       size_t msg_size, int *down);
+
+/* The answer on a connection from cgpu_relay_send_fd, as cgpu_relay_call
+ * returns it; closes fd. *gone: cgpud went away without a byte of answer. */
+int cgpu_relay_answer(int fd, const char *socket_path, char *msg, size_t msg_size, int *gone);
+
 /* "<prog>: <msg>" on stderr. */
 void cgpu_relay_report(const char *prog, const char *msg);
 

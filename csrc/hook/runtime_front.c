@@ -449,7 +449,7 @@ static int send_prepare(const char *command, const char *bundle, const char *id,
     if (!id || !valid_container_id(id) || !bundle_path(bundle, abs, sizeof(abs)))
         return -1;
     int shim_binds = rr_streq(command, "create") && pid_file != NULL; /* cgpu_runtime.c main */
-    long len = prepare_request(request, sizeof(request), id, abs, shim_binds);
+    long len = prepare_request(request, sizeof(request), id, abs, shim_binds ? " " SHIM_BINDS : "");
     const char *relay = env_value(envp, "CGPU_RELAY_SOCKET");
     if (!relay || !*relay)
         relay = CGPU_RELAY_DEFAULT_SOCKET;
@@ -501,6 +501,12 @@ static char *const *with_sent_fd(char *const *envp, int fd)
     return env;
 }
 
+static const char *real_runtime(char *const *envp)
+{
+    const char *runtime = env_value(envp, "CGPU_REAL_RUNTIME");
+    return runtime && *runtime ? runtime : "runc";
+}
+
 static _Noreturn void front_main(int argc, char **argv, char *const *envp)
 {
     struct runc_globals g = {0};
@@ -512,11 +518,15 @@ static _Noreturn void front_main(int argc, char **argv, char *const *envp)
     if (argv[cmd] && (rr_streq(argv[cmd], "create") || rr_streq(argv[cmd], "run"))) {
         const char *bundle = ".", *id = NULL, *pid_file = NULL;
         parse_create(argv + cmd + 1, &bundle, &id, &pid_file);
-        if (scan_config(bundle) == CONFIG_MAY_ASK)
+        if (scan_config(bundle) == CONFIG_MAY_ASK) {
+            /* A shim that streams the spec to the runtime asks cgpud itself,
+             * with the spec's descriptor, once the FIFO is in place. */
+            if (rr_streq(argv[cmd], "create") && pid_file && runtime_streams_spec(real_runtime(envp)))
+                exec_gpu_shim(argv, envp);
             exec_gpu_shim(argv, with_sent_fd(envp, send_prepare(argv[cmd], bundle, id, pid_file, envp)));
+        }
     }
-    const char *runtime = env_value(envp, "CGPU_REAL_RUNTIME");
-    exec_runtime(runtime && *runtime ? runtime : "runc", argv, envp);
+    exec_runtime(real_runtime(envp), argv, envp);
     exec_gpu_shim(argv, envp); /* it says why the real runtime cannot run */
 }
 

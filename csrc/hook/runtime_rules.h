@@ -33,6 +33,7 @@ static const char *const CREATE_VALUED[] = {"bundle", "b", "console-socket", "pi
 enum config_kind { CONFIG_UNREADABLE, CONFIG_PLAIN, CONFIG_MAY_ASK };
 
 #define SHIM_BINDS "shim-binds" /* relay.py SHIM_BINDS */
+#define SPEC_FD "spec-fd"       /* relay.py SPEC_FD */
 /* The front's prepare request, already sent (see prepare_request): the
  * connected socket's number, for the shim proper to read the answer on. */
 #define SENT_FD_ENV "CGPU_RUNTIME_SENT_FD"
@@ -231,13 +232,14 @@ static inline int valid_container_id(const char *id)
     return n > 0 && n <= CGPU_CONTAINER_ID_MAX;
 }
 
-/* "prepare <id>[ shim-binds]\n<bundle>" (relay_wire.h) into buf, NUL-ended:
- * the front sends it before it execs the shim proper, which sends it itself
- * when the front could not; both build it here, so it is the same bytes.
- * Its length, or -1 if it does not fit. */
-static inline long prepare_request(char *buf, size_t size, const char *id, const char *bundle, int shim_binds)
+/* "prepare <id><flags>\n<bundle>" (relay_wire.h) into buf, NUL-ended;
+ * flags: "", " " SHIM_BINDS or " " SHIM_BINDS " " SPEC_FD. The front sends
+ * it before it execs the shim proper, which sends it itself when the front
+ * did not; both build it here, so it is the same bytes. Its length, or -1
+ * if it does not fit. */
+static inline long prepare_request(char *buf, size_t size, const char *id, const char *bundle, const char *flags)
 {
-    const char *parts[] = {"prepare ", id, shim_binds ? " " SHIM_BINDS : "", "\n", bundle};
+    const char *parts[] = {"prepare ", id, flags, "\n", bundle};
     size_t o = 0;
     for (size_t k = 0; k < sizeof(parts) / sizeof(parts[0]); k++)
         for (const char *c = parts[k]; *c; c++) {
@@ -247,6 +249,21 @@ static inline long prepare_request(char *buf, size_t size, const char *id, const
         }
     buf[o] = '\0';
     return (long)o;
+}
+
+/* Whether the real runtime reads config.json as a stream, so the shim may
+ * start `create` before cgpud has edited the bundle, with a FIFO at
+ * config.json for it to wait on (cgpu_runtime.c, create_streamed): runc
+ * does (a JSON decoder over the opened file, read to its end). Other
+ * runtimes are given the finished file, as before; the front and the shim
+ * proper decide alike from this. */
+static inline int runtime_streams_spec(const char *runtime)
+{
+    const char *base = runtime;
+    for (const char *c = runtime; *c; c++)
+        if (*c == '/')
+            base = c + 1;
+    return rr_streq(base, "runc");
 }
 
 #endif

@@ -133,14 +133,18 @@ static void fuzz_args(struct fuzz_reader *r)
         CHECK(!pid_file || within(pid_file, argv + cmd + 1, argc - cmd - 1));
         CHECK(strcmp(bundle, ".") == 0 || within(bundle, argv + cmd + 1, argc - cmd - 1));
         CHECK(!id || within(id, argv + cmd + 1, argc - cmd - 1));
+        /* Only a runtime whose last path component is exactly "runc" gets the spec streamed. */
+        const char *base = strrchr(bundle, '/') ? strrchr(bundle, '/') + 1 : bundle;
+        CHECK(runtime_streams_spec(bundle) == (strcmp(base, "runc") == 0));
         if (id && valid_container_id(id)) {
             for (const char *c = id; *c; c++)
                 CHECK(*c > ' ' && *c <= '~');
             /* The request the front and the shim both build: whole, or -1 when it does not fit. */
             static char request[CGPU_CONTAINER_ID_MAX + 64];
             size_t size = 1 + strlen(bundle) % sizeof(request);
-            long len = prepare_request(request, size, id, bundle, pid_file != NULL);
-            size_t want = strlen("prepare ") + strlen(id) + (pid_file ? strlen(" " SHIM_BINDS) : 0) + 1 + strlen(bundle);
+            const char *flags = !pid_file ? "" : strlen(id) % 2 ? " " SHIM_BINDS : " " SHIM_BINDS " " SPEC_FD;
+            long len = prepare_request(request, size, id, bundle, flags);
+            size_t want = strlen("prepare ") + strlen(id) + strlen(flags) + 1 + strlen(bundle);
             CHECK(len == (want < size ? (long)want : -1));
             CHECK(len < 0 || (strncmp(request, "prepare ", 8) == 0 && strlen(request) == want &&
                               strcmp(request + want - strlen(bundle), bundle) == 0 && request[want - strlen(bundle) - 1] == '\n'));

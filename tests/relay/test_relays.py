@@ -608,7 +608,7 @@ def test_create_binds_the_pid_and_delete_is_the_runtimes_alone(bins, cgpud, fake
     proc = run(bins / "cgpu-runtime", create_args(tmp_path, b), dict(shim_env, FAKE_PID="4242\n"))
     assert proc.returncode == 0, proc.stderr
     assert bodies(server.requests) == [
-        ("prepare c1 shim-binds", str(b)),
+        ("prepare c1 shim-binds spec-fd", str(b)),
         (f"bind {INSTANCE}", {"ociVersion": "1.0.2", "id": "c1", "bundle": str(b), "status": "created", "pid": 4242}),
     ]
     # cgpud releases when the init it bound exits: delete asks it nothing.
@@ -631,7 +631,7 @@ def test_a_pid_file_that_is_not_a_pid_undoes_the_create(bins, cgpud, fake, shim_
     assert proc.returncode == 1
     assert "cannot read the init pid of container c1" in proc.stderr
     assert "cannot read the init pid of container c1" in log.read_text()  # where containerd looks
-    assert [h for h, _ in bodies(server.requests)] == ["prepare c1 shim-binds", f"release {INSTANCE}"]
+    assert [h for h, _ in bodies(server.requests)] == ["prepare c1 shim-binds spec-fd", f"release {INSTANCE}"]
     assert fake.calls()[-1] == f"--log {log} --root {tmp_path / 'root'} delete --force c1"
     assert not (tmp_path / "root" / "c1").exists()
 
@@ -661,7 +661,7 @@ def test_a_refused_bind_undoes_the_create(bins, fake, shim_env, tmp_path, sock_p
     finally:
         server.close()
     assert proc.returncode == 1 and "cgpu-runtime: instance belongs to container x" in proc.stderr
-    assert [h for h, _ in bodies(server.requests)] == ["prepare c1 shim-binds", f"bind {INSTANCE}",
+    assert [h for h, _ in bodies(server.requests)] == ["prepare c1 shim-binds spec-fd", f"bind {INSTANCE}",
                                                          f"release {INSTANCE}"]
     assert fake.calls()[-1] == f"--root {tmp_path / 'root'} delete --force c1"
     assert not (tmp_path / "root" / "c1").exists()
@@ -673,7 +673,7 @@ def test_the_real_runtimes_failure_is_its_exit_code_and_frees_the_instance(bins,
     b = bundle(tmp_path)
     proc = run(bins / "cgpu-runtime", create_args(tmp_path, b), dict(shim_env, FAKE_CREATE_RC="3"))
     assert proc.returncode == 3
-    assert [h for h, _ in bodies(server.requests)] == ["prepare c1 shim-binds", f"release {INSTANCE}"]
+    assert [h for h, _ in bodies(server.requests)] == ["prepare c1 shim-binds spec-fd", f"release {INSTANCE}"]
 
 
 def test_run_and_create_without_pid_file_keep_the_hooks(bins, cgpud, fake, shim_env, tmp_path) -> None:

@@ -7,9 +7,13 @@
  * its writing side; cgpud answers one line and closes.
  *   request: "<verb> <arg> [<arg>]\n", then a body up to EOF;
  *            at most CGPU_RELAY_MAX_REQUEST bytes in all
- *     prepare <container-id>[ shim-binds]\n<absolute bundle path>
+ *     prepare <container-id>[ shim-binds[ spec-fd]]\n<absolute bundle path>
  *       shim-binds: the shim binds after `create` and releases after
  *       `delete` itself (bind/release below), so no hook entry is written
+ *       spec-fd: the bundle's config.json comes open, as the request's one
+ *       descriptor (SCM_RIGHTS): its path holds the shim's FIFO by then.
+ *       The edit is renamed over the path as always. Any other request
+ *       with a descriptor is refused
  *     hook <stage> <instance-id>\n<OCI state JSON>
  *     bind <instance-id>\n<OCI state JSON with the init pid>
  *     release <instance-id>\n<OCI state JSON>
