@@ -185,9 +185,13 @@ static int attempt(const struct sockaddr_un *addr, const char *path, const char 
     return rc;
 }
 
-/* The socket's address, or -1 with msg saying why. */
-static int relay_address(struct sockaddr_un *addr, const char *path, char *msg, size_t size)
+/* The socket's address for a request of `len` bytes, or -1 with msg saying
+ * why. */
+static int relay_address(struct sockaddr_un *addr, const char *path, size_t len, char *msg, size_t size)
 {
+    if (len > CGPU_RELAY_MAX_REQUEST)
+        return fail(msg, size, "request of %zu bytes is larger than the %d cgpud accepts", len,
+                    CGPU_RELAY_MAX_REQUEST);
     size_t path_len = strlen(path);
     if (path_len >= sizeof(addr->sun_path))
         return fail(msg, size, "cannot reach cgpud at %s: socket path longer than %zu bytes", path,
@@ -233,10 +237,7 @@ static int call(const char *prog, const char *path, const char *request, size_t 
                 int lost)
 {
     struct sockaddr_un addr;
-    if (len > CGPU_RELAY_MAX_REQUEST)
-        return fail(msg, size, "request of %zu bytes is larger than the %d cgpud accepts", len,
-                    CGPU_RELAY_MAX_REQUEST);
-    if (relay_address(&addr, path, msg, size) < 0)
+    if (relay_address(&addr, path, len, msg, size) < 0)
         return -1;
 
     const long budget = wait_budget_ms(), deadline = now_ms() + budget;
@@ -292,10 +293,7 @@ int cgpu_relay_send_fd(const char *path, const char *request, size_t len, int pa
 {
     struct sockaddr_un addr;
     *down = 0;
-    if (len > CGPU_RELAY_MAX_REQUEST)
-        return fail(msg, size, "request of %zu bytes is larger than the %d cgpud accepts", len,
-                    CGPU_RELAY_MAX_REQUEST);
-    if (relay_address(&addr, path, msg, size) < 0)
+    if (relay_address(&addr, path, len, msg, size) < 0)
         return -1;
     int fd = connect_relay(&addr, path, msg, size, down);
     if (fd < 0)

@@ -14,13 +14,12 @@ import shlex
 import socket
 import stat
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.relay.test_relays import (GPU_CONFIG, INSTANCE, SAN_OPTIONS, bins, bodies, bundle,  # noqa: F401 (fixtures)
+from tests.relay.test_relays import (INSTANCE, Cgpud, SAN_OPTIONS, bins, bodies, bundle,  # noqa: F401 (fixtures)
                                      create_args, run, sock_path)
 
 ORIGINAL = json.dumps({"ociVersion": "1.0.2",
@@ -29,7 +28,7 @@ ORIGINAL = json.dumps({"ociVersion": "1.0.2",
 EDITED_ENV = "CGPU_EDITED=1"
 
 
-class EditingCgpud:
+class EditingCgpud(Cgpud):
     """cgpud's side: each request's head, whether a descriptor came, and
     the spec read through it. A prepare is played per the next step:
     "edit" (the edit renamed over config.json, then ok), "refuse", "plain"
@@ -40,11 +39,7 @@ class EditingCgpud:
         self.steps, self.delay = steps, delay
         self.heads: list[str] = []
         self.specs: list[bytes | None] = []
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.bind(str(path))
-        self._sock.listen(8)
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
+        super().__init__(path, None)
 
     def _serve(self) -> None:
         while True:
@@ -85,11 +80,6 @@ class EditingCgpud:
                           "plain": "ok no GPU request\n"}.get(step)
                 if answer:
                     conn.sendall(answer.encode())
-
-    def close(self) -> None:
-        self._sock.shutdown(socket.SHUT_RDWR)
-        self._thread.join(5)
-        self._sock.close()
 
 
 class StreamRunc:
