@@ -293,6 +293,8 @@ int cgpu_relay_send_fd(const char *path, const char *request, size_t len, int pa
 {
     struct sockaddr_un addr;
     *down = 0;
+    if (len == 0)
+        return fail(msg, size, "an empty request cannot carry a descriptor");
     if (relay_address(&addr, path, len, msg, size) < 0)
         return -1;
     int fd = connect_relay(&addr, path, msg, size, down);
@@ -316,7 +318,7 @@ int cgpu_relay_send_fd(const char *path, const char *request, size_t len, int pa
     do
         n = sendmsg(fd, &m, MSG_NOSIGNAL);
     while (n < 0 && errno == EINTR);
-    if (len == 0 || n != 1 || send_all(fd, request + 1, len - 1) < 0 || shutdown(fd, SHUT_WR) < 0) {
+    if (n != 1 || send_all(fd, request + 1, len - 1) < 0 || shutdown(fd, SHUT_WR) < 0) {
         int err = errno;
         close(fd);
         return fail(msg, size, "cannot send to cgpud at %s: %s", path, strerror(err));
