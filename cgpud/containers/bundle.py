@@ -32,24 +32,27 @@ def read_spec(bundle: Path, opened: int | None = None) -> dict[str, Any]:
     config.json path holds a FIFO by now); read from its start, not closed."""
     path = spec_path(bundle)
     if opened is not None:
-        fd = opened
-    else:
-        try:
-            # O_NONBLOCK: opening a FIFO must not hold the relay (and every start behind it) until a writer comes.
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-        except OSError as e:
-            raise UsageError(f"cannot read {path}: {e.strerror}") from e
+        return _spec_from(opened, path, rewind=True)
+    try:
+        # O_NONBLOCK: opening a FIFO must not hold the relay (and every start behind it) until a writer comes.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as e:
+        raise UsageError(f"cannot read {path}: {e.strerror}") from e
+    try:
+        return _spec_from(fd, path)
+    finally:
+        os.close(fd)
+
+
+def _spec_from(fd: int, path: Path, rewind: bool = False) -> dict[str, Any]:
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise UsageError(f"{path} is not a regular file")
-        if opened is not None:
+        if rewind:
             os.lseek(fd, 0, os.SEEK_SET)
         data = read_at_most(fd, MAX_SPEC)
     except OSError as e:
         raise UsageError(f"cannot read {path}: {e.strerror}") from e
-    finally:
-        if opened is None:
-            os.close(fd)
     if len(data) > MAX_SPEC:
         raise UsageError(f"{path} is larger than {MAX_SPEC >> 20} MiB")
     try:

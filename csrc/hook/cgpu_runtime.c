@@ -557,13 +557,14 @@ static void create_streamed(const char *runtime, char **argv, int cmd, const cha
     char bundle_abs[PATH_MAX];
     static char request[ID_MAX + PATH_MAX + 32];
     struct streamed s;
+    long len = -1;
     if (!id || !valid_container_id(id) || !realpath(bundle, bundle_abs) ||
-        prepare_request(request, sizeof(request), id, bundle_abs, " " SHIM_BINDS " " SPEC_FD) < 0 ||
+        (len = prepare_request(request, sizeof(request), id, bundle_abs, " " SHIM_BINDS " " SPEC_FD)) < 0 ||
         stream_setup(bundle_abs, &s) < 0)
         return; /* the usual path says what is wrong */
     char msg[CGPU_RELAY_MSG_MAX];
     int down, gone = 0;
-    int conn = cgpu_relay_send_fd(socket, request, strlen(request), s.original, msg, sizeof(msg), &down);
+    int conn = cgpu_relay_send_fd(socket, request, (size_t)len, s.original, msg, sizeof(msg), &down);
     if (conn < 0) {
         stream_abandon(&s, runtime, 0);
         return;

@@ -129,15 +129,20 @@ def runtime(tmp_path: Path) -> FakeRuntime:
     return FakeRuntime(tmp_path / "rt" / "fake-runc")
 
 
-@pytest.fixture
-def env(runtime: FakeRuntime, sock_path: Path) -> dict[str, str]:
+def relay_env(runtime: Path, sock_path: Path) -> dict[str, str]:
+    """What the relays run with here: `runtime` as the real one, cgpud at sock_path."""
     return {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-        "CGPU_REAL_RUNTIME": str(runtime.path),
+        "CGPU_REAL_RUNTIME": str(runtime),
         "CGPU_RELAY_SOCKET": str(sock_path),
         "CGPU_RELAY_WAIT_MS": "0",  # no waiting for a cgpud that is down (test_relay_wait.py waits)
         **SAN_OPTIONS,
     }
+
+
+@pytest.fixture
+def env(runtime: FakeRuntime, sock_path: Path) -> dict[str, str]:
+    return relay_env(runtime.path, sock_path)
 
 
 def bundle(root: Path, name: str = "c1", config: str | None = GPU_CONFIG) -> Path:
@@ -585,9 +590,7 @@ def fake(tmp_path: Path) -> ShimRunc:
 
 @pytest.fixture
 def shim_env(fake: ShimRunc, sock_path: Path, tmp_path: Path) -> dict[str, str]:
-    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "CGPU_REAL_RUNTIME": str(fake.path),
-            "CGPU_RELAY_SOCKET": str(sock_path), "CGPU_RELAY_WAIT_MS": "0",
-            **SAN_OPTIONS}
+    return relay_env(fake.path, sock_path)
 
 
 def bodies(requests: list[bytes]) -> list[tuple[str, dict | str]]:

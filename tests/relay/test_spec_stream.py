@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.relay.test_relays import (INSTANCE, Cgpud, SAN_OPTIONS, bins, bodies, bundle,  # noqa: F401 (fixtures)
-                                     create_args, run, sock_path)
+from tests.relay.test_relays import (INSTANCE, Cgpud, bins, bundle, create_args, relay_env,  # noqa: F401 (fixtures)
+                                     run, sock_path)
 
 ORIGINAL = json.dumps({"ociVersion": "1.0.2",
                        "process": {"args": ["sh"], "env": ["PATH=/bin", "ALIYUN_COM_GPU_MEM_CONTAINER=2"]},
@@ -137,8 +137,7 @@ def runc(tmp_path: Path) -> StreamRunc:
 
 @pytest.fixture
 def env(runc: StreamRunc, sock_path: Path) -> dict[str, str]:
-    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "CGPU_REAL_RUNTIME": str(runc.path),
-            "CGPU_RELAY_SOCKET": str(sock_path), "CGPU_RELAY_WAIT_MS": "0", **SAN_OPTIONS}
+    return relay_env(runc.path, sock_path)
 
 
 @pytest.fixture
