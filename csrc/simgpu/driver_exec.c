@@ -869,7 +869,11 @@ SIM_EXPORT CUresult cuGraphAddKernelNode_v2(CUgraphNode *phGraphNode, CUgraph hG
         return CUDA_ERROR_INVALID_VALUE;
     struct launch_shape sh = {.grid = {p->gridDimX, p->gridDimY, p->gridDimZ},
                               .block = {p->blockDimX, p->blockDimY, p->blockDimZ}};
-    return add_kernel_node(phGraphNode, hGraph, numDependencies, dependencies, p->func, &sh, p->kernelParams,
+    /* With no func, the node runs kern (libcudart 13.5 adds nodes so); the
+     * simulation resolves it in the calling thread's context, the one the
+     * runtime names in ctx. */
+    CUfunction func = p->func ? p->func : (CUfunction)p->kern;
+    return add_kernel_node(phGraphNode, hGraph, numDependencies, dependencies, func, &sh, p->kernelParams,
                            p->extra);
 }
 

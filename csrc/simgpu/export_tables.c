@@ -135,11 +135,19 @@ static const void *const integrity_table[3];
  * with one cuDevicePrimaryCtxRelease at exit. The other slots were never
  * seen called by libcudart 13.0 (public notes say 1, 6 and 8 load modules
  * from fatbins for older runtimes; this one loads code with
- * cuLibraryLoadData instead, library.c). */
+ * cuLibraryLoadData instead, library.c). libcudart 13.5 also calls slot 12
+ * once at start, with no arguments, after cuModuleGetLoadingMode; anything
+ * but 0 stops it with cudaErrorNotSupported (seen with gdb). Guessed: what
+ * it checks; a driver that has the slot answers 0 on a healthy system. */
 
 static CUresult cudart_primary_ctx(CUcontext *pctx, CUdevice dev)
 {
     return cuDevicePrimaryCtxRetain(pctx, dev);
+}
+
+static CUresult cudart_start_check(void)
+{
+    return CUDA_SUCCESS;
 }
 
 UNKNOWN_SLOT(cudart, 1)
@@ -152,7 +160,6 @@ UNKNOWN_SLOT(cudart, 8)
 UNKNOWN_SLOT(cudart, 9)
 UNKNOWN_SLOT(cudart, 10)
 UNKNOWN_SLOT(cudart, 11)
-UNKNOWN_SLOT(cudart, 12)
 
 static const void *const cudart_interface[13] = {
     TABLE_BYTES(13),
@@ -167,7 +174,7 @@ static const void *const cudart_interface[13] = {
     (const void *)export_slot_cudart_9,
     (const void *)export_slot_cudart_10,
     (const void *)export_slot_cudart_11,
-    (const void *)export_slot_cudart_12,
+    (const void *)cudart_start_check,
 };
 
 /* ---- tools runtime callback hooks a094798c-2e74-2e74-93f2-0800200c0a66 --------
@@ -449,6 +456,34 @@ static const void *const integrity_table[3] = {
     (const void *)export_slot_integrity_2,
 };
 
+/* ---- context table 21318c60-9714-3248-8ca6-41ff7324c8f2 ----------------------
+ * Known: libcudart 13.5 asks for it at start, right after the tools runtime
+ * callback hooks, and fails every call with cudaErrorInvalidValue without
+ * it (13.0 never asks); none of its slots was seen called through device
+ * query, memory, launches, graphs and reset. Public dumps of real drivers
+ * (590 and later) show 94 slots after the size slot, slots 3 and 4 giving a
+ * context's device and number. Guessed: everything about the slots; each
+ * answers CUDA_ERROR_NOT_SUPPORTED through one function gdb names. */
+
+#define CONTEXT_TABLE_SLOTS 95
+
+static CUresult export_slot_context_unknown(void)
+{
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
+
+#define CONTEXT_SLOT (const void *)export_slot_context_unknown
+#define CONTEXT_SLOTS_8 CONTEXT_SLOT, CONTEXT_SLOT, CONTEXT_SLOT, CONTEXT_SLOT, \
+                        CONTEXT_SLOT, CONTEXT_SLOT, CONTEXT_SLOT, CONTEXT_SLOT
+
+static const void *const context_table[CONTEXT_TABLE_SLOTS] = {
+    TABLE_BYTES(CONTEXT_TABLE_SLOTS),
+    CONTEXT_SLOTS_8, CONTEXT_SLOTS_8, CONTEXT_SLOTS_8, CONTEXT_SLOTS_8, CONTEXT_SLOTS_8, CONTEXT_SLOTS_8,
+    CONTEXT_SLOTS_8, CONTEXT_SLOTS_8, CONTEXT_SLOTS_8, CONTEXT_SLOTS_8, CONTEXT_SLOTS_8,
+    CONTEXT_SLOT, CONTEXT_SLOT, CONTEXT_SLOT, CONTEXT_SLOT, CONTEXT_SLOT, CONTEXT_SLOT,
+};
+_Static_assert(sizeof(context_table) / sizeof(context_table[0]) == CONTEXT_TABLE_SLOTS, "every slot filled");
+
 /* ---- the lookup ------------------------------------------------------------------ */
 
 static const struct {
@@ -465,6 +500,7 @@ static const struct {
      ctx_checks_table},
     {{0xd4, 0x08, 0x20, 0x55, 0xbd, 0xe6, 0x70, 0x4b, 0x8d, 0x34, 0xba, 0x12, 0x3c, 0x66, 0xe1, 0xf2},
      integrity_table},
+    {{0x21, 0x31, 0x8c, 0x60, 0x97, 0x14, 0x32, 0x48, 0x8c, 0xa6, 0x41, 0xff, 0x73, 0x24, 0xc8, 0xf2}, context_table},
 };
 
 /* f8cff951-2146-8b4e-b9e2-fb469e7c0dd9, asked first of all (before cuInit),
