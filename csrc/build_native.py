@@ -16,7 +16,6 @@ from pathlib import Path
 
 CSRC = Path(__file__).resolve().parent
 PYPROJECT = CSRC.parent / "pyproject.toml"
-REAL_CUDA_INCLUDE = Path("/usr/local/cuda/include")
 
 WARNINGS = ("-Wall", "-Wextra", "-Werror")
 BASE_FLAGS = ("-std=c11", "-g", "-fPIC", "-fvisibility=hidden", "-fno-semantic-interposition", *WARNINGS)
@@ -110,7 +109,11 @@ class Variant:
 
 RELEASE = Variant()
 SANITIZE = Variant("sanitize", SANITIZE_FLAGS, ("-fsanitize=address,undefined",))
-REAL_CUDA_H = Variant("real-cuda-h", ("-O2",), (), ("CGPU_USE_REAL_CUDA_H",), (str(REAL_CUDA_INCLUDE),))
+
+
+def real_cuda_h(include: Path) -> Variant:
+    """Built against NVIDIA's cuda.h in `include` instead of our ABI subset."""
+    return Variant("real-cuda-h", ("-O2",), (), ("CGPU_USE_REAL_CUDA_H",), (str(include),))
 
 
 class NativeBuildError(RuntimeError):
@@ -177,12 +180,15 @@ def build_all(out_dir: Path, variant: Variant = RELEASE, targets: tuple[Target, 
 
 
 def main(argv: list[str]) -> int:
-    variants = {v.name: v for v in (RELEASE, SANITIZE, REAL_CUDA_H)}
-    if len(argv) not in (1, 2) or (len(argv) == 2 and argv[1] not in variants):
-        print(f"usage: build_native.py OUT_DIR [{'|'.join(variants)}]", file=sys.stderr)
+    variants = {v.name: v for v in (RELEASE, SANITIZE)}
+    name = argv[1] if len(argv) == 2 else "release"
+    if name.startswith("real-cuda-h=") and len(name) > len("real-cuda-h="):
+        variants[name] = real_cuda_h(Path(name.split("=", 1)[1]))
+    if len(argv) not in (1, 2) or name not in variants:
+        print("usage: build_native.py OUT_DIR [release|sanitize|real-cuda-h=CUDA_INCLUDE_DIR]", file=sys.stderr)
         return 2
     try:
-        for path in build_all(Path(argv[0]), variants[argv[1] if len(argv) == 2 else "release"]):
+        for path in build_all(Path(argv[0]), variants[name]):
             print(path)
     except NativeBuildError as e:
         print(e, file=sys.stderr)

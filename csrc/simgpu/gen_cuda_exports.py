@@ -9,7 +9,8 @@ Run by hand after a new CUDA toolkit or after modelling a function:
 
     .venv/bin/python csrc/simgpu/gen_cuda_exports.py [CUDA_INCLUDE_DIR]
 
-(default /usr/local/cuda/include). The build never runs this: it reads the
+(default: the headers of the tests' default CUDA line, tests/cudakit.py,
+installed from PyPI if missing). The build never runs this: it reads the
 checked-in file. tests/abi checks the file is what this makes from the
 toolkit's headers.
 
@@ -39,7 +40,6 @@ from pathlib import Path
 CSRC = Path(__file__).resolve().parents[1]
 MODELLED_DEF = CSRC / "include" / "cgpu" / "cuda_functions.def"
 UNMODELLED_DEF = CSRC / "simgpu" / "cuda_unmodelled.def"
-DEFAULT_INCLUDE = Path("/usr/local/cuda/include")
 
 _DECL = re.compile(r"\bCUresult\s+(cu\w+)\s*\(([^;{]*?)\)\s*;")
 _PFN = re.compile(r"\(\s*\*\s*PFN_(\w+)_v(\d+)(?:_(ptds|ptsz))?\s*\)")
@@ -190,8 +190,16 @@ def render(include: Path, def_text: str) -> str:
     return "".join(out)
 
 
+def default_include() -> Path:
+    """The default CUDA line's headers (a developer's tool: it may reach into tests/)."""
+    sys.path.insert(0, str(CSRC.parent))
+    from tests import cudakit
+
+    return cudakit.toolkit().include
+
+
 def main(argv: list[str]) -> int:
-    include = Path(argv[0]) if argv else DEFAULT_INCLUDE
+    include = Path(argv[0]) if argv else default_include()
     if not (include / "cudaTypedefs.h").is_file():
         print(f"no cudaTypedefs.h in {include}", file=sys.stderr)
         return 2

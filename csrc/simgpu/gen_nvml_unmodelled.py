@@ -7,9 +7,9 @@ Run by hand after a new nvml.h or after modelling a function:
 
     .venv/bin/python csrc/simgpu/gen_nvml_unmodelled.py [path/to/nvml.h]
 
-Without a path it takes the header of the installed nvidia-nvml-dev wheel.
+Without a path it takes the header of the tests' NVML line (tests/cudakit.py).
 The build never runs this: it reads the checked-in file. tests/abi checks
-that the file is what this script makes from the wheel's header.
+that the file is what this script makes from that header.
 
 The header is read through the C preprocessor with
 NVML_NO_UNVERSIONED_FUNC_DEFS, which declares every function under the name
@@ -17,7 +17,6 @@ the library exports: the newest versions (nvmlInit_v2 ...) and the legacy
 unversioned ones (nvmlInit ...) that binaries built against old headers bind."""
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import sys
@@ -41,13 +40,12 @@ HEADER = """\
 """
 
 
-def find_wheel_header() -> Path | None:
-    """nvml.h of the installed nvidia-nvml-dev wheel (nvidia/<cu>/include)."""
-    spec = importlib.util.find_spec("nvidia")
-    for base in (spec.submodule_search_locations or ()) if spec else ():
-        for header in sorted(Path(base).glob("*/include/nvml.h")):
-            return header
-    return None
+def default_header() -> Path:
+    """nvml.h of the tests' default CUDA line (a developer's tool: it may reach into tests/)."""
+    sys.path.insert(0, str(CSRC.parent))
+    from tests import cudakit
+
+    return cudakit.toolkit(cudakit.NVML).header("nvml.h")
 
 
 def preprocess(header: Path, cc: str = "cc") -> str:
@@ -84,10 +82,7 @@ def generate(header: Path) -> str:
 
 
 def main(argv: list[str]) -> int:
-    header = Path(argv[0]) if argv else find_wheel_header()
-    if header is None:
-        print("no nvml.h given and the nvidia-nvml-dev wheel is not installed", file=sys.stderr)
-        return 2
+    header = Path(argv[0]) if argv else default_header()
     UNMODELLED_DEF.write_text(generate(header))
     print(UNMODELLED_DEF)
     return 0

@@ -1,10 +1,8 @@
 """The ABI we implement is NVIDIA's: same values, layouts and prototypes as
-the real cuda.h (where the CUDA toolkit is installed) and the real nvml.h
-(from the nvidia-nvml-dev wheel, a test dependency), and exactly the
-exported symbols our X-macro lists name."""
+the real cuda.h and nvml.h (of the default CUDA line's wheels, tests/cudakit.py),
+and exactly the exported symbols our X-macro lists name."""
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -15,30 +13,19 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "csrc"))
 import build_native  # noqa: E402
 
-needs_real_cuda_h = pytest.mark.skipif(
-    not (build_native.REAL_CUDA_INCLUDE / "cuda.h").exists(),
-    reason="NVIDIA's cuda.h is not installed (CI machines have it at /usr/local/cuda)",
-)
+from tests import cudakit  # noqa: E402
 
 
+@pytest.fixture(scope="module")
+def cuda_include() -> Path:
+    """NVIDIA's cuda.h, from the default line's wheels."""
+    return cudakit.toolkit().header("cuda.h").parent
 
 
-def _real_nvml_include() -> Path | None:
-    """The directory of NVIDIA's nvml.h in the installed nvidia-nvml-dev wheel
-    (nvidia/<cuda major>/include), wherever pip put it."""
-    spec = importlib.util.find_spec("nvidia")
-    for base in spec.submodule_search_locations or () if spec else ():
-        for inc in sorted(Path(base).glob("*/include")):
-            if (inc / "nvml.h").is_file():
-                return inc
-    return None
-
-
-REAL_NVML_INCLUDE = _real_nvml_include()
-needs_real_nvml_h = pytest.mark.skipif(
-    REAL_NVML_INCLUDE is None,
-    reason="NVIDIA's nvml.h is not installed (the nvidia-nvml-dev wheel of the test extra ships it)",
-)
+@pytest.fixture(scope="module")
+def nvml_include() -> Path:
+    """NVIDIA's nvml.h, from the newest line's wheels."""
+    return cudakit.toolkit(cudakit.NVML).header("nvml.h").parent
 
 
 def _probe(tmp_path: Path, *flags: str, source: str = "abi_probe.c") -> str:
@@ -51,35 +38,31 @@ def _probe(tmp_path: Path, *flags: str, source: str = "abi_probe.c") -> str:
     return subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
 
 
-@needs_real_cuda_h
-def test_values_and_layouts_match_the_real_cuda_h(tmp_path):
+def test_values_and_layouts_match_the_real_cuda_h(tmp_path, cuda_include):
     ours = _probe(tmp_path)
-    real = _probe(tmp_path, "-DCGPU_USE_REAL_CUDA_H", f"-I{build_native.REAL_CUDA_INCLUDE}")
+    real = _probe(tmp_path, "-DCGPU_USE_REAL_CUDA_H", f"-I{cuda_include}")
     assert ours.count("\n") > 100
     assert ours == real
 
 
-@needs_real_cuda_h
 @pytest.mark.parametrize("output", ["sim/libcuda.so.1", "bin/cgpu-burn", "lib/libcgpu.so"])
-def test_driver_code_compiles_against_the_real_cuda_h(tmp_path, output):
+def test_driver_code_compiles_against_the_real_cuda_h(tmp_path, output, cuda_include):
     # A prototype that drifted from NVIDIA's is a "conflicting types" error.
     target = next(t for t in build_native.TARGETS if t.output == output)
-    assert build_native.compile_target(target, tmp_path, build_native.REAL_CUDA_H).exists()
+    assert build_native.compile_target(target, tmp_path, build_native.real_cuda_h(cuda_include)).exists()
 
 
-@needs_real_nvml_h
-def test_nvml_values_and_layouts_match_the_real_nvml_h(tmp_path):
+def test_nvml_values_and_layouts_match_the_real_nvml_h(tmp_path, nvml_include):
     ours = _probe(tmp_path, source="nvml_probe.c")
-    real = _probe(tmp_path, "-DCGPU_USE_REAL_NVML_H", f"-I{REAL_NVML_INCLUDE}", source="nvml_probe.c")
+    real = _probe(tmp_path, "-DCGPU_USE_REAL_NVML_H", f"-I{nvml_include}", source="nvml_probe.c")
     assert ours.count("\n") > 150
     assert ours == real
 
 
-@needs_real_nvml_h
 @pytest.mark.parametrize("output", ["sim/libnvidia-ml.so.1", "lib/libcgpu.so"])
-def test_nvml_code_compiles_against_the_real_nvml_h(tmp_path, output):
+def test_nvml_code_compiles_against_the_real_nvml_h(tmp_path, output, nvml_include):
     # A prototype that drifted from NVIDIA's is a "conflicting types" error.
-    variant = build_native.Variant("real-nvml-h", ("-O2",), (), ("CGPU_USE_REAL_NVML_H",), (str(REAL_NVML_INCLUDE),))
+    variant = build_native.Variant("real-nvml-h", ("-O2",), (), ("CGPU_USE_REAL_NVML_H",), (str(nvml_include),))
     target = next(t for t in build_native.TARGETS if t.output == output)
     assert build_native.compile_target(target, tmp_path, variant).exists()
 
@@ -111,20 +94,18 @@ def _nvml_generator():
     return gen_nvml_unmodelled
 
 
-@needs_real_nvml_h
-def test_simulated_nvml_exports_every_function_of_the_real_nvml_h(native):
+def test_simulated_nvml_exports_every_function_of_the_real_nvml_h(native, nvml_include):
     # Newest versions and the legacy names alike: what a real libnvidia-ml.so.1 exports.
     gen = _nvml_generator()
-    declared = {name for name, _ in gen.header_functions(gen.preprocess(REAL_NVML_INCLUDE / "nvml.h"))}
+    declared = {name for name, _ in gen.header_functions(gen.preprocess(nvml_include / "nvml.h"))}
     assert len(declared) > 400 and {"nvmlInit", "nvmlInit_v2", "nvmlDeviceGetCount"} <= declared
     assert set(_exports(native / "sim/libnvidia-ml.so.1")) == declared
 
 
-@needs_real_nvml_h
-def test_generated_nvml_stub_list_is_current():
+def test_generated_nvml_stub_list_is_current(nvml_include):
     gen = _nvml_generator()
-    assert gen.UNMODELLED_DEF.read_text() == gen.generate(REAL_NVML_INCLUDE / "nvml.h"), (
-        "run: .venv/bin/python csrc/simgpu/gen_nvml_unmodelled.py"
+    assert gen.UNMODELLED_DEF.read_text() == gen.generate(nvml_include / "nvml.h"), (
+        f"run: .venv/bin/python csrc/simgpu/gen_nvml_unmodelled.py {nvml_include / 'nvml.h'}"
     )
 
 
@@ -148,23 +129,20 @@ def _cuda_generator():
     return gen_cuda_exports
 
 
-@needs_real_cuda_h
-def test_simulated_driver_exports_every_function_of_the_real_cuda_h(native):
+def test_simulated_driver_exports_every_function_of_the_real_cuda_h(native, cuda_include):
     # Every variant a real libcuda.so.1 exports (_v2, _ptds, the 32-bit v1 forms), nothing else.
-    declared = set(_cuda_generator().declarations(build_native.REAL_CUDA_INCLUDE))
+    declared = set(_cuda_generator().declarations(cuda_include))
     assert len(declared) > 600 and {"cuMemAlloc", "cuMemAlloc_v2", "cuMemcpy_ptds", "cuGetExportTable"} <= declared
     assert set(_exports(native / "sim/libcuda.so.1")) == declared
 
 
-@needs_real_cuda_h
-def test_generated_cuda_stub_list_is_current():
+def test_generated_cuda_stub_list_is_current(cuda_include):
     gen = _cuda_generator()
-    made = gen.render(build_native.REAL_CUDA_INCLUDE, gen.MODELLED_DEF.read_text())
-    assert gen.UNMODELLED_DEF.read_text() == made, "run: .venv/bin/python csrc/simgpu/gen_cuda_exports.py"
+    made = gen.render(cuda_include, gen.MODELLED_DEF.read_text())
+    assert gen.UNMODELLED_DEF.read_text() == made, f"run: .venv/bin/python csrc/simgpu/gen_cuda_exports.py {cuda_include}"
 
 
-@needs_real_cuda_h
-def test_cuda_stub_prototypes_match_the_real_cuda_h(tmp_path):
+def test_cuda_stub_prototypes_match_the_real_cuda_h(tmp_path, cuda_include):
     # The stubs are defined without parameters; the list's prototypes, kept
     # for readers and checks, must still be NVIDIA's ("conflicting types").
     src = tmp_path / "stubs.c"
@@ -174,4 +152,4 @@ def test_cuda_stub_prototypes_match_the_real_cuda_h(tmp_path):
         f'#include "{ROOT / "csrc/simgpu/cuda_unmodelled.def"}"\n'
     )
     subprocess.run(["cc", "-std=c11", "-Wall", "-Wextra", "-Werror", "-fsyntax-only",
-                    f"-I{build_native.REAL_CUDA_INCLUDE}", str(src)], check=True)
+                    f"-I{cuda_include}", str(src)], check=True)

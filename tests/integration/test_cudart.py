@@ -2,22 +2,21 @@
 real libcudart.so.13 and a CUDA C++ program built here by nvcc
 (tests/cuda/spin.cu: its spin kernel embedded as PTX in a fatbin), bare and
 as tenants of `cgpuctl run --mem 1GiB --core 30`. Each program step prints
-"<step> <cudaError name> [values]" (see spin.cu)."""
+"<step> <cudaError name> [values]" (see spin.cu). The toolchain is the
+default CUDA line's from PyPI (tests/cudakit.py); every line's runtime:
+test_cuda_runtimes.py."""
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from tests import cudakit
 from tests.daemonproc import BIN, running_daemon
 from tests.integration.test_sanitizers import san_env, san_native  # noqa: F401 (fixtures)
 
 ROOT = Path(__file__).resolve().parents[2]
-CUDA = Path("/usr/local/cuda")
-NVCC = CUDA / "bin" / "nvcc"
-CUDART_DIR = CUDA / "lib64"
 GIB = 1 << 30
 MIB64 = 64 << 20
 
@@ -52,33 +51,26 @@ int main(int argc, char **argv)
 """
 
 
-def needs_cuda(*tools: Path) -> None:
-    for tool in (CUDART_DIR / "libcudart.so.13", *tools):
-        if not tool.exists():
-            pytest.skip(f"needs the CUDA 13 toolkit ({tool})")
-
-
 @pytest.fixture(scope="module")
 def c_program(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    needs_cuda()
-    if not shutil.which("cc"):
-        pytest.skip("needs a C compiler")
     tmp = tmp_path_factory.mktemp("cudart_c")
     (tmp / "prog.c").write_text(C_PROGRAM)
     subprocess.run(["cc", "-std=c11", "-Wall", "-Werror", "-o", str(tmp / "prog"), str(tmp / "prog.c"),
-                    f"-I{CUDA / 'include'}", f"-L{CUDART_DIR}", "-lcudart", f"-Wl,-rpath,{CUDART_DIR}"], check=True)
+                    *cudakit.toolkit().cc_flags("shared")], check=True)
     return tmp / "prog"
 
 
-def build_spin(out: Path, compress: str, code: str = "compute_75", cudart: str = "shared", *flags: str) -> Path:
+def build_spin(out: Path, compress: str, code: str = "compute_75", cudart: str = "shared", *flags: str,
+               line: str = cudakit.DEFAULT) -> Path:
     """spin.cu as PTX only (compute_75) or as machine code (sm_80), the
-    fatbin compressed as asked, with the shared or nvcc's default, static
-    runtime."""
-    needs_cuda(NVCC)
+    fatbin compressed as asked, with the shared or static runtime, by the
+    given line's nvcc."""
+    kit = cudakit.toolkit(line)
     arch = code.replace("sm_", "compute_")
-    subprocess.run([str(NVCC), "-gencode", f"arch={arch},code={code}", "-cudart", cudart,
-                    f"--compress-mode={compress}", *flags, "-o", str(out), str(ROOT / "tests/cuda/spin.cu")],
-                   check=True, capture_output=True, timeout=300)
+    proc = subprocess.run([str(kit.nvcc), "-gencode", f"arch={arch},code={code}", *kit.nvcc_link_flags(cudart),
+                           f"--compress-mode={compress}", *flags, "-o", str(out), str(ROOT / "tests/cuda/spin.cu")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     return out
 
 
@@ -320,11 +312,9 @@ def test_a_tenant_trying_every_runtime_allocator_stops_at_its_limit(tmp_path, te
     """Managed, pitched and 3D allocations through cudart are device memory
     and stop at the instance's 1 GiB, each given back in full before the
     next; pinned host memory is not the GPU's and goes past it."""
-    needs_cuda()
     src, exe = tmp_path / "allocators.c", tmp_path / "allocators"
     src.write_text(EVERY_ALLOCATOR)
-    subprocess.run(["cc", "-o", str(exe), str(src), f"-I{CUDA / 'include'}", f"-L{CUDART_DIR}", "-lcudart",
-                    f"-Wl,-rpath,{CUDART_DIR}"], check=True)
+    subprocess.run(["cc", "-o", str(exe), str(src), *cudakit.toolkit().cc_flags("shared")], check=True)
     run = (str(BIN / "cgpuctl"), "--socket", str(tenant_daemon.socket), "run", "--mem", "1GiB", "--")
     got = steps(exe, tenant_daemon.env, "managed", "pitch", "3d", "pinned", "managed", prefix=run)
     for kind in ("managed", "pitch", "3d", "managed@last"):

@@ -16,19 +16,20 @@ from pathlib import Path
 
 import pytest
 
+from tests import cudakit
 from tests.conftest import write_sim_config
 from tests.integration.simrun import run_py
 
 ROOT = Path(__file__).resolve().parents[2]
 CSRC = ROOT / "csrc"
-REAL_CUDA_INCLUDE = Path("/usr/local/cuda/include")
 CUDA_ERROR_NOT_SUPPORTED = 801
 CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM = 2
 
-needs_real_cuda_h = pytest.mark.skipif(
-    not (REAL_CUDA_INCLUDE / "cuda.h").exists(),
-    reason="NVIDIA's cuda.h is not installed (CI machines have it at /usr/local/cuda)",
-)
+
+
+def real_cuda_include() -> Path:
+    """NVIDIA's cuda.h: the default CUDA line's (tests/cudakit.py)."""
+    return cudakit.toolkit().header("cuda.h").parent
 
 
 def _rows() -> list[tuple[str, str, int, str]]:
@@ -149,7 +150,7 @@ def test_every_stub_answers_not_supported(sim_env):
 def _build_calls(out: Path, lib_dir: Path, *flags: str) -> Path:
     exe = out / "sim_driver_calls"
     subprocess.run(
-        ["cc", "-std=c11", "-Wall", "-Wextra", "-Werror", *flags, f"-I{REAL_CUDA_INCLUDE}",
+        ["cc", "-std=c11", "-Wall", "-Wextra", "-Werror", *flags, f"-I{real_cuda_include()}",
          str(Path(__file__).with_name("sim_driver_calls.c")), "-o", str(exe), f"-L{lib_dir}", "-l:libcuda.so.1"],
         check=True,
     )
@@ -169,7 +170,6 @@ def _run_calls(exe: Path, sim_env: dict[str, str]) -> dict[str, object]:
     return json.loads(proc.stdout)
 
 
-@needs_real_cuda_h
 def test_a_program_built_against_cuda_h_pins_copies_and_queries(calls_program, sim_env):
     got = _run_calls(calls_program, sim_env)
     assert got["first_fail_line"] == 0, proc.stderr
@@ -296,7 +296,6 @@ def test_function_attributes_have_defaults_and_take_what_may_be_set(sim_env):
     assert got["stream_ctx"] == ["CUDA_SUCCESS", True]  # the NULL stream's: the current context
 
 
-@needs_real_cuda_h
 def test_pinning_and_copies_are_clean_under_sanitizers(sim_env, tmp_path):
     # The simulated driver and the program both built with ASan/UBSan (leaks
     # included): the copies' backing, the pinned records, the pools.

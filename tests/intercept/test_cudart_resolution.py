@@ -1,10 +1,11 @@
-"""The entry points the real CUDA runtime resolves, listed from a traced run
-of it (every cuGetProcAddress request while libcudart.so.13 starts on the
-simulated GPU), and where each one lands under libcgpu.so: every request for a
-name that allocates device memory, launches work, shows memory or waits for
-work gets libcgpu's hook for the variant the driver picks, whatever version
-and stream flavour cudart asks for. A CUDA release whose runtime asks for a
-new such name fails here until it is classified and hooked."""
+"""The entry points the real CUDA runtimes resolve, listed from a traced run
+of each (every cuGetProcAddress request while libcudart of 12.9, 13.0 and the
+newest 13.x starts on the simulated GPU), and where each one lands under
+libcgpu.so: every request for a name that allocates device memory, launches
+work, shows memory or waits for work gets libcgpu's hook for the variant the
+driver picks, whatever version and stream flavour cudart asks for. A CUDA
+release whose runtime asks for a new such name fails here until it is
+classified and hooked."""
 from __future__ import annotations
 
 import json
@@ -15,14 +16,13 @@ from pathlib import Path
 
 import pytest
 
+from tests import cudakit
 from tests.conftest import write_sim_config
 from tests.integration.simrun import run_py
 from tests.intercept.conftest import GIB
 from tests.intercept.test_resolution import ALLOC_PATTERN, ALLOCATING_IN_CUDART, HOOKED, NOT_INSTANCE_MEMORY
 
 ROOT = Path(__file__).resolve().parents[2]
-CUDA = Path("/usr/local/cuda")
-CUDART = CUDA / "lib64" / "libcudart.so.13"
 
 LAUNCH_PATTERN = re.compile(r"^cu\w*Launch\w*$")
 # Launch-named entry points that put no device work on the GPU, with the reason.
@@ -46,19 +46,22 @@ int main(void)
 }
 """
 
+@pytest.fixture(scope="module", params=list(cudakit.LINES))
+def kit(request: pytest.FixtureRequest) -> cudakit.Toolkit:
+    return cudakit.toolkit(request.param)
+
+
 @pytest.fixture(scope="module")
-def cudart_requests(tmp_path_factory: pytest.TempPathFactory, native: Path) -> list[tuple[str, int, int]]:
-    """Every (name, cudaVersion, flags) the real libcudart asks the driver
+def cudart_requests(tmp_path_factory: pytest.TempPathFactory, native: Path,
+                    kit: cudakit.Toolkit) -> list[tuple[str, int, int]]:
+    """Every (name, cudaVersion, flags) the line's libcudart asks the driver
     for while it starts, in order, traced on the simulated GPU by
     tests/cuda/gpa_tracer.c (preloaded)."""
-    if not CUDART.exists():
-        pytest.skip("needs the CUDA 13 runtime at /usr/local/cuda")
     tmp = tmp_path_factory.mktemp("cudart")
     src = tmp / "starts.c"
     src.write_text(STARTS_CUDART)
     exe, tracer = tmp / "starts", tmp / "libgpa_tracer.so"
-    subprocess.run(["cc", "-o", str(exe), str(src), f"-I{CUDA / 'include'}", f"-L{CUDART.parent}", "-lcudart",
-                    f"-Wl,-rpath,{CUDART.parent}"], check=True)
+    subprocess.run(["cc", "-o", str(exe), str(src), *kit.cc_flags("shared")], check=True)
     subprocess.run(["cc", "-std=c11", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC", "-o", str(tracer),
                     str(ROOT / "tests/cuda/gpa_tracer.c"), "-ldl"], check=True)
     env = dict(os.environ, LD_LIBRARY_PATH=str(native / "sim"), LD_PRELOAD=str(tracer),
@@ -100,9 +103,8 @@ RESOLVE = """
 """
 
 
-def interop_names() -> set[str]:
-    text = "".join((CUDA / "include" / h).read_text() for h in ("cudaGL.h", "cudaEGL.h", "cudaVDPAU.h",
-                                                                  "cudaProfiler.h"))
+def interop_names(kit: cudakit.Toolkit) -> set[str]:
+    text = "".join(kit.header(h).read_text() for h in ("cudaGL.h", "cudaEGL.h", "cudaVDPAU.h", "cudaProfiler.h"))
     return set(re.findall(r"CUresult CUDAAPI (cu\w+)\(", text))
 
 
@@ -110,7 +112,7 @@ def resolve_all(env: dict[str, str], requests: list[tuple[str, int, int]]) -> li
     return run_py(env, RESOLVE.format(requests=requests), timeout=120)
 
 
-def test_cudart_asks_for_hundreds_of_names_and_the_simulator_answers_each(cudart_requests, sim_env):
+def test_cudart_asks_for_hundreds_of_names_and_the_simulator_answers_each(cudart_requests, sim_env, kit):
     names = {name for name, _, _ in cudart_requests}
     assert len(cudart_requests) >= 400 and len(names) >= 300, len(cudart_requests)
     assert "cuGetExportTable" in names  # the private tables: csrc/simgpu/export_tables.c
@@ -119,12 +121,12 @@ def test_cudart_asks_for_hundreds_of_names_and_the_simulator_answers_each(cudart
     # Only the graphics-interop and profiler entry points, which cudaGL.h,
     # cudaEGL.h, cudaVDPAU.h and cudaProfiler.h declare, not cuda.h: a
     # driver without them answers "not found" and cudart goes on.
-    assert unanswered == unanswered & interop_names(), sorted(unanswered - interop_names())
+    assert unanswered == unanswered & interop_names(kit), sorted(unanswered - interop_names(kit))
     assert len(unanswered) < len(names) // 10
 
 
 def test_every_allocating_launching_or_viewing_name_cudart_resolves_lands_on_libcgpu(cudart_requests, sim_env,
-                                                                                      instance):
+                                                                                      instance, kit):
     names = {name for name, _, _ in cudart_requests}
     hooked, unclassified = must_be_hooked(names)
     assert not unclassified, f"classify these driver entry points cudart resolves: {sorted(unclassified)}"
@@ -139,12 +141,13 @@ def test_every_allocating_launching_or_viewing_name_cudart_resolves_lands_on_lib
         if lib != "libcgpu.so" or sym != driver_sym or sym not in HOOKED:
             wrong.append((*req, driver_sym, lib, sym))
     assert not wrong, f"(name, version, flags, driver's symbol, answered by, symbol): {wrong}"
-    # both stream flavours and the versions cudart 13 asks were seen
+    # both stream flavours and the versions each line asks were seen:
+    # CUDA 13's cuCtxSynchronize_v2, 12's first version
     assert any(flags == 2 for name, _, flags in wanted if name == "cuLaunchKernel")
-    assert ("cuCtxSynchronize", 13000, 0) in wanted  # CUDA 13's cuCtxSynchronize_v2
+    assert ("cuCtxSynchronize", 13000 if kit.line.version >= 13000 else 2000, 0) in wanted
 
 
-def test_figures_of_what_cudart_resolves(cudart_requests, sim_env, instance):
+def test_figures_of_what_cudart_resolves(cudart_requests, sim_env, instance, kit):
     """How many of cudart's names the simulator models, stubs, and libcgpu
     intercepts (docs/simulated-gpu.md quotes these)."""
     modelled = set(re.findall(r"^CU_FN\(\w+, (\w+),", (ROOT / "csrc/include/cgpu/cuda_functions.def").read_text(),
@@ -154,9 +157,9 @@ def test_figures_of_what_cudart_resolves(cudart_requests, sim_env, instance):
     names = {name for name, _, _ in cudart_requests}
     under = resolve_all(instance({0: GIB}), cudart_requests)
     intercepted = {req[0] for req, (_, lib, _) in zip(cudart_requests, under) if lib == "libcgpu.so"}
-    figures = {"requests": len(cudart_requests), "names": len(names), "modelled": len(names & modelled),
+    figures = {"line": kit.line.name, "requests": len(cudart_requests), "names": len(names), "modelled": len(names & modelled),
                "stubbed": len(names & stubbed - modelled), "not_found": len(names - modelled - stubbed),
                "intercepted": len(intercepted)}
     print(json.dumps(figures))
-    assert names - modelled - stubbed <= interop_names()
+    assert names - modelled - stubbed <= interop_names(kit)
     assert intercepted <= names and len(intercepted) >= 20

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import cudakit
 from tests.integration.simrun import run_py
 from tests.intercept.conftest import GIB, build_c
 
@@ -203,10 +204,12 @@ NOT_INSTANCE_MEMORY = {
 ALLOC_PATTERN = re.compile(r"^cu\w*(Alloc|ArrayCreate|Import|Register|MemCreate|Mipmapped\w*Create)\w*$")
 
 
-def test_every_allocating_entry_point_of_cudart_is_accounted():
-    cudart = Path("/usr/local/cuda/lib64/libcudart.so.13")
-    if not cudart.exists():
-        pytest.skip("the CUDA runtime is not installed (CI machines have it at /usr/local/cuda)")
+@pytest.mark.parametrize("line", list(cudakit.LINES))
+def test_every_allocating_entry_point_of_cudart_is_accounted(line):
+    """The driver names every runtime line users run can ask for (12.9 to
+    the newest 13.x), read from its libcudart: each allocating one hooked or
+    said why not."""
+    cudart = cudakit.toolkit(line).cudart
     text = subprocess.run(["strings", str(cudart)], capture_output=True, text=True, check=True).stdout
     names = {n for n in text.split() if re.fullmatch(r"cu[A-Z]\w+", n)}
     assert len(names) > 400
