@@ -187,10 +187,13 @@ def test_under_cgpuctl_run_cudart_sees_1gib_stops_there_and_gets_30_percent(tena
     assert got["fill"] == ["cudaErrorMemoryAllocation", str(GIB)]
 
 
-def test_cudart_paths_are_clean_under_sanitizers(spin, san_env):
+@pytest.mark.parametrize("line", ["13.0", "13.5"])
+def test_cudart_paths_are_clean_under_sanitizers(tmp_path, san_env, line):
     """Export tables, fatbin reading, libraries and kernels through the
-    sanitized simulated driver (the program itself is not instrumented: the
-    ASan runtime is preloaded; cudart's own allocations are not ours to check)."""
+    sanitized simulated driver, for the runtime of the driver's own version
+    and the newest (the program itself is not instrumented: the ASan runtime
+    is preloaded; cudart's own allocations are not ours to check)."""
+    spin = build_spin(tmp_path / "spin", "default", line=line)
     asan = subprocess.run(["cc", "-print-file-name=libasan.so"], capture_output=True, text=True, check=True).stdout
     env = dict(san_env, LD_PRELOAD=asan.strip(), ASAN_OPTIONS="detect_leaks=0:abort_on_error=0:exitcode=86")
     proc = subprocess.run([str(spin), "count", "meminfo", "malloc", "async", "managed", "kernel", "graph", "capture",
