@@ -7,19 +7,9 @@
 #include <cstring>
 #include <cuda_runtime.h>
 
-// Spins on the device's nanosecond timer for ns nanoseconds: its cost is
-// known without knowing the GPU, as the driver-API workload's cgpu_spin.
-__global__ void cgpu_spin(unsigned long long ns)
-{
-    unsigned long long start;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-    for (;;) {
-        unsigned long long now;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-        if (now - start >= ns)
-            break;
-    }
-}
+// The spin kernel: its cost is known without knowing the GPU, as the
+// driver-API workload's cgpu_spin.
+#include "spin_kernel.cu"
 
 static void report(const char *step, cudaError_t rc, const char *fmt = "", unsigned long long a = 0,
                    unsigned long long b = 0)
