@@ -46,6 +46,8 @@ class PodSource(Protocol):
 
     def annotate_pod(self, namespace: str, name: str, annotations: Mapping[str, str | None]) -> PodInfo: ...
 
+    def warn_pod(self, pod: PodInfo, node: str, reason: str, message: str) -> None: ...
+
 
 def spec_path(cdi_dir: Path, instance_id: str) -> Path:
     return cdi_dir / f"{SPEC_PREFIX}{instance_id}.json"
@@ -100,7 +102,13 @@ class PodAllocator:
         held = {i.owner.id for i in pod_instances}
         live_ids = {i.id for i in pod_instances}  # answers of released instances are no retry's any more
         self._answered = {k: v for k, v in self._answered.items() if v in live_ids}
-        chosen = assignment.resolve_memory(pods, gib, self._node, held)
+        try:
+            resolution = assignment.resolve_memory(pods, gib, self._node, held)
+        except assignment.Unresolved as e:
+            self._warn_skipped(e.skipped)
+            raise
+        self._warn_skipped(resolution.skipped)
+        chosen = resolution.assignment
         request = Request(Owner(OwnerKind.POD, chosen.owner.owner_id), chosen.memory_gib * GIB, chosen.gpu_count,
                           chosen.core_percent, gpu_indexes=chosen.gpu_indexes, reservation=chosen.pod.uid)
         where = f"pod {chosen.pod.key} container {chosen.container}"
@@ -181,6 +189,17 @@ class PodAllocator:
         self._service.release(instance.id, restore=reserved)
 
     # ---- helpers ---------------------------------------------------------------------
+
+    def _warn_skipped(self, skipped: Sequence[assignment.Skipped]) -> None:
+        """Each pod passed over gets a Warning event saying why; its owner
+        fixes the annotation (the pod itself waits, as it would have)."""
+        for s in skipped:
+            self._log.warning("pod passed over", pod=s.pod.key, reason=s.reason)
+            try:
+                self._api.warn_pod(s.pod, self._node, "CgpuAnnotationInvalid",
+                                   f"cgpud on {self._node} passed this pod over for a GPU share: {s.reason}")
+            except ApiServerError as e:  # the log line stays
+                self._log.error("cannot record an event on the pod", pod=s.pod.key, error=str(e))
 
     def _pods(self) -> list[PodInfo]:
         try:

@@ -9,6 +9,7 @@ catch up later, while an answer the API server gave (403, 404, 422) is an
 ApiServerError that says which call and why."""
 from __future__ import annotations
 
+import datetime
 import json
 import os
 from collections.abc import Mapping
@@ -177,6 +178,18 @@ class ApiServer:
         return pod_info(self._call(f"annotate pod {namespace}/{name}", self._core.patch_namespaced_pod, name,
                                    namespace, body, _content_type=MERGE_PATCH))
 
+    def warn_pod(self, pod: PodInfo, node: str, reason: str, message: str) -> None:
+        """A Warning event on the pod (what `kubectl describe pod` shows)."""
+        now = datetime.datetime.now(datetime.timezone.utc)
+        body = k8s.CoreV1Event(
+            metadata=k8s.V1ObjectMeta(generate_name=f"{pod.name}.", namespace=pod.namespace),
+            involved_object=k8s.V1ObjectReference(kind="Pod", api_version="v1", namespace=pod.namespace,
+                                                  name=pod.name, uid=pod.uid),
+            reason=reason, message=message[:1024], type="Warning", count=1, first_timestamp=now,
+            last_timestamp=now, source=k8s.V1EventSource(component="cgpud", host=node),
+            reporting_component="cgpud", reporting_instance=node)
+        self._call(f"record an event on pod {pod.key}", self._core.create_namespaced_event, pod.namespace, body)
+
     # ---- nodes ----------------------------------------------------------------------
 
     def node(self, name: str) -> NodeInfo:
@@ -258,6 +271,9 @@ class LazyApiServer:
 
     def annotate_pod(self, namespace: str, name: str, annotations: Mapping[str, str | None]) -> PodInfo:
         return self._connected().annotate_pod(namespace, name, annotations)
+
+    def warn_pod(self, pod: PodInfo, node: str, reason: str, message: str) -> None:
+        self._connected().warn_pod(pod, node, reason, message)
 
     def node(self, name: str) -> NodeInfo:
         return self._connected().node(name)

@@ -120,21 +120,62 @@ def _what(resource: Resource, count: int) -> str:
     return f"{count} {_UNITS.get(resource, '')}{resource.value}"
 
 
-def resolve_memory(pods: Sequence[PodInfo], gib: int, node: str, held: Collection[str]) -> Assignment:
+@dataclass(frozen=True)
+class Skipped:
+    """A candidate pod passed over: its annotations do not parse or do not fit its spec."""
+
+    pod: PodInfo
+    reason: str
+
+
+@dataclass(frozen=True)
+class Resolution:
+    assignment: Assignment
+    skipped: tuple[Skipped, ...]
+
+
+class Unresolved(AllocationError):
+    """No candidate is left; `skipped` names those passed over."""
+
+    def __init__(self, message: str, skipped: tuple[Skipped, ...]) -> None:
+        super().__init__(message)
+        self.skipped = skipped
+
+
+def resolve_memory(pods: Sequence[PodInfo], gib: int, node: str, held: Collection[str]) -> Resolution:
     """The container an Allocate of `gib` GiB of aliyun.com/gpu-mem is for:
     in the oldest assumed pod, the first container asking for that much
-    with no instance (`held`: owner ids of active pod instances)."""
-    matches: list[tuple[int, PodInfo, ContainerInfo]] = []
+    with no instance (`held`: owner ids of active pod instances).
+
+    A candidate whose annotations do not parse (or contradict its spec) is
+    skipped and named in the answer: one bad pod must not stop every
+    Allocate of its size on the node, since the kubelet does not retry a
+    failed admission."""
+    skipped: list[Skipped] = []
+    candidates: list[tuple[int, str, PodInfo, ContainerInfo]] = []
     for pod in pods:
         if not assumed(pod):
             continue
         free = [c for c in gpu_containers(pod)
                 if c.limit(Resource.GPU_MEM) == gib and pod_container(pod, c.name).owner_id not in held]
-        if free:
-            matches.append((assume_time(pod), pod, free[0]))
-    if not matches:
-        raise AllocationError(_no_pod(pods, Resource.GPU_MEM, gib, node))
-    _, pod, container = min(matches, key=lambda m: (m[0], m[1].key))
+        if not free:
+            continue
+        try:
+            candidates.append((assume_time(pod), pod.key, pod, free[0]))
+        except AllocationError as e:
+            skipped.append(Skipped(pod, str(e)))
+    for _, _, pod, container in sorted(candidates, key=lambda c: (c[0], c[1])):
+        try:
+            return Resolution(_assignment(pod, container, gib), tuple(skipped))
+        except AllocationError as e:
+            skipped.append(Skipped(pod, str(e)))
+    text = _no_pod(pods, Resource.GPU_MEM, gib, node)
+    if skipped:
+        text += "; passed over: " + "; ".join(s.reason for s in skipped)
+    raise Unresolved(text, tuple(skipped))
+
+
+def _assignment(pod: PodInfo, container: ContainerInfo, gib: int) -> Assignment:
     indexes, count = _placement(pod, container)
     if gib % count:
         raise AllocationError(f"pod {pod.key} container {container.name} asks for {gib} GiB on {count} GPUs: cgpu "

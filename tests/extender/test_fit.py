@@ -268,7 +268,7 @@ def _resolve_all(p: dict, notes: dict[str, str]) -> dict[str, tuple[tuple[int, .
     held: set[str] = set()
     out = {}
     for c in assignment.gpu_containers(info):
-        a = assignment.resolve_memory([info], c.limit(assignment.Resource.GPU_MEM), "n1", held)
+        a = assignment.resolve_memory([info], c.limit(assignment.Resource.GPU_MEM), "n1", held).assignment
         held.add(a.owner.owner_id)
         out[a.container] = (a.gpu_indexes, a.memory_gib)
     return out

@@ -110,7 +110,7 @@ def test_nodes_from_annotations_bind_annotates_and_binds(setup: tuple[list[Any],
         info = api.pod("default", "a")
     finally:
         api.close()
-    assert info is not None and assignment.resolve_memory([info], 6, "node-0", set()).gpu_indexes == (0,)
+    assert info is not None and assignment.resolve_memory([info], 6, "node-0", set()).assignment.gpu_indexes == (0,)
 
     # A pod the extender never saw at filter is read from the API server.
     gpu_pod(state, "b", 8, count=2)

@@ -2,7 +2,8 @@
 real REST paths and JSON, so the official client library on cgpud's side
 runs unchanged: list pods by node (field selector), read and merge-patch a
 pod, read and merge-patch a Node. For the scheduler side (cgpu-scheduler):
-bind a pod (POST pods/{name}/binding, or the bindings collection), list
+bind a pod (POST pods/{name}/binding, or the bindings collection), record
+an Event (POST events), list
 Nodes and watch them (`?watch=true`: the current Nodes as ADDED, then each
 change as it is seen). Plain HTTP on 127.0.0.1 (or a given address), a
 kubeconfig file pointing at it. Objects live in dicts the test owns (`pods`,
@@ -75,6 +76,7 @@ class ApiState:
         self.fail_patch: int | None = None  # answer pod PATCHes with this status
         self.fail_binding: int | None = None  # answer Binding POSTs with this status
         self.bindings: list[tuple[str, str, str]] = []  # (namespace, pod, node) of each Binding made
+        self.events: list[dict[str, Any]] = []  # Events created (core/v1), as sent
 
     def add_pod(self, pod: dict[str, Any]) -> dict[str, Any]:
         with self.lock:
@@ -228,6 +230,10 @@ class _Handler(BaseHTTPRequestHandler):
             if parts[:3] == ["api", "v1", "namespaces"] and parts[4:] == ["bindings"]:
                 return self._send(*state.bind(parts[3], meta.get("name", ""), node, meta.get("uid", ""),
                                               meta.get("annotations")))
+            if parts[:3] == ["api", "v1", "namespaces"] and parts[4:] == ["events"] and isinstance(body, dict):
+                event = dict(body, metadata=dict(meta, name=f"{meta.get('generateName', 'e.')}{len(state.events)}"))
+                state.events.append(event)
+                return self._send(201, event)
         self._send(404, _status(404, "NotFound", f"no route {self.path}"))
 
     def do_PATCH(self) -> None:

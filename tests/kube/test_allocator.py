@@ -128,6 +128,24 @@ def test_a_malformed_annotation_names_the_pod_and_makes_nothing(rig: Rig):
     rig.nothing_made()
 
 
+def test_one_pod_with_an_unparseable_assume_time_stops_no_other_pod_of_its_size(rig: Rig):
+    """The attack: a pod (the tenant's own, annotated by hand, or a broken
+    scheduler) whose ALIYUN_COM_GPU_MEM_ASSUME_TIME does not parse made every
+    Allocate of its size on the node fail, and the kubelet does not retry a
+    failed admission. It is passed over now, with a Warning event on it."""
+    bad = rig.assumed_pod("hostile", idx="0")
+    rig.server.state.pods[("default", "hostile")]["metadata"]["annotations"]["ALIYUN_COM_GPU_MEM_ASSUME_TIME"] = "soon"
+    rig.assumed_pod("victim", t=500, idx="1")
+    rig.allocator.allocate(Resource.GPU_MEM, ids(2))
+    [inst] = rig.service.list()
+    assert "/victim/" in inst.owner.id
+    [event] = rig.server.state.events
+    assert event["type"] == "Warning" and event["reason"] == "CgpuAnnotationInvalid"
+    assert event["involvedObject"]["name"] == "hostile" and event["involvedObject"]["uid"] == bad["metadata"]["uid"]
+    assert "ALIYUN_COM_GPU_MEM_ASSUME_TIME='soon' is not a Unix time" in event["message"]
+    assert event["source"] == {"component": "cgpud", "host": NODE}
+
+
 def test_more_than_the_annotated_gpu_holds_fails_with_the_reason(rig: Rig):
     rig.assumed_pod("big", gib=12, idx="1", t=1)
     rig.assumed_pod("next", gib=8, idx="1", t=2)

@@ -30,27 +30,31 @@ def pod(name: str, *, t: int | str | None = 100, idx: str | None = "0", assigned
     return PodInfo(f"uid-{name}", "ns", name, "node-1", phase, ann, tuple(cs), deleting)
 
 
+def resolve(pods, gib, node, held) -> Assignment:
+    return resolve_memory(pods, gib, node, held).assignment
+
+
 def test_the_oldest_assumed_pod_of_that_size_is_chosen():
     pods = [pod("young", t=300), pod("old", t=100, idx="1"), pod("other-size", t=50, containers={"c": {MEM: 4}})]
-    got = resolve_memory(pods, 2, "node-1", set())
+    got = resolve(pods, 2, "node-1", set())
     assert got == Assignment(pods[1], "main", 2, 1, 0, (1,))
     # Once it holds its instance the next oldest is next.
-    assert resolve_memory(pods, 2, "node-1", {got.owner.owner_id}).pod.name == "young"
+    assert resolve(pods, 2, "node-1", {got.owner.owner_id}).pod.name == "young"
 
 
 def test_assigned_finished_and_deleting_pods_are_not_candidates():
     pods = [pod("a", assigned="true"), pod("b", phase="Succeeded"), pod("c", deleting=True),
             pod("d", t=None), pod("e", assigned=None, t=5)]
-    assert resolve_memory(pods, 2, "node-1", set()).pod.name == "e"  # ASSIGNED absent counts as not assigned
+    assert resolve(pods, 2, "node-1", set()).pod.name == "e"  # ASSIGNED absent counts as not assigned
 
 
 def test_no_assumed_pod_is_a_clear_error_that_names_the_node_and_a_pod_without_assumption():
     with pytest.raises(AllocationError, match=r"no pod on node node-1 is assumed for 2 GiB of aliyun.com/gpu-mem: "
                        r"is the cgpu scheduler extender \(or gpushare\) configured\? \(pod ns/bare asks for it but "
                        r"carries no ALIYUN_COM_GPU_MEM_ASSUME_TIME\)"):
-        resolve_memory([pod("bare", t=None, idx=None, assigned=None)], 2, "node-1", set())
+        resolve([pod("bare", t=None, idx=None, assigned=None)], 2, "node-1", set())
     with pytest.raises(AllocationError, match="no pod on node node-1 is assumed for 3 GiB"):
-        resolve_memory([pod("a")], 3, "node-1", set())
+        resolve([pod("a")], 3, "node-1", set())
 
 
 @pytest.mark.parametrize("annotations, needle", [
@@ -67,8 +71,25 @@ def test_no_assumed_pod_is_a_clear_error_that_names_the_node_and_a_pod_without_a
 def test_a_malformed_annotation_names_the_pod_and_the_annotation(annotations, needle):
     bad = pod("bad", extra=annotations)
     with pytest.raises(AllocationError, match="pod ns/bad") as info:
-        resolve_memory([bad], 2, "node-1", set())
+        resolve([bad], 2, "node-1", set())
     assert needle in str(info.value)
+
+
+@pytest.mark.parametrize("annotations", [
+    {ANNOTATION_ASSUME_TIME: "yesterday"},
+    {ANNOTATION_GPU_INDEX: "first"},
+    {ANNOTATION_ALLOCATION: "{not json"},
+])
+def test_a_pod_with_an_unparseable_annotation_is_passed_over_not_a_block_on_its_size(annotations):
+    """One bad (or hostile) pod, older than the rest, must not fail every
+    Allocate of its size on the node: it is skipped and named."""
+    bad = pod("bad", t=1, extra=annotations)
+    got = resolve_memory([bad, pod("good", t=500)], 2, "node-1", set())
+    assert got.assignment.pod.name == "good"
+    assert [s.pod.name for s in got.skipped] == ["bad"] and "pod ns/bad" in got.skipped[0].reason
+    # alone, it is still a clear error naming it
+    with pytest.raises(AllocationError, match="passed over: pod ns/bad"):
+        resolve_memory([bad], 2, "node-1", set())
 
 
 def test_containers_are_allocated_one_by_one_and_the_pod_completes_with_the_last():
@@ -76,34 +97,34 @@ def test_containers_are_allocated_one_by_one_and_the_pod_completes_with_the_last
     held: set[str] = set()
     order = []
     for _ in range(3):
-        got = resolve_memory([p], 2, "node-1", held)
+        got = resolve([p], 2, "node-1", held)
         order.append(got.container)
         assert not complete(p, held)
         held.add(got.owner.owner_id)
     assert order == ["setup", "a", "b"]  # init containers first, as the kubelet admits them
     assert complete(p, held)
     with pytest.raises(AllocationError, match="no pod on node node-1 is assumed"):
-        resolve_memory([p], 2, "node-1", held)
+        resolve([p], 2, "node-1", held)
 
 
 def test_multi_gpu_allocation_annotation_gives_gpus_and_memory_per_gpu():
     p = pod("mg", idx=None, containers={"a": {MEM: 1}, "b": {MEM: 8, COUNT: 2}},
             extra={ANNOTATION_ALLOCATION: '{"0": {"1": 1}, "1": {"0": 4, "3": 4}}'})
-    got = resolve_memory([p], 8, "node-1", set())
+    got = resolve([p], 8, "node-1", set())
     assert (got.container, got.gpu_indexes, got.gpu_count, got.memory_gib) == ("b", (0, 3), 2, 4)
-    first = resolve_memory([p], 1, "node-1", set())
+    first = resolve([p], 1, "node-1", set())
     assert (first.container, first.gpu_indexes, first.memory_gib) == ("a", (1,), 1)
 
 
 def test_unequal_split_across_gpus_is_refused():
     p = pod("mg", idx=None, containers={"b": {MEM: 6, COUNT: 2}}, extra={ANNOTATION_ALLOCATION: '{"0": {"0": 2, "1": 4}}'})
     with pytest.raises(AllocationError, match="same memory on each GPU"):
-        resolve_memory([p], 6, "node-1", set())
+        resolve([p], 6, "node-1", set())
 
 
 def test_without_an_index_the_node_placement_chooses_and_core_is_read_from_the_spec():
     p = pod("free", idx=None, containers={"main": {MEM: 4, CORE: 30}})
-    got = resolve_memory([p], 4, "node-1", set())
+    got = resolve([p], 4, "node-1", set())
     assert (got.gpu_indexes, got.core_percent, got.memory_gib) == ((), 30, 4)
 
 

@@ -101,8 +101,9 @@ def test_the_daemonset_has_only_real_fields_and_what_cgpud_needs():
 def test_rbac_grants_what_the_agent_calls(tmp_path):
     roles = {d["kind"]: d for d in documents("cgpud-rbac.yaml")}
     rules = {(tuple(r["apiGroups"]), tuple(r["resources"])): set(r["verbs"]) for r in roles["ClusterRole"]["rules"]}
-    assert rules[(("",), ("pods",))] >= {"get", "list", "patch"}
-    assert rules[(("",), ("nodes",))] >= {"get", "patch"}
+    # exactly what cgpud/kube/apiserver.py calls, nothing more (no watch, no delete, no other resource)
+    assert rules == {(("",), ("pods",)): {"get", "list", "patch"}, (("",), ("nodes",)): {"get", "patch"},
+                     (("",), ("events",)): {"create"}}
     alone = tmp_path / "binding.yaml"
     alone.write_text(yaml.safe_dump(roles["ClusterRoleBinding"]))
     [binding] = kubectl("set", "subject", "--local", "-f", str(alone), "--serviceaccount=kube-system:check")
