@@ -371,8 +371,8 @@ class Cluster:
         if self.capacity and self.pki is None:
             args += ["--capacity-insecure", "true"]  # plaintext across the veth: tls=False asked for it
         if self.pki is not None:
-            args += ["--capacity-tls-cert", str(self.pki.server_cert), "--capacity-tls-key", str(self.pki.server_key),
-                     "--capacity-tls-ca", str(self.pki.ca)]
+            cert, key = self.pki.node_cert(name, ips=[ip])  # its own: the extender checks it names the Node
+            args += ["--capacity-tls-cert", str(cert), "--capacity-tls-key", str(key), "--capacity-tls-ca", str(self.pki.ca)]
         base = make_daemon(directory, env, *args, *self.daemon_args)
         daemon = NodeDaemon(base.socket, base.state, base.env, base.notify, base.args, netns=netns)
         self._stack.callback(base.notify.close)

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 @dataclass(frozen=True)
 class Pki:
+    """`node_cert(name)` issues a node's own Capacity server certificate."""
+
     ca: Path  # the trusted CA's certificate
     ca_key: Path
     server_cert: Path
@@ -20,6 +22,16 @@ class Pki:
     untrusted_ca: Path  # another CA
     untrusted_cert: Path  # a client certificate that CA signed
     untrusted_key: Path
+    dir: Path
+
+    def node_cert(self, node: str, ips: Sequence[str] = ("127.0.0.1",)) -> tuple[Path, Path]:
+        """(certificate, key) of a node's Capacity server: the Node's name as
+        a DNS subjectAltName (what cgpu-scheduler checks), and its IPs."""
+        cert, key = self.dir / f"node-{node}.crt", self.dir / f"node-{node}.key"
+        if not cert.exists():
+            san = ",".join([f"DNS:{node}", *(f"IP:{ip}" for ip in ips)])
+            cert, key = _leaf(self.dir, f"node-{node}", (self.ca, self.ca_key), "serverAuth", san)
+        return cert, key
 
 
 def _openssl(*args: str) -> None:
@@ -56,4 +68,5 @@ def make_pki(dir: Path, server_ips: Sequence[str] = ("127.0.0.1",), server_names
     client = _leaf(dir, "client", ca, "clientAuth", "DNS:cgpu-scheduler")
     untrusted = _leaf(dir, "untrusted", other, "clientAuth", "DNS:intruder")
     return Pki(ca=ca[0], ca_key=ca[1], server_cert=server[0], server_key=server[1], client_cert=client[0],
-               client_key=client[1], untrusted_ca=other[0], untrusted_cert=untrusted[0], untrusted_key=untrusted[1])
+               client_key=client[1], untrusted_ca=other[0], untrusted_cert=untrusted[0], untrusted_key=untrusted[1],
+               dir=dir)

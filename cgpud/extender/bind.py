@@ -31,11 +31,13 @@ from cgpud.errors import CgpuError
 from cgpud.extender.client import CapacityError, Clients
 from cgpud.extender.fit import Placement, Reason, annotations, fit, shares
 from cgpud.extender.pod import PodDemand, PodError, pod_demand
+from cgpud.kube.model import Resource
 from cgpud.extender.state import ClusterState, Hold
 from cgpud.kube.apiserver import client_from
 
 _log = structlog.get_logger("cgpud.extender")
 
+_OURS = (Resource.GPU_MEM.value, Resource.GPU_CORE.value, Resource.GPU_COUNT.value)
 PENDING_HOLD = 30.0  # seconds a hold lives while its Reserve is under way (the RPC times out long before)
 
 # Reserve answers that mean the node decided and holds nothing new; any other
@@ -204,8 +206,12 @@ class Binder:
     def bind(self, args: BindArgs) -> Assignment:
         demand = self._demand(args)
         key = f"{args.pod_namespace}/{args.pod_name}"
-        if not demand.containers:  # no GPU share: only the Binding
-            return self._finish(args, demand, None, {})
+        if not demand.containers:
+            # kube-scheduler sends the extender only pods asking for its
+            # managedResources; anyone else calling /bind is not placing a
+            # GPU share and gets no Binding from us.
+            raise BindError(f"pod {key} asks for no GPU share ({', '.join(_OURS)}): cgpu-scheduler binds only "
+                            "pods it places")
         # Fit and a pending hold under the node's lock, the Reserve outside
         # it: a second pod for the node is placed at once on a view that
         # counts the first (not on the same GPU, to be refused by the node),
@@ -219,7 +225,7 @@ class Binder:
             self.state.hold(args.node, Hold(uid, args.pod_namespace, args.pod_name, held, "", 0,
                                             self._clock() + PENDING_HOLD))
         try:
-            reservation = self.clients.get(address).reserve(uid, args.pod_namespace, args.pod_name, held, self._ttl)
+            reservation = self.clients.get(args.node, address).reserve(uid, args.pod_namespace, args.pod_name, held, self._ttl)
         except CapacityError as e:
             self.state.release(args.node, uid)
             if e.code not in _REFUSED:
@@ -244,19 +250,28 @@ class Binder:
             raise BindError(f"binding pod {key} to node {args.node} failed: {e!r}") from None
 
     def _demand(self, args: BindArgs) -> PodDemand:
-        demand = self.demands.get(args.pod_uid) if args.pod_uid else None
-        if demand is not None and (demand.namespace, demand.name) == (args.pod_namespace, args.pod_name):
-            return demand
+        """The pod as the API server has it: what /filter was sent is the
+        caller's word, and a caller of /bind need not be kube-scheduler.
+        Standalone (no API server, no Binding) the pod seen at filter is all
+        there is."""
+        key = f"{args.pod_namespace}/{args.pod_name}"
         if self.api is None:
-            raise BindError(f"pod {args.pod_namespace}/{args.pod_name} (uid {args.pod_uid or '?'}) was not seen at "
-                            "filter or prioritize and there is no API server to read it from")
+            demand = self.demands.get(args.pod_uid) if args.pod_uid else None
+            if demand is None or (demand.namespace, demand.name) != (args.pod_namespace, args.pod_name):
+                raise BindError(f"pod {key} (uid {args.pod_uid or '?'}) was not seen at filter or prioritize and "
+                                "there is no API server to read it from")
+            return demand
         pod = self.api.get_pod(args.pod_namespace, args.pod_name)
         try:
             demand = pod_demand(pod)
         except PodError as e:
             raise BindError(str(e)) from None
-        if args.pod_uid and demand.uid and demand.uid != args.pod_uid:
-            raise BindError(f"pod {demand.key} is now uid {demand.uid}, not {args.pod_uid}: it was recreated")
+        if args.pod_uid and demand.uid != args.pod_uid:
+            raise BindError(f"pod {key} is uid {demand.uid or '?'}, not {args.pod_uid}: it was recreated")
+        spec = pod.get("spec")
+        bound = spec.get("nodeName") if isinstance(spec, dict) else None
+        if bound:
+            raise BindError(f"pod {key} is already bound to node {bound}")
         return demand
 
     def _place(self, args: BindArgs, demand: PodDemand) -> tuple[Placement, str]:
@@ -289,7 +304,7 @@ class Binder:
 
     def _give_back(self, node: str, address: str, uid: str) -> None:
         try:
-            self.clients.get(address).unreserve(uid)
+            self.clients.get(node, address).unreserve(uid)
         except CapacityError as e:
             # It expires on the node after its time to live.
             _log.warning("cannot give a reservation back", node=node, pod_uid=uid, error=str(e))

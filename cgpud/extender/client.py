@@ -65,11 +65,19 @@ class CapacityError(CgpuError):
         self.code = code
 
 
-def capacity_channel(address: str, tls: TlsFiles | None) -> grpc.Channel:
-    """A channel to a node's Capacity API at HOST:PORT ([v6]:PORT)."""
+def capacity_channel(address: str, tls: TlsFiles | None, node: str | None = None) -> grpc.Channel:
+    """A channel to a node's Capacity API at HOST:PORT ([v6]:PORT). With TLS
+    and a node name, the server's certificate must name that node (a DNS
+    subjectAltName): the address came from the Node object, which whoever
+    may patch Nodes can point anywhere, so the certificate, not the address,
+    says whose Capacity API answers. Without a node name the address's host
+    is checked, as any TLS client does."""
     if tls is None:
         return grpc.insecure_channel(address, options=_KEEPALIVE)
-    return grpc.secure_channel(address, tls.credentials(), options=_KEEPALIVE)
+    options = list(_KEEPALIVE)
+    if node:
+        options.append(("grpc.ssl_target_name_override", node))
+    return grpc.secure_channel(address, tls.credentials(), options=options)
 
 
 def _failure(what: str, address: str, e: grpc.RpcError) -> CapacityError:
@@ -79,8 +87,9 @@ def _failure(what: str, address: str, e: grpc.RpcError) -> CapacityError:
     return CapacityError(f"{what} at {address}: {name}: {details}", code)
 
 
-def get_node(address: str, tls: TlsFiles | None, timeout: float = DEFAULT_TIMEOUT) -> NodeState:
-    with capacity_channel(address, tls) as channel:
+def get_node(address: str, tls: TlsFiles | None, timeout: float = DEFAULT_TIMEOUT,
+             node: str | None = None) -> NodeState:
+    with capacity_channel(address, tls, node) as channel:
         try:
             return node_from_pb(pb_grpc.CapacityStub(channel).GetNode(pb.GetNodeRequest(), timeout=timeout))
         except grpc.RpcError as e:
@@ -90,9 +99,10 @@ def get_node(address: str, tls: TlsFiles | None, timeout: float = DEFAULT_TIMEOU
 class CapacityClient:
     """One node's Capacity API over one long-lived channel (thread-safe)."""
 
-    def __init__(self, address: str, tls: TlsFiles | None) -> None:
+    def __init__(self, address: str, tls: TlsFiles | None, node: str | None = None) -> None:
         self.address = address
-        self._channel = capacity_channel(address, tls)
+        self.node = node
+        self._channel = capacity_channel(address, tls, node)
         self.stub = pb_grpc.CapacityStub(self._channel)
 
     def close(self) -> None:
@@ -133,18 +143,19 @@ def unreserve(stub: pb_grpc.CapacityStub, address: str, pod_uid: str,
 
 
 class Clients:
-    """One CapacityClient per address, shared by watchers and bind."""
+    """One CapacityClient per (node, address), shared by watchers and bind:
+    a channel is made for one node's name, which its certificate must carry."""
 
     def __init__(self, tls: TlsFiles | None) -> None:
         self.tls = tls
         self._lock = threading.Lock()
-        self._clients: dict[str, CapacityClient] = {}
+        self._clients: dict[tuple[str, str], CapacityClient] = {}
 
-    def get(self, address: str) -> CapacityClient:
+    def get(self, node: str, address: str) -> CapacityClient:
         with self._lock:
-            c = self._clients.get(address)
+            c = self._clients.get((node, address))
             if c is None:
-                c = self._clients[address] = CapacityClient(address, self.tls)
+                c = self._clients[(node, address)] = CapacityClient(address, self.tls, node)
             return c
 
     def close(self) -> None:

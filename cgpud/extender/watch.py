@@ -76,13 +76,21 @@ class NodeWatcher:
         least one view arrived."""
         got = False
         try:
-            call = self._clients.get(self.address).stub.WatchNode(pb.WatchNodeRequest())
+            call = self._clients.get(self.name, self.address).stub.WatchNode(pb.WatchNodeRequest())
             with self._lock:
                 self._call = call
             if self._stop.is_set():
                 call.cancel()
             for msg in call:
-                self._state.set_state(self.name, self.address, node_from_pb(msg))
+                view = node_from_pb(msg)
+                if view.name != self.name:
+                    # The address came from the Node (or the node file); the
+                    # view is the node's own word: a view of another node
+                    # would place pods on N and reserve them on A.
+                    call.cancel()
+                    return (f"the Capacity API at {self.address} speaks for node {view.name!r}, not "
+                            f"{self.name!r}: its views are refused (check the node's cgpu.io/capacity-address)"), got
+                self._state.set_state(self.name, self.address, view)
                 if not got:
                     _log.info("node stream up", node=self.name, address=self.address, revision=msg.revision)
                 got = True

@@ -45,7 +45,7 @@ class FakeClients:
         self.node = FakeNode()
         self.addresses: list[str] = []
 
-    def get(self, address: str) -> FakeNode:
+    def get(self, node: str, address: str) -> FakeNode:
         self.addresses.append(address)
         return self.node
 
@@ -93,9 +93,8 @@ def test_standalone_bind_reserves_holds_and_reports(state: ClusterState) -> None
 
 
 def test_bind_with_api_binds_with_the_annotations(state: ClusterState) -> None:
-    api = FakeApi()
+    api = FakeApi({"p": pod("p", [container("c", mem="8", count="2")], uid="u1")})
     b = Binder(state, FakeClients(), api)  # type: ignore[arg-type]
-    b.remember(pod_demand(pod("p", [container("c", mem="8", count="2")], uid="u1")))
     a = b.bind(BindArgs("p", "default", "u1", "n1"))
     assert a.bound and api.bound == {"p": "n1"}
     assert api.notes["p"]["ALIYUN_COM_GPU_MEM_IDX"] == "0,1"
@@ -119,11 +118,10 @@ def test_standalone_bind_of_an_unseen_pod_is_an_error(state: ClusterState) -> No
 
 
 def test_a_failed_binding_gives_the_reservation_back(state: ClusterState) -> None:
-    api = FakeApi()
+    api = FakeApi({"p": pod("p", uid="u1")})
     api.fail_bind = "cannot bind pod default/p to node n1: 409 already bound"
     clients = FakeClients()
     b = Binder(state, clients, api)  # type: ignore[arg-type]
-    b.remember(pod_demand(pod("p", uid="u1")))
     with pytest.raises(BindError, match="409 already bound"):
         b.bind(BindArgs("p", "default", "u1", "n1"))
     assert clients.node.reserved == {}
@@ -134,8 +132,7 @@ def test_a_failed_binding_gives_the_reservation_back(state: ClusterState) -> Non
 def test_a_refused_reserve_is_the_bind_error(state: ClusterState) -> None:
     clients = FakeClients()
     clients.node.refuse = "Reserve at 10.0.0.1:9455: RESOURCE_EXHAUSTED: no GPU has 4 GiB free"
-    b = Binder(state, clients, FakeApi())  # type: ignore[arg-type]
-    b.remember(pod_demand(pod("p", uid="u1")))
+    b = Binder(state, clients, FakeApi({"p": pod("p", uid="u1")}))  # type: ignore[arg-type]
     with pytest.raises(BindError, match="node n1 did not reserve for pod default/p: .*RESOURCE_EXHAUSTED"):
         b.bind(BindArgs("p", "default", "u1", "n1"))
 
@@ -146,8 +143,7 @@ def test_a_refused_reserve_is_the_bind_error(state: ClusterState) -> None:
 ])
 def test_down_or_unknown_node_is_never_guessed(state: ClusterState, target: str, words: str) -> None:
     clients = FakeClients()
-    b = Binder(state, clients, FakeApi())  # type: ignore[arg-type]
-    b.remember(pod_demand(pod("p", uid="u1")))
+    b = Binder(state, clients, FakeApi({"p": pod("p", uid="u1")}))  # type: ignore[arg-type]
     with pytest.raises(BindError, match=words):
         b.bind(BindArgs("p", "default", "u1", target))
     assert clients.node.reserved == {}
@@ -155,27 +151,50 @@ def test_down_or_unknown_node_is_never_guessed(state: ClusterState, target: str,
 
 def test_a_pod_that_no_longer_fits_is_not_reserved(state: ClusterState) -> None:
     clients = FakeClients()
-    b = Binder(state, clients, FakeApi())  # type: ignore[arg-type]
-    b.remember(pod_demand(pod("p", [container("c", mem="18", count="2")], uid="u1")))
+    b = Binder(state, clients, FakeApi({"p": pod("p", [container("c", mem="18", count="2")], uid="u1")}))  # type: ignore[arg-type]
     with pytest.raises(BindError, match="no longer fits node n1"):
         b.bind(BindArgs("p", "default", "u1", "n1"))
     assert clients.node.reserved == {}
 
 
-def test_a_pod_without_gpu_share_is_only_bound(state: ClusterState) -> None:
-    api = FakeApi()
+def test_a_pod_without_gpu_share_is_refused_not_bound(state: ClusterState) -> None:
+    """The attack: /bind of any pending pod that asks for no GPU (a database
+    in another namespace) to any node name, even one cgpu does not know."""
+    api = FakeApi({"payments-db-0": pod("payments-db-0", [container("c")], uid="u1", namespace="prod")})
     clients = FakeClients()
     b = Binder(state, clients, api)  # type: ignore[arg-type]
-    b.remember(pod_demand(pod("p", [container("c")], uid="u1")))
-    b.bind(BindArgs("p", "default", "u1", "n2"))
-    assert api.bound == {"p": "n2"} and api.notes == {"p": {}} and clients.addresses == []
+    for node in ("control-plane-1", "n1"):
+        with pytest.raises(BindError, match="asks for no GPU share .*binds only pods it places"):
+            b.bind(BindArgs("payments-db-0", "prod", "u1", node))
+    assert api.bound == {} and clients.addresses == []
+
+
+def test_bind_places_the_pod_the_api_server_has_not_the_one_filter_was_sent(state: ClusterState) -> None:
+    """A caller that sent /filter a 1 GiB pod under the uid of a 36 GiB one
+    (or no pod at all) gets the real pod judged: it does not fit n1."""
+    api = FakeApi({"p": pod("p", [container("c", mem="36", count="2")], uid="u1")})
+    clients = FakeClients()
+    b = Binder(state, clients, api)  # type: ignore[arg-type]
+    b.remember(pod_demand(pod("p", [container("c", mem="1")], uid="u1")))
+    with pytest.raises(BindError, match="no longer fits node n1"):
+        b.bind(BindArgs("p", "default", "u1", "n1"))
+    assert clients.node.reserved == {} and api.bound == {}
+
+
+def test_a_pod_already_bound_is_not_bound_again(state: ClusterState) -> None:
+    bound = pod("p", uid="u1")
+    bound["spec"]["nodeName"] = "n7"
+    clients = FakeClients()
+    b = Binder(state, clients, FakeApi({"p": bound}))  # type: ignore[arg-type]
+    with pytest.raises(BindError, match="already bound to node n7"):
+        b.bind(BindArgs("p", "default", "u1", "n1"))
+    assert clients.node.reserved == {}
 
 
 def test_a_reserve_whose_answer_was_lost_is_given_back(state: ClusterState) -> None:
     clients = FakeClients()
     clients.node.lose_answer = True
-    b = Binder(state, clients, FakeApi())  # type: ignore[arg-type]
-    b.remember(pod_demand(pod("p", uid="u1")))
+    b = Binder(state, clients, FakeApi({"p": pod("p", uid="u1")}))  # type: ignore[arg-type]
     with pytest.raises(BindError, match="DEADLINE_EXCEEDED"):
         b.bind(BindArgs("p", "default", "u1", "n1"))
     assert clients.node.reserved == {}

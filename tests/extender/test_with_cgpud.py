@@ -62,7 +62,8 @@ def cgpud_nodes(tmp_path: Path, native: Path, count: int, *extra: str) -> Iterat
         for i in range(count):
             dir = tmp_path / f"node-{i}"
             port = free_port()
-            d = make_daemon(dir, node_env(dir, native), "--capacity-listen", f"127.0.0.1:{port}", *extra)
+            d = make_daemon(dir, node_env(dir, native), "--capacity-listen", f"127.0.0.1:{port}",
+                            "--node-name", f"node-{i}", *extra)
             d.start()
             nodes.append(Node(f"node-{i}", f"127.0.0.1:{port}", d))
         yield nodes
@@ -86,12 +87,15 @@ class Extender:
 
 
 @contextmanager
-def extender(nodes: list[Node], tls: TlsFiles | None = None) -> Iterator[Extender]:
+def extender(nodes: list[Node], tls: TlsFiles | None = None,
+             addresses: dict[str, str] | None = None) -> Iterator[Extender]:
+    """An extender watching the nodes (at their own addresses, or at the
+    ones given by name: what a Node's annotation may claim)."""
     state = ClusterState()
     clients = Clients(tls)
     watchers = Watchers(state, clients)
     server = ExtenderServer(state, Binder(state, clients, None), "127.0.0.1", 0).start()
-    watchers.sync({n.name: n.address for n in nodes})
+    watchers.sync(addresses if addresses is not None else {n.name: n.address for n in nodes})
     try:
         yield Extender(state, server, http.client.HTTPConnection("127.0.0.1", server.port, timeout=10))
     finally:
@@ -231,8 +235,8 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 
 def test_tls_trusted_client_watches_untrusted_or_certless_clients_do_not(tmp_path: Path, native: Path,
                                                                         pki: Pki) -> None:
-    tls_args = ("--capacity-tls-cert", str(pki.server_cert), "--capacity-tls-key", str(pki.server_key),
-                "--capacity-tls-ca", str(pki.ca))
+    cert, key = pki.node_cert("node-0")
+    tls_args = ("--capacity-tls-cert", str(cert), "--capacity-tls-key", str(key), "--capacity-tls-ca", str(pki.ca))
     with cgpud_nodes(tmp_path, native, 1, *tls_args) as nodes:
         with extender(nodes, TlsFiles(pki.client_cert, pki.client_key, pki.ca)) as ext:
             until(lambda: connected(ext, "node-0"), what="a view over TLS")
@@ -252,6 +256,51 @@ def test_tls_trusted_client_watches_untrusted_or_certless_clients_do_not(tmp_pat
                 CapacityClient(nodes[0].address, tls).reserve("uid-x", "default", "x", [], timeout=5)
         after = get_node(nodes[0].address, TlsFiles(pki.client_cert, pki.client_key, pki.ca))
         assert after.revision == before.revision and [p.pod_uid for p in after.pods] == ["uid-tls"]
+
+
+def test_a_node_pointed_at_another_nodes_capacity_api_is_refused(tmp_path: Path, native: Path) -> None:
+    """The attack: whoever may patch Nodes points node-1's
+    cgpu.io/capacity-address at node-0's Capacity port. Before, filter passed
+    node-1 on node-0's view and bind reserved on node-0. The view names the
+    node it is of, and a view of another node is refused."""
+    with cgpud_nodes(tmp_path, native, 2) as nodes, \
+            extender(nodes, addresses={"node-0": nodes[0].address, "node-1": nodes[0].address}) as ext:
+        until(lambda: connected(ext, "node-0"), what="node-0's view")
+        down = until(lambda: (e := ext.state.entry("node-1")) is not None and "speaks for" in e.error and e,
+                     what="node-1 refused")
+        assert not down.connected and down.state is None
+        assert "the Capacity API at " + nodes[0].address + " speaks for node 'node-0', not 'node-1'" in down.error
+        p = pod("p", [container("c", mem="4")], uid="uid-p")
+        _, out = ext.call("POST", "/filter", filter_args(p, ["node-0", "node-1"]))
+        assert out["NodeNames"] == ["node-0"] and "speaks for node 'node-0'" in out["FailedAndUnresolvableNodes"]["node-1"]
+        code, out = ext.call("POST", "/bind", {"PodName": "p", "PodNamespace": "default", "PodUID": "uid-p",
+                                               "Node": "node-1"})
+        assert "not binding there" in out["Error"]
+        assert not any(p.pod_uid == "uid-p" for p in get_node(nodes[0].address, None).pods)
+
+
+def test_with_tls_a_node_answers_only_under_its_own_certificate(tmp_path: Path, native: Path, pki: Pki) -> None:
+    """Per-node server certificates: node-0's cgpud, holding node-0's key,
+    cannot answer for node-1 (the extender checks the certificate names the
+    Node it dials for), and a node with another node's certificate is not
+    trusted as itself."""
+    def tls_args(name: str) -> tuple[str, ...]:
+        cert, key = pki.node_cert(name)
+        return ("--capacity-tls-cert", str(cert), "--capacity-tls-key", str(key), "--capacity-tls-ca", str(pki.ca))
+
+    client = TlsFiles(pki.client_cert, pki.client_key, pki.ca)
+    with cgpud_nodes(tmp_path / "a", native, 1, *tls_args("node-0")) as nodes:
+        with extender(nodes, client, addresses={"node-0": nodes[0].address, "node-1": nodes[0].address}) as ext:
+            until(lambda: connected(ext, "node-0"), what="node-0's view over TLS")
+            down = until(lambda: (e := ext.state.entry("node-1")) is not None and "connecting" not in e.error
+                         and e, what="node-1 refused")
+            assert not down.connected and down.state is None and "UNAVAILABLE" in down.error
+    # a node that runs with node-0's certificate (a stolen key) is not node-1
+    with cgpud_nodes(tmp_path / "b", native, 2, *tls_args("node-0")) as nodes, extender(nodes, client) as ext:
+        until(lambda: connected(ext, "node-0"), what="node-0's view over TLS")
+        down = until(lambda: (e := ext.state.entry("node-1")) is not None and "connecting" not in e.error and e,
+                     what="node-1 refused")
+        assert not down.connected and down.state is None
 
 
 def test_the_console_script_serves_and_stops_on_sigterm(tmp_path: Path, native: Path) -> None:
