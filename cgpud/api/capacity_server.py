@@ -36,6 +36,10 @@ _OPTIONS = (
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.so_reuseport", 0),  # a second cgpud on the same port must fail, not share it
+    # Bounds: requests are a few hundred bytes; a connection with no call for
+    # 5 minutes is closed (a watcher always has its stream open).
+    ("grpc.max_receive_message_length", 1 << 20),
+    ("grpc.max_connection_idle_ms", 300_000),
 )
 
 
@@ -109,8 +113,10 @@ def serve_capacity(servicer: CapacityServicer, listen: str, tls: CapacityTls | N
         raise UsageError(problem)
     credentials = tls.credentials() if tls is not None else None
 
+    # A call holds a worker while it runs (a watch for as long as it
+    # watches); calls past twice the workers are refused, not queued.
     server = grpc.server(ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="cgpud-capacity"),
-                         options=_OPTIONS)
+                         options=_OPTIONS, maximum_concurrent_rpcs=2 * max_workers)
     pb_grpc.add_CapacityServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     for name in ("", SERVICE_NAME):

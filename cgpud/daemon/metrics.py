@@ -20,7 +20,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -32,6 +31,7 @@ from prometheus_client.registry import Collector
 from cgpud._region import ffi as _region_ffi
 from cgpud._region import lib as _region_lib
 from cgpud.api.listen import Endpoint, parse_endpoint
+from cgpud.boundedhttp import BoundedHandler, BoundedServer, Bounds
 from cgpud.daemon.bypass_model import BypassEvents
 from cgpud.daemon.compute import TenantMetrics
 from cgpud.daemon.model import GpuCapacity, Instance, NodePolicy, Reservation
@@ -372,13 +372,23 @@ class CgpuCollector(Collector):
         yield from (limit, used, share, achieved, charged, throttled, grants, grace, gated, violations)
 
 
-class _Server(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
+# A scrape is one short GET: few connections, little patience (boundedhttp.py).
+BOUNDS = Bounds(max_connections=16, idle_timeout=10.0, body_budget=0)
 
 
-class _QuietHandler(WSGIRequestHandler):
+class _Server(BoundedServer, WSGIServer):
+    bounds = BOUNDS
+
+
+class _QuietHandler(BoundedHandler, WSGIRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002  (the base class's name)
         pass  # one line per scrape would drown cgpud's log
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()
+        if ok:
+            self.answering()  # the request line and headers are in: the scrape is ours to answer
+        return ok
 
 
 def _only_metrics(app: Callable[..., Any]) -> Callable[..., Any]:
@@ -424,6 +434,7 @@ class MetricsServer:
         except OSError as e:
             raise CgpuError(f"cannot serve metrics on {self._endpoint}: {e.strerror or e}") from e
         self._server = server
+        server.start_reaper()
         threading.Thread(target=server.serve_forever, name="cgpud-metrics", daemon=True).start()
         structlog.get_logger("cgpud.metrics").info("serving metrics", listen=str(self.endpoint))
         return self

@@ -2,6 +2,7 @@
 
     cgpu-scheduler --listen HOST:PORT [--nodes FILE] [--kubeconfig FILE]
                    [--tls-cert FILE --tls-key FILE --tls-ca FILE]
+                   [--serve-cert FILE --serve-key FILE [--client-ca FILE]]
 
 Nodes come from --nodes (one `NAME HOST:PORT` a line) or, without it, from
 the API server's Nodes. Binding goes to the API server (--kubeconfig, or the
@@ -39,6 +40,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-cert", type=Path, metavar="FILE", help="client certificate for the Capacity API")
     p.add_argument("--tls-key", type=Path, metavar="FILE", help="its key")
     p.add_argument("--tls-ca", type=Path, metavar="FILE", help="CA of the nodes' Capacity server certificates")
+    p.add_argument("--serve-cert", type=Path, metavar="FILE",
+                   help="serve kube-scheduler over HTTPS with this certificate (and --serve-key)")
+    p.add_argument("--serve-key", type=Path, metavar="FILE", help="its key")
+    p.add_argument("--client-ca", type=Path, metavar="FILE",
+                   help="only callers with a client certificate this CA signed may filter, prioritize, bind and "
+                        "inspect (kube-scheduler's extender tlsConfig); /healthz stays open")
     p.add_argument("--reservation-ttl", type=int, default=0, metavar="SECONDS",
                    help="how long a node holds a bind's reservation for the pod's Allocate (0: the node's default)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -50,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
 
     from cgpud.extender.bind import Binder, KubePodApi
     from cgpud.extender.client import Clients, TlsFiles
-    from cgpud.extender.server import ExtenderServer
+    from cgpud.extender.server import ExtenderServer, ServerTls
     from cgpud.extender.state import ClusterState
     from cgpud.extender.watch import ApiNodeSource, Watchers, read_node_file
     from cgpud.kube.apiserver import client_from
@@ -63,6 +70,13 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError("--tls-cert/--tls-key need --tls-ca (the CA of the nodes' server certificates)")
         tls = TlsFiles(args.tls_cert, args.tls_key, args.tls_ca)
         tls.credentials()  # unreadable files fail now, not at the first node
+    serving = None
+    if args.serve_cert or args.serve_key or args.client_ca:
+        if not (args.serve_cert and args.serve_key):
+            raise UsageError("--serve-cert and --serve-key go together (--client-ca needs them: client "
+                             "certificates are checked over HTTPS only)")
+        serving = ServerTls(args.serve_cert, args.serve_key, args.client_ca)
+        serving.context()  # unreadable files fail now, not at the first request
     nodes = read_node_file(args.nodes) if args.nodes else None
     in_cluster = bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
     api = KubePodApi(args.kubeconfig) if args.kubeconfig or in_cluster else None
@@ -72,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     state = ClusterState()
     clients = Clients(tls)
     binder = Binder(state, clients, api, ttl=args.reservation_ttl)
-    server = ExtenderServer(state, binder, listen.host, listen.port)
+    server = ExtenderServer(state, binder, listen.host, listen.port, tls=serving)
     watchers = Watchers(state, clients)
     source = None
     server.start()
@@ -85,7 +99,9 @@ def run(args: argparse.Namespace) -> int:
         source = ApiNodeSource(k8s.CoreV1Api(client_from(args.kubeconfig)), watchers.sync, skipped).start()
     signals = StopSignals(threading.Event())
     log.info("ready", listen=join_host_port(listen.host, server.port), nodes=len(nodes) if nodes is not None else "api-server",
-             tls=tls is not None, binding="api-server" if api is not None else "standalone")
+             tls=tls is not None, binding="api-server" if api is not None else "standalone",
+             serving="https with client certificates" if serving is not None and serving.client_ca else
+             "https" if serving is not None else "http")
     print(f"cgpu-scheduler listening on {server.url}", file=sys.stderr, flush=True)
     while not signals.wait(1.0):
         state.expire()

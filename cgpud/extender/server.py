@@ -4,21 +4,29 @@ field names): POST /filter, /prioritize, /bind, GET /healthz, /inspect.
 Filter and prioritize only read the cluster state; bind is the only verb
 that changes anything. A request that is not what kube-scheduler sends gets
 HTTP 400 with {"Error": "..."} naming what is wrong, and changes nothing.
+
+With TLS and a client CA (kube-scheduler's extender tlsConfig), every path
+but /healthz (which kubelet probes call without a certificate) needs a
+client certificate that CA signed. The server is bounded (boundedhttp.py):
+connections, idle time, and the bytes of bodies held at once.
 """
 from __future__ import annotations
 
 import gc
 import json
 import socket
+import ssl
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
 from typing import Any, Protocol
 
 import structlog
 
-from cgpud.errors import CgpuError
+from cgpud.boundedhttp import BoundedHandler, BoundedServer, Bounds
+from cgpud.errors import CgpuError, UsageError
 from cgpud.extender.bind import Assignment, BindArgs
 from cgpud.extender.fit import NodeSummary, Reason, rendered
 from cgpud.extender.model import view_to_json
@@ -26,6 +34,7 @@ from cgpud.extender.pod import PodDemand, PodError, pod_demand
 from cgpud.extender.state import ClusterState
 
 MAX_BODY = 16 << 20
+BOUNDS = Bounds(max_connections=64, idle_timeout=30.0, body_budget=64 << 20)
 # Nodes one request may name: above the largest clusters kube-scheduler
 # serves, and a bound on the answer (an unknown node's reason is ~170 bytes:
 # a million names in 5 MiB would otherwise ask for a 170 MB answer).
@@ -289,7 +298,32 @@ def _kind(value: Any) -> str:
     return {dict: "an object", list: "a list", str: "a string", type(None): "null"}.get(type(value), "a number")
 
 
-class _Handler(BaseHTTPRequestHandler):
+@dataclass(frozen=True)
+class ServerTls:
+    """The extender's serving certificate and key, and the CA whose client
+    certificates may call it (None: any client, TLS only for privacy)."""
+
+    cert: Path
+    key: Path
+    client_ca: Path | None
+
+    def context(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        try:
+            ctx.load_cert_chain(self.cert, self.key)
+            if self.client_ca is not None:
+                ctx.load_verify_locations(cafile=str(self.client_ca))
+                # optional at the handshake so /healthz needs none; checked per path
+                ctx.verify_mode = ssl.CERT_OPTIONAL
+        except (OSError, ssl.SSLError) as e:
+            raise UsageError(f"cannot load the extender's TLS files: {e}") from e
+        return ctx
+
+
+OPEN_PATHS = ("/healthz",)
+
+
+class _Handler(BoundedHandler, BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive: kube-scheduler reuses its connections
     server: _Http
 
@@ -314,8 +348,29 @@ class _Handler(BaseHTTPRequestHandler):
     def _path(self) -> str:
         return self.path.split("?", 1)[0].rstrip("/") or "/"
 
+    def _caller_refused(self, path: str) -> bool:
+        """Without a client certificate the client CA signed, only /healthz."""
+        if not self.server.client_certs or path in OPEN_PATHS:
+            return False
+        conn = self.connection
+        if isinstance(conn, ssl.SSLSocket) and conn.getpeercert():
+            return False
+        self.close_connection = True
+        self._send(403, {"Error": f"{path} needs a client certificate signed by the extender's client CA "
+                                  "(kube-scheduler's extender tlsConfig certFile/keyFile)"})
+        return True
+
+    def handle_one_request(self) -> None:
+        try:
+            super().handle_one_request()
+        finally:
+            self.answered()
+
     def do_GET(self) -> None:
         path = self._path()
+        self.answering()
+        if self._caller_refused(path):
+            return
         if path == "/healthz":
             self._send(200, {"status": "ok"})
         elif path == "/inspect":
@@ -340,16 +395,23 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             self._send(413, {"Error": f"request body of {length_text} bytes: at most {MAX_BODY} are read"})
             return
-        raw = self.rfile.read(length)
+        if self._caller_refused(path):
+            return
         verb = verbs.get(path)
-        if verb is None:
-            self._send(404, {"Error": f"no POST {path}: use /filter, /prioritize or /bind"})
-            return
-        try:
-            body = json.loads(raw)
-        except (ValueError, RecursionError) as e:
-            self._send(400, {"Error": f"{path}: the body is not JSON ({e})"})
-            return
+        with self.body(length) as raw:
+            self.answering()
+            if raw is None:
+                self.close_connection = True
+                self._send(503, {"Error": "too many request bodies in flight: try again"})
+                return
+            if verb is None:
+                self._send(404, {"Error": f"no POST {path}: use /filter, /prioritize or /bind"})
+                return
+            try:
+                body = json.loads(raw)
+            except (ValueError, RecursionError) as e:
+                self._send(400, {"Error": f"{path}: the body is not JSON ({e})"})
+                return
         try:
             answer = verb(body)
         except BadRequest as e:
@@ -362,14 +424,21 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(200, answer)
 
 
-class _Http(ThreadingHTTPServer):
-    daemon_threads = True
+class _Http(BoundedServer, HTTPServer):
     allow_reuse_address = True
     request_queue_size = 128
+    bounds = BOUNDS
 
-    def __init__(self, address: tuple[str, int], extender: Extender) -> None:
+    def __init__(self, address: tuple[str, int], extender: Extender, tls: ssl.SSLContext | None = None,
+                 client_certs: bool = False, bounds: Bounds = BOUNDS) -> None:
         self.extender = extender
+        self.bounds = bounds
+        self.client_certs = client_certs
         super().__init__(address, _Handler)
+        if tls is not None:
+            # The handshake runs in the connection's thread, bounded like a
+            # request, never in the accepting one.
+            self.socket = tls.wrap_socket(self.socket, server_side=True, do_handshake_on_connect=False)
 
 
 class _Http6(_Http):
@@ -416,8 +485,11 @@ class QuietHeap:
 
 class ExtenderServer:
     def __init__(self, state: ClusterState, binder: Binder | None, host: str = "127.0.0.1", port: int = 0,
-                 unknown_node: str = UNKNOWN_NODE, quiet_gc: bool = True) -> None:
+                 unknown_node: str = UNKNOWN_NODE, quiet_gc: bool = True, tls: ServerTls | None = None,
+                 bounds: Bounds = BOUNDS) -> None:
         self.extender = Extender(state, binder, unknown_node)
+        self._tls = tls
+        self._bounds = bounds
         self._host = host
         self._want_port = port
         self._http: _Http | None = None
@@ -433,11 +505,14 @@ class ExtenderServer:
     @property
     def url(self) -> str:
         host = self._host if ":" not in self._host else f"[{self._host}]"
-        return f"http://{host}:{self.port}"
+        return f"{'https' if self._tls else 'http'}://{host}:{self.port}"
 
     def start(self) -> ExtenderServer:
         cls = _Http6 if ":" in self._host else _Http
-        self._http = cls((self._host, self._want_port), self.extender)
+        context = self._tls.context() if self._tls is not None else None
+        client_certs = self._tls is not None and self._tls.client_ca is not None
+        self._http = cls((self._host, self._want_port), self.extender, context, client_certs, self._bounds)
+        self._http.start_reaper()
         self._thread = threading.Thread(target=self._http.serve_forever, kwargs={"poll_interval": 0.05},
                                         name="extender-http", daemon=True)
         self._thread.start()
