@@ -10,7 +10,8 @@ Where the view comes from, first that applies:
 - `--nodes FILE`: every node's cgpud directly (its Capacity API's GetNode),
   the node file cgpu-scheduler reads (`NAME HOST:PORT` a line);
 - otherwise cgpu-scheduler through the API server's service proxy
-  (`/api/v1/namespaces/NS/services/SERVICE:http/proxy/inspect`) with the
+  (`/api/v1/namespaces/NS/services/https:SERVICE:https/proxy/inspect`, else
+  `SERVICE:http`) with the
   kubeconfig kubectl would use.
 
 The formatting functions take a ClusterView and return text. Memory is in
@@ -277,14 +278,20 @@ def from_service_proxy(kubeconfig: Path | None, namespace: str, service: str,
 
     from cgpud.kube.apiserver import ApiServerError, _reason, client_from
 
-    where = f"service {namespace}/{service} (port http) through the API server"
+    where = f"service {namespace}/{service} (port https, else http) through the API server"
     try:
         api = client_from(kubeconfig)
     except ApiServerError as e:
         raise InspectError(f"{e}; or give --extender URL or --nodes FILE") from e
     try:
-        answer = CoreV1Api(api).connect_get_namespaced_service_proxy_with_path(
-            f"{service}:http", namespace, "inspect", _preload_content=False, _request_timeout=timeout)
+        proxy = CoreV1Api(api).connect_get_namespaced_service_proxy_with_path
+        try:  # deploy/cgpu-scheduler.yaml serves HTTPS on a port named https
+            answer = proxy(f"https:{service}:https", namespace, "inspect", _preload_content=False,
+                           _request_timeout=timeout)
+        except ApiException as e:
+            if e.status not in (404, 503):
+                raise
+            answer = proxy(f"{service}:http", namespace, "inspect", _preload_content=False, _request_timeout=timeout)
         body = answer.data
     except ApiException as e:
         raise InspectError(f"cannot read the cluster view from {where}: {e.status} {_reason(e)}") from e

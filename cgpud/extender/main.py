@@ -44,8 +44,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="serve kube-scheduler over HTTPS with this certificate (and --serve-key)")
     p.add_argument("--serve-key", type=Path, metavar="FILE", help="its key")
     p.add_argument("--client-ca", type=Path, metavar="FILE",
-                   help="only callers with a client certificate this CA signed may filter, prioritize, bind and "
-                        "inspect (kube-scheduler's extender tlsConfig); /healthz stays open")
+                   help="only callers with a client certificate this CA signed may filter, prioritize and bind "
+                        "(kube-scheduler's extender tlsConfig); /healthz and /inspect stay open")
     p.add_argument("--reservation-ttl", type=int, default=0, metavar="SECONDS",
                    help="how long a node holds a bind's reservation for the pod's Allocate (0: the node's default)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

@@ -5,9 +5,9 @@ Filter and prioritize only read the cluster state; bind is the only verb
 that changes anything. A request that is not what kube-scheduler sends gets
 HTTP 400 with {"Error": "..."} naming what is wrong, and changes nothing.
 
-With TLS and a client CA (kube-scheduler's extender tlsConfig), every path
-but /healthz (which kubelet probes call without a certificate) needs a
-client certificate that CA signed. The server is bounded (boundedhttp.py):
+With TLS and a client CA (kube-scheduler's extender tlsConfig), the verbs
+(filter, prioritize, bind) need a client certificate that CA signed;
+/healthz and the read-only /inspect do not. The server is bounded (boundedhttp.py):
 connections, idle time, and the bytes of bodies held at once.
 """
 from __future__ import annotations
@@ -320,7 +320,11 @@ class ServerTls:
         return ctx
 
 
-OPEN_PATHS = ("/healthz",)
+# /healthz for the kubelet's probes; /inspect (read-only) for
+# `kubectl inspect cgpu` through the API server's service proxy, which
+# presents no client certificate (the NetworkPolicy and the API server's
+# RBAC on services/proxy decide who reaches it).
+OPEN_PATHS = ("/healthz", "/inspect")
 
 
 class _Handler(BoundedHandler, BaseHTTPRequestHandler):

@@ -210,7 +210,8 @@ def test_bind_needs_a_client_certificate_of_the_client_ca(tmp_path: Path, pki: P
             assert get(port, "/healthz", anonymous)[0] == 200
             status, out = post(port, "/bind", bind, anonymous)
             assert status == 403 and "needs a client certificate" in out["Error"]
-            assert get(port, "/inspect", anonymous)[0] == 403
+            assert post(port, "/filter", {"Pod": {}, "NodeNames": []}, anonymous)[0] == 403
+            assert get(port, "/inspect", anonymous)[0] == 200  # read-only, for kubectl inspect cgpu
             with pytest.raises((ssl.SSLError, ConnectionError, OSError)):
                 post(port, "/bind", bind, client_context(pki, pki.untrusted_cert, pki.untrusted_key))
             trusted = client_context(pki, pki.client_cert, pki.client_key)

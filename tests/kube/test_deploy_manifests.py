@@ -63,8 +63,10 @@ def test_every_object_decodes_with_its_kind():
     kinds = sorted((o["kind"], o["metadata"]["name"]) for o in objects)
     assert kinds == [("ClusterRole", "cgpu-scheduler"), ("ClusterRole", "cgpud"),
                      ("ClusterRoleBinding", "cgpu-scheduler"), ("ClusterRoleBinding", "cgpud"),
-                     ("DaemonSet", "cgpud"), ("Deployment", "cgpu-scheduler"), ("Service", "cgpu-scheduler"),
-                     ("ServiceAccount", "cgpu-scheduler"), ("ServiceAccount", "cgpud")]
+                     ("DaemonSet", "cgpud"), ("Deployment", "cgpu-scheduler"), ("NetworkPolicy", "cgpu-scheduler"),
+                     ("Service", "cgpu-scheduler"), ("ServiceAccount", "cgpu-scheduler"), ("ServiceAccount", "cgpud"),
+                     ("ValidatingAdmissionPolicy", "cgpud-own-node"),
+                     ("ValidatingAdmissionPolicyBinding", "cgpud-own-node")]
 
 
 def test_the_daemonset_has_only_real_fields_and_what_cgpud_needs():
@@ -82,16 +84,19 @@ def test_the_daemonset_has_only_real_fields_and_what_cgpud_needs():
             "/var/lib/cgpud", "/dev"} <= mounted
     # Host paths at the same paths: CDI specs and Allocate mounts name them for the host.
     host = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
-    assert all(host[m["name"]] == m["mountPath"] for m in container["volumeMounts"] if m["name"] in host)
-    # The Capacity API: TLS files from the Secret, the node's own address on the Node.
+    assert all(host[m["name"]] == m["mountPath"] for m in container["volumeMounts"]
+               if m["name"] in host and m["name"] != "capacity-tls")
+    # The Capacity API: the node's own TLS files from the host (a certificate
+    # naming its Node: no Secret shared by every node), its own address on the Node.
     assert pod["hostNetwork"] is True and env["HOST_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"
     args = container["command"]
     flags = dict(zip(args[3::2], args[4::2]))
     assert flags["--capacity-listen"] == "0.0.0.0:9455" and flags["--capacity-advertise"] == "$(HOST_IP):9455"
-    secret = {v["name"]: v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
-    tls_dir = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}[next(iter(secret))]
-    assert secret == {"capacity-tls": "cgpu-capacity-tls"}
+    assert not [v for v in pod["volumes"] if "secret" in v]
+    tls_dir = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}["capacity-tls"]
+    assert host["capacity-tls"] == "/etc/cgpu/capacity-tls"
     assert all(flags[f"--capacity-tls-{k}"].startswith(tls_dir + "/") for k in ("cert", "key", "ca"))
+    assert container["resources"]["limits"]["memory"] == "512Mi"
     from cgpud.daemon.main import _parser
     _parser().parse_args(args[1:])  # every flag is cgpud's
     [term] = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
@@ -152,7 +157,9 @@ def test_the_scheduler_config_names_real_fields_and_our_resources():
     assert set(config) <= SCHEDULER_CONFIG_FIELDS
     [extender] = config["extenders"]
     assert set(extender) <= EXTENDER_FIELDS, set(extender) - EXTENDER_FIELDS
-    assert extender["nodeCacheCapable"] is True and extender["enableHTTPS"] is False
+    assert extender["nodeCacheCapable"] is True and extender["enableHTTPS"] is True
+    # kube-scheduler's client certificate: cgpu-scheduler binds only for it
+    assert set(extender["tlsConfig"]) == {"certFile", "keyFile", "caFile"}
     assert extender["ignorable"] is False  # pods asking for shares wait rather than being placed blind
     assert isinstance(extender["weight"], int) and extender["weight"] > 0
     assert re.fullmatch(r"\d+(ms|s|m)", extender["httpTimeout"])  # a metav1.Duration
@@ -160,12 +167,12 @@ def test_the_scheduler_config_names_real_fields_and_our_resources():
     assert all(set(r) <= MANAGED_RESOURCE_FIELDS for r in resources)
     assert {r["name"]: r["ignoredByScheduler"] for r in resources} == {
         "aliyun.com/gpu-mem": True, "aliyun.com/gpu-core.percentage": True, "aliyun.com/gpu-count": True}
-    # The urlPrefix reaches the Service on its http port.
+    # The urlPrefix reaches the Service on its https port.
     service = scheduler_objects()["Service"]
     url = urlsplit(extender["urlPrefix"])
-    assert url.scheme == "http" and url.path in ("", "/")
+    assert url.scheme == "https" and url.path in ("", "/")
     assert url.hostname.split(".")[:2] == [service["metadata"]["name"], service["metadata"]["namespace"]]
-    assert url.port == next(p["port"] for p in service["spec"]["ports"] if p["name"] == "http")
+    assert url.port == next(p["port"] for p in service["spec"]["ports"] if p["name"] == "https")
 
 
 def test_the_configs_verbs_are_the_ones_the_extender_answers():
@@ -210,24 +217,38 @@ def test_the_deployment_runs_the_extender_where_the_service_and_config_say(tmp_p
     flags = dict(zip(command[1::2], command[2::2]))
     host, port = flags["--listen"].rsplit(":", 1)
     assert host == "0.0.0.0"  # the Service reaches the pod on its own address
-    [http] = [p for p in container["ports"] if p["name"] == "http"]
-    assert http["containerPort"] == int(port)
-    assert container["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
-    # The Capacity client certificate, key and CA come from the Secret's mount.
-    [mount] = container["volumeMounts"]
-    assert mount["readOnly"] is True
-    for flag in ("--tls-cert", "--tls-key", "--tls-ca"):
-        assert Path(flags[flag]).parent == Path(mount["mountPath"])
-    [volume] = [v for v in pod["volumes"] if v["name"] == mount["name"]]
-    assert volume["secret"]["secretName"] == "cgpu-capacity-client"
-    assert volume["secret"]["defaultMode"] & 0o007 == 0  # not world-readable
+    [https] = [p for p in container["ports"] if p["name"] == "https"]
+    assert https["containerPort"] == int(port)
+    assert container["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "https", "scheme": "HTTPS"}
+    assert container["resources"]["limits"]["memory"] == "1Gi"
+    # The Capacity client certificate and the serving certificate with the
+    # client CA come from their Secrets' mounts, readable by nobody else.
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    assert all(m["readOnly"] is True for m in mounts.values())
+    secrets = {v["name"]: v["secret"] for v in pod["volumes"]}
+    for flags_of, volume in ((("--tls-cert", "--tls-key", "--tls-ca"), "capacity-client"),
+                             (("--serve-cert", "--serve-key", "--client-ca"), "serving")):
+        for flag in flags_of:
+            assert Path(flags[flag]).parent == Path(mounts[volume]["mountPath"]), flag
+        assert secrets[volume]["defaultMode"] & 0o007 == 0  # not world-readable
+    assert secrets["capacity-client"]["secretName"] == "cgpu-capacity-client"
+    assert secrets["serving"]["secretName"] == "cgpu-scheduler-serving"
+    from cgpud.extender.main import _parser
+    _parser().parse_args(command[1:])  # every flag is cgpu-scheduler's
+    # Only the control plane's addresses reach the port.
+    policy = objects["NetworkPolicy"]
+    [decoded_policy] = kubectl("label", "--local", "-f", str(alone(tmp_path, policy)), "checked=yes")
+    assert missing(policy, decoded_policy) == []
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= decoded["spec"]["template"]["metadata"]["labels"].items()
+    [rule] = policy["spec"]["ingress"]
+    assert [p["port"] for p in rule["ports"]] == [int(port)] and [list(f) for f in rule["from"]] == [["ipBlock"]]
 
     service = objects["Service"]
     selector = ",".join(f"{k}={v}" for k, v in service["spec"]["selector"].items())
     [decoded_service] = kubectl("set", "selector", "--local", "-f", str(alone(tmp_path, service)), selector)
     assert missing(service, decoded_service) == []
     assert service["spec"]["selector"].items() <= decoded["spec"]["template"]["metadata"]["labels"].items()
-    assert [p["targetPort"] for p in service["spec"]["ports"] if p["name"] == "http"] == ["http"]
+    assert [p["targetPort"] for p in service["spec"]["ports"] if p["name"] == "https"] == ["https"]
 
 
 # What each generated client method the extender may call needs from RBAC: (resource, verb).
@@ -300,3 +321,34 @@ def test_the_scheduler_rbac_grants_exactly_what_the_extender_calls(tmp_path):
     assert {"kind": "ServiceAccount", "name": account["name"], "namespace": account["namespace"]} in \
         binding["subjects"]
     assert objects["Deployment"]["spec"]["template"]["spec"]["serviceAccountName"] == account["name"]
+
+
+def test_the_admission_policy_binds_cgpud_to_what_it_writes_on_its_own_node(tmp_path):
+    """deploy/cgpud-admission-policy.yaml: every field is the API's (kubectl
+    decodes it back whole), it matches the writes cgpud's RBAC allows, and
+    its expressions name the very keys cgpud writes. The expressions are
+    evaluated by a real API server only (not here: no cluster in this test)."""
+    from cgpud.kube.model import ANNOTATION_ASSIGNED, ANNOTATION_CAPACITY_ADDRESS
+
+    objects = {d["kind"]: d for d in documents("cgpud-admission-policy.yaml")}
+    policy, binding = objects["ValidatingAdmissionPolicy"], objects["ValidatingAdmissionPolicyBinding"]
+    for obj in (policy, binding):
+        [decoded] = kubectl("label", "--local", "-f", str(alone(tmp_path, obj)), "checked=yes")
+        assert missing(obj, decoded) == []
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"] and binding["spec"]["validationActions"] == [
+        "Deny"]
+    spec = policy["spec"]
+    assert spec["failurePolicy"] == "Fail"
+    [who] = spec["matchConditions"]
+    assert "system:serviceaccount:kube-system:cgpud" in who["expression"]
+    rbac = {d["kind"]: d for d in documents("cgpud-rbac.yaml")}
+    assert rbac["ServiceAccount"]["metadata"]["name"] == "cgpud"
+    writes = {(r, v) for rule in rbac["ClusterRole"]["rules"] for r in rule["resources"] for v in rule["verbs"]
+              if v in ("patch", "create", "update", "delete")}
+    operation = {"patch": "UPDATE", "update": "UPDATE", "create": "CREATE", "delete": "DELETE"}
+    matched = {(r, op) for rule in spec["matchConstraints"]["resourceRules"] for r in rule["resources"]
+               for op in rule["operations"]}
+    assert {(r, operation[v]) for r, v in writes} == matched
+    text = json.dumps(spec)
+    assert "authentication.kubernetes.io/node-name" in text
+    assert ANNOTATION_ASSIGNED in text and ANNOTATION_CAPACITY_ADDRESS in text and "aliyun.accelerator/" in text

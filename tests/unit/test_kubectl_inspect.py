@@ -273,12 +273,16 @@ def kubeconfig(tmp_path: Path, server: str) -> Path:
     return path
 
 
-PROXY = "/api/v1/namespaces/kube-system/services/cgpu-scheduler:http/proxy/inspect"
+PROXY = "/api/v1/namespaces/kube-system/services/https:cgpu-scheduler:https/proxy/inspect"
+PLAIN = "/api/v1/namespaces/gpu/services/sched:http/proxy/inspect"
 
 
 def test_through_the_api_servers_service_proxy(capsys, tmp_path, monkeypatch):
+    """The HTTPS port of deploy/cgpu-scheduler.yaml first; an extender
+    serving plain HTTP (no port named https: 503) on its http port."""
     routes = {PROXY: (200, view_body()),
-              "/api/v1/namespaces/gpu/services/sched:http/proxy/inspect": (200, view_body(ClusterView(())))}
+              "/api/v1/namespaces/gpu/services/https:sched:https/proxy/inspect": (503, b'{"message": "no port"}'),
+              PLAIN: (200, view_body(ClusterView(())))}
     with http_server(routes) as (url, asked):
         config = kubeconfig(tmp_path, url)
         code, out, err = run(capsys, "--kubeconfig", str(config))
@@ -288,9 +292,10 @@ def test_through_the_api_servers_service_proxy(capsys, tmp_path, monkeypatch):
         assert code == 0 and out.splitlines()[-1] == "0/0 (0%)"
         code, _, err = run(capsys, "-n", "elsewhere")
         assert code == 1 and err.count("\n") == 1
-        assert "cannot read the cluster view from service elsewhere/cgpu-scheduler (port http) through the API " \
-               "server: 404 no such path" in err
-    assert asked == [PROXY, "/api/v1/namespaces/gpu/services/sched:http/proxy/inspect",
+        assert "cannot read the cluster view from service elsewhere/cgpu-scheduler (port https, else http) through " \
+               "the API server: 404 no such path" in err
+    assert asked == [PROXY, "/api/v1/namespaces/gpu/services/https:sched:https/proxy/inspect", PLAIN,
+                     "/api/v1/namespaces/elsewhere/services/https:cgpu-scheduler:https/proxy/inspect",
                      "/api/v1/namespaces/elsewhere/services/cgpu-scheduler:http/proxy/inspect"]
 
 
