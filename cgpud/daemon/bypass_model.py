@@ -83,6 +83,11 @@ class WatchSettings:
     # The slack is given for at most this many of an instance's processes on
     # a GPU: a tenant that forks more gains nothing from it.
     memory_slack_processes: int = 4
+    # Kill mode also kills processes of no instance (not allow-listed): a
+    # container that got a GPU around cgpu (NVIDIA_VISIBLE_DEVICES=all through
+    # the NVIDIA toolkit). Off by default: a node's own GPU users must all be
+    # on the allow list first.
+    kill_unknown: bool = False
 
 
 @dataclass(frozen=True)

@@ -132,7 +132,11 @@ class DaemonConfig:
     )
     bypass_action: BypassAction = _setting(
         BypassAction.REPORT, "what the bypass watchdog does about an instance's offending processes: report, or kill "
-        "(SIGKILL; a process of no instance is only reported)"
+        "(SIGKILL; a process of no instance is only reported unless bypass_kill_unknown)"
+    )
+    bypass_kill_unknown: bool = _setting(
+        False, "with bypass_action kill, also SIGKILL processes on a GPU that belong to no instance and are not on "
+        "bypass_allow (put every daemon and tool of the node that uses GPUs on bypass_allow first)"
     )
     bypass_memory_slack_mib: int = _setting(
         512, "MiB each of an instance's processes on a GPU may hold past its limit there before the watchdog counts "
@@ -172,7 +176,8 @@ class DaemonConfig:
         of each round (node labels may change it)."""
         return WatchSettings(self.bypass_memory_slack_mib * MIB, self.bypass_compute_excess_percent,
                              self.allow_rules(), isolating=isolates(self.mode),
-                             memory_slack_processes=self.bypass_memory_slack_processes)
+                             memory_slack_processes=self.bypass_memory_slack_processes,
+                             kill_unknown=self.bypass_kill_unknown)
 
     @property
     def database(self) -> Path:

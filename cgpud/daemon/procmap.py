@@ -463,7 +463,7 @@ def _recheck(identity: ProcessIdentity, mapper: ProcessMapper, instances: Sequen
 
 
 def kill_process(identity: ProcessIdentity, mapper: ProcessMapper, instances: Sequence[Instance],
-                 allow: Sequence[AllowRule] = ()) -> tuple[bool, str]:
+                 allow: Sequence[AllowRule] = (), unknown: bool = False) -> tuple[bool, str]:
     """SIGKILL to one process of a violating instance, pinned by a pidfd and
     re-checked after pinning (same start time, same instance).
 
@@ -472,11 +472,12 @@ def kill_process(identity: ProcessIdentity, mapper: ProcessMapper, instances: Se
     cgpud or an ancestor of it, no instance, allow-listed, reused, remapped)
     or the kill failed. Without pidfd_open (kernels before 5.3) the re-check
     and os.kill leave a window of microseconds in which the pid could be
-    reused."""
+    reused. `unknown`: a process of no instance may be killed (setting
+    bypass_kill_unknown); the re-check then requires it still to be of none."""
     pid = identity.pid
     if pid <= 1:
         return False, f"pid {pid} not killed: never pid 0 or 1"
-    if identity.instance_id is None:
+    if identity.instance_id is None and not unknown:
         return False, f"pid {pid} not killed: it belongs to no instance"
     if pid in mapper.protected():
         return False, f"pid {pid} not killed: it is cgpud or one of its ancestors"

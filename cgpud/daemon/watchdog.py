@@ -335,8 +335,9 @@ class BypassWatchdog:
     def _act(self, v: Violation, seen: _Seen, identities: Mapping[int, ProcessIdentity],
              instances: Sequence[Instance], now: float) -> BypassEvent | None:
         # Kill mode kills an instance's offenders every round they are there;
-        # a process of no instance is only reported (it may be the node's own).
-        if self._action is BypassAction.KILL and v.instance_id:
+        # a process of no instance is only reported (it may be the node's own)
+        # unless the node says its own are all on the allow list.
+        if self._action is BypassAction.KILL and (v.instance_id or self._settings.kill_unknown):
             return self._kill_all(v, identities, instances, now)
         if seen.reported is not None and now - seen.reported < self._repeat_s:
             return None
@@ -356,7 +357,8 @@ class BypassWatchdog:
                 ok, detail = False, f"pid {pid} not killed: not identified"
             else:
                 try:
-                    ok, detail = self._kill(identity, self._mapper, instances, allow=self._settings.allow)
+                    ok, detail = self._kill(identity, self._mapper, instances, allow=self._settings.allow,
+                                            unknown=not v.instance_id)
                 except (CgpuError, OSError) as e:
                     ok, detail = False, f"pid {pid} not killed: {e}"
             if ok:

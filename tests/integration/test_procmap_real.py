@@ -261,6 +261,31 @@ def test_kill_a_mapped_child_and_refuse_the_rest(procs: Procs) -> None:
     assert not dead(c) and not dead(p) and other.poll() is None  # only the one process
 
 
+def test_with_kill_unknown_a_process_of_no_instance_is_killed_and_one_that_joined_an_instance_is_not(
+        procs: Procs) -> None:
+    """bypass_kill_unknown: the process of a container that got a GPU around
+    cgpu. The re-check still holds: one that maps to an instance by now, the
+    allow list, cgpud and pid 1 are refused."""
+    stranger = procs.sleep()
+    p, c, _ = fork_tree(procs)
+    mapper = ProcessMapper()
+    ids = mapper.identify([stranger.pid, c], [])
+    assert ids[stranger.pid].instance_id is None and ids[c].instance_id is None
+    own = ProcessIdentity(os.getpid(), read_stat(os.getpid()).starttime, "", "", None)
+    ok, detail = kill_process(own, mapper, [], unknown=True)
+    assert not ok and "cgpud" in detail, detail
+    ok, detail = kill_process(ids[stranger.pid], mapper, [], allow=parse_allow(f"exe:{ids[stranger.pid].exe}"),
+                              unknown=True)
+    assert not ok and "allow list" in detail, detail
+    # c was of no instance when identified and is of one now: not this kill's to make
+    ok, detail = kill_process(ids[c], mapper, [run_instance("r1", (p, c))], unknown=True)
+    assert not ok and "now maps to r1" in detail, detail
+    ok, detail = kill_process(ids[stranger.pid], mapper, [], unknown=True)
+    assert ok and "killed" in detail, detail
+    poll("the stranger dead", lambda: stranger.poll() is not None)
+    assert not dead(c)
+
+
 def test_kill_of_a_process_that_already_exited_says_so(procs: Procs) -> None:
     # The tenant exited (a zombie its parent has not reaped): nothing to kill, and no error.
     parent = procs.start([sys.executable, "-c", "import os, time\nos.fork() or os._exit(0)\ntime.sleep(300)"])

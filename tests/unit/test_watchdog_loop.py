@@ -309,8 +309,8 @@ class Kills:
     done: list[int] = field(default_factory=list)
 
     def __call__(self, identity: ProcessIdentity, mapper: Any, instances: Sequence[Instance],
-                 allow: Sequence[Any] = ()) -> tuple[bool, str]:
-        assert allow == SETTINGS.allow
+                 allow: Sequence[Any] = (), unknown: bool = False) -> tuple[bool, str]:
+        assert allow == SETTINGS.allow and unknown == (identity.instance_id is None)
         if identity.pid in self.refuse:
             return False, f"pid {identity.pid} not killed: it now maps to another instance"
         self.done.append(identity.pid)
@@ -388,6 +388,24 @@ def test_kill_mode_kills_every_round_and_never_a_process_of_no_instance():
         (ViolationKind.UNKNOWN_PROCESS, EventAction.REPORTED, ())]
     assert [(e.action, e.killed) for e in second] == [(EventAction.KILLED, (100, 101))]  # the report waits 60 s
     assert events.totals() == ({("memory_over_limit", "killed"): 2, ("unknown_process", "reported"): 1}, 4)
+
+
+def test_with_kill_unknown_kill_mode_kills_processes_of_no_instance_too():
+    """bypass_kill_unknown: a container that reached a GPU around cgpu (the
+    toolkit honouring NVIDIA_VISIBLE_DEVICES=all) loses its process, every
+    round it shows up, like an instance's offender."""
+    from dataclasses import replace
+
+    kills = Kills()
+    w = BypassWatchdog(FakeService([instance("inst-a", (0, GIB, 0))]), BypassEvents(),
+                       FakeReader([PROCS + [GpuProcess(0, 300, GIB)]]), FakeMapper({100: "inst-a", 101: "inst-a",
+                                                                                      300: None}),
+                       replace(SETTINGS, kill_unknown=True), BypassAction.KILL, 0.01, decide=Script([UNKNOWN]),
+                       kill=kills)
+    first, second = w.tick(100.0), w.tick(101.0)
+    assert kills.done == [300, 300]
+    assert [(e.violation.kind, e.action, e.killed) for e in first + second] == [
+        (ViolationKind.UNKNOWN_PROCESS, EventAction.KILLED, (300,))] * 2
 
 
 def test_a_kill_refused_by_the_safety_checks_is_an_event_saying_why():
