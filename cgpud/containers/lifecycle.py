@@ -26,7 +26,7 @@ from typing import Any
 
 import structlog
 
-from cgpud.daemon.model import GIB, Instance, InstanceState, Owner, OwnerKind, Request
+from cgpud.daemon.model import GIB, Instance, InstanceState, Owner, OwnerKind, Request, isolates
 from cgpud.daemon.service import InstanceService
 from cgpud.errors import StateError, UsageError
 from cgpud.containers.bundle import check_targets, check_volumes, read_spec, rootfs_path, write_spec
@@ -34,7 +34,8 @@ from cgpud.containers.edits import (BIND_STAGE, CONTAINER_LIBRARY, PRELOAD, RELE
                               instance_edits)
 from cgpud.containers.placed import check_placed, read_mountinfo
 from cgpud.containers.identity import ContainerKey, container_key
-from cgpud.containers.request import CONTAINER_REGION, Claim, EnvRequest, read_request
+from cgpud.containers.request import (CONTAINER_REGION, TOOLKIT_ENV, TOOLKIT_NONE, Claim, EnvRequest, read_request,
+                                     without_toolkit_devices)
 
 BIND_STAGES = (BIND_STAGE, "prestart")
 # Where instance_edits mounts for an enforced instance.
@@ -69,6 +70,11 @@ class ContainerLifecycle:
         spec = read_spec(bundle, spec_fd)
         ask = read_request(spec, trust_env=self._trust_env, regions=self._service.regions)
         if ask is None:
+            neutral = without_toolkit_devices(spec) if isolates(self._service.policy().mode) else None
+            if neutral is not None:
+                write_spec(bundle, neutral)
+                self._log.info("toolkit devices refused", container=str(key),
+                               reason=f"{TOOLKIT_ENV} without an instance; set to {TOOLKIT_NONE}")
             return Prepared(None)
         created = isinstance(ask, EnvRequest)
         instance = self._admit(key, ask)

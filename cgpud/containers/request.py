@@ -158,6 +158,30 @@ def claim(mounts: Sequence[Any], regions: Path) -> Claim | None:
     return Claim(found) if found else None
 
 
+# What the NVIDIA container toolkit gives a container GPUs by (its
+# accept-nvidia-visible-devices-envvar-when-unprivileged, on by default), and
+# the value for which it gives none and mounts nothing.
+TOOLKIT_ENV = "NVIDIA_VISIBLE_DEVICES"
+TOOLKIT_NONE = "void"
+
+
+def without_toolkit_devices(spec: Mapping[str, Any]) -> dict[str, Any] | None:
+    """For a container with no instance on an isolating node: the spec with
+    every NVIDIA_VISIBLE_DEVICES (the image's, the engine's, `docker run
+    --gpus`'s) set to "void", so the toolkit gives it no GPU; None when it
+    names none already. Anything a container can write gets a GPU only
+    through an instance."""
+    process = spec.get("process")
+    raw = process.get("env") if isinstance(process, Mapping) else None
+    if not isinstance(raw, list):
+        return None
+    prefix = TOOLKIT_ENV + "="
+    if all(not (isinstance(e, str) and e.startswith(prefix)) or e == prefix + TOOLKIT_NONE for e in raw):
+        return None
+    env = [prefix + TOOLKIT_NONE if isinstance(e, str) and e.startswith(prefix) else e for e in raw]
+    return {**spec, "process": {**process, "env": env}}
+
+
 def read_request(spec: Mapping[str, Any], *, trust_env: bool, regions: Path) -> EnvRequest | Claim | None:
     """What the spec asks for. A claim wins over env (the env then only
     repeats what the channel that made the claim wrote); untrusted env is

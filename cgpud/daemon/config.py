@@ -17,9 +17,9 @@ from cgpud.api import DEFAULT_SOCKET
 from cgpud.api.listen import parse_endpoint, plaintext_problem, tls_problem
 from cgpud.contract import ENV_PREFIX, RELAY_DEFAULT_SOCKET
 from cgpud.daemon.bypass_model import AllowRule, BypassAction, WatchSettings
-from cgpud.daemon.model import ComputePolicy, ComputeTiming, NodeMode, NodePolicy, Orchestrator, Placement
+from cgpud.daemon.model import (ComputePolicy, ComputeTiming, NodeMode, NodePolicy, Orchestrator, Placement,
+                                isolates)
 from cgpud.daemon.compute_policy import decode_compute_policies
-from cgpud.daemon.watchdog import isolates
 from cgpud.daemon.watchdog_policy import DEFAULT_ALLOW, parse_allow
 from cgpud.errors import UsageError
 from cgpud.kube.health_policy import DEFAULT_PROBE_INTERVAL, DEFAULT_RECOVERY_WINDOW, HealthPolicy, parse_xids

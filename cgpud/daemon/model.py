@@ -24,6 +24,12 @@ class NodeMode(str, Enum):
 
 # Modes that give each request whole GPUs, never a share of one.
 WHOLE_GPU_MODES = (NodeMode.DEFAULT, NodeMode.TOPOLOGY)
+# Modes whose limits hold: a GPU reached without an instance goes around them.
+ISOLATING_MODES = (NodeMode.CGPU, NodeMode.CORE_MEM, NodeMode.MPS)
+
+
+def isolates(mode: NodeMode) -> bool:
+    return mode in ISOLATING_MODES
 
 
 class Placement(str, Enum):

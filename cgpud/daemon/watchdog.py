@@ -35,7 +35,7 @@ from cgpud.daemon.bypass_model import (
     WatchSettings,
 )
 from cgpud.daemon.compute_policy import limits_compute
-from cgpud.daemon.model import ComputePolicy, Instance, NodeMode, NodePolicy
+from cgpud.daemon.model import ComputePolicy, Instance, NodeMode, NodePolicy, isolates
 from cgpud.errors import CgpuError
 
 if TYPE_CHECKING:
@@ -45,7 +45,6 @@ if TYPE_CHECKING:
 
 # Modes whose instances are isolated: there a process outside libcgpu's
 # reach breaks a promise cgpud made.
-ISOLATING_MODES = (NodeMode.CGPU, NodeMode.CORE_MEM, NodeMode.MPS)
 # Policies under which a share is also a ceiling (the others lend idle time).
 CAPPING_POLICIES = (ComputePolicy.FIXED, ComputePolicy.SOFT)
 # An ongoing violation is reported again this often (seconds) in report mode.
@@ -54,10 +53,6 @@ REPEAT_S = 60.0
 # at most 1 s, real drivers sample every ~1/6 s (the gap between samples of
 # one answer narrows it, see _UtilWindow).
 _SAMPLE_CAP_US = 1_000_000
-
-
-def isolates(mode: NodeMode) -> bool:
-    return mode in ISOLATING_MODES
 
 
 @dataclass

@@ -19,11 +19,14 @@
  * or spells a name or path character as a JSON escape (see escaped_name).
  * "/cgpu", not "\"/run/cgpu\"" (CGPU_REGION_FIXED_DIR): cgpud reads a mount
  * at /run/cgpu/, /run//cgpu or /run/cgpu/usage as a claim too (or refuses
- * it), and every spelling of such a path holds "/cgpu" unescaped. */
-static const char *const MARKERS[] = {CGPU_ENV_PREFIX, "/cgpu", "\\/"};
+ * it), and every spelling of such a path holds "/cgpu" unescaped. A bundle
+ * naming the toolkit's variable goes to cgpud too, which takes away a GPU it
+ * would reach without an instance. */
+static const char *const MARKERS[] = {CGPU_ENV_PREFIX, "/cgpu", "\\/", CGPU_TOOLKIT_ENV};
 /* The longest marker - 1: a marker may straddle two reads. */
-#define MARKER_KEEP (sizeof(CGPU_ENV_PREFIX) - 2)
-_Static_assert(sizeof(CGPU_ENV_PREFIX) >= sizeof("/cgpu"), "MARKER_KEEP assumes the prefix is the longest marker");
+#define MARKER_KEEP (sizeof(CGPU_TOOLKIT_ENV) - 2)
+_Static_assert(sizeof(CGPU_TOOLKIT_ENV) >= sizeof(CGPU_ENV_PREFIX) && sizeof(CGPU_TOOLKIT_ENV) >= sizeof("/cgpu"),
+               "MARKER_KEEP assumes the toolkit's variable is the longest marker");
 _Static_assert(MARKER_KEEP >= 5, "escaped_name leaves up to 5 bytes of an escape to the next read");
 
 /* Value-taking flags; every other flag is taken as boolean. */

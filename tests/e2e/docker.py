@@ -67,10 +67,12 @@ class Dockerd:
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout)
 
-    def import_rootfs(self, rootfs: Path, tag: str) -> None:
-        """An image of one layer: the rootfs as it is, symbolic links included."""
+    def import_rootfs(self, rootfs: Path, tag: str, *changes: str) -> None:
+        """An image of one layer: the rootfs as it is, symbolic links
+        included; `changes` are Dockerfile lines (`ENV NAME=value`)."""
         tar = subprocess.Popen(["tar", "-C", str(rootfs), "-cf", "-", "."], stdout=subprocess.PIPE)
-        out = subprocess.run([str(DOCKER), "-H", f"unix://{self.socket}", "import", "-", tag], stdin=tar.stdout,
+        flags = [a for c in changes for a in ("--change", c)]
+        out = subprocess.run([str(DOCKER), "-H", f"unix://{self.socket}", "import", *flags, "-", tag], stdin=tar.stdout,
                              capture_output=True, text=True, timeout=120)
         assert tar.stdout is not None
         tar.stdout.close()

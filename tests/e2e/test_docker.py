@@ -458,23 +458,51 @@ def test_cgpu_as_the_default_runtime(gpu_env, cgpud: Daemon, dockerd: Dockerd) -
             time.sleep(0.1)
 
 
+def toolkit_saw(dockerd: Dockerd, gpu_env: dict[str, str], env: tuple[str, ...] = (), image: str = IMAGE,
+                gpus: bool = True) -> tuple[list[str], str]:
+    """(what the toolkit's hook read in the spec, what the container's
+    process sees) for one `docker run`."""
+    seen = dockerd.root.parent / "toolkit" / "seen"
+    cidfile = seen.parent / f"cid-{uuid.uuid4().hex[:8]}"
+    opts = ("--rm", "--cidfile", str(cidfile), *(("--gpus", "all") if gpus else ()))
+    out = docker_run(dockerd, gpu_env, "sh", "-c", "echo $NVIDIA_VISIBLE_DEVICES", env=env, opts=opts, image=image)
+    assert out.returncode == 0, out.stderr
+    record = seen / cidfile.read_text().strip()
+    return (record.read_text().split() if record.exists() else []), out.stdout.strip()
+
+
 def test_gpus_all_gives_the_toolkit_only_the_granted_gpu(gpu_env, cgpud: Daemon, dockerd: Dockerd) -> None:
     """`docker run --gpus all` appends NVIDIA_VISIBLE_DEVICES=all to the
     spec and adds the toolkit's prestart hook; cgpud narrows the variable
     the hook reads to the GPU it granted."""
-    seen = dockerd.root.parent / "toolkit" / "seen"
-    for env in (("ALIYUN_COM_GPU_MEM_CONTAINER=2",), ()):
-        cidfile = seen.parent / f"cid-{uuid.uuid4().hex[:8]}"
-        out = docker_run(dockerd, gpu_env, "sh", "-c", "echo $NVIDIA_VISIBLE_DEVICES", env=env,
-                         opts=("--rm", "--cidfile", str(cidfile), "--gpus", "all"))
-        assert out.returncode == 0, out.stderr
-        devices = (seen / cidfile.read_text().strip()).read_text().split()
-        if env:
-            [granted] = instances(cgpud, all_=True)
-            uuid_ = granted["grants"][0]["uuid"]
-            assert devices == [f'"NVIDIA_VISIBLE_DEVICES={uuid_}"'] and out.stdout.strip() == uuid_
-        else:  # no request: the container gets what Docker asked for, untouched
-            assert devices == ['"NVIDIA_VISIBLE_DEVICES=all"'] and out.stdout.strip() == "all"
+    devices, seen = toolkit_saw(dockerd, gpu_env, ("ALIYUN_COM_GPU_MEM_CONTAINER=2",))
+    [granted] = instances(cgpud, all_=True)
+    uuid_ = granted["grants"][0]["uuid"]
+    assert devices == [f'"NVIDIA_VISIBLE_DEVICES={uuid_}"'] and seen == uuid_
+
+
+def test_no_gpu_without_an_instance_whatever_the_image_or_docker_asks(tmp_path, gpu_env, rootfs_template,
+                                                                     cgpud: Daemon, dockerd: Dockerd) -> None:
+    """The attack: no share asked, but NVIDIA_VISIBLE_DEVICES=all from the
+    image (every nvidia/cuda image sets it) or from `--gpus all`. The toolkit
+    honoured it and the container had every GPU with no instance, no
+    libcgpu and no limit. On an isolating node the variable now reads
+    "void" (the toolkit then gives nothing), and no instance is made."""
+    dockerd.import_rootfs(rootfs_template, "cgpu-e2e:cuda-like", "ENV NVIDIA_VISIBLE_DEVICES=all")
+    for image, gpus in (("cgpu-e2e:cuda-like", False), ("cgpu-e2e:cuda-like", True), (IMAGE, True)):
+        devices, seen = toolkit_saw(dockerd, gpu_env, image=image, gpus=gpus)
+        assert seen == "void", (image, gpus)
+        # the toolkit's hook runs for --gpus only; every copy it reads is void
+        assert set(devices) == ({'"NVIDIA_VISIBLE_DEVICES=void"'} if gpus else set()), (image, gpus, devices)
+    assert instances(cgpud, all_=True) == []
+
+
+def test_on_a_share_node_the_toolkit_path_is_left_as_it_is(tmp_path, gpu_env, dockerd: Dockerd) -> None:
+    """share mode enforces nothing: a GPU reached through the toolkit goes
+    around no limit, and the node's whole-GPU users keep it."""
+    with running_daemon(tmp_path, gpu_env, "--relay-socket", str(dockerd.relay), "--mode", "share"):
+        devices, seen = toolkit_saw(dockerd, gpu_env)
+    assert devices == ['"NVIDIA_VISIBLE_DEVICES=all"'] and seen == "all"
 
 
 def test_a_command_that_does_not_exist_leaves_no_instance(gpu_env, cgpud: Daemon, dockerd: Dockerd) -> None:

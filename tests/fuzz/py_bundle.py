@@ -39,9 +39,9 @@ from cgpud.contract import ENV_PREFIX
 from cgpud.daemon.model import GIB, Grant, Instance, InstanceState, Owner, OwnerKind
 from cgpud.errors import CgpuError
 
-# The shim's markers (cgpu_runtime.c MARKERS: the env prefix, "/cgpu", an
-# escaped slash) and its \uXXXX rule.
-SHIM_MARKERS = (ENV_PREFIX.encode(), b"/cgpu", b"\\/")
+# The shim's markers (runtime_rules.h MARKERS: the env prefix, "/cgpu", an
+# escaped slash, the toolkit's variable) and its \uXXXX rule.
+SHIM_MARKERS = (ENV_PREFIX.encode(), b"/cgpu", b"\\/", b"NVIDIA_VISIBLE_DEVICES")
 _NAME_ESCAPE = re.compile(rb"\\u([0-9a-fA-F]{4})")
 GPU_MEMORY = {0: 16 * GIB, 1: 16 * GIB}
 KEYS = ("ociVersion", "process", "env", "args", "root", "path", "mounts", "destination", "source", "type",

@@ -184,3 +184,17 @@ def test_user_mount_over_our_targets_is_replaced() -> None:
                 mounts=[{"destination": "/etc/ld.so.preload", "type": "bind", "source": "/tmp/evil"}])
     s = edited(instance(), base)
     assert [m["source"] for m in s["mounts"] if m["destination"] == PRELOAD] == [str(FILES.preload)]
+
+
+def test_without_toolkit_devices_sets_every_copy_to_void_and_leaves_the_rest():
+    from cgpud.containers.request import without_toolkit_devices
+
+    spec = {"process": {"env": ["PATH=/bin", "NVIDIA_VISIBLE_DEVICES=all", "X=1", "NVIDIA_VISIBLE_DEVICES=0,1"],
+                        "args": ["sh"]}, "root": {"path": "rootfs"}}
+    got = without_toolkit_devices(spec)
+    assert got == {"process": {"env": ["PATH=/bin", "NVIDIA_VISIBLE_DEVICES=void", "X=1",
+                                       "NVIDIA_VISIBLE_DEVICES=void"], "args": ["sh"]}, "root": {"path": "rootfs"}}
+    assert spec["process"]["env"][1] == "NVIDIA_VISIBLE_DEVICES=all"  # the caller's spec is not changed
+    for quiet in ({"process": {"env": ["PATH=/bin"]}}, {"process": {"env": ["NVIDIA_VISIBLE_DEVICES=void"]}},
+                  {"process": {}}, {}, {"process": {"env": "NVIDIA_VISIBLE_DEVICES=all"}}):
+        assert without_toolkit_devices(quiet) is None, quiet

@@ -48,4 +48,9 @@
  * (ALIYUN_COM_GPU_MEM_CONTAINER, ...): the runtime shim scans for it. */
 #define CGPU_ENV_PREFIX "ALIYUN_COM_GPU"
 
+/* What the NVIDIA container toolkit gives GPUs by: a container that names
+ * it goes to cgpud too, which sets it to "void" where the container has no
+ * instance on an isolating node (request.py TOOLKIT_ENV). */
+#define CGPU_TOOLKIT_ENV "NVIDIA_VISIBLE_DEVICES"
+
 #endif
