@@ -118,11 +118,14 @@ def test_an_attacked_usage_file_harms_neither_cgpud_nor_the_neighbour(rig: Share
     assert d.cgpuctl("policy", "set", "fixed").returncode == 0
     # An idle instance too: nothing in it touches its file, so it is still
     # there for the sweep and the restart to repair whatever the burning
-    # victim does after the attack.
+    # victim does after the attack. It has a share, so the scheduler holds
+    # its file mapped too and meets a truncation of it for certain (the
+    # victim's own library may die of its truncated file, and its instance
+    # go, before the scheduler reads the victim's).
     idle = subprocess.Popen([str(BIN / "cgpuctl"), "--socket", str(d.socket), "run", "--mem", "256MiB", "--core",
-                             "0", "--", "sleep", "600"], env=d.env, stdout=subprocess.DEVNULL,
+                             "5", "--", "sleep", "600"], env=d.env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    victim = rig._start(TenantSpec(30))
+    victim = rig._start(TenantSpec(25))
     procs += [idle, victim]
     sampler = Sampler(rig.env, 20)
     neighbour_run: subprocess.Popen[bytes] | None = None
@@ -130,7 +133,7 @@ def test_an_attacked_usage_file_harms_neither_cgpud_nor_the_neighbour(rig: Share
         deadline = time.monotonic() + 60
         victim_pid = rig._burn_pid(victim, deadline)
         assert poll(lambda: len(_instances(rig)) == 2)
-        target, idle_region = _region_of(rig, 30), _region_of(rig, 0)
+        target, idle_region = _region_of(rig, 25), _region_of(rig, 5)
         neighbour_run = subprocess.Popen(
             [str(BIN / "cgpuctl"), "--socket", str(d.socket), "run", "--mem", "512MiB", "--core", "70", "--",
              str(native_path("bin/cgpu-burn")), "--duration", "5", "--kernel-ns", "200000", "--streams", "4"],
