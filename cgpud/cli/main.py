@@ -375,6 +375,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="configure containerd (/etc/containerd/config.toml)")
     engine.add_argument("--docker", dest="engine", action="store_const", const="docker",
                         help="configure Docker (/etc/docker/daemon.json)")
+    engine.add_argument("--nvidia-toolkit", dest="engine", action="store_const", const="nvidia-toolkit",
+                        help="make the NVIDIA container toolkit give GPUs only from device lists (what cgpud's "
+                             "Allocate names), never from a container's NVIDIA_VISIBLE_DEVICES "
+                             "(/etc/nvidia-container-runtime/config.toml)")
     configure.add_argument("--set-as-default", action="store_true", help="make it the default runtime")
     configure.add_argument("--dry-run", action="store_true", help="print the changes as a diff, write nothing")
     configure.add_argument("--config", help="the engine's config file, if not the default")

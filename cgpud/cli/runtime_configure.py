@@ -30,6 +30,7 @@ from cgpud.cli.containerd_config import (
     dropin_path,
 )
 from cgpud.cli.docker_config import DOCKER_CONFIG, docker_changes
+from cgpud.cli.toolkit_config import TOOLKIT_CONFIG, toolkit_changes
 from cgpud.errors import CgpuError, UsageError
 
 BACKUP_SUFFIX = ".cgpu.bak"
@@ -40,6 +41,7 @@ _NAME = re.compile(r"[a-z0-9_-]+")
 class Engine(enum.Enum):
     CONTAINERD = "containerd"
     DOCKER = "docker"
+    NVIDIA_TOOLKIT = "nvidia-toolkit"  # not an engine: the NVIDIA toolkit's own config (toolkit_config.py)
 
 
 # ---------------------------------------------------------------- arguments
@@ -108,6 +110,8 @@ def plan(engine: Engine, config: Path, spec: RuntimeSpec, containerd_major: int 
     config = Path(os.path.abspath(config))
     if engine is Engine.DOCKER:
         return Plan(docker_changes(config, _read(config), spec), [])
+    if engine is Engine.NVIDIA_TOOLKIT:
+        return Plan(toolkit_changes(config, _read(config)), [])
     dropin = dropin_path(config)
     main_text = _read(config)
     changes = containerd_changes(config, main_text, _read(dropin), spec, containerd_major)
@@ -158,12 +162,20 @@ def configure(
     containerd_major: int | None = None,
 ) -> str:
     """Plan, then print the diff (dry run) or write; returns the text to show."""
-    path = config if config is not None else (CONTAINERD_CONFIG if engine is Engine.CONTAINERD else DOCKER_CONFIG)
+    defaults = {Engine.CONTAINERD: CONTAINERD_CONFIG, Engine.DOCKER: DOCKER_CONFIG,
+                Engine.NVIDIA_TOOLKIT: TOOLKIT_CONFIG}
+    path = config if config is not None else defaults[engine]
     planned = plan(engine, path, spec, containerd_major)
     changes = [c for c in planned.changes if c.changed]
     warnings = "".join(w + "\n" for w in planned.warnings)
     if dry_run:
         return ("".join(c.diff() for c in changes) if changes else "no changes\n") + warnings
+    if engine is Engine.NVIDIA_TOOLKIT:
+        if not changes:
+            return f"already configured: {path} gives GPUs only from device lists, never from env\n"
+        # The toolkit reads its config at every container start: nothing to restart.
+        return "\n".join([*apply(changes), "the NVIDIA toolkit now ignores NVIDIA_VISIBLE_DEVICES in unprivileged "
+                                            "containers"]) + "\n"
     if not changes:
         return f'already configured: {engine.value} runs the runtime "{spec.name}" as {spec.path}\n' + warnings
     lines = apply(changes)
@@ -185,11 +197,17 @@ def configure_from_cli(
     set_as_default: bool,
     dry_run: bool,
 ) -> str:
+    which = Engine(engine)
+    if which is Engine.NVIDIA_TOOLKIT:
+        if runtime_path is not None or set_as_default or name != "cgpu":
+            raise UsageError("--nvidia-toolkit changes the toolkit's own settings: --runtime-path, --name and "
+                             "--set-as-default are for --containerd and --docker")
+        return configure(which, RuntimeSpec(name, Path("/")), config=Path(config) if config else None,
+                         dry_run=dry_run)
     spec = RuntimeSpec(
         name=check_name(name),
         path=check_runtime_path(runtime_path) if runtime_path is not None else default_runtime_path(),
         set_as_default=set_as_default,
     )
-    which = Engine(engine)
     major = containerd_major_version() if which is Engine.CONTAINERD else None
     return configure(which, spec, config=Path(config) if config else None, dry_run=dry_run, containerd_major=major)

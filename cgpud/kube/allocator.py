@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -32,8 +32,8 @@ from cgpud.containers.edits import RuntimeFiles, instance_edits
 from cgpud.containers.request import ENV_CORE
 from cgpud.kube import assignment
 from cgpud.kube.apiserver import ApiServerError, ApiServerUnavailable, PodInfo
-from cgpud.kube.model import (ANNOTATION_ASSIGNED, ANNOTATION_GPU_INDEX, DEFAULT_CDI_DIR, AllocationError,
-                              ContainerAllocation, MountSpec, Resource)
+from cgpud.kube.model import (ANNOTATION_ASSIGNED, ANNOTATION_GPU_INDEX, DEFAULT_CDI_DIR, TOOLKIT_DEVICE_LIST_DIR,
+                              AllocationError, ContainerAllocation, MountSpec, Resource)
 
 DYNAMIC_CDI_DIR = Path(DEFAULT_CDI_DIR)
 SPEC_PREFIX = "cgpu-pod-"  # one spec file per pod instance: cgpu-pod-<instance id>.json
@@ -55,6 +55,14 @@ def spec_path(cdi_dir: Path, instance_id: str) -> Path:
 
 def remove_spec(cdi_dir: Path, instance_id: str) -> None:
     spec_path(cdi_dir, instance_id).unlink(missing_ok=True)
+
+
+def device_list(uuids: Iterable[str]) -> tuple[MountSpec, ...]:
+    """The NVIDIA toolkit's volume-mount device list: the GPUs a container
+    gets when the toolkit is set to ignore env (cgpuctl runtime configure
+    --nvidia-toolkit), which a pod spec cannot name. Besides env, which the
+    toolkit honours when it is not so set."""
+    return tuple(MountSpec("/dev/null", f"{TOOLKIT_DEVICE_LIST_DIR}/{u}", True) for u in uuids)
 
 
 def pod_memory_gib(pod: PodInfo) -> int:
@@ -171,6 +179,7 @@ class PodAllocator:
         if pod is not None:
             envs["ALIYUN_COM_GPU_MEM_POD"] = str(pod_memory_gib(pod))
         mounts = tuple(MountSpec(m.source, m.destination, m.read_only) for m in edits.mounts)
+        mounts += device_list(g.gpu_uuid for g in instance.grants)
         return ContainerAllocation(cdi_devices=(f"{cdi.KIND}={instance.id}",), envs=envs, mounts=mounts,
                                    annotations={"cgpu.io/instance": instance.id})
 
@@ -220,5 +229,6 @@ class PodAllocator:
         indexes = sorted(by_uuid[d] for d in device_ids)
         uuids = [u for i in indexes for u, j in by_uuid.items() if i == j]
         return ContainerAllocation(envs={"NVIDIA_VISIBLE_DEVICES": ",".join(uuids),
-                                         ANNOTATION_GPU_INDEX: ",".join(map(str, indexes))})
+                                         ANNOTATION_GPU_INDEX: ",".join(map(str, indexes))},
+                                   mounts=device_list(uuids))
 

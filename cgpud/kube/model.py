@@ -49,6 +49,12 @@ class AllocationError(UsageError):
     The kubelet shows it in the pod's events."""
 
 
+# Where the NVIDIA toolkit reads a container's device list from (its
+# volume-mounts strategy): one mount per GPU UUID, whose source does not
+# matter. cgpuctl runtime configure --nvidia-toolkit makes it the only way.
+TOOLKIT_DEVICE_LIST_DIR = "/var/run/nvidia-container-devices"
+
+
 @dataclass(frozen=True)
 class MountSpec:
     host_path: str

@@ -18,7 +18,7 @@ from cgpud.daemon.service import InstanceService
 from cgpud.daemon.store import Store
 from cgpud.kube.allocator import PodAllocator, spec_path
 from cgpud.kube.apiserver import ApiServer
-from cgpud.kube.model import AllocationError, Resource
+from cgpud.kube.model import AllocationError, MountSpec, Resource
 from cgpud.kube.pod_resources import PodResourcesClient
 from cgpud.kube.releases import PodReleaser, kubelet_pods
 from tests.kube.api_server import ApiServerProcess, api_server, pod_json
@@ -88,6 +88,10 @@ def test_allocate_creates_the_instance_on_the_annotated_gpu_and_marks_the_pod(ri
     assert got.envs["ALIYUN_COM_GPU_MEM_DEV"] == "16" and got.envs["ALIYUN_COM_GPU_MEM_POD"] == "2"
     assert got.envs["NVIDIA_VISIBLE_DEVICES"] == "GPU-bbbb"
     assert {m.container_path for m in got.mounts} >= {"/run/cgpu", "/run/cgpu/usage"}
+    # the NVIDIA toolkit's device list (what it reads when set to ignore env):
+    # exactly the instance's GPU
+    assert [m for m in got.mounts if m.container_path.startswith("/var/run/nvidia-container-devices/")] == [
+        MountSpec("/dev/null", "/var/run/nvidia-container-devices/GPU-bbbb", True)]
     spec = json.loads(spec_path(rig.cdi, inst.id).read_text())
     assert spec["kind"] == "cgpu.io/gpu" and [d["name"] for d in spec["devices"]] == [inst.id]
     assert rig.server.state.pod("default", "train")["metadata"]["annotations"]["ALIYUN_COM_GPU_MEM_ASSIGNED"] == "true"
@@ -206,8 +210,11 @@ def test_the_core_allocate_creates_nothing_and_the_instance_gets_the_spec_core(r
 
 
 def test_whole_gpus_name_their_gpus(rig: Rig):
-    got = rig.allocator.allocate(Resource.NVIDIA_GPU, ["GPU-bbbb"])
-    assert got.envs == {"NVIDIA_VISIBLE_DEVICES": "GPU-bbbb", "ALIYUN_COM_GPU_MEM_IDX": "1"}
+    got = rig.allocator.allocate(Resource.NVIDIA_GPU, ["GPU-bbbb", "GPU-aaaa"])
+    assert got.envs == {"NVIDIA_VISIBLE_DEVICES": "GPU-aaaa,GPU-bbbb", "ALIYUN_COM_GPU_MEM_IDX": "0,1"}
+    # whole GPUs keep their GPUs with the toolkit set to device lists only
+    assert got.mounts == (MountSpec("/dev/null", "/var/run/nvidia-container-devices/GPU-aaaa", True),
+                          MountSpec("/dev/null", "/var/run/nvidia-container-devices/GPU-bbbb", True))
     with pytest.raises(AllocationError, match="no GPU with UUID 'GPU-zzzz'"):
         rig.allocator.allocate(Resource.NVIDIA_GPU, ["GPU-zzzz"])
     assert rig.service.list() == []

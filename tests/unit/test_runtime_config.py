@@ -534,7 +534,49 @@ def test_cli_errors(tmp_path, shim, capsys):
         with pytest.raises(SystemExit) as e:
             main(["runtime", "configure", *bad])
         assert e.value.code == 2
-    assert "one of the arguments --containerd --docker is required" in capsys.readouterr().err
+    assert "one of the arguments --containerd --docker --nvidia-toolkit is required" in capsys.readouterr().err
+
+
+TOOLKIT_TOML = """disable-require = false
+#swarm-resource = "DOCKER_RESOURCE_GPU"
+accept-nvidia-visible-devices-envvar-when-unprivileged = true
+
+[nvidia-container-cli]
+environment = []
+ldconfig = "@/sbin/ldconfig"
+
+[nvidia-container-runtime]
+mode = "auto"
+"""
+
+
+def test_the_nvidia_toolkit_is_set_to_take_gpus_from_device_lists_only(tmp_path, capsys):
+    """What closes the Kubernetes path of "a GPU without an instance": the
+    toolkit ignores NVIDIA_VISIBLE_DEVICES in unprivileged containers and
+    reads the list cgpud's Allocate mounts. Every other line is kept; a
+    second run changes nothing; a dry run writes nothing."""
+    config = tmp_path / "config.toml"
+    config.write_text(TOOLKIT_TOML)
+    assert main(["runtime", "configure", "--nvidia-toolkit", "--config", str(config), "--dry-run"]) == 0
+    assert "+accept-nvidia-visible-devices-as-volume-mounts = true" in capsys.readouterr().out
+    assert config.read_text() == TOOLKIT_TOML
+    assert main(["runtime", "configure", "--nvidia-toolkit", "--config", str(config)]) == 0
+    assert "ignores NVIDIA_VISIBLE_DEVICES in unprivileged containers" in capsys.readouterr().out
+    text = config.read_text()
+    import tomllib
+    got = tomllib.loads(text)
+    assert got["accept-nvidia-visible-devices-envvar-when-unprivileged"] is False
+    assert got["accept-nvidia-visible-devices-as-volume-mounts"] is True
+    assert got["nvidia-container-runtime"] == {"mode": "auto"} and got["disable-require"] is False
+    assert '#swarm-resource = "DOCKER_RESOURCE_GPU"' in text  # comments kept
+    assert (tmp_path / "config.toml.cgpu.bak").read_text() == TOOLKIT_TOML
+    assert main(["runtime", "configure", "--nvidia-toolkit", "--config", str(config)]) == 0
+    assert "already configured" in capsys.readouterr().out and config.read_text() == text
+    config.write_text("not = [toml")
+    assert main(["runtime", "configure", "--nvidia-toolkit", "--config", str(config)]) == 1
+    assert "is not TOML" in capsys.readouterr().err and config.read_text() == "not = [toml"
+    assert main(["runtime", "configure", "--nvidia-toolkit", "--name", "x", "--config", str(config)]) == 1
+    assert "are for --containerd and --docker" in capsys.readouterr().err
 
 
 def test_cli_malformed_daemon_json_is_one_error_and_nothing_is_written(tmp_path, shim, capsys):
