@@ -335,7 +335,10 @@ def test_symlinks_in_an_image_never_lead_outside_it(tmp_path, gpu_env, rootfs_te
         assert burn_json(out.stdout)["alloc"]["until_fail_bytes"] == 2 * GIB
     assert list(outside.iterdir()) == []
     assert Path("/proc/sys/kernel/core_pattern").read_text() == core_pattern
-    assert mounts() == mounts_before
+    # cgpud remakes its spare region and unmounts a released one on threads
+    # of its own, a moment after the runtime returned: a leak still shows
+    # after the wait (a fresh-clone run once read 2 spare regions at once).
+    assert settled(mounts, mounts_before) == mounts_before
     assert instances(cgpud) == []
 
 
