@@ -2,7 +2,7 @@
 own wheels from PyPI, one pinned set per runtime line users run, each installed
 once into a prefix of its own outside the clone (cached by line and pins).
 
-No test reads /usr/local/cuda. `./dev test` installs every line before pytest
+No test reads a toolkit installed on the machine. `./dev test` installs every line before pytest
 starts (`python -m tests.cudakit install`); a test asking for a line that is
 not there yet installs it then, so a plain `pytest` works too. A line that
 cannot be installed is a failure, never a skip.
