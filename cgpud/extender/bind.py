@@ -191,7 +191,10 @@ class Binder:
         self._locks: dict[str, threading.Lock] = {}
 
     def remember(self, demand: PodDemand) -> None:
-        self.demands.put(demand)
+        # Only standalone bind reads what filter saw; with an API server the
+        # pod is read from it at bind, so filter need not keep a copy.
+        if self.api is None:
+            self.demands.put(demand)
 
     def _node_lock(self, node: str) -> threading.Lock:
         with self._locks_lock:
