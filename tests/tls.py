@@ -30,7 +30,7 @@ class Pki:
         cert, key = self.dir / f"node-{node}.crt", self.dir / f"node-{node}.key"
         if not cert.exists():
             san = ",".join([f"DNS:{node}", *(f"IP:{ip}" for ip in ips)])
-            cert, key = _leaf(self.dir, f"node-{node}", (self.ca, self.ca_key), "serverAuth", san)
+            cert, key = leaf(self.dir, f"node-{node}", (self.ca, self.ca_key), "serverAuth", san)
         return cert, key
 
 
@@ -40,7 +40,7 @@ def _openssl(*args: str) -> None:
         raise RuntimeError(f"openssl {' '.join(args)} failed: {done.stderr}")
 
 
-def _ca(dir: Path, name: str) -> tuple[Path, Path]:
+def ca(dir: Path, name: str) -> tuple[Path, Path]:
     cert, key = dir / f"{name}.crt", dir / f"{name}.key"
     _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
              "-keyout", str(key), "-out", str(cert), "-days", "2", "-subj", f"/CN={name}",
@@ -48,10 +48,13 @@ def _ca(dir: Path, name: str) -> tuple[Path, Path]:
     return cert, key
 
 
-def _leaf(dir: Path, name: str, ca: tuple[Path, Path], usage: str, san: str) -> tuple[Path, Path]:
+def leaf(dir: Path, name: str, ca: tuple[Path, Path], usage: str, san: str,
+          subject: str | None = None) -> tuple[Path, Path]:
+    """A certificate `ca` signed; the subject is /CN=<name> unless given
+    (Kubernetes reads a client's user from CN and its groups from O)."""
     cert, key, csr, ext = dir / f"{name}.crt", dir / f"{name}.key", dir / f"{name}.csr", dir / f"{name}.ext"
     _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(key),
-             "-out", str(csr), "-subj", f"/CN={name}")
+             "-out", str(csr), "-subj", subject or f"/CN={name}")
     ext.write_text(f"basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\nextendedKeyUsage={usage}\n"
                    f"subjectAltName={san}\n")
     _openssl("x509", "-req", "-in", str(csr), "-CA", str(ca[0]), "-CAkey", str(ca[1]), "-CAcreateserial",
@@ -61,12 +64,12 @@ def _leaf(dir: Path, name: str, ca: tuple[Path, Path], usage: str, san: str) -> 
 
 def make_pki(dir: Path, server_ips: Sequence[str] = ("127.0.0.1",), server_names: Sequence[str] = ("localhost",)) -> Pki:
     dir.mkdir(parents=True, exist_ok=True)
-    ca = _ca(dir, "cgpu-test-ca")
-    other = _ca(dir, "other-ca")
+    trusted = ca(dir, "cgpu-test-ca")
+    other = ca(dir, "other-ca")
     san = ",".join([*(f"IP:{ip}" for ip in server_ips), *(f"DNS:{n}" for n in server_names)])
-    server = _leaf(dir, "server", ca, "serverAuth", san)
-    client = _leaf(dir, "client", ca, "clientAuth", "DNS:cgpu-scheduler")
-    untrusted = _leaf(dir, "untrusted", other, "clientAuth", "DNS:intruder")
-    return Pki(ca=ca[0], ca_key=ca[1], server_cert=server[0], server_key=server[1], client_cert=client[0],
+    server = leaf(dir, "server", trusted, "serverAuth", san)
+    client = leaf(dir, "client", trusted, "clientAuth", "DNS:cgpu-scheduler")
+    untrusted = leaf(dir, "untrusted", other, "clientAuth", "DNS:intruder")
+    return Pki(ca=trusted[0], ca_key=trusted[1], server_cert=server[0], server_key=server[1], client_cert=client[0],
                client_key=client[1], untrusted_ca=other[0], untrusted_cert=untrusted[0], untrusted_key=untrusted[1],
                dir=dir)

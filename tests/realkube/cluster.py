@@ -1,0 +1,679 @@
+"""A real Kubernetes cluster on one machine, for the real-cluster tests:
+etcd, kube-apiserver, kube-controller-manager and kube-scheduler (with
+cgpu-scheduler as its extender, configured by deploy/kube-scheduler-config.yaml)
+on the host; each node is a network namespace with its own containerd 2,
+kubelet and cgpud (on the simulated GPUs), reached over a veth pair. All
+of them are the real programs (tests/realkube/build.py builds them); every
+connection is TLS with certificates this harness issues.
+
+    with RealCluster(binaries, nodes=1) as cluster:   # root
+        cluster.kubectl("apply", "-f", "pod.yaml")
+
+Addresses: node i is 10.X.i.2 in its namespace, the host's side of its veth
+10.X.i.1; the API server listens on the host's addresses, so each node
+reaches it at its own 10.X.i.1. (A kubelet refuses a loopback node IP.)
+Names follow tests/cluster.py's, so its sweep_leftovers removes what a
+killed run left."""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from cgpud.native import native_dir, native_path
+from tests.cluster import LINK_PREFIX, NETNS_PREFIX, ROOT_PREFIX, _unmount_regions, free_port, free_second_octet, \
+    sweep_leftovers
+from tests.conftest import write_sim_config
+from tests.daemonproc import BIN
+from tests.e2e.oci import build_rootfs
+from tests.realkube.build import KubeBinaries
+from tests.realkube.image import pause_root, write_archive
+from tests.tls import Pki, ca, leaf, make_pki
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+WORKLOAD_IMAGE = "cgpu.test/workload:1"  # busybox, cgpu-burn, the driver libraries (tests/e2e/oci.py)
+PAUSE_IMAGE = "cgpu.test/pause:1"
+CAPACITY_PORT = 9455
+CNI_BIN = Path("/usr/lib/cni")  # Debian's containernetworking-plugins
+WAIT = 90.0  # seconds for a component to come up on a loaded 2-core machine
+
+
+class ClusterError(AssertionError):
+    pass
+
+
+def _run(*args: str, check: bool = True, timeout: float = 60, env: dict[str, str] | None = None,
+         input: str | None = None) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout, env=env, input=input)
+    if check and done.returncode != 0:
+        raise ClusterError(f"{' '.join(args)} exited {done.returncode}: {done.stderr[-3000:]}")
+    return done
+
+
+def wait_until(what: str, ready: Callable[[], bool], timeout: float = WAIT, interval: float = 0.2,
+               explain: Callable[[], str] = lambda: "") -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if time.monotonic() > deadline:
+            raise ClusterError(f"{what} not within {timeout:.0f} s. {explain()}")
+        time.sleep(interval)
+
+
+def _remove_if_empty(directory: Path) -> None:
+    """Removes the directory and its parents this harness made, if empty."""
+    for d in (directory, *directory.parents):
+        try:
+            d.rmdir()
+        except OSError:
+            return
+
+
+def _remove_cgroup(group: Path) -> None:
+    for child in sorted((p for p in group.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+        try:
+            child.rmdir()
+        except OSError:
+            pass
+    try:
+        group.rmdir()
+    except OSError:
+        pass
+
+
+@dataclass
+class Process:
+    """One component: its command, its log, in the host's or a node's network."""
+
+    name: str
+    command: list[str]
+    log: Path
+    netns: str | None = None
+    env: dict[str, str] | None = None
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Process:
+        prefix = ["nsenter", f"--net=/run/netns/{self.netns}", "--"] if self.netns else []
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen([*prefix, *self.command], stdout=log, stderr=log, env=self.env,
+                                         start_new_session=True)
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout: float = 20) -> None:
+        if not self.alive():
+            return
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def tail(self, size: int = 3000) -> str:
+        try:
+            return self.log.read_bytes()[-size:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def check(self) -> None:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise ClusterError(f"{self.name} exited {self.proc.returncode}; its log ends:\n{self.tail()}")
+
+
+@dataclass(frozen=True)
+class ClusterPki:
+    """The cluster's CA and the certificates of its parts (Kubernetes reads a
+    client's user from CN and its groups from O)."""
+
+    dir: Path
+    ca: Path
+    ca_key: Path
+    sa_key: Path  # service account token signing
+    sa_pub: Path
+
+    @classmethod
+    def make(cls, dir: Path) -> ClusterPki:
+        dir.mkdir(parents=True)
+        cert, key = ca(dir, "kube-ca")
+        sa_key, sa_pub = dir / "sa.key", dir / "sa.pub"
+        _run("openssl", "genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", str(sa_key))
+        _run("openssl", "pkey", "-in", str(sa_key), "-pubout", "-out", str(sa_pub))
+        return cls(dir, cert, key, sa_key, sa_pub)
+
+    def client(self, name: str, user: str, groups: Sequence[str] = ()) -> tuple[Path, Path]:
+        subject = "".join(f"/O={g}" for g in groups) + f"/CN={user}"
+        return leaf(self.dir, name, (self.ca, self.ca_key), "clientAuth", f"DNS:{name}", subject)
+
+    def server(self, name: str, ips: Sequence[str], names: Sequence[str] = ()) -> tuple[Path, Path]:
+        san = ",".join([*(f"IP:{ip}" for ip in ips), *(f"DNS:{n}" for n in names)])
+        return leaf(self.dir, name, (self.ca, self.ca_key), "serverAuth", san)
+
+
+def kubeconfig(path: Path, server: str, ca_file: Path, *, cert: tuple[Path, Path] | None = None,
+               token: str | None = None) -> Path:
+    user: dict[str, Any] = {}
+    if cert:
+        user = {"client-certificate": str(cert[0]), "client-key": str(cert[1])}
+    if token:
+        user = {"token": token}
+    path.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "c", "cluster": {"server": server, "certificate-authority": str(ca_file)}}],
+        "users": [{"name": "u", "user": user}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))
+    return path
+
+
+@dataclass
+class RealNode:
+    index: int
+    name: str
+    netns: str
+    host_ip: str
+    ip: str
+    dir: Path
+    sim_env: dict[str, str]
+    containerd: Process
+    kubelet: Process
+    cgpud: Process | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def containerd_socket(self) -> Path:
+        return self.dir / "containerd.sock"
+
+    @property
+    def kubelet_dir(self) -> Path:
+        return self.dir / "kubelet"
+
+    @property
+    def device_plugin_dir(self) -> Path:
+        return self.dir / "device-plugins"
+
+    @property
+    def cdi_dir(self) -> Path:
+        return self.dir / "cdi"
+
+    @property
+    def sim_dir(self) -> Path:
+        return self.dir.parent / "sim" / self.name
+
+    @property
+    def cgpud_dir(self) -> Path:
+        return self.dir / "cgpud"
+
+    @property
+    def cgpud_socket(self) -> Path:
+        return self.cgpud_dir / "run" / "cgpud.sock"
+
+    def cgpuctl(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return _run(str(BIN / "cgpuctl"), "--socket", str(self.cgpud_socket), *args, check=False, env=self.sim_env)
+
+
+class RealCluster:
+    """A context manager that removes everything it made however it ends."""
+
+    def __init__(self, binaries: KubeBinaries, nodes: int = 1, *, gpus: int = 1, gpu_memory: str = "16GiB") -> None:
+        self.bin = binaries
+        self.count = nodes
+        self.gpus = gpus
+        self.gpu_memory = gpu_memory
+        self.tag = f"{os.getpid():x}{secrets.token_hex(1)}"
+        self.root = Path(tempfile.mkdtemp(prefix=f"{ROOT_PREFIX}{self.tag}-", dir="/tmp"))
+        self.octet = 0
+        self.nodes: list[RealNode] = []
+        self.control: dict[str, Process] = {}
+        self.extender_url = ""
+        self._stack = ExitStack()
+
+    # ---- life ----------------------------------------------------------------------------
+
+    def __enter__(self) -> RealCluster:
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def _start(self) -> None:
+        sweep_leftovers()
+        self.octet = free_second_octet()
+        self.pki = ClusterPki.make(self.root / "pki")
+        self.capacity_pki: Pki = make_pki(self.root / "capacity-pki")  # the Capacity API's and the extender's
+        self.images = self._images()
+        self._start_control_plane()
+        self.apply_deploy()
+        self._start_extender()
+        self._start_scheduler()
+        for i in range(self.count):
+            self.nodes.append(self._make_node(i))
+        for node in self.nodes:
+            self.wait_node_ready(node)
+
+    def _process(self, name: str, command: list[str], netns: str | None = None,
+                 env: dict[str, str] | None = None, log: Path | None = None) -> Process:
+        process = Process(name, command, log or self.root / f"{name}.log", netns, env).start()
+        self._stack.callback(process.stop)
+        return process
+
+    def host_ip(self, i: int) -> str:
+        return f"10.{self.octet}.{i}.1"
+
+    def node_ip(self, i: int) -> str:
+        return f"10.{self.octet}.{i}.2"
+
+    # ---- control plane -------------------------------------------------------------------
+
+    @property
+    def admin_kubeconfig(self) -> Path:
+        return self.root / "admin.kubeconfig"
+
+    def kubectl(self, *args: str, check: bool = True, input: str | None = None,
+                kubeconfig: Path | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        return _run("kubectl", "--kubeconfig", str(kubeconfig or self.admin_kubeconfig), *args, check=check,
+                    input=input, timeout=timeout)
+
+    def get(self, *args: str) -> Any:
+        return json.loads(self.kubectl("get", *args, "-o", "json").stdout)
+
+    def _start_control_plane(self) -> None:
+        etcd_port, peer_port, self.api_port = free_port(), free_port(), free_port("0.0.0.0")
+        etcd = self._process("etcd", [
+            str(self.bin["etcd"]), "--name", "etcd", "--data-dir", str(self.root / "etcd"),
+            "--listen-client-urls", f"http://127.0.0.1:{etcd_port}",
+            "--advertise-client-urls", f"http://127.0.0.1:{etcd_port}",
+            "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
+            "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
+            "--initial-cluster", f"etcd=http://127.0.0.1:{peer_port}",
+            "--unsafe-no-fsync", "--log-level", "warn"])
+
+        def etcd_ready() -> bool:
+            etcd.check()
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{etcd_port}/readyz", timeout=2) as r:
+                    return r.status == 200
+            except OSError:
+                return False
+
+        wait_until("etcd ready", etcd_ready, explain=etcd.tail)
+        host_ips = [self.host_ip(i) for i in range(self.count)]
+        serving = self.pki.server("kube-apiserver", ["127.0.0.1", "10.96.0.1", *host_ips],
+                                  ["localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc"])
+        kubelet_client = self.pki.client("apiserver-kubelet-client", "kube-apiserver-kubelet-client",
+                                         ["system:masters"])
+        apiserver = self._process("kube-apiserver", [
+            str(self.bin["kube-apiserver"]), f"--etcd-servers=http://127.0.0.1:{etcd_port}",
+            "--bind-address=0.0.0.0", f"--secure-port={self.api_port}", f"--advertise-address={host_ips[0]}",
+            f"--tls-cert-file={serving[0]}", f"--tls-private-key-file={serving[1]}",
+            f"--client-ca-file={self.pki.ca}",
+            f"--kubelet-client-certificate={kubelet_client[0]}", f"--kubelet-client-key={kubelet_client[1]}",
+            f"--kubelet-certificate-authority={self.pki.ca}", "--kubelet-preferred-address-types=InternalIP",
+            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+            f"--service-account-key-file={self.pki.sa_pub}", f"--service-account-signing-key-file={self.pki.sa_key}",
+            "--service-cluster-ip-range=10.96.0.0/24", "--authorization-mode=Node,RBAC",
+            "--enable-admission-plugins=NodeRestriction", "--allow-privileged=true",
+            "--endpoint-reconciler-type=none", "--profiling=false"])
+        admin = self.pki.client("admin", "cluster-admin", ["system:masters"])
+        kubeconfig(self.admin_kubeconfig, self.api_url("127.0.0.1"), self.pki.ca, cert=admin)
+
+        def api_ready() -> bool:
+            apiserver.check()
+            return self.kubectl("get", "--raw", "/readyz", check=False, timeout=10).returncode == 0
+
+        wait_until("kube-apiserver ready", api_ready, explain=apiserver.tail)
+        self.control.update(etcd=etcd, apiserver=apiserver)
+        cm = self.pki.client("kube-controller-manager", "system:kube-controller-manager")
+        self.control["controller-manager"] = self._process("kube-controller-manager", [
+            str(self.bin["kube-controller-manager"]),
+            f"--kubeconfig={kubeconfig(self.root / 'cm.kubeconfig', self.api_url('127.0.0.1'), self.pki.ca, cert=cm)}",
+            f"--service-account-private-key-file={self.pki.sa_key}", f"--root-ca-file={self.pki.ca}",
+            "--use-service-account-credentials=true", "--leader-elect=false", "--secure-port=0"])
+        # The default ServiceAccount that pods need is the controller-manager's doing.
+        cm_process = self.control["controller-manager"]
+        wait_until("the default ServiceAccount", lambda: cm_process.check() or
+                   self.kubectl("get", "serviceaccount", "default", check=False).returncode == 0,
+                   explain=cm_process.tail)
+
+    @property
+    def sim_root(self) -> Path:
+        return self.root / "sim"
+
+    def api_url(self, host: str) -> str:
+        return f"https://{host}:{self.api_port}"
+
+    def manifests(self, name: str, kinds: Sequence[str] | None = None) -> list[dict[str, Any]]:
+        """The documents of deploy/<name>, those of `kinds` only if given."""
+        docs = [d for d in yaml.safe_load_all((DEPLOY / name).read_text()) if d]
+        return [d for d in docs if kinds is None or d["kind"] in kinds]
+
+    def apply(self, docs: Sequence[dict[str, Any]]) -> None:
+        self.kubectl("apply", "-f", "-", input="\n---\n".join(yaml.safe_dump(d) for d in docs))
+
+    def apply_deploy(self) -> None:
+        """What deploy/ ships for access: cgpud's and cgpu-scheduler's
+        accounts and rights, and the admission policy."""
+        self.apply(self.manifests("cgpud-rbac.yaml"))
+        self.apply(self.manifests("cgpud-admission-policy.yaml"))
+        self.apply(self.manifests("cgpu-scheduler.yaml",
+                                  ["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"]))
+
+    def token(self, account: str, namespace: str = "kube-system", *bound: str) -> str:
+        return self.kubectl("create", "token", account, "-n", namespace, "--duration", "24h", *bound).stdout.strip()
+
+    def _start_extender(self) -> None:
+        """cgpu-scheduler as a host process with its ServiceAccount's token
+        (the rights deploy/cgpu-scheduler.yaml gives it)."""
+        port = free_port()
+        config = kubeconfig(self.root / "extender.kubeconfig", self.api_url("127.0.0.1"), self.pki.ca,
+                            token=self.token("cgpu-scheduler"))
+        c = self.capacity_pki
+        self.control["cgpu-scheduler"] = extender = self._process("cgpu-scheduler", [
+            str(BIN / "cgpu-scheduler"), "--listen", f"127.0.0.1:{port}", "--kubeconfig", str(config),
+            "--tls-cert", str(c.client_cert), "--tls-key", str(c.client_key), "--tls-ca", str(c.ca),
+            "--serve-cert", str(c.server_cert), "--serve-key", str(c.server_key), "--client-ca", str(c.ca)])
+        self.extender_url = f"https://127.0.0.1:{port}"
+
+        def healthy() -> bool:
+            extender.check()
+            return _run("curl", "-sfk", "--max-time", "2", f"{self.extender_url}/healthz", check=False).returncode == 0
+
+        wait_until("cgpu-scheduler /healthz", healthy, explain=extender.tail)
+
+    def scheduler_config(self) -> dict[str, Any]:
+        """deploy/kube-scheduler-config.yaml with this cluster's paths and the
+        extender's address: nothing else of it is changed."""
+        [config] = self.manifests("kube-scheduler-config.yaml")
+        client = self.pki.client("kube-scheduler", "system:kube-scheduler")
+        config["clientConnection"]["kubeconfig"] = str(
+            kubeconfig(self.root / "scheduler.kubeconfig", self.api_url("127.0.0.1"), self.pki.ca, cert=client))
+        config["leaderElection"] = {"leaderElect": False}
+        [extender] = config["extenders"]
+        extender["urlPrefix"] = self.extender_url
+        c = self.capacity_pki
+        extender["tlsConfig"] = {"certFile": str(c.client_cert), "keyFile": str(c.client_key), "caFile": str(c.ca)}
+        return config
+
+    def _start_scheduler(self) -> None:
+        path = self.root / "kube-scheduler.yaml"
+        path.write_text(yaml.safe_dump(self.scheduler_config()))
+        self.control["kube-scheduler"] = self._process("kube-scheduler", [
+            str(self.bin["kube-scheduler"]), f"--config={path}", "--secure-port=0"])
+
+    # ---- images --------------------------------------------------------------------------
+
+    def _images(self) -> list[Path]:
+        images = self.root / "images"
+        images.mkdir()
+        workload = build_rootfs(images / "workload")
+        nvml = workload / "usr" / "bin" / "nvml-total"
+        source = images / "nvml_total.c"
+        from tests.e2e.test_kube_allocate_runc import NVML_TOTAL
+
+        source.write_text(NVML_TOTAL)
+        _run("cc", "-O1", "-o", str(nvml), str(source), "-ldl")
+        return [write_archive(workload, WORKLOAD_IMAGE, images / "workload.tar"),
+                write_archive(pause_root(images / "pause"), PAUSE_IMAGE, images / "pause.tar", ["/bin/pause"])]
+
+    # ---- nodes ---------------------------------------------------------------------------
+
+    def _make_node(self, i: int) -> RealNode:
+        name = f"node-{i}"
+        netns = f"{NETNS_PREFIX}{self.tag}-{i}"
+        host_link, node_link = f"{LINK_PREFIX}{self.tag}h{i}", f"{LINK_PREFIX}{self.tag}n{i}"
+        host_ip, ip = self.host_ip(i), self.node_ip(i)
+        _run("ip", "netns", "add", netns)
+        self._stack.callback(_run, "ip", "netns", "del", netns, check=False)
+        _run("ip", "link", "add", host_link, "type", "veth", "peer", "name", node_link)
+        self._stack.callback(_run, "ip", "link", "del", host_link, check=False)
+        _run("ip", "link", "set", node_link, "netns", netns)
+        _run("ip", "addr", "add", f"{host_ip}/30", "dev", host_link)
+        _run("ip", "link", "set", host_link, "up")
+        _run("ip", "-n", netns, "addr", "add", f"{ip}/30", "dev", node_link)
+        _run("ip", "-n", netns, "link", "set", node_link, "up")
+        _run("ip", "-n", netns, "link", "set", "lo", "up")
+        _run("ip", "-n", netns, "route", "add", "default", "via", host_ip)
+
+        directory = self.root / f"n{i}"
+        directory.mkdir()
+        self._stack.callback(self._unmount_under, directory)
+        sim = self.sim_root / name  # GPU pods mount sim_root and pick their node's by name (workload_pod)
+        sim.mkdir(parents=True)
+        sim_env = dict(os.environ)
+        sim_env["LD_LIBRARY_PATH"] = str(native_dir() / "sim")
+        sim_env["CGPU_SIM_CONFIG"] = str(write_sim_config(sim / "sim.conf", gpus=self.gpus, mem=self.gpu_memory))
+        sim_env["CGPU_SIM_STATE"] = str(sim / "sim.state")
+        node = RealNode(i, name, netns, host_ip, ip, directory, sim_env,
+                        containerd=Process("containerd", [], directory / "containerd.log"),
+                        kubelet=Process("kubelet", [], directory / "kubelet.log"))
+        self._start_containerd(node)
+        self._start_kubelet(node)
+        wait_until(f"Node {name} registered",
+                   lambda: node.kubelet.check() or self.kubectl("get", "node", name, check=False).returncode == 0,
+                   explain=node.kubelet.tail)
+        return node
+
+    @staticmethod
+    def _unmount_under(directory: Path) -> None:
+        """What a node leaves mounted (pod volumes, container roots, cgpud's
+        instance regions) goes with it."""
+        _unmount_regions(directory)
+        points = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()]
+        for point in sorted((p for p in points if p.startswith(f"{directory}/")), key=len, reverse=True):
+            subprocess.run(["umount", "-l", point], capture_output=True)
+
+    def _containerd_config(self, node: RealNode) -> str:
+        d = node.dir
+        (d / "cni" / "net.d").mkdir(parents=True)
+        (d / "cni" / "net.d" / "10-lo.conflist").write_text(json.dumps(
+            {"cniVersion": "0.4.0", "name": "lo-only", "plugins": [{"type": "loopback"}]}))
+        runtime = "plugins.'io.containerd.cri.v1.runtime'"
+        return "\n".join([
+            "version = 3",
+            f"root = '{d / 'containerd' / 'root'}'",
+            f"state = '{d / 'containerd' / 'state'}'",
+            "[grpc]",
+            f"  address = '{node.containerd_socket}'",
+            "[ttrpc]",
+            f"  address = '{node.containerd_socket}.ttrpc'",
+            f"[{runtime}]",
+            "  enable_cdi = true",
+            f"  cdi_spec_dirs = ['{node.cdi_dir}']",
+            # no CAP_SYS_RESOURCE on these machines: runc could not lower a score
+            "  restrict_oom_score_adj = true",
+            f"[{runtime}.cni]",
+            f"  bin_dirs = ['{CNI_BIN}']",
+            f"  conf_dir = '{d / 'cni' / 'net.d'}'",
+            f"[{runtime}.containerd.runtimes.runc]",
+            "  runtime_type = 'io.containerd.runc.v2'",
+            f"[{runtime}.containerd.runtimes.runc.options]",
+            "  SystemdCgroup = false",
+            f"  Root = '{d / 'runc'}'",
+            "[plugins.'io.containerd.cri.v1.images'.pinned_images]",
+            f"  sandbox = '{PAUSE_IMAGE}'",
+            ""])
+
+    def _start_containerd(self, node: RealNode) -> None:
+        config = node.dir / "containerd.toml"
+        config.write_text(self._containerd_config(node))
+        node.cdi_dir.mkdir()
+        env = dict(os.environ, PATH=f"{self.bin.bin}:{os.environ['PATH']}")
+        node.containerd = self._process("containerd", [str(self.bin["containerd"]), "--config", str(config)],
+                                        node.netns, env, node.dir / "containerd.log")
+        wait_until(f"containerd of {node.name}",
+                   lambda: node.containerd.check() or node.containerd_socket.exists(), explain=node.containerd.tail)
+        for archive in self.images:
+            _run(str(self.bin["ctr"]), "--address", str(node.containerd_socket), "-n", "k8s.io", "images", "import",
+                 str(archive), timeout=120)
+
+    def _cgroup_root(self, node: RealNode) -> str:
+        """The node's own cgroup in every v1 hierarchy (the kubelet wants it
+        there before it starts), removed with the node: two kubelets on one
+        host must not share kubepods."""
+        name = f"cgk{self.tag}n{node.index}"
+        for hierarchy in sorted(Path("/sys/fs/cgroup").iterdir()):
+            if hierarchy.name == "unified" or not hierarchy.is_dir():
+                continue
+            group = hierarchy / name
+            group.mkdir(exist_ok=True)
+            self._stack.callback(_remove_cgroup, group)
+            for inherited in ("cpuset.cpus", "cpuset.mems"):  # an empty cpuset takes no task
+                if (hierarchy / inherited).exists():
+                    (group / inherited).write_text((hierarchy / inherited).read_text())
+        return f"/{name}"
+
+    def _start_kubelet(self, node: RealNode) -> None:
+        d = node.kubelet_dir
+        d.mkdir()
+        client = self.pki.client(f"kubelet-{node.name}", f"system:node:{node.name}", ["system:nodes"])
+        serving = self.pki.server(f"kubelet-serving-{node.name}", [node.ip], [node.name])
+        config = {
+            "apiVersion": "kubelet.config.k8s.io/v1beta1", "kind": "KubeletConfiguration",
+            "authentication": {"x509": {"clientCAFile": str(self.pki.ca)}, "webhook": {"enabled": False},
+                               "anonymous": {"enabled": False}},
+            "authorization": {"mode": "AlwaysAllow"},
+            "tlsCertFile": str(serving[0]), "tlsPrivateKeyFile": str(serving[1]),
+            "address": node.ip, "healthzBindAddress": "127.0.0.1", "readOnlyPort": 0,
+            "cgroupDriver": "cgroupfs", "failCgroupV1": False, "cgroupRoot": self._cgroup_root(node),
+            "containerRuntimeEndpoint": f"unix://{node.containerd_socket}",
+            "failSwapOn": False, "oomScoreAdj": 0, "resolvConf": "", "podLogsDir": str(node.dir / "pod-logs"),
+            "evictionHard": {"memory.available": "1Mi", "nodefs.available": "1%", "imagefs.available": "1%",
+                             "nodefs.inodesFree": "1%"},
+            "imageGCHighThresholdPercent": 100, "imageGCLowThresholdPercent": 99,
+            "syncFrequency": "5s", "fileCheckFrequency": "5s", "nodeStatusUpdateFrequency": "5s",
+            "serializeImagePulls": False, "registerNode": True,
+        }
+        path = node.dir / "kubelet.yaml"
+        path.write_text(yaml.safe_dump(config))
+        config_file = kubeconfig(node.dir / "kubelet.kubeconfig", self.api_url(node.host_ip), self.pki.ca,
+                                 cert=client)
+        kubelet = [str(self.bin["kubelet"]), f"--config={path}", f"--kubeconfig={config_file}", f"--root-dir={d}",
+                   f"--hostname-override={node.name}", f"--node-ip={node.ip}", "--v=2"]
+        node.kubelet = self._process("kubelet", self._own_device_plugin_dir(node, kubelet), node.netns, None,
+                                     node.dir / "kubelet.log")
+
+    def _own_device_plugin_dir(self, node: RealNode, command: list[str]) -> list[str]:
+        """The kubelet's device-plugin directory is fixed at
+        /var/lib/kubelet/device-plugins, whatever --root-dir says; each
+        kubelet here runs in a mount namespace of its own where that path is
+        its node's directory. Its root dir is a shared mount first, so the
+        volumes it mounts for pods (service account tokens) reach containerd
+        in the host's namespace."""
+        d = node.kubelet_dir
+        _run("mount", "--bind", str(d), str(d))
+        self._stack.callback(_run, "umount", "-l", str(d), check=False)
+        _run("mount", "--make-shared", str(d))
+        node.device_plugin_dir.mkdir()
+        fixed = Path("/var/lib/kubelet/device-plugins")
+        if not fixed.exists():
+            fixed.mkdir(parents=True)
+            self._stack.callback(_remove_if_empty, fixed)
+        script = 'mount --bind "$1" "$2" && shift 2 && exec "$@"'
+        return ["unshare", "--mount", "--propagation", "unchanged", "--", "sh", "-c", script, "kubelet-ns",
+                str(node.device_plugin_dir), str(fixed), *command]
+
+    def wait_node_ready(self, node: RealNode, timeout: float = WAIT) -> None:
+        def ready() -> bool:
+            node.kubelet.check()
+            done = self.kubectl("get", "node", node.name, "-o",
+                                "jsonpath={.status.conditions[?(@.type=='Ready')].status}", check=False)
+            return done.stdout.strip() == "True"
+
+        wait_until(f"Node {node.name} Ready", ready, timeout, explain=node.kubelet.tail)
+
+    # ---- cgpud as a host service -----------------------------------------------------------
+
+    def start_cgpud(self, node: RealNode, *extra: str) -> Process:
+        """cgpud on the node as a host service (not in a pod), with a token
+        of its ServiceAccount bound to the node's Node, as the DaemonSet's
+        pod token is bound to the node it runs on."""
+        d = node.cgpud_dir
+        (d / "run").mkdir(parents=True, exist_ok=True)
+        token = self.token("cgpud", "kube-system", "--bound-object-kind", "Node", "--bound-object-name", node.name)
+        config = kubeconfig(d / "kubeconfig", self.api_url(node.host_ip), self.pki.ca, token=token)
+        cert, key = self.capacity_pki.node_cert(node.name, ips=[node.ip])
+        (d / "none.toml").write_text("")
+        env = dict(node.sim_env)
+        env["PATH"] = f"{BIN}:{native_path('bin/cgpu-burn').parent}:{env['PATH']}"
+        command = [str(BIN / "cgpud"), "--orchestrator", "kubernetes", "--node-name", node.name,
+                   "--kubeconfig", str(config), "--config", str(d / "none.toml"),
+                   "--state-dir", str(d / "state"), "--socket", str(node.cgpud_socket),
+                   "--relay-socket", str(d / "run" / "relay.sock"),
+                   "--device-plugin-dir", str(node.device_plugin_dir),
+                   "--pod-resources-socket", str(node.kubelet_dir / "pod-resources" / "kubelet.sock"),
+                   "--cdi-dir", str(node.cdi_dir),
+                   "--capacity-listen", f"{node.ip}:{CAPACITY_PORT}",
+                   "--capacity-tls-cert", str(cert), "--capacity-tls-key", str(key),
+                   "--capacity-tls-ca", str(self.capacity_pki.ca), "--sweep-interval", "0.5", *extra]
+        node.cgpud = self._process("cgpud", command, node.netns, env, d / "cgpud.log")
+        wait_until(f"cgpud of {node.name} answering", lambda: node.cgpud.check() or  # type: ignore[union-attr]
+                   node.cgpuctl("list").returncode == 0, explain=node.cgpud.tail)
+        return node.cgpud
+
+    def workload_pod(self, name: str, command: str, limits: dict[str, Any] | None = None, *,
+                     node: str | None = None, annotations: dict[str, str] | None = None) -> dict[str, Any]:
+        """A pod of the workload image. It plays the NVIDIA toolkit's part as
+        tests/e2e/oci.py does: the driver libraries are in the image, and the
+        (simulated) device state of whichever node it lands on comes in by a
+        hostPath and two variables; cgpu gives it nothing else."""
+        sim = str(self.sim_root)
+        spec: dict[str, Any] = {
+            "hostNetwork": True, "restartPolicy": "Never", "terminationGracePeriodSeconds": 1,
+            "containers": [{
+                "name": "main", "image": WORKLOAD_IMAGE, "imagePullPolicy": "Never",
+                "command": ["sh", "-c", command], "resources": {"limits": limits or {}},
+                "env": [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+                        {"name": "CGPU_SIM_CONFIG", "value": f"{sim}/$(NODE_NAME)/sim.conf"},
+                        {"name": "CGPU_SIM_STATE", "value": f"{sim}/$(NODE_NAME)/sim.state"}],
+                "volumeMounts": [{"name": "gpu", "mountPath": sim}]}],
+            "volumes": [{"name": "gpu", "hostPath": {"path": sim, "type": "Directory"}}]}
+        if node:
+            spec["nodeSelector"] = {"kubernetes.io/hostname": node}
+        return {"apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": name, "namespace": "default", "annotations": annotations or {}}, "spec": spec}
+
+    def pod_phase(self, name: str, namespace: str = "default") -> str:
+        done = self.kubectl("get", "pod", name, "-n", namespace, "-o", "jsonpath={.status.phase}", check=False)
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    def wait_pod(self, name: str, phases: Sequence[str] = ("Succeeded",), timeout: float = WAIT,
+                 namespace: str = "default") -> str:
+        def reached() -> bool:
+            return self.pod_phase(name, namespace) in phases
+
+        wait_until(f"pod {namespace}/{name} {'/'.join(phases)}", reached, timeout,
+                   explain=lambda: self.describe(name, namespace))
+        return self.pod_phase(name, namespace)
+
+    def describe(self, name: str, namespace: str = "default") -> str:
+        out = self.kubectl("describe", "pod", name, "-n", namespace, check=False)
+        return (out.stdout + out.stderr)[-4000:]
+
+    def logs(self, name: str, namespace: str = "default") -> str:
+        return self.kubectl("logs", name, "-n", namespace).stdout
+
+    def allocatable(self, node: RealNode) -> dict[str, str]:
+        return dict(self.get("node", node.name)["status"].get("allocatable", {}))

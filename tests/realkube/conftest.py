@@ -1,0 +1,25 @@
+"""Fixtures of the real-cluster tests: the binaries (built once, cached
+outside the clone) and one cluster per test module, shared by its tests in
+order: starting one takes most of a minute."""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from tests.realkube.build import KubeBinaries, build
+from tests.realkube.cluster import RealCluster
+
+
+@pytest.fixture(scope="session")
+def kube_binaries() -> KubeBinaries:
+    if os.geteuid() != 0:
+        raise AssertionError("the real-cluster tests need root (network namespaces, containerd, kubelet)")
+    return build()
+
+
+@pytest.fixture(scope="module")
+def cluster(kube_binaries: KubeBinaries) -> Iterator[RealCluster]:
+    with RealCluster(kube_binaries, nodes=1, gpus=2) as c:
+        yield c
