@@ -49,10 +49,13 @@ _CACHE_SIZE = 64  # pod shapes remembered per view
 class Reason(NamedTuple):
     """Why a pod does not fit a node. `resolvable`: whether removing pods
     from the node could make it fit (kube-scheduler may preempt for it);
-    otherwise no eviction helps (wrong mode, too large, node down)."""
+    otherwise no eviction helps (wrong mode, too large, node down).
+    `transient`: the node is unknown only for now (its cgpud not reached
+    yet), which no Kubernetes event will announce when it ends."""
 
     text: str
     resolvable: bool = True
+    transient: bool = False
 
 
 class Placement(NamedTuple):

@@ -18,6 +18,7 @@ import socket
 import ssl
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
@@ -214,8 +215,23 @@ class Extender:
             return Reason(self.skipped.get(name, self.unknown_node), resolvable=False)
         if not rec.entry.connected:
             return Reason(f"cgpud's Capacity stream is down ({rec.entry.error}); the node is avoided until it is "
-                          "back", resolvable=False)
-        return Reason("no view from the node's cgpud yet", resolvable=False)
+                          "back", resolvable=False, transient=True)
+        return Reason("no view from the node's cgpud yet", resolvable=False, transient=True)
+
+    @staticmethod
+    def _retry_later(names: Sequence[str], judged: Sequence[tuple[Any, str]]) -> dict[str, Any] | None:
+        """When no node fits and some only because its cgpud is not reached
+        yet: an Error, not a filter result. kube-scheduler parks a pod an
+        extender filtered out until some cluster event, and a cgpud coming
+        back is none (up to 5 minutes in an idle cluster, seen on v1.37); an
+        error puts it in the backoff queue, retried within 10 s."""
+        if any(type(a) is not Reason for a, _ in judged):
+            return None
+        waiting = [f"{n}: {a.text}" for n, (a, _) in zip(names, judged) if a.transient]
+        if not waiting:
+            return None
+        return {"Error": "no node fits the pod now, and cgpu-scheduler cannot see all of them yet; "
+                         f"kube-scheduler retries it: {'; '.join(waiting)}"}
 
     def filter(self, body: Any) -> dict[str, Any] | Raw:
         demand, names, items = self._args(body)
@@ -231,6 +247,9 @@ class Extender:
                 self.binder.remember(demand)
             self._seen(demand)
             judged = self._judged(demand, names)
+            later = self._retry_later(names, judged)
+            if later is not None:
+                return later
             if items is None:  # the node cache's answer, built as text from the nodes' rendered parts
                 ok, bad, never = [], [], []
                 for name, (answer, text) in zip(names, judged):

@@ -88,6 +88,25 @@ def test_filter_with_node_names(server: tuple[ExtenderServer, FakeBinder]) -> No
     assert [d.name for d in binder.seen] == ["p"]
 
 
+@pytest.mark.parametrize("names", [["dead"], ["whole", "dead"], ["ghost", "dead"]])
+def test_filter_answers_an_error_when_no_node_fits_and_one_is_only_unreachable_for_now(
+        server: tuple[ExtenderServer, FakeBinder], names: list[str]) -> None:
+    """kube-scheduler parks a pod its extender filtered out until a cluster
+    event; a cgpud coming back is none. An error is retried within 10 s."""
+    srv, _ = server
+    code, out = Conn(srv.port).call("POST", "/filter", args(pod(containers=[container("c", mem="4")]), names))
+    assert code == 200
+    assert "dead: cgpud's Capacity stream is down (connection refused)" in out["Error"], out
+    assert "kube-scheduler retries it" in out["Error"]
+    assert not out.get("NodeNames") and not out.get("FailedNodes")
+
+
+def test_filter_without_a_node_down_refuses_as_usual(server: tuple[ExtenderServer, FakeBinder]) -> None:
+    srv, _ = server
+    _, out = Conn(srv.port).call("POST", "/filter", args(pod(containers=[container("c", mem="4")]), ["whole", "ghost"]))
+    assert out["Error"] == "" and out["NodeNames"] == [] and set(out["FailedAndUnresolvableNodes"]) == {"whole", "ghost"}
+
+
 def test_filter_resolvable_capacity_shortfall(server: tuple[ExtenderServer, FakeBinder]) -> None:
     srv, _ = server
     _, out = Conn(srv.port).call("POST", "/filter", args(pod(containers=[container("c", mem="8")]), ["busy", "idle"]))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -34,8 +35,8 @@ from typing import Any
 import yaml
 
 from cgpud.native import native_dir, native_path
-from tests.cluster import LINK_PREFIX, NETNS_PREFIX, ROOT_PREFIX, _unmount_regions, free_port, free_second_octet, \
-    sweep_leftovers
+from tests.cluster import LINK_PREFIX, NETNS_PREFIX, ROOT_PREFIX, _pid_alive, _tag_pid, _unmount_regions, free_port, \
+    free_second_octet, sweep_leftovers
 from tests.conftest import write_sim_config
 from tests.daemonproc import BIN
 from tests.e2e.oci import build_rootfs
@@ -242,6 +243,7 @@ class RealCluster:
         self.control: dict[str, Process] = {}
         self.extender_url = ""
         self._stack = ExitStack()
+        self._stack.callback(shutil.rmtree, self.root, True)  # last: after every node is cleaned
 
     # ---- life ----------------------------------------------------------------------------
 
@@ -260,6 +262,7 @@ class RealCluster:
         self._stack.close()
 
     def _start(self) -> None:
+        self._sweep()
         sweep_leftovers()
         self.octet = free_second_octet()
         self.pki = ClusterPki.make(self.root / "pki")
@@ -273,6 +276,34 @@ class RealCluster:
             self.nodes.append(self._make_node(i))
         for node in self.nodes:
             self.wait_node_ready(node)
+
+    @classmethod
+    def _sweep(cls) -> None:
+        """What a killed run left (its processes, mounts and cgroups), found
+        by its node cgroups: those whose creating process is gone.
+        tests/cluster.py's sweep then takes its namespaces and directories."""
+        pattern = re.compile(rf"/tmp/{ROOT_PREFIX}([0-9a-f]+)-")
+        for proc in Path("/proc").iterdir():  # shims and the like whose socket path names a dead run
+            try:
+                m = pattern.search((proc / "cmdline").read_bytes().decode(errors="replace")) if proc.name.isdigit() \
+                    else None
+            except OSError:
+                continue
+            pid = _tag_pid(m.group(1)) if m else None
+            if pid is not None and not _pid_alive(pid):
+                try:
+                    os.kill(int(proc.name), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        memory = Path("/sys/fs/cgroup/memory")
+        for group in memory.glob("cgk*n*") if memory.is_dir() else []:
+            m = re.fullmatch(r"cgk([0-9a-f]+)n(\d+)", group.name)
+            pid = _tag_pid(m.group(1)) if m else None
+            if m is None or pid is None or _pid_alive(pid):
+                continue
+            for root in Path("/tmp").glob(f"{ROOT_PREFIX}{m.group(1)}-*"):
+                cls._clean_node(root / f"n{m.group(2)}", group.name)
+            cls._clean_node(Path("/nonexistent") / group.name, group.name)
 
     def _process(self, name: str, command: list[str], netns: str | None = None,
                  env: dict[str, str] | None = None, log: Path | None = None) -> Process:
@@ -459,7 +490,7 @@ class RealCluster:
 
         directory = self.root / f"n{i}"
         directory.mkdir()
-        self._stack.callback(self._unmount_under, directory)
+        self._stack.callback(self._clean_node, directory, self._cgroup_name(i))  # after its processes stopped
         sim = self.sim_root / name  # GPU pods mount sim_root and pick their node's by name (workload_pod)
         sim.mkdir(parents=True)
         sim_env = dict(os.environ)
@@ -477,13 +508,37 @@ class RealCluster:
         return node
 
     @staticmethod
-    def _unmount_under(directory: Path) -> None:
-        """What a node leaves mounted (pod volumes, container roots, cgpud's
-        instance regions) goes with it."""
+    def _clean_node(directory: Path, cgroup: str) -> None:
+        """What a node leaves when its containerd and kubelet are gone goes
+        with it: the shims and containers they started (the shims outlive
+        containerd, as on a real node), the mounts (pod volumes, container
+        roots, cgpud's instance regions) and the node's cgroups."""
+        socket = f"{directory}/containerd.sock"
+        groups = [h / cgroup for h in Path("/sys/fs/cgroup").iterdir() if (h / cgroup).is_dir()]
+        for _ in range(50):
+            pids = {int(x) for g in groups for procs in g.rglob("cgroup.procs") for x in procs.read_text().split()}
+            for proc in Path("/proc").iterdir():
+                if proc.name.isdigit():
+                    try:
+                        if socket in (proc / "cmdline").read_bytes().decode(errors="replace").split("\0"):
+                            pids.add(int(proc.name))
+                    except OSError:
+                        pass
+            if not pids:
+                break
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.1)
         _unmount_regions(directory)
         points = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()]
-        for point in sorted((p for p in points if p.startswith(f"{directory}/")), key=len, reverse=True):
+        for point in sorted((p for p in points if p == str(directory) or p.startswith(f"{directory}/")),
+                            key=len, reverse=True):
             subprocess.run(["umount", "-l", point], capture_output=True)
+        for group in groups:
+            _remove_cgroup(group)
 
     def _containerd_config(self, node: RealNode) -> str:
         d = node.dir
@@ -529,17 +584,19 @@ class RealCluster:
             _run(str(self.bin["ctr"]), "--address", str(node.containerd_socket), "-n", "k8s.io", "images", "import",
                  str(archive), timeout=120)
 
+    def _cgroup_name(self, i: int) -> str:
+        return f"cgk{self.tag}n{i}"
+
     def _cgroup_root(self, node: RealNode) -> str:
         """The node's own cgroup in every v1 hierarchy (the kubelet wants it
-        there before it starts), removed with the node: two kubelets on one
-        host must not share kubepods."""
-        name = f"cgk{self.tag}n{node.index}"
+        there before it starts), removed with the node (_clean_node): two
+        kubelets on one host must not share kubepods."""
+        name = self._cgroup_name(node.index)
         for hierarchy in sorted(Path("/sys/fs/cgroup").iterdir()):
             if hierarchy.name == "unified" or not hierarchy.is_dir():
                 continue
             group = hierarchy / name
             group.mkdir(exist_ok=True)
-            self._stack.callback(_remove_cgroup, group)
             for inherited in ("cpuset.cpus", "cpuset.mems"):  # an empty cpuset takes no task
                 if (hierarchy / inherited).exists():
                     (group / inherited).write_text((hierarchy / inherited).read_text())
@@ -594,6 +651,12 @@ class RealCluster:
         script = 'mount --bind "$1" "$2" && shift 2 && exec "$@"'
         return ["unshare", "--mount", "--propagation", "unchanged", "--", "sh", "-c", script, "kubelet-ns",
                 str(node.device_plugin_dir), str(fixed), *command]
+
+    def restart_kubelet(self, node: RealNode) -> None:
+        """The kubelet stopped and started again with the same flags, as
+        `systemctl restart kubelet` does: it deletes the plugin sockets."""
+        node.kubelet.stop()
+        node.kubelet = self._process("kubelet", node.kubelet.command, node.netns, None, node.kubelet.log)
 
     def wait_node_ready(self, node: RealNode, timeout: float = WAIT) -> None:
         def ready() -> bool:
@@ -674,6 +737,16 @@ class RealCluster:
 
     def logs(self, name: str, namespace: str = "default") -> str:
         return self.kubectl("logs", name, "-n", namespace).stdout
+
+    def extender_view(self) -> dict[str, dict[str, Any]]:
+        """cgpu-scheduler's GET /inspect: node name -> its state as the
+        extender sees it (what it places by)."""
+        import ssl
+
+        context = ssl.create_default_context(cafile=str(self.capacity_pki.ca))
+        with urllib.request.urlopen(f"{self.extender_url}/inspect", timeout=10, context=context) as r:
+            view = json.loads(r.read())
+        return {n["name"]: n.get("state") or {} for n in view["nodes"]}
 
     def allocatable(self, node: RealNode) -> dict[str, str]:
         return dict(self.get("node", node.name)["status"].get("allocatable", {}))

@@ -1,32 +1,52 @@
 """The seed's Kubernetes flows on a real cluster (tests/realkube/cluster.py):
 real etcd, kube-apiserver, kube-controller-manager, kube-scheduler with
 deploy/kube-scheduler-config.yaml and cgpu-scheduler as its extender, a
-real kubelet and containerd 2 (CDI on), cgpud as the node's device plugin,
-real kubectl. One node with two simulated 16 GiB GPUs; the tests share it,
-in file order."""
+real kubelet and containerd 2 (CDI on), cgpud as the node's device plugin
+(a host service here; tests/realkube/test_daemonset.py runs it as the
+DaemonSet), real kubectl. One node with two simulated 16 GiB GPUs; the
+tests share it, in file order, and each leaves it drained."""
 from __future__ import annotations
 
 import json
+import os
 import re
-import time
+import signal
+import subprocess
 
 from cgpud.daemon.model import GIB
-from tests.realkube.cluster import RealCluster, wait_until
+from cgpud.kube.model import ANNOTATION_ASSIGNED, ANNOTATION_GPU_INDEX, LABEL_MODE, LABEL_PLACEMENT
+from tests.daemonproc import BIN
+from tests.realkube.cluster import RealCluster, RealNode, wait_until
+from tests.sharerun import Sampler
 
 MEM = "aliyun.com/gpu-mem"
 CORE = "aliyun.com/gpu-core.percentage"
 BURN = "cgpu-burn --alloc-until-fail 512MiB"
 SHOW = f"echo MEM=$ALIYUN_COM_GPU_MEM_CONTAINER; nvml-total; {BURN}"
+GPUS, GPU_GIB = 2, 16
 
 
 def _burn(logs: str) -> dict:
     return json.loads(next(line for line in logs.splitlines() if line.startswith('{"device"')))
 
 
-def _instances(cluster: RealCluster) -> list[dict]:
-    out = cluster.nodes[0].cgpuctl("list", "--output", "json")
+def _instances(node: RealNode) -> list[dict]:
+    out = node.cgpuctl("list", "--output", "json")
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
+
+
+def _pods(cluster: RealCluster) -> list[str]:
+    return [p["metadata"]["name"] for p in cluster.get("pods", "-n", "default")["items"]]
+
+
+def _drain(cluster: RealCluster) -> None:
+    """Every test pod gone, and every instance with it."""
+    if _pods(cluster):
+        cluster.kubectl("delete", "pods", "--all", "-n", "default", "--wait=true", "--grace-period=1", timeout=120)
+    node = cluster.nodes[0]
+    wait_until("every instance released", lambda: _instances(node) == [],
+               explain=lambda: json.dumps(_instances(node)))
 
 
 def _run_pod(cluster: RealCluster, name: str, command: str, limits: dict, timeout: float = 120) -> str:
@@ -37,34 +57,231 @@ def _run_pod(cluster: RealCluster, name: str, command: str, limits: dict, timeou
     return logs
 
 
-def test_a_core_mem_node_shows_gpu_memory_and_core_percentage(cluster: RealCluster) -> None:
+def _running(cluster: RealCluster, *pods: tuple[str, dict]) -> None:
+    cluster.apply([cluster.workload_pod(name, "sleep 3600", limits) for name, limits in pods])
+    for name, _ in pods:
+        cluster.wait_pod(name, ("Running",))
+
+
+def _exec_burn(cluster: RealCluster, pod: str) -> dict:
+    """cgpu-burn run again inside the running container (kubectl exec,
+    through the API server, the kubelet and containerd's streaming)."""
+    out = cluster.kubectl("exec", pod, "--", "sh", "-c", BURN, timeout=120)
+    return _burn(out.stdout)
+
+
+def _gpu_index(cluster: RealCluster, pod: str) -> str:
+    return cluster.get("pod", pod)["metadata"]["annotations"][ANNOTATION_GPU_INDEX]
+
+
+def _set_mode(cluster: RealCluster, mode: str, placement: str = "binpack") -> None:
+    """The node's labels changed, and then waited for: cgpud reads them every
+    10 s (docs/kubernetes.md) and cgpu-scheduler learns them from cgpud."""
     node = cluster.nodes[0]
-    cluster.start_cgpud(node)
-    cluster.kubectl("label", "node", node.name, "ack.node.gpu.schedule=core_mem", "--overwrite")
+    cluster.kubectl("label", "node", node.name, f"{LABEL_MODE}={mode}", f"{LABEL_PLACEMENT}={placement}",
+                    "--overwrite")
 
-    def shown() -> bool:
-        a = cluster.allocatable(node)
-        return a.get(MEM) == "32" and a.get(CORE) == "200"
+    def followed() -> bool:
+        state = cluster.extender_view().get(node.name, {})
+        return state.get("mode") == mode and state.get("placement") == placement
 
-    wait_until("the node's allocatable gpu-mem 32 and gpu-core.percentage 200", shown,
+    wait_until(f"cgpu-scheduler sees {node.name} as {mode}/{placement}", followed, timeout=60,
+               explain=lambda: json.dumps(cluster.extender_view().get(node.name, {}))[:2000])
+
+
+def _wait_allocatable(cluster: RealCluster, wanted: dict[str, str]) -> None:
+    node = cluster.nodes[0]
+    wait_until(f"allocatable {wanted}", lambda: all(cluster.allocatable(node).get(k) == v for k, v in wanted.items()),
                explain=lambda: f"{cluster.allocatable(node)}\n{node.cgpud.tail() if node.cgpud else ''}")
 
 
-def test_a_2_gib_pod_runs_and_sees_2_gib_in_the_driver_and_nvml(cluster: RealCluster) -> None:
+# ---- core_mem ------------------------------------------------------------------------------
+
+
+def test_a_core_mem_node_shows_gpu_memory_and_core_percentage(cluster: RealCluster) -> None:
+    cluster.start_cgpud(cluster.nodes[0])
+    _set_mode(cluster, "core_mem")
+    _wait_allocatable(cluster, {MEM: str(GPUS * GPU_GIB), CORE: str(GPUS * 100), "nvidia.com/gpu": "0"})
+
+
+def test_a_2_gib_30_percent_pod_runs_and_sees_2_gib_in_the_driver_and_nvml(cluster: RealCluster) -> None:
     logs = _run_pod(cluster, "mem2", SHOW, {MEM: 2, CORE: 30})
     assert "MEM=2" in logs.splitlines(), logs
     assert f"NVML_TOTAL={2 * GIB}" in logs.splitlines(), logs
     burn = _burn(logs)
     assert burn["mem_total_reported"] == 2 * GIB and burn["alloc"]["until_fail_bytes"] == 2 * GIB, burn
+    # kube-scheduler sent it to cgpu-scheduler, whose bind wrote the GPU,
+    # and cgpud's Allocate marked it assigned.
+    annotations = cluster.get("pod", "mem2")["metadata"]["annotations"]
+    assert annotations[ANNOTATION_ASSIGNED] == "true" and annotations[ANNOTATION_GPU_INDEX] in ("0", "1"), annotations
+    _drain(cluster)
+
+
+def test_30_and_70_percent_pods_side_by_side_get_30_and_70_percent(cluster: RealCluster) -> None:
+    node = cluster.nodes[0]
+    # the shell's own pid (the kubelet would turn a "$$" into "$"), which exec hands to cgpu-burn
+    command = "read -r pid rest < /proc/self/stat; echo PID=$pid; exec cgpu-burn --kernel-ns 200000 --streams 4 --duration 6"
+    pods = {"core30": 30, "core70": 70}
+    docs = []
+    for name, core in pods.items():
+        doc = cluster.workload_pod(name, command, {MEM: 1, CORE: core})
+        doc["spec"]["hostPID"] = True  # the simulated GPU accounts busy time by host pid
+        doc["metadata"]["annotations"] = {}
+        docs.append(doc)
+    # The node's compute policy decides what a percentage means; cgpud's
+    # default is ACK's, native (no control). Fixed: exactly its percentage.
+    assert node.cgpuctl("policy", "set", "fixed").returncode == 0
+    sampler = Sampler(node.sim_env, 50)
+    try:
+        cluster.apply(docs)
+        for name in pods:
+            cluster.wait_pod(name, ("Succeeded", "Failed"), 120)
+    finally:
+        sampler.stop()
+        node.cgpuctl("policy", "set", "native")
+    pids, gpus = {}, set()
+    for name in pods:
+        logs = cluster.logs(name)
+        assert cluster.pod_phase(name) == "Succeeded" and _burn(logs)["errors"] == [], logs
+        pids[name] = int(re.search(r"^PID=(\d+)$", logs, re.M)[1])  # type: ignore[index]
+        gpus.add(_gpu_index(cluster, name))
+    assert len(gpus) == 1, "binpack puts both on one GPU"
+    # Shares over 3 s while both run (from 1 s after the later one started).
+    s = sampler.samples
+    started = max(next(x[0] for x in s if x[2].get(p, 0) > 0) for p in pids.values())
+    lo = next(x for x in s if x[0] >= started + 1_000_000_000)
+    hi = next(x for x in s if x[0] >= lo[0] + 3_000_000_000)
+    window = hi[0] - lo[0]
+    shares = {n: 100.0 * (hi[2].get(p, 0) - lo[2].get(p, 0)) / window for n, p in pids.items()}
+    assert abs(shares["core30"] - 30) <= 6 and abs(shares["core70"] - 70) <= 6, shares
+    _drain(cluster)
+
+
+def test_kubectl_inspect_cgpu_prints_the_node_from_the_real_api_server(cluster: RealCluster) -> None:
+    node = cluster.nodes[0]
+    _running(cluster, ("inspected", {MEM: 5}))
+    # cgpu-scheduler runs beside the control plane here, not behind its
+    # Service, so kubectl inspect is pointed at it; its HTTPS certificate is
+    # of the test CA, which SSL_CERT_FILE makes trusted.
+    env = dict(os.environ, PATH=f"{BIN}:/usr/bin:/bin", KUBECONFIG=str(cluster.admin_kubeconfig),
+               SSL_CERT_FILE=str(cluster.capacity_pki.ca))
+    shown = subprocess.run(["kubectl", "inspect", "cgpu", "--extender", cluster.extender_url], env=env,
+                           capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    rows = shown.stdout.splitlines()
+    assert rows[0].split()[:2] == ["NAME", "IPADDRESS"], rows
+    [row] = [r.split() for r in rows[1:] if r.startswith(node.name)]
+    assert row[1] == node.ip and row[-1] == f"5/{GPUS * GPU_GIB}", shown.stdout
+    assert re.search(rf"Allocated/Total GPU Memory In Cluster:\s+5/{GPUS * GPU_GIB}\b", shown.stdout), shown.stdout
+    _drain(cluster)
+
+
+def test_binpack_fills_one_gpu_and_spread_uses_both(cluster: RealCluster) -> None:
+    _running(cluster, ("pack-a", {MEM: 4}), ("pack-b", {MEM: 4}))
+    assert _gpu_index(cluster, "pack-a") == _gpu_index(cluster, "pack-b")
+    _drain(cluster)
+    _set_mode(cluster, "core_mem", "spread")
+    try:
+        _running(cluster, ("spread-a", {MEM: 4}))  # one at a time: the second sees the first's reservation
+        _running(cluster, ("spread-b", {MEM: 4}))
+        assert _gpu_index(cluster, "spread-a") != _gpu_index(cluster, "spread-b")
+    finally:
+        _drain(cluster)
+        _set_mode(cluster, "core_mem")
+
+
+# ---- restarts --------------------------------------------------------------------------------
+
+
+def test_a_kubelet_restart_re_registers_the_plugin_and_running_pods_keep_their_limits(cluster: RealCluster) -> None:
+    node = cluster.nodes[0]
+    _running(cluster, ("kept", {MEM: 3}))
+    registered = node.cgpud.tail(10**6).count("registered with the kubelet")  # type: ignore[union-attr]
+    cluster.restart_kubelet(node)
+    wait_until("cgpud registered again", lambda: node.cgpud.tail(10**6).count(  # type: ignore[union-attr]
+        "registered with the kubelet") > registered, explain=node.cgpud.tail)  # type: ignore[union-attr]
+    cluster.wait_node_ready(node)
+    _wait_allocatable(cluster, {MEM: str(GPUS * GPU_GIB), CORE: str(GPUS * 100)})
+    burn = _exec_burn(cluster, "kept")
+    assert burn["mem_total_reported"] == 3 * GIB and burn["alloc"]["until_fail_bytes"] == 3 * GIB, burn
+    # and the re-registered plugin admits a new pod
+    logs = _run_pod(cluster, "after-kubelet", SHOW, {MEM: 2})
+    assert _burn(logs)["alloc"]["until_fail_bytes"] == 2 * GIB
+    _drain(cluster)
+
+
+def test_a_cgpud_kill_and_restart_loses_no_instance_and_no_limit(cluster: RealCluster) -> None:
+    node = cluster.nodes[0]
+    _running(cluster, ("survivor", {MEM: 3}))
+    before = _instances(node)
+    assert node.cgpud is not None and node.cgpud.proc is not None
+    os.killpg(node.cgpud.proc.pid, signal.SIGKILL)
+    node.cgpud.proc.wait(timeout=10)
+    cluster.start_cgpud(node)
+    assert _instances(node) == before
+    burn = _exec_burn(cluster, "survivor")
+    assert burn["mem_total_reported"] == 3 * GIB and burn["alloc"]["until_fail_bytes"] == 3 * GIB, burn
+    logs = _run_pod(cluster, "after-cgpud", SHOW, {MEM: 2})
+    assert _burn(logs)["alloc"]["until_fail_bytes"] == 2 * GIB
+    _drain(cluster)
+
+
+def test_a_pod_past_the_instance_limit_of_every_gpu_stays_pending_with_the_reason(cluster: RealCluster) -> None:
+    node = cluster.nodes[0]
+    assert node.cgpud is not None
+    node.cgpud.stop()
+    cluster.start_cgpud(node, "--max-instances-per-gpu", "1")
+    try:
+        _running(cluster, ("one", {MEM: 1}))
+        _running(cluster, ("two", {MEM: 1}))
+        cluster.apply([cluster.workload_pod("three", "sleep 3600", {MEM: 1})])
+
+        def refused() -> str:
+            events = cluster.get("events", "-n", "default", "--field-selector", "involvedObject.name=three")
+            return " ".join(e.get("message", "") for e in events["items"] if e.get("reason") == "FailedScheduling")
+
+        wait_until("a FailedScheduling event for the third pod", lambda: bool(refused()))
+        assert cluster.pod_phase("three") == "Pending"
+        assert "instance" in refused(), refused()
+    finally:
+        _drain(cluster)
+        node.cgpud.stop()
+        cluster.start_cgpud(node)
+
+
+# ---- other modes -----------------------------------------------------------------------------
+
+
+def test_share_mode_gives_the_pod_its_env_and_no_limit(cluster: RealCluster) -> None:
+    _set_mode(cluster, "share")
+    _wait_allocatable(cluster, {MEM: str(GPUS * GPU_GIB), CORE: "0"})
+    logs = _run_pod(cluster, "shared", SHOW, {MEM: 2})
+    assert "MEM=2" in logs.splitlines(), logs
+    burn = _burn(logs)
+    assert burn["mem_total_reported"] == GPU_GIB * GIB, burn  # the whole GPU: share mode enforces nothing
+    _drain(cluster)
+
+
+def test_a_drained_node_switched_to_default_gives_whole_gpus_for_nvidia_com_gpu(cluster: RealCluster) -> None:
+    _set_mode(cluster, "default")
+    _wait_allocatable(cluster, {"nvidia.com/gpu": str(GPUS), MEM: "0"})
+    logs = _run_pod(cluster, "whole", f"echo NVD=$NVIDIA_VISIBLE_DEVICES; {SHOW}", {"nvidia.com/gpu": 1})
+    burn = _burn(logs)
+    assert burn["mem_total_reported"] == GPU_GIB * GIB and burn["alloc"]["until_fail_bytes"] >= 15 * GIB, burn
+    [visible] = [line.removeprefix("NVD=") for line in logs.splitlines() if line.startswith("NVD=")]
+    assert re.fullmatch(r"GPU-[0-9a-f-]+", visible), logs
+    _drain(cluster)
+    _set_mode(cluster, "core_mem")
+    _wait_allocatable(cluster, {MEM: str(GPUS * GPU_GIB), "nvidia.com/gpu": "0"})
 
 
 def test_deleting_the_pod_frees_its_instance(cluster: RealCluster) -> None:
-    cluster.apply([cluster.workload_pod("held", "sleep 3600", {MEM: 3})])
-    cluster.wait_pod("held", ("Running",))
+    node = cluster.nodes[0]
+    _running(cluster, ("held", {MEM: 3}))
     uid = cluster.get("pod", "held")["metadata"]["uid"]
 
     def held() -> list[dict]:
-        return [i for i in _instances(cluster) if uid in i["owner"]["id"]]
+        return [i for i in _instances(node) if uid in i["owner"]["id"]]
 
     [instance] = held()
     assert [g["memory_bytes"] for g in instance["grants"]] == [3 * GIB], instance
