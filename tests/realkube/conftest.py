@@ -1,6 +1,7 @@
 """Fixtures of the real-cluster tests: the binaries (built once, cached
-outside the clone) and one cluster per test module, shared by its tests in
-order: starting one takes most of a minute."""
+outside the clone) and one cluster for the session, shared by the tests in
+order (starting one takes about half a minute); each test module leaves it
+as it found it: drained, core_mem, cgpud running."""
 from __future__ import annotations
 
 import os
@@ -19,7 +20,7 @@ def kube_binaries() -> KubeBinaries:
     return build()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cluster(kube_binaries: KubeBinaries) -> Iterator[RealCluster]:
     with RealCluster(kube_binaries, nodes=1, gpus=2) as c:
         yield c
