@@ -23,6 +23,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -48,6 +49,7 @@ REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 WORKLOAD_IMAGE = "cgpu.test/workload:1"  # busybox, cgpu-burn, the driver libraries (tests/e2e/oci.py)
 PAUSE_IMAGE = "cgpu.test/pause:1"
+CGPUD_IMAGE = "cgpu.test/cgpud:1"  # busybox; cgpud_daemonset mounts the host's installation into it
 CAPACITY_PORT = 9455
 CNI_BIN = Path("/usr/lib/cni")  # Debian's containernetworking-plugins
 WAIT = 90.0  # seconds for a component to come up on a loaded 2-core machine
@@ -224,8 +226,9 @@ class RealNode:
     def cgpud_socket(self) -> Path:
         return self.cgpud_dir / "run" / "cgpud.sock"
 
-    def cgpuctl(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return _run(str(BIN / "cgpuctl"), "--socket", str(self.cgpud_socket), *args, check=False, env=self.sim_env)
+    def cgpuctl(self, *args: str, socket: Path | None = None) -> subprocess.CompletedProcess[str]:
+        return _run(str(BIN / "cgpuctl"), "--socket", str(socket or self.cgpud_socket), *args, check=False,
+                    env=self.sim_env)
 
 
 class RealCluster:
@@ -467,6 +470,7 @@ class RealCluster:
         source.write_text(NVML_TOTAL)
         _run("cc", "-O1", "-o", str(nvml), str(source), "-ldl")
         return [write_archive(workload, WORKLOAD_IMAGE, images / "workload.tar"),
+                write_archive(workload, CGPUD_IMAGE, images / "cgpud.tar"),
                 write_archive(pause_root(images / "pause"), PAUSE_IMAGE, images / "pause.tar", ["/bin/pause"])]
 
     # ---- nodes ---------------------------------------------------------------------------
@@ -491,6 +495,10 @@ class RealCluster:
         directory = self.root / f"n{i}"
         directory.mkdir()
         self._stack.callback(self._clean_node, directory, self._cgroup_name(i))  # after its processes stopped
+        # A node's mounts are shared under systemd; the root of these VMs is
+        # private, and mountPropagation (the DaemonSet's) needs them shared.
+        _run("mount", "--bind", str(directory), str(directory))
+        _run("mount", "--make-rshared", str(directory))
         sim = self.sim_root / name  # GPU pods mount sim_root and pick their node's by name (workload_pod)
         sim.mkdir(parents=True)
         sim_env = dict(os.environ)
@@ -695,6 +703,64 @@ class RealCluster:
         wait_until(f"cgpud of {node.name} answering", lambda: node.cgpud.check() or  # type: ignore[union-attr]
                    node.cgpuctl("list").returncode == 0, explain=node.cgpud.tail)
         return node.cgpud
+
+    # ---- cgpud as the DaemonSet ------------------------------------------------------------
+
+    def cgpud_daemonset(self, node: RealNode) -> dict[str, Any]:
+        """deploy/cgpud-daemonset.yaml for this machine. What differs, and why:
+        - image: the one this repository's users build (`pip install .`) is
+          not built here; a busybox image runs the host's installation, whose
+          Python, virtualenv, checkout and /usr come in read-only hostPaths;
+        - the simulated GPU's driver and state, where a real node has the
+          driver's device nodes and libraries;
+        - the API server: no kube-proxy runs here, so the Service address the
+          kubelet gives pods is replaced by the API server's own;
+        - node paths: every node of this harness shares one host, so the
+          host paths are the node's directories. Those that cgpud's CDI specs
+          name to containerd (its state and sockets) keep host path = pod
+          path, as on a node, and cgpud is told them."""
+        [ds] = self.manifests("cgpud-daemonset.yaml")
+        d = node.dir / "ds"
+        state, run, config, tls = d / "state", d / "run", d / "etc", d / "capacity-tls"
+        for directory in (state, run, config, tls):
+            directory.mkdir(parents=True, exist_ok=True)
+        # Bidirectional propagation needs a shared host mount; the root of
+        # these VMs is private (systemd makes it shared on a real node).
+        _run("mount", "--bind", str(state), str(state))
+        _run("mount", "--make-shared", str(state))
+        cert, key = self.capacity_pki.node_cert(node.name, ips=[node.ip])
+        for source, name in ((cert, "tls.crt"), (key, "tls.key"), (self.capacity_pki.ca, "ca.crt")):
+            shutil.copy(source, tls / name)
+        pod = ds["spec"]["template"]["spec"]
+        [container] = pod["containers"]
+        container["image"], container["imagePullPolicy"] = CGPUD_IMAGE, "Never"
+        container["command"] = [*container["command"], "--state-dir", str(state),
+                                "--socket", str(run / "cgpud.sock"), "--relay-socket", str(run / "relay.sock"),
+                                "--sweep-interval", "0.5"]
+        venv, base = Path(sys.prefix), Path(sys.base_prefix)
+        sim = self.sim_root
+        container["env"] += [
+            {"name": "PATH", "value": f"{venv / 'bin'}:/usr/local/bin:/usr/bin:/bin"},
+            {"name": "LD_LIBRARY_PATH", "value": node.sim_env["LD_LIBRARY_PATH"]},
+            {"name": "CGPU_SIM_CONFIG", "value": f"{sim}/$(NODE_NAME)/sim.conf"},
+            {"name": "CGPU_SIM_STATE", "value": f"{sim}/$(NODE_NAME)/sim.state"},
+            {"name": "KUBERNETES_SERVICE_HOST", "value": node.host_ip},
+            {"name": "KUBERNETES_SERVICE_PORT", "value": str(self.api_port)}]
+        host_paths = {"device-plugins": node.device_plugin_dir, "pod-resources": node.kubelet_dir / "pod-resources",
+                      "cdi": node.cdi_dir, "run": run, "state": state, "config": config, "capacity-tls": tls,
+                      "runtime-state": node.dir / "containerd" / "state"}
+        for volume in pod["volumes"]:
+            if volume["name"] in host_paths:
+                volume["hostPath"]["path"] = str(host_paths[volume["name"]])
+        for mount in container["volumeMounts"]:
+            if mount["name"] in ("run", "state", "runtime-state"):
+                mount["mountPath"] = str(host_paths[mount["name"]])
+        for i, path in enumerate(dict.fromkeys([venv, base, REPO, Path("/usr"), native_dir()])):
+            pod["volumes"].append({"name": f"host-{i}", "hostPath": {"path": str(path), "type": "Directory"}})
+            container["volumeMounts"].append({"name": f"host-{i}", "mountPath": str(path), "readOnly": True})
+        pod["volumes"].append({"name": "sim", "hostPath": {"path": str(sim), "type": "Directory"}})
+        container["volumeMounts"].append({"name": "sim", "mountPath": str(sim)})
+        return ds
 
     def workload_pod(self, name: str, command: str, limits: dict[str, Any] | None = None, *,
                      node: str | None = None, annotations: dict[str, str] | None = None) -> dict[str, Any]:

@@ -1,0 +1,73 @@
+"""cgpud as deploy/cgpud-daemonset.yaml runs it, under the real DaemonSet
+controller and kubelet (RealCluster.cgpud_daemonset lists what differs on
+this machine and why): it lands on the labelled node, authenticates with
+its pod's bound token (which deploy/cgpud-admission-policy.yaml checks),
+registers with the kubelet, gives a pod its limit through CDI, and a
+replacement pod after a delete keeps every instance."""
+from __future__ import annotations
+
+import json
+
+from cgpud.daemon.model import GIB
+from cgpud.kube.model import ANNOTATION_ASSIGNED, LABEL_MODE
+from tests.realkube.cluster import RealCluster, wait_until
+
+MEM = "aliyun.com/gpu-mem"
+SELECTOR = "app.kubernetes.io/name=cgpud"
+
+
+def _cgpud_pods(cluster: RealCluster) -> list[dict]:
+    return cluster.get("pods", "-n", "kube-system", "-l", SELECTOR)["items"]
+
+
+def _running_cgpud(cluster: RealCluster, other_than: str = "") -> str:
+    def running() -> str:
+        return next((p["metadata"]["name"] for p in _cgpud_pods(cluster) if p["status"].get("phase") == "Running"
+                     and p["metadata"]["name"] != other_than and all(
+                         c.get("ready") for c in p["status"].get("containerStatuses", []))), "")
+
+    wait_until("a running cgpud pod", lambda: bool(running()), explain=lambda: "\n".join(
+        cluster.describe(p["metadata"]["name"], "kube-system") for p in _cgpud_pods(cluster)))
+    return running()
+
+
+def test_cgpud_as_the_daemonset_gives_a_pod_its_limit_and_a_replaced_cgpud_pod_keeps_it(cluster: RealCluster) -> None:
+    node = cluster.nodes[0]
+    if node.cgpud is not None:  # one device plugin per node: the host service steps aside
+        node.cgpud.stop()
+        node.cgpud = None
+    cluster.kubectl("label", "node", node.name, f"{LABEL_MODE}=core_mem", "--overwrite")
+    ds = cluster.cgpud_daemonset(node)
+    socket = next(a for a in ds["spec"]["template"]["spec"]["containers"][0]["command"] if a.endswith("cgpud.sock"))
+    cluster.apply([ds])
+    try:
+        first = _running_cgpud(cluster)
+        wait_until("the node's allocatable from the DaemonSet's cgpud",
+                   lambda: cluster.allocatable(node).get(MEM) == "32",
+                   explain=lambda: cluster.kubectl("logs", "-n", "kube-system", first, check=False).stdout[-3000:])
+        cluster.apply([cluster.workload_pod("under-ds", "sleep 3600", {MEM: 2})])
+        cluster.wait_pod("under-ds", ("Running",))
+        out = cluster.kubectl("exec", "under-ds", "--", "sh", "-c", "cgpu-burn --alloc-until-fail 512MiB").stdout
+        burn = json.loads(next(line for line in out.splitlines() if line.startswith('{"device"')))
+        assert burn["mem_total_reported"] == 2 * GIB and burn["alloc"]["until_fail_bytes"] == 2 * GIB, burn
+        # cgpud's Allocate wrote the pod's annotation with the pod's bound
+        # token, through deploy/cgpud-admission-policy.yaml
+        assert cluster.get("pod", "under-ds")["metadata"]["annotations"][ANNOTATION_ASSIGNED] == "true"
+        listed = node.cgpuctl("list", "--output", "json", socket=socket)
+        before = json.loads(listed.stdout)
+        assert len(before) == 1, listed
+
+        cluster.kubectl("delete", "pod", "-n", "kube-system", first, "--wait=true", timeout=120)
+        second = _running_cgpud(cluster, other_than=first)
+        assert second != first
+        wait_until("the replacement answering", lambda: node.cgpuctl("list", socket=socket).returncode == 0)
+        assert json.loads(node.cgpuctl("list", "--output", "json", socket=socket).stdout) == before
+        out = cluster.kubectl("exec", "under-ds", "--", "sh", "-c", "cgpu-burn --alloc-until-fail 512MiB").stdout
+        assert json.loads(next(line for line in out.splitlines() if line.startswith('{"device"')))[
+            "alloc"]["until_fail_bytes"] == 2 * GIB
+    finally:
+        cluster.kubectl("delete", "pod", "under-ds", "--grace-period=1", "--wait=true", check=False, timeout=120)
+        wait_until("the instance released", lambda: node.cgpuctl("list", "--output", "json", socket=socket).stdout
+                   .strip() in ("[]", ""), timeout=60)
+        cluster.kubectl("delete", "daemonset", "-n", "kube-system", "cgpud", "--wait=true", timeout=120)
+        wait_until("no cgpud pod", lambda: not _cgpud_pods(cluster))
