@@ -704,6 +704,12 @@ class RealCluster:
                    node.cgpuctl("list").returncode == 0, explain=node.cgpud.tail)
         return node.cgpud
 
+    def gpu_node(self, node: RealNode, mode: str = "core_mem") -> None:
+        """The node as a GPU node: cgpud running as a host service, the mode label set."""
+        if node.cgpud is None or not node.cgpud.alive():
+            self.start_cgpud(node)
+        self.kubectl("label", "node", node.name, f"ack.node.gpu.schedule={mode}", "--overwrite")
+
     # ---- cgpud as the DaemonSet ------------------------------------------------------------
 
     def cgpud_daemonset(self, node: RealNode) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """Fixtures of the real-cluster tests: the binaries (built once, cached
 outside the clone) and one cluster for the session, shared by the tests in
 order (starting one takes about half a minute); each test module leaves it
-as it found it: drained, core_mem, cgpud running."""
+as it found it: drained, core_mem, cgpud running. Two nodes: node-1 has no
+GPU role (no label, no cgpud) until test_two_nodes.py gives it one."""
 from __future__ import annotations
 
 import os
@@ -22,5 +23,5 @@ def kube_binaries() -> KubeBinaries:
 
 @pytest.fixture(scope="session")
 def cluster(kube_binaries: KubeBinaries) -> Iterator[RealCluster]:
-    with RealCluster(kube_binaries, nodes=1, gpus=2) as c:
+    with RealCluster(kube_binaries, nodes=2, gpus=2) as c:  # node-1 joins in test_two_nodes.py
         yield c

@@ -3,8 +3,9 @@ real etcd, kube-apiserver, kube-controller-manager, kube-scheduler with
 deploy/kube-scheduler-config.yaml and cgpu-scheduler as its extender, a
 real kubelet and containerd 2 (CDI on), cgpud as the node's device plugin
 (a host service here; tests/realkube/test_daemonset.py runs it as the
-DaemonSet), real kubectl. One node with two simulated 16 GiB GPUs; the
-tests share it, in file order, and each leaves it drained."""
+DaemonSet), real kubectl. node-0 has two simulated 16 GiB GPUs (node-1 has no GPU
+role until test_two_nodes.py); the tests share it, in file order, and each
+leaves it drained."""
 from __future__ import annotations
 
 import json

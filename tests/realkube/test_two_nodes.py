@@ -1,0 +1,67 @@
+"""Two GPU nodes, each a kubelet, containerd and cgpud in a network
+namespace of its own: kube-scheduler and cgpu-scheduler place across them,
+and a node whose capacity address is pointed at the other's is refused."""
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+from cgpud.daemon.model import GIB
+from cgpud.kube.model import ANNOTATION_CAPACITY_ADDRESS, ANNOTATION_GPU_INDEX, LABEL_MODE
+from tests.realkube.cluster import RealCluster, wait_until
+
+MEM = "aliyun.com/gpu-mem"
+
+
+def _connected(cluster: RealCluster, name: str) -> bool:
+    import ssl
+    import urllib.request
+
+    context = ssl.create_default_context(cafile=str(cluster.capacity_pki.ca))
+    with urllib.request.urlopen(f"{cluster.extender_url}/inspect", timeout=10, context=context) as r:
+        nodes = {n["name"]: n for n in json.loads(r.read())["nodes"]}
+    return bool(nodes.get(name, {}).get("connected"))
+
+
+def test_pods_too_big_to_share_a_gpu_spread_over_both_nodes_gpus(cluster: RealCluster) -> None:
+    first, second = cluster.nodes
+    cluster.gpu_node(first)
+    cluster.gpu_node(second)
+    wait_until("both nodes in cgpu-scheduler's view", lambda: all(_connected(cluster, n.name) for n in cluster.nodes))
+    wait_until(f"{second.name}'s allocatable", lambda: cluster.allocatable(second).get(MEM) == "32")
+    names = [f"big-{i}" for i in range(4)]  # 12 GiB each: one per 16 GiB GPU, four GPUs in all
+    cluster.apply([cluster.workload_pod(n, "sleep 3600", {MEM: 12}) for n in names])
+    try:
+        for n in names:
+            cluster.wait_pod(n, ("Running",), 120)
+        placed = [(cluster.get("pod", n)["spec"]["nodeName"], cluster.get("pod", n)["metadata"]["annotations"][
+            ANNOTATION_GPU_INDEX]) for n in names]
+        assert len(set(placed)) == 4 and Counter(node for node, _ in placed) == {first.name: 2, second.name: 2}, placed
+        on_second = next(n for n, (node, _) in zip(names, placed) if node == second.name)
+        out = cluster.kubectl("exec", on_second, "--", "sh", "-c", "cgpu-burn --alloc-until-fail 1GiB").stdout
+        burn = json.loads(next(line for line in out.splitlines() if line.startswith('{"device"')))
+        assert burn["alloc"]["until_fail_bytes"] == 12 * GIB, burn
+        cluster.apply([cluster.workload_pod("one-too-many", "sleep 3600", {MEM: 12})])
+        wait_until("the fifth pod refused", lambda: any(
+            e.get("reason") == "FailedScheduling" for e in cluster.get(
+                "events", "--field-selector", "involvedObject.name=one-too-many")["items"]))
+        assert cluster.pod_phase("one-too-many") == "Pending"
+    finally:
+        cluster.kubectl("delete", "pods", "--all", "--grace-period=1", "--wait=true", timeout=120)
+
+
+def test_a_node_whose_capacity_address_names_the_other_node_is_refused(cluster: RealCluster) -> None:
+    first, second = cluster.nodes
+    wait_until("both nodes in cgpu-scheduler's view", lambda: all(_connected(cluster, n.name) for n in cluster.nodes))
+    # Root on the API (or a node allowed to write it) points node-1 at node-0's cgpud.
+    cluster.kubectl("annotate", "node", second.name, f"{ANNOTATION_CAPACITY_ADDRESS}={first.ip}:9455", "--overwrite")
+    try:
+        wait_until(f"{second.name} refused", lambda: not _connected(cluster, second.name), timeout=30)
+        assert _connected(cluster, first.name)
+    finally:
+        cluster.kubectl("annotate", "node", second.name, f"{ANNOTATION_CAPACITY_ADDRESS}={second.ip}:9455",
+                        "--overwrite")
+        wait_until(f"{second.name} back", lambda: _connected(cluster, second.name), timeout=60)
+        assert second.cgpud is not None
+        second.cgpud.stop()
+        cluster.kubectl("label", "node", second.name, f"{LABEL_MODE}-")
