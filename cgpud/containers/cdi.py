@@ -1,7 +1,8 @@
 """CDI (Container Device Interface) spec for device-owned instances: each
-one a device `cgpu.io/gpu=<instance id>` whose containerEdits are exactly the
-edits the runtime shim writes into a bundle (edits.py), so a container gets
-the same view whichever path started it. The region mount in those edits is
+one a device `cgpu.io/gpu=<instance id>` whose containerEdits are the edits
+the runtime shim writes into a bundle (edits.py), so a container gets the
+same view whichever path started it, and the device nodes of the instance's
+GPUs, which on the shim's path the NVIDIA toolkit makes (devices.py). The region mount in those edits is
 also the container's claim on the instance (request.py), and the hook binds
 it at createRuntime; cgpud hands it back when the container's init exits
 (lifecycle.py, daemon/exits.py).
@@ -19,7 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cgpud.atomicfile import write_atomic
-from cgpud.daemon.model import OwnerKind
+from cgpud.containers.devices import DeviceNode, device_paths, present
+from cgpud.daemon.model import GpuCapacity, OwnerKind
 from cgpud.errors import CgpuError, StateError, UsageError
 from cgpud.containers.edits import ContainerEdits, Mount, RuntimeFiles, instance_edits
 
@@ -44,6 +46,9 @@ def device(edits: ContainerEdits) -> dict[str, Any]:
     container_edits: dict[str, Any] = {"env": [f"{k}={v}" for k, v in edits.env]}
     if edits.mounts:
         container_edits["mounts"] = [_mount(m) for m in edits.mounts]
+    if edits.device_nodes:
+        container_edits["deviceNodes"] = [{"path": d.path, "type": "c", "major": d.major, "minor": d.minor,
+                                           "permissions": "rw"} for d in edits.device_nodes]
     if edits.hooks:
         container_edits["hooks"] = [
             {"hookName": h.stage, "path": h.path, "args": list(h.args), "env": list(h.env), "timeout": h.timeout}
@@ -67,7 +72,14 @@ def device_instance_edits(service: InstanceService, files: RuntimeFiles) -> list
     gpu_memory = {g.index: g.memory for g in service.gpus()}
     devices = [i for i in service.list() if i.owner.kind is OwnerKind.DEVICE]
     service.use_runtime([i.id for i in devices], files.version)
-    return [instance_edits(i, service.region_dir(i.id), gpu_memory, files) for i in devices]
+    return [instance_edits(i, service.region_dir(i.id), gpu_memory, files, device_nodes=instance_device_nodes(
+        service.gpus(), [g.gpu_index for g in i.grants])) for i in devices]
+
+
+def instance_device_nodes(gpus: Sequence[GpuCapacity], indexes: Sequence[int]) -> tuple[DeviceNode, ...]:
+    """The device nodes of these GPUs (and the control nodes) the host has."""
+    by_index = {g.index: g.device_node for g in gpus}
+    return present(device_paths([by_index.get(i, "") for i in indexes]))
 
 
 def render(service: InstanceService, files: RuntimeFiles) -> str:

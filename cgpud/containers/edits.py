@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cgpud.containers.devices import DeviceNode
 from cgpud.contract import RELAY_WAIT_S
 from cgpud.daemon.model import GIB, Instance
 from cgpud.errors import UsageError
@@ -84,6 +85,10 @@ class ContainerEdits:
     mounts: tuple[Mount, ...]
     hooks: tuple[Hook, ...]
     instance_id: str
+    # The GPUs' device nodes, for CDI only: on the shim's path the NVIDIA
+    # toolkit makes them from NVIDIA_VISIBLE_DEVICES, and two makers of one
+    # node would fail the start.
+    device_nodes: tuple[DeviceNode, ...] = ()
 
 
 def application_env(instance: Instance, gpu_memory: Mapping[int, int]) -> dict[str, str]:
@@ -104,7 +109,7 @@ def application_env(instance: Instance, gpu_memory: Mapping[int, int]) -> dict[s
 
 
 def instance_edits(instance: Instance, region: Path, gpu_memory: Mapping[int, int], files: RuntimeFiles,
-                   *, hooks: bool = True) -> ContainerEdits:
+                   *, hooks: bool = True, device_nodes: tuple[DeviceNode, ...] = ()) -> ContainerEdits:
     """Env and the bind hook for every instance; the library, its preload
     entry and the region only where the node enforces limits (not in share
     mode). hooks=False: the runtime shim binds after `create` itself, so runc
@@ -124,7 +129,8 @@ def instance_edits(instance: Instance, region: Path, gpu_memory: Mapping[int, in
              (HOOK_NAME, "--socket", str(files.relay_socket), "--instance", instance.id, stage))
         for stage in (BIND_STAGE,)
     ) if hooks else ()
-    return ContainerEdits(tuple(application_env(instance, gpu_memory).items()), mounts, entries, instance.id)
+    return ContainerEdits(tuple(application_env(instance, gpu_memory).items()), mounts, entries, instance.id,
+                          device_nodes)
 
 
 def _ours(mount: Any, destinations: set[str]) -> bool:

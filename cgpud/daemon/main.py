@@ -160,6 +160,7 @@ def run(config: settings.DaemonConfig) -> int:
     from cgpud.containers.lifecycle import ContainerLifecycle
     from cgpud.containers.relay import RelayServer
     from cgpud.containers import runtime_files
+    from cgpud.containers.devices import gpu_node
     from cgpud.daemon.bypass_model import BypassEvents
     from cgpud.daemon.metrics import CountedAllocator, DaemonStats
 
@@ -167,7 +168,7 @@ def run(config: settings.DaemonConfig) -> int:
     # Refused before anything starts: a watchdog too short for the sweep.
     max_age = heartbeat_max_age(Notifier.from_env(), config.sweep_interval)
     inventory = read_inventory()
-    gpus = tuple(GpuCapacity(g.index, g.uuid, g.memory_total) for g in inventory.gpus)
+    gpus = tuple(GpuCapacity(g.index, g.uuid, g.memory_total, gpu_node(g.minor_number)) for g in inventory.gpus)
     _private_state_dir(config.state_dir)
     store = Store(config.database)
     kube = config.orchestrator is Orchestrator.KUBERNETES

@@ -91,6 +91,7 @@ class GpuCapacity:
     index: int
     uuid: str
     memory: int  # bytes
+    device_node: str = ""  # /dev/nvidia<minor>; "" where unknown (a view from another node)
 
 
 @dataclass(frozen=True)

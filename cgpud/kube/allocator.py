@@ -186,7 +186,9 @@ class PodAllocator:
     def _write_spec(self, instance: Instance) -> None:
         gpu_memory = {g.index: g.memory for g in self._service.gpus()}
         self._service.use_runtime([instance.id], self._files.version)  # before the edits leave (runtime_files.py)
-        edits = instance_edits(instance, self._service.region_dir(instance.id), gpu_memory, self._files)
+        edits = instance_edits(instance, self._service.region_dir(instance.id), gpu_memory, self._files,
+                               device_nodes=cdi.instance_device_nodes(self._service.gpus(),
+                                                                      [g.gpu_index for g in instance.grants]))
         text = json.dumps(cdi.cdi_spec([edits]), indent=2) + "\n"
         cdi.write_spec(text, spec_path(self._cdi_dir, instance.id))
 
@@ -228,7 +230,8 @@ class PodAllocator:
             raise AllocationError(f"{resource.value}: no GPU with UUID {unknown[0]!r} on node {self._node}")
         indexes = sorted(by_uuid[d] for d in device_ids)
         uuids = [u for i in indexes for u, j in by_uuid.items() if i == j]
+        nodes = cdi.instance_device_nodes(self._service.gpus(), indexes)
         return ContainerAllocation(envs={"NVIDIA_VISIBLE_DEVICES": ",".join(uuids),
                                          ANNOTATION_GPU_INDEX: ",".join(map(str, indexes))},
-                                   mounts=device_list(uuids))
+                                   mounts=device_list(uuids), devices=tuple(n.path for n in nodes))
 

@@ -72,6 +72,7 @@ class ContainerAllocation:
     envs: dict[str, str] = field(default_factory=dict)
     mounts: tuple[MountSpec, ...] = ()
     annotations: dict[str, str] = field(default_factory=dict)
+    devices: tuple[str, ...] = ()  # device nodes, the same path on the host and in the container
 
 
 class Allocator(Protocol):

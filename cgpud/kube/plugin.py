@@ -121,6 +121,7 @@ def allocation_to_pb(allocation: ContainerAllocation) -> pb.ContainerAllocateRes
                 for m in allocation.mounts],
         annotations=dict(allocation.annotations),
         cdi_devices=[pb.CDIDevice(name=name) for name in allocation.cdi_devices],
+        devices=[pb.DeviceSpec(container_path=d, host_path=d, permissions="rw") for d in allocation.devices],
     )
 
 

@@ -118,6 +118,21 @@ def test_a_2_gib_30_percent_pod_runs_and_sees_2_gib_in_the_driver_and_nvml(clust
     _drain(cluster)
 
 
+def _device_nodes(logs: str) -> set[str]:
+    return {line.removeprefix("DEV=") for line in logs.splitlines() if line.startswith("DEV=/dev/nvidia")}
+
+
+LIST_NODES = "for d in /dev/nvidia*; do test -c $d && echo DEV=$d; done; true"
+
+
+def test_a_pod_gets_the_device_nodes_of_its_gpu_and_a_pod_without_gpu_none(cluster: RealCluster) -> None:
+    logs = _run_pod(cluster, "nodes", LIST_NODES, {MEM: 2})
+    gpu = _gpu_index(cluster, "nodes")
+    assert _device_nodes(logs) == {"/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", f"/dev/nvidia{gpu}"}
+    assert _device_nodes(_run_pod(cluster, "no-gpu", LIST_NODES, {})) == set()
+    _drain(cluster)
+
+
 def test_30_and_70_percent_pods_side_by_side_get_30_and_70_percent(cluster: RealCluster) -> None:
     node = cluster.nodes[0]
     # the shell's own pid (the kubelet would turn a "$$" into "$"), which exec hands to cgpu-burn
@@ -266,7 +281,10 @@ def test_share_mode_gives_the_pod_its_env_and_no_limit(cluster: RealCluster) -> 
 def test_a_drained_node_switched_to_default_gives_whole_gpus_for_nvidia_com_gpu(cluster: RealCluster) -> None:
     _set_mode(cluster, "default")
     _wait_allocatable(cluster, {"nvidia.com/gpu": str(GPUS), MEM: "0"})
-    logs = _run_pod(cluster, "whole", f"echo NVD=$NVIDIA_VISIBLE_DEVICES; {SHOW}", {"nvidia.com/gpu": 1})
+    logs = _run_pod(cluster, "whole", f"echo NVD=$NVIDIA_VISIBLE_DEVICES; {LIST_NODES}; {SHOW}",
+                    {"nvidia.com/gpu": 1})
+    nodes = _device_nodes(logs)
+    assert {"/dev/nvidiactl", "/dev/nvidia-uvm"} <= nodes and len([n for n in nodes if n[-1].isdigit()]) == 1, logs
     burn = _burn(logs)
     assert burn["mem_total_reported"] == GPU_GIB * GIB and burn["alloc"]["until_fail_bytes"] >= 15 * GIB, burn
     [visible] = [line.removeprefix("NVD=") for line in logs.splitlines() if line.startswith("NVD=")]
