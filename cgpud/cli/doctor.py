@@ -8,9 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cgpud.cli.docker_config import DOCKER_CONFIG, parse_daemon_json
+from cgpud.cli.toolkit_config import TOOLKIT_CONFIG, toolkit_gaps
 from cgpud.daemon.config import DaemonConfig
 from cgpud.daemon.region import REGION_FS_FILE, SPARE_REGION
-from cgpud.errors import CgpuError
+from cgpud.errors import CgpuError, UsageError
 
 CONTAINERD_DROPINS = Path("/etc/containerd/conf.d")
 
@@ -142,7 +143,28 @@ def _runtime(docker_configs: Sequence[Path] = ()) -> str:
                     "configured (host processes work through `cgpuctl run`)")
 
 
-def diagnose(config: DaemonConfig, socket: Path, docker_config: Path | None = None) -> list[Finding]:
+def _toolkit(path: Path) -> Callable[[], str]:
+    def check() -> str:
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            return f"not installed ({path} absent): GPUs reach containers only as cgpu hands them out"
+        except OSError as e:
+            raise CgpuError(f"cannot read {path}: {e.strerror}") from None
+        try:
+            gaps = toolkit_gaps(path, text)
+        except UsageError as e:
+            raise CgpuError(str(e)) from None
+        if gaps:
+            raise CgpuError(f"{path} lacks {', '.join(gaps)}: a container whose image sets "
+                            "NVIDIA_VISIBLE_DEVICES=all gets every GPU without an instance; run "
+                            "`cgpuctl runtime configure --nvidia-toolkit`")
+        return f"gives GPUs only from the device lists cgpud answers with ({path})"
+    return check
+
+
+def diagnose(config: DaemonConfig, socket: Path, docker_config: Path | None = None,
+             toolkit_config: Path = TOOLKIT_CONFIG) -> list[Finding]:
     """`docker_config`: the daemon.json to check; by default the one each
     running dockerd reads, or /etc/docker/daemon.json with none running."""
     docker_configs = [docker_config] if docker_config else running_dockerd_configs()
@@ -153,6 +175,7 @@ def diagnose(config: DaemonConfig, socket: Path, docker_config: Path | None = No
         ("instance regions", _regions(config.regions), False),
         ("libcgpu.so", _library, True),
         ("container runtime", lambda: _runtime(docker_configs), False),
+        ("NVIDIA toolkit", _toolkit(toolkit_config), False),
     ]
     findings = []
     for name, check, required in checks:

@@ -37,3 +37,14 @@ def toolkit_changes(path: Path, text: str | None) -> list[FileChange]:
         if doc.get(key) != value:
             doc[key] = value
     return [FileChange(path, text, tomlkit.dumps(doc))]
+
+
+def toolkit_gaps(path: Path, text: str) -> list[str]:
+    """The settings of SETTINGS the toolkit's config does not have as
+    cgpu needs them, as `key = value` lines to set (the toolkit's defaults
+    are the unsafe ones: an absent key counts as wrong)."""
+    try:
+        doc = tomlkit.parse(text)
+    except TOMLKitError as e:
+        raise UsageError(f"{path} is not TOML ({e})") from None
+    return [f"{key} = {str(value).lower()}" for key, value in SETTINGS.items() if doc.get(key) != value]

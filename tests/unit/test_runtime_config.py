@@ -663,3 +663,38 @@ def test_doctor_reads_the_daemon_json_each_running_dockerd_reads(tmp_path):
     (proc / "14").mkdir()  # a process that exited while /proc was read
     assert doctor.running_dockerd_configs(proc) == sorted(
         [Path("/srv/docker.json"), tmp_path / "cwd" / "conf" / "d.json", doctor.DOCKER_CONFIG])
+
+
+@pytest.mark.parametrize("text, ok, detail", [
+    (None, True, "not installed"),
+    ("accept-nvidia-visible-devices-envvar-when-unprivileged = false\n"
+     "accept-nvidia-visible-devices-as-volume-mounts = true\n", True, "only from the device lists"),
+    ("", False, "lacks accept-nvidia-visible-devices-envvar-when-unprivileged = false, "
+                "accept-nvidia-visible-devices-as-volume-mounts = true"),
+    ("accept-nvidia-visible-devices-envvar-when-unprivileged = true\n"
+     "accept-nvidia-visible-devices-as-volume-mounts = true\n", False, "gets every GPU without an instance"),
+    ("[nvidia-container-cli\n", False, "is not TOML"),
+])
+def test_doctor_checks_that_the_nvidia_toolkit_ignores_the_visible_devices_variable(tmp_path, text, ok, detail):
+    from cgpud.cli import doctor
+    from cgpud.errors import CgpuError
+
+    path = tmp_path / "config.toml"
+    if text is not None:
+        path.write_text(text)
+    check = doctor._toolkit(path)
+    if ok:
+        assert detail in check()
+    else:
+        with pytest.raises(CgpuError, match=detail.replace("(", r"\(")):
+            check()
+
+
+def test_the_toolkit_config_configure_writes_passes_the_doctor(tmp_path):
+    from cgpud.cli.toolkit_config import toolkit_changes, toolkit_gaps
+
+    path = tmp_path / "config.toml"
+    before = '[nvidia-container-cli]\nldconfig = "@/sbin/ldconfig"\naccept-nvidia-visible-devices-as-volume-mounts = false\n'
+    assert len(toolkit_gaps(path, before)) == 2
+    [change] = toolkit_changes(path, before)
+    assert toolkit_gaps(path, change.new) == []
