@@ -51,6 +51,7 @@ WORKLOAD_IMAGE = "cgpu.test/workload:1"  # busybox, cgpu-burn, the driver librar
 PAUSE_IMAGE = "cgpu.test/pause:1"
 CGPUD_IMAGE = "cgpu.test/cgpud:1"  # busybox; cgpud_daemonset mounts the host's installation into it
 CAPACITY_PORT = 9455
+EXTENDER_PORT = 12345  # deploy/cgpu-scheduler.yaml's --listen
 CNI_BIN = Path("/usr/lib/cni")  # Debian's containernetworking-plugins
 WAIT = 90.0  # seconds for a component to come up on a loaded 2-core machine
 
@@ -268,17 +269,32 @@ class RealCluster:
         self._sweep()
         sweep_leftovers()
         self.octet = free_second_octet()
+        self._route_between_nodes()
         self.pki = ClusterPki.make(self.root / "pki")
         self.capacity_pki: Pki = make_pki(self.root / "capacity-pki")  # the Capacity API's and the extender's
         self.images = self._images()
         self._start_control_plane()
         self.apply_deploy()
-        self._start_extender()
+        self.extender_url = f"https://{self.node_ip(0)}:{EXTENDER_PORT}"  # where its pod listens (hostNetwork)
         self._start_scheduler()
         for i in range(self.count):
             self.nodes.append(self._make_node(i))
         for node in self.nodes:
             self.wait_node_ready(node)
+        self._start_extender()
+
+    def _route_between_nodes(self) -> None:
+        """Nodes reach each other through the host (cgpu-scheduler, in
+        node-0's network, dials every node's cgpud): forwarding on, and
+        accepted for this cluster's addresses, both undone at the end."""
+        forward = Path("/proc/sys/net/ipv4/ip_forward")
+        before = forward.read_text()
+        forward.write_text("1\n")
+        self._stack.callback(forward.write_text, before)
+        if shutil.which("iptables"):
+            rule = ["FORWARD", "-s", f"10.{self.octet}.0.0/16", "-d", f"10.{self.octet}.0.0/16", "-j", "ACCEPT"]
+            if _run("iptables", "-I", *rule, check=False).returncode == 0:
+                self._stack.callback(_run, "iptables", "-D", *rule, check=False)
 
     @classmethod
     def _sweep(cls) -> None:
@@ -418,24 +434,62 @@ class RealCluster:
     def token(self, account: str, namespace: str = "kube-system", *bound: str) -> str:
         return self.kubectl("create", "token", account, "-n", namespace, "--duration", "24h", *bound).stdout.strip()
 
-    def _start_extender(self) -> None:
-        """cgpu-scheduler as a host process with its ServiceAccount's token
-        (the rights deploy/cgpu-scheduler.yaml gives it)."""
-        port = free_port()
-        config = kubeconfig(self.root / "extender.kubeconfig", self.api_url("127.0.0.1"), self.pki.ca,
-                            token=self.token("cgpu-scheduler"))
+    def _extender_secrets(self) -> None:
+        """Step 1 of docs/scheduler.md: cgpu-scheduler's Capacity client
+        certificate and its serving certificate with the client CA, as the
+        two Secrets deploy/cgpu-scheduler.yaml mounts. The serving
+        certificate names node-0's address, where its pod runs."""
         c = self.capacity_pki
-        self.control["cgpu-scheduler"] = extender = self._process("cgpu-scheduler", [
-            str(BIN / "cgpu-scheduler"), "--listen", f"127.0.0.1:{port}", "--kubeconfig", str(config),
-            "--tls-cert", str(c.client_cert), "--tls-key", str(c.client_key), "--tls-ca", str(c.ca),
-            "--serve-cert", str(c.server_cert), "--serve-key", str(c.server_key), "--client-ca", str(c.ca)])
-        self.extender_url = f"https://127.0.0.1:{port}"
+        serving = leaf(c.dir, "cgpu-scheduler-serving", (c.ca, c.ca_key), "serverAuth",
+                       f"IP:{self.node_ip(0)},DNS:cgpu-scheduler.kube-system.svc")
+        self.kubectl("-n", "kube-system", "create", "secret", "generic", "cgpu-capacity-client",
+                     f"--from-file=tls.crt={c.client_cert}", f"--from-file=tls.key={c.client_key}",
+                     f"--from-file=ca.crt={c.ca}")
+        self.kubectl("-n", "kube-system", "create", "secret", "generic", "cgpu-scheduler-serving",
+                     f"--from-file=tls.crt={serving[0]}", f"--from-file=tls.key={serving[1]}",
+                     f"--from-file=client-ca.crt={c.ca}")
 
-        def healthy() -> bool:
-            extender.check()
-            return _run("curl", "-sfk", "--max-time", "2", f"{self.extender_url}/healthz", check=False).returncode == 0
+    def extender_manifests(self) -> list[dict[str, Any]]:
+        """deploy/cgpu-scheduler.yaml's Deployment, Service and NetworkPolicy
+        for this machine. What differs, and why: the image (a busybox image
+        running the host's installation, read-only, as cgpud_daemonset);
+        the host network on node-0, because the nodes here have no pod
+        network (and so kube-scheduler's urlPrefix is node-0's address); the
+        API server's address for the Service's (no kube-proxy). The
+        NetworkPolicy is applied but not enforced: no CNI plugin here
+        enforces policies."""
+        docs = self.manifests("cgpu-scheduler.yaml", ["Deployment", "Service", "NetworkPolicy"])
+        [deployment] = [d for d in docs if d["kind"] == "Deployment"]
+        pod = deployment["spec"]["template"]["spec"]
+        pod["hostNetwork"] = True
+        pod["nodeSelector"] = {"kubernetes.io/hostname": "node-0"}
+        [container] = pod["containers"]
+        container["image"], container["imagePullPolicy"] = CGPUD_IMAGE, "Never"
+        venv, base = Path(sys.prefix), Path(sys.base_prefix)
+        container["env"] = [*container.get("env", []),
+                            {"name": "PATH", "value": f"{venv / 'bin'}:/usr/local/bin:/usr/bin:/bin"},
+                            {"name": "KUBERNETES_SERVICE_HOST", "value": self.host_ip(0)},
+                            {"name": "KUBERNETES_SERVICE_PORT", "value": str(self.api_port)}]
+        for i, path in enumerate(dict.fromkeys([venv, base, REPO, Path("/usr"), native_dir()])):
+            pod["volumes"].append({"name": f"host-{i}", "hostPath": {"path": str(path), "type": "Directory"}})
+            container["volumeMounts"].append({"name": f"host-{i}", "mountPath": str(path), "readOnly": True})
+        return docs
 
-        wait_until("cgpu-scheduler /healthz", healthy, explain=extender.tail)
+    def _start_extender(self) -> None:
+        """cgpu-scheduler as deploy/cgpu-scheduler.yaml runs it, scheduled by
+        kube-scheduler like any pod (it asks for no GPU share)."""
+        self._extender_secrets()
+        self.apply(self.extender_manifests())
+
+        def ready() -> bool:
+            done = self.kubectl("-n", "kube-system", "get", "deployment", "cgpu-scheduler", "-o",
+                                "jsonpath={.status.readyReplicas}", check=False)
+            return done.stdout.strip() == "1"
+
+        wait_until("cgpu-scheduler's Deployment ready", ready, explain=lambda: self.kubectl(
+            "-n", "kube-system", "describe", "pods", "-l", "app.kubernetes.io/name=cgpu-scheduler",
+            check=False).stdout[-4000:] + self.kubectl("-n", "kube-system", "logs", "deployment/cgpu-scheduler",
+                                                       check=False).stdout[-3000:])
 
     def scheduler_config(self) -> dict[str, Any]:
         """deploy/kube-scheduler-config.yaml with this cluster's paths and the

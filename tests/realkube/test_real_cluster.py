@@ -176,13 +176,10 @@ def test_30_and_70_percent_pods_side_by_side_get_30_and_70_percent(cluster: Real
 def test_kubectl_inspect_cgpu_prints_the_node_from_the_real_api_server(cluster: RealCluster) -> None:
     node = cluster.nodes[0]
     _running(cluster, ("inspected", {MEM: 5}))
-    # cgpu-scheduler runs beside the control plane here, not behind its
-    # Service, so kubectl inspect is pointed at it; its HTTPS certificate is
-    # of the test CA, which SSL_CERT_FILE makes trusted.
-    env = dict(os.environ, PATH=f"{BIN}:/usr/bin:/bin", KUBECONFIG=str(cluster.admin_kubeconfig),
-               SSL_CERT_FILE=str(cluster.capacity_pki.ca))
-    shown = subprocess.run(["kubectl", "inspect", "cgpu", "--extender", cluster.extender_url], env=env,
-                           capture_output=True, text=True, timeout=60)
+    # As a user runs it: the plugin asks the API server's service proxy for
+    # the cgpu-scheduler Service's /inspect (deploy/cgpu-scheduler.yaml).
+    env = dict(os.environ, PATH=f"{BIN}:/usr/bin:/bin", KUBECONFIG=str(cluster.admin_kubeconfig))
+    shown = subprocess.run(["kubectl", "inspect", "cgpu"], env=env, capture_output=True, text=True, timeout=60)
     assert shown.returncode == 0, shown.stderr
     rows = shown.stdout.splitlines()
     assert rows[0].split()[:2] == ["NAME", "IPADDRESS"], rows
