@@ -151,6 +151,25 @@ def free_second_octet() -> int:
     return random.choice(free)
 
 
+def node_network(stack: ExitStack, tag: str, i: int, host_ip: str, ip: str) -> str:
+    """Node i's network namespace, reached over a veth pair: `ip` inside,
+    `host_ip` on the host's side (a /30). Both go when `stack` closes.
+    Returns the namespace's name."""
+    netns = f"{NETNS_PREFIX}{tag}-{i}"
+    host_link, node_link = f"{LINK_PREFIX}{tag}h{i}", f"{LINK_PREFIX}{tag}n{i}"
+    _run("ip", "netns", "add", netns)
+    stack.callback(_run, "ip", "netns", "del", netns, check=False)
+    _run("ip", "link", "add", host_link, "type", "veth", "peer", "name", node_link)
+    stack.callback(_run, "ip", "link", "del", host_link, check=False)  # gone with the netns anyway
+    _run("ip", "link", "set", node_link, "netns", netns)
+    _run("ip", "addr", "add", f"{host_ip}/30", "dev", host_link)
+    _run("ip", "link", "set", host_link, "up")
+    _run("ip", "-n", netns, "addr", "add", f"{ip}/30", "dev", node_link)
+    _run("ip", "-n", netns, "link", "set", node_link, "up")
+    _run("ip", "-n", netns, "link", "set", "lo", "up")
+    return netns
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -327,19 +346,8 @@ class Cluster:
     def _make_node(self, i: int) -> Node:
         assert self.api is not None
         name = f"node-{i}"
-        netns = f"{NETNS_PREFIX}{self.tag}-{i}"
-        host_link, node_link = f"{LINK_PREFIX}{self.tag}h{i}", f"{LINK_PREFIX}{self.tag}n{i}"
         host_ip, ip = f"10.{self.octet}.{i}.1", self.node_ip(i)
-        _run("ip", "netns", "add", netns)
-        self._stack.callback(_run, "ip", "netns", "del", netns, check=False)
-        _run("ip", "link", "add", host_link, "type", "veth", "peer", "name", node_link)
-        self._stack.callback(_run, "ip", "link", "del", host_link, check=False)  # gone with the netns anyway
-        _run("ip", "link", "set", node_link, "netns", netns)
-        _run("ip", "addr", "add", f"{host_ip}/30", "dev", host_link)
-        _run("ip", "link", "set", host_link, "up")
-        _run("ip", "-n", netns, "addr", "add", f"{ip}/30", "dev", node_link)
-        _run("ip", "-n", netns, "link", "set", node_link, "up")
-        _run("ip", "-n", netns, "link", "set", "lo", "up")
+        netns = node_network(self._stack, self.tag, i, host_ip, ip)
 
         directory = self.root / f"n{i}"
         directory.mkdir()

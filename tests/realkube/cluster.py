@@ -36,8 +36,8 @@ from typing import Any
 import yaml
 
 from cgpud.native import native_dir, native_path
-from tests.cluster import LINK_PREFIX, NETNS_PREFIX, ROOT_PREFIX, _pid_alive, _tag_pid, _unmount_regions, free_port, \
-    free_second_octet, sweep_leftovers
+from tests.cluster import ROOT_PREFIX, _pid_alive, _tag_pid, _unmount_regions, free_port, free_second_octet, \
+    node_network, sweep_leftovers
 from tests.conftest import write_sim_config
 from tests.daemonproc import BIN
 from tests.e2e.oci import build_rootfs
@@ -531,19 +531,8 @@ class RealCluster:
 
     def _make_node(self, i: int) -> RealNode:
         name = f"node-{i}"
-        netns = f"{NETNS_PREFIX}{self.tag}-{i}"
-        host_link, node_link = f"{LINK_PREFIX}{self.tag}h{i}", f"{LINK_PREFIX}{self.tag}n{i}"
         host_ip, ip = self.host_ip(i), self.node_ip(i)
-        _run("ip", "netns", "add", netns)
-        self._stack.callback(_run, "ip", "netns", "del", netns, check=False)
-        _run("ip", "link", "add", host_link, "type", "veth", "peer", "name", node_link)
-        self._stack.callback(_run, "ip", "link", "del", host_link, check=False)
-        _run("ip", "link", "set", node_link, "netns", netns)
-        _run("ip", "addr", "add", f"{host_ip}/30", "dev", host_link)
-        _run("ip", "link", "set", host_link, "up")
-        _run("ip", "-n", netns, "addr", "add", f"{ip}/30", "dev", node_link)
-        _run("ip", "-n", netns, "link", "set", node_link, "up")
-        _run("ip", "-n", netns, "link", "set", "lo", "up")
+        netns = node_network(self._stack, self.tag, i, host_ip, ip)
         _run("ip", "-n", netns, "route", "add", "default", "via", host_ip)
 
         directory = self.root / f"n{i}"

@@ -206,6 +206,15 @@ def test_binpack_fills_one_gpu_and_spread_uses_both(cluster: RealCluster) -> Non
 # ---- restarts --------------------------------------------------------------------------------
 
 
+def _still_limited_and_admitting(cluster: RealCluster, running: str, new: str) -> None:
+    """The running 3 GiB pod still sees 3 GiB, and a new pod is admitted."""
+    burn = _exec_burn(cluster, running)
+    assert burn["mem_total_reported"] == 3 * GIB and burn["alloc"]["until_fail_bytes"] == 3 * GIB, burn
+    logs = _run_pod(cluster, new, SHOW, {MEM: 2})
+    assert _burn(logs)["alloc"]["until_fail_bytes"] == 2 * GIB
+    _drain(cluster)
+
+
 def test_a_kubelet_restart_re_registers_the_plugin_and_running_pods_keep_their_limits(cluster: RealCluster) -> None:
     node = cluster.nodes[0]
     _running(cluster, ("kept", {MEM: 3}))
@@ -215,12 +224,7 @@ def test_a_kubelet_restart_re_registers_the_plugin_and_running_pods_keep_their_l
         "registered with the kubelet") > registered, explain=node.cgpud.tail)  # type: ignore[union-attr]
     cluster.wait_node_ready(node)
     _wait_allocatable(cluster, {MEM: str(GPUS * GPU_GIB), CORE: str(GPUS * 100)})
-    burn = _exec_burn(cluster, "kept")
-    assert burn["mem_total_reported"] == 3 * GIB and burn["alloc"]["until_fail_bytes"] == 3 * GIB, burn
-    # and the re-registered plugin admits a new pod
-    logs = _run_pod(cluster, "after-kubelet", SHOW, {MEM: 2})
-    assert _burn(logs)["alloc"]["until_fail_bytes"] == 2 * GIB
-    _drain(cluster)
+    _still_limited_and_admitting(cluster, "kept", "after-kubelet")
 
 
 def test_a_cgpud_kill_and_restart_loses_no_instance_and_no_limit(cluster: RealCluster) -> None:
@@ -232,11 +236,7 @@ def test_a_cgpud_kill_and_restart_loses_no_instance_and_no_limit(cluster: RealCl
     node.cgpud.proc.wait(timeout=10)
     cluster.start_cgpud(node)
     assert _instances(node) == before
-    burn = _exec_burn(cluster, "survivor")
-    assert burn["mem_total_reported"] == 3 * GIB and burn["alloc"]["until_fail_bytes"] == 3 * GIB, burn
-    logs = _run_pod(cluster, "after-cgpud", SHOW, {MEM: 2})
-    assert _burn(logs)["alloc"]["until_fail_bytes"] == 2 * GIB
-    _drain(cluster)
+    _still_limited_and_admitting(cluster, "survivor", "after-cgpud")
 
 
 def test_a_pod_past_the_instance_limit_of_every_gpu_stays_pending_with_the_reason(cluster: RealCluster) -> None:
