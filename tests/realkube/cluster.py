@@ -22,6 +22,7 @@ import re
 import secrets
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -29,7 +30,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -197,7 +198,6 @@ class RealNode:
     containerd: Process
     kubelet: Process
     cgpud: Process | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def containerd_socket(self) -> Path:
@@ -853,15 +853,16 @@ class RealCluster:
     def logs(self, name: str, namespace: str = "default") -> str:
         return self.kubectl("logs", name, "-n", namespace).stdout
 
-    def extender_view(self) -> dict[str, dict[str, Any]]:
-        """cgpu-scheduler's GET /inspect: node name -> its state as the
-        extender sees it (what it places by)."""
-        import ssl
-
+    def extender_nodes(self) -> dict[str, dict[str, Any]]:
+        """cgpu-scheduler's GET /inspect: node name -> its entry (address,
+        connected, error, state)."""
         context = ssl.create_default_context(cafile=str(self.capacity_pki.ca))
         with urllib.request.urlopen(f"{self.extender_url}/inspect", timeout=10, context=context) as r:
-            view = json.loads(r.read())
-        return {n["name"]: n.get("state") or {} for n in view["nodes"]}
+            return {n["name"]: n for n in json.loads(r.read())["nodes"]}
+
+    def extender_view(self) -> dict[str, dict[str, Any]]:
+        """Node name -> its state as cgpu-scheduler sees it (what it places by)."""
+        return {name: n.get("state") or {} for name, n in self.extender_nodes().items()}
 
     def allocatable(self, node: RealNode) -> dict[str, str]:
         return dict(self.get("node", node.name)["status"].get("allocatable", {}))

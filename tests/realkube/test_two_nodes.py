@@ -14,13 +14,7 @@ MEM = "aliyun.com/gpu-mem"
 
 
 def _connected(cluster: RealCluster, name: str) -> bool:
-    import ssl
-    import urllib.request
-
-    context = ssl.create_default_context(cafile=str(cluster.capacity_pki.ca))
-    with urllib.request.urlopen(f"{cluster.extender_url}/inspect", timeout=10, context=context) as r:
-        nodes = {n["name"]: n for n in json.loads(r.read())["nodes"]}
-    return bool(nodes.get(name, {}).get("connected"))
+    return bool(cluster.extender_nodes().get(name, {}).get("connected"))
 
 
 def test_pods_too_big_to_share_a_gpu_spread_over_both_nodes_gpus(cluster: RealCluster) -> None:
@@ -37,7 +31,11 @@ def test_pods_too_big_to_share_a_gpu_spread_over_both_nodes_gpus(cluster: RealCl
         placed = [(cluster.get("pod", n)["spec"]["nodeName"], cluster.get("pod", n)["metadata"]["annotations"][
             ANNOTATION_GPU_INDEX]) for n in names]
         assert len(set(placed)) == 4 and Counter(node for node, _ in placed) == {first.name: 2, second.name: 2}, placed
-        on_second = next(n for n, (node, _) in zip(names, placed) if node == second.name)
+        # The one on node-1's GPU 0: the simulated driver lists every GPU of
+        # its node whatever device nodes a container has, so a container on
+        # GPU 1 finds its GPU at ordinal 1 here (a real driver shows it only
+        # the GPUs whose nodes it has: cgpud's CDI spec names just its own).
+        on_second = next(n for n, p in zip(names, placed) if p == (second.name, "0"))
         out = cluster.kubectl("exec", on_second, "--", "sh", "-c", "cgpu-burn --alloc-until-fail 1GiB").stdout
         burn = json.loads(next(line for line in out.splitlines() if line.startswith('{"device"')))
         assert burn["alloc"]["until_fail_bytes"] == 12 * GIB, burn
