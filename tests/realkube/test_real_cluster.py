@@ -224,6 +224,10 @@ def test_a_kubelet_restart_re_registers_the_plugin_and_running_pods_keep_their_l
         "registered with the kubelet") > registered, explain=node.cgpud.tail)  # type: ignore[union-attr]
     cluster.wait_node_ready(node)
     _wait_allocatable(cluster, {MEM: str(GPUS * GPU_GIB), CORE: str(GPUS * 100)})
+    # A restarted kubelet reports Ready before it has taken its running pods
+    # back: until then exec answers "pod does not exist".
+    wait_until("the restarted kubelet serving exec in the running pod",
+               lambda: cluster.kubectl("exec", "kept", "--", "true", check=False).returncode == 0, timeout=60)
     _still_limited_and_admitting(cluster, "kept", "after-kubelet")
 
 
