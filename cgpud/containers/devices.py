@@ -31,12 +31,12 @@ def device_paths(gpu_nodes: Sequence[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys((*CONTROL_NODES, *(p for p in gpu_nodes if p))))
 
 
-def present(paths: Iterable[str], lstat: Callable[[str], os.stat_result] = os.stat) -> tuple[DeviceNode, ...]:
+def present(paths: Iterable[str], stat_path: Callable[[str], os.stat_result] = os.stat) -> tuple[DeviceNode, ...]:
     """The character devices among `paths` as the host has them now."""
     nodes = []
     for path in paths:
         try:
-            st = lstat(path)
+            st = stat_path(path)  # follows links: a driver may link a node
         except OSError:
             continue
         if stat.S_ISCHR(st.st_mode):
