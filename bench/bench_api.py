@@ -25,9 +25,9 @@ from pathlib import Path
 
 from cgpud.api.gate import private_socket_path
 from cgpud.cli.client import LocalClient
-from cgpud.daemon.model import GIB, GpuCapacity, NodePolicy, Owner, OwnerKind, Request
-from cgpud.daemon.service import InstanceService
-from cgpud.daemon.store import Store
+from cgpud.node.model import GIB, GpuCapacity, NodePolicy, Owner, OwnerKind, Request
+from cgpud.node.service import InstanceService
+from cgpud.node.store import Store
 from cgpud.logs import configure_logging
 from cgpud.native import native_dir
 

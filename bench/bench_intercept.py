@@ -37,7 +37,7 @@ from pathlib import Path
 
 from bench.table import print_table
 from cgpud._region import ffi, lib
-from cgpud.daemon.region import DeviceLimit, InstanceLimits, write_region
+from cgpud.node.region import DeviceLimit, InstanceLimits, write_region
 from cgpud.native import native_dir
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 
 from bench.table import print_table
 from cgpud.cli.client import LocalClient
-from cgpud.daemon.model import GIB, Owner, OwnerKind, Request
+from cgpud.node.model import GIB, Owner, OwnerKind, Request
 from cgpud.native import native_dir
 
 BIN = Path(sys.executable).parent

@@ -228,7 +228,7 @@ def stage_base(base: Path) -> None:
 
 
 def default_config_text() -> str:
-    from cgpud.daemon.config import DaemonConfig
+    from cgpud.config import DaemonConfig
 
     lines = [
         "# cgpud's settings. Every line below is commented out and shows the",

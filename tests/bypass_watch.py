@@ -23,7 +23,7 @@ from typing import Any
 import psutil
 
 from cgpud.cli.client import LocalClient
-from cgpud.daemon.model import Instance
+from cgpud.node.model import Instance
 from cgpud.native import native_path
 from tests.daemonproc import BIN, Daemon
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import psutil
 
 from cgpud.cli.client import LocalClient
-from cgpud.daemon.model import ComputePolicy
+from cgpud.node.model import ComputePolicy
 from cgpud.native import native_path
 from tests.conftest import write_sim_config
 from tests.daemonproc import BIN, Daemon, make_daemon

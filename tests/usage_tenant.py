@@ -1,7 +1,7 @@
 """A tenant's side of an instance's usage file, for tests: what a process
 under libcgpu.so does to it (claim a ledger, charge it) and what a test
 reads back (the device counters, the live ledgers). cgpud only creates,
-repairs and reaps the file (cgpud/daemon/region.py).
+repairs and reaps the file (cgpud/node/region.py).
 
 Claims and charges run libcgpu.so's own C steps (csrc/region/region.c,
 reached through cgpud._region). Counters are read as cffi fields: plain
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cgpud._region import lib
-from cgpud.daemon.region import MAX_DEVICES, MAX_PROCS, RegionError, UsageRegion
+from cgpud.node.region import MAX_DEVICES, MAX_PROCS, RegionError, UsageRegion
 
 _U64_MAX = 2**64 - 1
 

@@ -21,11 +21,11 @@ import structlog
 from cgpud.api.cgpu.v1 import capacity_pb2 as pb
 from cgpud.api.cgpu.v1 import capacity_pb2_grpc as pb_grpc
 from cgpud.api.status import abort_rpc
-from cgpud.daemon import placement
-from cgpud.daemon.inventory import Inventory
-from cgpud.daemon.model import GpuCapacity, Instance, NodePolicy, OwnerKind, Reservation, Share
+from cgpud.node import placement
+from cgpud.node.inventory import Inventory
+from cgpud.node.model import GpuCapacity, Instance, NodePolicy, OwnerKind, Reservation, Share
 from cgpud.errors import UsageError
-from cgpud.kube.assignment import PodContainer
+from cgpud.node.model import PodContainer
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Capacity"].full_name  # "cgpu.v1.Capacity"
 MAX_TTL_SECONDS = 3600
@@ -38,7 +38,7 @@ HealthProvider = Callable[[], Mapping[int, tuple[bool, str]]]
 
 
 class Changes(Protocol):
-    """cgpud.daemon.changes.Changes, as far as the API reads it."""
+    """cgpud.node.changes.Changes, as far as the API reads it."""
 
     incarnation: str
 

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import TypeVar
 
 from cgpud.api.cgpu.v1 import local_pb2 as pb
-from cgpud.daemon import model
-from cgpud.daemon.bypass_model import BypassEvent, EventAction, Violation, ViolationKind
+from cgpud.node import model
+from cgpud.node.bypass_model import BypassEvent, EventAction, Violation, ViolationKind
 from cgpud.errors import UsageError
 
 E = TypeVar("E", bound=Enum)

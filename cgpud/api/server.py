@@ -28,8 +28,8 @@ from cgpud.api.gate import PeerGate, prepare_private_directory, private_socket_p
 from cgpud.api.cgpu.v1 import local_pb2 as pb
 from cgpud.api.cgpu.v1 import local_pb2_grpc as pb_grpc
 from cgpud.api.status import abort_rpc
-from cgpud.daemon import model
-from cgpud.daemon.bypass_model import BypassEvents
+from cgpud.node import model
+from cgpud.node.bypass_model import BypassEvents
 from cgpud.errors import CgpuError, StateError, UsageError
 from cgpud.sockets import prepare_socket_directory, remove_stale_socket
 
@@ -40,7 +40,7 @@ _SUN_PATH_MAX = 107
 
 
 class LocalService(Protocol):
-    """What the server needs of the daemon (cgpud.daemon.service implements
+    """What the server needs of the daemon (cgpud.node.service implements
     it). Methods raise cgpud.errors; anything else is a bug and is reported
     to the client as INTERNAL."""
 

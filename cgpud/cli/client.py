@@ -26,7 +26,7 @@ from cgpud.api.cgpu.v1 import local_pb2 as pb
 from cgpud.api.cgpu.v1 import local_pb2_grpc as pb_grpc
 from cgpud.api.gate import REFUSAL_PREFIX
 from cgpud.api.status import error_for
-from cgpud.daemon import model
+from cgpud.node import model
 from cgpud.errors import CgpuError, UsageError
 
 T = TypeVar("T")

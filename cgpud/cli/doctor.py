@@ -9,8 +9,8 @@ from pathlib import Path
 
 from cgpud.cli.docker_config import DOCKER_CONFIG, parse_daemon_json
 from cgpud.cli.toolkit_config import TOOLKIT_CONFIG, toolkit_gaps
-from cgpud.daemon.config import DaemonConfig
-from cgpud.daemon.region import REGION_FS_FILE, SPARE_REGION
+from cgpud.config import DaemonConfig
+from cgpud.node.region import REGION_FS_FILE, SPARE_REGION
 from cgpud.errors import CgpuError, UsageError
 
 CONTAINERD_DROPINS = Path("/etc/containerd/conf.d")
@@ -25,7 +25,7 @@ class Finding:
 
 
 def _nvml() -> str:
-    from cgpud.daemon.inventory import read_inventory
+    from cgpud.node.inventory import read_inventory
 
     inv = read_inventory()
     return f"{len(inv.gpus)} GPU(s), driver {inv.driver_version}"

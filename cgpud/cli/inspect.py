@@ -10,8 +10,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from cgpud.daemon.bypass_model import BypassEvent, ViolationKind
-from cgpud.daemon.model import GIB, Instance, NodeInfo
+from cgpud.node.bypass_model import BypassEvent, ViolationKind
+from cgpud.node.model import GIB, Instance, NodeInfo
 
 if TYPE_CHECKING:  # the kubectl plugin imports this module and needs no protobuf
     from cgpud.api.convert import BypassListing

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from cgpud import __version__
 from cgpud.cli import simulator
-from cgpud.daemon import config as settings
-from cgpud.daemon.model import ComputePolicy
+from cgpud import config as settings
+from cgpud.node.model import ComputePolicy
 from cgpud.errors import CgpuError, UsageError
 from cgpud.units import parse_memory
 
@@ -180,7 +180,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _create(args: argparse.Namespace) -> int:
     from cgpud.cli import inspect
-    from cgpud.daemon.model import Owner, OwnerKind, Request
+    from cgpud.node.model import Owner, OwnerKind, Request
 
     # A random default name: each plain `create` is a new device. A given
     # --name makes create idempotent (the same name gets the same instance).

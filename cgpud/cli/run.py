@@ -12,7 +12,7 @@ from pathlib import Path
 
 from cgpud.cli.client import LocalClient
 from cgpud.contract import REGION_ENV
-from cgpud.daemon.model import Instance, Owner, OwnerKind, Request
+from cgpud.node.model import Instance, Owner, OwnerKind, Request
 from cgpud.errors import UsageError
 from cgpud.containers.edits import application_env
 from cgpud.native import native_path

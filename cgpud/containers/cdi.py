@@ -5,7 +5,7 @@ same view whichever path started it, and the device nodes of the instance's
 GPUs, which on the shim's path the NVIDIA toolkit makes (devices.py). The region mount in those edits is
 also the container's claim on the instance (request.py), and the hook binds
 it at createRuntime; cgpud hands it back when the container's init exits
-(lifecycle.py, daemon/exits.py).
+(lifecycle.py, node/exits.py).
 
 Only fields the CDI spec defines are written: runtimes refuse a spec with an
 unknown field. Field names follow the CDI spec (SPEC.md, specs-go/config.go
@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any
 
 from cgpud.atomicfile import write_atomic
 from cgpud.containers.devices import DeviceNode, device_paths, present
-from cgpud.daemon.model import GpuCapacity, OwnerKind
+from cgpud.node.model import GpuCapacity, OwnerKind
 from cgpud.errors import CgpuError, StateError, UsageError
 from cgpud.containers.edits import ContainerEdits, Mount, RuntimeFiles, instance_edits
 
 if TYPE_CHECKING:  # cgpuctl imports this module for write_spec; it needs no service
-    from cgpud.daemon.service import InstanceService
+    from cgpud.node.service import InstanceService
 
 # Loaders refuse a spec whose declared version is below what its fields
 # need (specs-go/version.go); ours need 0.4.0, for the mounts' `type`.

@@ -17,11 +17,11 @@ from typing import Any
 
 from cgpud.containers.devices import DeviceNode
 from cgpud.contract import RELAY_WAIT_S
-from cgpud.daemon.model import GIB, Instance
+from cgpud.node.model import GIB, Instance
 from cgpud.errors import UsageError
 from cgpud.containers.request import (CONTAINER_REGION, ENV_CORE, ENV_MEMORY, ENV_MEMORY_DEV, ENV_MEMORY_INDEX,
                                       ENV_MEMORY_POD)
-from cgpud.daemon.region import USAGE_FILE
+from cgpud.node.region import USAGE_FILE
 
 CONTAINER_LIBRARY = "/usr/local/cgpu/libcgpu.so"
 PRELOAD = "/etc/ld.so.preload"
@@ -114,7 +114,7 @@ def instance_edits(instance: Instance, region: Path, gpu_memory: Mapping[int, in
     entry and the region only where the node enforces limits (not in share
     mode). hooks=False: the runtime shim binds after `create` itself, so runc
     runs no hook of ours. No poststop hook: cgpud learns of the init's exit
-    itself (daemon/exits.py); apply_edits still drops one an older version
+    itself (node/exits.py); apply_edits still drops one an older version
     wrote."""
     mounts: tuple[Mount, ...] = ()
     if instance.enforced:

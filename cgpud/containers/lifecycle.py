@@ -1,7 +1,7 @@
 """A GPU container's life as cgpud sees it: prepared at create (the shim),
 bound when its init process exists (the shim's bind, or the createRuntime
 hook), released or handed back when that init exits (the instance service
-watches it: daemon/exits.py). Decisions come from request.py, placement and
+watches it: node/exits.py). Decisions come from request.py, placement and
 edits.py; this class only sequences them against the instance service and
 the bundle on disk.
 
@@ -26,8 +26,8 @@ from typing import Any
 
 import structlog
 
-from cgpud.daemon.model import GIB, Instance, InstanceState, Owner, OwnerKind, Request, isolates
-from cgpud.daemon.service import InstanceService
+from cgpud.node.model import GIB, Instance, InstanceState, Owner, OwnerKind, Request, isolates
+from cgpud.node.service import InstanceService
 from cgpud.errors import StateError, UsageError
 from cgpud.containers.bundle import check_targets, check_volumes, read_spec, rootfs_path, write_spec
 from cgpud.containers.edits import (BIND_STAGE, CONTAINER_LIBRARY, PRELOAD, RELEASE_STAGE, RuntimeFiles, apply_edits,

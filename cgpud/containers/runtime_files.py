@@ -28,11 +28,11 @@ import structlog
 from cgpud.atomicfile import write_atomic
 from cgpud.errors import CgpuError
 from cgpud.containers.edits import CONTAINER_LIBRARY, RuntimeFiles
-from cgpud.daemon.store import LEGACY_RUNTIME
+from cgpud.node.store import LEGACY_RUNTIME
 from cgpud.native import native_path
 
 if TYPE_CHECKING:
-    from cgpud.daemon.service import InstanceService
+    from cgpud.node.service import InstanceService
 
 FILE_NAMES = ("libcgpu.so", "ld.so.preload", "cgpu-hook")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._+-]")

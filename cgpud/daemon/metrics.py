@@ -32,10 +32,10 @@ from cgpud._region import ffi as _region_ffi
 from cgpud._region import lib as _region_lib
 from cgpud.api.listen import Endpoint, parse_endpoint
 from cgpud.boundedhttp import BoundedHandler, BoundedServer, Bounds
-from cgpud.daemon.bypass_model import BypassEvents
-from cgpud.daemon.compute import TenantMetrics
-from cgpud.daemon.model import GpuCapacity, Instance, NodePolicy, Reservation
-from cgpud.daemon.region import USAGE_FILE
+from cgpud.node.bypass_model import BypassEvents
+from cgpud.node.compute import TenantMetrics
+from cgpud.node.model import GpuCapacity, Instance, NodePolicy, Reservation
+from cgpud.node.region import USAGE_FILE
 from cgpud.errors import CgpuError
 
 if TYPE_CHECKING:

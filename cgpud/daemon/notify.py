@@ -26,8 +26,8 @@ class Notifier:
     # The socket address as socket.sendto wants it: a filesystem path, or a
     # str starting with NUL for the abstract namespace. None: not under systemd.
     address: str | None = None
-    # Watchdog period asked by systemd in microseconds; None: no watchdog.
-    watchdog_usec: int | None = None
+    # The keep-alive period systemd asks for (WatchdogSec=) in microseconds; None: none.
+    keepalive_usec: int | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Notifier:
@@ -35,17 +35,17 @@ class Notifier:
         raw = env.get("NOTIFY_SOCKET", "")
         # sd_notify: a leading '@' stands for the abstract namespace (NUL).
         address = ("\0" + raw[1:] if raw.startswith("@") else raw) or None
-        return cls(address=address, watchdog_usec=_watchdog_usec(env))
+        return cls(address=address, keepalive_usec=_keepalive_usec(env))
 
     @property
     def enabled(self) -> bool:
         return self.address is not None
 
     @property
-    def watchdog_interval(self) -> float | None:
+    def keepalive_interval(self) -> float | None:
         """Seconds between pings: half the period, as systemd recommends, so
         one late ping is not yet a missed deadline."""
-        return None if self.watchdog_usec is None else self.watchdog_usec / 2_000_000
+        return None if self.keepalive_usec is None else self.keepalive_usec / 2_000_000
 
     def ready(self) -> bool:
         return self.notify("READY=1")
@@ -57,7 +57,7 @@ class Notifier:
         # One assignment per line: a newline in the text would start a new one.
         return self.notify("STATUS=" + " ".join(text.splitlines()))
 
-    def watchdog(self) -> bool:
+    def keepalive(self) -> bool:
         return self.notify("WATCHDOG=1")
 
     def notify(self, *assignments: str) -> bool:
@@ -69,7 +69,7 @@ class Notifier:
         payload = "\n".join(assignments).encode()
         try:
             # A socket per message: nothing shared between the main thread and
-            # the watchdog thread, and nothing to reopen if systemd restarts.
+            # the keep-alive thread, and nothing to reopen if systemd restarts.
             with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
                 s.sendto(payload, self.address)
         except OSError as e:
@@ -80,7 +80,7 @@ class Notifier:
         return True
 
 
-def _watchdog_usec(env: Mapping[str, str]) -> int | None:
+def _keepalive_usec(env: Mapping[str, str]) -> int | None:
     """$WATCHDOG_USEC as sd_watchdog_enabled(3) reads it: ignored when
     $WATCHDOG_PID names another process (the variables were inherited from a
     parent that systemd watches, not meant for us)."""
@@ -99,9 +99,9 @@ def _watchdog_usec(env: Mapping[str, str]) -> int | None:
 
 @dataclass
 class Heartbeat:
-    """When a loop last completed a round. The loop beats; the watchdog
+    """When a loop last completed a round. The loop beats; the keep-alive
     thread asks whether the last beat is recent, so a ping means the loop
-    still turns, not merely that the watchdog thread does. A float
+    still turns, not merely that the keep-alive thread does. A float
     assignment is atomic under the GIL: no lock."""
     clock: Callable[[], float] = time.monotonic
     last: float = field(init=False)
@@ -121,31 +121,31 @@ class Heartbeat:
 
 def heartbeat_max_age(notifier: Notifier, loop_interval: float) -> float | None:
     """How old the loop's last beat may be when a ping is due: one ping
-    interval (half the watchdog period), so a loop stuck for longer than
+    interval (half the WatchdogSec= period), so a loop stuck for longer than
     that misses systemd's deadline within one more interval. None without a
-    watchdog. A period that leaves room for fewer than two rounds of the
+    keep-alive. A period that leaves room for fewer than two rounds of the
     loop would restart a healthy daemon: refused."""
-    interval = notifier.watchdog_interval
+    interval = notifier.keepalive_interval
     if not notifier.enabled or interval is None:
         return None
     if interval < 2 * loop_interval:
         raise UsageError(
-            f"the systemd watchdog period ({interval * 2:g} s, WatchdogSec=) must be at least 4 sweep intervals "
+            f"systemd's WatchdogSec= period ({interval * 2:g} s) must be at least 4 sweep intervals "
             f"({4 * loop_interval:g} s with sweep_interval = {loop_interval:g}): raise WatchdogSec= or lower "
             "sweep_interval"
         )
     return interval
 
 
-def start_watchdog(
+def start_keepalive(
     notifier: Notifier, stop_event: threading.Event, *, healthy: Callable[[], bool] | None = None
 ) -> threading.Thread | None:
-    """Ping WATCHDOG=1 every `watchdog_interval` seconds from a daemon thread
+    """Ping WATCHDOG=1 every `keepalive_interval` seconds from a daemon thread
     until `stop_event` is set; None (no thread) when systemd asked for no
-    watchdog. `healthy`, when given, is asked before each ping and a False
+    keep-alive. `healthy`, when given, is asked before each ping and a False
     answer skips it, so a wedged daemon is restarted by systemd instead of
     being vouched for by a thread that merely still runs."""
-    interval = notifier.watchdog_interval
+    interval = notifier.keepalive_interval
     if not notifier.enabled or interval is None:
         return None
 
@@ -155,13 +155,13 @@ def start_watchdog(
             try:
                 ok = healthy is None or healthy()
             except Exception:
-                log.exception("watchdog health check crashed")
+                log.exception("keep-alive health check crashed")
                 ok = False
             if ok:
-                notifier.watchdog()
+                notifier.keepalive()
             else:
-                log.warning("unhealthy: watchdog ping withheld")
+                log.warning("unhealthy: keep-alive ping withheld")
 
-    thread = threading.Thread(target=run, name="cgpud-watchdog", daemon=True)
+    thread = threading.Thread(target=run, name="cgpud-keepalive", daemon=True)
     thread.start()
     return thread

@@ -12,7 +12,7 @@ import grpc
 
 from cgpud.api.cgpu.v1 import capacity_pb2 as pb
 from cgpud.api.cgpu.v1 import capacity_pb2_grpc as pb_grpc
-from cgpud.daemon.model import Share
+from cgpud.node.model import Share
 from cgpud.errors import CgpuError, UsageError
 from cgpud.extender.model import NodeState, node_from_pb
 

@@ -1,7 +1,7 @@
 """Whether a pod fits a node, on which GPUs, and how well: the extender's
 filter and prioritize, pure.
 
-The rules mirror the node's own admission (cgpud/daemon/placement.py), so a
+The rules mirror the node's own admission (cgpud/node/placement.py), so a
 node the extender picks admits the pod: default and topology nodes give whole
 GPUs and take no shares; a compute share needs a core_mem node and a multiple
 of its core_step; a GPU takes a container when it has the memory free, room
@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from cgpud.daemon.model import Share
+from cgpud.node.model import Share
 from cgpud.extender.model import NodeState
 from cgpud.extender.pod import GIB, PodDemand
 from cgpud.kube.model import (

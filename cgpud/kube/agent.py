@@ -21,8 +21,8 @@ from pathlib import Path
 import structlog
 
 from cgpud.containers.edits import RuntimeFiles
-from cgpud.daemon.model import NodePolicy
-from cgpud.daemon.service import InstanceService
+from cgpud.node.model import NodePolicy
+from cgpud.node.service import InstanceService
 from cgpud.kube.allocator import DYNAMIC_CDI_DIR, PodAllocator
 from cgpud.kube.apiserver import LazyApiServer
 from cgpud.kube.model import DEFAULT_POD_RESOURCES_SOCKET

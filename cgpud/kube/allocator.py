@@ -24,8 +24,8 @@ from typing import Protocol
 
 import structlog
 
-from cgpud.daemon.model import GIB, Instance, Owner, OwnerKind, Request, Reservation
-from cgpud.daemon.service import InstanceService
+from cgpud.node.model import GIB, Instance, Owner, OwnerKind, PodContainer, Request, Reservation
+from cgpud.node.service import InstanceService
 from cgpud.errors import CgpuError
 from cgpud.containers import cdi
 from cgpud.containers.edits import RuntimeFiles, instance_edits
@@ -162,7 +162,7 @@ class PodAllocator:
             instance = self._service.get(instance_id)
         except CgpuError:
             instance = None
-        owner = assignment.PodContainer.parse(instance.owner.id) if instance is not None else None
+        owner = PodContainer.parse(instance.owner.id) if instance is not None else None
         if instance is None or not instance.active or owner is None or not any(
                 p.uid == owner.uid and assignment.live(p) for p in pods):
             del self._answered[(Resource.GPU_MEM, ids)]
@@ -174,7 +174,7 @@ class PodAllocator:
         self._service.use_runtime([instance.id], self._files.version)  # before the edits leave (runtime_files.py)
         edits = instance_edits(instance, self._service.region_dir(instance.id), gpu_memory, self._files)
         envs = dict(edits.env)
-        owner = assignment.PodContainer.parse(instance.owner.id)
+        owner = PodContainer.parse(instance.owner.id)
         pod = next((p for p in pods if owner is not None and p.uid == owner.uid), None)
         if pod is not None:
             envs["ALIYUN_COM_GPU_MEM_POD"] = str(pod_memory_gib(pod))

@@ -27,6 +27,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from cgpud.kube.apiserver import ContainerInfo, PodInfo
+from cgpud.node.model import PodContainer
 from cgpud.kube.model import (
     ANNOTATION_ALLOCATION,
     ANNOTATION_ASSIGNED,
@@ -38,33 +39,6 @@ from cgpud.kube.model import (
 
 _UNITS = {Resource.GPU_MEM: "GiB of ", Resource.GPU_CORE: "percent of ", Resource.GPU_COUNT: "GPUs of "}
 _HINT = "is the cgpu scheduler extender (or gpushare) configured?"
-
-
-@dataclass(frozen=True)
-class PodContainer:
-    """One container of one pod, as a pod-owned instance's owner id names it."""
-
-    uid: str
-    namespace: str
-    name: str
-    container: str
-
-    @property
-    def owner_id(self) -> str:
-        # Namespace and name ride along: the kubelet's pod-resources API
-        # knows pods by them, not by UID. None of the four holds a "/".
-        return f"{self.uid}/{self.namespace}/{self.name}/{self.container}"
-
-    @property
-    def pod_key(self) -> str:
-        return f"{self.namespace}/{self.name}"
-
-    @classmethod
-    def parse(cls, owner_id: str) -> PodContainer | None:
-        parts = owner_id.split("/")
-        if len(parts) != 4 or not all(parts):
-            return None
-        return cls(*parts)
 
 
 def pod_container(pod: PodInfo, container: str) -> PodContainer:

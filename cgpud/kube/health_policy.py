@@ -1,6 +1,6 @@
 """The GPU health decision, pure: which XIDs are fatal, and one GPU's
 verdict after each observation (an XID, a probe). cgpud.kube.health watches
-NVML and feeds it; the settings (cgpud.daemon.config) build its policy."""
+NVML and feeds it; the settings (cgpud.config) build its policy."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
@@ -34,7 +34,7 @@ XID_NAMES = {
 
 
 class GpuRef(Protocol):
-    """A GPU as the inventory names it (cgpud.daemon.inventory.Gpu is one)."""
+    """A GPU as the inventory names it (cgpud.node.inventory.Gpu is one)."""
 
     @property
     def index(self) -> int: ...

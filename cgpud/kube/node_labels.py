@@ -5,7 +5,7 @@ the Capacity API on, the `cgpu.io/capacity-address` annotation.
 
 A label absent means the config file's (or flag's) value. A label change
 takes effect without a restart, by the rules of
-cgpud.daemon.placement.policy_change_problem: placement always; a mode only
+cgpud.node.placement.policy_change_problem: placement always; a mode only
 while no active instance would be enforced differently under it (and not
 into or out of core_mem, whose compute scheduler cgpud starts only at
 start). A refused change is logged once and applied as soon as it is
@@ -23,8 +23,7 @@ from typing import Protocol
 
 import structlog
 
-from cgpud.daemon.config import MAX_SCHEDULED
-from cgpud.daemon.model import NodeMode, NodePolicy, Placement
+from cgpud.node.model import MAX_SCHEDULED, NodeMode, NodePolicy, Placement
 from cgpud.errors import CgpuError
 from cgpud.kube.apiserver import ApiServerError, ApiServerUnavailable, NodeInfo
 from cgpud.kube.model import LABEL_MODE, LABEL_PLACEMENT

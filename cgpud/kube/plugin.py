@@ -31,7 +31,7 @@ import structlog
 from cgpud.api.k8s.deviceplugin.v1beta1 import api_pb2 as pb
 from cgpud.api.k8s.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 from cgpud.api.status import abort_rpc
-from cgpud.daemon.model import GpuCapacity, NodeMode, Placement
+from cgpud.node.model import GpuCapacity, NodeMode, Placement
 from cgpud.errors import CgpuError, UsageError
 from cgpud.kube import resources
 from cgpud.kube.model import DEVICE_PLUGIN_VERSION, Allocator, ContainerAllocation, Resource

@@ -31,12 +31,12 @@ from typing import Protocol
 
 import structlog
 
-from cgpud.daemon.model import Instance, InstanceState, OwnerKind, Reservation
-from cgpud.daemon.service import InstanceService
+from cgpud.node.model import Instance, InstanceState, OwnerKind, Reservation
+from cgpud.node.service import InstanceService
 from cgpud.errors import CgpuError
 from cgpud.kube.allocator import SPEC_PREFIX
 from cgpud.kube.apiserver import PodInfo
-from cgpud.kube.assignment import PodContainer
+from cgpud.node.model import PodContainer
 
 
 @dataclass(frozen=True)

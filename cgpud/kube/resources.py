@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from cgpud.daemon.model import NodeMode, Placement
+from cgpud.node.model import NodeMode, Placement
 from cgpud.errors import UsageError
 from cgpud.kube.model import AllocationError, Resource
 from cgpud.units import GIB

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from cgpud.daemon.region import SPARE_REGION
+from cgpud.node.region import SPARE_REGION
 from cgpud.native import native_path
 
 BUSYBOX_CANDIDATES = ("/bin/busybox", "/usr/bin/busybox")

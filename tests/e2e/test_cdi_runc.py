@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from cgpud.daemon.model import GIB
+from cgpud.node.model import GIB
 from tests.daemonproc import Daemon
 from tests.e2e.oci import Bundle, Host, run
 

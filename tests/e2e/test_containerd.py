@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from cgpud.daemon.model import GIB
+from cgpud.node.model import GIB
 from cgpud.native import native_path
 from tests.daemonproc import BIN, Daemon
 from tests.e2e.oci import HOOK_ENV_PATH, Host, runtime_env

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from cgpud.cli.client import LocalClient
-from cgpud.daemon.model import GIB, Owner, OwnerKind, Request
+from cgpud.node.model import GIB, Owner, OwnerKind, Request
 from cgpud.native import native_path
 from tests.daemonproc import BIN, Daemon, running_daemon
 from tests.e2e.docker import IMAGE, Dockerd, running_dockerd

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from cgpud.cli.client import LocalClient
-from cgpud.daemon.model import GIB, Owner, OwnerKind, Request
+from cgpud.node.model import GIB, Owner, OwnerKind, Request
 from tests.daemonproc import Daemon
 from tests.e2e.oci import HOOK_ENV_PATH, Host, create, host_mounts, run, runc, shim_container
 from tests.e2e.test_containerd import Containerd, containerd, loaded_binary_name  # noqa: F401 (fixture)

@@ -20,7 +20,7 @@ import pytest
 
 from cgpud.api.k8s.deviceplugin.v1beta1 import api_pb2 as pb
 from cgpud.api.k8s.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
-from cgpud.daemon.model import GIB
+from cgpud.node.model import GIB
 from tests.daemonproc import Daemon, running_daemon
 from tests.e2e.oci import Bundle, Host, run
 from tests.e2e.test_cdi_runc import BURN, apply_cdi, burn_json

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from cgpud.cli.client import LocalClient
-from cgpud.daemon.model import GIB, Owner, OwnerKind, Request
+from cgpud.node.model import GIB, Owner, OwnerKind, Request
 from tests.daemonproc import Daemon, running_daemon
 from tests.e2e.oci import Host, run, runc, shim_container
 

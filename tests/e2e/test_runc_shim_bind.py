@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from cgpud.daemon.region import SPARE_REGION
+from cgpud.node.region import SPARE_REGION
 from cgpud.native import native_path
 from tests.daemonproc import BIN, Daemon, running_daemon
 from tests.e2e.oci import Host, create, runc, runtime_env, shim_container

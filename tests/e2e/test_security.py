@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cgpud.daemon.model import GIB
+from cgpud.node.model import GIB
 from tests.daemonproc import Daemon
 from tests.e2e.oci import Host, host_mounts, run, settled, shim_container
 from tests.e2e.test_runc import BURN, burn_json, instances

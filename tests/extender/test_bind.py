@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 import pytest
 
-from cgpud.daemon.model import Share
+from cgpud.node.model import Share
 from cgpud.extender.bind import BindArgs, BindError, Binder
 from cgpud.extender.client import CapacityError
 from cgpud.extender.pod import pod_demand

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from cgpud.daemon import placement as node_placement
-from cgpud.daemon.model import (
+from cgpud.node import placement as node_placement
+from cgpud.node.model import (
     GpuCapacity,
     Grant,
     Instance,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import threading
 
-from cgpud.daemon.model import Share
+from cgpud.node.model import Share
 from cgpud.extender.fit import Placement, fit
 from cgpud.extender.model import PodShare
 from cgpud.extender.pod import pod_demand

@@ -179,7 +179,7 @@ def test_filter_prioritize_bind_and_the_reservation_on_the_node(tmp_path: Path, 
 
 
 def test_the_node_refuses_what_does_not_fit_and_nothing_changes(tmp_path: Path, native: Path) -> None:
-    from cgpud.daemon.model import Share
+    from cgpud.node.model import Share
 
     with cgpud_nodes(tmp_path, native, 1) as nodes:
         client = CapacityClient(nodes[0].address, None)

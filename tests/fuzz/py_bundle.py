@@ -36,7 +36,7 @@ with atheris.instrument_imports(include=["cgpud.containers"]):
     from cgpud.containers.request import Claim, read_request
 
 from cgpud.contract import ENV_PREFIX
-from cgpud.daemon.model import GIB, Grant, Instance, InstanceState, Owner, OwnerKind
+from cgpud.node.model import GIB, Grant, Instance, InstanceState, Owner, OwnerKind
 from cgpud.errors import CgpuError
 
 # The shim's markers (runtime_rules.h MARKERS: the env prefix, "/cgpu", an

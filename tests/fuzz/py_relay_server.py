@@ -32,9 +32,9 @@ with atheris.instrument_imports(include=["cgpud.containers"]):
     from cgpud.containers.edits import RuntimeFiles
     from cgpud.containers.lifecycle import ContainerLifecycle
 
-from cgpud.daemon.model import GIB, GpuCapacity, InstanceState, NodePolicy, Owner, OwnerKind, Request
-from cgpud.daemon.service import InstanceService
-from cgpud.daemon.store import Store
+from cgpud.node.model import GIB, GpuCapacity, InstanceState, NodePolicy, Owner, OwnerKind, Request
+from cgpud.node.service import InstanceService
+from cgpud.node.store import Store
 from cgpud.errors import CgpuError
 
 GPUS = (GpuCapacity(0, "GPU-aaaa", 16 * GIB), GpuCapacity(1, "GPU-bbbb", 16 * GIB))

@@ -19,7 +19,7 @@ from cgpud.api.cgpu.v1 import local_pb2 as pb
 from cgpud.api.cgpu.v1 import local_pb2_grpc as pb_grpc
 from cgpud.api.server import SERVICE_NAME, serve
 from cgpud.cli.client import LocalClient
-from cgpud.daemon import model
+from cgpud.node import model
 from cgpud.errors import (
     AdmissionError,
     CgpuError,

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cgpud.api.cgpu.v1 import capacity_pb2 as pb
 from cgpud.api.cgpu.v1 import capacity_pb2_grpc as pb_grpc
-from cgpud.daemon.model import GIB
+from cgpud.node.model import GIB
 from cgpud.kube.model import ANNOTATION_CAPACITY_ADDRESS
 from tests.daemonproc import BIN, Daemon, make_daemon, running_daemon
 from tests.kube.api_server import api_server, node_json

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cgpud.daemon.model import GIB
+from cgpud.node.model import GIB
 from cgpud import __version__
 from cgpud.containers.edits import CONTAINER_LIBRARY, PRELOAD
 from cgpud.containers.runtime_files import version_dir_name

@@ -7,6 +7,7 @@ import json
 import random
 import re
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from cgpud.cli.client import LocalClient
-from cgpud.daemon.model import GIB, Owner, OwnerKind, Request
+from cgpud.node.model import GIB, Owner, OwnerKind, Request
 from cgpud.errors import CgpuError
 from cgpud.native import native_path
 from tests.daemonproc import BIN, make_daemon
@@ -84,6 +85,26 @@ def test_bad_requests_get_one_line_and_change_nothing(daemon, args, message):
     assert out.returncode != 0
     assert out.stderr.count("\n") == 1 and message in out.stderr, out.stderr
     assert daemon.cgpuctl("list", "--all", "--output", "json").stdout == before
+
+
+def test_a_start_that_fails_half_way_undoes_what_it_started(tmp_path, sim_env):
+    """The Capacity API starts late; a port taken by another process fails
+    it after the relay and the admin socket are up. cgpud says why, exits 1
+    and takes both sockets down again (Daemon.start unwinds its stack)."""
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    d = make_daemon(tmp_path, sim_env, "--capacity-listen", f"127.0.0.1:{port}")
+    with open(d.log, "a") as log:
+        done = subprocess.run([str(BIN / "cgpud"), *d.args], env=d.env, stdout=subprocess.DEVNULL, stderr=log,
+                              text=True, timeout=60)
+    taken.close()
+    assert done.returncode == 1
+    assert f"127.0.0.1:{port}" in d.log.read_text()
+    assert (tmp_path / "state").exists()  # it got that far
+    assert not d.relay.exists() and not d.socket.exists()
 
 
 def test_the_most_instances_per_gpu_is_a_clear_error(tmp_path, sim_env):

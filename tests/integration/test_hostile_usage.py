@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from cgpud._region import ffi
-from cgpud.daemon.region import usage_problem
+from cgpud.node.region import usage_problem
 from cgpud.native import native_path
 from tests.daemonproc import BIN
 from tests.sharerun import Sampler, ShareRig, TenantSpec, _at, _busy

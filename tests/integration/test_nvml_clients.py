@@ -252,7 +252,7 @@ def test_the_tools_nvml_paths_are_clean_under_sanitizers(tmp_path, native, sim_e
     """The same run over the simulated NVML and libcgpu.so built with ASan and
     UBSan, preloaded into the tools' Python (an instance made from a region
     alone: no daemon)."""
-    from cgpud.daemon.region import DeviceLimit, InstanceLimits, write_region
+    from cgpud.node.region import DeviceLimit, InstanceLimits, write_region
 
     san = tmp_path / "san"
     for target in build_native.TARGETS:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cgpud.daemon.service import pid_alive
+from cgpud.node.service import pid_alive
 
 ROOT = Path(__file__).resolve().parents[2]
 NOBODY = 65534
@@ -44,7 +44,7 @@ def test_process_that_cannot_be_inspected_is_alive(sleeper: subprocess.Popen[byt
     # an unprivileged user: psutil raises AccessDenied for the live process.
     probe = textwrap.dedent(f"""
         import os, time, psutil
-        from cgpud.daemon.service import pid_alive
+        from cgpud.node.service import pid_alive
         os.setgroups([]); os.setresgid({NOBODY}, {NOBODY}, {NOBODY}); os.setresuid({NOBODY}, {NOBODY}, {NOBODY})
         try:
             psutil.Process({sleeper.pid}).create_time()

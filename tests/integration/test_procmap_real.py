@@ -19,10 +19,10 @@ from typing import TypeVar
 
 import pytest
 
-from cgpud.daemon.bypass_model import ProcessIdentity
-from cgpud.daemon.model import GIB, Grant, Instance, InstanceState, Owner, OwnerKind
-from cgpud.daemon.procmap import ProcessMapper, kill_process, read_stat
-from cgpud.daemon.watchdog_policy import parse_allow
+from cgpud.node.bypass_model import ProcessIdentity
+from cgpud.node.model import GIB, Grant, Instance, InstanceState, Owner, OwnerKind
+from cgpud.node.procmap import ProcessMapper, kill_process, read_stat
+from cgpud.node.bypass_policy import parse_allow
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make cgroups and PID namespaces")
 

@@ -34,7 +34,7 @@ import pytest
 
 from cgpud.cli.client import LocalClient
 from cgpud.cli.run import instance_environment
-from cgpud.daemon.model import ComputePolicy, Instance, Owner, OwnerKind, Request
+from cgpud.node.model import ComputePolicy, Instance, Owner, OwnerKind, Request
 from tests.daemonproc import Daemon, make_daemon
 from tests.restart_build import ROOT, Build, newer_build
 from tests.sharerun import Sampler, _at, _busy

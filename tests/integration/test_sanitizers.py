@@ -122,7 +122,7 @@ print(json.dumps([len(got), lost]))
 @pytest.fixture
 def san_instance(san_env, san_native, tmp_path) -> dict[str, str]:
     """The sanitized workload in an instance enforced by the sanitized libcgpu.so."""
-    from cgpud.daemon.region import DeviceLimit, InstanceLimits, write_region
+    from cgpud.node.region import DeviceLimit, InstanceLimits, write_region
 
     region = tmp_path / "region"
     write_region(region, InstanceLimits("san", (DeviceLimit("GPU-5c1a0000-0000-4000-8000-000000c90000", 2 << 30, 0),)))

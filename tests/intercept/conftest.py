@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from cgpud._region import ffi, lib
-from cgpud.daemon.region import DeviceLimit, InstanceLimits, write_region
+from cgpud.node.region import DeviceLimit, InstanceLimits, write_region
 
 GIB = 1 << 30
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from cgpud.containers.edits import RuntimeFiles
-from cgpud.daemon.model import GIB, GpuCapacity, InstanceState, NodeMode, NodePolicy, OwnerKind, Share
-from cgpud.daemon.region import read_limits
-from cgpud.daemon.service import InstanceService
-from cgpud.daemon.store import Store
+from cgpud.node.model import GIB, GpuCapacity, InstanceState, NodeMode, NodePolicy, OwnerKind, Share
+from cgpud.node.region import read_limits
+from cgpud.node.service import InstanceService
+from cgpud.node.store import Store
 from cgpud.kube.allocator import PodAllocator, spec_path
 from cgpud.kube.apiserver import ApiServer
 from cgpud.kube.model import AllocationError, MountSpec, Resource

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from cgpud.kube.apiserver import ContainerInfo, PodInfo
-from cgpud.kube.assignment import (Assignment, PodContainer, assumed, check_count, complete, find_asker,
+from cgpud.node.model import PodContainer
+from cgpud.kube.assignment import (Assignment, assumed, check_count, complete, find_asker,
                                    pod_container, resolve_memory)
 from cgpud.kube.model import (ANNOTATION_ALLOCATION, ANNOTATION_ASSIGNED, ANNOTATION_ASSUME_TIME,
                               ANNOTATION_GPU_INDEX, AllocationError, Resource)

@@ -7,9 +7,9 @@ import threading
 import time
 from pathlib import Path
 
-from cgpud.daemon.model import GIB, GpuCapacity, NodePolicy
-from cgpud.daemon.service import InstanceService
-from cgpud.daemon.store import Store
+from cgpud.node.model import GIB, GpuCapacity, NodePolicy
+from cgpud.node.service import InstanceService
+from cgpud.node.store import Store
 from cgpud.kube.apiserver import ApiServer
 from cgpud.kube.model import ANNOTATION_CAPACITY_ADDRESS
 from cgpud.kube.node_labels import NodeLabels

@@ -24,7 +24,7 @@ import pytest
 
 from cgpud.api.k8s.deviceplugin.v1beta1 import api_pb2 as pb
 from cgpud.api.k8s.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
-from cgpud.daemon.model import GpuCapacity, NodeMode, Placement
+from cgpud.node.model import GpuCapacity, NodeMode, Placement
 from cgpud.errors import AdmissionError
 from cgpud.kube.model import AllocationError, ContainerAllocation, MountSpec, Resource
 from cgpud.kube.plugin import DevicePlugin, PluginSettings

@@ -135,7 +135,7 @@ WATCHER = """
 import json, sys, time
 import structlog
 structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))  # stdout carries the JSON lines
-from cgpud.daemon.inventory import read_inventory
+from cgpud.node.inventory import read_inventory
 from cgpud.kube.health import HealthPolicy, HealthWatcher
 
 def show(snap):
@@ -298,7 +298,7 @@ def test_snapshot_before_start_is_all_healthy():
 
 
 def test_the_daemon_settings_make_the_policy(tmp_path):
-    from cgpud.daemon import config
+    from cgpud import config
 
     empty = tmp_path / "config.toml"
     empty.write_text("")

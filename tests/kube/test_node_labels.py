@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from cgpud.daemon.model import GIB, GpuCapacity, NodeMode, NodePolicy, Owner, OwnerKind, Placement, Request
-from cgpud.daemon.service import InstanceService
-from cgpud.daemon.store import Store
+from cgpud.node.model import GIB, GpuCapacity, NodeMode, NodePolicy, Owner, OwnerKind, Placement, Request
+from cgpud.node.service import InstanceService
+from cgpud.node.store import Store
 from cgpud.kube.apiserver import ApiServer
 from cgpud.kube.node_labels import NodeLabels, card_label_patch, initial_policy, label_policy
 from tests.kube.api_server import ApiServerProcess, api_server, node_json

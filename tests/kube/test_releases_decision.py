@@ -3,7 +3,7 @@ when the API server and the kubelet agree the pod is gone, never one a
 running container holds."""
 from __future__ import annotations
 
-from cgpud.daemon.model import Grant, Instance, InstanceState, Owner, OwnerKind
+from cgpud.node.model import Grant, Instance, InstanceState, Owner, OwnerKind
 from cgpud.kube.apiserver import PodInfo
 from cgpud.kube.releases import KubeletPod, gone_instances
 
@@ -53,7 +53,7 @@ def test_bound_foreign_and_other_owners_are_left_alone():
 
 
 def test_a_reservation_goes_when_its_pod_finished_or_has_been_missing_for_the_grace():
-    from cgpud.daemon.model import Reservation, Share
+    from cgpud.node.model import Reservation, Share
     from cgpud.kube.releases import gone_reservations
 
     def res(uid: str) -> Reservation:

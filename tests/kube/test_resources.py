@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from cgpud.daemon.model import NodeMode, Placement
+from cgpud.node.model import NodeMode, Placement
 from cgpud.errors import UsageError
 from cgpud.kube import resources
 from cgpud.kube.model import AllocationError, Resource

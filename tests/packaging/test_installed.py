@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cgpud.daemon.model import GIB
+from cgpud.node.model import GIB
 from tests.packaging.conftest import NEW, Packages
 
 UNIT = Path("/lib/systemd/system/cgpud.service")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from cgpud.daemon.model import GIB
+from cgpud.node.model import GIB
 from cgpud.kube.model import ANNOTATION_ASSIGNED, LABEL_MODE
 from tests.realkube.cluster import RealCluster, wait_until
 

@@ -14,7 +14,7 @@ import re
 import signal
 import subprocess
 
-from cgpud.daemon.model import GIB
+from cgpud.node.model import GIB
 from cgpud.kube.model import ANNOTATION_ASSIGNED, ANNOTATION_GPU_INDEX, LABEL_MODE, LABEL_PLACEMENT
 from tests.daemonproc import BIN
 from tests.realkube.cluster import RealCluster, RealNode, wait_until

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 
-from cgpud.daemon.model import GIB
+from cgpud.node.model import GIB
 from cgpud.kube.model import ANNOTATION_CAPACITY_ADDRESS, ANNOTATION_GPU_INDEX, LABEL_MODE
 from tests.realkube.cluster import RealCluster, wait_until
 

@@ -22,11 +22,11 @@ from cgpud.api.cgpu.v1 import local_pb2 as pb
 from cgpud.api.server import NOT_WATCHING, LocalServer, serve
 from cgpud.cli import main as cgpuctl
 from cgpud.cli.client import LocalClient
-from cgpud.daemon.bypass_model import BypassEvent, BypassEvents, EventAction, Violation, ViolationKind
+from cgpud.node.bypass_model import BypassEvent, BypassEvents, EventAction, Violation, ViolationKind
 from cgpud.daemon.metrics import DaemonStats, serve_metrics
-from cgpud.daemon.model import GIB, MIB, GpuCapacity, NodeMode, NodePolicy, Owner, OwnerKind, Request
-from cgpud.daemon.service import InstanceService
-from cgpud.daemon.store import Store
+from cgpud.node.model import GIB, MIB, GpuCapacity, NodeMode, NodePolicy, Owner, OwnerKind, Request
+from cgpud.node.service import InstanceService
+from cgpud.node.store import Store
 from cgpud.errors import NotFoundError
 
 GPUS = (GpuCapacity(0, "GPU-aaaa", 16 * GIB), GpuCapacity(1, "GPU-bbbb", 16 * GIB))

@@ -17,11 +17,11 @@ from cgpud.api.capacity_server import CapacityTls, advertised, serve_capacity
 from cgpud.api.cgpu.v1 import capacity_pb2 as pb
 from cgpud.api.cgpu.v1 import capacity_pb2_grpc as pb_grpc
 from cgpud.api.listen import Endpoint, is_loopback, parse_endpoint, plaintext_problem, tls_problem
-from cgpud.daemon.inventory import Gpu, Inventory
-from cgpud.daemon.model import (GIB, GpuCapacity, Grant, Instance, InstanceState, NodeMode, NodePolicy, Owner,
+from cgpud.node.inventory import Gpu, Inventory
+from cgpud.node.model import (GIB, GpuCapacity, Grant, Instance, InstanceState, NodeMode, NodePolicy, Owner,
                                 OwnerKind, Placement, Reservation, Share)
-from cgpud.daemon.service import InstanceService
-from cgpud.daemon.store import Store
+from cgpud.node.service import InstanceService
+from cgpud.node.store import Store
 from cgpud.errors import CgpuError, UsageError
 from cgpud.extender.model import node_from_pb
 

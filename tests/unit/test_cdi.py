@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 
 from cgpud import atomicfile
-from cgpud.daemon.model import (GIB, GpuCapacity, Grant, Instance, InstanceState, NodeMode, NodePolicy, Owner,
+from cgpud.node.model import (GIB, GpuCapacity, Grant, Instance, InstanceState, NodeMode, NodePolicy, Owner,
                                 OwnerKind, Request)
-from cgpud.daemon.service import InstanceService
-from cgpud.daemon.store import Store
+from cgpud.node.service import InstanceService
+from cgpud.node.store import Store
 from cgpud.errors import CgpuError, StateError, UsageError
 from cgpud.containers import cdi
 from cgpud.containers.edits import (

@@ -23,12 +23,12 @@ from cgpud._region import ffi as rffi
 from cgpud._region import lib as rlib
 from cgpud._scheduler import ffi as sffi
 from cgpud._scheduler import lib as slib
-from cgpud.daemon.compute import MAX_TENANTS, ComputeError, ComputeScheduler
-from cgpud.daemon.compute_policy import limits_compute
-from cgpud.daemon.config import MAX_SCHEDULED
-from cgpud.daemon.model import (ComputePolicy, ComputeTiming, Grant, Instance, InstanceState, NodeMode, NodePolicy,
+from cgpud.node.compute import MAX_TENANTS, ComputeError, ComputeScheduler
+from cgpud.node.compute_policy import limits_compute
+from cgpud.config import MAX_SCHEDULED
+from cgpud.node.model import (ComputePolicy, ComputeTiming, Grant, Instance, InstanceState, NodeMode, NodePolicy,
                                 Owner, OwnerKind)
-from cgpud.daemon.region import GRANTS_FILE, DeviceLimit, InstanceLimits, write_region
+from cgpud.node.region import GRANTS_FILE, DeviceLimit, InstanceLimits, write_region
 from tests.usage_tenant import TenantUsage
 
 OPEN, UNGATED, SEQ = rlib.CGPU_GATE_OPEN, rlib.CGPU_GATE_UNGATED, rlib.CGPU_GATE_SEQ_MASK

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from cgpud.daemon.compute_policy import decode_compute_policies, encode_compute_policies, with_compute_policy
-from cgpud.daemon.model import ComputePolicy as P
-from cgpud.daemon.model import NodePolicy
+from cgpud.node.compute_policy import decode_compute_policies, encode_compute_policies, with_compute_policy
+from cgpud.node.model import ComputePolicy as P
+from cgpud.node.model import NodePolicy
 from cgpud.errors import UsageError
 
 

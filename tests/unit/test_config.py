@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from cgpud.daemon import config
-from cgpud.daemon.model import ComputePolicy
+from cgpud import config
+from cgpud.node.model import ComputePolicy
 from cgpud.errors import UsageError
 
 

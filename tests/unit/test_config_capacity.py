@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cgpud.daemon import config
+from cgpud import config
 from cgpud.errors import UsageError
 
 

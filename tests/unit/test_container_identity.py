@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from cgpud.daemon.model import GIB, GpuCapacity, InstanceState, NodePolicy, Owner, OwnerKind, Request
-from cgpud.daemon.service import InstanceService
-from cgpud.daemon.store import Store
+from cgpud.node.model import GIB, GpuCapacity, InstanceState, NodePolicy, Owner, OwnerKind, Request
+from cgpud.node.service import InstanceService
+from cgpud.node.store import Store
 from cgpud.errors import StateError, UsageError
 from cgpud.containers.edits import RuntimeFiles
 from cgpud.containers.identity import ContainerKey, container_key

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from cgpud.daemon.model import GIB, Grant, Instance, InstanceState, Owner, OwnerKind
+from cgpud.node.model import GIB, Grant, Instance, InstanceState, Owner, OwnerKind
 from cgpud.errors import UsageError
 from cgpud.containers.edits import CONTAINER_LIBRARY, PRELOAD, RuntimeFiles, apply_edits, instance_edits
 from cgpud.containers.request import Claim, EnvRequest, read_request

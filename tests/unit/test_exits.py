@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from cgpud.daemon.exits import ExitWatch
-from cgpud.daemon.model import GIB, GpuCapacity, InstanceState, NodePolicy, Owner, OwnerKind, Request
-from cgpud.daemon.service import InstanceService
-from cgpud.daemon.store import Store
+from cgpud.node.exits import ExitWatch
+from cgpud.node.model import GIB, GpuCapacity, InstanceState, NodePolicy, Owner, OwnerKind, Request
+from cgpud.node.service import InstanceService
+from cgpud.node.store import Store
 from cgpud.errors import AdmissionError
 
 GPUS = (GpuCapacity(0, "GPU-aaaa", 16 * GIB),)

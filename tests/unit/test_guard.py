@@ -42,9 +42,9 @@ def test_a_fault_outside_every_registered_mapping_still_kills(driver: Path) -> N
 COMPOSED = r"""
 import os, sys, time
 from pathlib import Path
-from cgpud.daemon.compute import ComputeScheduler
-from cgpud.daemon.model import ComputePolicy, Grant, Instance, InstanceState, NodePolicy, Owner, OwnerKind
-from cgpud.daemon.region import USAGE_FILE, DeviceLimit, InstanceLimits, UsageRegion, write_region
+from cgpud.node.compute import ComputeScheduler
+from cgpud.node.model import ComputePolicy, Grant, Instance, InstanceState, NodePolicy, Owner, OwnerKind
+from cgpud.node.region import USAGE_FILE, DeviceLimit, InstanceLimits, UsageRegion, write_region
 
 root, order = Path(sys.argv[1]), sys.argv[2]
 for name in ("engine", "python"):

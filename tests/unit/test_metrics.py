@@ -16,12 +16,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cgpud._region import ffi as rffi
 from cgpud.containers.relay import RelayServer
-from cgpud.daemon import config as settings
-from cgpud.daemon.compute import TenantMetrics
+from cgpud import config as settings
+from cgpud.node.compute import TenantMetrics
 from cgpud.daemon.metrics import CgpuCollector, CountedAllocator, DaemonStats, MetricsServer, read_usage
-from cgpud.daemon.model import (GIB, MIB, GpuCapacity, Grant, Instance, InstanceState, NodeMode, NodePolicy, Owner,
+from cgpud.node.model import (GIB, MIB, GpuCapacity, Grant, Instance, InstanceState, NodeMode, NodePolicy, Owner,
                                 OwnerKind, Reservation)
-from cgpud.daemon.region import USAGE_FILE, DeviceLimit, InstanceLimits, write_region
+from cgpud.node.region import USAGE_FILE, DeviceLimit, InstanceLimits, write_region
 from cgpud.errors import CgpuError, UsageError
 
 DEVICE = rffi.offsetof("struct cgpu_usage", "device")

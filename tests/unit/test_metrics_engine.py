@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from cgpud.daemon.compute import ComputeScheduler
-from cgpud.daemon.model import ComputePolicy, NodePolicy
+from cgpud.node.compute import ComputeScheduler
+from cgpud.node.model import ComputePolicy, NodePolicy
 from tests.unit.test_compute_engine import FAST, OPEN, SEQ, Tenant, wait_until
 
 

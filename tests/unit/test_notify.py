@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cgpud.daemon.notify import Heartbeat, Notifier, heartbeat_max_age, start_watchdog
+from cgpud.daemon.notify import Heartbeat, Notifier, heartbeat_max_age, start_keepalive
 from cgpud.errors import UsageError
 
 
@@ -58,8 +58,8 @@ def test_leading_at_means_the_abstract_namespace() -> None:
 def test_without_notify_socket_everything_is_a_no_op() -> None:
     n = Notifier.from_env({"WATCHDOG_USEC": "200000"})
     assert not n.enabled
-    assert not n.ready() and not n.stopping() and not n.watchdog() and not n.status("x")
-    assert start_watchdog(n, threading.Event()) is None
+    assert not n.ready() and not n.stopping() and not n.keepalive() and not n.status("x")
+    assert start_keepalive(n, threading.Event()) is None
 
 
 def test_a_send_failure_is_reported_not_raised(tmp_path: Path) -> None:
@@ -67,19 +67,19 @@ def test_a_send_failure_is_reported_not_raised(tmp_path: Path) -> None:
     assert n.ready() is False
 
 
-def test_no_watchdog_unless_asked(listener) -> None:
+def test_no_keepalive_unless_asked(listener) -> None:
     _, name = listener
-    assert Notifier.from_env({"NOTIFY_SOCKET": name}).watchdog_interval is None
-    assert start_watchdog(Notifier.from_env({"NOTIFY_SOCKET": name}), threading.Event()) is None
-    assert Notifier.from_env({"NOTIFY_SOCKET": name, "WATCHDOG_USEC": "0"}).watchdog_interval is None
-    assert Notifier.from_env({"NOTIFY_SOCKET": name, "WATCHDOG_USEC": "junk"}).watchdog_interval is None
+    assert Notifier.from_env({"NOTIFY_SOCKET": name}).keepalive_interval is None
+    assert start_keepalive(Notifier.from_env({"NOTIFY_SOCKET": name}), threading.Event()) is None
+    assert Notifier.from_env({"NOTIFY_SOCKET": name, "WATCHDOG_USEC": "0"}).keepalive_interval is None
+    assert Notifier.from_env({"NOTIFY_SOCKET": name, "WATCHDOG_USEC": "junk"}).keepalive_interval is None
 
 
-def test_watchdog_meant_for_another_pid_is_ignored(listener) -> None:
+def test_keepalive_meant_for_another_pid_is_ignored(listener) -> None:
     _, name = listener
     env = {"NOTIFY_SOCKET": name, "WATCHDOG_USEC": "200000"}
-    assert Notifier.from_env({**env, "WATCHDOG_PID": str(os.getpid() + 1)}).watchdog_interval is None
-    assert Notifier.from_env({**env, "WATCHDOG_PID": str(os.getpid())}).watchdog_interval == pytest.approx(0.1)
+    assert Notifier.from_env({**env, "WATCHDOG_PID": str(os.getpid() + 1)}).keepalive_interval is None
+    assert Notifier.from_env({**env, "WATCHDOG_PID": str(os.getpid())}).keepalive_interval == pytest.approx(0.1)
 
 
 def _pings(s: socket.socket, seconds: float) -> list[float]:
@@ -97,11 +97,11 @@ def _pings(s: socket.socket, seconds: float) -> list[float]:
     return times
 
 
-def test_watchdog_pings_every_half_period_until_stopped(listener) -> None:
+def test_keepalive_pings_every_half_period_until_stopped(listener) -> None:
     s, name = listener
     n = Notifier.from_env({"NOTIFY_SOCKET": name, "WATCHDOG_USEC": "200000"})
     stop = threading.Event()
-    thread = start_watchdog(n, stop)
+    thread = start_keepalive(n, stop)
     assert thread is not None and thread.daemon
     try:
         times = _pings(s, 1.05)
@@ -118,12 +118,12 @@ def test_watchdog_pings_every_half_period_until_stopped(listener) -> None:
     assert _pings(s, 0.3) == []
 
 
-def test_watchdog_withholds_pings_while_unhealthy(listener) -> None:
+def test_keepalive_withholds_pings_while_unhealthy(listener) -> None:
     s, name = listener
     n = Notifier.from_env({"NOTIFY_SOCKET": name, "WATCHDOG_USEC": "100000"})
     healthy = threading.Event()
     stop = threading.Event()
-    thread = start_watchdog(n, stop, healthy=healthy.is_set)
+    thread = start_keepalive(n, stop, healthy=healthy.is_set)
     assert thread is not None
     try:
         assert _pings(s, 0.3) == []
@@ -148,7 +148,7 @@ def test_heartbeat_bound_is_the_ping_interval_and_short_periods_are_refused() ->
     watched = Notifier.from_env({"NOTIFY_SOCKET": "/nonexistent", "WATCHDOG_USEC": "30000000"})
     assert heartbeat_max_age(watched, 2.0) == 15.0  # the unit's WatchdogSec=30s, the default sweep
     assert heartbeat_max_age(Notifier.from_env({"WATCHDOG_USEC": "30000000"}), 2.0) is None  # no socket
-    assert heartbeat_max_age(Notifier.from_env({"NOTIFY_SOCKET": "/x"}), 2.0) is None  # no watchdog
+    assert heartbeat_max_age(Notifier.from_env({"NOTIFY_SOCKET": "/x"}), 2.0) is None  # no keep-alive
     assert heartbeat_max_age(watched, 7.5) == 15.0  # exactly four sweeps fit
     with pytest.raises(UsageError, match="at least 4 sweep intervals"):
         heartbeat_max_age(watched, 7.6)

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cgpud.daemon.model import (
+from cgpud.node.model import (
     GIB,
     MIB,
     GpuCapacity,
@@ -25,7 +25,7 @@ from cgpud.daemon.model import (
     Request,
     WHOLE_GPU_MODES,
 )
-from cgpud.daemon.placement import admit, gpu_usage
+from cgpud.node.placement import admit, gpu_usage
 from cgpud.errors import AdmissionError, UsageError
 
 OWNER = Owner(OwnerKind.CONTAINER, "c0ffee")

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cgpud.daemon.model import (
+from cgpud.node.model import (
     GIB,
     MIB,
     GpuCapacity,
@@ -26,7 +26,7 @@ from cgpud.daemon.model import (
     Reservation,
     Share,
 )
-from cgpud.daemon.placement import admit, check_reservation, consume, gpu_usage
+from cgpud.node.placement import admit, check_reservation, consume, gpu_usage
 from cgpud.errors import AdmissionError, StateError, UsageError
 
 OWNER = Owner(OwnerKind.POD, "uid-a/main")

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from cgpud.daemon.model import (GIB, GpuCapacity, Grant, Instance, InstanceState, NodeMode, NodePolicy, Owner,
+from cgpud.node.model import (GIB, GpuCapacity, Grant, Instance, InstanceState, NodeMode, NodePolicy, Owner,
                                 OwnerKind, Placement, Request)
-from cgpud.daemon.placement import admit, policy_change_problem
+from cgpud.node.placement import admit, policy_change_problem
 from cgpud.errors import AdmissionError, UsageError
 
 OWNER = Owner(OwnerKind.POD, "uid/ns/pod/main")

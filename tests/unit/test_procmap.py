@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from cgpud.daemon.model import GIB, Grant, Instance, InstanceState, Owner, OwnerKind
-from cgpud.daemon.procmap import (
+from cgpud.node.model import GIB, Grant, Instance, InstanceState, Owner, OwnerKind
+from cgpud.node.procmap import (
     ProcessMapper,
     parse_cgroups,
     parse_stat,

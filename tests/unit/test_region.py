@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from cgpud._region import ffi, lib
-from cgpud.daemon.region import (
+from cgpud.node.region import (
     GRANTS_FILE,
     LIMITS_FILE,
     MAX_DEVICES,
@@ -596,7 +596,7 @@ def test_concurrent_charging_stops_exactly_at_the_limit(
 
 
 def test_a_region_dir_that_cannot_be_removed_is_an_error_not_a_success(tmp_path: Path) -> None:
-    from cgpud.daemon.region import RegionError, remove_region_dir
+    from cgpud.node.region import RegionError, remove_region_dir
 
     remove_region_dir(tmp_path / "gone")  # already gone: removed
     made = tmp_path / "made"

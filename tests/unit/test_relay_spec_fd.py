@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from cgpud.containers.relay import RelayServer
-from cgpud.daemon.service import InstanceService
+from cgpud.node.service import InstanceService
 from tests.unit.test_container_identity import bundle, lifecycle, state
 
 GPU = "ALIYUN_COM_GPU_MEM_CONTAINER=2"

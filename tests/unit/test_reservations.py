@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from cgpud.daemon.changes import Changes
-from cgpud.daemon.model import (GIB, ComputePolicy, GpuCapacity, InstanceState, NodeMode, NodePolicy, Owner,
+from cgpud.node.changes import Changes
+from cgpud.node.model import (GIB, ComputePolicy, GpuCapacity, InstanceState, NodeMode, NodePolicy, Owner,
                                 OwnerKind, Placement, Request, Reservation, Share)
-from cgpud.daemon.service import DEFAULT_RESERVATION_TTL, InstanceService
-from cgpud.daemon.store import SCHEMA_VERSION, Store
+from cgpud.node.service import DEFAULT_RESERVATION_TTL, InstanceService
+from cgpud.node.store import SCHEMA_VERSION, Store
 from cgpud.errors import AdmissionError, StateError, UsageError
 
 GPUS = (GpuCapacity(0, "GPU-aaaa", 16 * GIB), GpuCapacity(1, "GPU-bbbb", 16 * GIB))
@@ -578,7 +578,7 @@ def test_release_with_restore_leaves_a_given_back_reservation_gone(tmp_path: Pat
 
 
 def test_a_create_the_compute_scheduler_refuses_keeps_the_reservation(tmp_path: Path):
-    from cgpud.daemon.compute import ComputeError
+    from cgpud.node.compute import ComputeError
 
     class Refusing:
         def configure(self, policy: NodePolicy) -> None:

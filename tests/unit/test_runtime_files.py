@@ -15,9 +15,9 @@ from cgpud.containers import cdi, runtime_files
 from cgpud.containers.edits import RuntimeFiles, apply_edits, instance_edits
 from cgpud.containers.runtime_files import (collect, install_runtime_files, installed_versions, unused_versions,
                                             version_dir_name)
-from cgpud.daemon.model import GIB, GpuCapacity, NodeMode, NodePolicy, Owner, OwnerKind, Request
-from cgpud.daemon.service import InstanceService
-from cgpud.daemon.store import LEGACY_RUNTIME, Store
+from cgpud.node.model import GIB, GpuCapacity, NodeMode, NodePolicy, Owner, OwnerKind, Request
+from cgpud.node.service import InstanceService
+from cgpud.node.store import LEGACY_RUNTIME, Store
 
 GPUS = (GpuCapacity(0, "GPU-aaaa", 16 * GIB),)
 

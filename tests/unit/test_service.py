@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from cgpud.daemon.model import GIB, GpuCapacity, InstanceState, NodeMode, NodePolicy, Owner, OwnerKind, Request
-from cgpud.daemon.region import read_limits
-from cgpud.daemon.service import InstanceService
-from cgpud.daemon.store import Store
+from cgpud.node.model import GIB, GpuCapacity, InstanceState, NodeMode, NodePolicy, Owner, OwnerKind, Request
+from cgpud.node.region import read_limits
+from cgpud.node.service import InstanceService
+from cgpud.node.store import Store
 from cgpud.errors import AdmissionError, StateError
 
 GPUS = (GpuCapacity(0, "GPU-aaaa", 16 * GIB), GpuCapacity(1, "GPU-bbbb", 16 * GIB))
@@ -79,7 +79,7 @@ def test_reconcile_repairs_releases_and_cleans(tmp_path):
 def test_an_orphan_region_that_cannot_be_removed_is_not_counted_removed(tmp_path, monkeypatch):
     import shutil
 
-    from cgpud.daemon import region
+    from cgpud.node import region
 
     svc = service(tmp_path)
     stuck = tmp_path / "regions" / "cgpu-stuck"
@@ -121,8 +121,8 @@ def test_a_drained_node_starts_and_stops_its_compute_scheduler_with_the_mode(tmp
     """The Node's label turns a drained node core_mem and back at runtime:
     the real compute scheduler is started with the mode and stopped with
     it; while an instance is active the switch is refused, as before."""
-    from cgpud.daemon.compute import ComputeScheduler
-    from cgpud.daemon.model import ComputePolicy, Placement
+    from cgpud.node.compute import ComputeScheduler
+    from cgpud.node.model import ComputePolicy, Placement
 
     started: list[ComputeScheduler] = []
 
@@ -156,7 +156,7 @@ def test_a_drained_node_starts_and_stops_its_compute_scheduler_with_the_mode(tmp
 
 
 def test_released_instances_are_purged_after_a_week_and_looked_for_once_an_hour(tmp_path):
-    from cgpud.daemon.service import RELEASED_KEPT, RELEASED_PURGE_EVERY
+    from cgpud.node.service import RELEASED_KEPT, RELEASED_PURGE_EVERY
     from cgpud.errors import NotFoundError
 
     now = [1_000_000.0]

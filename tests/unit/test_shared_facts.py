@@ -25,10 +25,10 @@ from cgpud._region import lib as region_lib
 from cgpud._scheduler import ffi as sched_ffi
 from cgpud._scheduler import lib as sched_lib
 from cgpud.containers import identity, relay, request
-from cgpud.daemon import config
-from cgpud.daemon.config import DaemonConfig
-from cgpud.daemon.model import ComputePolicy, ComputeTiming
-from cgpud.daemon.region import DeviceLimit, InstanceLimits, RegionError
+from cgpud import config
+from cgpud.config import DaemonConfig
+from cgpud.node.model import ComputePolicy, ComputeTiming
+from cgpud.node.region import DeviceLimit, InstanceLimits, RegionError
 from cgpud.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[2]

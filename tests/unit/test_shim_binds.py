@@ -19,7 +19,7 @@ import structlog
 from cgpud.errors import StateError, UsageError
 from cgpud.containers.lifecycle import ContainerLifecycle
 from cgpud.containers.relay import RelayProtocolError, RelayServer, handle
-from cgpud.daemon.model import GIB, InstanceState, Owner, OwnerKind, Request
+from cgpud.node.model import GIB, InstanceState, Owner, OwnerKind, Request
 from tests.unit.test_container_identity import bundle, lifecycle, state
 
 GPU = "ALIYUN_COM_GPU_MEM_CONTAINER=2"
@@ -184,7 +184,7 @@ def test_a_bind_whose_write_fails_after_its_answer_kills_the_init_and_frees_the_
         tmp_path: Path, init: int, monkeypatch) -> None:
     """The runtime already has `ok bound`; the container must not then run
     with an instance cgpud never recorded as bound."""
-    from cgpud.daemon import store as store_module
+    from cgpud.node import store as store_module
     lc, svc = lifecycle(tmp_path)
     b = bundle(tmp_path / "b", GPU)
     iid = handle(lc, ["prepare", "job", "shim-binds"], str(b).encode()).split()[-1]

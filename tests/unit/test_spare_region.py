@@ -9,11 +9,11 @@ import os
 import subprocess
 from pathlib import Path
 
-from cgpud.daemon.compute import ComputeScheduler
-from cgpud.daemon.model import GIB, ComputePolicy, NodeMode, NodePolicy, Owner, OwnerKind, Placement, Request
-from cgpud.daemon.region import SPARE_REGION, grants_problem, read_limits, usage_problem
-from cgpud.daemon.service import InstanceService
-from cgpud.daemon.store import Store
+from cgpud.node.compute import ComputeScheduler
+from cgpud.node.model import GIB, ComputePolicy, NodeMode, NodePolicy, Owner, OwnerKind, Placement, Request
+from cgpud.node.region import SPARE_REGION, grants_problem, read_limits, usage_problem
+from cgpud.node.service import InstanceService
+from cgpud.node.store import Store
 from tests.unit.test_service import GPUS, _gated
 
 
@@ -122,7 +122,7 @@ def test_a_refill_holds_the_instance_lock_only_for_moments(tmp_path, monkeypatch
     the spare made then is not handed out half made."""
     import threading
 
-    from cgpud.daemon import service as service_module
+    from cgpud.node import service as service_module
     svc = service(tmp_path, tmpfs=False)
     making, go_on = threading.Event(), threading.Event()
     real = service_module.make_spare_region

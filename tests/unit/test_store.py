@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from cgpud.daemon.model import GIB, Grant, Instance, InstanceState, Owner, OwnerKind
-from cgpud.daemon.store import SCHEMA_VERSION, Store, new_instance_id
+from cgpud.node.model import GIB, Grant, Instance, InstanceState, Owner, OwnerKind
+from cgpud.node.store import SCHEMA_VERSION, Store, new_instance_id
 from cgpud.errors import CgpuError, NotFoundError, StateError, UsageError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -443,8 +443,8 @@ def test_foreign_files_are_refused(tmp_path: Path, content: bytes | str) -> None
 
 WRITER = r"""
 import sys
-from cgpud.daemon.model import Grant, Instance, InstanceState, Owner, OwnerKind
-from cgpud.daemon.store import Store, new_instance_id
+from cgpud.node.model import Grant, Instance, InstanceState, Owner, OwnerKind
+from cgpud.node.store import Store, new_instance_id
 
 store = Store(sys.argv[1])
 n = 0

@@ -2,7 +2,7 @@
 against the instances' limits, and processes that went around libcgpu are
 reported (and killed in kill mode).
 
-The decision is pure (watchdog_policy.decide), the /proc side and the kill
+The decision is pure (bypass_policy.decide), the /proc side and the kill
 live in procmap.py; this module owns the I/O of NVML, the loop, the
 debounce of events and the event log lines.
 
@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 
-from cgpud.daemon import procmap, watchdog_policy
-from cgpud.daemon.bypass_model import (
+from cgpud.node import bypass_policy, procmap
+from cgpud.node.bypass_model import (
     BypassAction,
     BypassEvent,
     BypassEvents,
@@ -34,14 +34,13 @@ from cgpud.daemon.bypass_model import (
     ViolationKind,
     WatchSettings,
 )
-from cgpud.daemon.compute_policy import limits_compute
-from cgpud.daemon.model import ComputePolicy, Instance, NodeMode, NodePolicy, isolates
+from cgpud.node.compute_policy import limits_compute
+from cgpud.node.model import ComputePolicy, Instance, NodeMode, NodePolicy, isolates
 from cgpud.errors import CgpuError
 
 if TYPE_CHECKING:
-    from cgpud.daemon.compute import TenantMetrics
-    from cgpud.daemon.metrics import DaemonStats
-    from cgpud.daemon.model import Reservation
+    from cgpud.node.compute import TenantMetrics
+    from cgpud.node.model import Reservation
 
 # Modes whose instances are isolated: there a process outside libcgpu's
 # reach breaks a promise cgpud made.
@@ -53,6 +52,12 @@ REPEAT_S = 60.0
 # at most 1 s, real drivers sample every ~1/6 s (the gap between samples of
 # one answer narrows it, see _UtilWindow).
 _SAMPLE_CAP_US = 1_000_000
+
+
+class RoundTimer(Protocol):
+    """Times a round for the metrics (cgpud.daemon.metrics.DaemonStats is one)."""
+
+    def timed(self, what: str, fn: Callable[[], None]) -> object: ...
 
 
 @dataclass
@@ -273,7 +278,7 @@ class BypassWatchdog:
 
     def __init__(self, service: WatchedService, events: BypassEvents, reader: ProcessReader, mapper: Mapper,
                  settings: WatchSettings, action: BypassAction, interval: float,
-                 stats: DaemonStats | None = None, log: Any = None, decide: Decide | None = None,
+                 stats: RoundTimer | None = None, log: Any = None, decide: Decide | None = None,
                  kill: Kill | None = None, repeat_s: float = REPEAT_S) -> None:
         self._service = service
         self._events = events
@@ -284,7 +289,7 @@ class BypassWatchdog:
         self.interval = interval
         self._stats = stats
         self._log = log if log is not None else structlog.get_logger("cgpud.bypass")
-        self._decide = decide if decide is not None else watchdog_policy.decide
+        self._decide = decide if decide is not None else bypass_policy.decide
         self._kill = kill if kill is not None else procmap.kill_process
         self._repeat_s = repeat_s
         self._seen: dict[tuple[str, str, int], _Seen] = {}

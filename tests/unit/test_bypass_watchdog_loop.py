@@ -4,7 +4,7 @@ bursty process is not fully busy), NVML's "no samples" and "not supported"
 answers, a lost GPU skipped; the loop's mode gate, debounce of reports,
 kills every round, its log lines, and a thread that survives a failing
 round. The NVML answers are pynvml's own exception classes and record
-shapes; the decision is watchdog_policy's unless a test scripts it."""
+shapes; the decision is bypass_policy's unless a test scripts it."""
 from __future__ import annotations
 
 import threading
@@ -18,7 +18,7 @@ import pynvml
 import pytest
 from structlog.testing import capture_logs
 
-from cgpud.daemon.bypass_model import (
+from cgpud.node.bypass_model import (
     BypassAction,
     BypassEvents,
     ComputeView,
@@ -29,11 +29,11 @@ from cgpud.daemon.bypass_model import (
     ViolationKind,
     WatchSettings,
 )
-from cgpud.daemon.compute import TenantMetrics
+from cgpud.node.compute import TenantMetrics
 from cgpud.daemon.metrics import DaemonStats
-from cgpud.daemon.model import (GIB, MIB, ComputePolicy, Grant, Instance, InstanceState, NodeMode, NodePolicy, Owner,
+from cgpud.node.model import (GIB, MIB, ComputePolicy, Grant, Instance, InstanceState, NodeMode, NodePolicy, Owner,
                                 OwnerKind)
-from cgpud.daemon.watchdog import BypassWatchdog, NvmlProcessReader
+from cgpud.node.bypass_watchdog import BypassWatchdog, NvmlProcessReader
 
 SECOND_US = 1_000_000
 
@@ -461,10 +461,10 @@ def test_the_thread_survives_a_failing_round_and_times_each_round():
 
 
 def test_a_round_with_the_real_decision():
-    """watchdog_policy.decide behind the loop: the instance past its limit
+    """bypass_policy.decide behind the loop: the instance past its limit
     plus slack is reported, its well-behaved neighbour is not, a node
     daemon on the default allow list is not, a stray process is."""
-    from cgpud.daemon.watchdog_policy import DEFAULT_ALLOW
+    from cgpud.node.bypass_policy import DEFAULT_ALLOW
 
     service = FakeService([instance("inst-a", (0, GIB, 0), pids=(100,)), instance("inst-b", (0, 2 * GIB, 0), pids=(200,))])
     procs = [GpuProcess(0, 100, 3 * GIB), GpuProcess(0, 200, 2 * GIB + 500 * MIB), GpuProcess(0, 300, 200 * MIB),
@@ -486,7 +486,7 @@ def test_a_round_with_the_real_decision():
 def test_the_instances_are_read_after_nvml_so_a_new_tenant_is_not_unknown():
     """An instance is committed before its process starts: a tenant that
     starts between the two reads of a round must find its instance."""
-    from cgpud.daemon.watchdog_policy import DEFAULT_ALLOW
+    from cgpud.node.bypass_policy import DEFAULT_ALLOW
 
     service = FakeService([])
     new = instance("inst-new", (0, GIB, 0), pids=(100,))

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from cgpud.daemon.model import (
+from cgpud.node.model import (
     GpuCapacity,
     GpuUsage,
     Grant,

@@ -47,6 +47,9 @@ class Orchestrator(str, Enum):
     KUBERNETES = "kubernetes"  # pod authors write env: requests come from the device plugin
 
 
+MAX_SCHEDULED: int = _sched.CGPU_SCHED_MAX_TENANTS  # tenants one GPU's scheduler core takes
+
+
 class ComputePolicy(IntEnum):
     """cGPU's numbering of compute policies, as the scheduler core numbers
     them (enum cgpu_sched_policy)."""
@@ -82,6 +85,33 @@ class OwnerKind(str, Enum):
 class Owner:
     kind: OwnerKind
     id: str  # container id, pod uid, a label for a host process, or a device name
+
+
+@dataclass(frozen=True)
+class PodContainer:
+    """One container of one pod, as a pod-owned instance's owner id names it."""
+
+    uid: str
+    namespace: str
+    name: str
+    container: str
+
+    @property
+    def owner_id(self) -> str:
+        # Namespace and name ride along: the kubelet's pod-resources API
+        # knows pods by them, not by UID. None of the four holds a "/".
+        return f"{self.uid}/{self.namespace}/{self.name}/{self.container}"
+
+    @property
+    def pod_key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    @classmethod
+    def parse(cls, owner_id: str) -> PodContainer | None:
+        parts = owner_id.split("/")
+        if len(parts) != 4 or not all(parts):
+            return None
+        return cls(*parts)
 
 
 @dataclass(frozen=True)

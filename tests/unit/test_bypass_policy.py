@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from cgpud.daemon.bypass_model import (
+from cgpud.node.bypass_model import (
     AllowRule,
     ComputeView,
     GpuProcess,
@@ -14,8 +14,8 @@ from cgpud.daemon.bypass_model import (
     ViolationKind,
     WatchSettings,
 )
-from cgpud.daemon.model import GIB, MIB, Grant, Instance, InstanceState, Owner, OwnerKind
-from cgpud.daemon.watchdog_policy import DEFAULT_ALLOW, allowed, decide, parse_allow
+from cgpud.node.model import GIB, MIB, Grant, Instance, InstanceState, Owner, OwnerKind
+from cgpud.node.bypass_policy import DEFAULT_ALLOW, allowed, decide, parse_allow
 from cgpud.errors import UsageError
 
 SLACK = 512 * MIB

@@ -33,7 +33,7 @@ from typing import Any
 
 from cgpud._region import ffi, lib
 from cgpud.atomicfile import write_atomic
-from cgpud.daemon.model import ComputePolicy
+from cgpud.node.model import ComputePolicy
 from cgpud.errors import CgpuError
 
 LIMITS_FILE: str = ffi.string(lib.CGPU_LIMITS_FILE).decode()

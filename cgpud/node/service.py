@@ -21,9 +21,9 @@ from pathlib import Path
 import psutil
 import structlog
 
-from cgpud.daemon import node, placement
-from cgpud.daemon.changes import Changes
-from cgpud.daemon.model import (
+from cgpud.node import host, placement
+from cgpud.node.changes import Changes
+from cgpud.node.model import (
     ComputePolicy,
     GpuCapacity,
     Instance,
@@ -38,15 +38,15 @@ from cgpud.daemon.model import (
     Share,
     WHOLE_GPU_MODES,
 )
-from cgpud.daemon.compute import ComputeError, ComputeScheduler, TenantMetrics
-from cgpud.daemon.compute_policy import (decode_compute_policies, encode_compute_policies, limits_compute,
+from cgpud.node.compute import ComputeError, ComputeScheduler, TenantMetrics
+from cgpud.node.compute_policy import (decode_compute_policies, encode_compute_policies, limits_compute,
                                          with_compute_policy)
-from cgpud.daemon.exits import ExitWatch
-from cgpud.daemon.region import (INSTANCES_MODE, REGION_FS_FILE, USAGE_FILE, DeviceLimit, InstanceLimits,
+from cgpud.node.exits import ExitWatch
+from cgpud.node.region import (INSTANCES_MODE, REGION_FS_FILE, USAGE_FILE, DeviceLimit, InstanceLimits,
                                  SPARE_REGION, RegionError, UsageRegion, claim_spare_region, grants_problem, make_region_dir,
                                  make_spare_region, read_limits, remove_region_dir, repair_usage, usage_problem,
                                  write_region)
-from cgpud.daemon.store import Store, new_instance_id
+from cgpud.node.store import Store, new_instance_id
 from cgpud.errors import AdmissionError, CgpuError, NotFoundError, StateError, UsageError
 
 COMPUTE_POLICY_KEY = "compute_policy"
@@ -142,8 +142,8 @@ class InstanceService:
 
     def node_info(self) -> NodeInfo:
         return NodeInfo(
-            hostname=node.hostname(),
-            address=node.primary_address(),
+            hostname=host.hostname(),
+            address=host.primary_address(),
             driver_version=self._driver_version,
             policy=self._policy,
             gpus=placement.gpu_usage(self._gpus, *self.holdings()),

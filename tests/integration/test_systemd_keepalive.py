@@ -1,4 +1,4 @@
-"""The systemd watchdog as cgpud runs under it: a real cgpud process pings
+"""The systemd keep-alive (WatchdogSec=) as cgpud runs under it: a real cgpud process pings
 a real notify socket only while its sweep loop turns. The loop is made to
 hang for real: the test holds the write lock of cgpud's SQLite database from
 another connection, so each sweep blocks in the store for its busy timeout."""
@@ -42,12 +42,12 @@ def test_pings_stop_while_the_sweep_hangs_and_resume_after(tmp_path, sim_env):
             db.execute("ROLLBACK")
             db.close()
         assert _pings(d, 3.0), "pings did not resume once the sweep could run again"
-        assert "watchdog ping withheld" in d.log.read_text()
+        assert "keep-alive ping withheld" in d.log.read_text()
     finally:
         d.stop()
 
 
-def test_a_watchdog_period_shorter_than_four_sweeps_is_refused(tmp_path, sim_env):
+def test_a_keepalive_period_shorter_than_four_sweeps_is_refused(tmp_path, sim_env):
     d = make_daemon(tmp_path, sim_env)
     d.env["WATCHDOG_USEC"] = "500000"  # pings every 0.25 s; sweeps every 0.2 s
     out = subprocess.run([str(BIN / "cgpud"), *d.args],

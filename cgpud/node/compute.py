@@ -17,7 +17,7 @@ from typing import Any
 import structlog
 
 from cgpud._scheduler import ffi, lib
-from cgpud.daemon.model import ComputePolicy, ComputeTiming, Instance, NodePolicy
+from cgpud.node.model import ComputePolicy, ComputeTiming, Instance, NodePolicy
 from cgpud.errors import CgpuError
 
 MAX_GPUS: int = lib.CGPU_SCHED_MAX_GPUS

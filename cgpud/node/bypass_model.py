@@ -1,7 +1,7 @@
 """The bypass watchdog's vocabulary: what NVML says runs on a GPU, whose it
 is, what counts as going around libcgpu, and what was done about it.
 
-Plain frozen data shared by the pure decision (watchdog_policy.py), the
+Plain frozen data shared by the pure decision (bypass_policy.py), the
 /proc side (procmap.py), the loop (watchdog.py) and the surfaces (API,
 cgpuctl, metrics). The event ring is the one mutable piece; it is owned by
 the daemon and passed around, never global."""

@@ -16,18 +16,17 @@ from cgpud._scheduler import lib as _sched
 from cgpud.api import DEFAULT_SOCKET
 from cgpud.api.listen import parse_endpoint, plaintext_problem, tls_problem
 from cgpud.contract import ENV_PREFIX, RELAY_DEFAULT_SOCKET
-from cgpud.daemon.bypass_model import AllowRule, BypassAction, WatchSettings
-from cgpud.daemon.model import (ComputePolicy, ComputeTiming, NodeMode, NodePolicy, Orchestrator, Placement,
+from cgpud.node.bypass_model import AllowRule, BypassAction, WatchSettings
+from cgpud.node.model import (MAX_SCHEDULED, ComputePolicy, ComputeTiming, NodeMode, NodePolicy, Orchestrator, Placement,
                                 isolates)
-from cgpud.daemon.compute_policy import decode_compute_policies
-from cgpud.daemon.watchdog_policy import DEFAULT_ALLOW, parse_allow
+from cgpud.node.compute_policy import decode_compute_policies
+from cgpud.node.bypass_policy import DEFAULT_ALLOW, parse_allow
 from cgpud.errors import UsageError
 from cgpud.kube.health_policy import DEFAULT_PROBE_INTERVAL, DEFAULT_RECOVERY_WINDOW, HealthPolicy, parse_xids
 from cgpud.kube.model import DEFAULT_CDI_DIR, DEFAULT_DEVICE_PLUGIN_DIR, DEFAULT_POD_RESOURCES_SOCKET
 from cgpud.units import MIB
 
 DEFAULT_CONFIG = Path("/etc/cgpu/config.toml")
-MAX_SCHEDULED = _sched.CGPU_SCHED_MAX_TENANTS
 _MS = 1e6  # ns
 PERIOD_MS = (_sched.CGPU_SCHED_MIN_PERIOD_NS / _MS, _sched.CGPU_SCHED_MAX_PERIOD_NS / _MS)
 # The soft policy's bound (a lent share must come back within 100 ms); cgpud

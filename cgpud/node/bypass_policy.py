@@ -7,7 +7,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from fnmatch import fnmatchcase
 
-from cgpud.daemon.bypass_model import (
+from cgpud.node.bypass_model import (
     AllowRule,
     ComputeView,
     GpuProcess,
@@ -16,7 +16,7 @@ from cgpud.daemon.bypass_model import (
     ViolationKind,
     WatchSettings,
 )
-from cgpud.daemon.model import Instance
+from cgpud.node.model import Instance
 from cgpud.errors import UsageError
 from cgpud.units import format_memory
 

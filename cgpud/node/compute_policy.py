@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from cgpud.daemon.model import ComputePolicy, NodeMode, NodePolicy
+from cgpud.node.model import ComputePolicy, NodeMode, NodePolicy
 from cgpud.errors import UsageError
 
 

@@ -46,7 +46,7 @@ from typing import Concatenate, ParamSpec, TypeVar
 
 import structlog
 
-from cgpud.daemon.model import ACTIVE_STATES, Grant, Instance, InstanceState, Owner, OwnerKind, Reservation, Share
+from cgpud.node.model import ACTIVE_STATES, Grant, Instance, InstanceState, Owner, OwnerKind, Reservation, Share
 from cgpud.errors import CgpuError, NotFoundError, StateError, UsageError
 
 _P = ParamSpec("_P")

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cgpud.boundedread import read_at_most
-from cgpud.daemon.bypass_model import AllowRule, ProcessIdentity
-from cgpud.daemon.model import Instance
-from cgpud.daemon.watchdog_policy import allowed
+from cgpud.node.bypass_model import AllowRule, ProcessIdentity
+from cgpud.node.model import Instance
+from cgpud.node.bypass_policy import allowed
 
 PROC = Path("/proc")
 _STAT_MAX = 4096  # a stat line is ~300 bytes; comm is at most 64

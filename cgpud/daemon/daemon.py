@@ -1,0 +1,260 @@
+"""cgpud's parts, started in order and stopped in reverse by construction:
+each part's stop is pushed on an ExitStack as the part starts, so a start
+that fails half-way unwinds exactly what it had started."""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from cgpud import __version__
+from cgpud.api.capacity import CapacityServicer, node_facts
+from cgpud.api.capacity_server import CapacityTls, advertised, serve_capacity
+from cgpud.api.listen import parse_endpoint
+from cgpud.api.server import serve
+from cgpud.config import DaemonConfig
+from cgpud.containers import cdi, runtime_files
+from cgpud.containers.devices import gpu_node
+from cgpud.containers.lifecycle import ContainerLifecycle
+from cgpud.containers.relay import RelayServer
+from cgpud.daemon.metrics import CountedAllocator, DaemonStats, serve_metrics
+from cgpud.daemon.notify import Heartbeat, Notifier, heartbeat_max_age, start_keepalive
+from cgpud.errors import CgpuError, UsageError
+from cgpud.kube.agent import KubeAgent, kubeconfig_path, node_name
+from cgpud.kube.apiserver import LazyApiServer
+from cgpud.kube.health import HealthWatcher, healthy_by_index
+from cgpud.kube.model import ANNOTATION_CAPACITY_ADDRESS
+from cgpud.kube.node_labels import initial_policy
+from cgpud.kube.plugin import DevicePlugin, PluginSettings
+from cgpud.node import host
+from cgpud.node.bypass_model import BypassEvents
+from cgpud.node.bypass_watchdog import BypassWatchdog, NvmlProcessReader
+from cgpud.node.compute import ComputeScheduler
+from cgpud.node.compute_policy import limits_compute
+from cgpud.node.exits import ExitWatch
+from cgpud.node.inventory import Inventory, read_inventory
+from cgpud.node.model import GpuCapacity, Orchestrator
+from cgpud.node.procmap import ProcessMapper
+from cgpud.node.service import InstanceService
+from cgpud.node.store import Store
+from cgpud.signals import StopSignals
+
+
+def private_state_dir(path: Path) -> None:
+    """The instance tables and regions are root's alone (0700); an older
+    cgpud made the directory 0755. Containers reach the files they need
+    through bind mounts, which do not cross this directory's mode."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if path.stat().st_mode & 0o077:
+            path.chmod(0o700)
+    except OSError as e:
+        raise CgpuError(f"cannot prepare the state directory {path}: {e.strerror}") from e
+
+
+def sweep_loop(service: InstanceService, interval: float, stop: threading.Event,
+               also: Sequence[Callable[[], object]] = (), stats: DaemonStats | None = None,
+               heartbeat: Heartbeat | None = None) -> None:
+    log = structlog.get_logger("cgpud.sweep")
+    own: Callable[[], object] = service.sweep if stats is None else lambda: stats.timed("sweep", service.sweep)
+    while not stop.wait(interval):
+        for sweep in (own, *also):
+            try:
+                sweep()
+            except (CgpuError, OSError, MemoryError) as e:  # keep sweeping: the next round may succeed
+                log.error("sweep failed", error=str(e))
+        if heartbeat is not None:  # a round done, failed or not: the loop turns
+            heartbeat.beat()
+
+
+class Daemon:
+    """One cgpud. start() brings every part up, stop() takes them down in
+    the reverse order; wait() blocks until SIGTERM or SIGINT."""
+
+    def __init__(self, config: DaemonConfig) -> None:
+        self.config = config
+        self.stop_event = threading.Event()
+        self._stack = ExitStack()
+        self._signals: StopSignals | None = None
+        self._notifier = Notifier.from_env()
+        self._log = structlog.get_logger("cgpud")
+
+    def start(self) -> None:
+        with ExitStack() as stack:
+            self._start(stack)
+            self._stack = stack.pop_all()
+
+    def wait(self) -> None:
+        assert self._signals is not None, "start() first"
+        self._signals.wait()
+
+    def stop(self) -> None:
+        self._notifier.stopping()
+        self._log.info("stopping")
+        self.stop_event.set()  # every loop's wait ends with it
+        self._stack.close()
+
+    def _start(self, stack: ExitStack) -> None:
+        config, stop = self.config, self.stop_event
+        # Refused before anything starts: a keep-alive period too short for the sweep.
+        max_age = heartbeat_max_age(self._notifier, config.sweep_interval)
+        inventory = read_inventory()
+        gpus = tuple(GpuCapacity(g.index, g.uuid, g.memory_total, gpu_node(g.minor_number)) for g in inventory.gpus)
+        private_state_dir(config.state_dir)
+        store = Store(config.database)
+        stack.callback(store.close)
+        kube = config.orchestrator is Orchestrator.KUBERNETES
+        policy = config.policy()
+        api = None
+        if kube:
+            api = LazyApiServer(kubeconfig_path(config.kubeconfig))
+            policy = initial_policy(api, node_name(config.node_name), policy)  # the Node's labels win over the file
+        start_compute = (lambda: ComputeScheduler(len(gpus), config.timing()).start()) if gpus else None
+        compute = start_compute() if start_compute and limits_compute(policy.mode) else None
+        exits = ExitWatch()
+        service = InstanceService(store, gpus, policy, config.regions, inventory.driver_version, host.boot_id(),
+                                  compute=compute, tmpfs_regions=True, start_compute=start_compute,
+                                  reservation_ttl=config.reservation_ttl, exits=exits)
+        stack.callback(service.stop_compute)
+        stack.callback(exits.start(service.init_exited, stop).join, 2)
+        stats = DaemonStats()
+        stats.timed("reconcile", service.reconcile)
+        service.refill_region_spare()
+        stack.callback(service.drop_region_spare)
+        events = BypassEvents()
+        bypass = self._bypass_watchdog(stack, service, gpus, events, stats)
+        if config.metrics_listen:
+            metrics = serve_metrics(config.metrics_listen, service, stats, __version__,
+                                    {g.index: g.name for g in inventory.gpus}, events=events)
+            stack.callback(metrics.stop)
+        files = runtime_files.install_runtime_files(config.state_dir, config.relay_socket)
+        trust_env = config.orchestrator is Orchestrator.STANDALONE
+        relay = RelayServer(ContainerLifecycle(service, files, trust_env), config.relay_socket,
+                            on_request=lambda verb, code: stats.request("relay", verb, code)).start()
+        stack.callback(relay.stop)
+        server = serve(service, config.socket, cdi_spec=lambda: cdi.render(service, files),
+                       on_request=lambda method, code: stats.request("admin", method, code),
+                       events=events, watching=_bypass_watching(config, bypass))
+        stack.callback(lambda: server.stop(grace=2).wait())
+        self._signals = StopSignals(stop)
+        stack.callback(self._signals.close)
+        # Old versions' runtime files go once no active instance uses them.
+        also: list[Callable[[], object]] = [
+            lambda: runtime_files.collect(service, files, runtime_files.runtime_root(config.state_dir))]
+        plugin = agent = health = None
+        if kube:
+            assert api is not None
+            agent = KubeAgent(service, api, node_name(config.node_name), files, config.policy(),
+                              inventory.card_labels(), cdi_dir=config.cdi_dir,
+                              pod_resources_socket=config.pod_resources_socket)
+            plugin = DevicePlugin(PluginSettings(config.device_plugin_dir), CountedAllocator(agent.allocator, stats),
+                                  mode=policy.mode, placement=policy.placement, gpus=gpus).start()
+            stack.callback(plugin.stop)
+            agent.on_policy = lambda p: plugin.update(mode=p.mode, placement=p.placement)
+            health = _watch_gpu_health(config, inventory.gpus, plugin, service.changes.bump)
+        elif config.capacity_listen:
+            health = _watch_gpu_health(config, inventory.gpus, None, service.changes.bump)
+        if health is not None:
+            stack.callback(health.stop)
+        annotations: dict[str, str] = {}
+        if config.capacity_listen:
+            capacity, address = _serve_capacity(config, service, inventory, health, kube)
+            stack.callback(lambda: capacity.stop(grace=1).wait())
+            if address:
+                annotations[ANNOTATION_CAPACITY_ADDRESS] = address
+        if agent is not None:
+            agent.start(stop, annotations)
+            stack.callback(agent.stop)
+            also.append(agent.sweep)
+        # Pings vouch for the sweep loop: it touches the store, the instance
+        # table and the kubelet/API server clients every round.
+        heartbeat = Heartbeat()
+        threading.Thread(target=sweep_loop, args=(service, config.sweep_interval, stop, also, stats, heartbeat),
+                         daemon=True).start()
+        if bypass is not None:  # its wait ends with `stop`; a round under way finishes first
+            stack.callback(bypass.start(stop).join, config.bypass_interval + 10)
+        start_keepalive(self._notifier, stop, healthy=None if max_age is None else lambda: heartbeat.fresh(max_age))
+        self._notifier.ready()  # only now: reconciled and serving
+        self._log.info("ready", socket=str(config.socket), gpus=len(gpus), mode=policy.mode.value,
+                       bypass_interval=config.bypass_interval if bypass is not None else 0,
+                       bypass_action=config.bypass_action.value)
+
+    def _bypass_watchdog(self, stack: ExitStack, service: InstanceService, gpus: Sequence[GpuCapacity],
+                         events: BypassEvents, stats: DaemonStats) -> BypassWatchdog | None:
+        """The bypass watchdog, not started; None when bypass_interval is 0
+        or there is no GPU. It is built whatever the mode: node labels may
+        turn an isolating mode on later, and until then its rounds only read
+        the policy."""
+        config = self.config
+        if config.bypass_interval <= 0 or not gpus:
+            return None
+        reader = NvmlProcessReader([g.index for g in gpus], config.bypass_compute_window)
+        stack.callback(reader.close)
+        return BypassWatchdog(service, events, reader, ProcessMapper(), config.watch_settings(), config.bypass_action,
+                              config.bypass_interval, stats=stats)
+
+
+def _bypass_watching(config: DaemonConfig, watchdog: BypassWatchdog | None) -> Callable[[], tuple[bool, str]]:
+    """Whether the bypass watchdog looks now, and why not, for the admin API."""
+    if watchdog is not None:
+        return watchdog.watching
+    reason = "bypass_interval is 0" if config.bypass_interval <= 0 else "this node has no GPU"
+    return lambda: (False, reason)
+
+
+def _watch_gpu_health(config: DaemonConfig, gpus: Sequence[Any], plugin: DevicePlugin | None,
+                      changed: Callable[[], object]) -> HealthWatcher | None:
+    """GPU health into the device plugin's ListAndWatch (when there is one)
+    and the Capacity API's views (`changed` bumps their revision); None when
+    NVML cannot watch (then GPUs stay Healthy rather than the node losing
+    its capacity, and the log says so)."""
+
+    def on_change(snap: Any) -> None:
+        if plugin is not None:
+            plugin.update(health=healthy_by_index(snap))
+        changed()
+
+    watcher = HealthWatcher(gpus, on_change, policy=config.health_policy(),
+                            probe_interval=config.gpu_health_probe_interval)
+    try:
+        watcher.start()
+    except CgpuError as e:
+        structlog.get_logger("cgpud.kube").error("GPU health is not watched: GPUs are advertised Healthy",
+                                                 error=str(e))
+        return None
+    if plugin is not None:
+        plugin.update(health=healthy_by_index(watcher.snapshot()))  # start()'s first verdicts reach no callback
+    changed()
+    return watcher
+
+
+def _serve_capacity(config: DaemonConfig, service: InstanceService, inventory: Inventory,
+                    health: HealthWatcher | None, kube: bool) -> tuple[Any, str]:
+    """The Capacity API on capacity_listen, and the HOST:PORT to advertise
+    ("" when there is none: listening on every address of a node without a
+    primary one; only kubernetes mode needs it, and refuses to start then)."""
+    tls = CapacityTls.from_settings(config.capacity_tls_cert, config.capacity_tls_key, config.capacity_tls_ca)
+    primary = host.primary_address()
+    listen = parse_endpoint(config.capacity_listen, "capacity_listen")
+    try:
+        address_host = advertised(listen, config.capacity_advertise, primary).host  # the port may be 0 until bound
+    except UsageError:
+        if kube:
+            raise
+        address_host = ""
+
+    def gpu_health() -> dict[int, tuple[bool, str]]:
+        if health is None:
+            return {}
+        return {i: (h.healthy, h.reason) for i, h in health.snapshot().items()}
+
+    facts = node_facts(inventory, node_name(config.node_name), [primary, address_host])
+    server = serve_capacity(CapacityServicer(service, facts, gpu_health), config.capacity_listen, tls,
+                            config.capacity_insecure)
+    address = str(advertised(server.endpoint, config.capacity_advertise, primary)) if address_host else ""
+    structlog.get_logger("cgpud.capacity").info("capacity address", advertise=address)
+    return server, address
