@@ -59,3 +59,17 @@ def _no_region_mounts_left(tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
     for point in _region_mounts(tmp_path_factory.getbasetemp()):
         lib.cgpu_region_unmount(point.encode())
+
+
+# Tests that share an expensive package- or session-scoped fixture stay on
+# one xdist worker: another worker would build the same cluster or packages
+# again. Every other module is a group of its own, so module-scoped fixtures
+# are set up once too (what --dist loadfile does, with these groups on top).
+_ONE_WORKER = ("tests/realkube/", "tests/packaging/")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            module = item.nodeid.split("::")[0]
+            item.add_marker(pytest.mark.xdist_group(next((d for d in _ONE_WORKER if module.startswith(d)), module)))

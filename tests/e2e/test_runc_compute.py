@@ -9,6 +9,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from cgpud._region import ffi, lib
 from cgpud.native import native_path
 from tests.daemonproc import make_daemon, running_daemon
@@ -16,6 +18,8 @@ from tests.e2e.oci import Host, run, runtime_env
 from tests.e2e.test_runc import burn_json, instances
 from tests.integration.test_compute_failure import freeze_with_gate_closed
 from tests.sharerun import Sampler
+
+pytestmark = pytest.mark.timing  # measures compute shares and hand-over times
 
 BURN = "cgpu-burn --kernel-ns 200000 --streams 4 --duration 3"
 

@@ -29,6 +29,8 @@ from tests.bypass_watch import (GIB, INTERVAL, Nvml, Tenant, bypass_command, byp
 from tests.conftest import write_sim_config
 from tests.daemonproc import Daemon, running_daemon
 
+pytestmark = pytest.mark.timing  # measures how soon a bypass is seen and killed
+
 KINDS = ("elf", "static", "musl")
 # What the test process may add to a measured death: it sees the pidfd turn
 # readable when the scheduler next runs it (2 cores shared with cgpud, the

@@ -27,6 +27,8 @@ from cgpud._scheduler import lib as slib
 from tests.promscrape import free_port, scrape
 from tests.sharerun import Scenario, ScenarioResult, ShareRig, TenantSpec
 
+pytestmark = pytest.mark.timing  # measures compute shares and hand-over times
+
 SECONDS = 3.0
 BUSY = 90.0  # percent of wall time the device computes
 SATURATING = TenantSpec(0)  # 200 us kernels over 4 streams, never idle

@@ -17,6 +17,8 @@ import pytest
 
 from tests.sharerun import Sampler, Scenario, ShareRig, TenantSpec, _at, _busy
 
+pytestmark = pytest.mark.timing  # measures compute shares and hand-over times
+
 SECONDS = 2.0
 MIX = (20_000, 200_000, 2_000_000)
 

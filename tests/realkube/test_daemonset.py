@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from cgpud.node.model import GIB
 from cgpud.kube.model import ANNOTATION_ASSIGNED, LABEL_MODE
 from tests.realkube.cluster import RealCluster, wait_until
+
+pytestmark = pytest.mark.host_global  # the real cluster turns on ip_forward and iptables rules and makes /dev/nvidia* nodes
 
 MEM = "aliyun.com/gpu-mem"
 SELECTOR = "app.kubernetes.io/name=cgpud"

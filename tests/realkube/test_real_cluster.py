@@ -14,11 +14,15 @@ import re
 import signal
 import subprocess
 
+import pytest
+
 from cgpud.node.model import GIB
 from cgpud.kube.model import ANNOTATION_ASSIGNED, ANNOTATION_GPU_INDEX, LABEL_MODE, LABEL_PLACEMENT
 from tests.daemonproc import BIN
 from tests.realkube.cluster import RealCluster, RealNode, wait_until
 from tests.sharerun import Sampler
+
+pytestmark = pytest.mark.host_global  # the real cluster turns on ip_forward and iptables rules and makes /dev/nvidia* nodes
 
 MEM = "aliyun.com/gpu-mem"
 CORE = "aliyun.com/gpu-core.percentage"

@@ -6,9 +6,13 @@ from __future__ import annotations
 import json
 from collections import Counter
 
+import pytest
+
 from cgpud.node.model import GIB
 from cgpud.kube.model import ANNOTATION_CAPACITY_ADDRESS, ANNOTATION_GPU_INDEX, LABEL_MODE
 from tests.realkube.cluster import RealCluster, wait_until
+
+pytestmark = pytest.mark.host_global  # the real cluster turns on ip_forward and iptables rules and makes /dev/nvidia* nodes
 
 MEM = "aliyun.com/gpu-mem"
 

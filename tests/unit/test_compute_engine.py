@@ -31,6 +31,8 @@ from cgpud.node.model import (ComputePolicy, ComputeTiming, Grant, Instance, Ins
 from cgpud.node.region import GRANTS_FILE, DeviceLimit, InstanceLimits, write_region
 from tests.usage_tenant import TenantUsage
 
+pytestmark = pytest.mark.timing  # measures compute shares and hand-over times
+
 OPEN, UNGATED, SEQ = rlib.CGPU_GATE_OPEN, rlib.CGPU_GATE_UNGATED, rlib.CGPU_GATE_SEQ_MASK
 FAST = ComputeTiming(period_ns=20_000_000, max_slice_ns=2_000_000, high_priority_percent=80)
 
