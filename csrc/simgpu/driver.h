@@ -98,6 +98,52 @@ struct sim_pool {
     bool reuse_off[3];            /* CU_MEMPOOL_ATTR_REUSE_* set to 0 (default 1) */
 };
 
+/* ---- device memory (driver_alloc.c and the driver_*.c of each family) ---- */
+
+#define SIM_VMM_GRANULARITY (2ULL << 20)
+
+enum alloc_kind { ALLOC_MEMORY, ALLOC_RESERVED, ALLOC_MAPPED, ALLOC_IPC /* another process's, opened */ };
+
+/* Physical memory of the virtual memory management API (driver_vmm.c). */
+struct sim_memhandle {
+    uint32_t magic;
+    int dev;                      /* -1: host memory, charged to no GPU */
+    uint64_t size;
+    int mappings;
+    int retains;                  /* references cuMemRetainAllocationHandle added */
+    bool released;                /* every reference to the handle released */
+    bool imported;                /* the memory is charged to the exporter */
+    CUmemAllocationHandleType handle_types;
+    void *bytes;                  /* backing of its contents, made on first copy */
+};
+
+/* One record of the process's allocation table: a device address range. */
+struct alloc_entry {
+    struct alloc_entry *next;
+    CUdeviceptr ptr;
+    uint64_t size;
+    int dev;
+    enum alloc_kind kind;
+    struct sim_memhandle *handle; /* ALLOC_MAPPED */
+    void *bytes;                  /* ALLOC_MEMORY: backing of its contents, made on first copy */
+    uint64_t id;                  /* unique in the process (CU_POINTER_ATTRIBUTE_BUFFER_ID) */
+    bool managed;                 /* cuMemAllocManaged */
+    int fd;                       /* a memfd behind `bytes` once exported by cuIpcGetMemHandle; else -1 */
+    struct sim_pool *pool;        /* the pool of a stream-ordered allocation */
+};
+
+/* Page-locked host memory as the driver hands it out or registers it. It is
+ * host memory: nothing is charged to a GPU. The simulation does not lock the
+ * pages (RLIMIT_MEMLOCK would fail large allocations a real driver makes). */
+struct sim_host_mem {
+    struct sim_host_mem *next;
+    char *base;
+    size_t size;
+    unsigned flags;
+    bool registered;              /* cuMemHostRegister: the application's memory */
+    uint64_t id;                  /* CU_POINTER_ATTRIBUTE_BUFFER_ID */
+};
+
 struct sim_driver {
     pthread_mutex_t lock;
     _Atomic int initialized;
@@ -106,8 +152,8 @@ struct sim_driver {
     int primary_refs[SIM_MAX_GPUS];
     struct sim_pool default_pool[SIM_MAX_GPUS];
     struct sim_pool *current_pool[SIM_MAX_GPUS]; /* cuDeviceSetMemPool's; NULL: the default */
-    struct alloc_entry *allocs[4096]; /* driver_memory.c: by device address */
-    struct sim_host_mem *pinned;  /* driver_memory.c: page-locked host memory */
+    struct alloc_entry *allocs[4096]; /* driver_alloc.c: by device address */
+    struct sim_host_mem *pinned;  /* driver_hostmem.c: page-locked host memory */
     uint64_t next_buffer_id;      /* CU_POINTER_ATTRIBUTE_BUFFER_ID of the last allocation */
     uint64_t next_object_id;      /* the last context or stream id given */
     uint64_t next_va[SIM_MAX_GPUS];
@@ -153,6 +199,27 @@ void sim_ctx_drop_limits(struct sim_ctx *ctx);
 /* Drop the allocation records a forked child inherited: the memory is the
  * parent's and stays charged to the parent's process slot. */
 void sim_forget_allocations(void);
+
+#define SIM_ALLOC_BUCKETS (sizeof(sim_drv.allocs) / sizeof(sim_drv.allocs[0]))
+
+/* Host pages holding device memory's contents, mapped on first touch. */
+void *sim_backing_map(uint64_t size);
+void sim_backing_unmap(void *p, uint64_t size);
+/* The allocation table; callers hold sim_drv.lock. */
+CUdeviceptr sim_take_va(int dev, uint64_t size, uint64_t align);
+void sim_table_link(struct alloc_entry *e);
+CUresult sim_table_insert(CUdeviceptr ptr, uint64_t size, int dev, enum alloc_kind kind, struct sim_memhandle *handle);
+struct alloc_entry *sim_table_remove(CUdeviceptr ptr, enum alloc_kind kind);
+struct alloc_entry *sim_entry_at(CUdeviceptr p);
+/* Charge and record, tag, and free a device allocation (lock not held). */
+CUresult sim_alloc_device(CUdeviceptr *dptr, uint64_t size, int dev);
+void sim_tag_allocation(CUdeviceptr p, bool managed, struct sim_pool *pool);
+CUresult sim_free_device(CUdeviceptr dptr);
+struct sim_pool *sim_current_pool(int dev);
+/* The pinned host memory record holding p, or NULL; caller holds sim_drv.lock. */
+struct sim_host_mem *sim_pinned_at(const void *p);
+/* The stream a copy is ordered on; `sync`: wait for the work queued before. */
+CUresult sim_copy_stream(CUstream h, bool per_thread, bool sync, struct sim_stream **out);
 
 /* Resolve a stream argument: NULL, CU_STREAM_LEGACY and CU_STREAM_PER_THREAD
  * included; per_thread selects what NULL means (_ptsz entry points). */

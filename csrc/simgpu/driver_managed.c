@@ -1,0 +1,106 @@
+/* Simulated libcuda.so.1: managed memory, its hints and prefetches. */
+#define _GNU_SOURCE
+#include "driver.h"
+
+SIM_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags)
+{
+    struct sim_ctx *ctx;
+    CUresult rc = sim_require_ctx(&ctx);
+    if (rc)
+        return rc;
+    if (flags != CU_MEM_ATTACH_GLOBAL && flags != CU_MEM_ATTACH_HOST)
+        return CUDA_ERROR_INVALID_VALUE;
+    /* Charged in full on the current GPU: the simulation does not migrate
+     * pages, so managed memory behaves as if resident. */
+    rc = sim_alloc_device(dptr, bytesize, ctx->dev);
+    if (rc == CUDA_SUCCESS)
+        sim_tag_allocation(*dptr, true, NULL);
+    return rc;
+}
+
+/* The simulation keeps managed memory resident on its GPU and never
+ * migrates it: hints and prefetches are checked as the driver checks them
+ * (a managed range, a valid place) and change nothing. */
+static CUresult managed_range(CUdeviceptr p, size_t count)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (count == 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&sim_drv.lock);
+    const struct alloc_entry *e = sim_entry_at(p);
+    bool ok = e && e->managed && count <= e->size - (p - e->ptr);
+    pthread_mutex_unlock(&sim_drv.lock);
+    return ok ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+/* A GPU ordinal or the host (CU_DEVICE_CPU). */
+static CUresult place_ok(CUdevice dev)
+{
+    int phys;
+    return dev == CU_DEVICE_CPU || sim_device(dev, &phys) == CUDA_SUCCESS ? CUDA_SUCCESS : CUDA_ERROR_INVALID_DEVICE;
+}
+
+static CUresult location_ok(CUmemLocation loc)
+{
+    switch (loc.type) {
+    case CU_MEM_LOCATION_TYPE_DEVICE: return place_ok(loc.id);
+    case CU_MEM_LOCATION_TYPE_HOST:
+    case CU_MEM_LOCATION_TYPE_HOST_NUMA:
+    case CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT: return CUDA_SUCCESS;
+    default: return CUDA_ERROR_INVALID_VALUE;
+    }
+}
+
+static CUresult advise(CUdeviceptr p, size_t count, CUmem_advise advice, CUresult place)
+{
+    CUresult rc = managed_range(p, count);
+    if (rc)
+        return rc;
+    if (advice < CU_MEM_ADVISE_SET_READ_MOSTLY || advice > CU_MEM_ADVISE_UNSET_ACCESSED_BY)
+        return CUDA_ERROR_INVALID_VALUE;
+    /* Read-mostly names no place; the others do. */
+    return advice == CU_MEM_ADVISE_SET_READ_MOSTLY || advice == CU_MEM_ADVISE_UNSET_READ_MOSTLY ? CUDA_SUCCESS : place;
+}
+
+SIM_EXPORT CUresult cuMemAdvise(CUdeviceptr devPtr, size_t count, CUmem_advise advice, CUdevice device)
+{
+    return advise(devPtr, count, advice, place_ok(device));
+}
+
+SIM_EXPORT CUresult cuMemAdvise_v2(CUdeviceptr devPtr, size_t count, CUmem_advise advice, CUmemLocation location)
+{
+    return advise(devPtr, count, advice, location_ok(location));
+}
+
+static CUresult prefetch(CUdeviceptr p, size_t count, CUresult place, CUstream h, bool per_thread)
+{
+    struct sim_stream *s;
+    CUresult rc = managed_range(p, count);
+    if (rc || (rc = place) || (rc = sim_resolve_stream(h, per_thread, &s)))
+        return rc;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuMemPrefetchAsync(CUdeviceptr devPtr, size_t count, CUdevice dstDevice, CUstream hStream)
+{
+    return prefetch(devPtr, count, place_ok(dstDevice), hStream, false);
+}
+
+SIM_EXPORT CUresult cuMemPrefetchAsync_ptsz(CUdeviceptr devPtr, size_t count, CUdevice dstDevice, CUstream hStream)
+{
+    return prefetch(devPtr, count, place_ok(dstDevice), hStream, true);
+}
+
+SIM_EXPORT CUresult cuMemPrefetchAsync_v2(CUdeviceptr devPtr, size_t count, CUmemLocation location, unsigned int flags,
+                                          CUstream hStream)
+{
+    return flags ? CUDA_ERROR_INVALID_VALUE : prefetch(devPtr, count, location_ok(location), hStream, false);
+}
+
+SIM_EXPORT CUresult cuMemPrefetchAsync_v2_ptsz(CUdeviceptr devPtr, size_t count, CUmemLocation location,
+                                               unsigned int flags, CUstream hStream)
+{
+    return flags ? CUDA_ERROR_INVALID_VALUE : prefetch(devPtr, count, location_ok(location), hStream, true);
+}
