@@ -39,7 +39,7 @@ static struct capture **capture_at(const struct sim_stream *s)
     return c;
 }
 
-static CUresult begin(CUstream h, CUstreamCaptureMode mode, bool per_thread)
+CUresult sim_capture_begin(CUstream h, CUstreamCaptureMode mode, bool per_thread)
 {
     CUresult rc = sim_check_init();
     struct sim_stream *s;
@@ -82,28 +82,7 @@ static CUresult begin(CUstream h, CUstreamCaptureMode mode, bool per_thread)
     return rc;
 }
 
-SIM_EXPORT CUresult cuStreamBeginCapture_v2(CUstream hStream, CUstreamCaptureMode mode)
-{
-    return begin(hStream, mode, false);
-}
-
-SIM_EXPORT CUresult cuStreamBeginCapture_v2_ptsz(CUstream hStream, CUstreamCaptureMode mode)
-{
-    return begin(hStream, mode, true);
-}
-
-/* CUDA 10.0's form: global mode. */
-SIM_EXPORT CUresult cuStreamBeginCapture(CUstream hStream)
-{
-    return begin(hStream, CU_STREAM_CAPTURE_MODE_GLOBAL, false);
-}
-
-SIM_EXPORT CUresult cuStreamBeginCapture_ptsz(CUstream hStream)
-{
-    return begin(hStream, CU_STREAM_CAPTURE_MODE_GLOBAL, true);
-}
-
-static CUresult end(CUstream h, CUgraph *phGraph, bool per_thread)
+CUresult sim_capture_end(CUstream h, CUgraph *phGraph, bool per_thread)
 {
     CUresult rc = sim_check_init();
     struct sim_stream *s;
@@ -121,16 +100,6 @@ static CUresult end(CUstream h, CUgraph *phGraph, bool per_thread)
     *phGraph = c->graph;
     free(c);
     return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuStreamEndCapture(CUstream hStream, CUgraph *phGraph)
-{
-    return end(hStream, phGraph, false);
-}
-
-SIM_EXPORT CUresult cuStreamEndCapture_ptsz(CUstream hStream, CUgraph *phGraph)
-{
-    return end(hStream, phGraph, true);
 }
 
 /* A stream destroyed while capturing ends its capture (the graph goes), so
@@ -173,8 +142,8 @@ SIM_EXPORT CUresult cuStreamIsCapturing_ptsz(CUstream hStream, CUstreamCaptureSt
 /* Status, id, graph and the nodes the next captured node will depend on
  * (the last one captured); the dependency array lives until the next
  * capture call on the stream, as the driver's does. */
-static CUresult info(CUstream h, bool per_thread, CUstreamCaptureStatus *status, cuuint64_t *id, CUgraph *graph,
-                     const CUgraphNode **deps, const CUgraphEdgeData **edges, size_t *ndeps)
+CUresult sim_capture_info(CUstream h, bool per_thread, CUstreamCaptureStatus *status, cuuint64_t *id, CUgraph *graph,
+                          const CUgraphNode **deps, const CUgraphEdgeData **edges, size_t *ndeps)
 {
     CUresult rc = sim_check_init();
     struct sim_stream *s;
@@ -197,50 +166,6 @@ static CUresult info(CUstream h, bool per_thread, CUstreamCaptureStatus *status,
         *ndeps = c->last ? 1 : 0;
     pthread_mutex_unlock(&captures.lock);
     return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuStreamGetCaptureInfo(CUstream hStream, CUstreamCaptureStatus *captureStatus_out,
-                                           cuuint64_t *id_out)
-{
-    return info(hStream, false, captureStatus_out, id_out, NULL, NULL, NULL, NULL);
-}
-
-SIM_EXPORT CUresult cuStreamGetCaptureInfo_ptsz(CUstream hStream, CUstreamCaptureStatus *captureStatus_out,
-                                                cuuint64_t *id_out)
-{
-    return info(hStream, true, captureStatus_out, id_out, NULL, NULL, NULL, NULL);
-}
-
-SIM_EXPORT CUresult cuStreamGetCaptureInfo_v2(CUstream hStream, CUstreamCaptureStatus *captureStatus_out,
-                                              cuuint64_t *id_out, CUgraph *graph_out,
-                                              const CUgraphNode **dependencies_out, size_t *numDependencies_out)
-{
-    return info(hStream, false, captureStatus_out, id_out, graph_out, dependencies_out, NULL, numDependencies_out);
-}
-
-SIM_EXPORT CUresult cuStreamGetCaptureInfo_v2_ptsz(CUstream hStream, CUstreamCaptureStatus *captureStatus_out,
-                                                   cuuint64_t *id_out, CUgraph *graph_out,
-                                                   const CUgraphNode **dependencies_out, size_t *numDependencies_out)
-{
-    return info(hStream, true, captureStatus_out, id_out, graph_out, dependencies_out, NULL, numDependencies_out);
-}
-
-SIM_EXPORT CUresult cuStreamGetCaptureInfo_v3(CUstream hStream, CUstreamCaptureStatus *captureStatus_out,
-                                              cuuint64_t *id_out, CUgraph *graph_out,
-                                              const CUgraphNode **dependencies_out,
-                                              const CUgraphEdgeData **edgeData_out, size_t *numDependencies_out)
-{
-    return info(hStream, false, captureStatus_out, id_out, graph_out, dependencies_out, edgeData_out,
-                numDependencies_out);
-}
-
-SIM_EXPORT CUresult cuStreamGetCaptureInfo_v3_ptsz(CUstream hStream, CUstreamCaptureStatus *captureStatus_out,
-                                                   cuuint64_t *id_out, CUgraph *graph_out,
-                                                   const CUgraphNode **dependencies_out,
-                                                   const CUgraphEdgeData **edgeData_out, size_t *numDependencies_out)
-{
-    return info(hStream, true, captureStatus_out, id_out, graph_out, dependencies_out, edgeData_out,
-                numDependencies_out);
 }
 
 SIM_EXPORT CUresult cuThreadExchangeStreamCaptureMode(CUstreamCaptureMode *mode)

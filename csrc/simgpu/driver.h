@@ -228,4 +228,53 @@ CUresult sim_resolve_stream(CUstream h, bool per_thread, struct sim_stream **out
 void sim_stream_run(struct sim_stream *s, uint64_t dur_ns);
 
 
+/* A host pointer as a unified address. */
+#define SIM_HOST_ADDR(p) ((CUdeviceptr)(uintptr_t)(p))
+
+/* The implementations driver_forwards.def's entry points call, by file;
+ * per_thread: what a NULL stream means (the _ptds and _ptsz variants);
+ * sync: the call waits as a synchronous one does. */
+CUresult sim_error_lookup(CUresult error, const char **pStr, bool name);
+CUresult sim_lookup_proc(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,
+                         CUdriverProcAddressQueryResult *status);
+CUresult sim_ctx_create(CUcontext *pctx, unsigned int flags, CUdevice dev);
+CUresult sim_stream_id(CUstream h, bool per_thread, unsigned long long *id);
+/* driver_exec.c */
+CUresult sim_stream_create(CUstream *phStream, unsigned int flags, int priority);
+CUresult sim_stream_get(CUstream h, bool per_thread, int *priority, unsigned *flags);
+CUresult sim_stream_sync(CUstream h, bool per_thread);
+CUresult sim_stream_query(CUstream h, bool per_thread);
+CUresult sim_stream_wait_event(CUstream h, CUevent ev, unsigned int flags, bool per_thread);
+CUresult sim_stream_ctx(CUstream h, bool per_thread, CUcontext *pctx);
+CUresult sim_event_record(CUevent ev, CUstream h, bool per_thread);
+CUresult sim_launch_ex(const CUlaunchConfig *c, CUfunction f, void **params, void **extra, bool per_thread);
+CUresult sim_launch_legacy(CUfunction f, int grid_width, int grid_height, CUstream h);
+CUresult sim_graph_add_node(CUgraphNode *phNode, CUgraph hGraph, size_t numDependencies, const void *deps,
+                            CUgraphNodeParams *params);
+CUresult sim_graph_launch(CUgraphExec hGraphExec, CUstream h, bool per_thread);
+/* capture.c */
+CUresult sim_capture_begin(CUstream h, CUstreamCaptureMode mode, bool per_thread);
+CUresult sim_capture_end(CUstream h, CUgraph *phGraph, bool per_thread);
+CUresult sim_capture_info(CUstream h, bool per_thread, CUstreamCaptureStatus *status, cuuint64_t *id, CUgraph *graph,
+                          const CUgraphNode **deps, const CUgraphEdgeData **edges, size_t *ndeps);
+/* the memory families */
+CUresult sim_alloc_async(CUdeviceptr *dptr, size_t bytesize, CUstream hStream, bool per_thread);
+CUresult sim_free_async(CUdeviceptr dptr, CUstream hStream, bool per_thread);
+CUresult sim_pool_alloc(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream, bool per_thread);
+CUresult sim_vmm_remove(CUdeviceptr ptr, size_t size, enum alloc_kind kind);
+CUresult sim_array_destroy(void *handle);
+CUresult sim_place_ok(CUdevice dev);
+CUresult sim_location_ok(CUmemLocation loc);
+CUresult sim_advise(CUdeviceptr p, size_t count, CUmem_advise advice, CUresult place);
+CUresult sim_prefetch(CUdeviceptr p, size_t count, CUresult place, CUstream h, bool per_thread);
+CUresult sim_copy(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream h, bool per_thread, bool sync);
+CUresult sim_fill(CUdeviceptr dst, unsigned value, size_t elem, size_t count, CUstream h, bool per_thread, bool sync);
+CUresult sim_fill_2d(CUdeviceptr dst, size_t pitch, unsigned value, size_t elem, size_t width, size_t height,
+                     CUstream h, bool per_thread, bool sync);
+CUresult sim_copy_2d(const CUDA_MEMCPY2D *c, CUstream h, bool per_thread, bool sync);
+CUresult sim_copy_peer(CUdeviceptr dst, CUcontext dst_ctx, CUdeviceptr src, CUcontext src_ctx, size_t n, CUstream h,
+                       bool per_thread, bool sync);
+CUresult sim_launch_host(CUstream h, bool per_thread, CUhostFn fn, void *data);
+CUresult sim_add_callback(CUstream h, bool per_thread, CUstreamCallback cb, void *data, unsigned flags);
+
 #endif

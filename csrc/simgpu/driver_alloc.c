@@ -73,7 +73,7 @@ void sim_table_link(struct alloc_entry *e)
 }
 
 CUresult sim_table_insert(CUdeviceptr ptr, uint64_t size, int dev, enum alloc_kind kind,
-                             struct sim_memhandle *handle)
+                          struct sim_memhandle *handle)
 {
     struct alloc_entry *e = malloc(sizeof(*e));
     if (!e)
@@ -255,11 +255,6 @@ SIM_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t
     return rc;
 }
 
-SIM_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr)
-{
-    return sim_free_device(dptr);
-}
-
 /* ---- the 32-bit entry points of CUDA before 3.2 ------------------------------ */
 
 SIM_EXPORT CUresult cuMemAlloc(CUdeviceptr_v1 *dptr, unsigned int bytesize)
@@ -290,11 +285,6 @@ SIM_EXPORT CUresult cuMemAllocPitch(CUdeviceptr_v1 *dptr, unsigned int *pPitch, 
         *pPitch = (unsigned int)pitch;
     }
     return rc;
-}
-
-SIM_EXPORT CUresult cuMemFree(CUdeviceptr_v1 dptr)
-{
-    return sim_free_device(dptr);
 }
 
 /* 32-bit sizes: a larger GPU reads as 4 GiB - 1, as the old ABI would. */
@@ -350,7 +340,7 @@ SIM_EXPORT CUresult cuMemGetAddressRange_v2(CUdeviceptr *pbase, size_t *psize, C
     return rc;
 }
 
-static CUresult alloc_async(CUdeviceptr *dptr, size_t bytesize, CUstream hStream, bool per_thread)
+CUresult sim_alloc_async(CUdeviceptr *dptr, size_t bytesize, CUstream hStream, bool per_thread)
 {
     CUresult rc = sim_check_init();
     if (rc)
@@ -364,17 +354,7 @@ static CUresult alloc_async(CUdeviceptr *dptr, size_t bytesize, CUstream hStream
     return rc;
 }
 
-SIM_EXPORT CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
-{
-    return alloc_async(dptr, bytesize, hStream, false);
-}
-
-SIM_EXPORT CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
-{
-    return alloc_async(dptr, bytesize, hStream, true);
-}
-
-static CUresult free_async(CUdeviceptr dptr, CUstream hStream, bool per_thread)
+CUresult sim_free_async(CUdeviceptr dptr, CUstream hStream, bool per_thread)
 {
     CUresult rc = sim_check_init();
     if (rc)
@@ -384,14 +364,4 @@ static CUresult free_async(CUdeviceptr dptr, CUstream hStream, bool per_thread)
     /* Returned at once rather than when the stream reaches the free: the
      * simulation never touches the memory, only its accounting. */
     return rc ? rc : sim_free_device(dptr);
-}
-
-SIM_EXPORT CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream)
-{
-    return free_async(dptr, hStream, false);
-}
-
-SIM_EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream)
-{
-    return free_async(dptr, hStream, true);
 }

@@ -59,7 +59,7 @@ static CUresult create_array(void **out, uint64_t bytes)
     return CUDA_SUCCESS;
 }
 
-static CUresult destroy_array(void *handle)
+CUresult sim_array_destroy(void *handle)
 {
     CUresult rc = sim_check_init();
     if (rc)
@@ -99,11 +99,6 @@ SIM_EXPORT CUresult cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_DESC
     return create_array((void **)pHandle, array_bytes(d->Width, d->Height, d->Depth, d->Format, d->NumChannels));
 }
 
-SIM_EXPORT CUresult cuArrayDestroy(CUarray hArray)
-{
-    return destroy_array(hArray);
-}
-
 SIM_EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *d,
                                            unsigned int numMipmapLevels)
 {
@@ -121,11 +116,6 @@ SIM_EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle, const CUDA
         z = z > 1 ? z / 2 : z;
     }
     return create_array((void **)pHandle, total);
-}
-
-SIM_EXPORT CUresult cuMipmappedArrayDestroy(CUmipmappedArray hMipmappedArray)
-{
-    return destroy_array(hMipmappedArray);
 }
 
 SIM_EXPORT CUresult cuArrayCreate(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR_v1 *d)

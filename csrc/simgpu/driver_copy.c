@@ -54,7 +54,7 @@ CUresult sim_copy_stream(CUstream h, bool per_thread, bool sync, struct sim_stre
  * change what it moves, and the copy itself takes no simulated time. The
  * lock is held across the move so that a concurrent free cannot unmap the
  * backing under it. */
-static CUresult copy(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream h, bool per_thread, bool sync)
+CUresult sim_copy(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream h, bool per_thread, bool sync)
 {
     struct sim_stream *s;
     CUresult rc = sim_copy_stream(h, per_thread, sync, &s);
@@ -83,8 +83,8 @@ static size_t span_2d(size_t pitch, size_t width, size_t height)
 
 /* `height` rows of `width` elements of `elem` bytes, rows `pitch` bytes
  * apart, set to `value`. */
-static CUresult fill_2d(CUdeviceptr dst, size_t pitch, unsigned value, size_t elem, size_t width, size_t height,
-                        CUstream h, bool per_thread, bool sync)
+CUresult sim_fill_2d(CUdeviceptr dst, size_t pitch, unsigned value, size_t elem, size_t width, size_t height,
+                     CUstream h, bool per_thread, bool sync)
 {
     struct sim_stream *s;
     CUresult rc = sim_copy_stream(h, per_thread, sync, &s);
@@ -113,184 +113,11 @@ static CUresult fill_2d(CUdeviceptr dst, size_t pitch, unsigned value, size_t el
     return rc;
 }
 
-static CUresult fill(CUdeviceptr dst, unsigned value, size_t elem, size_t count, CUstream h, bool per_thread,
-                     bool sync)
+CUresult sim_fill(CUdeviceptr dst, unsigned value, size_t elem, size_t count, CUstream h, bool per_thread,
+                  bool sync)
 {
-    return fill_2d(dst, 0, value, elem, count, 1, h, per_thread, sync);
+    return sim_fill_2d(dst, 0, value, elem, count, 1, h, per_thread, sync);
 }
-
-#define HOST(p) ((CUdeviceptr)(uintptr_t)(p))
-
-SIM_EXPORT CUresult cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t ByteCount)
-{
-    return copy(dst, src, ByteCount, NULL, false, true);
-}
-
-SIM_EXPORT CUresult cuMemcpy_ptds(CUdeviceptr dst, CUdeviceptr src, size_t ByteCount)
-{
-    return copy(dst, src, ByteCount, NULL, true, true);
-}
-
-SIM_EXPORT CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t ByteCount, CUstream hStream)
-{
-    return copy(dst, src, ByteCount, hStream, false, false);
-}
-
-SIM_EXPORT CUresult cuMemcpyAsync_ptsz(CUdeviceptr dst, CUdeviceptr src, size_t ByteCount, CUstream hStream)
-{
-    return copy(dst, src, ByteCount, hStream, true, false);
-}
-
-SIM_EXPORT CUresult cuMemcpyHtoD_v2(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount)
-{
-    return copy(dstDevice, HOST(srcHost), ByteCount, NULL, false, true);
-}
-
-SIM_EXPORT CUresult cuMemcpyHtoD_v2_ptds(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount)
-{
-    return copy(dstDevice, HOST(srcHost), ByteCount, NULL, true, true);
-}
-
-SIM_EXPORT CUresult cuMemcpyDtoH_v2(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount)
-{
-    return copy(HOST(dstHost), srcDevice, ByteCount, NULL, false, true);
-}
-
-SIM_EXPORT CUresult cuMemcpyDtoH_v2_ptds(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount)
-{
-    return copy(HOST(dstHost), srcDevice, ByteCount, NULL, true, true);
-}
-
-SIM_EXPORT CUresult cuMemcpyDtoD_v2(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount)
-{
-    return copy(dstDevice, srcDevice, ByteCount, NULL, false, true);
-}
-
-SIM_EXPORT CUresult cuMemcpyDtoD_v2_ptds(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount)
-{
-    return copy(dstDevice, srcDevice, ByteCount, NULL, true, true);
-}
-
-SIM_EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount,
-                                         CUstream hStream)
-{
-    return copy(dstDevice, HOST(srcHost), ByteCount, hStream, false, false);
-}
-
-SIM_EXPORT CUresult cuMemcpyHtoDAsync_v2_ptsz(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount,
-                                              CUstream hStream)
-{
-    return copy(dstDevice, HOST(srcHost), ByteCount, hStream, true, false);
-}
-
-SIM_EXPORT CUresult cuMemcpyDtoHAsync_v2(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount, CUstream hStream)
-{
-    return copy(HOST(dstHost), srcDevice, ByteCount, hStream, false, false);
-}
-
-SIM_EXPORT CUresult cuMemcpyDtoHAsync_v2_ptsz(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount,
-                                              CUstream hStream)
-{
-    return copy(HOST(dstHost), srcDevice, ByteCount, hStream, true, false);
-}
-
-SIM_EXPORT CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount,
-                                         CUstream hStream)
-{
-    return copy(dstDevice, srcDevice, ByteCount, hStream, false, false);
-}
-
-SIM_EXPORT CUresult cuMemcpyDtoDAsync_v2_ptsz(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount,
-                                              CUstream hStream)
-{
-    return copy(dstDevice, srcDevice, ByteCount, hStream, true, false);
-}
-
-SIM_EXPORT CUresult cuMemsetD8_v2(CUdeviceptr dstDevice, unsigned char uc, size_t N)
-{
-    return fill(dstDevice, uc, 1, N, NULL, false, true);
-}
-
-SIM_EXPORT CUresult cuMemsetD8_v2_ptds(CUdeviceptr dstDevice, unsigned char uc, size_t N)
-{
-    return fill(dstDevice, uc, 1, N, NULL, true, true);
-}
-
-SIM_EXPORT CUresult cuMemsetD32_v2(CUdeviceptr dstDevice, unsigned int ui, size_t N)
-{
-    return fill(dstDevice, ui, 4, N, NULL, false, true);
-}
-
-SIM_EXPORT CUresult cuMemsetD32_v2_ptds(CUdeviceptr dstDevice, unsigned int ui, size_t N)
-{
-    return fill(dstDevice, ui, 4, N, NULL, true, true);
-}
-
-SIM_EXPORT CUresult cuMemsetD8Async(CUdeviceptr dstDevice, unsigned char uc, size_t N, CUstream hStream)
-{
-    return fill(dstDevice, uc, 1, N, hStream, false, false);
-}
-
-SIM_EXPORT CUresult cuMemsetD8Async_ptsz(CUdeviceptr dstDevice, unsigned char uc, size_t N, CUstream hStream)
-{
-    return fill(dstDevice, uc, 1, N, hStream, true, false);
-}
-
-SIM_EXPORT CUresult cuMemsetD32Async(CUdeviceptr dstDevice, unsigned int ui, size_t N, CUstream hStream)
-{
-    return fill(dstDevice, ui, 4, N, hStream, false, false);
-}
-
-SIM_EXPORT CUresult cuMemsetD32Async_ptsz(CUdeviceptr dstDevice, unsigned int ui, size_t N, CUstream hStream)
-{
-    return fill(dstDevice, ui, 4, N, hStream, true, false);
-}
-
-SIM_EXPORT CUresult cuMemsetD16_v2(CUdeviceptr dstDevice, unsigned short us, size_t N)
-{
-    return fill(dstDevice, us, 2, N, NULL, false, true);
-}
-
-SIM_EXPORT CUresult cuMemsetD16_v2_ptds(CUdeviceptr dstDevice, unsigned short us, size_t N)
-{
-    return fill(dstDevice, us, 2, N, NULL, true, true);
-}
-
-SIM_EXPORT CUresult cuMemsetD16Async(CUdeviceptr dstDevice, unsigned short us, size_t N, CUstream hStream)
-{
-    return fill(dstDevice, us, 2, N, hStream, false, false);
-}
-
-SIM_EXPORT CUresult cuMemsetD16Async_ptsz(CUdeviceptr dstDevice, unsigned short us, size_t N, CUstream hStream)
-{
-    return fill(dstDevice, us, 2, N, hStream, true, false);
-}
-
-/* The 2D fills: one entry point per element size, synchronous or not, with
- * their per-thread variants. */
-#define FILL_2D(name, type, elem)                                                                                  \
-    SIM_EXPORT CUresult name##_v2(CUdeviceptr dstDevice, size_t dstPitch, type v, size_t Width, size_t Height)     \
-    {                                                                                                              \
-        return fill_2d(dstDevice, dstPitch, v, elem, Width, Height, NULL, false, true);                           \
-    }                                                                                                              \
-    SIM_EXPORT CUresult name##_v2_ptds(CUdeviceptr dstDevice, size_t dstPitch, type v, size_t Width, size_t Height) \
-    {                                                                                                              \
-        return fill_2d(dstDevice, dstPitch, v, elem, Width, Height, NULL, true, true);                            \
-    }                                                                                                              \
-    SIM_EXPORT CUresult name##Async(CUdeviceptr dstDevice, size_t dstPitch, type v, size_t Width, size_t Height,   \
-                                    CUstream hStream)                                                              \
-    {                                                                                                              \
-        return fill_2d(dstDevice, dstPitch, v, elem, Width, Height, hStream, false, false);                       \
-    }                                                                                                              \
-    SIM_EXPORT CUresult name##Async_ptsz(CUdeviceptr dstDevice, size_t dstPitch, type v, size_t Width,            \
-                                         size_t Height, CUstream hStream)                                          \
-    {                                                                                                              \
-        return fill_2d(dstDevice, dstPitch, v, elem, Width, Height, hStream, true, false);                        \
-    }
-FILL_2D(cuMemsetD2D8, unsigned char, 1)
-FILL_2D(cuMemsetD2D16, unsigned short, 2)
-FILL_2D(cuMemsetD2D32, unsigned int, 4)
-#undef FILL_2D
 
 /* One side of a 2D copy as a unified address. Arrays hold no bytes in the
  * simulation (they are only charged), so copies to or from them are not
@@ -298,7 +125,7 @@ FILL_2D(cuMemsetD2D32, unsigned int, 4)
 static CUresult copy_side(CUmemorytype type, const void *host, CUdeviceptr dev, CUdeviceptr *out)
 {
     switch (type) {
-    case CU_MEMORYTYPE_HOST: *out = HOST(host); return CUDA_SUCCESS;
+    case CU_MEMORYTYPE_HOST: *out = SIM_HOST_ADDR(host); return CUDA_SUCCESS;
     case CU_MEMORYTYPE_DEVICE:
     case CU_MEMORYTYPE_UNIFIED: *out = dev; return CUDA_SUCCESS;
     case CU_MEMORYTYPE_ARRAY: return CUDA_ERROR_NOT_SUPPORTED;
@@ -306,7 +133,7 @@ static CUresult copy_side(CUmemorytype type, const void *host, CUdeviceptr dev, 
     }
 }
 
-static CUresult copy_2d(const CUDA_MEMCPY2D *c, CUstream h, bool per_thread, bool sync)
+CUresult sim_copy_2d(const CUDA_MEMCPY2D *c, CUstream h, bool per_thread, bool sync)
 {
     struct sim_stream *s;
     CUresult rc = sim_copy_stream(h, per_thread, sync, &s);
@@ -341,70 +168,15 @@ static CUresult copy_2d(const CUDA_MEMCPY2D *c, CUstream h, bool per_thread, boo
     return rc;
 }
 
-SIM_EXPORT CUresult cuMemcpy2D_v2(const CUDA_MEMCPY2D *pCopy)
-{
-    return copy_2d(pCopy, NULL, false, true);
-}
-
-SIM_EXPORT CUresult cuMemcpy2D_v2_ptds(const CUDA_MEMCPY2D *pCopy)
-{
-    return copy_2d(pCopy, NULL, true, true);
-}
-
-/* The simulation moves bytes, not cache lines: alignment changes nothing. */
-SIM_EXPORT CUresult cuMemcpy2DUnaligned_v2(const CUDA_MEMCPY2D *pCopy)
-{
-    return copy_2d(pCopy, NULL, false, true);
-}
-
-SIM_EXPORT CUresult cuMemcpy2DUnaligned_v2_ptds(const CUDA_MEMCPY2D *pCopy)
-{
-    return copy_2d(pCopy, NULL, true, true);
-}
-
-SIM_EXPORT CUresult cuMemcpy2DAsync_v2(const CUDA_MEMCPY2D *pCopy, CUstream hStream)
-{
-    return copy_2d(pCopy, hStream, false, false);
-}
-
-SIM_EXPORT CUresult cuMemcpy2DAsync_v2_ptsz(const CUDA_MEMCPY2D *pCopy, CUstream hStream)
-{
-    return copy_2d(pCopy, hStream, true, false);
-}
-
 /* Unified addressing names every byte of every GPU: a peer copy is a copy
  * once both contexts are known good. */
-static CUresult copy_peer(CUdeviceptr dst, CUcontext dst_ctx, CUdeviceptr src, CUcontext src_ctx, size_t n,
-                          CUstream h, bool per_thread, bool sync)
+CUresult sim_copy_peer(CUdeviceptr dst, CUcontext dst_ctx, CUdeviceptr src, CUcontext src_ctx, size_t n,
+                       CUstream h, bool per_thread, bool sync)
 {
     CUresult rc = sim_check_init();
     if (rc)
         return rc;
     if (!sim_ctx_valid((struct sim_ctx *)dst_ctx) || !sim_ctx_valid((struct sim_ctx *)src_ctx))
         return CUDA_ERROR_INVALID_CONTEXT;
-    return copy(dst, src, n, h, per_thread, sync);
-}
-
-SIM_EXPORT CUresult cuMemcpyPeer(CUdeviceptr dstDevice, CUcontext dstContext, CUdeviceptr srcDevice,
-                                 CUcontext srcContext, size_t ByteCount)
-{
-    return copy_peer(dstDevice, dstContext, srcDevice, srcContext, ByteCount, NULL, false, true);
-}
-
-SIM_EXPORT CUresult cuMemcpyPeer_ptds(CUdeviceptr dstDevice, CUcontext dstContext, CUdeviceptr srcDevice,
-                                      CUcontext srcContext, size_t ByteCount)
-{
-    return copy_peer(dstDevice, dstContext, srcDevice, srcContext, ByteCount, NULL, true, true);
-}
-
-SIM_EXPORT CUresult cuMemcpyPeerAsync(CUdeviceptr dstDevice, CUcontext dstContext, CUdeviceptr srcDevice,
-                                      CUcontext srcContext, size_t ByteCount, CUstream hStream)
-{
-    return copy_peer(dstDevice, dstContext, srcDevice, srcContext, ByteCount, hStream, false, false);
-}
-
-SIM_EXPORT CUresult cuMemcpyPeerAsync_ptsz(CUdeviceptr dstDevice, CUcontext dstContext, CUdeviceptr srcDevice,
-                                           CUcontext srcContext, size_t ByteCount, CUstream hStream)
-{
-    return copy_peer(dstDevice, dstContext, srcDevice, srcContext, ByteCount, hStream, true, false);
+    return sim_copy(dst, src, n, h, per_thread, sync);
 }

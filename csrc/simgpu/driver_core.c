@@ -147,7 +147,6 @@ static void read_visible_devices(void)
     }
 }
 
-
 SIM_EXPORT CUresult cuDriverGetVersion(int *driverVersion)
 {
     if (!driverVersion)
@@ -202,7 +201,7 @@ static const struct {
     {CUDA_ERROR_UNKNOWN, "CUDA_ERROR_UNKNOWN", "unknown error"},
 };
 
-static CUresult error_lookup(CUresult error, const char **pStr, bool name)
+CUresult sim_error_lookup(CUresult error, const char **pStr, bool name)
 {
     if (!pStr)
         return CUDA_ERROR_INVALID_VALUE;
@@ -214,16 +213,6 @@ static CUresult error_lookup(CUresult error, const char **pStr, bool name)
     }
     *pStr = NULL;
     return CUDA_ERROR_INVALID_VALUE;
-}
-
-SIM_EXPORT CUresult cuGetErrorName(CUresult error, const char **pStr)
-{
-    return error_lookup(error, pStr, true);
-}
-
-SIM_EXPORT CUresult cuGetErrorString(CUresult error, const char **pStr)
-{
-    return error_lookup(error, pStr, false);
 }
 
 /* ---- entry-point lookup ------------------------------------------------------ */
@@ -247,8 +236,8 @@ static bool proc_better(const struct sim_proc *e, const struct sim_proc *best, e
  * base name: the newest variant it knows, the per-thread-stream one if asked.
  * Modelled functions and stubs answer alike, as every name a real driver
  * knows resolves on it. */
-static CUresult lookup_proc(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,
-                            CUdriverProcAddressQueryResult *status)
+CUresult sim_lookup_proc(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,
+                         CUdriverProcAddressQueryResult *status)
 {
     if (!symbol || !pfn)
         return CUDA_ERROR_INVALID_VALUE;
@@ -276,17 +265,6 @@ static CUresult lookup_proc(const char *symbol, void **pfn, int cudaVersion, cuu
                   : known ? CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT
                           : CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
     return best ? CUDA_SUCCESS : CUDA_ERROR_NOT_FOUND;
-}
-
-SIM_EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags)
-{
-    return lookup_proc(symbol, pfn, cudaVersion, flags, NULL);
-}
-
-SIM_EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,
-                                        CUdriverProcAddressQueryResult *symbolStatus)
-{
-    return lookup_proc(symbol, pfn, cudaVersion, flags, symbolStatus);
 }
 
 /* ---- devices ------------------------------------------------------------------- */
@@ -352,11 +330,6 @@ SIM_EXPORT CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev)
         n++;
     }
     return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev)
-{
-    return cuDeviceGetUuid_v2(uuid, dev);
 }
 
 SIM_EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
@@ -681,7 +654,7 @@ static CUresult push_ctx(struct sim_ctx *ctx)
     return CUDA_SUCCESS;
 }
 
-static CUresult create_ctx(CUcontext *pctx, unsigned int flags, CUdevice dev)
+CUresult sim_ctx_create(CUcontext *pctx, unsigned int flags, CUdevice dev)
 {
     int phys;
     CUresult rc = sim_device(dev, &phys);
@@ -709,17 +682,12 @@ static CUresult create_ctx(CUcontext *pctx, unsigned int flags, CUdevice dev)
     return CUDA_SUCCESS;
 }
 
-SIM_EXPORT CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev)
-{
-    return create_ctx(pctx, flags, dev);
-}
-
 SIM_EXPORT CUresult cuCtxCreate_v3(CUcontext *pctx, CUexecAffinityParam *paramsArray, int numParams,
                                    unsigned int flags, CUdevice dev)
 {
     if (numParams < 0 || (numParams > 0 && !paramsArray))
         return CUDA_ERROR_INVALID_VALUE;
-    return create_ctx(pctx, flags, dev);
+    return sim_ctx_create(pctx, flags, dev);
 }
 
 SIM_EXPORT CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *ctxCreateParams, unsigned int flags,
@@ -727,7 +695,7 @@ SIM_EXPORT CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *ctxCreate
 {
     if (ctxCreateParams && ctxCreateParams->numExecAffinityParams < 0)
         return CUDA_ERROR_INVALID_VALUE;
-    return create_ctx(pctx, flags, dev);
+    return sim_ctx_create(pctx, flags, dev);
 }
 
 SIM_EXPORT CUresult cuCtxDestroy_v2(CUcontext hctx)
@@ -941,12 +909,6 @@ SIM_EXPORT CUresult cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(int *nu
     return rc;
 }
 
-SIM_EXPORT CUresult cuOccupancyMaxActiveBlocksPerMultiprocessor(int *numBlocks, CUfunction func, int blockSize,
-                                                                size_t dynamicSMemSize)
-{
-    return cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(numBlocks, func, blockSize, dynamicSMemSize, 0);
-}
-
 /* The block size (a multiple of the warp) that keeps the most threads
  * resident, the larger on a tie; the grid that fills every SM with it. */
 SIM_EXPORT CUresult cuOccupancyMaxPotentialBlockSizeWithFlags(int *minGridSize, int *blockSize, CUfunction func,
@@ -980,14 +942,6 @@ SIM_EXPORT CUresult cuOccupancyMaxPotentialBlockSizeWithFlags(int *minGridSize, 
     return CUDA_SUCCESS;
 }
 
-SIM_EXPORT CUresult cuOccupancyMaxPotentialBlockSize(int *minGridSize, int *blockSize, CUfunction func,
-                                                     CUoccupancyB2DSize blockSizeToDynamicSMemSize,
-                                                     size_t dynamicSMemSize, int blockSizeLimit)
-{
-    return cuOccupancyMaxPotentialBlockSizeWithFlags(minGridSize, blockSize, func, blockSizeToDynamicSMemSize,
-                                                     dynamicSMemSize, blockSizeLimit, 0);
-}
-
 /* ---- ids -------------------------------------------------------------------------- */
 
 /* Ids are unique in the process and never reused, given on first ask. */
@@ -1015,7 +969,7 @@ SIM_EXPORT CUresult cuCtxGetId(CUcontext ctx, unsigned long long *ctxId)
     return CUDA_SUCCESS;
 }
 
-static CUresult stream_id(CUstream h, bool per_thread, unsigned long long *id)
+CUresult sim_stream_id(CUstream h, bool per_thread, unsigned long long *id)
 {
     CUresult rc = sim_check_init();
     struct sim_stream *s;
@@ -1025,27 +979,4 @@ static CUresult stream_id(CUstream h, bool per_thread, unsigned long long *id)
         return CUDA_ERROR_INVALID_VALUE;
     *id = object_id(&s->id);
     return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuStreamGetId(CUstream hStream, unsigned long long *streamId)
-{
-    return stream_id(hStream, false, streamId);
-}
-
-SIM_EXPORT CUresult cuStreamGetId_ptsz(CUstream hStream, unsigned long long *streamId)
-{
-    return stream_id(hStream, true, streamId);
-}
-
-/* CU_EVENT_RECORD_EXTERNAL only means something to stream capture, which
- * records an event node either way. */
-SIM_EXPORT CUresult cuEventRecordWithFlags(CUevent hEvent, CUstream hStream, unsigned int flags)
-{
-    return flags & ~(unsigned)CU_EVENT_RECORD_EXTERNAL ? CUDA_ERROR_INVALID_VALUE : cuEventRecord(hEvent, hStream);
-}
-
-SIM_EXPORT CUresult cuEventRecordWithFlags_ptsz(CUevent hEvent, CUstream hStream, unsigned int flags)
-{
-    return flags & ~(unsigned)CU_EVENT_RECORD_EXTERNAL ? CUDA_ERROR_INVALID_VALUE
-                                                       : cuEventRecord_ptsz(hEvent, hStream);
 }

@@ -144,11 +144,11 @@ CUstreamCaptureStatus sim_capture_status(const struct sim_stream *s);
 void sim_capture_forget(const struct sim_stream *s);
 CUresult sim_capture_launch(struct sim_stream *s, CUfunction f, const unsigned grid[3], const unsigned block[3],
                             void **params, void **extra, bool *captured);
-
-#define PER_THREAD_SLOTS 8
-static _Thread_local struct sim_stream per_thread_stream[PER_THREAD_SLOTS];
-
-static struct sim_stream *per_thread_of(struct sim_ctx *ctx)
+                            
+                            #define PER_THREAD_SLOTS 8
+                            static _Thread_local struct sim_stream per_thread_stream[PER_THREAD_SLOTS];
+                            
+                            static struct sim_stream *per_thread_of(struct sim_ctx *ctx)
 {
     for (int i = 0; i < PER_THREAD_SLOTS; i++) {
         struct sim_stream *s = &per_thread_stream[i];
@@ -192,7 +192,7 @@ void sim_stream_run(struct sim_stream *s, uint64_t dur_ns)
     sim_ctx_note_end(s->ctx, end);
 }
 
-static CUresult stream_create(CUstream *phStream, unsigned int flags, int priority)
+CUresult sim_stream_create(CUstream *phStream, unsigned int flags, int priority)
 {
     struct sim_ctx *ctx;
     CUresult rc = sim_require_ctx(&ctx);
@@ -212,7 +212,7 @@ static CUresult stream_create(CUstream *phStream, unsigned int flags, int priori
     return CUDA_SUCCESS;
 }
 
-static CUresult stream_get(CUstream h, bool per_thread, int *priority, unsigned *flags)
+CUresult sim_stream_get(CUstream h, bool per_thread, int *priority, unsigned *flags)
 {
     CUresult rc = sim_check_init();
     struct sim_stream *s;
@@ -223,36 +223,6 @@ static CUresult stream_get(CUstream h, bool per_thread, int *priority, unsigned 
     if (flags)
         *flags = s->flags;
     return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuStreamGetPriority(CUstream hStream, int *priority)
-{
-    return priority ? stream_get(hStream, false, priority, NULL) : CUDA_ERROR_INVALID_VALUE;
-}
-
-SIM_EXPORT CUresult cuStreamGetPriority_ptsz(CUstream hStream, int *priority)
-{
-    return priority ? stream_get(hStream, true, priority, NULL) : CUDA_ERROR_INVALID_VALUE;
-}
-
-SIM_EXPORT CUresult cuStreamGetFlags(CUstream hStream, unsigned int *flags)
-{
-    return flags ? stream_get(hStream, false, NULL, flags) : CUDA_ERROR_INVALID_VALUE;
-}
-
-SIM_EXPORT CUresult cuStreamGetFlags_ptsz(CUstream hStream, unsigned int *flags)
-{
-    return flags ? stream_get(hStream, true, NULL, flags) : CUDA_ERROR_INVALID_VALUE;
-}
-
-SIM_EXPORT CUresult cuStreamCreate(CUstream *phStream, unsigned int Flags)
-{
-    return stream_create(phStream, Flags, 0);
-}
-
-SIM_EXPORT CUresult cuStreamCreateWithPriority(CUstream *phStream, unsigned int flags, int priority)
-{
-    return stream_create(phStream, flags, priority);
 }
 
 SIM_EXPORT CUresult cuStreamDestroy_v2(CUstream hStream)
@@ -271,7 +241,7 @@ SIM_EXPORT CUresult cuStreamDestroy_v2(CUstream hStream)
     return CUDA_SUCCESS;
 }
 
-static CUresult stream_sync(CUstream h, bool per_thread)
+CUresult sim_stream_sync(CUstream h, bool per_thread)
 {
     CUresult rc = sim_check_init();
     struct sim_stream *s;
@@ -283,17 +253,7 @@ static CUresult stream_sync(CUstream h, bool per_thread)
     return CUDA_SUCCESS;
 }
 
-SIM_EXPORT CUresult cuStreamSynchronize(CUstream hStream)
-{
-    return stream_sync(hStream, false);
-}
-
-SIM_EXPORT CUresult cuStreamSynchronize_ptsz(CUstream hStream)
-{
-    return stream_sync(hStream, true);
-}
-
-static CUresult stream_query(CUstream h, bool per_thread)
+CUresult sim_stream_query(CUstream h, bool per_thread)
 {
     CUresult rc = sim_check_init();
     struct sim_stream *s;
@@ -314,16 +274,6 @@ SIM_EXPORT CUresult cuStreamIsCapturing(CUstream hStream, CUstreamCaptureStatus 
     return CUDA_SUCCESS;
 }
 
-SIM_EXPORT CUresult cuStreamQuery(CUstream hStream)
-{
-    return stream_query(hStream, false);
-}
-
-SIM_EXPORT CUresult cuStreamQuery_ptsz(CUstream hStream)
-{
-    return stream_query(hStream, true);
-}
-
 /* ---- events -------------------------------------------------------------------- */
 
 static struct sim_event *event_of(CUevent h)
@@ -342,7 +292,7 @@ static CUresult event_get(CUevent h, struct sim_event **e)
     return *e ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
 }
 
-static CUresult stream_wait_event(CUstream h, CUevent ev, unsigned int flags, bool per_thread)
+CUresult sim_stream_wait_event(CUstream h, CUevent ev, unsigned int flags, bool per_thread)
 {
     CUresult rc = sim_check_init();
     struct sim_stream *s;
@@ -357,16 +307,6 @@ static CUresult stream_wait_event(CUstream h, CUevent ev, unsigned int flags, bo
     if (atomic_load(&e->recorded) && when > tail)
         atomic_store(&s->tail, when);
     return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int Flags)
-{
-    return stream_wait_event(hStream, hEvent, Flags, false);
-}
-
-SIM_EXPORT CUresult cuStreamWaitEvent_ptsz(CUstream hStream, CUevent hEvent, unsigned int Flags)
-{
-    return stream_wait_event(hStream, hEvent, Flags, true);
 }
 
 SIM_EXPORT CUresult cuEventCreate(CUevent *phEvent, unsigned int Flags)
@@ -397,7 +337,7 @@ SIM_EXPORT CUresult cuEventDestroy_v2(CUevent hEvent)
     return CUDA_SUCCESS;
 }
 
-static CUresult event_record(CUevent ev, CUstream h, bool per_thread)
+CUresult sim_event_record(CUevent ev, CUstream h, bool per_thread)
 {
     CUresult rc = sim_check_init();
     struct sim_stream *s;
@@ -412,16 +352,6 @@ static CUresult event_record(CUevent ev, CUstream h, bool per_thread)
     atomic_store(&e->when, tail > now ? tail : now);
     atomic_store(&e->recorded, true);
     return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuEventRecord(CUevent hEvent, CUstream hStream)
-{
-    return event_record(hEvent, hStream, false);
-}
-
-SIM_EXPORT CUresult cuEventRecord_ptsz(CUevent hEvent, CUstream hStream)
-{
-    return event_record(hEvent, hStream, true);
 }
 
 SIM_EXPORT CUresult cuEventQuery(CUevent hEvent)
@@ -461,11 +391,6 @@ SIM_EXPORT CUresult cuEventElapsedTime_v2(float *pMilliseconds, CUevent hStart, 
         return CUDA_ERROR_NOT_READY;
     *pMilliseconds = (float)(((double)tb - (double)ta) / 1e6);
     return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuEventElapsedTime(float *pMilliseconds, CUevent hStart, CUevent hEnd)
-{
-    return cuEventElapsedTime_v2(pMilliseconds, hStart, hEnd);
 }
 
 /* ---- launches -------------------------------------------------------------------- */
@@ -633,7 +558,7 @@ SIM_EXPORT CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *lau
     return CUDA_SUCCESS;
 }
 
-static CUresult launch_ex(const CUlaunchConfig *c, CUfunction f, void **params, void **extra, bool per_thread)
+CUresult sim_launch_ex(const CUlaunchConfig *c, CUfunction f, void **params, void **extra, bool per_thread)
 {
     if (!c || (c->numAttrs && !c->attrs))
         return CUDA_ERROR_INVALID_VALUE;
@@ -644,17 +569,6 @@ static CUresult launch_ex(const CUlaunchConfig *c, CUfunction f, void **params, 
             sh.cooperative = c->attrs[i].value.cooperative != 0;
     }
     return launch(f, &sh, c->hStream, per_thread, params, extra);
-}
-
-SIM_EXPORT CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra)
-{
-    return launch_ex(config, f, kernelParams, extra, false);
-}
-
-SIM_EXPORT CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f, void **kernelParams,
-                                          void **extra)
-{
-    return launch_ex(config, f, kernelParams, extra, true);
 }
 
 /* ---- the deprecated execution-control API ---------------------------------------- */
@@ -718,19 +632,9 @@ SIM_EXPORT CUresult cuParamSetv(CUfunction hfunc, int offset, void *ptr, unsigne
     return CUDA_SUCCESS;
 }
 
-SIM_EXPORT CUresult cuParamSeti(CUfunction hfunc, int offset, unsigned int value)
-{
-    return cuParamSetv(hfunc, offset, &value, sizeof(value));
-}
-
-SIM_EXPORT CUresult cuParamSetf(CUfunction hfunc, int offset, float value)
-{
-    return cuParamSetv(hfunc, offset, &value, sizeof(value));
-}
-
 /* A grid_width x grid_height grid of the shape cuFuncSetBlockShape gave,
  * with the parameter buffer cuParamSet* filled, on the NULL stream. */
-static CUresult launch_legacy(CUfunction f, int grid_width, int grid_height, CUstream h)
+CUresult sim_launch_legacy(CUfunction f, int grid_width, int grid_height, CUstream h)
 {
     struct sim_function *fn;
     CUresult rc = legacy_function(f, &fn);
@@ -746,21 +650,6 @@ static CUresult launch_legacy(CUfunction f, int grid_width, int grid_height, CUs
     void *extra[] = {CU_LAUNCH_PARAM_BUFFER_POINTER, fn->legacy.params, CU_LAUNCH_PARAM_BUFFER_SIZE, &size,
                      CU_LAUNCH_PARAM_END};
     return launch(f, &sh, h, false, NULL, extra);
-}
-
-SIM_EXPORT CUresult cuLaunch(CUfunction f)
-{
-    return launch_legacy(f, 1, 1, NULL);
-}
-
-SIM_EXPORT CUresult cuLaunchGrid(CUfunction f, int grid_width, int grid_height)
-{
-    return launch_legacy(f, grid_width, grid_height, NULL);
-}
-
-SIM_EXPORT CUresult cuLaunchGridAsync(CUfunction f, int grid_width, int grid_height, CUstream hStream)
-{
-    return launch_legacy(f, grid_width, grid_height, hStream);
 }
 
 /* ---- graphs ---------------------------------------------------------------------- */
@@ -878,8 +767,8 @@ SIM_EXPORT CUresult cuGraphAddKernelNode_v2(CUgraphNode *phGraphNode, CUgraph hG
 }
 
 /* Only memory-allocation nodes are simulated through the generic call. */
-static CUresult add_node(CUgraphNode *phNode, CUgraph hGraph, size_t numDependencies, const void *deps,
-                         CUgraphNodeParams *p)
+CUresult sim_graph_add_node(CUgraphNode *phNode, CUgraph hGraph, size_t numDependencies, const void *deps,
+                            CUgraphNodeParams *p)
 {
     CUresult rc = sim_check_init();
     if (rc)
@@ -899,18 +788,12 @@ static CUresult add_node(CUgraphNode *phNode, CUgraph hGraph, size_t numDependen
     return CUDA_SUCCESS;
 }
 
-SIM_EXPORT CUresult cuGraphAddNode(CUgraphNode *phGraphNode, CUgraph hGraph, const CUgraphNode *dependencies,
-                                   size_t numDependencies, CUgraphNodeParams *nodeParams)
-{
-    return add_node(phGraphNode, hGraph, numDependencies, dependencies, nodeParams);
-}
-
 SIM_EXPORT CUresult cuGraphAddNode_v2(CUgraphNode *phGraphNode, CUgraph hGraph, const CUgraphNode *dependencies,
                                       const CUgraphEdgeData *dependencyData, size_t numDependencies,
                                       CUgraphNodeParams *nodeParams)
 {
     (void)dependencyData;
-    return add_node(phGraphNode, hGraph, numDependencies, dependencies, nodeParams);
+    return sim_graph_add_node(phGraphNode, hGraph, numDependencies, dependencies, nodeParams);
 }
 
 SIM_EXPORT CUresult cuGraphInstantiateWithFlags(CUgraphExec *phGraphExec, CUgraph hGraph, unsigned long long flags)
@@ -956,7 +839,7 @@ SIM_EXPORT CUresult cuGraphExecDestroy(CUgraphExec hGraphExec)
     return CUDA_SUCCESS;
 }
 
-static CUresult graph_launch(CUgraphExec hGraphExec, CUstream h, bool per_thread)
+CUresult sim_graph_launch(CUgraphExec hGraphExec, CUstream h, bool per_thread)
 {
     CUresult rc = sim_check_init();
     struct sim_stream *s;
@@ -971,16 +854,6 @@ static CUresult graph_launch(CUgraphExec hGraphExec, CUstream h, bool per_thread
     if (x->total_ns)
         sim_stream_run(s, x->total_ns);
     return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream)
-{
-    return graph_launch(hGraphExec, hStream, false);
-}
-
-SIM_EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream)
-{
-    return graph_launch(hGraphExec, hStream, true);
 }
 
 /* ---- function attributes -------------------------------------------------------------- */
@@ -1062,7 +935,7 @@ SIM_EXPORT CUresult cuFuncSetCacheConfig(CUfunction hfunc, CUfunc_cache config)
     return (unsigned)config <= CU_FUNC_CACHE_PREFER_EQUAL ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
-static CUresult stream_ctx(CUstream h, bool per_thread, CUcontext *pctx)
+CUresult sim_stream_ctx(CUstream h, bool per_thread, CUcontext *pctx)
 {
     CUresult rc = sim_check_init();
     struct sim_stream *s;
@@ -1070,14 +943,4 @@ static CUresult stream_ctx(CUstream h, bool per_thread, CUcontext *pctx)
         return rc;
     *pctx = (CUcontext)s->ctx;
     return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuStreamGetCtx(CUstream hStream, CUcontext *pctx)
-{
-    return pctx ? stream_ctx(hStream, false, pctx) : CUDA_ERROR_INVALID_VALUE;
-}
-
-SIM_EXPORT CUresult cuStreamGetCtx_ptsz(CUstream hStream, CUcontext *pctx)
-{
-    return pctx ? stream_ctx(hStream, true, pctx) : CUDA_ERROR_INVALID_VALUE;
 }

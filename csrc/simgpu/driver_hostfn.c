@@ -27,33 +27,12 @@ static CUresult host_func(CUstream h, bool per_thread, CUhostFn fn, CUstreamCall
     return CUDA_SUCCESS;
 }
 
-static CUresult launch_host(CUstream h, bool per_thread, CUhostFn fn, void *data)
+CUresult sim_launch_host(CUstream h, bool per_thread, CUhostFn fn, void *data)
 {
     return fn ? host_func(h, per_thread, fn, NULL, data) : CUDA_ERROR_INVALID_VALUE;
 }
 
-static CUresult add_callback(CUstream h, bool per_thread, CUstreamCallback cb, void *data, unsigned flags)
+CUresult sim_add_callback(CUstream h, bool per_thread, CUstreamCallback cb, void *data, unsigned flags)
 {
     return cb && flags == 0 ? host_func(h, per_thread, NULL, cb, data) : CUDA_ERROR_INVALID_VALUE;
-}
-
-SIM_EXPORT CUresult cuLaunchHostFunc(CUstream hStream, CUhostFn fn, void *userData)
-{
-    return launch_host(hStream, false, fn, userData);
-}
-
-SIM_EXPORT CUresult cuLaunchHostFunc_ptsz(CUstream hStream, CUhostFn fn, void *userData)
-{
-    return launch_host(hStream, true, fn, userData);
-}
-
-SIM_EXPORT CUresult cuStreamAddCallback(CUstream hStream, CUstreamCallback callback, void *userData, unsigned int flags)
-{
-    return add_callback(hStream, false, callback, userData, flags);
-}
-
-SIM_EXPORT CUresult cuStreamAddCallback_ptsz(CUstream hStream, CUstreamCallback callback, void *userData,
-                                             unsigned int flags)
-{
-    return add_callback(hStream, true, callback, userData, flags);
 }

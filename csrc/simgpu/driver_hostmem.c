@@ -64,11 +64,6 @@ SIM_EXPORT CUresult cuMemHostAlloc(void **pp, size_t bytesize, unsigned int Flag
     return CUDA_SUCCESS;
 }
 
-SIM_EXPORT CUresult cuMemAllocHost_v2(void **pp, size_t bytesize)
-{
-    return cuMemHostAlloc(pp, bytesize, 0);
-}
-
 SIM_EXPORT CUresult cuMemFreeHost(void *p)
 {
     CUresult rc = sim_check_init();

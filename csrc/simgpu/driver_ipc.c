@@ -111,11 +111,6 @@ SIM_EXPORT CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *pdptr, CUipcMemHandle han
     return CUDA_SUCCESS;
 }
 
-SIM_EXPORT CUresult cuIpcOpenMemHandle(CUdeviceptr *pdptr, CUipcMemHandle handle, unsigned int Flags)
-{
-    return cuIpcOpenMemHandle_v2(pdptr, handle, Flags);
-}
-
 SIM_EXPORT CUresult cuIpcCloseMemHandle(CUdeviceptr dptr)
 {
     CUresult rc = sim_check_init();

@@ -36,16 +36,16 @@ static CUresult managed_range(CUdeviceptr p, size_t count)
 }
 
 /* A GPU ordinal or the host (CU_DEVICE_CPU). */
-static CUresult place_ok(CUdevice dev)
+CUresult sim_place_ok(CUdevice dev)
 {
     int phys;
     return dev == CU_DEVICE_CPU || sim_device(dev, &phys) == CUDA_SUCCESS ? CUDA_SUCCESS : CUDA_ERROR_INVALID_DEVICE;
 }
 
-static CUresult location_ok(CUmemLocation loc)
+CUresult sim_location_ok(CUmemLocation loc)
 {
     switch (loc.type) {
-    case CU_MEM_LOCATION_TYPE_DEVICE: return place_ok(loc.id);
+    case CU_MEM_LOCATION_TYPE_DEVICE: return sim_place_ok(loc.id);
     case CU_MEM_LOCATION_TYPE_HOST:
     case CU_MEM_LOCATION_TYPE_HOST_NUMA:
     case CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT: return CUDA_SUCCESS;
@@ -53,7 +53,7 @@ static CUresult location_ok(CUmemLocation loc)
     }
 }
 
-static CUresult advise(CUdeviceptr p, size_t count, CUmem_advise advice, CUresult place)
+CUresult sim_advise(CUdeviceptr p, size_t count, CUmem_advise advice, CUresult place)
 {
     CUresult rc = managed_range(p, count);
     if (rc)
@@ -64,43 +64,11 @@ static CUresult advise(CUdeviceptr p, size_t count, CUmem_advise advice, CUresul
     return advice == CU_MEM_ADVISE_SET_READ_MOSTLY || advice == CU_MEM_ADVISE_UNSET_READ_MOSTLY ? CUDA_SUCCESS : place;
 }
 
-SIM_EXPORT CUresult cuMemAdvise(CUdeviceptr devPtr, size_t count, CUmem_advise advice, CUdevice device)
-{
-    return advise(devPtr, count, advice, place_ok(device));
-}
-
-SIM_EXPORT CUresult cuMemAdvise_v2(CUdeviceptr devPtr, size_t count, CUmem_advise advice, CUmemLocation location)
-{
-    return advise(devPtr, count, advice, location_ok(location));
-}
-
-static CUresult prefetch(CUdeviceptr p, size_t count, CUresult place, CUstream h, bool per_thread)
+CUresult sim_prefetch(CUdeviceptr p, size_t count, CUresult place, CUstream h, bool per_thread)
 {
     struct sim_stream *s;
     CUresult rc = managed_range(p, count);
     if (rc || (rc = place) || (rc = sim_resolve_stream(h, per_thread, &s)))
         return rc;
     return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuMemPrefetchAsync(CUdeviceptr devPtr, size_t count, CUdevice dstDevice, CUstream hStream)
-{
-    return prefetch(devPtr, count, place_ok(dstDevice), hStream, false);
-}
-
-SIM_EXPORT CUresult cuMemPrefetchAsync_ptsz(CUdeviceptr devPtr, size_t count, CUdevice dstDevice, CUstream hStream)
-{
-    return prefetch(devPtr, count, place_ok(dstDevice), hStream, true);
-}
-
-SIM_EXPORT CUresult cuMemPrefetchAsync_v2(CUdeviceptr devPtr, size_t count, CUmemLocation location, unsigned int flags,
-                                          CUstream hStream)
-{
-    return flags ? CUDA_ERROR_INVALID_VALUE : prefetch(devPtr, count, location_ok(location), hStream, false);
-}
-
-SIM_EXPORT CUresult cuMemPrefetchAsync_v2_ptsz(CUdeviceptr devPtr, size_t count, CUmemLocation location,
-                                               unsigned int flags, CUstream hStream)
-{
-    return flags ? CUDA_ERROR_INVALID_VALUE : prefetch(devPtr, count, location_ok(location), hStream, true);
 }

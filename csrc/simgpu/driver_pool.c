@@ -14,8 +14,8 @@ static CUresult pool_get(CUmemoryPool pool, struct sim_pool **p)
     return *p && (*p)->magic == MAGIC_POOL ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
-static CUresult pool_alloc(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream,
-                           bool per_thread)
+CUresult sim_pool_alloc(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream,
+                        bool per_thread)
 {
     struct sim_pool *p;
     CUresult rc = pool_get(pool, &p);
@@ -28,18 +28,6 @@ static CUresult pool_alloc(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool
     if (!rc)
         sim_tag_allocation(*dptr, false, p);
     return rc;
-}
-
-SIM_EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
-                                            CUstream hStream)
-{
-    return pool_alloc(dptr, bytesize, pool, hStream, false);
-}
-
-SIM_EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
-                                                 CUstream hStream)
-{
-    return pool_alloc(dptr, bytesize, pool, hStream, true);
 }
 
 SIM_EXPORT CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool_out, CUdevice dev)

@@ -143,7 +143,7 @@ SIM_EXPORT CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t al
 
 /* Ends a reservation (only whole) or a mapping (whole whatever the size,
  * dropping its handle's count). */
-static CUresult vmm_remove(CUdeviceptr ptr, size_t size, enum alloc_kind kind)
+CUresult sim_vmm_remove(CUdeviceptr ptr, size_t size, enum alloc_kind kind)
 {
     CUresult rc = sim_check_init();
     if (rc)
@@ -163,11 +163,6 @@ static CUresult vmm_remove(CUdeviceptr ptr, size_t size, enum alloc_kind kind)
     return rc;
 }
 
-SIM_EXPORT CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size)
-{
-    return vmm_remove(ptr, size, ALLOC_RESERVED);
-}
-
 SIM_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
                              unsigned long long flags)
 {
@@ -185,11 +180,6 @@ SIM_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemG
     }
     pthread_mutex_unlock(&sim_drv.lock);
     return rc;
-}
-
-SIM_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
-{
-    return vmm_remove(ptr, size, ALLOC_MAPPED);
 }
 
 SIM_EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count)

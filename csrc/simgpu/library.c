@@ -1,8 +1,8 @@
 /* Simulated libcuda.so.1: entry points the CUDA runtime (libcudart) needs
  * beyond those the driver-API tools use: the module loading mode, fatbins
  * (the form nvcc embeds code in), the library/kernel API lazy loading goes
- * through, and the variants cudart resolves at versions other than the
- * newest (cuDevicePrimaryCtxRelease at 7000, cuCtxGetDevice at 13000). */
+ * through, and cuCtxGetDevice_v2 (CUDA 13). The older forms cudart resolves
+ * (cuDevicePrimaryCtxRelease at 7000) are in driver_forwards.def. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <pthread.h>
@@ -26,18 +26,6 @@ SIM_EXPORT CUresult cuModuleGetLoadingMode(CUmoduleLoadingMode *mode)
 }
 
 /* ---- variants ------------------------------------------------------------------ */
-
-/* The CUDA 7.0 forms cudart 13 still asks for: same behaviour as _v2 here
- * (the _v2 forms changed nothing a program can see on this device). */
-SIM_EXPORT CUresult cuDevicePrimaryCtxRelease(CUdevice dev)
-{
-    return cuDevicePrimaryCtxRelease_v2(dev);
-}
-
-SIM_EXPORT CUresult cuDevicePrimaryCtxReset(CUdevice dev)
-{
-    return cuDevicePrimaryCtxReset_v2(dev);
-}
 
 /* CUDA 13: the device of a given context, or of the current one for NULL. */
 SIM_EXPORT CUresult cuCtxGetDevice_v2(CUdevice *device, CUcontext ctx)
