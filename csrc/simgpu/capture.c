@@ -41,9 +41,9 @@ static struct capture **capture_at(const struct sim_stream *s)
 
 CUresult sim_capture_begin(CUstream h, CUstreamCaptureMode mode, bool per_thread)
 {
-    CUresult rc = sim_check_init();
     struct sim_stream *s;
-    if (rc || (rc = sim_resolve_stream(h, per_thread, &s)))
+    CUresult rc = sim_resolve_stream(h, per_thread, &s);
+    if (rc)
         return rc;
     if ((unsigned)mode > CU_STREAM_CAPTURE_MODE_RELAXED)
         return CUDA_ERROR_INVALID_VALUE;
@@ -84,9 +84,9 @@ CUresult sim_capture_begin(CUstream h, CUstreamCaptureMode mode, bool per_thread
 
 CUresult sim_capture_end(CUstream h, CUgraph *phGraph, bool per_thread)
 {
-    CUresult rc = sim_check_init();
     struct sim_stream *s;
-    if (rc || (rc = sim_resolve_stream(h, per_thread, &s)))
+    CUresult rc = sim_resolve_stream(h, per_thread, &s);
+    if (rc)
         return rc;
     if (!phGraph)
         return CUDA_ERROR_INVALID_VALUE;
@@ -129,9 +129,9 @@ CUstreamCaptureStatus sim_capture_status(const struct sim_stream *s)
  * program built with --default-stream per-thread gets. */
 SIM_EXPORT CUresult cuStreamIsCapturing_ptsz(CUstream hStream, CUstreamCaptureStatus *captureStatus)
 {
-    CUresult rc = sim_check_init();
     struct sim_stream *s;
-    if (rc || (rc = sim_resolve_stream(hStream, true, &s)))
+    CUresult rc = sim_resolve_stream(hStream, true, &s);
+    if (rc)
         return rc;
     if (!captureStatus)
         return CUDA_ERROR_INVALID_VALUE;
@@ -145,9 +145,9 @@ SIM_EXPORT CUresult cuStreamIsCapturing_ptsz(CUstream hStream, CUstreamCaptureSt
 CUresult sim_capture_info(CUstream h, bool per_thread, CUstreamCaptureStatus *status, cuuint64_t *id, CUgraph *graph,
                           const CUgraphNode **deps, const CUgraphEdgeData **edges, size_t *ndeps)
 {
-    CUresult rc = sim_check_init();
     struct sim_stream *s;
-    if (rc || (rc = sim_resolve_stream(h, per_thread, &s)))
+    CUresult rc = sim_resolve_stream(h, per_thread, &s);
+    if (rc)
         return rc;
     if (!status)
         return CUDA_ERROR_INVALID_VALUE;

@@ -178,6 +178,15 @@ CUdevice sim_ordinal(int phys);
 /* The calling thread's current context, or NULL. */
 struct sim_ctx *sim_current_ctx(void);
 CUresult sim_require_ctx(struct sim_ctx **out);
+/* sim_check_init, sim_device and sim_require_ctx, then the argument check
+ * each entry point makes next: CUDA_ERROR_INVALID_VALUE when `bad_args`,
+ * which is worked out before the call and so must not use what it gives. */
+CUresult sim_check_init_args(bool bad_args);
+CUresult sim_device_args(CUdevice dev, int *phys, bool bad_args);
+CUresult sim_require_ctx_args(struct sim_ctx **out, bool bad_args);
+/* sim_check_init, then h a live object of its kind: one whose first member
+ * is `magic`; else `bad` (INVALID_HANDLE or INVALID_VALUE by kind). */
+CUresult sim_check_handle(const void *h, uint32_t magic, CUresult bad);
 /* Validates a context handle the application passed. */
 bool sim_ctx_valid(const struct sim_ctx *ctx);
 void sim_ctx_note_end(struct sim_ctx *ctx, uint64_t end);
@@ -221,8 +230,9 @@ struct sim_host_mem *sim_pinned_at(const void *p);
 /* The stream a copy is ordered on; `sync`: wait for the work queued before. */
 CUresult sim_copy_stream(CUstream h, bool per_thread, bool sync, struct sim_stream **out);
 
-/* Resolve a stream argument: NULL, CU_STREAM_LEGACY and CU_STREAM_PER_THREAD
- * included; per_thread selects what NULL means (_ptsz entry points). */
+/* Resolve a stream argument, cuInit checked first: NULL, CU_STREAM_LEGACY
+ * and CU_STREAM_PER_THREAD included; per_thread selects what NULL means
+ * (_ptsz entry points). */
 CUresult sim_resolve_stream(CUstream h, bool per_thread, struct sim_stream **out);
 /* Queue dur_ns of device work on a stream; returns when it is queued. */
 void sim_stream_run(struct sim_stream *s, uint64_t dur_ns);

@@ -204,11 +204,9 @@ CUresult sim_free_device(CUdeviceptr dptr)
 SIM_EXPORT CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total)
 {
     struct sim_ctx *ctx;
-    CUresult rc = sim_require_ctx(&ctx);
+    CUresult rc = sim_require_ctx_args(&ctx, !free_bytes || !total);
     if (rc)
         return rc;
-    if (!free_bytes || !total)
-        return CUDA_ERROR_INVALID_VALUE;
     /* A dead process's memory is free at once on a real GPU. */
     sim_reap_dead(&sim_drv.shared);
     uint64_t cap = sim_cfg()->gpu[ctx->dev].total_mem;
@@ -229,11 +227,9 @@ static CUresult alloc_pitch(CUdeviceptr *dptr, uint64_t *pitch_out, uint64_t wid
                             unsigned int elem, bool low)
 {
     struct sim_ctx *ctx;
-    CUresult rc = sim_require_ctx(&ctx);
+    CUresult rc = sim_require_ctx_args(&ctx, width == 0 || height == 0 || (elem != 4 && elem != 8 && elem != 16));
     if (rc)
         return rc;
-    if (width == 0 || height == 0 || (elem != 4 && elem != 8 && elem != 16))
-        return CUDA_ERROR_INVALID_VALUE;
     uint64_t pitch = (width + PITCH_ALIGN - 1) / PITCH_ALIGN * PITCH_ALIGN;
     if (height > UINT64_MAX / pitch)
         return CUDA_ERROR_OUT_OF_MEMORY;
@@ -342,11 +338,8 @@ SIM_EXPORT CUresult cuMemGetAddressRange_v2(CUdeviceptr *pbase, size_t *psize, C
 
 CUresult sim_alloc_async(CUdeviceptr *dptr, size_t bytesize, CUstream hStream, bool per_thread)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
     struct sim_stream *s;
-    rc = sim_resolve_stream(hStream, per_thread, &s);
+    CUresult rc = sim_resolve_stream(hStream, per_thread, &s);
     if (!rc)
         rc = sim_alloc_device(dptr, bytesize, s->ctx->dev);
     if (!rc)
@@ -356,11 +349,8 @@ CUresult sim_alloc_async(CUdeviceptr *dptr, size_t bytesize, CUstream hStream, b
 
 CUresult sim_free_async(CUdeviceptr dptr, CUstream hStream, bool per_thread)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
     struct sim_stream *s;
-    rc = sim_resolve_stream(hStream, per_thread, &s);
+    CUresult rc = sim_resolve_stream(hStream, per_thread, &s);
     /* Returned at once rather than when the stream reaches the free: the
      * simulation never touches the memory, only its accounting. */
     return rc ? rc : sim_free_device(dptr);

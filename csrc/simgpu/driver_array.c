@@ -42,11 +42,9 @@ static uint64_t array_bytes(size_t w, size_t h, size_t d, CUarray_format f, unsi
 static CUresult create_array(void **out, uint64_t bytes)
 {
     struct sim_ctx *ctx;
-    CUresult rc = sim_require_ctx(&ctx);
+    CUresult rc = sim_require_ctx_args(&ctx, !out || bytes == 0);
     if (rc)
         return rc;
-    if (!out || bytes == 0)
-        return CUDA_ERROR_INVALID_VALUE;
     struct sim_array *a = malloc(sizeof(*a));
     if (!a)
         return CUDA_ERROR_OUT_OF_MEMORY;

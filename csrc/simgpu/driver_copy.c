@@ -38,8 +38,8 @@ static CUresult bytes_at(CUdeviceptr p, size_t n, void **out)
  * stream that is all of the context's blocking work). */
 CUresult sim_copy_stream(CUstream h, bool per_thread, bool sync, struct sim_stream **out)
 {
-    CUresult rc = sim_check_init();
-    if (rc || (rc = sim_resolve_stream(h, per_thread, out)))
+    CUresult rc = sim_resolve_stream(h, per_thread, out);
+    if (rc)
         return rc;
     if (sync) {
         uint64_t end = *out == &(*out)->ctx->legacy ? atomic_load(&(*out)->ctx->last_end) : atomic_load(&(*out)->tail);

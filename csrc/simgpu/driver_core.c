@@ -93,6 +93,30 @@ CUresult sim_device(CUdevice dev, int *phys)
     return CUDA_SUCCESS;
 }
 
+CUresult sim_check_init_args(bool bad_args)
+{
+    CUresult rc = sim_check_init();
+    return rc ? rc : bad_args ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
+}
+
+_Static_assert(offsetof(struct sim_module, magic) == 0 && offsetof(struct sim_event, magic) == 0 &&
+                   offsetof(struct sim_pool, magic) == 0,
+               "sim_check_handle reads a handle's magic as its first member");
+
+CUresult sim_check_handle(const void *h, uint32_t magic, CUresult bad)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    return h && *(const uint32_t *)h == magic ? CUDA_SUCCESS : bad;
+}
+
+CUresult sim_device_args(CUdevice dev, int *phys, bool bad_args)
+{
+    CUresult rc = sim_device(dev, phys);
+    return rc ? rc : bad_args ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
+}
+
 CUdevice sim_ordinal(int phys)
 {
     for (int i = 0; i < sim_drv.visible_count; i++) {
@@ -271,11 +295,9 @@ CUresult sim_lookup_proc(const char *symbol, void **pfn, int cudaVersion, cuuint
 
 SIM_EXPORT CUresult cuDeviceGet(CUdevice *device, int ordinal)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_init_args(!device);
     if (rc)
         return rc;
-    if (!device)
-        return CUDA_ERROR_INVALID_VALUE;
     if (ordinal < 0 || ordinal >= sim_drv.visible_count)
         return CUDA_ERROR_INVALID_DEVICE;
     *device = ordinal;
@@ -284,11 +306,9 @@ SIM_EXPORT CUresult cuDeviceGet(CUdevice *device, int ordinal)
 
 SIM_EXPORT CUresult cuDeviceGetCount(int *count)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_init_args(!count);
     if (rc)
         return rc;
-    if (!count)
-        return CUDA_ERROR_INVALID_VALUE;
     *count = sim_drv.visible_count;
     return CUDA_SUCCESS;
 }
@@ -296,11 +316,9 @@ SIM_EXPORT CUresult cuDeviceGetCount(int *count)
 SIM_EXPORT CUresult cuDeviceGetName(char *name, int len, CUdevice dev)
 {
     int phys;
-    CUresult rc = sim_device(dev, &phys);
+    CUresult rc = sim_device_args(dev, &phys, !name || len <= 0);
     if (rc)
         return rc;
-    if (!name || len <= 0)
-        return CUDA_ERROR_INVALID_VALUE;
     snprintf(name, (size_t)len, "%s", sim_cfg()->gpu[phys].name);
     return CUDA_SUCCESS;
 }
@@ -313,11 +331,9 @@ static int hexval(char c)
 SIM_EXPORT CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev)
 {
     int phys;
-    CUresult rc = sim_device(dev, &phys);
+    CUresult rc = sim_device_args(dev, &phys, !uuid);
     if (rc)
         return rc;
-    if (!uuid)
-        return CUDA_ERROR_INVALID_VALUE;
     /* "GPU-" then 32 hex digits with dashes: the 16 bytes NVML prints. */
     const char *s = sim_cfg()->gpu[phys].uuid;
     s += strncmp(s, "GPU-", 4) == 0 ? 4 : 0;
@@ -335,11 +351,9 @@ SIM_EXPORT CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev)
 SIM_EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
 {
     int phys;
-    CUresult rc = sim_device(dev, &phys);
+    CUresult rc = sim_device_args(dev, &phys, !bytes);
     if (rc)
         return rc;
-    if (!bytes)
-        return CUDA_ERROR_INVALID_VALUE;
     *bytes = (size_t)sim_cfg()->gpu[phys].total_mem;
     return CUDA_SUCCESS;
 }
@@ -396,11 +410,9 @@ static int attribute_value(const struct sim_gpu_config *g, CUdevice_attribute a,
 SIM_EXPORT CUresult cuDeviceGetAttribute(int *pi, CUdevice_attribute attrib, CUdevice dev)
 {
     int phys;
-    CUresult rc = sim_device(dev, &phys);
+    CUresult rc = sim_device_args(dev, &phys, !pi);
     if (rc)
         return rc;
-    if (!pi)
-        return CUDA_ERROR_INVALID_VALUE;
     bool ok;
     int v = attribute_value(&sim_cfg()->gpu[phys], attrib, &ok);
     if (!ok)
@@ -412,11 +424,9 @@ SIM_EXPORT CUresult cuDeviceGetAttribute(int *pi, CUdevice_attribute attrib, CUd
 SIM_EXPORT CUresult cuDeviceComputeCapability(int *major, int *minor, CUdevice dev)
 {
     int phys;
-    CUresult rc = sim_device(dev, &phys);
+    CUresult rc = sim_device_args(dev, &phys, !major || !minor);
     if (rc)
         return rc;
-    if (!major || !minor)
-        return CUDA_ERROR_INVALID_VALUE;
     *major = (int)sim_cfg()->gpu[phys].cc_major;
     *minor = (int)sim_cfg()->gpu[phys].cc_minor;
     return CUDA_SUCCESS;
@@ -425,11 +435,9 @@ SIM_EXPORT CUresult cuDeviceComputeCapability(int *major, int *minor, CUdevice d
 SIM_EXPORT CUresult cuDeviceGetPCIBusId(char *pciBusId, int len, CUdevice dev)
 {
     int phys;
-    CUresult rc = sim_device(dev, &phys);
+    CUresult rc = sim_device_args(dev, &phys, !pciBusId || len <= 0);
     if (rc)
         return rc;
-    if (!pciBusId || len <= 0)
-        return CUDA_ERROR_INVALID_VALUE;
     const struct sim_gpu_config *g = &sim_cfg()->gpu[phys];
     snprintf(pciBusId, (size_t)len, "%04x:%02x:%02x.0", g->pci_domain, g->pci_bus, g->pci_device);
     return CUDA_SUCCESS;
@@ -541,6 +549,12 @@ CUresult sim_require_ctx(struct sim_ctx **out)
     return CUDA_SUCCESS;
 }
 
+CUresult sim_require_ctx_args(struct sim_ctx **out, bool bad_args)
+{
+    CUresult rc = sim_require_ctx(out);
+    return rc ? rc : bad_args ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
+}
+
 void sim_ctx_note_end(struct sim_ctx *ctx, uint64_t end)
 {
     uint64_t cur = atomic_load(&ctx->last_end);
@@ -571,11 +585,9 @@ static CUresult use_gpu(int dev)
 SIM_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
 {
     int phys;
-    CUresult rc = sim_device(dev, &phys);
+    CUresult rc = sim_device_args(dev, &phys, !pctx);
     if (rc)
         return rc;
-    if (!pctx)
-        return CUDA_ERROR_INVALID_VALUE;
     rc = gpu_usable(phys, NULL);
     if (!rc)
         rc = use_gpu(phys);
@@ -622,11 +634,9 @@ SIM_EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev)
 SIM_EXPORT CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags, int *active)
 {
     int phys;
-    CUresult rc = sim_device(dev, &phys);
+    CUresult rc = sim_device_args(dev, &phys, !flags || !active);
     if (rc)
         return rc;
-    if (!flags || !active)
-        return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&sim_drv.lock);
     *flags = sim_drv.primary[phys].flags;
     *active = sim_drv.primary_refs[phys] > 0;
@@ -637,11 +647,9 @@ SIM_EXPORT CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags
 SIM_EXPORT CUresult cuDevicePrimaryCtxSetFlags_v2(CUdevice dev, unsigned int flags)
 {
     int phys;
-    CUresult rc = sim_device(dev, &phys);
+    CUresult rc = sim_device_args(dev, &phys, flags & ~0xffu);
     if (rc)
         return rc;
-    if (flags & ~0xffu)
-        return CUDA_ERROR_INVALID_VALUE;
     sim_drv.primary[phys].flags = flags;
     return CUDA_SUCCESS;
 }
@@ -657,11 +665,9 @@ static CUresult push_ctx(struct sim_ctx *ctx)
 CUresult sim_ctx_create(CUcontext *pctx, unsigned int flags, CUdevice dev)
 {
     int phys;
-    CUresult rc = sim_device(dev, &phys);
+    CUresult rc = sim_device_args(dev, &phys, !pctx || (flags & ~0xffu));
     if (rc)
         return rc;
-    if (!pctx || (flags & ~0xffu))
-        return CUDA_ERROR_INVALID_VALUE;
     rc = gpu_usable(phys, NULL);
     if (!rc)
         rc = use_gpu(phys);
@@ -765,11 +771,9 @@ SIM_EXPORT CUresult cuCtxSetCurrent(CUcontext hctx)
 
 SIM_EXPORT CUresult cuCtxGetCurrent(CUcontext *pctx)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_init_args(!pctx);
     if (rc)
         return rc;
-    if (!pctx)
-        return CUDA_ERROR_INVALID_VALUE;
     *pctx = (CUcontext)sim_current_ctx();
     return CUDA_SUCCESS;
 }
@@ -777,11 +781,9 @@ SIM_EXPORT CUresult cuCtxGetCurrent(CUcontext *pctx)
 SIM_EXPORT CUresult cuCtxGetDevice(CUdevice *device)
 {
     struct sim_ctx *ctx;
-    CUresult rc = sim_require_ctx(&ctx);
+    CUresult rc = sim_require_ctx_args(&ctx, !device);
     if (rc)
         return rc;
-    if (!device)
-        return CUDA_ERROR_INVALID_VALUE;
     *device = sim_ordinal(ctx->dev);
     return CUDA_SUCCESS;
 }
@@ -815,11 +817,9 @@ SIM_EXPORT CUresult cuCtxGetApiVersion(CUcontext hctx, unsigned int *version)
 SIM_EXPORT CUresult cuCtxGetFlags(unsigned int *flags)
 {
     struct sim_ctx *ctx;
-    CUresult rc = sim_require_ctx(&ctx);
+    CUresult rc = sim_require_ctx_args(&ctx, !flags);
     if (rc)
         return rc;
-    if (!flags)
-        return CUDA_ERROR_INVALID_VALUE;
     *flags = ctx->flags;
     return CUDA_SUCCESS;
 }
@@ -829,11 +829,9 @@ SIM_EXPORT CUresult cuCtxGetFlags(unsigned int *flags)
 SIM_EXPORT CUresult cuCtxSetCacheConfig(CUfunc_cache config)
 {
     struct sim_ctx *ctx;
-    CUresult rc = sim_require_ctx(&ctx);
+    CUresult rc = sim_require_ctx_args(&ctx, (unsigned)config > CU_FUNC_CACHE_PREFER_EQUAL);
     if (rc)
         return rc;
-    if ((unsigned)config > CU_FUNC_CACHE_PREFER_EQUAL)
-        return CUDA_ERROR_INVALID_VALUE;
     ctx->cache_config = config;
     return CUDA_SUCCESS;
 }
@@ -841,11 +839,9 @@ SIM_EXPORT CUresult cuCtxSetCacheConfig(CUfunc_cache config)
 SIM_EXPORT CUresult cuCtxGetCacheConfig(CUfunc_cache *pconfig)
 {
     struct sim_ctx *ctx;
-    CUresult rc = sim_require_ctx(&ctx);
+    CUresult rc = sim_require_ctx_args(&ctx, !pconfig);
     if (rc)
         return rc;
-    if (!pconfig)
-        return CUDA_ERROR_INVALID_VALUE;
     *pconfig = ctx->cache_config;
     return CUDA_SUCCESS;
 }
@@ -971,9 +967,9 @@ SIM_EXPORT CUresult cuCtxGetId(CUcontext ctx, unsigned long long *ctxId)
 
 CUresult sim_stream_id(CUstream h, bool per_thread, unsigned long long *id)
 {
-    CUresult rc = sim_check_init();
     struct sim_stream *s;
-    if (rc || (rc = sim_resolve_stream(h, per_thread, &s)))
+    CUresult rc = sim_resolve_stream(h, per_thread, &s);
+    if (rc)
         return rc;
     if (!id)
         return CUDA_ERROR_INVALID_VALUE;

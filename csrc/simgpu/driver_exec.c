@@ -67,11 +67,9 @@ static int parse_ptx(const char *ptx, struct sim_function *funcs, int cap)
 SIM_EXPORT CUresult cuModuleLoadData(CUmodule *module, const void *image)
 {
     struct sim_ctx *ctx;
-    CUresult rc = sim_require_ctx(&ctx);
+    CUresult rc = sim_require_ctx_args(&ctx, !module || !image);
     if (rc)
         return rc;
-    if (!module || !image)
-        return CUDA_ERROR_INVALID_VALUE;
     const char *ptx = image;
     /* Only PTX text: machine code (ELF cubins, fatbins) cannot run on the
      * simulated device, as sm_XX code cannot on a GPU of another arch. */
@@ -98,11 +96,8 @@ SIM_EXPORT CUresult cuModuleLoadData(CUmodule *module, const void *image)
 /* The init check and handle lookup that open every module call. */
 static CUresult module_get(CUmodule hmod, struct sim_module **m)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
     *m = (struct sim_module *)hmod;
-    return *m && (*m)->magic == MAGIC_MODULE ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+    return sim_check_handle(*m, MAGIC_MODULE, CUDA_ERROR_INVALID_HANDLE);
 }
 
 SIM_EXPORT CUresult cuModuleUnload(CUmodule hmod)
@@ -169,9 +164,12 @@ CUresult sim_capture_launch(struct sim_stream *s, CUfunction f, const unsigned g
 
 CUresult sim_resolve_stream(CUstream h, bool per_thread, struct sim_stream **out)
 {
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
     if (h == NULL || h == CU_STREAM_LEGACY || h == CU_STREAM_PER_THREAD) {
         struct sim_ctx *ctx;
-        CUresult rc = sim_require_ctx(&ctx);
+        rc = sim_require_ctx(&ctx);
         if (rc)
             return rc;
         bool pts = h == CU_STREAM_PER_THREAD || (h == NULL && per_thread);
@@ -195,11 +193,9 @@ void sim_stream_run(struct sim_stream *s, uint64_t dur_ns)
 CUresult sim_stream_create(CUstream *phStream, unsigned int flags, int priority)
 {
     struct sim_ctx *ctx;
-    CUresult rc = sim_require_ctx(&ctx);
+    CUresult rc = sim_require_ctx_args(&ctx, !phStream || (flags & ~(unsigned)CU_STREAM_NON_BLOCKING));
     if (rc)
         return rc;
-    if (!phStream || (flags & ~(unsigned)CU_STREAM_NON_BLOCKING))
-        return CUDA_ERROR_INVALID_VALUE;
     struct sim_stream *s = malloc(sizeof(*s));
     if (!s)
         return CUDA_ERROR_OUT_OF_MEMORY;
@@ -214,9 +210,9 @@ CUresult sim_stream_create(CUstream *phStream, unsigned int flags, int priority)
 
 CUresult sim_stream_get(CUstream h, bool per_thread, int *priority, unsigned *flags)
 {
-    CUresult rc = sim_check_init();
     struct sim_stream *s;
-    if (rc || (rc = sim_resolve_stream(h, per_thread, &s)))
+    CUresult rc = sim_resolve_stream(h, per_thread, &s);
+    if (rc)
         return rc;
     if (priority)
         *priority = s->priority;
@@ -243,9 +239,9 @@ SIM_EXPORT CUresult cuStreamDestroy_v2(CUstream hStream)
 
 CUresult sim_stream_sync(CUstream h, bool per_thread)
 {
-    CUresult rc = sim_check_init();
     struct sim_stream *s;
-    if (rc || (rc = sim_resolve_stream(h, per_thread, &s)))
+    CUresult rc = sim_resolve_stream(h, per_thread, &s);
+    if (rc)
         return rc;
     uint64_t tail = atomic_load(&s->tail);
     if (tail > sim_now_ns())
@@ -255,18 +251,18 @@ CUresult sim_stream_sync(CUstream h, bool per_thread)
 
 CUresult sim_stream_query(CUstream h, bool per_thread)
 {
-    CUresult rc = sim_check_init();
     struct sim_stream *s;
-    if (rc || (rc = sim_resolve_stream(h, per_thread, &s)))
+    CUresult rc = sim_resolve_stream(h, per_thread, &s);
+    if (rc)
         return rc;
     return atomic_load(&s->tail) > sim_now_ns() ? CUDA_ERROR_NOT_READY : CUDA_SUCCESS;
 }
 
 SIM_EXPORT CUresult cuStreamIsCapturing(CUstream hStream, CUstreamCaptureStatus *captureStatus)
 {
-    CUresult rc = sim_check_init();
     struct sim_stream *s;
-    if (rc || (rc = sim_resolve_stream(hStream, false, &s)))
+    CUresult rc = sim_resolve_stream(hStream, false, &s);
+    if (rc)
         return rc;
     if (!captureStatus)
         return CUDA_ERROR_INVALID_VALUE;
@@ -285,18 +281,15 @@ static struct sim_event *event_of(CUevent h)
 /* The init check and handle lookup of the calls on an event alone. */
 static CUresult event_get(CUevent h, struct sim_event **e)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
-    *e = event_of(h);
-    return *e ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+    *e = (struct sim_event *)h;
+    return sim_check_handle(*e, MAGIC_EVENT, CUDA_ERROR_INVALID_HANDLE);
 }
 
 CUresult sim_stream_wait_event(CUstream h, CUevent ev, unsigned int flags, bool per_thread)
 {
-    CUresult rc = sim_check_init();
     struct sim_stream *s;
-    if (rc || (rc = sim_resolve_stream(h, per_thread, &s)))
+    CUresult rc = sim_resolve_stream(h, per_thread, &s);
+    if (rc)
         return rc;
     struct sim_event *e = event_of(ev);
     if (!e)
@@ -312,11 +305,9 @@ CUresult sim_stream_wait_event(CUstream h, CUevent ev, unsigned int flags, bool 
 SIM_EXPORT CUresult cuEventCreate(CUevent *phEvent, unsigned int Flags)
 {
     struct sim_ctx *ctx;
-    CUresult rc = sim_require_ctx(&ctx);
+    CUresult rc = sim_require_ctx_args(&ctx, !phEvent || (Flags & ~0x7u));
     if (rc)
         return rc;
-    if (!phEvent || (Flags & ~0x7u))
-        return CUDA_ERROR_INVALID_VALUE;
     struct sim_event *e = calloc(1, sizeof(*e));
     if (!e)
         return CUDA_ERROR_OUT_OF_MEMORY;
@@ -339,9 +330,9 @@ SIM_EXPORT CUresult cuEventDestroy_v2(CUevent hEvent)
 
 CUresult sim_event_record(CUevent ev, CUstream h, bool per_thread)
 {
-    CUresult rc = sim_check_init();
     struct sim_stream *s;
-    if (rc || (rc = sim_resolve_stream(h, per_thread, &s)))
+    CUresult rc = sim_resolve_stream(h, per_thread, &s);
+    if (rc)
         return rc;
     struct sim_event *e = event_of(ev);
     if (!e)
@@ -446,9 +437,9 @@ static CUresult check_shape(const struct sim_function *fn, const struct launch_s
 static CUresult launch(CUfunction f, const struct launch_shape *sh, CUstream h, bool per_thread, void **params,
                        void **extra)
 {
-    CUresult rc = sim_check_init();
     struct sim_stream *s;
-    if (rc || (rc = sim_resolve_stream(h, per_thread, &s)))
+    CUresult rc = sim_resolve_stream(h, per_thread, &s);
+    if (rc)
         return rc;
     struct sim_function *fn = function_of(f);
     if (!fn)
@@ -514,11 +505,10 @@ SIM_EXPORT CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned int gr
 SIM_EXPORT CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *launchParamsList,
                                                          unsigned int numDevices, unsigned int flags)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_init_args(!launchParamsList || numDevices == 0 || numDevices > SIM_MAX_GPUS ||
+                                      (flags & ~(unsigned)MULTI_DEVICE_FLAGS));
     if (rc)
         return rc;
-    if (!launchParamsList || numDevices == 0 || numDevices > SIM_MAX_GPUS || (flags & ~(unsigned)MULTI_DEVICE_FLAGS))
-        return CUDA_ERROR_INVALID_VALUE;
     struct sim_stream *s[SIM_MAX_GPUS];
     uint64_t ns[SIM_MAX_GPUS], start = 0;
     for (unsigned i = 0; i < numDevices; i++) {
@@ -681,11 +671,9 @@ static struct sim_graph *graph_of(CUgraph h)
 SIM_EXPORT CUresult cuGraphCreate(CUgraph *phGraph, unsigned int flags)
 {
     struct sim_ctx *ctx;
-    CUresult rc = sim_require_ctx(&ctx);
+    CUresult rc = sim_require_ctx_args(&ctx, !phGraph || flags != 0);
     if (rc)
         return rc;
-    if (!phGraph || flags != 0)
-        return CUDA_ERROR_INVALID_VALUE;
     struct sim_graph *g = calloc(1, sizeof(*g));
     if (!g)
         return CUDA_ERROR_OUT_OF_MEMORY;
@@ -841,9 +829,9 @@ SIM_EXPORT CUresult cuGraphExecDestroy(CUgraphExec hGraphExec)
 
 CUresult sim_graph_launch(CUgraphExec hGraphExec, CUstream h, bool per_thread)
 {
-    CUresult rc = sim_check_init();
     struct sim_stream *s;
-    if (rc || (rc = sim_resolve_stream(h, per_thread, &s)))
+    CUresult rc = sim_resolve_stream(h, per_thread, &s);
+    if (rc)
         return rc;
     struct sim_graph_exec *x = exec_of(hGraphExec);
     if (!x)
@@ -937,9 +925,9 @@ SIM_EXPORT CUresult cuFuncSetCacheConfig(CUfunction hfunc, CUfunc_cache config)
 
 CUresult sim_stream_ctx(CUstream h, bool per_thread, CUcontext *pctx)
 {
-    CUresult rc = sim_check_init();
     struct sim_stream *s;
-    if (rc || (rc = sim_resolve_stream(h, per_thread, &s)))
+    CUresult rc = sim_resolve_stream(h, per_thread, &s);
+    if (rc)
         return rc;
     *pctx = (CUcontext)s->ctx;
     return CUDA_SUCCESS;

@@ -99,11 +99,9 @@ SIM_EXPORT CUresult cuMemHostRegister_v2(void *p, size_t bytesize, unsigned int 
 
 SIM_EXPORT CUresult cuMemHostUnregister(void *p)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_init_args(!p);
     if (rc)
         return rc;
-    if (!p)
-        return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&sim_drv.lock);
     struct sim_host_mem *m = pinned_remove(p, true);
     pthread_mutex_unlock(&sim_drv.lock);
@@ -116,11 +114,9 @@ SIM_EXPORT CUresult cuMemHostUnregister(void *p)
 SIM_EXPORT CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr *pdptr, void *p, unsigned int Flags)
 {
     struct sim_ctx *ctx;
-    CUresult rc = sim_require_ctx(&ctx);
+    CUresult rc = sim_require_ctx_args(&ctx, !pdptr || !p || Flags != 0);
     if (rc)
         return rc;
-    if (!pdptr || !p || Flags != 0)
-        return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&sim_drv.lock);
     bool found = sim_pinned_at(p) != NULL;
     pthread_mutex_unlock(&sim_drv.lock);
@@ -134,11 +130,9 @@ SIM_EXPORT CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr *pdptr, void *p, un
  * (cuMemHostAlloc's documentation), whatever flags it was made with. */
 SIM_EXPORT CUresult cuMemHostGetFlags(unsigned int *pFlags, void *p)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_init_args(!pFlags || !p);
     if (rc)
         return rc;
-    if (!pFlags || !p)
-        return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&sim_drv.lock);
     struct sim_host_mem *m = sim_pinned_at(p);
     if (m && !m->registered)

@@ -56,11 +56,9 @@ static CUresult share_backing(struct alloc_entry *e)
  * (CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE). */
 SIM_EXPORT CUresult cuIpcGetMemHandle(CUipcMemHandle *pHandle, CUdeviceptr dptr)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_init_args(!pHandle);
     if (rc)
         return rc;
-    if (!pHandle)
-        return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&sim_drv.lock);
     struct alloc_entry *e = sim_entry_at(dptr);
     if (!e || e->kind != ALLOC_MEMORY || e->managed || e->pool)

@@ -68,11 +68,9 @@ SIM_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value)
 SIM_EXPORT CUresult cuCtxGetLimit(size_t *pvalue, CUlimit limit)
 {
     struct sim_ctx *ctx;
-    CUresult rc = sim_require_ctx(&ctx);
+    CUresult rc = sim_require_ctx_args(&ctx, !pvalue);
     if (rc)
         return rc;
-    if (!pvalue)
-        return CUDA_ERROR_INVALID_VALUE;
     if ((unsigned)limit > CU_LIMIT_MALLOC_HEAP_SIZE)
         return CUDA_ERROR_UNSUPPORTED_LIMIT;
     pthread_mutex_lock(&sim_drv.lock);

@@ -5,11 +5,9 @@
 SIM_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags)
 {
     struct sim_ctx *ctx;
-    CUresult rc = sim_require_ctx(&ctx);
+    CUresult rc = sim_require_ctx_args(&ctx, flags != CU_MEM_ATTACH_GLOBAL && flags != CU_MEM_ATTACH_HOST);
     if (rc)
         return rc;
-    if (flags != CU_MEM_ATTACH_GLOBAL && flags != CU_MEM_ATTACH_HOST)
-        return CUDA_ERROR_INVALID_VALUE;
     /* Charged in full on the current GPU: the simulation does not migrate
      * pages, so managed memory behaves as if resident. */
     rc = sim_alloc_device(dptr, bytesize, ctx->dev);
@@ -23,11 +21,9 @@ SIM_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsign
  * (a managed range, a valid place) and change nothing. */
 static CUresult managed_range(CUdeviceptr p, size_t count)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_init_args(count == 0);
     if (rc)
         return rc;
-    if (count == 0)
-        return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&sim_drv.lock);
     const struct alloc_entry *e = sim_entry_at(p);
     bool ok = e && e->managed && count <= e->size - (p - e->ptr);

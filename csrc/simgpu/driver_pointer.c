@@ -126,11 +126,9 @@ static size_t pointer_attribute_size(CUpointer_attribute attr)
 SIM_EXPORT CUresult cuPointerGetAttributes(unsigned int numAttributes, CUpointer_attribute *attributes, void **data,
                                            CUdeviceptr ptr)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_init_args(numAttributes == 0 || !attributes || !data);
     if (rc)
         return rc;
-    if (numAttributes == 0 || !attributes || !data)
-        return CUDA_ERROR_INVALID_VALUE;
     for (unsigned i = 0; i < numAttributes; i++) {
         if (!data[i] || !pointer_attribute_size(attributes[i]))
             return CUDA_ERROR_INVALID_VALUE;

@@ -7,11 +7,8 @@
 /* The init check and handle lookup that open the calls on a pool. */
 static CUresult pool_get(CUmemoryPool pool, struct sim_pool **p)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
     *p = (struct sim_pool *)pool;
-    return *p && (*p)->magic == MAGIC_POOL ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    return sim_check_handle(*p, MAGIC_POOL, CUDA_ERROR_INVALID_VALUE);
 }
 
 CUresult sim_pool_alloc(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream,
@@ -33,11 +30,9 @@ CUresult sim_pool_alloc(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, C
 SIM_EXPORT CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool_out, CUdevice dev)
 {
     int phys;
-    CUresult rc = sim_device(dev, &phys);
+    CUresult rc = sim_device_args(dev, &phys, !pool_out);
     if (rc)
         return rc;
-    if (!pool_out)
-        return CUDA_ERROR_INVALID_VALUE;
     *pool_out = (CUmemoryPool)&sim_drv.default_pool[phys];
     return CUDA_SUCCESS;
 }
@@ -87,11 +82,9 @@ SIM_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
 SIM_EXPORT CUresult cuDeviceGetMemPool(CUmemoryPool *pool, CUdevice dev)
 {
     int phys;
-    CUresult rc = sim_device(dev, &phys);
+    CUresult rc = sim_device_args(dev, &phys, !pool);
     if (rc)
         return rc;
-    if (!pool)
-        return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&sim_drv.lock);
     *pool = (CUmemoryPool)sim_current_pool(phys);
     pthread_mutex_unlock(&sim_drv.lock);

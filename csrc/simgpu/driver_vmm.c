@@ -97,11 +97,9 @@ SIM_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
  * if every earlier reference was released. */
 SIM_EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle, void *addr)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_init_args(!handle);
     if (rc)
         return rc;
-    if (!handle)
-        return CUDA_ERROR_INVALID_VALUE;
     CUdeviceptr a = (CUdeviceptr)(uintptr_t)addr;
     struct sim_memhandle *h = NULL;
     pthread_mutex_lock(&sim_drv.lock);
@@ -133,7 +131,8 @@ SIM_EXPORT CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t al
         return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&sim_drv.lock);
     /* Reservations live above every GPU's allocation range. */
-    CUdeviceptr p = sim_take_va(SIM_MAX_GPUS - 1, size, alignment > SIM_VMM_GRANULARITY ? alignment : SIM_VMM_GRANULARITY);
+    uint64_t align = alignment > SIM_VMM_GRANULARITY ? alignment : SIM_VMM_GRANULARITY;
+    CUdeviceptr p = sim_take_va(SIM_MAX_GPUS - 1, size, align);
     rc = sim_table_insert(p, size, -1, ALLOC_RESERVED, NULL);
     pthread_mutex_unlock(&sim_drv.lock);
     if (rc == CUDA_SUCCESS)
@@ -166,11 +165,9 @@ CUresult sim_vmm_remove(CUdeviceptr ptr, size_t size, enum alloc_kind kind)
 SIM_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
                              unsigned long long flags)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_init_args(size == 0 || flags != 0 || offset != 0);
     if (rc)
         return rc;
-    if (size == 0 || flags != 0 || offset != 0)
-        return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&sim_drv.lock);
     struct sim_memhandle *h = memhandle_of(handle);
     if (!h || size > h->size) {
@@ -184,11 +181,9 @@ SIM_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemG
 
 SIM_EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_init_args(!desc || count == 0 || size == 0 || ptr == 0);
     if (rc)
         return rc;
-    if (!desc || count == 0 || size == 0 || ptr == 0)
-        return CUDA_ERROR_INVALID_VALUE;
     for (size_t i = 0; i < count; i++) {
         int phys;
         if (desc[i].location.type != CU_MEM_LOCATION_TYPE_DEVICE || sim_device(desc[i].location.id, &phys))
@@ -212,11 +207,10 @@ struct sim_shared_mem {
 SIM_EXPORT CUresult cuMemExportToShareableHandle(void *shareableHandle, CUmemGenericAllocationHandle handle,
                                                  CUmemAllocationHandleType handleType, unsigned long long flags)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc =
+        sim_check_init_args(!shareableHandle || flags != 0 || handleType != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
     if (rc)
         return rc;
-    if (!shareableHandle || flags != 0 || handleType != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
-        return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&sim_drv.lock);
     struct sim_memhandle *h = memhandle_of(handle);
     struct sim_shared_mem d = {.magic = SHARED_MEM_MAGIC};
@@ -242,11 +236,9 @@ SIM_EXPORT CUresult cuMemExportToShareableHandle(void *shareableHandle, CUmemGen
 SIM_EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, void *osHandle,
                                                    CUmemAllocationHandleType shHandleType)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_init_args(!handle || shHandleType != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
     if (rc)
         return rc;
-    if (!handle || shHandleType != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
-        return CUDA_ERROR_INVALID_VALUE;
     struct sim_shared_mem d;
     int fd = (int)(intptr_t)osHandle;
     if (pread(fd, &d, sizeof(d), 0) != (ssize_t)sizeof(d) || d.magic != SHARED_MEM_MAGIC || d.size == 0 ||
@@ -264,11 +256,9 @@ SIM_EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle 
 SIM_EXPORT CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *prop,
                                                            CUmemGenericAllocationHandle handle)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_init_args(!prop);
     if (rc)
         return rc;
-    if (!prop)
-        return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&sim_drv.lock);
     struct sim_memhandle *h = memhandle_of(handle);
     if (h) {

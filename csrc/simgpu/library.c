@@ -15,11 +15,9 @@
  * (CUDA 12.2 on). */
 SIM_EXPORT CUresult cuModuleGetLoadingMode(CUmoduleLoadingMode *mode)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_init_args(!mode);
     if (rc)
         return rc;
-    if (!mode)
-        return CUDA_ERROR_INVALID_VALUE;
     const char *env = getenv("CUDA_MODULE_LOADING");
     *mode = env && strcmp(env, "EAGER") == 0 ? CU_MODULE_EAGER_LOADING : CU_MODULE_LAZY_LOADING;
     return CUDA_SUCCESS;
@@ -199,6 +197,7 @@ struct sim_library {
 };
 
 #define MAGIC_LIBRARY 0x4c494231
+_Static_assert(offsetof(struct sim_library, magic) == 0, "sim_check_handle reads the magic first");
 
 /* Every loaded library, to find the one a kernel handle came from. */
 static struct {
@@ -257,11 +256,10 @@ SIM_EXPORT CUresult cuLibraryLoadData(CUlibrary *library, const void *code, CUji
                                       unsigned int numLibraryOptions)
 {
     (void)jitOptions, (void)jitOptionsValues, (void)libraryOptions, (void)libraryOptionValues;
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_init_args(!library || !code || (numJitOptions && !jitOptions) ||
+                                      (numLibraryOptions && !libraryOptions));
     if (rc)
         return rc;
-    if (!library || !code || (numJitOptions && !jitOptions) || (numLibraryOptions && !libraryOptions))
-        return CUDA_ERROR_INVALID_VALUE;
     bool owned;
     const char *ptx = image_ptx(code, &owned);
     if (!ptx)
@@ -292,11 +290,8 @@ SIM_EXPORT CUresult cuLibraryLoadData(CUlibrary *library, const void *code, CUji
 
 static CUresult library_get(CUlibrary h, struct sim_library **lib)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
     *lib = (struct sim_library *)h;
-    return *lib && (*lib)->magic == MAGIC_LIBRARY ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+    return sim_check_handle(*lib, MAGIC_LIBRARY, CUDA_ERROR_INVALID_HANDLE);
 }
 
 SIM_EXPORT CUresult cuLibraryUnload(CUlibrary library)
