@@ -39,14 +39,23 @@ static struct capture **capture_at(const struct sim_stream *s)
     return c;
 }
 
+/* Unlinks and returns the stream's capture, or NULL; the caller frees it. */
+static struct capture *capture_take(const struct sim_stream *s)
+{
+    pthread_mutex_lock(&captures.lock);
+    struct capture **at = capture_at(s), *c = *at;
+    if (c)
+        *at = c->next;
+    pthread_mutex_unlock(&captures.lock);
+    return c;
+}
+
 CUresult sim_capture_begin(CUstream h, CUstreamCaptureMode mode, bool per_thread)
 {
     struct sim_stream *s;
-    CUresult rc = sim_resolve_stream(h, per_thread, &s);
+    CUresult rc = sim_resolve_stream_args(h, per_thread, &s, (unsigned)mode > CU_STREAM_CAPTURE_MODE_RELAXED);
     if (rc)
         return rc;
-    if ((unsigned)mode > CU_STREAM_CAPTURE_MODE_RELAXED)
-        return CUDA_ERROR_INVALID_VALUE;
     /* The legacy stream synchronises with every other: it cannot be captured. */
     if (s == &s->ctx->legacy)
         return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
@@ -85,16 +94,10 @@ CUresult sim_capture_begin(CUstream h, CUstreamCaptureMode mode, bool per_thread
 CUresult sim_capture_end(CUstream h, CUgraph *phGraph, bool per_thread)
 {
     struct sim_stream *s;
-    CUresult rc = sim_resolve_stream(h, per_thread, &s);
+    CUresult rc = sim_resolve_stream_args(h, per_thread, &s, !phGraph);
     if (rc)
         return rc;
-    if (!phGraph)
-        return CUDA_ERROR_INVALID_VALUE;
-    pthread_mutex_lock(&captures.lock);
-    struct capture **at = capture_at(s), *c = *at;
-    if (c)
-        *at = c->next;
-    pthread_mutex_unlock(&captures.lock);
+    struct capture *c = capture_take(s);
     if (!c)
         return CUDA_ERROR_ILLEGAL_STATE;
     *phGraph = c->graph;
@@ -106,11 +109,7 @@ CUresult sim_capture_end(CUstream h, CUgraph *phGraph, bool per_thread)
  * that a stream made later at the same address does not inherit it. */
 void sim_capture_forget(const struct sim_stream *s)
 {
-    pthread_mutex_lock(&captures.lock);
-    struct capture **at = capture_at(s), *c = *at;
-    if (c)
-        *at = c->next;
-    pthread_mutex_unlock(&captures.lock);
+    struct capture *c = capture_take(s);
     if (c) {
         cuGraphDestroy(c->graph);
         free(c);
@@ -125,17 +124,13 @@ CUstreamCaptureStatus sim_capture_status(const struct sim_stream *s)
     return active ? CU_STREAM_CAPTURE_STATUS_ACTIVE : CU_STREAM_CAPTURE_STATUS_NONE;
 }
 
-/* cuStreamIsCapturing itself is in driver_exec.c; this is the form a
- * program built with --default-stream per-thread gets. */
-SIM_EXPORT CUresult cuStreamIsCapturing_ptsz(CUstream hStream, CUstreamCaptureStatus *captureStatus)
+CUresult sim_capture_is_active(CUstream h, bool per_thread, CUstreamCaptureStatus *status)
 {
     struct sim_stream *s;
-    CUresult rc = sim_resolve_stream(hStream, true, &s);
+    CUresult rc = sim_resolve_stream_args(h, per_thread, &s, !status);
     if (rc)
         return rc;
-    if (!captureStatus)
-        return CUDA_ERROR_INVALID_VALUE;
-    *captureStatus = sim_capture_status(s);
+    *status = sim_capture_status(s);
     return CUDA_SUCCESS;
 }
 
@@ -146,11 +141,9 @@ CUresult sim_capture_info(CUstream h, bool per_thread, CUstreamCaptureStatus *st
                           const CUgraphNode **deps, const CUgraphEdgeData **edges, size_t *ndeps)
 {
     struct sim_stream *s;
-    CUresult rc = sim_resolve_stream(h, per_thread, &s);
+    CUresult rc = sim_resolve_stream_args(h, per_thread, &s, !status);
     if (rc)
         return rc;
-    if (!status)
-        return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&captures.lock);
     struct capture *c = *capture_at(s);
     *status = c ? CU_STREAM_CAPTURE_STATUS_ACTIVE : CU_STREAM_CAPTURE_STATUS_NONE;

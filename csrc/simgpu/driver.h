@@ -220,10 +220,11 @@ void sim_table_link(struct alloc_entry *e);
 CUresult sim_table_insert(CUdeviceptr ptr, uint64_t size, int dev, enum alloc_kind kind, struct sim_memhandle *handle);
 struct alloc_entry *sim_table_remove(CUdeviceptr ptr, enum alloc_kind kind);
 struct alloc_entry *sim_entry_at(CUdeviceptr p);
-/* Charge and record, tag, and free a device allocation (lock not held). */
+/* Charge and record, tag, and free a device allocation (lock not held);
+ * ALLOC_IPC frees an opened one. */
 CUresult sim_alloc_device(CUdeviceptr *dptr, uint64_t size, int dev);
 void sim_tag_allocation(CUdeviceptr p, bool managed, struct sim_pool *pool);
-CUresult sim_free_device(CUdeviceptr dptr);
+CUresult sim_free_device(CUdeviceptr dptr, enum alloc_kind kind);
 struct sim_pool *sim_current_pool(int dev);
 /* The pinned host memory record holding p, or NULL; caller holds sim_drv.lock. */
 struct sim_host_mem *sim_pinned_at(const void *p);
@@ -234,6 +235,8 @@ CUresult sim_copy_stream(CUstream h, bool per_thread, bool sync, struct sim_stre
  * and CU_STREAM_PER_THREAD included; per_thread selects what NULL means
  * (_ptsz entry points). */
 CUresult sim_resolve_stream(CUstream h, bool per_thread, struct sim_stream **out);
+/* sim_resolve_stream, then CUDA_ERROR_INVALID_VALUE when `bad_args`. */
+CUresult sim_resolve_stream_args(CUstream h, bool per_thread, struct sim_stream **out, bool bad_args);
 /* Queue dur_ns of device work on a stream; returns when it is queued. */
 void sim_stream_run(struct sim_stream *s, uint64_t dur_ns);
 
@@ -265,6 +268,7 @@ CUresult sim_graph_launch(CUgraphExec hGraphExec, CUstream h, bool per_thread);
 /* capture.c */
 CUresult sim_capture_begin(CUstream h, CUstreamCaptureMode mode, bool per_thread);
 CUresult sim_capture_end(CUstream h, CUgraph *phGraph, bool per_thread);
+CUresult sim_capture_is_active(CUstream h, bool per_thread, CUstreamCaptureStatus *status);
 CUresult sim_capture_info(CUstream h, bool per_thread, CUstreamCaptureStatus *status, cuuint64_t *id, CUgraph *graph,
                           const CUgraphNode **deps, const CUgraphEdgeData **edges, size_t *ndeps);
 /* the memory families */

@@ -181,19 +181,20 @@ struct sim_pool *sim_current_pool(int dev)
     return sim_drv.current_pool[dev] ? sim_drv.current_pool[dev] : &sim_drv.default_pool[dev];
 }
 
-CUresult sim_free_device(CUdeviceptr dptr)
+CUresult sim_free_device(CUdeviceptr dptr, enum alloc_kind kind)
 {
     CUresult rc = sim_check_init();
     if (rc)
         return rc;
     pthread_mutex_lock(&sim_drv.lock);
-    struct alloc_entry *e = sim_table_remove(dptr, ALLOC_MEMORY);
+    struct alloc_entry *e = sim_table_remove(dptr, kind);
     if (e && e->pool)
         e->pool->used -= e->size;
     pthread_mutex_unlock(&sim_drv.lock);
     if (!e)
         return CUDA_ERROR_INVALID_VALUE;
-    sim_mem_release(&sim_drv.shared, e->dev, e->size);
+    if (kind == ALLOC_MEMORY) /* an opened IPC allocation is charged to its exporter */
+        sim_mem_release(&sim_drv.shared, e->dev, e->size);
     sim_backing_unmap(e->bytes, e->size);
     if (e->fd >= 0)
         close(e->fd);
@@ -273,7 +274,7 @@ SIM_EXPORT CUresult cuMemAllocPitch(CUdeviceptr_v1 *dptr, unsigned int *pPitch, 
         return CUDA_ERROR_INVALID_VALUE;
     CUresult rc = alloc_pitch(&p, &pitch, WidthInBytes, Height, ElementSizeBytes, true);
     if (rc == CUDA_SUCCESS && pitch > UINT_MAX) {
-        sim_free_device(p);
+        sim_free_device(p, ALLOC_MEMORY);
         rc = CUDA_ERROR_INVALID_VALUE;
     }
     if (rc == CUDA_SUCCESS) {
@@ -353,5 +354,5 @@ CUresult sim_free_async(CUdeviceptr dptr, CUstream hStream, bool per_thread)
     CUresult rc = sim_resolve_stream(hStream, per_thread, &s);
     /* Returned at once rather than when the stream reaches the free: the
      * simulation never touches the memory, only its accounting. */
-    return rc ? rc : sim_free_device(dptr);
+    return rc ? rc : sim_free_device(dptr, ALLOC_MEMORY);
 }

@@ -968,11 +968,9 @@ SIM_EXPORT CUresult cuCtxGetId(CUcontext ctx, unsigned long long *ctxId)
 CUresult sim_stream_id(CUstream h, bool per_thread, unsigned long long *id)
 {
     struct sim_stream *s;
-    CUresult rc = sim_resolve_stream(h, per_thread, &s);
+    CUresult rc = sim_resolve_stream_args(h, per_thread, &s, !id);
     if (rc)
         return rc;
-    if (!id)
-        return CUDA_ERROR_INVALID_VALUE;
     *id = object_id(&s->id);
     return CUDA_SUCCESS;
 }

@@ -183,6 +183,12 @@ CUresult sim_resolve_stream(CUstream h, bool per_thread, struct sim_stream **out
     return CUDA_SUCCESS;
 }
 
+CUresult sim_resolve_stream_args(CUstream h, bool per_thread, struct sim_stream **out, bool bad_args)
+{
+    CUresult rc = sim_resolve_stream(h, per_thread, out);
+    return rc ? rc : bad_args ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
+}
+
 void sim_stream_run(struct sim_stream *s, uint64_t dur_ns)
 {
     uint64_t end = sim_exec_reserve(&sim_drv.shared, s->ctx->dev, atomic_load(&s->tail), dur_ns);
@@ -256,18 +262,6 @@ CUresult sim_stream_query(CUstream h, bool per_thread)
     if (rc)
         return rc;
     return atomic_load(&s->tail) > sim_now_ns() ? CUDA_ERROR_NOT_READY : CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuStreamIsCapturing(CUstream hStream, CUstreamCaptureStatus *captureStatus)
-{
-    struct sim_stream *s;
-    CUresult rc = sim_resolve_stream(hStream, false, &s);
-    if (rc)
-        return rc;
-    if (!captureStatus)
-        return CUDA_ERROR_INVALID_VALUE;
-    *captureStatus = sim_capture_status(s);
-    return CUDA_SUCCESS;
 }
 
 /* ---- events -------------------------------------------------------------------- */

@@ -12,7 +12,7 @@
 static CUresult host_func(CUstream h, bool per_thread, CUhostFn fn, CUstreamCallback cb, void *data)
 {
     CUstreamCaptureStatus capture = CU_STREAM_CAPTURE_STATUS_NONE;
-    CUresult rc = per_thread ? cuStreamIsCapturing_ptsz(h, &capture) : cuStreamIsCapturing(h, &capture);
+    CUresult rc = sim_capture_is_active(h, per_thread, &capture);
     if (rc)
         return rc;
     if (capture != CU_STREAM_CAPTURE_STATUS_NONE)

@@ -2,7 +2,6 @@
 #define _GNU_SOURCE
 #include <fcntl.h>
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -106,20 +105,5 @@ SIM_EXPORT CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *pdptr, CUipcMemHandle han
         return rc;
     }
     *pdptr = p;
-    return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuIpcCloseMemHandle(CUdeviceptr dptr)
-{
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
-    pthread_mutex_lock(&sim_drv.lock);
-    struct alloc_entry *e = sim_table_remove(dptr, ALLOC_IPC);
-    pthread_mutex_unlock(&sim_drv.lock);
-    if (!e)
-        return CUDA_ERROR_INVALID_VALUE;
-    sim_backing_unmap(e->bytes, e->size);
-    free(e);
     return CUDA_SUCCESS;
 }
