@@ -44,12 +44,10 @@ static struct sim_host_mem *pinned_remove(const void *p, bool registered)
 SIM_EXPORT CUresult cuMemHostAlloc(void **pp, size_t bytesize, unsigned int Flags)
 {
     struct sim_ctx *ctx;
-    CUresult rc = sim_require_ctx(&ctx);
+    unsigned known = CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_WRITECOMBINED;
+    CUresult rc = sim_require_ctx_args(&ctx, !pp || bytesize == 0 || (Flags & ~known));
     if (rc)
         return rc;
-    if (!pp || bytesize == 0 ||
-        (Flags & ~(unsigned)(CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_WRITECOMBINED)))
-        return CUDA_ERROR_INVALID_VALUE;
     void *p = mmap(NULL, bytesize, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED)
         return CUDA_ERROR_OUT_OF_MEMORY;
@@ -82,12 +80,11 @@ SIM_EXPORT CUresult cuMemFreeHost(void *p)
 SIM_EXPORT CUresult cuMemHostRegister_v2(void *p, size_t bytesize, unsigned int Flags)
 {
     struct sim_ctx *ctx;
-    CUresult rc = sim_require_ctx(&ctx);
+    unsigned known = CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP | CU_MEMHOSTREGISTER_IOMEMORY |
+                     CU_MEMHOSTREGISTER_READ_ONLY;
+    CUresult rc = sim_require_ctx_args(&ctx, !p || bytesize == 0 || (Flags & ~known));
     if (rc)
         return rc;
-    if (!p || bytesize == 0 || (Flags & ~(unsigned)(CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP |
-                                                    CU_MEMHOSTREGISTER_IOMEMORY | CU_MEMHOSTREGISTER_READ_ONLY)))
-        return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&sim_drv.lock);
     bool overlap = false;
     for (struct sim_host_mem *m = sim_drv.pinned; m && !overlap; m = m->next)

@@ -12,12 +12,10 @@
 SIM_EXPORT CUresult cuMemGetAllocationGranularity(size_t *granularity, const CUmemAllocationProp *prop,
                                                   CUmemAllocationGranularity_flags option)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_init_args(!granularity || !prop || (option != CU_MEM_ALLOC_GRANULARITY_MINIMUM &&
+                                      option != CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
     if (rc)
         return rc;
-    if (!granularity || !prop || (option != CU_MEM_ALLOC_GRANULARITY_MINIMUM &&
-                                  option != CU_MEM_ALLOC_GRANULARITY_RECOMMENDED))
-        return CUDA_ERROR_INVALID_VALUE;
     *granularity = (size_t)SIM_VMM_GRANULARITY;
     return CUDA_SUCCESS;
 }

@@ -420,12 +420,10 @@ SIM_EXPORT CUresult cuKernelSetCacheConfig(CUkernel kernel, CUfunc_cache config,
 
 SIM_EXPORT CUresult cuKernelGetName(const char **name, CUkernel hfunc)
 {
-    CUresult rc = sim_check_init();
-    struct sim_function *fn = (struct sim_function *)hfunc;
+    CUresult rc = sim_check_init_args(!name);
     if (rc)
         return rc;
-    if (!name)
-        return CUDA_ERROR_INVALID_VALUE;
+    struct sim_function *fn = (struct sim_function *)hfunc;
     if (!fn || fn->magic != MAGIC_FUNC)
         return CUDA_ERROR_INVALID_HANDLE;
     *name = fn->name;
@@ -434,12 +432,10 @@ SIM_EXPORT CUresult cuKernelGetName(const char **name, CUkernel hfunc)
 
 SIM_EXPORT CUresult cuKernelGetLibrary(CUlibrary *pLib, CUkernel kernel)
 {
-    CUresult rc = sim_check_init();
-    struct sim_function *fn = (struct sim_function *)kernel;
+    CUresult rc = sim_check_init_args(!pLib);
     if (rc)
         return rc;
-    if (!pLib)
-        return CUDA_ERROR_INVALID_VALUE;
+    struct sim_function *fn = (struct sim_function *)kernel;
     struct sim_library *lib = fn && fn->magic == MAGIC_FUNC ? library_of_module((CUmodule)fn->module) : NULL;
     if (!lib)
         return CUDA_ERROR_INVALID_HANDLE;
