@@ -240,13 +240,12 @@ CUresult sim_resolve_stream_args(CUstream h, bool per_thread, struct sim_stream 
 /* Queue dur_ns of device work on a stream; returns when it is queued. */
 void sim_stream_run(struct sim_stream *s, uint64_t dur_ns);
 
-
 /* A host pointer as a unified address. */
 #define SIM_HOST_ADDR(p) ((CUdeviceptr)(uintptr_t)(p))
 
 /* The implementations driver_forwards.def's entry points call, by file;
  * per_thread: what a NULL stream means (the _ptds and _ptsz variants);
- * sync: the call waits as a synchronous one does. */
+ * sync: the call waits as a synchronous one does. driver_core.c: */
 CUresult sim_error_lookup(CUresult error, const char **pStr, bool name);
 CUresult sim_lookup_proc(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,
                          CUdriverProcAddressQueryResult *status);
