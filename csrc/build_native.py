@@ -21,6 +21,10 @@ WARNINGS = ("-Wall", "-Wextra", "-Werror")
 BASE_FLAGS = ("-std=c11", "-g", "-fPIC", "-fvisibility=hidden", "-fno-semantic-interposition", *WARNINGS)
 SANITIZE_FLAGS = ("-O1", "-fno-omit-frame-pointer", "-fsanitize=address,undefined", "-fno-sanitize-recover=all")
 SIM_STATE = ("simgpu/simstate.c", "simgpu/simconfig.c")
+# The simulated driver's device and host memory, one family a file.
+SIM_MEMORY = tuple(f"simgpu/{f}" for f in (
+    "driver_alloc.c", "driver_pool.c", "driver_vmm.c", "driver_ipc.c", "driver_array.c", "driver_limits.c",
+    "driver_hostmem.c", "driver_managed.c", "driver_copy.c", "driver_hostfn.c", "driver_pointer.c"))
 FREESTANDING_MACHINES = ("x86_64", "aarch64")
 FREESTANDING_CFLAGS = ("-DCGPU_FRONT_FREESTANDING", "-ffreestanding", "-fno-stack-protector",
                        # else GCC may turn memset's own loop into a call to memset
@@ -52,7 +56,7 @@ class Target:
 TARGETS: tuple[Target, ...] = (
     Target(
         "sim/libcuda.so.1",
-        ("simgpu/driver_core.c", "simgpu/driver_memory.c", "simgpu/driver_exec.c", "simgpu/export_tables.c", "simgpu/library.c", "simgpu/capture.c", "simgpu/driver_stubs.c", *SIM_STATE),
+        ("simgpu/driver_core.c", *SIM_MEMORY, "simgpu/driver_exec.c", "simgpu/driver_forwards.c", "simgpu/export_tables.c", "simgpu/library.c", "simgpu/capture.c", "simgpu/driver_stubs.c", *SIM_STATE),
         exports=("include/cgpu/cuda_functions.def", "CU_FN"),
         extra_exports=(("simgpu/cuda_unmodelled.def", "CU_STUB"),),
         libs=("-lpthread",),

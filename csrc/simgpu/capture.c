@@ -39,14 +39,23 @@ static struct capture **capture_at(const struct sim_stream *s)
     return c;
 }
 
-static CUresult begin(CUstream h, CUstreamCaptureMode mode, bool per_thread)
+/* Unlinks and returns the stream's capture, or NULL; the caller frees it. */
+static struct capture *capture_take(const struct sim_stream *s)
 {
-    CUresult rc = sim_check_init();
+    pthread_mutex_lock(&captures.lock);
+    struct capture **at = capture_at(s), *c = *at;
+    if (c)
+        *at = c->next;
+    pthread_mutex_unlock(&captures.lock);
+    return c;
+}
+
+CUresult sim_capture_begin(CUstream h, CUstreamCaptureMode mode, bool per_thread)
+{
     struct sim_stream *s;
-    if (rc || (rc = sim_resolve_stream(h, per_thread, &s)))
+    CUresult rc = sim_resolve_stream_args(h, per_thread, &s, (unsigned)mode > CU_STREAM_CAPTURE_MODE_RELAXED);
+    if (rc)
         return rc;
-    if ((unsigned)mode > CU_STREAM_CAPTURE_MODE_RELAXED)
-        return CUDA_ERROR_INVALID_VALUE;
     /* The legacy stream synchronises with every other: it cannot be captured. */
     if (s == &s->ctx->legacy)
         return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
@@ -82,40 +91,13 @@ static CUresult begin(CUstream h, CUstreamCaptureMode mode, bool per_thread)
     return rc;
 }
 
-SIM_EXPORT CUresult cuStreamBeginCapture_v2(CUstream hStream, CUstreamCaptureMode mode)
+CUresult sim_capture_end(CUstream h, CUgraph *phGraph, bool per_thread)
 {
-    return begin(hStream, mode, false);
-}
-
-SIM_EXPORT CUresult cuStreamBeginCapture_v2_ptsz(CUstream hStream, CUstreamCaptureMode mode)
-{
-    return begin(hStream, mode, true);
-}
-
-/* CUDA 10.0's form: global mode. */
-SIM_EXPORT CUresult cuStreamBeginCapture(CUstream hStream)
-{
-    return begin(hStream, CU_STREAM_CAPTURE_MODE_GLOBAL, false);
-}
-
-SIM_EXPORT CUresult cuStreamBeginCapture_ptsz(CUstream hStream)
-{
-    return begin(hStream, CU_STREAM_CAPTURE_MODE_GLOBAL, true);
-}
-
-static CUresult end(CUstream h, CUgraph *phGraph, bool per_thread)
-{
-    CUresult rc = sim_check_init();
     struct sim_stream *s;
-    if (rc || (rc = sim_resolve_stream(h, per_thread, &s)))
+    CUresult rc = sim_resolve_stream_args(h, per_thread, &s, !phGraph);
+    if (rc)
         return rc;
-    if (!phGraph)
-        return CUDA_ERROR_INVALID_VALUE;
-    pthread_mutex_lock(&captures.lock);
-    struct capture **at = capture_at(s), *c = *at;
-    if (c)
-        *at = c->next;
-    pthread_mutex_unlock(&captures.lock);
+    struct capture *c = capture_take(s);
     if (!c)
         return CUDA_ERROR_ILLEGAL_STATE;
     *phGraph = c->graph;
@@ -123,25 +105,11 @@ static CUresult end(CUstream h, CUgraph *phGraph, bool per_thread)
     return CUDA_SUCCESS;
 }
 
-SIM_EXPORT CUresult cuStreamEndCapture(CUstream hStream, CUgraph *phGraph)
-{
-    return end(hStream, phGraph, false);
-}
-
-SIM_EXPORT CUresult cuStreamEndCapture_ptsz(CUstream hStream, CUgraph *phGraph)
-{
-    return end(hStream, phGraph, true);
-}
-
 /* A stream destroyed while capturing ends its capture (the graph goes), so
  * that a stream made later at the same address does not inherit it. */
 void sim_capture_forget(const struct sim_stream *s)
 {
-    pthread_mutex_lock(&captures.lock);
-    struct capture **at = capture_at(s), *c = *at;
-    if (c)
-        *at = c->next;
-    pthread_mutex_unlock(&captures.lock);
+    struct capture *c = capture_take(s);
     if (c) {
         cuGraphDestroy(c->graph);
         free(c);
@@ -156,32 +124,26 @@ CUstreamCaptureStatus sim_capture_status(const struct sim_stream *s)
     return active ? CU_STREAM_CAPTURE_STATUS_ACTIVE : CU_STREAM_CAPTURE_STATUS_NONE;
 }
 
-/* cuStreamIsCapturing itself is in driver_exec.c; this is the form a
- * program built with --default-stream per-thread gets. */
-SIM_EXPORT CUresult cuStreamIsCapturing_ptsz(CUstream hStream, CUstreamCaptureStatus *captureStatus)
+CUresult sim_capture_is_active(CUstream h, bool per_thread, CUstreamCaptureStatus *status)
 {
-    CUresult rc = sim_check_init();
     struct sim_stream *s;
-    if (rc || (rc = sim_resolve_stream(hStream, true, &s)))
+    CUresult rc = sim_resolve_stream_args(h, per_thread, &s, !status);
+    if (rc)
         return rc;
-    if (!captureStatus)
-        return CUDA_ERROR_INVALID_VALUE;
-    *captureStatus = sim_capture_status(s);
+    *status = sim_capture_status(s);
     return CUDA_SUCCESS;
 }
 
 /* Status, id, graph and the nodes the next captured node will depend on
  * (the last one captured); the dependency array lives until the next
  * capture call on the stream, as the driver's does. */
-static CUresult info(CUstream h, bool per_thread, CUstreamCaptureStatus *status, cuuint64_t *id, CUgraph *graph,
-                     const CUgraphNode **deps, const CUgraphEdgeData **edges, size_t *ndeps)
+CUresult sim_capture_info(CUstream h, bool per_thread, CUstreamCaptureStatus *status, cuuint64_t *id, CUgraph *graph,
+                          const CUgraphNode **deps, const CUgraphEdgeData **edges, size_t *ndeps)
 {
-    CUresult rc = sim_check_init();
     struct sim_stream *s;
-    if (rc || (rc = sim_resolve_stream(h, per_thread, &s)))
+    CUresult rc = sim_resolve_stream_args(h, per_thread, &s, !status);
+    if (rc)
         return rc;
-    if (!status)
-        return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&captures.lock);
     struct capture *c = *capture_at(s);
     *status = c ? CU_STREAM_CAPTURE_STATUS_ACTIVE : CU_STREAM_CAPTURE_STATUS_NONE;
@@ -197,50 +159,6 @@ static CUresult info(CUstream h, bool per_thread, CUstreamCaptureStatus *status,
         *ndeps = c->last ? 1 : 0;
     pthread_mutex_unlock(&captures.lock);
     return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuStreamGetCaptureInfo(CUstream hStream, CUstreamCaptureStatus *captureStatus_out,
-                                           cuuint64_t *id_out)
-{
-    return info(hStream, false, captureStatus_out, id_out, NULL, NULL, NULL, NULL);
-}
-
-SIM_EXPORT CUresult cuStreamGetCaptureInfo_ptsz(CUstream hStream, CUstreamCaptureStatus *captureStatus_out,
-                                                cuuint64_t *id_out)
-{
-    return info(hStream, true, captureStatus_out, id_out, NULL, NULL, NULL, NULL);
-}
-
-SIM_EXPORT CUresult cuStreamGetCaptureInfo_v2(CUstream hStream, CUstreamCaptureStatus *captureStatus_out,
-                                              cuuint64_t *id_out, CUgraph *graph_out,
-                                              const CUgraphNode **dependencies_out, size_t *numDependencies_out)
-{
-    return info(hStream, false, captureStatus_out, id_out, graph_out, dependencies_out, NULL, numDependencies_out);
-}
-
-SIM_EXPORT CUresult cuStreamGetCaptureInfo_v2_ptsz(CUstream hStream, CUstreamCaptureStatus *captureStatus_out,
-                                                   cuuint64_t *id_out, CUgraph *graph_out,
-                                                   const CUgraphNode **dependencies_out, size_t *numDependencies_out)
-{
-    return info(hStream, true, captureStatus_out, id_out, graph_out, dependencies_out, NULL, numDependencies_out);
-}
-
-SIM_EXPORT CUresult cuStreamGetCaptureInfo_v3(CUstream hStream, CUstreamCaptureStatus *captureStatus_out,
-                                              cuuint64_t *id_out, CUgraph *graph_out,
-                                              const CUgraphNode **dependencies_out,
-                                              const CUgraphEdgeData **edgeData_out, size_t *numDependencies_out)
-{
-    return info(hStream, false, captureStatus_out, id_out, graph_out, dependencies_out, edgeData_out,
-                numDependencies_out);
-}
-
-SIM_EXPORT CUresult cuStreamGetCaptureInfo_v3_ptsz(CUstream hStream, CUstreamCaptureStatus *captureStatus_out,
-                                                   cuuint64_t *id_out, CUgraph *graph_out,
-                                                   const CUgraphNode **dependencies_out,
-                                                   const CUgraphEdgeData **edgeData_out, size_t *numDependencies_out)
-{
-    return info(hStream, true, captureStatus_out, id_out, graph_out, dependencies_out, edgeData_out,
-                numDependencies_out);
 }
 
 SIM_EXPORT CUresult cuThreadExchangeStreamCaptureMode(CUstreamCaptureMode *mode)

@@ -93,6 +93,30 @@ CUresult sim_device(CUdevice dev, int *phys)
     return CUDA_SUCCESS;
 }
 
+CUresult sim_check_init_args(bool bad_args)
+{
+    CUresult rc = sim_check_init();
+    return rc ? rc : bad_args ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
+}
+
+_Static_assert(offsetof(struct sim_module, magic) == 0 && offsetof(struct sim_event, magic) == 0 &&
+                   offsetof(struct sim_pool, magic) == 0,
+               "sim_check_handle reads a handle's magic as its first member");
+
+CUresult sim_check_handle(const void *h, uint32_t magic, CUresult bad)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    return h && *(const uint32_t *)h == magic ? CUDA_SUCCESS : bad;
+}
+
+CUresult sim_device_args(CUdevice dev, int *phys, bool bad_args)
+{
+    CUresult rc = sim_device(dev, phys);
+    return rc ? rc : bad_args ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
+}
+
 CUdevice sim_ordinal(int phys)
 {
     for (int i = 0; i < sim_drv.visible_count; i++) {
@@ -146,7 +170,6 @@ static void read_visible_devices(void)
         sim_drv.visible[sim_drv.visible_count++] = g;
     }
 }
-
 
 SIM_EXPORT CUresult cuDriverGetVersion(int *driverVersion)
 {
@@ -202,7 +225,7 @@ static const struct {
     {CUDA_ERROR_UNKNOWN, "CUDA_ERROR_UNKNOWN", "unknown error"},
 };
 
-static CUresult error_lookup(CUresult error, const char **pStr, bool name)
+CUresult sim_error_lookup(CUresult error, const char **pStr, bool name)
 {
     if (!pStr)
         return CUDA_ERROR_INVALID_VALUE;
@@ -214,16 +237,6 @@ static CUresult error_lookup(CUresult error, const char **pStr, bool name)
     }
     *pStr = NULL;
     return CUDA_ERROR_INVALID_VALUE;
-}
-
-SIM_EXPORT CUresult cuGetErrorName(CUresult error, const char **pStr)
-{
-    return error_lookup(error, pStr, true);
-}
-
-SIM_EXPORT CUresult cuGetErrorString(CUresult error, const char **pStr)
-{
-    return error_lookup(error, pStr, false);
 }
 
 /* ---- entry-point lookup ------------------------------------------------------ */
@@ -247,8 +260,8 @@ static bool proc_better(const struct sim_proc *e, const struct sim_proc *best, e
  * base name: the newest variant it knows, the per-thread-stream one if asked.
  * Modelled functions and stubs answer alike, as every name a real driver
  * knows resolves on it. */
-static CUresult lookup_proc(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,
-                            CUdriverProcAddressQueryResult *status)
+CUresult sim_lookup_proc(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,
+                         CUdriverProcAddressQueryResult *status)
 {
     if (!symbol || !pfn)
         return CUDA_ERROR_INVALID_VALUE;
@@ -278,26 +291,13 @@ static CUresult lookup_proc(const char *symbol, void **pfn, int cudaVersion, cuu
     return best ? CUDA_SUCCESS : CUDA_ERROR_NOT_FOUND;
 }
 
-SIM_EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags)
-{
-    return lookup_proc(symbol, pfn, cudaVersion, flags, NULL);
-}
-
-SIM_EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,
-                                        CUdriverProcAddressQueryResult *symbolStatus)
-{
-    return lookup_proc(symbol, pfn, cudaVersion, flags, symbolStatus);
-}
-
 /* ---- devices ------------------------------------------------------------------- */
 
 SIM_EXPORT CUresult cuDeviceGet(CUdevice *device, int ordinal)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_init_args(!device);
     if (rc)
         return rc;
-    if (!device)
-        return CUDA_ERROR_INVALID_VALUE;
     if (ordinal < 0 || ordinal >= sim_drv.visible_count)
         return CUDA_ERROR_INVALID_DEVICE;
     *device = ordinal;
@@ -306,11 +306,9 @@ SIM_EXPORT CUresult cuDeviceGet(CUdevice *device, int ordinal)
 
 SIM_EXPORT CUresult cuDeviceGetCount(int *count)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_init_args(!count);
     if (rc)
         return rc;
-    if (!count)
-        return CUDA_ERROR_INVALID_VALUE;
     *count = sim_drv.visible_count;
     return CUDA_SUCCESS;
 }
@@ -318,11 +316,9 @@ SIM_EXPORT CUresult cuDeviceGetCount(int *count)
 SIM_EXPORT CUresult cuDeviceGetName(char *name, int len, CUdevice dev)
 {
     int phys;
-    CUresult rc = sim_device(dev, &phys);
+    CUresult rc = sim_device_args(dev, &phys, !name || len <= 0);
     if (rc)
         return rc;
-    if (!name || len <= 0)
-        return CUDA_ERROR_INVALID_VALUE;
     snprintf(name, (size_t)len, "%s", sim_cfg()->gpu[phys].name);
     return CUDA_SUCCESS;
 }
@@ -335,11 +331,9 @@ static int hexval(char c)
 SIM_EXPORT CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev)
 {
     int phys;
-    CUresult rc = sim_device(dev, &phys);
+    CUresult rc = sim_device_args(dev, &phys, !uuid);
     if (rc)
         return rc;
-    if (!uuid)
-        return CUDA_ERROR_INVALID_VALUE;
     /* "GPU-" then 32 hex digits with dashes: the 16 bytes NVML prints. */
     const char *s = sim_cfg()->gpu[phys].uuid;
     s += strncmp(s, "GPU-", 4) == 0 ? 4 : 0;
@@ -354,19 +348,12 @@ SIM_EXPORT CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev)
     return CUDA_SUCCESS;
 }
 
-SIM_EXPORT CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev)
-{
-    return cuDeviceGetUuid_v2(uuid, dev);
-}
-
 SIM_EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
 {
     int phys;
-    CUresult rc = sim_device(dev, &phys);
+    CUresult rc = sim_device_args(dev, &phys, !bytes);
     if (rc)
         return rc;
-    if (!bytes)
-        return CUDA_ERROR_INVALID_VALUE;
     *bytes = (size_t)sim_cfg()->gpu[phys].total_mem;
     return CUDA_SUCCESS;
 }
@@ -423,11 +410,9 @@ static int attribute_value(const struct sim_gpu_config *g, CUdevice_attribute a,
 SIM_EXPORT CUresult cuDeviceGetAttribute(int *pi, CUdevice_attribute attrib, CUdevice dev)
 {
     int phys;
-    CUresult rc = sim_device(dev, &phys);
+    CUresult rc = sim_device_args(dev, &phys, !pi);
     if (rc)
         return rc;
-    if (!pi)
-        return CUDA_ERROR_INVALID_VALUE;
     bool ok;
     int v = attribute_value(&sim_cfg()->gpu[phys], attrib, &ok);
     if (!ok)
@@ -439,11 +424,9 @@ SIM_EXPORT CUresult cuDeviceGetAttribute(int *pi, CUdevice_attribute attrib, CUd
 SIM_EXPORT CUresult cuDeviceComputeCapability(int *major, int *minor, CUdevice dev)
 {
     int phys;
-    CUresult rc = sim_device(dev, &phys);
+    CUresult rc = sim_device_args(dev, &phys, !major || !minor);
     if (rc)
         return rc;
-    if (!major || !minor)
-        return CUDA_ERROR_INVALID_VALUE;
     *major = (int)sim_cfg()->gpu[phys].cc_major;
     *minor = (int)sim_cfg()->gpu[phys].cc_minor;
     return CUDA_SUCCESS;
@@ -452,11 +435,9 @@ SIM_EXPORT CUresult cuDeviceComputeCapability(int *major, int *minor, CUdevice d
 SIM_EXPORT CUresult cuDeviceGetPCIBusId(char *pciBusId, int len, CUdevice dev)
 {
     int phys;
-    CUresult rc = sim_device(dev, &phys);
+    CUresult rc = sim_device_args(dev, &phys, !pciBusId || len <= 0);
     if (rc)
         return rc;
-    if (!pciBusId || len <= 0)
-        return CUDA_ERROR_INVALID_VALUE;
     const struct sim_gpu_config *g = &sim_cfg()->gpu[phys];
     snprintf(pciBusId, (size_t)len, "%04x:%02x:%02x.0", g->pci_domain, g->pci_bus, g->pci_device);
     return CUDA_SUCCESS;
@@ -568,6 +549,12 @@ CUresult sim_require_ctx(struct sim_ctx **out)
     return CUDA_SUCCESS;
 }
 
+CUresult sim_require_ctx_args(struct sim_ctx **out, bool bad_args)
+{
+    CUresult rc = sim_require_ctx(out);
+    return rc ? rc : bad_args ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
+}
+
 void sim_ctx_note_end(struct sim_ctx *ctx, uint64_t end)
 {
     uint64_t cur = atomic_load(&ctx->last_end);
@@ -598,11 +585,9 @@ static CUresult use_gpu(int dev)
 SIM_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
 {
     int phys;
-    CUresult rc = sim_device(dev, &phys);
+    CUresult rc = sim_device_args(dev, &phys, !pctx);
     if (rc)
         return rc;
-    if (!pctx)
-        return CUDA_ERROR_INVALID_VALUE;
     rc = gpu_usable(phys, NULL);
     if (!rc)
         rc = use_gpu(phys);
@@ -649,11 +634,9 @@ SIM_EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev)
 SIM_EXPORT CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags, int *active)
 {
     int phys;
-    CUresult rc = sim_device(dev, &phys);
+    CUresult rc = sim_device_args(dev, &phys, !flags || !active);
     if (rc)
         return rc;
-    if (!flags || !active)
-        return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&sim_drv.lock);
     *flags = sim_drv.primary[phys].flags;
     *active = sim_drv.primary_refs[phys] > 0;
@@ -664,11 +647,9 @@ SIM_EXPORT CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags
 SIM_EXPORT CUresult cuDevicePrimaryCtxSetFlags_v2(CUdevice dev, unsigned int flags)
 {
     int phys;
-    CUresult rc = sim_device(dev, &phys);
+    CUresult rc = sim_device_args(dev, &phys, flags & ~0xffu);
     if (rc)
         return rc;
-    if (flags & ~0xffu)
-        return CUDA_ERROR_INVALID_VALUE;
     sim_drv.primary[phys].flags = flags;
     return CUDA_SUCCESS;
 }
@@ -681,14 +662,12 @@ static CUresult push_ctx(struct sim_ctx *ctx)
     return CUDA_SUCCESS;
 }
 
-static CUresult create_ctx(CUcontext *pctx, unsigned int flags, CUdevice dev)
+CUresult sim_ctx_create(CUcontext *pctx, unsigned int flags, CUdevice dev)
 {
     int phys;
-    CUresult rc = sim_device(dev, &phys);
+    CUresult rc = sim_device_args(dev, &phys, !pctx || (flags & ~0xffu));
     if (rc)
         return rc;
-    if (!pctx || (flags & ~0xffu))
-        return CUDA_ERROR_INVALID_VALUE;
     rc = gpu_usable(phys, NULL);
     if (!rc)
         rc = use_gpu(phys);
@@ -709,17 +688,12 @@ static CUresult create_ctx(CUcontext *pctx, unsigned int flags, CUdevice dev)
     return CUDA_SUCCESS;
 }
 
-SIM_EXPORT CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev)
-{
-    return create_ctx(pctx, flags, dev);
-}
-
 SIM_EXPORT CUresult cuCtxCreate_v3(CUcontext *pctx, CUexecAffinityParam *paramsArray, int numParams,
                                    unsigned int flags, CUdevice dev)
 {
     if (numParams < 0 || (numParams > 0 && !paramsArray))
         return CUDA_ERROR_INVALID_VALUE;
-    return create_ctx(pctx, flags, dev);
+    return sim_ctx_create(pctx, flags, dev);
 }
 
 SIM_EXPORT CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *ctxCreateParams, unsigned int flags,
@@ -727,7 +701,7 @@ SIM_EXPORT CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *ctxCreate
 {
     if (ctxCreateParams && ctxCreateParams->numExecAffinityParams < 0)
         return CUDA_ERROR_INVALID_VALUE;
-    return create_ctx(pctx, flags, dev);
+    return sim_ctx_create(pctx, flags, dev);
 }
 
 SIM_EXPORT CUresult cuCtxDestroy_v2(CUcontext hctx)
@@ -797,11 +771,9 @@ SIM_EXPORT CUresult cuCtxSetCurrent(CUcontext hctx)
 
 SIM_EXPORT CUresult cuCtxGetCurrent(CUcontext *pctx)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_init_args(!pctx);
     if (rc)
         return rc;
-    if (!pctx)
-        return CUDA_ERROR_INVALID_VALUE;
     *pctx = (CUcontext)sim_current_ctx();
     return CUDA_SUCCESS;
 }
@@ -809,11 +781,9 @@ SIM_EXPORT CUresult cuCtxGetCurrent(CUcontext *pctx)
 SIM_EXPORT CUresult cuCtxGetDevice(CUdevice *device)
 {
     struct sim_ctx *ctx;
-    CUresult rc = sim_require_ctx(&ctx);
+    CUresult rc = sim_require_ctx_args(&ctx, !device);
     if (rc)
         return rc;
-    if (!device)
-        return CUDA_ERROR_INVALID_VALUE;
     *device = sim_ordinal(ctx->dev);
     return CUDA_SUCCESS;
 }
@@ -847,11 +817,9 @@ SIM_EXPORT CUresult cuCtxGetApiVersion(CUcontext hctx, unsigned int *version)
 SIM_EXPORT CUresult cuCtxGetFlags(unsigned int *flags)
 {
     struct sim_ctx *ctx;
-    CUresult rc = sim_require_ctx(&ctx);
+    CUresult rc = sim_require_ctx_args(&ctx, !flags);
     if (rc)
         return rc;
-    if (!flags)
-        return CUDA_ERROR_INVALID_VALUE;
     *flags = ctx->flags;
     return CUDA_SUCCESS;
 }
@@ -861,11 +829,9 @@ SIM_EXPORT CUresult cuCtxGetFlags(unsigned int *flags)
 SIM_EXPORT CUresult cuCtxSetCacheConfig(CUfunc_cache config)
 {
     struct sim_ctx *ctx;
-    CUresult rc = sim_require_ctx(&ctx);
+    CUresult rc = sim_require_ctx_args(&ctx, (unsigned)config > CU_FUNC_CACHE_PREFER_EQUAL);
     if (rc)
         return rc;
-    if ((unsigned)config > CU_FUNC_CACHE_PREFER_EQUAL)
-        return CUDA_ERROR_INVALID_VALUE;
     ctx->cache_config = config;
     return CUDA_SUCCESS;
 }
@@ -873,11 +839,9 @@ SIM_EXPORT CUresult cuCtxSetCacheConfig(CUfunc_cache config)
 SIM_EXPORT CUresult cuCtxGetCacheConfig(CUfunc_cache *pconfig)
 {
     struct sim_ctx *ctx;
-    CUresult rc = sim_require_ctx(&ctx);
+    CUresult rc = sim_require_ctx_args(&ctx, !pconfig);
     if (rc)
         return rc;
-    if (!pconfig)
-        return CUDA_ERROR_INVALID_VALUE;
     *pconfig = ctx->cache_config;
     return CUDA_SUCCESS;
 }
@@ -941,12 +905,6 @@ SIM_EXPORT CUresult cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(int *nu
     return rc;
 }
 
-SIM_EXPORT CUresult cuOccupancyMaxActiveBlocksPerMultiprocessor(int *numBlocks, CUfunction func, int blockSize,
-                                                                size_t dynamicSMemSize)
-{
-    return cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(numBlocks, func, blockSize, dynamicSMemSize, 0);
-}
-
 /* The block size (a multiple of the warp) that keeps the most threads
  * resident, the larger on a tie; the grid that fills every SM with it. */
 SIM_EXPORT CUresult cuOccupancyMaxPotentialBlockSizeWithFlags(int *minGridSize, int *blockSize, CUfunction func,
@@ -980,14 +938,6 @@ SIM_EXPORT CUresult cuOccupancyMaxPotentialBlockSizeWithFlags(int *minGridSize, 
     return CUDA_SUCCESS;
 }
 
-SIM_EXPORT CUresult cuOccupancyMaxPotentialBlockSize(int *minGridSize, int *blockSize, CUfunction func,
-                                                     CUoccupancyB2DSize blockSizeToDynamicSMemSize,
-                                                     size_t dynamicSMemSize, int blockSizeLimit)
-{
-    return cuOccupancyMaxPotentialBlockSizeWithFlags(minGridSize, blockSize, func, blockSizeToDynamicSMemSize,
-                                                     dynamicSMemSize, blockSizeLimit, 0);
-}
-
 /* ---- ids -------------------------------------------------------------------------- */
 
 /* Ids are unique in the process and never reused, given on first ask. */
@@ -1015,37 +965,12 @@ SIM_EXPORT CUresult cuCtxGetId(CUcontext ctx, unsigned long long *ctxId)
     return CUDA_SUCCESS;
 }
 
-static CUresult stream_id(CUstream h, bool per_thread, unsigned long long *id)
+CUresult sim_stream_id(CUstream h, bool per_thread, unsigned long long *id)
 {
-    CUresult rc = sim_check_init();
     struct sim_stream *s;
-    if (rc || (rc = sim_resolve_stream(h, per_thread, &s)))
+    CUresult rc = sim_resolve_stream_args(h, per_thread, &s, !id);
+    if (rc)
         return rc;
-    if (!id)
-        return CUDA_ERROR_INVALID_VALUE;
     *id = object_id(&s->id);
     return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuStreamGetId(CUstream hStream, unsigned long long *streamId)
-{
-    return stream_id(hStream, false, streamId);
-}
-
-SIM_EXPORT CUresult cuStreamGetId_ptsz(CUstream hStream, unsigned long long *streamId)
-{
-    return stream_id(hStream, true, streamId);
-}
-
-/* CU_EVENT_RECORD_EXTERNAL only means something to stream capture, which
- * records an event node either way. */
-SIM_EXPORT CUresult cuEventRecordWithFlags(CUevent hEvent, CUstream hStream, unsigned int flags)
-{
-    return flags & ~(unsigned)CU_EVENT_RECORD_EXTERNAL ? CUDA_ERROR_INVALID_VALUE : cuEventRecord(hEvent, hStream);
-}
-
-SIM_EXPORT CUresult cuEventRecordWithFlags_ptsz(CUevent hEvent, CUstream hStream, unsigned int flags)
-{
-    return flags & ~(unsigned)CU_EVENT_RECORD_EXTERNAL ? CUDA_ERROR_INVALID_VALUE
-                                                       : cuEventRecord_ptsz(hEvent, hStream);
 }

@@ -67,11 +67,9 @@ static int parse_ptx(const char *ptx, struct sim_function *funcs, int cap)
 SIM_EXPORT CUresult cuModuleLoadData(CUmodule *module, const void *image)
 {
     struct sim_ctx *ctx;
-    CUresult rc = sim_require_ctx(&ctx);
+    CUresult rc = sim_require_ctx_args(&ctx, !module || !image);
     if (rc)
         return rc;
-    if (!module || !image)
-        return CUDA_ERROR_INVALID_VALUE;
     const char *ptx = image;
     /* Only PTX text: machine code (ELF cubins, fatbins) cannot run on the
      * simulated device, as sm_XX code cannot on a GPU of another arch. */
@@ -98,11 +96,8 @@ SIM_EXPORT CUresult cuModuleLoadData(CUmodule *module, const void *image)
 /* The init check and handle lookup that open every module call. */
 static CUresult module_get(CUmodule hmod, struct sim_module **m)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
     *m = (struct sim_module *)hmod;
-    return *m && (*m)->magic == MAGIC_MODULE ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+    return sim_check_handle(*m, MAGIC_MODULE, CUDA_ERROR_INVALID_HANDLE);
 }
 
 SIM_EXPORT CUresult cuModuleUnload(CUmodule hmod)
@@ -144,11 +139,11 @@ CUstreamCaptureStatus sim_capture_status(const struct sim_stream *s);
 void sim_capture_forget(const struct sim_stream *s);
 CUresult sim_capture_launch(struct sim_stream *s, CUfunction f, const unsigned grid[3], const unsigned block[3],
                             void **params, void **extra, bool *captured);
-
-#define PER_THREAD_SLOTS 8
-static _Thread_local struct sim_stream per_thread_stream[PER_THREAD_SLOTS];
-
-static struct sim_stream *per_thread_of(struct sim_ctx *ctx)
+                            
+                            #define PER_THREAD_SLOTS 8
+                            static _Thread_local struct sim_stream per_thread_stream[PER_THREAD_SLOTS];
+                            
+                            static struct sim_stream *per_thread_of(struct sim_ctx *ctx)
 {
     for (int i = 0; i < PER_THREAD_SLOTS; i++) {
         struct sim_stream *s = &per_thread_stream[i];
@@ -169,9 +164,12 @@ static struct sim_stream *per_thread_of(struct sim_ctx *ctx)
 
 CUresult sim_resolve_stream(CUstream h, bool per_thread, struct sim_stream **out)
 {
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
     if (h == NULL || h == CU_STREAM_LEGACY || h == CU_STREAM_PER_THREAD) {
         struct sim_ctx *ctx;
-        CUresult rc = sim_require_ctx(&ctx);
+        rc = sim_require_ctx(&ctx);
         if (rc)
             return rc;
         bool pts = h == CU_STREAM_PER_THREAD || (h == NULL && per_thread);
@@ -185,6 +183,12 @@ CUresult sim_resolve_stream(CUstream h, bool per_thread, struct sim_stream **out
     return CUDA_SUCCESS;
 }
 
+CUresult sim_resolve_stream_args(CUstream h, bool per_thread, struct sim_stream **out, bool bad_args)
+{
+    CUresult rc = sim_resolve_stream(h, per_thread, out);
+    return rc ? rc : bad_args ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
+}
+
 void sim_stream_run(struct sim_stream *s, uint64_t dur_ns)
 {
     uint64_t end = sim_exec_reserve(&sim_drv.shared, s->ctx->dev, atomic_load(&s->tail), dur_ns);
@@ -192,14 +196,12 @@ void sim_stream_run(struct sim_stream *s, uint64_t dur_ns)
     sim_ctx_note_end(s->ctx, end);
 }
 
-static CUresult stream_create(CUstream *phStream, unsigned int flags, int priority)
+CUresult sim_stream_create(CUstream *phStream, unsigned int flags, int priority)
 {
     struct sim_ctx *ctx;
-    CUresult rc = sim_require_ctx(&ctx);
+    CUresult rc = sim_require_ctx_args(&ctx, !phStream || (flags & ~(unsigned)CU_STREAM_NON_BLOCKING));
     if (rc)
         return rc;
-    if (!phStream || (flags & ~(unsigned)CU_STREAM_NON_BLOCKING))
-        return CUDA_ERROR_INVALID_VALUE;
     struct sim_stream *s = malloc(sizeof(*s));
     if (!s)
         return CUDA_ERROR_OUT_OF_MEMORY;
@@ -212,47 +214,17 @@ static CUresult stream_create(CUstream *phStream, unsigned int flags, int priori
     return CUDA_SUCCESS;
 }
 
-static CUresult stream_get(CUstream h, bool per_thread, int *priority, unsigned *flags)
+CUresult sim_stream_get(CUstream h, bool per_thread, int *priority, unsigned *flags)
 {
-    CUresult rc = sim_check_init();
     struct sim_stream *s;
-    if (rc || (rc = sim_resolve_stream(h, per_thread, &s)))
+    CUresult rc = sim_resolve_stream(h, per_thread, &s);
+    if (rc)
         return rc;
     if (priority)
         *priority = s->priority;
     if (flags)
         *flags = s->flags;
     return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuStreamGetPriority(CUstream hStream, int *priority)
-{
-    return priority ? stream_get(hStream, false, priority, NULL) : CUDA_ERROR_INVALID_VALUE;
-}
-
-SIM_EXPORT CUresult cuStreamGetPriority_ptsz(CUstream hStream, int *priority)
-{
-    return priority ? stream_get(hStream, true, priority, NULL) : CUDA_ERROR_INVALID_VALUE;
-}
-
-SIM_EXPORT CUresult cuStreamGetFlags(CUstream hStream, unsigned int *flags)
-{
-    return flags ? stream_get(hStream, false, NULL, flags) : CUDA_ERROR_INVALID_VALUE;
-}
-
-SIM_EXPORT CUresult cuStreamGetFlags_ptsz(CUstream hStream, unsigned int *flags)
-{
-    return flags ? stream_get(hStream, true, NULL, flags) : CUDA_ERROR_INVALID_VALUE;
-}
-
-SIM_EXPORT CUresult cuStreamCreate(CUstream *phStream, unsigned int Flags)
-{
-    return stream_create(phStream, Flags, 0);
-}
-
-SIM_EXPORT CUresult cuStreamCreateWithPriority(CUstream *phStream, unsigned int flags, int priority)
-{
-    return stream_create(phStream, flags, priority);
 }
 
 SIM_EXPORT CUresult cuStreamDestroy_v2(CUstream hStream)
@@ -271,11 +243,11 @@ SIM_EXPORT CUresult cuStreamDestroy_v2(CUstream hStream)
     return CUDA_SUCCESS;
 }
 
-static CUresult stream_sync(CUstream h, bool per_thread)
+CUresult sim_stream_sync(CUstream h, bool per_thread)
 {
-    CUresult rc = sim_check_init();
     struct sim_stream *s;
-    if (rc || (rc = sim_resolve_stream(h, per_thread, &s)))
+    CUresult rc = sim_resolve_stream(h, per_thread, &s);
+    if (rc)
         return rc;
     uint64_t tail = atomic_load(&s->tail);
     if (tail > sim_now_ns())
@@ -283,45 +255,13 @@ static CUresult stream_sync(CUstream h, bool per_thread)
     return CUDA_SUCCESS;
 }
 
-SIM_EXPORT CUresult cuStreamSynchronize(CUstream hStream)
+CUresult sim_stream_query(CUstream h, bool per_thread)
 {
-    return stream_sync(hStream, false);
-}
-
-SIM_EXPORT CUresult cuStreamSynchronize_ptsz(CUstream hStream)
-{
-    return stream_sync(hStream, true);
-}
-
-static CUresult stream_query(CUstream h, bool per_thread)
-{
-    CUresult rc = sim_check_init();
     struct sim_stream *s;
-    if (rc || (rc = sim_resolve_stream(h, per_thread, &s)))
+    CUresult rc = sim_resolve_stream(h, per_thread, &s);
+    if (rc)
         return rc;
     return atomic_load(&s->tail) > sim_now_ns() ? CUDA_ERROR_NOT_READY : CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuStreamIsCapturing(CUstream hStream, CUstreamCaptureStatus *captureStatus)
-{
-    CUresult rc = sim_check_init();
-    struct sim_stream *s;
-    if (rc || (rc = sim_resolve_stream(hStream, false, &s)))
-        return rc;
-    if (!captureStatus)
-        return CUDA_ERROR_INVALID_VALUE;
-    *captureStatus = sim_capture_status(s);
-    return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuStreamQuery(CUstream hStream)
-{
-    return stream_query(hStream, false);
-}
-
-SIM_EXPORT CUresult cuStreamQuery_ptsz(CUstream hStream)
-{
-    return stream_query(hStream, true);
 }
 
 /* ---- events -------------------------------------------------------------------- */
@@ -335,18 +275,15 @@ static struct sim_event *event_of(CUevent h)
 /* The init check and handle lookup of the calls on an event alone. */
 static CUresult event_get(CUevent h, struct sim_event **e)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
-    *e = event_of(h);
-    return *e ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+    *e = (struct sim_event *)h;
+    return sim_check_handle(*e, MAGIC_EVENT, CUDA_ERROR_INVALID_HANDLE);
 }
 
-static CUresult stream_wait_event(CUstream h, CUevent ev, unsigned int flags, bool per_thread)
+CUresult sim_stream_wait_event(CUstream h, CUevent ev, unsigned int flags, bool per_thread)
 {
-    CUresult rc = sim_check_init();
     struct sim_stream *s;
-    if (rc || (rc = sim_resolve_stream(h, per_thread, &s)))
+    CUresult rc = sim_resolve_stream(h, per_thread, &s);
+    if (rc)
         return rc;
     struct sim_event *e = event_of(ev);
     if (!e)
@@ -359,24 +296,12 @@ static CUresult stream_wait_event(CUstream h, CUevent ev, unsigned int flags, bo
     return CUDA_SUCCESS;
 }
 
-SIM_EXPORT CUresult cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int Flags)
-{
-    return stream_wait_event(hStream, hEvent, Flags, false);
-}
-
-SIM_EXPORT CUresult cuStreamWaitEvent_ptsz(CUstream hStream, CUevent hEvent, unsigned int Flags)
-{
-    return stream_wait_event(hStream, hEvent, Flags, true);
-}
-
 SIM_EXPORT CUresult cuEventCreate(CUevent *phEvent, unsigned int Flags)
 {
     struct sim_ctx *ctx;
-    CUresult rc = sim_require_ctx(&ctx);
+    CUresult rc = sim_require_ctx_args(&ctx, !phEvent || (Flags & ~0x7u));
     if (rc)
         return rc;
-    if (!phEvent || (Flags & ~0x7u))
-        return CUDA_ERROR_INVALID_VALUE;
     struct sim_event *e = calloc(1, sizeof(*e));
     if (!e)
         return CUDA_ERROR_OUT_OF_MEMORY;
@@ -397,11 +322,11 @@ SIM_EXPORT CUresult cuEventDestroy_v2(CUevent hEvent)
     return CUDA_SUCCESS;
 }
 
-static CUresult event_record(CUevent ev, CUstream h, bool per_thread)
+CUresult sim_event_record(CUevent ev, CUstream h, bool per_thread)
 {
-    CUresult rc = sim_check_init();
     struct sim_stream *s;
-    if (rc || (rc = sim_resolve_stream(h, per_thread, &s)))
+    CUresult rc = sim_resolve_stream(h, per_thread, &s);
+    if (rc)
         return rc;
     struct sim_event *e = event_of(ev);
     if (!e)
@@ -412,16 +337,6 @@ static CUresult event_record(CUevent ev, CUstream h, bool per_thread)
     atomic_store(&e->when, tail > now ? tail : now);
     atomic_store(&e->recorded, true);
     return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuEventRecord(CUevent hEvent, CUstream hStream)
-{
-    return event_record(hEvent, hStream, false);
-}
-
-SIM_EXPORT CUresult cuEventRecord_ptsz(CUevent hEvent, CUstream hStream)
-{
-    return event_record(hEvent, hStream, true);
 }
 
 SIM_EXPORT CUresult cuEventQuery(CUevent hEvent)
@@ -461,11 +376,6 @@ SIM_EXPORT CUresult cuEventElapsedTime_v2(float *pMilliseconds, CUevent hStart, 
         return CUDA_ERROR_NOT_READY;
     *pMilliseconds = (float)(((double)tb - (double)ta) / 1e6);
     return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuEventElapsedTime(float *pMilliseconds, CUevent hStart, CUevent hEnd)
-{
-    return cuEventElapsedTime_v2(pMilliseconds, hStart, hEnd);
 }
 
 /* ---- launches -------------------------------------------------------------------- */
@@ -521,9 +431,9 @@ static CUresult check_shape(const struct sim_function *fn, const struct launch_s
 static CUresult launch(CUfunction f, const struct launch_shape *sh, CUstream h, bool per_thread, void **params,
                        void **extra)
 {
-    CUresult rc = sim_check_init();
     struct sim_stream *s;
-    if (rc || (rc = sim_resolve_stream(h, per_thread, &s)))
+    CUresult rc = sim_resolve_stream(h, per_thread, &s);
+    if (rc)
         return rc;
     struct sim_function *fn = function_of(f);
     if (!fn)
@@ -589,11 +499,10 @@ SIM_EXPORT CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned int gr
 SIM_EXPORT CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *launchParamsList,
                                                          unsigned int numDevices, unsigned int flags)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_init_args(!launchParamsList || numDevices == 0 || numDevices > SIM_MAX_GPUS ||
+                                      (flags & ~(unsigned)MULTI_DEVICE_FLAGS));
     if (rc)
         return rc;
-    if (!launchParamsList || numDevices == 0 || numDevices > SIM_MAX_GPUS || (flags & ~(unsigned)MULTI_DEVICE_FLAGS))
-        return CUDA_ERROR_INVALID_VALUE;
     struct sim_stream *s[SIM_MAX_GPUS];
     uint64_t ns[SIM_MAX_GPUS], start = 0;
     for (unsigned i = 0; i < numDevices; i++) {
@@ -633,7 +542,7 @@ SIM_EXPORT CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *lau
     return CUDA_SUCCESS;
 }
 
-static CUresult launch_ex(const CUlaunchConfig *c, CUfunction f, void **params, void **extra, bool per_thread)
+CUresult sim_launch_ex(const CUlaunchConfig *c, CUfunction f, void **params, void **extra, bool per_thread)
 {
     if (!c || (c->numAttrs && !c->attrs))
         return CUDA_ERROR_INVALID_VALUE;
@@ -644,17 +553,6 @@ static CUresult launch_ex(const CUlaunchConfig *c, CUfunction f, void **params, 
             sh.cooperative = c->attrs[i].value.cooperative != 0;
     }
     return launch(f, &sh, c->hStream, per_thread, params, extra);
-}
-
-SIM_EXPORT CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra)
-{
-    return launch_ex(config, f, kernelParams, extra, false);
-}
-
-SIM_EXPORT CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f, void **kernelParams,
-                                          void **extra)
-{
-    return launch_ex(config, f, kernelParams, extra, true);
 }
 
 /* ---- the deprecated execution-control API ---------------------------------------- */
@@ -718,19 +616,9 @@ SIM_EXPORT CUresult cuParamSetv(CUfunction hfunc, int offset, void *ptr, unsigne
     return CUDA_SUCCESS;
 }
 
-SIM_EXPORT CUresult cuParamSeti(CUfunction hfunc, int offset, unsigned int value)
-{
-    return cuParamSetv(hfunc, offset, &value, sizeof(value));
-}
-
-SIM_EXPORT CUresult cuParamSetf(CUfunction hfunc, int offset, float value)
-{
-    return cuParamSetv(hfunc, offset, &value, sizeof(value));
-}
-
 /* A grid_width x grid_height grid of the shape cuFuncSetBlockShape gave,
  * with the parameter buffer cuParamSet* filled, on the NULL stream. */
-static CUresult launch_legacy(CUfunction f, int grid_width, int grid_height, CUstream h)
+CUresult sim_launch_legacy(CUfunction f, int grid_width, int grid_height, CUstream h)
 {
     struct sim_function *fn;
     CUresult rc = legacy_function(f, &fn);
@@ -746,21 +634,6 @@ static CUresult launch_legacy(CUfunction f, int grid_width, int grid_height, CUs
     void *extra[] = {CU_LAUNCH_PARAM_BUFFER_POINTER, fn->legacy.params, CU_LAUNCH_PARAM_BUFFER_SIZE, &size,
                      CU_LAUNCH_PARAM_END};
     return launch(f, &sh, h, false, NULL, extra);
-}
-
-SIM_EXPORT CUresult cuLaunch(CUfunction f)
-{
-    return launch_legacy(f, 1, 1, NULL);
-}
-
-SIM_EXPORT CUresult cuLaunchGrid(CUfunction f, int grid_width, int grid_height)
-{
-    return launch_legacy(f, grid_width, grid_height, NULL);
-}
-
-SIM_EXPORT CUresult cuLaunchGridAsync(CUfunction f, int grid_width, int grid_height, CUstream hStream)
-{
-    return launch_legacy(f, grid_width, grid_height, hStream);
 }
 
 /* ---- graphs ---------------------------------------------------------------------- */
@@ -792,11 +665,9 @@ static struct sim_graph *graph_of(CUgraph h)
 SIM_EXPORT CUresult cuGraphCreate(CUgraph *phGraph, unsigned int flags)
 {
     struct sim_ctx *ctx;
-    CUresult rc = sim_require_ctx(&ctx);
+    CUresult rc = sim_require_ctx_args(&ctx, !phGraph || flags != 0);
     if (rc)
         return rc;
-    if (!phGraph || flags != 0)
-        return CUDA_ERROR_INVALID_VALUE;
     struct sim_graph *g = calloc(1, sizeof(*g));
     if (!g)
         return CUDA_ERROR_OUT_OF_MEMORY;
@@ -878,8 +749,8 @@ SIM_EXPORT CUresult cuGraphAddKernelNode_v2(CUgraphNode *phGraphNode, CUgraph hG
 }
 
 /* Only memory-allocation nodes are simulated through the generic call. */
-static CUresult add_node(CUgraphNode *phNode, CUgraph hGraph, size_t numDependencies, const void *deps,
-                         CUgraphNodeParams *p)
+CUresult sim_graph_add_node(CUgraphNode *phNode, CUgraph hGraph, size_t numDependencies, const void *deps,
+                            CUgraphNodeParams *p)
 {
     CUresult rc = sim_check_init();
     if (rc)
@@ -899,18 +770,12 @@ static CUresult add_node(CUgraphNode *phNode, CUgraph hGraph, size_t numDependen
     return CUDA_SUCCESS;
 }
 
-SIM_EXPORT CUresult cuGraphAddNode(CUgraphNode *phGraphNode, CUgraph hGraph, const CUgraphNode *dependencies,
-                                   size_t numDependencies, CUgraphNodeParams *nodeParams)
-{
-    return add_node(phGraphNode, hGraph, numDependencies, dependencies, nodeParams);
-}
-
 SIM_EXPORT CUresult cuGraphAddNode_v2(CUgraphNode *phGraphNode, CUgraph hGraph, const CUgraphNode *dependencies,
                                       const CUgraphEdgeData *dependencyData, size_t numDependencies,
                                       CUgraphNodeParams *nodeParams)
 {
     (void)dependencyData;
-    return add_node(phGraphNode, hGraph, numDependencies, dependencies, nodeParams);
+    return sim_graph_add_node(phGraphNode, hGraph, numDependencies, dependencies, nodeParams);
 }
 
 SIM_EXPORT CUresult cuGraphInstantiateWithFlags(CUgraphExec *phGraphExec, CUgraph hGraph, unsigned long long flags)
@@ -956,11 +821,11 @@ SIM_EXPORT CUresult cuGraphExecDestroy(CUgraphExec hGraphExec)
     return CUDA_SUCCESS;
 }
 
-static CUresult graph_launch(CUgraphExec hGraphExec, CUstream h, bool per_thread)
+CUresult sim_graph_launch(CUgraphExec hGraphExec, CUstream h, bool per_thread)
 {
-    CUresult rc = sim_check_init();
     struct sim_stream *s;
-    if (rc || (rc = sim_resolve_stream(h, per_thread, &s)))
+    CUresult rc = sim_resolve_stream(h, per_thread, &s);
+    if (rc)
         return rc;
     struct sim_graph_exec *x = exec_of(hGraphExec);
     if (!x)
@@ -971,16 +836,6 @@ static CUresult graph_launch(CUgraphExec hGraphExec, CUstream h, bool per_thread
     if (x->total_ns)
         sim_stream_run(s, x->total_ns);
     return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream)
-{
-    return graph_launch(hGraphExec, hStream, false);
-}
-
-SIM_EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream)
-{
-    return graph_launch(hGraphExec, hStream, true);
 }
 
 /* ---- function attributes -------------------------------------------------------------- */
@@ -1062,22 +917,12 @@ SIM_EXPORT CUresult cuFuncSetCacheConfig(CUfunction hfunc, CUfunc_cache config)
     return (unsigned)config <= CU_FUNC_CACHE_PREFER_EQUAL ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
-static CUresult stream_ctx(CUstream h, bool per_thread, CUcontext *pctx)
+CUresult sim_stream_ctx(CUstream h, bool per_thread, CUcontext *pctx)
 {
-    CUresult rc = sim_check_init();
     struct sim_stream *s;
-    if (rc || (rc = sim_resolve_stream(h, per_thread, &s)))
+    CUresult rc = sim_resolve_stream(h, per_thread, &s);
+    if (rc)
         return rc;
     *pctx = (CUcontext)s->ctx;
     return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuStreamGetCtx(CUstream hStream, CUcontext *pctx)
-{
-    return pctx ? stream_ctx(hStream, false, pctx) : CUDA_ERROR_INVALID_VALUE;
-}
-
-SIM_EXPORT CUresult cuStreamGetCtx_ptsz(CUstream hStream, CUcontext *pctx)
-{
-    return pctx ? stream_ctx(hStream, true, pctx) : CUDA_ERROR_INVALID_VALUE;
 }

@@ -1,8 +1,8 @@
 /* Simulated libcuda.so.1: entry points the CUDA runtime (libcudart) needs
  * beyond those the driver-API tools use: the module loading mode, fatbins
  * (the form nvcc embeds code in), the library/kernel API lazy loading goes
- * through, and the variants cudart resolves at versions other than the
- * newest (cuDevicePrimaryCtxRelease at 7000, cuCtxGetDevice at 13000). */
+ * through, and cuCtxGetDevice_v2 (CUDA 13). The older forms cudart resolves
+ * (cuDevicePrimaryCtxRelease at 7000) are in driver_forwards.def. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <pthread.h>
@@ -15,29 +15,15 @@
  * (CUDA 12.2 on). */
 SIM_EXPORT CUresult cuModuleGetLoadingMode(CUmoduleLoadingMode *mode)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_init_args(!mode);
     if (rc)
         return rc;
-    if (!mode)
-        return CUDA_ERROR_INVALID_VALUE;
     const char *env = getenv("CUDA_MODULE_LOADING");
     *mode = env && strcmp(env, "EAGER") == 0 ? CU_MODULE_EAGER_LOADING : CU_MODULE_LAZY_LOADING;
     return CUDA_SUCCESS;
 }
 
 /* ---- variants ------------------------------------------------------------------ */
-
-/* The CUDA 7.0 forms cudart 13 still asks for: same behaviour as _v2 here
- * (the _v2 forms changed nothing a program can see on this device). */
-SIM_EXPORT CUresult cuDevicePrimaryCtxRelease(CUdevice dev)
-{
-    return cuDevicePrimaryCtxRelease_v2(dev);
-}
-
-SIM_EXPORT CUresult cuDevicePrimaryCtxReset(CUdevice dev)
-{
-    return cuDevicePrimaryCtxReset_v2(dev);
-}
 
 /* CUDA 13: the device of a given context, or of the current one for NULL. */
 SIM_EXPORT CUresult cuCtxGetDevice_v2(CUdevice *device, CUcontext ctx)
@@ -211,6 +197,7 @@ struct sim_library {
 };
 
 #define MAGIC_LIBRARY 0x4c494231
+_Static_assert(offsetof(struct sim_library, magic) == 0, "sim_check_handle reads the magic first");
 
 /* Every loaded library, to find the one a kernel handle came from. */
 static struct {
@@ -269,11 +256,10 @@ SIM_EXPORT CUresult cuLibraryLoadData(CUlibrary *library, const void *code, CUji
                                       unsigned int numLibraryOptions)
 {
     (void)jitOptions, (void)jitOptionsValues, (void)libraryOptions, (void)libraryOptionValues;
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_init_args(!library || !code || (numJitOptions && !jitOptions) ||
+                                      (numLibraryOptions && !libraryOptions));
     if (rc)
         return rc;
-    if (!library || !code || (numJitOptions && !jitOptions) || (numLibraryOptions && !libraryOptions))
-        return CUDA_ERROR_INVALID_VALUE;
     bool owned;
     const char *ptx = image_ptx(code, &owned);
     if (!ptx)
@@ -304,11 +290,8 @@ SIM_EXPORT CUresult cuLibraryLoadData(CUlibrary *library, const void *code, CUji
 
 static CUresult library_get(CUlibrary h, struct sim_library **lib)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
     *lib = (struct sim_library *)h;
-    return *lib && (*lib)->magic == MAGIC_LIBRARY ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+    return sim_check_handle(*lib, MAGIC_LIBRARY, CUDA_ERROR_INVALID_HANDLE);
 }
 
 SIM_EXPORT CUresult cuLibraryUnload(CUlibrary library)
@@ -437,12 +420,10 @@ SIM_EXPORT CUresult cuKernelSetCacheConfig(CUkernel kernel, CUfunc_cache config,
 
 SIM_EXPORT CUresult cuKernelGetName(const char **name, CUkernel hfunc)
 {
-    CUresult rc = sim_check_init();
-    struct sim_function *fn = (struct sim_function *)hfunc;
+    CUresult rc = sim_check_init_args(!name);
     if (rc)
         return rc;
-    if (!name)
-        return CUDA_ERROR_INVALID_VALUE;
+    struct sim_function *fn = (struct sim_function *)hfunc;
     if (!fn || fn->magic != MAGIC_FUNC)
         return CUDA_ERROR_INVALID_HANDLE;
     *name = fn->name;
@@ -451,12 +432,10 @@ SIM_EXPORT CUresult cuKernelGetName(const char **name, CUkernel hfunc)
 
 SIM_EXPORT CUresult cuKernelGetLibrary(CUlibrary *pLib, CUkernel kernel)
 {
-    CUresult rc = sim_check_init();
-    struct sim_function *fn = (struct sim_function *)kernel;
+    CUresult rc = sim_check_init_args(!pLib);
     if (rc)
         return rc;
-    if (!pLib)
-        return CUDA_ERROR_INVALID_VALUE;
+    struct sim_function *fn = (struct sim_function *)kernel;
     struct sim_library *lib = fn && fn->magic == MAGIC_FUNC ? library_of_module((CUmodule)fn->module) : NULL;
     if (!lib)
         return CUDA_ERROR_INVALID_HANDLE;

@@ -196,6 +196,14 @@ static nvmlReturn_t lookup_out(nvmlDevice_t device, const void *out, unsigned in
     return rc == NVML_SUCCESS && out == NULL ? NVML_ERROR_INVALID_ARGUMENT : rc;
 }
 
+/* lookup_out(), then NVML_ERROR_INVALID_ARGUMENT when `bad_args`, which is
+ * worked out before the lookup and so must not use what it gives. */
+static nvmlReturn_t lookup_out_args(nvmlDevice_t device, const void *out, unsigned int *gpu, bool bad_args)
+{
+    nvmlReturn_t rc = lookup_out(device, out, gpu);
+    return rc == NVML_SUCCESS && bad_args ? NVML_ERROR_INVALID_ARGUMENT : rc;
+}
+
 /* A query answered from the GPU's index g alone, once the handle and the
  * output pointer have been checked. */
 #define NVML_GPU_QUERY(name, type, out, answer)                   \
@@ -544,11 +552,9 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetPowerManagementLimitConstraints(nvmlDevice
                                                                       unsigned int *maxLimit)
 {
     unsigned int g;
-    nvmlReturn_t rc = lookup_out(device, minLimit, &g);
+    nvmlReturn_t rc = lookup_out_args(device, minLimit, &g, maxLimit == NULL);
     if (rc != NVML_SUCCESS)
         return rc;
-    if (maxLimit == NULL)
-        return NVML_ERROR_INVALID_ARGUMENT;
     *minLimit = SIM_POWER_MIN_LIMIT_MW;
     *maxLimit = SIM_POWER_LIMIT_MW;
     return NVML_SUCCESS;
@@ -564,11 +570,10 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t device, nvmlTempe
                                                   unsigned int *temp)
 {
     unsigned int g;
-    nvmlReturn_t rc = lookup_out(device, temp, &g);
+    nvmlReturn_t rc =
+        lookup_out_args(device, temp, &g, (unsigned int)sensorType >= (unsigned int)NVML_TEMPERATURE_COUNT);
     if (rc != NVML_SUCCESS)
         return rc;
-    if ((unsigned int)sensorType >= (unsigned int)NVML_TEMPERATURE_COUNT)
-        return NVML_ERROR_INVALID_ARGUMENT;
     *temp = temperature(g);
     return NVML_SUCCESS;
 }
@@ -620,11 +625,9 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetMaxClockInfo(nvmlDevice_t device, nvmlCloc
 static nvmlReturn_t codec_utilization(nvmlDevice_t device, unsigned int *utilization, unsigned int *samplingPeriodUs)
 {
     unsigned int g;
-    nvmlReturn_t rc = lookup_out(device, utilization, &g);
+    nvmlReturn_t rc = lookup_out_args(device, utilization, &g, samplingPeriodUs == NULL);
     if (rc != NVML_SUCCESS)
         return rc;
-    if (samplingPeriodUs == NULL)
-        return NVML_ERROR_INVALID_ARGUMENT;
     *utilization = 0;
     *samplingPeriodUs = SIM_CODEC_SAMPLE_US;
     return NVML_SUCCESS;
@@ -647,11 +650,9 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetEccMode(nvmlDevice_t device, nvmlEnableSta
                                               nvmlEnableState_t *pending)
 {
     unsigned int g;
-    nvmlReturn_t rc = lookup_out(device, current, &g);
+    nvmlReturn_t rc = lookup_out_args(device, current, &g, pending == NULL);
     if (rc != NVML_SUCCESS)
         return rc;
-    if (pending == NULL)
-        return NVML_ERROR_INVALID_ARGUMENT;
     *current = *pending = NVML_FEATURE_ENABLED;
     return NVML_SUCCESS;
 }
@@ -660,12 +661,11 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t device, nvmlMe
                                                      nvmlEccCounterType_t counterType, unsigned long long *eccCounts)
 {
     unsigned int g;
-    nvmlReturn_t rc = lookup_out(device, eccCounts, &g);
+    bool bad = (unsigned int)errorType >= (unsigned int)NVML_MEMORY_ERROR_TYPE_COUNT ||
+               (unsigned int)counterType >= (unsigned int)NVML_ECC_COUNTER_TYPE_COUNT;
+    nvmlReturn_t rc = lookup_out_args(device, eccCounts, &g, bad);
     if (rc != NVML_SUCCESS)
         return rc;
-    if ((unsigned int)errorType >= (unsigned int)NVML_MEMORY_ERROR_TYPE_COUNT ||
-        (unsigned int)counterType >= (unsigned int)NVML_ECC_COUNTER_TYPE_COUNT)
-        return NVML_ERROR_INVALID_ARGUMENT;
     *eccCounts = 0;
     return NVML_SUCCESS;
 }
@@ -676,11 +676,9 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetPcieThroughput(nvmlDevice_t device, nvmlPc
                                                      unsigned int *value)
 {
     unsigned int g;
-    nvmlReturn_t rc = lookup_out(device, value, &g);
+    nvmlReturn_t rc = lookup_out_args(device, value, &g, (unsigned int)counter >= (unsigned int)NVML_PCIE_UTIL_COUNT);
     if (rc != NVML_SUCCESS)
         return rc;
-    if ((unsigned int)counter >= (unsigned int)NVML_PCIE_UTIL_COUNT)
-        return NVML_ERROR_INVALID_ARGUMENT;
     *value = 0;
     return NVML_SUCCESS;
 }
@@ -706,11 +704,9 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int 
                                               unsigned int *pendingMode)
 {
     unsigned int g;
-    nvmlReturn_t rc = lookup_out(device, currentMode, &g);
+    nvmlReturn_t rc = lookup_out_args(device, currentMode, &g, pendingMode == NULL);
     if (rc != NVML_SUCCESS)
         return rc;
-    if (pendingMode == NULL)
-        return NVML_ERROR_INVALID_ARGUMENT;
     *currentMode = *pendingMode = NVML_DEVICE_MIG_DISABLE;
     return NVML_SUCCESS;
 }
