@@ -142,7 +142,9 @@ static void fuzz_args(struct fuzz_reader *r)
             /* The request the front and the shim both build: whole, or -1 when it does not fit. */
             static char request[CGPU_CONTAINER_ID_MAX + 64];
             size_t size = 1 + strlen(bundle) % sizeof(request);
-            const char *flags = !pid_file ? "" : strlen(id) % 2 ? " " SHIM_BINDS : " " SHIM_BINDS " " SPEC_FD;
+            const char *flags = !pid_file     ? ""
+                                : strlen(id) % 2 ? " " CGPU_RELAY_SHIM_BINDS
+                                                 : " " CGPU_RELAY_SHIM_BINDS " " CGPU_RELAY_SPEC_FD;
             long len = prepare_request(request, size, id, bundle, flags);
             size_t want = strlen("prepare ") + strlen(id) + strlen(flags) + 1 + strlen(bundle);
             CHECK(len == (want < size ? (long)want : -1));
