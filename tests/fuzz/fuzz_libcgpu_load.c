@@ -11,6 +11,7 @@
 #define pthread_atfork(prepare, parent, child) ((void)(child), 0)
 #include "intercept/init.c"
 #include "region/region.c"
+#include "region/region_file.c"
 
 #include "fuzz_input.h"
 
