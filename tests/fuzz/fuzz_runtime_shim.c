@@ -16,26 +16,18 @@
 #define FUZZ_RELAY_SOURCE "hook/cgpu_runtime.c"
 #define FUZZ_RELAY_MAIN cgpu_runtime_main
 #include "fuzz_relay_main.h"
+#include "fuzz_scratch.h"
 
 enum { PART_SCAN, PART_ARGS, PART_ESCAPE, PART_PREPARE, PART_COUNT };
 
-static char g_bundle[64];
-
-static void remove_bundle(void)
-{
-    char path[128];
-    snprintf(path, sizeof(path), "%s/config.json", g_bundle);
-    unlink(path);
-    rmdir(g_bundle);
-}
+static char *g_bundle;
 
 int LLVMFuzzerInitialize(int *argc, char ***argv)
 {
     (void)argc;
     (void)argv;
-    snprintf(g_bundle, sizeof(g_bundle), "/tmp/cgpu-fuzz-shim-XXXXXX");
-    CHECK(mkdtemp(g_bundle) != NULL);
-    atexit(remove_bundle);
+    static const char *const files[] = {"config.json", NULL};
+    g_bundle = fuzz_scratch_make("shim", files);
     fuzz_server_start("shim");
     return 0;
 }
