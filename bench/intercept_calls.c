@@ -204,7 +204,12 @@ static const char *origin(void (*fp)(void))
     return dladdr(p, &info) && info.dli_fname ? info.dli_fname : "?";
 }
 
-#define ORIGIN(fn) origin((void (*)(void))(fn))
+/* `"fn":"<library>"`, after `sep`: the entry point's name is written once. */
+#define PRINT_ORIGIN(sep, api, fn)                                                                                     \
+    do {                                                                                                               \
+        printf(sep "\"" #fn "\":");                                                                                    \
+        json_str(origin((void (*)(void))(api)->fn));                                                                   \
+    } while (0)
 
 static void print_origins(const struct bench *b)
 {
@@ -212,28 +217,20 @@ static void print_origins(const struct bench *b)
     printf("\"resolved_from\":{");
     switch (b->mode) {
     case M_LAUNCH:
-        printf("\"cuLaunchKernel\":");
-        json_str(ORIGIN(f->cuLaunchKernel));
+        PRINT_ORIGIN("", f, cuLaunchKernel);
         break;
     case M_ALLOCFREE:
-        printf("\"cuMemAlloc_v2\":");
-        json_str(ORIGIN(f->cuMemAlloc_v2));
-        printf(",\"cuMemFree_v2\":");
-        json_str(ORIGIN(f->cuMemFree_v2));
+        PRINT_ORIGIN("", f, cuMemAlloc_v2);
+        PRINT_ORIGIN(",", f, cuMemFree_v2);
         break;
     case M_MEMINFO:
-        printf("\"cuMemGetInfo_v2\":");
-        json_str(ORIGIN(f->cuMemGetInfo_v2));
+        PRINT_ORIGIN("", f, cuMemGetInfo_v2);
         break;
     case M_VMM:
-        printf("\"cuMemCreate\":");
-        json_str(ORIGIN(f->cuMemCreate));
-        printf(",\"cuMemMap\":");
-        json_str(ORIGIN(f->cuMemMap));
-        printf(",\"cuMemRelease\":");
-        json_str(ORIGIN(f->cuMemRelease));
-        printf(",\"cuMemUnmap\":");
-        json_str(ORIGIN(f->cuMemUnmap));
+        PRINT_ORIGIN("", f, cuMemCreate);
+        PRINT_ORIGIN(",", f, cuMemMap);
+        PRINT_ORIGIN(",", f, cuMemRelease);
+        PRINT_ORIGIN(",", f, cuMemUnmap);
         break;
     }
     printf("}");

@@ -80,6 +80,7 @@ TARGETS: tuple[Target, ...] = (
             "intercept/nvml_view.c",
             "intercept/launch.c",
             "region/region.c",
+            "region/region_file.c",
         ),
         exports=("intercept/hooks.def", "HOOK"),
         # Linked even where glibc >= 2.34 no longer needs them: older images

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import structlog
 
-from cgpud.contract import RELAY_MAX_REQUEST, RELAY_MSG_MAX
+from cgpud.contract import RELAY_MAX_REQUEST, RELAY_MSG_MAX, RELAY_SHIM_BINDS, RELAY_SPEC_FD
 from cgpud.errors import CgpuError, UsageError
 from cgpud.containers.edits import BIND_STAGE, RELEASE_STAGE
 from cgpud.containers.lifecycle import BIND_STAGES, ContainerLifecycle
@@ -33,9 +33,7 @@ _VERBS = ("prepare", "bind", "release", *(f"hook {stage}" for stage in (*BIND_ST
 # after delete itself, so cgpud writes no hook entries. spec-fd: the spec
 # comes as the request's one file descriptor (the shim has put a FIFO at
 # config.json for the runtime to wait on; relay_wire.h).
-SHIM_BINDS = "shim-binds"
-SPEC_FD = "spec-fd"
-_PREPARE_FLAGS = ([], [SHIM_BINDS], [SHIM_BINDS, SPEC_FD])
+_PREPARE_FLAGS = ([], [RELAY_SHIM_BINDS], [RELAY_SHIM_BINDS, RELAY_SPEC_FD])
 
 
 class RelayProtocolError(UsageError):
@@ -87,7 +85,7 @@ def handle(lifecycle: ContainerLifecycle, words: list[str], body: bytes,
     container_stopped), so the runtime need not wait for that. `fds`: the
     file descriptors that came with the request (only prepare spec-fd takes
     one)."""
-    spec_fd = words[3:] == [SPEC_FD] and words[:1] == ["prepare"]
+    spec_fd = words[3:] == [RELAY_SPEC_FD] and words[:1] == ["prepare"]
     if len(fds) != spec_fd:
         raise RelayProtocolError("prepare spec-fd came without the spec's file descriptor" if spec_fd
                                  else "a file descriptor came with a request that takes none")

@@ -250,7 +250,7 @@ static void prepare(const char *command, char **args, const char *socket, struct
     if (!valid_container_id(id))
         die(1, "container id is not valid: expected 1-%d printable ASCII characters without spaces", ID_MAX);
     static char request[ID_MAX + PATH_MAX + 32];
-    long len = prepare_request(request, sizeof(request), id, bundle_abs, bound ? " " SHIM_BINDS : "");
+    long len = prepare_request(request, sizeof(request), id, bundle_abs, bound ? " " CGPU_RELAY_SHIM_BINDS : "");
     if (len < 0)
         die(1, "container id and bundle path too long for a prepare request");
     char msg[CGPU_RELAY_MSG_MAX];
@@ -558,8 +558,9 @@ static void create_streamed(const char *runtime, char **argv, int cmd, const cha
     static char request[ID_MAX + PATH_MAX + 32];
     struct streamed s;
     long len = -1;
+    const char *flags = " " CGPU_RELAY_SHIM_BINDS " " CGPU_RELAY_SPEC_FD;
     if (!id || !valid_container_id(id) || !realpath(bundle, bundle_abs) ||
-        (len = prepare_request(request, sizeof(request), id, bundle_abs, " " SHIM_BINDS " " SPEC_FD)) < 0 ||
+        (len = prepare_request(request, sizeof(request), id, bundle_abs, flags)) < 0 ||
         stream_setup(bundle_abs, &s) < 0)
         return; /* the usual path says what is wrong */
     char msg[CGPU_RELAY_MSG_MAX];

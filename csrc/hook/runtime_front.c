@@ -449,7 +449,7 @@ static int send_prepare(const char *command, const char *bundle, const char *id,
     if (!id || !valid_container_id(id) || !bundle_path(bundle, abs, sizeof(abs)))
         return -1;
     int shim_binds = rr_streq(command, "create") && pid_file != NULL; /* cgpu_runtime.c main */
-    long len = prepare_request(request, sizeof(request), id, abs, shim_binds ? " " SHIM_BINDS : "");
+    long len = prepare_request(request, sizeof(request), id, abs, shim_binds ? " " CGPU_RELAY_SHIM_BINDS : "");
     const char *relay = env_value(envp, "CGPU_RELAY_SOCKET");
     if (!relay || !*relay)
         relay = CGPU_RELAY_DEFAULT_SOCKET;

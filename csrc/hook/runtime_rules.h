@@ -35,8 +35,6 @@ static const char *const CREATE_VALUED[] = {"bundle", "b", "console-socket", "pi
 
 enum config_kind { CONFIG_UNREADABLE, CONFIG_PLAIN, CONFIG_MAY_ASK };
 
-#define SHIM_BINDS "shim-binds" /* relay.py SHIM_BINDS */
-#define SPEC_FD "spec-fd"       /* relay.py SPEC_FD */
 /* The front's prepare request, already sent (see prepare_request): the
  * connected socket's number, for the shim proper to read the answer on. */
 #define SENT_FD_ENV "CGPU_RUNTIME_SENT_FD"
@@ -236,10 +234,10 @@ static inline int valid_container_id(const char *id)
 }
 
 /* "prepare <id><flags>\n<bundle>" (relay_wire.h) into buf, NUL-ended;
- * flags: "", " " SHIM_BINDS or " " SHIM_BINDS " " SPEC_FD. The front sends
- * it before it execs the shim proper, which sends it itself when the front
- * did not; both build it here, so it is the same bytes. Its length, or -1
- * if it does not fit. */
+ * flags: "", " " CGPU_RELAY_SHIM_BINDS or " " CGPU_RELAY_SHIM_BINDS " "
+ * CGPU_RELAY_SPEC_FD. The front sends it before it execs the shim proper,
+ * which sends it itself when the front did not; both build it here, so it
+ * is the same bytes. Its length, or -1 if it does not fit. */
 static inline long prepare_request(char *buf, size_t size, const char *id, const char *bundle, const char *flags)
 {
     const char *parts[] = {"prepare ", id, flags, "\n", bundle};

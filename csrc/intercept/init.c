@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "../region/path.h"
+#include "../region/region_file.h"
 #include "../region/region_ops.h"
 #include "libcgpu.h"
 
@@ -43,48 +44,27 @@ static int env_log_level(void)
     return v[0] - '0';
 }
 
-static void *map_file(const char *dir, const char *name, int flags, int *fd_out, size_t *size, char *err,
-                      size_t errlen)
+/* Maps dir/name whole; the hint names what the user can change. */
+static int map_file(const char *dir, const char *name, int flags, struct cgpu_region_file *f, char *err,
+                    size_t errlen)
 {
-    char path[4096];
-    if (!cgpu_join_path(path, sizeof(path), dir, name)) {
-        snprintf(err, errlen, "region path %.200s.../%s is longer than %zu bytes; use a shorter %s", dir, name,
-                 sizeof(path) - 1, CGPU_REGION_ENV);
-        return NULL;
+    int rc = cgpu_region_file_map(dir, name, flags, 0, f, err, errlen);
+    if (rc == -ENAMETOOLONG) {
+        size_t n = strlen(err);
+        snprintf(err + n, errlen - n, "; use a shorter %s", CGPU_REGION_ENV);
     }
-    int fd = open(path, flags | O_CLOEXEC);
-    /* The size by lseek, not fstat: fstat is a glibc 2.33 symbol, and images
-     * with an older libc would skip the preload (glibc_baseline.h). */
-    off_t length = fd < 0 ? -1 : lseek(fd, 0, SEEK_END);
-    if (fd < 0 || length < 0) {
-        snprintf(err, errlen, "cannot open %.400s: %s", path, strerror(errno));
-        if (fd >= 0)
-            close(fd);
-        return NULL;
-    }
-    int prot = (flags & O_ACCMODE) == O_RDWR ? PROT_READ | PROT_WRITE : PROT_READ;
-    void *p = length > 0 ? mmap(NULL, (size_t)length, prot, MAP_SHARED, fd, 0) : MAP_FAILED;
-    if (p == MAP_FAILED) {
-        snprintf(err, errlen, "cannot map %.400s (%lld bytes)", path, (long long)length);
-        close(fd);
-        return NULL;
-    }
-    *size = (size_t)length;
-    if (fd_out)
-        *fd_out = fd;
-    else
-        close(fd);
-    return p;
+    return rc;
 }
 
 /* Copies what the hot paths need out of the limits file, which then goes. */
 static int load_limits(const char *dir, char *err, size_t errlen)
 {
-    size_t size;
-    const struct cgpu_limits *l = map_file(dir, CGPU_LIMITS_FILE, O_RDONLY, NULL, &size, err, errlen);
-    if (!l)
+    struct cgpu_region_file f;
+    if (map_file(dir, CGPU_LIMITS_FILE, O_RDONLY, &f, err, errlen) != 0)
         return -1;
-    int rc = cgpu_limits_check(l, size, err, errlen);
+    close(f.fd);
+    const struct cgpu_limits *l = f.addr;
+    int rc = cgpu_limits_check(l, f.size, err, errlen);
     if (rc == 0) {
         g_cgpu.device_count = l->device_count;
         for (unsigned i = 0; i < l->device_count; i++) {
@@ -94,25 +74,24 @@ static int load_limits(const char *dir, char *err, size_t errlen)
         if ((int)l->log_level > g_cgpu.log_level)
             g_cgpu.log_level = (int)l->log_level;
     }
-    munmap((void *)l, size);
+    munmap(f.addr, f.size);
     return rc;
 }
 
 static int load_usage(const char *dir, char *err, size_t errlen)
 {
-    size_t size;
-    int fd;
-    struct cgpu_usage *u = map_file(dir, CGPU_USAGE_FILE, O_RDWR, &fd, &size, err, errlen);
-    if (!u)
+    struct cgpu_region_file f;
+    if (map_file(dir, CGPU_USAGE_FILE, O_RDWR, &f, err, errlen) != 0)
         return -1;
-    if (cgpu_usage_check(u, size, err, errlen) != 0) {
-        munmap(u, size);
-        close(fd);
+    if (cgpu_usage_check(f.addr, f.size, err, errlen) != 0) {
+        munmap(f.addr, f.size);
+        close(f.fd);
         return -1;
     }
-    g_cgpu.usage = u;
-    g_cgpu.usage_fd = fd;
+    g_cgpu.usage = f.addr;
+    g_cgpu.usage_fd = f.fd;
     /* map_file joined the same path into a buffer of the same size */
+    _Static_assert(sizeof(g_cgpu.usage_path) == CGPU_REGION_PATH_MAX, "usage_path holds what map_file opened");
     (void)cgpu_join_path(g_cgpu.usage_path, sizeof(g_cgpu.usage_path), dir, CGPU_USAGE_FILE);
     return 0;
 }
@@ -144,22 +123,21 @@ static void load_grants(const char *dir)
         cgpu_log(CGPU_LOG_INFO, "no %s: kernel launches are not gated", path);
         return;
     }
-    size_t size;
-    int fd = -1;
-    const struct cgpu_grants *g = map_file(dir, CGPU_GRANTS_FILE, O_RDONLY, &fd, &size, err, sizeof(err));
-    if (g && cgpu_grants_check(g, size, err, sizeof(err)) != 0) {
-        munmap((void *)g, size);
-        close(fd);
-        g = NULL;
+    struct cgpu_region_file f;
+    int rc = map_file(dir, CGPU_GRANTS_FILE, O_RDONLY, &f, err, sizeof(err));
+    if (rc == 0 && (rc = cgpu_grants_check(f.addr, f.size, err, sizeof(err))) != 0) {
+        munmap(f.addr, f.size);
+        close(f.fd);
     }
-    if (!g) {
+    if (rc != 0) {
         refuse_launches(err);
         return;
     }
+    const struct cgpu_grants *g = f.addr;
     /* Mapped for the life of the process: the hot path holds pointers into
      * it. The descriptor stays too, and a forked child shares it: a closed
      * gate's wait probes cgpud's lock through it. */
-    g_cgpu.grants_fd = fd;
+    g_cgpu.grants_fd = f.fd;
     for (unsigned i = 0; i < CGPU_MAX_DEVICES; i++)
         g_cgpu.gate[i] = &g->device[i].gate;
 }

@@ -29,7 +29,8 @@ ffibuilder.set_source(
     # setuptools wants sources relative to setup.py, which sits two levels up.
     # guard.c: this module's own SIGBUS guard for the usage files it maps;
     # hidden, so it never binds to the region module's copy.
-    sources=["csrc/scheduler/scheduler.c", "csrc/scheduler/engine.c", "csrc/region/guard.c"],
+    sources=["csrc/scheduler/scheduler.c", "csrc/scheduler/engine.c", "csrc/region/region_file.c",
+             "csrc/region/guard.c"],
     include_dirs=[str(HERE), str(HERE.parent / "include"), str(HERE.parent / "region")],
     libraries=["pthread"],
     extra_compile_args=["-std=c11", "-Wall", "-Wextra", "-Werror", "-fvisibility=hidden"],

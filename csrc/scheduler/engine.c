@@ -21,7 +21,7 @@
 #include "scheduler.h"
 #include "engine.h"
 #include "guard.h"
-#include "../region/path.h"
+#include "../region/region_file.h"
 
 struct tenant {
     uint64_t key;            /* 0: free entry */
@@ -219,42 +219,26 @@ int cgpu_engine_configure(struct cgpu_engine *e, unsigned gpu, int policy, uint6
     return rc;
 }
 
-static void *map_region_file(const char *dir, const char *name, int flags, size_t size, int *fd_out, char *err,
-                             unsigned errlen, int *rc)
+/* A tenant's grants or usage file, read-write, never through a link; and
+ * only a regular file: the check region_file.c leaves out for libcgpu's
+ * sake (fstat). */
+static void *map_region_file(const char *dir, const char *name, size_t size, int *fd_out, char *err, unsigned errlen,
+                             int *rc)
 {
-    char path[4096];
-    if (!cgpu_join_path(path, sizeof(path), dir, name)) {
-        *rc = -ENAMETOOLONG;
-        snprintf(err, errlen, "region path %.200s.../%s is longer than %zu bytes", dir, name, sizeof(path) - 1);
+    struct cgpu_region_file f;
+    *rc = cgpu_region_file_map(dir, name, O_RDWR | O_NOFOLLOW, size, &f, err, errlen);
+    if (*rc != 0)
         return NULL;
-    }
-    int fd = open(path, flags | O_CLOEXEC | O_NOFOLLOW);
     struct stat sb;
-    if (fd < 0 || fstat(fd, &sb) != 0) {
-        *rc = -errno;
-        snprintf(err, errlen, "cannot open %s: %s", path, strerror(errno));
-        if (fd >= 0)
-            close(fd);
-        return NULL;
-    }
-    if (!S_ISREG(sb.st_mode) || (size_t)sb.st_size < size) {
+    if (fstat(f.fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
         *rc = CGPU_SCHED_EINVAL;
-        snprintf(err, errlen, "%s is not a cgpu region file of %zu bytes", path, size);
-        close(fd);
+        snprintf(err, errlen, "%s/%s is not a cgpu region file of %zu bytes", dir, name, size);
+        munmap(f.addr, f.size);
+        close(f.fd);
         return NULL;
     }
-    void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (p == MAP_FAILED) {
-        *rc = -errno;
-        snprintf(err, errlen, "cannot map %s: %s", path, strerror(errno));
-        close(fd);
-        return NULL;
-    }
-    if (fd_out)
-        *fd_out = fd;
-    else
-        close(fd);
-    return p;
+    *fd_out = f.fd;
+    return f.addr;
 }
 
 /* Tells the tenant's processes that cgpud drives this gate. Fails only
@@ -293,11 +277,11 @@ int cgpu_engine_attach(struct cgpu_engine *e, unsigned gpu, uint64_t key, const 
     }
     struct tenant fresh = {
         .key = key, .slot = slot, .usage_fd = -1, .grants_fd = -1, .learn_after = CGPU_ENGINE_GRACE_LEARN};
-    fresh.grants = map_region_file(region_dir, CGPU_GRANTS_FILE, O_RDWR, sizeof(struct cgpu_grants),
-                                   &fresh.grants_fd, err, errlen, &rc);
+    fresh.grants =
+        map_region_file(region_dir, CGPU_GRANTS_FILE, sizeof(struct cgpu_grants), &fresh.grants_fd, err, errlen, &rc);
     if (fresh.grants)
-        fresh.usage = map_region_file(region_dir, CGPU_USAGE_FILE, O_RDWR, sizeof(struct cgpu_usage),
-                                      &fresh.usage_fd, err, errlen, &rc);
+        fresh.usage =
+            map_region_file(region_dir, CGPU_USAGE_FILE, sizeof(struct cgpu_usage), &fresh.usage_fd, err, errlen, &rc);
     /* Guarded before the first read: a truncated file then reads as zeros,
      * which the loop takes as no demand and no live process. */
     if (fresh.usage) {

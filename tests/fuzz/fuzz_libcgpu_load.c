@@ -11,8 +11,10 @@
 #define pthread_atfork(prepare, parent, child) ((void)(child), 0)
 #include "intercept/init.c"
 #include "region/region.c"
+#include "region/region_file.c"
 
 #include "fuzz_input.h"
+#include "fuzz_scratch.h"
 
 /* Launch gating lives in launch.c, which needs the driver; only its fork
  * hook is referenced here, and the harness never forks. */
@@ -20,27 +22,15 @@ void cgpu_gate_after_fork(void)
 {
 }
 
-static char g_dir[64];
+static const char *g_dir;
 
-static const char *const NAMES[] = {CGPU_LIMITS_FILE, CGPU_USAGE_FILE, CGPU_GRANTS_FILE};
-
-static void remove_dir(void)
-{
-    char path[128];
-    for (int i = 0; i < 3; i++) {
-        snprintf(path, sizeof(path), "%s/%s", g_dir, NAMES[i]);
-        unlink(path);
-    }
-    rmdir(g_dir);
-}
+static const char *const NAMES[] = {CGPU_LIMITS_FILE, CGPU_USAGE_FILE, CGPU_GRANTS_FILE, NULL};
 
 int LLVMFuzzerInitialize(int *argc, char ***argv)
 {
     (void)argc;
     (void)argv;
-    snprintf(g_dir, sizeof(g_dir), "/tmp/cgpu-fuzz-load-XXXXXX");
-    CHECK(mkdtemp(g_dir) != NULL);
-    atexit(remove_dir);
+    g_dir = fuzz_scratch_make("load", NAMES);
     return 0;
 }
 

@@ -16,26 +16,18 @@
 #define FUZZ_RELAY_SOURCE "hook/cgpu_runtime.c"
 #define FUZZ_RELAY_MAIN cgpu_runtime_main
 #include "fuzz_relay_main.h"
+#include "fuzz_scratch.h"
 
 enum { PART_SCAN, PART_ARGS, PART_ESCAPE, PART_PREPARE, PART_COUNT };
 
-static char g_bundle[64];
-
-static void remove_bundle(void)
-{
-    char path[128];
-    snprintf(path, sizeof(path), "%s/config.json", g_bundle);
-    unlink(path);
-    rmdir(g_bundle);
-}
+static char *g_bundle;
 
 int LLVMFuzzerInitialize(int *argc, char ***argv)
 {
     (void)argc;
     (void)argv;
-    snprintf(g_bundle, sizeof(g_bundle), "/tmp/cgpu-fuzz-shim-XXXXXX");
-    CHECK(mkdtemp(g_bundle) != NULL);
-    atexit(remove_bundle);
+    static const char *const files[] = {"config.json", NULL};
+    g_bundle = fuzz_scratch_make("shim", files);
     fuzz_server_start("shim");
     return 0;
 }
@@ -142,7 +134,9 @@ static void fuzz_args(struct fuzz_reader *r)
             /* The request the front and the shim both build: whole, or -1 when it does not fit. */
             static char request[CGPU_CONTAINER_ID_MAX + 64];
             size_t size = 1 + strlen(bundle) % sizeof(request);
-            const char *flags = !pid_file ? "" : strlen(id) % 2 ? " " SHIM_BINDS : " " SHIM_BINDS " " SPEC_FD;
+            const char *flags = !pid_file     ? ""
+                                : strlen(id) % 2 ? " " CGPU_RELAY_SHIM_BINDS
+                                                 : " " CGPU_RELAY_SHIM_BINDS " " CGPU_RELAY_SPEC_FD;
             long len = prepare_request(request, size, id, bundle, flags);
             size_t want = strlen("prepare ") + strlen(id) + strlen(flags) + 1 + strlen(bundle);
             CHECK(len == (want < size ? (long)want : -1));

@@ -437,7 +437,8 @@ def test_engine_is_clean_under_asan_and_ubsan(tmp_path: Path) -> None:
 
     driver = Path(__file__).resolve().parent / "engine_driver.c"
     target = build_native.Target("bin/engine-driver", (str(driver), "scheduler/engine.c", "scheduler/scheduler.c",
-                                                        "region/region.c", "region/guard.c"),
+                                                        "region/region.c", "region/region_file.c",
+                                                        "region/guard.c"),
                                  libs=("-lpthread",), includes=("include", "scheduler", "region"))
     exe = build_native.compile_target(target, tmp_path, build_native.SANITIZE)
     (tmp_path / "regions").mkdir()

@@ -101,6 +101,13 @@ def test_relay_limits_come_from_relay_wire_h():
     assert str(DaemonConfig().relay_socket) == contract.RELAY_DEFAULT_SOCKET
 
 
+def test_prepares_flags_come_from_relay_wire_h():
+    assert (contract.RELAY_SHIM_BINDS, contract.RELAY_SPEC_FD) == (
+        region_ffi.string(region_lib.CGPU_RELAY_SHIM_BINDS).decode(),
+        region_ffi.string(region_lib.CGPU_RELAY_SPEC_FD).decode())
+    assert _restatements(contract.RELAY_SHIM_BINDS, contract.RELAY_SPEC_FD) == []
+
+
 def test_the_gpu_shims_name_comes_from_relay_wire_h(native):
     assert contract.RUNTIME_GPU_PROGRAM == "cgpu-runtime-gpu"
     assert _restatements(contract.RUNTIME_GPU_PROGRAM) == []

@@ -28,6 +28,9 @@
 #define CGPU_RELAY_DEFAULT_SOCKET "/run/cgpud/relay.sock"
 #define CGPU_RELAY_MAX_REQUEST 1048576
 #define CGPU_RELAY_MSG_MAX 4096
+/* prepare's flags (above): the shim sends none, the first, or both. */
+#define CGPU_RELAY_SHIM_BINDS "shim-binds"
+#define CGPU_RELAY_SPEC_FD "spec-fd"
 /* How long a relay waits for cgpud at each step. */
 #define CGPU_RELAY_TIMEOUT_S 30
 /* How long a relay keeps retrying while cgpud is down (its socket missing
