@@ -1,15 +1,14 @@
 """Whether a pod fits a node, on which GPUs, and how well: the extender's
 filter and prioritize, pure.
 
-The rules mirror the node's own admission (cgpud/node/placement.py), so a
-node the extender picks admits the pod: default and topology nodes give whole
-GPUs and take no shares; a compute share needs a core_mem node and a multiple
-of its core_step; a GPU takes a container when it has the memory free, room
-for one more instance and the compute left; unhealthy GPUs never. A pod's
-containers are placed in order on a working copy of the node, each on
-`gpu_count` GPUs picked by the node's placement: binpack takes GPUs holding
-instances first, then the least free, then the lowest index; spread the most
-free, then the lowest index.
+The node judges: each container is admitted by the node's own admission
+(cgpud/node/placement.py, admit_usage) on what the node's Capacity view
+shows held of its healthy GPUs, in the pod's order, each on the usage the
+ones before it leave, as the node admits them one Allocate after the
+other. What is the extender's own: a node that gives whole GPUs takes no
+share from it, unhealthy GPUs are left out, the score, and the words that
+say which container of the pod did not fit and why the GPUs it counted are
+fewer than the node has.
 
 This is the hot path (every node, every pod): `summarize` does the per-view
 work once when a view arrives, and a summary remembers its answers per pod
@@ -23,7 +22,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from cgpud.node.model import Share
+from cgpud.errors import AdmissionError, StateError, UsageError
+from cgpud.node import placement as admission
+from cgpud.node.model import GpuCapacity, GpuUsage, NodePolicy, Owner, OwnerKind, Request, Share
+from cgpud.node.model import Placement as NodePlacement
 from cgpud.extender.model import NodeState
 from cgpud.extender.pod import GIB, PodDemand
 from cgpud.kube.model import (
@@ -36,10 +38,8 @@ from cgpud.kube.model import (
 )
 
 MAX_SCORE = 10  # kube-scheduler's MaxExtenderPriority
-_FULL_CORE = 100
-_SHARING_MODES = ("share", "cgpu", "core_mem", "mps")
-_WHOLE_MODES = ("default", "topology")
 _CACHE_SIZE = 64  # pod shapes remembered per view
+_OWNER = Owner(OwnerKind.POD, "")  # admission reads no owner; a request needs one
 
 
 # Named tuples, not dataclasses: one is made per node and pod shape on the
@@ -73,23 +73,15 @@ class Placement(NamedTuple):
         return tuple(sorted({i for _, _, idx in self.containers for i in idx}))
 
 
-Row = tuple[int, int, int, int, int, int]  # index, total, free, core, instances, max instances
-
-
 @dataclass
 class NodeSummary:
-    """A node's view reduced to what fit needs, built once per view."""
+    """A node's view in the node's own vocabulary, built once per view."""
 
     state: NodeState
-    problem: Reason | None  # refuses every GPU-share pod (mode), else None
-    core_mem: bool
-    core_step: int
-    spread: bool
-    gpus: tuple[Row, ...]  # the healthy GPUs, in index order
-    order: tuple[Row, ...]  # the healthy GPUs with room and compute left, in the placement's order
-    unhealthy: tuple[tuple[int, str], ...]
-    largest: int  # the largest GPU's memory, healthy or not
-    most_free: int  # the most free memory of a GPU in `order`
+    problem: Reason | None  # refuses every GPU-share pod (mode, settings, no healthy GPU), else None
+    policy: NodePolicy | None  # None when `problem` is about the settings
+    usage: tuple[GpuUsage, ...]  # what the view shows held of each healthy GPU, in index order
+    sick: str  # "" when every GPU is healthy, else how many are and why the first is not
     name_json: str = ""  # the node's name as a JSON string, for answers built as text
     cache: dict[Any, Placement | Reason] = field(default_factory=dict)  # by PodDemand.fit_key
     # Per pod shape, fit's answer with the node's part of a filter or
@@ -97,32 +89,39 @@ class NodeSummary:
     # `{"Host":"name","Score":n}`.
     rendered: dict[Any, tuple[Placement | Reason, str]] = field(default_factory=dict)
 
+    @property
+    def spread(self) -> bool:
+        return self.policy is not None and self.policy.placement == NodePlacement.SPREAD
+
+
+def node_usage(state: NodeState) -> tuple[GpuUsage, ...]:
+    """What the view shows held of each healthy GPU (instances, the node's
+    reservations and the extender's holds together), as admission counts it."""
+    return tuple(GpuUsage(GpuCapacity(g.index, g.uuid, g.memory_total), g.memory_allocated, g.core_allocated,
+                          g.instances) for g in state.gpus if g.healthy)
+
 
 def summarize(state: NodeState, name: str | None = None) -> NodeSummary:
-    problem = None
-    if state.mode in _WHOLE_MODES:
-        problem = Reason(f"node mode {state.mode} gives whole GPUs and takes no GPU shares; a pod asking for "
-                         "aliyun.com/gpu-mem runs on a cgpu, share, core_mem or mps node", resolvable=False)
-    elif state.mode not in _SHARING_MODES:
-        problem = Reason(f"node reports an unknown mode {state.mode!r}", resolvable=False)
-    gpus = tuple((g.index, g.memory_total, g.memory_total - g.memory_allocated, g.core_allocated, g.instances,
-                  g.max_instances) for g in state.gpus if g.healthy)
-    spread = state.placement == "spread"
-    order = _sorted([g for g in gpus if g[4] < g[5] and g[3] < _FULL_CORE], spread)
-    return NodeSummary(
-        state=state, problem=problem, core_mem=state.mode == "core_mem", core_step=max(state.core_step, 1),
-        spread=spread, gpus=gpus, order=order,
-        unhealthy=tuple((g.index, g.health_reason) for g in state.gpus if not g.healthy),
-        largest=max((g.memory_total for g in state.gpus), default=0),
-        most_free=max((g[2] for g in order), default=0), name_json=json.dumps(state.name if name is None else name))
-
-
-def _sorted(rows: list[Row], spread: bool) -> tuple[Row, ...]:
-    """binpack: GPUs holding instances first, then least free, then index;
-    spread: most free, then index (the node's placement._order)."""
-    if spread:
-        return tuple(sorted(rows, key=lambda g: (-g[2], g[0])))
-    return tuple(sorted(rows, key=lambda g: (g[4] == 0, g[2], g[0])))
+    usage = node_usage(state)
+    unhealthy = [g for g in state.gpus if not g.healthy]
+    sick = why = ""
+    if unhealthy:
+        why = f"GPU {unhealthy[0].index} is unhealthy: {unhealthy[0].health_reason or 'no reason given'}"
+        sick = f"only {len(usage)} of {len(state.gpus)} are healthy ({why})"
+    problem: Reason | None = None
+    policy: NodePolicy | None = None
+    try:
+        # The view carries the node's settings as text and each GPU's
+        # instance limit (the node's one max_instances_per_gpu).
+        policy = admission.parse_policy(state.mode, state.placement, state.core_step,
+                                        max((g.max_instances for g in state.gpus), default=1))
+        admission.check_takes_shares(policy.mode)
+    except (UsageError, StateError) as e:
+        problem = Reason(str(e), resolvable=False)
+    if problem is None and not usage and state.gpus:
+        problem = Reason(f"no healthy GPU on this node ({why})", resolvable=False)
+    return NodeSummary(state=state, problem=problem, policy=policy, usage=usage, sick=sick,
+                       name_json=json.dumps(state.name if name is None else name))
 
 
 def fit(demand: PodDemand, node: NodeSummary | NodeState) -> Placement | Reason:
@@ -160,121 +159,39 @@ def rendered(demand: PodDemand, summary: NodeSummary) -> tuple[Placement | Reaso
 def _fit(demand: PodDemand, s: NodeSummary) -> Placement | Reason:
     if s.problem is not None:
         return s.problem
-    # One comparison passes most pods on most nodes; the checks below only
-    # run to find the reason.
-    quick = demand.most_per_gpu <= s.most_free and demand.most_count <= len(s.order)
-    if demand.cores and (not s.core_mem or any(k % s.core_step for k in demand.cores)):
-        quick = False
-    if not quick:
-        reason = _refusal(demand, s)
-        if reason is not None:
-            return reason
-    if len(demand.containers) == 1:
-        memory, core, count = demand.shape[0]
-        if count == 1:  # the common pod, without the general path's lists
-            for g in s.order:
-                if g[2] >= memory and g[3] + core <= _FULL_CORE:
-                    return _placement(s, ((memory, core, (g[0],)),), (g[1] - g[2] + memory) / g[1])
-            return _shortfall(demand.labels[0], 1, memory, core, s.gpus, s)
-        chosen = _choose(s.order, memory, core, count)
-        if chosen is None:
-            return _shortfall(demand.labels[0], count, memory, core, s.gpus, s)
-        taken = sum((g[1] - g[2] + memory) / g[1] for g in chosen) / len(chosen)
-        return _placement(s, ((memory, core, tuple(sorted(g[0] for g in chosen))),), taken)
-    # Several containers: each on a working copy that holds the ones before it.
-    work = {g[0]: g for g in s.gpus}
-    placed = []
-    for (memory, core, count), label in zip(demand.shape, demand.labels):
-        rows = [g for g in work.values() if g[4] < g[5] and g[3] < _FULL_CORE]
-        chosen = _choose(_sorted(rows, s.spread), memory, core, count)
-        if chosen is None:
-            return _shortfall(label, count, memory, core, tuple(work.values()), s, others=len(placed))
-        for g in chosen:
-            work[g[0]] = (g[0], g[1], g[2] - memory, g[3] + core, g[4] + 1, g[5])
-        placed.append((memory, core, tuple(sorted(g[0] for g in chosen))))
-    used = {i for _, _, idx in placed for i in idx}
-    taken = sum((work[i][1] - work[i][2]) / work[i][1] for i in used) / len(used)
-    return _placement(s, tuple(placed), taken)
-
-
-def _placement(s: NodeSummary, containers: tuple[tuple[int, int, tuple[int, ...]], ...],
-               fullness: float) -> Placement:
+    assert s.policy is not None  # no problem: the settings were read
+    usage = s.usage
+    placed: list[tuple[int, int, tuple[int, ...]]] = []
+    added: dict[int, int] = {}  # bytes the pod takes per GPU
+    last = len(demand.shape) - 1
+    for k, ((memory, core, count), label) in enumerate(zip(demand.shape, demand.labels)):
+        try:
+            grants = admission.admit_usage(Request(_OWNER, memory, count, core), usage, s.policy)
+        except (UsageError, AdmissionError) as e:
+            return _refused(e, label, k, s)
+        placed.append((memory, core, tuple(g.gpu_index for g in grants)))
+        for g in grants:
+            added[g.gpu_index] = added.get(g.gpu_index, 0) + g.memory
+        if k < last:  # the next container is admitted beside this one, as the node admits it
+            usage = admission.with_shares(usage, [Share(g.gpu_index, g.memory, g.core_percent) for g in grants])
+    taken = [(u.allocated + added[u.gpu.index]) / u.gpu.memory for u in s.usage if u.gpu.index in added]
+    fullness = sum(taken) / len(taken)
     full = min(max(fullness, 0.0), 1.0)
-    points = round(MAX_SCORE * ((1.0 - full) if s.spread else full))
-    return Placement(s.state.name, containers, fullness, s.spread, points)
+    spread = s.spread
+    points = round(MAX_SCORE * ((1.0 - full) if spread else full))
+    return Placement(s.state.name, tuple(placed), fullness, spread, points)
 
 
-def _refusal(demand: PodDemand, s: NodeSummary) -> Reason | None:
-    """Why a container can never fit here, or does not fit now even alone."""
-    n_all = len(s.state.gpus)
-    for (per_gpu, core, count), label in zip(demand.shape, demand.labels):
-        if core:
-            if not s.core_mem:
-                return Reason(f"{label}asks for {core}% compute but node mode {s.state.mode} does not "
-                              "divide compute; compute shares run on core_mem nodes", resolvable=False)
-            if core % s.core_step:
-                return Reason(f"{label}asks for {core}% compute but this node gives compute in steps "
-                              f"of {s.core_step}%; ask for a multiple of {s.core_step}", resolvable=False)
-        if count > n_all:
-            return Reason(f"{label}asks for {count} GPUs but this node has {n_all}", resolvable=False)
-        if per_gpu > s.largest:
-            return Reason(f"{label}asks for {per_gpu // GIB} GiB per GPU but this node's largest GPU has "
-                          f"{_gib(s.largest)}", resolvable=False)
-        if count > len(s.gpus):
-            return Reason(f"{label}asks for {count} GPUs but only {len(s.gpus)} of {n_all} are healthy"
-                          f"{_sick(s)}", resolvable=False)
-        if per_gpu > s.most_free or count > len(s.order):
-            return _shortfall(label, count, per_gpu, core, s.gpus, s)
-    return None
-
-
-def _choose(order: tuple[Row, ...], memory: int, core: int, count: int) -> list[Row] | None:
-    """The first `count` GPUs in placement order that take the container
-    (`order` holds only GPUs with room for an instance)."""
-    chosen = []
-    for g in order:
-        if g[2] >= memory and g[3] + core <= _FULL_CORE:
-            chosen.append(g)
-            if len(chosen) == count:
-                return chosen
-    return None
-
-
-def _shortfall(label: str, count: int, memory: int, core: int, gpus: tuple[tuple[int, ...], ...],
-               s: NodeSummary, others: int = 0) -> Reason:
-    """Why fewer than `count` healthy GPUs take the container, naming the
-    GPU that comes closest."""
-    want = f"{memory // GIB} GiB free, room for an instance" + (f" and {core}% compute" if core else "")
-    fitting = sum(1 for g in gpus if g[2] >= memory and g[4] < g[5] and g[3] + core <= _FULL_CORE)
-    after = f" beside the pod's {others} container(s) placed before it" if others else ""
-    if not gpus:
-        return Reason(f"{label}no healthy GPU on this node{_sick(s)}", resolvable=False)
-    best = max(gpus, key=lambda g: ((g[2] >= memory) + (g[4] < g[5]) + (g[3] + core <= _FULL_CORE), g[2], -g[3],
-                                    -g[0]))
-    lacks = []
-    if best[2] < memory:
-        lacks.append(f"{_gib(max(best[2], 0))} free of {_gib(best[1])}")
-    if best[4] >= best[5]:
-        lacks.append(f"{best[4]} instances, its most")
-    if best[3] + core > _FULL_CORE:
-        lacks.append(f"{max(_FULL_CORE - best[3], 0)}% compute left")
-    closest = f"closest is GPU {best[0]} with {', '.join(lacks)}" if lacks else f"GPU {best[0]} has it"
-    if count == 1:
-        return Reason(f"{label}no GPU has {want}{after}: {closest}")
-    return Reason(f"{label}asks for {count} GPUs with {want} each but {fitting} have it{after}: "
-                  f"{closest if lacks else 'the others lack it'}")
-
-
-def _sick(s: NodeSummary) -> str:
-    if not s.unhealthy:
-        return ""
-    index, why = s.unhealthy[0]
-    return f" (GPU {index} is unhealthy: {why or 'no reason given'})"
-
-
-def _gib(n: int) -> str:
-    gib = n / GIB
-    return f"{gib:.0f} GiB" if gib == int(gib) else f"{gib:.1f} GiB"
+def _refused(error: Exception, label: str, others: int, s: NodeSummary) -> Reason:
+    """The node's reason, with which container it is about, what the pod
+    already took and which GPUs were left out as unhealthy. A wrong request
+    (UsageError) is one no eviction can fix."""
+    text = f"{label}{error}"
+    if others:
+        text += f" (beside the pod's {others} container(s) placed before it)"
+    if s.sick:
+        text = f"{s.sick}; of those: {text}"
+    return Reason(text, resolvable=isinstance(error, AdmissionError))
 
 
 def score(placement: Placement) -> int:

@@ -24,7 +24,8 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from cgpud.node.model import Share
+from cgpud.node import placement as admission
+from cgpud.node.model import GpuCapacity, GpuUsage, Reservation, Share
 from cgpud.extender.fit import NodeSummary, summarize
 from cgpud.extender.model import ClusterView, GpuState, NodeEntry, NodeState, PodShare
 
@@ -201,29 +202,21 @@ def _live(holds: Sequence[Hold], view: NodeState, now: float) -> tuple[Hold, ...
 
 def with_holds(view: NodeState, holds: Sequence[Hold]) -> NodeState:
     """The view as it is once the holds are counted, as the node counts a
-    reservation: memory, compute and instance slots taken on each GPU."""
-    add: dict[int, list[int]] = {}
-    for h in holds:
-        for s in h.shares:
-            a = add.setdefault(s.gpu_index, [0, 0, 0])
-            a[0] += s.memory
-            a[1] += s.core_percent
-            a[2] += max(s.instances, 1)
-    gpus = []
-    for g in view.gpus:
-        a = add.get(g.index)
-        if a is None:
-            gpus.append(g)
-            continue
-        gpus.append(_plus(g, a))
+    reservation (placement.gpu_usage): memory, compute and instance slots
+    taken on each GPU."""
+    gpus = [GpuCapacity(g.index, g.uuid, g.memory_total) for g in view.gpus]
+    reserved = [Reservation(h.pod_uid, h.pod_namespace, h.pod_name, h.shares, h.expires) for h in holds]
+    held = {u.gpu.index: u for u in admission.gpu_usage(gpus, (), reserved)}
     pods = view.pods + tuple(
         PodShare(h.pod_uid, h.pod_namespace, h.pod_name, "",
                  tuple((s.gpu_index, s.memory, s.core_percent) for s in h.shares), reserved=True)
         for h in holds)
-    return replace(view, gpus=tuple(gpus), pods=pods)
+    return replace(view, gpus=tuple(_plus(g, held[g.index]) for g in view.gpus), pods=pods)
 
 
-def _plus(g: GpuState, a: list[int]) -> GpuState:
-    return replace(g, memory_allocated=g.memory_allocated + a[0], core_allocated=g.core_allocated + a[1],
-                   instances=g.instances + a[2], memory_reserved=g.memory_reserved + a[0],
-                   core_reserved=g.core_reserved + a[1])
+def _plus(g: GpuState, u: GpuUsage) -> GpuState:
+    if not u.instances and not u.allocated:
+        return g
+    return replace(g, memory_allocated=g.memory_allocated + u.allocated,
+                   core_allocated=g.core_allocated + u.core_percent, instances=g.instances + u.instances,
+                   memory_reserved=g.memory_reserved + u.allocated, core_reserved=g.core_reserved + u.core_percent)

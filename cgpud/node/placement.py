@@ -2,7 +2,8 @@
 
 Pure functions over the model (no I/O, no clock, no state), so the daemon,
 the Capacity API and `cgpuctl inspect` all reach the same answer from the same
-instance table, and so every rule can be tested exhaustively.
+instance table, cgpu-scheduler the same answer from the node's Capacity view
+(admit_usage), and every rule can be tested exhaustively.
 
 Errors: UsageError when the request (or node setting) is wrong in itself and
 would never be granted here; AdmissionError when it is well formed but does
@@ -12,7 +13,7 @@ node has and what to change, in the words of ACK's resources and labels.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cgpud.node.model import (
     GpuCapacity,
@@ -71,17 +72,11 @@ def gpu_usage(gpus: Sequence[GpuCapacity], active: Iterable[Instance],
             if grant.gpu_index not in seen:
                 seen.add(grant.gpu_index)
                 counts[grant.gpu_index] += 1
-    for reservation in reserved:
-        for share in reservation.shares:
-            if share.gpu_index not in by_index:
-                continue
-            allocated[share.gpu_index] += share.memory
-            cores[share.gpu_index] += share.core_percent
-            counts[share.gpu_index] += share.instances
-    return tuple(
+    held = tuple(
         GpuUsage(gpu=by_index[i], allocated=allocated[i], core_percent=cores[i], instances=counts[i])
         for i in sorted(by_index)
     )
+    return with_shares(held, (share for reservation in reserved for share in reservation.shares))
 
 
 # --------------------------------------------------------------------------
@@ -99,18 +94,24 @@ def admit(
     error saying why there are none. Same inputs, same answer. Every live
     reservation in `reserved` counts as taken, except the one of the pod
     the request draws on (request.reservation)."""
-    mode, placement = _check_policy(policy)
-    _check_request(request, gpus, mode, policy)
     others = [r for r in reserved if not request.reservation or r.pod_uid != request.reservation]
-    usage = gpu_usage(gpus, active, others)
+    return admit_usage(request, gpu_usage(gpus, active, others), policy)
+
+
+def admit_usage(request: Request, usage: Sequence[GpuUsage], policy: NodePolicy) -> tuple[Grant, ...]:
+    """admit, on what is already held of each GPU: the node counts it from
+    its instances and reservations, the cluster scheduler from the node's
+    Capacity view, and both judge the request here."""
+    mode, placement = check_policy(policy)
+    _check_request(request, [u.gpu for u in usage], mode, policy)
     if request.gpu_indexes:  # a cluster scheduler chose them: those or none
         usage = tuple(u for u in usage if u.gpu.index in request.gpu_indexes)
     try:
         if mode in WHOLE_GPU_MODES:
-            chosen = _whole_gpus(request, usage, placement, mode)
+            chosen = _whole_gpus(request, tuple(usage), placement, mode)
             grants = [Grant(u.gpu.index, u.gpu.uuid, u.gpu.memory, _FULL_CORE) for u in chosen]
         else:
-            chosen = _shared_gpus(request, usage, placement, policy)
+            chosen = _shared_gpus(request, tuple(usage), placement, policy)
             grants = [Grant(u.gpu.index, u.gpu.uuid, request.memory, request.core_percent) for u in chosen]
     except AdmissionError as e:
         if not request.gpu_indexes:
@@ -119,7 +120,44 @@ def admit(
     return tuple(sorted(grants, key=lambda g: g.gpu_index))
 
 
-def _check_policy(policy: NodePolicy) -> tuple[NodeMode, Placement]:
+def with_shares(usage: Sequence[GpuUsage], shares: Iterable[Share]) -> tuple[GpuUsage, ...]:
+    """`usage` once `shares` are held too: each share takes its memory,
+    compute and instance slots, as a reservation's does in gpu_usage.
+    Shares on a GPU not in `usage` count nowhere."""
+    add: dict[int, tuple[int, int, int]] = {}
+    for s in shares:
+        m, c, n = add.get(s.gpu_index, (0, 0, 0))
+        add[s.gpu_index] = (m + s.memory, c + s.core_percent, n + s.instances)
+    if not add:
+        return tuple(usage)
+    out = []
+    for u in usage:
+        a = add.get(u.gpu.index)
+        out.append(u if a is None else GpuUsage(u.gpu, u.allocated + a[0], u.core_percent + a[1], u.instances + a[2]))
+    return tuple(out)
+
+
+def parse_policy(mode: str, placement: str, core_step: int, max_instances_per_gpu: int) -> NodePolicy:
+    """Node settings as another process reports them (a Capacity view's
+    text), checked as admission checks its own: UsageError names what is
+    wrong."""
+    raw = NodePolicy(mode=mode, placement=placement, core_step=core_step,  # type: ignore[arg-type]
+                     max_instances_per_gpu=max_instances_per_gpu)
+    checked_mode, checked_placement = check_policy(raw)
+    return replace(raw, mode=checked_mode, placement=checked_placement)
+
+
+def check_takes_shares(mode: NodeMode) -> None:
+    """StateError when the node gives whole GPUs: a cluster scheduler
+    places GPU shares (aliyun.com/gpu-mem) only on nodes that share GPUs."""
+    if mode in WHOLE_GPU_MODES:
+        raise StateError(
+            f"node mode {mode.value} gives whole GPUs (nvidia.com/gpu); cgpu-scheduler reserves only on nodes "
+            "that share GPUs: a pod asking for aliyun.com/gpu-mem runs on a cgpu, share, core_mem or mps node"
+        )
+
+
+def check_policy(policy: NodePolicy) -> tuple[NodeMode, Placement]:
     """Node settings arrive from labels and a config file: check them here
     so a typo is reported as such instead of as a request that never fits."""
     try:
@@ -297,18 +335,15 @@ def _shared_gpus(
     room for one more instance and the compute share left. `share` and `mps`
     book memory exactly like `cgpu`: what each mode enforces is decided where
     the instance is set up, not here."""
-    checks = [
-        _Check(
-            usage=u,
-            memory_ok=_free(u) >= request.memory,
-            room_ok=u.instances < policy.max_instances_per_gpu,
-            core_ok=u.core_percent + request.core_percent <= _FULL_CORE,
-        )
-        for u in usage
-    ]
-    fitting = [c.usage for c in checks if c.fits]
+    memory, limit, core_left = request.memory, policy.max_instances_per_gpu, _FULL_CORE - request.core_percent
+    # Plain tuples first, _Check only for the reason: the cluster scheduler
+    # runs this for every node and pod shape.
+    measured = [(u, u.gpu.memory - u.allocated >= memory, u.instances < limit, u.core_percent <= core_left)
+                for u in usage]
+    fitting = [u for u, memory_ok, room_ok, core_ok in measured if memory_ok and room_ok and core_ok]
     if len(fitting) >= request.gpu_count:
         return _order(fitting, placement)[: request.gpu_count]
+    checks = [_Check(*m) for m in measured]
     raise AdmissionError(_shortfall(request, checks, policy))
 
 
@@ -423,7 +458,7 @@ def check_reservation(
     the other live reservations; else UsageError for a wrong request,
     StateError when the node gives whole GPUs, AdmissionError when a share
     does not fit now. Same inputs, same answer."""
-    mode, _ = _check_policy(policy)
+    mode, _ = check_policy(policy)
     if not shares:
         raise UsageError("a reservation needs at least one GPU share: name a GPU, its memory and compute")
     indexes = [s.gpu_index for s in shares]
@@ -454,11 +489,7 @@ def check_reservation(
             raise UsageError(
                 f"the reservation asks for {share.instances} instance slots on GPU {gpu.index}: use 0 or more"
             )
-    if mode in WHOLE_GPU_MODES:
-        raise StateError(
-            f"node mode {mode.value} gives whole GPUs (nvidia.com/gpu); "
-            "cgpu-scheduler reserves only on nodes that share GPUs (cgpu, core_mem)"
-        )
+    check_takes_shares(mode)
     step = policy.core_step
     for share in shares:
         if share.core_percent == 0:
