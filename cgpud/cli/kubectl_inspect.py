@@ -173,7 +173,7 @@ def _node_details(entry: NodeEntry) -> list[str]:
         cells = [r.name + (RESERVED_MARK if r.reserved else ""), r.namespace,
                  *[str(_gib_up(r.memory.get(i, 0))) for i in gpus]]
         if core:
-            cores = [str(r.core[i]) for i in gpus if i in r.core and r.core[i]]
+            cores = [str(r.core[i]) for i in gpus if r.core.get(i)]
             cells.append(",".join(cores) or "-")
         rows.append(cells)
     allocated, total = _node_totals(state)

@@ -18,7 +18,8 @@ from cgpud.containers.edits import application_env
 from cgpud.native import native_path
 
 
-def instance_environment(instance: Instance, region: Path, gpu_memory: dict[int, int], base: dict[str, str]) -> dict[str, str]:
+def instance_environment(instance: Instance, region: Path, gpu_memory: dict[int, int],
+                         base: dict[str, str]) -> dict[str, str]:
     """What the process sees: the library and its region, only its GPUs, and
     the ALIYUN_COM_GPU_MEM_* variables cGPU applications read (outputs for
     them, never inputs to enforcement)."""

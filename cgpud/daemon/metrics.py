@@ -381,7 +381,7 @@ class _Server(BoundedServer, WSGIServer):
 
 
 class _QuietHandler(BoundedHandler, WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002  (the base class's name)
+    def log_message(self, format: str, *args: Any) -> None:  # `format`: the base class's parameter name
         pass  # one line per scrape would drown cgpud's log
 
     def parse_request(self) -> bool:

@@ -228,7 +228,8 @@ class Binder:
             self.state.hold(args.node, Hold(uid, args.pod_namespace, args.pod_name, held, "", 0,
                                             self._clock() + PENDING_HOLD))
         try:
-            reservation = self.clients.get(args.node, address).reserve(uid, args.pod_namespace, args.pod_name, held, self._ttl)
+            reservation = self.clients.get(args.node, address).reserve(uid, args.pod_namespace, args.pod_name, held,
+                                                                       self._ttl)
         except CapacityError as e:
             self.state.release(args.node, uid)
             if e.code not in _REFUSED:
