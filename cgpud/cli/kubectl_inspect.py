@@ -292,7 +292,8 @@ def from_service_proxy(kubeconfig: Path | None, namespace: str, service: str,
             if e.status not in (404, 503):
                 raise
             answer = proxy(f"{service}:http", namespace, "inspect", _preload_content=False, _request_timeout=timeout)
-        body = answer.data
+        # _preload_content=False: the urllib3 response, not the str the client's annotation says.
+        body = answer.data  # type: ignore[attr-defined]
     except ApiException as e:
         raise InspectError(f"cannot read the cluster view from {where}: {e.status} {_reason(e)}") from e
     except (urllib3.exceptions.HTTPError, OSError) as e:

@@ -35,7 +35,7 @@ _VERBS = ("prepare", "bind", "release", *(f"hook {stage}" for stage in (*BIND_ST
 # config.json for the runtime to wait on; relay_wire.h).
 SHIM_BINDS = "shim-binds"
 SPEC_FD = "spec-fd"
-_PREPARE_FLAGS = ([], [SHIM_BINDS], [SHIM_BINDS, SPEC_FD])
+_PREPARE_FLAGS: tuple[list[str], ...] = ([], [SHIM_BINDS], [SHIM_BINDS, SPEC_FD])
 
 
 class RelayProtocolError(UsageError):

@@ -221,10 +221,6 @@ _GPU_LABELS = ("gpu", "UUID", "modelName")
 _INSTANCE_LABELS = ("instance_id", "owner_kind", "owner", *_GPU_LABELS)
 
 
-def _family(kind: type[Metric], name: str, doc: str, labels: Sequence[str], unit: str = "") -> Any:
-    return kind(name, doc, labels=list(labels), unit=unit) if unit else kind(name, doc, labels=list(labels))
-
-
 class CgpuCollector(Collector):
     """Builds every cgpu_* family from the daemon's state at scrape time."""
 

@@ -16,7 +16,8 @@ work once when a view arrives, and a summary remembers its answers per pod
 shape, so a node whose view did not change answers the next pod of the same
 shape with one dictionary look-up.
 """
-from __future__ import annotations
+# No `from __future__ import annotations` here: it would bind the name of
+# annotations() below (mypy then sees the __future__ feature, not the function).
 
 import json
 from collections.abc import Mapping
@@ -149,7 +150,7 @@ def rendered(demand: PodDemand, summary: NodeSummary) -> tuple[Placement | Reaso
     if hit is not None:
         return hit
     answer = fit(demand, summary)
-    if type(answer) is Reason:
+    if isinstance(answer, Reason):
         text = f"{summary.name_json}:{json.dumps(answer.text)}"
     else:
         text = f'{{"Host":{summary.name_json},"Score":{answer.score}}}'
@@ -183,7 +184,7 @@ def _fit(demand: PodDemand, s: NodeSummary) -> Placement | Reason:
         return _placement(s, ((memory, core, tuple(sorted(g[0] for g in chosen))),), taken)
     # Several containers: each on a working copy that holds the ones before it.
     work = {g[0]: g for g in s.gpus}
-    placed = []
+    placed: list[tuple[int, int, tuple[int, ...]]] = []
     for (memory, core, count), label in zip(demand.shape, demand.labels):
         rows = [g for g in work.values() if g[4] < g[5] and g[3] < _FULL_CORE]
         chosen = _choose(_sorted(rows, s.spread), memory, core, count)

@@ -211,11 +211,11 @@ def with_holds(view: NodeState, holds: Sequence[Hold]) -> NodeState:
             a[2] += max(s.instances, 1)
     gpus = []
     for g in view.gpus:
-        a = add.get(g.index)
-        if a is None:
+        added = add.get(g.index)
+        if added is None:
             gpus.append(g)
             continue
-        gpus.append(_plus(g, a))
+        gpus.append(_plus(g, added))
     pods = view.pods + tuple(
         PodShare(h.pod_uid, h.pod_namespace, h.pod_name, "",
                  tuple((s.gpu_index, s.memory, s.core_percent) for s in h.shares), reserved=True)
