@@ -8,12 +8,13 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import ClassVar
 
 from setuptools import Command, setup
 from setuptools.command.build import build
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "csrc"))
-import build_native  # noqa: E402
+import build_native
 
 
 ROOT = Path(__file__).resolve().parent
@@ -24,7 +25,7 @@ class GeneratedFiles(Command):
     directory, or into the source tree for editable installs (which import
     cgpud from there)."""
 
-    user_options: list = []
+    user_options: ClassVar[list[tuple[str, str | None, str]]] = []
     package_dir: tuple[str, ...] = ()
 
     def initialize_options(self) -> None:

@@ -263,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             rig.close()
     print("\n## summary")
-    print_table(("scenario", "mean |err| pt", "p95 1 s pt", "util %", "after join/switch: 0-200 / 200-400 ms pt", "cgpud CPU %", "scheduler CPU % (ticks)"), summary)
+    print_table(("scenario", "mean |err| pt", "p95 1 s pt", "util %", "after join/switch: 0-200 / 200-400 ms pt",
+                 "cgpud CPU %", "scheduler CPU % (ticks)"), summary)
     return 0
 
 

@@ -569,17 +569,19 @@ def main(argv: list[str]) -> int:
                         str(args.baseline_tree / "cgpud/_native/bin/cgpu-runtime") if via_shim else runc,
                         daemon=baseline)
             version = subprocess.run([runc, "--version"], capture_output=True, text=True, check=False).stdout
-            print(f"runtime: runc {version.split()[2] if len(version.split()) > 2 else '?'} ({runc}); shim {shim} with CGPU_REAL_RUNTIME={runc} CGPU_RELAY_SOCKET={cgpud.relay}")
+            print(f"runtime: runc {version.split()[2] if len(version.split()) > 2 else '?'} ({runc}); "
+                  f"shim {shim} with CGPU_REAL_RUNTIME={runc} CGPU_RELAY_SOCKET={cgpud.relay}")
             print(f"timed:   RUNTIME --root {host.runc_root} create --bundle B --pid-file F ID; "
                   f"RUNTIME --root {host.runc_root} start ID; waitpid(init); RUNTIME --root {host.runc_root} delete ID")
             print(f"bundles: on {args.bundles_on} ({run}), with runc's state; "
                   f"busybox `true`, non-GPU: no toolkit mounts; GPU: the simulated device directory "
                   f"bind-mounted (the toolkit's part) and {GPU_REQUEST}; hooks: cgpud's hook-mode prepare "
                   f"over the relay socket before each start, untimed")
-            print(f"cgpud:   {Path(sys.executable).parent / 'cgpud'} on a simulated 1 x 16 GiB GPU, --sweep-interval {DAEMON_SWEEP_INTERVAL}, "
+            print(f"cgpud:   {Path(sys.executable).parent / 'cgpud'} on a simulated 1 x 16 GiB GPU, "
+                  f"--sweep-interval {DAEMON_SWEEP_INTERVAL}, "
                   f"state in {cgpud.state}")
-            print(f"host:    {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start; variants in a fresh "
-                  f"order each round (--seed {args.seed})", flush=True)
+            print(f"host:    {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start; "
+                  f"variants in a fresh order each round (--seed {args.seed})", flush=True)
 
             order = list(variants.values())
             rng = random.Random(args.seed)

@@ -29,6 +29,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import grpc
@@ -70,7 +71,8 @@ def node(tmp: Path, probe_interval: float) -> Iterator[tuple[ApiServerProcess, d
                 "--kubeconfig", str(kubeconfig), "--node-name", NODE, "--cdi-dir", str(tmp / "cdi"),
                 "--gpu-health-probe-interval", str(probe_interval)):
             server.state.nodes[NODE] = node_json(NODE, {"ack.node.gpu.schedule": "cgpu"})
-            sockets = {Resource(r.resource_name): plugins / r.endpoint for r in kubelet.take_registrations(len(Resource))}
+            sockets = {Resource(r.resource_name): plugins / r.endpoint
+                       for r in kubelet.take_registrations(len(Resource))}
             yield server, env, sockets
     finally:
         kubelet.stop()
@@ -102,8 +104,9 @@ def measure_allocations(server: ApiServerProcess, socket: Path, count: int, roun
             preferred = pb.PreferredAllocationRequest(container_requests=[pb.ContainerPreferredAllocationRequest(
                 available_deviceIDs=devices, allocation_size=1)])
             allocate = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)])
-            calls = [(out.preferred, lambda: stub.GetPreferredAllocation(preferred, timeout=WAIT)),
-                     (out.allocate, lambda: stub.Allocate(allocate, timeout=WAIT))]
+            # partial binds this round's requests now (a lambda would read the loop variables when it runs).
+            calls = [(out.preferred, partial(stub.GetPreferredAllocation, preferred, timeout=WAIT)),
+                     (out.allocate, partial(stub.Allocate, allocate, timeout=WAIT))]
             for samples, call in calls if n % 2 == 0 else calls[::-1]:
                 t0 = time.perf_counter()
                 call()

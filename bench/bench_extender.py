@@ -495,7 +495,8 @@ def measure_binds(pods: int, nodes: int, parallel: int, gpu_memory_gib: int) -> 
             reservations += len(view.reservations)
             over += sum(1 for g in view.gpus if g.memory_allocated_bytes > g.memory_total_bytes)
         if over or reservations != pods:
-            raise RuntimeError(f"after the binds: {over} GPUs over capacity, {reservations} reservations for {pods} pods")
+            raise RuntimeError(f"after the binds: {over} GPUs over capacity, "
+                               f"{reservations} reservations for {pods} pods")
         per_node = sorted(list(bound.values()).count(n) for n in cluster.names)
     return {"pods": pods, "seconds": elapsed, "rate": pods / elapsed, "retries": retries + len(failed_binds),
             "per_node": per_node, "cycle_ms": cycle_ms, "bind_ms": bind_ms,

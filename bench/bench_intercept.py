@@ -285,7 +285,7 @@ def report(results: dict[str, ModeResult], args: argparse.Namespace, library: Pa
     for m, r in results.items():
         print(f"  {m:<15} bare {' '.join(f'{v:.1f}' for v in r.bare_ns)}  (IQR {r.spread('bare'):.1f})")
         print(f"  {'':<15} cgpu {' '.join(f'{v:.1f}' for v in r.cgpu_ns)}  (IQR {r.spread('cgpu'):.1f})")
-    for m, r in results.items():
+    for r in results.values():
         direct = [fn for fn, hooked in r.intercepted.items() if not hooked]
         if direct:
             print(f"  note: under the preload, {', '.join(direct)} resolved to the driver itself, not to "

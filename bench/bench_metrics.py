@@ -63,7 +63,7 @@ def start_daemon(tmp: Path, port: int) -> tuple[subprocess.Popen[bytes], Path]:
 
 
 class _Quiet(WSGIRequestHandler):
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002  (the base class's name)
+    def log_message(self, format: str, *args: object) -> None:  # `format`: the base class's parameter name
         pass
 
 

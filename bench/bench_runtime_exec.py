@@ -68,7 +68,8 @@ def time_once(argv: list[str], env: dict[str, str]) -> float:
     status = wait_exact(proc, 30)
     ms = (time.perf_counter() - t0) * 1e3
     if status != 0:
-        raise BenchError(f"{shlex.join(argv)} exited {status}: {proc.stderr.read().decode(errors='replace') if proc.stderr else ''}")
+        detail = proc.stderr.read().decode(errors='replace') if proc.stderr else ''
+        raise BenchError(f"{shlex.join(argv)} exited {status}: {detail}")
     if proc.stderr:
         proc.stderr.close()
     return ms
@@ -106,7 +107,7 @@ def main(argv: list[str]) -> int:
         ms: dict[str, list[float]] = {k: [] for k in variants}
         rng = random.Random(args.seed)
         for _ in range(2):  # warm-up: page cache, the first exec of each
-            for k, cmd in variants.items():
+            for cmd in variants.values():
                 time_once(cmd, env)
         for _ in range(args.rounds):
             for k in rng.sample(list(variants), len(variants)):

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 READ_PIECE = 64 << 10
 
@@ -135,7 +135,17 @@ class Budget:
             self._left += n
 
 
-class BoundedServer(socketserver.ThreadingMixIn):
+if TYPE_CHECKING:
+    # What the mixins are mixed into, so that mypy checks their calls to it.
+    class _ServerBase(socketserver.ThreadingMixIn, socketserver.TCPServer): ...
+
+    _HandlerBase = socketserver.StreamRequestHandler
+else:
+    _ServerBase = socketserver.ThreadingMixIn
+    _HandlerBase = object
+
+
+class BoundedServer(_ServerBase):
     """Mixed in before a socketserver TCP server class; its handler should
     mix in BoundedHandler. Call `start_reaper()` after construction and
     `server_close()` at the end, as for any socketserver server."""
@@ -178,7 +188,7 @@ class BoundedServer(socketserver.ThreadingMixIn):
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
-            super().process_request_thread(request, client_address)  # type: ignore[misc]
+            super().process_request_thread(request, client_address)
         finally:
             self.connections.leave(request)
 
@@ -188,10 +198,10 @@ class BoundedServer(socketserver.ThreadingMixIn):
     def server_close(self) -> None:
         self._bounded()
         self._reaper_stop.set()
-        super().server_close()  # type: ignore[misc]
+        super().server_close()
 
 
-class BoundedHandler:
+class BoundedHandler(_HandlerBase):
     """Mixed in before a StreamRequestHandler class served by a
     BoundedServer: sockets time out at the idle bound, `answering()` marks
     the connection busy and `answered()` idle again, `body()` reads a body."""
@@ -201,8 +211,10 @@ class BoundedHandler:
     rfile: Any
 
     def setup(self) -> None:
-        self.timeout = self.server.bounds.idle_timeout  # each read waits at most this
-        super().setup()  # type: ignore[misc]
+        # Each read waits at most this. typeshed declares timeout a ClassVar;
+        # StreamRequestHandler.setup reads it from the instance.
+        self.timeout = self.server.bounds.idle_timeout  # type: ignore[misc]
+        super().setup()
 
     def answering(self) -> None:
         """The request is in: what follows is ours, not the peer's, to finish."""

@@ -17,8 +17,8 @@ from cgpud.api import DEFAULT_SOCKET
 from cgpud.api.listen import parse_endpoint, plaintext_problem, tls_problem
 from cgpud.contract import ENV_PREFIX, RELAY_DEFAULT_SOCKET
 from cgpud.node.bypass_model import AllowRule, BypassAction, WatchSettings
-from cgpud.node.model import (MAX_SCHEDULED, ComputePolicy, ComputeTiming, NodeMode, NodePolicy, Orchestrator, Placement,
-                                isolates)
+from cgpud.node.model import (MAX_SCHEDULED, ComputePolicy, ComputeTiming, NodeMode, NodePolicy, Orchestrator,
+                              Placement, isolates)
 from cgpud.node.compute_policy import decode_compute_policies
 from cgpud.node.bypass_policy import DEFAULT_ALLOW, parse_allow
 from cgpud.errors import UsageError
@@ -74,7 +74,8 @@ class DaemonConfig:
     )
     orchestrator: Orchestrator = _setting(
         Orchestrator.STANDALONE,
-        f"standalone (containers may ask with {ENV_PREFIX}_* env) or kubernetes (only the device plugin's requests count)",
+        f"standalone (containers may ask with {ENV_PREFIX}_* env) "
+        "or kubernetes (only the device plugin's requests count)",
     )
     sweep_interval: float = _setting(2.0, "seconds between checks for instances whose processes exited")
     device_plugin_dir: Path = _setting(
@@ -206,7 +207,8 @@ def _convert(name: str, kind: type, value: Any) -> Any:
                 return _BOOLS[value.strip().lower()]
     except (TypeError, ValueError):
         pass
-    choices = f" (one of: {', '.join(str(m.value) for m in kind)})" if isinstance(kind, type) and issubclass(kind, Enum) else ""
+    choices = (f" (one of: {', '.join(str(m.value) for m in kind)})"
+               if isinstance(kind, type) and issubclass(kind, Enum) else "")
     raise UsageError(f"setting {name} = {value!r} is not valid{choices}")
 
 

@@ -56,7 +56,8 @@ class Target:
 TARGETS: tuple[Target, ...] = (
     Target(
         "sim/libcuda.so.1",
-        ("simgpu/driver_core.c", *SIM_MEMORY, "simgpu/driver_exec.c", "simgpu/driver_forwards.c", "simgpu/export_tables.c", "simgpu/library.c", "simgpu/capture.c", "simgpu/driver_stubs.c", *SIM_STATE),
+        ("simgpu/driver_core.c", *SIM_MEMORY, "simgpu/driver_exec.c", "simgpu/driver_forwards.c",
+         "simgpu/export_tables.c", "simgpu/library.c", "simgpu/capture.c", "simgpu/driver_stubs.c", *SIM_STATE),
         exports=("include/cgpu/cuda_functions.def", "CU_FN"),
         extra_exports=(("simgpu/cuda_unmodelled.def", "CU_STUB"),),
         libs=("-lpthread",),

@@ -10,6 +10,7 @@ up to R (perhaps a later one too, which the next view repeats).
 Serving (TLS, listen address, health) is capacity_server.py's."""
 from __future__ import annotations
 
+import builtins
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -51,7 +52,8 @@ class Changes(Protocol):
 class CapacityService(Protocol):
     """What the servicer needs of the daemon (InstanceService has it)."""
 
-    changes: Changes
+    @property
+    def changes(self) -> Changes: ...
 
     def policy(self) -> NodePolicy: ...
 
@@ -59,7 +61,9 @@ class CapacityService(Protocol):
 
     def list(self, include_released: bool = False) -> list[Instance]: ...
 
-    def reservations(self) -> list[Reservation]: ...
+    def reservations(self) -> builtins.list[Reservation]: ...
+
+    def holdings(self) -> tuple[builtins.list[Instance], builtins.list[Reservation]]: ...
 
     def reserve(self, pod_uid: str, namespace: str, name: str, shares: Sequence[Share],
                 ttl: float | None = None) -> Reservation: ...

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from enum import Enum
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from cgpud.api.cgpu.v1 import local_pb2 as pb
 from cgpud.node import model
@@ -23,12 +23,13 @@ def _enum(cls: type[E], value: str | int, field: str) -> E:
     try:
         return cls(value)
     except ValueError:
-        allowed = ", ".join(str(m.value) for m in cls)  # type: ignore[attr-defined]
+        allowed = ", ".join(str(m.value) for m in cls)
         raise UsageError(f"{field}: unknown value {value!r}; expected one of {allowed}") from None
 
 
-def _same(source: object, *names: str) -> dict[str, object]:
-    # Fields named alike on both sides, copied as they are.
+def _same(source: object, *names: str) -> dict[str, Any]:
+    # Fields named alike on both sides, copied as they are (Any: each value
+    # has its own field's type, which a dict cannot say).
     return {name: getattr(source, name) for name in names}
 
 
@@ -85,7 +86,7 @@ def instance_from_pb(msg: pb.Instance) -> model.Instance:
         owner=owner_from_pb(msg.owner),
         grants=tuple(grant_from_pb(g) for g in msg.grants),
         pids=tuple(msg.pids),
-        **scalars,  # type: ignore[arg-type]
+        **scalars,
     )
 
 
@@ -199,7 +200,7 @@ def node_info_to_pb(info: model.NodeInfo) -> pb.NodeInfo:
 
 def node_info_from_pb(msg: pb.NodeInfo) -> model.NodeInfo:
     return model.NodeInfo(
-        **_same(msg, *_NODE_SCALARS),  # type: ignore[arg-type]
+        **_same(msg, *_NODE_SCALARS),
         policy=policy_from_pb(msg.policy),
         gpus=tuple(gpu_usage_from_pb(g) for g in msg.gpus),
     )

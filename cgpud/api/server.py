@@ -179,13 +179,14 @@ class _Counting(grpc.ServerInterceptor):
         method = details.method.rsplit("/", 1)[-1]
         inner, on_request = handler.unary_unary, self._on_request
 
+        # ServicerContext.code() is grpc's (since 1.38); types-grpcio does not declare it.
         def counted(request: Any, context: grpc.ServicerContext) -> Any:
             try:
                 response = inner(request, context)
             except BaseException:
-                on_request(method, (context.code() or grpc.StatusCode.UNKNOWN).name)
+                on_request(method, (context.code() or grpc.StatusCode.UNKNOWN).name)  # type: ignore[attr-defined]
                 raise
-            on_request(method, (context.code() or grpc.StatusCode.OK).name)
+            on_request(method, (context.code() or grpc.StatusCode.OK).name)  # type: ignore[attr-defined]
             return response
 
         return grpc.unary_unary_rpc_method_handler(counted, handler.request_deserializer,
@@ -250,7 +251,7 @@ def serve(
     prepare_private_directory(private.parent)
     remove_stale_socket(private, log)
 
-    interceptors = [_Counting(on_request)] if on_request is not None else []
+    interceptors: list[grpc.ServerInterceptor] = [_Counting(on_request)] if on_request is not None else []
     server = grpc.server(ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="cgpud-api"),
                          interceptors=interceptors)
     pb_grpc.add_LocalServicer_to_server(LocalServicer(service, cdi_spec, events, watching), server)

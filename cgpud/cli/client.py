@@ -156,7 +156,7 @@ class LocalClient:
 
     def _waitable(self, e: grpc.RpcError) -> str | None:
         """_down's answer for a failed call worth waiting on; else None."""
-        if self.wait <= 0 or e.code() is not grpc.StatusCode.UNAVAILABLE:  # type: ignore[attr-defined]
+        if self.wait <= 0 or e.code() is not grpc.StatusCode.UNAVAILABLE:
             return None
         return _down(self.socket_path)
 
@@ -198,8 +198,8 @@ class LocalClient:
                 why = again
 
     def _error(self, e: grpc.RpcError) -> CgpuError:
-        code: grpc.StatusCode = e.code()  # type: ignore[attr-defined]
-        details: str = e.details() or ""  # type: ignore[attr-defined]
+        code: grpc.StatusCode = e.code()
+        details: str = e.details() or ""
         if code is grpc.StatusCode.UNAVAILABLE:
             return unreachable(self.socket_path, details)
         if code is grpc.StatusCode.DEADLINE_EXCEEDED:

@@ -92,10 +92,11 @@ def instance_list(instances: Sequence[Instance], violations: Mapping[str, int] |
 
 def as_json_instances(instances: Sequence[Instance],
                       violations: Mapping[str, int] | None = None) -> list[dict[str, Any]]:
-    out = [{"id": i.id, "state": i.state.value, "owner": {"kind": i.owner.kind.value, "id": i.owner.id},
-            "grants": [{"gpu": g.gpu_index, "uuid": g.gpu_uuid, "memory_bytes": g.memory,
-                        "core_percent": g.core_percent} for g in i.grants],
-            "pids": list(i.pids), "enforced": i.enforced} for i in instances]
+    out: list[dict[str, Any]] = [
+        {"id": i.id, "state": i.state.value, "owner": {"kind": i.owner.kind.value, "id": i.owner.id},
+         "grants": [{"gpu": g.gpu_index, "uuid": g.gpu_uuid, "memory_bytes": g.memory,
+                     "core_percent": g.core_percent} for g in i.grants],
+         "pids": list(i.pids), "enforced": i.enforced} for i in instances]
     if violations is not None:
         for entry in out:
             entry["violations"] = violations.get(entry["id"], 0)

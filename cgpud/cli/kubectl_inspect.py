@@ -173,7 +173,7 @@ def _node_details(entry: NodeEntry) -> list[str]:
         cells = [r.name + (RESERVED_MARK if r.reserved else ""), r.namespace,
                  *[str(_gib_up(r.memory.get(i, 0))) for i in gpus]]
         if core:
-            cores = [str(r.core[i]) for i in gpus if i in r.core and r.core[i]]
+            cores = [str(r.core[i]) for i in gpus if r.core.get(i)]
             cells.append(",".join(cores) or "-")
         rows.append(cells)
     allocated, total = _node_totals(state)
@@ -292,7 +292,8 @@ def from_service_proxy(kubeconfig: Path | None, namespace: str, service: str,
             if e.status not in (404, 503):
                 raise
             answer = proxy(f"{service}:http", namespace, "inspect", _preload_content=False, _request_timeout=timeout)
-        body = answer.data
+        # _preload_content=False: the urllib3 response, not the str the client's annotation says.
+        body = answer.data  # type: ignore[attr-defined]
     except ApiException as e:
         raise InspectError(f"cannot read the cluster view from {where}: {e.status} {_reason(e)}") from e
     except (urllib3.exceptions.HTTPError, OSError) as e:

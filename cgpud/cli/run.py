@@ -9,16 +9,18 @@ import socket
 import subprocess
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import FrameType
 
 from cgpud.cli.client import LocalClient
 from cgpud.contract import REGION_ENV
 from cgpud.node.model import Instance, Owner, OwnerKind, Request
-from cgpud.errors import UsageError
+from cgpud.errors import CgpuError, UsageError
 from cgpud.containers.edits import application_env
 from cgpud.native import native_path
 
 
-def instance_environment(instance: Instance, region: Path, gpu_memory: dict[int, int], base: dict[str, str]) -> dict[str, str]:
+def instance_environment(instance: Instance, region: Path, gpu_memory: dict[int, int],
+                         base: dict[str, str]) -> dict[str, str]:
     """What the process sees: the library and its region, only its GPUs, and
     the ALIYUN_COM_GPU_MEM_* variables cGPU applications read (outputs for
     them, never inputs to enforcement)."""
@@ -45,6 +47,8 @@ def run(socket_path: Path, memory: int, gpus: int, core: int, command: Sequence[
         instance = client.create(Request(owner, memory, gpus, core, weight, int(high_priority)), pid=os.getpid())
         try:
             region = client.region_dir(instance.id)
+            if region is None:  # released already: there is no region to run under
+                raise CgpuError(f"instance {instance.id} was released before {command[0]} could start")
             gpu_memory = {g.gpu.index: g.gpu.memory for g in client.node_info().gpus}
             env = instance_environment(instance, region, gpu_memory, dict(os.environ))
             try:
@@ -55,8 +59,11 @@ def run(socket_path: Path, memory: int, gpus: int, core: int, command: Sequence[
             # killed cgpuctl nor a fast-exiting child releases it early.
             client.bind(instance.id, (os.getpid(), child.pid))
             # Ctrl-C and TERM go to the child; we wait for it either way.
+            def forward(signum: int, _frame: FrameType | None) -> None:
+                child.send_signal(signum)
+
             for signum in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(signum, lambda s, _f, c=child: c.send_signal(s))
+                signal.signal(signum, forward)
             code = child.wait()
         finally:
             client.release(instance.id)

@@ -82,7 +82,7 @@ def read_mountinfo(pid: int, under: str | None = None) -> list[MountPoint]:
 
 
 def _ancestors(targets: Iterable[str]) -> set[str]:
-    out = set()
+    out: set[str] = set()
     for t in targets:
         parts = [p for p in t.split("/") if p]
         out.update("/" + "/".join(parts[:i]) for i in range(1, len(parts)))

@@ -33,7 +33,7 @@ _VERBS = ("prepare", "bind", "release", *(f"hook {stage}" for stage in (*BIND_ST
 # after delete itself, so cgpud writes no hook entries. spec-fd: the spec
 # comes as the request's one file descriptor (the shim has put a FIFO at
 # config.json for the runtime to wait on; relay_wire.h).
-_PREPARE_FLAGS = ([], [RELAY_SHIM_BINDS], [RELAY_SHIM_BINDS, RELAY_SPEC_FD])
+_PREPARE_FLAGS: tuple[list[str], ...] = ([], [RELAY_SHIM_BINDS], [RELAY_SHIM_BINDS, RELAY_SPEC_FD])
 
 
 class RelayProtocolError(UsageError):

@@ -172,7 +172,9 @@ def without_toolkit_devices(spec: Mapping[str, Any]) -> dict[str, Any] | None:
     names none already. Anything a container can write gets a GPU only
     through an instance."""
     process = spec.get("process")
-    raw = process.get("env") if isinstance(process, Mapping) else None
+    if not isinstance(process, Mapping):
+        return None
+    raw = process.get("env")
     if not isinstance(raw, list):
         return None
     prefix = TOOLKIT_ENV + "="

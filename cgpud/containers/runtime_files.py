@@ -85,7 +85,9 @@ def install_runtime_files(state_dir: Path, relay_socket: Path, version: str | No
     rewrites nothing. Raises CgpuError if the state directory is not the
     daemon's alone."""
     if version is None:
-        from cgpud import __version__ as version
+        from cgpud import __version__
+
+        version = __version__
     name = version_dir_name(version)
     root = runtime_root(state_dir)
     target = root / name

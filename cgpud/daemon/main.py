@@ -15,7 +15,8 @@ from cgpud.node.inventory import read_inventory
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cgpud", description="cgpu node daemon: GPU inventory, instance tables, local API.")
+    p = argparse.ArgumentParser(prog="cgpud",
+                                description="cgpu node daemon: GPU inventory, instance tables, local API.")
     p.add_argument("--version", action="version", version=f"cgpud {__version__}")
     p.add_argument("--inventory", action="store_true", help="print this node's GPU inventory as JSON and exit")
     settings.add_arguments(p)

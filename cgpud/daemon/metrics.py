@@ -221,10 +221,6 @@ _GPU_LABELS = ("gpu", "UUID", "modelName")
 _INSTANCE_LABELS = ("instance_id", "owner_kind", "owner", *_GPU_LABELS)
 
 
-def _family(kind: type[Metric], name: str, doc: str, labels: Sequence[str], unit: str = "") -> Any:
-    return kind(name, doc, labels=list(labels), unit=unit) if unit else kind(name, doc, labels=list(labels))
-
-
 class CgpuCollector(Collector):
     """Builds every cgpu_* family from the daemon's state at scrape time."""
 
@@ -381,7 +377,7 @@ class _Server(BoundedServer, WSGIServer):
 
 
 class _QuietHandler(BoundedHandler, WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002  (the base class's name)
+    def log_message(self, format: str, *args: Any) -> None:  # `format`: the base class's parameter name
         pass  # one line per scrape would drown cgpud's log
 
     def parse_request(self) -> bool:

@@ -29,7 +29,9 @@ from kubernetes.client.exceptions import ApiException
 
 from cgpud.errors import CgpuError
 from cgpud.extender.client import CapacityError, Clients
-from cgpud.extender.fit import Placement, Reason, annotations, fit, shares
+# Under another name: `annotations` here is the __future__ import's.
+from cgpud.extender.fit import Placement, Reason, fit, shares
+from cgpud.extender.fit import annotations as pod_annotations
 from cgpud.extender.pod import PodDemand, PodError, pod_demand
 from cgpud.kube.model import Resource
 from cgpud.extender.state import ClusterState, Hold
@@ -137,7 +139,7 @@ class KubePodApi:
         return data
 
 
-def _message(data: bytes | None) -> str:
+def _message(data: bytes | str | None) -> str:
     """The message of a Status the API server sent, else ""."""
     try:
         status = json.loads(data or b"")
@@ -228,7 +230,8 @@ class Binder:
             self.state.hold(args.node, Hold(uid, args.pod_namespace, args.pod_name, held, "", 0,
                                             self._clock() + PENDING_HOLD))
         try:
-            reservation = self.clients.get(args.node, address).reserve(uid, args.pod_namespace, args.pod_name, held, self._ttl)
+            reservation = self.clients.get(args.node, address).reserve(uid, args.pod_namespace, args.pod_name, held,
+                                                                       self._ttl)
         except CapacityError as e:
             self.state.release(args.node, uid)
             if e.code not in _REFUSED:
@@ -243,7 +246,7 @@ class Binder:
                                         reservation.revision, reservation.expires_unix_ms / 1000))
         record = self.state.record(args.node)
         view = record.entry.state if record is not None and record.entry.state is not None else None
-        notes = annotations(demand, placement, view, int(self._clock() * 1e9)) if view is not None else {}
+        notes = pod_annotations(demand, placement, view, int(self._clock() * 1e9)) if view is not None else {}
         try:
             return self._finish(args, demand, placement, notes)
         except BaseException as e:

@@ -74,7 +74,7 @@ def capacity_channel(address: str, tls: TlsFiles | None, node: str | None = None
     is checked, as any TLS client does."""
     if tls is None:
         return grpc.insecure_channel(address, options=_KEEPALIVE)
-    options = list(_KEEPALIVE)
+    options: list[tuple[str, str | int]] = list(_KEEPALIVE)
     if node:
         options.append(("grpc.ssl_target_name_override", node))
     return grpc.secure_channel(address, tls.credentials(), options=options)

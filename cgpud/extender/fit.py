@@ -15,7 +15,8 @@ work once when a view arrives, and a summary remembers its answers per pod
 shape, so a node whose view did not change answers the next pod of the same
 shape with one dictionary look-up.
 """
-from __future__ import annotations
+# No `from __future__ import annotations` here: it would bind the name of
+# annotations() below (mypy then sees the __future__ feature, not the function).
 
 import json
 from collections.abc import Mapping
@@ -148,7 +149,7 @@ def rendered(demand: PodDemand, summary: NodeSummary) -> tuple[Placement | Reaso
     if hit is not None:
         return hit
     answer = fit(demand, summary)
-    if type(answer) is Reason:
+    if isinstance(answer, Reason):
         text = f"{summary.name_json}:{json.dumps(answer.text)}"
     else:
         text = f'{{"Host":{summary.name_json},"Score":{answer.score}}}'

@@ -98,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
 
         source = ApiNodeSource(k8s.CoreV1Api(client_from(args.kubeconfig)), watchers.sync, skipped).start()
     signals = StopSignals(threading.Event())
-    log.info("ready", listen=join_host_port(listen.host, server.port), nodes=len(nodes) if nodes is not None else "api-server",
+    log.info("ready", listen=join_host_port(listen.host, server.port),
+             nodes=len(nodes) if nodes is not None else "api-server",
              tls=tls is not None, binding="api-server" if api is not None else "standalone",
              serving="https with client certificates" if serving is not None and serving.client_ca else
              "https" if serving is not None else "http")

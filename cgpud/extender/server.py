@@ -197,7 +197,7 @@ class Extender:
         node's part of the answer as JSON text: the hot loop."""
         record = self.state.records.get
         shape = demand.fit_key
-        out = []
+        out: list[tuple[Any, str]] = []
         append = out.append
         for name in names:
             rec = record(name)
@@ -251,7 +251,9 @@ class Extender:
             if later is not None:
                 return later
             if items is None:  # the node cache's answer, built as text from the nodes' rendered parts
-                ok, bad, never = [], [], []
+                ok: list[str] = []
+                bad: list[str] = []
+                never: list[str] = []
                 for name, (answer, text) in zip(names, judged):
                     if type(answer) is Reason:
                         (bad if answer.resolvable else never).append(text)
@@ -364,8 +366,9 @@ class _Handler(BoundedHandler, BaseHTTPRequestHandler):
         self.send_response(code)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
-        # Headers and body in one write (end_headers would send the headers alone).
-        self._headers_buffer.append(b"\r\n" + data)
+        # Headers and body in one write (end_headers would send the headers alone);
+        # _headers_buffer is BaseHTTPRequestHandler's, which typeshed leaves out.
+        self._headers_buffer.append(b"\r\n" + data)  # type: ignore[attr-defined]
         self.flush_headers()
 
     def _path(self) -> str:

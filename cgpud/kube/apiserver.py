@@ -180,7 +180,7 @@ class ApiServer:
 
     def warn_pod(self, pod: PodInfo, node: str, reason: str, message: str) -> None:
         """A Warning event on the pod (what `kubectl describe pod` shows)."""
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
         body = k8s.CoreV1Event(
             metadata=k8s.V1ObjectMeta(generate_name=f"{pod.name}.", namespace=pod.namespace),
             involved_object=k8s.V1ObjectReference(kind="Pod", api_version="v1", namespace=pod.namespace,

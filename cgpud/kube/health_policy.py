@@ -136,8 +136,10 @@ def decide(state: GpuHealth, obs: Observation, policy: HealthPolicy) -> GpuHealt
             state = replace(state, fatal_xid=obs.xid, fatal_xid_at=obs.at, lost=state.lost or obs.xid == XID_LOST)
     elif obs.ok:
         # Back on the bus means the GPU was reset: its XIDs are history.
-        cleared = {"fatal_xid": None, "fatal_xid_at": 0.0} if state.lost else {}
-        state = replace(state, lost=False, unreachable="", **cleared)
+        if state.lost:
+            state = replace(state, lost=False, unreachable="", fatal_xid=None, fatal_xid_at=0.0)
+        else:
+            state = replace(state, lost=False, unreachable="")
     else:
         state = replace(state, lost=obs.lost, unreachable="" if obs.lost else obs.failure)
     if (state.fatal_xid is not None and policy.recovery_window > 0

@@ -230,7 +230,7 @@ class DevicePlugin:
     def __init__(self, settings: PluginSettings, allocator: Allocator, *, mode: NodeMode | str,
                  placement: Placement, gpus: Sequence[GpuCapacity], health: Mapping[int, bool] | None = None) -> None:
         self._settings = replace(settings, directory=Path(os.path.abspath(settings.directory)))
-        for resource, name in resources.SOCKET_NAMES.items():
+        for name in resources.SOCKET_NAMES.values():
             path = self._settings.directory / name
             if len(os.fsencode(path)) > _SUN_PATH_MAX:
                 raise UsageError(f"device plugin directory {self._settings.directory} is too long: the socket "

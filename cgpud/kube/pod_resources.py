@@ -4,9 +4,11 @@ namespace and name (it has no UIDs) and lists only pods the kubelet still
 runs, which is how releases learn that a pod is gone."""
 from __future__ import annotations
 
+import builtins
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -48,14 +50,14 @@ class PodResourcesClient:
         response = self._call("List", pb.ListPodResourcesRequest())
         return [d for pod in response.pod_resources for d in _devices(pod)]
 
-    def get(self, namespace: str, pod: str) -> list[ContainerDevices]:
+    def get(self, namespace: str, pod: str) -> builtins.list[ContainerDevices]:
         """One pod's container devices (kubelet feature KubeletPodResourcesGet,
         on by default from 1.34). A pod the kubelet does not run is an
         error from the kubelet (NOT_FOUND or INVALID_ARGUMENT by version)."""
         response = self._call("Get", pb.GetPodResourcesRequest(pod_name=pod, pod_namespace=namespace))
         return _devices(response.pod_resources)
 
-    def _call(self, method: str, request: object) -> object:
+    def _call(self, method: str, request: object) -> Any:
         if not self._path.exists():
             raise KubeletUnavailable(f"the kubelet's pod-resources socket {self._path} does not exist: "
                                      "is the kubelet running, and is the directory mounted into cgpud's pod?")

@@ -46,8 +46,11 @@ class KubeletPod:
 
 
 class _Listed(Protocol):
-    namespace: str
-    pod: str
+    @property
+    def namespace(self) -> str: ...
+
+    @property
+    def pod(self) -> str: ...
 
 
 def kubelet_pods(entries: Iterable[_Listed]) -> list[KubeletPod]:

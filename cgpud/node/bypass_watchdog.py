@@ -57,7 +57,7 @@ _SAMPLE_CAP_US = 1_000_000
 class RoundTimer(Protocol):
     """Times a round for the metrics (cgpud.daemon.metrics.DaemonStats is one)."""
 
-    def timed(self, what: str, fn: Callable[[], None]) -> object: ...
+    def timed(self, what: str, fn: Callable[[], object]) -> object: ...
 
 
 @dataclass
@@ -118,7 +118,9 @@ class NvmlProcessReader:
     def __init__(self, gpu_indexes: Iterable[int], window_s: float, nvml: Any = None,
                  clock: Callable[[], float] = time.time) -> None:
         if nvml is None:
-            import pynvml as nvml
+            import pynvml
+
+            nvml = pynvml
         self._nvml = nvml
         self.window_s = window_s
         self._clock = clock
@@ -290,7 +292,7 @@ class BypassWatchdog:
         self._stats = stats
         self._log = log if log is not None else structlog.get_logger("cgpud.bypass")
         self._decide = decide if decide is not None else bypass_policy.decide
-        self._kill = kill if kill is not None else procmap.kill_process
+        self._kill: Kill = kill if kill is not None else procmap.kill_process
         self._repeat_s = repeat_s
         self._seen: dict[tuple[str, str, int], _Seen] = {}
         self._engine: dict[tuple[str, int], deque[tuple[float, float]]] = {}
@@ -427,7 +429,7 @@ class BypassWatchdog:
                     self._stats.timed("bypass", self.tick)
                 else:
                     self.tick()
-            except Exception as e:  # noqa: BLE001  the watchdog keeps watching; the next round may succeed
+            except Exception as e:  # any error: the watchdog keeps watching; the next round may succeed
                 self._log.error("bypass round failed", error=f"{type(e).__name__}: {e}")
 
     def start(self, stop: threading.Event) -> threading.Thread:

@@ -515,7 +515,7 @@ class UsageRegion:
                 # Too short to map as the struct; let C word the complaint.
                 problem = _check_struct(lib.cgpu_usage_check, "struct cgpu_usage", b"")
                 raise RegionError(f"{self.path}: {problem} ({file_size} bytes)")
-            self._map = mmap.mmap(self._fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self._map: mmap.mmap | None = mmap.mmap(self._fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             self._u = ffi.from_buffer("struct cgpu_usage *", self._map, require_writable=True)
             # Before the first read: the tenant may truncate the file at any
             # moment, and cgpud must read zeros then, not die of SIGBUS.

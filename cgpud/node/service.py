@@ -9,6 +9,7 @@ Create and release are idempotent for retries after a crash: the same owner
 gets the same active instance back, and releasing twice is no error."""
 from __future__ import annotations
 
+import builtins
 import contextlib
 import os
 import signal
@@ -42,10 +43,10 @@ from cgpud.node.compute import ComputeError, ComputeScheduler, TenantMetrics
 from cgpud.node.compute_policy import (decode_compute_policies, encode_compute_policies, limits_compute,
                                          with_compute_policy)
 from cgpud.node.exits import ExitWatch
-from cgpud.node.region import (INSTANCES_MODE, REGION_FS_FILE, USAGE_FILE, DeviceLimit, InstanceLimits,
-                                 SPARE_REGION, RegionError, UsageRegion, claim_spare_region, grants_problem, make_region_dir,
-                                 make_spare_region, read_limits, remove_region_dir, repair_usage, usage_problem,
-                                 write_region)
+from cgpud.node.region import (INSTANCES_MODE, REGION_FS_FILE, SPARE_REGION, USAGE_FILE, DeviceLimit, InstanceLimits,
+                               RegionError, UsageRegion, claim_spare_region, grants_problem, make_region_dir,
+                               make_spare_region, read_limits, remove_region_dir, repair_usage, usage_problem,
+                               write_region)
 from cgpud.node.store import Store, new_instance_id
 from cgpud.errors import AdmissionError, CgpuError, NotFoundError, StateError, UsageError
 
@@ -149,7 +150,7 @@ class InstanceService:
             gpus=placement.gpu_usage(self._gpus, *self.holdings()),
         )
 
-    def holdings(self) -> tuple[list[Instance], list[Reservation]]:
+    def holdings(self) -> tuple[builtins.list[Instance], builtins.list[Reservation]]:
         """The active instances and live reservations, read together (one
         store snapshot): what admission sees as taken. Read after
         `changes.revision`, it holds at least every change counted there
@@ -158,7 +159,7 @@ class InstanceService:
         active, reserved = self._store.holdings()
         return active, [r for r in reserved if r.live(now)]
 
-    def compute_metrics(self) -> dict[str, list[TenantMetrics]]:
+    def compute_metrics(self) -> dict[str, builtins.list[TenantMetrics]]:
         """The compute scheduler's accounting by instance id ({} without one)."""
         compute = self._compute
         return compute.tenant_metrics() if compute is not None else {}
@@ -172,7 +173,7 @@ class InstanceService:
     def runtime_versions_in_use(self) -> set[str]:
         return self._store.runtime_versions_in_use()
 
-    def reservations(self) -> list[Reservation]:
+    def reservations(self) -> builtins.list[Reservation]:
         """The live reservations, by pod UID; expired ones hold nothing even
         before the sweep deletes them."""
         now = self._clock()

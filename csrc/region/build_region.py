@@ -84,4 +84,4 @@ ffibuilder.set_source(
 )
 
 if __name__ == "__main__":
-    print(ffibuilder._cdefsources[0])  # noqa: SLF001 - the derived cdef, for review
+    print(ffibuilder._cdefsources[0])  # the derived cdef, for review
