@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import write_sim_config
-from tests.daemonproc import Daemon, running_daemon
-from tests.e2e.oci import Host, build_rootfs, default_spec, require_tools
+from tests.harness.sim import write_sim_config
+from tests.harness.daemon import Daemon, running_daemon
+from tests.harness.oci import Host, build_rootfs, default_spec, require_tools
 
 
 @pytest.fixture(scope="session")

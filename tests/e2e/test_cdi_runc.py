@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from cgpud.node.model import GIB
-from tests.daemonproc import Daemon
-from tests.e2e.oci import Bundle, Host, run
+from tests.harness.daemon import Daemon
+from tests.harness.oci import Bundle, Host, run
 
 BURN = "cgpu-burn --alloc-until-fail 512MiB"
 

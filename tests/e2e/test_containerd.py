@@ -18,8 +18,8 @@ import pytest
 
 from cgpud.node.model import GIB
 from cgpud.native import native_path
-from tests.daemonproc import BIN, Daemon
-from tests.e2e.oci import HOOK_ENV_PATH, Host, runtime_env
+from tests.harness.daemon import BIN, Daemon
+from tests.harness.oci import HOOK_ENV_PATH, Host, runtime_env
 from tests.e2e.test_runc import BURN, burn_json, env_lines, instances
 
 

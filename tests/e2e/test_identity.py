@@ -15,8 +15,8 @@ import pytest
 
 from cgpud.cli.client import LocalClient
 from cgpud.node.model import GIB, Owner, OwnerKind, Request
-from tests.daemonproc import Daemon
-from tests.e2e.oci import HOOK_ENV_PATH, Host, create, host_mounts, run, runc, shim_container
+from tests.harness.daemon import Daemon
+from tests.harness.oci import HOOK_ENV_PATH, Host, create, host_mounts, run, runc, shim_container
 from tests.e2e.test_containerd import Containerd, containerd, loaded_binary_name  # noqa: F401 (fixture)
 from tests.e2e.test_runc import instances
 

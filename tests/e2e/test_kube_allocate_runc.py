@@ -1,7 +1,7 @@
 """Kubernetes end to end on the simulated GPU: cgpud runs with
 orchestrator=kubernetes; the test plays the kubelet (Registration on
 kubelet.sock, then Allocate over the plugin's socket, the kubelet's
-pod-resources API) and the API server (tests/kube/api_server.py). The
+pod-resources API) and the API server (tests/harness/api_server.py). The
 Allocate answer's CDI device is looked up in the spec cgpud wrote, its edits
 are applied to a runc bundle the way a CDI-aware runtime applies them, and
 plain runc (no cgpu shim) starts the container: it sees exactly its GiB in
@@ -21,12 +21,12 @@ import pytest
 from cgpud.api.k8s.deviceplugin.v1beta1 import api_pb2 as pb
 from cgpud.api.k8s.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 from cgpud.node.model import GIB
-from tests.daemonproc import Daemon, running_daemon
-from tests.e2e.oci import Bundle, Host, run
+from tests.harness.daemon import Daemon, running_daemon
+from tests.harness.oci import Bundle, Host, run
 from tests.e2e.test_cdi_runc import BURN, apply_cdi, burn_json
-from tests.kube.api_server import ApiServerProcess, api_server, node_json, pod_json
-from tests.kube.kubelet_pods import kubelet_pods
-from tests.kube.test_device_plugin import Kubelet
+from tests.harness.api_server import ApiServerProcess, api_server, node_json, pod_json
+from tests.harness.kubelet_pods import kubelet_pods
+from tests.harness.kubelet import Kubelet
 
 NODE = "node-e2e"
 WAIT = 20.0

@@ -10,8 +10,8 @@ import pytest
 
 from cgpud.cli.client import LocalClient
 from cgpud.node.model import GIB, Owner, OwnerKind, Request
-from tests.daemonproc import Daemon, running_daemon
-from tests.e2e.oci import Host, run, runc, shim_container
+from tests.harness.daemon import Daemon, running_daemon
+from tests.harness.oci import Host, run, runc, shim_container
 
 BURN = "cgpu-burn --alloc-until-fail 512MiB"
 

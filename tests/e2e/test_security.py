@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from cgpud.node.model import GIB
-from tests.daemonproc import Daemon
-from tests.e2e.oci import Host, host_mounts, run, settled, shim_container
+from tests.harness.daemon import Daemon
+from tests.harness.oci import Host, host_mounts, run, settled, shim_container
 from tests.e2e.test_runc import BURN, burn_json, instances
 
 POC_SOURCE = r"""

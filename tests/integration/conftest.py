@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemonproc import Daemon, running_daemon
+from tests.harness.daemon import Daemon, running_daemon
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from cgpud._region import ffi, lib
-from tests.sharerun import Sampler, Scenario, ShareRig, TenantSpec, _at, _busy
+from tests.harness.sharerun import Sampler, Scenario, ShareRig, TenantSpec, _at, _busy
 
 OPEN = int(lib.CGPU_GATE_OPEN)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.sharerun import Sampler, Scenario, ShareRig, TenantSpec, _at, _busy
+from tests.harness.sharerun import Sampler, Scenario, ShareRig, TenantSpec, _at, _busy
 
 SECONDS = 2.0
 MIX = (20_000, 200_000, 2_000_000)

@@ -3,7 +3,7 @@ real libcudart.so.13 and a CUDA C++ program built here by nvcc
 (tests/cuda/spin.cu: its spin kernel embedded as PTX in a fatbin), bare and
 as tenants of `cgpuctl run --mem 1GiB --core 30`. Each program step prints
 "<step> <cudaError name> [values]" (see spin.cu). The toolchain is the
-default CUDA line's from PyPI (tests/cudakit.py); every line's runtime:
+default CUDA line's from PyPI (tests/harness/cudakit.py); every line's runtime:
 test_cuda_runtimes.py."""
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests import cudakit
-from tests.daemonproc import BIN, running_daemon
+from tests.harness import cudakit
+from tests.harness.daemon import BIN, running_daemon
 from tests.integration.test_sanitizers import san_env, san_native  # noqa: F401 (fixtures)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -150,7 +150,7 @@ def test_machine_code_without_ptx_has_no_image_for_the_simulated_gpu(tmp_path, s
 
 
 def test_device_memory_through_cudart_is_what_the_simulated_gpu_counts(spin, sim_env, native):
-    from tests.integration.simrun import sim_stat
+    from tests.harness.simrun import sim_stat
 
     proc = subprocess.Popen([str(spin), "fill", "kernel"], env=sim_env, stdout=subprocess.PIPE, text=True)
     out, _ = proc.communicate(timeout=120)
@@ -249,7 +249,7 @@ def test_hostile_fatbins_are_refused_cleanly_by_the_sanitized_driver(san_env):
     """Fatbins a program could hand the driver, cut short, with sizes past
     their end, or compressed garbage: refused with an error, read nowhere
     past their bytes (the simulated driver built with ASan/UBSan)."""
-    from tests.integration.simrun import run_py
+    from tests.harness.simrun import run_py
 
     asan = subprocess.run(["cc", "-print-file-name=libasan.so"], capture_output=True, text=True, check=True).stdout
     env = dict(san_env, LD_PRELOAD=asan.strip(), ASAN_OPTIONS="detect_leaks=0:abort_on_error=0:exitcode=86")

@@ -9,9 +9,9 @@ import subprocess
 
 import pytest
 
-from tests.daemonproc import BIN
+from tests.harness.daemon import BIN
 from tests.integration.test_sanitizers import san_env, san_instance, san_native  # noqa: F401 (fixtures)
-from tests.integration.simrun import sim_stat
+from tests.harness.simrun import sim_stat
 from tests.intercept.test_memory_lifetime import Phased, build_attacker, check_vmm_sequence
 
 

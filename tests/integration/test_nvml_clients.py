@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemonproc import BIN
-from tests.integration.simrun import PYNVML
+from tests.harness.daemon import BIN
+from tests.harness.simrun import PYNVML
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "csrc"))

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tests.harness.wait import until
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "csrc"))
@@ -143,18 +144,11 @@ def test_interception_library_is_clean_under_sanitizers(san_native, san_instance
         assert out["alloc"]["until_fail_count"] == 8
 
 
-def _wait_for(what: str, predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
-
-
 @contextmanager
 def _gated_burn(san_native: Path, env: dict[str, str], *args: str) -> Iterator[tuple[subprocess.Popen[str], Any]]:
     """cgpu-burn started behind a closed gate, with a view of its grants for
     the block to drive; then it must finish sanitizer-clean with no error."""
-    from tests.intercept.conftest import GATE_SEQ_STEP, GrantsView, grants_bytes, write_grants
+    from tests.harness.grants import GATE_SEQ_STEP, GrantsView, grants_bytes, write_grants
 
     region = Path(env["CGPU_REGION_DIR"])
     write_grants(region, grants_bytes([GATE_SEQ_STEP]))
@@ -177,29 +171,29 @@ def test_gated_launches_are_clean_under_sanitizers(san_native, san_instance, api
     """A closed gate, an opening, a closing with a fence, a reopening: the
     waiting path, the fence watcher thread and the open path, sanitized."""
     from cgpud._region import lib
-    from tests.intercept.conftest import GATE_OPEN, GATE_SEQ_STEP
+    from tests.harness.grants import GATE_OPEN, GATE_SEQ_STEP
 
     with _gated_burn(san_native, san_instance, f"--launch-api={api}", "--duration=1.5", "--kernel-ns=1000000",
                      "--per-thread-stream", "--streams=2") as (proc, view):
-        _wait_for("a launch waiting at the gate", lambda: view.waiting() >= 1)
+        until(lambda: view.waiting() >= 1, 10.0, interval=0.005, what="a launch waiting at the gate")
         view.set_gate(0, 2 * GATE_SEQ_STEP | GATE_OPEN)
-        _wait_for("launches", lambda: view.waiting() == 0)
+        until(lambda: view.waiting() == 0, 10.0, interval=0.005, what="launches")
         time.sleep(0.2)
         view.set_gate(0, 3 * GATE_SEQ_STEP)
-        _wait_for("the fence", lambda: view.fence_ack(proc.pid) == 3 * GATE_SEQ_STEP | lib.CGPU_ACK_LAUNCHED)
+        until(lambda: view.fence_ack(proc.pid) == 3 * GATE_SEQ_STEP | lib.CGPU_ACK_LAUNCHED, 10.0, interval=0.005, what="the fence")
         view.set_gate(0, 4 * GATE_SEQ_STEP | GATE_OPEN)
 
 
 def test_a_gate_orphaned_by_a_dead_cgpud_is_clean_under_sanitizers(san_native, san_instance):
     """The bounded wait, the lock probe, launching past the orphaned gate and
     being gated again by a new gate word, sanitized."""
-    from tests.intercept.conftest import GATE_OPEN, GATE_SEQ_STEP
+    from tests.harness.grants import GATE_OPEN, GATE_SEQ_STEP
 
     with _gated_burn(san_native, san_instance, "--duration=1.5", "--kernel-ns=100000", "--streams=2") as (_, view):
-        _wait_for("a launch waiting at the gate", lambda: view.waiting() >= 1)
+        until(lambda: view.waiting() >= 1, 10.0, interval=0.005, what="a launch waiting at the gate")
         view.drive(False)
-        _wait_for("launches past the orphaned gate", lambda: view.waiting() == 0)
+        until(lambda: view.waiting() == 0, 10.0, interval=0.005, what="launches past the orphaned gate")
         view.drive(True)
         view.set_gate(0, 2 * GATE_SEQ_STEP)
-        _wait_for("a launch waiting at the new gate", lambda: view.waiting() >= 1)
+        until(lambda: view.waiting() >= 1, 10.0, interval=0.005, what="a launch waiting at the new gate")
         view.set_gate(0, 3 * GATE_SEQ_STEP | GATE_OPEN)

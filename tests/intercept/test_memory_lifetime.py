@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.simrun import run_py, sim_stat
-from tests.intercept.conftest import GIB
+from tests.harness.simrun import run_py, sim_stat
+from tests.harness.grants import GIB
 
 MIB = 1 << 20
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from tests import cudakit
-from tests.integration.simrun import run_py
-from tests.intercept.conftest import GIB, build_c
+from tests.harness import cudakit
+from tests.harness.simrun import run_py
+from tests.harness.cc import build_c
+from tests.harness.grants import GIB
 
 ROOT = Path(__file__).resolve().parents[2]
 HOOKED = set(re.findall(r"^HOOK\((\w+)", (ROOT / "csrc/intercept/hooks.def").read_text(), re.MULTILINE))
