@@ -29,9 +29,8 @@ from cgpud.native import native_path
 from tests.harness.daemon import BIN, Daemon, running_daemon
 from tests.harness.docker import IMAGE, Dockerd, running_dockerd
 from tests.harness.oci import host_mounts, runtime_env, settled
-from tests.e2e.test_kube_allocate_runc import nvml_total  # noqa: F401 (fixture)
-from tests.e2e.test_runc import BURN, assert_2gib_granted, burn_json, env_lines, instances
-from tests.e2e.test_security import build_poc
+from tests.harness.workload import BURN, assert_2gib_granted, burn_json, env_lines, instances
+from tests.harness.preload_poc import build_poc
 
 # An operator's settings that `runtime configure` must keep.
 OPERATOR_JSON = {"log-level": "info", "live-restore": True, "runtimes": {"other": {"path": "runc"}}}

@@ -13,8 +13,8 @@ from cgpud._region import ffi, lib
 from cgpud.native import native_path
 from tests.harness.daemon import make_daemon, running_daemon
 from tests.harness.oci import Host, run, runtime_env
-from tests.e2e.test_runc import burn_json, instances
-from tests.integration.test_compute_failure import freeze_with_gate_closed
+from tests.harness.workload import burn_json, instances
+from tests.harness.freeze import freeze_with_gate_closed
 from tests.harness.sharerun import Sampler
 
 BURN = "cgpu-burn --kernel-ns 200000 --streams 4 --duration 3"

@@ -14,7 +14,7 @@ from pathlib import Path
 from cgpud.native import native_path
 from tests.harness.daemon import Daemon
 from tests.harness.oci import Host, runtime_env
-from tests.integration.test_nvml_clients import GPUSTAT, INSIDE, NVITOP, NVML_CALLS, WAIT_OWN, burner, check_inside
+from tests.harness.nvml_clients import GPUSTAT, INSIDE, NVITOP, NVML_CALLS, WAIT_OWN, burner, check_inside
 
 VENV = Path(sys.prefix)
 PYTHON_HOME = Path(sys.base_prefix)

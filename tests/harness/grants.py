@@ -119,3 +119,9 @@ def closed(seq: int) -> int:
 
 def opened(seq: int) -> int:
     return seq * GATE_SEQ_STEP | GATE_OPEN
+
+
+def is_gated(region: Path) -> bool:
+    """Whether cgpud wrote the region's grants file gated (compute-controlled)."""
+    grants = ffi.from_buffer("struct cgpu_grants *", bytearray((region / "grants").read_bytes()))
+    return not grants.device[0].gate & lib.CGPU_GATE_UNGATED

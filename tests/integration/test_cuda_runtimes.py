@@ -22,7 +22,7 @@ import pytest
 from tests.harness import cudakit
 from tests.harness.sim import write_sim_config
 from tests.harness.daemon import BIN, Daemon, running_daemon
-from tests.integration.test_cudart import build_spin, steps
+from tests.harness.spin import build_spin, steps
 
 ROOT = Path(__file__).resolve().parents[2]
 GIB = 1 << 30

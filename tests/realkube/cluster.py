@@ -45,6 +45,7 @@ from tests.harness.oci import build_rootfs
 from tests.realkube.build import KubeBinaries
 from tests.realkube.image import pause_root, write_archive
 from tests.harness.tls import Pki, ca, leaf, make_pki
+from tests.harness.nvml_total import build_nvml_total
 from tests.harness.wait import until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -510,10 +511,7 @@ class RealCluster:
         workload = build_rootfs(images / "workload")
         nvml = workload / "usr" / "bin" / "nvml-total"
         source = images / "nvml_total.c"
-        from tests.e2e.test_kube_allocate_runc import NVML_TOTAL
-
-        source.write_text(NVML_TOTAL)
-        _run("cc", "-O1", "-o", str(nvml), str(source), "-ldl")
+        build_nvml_total(nvml, source)
         return [write_archive(workload, WORKLOAD_IMAGE, images / "workload.tar"),
                 write_archive(workload, CGPUD_IMAGE, images / "cgpud.tar"),
                 write_archive(pause_root(images / "pause"), PAUSE_IMAGE, images / "pause.tar", ["/bin/pause"])]
