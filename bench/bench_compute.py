@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.table import print_table
-from tests.sharerun import Scenario, ScenarioResult, ShareRig, TenantSpec
+from tests.harness.sharerun import Scenario, ScenarioResult, ShareRig, TenantSpec
 
 KERNELS = {"20us": (20_000,), "200us": (200_000,), "2ms": (2_000_000,), "mix": (20_000, 200_000, 2_000_000)}
 SPLITS = {"10/90": (10, 90), "30/70": (30, 70), "4x25": (25,) * 4, "20x5": (5,) * 20}

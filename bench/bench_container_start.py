@@ -81,9 +81,9 @@ from pathlib import Path
 
 from bench.table import print_table
 from cgpud.native import native_dir, native_path
-from tests.conftest import write_sim_config
-from tests.daemonproc import Daemon, make_daemon
-from tests.e2e.oci import (
+from tests.harness.sim import write_sim_config
+from tests.harness.daemon import Daemon, make_daemon
+from tests.harness.oci import (
     Bundle,
     Host,
     MissingTool,

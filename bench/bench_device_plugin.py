@@ -5,7 +5,7 @@ kubernetes) over the simulated GPUs.
     python -m bench.bench_device_plugin [--rounds 3] [--allocations 100] [--faults 10]
 
 The kubelet is played over its real gRPC (tests/kube/test_device_plugin.py's
-Kubelet), the API server over its real REST paths (tests/kube/api_server.py).
+Kubelet), the API server over its real REST paths (tests/harness/api_server.py).
 
 - Allocate: each allocation is a new assumed pod of 1 GiB, so every call
   resolves its pod through the API server, creates an instance (SQLite, region
@@ -40,10 +40,10 @@ from cgpud.api.k8s.deviceplugin.v1beta1 import api_pb2 as pb
 from cgpud.api.k8s.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 from cgpud.kube.model import Resource
 from cgpud.native import native_path
-from tests.daemonproc import running_daemon
-from tests.kube.api_server import ApiServerProcess, api_server, node_json, pod_json
-from tests.kube.kubelet_pods import kubelet_pods
-from tests.kube.test_device_plugin import Kubelet
+from tests.harness.daemon import running_daemon
+from tests.harness.api_server import ApiServerProcess, api_server, node_json, pod_json
+from tests.harness.kubelet_pods import kubelet_pods
+from tests.harness.kubelet import Kubelet
 
 NODE = "bench-node"
 WAIT = 30.0

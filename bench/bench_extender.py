@@ -2,7 +2,7 @@
 through the real HTTP server at 100 and 1,000 nodes of 8 GPUs, with the node
 cache (NodeNames) beside the same requests without it (full v1.Node objects,
 as a non-cache-capable extender gets them); and bind throughput end to end
-on the real multi-node setup (tests/cluster.py).
+on the real multi-node setup (tests/harness/cluster.py).
 
     python -m bench.bench_extender [--nodes 100,1000] [--rounds 5] [--pods 40] [--bind-pods 256]
 
@@ -22,7 +22,7 @@ some again to the cached side after an idle pause each (`after idle`: the
 extender's data has left the CPU caches), then a few after every node got a
 new view (`cold`: every node's fit worked out afresh).
 
-Bind (root; tests/cluster.py): 8 real cgpud nodes in network namespaces, the
+Bind (root; tests/harness/cluster.py): 8 real cgpud nodes in network namespaces, the
 real cgpu-scheduler process and the test API server. kube-scheduler's part
 runs in a process of its own: one scheduling loop (filter, prioritize, pick)
 handing pods to 16 binding threads (its parallel binding goroutines); a
@@ -455,7 +455,7 @@ def measure_binds(pods: int, nodes: int, parallel: int, gpu_memory_gib: int) -> 
     (the harness's API server is a thread of this one). Checked after:
     every pod bound where the extender said, no GPU over its memory, one
     reservation per pod."""
-    from tests.cluster import Cluster, share_pod
+    from tests.harness.cluster import Cluster, share_pod
 
     with Cluster(nodes=nodes, gpus=2, gpu_memory=f"{gpu_memory_gib}GiB") as cluster:
         assert cluster.api is not None

@@ -32,8 +32,8 @@ from pathlib import Path
 
 from bench.table import print_table
 from cgpud.native import native_path
-from tests.conftest import write_sim_config
-from tests.daemonproc import BIN
+from tests.harness.sim import write_sim_config
+from tests.harness.daemon import BIN
 
 ROOT = Path(__file__).resolve().parent.parent
 VERSION = "0.1.0+bench"

@@ -4,7 +4,7 @@ simulated GPU.
 Latency: two real cgpud side by side, one at the default
 `--bypass-interval 1`, one at 0.2, both `--bypass-action kill`, each on its
 own simulated 80 GiB GPU. A trial runs the ELF-walking bypass tenant
-(`cgpu-bypass --resolve elf`, tests/bypass_build.py) under `cgpuctl run
+(`cgpu-bypass --resolve elf`, tests/harness/bypass_build.py) under `cgpuctl run
 --mem 1`; it allocates 4 x 1 GiB past libcgpu and stamps each allocation
 with CLOCK_REALTIME. Latency is from the allocation that took it past
 limit + slack (the 2nd) to the event's time (cgpud's clock), and to the
@@ -38,11 +38,11 @@ from pathlib import Path
 
 from bench.table import print_table
 from cgpud.native import native_path
-from tests.bypass_watch import (GIB, MIB, Tenant, bypass_command, bypass_events, neighbour_command, run_tenant,
+from tests.harness.bypass_watch import (GIB, MIB, Tenant, bypass_command, bypass_events, neighbour_command, run_tenant,
                                 wait_dead, wait_events, watch_flags)
-from tests.conftest import _region_mounts, write_sim_config
-from tests.daemonproc import Daemon, make_daemon
-from tests.sharerun import _process_cpu
+from tests.harness.sim import region_mounts as _region_mounts, write_sim_config
+from tests.harness.daemon import Daemon, make_daemon
+from tests.harness.sharerun import _process_cpu
 
 
 def machine(where: Path) -> dict[str, str]:

@@ -92,7 +92,7 @@ TARGETS: tuple[Target, ...] = (
     ),
     Target("bin/cgpu-sim-stat", ("simgpu/simstat.c", *SIM_STATE), includes=("include", "simgpu")),
     Target("bin/cgpu-burn", ("tools/cgpu_burn.c",), libs=("-ldl",)),
-    # Hostile tenant that finds the driver's entry points without dlsym (tests/bypass_build.py).
+    # Hostile tenant that finds the driver's entry points without dlsym (tests/harness/bypass_build.py).
     Target("bin/cgpu-bypass", ("tools/cgpu_bypass.c",), libs=("-ldl",)),
     # The front every runtime command goes through (runtime_front.c), and
     # the shim proper it hands GPU starts to, found beside it.

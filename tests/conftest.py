@@ -2,13 +2,13 @@
 simulated machine per test, so tests never see each other's GPU state."""
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from cgpud.native import native_dir
+from tests.harness.sim import region_mounts, sim_env_in
 
 
 @pytest.fixture(scope="session")
@@ -17,36 +17,11 @@ def native() -> Path:
     return native_dir()
 
 
-def write_sim_config(path: Path, gpus: int = 2, mem: str = "16GiB", extra: str = "") -> Path:
-    lines = [extra] if extra else []
-    for i in range(gpus):
-        lines.append(f'gpu name="NVIDIA H100 80GB HBM3" mem={mem} sms=132 cc=9.0')
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
 @pytest.fixture
 def sim_env(tmp_path: Path, native: Path) -> dict[str, str]:
     """Environment for a subprocess that should see a fresh simulated machine
     of 2 GPUs with 16 GiB each."""
-    cfg = write_sim_config(tmp_path / "sim.conf")
-    env = dict(os.environ)
-    env["LD_LIBRARY_PATH"] = str(native / "sim")
-    env["CGPU_SIM_CONFIG"] = str(cfg)
-    env["CGPU_SIM_STATE"] = str(tmp_path / "sim.state")
-    return env
-
-
-def _region_mounts(under: Path) -> list[str]:
-    """Mount points of cgpud's per-instance tmpfs under `under`."""
-    points = []
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        fields = line.split()
-        point = fields[4].encode().decode("unicode_escape")  # \040 and friends
-        source = fields[fields.index("-") + 2]
-        if source == "cgpu-region" and Path(point).is_relative_to(under):
-            points.append(point)
-    return points
+    return sim_env_in(tmp_path, native)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -57,7 +32,7 @@ def _no_region_mounts_left(tmp_path_factory: pytest.TempPathFactory) -> Iterator
     yield
     from cgpud._region import lib
 
-    for point in _region_mounts(tmp_path_factory.getbasetemp()):
+    for point in region_mounts(tmp_path_factory.getbasetemp()):
         lib.cgpu_region_unmount(point.encode())
 
 

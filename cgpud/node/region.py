@@ -2,7 +2,7 @@
 writing the limits an instance may use, creating the shared usage file, and
 reaping the ledgers of dead processes in it (a tenant's side of that file,
 claiming and charging, lives in libcgpu.so; tests play it with
-tests/usage_tenant.py).
+tests/harness/usage_tenant.py).
 
 The layout, constants, checksum and checks all come from C through cffi
 (cgpud._region), so this module never restates the binary format. File I/O

@@ -9,7 +9,7 @@ Run by hand after a new CUDA toolkit or after modelling a function:
 
     .venv/bin/python csrc/simgpu/gen_cuda_exports.py [CUDA_INCLUDE_DIR]
 
-(default: the headers of the tests' default CUDA line, tests/cudakit.py,
+(default: the headers of the tests' default CUDA line, tests/harness/cudakit.py,
 installed from PyPI if missing). The build never runs this: it reads the
 checked-in file. tests/abi checks the file is what this makes from the
 toolkit's headers.
@@ -193,7 +193,7 @@ def render(include: Path, def_text: str) -> str:
 def default_include() -> Path:
     """The default CUDA line's headers (a developer's tool: it may reach into tests/)."""
     sys.path.insert(0, str(CSRC.parent))
-    from tests import cudakit
+    from tests.harness import cudakit
 
     return cudakit.toolkit().include
 

@@ -7,7 +7,7 @@ Run by hand after a new nvml.h or after modelling a function:
 
     .venv/bin/python csrc/simgpu/gen_nvml_unmodelled.py [path/to/nvml.h]
 
-Without a path it takes the header of the tests' NVML line (tests/cudakit.py).
+Without a path it takes the header of the tests' NVML line (tests/harness/cudakit.py).
 The build never runs this: it reads the checked-in file. tests/abi checks
 that the file is what this script makes from that header.
 
@@ -43,7 +43,7 @@ HEADER = """\
 def default_header() -> Path:
     """nvml.h of the tests' default CUDA line (a developer's tool: it may reach into tests/)."""
     sys.path.insert(0, str(CSRC.parent))
-    from tests import cudakit
+    from tests.harness import cudakit
 
     return cudakit.toolkit(cudakit.NVML).header("nvml.h")
 

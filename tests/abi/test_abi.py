@@ -1,5 +1,5 @@
 """The ABI we implement is NVIDIA's: same values, layouts and prototypes as
-the real cuda.h and nvml.h (of the default CUDA line's wheels, tests/cudakit.py),
+the real cuda.h and nvml.h (of the default CUDA line's wheels, tests/harness/cudakit.py),
 and exactly the exported symbols our X-macro lists name."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "csrc"))
 import build_native  # noqa: E402
 
-from tests import cudakit  # noqa: E402
+from tests.harness import cudakit  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import write_sim_config
-from tests.daemonproc import Daemon, running_daemon
-from tests.e2e.oci import Host, build_rootfs, default_spec, require_tools
+from tests.harness.sim import write_sim_config
+from tests.harness.daemon import Daemon, running_daemon
+from tests.harness.containerd import Containerd, running_containerd
+from tests.harness.nvml_total import build_nvml_total
+from tests.harness.oci import Host, build_rootfs, default_spec, require_tools
 
 
 @pytest.fixture(scope="session")
@@ -48,3 +50,15 @@ def host(tmp_path: Path, rootfs_template: Path, runc_spec: dict, gpu_env: dict[s
 def cgpud(tmp_path: Path, gpu_env: dict[str, str]) -> Iterator[Daemon]:
     with running_daemon(tmp_path, gpu_env) as d:
         yield d
+
+
+@pytest.fixture
+def containerd(tmp_path: Path, cgpud: Daemon) -> Iterator[Containerd]:
+    with running_containerd(tmp_path, cgpud) as c:
+        yield c
+
+
+@pytest.fixture
+def nvml_total(tmp_path: Path) -> Path:
+    """NVML's view from inside a container, built for the host's libc."""
+    return build_nvml_total(tmp_path / "nvml_total")

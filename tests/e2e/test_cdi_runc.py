@@ -6,32 +6,13 @@ container gets the instance's limit; the instance survives it, reserved."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
-from typing import Any
+
 
 from cgpud.node.model import GIB
-from tests.daemonproc import Daemon
-from tests.e2e.oci import Bundle, Host, run
-
-BURN = "cgpu-burn --alloc-until-fail 512MiB"
-
-
-def apply_cdi(spec: dict[str, Any], device: dict[str, Any]) -> dict[str, Any]:
-    edits = device["containerEdits"]
-    spec["process"]["env"] = spec["process"].get("env", []) + edits.get("env", [])
-    mounts = spec.get("mounts", []) + [
-        {"destination": m["containerPath"], "source": m["hostPath"], "type": m.get("type", ""),
-         "options": m.get("options", [])} for m in edits.get("mounts", [])]
-    # CDI keeps the order of equals and puts shallower targets first.
-    spec["mounts"] = sorted(mounts, key=lambda m: len(Path(m["destination"]).parts))
-    hooks = spec.setdefault("hooks", {})
-    for h in edits.get("hooks", []):
-        hooks.setdefault(h["hookName"], []).append({k: h[k] for k in ("path", "args", "env", "timeout") if k in h})
-    return spec
-
-
-def burn_json(stdout: str) -> dict:
-    return json.loads(next(line for line in stdout.splitlines() if line.startswith('{"device"')))
+from tests.harness.daemon import Daemon
+from tests.harness.oci import Bundle, Host, run
+from tests.harness.cdi import apply_cdi
+from tests.harness.workload import BURN, burn_json
 
 
 def test_a_cdi_device_gives_plain_runc_its_limit_and_outlives_the_container(tmp_path, host: Host,

@@ -1,5 +1,5 @@
 """The cluster side end to end, several nodes on one machine
-(tests/cluster.py): real cgpud processes in network namespaces, each with
+(tests/harness/cluster.py): real cgpud processes in network namespaces, each with
 its own simulated GPUs and state, serving the Capacity API over TLS on its
 own address; cgpu-scheduler as a real process watching them all; the test
 plays kube-scheduler (filter -> prioritize -> bind, the extender JSON with
@@ -26,9 +26,9 @@ from cgpud.api.cgpu.v1 import capacity_pb2 as cap
 from cgpud.api.cgpu.v1 import capacity_pb2_grpc as cap_grpc
 from cgpud.kube.model import (ANNOTATION_ASSIGNED, ANNOTATION_ASSUME_TIME, ANNOTATION_CAPACITY_ADDRESS,
                               ANNOTATION_GPU_INDEX)
-from tests.cluster import Cluster, Extender, Outcome, post_json, schedule, schedule_once, share_pod
-from tests.daemonproc import BIN
-from tests.kube.api_server import node_json
+from tests.harness.cluster import Cluster, Extender, Outcome, post_json, schedule, schedule_once, share_pod
+from tests.harness.daemon import BIN
+from tests.harness.api_server import node_json
 
 GIB = 1 << 30
 NODES, GPUS, GPU_GIB, POD_GIB = 8, 2, 16, 4

@@ -1,4 +1,4 @@
-"""The multi-node harness (tests/cluster.py) leaves nothing on the host:
+"""The multi-node harness (tests/harness/cluster.py) leaves nothing on the host:
 not when its block fails, and not when its process is killed (the next
 run's sweep removes what the killed one left)."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster import LINK_PREFIX, NETNS_PREFIX, ROOT_PREFIX, Cluster, sweep_leftovers
+from tests.harness.cluster import LINK_PREFIX, NETNS_PREFIX, ROOT_PREFIX, Cluster, sweep_leftovers
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -61,7 +61,7 @@ def test_a_failing_block_leaves_no_namespace_link_directory_or_process() -> None
 def test_the_sweep_removes_what_a_killed_run_left() -> None:
     script = textwrap.dedent("""
         import sys, time
-        from tests.cluster import Cluster
+        from tests.harness.cluster import Cluster
         c = Cluster(nodes=1, tls=False).start()
         print(c.tag, c.nodes[0].daemon.proc.pid, flush=True)
         time.sleep(300)

@@ -6,74 +6,15 @@ apply to it; the test reads the BinaryName containerd itself loaded from
 the drop-in (`containerd config dump`) and hands it to ctr."""
 from __future__ import annotations
 
-import shutil
 import subprocess
-import time
-import tomllib
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-
-import pytest
 
 from cgpud.node.model import GIB
 from cgpud.native import native_path
-from tests.daemonproc import BIN, Daemon
-from tests.e2e.oci import HOOK_ENV_PATH, Host, runtime_env
-from tests.e2e.test_runc import BURN, burn_json, env_lines, instances
-
-
-@dataclass
-class Containerd:
-    config: Path
-    address: Path
-    proc: subprocess.Popen[bytes]
-    log: Path
-
-    def ctr(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(["ctr", "--address", str(self.address), *args], capture_output=True, text=True,
-                              timeout=timeout)
-
-
-def _configure(tmp: Path) -> Path:
-    config = tmp / "config.toml"
-    config.write_text(f'version = 2\nroot = "{tmp}/root"\nstate = "{tmp}/state"\n\n'
-                      f'[grpc]\n  address = "{tmp}/containerd.sock"\n')
-    out = subprocess.run([str(BIN / "cgpuctl"), "runtime", "configure", "--containerd", "--config", str(config)],
-                         capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    return config
-
-
-def loaded_binary_name(config: Path) -> str:
-    dump = subprocess.run(["containerd", "--config", str(config), "config", "dump"], capture_output=True, text=True)
-    assert dump.returncode == 0, dump.stderr
-    cri = tomllib.loads(dump.stdout)["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["cgpu"]
-    assert cri["runtime_type"] == "io.containerd.runc.v2"
-    return cri["options"]["BinaryName"]
-
-
-@pytest.fixture
-def containerd(tmp_path: Path, cgpud: Daemon) -> Iterator[Containerd]:
-    if shutil.which("containerd") is None or shutil.which("ctr") is None:
-        raise AssertionError("install containerd (apt-get install containerd)")
-    tmp = tmp_path / "ctd"
-    tmp.mkdir()
-    config = _configure(tmp)
-    log = tmp / "containerd.log"
-    # containerd's environment reaches its shims and so cgpu-runtime.
-    env = runtime_env(cgpud.relay)
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(["containerd", "--config", str(config)], env=env, stdout=out, stderr=out)
-    c = Containerd(config, tmp / "containerd.sock", proc, log)
-    deadline = time.monotonic() + 30
-    while c.ctr("version").returncode != 0:
-        if time.monotonic() > deadline or proc.poll() is not None:
-            raise AssertionError(f"containerd did not start:\n{log.read_text()[-3000:]}")
-        time.sleep(0.1)
-    yield c
-    proc.terminate()
-    proc.wait(timeout=30)
+from tests.harness.daemon import Daemon
+from tests.harness.oci import HOOK_ENV_PATH, Host
+from tests.harness.containerd import Containerd, loaded_binary_name
+from tests.harness.workload import BURN, burn_json, env_lines, instances
 
 
 def ctr_run(c: Containerd, host: Host, tmp: Path, binary: str, env: tuple[str, ...], *cmd: str) -> subprocess.CompletedProcess[str]:

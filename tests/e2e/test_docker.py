@@ -26,12 +26,11 @@ import pytest
 from cgpud.cli.client import LocalClient
 from cgpud.node.model import GIB, Owner, OwnerKind, Request
 from cgpud.native import native_path
-from tests.daemonproc import BIN, Daemon, running_daemon
-from tests.e2e.docker import IMAGE, Dockerd, running_dockerd
-from tests.e2e.oci import host_mounts, runtime_env, settled
-from tests.e2e.test_kube_allocate_runc import nvml_total  # noqa: F401 (fixture)
-from tests.e2e.test_runc import BURN, assert_2gib_granted, burn_json, env_lines, instances
-from tests.e2e.test_security import build_poc
+from tests.harness.daemon import BIN, Daemon, running_daemon
+from tests.harness.docker import IMAGE, Dockerd, running_dockerd
+from tests.harness.oci import host_mounts, runtime_env, settled
+from tests.harness.workload import BURN, assert_2gib_granted, burn_json, env_lines, instances
+from tests.harness.preload_poc import build_poc
 
 # An operator's settings that `runtime configure` must keep.
 OPERATOR_JSON = {"log-level": "info", "live-restore": True, "runtimes": {"other": {"path": "runc"}}}
@@ -83,7 +82,7 @@ def cgpud(tmp_path: Path, gpu_env: dict[str, str], dockerd: Dockerd) -> Iterator
 def docker_run(d: Dockerd, gpu_env: dict[str, str], *cmd: str, env: tuple[str, ...] = (), runtime: str = "cgpu",
                opts: tuple[str, ...] = ("--rm",), image: str = IMAGE) -> subprocess.CompletedProcess[str]:
     """`docker run` with the simulated device handed in as the NVIDIA
-    toolkit would hand in the real one (tests/e2e/oci.py)."""
+    toolkit would hand in the real one (tests/harness/oci.py)."""
     sim = Path(gpu_env["CGPU_SIM_CONFIG"]).parent
     args = ["run", "--network", "none", "--runtime", runtime, "-v", f"{sim}:{sim}",
             "-e", f"CGPU_SIM_CONFIG={gpu_env['CGPU_SIM_CONFIG']}", "-e", f"CGPU_SIM_STATE={gpu_env['CGPU_SIM_STATE']}"]

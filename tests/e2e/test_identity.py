@@ -15,10 +15,10 @@ import pytest
 
 from cgpud.cli.client import LocalClient
 from cgpud.node.model import GIB, Owner, OwnerKind, Request
-from tests.daemonproc import Daemon
-from tests.e2e.oci import HOOK_ENV_PATH, Host, create, host_mounts, run, runc, shim_container
-from tests.e2e.test_containerd import Containerd, containerd, loaded_binary_name  # noqa: F401 (fixture)
-from tests.e2e.test_runc import instances
+from tests.harness.daemon import Daemon
+from tests.harness.oci import HOOK_ENV_PATH, Host, create, host_mounts, run, runc, shim_container
+from tests.harness.containerd import Containerd, loaded_binary_name
+from tests.harness.workload import instances
 
 
 def in_namespace(host: Host, tmp_path: Path, ns: str) -> Host:

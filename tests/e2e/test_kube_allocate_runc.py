@@ -1,7 +1,7 @@
 """Kubernetes end to end on the simulated GPU: cgpud runs with
 orchestrator=kubernetes; the test plays the kubelet (Registration on
 kubelet.sock, then Allocate over the plugin's socket, the kubelet's
-pod-resources API) and the API server (tests/kube/api_server.py). The
+pod-resources API) and the API server (tests/harness/api_server.py). The
 Allocate answer's CDI device is looked up in the spec cgpud wrote, its edits
 are applied to a runc bundle the way a CDI-aware runtime applies them, and
 plain runc (no cgpu shim) starts the container: it sees exactly its GiB in
@@ -10,7 +10,6 @@ Deleting the pod releases the instance within a sweep."""
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,44 +20,17 @@ import pytest
 from cgpud.api.k8s.deviceplugin.v1beta1 import api_pb2 as pb
 from cgpud.api.k8s.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 from cgpud.node.model import GIB
-from tests.daemonproc import Daemon, running_daemon
-from tests.e2e.oci import Bundle, Host, run
-from tests.e2e.test_cdi_runc import BURN, apply_cdi, burn_json
-from tests.kube.api_server import ApiServerProcess, api_server, node_json, pod_json
-from tests.kube.kubelet_pods import kubelet_pods
-from tests.kube.test_device_plugin import Kubelet
+from tests.harness.daemon import Daemon, running_daemon
+from tests.harness.oci import Bundle, Host, run
+from tests.harness.cdi import apply_cdi
+from tests.harness.workload import BURN, burn_json
+from tests.harness.api_server import ApiServerProcess, api_server, node_json, pod_json
+from tests.harness.kubelet_pods import kubelet_pods
+from tests.harness.kubelet import Kubelet
+
 
 NODE = "node-e2e"
 WAIT = 20.0
-
-# NVML's view from inside the container: the driver library the toolkit
-# mounted, found by dlopen as any NVML program finds it.
-NVML_TOTAL = r"""
-#include <dlfcn.h>
-#include <stdio.h>
-typedef struct { unsigned long long total, free, used; } mem_t;
-int main(void) {
-    void *h = dlopen("libnvidia-ml.so.1", RTLD_NOW);
-    if (!h) { fprintf(stderr, "dlopen: %s\n", dlerror()); return 2; }
-    int (*init)(void) = (int (*)(void))dlsym(h, "nvmlInit_v2");
-    int (*get)(unsigned, void **) = (int (*)(unsigned, void **))dlsym(h, "nvmlDeviceGetHandleByIndex_v2");
-    int (*info)(void *, mem_t *) = (int (*)(void *, mem_t *))dlsym(h, "nvmlDeviceGetMemoryInfo");
-    void *dev; mem_t m;
-    if (!init || !get || !info || init() || get(0, &dev) || info(dev, &m)) return 3;
-    printf("NVML_TOTAL=%llu\n", m.total);
-    return 0;
-}
-"""
-
-
-@pytest.fixture
-def nvml_total(tmp_path: Path) -> Path:
-    src = tmp_path / "nvml_total.c"
-    src.write_text(NVML_TOTAL)
-    out = tmp_path / "nvml_total"
-    subprocess.run(["cc", "-O1", "-o", str(out), str(src), "-ldl"], check=True, capture_output=True)
-    return out
-
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[tuple[ApiServerProcess, Path]]:

@@ -1,5 +1,5 @@
 """The bypass watchdog against containers: the three hostile tenants of
-tests/bypass_build.py (ELF walk, static, musl), each in a real runc
+tests/harness/bypass_build.py (ELF walk, static, musl), each in a real runc
 container made through cgpu-runtime with a 1 GiB grant, allocating
 4 x 1 GiB past libcgpu (/etc/ld.so.preload does not reach them), beside a
 well-behaved 2 GiB neighbour container on the same simulated GPU. NVML on
@@ -27,11 +27,11 @@ from typing import Any
 
 import pytest
 
-from tests import bypass_build
-from tests.bypass_watch import (GIB, INTERVAL, SLACK, Nvml, bypass_events, violations, wait_dead, wait_events,
+from tests.harness import bypass_build
+from tests.harness.bypass_watch import (GIB, INTERVAL, SLACK, Nvml, bypass_events, violations, wait_dead, wait_events,
                                 watch_flags)
-from tests.daemonproc import Daemon, running_daemon
-from tests.e2e.oci import Host, create, runc
+from tests.harness.daemon import Daemon, running_daemon
+from tests.harness.oci import Host, create, runc
 
 KINDS = ("elf", "static", "musl")
 OBSERVE = 0.1  # what the test process may add to a death it observes (see test_bypass_watchdog)

@@ -1,4 +1,4 @@
-"""The bypass tenants of tests/bypass_build.py in real runc containers made
+"""The bypass tenants of tests/harness/bypass_build.py in real runc containers made
 through cgpu-runtime with a 1 GiB grant: /etc/ld.so.preload is mounted in
 each, and each still holds 4 GiB of the GPU. ELF walk: libcgpu is loaded and
 never asked. Static (the simulated driver inside): no loader reads the
@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
-from tests import bypass_build
-from tests.daemonproc import Daemon, running_daemon
-from tests.e2e.oci import Bundle, Host, runc, shim_container
-from tests.integration.simrun import sim_stat
+from tests.harness import bypass_build
+from tests.harness.daemon import Daemon, running_daemon
+from tests.harness.oci import Bundle, Host, runc, shim_container
+from tests.harness.simrun import sim_stat
 
 GIB = 1 << 30
 GPU_MEM = 16 * GIB

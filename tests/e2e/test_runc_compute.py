@@ -13,11 +13,11 @@ import pytest
 
 from cgpud._region import ffi, lib
 from cgpud.native import native_path
-from tests.daemonproc import make_daemon, running_daemon
-from tests.e2e.oci import Host, run, runtime_env
-from tests.e2e.test_runc import burn_json, instances
-from tests.integration.test_compute_failure import freeze_with_gate_closed
-from tests.sharerun import Sampler
+from tests.harness.daemon import make_daemon, running_daemon
+from tests.harness.oci import Host, run, runtime_env
+from tests.harness.workload import burn_json, instances
+from tests.harness.freeze import freeze_with_gate_closed
+from tests.harness.sharerun import Sampler
 
 pytestmark = pytest.mark.timing  # measures compute shares and hand-over times
 

@@ -9,10 +9,10 @@ import subprocess
 from pathlib import Path
 
 from cgpud.native import native_path
-from tests.daemonproc import Daemon
-from tests.e2e.oci import Host, runtime_env
-from tests.integration.simrun import sim_stat
-from tests.intercept.test_memory_lifetime import Phased, build_attacker, check_vmm_sequence
+from tests.harness.daemon import Daemon
+from tests.harness.oci import Host, runtime_env
+from tests.harness.simrun import sim_stat
+from tests.harness.memory_attack import Phased, build_attacker, check_vmm_sequence
 
 
 def test_vmm_sequence_in_a_1gib_container_is_held_to_the_limit(tmp_path: Path, host: Host, cgpud: Daemon,

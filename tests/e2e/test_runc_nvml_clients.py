@@ -3,7 +3,7 @@ cgpu-runtime and a real cgpud, beside a tenant outside it on the same GPU:
 they show the container's 1 GiB and its own process only. The container
 gets the test's Python, its venv (where both tools are installed) and the
 host's shared libraries read-only; the driver libraries are the ones the
-toolkit would mount (tests/e2e/oci.py)."""
+toolkit would mount (tests/harness/oci.py)."""
 from __future__ import annotations
 
 import json
@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 from cgpud.native import native_path
-from tests.daemonproc import Daemon
-from tests.e2e.oci import Host, runtime_env
-from tests.integration.test_nvml_clients import GPUSTAT, INSIDE, NVITOP, NVML_CALLS, WAIT_OWN, burner, check_inside
+from tests.harness.daemon import Daemon
+from tests.harness.oci import Host, runtime_env
+from tests.harness.nvml_clients import GPUSTAT, INSIDE, NVITOP, NVML_CALLS, WAIT_OWN, burner, check_inside
 
 VENV = Path(sys.prefix)
 PYTHON_HOME = Path(sys.base_prefix)

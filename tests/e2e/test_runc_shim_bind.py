@@ -18,8 +18,8 @@ import pytest
 
 from cgpud.node.region import SPARE_REGION
 from cgpud.native import native_path
-from tests.daemonproc import BIN, Daemon, running_daemon
-from tests.e2e.oci import Host, create, runc, runtime_env, shim_container
+from tests.harness.daemon import BIN, Daemon, running_daemon
+from tests.harness.oci import Host, create, runc, runtime_env, shim_container
 
 GPU = ("ALIYUN_COM_GPU_MEM_CONTAINER=2",)
 SWEEP_WAIT_S = 10.0  # the e2e cgpud sweeps every 0.2 s

@@ -10,10 +10,10 @@ import time
 from pathlib import Path
 
 from cgpud.native import native_path
-from tests.daemonproc import BIN, Daemon, make_daemon
-from tests.e2e.oci import Host, host_mounts, run
-from tests.e2e.test_runc import instances
-from tests.sharerun import Sampler, ShareRig, _at, _busy
+from tests.harness.daemon import BIN, Daemon, make_daemon
+from tests.harness.oci import Host, host_mounts, run
+from tests.harness.workload import instances
+from tests.harness.sharerun import Sampler, ShareRig, _at, _busy
 
 # The burn runs first: a thread of the tenant's own waiting at its gate when
 # the file goes would lose its demand with it and wait on (docs/compute.md).

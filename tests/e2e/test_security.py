@@ -9,27 +9,10 @@ from pathlib import Path
 import pytest
 
 from cgpud.node.model import GIB
-from tests.daemonproc import Daemon
-from tests.e2e.oci import Host, host_mounts, run, settled, shim_container
-from tests.e2e.test_runc import BURN, burn_json, instances
-
-POC_SOURCE = r"""
-#include <fcntl.h>
-#include <unistd.h>
-__attribute__((constructor)) static void poc(void) {
-    int fd = open(MARKER, O_CREAT | O_WRONLY, 0644);
-    if (fd >= 0) close(fd);
-}
-"""
-
-
-def build_poc(where: Path, marker: Path) -> Path:
-    src = where / "poc.c"
-    src.write_text(POC_SOURCE)
-    out = where / "poc.so"
-    subprocess.run(["cc", "-shared", "-fPIC", f'-DMARKER="{marker}"', "-o", str(out), str(src)], check=True)
-    return out
-
+from tests.harness.daemon import Daemon
+from tests.harness.oci import Host, host_mounts, run, settled, shim_container
+from tests.harness.preload_poc import build_poc
+from tests.harness.workload import BURN, burn_json, instances
 
 def test_image_ld_preload_from_cwd_never_runs_on_the_host(tmp_path, host: Host, cgpud: Daemon) -> None:
     """The NVIDIAScape pattern: an image's LD_PRELOAD that resolves, through

@@ -14,7 +14,7 @@ from cgpud.extender.bind import BindArgs, BindError, Binder
 from cgpud.extender.client import CapacityError
 from cgpud.extender.pod import pod_demand
 from cgpud.extender.state import ClusterState
-from tests.extender.nodes import GIB, container, gpu, node, pod
+from tests.harness.extender_nodes import GIB, container, gpu, node, pod
 
 
 class FakeNode:

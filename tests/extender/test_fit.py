@@ -10,7 +10,7 @@ from cgpud.extender.fit import MAX_SCORE, Placement, Reason, annotations, fit, s
 from cgpud.extender.pod import pod_demand
 from cgpud.kube import assignment
 from cgpud.kube.apiserver import ContainerInfo, PodInfo
-from tests.extender.nodes import GIB, container, gpu, node, pod
+from tests.harness.extender_nodes import GIB, container, gpu, node, pod
 
 
 def demand(*containers: dict, init: tuple = ()):  # type: ignore[no-untyped-def]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from cgpud.extender.pod import GIB, ContainerDemand, PodError, pod_demand
-from tests.extender.nodes import container, pod
+from tests.harness.extender_nodes import container, pod
 
 
 def test_one_container_memory_only() -> None:

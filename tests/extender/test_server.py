@@ -13,7 +13,7 @@ from cgpud.extender.model import view_from_json
 from cgpud.extender.pod import PodDemand
 from cgpud.extender.server import MAX_BODY, ExtenderServer
 from cgpud.extender.state import ClusterState
-from tests.extender.nodes import container, gpu, node, pod
+from tests.harness.extender_nodes import container, gpu, node, pod
 
 
 class FakeBinder:

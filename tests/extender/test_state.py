@@ -8,7 +8,7 @@ from cgpud.extender.fit import Placement, fit
 from cgpud.extender.model import PodShare
 from cgpud.extender.pod import pod_demand
 from cgpud.extender.state import ClusterState, Hold
-from tests.extender.nodes import GIB, container, gpu, node, pod
+from tests.harness.extender_nodes import GIB, container, gpu, node, pod
 
 
 class Clock:

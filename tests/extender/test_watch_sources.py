@@ -5,6 +5,7 @@ import pytest
 
 from cgpud.errors import UsageError
 from cgpud.extender.watch import capacity_addresses, parse_node_file
+from tests.harness.wait import until
 
 
 def test_node_file() -> None:
@@ -40,22 +41,14 @@ def test_capacity_addresses_from_node_annotations() -> None:
 
 
 def test_api_node_source_follows_nodes_and_survives_an_api_server_outage(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    import time
-
     from kubernetes import client as k8s
 
     from cgpud.extender.watch import ApiNodeSource
     from cgpud.kube.apiserver import client_from
-    from tests.kube.api_server import api_server, node_json
+    from tests.harness.api_server import api_server, node_json
 
     seen: list[dict[str, str]] = []
     skipped: list[dict[str, str]] = []
-
-    def until(check, timeout: float = 10.0):  # type: ignore[no-untyped-def]
-        deadline = time.monotonic() + timeout
-        while not check():
-            assert time.monotonic() < deadline, "timed out"
-            time.sleep(0.02)
 
     with api_server(tmp_path) as (api, kubeconfig):
         a = node_json("a")

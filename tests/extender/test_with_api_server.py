@@ -1,4 +1,4 @@
-"""cgpu-scheduler with an API server (tests/kube/api_server.py) and real
+"""cgpu-scheduler with an API server (tests/harness/api_server.py) and real
 cgpud nodes: nodes found through their cgpu.io/capacity-address annotation
 (list + watch), bind writes the gpushare annotations and the Binding, and a
 Binding the API server refuses gives the node's reservation back."""
@@ -18,8 +18,10 @@ import pytest
 from cgpud.extender.client import get_node
 from cgpud.kube import assignment
 from cgpud.kube.apiserver import ApiServer
-from tests.extender.test_with_cgpud import BIN, cgpud_nodes, free_port, until
-from tests.kube.api_server import ApiState, api_server, node_json, pod_json
+from tests.harness.cgpud_nodes import BIN, cgpud_nodes
+from tests.harness.net import free_port
+from tests.harness.wait import until
+from tests.harness.api_server import ApiState, api_server, node_json, pod_json
 
 
 class Scheduler:

@@ -8,11 +8,9 @@ import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,53 +23,11 @@ from cgpud.extender.client import CapacityError, CapacityClient, Clients, TlsFil
 from cgpud.extender.server import ExtenderServer
 from cgpud.extender.state import ClusterState
 from cgpud.extender.watch import Watchers
-from tests.conftest import write_sim_config
-from tests.daemonproc import Daemon, make_daemon
-from tests.extender.nodes import GIB, container, pod
-from tests.tls import Pki, make_pki
-
-BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def node_env(dir: Path, native: Path) -> dict[str, str]:
-    dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
-    env["LD_LIBRARY_PATH"] = str(native / "sim")
-    env["CGPU_SIM_CONFIG"] = str(write_sim_config(dir / "sim.conf"))
-    env["CGPU_SIM_STATE"] = str(dir / "sim.state")
-    return env
-
-
-@dataclass
-class Node:
-    name: str
-    address: str
-    daemon: Daemon
-
-
-@contextmanager
-def cgpud_nodes(tmp_path: Path, native: Path, count: int, *extra: str) -> Iterator[list[Node]]:
-    nodes = []
-    try:
-        for i in range(count):
-            dir = tmp_path / f"node-{i}"
-            port = free_port()
-            d = make_daemon(dir, node_env(dir, native), "--capacity-listen", f"127.0.0.1:{port}",
-                            "--node-name", f"node-{i}", *extra)
-            d.start()
-            nodes.append(Node(f"node-{i}", f"127.0.0.1:{port}", d))
-        yield nodes
-    finally:
-        for n in nodes:
-            if n.daemon.proc is not None and n.daemon.proc.poll() is None:
-                n.daemon.stop()
-
+from tests.harness.extender_nodes import GIB, container, pod
+from tests.harness.cgpud_nodes import BIN, Node, cgpud_nodes
+from tests.harness.net import free_port
+from tests.harness.tls import Pki, make_pki
+from tests.harness.wait import until
 
 @dataclass
 class Extender:
@@ -102,17 +58,6 @@ def extender(nodes: list[Node], tls: TlsFiles | None = None,
         server.stop()
         watchers.stop()
         clients.close()
-
-
-def until(check: Callable[[], Any], timeout: float = 10.0, what: str = "") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or check}")
-        time.sleep(0.02)
 
 
 def connected(ext: Extender, name: str) -> bool:

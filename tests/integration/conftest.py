@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemonproc import Daemon, running_daemon
+from tests.harness import sanitizers
+from tests.harness.daemon import Daemon, running_daemon
 
 
 @pytest.fixture
@@ -14,3 +15,21 @@ def daemon(tmp_path: Path, sim_env: dict[str, str]) -> Iterator[Daemon]:
     """A started cgpud on the test's simulated GPUs, stopped cleanly after."""
     with running_daemon(tmp_path, sim_env) as d:
         yield d
+
+
+@pytest.fixture(scope="session")
+def san_native(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every C part built with ASan and UBSan: once per session, for every
+    module that runs sanitized code (a build takes minutes here)."""
+    return sanitizers.build(tmp_path_factory.mktemp("sanitize"))
+
+
+@pytest.fixture
+def san_env(sim_env: dict[str, str], san_native: Path) -> dict[str, str]:
+    return sanitizers.san_env(sim_env, san_native)
+
+
+@pytest.fixture
+def san_instance(san_env: dict[str, str], san_native: Path, tmp_path: Path) -> dict[str, str]:
+    """The sanitized workload in an instance enforced by the sanitized libcgpu.so."""
+    return sanitizers.instance_env(san_env, san_native, tmp_path / "region")

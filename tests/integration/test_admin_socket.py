@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.daemonproc import BIN, Daemon
+from tests.harness.daemon import BIN, Daemon
 
 NOBODY = 65534
 

@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 from cgpud.native import native_path
-from tests.bypass_watch import MIB, Nvml, Tenant, bypass_events, run_tenant, wait_events, watch_flags
-from tests.daemonproc import running_daemon
+from tests.harness.bypass_watch import MIB, Nvml, Tenant, bypass_events, run_tenant, wait_events, watch_flags
+from tests.harness.daemon import running_daemon
 
 CONTEXT_MIB = 300
 SECONDS = 60.0

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.daemonproc import BIN, Daemon, running_daemon
+from tests.harness.daemon import BIN, Daemon, running_daemon
 
 INTERVAL = "0.2"
 

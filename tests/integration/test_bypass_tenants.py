@@ -2,7 +2,7 @@
 that go around libcgpu.so get 4 GiB of a 16 GiB GPU, while a tenant that
 asks the driver by name (dlsym, as the CUDA runtime does) is held to 1 GiB.
 
-The tenants (tests/bypass_build.py): cgpu-bypass finding the driver's entry
+The tenants (tests/harness/bypass_build.py): cgpu-bypass finding the driver's entry
 points in its ELF symbol table (the preload is in the process, unused); the
 same linked statically with the simulated driver inside (no ld.so, so no
 preload: the stand-in for a program that drives the device files); built for
@@ -30,10 +30,10 @@ from typing import Any
 import pytest
 
 from cgpud.native import native_path
-from tests import bypass_build
-from tests.conftest import write_sim_config
-from tests.daemonproc import BIN, Daemon, running_daemon
-from tests.integration.simrun import sim_stat
+from tests.harness import bypass_build
+from tests.harness.sim import write_sim_config
+from tests.harness.daemon import BIN, Daemon, running_daemon
+from tests.harness.simrun import sim_stat
 
 GIB = 1 << 30
 GPU_MEM = 16 * GIB

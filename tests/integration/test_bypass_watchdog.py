@@ -1,7 +1,7 @@
 """The bypass watchdog end to end: a real cgpud (`--bypass-interval 0.2`)
 on one simulated 16 GiB GPU, hostile tenants under `cgpuctl run --mem 1`
 that go around libcgpu (an ELF-walking one, a static one, a musl one with
-LD_PRELOAD dropped: tests/bypass_build.py) and allocate 4 x 1 GiB, beside a
+LD_PRELOAD dropped: tests/harness/bypass_build.py) and allocate 4 x 1 GiB, beside a
 well-behaved neighbour (`cgpuctl run --mem 2 -- cgpu-burn` holding its
 2 GiB through libcgpu).
 
@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 
 from cgpud.native import native_path
-from tests.bypass_watch import (GIB, INTERVAL, Nvml, Tenant, bypass_command, bypass_events, bypass_listing,
+from tests.harness.bypass_watch import (GIB, INTERVAL, Nvml, Tenant, bypass_command, bypass_events, bypass_listing,
                                 neighbour_command, run_plain, run_tenant, violations, wait_dead, wait_events,
                                 watch_flags)
-from tests.conftest import write_sim_config
-from tests.daemonproc import Daemon, running_daemon
+from tests.harness.sim import write_sim_config
+from tests.harness.daemon import Daemon, running_daemon
 
 pytestmark = pytest.mark.timing  # measures how soon a bypass is seen and killed
 
@@ -132,7 +132,7 @@ def test_an_unknown_process_is_reported_not_killed_and_an_allowed_one_is_left_al
     """Kill mode: a GPU process of no instance (the bypass tool with no
     cgpuctl at all) is reported as unknown_process and keeps running; the
     same tool at an allow-listed path is not reported."""
-    from tests import bypass_build
+    from tests.harness import bypass_build
 
     allowed_exe = tmp_path / "allowed" / "cgpu-bypass"
     allowed_exe.parent.mkdir()
@@ -193,7 +193,7 @@ def test_forking_for_more_slack_gains_nothing(tmp_path: Path, gpu_env: dict[str,
     processes of 500 MiB each (3.9 GiB in a 1 GiB instance, under 1 GiB +
     8 x 512 MiB) gets the slack of four at most: once seven or eight hold
     their 500 MiB the round kills them (one left alone is within its limit)."""
-    from tests import bypass_build
+    from tests.harness import bypass_build
 
     tool = f"{bypass_build.elf_bypass()} --resolve elf --alloc-mib 500 --count 1 --hold 600"
     script = f"for i in 1 2 3 4 5 6 7 8; do {tool} > /dev/null & done; wait"
@@ -216,7 +216,7 @@ def test_an_executable_name_that_is_not_utf8_is_reported_and_breaks_no_listing(
     is not UTF-8 (0xff): the event carries the name as \\xff, and cgpuctl
     events, list and inspect still answer (a protobuf string refuses lone
     surrogates, which is what Python would make of that byte)."""
-    from tests import bypass_build
+    from tests.harness import bypass_build
 
     odd = Path(os.fsdecode(bytes(tmp_path) + b"/gpu\xff-tool"))
     shutil.copy2(bypass_build.elf_bypass(), odd)

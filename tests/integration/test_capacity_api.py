@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import queue
-import socket
 import subprocess
 import threading
 import time
@@ -21,17 +20,12 @@ from cgpud.api.cgpu.v1 import capacity_pb2 as pb
 from cgpud.api.cgpu.v1 import capacity_pb2_grpc as pb_grpc
 from cgpud.node.model import GIB
 from cgpud.kube.model import ANNOTATION_CAPACITY_ADDRESS
-from tests.daemonproc import BIN, Daemon, make_daemon, running_daemon
-from tests.kube.api_server import api_server, node_json
-from tests.tls import Pki, make_pki
+from tests.harness.daemon import BIN, Daemon, make_daemon, running_daemon
+from tests.harness.api_server import api_server, node_json
+from tests.harness.tls import Pki, make_pki
+from tests.harness.net import free_port as _free_port
 
 WAIT = 10.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextmanager

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from cgpud.contract import RELAY_WAIT_S
-from tests.daemonproc import make_daemon
+from tests.harness.daemon import make_daemon
 
 BIN = Path(sys.executable).parent
 

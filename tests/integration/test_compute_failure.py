@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from cgpud._region import ffi, lib
-from tests.sharerun import Sampler, Scenario, ShareRig, TenantSpec, _at, _busy
+from tests.harness.freeze import freeze_with_gate_closed
+from tests.harness.sharerun import Sampler, Scenario, ShareRig, TenantSpec, _at, _busy
 
 OPEN = int(lib.CGPU_GATE_OPEN)
 
@@ -41,26 +42,6 @@ def _gate_reader(pid: int) -> Callable[[], int]:
         m = mmap.mmap(f.fileno(), ffi.sizeof("struct cgpu_grants"), mmap.MAP_SHARED, mmap.PROT_READ)
     grants = ffi.from_buffer("struct cgpu_grants *", m)
     return lambda: int(grants.device[0].gate)
-
-
-def _all_stopped(pid: int) -> bool:
-    tasks = Path(f"/proc/{pid}/task").iterdir()
-    return all((t / "stat").read_text().rsplit(")", 1)[1].split()[0] in "tT" for t in tasks)
-
-
-def freeze_with_gate_closed(pid: int, gate: Callable[[], int], timeout: float = 60) -> None:
-    """Stops cgpud (SIGSTOP, every thread) at a moment its tenant's gate is
-    closed: stopped, it cannot open it before the SIGKILL that follows."""
-    deadline = time.monotonic() + timeout
-    while True:
-        assert time.monotonic() < deadline, "never caught the gate closed"
-        os.kill(pid, signal.SIGSTOP)
-        while not _all_stopped(pid):
-            time.sleep(0.001)
-        if not gate() & OPEN:
-            return
-        os.kill(pid, signal.SIGCONT)
-        time.sleep(0.005)
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@ works in bursts (2 ms of queued kernels, a cuCtxSynchronize, 10 ms idle, as
 an inference server does) beside a saturating one must not leave the device
 idle for the rest of its slice after each burst. A real cgpud in core_mem
 mode, `cgpuctl run` tenants, busy time from the simulated GPU's own
-accounting (tests/sharerun.py). The bound, 90 % busy over 3 s, is loose for
+accounting (tests/harness/sharerun.py). The bound, 90 % busy over 3 s, is loose for
 a noisy 2-core CI machine, and it holds the median of three runs: each
 hand-over waits on a process being woken, so a stretch of slow wake-ups on
 a shared machine can cost one run a few points (89.8 % once in CI, against
@@ -24,8 +24,9 @@ from pathlib import Path
 import pytest
 
 from cgpud._scheduler import lib as slib
-from tests.promscrape import free_port, scrape
-from tests.sharerun import Scenario, ScenarioResult, ShareRig, TenantSpec
+from tests.harness.net import free_port
+from tests.harness.promscrape import scrape
+from tests.harness.sharerun import Scenario, ScenarioResult, ShareRig, TenantSpec
 
 pytestmark = pytest.mark.timing  # measures compute shares and hand-over times
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.sharerun import Sampler, Scenario, ShareRig, TenantSpec, _at, _busy
+from tests.harness.sharerun import Sampler, Scenario, ShareRig, TenantSpec, _at, _busy
 
 pytestmark = pytest.mark.timing  # measures compute shares and hand-over times
 

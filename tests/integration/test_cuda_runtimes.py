@@ -1,5 +1,5 @@
 """Every CUDA runtime line users run (12.9, 13.0, the newest 13.x; PyPI's
-wheels, tests/cudakit.py), shared and static cudart, on the simulated GPU:
+wheels, tests/harness/cudakit.py), shared and static cudart, on the simulated GPU:
 device query, cudaMemGetInfo, malloc until refused, kernels from an
 nvcc-built fatbin and from PTX, streams, events and a captured graph; bare,
 and under `cgpuctl run --mem 1GiB --core 30`, seeing and holding 1 GiB and
@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from tests import cudakit
-from tests.conftest import write_sim_config
-from tests.daemonproc import BIN, Daemon, running_daemon
-from tests.integration.test_cudart import build_spin, steps
+from tests.harness import cudakit
+from tests.harness.sim import write_sim_config
+from tests.harness.daemon import BIN, Daemon, running_daemon
+from tests.harness.spin import build_spin, steps
 
 ROOT = Path(__file__).resolve().parents[2]
 GIB = 1 << 30

@@ -3,7 +3,7 @@ real libcudart.so.13 and a CUDA C++ program built here by nvcc
 (tests/cuda/spin.cu: its spin kernel embedded as PTX in a fatbin), bare and
 as tenants of `cgpuctl run --mem 1GiB --core 30`. Each program step prints
 "<step> <cudaError name> [values]" (see spin.cu). The toolchain is the
-default CUDA line's from PyPI (tests/cudakit.py); every line's runtime:
+default CUDA line's from PyPI (tests/harness/cudakit.py); every line's runtime:
 test_cuda_runtimes.py."""
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tests import cudakit
-from tests.daemonproc import BIN, running_daemon
-from tests.integration.test_sanitizers import san_env, san_native  # noqa: F401 (fixtures)
+from tests.harness import cudakit, sanitizers
+from tests.harness.daemon import BIN, running_daemon
+from tests.harness.spin import build_spin, steps
 
 ROOT = Path(__file__).resolve().parents[2]
 GIB = 1 << 30
@@ -60,34 +60,9 @@ def c_program(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp / "prog"
 
 
-def build_spin(out: Path, compress: str, code: str = "compute_75", cudart: str = "shared", *flags: str,
-               line: str = cudakit.DEFAULT) -> Path:
-    """spin.cu as PTX only (compute_75) or as machine code (sm_80), the
-    fatbin compressed as asked, with the shared or static runtime, by the
-    given line's nvcc."""
-    kit = cudakit.toolkit(line)
-    arch = code.replace("sm_", "compute_")
-    proc = subprocess.run([str(kit.nvcc), "-gencode", f"arch={arch},code={code}", *kit.nvcc_link_flags(cudart),
-                           f"--compress-mode={compress}", *flags, "-o", str(out), str(ROOT / "tests/cuda/spin.cu")],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return out
-
-
 @pytest.fixture(scope="module")
 def spin(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_spin(tmp_path_factory.mktemp("spin") / "spin", "default")
-
-
-def steps(exe: Path, env: dict[str, str], *args: str, prefix: tuple[str, ...] = ()) -> dict[str, list[str]]:
-    proc = subprocess.run([*prefix, str(exe), *args], env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    out: dict[str, list[str]] = {}
-    for line in proc.stdout.splitlines():
-        name, *rest = line.split()
-        out.setdefault(name, rest)  # the first report of a step
-        out[name + "@last"] = rest
-    return out
 
 
 def test_c_program_on_the_real_runtime_sees_and_fills_the_simulated_gpus(c_program, sim_env):
@@ -150,7 +125,7 @@ def test_machine_code_without_ptx_has_no_image_for_the_simulated_gpu(tmp_path, s
 
 
 def test_device_memory_through_cudart_is_what_the_simulated_gpu_counts(spin, sim_env, native):
-    from tests.integration.simrun import sim_stat
+    from tests.harness.simrun import sim_stat
 
     proc = subprocess.Popen([str(spin), "fill", "kernel"], env=sim_env, stdout=subprocess.PIPE, text=True)
     out, _ = proc.communicate(timeout=120)
@@ -194,8 +169,7 @@ def test_cudart_paths_are_clean_under_sanitizers(tmp_path, san_env, line):
     and the newest (the program itself is not instrumented: the ASan runtime
     is preloaded; cudart's own allocations are not ours to check)."""
     spin = build_spin(tmp_path / "spin", "default", line=line)
-    asan = subprocess.run(["cc", "-print-file-name=libasan.so"], capture_output=True, text=True, check=True).stdout
-    env = dict(san_env, LD_PRELOAD=asan.strip(), ASAN_OPTIONS="detect_leaks=0:abort_on_error=0:exitcode=86")
+    env = sanitizers.python_env(san_env)
     proc = subprocess.run([str(spin), "count", "meminfo", "malloc", "async", "managed", "kernel", "graph", "capture",
                            "device=1", "kernel"], env=env, capture_output=True, text=True, timeout=300)
     assert "Sanitizer" not in proc.stderr and "runtime error" not in proc.stderr, proc.stderr
@@ -249,10 +223,9 @@ def test_hostile_fatbins_are_refused_cleanly_by_the_sanitized_driver(san_env):
     """Fatbins a program could hand the driver, cut short, with sizes past
     their end, or compressed garbage: refused with an error, read nowhere
     past their bytes (the simulated driver built with ASan/UBSan)."""
-    from tests.integration.simrun import run_py
+    from tests.harness.simrun import run_py
 
-    asan = subprocess.run(["cc", "-print-file-name=libasan.so"], capture_output=True, text=True, check=True).stdout
-    env = dict(san_env, LD_PRELOAD=asan.strip(), ASAN_OPTIONS="detect_leaks=0:abort_on_error=0:exitcode=86")
+    env = sanitizers.python_env(san_env)
     got = run_py(env, FATBIN_ATTACKS)
     assert got.pop("good") == ["CUDA_SUCCESS", "CUDA_SUCCESS", "CUDA_SUCCESS"]
     for name, rcs in got.items():

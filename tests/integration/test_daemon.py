@@ -19,7 +19,7 @@ from cgpud.cli.client import LocalClient
 from cgpud.node.model import GIB, Owner, OwnerKind, Request
 from cgpud.errors import CgpuError
 from cgpud.native import native_path
-from tests.daemonproc import BIN, make_daemon
+from tests.harness.daemon import BIN, make_daemon
 
 
 def test_ready_only_after_reconciliation_and_stopping_on_shutdown(tmp_path, sim_env):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemonproc import running_daemon
+from tests.harness.daemon import running_daemon
 
 
 def other_threads(pid: int) -> list[int]:

@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,8 +22,9 @@ import pytest
 from cgpud._region import ffi
 from cgpud.node.region import usage_problem
 from cgpud.native import native_path
-from tests.daemonproc import BIN
-from tests.sharerun import Sampler, ShareRig, TenantSpec, _at, _busy
+from tests.harness.daemon import BIN
+from tests.harness.sharerun import Sampler, ShareRig, TenantSpec, _at, _busy
+from tests.harness.wait import until
 
 USAGE_SIZE = ffi.sizeof("struct cgpu_usage")
 MIB = 1 << 20
@@ -59,15 +60,6 @@ def attack(path: Path, how: str) -> int:
                          timeout=120)
     assert out.returncode == 0, out.stderr
     return int(out.stdout)
-
-
-def poll(check: Callable[[], bool], timeout: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.05)
-    return check()
 
 
 @pytest.fixture
@@ -132,7 +124,7 @@ def test_an_attacked_usage_file_harms_neither_cgpud_nor_the_neighbour(rig: Share
     try:
         deadline = time.monotonic() + 60
         victim_pid = rig._burn_pid(victim, deadline)
-        assert poll(lambda: len(_instances(rig)) == 2)
+        until(lambda: len(_instances(rig)) == 2, 60.0, interval=0.05)
         target, idle_region = _region_of(rig, 25), _region_of(rig, 5)
         neighbour_run = subprocess.Popen(
             [str(BIN / "cgpuctl"), "--socket", str(d.socket), "run", "--mem", "512MiB", "--core", "70", "--",
@@ -158,12 +150,12 @@ def test_an_attacked_usage_file_harms_neither_cgpud_nor_the_neighbour(rig: Share
             assert written < MIB, f"a tenant wrote {written} bytes into its usage file"
             assert free_before - _free_bytes(d.state) < 16 * MIB
         # The sweep (every 2 s here) puts the idle instance's file right.
-        assert poll(lambda: usage_problem(idle_region) is None), usage_problem(idle_region)
+        until(lambda: usage_problem(idle_region) is None, 60.0, interval=0.05, explain=lambda: str(usage_problem(idle_region)))
         assert os.stat(idle_region / "usage").st_size == USAGE_SIZE
         if how == "truncate":
             # cgpud's scheduler met the cut-off file (its guard read zeros)
             # and mapped the repaired one afresh.
-            assert poll(lambda: '"remapped": true' in d.log.read_text()), d.log.read_text()[-3000:]
+            until(lambda: '"remapped": true' in d.log.read_text(), 60.0, interval=0.05, explain=lambda: str(d.log.read_text()[-3000:]))
     finally:
         runs = [p for p in (victim, neighbour_run) if p is not None]
         for p in runs:
@@ -202,7 +194,7 @@ def test_a_tenant_whose_own_file_is_wiped_while_it_waits_at_its_gate_still_finis
         env=d.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     procs.append(victim)
     rig._burn_pid(victim, time.monotonic() + 60)
-    assert poll(lambda: len(_instances(rig)) == 1)
+    until(lambda: len(_instances(rig)) == 1, 60.0, interval=0.05)
     usage = _region_of(rig, 30) / "usage"
     fd = os.open(usage, os.O_RDWR)
     try:

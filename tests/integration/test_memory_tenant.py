@@ -9,10 +9,9 @@ import subprocess
 
 import pytest
 
-from tests.daemonproc import BIN
-from tests.integration.test_sanitizers import san_env, san_instance, san_native  # noqa: F401 (fixtures)
-from tests.integration.simrun import sim_stat
-from tests.intercept.test_memory_lifetime import Phased, build_attacker, check_vmm_sequence
+from tests.harness.daemon import BIN
+from tests.harness.simrun import sim_stat
+from tests.harness.memory_attack import Phased, build_attacker, check_vmm_sequence
 
 
 def test_vmm_sequence_under_cgpuctl_run_is_held_to_the_limit(daemon, native, sim_env, tmp_path):

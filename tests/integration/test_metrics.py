@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 
 from cgpud.native import native_path
-from tests.conftest import write_sim_config
-from tests.daemonproc import BIN, Daemon, make_daemon
-from tests.promscrape import scrape, value
-from tests.promscrape import free_port as _free_port
-from tests.sharerun import Sampler, ShareRig, _at, _busy
+from tests.harness.sim import write_sim_config
+from tests.harness.daemon import BIN, Daemon, make_daemon
+from tests.harness.promscrape import scrape, value
+from tests.harness.net import free_port as _free_port
+from tests.harness.sharerun import Sampler, ShareRig, _at, _busy
 
 MIB = 1 << 20
 SECOND = 1_000_000_000

@@ -13,9 +13,8 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TypeVar
 
 import pytest
 
@@ -23,21 +22,10 @@ from cgpud.node.bypass_model import ProcessIdentity
 from cgpud.node.model import GIB, Grant, Instance, InstanceState, Owner, OwnerKind
 from cgpud.node.procmap import ProcessMapper, kill_process, read_stat
 from cgpud.node.bypass_policy import parse_allow
+from tests.harness.wait import until
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make cgroups and PID namespaces")
 
-T = TypeVar("T")
-
-
-def poll(what: str, probe: Callable[[], T | None], timeout: float = 10.0) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 def hierarchies() -> dict[str, Path]:
@@ -74,7 +62,7 @@ class Cgroups:
 
     def remove(self) -> None:
         for d in sorted((p for p in self.top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)) + [self.top]:
-            poll(f"{d} to empty", lambda: _rmdir(d), timeout=5)
+            until(lambda: _rmdir(d), 5, interval=0.01, what=f"{d} to empty")
 
 
 def _rmdir(d: Path) -> bool:
@@ -157,7 +145,7 @@ def dead(pid: int) -> bool:
 
 
 def only_child(pid: int) -> int:
-    return poll(f"the child of {pid}", lambda: (children(pid) or [0])[0])
+    return until(lambda: (children(pid) or [0])[0], 10.0, interval=0.01, what=f"the child of {pid}")
 
 
 def test_container_processes_by_cgroup_not_a_sibling_sharing_the_prefix(cgroups: Cgroups, procs: Procs) -> None:
@@ -218,7 +206,7 @@ def test_cgpuctl_run_grandchild_maps_and_stays_mapped_after_its_parent_exits(pro
     mapper = ProcessMapper()
     assert owners(mapper, [g, c, stranger], [inst]) == {g: "r1", c: "r1", stranger: None}
     os.kill(c, signal.SIGKILL)  # P reaps it; G is re-parented away from the tree
-    poll("G re-parented", lambda: (st := read_stat(g)) is not None and st.ppid != c)
+    until(lambda: (st := read_stat(g)) is not None and st.ppid != c, 10.0, interval=0.01, what="G re-parented")
     assert owners(ProcessMapper(), [g], [inst]) == {g: None}  # its ancestry no longer says
     assert owners(mapper, [g], [inst]) == {g: "r1"}  # but it was seen: sticky
     assert owners(mapper, [g], [run_instance("r1", (p, c), state=InstanceState.RELEASED)]) == {g: None}
@@ -257,7 +245,7 @@ def test_kill_a_mapped_child_and_refuse_the_rest(procs: Procs) -> None:
 
     ok, detail = kill_process(ids[g], mapper, [inst])
     assert ok and "killed" in detail, detail
-    poll("G dead", lambda: dead(g))  # a zombie: C does not reap
+    until(lambda: dead(g), 10.0, interval=0.01, what="G dead")  # a zombie: C does not reap
     assert not dead(c) and not dead(p) and other.poll() is None  # only the one process
 
 
@@ -282,7 +270,7 @@ def test_with_kill_unknown_a_process_of_no_instance_is_killed_and_one_that_joine
     assert not ok and "now maps to r1" in detail, detail
     ok, detail = kill_process(ids[stranger.pid], mapper, [], unknown=True)
     assert ok and "killed" in detail, detail
-    poll("the stranger dead", lambda: stranger.poll() is not None)
+    until(lambda: stranger.poll() is not None, 10.0, interval=0.01, what="the stranger dead")
     assert not dead(c)
 
 
@@ -293,7 +281,7 @@ def test_kill_of_a_process_that_already_exited_says_so(procs: Procs) -> None:
     inst = run_instance("r1", (parent.pid,))
     mapper = ProcessMapper()
     identity = mapper.identify([child], [inst])[child]
-    poll("the zombie", lambda: dead(child))
+    until(lambda: dead(child), 10.0, interval=0.01, what="the zombie")
     ok, detail = kill_process(identity, mapper, [inst])
     assert ok and "exited before the kill" in detail, detail
 
@@ -334,7 +322,7 @@ def test_identify_cost_for_24_processes(cgroups: Cgroups, procs: Procs) -> None:
     for n in range(3):
         script = "import os, time\nfor _ in range(4):\n    os.fork() or time.sleep(300)\ntime.sleep(300)"
         parent = procs.start([sys.executable, "-c", script])
-        kids = poll("4 children", lambda: len(children(parent.pid)) == 4 and children(parent.pid))
+        kids = until(lambda: len(children(parent.pid)) == 4 and children(parent.pid), 10.0, interval=0.01, what="4 children")
         instances.append(run_instance(f"r{n}", (parent.pid,)))
         expected.update({k: f"r{n}" for k in kids})
     pids = sorted(expected)
@@ -372,4 +360,4 @@ def test_kill_without_pidfd_rechecks_then_kills(procs: Procs, monkeypatch: pytes
     assert not ok and "pid reused" in detail and not dead(g)
     ok, detail = kill_process(ids[g], mapper, [inst])
     assert ok and "no pidfd" in detail, detail
-    poll("G dead", lambda: dead(g))
+    until(lambda: dead(g), 10.0, interval=0.01, what="G dead")

@@ -1,9 +1,9 @@
 """cgpud restarted under load: 20 tenants on two simulated GPUs keep
 allocating and launching while cgpud is killed (SIGKILL) or stopped
-(SIGTERM) ten times, then replaced by a newer build (tests/restart_build.py).
+(SIGTERM) ten times, then replaced by a newer build (tests/harness/restart_build.py).
 
 Ten tenants are memory-only (1 GiB: each round fills the limit and asks past
-it, tests/restart_tenant.py), ten have 1 GiB and a compute share under the
+it, tests/harness/restart_tenant.py), ten have 1 GiB and a compute share under the
 fixed policy, five per GPU (spread placement): one at 20 % that queues four
 streams of kernels and could take far more, four at 15 % that launch and
 synchronise one kernel at a time. That reserves 80 % of each GPU; the
@@ -35,9 +35,9 @@ import pytest
 from cgpud.cli.client import LocalClient
 from cgpud.cli.run import instance_environment
 from cgpud.node.model import ComputePolicy, Instance, Owner, OwnerKind, Request
-from tests.daemonproc import Daemon, make_daemon
-from tests.restart_build import ROOT, Build, newer_build
-from tests.sharerun import Sampler, _at, _busy
+from tests.harness.daemon import Daemon, make_daemon
+from tests.harness.restart_build import ROOT, Build, newer_build
+from tests.harness.sharerun import Sampler, _at, _busy
 
 GIB = 1 << 30
 MS = 1_000_000
@@ -111,7 +111,7 @@ def _launch(client: LocalClient, name: str, mode: str, instance: Instance, base_
     env = instance_environment(instance, region, gpu_memory, base_env)
     if preload:
         env["LD_PRELOAD"] = preload
-    proc = subprocess.Popen([sys.executable, "-m", "tests.restart_tenant", mode, *args], env=env, cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "tests.harness.restart_tenant", mode, *args], env=env, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return Tenant(name, mode, instance, proc)
 

@@ -4,7 +4,7 @@ version installs its own next to it, keeps the old one while that instance
 lives and removes it in a sweep after the release. The "other version" is the
 same tree whose distribution metadata (what cgpud.__version__ reads) says
 9.9.9, first on PYTHONPATH: no rebuild needed to change only the version
-(tests/restart_build.py makes a real newer build for the upgrade test)."""
+(tests/harness/restart_build.py makes a real newer build for the upgrade test)."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,8 @@ from pathlib import Path
 
 from cgpud import __version__
 from cgpud.containers.runtime_files import version_dir_name
-from tests.daemonproc import Daemon, make_daemon
+from tests.harness.daemon import Daemon, make_daemon
+from tests.harness.wait import until
 
 OTHER = "9.9.9"
 
@@ -27,13 +28,6 @@ def _ok(d: Daemon, *args: str) -> str:
 def _device_edits(d: Daemon, instance_id: str) -> dict:
     spec = json.loads(_ok(d, "cdi", "generate"))
     return next(x for x in spec["devices"] if x["name"] == instance_id)["containerEdits"]
-
-
-def _wait(what: str, cond, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 def test_old_runtime_version_lives_as_long_as_its_instance(tmp_path, sim_env):
@@ -63,7 +57,7 @@ def test_old_runtime_version_lives_as_long_as_its_instance(tmp_path, sim_env):
         assert hook.is_file() and (runtime / current / "libcgpu.so").is_file()
 
         _ok(d, "release", kept)
-        _wait("the old runtime directory to go", lambda: not (runtime / current).exists())
+        until(lambda: not (runtime / current).exists(), 10.0, interval=0.1, what="the old runtime directory to go")
         assert sorted(p.name for p in runtime.iterdir()) == [OTHER]
     finally:
         d.stop()

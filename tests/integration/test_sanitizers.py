@@ -14,35 +14,9 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "csrc"))
-import build_native  # noqa: E402
-
-SAN_OPTIONS = {
-    "ASAN_OPTIONS": "detect_leaks=1:abort_on_error=0:exitcode=86",
-    "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1:exitcode=87",
-}
-
-
-@pytest.fixture(scope="module")
-def san_native(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("sanitize")
-    build_native.build_all(out, build_native.SANITIZE)
-    return out
-
-
-@pytest.fixture
-def san_env(sim_env, san_native) -> dict[str, str]:
-    env = dict(sim_env, **SAN_OPTIONS)
-    env["LD_LIBRARY_PATH"] = str(san_native / "sim")
-    return env
-
-
-def _run(cmd: list[str], env: dict[str, str], stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(cmd, env=env, input=stdin, capture_output=True, text=True, timeout=120)
-    assert "Sanitizer" not in proc.stderr and "runtime error" not in proc.stderr, proc.stderr
-    return proc
-
+from tests.harness import sanitizers
+from tests.harness.sanitizers import run_clean
+from tests.harness.wait import until
 
 BURNS = {
     "alloc-until-fail": ["--alloc-until-fail=1GiB"],
@@ -61,14 +35,14 @@ BURNS = {
 
 @pytest.mark.parametrize("case", sorted(BURNS))
 def test_workload_and_driver_are_clean_under_sanitizers(san_native, san_env, case):
-    proc = _run([str(san_native / "bin" / "cgpu-burn"), *BURNS[case]], san_env)
+    proc = run_clean([str(san_native / "bin" / "cgpu-burn"), *BURNS[case]], san_env)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["errors"] == []
 
 
 def test_state_dump_is_clean_under_sanitizers(san_native, san_env):
-    _run([str(san_native / "bin" / "cgpu-burn"), "--launches=5", "--kernel-ns=1000"], san_env)
-    proc = _run([str(san_native / "bin" / "cgpu-sim-stat")], san_env)
+    run_clean([str(san_native / "bin" / "cgpu-burn"), "--launches=5", "--kernel-ns=1000"], san_env)
+    proc = run_clean([str(san_native / "bin" / "cgpu-sim-stat")], san_env)
     assert proc.returncode == 0 and len(json.loads(proc.stdout)["gpus"]) == 2
 
 
@@ -77,9 +51,7 @@ def test_faults_and_nvml_events_are_clean_under_sanitizers(san_native, san_env):
     the sanitized libnvidia-ml.so.1's event sets, waits and lost-GPU answers
     driven by pynvml in a Python that preloads the ASan runtime."""
     stat = str(san_native / "bin" / "cgpu-sim-stat")
-    asan = subprocess.run(["cc", "-print-file-name=libasan.so"], capture_output=True, text=True, check=True).stdout
-    # Python itself leaks at exit by design: leak checking is for the C tools.
-    py_env = dict(san_env, LD_PRELOAD=asan.strip(), ASAN_OPTIONS="detect_leaks=0:abort_on_error=0:exitcode=86")
+    py_env = sanitizers.python_env(san_env)
     script = f"""
 import json, subprocess, pynvml as n
 n.nvmlInit()
@@ -107,35 +79,22 @@ n.nvmlEventSetFree(s)
 n.nvmlShutdown()
 print(json.dumps([len(got), lost]))
 """
-    proc = _run([sys.executable, "-c", script], py_env)
+    proc = run_clean([sys.executable, "-c", script], py_env)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == [79, [79, "lost", "lost"]]
-    proc = _run([stat], san_env)
+    proc = run_clean([stat], san_env)
     assert [g["xids"] for g in json.loads(proc.stdout)["gpus"]] == [39, 41]
-    assert _run([stat, "--xid", "0", "1000"], san_env).returncode == 2
+    assert run_clean([stat, "--xid", "0", "1000"], san_env).returncode == 2
 
 
 # The relays (cgpu-runtime, cgpu-hook) run every case of tests/relay under
 # sanitizers too.
 
 
-@pytest.fixture
-def san_instance(san_env, san_native, tmp_path) -> dict[str, str]:
-    """The sanitized workload in an instance enforced by the sanitized libcgpu.so."""
-    from cgpud.node.region import DeviceLimit, InstanceLimits, write_region
-
-    region = tmp_path / "region"
-    write_region(region, InstanceLimits("san", (DeviceLimit("GPU-5c1a0000-0000-4000-8000-000000c90000", 2 << 30, 0),)))
-    asan = subprocess.run(["cc", "-print-file-name=libasan.so"], capture_output=True, text=True, check=True).stdout
-    # The ASan runtime must come first in the initial library list.
-    preload = f"{asan.strip()}:{san_native / 'lib' / 'libcgpu.so'}"
-    return dict(san_env, LD_PRELOAD=preload, CGPU_REGION_DIR=str(region))
-
-
 @pytest.mark.parametrize("case", ["alloc-until-fail", "pitch", "async", "pool", "vmm", "array", "kernels", "graph"])
 def test_interception_library_is_clean_under_sanitizers(san_native, san_instance, case):
     args = BURNS[case] if case != "alloc-until-fail" else ["--alloc-until-fail=256MiB"]
-    proc = _run([str(san_native / "bin" / "cgpu-burn"), *args], san_instance)
+    proc = run_clean([str(san_native / "bin" / "cgpu-burn"), *args], san_instance)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["errors"] == [] and out["mem_total_reported"] == 2 << 30
@@ -143,18 +102,11 @@ def test_interception_library_is_clean_under_sanitizers(san_native, san_instance
         assert out["alloc"]["until_fail_count"] == 8
 
 
-def _wait_for(what: str, predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
-
-
 @contextmanager
 def _gated_burn(san_native: Path, env: dict[str, str], *args: str) -> Iterator[tuple[subprocess.Popen[str], Any]]:
     """cgpu-burn started behind a closed gate, with a view of its grants for
     the block to drive; then it must finish sanitizer-clean with no error."""
-    from tests.intercept.conftest import GATE_SEQ_STEP, GrantsView, grants_bytes, write_grants
+    from tests.harness.grants import GATE_SEQ_STEP, GrantsView, grants_bytes, write_grants
 
     region = Path(env["CGPU_REGION_DIR"])
     write_grants(region, grants_bytes([GATE_SEQ_STEP]))
@@ -177,29 +129,29 @@ def test_gated_launches_are_clean_under_sanitizers(san_native, san_instance, api
     """A closed gate, an opening, a closing with a fence, a reopening: the
     waiting path, the fence watcher thread and the open path, sanitized."""
     from cgpud._region import lib
-    from tests.intercept.conftest import GATE_OPEN, GATE_SEQ_STEP
+    from tests.harness.grants import GATE_OPEN, GATE_SEQ_STEP
 
     with _gated_burn(san_native, san_instance, f"--launch-api={api}", "--duration=1.5", "--kernel-ns=1000000",
                      "--per-thread-stream", "--streams=2") as (proc, view):
-        _wait_for("a launch waiting at the gate", lambda: view.waiting() >= 1)
+        until(lambda: view.waiting() >= 1, 10.0, interval=0.005, what="a launch waiting at the gate")
         view.set_gate(0, 2 * GATE_SEQ_STEP | GATE_OPEN)
-        _wait_for("launches", lambda: view.waiting() == 0)
+        until(lambda: view.waiting() == 0, 10.0, interval=0.005, what="launches")
         time.sleep(0.2)
         view.set_gate(0, 3 * GATE_SEQ_STEP)
-        _wait_for("the fence", lambda: view.fence_ack(proc.pid) == 3 * GATE_SEQ_STEP | lib.CGPU_ACK_LAUNCHED)
+        until(lambda: view.fence_ack(proc.pid) == 3 * GATE_SEQ_STEP | lib.CGPU_ACK_LAUNCHED, 10.0, interval=0.005, what="the fence")
         view.set_gate(0, 4 * GATE_SEQ_STEP | GATE_OPEN)
 
 
 def test_a_gate_orphaned_by_a_dead_cgpud_is_clean_under_sanitizers(san_native, san_instance):
     """The bounded wait, the lock probe, launching past the orphaned gate and
     being gated again by a new gate word, sanitized."""
-    from tests.intercept.conftest import GATE_OPEN, GATE_SEQ_STEP
+    from tests.harness.grants import GATE_OPEN, GATE_SEQ_STEP
 
     with _gated_burn(san_native, san_instance, "--duration=1.5", "--kernel-ns=100000", "--streams=2") as (_, view):
-        _wait_for("a launch waiting at the gate", lambda: view.waiting() >= 1)
+        until(lambda: view.waiting() >= 1, 10.0, interval=0.005, what="a launch waiting at the gate")
         view.drive(False)
-        _wait_for("launches past the orphaned gate", lambda: view.waiting() == 0)
+        until(lambda: view.waiting() == 0, 10.0, interval=0.005, what="launches past the orphaned gate")
         view.drive(True)
         view.set_gate(0, 2 * GATE_SEQ_STEP)
-        _wait_for("a launch waiting at the new gate", lambda: view.waiting() >= 1)
+        until(lambda: view.waiting() >= 1, 10.0, interval=0.005, what="a launch waiting at the new gate")
         view.set_gate(0, 3 * GATE_SEQ_STEP | GATE_OPEN)

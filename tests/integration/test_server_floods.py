@@ -30,22 +30,17 @@ import pytest
 
 from cgpud.api.cgpu.v1 import capacity_pb2 as pb
 from cgpud.api.cgpu.v1 import capacity_pb2_grpc as pb_grpc
-from tests.conftest import write_sim_config
-from tests.daemonproc import make_daemon
-from tests.kube.api_server import api_server, pod_json
-from tests.tls import Pki, make_pki
+from tests.harness.sim import write_sim_config
+from tests.harness.daemon import make_daemon
+from tests.harness.api_server import api_server, pod_json
+from tests.harness.tls import Pki, make_pki
+from tests.harness.net import free_port
 
 BIN = Path(sys.executable).parent
 MIB = 1 << 20
 EXTENDER_CONNECTIONS = 64  # cgpud.extender.server.BOUNDS
 EXTENDER_BODY_BUDGET = 64 * MIB
 METRICS_CONNECTIONS = 16  # cgpud.daemon.metrics.BOUNDS
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def proc_status(pid: int, key: str) -> int:

@@ -10,8 +10,8 @@ import subprocess
 
 import pytest
 
-from tests.conftest import write_sim_config
-from tests.integration.simrun import run_py, sim_stat, start_py
+from tests.harness.sim import write_sim_config
+from tests.harness.simrun import run_py, sim_stat, start_py
 
 GIB = 1 << 30
 

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from tests import cudakit
-from tests.conftest import write_sim_config
-from tests.integration.simrun import run_py
+from tests.harness import cudakit
+from tests.harness.sim import write_sim_config
+from tests.harness.simrun import run_py
 
 ROOT = Path(__file__).resolve().parents[2]
 CSRC = ROOT / "csrc"
@@ -28,7 +28,7 @@ CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM = 2
 
 
 def real_cuda_include() -> Path:
-    """NVIDIA's cuda.h: the default CUDA line's (tests/cudakit.py)."""
+    """NVIDIA's cuda.h: the default CUDA line's (tests/harness/cudakit.py)."""
     return cudakit.toolkit().header("cuda.h").parent
 
 

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from tests.integration.simrun import PYNVML, run_py, sim_stat, start_py
+from tests.harness.simrun import PYNVML, run_py, sim_stat, start_py
 
 
 def nvml(sim_env: dict[str, str], body: str) -> object:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.simrun import PYNVML, py_env, run_py, sim_stat, start_py
+from tests.harness.simrun import PYNVML, py_env, run_py, sim_stat, start_py
 
 GIB = 1 << 30
 DEF_FILE = Path(__file__).resolve().parents[2] / "csrc" / "include" / "cgpu" / "nvml_functions.def"

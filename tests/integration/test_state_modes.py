@@ -18,7 +18,7 @@ import pytest
 
 from cgpud import __version__
 from cgpud.containers.runtime_files import version_dir_name
-from tests.daemonproc import BIN, Daemon, make_daemon
+from tests.harness.daemon import BIN, Daemon, make_daemon
 
 NOBODY = 65534
 

@@ -8,7 +8,7 @@ import sqlite3
 import subprocess
 import time
 
-from tests.daemonproc import BIN, make_daemon
+from tests.harness.daemon import BIN, make_daemon
 
 
 def _pings(d, seconds: float) -> list[float]:

@@ -16,16 +16,10 @@ from pathlib import Path
 import pytest
 
 from cgpud._region import lib
-from tests.conftest import write_sim_config
-from tests.integration.simrun import sim_stat, start_py
-from tests.intercept.conftest import (
-    GATE_UNGATED,
-    GIB,
-    closed,
-    grants_bytes,
-    opened,
-    wait_for,
-)
+from tests.harness.sim import write_sim_config
+from tests.harness.simrun import sim_stat, start_py
+from tests.harness.grants import GATE_UNGATED, GIB, closed, grants_bytes, opened
+from tests.harness.wait import until
 
 ACK_LAUNCHED = int(lib.CGPU_ACK_LAUNCHED)
 APIS = ["kernel", "ex", "cooperative", "graph", "launch", "grid", "grid-async", "multi-device"]
@@ -69,8 +63,8 @@ def test_a_closed_gate_holds_every_launch_until_it_opens(native, sim_env, gated,
     proc = start_burn(native, env, *stream_args(api, per_thread), "--launches=8", "--kernel-ns=200000")
     try:
         # Blocked in its first launch, counted as demand, nothing on the device.
-        wait_for("a thread waiting at the gate", lambda: region.waiting() >= 1)
-        wait_for("the fence watcher's first acknowledgement", lambda: region.fence_ack(proc.pid) == closed(1))
+        until(lambda: region.waiting() >= 1, 5.0, interval=0.005, what="a thread waiting at the gate")
+        until(lambda: region.fence_ack(proc.pid) == closed(1), 5.0, interval=0.005, what="the fence watcher's first acknowledgement")
         time.sleep(0.2)
         assert proc.poll() is None
         assert busy_ns(native, env, proc.pid) == 0
@@ -103,13 +97,12 @@ def test_closing_the_gate_fences_the_work_in_flight(native, sim_env, gated, api,
     proc = start_burn(native, env, *stream_args(api, per_thread), "--duration=1.5", "--kernel-ns=2000000",
                       "--streams=2")
     try:
-        wait_for("device work", lambda: busy_ns(native, env, proc.pid) > 0)
+        until(lambda: busy_ns(native, env, proc.pid) > 0, 5.0, interval=0.005, what="device work")
         assert region.watching(proc.pid) == 1
         time.sleep(0.1)
         bell = region.bell()
         region.set_gate(0, closed(2))
-        wait_for("the fence acknowledgement", lambda: region.fence_ack(proc.pid) == closed(2) | ACK_LAUNCHED,
-                 timeout=3)
+        until(lambda: region.fence_ack(proc.pid) == closed(2) | ACK_LAUNCHED, 3, interval=0.005, what="the fence acknowledgement")
         acked = time.monotonic_ns()
         assert region.bell() > bell
         # Everything it had queued was done by the time it said so...
@@ -173,7 +166,7 @@ def test_each_gpu_of_an_instance_has_its_own_gate(native, tmp_path, sim_env, gat
     assert finish(start_burn(native, env, "--device=2", *args))["errors"] == []  # not the instance's to gate
     held = start_burn(native, env, "--device=0", *args)
     try:
-        wait_for("a launch waiting at GPU 0's gate", lambda: region.waiting(1) >= 1)
+        until(lambda: region.waiting(1) >= 1, 5.0, interval=0.005, what="a launch waiting at GPU 0's gate")
         assert region.waiting(0) == 0 and held.poll() is None
         assert region.watching(held.pid) == 2  # bit 1: slot 1
         region.set_gate(1, opened(2))
@@ -216,11 +209,11 @@ def test_a_forked_child_fences_and_waits_on_its_own(native, gated):
         assert region.ledger(proc.pid) != region.ledger(child)
         region.set_gate(0, closed(2))
         for pid in (proc.pid, child):
-            wait_for(f"{pid}'s fence", lambda pid=pid: region.fence_ack(pid) == closed(2) | ACK_LAUNCHED)
+            until(lambda pid=pid: region.fence_ack(pid) == closed(2) | ACK_LAUNCHED, 5.0, interval=0.005, what=f"{pid}'s fence")
         busy = busy_ns(native, env, child)
         proc.stdin.write("go\n")
         proc.stdin.flush()
-        wait_for("the child waiting at the gate", lambda: region.waiting() >= 1)
+        until(lambda: region.waiting() >= 1, 5.0, interval=0.005, what="the child waiting at the gate")
         time.sleep(0.1)
         assert busy_ns(native, env, child) == busy
         region.set_gate(0, opened(3))
@@ -239,20 +232,20 @@ def test_a_closed_gate_nobody_drives_lets_launches_through_until_the_gate_moves(
     env, region = gated([closed(1)])
     proc = start_burn(native, env, "--duration=30", "--kernel-ns=100000")
     try:
-        wait_for("a thread waiting at the gate", lambda: region.waiting() >= 1)
+        until(lambda: region.waiting() >= 1, 5.0, interval=0.005, what="a thread waiting at the gate")
         assert busy_ns(native, env, proc.pid) == 0
         region.drive(False)
-        wait_for("launches past the orphaned gate", lambda: busy_ns(native, env, proc.pid) > 0, timeout=10)
-        wait_for("nobody left waiting", lambda: region.waiting() == 0)
+        until(lambda: busy_ns(native, env, proc.pid) > 0, 10, interval=0.005, what="launches past the orphaned gate")
+        until(lambda: region.waiting() == 0, 5.0, interval=0.005, what="nobody left waiting")
         region.drive(True)
         region.set_gate(0, closed(2))
-        wait_for("the fence of the new closing", lambda: region.fence_ack(proc.pid) >> 2 == 2)
-        wait_for("a thread waiting at the new gate", lambda: region.waiting() >= 1)
+        until(lambda: region.fence_ack(proc.pid) >> 2 == 2, 5.0, interval=0.005, what="the fence of the new closing")
+        until(lambda: region.waiting() >= 1, 5.0, interval=0.005, what="a thread waiting at the new gate")
         held = busy_ns(native, env, proc.pid)
         time.sleep(0.5)  # past the probe interval: the lock is held, so it keeps waiting
         assert busy_ns(native, env, proc.pid) == held
         region.set_gate(0, opened(3))
-        wait_for("launches after the opening", lambda: busy_ns(native, env, proc.pid) > held)
+        until(lambda: busy_ns(native, env, proc.pid) > held, 5.0, interval=0.005, what="launches after the opening")
     finally:
         proc.kill()
         _, err = proc.communicate(timeout=30)
@@ -299,11 +292,11 @@ def test_what_a_process_has_queued_when_its_gate_closes_is_bounded(native, tmp_p
     env, region = gated([opened(1)], env=deep)
     proc = start_burn(native, env, "--duration=3", "--kernel-ns=100000", "--streams=1", "--sync-every=1000000000")
     try:
-        wait_for("device work", lambda: busy_ns(native, env, proc.pid) > 0)
+        until(lambda: busy_ns(native, env, proc.pid) > 0, 5.0, interval=0.005, what="device work")
         time.sleep(0.3)
         region.set_gate(0, closed(2))
         closed_at = time.monotonic_ns()
-        wait_for("the fence", lambda: region.fence_ack(proc.pid) == closed(2) | ACK_LAUNCHED, timeout=10)
+        until(lambda: region.fence_ack(proc.pid) == closed(2) | ACK_LAUNCHED, 10, interval=0.005, what="the fence")
         queued = busy_between(native, deep, proc.pid, closed_at, closed_at + 60 * 10**9)
         region.set_gate(0, opened(3))
         out = finish(proc)

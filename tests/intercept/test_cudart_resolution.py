@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from tests import cudakit
-from tests.conftest import write_sim_config
-from tests.integration.simrun import run_py
-from tests.intercept.conftest import GIB
-from tests.intercept.test_resolution import ALLOC_PATTERN, ALLOCATING_IN_CUDART, HOOKED, NOT_INSTANCE_MEMORY
+from tests.harness import cudakit
+from tests.harness.sim import write_sim_config
+from tests.harness.simrun import run_py
+from tests.harness.grants import GIB
+from tests.harness.cuda_entry_points import ALLOC_PATTERN, ALLOCATING_IN_CUDART, HOOKED, NOT_INSTANCE_MEMORY
 
 ROOT = Path(__file__).resolve().parents[2]
 

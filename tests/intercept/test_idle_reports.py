@@ -10,8 +10,9 @@ from collections.abc import Iterator
 import pytest
 
 from cgpud._region import lib
-from tests.integration.simrun import start_py
-from tests.intercept.conftest import GATE_OPEN, GrantsView, closed, opened, wait_for
+from tests.harness.simrun import start_py
+from tests.harness.grants import GATE_OPEN, GrantsView, closed, opened
+from tests.harness.wait import until
 
 IDLE, DRAINED, LAUNCHED = int(lib.CGPU_ACK_IDLE), int(lib.CGPU_ACK_DRAINED), int(lib.CGPU_ACK_LAUNCHED)
 
@@ -90,9 +91,9 @@ def fence_and_grant_again(p: Program, region: GrantsView) -> None:
     """cgpud closes the gate (sequence 2) after p launched, p fences, and
     the gate opens again (3): p's watcher reports the new grant idle."""
     region.set_gate(0, closed(2))
-    wait_for("the fence", lambda: region.fence_ack(p.pid) == closed(2) | LAUNCHED)
+    until(lambda: region.fence_ack(p.pid) == closed(2) | LAUNCHED, 5.0, interval=0.005, what="the fence")
     region.set_gate(0, opened(3))
-    wait_for("the watcher's idle report", lambda: region.fence_ack(p.pid) == report(opened(3), True))
+    until(lambda: region.fence_ack(p.pid) == report(opened(3), True), 5.0, interval=0.005, what="the watcher's idle report")
 
 
 @pytest.mark.parametrize("sync, drained", [("ctxsync", True), ("streamsync", False), ("eventsync", False)])
@@ -146,7 +147,7 @@ def test_a_query_that_finds_the_work_done_reports_too(program):
     assert p.do("launch 1000000") == "ok"
     assert p.do("query") == "CUDA_ERROR_NOT_READY"
     assert not region.fence_ack(p.pid) & IDLE
-    wait_for("the kernel to finish", lambda: p.do("query") == "CUDA_SUCCESS")
+    until(lambda: p.do("query") == "CUDA_SUCCESS", 5.0, interval=0.005, what="the kernel to finish")
     assert region.fence_ack(p.pid) == report(opened(1), False)
 
 
@@ -162,13 +163,13 @@ def test_no_report_while_the_gate_is_closed_or_over_a_later_closings_acknowledge
     p, region = program
     assert p.do("launch 1000") == "ok"
     region.set_gate(0, closed(2))
-    wait_for("the fence", lambda: region.fence_ack(p.pid) == closed(2) | LAUNCHED)
+    until(lambda: region.fence_ack(p.pid) == closed(2) | LAUNCHED, 5.0, interval=0.005, what="the fence")
     assert p.do("ctxsync") == "ok"
     assert region.fence_ack(p.pid) == closed(2) | LAUNCHED  # a closed gate is no grant to be idle in
     # An acknowledgement newer than the open grant (as a race with a closing
     # would leave) is never replaced by a report for the older grant.
     region.set_gate(0, opened(3))
-    wait_for("the watcher's idle report", lambda: region.fence_ack(p.pid) == report(opened(3), True))
+    until(lambda: region.fence_ack(p.pid) == report(opened(3), True), 5.0, interval=0.005, what="the watcher's idle report")
     assert p.do("launch 1000") == "ok"
     region.usage.proc[0].fence_ack[0] = closed(4)
     assert p.do("ctxsync") == "ok"

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.simrun import run_py, start_py
-from tests.intercept.conftest import GIB
-from tests.usage_tenant import TenantUsage
+from tests.harness.simrun import run_py, start_py
+from tests.harness.grants import GIB
+from tests.harness.usage_tenant import TenantUsage
 
 MIB = 1 << 20
 

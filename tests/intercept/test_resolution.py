@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from tests import cudakit
-from tests.integration.simrun import run_py
-from tests.intercept.conftest import GIB, build_c
+from tests.harness import cudakit
+from tests.harness.simrun import run_py
+from tests.harness.cc import build_c
+from tests.harness.cuda_entry_points import ALLOC_PATTERN, ALLOCATING_IN_CUDART, HOOKED, NOT_INSTANCE_MEMORY
+from tests.harness.grants import GIB
 
 ROOT = Path(__file__).resolve().parents[2]
-HOOKED = set(re.findall(r"^HOOK\((\w+)", (ROOT / "csrc/intercept/hooks.def").read_text(), re.MULTILINE))
 
 PROC_CASES = [
     # (base name, cudaVersion, flags, the exported variant the driver picks)
@@ -164,44 +165,6 @@ def test_dlsym_dlvsym_and_rtld_next_lead_to_the_hooks(tmp_path, instance, libcgp
         ]))
     """)
     assert got == [True, True, True, True, True]
-
-
-# Driver entry points the CUDA runtime names that create device memory, and
-# where each lands; anything else that allocates must be added here and hooked.
-ALLOCATING_IN_CUDART = {
-    "cuMemAlloc": "cuMemAlloc_v2", "cuMemAlloc_v2": "cuMemAlloc_v2",
-    "cuMemAllocPitch": "cuMemAllocPitch_v2", "cuMemAllocPitch_v2": "cuMemAllocPitch_v2",
-    "cuMemAllocManaged": "cuMemAllocManaged",
-    "cuMemAllocAsync": "cuMemAllocAsync", "cuMemAllocAsync_ptsz": "cuMemAllocAsync_ptsz",
-    "cuMemAllocFromPoolAsync": "cuMemAllocFromPoolAsync",
-    "cuMemAllocFromPoolAsync_ptsz": "cuMemAllocFromPoolAsync_ptsz",
-    "cuArrayCreate": "cuArrayCreate_v2", "cuArrayCreate_v2": "cuArrayCreate_v2",
-    "cuArray3DCreate": "cuArray3DCreate_v2", "cuArray3DCreate_v2": "cuArray3DCreate_v2",
-    "cuMipmappedArrayCreate": "cuMipmappedArrayCreate",
-    "cuGraphAddMemAllocNode": "cuGraphAddMemAllocNode",  # refused under a limit
-}
-# Named by the runtime and matching the allocation patterns below, but not
-# new device memory of this instance, with the reason.
-NOT_INSTANCE_MEMORY = {
-    "cuMemHostAlloc": "page-locked host memory",
-    "cuMemHostRegister": "registers existing host memory", "cuMemHostRegister_v2": "registers existing host memory",
-    "cuMemPoolImportPointer": "maps memory another process allocated (and was charged for)",
-    "cuIpcOpenMemHandle": "maps memory another process allocated", "cuIpcOpenMemHandle_v2": "same",
-    "cuImportExternalMemory": "maps memory a graphics API allocated",
-    "cuExternalMemoryGetMappedBuffer": "same", "cuExternalMemoryGetMappedMipmappedArray": "same",
-    "cuGraphicsResourceGetMappedPointer": "graphics interop", "cuGraphicsResourceGetMappedPointer_v2": "same",
-    "cuGraphicsResourceGetMappedMipmappedArray": "graphics interop", "cuGraphicsSubResourceGetMappedArray": "same",
-    "cuMipmappedArrayGetLevel": "a view of an existing array",
-    "cuMemPoolCreate": "a pool allocates through cuMemAllocFromPoolAsync",
-    "cuGraphMemAllocNodeGetParams": "a query",
-    "cuMemPoolImportFromShareableHandle": "opens another process's pool",
-    "cuImportExternalSemaphore": "a semaphore, no memory",
-    "cuDeviceRegisterAsyncNotification": "a callback", "cuLogsRegisterCallback": "a callback",
-    "cuGLRegisterBufferObject": "graphics interop: memory OpenGL allocated",
-    "cuGraphicsGLRegisterBuffer": "same", "cuGraphicsGLRegisterImage": "same", "cuGraphicsEGLRegisterImage": "same",
-    "cuGraphicsVDPAURegisterOutputSurface": "same", "cuGraphicsVDPAURegisterVideoSurface": "same",
-}
-ALLOC_PATTERN = re.compile(r"^cu\w*(Alloc|ArrayCreate|Import|Register|MemCreate|Mipmapped\w*Create)\w*$")
 
 
 @pytest.mark.parametrize("line", list(cudakit.LINES))

@@ -15,10 +15,10 @@ import pytest
 
 from cgpud.api.k8s.deviceplugin.v1beta1 import api_pb2 as pb
 from cgpud.api.k8s.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
-from tests.daemonproc import Daemon, make_daemon
-from tests.kube.api_server import api_server, node_json, pod_json
-from tests.kube.kubelet_pods import kubelet_pods
-from tests.kube.test_device_plugin import Kubelet
+from tests.harness.daemon import Daemon, make_daemon
+from tests.harness.api_server import api_server, node_json, pod_json
+from tests.harness.kubelet_pods import kubelet_pods
+from tests.harness.kubelet import Kubelet
 
 NODE = "node-r"
 WAIT = 20.0

@@ -1,7 +1,7 @@
 """The device plugin's Allocator and pod releases over real parts: the
 instance service on a real SQLite file and real region files, the official
-Kubernetes client against tests/kube/api_server.py, the kubelet's
-pod-resources API over real gRPC (tests/kube/kubelet_pods.py)."""
+Kubernetes client against tests/harness/api_server.py, the kubelet's
+pod-resources API over real gRPC (tests/harness/kubelet_pods.py)."""
 from __future__ import annotations
 
 import json
@@ -21,9 +21,9 @@ from cgpud.kube.apiserver import ApiServer
 from cgpud.kube.model import AllocationError, MountSpec, Resource
 from cgpud.kube.pod_resources import PodResourcesClient
 from cgpud.kube.releases import PodReleaser, kubelet_pods
-from tests.kube.api_server import ApiServerProcess, api_server, pod_json
-from tests.kube.kubelet_pods import KubeletPods
-from tests.kube.kubelet_pods import kubelet_pods as serve_kubelet_pods
+from tests.harness.api_server import ApiServerProcess, api_server, pod_json
+from tests.harness.kubelet_pods import KubeletPods
+from tests.harness.kubelet_pods import kubelet_pods as serve_kubelet_pods
 
 GPUS = (GpuCapacity(0, "GPU-aaaa", 16 * GIB), GpuCapacity(1, "GPU-bbbb", 16 * GIB))
 NODE = "node-1"

@@ -1,5 +1,5 @@
 """cgpud/kube/apiserver.py through the official client library against
-tests/kube/api_server.py, which serves the API server's REST paths and JSON."""
+tests/harness/api_server.py, which serves the API server's REST paths and JSON."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -9,7 +9,7 @@ import pytest
 
 from cgpud.kube.apiserver import (ApiServer, ApiServerError, ApiServerUnavailable, ContainerInfo, LazyApiServer,
                                   client_from)
-from tests.kube.api_server import ApiServerProcess, api_server, node_json, pod_json
+from tests.harness.api_server import ApiServerProcess, api_server, node_json, pod_json
 
 
 @pytest.fixture

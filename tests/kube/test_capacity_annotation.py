@@ -1,6 +1,6 @@
 """The Capacity API's address on the Node (cgpu.io/capacity-address): the
 label thread writes it, again when someone changed it, and after an API
-server outage. The official client against tests/kube/api_server.py."""
+server outage. The official client against tests/harness/api_server.py."""
 from __future__ import annotations
 
 import threading
@@ -13,7 +13,7 @@ from cgpud.node.store import Store
 from cgpud.kube.apiserver import ApiServer
 from cgpud.kube.model import ANNOTATION_CAPACITY_ADDRESS
 from cgpud.kube.node_labels import NodeLabels
-from tests.kube.api_server import api_server, node_json
+from tests.harness.api_server import api_server, node_json
 
 ADDRESS = {ANNOTATION_CAPACITY_ADDRESS: "10.0.0.7:9455"}
 

@@ -9,13 +9,12 @@ the gRPC plumbing around it: the tests that use it say so in their names."""
 from __future__ import annotations
 
 import os
-import queue
 import shutil
 import stat
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -30,55 +29,13 @@ from cgpud.kube.model import AllocationError, ContainerAllocation, MountSpec, Re
 from cgpud.kube.plugin import DevicePlugin, PluginSettings
 from cgpud.kube.resources import SOCKET_NAMES
 from cgpud.units import GIB
+from tests.harness.kubelet import Kubelet
+from tests.harness.wait import until
 
 UUID0 = "GPU-6a1e0c55-0000-4c3e-8f00-000000000000"
 UUID1 = "GPU-6a1e0c55-1111-4c3e-8f00-111111111111"
 GPUS = (GpuCapacity(0, UUID0, 16 * GIB), GpuCapacity(1, UUID1, 8 * GIB))
 WAIT = 10.0  # seconds any one expected event may take
-
-
-class Kubelet(pb_grpc.RegistrationServicer):
-    """The kubelet's side: Registration on <dir>/kubelet.sock."""
-
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self.registered: queue.Queue[pb.RegisterRequest] = queue.Queue()
-        self.refuse: str | None = None
-        self._server: grpc.Server | None = None
-
-    @property
-    def socket(self) -> Path:
-        return self.directory / "kubelet.sock"
-
-    def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.Empty:
-        if self.refuse is not None:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, self.refuse)
-        self.registered.put(request)
-        return pb.Empty()
-
-    def start(self) -> Kubelet:
-        self._server = grpc.server(ThreadPoolExecutor(max_workers=4))
-        pb_grpc.add_RegistrationServicer_to_server(self, self._server)
-        assert self._server.add_insecure_port(f"unix:{self.socket}") != 0
-        self._server.start()
-        return self
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.stop(None).wait(WAIT)
-            self._server = None
-        self.socket.unlink(missing_ok=True)
-
-    def restart(self) -> None:
-        """What a kubelet restart does to the directory: its socket goes,
-        every plugin socket is deleted, a new kubelet.sock appears."""
-        self.stop()
-        for path in self.directory.glob("*.sock"):
-            path.unlink()
-        self.start()
-
-    def take_registrations(self, count: int) -> list[pb.RegisterRequest]:
-        return [self.registered.get(timeout=WAIT) for _ in range(count)]
 
 
 class RecordingAllocator:
@@ -133,15 +90,6 @@ def plugin(directory: Path, kubelet: Kubelet, allocator: RecordingAllocator) -> 
 def stub(directory: Path, resource: Resource) -> pb_grpc.DevicePluginStub:
     channel = grpc.insecure_channel(f"unix:{directory / SOCKET_NAMES[resource]}")
     return pb_grpc.DevicePluginStub(channel)
-
-
-def eventually(check: Callable[[], bool]) -> bool:
-    deadline = time.monotonic() + WAIT
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def ends(stream: Iterator[pb.ListAndWatchResponse]) -> bool:
@@ -327,7 +275,7 @@ def test_kubelet_restart_brings_a_new_registration_and_fresh_sockets(
     assert {r.resource_name for r in again} == {r.value for r in Resource}
     for r in again:
         assert (directory / r.endpoint).exists()
-    assert eventually(lambda: plugin.registrations == before + 1)
+    until(lambda: plugin.registrations == before + 1, WAIT, what="the new registration")
     # The old stream belonged to the old kubelet: it ends.
     assert ends(old)
     # The new kubelet gets the lists on the new sockets.
@@ -412,8 +360,8 @@ def test_stop_is_bounded_and_ends_open_streams(directory: Path, kubelet: Kubelet
     assert ended.wait(WAIT)
     assert not list(directory.glob("cgpu-*.sock"))  # its own sockets removed
     assert kubelet.socket.exists()  # never the kubelet's
-    assert eventually(lambda: not [t for t in threading.enumerate()
-                                   if t.name.startswith(("cgpud-dp-", "cgpud-device-plugin"))])
+    until(lambda: not [t for t in threading.enumerate() if t.name.startswith(("cgpud-dp-", "cgpud-device-plugin"))],
+          WAIT, what="the plugin's threads to end")
 
 
 def test_an_unknown_mode_update_changes_nothing(directory: Path, plugin: DevicePlugin) -> None:
@@ -484,7 +432,7 @@ def test_cgpud_in_kubernetes_mode_registers_and_reports_a_lost_gpu(sim_env: dict
     import subprocess
     import sys
 
-    from tests.daemonproc import running_daemon
+    from tests.harness.daemon import running_daemon
 
     base = Path(tempfile.mkdtemp(prefix="dpd-", dir="/tmp"))
     plugins = base / "dp"

@@ -30,7 +30,7 @@ from cgpud.kube.health import (
     healthy_by_index,
     parse_xids,
 )
-from tests.integration.simrun import py_env, sim_stat
+from tests.harness.simrun import py_env, sim_stat
 
 POLICY = HealthPolicy(recovery_window=60.0)
 GPU = GpuHealth(1, "GPU-1", changed_at=0.0)

@@ -1,7 +1,7 @@
 """The node describes itself (cgpud/kube/node_labels.py): labels drive mode
 and placement at runtime by the rules of `policy_change_problem`, card-model
 labels are written, and an API server outage keeps the node on what it has
-until it answers again. The official client against tests/kube/api_server.py,
+until it answers again. The official client against tests/harness/api_server.py,
 the real instance service."""
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from cgpud.node.service import InstanceService
 from cgpud.node.store import Store
 from cgpud.kube.apiserver import ApiServer
 from cgpud.kube.node_labels import NodeLabels, card_label_patch, initial_policy, label_policy
-from tests.kube.api_server import ApiServerProcess, api_server, node_json
+from tests.harness.api_server import ApiServerProcess, api_server, node_json
 
 GPUS = (GpuCapacity(0, "GPU-aaaa", 16 * GIB),)
 CARD = {"aliyun.accelerator/nvidia_name": "NVIDIA-H100-80GB-HBM3", "aliyun.accelerator/nvidia_mem": "16384MiB",

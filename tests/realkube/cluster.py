@@ -12,7 +12,7 @@ connection is TLS with certificates this harness issues.
 Addresses: node i is 10.X.i.2 in its namespace, the host's side of its veth
 10.X.i.1; the API server listens on the host's addresses, so each node
 reaches it at its own 10.X.i.1. (A kubelet refuses a loopback node IP.)
-Names follow tests/cluster.py's, so its sweep_leftovers removes what a
+Names follow tests/harness/cluster.py's, so its sweep_leftovers removes what a
 killed run left."""
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,18 +37,20 @@ from typing import Any
 import yaml
 
 from cgpud.native import native_dir, native_path
-from tests.cluster import ROOT_PREFIX, _pid_alive, _tag_pid, _unmount_regions, free_port, free_second_octet, \
+from tests.harness.cluster import ROOT_PREFIX, _pid_alive, _tag_pid, _unmount_regions, free_port, free_second_octet, \
     node_network, sweep_leftovers
-from tests.conftest import write_sim_config
-from tests.daemonproc import BIN
-from tests.e2e.oci import build_rootfs
+from tests.harness.sim import write_sim_config
+from tests.harness.daemon import BIN
+from tests.harness.oci import build_rootfs
 from tests.realkube.build import KubeBinaries
 from tests.realkube.image import pause_root, write_archive
-from tests.tls import Pki, ca, leaf, make_pki
+from tests.harness.tls import Pki, ca, leaf, make_pki
+from tests.harness.nvml_total import build_nvml_total
+from tests.harness.wait import until
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
-WORKLOAD_IMAGE = "cgpu.test/workload:1"  # busybox, cgpu-burn, the driver libraries (tests/e2e/oci.py)
+WORKLOAD_IMAGE = "cgpu.test/workload:1"  # busybox, cgpu-burn, the driver libraries (tests/harness/oci.py)
 PAUSE_IMAGE = "cgpu.test/pause:1"
 CGPUD_IMAGE = "cgpu.test/cgpud:1"  # busybox; cgpud_daemonset mounts the host's installation into it
 CAPACITY_PORT = 9455
@@ -67,15 +69,6 @@ def _run(*args: str, check: bool = True, timeout: float = 60, env: dict[str, str
     if check and done.returncode != 0:
         raise ClusterError(f"{' '.join(args)} exited {done.returncode}: {done.stderr[-3000:]}")
     return done
-
-
-def wait_until(what: str, ready: Callable[[], bool], timeout: float = WAIT, interval: float = 0.2,
-               explain: Callable[[], str] = lambda: "") -> None:
-    deadline = time.monotonic() + timeout
-    while not ready():
-        if time.monotonic() > deadline:
-            raise ClusterError(f"{what} not within {timeout:.0f} s. {explain()}")
-        time.sleep(interval)
 
 
 def _remove_if_empty(directory: Path) -> None:
@@ -300,7 +293,7 @@ class RealCluster:
     def _sweep(cls) -> None:
         """What a killed run left (its processes, mounts and cgroups), found
         by its node cgroups: those whose creating process is gone.
-        tests/cluster.py's sweep then takes its namespaces and directories."""
+        tests/harness/cluster.py's sweep then takes its namespaces and directories."""
         pattern = re.compile(rf"/tmp/{ROOT_PREFIX}([0-9a-f]+)-")
         for proc in Path("/proc").iterdir():  # shims and the like whose socket path names a dead run
             try:
@@ -369,7 +362,7 @@ class RealCluster:
             except OSError:
                 return False
 
-        wait_until("etcd ready", etcd_ready, explain=etcd.tail)
+        until(etcd_ready, WAIT, interval=0.2, what="etcd ready", explain=etcd.tail)
         host_ips = [self.host_ip(i) for i in range(self.count)]
         serving = self.pki.server("kube-apiserver", ["127.0.0.1", "10.96.0.1", *host_ips],
                                   ["localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc"])
@@ -394,7 +387,7 @@ class RealCluster:
             apiserver.check()
             return self.kubectl("get", "--raw", "/readyz", check=False, timeout=10).returncode == 0
 
-        wait_until("kube-apiserver ready", api_ready, explain=apiserver.tail)
+        until(api_ready, WAIT, interval=0.2, what="kube-apiserver ready", explain=apiserver.tail)
         self.control.update(etcd=etcd, apiserver=apiserver)
         cm = self.pki.client("kube-controller-manager", "system:kube-controller-manager")
         self.control["controller-manager"] = self._process("kube-controller-manager", [
@@ -404,9 +397,8 @@ class RealCluster:
             "--use-service-account-credentials=true", "--leader-elect=false", "--secure-port=0"])
         # The default ServiceAccount that pods need is the controller-manager's doing.
         cm_process = self.control["controller-manager"]
-        wait_until("the default ServiceAccount", lambda: cm_process.check() or
-                   self.kubectl("get", "serviceaccount", "default", check=False).returncode == 0,
-                   explain=cm_process.tail)
+        until(lambda: cm_process.check() or
+                   self.kubectl("get", "serviceaccount", "default", check=False).returncode == 0, WAIT, interval=0.2, what="the default ServiceAccount", explain=cm_process.tail)
 
     @property
     def sim_root(self) -> Path:
@@ -486,7 +478,7 @@ class RealCluster:
                                 "jsonpath={.status.readyReplicas}", check=False)
             return done.stdout.strip() == "1"
 
-        wait_until("cgpu-scheduler's Deployment ready", ready, explain=lambda: self.kubectl(
+        until(ready, WAIT, interval=0.2, what="cgpu-scheduler's Deployment ready", explain=lambda: self.kubectl(
             "-n", "kube-system", "describe", "pods", "-l", "app.kubernetes.io/name=cgpu-scheduler",
             check=False).stdout[-4000:] + self.kubectl("-n", "kube-system", "logs", "deployment/cgpu-scheduler",
                                                        check=False).stdout[-3000:])
@@ -519,10 +511,7 @@ class RealCluster:
         workload = build_rootfs(images / "workload")
         nvml = workload / "usr" / "bin" / "nvml-total"
         source = images / "nvml_total.c"
-        from tests.e2e.test_kube_allocate_runc import NVML_TOTAL
-
-        source.write_text(NVML_TOTAL)
-        _run("cc", "-O1", "-o", str(nvml), str(source), "-ldl")
+        build_nvml_total(nvml, source)
         return [write_archive(workload, WORKLOAD_IMAGE, images / "workload.tar"),
                 write_archive(workload, CGPUD_IMAGE, images / "cgpud.tar"),
                 write_archive(pause_root(images / "pause"), PAUSE_IMAGE, images / "pause.tar", ["/bin/pause"])]
@@ -553,9 +542,7 @@ class RealCluster:
                         kubelet=Process("kubelet", [], directory / "kubelet.log"))
         self._start_containerd(node)
         self._start_kubelet(node)
-        wait_until(f"Node {name} registered",
-                   lambda: node.kubelet.check() or self.kubectl("get", "node", name, check=False).returncode == 0,
-                   explain=node.kubelet.tail)
+        until(lambda: node.kubelet.check() or self.kubectl("get", "node", name, check=False).returncode == 0, WAIT, interval=0.2, what=f"Node {name} registered", explain=node.kubelet.tail)
         return node
 
     @staticmethod
@@ -629,8 +616,7 @@ class RealCluster:
         env = dict(os.environ, PATH=f"{self.bin.bin}:{os.environ['PATH']}")
         node.containerd = self._process("containerd", [str(self.bin["containerd"]), "--config", str(config)],
                                         node.netns, env, node.dir / "containerd.log")
-        wait_until(f"containerd of {node.name}",
-                   lambda: node.containerd.check() or node.containerd_socket.exists(), explain=node.containerd.tail)
+        until(lambda: node.containerd.check() or node.containerd_socket.exists(), WAIT, interval=0.2, what=f"containerd of {node.name}", explain=node.containerd.tail)
         for archive in self.images:
             _run(str(self.bin["ctr"]), "--address", str(node.containerd_socket), "-n", "k8s.io", "images", "import",
                  str(archive), timeout=120)
@@ -716,7 +702,7 @@ class RealCluster:
                                 "jsonpath={.status.conditions[?(@.type=='Ready')].status}", check=False)
             return done.stdout.strip() == "True"
 
-        wait_until(f"Node {node.name} Ready", ready, timeout, explain=node.kubelet.tail)
+        until(ready, timeout, interval=0.2, what=f"Node {node.name} Ready", explain=node.kubelet.tail)
 
     # ---- cgpud as a host service -----------------------------------------------------------
 
@@ -743,8 +729,8 @@ class RealCluster:
                    "--capacity-tls-cert", str(cert), "--capacity-tls-key", str(key),
                    "--capacity-tls-ca", str(self.capacity_pki.ca), "--sweep-interval", "0.5", *extra]
         node.cgpud = self._process("cgpud", command, node.netns, env, d / "cgpud.log")
-        wait_until(f"cgpud of {node.name} answering", lambda: node.cgpud.check() or  # type: ignore[union-attr]
-                   node.cgpuctl("list").returncode == 0, explain=node.cgpud.tail)
+        until(lambda: node.cgpud.check() or  # type: ignore[union-attr]
+                   node.cgpuctl("list").returncode == 0, WAIT, interval=0.2, what=f"cgpud of {node.name} answering", explain=node.cgpud.tail)
         return node.cgpud
 
     def gpu_node(self, node: RealNode, mode: str = "core_mem") -> None:
@@ -814,7 +800,7 @@ class RealCluster:
     def workload_pod(self, name: str, command: str, limits: dict[str, Any] | None = None, *,
                      node: str | None = None, annotations: dict[str, str] | None = None) -> dict[str, Any]:
         """A pod of the workload image. It plays the NVIDIA toolkit's part as
-        tests/e2e/oci.py does: the driver libraries are in the image, and the
+        tests/harness/oci.py does: the driver libraries are in the image, and the
         (simulated) device state of whichever node it lands on comes in by a
         hostPath and two variables; cgpu gives it nothing else."""
         sim = str(self.sim_root)
@@ -842,8 +828,7 @@ class RealCluster:
         def reached() -> bool:
             return self.pod_phase(name, namespace) in phases
 
-        wait_until(f"pod {namespace}/{name} {'/'.join(phases)}", reached, timeout,
-                   explain=lambda: self.describe(name, namespace))
+        until(reached, timeout, interval=0.2, what=f"pod {namespace}/{name} {'/'.join(phases)}", explain=lambda: self.describe(name, namespace))
         return self.pod_phase(name, namespace)
 
     def describe(self, name: str, namespace: str = "default") -> str:

@@ -12,7 +12,8 @@ import pytest
 
 from cgpud.node.model import GIB
 from cgpud.kube.model import ANNOTATION_ASSIGNED, LABEL_MODE
-from tests.realkube.cluster import RealCluster, wait_until
+from tests.harness.wait import until
+from tests.realkube.cluster import WAIT, RealCluster
 
 pytestmark = pytest.mark.host_global  # the real cluster turns on ip_forward and iptables rules and makes /dev/nvidia* nodes
 
@@ -30,7 +31,7 @@ def _running_cgpud(cluster: RealCluster, other_than: str = "") -> str:
                      and p["metadata"]["name"] != other_than and all(
                          c.get("ready") for c in p["status"].get("containerStatuses", []))), "")
 
-    wait_until("a running cgpud pod", lambda: bool(running()), explain=lambda: "\n".join(
+    until(lambda: bool(running()), WAIT, interval=0.2, what="a running cgpud pod", explain=lambda: "\n".join(
         cluster.describe(p["metadata"]["name"], "kube-system") for p in _cgpud_pods(cluster)))
     return running()
 
@@ -46,9 +47,7 @@ def test_cgpud_as_the_daemonset_gives_a_pod_its_limit_and_a_replaced_cgpud_pod_k
     cluster.apply([ds])
     try:
         first = _running_cgpud(cluster)
-        wait_until("the node's allocatable from the DaemonSet's cgpud",
-                   lambda: cluster.allocatable(node).get(MEM) == "32",
-                   explain=lambda: cluster.kubectl("logs", "-n", "kube-system", first, check=False).stdout[-3000:])
+        until(lambda: cluster.allocatable(node).get(MEM) == "32", WAIT, interval=0.2, what="the node's allocatable from the DaemonSet's cgpud", explain=lambda: cluster.kubectl("logs", "-n", "kube-system", first, check=False).stdout[-3000:])
         cluster.apply([cluster.workload_pod("under-ds", "sleep 3600", {MEM: 2})])
         cluster.wait_pod("under-ds", ("Running",))
         out = cluster.kubectl("exec", "under-ds", "--", "sh", "-c", "cgpu-burn --alloc-until-fail 512MiB").stdout
@@ -64,14 +63,14 @@ def test_cgpud_as_the_daemonset_gives_a_pod_its_limit_and_a_replaced_cgpud_pod_k
         cluster.kubectl("delete", "pod", "-n", "kube-system", first, "--wait=true", timeout=120)
         second = _running_cgpud(cluster, other_than=first)
         assert second != first
-        wait_until("the replacement answering", lambda: node.cgpuctl("list", socket=socket).returncode == 0)
+        until(lambda: node.cgpuctl("list", socket=socket).returncode == 0, WAIT, interval=0.2, what="the replacement answering")
         assert json.loads(node.cgpuctl("list", "--output", "json", socket=socket).stdout) == before
         out = cluster.kubectl("exec", "under-ds", "--", "sh", "-c", "cgpu-burn --alloc-until-fail 512MiB").stdout
         assert json.loads(next(line for line in out.splitlines() if line.startswith('{"device"')))[
             "alloc"]["until_fail_bytes"] == 2 * GIB
     finally:
         cluster.kubectl("delete", "pod", "under-ds", "--grace-period=1", "--wait=true", check=False, timeout=120)
-        wait_until("the instance released", lambda: node.cgpuctl("list", "--output", "json", socket=socket).stdout
-                   .strip() in ("[]", ""), timeout=60)
+        until(lambda: node.cgpuctl("list", "--output", "json", socket=socket).stdout
+                   .strip() in ("[]", ""), 60, interval=0.2, what="the instance released")
         cluster.kubectl("delete", "daemonset", "-n", "kube-system", "cgpud", "--wait=true", timeout=120)
-        wait_until("no cgpud pod", lambda: not _cgpud_pods(cluster))
+        until(lambda: not _cgpud_pods(cluster), WAIT, interval=0.2, what="no cgpud pod")

@@ -18,9 +18,10 @@ import pytest
 
 from cgpud.node.model import GIB
 from cgpud.kube.model import ANNOTATION_ASSIGNED, ANNOTATION_GPU_INDEX, LABEL_MODE, LABEL_PLACEMENT
-from tests.daemonproc import BIN
-from tests.realkube.cluster import RealCluster, RealNode, wait_until
-from tests.sharerun import Sampler
+from tests.harness.daemon import BIN
+from tests.harness.wait import until
+from tests.realkube.cluster import WAIT, RealCluster, RealNode
+from tests.harness.sharerun import Sampler
 
 pytestmark = pytest.mark.host_global  # the real cluster turns on ip_forward and iptables rules and makes /dev/nvidia* nodes
 
@@ -50,8 +51,7 @@ def _drain(cluster: RealCluster) -> None:
     if _pods(cluster):
         cluster.kubectl("delete", "pods", "--all", "-n", "default", "--wait=true", "--grace-period=1", timeout=120)
     node = cluster.nodes[0]
-    wait_until("every instance released", lambda: _instances(node) == [],
-               explain=lambda: json.dumps(_instances(node)))
+    until(lambda: _instances(node) == [], WAIT, interval=0.2, what="every instance released", explain=lambda: json.dumps(_instances(node)))
 
 
 def _run_pod(cluster: RealCluster, name: str, command: str, limits: dict, timeout: float = 120) -> str:
@@ -90,14 +90,12 @@ def _set_mode(cluster: RealCluster, mode: str, placement: str = "binpack") -> No
         state = cluster.extender_view().get(node.name, {})
         return state.get("mode") == mode and state.get("placement") == placement
 
-    wait_until(f"cgpu-scheduler sees {node.name} as {mode}/{placement}", followed, timeout=60,
-               explain=lambda: json.dumps(cluster.extender_view().get(node.name, {}))[:2000])
+    until(followed, 60, interval=0.2, what=f"cgpu-scheduler sees {node.name} as {mode}/{placement}", explain=lambda: json.dumps(cluster.extender_view().get(node.name, {}))[:2000])
 
 
 def _wait_allocatable(cluster: RealCluster, wanted: dict[str, str]) -> None:
     node = cluster.nodes[0]
-    wait_until(f"allocatable {wanted}", lambda: all(cluster.allocatable(node).get(k) == v for k, v in wanted.items()),
-               explain=lambda: f"{cluster.allocatable(node)}\n{node.cgpud.tail() if node.cgpud else ''}")
+    until(lambda: all(cluster.allocatable(node).get(k) == v for k, v in wanted.items()), WAIT, interval=0.2, what=f"allocatable {wanted}", explain=lambda: f"{cluster.allocatable(node)}\n{node.cgpud.tail() if node.cgpud else ''}")
 
 
 # ---- core_mem ------------------------------------------------------------------------------
@@ -224,14 +222,13 @@ def test_a_kubelet_restart_re_registers_the_plugin_and_running_pods_keep_their_l
     _running(cluster, ("kept", {MEM: 3}))
     registered = node.cgpud.tail(10**6).count("registered with the kubelet")  # type: ignore[union-attr]
     cluster.restart_kubelet(node)
-    wait_until("cgpud registered again", lambda: node.cgpud.tail(10**6).count(  # type: ignore[union-attr]
-        "registered with the kubelet") > registered, explain=node.cgpud.tail)  # type: ignore[union-attr]
+    until(lambda: node.cgpud.tail(10**6).count(  # type: ignore[union-attr]
+        "registered with the kubelet") > registered, WAIT, interval=0.2, what="cgpud registered again", explain=node.cgpud.tail)  # type: ignore[union-attr]
     cluster.wait_node_ready(node)
     _wait_allocatable(cluster, {MEM: str(GPUS * GPU_GIB), CORE: str(GPUS * 100)})
     # A restarted kubelet reports Ready before it has taken its running pods
     # back: until then exec answers "pod does not exist".
-    wait_until("the restarted kubelet serving exec in the running pod",
-               lambda: cluster.kubectl("exec", "kept", "--", "true", check=False).returncode == 0, timeout=60)
+    until(lambda: cluster.kubectl("exec", "kept", "--", "true", check=False).returncode == 0, 60, interval=0.2, what="the restarted kubelet serving exec in the running pod")
     _still_limited_and_admitting(cluster, "kept", "after-kubelet")
 
 
@@ -261,7 +258,7 @@ def test_a_pod_past_the_instance_limit_of_every_gpu_stays_pending_with_the_reaso
             events = cluster.get("events", "-n", "default", "--field-selector", "involvedObject.name=three")
             return " ".join(e.get("message", "") for e in events["items"] if e.get("reason") == "FailedScheduling")
 
-        wait_until("a FailedScheduling event for the third pod", lambda: bool(refused()))
+        until(lambda: bool(refused()), WAIT, interval=0.2, what="a FailedScheduling event for the third pod")
         assert cluster.pod_phase("three") == "Pending"
         assert "instance" in refused(), refused()
     finally:
@@ -310,4 +307,4 @@ def test_deleting_the_pod_frees_its_instance(cluster: RealCluster) -> None:
     [instance] = held()
     assert [g["memory_bytes"] for g in instance["grants"]] == [3 * GIB], instance
     cluster.kubectl("delete", "pod", "held", "--wait=true", timeout=120)
-    wait_until("the instance of the deleted pod released", lambda: not held())
+    until(lambda: not held(), WAIT, interval=0.2, what="the instance of the deleted pod released")

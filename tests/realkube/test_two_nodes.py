@@ -10,7 +10,8 @@ import pytest
 
 from cgpud.node.model import GIB
 from cgpud.kube.model import ANNOTATION_CAPACITY_ADDRESS, ANNOTATION_GPU_INDEX, LABEL_MODE
-from tests.realkube.cluster import RealCluster, wait_until
+from tests.harness.wait import until
+from tests.realkube.cluster import WAIT, RealCluster
 
 pytestmark = pytest.mark.host_global  # the real cluster turns on ip_forward and iptables rules and makes /dev/nvidia* nodes
 
@@ -25,8 +26,8 @@ def test_pods_too_big_to_share_a_gpu_spread_over_both_nodes_gpus(cluster: RealCl
     first, second = cluster.nodes
     cluster.gpu_node(first)
     cluster.gpu_node(second)
-    wait_until("both nodes in cgpu-scheduler's view", lambda: all(_connected(cluster, n.name) for n in cluster.nodes))
-    wait_until(f"{second.name}'s allocatable", lambda: cluster.allocatable(second).get(MEM) == "32")
+    until(lambda: all(_connected(cluster, n.name) for n in cluster.nodes), WAIT, interval=0.2, what="both nodes in cgpu-scheduler's view")
+    until(lambda: cluster.allocatable(second).get(MEM) == "32", WAIT, interval=0.2, what=f"{second.name}'s allocatable")
     names = [f"big-{i}" for i in range(4)]  # 12 GiB each: one per 16 GiB GPU, four GPUs in all
     cluster.apply([cluster.workload_pod(n, "sleep 3600", {MEM: 12}) for n in names])
     try:
@@ -44,9 +45,9 @@ def test_pods_too_big_to_share_a_gpu_spread_over_both_nodes_gpus(cluster: RealCl
         burn = json.loads(next(line for line in out.splitlines() if line.startswith('{"device"')))
         assert burn["alloc"]["until_fail_bytes"] == 12 * GIB, burn
         cluster.apply([cluster.workload_pod("one-too-many", "sleep 3600", {MEM: 12})])
-        wait_until("the fifth pod refused", lambda: any(
+        until(lambda: any(
             e.get("reason") == "FailedScheduling" for e in cluster.get(
-                "events", "--field-selector", "involvedObject.name=one-too-many")["items"]))
+                "events", "--field-selector", "involvedObject.name=one-too-many")["items"]), WAIT, interval=0.2, what="the fifth pod refused")
         assert cluster.pod_phase("one-too-many") == "Pending"
     finally:
         cluster.kubectl("delete", "pods", "--all", "--grace-period=1", "--wait=true", timeout=120)
@@ -54,16 +55,16 @@ def test_pods_too_big_to_share_a_gpu_spread_over_both_nodes_gpus(cluster: RealCl
 
 def test_a_node_whose_capacity_address_names_the_other_node_is_refused(cluster: RealCluster) -> None:
     first, second = cluster.nodes
-    wait_until("both nodes in cgpu-scheduler's view", lambda: all(_connected(cluster, n.name) for n in cluster.nodes))
+    until(lambda: all(_connected(cluster, n.name) for n in cluster.nodes), WAIT, interval=0.2, what="both nodes in cgpu-scheduler's view")
     # Root on the API (or a node allowed to write it) points node-1 at node-0's cgpud.
     cluster.kubectl("annotate", "node", second.name, f"{ANNOTATION_CAPACITY_ADDRESS}={first.ip}:9455", "--overwrite")
     try:
-        wait_until(f"{second.name} refused", lambda: not _connected(cluster, second.name), timeout=30)
+        until(lambda: not _connected(cluster, second.name), 30, interval=0.2, what=f"{second.name} refused")
         assert _connected(cluster, first.name)
     finally:
         cluster.kubectl("annotate", "node", second.name, f"{ANNOTATION_CAPACITY_ADDRESS}={second.ip}:9455",
                         "--overwrite")
-        wait_until(f"{second.name} back", lambda: _connected(cluster, second.name), timeout=60)
+        until(lambda: _connected(cluster, second.name), 60, interval=0.2, what=f"{second.name} back")
         assert second.cgpud is not None
         second.cgpud.stop()
         cluster.kubectl("label", "node", second.name, f"{LABEL_MODE}-")

@@ -13,18 +13,8 @@ import time
 from pathlib import Path
 
 from cgpud.contract import RELAY_WAIT_S
-from tests.relay.test_relays import (  # noqa: F401  (fixtures)
-    PLAIN_CONFIG,
-    SAN_OPTIONS,
-    STATE,
-    Cgpud,
-    bins,
-    bundle,
-    cgpud,
-    env,
-    runtime,
-    sock_path,
-)
+from tests.harness.relay import PLAIN_CONFIG, STATE, bundle
+from tests.harness.sanitizers import SAN_OPTIONS
 
 START_HINT = "start it (systemctl start cgpud)"
 

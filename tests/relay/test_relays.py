@@ -9,159 +9,17 @@ import json
 import os
 import re
 import shlex
-import shutil
 import socket
-import subprocess
-import sys
-import tempfile
-import threading
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from cgpud import __version__
 from cgpud.contract import INSTANCE_ID_MAX
+from tests.harness.relay import GPU_CONFIG, Cgpud, INSTANCE, PLAIN_CONFIG, STATE, bundle, create_args, relay_env, run
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "csrc"))
-import build_native  # noqa: E402
-
-RELAYS = ("bin/cgpu-runtime", "bin/cgpu-runtime-gpu", "bin/cgpu-hook")
-SAN_OPTIONS = {
-    "ASAN_OPTIONS": "detect_leaks=1:abort_on_error=0:exitcode=86",
-    "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1:exitcode=87",
-}
-GPU_CONFIG = json.dumps(
-    {"ociVersion": "1.0.2", "process": {"args": ["sh"], "env": ["PATH=/bin", "ALIYUN_COM_GPU_MEM_CONTAINER=2"]}}
-)
-PLAIN_CONFIG = json.dumps({"ociVersion": "1.0.2", "process": {"args": ["sh", "-c", "true"], "env": ["PATH=/bin"]}})
 REFUSAL = "asked for 17 GiB of GPU memory but no GPU on this node has 17 GiB free"
 MIB = 1 << 20
-
-
-@pytest.fixture(scope="module", params=["release", "sanitize"])
-def bins(request, native: Path, tmp_path_factory) -> Path:
-    if request.param == "release":
-        return native / "bin"
-    out = tmp_path_factory.mktemp("relay-sanitize")
-    targets = tuple(t for t in build_native.TARGETS if t.output in RELAYS)
-    build_native.build_all(out, build_native.SANITIZE, targets)
-    return out / "bin"
-
-
-class Cgpud:
-    """cgpud's side of the wire: read one request to EOF, answer, close."""
-
-    def __init__(self, path: Path, answer: bytes | None) -> None:
-        self.path, self.answer = path, answer
-        self.requests: list[bytes] = []
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.bind(str(path))
-        self._sock.listen(8)
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:  # close() shut the listener down
-                return
-            with conn:
-                conn.settimeout(10)
-                data = b""
-                while chunk := conn.recv(1 << 16):
-                    data += chunk
-                self.requests.append(data)
-                if self.answer is not None:
-                    conn.sendall(self.answer)
-
-    def close(self) -> None:
-        self._sock.shutdown(socket.SHUT_RDWR)
-        self._thread.join(5)
-        self._sock.close()
-
-
-@pytest.fixture
-def sock_path() -> Iterator[Path]:
-    # pytest's tmp_path can be longer than a unix socket address allows.
-    short = Path(tempfile.mkdtemp(prefix="cgpu-relay-", dir="/tmp"))
-    yield short / "relay.sock"
-    shutil.rmtree(short, ignore_errors=True)
-
-
-@pytest.fixture
-def cgpud(sock_path: Path) -> Iterator[Callable[..., Cgpud]]:
-    servers: list[Cgpud] = []
-
-    def start(answer: bytes | None = b"ok\n") -> Cgpud:
-        servers.append(Cgpud(sock_path, answer))
-        return servers[-1]
-
-    yield start
-    for server in servers:
-        server.close()
-
-
-class FakeRuntime:
-    """An executable standing in for runc: records its argv, NUL-separated."""
-
-    def __init__(self, path: Path) -> None:
-        self.path, self.record = path, path.with_suffix(".argv")
-        path.write_text(
-            "#!/bin/sh\n"
-            f'for a in "$@"; do printf "%s\\0" "$a"; done > {shlex.quote(str(self.record))}\n'
-            "echo fake-runc ran\n"
-        )
-        path.chmod(0o755)
-
-    @property
-    def argv(self) -> list[str] | None:
-        if not self.record.exists():
-            return None
-        return self.record.read_bytes().decode().split("\0")[:-1]
-
-
-@pytest.fixture
-def runtime(tmp_path: Path) -> FakeRuntime:
-    (tmp_path / "rt").mkdir()
-    return FakeRuntime(tmp_path / "rt" / "fake-runc")
-
-
-def relay_env(runtime: Path, sock_path: Path) -> dict[str, str]:
-    """What the relays run with here: `runtime` as the real one, cgpud at sock_path."""
-    return {
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-        "CGPU_REAL_RUNTIME": str(runtime),
-        "CGPU_RELAY_SOCKET": str(sock_path),
-        "CGPU_RELAY_WAIT_MS": "0",  # no waiting for a cgpud that is down (test_relay_wait.py waits)
-        **SAN_OPTIONS,
-    }
-
-
-@pytest.fixture
-def env(runtime: FakeRuntime, sock_path: Path) -> dict[str, str]:
-    return relay_env(runtime.path, sock_path)
-
-
-def bundle(root: Path, name: str = "c1", config: str | None = GPU_CONFIG) -> Path:
-    path = root / "bundles" / name
-    path.mkdir(parents=True)
-    if config is not None:
-        (path / "config.json").write_text(config)
-    return path
-
-
-def run(
-    prog: Path, args: list[str], env: dict[str, str], cwd: Path | str | None = None, stdin: bytes = b""
-) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run([str(prog), *args], env=env, cwd=cwd, input=stdin, capture_output=True, timeout=20)
-    out = subprocess.CompletedProcess(
-        proc.args, proc.returncode, proc.stdout.decode(errors="replace"), proc.stderr.decode(errors="replace")
-    )
-    assert "Sanitizer" not in out.stderr and "runtime error" not in out.stderr, out.stderr
-    return out
 
 
 # --- cgpu-runtime: commands that never involve cgpud ----------------------------------------------
@@ -424,18 +282,6 @@ def test_runtime_is_found_on_path_by_name(bins, env, runtime, name):
 
 # --- cgpu-hook ------------------------------------------------------------------------------------
 
-STATE = b'  {"ociVersion":"1.0.2","id":"c1","status":"creating","pid":4242,"bundle":"/b",' + (
-    b'"annotations":{"note":"caf\xc3\xa9 \\" \\n \\u0000"}}\n'
-)
-
-
-@pytest.fixture
-def hook_env() -> dict[str, str]:
-    """What runc gives a hook whose entry has an empty env (and no waiting
-    for a cgpud that is down: test_relay_wait.py waits)."""
-    return {**SAN_OPTIONS, "CGPU_RELAY_WAIT_MS": "0"}
-
-
 @pytest.mark.parametrize(
     "opts",
     [["--socket", "{sock}", "--instance", "inst-1.a_b"], ["--instance=inst-1.a_b", "--socket={sock}"]],
@@ -546,9 +392,6 @@ def test_hook_version(bins, hook_env, args):
 # file read as hostile input, the real runtime's exit code passed through,
 # and a failed bind undone with `delete --force`.
 
-INSTANCE = "cgpu-0123456789ab"
-
-
 class ShimRunc:
     """A fake runc: logs each call's argv as one line; `create` writes
     $FAKE_PID into the --pid-file (raw, as a lying runtime could) and exits
@@ -599,10 +442,6 @@ def bodies(requests: list[bytes]) -> list[tuple[str, dict | str]]:
         head, _, body = r.decode().partition("\n")
         out.append((head, json.loads(body) if body.startswith("{") else body))
     return out
-
-
-def create_args(tmp_path: Path, b: Path) -> list[str]:
-    return ["--root", str(tmp_path / "root"), "create", "--bundle", str(b), "--pid-file", str(tmp_path / "pid"), "c1"]
 
 
 def test_create_binds_the_pid_and_delete_is_the_runtimes_alone(bins, cgpud, fake, shim_env, tmp_path) -> None:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from tests.fuzz.py_bundle import shim_may_ask
-from tests.relay.test_relays import GPU_CONFIG, PLAIN_CONFIG, bins, bundle, cgpud, env, run, runtime, sock_path  # noqa: F401
+from tests.harness.relay import GPU_CONFIG, PLAIN_CONFIG, bundle, run
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "csrc"))

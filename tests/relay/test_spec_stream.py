@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import socket
 import stat
 import sys
@@ -19,8 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.relay.test_relays import (INSTANCE, Cgpud, bins, bundle, create_args, relay_env,  # noqa: F401 (fixtures)
-                                     run, sock_path)
+from tests.harness.relay import INSTANCE, Cgpud, bundle, create_args, relay_env, run
 
 ORIGINAL = json.dumps({"ociVersion": "1.0.2",
                        "process": {"args": ["sh"], "env": ["PATH=/bin", "ALIYUN_COM_GPU_MEM_CONTAINER=2"]},

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
-import mmap
 import os
 import platform
 import struct
@@ -26,62 +25,12 @@ from cgpud._scheduler import lib as slib
 from cgpud.node.compute import MAX_TENANTS, ComputeError, ComputeScheduler
 from cgpud.node.compute_policy import limits_compute
 from cgpud.config import MAX_SCHEDULED
-from cgpud.node.model import (ComputePolicy, ComputeTiming, Grant, Instance, InstanceState, NodeMode, NodePolicy,
-                                Owner, OwnerKind)
+from cgpud.node.model import ComputePolicy, ComputeTiming, Instance, InstanceState, NodeMode, NodePolicy
 from cgpud.node.region import GRANTS_FILE, DeviceLimit, InstanceLimits, write_region
-from tests.usage_tenant import TenantUsage
+from tests.harness.scheduled_tenant import FAST, OPEN, SEQ, UNGATED, Tenant
+from tests.harness.wait import WaitTimeout, until
 
 pytestmark = pytest.mark.timing  # measures compute shares and hand-over times
-
-OPEN, UNGATED, SEQ = rlib.CGPU_GATE_OPEN, rlib.CGPU_GATE_UNGATED, rlib.CGPU_GATE_SEQ_MASK
-FAST = ComputeTiming(period_ns=20_000_000, max_slice_ns=2_000_000, high_priority_percent=80)
-
-
-def wait_until(cond: Callable[[], bool], timeout: float = 3.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.0005)
-    return cond()
-
-
-class Tenant:
-    """One instance's region, seen as its processes see it."""
-
-    def __init__(self, root: Path, name: str, core: int) -> None:
-        self.dir = root / name
-        write_region(self.dir, InstanceLimits(name, (DeviceLimit("GPU-x", 1 << 30, 0, core),)), gated=True)
-        self.instance = Instance(name, Owner(OwnerKind.PROCESS, name), (Grant(0, "GPU-x", 1 << 30, core),),
-                                 InstanceState.RESERVED, True)
-        fd = os.open(self.dir / GRANTS_FILE, os.O_RDONLY)
-        self._gmap = mmap.mmap(fd, rffi.sizeof("struct cgpu_grants"), mmap.MAP_SHARED, mmap.PROT_READ)
-        os.close(fd)
-        self.grants = rffi.from_buffer("struct cgpu_grants *", self._gmap)
-        self.usage = TenantUsage(self.dir)
-        self.u = self.usage._mapped()
-
-    @property
-    def gate(self) -> int:
-        return int(self.grants.device[0].gate)
-
-    def want(self, waiting: int) -> None:
-        self.u.device[0].waiting = waiting
-
-    def watch(self) -> int:
-        ledger = self.usage.claim(os.getpid())
-        self.u.proc[ledger].watching = 1
-        return ledger
-
-    def ack(self, ledger: int, launched: bool = True) -> None:
-        self.u.proc[ledger].fence_ack[0] = (self.gate & SEQ) | (rlib.CGPU_ACK_LAUNCHED if launched else 0)
-        self.u.device[0].bell += 1
-
-    def close(self) -> None:
-        self.usage.close()
-        del self.grants
-        self._gmap.close()
-
 
 def launching_process(region: Path, waiting: bool) -> subprocess.Popen[str]:
     """A real process with a ledger in the region's usage file that says it
@@ -89,7 +38,7 @@ def launching_process(region: Path, waiting: bool) -> subprocess.Popen[str]:
     it holds the ledger, so killing it leaves what a killed tenant leaves."""
     child = subprocess.Popen([sys.executable, "-c", (
         "import time\n"
-        "from tests.usage_tenant import TenantUsage\n"
+        "from tests.harness.usage_tenant import TenantUsage\n"
         f"r = TenantUsage({str(region)!r})\n"
         "u = r._mapped()\n"
         "i = r.claim(1)\n"
@@ -150,9 +99,9 @@ def test_native_opens_every_gate_and_a_limiting_policy_closes_them(sched: Comput
     assert a.gate & (OPEN | UNGATED) == 0  # a new region computes only once scheduled
     sched.configure(NodePolicy(compute_policy=ComputePolicy.NATIVE))
     sched.attach(a.instance, a.dir)
-    assert wait_until(lambda: a.gate & UNGATED)
+    until(lambda: a.gate & UNGATED, 3.0, interval=0.0005)
     sched.configure(NodePolicy(compute_policy=ComputePolicy.FIXED))
-    assert wait_until(lambda: a.gate & (OPEN | UNGATED) == 0)
+    until(lambda: a.gate & (OPEN | UNGATED) == 0, 3.0, interval=0.0005)
 
 
 def test_a_waiting_tenant_is_granted_and_fenced_at_the_end_of_its_share(sched: ComputeScheduler, tenants) -> None:
@@ -161,15 +110,15 @@ def test_a_waiting_tenant_is_granted_and_fenced_at_the_end_of_its_share(sched: C
     sched.attach(a.instance, a.dir)
     ledger = a.watch()
     a.want(1)
-    assert wait_until(lambda: a.gate & OPEN)
+    until(lambda: a.gate & OPEN, 3.0, interval=0.0005)
     opened = a.gate
     # 30 % of a 20 ms period: the gate closes within a period, and stays
     # closed (the daemon waits for the fence) until acknowledged.
-    assert wait_until(lambda: a.gate & OPEN == 0, timeout=1)
+    until(lambda: a.gate & OPEN == 0, 1, interval=0.0005)
     closed = a.gate
     assert closed & SEQ != opened & SEQ
     a.ack(ledger)
-    assert wait_until(lambda: sched.schedule(0).fences >= 1)
+    until(lambda: sched.schedule(0).fences >= 1, 3.0, interval=0.0005)
     s = sched.schedule(0)
     assert s.fence_timeouts == 0 and s.tenants == 1
 
@@ -182,8 +131,12 @@ def test_an_unacknowledged_fence_times_out_and_the_next_tenant_runs(sched: Compu
     a.watch()  # a process that launches but never acknowledges (stopped, hung)
     a.want(1)
     b.want(1)
-    holder_first = a if wait_until(lambda: a.gate & OPEN, timeout=0.2) else b
-    assert wait_until(lambda: b.gate & OPEN and a.gate & OPEN == 0, timeout=2)
+    try:
+        until(lambda: a.gate & OPEN, 0.2, interval=0.0005)
+        holder_first = a
+    except WaitTimeout:
+        holder_first = b
+    until(lambda: b.gate & OPEN and a.gate & OPEN == 0, 2, interval=0.0005)
     assert holder_first is b or sched.schedule(0).fence_timeouts == 1
 
 
@@ -197,14 +150,14 @@ def test_a_tenant_killed_holding_the_gate_stalls_the_others_for_at_most_a_slice(
     try:
         sched.attach(a.instance, a.dir)
         a.want(1)
-        assert wait_until(lambda: a.gate & OPEN)
+        until(lambda: a.gate & OPEN, 3.0, interval=0.0005)
         child.kill()
         child.wait()
         a.want(0)
         sched.attach(b.instance, b.dir)
         b.want(1)
         started = time.monotonic()
-        assert wait_until(lambda: b.gate & OPEN, timeout=2)
+        until(lambda: b.gate & OPEN, 2, interval=0.0005)
         stalled = time.monotonic() - started
     finally:
         child.kill()
@@ -222,7 +175,7 @@ def test_detach_closes_the_gate_and_stop_opens_every_gate(tenants) -> None:
     s.attach(a.instance, a.dir)
     s.attach(b.instance, b.dir)
     a.want(1)
-    assert wait_until(lambda: a.gate & OPEN)
+    until(lambda: a.gate & OPEN, 3.0, interval=0.0005)
     s.detach("a")
     assert a.gate & (OPEN | UNGATED) == 0
     assert s.schedule(0).tenants == 1
@@ -264,7 +217,7 @@ def test_waiting_left_by_a_process_killed_at_the_gate_stops_counting_as_demand(
     # One grant finds out nobody is there; with 2 ms slices a live waiter
     # would have had the GPU every other slice, about 75 times.
     assert len(opened) <= 2, len(opened)
-    assert wait_until(lambda: b.gate & OPEN)
+    until(lambda: b.gate & OPEN, 3.0, interval=0.0005)
 
 
 def test_a_holder_detached_during_its_fence_is_gone_at_once_and_its_key_can_come_back(
@@ -280,8 +233,8 @@ def test_a_holder_detached_during_its_fence_is_gone_at_once_and_its_key_can_come
     a.watch()  # never acknowledges: each fence of a lasts the 50 ms timeout
     a.want(1)
     b.want(1)
-    assert wait_until(lambda: a.gate & OPEN)
-    assert wait_until(lambda: not a.gate & OPEN)
+    until(lambda: a.gate & OPEN, 3.0, interval=0.0005)
+    until(lambda: not a.gate & OPEN, 3.0, interval=0.0005)
     e, err = sched._engine, sffi.new("char[]", 256)
     assert slib.cgpu_engine_detach(e, 0, 1) == 0
     assert slib.cgpu_engine_detach(e, 0, 1) == slib.CGPU_SCHED_ENOENT
@@ -295,7 +248,7 @@ def test_a_holder_detached_during_its_fence_is_gone_at_once_and_its_key_can_come
         assert slib.cgpu_engine_tenant_get(e, 0, 1, info) == 0
         return int(info.charged_ns)
     # Granted (and then, its fence overdue, kept off the GPU and charged).
-    assert wait_until(lambda: charged() > 0, timeout=10), "key 1, attached again, is never granted"
+    until(lambda: charged() > 0, 10, interval=0.0005, explain=lambda: str("key 1, attached again, is never granted"))
 
 
 class Acker:
@@ -361,18 +314,18 @@ def test_a_fence_that_outlives_the_timeout_is_charged_until_it_comes(sched: Comp
         return int(info.charged_ns)
     acker = Acker(b)  # launches and fences: its demand never goes stale
     try:
-        assert wait_until(lambda: a.gate & OPEN)
-        assert wait_until(lambda: not a.gate & OPEN)
+        until(lambda: a.gate & OPEN, 3.0, interval=0.0005)
+        until(lambda: not a.gate & OPEN, 3.0, interval=0.0005)
         closed, b_seq = a.gate, b.gate & SEQ
         # Far past the 50 ms timeout its charge keeps growing, b runs again...
-        assert wait_until(lambda: charged() >= 300_000_000, timeout=10), charged()
-        assert wait_until(lambda: b.gate & SEQ != b_seq)
+        until(lambda: charged() >= 300_000_000, 10, interval=0.0005, explain=lambda: str(charged()))
+        until(lambda: b.gate & SEQ != b_seq, 3.0, interval=0.0005)
         # ...and a was never granted meanwhile.
         assert a.gate == closed
         assert sched.schedule(0).fences_late == 0
         a.ack(ledger)
-        assert wait_until(lambda: sched.schedule(0).fences_late == 1)
-        assert wait_until(lambda: a.gate & OPEN, timeout=10), "granted again once fenced"
+        until(lambda: sched.schedule(0).fences_late == 1, 3.0, interval=0.0005)
+        until(lambda: a.gate & OPEN, 10, interval=0.0005, explain=lambda: str("granted again once fenced"))
     finally:
         acker.stop()
 
@@ -407,11 +360,10 @@ def test_a_scribbling_tenant_cannot_stall_the_engine_or_take_its_neighbours_shar
     try:
         # a's first closing runs into the fence timeout, and the GPU stays
         # its own for CGPU_ENGINE_OVERDUE_HOLD_NS: once. Measure after that.
-        assert wait_until(lambda: sched.schedule(0).fence_timeouts >= 1, timeout=10)
+        until(lambda: sched.schedule(0).fence_timeouts >= 1, 10, interval=0.0005)
         time.sleep(slib.CGPU_ENGINE_OVERDUE_HOLD_NS / 1e9)
         start, b0, decisions = time.monotonic_ns(), charged(2), sched.schedule(0).decisions
-        assert wait_until(lambda: time.monotonic_ns() - start > 1_000_000_000 and sched.schedule(0).grants > 10,
-                          timeout=10), sched.schedule(0)
+        until(lambda: time.monotonic_ns() - start > 1_000_000_000 and sched.schedule(0).grants > 10, 10, interval=0.0005, explain=lambda: str(sched.schedule(0)))
         wall = time.monotonic_ns() - start
     finally:
         acker.stop()
@@ -506,8 +458,9 @@ def report_idle(t: Tenant, ledger: int, drained: bool = True) -> None:
     assert _LIBC.syscall(_SYS_FUTEX, ctypes.c_void_p(bell), _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0) >= 0
 
 
-def granted(t: Tenant, timeout: float = 3.0) -> bool:
-    return wait_until(lambda: bool(t.gate & OPEN), timeout)
+def granted(t: Tenant, timeout: float = 3.0, why: str = "") -> bool:
+    return until(lambda: bool(t.gate & OPEN), timeout, interval=0.0005,
+                 what=f"{t.instance.id}'s gate to open" + (f" ({why})" if why else ""))
 
 
 @pytest.mark.parametrize("drained", [True, False], ids=["drained", "stream-synchronised"])
@@ -526,11 +479,11 @@ def test_an_idle_holder_is_passed_over_well_inside_its_slice(slow_sched: Compute
     if not drained:
         # A stream's synchronisation says nothing of the other streams: the
         # closing is fenced as any other.
-        assert wait_until(lambda: not a.gate & OPEN, 0.1)
+        until(lambda: not a.gate & OPEN, 0.1, interval=0.0005)
         time.sleep(0.02)
         assert not b.gate & OPEN, "granted before the idle holder's fence"
         a.ack(ledger, launched=True)
-    assert granted(b, 0.15), "the idle holder kept the GPU"
+    assert granted(b, 0.15, why="the idle holder kept the GPU")
     assert time.monotonic() - reported < 0.1  # the slice is 200 ms
     assert not a.gate & OPEN
     s = slow_sched.schedule(0)
@@ -638,7 +591,7 @@ def pass_over(sched: ComputeScheduler, holder: Tenant, ledger: int, to: Tenant, 
         while holder.gate & OPEN and time.monotonic() < deadline:
             pass
         holder.want(1)
-    assert granted(to), "the idle holder kept the GPU"
+    assert granted(to, why="the idle holder kept the GPU")
     to.want(0)  # its thread went through the gate
     if not back_at_once:
         time.sleep(0.005)
@@ -657,8 +610,8 @@ def test_a_holder_that_stays_idle_is_passed_over_without_a_grace(slow_sched: Com
         pass_over(slow_sched, a, la, b)
         pass_over(slow_sched, b, lb, a)
         want = SHORT_GRACE if i == LEARN - 1 else FULL_GRACE
-        assert wait_until(lambda: grace_of(slow_sched, a) == want), (i, grace_of(slow_sched, a))
-    assert wait_until(lambda: grace_of(slow_sched, b) == SHORT_GRACE)
+        until(lambda: grace_of(slow_sched, a) == want, 3.0, interval=0.0005, explain=lambda: str((i, grace_of(slow_sched, a))))
+    until(lambda: grace_of(slow_sched, b) == SHORT_GRACE, 3.0, interval=0.0005)
     assert SHORT_GRACE < FULL_GRACE
     assert slow_sched.schedule(0).idle_handovers == 2 * LEARN
 
@@ -675,7 +628,7 @@ def test_a_holder_back_at_its_gate_within_the_grace_has_it_again(slow_sched: Com
     for _ in range(LEARN):
         pass_over(slow_sched, a, la, b)
         pass_over(slow_sched, b, lb, a)
-    assert wait_until(lambda: grace_of(slow_sched, a) == SHORT_GRACE)
+    until(lambda: grace_of(slow_sched, a) == SHORT_GRACE, 3.0, interval=0.0005)
     # Back at once: the engine sees it waiting when it judges the hand-over.
     # On a loaded machine this thread may see the gate close late; a
     # hand-over it came back from too late to tell is judged quiet, so try
@@ -692,7 +645,7 @@ def test_a_holder_back_at_its_gate_within_the_grace_has_it_again(slow_sched: Com
         pass_over(slow_sched, a, la, b)
         pass_over(slow_sched, b, lb, a)
         want = SHORT_GRACE if i == 2 * LEARN - 1 else FULL_GRACE
-        assert wait_until(lambda: grace_of(slow_sched, a) == want), (i, grace_of(slow_sched, a))
+        until(lambda: grace_of(slow_sched, a) == want, 3.0, interval=0.0005, explain=lambda: str((i, grace_of(slow_sched, a))))
 
 
 def _engine_thread_cpu(name: str = "cgpu-sched-0") -> float:
@@ -710,9 +663,9 @@ def test_the_engine_thread_waits_without_timer_slack(sched: ComputeScheduler) ->
     def engine_tids() -> list[str]:
         return [t.name for t in Path("/proc/self/task").iterdir()
                 if (t / "comm").read_text().strip() == "cgpu-sched-0"]
-    assert wait_until(lambda: len(engine_tids()) == 1), engine_tids()
+    until(lambda: len(engine_tids()) == 1, 3.0, interval=0.0005, explain=lambda: str(engine_tids()))
     # Named first, then the slack set: wait for both.
-    assert wait_until(lambda: int(Path(f"/proc/{engine_tids()[0]}/timerslack_ns").read_text()) == 1)
+    until(lambda: int(Path(f"/proc/{engine_tids()[0]}/timerslack_ns").read_text()) == 1, 3.0, interval=0.0005)
     # Other threads keep the default: the setting is the engine thread's own.
     assert int(Path("/proc/self/timerslack_ns").read_text()) > 1
 
@@ -726,7 +679,7 @@ def test_a_tenant_ringing_its_bell_flat_out_costs_cgpud_little(slow_sched: Compu
     b.want(1)
     ringer = subprocess.Popen([sys.executable, "-c", (
         "import ctypes, time\n"
-        "from tests.usage_tenant import TenantUsage\n"
+        "from tests.harness.usage_tenant import TenantUsage\n"
         "from cgpud._region import ffi\n"
         f"r = TenantUsage({str(a.dir)!r})\n"
         "u = r._mapped()\n"

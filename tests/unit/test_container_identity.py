@@ -3,44 +3,16 @@ the lifecycle over a real instance service (SQLite, region files) with
 bundles in a temp dir, driven as the relays drive it."""
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import pytest
 
-from cgpud.node.model import GIB, GpuCapacity, InstanceState, NodePolicy, Owner, OwnerKind, Request
-from cgpud.node.service import InstanceService
-from cgpud.node.store import Store
+from cgpud.node.model import GIB, InstanceState, Owner, OwnerKind, Request
 from cgpud.errors import StateError, UsageError
 from cgpud.containers.edits import RuntimeFiles
 from cgpud.containers.identity import ContainerKey, container_key
-from cgpud.containers.lifecycle import ContainerLifecycle
-
-GPUS = (GpuCapacity(0, "GPU-aaaa", 16 * GIB),)
-
-
-def lifecycle(tmp_path: Path) -> tuple[ContainerLifecycle, InstanceService]:
-    svc = InstanceService(Store(tmp_path / "db" / "cgpud.db"), GPUS, NodePolicy(), tmp_path / "regions", "580", "b")
-    rt = tmp_path / "rt"
-    files = RuntimeFiles(rt / "libcgpu.so", rt / "ld.so.preload", rt / "cgpu-hook", tmp_path / "relay.sock")
-    return ContainerLifecycle(svc, files, trust_env=True), svc
-
-
-def bundle(where: Path, *env: str, mounts: list[dict] | None = None) -> Path:
-    (where / "rootfs").mkdir(parents=True)
-    spec = {"ociVersion": "1.0.2", "root": {"path": "rootfs"}, "mounts": mounts or [],
-            "process": {"args": ["sh"], "env": ["PATH=/bin", *env]}}
-    (where / "config.json").write_text(json.dumps(spec))
-    return where
-
-
-def state(cid: str, bundle_dir: Path, pid: int | None = None) -> bytes:
-    s: dict = {"ociVersion": "1.0.2", "id": cid, "status": "creating", "bundle": str(bundle_dir)}
-    if pid:
-        s["pid"] = pid
-    return json.dumps(s).encode()
-
+from tests.harness.lifecycle import bundle, lifecycle, state
 
 def test_the_key_is_the_canonical_bundle_and_the_id(tmp_path: Path) -> None:
     (tmp_path / "real").mkdir()

@@ -18,6 +18,7 @@ from cgpud.node.model import GIB, GpuCapacity, InstanceState, NodePolicy, Owner,
 from cgpud.node.service import InstanceService
 from cgpud.node.store import Store
 from cgpud.errors import AdmissionError
+from tests.harness.wait import until
 
 GPUS = (GpuCapacity(0, "GPU-aaaa", 16 * GIB),)
 
@@ -34,13 +35,6 @@ def children() -> Iterator[list[subprocess.Popen[bytes]]]:
 def sleeper(children: list[subprocess.Popen[bytes]]) -> subprocess.Popen[bytes]:
     children.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
     return children[-1]
-
-
-def wait_for(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "not within 10 s"
-        time.sleep(0.01)
 
 
 @pytest.fixture
@@ -60,7 +54,7 @@ def test_an_exit_is_told_once_with_the_pid_it_was_watched_for(running, children)
     watch.watch("inst-a", a.pid)
     watch.watch("inst-b", b.pid)
     a.kill()  # a zombie until waited for: exited all the same
-    wait_for(lambda: seen == [("inst-a", a.pid)])
+    until(lambda: seen == [("inst-a", a.pid)], 10.0, interval=0.01)
     assert watch.watching() == {"inst-b": b.pid}
     time.sleep(0.2)
     assert seen == [("inst-a", a.pid)]  # once
@@ -78,7 +72,7 @@ def test_a_forgotten_or_replaced_watch_tells_nothing(running, children) -> None:
     time.sleep(0.3)
     assert seen == []
     c.kill()
-    wait_for(lambda: seen == [("inst-b", c.pid)])
+    until(lambda: seen == [("inst-b", c.pid)], 10.0, interval=0.01)
 
 
 def test_a_process_gone_before_the_watch_is_told_at_once(running, children) -> None:
@@ -87,7 +81,7 @@ def test_a_process_gone_before_the_watch_is_told_at_once(running, children) -> N
     gone.kill()
     gone.wait()  # reaped: no pidfd can be opened for it
     watch.watch("inst-a", gone.pid)
-    wait_for(lambda: seen == [("inst-a", gone.pid)])
+    until(lambda: seen == [("inst-a", gone.pid)], 10.0, interval=0.01)
 
 
 def test_settle_hands_ready_exits_to_the_caller_and_nothing_twice(children) -> None:
@@ -123,7 +117,7 @@ def test_a_containers_own_instance_is_released_when_its_init_exits(tmp_path, chi
         svc.bind_container(inst.id, "job@/b", init.pid)
         assert exits.watching() == {inst.id: init.pid}
         init.kill()
-        wait_for(lambda: svc.get(inst.id).state is InstanceState.RELEASED)
+        until(lambda: svc.get(inst.id).state is InstanceState.RELEASED, 10.0, interval=0.01)
         assert exits.watching() == {}
     finally:
         stop.set()
@@ -138,14 +132,14 @@ def test_a_claimed_instance_goes_back_to_reserved_and_a_later_holder_is_kept(tmp
         first, second = sleeper(children), sleeper(children)
         svc.bind_container(inst.id, "one@/b1", first.pid)
         first.kill()
-        wait_for(lambda: svc.get(inst.id).state is InstanceState.RESERVED)
+        until(lambda: svc.get(inst.id).state is InstanceState.RESERVED, 10.0, interval=0.01)
         svc.bind_container(inst.id, "two@/b2", second.pid)  # the next container of the pod
         assert svc.get(inst.id).holder == "two@/b2"
         # A late word about the first init changes nothing now.
         svc.init_exited(inst.id, first.pid)
         assert svc.get(inst.id).state is InstanceState.BOUND and svc.get(inst.id).pids == (second.pid,)
         second.kill()
-        wait_for(lambda: svc.get(inst.id).state is InstanceState.RESERVED)
+        until(lambda: svc.get(inst.id).state is InstanceState.RESERVED, 10.0, interval=0.01)
     finally:
         stop.set()
 

@@ -380,7 +380,7 @@ def capacity_server(view: Any, pki: Any) -> Iterator[str]:
 
 
 def test_from_each_nodes_cgpud_with_client_certificates(capsys, tmp_path):
-    from tests.tls import make_pki
+    from tests.harness.tls import make_pki
 
     pki = make_pki(tmp_path / "pki")
     with http_server({}) as (closed, _):

@@ -13,7 +13,8 @@ import pytest
 
 from cgpud.node.compute import ComputeScheduler
 from cgpud.node.model import ComputePolicy, NodePolicy
-from tests.unit.test_compute_engine import FAST, OPEN, SEQ, Tenant, wait_until
+from tests.harness.scheduled_tenant import FAST, OPEN, SEQ, Tenant
+from tests.harness.wait import until
 
 
 @pytest.fixture
@@ -49,8 +50,8 @@ def test_charged_throttled_and_achieved_follow_the_fixed_shares(sched: ComputeSc
         started = time.monotonic()
         # The first window ends a second after the loop's first turn; the
         # second is the first with both tenants at work throughout.
-        assert wait_until(lambda: sched.tenant_metrics()["a"][0].window_ns > 0
-                          and time.monotonic() - started > 2.1, timeout=5)
+        until(lambda: sched.tenant_metrics()["a"][0].window_ns > 0
+                          and time.monotonic() - started > 2.1, 5, interval=0.0005)
         m = sched.tenant_metrics()
         elapsed = time.monotonic() - started
     finally:

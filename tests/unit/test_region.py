@@ -34,7 +34,7 @@ from cgpud.node.region import (
     usage_problem,
     write_region,
 )
-from tests.usage_tenant import TenantUsage
+from tests.harness.usage_tenant import TenantUsage
 
 ROOT = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
@@ -52,7 +52,7 @@ def one_gpu(mem_limit: int = 4 * GIB, instance_id: str = "inst-1") -> InstanceLi
 TENANT = """
 import os, sys
 from pathlib import Path
-from tests.usage_tenant import TenantUsage
+from tests.harness.usage_tenant import TenantUsage
 directory, mode, device, limit, chunk = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
 with TenantUsage(Path(directory)) as region:
     if mode == "claim-on-go":  # start together with others on "go"
@@ -115,7 +115,7 @@ def spawn(tmp_path: Path) -> Iterator[Callable[..., Tenant]]:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
-            cwd=ROOT,  # the tenant imports tests.usage_tenant
+            cwd=ROOT,  # the tenant imports tests.harness.usage_tenant
         )
         started.append(Tenant(proc))
         return started[-1]

@@ -16,7 +16,7 @@ import pytest
 
 from cgpud.containers.relay import RelayServer
 from cgpud.node.service import InstanceService
-from tests.unit.test_container_identity import bundle, lifecycle, state
+from tests.harness.lifecycle import bundle, lifecycle, state
 
 GPU = "ALIYUN_COM_GPU_MEM_CONTAINER=2"
 

@@ -14,6 +14,7 @@ from cgpud.node.region import read_limits
 from cgpud.node.service import InstanceService
 from cgpud.node.store import Store
 from cgpud.errors import AdmissionError, StateError
+from tests.harness.grants import is_gated
 
 GPUS = (GpuCapacity(0, "GPU-aaaa", 16 * GIB), GpuCapacity(1, "GPU-bbbb", 16 * GIB))
 
@@ -110,13 +111,6 @@ def test_a_retry_in_default_mode_gets_the_same_whole_gpu(tmp_path):
     assert svc.create(Request(owner("c1"), 4 * GIB)) == first
 
 
-def _gated(directory: Path) -> bool:
-    from cgpud._region import ffi, lib
-
-    grants = ffi.from_buffer("struct cgpu_grants *", bytearray((directory / "grants").read_bytes()))
-    return not grants.device[0].gate & lib.CGPU_GATE_UNGATED
-
-
 def test_a_drained_node_starts_and_stops_its_compute_scheduler_with_the_mode(tmp_path):
     """The Node's label turns a drained node core_mem and back at runtime:
     the real compute scheduler is started with the mode and stopped with
@@ -135,7 +129,7 @@ def test_a_drained_node_starts_and_stops_its_compute_scheduler_with_the_mode(tmp
                           start_compute=start)
     try:
         before = svc.create(Request(owner("c0"), 4 * GIB))
-        assert not _gated(svc.region_dir(before.id))
+        assert not is_gated(svc.region_dir(before.id))
         with pytest.raises(StateError, match="would break the 1 instance"):
             svc.set_node_policy(NodeMode.CORE_MEM, Placement.BINPACK)
         assert not started
@@ -143,13 +137,13 @@ def test_a_drained_node_starts_and_stops_its_compute_scheduler_with_the_mode(tmp
         svc.set_node_policy(NodeMode.CORE_MEM, Placement.BINPACK)
         assert svc.policy().mode is NodeMode.CORE_MEM and len(started) == 1
         inst = svc.create(Request(owner("c1"), 4 * GIB, core_percent=30))
-        assert _gated(svc.region_dir(inst.id)) and started[0].schedule(0).tenants == 1
+        assert is_gated(svc.region_dir(inst.id)) and started[0].schedule(0).tenants == 1
         with pytest.raises(StateError, match="would break the 1 instance"):
             svc.set_node_policy(NodeMode.CGPU, Placement.BINPACK)
         svc.release(inst.id)
         svc.set_node_policy(NodeMode.CGPU, Placement.BINPACK)
         plain = svc.create(Request(owner("c2"), 4 * GIB))
-        assert svc.policy().mode is NodeMode.CGPU and not _gated(svc.region_dir(plain.id))
+        assert svc.policy().mode is NodeMode.CGPU and not is_gated(svc.region_dir(plain.id))
         assert len(started) == 1
     finally:
         svc.stop_compute()

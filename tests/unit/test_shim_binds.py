@@ -20,7 +20,7 @@ from cgpud.errors import StateError, UsageError
 from cgpud.containers.lifecycle import ContainerLifecycle
 from cgpud.containers.relay import RelayProtocolError, RelayServer, handle
 from cgpud.node.model import GIB, InstanceState, Owner, OwnerKind, Request
-from tests.unit.test_container_identity import bundle, lifecycle, state
+from tests.harness.lifecycle import bundle, lifecycle, state
 
 GPU = "ALIYUN_COM_GPU_MEM_CONTAINER=2"
 

@@ -10,11 +10,13 @@ import subprocess
 from pathlib import Path
 
 from cgpud.node.compute import ComputeScheduler
-from cgpud.node.model import GIB, ComputePolicy, NodeMode, NodePolicy, Owner, OwnerKind, Placement, Request
+from cgpud.node.model import GIB, ComputePolicy, GpuCapacity, NodeMode, NodePolicy, Owner, OwnerKind, Placement, Request
 from cgpud.node.region import SPARE_REGION, grants_problem, read_limits, usage_problem
 from cgpud.node.service import InstanceService
 from cgpud.node.store import Store
-from tests.unit.test_service import GPUS, _gated
+from tests.harness.grants import is_gated
+
+GPUS = (GpuCapacity(0, "GPU-aaaa", 16 * GIB), GpuCapacity(1, "GPU-bbbb", 16 * GIB))
 
 
 def service(tmp_path: Path, tmpfs: bool, **kw: object) -> InstanceService:
@@ -77,14 +79,14 @@ def test_a_spare_made_for_no_scheduler_is_not_taken_once_one_runs(tmp_path):
                   policy=NodePolicy(mode=NodeMode.CGPU, compute_policy=ComputePolicy.FIXED))
     try:
         svc.refill_region_spare()
-        assert not _gated(tmp_path / "regions" / SPARE_REGION)
+        assert not is_gated(tmp_path / "regions" / SPARE_REGION)
         svc.set_node_policy(NodeMode.CORE_MEM, Placement.BINPACK)
         inst = svc.create(request("c1", core=30))
-        assert _gated(svc.region_dir(inst.id)) and started[0].schedule(0).tenants == 1
+        assert is_gated(svc.region_dir(inst.id)) and started[0].schedule(0).tenants == 1
         svc.refill_region_spare()  # remade for the scheduler
-        assert _gated(tmp_path / "regions" / SPARE_REGION)
+        assert is_gated(tmp_path / "regions" / SPARE_REGION)
         taken = svc.create(request("c2", core=30))
-        assert _gated(svc.region_dir(taken.id)) and not (tmp_path / "regions" / SPARE_REGION).exists()
+        assert is_gated(svc.region_dir(taken.id)) and not (tmp_path / "regions" / SPARE_REGION).exists()
     finally:
         svc.stop_compute()
 

@@ -25,7 +25,7 @@ import psutil
 from cgpud.cli.client import LocalClient
 from cgpud.node.model import Instance
 from cgpud.native import native_path
-from tests.daemonproc import BIN, Daemon
+from tests.harness.daemon import BIN, Daemon
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -161,11 +161,11 @@ def neighbour_command(total: int) -> list[str]:
 
 
 def bypass_command(kind: str, *args: str) -> list[str]:
-    """A tenant of tests/bypass_build.py allocating 4 x 1 GiB and holding it,
+    """A tenant of tests/harness/bypass_build.py allocating 4 x 1 GiB and holding it,
     as a command for `cgpuctl run` (the musl one has LD_PRELOAD removed: its
     loader would try the glibc-built libcgpu and fail to start, so dropping
     the variable is what such a tenant does)."""
-    from tests import bypass_build
+    from tests.harness import bypass_build
 
     alloc = ["--alloc-mib", "1024", "--count", "4", "--hold", "600", *args]
     if kind == "elf":

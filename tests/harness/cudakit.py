@@ -3,7 +3,7 @@ own wheels from PyPI, one pinned set per runtime line users run, each installed
 once into a prefix of its own outside the clone (cached by line and pins).
 
 No test reads a toolkit installed on the machine. `./dev test` installs every line before pytest
-starts (`python -m tests.cudakit install`); a test asking for a line that is
+starts (`python -m tests.harness.cudakit install`); a test asking for a line that is
 not there yet installs it then, so a plain `pytest` works too. A line that
 cannot be installed is a failure, never a skip.
 
@@ -185,7 +185,7 @@ def _install(line: Line, cache: Path, root: Path) -> None:
 
 def main(argv: list[str]) -> int:
     if argv[:1] != ["install"] or any(a not in LINES for a in argv[1:]):
-        print(f"usage: python -m tests.cudakit install [{' '.join(LINES)}]", file=sys.stderr)
+        print(f"usage: python -m tests.harness.cudakit install [{' '.join(LINES)}]", file=sys.stderr)
         return 2
     for name in argv[1:] or list(LINES):
         try:

@@ -2,7 +2,7 @@
 benchmarks. Test-only: unlike csrc/tools/cgpu_bypass.c, this knows the GPU is
 the simulated one.
 
-API (stable; tests/bypass_watch.py, tests/e2e and bench/ use it):
+API (stable; tests/harness/bypass_watch.py, tests/e2e and bench/ use it):
   elf_bypass()         cgpu-bypass as build_native.py builds it into
                        cgpud/_native: run it with `--resolve elf` (finds the
                        driver's entry points in its symbol table, no dlsym).
@@ -43,7 +43,7 @@ from pathlib import Path
 
 from cgpud.native import native_path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CSRC = ROOT / "csrc"
 sys.path.insert(0, str(CSRC))
 from build_native import TARGETS, NativeBuildError, Target, Variant, compile_target  # noqa: E402
@@ -176,7 +176,7 @@ def _place(root: Path, host: Path, inside: str) -> None:
 
 def musl_rootfs(dest: Path) -> Path:
     if not (dest / "bin" / "busybox").exists():
-        from tests.e2e.oci import build_rootfs
+        from tests.harness.oci import build_rootfs
 
         build_rootfs(dest)
     _place(dest, MUSL_LOADER.resolve(), str(MUSL_LOADER))

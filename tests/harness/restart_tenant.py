@@ -1,6 +1,6 @@
 """A tenant that keeps working while cgpud restarts, for
 tests/integration/test_restart_under_load.py: run under libcgpu.so (the
-instance's environment) as `python -m tests.restart_tenant MODE ...`, it
+instance's environment) as `python -m tests.harness.restart_tenant MODE ...`, it
 counts what a tenant would notice and prints one JSON object when it gets
 SIGTERM.
 
@@ -13,7 +13,7 @@ SIGTERM.
 
 Both time every launch and allocation call and the gap between one launch's
 return and the next's: a gate that never opens or a wait on cgpud shows
-there. Only the driver ABI is used (tests/cudapy.py)."""
+there. Only the driver ABI is used (tests/harness/cudapy.py)."""
 from __future__ import annotations
 
 import argparse
@@ -24,7 +24,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-from tests.cudapy import CudaError, Driver
+from tests.harness.cudapy import CudaError, Driver
 
 MIB = 1 << 20
 

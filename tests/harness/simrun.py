@@ -8,7 +8,8 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-TESTS_DIR = Path(__file__).resolve().parent.parent
+# Subprocess programs import cudapy and usage_tenant by bare name from here.
+TESTS_DIR = Path(__file__).resolve().parent
 
 
 def py_env(sim_env: dict[str, str]) -> dict[str, str]:

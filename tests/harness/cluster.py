@@ -31,7 +31,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
@@ -54,11 +53,12 @@ from cgpud.api.k8s.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
 from cgpud.api.k8s.podresources.v1 import api_pb2_grpc as pr_grpc
 from cgpud.kube.model import LABEL_MODE, LABEL_PLACEMENT, Resource
 from cgpud.native import native_dir
-from tests.conftest import write_sim_config
-from tests.daemonproc import BIN, Daemon, make_daemon
-from tests.kube.api_server import ApiServerProcess, ApiState, node_json
-from tests.kube.kubelet_pods import KubeletPods
-from tests.kube.test_device_plugin import Kubelet
+from tests.harness.sim import write_sim_config
+from tests.harness.daemon import BIN, Daemon, make_daemon
+from tests.harness.api_server import ApiServerProcess, ApiState, node_json
+from tests.harness.kubelet_pods import KubeletPods
+from tests.harness.kubelet import Kubelet
+from tests.harness.net import free_port
 
 CAPACITY_PORT = 9455
 NETNS_PREFIX = "cgpuc-"  # cgpuc-<tag>-<i>; tag = <pid hex><2 random hex>
@@ -127,7 +127,7 @@ def sweep_leftovers() -> list[str]:
 def _unmount_regions(root: Path) -> None:
     """cgpud keeps its instances' tmpfs mounts after it stops, as on a
     real node; the harness takes its nodes' away with them."""
-    from tests.conftest import _region_mounts
+    from tests.harness.sim import region_mounts as _region_mounts
 
     mounts = _region_mounts(root)
     if mounts:
@@ -168,12 +168,6 @@ def node_network(stack: ExitStack, tag: str, i: int, host_ip: str, ip: str) -> s
     _run("ip", "-n", netns, "link", "set", node_link, "up")
     _run("ip", "-n", netns, "link", "set", "lo", "up")
     return netns
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -295,7 +289,7 @@ class Cluster:
         self.tag = f"{os.getpid():x}{secrets.token_hex(1)}"
         self.nodes: list[Node] = []
         self.api: ApiServerProcess | None = None
-        self.pki: Any = None  # tests.tls.Pki when tls
+        self.pki: Any = None  # tests.harness.tls.Pki when tls
         # short (unix socket paths); the tag lets a later run sweep it
         self.root = Path(tempfile.mkdtemp(prefix=f"{ROOT_PREFIX}{self.tag}-", dir="/tmp"))
         self.octet = 0
@@ -328,7 +322,7 @@ class Cluster:
         self.api = ApiServerProcess(ApiState(), host="0.0.0.0").start()
         self._stack.callback(self.api.stop)
         if self.tls:
-            from tests.tls import make_pki
+            from tests.harness.tls import make_pki
 
             self.pki = make_pki(self.root / "pki", server_ips=[self.node_ip(i) for i in range(self.count)])
         for i in range(self.count):
@@ -692,7 +686,7 @@ def schedule(url: str, pod: dict[str, Any], names: Sequence[str], *, attempts: i
 
 def share_pod(name: str, gib: int, *, namespace: str = "default", core: int = 0, count: int = 0) -> dict[str, Any]:
     """An unbound pod asking for a GPU share, as the API server holds it."""
-    from tests.kube.api_server import pod_json
+    from tests.harness.api_server import pod_json
 
     limits: dict[str, Any] = {Resource.GPU_MEM.value: gib}
     if core:

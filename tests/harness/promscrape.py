@@ -2,18 +2,11 @@
 one scrape parsed by the official client's parser, one sample by labels."""
 from __future__ import annotations
 
-import socket
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def scrape(port: int) -> Samples:

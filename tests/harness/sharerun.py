@@ -28,8 +28,8 @@ import psutil
 from cgpud.cli.client import LocalClient
 from cgpud.node.model import ComputePolicy
 from cgpud.native import native_path
-from tests.conftest import write_sim_config
-from tests.daemonproc import BIN, Daemon, make_daemon
+from tests.harness.sim import write_sim_config
+from tests.harness.daemon import BIN, Daemon, make_daemon
 
 SECOND = 1_000_000_000
 

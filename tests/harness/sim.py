@@ -1,0 +1,37 @@
+"""A private simulated machine per test: its config file and environment,
+and the region tmpfs mounts cgpud leaves under a directory."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def write_sim_config(path: Path, gpus: int = 2, mem: str = "16GiB", extra: str = "") -> Path:
+    lines = [extra] if extra else []
+    for i in range(gpus):
+        lines.append(f'gpu name="NVIDIA H100 80GB HBM3" mem={mem} sms=132 cc=9.0')
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def sim_env_in(dir: Path, native: Path, **config: object) -> dict[str, str]:
+    """Environment for a subprocess that sees a fresh simulated machine kept
+    in dir (by default 2 GPUs with 16 GiB each)."""
+    dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = str(native / "sim")
+    env["CGPU_SIM_CONFIG"] = str(write_sim_config(dir / "sim.conf", **config))  # type: ignore[arg-type]
+    env["CGPU_SIM_STATE"] = str(dir / "sim.state")
+    return env
+
+
+def region_mounts(under: Path) -> list[str]:
+    """Mount points of cgpud's per-instance tmpfs under `under`."""
+    points = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        point = fields[4].encode().decode("unicode_escape")  # \040 and friends
+        source = fields[fields.index("-") + 2]
+        if source == "cgpu-region" and Path(point).is_relative_to(under):
+            points.append(point)
+    return points

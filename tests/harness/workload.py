@@ -1,0 +1,43 @@
+"""What a workload in a container prints (cgpu-burn's report, its environment)
+and the instances cgpud lists for it, read and checked the same way by every
+end-to-end test."""
+from __future__ import annotations
+
+import json
+
+from cgpud.node.model import GIB
+from tests.harness.daemon import Daemon
+
+
+BURN = "cgpu-burn --alloc-until-fail 512MiB"
+
+
+def burn_json(stdout: str) -> dict:
+    line = next(l for l in stdout.splitlines() if l.startswith('{"device"'))
+    return json.loads(line)
+
+
+def env_lines(stdout: str) -> dict[str, str]:
+    return dict(l.split("=", 1) for l in stdout.splitlines() if "=" in l and not l.startswith("{"))
+
+
+def assert_2gib_granted(stdout: str) -> None:
+    """What a container asking for 2 GiB on a 16 GiB simulated GPU prints
+    with `env; cgpu-burn`: the limit as total, allocation stopped there with
+    the driver's own error, and cgpud's outputs in its environment."""
+    burn = burn_json(stdout)
+    assert burn["mem_total_reported"] == 2 * GIB
+    assert burn["alloc"]["until_fail_bytes"] == 2 * GIB
+    assert burn["alloc"]["until_fail_result"] == "CUDA_ERROR_OUT_OF_MEMORY"
+    env = env_lines(stdout)
+    assert env["ALIYUN_COM_GPU_MEM_CONTAINER"] == "2"
+    assert env["ALIYUN_COM_GPU_MEM_DEV"] == "16"
+    assert env["ALIYUN_COM_GPU_MEM_IDX"] == "0"
+    assert env["ALIYUN_COM_GPU_MEM_POD"] == "2"
+    assert env["NVIDIA_VISIBLE_DEVICES"].startswith("GPU-")
+
+
+def instances(cgpud: Daemon, all_: bool = False) -> list[dict]:
+    out = cgpud.cgpuctl("list", *(["--all"] if all_ else []), "--output", "json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
