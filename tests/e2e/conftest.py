@@ -3,7 +3,7 @@ cgpud on the simulated GPUs."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -12,7 +12,7 @@ from tests.harness.sim import write_sim_config
 from tests.harness.daemon import Daemon, running_daemon
 from tests.harness.containerd import Containerd, running_containerd
 from tests.harness.nvml_total import build_nvml_total
-from tests.harness.oci import Host, build_rootfs, default_spec, require_tools
+from tests.harness.oci import Host, build_rootfs, default_spec, host_mounts, require_tools
 
 
 @pytest.fixture(scope="session")
@@ -62,3 +62,10 @@ def containerd(tmp_path: Path, cgpud: Daemon) -> Iterator[Containerd]:
 def nvml_total(tmp_path: Path) -> Path:
     """NVML's view from inside a container, built for the host's libc."""
     return build_nvml_total(tmp_path / "nvml_total")
+
+
+@pytest.fixture
+def mounts(tmp_path_factory: pytest.TempPathFactory) -> Callable[[], list[str]]:
+    """The host's mount table as this session's tests see it (host_mounts)."""
+    ours = tmp_path_factory.getbasetemp()
+    return lambda: host_mounts(ours)

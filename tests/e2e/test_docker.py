@@ -17,7 +17,7 @@ import shutil
 import subprocess
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -28,7 +28,7 @@ from cgpud.node.model import GIB, Owner, OwnerKind, Request
 from cgpud.native import native_path
 from tests.harness.daemon import BIN, Daemon, running_daemon
 from tests.harness.docker import IMAGE, Dockerd, running_dockerd
-from tests.harness.oci import host_mounts, runtime_env, settled
+from tests.harness.oci import runtime_env, settled
 from tests.harness.workload import BURN, assert_2gib_granted, burn_json, env_lines, instances
 from tests.harness.preload_poc import build_poc
 
@@ -96,24 +96,6 @@ def state(d: Dockerd, name: str) -> dict:
     assert out.returncode == 0, out.stderr
     [info] = json.loads(out.stdout)
     return info
-
-
-@pytest.fixture
-def mounts(tmp_path_factory: pytest.TempPathFactory) -> Callable[[], list[str]]:
-    """The host's mount table, less the mounts of other pytest runs on the
-    machine (whose cgpud regions come and go meanwhile)."""
-    ours = tmp_path_factory.getbasetemp()
-
-    def table() -> list[str]:
-        def other_run(line: str) -> bool:
-            if len(line.split()) < 5:  # host_mounts' count of spare regions
-                return False
-            point = Path(line.split()[4].encode().decode("unicode_escape"))
-            return point.is_relative_to(ours.parent) and not point.is_relative_to(ours)
-
-        return [line for line in host_mounts() if not other_run(line)]
-
-    return table
 
 
 def owner(d: Dockerd, container_id: str) -> str:

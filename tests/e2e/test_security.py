@@ -10,7 +10,7 @@ import pytest
 
 from cgpud.node.model import GIB
 from tests.harness.daemon import Daemon
-from tests.harness.oci import Host, host_mounts, run, settled, shim_container
+from tests.harness.oci import Host, run, settled, shim_container
 from tests.harness.preload_poc import build_poc
 from tests.harness.workload import BURN, burn_json, instances
 
@@ -58,11 +58,12 @@ def _symlinked(host: Host, tmp_path: Path, name: str, link: str, target: str) ->
         ("/run", "/proc/self/cwd"),
     ],
 )
-def test_symlinks_in_the_rootfs_never_lead_outside_it(tmp_path, host: Host, cgpud: Daemon, link: str, escape: str) -> None:
+def test_symlinks_in_the_rootfs_never_lead_outside_it(tmp_path, host: Host, cgpud: Daemon, mounts, link: str,
+                                                     escape: str) -> None:
     outside = tmp_path / "outside"
     outside.mkdir()
     core_pattern = Path("/proc/sys/kernel/core_pattern").read_text()
-    mounts_before = host_mounts()
+    mounts_before = mounts()
     b, _ = _symlinked(host, tmp_path, "b", link, escape.format(out=outside))
     out = run(host, b, host.new_id(), shim=True, relay=cgpud.relay)
     # Either it started with its limit or it failed saying why.
@@ -73,17 +74,17 @@ def test_symlinks_in_the_rootfs_never_lead_outside_it(tmp_path, host: Host, cgpu
         assert f"the image makes {link} a symbolic link" in out.stderr
     assert list(outside.iterdir()) == []
     assert Path("/proc/sys/kernel/core_pattern").read_text() == core_pattern
-    assert settled(host_mounts, mounts_before) == mounts_before
+    assert settled(mounts, mounts_before) == mounts_before
     assert instances(cgpud) == []
 
 
-def test_mount_table_unchanged_after_20_container_cycles(tmp_path, host: Host, cgpud: Daemon) -> None:
-    before = host_mounts()
+def test_mount_table_unchanged_after_20_container_cycles(tmp_path, host: Host, cgpud: Daemon, mounts) -> None:
+    before = mounts()
     for i in range(20):
         b = host.bundle(tmp_path / f"b{i}", ["true"], ("ALIYUN_COM_GPU_MEM_CONTAINER=1",))
         out = run(host, b, host.new_id(), shim=True, relay=cgpud.relay)
         assert out.returncode == 0, out.stderr
-    assert settled(host_mounts, before) == before
+    assert settled(mounts, before) == before
     assert instances(cgpud) == []
     assert len(instances(cgpud, all_=True)) == 20
 

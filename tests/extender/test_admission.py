@@ -20,7 +20,7 @@ from cgpud.node.model import (GIB, GpuCapacity, NodeMode, NodePolicy, Owner, Own
 from cgpud.node.model import Placement as NodePlacement
 from cgpud.node.service import InstanceService
 from cgpud.node.store import Store
-from tests.extender.nodes import container, pod
+from tests.harness.extender_nodes import container, pod
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The C parts built with AddressSanitizer and UBSan, and how sanitized
 programs are run and judged. A build takes minutes on these machines, so
-conftest.py files expose it through session-scoped fixtures: one build per
-pytest session, whichever modules ask for it."""
+conftest.py files expose it through session-scoped fixtures over
+shared_build: one build per run, whichever modules and workers ask for it."""
 from __future__ import annotations
 
 import functools
@@ -13,6 +13,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "csrc"))
 import build_native  # noqa: E402
+import pytest  # noqa: E402
+
+from tests.harness.builds import built  # noqa: E402
 
 SAN_OPTIONS = {
     "ASAN_OPTIONS": "detect_leaks=1:abort_on_error=0:exitcode=86",
@@ -29,6 +32,11 @@ def build(out: Path, outputs: Sequence[str] | None = None) -> Path:
     targets = build_native.TARGETS if outputs is None else tuple(t for t in build_native.TARGETS if t.output in outputs)
     build_native.build_all(out, build_native.SANITIZE, targets)
     return out
+
+
+def shared_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The sanitized build of every target, made once per run (builds.built)."""
+    return built(tmp_path_factory, "sanitize", build)
 
 
 @functools.cache

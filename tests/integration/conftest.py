@@ -19,9 +19,9 @@ def daemon(tmp_path: Path, sim_env: dict[str, str]) -> Iterator[Daemon]:
 
 @pytest.fixture(scope="session")
 def san_native(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Every C part built with ASan and UBSan: once per session, for every
+    """Every C part built with ASan and UBSan: once per run, for every
     module that runs sanitized code (a build takes minutes here)."""
-    return sanitizers.build(tmp_path_factory.mktemp("sanitize"))
+    return sanitizers.shared_build(tmp_path_factory)
 
 
 @pytest.fixture

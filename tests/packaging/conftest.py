@@ -1,15 +1,15 @@
-"""The deb and rpm, built once per test session by packaging/build.py from
+"""The deb and rpm, built once per test run by packaging/build.py from
 one staged tree: an "old" and a "new" deb (for upgrades) and the new rpm."""
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.harness.builds import built
 
 REPO = Path(__file__).resolve().parents[2]
 OLD = "0.1.0+test1"
@@ -31,12 +31,19 @@ def build(*args: str) -> list[Path]:
     return [Path(line) for line in out.stdout.split()]
 
 
-@pytest.fixture(scope="session")
-def packages(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Packages]:
-    tmp = tmp_path_factory.mktemp("packages")
+def _build_all(tmp: Path) -> None:
     out, work = tmp / "dist", tmp / "work"
-    old_deb, new_deb = build("--version", OLD, "--version", NEW, "--formats", "deb", "--out", str(out),
-                             "--work", str(work))
-    [new_rpm] = build("--version", NEW, "--formats", "rpm", "--out", str(out), "--work", str(work), "--reuse")
-    yield Packages(old_deb, new_deb, new_rpm, work)
-    shutil.rmtree(tmp, ignore_errors=True)  # some 600 MB
+    build("--version", OLD, "--version", NEW, "--formats", "deb", "--out", str(out), "--work", str(work))
+    build("--version", NEW, "--formats", "rpm", "--out", str(out), "--work", str(work), "--reuse")
+
+
+@pytest.fixture(scope="session")
+def packages(tmp_path_factory: pytest.TempPathFactory) -> Packages:
+    """Built once per run (tests/harness/builds.py): the host-global install
+    tests run in ./dev test's second pass and take the first pass's."""
+    tmp = built(tmp_path_factory, "packages", _build_all)
+    dist = tmp / "dist"
+    [old_deb] = dist.glob(f"*{OLD}*.deb")
+    [new_deb] = dist.glob(f"*{NEW}*.deb")
+    [new_rpm] = dist.glob("*.rpm")
+    return Packages(old_deb, new_deb, new_rpm, tmp / "work")

@@ -20,6 +20,8 @@ import pytest
 from cgpud.node.model import GIB
 from tests.packaging.conftest import NEW, Packages
 
+pytestmark = pytest.mark.host_global  # installs the deb on this machine (dpkg, systemd unit, /opt/cgpu)
+
 UNIT = Path("/lib/systemd/system/cgpud.service")
 
 

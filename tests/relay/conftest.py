@@ -19,7 +19,7 @@ from tests.harness.sanitizers import SAN_OPTIONS
 def bins(request, native: Path, tmp_path_factory) -> Path:
     if request.param == "release":
         return native / "bin"
-    return sanitizers.build(tmp_path_factory.mktemp("relay-sanitize"), sanitizers.RELAYS) / "bin"
+    return sanitizers.shared_build(tmp_path_factory) / "bin"  # the relays of the one sanitized build
 
 
 @pytest.fixture

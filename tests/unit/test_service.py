@@ -14,6 +14,7 @@ from cgpud.node.region import read_limits
 from cgpud.node.service import InstanceService
 from cgpud.node.store import Store
 from cgpud.errors import AdmissionError, StateError
+from tests.harness.wait import until
 from tests.harness.grants import is_gated
 
 GPUS = (GpuCapacity(0, "GPU-aaaa", 16 * GIB), GpuCapacity(1, "GPU-bbbb", 16 * GIB))
@@ -137,7 +138,9 @@ def test_a_drained_node_starts_and_stops_its_compute_scheduler_with_the_mode(tmp
         svc.set_node_policy(NodeMode.CORE_MEM, Placement.BINPACK)
         assert svc.policy().mode is NodeMode.CORE_MEM and len(started) == 1
         inst = svc.create(Request(owner("c1"), 4 * GIB, core_percent=30))
-        assert is_gated(svc.region_dir(inst.id)) and started[0].schedule(0).tenants == 1
+        # The engine thread takes the tenant (and gates it) on its next turn, not within create().
+        until(lambda: is_gated(svc.region_dir(inst.id)) and started[0].schedule(0).tenants == 1,
+              what="the scheduler to take the tenant")
         with pytest.raises(StateError, match="would break the 1 instance"):
             svc.set_node_policy(NodeMode.CGPU, Placement.BINPACK)
         svc.release(inst.id)

@@ -15,6 +15,7 @@ from cgpud.node.region import SPARE_REGION, grants_problem, read_limits, usage_p
 from cgpud.node.service import InstanceService
 from cgpud.node.store import Store
 from tests.harness.grants import is_gated
+from tests.harness.wait import until
 
 GPUS = (GpuCapacity(0, "GPU-aaaa", 16 * GIB), GpuCapacity(1, "GPU-bbbb", 16 * GIB))
 
@@ -82,7 +83,9 @@ def test_a_spare_made_for_no_scheduler_is_not_taken_once_one_runs(tmp_path):
         assert not is_gated(tmp_path / "regions" / SPARE_REGION)
         svc.set_node_policy(NodeMode.CORE_MEM, Placement.BINPACK)
         inst = svc.create(request("c1", core=30))
-        assert is_gated(svc.region_dir(inst.id)) and started[0].schedule(0).tenants == 1
+        assert is_gated(svc.region_dir(inst.id))
+        # The engine thread takes the tenant on its next turn, not within create().
+        until(lambda: started[0].schedule(0).tenants == 1, what="the scheduler to take the tenant")
         svc.refill_region_spare()  # remade for the scheduler
         assert is_gated(tmp_path / "regions" / SPARE_REGION)
         taken = svc.create(request("c2", core=30))
