@@ -1,6 +1,7 @@
 """Build glue: the cffi scheduler extension plus every other C part
 (csrc/build_native.py) and the gRPC code generated from proto/, so
 `pip install .` and `pip install -e .` need no separate make step."""
+
 from __future__ import annotations
 
 import re

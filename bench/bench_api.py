@@ -8,6 +8,7 @@ gate adds).
 
 Starts a real cgpud on a private simulated machine in a temp dir; prints
 round trips per second, p50 and p99 latency of each side, and the ratio."""
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,12 @@ BIN = Path(sys.executable).parent
 def sim_environment(tmp: Path) -> dict[str, str]:
     config = tmp / "sim.conf"
     config.write_text('gpu name="NVIDIA H100 80GB HBM3" mem=80GiB sms=132\n' * 2)
-    return dict(os.environ, LD_LIBRARY_PATH=str(native_dir() / "sim"), CGPU_SIM_CONFIG=str(config),
-                CGPU_SIM_STATE=str(tmp / "sim.state"))
+    return dict(
+        os.environ,
+        LD_LIBRARY_PATH=str(native_dir() / "sim"),
+        CGPU_SIM_CONFIG=str(config),
+        CGPU_SIM_STATE=str(tmp / "sim.state"),
+    )
 
 
 def start_daemon(tmp: Path, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], Path]:
@@ -46,9 +51,21 @@ def start_daemon(tmp: Path, env: dict[str, str]) -> tuple[subprocess.Popen[bytes
     notify.bind(str(tmp / "notify"))
     sock = tmp / "run" / "cgpud.sock"
     (tmp / "empty.toml").write_text("")
-    proc = subprocess.Popen([str(BIN / "cgpud"), "--config", str(tmp / "empty.toml"), "--state-dir",
-                             str(tmp / "state"), "--socket", str(sock), "--max-instances-per-gpu", "1000"],
-                            env=dict(env, NOTIFY_SOCKET=str(tmp / "notify")), stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            str(BIN / "cgpud"),
+            "--config",
+            str(tmp / "empty.toml"),
+            "--state-dir",
+            str(tmp / "state"),
+            "--socket",
+            str(sock),
+            "--max-instances-per-gpu",
+            "1000",
+        ],
+        env=dict(env, NOTIFY_SOCKET=str(tmp / "notify")),
+        stderr=subprocess.DEVNULL,
+    )
     notify.settimeout(60)
     while b"READY=1" not in notify.recv(4096):
         pass
@@ -80,10 +97,18 @@ def main() -> int:
         tmp = Path(d)
         env = sim_environment(tmp)
         proc, sock = start_daemon(tmp, env)
-        gpus = (GpuCapacity(0, "GPU-5c1a0000-0000-4000-8000-000000c90000", 80 * GIB),
-                GpuCapacity(1, "GPU-5c1a0000-0000-4000-8000-000000c90001", 80 * GIB))
-        local = InstanceService(Store(tmp / "baseline" / "cgpud.db"), gpus, NodePolicy(), tmp / "baseline" / "regions",
-                                "bench", "bench-boot")
+        gpus = (
+            GpuCapacity(0, "GPU-5c1a0000-0000-4000-8000-000000c90000", 80 * GIB),
+            GpuCapacity(1, "GPU-5c1a0000-0000-4000-8000-000000c90001", 80 * GIB),
+        )
+        local = InstanceService(
+            Store(tmp / "baseline" / "cgpud.db"),
+            gpus,
+            NodePolicy(),
+            tmp / "baseline" / "regions",
+            "bench",
+            "bench-boot",
+        )
         api_lat: list[float] = []
         base_lat: list[float] = []
         direct_lat: list[float] = []
@@ -91,6 +116,7 @@ def main() -> int:
         try:
             with LocalClient(sock) as client, LocalClient(private_socket_path(sock)) as direct:
                 for r in range(args.rounds):
+
                     def via_api(n: int, r: int = r) -> None:
                         inst = client.create(Request(Owner(OwnerKind.CONTAINER, f"api-{r}-{n}"), GIB))
                         client.release(inst.id)
@@ -104,8 +130,11 @@ def main() -> int:
                         local.release(inst.id)
 
                     # Alternate which side goes first: the machine is shared and noisy.
-                    sides = [(api_lat, via_api, "api"), (direct_lat, via_private, "no-gate"),
-                             (base_lat, in_process, "in-process")]
+                    sides = [
+                        (api_lat, via_api, "api"),
+                        (direct_lat, via_private, "no-gate"),
+                        (base_lat, in_process, "in-process"),
+                    ]
                     for lat, fn, name in sides if r % 2 == 0 else sides[::-1]:
                         got = timed(args.ops, fn)
                         lat.extend(got)
@@ -115,15 +144,18 @@ def main() -> int:
             proc.wait(timeout=30)
     api, base, direct_ = summary(api_lat), summary(base_lat), summary(direct_lat)
     print(f"command: {' '.join(sys.argv)}")
-    print(f"{args.rounds} rounds x {args.ops} create+release pairs per side, interleaved; SQLite (WAL, "
-          f"synchronous=FULL) on {tempfile.gettempdir()}")
+    print(
+        f"{args.rounds} rounds x {args.ops} create+release pairs per side, interleaved; SQLite (WAL, "
+        f"synchronous=FULL) on {tempfile.gettempdir()}"
+    )
     print(f"{'side':<12}{'pairs/s':>10}{'p50 us':>10}{'p99 us':>10}")
     print(f"{'local API':<12}{api[0]:>10.0f}{api[1]:>10.0f}{api[2]:>10.0f}")
     print(f"{'no gate':<12}{direct_[0]:>10.0f}{direct_[1]:>10.0f}{direct_[2]:>10.0f}")
     print(f"{'in-process':<12}{base[0]:>10.0f}{base[1]:>10.0f}{base[2]:>10.0f}")
     print(f"API / in-process latency (p50): {api[1] / base[1]:.2f}x")
-    print(f"API through the gate / gRPC socket direct (p50): {api[1] / direct_[1]:.2f}x "
-          f"(+{api[1] - direct_[1]:.0f} us)")
+    print(
+        f"API through the gate / gRPC socket direct (p50): {api[1] / direct_[1]:.2f}x (+{api[1] - direct_[1]:.0f} us)"
+    )
     print("per round (pairs/s): " + ", ".join(f"{r}:{side}={rate:.0f}" for r, side, rate in per_round))
     return 0
 

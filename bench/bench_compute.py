@@ -27,6 +27,7 @@ measure. Run from the repository root:
     .venv/bin/python -m bench.bench_compute [--seconds 10] [--quick] [--only NAME]
     .venv/bin/python -m bench.bench_compute --bursty [--quick] [--rounds 3] [--seconds 2] [--only NAME]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,26 +69,51 @@ def scenarios(seconds: float, quick: bool) -> list[Scenario]:
         for k in kernels:
             out.append(_split(f"fixed {split}, {k}", SPLITS[split], KERNELS[k], seconds))
     out += [
-        Scenario("fixed 30/70, the 30 % tenant graph-only", "fixed",
-                 (TenantSpec(30, launch_api="graph"), TenantSpec(70)), seconds),
-        Scenario("fixed 30/70, the 30 % tenant cooperative", "fixed",
-                 (TenantSpec(30, launch_api="cooperative"), TenantSpec(70)), seconds),
+        Scenario(
+            "fixed 30/70, the 30 % tenant graph-only",
+            "fixed",
+            (TenantSpec(30, launch_api="graph"), TenantSpec(70)),
+            seconds,
+        ),
+        Scenario(
+            "fixed 30/70, the 30 % tenant cooperative",
+            "fixed",
+            (TenantSpec(30, launch_api="cooperative"), TenantSpec(70)),
+            seconds,
+        ),
         Scenario("fixed 30 % alone", "fixed", (TenantSpec(30),), seconds),
         Scenario("fixed 30 % + memory-only", "fixed", (TenantSpec(30), TenantSpec(0)), seconds, (30, 70)),
         Scenario("preemptive 3 tenants", "preemptive", (TenantSpec(0),) * 3, seconds, (100 / 3,) * 3),
         Scenario("weighted 1:3", "weighted", (TenantSpec(0, weight=1), TenantSpec(0, weight=3)), seconds, (25, 75)),
         Scenario("soft 30/20, both busy", "soft", (TenantSpec(30), TenantSpec(20)), seconds, (60, 40)),
         Scenario("fair 2 tenants", "fair", (TenantSpec(0),) * 2, seconds, (50, 50)),
-        Scenario("preemptive, one high-priority", "preemptive",
-                 (TenantSpec(0, high_priority=True), TenantSpec(0)), seconds, (80, 20)),
-        Scenario("preemptive, a tenant joins", "preemptive",
-                 (TenantSpec(0), TenantSpec(0, delay_s=1.0)), seconds, (50, 50)),
-        Scenario("fixed 30/70, the 70 % tenant joins", "fixed",
-                 (TenantSpec(30), TenantSpec(70, delay_s=1.0)), seconds),
-        Scenario("fixed 30/70, then preemptive", "fixed", (TenantSpec(30), TenantSpec(70)), seconds, (50, 50),
-                 then_policy="preemptive"),
-        Scenario("preemptive, then fixed 30/70", "preemptive", (TenantSpec(30), TenantSpec(70)), seconds,
-                 (30, 70), then_policy="fixed"),
+        Scenario(
+            "preemptive, one high-priority",
+            "preemptive",
+            (TenantSpec(0, high_priority=True), TenantSpec(0)),
+            seconds,
+            (80, 20),
+        ),
+        Scenario(
+            "preemptive, a tenant joins", "preemptive", (TenantSpec(0), TenantSpec(0, delay_s=1.0)), seconds, (50, 50)
+        ),
+        Scenario("fixed 30/70, the 70 % tenant joins", "fixed", (TenantSpec(30), TenantSpec(70, delay_s=1.0)), seconds),
+        Scenario(
+            "fixed 30/70, then preemptive",
+            "fixed",
+            (TenantSpec(30), TenantSpec(70)),
+            seconds,
+            (50, 50),
+            then_policy="preemptive",
+        ),
+        Scenario(
+            "preemptive, then fixed 30/70",
+            "preemptive",
+            (TenantSpec(30), TenantSpec(70)),
+            seconds,
+            (30, 70),
+            then_policy="fixed",
+        ),
     ]
     if not quick:
         out.append(Scenario("fixed 10 x 10 (cgpud CPU)", "fixed", (TenantSpec(10),) * 10, seconds))
@@ -97,6 +123,7 @@ def scenarios(seconds: float, quick: bool) -> list[Scenario]:
 @dataclass(frozen=True)
 class BurstyGroup:
     """One burst/gap/count: the native run and one scenario per policy."""
+
     burst_ms: int
     gap_ms: int
     count: int
@@ -110,14 +137,22 @@ class BurstyGroup:
         reserved = policy in INFO_POLICIES
         core = (100 - SATURATING_CORE) // self.count // 5 * 5 if reserved else 0  # cgpuctl takes multiples of 5
         bursty = TenantSpec(core, burst_ms=self.burst_ms, gap_ms=self.gap_ms)
-        return Scenario(f"{self.name}, {policy}", policy,
-                        (TenantSpec(SATURATING_CORE if reserved else 0), *(bursty,) * self.count), seconds)
+        return Scenario(
+            f"{self.name}, {policy}",
+            policy,
+            (TenantSpec(SATURATING_CORE if reserved else 0), *(bursty,) * self.count),
+            seconds,
+        )
 
 
 def bursty_groups(quick: bool) -> list[BurstyGroup]:
     bursts, gaps, counts = ((1, 20), (5, 100), (1,)) if quick else (BURSTS_MS, GAPS_MS, BURSTY_COUNTS)
-    return [BurstyGroup(b, g, n, HANDOVER_POLICIES + (INFO_POLICIES if (b, g) == INFO_CELL and not quick else ()))
-            for b in bursts for g in gaps for n in counts]
+    return [
+        BurstyGroup(b, g, n, HANDOVER_POLICIES + (INFO_POLICIES if (b, g) == INFO_CELL and not quick else ()))
+        for b in bursts
+        for g in gaps
+        for n in counts
+    ]
 
 
 SYNCING = TenantSpec(0, kernel_ns=20_000, streams=1, sync_every=1)
@@ -130,8 +165,12 @@ def sync_scenario(seconds: float, alone: bool = False) -> Scenario:
     half the time, so half of what it does alone; an eager hand-over would
     pass the GPU on at each of its syncs and starve it."""
     tenants = (SYNCING,) if alone else (SYNCING, TenantSpec(0))
-    return Scenario("preemptive, a tenant syncing after every 20 us kernel" + (", alone" if alone else ""),
-                    "preemptive", tenants, seconds)
+    return Scenario(
+        "preemptive, a tenant syncing after every 20 us kernel" + (", alone" if alone else ""),
+        "preemptive",
+        tenants,
+        seconds,
+    )
 
 
 def _median(results: list[ScenarioResult], value: Callable[[ScenarioResult], float]) -> float:
@@ -143,8 +182,9 @@ def _bursty_share(r: ScenarioResult) -> float:
     return statistics.fmean(t.share for t in r.tenants[1:])
 
 
-def run_bursty(rig: ShareRig, groups: list[BurstyGroup], seconds: float, rounds: int,
-               with_sync: bool) -> list[tuple[str, ...]]:
+def run_bursty(
+    rig: ShareRig, groups: list[BurstyGroup], seconds: float, rounds: int, with_sync: bool
+) -> list[tuple[str, ...]]:
     rows = []
     for g in groups:
         native = g.scenario("native", seconds)
@@ -152,33 +192,62 @@ def run_bursty(rig: ShareRig, groups: list[BurstyGroup], seconds: float, rounds:
         results = rig.run_rounds(runs, rounds)
         nat_util, nat_bursty = _median(results[0], lambda r: r.utilisation), _median(results[0], _bursty_share)
         print(f"\n## {g.name}  ({rounds} rounds x {seconds:g} s, median)")
-        print(f"native: utilisation {nat_util:.1f} % (rounds {', '.join(f'{r.utilisation:.1f}' for r in results[0])}),"
-              f" each bursty tenant {nat_bursty:.2f} %")
+        print(
+            f"native: utilisation {nat_util:.1f} % (rounds {', '.join(f'{r.utilisation:.1f}' for r in results[0])}),"
+            f" each bursty tenant {nat_bursty:.2f} %"
+        )
         for (sc, _), res in zip(runs[1:], results[1:]):
             util, bursty = _median(res, lambda r: r.utilisation), _median(res, _bursty_share)
             ratio = 100.0 * util / nat_util
             target = "yes" if ratio >= 95 else "NO"
             if sc.policy in INFO_POLICIES:
                 target = "(info)"
-            print(f"{sc.policy}: utilisation {util:.1f} % (rounds {', '.join(f'{r.utilisation:.1f}' for r in res)}),"
-                  f" {ratio:.1f} % of native, each bursty tenant {bursty:.2f} %, saturating tenant "
-                  f"{_median(res, lambda r: r.tenants[0].share):.1f} %")
-            rows.append((f"{g.burst_ms}", f"{g.gap_ms}", f"{g.count}", sc.policy, f"{nat_util:.1f}", f"{util:.1f}",
-                         f"{ratio:.1f}", target, f"{nat_bursty:.2f}", f"{bursty:.2f}"))
+            print(
+                f"{sc.policy}: utilisation {util:.1f} % (rounds {', '.join(f'{r.utilisation:.1f}' for r in res)}),"
+                f" {ratio:.1f} % of native, each bursty tenant {bursty:.2f} %, saturating tenant "
+                f"{_median(res, lambda r: r.tenants[0].share):.1f} %"
+            )
+            rows.append(
+                (
+                    f"{g.burst_ms}",
+                    f"{g.gap_ms}",
+                    f"{g.count}",
+                    sc.policy,
+                    f"{nat_util:.1f}",
+                    f"{util:.1f}",
+                    f"{ratio:.1f}",
+                    target,
+                    f"{nat_bursty:.2f}",
+                    f"{bursty:.2f}",
+                )
+            )
     if with_sync:
         sc = sync_scenario(seconds)
-        nat, res, alone = rig.run_rounds([(sc, True), (sc, False), (sync_scenario(seconds, alone=True), False)],
-                                         rounds)
+        nat, res, alone = rig.run_rounds([(sc, True), (sc, False), (sync_scenario(seconds, alone=True), False)], rounds)
         dev, nat_dev = _median(res, lambda r: r.tenants[0].share), _median(nat, lambda r: r.tenants[0].share)
         alone_dev = _median(alone, lambda r: r.tenants[0].share)
         util, nat_util = _median(res, lambda r: r.utilisation), _median(nat, lambda r: r.utilisation)
         share = 100.0 * dev / alone_dev
-        print(f"\n## {sc.name}\nits device time {dev:.2f} % of wall (rounds "
-              f"{', '.join(f'{r.tenants[0].share:.2f}' for r in res)}), alone {alone_dev:.2f} %: a share of "
-              f"{share:.1f} % (expected 50); natively beside the same tenant {nat_dev:.2f} %. Utilisation "
-              f"{util:.1f} % (natively {nat_util:.1f} %: the syncing tenant's slices are mostly host round trips)")
-        rows.append(("sync every kernel (20 us)", "-", "1", "preemptive", f"{nat_util:.1f}", f"{util:.1f}",
-                     f"{100.0 * util / nat_util:.1f}", f"share {share:.1f} (50)", f"{nat_dev:.2f}", f"{dev:.2f}"))
+        print(
+            f"\n## {sc.name}\nits device time {dev:.2f} % of wall (rounds "
+            f"{', '.join(f'{r.tenants[0].share:.2f}' for r in res)}), alone {alone_dev:.2f} %: a share of "
+            f"{share:.1f} % (expected 50); natively beside the same tenant {nat_dev:.2f} %. Utilisation "
+            f"{util:.1f} % (natively {nat_util:.1f} %: the syncing tenant's slices are mostly host round trips)"
+        )
+        rows.append(
+            (
+                "sync every kernel (20 us)",
+                "-",
+                "1",
+                "preemptive",
+                f"{nat_util:.1f}",
+                f"{util:.1f}",
+                f"{100.0 * util / nat_util:.1f}",
+                f"share {share:.1f} (50)",
+                f"{nat_dev:.2f}",
+                f"{dev:.2f}",
+            )
+        )
     return rows
 
 
@@ -190,8 +259,10 @@ def bursty_main(args: argparse.Namespace) -> int:
     if not groups and not with_sync:
         print(f"no bursty scenario matches {args.only!r}", file=sys.stderr)
         return 2
-    print(f"# bursty tenants on the simulated GPU: {len(groups)} burst/gap/count groups, {rounds} rounds x "
-          f"{seconds:g} s each, native and cgpu interleaved; load {os.getloadavg()[0]:.2f}")
+    print(
+        f"# bursty tenants on the simulated GPU: {len(groups)} burst/gap/count groups, {rounds} rounds x "
+        f"{seconds:g} s each, native and cgpu interleaved; load {os.getloadavg()[0]:.2f}"
+    )
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="cgpu-bench-compute-") as tmp:
         rig = ShareRig(Path(tmp), dict(os.environ))
@@ -199,10 +270,25 @@ def bursty_main(args: argparse.Namespace) -> int:
             rows = run_bursty(rig, groups, seconds, rounds, with_sync)
         finally:
             rig.close()
-    print(f"\n## summary ({time.monotonic() - t0:.0f} s; target: cgpu utilisation >= 95 % of native under "
-          f"{', '.join(HANDOVER_POLICIES)})")
-    print_table(("burst ms", "gap ms", "bursty tenants", "policy", "native util %", "cgpu util %", "% of native",
-                 ">= 95", "bursty native %", "bursty cgpu %"), rows)
+    print(
+        f"\n## summary ({time.monotonic() - t0:.0f} s; target: cgpu utilisation >= 95 % of native under "
+        f"{', '.join(HANDOVER_POLICIES)})"
+    )
+    print_table(
+        (
+            "burst ms",
+            "gap ms",
+            "bursty tenants",
+            "policy",
+            "native util %",
+            "cgpu util %",
+            "% of native",
+            ">= 95",
+            "bursty native %",
+            "bursty cgpu %",
+        ),
+        rows,
+    )
     return 0
 
 
@@ -218,19 +304,33 @@ def report(r: ScenarioResult) -> None:
             what += f", weight {s.weight}"
         if s.high_priority:
             what += ", high priority"
-        rows.append((f"tenant {i} ({what})", f"{s.core}" if s.core else "-", f"{t.target:.1f}", f"{t.share:.2f}",
-                     f"{t.share - t.target:+.2f}", f"{max((abs(w - t.target) for w in t.windows), default=0):.2f}"))
+        rows.append(
+            (
+                f"tenant {i} ({what})",
+                f"{s.core}" if s.core else "-",
+                f"{t.target:.1f}",
+                f"{t.share:.2f}",
+                f"{t.share - t.target:+.2f}",
+                f"{max((abs(w - t.target) for w in t.windows), default=0):.2f}",
+            )
+        )
     print_table(("tenant", "core %", "expected %", "achieved %", "error", "worst 1 s window"), rows)
-    line = (f"mean |error| {r.mean_error:.2f} pt (target <= 2)  p95 1 s window {r.p95_window_error:.2f} pt "
-            f"(target <= 5)  GPU utilisation {r.utilisation:.1f} %")
+    line = (
+        f"mean |error| {r.mean_error:.2f} pt (target <= 2)  p95 1 s window {r.p95_window_error:.2f} pt "
+        f"(target <= 5)  GPU utilisation {r.utilisation:.1f} %"
+    )
     if sc.policy in WORK_CONSERVING:
         line += " (target >= 95)"
     if r.settle_error is not None:
         change = "switch" if sc.then_policy else "join"
-        line += (f"  first 200 ms after the {change}: worst error {r.settle_error:.2f} pt, the 200 ms after "
-                 f"those {r.settled_error:.2f} pt (target <= 5)")
-    line += (f"  cgpud CPU {r.daemon_cpu_percent:.2f} % of a core (exact), its GPU 0 scheduler thread about "
-             f"{r.scheduler_cpu_percent:.2f} % (10 ms tick samples)")
+        line += (
+            f"  first 200 ms after the {change}: worst error {r.settle_error:.2f} pt, the 200 ms after "
+            f"those {r.settled_error:.2f} pt (target <= 5)"
+        )
+    line += (
+        f"  cgpud CPU {r.daemon_cpu_percent:.2f} % of a core (exact), its GPU 0 scheduler thread about "
+        f"{r.scheduler_cpu_percent:.2f} % (10 ms tick samples)"
+    )
     print(line)
 
 
@@ -258,13 +358,32 @@ def main(argv: list[str] | None = None) -> int:
                 r = rig.run(sc)
                 report(r)
                 after = "-" if r.settle_error is None else f"{r.settle_error:.2f} / {r.settled_error:.2f}"
-                summary.append((sc.name, f"{r.mean_error:.2f}", f"{r.p95_window_error:.2f}", f"{r.utilisation:.1f}",
-                                after, f"{r.daemon_cpu_percent:.2f}", f"{r.scheduler_cpu_percent:.2f}"))
+                summary.append(
+                    (
+                        sc.name,
+                        f"{r.mean_error:.2f}",
+                        f"{r.p95_window_error:.2f}",
+                        f"{r.utilisation:.1f}",
+                        after,
+                        f"{r.daemon_cpu_percent:.2f}",
+                        f"{r.scheduler_cpu_percent:.2f}",
+                    )
+                )
         finally:
             rig.close()
     print("\n## summary")
-    print_table(("scenario", "mean |err| pt", "p95 1 s pt", "util %", "after join/switch: 0-200 / 200-400 ms pt",
-                 "cgpud CPU %", "scheduler CPU % (ticks)"), summary)
+    print_table(
+        (
+            "scenario",
+            "mean |err| pt",
+            "p95 1 s pt",
+            "util %",
+            "after join/switch: 0-200 / 200-400 ms pt",
+            "cgpud CPU %",
+            "scheduler CPU % (ticks)",
+        ),
+        summary,
+    )
     return 0
 
 

@@ -55,6 +55,7 @@ Run from the repository root:
 `--only shim-gpu,shim-gpu-base` is a focused A/B of two builds' shim path
 (with plain runc beside): three variants, so twice the rounds in the time.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -154,8 +155,11 @@ class InstantRelay:
                 while chunk := self.request.recv(65536):
                     data += chunk
                 verb = data.split(b"\n", 1)[0].split(b" ", 1)[0].decode(errors="replace")
-                answer = {"prepare": f"ok instance {instance}", "bind": f"ok bound {instance}",
-                          "release": f"ok released {instance}"}.get(verb, f"error unknown request {verb!r}")
+                answer = {
+                    "prepare": f"ok instance {instance}",
+                    "bind": f"ok bound {instance}",
+                    "release": f"ok released {instance}",
+                }.get(verb, f"error unknown request {verb!r}")
                 asked[verb] = asked.get(verb, 0) + 1
                 self.request.sendall(answer.encode() + b"\n")
 
@@ -202,19 +206,30 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds first (2)")
     p.add_argument("--seed", type=int, default=1, help="seed of the per-round shuffle of the variants (1)")
     p.add_argument("--quick", action="store_true", help=f"a smoke run: {QUICK_ROUNDS} rounds, 1 warm-up round")
-    p.add_argument("--bundles-on", choices=("tmpfs", "disk"), default="tmpfs",
-                   help="where the bundles, their rootfs, runc's state and cgpud's sockets live: tmpfs of the "
-                        "run's own (tmpfs, the default), as under /run where containerd, Docker and CRI-O keep them "
-                        "and cgpud its sockets (/run/cgpud) on a host; or the temp directory's filesystem (disk). "
-                        "cgpud's state directory stays on the temp directory's filesystem, as /var/lib/cgpud does")
-    p.add_argument("--baseline-tree", type=Path, metavar="DIR",
-                   help="another built checkout (a git worktree with its C parts built in place and the "
-                        "generated gRPC modules; bench/README.md says how): its cgpud, shim and hook run beside "
-                        "this tree's, as two more variants, and the report adds this tree minus that one, paired")
-    p.add_argument("--only", metavar="KEY[,KEY...]",
-                   help="only these variants, and plain runc with the GPU bundle that they are measured against: "
-                        "more rounds of the few that matter in the same time (keys as printed each round, "
-                        "e.g. shim-gpu,shim-gpu-base)")
+    p.add_argument(
+        "--bundles-on",
+        choices=("tmpfs", "disk"),
+        default="tmpfs",
+        help="where the bundles, their rootfs, runc's state and cgpud's sockets live: tmpfs of the "
+        "run's own (tmpfs, the default), as under /run where containerd, Docker and CRI-O keep them "
+        "and cgpud its sockets (/run/cgpud) on a host; or the temp directory's filesystem (disk). "
+        "cgpud's state directory stays on the temp directory's filesystem, as /var/lib/cgpud does",
+    )
+    p.add_argument(
+        "--baseline-tree",
+        type=Path,
+        metavar="DIR",
+        help="another built checkout (a git worktree with its C parts built in place and the "
+        "generated gRPC modules; bench/README.md says how): its cgpud, shim and hook run beside "
+        "this tree's, as two more variants, and the report adds this tree minus that one, paired",
+    )
+    p.add_argument(
+        "--only",
+        metavar="KEY[,KEY...]",
+        help="only these variants, and plain runc with the GPU bundle that they are measured against: "
+        "more rounds of the few that matter in the same time (keys as printed each round, "
+        "e.g. shim-gpu,shim-gpu-base)",
+    )
     args = p.parse_args(argv)
     keys = {k for k, *_ in VARIANTS} | {k for k, *_ in BASELINE_VARIANTS}
     if args.only is not None:
@@ -245,8 +260,7 @@ def run_directory(path: Path, kind: str) -> Iterator[Path]:
     about 0.09 ms, which no host pays there."""
     path.mkdir()
     if kind == "tmpfs":
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0700,size=512m", "cgpu-bench-run", str(path)],
-                       check=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0700,size=512m", "cgpu-bench-run", str(path)], check=True)
     try:
         yield path
     finally:
@@ -374,8 +388,14 @@ def start_once(v: Variant, runc_root: Path, cid: str, work: Path, cgpud: Daemon)
     except BaseException:
         # Leave no container behind (through the same runtime, so a GPU
         # container's poststop hook still releases its instance).
-        subprocess.run([v.argv0, "--root", str(runc_root), "delete", "--force", cid], env=v.env,
-                       stdin=subprocess.DEVNULL, capture_output=True, timeout=RUN_TIMEOUT_S, check=False)
+        subprocess.run(
+            [v.argv0, "--root", str(runc_root), "delete", "--force", cid],
+            env=v.env,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=RUN_TIMEOUT_S,
+            check=False,
+        )
         raise
     ms = (marks[-1] - t0) * 1e3
     phases = [(b - a) * 1e3 for a, b in zip([t0, *marks], marks)]
@@ -416,7 +436,7 @@ def median_ci(values: list[float]) -> tuple[float, float]:
     n/2 -+ 0.98 sqrt(n) (the normal approximation of the sign test)."""
     ordered = sorted(values)
     n = len(ordered)
-    half = 0.98 * n ** 0.5
+    half = 0.98 * n**0.5
     lo = max(0, int(n / 2 - half))
     hi = min(n - 1, int(n / 2 + half + 0.999))
     return ordered[lo], ordered[hi]
@@ -426,8 +446,10 @@ def report(variants: dict[str, Variant], args: argparse.Namespace) -> None:
     head = ("variant", "median ms", "p90 ms", "IQR ms")
     rows = [(v.label, f"{v.median():.2f}", f"{v.p90():.2f}", f"{v.spread():.2f}") for v in variants.values()]
     print()
-    print(f"Wall ms per create+start+wait+delete of `true`; {args.rounds} interleaved rounds after "
-          f"{args.warmup} warm-up round(s)")
+    print(
+        f"Wall ms per create+start+wait+delete of `true`; {args.rounds} interleaved rounds after "
+        f"{args.warmup} warm-up round(s)"
+    )
     print_table(head, rows)
 
     print("\nEach step's median ms, and what it added over plain runc with the GPU bundle (paired, ~95% interval):")
@@ -449,8 +471,10 @@ def report(variants: dict[str, Variant], args: argparse.Namespace) -> None:
     for v in variants.values():
         print(f"  {v.key:<10} {' '.join(f'{x:.1f}' for x in v.ms)}")
 
-    print("\nTargets (added at the median = shim median - plain runc median, same bundle; paired = the "
-          "median of the per-round differences, with its ~95% interval):")
+    print(
+        "\nTargets (added at the median = shim median - plain runc median, same bundle; paired = the "
+        "median of the per-round differences, with its ~95% interval):"
+    )
     for text, base, measured, limit, p90_limit in TARGETS:
         if base not in variants or measured not in variants:
             continue
@@ -462,21 +486,31 @@ def report(variants: dict[str, Variant], args: argparse.Namespace) -> None:
         noise = ""
         if lo <= limit < hi:
             noise = "  [not decided: the interval straddles the target; more --rounds or a quieter machine]"
-        print(f"  {verdict:<5} {text}: {added:+.2f} ms at the median, ratio {m.median() / b.median():.3f}x "
-              f"(target <= {limit:g} ms); paired {statistics.median(paired):+.2f} ms "
-              f"[{lo:+.2f}, {hi:+.2f}]{noise}")
+        print(
+            f"  {verdict:<5} {text}: {added:+.2f} ms at the median, ratio {m.median() / b.median():.3f}x "
+            f"(target <= {limit:g} ms); paired {statistics.median(paired):+.2f} ms "
+            f"[{lo:+.2f}, {hi:+.2f}]{noise}"
+        )
         if p90_limit is not None:
             added90 = m.p90() - b.p90()
             verdict = "PASS" if added90 <= p90_limit else "FAIL"
-            print(f"  {verdict:<5} {text}: {added90:+.2f} ms at p90 ({m.p90():.2f} vs {b.p90():.2f} ms), "
-                  f"ratio {m.p90() / b.p90():.3f}x (target <= {p90_limit:g} ms)")
-    pairs = [(text, theirs, ours) for text, theirs, ours in
-             (("shim, GPU 2 GiB", "shim-gpu-base", "shim-gpu"),
-              ("runc + hooks (CDI), GPU 2 GiB", "hook-gpu-base", "hook-gpu"))
-             if theirs in variants and ours in variants]
+            print(
+                f"  {verdict:<5} {text}: {added90:+.2f} ms at p90 ({m.p90():.2f} vs {b.p90():.2f} ms), "
+                f"ratio {m.p90() / b.p90():.3f}x (target <= {p90_limit:g} ms)"
+            )
+    pairs = [
+        (text, theirs, ours)
+        for text, theirs, ours in (
+            ("shim, GPU 2 GiB", "shim-gpu-base", "shim-gpu"),
+            ("runc + hooks (CDI), GPU 2 GiB", "hook-gpu-base", "hook-gpu"),
+        )
+        if theirs in variants and ours in variants
+    ]
     if pairs:
-        print("\nThis tree against --baseline-tree (paired medians of this tree minus that one, ~95% intervals; "
-              "and each step's):")
+        print(
+            "\nThis tree against --baseline-tree (paired medians of this tree minus that one, ~95% intervals; "
+            "and each step's):"
+        )
         for text, theirs, ours in pairs:
             paired = [b - a for a, b in zip(variants[theirs].ms, variants[ours].ms)]
             lo, hi = median_ci(paired)
@@ -485,23 +519,34 @@ def report(variants: dict[str, Variant], args: argparse.Namespace) -> None:
                 step = [b - a for a, b in zip(variants[theirs].phases[name], variants[ours].phases[name])]
                 slo, shi = median_ci(step)
                 steps.append(f"{name} {statistics.median(step):+.2f} [{slo:+.2f}, {shi:+.2f}]")
-            print(f"  {text}: {variants[ours].median() - variants[theirs].median():+.2f} ms at the median; "
-                  f"paired {statistics.median(paired):+.2f} ms [{lo:+.2f}, {hi:+.2f}]; {', '.join(steps)}")
-    parts = [(text, x, y) for text, x, y in
-             (("shim: itself, against a relay doing nothing", "runc-gpu", FLOOR),
-              ("shim: cgpud's work (prepare, bind, the release at the exit) on top of that", FLOOR, "shim-gpu"),
-              ("hooks: runc running a hook that does nothing (true)", "runc-gpu", HOOK_FLOOR),
-              ("hooks: cgpu-hook and cgpud's work (bind, the release at the exit) on top of that", HOOK_FLOOR,
-               "hook-gpu"))
-             if x in variants and y in variants]
+            print(
+                f"  {text}: {variants[ours].median() - variants[theirs].median():+.2f} ms at the median; "
+                f"paired {statistics.median(paired):+.2f} ms [{lo:+.2f}, {hi:+.2f}]; {', '.join(steps)}"
+            )
+    parts = [
+        (text, x, y)
+        for text, x, y in (
+            ("shim: itself, against a relay doing nothing", "runc-gpu", FLOOR),
+            ("shim: cgpud's work (prepare, bind, the release at the exit) on top of that", FLOOR, "shim-gpu"),
+            ("hooks: runc running a hook that does nothing (true)", "runc-gpu", HOOK_FLOOR),
+            (
+                "hooks: cgpu-hook and cgpud's work (bind, the release at the exit) on top of that",
+                HOOK_FLOOR,
+                "hook-gpu",
+            ),
+        )
+        if x in variants and y in variants
+    ]
     if parts:
         print("\nWhere the added time goes (information; paired medians with their ~95% intervals):")
     for text, x_key, y_key in parts:
         x, y = variants[x_key], variants[y_key]
         paired = [b - a for a, b in zip(x.ms, y.ms)]
         lo, hi = median_ci(paired)
-        print(f"  {text}: {y.median() - x.median():+.2f} ms at the median; paired "
-              f"{statistics.median(paired):+.2f} ms [{lo:+.2f}, {hi:+.2f}]")
+        print(
+            f"  {text}: {y.median() - x.median():+.2f} ms at the median; paired "
+            f"{statistics.median(paired):+.2f} ms [{lo:+.2f}, {hi:+.2f}]"
+        )
 
 
 def main(argv: list[str]) -> int:
@@ -519,14 +564,20 @@ def main(argv: list[str]) -> int:
     become_subreaper()
 
     print("command:", shlex.join([sys.executable, *sys.argv]), f"(cwd {Path.cwd()})")
-    with (tempfile.TemporaryDirectory(prefix="cgpu-bench-start-") as tmp,
-          run_directory(Path(tmp) / "run", args.bundles_on) as run, contextlib.ExitStack() as sockets):
+    with (
+        tempfile.TemporaryDirectory(prefix="cgpu-bench-start-") as tmp,
+        run_directory(Path(tmp) / "run", args.bundles_on) as run,
+        contextlib.ExitStack() as sockets,
+    ):
         work = Path(tmp)
         gpu = work / "gpu"
         gpu.mkdir()
-        sim_env = dict(os.environ, LD_LIBRARY_PATH=str(native_dir() / "sim"),
-                       CGPU_SIM_CONFIG=str(write_sim_config(gpu / "sim.conf", gpus=1)),
-                       CGPU_SIM_STATE=str(gpu / "sim.state"))
+        sim_env = dict(
+            os.environ,
+            LD_LIBRARY_PATH=str(native_dir() / "sim"),
+            CGPU_SIM_CONFIG=str(write_sim_config(gpu / "sim.conf", gpus=1)),
+            CGPU_SIM_STATE=str(gpu / "sim.state"),
+        )
         host = Host(build_rootfs(run / "rootfs"), gpu, sim_env, run / "runc", default_spec())
         daemon_dir = work / "cgpud"
         daemon_dir.mkdir()
@@ -539,8 +590,12 @@ def main(argv: list[str]) -> int:
             # The same cgpud entry point, importing the other checkout first.
             (work / "cgpud-baseline").mkdir()
             sockets.enter_context(run_directory(work / "cgpud-baseline" / "run", args.bundles_on))
-            baseline = make_daemon(work / "cgpud-baseline", dict(sim_env, PYTHONPATH=str(args.baseline_tree)),
-                                   "--sweep-interval", DAEMON_SWEEP_INTERVAL)
+            baseline = make_daemon(
+                work / "cgpud-baseline",
+                dict(sim_env, PYTHONPATH=str(args.baseline_tree)),
+                "--sweep-interval",
+                DAEMON_SWEEP_INTERVAL,
+            )
             start_daemon(baseline)
         (run / "instant-relay").mkdir(mode=0o700)
         instant = InstantRelay(run / "instant-relay" / "relay.sock")
@@ -554,34 +609,59 @@ def main(argv: list[str]) -> int:
                 env = (GPU_REQUEST,) if wants_gpu else ()
                 bundle = host.bundle(run / "bundles" / key, ["true"], env, gpu_device=wants_gpu)
                 relay = run / "instant-relay" / "relay.sock" if key == FLOOR else cgpud.relay
-                variants[key] = Variant(key, label, via_shim, wants_gpu, hooks, bundle,
-                                        (bundle.path / "config.json").read_bytes(),
-                                        runtime_env(relay, dict(os.environ)) if via_shim else dict(os.environ),
-                                        str(shim) if via_shim else runc)
+                variants[key] = Variant(
+                    key,
+                    label,
+                    via_shim,
+                    wants_gpu,
+                    hooks,
+                    bundle,
+                    (bundle.path / "config.json").read_bytes(),
+                    runtime_env(relay, dict(os.environ)) if via_shim else dict(os.environ),
+                    str(shim) if via_shim else runc,
+                )
             if baseline is not None:
                 for key, label, via_shim, hooks in BASELINE_VARIANTS:
                     if args.only is not None and key not in args.only:
                         continue
                     bundle = host.bundle(run / "bundles" / key, ["true"], (GPU_REQUEST,), gpu_device=True)
                     variants[key] = Variant(
-                        key, label, via_shim, True, hooks, bundle, (bundle.path / "config.json").read_bytes(),
+                        key,
+                        label,
+                        via_shim,
+                        True,
+                        hooks,
+                        bundle,
+                        (bundle.path / "config.json").read_bytes(),
                         runtime_env(baseline.relay, dict(os.environ)) if via_shim else dict(os.environ),
                         str(args.baseline_tree / "cgpud/_native/bin/cgpu-runtime") if via_shim else runc,
-                        daemon=baseline)
+                        daemon=baseline,
+                    )
             version = subprocess.run([runc, "--version"], capture_output=True, text=True, check=False).stdout
-            print(f"runtime: runc {version.split()[2] if len(version.split()) > 2 else '?'} ({runc}); "
-                  f"shim {shim} with CGPU_REAL_RUNTIME={runc} CGPU_RELAY_SOCKET={cgpud.relay}")
-            print(f"timed:   RUNTIME --root {host.runc_root} create --bundle B --pid-file F ID; "
-                  f"RUNTIME --root {host.runc_root} start ID; waitpid(init); RUNTIME --root {host.runc_root} delete ID")
-            print(f"bundles: on {args.bundles_on} ({run}), with runc's state; "
-                  f"busybox `true`, non-GPU: no toolkit mounts; GPU: the simulated device directory "
-                  f"bind-mounted (the toolkit's part) and {GPU_REQUEST}; hooks: cgpud's hook-mode prepare "
-                  f"over the relay socket before each start, untimed")
-            print(f"cgpud:   {Path(sys.executable).parent / 'cgpud'} on a simulated 1 x 16 GiB GPU, "
-                  f"--sweep-interval {DAEMON_SWEEP_INTERVAL}, "
-                  f"state in {cgpud.state}")
-            print(f"host:    {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start; "
-                  f"variants in a fresh order each round (--seed {args.seed})", flush=True)
+            print(
+                f"runtime: runc {version.split()[2] if len(version.split()) > 2 else '?'} ({runc}); "
+                f"shim {shim} with CGPU_REAL_RUNTIME={runc} CGPU_RELAY_SOCKET={cgpud.relay}"
+            )
+            print(
+                f"timed:   RUNTIME --root {host.runc_root} create --bundle B --pid-file F ID; "
+                f"RUNTIME --root {host.runc_root} start ID; waitpid(init); RUNTIME --root {host.runc_root} delete ID"
+            )
+            print(
+                f"bundles: on {args.bundles_on} ({run}), with runc's state; "
+                f"busybox `true`, non-GPU: no toolkit mounts; GPU: the simulated device directory "
+                f"bind-mounted (the toolkit's part) and {GPU_REQUEST}; hooks: cgpud's hook-mode prepare "
+                f"over the relay socket before each start, untimed"
+            )
+            print(
+                f"cgpud:   {Path(sys.executable).parent / 'cgpud'} on a simulated 1 x 16 GiB GPU, "
+                f"--sweep-interval {DAEMON_SWEEP_INTERVAL}, "
+                f"state in {cgpud.state}"
+            )
+            print(
+                f"host:    {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start; "
+                f"variants in a fresh order each round (--seed {args.seed})",
+                flush=True,
+            )
 
             order = list(variants.values())
             rng = random.Random(args.seed)
@@ -591,34 +671,44 @@ def main(argv: list[str]) -> int:
                 # the caches and cgpud busy), so each variant must follow
                 # every other as often, not always the same one.
                 for v in rng.sample(order, len(order)):
-                    ms, phases = start_once(v, host.runc_root, f"bench-{os.getpid()}-{v.key}-{r + args.warmup}",
-                                            work, v.daemon or cgpud)
+                    ms, phases = start_once(
+                        v, host.runc_root, f"bench-{os.getpid()}-{v.key}-{r + args.warmup}", work, v.daemon or cgpud
+                    )
                     if r >= 0:
                         v.ms.append(ms)
                         for name, phase_ms in zip(PHASES, phases):
                             v.phases[name].append(phase_ms)
                 if r >= 0 and (r + 1) % 25 == 0:
-                    print(f"  round {r + 1}/{args.rounds}: "
-                          + ", ".join(f"{v.key} {v.median():.1f}" for v in order) + " ms (medians so far)",
-                          flush=True)
+                    print(
+                        f"  round {r + 1}/{args.rounds}: "
+                        + ", ".join(f"{v.key} {v.median():.1f}" for v in order)
+                        + " ms (medians so far)",
+                        flush=True,
+                    )
             print(f"host:    load average {os.getloadavg()[0]:.2f} at end")
 
             left = instances(cgpud)
             if left:
-                raise BenchError(f"cgpud still has {len(left)} active instance(s) after the run: "
-                                 + ", ".join(f"{i.get('id')} ({i.get('state')})" for i in left))
+                raise BenchError(
+                    f"cgpud still has {len(left)} active instance(s) after the run: "
+                    + ", ".join(f"{i.get('id')} ({i.get('state')})" for i in left)
+                )
             # The GPU starts through this cgpud: each releases one instance.
             gpu_starts = len(variants.keys() & {"shim-gpu", "hook-gpu", HOOK_FLOOR}) * (args.rounds + args.warmup)
             released = [i for i in instances(cgpud, "--all") if i.get("state") == "released"]
-            print(f"cgpud:   no active instance left; {len(released)} released "
-                  f"(expected {gpu_starts}, one per GPU start through the shim or the hooks, real or doing nothing)")
+            print(
+                f"cgpud:   no active instance left; {len(released)} released "
+                f"(expected {gpu_starts}, one per GPU start through the shim or the hooks, real or doing nothing)"
+            )
             if len(released) != gpu_starts:
                 raise BenchError(f"expected {gpu_starts} released instances, cgpud lists {len(released)}")
             starts = args.rounds + args.warmup
             floor_starts = starts if FLOOR in variants else 0
             if instant.asked != {"prepare": floor_starts, "bind": floor_starts, "release": 0}:
-                raise BenchError(f"the relay doing nothing was asked {instant.asked}, expected {floor_starts} "
-                                 f"prepare and bind and no release: the shim did not take its GPU path")
+                raise BenchError(
+                    f"the relay doing nothing was asked {instant.asked}, expected {floor_starts} "
+                    f"prepare and bind and no release: the shim did not take its GPU path"
+                )
         finally:
             instant.close()
             if baseline is not None:

@@ -18,6 +18,7 @@ Kubelet), the API server over its real REST paths (tests/harness/api_server.py).
   process to the ListAndWatch message that shows the change, beside the time
   the injecting process itself takes (the baseline). Recovery is found by the
   periodic probe: its latency is bounded by --probe-interval."""
+
 from __future__ import annotations
 
 import argparse
@@ -65,14 +66,36 @@ def node(tmp: Path, probe_interval: float) -> Iterator[tuple[ApiServerProcess, d
     plugins = Path(tempfile.mkdtemp(prefix="bdp-", dir="/tmp"))  # short: unix socket paths
     kubelet = Kubelet(plugins).start()
     try:
-        with api_server(tmp) as (server, kubeconfig), kubelet_pods() as (_, pod_resources), running_daemon(
-                tmp, env, "--orchestrator", "kubernetes", "--mode", "cgpu", "--max-instances-per-gpu", "200",
-                "--device-plugin-dir", str(plugins), "--pod-resources-socket", str(pod_resources),
-                "--kubeconfig", str(kubeconfig), "--node-name", NODE, "--cdi-dir", str(tmp / "cdi"),
-                "--gpu-health-probe-interval", str(probe_interval)):
+        with (
+            api_server(tmp) as (server, kubeconfig),
+            kubelet_pods() as (_, pod_resources),
+            running_daemon(
+                tmp,
+                env,
+                "--orchestrator",
+                "kubernetes",
+                "--mode",
+                "cgpu",
+                "--max-instances-per-gpu",
+                "200",
+                "--device-plugin-dir",
+                str(plugins),
+                "--pod-resources-socket",
+                str(pod_resources),
+                "--kubeconfig",
+                str(kubeconfig),
+                "--node-name",
+                NODE,
+                "--cdi-dir",
+                str(tmp / "cdi"),
+                "--gpu-health-probe-interval",
+                str(probe_interval),
+            ),
+        ):
             server.state.nodes[NODE] = node_json(NODE, {"ack.node.gpu.schedule": "cgpu"})
-            sockets = {Resource(r.resource_name): plugins / r.endpoint
-                       for r in kubelet.take_registrations(len(Resource))}
+            sockets = {
+                Resource(r.resource_name): plugins / r.endpoint for r in kubelet.take_registrations(len(Resource))
+            }
             yield server, env, sockets
     finally:
         kubelet.stop()
@@ -97,16 +120,26 @@ def measure_allocations(server: ApiServerProcess, socket: Path, count: int, roun
         devices = [d.ID for d in next(iter(stream)).devices]
         stream.cancel()
         for n in range(count):
-            server.state.add_pod(pod_json(f"p{round_}-{n}", NODE, containers={"main": {Resource.GPU_MEM.value: 1}},
-                                          annotations={"ALIYUN_COM_GPU_MEM_ASSUME_TIME": str(n + 1),
-                                                       "ALIYUN_COM_GPU_MEM_ASSIGNED": "false"}))
+            server.state.add_pod(
+                pod_json(
+                    f"p{round_}-{n}",
+                    NODE,
+                    containers={"main": {Resource.GPU_MEM.value: 1}},
+                    annotations={"ALIYUN_COM_GPU_MEM_ASSUME_TIME": str(n + 1), "ALIYUN_COM_GPU_MEM_ASSIGNED": "false"},
+                )
+            )
             ids = [devices[n % len(devices)]]
-            preferred = pb.PreferredAllocationRequest(container_requests=[pb.ContainerPreferredAllocationRequest(
-                available_deviceIDs=devices, allocation_size=1)])
+            preferred = pb.PreferredAllocationRequest(
+                container_requests=[
+                    pb.ContainerPreferredAllocationRequest(available_deviceIDs=devices, allocation_size=1)
+                ]
+            )
             allocate = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)])
             # partial binds this round's requests now (a lambda would read the loop variables when it runs).
-            calls = [(out.preferred, partial(stub.GetPreferredAllocation, preferred, timeout=WAIT)),
-                     (out.allocate, partial(stub.Allocate, allocate, timeout=WAIT))]
+            calls = [
+                (out.preferred, partial(stub.GetPreferredAllocation, preferred, timeout=WAIT)),
+                (out.allocate, partial(stub.Allocate, allocate, timeout=WAIT)),
+            ]
             for samples, call in calls if n % 2 == 0 else calls[::-1]:
                 t0 = time.perf_counter()
                 call()
@@ -159,8 +192,10 @@ def main() -> int:
             finally:
                 detach_regions(tmp)
     print(f"command: {' '.join(sys.argv)}")
-    print(f"{args.rounds} rounds (fresh cgpud each); {args.allocations} Allocates and {args.faults} lost/recover "
-          f"cycles per round; probe interval {args.probe_interval} s")
+    print(
+        f"{args.rounds} rounds (fresh cgpud each); {args.allocations} Allocates and {args.faults} lost/recover "
+        f"cycles per round; probe interval {args.probe_interval} s"
+    )
     rows = [
         ("Allocate (new pod, instance, CDI spec)", out.allocate),
         ("GetPreferredAllocation (baseline)", out.preferred),
@@ -168,12 +203,18 @@ def main() -> int:
         ("  the injecting process alone (baseline)", out.injector),
         ("recovered GPU -> Healthy in ListAndWatch", out.healthy),
     ]
-    print_table(("ms", "n", "p50", "p99", "max"),
-                [(name, str(len(v)), ms(v, 0.5), ms(v, 0.99), f"{max(v) * 1e3:.2f}") for name, v in rows])
-    print(f"Allocate / GetPreferredAllocation (p50): "
-          f"{statistics.median(out.allocate) / statistics.median(out.preferred):.1f}x")
-    print(f"lost -> Unhealthy beyond the injecting process (p50): "
-          f"{(statistics.median(out.unhealthy) - statistics.median(out.injector)) * 1e3:.2f} ms")
+    print_table(
+        ("ms", "n", "p50", "p99", "max"),
+        [(name, str(len(v)), ms(v, 0.5), ms(v, 0.99), f"{max(v) * 1e3:.2f}") for name, v in rows],
+    )
+    print(
+        f"Allocate / GetPreferredAllocation (p50): "
+        f"{statistics.median(out.allocate) / statistics.median(out.preferred):.1f}x"
+    )
+    print(
+        f"lost -> Unhealthy beyond the injecting process (p50): "
+        f"{(statistics.median(out.unhealthy) - statistics.median(out.injector)) * 1e3:.2f} ms"
+    )
     return 0
 
 

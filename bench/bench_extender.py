@@ -29,6 +29,7 @@ handing pods to 16 binding threads (its parallel binding goroutines); a
 failed bind requeues the pod. Pods per second from the first filter to the
 last bind answer, and the CPU each process spent per pod.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -75,16 +76,36 @@ def synthetic_state(name: str, i: int, revision: int, rng: random.Random) -> Any
     for g in range(GPUS):
         used = rng.choice((0, 0, 4, 8, 16, 24, 40, 60, 72)) * GIB
         instances = 0 if not used else rng.randint(1, 6)
-        gpus.append(GpuState(index=g, uuid=f"GPU-{i:04d}{g:04d}-0000-0000-0000-000000000000",
-                             model="NVIDIA A100-SXM4-80GB", memory_total=GPU_MEMORY, memory_allocated=used,
-                             core_allocated=0, instances=instances, max_instances=20, healthy=True))
+        gpus.append(
+            GpuState(
+                index=g,
+                uuid=f"GPU-{i:04d}{g:04d}-0000-0000-0000-000000000000",
+                model="NVIDIA A100-SXM4-80GB",
+                memory_total=GPU_MEMORY,
+                memory_allocated=used,
+                core_allocated=0,
+                instances=instances,
+                max_instances=20,
+                healthy=True,
+            )
+        )
         for k in range(instances):
-            pods.append(PodShare(f"uid-{i}-{g}-{k}", "default", f"job-{i}-{g}-{k}", "main",
-                                 ((g, used // instances, 0),)))
-    return NodeState(name=name, incarnation=f"inc-{i}", revision=revision, addresses=(f"10.1.{i // 250}.{i % 250}",),
-                     mode="cgpu", placement="spread" if i % 5 == 0 else "binpack", core_step=5,
-                     card_name="NVIDIA A100-SXM4-80GB", gpus=tuple(gpus), pods=tuple(pods),
-                     driver_version="550.54.15")
+            pods.append(
+                PodShare(f"uid-{i}-{g}-{k}", "default", f"job-{i}-{g}-{k}", "main", ((g, used // instances, 0),))
+            )
+    return NodeState(
+        name=name,
+        incarnation=f"inc-{i}",
+        revision=revision,
+        addresses=(f"10.1.{i // 250}.{i % 250}",),
+        mode="cgpu",
+        placement="spread" if i % 5 == 0 else "binpack",
+        core_step=5,
+        card_name="NVIDIA A100-SXM4-80GB",
+        gpus=tuple(gpus),
+        pods=tuple(pods),
+        driver_version="550.54.15",
+    )
 
 
 def v1_node(name: str, i: int) -> dict[str, Any]:
@@ -92,55 +113,126 @@ def v1_node(name: str, i: int) -> dict[str, Any]:
     cache: metadata, labels, annotations, capacity, conditions, images
     (about 6 KB of JSON; real nodes with more images are larger)."""
     ip = f"10.1.{i // 250}.{i % 250}"
-    resources = {"cpu": "96", "memory": "1056760756Ki", "ephemeral-storage": "1875382960Ki", "pods": "110",
-                 "hugepages-1Gi": "0", "hugepages-2Mi": "0", "aliyun.com/gpu-mem": "640",
-                 "aliyun.com/gpu-count": "8", "aliyun.com/gpu-core.percentage": "800"}
+    resources = {
+        "cpu": "96",
+        "memory": "1056760756Ki",
+        "ephemeral-storage": "1875382960Ki",
+        "pods": "110",
+        "hugepages-1Gi": "0",
+        "hugepages-2Mi": "0",
+        "aliyun.com/gpu-mem": "640",
+        "aliyun.com/gpu-count": "8",
+        "aliyun.com/gpu-core.percentage": "800",
+    }
     when = "2026-11-20T10:00:00Z"
     return {
         "metadata": {
-            "name": name, "uid": f"6a3e{i:08d}-0000-4000-8000-000000000000", "resourceVersion": str(1000 + i),
+            "name": name,
+            "uid": f"6a3e{i:08d}-0000-4000-8000-000000000000",
+            "resourceVersion": str(1000 + i),
             "creationTimestamp": when,
-            "labels": {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64",
-                       "beta.kubernetes.io/os": "linux", "beta.kubernetes.io/arch": "amd64",
-                       "node.kubernetes.io/instance-type": "ecs.gn7e-c16g1.32xlarge",
-                       "topology.kubernetes.io/region": "cn-shanghai", "topology.kubernetes.io/zone": "cn-shanghai-b",
-                       "ack.node.gpu.schedule": "cgpu", "ack.node.gpu.placement": "binpack",
-                       "aliyun.accelerator/nvidia_name": "NVIDIA-A100-SXM4-80GB",
-                       "aliyun.accelerator/nvidia_mem": "81920MiB", "aliyun.accelerator/nvidia_count": "8"},
-            "annotations": {"cgpu.io/capacity-address": f"{ip}:9455",
-                            "node.alpha.kubernetes.io/ttl": "0",
-                            "volumes.kubernetes.io/controller-managed-attach-detach": "true",
-                            "kubeadm.alpha.kubernetes.io/cri-socket": "unix:///run/containerd/containerd.sock"}},
-        "spec": {"podCIDR": f"172.20.{i % 250}.0/24", "podCIDRs": [f"172.20.{i % 250}.0/24"],
-                 "providerID": f"alicloud://cn-shanghai.i-{i:012d}"},
+            "labels": {
+                "kubernetes.io/hostname": name,
+                "kubernetes.io/os": "linux",
+                "kubernetes.io/arch": "amd64",
+                "beta.kubernetes.io/os": "linux",
+                "beta.kubernetes.io/arch": "amd64",
+                "node.kubernetes.io/instance-type": "ecs.gn7e-c16g1.32xlarge",
+                "topology.kubernetes.io/region": "cn-shanghai",
+                "topology.kubernetes.io/zone": "cn-shanghai-b",
+                "ack.node.gpu.schedule": "cgpu",
+                "ack.node.gpu.placement": "binpack",
+                "aliyun.accelerator/nvidia_name": "NVIDIA-A100-SXM4-80GB",
+                "aliyun.accelerator/nvidia_mem": "81920MiB",
+                "aliyun.accelerator/nvidia_count": "8",
+            },
+            "annotations": {
+                "cgpu.io/capacity-address": f"{ip}:9455",
+                "node.alpha.kubernetes.io/ttl": "0",
+                "volumes.kubernetes.io/controller-managed-attach-detach": "true",
+                "kubeadm.alpha.kubernetes.io/cri-socket": "unix:///run/containerd/containerd.sock",
+            },
+        },
+        "spec": {
+            "podCIDR": f"172.20.{i % 250}.0/24",
+            "podCIDRs": [f"172.20.{i % 250}.0/24"],
+            "providerID": f"alicloud://cn-shanghai.i-{i:012d}",
+        },
         "status": {
-            "capacity": resources, "allocatable": resources,
-            "conditions": [{"type": t, "status": s, "lastHeartbeatTime": when, "lastTransitionTime": when,
-                            "reason": r, "message": m} for t, s, r, m in (
-                ("MemoryPressure", "False", "KubeletHasSufficientMemory", "kubelet has sufficient memory available"),
-                ("DiskPressure", "False", "KubeletHasNoDiskPressure", "kubelet has no disk pressure"),
-                ("PIDPressure", "False", "KubeletHasSufficientPID", "kubelet has sufficient PID available"),
-                ("Ready", "True", "KubeletReady", "kubelet is posting ready status"))],
+            "capacity": resources,
+            "allocatable": resources,
+            "conditions": [
+                {
+                    "type": t,
+                    "status": s,
+                    "lastHeartbeatTime": when,
+                    "lastTransitionTime": when,
+                    "reason": r,
+                    "message": m,
+                }
+                for t, s, r, m in (
+                    (
+                        "MemoryPressure",
+                        "False",
+                        "KubeletHasSufficientMemory",
+                        "kubelet has sufficient memory available",
+                    ),
+                    ("DiskPressure", "False", "KubeletHasNoDiskPressure", "kubelet has no disk pressure"),
+                    ("PIDPressure", "False", "KubeletHasSufficientPID", "kubelet has sufficient PID available"),
+                    ("Ready", "True", "KubeletReady", "kubelet is posting ready status"),
+                )
+            ],
             "addresses": [{"type": "InternalIP", "address": ip}, {"type": "Hostname", "address": name}],
             "daemonEndpoints": {"kubeletEndpoint": {"Port": 10250}},
-            "nodeInfo": {"machineID": f"{i:032x}", "systemUUID": f"{i:032x}", "bootID": f"{i:032x}",
-                         "kernelVersion": "5.10.134-16.al8.x86_64", "osImage": "Alibaba Cloud Linux 3",
-                         "containerRuntimeVersion": "containerd://1.7.13", "kubeletVersion": "v1.30.1",
-                         "kubeProxyVersion": "v1.30.1", "operatingSystem": "linux", "architecture": "amd64"},
-            "images": [{"names": [f"registry.example.com/team/image-{k}@sha256:{k:064x}",
-                                  f"registry.example.com/team/image-{k}:v{k}.0"], "sizeBytes": 100_000_000 + k}
-                       for k in range(16)]},
+            "nodeInfo": {
+                "machineID": f"{i:032x}",
+                "systemUUID": f"{i:032x}",
+                "bootID": f"{i:032x}",
+                "kernelVersion": "5.10.134-16.al8.x86_64",
+                "osImage": "Alibaba Cloud Linux 3",
+                "containerRuntimeVersion": "containerd://1.7.13",
+                "kubeletVersion": "v1.30.1",
+                "kubeProxyVersion": "v1.30.1",
+                "operatingSystem": "linux",
+                "architecture": "amd64",
+            },
+            "images": [
+                {
+                    "names": [
+                        f"registry.example.com/team/image-{k}@sha256:{k:064x}",
+                        f"registry.example.com/team/image-{k}:v{k}.0",
+                    ],
+                    "sizeBytes": 100_000_000 + k,
+                }
+                for k in range(16)
+            ],
+        },
     }
 
 
 def pod_json(n: int, gib: int, count: int) -> dict[str, Any]:
     limits = {"aliyun.com/gpu-mem": str(gib)} | ({"aliyun.com/gpu-count": str(count)} if count > 1 else {})
-    return {"metadata": {"name": f"bench-{n}", "namespace": "default", "uid": f"bench-uid-{n}",
-                         "labels": {"app": "bench"}, "creationTimestamp": "2026-11-24T00:00:00Z"},
-            "spec": {"containers": [{"name": "main", "image": "registry.example.com/team/train:v1",
-                                     "resources": {"limits": limits, "requests": limits}}],
-                     "schedulerName": "default-scheduler", "restartPolicy": "Never"},
-            "status": {"phase": "Pending", "qosClass": "BestEffort"}}
+    return {
+        "metadata": {
+            "name": f"bench-{n}",
+            "namespace": "default",
+            "uid": f"bench-uid-{n}",
+            "labels": {"app": "bench"},
+            "creationTimestamp": "2026-11-24T00:00:00Z",
+        },
+        "spec": {
+            "containers": [
+                {
+                    "name": "main",
+                    "image": "registry.example.com/team/train:v1",
+                    "resources": {"limits": limits, "requests": limits},
+                }
+            ],
+            "schedulerName": "default-scheduler",
+            "restartPolicy": "Never",
+        },
+        "status": {"phase": "Pending", "qosClass": "BestEffort"},
+    }
 
 
 # ---- the extender, in its own process ---------------------------------------------------------
@@ -169,8 +261,9 @@ def serve(n: int, seed: int, control: Connection) -> None:
             touched = [command[1]] if command[0] == "touch" else range(n)
             for i in touched:
                 revisions[i] += 1
-                state.set_state(names[i], f"10.1.{i // 250}.{i % 250}:9455",
-                                synthetic_state(names[i], i, revisions[i], rng))
+                state.set_state(
+                    names[i], f"10.1.{i // 250}.{i % 250}:9455", synthetic_state(names[i], i, revisions[i], rng)
+                )
             control.send("ok")
     finally:
         server.stop()
@@ -194,8 +287,9 @@ def _post(conn: http.client.HTTPConnection, path: str, body: bytes) -> tuple[flo
     return elapsed, data
 
 
-def one_pod(conn: http.client.HTTPConnection, pod: dict[str, Any], names: list[str],
-            nodes: list[dict[str, Any]] | None) -> float:
+def one_pod(
+    conn: http.client.HTTPConnection, pod: dict[str, Any], names: list[str], nodes: list[dict[str, Any]] | None
+) -> float:
     """filter then prioritize for `pod`; seconds on the wire and in the
     extender (bodies built before each clock starts)."""
     if nodes is None:
@@ -288,11 +382,11 @@ def measure_scale(n: int, rounds: int, pods: int, seed: int) -> dict[str, Side]:
                 for pod, touched in batch:
                     timed(label, label, pod, nodes)
                     touch(touched)
-            for pod, touched in batch[:max(1, pods // 4)]:
+            for pod, touched in batch[: max(1, pods // 4)]:
                 time.sleep(IDLE)
                 timed("cache, after idle", "cache", pod, None)
                 touch(touched)
-            for pod, _ in batch[:max(1, pods // 8)]:
+            for pod, _ in batch[: max(1, pods // 8)]:
                 servers["cache"].command("cold")
                 timed("cache, cold", "cache", pod, None)
         for c in conns.values():
@@ -313,11 +407,21 @@ def report_scale(results: dict[int, dict[str, Side]]) -> None:
     for n, sides in results.items():
         base = statistics.median(sides["no cache"].ms)
         for side in sides.values():
-            rows.append([f"{n} nodes, {side.label}", str(len(side.ms)), f"{statistics.median(side.ms):.2f}",
-                         f"{quantile(side.ms, 0.99):.2f}", f"{max(side.ms):.2f}",
-                         f"{statistics.median(side.ms) / base:.2f}x", f"{side.cpu * 1e3 / len(side.ms):.2f}"])
-    print("filter + prioritize per pod (ms, one pod = both round trips, all nodes sent; CPU: the extender "
-          "process's, mean per pod)")
+            rows.append(
+                [
+                    f"{n} nodes, {side.label}",
+                    str(len(side.ms)),
+                    f"{statistics.median(side.ms):.2f}",
+                    f"{quantile(side.ms, 0.99):.2f}",
+                    f"{max(side.ms):.2f}",
+                    f"{statistics.median(side.ms) / base:.2f}x",
+                    f"{side.cpu * 1e3 / len(side.ms):.2f}",
+                ]
+            )
+    print(
+        "filter + prioritize per pod (ms, one pod = both round trips, all nodes sent; CPU: the extender "
+        "process's, mean per pod)"
+    )
     print_table(["pods", "n", "p50", "p99", "max", "vs no cache", "CPU"], rows)
     sizes = sorted(results)
     if len(sizes) >= 2:
@@ -325,8 +429,10 @@ def report_scale(results: dict[int, dict[str, Side]]) -> None:
         print(f"\ngrowth {lo} -> {hi} nodes ({hi / lo:.0f}x the nodes):")
         for label in results[lo]:
             a, b = results[lo][label].ms, results[hi][label].ms
-            print(f"  {label:18s} p50 {statistics.median(b) / statistics.median(a):5.1f}x   "
-                  f"p99 {quantile(b, 0.99) / quantile(a, 0.99):5.1f}x")
+            print(
+                f"  {label:18s} p50 {statistics.median(b) / statistics.median(a):5.1f}x   "
+                f"p99 {quantile(b, 0.99) / quantile(a, 0.99):5.1f}x"
+            )
     if 1000 in results:
         p99 = quantile(results[1000]["cache"].ms, 0.99)
         verdict = "PASS" if p99 <= TARGET_P99_MS else "FAIL"
@@ -384,8 +490,10 @@ def scheduler_loop(url: str, names: list[str], pods: list[dict[str, Any]], paral
         meta = pod["metadata"]
         t = time.perf_counter()
         try:
-            status, answer = client.post("/bind", {"PodName": meta["name"], "PodNamespace": meta["namespace"],
-                                                   "PodUID": meta["uid"], "Node": node})
+            status, answer = client.post(
+                "/bind",
+                {"PodName": meta["name"], "PodNamespace": meta["namespace"], "PodUID": meta["uid"], "Node": node},
+            )
         except (OSError, http.client.HTTPException) as e:
             status, answer = 0, {"Error": str(e)}
         bind_ms.append((time.perf_counter() - t) * 1e3)
@@ -464,12 +572,16 @@ def measure_binds(pods: int, nodes: int, parallel: int, gpu_memory_gib: int) -> 
         batch = [cluster.api.state.add_pod(share_pod(f"bind-{k}", 1)) for k in range(pods)]
         ctx = multiprocessing.get_context("spawn")  # no fork of a process with gRPC threads
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=scheduler_loop, args=(extender.url, cluster.names, batch, parallel, child),
-                           daemon=True)
+        proc = ctx.Process(
+            target=scheduler_loop, args=(extender.url, cluster.names, batch, parallel, child), daemon=True
+        )
         proc.start()
-        pids = {"cgpu-scheduler": [extender.proc.pid], "API server (this process)": [os.getpid()],
-                "cgpud x nodes": [n.daemon.proc.pid for n in cluster.nodes if n.daemon.proc is not None],
-                "kube-scheduler's part": [proc.pid]}
+        pids = {
+            "cgpu-scheduler": [extender.proc.pid],
+            "API server (this process)": [os.getpid()],
+            "cgpud x nodes": [n.daemon.proc.pid for n in cluster.nodes if n.daemon.proc is not None],
+            "kube-scheduler's part": [proc.pid],
+        }
         try:
             if not parent.poll(120) or parent.recv() != "ready":
                 raise RuntimeError("the scheduling loop's process did not start")
@@ -495,12 +607,20 @@ def measure_binds(pods: int, nodes: int, parallel: int, gpu_memory_gib: int) -> 
             reservations += len(view.reservations)
             over += sum(1 for g in view.gpus if g.memory_allocated_bytes > g.memory_total_bytes)
         if over or reservations != pods:
-            raise RuntimeError(f"after the binds: {over} GPUs over capacity, "
-                               f"{reservations} reservations for {pods} pods")
+            raise RuntimeError(
+                f"after the binds: {over} GPUs over capacity, {reservations} reservations for {pods} pods"
+            )
         per_node = sorted(list(bound.values()).count(n) for n in cluster.names)
-    return {"pods": pods, "seconds": elapsed, "rate": pods / elapsed, "retries": retries + len(failed_binds),
-            "per_node": per_node, "cycle_ms": cycle_ms, "bind_ms": bind_ms,
-            "cpu_ms_per_pod": {k: v * 1e3 / pods for k, v in cpu.items()}}
+    return {
+        "pods": pods,
+        "seconds": elapsed,
+        "rate": pods / elapsed,
+        "retries": retries + len(failed_binds),
+        "per_node": per_node,
+        "cycle_ms": cycle_ms,
+        "bind_ms": bind_ms,
+        "cpu_ms_per_pod": {k: v * 1e3 / pods for k, v in cpu.items()},
+    }
 
 
 def load() -> str:
@@ -509,7 +629,7 @@ def load() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--nodes", default="100,1000", help="cluster sizes, comma-separated (\"\": bind only)")
+    p.add_argument("--nodes", default="100,1000", help='cluster sizes, comma-separated ("": bind only)')
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--pods", type=int, default=40, help="pods per round and size")
     p.add_argument("--seed", type=int, default=14)
@@ -531,17 +651,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             before = load()
             results = {n: measure_scale(n, args.rounds, args.pods, args.seed) for n in sizes}
             report_scale(results)
-            print(f"load average {before} before, {load()} after (2 vCPUs here: above 1 the timings include "
-                  "waiting for a CPU; the CPU column does not)")
+            print(
+                f"load average {before} before, {load()} after (2 vCPUs here: above 1 the timings include "
+                "waiting for a CPU; the CPU column does not)"
+            )
         if args.bind_pods:
             before = load()
             bind = measure_binds(args.bind_pods, args.bind_nodes, args.bind_parallel, args.bind_gpu_gib)
-            print(f"\nbind end to end: {bind['pods']} pods of 1 GiB on {args.bind_nodes} nodes x 2 GPUs, "
-                  f"{args.bind_parallel} in flight: {bind['seconds']:.2f} s, {bind['rate']:.0f} pods/s "
-                  f"({bind['retries']} cycles retried; pods per node {bind['per_node']})")
-            print(f"  filter+prioritize in the loop: p50 {statistics.median(bind['cycle_ms']):.2f} ms, "
-                  f"p99 {quantile(bind['cycle_ms'], 0.99):.2f} ms; one bind (Reserve, Binding with annotations): "
-                  f"p50 {statistics.median(bind['bind_ms']):.2f} ms, p99 {quantile(bind['bind_ms'], 0.99):.2f} ms")
+            print(
+                f"\nbind end to end: {bind['pods']} pods of 1 GiB on {args.bind_nodes} nodes x 2 GPUs, "
+                f"{args.bind_parallel} in flight: {bind['seconds']:.2f} s, {bind['rate']:.0f} pods/s "
+                f"({bind['retries']} cycles retried; pods per node {bind['per_node']})"
+            )
+            print(
+                f"  filter+prioritize in the loop: p50 {statistics.median(bind['cycle_ms']):.2f} ms, "
+                f"p99 {quantile(bind['cycle_ms'], 0.99):.2f} ms; one bind (Reserve, Binding with annotations): "
+                f"p50 {statistics.median(bind['bind_ms']):.2f} ms, p99 {quantile(bind['bind_ms'], 0.99):.2f} ms"
+            )
             print("  CPU per pod, ms: " + ", ".join(f"{k} {v:.1f}" for k, v in bind["cpu_ms_per_pod"].items()))
             verdict = "PASS" if bind["rate"] >= TARGET_BINDS else "FAIL"
             print(f"target: >= {TARGET_BINDS:.0f} pods/s: {bind['rate']:.0f}  {verdict}")

@@ -21,6 +21,7 @@ Run from the repository root:
     .venv/bin/python -m bench.bench_intercept [--rounds 7] [--calls 200000]
         [--modes launch-noregion,launch,launch-open,allocfree,meminfo,vmm] [--no-callgrind]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -154,8 +155,20 @@ def run(cmd: list[str], env: dict[str, str], what: str) -> subprocess.CompletedP
 def build(workdir: Path) -> tuple[Path, list[str]]:
     cc = os.environ.get("CC", "cc")
     exe = workdir / "intercept_calls"
-    cmd = [cc, "-O2", "-g", "-std=c11", "-Wall", "-Wextra", "-I", "csrc/include",
-           "bench/intercept_calls.c", "-o", str(exe), "-ldl"]
+    cmd = [
+        cc,
+        "-O2",
+        "-g",
+        "-std=c11",
+        "-Wall",
+        "-Wextra",
+        "-I",
+        "csrc/include",
+        "bench/intercept_calls.c",
+        "-o",
+        str(exe),
+        "-ldl",
+    ]
     run(cmd, dict(os.environ), "building bench/intercept_calls.c")
     return exe, cmd
 
@@ -212,8 +225,9 @@ def resolved_in(report: dict, path: Path) -> dict[str, bool]:
     return {fn: Path(where).resolve() == path.resolve() for fn, where in report["resolved_from"].items()}
 
 
-def timed_rounds(exe: Path, mode: str, args: argparse.Namespace, envs: dict[str, dict[str, str]],
-                 driver: Path, library: Path) -> ModeResult:
+def timed_rounds(
+    exe: Path, mode: str, args: argparse.Namespace, envs: dict[str, dict[str, str]], driver: Path, library: Path
+) -> ModeResult:
     result = ModeResult()
     for r in range(args.rounds):
         # Alternate which configuration goes first so that neither always
@@ -233,8 +247,7 @@ def timed_rounds(exe: Path, mode: str, args: argparse.Namespace, envs: dict[str,
 
 
 def callgrind_ir(exe: Path, mode: str, calls: int, env: dict[str, str], out: Path, what: str) -> int:
-    cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", str(exe), PROGRAM.get(mode, mode),
-           str(calls)]
+    cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", str(exe), PROGRAM.get(mode, mode), str(calls)]
     parse_report(run(cmd, env, what).stdout, what)
     for line in out.read_text().splitlines():
         if line.startswith(("summary:", "totals:")):
@@ -272,14 +285,18 @@ def report(results: dict[str, ModeResult], args: argparse.Namespace, library: Pa
         for m, r in results.items()
     ]
     print()
-    print(f"Per call (allocfree: per alloc+free pair; vmm: per create+map+release+unmap cycle); "
-          f"ns = median of {args.rounds} interleaved rounds of {args.calls} calls; "
-          f"Ir = instructions per call (callgrind)")
+    print(
+        f"Per call (allocfree: per alloc+free pair; vmm: per create+map+release+unmap cycle); "
+        f"ns = median of {args.rounds} interleaved rounds of {args.calls} calls; "
+        f"Ir = instructions per call (callgrind)"
+    )
     print_table(head, rows)
     for m, r in results.items():
         if r.cycle_bytes:
-            print(f"{m}: {r.cycle_bytes / (1 << 20):g} MiB created and mapped per cycle (2 MiB rounded up to the "
-                  f"allocation granularity); the address range is reserved once, before the timed calls")
+            print(
+                f"{m}: {r.cycle_bytes / (1 << 20):g} MiB created and mapped per cycle (2 MiB rounded up to the "
+                f"allocation granularity); the address range is reserved once, before the timed calls"
+            )
 
     print("\nEach round (ns per call):")
     for m, r in results.items():
@@ -288,8 +305,10 @@ def report(results: dict[str, ModeResult], args: argparse.Namespace, library: Pa
     for r in results.values():
         direct = [fn for fn, hooked in r.intercepted.items() if not hooked]
         if direct:
-            print(f"  note: under the preload, {', '.join(direct)} resolved to the driver itself, not to "
-                  f"{library.name}: that call is not intercepted")
+            print(
+                f"  note: under the preload, {', '.join(direct)} resolved to the driver itself, not to "
+                f"{library.name}: that call is not intercepted"
+            )
 
     print("\nTargets:")
     for mode, metric, limit, unit, text in TARGETS:
@@ -336,28 +355,39 @@ def main(argv: list[str]) -> int:
         }
         envs = {m: {"bare": bare, "cgpu": configs[CONFIG.get(m, "ungated")]} for m in args.modes}
         print("build:  ", shlex.join(build_cmd))
-        print(f"run:     LD_LIBRARY_PATH={bare['LD_LIBRARY_PATH']} CGPU_SIM_CONFIG=... CGPU_SIM_STATE=... "
-              f"[LD_PRELOAD={library} [CGPU_REGION_DIR=...]] intercept_calls MODE {args.calls}")
+        print(
+            f"run:     LD_LIBRARY_PATH={bare['LD_LIBRARY_PATH']} CGPU_SIM_CONFIG=... CGPU_SIM_STATE=... "
+            f"[LD_PRELOAD={library} [CGPU_REGION_DIR=...]] intercept_calls MODE {args.calls}"
+        )
         if not args.no_callgrind:
-            print(f"count:   valgrind --tool=callgrind --callgrind-out-file=F intercept_calls MODE "
-                  f"{args.callgrind_calls} (and {2 * args.callgrind_calls}), same two environments")
-        print(f"machine: simulated {SIM_CONFIG.strip()}; regions: {MEM_LIMIT >> 30} GiB limit on {uuid}, "
-              f"gate ungated (launch, allocfree, meminfo, vmm) or open for the whole run (launch-open); "
-              f"launch-noregion preloads the library with no region")
+            print(
+                f"count:   valgrind --tool=callgrind --callgrind-out-file=F intercept_calls MODE "
+                f"{args.callgrind_calls} (and {2 * args.callgrind_calls}), same two environments"
+            )
+        print(
+            f"machine: simulated {SIM_CONFIG.strip()}; regions: {MEM_LIMIT >> 30} GiB limit on {uuid}, "
+            f"gate ungated (launch, allocfree, meminfo, vmm) or open for the whole run (launch-open); "
+            f"launch-noregion preloads the library with no region"
+        )
         print(f"host:    {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start")
 
         results: dict[str, ModeResult] = {}
         for mode in args.modes:
             results[mode] = timed_rounds(exe, mode, args, envs[mode], driver, library)
-            print(f"  timed {mode}: bare {results[mode].median('bare'):.1f} ns, "
-                  f"cgpu {results[mode].median('cgpu'):.1f} ns", flush=True)
+            print(
+                f"  timed {mode}: bare {results[mode].median('bare'):.1f} ns, "
+                f"cgpu {results[mode].median('cgpu'):.1f} ns",
+                flush=True,
+            )
         if not args.no_callgrind:
             for mode in args.modes:
                 for config, env in envs[mode].items():
                     ir = instructions(exe, mode, args.callgrind_calls, env, workdir, config)
                     setattr(results[mode], f"{config}_ir", ir)
-                print(f"  counted {mode}: bare {results[mode].bare_ir:.1f} Ir, "
-                      f"cgpu {results[mode].cgpu_ir:.1f} Ir", flush=True)
+                print(
+                    f"  counted {mode}: bare {results[mode].bare_ir:.1f} Ir, cgpu {results[mode].cgpu_ir:.1f} Ir",
+                    flush=True,
+                )
         print(f"host:    load average {os.getloadavg()[0]:.2f} at end")
         report(results, args, library)
     return 0

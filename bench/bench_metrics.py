@@ -10,6 +10,7 @@ H100; the loaded one holds `--instances` device instances (1 GiB and a 5 %
 compute share each, so every one is scheduled by the compute engine and has
 a usage file to read). Rounds interleave the three sides, alternating the
 order; prints p50 and p90 per scrape, the response size, and the ratios."""
+
 from __future__ import annotations
 
 import argparse
@@ -45,16 +46,36 @@ def _free_port() -> int:
 def start_daemon(tmp: Path, port: int) -> tuple[subprocess.Popen[bytes], Path]:
     tmp.mkdir()
     (tmp / "sim.conf").write_text('gpu name="NVIDIA H100 80GB HBM3" mem=80GiB sms=132\n')
-    env = dict(os.environ, LD_LIBRARY_PATH=str(native_dir() / "sim"), CGPU_SIM_CONFIG=str(tmp / "sim.conf"),
-               CGPU_SIM_STATE=str(tmp / "sim.state"), NOTIFY_SOCKET=str(tmp / "notify"))
+    env = dict(
+        os.environ,
+        LD_LIBRARY_PATH=str(native_dir() / "sim"),
+        CGPU_SIM_CONFIG=str(tmp / "sim.conf"),
+        CGPU_SIM_STATE=str(tmp / "sim.state"),
+        NOTIFY_SOCKET=str(tmp / "notify"),
+    )
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify.bind(str(tmp / "notify"))
     sock = tmp / "run" / "cgpud.sock"
     (tmp / "empty.toml").write_text("")
-    proc = subprocess.Popen([str(BIN / "cgpud"), "--config", str(tmp / "empty.toml"), "--state-dir",
-                             str(tmp / "state"), "--socket", str(sock), "--relay-socket", str(tmp / "run" / "relay"),
-                             "--mode", "core_mem", "--metrics-listen", f"127.0.0.1:{port}"],
-                            env=env, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            str(BIN / "cgpud"),
+            "--config",
+            str(tmp / "empty.toml"),
+            "--state-dir",
+            str(tmp / "state"),
+            "--socket",
+            str(sock),
+            "--relay-socket",
+            str(tmp / "run" / "relay"),
+            "--mode",
+            "core_mem",
+            "--metrics-listen",
+            f"127.0.0.1:{port}",
+        ],
+        env=env,
+        stderr=subprocess.DEVNULL,
+    )
     notify.settimeout(60)
     while b"READY=1" not in notify.recv(4096):
         pass
@@ -98,13 +119,16 @@ def main() -> int:
             share = max(1, 100 // args.instances // 5 * 5)
             with LocalClient(sock) as client:
                 for n in range(args.instances):
-                    created.append(client.create(Request(Owner(OwnerKind.DEVICE, f"bench-{n}"), GIB,
-                                                         core_percent=share)).id)
+                    created.append(
+                        client.create(Request(Owner(OwnerKind.DEVICE, f"bench-{n}"), GIB, core_percent=share)).id
+                    )
             bare = make_server("127.0.0.1", bare_port, make_wsgi_app(CollectorRegistry()), handler_class=_Quiet)
             threading.Thread(target=bare.serve_forever, daemon=True).start()
-            sides = {f"cgpud, {args.instances} instances": f"http://127.0.0.1:{loaded_port}/metrics",
-                     "cgpud, 0 instances": f"http://127.0.0.1:{empty_port}/metrics",
-                     "empty registry": f"http://127.0.0.1:{bare_port}/metrics"}
+            sides = {
+                f"cgpud, {args.instances} instances": f"http://127.0.0.1:{loaded_port}/metrics",
+                "cgpud, 0 instances": f"http://127.0.0.1:{empty_port}/metrics",
+                "empty registry": f"http://127.0.0.1:{bare_port}/metrics",
+            }
             times: dict[str, list[float]] = {k: [] for k in sides}
             sizes: dict[str, int] = {}
             for url in sides.values():
@@ -126,15 +150,20 @@ def main() -> int:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(timeout=30)
     print(f"command: {' '.join(sys.argv)}")
-    print(f"{args.rounds} rounds x {args.scrapes} scrapes per side, interleaved; urllib client, new connection "
-          "per scrape")
-    rows = [(name, f"{statistics.median(t) * 1e3:.2f}", f"{pct(t, 0.9) * 1e3:.2f}", str(sizes[name]))
-            for name, t in times.items()]
+    print(
+        f"{args.rounds} rounds x {args.scrapes} scrapes per side, interleaved; urllib client, new connection per scrape"
+    )
+    rows = [
+        (name, f"{statistics.median(t) * 1e3:.2f}", f"{pct(t, 0.9) * 1e3:.2f}", str(sizes[name]))
+        for name, t in times.items()
+    ]
     print_table(("side", "p50 ms", "p90 ms", "bytes"), rows)
     names = list(times)
     p50 = {n: statistics.median(times[n]) for n in names}
-    print(f"{names[0]} / {names[1]} (p50): {p50[names[0]] / p50[names[1]]:.2f}x "
-          f"(+{(p50[names[0]] - p50[names[1]]) * 1e3:.2f} ms for {args.instances} instances)")
+    print(
+        f"{names[0]} / {names[1]} (p50): {p50[names[0]] / p50[names[1]]:.2f}x "
+        f"(+{(p50[names[0]] - p50[names[1]]) * 1e3:.2f} ms for {args.instances} instances)"
+    )
     print(f"{names[0]} / {names[2]} (p50): {p50[names[0]] / p50[names[2]]:.2f}x")
     return 0
 

@@ -17,6 +17,7 @@ installed (it would not be this tree's).
 Run from the repository root:
     .venv/bin/python -m bench.bench_package [--rounds 7] [--install-rounds 5]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,8 +54,16 @@ def _run(*args: str | Path, timeout: float = 900) -> subprocess.CompletedProcess
 
 def build(tmp: Path) -> tuple[Path, Path, float]:
     start = time.monotonic()
-    out = _run(sys.executable, ROOT / "packaging" / "build.py", "--version", VERSION, "--out", tmp / "dist",
-               "--work", tmp / "work")
+    out = _run(
+        sys.executable,
+        ROOT / "packaging" / "build.py",
+        "--version",
+        VERSION,
+        "--out",
+        tmp / "dist",
+        "--work",
+        tmp / "work",
+    )
     paths = [Path(p) for p in out.stdout.split()]
     deb = next(p for p in paths if p.suffix == ".deb")
     rpm = next(p for p in paths if p.suffix == ".rpm")
@@ -77,18 +86,35 @@ def tree_size(root: Path) -> int:
 
 def start_to_ready(cgpud: Path, sim_lib: Path, tmp: Path) -> float:
     tmp.mkdir()
-    env = dict(os.environ, LD_LIBRARY_PATH=str(sim_lib), CGPU_SIM_CONFIG=str(write_sim_config(tmp / "sim.conf", 1)),
-               CGPU_SIM_STATE=str(tmp / "sim.state"), NOTIFY_SOCKET=str(tmp / "notify"))
+    env = dict(
+        os.environ,
+        LD_LIBRARY_PATH=str(sim_lib),
+        CGPU_SIM_CONFIG=str(write_sim_config(tmp / "sim.conf", 1)),
+        CGPU_SIM_STATE=str(tmp / "sim.state"),
+        NOTIFY_SOCKET=str(tmp / "notify"),
+    )
     (tmp / "none.toml").write_text("")
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
         notify.bind(str(tmp / "notify"))
         notify.settimeout(60)
         start = time.monotonic()
         with open(tmp / "log", "w") as log:
-            proc = subprocess.Popen([str(cgpud), "--config", str(tmp / "none.toml"), "--state-dir", str(tmp / "state"),
-                                     "--socket", str(tmp / "run" / "cgpud.sock"),
-                                     "--relay-socket", str(tmp / "run" / "relay.sock")],
-                                    env=env, stdout=subprocess.DEVNULL, stderr=log)
+            proc = subprocess.Popen(
+                [
+                    str(cgpud),
+                    "--config",
+                    str(tmp / "none.toml"),
+                    "--state-dir",
+                    str(tmp / "state"),
+                    "--socket",
+                    str(tmp / "run" / "cgpud.sock"),
+                    "--relay-socket",
+                    str(tmp / "run" / "relay.sock"),
+                ],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+            )
         try:
             while True:
                 try:
@@ -138,21 +164,35 @@ def main(argv: list[str] | None = None) -> int:
         if installed:
             subprocess.run(["dpkg", "--purge", "cgpu"], capture_output=True)
     mib = 1024 * 1024
-    print_table(("figure", "value"), [
-        ("deb size", f"{deb_bytes / mib:.1f} MiB"),
-        ("rpm size", f"{rpm_bytes / mib:.1f} MiB"),
-        ("installed tree", f"{installed_bytes / mib:.1f} MiB"),
-        ("build both (staging included)", f"{build_s:.1f} s"),
-        (f"dpkg -i into a root, median of {len(installs)}", f"{statistics.median(installs):.2f} s"),
-    ])
+    print_table(
+        ("figure", "value"),
+        [
+            ("deb size", f"{deb_bytes / mib:.1f} MiB"),
+            ("rpm size", f"{rpm_bytes / mib:.1f} MiB"),
+            ("installed tree", f"{installed_bytes / mib:.1f} MiB"),
+            ("build both (staging included)", f"{build_s:.1f} s"),
+            (f"dpkg -i into a root, median of {len(installs)}", f"{statistics.median(installs):.2f} s"),
+        ],
+    )
     print()
     pm, sm = statistics.median(package), statistics.median(source)
-    print_table(("cgpud start to READY=1", f"median of {args.rounds}", "min", "max"), [
-        ("package (/usr/bin/cgpud)", f"{pm * 1000:.0f} ms", f"{min(package) * 1000:.0f} ms",
-         f"{max(package) * 1000:.0f} ms"),
-        ("source tree (.venv/bin/cgpud)", f"{sm * 1000:.0f} ms", f"{min(source) * 1000:.0f} ms",
-         f"{max(source) * 1000:.0f} ms"),
-    ])
+    print_table(
+        ("cgpud start to READY=1", f"median of {args.rounds}", "min", "max"),
+        [
+            (
+                "package (/usr/bin/cgpud)",
+                f"{pm * 1000:.0f} ms",
+                f"{min(package) * 1000:.0f} ms",
+                f"{max(package) * 1000:.0f} ms",
+            ),
+            (
+                "source tree (.venv/bin/cgpud)",
+                f"{sm * 1000:.0f} ms",
+                f"{min(source) * 1000:.0f} ms",
+                f"{max(source) * 1000:.0f} ms",
+            ),
+        ],
+    )
     print(f"\npackage / source: {pm / sm:.2f}")
     return 0
 

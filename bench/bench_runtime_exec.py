@@ -16,6 +16,7 @@ Needs runc and a C compiler (`cc`).
 Run from the repository root:
     .venv/bin/python -m bench.bench_runtime_exec [--rounds 300] [--seed 1]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,12 +64,11 @@ def build_wrappers(work: Path, runc: str) -> dict[str, Path]:
 
 def time_once(argv: list[str], env: dict[str, str]) -> float:
     t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
+    proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     status = wait_exact(proc, 30)
     ms = (time.perf_counter() - t0) * 1e3
     if status != 0:
-        detail = proc.stderr.read().decode(errors='replace') if proc.stderr else ''
+        detail = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
         raise BenchError(f"{shlex.join(argv)} exited {status}: {detail}")
     if proc.stderr:
         proc.stderr.close()
@@ -102,8 +102,11 @@ def main(argv: list[str]) -> int:
             "wrapper, dynamic": [str(wrappers["dynamic"]), "--root", str(root), "list"],
             "wrapper, static": [str(wrappers["static"]), "--root", str(root), "list"],
         }
-        print(f"host:    {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start; "
-              f"{args.rounds} rounds, a fresh order each (--seed {args.seed})", flush=True)
+        print(
+            f"host:    {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start; "
+            f"{args.rounds} rounds, a fresh order each (--seed {args.seed})",
+            flush=True,
+        )
         ms: dict[str, list[float]] = {k: [] for k in variants}
         rng = random.Random(args.seed)
         for _ in range(2):  # warm-up: page cache, the first exec of each
@@ -123,9 +126,11 @@ def main(argv: list[str]) -> int:
         print_table(("runtime command (`--root R list`)", "median ms", "added vs runc, paired [~95%]"), rows)
         shim_added = statistics.median([x - y for x, y in zip(ms["cgpu-runtime"], base)])
         floor = statistics.median([x - y for x, y in zip(ms["wrapper, static"], base)])
-        print(f"\nPer container ({COMMANDS_PER_CONTAINER} commands): cgpu-runtime adds "
-              f"{COMMANDS_PER_CONTAINER * shim_added:+.2f} ms; a minimal wrapper on static glibc "
-              f"{COMMANDS_PER_CONTAINER * floor:+.2f} ms")
+        print(
+            f"\nPer container ({COMMANDS_PER_CONTAINER} commands): cgpu-runtime adds "
+            f"{COMMANDS_PER_CONTAINER * shim_added:+.2f} ms; a minimal wrapper on static glibc "
+            f"{COMMANDS_PER_CONTAINER * floor:+.2f} ms"
+        )
     return 0
 
 

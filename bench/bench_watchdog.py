@@ -21,6 +21,7 @@ It is a report: exit 0 whether or not a figure is good, 1 when it could not
 measure. Run from the repository root:
     .venv/bin/python -m bench.bench_watchdog [--trials 50] [--rounds 6] [--seconds 10] [--seed 16] [--quick]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,18 @@ from pathlib import Path
 
 from bench.table import print_table
 from cgpud.native import native_path
-from tests.harness.bypass_watch import (GIB, MIB, Tenant, bypass_command, bypass_events, neighbour_command, run_tenant,
-                                wait_dead, wait_events, watch_flags)
+from tests.harness.bypass_watch import (
+    GIB,
+    MIB,
+    Tenant,
+    bypass_command,
+    bypass_events,
+    neighbour_command,
+    run_tenant,
+    wait_dead,
+    wait_events,
+    watch_flags,
+)
 from tests.harness.sim import region_mounts as _region_mounts, write_sim_config
 from tests.harness.daemon import Daemon, make_daemon
 from tests.harness.sharerun import _process_cpu
@@ -127,14 +138,18 @@ def round_wall(port: int) -> tuple[float, int]:
     return (values["cgpu_bypass_duration_seconds_sum"] / count if count else 0.0), count
 
 
-def cpu(where: Path, rounds: int, seconds: float, instances: int) -> tuple[dict[float, list[float]],
-                                                                          dict[float, tuple[float, int]]]:
+def cpu(
+    where: Path, rounds: int, seconds: float, instances: int
+) -> tuple[dict[float, list[float]], dict[float, tuple[float, int]]]:
     intervals = (0.0, 1.0, 0.2)
     ports = {i: _free_port() for i in intervals}
     with ExitStack() as stack:
-        daemons = {i: stack.enter_context(daemon(where / f"cpu-{i}", *watch_flags("report", i), "--metrics-listen",
-                                                 f"127.0.0.1:{ports[i]}"))
-                   for i in intervals}
+        daemons = {
+            i: stack.enter_context(
+                daemon(where / f"cpu-{i}", *watch_flags("report", i), "--metrics-listen", f"127.0.0.1:{ports[i]}")
+            )
+            for i in intervals
+        }
         for i, d in daemons.items():
             for _ in range(instances):
                 t = run_tenant(d, "1", neighbour_command(512 * MIB), where / f"cpu-{i}")
@@ -177,31 +192,61 @@ def main() -> int:
         finally:
             unmount_regions(tmp)
     print(f"command: {' '.join(sys.argv)}")
-    print(f"detection latency: {args.trials} trials per interval, interleaved; elf bypass under cgpuctl run "
-          "--mem 1, 4 x 1 GiB, kill mode; from the crossing allocation (2nd GiB) to:")
+    print(
+        f"detection latency: {args.trials} trials per interval, interleaved; elf bypass under cgpuctl run "
+        "--mem 1, 4 x 1 GiB, kill mode; from the crossing allocation (2nd GiB) to:"
+    )
     rows = []
     for interval, pairs in lat.items():
         ev = [e for e, _ in pairs]
         dead = [k for _, k in pairs]
-        rows.append((f"--bypass-interval {interval:g}", f"{statistics.median(ev) * 1e3:.0f}",
-                     f"{max(ev) * 1e3:.0f}", f"{statistics.median(dead) * 1e3:.0f}", f"{max(dead) * 1e3:.0f}",
-                     f"{max(dead) / interval:.2f}"))
+        rows.append(
+            (
+                f"--bypass-interval {interval:g}",
+                f"{statistics.median(ev) * 1e3:.0f}",
+                f"{max(ev) * 1e3:.0f}",
+                f"{statistics.median(dead) * 1e3:.0f}",
+                f"{max(dead) * 1e3:.0f}",
+                f"{max(dead) / interval:.2f}",
+            )
+        )
     print_table(("interval", "event p50 ms", "event max ms", "dead p50 ms", "dead max ms", "max / interval"), rows)
     print()
-    print(f"cgpud CPU: {args.rounds} rounds of {args.seconds:g} s, {args.instances} instances each with one "
-          "process on the GPU; the three daemons side by side")
+    print(
+        f"cgpud CPU: {args.rounds} rounds of {args.seconds:g} s, {args.instances} instances each with one "
+        "process on the GPU; the three daemons side by side"
+    )
     base = statistics.median(use[0.0])
     rows = []
     for interval, spent in use.items():
         med = statistics.median(spent)
         per_round = (med - base) / (args.seconds / interval) * 1e3 if interval else 0.0
         wall, count = walls[interval]
-        rows.append((f"--bypass-interval {interval:g}", f"{med * 1e3:.0f}", f"{med / args.seconds * 100:.2f}",
-                     f"{med / base:.2f}" if base else "-", f"{(med - base) / args.seconds * 100:+.2f}",
-                     f"{per_round:.2f}" if interval else "-", f"{wall * 1e3:.2f} ({count})" if count else "-",
-                     " ".join(f"{s * 1e3:.0f}" for s in spent)))
-    print_table(("side", "CPU ms / round", "% core", "ratio to off", "watchdog % core", "CPU ms per watchdog round",
-                 "wall ms per watchdog round (n)", "each round (ms)"), rows)
+        rows.append(
+            (
+                f"--bypass-interval {interval:g}",
+                f"{med * 1e3:.0f}",
+                f"{med / args.seconds * 100:.2f}",
+                f"{med / base:.2f}" if base else "-",
+                f"{(med - base) / args.seconds * 100:+.2f}",
+                f"{per_round:.2f}" if interval else "-",
+                f"{wall * 1e3:.2f} ({count})" if count else "-",
+                " ".join(f"{s * 1e3:.0f}" for s in spent),
+            )
+        )
+    print_table(
+        (
+            "side",
+            "CPU ms / round",
+            "% core",
+            "ratio to off",
+            "watchdog % core",
+            "CPU ms per watchdog round",
+            "wall ms per watchdog round (n)",
+            "each round (ms)",
+        ),
+        rows,
+    )
     return 0
 
 

@@ -1,4 +1,5 @@
 """The one way benchmarks print a table: first column left, numbers right."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -1,4 +1,5 @@
 """cgpu: node-local GPU sharing and isolation runtime."""
+
 from __future__ import annotations
 
 from importlib import metadata

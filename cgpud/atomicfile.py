@@ -1,6 +1,7 @@
 """Replacing a file so that readers see the old one or the new one, never a
 partial write: a temp file in the same directory, renamed over the target.
 The one implementation behind regions, runtime files, specs and configs."""
+
 from __future__ import annotations
 
 import contextlib
@@ -17,8 +18,16 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, data: bytes, mode: int, *, durable: bool = True, sync_dir: bool | None = None,
-                 owner: tuple[int, int] | None = None, suffix: str = "") -> None:
+def write_atomic(
+    path: Path,
+    data: bytes,
+    mode: int,
+    *,
+    durable: bool = True,
+    sync_dir: bool | None = None,
+    owner: tuple[int, int] | None = None,
+    suffix: str = "",
+) -> None:
     """`durable` also survives a power loss (fsync of the file, then of the
     directory unless `sync_dir` is False because the caller syncs it once
     after several files); without it the rename is atomic but may be lost

@@ -18,6 +18,7 @@ one allocation. Three bounds close that:
 Thread-safety: a ConnectionTable is shared by the accepting thread, the
 handler threads and its reaper (one lock); Budget likewise.
 """
+
 from __future__ import annotations
 
 import socket

@@ -4,6 +4,7 @@ A single read asked for `limit` bytes makes Python allocate them first (an
 8 MiB spec, a 16 MiB mount table): a fresh mapping, its page faults and its
 unmapping on every call, the unmapping a TLB shootdown across a threaded
 daemon's CPUs. Pieces under glibc's mmap threshold come from the heap."""
+
 from __future__ import annotations
 
 import os

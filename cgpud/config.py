@@ -2,6 +2,7 @@
 flags and their help are all derived, so a setting is written down once.
 Defaults the daemon's vocabulary (model.py) or the C scheduler core already
 state are taken from there, and the core's limits come from its header."""
+
 from __future__ import annotations
 
 import argparse
@@ -17,8 +18,16 @@ from cgpud.api import DEFAULT_SOCKET
 from cgpud.api.listen import parse_endpoint, plaintext_problem, tls_problem
 from cgpud.contract import ENV_PREFIX, RELAY_DEFAULT_SOCKET
 from cgpud.node.bypass_model import AllowRule, BypassAction, WatchSettings
-from cgpud.node.model import (MAX_SCHEDULED, ComputePolicy, ComputeTiming, NodeMode, NodePolicy, Orchestrator,
-                              Placement, isolates)
+from cgpud.node.model import (
+    MAX_SCHEDULED,
+    ComputePolicy,
+    ComputeTiming,
+    NodeMode,
+    NodePolicy,
+    Orchestrator,
+    Placement,
+    isolates,
+)
 from cgpud.node.compute_policy import decode_compute_policies
 from cgpud.node.bypass_policy import DEFAULT_ALLOW, parse_allow
 from cgpud.errors import UsageError
@@ -54,7 +63,7 @@ class DaemonConfig:
         _NODE.compute_policy, ", ".join(f"{int(p)} {p.name.lower()}" for p in ComputePolicy)
     )
     gpu_compute_policy: str = _setting(
-        "", "GPUs whose compute policy differs from compute_policy, as index=policy pairs: \"1=5 2=3\""
+        "", 'GPUs whose compute policy differs from compute_policy, as index=policy pairs: "1=5 2=3"'
     )
     compute_period_ms: float = _setting(
         _TIMING.period_ns / _MS, f"compute scheduling period: shares hold within each period ({_range(PERIOD_MS)} ms)"
@@ -91,7 +100,7 @@ class DaemonConfig:
         DEFAULT_PROBE_INTERVAL, "seconds between NVML probes of every GPU for its device plugin health (0.1-3600)"
     )
     gpu_health_skip_xids: str = _setting(
-        "", "XIDs that leave a GPU Healthy besides NVIDIA's application ones (13 31 43 45 68 109): \"48 94\""
+        "", 'XIDs that leave a GPU Healthy besides NVIDIA\'s application ones (13 31 43 45 68 109): "48 94"'
     )
     gpu_health_recovery_window: float = _setting(
         DEFAULT_RECOVERY_WINDOW, "seconds with no fatal XID after which a GPU is Healthy again (0: only a reset)"
@@ -117,8 +126,9 @@ class DaemonConfig:
         False, "serve the Capacity API in plaintext on a non-loopback address (without TLS files)"
     )
     capacity_advertise: str = _setting(
-        "", "HOST:PORT written on the Node for cgpu-scheduler (orchestrator kubernetes); empty: the listen address, "
-        "or the node's primary address when listening on every address"
+        "",
+        "HOST:PORT written on the Node for cgpu-scheduler (orchestrator kubernetes); empty: the listen address, "
+        "or the node's primary address when listening on every address",
     )
     reservation_ttl: float = _setting(
         120.0, "seconds a Capacity reservation holds unless its Reserve says otherwise (1-3600)"
@@ -127,28 +137,34 @@ class DaemonConfig:
         "", "HOST:PORT where cgpud serves Prometheus metrics at /metrics (IPv6 in brackets); empty: not served"
     )
     bypass_interval: float = _setting(
-        1.0, "seconds between rounds of the bypass watchdog, which finds processes going around libcgpu through "
-        "NVML (0.1-60; 0: off); it watches only in modes that isolate (cgpu, core_mem, mps)"
+        1.0,
+        "seconds between rounds of the bypass watchdog, which finds processes going around libcgpu through "
+        "NVML (0.1-60; 0: off); it watches only in modes that isolate (cgpu, core_mem, mps)",
     )
     bypass_action: BypassAction = _setting(
-        BypassAction.REPORT, "what the bypass watchdog does about an instance's offending processes: report, or kill "
-        "(SIGKILL; a process of no instance is only reported unless bypass_kill_unknown)"
+        BypassAction.REPORT,
+        "what the bypass watchdog does about an instance's offending processes: report, or kill "
+        "(SIGKILL; a process of no instance is only reported unless bypass_kill_unknown)",
     )
     bypass_kill_unknown: bool = _setting(
-        False, "with bypass_action kill, also SIGKILL processes on a GPU that belong to no instance and are not on "
-        "bypass_allow (put every daemon and tool of the node that uses GPUs on bypass_allow first)"
+        False,
+        "with bypass_action kill, also SIGKILL processes on a GPU that belong to no instance and are not on "
+        "bypass_allow (put every daemon and tool of the node that uses GPUs on bypass_allow first)",
     )
     bypass_memory_slack_mib: int = _setting(
-        512, "MiB each of an instance's processes on a GPU may hold past its limit there before the watchdog counts "
-        "it (the driver's context memory, which libcgpu does not charge; 0-65536)"
+        512,
+        "MiB each of an instance's processes on a GPU may hold past its limit there before the watchdog counts "
+        "it (the driver's context memory, which libcgpu does not charge; 0-65536)",
     )
     bypass_memory_slack_processes: int = _setting(
-        4, "processes of an instance on a GPU the memory slack is given for, at most: a tenant that forks more "
-        "gains nothing (1-1024)"
+        4,
+        "processes of an instance on a GPU the memory slack is given for, at most: a tenant that forks more "
+        "gains nothing (1-1024)",
     )
     bypass_allow: str = _setting(
-        "", "processes that may use a GPU without an instance, besides NVIDIA's daemons: space-separated "
-        "cgroup:GLOB or exe:GLOB, \"cgroup:/system.slice/dcgm* exe:/usr/bin/nv-hostengine\""
+        "",
+        "processes that may use a GPU without an instance, besides NVIDIA's daemons: space-separated "
+        'cgroup:GLOB or exe:GLOB, "cgroup:/system.slice/dcgm* exe:/usr/bin/nv-hostengine"',
     )
     bypass_compute_window: float = _setting(
         5.0, "seconds of NVML utilisation samples the watchdog's compute rule averages (1-600)"
@@ -165,8 +181,9 @@ class DaemonConfig:
         return HealthPolicy.build(parse_xids(self.gpu_health_skip_xids), self.gpu_health_recovery_window)
 
     def timing(self) -> ComputeTiming:
-        return ComputeTiming(round(self.compute_period_ms * 1e6), round(self.compute_slice_ms * 1e6),
-                      self.high_priority_percent)
+        return ComputeTiming(
+            round(self.compute_period_ms * 1e6), round(self.compute_slice_ms * 1e6), self.high_priority_percent
+        )
 
     def allow_rules(self) -> tuple[AllowRule, ...]:
         return (*DEFAULT_ALLOW, *parse_allow(self.bypass_allow))
@@ -174,10 +191,14 @@ class DaemonConfig:
     def watch_settings(self) -> WatchSettings:
         """The bypass watchdog's rule settings; `isolating` follows the mode
         of each round (node labels may change it)."""
-        return WatchSettings(self.bypass_memory_slack_mib * MIB, self.bypass_compute_excess_percent,
-                             self.allow_rules(), isolating=isolates(self.mode),
-                             memory_slack_processes=self.bypass_memory_slack_processes,
-                             kill_unknown=self.bypass_kill_unknown)
+        return WatchSettings(
+            self.bypass_memory_slack_mib * MIB,
+            self.bypass_compute_excess_percent,
+            self.allow_rules(),
+            isolating=isolates(self.mode),
+            memory_slack_processes=self.bypass_memory_slack_processes,
+            kill_unknown=self.bypass_kill_unknown,
+        )
 
     @property
     def database(self) -> Path:
@@ -207,8 +228,11 @@ def _convert(name: str, kind: type, value: Any) -> Any:
                 return _BOOLS[value.strip().lower()]
     except (TypeError, ValueError):
         pass
-    choices = (f" (one of: {', '.join(str(m.value) for m in kind)})"
-               if isinstance(kind, type) and issubclass(kind, Enum) else "")
+    choices = (
+        f" (one of: {', '.join(str(m.value) for m in kind)})"
+        if isinstance(kind, type) and issubclass(kind, Enum)
+        else ""
+    )
     raise UsageError(f"setting {name} = {value!r} is not valid{choices}")
 
 
@@ -225,14 +249,18 @@ def validate(config: DaemonConfig) -> DaemonConfig:
     if not 1 <= config.core_step <= 100:
         raise UsageError("core_step must be between 1 and 100")
     if config.mode is NodeMode.CORE_MEM and config.max_instances_per_gpu > MAX_SCHEDULED:
-        raise UsageError(f"max_instances_per_gpu must be at most {MAX_SCHEDULED} in core_mem mode "
-                         "(the instances the compute scheduler takes per GPU)")
+        raise UsageError(
+            f"max_instances_per_gpu must be at most {MAX_SCHEDULED} in core_mem mode "
+            "(the instances the compute scheduler takes per GPU)"
+        )
     config.policy()  # a bad gpu_compute_policy is refused at start, not at the first request
     if not PERIOD_MS[0] <= config.compute_period_ms <= PERIOD_MS[1]:
         raise UsageError(f"compute_period_ms must be between {PERIOD_MS[0]:g} and {PERIOD_MS[1]:g}")
     if not SLICE_MS[0] <= config.compute_slice_ms <= min(SLICE_MS[1], config.compute_period_ms):
-        raise UsageError(f"compute_slice_ms must be between {SLICE_MS[0]:g} and {SLICE_MS[1]:g}, "
-                         "and not longer than compute_period_ms")
+        raise UsageError(
+            f"compute_slice_ms must be between {SLICE_MS[0]:g} and {SLICE_MS[1]:g}, "
+            "and not longer than compute_period_ms"
+        )
     if not 0 <= config.high_priority_percent <= 100:
         raise UsageError("high_priority_percent must be between 0 and 100")
     if not 0.1 <= config.sweep_interval <= 3600:
@@ -270,8 +298,11 @@ def _validate_capacity(config: DaemonConfig) -> None:
     if problem is None and config.capacity_advertise:
         parse_endpoint(config.capacity_advertise, "capacity_advertise", port_optional=True)
     if problem is None and config.capacity_listen:
-        problem = plaintext_problem(parse_endpoint(config.capacity_listen, "capacity_listen"),
-                                    bool(config.capacity_tls_cert), config.capacity_insecure)
+        problem = plaintext_problem(
+            parse_endpoint(config.capacity_listen, "capacity_listen"),
+            bool(config.capacity_tls_cert),
+            config.capacity_insecure,
+        )
     if problem is not None:
         raise UsageError(problem)
 
@@ -305,8 +336,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for f in fields(DaemonConfig):
         # A bool flag alone means true; "--flag false" still says no.
         extra: dict[str, Any] = {"nargs": "?", "const": "true"} if kinds[f.name] is bool else {}
-        parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=None, metavar=f.name.upper(),
-                            help=f"{f.metadata['help']} (default {getattr(f.default, 'value', f.default)})", **extra)
+        parser.add_argument(
+            f"--{f.name.replace('_', '-')}",
+            dest=f.name,
+            default=None,
+            metavar=f.name.upper(),
+            help=f"{f.metadata['help']} (default {getattr(f.default, 'value', f.default)})",
+            **extra,
+        )
 
 
 def from_arguments(args: argparse.Namespace) -> DaemonConfig:

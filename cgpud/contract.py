@@ -2,6 +2,7 @@
 read from the C headers through cffi so that each value is written once:
 cgpu/region.h (where a container finds its region) and cgpu/relay_wire.h
 (the relay protocol, which that header describes)."""
+
 from __future__ import annotations
 
 from cgpud._region import ffi, lib

@@ -1,5 +1,6 @@
 """The one exception hierarchy of cgpu: every failure a user can meet is a
 CgpuError whose message says what was being done and what to fix."""
+
 from __future__ import annotations
 
 

@@ -1,5 +1,6 @@
 """structlog set-up shared by cgpud and cgpuctl: JSON lines when stderr is
 not a terminal (journald, files), readable key=value on a terminal."""
+
 from __future__ import annotations
 
 import logging

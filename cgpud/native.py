@@ -1,4 +1,5 @@
 """Where the C parts built by `pip install` live inside the package."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -12,6 +12,7 @@ interpreter's C-level handler writes the signal's number to a pipe
 Ownership: one StopSignals per process, made and used by the main thread
 only (set_wakeup_fd and signal.signal demand it); `stop` may be read and
 set by any thread."""
+
 from __future__ import annotations
 
 import os

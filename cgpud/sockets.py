@@ -1,6 +1,7 @@
 """Unix sockets cgpud serves on (the gRPC API, the relay socket): a
 root-owned directory others cannot write, and a stale socket removed only
 when nothing answers on it."""
+
 from __future__ import annotations
 
 import os

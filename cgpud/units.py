@@ -1,6 +1,7 @@
 """Sizes of GPU memory as people write and read them. One parser for every
 entry point, so a bare number means one thing everywhere: GiB, as in ACK's
 `aliyun.com/gpu-mem`."""
+
 from __future__ import annotations
 
 import re

@@ -1,6 +1,7 @@
 """How every C part of cgpu is built: one table of targets, one compile
 function. setup.py calls it during `pip install`; tests call it for the
 sanitizer and real-cuda.h builds. Needs only a C compiler."""
+
 from __future__ import annotations
 
 import os
@@ -22,13 +23,30 @@ BASE_FLAGS = ("-std=c11", "-g", "-fPIC", "-fvisibility=hidden", "-fno-semantic-i
 SANITIZE_FLAGS = ("-O1", "-fno-omit-frame-pointer", "-fsanitize=address,undefined", "-fno-sanitize-recover=all")
 SIM_STATE = ("simgpu/simstate.c", "simgpu/simconfig.c")
 # The simulated driver's device and host memory, one family a file.
-SIM_MEMORY = tuple(f"simgpu/{f}" for f in (
-    "driver_alloc.c", "driver_pool.c", "driver_vmm.c", "driver_ipc.c", "driver_array.c", "driver_limits.c",
-    "driver_hostmem.c", "driver_managed.c", "driver_copy.c", "driver_hostfn.c", "driver_pointer.c"))
+SIM_MEMORY = tuple(
+    f"simgpu/{f}"
+    for f in (
+        "driver_alloc.c",
+        "driver_pool.c",
+        "driver_vmm.c",
+        "driver_ipc.c",
+        "driver_array.c",
+        "driver_limits.c",
+        "driver_hostmem.c",
+        "driver_managed.c",
+        "driver_copy.c",
+        "driver_hostfn.c",
+        "driver_pointer.c",
+    )
+)
 FREESTANDING_MACHINES = ("x86_64", "aarch64")
-FREESTANDING_CFLAGS = ("-DCGPU_FRONT_FREESTANDING", "-ffreestanding", "-fno-stack-protector",
-                       # else GCC may turn memset's own loop into a call to memset
-                       "-fno-tree-loop-distribute-patterns")
+FREESTANDING_CFLAGS = (
+    "-DCGPU_FRONT_FREESTANDING",
+    "-ffreestanding",
+    "-fno-stack-protector",
+    # else GCC may turn memset's own loop into a call to memset
+    "-fno-tree-loop-distribute-patterns",
+)
 FREESTANDING_LDFLAGS = ("-static", "-nostdlib", "-no-pie")
 
 
@@ -56,8 +74,17 @@ class Target:
 TARGETS: tuple[Target, ...] = (
     Target(
         "sim/libcuda.so.1",
-        ("simgpu/driver_core.c", *SIM_MEMORY, "simgpu/driver_exec.c", "simgpu/driver_forwards.c",
-         "simgpu/export_tables.c", "simgpu/library.c", "simgpu/capture.c", "simgpu/driver_stubs.c", *SIM_STATE),
+        (
+            "simgpu/driver_core.c",
+            *SIM_MEMORY,
+            "simgpu/driver_exec.c",
+            "simgpu/driver_forwards.c",
+            "simgpu/export_tables.c",
+            "simgpu/library.c",
+            "simgpu/capture.c",
+            "simgpu/driver_stubs.c",
+            *SIM_STATE,
+        ),
         exports=("include/cgpu/cuda_functions.def", "CU_FN"),
         extra_exports=(("simgpu/cuda_unmodelled.def", "CU_STUB"),),
         libs=("-lpthread",),
@@ -169,11 +196,12 @@ def compile_target(target: Target, out_dir: Path, variant: Variant = RELEASE, cc
     out = out_dir / target.output
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="cgpu-build-") as tmp:
-        freestanding = target.freestanding and variant.name != SANITIZE.name and \
-            platform.machine() in FREESTANDING_MACHINES
+        freestanding = (
+            target.freestanding and variant.name != SANITIZE.name and platform.machine() in FREESTANDING_MACHINES
+        )
         cmd = [cc, *BASE_FLAGS, *variant.cflags, version_define(), *(FREESTANDING_CFLAGS if freestanding else ())]
         cmd += [f"-D{d}" for d in variant.defines]
-        cmd += [str(CSRC / f[len("csrc/"):]) if f.startswith("csrc/") else f for f in target.cflags]
+        cmd += [str(CSRC / f[len("csrc/") :]) if f.startswith("csrc/") else f for f in target.cflags]
         cmd += [f"-I{CSRC / inc}" for inc in target.includes]
         cmd += [f"-I{inc}" for inc in variant.extra_includes]
         if target.shared:

@@ -11,6 +11,7 @@ staged once under --work and reused by every version built in the same call
 (and by later calls with --reuse), so tests can build a "previous" and a
 "newer" package cheaply.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,18 @@ PACKAGE = "cgpu"
 
 # Standard-library parts a daemon never imports: tests, GUIs, installers.
 # (config-*, the static libpython for embedding, is skipped too.)
-STDLIB_PRUNE = {"test", "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3", "site-packages", "venv",
-                "__pycache__", "turtle.py"}
+STDLIB_PRUNE = {
+    "test",
+    "idlelib",
+    "tkinter",
+    "turtledemo",
+    "ensurepip",
+    "lib2to3",
+    "site-packages",
+    "venv",
+    "__pycache__",
+    "turtle.py",
+}
 DYNLOAD_PRUNE = re.compile(r"^(_tkinter|_test|_xxtest|xxlimited|_ctypes_test|xxsubtype)")
 
 
@@ -47,6 +58,7 @@ class BuildError(RuntimeError):
 @dataclass(frozen=True)
 class Layout:
     """Where one version's files go on the target system."""
+
     version: str
 
     @property
@@ -199,8 +211,12 @@ def stage_project(site: Path) -> None:
     """The source tree's cgpud with the C parts built in place (the
     extensions, the relays, libcgpu, the simulated driver and its tools)."""
     src = REPO / "cgpud"
-    for needed in ("_native/lib/libcgpu.so", "_native/bin/cgpu-runtime", "_native/bin/cgpu-runtime-gpu",
-                   "_native/sim/libcuda.so.1"):
+    for needed in (
+        "_native/lib/libcgpu.so",
+        "_native/bin/cgpu-runtime",
+        "_native/bin/cgpu-runtime-gpu",
+        "_native/sim/libcuda.so.1",
+    ):
         if not (src / needed).exists():
             raise BuildError(f"{src / needed} is missing: build the C parts first (./dev package does)")
     if not list(src.glob("_region*.so")) or not list(src.glob("_scheduler*.so")):
@@ -220,8 +236,18 @@ def stage_base(base: Path) -> None:
     # a __pycache__ that dpkg does not know about, and the daemon starts
     # fast. Unchecked hashes: file times in the package do not matter.
     bundled = python / "bin" / PYVER
-    run(bundled, "-I", "-m", "compileall", "-q", "-j", "0", "--invalidation-mode", "unchecked-hash",
-        python / "lib" / PYVER)
+    run(
+        bundled,
+        "-I",
+        "-m",
+        "compileall",
+        "-q",
+        "-j",
+        "0",
+        "--invalidation-mode",
+        "unchecked-hash",
+        python / "lib" / PYVER,
+    )
 
 
 # ---------------------------------------------------- one version's root
@@ -259,9 +285,7 @@ def _wrapper(layout: Layout, target: str) -> str:
     module, func = target.split(":")
     # -I: no PYTHON* variables, no user site, no script directory on the
     # path; -B: never write bytecode into /opt (it is all precompiled).
-    return (f"#!{layout.python} -IB\n"
-            f"import sys\nfrom {module} import {func}\n"
-            f"sys.exit({func}())\n")
+    return f"#!{layout.python} -IB\nimport sys\nfrom {module} import {func}\nsys.exit({func}())\n"
 
 
 def stage_root(base: Path, root: Path, version: str) -> Layout:
@@ -279,8 +303,7 @@ def stage_root(base: Path, root: Path, version: str) -> Layout:
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: cgpud\nVersion: {version}\n")
     (info / "INSTALLER").write_text("cgpu package\n")
     scripts = console_scripts()
-    (info / "entry_points.txt").write_text(
-        "[console_scripts]\n" + "".join(f"{k} = {v}\n" for k, v in scripts.items()))
+    (info / "entry_points.txt").write_text("[console_scripts]\n" + "".join(f"{k} = {v}\n" for k, v in scripts.items()))
     (info / "RECORD").write_text("")
     bindir = prefix / "bin"
     bindir.mkdir()
@@ -311,8 +334,11 @@ def deb_depends(root: Path) -> list[str]:
         out = subprocess.run(["ldd", str(path)], capture_output=True, text=True).stdout
         for m in re.finditer(r"=> (/\S+)", out):
             lib = Path(m.group(1))
-            if not str(lib.resolve()).startswith(str(root)) and "libpython" not in lib.name \
-                    and not lib.name.startswith(("libcuda", "libnvidia-ml")):
+            if (
+                not str(lib.resolve()).startswith(str(root))
+                and "libpython" not in lib.name
+                and not lib.name.startswith(("libcuda", "libnvidia-ml"))
+            ):
                 libs.add(str(lib))
     packages: set[str] = set()
     for lib in sorted(libs):
@@ -350,8 +376,11 @@ def _elf_files(root: Path) -> list[Path]:
 def glibc_floor(root: Path) -> str:
     """The newest GLIBC_x.y symbol version any ELF file in the tree needs:
     the oldest glibc the package runs on (what this machine built against)."""
-    versions = {tuple(int(n) for n in m.split(b"."))
-                for path in _elf_files(root) for m in re.findall(rb"GLIBC_(2\.[0-9]+)", path.read_bytes())}
+    versions = {
+        tuple(int(n) for n in m.split(b"."))
+        for path in _elf_files(root)
+        for m in re.findall(rb"GLIBC_(2\.[0-9]+)", path.read_bytes())
+    }
     if not versions:
         raise BuildError(f"no GLIBC_ symbol versions under {root}")
     return ".".join(map(str, max(versions)))
@@ -371,8 +400,11 @@ def build_deb(root: Path, layout: Layout, out: Path, depends: Sequence[str]) -> 
     unit_dir = root / "lib" / "systemd" / "system"
     unit_dir.mkdir(parents=True)
     shutil.copy2(REPO / "systemd" / "cgpud.service", unit_dir / "cgpud.service")
-    control = (PACKAGING / "deb" / "control").read_text().format(
-        version=layout.version, depends=", ".join(depends), installed_size=_installed_size_kib(root))
+    control = (
+        (PACKAGING / "deb" / "control")
+        .read_text()
+        .format(version=layout.version, depends=", ".join(depends), installed_size=_installed_size_kib(root))
+    )
     (debian / "control").write_text(control)
     shutil.copy2(PACKAGING / "deb" / "conffiles", debian / "conffiles")
     for script in ("prerm", "postinst", "postrm"):
@@ -399,13 +431,23 @@ def build_rpm(root: Path, layout: Layout, out: Path, work: Path) -> Path:
     # rpm's Version may not hold '-'; deb versions we build never do either.
     if "-" in layout.version:
         raise BuildError(f"version {layout.version!r}: rpm versions cannot contain '-'")
-    run("rpmbuild", "-bb", "--quiet", "--nodeps",
-        "--define", f"_topdir {top}",
-        "--define", f"cgpu_version {layout.version}",
-        "--define", f"cgpu_root {root}",
-        "--define", f"glibc_min {glibc_floor(root)}",
-        "--define", f"cgpu_unit {REPO / 'systemd' / 'cgpud.service'}",
-        PACKAGING / "rpm" / "cgpu.spec")
+    run(
+        "rpmbuild",
+        "-bb",
+        "--quiet",
+        "--nodeps",
+        "--define",
+        f"_topdir {top}",
+        "--define",
+        f"cgpu_version {layout.version}",
+        "--define",
+        f"cgpu_root {root}",
+        "--define",
+        f"glibc_min {glibc_floor(root)}",
+        "--define",
+        f"cgpu_unit {REPO / 'systemd' / 'cgpud.service'}",
+        PACKAGING / "rpm" / "cgpu.spec",
+    )
     built = list((top / "RPMS").rglob("*.rpm"))
     if len(built) != 1:
         raise BuildError(f"rpmbuild made {built}, expected one rpm")
@@ -419,8 +461,9 @@ def build_rpm(root: Path, layout: Layout, out: Path, work: Path) -> Path:
 # ------------------------------------------------------------------- entry
 
 
-def build(versions: Sequence[str], out: Path, work: Path, formats: Sequence[str] = ("deb", "rpm"),
-          reuse: bool = False) -> list[Path]:
+def build(
+    versions: Sequence[str], out: Path, work: Path, formats: Sequence[str] = ("deb", "rpm"), reuse: bool = False
+) -> list[Path]:
     base = work / "base"
     if not (reuse and (base / "python" / "bin" / PYVER).exists()):
         stage_base(base)
@@ -439,8 +482,12 @@ def build(versions: Sequence[str], out: Path, work: Path, formats: Sequence[str]
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Build cgpu's deb and rpm.")
-    p.add_argument("--version", action="append", dest="versions",
-                   help="package version (default: pyproject's); repeat to build several from one staged tree")
+    p.add_argument(
+        "--version",
+        action="append",
+        dest="versions",
+        help="package version (default: pyproject's); repeat to build several from one staged tree",
+    )
     p.add_argument("--out", type=Path, default=REPO / "dist")
     p.add_argument("--work", type=Path, default=REPO / "build" / "package")
     p.add_argument("--formats", default="deb,rpm", help="comma-separated: deb, rpm")

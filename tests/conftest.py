@@ -1,5 +1,6 @@
 """Fixtures shared by every test: the built native parts and a private
 simulated machine per test, so tests never see each other's GPU state."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator

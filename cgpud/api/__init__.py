@@ -2,6 +2,7 @@
 (cgpud.api.cgpu.v1.local_pb2, _pb2_grpc; made at build time, never
 committed), the model <-> protobuf mapping (convert) and the server (server).
 The client lives in cgpud.cli.client."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -8,6 +8,7 @@ first and the state after it: a view claiming revision R holds every change
 up to R (perhaps a later one too, which the next view repeats).
 
 Serving (TLS, listen address, health) is capacity_server.py's."""
+
 from __future__ import annotations
 
 import builtins
@@ -65,8 +66,9 @@ class CapacityService(Protocol):
 
     def holdings(self) -> tuple[builtins.list[Instance], builtins.list[Reservation]]: ...
 
-    def reserve(self, pod_uid: str, namespace: str, name: str, shares: Sequence[Share],
-                ttl: float | None = None) -> Reservation: ...
+    def reserve(
+        self, pod_uid: str, namespace: str, name: str, shares: Sequence[Share], ttl: float | None = None
+    ) -> Reservation: ...
 
     def unreserve(self, pod_uid: str) -> bool: ...
 
@@ -89,7 +91,7 @@ class NodeFacts:
 
 
 def _pci_key(bus_id: str) -> tuple[int, ...] | None:
-    """"00000000:17:00.0" and "0000:17:00.0" name the same function."""
+    """ "00000000:17:00.0" and "0000:17:00.0" name the same function."""
     try:
         domain, bus, rest = bus_id.strip().split(":")
         device, function = rest.split(".")
@@ -117,11 +119,15 @@ def node_facts(inventory: Inventory, name: str, addresses: Sequence[str]) -> Nod
     labels = inventory.card_labels()
     first = inventory.gpus[0] if inventory.gpus else None
     return NodeFacts(
-        name=name, addresses=tuple(dict.fromkeys(a for a in addresses if a)),
+        name=name,
+        addresses=tuple(dict.fromkeys(a for a in addresses if a)),
         driver_version=inventory.driver_version,
         card_name=labels.get("aliyun.accelerator/nvidia_name", ""),
-        card_memory=first.memory_total if first else 0, card_count=len(inventory.gpus),
-        models={g.index: g.name for g in inventory.gpus}, nvlinks=nvlink_pairs(inventory.gpus))
+        card_memory=first.memory_total if first else 0,
+        card_count=len(inventory.gpus),
+        models={g.index: g.name for g in inventory.gpus},
+        nvlinks=nvlink_pairs(inventory.gpus),
+    )
 
 
 @dataclass(frozen=True)
@@ -137,26 +143,37 @@ class NodeSnapshot:
 
 
 def _share_pb(share: Share) -> pb.Share:
-    return pb.Share(gpu_index=share.gpu_index, memory_bytes=share.memory, core_percent=share.core_percent,
-                    instances=share.instances)
+    return pb.Share(
+        gpu_index=share.gpu_index, memory_bytes=share.memory, core_percent=share.core_percent, instances=share.instances
+    )
 
 
 def reservation_to_pb(r: Reservation, revision: int = 0, incarnation: str = "") -> pb.Reservation:
-    return pb.Reservation(pod_uid=r.pod_uid, pod_namespace=r.pod_namespace, pod_name=r.pod_name,
-                          shares=[_share_pb(s) for s in r.shares], expires_unix_ms=round(r.expires * 1000),
-                          revision=revision, incarnation=incarnation)
+    return pb.Reservation(
+        pod_uid=r.pod_uid,
+        pod_namespace=r.pod_namespace,
+        pod_name=r.pod_name,
+        shares=[_share_pb(s) for s in r.shares],
+        expires_unix_ms=round(r.expires * 1000),
+        revision=revision,
+        incarnation=incarnation,
+    )
 
 
 def _pod_instance(instance: Instance) -> pb.PodInstance:
     owner = PodContainer.parse(instance.owner.id)
     # An owner id the device plugin did not write (an older cgpud) still
     # names the pod somehow: show it whole as the UID.
-    uid, namespace, name, container = ((owner.uid, owner.namespace, owner.name, owner.container) if owner
-                                       else (instance.owner.id, "", "", ""))
-    shares = [pb.Share(gpu_index=g.gpu_index, memory_bytes=g.memory, core_percent=g.core_percent, instances=1)
-              for g in sorted(instance.grants, key=lambda g: g.gpu_index)]
-    return pb.PodInstance(instance_id=instance.id, pod_uid=uid, pod_namespace=namespace, pod_name=name,
-                          container=container, shares=shares)
+    uid, namespace, name, container = (
+        (owner.uid, owner.namespace, owner.name, owner.container) if owner else (instance.owner.id, "", "", "")
+    )
+    shares = [
+        pb.Share(gpu_index=g.gpu_index, memory_bytes=g.memory, core_percent=g.core_percent, instances=1)
+        for g in sorted(instance.grants, key=lambda g: g.gpu_index)
+    ]
+    return pb.PodInstance(
+        instance_id=instance.id, pod_uid=uid, pod_namespace=namespace, pod_name=name, container=container, shares=shares
+    )
 
 
 def node_view(s: NodeSnapshot) -> pb.NodeView:
@@ -170,21 +187,39 @@ def node_view(s: NodeSnapshot) -> pb.NodeView:
     for u in held:
         index = u.gpu.index
         healthy, reason = s.health.get(index, (True, ""))
-        gpus.append(pb.GpuView(
-            index=index, uuid=u.gpu.uuid, model=s.facts.models.get(index, ""), memory_total_bytes=u.gpu.memory,
-            memory_allocated_bytes=u.allocated, core_allocated_percent=u.core_percent, instances=u.instances,
-            max_instances=s.policy.max_instances_per_gpu, healthy=healthy,
-            health_reason="" if healthy else (reason or "unhealthy"),
-            memory_reserved_bytes=reserved[index].allocated, core_reserved_percent=reserved[index].core_percent))
+        gpus.append(
+            pb.GpuView(
+                index=index,
+                uuid=u.gpu.uuid,
+                model=s.facts.models.get(index, ""),
+                memory_total_bytes=u.gpu.memory,
+                memory_allocated_bytes=u.allocated,
+                core_allocated_percent=u.core_percent,
+                instances=u.instances,
+                max_instances=s.policy.max_instances_per_gpu,
+                healthy=healthy,
+                health_reason="" if healthy else (reason or "unhealthy"),
+                memory_reserved_bytes=reserved[index].allocated,
+                core_reserved_percent=reserved[index].core_percent,
+            )
+        )
     pods = [i for i in active if i.owner.kind is OwnerKind.POD]
     return pb.NodeView(
-        incarnation=s.incarnation, revision=s.revision, node_name=s.facts.name, addresses=list(s.facts.addresses),
-        mode=s.policy.mode.value, placement=s.policy.placement.value, core_step=s.policy.core_step,
+        incarnation=s.incarnation,
+        revision=s.revision,
+        node_name=s.facts.name,
+        addresses=list(s.facts.addresses),
+        mode=s.policy.mode.value,
+        placement=s.policy.placement.value,
+        core_step=s.policy.core_step,
         card=pb.CardModel(name=s.facts.card_name, memory_bytes=s.facts.card_memory, count=s.facts.card_count),
-        gpus=gpus, nvlinks=[pb.NvLink(gpu_a=a, gpu_b=b) for a, b in s.facts.nvlinks],
+        gpus=gpus,
+        nvlinks=[pb.NvLink(gpu_a=a, gpu_b=b) for a, b in s.facts.nvlinks],
         reservations=[reservation_to_pb(r) for r in sorted(s.reservations, key=lambda r: r.pod_uid)],
         pod_instances=[_pod_instance(i) for i in sorted(pods, key=lambda i: (i.owner.id, i.id))],
-        driver_version=s.facts.driver_version, other_instances=len(active) - len(pods))
+        driver_version=s.facts.driver_version,
+        other_instances=len(active) - len(pods),
+    )
 
 
 # ---- requests -------------------------------------------------------------------------
@@ -209,8 +244,10 @@ def reserve_from_pb(request: pb.ReserveRequest) -> ReserveArgs:
         if "/" in text:
             raise UsageError(f"{what} {text!r} holds a '/': not a Kubernetes {what.removeprefix('pod_')}")
     if request.ttl_seconds > MAX_TTL_SECONDS:
-        raise UsageError(f"ttl_seconds {request.ttl_seconds} is too long: at most {MAX_TTL_SECONDS} "
-                         "(0 takes the node's reservation_ttl)")
+        raise UsageError(
+            f"ttl_seconds {request.ttl_seconds} is too long: at most {MAX_TTL_SECONDS} "
+            "(0 takes the node's reservation_ttl)"
+        )
     if not request.shares:
         raise UsageError(f"Reserve for pod {uid} names no GPU share")
     seen: set[int] = set()
@@ -218,10 +255,19 @@ def reserve_from_pb(request: pb.ReserveRequest) -> ReserveArgs:
         if s.gpu_index in seen:
             raise UsageError(f"Reserve for pod {uid} names GPU {s.gpu_index} twice: give each GPU one share")
         seen.add(s.gpu_index)
-    shares = tuple(sorted((Share(s.gpu_index, s.memory_bytes, s.core_percent, max(1, s.instances))
-                           for s in request.shares), key=lambda s: s.gpu_index))
-    return ReserveArgs(uid, request.pod_namespace, request.pod_name, shares,
-                       float(request.ttl_seconds) if request.ttl_seconds else None)
+    shares = tuple(
+        sorted(
+            (Share(s.gpu_index, s.memory_bytes, s.core_percent, max(1, s.instances)) for s in request.shares),
+            key=lambda s: s.gpu_index,
+        )
+    )
+    return ReserveArgs(
+        uid,
+        request.pod_namespace,
+        request.pod_name,
+        shares,
+        float(request.ttl_seconds) if request.ttl_seconds else None,
+    )
 
 
 # ---- the servicer ------------------------------------------------------------------------
@@ -231,8 +277,13 @@ class CapacityServicer(pb_grpc.CapacityServicer):
     """cgpu.v1.Capacity over a CapacityService. `health` answers each GPU's
     health when a view is built (lambda: {} when nothing watches it)."""
 
-    def __init__(self, service: CapacityService, facts: NodeFacts, health: HealthProvider | None = None,
-                 watch_poll: float = WATCH_POLL) -> None:
+    def __init__(
+        self,
+        service: CapacityService,
+        facts: NodeFacts,
+        health: HealthProvider | None = None,
+        watch_poll: float = WATCH_POLL,
+    ) -> None:
         self._service = service
         self._facts = facts
         self._health = health or (lambda: {})
@@ -251,9 +302,15 @@ class CapacityServicer(pb_grpc.CapacityServicer):
         # reservation is counted once, never twice or not at all.
         active, reserved = self._service.holdings()
         return NodeSnapshot(
-            facts=self._facts, incarnation=changes.incarnation, revision=revision, policy=self._service.policy(),
-            gpus=tuple(self._service.gpus()), active=tuple(active), reservations=tuple(reserved),
-            health=dict(self._health()))
+            facts=self._facts,
+            incarnation=changes.incarnation,
+            revision=revision,
+            policy=self._service.policy(),
+            gpus=tuple(self._service.gpus()),
+            active=tuple(active),
+            reservations=tuple(reserved),
+            health=dict(self._health()),
+        )
 
     def view(self) -> pb.NodeView:
         return node_view(self.snapshot())
@@ -300,7 +357,6 @@ class CapacityServicer(pb_grpc.CapacityServicer):
                 raise UsageError("Unreserve needs the pod's UID (pod_uid is empty)")
             released = self._service.unreserve(uid)
             changes = self._service.changes
-            return pb.UnreserveResponse(released=released, revision=changes.revision,
-                                        incarnation=changes.incarnation)
+            return pb.UnreserveResponse(released=released, revision=changes.revision, incarnation=changes.incarnation)
         except Exception as e:
             abort_rpc(context, self._log, "Unreserve", e, "cgpud")

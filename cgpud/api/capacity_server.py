@@ -7,6 +7,7 @@ The port is a cluster scheduler's way to hold capacity: a client that can
 call Reserve can make the node look full. Hence mutual TLS: a client
 without a certificate of the configured CA fails the handshake before any
 RPC runs."""
+
 from __future__ import annotations
 
 import threading
@@ -62,8 +63,11 @@ class CapacityTls:
 
     def credentials(self) -> grpc.ServerCredentials:
         pem = {}
-        for setting, path in (("capacity_tls_cert", self.cert), ("capacity_tls_key", self.key),
-                              ("capacity_tls_ca", self.ca)):
+        for setting, path in (
+            ("capacity_tls_cert", self.cert),
+            ("capacity_tls_key", self.key),
+            ("capacity_tls_ca", self.ca),
+        ):
             try:
                 pem[setting] = path.read_bytes()
             except OSError as e:
@@ -71,15 +75,23 @@ class CapacityTls:
             if b"-----BEGIN " not in pem[setting]:
                 raise UsageError(f"setting {setting}: {path} is not a PEM file")
         return grpc.ssl_server_credentials(
-            [(pem["capacity_tls_key"], pem["capacity_tls_cert"])], root_certificates=pem["capacity_tls_ca"],
-            require_client_auth=True)
+            [(pem["capacity_tls_key"], pem["capacity_tls_cert"])],
+            root_certificates=pem["capacity_tls_ca"],
+            require_client_auth=True,
+        )
 
 
 class CapacityServer:
     """The started server: `port` is the one bound (a listen port of 0 picks one)."""
 
-    def __init__(self, server: grpc.Server, servicer: CapacityServicer, health_servicer: health.HealthServicer,
-                 endpoint: Endpoint, tls: bool) -> None:
+    def __init__(
+        self,
+        server: grpc.Server,
+        servicer: CapacityServicer,
+        health_servicer: health.HealthServicer,
+        endpoint: Endpoint,
+        tls: bool,
+    ) -> None:
         self.grpc_server = server
         self.servicer = servicer
         self.health = health_servicer
@@ -101,8 +113,14 @@ class CapacityServer:
         return self.grpc_server.stop(grace)
 
 
-def serve_capacity(servicer: CapacityServicer, listen: str, tls: CapacityTls | None, insecure: bool = False, *,
-                   max_workers: int = DEFAULT_WORKERS) -> CapacityServer:
+def serve_capacity(
+    servicer: CapacityServicer,
+    listen: str,
+    tls: CapacityTls | None,
+    insecure: bool = False,
+    *,
+    max_workers: int = DEFAULT_WORKERS,
+) -> CapacityServer:
     """Start serving on `listen` ("HOST:PORT", IPv6 in brackets, port 0 for
     any). UsageError when the settings do not allow it (plaintext off
     loopback, unreadable TLS files); CgpuError when the port cannot be bound."""
@@ -115,8 +133,11 @@ def serve_capacity(servicer: CapacityServicer, listen: str, tls: CapacityTls | N
 
     # A call holds a worker while it runs (a watch for as long as it
     # watches); calls past twice the workers are refused, not queued.
-    server = grpc.server(ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="cgpud-capacity"),
-                         options=_OPTIONS, maximum_concurrent_rpcs=2 * max_workers)
+    server = grpc.server(
+        ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="cgpud-capacity"),
+        options=_OPTIONS,
+        maximum_concurrent_rpcs=2 * max_workers,
+    )
     pb_grpc.add_CapacityServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     for name in ("", SERVICE_NAME):
@@ -124,22 +145,33 @@ def serve_capacity(servicer: CapacityServicer, listen: str, tls: CapacityTls | N
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     target = str(endpoint)
     try:
-        port = (server.add_secure_port(target, credentials) if credentials is not None
-                else server.add_insecure_port(target))
+        port = (
+            server.add_secure_port(target, credentials) if credentials is not None else server.add_insecure_port(target)
+        )
         if port == 0:  # older grpcio reports a failed bind as 0
             raise RuntimeError("bind failed")
     except RuntimeError as e:
         server.stop(None)
-        raise CgpuError(f"the Capacity API cannot listen on {target} (capacity_listen): the port is in use, or the "
-                        "address is not one of this node's") from e
+        raise CgpuError(
+            f"the Capacity API cannot listen on {target} (capacity_listen): the port is in use, or the "
+            "address is not one of this node's"
+        ) from e
     server.start()
     bound = Endpoint(endpoint.host, port)
-    log.info("serving", listen=str(bound), port=port, tls=credentials is not None,
-             client_certificates="required" if credentials is not None else "none",
-             services=[SERVICE_NAME, health.SERVICE_NAME])
+    log.info(
+        "serving",
+        listen=str(bound),
+        port=port,
+        tls=credentials is not None,
+        client_certificates="required" if credentials is not None else "none",
+        services=[SERVICE_NAME, health.SERVICE_NAME],
+    )
     if credentials is None and not endpoint.loopback:
-        log.warning("the Capacity API serves plaintext to the network (capacity_insecure = true): anyone who "
-                    "reaches the port can hold this node's capacity", listen=str(bound))
+        log.warning(
+            "the Capacity API serves plaintext to the network (capacity_insecure = true): anyone who "
+            "reaches the port can hold this node's capacity",
+            listen=str(bound),
+        )
     return CapacityServer(server, servicer, health_servicer, bound, credentials is not None)
 
 
@@ -152,7 +184,9 @@ def advertised(endpoint: Endpoint, advertise: str, primary_address: str) -> Endp
         return Endpoint(given.host, given.port or endpoint.port)
     if endpoint.wildcard:
         if not primary_address:
-            raise UsageError(f"capacity_listen = {str(endpoint)!r} listens on every address and this node has no "
-                             "primary address to advertise: set capacity_advertise = \"HOST:PORT\"")
+            raise UsageError(
+                f"capacity_listen = {str(endpoint)!r} listens on every address and this node has no "
+                'primary address to advertise: set capacity_advertise = "HOST:PORT"'
+            )
         return Endpoint(primary_address, endpoint.port)
     return endpoint

@@ -4,6 +4,7 @@ Both directions live here so the server and the client cannot drift apart.
 Enumerated values travel as the model's own strings (see local.proto); the
 decoding side turns an unknown word into a UsageError naming the field, which
 the server answers as INVALID_ARGUMENT."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -98,8 +99,12 @@ def region_dir_from_pb(msg: pb.Instance) -> Path | None:
 
 
 def request_to_pb(request: model.Request, pid: int | None = None) -> pb.CreateInstanceRequest:
-    msg = pb.CreateInstanceRequest(owner=owner_to_pb(request.owner), memory_bytes=request.memory,
-                                   gpu_count=request.gpu_count, **_same(request, *_REQUEST_SCALARS))
+    msg = pb.CreateInstanceRequest(
+        owner=owner_to_pb(request.owner),
+        memory_bytes=request.memory,
+        gpu_count=request.gpu_count,
+        **_same(request, *_REQUEST_SCALARS),
+    )
     if pid is not None:
         msg.pid = pid
     return msg
@@ -161,8 +166,9 @@ def policy_from_pb(msg: pb.Policy) -> model.NodePolicy:
         max_instances_per_gpu=msg.max_instances_per_gpu,
         core_step=msg.core_step,
         compute_policy=compute_policy_from_int(msg.compute_policy),
-        gpu_compute_policies=tuple(sorted((gpu, compute_policy_from_int(p))
-                                          for gpu, p in msg.gpu_compute_policy.items())),
+        gpu_compute_policies=tuple(
+            sorted((gpu, compute_policy_from_int(p)) for gpu, p in msg.gpu_compute_policy.items())
+        ),
     )
 
 
@@ -222,26 +228,49 @@ class BypassListing:
 def bypass_event_to_pb(event: BypassEvent) -> pb.BypassEvent:
     v = event.violation
     return pb.BypassEvent(
-        time=event.time, kind=v.kind.value, instance_id=v.instance_id, gpu_index=v.gpu_index, pids=list(v.pids),
-        used_bytes=v.used_bytes, limit_bytes=v.limit_bytes, measured_percent=v.measured_percent,
-        allowed_percent=v.allowed_percent, action=event.action.value, killed=list(event.killed), detail=v.detail,
+        time=event.time,
+        kind=v.kind.value,
+        instance_id=v.instance_id,
+        gpu_index=v.gpu_index,
+        pids=list(v.pids),
+        used_bytes=v.used_bytes,
+        limit_bytes=v.limit_bytes,
+        measured_percent=v.measured_percent,
+        allowed_percent=v.allowed_percent,
+        action=event.action.value,
+        killed=list(event.killed),
+        detail=v.detail,
         action_detail=event.detail,
     )
 
 
 def bypass_event_from_pb(msg: pb.BypassEvent) -> BypassEvent:
     violation = Violation(
-        kind=_enum(ViolationKind, msg.kind, "event.kind"), gpu_index=msg.gpu_index, instance_id=msg.instance_id,
-        pids=tuple(msg.pids), used_bytes=msg.used_bytes, limit_bytes=msg.limit_bytes,
-        measured_percent=msg.measured_percent, allowed_percent=msg.allowed_percent, detail=msg.detail,
+        kind=_enum(ViolationKind, msg.kind, "event.kind"),
+        gpu_index=msg.gpu_index,
+        instance_id=msg.instance_id,
+        pids=tuple(msg.pids),
+        used_bytes=msg.used_bytes,
+        limit_bytes=msg.limit_bytes,
+        measured_percent=msg.measured_percent,
+        allowed_percent=msg.allowed_percent,
+        detail=msg.detail,
     )
-    return BypassEvent(time=msg.time, violation=violation, action=_enum(EventAction, msg.action, "event.action"),
-                       killed=tuple(msg.killed), detail=msg.action_detail)
+    return BypassEvent(
+        time=msg.time,
+        violation=violation,
+        action=_enum(EventAction, msg.action, "event.action"),
+        killed=tuple(msg.killed),
+        detail=msg.action_detail,
+    )
 
 
 def bypass_listing_to_pb(listing: BypassListing) -> pb.ListBypassEventsResponse:
-    return pb.ListBypassEventsResponse(events=[bypass_event_to_pb(e) for e in listing.events],
-                                       watching=listing.watching, watch_detail=listing.watch_detail)
+    return pb.ListBypassEventsResponse(
+        events=[bypass_event_to_pb(e) for e in listing.events],
+        watching=listing.watching,
+        watch_detail=listing.watch_detail,
+    )
 
 
 def bypass_listing_from_pb(msg: pb.ListBypassEventsResponse) -> BypassListing:

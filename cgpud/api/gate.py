@@ -13,6 +13,7 @@ socket directory an operator opened up, or an fd passed to another user.
 
 Thread-safety: start() and stop() from one thread; one accept thread and two
 copying threads per connection, each owning its sockets."""
+
 from __future__ import annotations
 
 import os

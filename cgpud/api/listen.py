@@ -2,6 +2,7 @@
 ("HOST:PORT", an IPv6 host in brackets: "[::1]:9455") and the rules on
 TLS files and plaintext. No grpc here: config validation uses it at start,
 before the API is imported."""
+
 from __future__ import annotations
 
 import ipaddress
@@ -53,17 +54,18 @@ def _is_ipv6(text: str) -> bool:
 
 
 def parse_endpoint(text: str, setting: str, *, port_optional: bool = False) -> Endpoint:
-    """"HOST:PORT" (IPv6 in brackets); with `port_optional`, "HOST" alone
+    """ "HOST:PORT" (IPv6 in brackets); with `port_optional`, "HOST" alone
     too (port 0: the caller's). UsageError naming `setting` otherwise."""
     text = text.strip()
     named = f"{setting} {text!r}" if setting.startswith("--") else f"setting {setting} = {text!r}"
-    usage = (f"{named} is not HOST:PORT (an IPv6 address in brackets: [::1]:9455)"
-             + (" or HOST" if port_optional else ""))
+    usage = f"{named} is not HOST:PORT (an IPv6 address in brackets: [::1]:9455)" + (
+        " or HOST" if port_optional else ""
+    )
     if text.startswith("["):
         close = text.find("]")
         if close < 0:
             raise UsageError(usage)
-        host, rest = text[1:close], text[close + 1:]
+        host, rest = text[1:close], text[close + 1 :]
         if not _is_ipv6(host):
             raise UsageError(f"{usage}: {host!r} in brackets is not an IPv6 address")
         if not rest and port_optional:
@@ -95,8 +97,10 @@ def tls_problem(cert: str, key: str, ca: str) -> str | None:
     """The TLS files come all three or not at all."""
     unset = [name for name, value in zip(TLS_SETTINGS, (cert, key, ca)) if not value]
     if 0 < len(unset) < len(TLS_SETTINGS):
-        return (f"TLS for the Capacity API needs capacity_tls_cert, capacity_tls_key and capacity_tls_ca together; "
-                f"{', '.join(unset)} {'is' if len(unset) == 1 else 'are'} not set")
+        return (
+            f"TLS for the Capacity API needs capacity_tls_cert, capacity_tls_key and capacity_tls_ca together; "
+            f"{', '.join(unset)} {'is' if len(unset) == 1 else 'are'} not set"
+        )
     return None
 
 
@@ -104,6 +108,8 @@ def plaintext_problem(endpoint: Endpoint, tls: bool, insecure: bool) -> str | No
     """Why this listen address may not serve plaintext; None when it may."""
     if tls or insecure or endpoint.loopback:
         return None
-    return (f"capacity_listen = {str(endpoint)!r} is not a loopback address, and the Capacity API serves plaintext "
-            "only on loopback: set capacity_tls_cert, capacity_tls_key and capacity_tls_ca (client certificates "
-            "are required), or capacity_insecure = true to serve plaintext to the network anyway")
+    return (
+        f"capacity_listen = {str(endpoint)!r} is not a loopback address, and the Capacity API serves plaintext "
+        "only on loopback: set capacity_tls_cert, capacity_tls_key and capacity_tls_ca (client certificates "
+        "are required), or capacity_insecure = true to serve plaintext to the network anyway"
+    )

@@ -8,6 +8,7 @@ socket behind it (cgpud/api/gate.py). The modes keep ordinary users out;
 the check also refuses a non-root process that can pass them (one with
 CAP_DAC_OVERRIDE, or a directory an operator opened up).
 """
+
 from __future__ import annotations
 
 import builtins
@@ -95,8 +96,13 @@ DEFAULT_EVENT_LIMIT = 100
 class LocalServicer(pb_grpc.LocalServicer):
     """cgpu.v1.Local over a LocalService: decode, call, encode."""
 
-    def __init__(self, service: LocalService, cdi_spec: CdiSpecProvider | None = None,
-                 events: BypassEvents | None = None, watching: WatchState | None = None) -> None:
+    def __init__(
+        self,
+        service: LocalService,
+        cdi_spec: CdiSpecProvider | None = None,
+        events: BypassEvents | None = None,
+        watching: WatchState | None = None,
+    ) -> None:
         self._service = service
         # A provider, not the service: the spec needs the runtime files the
         # daemon installs for containers, which the API knows nothing of.
@@ -189,8 +195,7 @@ class _Counting(grpc.ServerInterceptor):
             on_request(method, (context.code() or grpc.StatusCode.OK).name)  # type: ignore[attr-defined]
             return response
 
-        return grpc.unary_unary_rpc_method_handler(counted, handler.request_deserializer,
-                                                   handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(counted, handler.request_deserializer, handler.response_serializer)
 
 
 class LocalServer:
@@ -244,16 +249,19 @@ def serve(
     path = Path(os.path.abspath(socket_path))
     private = private_socket_path(path)
     if len(os.fsencode(private)) > _SUN_PATH_MAX:
-        raise UsageError(f"socket path {path} is too long: cgpud also serves at {private}, and a unix socket "
-                         f"path allows {_SUN_PATH_MAX} bytes")
+        raise UsageError(
+            f"socket path {path} is too long: cgpud also serves at {private}, and a unix socket "
+            f"path allows {_SUN_PATH_MAX} bytes"
+        )
     prepare_socket_directory(path.parent, log)
     remove_stale_socket(path, log)
     prepare_private_directory(private.parent)
     remove_stale_socket(private, log)
 
     interceptors: list[grpc.ServerInterceptor] = [_Counting(on_request)] if on_request is not None else []
-    server = grpc.server(ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="cgpud-api"),
-                         interceptors=interceptors)
+    server = grpc.server(
+        ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="cgpud-api"), interceptors=interceptors
+    )
     pb_grpc.add_LocalServicer_to_server(LocalServicer(service, cdi_spec, events, watching), server)
     health_servicer = health_servicer or health.HealthServicer()
     for name in ("", SERVICE_NAME):

@@ -1,6 +1,7 @@
 """cgpud.errors <-> gRPC status codes, in one table so that the server's
 mapping and the client's inverse cannot disagree. The status message is the
 error's own one-line text in both directions."""
+
 from __future__ import annotations
 
 from typing import Any, NoReturn
@@ -43,7 +44,8 @@ def abort_rpc(context: grpc.ServicerContext, log: Any, rpc: str, error: Exceptio
         code, message = status_for(error), str(error)
         # Refusals are the API working as intended: info, not error.
         (log.error if code is grpc.StatusCode.INTERNAL else log.info)(
-            "rpc failed", rpc=rpc, code=code.name, error=message)
+            "rpc failed", rpc=rpc, code=code.name, error=message
+        )
     else:
         log.error("rpc crashed", rpc=rpc, exc_info=error)
         code = grpc.StatusCode.INTERNAL

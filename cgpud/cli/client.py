@@ -9,6 +9,7 @@ that says what to check.
 A client made with `wait` rides out a cgpud restart: while the socket is
 missing or refuses, it says so once through `notice` and tries again with
 backoff for up to `wait` seconds, as the relays do (CGPU_RELAY_WAIT_S)."""
+
 from __future__ import annotations
 
 import builtins
@@ -53,8 +54,14 @@ class LocalClient:
     each call waits up to `wait` seconds for the daemon to come back, and
     the first wait is announced once through `notice`."""
 
-    def __init__(self, socket_path: Path = DEFAULT_SOCKET, *, timeout: float = 30.0, wait: float = 0.0,
-                 notice: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        socket_path: Path = DEFAULT_SOCKET,
+        *,
+        timeout: float = 30.0,
+        wait: float = 0.0,
+        notice: Callable[[str], None] | None = None,
+    ) -> None:
         self.socket_path = Path(socket_path)
         self.timeout = timeout
         self.wait = wait
@@ -97,8 +104,9 @@ class LocalClient:
     def list_with_violations(self, include_released: bool = False) -> builtins.list[tuple[model.Instance, int]]:
         """As list(), each instance with its bypass events since cgpud started."""
         msg = pb.ListInstancesRequest(include_released=include_released)
-        return [(convert.instance_from_pb(i), i.violations)
-                for i in self._call(self._stub.ListInstances, msg).instances]
+        return [
+            (convert.instance_from_pb(i), i.violations) for i in self._call(self._stub.ListInstances, msg).instances
+        ]
 
     def get(self, instance_id: str) -> model.Instance:
         return convert.instance_from_pb(self._inspect(instance_id))
@@ -174,8 +182,10 @@ class LocalClient:
             left = deadline - time.monotonic()
             if left <= 0:
                 if why or last is None:
-                    raise CgpuError(f"cgpud is not running ({self.socket_path}: {why}); it did not come back "
-                                    f"within {self.wait:g} s: start it (systemctl start cgpud)")
+                    raise CgpuError(
+                        f"cgpud is not running ({self.socket_path}: {why}); it did not come back "
+                        f"within {self.wait:g} s: start it (systemctl start cgpud)"
+                    )
                 raise self._error(last)  # it accepts but does not serve: unreachable() says why
             time.sleep(min(delay, left))
             delay = min(delay * 2, _MAX_RETRY)
@@ -255,4 +265,4 @@ def _refusal(probe: socket.socket) -> str | None:
         return None
     if not data.startswith(REFUSAL_PREFIX):
         return None
-    return data[len(REFUSAL_PREFIX):].split(b"\n")[0].decode("utf-8", "replace")
+    return data[len(REFUSAL_PREFIX) :].split(b"\n")[0].decode("utf-8", "replace")

@@ -1,5 +1,6 @@
 """What `cgpuctl runtime configure` plans: the runtime to register and the
 file changes that register it, planned as text so a dry run prints the plan."""
+
 from __future__ import annotations
 
 import difflib

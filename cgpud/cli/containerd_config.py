@@ -11,6 +11,7 @@ and drop the built-in `runc` runtime that `default_runtime_name` names. So for
 containerd 1.x the drop-in carries a copy of config.toml's section for that
 plugin, as nvidia-ctk's drop-ins do; running the command again refreshes it.
 """
+
 from __future__ import annotations
 
 import copy
@@ -151,8 +152,12 @@ def containerd_warnings(config: Path, main_text: str | None) -> list[str]:
     disabled = doc.get("disabled_plugins", [])
     cri = {"cri", CRI_PLUGIN[2], CRI_PLUGIN[3]}
     if isinstance(disabled, list) and cri.intersection(d for d in disabled if isinstance(d, str)):
-        return [(f"warning: {config} disables the CRI plugin (disabled_plugins): Kubernetes cannot use containerd "
-                 "or this runtime until it is enabled; for Docker, use --docker")]
+        return [
+            (
+                f"warning: {config} disables the CRI plugin (disabled_plugins): Kubernetes cannot use containerd "
+                "or this runtime until it is enabled; for Docker, use --docker"
+            )
+        ]
     return []
 
 
@@ -164,8 +169,10 @@ def _containerd_version(config: Path, doc: dict[str, Any] | None, major: int | N
     if isinstance(version, bool) or version not in CRI_PLUGIN:
         raise UsageError(f"{config}: version = {version!r} is not a containerd config version cgpu knows (1, 2 or 3)")
     if version == 3 and major is not None and major < 2:
-        raise UsageError(f"{config} is config version 3, which the installed containerd {major}.x cannot read: "
-                         "use version 2 or upgrade containerd")
+        raise UsageError(
+            f"{config} is config version 3, which the installed containerd {major}.x cannot read: "
+            "use version 2 or upgrade containerd"
+        )
     return version
 
 

@@ -1,6 +1,7 @@
 """Docker's side of `cgpuctl runtime configure` (daemon.json's `runtimes`), and
 the one reading of daemon.json, with one error for a file that is not a JSON
 object, for `runtime configure` and `doctor` alike."""
+
 from __future__ import annotations
 
 import copy
@@ -22,8 +23,9 @@ def parse_daemon_json(path: Path, text: str | None) -> dict[str, Any]:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
-        raise UsageError(f"{path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}; "
-                         "fix it first, nothing was changed") from None
+        raise UsageError(
+            f"{path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}; fix it first, nothing was changed"
+        ) from None
     if not isinstance(data, dict):
         raise UsageError(f"{path} does not hold a JSON object: fix it first, nothing was changed")
     return data
@@ -35,7 +37,7 @@ def docker_changes(config: Path, text: str | None, spec: RuntimeSpec) -> list[Fi
     new = copy.deepcopy(data)
     runtimes = new.setdefault("runtimes", {})
     if not isinstance(runtimes, dict):
-        raise UsageError(f"{config}: \"runtimes\" is not a JSON object: fix it first, nothing was changed")
+        raise UsageError(f'{config}: "runtimes" is not a JSON object: fix it first, nothing was changed')
     old_entry = runtimes.get(spec.name)
     entry: dict[str, Any] = {"path": str(spec.path)}
     # runtimeArgs is the one other key that goes with "path"; keep the operator's.

@@ -1,4 +1,5 @@
 """`cgpuctl doctor`: checks what cgpu needs on this node and says what to fix."""
+
 from __future__ import annotations
 
 import os
@@ -68,9 +69,11 @@ def _regions(regions: Path) -> Callable[[], str]:
         plain = [d for d in dirs if not d.is_mount()]
         if how != "tmpfs" or plain:
             why = how.removeprefix("plain: ") if how != "tmpfs" else "created before cgpud could mount"
-            raise CgpuError(f"{len(plain)} of {len(dirs)} instance regions are plain directories on the state "
-                            f"filesystem ({why}): a tenant can fill that filesystem through its usage file; run "
-                            "cgpud as root with CAP_SYS_ADMIN so each region gets a small tmpfs of its own")
+            raise CgpuError(
+                f"{len(plain)} of {len(dirs)} instance regions are plain directories on the state "
+                f"filesystem ({why}): a tenant can fill that filesystem through its usage file; run "
+                "cgpud as root with CAP_SYS_ADMIN so each region gets a small tmpfs of its own"
+            )
         return f"{len(dirs)} on a tmpfs of their own"
 
     return check
@@ -95,15 +98,17 @@ def _docker_runtimes(path: Path) -> list[str]:
     # not as a missing entry: dockerd does not start with it either.
     runtimes = parse_daemon_json(path, text).get("runtimes")
     found = []
-    for name, entry in (runtimes.items() if isinstance(runtimes, dict) else ()):
+    for name, entry in runtimes.items() if isinstance(runtimes, dict) else ():
         program = entry.get("path") if isinstance(entry, dict) else None
         if not isinstance(program, str) or (name != "cgpu" and Path(program).name != "cgpu-runtime"):
             continue
         # dockerd looks a relative name up on its PATH.
         resolved = program if Path(program).is_absolute() else shutil.which(program)
         if not resolved or not Path(resolved).is_file() or not os.access(resolved, os.X_OK):
-            raise CgpuError(f'{path}: runtime "{name}" runs {program}, which is not an executable file, so '
-                            f"`docker run --runtime {name}` fails; run: cgpuctl runtime configure --docker")
+            raise CgpuError(
+                f'{path}: runtime "{name}" runs {program}, which is not an executable file, so '
+                f"`docker run --runtime {name}` fails; run: cgpuctl runtime configure --docker"
+            )
         found.append(f'docker: runtime "{name}" runs {program} ({path})')
     return found
 
@@ -139,8 +144,10 @@ def _runtime(docker_configs: Sequence[Path] = ()) -> str:
         found += _docker_runtimes(path)
     if found:
         return "; ".join(found)
-    raise CgpuError("no containerd or docker runtime entry for cgpu; containers get no limits until one is "
-                    "configured (host processes work through `cgpuctl run`)")
+    raise CgpuError(
+        "no containerd or docker runtime entry for cgpu; containers get no limits until one is "
+        "configured (host processes work through `cgpuctl run`)"
+    )
 
 
 def _toolkit(path: Path) -> Callable[[], str]:
@@ -156,15 +163,19 @@ def _toolkit(path: Path) -> Callable[[], str]:
         except UsageError as e:
             raise CgpuError(str(e)) from None
         if gaps:
-            raise CgpuError(f"{path} lacks {', '.join(gaps)}: a container whose image sets "
-                            "NVIDIA_VISIBLE_DEVICES=all gets every GPU without an instance; run "
-                            "`cgpuctl runtime configure --nvidia-toolkit`")
+            raise CgpuError(
+                f"{path} lacks {', '.join(gaps)}: a container whose image sets "
+                "NVIDIA_VISIBLE_DEVICES=all gets every GPU without an instance; run "
+                "`cgpuctl runtime configure --nvidia-toolkit`"
+            )
         return f"gives GPUs only from the device lists cgpud answers with ({path})"
+
     return check
 
 
-def diagnose(config: DaemonConfig, socket: Path, docker_config: Path | None = None,
-             toolkit_config: Path = TOOLKIT_CONFIG) -> list[Finding]:
+def diagnose(
+    config: DaemonConfig, socket: Path, docker_config: Path | None = None, toolkit_config: Path = TOOLKIT_CONFIG
+) -> list[Finding]:
     """`docker_config`: the daemon.json to check; by default the one each
     running dockerd reads, or /etc/docker/daemon.json with none running."""
     docker_configs = [docker_config] if docker_config else running_dockerd_configs()

@@ -19,6 +19,7 @@ whole GiB as ACK shows it: totals rounded down (a 16 GB card is 15),
 allocations rounded up (never under-reported), percentages truncated. A node
 whose view is not current is listed with its reason, never with numbers
 from a stale view."""
+
 from __future__ import annotations
 
 import argparse
@@ -135,8 +136,13 @@ def summary(view: ClusterView) -> str:
         allocated, total = _node_totals(state)
         rows.append([e.name, _ip(e), *[_gpu_cell(by_index.get(i)) for i in columns], f"{allocated}/{total}"])
     allocated, total = _cluster_totals(view)
-    lines = [*_table(rows, wide_first=2), RULE, "Allocated/Total GPU Memory In Cluster:",
-             f"{allocated}/{total} ({_percent(allocated, total)}%)", *_notes(view)]
+    lines = [
+        *_table(rows, wide_first=2),
+        RULE,
+        "Allocated/Total GPU Memory In Cluster:",
+        f"{allocated}/{total} ({_percent(allocated, total)}%)",
+        *_notes(view),
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -170,8 +176,11 @@ def _node_details(entry: NodeEntry) -> list[str]:
     gpus = [g.index for g in state.gpus]
     rows = [["NAME", "NAMESPACE", *[f"GPU{i}(Allocated)" for i in gpus], *(["CORE(%)"] if core else [])]]
     for r in _pod_rows(state.pods):
-        cells = [r.name + (RESERVED_MARK if r.reserved else ""), r.namespace,
-                 *[str(_gib_up(r.memory.get(i, 0))) for i in gpus]]
+        cells = [
+            r.name + (RESERVED_MARK if r.reserved else ""),
+            r.namespace,
+            *[str(_gib_up(r.memory.get(i, 0))) for i in gpus],
+        ]
         if core:
             cores = [str(r.core[i]) for i in gpus if r.core.get(i)]
             cells.append(",".join(cores) or "-")
@@ -234,8 +243,7 @@ def from_extender(url: str, timeout: float = DEFAULT_TIMEOUT) -> ClusterView:
     return _parse(body, f"cgpu-scheduler at {target}")
 
 
-def from_nodes(nodes: Sequence[tuple[str, str]], tls: TlsFiles | None,
-               timeout: float = DEFAULT_TIMEOUT) -> ClusterView:
+def from_nodes(nodes: Sequence[tuple[str, str]], tls: TlsFiles | None, timeout: float = DEFAULT_TIMEOUT) -> ClusterView:
     """Each node's GetNode, all at once; a node that does not answer is
     listed with its reason."""
     from cgpud.extender.client import get_node  # grpc is needed on this path only
@@ -269,8 +277,9 @@ def kubeconfig_path(flag: str | None) -> Path | None:
     return home if home.is_file() else None
 
 
-def from_service_proxy(kubeconfig: Path | None, namespace: str, service: str,
-                       timeout: float = DEFAULT_TIMEOUT) -> ClusterView:
+def from_service_proxy(
+    kubeconfig: Path | None, namespace: str, service: str, timeout: float = DEFAULT_TIMEOUT
+) -> ClusterView:
     """GET /inspect of the cgpu-scheduler Service through the API server."""
     import urllib3
     from kubernetes.client import CoreV1Api
@@ -286,8 +295,9 @@ def from_service_proxy(kubeconfig: Path | None, namespace: str, service: str,
     try:
         proxy = CoreV1Api(api).connect_get_namespaced_service_proxy_with_path
         try:  # deploy/cgpu-scheduler.yaml serves HTTPS on a port named https
-            answer = proxy(f"https:{service}:https", namespace, "inspect", _preload_content=False,
-                           _request_timeout=timeout)
+            answer = proxy(
+                f"https:{service}:https", namespace, "inspect", _preload_content=False, _request_timeout=timeout
+            )
         except ApiException as e:
             if e.status not in (404, 503):
                 raise
@@ -307,8 +317,11 @@ def from_service_proxy(kubeconfig: Path | None, namespace: str, service: str,
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description="GPU memory allocated and total, per node and per GPU, "
-                                "from cgpu-scheduler's view of the cluster (or each node's cgpud).")
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="GPU memory allocated and total, per node and per GPU, "
+        "from cgpu-scheduler's view of the cluster (or each node's cgpud).",
+    )
     p.add_argument("-d", "--details", action="store_true", help="every node with its pods")
     p.add_argument("-o", "--output", choices=["json"], help="the view as JSON (cgpu-scheduler's GET /inspect)")
     p.add_argument("--extender", metavar="URL", help="cgpu-scheduler's address, e.g. http://127.0.0.1:12345")

@@ -1,5 +1,6 @@
 """cgpuctl: the operator's command line. Each verb parses its arguments and
 calls one function; errors print one line and exit non-zero."""
+
 from __future__ import annotations
 
 import argparse
@@ -99,6 +100,7 @@ def _client(args: argparse.Namespace, reads: bool = False) -> LocalClient:
 
 def _bounded(convert: Callable[[str], float], low: int, high: int, what: str, unit: str) -> Callable[[str], Any]:
     """An argparse type: `convert`ed, and between low and high."""
+
     def parse(text: str) -> Any:
         try:
             value = convert(text)
@@ -107,6 +109,7 @@ def _bounded(convert: Callable[[str], float], low: int, high: int, what: str, un
         if not low <= value <= high:
             raise argparse.ArgumentTypeError(f"{text} is out of range: give {low} to {high} {unit}")
         return value
+
     return parse
 
 
@@ -174,8 +177,17 @@ def _run(args: argparse.Namespace) -> int:
     from cgpud.cli import run
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    return run.run(_socket(args), parse_memory(args.mem), args.gpus, args.core, command, weight=args.weight,
-                   high_priority=args.high_priority, wait=_wait(args), notice=_say)
+    return run.run(
+        _socket(args),
+        parse_memory(args.mem),
+        args.gpus,
+        args.core,
+        command,
+        weight=args.weight,
+        high_priority=args.high_priority,
+        wait=_wait(args),
+        notice=_say,
+    )
 
 
 def _create(args: argparse.Namespace) -> int:
@@ -185,8 +197,14 @@ def _create(args: argparse.Namespace) -> int:
     # A random default name: each plain `create` is a new device. A given
     # --name makes create idempotent (the same name gets the same instance).
     name = args.name or f"cgpuctl-{socket.gethostname()}-{secrets.token_hex(3)}"
-    request = Request(Owner(OwnerKind.DEVICE, name), parse_memory(args.mem), args.gpus, args.core, args.weight,
-                      1 if args.high_priority else 0)
+    request = Request(
+        Owner(OwnerKind.DEVICE, name),
+        parse_memory(args.mem),
+        args.gpus,
+        args.core,
+        args.weight,
+        1 if args.high_priority else 0,
+    )
     with _client(args) as client:
         instance = client.create(request)
     if args.output == "json":
@@ -221,9 +239,11 @@ def _policy(args: argparse.Namespace) -> int:
     wanted = _compute_policy(args.value) if args.policy_verb == "set" else None
     with _client(args, reads=wanted is None) as client:
         policy = client.set_compute_policy(wanted, args.gpu) if wanted is not None else client.policy()
-    print(f"mode={policy.mode.value} placement={policy.placement.value} "
-          f"compute_policy={int(policy.compute_policy)} ({policy.compute_policy.name.lower()}) "
-          f"max_instances_per_gpu={policy.max_instances_per_gpu} core_step={policy.core_step}")
+    print(
+        f"mode={policy.mode.value} placement={policy.placement.value} "
+        f"compute_policy={int(policy.compute_policy)} ({policy.compute_policy.name.lower()}) "
+        f"max_instances_per_gpu={policy.max_instances_per_gpu} core_step={policy.core_step}"
+    )
     for gpu, p in policy.gpu_compute_policies:
         print(f"gpu {gpu}: compute_policy={int(p)} ({p.name.lower()})")
     return 0
@@ -252,18 +272,27 @@ def _doctor(args: argparse.Namespace) -> int:
 def _runtime_configure(args: argparse.Namespace) -> int:
     from cgpud.cli import runtime_configure
 
-    sys.stdout.write(runtime_configure.configure_from_cli(
-        args.engine, config=args.config, runtime_path=args.runtime_path, name=args.name,
-        set_as_default=args.set_as_default, dry_run=args.dry_run,
-    ))
+    sys.stdout.write(
+        runtime_configure.configure_from_cli(
+            args.engine,
+            config=args.config,
+            runtime_path=args.runtime_path,
+            name=args.name,
+            set_as_default=args.set_as_default,
+            dry_run=args.dry_run,
+        )
+    )
     return 0
 
 
 def _add_machine_options(p: argparse.ArgumentParser) -> None:
     d = simulator.SimMachine()
     p.add_argument("--gpus", type=int, default=d.gpus, help=f"number of GPUs (default {d.gpus})")
-    p.add_argument("--mem", default="80GiB",
-                   help="memory per GPU: 16 (GiB, like aliyun.com/gpu-mem), 16GiB, 512MiB (default 80GiB)")
+    p.add_argument(
+        "--mem",
+        default="80GiB",
+        help="memory per GPU: 16 (GiB, like aliyun.com/gpu-mem), 16GiB, 512MiB (default 80GiB)",
+    )
     p.add_argument("--name", default=d.name, help=f"GPU model name (default {d.name!r})")
     p.add_argument("--sms", type=int, default=d.sms, help=f"streaming multiprocessors per GPU (default {d.sms})")
     p.add_argument("--nvlink", action="store_true", help="connect every GPU to every other by NVLink")
@@ -272,19 +301,31 @@ def _add_machine_options(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cgpuctl", description="Operate cgpu, the GPU sharing runtime, on this node.")
     p.add_argument("--version", action="version", version=f"cgpuctl {__version__}")
-    p.add_argument("--socket", help="cgpud's local API socket (default from /etc/cgpu/config.toml, "
-                                    "else /run/cgpud/cgpud.sock)")
-    p.add_argument("--wait", type=_seconds, metavar="SECONDS",
-                   help="how long to wait for a cgpud that is down or restarting, saying so once "
-                        "(default 10; 3 for list, inspect, events and policy show; 0 fails at once)")
+    p.add_argument(
+        "--socket", help="cgpud's local API socket (default from /etc/cgpu/config.toml, else /run/cgpud/cgpud.sock)"
+    )
+    p.add_argument(
+        "--wait",
+        type=_seconds,
+        metavar="SECONDS",
+        help="how long to wait for a cgpud that is down or restarting, saying so once "
+        "(default 10; 3 for list, inspect, events and policy show; 0 fails at once)",
+    )
     verbs = p.add_subparsers(dest="verb", metavar="VERB", required=True)
 
     inspect = verbs.add_parser("inspect", help="GPU memory allocated on this node, as kubectl inspect cgpu shows it")
-    inspect.add_argument("-d", "--details", nargs="?", const=True, default=False, metavar="ID",
-                         help="list every instance; with an instance id, that instance and its recent "
-                              "bypass events")
-    inspect.add_argument("--limit", type=_limit, default=20, metavar="N",
-                         help="with -d ID: show its newest N bypass events (default 20)")
+    inspect.add_argument(
+        "-d",
+        "--details",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="ID",
+        help="list every instance; with an instance id, that instance and its recent bypass events",
+    )
+    inspect.add_argument(
+        "--limit", type=_limit, default=20, metavar="N", help="with -d ID: show its newest N bypass events (default 20)"
+    )
     inspect.add_argument("--output", choices=["table", "json"], default="table")
     inspect.set_defaults(handler=_inspect)
 
@@ -294,18 +335,24 @@ def build_parser() -> argparse.ArgumentParser:
     lst.set_defaults(handler=_list)
 
     events = verbs.add_parser(
-        "events", help="what the bypass watchdog found: GPU use around libcgpu, newest last",
+        "events",
+        help="what the bypass watchdog found: GPU use around libcgpu, newest last",
         description="Reports and kills of the bypass watchdog since cgpud started (the newest 1000 are kept): "
-                    "instances holding more GPU memory or compute than granted, and processes on a GPU that "
-                    "belong to no instance. Says so when the watchdog is off. See docs/bypass.md.")
+        "instances holding more GPU memory or compute than granted, and processes on a GPU that "
+        "belong to no instance. Says so when the watchdog is off. See docs/bypass.md.",
+    )
     events.add_argument("--instance", metavar="ID", help="only this instance's events")
-    events.add_argument("--limit", type=_limit, default=100, metavar="N",
-                        help="the newest N events (default 100, at most 1000)")
+    events.add_argument(
+        "--limit", type=_limit, default=100, metavar="N", help="the newest N events (default 100, at most 1000)"
+    )
     events.add_argument("--output", choices=["table", "json"], default="table")
     events.set_defaults(handler=_events)
 
-    run = verbs.add_parser("run", help="run a command under a fresh instance (memory limit, compute share)",
-                           description="Example: cgpuctl run --mem 4GiB --core 30 -- python train.py")
+    run = verbs.add_parser(
+        "run",
+        help="run a command under a fresh instance (memory limit, compute share)",
+        description="Example: cgpuctl run --mem 4GiB --core 30 -- python train.py",
+    )
     run.add_argument("--mem", required=True, help="memory per GPU: 4 (GiB, like aliyun.com/gpu-mem), 4GiB, 512MiB")
     run.add_argument("--core", type=int, default=0, help="compute share in percent (core_mem nodes)")
     run.add_argument("--gpus", type=int, default=1, help="number of GPUs (default 1)")
@@ -315,18 +362,22 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(handler=_run)
 
     create = verbs.add_parser(
-        "create", help="reserve an instance to hand out as a device (CDI); it lives until released or reboot",
+        "create",
+        help="reserve an instance to hand out as a device (CDI); it lives until released or reboot",
         description="Example: cgpuctl create --mem 4GiB --name train-a. Prints the instance id; containers get it "
-                    "as the CDI device cgpu.io/gpu=<id> (see cgpuctl cdi generate).")
+        "as the CDI device cgpu.io/gpu=<id> (see cgpuctl cdi generate).",
+    )
     create.add_argument("--mem", required=True, help="memory per GPU: 4 (GiB, like aliyun.com/gpu-mem), 4GiB, 512MiB")
     create.add_argument("--gpus", type=int, default=1, help="number of GPUs (default 1)")
     create.add_argument("--core", type=int, default=0, help="compute share in percent (core_mem nodes)")
     create.add_argument("--weight", type=int, default=1, help="scheduling weight (default 1)")
     create.add_argument("--high-priority", action="store_true", help="schedule ahead of normal instances")
-    create.add_argument("--name", help="device name; the same name gets the same instance back "
-                                       "(default cgpuctl-<hostname>-<random>)")
-    create.add_argument("--output", choices=["text", "json"], default="text",
-                        help="text: the instance id; json: the instance")
+    create.add_argument(
+        "--name", help="device name; the same name gets the same instance back (default cgpuctl-<hostname>-<random>)"
+    )
+    create.add_argument(
+        "--output", choices=["text", "json"], default="text", help="text: the instance id; json: the instance"
+    )
     create.set_defaults(handler=_create)
 
     release = verbs.add_parser("release", help="release an instance (its GPU memory and compute share)")
@@ -339,27 +390,36 @@ def build_parser() -> argparse.ArgumentParser:
         "generate",
         help="print or write the CDI spec of the instances made by cgpuctl create",
         description="Each instance reserved with cgpuctl create becomes the CDI device cgpu.io/gpu=<instance id>, "
-                    "e.g. podman run --device cgpu.io/gpu=cgpu-0123456789ab ... Runtimes read specs from /etc/cdi "
-                    "(static) and /var/run/cdi (dynamic): cgpuctl cdi generate --output /var/run/cdi/cgpu.json. "
-                    "Generate again after each create or release.")
-    generate.add_argument("--output", metavar="PATH",
-                          help="write the spec to this file (atomically, mode 0644) instead of printing it")
+        "e.g. podman run --device cgpu.io/gpu=cgpu-0123456789ab ... Runtimes read specs from /etc/cdi "
+        "(static) and /var/run/cdi (dynamic): cgpuctl cdi generate --output /var/run/cdi/cgpu.json. "
+        "Generate again after each create or release.",
+    )
+    generate.add_argument(
+        "--output", metavar="PATH", help="write the spec to this file (atomically, mode 0644) instead of printing it"
+    )
     generate.set_defaults(handler=_cdi_generate)
 
     policy = verbs.add_parser("policy", help="show or change the compute policy")
     policy_verbs = policy.add_subparsers(dest="policy_verb", metavar="ACTION", required=True)
     policy_verbs.add_parser("get", help="show the node's policy").set_defaults(handler=_policy)
-    setp = policy_verbs.add_parser("set", help="set the compute policy: 0 fair, 1 preemptive, 2 weighted, "
-                                              "3 fixed, 4 soft, 5 native (number or name)")
+    setp = policy_verbs.add_parser(
+        "set",
+        help="set the compute policy: 0 fair, 1 preemptive, 2 weighted, 3 fixed, 4 soft, 5 native (number or name)",
+    )
     setp.add_argument("value")
-    setp.add_argument("--gpu", type=int, help="this GPU only (index as nvidia-smi shows it); "
-                                              "without it the whole node, replacing every per-GPU policy")
+    setp.add_argument(
+        "--gpu",
+        type=int,
+        help="this GPU only (index as nvidia-smi shows it); without it the whole node, replacing every per-GPU policy",
+    )
     setp.set_defaults(handler=_policy)
 
     doctor = verbs.add_parser("doctor", help="check driver, daemon, state directory, library and runtime")
     doctor.add_argument("--config", help="cgpud settings file to check against")
-    doctor.add_argument("--docker-config", help="the daemon.json to check (default: the one each running dockerd "
-                        "reads, or /etc/docker/daemon.json)")
+    doctor.add_argument(
+        "--docker-config",
+        help="the daemon.json to check (default: the one each running dockerd reads, or /etc/docker/daemon.json)",
+    )
     doctor.set_defaults(handler=_doctor)
 
     runtime = verbs.add_parser("runtime", help="register cgpu's runtime with containerd or Docker")
@@ -368,17 +428,32 @@ def build_parser() -> argparse.ArgumentParser:
         "configure",
         help="add the cgpu runtime to containerd's or Docker's config, keeping the rest",
         description="Example: cgpuctl runtime configure --containerd --dry-run. containerd gets a drop-in "
-                    "<config dir>/conf.d/cgpu.toml imported from its config; Docker gets daemon.json runtimes.",
+        "<config dir>/conf.d/cgpu.toml imported from its config; Docker gets daemon.json runtimes.",
     )
     engine = configure.add_mutually_exclusive_group(required=True)
-    engine.add_argument("--containerd", dest="engine", action="store_const", const="containerd",
-                        help="configure containerd (/etc/containerd/config.toml)")
-    engine.add_argument("--docker", dest="engine", action="store_const", const="docker",
-                        help="configure Docker (/etc/docker/daemon.json)")
-    engine.add_argument("--nvidia-toolkit", dest="engine", action="store_const", const="nvidia-toolkit",
-                        help="make the NVIDIA container toolkit give GPUs only from device lists (what cgpud's "
-                             "Allocate names), never from a container's NVIDIA_VISIBLE_DEVICES "
-                             "(/etc/nvidia-container-runtime/config.toml)")
+    engine.add_argument(
+        "--containerd",
+        dest="engine",
+        action="store_const",
+        const="containerd",
+        help="configure containerd (/etc/containerd/config.toml)",
+    )
+    engine.add_argument(
+        "--docker",
+        dest="engine",
+        action="store_const",
+        const="docker",
+        help="configure Docker (/etc/docker/daemon.json)",
+    )
+    engine.add_argument(
+        "--nvidia-toolkit",
+        dest="engine",
+        action="store_const",
+        const="nvidia-toolkit",
+        help="make the NVIDIA container toolkit give GPUs only from device lists (what cgpud's "
+        "Allocate names), never from a container's NVIDIA_VISIBLE_DEVICES "
+        "(/etc/nvidia-container-runtime/config.toml)",
+    )
     configure.add_argument("--set-as-default", action="store_true", help="make it the default runtime")
     configure.add_argument("--dry-run", action="store_true", help="print the changes as a diff, write nothing")
     configure.add_argument("--config", help="the engine's config file, if not the default")
@@ -407,15 +482,16 @@ def build_parser() -> argparse.ArgumentParser:
         "fault",
         help="inject a GPU fault: an XID, the GPU falling off the bus, or a reset",
         description="Acts on the machine of $CGPU_SIM_CONFIG and $CGPU_SIM_STATE, else on the one the options "
-                    "describe. Example: cgpuctl sim fault --gpu 1 --xid 48; cgpuctl sim fault --gpu 1 --lost; "
-                    "cgpuctl sim fault --gpu 1 --recover",
+        "describe. Example: cgpuctl sim fault --gpu 1 --xid 48; cgpuctl sim fault --gpu 1 --lost; "
+        "cgpuctl sim fault --gpu 1 --recover",
     )
     _add_machine_options(fault)
     fault.add_argument("--gpu", type=int, required=True, help="GPU index, as nvidia-smi shows it")
     kind = fault.add_mutually_exclusive_group(required=True)
     kind.add_argument("--xid", type=int, help="report this XID (1-999) as an NVML event")
-    kind.add_argument("--lost", action="store_true",
-                      help="the GPU falls off the bus: XID 79, then NVML answers GPU_IS_LOST")
+    kind.add_argument(
+        "--lost", action="store_true", help="the GPU falls off the bus: XID 79, then NVML answers GPU_IS_LOST"
+    )
     kind.add_argument("--recover", action="store_true", help="bring a lost GPU back, as a reset does")
     fault.set_defaults(handler=_sim_fault)
     demo = sim_verbs.add_parser("demo", help="run two workloads sharing one simulated GPU and report")

@@ -1,6 +1,7 @@
 """`cgpuctl run`: a host process under a fresh instance, with libcgpu.so
 preloaded, released when the process exits. If cgpuctl itself is killed,
 the daemon releases the instance once the process (bound by PID) exits."""
+
 from __future__ import annotations
 
 import os
@@ -19,8 +20,9 @@ from cgpud.containers.edits import application_env
 from cgpud.native import native_path
 
 
-def instance_environment(instance: Instance, region: Path, gpu_memory: dict[int, int],
-                         base: dict[str, str]) -> dict[str, str]:
+def instance_environment(
+    instance: Instance, region: Path, gpu_memory: dict[int, int], base: dict[str, str]
+) -> dict[str, str]:
     """What the process sees: the library and its region, only its GPUs, and
     the ALIYUN_COM_GPU_MEM_* variables cGPU applications read (outputs for
     them, never inputs to enforcement)."""
@@ -35,8 +37,17 @@ def instance_environment(instance: Instance, region: Path, gpu_memory: dict[int,
     return env
 
 
-def run(socket_path: Path, memory: int, gpus: int, core: int, command: Sequence[str], weight: int = 1,
-        high_priority: bool = False, wait: float = 0.0, notice: Callable[[str], None] | None = None) -> int:
+def run(
+    socket_path: Path,
+    memory: int,
+    gpus: int,
+    core: int,
+    command: Sequence[str],
+    weight: int = 1,
+    high_priority: bool = False,
+    wait: float = 0.0,
+    notice: Callable[[str], None] | None = None,
+) -> int:
     """Runs `command` under a fresh instance; waits up to `wait` seconds for
     a cgpud that is down (LocalClient), so a tenant started during a restart
     starts after it."""
@@ -58,6 +69,7 @@ def run(socket_path: Path, memory: int, gpus: int, core: int, command: Sequence[
             # Both PIDs: the instance lives while either does, so neither a
             # killed cgpuctl nor a fast-exiting child releases it early.
             client.bind(instance.id, (os.getpid(), child.pid))
+
             # Ctrl-C and TERM go to the child; we wait for it either way.
             def forward(signum: int, _frame: FrameType | None) -> None:
                 child.send_signal(signum)

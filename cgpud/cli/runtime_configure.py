@@ -9,6 +9,7 @@ The planning functions (`containerd_config.containerd_changes`,
 plan, printed instead of written. This module checks the arguments, reads
 the files, and writes the plan (or prints it).
 """
+
 from __future__ import annotations
 
 import enum
@@ -66,8 +67,10 @@ def check_runtime_path(path: str | Path) -> Path:
     # cgpu-runtime hands GPU starts to the shim proper beside its real file.
     gpu = p.resolve().parent / RUNTIME_GPU_PROGRAM
     if not (gpu.is_file() and os.access(gpu, os.X_OK)):
-        raise UsageError(f"--runtime-path {p}: there is no executable {RUNTIME_GPU_PROGRAM} beside {p.resolve()}, "
-                         f"and GPU containers would fail to start without it: give the installed cgpu-runtime")
+        raise UsageError(
+            f"--runtime-path {p}: there is no executable {RUNTIME_GPU_PROGRAM} beside {p.resolve()}, "
+            f"and GPU containers would fail to start without it: give the installed cgpu-runtime"
+        )
     return p
 
 
@@ -162,8 +165,11 @@ def configure(
     containerd_major: int | None = None,
 ) -> str:
     """Plan, then print the diff (dry run) or write; returns the text to show."""
-    defaults = {Engine.CONTAINERD: CONTAINERD_CONFIG, Engine.DOCKER: DOCKER_CONFIG,
-                Engine.NVIDIA_TOOLKIT: TOOLKIT_CONFIG}
+    defaults = {
+        Engine.CONTAINERD: CONTAINERD_CONFIG,
+        Engine.DOCKER: DOCKER_CONFIG,
+        Engine.NVIDIA_TOOLKIT: TOOLKIT_CONFIG,
+    }
     path = config if config is not None else defaults[engine]
     planned = plan(engine, path, spec, containerd_major)
     changes = [c for c in planned.changes if c.changed]
@@ -174,17 +180,21 @@ def configure(
         if not changes:
             return f"already configured: {path} gives GPUs only from device lists, never from env\n"
         # The toolkit reads its config at every container start: nothing to restart.
-        return "\n".join([*apply(changes), "the NVIDIA toolkit now ignores NVIDIA_VISIBLE_DEVICES in unprivileged "
-                                            "containers"]) + "\n"
+        return (
+            "\n".join(
+                [*apply(changes), "the NVIDIA toolkit now ignores NVIDIA_VISIBLE_DEVICES in unprivileged containers"]
+            )
+            + "\n"
+        )
     if not changes:
         return f'already configured: {engine.value} runs the runtime "{spec.name}" as {spec.path}\n' + warnings
     lines = apply(changes)
     if engine is Engine.DOCKER:
         # dockerd reloads runtimes on SIGHUP; a restart stops every running
         # container unless live-restore is on.
-        lines.append(f"reload docker (systemctl reload docker) to load the runtime \"{spec.name}\"")
+        lines.append(f'reload docker (systemctl reload docker) to load the runtime "{spec.name}"')
     else:
-        lines.append(f"restart containerd (systemctl restart containerd) to load the runtime \"{spec.name}\"")
+        lines.append(f'restart containerd (systemctl restart containerd) to load the runtime "{spec.name}"')
     return "\n".join(lines) + "\n" + warnings
 
 
@@ -200,10 +210,11 @@ def configure_from_cli(
     which = Engine(engine)
     if which is Engine.NVIDIA_TOOLKIT:
         if runtime_path is not None or set_as_default or name != "cgpu":
-            raise UsageError("--nvidia-toolkit changes the toolkit's own settings: --runtime-path, --name and "
-                             "--set-as-default are for --containerd and --docker")
-        return configure(which, RuntimeSpec(name, Path("/")), config=Path(config) if config else None,
-                         dry_run=dry_run)
+            raise UsageError(
+                "--nvidia-toolkit changes the toolkit's own settings: --runtime-path, --name and "
+                "--set-as-default are for --containerd and --docker"
+            )
+        return configure(which, RuntimeSpec(name, Path("/")), config=Path(config) if config else None, dry_run=dry_run)
     spec = RuntimeSpec(
         name=check_name(name),
         path=check_runtime_path(runtime_path) if runtime_path is not None else default_runtime_path(),

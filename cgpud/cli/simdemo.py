@@ -3,6 +3,7 @@ one simulated GPU, first bare, then each under a cgpu instance with a memory
 limit and a compute share (a private cgpud in core_mem mode, policy fixed).
 Shares come from the simulation's own per-process accounting
 (`cgpu-sim-stat --sample`), never from cgpu."""
+
 from __future__ import annotations
 
 import json
@@ -35,8 +36,14 @@ class Tenant:
 
     def burn(self, seconds: float, until_fail: bool) -> list[str]:
         alloc = ["--alloc-until-fail", "1GiB"] if until_fail else [f"--alloc={self.memory_gib}GiB"]
-        return [str(native_path("bin/cgpu-burn")), *alloc, "--kernel-ns=1000000", "--duty=1",
-                f"--streams={self.streams}", f"--duration={seconds}"]
+        return [
+            str(native_path("bin/cgpu-burn")),
+            *alloc,
+            "--kernel-ns=1000000",
+            "--duty=1",
+            f"--streams={self.streams}",
+            f"--duration={seconds}",
+        ]
 
 
 TENANTS = (Tenant("A", 24, 30, 4), Tenant("B", 8, 70, 1))
@@ -76,8 +83,14 @@ def run(machine: simulator.SimMachine, seconds: float) -> int:
         print(f"Simulated machine: {machine.gpus} x {machine.name}, {machine.memory / GIB:g} GiB each")
         print(f"Two saturating workloads (1 ms kernels) share GPU 0 for {seconds:g} s each time.\n")
         print("Without cgpu: the driver's time slicing decides.")
-        bare = _measure(env, [lambda t=t: subprocess.Popen(t.burn(seconds, False), env=env, stdout=subprocess.PIPE,
-                                                            text=True) for t in TENANTS], direct=True)
+        bare = _measure(
+            env,
+            [
+                lambda t=t: subprocess.Popen(t.burn(seconds, False), env=env, stdout=subprocess.PIPE, text=True)
+                for t in TENANTS
+            ],
+            direct=True,
+        )
         for t, o in zip(TENANTS, bare):
             label = f"tenant {t.label} ({t.streams} stream{'s' if t.streams > 1 else ''}):"
             print(f"  {label:21} {o.granted_gib:4.0f} GiB, {o.share:5.1f} % of GPU 0")
@@ -85,14 +98,20 @@ def run(machine: simulator.SimMachine, seconds: float) -> int:
         with tempfile.TemporaryDirectory(prefix="cgpu-demo-") as tmp:
             limited = _with_cgpud(env, Path(tmp), seconds)
         for t, o in zip(TENANTS, limited):
-            print(f"  tenant {t.label}: cgpuctl run --mem {t.memory_gib}GiB --core {t.core}: "
-                  f"{o.granted_gib:4.0f} GiB, {o.share:5.1f} % of GPU 0")
+            print(
+                f"  tenant {t.label}: cgpuctl run --mem {t.memory_gib}GiB --core {t.core}: "
+                f"{o.granted_gib:4.0f} GiB, {o.share:5.1f} % of GPU 0"
+            )
         a, b = TENANTS
-        print(f"\nWithout cgpu: A got {bare[0].share:.1f} %, B got {bare[1].share:.1f} % "
-              f"({a.streams} streams against {b.streams}; there is nothing to ask for).")
-        print(f"With cgpu:    A asked {a.core} %, got {limited[0].share:.1f} %; "
-              f"B asked {b.core} %, got {limited[1].share:.1f} %; "
-              f"A asked {a.memory_gib} GiB, got {limited[0].granted_gib:.0f} GiB (allocating until refused).")
+        print(
+            f"\nWithout cgpu: A got {bare[0].share:.1f} %, B got {bare[1].share:.1f} % "
+            f"({a.streams} streams against {b.streams}; there is nothing to ask for)."
+        )
+        print(
+            f"With cgpu:    A asked {a.core} %, got {limited[0].share:.1f} %; "
+            f"B asked {b.core} %, got {limited[1].share:.1f} %; "
+            f"A asked {a.memory_gib} GiB, got {limited[0].granted_gib:.0f} GiB (allocating until refused)."
+        )
         return 0
     finally:
         simulator.reset(files.state)
@@ -103,16 +122,38 @@ def _with_cgpud(env: dict[str, str], tmp: Path, seconds: float) -> list[Outcome]
     (tmp / "config.toml").write_text("")
     # A file, not a pipe: nobody reads a pipe while the demo runs.
     with open(tmp / "cgpud.log", "w") as log:
-        daemon = subprocess.Popen([str(BIN / "cgpud"), "--state-dir", str(tmp / "state"), "--socket", str(sock),
-                                   "--relay-socket", str(tmp / "relay.sock"), "--config", str(tmp / "config.toml"),
-                                   "--mode", "core_mem", "--compute-policy", "3"],
-                                  env=env, stdout=subprocess.DEVNULL, stderr=log)
+        daemon = subprocess.Popen(
+            [
+                str(BIN / "cgpud"),
+                "--state-dir",
+                str(tmp / "state"),
+                "--socket",
+                str(sock),
+                "--relay-socket",
+                str(tmp / "relay.sock"),
+                "--config",
+                str(tmp / "config.toml"),
+                "--mode",
+                "core_mem",
+                "--compute-policy",
+                "3",
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+        )
     try:
         _wait_ready(daemon, sock, tmp / "cgpud.log")
         ctl = [str(BIN / "cgpuctl"), "--socket", str(sock), "run"]
-        starts = [lambda t=t: subprocess.Popen([*ctl, "--mem", f"{t.memory_gib}GiB", "--core", str(t.core), "--",
-                                                *t.burn(seconds, t.label == "A")], env=env, stdout=subprocess.PIPE,
-                                               text=True) for t in TENANTS]
+        starts = [
+            lambda t=t: subprocess.Popen(
+                [*ctl, "--mem", f"{t.memory_gib}GiB", "--core", str(t.core), "--", *t.burn(seconds, t.label == "A")],
+                env=env,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for t in TENANTS
+        ]
         return _measure(env, starts, direct=False)
     finally:
         daemon.send_signal(signal.SIGTERM)
@@ -141,8 +182,9 @@ def _wait_ready(daemon: subprocess.Popen[bytes], sock: Path, log: Path) -> None:
 def _measure(env: dict[str, str], starts: list, direct: bool) -> list[Outcome]:
     """Runs the workloads side by side; each one's device time over the
     span in which both ran, from the simulator's own accounting."""
-    sampler = subprocess.Popen([str(native_path("bin/cgpu-sim-stat")), "--sample", "0", "50", "0"], env=env,
-                               stdout=subprocess.PIPE, text=True)
+    sampler = subprocess.Popen(
+        [str(native_path("bin/cgpu-sim-stat")), "--sample", "0", "50", "0"], env=env, stdout=subprocess.PIPE, text=True
+    )
     procs = [start() for start in starts]
     try:
         pids = [p.pid if direct else _child(p) for p in procs]
@@ -154,20 +196,21 @@ def _measure(env: dict[str, str], starts: list, direct: bool) -> list[Outcome]:
         sampler.send_signal(signal.SIGTERM)
         lines = sampler.communicate(timeout=30)[0].splitlines()
     if any(p.returncode != 0 for p in procs):
-        raise CgpuError("a workload failed; run cgpu-burn by hand after `eval \"$(cgpuctl sim env)\"` to see why")
+        raise CgpuError('a workload failed; run cgpu-burn by hand after `eval "$(cgpuctl sim env)"` to see why')
     samples = [json.loads(line) for line in lines]
     both = [s for s in samples if all(s["per_pid"].get(str(pid), 0) > 0 for pid in pids)]
     if len(both) < 2:
         raise CgpuError("the workloads never ran together on GPU 0; try a longer --seconds")
     # From the first sample where both ran to the last before either stopped.
-    ends = [max(s["now_ns"] for s in samples if s["per_pid"].get(str(pid), 0) < _final(samples, pid))
-            for pid in pids]
+    ends = [max(s["now_ns"] for s in samples if s["per_pid"].get(str(pid), 0) < _final(samples, pid)) for pid in pids]
     first = both[0]
     last = max((s for s in samples if s["now_ns"] <= min(ends)), key=lambda s: s["now_ns"])
     span = max(1, last["now_ns"] - first["now_ns"])
     results = [json.loads(o) for o in outputs]
-    return [Outcome(100.0 * (last["per_pid"][str(pid)] - first["per_pid"][str(pid)]) / span, _granted(r) / GIB)
-            for pid, r in zip(pids, results)]
+    return [
+        Outcome(100.0 * (last["per_pid"][str(pid)] - first["per_pid"][str(pid)]) / span, _granted(r) / GIB)
+        for pid, r in zip(pids, results)
+    ]
 
 
 def _granted(report: dict) -> int:

@@ -1,6 +1,7 @@
 """`cgpuctl sim`: the simulated GPUs that development, CI and demos run on.
 This module only writes the simulator's configuration and names its files;
 the simulation itself lives in csrc/simgpu."""
+
 from __future__ import annotations
 
 import hashlib
@@ -84,14 +85,17 @@ def env_exports(files: SimFiles) -> str:
     """Shell lines that point any CUDA/NVML program at the simulated GPUs."""
     lib = native_path("sim/libcuda.so.1").parent
     tools = native_path("bin/cgpu-burn").parent
-    return "\n".join(
-        [
-            f'export LD_LIBRARY_PATH="{lib}${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}"',
-            f'export CGPU_SIM_CONFIG="{files.config}"',
-            f'export CGPU_SIM_STATE="{files.state}"',
-            f'export PATH="{tools}:$PATH"',
-        ]
-    ) + "\n"
+    return (
+        "\n".join(
+            [
+                f'export LD_LIBRARY_PATH="{lib}${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}"',
+                f'export CGPU_SIM_CONFIG="{files.config}"',
+                f'export CGPU_SIM_STATE="{files.state}"',
+                f'export PATH="{tools}:$PATH"',
+            ]
+        )
+        + "\n"
+    )
 
 
 def reset(state: Path) -> bool:
@@ -136,11 +140,11 @@ def inject_fault(files: SimFiles, fault: Fault) -> dict[str, object]:
     state as the simulator reports it ({"index", "lost", "xids"})."""
     args = fault.sim_stat_args()
     env = dict(os.environ, CGPU_SIM_CONFIG=str(files.config), CGPU_SIM_STATE=str(files.state))
-    proc = subprocess.run([str(native_path("bin/cgpu-sim-stat")), *args], env=env, capture_output=True, text=True,
-                          timeout=30)
+    proc = subprocess.run(
+        [str(native_path("bin/cgpu-sim-stat")), *args], env=env, capture_output=True, text=True, timeout=30
+    )
     if proc.returncode != 0:
         message = proc.stderr.strip().removeprefix("cgpu-sim-stat: ")
         raise (UsageError if proc.returncode == 2 else CgpuError)(f"cannot inject the fault: {message}")
     state: dict[str, object] = json.loads(proc.stdout)
     return state
-

@@ -10,6 +10,7 @@ volume mounts at /var/run/nvidia-container-devices/<device> instead
 (`accept-nvidia-visible-devices-as-volume-mounts = true`), which a pod spec
 cannot name but a device plugin's Allocate answer can: cgpud's names exactly
 an instance's GPUs (cgpud/kube/allocator.py)."""
+
 from __future__ import annotations
 
 from pathlib import Path

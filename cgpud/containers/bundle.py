@@ -5,6 +5,7 @@ root); config.json inside it is still opened without following links, and
 the rewrite is a temp file renamed over it, so the runtime reads either the
 old spec or the whole new one, never a torn one. No fsync: the spec only
 matters to this start, and a host crash ends the container with it."""
+
 from __future__ import annotations
 
 import json
@@ -243,7 +244,7 @@ def _readlink_at(rootfs: Path, placed: list[tuple[list[str], Mapping[str, Any]]]
         if parts[: len(dest)] == dest:
             if len(parts) == len(dest):
                 return None  # a mount's root: a directory
-            below = parts[len(dest):]
+            below = parts[len(dest) :]
             host = str(mount.get("source", "")) if _is_bind(mount) else None
             break
     if host is None:  # a tmpfs (or a kind of mount cgpu refuses over its targets) holds no links yet
@@ -260,7 +261,7 @@ def _readlink_at(rootfs: Path, placed: list[tuple[list[str], Mapping[str, Any]]]
 def _below(target: str, dest: str) -> list[str] | None:
     t = [p for p in target.split("/") if p]
     d = [p for p in dest.split("/") if p]
-    return t[len(d):] if t[: len(d)] == d else None
+    return t[len(d) :] if t[: len(d)] == d else None
 
 
 def _check_volume(mount: Mapping[str, Any], dest: str, covered: list[tuple[str, list[str]]]) -> None:
@@ -289,15 +290,18 @@ def _check_volume(mount: Mapping[str, Any], dest: str, covered: list[tuple[str, 
     raise UsageError(
         f"the volume at {dest} (from {source}) covers {target}, where cgpu mounts its files: anyone else who "
         f"can write {source} could remove cgpu's mount points there and so strip this container of its limits; "
-        f"mount the volume elsewhere, or use a tmpfs at {dest}")
+        f"mount the volume elsewhere, or use a tmpfs at {dest}"
+    )
 
 
 def _refuse_link(dest: str, source: str, target: str, below: list[str], i: int, link: str | None) -> None:
     inside = os.path.join(dest, *below[: i + 1])
     host = os.path.join(source, *below[: i + 1])
     if link is None:
-        raise UsageError(f"the volume at {dest} (from {source}) has a file at {inside} ({host}) where cgpu "
-                         f"needs a directory for {target}")
+        raise UsageError(
+            f"the volume at {dest} (from {source}) has a file at {inside} ({host}) where cgpu "
+            f"needs a directory for {target}"
+        )
     raise UsageError(
         f"the volume at {dest} (from {source}) makes {inside} a symbolic link ({host} -> {link}): cgpu mounts "
         f"its files at {target} and never follows links; remove the link from the volume or mount it elsewhere"

@@ -12,6 +12,7 @@ unknown field. Field names follow the CDI spec (SPEC.md, specs-go/config.go
 and schema/defs.json of cncf-tags/container-device-interface).
 
 Runtimes read specs from /etc/cdi (static) and /var/run/cdi (dynamic)."""
+
 from __future__ import annotations
 
 import json
@@ -47,8 +48,10 @@ def device(edits: ContainerEdits) -> dict[str, Any]:
     if edits.mounts:
         container_edits["mounts"] = [_mount(m) for m in edits.mounts]
     if edits.device_nodes:
-        container_edits["deviceNodes"] = [{"path": d.path, "type": "c", "major": d.major, "minor": d.minor,
-                                           "permissions": "rw"} for d in edits.device_nodes]
+        container_edits["deviceNodes"] = [
+            {"path": d.path, "type": "c", "major": d.major, "minor": d.minor, "permissions": "rw"}
+            for d in edits.device_nodes
+        ]
     if edits.hooks:
         container_edits["hooks"] = [
             {"hookName": h.stage, "path": h.path, "args": list(h.args), "env": list(h.env), "timeout": h.timeout}
@@ -72,8 +75,16 @@ def device_instance_edits(service: InstanceService, files: RuntimeFiles) -> list
     gpu_memory = {g.index: g.memory for g in service.gpus()}
     devices = [i for i in service.list() if i.owner.kind is OwnerKind.DEVICE]
     service.use_runtime([i.id for i in devices], files.version)
-    return [instance_edits(i, service.region_dir(i.id), gpu_memory, files, device_nodes=instance_device_nodes(
-        service.gpus(), [g.gpu_index for g in i.grants])) for i in devices]
+    return [
+        instance_edits(
+            i,
+            service.region_dir(i.id),
+            gpu_memory,
+            files,
+            device_nodes=instance_device_nodes(service.gpus(), [g.gpu_index for g in i.grants]),
+        )
+        for i in devices
+    ]
 
 
 def instance_device_nodes(gpus: Sequence[GpuCapacity], indexes: Sequence[int]) -> tuple[DeviceNode, ...]:
@@ -92,8 +103,10 @@ def check_output(path: Path) -> Path:
     daemon is asked so a typo costs nothing."""
     parent = path.parent
     if not parent.is_dir():
-        raise UsageError(f"cannot write {path}: directory {parent} does not exist "
-                         f"(runtimes read {' and '.join(SPEC_DIRS)}; create it first)")
+        raise UsageError(
+            f"cannot write {path}: directory {parent} does not exist "
+            f"(runtimes read {' and '.join(SPEC_DIRS)}; create it first)"
+        )
     if path.is_dir():
         raise UsageError(f"cannot write {path}: it is a directory; give a file name such as {path / 'cgpu.json'}")
     return path

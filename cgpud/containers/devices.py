@@ -5,6 +5,7 @@ answers carry them, so a pod gets exactly its GPUs' nodes without the
 NVIDIA toolkit's environment-variable path (docs/containers.md, "A GPU only
 through an instance"). Nodes the host does not have are left out: a runtime
 refuses a spec naming a missing node."""
+
 from __future__ import annotations
 
 import os

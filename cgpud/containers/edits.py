@@ -6,6 +6,7 @@ CDI spec, so both paths give a container exactly the same view.
 Every mount source is a file cgpud made in its own root-owned directories;
 no path of the container is ever a source. Targets are left to the runtime,
 which resolves them inside the rootfs without leaving it (runc's securejoin)."""
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,14 @@ from cgpud.containers.devices import DeviceNode
 from cgpud.contract import RELAY_WAIT_S
 from cgpud.node.model import GIB, Instance
 from cgpud.errors import UsageError
-from cgpud.containers.request import (CONTAINER_REGION, ENV_CORE, ENV_MEMORY, ENV_MEMORY_DEV, ENV_MEMORY_INDEX,
-                                      ENV_MEMORY_POD)
+from cgpud.containers.request import (
+    CONTAINER_REGION,
+    ENV_CORE,
+    ENV_MEMORY,
+    ENV_MEMORY_DEV,
+    ENV_MEMORY_INDEX,
+    ENV_MEMORY_POD,
+)
 from cgpud.node.region import USAGE_FILE
 
 CONTAINER_LIBRARY = "/usr/local/cgpu/libcgpu.so"
@@ -108,8 +115,15 @@ def application_env(instance: Instance, gpu_memory: Mapping[int, int]) -> dict[s
     return env
 
 
-def instance_edits(instance: Instance, region: Path, gpu_memory: Mapping[int, int], files: RuntimeFiles,
-                   *, hooks: bool = True, device_nodes: tuple[DeviceNode, ...] = ()) -> ContainerEdits:
+def instance_edits(
+    instance: Instance,
+    region: Path,
+    gpu_memory: Mapping[int, int],
+    files: RuntimeFiles,
+    *,
+    hooks: bool = True,
+    device_nodes: tuple[DeviceNode, ...] = (),
+) -> ContainerEdits:
     """Env and the bind hook for every instance; the library, its preload
     entry and the region only where the node enforces limits (not in share
     mode). hooks=False: the runtime shim binds after `create` itself, so runc
@@ -124,13 +138,21 @@ def instance_edits(instance: Instance, region: Path, gpu_memory: Mapping[int, in
             Mount(str(files.library), CONTAINER_LIBRARY, read_only=True, exec_ok=True),
             Mount(str(files.preload), PRELOAD, read_only=True),
         )
-    entries = tuple(
-        Hook(stage, str(files.hook),
-             (HOOK_NAME, "--socket", str(files.relay_socket), "--instance", instance.id, stage))
-        for stage in (BIND_STAGE,)
-    ) if hooks else ()
-    return ContainerEdits(tuple(application_env(instance, gpu_memory).items()), mounts, entries, instance.id,
-                          device_nodes)
+    entries = (
+        tuple(
+            Hook(
+                stage,
+                str(files.hook),
+                (HOOK_NAME, "--socket", str(files.relay_socket), "--instance", instance.id, stage),
+            )
+            for stage in (BIND_STAGE,)
+        )
+        if hooks
+        else ()
+    )
+    return ContainerEdits(
+        tuple(application_env(instance, gpu_memory).items()), mounts, entries, instance.id, device_nodes
+    )
 
 
 def _ours(mount: Any, destinations: set[str]) -> bool:
@@ -138,8 +160,9 @@ def _ours(mount: Any, destinations: set[str]) -> bool:
     return isinstance(mount, Mapping) and os.path.normpath(str(mount.get("destination", ""))) in destinations
 
 
-def apply_edits(spec: Mapping[str, Any], edits: ContainerEdits, files: RuntimeFiles, *,
-                copy: bool = True) -> dict[str, Any]:
+def apply_edits(
+    spec: Mapping[str, Any], edits: ContainerEdits, files: RuntimeFiles, *, copy: bool = True
+) -> dict[str, Any]:
     """A new spec with the edits in. Idempotent: earlier cgpu edits (a
     retried create on the same bundle) are replaced, not repeated. Our
     mounts go last so they cover anything the image or user mounted there.
@@ -155,11 +178,16 @@ def apply_edits(spec: Mapping[str, Any], edits: ContainerEdits, files: RuntimeFi
     env = [e for e in env_in if e.split("=", 1)[0] not in names]
     process["env"] = env + [f"{k}={v}" for k, v in edits.env]
 
-    ours = {m.destination for m in edits.mounts} | {CONTAINER_REGION, f"{CONTAINER_REGION}/usage",
-                                                     CONTAINER_LIBRARY, PRELOAD}
+    ours = {m.destination for m in edits.mounts} | {
+        CONTAINER_REGION,
+        f"{CONTAINER_REGION}/usage",
+        CONTAINER_LIBRARY,
+        PRELOAD,
+    }
     mounts = [m for m in _member(out, "mounts", list, "mounts") if not _ours(m, ours)]
-    mounts += [{"destination": m.destination, "type": "bind", "source": m.source, "options": m.options}
-               for m in edits.mounts]
+    mounts += [
+        {"destination": m.destination, "type": "bind", "source": m.source, "options": m.options} for m in edits.mounts
+    ]
     out["mounts"] = mounts
 
     # Our stages are always swept, so a retried create that the shim now
@@ -173,10 +201,16 @@ def apply_edits(spec: Mapping[str, Any], edits: ContainerEdits, files: RuntimeFi
             stage_hooks = _member(hooks, stage, list, f"hooks.{stage}")
             # Ours by path, or by name: an edit by another cgpud version names
             # that version's copy of the hook.
-            kept = [h for h in stage_hooks if not (isinstance(h, Mapping) and (
-                h.get("path") == str(files.hook) or _hook_name(h) == HOOK_NAME))]
-            kept += [{"path": h.path, "args": list(h.args), "env": list(h.env), "timeout": h.timeout}
-                     for h in edits.hooks if h.stage == stage]
+            kept = [
+                h
+                for h in stage_hooks
+                if not (isinstance(h, Mapping) and (h.get("path") == str(files.hook) or _hook_name(h) == HOOK_NAME))
+            ]
+            kept += [
+                {"path": h.path, "args": list(h.args), "env": list(h.env), "timeout": h.timeout}
+                for h in edits.hooks
+                if h.stage == stage
+            ]
             if kept:
                 hooks[stage] = kept
             else:

@@ -12,6 +12,7 @@ see it, so both derive the same key without anything new on the wire.
 Pure apart from resolving the bundle path (as realpath does): runc reports the
 bundle as its working directory, which may differ from the path the shim
 was given by symbolic links."""
+
 from __future__ import annotations
 
 import os

@@ -15,6 +15,7 @@ Containers are told apart by (engine namespace, id) (identity.py). A
 poststop hook (written by an older version) changes only what its own
 container holds: any other is a logged no-op that still answers ok, so runc
 does not fail that container's delete."""
+
 from __future__ import annotations
 
 import json
@@ -30,12 +31,26 @@ from cgpud.node.model import GIB, Instance, InstanceState, Owner, OwnerKind, Req
 from cgpud.node.service import InstanceService
 from cgpud.errors import StateError, UsageError
 from cgpud.containers.bundle import check_targets, check_volumes, read_spec, rootfs_path, write_spec
-from cgpud.containers.edits import (BIND_STAGE, CONTAINER_LIBRARY, PRELOAD, RELEASE_STAGE, RuntimeFiles, apply_edits,
-                              instance_edits)
+from cgpud.containers.edits import (
+    BIND_STAGE,
+    CONTAINER_LIBRARY,
+    PRELOAD,
+    RELEASE_STAGE,
+    RuntimeFiles,
+    apply_edits,
+    instance_edits,
+)
 from cgpud.containers.placed import check_placed, read_mountinfo
 from cgpud.containers.identity import ContainerKey, container_key
-from cgpud.containers.request import (CONTAINER_REGION, TOOLKIT_ENV, TOOLKIT_NONE, Claim, EnvRequest, read_request,
-                                     without_toolkit_devices)
+from cgpud.containers.request import (
+    CONTAINER_REGION,
+    TOOLKIT_ENV,
+    TOOLKIT_NONE,
+    Claim,
+    EnvRequest,
+    read_request,
+    without_toolkit_devices,
+)
 
 BIND_STAGES = (BIND_STAGE, "prestart")
 # Where instance_edits mounts for an enforced instance.
@@ -73,8 +88,11 @@ class ContainerLifecycle:
             neutral = without_toolkit_devices(spec) if isolates(self._service.policy().mode) else None
             if neutral is not None:
                 write_spec(bundle, neutral)
-                self._log.info("toolkit devices refused", container=str(key),
-                               reason=f"{TOOLKIT_ENV} without an instance; set to {TOOLKIT_NONE}")
+                self._log.info(
+                    "toolkit devices refused",
+                    container=str(key),
+                    reason=f"{TOOLKIT_ENV} without an instance; set to {TOOLKIT_NONE}",
+                )
             return Prepared(None)
         created = isinstance(ask, EnvRequest)
         instance = self._admit(key, ask)
@@ -85,8 +103,9 @@ class ContainerLifecycle:
             if not created:
                 self._service.use_runtime([instance.id], self._files.version)
             gpu_memory = {g.index: g.memory for g in self._service.gpus()}
-            edits = instance_edits(instance, self._service.region_dir(instance.id), gpu_memory, self._files,
-                                   hooks=hooks)
+            edits = instance_edits(
+                instance, self._service.region_dir(instance.id), gpu_memory, self._files, hooks=hooks
+            )
             targets = [m.destination for m in edits.mounts]
             rootfs = rootfs_path(bundle, spec)
             check_targets(rootfs, targets)
@@ -96,8 +115,14 @@ class ContainerLifecycle:
             if created:
                 self._service.release(instance.id)
             raise
-        self._log.info("prepared", container=str(key), id=instance.id, claimed=not created, hooks=hooks,
-                       spec_fd=spec_fd is not None)
+        self._log.info(
+            "prepared",
+            container=str(key),
+            id=instance.id,
+            claimed=not created,
+            hooks=hooks,
+            spec_fd=spec_fd is not None,
+        )
         return Prepared(instance)
 
     def idle(self) -> None:
@@ -105,8 +130,15 @@ class ContainerLifecycle:
         region, made ahead (InstanceService.refill_region_spare)."""
         self._service.refill_region_spare()
 
-    def hook(self, stage: str, instance_id: str, state_json: bytes,
-             decided: Callable[[str], None] = lambda text: None, *, created: bool = False) -> str:
+    def hook(
+        self,
+        stage: str,
+        instance_id: str,
+        state_json: bytes,
+        decided: Callable[[str], None] = lambda text: None,
+        *,
+        created: bool = False,
+    ) -> str:
         """`decided`: called with the answer once it is certain, before the
         work that cannot change it (InstanceService.bind_container, after the
         bind's checks; container_stopped).
@@ -120,8 +152,12 @@ class ContainerLifecycle:
                 raise UsageError(f"the {stage} state of container {key.id} has no init pid")
             try:
                 instance = self._service.bind_container(
-                    instance_id, str(key), pid, check=lambda current: self._check_placed(current, key, pid, created),
-                    decided=decided)
+                    instance_id,
+                    str(key),
+                    pid,
+                    check=lambda current: self._check_placed(current, key, pid, created),
+                    decided=decided,
+                )
             except UsageError:
                 # Refused by the placement check: the container does not start, so its own instance goes.
                 current = self._service.get(instance_id)
@@ -160,8 +196,7 @@ class ContainerLifecycle:
             rootfs = os.path.realpath(rootfs_path(Path(key.namespace), read_spec(Path(key.namespace))))
             mounts = read_mountinfo(pid, under=rootfs)
         if not check_placed(mounts, rootfs, ENFORCED_TARGETS):
-            self._log.warning("mounts not in place yet at this hook: not checked", id=instance.id,
-                              container=str(key))
+            self._log.warning("mounts not in place yet at this hook: not checked", id=instance.id, container=str(key))
 
     def _admit(self, key: ContainerKey, ask: EnvRequest | Claim) -> Instance:
         if isinstance(ask, Claim):
@@ -173,8 +208,13 @@ class ContainerLifecycle:
             _refuse_running(instance, key)
             return instance
         request = Request(
-            Owner(OwnerKind.CONTAINER, str(key)), ask.memory_gib * GIB, ask.gpu_count, ask.core_percent,
-            ask.weight, ask.priority)
+            Owner(OwnerKind.CONTAINER, str(key)),
+            ask.memory_gib * GIB,
+            ask.gpu_count,
+            ask.core_percent,
+            ask.weight,
+            ask.priority,
+        )
         instance = self._service.create(request, runtime_version=self._files.version)
         _refuse_running(instance, key)  # create handed back an existing one: nothing to undo
         return instance
@@ -185,8 +225,10 @@ def _refuse_running(instance: Instance, key: ContainerKey) -> None:
     before it ran: a bound one means the same bundle and id are running
     under another runtime root, which would otherwise share it."""
     if instance.owner.kind is OwnerKind.CONTAINER and instance.state is InstanceState.BOUND:
-        raise StateError(f"container {key.id} of bundle {key.namespace} already runs with instance {instance.id} "
-                         f"(under another runtime root?): give this container its own bundle")
+        raise StateError(
+            f"container {key.id} of bundle {key.namespace} already runs with instance {instance.id} "
+            f"(under another runtime root?): give this container its own bundle"
+        )
 
 
 def _parse_state(data: bytes) -> dict[str, Any]:
@@ -197,4 +239,3 @@ def _parse_state(data: bytes) -> dict[str, Any]:
     if not isinstance(state, dict):
         raise UsageError("the OCI state is not a JSON object")
     return state
-

@@ -12,6 +12,7 @@ directories, means a link or a volume changed after the check: the
 container does not start.
 
 parse_mountinfo and check_placed are pure; read_mountinfo reads /proc."""
+
 from __future__ import annotations
 
 import os
@@ -105,16 +106,19 @@ def check_placed(mounts: list[MountPoint], rootfs: str, targets: Iterable[str]) 
         if found == 0:
             raise UsageError(
                 f"cgpu's mount at {target} is not in place: a link in the image or in a volume sent it elsewhere "
-                f"after cgpud checked the bundle; the container does not start")
+                f"after cgpud checked the bundle; the container does not start"
+            )
         if found > 1:
             raise UsageError(
                 f"{found} mounts lie at {target}, where only cgpu's belongs: a link in the image or in a volume "
-                f"put one there after cgpud checked the bundle; the container does not start")
+                f"put one there after cgpud checked the bundle; the container does not start"
+            )
     covering = _ancestors(targets) - set(targets)
     for m in mounts:
-        inside = m.path[len(rootfs):] if m.path.startswith(rootfs + "/") else None
+        inside = m.path[len(rootfs) :] if m.path.startswith(rootfs + "/") else None
         if inside in covering and m.fstype != "tmpfs":
             raise UsageError(
                 f"a {m.fstype} mount lies over {inside}, above where cgpu mounts its files: a link in the image "
-                f"or in a volume put it there after cgpud checked the bundle; the container does not start")
+                f"or in a volume put it there after cgpud checked the bundle; the container does not start"
+            )
     return True

@@ -5,6 +5,7 @@ through cgpud.contract.
 
 Only root may talk here (SO_PEERCRED): the verbs create instances and edit
 bundles anywhere on the host."""
+
 from __future__ import annotations
 
 import os
@@ -77,8 +78,13 @@ def answer_line(text: str) -> bytes:
     return data.decode(errors="ignore").encode() + b"\n"  # no character cut in half
 
 
-def handle(lifecycle: ContainerLifecycle, words: list[str], body: bytes,
-           decided: Callable[[str], None] = lambda text: None, fds: tuple[int, ...] = ()) -> str:
+def handle(
+    lifecycle: ContainerLifecycle,
+    words: list[str],
+    body: bytes,
+    decided: Callable[[str], None] = lambda text: None,
+    fds: tuple[int, ...] = (),
+) -> str:
     """One request to one answer text; raises CgpuError for the error line.
     A bind or a release calls `decided(text)` with its answer before the
     work that cannot change it (InstanceService.bind_container,
@@ -87,16 +93,20 @@ def handle(lifecycle: ContainerLifecycle, words: list[str], body: bytes,
     one)."""
     spec_fd = words[3:] == [RELAY_SPEC_FD] and words[:1] == ["prepare"]
     if len(fds) != spec_fd:
-        raise RelayProtocolError("prepare spec-fd came without the spec's file descriptor" if spec_fd
-                                 else "a file descriptor came with a request that takes none")
+        raise RelayProtocolError(
+            "prepare spec-fd came without the spec's file descriptor"
+            if spec_fd
+            else "a file descriptor came with a request that takes none"
+        )
     match words:
         case ["prepare", container_id, *flags] if flags in _PREPARE_FLAGS:
             try:
                 bundle = Path(os.fsdecode(body))
             except (UnicodeDecodeError, ValueError):
                 raise RelayProtocolError("bundle path is not a valid path") from None
-            return lifecycle.prepare(container_id, bundle, hooks=not flags,
-                                     spec_fd=fds[0] if spec_fd else None).summary()
+            return lifecycle.prepare(
+                container_id, bundle, hooks=not flags, spec_fd=fds[0] if spec_fd else None
+            ).summary()
         case ["hook", stage, instance_id]:
             return lifecycle.hook(stage, instance_id, body, decided)
         # The shim's own bind (after create) and release (after delete): the
@@ -121,8 +131,12 @@ class RelayServer:
     container start waits on two; the requests would queue on the instance
     service's lock anyway."""
 
-    def __init__(self, lifecycle: ContainerLifecycle, path: Path,
-                 on_request: Callable[[str, str], None] = lambda verb, code: None) -> None:
+    def __init__(
+        self,
+        lifecycle: ContainerLifecycle,
+        path: Path,
+        on_request: Callable[[str, str], None] = lambda verb, code: None,
+    ) -> None:
         self._lifecycle = lifecycle
         self._on_request = on_request  # (verb, "OK" or "error"), for metrics
         self._path = Path(os.path.abspath(path))

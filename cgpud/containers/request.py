@@ -12,6 +12,7 @@ Pure: a parsed spec in, a decision out. Two channels carry a request:
   a host path, so in Kubernetes mode this is the only channel trusted.
 
 Errors are UsageError with one line naming the variable and what to write."""
+
 from __future__ import annotations
 
 import os
@@ -133,7 +134,7 @@ def _within(path: str, directory: Path) -> str | None:
     root = str(directory)
     if not norm.startswith(root + os.sep):
         return None
-    return norm[len(root) + 1:].split(os.sep)[0]
+    return norm[len(root) + 1 :].split(os.sep)[0]
 
 
 def claim(mounts: Sequence[Any], regions: Path) -> Claim | None:

@@ -13,6 +13,7 @@ recorded against its instance (InstanceService.use_runtime, in the store);
 the sweep removes an old version's directory once no active instance is
 recorded against it. Files from before versioning, in `runtime/` itself, are
 the version LEGACY_RUNTIME ("") and go the same way."""
+
 from __future__ import annotations
 
 import os
@@ -96,8 +97,7 @@ def install_runtime_files(state_dir: Path, relay_socket: Path, version: str | No
         _check_private(state_dir)
         _private_dir(root)
         _private_dir(target)
-        files = RuntimeFiles(target / "libcgpu.so", target / "ld.so.preload", target / "cgpu-hook", relay_socket,
-                             name)
+        files = RuntimeFiles(target / "libcgpu.so", target / "ld.so.preload", target / "cgpu-hook", relay_socket, name)
         _install(native_path("lib/libcgpu.so").read_bytes(), files.library, 0o755)
         _install(native_path("bin/cgpu-hook").read_bytes(), files.hook, 0o755)
         _install(f"{CONTAINER_LIBRARY}\n".encode(), files.preload, 0o644)

@@ -1,6 +1,7 @@
 """cgpud's parts, started in order and stopped in reverse by construction:
 each part's stop is pushed on an ExitStack as the part starts, so a start
 that fails half-way unwinds exactly what it had started."""
+
 from __future__ import annotations
 
 import threading
@@ -56,9 +57,14 @@ def private_state_dir(path: Path) -> None:
         raise CgpuError(f"cannot prepare the state directory {path}: {e.strerror}") from e
 
 
-def sweep_loop(service: InstanceService, interval: float, stop: threading.Event,
-               also: Sequence[Callable[[], object]] = (), stats: DaemonStats | None = None,
-               heartbeat: Heartbeat | None = None) -> None:
+def sweep_loop(
+    service: InstanceService,
+    interval: float,
+    stop: threading.Event,
+    also: Sequence[Callable[[], object]] = (),
+    stats: DaemonStats | None = None,
+    heartbeat: Heartbeat | None = None,
+) -> None:
     log = structlog.get_logger("cgpud.sweep")
     own: Callable[[], object] = service.sweep if stats is None else lambda: stats.timed("sweep", service.sweep)
     while not stop.wait(interval):
@@ -116,9 +122,19 @@ class Daemon:
         start_compute = (lambda: ComputeScheduler(len(gpus), config.timing()).start()) if gpus else None
         compute = start_compute() if start_compute and limits_compute(policy.mode) else None
         exits = ExitWatch()
-        service = InstanceService(store, gpus, policy, config.regions, inventory.driver_version, host.boot_id(),
-                                  compute=compute, tmpfs_regions=True, start_compute=start_compute,
-                                  reservation_ttl=config.reservation_ttl, exits=exits)
+        service = InstanceService(
+            store,
+            gpus,
+            policy,
+            config.regions,
+            inventory.driver_version,
+            host.boot_id(),
+            compute=compute,
+            tmpfs_regions=True,
+            start_compute=start_compute,
+            reservation_ttl=config.reservation_ttl,
+            exits=exits,
+        )
         stack.callback(service.stop_compute)
         stack.callback(exits.start(service.init_exited, stop).join, 2)
         stats = DaemonStats()
@@ -128,31 +144,58 @@ class Daemon:
         events = BypassEvents()
         bypass = self._bypass_watchdog(stack, service, gpus, events, stats)
         if config.metrics_listen:
-            metrics = serve_metrics(config.metrics_listen, service, stats, __version__,
-                                    {g.index: g.name for g in inventory.gpus}, events=events)
+            metrics = serve_metrics(
+                config.metrics_listen,
+                service,
+                stats,
+                __version__,
+                {g.index: g.name for g in inventory.gpus},
+                events=events,
+            )
             stack.callback(metrics.stop)
         files = runtime_files.install_runtime_files(config.state_dir, config.relay_socket)
         trust_env = config.orchestrator is Orchestrator.STANDALONE
-        relay = RelayServer(ContainerLifecycle(service, files, trust_env), config.relay_socket,
-                            on_request=lambda verb, code: stats.request("relay", verb, code)).start()
+        relay = RelayServer(
+            ContainerLifecycle(service, files, trust_env),
+            config.relay_socket,
+            on_request=lambda verb, code: stats.request("relay", verb, code),
+        ).start()
         stack.callback(relay.stop)
-        server = serve(service, config.socket, cdi_spec=lambda: cdi.render(service, files),
-                       on_request=lambda method, code: stats.request("admin", method, code),
-                       events=events, watching=_bypass_watching(config, bypass))
+        server = serve(
+            service,
+            config.socket,
+            cdi_spec=lambda: cdi.render(service, files),
+            on_request=lambda method, code: stats.request("admin", method, code),
+            events=events,
+            watching=_bypass_watching(config, bypass),
+        )
         stack.callback(lambda: server.stop(grace=2).wait())
         self._signals = StopSignals(stop)
         stack.callback(self._signals.close)
         # Old versions' runtime files go once no active instance uses them.
         also: list[Callable[[], object]] = [
-            lambda: runtime_files.collect(service, files, runtime_files.runtime_root(config.state_dir))]
+            lambda: runtime_files.collect(service, files, runtime_files.runtime_root(config.state_dir))
+        ]
         plugin = agent = health = None
         if kube:
             assert api is not None
-            agent = KubeAgent(service, api, node_name(config.node_name), files, config.policy(),
-                              inventory.card_labels(), cdi_dir=config.cdi_dir,
-                              pod_resources_socket=config.pod_resources_socket)
-            plugin = DevicePlugin(PluginSettings(config.device_plugin_dir), CountedAllocator(agent.allocator, stats),
-                                  mode=policy.mode, placement=policy.placement, gpus=gpus).start()
+            agent = KubeAgent(
+                service,
+                api,
+                node_name(config.node_name),
+                files,
+                config.policy(),
+                inventory.card_labels(),
+                cdi_dir=config.cdi_dir,
+                pod_resources_socket=config.pod_resources_socket,
+            )
+            plugin = DevicePlugin(
+                PluginSettings(config.device_plugin_dir),
+                CountedAllocator(agent.allocator, stats),
+                mode=policy.mode,
+                placement=policy.placement,
+                gpus=gpus,
+            ).start()
             stack.callback(plugin.stop)
             agent.on_policy = lambda p: plugin.update(mode=p.mode, placement=p.placement)
             health = _watch_gpu_health(config, inventory.gpus, plugin, service.changes.bump)
@@ -173,18 +216,30 @@ class Daemon:
         # Pings vouch for the sweep loop: it touches the store, the instance
         # table and the kubelet/API server clients every round.
         heartbeat = Heartbeat()
-        threading.Thread(target=sweep_loop, args=(service, config.sweep_interval, stop, also, stats, heartbeat),
-                         daemon=True).start()
+        threading.Thread(
+            target=sweep_loop, args=(service, config.sweep_interval, stop, also, stats, heartbeat), daemon=True
+        ).start()
         if bypass is not None:  # its wait ends with `stop`; a round under way finishes first
             stack.callback(bypass.start(stop).join, config.bypass_interval + 10)
         start_keepalive(self._notifier, stop, healthy=None if max_age is None else lambda: heartbeat.fresh(max_age))
         self._notifier.ready()  # only now: reconciled and serving
-        self._log.info("ready", socket=str(config.socket), gpus=len(gpus), mode=policy.mode.value,
-                       bypass_interval=config.bypass_interval if bypass is not None else 0,
-                       bypass_action=config.bypass_action.value)
+        self._log.info(
+            "ready",
+            socket=str(config.socket),
+            gpus=len(gpus),
+            mode=policy.mode.value,
+            bypass_interval=config.bypass_interval if bypass is not None else 0,
+            bypass_action=config.bypass_action.value,
+        )
 
-    def _bypass_watchdog(self, stack: ExitStack, service: InstanceService, gpus: Sequence[GpuCapacity],
-                         events: BypassEvents, stats: DaemonStats) -> BypassWatchdog | None:
+    def _bypass_watchdog(
+        self,
+        stack: ExitStack,
+        service: InstanceService,
+        gpus: Sequence[GpuCapacity],
+        events: BypassEvents,
+        stats: DaemonStats,
+    ) -> BypassWatchdog | None:
         """The bypass watchdog, not started; None when bypass_interval is 0
         or there is no GPU. It is built whatever the mode: node labels may
         turn an isolating mode on later, and until then its rounds only read
@@ -194,8 +249,16 @@ class Daemon:
             return None
         reader = NvmlProcessReader([g.index for g in gpus], config.bypass_compute_window)
         stack.callback(reader.close)
-        return BypassWatchdog(service, events, reader, ProcessMapper(), config.watch_settings(), config.bypass_action,
-                              config.bypass_interval, stats=stats)
+        return BypassWatchdog(
+            service,
+            events,
+            reader,
+            ProcessMapper(),
+            config.watch_settings(),
+            config.bypass_action,
+            config.bypass_interval,
+            stats=stats,
+        )
 
 
 def _bypass_watching(config: DaemonConfig, watchdog: BypassWatchdog | None) -> Callable[[], tuple[bool, str]]:
@@ -206,8 +269,9 @@ def _bypass_watching(config: DaemonConfig, watchdog: BypassWatchdog | None) -> C
     return lambda: (False, reason)
 
 
-def _watch_gpu_health(config: DaemonConfig, gpus: Sequence[Any], plugin: DevicePlugin | None,
-                      changed: Callable[[], object]) -> HealthWatcher | None:
+def _watch_gpu_health(
+    config: DaemonConfig, gpus: Sequence[Any], plugin: DevicePlugin | None, changed: Callable[[], object]
+) -> HealthWatcher | None:
     """GPU health into the device plugin's ListAndWatch (when there is one)
     and the Capacity API's views (`changed` bumps their revision); None when
     NVML cannot watch (then GPUs stay Healthy rather than the node losing
@@ -218,13 +282,13 @@ def _watch_gpu_health(config: DaemonConfig, gpus: Sequence[Any], plugin: DeviceP
             plugin.update(health=healthy_by_index(snap))
         changed()
 
-    watcher = HealthWatcher(gpus, on_change, policy=config.health_policy(),
-                            probe_interval=config.gpu_health_probe_interval)
+    watcher = HealthWatcher(
+        gpus, on_change, policy=config.health_policy(), probe_interval=config.gpu_health_probe_interval
+    )
     try:
         watcher.start()
     except CgpuError as e:
-        structlog.get_logger("cgpud.kube").error("GPU health is not watched: GPUs are advertised Healthy",
-                                                 error=str(e))
+        structlog.get_logger("cgpud.kube").error("GPU health is not watched: GPUs are advertised Healthy", error=str(e))
         return None
     if plugin is not None:
         plugin.update(health=healthy_by_index(watcher.snapshot()))  # start()'s first verdicts reach no callback
@@ -232,8 +296,9 @@ def _watch_gpu_health(config: DaemonConfig, gpus: Sequence[Any], plugin: DeviceP
     return watcher
 
 
-def _serve_capacity(config: DaemonConfig, service: InstanceService, inventory: Inventory,
-                    health: HealthWatcher | None, kube: bool) -> tuple[Any, str]:
+def _serve_capacity(
+    config: DaemonConfig, service: InstanceService, inventory: Inventory, health: HealthWatcher | None, kube: bool
+) -> tuple[Any, str]:
     """The Capacity API on capacity_listen, and the HOST:PORT to advertise
     ("" when there is none: listening on every address of a node without a
     primary one; only kubernetes mode needs it, and refuses to start then)."""
@@ -253,8 +318,9 @@ def _serve_capacity(config: DaemonConfig, service: InstanceService, inventory: I
         return {i: (h.healthy, h.reason) for i, h in health.snapshot().items()}
 
     facts = node_facts(inventory, node_name(config.node_name), [primary, address_host])
-    server = serve_capacity(CapacityServicer(service, facts, gpu_health), config.capacity_listen, tls,
-                            config.capacity_insecure)
+    server = serve_capacity(
+        CapacityServicer(service, facts, gpu_health), config.capacity_listen, tls, config.capacity_insecure
+    )
     address = str(advertised(server.endpoint, config.capacity_advertise, primary)) if address_host else ""
     structlog.get_logger("cgpud.capacity").info("capacity address", advertise=address)
     return server, address

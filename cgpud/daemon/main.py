@@ -1,4 +1,5 @@
 """cgpud entry point: parse settings, start the daemon, run until told to stop."""
+
 from __future__ import annotations
 
 import argparse
@@ -15,8 +16,9 @@ from cgpud.node.inventory import read_inventory
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cgpud",
-                                description="cgpu node daemon: GPU inventory, instance tables, local API.")
+    p = argparse.ArgumentParser(
+        prog="cgpud", description="cgpu node daemon: GPU inventory, instance tables, local API."
+    )
     p.add_argument("--version", action="version", version=f"cgpud {__version__}")
     p.add_argument("--inventory", action="store_true", help="print this node's GPU inventory as JSON and exit")
     settings.add_arguments(p)

@@ -10,6 +10,7 @@ HAMi's vGPU monitor; docs/metrics.md maps them.
 Ownership: MetricsServer owns its HTTP server thread from start() to stop().
 Thread-safety: DaemonStats is called from every API thread (its own lock);
 the Collector runs on the HTTP server's threads and only reads."""
+
 from __future__ import annotations
 
 import bisect
@@ -102,11 +103,17 @@ class DaemonStats:
             with self._lock:
                 self._durations.setdefault(what, _Histogram()).observe(elapsed)
 
-    def snapshot(self) -> tuple[dict[tuple[str, str], int], dict[tuple[str, str, str], int],
-                                dict[str, tuple[list[tuple[str, int]], float]]]:
+    def snapshot(
+        self,
+    ) -> tuple[
+        dict[tuple[str, str], int], dict[tuple[str, str, str], int], dict[str, tuple[list[tuple[str, int]], float]]
+    ]:
         with self._lock:
-            return (dict(self._requests), dict(self._errors),
-                    {k: (h.buckets(), h.total) for k, h in self._durations.items()})
+            return (
+                dict(self._requests),
+                dict(self._errors),
+                {k: (h.buckets(), h.total) for k, h in self._durations.items()},
+            )
 
 
 class CountedAllocator:
@@ -155,8 +162,12 @@ def read_usage(path: os.PathLike[str] | str, slots: int) -> list[DeviceUsage] | 
     out = []
     for slot in range(slots):
         base = slot * _DEVICE_SIZE
-        out.append(DeviceUsage(int.from_bytes(raw[base + _USED_OFFSET:base + _USED_OFFSET + 8], "little"),
-                               int.from_bytes(raw[base + _GATED_OFFSET:base + _GATED_OFFSET + 8], "little")))
+        out.append(
+            DeviceUsage(
+                int.from_bytes(raw[base + _USED_OFFSET : base + _USED_OFFSET + 8], "little"),
+                int.from_bytes(raw[base + _GATED_OFFSET : base + _GATED_OFFSET + 8], "little"),
+            )
+        )
     return out
 
 
@@ -224,9 +235,15 @@ _INSTANCE_LABELS = ("instance_id", "owner_kind", "owner", *_GPU_LABELS)
 class CgpuCollector(Collector):
     """Builds every cgpu_* family from the daemon's state at scrape time."""
 
-    def __init__(self, source: MetricsSource, stats: DaemonStats, version: str,
-                 models: Mapping[int, str] | None = None, utilisation: Callable[[], Mapping[int, int]] | None = None,
-                 events: BypassEvents | None = None):
+    def __init__(
+        self,
+        source: MetricsSource,
+        stats: DaemonStats,
+        version: str,
+        models: Mapping[int, str] | None = None,
+        utilisation: Callable[[], Mapping[int, int]] | None = None,
+        events: BypassEvents | None = None,
+    ):
         self._source = source
         self._stats = stats
         self._version = version
@@ -248,27 +265,37 @@ class CgpuCollector(Collector):
         info = GaugeMetricFamily("cgpu_build_info", "cgpud's version; always 1", labels=["version"])
         info.add_metric([self._version], 1)
         yield info
-        yield GaugeMetricFamily("cgpu_start_time_seconds", "when this cgpud started (Unix time)",
-                                value=self._stats.started)
+        yield GaugeMetricFamily(
+            "cgpu_start_time_seconds", "when this cgpud started (Unix time)", value=self._stats.started
+        )
         policy = self._source.policy()
-        node = GaugeMetricFamily("cgpu_node_info", "the node's mode, placement and compute policy; always 1",
-                                 labels=["mode", "placement", "compute_policy"])
+        node = GaugeMetricFamily(
+            "cgpu_node_info",
+            "the node's mode, placement and compute policy; always 1",
+            labels=["mode", "placement", "compute_policy"],
+        )
         node.add_metric([policy.mode.value, policy.placement.value, policy.compute_policy.name.lower()], 1)
         yield node
         requests, errors, durations = self._stats.snapshot()
-        total = CounterMetricFamily("cgpu_requests", "requests cgpud answered, by kind and method",
-                                    labels=["kind", "method"])
+        total = CounterMetricFamily(
+            "cgpu_requests", "requests cgpud answered, by kind and method", labels=["kind", "method"]
+        )
         for (kind, method), n in sorted(requests.items()):
             total.add_metric([kind, method], n)
         yield total
-        failed = CounterMetricFamily("cgpu_request_errors", "requests cgpud refused or failed, by kind, method "
-                                     "and code", labels=["kind", "method", "code"])
+        failed = CounterMetricFamily(
+            "cgpu_request_errors",
+            "requests cgpud refused or failed, by kind, method and code",
+            labels=["kind", "method", "code"],
+        )
         for (kind, method, code), n in sorted(errors.items()):
             failed.add_metric([kind, method, code], n)
         yield failed
-        for what, doc in (("reconcile", "how long each reconcile of the instance tables took"),
-                          ("sweep", "how long each sweep of the instance tables took"),
-                          ("bypass", "how long each round of the bypass watchdog took")):
+        for what, doc in (
+            ("reconcile", "how long each reconcile of the instance tables took"),
+            ("sweep", "how long each sweep of the instance tables took"),
+            ("bypass", "how long each round of the bypass watchdog took"),
+        ):
             h = HistogramMetricFamily(f"cgpu_{what}_duration_seconds", doc)
             buckets, total_s = durations.get(what, ([(f"{b:g}", 0) for b in DURATION_BUCKETS] + [("+Inf", 0)], 0.0))
             h.add_metric([], buckets, total_s)
@@ -277,20 +304,24 @@ class CgpuCollector(Collector):
 
     def _bypass(self) -> Iterator[Metric]:
         by_kind, killed = self._events.totals() if self._events is not None else ({}, 0)
-        events = CounterMetricFamily("cgpu_bypass_events", "the bypass watchdog's reports and kills, by kind "
-                                     "of violation and action", labels=["kind", "action"])
+        events = CounterMetricFamily(
+            "cgpu_bypass_events",
+            "the bypass watchdog's reports and kills, by kind of violation and action",
+            labels=["kind", "action"],
+        )
         for (kind, action), n in sorted(by_kind.items()):
             events.add_metric([kind, action], n)
         yield events
-        yield CounterMetricFamily("cgpu_bypass_processes_killed", "processes the bypass watchdog killed",
-                                  value=killed)
+        yield CounterMetricFamily("cgpu_bypass_processes_killed", "processes the bypass watchdog killed", value=killed)
 
     def _per_gpu(self, gpus: Mapping[int, GpuCapacity], instances: Sequence[Instance]) -> Iterator[Metric]:
         total = GaugeMetricFamily("cgpu_gpu_memory_total_bytes", "GPU memory (NVML total)", labels=_GPU_LABELS)
-        allocated = GaugeMetricFamily("cgpu_gpu_memory_allocated_bytes",
-                                      "GPU memory granted to active instances", labels=_GPU_LABELS)
-        cores = GaugeMetricFamily("cgpu_gpu_compute_allocated_percent",
-                                  "compute shares granted to active instances", labels=_GPU_LABELS)
+        allocated = GaugeMetricFamily(
+            "cgpu_gpu_memory_allocated_bytes", "GPU memory granted to active instances", labels=_GPU_LABELS
+        )
+        cores = GaugeMetricFamily(
+            "cgpu_gpu_compute_allocated_percent", "compute shares granted to active instances", labels=_GPU_LABELS
+        )
         count = GaugeMetricFamily("cgpu_gpu_instances", "active instances on the GPU", labels=_GPU_LABELS)
         held: dict[int, list[int]] = {i: [0, 0, 0] for i in gpus}
         for instance in instances:
@@ -307,49 +338,88 @@ class CgpuCollector(Collector):
             count.add_metric(labels, held[index][2])
         yield from (total, allocated, cores, count)
         if self._utilisation is not None:
-            busy = GaugeMetricFamily("cgpu_gpu_utilization_percent",
-                                     "percent of the last sample period the GPU was busy (NVML)", labels=_GPU_LABELS)
+            busy = GaugeMetricFamily(
+                "cgpu_gpu_utilization_percent",
+                "percent of the last sample period the GPU was busy (NVML)",
+                labels=_GPU_LABELS,
+            )
             for index, percent in sorted(self._utilisation().items()):
                 if index in gpus:
                     busy.add_metric(self._gpu_labels(gpus[index]), percent)
             yield busy
 
     def _per_instance(self, gpus: Mapping[int, GpuCapacity], instances: Sequence[Instance]) -> Iterator[Metric]:
-        limit = GaugeMetricFamily("cgpu_instance_memory_limit_bytes", "GPU memory the instance may hold",
-                                  labels=_INSTANCE_LABELS)
-        used = GaugeMetricFamily("cgpu_instance_memory_used_bytes", "GPU memory the instance's processes hold, "
-                                 "as they report it in the usage file (tenant-reported, bounded by the GPU's memory)",
-                                 labels=_INSTANCE_LABELS)
-        share = GaugeMetricFamily("cgpu_instance_compute_share_percent",
-                                  "compute share granted (0: no compute limit)", labels=_INSTANCE_LABELS)
-        achieved = GaugeMetricFamily("cgpu_instance_compute_achieved_percent", "device time charged to the "
-                                     "instance over the scheduler's last 1 s window, in percent",
-                                     labels=_INSTANCE_LABELS)
-        charged = CounterMetricFamily("cgpu_instance_compute_charged_seconds",
-                                      "device time charged to the instance by the compute scheduler",
-                                      labels=_INSTANCE_LABELS)
-        throttled = CounterMetricFamily("cgpu_instance_throttled_seconds",
-                                        "time the instance had launches waiting at its closed gate",
-                                        labels=_INSTANCE_LABELS)
-        grants = CounterMetricFamily("cgpu_instance_compute_grants", "times the scheduler opened the "
-                                     "instance's gate", labels=_INSTANCE_LABELS)
-        grace = GaugeMetricFamily("cgpu_instance_idle_grace_seconds", "how long the instance may hold the GPU "
-                                  "idle while another instance waits: the full grace, or none once it has shown "
-                                  "it stays idle", labels=_INSTANCE_LABELS)
-        gated = CounterMetricFamily("cgpu_instance_launches_gated", "launches that waited at a closed gate "
-                                    "(tenant-reported)", labels=_INSTANCE_LABELS)
-        violations = CounterMetricFamily("cgpu_instance_bypass_violations", "the bypass watchdog's reports and "
-                                         "kills for the instance (on any of its GPUs)", labels=_INSTANCE_LABELS)
+        limit = GaugeMetricFamily(
+            "cgpu_instance_memory_limit_bytes", "GPU memory the instance may hold", labels=_INSTANCE_LABELS
+        )
+        used = GaugeMetricFamily(
+            "cgpu_instance_memory_used_bytes",
+            "GPU memory the instance's processes hold, "
+            "as they report it in the usage file (tenant-reported, bounded by the GPU's memory)",
+            labels=_INSTANCE_LABELS,
+        )
+        share = GaugeMetricFamily(
+            "cgpu_instance_compute_share_percent",
+            "compute share granted (0: no compute limit)",
+            labels=_INSTANCE_LABELS,
+        )
+        achieved = GaugeMetricFamily(
+            "cgpu_instance_compute_achieved_percent",
+            "device time charged to the instance over the scheduler's last 1 s window, in percent",
+            labels=_INSTANCE_LABELS,
+        )
+        charged = CounterMetricFamily(
+            "cgpu_instance_compute_charged_seconds",
+            "device time charged to the instance by the compute scheduler",
+            labels=_INSTANCE_LABELS,
+        )
+        throttled = CounterMetricFamily(
+            "cgpu_instance_throttled_seconds",
+            "time the instance had launches waiting at its closed gate",
+            labels=_INSTANCE_LABELS,
+        )
+        grants = CounterMetricFamily(
+            "cgpu_instance_compute_grants", "times the scheduler opened the instance's gate", labels=_INSTANCE_LABELS
+        )
+        grace = GaugeMetricFamily(
+            "cgpu_instance_idle_grace_seconds",
+            "how long the instance may hold the GPU "
+            "idle while another instance waits: the full grace, or none once it has shown "
+            "it stays idle",
+            labels=_INSTANCE_LABELS,
+        )
+        gated = CounterMetricFamily(
+            "cgpu_instance_launches_gated",
+            "launches that waited at a closed gate (tenant-reported)",
+            labels=_INSTANCE_LABELS,
+        )
+        violations = CounterMetricFamily(
+            "cgpu_instance_bypass_violations",
+            "the bypass watchdog's reports and kills for the instance (on any of its GPUs)",
+            labels=_INSTANCE_LABELS,
+        )
         compute = self._source.compute_metrics()
         for instance in instances:
             by_gpu = {m.gpu: m for m in compute.get(instance.id, [])}
-            usage = (read_usage(os.path.join(self._source.region_dir(instance.id), USAGE_FILE),
-                                min(len(instance.grants), _MAX_DEVICES)) if instance.enforced else None)
+            usage = (
+                read_usage(
+                    os.path.join(self._source.region_dir(instance.id), USAGE_FILE),
+                    min(len(instance.grants), _MAX_DEVICES),
+                )
+                if instance.enforced
+                else None
+            )
             counted = self._events.count(instance.id) if self._events is not None else 0
             for slot, grant in enumerate(instance.grants):
                 gpu = gpus.get(grant.gpu_index)
-                labels = [instance.id, instance.owner.kind.value, instance.owner.id, str(grant.gpu_index),
-                          grant.gpu_uuid, self._models.get(grant.gpu_index, "")]
+                labels = [
+                    instance.id,
+                    instance.owner.kind.value,
+                    instance.owner.id,
+                    str(grant.gpu_index),
+                    grant.gpu_uuid,
+                    self._models.get(grant.gpu_index, ""),
+                ]
                 limit.add_metric(labels, grant.memory or (gpu.memory if gpu else 0))
                 if slot == 0:  # one series per instance: events are not kept per GPU
                     violations.add_metric(labels, counted)
@@ -393,6 +463,7 @@ def _only_metrics(app: Callable[..., Any]) -> Callable[..., Any]:
             start_response("404 Not Found", [("Content-Type", "text/plain")])
             return [b"cgpud serves /metrics only\n"]
         return app(environ, start_response)
+
     return routed
 
 
@@ -425,8 +496,13 @@ class MetricsServer:
             address_family = family
 
         try:
-            server = make_server(host, self._endpoint.port, _only_metrics(make_wsgi_app(self._registry)),
-                                 Server, handler_class=_QuietHandler)
+            server = make_server(
+                host,
+                self._endpoint.port,
+                _only_metrics(make_wsgi_app(self._registry)),
+                Server,
+                handler_class=_QuietHandler,
+            )
         except OSError as e:
             raise CgpuError(f"cannot serve metrics on {self._endpoint}: {e.strerror or e}") from e
         self._server = server
@@ -443,8 +519,14 @@ class MetricsServer:
         self._on_close()
 
 
-def serve_metrics(listen: str, source: MetricsSource, stats: DaemonStats, version: str,
-                  models: Mapping[int, str], events: BypassEvents | None = None) -> MetricsServer:
+def serve_metrics(
+    listen: str,
+    source: MetricsSource,
+    stats: DaemonStats,
+    version: str,
+    models: Mapping[int, str],
+    events: BypassEvents | None = None,
+) -> MetricsServer:
     """A started MetricsServer with its own registry and collector;
     `events` is the bypass watchdog's ring (its counters are 0 without it)."""
     nvml = NvmlUtilisation(models.keys())

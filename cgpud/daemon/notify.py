@@ -7,6 +7,7 @@ shutdown, STATUS= for `systemctl status`, and WATCHDOG=1 every half of
 $WATCHDOG_USEC when the unit sets WatchdogSec=. Outside systemd (no
 NOTIFY_SOCKET) every call does nothing, so the daemon needs no special case.
 """
+
 from __future__ import annotations
 
 import os
@@ -103,6 +104,7 @@ class Heartbeat:
     thread asks whether the last beat is recent, so a ping means the loop
     still turns, not merely that the keep-alive thread does. A float
     assignment is atomic under the GIL: no lock."""
+
     clock: Callable[[], float] = time.monotonic
     last: float = field(init=False)
 

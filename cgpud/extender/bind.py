@@ -10,6 +10,7 @@ failed bind leaves nothing held; kube-scheduler retries the pod.
 
 Standalone (no API server): the reservation is made and the assignment
 reported (log, /inspect) without annotations or a Binding."""
+
 from __future__ import annotations
 
 import json
@@ -29,6 +30,7 @@ from kubernetes.client.exceptions import ApiException
 
 from cgpud.errors import CgpuError
 from cgpud.extender.client import CapacityError, Clients
+
 # Under another name: `annotations` here is the __future__ import's.
 from cgpud.extender.fit import Placement, Reason, fit, shares
 from cgpud.extender.fit import annotations as pod_annotations
@@ -44,9 +46,13 @@ PENDING_HOLD = 30.0  # seconds a hold lives while its Reserve is under way (the 
 
 # Reserve answers that mean the node decided and holds nothing new; any other
 # failure (a timeout, a dropped connection) leaves it unknown.
-_REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
-            grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED,
-            grpc.StatusCode.PERMISSION_DENIED)
+_REFUSED = (
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED,
+)
 
 
 class BindError(CgpuError):
@@ -95,8 +101,12 @@ class KubePodApi:
         self._client.close()
 
     def get_pod(self, namespace: str, name: str) -> dict[str, Any]:
-        data = self._request(f"read pod {namespace}/{name}", "GET", "/api/v1/namespaces/{namespace}/pods/{name}",
-                             {"namespace": namespace, "name": name})
+        data = self._request(
+            f"read pod {namespace}/{name}",
+            "GET",
+            "/api/v1/namespaces/{namespace}/pods/{name}",
+            {"namespace": namespace, "name": name},
+        )
         pod = json.loads(data)
         if not isinstance(pod, dict):
             raise BindError(f"cannot read pod {namespace}/{name}: the API server sent no object")
@@ -108,17 +118,32 @@ class KubePodApi:
             meta["uid"] = uid
         if annotations:
             meta["annotations"] = dict(annotations)
-        body = {"apiVersion": "v1", "kind": "Binding", "metadata": meta,
-                "target": {"apiVersion": "v1", "kind": "Node", "name": node}}
+        body = {
+            "apiVersion": "v1",
+            "kind": "Binding",
+            "metadata": meta,
+            "target": {"apiVersion": "v1", "kind": "Node", "name": node},
+        }
         # The answer is a Status, which the generated create_namespaced_binding
         # cannot read back as a V1Binding (kubernetes-client/python#547, #825);
         # the raw answer is all bind needs.
-        self._request(f"bind pod {namespace}/{name} to node {node}", "POST",
-                      "/api/v1/namespaces/{namespace}/pods/{name}/binding", {"namespace": namespace, "name": name},
-                      body)
+        self._request(
+            f"bind pod {namespace}/{name} to node {node}",
+            "POST",
+            "/api/v1/namespaces/{namespace}/pods/{name}/binding",
+            {"namespace": namespace, "name": name},
+            body,
+        )
 
-    def _request(self, what: str, method: str, path: str, params: Mapping[str, str], body: Any = None,
-                 content_type: str = "application/json") -> bytes:
+    def _request(
+        self,
+        what: str,
+        method: str,
+        path: str,
+        params: Mapping[str, str],
+        body: Any = None,
+        content_type: str = "application/json",
+    ) -> bytes:
         """One call through the client's serializer, auth and connection pool,
         below its generated methods (their per-call argument validation costs
         more CPU than the request)."""
@@ -126,8 +151,14 @@ class KubePodApi:
         if body is not None:
             headers["Content-Type"] = content_type
         try:
-            request = self._client.param_serialize(method=method, resource_path=path, path_params=dict(params),
-                                                   header_params=headers, body=body, auth_settings=["BearerToken"])
+            request = self._client.param_serialize(
+                method=method,
+                resource_path=path,
+                path_params=dict(params),
+                header_params=headers,
+                body=body,
+                auth_settings=["BearerToken"],
+            )
             answer = self._client.call_api(*request, _request_timeout=self._timeout)
             data = answer.read()
         except ApiException as e:
@@ -180,8 +211,15 @@ class Demands:
 
 
 class Binder:
-    def __init__(self, state: ClusterState, clients: Clients, api: PodApi | None = None, ttl: int = 0,
-                 keep: int = 100, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        state: ClusterState,
+        clients: Clients,
+        api: PodApi | None = None,
+        ttl: int = 0,
+        keep: int = 100,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.state = state
         self.clients = clients
         self.api = api
@@ -215,8 +253,9 @@ class Binder:
             # kube-scheduler sends the extender only pods asking for its
             # managedResources; anyone else calling /bind is not placing a
             # GPU share and gets no Binding from us.
-            raise BindError(f"pod {key} asks for no GPU share ({', '.join(_OURS)}): cgpu-scheduler binds only "
-                            "pods it places")
+            raise BindError(
+                f"pod {key} asks for no GPU share ({', '.join(_OURS)}): cgpu-scheduler binds only pods it places"
+            )
         # Fit and a pending hold under the node's lock, the Reserve outside
         # it: a second pod for the node is placed at once on a view that
         # counts the first (not on the same GPU, to be refused by the node),
@@ -227,11 +266,13 @@ class Binder:
         with self._node_lock(args.node):
             placement, address = self._place(args, demand)
             held = shares(placement)
-            self.state.hold(args.node, Hold(uid, args.pod_namespace, args.pod_name, held, "", 0,
-                                            self._clock() + PENDING_HOLD))
+            self.state.hold(
+                args.node, Hold(uid, args.pod_namespace, args.pod_name, held, "", 0, self._clock() + PENDING_HOLD)
+            )
         try:
-            reservation = self.clients.get(args.node, address).reserve(uid, args.pod_namespace, args.pod_name, held,
-                                                                       self._ttl)
+            reservation = self.clients.get(args.node, address).reserve(
+                uid, args.pod_namespace, args.pod_name, held, self._ttl
+            )
         except CapacityError as e:
             self.state.release(args.node, uid)
             if e.code not in _REFUSED:
@@ -242,8 +283,18 @@ class Binder:
             self.state.release(args.node, uid)
             raise
         uid = reservation.pod_uid
-        self.state.hold(args.node, Hold(uid, args.pod_namespace, args.pod_name, held, reservation.incarnation,
-                                        reservation.revision, reservation.expires_unix_ms / 1000))
+        self.state.hold(
+            args.node,
+            Hold(
+                uid,
+                args.pod_namespace,
+                args.pod_name,
+                held,
+                reservation.incarnation,
+                reservation.revision,
+                reservation.expires_unix_ms / 1000,
+            ),
+        )
         record = self.state.record(args.node)
         view = record.entry.state if record is not None and record.entry.state is not None else None
         notes = pod_annotations(demand, placement, view, int(self._clock() * 1e9)) if view is not None else {}
@@ -264,8 +315,10 @@ class Binder:
         if self.api is None:
             demand = self.demands.get(args.pod_uid) if args.pod_uid else None
             if demand is None or (demand.namespace, demand.name) != (args.pod_namespace, args.pod_name):
-                raise BindError(f"pod {key} (uid {args.pod_uid or '?'}) was not seen at filter or prioritize and "
-                                "there is no API server to read it from")
+                raise BindError(
+                    f"pod {key} (uid {args.pod_uid or '?'}) was not seen at filter or prioritize and "
+                    "there is no API server to read it from"
+                )
             return demand
         pod = self.api.get_pod(args.pod_namespace, args.pod_name)
         try:
@@ -295,17 +348,29 @@ class Binder:
             raise BindError(f"pod {demand.key} no longer fits node {args.node}: {answer.text}")
         return answer, record.entry.capacity_address
 
-    def _finish(self, args: BindArgs, demand: PodDemand, placement: Placement | None,
-                notes: Mapping[str, str]) -> Assignment:
+    def _finish(
+        self, args: BindArgs, demand: PodDemand, placement: Placement | None, notes: Mapping[str, str]
+    ) -> Assignment:
         key = f"{args.pod_namespace}/{args.pod_name}"
         if self.api is not None:
             self.api.bind(args.pod_namespace, args.pod_name, args.pod_uid, args.node, notes)
-        done = Assignment(key, demand.uid or args.pod_uid, args.node, placement.gpus if placement else (),
-                          dict(notes), self.api is not None, self._clock())
+        done = Assignment(
+            key,
+            demand.uid or args.pod_uid,
+            args.node,
+            placement.gpus if placement else (),
+            dict(notes),
+            self.api is not None,
+            self._clock(),
+        )
         self._recent.append(done)
         self.demands.forget(args.pod_uid)
-        _log.info("bound" if self.api is not None else "reserved (standalone, no Binding)", pod=key, node=args.node,
-                  gpus=list(done.gpus))
+        _log.info(
+            "bound" if self.api is not None else "reserved (standalone, no Binding)",
+            pod=key,
+            node=args.node,
+            gpus=list(done.gpus),
+        )
         return done
 
     def _give_back(self, node: str, address: str, uid: str) -> None:

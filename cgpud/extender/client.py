@@ -1,6 +1,7 @@
 """The extender's side of a node's Capacity API (cgpu.v1.Capacity): channels
 (TLS with a client certificate, or plaintext), and the calls, with gRPC
 failures turned into CapacityError carrying the node's own message."""
+
 from __future__ import annotations
 
 import threading
@@ -87,8 +88,9 @@ def _failure(what: str, address: str, e: grpc.RpcError) -> CapacityError:
     return CapacityError(f"{what} at {address}: {name}: {details}", code)
 
 
-def get_node(address: str, tls: TlsFiles | None, timeout: float = DEFAULT_TIMEOUT,
-             node: str | None = None) -> NodeState:
+def get_node(
+    address: str, tls: TlsFiles | None, timeout: float = DEFAULT_TIMEOUT, node: str | None = None
+) -> NodeState:
     with capacity_channel(address, tls, node) as channel:
         try:
             return node_from_pb(pb_grpc.CapacityStub(channel).GetNode(pb.GetNodeRequest(), timeout=timeout))
@@ -114,28 +116,50 @@ class CapacityClient:
         except grpc.RpcError as e:
             raise _failure("GetNode", self.address, e) from None
 
-    def reserve(self, pod_uid: str, namespace: str, name: str, shares: Sequence[Share], ttl: int = 0,
-                timeout: float = DEFAULT_TIMEOUT) -> pb.Reservation:
+    def reserve(
+        self,
+        pod_uid: str,
+        namespace: str,
+        name: str,
+        shares: Sequence[Share],
+        ttl: int = 0,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> pb.Reservation:
         return reserve(self.stub, self.address, pod_uid, namespace, name, shares, ttl, timeout)
 
     def unreserve(self, pod_uid: str, timeout: float = DEFAULT_TIMEOUT) -> pb.UnreserveResponse:
         return unreserve(self.stub, self.address, pod_uid, timeout)
 
 
-def reserve(stub: pb_grpc.CapacityStub, address: str, pod_uid: str, namespace: str, name: str,
-            shares: Sequence[Share], ttl: int = 0, timeout: float = DEFAULT_TIMEOUT) -> pb.Reservation:
+def reserve(
+    stub: pb_grpc.CapacityStub,
+    address: str,
+    pod_uid: str,
+    namespace: str,
+    name: str,
+    shares: Sequence[Share],
+    ttl: int = 0,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> pb.Reservation:
     request = pb.ReserveRequest(
-        pod_uid=pod_uid, pod_namespace=namespace, pod_name=name, ttl_seconds=ttl,
-        shares=[pb.Share(gpu_index=s.gpu_index, memory_bytes=s.memory, core_percent=s.core_percent,
-                         instances=s.instances) for s in shares])
+        pod_uid=pod_uid,
+        pod_namespace=namespace,
+        pod_name=name,
+        ttl_seconds=ttl,
+        shares=[
+            pb.Share(gpu_index=s.gpu_index, memory_bytes=s.memory, core_percent=s.core_percent, instances=s.instances)
+            for s in shares
+        ],
+    )
     try:
         return stub.Reserve(request, timeout=timeout)
     except grpc.RpcError as e:
         raise _failure("Reserve", address, e) from None
 
 
-def unreserve(stub: pb_grpc.CapacityStub, address: str, pod_uid: str,
-              timeout: float = DEFAULT_TIMEOUT) -> pb.UnreserveResponse:
+def unreserve(
+    stub: pb_grpc.CapacityStub, address: str, pod_uid: str, timeout: float = DEFAULT_TIMEOUT
+) -> pb.UnreserveResponse:
     try:
         return stub.Unreserve(pb.UnreserveRequest(pod_uid=pod_uid), timeout=timeout)
     except grpc.RpcError as e:

@@ -98,8 +98,11 @@ class NodeSummary:
 def node_usage(state: NodeState) -> tuple[GpuUsage, ...]:
     """What the view shows held of each healthy GPU (instances, the node's
     reservations and the extender's holds together), as admission counts it."""
-    return tuple(GpuUsage(GpuCapacity(g.index, g.uuid, g.memory_total), g.memory_allocated, g.core_allocated,
-                          g.instances) for g in state.gpus if g.healthy)
+    return tuple(
+        GpuUsage(GpuCapacity(g.index, g.uuid, g.memory_total), g.memory_allocated, g.core_allocated, g.instances)
+        for g in state.gpus
+        if g.healthy
+    )
 
 
 def summarize(state: NodeState, name: str | None = None) -> NodeSummary:
@@ -114,15 +117,22 @@ def summarize(state: NodeState, name: str | None = None) -> NodeSummary:
     try:
         # The view carries the node's settings as text and each GPU's
         # instance limit (the node's one max_instances_per_gpu).
-        policy = admission.parse_policy(state.mode, state.placement, state.core_step,
-                                        max((g.max_instances for g in state.gpus), default=1))
+        policy = admission.parse_policy(
+            state.mode, state.placement, state.core_step, max((g.max_instances for g in state.gpus), default=1)
+        )
         admission.check_takes_shares(policy.mode)
     except (UsageError, StateError) as e:
         problem = Reason(str(e), resolvable=False)
     if problem is None and not usage and state.gpus:
         problem = Reason(f"no healthy GPU on this node ({why})", resolvable=False)
-    return NodeSummary(state=state, problem=problem, policy=policy, usage=usage, sick=sick,
-                       name_json=json.dumps(state.name if name is None else name))
+    return NodeSummary(
+        state=state,
+        problem=problem,
+        policy=policy,
+        usage=usage,
+        sick=sick,
+        name_json=json.dumps(state.name if name is None else name),
+    )
 
 
 def fit(demand: PodDemand, node: NodeSummary | NodeState) -> Placement | Reason:
@@ -246,6 +256,11 @@ def failed_maps(reasons: Mapping[str, Reason]) -> tuple[dict[str, str], dict[str
 
 def demand_json(demand: PodDemand) -> dict[str, Any]:
     """A demand as plain data, for logs and /inspect."""
-    return {"pod": demand.key, "uid": demand.uid,
-            "containers": [{"name": c.name, "memory_gib": c.memory_gib, "core_percent": c.core_percent,
-                            "gpu_count": c.gpu_count} for c in demand.containers]}
+    return {
+        "pod": demand.key,
+        "uid": demand.uid,
+        "containers": [
+            {"name": c.name, "memory_gib": c.memory_gib, "core_percent": c.core_percent, "gpu_count": c.gpu_count}
+            for c in demand.containers
+        ],
+    }

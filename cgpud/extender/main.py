@@ -9,6 +9,7 @@ the API server's Nodes. Binding goes to the API server (--kubeconfig, or the
 pod's service account in a cluster); with --nodes and no API server it runs
 standalone: bind reserves on the node and reports the assignment.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,26 +29,49 @@ from cgpud.signals import StopSignals
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cgpu-scheduler",
-                                description="kube-scheduler extender placing cgpu GPU shares (filter, prioritize, "
-                                            "bind) from every node's live Capacity view.")
+    p = argparse.ArgumentParser(
+        prog="cgpu-scheduler",
+        description="kube-scheduler extender placing cgpu GPU shares (filter, prioritize, "
+        "bind) from every node's live Capacity view.",
+    )
     p.add_argument("--listen", required=True, metavar="HOST:PORT", help="where kube-scheduler calls the extender")
-    p.add_argument("--nodes", type=Path, metavar="FILE",
-                   help="node file: `NAME HOST:PORT` a line (its cgpud's Capacity address); default: the API "
-                        "server's Nodes (annotation cgpu.io/capacity-address)")
-    p.add_argument("--kubeconfig", type=Path, metavar="FILE",
-                   help="API server credentials (default: the pod's service account when in a cluster)")
+    p.add_argument(
+        "--nodes",
+        type=Path,
+        metavar="FILE",
+        help="node file: `NAME HOST:PORT` a line (its cgpud's Capacity address); default: the API "
+        "server's Nodes (annotation cgpu.io/capacity-address)",
+    )
+    p.add_argument(
+        "--kubeconfig",
+        type=Path,
+        metavar="FILE",
+        help="API server credentials (default: the pod's service account when in a cluster)",
+    )
     p.add_argument("--tls-cert", type=Path, metavar="FILE", help="client certificate for the Capacity API")
     p.add_argument("--tls-key", type=Path, metavar="FILE", help="its key")
     p.add_argument("--tls-ca", type=Path, metavar="FILE", help="CA of the nodes' Capacity server certificates")
-    p.add_argument("--serve-cert", type=Path, metavar="FILE",
-                   help="serve kube-scheduler over HTTPS with this certificate (and --serve-key)")
+    p.add_argument(
+        "--serve-cert",
+        type=Path,
+        metavar="FILE",
+        help="serve kube-scheduler over HTTPS with this certificate (and --serve-key)",
+    )
     p.add_argument("--serve-key", type=Path, metavar="FILE", help="its key")
-    p.add_argument("--client-ca", type=Path, metavar="FILE",
-                   help="only callers with a client certificate this CA signed may filter, prioritize and bind "
-                        "(kube-scheduler's extender tlsConfig); /healthz and /inspect stay open")
-    p.add_argument("--reservation-ttl", type=int, default=0, metavar="SECONDS",
-                   help="how long a node holds a bind's reservation for the pod's Allocate (0: the node's default)")
+    p.add_argument(
+        "--client-ca",
+        type=Path,
+        metavar="FILE",
+        help="only callers with a client certificate this CA signed may filter, prioritize and bind "
+        "(kube-scheduler's extender tlsConfig); /healthz and /inspect stay open",
+    )
+    p.add_argument(
+        "--reservation-ttl",
+        type=int,
+        default=0,
+        metavar="SECONDS",
+        help="how long a node holds a bind's reservation for the pod's Allocate (0: the node's default)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -73,16 +97,19 @@ def run(args: argparse.Namespace) -> int:
     serving = None
     if args.serve_cert or args.serve_key or args.client_ca:
         if not (args.serve_cert and args.serve_key):
-            raise UsageError("--serve-cert and --serve-key go together (--client-ca needs them: client "
-                             "certificates are checked over HTTPS only)")
+            raise UsageError(
+                "--serve-cert and --serve-key go together (--client-ca needs them: client "
+                "certificates are checked over HTTPS only)"
+            )
         serving = ServerTls(args.serve_cert, args.serve_key, args.client_ca)
         serving.context()  # unreadable files fail now, not at the first request
     nodes = read_node_file(args.nodes) if args.nodes else None
     in_cluster = bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
     api = KubePodApi(args.kubeconfig) if args.kubeconfig or in_cluster else None
     if nodes is None and api is None:
-        raise UsageError("no nodes: give --nodes FILE, or --kubeconfig (or run in a cluster) to find them through "
-                         "the API server")
+        raise UsageError(
+            "no nodes: give --nodes FILE, or --kubeconfig (or run in a cluster) to find them through the API server"
+        )
     state = ClusterState()
     clients = Clients(tls)
     binder = Binder(state, clients, api, ttl=args.reservation_ttl)
@@ -93,16 +120,24 @@ def run(args: argparse.Namespace) -> int:
     if nodes is not None:
         watchers.sync(nodes)
     else:
+
         def skipped(reasons: dict[str, str]) -> None:
             server.extender.skipped = dict(reasons)
 
         source = ApiNodeSource(k8s.CoreV1Api(client_from(args.kubeconfig)), watchers.sync, skipped).start()
     signals = StopSignals(threading.Event())
-    log.info("ready", listen=join_host_port(listen.host, server.port),
-             nodes=len(nodes) if nodes is not None else "api-server",
-             tls=tls is not None, binding="api-server" if api is not None else "standalone",
-             serving="https with client certificates" if serving is not None and serving.client_ca else
-             "https" if serving is not None else "http")
+    log.info(
+        "ready",
+        listen=join_host_port(listen.host, server.port),
+        nodes=len(nodes) if nodes is not None else "api-server",
+        tls=tls is not None,
+        binding="api-server" if api is not None else "standalone",
+        serving="https with client certificates"
+        if serving is not None and serving.client_ca
+        else "https"
+        if serving is not None
+        else "http",
+    )
     print(f"cgpu-scheduler listening on {server.url}", file=sys.stderr, flush=True)
     while not signals.wait(1.0):
         state.expire()

@@ -1,6 +1,7 @@
 """What the extender knows of a node: its cgpud's last NodeView, as plain
 data. Built from the Capacity protobuf here and nowhere else; the same data
 is the JSON of `GET /inspect`, which `kubectl inspect cgpu` reads."""
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -93,20 +94,44 @@ def _shares(shares: Any) -> tuple[tuple[int, int, int], ...]:
 
 
 def node_from_pb(msg: pb.NodeView) -> NodeState:
-    gpus = tuple(GpuState(
-        index=g.index, uuid=g.uuid, model=g.model, memory_total=g.memory_total_bytes,
-        memory_allocated=g.memory_allocated_bytes, core_allocated=g.core_allocated_percent, instances=g.instances,
-        max_instances=g.max_instances, healthy=g.healthy, health_reason=g.health_reason,
-        memory_reserved=g.memory_reserved_bytes, core_reserved=g.core_reserved_percent) for g in msg.gpus)
-    pods = tuple(PodShare(p.pod_uid, p.pod_namespace, p.pod_name, p.container, _shares(p.shares))
-                 for p in msg.pod_instances)
-    reserved = tuple(PodShare(r.pod_uid, r.pod_namespace, r.pod_name, "", _shares(r.shares), reserved=True)
-                     for r in msg.reservations)
+    gpus = tuple(
+        GpuState(
+            index=g.index,
+            uuid=g.uuid,
+            model=g.model,
+            memory_total=g.memory_total_bytes,
+            memory_allocated=g.memory_allocated_bytes,
+            core_allocated=g.core_allocated_percent,
+            instances=g.instances,
+            max_instances=g.max_instances,
+            healthy=g.healthy,
+            health_reason=g.health_reason,
+            memory_reserved=g.memory_reserved_bytes,
+            core_reserved=g.core_reserved_percent,
+        )
+        for g in msg.gpus
+    )
+    pods = tuple(
+        PodShare(p.pod_uid, p.pod_namespace, p.pod_name, p.container, _shares(p.shares)) for p in msg.pod_instances
+    )
+    reserved = tuple(
+        PodShare(r.pod_uid, r.pod_namespace, r.pod_name, "", _shares(r.shares), reserved=True) for r in msg.reservations
+    )
     return NodeState(
-        name=msg.node_name, incarnation=msg.incarnation, revision=msg.revision, addresses=tuple(msg.addresses),
-        mode=msg.mode, placement=msg.placement, core_step=msg.core_step, card_name=msg.card.name,
-        gpus=tuple(sorted(gpus, key=lambda g: g.index)), nvlinks=tuple((n.gpu_a, n.gpu_b) for n in msg.nvlinks),
-        pods=pods + reserved, driver_version=msg.driver_version, other_instances=msg.other_instances)
+        name=msg.node_name,
+        incarnation=msg.incarnation,
+        revision=msg.revision,
+        addresses=tuple(msg.addresses),
+        mode=msg.mode,
+        placement=msg.placement,
+        core_step=msg.core_step,
+        card_name=msg.card.name,
+        gpus=tuple(sorted(gpus, key=lambda g: g.index)),
+        nvlinks=tuple((n.gpu_a, n.gpu_b) for n in msg.nvlinks),
+        pods=pods + reserved,
+        driver_version=msg.driver_version,
+        other_instances=msg.other_instances,
+    )
 
 
 # ---- JSON (GET /inspect) ---------------------------------------------------------------
@@ -126,16 +151,32 @@ def view_from_json(data: Any) -> ClusterView:
 
 def _entry(d: dict[str, Any]) -> NodeEntry:
     state = d.get("state")
-    return NodeEntry(d["name"], d["capacity_address"], bool(d["connected"]), d.get("error", ""),
-                     None if state is None else _state(state))
+    return NodeEntry(
+        d["name"],
+        d["capacity_address"],
+        bool(d["connected"]),
+        d.get("error", ""),
+        None if state is None else _state(state),
+    )
 
 
 def _state(d: dict[str, Any]) -> NodeState:
     return NodeState(
         **{k: d[k] for k in ("name", "incarnation", "revision", "mode", "placement", "core_step", "card_name")},
-        addresses=tuple(d["addresses"]), gpus=tuple(GpuState(**g) for g in d["gpus"]),
+        addresses=tuple(d["addresses"]),
+        gpus=tuple(GpuState(**g) for g in d["gpus"]),
         nvlinks=tuple((a, b) for a, b in d.get("nvlinks", ())),
-        pods=tuple(PodShare(p["pod_uid"], p["pod_namespace"], p["pod_name"], p["container"],
-                            tuple((i, m, c) for i, m, c in p["gpus"]), bool(p.get("reserved", False)))
-                   for p in d.get("pods", ())),
-        driver_version=d.get("driver_version", ""), other_instances=d.get("other_instances", 0))
+        pods=tuple(
+            PodShare(
+                p["pod_uid"],
+                p["pod_namespace"],
+                p["pod_name"],
+                p["container"],
+                tuple((i, m, c) for i, m, c in p["gpus"]),
+                bool(p.get("reserved", False)),
+            )
+            for p in d.get("pods", ())
+        ),
+        driver_version=d.get("driver_version", ""),
+        other_instances=d.get("other_instances", 0),
+    )

@@ -13,6 +13,7 @@ choice to the node (ALIYUN_COM_GPU_MEM_IDX, scheduler.framework.gpushare.
 allocation) can name an init container's GPUs only through the pod-wide
 index, so a second GPU container could not be told apart from it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -141,7 +142,8 @@ def pod_demand(pod: Any) -> PodDemand:
         raise PodError(
             f"pod {key}: init container {inits[0].name} asks for {Resource.GPU_MEM.value} beside "
             f"{len(found) - 1} other GPU container(s); cgpu-scheduler places an init container's GPU share only "
-            "when it is the pod's one GPU container: move the GPU work into one container")
+            "when it is the pod's one GPU container: move the GPU work into one container"
+        )
     return PodDemand(uid, namespace, name, tuple(found))
 
 
@@ -176,17 +178,23 @@ def _container(c: Any, pod: str, field: str, i: int, index: int) -> ContainerDem
     if memory == 0:
         if core or (count_given and count):
             what = Resource.GPU_CORE.value if core else Resource.GPU_COUNT.value
-            raise PodError(f"{where} asks for {what} but no {Resource.GPU_MEM.value}: a GPU share is sized by "
-                           f"memory; add a {Resource.GPU_MEM.value} limit (GiB)")
+            raise PodError(
+                f"{where} asks for {what} but no {Resource.GPU_MEM.value}: a GPU share is sized by "
+                f"memory; add a {Resource.GPU_MEM.value} limit (GiB)"
+            )
         return None
     if count < 1:
         raise PodError(f"{where} asks for {count} GPUs: ask for 1 or more ({Resource.GPU_COUNT.value})")
     if memory % count:
-        raise PodError(f"{where} asks for {memory} GiB on {count} GPUs: cgpu grants the same memory on each GPU of "
-                       f"a container; ask for a multiple of {count} ({Resource.GPU_MEM.value} is the total)")
+        raise PodError(
+            f"{where} asks for {memory} GiB on {count} GPUs: cgpu grants the same memory on each GPU of "
+            f"a container; ask for a multiple of {count} ({Resource.GPU_MEM.value} is the total)"
+        )
     if core > 100 or core % CORE_UNIT:
-        raise PodError(f"{where} asks for {core}% compute: ask for a multiple of {CORE_UNIT} from {CORE_UNIT} to 100 "
-                       f"({Resource.GPU_CORE.value}, per GPU)")
+        raise PodError(
+            f"{where} asks for {core}% compute: ask for a multiple of {CORE_UNIT} from {CORE_UNIT} to 100 "
+            f"({Resource.GPU_CORE.value}, per GPU)"
+        )
     return ContainerDemand(cname, memory, core, count, index)
 
 

@@ -10,6 +10,7 @@ With TLS and a client CA (kube-scheduler's extender tlsConfig), the verbs
 /healthz and the read-only /inspect do not. The server is bounded (boundedhttp.py):
 connections, idle time, and the bytes of bodies held at once.
 """
+
 from __future__ import annotations
 
 import gc
@@ -66,8 +67,10 @@ class _Memo:
     judged: list[tuple[Any, str]]
 
 
-UNKNOWN_NODE = ("unknown to cgpu-scheduler: no Capacity address for this node (not in the node file, or no "
-                "cgpu.io/capacity-address annotation: cgpud's capacity_listen is off there)")
+UNKNOWN_NODE = (
+    "unknown to cgpu-scheduler: no Capacity address for this node (not in the node file, or no "
+    "cgpu.io/capacity-address annotation: cgpud's capacity_listen is off there)"
+)
 
 
 class Extender:
@@ -180,8 +183,9 @@ class Extender:
         else:
             raise BadRequest("ExtenderArgs has neither NodeNames (nodeCacheCapable) nor Nodes")
         if len(names) > MAX_NODES:
-            raise BadRequest(f"ExtenderArgs names {len(names)} nodes: cgpu-scheduler takes at most {MAX_NODES} "
-                             "a request")
+            raise BadRequest(
+                f"ExtenderArgs names {len(names)} nodes: cgpu-scheduler takes at most {MAX_NODES} a request"
+            )
         if len(set(names)) != len(names):
             raise BadRequest("ExtenderArgs names a node more than once")
         try:
@@ -214,8 +218,11 @@ class Extender:
         if rec is None:
             return Reason(self.skipped.get(name, self.unknown_node), resolvable=False)
         if not rec.entry.connected:
-            return Reason(f"cgpud's Capacity stream is down ({rec.entry.error}); the node is avoided until it is "
-                          "back", resolvable=False, transient=True)
+            return Reason(
+                f"cgpud's Capacity stream is down ({rec.entry.error}); the node is avoided until it is back",
+                resolvable=False,
+                transient=True,
+            )
         return Reason("no view from the node's cgpud yet", resolvable=False, transient=True)
 
     @staticmethod
@@ -230,8 +237,10 @@ class Extender:
         waiting = [f"{n}: {a.text}" for n, (a, _) in zip(names, judged) if a.transient]
         if not waiting:
             return None
-        return {"Error": "no node fits the pod now, and cgpu-scheduler cannot see all of them yet; "
-                         f"kube-scheduler retries it: {'; '.join(waiting)}"}
+        return {
+            "Error": "no node fits the pod now, and cgpu-scheduler cannot see all of them yet; "
+            f"kube-scheduler retries it: {'; '.join(waiting)}"
+        }
 
     def filter(self, body: Any) -> dict[str, Any] | Raw:
         demand, names, items = self._args(body)
@@ -259,8 +268,10 @@ class Extender:
                         (bad if answer.resolvable else never).append(text)
                     else:
                         ok.append(name)
-                return Raw(f'{{"Nodes":null,"NodeNames":{json.dumps(ok)},"FailedNodes":{{{",".join(bad)}}},'
-                           f'"FailedAndUnresolvableNodes":{{{",".join(never)}}},"Error":""}}')
+                return Raw(
+                    f'{{"Nodes":null,"NodeNames":{json.dumps(ok)},"FailedNodes":{{{",".join(bad)}}},'
+                    f'"FailedAndUnresolvableNodes":{{{",".join(never)}}},"Error":""}}'
+                )
             for name, (answer, _) in zip(names, judged):
                 if type(answer) is Reason:
                     (failed if answer.resolvable else unresolvable)[name] = answer.text
@@ -282,8 +293,10 @@ class Extender:
             return [{"Host": n, "Score": 0} for n in names]
         if self.binder is not None:
             self.binder.remember(demand)
-        parts = [text if type(answer) is not Reason else f'{{"Host":{json.dumps(name)},"Score":0}}'
-                 for name, (answer, text) in zip(names, self._judged(demand, names))]
+        parts = [
+            text if type(answer) is not Reason else f'{{"Host":{json.dumps(name)},"Score":0}}'
+            for name, (answer, text) in zip(names, self._judged(demand, names))
+        ]
         return Raw(f"[{','.join(parts)}]")
 
     def bind(self, body: Any) -> dict[str, Any]:
@@ -382,8 +395,13 @@ class _Handler(BoundedHandler, BaseHTTPRequestHandler):
         if isinstance(conn, ssl.SSLSocket) and conn.getpeercert():
             return False
         self.close_connection = True
-        self._send(403, {"Error": f"{path} needs a client certificate signed by the extender's client CA "
-                                  "(kube-scheduler's extender tlsConfig certFile/keyFile)"})
+        self._send(
+            403,
+            {
+                "Error": f"{path} needs a client certificate signed by the extender's client CA "
+                "(kube-scheduler's extender tlsConfig certFile/keyFile)"
+            },
+        )
         return True
 
     def handle_one_request(self) -> None:
@@ -406,8 +424,11 @@ class _Handler(BoundedHandler, BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         path = self._path()
-        verbs = {"/filter": self.server.extender.filter, "/prioritize": self.server.extender.prioritize,
-                 "/bind": self.server.extender.bind}
+        verbs = {
+            "/filter": self.server.extender.filter,
+            "/prioritize": self.server.extender.prioritize,
+            "/bind": self.server.extender.bind,
+        }
         length_text = self.headers.get("Content-Length")
         if length_text is None:
             self.close_connection = True
@@ -455,8 +476,14 @@ class _Http(BoundedServer, HTTPServer):
     request_queue_size = 128
     bounds = BOUNDS
 
-    def __init__(self, address: tuple[str, int], extender: Extender, tls: ssl.SSLContext | None = None,
-                 client_certs: bool = False, bounds: Bounds = BOUNDS) -> None:
+    def __init__(
+        self,
+        address: tuple[str, int],
+        extender: Extender,
+        tls: ssl.SSLContext | None = None,
+        client_certs: bool = False,
+        bounds: Bounds = BOUNDS,
+    ) -> None:
         self.extender = extender
         self.bounds = bounds
         self.client_certs = client_certs
@@ -510,9 +537,17 @@ class QuietHeap:
 
 
 class ExtenderServer:
-    def __init__(self, state: ClusterState, binder: Binder | None, host: str = "127.0.0.1", port: int = 0,
-                 unknown_node: str = UNKNOWN_NODE, quiet_gc: bool = True, tls: ServerTls | None = None,
-                 bounds: Bounds = BOUNDS) -> None:
+    def __init__(
+        self,
+        state: ClusterState,
+        binder: Binder | None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        unknown_node: str = UNKNOWN_NODE,
+        quiet_gc: bool = True,
+        tls: ServerTls | None = None,
+        bounds: Bounds = BOUNDS,
+    ) -> None:
         self.extender = Extender(state, binder, unknown_node)
         self._tls = tls
         self._bounds = bounds
@@ -539,8 +574,9 @@ class ExtenderServer:
         client_certs = self._tls is not None and self._tls.client_ca is not None
         self._http = cls((self._host, self._want_port), self.extender, context, client_certs, self._bounds)
         self._http.start_reaper()
-        self._thread = threading.Thread(target=self._http.serve_forever, kwargs={"poll_interval": 0.05},
-                                        name="extender-http", daemon=True)
+        self._thread = threading.Thread(
+            target=self._http.serve_forever, kwargs={"poll_interval": 0.05}, name="extender-http", daemon=True
+        )
         self._thread.start()
         self._state.on_summary = self.extender.warm
         if self._heap is not None:

@@ -16,6 +16,7 @@ reservation: the overlay stays until the view shows the pod (a persisted
 reservation or its instance), the pod's reservation is given back, or the
 reservation's time runs out.
 """
+
 from __future__ import annotations
 
 import threading
@@ -166,11 +167,11 @@ class ClusterState:
             for name, old in list(self._records.items()):
                 holds = tuple(h for h in old.holds if h.expires > now)
                 if len(holds) != len(old.holds):
-                    self._put(name, old.entry.capacity_address, old.entry.connected, old.entry.error, old.view,
-                              holds)
+                    self._put(name, old.entry.capacity_address, old.entry.connected, old.entry.error, old.view, holds)
 
-    def _put(self, name: str, address: str, connected: bool, error: str, view: NodeState | None,
-             holds: tuple[Hold, ...]) -> None:
+    def _put(
+        self, name: str, address: str, connected: bool, error: str, view: NodeState | None, holds: tuple[Hold, ...]
+    ) -> None:
         state = view if view is None or not holds else with_holds(view, holds)
         entry = NodeEntry(name, address, connected, "" if connected else error, state)
         summary = summarize(state, name) if state is not None and connected else None
@@ -180,7 +181,6 @@ class ClusterState:
         self._logged(name)
         if self.on_write is not None:
             self.on_write()
-
 
     def _logged(self, name: str) -> None:
         self._generation += 1
@@ -208,15 +208,27 @@ def with_holds(view: NodeState, holds: Sequence[Hold]) -> NodeState:
     reserved = [Reservation(h.pod_uid, h.pod_namespace, h.pod_name, h.shares, h.expires) for h in holds]
     held = {u.gpu.index: u for u in admission.gpu_usage(gpus, (), reserved)}
     pods = view.pods + tuple(
-        PodShare(h.pod_uid, h.pod_namespace, h.pod_name, "",
-                 tuple((s.gpu_index, s.memory, s.core_percent) for s in h.shares), reserved=True)
-        for h in holds)
+        PodShare(
+            h.pod_uid,
+            h.pod_namespace,
+            h.pod_name,
+            "",
+            tuple((s.gpu_index, s.memory, s.core_percent) for s in h.shares),
+            reserved=True,
+        )
+        for h in holds
+    )
     return replace(view, gpus=tuple(_plus(g, held[g.index]) for g in view.gpus), pods=pods)
 
 
 def _plus(g: GpuState, u: GpuUsage) -> GpuState:
     if not u.instances and not u.allocated:
         return g
-    return replace(g, memory_allocated=g.memory_allocated + u.allocated,
-                   core_allocated=g.core_allocated + u.core_percent, instances=g.instances + u.instances,
-                   memory_reserved=g.memory_reserved + u.allocated, core_reserved=g.core_reserved + u.core_percent)
+    return replace(
+        g,
+        memory_allocated=g.memory_allocated + u.allocated,
+        core_allocated=g.core_allocated + u.core_percent,
+        instances=g.instances + u.instances,
+        memory_reserved=g.memory_reserved + u.allocated,
+        core_reserved=g.core_reserved + u.core_percent,
+    )

@@ -4,6 +4,7 @@ or the API server's Nodes (the cgpu.io/capacity-address annotation cgpud
 writes). A stream that ends or fails marks its node down at once, so the
 extender never places a pod on a view it can no longer trust; the thread
 reconnects with backoff and the node is back with its first view."""
+
 from __future__ import annotations
 
 import threading
@@ -28,8 +29,15 @@ MAX_BACKOFF = 5.0
 
 
 class NodeWatcher:
-    def __init__(self, name: str, address: str, state: ClusterState, clients: Clients,
-                 first_backoff: float = FIRST_BACKOFF, max_backoff: float = MAX_BACKOFF) -> None:
+    def __init__(
+        self,
+        name: str,
+        address: str,
+        state: ClusterState,
+        clients: Clients,
+        first_backoff: float = FIRST_BACKOFF,
+        max_backoff: float = MAX_BACKOFF,
+    ) -> None:
         self.name = name
         self.address = address
         self._state = state
@@ -88,8 +96,10 @@ class NodeWatcher:
                     # view is the node's own word: a view of another node
                     # would place pods on N and reserve them on A.
                     call.cancel()
-                    return (f"the Capacity API at {self.address} speaks for node {view.name!r}, not "
-                            f"{self.name!r}: its views are refused (check the node's cgpu.io/capacity-address)"), got
+                    return (
+                        f"the Capacity API at {self.address} speaks for node {view.name!r}, not "
+                        f"{self.name!r}: its views are refused (check the node's cgpu.io/capacity-address)"
+                    ), got
                 self._state.set_state(self.name, self.address, view)
                 if not got:
                     _log.info("node stream up", node=self.name, address=self.address, revision=msg.revision)
@@ -122,8 +132,7 @@ class Watchers:
             stale = [w for n, w in self._watchers.items() if nodes.get(n) != w.address]
             for w in stale:
                 del self._watchers[w.name]
-            fresh = [NodeWatcher(n, a, self._state, self._clients) for n, a in nodes.items()
-                     if n not in self._watchers]
+            fresh = [NodeWatcher(n, a, self._state, self._clients) for n, a in nodes.items() if n not in self._watchers]
             for w in fresh:
                 self._watchers[w.name] = w
         for w in stale:
@@ -203,8 +212,12 @@ class ApiNodeSource:
     """Nodes from the API server: list, then watch; again from a fresh list
     after any failure (with backoff)."""
 
-    def __init__(self, core_api: Any, on_nodes: Callable[[dict[str, str]], None],
-                 on_skipped: Callable[[dict[str, str]], None] = lambda _: None) -> None:
+    def __init__(
+        self,
+        core_api: Any,
+        on_nodes: Callable[[dict[str, str]], None],
+        on_skipped: Callable[[dict[str, str]], None] = lambda _: None,
+    ) -> None:
         self._core = core_api
         self._on_nodes = on_nodes
         self._on_skipped = on_skipped
@@ -244,8 +257,9 @@ class ApiNodeSource:
                 version = (data.get("metadata") or {}).get("resourceVersion", "")
                 delay = FIRST_BACKOFF
                 self._watch = watch.Watch()
-                for event in self._watch.stream(self._core.list_node, resource_version=version,
-                                                timeout_seconds=300, _request_timeout=330):
+                for event in self._watch.stream(
+                    self._core.list_node, resource_version=version, timeout_seconds=300, _request_timeout=330
+                ):
                     if self._stop.is_set():
                         break
                     obj = event.get("raw_object") or {}

@@ -10,6 +10,7 @@ Wiring, in order (cgpud/daemon/main.py):
     plugin = DevicePlugin(..., agent.allocator, mode=policy.mode, ...)
     agent.on_policy = lambda p: plugin.update(mode=p.mode, placement=p.placement)
     agent.start(stop); sweeper calls agent.sweep() after service.sweep()"""
+
 from __future__ import annotations
 
 import os
@@ -43,24 +44,36 @@ def kubeconfig_path(configured: str = "") -> Path | None:
 
 
 class KubeAgent:
-    def __init__(self, service: InstanceService, api: LazyApiServer, node: str, files: RuntimeFiles,
-                 configured: NodePolicy, card_labels: Mapping[str, str], *, cdi_dir: Path = DYNAMIC_CDI_DIR,
-                 pod_resources_socket: Path = Path(DEFAULT_POD_RESOURCES_SOCKET),
-                 label_interval: float = DEFAULT_INTERVAL) -> None:
+    def __init__(
+        self,
+        service: InstanceService,
+        api: LazyApiServer,
+        node: str,
+        files: RuntimeFiles,
+        configured: NodePolicy,
+        card_labels: Mapping[str, str],
+        *,
+        cdi_dir: Path = DYNAMIC_CDI_DIR,
+        pod_resources_socket: Path = Path(DEFAULT_POD_RESOURCES_SOCKET),
+        label_interval: float = DEFAULT_INTERVAL,
+    ) -> None:
         self.api = api
         self.node = node
         try:  # runtimes create it too; a spec written into a missing one would fail every Allocate
             cdi_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
         except OSError as e:
-            structlog.get_logger("cgpud.kube").error("cannot create the CDI spec directory", dir=str(cdi_dir),
-                                                     error=e.strerror)
+            structlog.get_logger("cgpud.kube").error(
+                "cannot create the CDI spec directory", dir=str(cdi_dir), error=e.strerror
+            )
         self.on_policy: Callable[[NodePolicy], None] | None = None  # set once the device plugin exists
         self.allocator = PodAllocator(service, api, node, files, cdi_dir)
         kubelet = PodResourcesClient(pod_resources_socket)
-        self.releaser = PodReleaser(service, lambda: api.pods_on_node(node), lambda: kubelet_pods(kubelet.list()),
-                                    cdi_dir)
-        self.labels = NodeLabels(api, node, service, configured, card_labels, on_policy=self._policy_changed,
-                                 interval=label_interval)
+        self.releaser = PodReleaser(
+            service, lambda: api.pods_on_node(node), lambda: kubelet_pods(kubelet.list()), cdi_dir
+        )
+        self.labels = NodeLabels(
+            api, node, service, configured, card_labels, on_policy=self._policy_changed, interval=label_interval
+        )
 
     def start(self, stop: threading.Event, annotations: Mapping[str, str] | None = None) -> KubeAgent:
         """`annotations` are kept on the Node by the label thread (the

@@ -14,6 +14,7 @@ the same live pod and gets the same instance back; the instance's owner
 aliyun.com/gpu-core.percentage and aliyun.com/gpu-count create nothing (see
 assignment.py); whole-GPU resources (nvidia.com/gpu, aliyun.com/gpu) name
 their GPUs in their device IDs and get env only."""
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,16 @@ from cgpud.containers.edits import RuntimeFiles, instance_edits
 from cgpud.containers.request import ENV_CORE
 from cgpud.kube import assignment
 from cgpud.kube.apiserver import ApiServerError, ApiServerUnavailable, PodInfo
-from cgpud.kube.model import (ANNOTATION_ASSIGNED, ANNOTATION_GPU_INDEX, DEFAULT_CDI_DIR, TOOLKIT_DEVICE_LIST_DIR,
-                              AllocationError, ContainerAllocation, MountSpec, Resource)
+from cgpud.kube.model import (
+    ANNOTATION_ASSIGNED,
+    ANNOTATION_GPU_INDEX,
+    DEFAULT_CDI_DIR,
+    TOOLKIT_DEVICE_LIST_DIR,
+    AllocationError,
+    ContainerAllocation,
+    MountSpec,
+    Resource,
+)
 
 DYNAMIC_CDI_DIR = Path(DEFAULT_CDI_DIR)
 SPEC_PREFIX = "cgpu-pod-"  # one spec file per pod instance: cgpu-pod-<instance id>.json
@@ -75,8 +84,9 @@ def pod_memory_gib(pod: PodInfo) -> int:
 class PodAllocator:
     """cgpud's Allocator (cgpud.kube.model.Allocator)."""
 
-    def __init__(self, service: InstanceService, api: PodSource, node: str, files: RuntimeFiles,
-                 cdi_dir: Path = DYNAMIC_CDI_DIR) -> None:
+    def __init__(
+        self, service: InstanceService, api: PodSource, node: str, files: RuntimeFiles, cdi_dir: Path = DYNAMIC_CDI_DIR
+    ) -> None:
         self._service = service
         self._api = api
         self._node = node
@@ -117,8 +127,14 @@ class PodAllocator:
             raise
         self._warn_skipped(resolution.skipped)
         chosen = resolution.assignment
-        request = Request(Owner(OwnerKind.POD, chosen.owner.owner_id), chosen.memory_gib * GIB, chosen.gpu_count,
-                          chosen.core_percent, gpu_indexes=chosen.gpu_indexes, reservation=chosen.pod.uid)
+        request = Request(
+            Owner(OwnerKind.POD, chosen.owner.owner_id),
+            chosen.memory_gib * GIB,
+            chosen.gpu_count,
+            chosen.core_percent,
+            gpu_indexes=chosen.gpu_indexes,
+            reservation=chosen.pod.uid,
+        )
         where = f"pod {chosen.pod.key} container {chosen.container}"
         # As it is before the instance draws on it: an undone Allocate puts it back.
         reserved = next((r for r in self._service.reservations() if r.pod_uid == chosen.pod.uid), None)
@@ -140,8 +156,14 @@ class PodAllocator:
         self._answered[(Resource.GPU_MEM, ids)] = instance.id
         if complete:
             self._drop_reservation(chosen.pod)
-        self._log.info("allocated", resource=Resource.GPU_MEM.value, id=instance.id, pod=chosen.pod.key,
-                       container=chosen.container, gpus=[g.gpu_index for g in instance.grants])
+        self._log.info(
+            "allocated",
+            resource=Resource.GPU_MEM.value,
+            id=instance.id,
+            pod=chosen.pod.key,
+            container=chosen.container,
+            gpus=[g.gpu_index for g in instance.grants],
+        )
         return self._answer(instance, pods)
 
     def _drop_reservation(self, pod: PodInfo) -> None:
@@ -163,8 +185,12 @@ class PodAllocator:
         except CgpuError:
             instance = None
         owner = PodContainer.parse(instance.owner.id) if instance is not None else None
-        if instance is None or not instance.active or owner is None or not any(
-                p.uid == owner.uid and assignment.live(p) for p in pods):
+        if (
+            instance is None
+            or not instance.active
+            or owner is None
+            or not any(p.uid == owner.uid and assignment.live(p) for p in pods)
+        ):
             del self._answered[(Resource.GPU_MEM, ids)]
             return None
         return instance
@@ -180,15 +206,23 @@ class PodAllocator:
             envs["ALIYUN_COM_GPU_MEM_POD"] = str(pod_memory_gib(pod))
         mounts = tuple(MountSpec(m.source, m.destination, m.read_only) for m in edits.mounts)
         mounts += device_list(g.gpu_uuid for g in instance.grants)
-        return ContainerAllocation(cdi_devices=(f"{cdi.KIND}={instance.id}",), envs=envs, mounts=mounts,
-                                   annotations={"cgpu.io/instance": instance.id})
+        return ContainerAllocation(
+            cdi_devices=(f"{cdi.KIND}={instance.id}",),
+            envs=envs,
+            mounts=mounts,
+            annotations={"cgpu.io/instance": instance.id},
+        )
 
     def _write_spec(self, instance: Instance) -> None:
         gpu_memory = {g.index: g.memory for g in self._service.gpus()}
         self._service.use_runtime([instance.id], self._files.version)  # before the edits leave (runtime_files.py)
-        edits = instance_edits(instance, self._service.region_dir(instance.id), gpu_memory, self._files,
-                               device_nodes=cdi.instance_device_nodes(self._service.gpus(),
-                                                                      [g.gpu_index for g in instance.grants]))
+        edits = instance_edits(
+            instance,
+            self._service.region_dir(instance.id),
+            gpu_memory,
+            self._files,
+            device_nodes=cdi.instance_device_nodes(self._service.gpus(), [g.gpu_index for g in instance.grants]),
+        )
         text = json.dumps(cdi.cdi_spec([edits]), indent=2) + "\n"
         cdi.write_spec(text, spec_path(self._cdi_dir, instance.id))
 
@@ -207,8 +241,12 @@ class PodAllocator:
         for s in skipped:
             self._log.warning("pod passed over", pod=s.pod.key, reason=s.reason)
             try:
-                self._api.warn_pod(s.pod, self._node, "CgpuAnnotationInvalid",
-                                   f"cgpud on {self._node} passed this pod over for a GPU share: {s.reason}")
+                self._api.warn_pod(
+                    s.pod,
+                    self._node,
+                    "CgpuAnnotationInvalid",
+                    f"cgpud on {self._node} passed this pod over for a GPU share: {s.reason}",
+                )
             except ApiServerError as e:  # the log line stays
                 self._log.error("cannot record an event on the pod", pod=s.pod.key, error=str(e))
 
@@ -216,8 +254,9 @@ class PodAllocator:
         try:
             return self._api.pods_on_node(self._node)
         except ApiServerUnavailable as e:
-            raise AllocationError(f"cannot tell which pod this Allocate is for: {e}; the kubelet retries when the "
-                                  "pod is created again") from e
+            raise AllocationError(
+                f"cannot tell which pod this Allocate is for: {e}; the kubelet retries when the pod is created again"
+            ) from e
         except ApiServerError as e:
             raise AllocationError(f"cannot tell which pod this Allocate is for: {e}") from e
 
@@ -231,7 +270,8 @@ class PodAllocator:
         indexes = sorted(by_uuid[d] for d in device_ids)
         uuids = [u for i in indexes for u, j in by_uuid.items() if i == j]
         nodes = cdi.instance_device_nodes(self._service.gpus(), indexes)
-        return ContainerAllocation(envs={"NVIDIA_VISIBLE_DEVICES": ",".join(uuids),
-                                         ANNOTATION_GPU_INDEX: ",".join(map(str, indexes))},
-                                   mounts=device_list(uuids), devices=tuple(n.path for n in nodes))
-
+        return ContainerAllocation(
+            envs={"NVIDIA_VISIBLE_DEVICES": ",".join(uuids), ANNOTATION_GPU_INDEX: ",".join(map(str, indexes))},
+            mounts=device_list(uuids),
+            devices=tuple(n.path for n in nodes),
+        )

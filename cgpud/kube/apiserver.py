@@ -7,6 +7,7 @@ An API server that cannot be reached, or no credentials at all, is its own
 kind (ApiServerUnavailable): callers keep running on the node's config and
 catch up later, while an answer the API server gave (403, 404, 422) is an
 ApiServerError that says which call and why."""
+
 from __future__ import annotations
 
 import datetime
@@ -97,8 +98,11 @@ def _containers(spec: Any, pod: str) -> tuple[ContainerInfo, ...]:
     for init, items in ((True, spec.init_containers or []), (False, spec.containers or [])):
         for c in items:
             limits = (c.resources.limits if c.resources is not None else None) or {}
-            ours = {name: _whole(str(q), f"pod {pod} container {c.name} limit {name}")
-                    for name, q in limits.items() if name in _OUR_RESOURCES}
+            ours = {
+                name: _whole(str(q), f"pod {pod} container {c.name} limit {name}")
+                for name, q in limits.items()
+                if name in _OUR_RESOURCES
+            }
             out.append(ContainerInfo(c.name, ours, init))
     return tuple(out)
 
@@ -127,14 +131,16 @@ def client_from(kubeconfig: Path | None = None) -> k8s.ApiClient:
         if kubeconfig is not None:
             if not kubeconfig.is_file():
                 raise ApiServerUnavailable(f"kubeconfig {kubeconfig} does not exist")
-            k8s_config.load_kube_config(config_file=str(kubeconfig), client_configuration=configuration,
-                                        persist_config=False)
+            k8s_config.load_kube_config(
+                config_file=str(kubeconfig), client_configuration=configuration, persist_config=False
+            )
         elif os.environ.get("KUBERNETES_SERVICE_HOST"):
             k8s_config.load_incluster_config(client_configuration=configuration)
         else:
             raise ApiServerUnavailable(
                 "no credentials for the API server: not in a pod (KUBERNETES_SERVICE_HOST is unset) and no "
-                "kubeconfig given")
+                "kubeconfig given"
+            )
     except ConfigException as e:
         raise ApiServerUnavailable(f"cannot load the API server's credentials: {e}") from e
     configuration.retries = 0  # callers retry on their own schedule; a dead server must fail fast
@@ -160,34 +166,52 @@ class ApiServer:
     # ---- pods ----------------------------------------------------------------------
 
     def pods_on_node(self, node: str) -> list[PodInfo]:
-        answer = self._call(f"list the pods of node {node}", self._core.list_pod_for_all_namespaces,
-                            field_selector=f"spec.nodeName={node}")
+        answer = self._call(
+            f"list the pods of node {node}",
+            self._core.list_pod_for_all_namespaces,
+            field_selector=f"spec.nodeName={node}",
+        )
         return [pod_info(p) for p in answer.items or []]
 
     def pod(self, namespace: str, name: str) -> PodInfo | None:
         """The pod, or None when there is no such pod."""
         try:
-            return pod_info(self._call(f"read pod {namespace}/{name}", self._core.read_namespaced_pod, name,
-                                       namespace))
+            return pod_info(self._call(f"read pod {namespace}/{name}", self._core.read_namespaced_pod, name, namespace))
         except _NotFound:
             return None
 
     def annotate_pod(self, namespace: str, name: str, annotations: Mapping[str, str | None]) -> PodInfo:
         """Merge-patch the pod's annotations (None removes one)."""
         body = {"metadata": {"annotations": dict(annotations)}}
-        return pod_info(self._call(f"annotate pod {namespace}/{name}", self._core.patch_namespaced_pod, name,
-                                   namespace, body, _content_type=MERGE_PATCH))
+        return pod_info(
+            self._call(
+                f"annotate pod {namespace}/{name}",
+                self._core.patch_namespaced_pod,
+                name,
+                namespace,
+                body,
+                _content_type=MERGE_PATCH,
+            )
+        )
 
     def warn_pod(self, pod: PodInfo, node: str, reason: str, message: str) -> None:
         """A Warning event on the pod (what `kubectl describe pod` shows)."""
         now = datetime.datetime.now(datetime.UTC)
         body = k8s.CoreV1Event(
             metadata=k8s.V1ObjectMeta(generate_name=f"{pod.name}.", namespace=pod.namespace),
-            involved_object=k8s.V1ObjectReference(kind="Pod", api_version="v1", namespace=pod.namespace,
-                                                  name=pod.name, uid=pod.uid),
-            reason=reason, message=message[:1024], type="Warning", count=1, first_timestamp=now,
-            last_timestamp=now, source=k8s.V1EventSource(component="cgpud", host=node),
-            reporting_component="cgpud", reporting_instance=node)
+            involved_object=k8s.V1ObjectReference(
+                kind="Pod", api_version="v1", namespace=pod.namespace, name=pod.name, uid=pod.uid
+            ),
+            reason=reason,
+            message=message[:1024],
+            type="Warning",
+            count=1,
+            first_timestamp=now,
+            last_timestamp=now,
+            source=k8s.V1EventSource(component="cgpud", host=node),
+            reporting_component="cgpud",
+            reporting_instance=node,
+        )
         self._call(f"record an event on pod {pod.key}", self._core.create_namespaced_event, pod.namespace, body)
 
     # ---- nodes ----------------------------------------------------------------------
@@ -198,14 +222,16 @@ class ApiServer:
     def label_node(self, name: str, labels: Mapping[str, str | None]) -> NodeInfo:
         """Merge-patch the Node's labels (None removes one)."""
         body = {"metadata": {"labels": dict(labels)}}
-        return _node_info(self._call(f"label node {name}", self._core.patch_node, name, body,
-                                     _content_type=MERGE_PATCH), name)
+        return _node_info(
+            self._call(f"label node {name}", self._core.patch_node, name, body, _content_type=MERGE_PATCH), name
+        )
 
     def annotate_node(self, name: str, annotations: Mapping[str, str | None]) -> NodeInfo:
         """Merge-patch the Node's annotations (None removes one)."""
         body = {"metadata": {"annotations": dict(annotations)}}
-        return _node_info(self._call(f"annotate node {name}", self._core.patch_node, name, body,
-                                     _content_type=MERGE_PATCH), name)
+        return _node_info(
+            self._call(f"annotate node {name}", self._core.patch_node, name, body, _content_type=MERGE_PATCH), name
+        )
 
     # ---- edge ---------------------------------------------------------------------------
 
@@ -217,8 +243,10 @@ class ApiServer:
                 raise _NotFound(f"cannot {what}: not found") from e
             reason = _reason(e)
             if e.status in (401, 403):
-                raise ApiServerError(f"cannot {what}: the API server refused it ({e.status} {reason}): "
-                                     "check cgpud's RBAC (deploy/cgpud-rbac.yaml)") from e
+                raise ApiServerError(
+                    f"cannot {what}: the API server refused it ({e.status} {reason}): "
+                    "check cgpud's RBAC (deploy/cgpud-rbac.yaml)"
+                ) from e
             if e.status is None or e.status >= 500 or e.status == 0:
                 raise ApiServerUnavailable(f"cannot {what}: the API server failed ({e.status} {reason})") from e
             raise ApiServerError(f"cannot {what}: {e.status} {reason}") from e

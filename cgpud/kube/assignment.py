@@ -20,6 +20,7 @@ and each container's resources one by one, in no fixed order. So:
 - a pod stays a candidate until each of its memory-asking containers has an
   instance; only then is it marked ASSIGNED=true.
 """
+
 from __future__ import annotations
 
 import json
@@ -67,8 +68,11 @@ def live(pod: PodInfo) -> bool:
 
 def assumed(pod: PodInfo) -> bool:
     """The scheduler placed the pod here and no Allocate completed it yet."""
-    return (live(pod) and ANNOTATION_ASSUME_TIME in pod.annotations
-            and pod.annotations.get(ANNOTATION_ASSIGNED, "false").strip().lower() != "true")
+    return (
+        live(pod)
+        and ANNOTATION_ASSUME_TIME in pod.annotations
+        and pod.annotations.get(ANNOTATION_ASSIGNED, "false").strip().lower() != "true"
+    )
 
 
 def assume_time(pod: PodInfo) -> int:
@@ -76,8 +80,10 @@ def assume_time(pod: PodInfo) -> int:
     try:
         return int(text.strip())
     except ValueError:
-        raise AllocationError(f"pod {pod.key}: annotation {ANNOTATION_ASSUME_TIME}={text!r} is not a Unix time in "
-                              "nanoseconds; fix or remove it (the scheduler extender writes it)") from None
+        raise AllocationError(
+            f"pod {pod.key}: annotation {ANNOTATION_ASSUME_TIME}={text!r} is not a Unix time in "
+            "nanoseconds; fix or remove it (the scheduler extender writes it)"
+        ) from None
 
 
 def gpu_containers(pod: PodInfo) -> list[ContainerInfo]:
@@ -130,8 +136,11 @@ def resolve_memory(pods: Sequence[PodInfo], gib: int, node: str, held: Collectio
     for pod in pods:
         if not assumed(pod):
             continue
-        free = [c for c in gpu_containers(pod)
-                if c.limit(Resource.GPU_MEM) == gib and pod_container(pod, c.name).owner_id not in held]
+        free = [
+            c
+            for c in gpu_containers(pod)
+            if c.limit(Resource.GPU_MEM) == gib and pod_container(pod, c.name).owner_id not in held
+        ]
         if not free:
             continue
         try:
@@ -152,8 +161,10 @@ def resolve_memory(pods: Sequence[PodInfo], gib: int, node: str, held: Collectio
 def _assignment(pod: PodInfo, container: ContainerInfo, gib: int) -> Assignment:
     indexes, count = _placement(pod, container)
     if gib % count:
-        raise AllocationError(f"pod {pod.key} container {container.name} asks for {gib} GiB on {count} GPUs: cgpu "
-                              "grants the same memory on each GPU of a container; ask for a multiple of the GPU count")
+        raise AllocationError(
+            f"pod {pod.key} container {container.name} asks for {gib} GiB on {count} GPUs: cgpu "
+            "grants the same memory on each GPU of a container; ask for a multiple of the GPU count"
+        )
     return Assignment(pod, container.name, gib // count, count, container.limit(Resource.GPU_CORE), indexes)
 
 
@@ -161,15 +172,16 @@ def find_asker(pods: Sequence[PodInfo], resource: Resource, count: int, node: st
     """For the Allocates that create nothing (core percentage, GPU count): a
     live pod on this node with a container asking for `count` of `resource`,
     assumed pods first. Such a container must ask for GPU memory too."""
-    found = [(not assumed(p), p.key, p, c) for p in pods if live(p)
-             for c in p.containers if c.limit(resource) == count]
+    found = [(not assumed(p), p.key, p, c) for p in pods if live(p) for c in p.containers if c.limit(resource) == count]
     if not found:
         raise AllocationError(_no_pod(pods, resource, count, node))
     _, _, pod, container = min(found, key=lambda f: (f[0], f[1]))
     if container.limit(Resource.GPU_MEM) <= 0:
-        raise AllocationError(f"pod {pod.key} container {container.name} asks for {_what(resource, count)} but no "
-                              f"{Resource.GPU_MEM.value}: a GPU share is sized by memory; add a "
-                              f"{Resource.GPU_MEM.value} limit")
+        raise AllocationError(
+            f"pod {pod.key} container {container.name} asks for {_what(resource, count)} but no "
+            f"{Resource.GPU_MEM.value}: a GPU share is sized by memory; add a "
+            f"{Resource.GPU_MEM.value} limit"
+        )
     return pod, container
 
 
@@ -194,15 +206,18 @@ def _placement(pod: PodInfo, container: ContainerInfo) -> tuple[tuple[int, ...],
                 raise AllocationError(
                     f"pod {pod.key} container {container.name}: annotation {ANNOTATION_ALLOCATION} gives it "
                     f"{_gib_list(per_gpu)} but it asks for {container.limit(Resource.GPU_MEM)} GiB; cgpu grants "
-                    "the same memory on each GPU of a container")
+                    "the same memory on each GPU of a container"
+                )
             return tuple(sorted(per_gpu)), len(per_gpu)
     text = pod.annotations.get(ANNOTATION_GPU_INDEX)
     if text is None:
         return (), asked
     indexes = _indexes(pod, text)
     if len(indexes) != asked:
-        raise AllocationError(f"pod {pod.key} container {container.name} asks for {asked} GPUs but annotation "
-                              f"{ANNOTATION_GPU_INDEX}={text!r} names {len(indexes)}; fix the annotation")
+        raise AllocationError(
+            f"pod {pod.key} container {container.name} asks for {asked} GPUs but annotation "
+            f"{ANNOTATION_GPU_INDEX}={text!r} names {len(indexes)}; fix the annotation"
+        )
     return indexes, asked
 
 
@@ -212,16 +227,20 @@ def _indexes(pod: PodInfo, text: str) -> tuple[int, ...]:
     except ValueError:
         indexes = ()
     if not indexes or any(i < 0 for i in indexes):
-        raise AllocationError(f"pod {pod.key}: annotation {ANNOTATION_GPU_INDEX}={text!r} is not a GPU index "
-                              "(a whole number, or several separated by commas); fix or remove it")
+        raise AllocationError(
+            f"pod {pod.key}: annotation {ANNOTATION_GPU_INDEX}={text!r} is not a GPU index "
+            "(a whole number, or several separated by commas); fix or remove it"
+        )
     return indexes
 
 
 def _allocation(pod: PodInfo) -> dict[int, dict[int, int]]:
     """{container index: {GPU index: GiB}} from the multi-GPU annotation."""
     text = pod.annotations[ANNOTATION_ALLOCATION]
-    bad = AllocationError(f"pod {pod.key}: annotation {ANNOTATION_ALLOCATION}={text!r} is not "
-                          '{"<container index>": {"<GPU index>": GiB}}; fix or remove it')
+    bad = AllocationError(
+        f"pod {pod.key}: annotation {ANNOTATION_ALLOCATION}={text!r} is not "
+        '{"<container index>": {"<GPU index>": GiB}}; fix or remove it'
+    )
     try:
         raw = json.loads(text)
     except (ValueError, RecursionError):
@@ -253,4 +272,3 @@ def check_count(device_ids: Sequence[str], resource: Resource) -> int:
     if len(set(device_ids)) != len(device_ids):
         raise AllocationError(f"Allocate of {resource.value} names a device twice")
     return len(device_ids)
-

@@ -15,6 +15,7 @@ one GPU's state and one observation; `HealthWatcher` is the I/O around it:
 one thread that waits on the event set (at most `wait_ms` at a time, so
 stop() is bounded) and probes.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -48,9 +49,23 @@ from cgpud.kube.health_policy import (
 )
 
 __all__ = [
-    "DEFAULT_PROBE_INTERVAL", "DEFAULT_RECOVERY_WINDOW", "DEFAULT_SKIPPED_XIDS", "DEFAULT_WAIT_MS", "XID_NAMES",
-    "GpuHealth", "GpuRef", "HealthPolicy", "HealthWatcher", "Observation", "ProbeObserved", "XidObserved",
-    "apply", "decide", "healthy_by_index", "parse_xids", "xid_text",
+    "DEFAULT_PROBE_INTERVAL",
+    "DEFAULT_RECOVERY_WINDOW",
+    "DEFAULT_SKIPPED_XIDS",
+    "DEFAULT_WAIT_MS",
+    "XID_NAMES",
+    "GpuHealth",
+    "GpuRef",
+    "HealthPolicy",
+    "HealthWatcher",
+    "Observation",
+    "ProbeObserved",
+    "XidObserved",
+    "apply",
+    "decide",
+    "healthy_by_index",
+    "parse_xids",
+    "xid_text",
 ]
 
 
@@ -85,9 +100,16 @@ class HealthWatcher:
     GpuQueryError when NVML cannot be used at all. stop() returns within
     about wait_ms plus one probe of every GPU."""
 
-    def __init__(self, gpus: Sequence[GpuRef], on_change: Callable[[dict[int, GpuHealth]], None], *,
-                 policy: HealthPolicy | None = None, probe_interval: float = DEFAULT_PROBE_INTERVAL,
-                 wait_ms: int = DEFAULT_WAIT_MS, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        gpus: Sequence[GpuRef],
+        on_change: Callable[[dict[int, GpuHealth]], None],
+        *,
+        policy: HealthPolicy | None = None,
+        probe_interval: float = DEFAULT_PROBE_INTERVAL,
+        wait_ms: int = DEFAULT_WAIT_MS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if probe_interval <= 0:
             raise UsageError(f"the GPU probe interval must be more than 0 seconds, got {probe_interval}")
         if not 1 <= wait_ms <= 60_000:
@@ -232,8 +254,13 @@ class HealthWatcher:
             self._snapshot = after
         changed = [h for i, h in after.items() if (h.healthy, h.reason) != (before[i].healthy, before[i].reason)]
         for h in changed:
-            self._log.warning("gpu_health_changed", gpu=h.index, uuid=h.uuid,
-                              health="Healthy" if h.healthy else "Unhealthy", reason=h.reason)
+            self._log.warning(
+                "gpu_health_changed",
+                gpu=h.index,
+                uuid=h.uuid,
+                health="Healthy" if h.healthy else "Unhealthy",
+                reason=h.reason,
+            )
         if not changed or not notify:
             return
         try:

@@ -1,6 +1,7 @@
 """The GPU health decision, pure: which XIDs are fatal, and one GPU's
 verdict after each observation (an XID, a probe). cgpud.kube.health watches
 NVML and feeds it; the settings (cgpud.config) build its policy."""
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
@@ -142,8 +143,11 @@ def decide(state: GpuHealth, obs: Observation, policy: HealthPolicy) -> GpuHealt
             state = replace(state, lost=False, unreachable="")
     else:
         state = replace(state, lost=obs.lost, unreachable="" if obs.lost else obs.failure)
-    if (state.fatal_xid is not None and policy.recovery_window > 0
-            and obs.at - state.fatal_xid_at >= policy.recovery_window):
+    if (
+        state.fatal_xid is not None
+        and policy.recovery_window > 0
+        and obs.at - state.fatal_xid_at >= policy.recovery_window
+    ):
         state = replace(state, fatal_xid=None, fatal_xid_at=0.0)
     reason = _verdict(state)
     if reason != state.reason:

@@ -1,5 +1,6 @@
 """What the device plugin and the Kubernetes side of cgpud hand each other:
 resource names as ACK has them, and one container's allocation."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

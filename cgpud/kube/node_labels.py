@@ -14,6 +14,7 @@ allowed (the node drained).
 When the API server cannot be reached (an outage, or no credentials at
 all) cgpud keeps the policy it has (its config's, at start), says so once,
 tries again with a doubling wait, and catches up when it answers."""
+
 from __future__ import annotations
 
 import threading
@@ -68,12 +69,13 @@ def label_policy(labels: Mapping[str, str], configured: NodePolicy) -> LabelPoli
             mode = NodeMode(text.strip())
         except ValueError:
             names = ", ".join(m.value for m in NodeMode)
-            problems.append(f"label {LABEL_MODE}={text!r} is not a mode cgpud knows ({names}): "
-                            f"keeping {mode.value}")
+            problems.append(f"label {LABEL_MODE}={text!r} is not a mode cgpud knows ({names}): keeping {mode.value}")
     if mode is NodeMode.CORE_MEM and configured.max_instances_per_gpu > MAX_SCHEDULED:
-        problems.append(f"label {LABEL_MODE}=core_mem needs max_instances_per_gpu of at most {MAX_SCHEDULED} "
-                        f"(the instances the compute scheduler takes per GPU; it is "
-                        f"{configured.max_instances_per_gpu}): keeping {configured.mode.value}")
+        problems.append(
+            f"label {LABEL_MODE}=core_mem needs max_instances_per_gpu of at most {MAX_SCHEDULED} "
+            f"(the instances the compute scheduler takes per GPU; it is "
+            f"{configured.max_instances_per_gpu}): keeping {configured.mode.value}"
+        )
         mode = configured.mode
     text = labels.get(LABEL_PLACEMENT)
     if text is not None:
@@ -107,10 +109,18 @@ class NodeLabels:
     """Keeps the node's policy in step with its labels, and its card-model
     labels written. `sync()` is one round; `start()` runs rounds in a thread."""
 
-    def __init__(self, api: NodeSource | None, node: str, target: PolicyTarget, configured: NodePolicy,
-                 card_labels: Mapping[str, str], on_policy: Callable[[NodePolicy], None] | None = None,
-                 interval: float = DEFAULT_INTERVAL, max_backoff: float = MAX_BACKOFF,
-                 unavailable: str = "") -> None:
+    def __init__(
+        self,
+        api: NodeSource | None,
+        node: str,
+        target: PolicyTarget,
+        configured: NodePolicy,
+        card_labels: Mapping[str, str],
+        on_policy: Callable[[NodePolicy], None] | None = None,
+        interval: float = DEFAULT_INTERVAL,
+        max_backoff: float = MAX_BACKOFF,
+        unavailable: str = "",
+    ) -> None:
         self._api = api
         self._node = node
         self._target = target
@@ -205,8 +215,12 @@ class NodeLabels:
     def _offline(self, reason: str) -> None:
         if not self._away:
             policy = self._target.policy()
-            self._log.warning("API server cannot be reached: running on the configured mode and placement until it "
-                              "can", mode=policy.mode.value, placement=policy.placement.value, reason=reason)
+            self._log.warning(
+                "API server cannot be reached: running on the configured mode and placement until it can",
+                mode=policy.mode.value,
+                placement=policy.placement.value,
+                reason=reason,
+            )
         self._away = reason or "unreachable"
 
     def _say(self, text: str, error: bool = False) -> None:

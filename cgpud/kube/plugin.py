@@ -13,6 +13,7 @@ watcher thread notices either (it compares the sockets' inodes once per
 `watch_interval`), serves again on fresh sockets and registers again.
 Instances live in cgpud's store, not here: nothing about them changes.
 """
+
 from __future__ import annotations
 
 import functools
@@ -54,8 +55,9 @@ class _State:
     """The node facts the device lists are made of, and the lists, behind
     one condition so that open ListAndWatch streams wake on a change."""
 
-    def __init__(self, mode: NodeMode | str, placement: Placement, gpus: Sequence[GpuCapacity],
-                 health: Mapping[int, bool]) -> None:
+    def __init__(
+        self, mode: NodeMode | str, placement: Placement, gpus: Sequence[GpuCapacity], health: Mapping[int, bool]
+    ) -> None:
         self.changed = threading.Condition()
         self._mode = mode
         self._placement = placement
@@ -67,8 +69,13 @@ class _State:
         gpus = [PluginGpu(g.index, g.uuid, g.memory, self._health.get(g.index, True)) for g in self._gpus]
         return resources.advertised(self._mode, gpus)
 
-    def update(self, mode: NodeMode | str | None, placement: Placement | None,
-               gpus: Sequence[GpuCapacity] | None, health: Mapping[int, bool] | None) -> list[Resource]:
+    def update(
+        self,
+        mode: NodeMode | str | None,
+        placement: Placement | None,
+        gpus: Sequence[GpuCapacity] | None,
+        health: Mapping[int, bool] | None,
+    ) -> list[Resource]:
         """Apply what is given; return the resources whose lists changed."""
         with self.changed:
             if mode is not None:
@@ -117,8 +124,10 @@ def _rpc(method: Callable[[Any, Any, grpc.ServicerContext], R]) -> Callable[[Any
 def allocation_to_pb(allocation: ContainerAllocation) -> pb.ContainerAllocateResponse:
     return pb.ContainerAllocateResponse(
         envs=dict(allocation.envs),
-        mounts=[pb.Mount(container_path=m.container_path, host_path=m.host_path, read_only=m.read_only)
-                for m in allocation.mounts],
+        mounts=[
+            pb.Mount(container_path=m.container_path, host_path=m.host_path, read_only=m.read_only)
+            for m in allocation.mounts
+        ],
         annotations=dict(allocation.annotations),
         cdi_devices=[pb.CDIDevice(name=name) for name in allocation.cdi_devices],
         devices=[pb.DeviceSpec(container_path=d, host_path=d, permissions="rw") for d in allocation.devices],
@@ -152,20 +161,28 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
             if ended:
                 return
             sent = devices
-            self._log.info("sending device list", devices=len(devices),
-                           unhealthy=sum(1 for d in devices if not d.healthy))
-            yield pb.ListAndWatchResponse(devices=[
-                pb.Device(ID=d.id, health=HEALTHY if d.healthy else UNHEALTHY) for d in devices
-            ])
+            self._log.info(
+                "sending device list", devices=len(devices), unhealthy=sum(1 for d in devices if not d.healthy)
+            )
+            yield pb.ListAndWatchResponse(
+                devices=[pb.Device(ID=d.id, health=HEALTHY if d.healthy else UNHEALTHY) for d in devices]
+            )
 
     @_rpc
-    def GetPreferredAllocation(self, request: pb.PreferredAllocationRequest,
-                               context: grpc.ServicerContext) -> pb.PreferredAllocationResponse:
+    def GetPreferredAllocation(
+        self, request: pb.PreferredAllocationRequest, context: grpc.ServicerContext
+    ) -> pb.PreferredAllocationResponse:
         placement, order = self._state.placement, self._state.gpu_order()
         answers = []
         for req in request.container_requests:
-            ids = resources.preferred(self._resource, list(req.available_deviceIDs), list(req.must_include_deviceIDs),
-                                      req.allocation_size, placement, order)
+            ids = resources.preferred(
+                self._resource,
+                list(req.available_deviceIDs),
+                list(req.must_include_deviceIDs),
+                req.allocation_size,
+                placement,
+                order,
+            )
             answers.append(pb.ContainerPreferredAllocationResponse(deviceIDs=list(ids)))
         return pb.PreferredAllocationResponse(container_responses=answers)
 
@@ -183,8 +200,9 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
             answers.append(allocation_to_pb(allocation))
         return pb.AllocateResponse(container_responses=answers)
 
-    def PreStartContainer(self, request: pb.PreStartContainerRequest,
-                          context: grpc.ServicerContext) -> pb.PreStartContainerResponse:
+    def PreStartContainer(
+        self, request: pb.PreStartContainerRequest, context: grpc.ServicerContext
+    ) -> pb.PreStartContainerResponse:
         return pb.PreStartContainerResponse()
 
 
@@ -227,14 +245,24 @@ class DevicePlugin:
     """All of cgpud's device plugin endpoints. start(), update() from any
     thread, stop()."""
 
-    def __init__(self, settings: PluginSettings, allocator: Allocator, *, mode: NodeMode | str,
-                 placement: Placement, gpus: Sequence[GpuCapacity], health: Mapping[int, bool] | None = None) -> None:
+    def __init__(
+        self,
+        settings: PluginSettings,
+        allocator: Allocator,
+        *,
+        mode: NodeMode | str,
+        placement: Placement,
+        gpus: Sequence[GpuCapacity],
+        health: Mapping[int, bool] | None = None,
+    ) -> None:
         self._settings = replace(settings, directory=Path(os.path.abspath(settings.directory)))
         for name in resources.SOCKET_NAMES.values():
             path = self._settings.directory / name
             if len(os.fsencode(path)) > _SUN_PATH_MAX:
-                raise UsageError(f"device plugin directory {self._settings.directory} is too long: the socket "
-                                 f"{path} exceeds the {_SUN_PATH_MAX} bytes a unix socket path may have")
+                raise UsageError(
+                    f"device plugin directory {self._settings.directory} is too long: the socket "
+                    f"{path} exceeds the {_SUN_PATH_MAX} bytes a unix socket path may have"
+                )
         self._allocator = allocator
         self._state = _State(mode, placement, gpus, health or {})
         self._log = structlog.get_logger("cgpud.kube.plugin")
@@ -260,8 +288,14 @@ class DevicePlugin:
         self._thread.start()
         return self
 
-    def update(self, *, mode: NodeMode | str | None = None, placement: Placement | None = None,
-               gpus: Sequence[GpuCapacity] | None = None, health: Mapping[int, bool] | None = None) -> None:
+    def update(
+        self,
+        *,
+        mode: NodeMode | str | None = None,
+        placement: Placement | None = None,
+        gpus: Sequence[GpuCapacity] | None = None,
+        health: Mapping[int, bool] | None = None,
+    ) -> None:
         """A node fact changed. `health` maps GPU index to healthy and
         replaces the previous map (a GPU it lacks is healthy). Open
         ListAndWatch streams send the lists that changed."""
@@ -317,8 +351,9 @@ class DevicePlugin:
             if self._stop.is_set():
                 return
             self._endpoints[resource] = self._serve(resource)
-        self._log.info("device plugin serving", directory=str(self._settings.directory),
-                       resources=[r.value for r in Resource])
+        self._log.info(
+            "device plugin serving", directory=str(self._settings.directory), resources=[r.value for r in Resource]
+        )
 
     def _serve(self, resource: Resource) -> _Endpoint:
         path = self.socket_path(resource)
@@ -327,7 +362,8 @@ class DevicePlugin:
         pool = ThreadPoolExecutor(max_workers=self._settings.max_workers, thread_name_prefix=f"cgpud-dp-{path.stem}")
         server = grpc.server(pool)
         pb_grpc.add_DevicePluginServicer_to_server(
-            DevicePluginServicer(resource, self._state, self._allocator, stopped), server)
+            DevicePluginServicer(resource, self._state, self._allocator, stopped), server
+        )
         try:
             if server.add_insecure_port(f"unix:{path}") == 0:
                 raise RuntimeError("bind failed")
@@ -374,14 +410,16 @@ class DevicePlugin:
                     )
         except grpc.RpcError as e:
             detail = e.details() if isinstance(e, grpc.Call) else str(e)
-            self._problem("kubelet refused or missed registration; retrying", socket=str(self.kubelet_socket),
-                          error=detail)
+            self._problem(
+                "kubelet refused or missed registration; retrying", socket=str(self.kubelet_socket), error=detail
+            )
             return
         self._registered_with = kubelet
         self._last_problem = ""
         self.registrations += 1
-        self._log.info("registered with the kubelet", socket=str(self.kubelet_socket),
-                       resources=[r.value for r in Resource])
+        self._log.info(
+            "registered with the kubelet", socket=str(self.kubelet_socket), resources=[r.value for r in Resource]
+        )
 
     def _problem(self, message: str, exc_info: bool = False, **fields: Any) -> None:
         """Log a waiting state once, not once per watch round."""

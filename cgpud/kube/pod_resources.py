@@ -2,6 +2,7 @@
 node hold which devices of which extended resource. It names pods by
 namespace and name (it has no UIDs) and lists only pods the kubelet still
 runs, which is how releases learn that a pod is gone."""
+
 from __future__ import annotations
 
 import builtins
@@ -59,8 +60,10 @@ class PodResourcesClient:
 
     def _call(self, method: str, request: object) -> Any:
         if not self._path.exists():
-            raise KubeletUnavailable(f"the kubelet's pod-resources socket {self._path} does not exist: "
-                                     "is the kubelet running, and is the directory mounted into cgpud's pod?")
+            raise KubeletUnavailable(
+                f"the kubelet's pod-resources socket {self._path} does not exist: "
+                "is the kubelet running, and is the directory mounted into cgpud's pod?"
+            )
         try:
             with grpc.insecure_channel(f"unix:{self._path}") as channel:
                 stub = pb_grpc.PodResourcesListerStub(channel)
@@ -69,11 +72,13 @@ class PodResourcesClient:
             code = e.code() if isinstance(e, grpc.Call) else None
             detail = e.details() if isinstance(e, grpc.Call) else str(e)
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise KubeletUnavailable(f"the kubelet's pod-resources API on {self._path} did not answer "
-                                         f"{method}: {detail}") from e
+                raise KubeletUnavailable(
+                    f"the kubelet's pod-resources API on {self._path} did not answer {method}: {detail}"
+                ) from e
             name = code.name if code is not None else "error"
-            raise CgpuError(f"the kubelet's pod-resources API on {self._path} refused {method} ({name}): "
-                            f"{detail}") from e
+            raise CgpuError(
+                f"the kubelet's pod-resources API on {self._path} refused {method} ({name}): {detail}"
+            ) from e
 
 
 def _devices(pod: pb.PodResources) -> list[ContainerDevices]:

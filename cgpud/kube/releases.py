@@ -21,6 +21,7 @@ or never bound because the scheduler died between its Reserve and its
 Binding) gives it back once it has been missing for RESERVATION_GRACE,
 long after any bind completes. Either is sooner than its expiry, and costs
 no API call per reservation."""
+
 from __future__ import annotations
 
 import time
@@ -66,11 +67,12 @@ def stale_specs(cdi_dir: Path, active_ids: Iterable[str]) -> list[Path]:
         names = sorted(p for p in cdi_dir.glob(f"{SPEC_PREFIX}*.json"))
     except OSError:
         return []
-    return [p for p in names if p.name[len(SPEC_PREFIX):-len(".json")] not in keep]
+    return [p for p in names if p.name[len(SPEC_PREFIX) : -len(".json")] not in keep]
 
 
-def gone_instances(instances: Iterable[Instance], api_pods: Sequence[PodInfo],
-                   kubelet_pods: Iterable[KubeletPod]) -> list[Instance]:
+def gone_instances(
+    instances: Iterable[Instance], api_pods: Sequence[PodInfo], kubelet_pods: Iterable[KubeletPod]
+) -> list[Instance]:
     """The active pod-owned instances whose pods both witnesses say are gone."""
     by_uid = {p.uid: p for p in api_pods}
     by_name = {p.key: p for p in api_pods}
@@ -89,8 +91,11 @@ def gone_instances(instances: Iterable[Instance], api_pods: Sequence[PodInfo],
         if not api_gone:
             continue
         same_name = by_name.get(owner.pod_key)
-        kubelet_gone = (owner.pod_key not in listed or (pod is not None and pod.terminal)
-                        or (same_name is not None and same_name.uid != owner.uid))
+        kubelet_gone = (
+            owner.pod_key not in listed
+            or (pod is not None and pod.terminal)
+            or (same_name is not None and same_name.uid != owner.uid)
+        )
         if kubelet_gone:
             out.append(instance)
     return out
@@ -101,9 +106,13 @@ def gone_instances(instances: Iterable[Instance], api_pods: Sequence[PodInfo],
 RESERVATION_GRACE = 5.0
 
 
-def gone_reservations(reservations: Iterable[Reservation], api_pods: Sequence[PodInfo],
-                      missing_since: Mapping[str, float], now: float,
-                      grace: float = RESERVATION_GRACE) -> tuple[list[Reservation], dict[str, float]]:
+def gone_reservations(
+    reservations: Iterable[Reservation],
+    api_pods: Sequence[PodInfo],
+    missing_since: Mapping[str, float],
+    now: float,
+    grace: float = RESERVATION_GRACE,
+) -> tuple[list[Reservation], dict[str, float]]:
     """The reservations whose pods are gone, and when each reservation still
     kept was first seen without its pod (pod UID -> time), for the next round.
     `api_pods`: the API server's pods bound to this node."""
@@ -128,9 +137,16 @@ class PodReleaser:
     """One release round per daemon sweep; `sweep()` is safe to call from
     the sweeper thread."""
 
-    def __init__(self, service: InstanceService, list_api_pods: Callable[[], Sequence[PodInfo]],
-                 list_kubelet_pods: Callable[[], Iterable[KubeletPod]], cdi_dir: Path | None = None, *,
-                 reservation_grace: float = RESERVATION_GRACE, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        service: InstanceService,
+        list_api_pods: Callable[[], Sequence[PodInfo]],
+        list_kubelet_pods: Callable[[], Iterable[KubeletPod]],
+        cdi_dir: Path | None = None,
+        *,
+        reservation_grace: float = RESERVATION_GRACE,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._service = service
         self._grace = reservation_grace
         self._clock = clock
@@ -160,8 +176,11 @@ class PodReleaser:
         except (CgpuError, OSError) as e:
             reason = str(e)
             if reason != self._blind:
-                self._log.warning("cannot tell which pods are gone: releasing nothing until both the API server "
-                                  "and the kubelet answer", error=reason)
+                self._log.warning(
+                    "cannot tell which pods are gone: releasing nothing until both the API server "
+                    "and the kubelet answer",
+                    error=reason,
+                )
             self._blind = reason
             return 0
         if self._blind:
@@ -178,8 +197,11 @@ class PodReleaser:
         gone, self._missing = gone_reservations(reservations, api_pods, self._missing, self._clock(), self._grace)
         for reservation in gone:
             if self._service.unreserve(reservation.pod_uid):
-                self._log.info("reservation given back: pod gone", pod=f"{reservation.pod_namespace}/"
-                               f"{reservation.pod_name}", uid=reservation.pod_uid)
+                self._log.info(
+                    "reservation given back: pod gone",
+                    pod=f"{reservation.pod_namespace}/{reservation.pod_name}",
+                    uid=reservation.pod_uid,
+                )
 
     def _remove_stale_specs(self) -> None:
         if self._cdi_dir is None:

@@ -17,6 +17,7 @@ Every resource is advertised in every mode; those the mode does not use
 have no devices, so a mode change moves capacity instead of leaving the old
 mode's capacity on the Node. A device is Unhealthy when its GPU is.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
@@ -164,7 +165,7 @@ def decode_device_id(resource: Resource, raw: str) -> DeviceUnit:
     uuid, sep, unit = raw.rpartition(ID_SEPARATOR)
     if resource is Resource.GPU_CORE:
         ok = unit.startswith(CORE_PREFIX)
-        unit = unit[len(CORE_PREFIX):]
+        unit = unit[len(CORE_PREFIX) :]
     else:
         ok = True
     if not (sep and uuid and ok and unit.isdigit() and unit.isascii()):

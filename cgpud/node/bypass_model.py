@@ -5,6 +5,7 @@ Plain frozen data shared by the pure decision (bypass_policy.py), the
 /proc side (procmap.py), the loop (watchdog.py) and the surfaces (API,
 cgpuctl, metrics). The event ring is the one mutable piece; it is owned by
 the daemon and passed around, never global."""
+
 from __future__ import annotations
 
 import threading

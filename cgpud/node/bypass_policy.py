@@ -1,6 +1,7 @@
 """What counts as going around libcgpu, decided from what NVML lists and
 whose each process is. Pure: no I/O, no clock; the loop (watchdog.py)
 reads NVML and /proc (procmap.py) and acts on the answer."""
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -21,16 +22,25 @@ from cgpud.errors import UsageError
 from cgpud.units import format_memory
 
 _KINDS = ("cgroup", "exe")
-_FORMS = "cgroup:<glob> (the process's cgroup path, e.g. cgroup:/system.slice/dcgm*) or exe:<glob> " \
-         "(its executable as cgpud reads it, e.g. exe:/usr/bin/nv-hostengine)"
+_FORMS = (
+    "cgroup:<glob> (the process's cgroup path, e.g. cgroup:/system.slice/dcgm*) or exe:<glob> "
+    "(its executable as cgpud reads it, e.g. exe:/usr/bin/nv-hostengine)"
+)
 
 # Processes of the node itself that hold GPU memory with no instance. Any
 # directory: distributions and the NVIDIA installer put them in different
 # places, and a tenant cannot choose its exe path on the host.
 DEFAULT_ALLOW: tuple[AllowRule, ...] = tuple(
     AllowRule("exe", f"*/{name}")
-    for name in ("nvidia-persistenced", "nvidia-cuda-mps-server", "nvidia-cuda-mps-control",
-                 "nv-hostengine", "dcgm-exporter", "Xorg", "Xwayland")
+    for name in (
+        "nvidia-persistenced",
+        "nvidia-cuda-mps-server",
+        "nvidia-cuda-mps-control",
+        "nv-hostengine",
+        "dcgm-exporter",
+        "Xorg",
+        "Xwayland",
+    )
 )
 
 
@@ -43,8 +53,9 @@ def parse_allow(text: str) -> tuple[AllowRule, ...]:
         if not sep or kind not in _KINDS or not pattern:
             raise UsageError(f"bad bypass allow rule {entry!r}: write {_FORMS}")
         if not pattern.startswith(("/", "*")):
-            raise UsageError(f"bad bypass allow rule {entry!r}: the pattern is a path from / "
-                             f"(or starts with *); write {_FORMS}")
+            raise UsageError(
+                f"bad bypass allow rule {entry!r}: the pattern is a path from / (or starts with *); write {_FORMS}"
+            )
         rules.append(AllowRule(kind, pattern))
     return tuple(rules)
 
@@ -64,9 +75,13 @@ def allowed(identity: ProcessIdentity, rules: Iterable[AllowRule]) -> bool:
     return False
 
 
-def decide(instances: Sequence[Instance], processes: Sequence[GpuProcess],
-           identities: Mapping[int, ProcessIdentity], compute: Sequence[ComputeView],
-           settings: WatchSettings) -> list[Violation]:
+def decide(
+    instances: Sequence[Instance],
+    processes: Sequence[GpuProcess],
+    identities: Mapping[int, ProcessIdentity],
+    compute: Sequence[ComputeView],
+    settings: WatchSettings,
+) -> list[Violation]:
     """Every violation in one round, sorted (kind, instance, GPU, pids).
 
     Memory: per (instance, GPU), what its processes hold there (used None
@@ -111,13 +126,11 @@ def _unknown(p: GpuProcess, identity: ProcessIdentity) -> Violation:
     used = p.used_bytes or 0
     what = identity.exe or "an unreadable executable"
     where = f" in cgroup {identity.cgroup}" if identity.cgroup else ""
-    detail = (f"pid {p.pid} ({what}{where}) holds {format_memory(used)} on GPU {p.gpu_index} "
-              f"and belongs to no instance")
+    detail = f"pid {p.pid} ({what}{where}) holds {format_memory(used)} on GPU {p.gpu_index} and belongs to no instance"
     return Violation(ViolationKind.UNKNOWN_PROCESS, p.gpu_index, "", (p.pid,), used_bytes=used, detail=detail)
 
 
-def _memory(inst: Instance, gpu: int, procs: list[GpuProcess], slack: int, slack_processes: int
-            ) -> Violation | None:
+def _memory(inst: Instance, gpu: int, procs: list[GpuProcess], slack: int, slack_processes: int) -> Violation | None:
     grant = next((g for g in inst.grants if g.gpu_index == gpu), None)
     if not inst.enforced or (grant is not None and grant.memory == 0):
         return None
@@ -128,11 +141,14 @@ def _memory(inst: Instance, gpu: int, procs: list[GpuProcess], slack: int, slack
         return None
     where = f"a limit of {format_memory(limit)}" if grant is not None else "no grant there"
     noun = "process" if len(pids) == 1 else "processes"
-    detail = (f"instance {inst.id} holds {format_memory(used)} on GPU {gpu} in {len(pids)} {noun} "
-              f"({', '.join(map(str, pids))}) with {where} (+ {format_memory(slack)} slack per process, "
-              f"for at most {slack_processes})")
-    return Violation(ViolationKind.MEMORY_OVER_LIMIT, gpu, inst.id, pids, used_bytes=used, limit_bytes=limit,
-                     detail=detail)
+    detail = (
+        f"instance {inst.id} holds {format_memory(used)} on GPU {gpu} in {len(pids)} {noun} "
+        f"({', '.join(map(str, pids))}) with {where} (+ {format_memory(slack)} slack per process, "
+        f"for at most {slack_processes})"
+    )
+    return Violation(
+        ViolationKind.MEMORY_OVER_LIMIT, gpu, inst.id, pids, used_bytes=used, limit_bytes=limit, detail=detail
+    )
 
 
 def _compute(view: ComputeView, procs: list[GpuProcess], excess: float) -> Violation | None:
@@ -144,8 +160,17 @@ def _compute(view: ComputeView, procs: list[GpuProcess], excess: float) -> Viola
     if measured <= allowed_percent + excess:
         return None
     pids = _pids(procs)
-    detail = (f"instance {view.instance_id} used {measured:.0f}% of GPU {view.gpu_index}'s SMs "
-              f"({', '.join(map(str, pids))}) where it may use {allowed_percent:.0f}% "
-              f"(+ {excess:.0f} points)")
-    return Violation(ViolationKind.COMPUTE_OVER_SHARE, view.gpu_index, view.instance_id, pids,
-                     measured_percent=measured, allowed_percent=allowed_percent, detail=detail)
+    detail = (
+        f"instance {view.instance_id} used {measured:.0f}% of GPU {view.gpu_index}'s SMs "
+        f"({', '.join(map(str, pids))}) where it may use {allowed_percent:.0f}% "
+        f"(+ {excess:.0f} points)"
+    )
+    return Violation(
+        ViolationKind.COMPUTE_OVER_SHARE,
+        view.gpu_index,
+        view.instance_id,
+        pids,
+        measured_percent=measured,
+        allowed_percent=allowed_percent,
+        detail=detail,
+    )

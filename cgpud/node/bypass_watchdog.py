@@ -10,6 +10,7 @@ Ownership: NvmlProcessReader holds NVML from its construction to close().
 BypassWatchdog is driven by one thread (start()); the reader, the mapper
 and the debounce state are touched by that thread only. BypassEvents is
 thread-safe and shared with the API and the metrics."""
+
 from __future__ import annotations
 
 import threading
@@ -115,8 +116,9 @@ class NvmlProcessReader:
     a GPU NVML cannot answer for is left out of a round (logged when that
     starts and when it ends), never shown empty."""
 
-    def __init__(self, gpu_indexes: Iterable[int], window_s: float, nvml: Any = None,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, gpu_indexes: Iterable[int], window_s: float, nvml: Any = None, clock: Callable[[], float] = time.time
+    ) -> None:
         if nvml is None:
             import pynvml
 
@@ -161,14 +163,15 @@ class NvmlProcessReader:
                 util = self._utilisation(gpu, handle, now_us)
             except self._nvml.NVMLError as e:
                 if self._trouble.get(gpu) != str(e):
-                    self._log.error("the bypass watchdog skips a GPU NVML does not answer for", gpu=gpu,
-                                    error=str(e))
+                    self._log.error("the bypass watchdog skips a GPU NVML does not answer for", gpu=gpu, error=str(e))
                     self._trouble[gpu] = str(e)
                 continue
             if self._trouble.pop(gpu, None) is not None:
                 self._log.info("the bypass watchdog reads a GPU again", gpu=gpu)
-            out.extend(GpuProcess(gpu, pid, used, util.get(pid) if util is not None else None)
-                       for pid, used in sorted(memory.items()))
+            out.extend(
+                GpuProcess(gpu, pid, used, util.get(pid) if util is not None else None)
+                for pid, used in sorted(memory.items())
+            )
         return out
 
     def _list(self, name: str, handle: Any) -> list[Any]:
@@ -186,8 +189,10 @@ class NvmlProcessReader:
 
     def _processes(self, gpu: int, handle: Any, mps: bool) -> dict[int, int | None]:
         nvml = self._nvml
-        lists = [self._list("nvmlDeviceGetComputeRunningProcesses", handle),
-                 self._list("nvmlDeviceGetGraphicsRunningProcesses", handle)]
+        lists = [
+            self._list("nvmlDeviceGetComputeRunningProcesses", handle),
+            self._list("nvmlDeviceGetGraphicsRunningProcesses", handle),
+        ]
         if mps and gpu not in self._no_mps:
             try:
                 lists.append(self._list("nvmlDeviceGetMPSComputeRunningProcesses", handle))
@@ -222,8 +227,9 @@ class NvmlProcessReader:
             pass  # a process started between pynvml's two calls: the next round reads it
         except (nvml.NVMLError_NotSupported, nvml.NVMLError_FunctionNotFound) as e:
             window.supported = False
-            self._log.warning("the compute rule is off on this GPU: NVML has no per-process utilisation",
-                              gpu=gpu, error=str(e))
+            self._log.warning(
+                "the compute rule is off on this GPU: NVML has no per-process utilisation", gpu=gpu, error=str(e)
+            )
             return None
         except nvml.NVMLError as e:
             if getattr(e, "value", None) != getattr(nvml, "NVML_SUCCESS", 0):
@@ -261,8 +267,10 @@ class Mapper(Protocol):
     def identify(self, pids: Sequence[int], instances: Sequence[Instance]) -> dict[int, ProcessIdentity]: ...
 
 
-Decide = Callable[[Sequence[Instance], Sequence[GpuProcess], Mapping[int, ProcessIdentity],
-                   Sequence[ComputeView], WatchSettings], list[Violation]]
+Decide = Callable[
+    [Sequence[Instance], Sequence[GpuProcess], Mapping[int, ProcessIdentity], Sequence[ComputeView], WatchSettings],
+    list[Violation],
+]
 Kill = Callable[..., tuple[bool, str]]  # procmap.kill_process(identity, mapper, instances, allow=...)
 
 
@@ -278,10 +286,21 @@ class BypassWatchdog:
     Does nothing while the node's mode does not isolate (labels can change
     the mode at run time)."""
 
-    def __init__(self, service: WatchedService, events: BypassEvents, reader: ProcessReader, mapper: Mapper,
-                 settings: WatchSettings, action: BypassAction, interval: float,
-                 stats: RoundTimer | None = None, log: Any = None, decide: Decide | None = None,
-                 kill: Kill | None = None, repeat_s: float = REPEAT_S) -> None:
+    def __init__(
+        self,
+        service: WatchedService,
+        events: BypassEvents,
+        reader: ProcessReader,
+        mapper: Mapper,
+        settings: WatchSettings,
+        action: BypassAction,
+        interval: float,
+        stats: RoundTimer | None = None,
+        log: Any = None,
+        decide: Decide | None = None,
+        kill: Kill | None = None,
+        repeat_s: float = REPEAT_S,
+    ) -> None:
         self._service = service
         self._events = events
         self._reader = reader
@@ -318,8 +337,7 @@ class BypassWatchdog:
         instances, _ = self._service.holdings()
         identities = self._mapper.identify(sorted({p.pid for p in processes}), instances) if processes else {}
         compute = self._compute_views(instances, policy, now)
-        violations = self._decide(instances, processes, identities, compute,
-                                  replace(self._settings, isolating=True))
+        violations = self._decide(instances, processes, identities, compute, replace(self._settings, isolating=True))
         events: list[BypassEvent] = []
         ongoing = set()
         for v in violations:
@@ -334,8 +352,14 @@ class BypassWatchdog:
             del self._seen[key]
         return events
 
-    def _act(self, v: Violation, seen: _Seen, identities: Mapping[int, ProcessIdentity],
-             instances: Sequence[Instance], now: float) -> BypassEvent | None:
+    def _act(
+        self,
+        v: Violation,
+        seen: _Seen,
+        identities: Mapping[int, ProcessIdentity],
+        instances: Sequence[Instance],
+        now: float,
+    ) -> BypassEvent | None:
         # Kill mode kills an instance's offenders every round they are there;
         # a process of no instance is only reported (it may be the node's own)
         # unless the node says its own are all on the allow list.
@@ -346,8 +370,9 @@ class BypassWatchdog:
         seen.reported = now
         return BypassEvent(now, v, EventAction.REPORTED)
 
-    def _kill_all(self, v: Violation, identities: Mapping[int, ProcessIdentity], instances: Sequence[Instance],
-                  now: float) -> BypassEvent:
+    def _kill_all(
+        self, v: Violation, identities: Mapping[int, ProcessIdentity], instances: Sequence[Instance], now: float
+    ) -> BypassEvent:
         """The event's detail says what happened to each pid (the
         violation's own detail says what was wrong)."""
         killed: list[int] = []
@@ -359,8 +384,9 @@ class BypassWatchdog:
                 ok, detail = False, f"pid {pid} not killed: not identified"
             else:
                 try:
-                    ok, detail = self._kill(identity, self._mapper, instances, allow=self._settings.allow,
-                                            unknown=not v.instance_id)
+                    ok, detail = self._kill(
+                        identity, self._mapper, instances, allow=self._settings.allow, unknown=not v.instance_id
+                    )
                 except (CgpuError, OSError) as e:
                     ok, detail = False, f"pid {pid} not killed: {e}"
             if ok:
@@ -377,10 +403,14 @@ class BypassWatchdog:
         views = []
         for inst in instances:
             for g in inst.grants:
-                caps = (limits_compute(policy.mode) and g.core_percent > 0
-                        and policy.policy_for(g.gpu_index) in CAPPING_POLICIES)
-                views.append(ComputeView(inst.id, g.gpu_index, g.core_percent, caps,
-                                         engine.get((inst.id, g.gpu_index))))
+                caps = (
+                    limits_compute(policy.mode)
+                    and g.core_percent > 0
+                    and policy.policy_for(g.gpu_index) in CAPPING_POLICIES
+                )
+                views.append(
+                    ComputeView(inst.id, g.gpu_index, g.core_percent, caps, engine.get((inst.id, g.gpu_index)))
+                )
         return views
 
     def _engine_means(self, now: float) -> dict[tuple[str, int], float]:
@@ -402,8 +432,15 @@ class BypassWatchdog:
 
     def _log_event(self, e: BypassEvent) -> None:
         v = e.violation
-        fields: dict[str, Any] = dict(kind=v.kind.value, instance=v.instance_id, gpu=v.gpu_index, pids=list(v.pids),
-                                      used=v.used_bytes, limit=v.limit_bytes, action=e.action.value)
+        fields: dict[str, Any] = dict(
+            kind=v.kind.value,
+            instance=v.instance_id,
+            gpu=v.gpu_index,
+            pids=list(v.pids),
+            used=v.used_bytes,
+            limit=v.limit_bytes,
+            action=e.action.value,
+        )
         if v.kind is ViolationKind.COMPUTE_OVER_SHARE:
             fields.update(measured_percent=round(v.measured_percent, 1), allowed_percent=round(v.allowed_percent, 1))
         if e.killed:

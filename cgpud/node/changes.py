@@ -3,6 +3,7 @@ it instead of polling, and tell by the revision what they missed.
 
 `incarnation` is new for every process: a revision is only comparable
 within one incarnation, since the counter starts again at 0 on restart."""
+
 from __future__ import annotations
 
 import threading

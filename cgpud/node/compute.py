@@ -7,6 +7,7 @@ wiring between instances and the engine.
 Ownership: ComputeScheduler owns the engine and its threads from start() to
 stop(). Thread-safety: every method may be called from any thread; the
 engine serialises them."""
+
 from __future__ import annotations
 
 import threading
@@ -121,8 +122,12 @@ class ComputeScheduler:
             policy = node.policy_for(gpu)
             if self._applied.get(gpu) is policy:
                 continue
-            _check(lib.cgpu_engine_configure(self._engine, gpu, int(policy), t.period_ns, t.max_slice_ns,
-                                             t.high_priority_percent), f"cannot set policy {policy.name} on GPU {gpu}")
+            _check(
+                lib.cgpu_engine_configure(
+                    self._engine, gpu, int(policy), t.period_ns, t.max_slice_ns, t.high_priority_percent
+                ),
+                f"cannot set policy {policy.name} on GPU {gpu}",
+            )
             self._applied[gpu] = policy
 
     def attach(self, instance: Instance, region: Path) -> None:
@@ -136,10 +141,22 @@ class ComputeScheduler:
                 for slot, grant in enumerate(instance.grants):
                     key = self._next_key
                     self._next_key += 1
-                    _check(lib.cgpu_engine_attach(self._engine, grant.gpu_index, key, str(region).encode(), slot,
-                                                  grant.core_percent, instance.weight, int(instance.priority > 0),
-                                                  err, _ERRLEN),
-                           f"cannot schedule instance {instance.id} on GPU {grant.gpu_index}", err)
+                    _check(
+                        lib.cgpu_engine_attach(
+                            self._engine,
+                            grant.gpu_index,
+                            key,
+                            str(region).encode(),
+                            slot,
+                            grant.core_percent,
+                            instance.weight,
+                            int(instance.priority > 0),
+                            err,
+                            _ERRLEN,
+                        ),
+                        f"cannot schedule instance {instance.id} on GPU {grant.gpu_index}",
+                        err,
+                    )
                     done.append((grant.gpu_index, key))
             except ComputeError:
                 for gpu, key in done:
@@ -157,8 +174,10 @@ class ComputeScheduler:
         engine's mapping: the engine then sees no demand and no process of
         it until it is re-attached."""
         with self._lock:
-            return any(lib.cgpu_engine_tenant_damaged(self._engine, gpu, key) == 1
-                       for gpu, key in self._keys.get(instance_id, []))
+            return any(
+                lib.cgpu_engine_tenant_damaged(self._engine, gpu, key) == 1
+                for gpu, key in self._keys.get(instance_id, [])
+            )
 
     def reattach(self, instance: Instance, region: Path) -> None:
         """Maps the instance's files afresh once cgpud repaired them; its
@@ -169,8 +188,19 @@ class ComputeScheduler:
     def schedule(self, gpu: int) -> GpuSchedule:
         s = ffi.new("struct cgpu_engine_stats *")
         _check(lib.cgpu_engine_stats_get(self._engine, gpu, s), f"no schedule for GPU {gpu}")
-        return GpuSchedule(gpu, ComputePolicy(s.policy), s.tenants, s.holder, s.decisions, s.grants, s.fences,
-                           s.fence_timeouts, s.fence_wait_ns, s.fences_late, s.idle_handovers)
+        return GpuSchedule(
+            gpu,
+            ComputePolicy(s.policy),
+            s.tenants,
+            s.holder,
+            s.decisions,
+            s.grants,
+            s.fences,
+            s.fence_timeouts,
+            s.fence_wait_ns,
+            s.fences_late,
+            s.idle_handovers,
+        )
 
     def tenant_metrics(self) -> dict[str, list[TenantMetrics]]:
         """Every scheduled instance's accounting, by instance id."""
@@ -180,7 +210,15 @@ class ComputeScheduler:
             for instance_id, keys in self._keys.items():
                 for gpu, key in keys:
                     if lib.cgpu_engine_tenant_metrics_get(self._engine, gpu, key, m) == 0:
-                        out.setdefault(instance_id, []).append(TenantMetrics(
-                            gpu, m.charged_ns, m.throttled_ns, m.grants, m.window_ns, m.window_charged_ns,
-                            m.idle_grace_ns))
+                        out.setdefault(instance_id, []).append(
+                            TenantMetrics(
+                                gpu,
+                                m.charged_ns,
+                                m.throttled_ns,
+                                m.grants,
+                                m.window_ns,
+                                m.window_charged_ns,
+                                m.idle_grace_ns,
+                            )
+                        )
         return out

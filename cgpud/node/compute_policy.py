@@ -1,5 +1,6 @@
 """Compute policy decisions, pure: which nodes schedule compute, which
 policy each GPU runs after `cgpuctl policy set`, and the stored form."""
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -39,5 +40,7 @@ def decode_compute_policies(node: NodePolicy, text: str) -> NodePolicy:
         overrides = tuple(sorted((int(g), ComputePolicy(int(p))) for g, p in (x.split("=") for x in pairs)))
         return replace(node, compute_policy=ComputePolicy(int(first)), gpu_compute_policies=overrides)
     except ValueError as e:
-        raise UsageError(f"compute policies {text!r} are not valid: the node's policy, then GPU=POLICY pairs "
-                         f"such as \"3 1=5\", policies 0-5") from e
+        raise UsageError(
+            f"compute policies {text!r} are not valid: the node's policy, then GPU=POLICY pairs "
+            f'such as "3 1=5", policies 0-5'
+        ) from e

@@ -10,6 +10,7 @@ each exit is handed to exactly one of them.
 
 ExitWatch may be shared by threads: its table has its own lock, and the
 callback is called without it."""
+
 from __future__ import annotations
 
 import contextlib
@@ -54,8 +55,9 @@ class ExitWatch:
             fd = None
         except OSError as e:  # EMFILE and the like: the sweep still finds it gone
             self.forget(instance_id)
-            self._log.warning("cannot watch the init process; the sweep will notice its exit", id=instance_id,
-                              pid=pid, error=str(e))
+            self._log.warning(
+                "cannot watch the init process; the sweep will notice its exit", id=instance_id, pid=pid, error=str(e)
+            )
             return
         with self._lock:
             if self._closed:

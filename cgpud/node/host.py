@@ -1,4 +1,5 @@
 """Facts about this host that the daemon reports or keys on."""
+
 from __future__ import annotations
 
 import socket

@@ -1,5 +1,6 @@
 """What GPUs this node has, read from NVML through pynvml. The same code
 runs on a real driver and on any library that speaks the NVML ABI."""
+
 from __future__ import annotations
 
 from collections.abc import Callable

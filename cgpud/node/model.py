@@ -1,6 +1,7 @@
 """The daemon's vocabulary: node settings, requests, grants and instances.
 Plain frozen data; every decision about them lives in placement.py (pure)
 and every I/O in store.py, region.py and the API."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -10,6 +10,7 @@ would never be granted here; AdmissionError when it is well formed but does
 not fit now. Each message is one line that says what was asked, what the
 node has and what to change, in the words of ACK's resources and labels.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
@@ -39,8 +40,9 @@ _FULL_CORE = 100
 # Usage
 
 
-def gpu_usage(gpus: Sequence[GpuCapacity], active: Iterable[Instance],
-              reserved: Iterable[Reservation] = ()) -> tuple[GpuUsage, ...]:
+def gpu_usage(
+    gpus: Sequence[GpuCapacity], active: Iterable[Instance], reserved: Iterable[Reservation] = ()
+) -> tuple[GpuUsage, ...]:
     """What active instances and reservations hold of each GPU, in GPU index
     order. A reservation's share holds its memory, compute and instance
     slots as instances would; `reserved` are the live ones (the caller has
@@ -141,8 +143,12 @@ def parse_policy(mode: str, placement: str, core_step: int, max_instances_per_gp
     """Node settings as another process reports them (a Capacity view's
     text), checked as admission checks its own: UsageError names what is
     wrong."""
-    raw = NodePolicy(mode=mode, placement=placement, core_step=core_step,  # type: ignore[arg-type]
-                     max_instances_per_gpu=max_instances_per_gpu)
+    raw = NodePolicy(
+        mode=mode,
+        placement=placement,
+        core_step=core_step,  # type: ignore[arg-type]
+        max_instances_per_gpu=max_instances_per_gpu,
+    )
     checked_mode, checked_placement = check_policy(raw)
     return replace(raw, mode=checked_mode, placement=checked_placement)
 
@@ -177,9 +183,7 @@ def check_policy(policy: NodePolicy) -> tuple[NodeMode, Placement]:
             "(compute shares are multiples of it)"
         )
     if policy.max_instances_per_gpu < 1:
-        raise UsageError(
-            f"node setting max_instances_per_gpu is {policy.max_instances_per_gpu}: set it to 1 or more"
-        )
+        raise UsageError(f"node setting max_instances_per_gpu is {policy.max_instances_per_gpu}: set it to 1 or more")
     return mode, placement
 
 
@@ -192,8 +196,7 @@ def _check_request(request: Request, gpus: Sequence[GpuCapacity], mode: NodeMode
         raise UsageError(f"asked for {_gpus(n)} but this node has no GPUs: run it on a GPU node")
     if n > len(gpus):
         raise UsageError(
-            f"asked for {_gpus(n)} but this node has {len(gpus)}: "
-            f"ask for {len(gpus)} or fewer (aliyun.com/gpu-count)"
+            f"asked for {_gpus(n)} but this node has {len(gpus)}: ask for {len(gpus)} or fewer (aliyun.com/gpu-count)"
         )
     if request.gpu_indexes:
         _check_named(request, gpus)
@@ -285,8 +288,7 @@ def _free(u: GpuUsage) -> int:
     return u.gpu.memory - u.allocated
 
 
-def _whole_gpus(request: Request, usage: tuple[GpuUsage, ...], placement: Placement,
-                mode: NodeMode) -> list[GpuUsage]:
+def _whole_gpus(request: Request, usage: tuple[GpuUsage, ...], placement: Placement, mode: NodeMode) -> list[GpuUsage]:
     """`default` and `topology` modes: whole GPUs, each with no active instance at all."""
     n = request.gpu_count
     idle = [u for u in usage if u.instances == 0]
@@ -305,9 +307,7 @@ def _whole_gpus(request: Request, usage: tuple[GpuUsage, ...], placement: Placem
             "shares GPUs (cgpu, core_mem)"
         )
     free_part = f"none of {total} is free" if not idle else f"only {len(idle)} of {total} {_is(len(idle))} free"
-    raise AdmissionError(
-        f"asked for {n} whole GPUs but {free_part} ({how}); release an instance or ask for fewer GPUs"
-    )
+    raise AdmissionError(f"asked for {n} whole GPUs but {free_part} ({how}); release an instance or ask for fewer GPUs")
 
 
 @dataclass(frozen=True)
@@ -338,8 +338,9 @@ def _shared_gpus(
     memory, limit, core_left = request.memory, policy.max_instances_per_gpu, _FULL_CORE - request.core_percent
     # Plain tuples first, _Check only for the reason: the cluster scheduler
     # runs this for every node and pod shape.
-    measured = [(u, u.gpu.memory - u.allocated >= memory, u.instances < limit, u.core_percent <= core_left)
-                for u in usage]
+    measured = [
+        (u, u.gpu.memory - u.allocated >= memory, u.instances < limit, u.core_percent <= core_left) for u in usage
+    ]
     fitting = [u for u, memory_ok, room_ok, core_ok in measured if memory_ok and room_ok and core_ok]
     if len(fitting) >= request.gpu_count:
         return _order(fitting, placement)[: request.gpu_count]
@@ -420,9 +421,7 @@ def _shortfall(request: Request, checks: list[_Check], policy: NodePolicy) -> st
 
     # Each constraint alone leaves enough GPUs, only together they do not.
     fitting = sum(1 for c in checks if c.fits)
-    closest = min(
-        (c for c in checks if not c.fits), key=lambda c: (c.misses, -_free(c.usage), c.usage.gpu.index)
-    )
+    closest = min((c for c in checks if not c.fits), key=lambda c: (c.misses, -_free(c.usage), c.usage.gpu.index))
     u = closest.usage
     lacks = []
     if not closest.memory_ok:
@@ -544,8 +543,9 @@ def consume(reservation: Reservation, grants: Sequence[Grant]) -> tuple[Share, .
         memory = share.memory - grant.memory
         if memory <= 0:
             continue
-        left.append(Share(share.gpu_index, memory, max(share.core_percent - grant.core_percent, 0),
-                          max(share.instances - 1, 0)))
+        left.append(
+            Share(share.gpu_index, memory, max(share.core_percent - grant.core_percent, 0), max(share.instances - 1, 0))
+        )
     return tuple(left)
 
 
@@ -564,8 +564,9 @@ _ENFORCEMENT = {
 }
 
 
-def policy_change_problem(current: NodePolicy, mode: NodeMode, active: Sequence[Instance],
-                          compute_running: bool) -> str | None:
+def policy_change_problem(
+    current: NodePolicy, mode: NodeMode, active: Sequence[Instance], compute_running: bool
+) -> str | None:
     """Why the node may not switch to `mode` now, None when it may. A
     placement change is always allowed: it only orders GPUs for the next
     request. A mode change is refused while an active instance was granted
@@ -617,7 +618,7 @@ def _is(n: int) -> str:
 
 
 def _gpu_list(indexes: list[int]) -> str:
-    """"GPU 0", "GPUs 0 and 2", "GPUs 0, 1 and 3"."""
+    """ "GPU 0", "GPUs 0 and 2", "GPUs 0, 1 and 3"."""
     if len(indexes) == 1:
         return f"GPU {indexes[0]}"
     head = ", ".join(str(i) for i in indexes[:-1])

@@ -13,6 +13,7 @@ away from its parent does not shed its instance.
 
 Every read tolerates the process vanishing and hostile content: a comm
 with ")" and spaces, cgroup names with newlines, huge files."""
+
 from __future__ import annotations
 
 import errno
@@ -69,7 +70,7 @@ def parse_stat(pid: int, text: bytes) -> ProcStat | None:
     # comm is the tenant's to choose (any bytes but NUL, ")" and newlines
     # too): everything after the last ")" is the kernel's.
     close = text.rfind(b")")
-    fields = text[close + 1:].split() if close >= 0 else []
+    fields = text[close + 1 :].split() if close >= 0 else []
     try:
         return ProcStat(pid, int(fields[1]), int(fields[19]))
     except (IndexError, ValueError):
@@ -287,8 +288,7 @@ class _Round:
                 bound[(init.pid, init.starttime)] = inst.id
         self._bound, self._anchors = bound, anchors
 
-    def _anchor(self, iid: str, init: ProcStat, own_cg: Mapping[str, str],
-                own_ns: tuple[int, int] | None) -> _Anchor:
+    def _anchor(self, iid: str, init: ProcStat, own_cg: Mapping[str, str], own_ns: tuple[int, int] | None) -> _Anchor:
         cg = self.cgroups(init.pid)
         if cg:
             key, path = preferred_cgroup(cg)
@@ -409,8 +409,9 @@ class ProcessMapper:
         rnd.stats[pid] = st = info.stat
         cgroups = checked_cgroups(info.cgroup_text, rnd.hierarchies)
         iid = self._map(rnd, st, cgroups)
-        return ProcessIdentity(pid, st.starttime, info.exe, preferred_cgroup(cgroups)[1] if cgroups else "", iid,
-                               self.host_root(info))
+        return ProcessIdentity(
+            pid, st.starttime, info.exe, preferred_cgroup(cgroups)[1] if cgroups else "", iid, self.host_root(info)
+        )
 
     def _remember(self, key: tuple[int, int], iid: str, binding: tuple[str, int] | None) -> None:
         if binding is None:
@@ -443,8 +444,9 @@ def _exited(fd: int) -> bool:
     return bool(select.select([fd], [], [], 0)[0])
 
 
-def _recheck(identity: ProcessIdentity, mapper: ProcessMapper, instances: Sequence[Instance],
-             allow: Sequence[AllowRule]) -> tuple[bool, str] | None:
+def _recheck(
+    identity: ProcessIdentity, mapper: ProcessMapper, instances: Sequence[Instance], allow: Sequence[AllowRule]
+) -> tuple[bool, str] | None:
     """None when the process is still the one identified, of the same
     instance, and may be killed; else the answer to give instead."""
     pid = identity.pid
@@ -456,14 +458,20 @@ def _recheck(identity: ProcessIdentity, mapper: ProcessMapper, instances: Sequen
     if iid != identity.instance_id:
         return False, f"pid {pid} not killed: it now maps to {iid or 'no instance'}, not {identity.instance_id}"
     info = read_process(pid, mapper.proc) if allow else None
-    if info is not None and allowed(ProcessIdentity(pid, st.starttime, info.exe, identity.cgroup, iid,
-                                                    mapper.host_root(info)), allow):
+    if info is not None and allowed(
+        ProcessIdentity(pid, st.starttime, info.exe, identity.cgroup, iid, mapper.host_root(info)), allow
+    ):
         return False, f"pid {pid} not killed: it is on the allow list"
     return None
 
 
-def kill_process(identity: ProcessIdentity, mapper: ProcessMapper, instances: Sequence[Instance],
-                 allow: Sequence[AllowRule] = (), unknown: bool = False) -> tuple[bool, str]:
+def kill_process(
+    identity: ProcessIdentity,
+    mapper: ProcessMapper,
+    instances: Sequence[Instance],
+    allow: Sequence[AllowRule] = (),
+    unknown: bool = False,
+) -> tuple[bool, str]:
     """SIGKILL to one process of a violating instance, pinned by a pidfd and
     re-checked after pinning (same start time, same instance).
 
@@ -506,8 +514,9 @@ def kill_process(identity: ProcessIdentity, mapper: ProcessMapper, instances: Se
         os.close(fd)
 
 
-def _kill_unpinned(identity: ProcessIdentity, mapper: ProcessMapper, instances: Sequence[Instance],
-                   allow: Sequence[AllowRule]) -> tuple[bool, str]:
+def _kill_unpinned(
+    identity: ProcessIdentity, mapper: ProcessMapper, instances: Sequence[Instance], allow: Sequence[AllowRule]
+) -> tuple[bool, str]:
     pid = identity.pid
     refused = _recheck(identity, mapper, instances, allow)
     if refused is not None:

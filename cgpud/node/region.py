@@ -18,6 +18,7 @@ where cgpud may mount one, so a tenant that grows its usage file fills only
 that. Thread-safety: a
 UsageRegion may be shared by threads (reap is serialised on it);
 InstanceLimits values are immutable."""
+
 from __future__ import annotations
 
 import errno

@@ -7,6 +7,7 @@ commit the instance row first; then write its region; a row without a region
 gets one at the next start, and a region without an active row is removed.
 Create and release are idempotent for retries after a crash: the same owner
 gets the same active instance back, and releasing twice is no error."""
+
 from __future__ import annotations
 
 import builtins
@@ -40,13 +41,32 @@ from cgpud.node.model import (
     WHOLE_GPU_MODES,
 )
 from cgpud.node.compute import ComputeError, ComputeScheduler, TenantMetrics
-from cgpud.node.compute_policy import (decode_compute_policies, encode_compute_policies, limits_compute,
-                                         with_compute_policy)
+from cgpud.node.compute_policy import (
+    decode_compute_policies,
+    encode_compute_policies,
+    limits_compute,
+    with_compute_policy,
+)
 from cgpud.node.exits import ExitWatch
-from cgpud.node.region import (INSTANCES_MODE, REGION_FS_FILE, SPARE_REGION, USAGE_FILE, DeviceLimit, InstanceLimits,
-                               RegionError, UsageRegion, claim_spare_region, grants_problem, make_region_dir,
-                               make_spare_region, read_limits, remove_region_dir, repair_usage, usage_problem,
-                               write_region)
+from cgpud.node.region import (
+    INSTANCES_MODE,
+    REGION_FS_FILE,
+    SPARE_REGION,
+    USAGE_FILE,
+    DeviceLimit,
+    InstanceLimits,
+    RegionError,
+    UsageRegion,
+    claim_spare_region,
+    grants_problem,
+    make_region_dir,
+    make_spare_region,
+    read_limits,
+    remove_region_dir,
+    repair_usage,
+    usage_problem,
+    write_region,
+)
 from cgpud.node.store import Store, new_instance_id
 from cgpud.errors import AdmissionError, CgpuError, NotFoundError, StateError, UsageError
 
@@ -85,11 +105,21 @@ def pid_alive(pid: int, since: float) -> bool:
 
 
 class InstanceService:
-    def __init__(self, store: Store, gpus: Sequence[GpuCapacity], policy: NodePolicy, regions: Path,
-                 driver_version: str, boot_id: str, clock: Callable[[], float] = time.time,
-                 compute: ComputeScheduler | None = None, tmpfs_regions: bool = False,
-                 start_compute: Callable[[], ComputeScheduler] | None = None,
-                 reservation_ttl: float = DEFAULT_RESERVATION_TTL, exits: ExitWatch | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        gpus: Sequence[GpuCapacity],
+        policy: NodePolicy,
+        regions: Path,
+        driver_version: str,
+        boot_id: str,
+        clock: Callable[[], float] = time.time,
+        compute: ComputeScheduler | None = None,
+        tmpfs_regions: bool = False,
+        start_compute: Callable[[], ComputeScheduler] | None = None,
+        reservation_ttl: float = DEFAULT_RESERVATION_TTL,
+        exits: ExitWatch | None = None,
+    ) -> None:
         self._store = store
         self._reservation_ttl = self._check_ttl(reservation_ttl)
         # Bumped on every change a node view shows (instances, policy,
@@ -208,16 +238,22 @@ class InstanceService:
                 reserved = [r for r in tx.reservations() if r.live(now)]
                 grants = placement.admit(request, self._gpus, active, self._policy, reserved)
                 instance = Instance(
-                    id=new_instance_id(), owner=request.owner, grants=grants,
+                    id=new_instance_id(),
+                    owner=request.owner,
+                    grants=grants,
                     state=InstanceState.BOUND if pid else InstanceState.RESERVED,
-                    enforced=self._policy.mode in ENFORCED_MODES, weight=request.weight,
-                    priority=request.priority, pids=(pid,) if pid else (), boot_id=self._boot_id,
-                    created=now, updated=now)
+                    enforced=self._policy.mode in ENFORCED_MODES,
+                    weight=request.weight,
+                    priority=request.priority,
+                    pids=(pid,) if pid else (),
+                    boot_id=self._boot_id,
+                    created=now,
+                    updated=now,
+                )
                 tx.insert(instance)
                 if runtime_version is not None:
                     tx.add_runtime_users([instance.id], runtime_version)
-                drawn = next((r for r in reserved if request.reservation and r.pod_uid == request.reservation),
-                             None)
+                drawn = next((r for r in reserved if request.reservation and r.pod_uid == request.reservation), None)
                 if drawn is not None:
                     # What the instance took is no longer held for the pod.
                     left = placement.consume(drawn, grants)
@@ -233,8 +269,12 @@ class InstanceService:
                 # No instance the scheduler does not know; the pod keeps what it had reserved.
                 self._release_locked(instance.id, restore=drawn)
                 raise
-        self._log.info("created", id=instance.id, owner=instance.owner.id,
-                       grants=[(g.gpu_index, g.memory, g.core_percent) for g in instance.grants])
+        self._log.info(
+            "created",
+            id=instance.id,
+            owner=instance.owner.id,
+            grants=[(g.gpu_index, g.memory, g.core_percent) for g in instance.grants],
+        )
         return instance
 
     def bind(self, instance_id: str, pids: tuple[int, ...], owner_id: str | None = None) -> Instance:
@@ -244,9 +284,14 @@ class InstanceService:
         self._log.info("bound", id=instance_id, pids=list(pids))
         return instance
 
-    def bind_container(self, instance_id: str, container: str, pid: int,
-                       check: Callable[[Instance], None] = lambda instance: None,
-                       decided: Callable[[str], None] = lambda text: None) -> Instance:
+    def bind_container(
+        self,
+        instance_id: str,
+        container: str,
+        pid: int,
+        check: Callable[[Instance], None] = lambda instance: None,
+        decided: Callable[[str], None] = lambda text: None,
+    ) -> Instance:
         """Bind to a container's init process; `container` is its key
         (cgpud.containers.identity). A container's own instance only to that
         container; a reserved (claimed) one only while free, and it records
@@ -269,17 +314,21 @@ class InstanceService:
                         current = tx.get(instance_id)
                         owner = current.owner
                         if owner.kind is OwnerKind.CONTAINER and owner.id != container:
+                            raise StateError(f"instance {instance_id} belongs to container {owner.id}, not {container}")
+                        if (
+                            owner.kind is not OwnerKind.CONTAINER
+                            and current.state is InstanceState.BOUND
+                            and current.holder != container
+                        ):
                             raise StateError(
-                                f"instance {instance_id} belongs to container {owner.id}, not {container}")
-                        if (owner.kind is not OwnerKind.CONTAINER and current.state is InstanceState.BOUND
-                                and current.holder != container):
-                            raise StateError(
-                                f"instance {instance_id} is already used by container {current.holder or '?'}")
+                                f"instance {instance_id} is already used by container {current.holder or '?'}"
+                            )
                         check(current)
                         decided(f"bound {instance_id}")
                         answered = True
-                        instance = tx.set_state(instance_id, InstanceState.BOUND, pids=(pid,), holder=container,
-                                                current=current)
+                        instance = tx.set_state(
+                            instance_id, InstanceState.BOUND, pids=(pid,), holder=container, current=current
+                        )
                     self.changes.bump()
                 except BaseException:
                     if answered:
@@ -327,9 +376,14 @@ class InstanceService:
         if container:
             self.container_stopped(instance_id, container, pid=pid, why="its container's init exited")
 
-    def container_stopped(self, instance_id: str, container: str,
-                          decided: Callable[[str], None] = lambda text: None, pid: int | None = None,
-                          why: str = "poststop") -> tuple[bool, str]:
+    def container_stopped(
+        self,
+        instance_id: str,
+        container: str,
+        decided: Callable[[str], None] = lambda text: None,
+        pid: int | None = None,
+        why: str = "poststop",
+    ) -> tuple[bool, str]:
         """poststop of `container`: release its own instance, hand a claimed
         one it holds back to `reserved`. Anything else is left as it is and
         said why (False): another container's poststop must not free what a
@@ -394,8 +448,7 @@ class InstanceService:
             if restore is not None:
                 stored = next((r for r in tx.reservations() if r.pod_uid == restore.pod_uid), None)
                 left = placement.consume(restore, instance.grants)
-                untouched = (not left if stored is None
-                             else (stored.shares, stored.expires) == (left, restore.expires))
+                untouched = not left if stored is None else (stored.shares, stored.expires) == (left, restore.expires)
                 if untouched:
                     tx.put_reservation(restore)
                     self._log.info("reservation restored", pod_uid=restore.pod_uid, id=instance_id)
@@ -429,10 +482,14 @@ class InstanceService:
             active = self._store.active()
             wants_compute = limits_compute(mode)
             # Drained, the scheduler can be started or stopped with the mode.
-            switch = (self._start_compute is not None and wants_compute != (self._compute is not None)
-                      and not any(i.active for i in active))
-            problem = placement.policy_change_problem(self._policy, mode, active,
-                                                      wants_compute if switch else self._compute is not None)
+            switch = (
+                self._start_compute is not None
+                and wants_compute != (self._compute is not None)
+                and not any(i.active for i in active)
+            )
+            problem = placement.policy_change_problem(
+                self._policy, mode, active, wants_compute if switch else self._compute is not None
+            )
             if problem is not None:
                 raise StateError(problem)
             self._policy = replace(self._policy, mode=mode, placement=node_placement)
@@ -453,8 +510,9 @@ class InstanceService:
             stopped.stop()
             self._log.info("compute scheduler stopped", mode=self._policy.mode.value)
 
-    def reserve(self, pod_uid: str, namespace: str, name: str, shares: Sequence[Share],
-                ttl: float | None = None) -> Reservation:
+    def reserve(
+        self, pod_uid: str, namespace: str, name: str, shares: Sequence[Share], ttl: float | None = None
+    ) -> Reservation:
         """Hold `shares` for a pod a cluster scheduler is binding here, until
         its Allocate draws on them (Request.reservation) or `ttl` seconds
         pass (None: the node's default). The same pod again replaces its
@@ -474,8 +532,13 @@ class InstanceService:
                 placement.check_reservation(ordered, self._gpus, tx.active(), others, self._policy)
                 reservation = tx.put_reservation(Reservation(pod_uid, namespace, name, ordered, now + seconds))
             self.changes.bump()
-        self._log.info("reserved", pod_uid=pod_uid, pod=f"{namespace}/{name}", ttl=seconds,
-                       shares=[(s.gpu_index, s.memory, s.core_percent, s.instances) for s in ordered])
+        self._log.info(
+            "reserved",
+            pod_uid=pod_uid,
+            pod=f"{namespace}/{name}",
+            ttl=seconds,
+            shares=[(s.gpu_index, s.memory, s.core_percent, s.instances) for s in ordered],
+        )
         return reservation
 
     def unreserve(self, pod_uid: str) -> bool:
@@ -515,8 +578,12 @@ class InstanceService:
                 self.release(instance.id)
                 released += 1
                 continue
-            if self._exits is not None and instance.state is InstanceState.BOUND and len(instance.pids) == 1 and (
-                    instance.owner.kind is OwnerKind.CONTAINER or instance.holder):
+            if (
+                self._exits is not None
+                and instance.state is InstanceState.BOUND
+                and len(instance.pids) == 1
+                and (instance.owner.kind is OwnerKind.CONTAINER or instance.holder)
+            ):
                 self._exits.watch(instance.id, instance.pids[0])
             # Each instance's damage is its own: one a tenant broke beyond
             # repair never stops the start or the others.
@@ -533,8 +600,12 @@ class InstanceService:
                 self.release(instance.id)
                 released += 1
         removed = self._remove_orphan_regions()
-        summary = {"released": released, "regions_repaired": repaired, "ledgers_reaped": reaped,
-                   "orphan_regions_removed": removed}
+        summary = {
+            "released": released,
+            "regions_repaired": repaired,
+            "ledgers_reaped": reaped,
+            "orphan_regions_removed": removed,
+        }
         self._log.info("reconciled", **summary)
         return summary
 
@@ -607,8 +678,12 @@ class InstanceService:
             except (CgpuError, OSError, MemoryError) as e:
                 self._log.error("usage file cannot be repaired", id=instance.id, error=str(e))
                 continue
-            self._log.warning("usage file repaired", id=instance.id, remapped=damaged,
-                              problem=problem or "truncated under the scheduler's mapping")
+            self._log.warning(
+                "usage file repaired",
+                id=instance.id,
+                remapped=damaged,
+                problem=problem or "truncated under the scheduler's mapping",
+            )
             repaired += 1
         return repaired
 
@@ -618,11 +693,16 @@ class InstanceService:
         # Default mode grants whole GPUs whatever memory was asked.
         whole = self._policy.mode in WHOLE_GPU_MODES
         wanted = (0 if whole else request.memory, request.gpu_count, request.core_percent)
-        held = (0 if whole else existing.grants[0].memory, len(existing.grants),
-                0 if whole else existing.grants[0].core_percent)
+        held = (
+            0 if whole else existing.grants[0].memory,
+            len(existing.grants),
+            0 if whole else existing.grants[0].core_percent,
+        )
         if wanted != held:
-            raise StateError(f"{existing.owner.kind.value} {existing.owner.id} already holds instance "
-                             f"{existing.id} with a different request; release it first")
+            raise StateError(
+                f"{existing.owner.kind.value} {existing.owner.id} already holds instance "
+                f"{existing.id} with a different request; release it first"
+            )
         return existing
 
     def _owner_gone(self, instance: Instance) -> bool:
@@ -634,18 +714,27 @@ class InstanceService:
         return not any(pid_alive(pid, instance.updated) for pid in instance.pids)
 
     def _container_gone(self, instance: Instance) -> bool:
-        return (instance.owner.kind in (OwnerKind.POD, OwnerKind.DEVICE) and instance.state is InstanceState.BOUND
-                and bool(instance.pids) and not any(pid_alive(pid, instance.updated) for pid in instance.pids))
+        return (
+            instance.owner.kind in (OwnerKind.POD, OwnerKind.DEVICE)
+            and instance.state is InstanceState.BOUND
+            and bool(instance.pids)
+            and not any(pid_alive(pid, instance.updated) for pid in instance.pids)
+        )
 
     def _never_started(self, instance: Instance) -> bool:
         # Prepared at create, but the runtime failed before the bind and
         # nobody released it.
-        return (instance.owner.kind is OwnerKind.CONTAINER and instance.state is InstanceState.RESERVED
-                and self._clock() - instance.created > UNBOUND_CONTAINER_GRACE)
+        return (
+            instance.owner.kind is OwnerKind.CONTAINER
+            and instance.state is InstanceState.RESERVED
+            and self._clock() - instance.created > UNBOUND_CONTAINER_GRACE
+        )
 
     def _limits(self, instance: Instance) -> InstanceLimits:
-        devices = tuple(DeviceLimit(g.gpu_uuid, g.memory, g.gpu_index, g.core_percent, instance.weight,
-                                    instance.priority) for g in instance.grants)
+        devices = tuple(
+            DeviceLimit(g.gpu_uuid, g.memory, g.gpu_index, g.core_percent, instance.weight, instance.priority)
+            for g in instance.grants
+        )
         return InstanceLimits(instance.id, devices, compute_policy=int(self._policy.compute_policy))
 
     def refill_region_spare(self) -> None:
@@ -688,8 +777,9 @@ class InstanceService:
             region = self.region_dir(instance.id)
             if self._spare is not None and self._spare == self._gated():
                 self._spare = None  # taken or spoilt: the next refill makes another
-                if claim_spare_region(self._regions / SPARE_REGION, region, self._limits(instance),
-                                      self._spare_mounted):
+                if claim_spare_region(
+                    self._regions / SPARE_REGION, region, self._limits(instance), self._spare_mounted
+                ):
                     return
             fresh = not region.is_dir()
             if fresh:
@@ -707,9 +797,11 @@ class InstanceService:
             return
         self._region_fs_noted = True
         if plain is not None:
-            self._log.warning("instance regions are plain directories on the state filesystem: a tenant can fill "
-                              "it through its usage file (cgpud needs CAP_SYS_ADMIN to mount a tmpfs per instance)",
-                              reason=plain)
+            self._log.warning(
+                "instance regions are plain directories on the state filesystem: a tenant can fill "
+                "it through its usage file (cgpud needs CAP_SYS_ADMIN to mount a tmpfs per instance)",
+                reason=plain,
+            )
         try:
             (self._regions / REGION_FS_FILE).write_text("tmpfs\n" if plain is None else f"plain: {plain}\n")
         except OSError as e:

@@ -26,6 +26,7 @@ belongs to the thread that opened it and only lives inside its `with` block;
 opening a second transaction on the same thread while one is open is refused
 rather than deadlocking. Another process that opens the file waits up to
 BUSY_TIMEOUT for a writer to finish."""
+
 from __future__ import annotations
 
 import builtins
@@ -124,18 +125,23 @@ _INSTANCE_COLUMNS = (
 # use the unversioned files: they are recorded under LEGACY_RUNTIME.
 _MIGRATIONS: dict[int, tuple[str, ...]] = {
     2: ("ALTER TABLE instances ADD COLUMN holder TEXT NOT NULL DEFAULT ''",),
-    3: ("""CREATE TABLE reservations (
+    3: (
+        """CREATE TABLE reservations (
     pod_uid   TEXT PRIMARY KEY,
     namespace TEXT NOT NULL,
     name      TEXT NOT NULL,
     shares    TEXT NOT NULL,
     expires   REAL NOT NULL
-)""",),
-    4: ("""CREATE TABLE runtime_users (
+)""",
+    ),
+    4: (
+        """CREATE TABLE runtime_users (
     instance_id TEXT NOT NULL REFERENCES instances (id) ON DELETE CASCADE,
     version     TEXT NOT NULL,
     PRIMARY KEY (instance_id, version)
-)""", "INSERT INTO runtime_users (instance_id, version) SELECT id, '' FROM instances WHERE state != 'released'"),
+)""",
+        "INSERT INTO runtime_users (instance_id, version) SELECT id, '' FROM instances WHERE state != 'released'",
+    ),
 }
 LEGACY_RUNTIME = ""  # runtime_users.version of the files in <state_dir>/runtime/ itself
 
@@ -212,16 +218,19 @@ class Transaction:
         """Every stored reservation, expired ones included (the caller has
         the clock), ordered by pod UID. A row that cannot be read (a damaged
         file) is skipped and logged: one bad row must not stop admission."""
-        rows = self._db().execute(
-            "SELECT pod_uid, namespace, name, shares, expires FROM reservations ORDER BY pod_uid"
-        ).fetchall()
+        rows = (
+            self._db()
+            .execute("SELECT pod_uid, namespace, name, shares, expires FROM reservations ORDER BY pod_uid")
+            .fetchall()
+        )
         out = []
         for row in rows:
             try:
                 out.append(_reservation(row))
             except (ValueError, TypeError, KeyError) as e:
-                structlog.get_logger("cgpud.store").error("unreadable reservation skipped", pod_uid=str(row[0]),
-                                                          error=str(e))
+                structlog.get_logger("cgpud.store").error(
+                    "unreadable reservation skipped", pod_uid=str(row[0]), error=str(e)
+                )
         return out
 
     def holdings(self) -> tuple[builtins.list[Instance], builtins.list[Reservation]]:
@@ -291,8 +300,7 @@ class Transaction:
             ),
         )
         db.executemany(
-            "INSERT INTO grants (instance_id, gpu_index, gpu_uuid, memory, core_percent)"
-            " VALUES (?, ?, ?, ?, ?)",
+            "INSERT INTO grants (instance_id, gpu_index, gpu_uuid, memory, core_percent) VALUES (?, ?, ?, ?, ?)",
             [(stored.id, g.gpu_index, g.gpu_uuid, g.memory, g.core_percent) for g in stored.grants],
         )
         return stored
@@ -328,9 +336,7 @@ class Transaction:
             wanted = _as_states(expect)
             if current.state not in wanted:
                 names = " or ".join(sorted(s.value for s in wanted))
-                raise StateError(
-                    f"instance {instance_id} is {current.state.value}, not {names} as expected"
-                )
+                raise StateError(f"instance {instance_id} is {current.state.value}, not {names} as expected")
         changed = replace(
             current,
             state=new_state,
@@ -358,8 +364,7 @@ class Transaction:
         if not isinstance(value, str):
             raise UsageError(f"setting {key!r} must be a string, not {type(value).__name__}")
         self._db(write=True).execute(
-            "INSERT INTO meta (key, value) VALUES (?, ?)"
-            " ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+            "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
             (key, value),
         )
 
@@ -368,14 +373,17 @@ class Transaction:
         db = self._db(write=True)
         if not reservation.pod_uid:
             raise UsageError("a reservation needs a pod UID")
-        shares = json.dumps([{"gpu_index": s.gpu_index, "memory": s.memory, "core_percent": s.core_percent,
-                              "instances": s.instances} for s in reservation.shares])
+        shares = json.dumps(
+            [
+                {"gpu_index": s.gpu_index, "memory": s.memory, "core_percent": s.core_percent, "instances": s.instances}
+                for s in reservation.shares
+            ]
+        )
         db.execute(
             "INSERT INTO reservations (pod_uid, namespace, name, shares, expires) VALUES (?, ?, ?, ?, ?)"
             " ON CONFLICT (pod_uid) DO UPDATE SET namespace = excluded.namespace, name = excluded.name,"
             " shares = excluded.shares, expires = excluded.expires",
-            (reservation.pod_uid, reservation.pod_namespace, reservation.pod_name, shares,
-             float(reservation.expires)),
+            (reservation.pod_uid, reservation.pod_namespace, reservation.pod_name, shares, float(reservation.expires)),
         )
         return reservation
 
@@ -396,7 +404,9 @@ class Transaction:
         marks = ", ".join("?" * len(ACTIVE_STATES))
         rows = self._db().execute(
             f"SELECT DISTINCT u.version FROM runtime_users u JOIN instances i ON i.id = u.instance_id "
-            f"WHERE i.state IN ({marks})", tuple(s.value for s in ACTIVE_STATES))
+            f"WHERE i.state IN ({marks})",
+            tuple(s.value for s in ACTIVE_STATES),
+        )
         return {str(r[0]) for r in rows}
 
     def add_runtime_users(self, instance_ids: Iterable[str], version: str) -> None:
@@ -404,7 +414,8 @@ class Transaction:
         the edits leave cgpud: its directory then stays while they are active."""
         self._db(write=True).executemany(
             "INSERT OR IGNORE INTO runtime_users (instance_id, version) SELECT id, ? FROM instances WHERE id = ?",
-            [(version, i) for i in instance_ids])
+            [(version, i) for i in instance_ids],
+        )
 
     def purge_released(self, older_than: float) -> int:
         """Delete released instances last changed before `older_than` (Unix
@@ -428,9 +439,7 @@ class Transaction:
         # `where` is always a literal from this class; values go through params.
         # Two queries in one snapshot rather than one per instance.
         db = self._db()
-        rows = db.execute(
-            f"SELECT {_INSTANCE_COLUMNS} FROM instances {where} ORDER BY created, id", params
-        ).fetchall()
+        rows = db.execute(f"SELECT {_INSTANCE_COLUMNS} FROM instances {where} ORDER BY created, id", params).fetchall()
         if not rows:
             return []
         grants: dict[str, builtins.list[Grant]] = {row[0]: [] for row in rows}
@@ -476,17 +485,21 @@ def _reservation(row: tuple[object, ...]) -> Reservation:
         if any(isinstance(v, bool) or not isinstance(v, int) for v in values):
             raise ValueError(f"share {item!r} holds a value that is not an integer")
         parsed.append(Share(*values))
-    return Reservation(str(pod_uid), str(namespace), str(name),
-                       tuple(sorted(parsed, key=lambda s: s.gpu_index)), float(expires))  # type: ignore[arg-type]
+    return Reservation(
+        str(pod_uid), str(namespace), str(name), tuple(sorted(parsed, key=lambda s: s.gpu_index)), float(expires)
+    )  # type: ignore[arg-type]
 
 
-def _one_call(method: Callable[Concatenate[Transaction, _P], _R], *,
-              write: bool) -> Callable[Concatenate[Store, _P], _R]:
+def _one_call(
+    method: Callable[Concatenate[Transaction, _P], _R], *, write: bool
+) -> Callable[Concatenate[Store, _P], _R]:
     """A Store method running one Transaction method in a transaction of its own."""
+
     @functools.wraps(method)
     def call(store: Store, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         with store._transaction(write=write) as tx:
             return method(tx, *args, **kwargs)
+
     return call
 
 
@@ -545,9 +558,7 @@ class Store:
     def _connect(self) -> sqlite3.Connection:
         # isolation_level=None: we issue BEGIN/COMMIT ourselves, never the
         # sqlite3 module's implicit transactions.
-        conn = sqlite3.connect(
-            self.path, timeout=BUSY_TIMEOUT, isolation_level=None, check_same_thread=False
-        )
+        conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT, isolation_level=None, check_same_thread=False)
         try:
             mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
             if str(mode).lower() != "wal":
@@ -570,9 +581,7 @@ class Store:
         conn = self._connection()
         conn.execute("BEGIN IMMEDIATE")
         try:
-            has_meta = conn.execute(
-                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'"
-            ).fetchone()
+            has_meta = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'").fetchone()
             if not has_meta:
                 if conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]:
                     raise CgpuError(
@@ -584,9 +593,7 @@ class Store:
                 for statement in _SCHEMA.split(";"):
                     if statement.strip():
                         conn.execute(statement)
-                conn.execute(
-                    "INSERT INTO meta (key, value) VALUES (?, ?)", (SCHEMA_KEY, str(SCHEMA_VERSION))
-                )
+                conn.execute("INSERT INTO meta (key, value) VALUES (?, ?)", (SCHEMA_KEY, str(SCHEMA_VERSION)))
             else:
                 row = conn.execute("SELECT value FROM meta WHERE key = ?", (SCHEMA_KEY,)).fetchone()
                 try:

@@ -7,6 +7,7 @@ needs in region_cgpud.h), so Python and C cannot drift. Every constant's
 value comes from the C compiler: plain integers stay `#define NAME N` (cffi
 needs them to size arrays and checks them against C at import), the rest
 become `static const T NAME;` read from C."""
+
 from __future__ import annotations
 
 import re
@@ -16,8 +17,13 @@ from cffi import FFI
 
 HERE = Path(__file__).resolve().parent
 INCLUDE = HERE.parent / "include"
-HEADERS = (INCLUDE / "cgpu" / "region.h", INCLUDE / "cgpu" / "relay_wire.h", HERE / "region_ops.h",
-           HERE / "region_cgpud.h", HERE / "guard.h")
+HEADERS = (
+    INCLUDE / "cgpu" / "region.h",
+    INCLUDE / "cgpu" / "relay_wire.h",
+    HERE / "region_ops.h",
+    HERE / "region_cgpud.h",
+    HERE / "guard.h",
+)
 
 # cffi does not parse _Atomic. The plain integer types have the same size and
 # alignment (asserted in region_cgpud.c), so the layout cffi computes is right.
@@ -73,7 +79,8 @@ ffibuilder.set_source(
     "cgpud._region",
     # The wrapper sees the same plain-integer layout as the cdef, so cffi's
     # generated field checks compile; region.c and region_cgpud.c keep _Atomic.
-    f"#define {ATOMIC_MACRO}\n" '#include "region_ops.h"\n#include "region_cgpud.h"\n#include "guard.h"\n'
+    f"#define {ATOMIC_MACRO}\n"
+    '#include "region_ops.h"\n#include "region_cgpud.h"\n#include "guard.h"\n'
     '#include "cgpu/relay_wire.h"\n',
     # setuptools wants sources relative to setup.py, which sits two levels up.
     # guard.c: this module's own SIGBUS guard for the usage files cgpud maps;

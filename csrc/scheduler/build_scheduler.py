@@ -1,6 +1,7 @@
 """cffi out-of-line API build of the scheduler core and its engine as
 cgpud._scheduler. The declarations come from the headers themselves, so they
 cannot drift."""
+
 from __future__ import annotations
 
 import re
@@ -29,8 +30,12 @@ ffibuilder.set_source(
     # setuptools wants sources relative to setup.py, which sits two levels up.
     # guard.c: this module's own SIGBUS guard for the usage files it maps;
     # hidden, so it never binds to the region module's copy.
-    sources=["csrc/scheduler/scheduler.c", "csrc/scheduler/engine.c", "csrc/region/region_file.c",
-             "csrc/region/guard.c"],
+    sources=[
+        "csrc/scheduler/scheduler.c",
+        "csrc/scheduler/engine.c",
+        "csrc/region/region_file.c",
+        "csrc/region/guard.c",
+    ],
     include_dirs=[str(HERE), str(HERE.parent / "include"), str(HERE.parent / "region")],
     libraries=["pthread"],
     extra_compile_args=["-std=c11", "-Wall", "-Wextra", "-Werror", "-fvisibility=hidden"],

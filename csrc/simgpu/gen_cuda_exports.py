@@ -27,6 +27,7 @@ Where the facts come from:
   prototype (cuCtxDestroy 2000 -> cuCtxDestroy, 4000 -> cuCtxDestroy_v2)
   still gets one name per version, as the driver's table has.
 """
+
 from __future__ import annotations
 
 import re
@@ -76,7 +77,10 @@ class Proc:
 def _cpp(source: str, include: Path, *defines: str) -> str:
     return subprocess.run(
         ["cc", "-E", "-P", *defines, f"-I{include}", "-x", "c", "-"],
-        input=source, capture_output=True, text=True, check=True,
+        input=source,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
 
 
@@ -120,8 +124,12 @@ def _candidates(base: str, variant: str | None, decls: dict[str, str]) -> list[s
 def compatible(include: Path, pfns: list[tuple[str, int, str | None]], decls: dict[str, str]) -> dict[str, set[str]]:
     """For each PFN typedef, the exported functions of a compatible type, as
     the compiler judges it against the real headers."""
-    lines = ["#define __CUDA_API_VERSION_INTERNAL 1", "#include <stdio.h>", "#include <cudaTypedefs.h>",
-             "int main(void) {"]
+    lines = [
+        "#define __CUDA_API_VERSION_INTERNAL 1",
+        "#include <stdio.h>",
+        "#include <cudaTypedefs.h>",
+        "int main(void) {",
+    ]
     for base, version, variant in pfns:
         name = _pfn_name(base, version, variant)
         for cand in _candidates(base, variant, decls):
@@ -140,8 +148,7 @@ def compatible(include: Path, pfns: list[tuple[str, int, str | None]], decls: di
     return result
 
 
-def resolve(pfns: list[tuple[str, int, str | None]], decls: dict[str, str],
-            compat: dict[str, set[str]]) -> list[Proc]:
+def resolve(pfns: list[tuple[str, int, str | None]], decls: dict[str, str], compat: dict[str, set[str]]) -> list[Proc]:
     """The exported function each (base, version, variant) names: versions
     ascending take compatible names of ascending suffix number."""
     groups: dict[tuple[str, str | None], list[int]] = defaultdict(list)
@@ -175,18 +182,26 @@ def render(include: Path, def_text: str) -> str:
     # runtime asking under that name would get nothing (or a stub).
     missing = [p for p in procs if p.symbol in ours_symbols and p not in set(ours)]
     if missing:
-        raise SystemExit("cuda_functions.def lacks these answers of modelled functions:\n" + "\n".join(
-            f"  CU_FN({p.symbol}, {p.base}, {p.since}, {p.kind}, ({decls[p.symbol]}))" for p in missing))
+        raise SystemExit(
+            "cuda_functions.def lacks these answers of modelled functions:\n"
+            + "\n".join(f"  CU_FN({p.symbol}, {p.base}, {p.since}, {p.kind}, ({decls[p.symbol]}))" for p in missing)
+        )
     # Answers the headers do not list (cuGraphInstantiate -> ...WithFlags,
     # which cuda.h maps by a macro) are the hand-written file's to justify.
     for p in sorted(set(ours) - set(procs), key=lambda p: p.symbol):
-        print(f"note: cuda_functions.def answers {p.base} {p.since} {p.kind} with {p.symbol}, "
-              "which cudaTypedefs.h does not list", file=sys.stderr)
+        print(
+            f"note: cuda_functions.def answers {p.base} {p.since} {p.kind} with {p.symbol}, "
+            "which cudaTypedefs.h does not list",
+            file=sys.stderr,
+        )
     out = [HEADER.format(version=cuda_version(include))]
     out += [f"CU_STUB({s}, ({params}))\n" for s, params in decls.items() if s not in ours_symbols]
     out.append("\n")
-    out += [f"CU_PROC({p.symbol}, {p.base}, {p.since}, {p.kind})\n"
-            for p in sorted(procs, key=lambda p: (p.base, p.kind, p.since)) if p.symbol not in ours_symbols]
+    out += [
+        f"CU_PROC({p.symbol}, {p.base}, {p.since}, {p.kind})\n"
+        for p in sorted(procs, key=lambda p: (p.base, p.kind, p.since))
+        if p.symbol not in ours_symbols
+    ]
     return "".join(out)
 
 

@@ -15,6 +15,7 @@ The header is read through the C preprocessor with
 NVML_NO_UNVERSIONED_FUNC_DEFS, which declares every function under the name
 the library exports: the newest versions (nvmlInit_v2 ...) and the legacy
 unversioned ones (nvmlInit ...) that binaries built against old headers bind."""
+
 from __future__ import annotations
 
 import re
@@ -51,7 +52,9 @@ def default_header() -> Path:
 def preprocess(header: Path, cc: str = "cc") -> str:
     proc = subprocess.run(
         [cc, "-E", "-P", "-DNVML_NO_UNVERSIONED_FUNC_DEFS", "-x", "c", str(header)],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     return proc.stdout
 

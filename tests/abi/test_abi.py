@@ -1,6 +1,7 @@
 """The ABI we implement is NVIDIA's: same values, layouts and prototypes as
 the real cuda.h and nvml.h (of the default CUDA line's wheels, tests/harness/cudakit.py),
 and exactly the exported symbols our X-macro lists name."""
+
 from __future__ import annotations
 
 import subprocess
@@ -31,8 +32,18 @@ def nvml_include() -> Path:
 def _probe(tmp_path: Path, *flags: str, source: str = "abi_probe.c") -> str:
     exe = tmp_path / f"{Path(source).stem}{len(flags)}"
     subprocess.run(
-        ["cc", "-std=c11", "-Wall", "-Wextra", "-Werror", *flags, f"-I{ROOT / 'csrc/include'}",
-         str(ROOT / "tests/abi" / source), "-o", str(exe)],
+        [
+            "cc",
+            "-std=c11",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            *flags,
+            f"-I{ROOT / 'csrc/include'}",
+            str(ROOT / "tests/abi" / source),
+            "-o",
+            str(exe),
+        ],
         check=True,
     )
     return subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
@@ -138,7 +149,9 @@ def test_simulated_driver_exports_every_function_of_the_real_cuda_h(native, cuda
 def test_generated_cuda_stub_list_is_current(cuda_include):
     gen = _cuda_generator()
     made = gen.render(cuda_include, gen.MODELLED_DEF.read_text())
-    assert gen.UNMODELLED_DEF.read_text() == made, f"run: .venv/bin/python csrc/simgpu/gen_cuda_exports.py {cuda_include}"
+    assert gen.UNMODELLED_DEF.read_text() == made, (
+        f"run: .venv/bin/python csrc/simgpu/gen_cuda_exports.py {cuda_include}"
+    )
 
 
 def test_cuda_stub_prototypes_match_the_real_cuda_h(tmp_path, cuda_include):
@@ -150,5 +163,6 @@ def test_cuda_stub_prototypes_match_the_real_cuda_h(tmp_path, cuda_include):
         "#define CU_STUB(symbol, params) CUresult CUDAAPI symbol params;\n#define CU_PROC(symbol, base, since, kind)\n"
         f'#include "{ROOT / "csrc/simgpu/cuda_unmodelled.def"}"\n'
     )
-    subprocess.run(["cc", "-std=c11", "-Wall", "-Wextra", "-Werror", "-fsyntax-only",
-                    f"-I{cuda_include}", str(src)], check=True)
+    subprocess.run(
+        ["cc", "-std=c11", "-Wall", "-Wextra", "-Werror", "-fsyntax-only", f"-I{cuda_include}", str(src)], check=True
+    )

@@ -1,5 +1,6 @@
 """Fixtures for containers run by real runc (and containerd) against a real
 cgpud on the simulated GPUs."""
+
 from __future__ import annotations
 
 import os

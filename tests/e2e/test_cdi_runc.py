@@ -3,6 +3,7 @@ shim): its containerEdits are applied to the bundle the way a CDI-aware
 engine applies them (pkg/cdi ContainerEdits.Apply: env and mounts appended,
 mounts ordered parents first, hooks appended to their stage), and the
 container gets the instance's limit; the instance survives it, reserved."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,9 @@ from tests.harness.cdi import apply_cdi
 from tests.harness.workload import BURN, burn_json
 
 
-def test_a_cdi_device_gives_plain_runc_its_limit_and_outlives_the_container(tmp_path, host: Host,
-                                                                           cgpud: Daemon) -> None:
+def test_a_cdi_device_gives_plain_runc_its_limit_and_outlives_the_container(
+    tmp_path, host: Host, cgpud: Daemon
+) -> None:
     created = cgpud.cgpuctl("create", "--mem", "2GiB", "--name", "e2e-cdi")
     assert created.returncode == 0, created.stderr
     iid = created.stdout.strip()

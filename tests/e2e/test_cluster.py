@@ -5,6 +5,7 @@ own address; cgpu-scheduler as a real process watching them all; the test
 plays kube-scheduler (filter -> prioritize -> bind, the extender JSON with
 NodeNames) and each node's kubelet (Allocate); a fake API server takes the
 annotations and Bindings."""
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,12 @@ import pytest
 
 from cgpud.api.cgpu.v1 import capacity_pb2 as cap
 from cgpud.api.cgpu.v1 import capacity_pb2_grpc as cap_grpc
-from cgpud.kube.model import (ANNOTATION_ASSIGNED, ANNOTATION_ASSUME_TIME, ANNOTATION_CAPACITY_ADDRESS,
-                              ANNOTATION_GPU_INDEX)
+from cgpud.kube.model import (
+    ANNOTATION_ASSIGNED,
+    ANNOTATION_ASSUME_TIME,
+    ANNOTATION_CAPACITY_ADDRESS,
+    ANNOTATION_GPU_INDEX,
+)
 from tests.harness.cluster import Cluster, Extender, Outcome, post_json, schedule, schedule_once, share_pod
 from tests.harness.daemon import BIN
 from tests.harness.api_server import node_json
@@ -49,8 +54,9 @@ def extender(cluster: Cluster) -> Iterator[Extender]:
     e.stop()
 
 
-def submit(cluster: Cluster, extender: Extender, pods: Sequence[dict[str, Any]],
-           threads: int = 8) -> dict[str, tuple[Outcome, list[Outcome]]]:
+def submit(
+    cluster: Cluster, extender: Extender, pods: Sequence[dict[str, Any]], threads: int = 8
+) -> dict[str, tuple[Outcome, list[Outcome]]]:
     """The pods are created at once, then scheduled by `threads` workers
     (kube-scheduler's parallel binds); each retried until bound."""
     assert cluster.api is not None
@@ -82,6 +88,7 @@ def bound_pods(cluster: Cluster) -> dict[str, list[dict[str, Any]]]:
 def allocate_all(cluster: Cluster, by_node: dict[str, list[dict[str, Any]]]) -> None:
     """Every node's kubelet admits its pods (one at a time per node, the
     nodes side by side)."""
+
     def admit(node: str) -> None:
         for pod in by_node[node]:
             cluster.allocate(cluster.index(node), pod["metadata"]["namespace"], pod["metadata"]["name"])
@@ -102,7 +109,8 @@ def check_within_capacity(view: cap.NodeView) -> None:
 
 
 def test_64_pods_at_once_fill_8_nodes_exactly_nothing_over_capacity_and_the_kubelets_admit_them_all(
-        cluster: Cluster, extender: Extender) -> None:
+    cluster: Cluster, extender: Extender
+) -> None:
     assert cluster.api is not None
     # Each cgpud wrote where its Capacity API is on its Node.
     for node in cluster.nodes:
@@ -131,8 +139,10 @@ def test_64_pods_at_once_fill_8_nodes_exactly_nothing_over_capacity_and_the_kube
         check_within_capacity(view)
         assert [g.memory_allocated_bytes for g in view.gpus] == [GPU_GIB * GIB] * GPUS
         reserved = {r.pod_uid: [(s.gpu_index, s.memory_bytes) for s in r.shares] for r in view.reservations}
-        assert reserved == {p["metadata"]["uid"]: [(int(p["metadata"]["annotations"][ANNOTATION_GPU_INDEX]),
-                                                    POD_GIB * GIB)] for p in by_node[node.name]}
+        assert reserved == {
+            p["metadata"]["uid"]: [(int(p["metadata"]["annotations"][ANNOTATION_GPU_INDEX]), POD_GIB * GIB)]
+            for p in by_node[node.name]
+        }
 
     # Full: one more pod fits nowhere, and each node says why.
     extra = share_pod("one-too-many", POD_GIB)
@@ -160,7 +170,8 @@ def test_64_pods_at_once_fill_8_nodes_exactly_nothing_over_capacity_and_the_kube
 
 
 def test_bad_extender_input_is_refused_with_a_clear_error_and_changes_nothing(
-        cluster: Cluster, extender: Extender) -> None:
+    cluster: Cluster, extender: Extender
+) -> None:
     assert cluster.api is not None
     before = [(v.incarnation, v.revision) for v in map(cluster.get_node, range(NODES))]
     bindings = len(cluster.api.state.bindings)
@@ -175,14 +186,17 @@ def test_bad_extender_input_is_refused_with_a_clear_error_and_changes_nothing(
     assert status == 400 and body["Error"], body
 
     pod = cluster.api.state.add_pod(share_pod("stray", 1))
-    status, body = post_json(f"{extender.url}/filter", {"Pod": pod, "Nodes": None,
-                                                         "NodeNames": ["node-0", "no-such-node"]})
+    status, body = post_json(
+        f"{extender.url}/filter", {"Pod": pod, "Nodes": None, "NodeNames": ["node-0", "no-such-node"]}
+    )
     assert status == 200, body
     failed = {**(body.get("FailedNodes") or {}), **(body.get("FailedAndUnresolvableNodes") or {})}
     assert "unknown" in failed["no-such-node"]
     assert "no-such-node" not in (body.get("NodeNames") or [])
-    status, body = post_json(f"{extender.url}/bind", {"PodName": "stray", "PodNamespace": "default",
-                                                       "PodUID": pod["metadata"]["uid"], "Node": "no-such-node"})
+    status, body = post_json(
+        f"{extender.url}/bind",
+        {"PodName": "stray", "PodNamespace": "default", "PodUID": pod["metadata"]["uid"], "Node": "no-such-node"},
+    )
     assert status == 200 and "unknown" in body["Error"], body
     assert "nodeName" not in cluster.api.state.pod("default", "stray")["spec"]
     cluster.api.state.delete_pod("default", "stray")
@@ -194,30 +208,40 @@ def test_bad_extender_input_is_refused_with_a_clear_error_and_changes_nothing(
 def test_capacity_api_across_the_network_refuses_untrusted_clients_and_oversized_reserves(cluster: Cluster) -> None:
     assert cluster.pki is not None
     before = cluster.get_node(3)
-    request = cap.ReserveRequest(pod_uid="u-big", pod_namespace="default", pod_name="big", shares=[
-        cap.Share(gpu_index=0, memory_bytes=(GPU_GIB + 1) * GIB)])
+    request = cap.ReserveRequest(
+        pod_uid="u-big",
+        pod_namespace="default",
+        pod_name="big",
+        shares=[cap.Share(gpu_index=0, memory_bytes=(GPU_GIB + 1) * GIB)],
+    )
     with cluster.capacity_channel(3) as channel:
         with pytest.raises(grpc.RpcError) as refused:
             cap_grpc.CapacityStub(channel).Reserve(request, timeout=10)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and refused.value.details()
 
     untrusted = cluster.capacity_channel(3, cert=cluster.pki.untrusted_cert, key=cluster.pki.untrusted_key)
-    anonymous = grpc.secure_channel(cluster.nodes[3].capacity_address,
-                                    grpc.ssl_channel_credentials(root_certificates=cluster.pki.ca.read_bytes()))
+    anonymous = grpc.secure_channel(
+        cluster.nodes[3].capacity_address, grpc.ssl_channel_credentials(root_certificates=cluster.pki.ca.read_bytes())
+    )
     plaintext = grpc.insecure_channel(cluster.nodes[3].capacity_address)
     for channel in (untrusted, anonymous, plaintext):
         with channel, pytest.raises(grpc.RpcError) as refused:
-            cap_grpc.CapacityStub(channel).Reserve(cap.ReserveRequest(pod_uid="u-x", shares=[
-                cap.Share(gpu_index=0, memory_bytes=GIB)]), timeout=5)
+            cap_grpc.CapacityStub(channel).Reserve(
+                cap.ReserveRequest(pod_uid="u-x", shares=[cap.Share(gpu_index=0, memory_bytes=GIB)]), timeout=5
+            )
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
 
     after = cluster.get_node(3)
     assert (after.incarnation, after.revision, list(after.reservations)) == (
-        before.incarnation, before.revision, list(before.reservations))
+        before.incarnation,
+        before.revision,
+        list(before.reservations),
+    )
 
 
 def test_without_a_node_file_the_extender_finds_the_nodes_by_their_annotation_through_the_api_server(
-        cluster: Cluster) -> None:
+    cluster: Cluster,
+) -> None:
     assert cluster.api is not None
     with cluster.api.state.lock:
         cluster.api.state.nodes["cpu-only"] = node_json("cpu-only")  # no cgpud: no capacity-address
@@ -226,8 +250,9 @@ def test_without_a_node_file_the_extender_finds_the_nodes_by_their_annotation_th
         cluster.wait_connected(extender)
         status, view = extender.get("/inspect")
         assert status == 200
-        assert {n["name"]: n["capacity_address"] for n in view["nodes"] if n["name"] != "cpu-only"} == \
-            cluster.addresses()
+        assert {
+            n["name"]: n["capacity_address"] for n in view["nodes"] if n["name"] != "cpu-only"
+        } == cluster.addresses()
         body = schedule_once_filter(extender, share_pod("looker", 1), [*cluster.names, "cpu-only"])
         failed = {**(body.get("FailedNodes") or {}), **(body.get("FailedAndUnresolvableNodes") or {})}
         assert "not a cgpu node" in failed["cpu-only"], failed
@@ -258,8 +283,9 @@ def test_memory_and_compute_pods_on_core_mem_nodes_fill_them_by_compute_and_the_
             assert list(view.reservations) == []
             instances = cluster.instances(i)
             assert {x["owner"]["id"] for x in instances} == {owner(p) for p in by_node[node.name]}
-            assert all([(g["memory_bytes"], g["core_percent"]) for g in x["grants"]] == [(2 * GIB, 30)]
-                       for x in instances)
+            assert all(
+                [(g["memory_bytes"], g["core_percent"]) for g in x["grants"]] == [(2 * GIB, 30)] for x in instances
+            )
 
 
 def test_deleted_pods_give_their_share_back_admitted_or_not_and_the_next_pods_get_it() -> None:
@@ -281,7 +307,8 @@ def test_deleted_pods_give_their_share_back_admitted_or_not_and_the_next_pods_ge
         cluster.delete_pod("default", reserved["metadata"]["name"])
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline and any(
-                v.gpus[0].memory_allocated_bytes > 8 * GIB for v in map(cluster.get_node, range(2))):
+            v.gpus[0].memory_allocated_bytes > 8 * GIB for v in map(cluster.get_node, range(2))
+        ):
             time.sleep(0.1)
         views = [cluster.get_node(i) for i in range(2)]
         assert [v.gpus[0].memory_allocated_bytes for v in views] == [8 * GIB, 8 * GIB]
@@ -413,15 +440,26 @@ def _kubectl(cluster: Cluster, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_real_kubectl_lists_the_plugin_and_inspect_cgpu_prints_every_test_node(
-        cluster: Cluster, extender: Extender) -> None:
+    cluster: Cluster, extender: Extender
+) -> None:
     assert cluster.pki is not None
     listed = _kubectl(cluster, "plugin", "list")
     assert listed.returncode == 0, listed.stderr
     assert str(BIN / "kubectl-inspect-cgpu") in listed.stdout.splitlines()
 
-    for source in (["--extender", extender.url],
-                   ["--nodes", str(cluster.node_file()), "--tls-cert", str(cluster.pki.client_cert),
-                    "--tls-key", str(cluster.pki.client_key), "--tls-ca", str(cluster.pki.ca)]):
+    for source in (
+        ["--extender", extender.url],
+        [
+            "--nodes",
+            str(cluster.node_file()),
+            "--tls-cert",
+            str(cluster.pki.client_cert),
+            "--tls-key",
+            str(cluster.pki.client_key),
+            "--tls-ca",
+            str(cluster.pki.ca),
+        ],
+    ):
         shown = _kubectl(cluster, "inspect", "cgpu", *source)
         assert shown.returncode == 0, shown.stderr
         rows = shown.stdout.splitlines()

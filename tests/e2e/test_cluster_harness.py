@@ -1,6 +1,7 @@
 """The multi-node harness (tests/harness/cluster.py) leaves nothing on the host:
 not when its block fails, and not when its process is killed (the next
 run's sweep removes what the killed one left)."""
+
 from __future__ import annotations
 
 import os
@@ -23,8 +24,12 @@ def traces(tag: str) -> list[str]:
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
     found = [line.split()[0] for line in netns.splitlines() if line.startswith(f"{NETNS_PREFIX}{tag}-")]
-    found += [f.rstrip(":").split("@")[0] for line in links.splitlines() for f in line.split()[1:2]
-              if f.startswith(f"{LINK_PREFIX}{tag}")]
+    found += [
+        f.rstrip(":").split("@")[0]
+        for line in links.splitlines()
+        for f in line.split()[1:2]
+        if f.startswith(f"{LINK_PREFIX}{tag}")
+    ]
     found += [str(p) for p in Path("/tmp").glob(f"{ROOT_PREFIX}{tag}-*")]
     return found
 
@@ -66,8 +71,13 @@ def test_the_sweep_removes_what_a_killed_run_left() -> None:
         print(c.tag, c.nodes[0].daemon.proc.pid, flush=True)
         time.sleep(300)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONPATH=str(REPO)))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
     try:
         assert proc.stdout is not None
         tag, pid = proc.stdout.readline().split()

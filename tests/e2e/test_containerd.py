@@ -4,6 +4,7 @@ socket), with cgpu-runtime registered by `cgpuctl runtime configure`.
 `ctr run` is not a CRI client, so containerd's CRI runtime table does not
 apply to it; the test reads the BinaryName containerd itself loaded from
 the drop-in (`containerd config dump`) and hands it to ctr."""
+
 from __future__ import annotations
 
 import subprocess
@@ -17,13 +18,29 @@ from tests.harness.containerd import Containerd, loaded_binary_name
 from tests.harness.workload import BURN, burn_json, env_lines, instances
 
 
-def ctr_run(c: Containerd, host: Host, tmp: Path, binary: str, env: tuple[str, ...], *cmd: str) -> subprocess.CompletedProcess[str]:
+def ctr_run(
+    c: Containerd, host: Host, tmp: Path, binary: str, env: tuple[str, ...], *cmd: str
+) -> subprocess.CompletedProcess[str]:
     rootfs = tmp / f"rootfs-{host.new_id()}"
     subprocess.run(["cp", "-al", str(host.template), str(rootfs)], check=True)
     sim = host.sim_env
-    args = ["run", "--rm", "--runtime", "io.containerd.runc.v2", "--runc-binary", binary, "--rootfs",
-            "--mount", f"type=bind,src={host.sim_dir},dst={host.sim_dir},options=rbind:rw",
-            "--env", HOOK_ENV_PATH, "--env", f"CGPU_SIM_CONFIG={sim['CGPU_SIM_CONFIG']}", "--env", f"CGPU_SIM_STATE={sim['CGPU_SIM_STATE']}"]
+    args = [
+        "run",
+        "--rm",
+        "--runtime",
+        "io.containerd.runc.v2",
+        "--runc-binary",
+        binary,
+        "--rootfs",
+        "--mount",
+        f"type=bind,src={host.sim_dir},dst={host.sim_dir},options=rbind:rw",
+        "--env",
+        HOOK_ENV_PATH,
+        "--env",
+        f"CGPU_SIM_CONFIG={sim['CGPU_SIM_CONFIG']}",
+        "--env",
+        f"CGPU_SIM_STATE={sim['CGPU_SIM_STATE']}",
+    ]
     for e in env:
         args += ["--env", e]
     return c.ctr(*args, str(rootfs), host.new_id(), *cmd)
@@ -60,4 +77,3 @@ def test_non_gpu_container_through_containerd(tmp_path, host: Host, cgpud: Daemo
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "plain"
     assert instances(cgpud, all_=True) == []
-

@@ -9,6 +9,7 @@ json create --bundle <bundle> …`, the bundle being
 
 One dockerd serves the module; every test has its own cgpud and simulated
 GPU, on the one relay socket containerd was started with."""
+
 from __future__ import annotations
 
 import json
@@ -58,8 +59,11 @@ def dockerd(tmp_path_factory: pytest.TempPathFactory, rootfs_template: Path) -> 
     hook.chmod(0o755)
     with running_dockerd(base / "d", OPERATOR_JSON, env, dockerd_path=toolkit) as d:
         assert "cgpu" not in d.runtimes()
-        configured = subprocess.run([str(BIN / "cgpuctl"), "runtime", "configure", "--docker",
-                                     "--config", str(d.config)], capture_output=True, text=True)
+        configured = subprocess.run(
+            [str(BIN / "cgpuctl"), "runtime", "configure", "--docker", "--config", str(d.config)],
+            capture_output=True,
+            text=True,
+        )
         assert configured.returncode == 0, configured.stderr
         assert 'reload docker (systemctl reload docker) to load the runtime "cgpu"' in configured.stdout
         # Runtimes are among the settings dockerd reloads (systemctl reload docker).
@@ -79,13 +83,31 @@ def cgpud(tmp_path: Path, gpu_env: dict[str, str], dockerd: Dockerd) -> Iterator
         yield d
 
 
-def docker_run(d: Dockerd, gpu_env: dict[str, str], *cmd: str, env: tuple[str, ...] = (), runtime: str = "cgpu",
-               opts: tuple[str, ...] = ("--rm",), image: str = IMAGE) -> subprocess.CompletedProcess[str]:
+def docker_run(
+    d: Dockerd,
+    gpu_env: dict[str, str],
+    *cmd: str,
+    env: tuple[str, ...] = (),
+    runtime: str = "cgpu",
+    opts: tuple[str, ...] = ("--rm",),
+    image: str = IMAGE,
+) -> subprocess.CompletedProcess[str]:
     """`docker run` with the simulated device handed in as the NVIDIA
     toolkit would hand in the real one (tests/harness/oci.py)."""
     sim = Path(gpu_env["CGPU_SIM_CONFIG"]).parent
-    args = ["run", "--network", "none", "--runtime", runtime, "-v", f"{sim}:{sim}",
-            "-e", f"CGPU_SIM_CONFIG={gpu_env['CGPU_SIM_CONFIG']}", "-e", f"CGPU_SIM_STATE={gpu_env['CGPU_SIM_STATE']}"]
+    args = [
+        "run",
+        "--network",
+        "none",
+        "--runtime",
+        runtime,
+        "-v",
+        f"{sim}:{sim}",
+        "-e",
+        f"CGPU_SIM_CONFIG={gpu_env['CGPU_SIM_CONFIG']}",
+        "-e",
+        f"CGPU_SIM_STATE={gpu_env['CGPU_SIM_STATE']}",
+    ]
     for e in env:
         args += ["-e", e]
     return d.docker(*args, *opts, image, *cmd)
@@ -120,20 +142,30 @@ def test_doctor_reports_the_runtime_dockerd_loaded(tmp_path, cgpud: Daemon, dock
     # Named, and found as the --config-file of the running dockerd.
     for args in (("--docker-config", str(dockerd.config)), ()):
         out = cgpud.cgpuctl("doctor", "--config", str(settings), *args)
-        assert f'ok    container runtime: docker: runtime "cgpu" runs {runtime} ({dockerd.config})' in out.stdout, \
+        assert f'ok    container runtime: docker: runtime "cgpu" runs {runtime} ({dockerd.config})' in out.stdout, (
             out.stdout
+        )
     # Pointed at a daemon.json whose runtime has gone, it says so.
     stale = tmp_path / "daemon.json"
     stale.write_text(json.dumps({"runtimes": {"cgpu": {"path": str(tmp_path / "gone" / "cgpu-runtime")}}}))
     out = cgpud.cgpuctl("doctor", "--config", str(settings), "--docker-config", str(stale))
-    assert f'warn  container runtime: {stale}: runtime "cgpu" runs {tmp_path / "gone" / "cgpu-runtime"}, which is ' \
-           "not an executable file" in out.stdout, out.stdout
+    assert (
+        f'warn  container runtime: {stale}: runtime "cgpu" runs {tmp_path / "gone" / "cgpu-runtime"}, which is '
+        "not an executable file" in out.stdout
+    ), out.stdout
 
 
 def test_2gib_container_through_docker(tmp_path, gpu_env, cgpud: Daemon, dockerd: Dockerd, nvml_total: Path) -> None:
     cidfile = tmp_path / "cid"
-    out = docker_run(dockerd, gpu_env, "sh", "-c", f"env; nvml-total; {BURN}", env=("ALIYUN_COM_GPU_MEM_CONTAINER=2",),
-                     opts=("--rm", "--cidfile", str(cidfile), "-v", f"{nvml_total}:/usr/bin/nvml-total:ro"))
+    out = docker_run(
+        dockerd,
+        gpu_env,
+        "sh",
+        "-c",
+        f"env; nvml-total; {BURN}",
+        env=("ALIYUN_COM_GPU_MEM_CONTAINER=2",),
+        opts=("--rm", "--cidfile", str(cidfile), "-v", f"{nvml_total}:/usr/bin/nvml-total:ro"),
+    )
     assert out.returncode == 0, out.stderr + dockerd.tail()
     assert f"NVML_TOTAL={2 * GIB}" in out.stdout.splitlines()  # what nvidia-smi would show
     assert_2gib_granted(out.stdout)
@@ -143,11 +175,13 @@ def test_2gib_container_through_docker(tmp_path, gpu_env, cgpud: Daemon, dockerd
     assert gone["owner"]["id"] == owner(dockerd, cidfile.read_text().strip())
 
 
-def test_a_container_holds_its_instance_across_exec_restart_stop_and_start(gpu_env, cgpud: Daemon,
-                                                                          dockerd: Dockerd) -> None:
+def test_a_container_holds_its_instance_across_exec_restart_stop_and_start(
+    gpu_env, cgpud: Daemon, dockerd: Dockerd
+) -> None:
     name = f"cgpu-e2e-{uuid.uuid4().hex[:8]}"
-    out = docker_run(dockerd, gpu_env, "sleep", "600", env=("ALIYUN_COM_GPU_MEM_CONTAINER=3",),
-                     opts=("-d", "--name", name))
+    out = docker_run(
+        dockerd, gpu_env, "sleep", "600", env=("ALIYUN_COM_GPU_MEM_CONTAINER=3",), opts=("-d", "--name", name)
+    )
     assert out.returncode == 0, out.stderr + dockerd.tail()
     try:
         cid = out.stdout.strip()
@@ -197,12 +231,15 @@ def test_a_container_holds_its_instance_across_exec_restart_stop_and_start(gpu_e
     [
         (("ALIYUN_COM_GPU_MEM_CONTAINER=17",), "asked for 17 GiB per GPU but the largest GPU on this node has 16 GiB"),
         (("ALIYUN_COM_GPU_MEM_CONTAINER=lots",), "ALIYUN_COM_GPU_MEM_CONTAINER='lots' is not a whole number of GiB"),
-        (("ALIYUN_COM_GPU_MEM_CONTAINER=1", "ALIYUN_COM_GPU_CORE_PERCENTAGE=30"),
-         "node mode cgpu does not enforce compute shares"),
+        (
+            ("ALIYUN_COM_GPU_MEM_CONTAINER=1", "ALIYUN_COM_GPU_CORE_PERCENTAGE=30"),
+            "node mode cgpu does not enforce compute shares",
+        ),
     ],
 )
-def test_refusal_reaches_the_docker_user_and_leaves_nothing(gpu_env, cgpud: Daemon, dockerd: Dockerd, env,
-                                                            message) -> None:
+def test_refusal_reaches_the_docker_user_and_leaves_nothing(
+    gpu_env, cgpud: Daemon, dockerd: Dockerd, env, message
+) -> None:
     out = docker_run(dockerd, gpu_env, "true", env=env)
     assert out.returncode == 125  # docker run's own "the container could not be started"
     assert f"OCI runtime create failed: cgpu-runtime: {message}" in out.stderr, out.stderr
@@ -222,8 +259,10 @@ def test_the_21st_instance_on_a_gpu_is_refused(gpu_env, cgpud: Daemon, dockerd: 
 
 def test_a_non_gpu_container_runs_exactly_as_under_runc(gpu_env, cgpud: Daemon, dockerd: Dockerd) -> None:
     script = "env | sort; wc -l < /proc/self/mountinfo; ls /etc /run /usr/local; echo hi"
-    runs = [docker_run(dockerd, gpu_env, "sh", "-c", script, runtime=rt, opts=("--rm", "--hostname", "plain"))
-            for rt in ("runc", "cgpu")]
+    runs = [
+        docker_run(dockerd, gpu_env, "sh", "-c", script, runtime=rt, opts=("--rm", "--hostname", "plain"))
+        for rt in ("runc", "cgpu")
+    ]
     for out in runs:
         assert out.returncode == 0, out.stderr
     assert runs[0].stdout == runs[1].stdout and runs[1].stdout.endswith("hi\n")
@@ -234,21 +273,29 @@ def test_a_non_gpu_container_runs_exactly_as_under_runc(gpu_env, cgpud: Daemon, 
     assert out.returncode == 0 and out.stdout == "still fine\n", out.stderr
     out = docker_run(dockerd, gpu_env, "true", env=("ALIYUN_COM_GPU_MEM_CONTAINER=1",))
     assert out.returncode != 0
-    assert "OCI runtime create failed: cgpu-runtime: cgpud" in out.stderr and str(dockerd.relay) in out.stderr, \
+    assert "OCI runtime create failed: cgpu-runtime: cgpud" in out.stderr and str(dockerd.relay) in out.stderr, (
         out.stderr
+    )
 
 
 def test_compute_share_on_a_core_mem_node(tmp_path, gpu_env, dockerd: Dockerd) -> None:
     with running_daemon(tmp_path, gpu_env, "--relay-socket", str(dockerd.relay), "--mode", "core_mem") as d:
-        out = docker_run(dockerd, gpu_env, "true",
-                         env=("ALIYUN_COM_GPU_MEM_CONTAINER=1", "ALIYUN_COM_GPU_CORE_PERCENTAGE=33"))
+        out = docker_run(
+            dockerd, gpu_env, "true", env=("ALIYUN_COM_GPU_MEM_CONTAINER=1", "ALIYUN_COM_GPU_CORE_PERCENTAGE=33")
+        )
         assert out.returncode != 0
         assert "asked for 33% compute: ask for 0 (no share) or a multiple of 5" in out.stderr, out.stderr
         assert instances(d, all_=True) == []
         name = f"cgpu-e2e-{uuid.uuid4().hex[:8]}"
-        out = docker_run(dockerd, gpu_env, "sh", "-c", "env; sleep 600",
-                         env=("ALIYUN_COM_GPU_MEM_CONTAINER=1", "ALIYUN_COM_GPU_CORE_PERCENTAGE=30"),
-                         opts=("-d", "--name", name))
+        out = docker_run(
+            dockerd,
+            gpu_env,
+            "sh",
+            "-c",
+            "env; sleep 600",
+            env=("ALIYUN_COM_GPU_MEM_CONTAINER=1", "ALIYUN_COM_GPU_CORE_PERCENTAGE=30"),
+            opts=("-d", "--name", name),
+        )
         assert out.returncode == 0, out.stderr
         try:
             [inst] = instances(d)
@@ -293,17 +340,24 @@ def _image_with_symlink(dockerd: Dockerd, template: Path, where: Path, link: str
         ("/run", "/proc/self/cwd", True),
     ],
 )
-def test_symlinks_in_an_image_never_lead_outside_it(tmp_path, gpu_env, rootfs_template, cgpud: Daemon,
-                                                    dockerd: Dockerd, mounts, link: str, escape: str,
-                                                    refused: bool) -> None:
+def test_symlinks_in_an_image_never_lead_outside_it(
+    tmp_path, gpu_env, rootfs_template, cgpud: Daemon, dockerd: Dockerd, mounts, link: str, escape: str, refused: bool
+) -> None:
     outside = tmp_path / "outside"
     outside.mkdir()
     core_pattern = Path("/proc/sys/kernel/core_pattern").read_text()
     tag = _image_with_symlink(dockerd, rootfs_template, tmp_path, link, escape.format(out=outside))
     mounts_before = mounts()
     try:
-        out = docker_run(dockerd, gpu_env, "sh", "-c", f"cat /etc/ld.so.preload; {BURN}",
-                         env=("ALIYUN_COM_GPU_MEM_CONTAINER=2",), image=tag)
+        out = docker_run(
+            dockerd,
+            gpu_env,
+            "sh",
+            "-c",
+            f"cat /etc/ld.so.preload; {BURN}",
+            env=("ALIYUN_COM_GPU_MEM_CONTAINER=2",),
+            image=tag,
+        )
     finally:
         dockerd.docker("rmi", tag)
     # Either it failed saying why or it started with its limit.
@@ -323,8 +377,9 @@ def test_symlinks_in_an_image_never_lead_outside_it(tmp_path, gpu_env, rootfs_te
     assert instances(cgpud) == []
 
 
-def test_an_image_ld_preload_from_cwd_never_runs_on_the_host(tmp_path, gpu_env, rootfs_template, cgpud: Daemon,
-                                                             dockerd: Dockerd) -> None:
+def test_an_image_ld_preload_from_cwd_never_runs_on_the_host(
+    tmp_path, gpu_env, rootfs_template, cgpud: Daemon, dockerd: Dockerd
+) -> None:
     """The NVIDIAScape pattern, in an image: LD_PRELOAD resolving through a
     hook's working directory to a library in the rootfs."""
     marker = Path("/tmp") / f"cgpu-poc-{uuid.uuid4().hex}"
@@ -334,9 +389,16 @@ def test_an_image_ld_preload_from_cwd_never_runs_on_the_host(tmp_path, gpu_env, 
     tag = f"cgpu-e2e:poc-{uuid.uuid4().hex[:8]}"
     dockerd.import_rootfs(rootfs, tag)
     try:
-        out = docker_run(dockerd, gpu_env, "sh", "-c", "cgpu-burn --help >/dev/null; ls /tmp",
-                         env=("ALIYUN_COM_GPU_MEM_CONTAINER=1", "LD_PRELOAD=/proc/self/cwd/poc.so"),
-                         opts=("--rm", "--workdir", "/"), image=tag)
+        out = docker_run(
+            dockerd,
+            gpu_env,
+            "sh",
+            "-c",
+            "cgpu-burn --help >/dev/null; ls /tmp",
+            env=("ALIYUN_COM_GPU_MEM_CONTAINER=1", "LD_PRELOAD=/proc/self/cwd/poc.so"),
+            opts=("--rm", "--workdir", "/"),
+            image=tag,
+        )
         assert out.returncode == 0, out.stderr
         assert marker.name in out.stdout  # it ran inside the container...
         assert not marker.exists()  # ...and nowhere on the host
@@ -345,29 +407,38 @@ def test_an_image_ld_preload_from_cwd_never_runs_on_the_host(tmp_path, gpu_env, 
         marker.unlink(missing_ok=True)
 
 
-def test_a_container_cannot_write_its_limits_or_reach_other_instances(gpu_env, cgpud: Daemon,
-                                                                      dockerd: Dockerd) -> None:
+def test_a_container_cannot_write_its_limits_or_reach_other_instances(gpu_env, cgpud: Daemon, dockerd: Dockerd) -> None:
     name = f"cgpu-e2e-{uuid.uuid4().hex[:8]}"
-    out = docker_run(dockerd, gpu_env, "sleep", "600", env=("ALIYUN_COM_GPU_MEM_CONTAINER=1",),
-                     opts=("-d", "--name", name))
+    out = docker_run(
+        dockerd, gpu_env, "sleep", "600", env=("ALIYUN_COM_GPU_MEM_CONTAINER=1",), opts=("-d", "--name", name)
+    )
     assert out.returncode == 0, out.stderr
     try:
         [other] = instances(cgpud)
         other_region = cgpud.state / "instances" / other["id"]
         other_limits = (other_region / "limits").read_bytes()
-        script = "; ".join([
-            "echo x > /run/cgpu/limits && echo WROTE-LIMITS",
-            "echo x > /run/cgpu/grants && echo WROTE-GRANTS",
-            "mount -o remount,rw /run/cgpu 2>/dev/null && echo REMOUNTED",
-            "echo x > /usr/local/cgpu/libcgpu.so && echo WROTE-LIB",
-            "echo x > /etc/ld.so.preload && echo WROTE-PRELOAD",
-            f"ls {other_region} 2>/dev/null && echo SEES-OTHER",
-            "ls /run/cgpu",
-            "id -u",
-        ])
+        script = "; ".join(
+            [
+                "echo x > /run/cgpu/limits && echo WROTE-LIMITS",
+                "echo x > /run/cgpu/grants && echo WROTE-GRANTS",
+                "mount -o remount,rw /run/cgpu 2>/dev/null && echo REMOUNTED",
+                "echo x > /usr/local/cgpu/libcgpu.so && echo WROTE-LIB",
+                "echo x > /etc/ld.so.preload && echo WROTE-PRELOAD",
+                f"ls {other_region} 2>/dev/null && echo SEES-OTHER",
+                "ls /run/cgpu",
+                "id -u",
+            ]
+        )
         for user in ("0", "1000"):
-            out = docker_run(dockerd, gpu_env, "sh", "-c", script, env=("ALIYUN_COM_GPU_MEM_CONTAINER=1",),
-                             opts=("--rm", "--user", f"{user}:{user}"))
+            out = docker_run(
+                dockerd,
+                gpu_env,
+                "sh",
+                "-c",
+                script,
+                env=("ALIYUN_COM_GPU_MEM_CONTAINER=1",),
+                opts=("--rm", "--user", f"{user}:{user}"),
+            )
             assert out.returncode == 0, out.stderr
             for bad in ("WROTE-LIMITS", "WROTE-GRANTS", "REMOUNTED", "WROTE-LIB", "WROTE-PRELOAD", "SEES-OTHER"):
                 assert bad not in out.stdout, out.stdout
@@ -378,12 +449,17 @@ def test_a_container_cannot_write_its_limits_or_reach_other_instances(gpu_env, c
     assert instances(cgpud) == []
 
 
-def test_mount_table_unchanged_after_10_containers_5_at_a_time(gpu_env, cgpud: Daemon, dockerd: Dockerd,
-                                                               mounts) -> None:
+def test_mount_table_unchanged_after_10_containers_5_at_a_time(
+    gpu_env, cgpud: Daemon, dockerd: Dockerd, mounts
+) -> None:
     before = mounts()
     with ThreadPoolExecutor(5) as pool:
-        runs = list(pool.map(lambda _: docker_run(dockerd, gpu_env, "sh", "-c", BURN,
-                                                  env=("ALIYUN_COM_GPU_MEM_CONTAINER=1",)), range(10)))
+        runs = list(
+            pool.map(
+                lambda _: docker_run(dockerd, gpu_env, "sh", "-c", BURN, env=("ALIYUN_COM_GPU_MEM_CONTAINER=1",)),
+                range(10),
+            )
+        )
     for out in runs:
         assert out.returncode == 0, out.stderr
         assert burn_json(out.stdout)["alloc"]["until_fail_bytes"] == GIB
@@ -392,8 +468,9 @@ def test_mount_table_unchanged_after_10_containers_5_at_a_time(gpu_env, cgpud: D
     assert len(instances(cgpud, all_=True)) == 10
 
 
-@pytest.mark.parametrize("opts", [("-t",), ("--read-only",), ("--init",), ("--tmpfs", "/run"), ("--ipc", "host")],
-                         ids=lambda o: " ".join(o))
+@pytest.mark.parametrize(
+    "opts", [("-t",), ("--read-only",), ("--init",), ("--tmpfs", "/run"), ("--ipc", "host")], ids=lambda o: " ".join(o)
+)
 def test_docker_run_options_keep_the_limit(gpu_env, cgpud: Daemon, dockerd: Dockerd, opts) -> None:
     out = docker_run(dockerd, gpu_env, "sh", "-c", BURN, env=("ALIYUN_COM_GPU_MEM_CONTAINER=1",), opts=("--rm", *opts))
     assert out.returncode == 0, out.stderr
@@ -404,8 +481,9 @@ def test_docker_run_options_keep_the_limit(gpu_env, cgpud: Daemon, dockerd: Dock
 def test_a_volume_over_run_is_refused(tmp_path, gpu_env, cgpud: Daemon, dockerd: Dockerd) -> None:
     source = tmp_path / "volume"
     source.mkdir()
-    out = docker_run(dockerd, gpu_env, "true", env=("ALIYUN_COM_GPU_MEM_CONTAINER=1",),
-                     opts=("--rm", "-v", f"{source}:/run"))
+    out = docker_run(
+        dockerd, gpu_env, "true", env=("ALIYUN_COM_GPU_MEM_CONTAINER=1",), opts=("--rm", "-v", f"{source}:/run")
+    )
     assert out.returncode != 0
     assert f"cgpu-runtime: the volume at /run (from {source}) covers /run/cgpu" in out.stderr, out.stderr
     assert list(source.iterdir()) == []
@@ -415,8 +493,19 @@ def test_a_volume_over_run_is_refused(tmp_path, gpu_env, cgpud: Daemon, dockerd:
 def test_cgpu_as_the_default_runtime(gpu_env, cgpud: Daemon, dockerd: Dockerd) -> None:
     before = dockerd.config.read_text()
     try:
-        configured = subprocess.run([str(BIN / "cgpuctl"), "runtime", "configure", "--docker", "--set-as-default",
-                                     "--config", str(dockerd.config)], capture_output=True, text=True)
+        configured = subprocess.run(
+            [
+                str(BIN / "cgpuctl"),
+                "runtime",
+                "configure",
+                "--docker",
+                "--set-as-default",
+                "--config",
+                str(dockerd.config),
+            ],
+            capture_output=True,
+            text=True,
+        )
         assert configured.returncode == 0, configured.stderr
         dockerd.reload()
         deadline = time.monotonic() + 20
@@ -424,10 +513,24 @@ def test_cgpu_as_the_default_runtime(gpu_env, cgpud: Daemon, dockerd: Dockerd) -
             assert time.monotonic() < deadline, dockerd.tail()
             time.sleep(0.1)
         sim = Path(gpu_env["CGPU_SIM_CONFIG"]).parent
-        out = dockerd.docker("run", "--rm", "--network", "none", "-v", f"{sim}:{sim}",
-                             "-e", f"CGPU_SIM_CONFIG={gpu_env['CGPU_SIM_CONFIG']}",
-                             "-e", f"CGPU_SIM_STATE={gpu_env['CGPU_SIM_STATE']}",
-                             "-e", "ALIYUN_COM_GPU_MEM_CONTAINER=2", IMAGE, "sh", "-c", BURN)
+        out = dockerd.docker(
+            "run",
+            "--rm",
+            "--network",
+            "none",
+            "-v",
+            f"{sim}:{sim}",
+            "-e",
+            f"CGPU_SIM_CONFIG={gpu_env['CGPU_SIM_CONFIG']}",
+            "-e",
+            f"CGPU_SIM_STATE={gpu_env['CGPU_SIM_STATE']}",
+            "-e",
+            "ALIYUN_COM_GPU_MEM_CONTAINER=2",
+            IMAGE,
+            "sh",
+            "-c",
+            BURN,
+        )
         assert out.returncode == 0, out.stderr
         assert burn_json(out.stdout)["alloc"]["until_fail_bytes"] == 2 * GIB
         assert [i["state"] for i in instances(cgpud, all_=True)] == ["released"]
@@ -442,8 +545,9 @@ def test_cgpu_as_the_default_runtime(gpu_env, cgpud: Daemon, dockerd: Dockerd) -
             time.sleep(0.1)
 
 
-def toolkit_saw(dockerd: Dockerd, gpu_env: dict[str, str], env: tuple[str, ...] = (), image: str = IMAGE,
-                gpus: bool = True) -> tuple[list[str], str]:
+def toolkit_saw(
+    dockerd: Dockerd, gpu_env: dict[str, str], env: tuple[str, ...] = (), image: str = IMAGE, gpus: bool = True
+) -> tuple[list[str], str]:
     """(what the toolkit's hook read in the spec, what the container's
     process sees) for one `docker run`."""
     seen = dockerd.root.parent / "toolkit" / "seen"
@@ -465,8 +569,9 @@ def test_gpus_all_gives_the_toolkit_only_the_granted_gpu(gpu_env, cgpud: Daemon,
     assert devices == [f'"NVIDIA_VISIBLE_DEVICES={uuid_}"'] and seen == uuid_
 
 
-def test_no_gpu_without_an_instance_whatever_the_image_or_docker_asks(tmp_path, gpu_env, rootfs_template,
-                                                                     cgpud: Daemon, dockerd: Dockerd) -> None:
+def test_no_gpu_without_an_instance_whatever_the_image_or_docker_asks(
+    tmp_path, gpu_env, rootfs_template, cgpud: Daemon, dockerd: Dockerd
+) -> None:
     """The attack: no share asked, but NVIDIA_VISIBLE_DEVICES=all from the
     image (every nvidia/cuda image sets it) or from `--gpus all`. The toolkit
     honoured it and the container had every GPU with no instance, no
@@ -500,8 +605,9 @@ def test_a_command_that_does_not_exist_leaves_no_instance(gpu_env, cgpud: Daemon
 
 def test_a_running_container_keeps_its_instance_across_a_cgpud_kill(gpu_env, cgpud: Daemon, dockerd: Dockerd) -> None:
     name = f"cgpu-e2e-{uuid.uuid4().hex[:8]}"
-    out = docker_run(dockerd, gpu_env, "sleep", "600", env=("ALIYUN_COM_GPU_MEM_CONTAINER=2",),
-                     opts=("-d", "--name", name))
+    out = docker_run(
+        dockerd, gpu_env, "sleep", "600", env=("ALIYUN_COM_GPU_MEM_CONTAINER=2",), opts=("-d", "--name", name)
+    )
     assert out.returncode == 0, out.stderr
     try:
         [before] = instances(cgpud)
@@ -518,14 +624,16 @@ def test_a_running_container_keeps_its_instance_across_a_cgpud_kill(gpu_env, cgp
     assert instances(cgpud) == []
 
 
-def test_a_gpu_container_runs_on_with_its_limit_across_a_dockerd_restart(gpu_env, cgpud: Daemon,
-                                                                         dockerd: Dockerd) -> None:
+def test_a_gpu_container_runs_on_with_its_limit_across_a_dockerd_restart(
+    gpu_env, cgpud: Daemon, dockerd: Dockerd
+) -> None:
     """With live-restore (set in the operator's daemon.json here), an
     upgrade of docker.io leaves containers running: the container keeps its
     instance, and its removal after the restart still releases it."""
     name = f"cgpu-e2e-{uuid.uuid4().hex[:8]}"
-    out = docker_run(dockerd, gpu_env, "sleep", "600", env=("ALIYUN_COM_GPU_MEM_CONTAINER=2",),
-                     opts=("-d", "--name", name))
+    out = docker_run(
+        dockerd, gpu_env, "sleep", "600", env=("ALIYUN_COM_GPU_MEM_CONTAINER=2",), opts=("-d", "--name", name)
+    )
     assert out.returncode == 0, out.stderr
     try:
         [before] = instances(cgpud)

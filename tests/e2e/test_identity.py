@@ -1,6 +1,7 @@
 """Which container holds which instance, with real runc: one container id
 under two runtime roots (as containerd namespaces run it), poststops of
 containers that hold nothing, and volumes that would redirect cgpu's mounts."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -61,18 +62,26 @@ def test_one_id_under_two_runtime_roots_gets_two_instances(tmp_path, host: Host,
 
 
 @pytest.mark.parametrize("owner", ["claimed", "own"])
-def test_a_poststop_of_a_container_that_holds_nothing_changes_nothing(tmp_path, host: Host, cgpud: Daemon,
-                                                                      owner: str) -> None:
+def test_a_poststop_of_a_container_that_holds_nothing_changes_nothing(
+    tmp_path, host: Host, cgpud: Daemon, owner: str
+) -> None:
     """A second container whose spec carries a poststop entry naming the
     first one's instance (as an older version wrote them, copied, or written
     by someone careless): the instance is not its own."""
-    holder = host.bundle(tmp_path / "holder", ["sleep", "60"],
-                         () if owner == "claimed" else ("ALIYUN_COM_GPU_MEM_CONTAINER=2",))
+    holder = host.bundle(
+        tmp_path / "holder", ["sleep", "60"], () if owner == "claimed" else ("ALIYUN_COM_GPU_MEM_CONTAINER=2",)
+    )
     if owner == "claimed":
         with LocalClient(cgpud.socket) as client:
             reserved = client.create(Request(Owner(OwnerKind.DEVICE, "train"), 2 * GIB))
-        holder.spec["mounts"].append({"destination": "/run/cgpu", "type": "bind", "options": ["rbind", "ro"],
-                                      "source": str(cgpud.state / "instances" / reserved.id)})
+        holder.spec["mounts"].append(
+            {
+                "destination": "/run/cgpu",
+                "type": "bind",
+                "options": ["rbind", "ro"],
+                "source": str(cgpud.state / "instances" / reserved.id),
+            }
+        )
         holder.write()
     hid = host.new_id()
     with shim_container(host, holder, hid, cgpud.relay):
@@ -94,13 +103,16 @@ def test_a_poststop_of_a_container_that_holds_nothing_changes_nothing(tmp_path, 
 
 @pytest.mark.parametrize(
     ("volume", "link", "target"),
-    [("/run", "cgpu", "/run/cgpu"), ("/etc", "ld.so.preload", "/etc/ld.so.preload"),
-     ("/usr/local", "cgpu", "/usr/local/cgpu/libcgpu.so")],
+    [
+        ("/run", "cgpu", "/run/cgpu"),
+        ("/etc", "ld.so.preload", "/etc/ld.so.preload"),
+        ("/usr/local", "cgpu", "/usr/local/cgpu/libcgpu.so"),
+    ],
 )
 @pytest.mark.parametrize("escape", ["/proc/self/cwd", "/../../../../{out}/x"])
-def test_a_volume_whose_source_holds_a_link_on_cgpus_way_is_refused(tmp_path, host: Host, cgpud: Daemon,
-                                                                      volume: str, link: str, target: str,
-                                                                      escape: str) -> None:
+def test_a_volume_whose_source_holds_a_link_on_cgpus_way_is_refused(
+    tmp_path, host: Host, cgpud: Daemon, volume: str, link: str, target: str, escape: str
+) -> None:
     outside = tmp_path / "outside"
     outside.mkdir()
     source = tmp_path / "volume"
@@ -109,12 +121,17 @@ def test_a_volume_whose_source_holds_a_link_on_cgpus_way_is_refused(tmp_path, ho
     b = host.bundle(tmp_path / "b", ["true"], ("ALIYUN_COM_GPU_MEM_CONTAINER=2",))
     b.spec["mounts"].append({"destination": volume, "type": "bind", "source": str(source), "options": ["rbind", "rw"]})
     b.write()
-    mine = lambda: [m for m in host_mounts() if str(tmp_path) in m]  # others' tests mount too
+
+    def mine() -> list[str]:
+        return [m for m in host_mounts() if str(tmp_path) in m]  # others' tests mount too
+
     before, mounts_before = b.read(), mine()
     out = run(host, b, host.new_id(), shim=True, relay=cgpud.relay)
     assert out.returncode != 0
-    assert (f"the volume at {volume} (from {source}) makes {volume}/{link} a symbolic link "
-            f"({source / link} -> {escape.format(out=outside)})") in out.stderr, out.stderr
+    assert (
+        f"the volume at {volume} (from {source}) makes {volume}/{link} a symbolic link "
+        f"({source / link} -> {escape.format(out=outside)})"
+    ) in out.stderr, out.stderr
     assert target in out.stderr and out.stderr.count("cgpu-runtime:") == 1
     assert b.read() == before
     assert instances(cgpud) == []  # admitted, then released before the bundle was touched
@@ -134,28 +151,35 @@ def test_a_shared_volume_over_run_is_refused_even_without_links(tmp_path, host: 
     before = b.read()
     out = run(host, b, host.new_id(), shim=True, relay=cgpud.relay)
     assert out.returncode != 0
-    assert (f"cgpu-runtime: the volume at /run (from {source}) covers /run/cgpu, where cgpu mounts its files: "
-            f"anyone else who can write {source} could remove cgpu's mount points there") in out.stderr, out.stderr
+    assert (
+        f"cgpu-runtime: the volume at /run (from {source}) covers /run/cgpu, where cgpu mounts its files: "
+        f"anyone else who can write {source} could remove cgpu's mount points there"
+    ) in out.stderr, out.stderr
     assert b.read() == before and instances(cgpud) == [] and list(source.iterdir()) == []
 
 
-def test_a_tmpfs_at_run_and_volumes_beside_cgpus_paths_still_start_with_their_limit(tmp_path, host: Host,
-                                                                                  cgpud: Daemon) -> None:
+def test_a_tmpfs_at_run_and_volumes_beside_cgpus_paths_still_start_with_their_limit(
+    tmp_path, host: Host, cgpud: Daemon
+) -> None:
     source = tmp_path / "conf"
     source.mkdir()
     (source / "app.conf").write_text("x\n")
-    b = host.bundle(tmp_path / "b", ["sh", "-c", "cat /etc/ld.so.preload; ls /run/cgpu; cat /etc/app/app.conf"],
-                    ("ALIYUN_COM_GPU_MEM_CONTAINER=2",))
-    b.spec["mounts"] += [{"destination": "/etc/app", "type": "bind", "source": str(source), "options": ["rbind", "ro"]},
-                         {"destination": "/run", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid"]}]
+    b = host.bundle(
+        tmp_path / "b",
+        ["sh", "-c", "cat /etc/ld.so.preload; ls /run/cgpu; cat /etc/app/app.conf"],
+        ("ALIYUN_COM_GPU_MEM_CONTAINER=2",),
+    )
+    b.spec["mounts"] += [
+        {"destination": "/etc/app", "type": "bind", "source": str(source), "options": ["rbind", "ro"]},
+        {"destination": "/run", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid"]},
+    ]
     b.write()
     out = run(host, b, host.new_id(), shim=True, relay=cgpud.relay)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["/usr/local/cgpu/libcgpu.so", "grants", "limits", "usage", "x"]
 
 
-def test_a_volume_at_var_run_in_an_image_where_it_links_to_run_is_refused(tmp_path, host: Host,
-                                                                           cgpud: Daemon) -> None:
+def test_a_volume_at_var_run_in_an_image_where_it_links_to_run_is_refused(tmp_path, host: Host, cgpud: Daemon) -> None:
     """Debian images have /var/run -> /run, and runc follows it: a shared
     volume written as /var/run is mounted over /run."""
     source = tmp_path / "empty-dir"
@@ -163,8 +187,9 @@ def test_a_volume_at_var_run_in_an_image_where_it_links_to_run_is_refused(tmp_pa
     b = host.bundle(tmp_path / "b", ["true"], ("ALIYUN_COM_GPU_MEM_CONTAINER=2",))
     (b.rootfs / "var").mkdir(exist_ok=True)
     (b.rootfs / "var" / "run").symlink_to("/run")
-    b.spec["mounts"].append({"destination": "/var/run", "type": "bind", "source": str(source),
-                             "options": ["rbind", "rw"]})
+    b.spec["mounts"].append(
+        {"destination": "/var/run", "type": "bind", "source": str(source), "options": ["rbind", "rw"]}
+    )
     b.write()
     before = b.read()
     out = run(host, b, host.new_id(), shim=True, relay=cgpud.relay)
@@ -188,8 +213,9 @@ def _prepare(relay: Path, container_id: str, bundle: Path) -> str:
     return _ask(relay, f"prepare {container_id}\n{bundle}")
 
 
-def test_a_link_swapped_in_after_the_check_keeps_the_container_from_starting(tmp_path, host: Host,
-                                                                             cgpud: Daemon) -> None:
+def test_a_link_swapped_in_after_the_check_keeps_the_container_from_starting(
+    tmp_path, host: Host, cgpud: Daemon
+) -> None:
     b = host.bundle(tmp_path / "b", ["true"], ("ALIYUN_COM_GPU_MEM_CONTAINER=2",))
     cid = host.new_id()
     assert _prepare(cgpud.relay, cid, b.path).startswith("ok instance ")
@@ -200,8 +226,13 @@ def test_a_link_swapped_in_after_the_check_keeps_the_container_from_starting(tmp
     (b.rootfs / "run").symlink_to("/srv")
     log = tmp_path / "create.log"
     with open(log, "w") as f:  # a pipe would stay open while a created container runs
-        code = subprocess.run(["runc", "--root", str(host.runc_root), "create", "--bundle", str(b.path), cid],
-                              stdin=subprocess.DEVNULL, stdout=f, stderr=f, timeout=60).returncode
+        code = subprocess.run(
+            ["runc", "--root", str(host.runc_root), "create", "--bundle", str(b.path), cid],
+            stdin=subprocess.DEVNULL,
+            stdout=f,
+            stderr=f,
+            timeout=60,
+        ).returncode
     try:
         assert code != 0
         assert "cgpu-hook: cgpu's mount at /run/cgpu is not in place" in log.read_text(), log.read_text()
@@ -225,13 +256,34 @@ def test_a_link_swapped_in_after_the_check_fails_the_shims_own_bind(tmp_path, ho
     (b.rootfs / "run").symlink_to("/srv")
     pid_file = tmp_path / "pid"
     with open(tmp_path / "create.log", "w") as f:
-        code = subprocess.run(["runc", "--root", str(host.runc_root), "create", "--bundle", str(b.path),
-                               "--pid-file", str(pid_file), cid],
-                              stdin=subprocess.DEVNULL, stdout=f, stderr=f, timeout=60).returncode
+        code = subprocess.run(
+            [
+                "runc",
+                "--root",
+                str(host.runc_root),
+                "create",
+                "--bundle",
+                str(b.path),
+                "--pid-file",
+                str(pid_file),
+                cid,
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=f,
+            stderr=f,
+            timeout=60,
+        ).returncode
     try:
         assert code == 0  # runc follows the link inside the root: only cgpud's bind can tell
-        state = json.dumps({"ociVersion": "1.0.2", "id": cid, "bundle": str(b.path), "status": "created",
-                            "pid": int(pid_file.read_text())})
+        state = json.dumps(
+            {
+                "ociVersion": "1.0.2",
+                "id": cid,
+                "bundle": str(b.path),
+                "status": "created",
+                "pid": int(pid_file.read_text()),
+            }
+        )
         answer = _ask(cgpud.relay, f"bind {instance}\n{state}")
         assert answer.startswith("error cgpu's mount at /run/cgpu is not in place"), answer
         assert instances(cgpud) == []  # its own instance went with the refusal
@@ -239,8 +291,9 @@ def test_a_link_swapped_in_after_the_check_fails_the_shims_own_bind(tmp_path, ho
         runc(host, "delete", "--force", cid)
 
 
-def test_one_id_in_two_containerd_namespaces_gets_two_instances(tmp_path, host: Host, cgpud: Daemon,
-                                                                 containerd: Containerd) -> None:
+def test_one_id_in_two_containerd_namespaces_gets_two_instances(
+    tmp_path, host: Host, cgpud: Daemon, containerd: Containerd
+) -> None:
     binary = loaded_binary_name(containerd.config)
     sim = host.sim_env
 
@@ -250,11 +303,30 @@ def test_one_id_in_two_containerd_namespaces_gets_two_instances(tmp_path, host: 
     def start(ns: str, gib: int) -> subprocess.CompletedProcess[str]:
         rootfs = tmp_path / f"rootfs-{ns}"
         subprocess.run(["cp", "-al", str(host.template), str(rootfs)], check=True)
-        return ctr(ns, "run", "-d", "--runtime", "io.containerd.runc.v2", "--runc-binary", binary, "--rootfs",
-                   "--mount", f"type=bind,src={host.sim_dir},dst={host.sim_dir},options=rbind:rw",
-                   "--env", HOOK_ENV_PATH, "--env", f"CGPU_SIM_CONFIG={sim['CGPU_SIM_CONFIG']}",
-                   "--env", f"CGPU_SIM_STATE={sim['CGPU_SIM_STATE']}",
-                   "--env", f"ALIYUN_COM_GPU_MEM_CONTAINER={gib}", str(rootfs), "job", "sleep", "60")
+        return ctr(
+            ns,
+            "run",
+            "-d",
+            "--runtime",
+            "io.containerd.runc.v2",
+            "--runc-binary",
+            binary,
+            "--rootfs",
+            "--mount",
+            f"type=bind,src={host.sim_dir},dst={host.sim_dir},options=rbind:rw",
+            "--env",
+            HOOK_ENV_PATH,
+            "--env",
+            f"CGPU_SIM_CONFIG={sim['CGPU_SIM_CONFIG']}",
+            "--env",
+            f"CGPU_SIM_STATE={sim['CGPU_SIM_STATE']}",
+            "--env",
+            f"ALIYUN_COM_GPU_MEM_CONTAINER={gib}",
+            str(rootfs),
+            "job",
+            "sleep",
+            "60",
+        )
 
     def remove(ns: str) -> None:
         ctr(ns, "task", "kill", "--signal", "SIGKILL", "job")

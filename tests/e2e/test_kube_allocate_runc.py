@@ -7,6 +7,7 @@ are applied to a runc bundle the way a CDI-aware runtime applies them, and
 plain runc (no cgpu shim) starts the container: it sees exactly its GiB in
 the driver's view (cuMemGetInfo, allocations until failure) and in NVML's.
 Deleting the pod releases the instance within a sweep."""
+
 from __future__ import annotations
 
 import json
@@ -32,6 +33,7 @@ from tests.harness.kubelet import Kubelet
 NODE = "node-e2e"
 WAIT = 20.0
 
+
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[tuple[ApiServerProcess, Path]]:
     with api_server(tmp_path) as (server, kubeconfig):
@@ -42,8 +44,9 @@ def cluster(tmp_path: Path) -> Iterator[tuple[ApiServerProcess, Path]]:
 def _allocate(plugin: Path, ids: list[str]) -> pb.ContainerAllocateResponse:
     with grpc.insecure_channel(f"unix:{plugin}") as channel:
         stub = pb_grpc.DevicePluginStub(channel)
-        answer = stub.Allocate(pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)]),
-                               timeout=WAIT)
+        answer = stub.Allocate(
+            pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)]), timeout=WAIT
+        )
     [container] = answer.container_responses
     return container
 
@@ -62,20 +65,47 @@ def _list(cgpud: Daemon) -> list[dict]:
     return json.loads(out.stdout)
 
 
-def test_allocate_cdi_runc_sees_its_gib_and_the_pod_delete_releases_it(tmp_path: Path, host: Host, gpu_env: dict,
-                                                                       cluster, nvml_total: Path) -> None:
+def test_allocate_cdi_runc_sees_its_gib_and_the_pod_delete_releases_it(
+    tmp_path: Path, host: Host, gpu_env: dict, cluster, nvml_total: Path
+) -> None:
     server, kubeconfig = cluster
-    pod = server.state.add_pod(pod_json("train", NODE, containers={"main": {"aliyun.com/gpu-mem": 2}}, annotations={
-        "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "1", "ALIYUN_COM_GPU_MEM_ASSIGNED": "false", "ALIYUN_COM_GPU_MEM_IDX": "0"}))
+    pod = server.state.add_pod(
+        pod_json(
+            "train",
+            NODE,
+            containers={"main": {"aliyun.com/gpu-mem": 2}},
+            annotations={
+                "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "1",
+                "ALIYUN_COM_GPU_MEM_ASSIGNED": "false",
+                "ALIYUN_COM_GPU_MEM_IDX": "0",
+            },
+        )
+    )
     cdi_dir = tmp_path / "cdi"
     import tempfile
+
     plugins = Path(tempfile.mkdtemp(prefix="e2e-dp-", dir="/tmp"))
     kubelet = Kubelet(plugins).start()
     try:
-        with kubelet_pods() as (kubelet_api, pod_resources), running_daemon(
-                tmp_path, gpu_env, "--orchestrator", "kubernetes", "--device-plugin-dir", str(plugins),
-                "--pod-resources-socket", str(pod_resources), "--kubeconfig", str(kubeconfig),
-                "--node-name", NODE, "--cdi-dir", str(cdi_dir)) as cgpud:
+        with (
+            kubelet_pods() as (kubelet_api, pod_resources),
+            running_daemon(
+                tmp_path,
+                gpu_env,
+                "--orchestrator",
+                "kubernetes",
+                "--device-plugin-dir",
+                str(plugins),
+                "--pod-resources-socket",
+                str(pod_resources),
+                "--kubeconfig",
+                str(kubeconfig),
+                "--node-name",
+                NODE,
+                "--cdi-dir",
+                str(cdi_dir),
+            ) as cgpud,
+        ):
             names = {r.resource_name: r.endpoint for r in kubelet.take_registrations(5)}
             mem_plugin = plugins / names["aliyun.com/gpu-mem"]
             devices = _devices(mem_plugin)
@@ -84,13 +114,16 @@ def test_allocate_cdi_runc_sees_its_gib_and_the_pod_delete_releases_it(tmp_path:
             [cdi_name] = [d.name for d in answer.cdi_devices]
             iid = cdi_name.removeprefix("cgpu.io/gpu=")
             assert answer.envs["ALIYUN_COM_GPU_MEM_CONTAINER"] == "2"
-            assert server.state.pod("default", "train")["metadata"]["annotations"][
-                "ALIYUN_COM_GPU_MEM_ASSIGNED"] == "true"
+            assert (
+                server.state.pod("default", "train")["metadata"]["annotations"]["ALIYUN_COM_GPU_MEM_ASSIGNED"] == "true"
+            )
             assert [(i["id"], i["owner"]["kind"]) for i in _list(cgpud)] == [(iid, "pod")]
 
             spec = json.loads((cdi_dir / f"cgpu-pod-{iid}.json").read_text())
             [device] = [d for d in spec["devices"] if f"{spec['kind']}={d['name']}" == cdi_name]
-            b = host.bundle(tmp_path / "b0", ["sh", "-c", f"echo MEM=$ALIYUN_COM_GPU_MEM_CONTAINER; /nvml_total; {BURN}"])
+            b = host.bundle(
+                tmp_path / "b0", ["sh", "-c", f"echo MEM=$ALIYUN_COM_GPU_MEM_CONTAINER; /nvml_total; {BURN}"]
+            )
             (b.rootfs / "nvml_total").write_bytes(nvml_total.read_bytes())
             (b.rootfs / "nvml_total").chmod(0o755)
             b = Bundle(b.path, apply_cdi(b.spec, device)).write()

@@ -1,6 +1,7 @@
 """GPU containers under real runc through cgpu-runtime and cgpu-hook, with
 a real cgpud: the limit is real inside, the instance lives exactly as long
 as the container, and containers that ask for nothing are untouched."""
+
 from __future__ import annotations
 
 import json
@@ -13,6 +14,7 @@ from cgpud.node.model import GIB, Owner, OwnerKind, Request
 from tests.harness.daemon import Daemon, running_daemon
 from tests.harness.oci import Host, run, runc, shim_container
 from tests.harness.workload import BURN, assert_2gib_granted, burn_json, env_lines, instances
+
 
 def test_2gib_container_sees_2gib_and_fails_past_it(tmp_path, host: Host, cgpud: Daemon) -> None:
     b = host.bundle(tmp_path / "b", ["sh", "-c", f"env; {BURN}"], ("ALIYUN_COM_GPU_MEM_CONTAINER=2",))
@@ -43,8 +45,9 @@ def test_inspect_shows_the_instance_while_the_container_runs(tmp_path, host: Hos
 def test_a_non_gpu_container_runs_exactly_as_without_the_shim(tmp_path, host: Host, cgpud: Daemon) -> None:
     results = []
     for shim in (False, True):
-        b = host.bundle(tmp_path / f"b{int(shim)}", ["sh", "-c", "env; cat /proc/self/mountinfo | wc -l; echo hi"],
-                        gpu_device=False)
+        b = host.bundle(
+            tmp_path / f"b{int(shim)}", ["sh", "-c", "env; cat /proc/self/mountinfo | wc -l; echo hi"], gpu_device=False
+        )
         before = b.read()
         out = run(host, b, host.new_id(), shim=shim, relay=cgpud.relay)
         assert out.returncode == 0, out.stderr
@@ -100,14 +103,17 @@ def test_the_21st_instance_on_a_gpu_is_refused(tmp_path, host: Host, cgpud: Daem
 
 def test_33_percent_is_refused_on_a_core_mem_node(tmp_path, host: Host) -> None:
     with running_daemon(tmp_path, host.sim_env, "--mode", "core_mem") as d:
-        b = host.bundle(tmp_path / "b", ["true"],
-                        ("ALIYUN_COM_GPU_MEM_CONTAINER=1", "ALIYUN_COM_GPU_CORE_PERCENTAGE=33"))
+        b = host.bundle(
+            tmp_path / "b", ["true"], ("ALIYUN_COM_GPU_MEM_CONTAINER=1", "ALIYUN_COM_GPU_CORE_PERCENTAGE=33")
+        )
         out = run(host, b, host.new_id(), shim=True, relay=d.relay)
         assert out.returncode != 0
         assert "asked for 33% compute: ask for 0 (no share) or a multiple of 5" in out.stderr, out.stderr
         assert instances(d, all_=True) == []
         # 30 % is fine, and the share reaches the container's env.
-        b = host.bundle(tmp_path / "ok", ["env"], ("ALIYUN_COM_GPU_MEM_CONTAINER=1", "ALIYUN_COM_GPU_CORE_PERCENTAGE=30"))
+        b = host.bundle(
+            tmp_path / "ok", ["env"], ("ALIYUN_COM_GPU_MEM_CONTAINER=1", "ALIYUN_COM_GPU_CORE_PERCENTAGE=30")
+        )
         out = run(host, b, host.new_id(), shim=True, relay=d.relay)
         assert out.returncode == 0, out.stderr
         assert env_lines(out.stdout)["ALIYUN_COM_GPU_CORE_PERCENTAGE"] == "30"
@@ -115,8 +121,9 @@ def test_33_percent_is_refused_on_a_core_mem_node(tmp_path, host: Host) -> None:
 
 def test_share_mode_gives_env_but_no_library(tmp_path, host: Host) -> None:
     with running_daemon(tmp_path, host.sim_env, "--mode", "share") as d:
-        b = host.bundle(tmp_path / "b", ["sh", "-c", f"env; ls /run /usr/local; {BURN}"],
-                        ("ALIYUN_COM_GPU_MEM_CONTAINER=2",))
+        b = host.bundle(
+            tmp_path / "b", ["sh", "-c", f"env; ls /run /usr/local; {BURN}"], ("ALIYUN_COM_GPU_MEM_CONTAINER=2",)
+        )
         out = run(host, b, host.new_id(), shim=True, relay=d.relay)
         assert out.returncode == 0, out.stderr
         assert env_lines(out.stdout)["ALIYUN_COM_GPU_MEM_CONTAINER"] == "2"
@@ -139,8 +146,14 @@ def test_kubernetes_mode_ignores_env_and_honours_the_device_plugin_channel(tmp_p
         with LocalClient(d.socket) as client:
             reserved = client.create(Request(Owner(OwnerKind.POD, "pod-uid-1"), 2 * GIB))
         b = host.bundle(tmp_path / "claim", ["sh", "-c", BURN])
-        b.spec["mounts"].append({"destination": "/run/cgpu", "type": "bind",
-                                 "source": str(d.state / "instances" / reserved.id), "options": ["rbind", "ro"]})
+        b.spec["mounts"].append(
+            {
+                "destination": "/run/cgpu",
+                "type": "bind",
+                "source": str(d.state / "instances" / reserved.id),
+                "options": ["rbind", "ro"],
+            }
+        )
         b.write()
         for _ in range(2):  # a restarted container gets the same instance back
             out = run(host, b, host.new_id(), shim=True, relay=d.relay)

@@ -12,6 +12,7 @@ intervals (runc says stopped), NVML shows the memory back, and deleting the
 container (its poststop hook) releases the instance. The neighbour runs on
 with no event. A container run by plain runc (no instance) is reported as
 an unknown process and never killed, unless an allow rule names its cgroup."""
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,17 @@ from typing import Any
 import pytest
 
 from tests.harness import bypass_build
-from tests.harness.bypass_watch import (GIB, INTERVAL, SLACK, Nvml, bypass_events, violations, wait_dead, wait_events,
-                                watch_flags)
+from tests.harness.bypass_watch import (
+    GIB,
+    INTERVAL,
+    SLACK,
+    Nvml,
+    bypass_events,
+    violations,
+    wait_dead,
+    wait_events,
+    watch_flags,
+)
 from tests.harness.daemon import Daemon, running_daemon
 from tests.harness.oci import Host, create, runc
 
@@ -94,8 +104,11 @@ def container(host: Host, d: Daemon, bundle: Any) -> Iterator[Container]:
 def neighbour(host: Host, d: Daemon, nvml: Nvml, where: Path) -> Iterator[tuple[Container, int]]:
     """A 2 GiB container holding its 2 GiB through libcgpu; NVML's used
     memory once it does."""
-    b = host.bundle(where, ["/usr/bin/cgpu-burn", "--alloc", "2048MiB", "--require-alloc", "--hold", "600"],
-                    ("ALIYUN_COM_GPU_MEM_CONTAINER=2",))
+    b = host.bundle(
+        where,
+        ["/usr/bin/cgpu-burn", "--alloc", "2048MiB", "--require-alloc", "--hold", "600"],
+        ("ALIYUN_COM_GPU_MEM_CONTAINER=2",),
+    )
     with container(host, d, b) as c:
         nvml.wait(lambda v: v["procs"].get(c.pid) == 2 * GIB, 30, "the neighbour container's 2 GiB")
         yield c, nvml.query()["used"]
@@ -114,9 +127,11 @@ def nvml(host: Host) -> Iterator[Nvml]:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_report_mode_reports_a_bypass_container(kind: str, tmp_path: Path, host: Host, nvml: Nvml) -> None:
-    with running_daemon(tmp_path, host.sim_env, *watch_flags("report")) as d, \
-            neighbour(host, d, nvml, tmp_path / "n") as (n, _), \
-            container(host, d, tenant_bundle(host, tmp_path / "t", kind)) as t:
+    with (
+        running_daemon(tmp_path, host.sim_env, *watch_flags("report")) as d,
+        neighbour(host, d, nvml, tmp_path / "n") as (n, _),
+        container(host, d, tenant_bundle(host, tmp_path / "t", kind)) as t,
+    ):
         crossed = t.crossing(GIB)
         [event] = wait_events(d, lambda e: e["instance_id"] == t.instance_id, 10, "an event for the container")
         assert event["kind"] == "memory_over_limit" and event["action"] == "reported", event
@@ -133,8 +148,10 @@ def test_report_mode_reports_a_bypass_container(kind: str, tmp_path: Path, host:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_kill_mode_stops_a_bypass_container(kind: str, tmp_path: Path, host: Host, nvml: Nvml) -> None:
-    with running_daemon(tmp_path, host.sim_env, *watch_flags("kill")) as d, \
-            neighbour(host, d, nvml, tmp_path / "n") as (n, baseline):
+    with (
+        running_daemon(tmp_path, host.sim_env, *watch_flags("kill")) as d,
+        neighbour(host, d, nvml, tmp_path / "n") as (n, baseline),
+    ):
         with container(host, d, tenant_bundle(host, tmp_path / "t", kind)) as t:
             crossed = t.crossing(GIB)
             dead = wait_dead(t.pid, 10)
@@ -143,8 +160,10 @@ def test_kill_mode_stops_a_bypass_container(kind: str, tmp_path: Path, host: Hos
             [event] = wait_events(d, lambda e: e["instance_id"] == t.instance_id, 10, "the kill's event")
             assert event["action"] == "killed" and event["killed"] == [t.pid], event
             assert event["time"] - crossed <= 2 * INTERVAL, event
-            print(f"{kind}: killed at {(event['time'] - crossed) * 1e3:.0f} ms, seen dead at "
-                  f"{(dead - crossed) * 1e3:.0f} ms after the crossing allocation")
+            print(
+                f"{kind}: killed at {(event['time'] - crossed) * 1e3:.0f} ms, seen dead at "
+                f"{(dead - crossed) * 1e3:.0f} ms after the crossing allocation"
+            )
             assert status(host, t.cid) == "stopped"
             view = nvml.wait(lambda v: v["used"] == baseline, 2, f"used memory back to {baseline}")
             assert t.pid not in view["procs"]
@@ -161,8 +180,13 @@ def plain_container(host: Host, bundle: Any, cid: str) -> Iterator[int]:
     cgpu never heard of. Yields its host PID."""
     log = bundle.path / "stdio.log"
     with open(log, "w") as out:
-        made = subprocess.run(["runc", "--root", str(host.runc_root), "create", "--bundle", str(bundle.path), cid],
-                              stdin=subprocess.DEVNULL, stdout=out, stderr=out, timeout=60)
+        made = subprocess.run(
+            ["runc", "--root", str(host.runc_root), "create", "--bundle", str(bundle.path), cid],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+            timeout=60,
+        )
     assert made.returncode == 0, log.read_text()
     try:
         assert runc(host, "start", cid).returncode == 0
@@ -174,7 +198,8 @@ def plain_container(host: Host, bundle: Any, cid: str) -> Iterator[int]:
 
 
 def test_a_container_outside_cgpu_is_reported_not_killed_and_an_allowed_cgroup_is_left_alone(
-        tmp_path: Path, host: Host, nvml: Nvml) -> None:
+    tmp_path: Path, host: Host, nvml: Nvml
+) -> None:
     """Kill mode. Two containers run by plain runc (no cgpu-runtime, no
     instance) allocate 256 MiB with the ELF-walking tool: the one whose
     cgroup an allow rule names (`cgroup:*/allowed-*`, runc puts a container
@@ -187,14 +212,18 @@ def test_a_container_outside_cgpu_is_reported_not_killed_and_an_allowed_cgroup_i
         (b.rootfs / "usr/bin/cgpu-bypass").unlink(missing_ok=True)
         shutil.copy2(bypass_build.elf_bypass(), b.rootfs / "usr/bin/cgpu-bypass")
         bundles.append(b)
-    with running_daemon(tmp_path, host.sim_env, *watch_flags("kill", INTERVAL, "--bypass-allow",
-                                                              "cgroup:*/allowed-*")) as d, \
-            plain_container(host, bundles[0], host.new_id("allowed")) as allowed, \
-            plain_container(host, bundles[1], host.new_id("plain")) as plain:
+    with (
+        running_daemon(
+            tmp_path, host.sim_env, *watch_flags("kill", INTERVAL, "--bypass-allow", "cgroup:*/allowed-*")
+        ) as d,
+        plain_container(host, bundles[0], host.new_id("allowed")) as allowed,
+        plain_container(host, bundles[1], host.new_id("plain")) as plain,
+    ):
         cgroup = Path(f"/proc/{allowed}/cgroup").read_text()
         assert "/allowed-" in cgroup, cgroup  # what the rule relies on
-        nvml.wait(lambda v: v["procs"].get(allowed) == v["procs"].get(plain) == 256 << 20, 10,
-                  "both containers' 256 MiB")
+        nvml.wait(
+            lambda v: v["procs"].get(allowed) == v["procs"].get(plain) == 256 << 20, 10, "both containers' 256 MiB"
+        )
         [event] = wait_events(d, lambda e: e["kind"] == "unknown_process", 10, "an unknown_process event")
         assert event["pids"] == [plain] and event["instance_id"] == "", event
         assert event["action"] == "reported" and event["killed"] == [], event
@@ -221,14 +250,18 @@ def test_naming_the_binary_like_an_allowed_daemon_protects_nothing(tmp_path: Pat
     container whose bypass tool is /usr/bin/nvidia-persistenced is still
     killed, and a container outside cgpu whose tool is /usr/bin/Xorg is
     still reported."""
-    tenant = host.bundle(tmp_path / "t", ["/usr/bin/nvidia-persistenced", "--resolve", "elf", *HOLD],
-                         ("ALIYUN_COM_GPU_MEM_CONTAINER=1",))
+    tenant = host.bundle(
+        tmp_path / "t", ["/usr/bin/nvidia-persistenced", "--resolve", "elf", *HOLD], ("ALIYUN_COM_GPU_MEM_CONTAINER=1",)
+    )
     shutil.copy2(bypass_build.elf_bypass(), tenant.rootfs / "usr/bin/nvidia-persistenced")
-    stranger = host.bundle(tmp_path / "s", ["/usr/bin/Xorg", "--resolve", "elf", "--alloc-mib", "256", "--count", "1",
-                                            "--hold", "600"])
+    stranger = host.bundle(
+        tmp_path / "s", ["/usr/bin/Xorg", "--resolve", "elf", "--alloc-mib", "256", "--count", "1", "--hold", "600"]
+    )
     shutil.copy2(bypass_build.elf_bypass(), stranger.rootfs / "usr/bin/Xorg")
-    with running_daemon(tmp_path, host.sim_env, *watch_flags("kill")) as d, \
-            plain_container(host, stranger, host.new_id("xorg")) as xorg:
+    with (
+        running_daemon(tmp_path, host.sim_env, *watch_flags("kill")) as d,
+        plain_container(host, stranger, host.new_id("xorg")) as xorg,
+    ):
         assert exe_once_started(xorg) == "/usr/bin/Xorg"  # what cgpud reads: the image's path
         [unknown] = wait_events(d, lambda e: e["kind"] == "unknown_process", 10, "the Xorg container reported")
         assert unknown["pids"] == [xorg] and unknown["action"] == "reported", unknown

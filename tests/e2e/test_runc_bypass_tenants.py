@@ -7,6 +7,7 @@ preload file. musl: its loader never reads /etc/ld.so.preload.
 What tests/e2e/test_runc_bypass.py shows the watchdog finding; here only the
 escape, beside a dlsym tenant (cgpu-burn) held to 1 GiB in the same kind of
 container. The GPU is read through the simulator (cgpu-sim-stat)."""
+
 from __future__ import annotations
 
 import json
@@ -40,8 +41,11 @@ def cgpud(tmp_path: Path, gpu_env: dict[str, str]) -> Iterator[Daemon]:
 
 def bundle(host: Host, where: Path, kind: str) -> Bundle:
     if kind == "musl":
-        b = host.bundle(where, [bypass_build.MUSL_TENANT, "--resolve", "link", *ALLOC, "--hold", "60"],
-                        (*GRANT, *bypass_build.MUSL_ENV))
+        b = host.bundle(
+            where,
+            [bypass_build.MUSL_TENANT, "--resolve", "link", *ALLOC, "--hold", "60"],
+            (*GRANT, *bypass_build.MUSL_ENV),
+        )
         bypass_build.musl_rootfs(b.rootfs)
         return b
     b = host.bundle(where, [TENANT, "--resolve", "elf" if kind == "elf" else "link", *ALLOC, "--hold", "60"], GRANT)
@@ -68,8 +72,9 @@ def wait_line(b: Bundle, event: str, timeout: float = 30) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("kind", ["elf", "static", "musl"])
-def test_bypass_tenant_holds_4gib_in_a_1gib_container(tmp_path: Path, host: Host, cgpud: Daemon, native: Path,
-                                                     kind: str) -> None:
+def test_bypass_tenant_holds_4gib_in_a_1gib_container(
+    tmp_path: Path, host: Host, cgpud: Daemon, native: Path, kind: str
+) -> None:
     b = bundle(host, tmp_path / "b", kind)
     cid = host.new_id("bypass")
     with shim_container(host, b, cid, cgpud.relay):
@@ -96,8 +101,11 @@ def test_bypass_tenant_holds_4gib_in_a_1gib_container(tmp_path: Path, host: Host
 
 def test_dlsym_tenant_is_held_to_its_1gib_container(tmp_path: Path, host: Host, cgpud: Daemon) -> None:
     """The control: the same container, a tenant that asks the driver by name."""
-    b = host.bundle(tmp_path / "b", ["/usr/bin/cgpu-burn", "--resolve", "dlsym",
-                                     *[a for _ in range(4) for a in ("--alloc", "1GiB")]], GRANT)
+    b = host.bundle(
+        tmp_path / "b",
+        ["/usr/bin/cgpu-burn", "--resolve", "dlsym", *[a for _ in range(4) for a in ("--alloc", "1GiB")]],
+        GRANT,
+    )
     cid = host.new_id("bypass-control")
     with shim_container(host, b, cid, cgpud.relay):
         deadline = time.monotonic() + 30

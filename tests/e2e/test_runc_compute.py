@@ -2,6 +2,7 @@
 read-only /run/cgpu mount and the share holds, measured on the host from the
 simulated GPU's own accounting (busy time of the whole GPU: the container's
 pids live in another namespace)."""
+
 from __future__ import annotations
 
 import mmap
@@ -71,12 +72,18 @@ def test_a_container_at_a_closed_gate_finishes_when_cgpud_is_killed(tmp_path: Pa
     d = make_daemon(tmp_path, host.sim_env, "--mode", "core_mem", "--compute-policy", "3")
     d.start()
     burn = "cgpu-burn --kernel-ns 1000000 --streams 2 --launches 600"
-    b = host.bundle(tmp_path / "core30", ["sh", "-c", burn],
-                    ("ALIYUN_COM_GPU_MEM_CONTAINER=2", "ALIYUN_COM_GPU_CORE_PERCENTAGE=30"))
+    b = host.bundle(
+        tmp_path / "core30", ["sh", "-c", burn], ("ALIYUN_COM_GPU_MEM_CONTAINER=2", "ALIYUN_COM_GPU_CORE_PERCENTAGE=30")
+    )
     cid = host.new_id()
-    proc = subprocess.Popen([str(native_path("bin/cgpu-runtime")), "--root", str(host.runc_root), "run", "--bundle",
-                             str(b.path), cid], env=runtime_env(d.relay), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [str(native_path("bin/cgpu-runtime")), "--root", str(host.runc_root), "run", "--bundle", str(b.path), cid],
+        env=runtime_env(d.relay),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         grants = _grants_of_the_one_instance(d.state)
         with open(grants, "rb") as f:
@@ -86,7 +93,7 @@ def test_a_container_at_a_closed_gate_finishes_when_cgpud_is_killed(tmp_path: Pa
         while not view.device[0].gate & lib.CGPU_GATE_OPEN:  # scheduled: opened at least once
             assert time.monotonic() < deadline and proc.poll() is None
         assert d.proc
-        freeze_with_gate_closed(d.proc.pid, lambda: int(view.device[0].gate))
+        freeze_with_gate_closed(d.proc.pid, lambda: int(view.device[0].gate))  # noqa: F821 (called before the del below)
         d.kill()
         killed = time.monotonic()
         assert not view.device[0].gate & lib.CGPU_GATE_OPEN

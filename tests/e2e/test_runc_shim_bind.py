@@ -3,6 +3,7 @@ container (`create --pid-file`, `start`, `delete`): the instance is bound to
 the init pid when `create` returns, released when `delete` returns, and runc
 runs no cgpu hook. Real runc, a real cgpud; the hook path (no --pid-file,
 `run`, an engine without the shim) still binds and releases."""
+
 from __future__ import annotations
 
 import hashlib
@@ -13,6 +14,7 @@ import stat
 import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -32,8 +34,9 @@ def instances(cgpud: Daemon, all_: bool = False) -> list[dict]:
 
 
 def cgpu_hooks(config: dict) -> list[dict]:
-    return [h for stage in (config.get("hooks") or {}).values() for h in stage
-            if (h.get("args") or [""])[0] == "cgpu-hook"]
+    return [
+        h for stage in (config.get("hooks") or {}).values() for h in stage if (h.get("args") or [""])[0] == "cgpu-hook"
+    ]
 
 
 def listed_in_root(host: Host) -> list[str]:
@@ -70,7 +73,7 @@ def test_a_failed_bind_leaves_no_container_and_no_instance(tmp_path, host: Host,
     container and gives the instance back, with one message in runc's log."""
     pid_file = tmp_path / "init.pid"
     liar = tmp_path / "liar-runc"
-    liar.write_text(f"#!/bin/sh\nrunc \"$@\" || exit $?\ncase \" $* \" in *\" create \"*) echo 1 > {pid_file};; esac\n")
+    liar.write_text(f'#!/bin/sh\nrunc "$@" || exit $?\ncase " $* " in *" create "*) echo 1 > {pid_file};; esac\n')
     liar.chmod(0o755)
     env = runtime_env(cgpud.relay)
     env["CGPU_REAL_RUNTIME"] = str(liar)
@@ -86,8 +89,9 @@ def test_a_failed_bind_leaves_no_container_and_no_instance(tmp_path, host: Host,
 # "swapping-runc": the shim gives it the finished spec. "runc": it streams
 # the spec, so the swap runs while cgpud checks the bundle.
 @pytest.mark.parametrize("wrapper", ["swapping-runc", "runc"])
-def test_a_link_swapped_in_before_runc_mounts_fails_the_create_and_leaves_nothing(tmp_path, host: Host,
-                                                                                  cgpud: Daemon, wrapper: str) -> None:
+def test_a_link_swapped_in_before_runc_mounts_fails_the_create_and_leaves_nothing(
+    tmp_path, host: Host, cgpud: Daemon, wrapper: str
+) -> None:
     """A tenant's image racing the start, played by a runtime wrapper that
     turns the rootfs's /run into a link as `create` begins: runc follows it
     inside the root. It is refused before any process of the container
@@ -134,8 +138,9 @@ def test_runc_waits_on_a_fifo_at_config_json_and_gets_cgpuds_edit(tmp_path, host
         assert sorted(os.listdir(b.path)) == sorted([*before, "stdio.log"])
         [inst] = instances(cgpud)
         assert inst["state"] == "bound"
-        [prepared] = [json.loads(line) for line in cgpud.log.read_text().splitlines()
-                      if '"prepared"' in line and cid in line]
+        [prepared] = [
+            json.loads(line) for line in cgpud.log.read_text().splitlines() if '"prepared"' in line and cid in line
+        ]
         assert prepared["spec_fd"] is True, prepared  # read through the shim's descriptor: the FIFO was in place
     finally:
         runc(host, "delete", "--force", cid)
@@ -202,8 +207,7 @@ def test_a_delete_by_plain_runc_is_swept(tmp_path, host: Host, cgpud: Daemon) ->
     assert again.returncode == runc(host, "delete", cid).returncode
 
 
-def test_the_container_gets_the_region_cgpud_made_ahead_and_none_outlives_cgpud(tmp_path, host: Host,
-                                                                                gpu_env) -> None:
+def test_the_container_gets_the_region_cgpud_made_ahead_and_none_outlives_cgpud(tmp_path, host: Host, gpu_env) -> None:
     (tmp_path / "d").mkdir()
     with running_daemon(tmp_path / "d", gpu_env) as d:
         spare = d.state / "instances" / SPARE_REGION
@@ -239,8 +243,9 @@ def test_a_non_gpu_container_never_asks_cgpud(tmp_path, host: Host) -> None:
     assert code == 0, log
     shim = [str(native_path("bin/cgpu-runtime")), "--root", str(host.runc_root)]
     for args in (["start", cid], ["delete", "--force", cid]):
-        done = subprocess.run([*shim, *args], env=env, capture_output=True, text=True, timeout=60,
-                              stdin=subprocess.DEVNULL)
+        done = subprocess.run(
+            [*shim, *args], env=env, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL
+        )
         assert done.returncode == 0 and done.stderr == "", (args, done.stderr)
     assert cid not in listed_in_root(host)
 
@@ -254,7 +259,8 @@ def watching_runtime(tmp_path, cgpud: Daemon) -> tuple[dict[str, str], Path]:
         "#!/bin/sh\n"
         f"case \" $* \" in *\" delete \"*) '{BIN / 'cgpuctl'}' --socket '{cgpud.socket}' list --all --output json"
         f" > '{seen}';; esac\n"
-        "exec runc \"$@\"\n")
+        'exec runc "$@"\n'
+    )
     script.chmod(0o755)
     env = runtime_env(cgpud.relay)
     env["CGPU_REAL_RUNTIME"] = str(script)
@@ -262,8 +268,14 @@ def watching_runtime(tmp_path, cgpud: Daemon) -> tuple[dict[str, str], Path]:
 
 
 def shim(host: Host, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(native_path("bin/cgpu-runtime")), "--root", str(host.runc_root), *args], env=env,
-                          capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [str(native_path("bin/cgpu-runtime")), "--root", str(host.runc_root), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 write, /run/cgpu/usage: it computes, truncates the file, then tries to fill
 it. cgpud (core_mem, fixed policy) must stay up with the same pid, a 70 %
 neighbour keep its share and finish, and the instance go away cleanly."""
+
 from __future__ import annotations
 
 import os
@@ -17,14 +18,16 @@ from tests.harness.sharerun import Sampler, ShareRig, _at, _busy
 
 # The burn runs first: a thread of the tenant's own waiting at its gate when
 # the file goes would lose its demand with it and wait on (docs/compute.md).
-SCRIPT = "\n".join([
-    "cgpu-burn --kernel-ns 200000 --streams 4 --duration 1 >/dev/null 2>&1 || echo BURN-FAILED",
-    ": > /run/cgpu/usage && echo TRUNCATED",
-    "sleep 1",  # cgpud's scheduler reads the truncated file meanwhile
-    # 256 MiB at most: on a plain directory it would land on the state filesystem.
-    "busybox head -c 268435456 /dev/zero > /run/cgpu/usage 2>/dev/null || echo FILL-REFUSED",
-    "ls -l /run/cgpu/usage",
-])
+SCRIPT = "\n".join(
+    [
+        "cgpu-burn --kernel-ns 200000 --streams 4 --duration 1 >/dev/null 2>&1 || echo BURN-FAILED",
+        ": > /run/cgpu/usage && echo TRUNCATED",
+        "sleep 1",  # cgpud's scheduler reads the truncated file meanwhile
+        # 256 MiB at most: on a plain directory it would land on the state filesystem.
+        "busybox head -c 268435456 /dev/zero > /run/cgpu/usage 2>/dev/null || echo FILL-REFUSED",
+        "ls -l /run/cgpu/usage",
+    ]
+)
 
 
 def _free_bytes(path: Path) -> int:
@@ -48,16 +51,38 @@ def _attack_and_check(tmp_path: Path, host: Host, d: Daemon) -> None:
     assert d.proc is not None
     pid = d.proc.pid
     neighbour = subprocess.Popen(
-        [str(BIN / "cgpuctl"), "--socket", str(d.socket), "run", "--mem", "512MiB", "--core", "70", "--",
-         str(native_path("bin/cgpu-burn")), "--duration", "8", "--kernel-ns", "200000", "--streams", "4"],
-        env=d.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        [
+            str(BIN / "cgpuctl"),
+            "--socket",
+            str(d.socket),
+            "run",
+            "--mem",
+            "512MiB",
+            "--core",
+            "70",
+            "--",
+            str(native_path("bin/cgpu-burn")),
+            "--duration",
+            "8",
+            "--kernel-ns",
+            "200000",
+            "--streams",
+            "4",
+        ],
+        env=d.env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     sampler = Sampler(host.sim_env, 20)
     try:
         deadline = time.monotonic() + 60
         burn = ShareRig._burn_pid(neighbour, deadline)
         ShareRig._wait_running(sampler, [burn], deadline)
-        b = host.bundle(tmp_path / "attacker", ["sh", "-c", SCRIPT],
-                        ("ALIYUN_COM_GPU_MEM_CONTAINER=1", "ALIYUN_COM_GPU_CORE_PERCENTAGE=30"))
+        b = host.bundle(
+            tmp_path / "attacker",
+            ["sh", "-c", SCRIPT],
+            ("ALIYUN_COM_GPU_MEM_CONTAINER=1", "ALIYUN_COM_GPU_CORE_PERCENTAGE=30"),
+        )
         free_before = _free_bytes(d.state)
         started = time.monotonic_ns()
         out = run(host, b, host.new_id(), shim=True, relay=d.relay, timeout=120)

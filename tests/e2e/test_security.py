@@ -1,5 +1,6 @@
 """What a hostile image or tenant can do to the container start path: each
 test is a real runc container through cgpu-runtime and cgpu-hook."""
+
 from __future__ import annotations
 
 import subprocess
@@ -14,12 +15,16 @@ from tests.harness.oci import Host, run, settled, shim_container
 from tests.harness.preload_poc import build_poc
 from tests.harness.workload import BURN, burn_json, instances
 
+
 def test_image_ld_preload_from_cwd_never_runs_on_the_host(tmp_path, host: Host, cgpud: Daemon) -> None:
     """The NVIDIAScape pattern: an image's LD_PRELOAD that resolves, through
     a hook's working directory, to a library in the rootfs."""
     marker = Path("/tmp") / f"cgpu-poc-{uuid.uuid4().hex}"
-    b = host.bundle(tmp_path / "b", ["sh", "-c", "cgpu-burn --help >/dev/null; ls /tmp"],
-                    ("ALIYUN_COM_GPU_MEM_CONTAINER=1", "LD_PRELOAD=/proc/self/cwd/poc.so"))
+    b = host.bundle(
+        tmp_path / "b",
+        ["sh", "-c", "cgpu-burn --help >/dev/null; ls /tmp"],
+        ("ALIYUN_COM_GPU_MEM_CONTAINER=1", "LD_PRELOAD=/proc/self/cwd/poc.so"),
+    )
     (b.rootfs / "poc.so").write_bytes(build_poc(tmp_path, marker).read_bytes())
     b.spec["process"]["cwd"] = "/"
     b.write()
@@ -34,9 +39,12 @@ def test_image_ld_preload_from_cwd_never_runs_on_the_host(tmp_path, host: Host, 
         marker.unlink(missing_ok=True)
 
 
-def _symlinked(host: Host, tmp_path: Path, name: str, link: str, target: str) -> tuple[subprocess.CompletedProcess[str], Path]:
-    b = host.bundle(tmp_path / name, ["sh", "-c", f"cat /etc/ld.so.preload; {BURN}"],
-                    ("ALIYUN_COM_GPU_MEM_CONTAINER=2",))
+def _symlinked(
+    host: Host, tmp_path: Path, name: str, link: str, target: str
+) -> tuple[subprocess.CompletedProcess[str], Path]:
+    b = host.bundle(
+        tmp_path / name, ["sh", "-c", f"cat /etc/ld.so.preload; {BURN}"], ("ALIYUN_COM_GPU_MEM_CONTAINER=2",)
+    )
     inside = b.rootfs / link.lstrip("/")
     if inside.is_dir() and not inside.is_symlink():
         subprocess.run(["rm", "-rf", str(inside)], check=True)
@@ -58,8 +66,9 @@ def _symlinked(host: Host, tmp_path: Path, name: str, link: str, target: str) ->
         ("/run", "/proc/self/cwd"),
     ],
 )
-def test_symlinks_in_the_rootfs_never_lead_outside_it(tmp_path, host: Host, cgpud: Daemon, mounts, link: str,
-                                                     escape: str) -> None:
+def test_symlinks_in_the_rootfs_never_lead_outside_it(
+    tmp_path, host: Host, cgpud: Daemon, mounts, link: str, escape: str
+) -> None:
     outside = tmp_path / "outside"
     outside.mkdir()
     core_pattern = Path("/proc/sys/kernel/core_pattern").read_text()
@@ -96,16 +105,18 @@ def test_a_container_cannot_write_its_limits_or_reach_other_instances(tmp_path, 
         [other] = instances(cgpud)
         other_region = cgpud.state / "instances" / other["id"]
         other_limits = (other_region / "limits").read_bytes()
-        script = "; ".join([
-            "echo x > /run/cgpu/limits && echo WROTE-LIMITS",
-            "echo x > /run/cgpu/grants && echo WROTE-GRANTS",
-            "mount -o remount,rw /run/cgpu 2>/dev/null && echo REMOUNTED",
-            "echo x > /usr/local/cgpu/libcgpu.so && echo WROTE-LIB",
-            "echo x > /etc/ld.so.preload && echo WROTE-PRELOAD",
-            f"ls {other_region} 2>/dev/null && echo SEES-OTHER",
-            "ls /run/cgpu",
-            "id -u",
-        ])
+        script = "; ".join(
+            [
+                "echo x > /run/cgpu/limits && echo WROTE-LIMITS",
+                "echo x > /run/cgpu/grants && echo WROTE-GRANTS",
+                "mount -o remount,rw /run/cgpu 2>/dev/null && echo REMOUNTED",
+                "echo x > /usr/local/cgpu/libcgpu.so && echo WROTE-LIB",
+                "echo x > /etc/ld.so.preload && echo WROTE-PRELOAD",
+                f"ls {other_region} 2>/dev/null && echo SEES-OTHER",
+                "ls /run/cgpu",
+                "id -u",
+            ]
+        )
         for user in (0, 1000):
             b = host.bundle(tmp_path / f"t{user}", ["sh", "-c", script], ("ALIYUN_COM_GPU_MEM_CONTAINER=1",))
             b.spec["process"]["user"] = {"uid": user, "gid": user}

@@ -1,6 +1,7 @@
 """One admission: the extender's answer for a node, read from that node's
 Capacity view, is what the node's InstanceService admits, container by
 container, and the Reserve the extender would send is held there."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -15,8 +16,7 @@ from cgpud.extender.fit import Placement, Reason, fit, shares, summarize
 from cgpud.extender.model import NodeState, node_from_pb
 from cgpud.extender.pod import PodDemand, pod_demand
 from cgpud.extender.state import Hold, with_holds
-from cgpud.node.model import (GIB, GpuCapacity, NodeMode, NodePolicy, Owner, OwnerKind, PodContainer, Request,
-                              Share)
+from cgpud.node.model import GIB, GpuCapacity, NodeMode, NodePolicy, Owner, OwnerKind, PodContainer, Request, Share
 from cgpud.node.model import Placement as NodePlacement
 from cgpud.node.service import InstanceService
 from cgpud.node.store import Store
@@ -41,8 +41,9 @@ class Case:
 
 def _node(path: Path, case: Case) -> InstanceService:
     gpus = tuple(GpuCapacity(i, f"GPU-{i}", size * GIB) for i, size in enumerate(case.sizes))
-    policy = NodePolicy(mode=case.mode, placement=case.placement, max_instances_per_gpu=case.max_instances,
-                        core_step=case.core_step)
+    policy = NodePolicy(
+        mode=case.mode, placement=case.placement, max_instances_per_gpu=case.max_instances, core_step=case.core_step
+    )
     svc = InstanceService(Store(path / "cgpud.db"), gpus, policy, path / "regions", "580", "boot")
     for k, (gib, idx, core) in enumerate(case.held):
         svc.create(Request(Owner(OwnerKind.PROCESS, f"held-{k}"), gib * GIB, len(idx), core, gpu_indexes=idx))
@@ -56,15 +57,22 @@ def _view(svc: InstanceService) -> NodeState:
     return node_from_pb(CapacityServicer(svc, facts).view())
 
 
-def _admitted(svc: InstanceService, demand: PodDemand, reservation: str = "",
-              chosen: Sequence[tuple[int, ...]] = ()) -> tuple[tuple[int, ...], ...] | CgpuError:
+def _admitted(
+    svc: InstanceService, demand: PodDemand, reservation: str = "", chosen: Sequence[tuple[int, ...]] = ()
+) -> tuple[tuple[int, ...], ...] | CgpuError:
     """What the node grants the pod's containers one after the other (as
     their Allocates come), or its error."""
     out = []
     for k, c in enumerate(demand.containers):
         owner = Owner(OwnerKind.POD, PodContainer(demand.uid, demand.namespace, demand.name, c.name).owner_id)
-        request = Request(owner, c.memory_per_gpu, c.gpu_count, c.core_percent,
-                          gpu_indexes=chosen[k] if chosen else (), reservation=reservation)
+        request = Request(
+            owner,
+            c.memory_per_gpu,
+            c.gpu_count,
+            c.core_percent,
+            gpu_indexes=chosen[k] if chosen else (),
+            reservation=reservation,
+        )
         try:
             out.append(tuple(g.gpu_index for g in svc.create(request).grants))
         except CgpuError as e:
@@ -74,46 +82,61 @@ def _admitted(svc: InstanceService, demand: PodDemand, reservation: str = "",
 
 CASES = {
     "binpack takes the used GPU": Case([container("c", mem="4")], held=[(4, (1,), 0)]),
-    "spread takes the emptier GPU": Case([container("c", mem="4")], placement=NodePlacement.SPREAD,
-                                         held=[(4, (1,), 0)]),
+    "spread takes the emptier GPU": Case(
+        [container("c", mem="4")], placement=NodePlacement.SPREAD, held=[(4, (1,), 0)]
+    ),
     "binpack fills a busy GPU before an empty one, mixed sizes": Case(
-        [container("c", mem="4")], sizes=(32, 16, 8), held=[(24, (0,), 0), (10, (1,), 0)]),
+        [container("c", mem="4")], sizes=(32, 16, 8), held=[(24, (0,), 0), (10, (1,), 0)]
+    ),
     "share mode": Case([container("c", mem="6")], mode=NodeMode.SHARE, held=[(12, (0,), 0)]),
     "mps mode": Case([container("c", mem="6")], mode=NodeMode.MPS),
-    "core_mem: compute left decides": Case([container("c", mem="2", core="30")], mode=NodeMode.CORE_MEM,
-                                           held=[(1, (0,), 80), (1, (1,), 50)]),
-    "core_mem: no GPU has the compute": Case([container("c", mem="2", core="60")], mode=NodeMode.CORE_MEM,
-                                             held=[(1, (0,), 80), (1, (1,), 50)]),
-    "core_mem: not a multiple of the step": Case([container("c", mem="2", core="15")], mode=NodeMode.CORE_MEM,
-                                                 core_step=10),
+    "core_mem: compute left decides": Case(
+        [container("c", mem="2", core="30")], mode=NodeMode.CORE_MEM, held=[(1, (0,), 80), (1, (1,), 50)]
+    ),
+    "core_mem: no GPU has the compute": Case(
+        [container("c", mem="2", core="60")], mode=NodeMode.CORE_MEM, held=[(1, (0,), 80), (1, (1,), 50)]
+    ),
+    "core_mem: not a multiple of the step": Case(
+        [container("c", mem="2", core="15")], mode=NodeMode.CORE_MEM, core_step=10
+    ),
     "compute share on a cgpu node": Case([container("c", mem="2", core="30")]),
-    "memory per GPU, not in total": Case([container("c", mem="10")], sizes=(16, 16, 16),
-                                         held=[(12, (0,), 0), (12, (1,), 0), (12, (2,), 0)]),
+    "memory per GPU, not in total": Case(
+        [container("c", mem="10")], sizes=(16, 16, 16), held=[(12, (0,), 0), (12, (1,), 0), (12, (2,), 0)]
+    ),
     "larger than any GPU": Case([container("c", mem="20")]),
     "more GPUs than the node has": Case([container("c", mem="6", count="3")]),
-    "several GPUs, each with its part": Case([container("c", mem="16", count="2")], sizes=(16, 16, 16),
-                                             held=[(14, (0,), 0), (8, (1,), 0), (4, (2,), 0)]),
-    "several GPUs, too few with room": Case([container("c", mem="24", count="2")], sizes=(16, 16, 16),
-                                            held=[(14, (0,), 0), (8, (1,), 0), (4, (2,), 0)]),
-    "spread over several GPUs": Case([container("c", mem="8", count="2")], sizes=(16, 16, 16),
-                                     placement=NodePlacement.SPREAD, held=[(4, (1,), 0)]),
+    "several GPUs, each with its part": Case(
+        [container("c", mem="16", count="2")], sizes=(16, 16, 16), held=[(14, (0,), 0), (8, (1,), 0), (4, (2,), 0)]
+    ),
+    "several GPUs, too few with room": Case(
+        [container("c", mem="24", count="2")], sizes=(16, 16, 16), held=[(14, (0,), 0), (8, (1,), 0), (4, (2,), 0)]
+    ),
+    "spread over several GPUs": Case(
+        [container("c", mem="8", count="2")], sizes=(16, 16, 16), placement=NodePlacement.SPREAD, held=[(4, (1,), 0)]
+    ),
     "full GPUs": Case([container("c", mem="1")], held=[(16, (0,), 0), (16, (1,), 0)]),
-    "instance limit": Case([container("c", mem="1")], max_instances=2,
-                           held=[(1, (0,), 0), (1, (0,), 0), (1, (1,), 0)]),
-    "every GPU at its instance limit": Case([container("c", mem="1")], max_instances=1,
-                                            held=[(1, (0,), 0), (1, (1,), 0)]),
+    "instance limit": Case([container("c", mem="1")], max_instances=2, held=[(1, (0,), 0), (1, (0,), 0), (1, (1,), 0)]),
+    "every GPU at its instance limit": Case(
+        [container("c", mem="1")], max_instances=1, held=[(1, (0,), 0), (1, (1,), 0)]
+    ),
     "containers placed in order, binpack": Case([container("a", mem="4"), container("b", mem="4")]),
-    "containers placed in order, spread": Case([container("a", mem="4"), container("b", mem="4")],
-                                               placement=NodePlacement.SPREAD),
+    "containers placed in order, spread": Case(
+        [container("a", mem="4"), container("b", mem="4")], placement=NodePlacement.SPREAD
+    ),
     "the second container beside the first": Case([container("a", mem="12"), container("b", mem="8")]),
-    "the second container does not fit beside the first": Case([container("a", mem="12"), container("b", mem="8")],
-                                                               sizes=(16,)),
+    "the second container does not fit beside the first": Case(
+        [container("a", mem="12"), container("b", mem="8")], sizes=(16,)
+    ),
     "instance room counts the pod's own containers": Case(
-        [container("a", mem="1"), container("b", mem="1")], max_instances=1),
+        [container("a", mem="1"), container("b", mem="1")], max_instances=1
+    ),
     "a reservation the view shows": Case([container("c", mem="10")], reserved=[(10, 0)]),
     "core_mem, several containers and GPUs": Case(
         [container("a", mem="4", core="10"), container("b", mem="8", count="2", core="20")],
-        sizes=(16, 16, 16), mode=NodeMode.CORE_MEM, held=[(2, (2,), 90)]),
+        sizes=(16, 16, 16),
+        mode=NodeMode.CORE_MEM,
+        held=[(2, (2,), 90)],
+    ),
 }
 
 

@@ -1,5 +1,6 @@
 """bind.py with a fake node and a fake API server: reserve, bind with the annotations,
 and give back on any failure after the Reserve."""
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -30,8 +31,9 @@ class FakeNode:
             raise CapacityError(self.refuse, self.code)
         if self.lose_answer:  # held on the node, the answer never came back
             self.reserved[uid] = tuple(shares)
-            raise CapacityError("Reserve at 10.0.0.1:9455: DEADLINE_EXCEEDED: Deadline Exceeded",
-                                grpc.StatusCode.DEADLINE_EXCEEDED)
+            raise CapacityError(
+                "Reserve at 10.0.0.1:9455: DEADLINE_EXCEEDED: Deadline Exceeded", grpc.StatusCode.DEADLINE_EXCEEDED
+            )
         self.reserved[uid] = tuple(shares)
         self.revision += 1
         return SimpleNamespace(pod_uid=uid, incarnation="inc-1", revision=self.revision, expires_unix_ms=9e15)
@@ -137,10 +139,13 @@ def test_a_refused_reserve_is_the_bind_error(state: ClusterState) -> None:
         b.bind(BindArgs("p", "default", "u1", "n1"))
 
 
-@pytest.mark.parametrize("target, words", [
-    ("n2", "Capacity stream is down \\(connection refused\\): not binding there"),
-    ("n9", "unknown to cgpu-scheduler"),
-])
+@pytest.mark.parametrize(
+    "target, words",
+    [
+        ("n2", "Capacity stream is down \\(connection refused\\): not binding there"),
+        ("n9", "unknown to cgpu-scheduler"),
+    ],
+)
 def test_down_or_unknown_node_is_never_guessed(state: ClusterState, target: str, words: str) -> None:
     clients = FakeClients()
     b = Binder(state, clients, FakeApi({"p": pod("p", uid="u1")}))  # type: ignore[arg-type]
@@ -163,9 +168,9 @@ def test_a_pod_without_gpu_share_is_refused_not_bound(state: ClusterState) -> No
     api = FakeApi({"payments-db-0": pod("payments-db-0", [container("c")], uid="u1", namespace="prod")})
     clients = FakeClients()
     b = Binder(state, clients, api)  # type: ignore[arg-type]
-    for node in ("control-plane-1", "n1"):
+    for name in ("control-plane-1", "n1"):
         with pytest.raises(BindError, match="asks for no GPU share .*binds only pods it places"):
-            b.bind(BindArgs("payments-db-0", "prod", "u1", node))
+            b.bind(BindArgs("payments-db-0", "prod", "u1", name))
     assert api.bound == {} and clients.addresses == []
 
 

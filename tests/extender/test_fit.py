@@ -1,5 +1,6 @@
 """fit.py: the extender's filter and prioritize on a node's view (what the
 node itself admits: tests/extender/test_admission.py)."""
+
 from __future__ import annotations
 
 import json
@@ -184,8 +185,12 @@ def test_binpack_scores_the_fuller_end_higher_and_spread_the_emptier() -> None:
 
 
 def test_shares_sum_per_gpu_with_one_slot_per_container() -> None:
-    p = placed(fit(demand(container("a", mem="4", core="10"), container("b", mem="8", count="2", core="20")),
-                   node(mode="core_mem", gpus=[gpu(0), gpu(1)])))
+    p = placed(
+        fit(
+            demand(container("a", mem="4", core="10"), container("b", mem="8", count="2", core="20")),
+            node(mode="core_mem", gpus=[gpu(0), gpu(1)]),
+        )
+    )
     assert p.containers == ((4 * GIB, 10, (0,)), (4 * GIB, 20, (0, 1)))
     assert shares(p) == (Share(0, 8 * GIB, 30, 2), Share(1, 4 * GIB, 20, 1))
 
@@ -218,8 +223,13 @@ def test_annotations_one_container_one_gpu() -> None:
     n = node(gpus=[gpu(0, 16), gpu(1, 24, 2)])
     pl = placed(fit(d, n))
     notes = annotations(d, pl, n, 123)
-    assert notes == {"ALIYUN_COM_GPU_MEM_IDX": "1", "ALIYUN_COM_GPU_MEM_POD": "4", "ALIYUN_COM_GPU_MEM_DEV": "24",
-                     "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "123", "ALIYUN_COM_GPU_MEM_ASSIGNED": "false"}
+    assert notes == {
+        "ALIYUN_COM_GPU_MEM_IDX": "1",
+        "ALIYUN_COM_GPU_MEM_POD": "4",
+        "ALIYUN_COM_GPU_MEM_DEV": "24",
+        "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "123",
+        "ALIYUN_COM_GPU_MEM_ASSIGNED": "false",
+    }
     assert _resolve_all(p, notes) == {"c": ((1,), 4)}
 
 

@@ -1,4 +1,5 @@
 """pod.py: a pod's GPU demand from the v1.Pod JSON kube-scheduler sends."""
+
 from __future__ import annotations
 
 import pytest
@@ -65,11 +66,18 @@ def test_init_gpu_container_beside_another_gpu_container_is_refused() -> None:
         pod_demand(pod(containers=[container("main", mem="2")], init=[container("init", mem="2")]))
 
 
-@pytest.mark.parametrize("value, words", [
-    ("1.5", "is not a whole number"), ("500m", "is not a whole number"), ("-2", "is negative"),
-    ("lots", "is not a quantity"), (True, "is not a quantity"), ([4], "is not a quantity"),
-    (2.5, "is not a whole number"),
-])
+@pytest.mark.parametrize(
+    "value, words",
+    [
+        ("1.5", "is not a whole number"),
+        ("500m", "is not a whole number"),
+        ("-2", "is negative"),
+        ("lots", "is not a quantity"),
+        (True, "is not a quantity"),
+        ([4], "is not a quantity"),
+        (2.5, "is not a whole number"),
+    ],
+)
 def test_bad_memory_quantities(value: object, words: str) -> None:
     with pytest.raises(PodError, match=f"container c: aliyun.com/gpu-mem = .* {words}"):
         pod_demand(pod(containers=[container("c", mem=value)]))
@@ -97,14 +105,21 @@ def test_core_or_count_without_memory_is_refused(kwargs: dict[str, str], what: s
         pod_demand(pod(containers=[container("c", **kwargs)]))
 
 
-@pytest.mark.parametrize("bad, words", [
-    ([], "Pod is list, not a v1.Pod"), ({"spec": {}}, "no metadata"), ({"metadata": {}}, "no metadata.name"),
-    ({"metadata": {"name": "p"}}, "has no spec"), ({"metadata": {"name": "p"}, "spec": {"containers": {}}},
-                                                   "spec.containers is not a list"),
-    ({"metadata": {"name": "p"}, "spec": {"containers": [3]}}, r"spec.containers\[0\] is not an object"),
-    ({"metadata": {"name": "p"}, "spec": {"containers": [{"name": "c", "resources": {"limits": []}}]}},
-     "resources.limits is not an object"),
-])
+@pytest.mark.parametrize(
+    "bad, words",
+    [
+        ([], "Pod is list, not a v1.Pod"),
+        ({"spec": {}}, "no metadata"),
+        ({"metadata": {}}, "no metadata.name"),
+        ({"metadata": {"name": "p"}}, "has no spec"),
+        ({"metadata": {"name": "p"}, "spec": {"containers": {}}}, "spec.containers is not a list"),
+        ({"metadata": {"name": "p"}, "spec": {"containers": [3]}}, r"spec.containers\[0\] is not an object"),
+        (
+            {"metadata": {"name": "p"}, "spec": {"containers": [{"name": "c", "resources": {"limits": []}}]}},
+            "resources.limits is not an object",
+        ),
+    ],
+)
 def test_wrong_shapes_say_what(bad: object, words: str) -> None:
     with pytest.raises(PodError, match=words):
         pod_demand(bad)

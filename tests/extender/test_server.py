@@ -1,4 +1,5 @@
 """server.py over real sockets: the extender v1 JSON as kube-scheduler sends it."""
+
 from __future__ import annotations
 
 import http.client
@@ -59,8 +60,9 @@ class Conn:
     def __init__(self, port: int) -> None:
         self.c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
 
-    def call(self, method: str, path: str, body: Any = None, raw: bytes | None = None,
-             headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    def call(
+        self, method: str, path: str, body: Any = None, raw: bytes | None = None, headers: dict[str, str] | None = None
+    ) -> tuple[int, Any]:
         data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
         self.c.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
         r = self.c.getresponse()
@@ -90,7 +92,8 @@ def test_filter_with_node_names(server: tuple[ExtenderServer, FakeBinder]) -> No
 
 @pytest.mark.parametrize("names", [["dead"], ["whole", "dead"], ["ghost", "dead"]])
 def test_filter_answers_an_error_when_no_node_fits_and_one_is_only_unreachable_for_now(
-        server: tuple[ExtenderServer, FakeBinder], names: list[str]) -> None:
+    server: tuple[ExtenderServer, FakeBinder], names: list[str]
+) -> None:
     """kube-scheduler parks a pod its extender filtered out until a cluster
     event; a cgpud coming back is none. An error is retried within 10 s."""
     srv, _ = server
@@ -104,7 +107,9 @@ def test_filter_answers_an_error_when_no_node_fits_and_one_is_only_unreachable_f
 def test_filter_without_a_node_down_refuses_as_usual(server: tuple[ExtenderServer, FakeBinder]) -> None:
     srv, _ = server
     _, out = Conn(srv.port).call("POST", "/filter", args(pod(containers=[container("c", mem="4")]), ["whole", "ghost"]))
-    assert out["Error"] == "" and out["NodeNames"] == [] and set(out["FailedAndUnresolvableNodes"]) == {"whole", "ghost"}
+    assert (
+        out["Error"] == "" and out["NodeNames"] == [] and set(out["FailedAndUnresolvableNodes"]) == {"whole", "ghost"}
+    )
 
 
 def test_filter_resolvable_capacity_shortfall(server: tuple[ExtenderServer, FakeBinder]) -> None:
@@ -165,30 +170,44 @@ def test_healthz_and_inspect(server: tuple[ExtenderServer, FakeBinder], cluster:
     assert "recent_binds" in out
 
 
-@pytest.mark.parametrize("path, body, words", [
-    ("/filter", b"{not json", "the body is not JSON"),
-    ("/filter", b"[1]", "ExtenderArgs must be a JSON object, not a list"),
-    ("/filter", b'{"NodeNames": ["a"]}', "ExtenderArgs has no Pod"),
-    ("/filter", b'{"Pod": {"metadata": {"name": "p"}, "spec": {}}}', "neither NodeNames"),
-    ("/filter", b'{"Pod": {"metadata": {"name": "p"}, "spec": {}}, "NodeNames": "a"}', "list of node names"),
-    ("/filter", b'{"Pod": {"metadata": {"name": "p"}, "spec": {}}, "Nodes": {"items": [{}]}}',
-     r"Nodes.items\[0\] has no metadata.name"),
-    ("/prioritize", b'{"Pod": 3, "NodeNames": []}', "ExtenderArgs.Pod: Pod is int"),
-    # A small body must not ask for a huge answer (each unknown node gets its reason).
-    ("/filter", json.dumps({"Pod": {"metadata": {"name": "p"}, "spec": {}}, "NodeNames": ["x"] * 20_001}).encode(),
-     "names 20001 nodes: cgpu-scheduler takes at most 20000"),
-    ("/prioritize", b'{"Pod": {"metadata": {"name": "p"}, "spec": {}}, "NodeNames": ["busy", "idle", "busy"]}',
-     "names a node more than once"),
-    ("/bind", b'{"PodName": "p"}', "ExtenderBindingArgs has no Node"),
-    ("/bind", b'{"PodName": 1, "Node": "n"}', "PodName must be a string"),
-])
-def test_malformed_requests_get_400_and_change_nothing(server: tuple[ExtenderServer, FakeBinder], path: str,
-                                                       body: bytes, words: str) -> None:
+@pytest.mark.parametrize(
+    "path, body, words",
+    [
+        ("/filter", b"{not json", "the body is not JSON"),
+        ("/filter", b"[1]", "ExtenderArgs must be a JSON object, not a list"),
+        ("/filter", b'{"NodeNames": ["a"]}', "ExtenderArgs has no Pod"),
+        ("/filter", b'{"Pod": {"metadata": {"name": "p"}, "spec": {}}}', "neither NodeNames"),
+        ("/filter", b'{"Pod": {"metadata": {"name": "p"}, "spec": {}}, "NodeNames": "a"}', "list of node names"),
+        (
+            "/filter",
+            b'{"Pod": {"metadata": {"name": "p"}, "spec": {}}, "Nodes": {"items": [{}]}}',
+            r"Nodes.items\[0\] has no metadata.name",
+        ),
+        ("/prioritize", b'{"Pod": 3, "NodeNames": []}', "ExtenderArgs.Pod: Pod is int"),
+        # A small body must not ask for a huge answer (each unknown node gets its reason).
+        (
+            "/filter",
+            json.dumps({"Pod": {"metadata": {"name": "p"}, "spec": {}}, "NodeNames": ["x"] * 20_001}).encode(),
+            "names 20001 nodes: cgpu-scheduler takes at most 20000",
+        ),
+        (
+            "/prioritize",
+            b'{"Pod": {"metadata": {"name": "p"}, "spec": {}}, "NodeNames": ["busy", "idle", "busy"]}',
+            "names a node more than once",
+        ),
+        ("/bind", b'{"PodName": "p"}', "ExtenderBindingArgs has no Node"),
+        ("/bind", b'{"PodName": 1, "Node": "n"}', "PodName must be a string"),
+    ],
+)
+def test_malformed_requests_get_400_and_change_nothing(
+    server: tuple[ExtenderServer, FakeBinder], path: str, body: bytes, words: str
+) -> None:
     srv, binder = server
     c = Conn(srv.port)
     code, out = c.call("POST", path, raw=body)
     assert code == 400 and set(out) == {"Error"}
     import re
+
     assert re.search(words, out["Error"]), out
     assert binder.bound == [] and binder.seen == []
     # The connection is still good for the next request.
@@ -218,7 +237,8 @@ def test_many_requests_on_one_connection(server: tuple[ExtenderServer, FakeBinde
 
 
 def test_a_new_view_is_answered_for_recent_pod_shapes_before_it_is_read(
-        server: tuple[ExtenderServer, FakeBinder], cluster: ClusterState) -> None:
+    server: tuple[ExtenderServer, FakeBinder], cluster: ClusterState
+) -> None:
     srv, _ = server
     c = Conn(srv.port)
     c.call("POST", "/filter", args(pod(containers=[container("c", mem="4")]), ["idle"]))
@@ -231,12 +251,13 @@ def test_a_new_view_is_answered_for_recent_pod_shapes_before_it_is_read(
     answer, text = rec.summary.rendered[((4 << 30, 0, 1),)]
     assert answer.containers == ((4 << 30, 0, (0,)),) and text == f'{{"Host":"idle","Score":{answer.score}}}'
     # And the HTTP answer is that one.
-    code, out = c.call("POST", "/prioritize", args(pod(containers=[container("c", mem="4")]), ["idle"]))
+    _, out = c.call("POST", "/prioritize", args(pod(containers=[container("c", mem="4")]), ["idle"]))
     assert out == [{"Host": "idle", "Score": answer.score}]
 
 
-def test_answers_kept_per_node_list_follow_every_change(server: tuple[ExtenderServer, FakeBinder],
-                                                         cluster: ClusterState) -> None:
+def test_answers_kept_per_node_list_follow_every_change(
+    server: tuple[ExtenderServer, FakeBinder], cluster: ClusterState
+) -> None:
     srv, _ = server
     c = Conn(srv.port)
     names = ["busy", "idle", "ghost"]

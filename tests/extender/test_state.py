@@ -1,4 +1,5 @@
 """state.py: the cluster view and the overlay of reservations just made."""
+
 from __future__ import annotations
 
 import threading
@@ -19,8 +20,9 @@ class Clock:
         return self.now
 
 
-def hold(uid: str = "u1", gib: int = 12, incarnation: str = "inc-1", revision: int = 5,
-         expires: float = 2000.0) -> Hold:
+def hold(
+    uid: str = "u1", gib: int = 12, incarnation: str = "inc-1", revision: int = 5, expires: float = 2000.0
+) -> Hold:
     return Hold(uid, "ns", uid, (Share(0, gib * GIB, 0, 1),), incarnation, revision, expires)
 
 
@@ -140,7 +142,7 @@ def test_concurrent_writers_and_readers() -> None:
             for r in range(200):
                 s.set_state(names[(k + r) % 20], "a:1", node(names[(k + r) % 20], revision=r))
                 s.hold(names[r % 20], hold(f"u{k}-{r}"))
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             errors.append(e)
 
     def read() -> None:
@@ -150,7 +152,7 @@ def test_concurrent_writers_and_readers() -> None:
                     rec = s.record(n)
                     if rec is not None:
                         assert rec.entry.name == n
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             errors.append(e)
 
     threads = [threading.Thread(target=write, args=(k,)) for k in range(4)] + [threading.Thread(target=read)]

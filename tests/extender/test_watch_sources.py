@@ -1,4 +1,5 @@
 """watch.py's node sources: the node file and the Node annotation."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,14 +14,17 @@ def test_node_file() -> None:
     assert parse_node_file(text) == {"node-1": "10.0.0.1:9455", "node-2": "[fd00::2]:9455", "node-3": "host.example:1"}
 
 
-@pytest.mark.parametrize("line, words", [
-    ("node-1", "line 1: 'node-1' is not `NAME HOST:PORT`"),
-    ("node-1 10.0.0.1", "is not `NAME HOST:PORT`"),
-    ("node-1 10.0.0.1:99999", "is not `NAME HOST:PORT`"),
-    ("node-1 fd00::1:9455", "is not `NAME HOST:PORT`"),
-    ("node-1 a:1 extra", "is not `NAME HOST:PORT`"),
-    ("node-1 a:1\nnode-1 b:1", "line 2: node node-1 is listed twice"),
-])
+@pytest.mark.parametrize(
+    "line, words",
+    [
+        ("node-1", "line 1: 'node-1' is not `NAME HOST:PORT`"),
+        ("node-1 10.0.0.1", "is not `NAME HOST:PORT`"),
+        ("node-1 10.0.0.1:99999", "is not `NAME HOST:PORT`"),
+        ("node-1 fd00::1:9455", "is not `NAME HOST:PORT`"),
+        ("node-1 a:1 extra", "is not `NAME HOST:PORT`"),
+        ("node-1 a:1\nnode-1 b:1", "line 2: node node-1 is listed twice"),
+    ],
+)
 def test_bad_node_file_lines(line: str, words: str) -> None:
     with pytest.raises(UsageError, match=words):
         parse_node_file(line, "nodes.txt")

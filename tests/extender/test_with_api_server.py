@@ -2,6 +2,7 @@
 cgpud nodes: nodes found through their cgpu.io/capacity-address annotation
 (list + watch), bind writes the gpushare annotations and the Binding, and a
 Binding the API server refuses gives the node's reservation back."""
+
 from __future__ import annotations
 
 import http.client
@@ -32,23 +33,27 @@ class Scheduler:
     def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
         c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
         try:
-            c.request(method, path, body=None if body is None else json.dumps(body).encode(),
-                      headers={"Content-Type": "application/json"})
+            c.request(
+                method,
+                path,
+                body=None if body is None else json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"},
+            )
             r = c.getresponse()
             return r.status, json.loads(r.read())
         finally:
             c.close()
 
     def filter(self, state: ApiState, name: str, nodes: list[str]) -> dict[str, Any]:
-        code, out = self.call("POST", "/filter", {"Pod": state.pod("default", name), "NodeNames": nodes,
-                                                  "Nodes": None})
+        code, out = self.call("POST", "/filter", {"Pod": state.pod("default", name), "NodeNames": nodes, "Nodes": None})
         assert code == 200
         return out
 
     def bind(self, state: ApiState, name: str, node: str) -> str:
         uid = state.pod("default", name)["metadata"]["uid"]
-        code, out = self.call("POST", "/bind", {"PodName": name, "PodNamespace": "default", "PodUID": uid,
-                                                "Node": node})
+        code, out = self.call(
+            "POST", "/bind", {"PodName": name, "PodNamespace": "default", "PodUID": uid, "Node": node}
+        )
         assert code == 200
         return str(out["Error"])
 
@@ -63,10 +68,14 @@ def setup(tmp_path: Path, native: Path) -> Iterator[tuple[list[Any], ApiState, S
         api.state.nodes["plain"] = node_json("plain")
         port = free_port()
         log = open(tmp_path / "scheduler.log", "w")
-        proc = subprocess.Popen([str(BIN / "cgpu-scheduler"), "--listen", f"127.0.0.1:{port}", "--kubeconfig",
-                                 str(kubeconfig)], stdout=log, stderr=log)
+        proc = subprocess.Popen(
+            [str(BIN / "cgpu-scheduler"), "--listen", f"127.0.0.1:{port}", "--kubeconfig", str(kubeconfig)],
+            stdout=log,
+            stderr=log,
+        )
         sched = Scheduler(port, kubeconfig)
         try:
+
             def ready() -> bool:
                 try:
                     _, view = sched.call("GET", "/inspect")
@@ -138,8 +147,9 @@ def test_a_refused_binding_gives_the_reservation_back(setup: tuple[list[Any], Ap
 def test_a_pod_recreated_under_the_same_name_is_not_bound(setup: tuple[list[Any], ApiState, Scheduler]) -> None:
     nodes, state, sched = setup
     gpu_pod(state, "d", 4)
-    code, out = sched.call("POST", "/bind", {"PodName": "d", "PodNamespace": "default", "PodUID": "stale-uid",
-                                             "Node": "node-0"})
+    code, out = sched.call(
+        "POST", "/bind", {"PodName": "d", "PodNamespace": "default", "PodUID": "stale-uid", "Node": "node-0"}
+    )
     assert code == 200 and "recreated" in out["Error"] and state.bindings == []
     assert not any(p.reserved for p in get_node(nodes[0].address, None).pods)
 

@@ -2,6 +2,7 @@
 on 127.0.0.1): filter, prioritize and bind over HTTP, the Reserve seen on the
 node, a killed node refused within a second and back after its restart, TLS
 with and without a trusted client certificate, and the console script."""
+
 from __future__ import annotations
 
 import http.client
@@ -29,6 +30,7 @@ from tests.harness.net import free_port
 from tests.harness.tls import Pki, make_pki
 from tests.harness.wait import until
 
+
 @dataclass
 class Extender:
     state: ClusterState
@@ -36,15 +38,20 @@ class Extender:
     conn: http.client.HTTPConnection
 
     def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        self.conn.request(method, path, body=None if body is None else json.dumps(body).encode(),
-                          headers={"Content-Type": "application/json"})
+        self.conn.request(
+            method,
+            path,
+            body=None if body is None else json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         r = self.conn.getresponse()
         return r.status, json.loads(r.read())
 
 
 @contextmanager
-def extender(nodes: list[Node], tls: TlsFiles | None = None,
-             addresses: dict[str, str] | None = None) -> Iterator[Extender]:
+def extender(
+    nodes: list[Node], tls: TlsFiles | None = None, addresses: dict[str, str] | None = None
+) -> Iterator[Extender]:
     """An extender watching the nodes (at their own addresses, or at the
     ones given by name: what a Node's annotation may claim)."""
     state = ClusterState()
@@ -92,8 +99,15 @@ def test_filter_prioritize_bind_and_the_reservation_on_the_node(tmp_path: Path, 
         assert len(held) == 1 and held[0].gpus == ((0, 10 * GIB, 0),)
         assert view.gpus[0].memory_reserved == 10 * GIB and view.gpus[0].memory_allocated == 10 * GIB
         # The watcher's view catches up and the overlay is dropped (nothing counted twice).
-        until(lambda: (r := ext.state.record("node-0")) is not None and r.holds == ()
-              and r.view is not None and r.view.gpus[0].memory_allocated == 10 * GIB, what="the view with it")
+        until(
+            lambda: (
+                (r := ext.state.record("node-0")) is not None
+                and r.holds == ()
+                and r.view is not None
+                and r.view.gpus[0].memory_allocated == 10 * GIB
+            ),
+            what="the view with it",
+        )
         rec = ext.state.record("node-0")
         assert rec is not None and rec.entry.state is not None and rec.entry.state.gpus[0].memory_allocated == 10 * GIB
 
@@ -106,15 +120,17 @@ def test_filter_prioritize_bind_and_the_reservation_on_the_node(tmp_path: Path, 
         pair = pod("pair", [container("c", mem="24", count="2")], uid="uid-pair")
         _, out = ext.call("POST", "/filter", filter_args(pair, names))
         assert out["NodeNames"] == ["node-1"] and "12 GiB free" in out["FailedNodes"]["node-0"]
-        assert ext.call("POST", "/bind", {"PodName": "pair", "PodNamespace": "default", "PodUID": "uid-pair",
-                                          "Node": "node-1"}) == (200, {"Error": ""})
+        assert ext.call(
+            "POST", "/bind", {"PodName": "pair", "PodNamespace": "default", "PodUID": "uid-pair", "Node": "node-1"}
+        ) == (200, {"Error": ""})
         view1 = get_node(nodes[1].address, None)
         assert [g.memory_reserved for g in view1.gpus] == [12 * GIB, 12 * GIB]
         # Binding where it no longer fits is refused by the extender and nothing is reserved.
         again = pod("again", [container("c", mem="24", count="2")], uid="uid-again")
         ext.call("POST", "/filter", filter_args(again, names))
-        code, out = ext.call("POST", "/bind", {"PodName": "again", "PodNamespace": "default", "PodUID": "uid-again",
-                                               "Node": "node-1"})
+        code, out = ext.call(
+            "POST", "/bind", {"PodName": "again", "PodNamespace": "default", "PodUID": "uid-again", "Node": "node-1"}
+        )
         assert code == 200 and "no longer fits node node-1" in out["Error"]
         assert not any(p.pod_uid == "uid-again" for p in get_node(nodes[1].address, None).pods)
         # /inspect shows both nodes and the binds.
@@ -162,15 +178,20 @@ def test_a_killed_node_is_refused_at_once_and_used_again_after_its_restart(tmp_p
         took = time.monotonic() - killed
         assert took < 1.0, took
         assert "Capacity stream is down" in reasons["node-0"] and "UNAVAILABLE" in reasons["node-0"]
-        code, out = ext.call("POST", "/bind", {"PodName": "p", "PodNamespace": "default", "PodUID": "uid-p",
-                                               "Node": "node-0"})
+        _, out = ext.call(
+            "POST", "/bind", {"PodName": "p", "PodNamespace": "default", "PodUID": "uid-p", "Node": "node-0"}
+        )
         assert "Capacity stream is down" in out["Error"] and "not binding there" in out["Error"]
         # Back after the restart (the watcher retries with backoff up to 5 s).
         nodes[0].daemon.start()
-        until(lambda: ext.call("POST", "/filter", filter_args(p, names))[1]["NodeNames"] == names, timeout=15,
-              what="node-0 back")
-        assert ext.call("POST", "/bind", {"PodName": "p", "PodNamespace": "default", "PodUID": "uid-p",
-                                          "Node": "node-0"}) == (200, {"Error": ""})
+        until(
+            lambda: ext.call("POST", "/filter", filter_args(p, names))[1]["NodeNames"] == names,
+            timeout=15,
+            what="node-0 back",
+        )
+        assert ext.call(
+            "POST", "/bind", {"PodName": "p", "PodNamespace": "default", "PodUID": "uid-p", "Node": "node-0"}
+        ) == (200, {"Error": ""})
 
 
 @pytest.fixture(scope="module")
@@ -178,8 +199,9 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     return make_pki(tmp_path_factory.mktemp("pki"))
 
 
-def test_tls_trusted_client_watches_untrusted_or_certless_clients_do_not(tmp_path: Path, native: Path,
-                                                                        pki: Pki) -> None:
+def test_tls_trusted_client_watches_untrusted_or_certless_clients_do_not(
+    tmp_path: Path, native: Path, pki: Pki
+) -> None:
     cert, key = pki.node_cert("node-0")
     tls_args = ("--capacity-tls-cert", str(cert), "--capacity-tls-key", str(key), "--capacity-tls-ca", str(pki.ca))
     with cgpud_nodes(tmp_path, native, 1, *tls_args) as nodes:
@@ -187,13 +209,16 @@ def test_tls_trusted_client_watches_untrusted_or_certless_clients_do_not(tmp_pat
             until(lambda: connected(ext, "node-0"), what="a view over TLS")
             p = pod("p", [container("c", mem="4")], uid="uid-tls")
             ext.call("POST", "/filter", filter_args(p, ["node-0"]))
-            assert ext.call("POST", "/bind", {"PodName": "p", "PodNamespace": "default", "PodUID": "uid-tls",
-                                              "Node": "node-0"}) == (200, {"Error": ""})
+            assert ext.call(
+                "POST", "/bind", {"PodName": "p", "PodNamespace": "default", "PodUID": "uid-tls", "Node": "node-0"}
+            ) == (200, {"Error": ""})
         before = get_node(nodes[0].address, TlsFiles(pki.client_cert, pki.client_key, pki.ca))
         for tls in (TlsFiles(pki.untrusted_cert, pki.untrusted_key, pki.ca), TlsFiles(None, None, pki.ca)):
             with extender(nodes, tls) as ext:
-                down = until(lambda: (e := ext.state.entry("node-0")) is not None and "connecting" not in e.error
-                             and e, what="the refusal")
+                down = until(
+                    lambda: (e := ext.state.entry("node-0")) is not None and "connecting" not in e.error and e,
+                    what="the refusal",
+                )
                 assert not down.connected and down.state is None and "UNAVAILABLE" in down.error
                 _, out = ext.call("POST", "/filter", filter_args(pod("q", uid="uid-q"), ["node-0"]))
                 assert "node-0: cgpud's Capacity stream is down" in out["Error"], out  # retried by kube-scheduler
@@ -208,18 +233,25 @@ def test_a_node_pointed_at_another_nodes_capacity_api_is_refused(tmp_path: Path,
     cgpu.io/capacity-address at node-0's Capacity port. Before, filter passed
     node-1 on node-0's view and bind reserved on node-0. The view names the
     node it is of, and a view of another node is refused."""
-    with cgpud_nodes(tmp_path, native, 2) as nodes, \
-            extender(nodes, addresses={"node-0": nodes[0].address, "node-1": nodes[0].address}) as ext:
+    with (
+        cgpud_nodes(tmp_path, native, 2) as nodes,
+        extender(nodes, addresses={"node-0": nodes[0].address, "node-1": nodes[0].address}) as ext,
+    ):
         until(lambda: connected(ext, "node-0"), what="node-0's view")
-        down = until(lambda: (e := ext.state.entry("node-1")) is not None and "speaks for" in e.error and e,
-                     what="node-1 refused")
+        down = until(
+            lambda: (e := ext.state.entry("node-1")) is not None and "speaks for" in e.error and e,
+            what="node-1 refused",
+        )
         assert not down.connected and down.state is None
         assert "the Capacity API at " + nodes[0].address + " speaks for node 'node-0', not 'node-1'" in down.error
         p = pod("p", [container("c", mem="4")], uid="uid-p")
         _, out = ext.call("POST", "/filter", filter_args(p, ["node-0", "node-1"]))
-        assert out["NodeNames"] == ["node-0"] and "speaks for node 'node-0'" in out["FailedAndUnresolvableNodes"]["node-1"]
-        code, out = ext.call("POST", "/bind", {"PodName": "p", "PodNamespace": "default", "PodUID": "uid-p",
-                                               "Node": "node-1"})
+        assert (
+            out["NodeNames"] == ["node-0"] and "speaks for node 'node-0'" in out["FailedAndUnresolvableNodes"]["node-1"]
+        )
+        _, out = ext.call(
+            "POST", "/bind", {"PodName": "p", "PodNamespace": "default", "PodUID": "uid-p", "Node": "node-1"}
+        )
         assert "not binding there" in out["Error"]
         assert not any(p.pod_uid == "uid-p" for p in get_node(nodes[0].address, None).pods)
 
@@ -229,6 +261,7 @@ def test_with_tls_a_node_answers_only_under_its_own_certificate(tmp_path: Path, 
     cannot answer for node-1 (the extender checks the certificate names the
     Node it dials for), and a node with another node's certificate is not
     trusted as itself."""
+
     def tls_args(name: str) -> tuple[str, ...]:
         cert, key = pki.node_cert(name)
         return ("--capacity-tls-cert", str(cert), "--capacity-tls-key", str(key), "--capacity-tls-ca", str(pki.ca))
@@ -237,14 +270,18 @@ def test_with_tls_a_node_answers_only_under_its_own_certificate(tmp_path: Path, 
     with cgpud_nodes(tmp_path / "a", native, 1, *tls_args("node-0")) as nodes:
         with extender(nodes, client, addresses={"node-0": nodes[0].address, "node-1": nodes[0].address}) as ext:
             until(lambda: connected(ext, "node-0"), what="node-0's view over TLS")
-            down = until(lambda: (e := ext.state.entry("node-1")) is not None and "connecting" not in e.error
-                         and e, what="node-1 refused")
+            down = until(
+                lambda: (e := ext.state.entry("node-1")) is not None and "connecting" not in e.error and e,
+                what="node-1 refused",
+            )
             assert not down.connected and down.state is None and "UNAVAILABLE" in down.error
     # a node that runs with node-0's certificate (a stolen key) is not node-1
     with cgpud_nodes(tmp_path / "b", native, 2, *tls_args("node-0")) as nodes, extender(nodes, client) as ext:
         until(lambda: connected(ext, "node-0"), what="node-0's view over TLS")
-        down = until(lambda: (e := ext.state.entry("node-1")) is not None and "connecting" not in e.error and e,
-                     what="node-1 refused")
+        down = until(
+            lambda: (e := ext.state.entry("node-1")) is not None and "connecting" not in e.error and e,
+            what="node-1 refused",
+        )
         assert not down.connected and down.state is None
 
 
@@ -254,9 +291,13 @@ def test_the_console_script_serves_and_stops_on_sigterm(tmp_path: Path, native: 
         node_file.write_text(f"# test\n{nodes[0].name} {nodes[0].address}\n")
         port = free_port()
         log = open(tmp_path / "scheduler.log", "w")
-        proc = subprocess.Popen([str(BIN / "cgpu-scheduler"), "--listen", f"127.0.0.1:{port}", "--nodes",
-                                 str(node_file)], stdout=log, stderr=log)
+        proc = subprocess.Popen(
+            [str(BIN / "cgpu-scheduler"), "--listen", f"127.0.0.1:{port}", "--nodes", str(node_file)],
+            stdout=log,
+            stderr=log,
+        )
         try:
+
             def inspect() -> dict[str, Any] | None:
                 try:
                     c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
@@ -279,16 +320,29 @@ def test_the_console_script_serves_and_stops_on_sigterm(tmp_path: Path, native: 
 
 
 def test_bad_flags_are_refused_with_a_message(tmp_path: Path) -> None:
-    done = subprocess.run([str(BIN / "cgpu-scheduler"), "--listen", "127.0.0.1:0"], capture_output=True, text=True,
-                          timeout=30, env={k: v for k, v in os.environ.items() if k != "KUBERNETES_SERVICE_HOST"})
+    done = subprocess.run(
+        [str(BIN / "cgpu-scheduler"), "--listen", "127.0.0.1:0"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={k: v for k, v in os.environ.items() if k != "KUBERNETES_SERVICE_HOST"},
+    )
     assert done.returncode == 2 and "no nodes: give --nodes FILE" in done.stderr
     bad = tmp_path / "nodes"
     bad.write_text("node-1 nowhere\n")
-    done = subprocess.run([str(BIN / "cgpu-scheduler"), "--listen", "127.0.0.1:0", "--nodes", str(bad)],
-                          capture_output=True, text=True, timeout=30)
+    done = subprocess.run(
+        [str(BIN / "cgpu-scheduler"), "--listen", "127.0.0.1:0", "--nodes", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert done.returncode == 2 and "line 1: 'node-1 nowhere' is not `NAME HOST:PORT`" in done.stderr
-    done = subprocess.run([str(BIN / "cgpu-scheduler"), "--listen", "nowhere", "--nodes", str(bad)],
-                          capture_output=True, text=True, timeout=30)
+    done = subprocess.run(
+        [str(BIN / "cgpu-scheduler"), "--listen", "nowhere", "--nodes", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert done.returncode == 2 and "--listen 'nowhere' is not HOST:PORT" in done.stderr
 
 
@@ -306,8 +360,13 @@ def test_concurrent_binds_never_overcommit_a_node(tmp_path: Path, native: Path) 
             p = pod(f"p{i}", [container("c", mem="4")], uid=f"uid-{i}")
             c.request("POST", "/filter", json.dumps(filter_args(p, ["node-0"])).encode())
             json.loads(c.getresponse().read())
-            c.request("POST", "/bind", json.dumps({"PodName": f"p{i}", "PodNamespace": "default",
-                                                   "PodUID": f"uid-{i}", "Node": "node-0"}).encode())
+            c.request(
+                "POST",
+                "/bind",
+                json.dumps(
+                    {"PodName": f"p{i}", "PodNamespace": "default", "PodUID": f"uid-{i}", "Node": "node-0"}
+                ).encode(),
+            )
             error = json.loads(c.getresponse().read())["Error"]
             c.close()
             return str(error)

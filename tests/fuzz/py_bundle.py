@@ -19,6 +19,7 @@ What must hold for any input:
   passes over would start without its limits;
 - the edited spec reads back as written, asks for exactly its instance,
   and editing it again changes nothing."""
+
 from __future__ import annotations
 
 import json
@@ -44,12 +45,52 @@ from cgpud.errors import CgpuError
 SHIM_MARKERS = (ENV_PREFIX.encode(), b"/cgpu", b"\\/", b"NVIDIA_VISIBLE_DEVICES")
 _NAME_ESCAPE = re.compile(rb"\\u([0-9a-fA-F]{4})")
 GPU_MEMORY = {0: 16 * GIB, 1: 16 * GIB}
-KEYS = ("ociVersion", "process", "env", "args", "root", "path", "mounts", "destination", "source", "type",
-        "options", "hooks", "createRuntime", "poststop", "prestart", "annotations", "timeout", "cgpu.io/instance")
-WORDS = ("/run/cgpu", "/run/cgpu/usage", "/run/cgpu/", "/run", "/etc", "/usr/local", "/usr/local/cgpu/libcgpu.so",
-         "/etc/ld.so.preload", "rootfs", "linked", "filed", "bind", "rbind", "ro", "tmpfs", "overlay", "/tmp",
-         "REGIONS/cgpu-0000aaaa", "REGIONS/cgpu-0000aaaa/usage", "ALIYUN_COM_GPU_MEM_CONTAINER=2",
-         "ALIYUN_COM_GPU_CORE_PERCENTAGE=30", "ALIYUN_COM_GPU_COUNT=2", "CGPU_DISABLE=0", "PATH=/bin")
+KEYS = (
+    "ociVersion",
+    "process",
+    "env",
+    "args",
+    "root",
+    "path",
+    "mounts",
+    "destination",
+    "source",
+    "type",
+    "options",
+    "hooks",
+    "createRuntime",
+    "poststop",
+    "prestart",
+    "annotations",
+    "timeout",
+    "cgpu.io/instance",
+)
+WORDS = (
+    "/run/cgpu",
+    "/run/cgpu/usage",
+    "/run/cgpu/",
+    "/run",
+    "/etc",
+    "/usr/local",
+    "/usr/local/cgpu/libcgpu.so",
+    "/etc/ld.so.preload",
+    "rootfs",
+    "linked",
+    "filed",
+    "bind",
+    "rbind",
+    "ro",
+    "tmpfs",
+    "overlay",
+    "/tmp",
+    "REGIONS/cgpu-0000aaaa",
+    "REGIONS/cgpu-0000aaaa/usage",
+    "ALIYUN_COM_GPU_MEM_CONTAINER=2",
+    "ALIYUN_COM_GPU_CORE_PERCENTAGE=30",
+    "ALIYUN_COM_GPU_COUNT=2",
+    "CGPU_DISABLE=0",
+    "PATH=/bin",
+)
 
 
 def value(fdp: atheris.FuzzedDataProvider, depth: int) -> object:
@@ -99,8 +140,12 @@ class Harness:
     def __init__(self, root: Path) -> None:
         self.bundle = root / "bundle"
         self.regions = root / "regions"
-        self.files = RuntimeFiles(root / "runtime" / "libcgpu.so", root / "runtime" / "ld.so.preload",
-                                  root / "runtime" / "cgpu-hook", root / "relay.sock")
+        self.files = RuntimeFiles(
+            root / "runtime" / "libcgpu.so",
+            root / "runtime" / "ld.so.preload",
+            root / "runtime" / "cgpu-hook",
+            root / "relay.sock",
+        )
         for tree in ("rootfs", "linked", "filed"):
             for d in ("run", "etc", "usr/local", "proc"):
                 (self.bundle / tree / d).mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,7 @@ Every refusal must be a CgpuError (one clear line to the relay); anything
 else escaping is a bug the relay could only answer with "cgpud failed on
 this request". After each input, instances it made are released and the
 bundles rewritten, so every input meets the same state."""
+
 from __future__ import annotations
 
 import json
@@ -43,10 +44,15 @@ GPUS = (GpuCapacity(0, "GPU-aaaa", 16 * GIB), GpuCapacity(1, "GPU-bbbb", 16 * GI
 class Harness:
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.service = InstanceService(Store(root / "db" / "cgpud.db"), GPUS, NodePolicy(), root / "regions",
-                                       "580.65.06", "boot-1")
-        files = RuntimeFiles(root / "runtime" / "libcgpu.so", root / "runtime" / "ld.so.preload",
-                             root / "runtime" / "cgpu-hook", root / "relay.sock")
+        self.service = InstanceService(
+            Store(root / "db" / "cgpud.db"), GPUS, NodePolicy(), root / "regions", "580.65.06", "boot-1"
+        )
+        files = RuntimeFiles(
+            root / "runtime" / "libcgpu.so",
+            root / "runtime" / "ld.so.preload",
+            root / "runtime" / "cgpu-hook",
+            root / "relay.sock",
+        )
         self.lifecycle = ContainerLifecycle(self.service, files, trust_env=True)
         self.device = self.service.create(Request(Owner(OwnerKind.DEVICE, "fuzz-device"), 2 * GIB))
         self.bundles = root / "bundles"
@@ -56,14 +62,29 @@ class Harness:
         process = {"args": ["sh"], "env": ["PATH=/bin"]}
         return {
             "plain": {"ociVersion": "1.0.2", "process": process, "root": {"path": "rootfs"}},
-            "gpu": {"ociVersion": "1.0.2", "root": {"path": "rootfs"},
-                    "process": {**process, "env": ["PATH=/bin", "ALIYUN_COM_GPU_MEM_CONTAINER=2"]}},
-            "core": {"ociVersion": "1.0.2", "root": {"path": "rootfs"},
-                     "process": {**process, "env": ["ALIYUN_COM_GPU_MEM_CONTAINER=1",
-                                                    "ALIYUN_COM_GPU_CORE_PERCENTAGE=30"]}},
-            "claim": {"ociVersion": "1.0.2", "process": process, "root": {"path": "rootfs"},
-                      "mounts": [{"destination": "/run/cgpu", "type": "bind", "options": ["rbind", "ro"],
-                                  "source": str(self.service.region_dir(self.device.id))}]},
+            "gpu": {
+                "ociVersion": "1.0.2",
+                "root": {"path": "rootfs"},
+                "process": {**process, "env": ["PATH=/bin", "ALIYUN_COM_GPU_MEM_CONTAINER=2"]},
+            },
+            "core": {
+                "ociVersion": "1.0.2",
+                "root": {"path": "rootfs"},
+                "process": {**process, "env": ["ALIYUN_COM_GPU_MEM_CONTAINER=1", "ALIYUN_COM_GPU_CORE_PERCENTAGE=30"]},
+            },
+            "claim": {
+                "ociVersion": "1.0.2",
+                "process": process,
+                "root": {"path": "rootfs"},
+                "mounts": [
+                    {
+                        "destination": "/run/cgpu",
+                        "type": "bind",
+                        "options": ["rbind", "ro"],
+                        "source": str(self.service.region_dir(self.device.id)),
+                    }
+                ],
+            },
         }
 
     def reset(self) -> None:

@@ -10,6 +10,7 @@ is libFuzzer too), so every target reports the same figures. Each run starts
 from the committed seeds (tests/fuzz/corpus/<target>) and first replays the
 inputs that once broke something (tests/fuzz/regressions/<target>); new
 inputs go to a scratch directory (or --keep DIR), never into the tree."""
+
 from __future__ import annotations
 
 import argparse
@@ -24,13 +25,25 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 CSRC = HERE.parents[1] / "csrc"
-CFLAGS = ("-std=c11", "-g", "-O1", "-fno-omit-frame-pointer", "-fsanitize=fuzzer,address,undefined",
-          "-fno-sanitize-recover=all", "-Wall", "-Wextra", "-Werror")
+CFLAGS = (
+    "-std=c11",
+    "-g",
+    "-O1",
+    "-fno-omit-frame-pointer",
+    "-fsanitize=fuzzer,address,undefined",
+    "-fno-sanitize-recover=all",
+    "-Wall",
+    "-Wextra",
+    "-Werror",
+)
 INCLUDES = (CSRC / "include", CSRC, CSRC / "intercept", CSRC / "hook", HERE)
 sys.path.insert(0, str(CSRC))
 import build_native  # noqa: E402  # the relays need CGPU_VERSION, passed as in every build
-SANITIZER_ENV = {"ASAN_OPTIONS": "detect_leaks=1:allocator_may_return_null=1",
-                 "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1"}
+
+SANITIZER_ENV = {
+    "ASAN_OPTIONS": "detect_leaks=1:allocator_may_return_null=1",
+    "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1",
+}
 
 
 @dataclass(frozen=True)
@@ -69,8 +82,10 @@ class Result:
     log: Path
 
     def row(self) -> str:
-        return (f"{self.target:16} {self.executed:>10} {self.seconds:>6} {self.coverage:>6} {self.features:>7} "
-                f"{self.corpus:>6}  {'CRASH ' + str(self.log) if self.crashed else 'ok'}")
+        return (
+            f"{self.target:16} {self.executed:>10} {self.seconds:>6} {self.coverage:>6} {self.features:>7} "
+            f"{self.corpus:>6}  {'CRASH ' + str(self.log) if self.crashed else 'ok'}"
+        )
 
 
 class FuzzError(RuntimeError):
@@ -90,8 +105,16 @@ def build(target: Target, out_dir: Path) -> list[str]:
         return [sys.executable, str(HERE / target.source)]
     out_dir.mkdir(parents=True, exist_ok=True)
     exe = out_dir / f"fuzz_{target.name}"
-    cmd = [clang(), *CFLAGS, build_native.version_define(), *(f"-I{i}" for i in INCLUDES),
-           str(HERE / target.source), "-o", str(exe), *target.libs]
+    cmd = [
+        clang(),
+        *CFLAGS,
+        build_native.version_define(),
+        *(f"-I{i}" for i in INCLUDES),
+        str(HERE / target.source),
+        "-o",
+        str(exe),
+        *target.libs,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise FuzzError(f"building {target.name} failed:\n$ {' '.join(cmd)}\n{proc.stderr}")
@@ -108,26 +131,40 @@ def environment(work: Path) -> dict[str, str]:
     scratch.mkdir(parents=True, exist_ok=True)
     # A relay must not wait for a cgpud that is not there: the harness's
     # server is the only socket it may reach, and a silent answer is an input.
-    return {**os.environ, **SANITIZER_ENV, "PYTHONPATH": str(HERE.parents[1]), "TMPDIR": str(scratch),
-            "CGPU_RELAY_WAIT_MS": "0"}
+    return {
+        **os.environ,
+        **SANITIZER_ENV,
+        "PYTHONPATH": str(HERE.parents[1]),
+        "TMPDIR": str(scratch),
+        "CGPU_RELAY_WAIT_MS": "0",
+    }
 
 
-def run(target: Target, command: list[str], work: Path, *, runs: int | None, seconds: int | None,
-        keep: Path | None = None) -> Result:
+def run(
+    target: Target, command: list[str], work: Path, *, runs: int | None, seconds: int | None, keep: Path | None = None
+) -> Result:
     """One fuzzing session: replays the regressions, then fuzzes from the seeds."""
     env = environment(work)
     regressions = sorted((HERE / "regressions" / target.name).glob("*"))
     log = work / f"{target.name}.log"
     if regressions:
-        proc = subprocess.run([*command, *map(str, regressions)], env=env, capture_output=True, text=True,
-                              errors="replace")
+        proc = subprocess.run(
+            [*command, *map(str, regressions)], env=env, capture_output=True, text=True, errors="replace"
+        )
         if proc.returncode != 0:
             log.write_text(proc.stdout + proc.stderr)
             return Result(target.name, 0, 0, 0, 0, 0, True, log)
     corpus = keep or work / f"{target.name}-corpus"
     corpus.mkdir(parents=True, exist_ok=True)
-    args = [*command, str(corpus), str(HERE / "corpus" / target.name), f"-max_len={target.max_len}",
-            f"-artifact_prefix={work}/{target.name}-", "-print_final_stats=1", "-close_fd_mask=1"]
+    args = [
+        *command,
+        str(corpus),
+        str(HERE / "corpus" / target.name),
+        f"-max_len={target.max_len}",
+        f"-artifact_prefix={work}/{target.name}-",
+        "-print_final_stats=1",
+        "-close_fd_mask=1",
+    ]
     if runs is not None:
         args.append(f"-runs={runs}")
     if seconds is not None:
@@ -139,8 +176,7 @@ def run(target: Target, command: list[str], work: Path, *, runs: int | None, sec
     executed = _last(r"stat::number_of_executed_units: (\d+)", text)
     cov, ft, corp = (int(x) for x in done[-1][1:]) if done else (0, 0, 0)
     crashed = proc.returncode != 0 or any(work.glob(f"{target.name}-crash-*")) or "ERROR: " in text
-    return Result(target.name, executed, _last(r"Done \d+ runs in (\d+) second", text), cov, ft, corp, crashed,
-                  log)
+    return Result(target.name, executed, _last(r"Done \d+ runs in (\d+) second", text), cov, ft, corp, crashed, log)
 
 
 def main(argv: list[str]) -> int:

@@ -3,6 +3,7 @@ every test run: each must build, replay the inputs that once broke cgpu
 (tests/fuzz/regressions/), and fuzz a few thousand inputs without a crash or
 a broken invariant. The exec count shows the harness really ran inputs; long
 campaigns are `python tests/fuzz/run.py --runs 1000000`."""
+
 from __future__ import annotations
 
 import subprocess
@@ -35,11 +36,18 @@ def test_target_fuzzes_without_a_crash(target: fuzz.Target, commands, tmp_path: 
     assert result.coverage > 0
 
 
-@pytest.mark.parametrize("target", [t for t in fuzz.TARGETS if (fuzz.HERE / "regressions" / t.name).is_dir()],
-                         ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    "target", [t for t in fuzz.TARGETS if (fuzz.HERE / "regressions" / t.name).is_dir()], ids=lambda t: t.name
+)
 def test_inputs_that_once_failed_pass(target: fuzz.Target, commands, tmp_path: Path) -> None:
     inputs = sorted((fuzz.HERE / "regressions" / target.name).iterdir())
-    proc = subprocess.run([*commands[target.name], *map(str, inputs)], capture_output=True, text=True,
-                          errors="replace", env=fuzz.environment(tmp_path), timeout=300)
+    proc = subprocess.run(
+        [*commands[target.name], *map(str, inputs)],
+        capture_output=True,
+        text=True,
+        errors="replace",
+        env=fuzz.environment(tmp_path),
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert proc.stderr.count("Executed ") == len(inputs)

@@ -8,6 +8,7 @@ Nodes and watch them (`?watch=true`: the current Nodes as ADDED, then each
 change as it is seen). Plain HTTP on 127.0.0.1 (or a given address), a
 kubeconfig file pointing at it. Objects live in dicts the test owns (`pods`,
 `nodes`)."""
+
 from __future__ import annotations
 
 import itertools
@@ -38,32 +39,59 @@ def merge_patch(target: Any, patch: Any) -> Any:
     return out
 
 
-def pod_json(name: str, node: str, *, namespace: str = "default", containers: Mapping[str, Mapping[str, Any]] | None = None,
-             annotations: Mapping[str, str] | None = None, phase: str = "Pending", uid: str | None = None,
-             init_containers: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
+def pod_json(
+    name: str,
+    node: str,
+    *,
+    namespace: str = "default",
+    containers: Mapping[str, Mapping[str, Any]] | None = None,
+    annotations: Mapping[str, str] | None = None,
+    phase: str = "Pending",
+    uid: str | None = None,
+    init_containers: Mapping[str, Mapping[str, Any]] | None = None,
+) -> dict[str, Any]:
     """A Pod as the API server sends it; `containers` maps a name to its limits."""
+
     def container(cname: str, limits: Mapping[str, Any]) -> dict[str, Any]:
         return {"name": cname, "image": "busybox", "resources": {"limits": {k: str(v) for k, v in limits.items()}}}
 
     return {
-        "kind": "Pod", "apiVersion": "v1",
-        "metadata": {"name": name, "namespace": namespace, "uid": uid or str(uuid.uuid4()),
-                     "annotations": dict(annotations or {}), "creationTimestamp": "2026-11-24T00:00:00Z"},
-        "spec": {"nodeName": node,
-                 "initContainers": [container(c, lim) for c, lim in (init_containers or {}).items()],
-                 "containers": [container(c, lim) for c, lim in (containers or {"main": {}}).items()]},
+        "kind": "Pod",
+        "apiVersion": "v1",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "uid": uid or str(uuid.uuid4()),
+            "annotations": dict(annotations or {}),
+            "creationTimestamp": "2026-11-24T00:00:00Z",
+        },
+        "spec": {
+            "nodeName": node,
+            "initContainers": [container(c, lim) for c, lim in (init_containers or {}).items()],
+            "containers": [container(c, lim) for c, lim in (containers or {"main": {}}).items()],
+        },
         "status": {"phase": phase},
     }
 
 
 def node_json(name: str, labels: Mapping[str, str] | None = None) -> dict[str, Any]:
-    return {"kind": "Node", "apiVersion": "v1",
-            "metadata": {"name": name, "uid": str(uuid.uuid4()), "labels": dict(labels or {})}}
+    return {
+        "kind": "Node",
+        "apiVersion": "v1",
+        "metadata": {"name": name, "uid": str(uuid.uuid4()), "labels": dict(labels or {})},
+    }
 
 
 def _status(code: int, reason: str, message: str) -> dict[str, Any]:
-    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message,
-            "reason": reason, "code": code}
+    return {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "code": code,
+    }
 
 
 class ApiState:
@@ -95,8 +123,9 @@ class ApiState:
         with self.lock:
             return json.loads(json.dumps(self.nodes[name]))
 
-    def bind(self, namespace: str, name: str, node: str, uid: str = "",
-             annotations: Mapping[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+    def bind(
+        self, namespace: str, name: str, node: str, uid: str = "", annotations: Mapping[str, str] | None = None
+    ) -> tuple[int, dict[str, Any]]:
         """What the API server does with a Binding: the pod gets its node,
         once (409 Conflict for a pod already bound, as kube-scheduler sees it
         when two binds race, or for a UID precondition another pod of that
@@ -106,17 +135,23 @@ class ApiState:
         if pod is None:
             return 404, _status(404, "NotFound", f'pods "{name}" not found')
         if uid and uid != pod["metadata"].get("uid"):
-            return 409, _status(409, "Conflict", f"Precondition failed: UID in precondition: {uid}, UID in object "
-                                f"meta: {pod['metadata'].get('uid')}")
+            return 409, _status(
+                409,
+                "Conflict",
+                f"Precondition failed: UID in precondition: {uid}, UID in object meta: {pod['metadata'].get('uid')}",
+            )
         if self.fail_binding is not None:
             return self.fail_binding, _status(self.fail_binding, "InternalError", "binding refused by test")
         if not node:
             return 400, _status(400, "BadRequest", "Binding target node name is empty")
         bound = pod["spec"].get("nodeName")
         if bound:
-            return 409, _status(409, "Conflict",
-                                f'Operation cannot be fulfilled on pods/binding "{name}": pod {name} is already '
-                                f"assigned to node \"{bound}\"")
+            return 409, _status(
+                409,
+                "Conflict",
+                f'Operation cannot be fulfilled on pods/binding "{name}": pod {name} is already '
+                f'assigned to node "{bound}"',
+            )
         pod["spec"]["nodeName"] = node
         if annotations:
             pod["metadata"].setdefault("annotations", {}).update(annotations)
@@ -157,17 +192,24 @@ class _Handler(BaseHTTPRequestHandler):
                 if selector and node is None:
                     return self._send(400, _status(400, "BadRequest", f"unsupported field selector {selector}"))
                 items = [p for p in state.pods.values() if node is None or p["spec"].get("nodeName") == node]
-                return self._send(200, {"kind": "PodList", "apiVersion": "v1", "metadata": {"resourceVersion": "1"},
-                                        "items": items})
+                return self._send(
+                    200, {"kind": "PodList", "apiVersion": "v1", "metadata": {"resourceVersion": "1"}, "items": items}
+                )
             if len(parts) == 6 and parts[:3] == ["api", "v1", "namespaces"] and parts[4] == "pods":
                 pod = state.pods.get((parts[3], parts[5]))
                 if pod is None:
                     return self._send(404, _status(404, "NotFound", f'pods "{parts[5]}" not found'))
                 return self._send(200, pod)
             if parts == ["api", "v1", "nodes"] and query.get("watch", ["false"])[0].lower() not in ("true", "1"):
-                return self._send(200, {"kind": "NodeList", "apiVersion": "v1",
-                                        "metadata": {"resourceVersion": str(self.server.revision)},
-                                        "items": list(state.nodes.values())})
+                return self._send(
+                    200,
+                    {
+                        "kind": "NodeList",
+                        "apiVersion": "v1",
+                        "metadata": {"resourceVersion": str(self.server.revision)},
+                        "items": list(state.nodes.values()),
+                    },
+                )
             if len(parts) == 4 and parts[:3] == ["api", "v1", "nodes"]:
                 node_obj = state.nodes.get(parts[3])
                 if node_obj is None:
@@ -197,8 +239,9 @@ class _Handler(BaseHTTPRequestHandler):
                 with state.lock:
                     now = {name: json.dumps(obj, sort_keys=True) for name, obj in state.nodes.items()}
                 events = [("DELETED", seen[n]) for n in seen if n not in now]
-                events += [("ADDED" if n not in seen else "MODIFIED", text) for n, text in now.items()
-                           if seen.get(n) != text]
+                events += [
+                    ("ADDED" if n not in seen else "MODIFIED", text) for n, text in now.items() if seen.get(n) != text
+                ]
                 for kind, text in events:
                     obj = json.loads(text)
                     obj.setdefault("metadata", {})["resourceVersion"] = str(self.server.bump())
@@ -228,8 +271,9 @@ class _Handler(BaseHTTPRequestHandler):
             if len(parts) == 7 and parts[:3] == ["api", "v1", "namespaces"] and parts[4:7:2] == ["pods", "binding"]:
                 return self._send(*state.bind(parts[3], parts[5], node, meta.get("uid", ""), meta.get("annotations")))
             if parts[:3] == ["api", "v1", "namespaces"] and parts[4:] == ["bindings"]:
-                return self._send(*state.bind(parts[3], meta.get("name", ""), node, meta.get("uid", ""),
-                                              meta.get("annotations")))
+                return self._send(
+                    *state.bind(parts[3], meta.get("name", ""), node, meta.get("uid", ""), meta.get("annotations"))
+                )
             if parts[:3] == ["api", "v1", "namespaces"] and parts[4:] == ["events"] and isinstance(body, dict):
                 event = dict(body, metadata=dict(meta, name=f"{meta.get('generateName', 'e.')}{len(state.events)}"))
                 state.events.append(event)
@@ -318,7 +362,9 @@ class ApiServerProcess:
         reaches it at (another network namespace's view), else `url`'s."""
         server = self.url if address is None else f"http://{address}:{self.port}"
         config = {
-            "apiVersion": "v1", "kind": "Config", "current-context": "test",
+            "apiVersion": "v1",
+            "kind": "Config",
+            "current-context": "test",
             "clusters": [{"name": "test", "cluster": {"server": server}}],
             "users": [{"name": "cgpud", "user": {"token": "test-token"}}],
             "contexts": [{"name": "test", "context": {"cluster": "test", "user": "cgpud"}}],

@@ -2,6 +2,7 @@
 first, the others waiting on a lock, and, under `./dev test`, once for both
 of its passes (it names a directory for the run in $CGPU_TEST_BUILDS and
 removes it at the end). Under plain pytest, once per session."""
+
 from __future__ import annotations
 
 import fcntl

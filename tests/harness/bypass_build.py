@@ -31,6 +31,7 @@ Every build is cached under build/bypass/<hash of its inputs>/ (ignored by
 git), so sessions and processes share it and a changed source rebuilds. A
 missing compiler is an AssertionError saying what to install: the tests fail,
 they do not skip (./dev test installs musl-tools)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -55,15 +56,25 @@ MUSL_TENANT = "/usr/bin/cgpu-bypass"
 MUSL_ENV = (f"LD_LIBRARY_PATH={MUSL_LIB_DIR}",)
 # musl-gcc searches only musl's headers; the simulated driver needs the
 # kernel's (linux/futex.h), so a directory of links to them goes after.
-KERNEL_HEADERS = {"linux": "/usr/include/linux", "asm-generic": "/usr/include/asm-generic",
-                  "asm": "/usr/include/x86_64-linux-gnu/asm"}
+KERNEL_HEADERS = {
+    "linux": "/usr/include/linux",
+    "asm-generic": "/usr/include/asm-generic",
+    "asm": "/usr/include/x86_64-linux-gnu/asm",
+}
 
 
 def _inputs_hash(*extra: str) -> str:
     """Of every source a build may read, so an edit anywhere rebuilds."""
     h = hashlib.sha256()
-    files = sorted([*(CSRC / "simgpu").glob("*.[ch]"), *(CSRC / "include").rglob("*"), CSRC / "tools/cgpu_bypass.c",
-                    CSRC / "build_native.py", Path(__file__)])
+    files = sorted(
+        [
+            *(CSRC / "simgpu").glob("*.[ch]"),
+            *(CSRC / "include").rglob("*"),
+            CSRC / "tools/cgpu_bypass.c",
+            CSRC / "build_native.py",
+            Path(__file__),
+        ]
+    )
     for f in files:
         if f.is_file():
             h.update(str(f.relative_to(ROOT)).encode() + b"\0" + f.read_bytes())
@@ -120,8 +131,12 @@ def static_bypass() -> Path:
     _need(os.environ.get("CC") or "cc", "gcc and libc6-dev")
 
     def build(tmp: Path) -> Path:
-        target = Target("cgpu-bypass-static", ("tools/cgpu_bypass.c", *_sim_driver().sources),
-                        libs=("-lpthread",), includes=("include", "simgpu"))
+        target = Target(
+            "cgpu-bypass-static",
+            ("tools/cgpu_bypass.c", *_sim_driver().sources),
+            libs=("-lpthread",),
+            includes=("include", "simgpu"),
+        )
         variant = Variant("static", ("-O2",), ("-static",), ("CGPU_BYPASS_LINK",))
         return _compile(target, tmp, variant)
 
@@ -153,8 +168,7 @@ def musl_bypass() -> Path:
     lib = musl_libcuda()
 
     def build(tmp: Path) -> Path:
-        target = Target("cgpu-bypass-musl", ("tools/cgpu_bypass.c",),
-                        libs=(f"-L{lib.parent}", "-l:libcuda.so.1"))
+        target = Target("cgpu-bypass-musl", ("tools/cgpu_bypass.c",), libs=(f"-L{lib.parent}", "-l:libcuda.so.1"))
         variant = Variant("musl", ("-O2",), (), ("CGPU_BYPASS_LINK",))
         return _compile(target, tmp, variant, cc=cc)
 

@@ -6,6 +6,7 @@ events as `cgpuctl events --output json` gives them.
 
 Times are CLOCK_REALTIME seconds on both sides: the tenants stamp each
 allocation with it and cgpud stamps each event with it."""
+
 from __future__ import annotations
 
 import json
@@ -89,8 +90,11 @@ class Tenant:
     def crossing(self, limit: int, slack: int = SLACK, timeout: float = 30) -> float:
         """CLOCK_REALTIME of the allocation that took the tenant past its
         limit plus the slack of one process."""
-        line = self.out.wait(lambda o: o.get("event") == "allocated" and o["total_bytes"] > limit + slack, timeout,
-                             f"an allocation past {(limit + slack) / MIB:.0f} MiB")
+        line = self.out.wait(
+            lambda o: o.get("event") == "allocated" and o["total_bytes"] > limit + slack,
+            timeout,
+            f"an allocation past {(limit + slack) / MIB:.0f} MiB",
+        )
         return float(line["time"])
 
     def alive(self) -> bool:
@@ -114,8 +118,9 @@ class Tenant:
 
 def _spawn(argv: Sequence[str], env: dict[str, str], stderr: Path) -> subprocess.Popen[str]:
     with open(stderr, "w") as err:
-        return subprocess.Popen(list(argv), env=env, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL,
-                                text=True)
+        return subprocess.Popen(
+            list(argv), env=env, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, text=True
+        )
 
 
 def instance_of(daemon: Daemon, cgpuctl_pid: int, timeout: float = 30) -> Instance:
@@ -135,8 +140,11 @@ def run_tenant(daemon: Daemon, mem: str, command: Sequence[str], where: Path, co
     """`cgpuctl run --mem <mem> [--core N] -- command`, its instance and child."""
     extra = ["--core", str(core)] if core else []
     stderr = where / f"tenant-{len(list(where.glob('tenant-*')))}.err"
-    proc = _spawn([str(BIN / "cgpuctl"), "--socket", str(daemon.socket), "run", "--mem", mem, *extra, "--",
-                   *command], daemon.env, stderr)
+    proc = _spawn(
+        [str(BIN / "cgpuctl"), "--socket", str(daemon.socket), "run", "--mem", mem, *extra, "--", *command],
+        daemon.env,
+        stderr,
+    )
     try:
         inst = instance_of(daemon, proc.pid)
     except AssertionError:
@@ -173,8 +181,16 @@ def bypass_command(kind: str, *args: str) -> list[str]:
     if kind == "static":
         return [str(bypass_build.static_bypass()), "--resolve", "link", *alloc]
     if kind == "musl":
-        return ["env", "-u", "LD_PRELOAD", *bypass_build.musl_host_env(), str(bypass_build.musl_bypass()),
-                "--resolve", "link", *alloc]
+        return [
+            "env",
+            "-u",
+            "LD_PRELOAD",
+            *bypass_build.musl_host_env(),
+            str(bypass_build.musl_bypass()),
+            "--resolve",
+            "link",
+            *alloc,
+        ]
     raise ValueError(kind)
 
 
@@ -225,8 +241,14 @@ class Nvml:
     """The host's NVML view, one query per call, from one pynvml process."""
 
     def __init__(self, env: dict[str, str]) -> None:
-        self._proc = subprocess.Popen([sys.executable, "-c", NVML_PROBE], env=env, stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", NVML_PROBE],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
     def query(self, gpu: int = 0) -> dict[str, Any]:
         assert self._proc.stdin and self._proc.stdout
@@ -235,8 +257,11 @@ class Nvml:
         line = self._proc.stdout.readline()
         assert line, f"the NVML probe died: {self._proc.stderr.read() if self._proc.stderr else ''}"
         view = json.loads(line)[gpu]
-        return {"used": view["used"], "procs": {int(k): v for k, v in view["procs"].items()},
-                "sm": {int(k): v for k, v in view["sm"].items()}}  # highest smUtil of each pid's samples
+        return {
+            "used": view["used"],
+            "procs": {int(k): v for k, v in view["procs"].items()},
+            "sm": {int(k): v for k, v in view["sm"].items()},
+        }  # highest smUtil of each pid's samples
 
     def wait(self, pred: Callable[[dict[str, Any]], bool], timeout: float, what: str) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
@@ -276,8 +301,9 @@ def violations(daemon: Daemon) -> dict[str, int]:
     return {i["id"]: i["violations"] for i in json.loads(got.stdout)}
 
 
-def wait_events(daemon: Daemon, pred: Callable[[dict[str, Any]], bool], timeout: float,
-                what: str) -> list[dict[str, Any]]:
+def wait_events(
+    daemon: Daemon, pred: Callable[[dict[str, Any]], bool], timeout: float, what: str
+) -> list[dict[str, Any]]:
     deadline = time.monotonic() + timeout
     while True:
         events = bypass_events(daemon)

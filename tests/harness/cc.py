@@ -1,4 +1,5 @@
 """Small C programs tests write and compile on the spot."""
+
 from __future__ import annotations
 
 import subprocess

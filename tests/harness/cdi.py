@@ -1,5 +1,6 @@
 """A CDI device's container edits applied to an OCI spec the way containerd
 applies them, for runc without containerd."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,8 +11,14 @@ def apply_cdi(spec: dict[str, Any], device: dict[str, Any]) -> dict[str, Any]:
     edits = device["containerEdits"]
     spec["process"]["env"] = spec["process"].get("env", []) + edits.get("env", [])
     mounts = spec.get("mounts", []) + [
-        {"destination": m["containerPath"], "source": m["hostPath"], "type": m.get("type", ""),
-         "options": m.get("options", [])} for m in edits.get("mounts", [])]
+        {
+            "destination": m["containerPath"],
+            "source": m["hostPath"],
+            "type": m.get("type", ""),
+            "options": m.get("options", []),
+        }
+        for m in edits.get("mounts", [])
+    ]
     # CDI keeps the order of equals and puts shallower targets first.
     spec["mounts"] = sorted(mounts, key=lambda m: len(Path(m["destination"]).parts))
     hooks = spec.setdefault("hooks", {})

@@ -1,5 +1,6 @@
 """Real cgpud processes on simulated GPUs, each serving its Capacity API on
 a loopback port under its own node name: the nodes an extender watches."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -28,8 +29,15 @@ def cgpud_nodes(tmp_path: Path, native: Path, count: int, *extra: str) -> Iterat
         for i in range(count):
             dir = tmp_path / f"node-{i}"
             port = free_port()
-            d = make_daemon(dir, sim_env_in(dir, native), "--capacity-listen", f"127.0.0.1:{port}",
-                            "--node-name", f"node-{i}", *extra)
+            d = make_daemon(
+                dir,
+                sim_env_in(dir, native),
+                "--capacity-listen",
+                f"127.0.0.1:{port}",
+                "--node-name",
+                f"node-{i}",
+                *extra,
+            )
             d.start()
             nodes.append(Node(f"node-{i}", f"127.0.0.1:{port}", d))
         yield nodes

@@ -22,6 +22,7 @@ the creating process id, so a later run sweeps what a killed one left
 Processes enter only the network namespace (nsenter --net), not a mount
 namespace of their own as `ip netns exec` would give them: cgpud's instance
 tmpfs mounts must outlive a kill -9 of cgpud, as they do on a real node."""
+
 from __future__ import annotations
 
 import json
@@ -180,7 +181,11 @@ class NodeDaemon(Daemon):
         with open(self.log, "a") as log:
             self.proc = subprocess.Popen(
                 ["nsenter", f"--net=/run/netns/{self.netns}", "--", str(BIN / "cgpud"), *self.args],
-                env=self.env, stdout=subprocess.DEVNULL, stderr=log, text=True)
+                env=self.env,
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+                text=True,
+            )
 
     def start(self) -> None:
         self.launch()
@@ -195,8 +200,10 @@ class NodeDaemon(Daemon):
                 return
             except AssertionError:
                 if self.proc is not None and self.proc.poll() is not None:
-                    raise AssertionError(f"cgpud in {self.netns} exited {self.proc.returncode}; its log ends: "
-                                         f"{self.log.read_text()[-4000:]}") from None
+                    raise AssertionError(
+                        f"cgpud in {self.netns} exited {self.proc.returncode}; its log ends: "
+                        f"{self.log.read_text()[-4000:]}"
+                    ) from None
                 if time.monotonic() > deadline:
                     raise
 
@@ -271,9 +278,19 @@ class Cluster:
     """N nodes, one API server; a context manager that removes everything
     it made however it ends. `mode`: the nodes' ack.node.gpu.schedule."""
 
-    def __init__(self, nodes: int = 8, *, gpus: int = 2, gpu_memory: str = "16GiB", mode: str = "cgpu",
-                 placement: str | None = None, tls: bool = True, capacity: bool = True,
-                 sweep_interval: float = 1.0, daemon_args: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        nodes: int = 8,
+        *,
+        gpus: int = 2,
+        gpu_memory: str = "16GiB",
+        mode: str = "cgpu",
+        placement: str | None = None,
+        tls: bool = True,
+        capacity: bool = True,
+        sweep_interval: float = 1.0,
+        daemon_args: Sequence[str] = (),
+    ) -> None:
         if not 1 <= nodes <= 250:
             raise ValueError("1..250 nodes")
         self.count = nodes
@@ -315,8 +332,9 @@ class Cluster:
     def _start(self) -> None:
         missing = [tool for tool, package in TOOLS.items() if shutil.which(tool) is None]
         if missing:
-            raise RuntimeError(f"the multi-node harness needs {', '.join(missing)} (Debian: "
-                               f"{', '.join(TOOLS[t] for t in missing)})")
+            raise RuntimeError(
+                f"the multi-node harness needs {', '.join(missing)} (Debian: {', '.join(TOOLS[t] for t in missing)})"
+            )
         sweep_leftovers()
         self.octet = free_second_octet()
         self.api = ApiServerProcess(ApiState(), host="0.0.0.0").start()
@@ -365,16 +383,34 @@ class Cluster:
         with self.api.state.lock:
             self.api.state.nodes[name] = node_json(name, labels)
         kubeconfig = self.api.kubeconfig(directory / "kubeconfig", address=host_ip)
-        args = ["--orchestrator", "kubernetes", "--node-name", name, "--kubeconfig", str(kubeconfig),
-                "--device-plugin-dir", str(plugins), "--pod-resources-socket", str(pod_resources),
-                "--cdi-dir", str(directory / "cdi")]
+        args = [
+            "--orchestrator",
+            "kubernetes",
+            "--node-name",
+            name,
+            "--kubeconfig",
+            str(kubeconfig),
+            "--device-plugin-dir",
+            str(plugins),
+            "--pod-resources-socket",
+            str(pod_resources),
+            "--cdi-dir",
+            str(directory / "cdi"),
+        ]
         if self.capacity:
             args += ["--capacity-listen", f"{ip}:{CAPACITY_PORT}"]
         if self.capacity and self.pki is None:
             args += ["--capacity-insecure", "true"]  # plaintext across the veth: tls=False asked for it
         if self.pki is not None:
             cert, key = self.pki.node_cert(name, ips=[ip])  # its own: the extender checks it names the Node
-            args += ["--capacity-tls-cert", str(cert), "--capacity-tls-key", str(key), "--capacity-tls-ca", str(self.pki.ca)]
+            args += [
+                "--capacity-tls-cert",
+                str(cert),
+                "--capacity-tls-key",
+                str(key),
+                "--capacity-tls-ca",
+                str(self.pki.ca),
+            ]
         base = make_daemon(directory, env, *args, *self.daemon_args)
         daemon = NodeDaemon(base.socket, base.state, base.env, base.notify, base.args, netns=netns)
         self._stack.callback(base.notify.close)
@@ -495,8 +531,11 @@ class Cluster:
             return grpc.insecure_channel(address)
         cert = cert or self.pki.client_cert
         key = key or self.pki.client_key
-        credentials = grpc.ssl_channel_credentials(root_certificates=self.pki.ca.read_bytes(),
-                                                   private_key=key.read_bytes(), certificate_chain=cert.read_bytes())
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=self.pki.ca.read_bytes(),
+            private_key=key.read_bytes(),
+            certificate_chain=cert.read_bytes(),
+        )
         return grpc.secure_channel(address, credentials)
 
     def get_node(self, i: int, timeout: float = 10.0) -> cap.NodeView:
@@ -616,11 +655,18 @@ class Cluster:
         path = f"unix:{node.kubelet.directory / node.endpoints[resource]}"
         with grpc.insecure_channel(path) as channel:
             stub = dp_grpc.DevicePluginStub(channel)
-            preferred = stub.GetPreferredAllocation(dp.PreferredAllocationRequest(container_requests=[
-                dp.ContainerPreferredAllocationRequest(available_deviceIDs=free, allocation_size=count)]), timeout=WAIT)
+            preferred = stub.GetPreferredAllocation(
+                dp.PreferredAllocationRequest(
+                    container_requests=[
+                        dp.ContainerPreferredAllocationRequest(available_deviceIDs=free, allocation_size=count)
+                    ]
+                ),
+                timeout=WAIT,
+            )
             ids = list(preferred.container_responses[0].deviceIDs) or free[:count]
-            answer = stub.Allocate(dp.AllocateRequest(container_requests=[
-                dp.ContainerAllocateRequest(devices_ids=ids)]), timeout=WAIT)
+            answer = stub.Allocate(
+                dp.AllocateRequest(container_requests=[dp.ContainerAllocateRequest(devices_ids=ids)]), timeout=WAIT
+            )
         used.update(ids)
         return ids, answer.container_responses[0]
 
@@ -638,8 +684,9 @@ class Outcome:
     stage: str = ""  # where it stopped: "filter", "prioritize", "bind", "" when bound
 
 
-def schedule_once(url: str, pod: dict[str, Any], names: Sequence[str], timeout: float = 10.0,
-                  rng: random.Random | None = None) -> Outcome:
+def schedule_once(
+    url: str, pod: dict[str, Any], names: Sequence[str], timeout: float = 10.0, rng: random.Random | None = None
+) -> Outcome:
     """One scheduling cycle as kube-scheduler runs it against a
     nodeCacheCapable extender: filter (NodeNames) -> prioritize on what
     passed -> the best score (ties broken at random) -> bind."""
@@ -661,16 +708,26 @@ def schedule_once(url: str, pod: dict[str, Any], names: Sequence[str], timeout: 
     best = max(by_host.get(n, 0) for n in passed)
     node = (rng or random).choice([n for n in passed if by_host.get(n, 0) == best])
     meta = pod["metadata"]
-    status, bound = post_json(f"{url}/bind", {"PodName": meta["name"], "PodNamespace": meta["namespace"],
-                                              "PodUID": meta["uid"], "Node": node}, timeout)
+    status, bound = post_json(
+        f"{url}/bind",
+        {"PodName": meta["name"], "PodNamespace": meta["namespace"], "PodUID": meta["uid"], "Node": node},
+        timeout,
+    )
     if status != 200 or (isinstance(bound, dict) and bound.get("Error")):
         error = bound.get("Error") if isinstance(bound, dict) else f"HTTP {status}: {bound}"
         return Outcome(None, failed, f"bind on {node}: {error}", "bind")
     return Outcome(node, failed)
 
 
-def schedule(url: str, pod: dict[str, Any], names: Sequence[str], *, attempts: int = 20, backoff: float = 0.05,
-             rng: random.Random | None = None) -> tuple[Outcome, list[Outcome]]:
+def schedule(
+    url: str,
+    pod: dict[str, Any],
+    names: Sequence[str],
+    *,
+    attempts: int = 20,
+    backoff: float = 0.05,
+    rng: random.Random | None = None,
+) -> tuple[Outcome, list[Outcome]]:
     """kube-scheduler's loop for one pod: a failed cycle (nothing fits, or
     the bind failed) puts the pod back in the queue and it is tried again
     after a backoff. Returns the final outcome and the failed attempts."""
@@ -680,7 +737,7 @@ def schedule(url: str, pod: dict[str, Any], names: Sequence[str], *, attempts: i
         if outcome.node is not None:
             return outcome, failures
         failures.append(outcome)
-        time.sleep(min(backoff * 2 ** attempt, 1.0))
+        time.sleep(min(backoff * 2**attempt, 1.0))
     return failures[-1], failures[:-1]
 
 
@@ -696,4 +753,3 @@ def share_pod(name: str, gib: int, *, namespace: str = "default", core: int = 0,
     pod = pod_json(name, "", namespace=namespace, containers={"main": limits})
     pod["spec"].pop("nodeName")
     return pod
-

@@ -1,4 +1,5 @@
 """A private containerd for a test, configured for cgpu by cgpuctl, with ctr."""
+
 from __future__ import annotations
 
 import shutil
@@ -22,16 +23,21 @@ class Containerd:
     log: Path
 
     def ctr(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(["ctr", "--address", str(self.address), *args], capture_output=True, text=True,
-                              timeout=timeout)
+        return subprocess.run(
+            ["ctr", "--address", str(self.address), *args], capture_output=True, text=True, timeout=timeout
+        )
 
 
 def _configure(tmp: Path) -> Path:
     config = tmp / "config.toml"
-    config.write_text(f'version = 2\nroot = "{tmp}/root"\nstate = "{tmp}/state"\n\n'
-                      f'[grpc]\n  address = "{tmp}/containerd.sock"\n')
-    out = subprocess.run([str(BIN / "cgpuctl"), "runtime", "configure", "--containerd", "--config", str(config)],
-                         capture_output=True, text=True)
+    config.write_text(
+        f'version = 2\nroot = "{tmp}/root"\nstate = "{tmp}/state"\n\n[grpc]\n  address = "{tmp}/containerd.sock"\n'
+    )
+    out = subprocess.run(
+        [str(BIN / "cgpuctl"), "runtime", "configure", "--containerd", "--config", str(config)],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0, out.stderr
     return config
 

@@ -10,6 +10,7 @@ cannot be installed is a failure, never a skip.
 PyPI has no nvcc for 12.x (nvidia-cuda-nvcc-cu12 carries ptxas, libnvvm and
 the crt headers only): programs for 12.9 are built by the host compiler and
 load kernels nvcc 13 made (tests/cuda/runtime_steps.c)."""
+
 from __future__ import annotations
 
 import fcntl
@@ -52,17 +53,54 @@ _CU13 = ("nvidia/cu13/include",)
 LINES: dict[str, Line] = {
     line.name: line
     for line in (
-        Line("12.9", ("nvidia-cuda-runtime-cu12==12.9.79", "nvidia-cuda-nvcc-cu12==12.9.86",
-                      "nvidia-nvml-dev-cu12==12.9.79", "nvidia-cuda-profiler-api-cu12==12.9.79"),
-             "libcudart.so.12", ("nvidia/cuda_runtime/include", "nvidia/cuda_nvcc/include", "nvidia/nvml_dev/include",
-                                 "nvidia/cuda_profiler_api/include"),
-             "nvidia/cuda_runtime/lib", None),
-        Line("13.0", ("nvidia-cuda-nvcc==13.0.88", "nvidia-cuda-runtime==13.0.96", "nvidia-cuda-crt==13.0.88",
-                      "nvidia-nvvm==13.0.88", "nvidia-nvml-dev==13.0.87", "nvidia-cuda-profiler-api==13.0.85"),
-             "libcudart.so.13", _CU13, "nvidia/cu13/lib", "nvidia/cu13/bin/nvcc"),
-        Line("13.5", ("nvidia-cuda-nvcc==13.5.37", "nvidia-cuda-runtime==13.5.37", "nvidia-cuda-crt==13.5.37",
-                      "nvidia-nvvm==13.5.37", "nvidia-nvml-dev==13.5.37", "nvidia-cuda-profiler-api==13.5.25"),
-             "libcudart.so.13", _CU13, "nvidia/cu13/lib", "nvidia/cu13/bin/nvcc"),
+        Line(
+            "12.9",
+            (
+                "nvidia-cuda-runtime-cu12==12.9.79",
+                "nvidia-cuda-nvcc-cu12==12.9.86",
+                "nvidia-nvml-dev-cu12==12.9.79",
+                "nvidia-cuda-profiler-api-cu12==12.9.79",
+            ),
+            "libcudart.so.12",
+            (
+                "nvidia/cuda_runtime/include",
+                "nvidia/cuda_nvcc/include",
+                "nvidia/nvml_dev/include",
+                "nvidia/cuda_profiler_api/include",
+            ),
+            "nvidia/cuda_runtime/lib",
+            None,
+        ),
+        Line(
+            "13.0",
+            (
+                "nvidia-cuda-nvcc==13.0.88",
+                "nvidia-cuda-runtime==13.0.96",
+                "nvidia-cuda-crt==13.0.88",
+                "nvidia-nvvm==13.0.88",
+                "nvidia-nvml-dev==13.0.87",
+                "nvidia-cuda-profiler-api==13.0.85",
+            ),
+            "libcudart.so.13",
+            _CU13,
+            "nvidia/cu13/lib",
+            "nvidia/cu13/bin/nvcc",
+        ),
+        Line(
+            "13.5",
+            (
+                "nvidia-cuda-nvcc==13.5.37",
+                "nvidia-cuda-runtime==13.5.37",
+                "nvidia-cuda-crt==13.5.37",
+                "nvidia-nvvm==13.5.37",
+                "nvidia-nvml-dev==13.5.37",
+                "nvidia-cuda-profiler-api==13.5.25",
+            ),
+            "libcudart.so.13",
+            _CU13,
+            "nvidia/cu13/lib",
+            "nvidia/cu13/bin/nvcc",
+        ),
     )
 }
 # The line of the driver version the simulated GPU reports (13.0): its cuda.h
@@ -105,8 +143,10 @@ class Toolkit:
     @property
     def nvcc(self) -> Path:
         if self.line.nvcc is None:
-            raise ToolkitError(f"CUDA {self.line.name} has no nvcc on PyPI; build its programs with the host "
-                               f"compiler and load kernels made by CUDA {DEFAULT}'s nvcc")
+            raise ToolkitError(
+                f"CUDA {self.line.name} has no nvcc on PyPI; build its programs with the host "
+                f"compiler and load kernels made by CUDA {DEFAULT}'s nvcc"
+            )
         return self.root / self.line.nvcc
 
     def header(self, name: str) -> Path:
@@ -129,8 +169,14 @@ class Toolkit:
         """nvcc's own -cudart shared/static look for unversioned names and a
         lib64 the wheels do not have: link the runtime by its file name instead."""
         if cudart == "shared":
-            return ["-cudart", "none", f"-L{self.lib}", f"-l:{self.line.cudart_soname}",
-                    "-Xlinker", f"-rpath,{self.lib}"]
+            return [
+                "-cudart",
+                "none",
+                f"-L{self.lib}",
+                f"-l:{self.line.cudart_soname}",
+                "-Xlinker",
+                f"-rpath,{self.lib}",
+            ]
         if cudart == "static":
             return ["-cudart", "none", f"-L{self.lib}", "-l:libcudart_static.a", "-ldl", "-lpthread", "-lrt"]
         raise ValueError(f"cudart must be 'shared' or 'static', not {cudart!r}")
@@ -170,12 +216,27 @@ def _install(line: Line, cache: Path, root: Path) -> None:
         staging = Path(tempfile.mkdtemp(prefix=f".{line.name}-", dir=cache))
         try:
             # one pip call: a second --target into the same directory would not merge
-            proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                                   "--no-deps", "--target", str(staging), *line.requirements],
-                                  capture_output=True, text=True, timeout=1800)
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "install",
+                    "-q",
+                    "--disable-pip-version-check",
+                    "--no-deps",
+                    "--target",
+                    str(staging),
+                    *line.requirements,
+                ],
+                capture_output=True,
+                text=True,
+                timeout=1800,
+            )
             if proc.returncode != 0:
-                raise ToolkitError(f"installing CUDA {line.name} ({' '.join(line.requirements)}) failed:\n"
-                                   f"{proc.stderr[-3000:]}")
+                raise ToolkitError(
+                    f"installing CUDA {line.name} ({' '.join(line.requirements)}) failed:\n{proc.stderr[-3000:]}"
+                )
             (staging / ".complete").write_text("\n".join(line.requirements) + "\n")
             shutil.rmtree(root, ignore_errors=True)
             staging.rename(root)

@@ -1,6 +1,7 @@
 """A thin ctypes view of the CUDA driver API for test programs: tests run
 small scripts in subprocesses (each with its own simulated-GPU environment)
 that import this module. It speaks only the real driver ABI."""
+
 from __future__ import annotations
 
 import ctypes as C

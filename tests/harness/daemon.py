@@ -1,5 +1,6 @@
 """cgpud as a real process for tests: its own state dir, sockets and
 notify socket under a test's temp dir, on the simulated GPUs."""
+
 from __future__ import annotations
 
 import signal
@@ -38,8 +39,9 @@ class Daemon:
         # A file, not a pipe: nobody reads a pipe while the test runs, and a
         # daemon whose log fills it blocks mid-request.
         with open(self.log, "a") as log:
-            self.proc = subprocess.Popen([str(BIN / "cgpud"), *self.args], env=self.env, stdout=subprocess.DEVNULL,
-                                         stderr=log, text=True)
+            self.proc = subprocess.Popen(
+                [str(BIN / "cgpud"), *self.args], env=self.env, stdout=subprocess.DEVNULL, stderr=log, text=True
+            )
         self.wait_for(b"READY=1")
 
     def wait_for(self, message: bytes, timeout: float = 30) -> list[bytes]:
@@ -69,8 +71,13 @@ class Daemon:
             assert self.proc.wait(timeout=30) == 0
 
     def cgpuctl(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([str(BIN / "cgpuctl"), "--socket", str(self.socket), *args], env=self.env,
-                              capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(
+            [str(BIN / "cgpuctl"), "--socket", str(self.socket), *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
 
 def make_daemon(tmp_path: Path, sim_env: dict[str, str], *extra: str) -> Daemon:
@@ -79,8 +86,19 @@ def make_daemon(tmp_path: Path, sim_env: dict[str, str], *extra: str) -> Daemon:
     notify.bind(str(notify_path))
     env = dict(sim_env, NOTIFY_SOCKET=str(notify_path), CGPU_SIM_CONFIG=sim_env["CGPU_SIM_CONFIG"])
     env["PATH"] = f"{BIN}:{native_path('bin/cgpu-burn').parent}:{env['PATH']}"
-    args = ["--state-dir", str(tmp_path / "state"), "--socket", str(tmp_path / "run" / "cgpud.sock"),
-            "--config", str(tmp_path / "none.toml"), "--relay-socket", str(tmp_path / "run" / "relay.sock"), "--sweep-interval", "0.2", *extra]
+    args = [
+        "--state-dir",
+        str(tmp_path / "state"),
+        "--socket",
+        str(tmp_path / "run" / "cgpud.sock"),
+        "--config",
+        str(tmp_path / "none.toml"),
+        "--relay-socket",
+        str(tmp_path / "run" / "relay.sock"),
+        "--sweep-interval",
+        "0.2",
+        *extra,
+    ]
     (tmp_path / "none.toml").write_text("")
     return Daemon(tmp_path / "run" / "cgpud.sock", tmp_path / "state", env, notify, args)
 

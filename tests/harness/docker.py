@@ -8,6 +8,7 @@ dockerd picks itself (overlay2 where the temp dir's filesystem allows it,
 as on a real host; vfs where it does not); images made by `docker import`
 of the busybox rootfs the runc tests use. The client is named by
 its full path because a newer one may come first on PATH."""
+
 from __future__ import annotations
 
 import json
@@ -59,8 +60,9 @@ class Dockerd:
         return self.root / "run" / "containerd" / "io.containerd.runtime.v2.task" / "moby"
 
     def docker(self, *args: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([str(DOCKER), "-H", f"unix://{self.socket}", *args], capture_output=True, text=True,
-                              timeout=timeout, **kw)
+        return subprocess.run(
+            [str(DOCKER), "-H", f"unix://{self.socket}", *args], capture_output=True, text=True, timeout=timeout, **kw
+        )
 
     def runtimes(self) -> dict[str, dict]:
         out = self.docker("info", "--format", "{{json .Runtimes}}")
@@ -72,8 +74,13 @@ class Dockerd:
         included; `changes` are Dockerfile lines (`ENV NAME=value`)."""
         tar = subprocess.Popen(["tar", "-C", str(rootfs), "-cf", "-", "."], stdout=subprocess.PIPE)
         flags = [a for c in changes for a in ("--change", c)]
-        out = subprocess.run([str(DOCKER), "-H", f"unix://{self.socket}", "import", *flags, "-", tag], stdin=tar.stdout,
-                             capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [str(DOCKER), "-H", f"unix://{self.socket}", "import", *flags, "-", tag],
+            stdin=tar.stdout,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert tar.stdout is not None
         tar.stdout.close()
         assert tar.wait() == 0 and out.returncode == 0, out.stderr
@@ -108,8 +115,9 @@ def _terminate(proc: subprocess.Popen[bytes]) -> None:
 
 
 @contextmanager
-def running_dockerd(root: Path, daemon_json: dict, containerd_env: dict[str, str],
-                    dockerd_path: Path | None = None) -> Iterator[Dockerd]:
+def running_dockerd(
+    root: Path, daemon_json: dict, containerd_env: dict[str, str], dockerd_path: Path | None = None
+) -> Iterator[Dockerd]:
     """containerd (with `containerd_env`, which reaches cgpu-runtime) and a
     dockerd on it, with `dockerd_path` first on its PATH; when the block
     ends, however it ends, Docker's containers are removed, both daemons
@@ -123,12 +131,19 @@ def running_dockerd(root: Path, daemon_json: dict, containerd_env: dict[str, str
         # cgpu keys a container by the bundle with links resolved.
         (root / "run").mkdir()
         (root / "var-run").symlink_to("run")
-        (ctd / "config.toml").write_text(f'version = 2\nroot = "{ctd}/root"\nstate = "{root}/var-run/containerd"\n\n'
-                                         f'[grpc]\n  address = "{ctd}/containerd.sock"\n')
+        (ctd / "config.toml").write_text(
+            f'version = 2\nroot = "{ctd}/root"\nstate = "{root}/var-run/containerd"\n\n'
+            f'[grpc]\n  address = "{ctd}/containerd.sock"\n'
+        )
         ctd_log = ctd / "containerd.log"
         with open(ctd_log, "wb") as out:
-            containerd = subprocess.Popen(["containerd", "--config", str(ctd / "config.toml")], env=containerd_env,
-                                          stdout=out, stderr=out, stdin=subprocess.DEVNULL)
+            containerd = subprocess.Popen(
+                ["containerd", "--config", str(ctd / "config.toml")],
+                env=containerd_env,
+                stdout=out,
+                stderr=out,
+                stdin=subprocess.DEVNULL,
+            )
         stack.callback(_terminate, containerd)
         stack.callback(_reap_containers, root, ctd / "containerd.sock")
         _wait("containerd", lambda: (ctd / "containerd.sock").exists(), containerd, ctd_log)
@@ -142,9 +157,24 @@ def running_dockerd(root: Path, daemon_json: dict, containerd_env: dict[str, str
         env = {k: v for k, v in containerd_env.items() if not k.startswith("CGPU_")}
         if dockerd_path:
             env["PATH"] = f"{dockerd_path}:{env['PATH']}"
-        args = [str(DOCKERD), "--containerd", str(ctd / "containerd.sock"), "--data-root", str(root / "data"),
-                "--exec-root", str(root / "exec"), "-H", f"unix://{sock}", "--pidfile", str(root / "docker.pid"),
-                "--config-file", str(config), "--iptables=false", "--ip6tables=false", "--bridge=none"]
+        args = [
+            str(DOCKERD),
+            "--containerd",
+            str(ctd / "containerd.sock"),
+            "--data-root",
+            str(root / "data"),
+            "--exec-root",
+            str(root / "exec"),
+            "-H",
+            f"unix://{sock}",
+            "--pidfile",
+            str(root / "docker.pid"),
+            "--config-file",
+            str(config),
+            "--iptables=false",
+            "--ip6tables=false",
+            "--bridge=none",
+        ]
         d = Dockerd(root, config, sock, Path(containerd_env["CGPU_RELAY_SOCKET"]), args, env, log)
         stack.callback(_stop, d)
         d.start()
@@ -167,8 +197,9 @@ def _reap_containers(root: Path, containerd_socket: Path) -> None:
     runc_root = root / "exec" / "runtime-runc" / "moby"
     if runc_root.is_dir():
         for container in runc_root.iterdir():
-            subprocess.run(["runc", "--root", str(runc_root), "delete", "--force", container.name],
-                           capture_output=True, timeout=60)
+            subprocess.run(
+                ["runc", "--root", str(runc_root), "delete", "--force", container.name], capture_output=True, timeout=60
+            )
     address = str(containerd_socket).encode()
     for proc in Path("/proc").iterdir():
         try:

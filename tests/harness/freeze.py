@@ -1,5 +1,6 @@
 """Freezing cgpud (SIGSTOP, every thread) at a chosen moment, so that what
 follows (a SIGKILL) finds the state that moment left."""
+
 from __future__ import annotations
 
 import os

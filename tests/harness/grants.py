@@ -1,6 +1,7 @@
 """An instance region seen from cgpud's scheduler, for tests that play the
 scheduler's part: gate words, grants files, and a live view of grants and
 usage that opens and closes gates as cgpud's engine does."""
+
 from __future__ import annotations
 
 import ctypes
@@ -59,7 +60,7 @@ class GrantsView:
     closes gates in `grants` and reads the processes' answers in `usage`."""
 
     def __init__(self, directory: Path) -> None:
-        self._files = [open(directory / name, "r+b") for name in ("grants", "usage")]  # noqa: SIM115 (closed in close())
+        self._files = [open(directory / name, "r+b") for name in ("grants", "usage")]
         self._maps = [mmap.mmap(f.fileno(), 0) for f in self._files]
         self.grants = ffi.from_buffer("struct cgpu_grants *", self._maps[0], require_writable=True)
         self.usage = ffi.from_buffer("struct cgpu_usage *", self._maps[1])

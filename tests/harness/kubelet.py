@@ -1,6 +1,7 @@
 """A fake kubelet's device-plugin side: it serves v1beta1.Registration on
 <dir>/kubelet.sock, records Register calls and restarts the way a kubelet
 does (its socket and every plugin socket go, a new kubelet.sock appears)."""
+
 from __future__ import annotations
 
 import queue

@@ -1,5 +1,6 @@
 """Plays the kubelet's pod-resources API (v1 PodResourcesLister.List) over
 real gRPC on a unix socket, with a pod list the test changes."""
+
 from __future__ import annotations
 
 import shutil
@@ -31,11 +32,21 @@ class KubeletPods(pb_grpc.PodResourcesListerServicer):
 
     def List(self, request: pb.ListPodResourcesRequest, context: grpc.ServicerContext) -> pb.ListPodResourcesResponse:
         with self._lock:
-            return pb.ListPodResourcesResponse(pod_resources=[
-                pb.PodResources(namespace=ns, name=name, containers=[
-                    pb.ContainerResources(name=c, devices=[pb.ContainerDevices(resource_name=r, device_ids=list(ids))])
-                    for c, (r, ids) in containers.items()])
-                for (ns, name), containers in self._pods.items()])
+            return pb.ListPodResourcesResponse(
+                pod_resources=[
+                    pb.PodResources(
+                        namespace=ns,
+                        name=name,
+                        containers=[
+                            pb.ContainerResources(
+                                name=c, devices=[pb.ContainerDevices(resource_name=r, device_ids=list(ids))]
+                            )
+                            for c, (r, ids) in containers.items()
+                        ],
+                    )
+                    for (ns, name), containers in self._pods.items()
+                ]
+            )
 
 
 @contextmanager

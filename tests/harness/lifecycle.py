@@ -1,6 +1,7 @@
 """The container start path's core over a real instance service (SQLite,
 region files) in a temp dir, and the OCI bundle and state documents the
 relays hand it."""
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,12 @@ def lifecycle(tmp_path: Path) -> tuple[ContainerLifecycle, InstanceService]:
 
 def bundle(where: Path, *env: str, mounts: list[dict] | None = None) -> Path:
     (where / "rootfs").mkdir(parents=True)
-    spec = {"ociVersion": "1.0.2", "root": {"path": "rootfs"}, "mounts": mounts or [],
-            "process": {"args": ["sh"], "env": ["PATH=/bin", *env]}}
+    spec = {
+        "ociVersion": "1.0.2",
+        "root": {"path": "rootfs"},
+        "mounts": mounts or [],
+        "process": {"args": ["sh"], "env": ["PATH=/bin", *env]},
+    }
     (where / "config.json").write_text(json.dumps(spec))
     return where
 

@@ -1,6 +1,7 @@
 """tests/intercept/programs/memory_attack.c: the tenant that tries to keep
 GPU memory past its limit through the VMM API, built and driven phase by
 phase (on the host, under sanitizers, or in a container)."""
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,22 @@ PROGRAM = ROOT / "tests/intercept/programs/memory_attack.c"
 
 def build_attacker(out_dir: Path, *flags: str) -> Path:
     out = out_dir / "memory_attack"
-    subprocess.run(["cc", "-std=c11", "-Wall", "-Wextra", "-Werror", f"-I{ROOT / 'csrc/include'}", *flags,
-                    "-o", str(out), str(PROGRAM), "-ldl"], check=True)
+    subprocess.run(
+        [
+            "cc",
+            "-std=c11",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            f"-I{ROOT / 'csrc/include'}",
+            *flags,
+            "-o",
+            str(out),
+            str(PROGRAM),
+            "-ldl",
+        ],
+        check=True,
+    )
     return out
 
 
@@ -32,8 +47,9 @@ class Phased:
         self.go_dir = go_dir
         if go_dir is not None:
             env = dict(env, GO_DIR=str(go_dir))
-        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
 
     def report(self) -> dict:
         assert self.proc.stdout is not None

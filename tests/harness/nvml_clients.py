@@ -1,6 +1,7 @@
 """The GPU monitoring tools (nvitop, gpustat) and NVML clients run in and next
 to an instance: their programs, a neighbour burning memory, and what a
 client inside must see."""
+
 from __future__ import annotations
 
 import re
@@ -20,9 +21,23 @@ GPUSTAT = BIN / "gpustat"
 @contextmanager
 def burner(env: dict[str, str], native: Path, mem: str, seconds: int = 60) -> Iterator[subprocess.Popen[str]]:
     """cgpu-burn holding `mem` on GPU 0 and keeping it half busy, until the block ends."""
-    proc = subprocess.Popen([str(native / "bin/cgpu-burn"), "--alloc", mem, "--duration", str(seconds),
-                             "--duty", "0.5", "--kernel-ns", "2000000"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            str(native / "bin/cgpu-burn"),
+            "--alloc",
+            mem,
+            "--duration",
+            str(seconds),
+            "--duty",
+            "0.5",
+            "--kernel-ns",
+            "2000000",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         on_gpu(env, proc.pid)
         yield proc
@@ -111,10 +126,15 @@ def check_inside(got: dict, neighbour: int) -> None:
     """What INSIDE saw: 1 GiB and its own process, nothing of `neighbour`."""
     own, tools = got["pid"], got["tools"]
     calls = tools.pop("nvml")
-    assert calls == {"total": [1 << 30] * 5, "lists": [[own], [own], [], [], [], []],
-                     "details": [[own], [], [], [own]], "util": [own], "util_info": [own],
-                     # ARGUMENT_VERSION_MISMATCH / INVALID_ARGUMENT (as nvml.h documents each), untouched
-                     "newer_versions": [[25, 4], [2, 4, 0]]}, (calls, own, neighbour)
+    assert calls == {
+        "total": [1 << 30] * 5,
+        "lists": [[own], [own], [], [], [], []],
+        "details": [[own], [], [], [own]],
+        "util": [own],
+        "util_info": [own],
+        # ARGUMENT_VERSION_MISMATCH / INVALID_ARGUMENT (as nvml.h documents each), untouched
+        "newer_versions": [[25, 4], [2, 4, 0]],
+    }, (calls, own, neighbour)
     for name, t in tools.items():
         assert t["rc"] == 0, (name, t)
         assert not ERROR_TEXT.search(t["out"] + t["err"]), (name, t)

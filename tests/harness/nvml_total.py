@@ -1,5 +1,6 @@
 """A tiny NVML client for inside containers: it prints the total memory NVML
 reports for GPU 0, as `NVML_TOTAL=<bytes>`."""
+
 from __future__ import annotations
 
 import subprocess

@@ -6,6 +6,7 @@ give a container: a C library, the workload (cgpu-burn) and the driver
 libraries, bind-mounted from the host with the device state. Here the
 driver is the simulated one, and this file plays the toolkit's part; cgpu
 itself is given nothing but the bundle."""
+
 from __future__ import annotations
 
 import json
@@ -140,10 +141,18 @@ class Host:
         spec["root"] = {"path": "rootfs", "readonly": False}
         if gpu_device:
             # The toolkit's part: device state in, and the driver told where it is.
-            spec["mounts"].append({"destination": str(self.sim_dir), "type": "bind", "source": str(self.sim_dir),
-                                   "options": ["rbind", "rw"]})
-            spec["process"]["env"] += [f"CGPU_SIM_CONFIG={self.sim_env['CGPU_SIM_CONFIG']}",
-                                       f"CGPU_SIM_STATE={self.sim_env['CGPU_SIM_STATE']}"]
+            spec["mounts"].append(
+                {
+                    "destination": str(self.sim_dir),
+                    "type": "bind",
+                    "source": str(self.sim_dir),
+                    "options": ["rbind", "rw"],
+                }
+            )
+            spec["process"]["env"] += [
+                f"CGPU_SIM_CONFIG={self.sim_env['CGPU_SIM_CONFIG']}",
+                f"CGPU_SIM_STATE={self.sim_env['CGPU_SIM_STATE']}",
+            ]
         return Bundle(where, spec).write()
 
     def new_id(self, prefix: str = "cgpu-e2e") -> str:
@@ -158,25 +167,41 @@ def runtime_env(relay: Path, base: dict[str, str] | None = None) -> dict[str, st
     return env
 
 
-def run(host: Host, bundle: Bundle, container_id: str, *, shim: bool, relay: Path | None = None,
-        timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def run(
+    host: Host, bundle: Bundle, container_id: str, *, shim: bool, relay: Path | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
     """`runc run` of the bundle in the foreground, through the shim or not."""
     binary = str(native_path("bin/cgpu-runtime")) if shim else "runc"
     env = runtime_env(relay) if relay else dict(os.environ)
-    return subprocess.run([binary, "--root", str(host.runc_root), "run", "--bundle", str(bundle.path), container_id],
-                          env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [binary, "--root", str(host.runc_root), "run", "--bundle", str(bundle.path), container_id],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
 
 
-def runc(host: Host, *args: str, shim: bool = False, relay: Path | None = None,
-         timeout: float = 60, **kw: Any) -> subprocess.CompletedProcess[str]:
+def runc(
+    host: Host, *args: str, shim: bool = False, relay: Path | None = None, timeout: float = 60, **kw: Any
+) -> subprocess.CompletedProcess[str]:
     binary = str(native_path("bin/cgpu-runtime")) if shim else "runc"
     env = runtime_env(relay) if relay else dict(os.environ)
-    return subprocess.run([binary, "--root", str(host.runc_root), *args], env=env, capture_output=True, text=True,
-                          timeout=timeout, **kw)
+    return subprocess.run(
+        [binary, "--root", str(host.runc_root), *args], env=env, capture_output=True, text=True, timeout=timeout, **kw
+    )
 
 
-def create(host: Host, bundle: Bundle, container_id: str, relay: Path, timeout: float = 60,
-           pid_file: Path | None = None, env: dict[str, str] | None = None) -> tuple[int, str]:
+def create(
+    host: Host,
+    bundle: Bundle,
+    container_id: str,
+    relay: Path,
+    timeout: float = 60,
+    pid_file: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> tuple[int, str]:
     """`runc create` through the shim; the container's stdio goes to a file
     in the bundle (a pipe would stay open as long as the container runs).
     With pid_file (as containerd and docker always pass it) the shim binds
@@ -184,20 +209,36 @@ def create(host: Host, bundle: Bundle, container_id: str, relay: Path, timeout: 
     log = bundle.path / "stdio.log"
     extra = ["--pid-file", str(pid_file)] if pid_file else []
     with open(log, "w") as out:
-        proc = subprocess.run([str(native_path("bin/cgpu-runtime")), "--root", str(host.runc_root), "create",
-                               "--bundle", str(bundle.path), *extra, container_id], env=env or runtime_env(relay),
-                              stdin=subprocess.DEVNULL, stdout=out, stderr=out, timeout=timeout)
+        proc = subprocess.run(
+            [
+                str(native_path("bin/cgpu-runtime")),
+                "--root",
+                str(host.runc_root),
+                "create",
+                "--bundle",
+                str(bundle.path),
+                *extra,
+                container_id,
+            ],
+            env=env or runtime_env(relay),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+            timeout=timeout,
+        )
     return proc.returncode, log.read_text()
 
 
 @contextmanager
-def shim_container(host: Host, bundle: Bundle, container_id: str, relay: Path, *, start: bool = True,
-                   pid_file: bool = False) -> Iterator[None]:
+def shim_container(
+    host: Host, bundle: Bundle, container_id: str, relay: Path, *, start: bool = True, pid_file: bool = False
+) -> Iterator[None]:
     """A container created (and started) through the shim for the block;
     killed and deleted through it after, however the block ends. pid_file:
     created as containerd does it, so the shim binds and releases."""
-    code, log = create(host, bundle, container_id, relay,
-                       pid_file=bundle.path / f"{container_id}.pid" if pid_file else None)
+    code, log = create(
+        host, bundle, container_id, relay, pid_file=bundle.path / f"{container_id}.pid" if pid_file else None
+    )
     assert code == 0, log
     try:
         if start:
@@ -216,8 +257,11 @@ def host_mounts(ours: Path | None = None) -> list[str]:
     base temp dir), the mounts other pytest sessions and xdist workers make
     under the same pytest-of-<user> dir are left out: their cgpuds come and
     go meanwhile. A mount anywhere else still counts."""
-    lines = [line for line in Path("/proc/self/mountinfo").read_text().splitlines()
-             if ours is None or not _others(line, ours)]
+    lines = [
+        line
+        for line in Path("/proc/self/mountinfo").read_text().splitlines()
+        if ours is None or not _others(line, ours)
+    ]
     mine = [line for line in lines if not _spare(line)]
     return mine + [f"spare regions: {len(lines) - len(mine)}"]
 
@@ -245,4 +289,3 @@ def settled(read: Callable[[], T], expected: T, within: float = 5.0) -> T:
     while (got := read()) != expected and time.monotonic() < deadline:
         time.sleep(0.02)
     return got
-

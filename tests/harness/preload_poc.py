@@ -1,5 +1,6 @@
 """The NVIDIAScape pattern's payload: a shared library that, if it ever runs,
 leaves a marker file where it ran."""
+
 from __future__ import annotations
 
 import subprocess

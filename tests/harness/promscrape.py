@@ -1,5 +1,6 @@
 """Reading cgpud's Prometheus endpoint in tests: a free port to serve it on,
 one scrape parsed by the official client's parser, one sample by labels."""
+
 from __future__ import annotations
 
 import urllib.request

@@ -3,6 +3,7 @@ of the relay wire (a real unix socket server that records each request and
 answers a scripted line), a fake runc that records its argv, OCI bundles, and
 one relay run judged clean of sanitizer reports. Fixtures built on these are
 in tests/relay/conftest.py."""
+
 from __future__ import annotations
 
 import json

@@ -3,6 +3,7 @@
 a directory of its own, its version bumped, its C parts and cffi modules
 built in place, and run with this venv's Python and PYTHONPATH at the copy.
 About 8 s on the CI machines."""
+
 from __future__ import annotations
 
 import shutil

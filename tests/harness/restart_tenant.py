@@ -14,6 +14,7 @@ SIGTERM.
 Both time every launch and allocation call and the gap between one launch's
 return and the next's: a gate that never opens or a wait on cgpud shows
 there. Only the driver ABI is used (tests/harness/cudapy.py)."""
+
 from __future__ import annotations
 
 import argparse
@@ -33,15 +34,15 @@ MIB = 1 << 20
 class Counts:
     launches: int = 0
     launch_errors: int = 0
-    worst_launch_gap_ns: int = 0     # between two launches' returns
+    worst_launch_gap_ns: int = 0  # between two launches' returns
     worst_launch_gap_at_ns: int = 0  # CLOCK_MONOTONIC when that gap ended
     worst_launch_call_ns: int = 0
-    rounds: int = 0                  # mem: allocate-to-the-limit rounds
+    rounds: int = 0  # mem: allocate-to-the-limit rounds
     allocs: int = 0
-    alloc_errors: int = 0            # refused within the limit
-    past_limit_granted: int = 0      # granted past the limit: a limit lost
+    alloc_errors: int = 0  # refused within the limit
+    past_limit_granted: int = 0  # granted past the limit: a limit lost
     worst_alloc_call_ns: int = 0
-    total: int = 0                   # what cuMemGetInfo says the GPU holds
+    total: int = 0  # what cuMemGetInfo says the GPU holds
     errors: list[str] | None = None
 
 

@@ -2,6 +2,7 @@
 programs are run and judged. A build takes minutes on these machines, so
 conftest.py files expose it through session-scoped fixtures over
 shared_build: one build per run, whichever modules and workers ask for it."""
+
 from __future__ import annotations
 
 import functools
@@ -42,8 +43,9 @@ def shared_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @functools.cache
 def asan_runtime() -> str:
     """The compiler's libasan.so, which must come first in a preload list."""
-    return subprocess.run(["cc", "-print-file-name=libasan.so"], capture_output=True, text=True,
-                          check=True).stdout.strip()
+    return subprocess.run(
+        ["cc", "-print-file-name=libasan.so"], capture_output=True, text=True, check=True
+    ).stdout.strip()
 
 
 def san_env(sim_env: dict[str, str], san_native: Path) -> dict[str, str]:
@@ -70,8 +72,9 @@ def assert_clean(stderr: str) -> None:
     assert "Sanitizer" not in stderr and "runtime error" not in stderr, stderr
 
 
-def run_clean(cmd: list[str], env: dict[str, str], stdin: str | None = None,
-              timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def run_clean(
+    cmd: list[str], env: dict[str, str], stdin: str | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
     """Runs cmd to its end; no sanitizer report may appear on its stderr."""
     proc = subprocess.run(cmd, env=env, input=stdin, capture_output=True, text=True, timeout=timeout)
     assert_clean(proc.stderr)

@@ -1,6 +1,7 @@
 """An instance's region seen as its processes see it, for tests that play
 the tenant's side of the compute protocol (cgpu/region.h) against cgpud's
 scheduler engine: demand, fence acknowledgements, gates read back."""
+
 from __future__ import annotations
 
 import mmap
@@ -23,8 +24,9 @@ class Tenant:
     def __init__(self, root: Path, name: str, core: int) -> None:
         self.dir = root / name
         write_region(self.dir, InstanceLimits(name, (DeviceLimit("GPU-x", 1 << 30, 0, core),)), gated=True)
-        self.instance = Instance(name, Owner(OwnerKind.PROCESS, name), (Grant(0, "GPU-x", 1 << 30, core),),
-                                 InstanceState.RESERVED, True)
+        self.instance = Instance(
+            name, Owner(OwnerKind.PROCESS, name), (Grant(0, "GPU-x", 1 << 30, core),), InstanceState.RESERVED, True
+        )
         fd = os.open(self.dir / GRANTS_FILE, os.O_RDONLY)
         self._gmap = mmap.mmap(fd, rffi.sizeof("struct cgpu_grants"), mmap.MAP_SHARED, mmap.PROT_READ)
         os.close(fd)

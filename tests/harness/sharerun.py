@@ -10,6 +10,7 @@ them; `ShareRig.run_rounds` interleaves the two for a side-by-side figure.
 
 Used by bench/bench_compute.py (10 s scenarios, the report) and by
 tests/integration/test_compute_shares.py (2-3 s versions, looser bounds)."""
+
 from __future__ import annotations
 
 import json
@@ -36,21 +37,29 @@ SECOND = 1_000_000_000
 
 @dataclass(frozen=True)
 class TenantSpec:
-    core: int                   # requested share in percent; 0: memory-only
+    core: int  # requested share in percent; 0: memory-only
     kernel_ns: int = 200_000
     launch_api: str = "kernel"  # kernel | ex | cooperative | graph
     streams: int = 4
     weight: int = 1
     high_priority: bool = False
-    delay_s: float = 0.0        # starts this long after the others are running
-    burst_ms: float = 0.0       # > 0: bursts of this much queued work, each ended by cuCtxSynchronize ...
-    gap_ms: float = 0.0         # ... then this long idle
-    sync_every: int = 0         # > 0: synchronise every this many launches
+    delay_s: float = 0.0  # starts this long after the others are running
+    burst_ms: float = 0.0  # > 0: bursts of this much queued work, each ended by cuCtxSynchronize ...
+    gap_ms: float = 0.0  # ... then this long idle
+    sync_every: int = 0  # > 0: synchronise every this many launches
 
     def burn_args(self) -> list[str]:
         """cgpu-burn's command line for this tenant (after the program)."""
-        args = ["--duration", "600", "--kernel-ns", str(self.kernel_ns), "--streams", str(self.streams),
-                "--launch-api", self.launch_api]
+        args = [
+            "--duration",
+            "600",
+            "--kernel-ns",
+            str(self.kernel_ns),
+            "--streams",
+            str(self.streams),
+            "--launch-api",
+            self.launch_api,
+        ]
         if self.burst_ms:
             args += ["--burst-ms", f"{self.burst_ms:g}", "--gap-ms", f"{self.gap_ms:g}"]
         if self.sync_every:
@@ -61,9 +70,9 @@ class TenantSpec:
 @dataclass(frozen=True)
 class Scenario:
     name: str
-    policy: str                 # as `cgpuctl policy set` takes it
+    policy: str  # as `cgpuctl policy set` takes it
     tenants: tuple[TenantSpec, ...]
-    seconds: float              # measured interval, once every tenant runs
+    seconds: float  # measured interval, once every tenant runs
     expected: tuple[float, ...] = ()  # share each tenant should get (default: its core)
     # Switch to this policy 1 s after every tenant runs; `expected` is then
     # what the new policy gives, and the interval starts after the switch.
@@ -77,8 +86,8 @@ class Scenario:
 class TenantResult:
     spec: TenantSpec
     target: float
-    share: float                # percent of wall time over the interval
-    windows: list[float]        # percent in each 1 s window
+    share: float  # percent of wall time over the interval
+    windows: list[float]  # percent in each 1 s window
 
     @property
     def error(self) -> float:
@@ -89,7 +98,7 @@ class TenantResult:
 class ScenarioResult:
     scenario: Scenario
     tenants: list[TenantResult]
-    utilisation: float          # percent of the interval the GPU was busy
+    utilisation: float  # percent of the interval the GPU was busy
     window_errors: list[float] = field(default_factory=list)
     settle_error: float | None = None  # worst tenant error over the first 200 ms after a tenant joins
     settled_error: float | None = None  # the same over the 200 ms after those: is it over by 200 ms?
@@ -129,8 +138,12 @@ class Sampler:
 
     def __init__(self, env: dict[str, str], interval_ms: int) -> None:
         self.samples: list[tuple[int, int, dict[int, int]]] = []
-        self._proc = subprocess.Popen([str(native_path("bin/cgpu-sim-stat")), "--sample", "0", str(interval_ms), "0"],
-                                      env=env, stdout=subprocess.PIPE, text=True)
+        self._proc = subprocess.Popen(
+            [str(native_path("bin/cgpu-sim-stat")), "--sample", "0", str(interval_ms), "0"],
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
 
@@ -186,8 +199,12 @@ class ShareRig:
         run = ["run", "--mem", "512MiB", "--core", str(spec.core), "--weight", str(spec.weight)]
         if spec.high_priority:
             run.append("--high-priority")
-        return subprocess.Popen([str(BIN / "cgpuctl"), "--socket", str(d.socket), *run, "--", *cmd], env=d.env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        return subprocess.Popen(
+            [str(BIN / "cgpuctl"), "--socket", str(d.socket), *run, "--", *cmd],
+            env=d.env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
 
     @staticmethod
     def _burn_pid(run: subprocess.Popen[bytes], deadline: float, native: bool = False) -> int:
@@ -215,8 +232,15 @@ class ShareRig:
                 out[i].append(self.run(runs[i][0], native=runs[i][1]))
         return out
 
-    def run(self, sc: Scenario, sample_ms: int = 50, warmup_s: float = 0.5, window_s: float = 1.0,
-            settle_window_s: float = 0.2, native: bool = False) -> ScenarioResult:
+    def run(
+        self,
+        sc: Scenario,
+        sample_ms: int = 50,
+        warmup_s: float = 0.5,
+        window_s: float = 1.0,
+        settle_window_s: float = 0.2,
+        native: bool = False,
+    ) -> ScenarioResult:
         """Starts the tenants without a delay, waits until all of them run,
         then the delayed ones one by one; measures `sc.seconds` from
         `warmup_s` after the last one ran. `native`: the same processes
@@ -280,8 +304,16 @@ class ShareRig:
                 except subprocess.TimeoutExpired:
                     r.kill()
             sampler.stop()
-        result = self._result(sc, sampler.samples, [pids[i] for i in range(len(sc.tenants))], start_ns, end_ns,
-                              window_s, joined_ns, settle_window_s)
+        result = self._result(
+            sc,
+            sampler.samples,
+            [pids[i] for i in range(len(sc.tenants))],
+            start_ns,
+            end_ns,
+            window_s,
+            joined_ns,
+            settle_window_s,
+        )
         result.daemon_cpu_percent = cpu
         result.scheduler_cpu_percent = sched_cpu
         return result
@@ -299,8 +331,16 @@ class ShareRig:
         return next(s[0] for s in sampler.samples if _busy(s, pid) > 0)
 
     @staticmethod
-    def _result(sc: Scenario, samples: list[tuple[int, int, dict[int, int]]], pids: list[int], start_ns: int,
-                end_ns: int, window_s: float, joined_ns: int | None, settle_window_s: float) -> ScenarioResult:
+    def _result(
+        sc: Scenario,
+        samples: list[tuple[int, int, dict[int, int]]],
+        pids: list[int],
+        start_ns: int,
+        end_ns: int,
+        window_s: float,
+        joined_ns: int | None,
+        settle_window_s: float,
+    ) -> ScenarioResult:
         a, b = _at(samples, start_ns), _at(samples, end_ns)
         span = b[0] - a[0]
         tenants = []
@@ -324,8 +364,9 @@ class ShareRig:
         return result
 
 
-def _settle_error(sc: Scenario, samples: list[tuple[int, int, dict[int, int]]], pids: list[int], joined_ns: int,
-                  w: int) -> float:
+def _settle_error(
+    sc: Scenario, samples: list[tuple[int, int, dict[int, int]]], pids: list[int], joined_ns: int, w: int
+) -> float:
     """The largest |share - target| of any tenant over w from joined_ns (the
     last tenant's first launch or the policy change, or w after it)."""
     s0, s1 = _at(samples, joined_ns), _at(samples, joined_ns + w)

@@ -1,5 +1,6 @@
 """A private simulated machine per test: its config file and environment,
 and the region tmpfs mounts cgpud leaves under a directory."""
+
 from __future__ import annotations
 
 import os
@@ -8,7 +9,7 @@ from pathlib import Path
 
 def write_sim_config(path: Path, gpus: int = 2, mem: str = "16GiB", extra: str = "") -> Path:
     lines = [extra] if extra else []
-    for i in range(gpus):
+    for _ in range(gpus):
         lines.append(f'gpu name="NVIDIA H100 80GB HBM3" mem={mem} sms=132 cc=9.0')
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -1,4 +1,5 @@
 """Running test programs against the simulated GPUs in subprocesses."""
+
 from __future__ import annotations
 
 import json

@@ -1,6 +1,7 @@
 """Certificates for TLS tests, made with the openssl CLI: a CA, a server
 certificate for the given IPs (and localhost), a client certificate of the
 same CA, and an untrusted client whose certificate another CA signed."""
+
 from __future__ import annotations
 
 import subprocess
@@ -42,27 +43,77 @@ def _openssl(*args: str) -> None:
 
 def ca(dir: Path, name: str) -> tuple[Path, Path]:
     cert, key = dir / f"{name}.crt", dir / f"{name}.key"
-    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-keyout", str(key), "-out", str(cert), "-days", "2", "-subj", f"/CN={name}",
-             "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign")
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-keyout",
+        str(key),
+        "-out",
+        str(cert),
+        "-days",
+        "2",
+        "-subj",
+        f"/CN={name}",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
+    )
     return cert, key
 
 
-def leaf(dir: Path, name: str, ca: tuple[Path, Path], usage: str, san: str,
-          subject: str | None = None) -> tuple[Path, Path]:
+def leaf(
+    dir: Path, name: str, ca: tuple[Path, Path], usage: str, san: str, subject: str | None = None
+) -> tuple[Path, Path]:
     """A certificate `ca` signed; the subject is /CN=<name> unless given
     (Kubernetes reads a client's user from CN and its groups from O)."""
     cert, key, csr, ext = dir / f"{name}.crt", dir / f"{name}.key", dir / f"{name}.csr", dir / f"{name}.ext"
-    _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(key),
-             "-out", str(csr), "-subj", subject or f"/CN={name}")
-    ext.write_text(f"basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\nextendedKeyUsage={usage}\n"
-                   f"subjectAltName={san}\n")
-    _openssl("x509", "-req", "-in", str(csr), "-CA", str(ca[0]), "-CAkey", str(ca[1]), "-CAcreateserial",
-             "-out", str(cert), "-days", "2", "-extfile", str(ext))
+    _openssl(
+        "req",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-keyout",
+        str(key),
+        "-out",
+        str(csr),
+        "-subj",
+        subject or f"/CN={name}",
+    )
+    ext.write_text(
+        f"basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\nextendedKeyUsage={usage}\n"
+        f"subjectAltName={san}\n"
+    )
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        str(csr),
+        "-CA",
+        str(ca[0]),
+        "-CAkey",
+        str(ca[1]),
+        "-CAcreateserial",
+        "-out",
+        str(cert),
+        "-days",
+        "2",
+        "-extfile",
+        str(ext),
+    )
     return cert, key
 
 
-def make_pki(dir: Path, server_ips: Sequence[str] = ("127.0.0.1",), server_names: Sequence[str] = ("localhost",)) -> Pki:
+def make_pki(
+    dir: Path, server_ips: Sequence[str] = ("127.0.0.1",), server_names: Sequence[str] = ("localhost",)
+) -> Pki:
     dir.mkdir(parents=True, exist_ok=True)
     trusted = ca(dir, "cgpu-test-ca")
     other = ca(dir, "other-ca")
@@ -70,6 +121,15 @@ def make_pki(dir: Path, server_ips: Sequence[str] = ("127.0.0.1",), server_names
     server = leaf(dir, "server", trusted, "serverAuth", san)
     client = leaf(dir, "client", trusted, "clientAuth", "DNS:cgpu-scheduler")
     untrusted = leaf(dir, "untrusted", other, "clientAuth", "DNS:intruder")
-    return Pki(ca=trusted[0], ca_key=trusted[1], server_cert=server[0], server_key=server[1], client_cert=client[0],
-               client_key=client[1], untrusted_ca=other[0], untrusted_cert=untrusted[0], untrusted_key=untrusted[1],
-               dir=dir)
+    return Pki(
+        ca=trusted[0],
+        ca_key=trusted[1],
+        server_cert=server[0],
+        server_key=server[1],
+        client_cert=client[0],
+        client_key=client[1],
+        untrusted_ca=other[0],
+        untrusted_cert=untrusted[0],
+        untrusted_key=untrusted[1],
+        dir=dir,
+    )

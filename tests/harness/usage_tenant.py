@@ -7,6 +7,7 @@ Claims and charges run libcgpu.so's own C steps (csrc/region/region.c,
 reached through cgpud._region). Counters are read as cffi fields: plain
 aligned loads, whole on the hosts the tests run on; tests read them once the
 tenants said where they are, so the pipe orders them."""
+
 from __future__ import annotations
 
 import os
@@ -54,8 +55,11 @@ class TenantUsage(UsageRegion):
         """The live ledgers, including those of processes that died and were
         not reaped yet. Each is read field by field, not as one snapshot."""
         u = self._mapped()
-        return [Ledger(i, int(p.pid), tuple(p.used)) for i in range(MAX_PROCS)
-                if (p := u.proc[i]).state == lib.CGPU_LEDGER_LIVE]
+        return [
+            Ledger(i, int(p.pid), tuple(p.used))
+            for i in range(MAX_PROCS)
+            if (p := u.proc[i]).state == lib.CGPU_LEDGER_LIVE
+        ]
 
     def claim(self, pid: int) -> int:
         """Claims a ledger for `pid`, held until close(); returns its index."""

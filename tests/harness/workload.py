@@ -1,6 +1,7 @@
 """What a workload in a container prints (cgpu-burn's report, its environment)
 and the instances cgpud lists for it, read and checked the same way by every
 end-to-end test."""
+
 from __future__ import annotations
 
 import json
@@ -13,12 +14,12 @@ BURN = "cgpu-burn --alloc-until-fail 512MiB"
 
 
 def burn_json(stdout: str) -> dict:
-    line = next(l for l in stdout.splitlines() if l.startswith('{"device"'))
+    line = next(line for line in stdout.splitlines() if line.startswith('{"device"'))
     return json.loads(line)
 
 
 def env_lines(stdout: str) -> dict[str, str]:
-    return dict(l.split("=", 1) for l in stdout.splitlines() if "=" in l and not l.startswith("{"))
+    return dict(line.split("=", 1) for line in stdout.splitlines() if "=" in line and not line.startswith("{"))
 
 
 def assert_2gib_granted(stdout: str) -> None:

@@ -1,4 +1,5 @@
 """Fixtures for the integration tests that talk to cgpud as a process."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator

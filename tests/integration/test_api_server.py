@@ -1,6 +1,7 @@
 """The local API end to end on a real unix socket: cgpud.api.server.serve
 with a small fake service (the real daemon is tested elsewhere), the real
 gRPC stack, and cgpud.cli.client.LocalClient."""
+
 from __future__ import annotations
 
 import os
@@ -40,7 +41,7 @@ class FakeService:
 
     regions: Path
     instances: dict[str, model.Instance] = field(default_factory=dict)
-    node_policy: model.NodePolicy = model.NodePolicy()
+    node_policy: model.NodePolicy = field(default_factory=model.NodePolicy)
     calls: list[tuple] = field(default_factory=list)
     crash: BaseException | None = None  # raised by node_info
 
@@ -160,7 +161,7 @@ def test_create_round_trips_request_and_instance(api: Running) -> None:
 def test_create_without_pid_or_optional_fields_takes_model_defaults(api: Running) -> None:
     stub = pb_grpc.LocalStub(api.channel)
     out = stub.CreateInstance(pb.CreateInstanceRequest(owner=pb.Owner(kind="pod", id="uid-1"), memory_bytes=1 << 30))
-    (_, req, pid), = api.service.calls
+    ((_, req, pid),) = api.service.calls
     assert pid is None
     assert req == model.Request(owner=model.Owner(model.OwnerKind.POD, "uid-1"), memory=1 << 30)
     assert (req.gpu_count, req.weight) == (1, 1)
@@ -209,8 +210,11 @@ def test_policy_and_node_info(api: Running) -> None:
         (lambda c: c.create(_request(gpu_count=0)), UsageError, "gpu_count must be at least 1, not 0"),
         (lambda c: c.create(replace(_request(), memory=64 * model.GIB)), AdmissionError, "no GPU has 64 GiB free"),
         (lambda c: c.get("nope"), NotFoundError, "no instance 'nope'"),
-        (lambda c: c.bind(c.release(c.create(_request()).id).id, (1,)), StateError,
-         "instance i1 is released; it cannot be bound"),
+        (
+            lambda c: c.bind(c.release(c.create(_request()).id).id, (1,)),
+            StateError,
+            "instance i1 is released; it cannot be bound",
+        ),
     ],
     ids=["usage", "admission", "not-found", "state"],
 )
@@ -224,18 +228,31 @@ def test_service_errors_come_back_as_the_same_class(api: Running, act, error, me
     ("raw", "code"),
     [
         (lambda s: s.InspectInstance(pb.InspectInstanceRequest(id="nope")), grpc.StatusCode.NOT_FOUND),
-        (lambda s: s.CreateInstance(pb.CreateInstanceRequest(owner=pb.Owner(kind="vm", id="x"))),
-         grpc.StatusCode.INVALID_ARGUMENT),
+        (
+            lambda s: s.CreateInstance(pb.CreateInstanceRequest(owner=pb.Owner(kind="vm", id="x"))),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
         (lambda s: s.CreateInstance(pb.CreateInstanceRequest(memory_bytes=1)), grpc.StatusCode.INVALID_ARGUMENT),
         (lambda s: s.SetPolicy(pb.SetPolicyRequest(compute_policy=9)), grpc.StatusCode.INVALID_ARGUMENT),
-        (lambda s: s.CreateInstance(pb.CreateInstanceRequest(owner=pb.Owner(kind="pod", id="p"),
-                                                             memory_bytes=1 << 40)),
-         grpc.StatusCode.RESOURCE_EXHAUSTED),
-        (lambda s: s.BindInstance(pb.BindInstanceRequest(
-            id=s.ReleaseInstance(pb.ReleaseInstanceRequest(
-                id=s.CreateInstance(pb.CreateInstanceRequest(owner=pb.Owner(kind="pod", id="p"))).id)).id,
-            pids=[1])),
-         grpc.StatusCode.FAILED_PRECONDITION),
+        (
+            lambda s: s.CreateInstance(
+                pb.CreateInstanceRequest(owner=pb.Owner(kind="pod", id="p"), memory_bytes=1 << 40)
+            ),
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+        ),
+        (
+            lambda s: s.BindInstance(
+                pb.BindInstanceRequest(
+                    id=s.ReleaseInstance(
+                        pb.ReleaseInstanceRequest(
+                            id=s.CreateInstance(pb.CreateInstanceRequest(owner=pb.Owner(kind="pod", id="p"))).id
+                        )
+                    ).id,
+                    pids=[1],
+                )
+            ),
+            grpc.StatusCode.FAILED_PRECONDITION,
+        ),
         (lambda s: s.BindInstance(pb.BindInstanceRequest(id="nope", pids=[1])), grpc.StatusCode.NOT_FOUND),
     ],
     ids=["not-found", "bad-owner-kind", "no-owner", "bad-compute-policy", "admission", "state", "bind-not-found"],

@@ -2,6 +2,7 @@
 private simulated machine (fixture sim_env: 2 GPUs x 16 GiB). What is checked
 is what the same binary must also do on a real GPU: its arguments, each
 allocation and launch API, entry-point resolution, and timing."""
+
 from __future__ import annotations
 
 import ctypes.util
@@ -58,10 +59,27 @@ def assert_one_line_error(proc: subprocess.CompletedProcess[str], *mentions: str
 def test_help_lists_every_option(native):
     proc = burn(native, None, "--help")
     assert proc.returncode == 0 and proc.stderr == ""
-    for option in ("--device", "--alloc", "--alloc-api", "--alloc-until-fail", "--hold", "--kernel-ns",
-                   "--streams", "--duration", "--launches", "--duty", "--launch-api", "--events",
-                   "--per-thread-stream", "--resolve", "--require-alloc", "--sync-every", "--graph-nodes",
-                   "--burst-ms", "--gap-ms"):
+    for option in (
+        "--device",
+        "--alloc",
+        "--alloc-api",
+        "--alloc-until-fail",
+        "--hold",
+        "--kernel-ns",
+        "--streams",
+        "--duration",
+        "--launches",
+        "--duty",
+        "--launch-api",
+        "--events",
+        "--per-thread-stream",
+        "--resolve",
+        "--require-alloc",
+        "--sync-every",
+        "--graph-nodes",
+        "--burst-ms",
+        "--gap-ms",
+    ):
         assert option in proc.stdout
 
 
@@ -123,8 +141,9 @@ def test_unresolved_function_is_named_and_exit_2(native, tmp_path, resolve, ment
     if not compiler:
         pytest.skip("no C compiler to build a stub driver")
     (tmp_path / "stub.c").write_text(EMPTY_DRIVER)
-    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(tmp_path / "libcuda.so.1"), str(tmp_path / "stub.c")],
-                   check=True)
+    subprocess.run(
+        [compiler, "-shared", "-fPIC", "-o", str(tmp_path / "libcuda.so.1"), str(tmp_path / "stub.c")], check=True
+    )
     env = dict(os.environ, LD_LIBRARY_PATH=str(tmp_path))
     assert_one_line_error(burn(native, env, "--resolve", resolve), *mentions)
 
@@ -183,7 +202,10 @@ def test_failed_allocation_is_a_result_unless_required(native, sim_env):
 def test_hold_keeps_allocations_visible_to_other_processes(native, sim_env):
     holder = subprocess.Popen(
         [str(native / "bin" / "cgpu-burn"), "--alloc", "4GiB", "--hold", "3"],
-        env=sim_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=sim_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         deadline = time.monotonic() + 10
@@ -240,8 +262,19 @@ def test_dlsym_per_thread_resolves_the_ptsz_symbols(native, sim_env):
 
 
 def test_graph_launch_counts_every_node(native, sim_env):
-    out = burn_json(native, sim_env, "--launch-api", "graph", "--graph-nodes", "3", "--launches", "7",
-                    "--kernel-ns", "100000", "--events")
+    out = burn_json(
+        native,
+        sim_env,
+        "--launch-api",
+        "graph",
+        "--graph-nodes",
+        "3",
+        "--launches",
+        "7",
+        "--kernel-ns",
+        "100000",
+        "--events",
+    )
     assert out["launches"] == 9  # three launches of a three-kernel graph
     assert out["event_ms"] == pytest.approx(0.9, abs=0.3)
 
@@ -271,8 +304,20 @@ def test_duration_stops_the_run(native, sim_env):
 
 def test_bursts_queue_the_burst_then_idle_for_the_gap(native, sim_env):
     # 2 ms of 200 us kernels over 4 streams, then 10 ms idle: about 12 ms a burst
-    out = burn_json(native, sim_env, "--duration", "0.6", "--burst-ms", "2", "--gap-ms", "10",
-                    "--kernel-ns", "200000", "--streams", "4")
+    out = burn_json(
+        native,
+        sim_env,
+        "--duration",
+        "0.6",
+        "--burst-ms",
+        "2",
+        "--gap-ms",
+        "10",
+        "--kernel-ns",
+        "200000",
+        "--streams",
+        "4",
+    )
     assert out["burst_ms"] == 2 and out["gap_ms"] == 10
     assert 30 <= out["bursts"] <= 52, out["bursts"]
     assert out["launches"] == 10 * out["bursts"]  # the last burst is whole too

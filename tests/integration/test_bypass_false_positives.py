@@ -13,6 +13,7 @@ run on what the shares leave). The last step is a control: a tenant with LD_PREL
 removed is reported on the same cgpud, so the quiet minute was watched.
 
 Slow by nature (about 70 s); it runs with the rest of the suite."""
+
 from __future__ import annotations
 
 import os
@@ -28,8 +29,11 @@ SECONDS = 60.0
 # (limit in MiB, compute share, runs kernels): 10 memory-only holding memory,
 # 2 memory-only running kernels (under fixed they get what no share
 # reserves, under soft what is idle), 8 with a share running kernels.
-TENANTS = ([(512, 0, False), (1024, 0, False), (1536, 0, False), (2048, 0, False), (768, 0, False)] * 2
-           + [(1024, 0, True)] * 2 + [(1024, 10, True), (512, 15, True), (2048, 20, True), (1024, 25, True)] * 2)
+TENANTS = (
+    [(512, 0, False), (1024, 0, False), (1536, 0, False), (2048, 0, False), (768, 0, False)] * 2
+    + [(1024, 0, True)] * 2
+    + [(1024, 10, True), (512, 15, True), (2048, 20, True), (1024, 25, True)] * 2
+)
 
 
 def burn(limit_mib: int, kernels: bool) -> list[str]:
@@ -44,12 +48,24 @@ def test_twenty_well_behaved_tenants_for_60_s_make_no_event(tmp_path: Path, nati
     env.pop("LD_PRELOAD", None)
     conf = tmp_path / "sim.conf"
     conf.write_text(f"context_mib={CONTEXT_MIB}\n" + 'gpu name="NVIDIA H100 80GB HBM3" mem=80GiB sms=132\n' * 2)
-    env.update(LD_LIBRARY_PATH=str(native / "sim"), CGPU_SIM_CONFIG=str(conf),
-               CGPU_SIM_STATE=str(tmp_path / "sim.state"))
+    env.update(
+        LD_LIBRARY_PATH=str(native / "sim"), CGPU_SIM_CONFIG=str(conf), CGPU_SIM_STATE=str(tmp_path / "sim.state")
+    )
     nvml = Nvml(env)
     tenants: list[Tenant] = []
-    with running_daemon(tmp_path, env, "--mode", "core_mem", "--placement", "spread", "--compute-policy", "3",
-                        "--gpu-compute-policy", "1=4", *watch_flags("report")) as d:
+    with running_daemon(
+        tmp_path,
+        env,
+        "--mode",
+        "core_mem",
+        "--placement",
+        "spread",
+        "--compute-policy",
+        "3",
+        "--gpu-compute-policy",
+        "1=4",
+        *watch_flags("report"),
+    ) as d:
         try:
             for limit, core, kernels in TENANTS:
                 tenants.append(run_tenant(d, f"{limit}MiB", burn(limit, kernels), tmp_path, core=core))

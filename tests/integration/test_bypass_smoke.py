@@ -3,6 +3,7 @@
 takes 3 GiB is reported (report mode) or killed (kill mode), and bad
 bypass settings stop cgpud with one line. The full end-to-end cases (other
 bypasses, runc, false positives, latency) are test_bypass_watchdog.py's."""
+
 from __future__ import annotations
 
 import json
@@ -41,10 +42,30 @@ def wait_bypass(d: Daemon, timeout: float = 20) -> list[dict[str, Any]]:
 def bypass_tenant(d: Daemon, hold: int) -> subprocess.Popen[str]:
     """3 GiB inside a 1 GiB instance: the simulated driver linked as usual,
     libcgpu not preloaded. Its JSON line says what it got."""
-    return subprocess.Popen([str(BIN / "cgpuctl"), "--socket", str(d.socket), "run", "--mem", "1", "--",
-                             "env", "-u", "LD_PRELOAD", "cgpu-burn", "--alloc", "3GiB", "--require-alloc",
-                             "--hold", str(hold)],
-                            env=d.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [
+            str(BIN / "cgpuctl"),
+            "--socket",
+            str(d.socket),
+            "run",
+            "--mem",
+            "1",
+            "--",
+            "env",
+            "-u",
+            "LD_PRELOAD",
+            "cgpu-burn",
+            "--alloc",
+            "3GiB",
+            "--require-alloc",
+            "--hold",
+            str(hold),
+        ],
+        env=d.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def events(d: Daemon) -> dict[str, Any]:
@@ -76,16 +97,21 @@ def test_report_mode_names_the_instance_and_leaves_the_process(tmp_path: Path, s
     assert len(bypass_lines(d)) == 1  # once, not every round (the next report is 60 s later)
     # the admin API hands out the daemon's own ring
     assert listing["watching"] and [(e["instance_id"], e["action"]) for e in listing["events"]] == [
-        (event["instance"], "reported")]
+        (event["instance"], "reported")
+    ]
 
 
-@pytest.mark.parametrize("flags, watching, why", [
-    (["--bypass-interval", "0"], False, "bypass_interval is 0"),
-    (["--mode", "share"], False, "mode share does not isolate"),
-    ([], True, ""),
-])
-def test_the_api_says_whether_the_watchdog_looks(tmp_path: Path, sim_env: dict[str, str], flags: list[str],
-                                                 watching: bool, why: str):
+@pytest.mark.parametrize(
+    "flags, watching, why",
+    [
+        (["--bypass-interval", "0"], False, "bypass_interval is 0"),
+        (["--mode", "share"], False, "mode share does not isolate"),
+        ([], True, ""),
+    ],
+)
+def test_the_api_says_whether_the_watchdog_looks(
+    tmp_path: Path, sim_env: dict[str, str], flags: list[str], watching: bool, why: str
+):
     with running_daemon(tmp_path, sim_env, *flags) as d:
         listing = events(d)
     assert (listing["watching"], listing["watch_detail"]) == (watching, why)
@@ -104,20 +130,29 @@ def test_kill_mode_kills_the_tenant_within_rounds(tmp_path: Path, sim_env: dict[
     assert killed and killed[0]["kind"] == "memory_over_limit" and killed[0]["killed"] == killed[0]["pids"]
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--bypass-interval", "0.05"], "bypass_interval must be 0 (off) or between 0.1 and 60 seconds"),
-    (["--bypass-action", "stop"], "setting bypass_action = 'stop' is not valid (one of: report, kill)"),
-    (["--bypass-memory-slack-mib", "-1"], "bypass_memory_slack_mib must be between 0 and 65536"),
-    (["--bypass-memory-slack-processes", "0"], "bypass_memory_slack_processes must be between 1 and 1024"),
-    (["--bypass-compute-window", "0.5"], "bypass_compute_window must be between 1 and 600 seconds"),
-    (["--bypass-compute-excess-percent", "0"], "bypass_compute_excess_percent must be between 1 and 100"),
-    (["--bypass-allow", "cgroup:/system.slice/dcgm* pid:1"], "pid:1"),
-])
-def test_bad_bypass_settings_stop_cgpud_with_one_line(tmp_path: Path, sim_env: dict[str, str], flags: list[str],
-                                                       message: str):
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--bypass-interval", "0.05"], "bypass_interval must be 0 (off) or between 0.1 and 60 seconds"),
+        (["--bypass-action", "stop"], "setting bypass_action = 'stop' is not valid (one of: report, kill)"),
+        (["--bypass-memory-slack-mib", "-1"], "bypass_memory_slack_mib must be between 0 and 65536"),
+        (["--bypass-memory-slack-processes", "0"], "bypass_memory_slack_processes must be between 1 and 1024"),
+        (["--bypass-compute-window", "0.5"], "bypass_compute_window must be between 1 and 600 seconds"),
+        (["--bypass-compute-excess-percent", "0"], "bypass_compute_excess_percent must be between 1 and 100"),
+        (["--bypass-allow", "cgroup:/system.slice/dcgm* pid:1"], "pid:1"),
+    ],
+)
+def test_bad_bypass_settings_stop_cgpud_with_one_line(
+    tmp_path: Path, sim_env: dict[str, str], flags: list[str], message: str
+):
     (tmp_path / "none.toml").write_text("")
-    done = subprocess.run([str(BIN / "cgpud"), "--config", str(tmp_path / "none.toml"), "--state-dir",
-                           str(tmp_path / "state"), *flags], env=sim_env, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [str(BIN / "cgpud"), "--config", str(tmp_path / "none.toml"), "--state-dir", str(tmp_path / "state"), *flags],
+        env=sim_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 1
     assert message in done.stderr and done.stderr.startswith("cgpud: ") and done.stderr.count("\n") == 1, done.stderr
     assert not (tmp_path / "state").exists()  # refused before anything started

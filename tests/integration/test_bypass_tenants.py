@@ -12,6 +12,7 @@ LD_PRELOAD). Dropping LD_PRELOAD is itself a bypass: cgpu-burn does it here.
 None of this is the watchdog's business to prevent: these tests pin down
 what escapes, so that tests/integration/test_bypass_watchdog.py shows each
 escape found. The GPU is read through the simulator (cgpu-sim-stat)."""
+
 from __future__ import annotations
 
 import json
@@ -80,16 +81,25 @@ def machine(tmp_path_factory: pytest.TempPathFactory, native: Path) -> Iterator[
     empty), its watchdog off: what libcgpu alone lets through; 2 simulated
     GPUs of 16 GiB."""
     tmp = tmp_path_factory.mktemp("bypass")
-    env = dict(os.environ, LD_LIBRARY_PATH=str(native / "sim"), CGPU_SIM_STATE=str(tmp / "sim.state"),
-               CGPU_SIM_CONFIG=str(write_sim_config(tmp / "sim.conf")))
+    env = dict(
+        os.environ,
+        LD_LIBRARY_PATH=str(native / "sim"),
+        CGPU_SIM_STATE=str(tmp / "sim.state"),
+        CGPU_SIM_CONFIG=str(write_sim_config(tmp / "sim.conf")),
+    )
     with running_daemon(tmp, env, "--bypass-interval", "0") as d:
         yield d, env
 
 
 @contextmanager
 def tenant(d: Daemon, command: list[str]) -> Iterator[Tenant]:
-    proc = subprocess.Popen([str(BIN / "cgpuctl"), "--socket", str(d.socket), "run", "--mem", "1", "--", *command],
-                            env=d.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [str(BIN / "cgpuctl"), "--socket", str(d.socket), "run", "--mem", "1", "--", *command],
+        env=d.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         yield Tenant(proc)
     finally:
@@ -109,14 +119,24 @@ def bypass_commands() -> dict[str, list[str]]:
     return {
         "elf": [str(bypass_build.elf_bypass()), "--resolve", "elf", *ALLOC, *hold],
         "static": [str(bypass_build.static_bypass()), "--resolve", "link", *ALLOC, *hold],
-        "musl": ["env", "-u", "LD_PRELOAD", *bypass_build.musl_host_env(), str(bypass_build.musl_bypass()),
-                 "--resolve", "link", *ALLOC, *hold],
+        "musl": [
+            "env",
+            "-u",
+            "LD_PRELOAD",
+            *bypass_build.musl_host_env(),
+            str(bypass_build.musl_bypass()),
+            "--resolve",
+            "link",
+            *ALLOC,
+            *hold,
+        ],
     }
 
 
 @pytest.mark.parametrize("kind", ["elf", "static", "musl"])
-def test_bypass_tenant_holds_4gib_in_a_1gib_instance(machine: tuple[Daemon, dict[str, str]], native: Path,
-                                                    kind: str) -> None:
+def test_bypass_tenant_holds_4gib_in_a_1gib_instance(
+    machine: tuple[Daemon, dict[str, str]], native: Path, kind: str
+) -> None:
     d, env = machine
     with tenant(d, bypass_commands()[kind]) as t:
         ready = t.until("ready")
@@ -145,10 +165,26 @@ def test_bypass_tenant_holds_4gib_in_a_1gib_instance(machine: tuple[Daemon, dict
 
 
 def burn(d: Daemon, *prefix: str) -> dict[str, Any]:
-    proc = subprocess.run([str(BIN / "cgpuctl"), "--socket", str(d.socket), "run", "--mem", "1", "--", *prefix,
-                           str(native_path("bin/cgpu-burn")), "--resolve", "dlsym",
-                           *[a for _ in range(4) for a in ("--alloc", "1GiB")]],
-                          env=d.env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            str(BIN / "cgpuctl"),
+            "--socket",
+            str(d.socket),
+            "run",
+            "--mem",
+            "1",
+            "--",
+            *prefix,
+            str(native_path("bin/cgpu-burn")),
+            "--resolve",
+            "dlsym",
+            *[a for _ in range(4) for a in ("--alloc", "1GiB")],
+        ],
+        env=d.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.splitlines()[-1])
 
@@ -173,9 +209,25 @@ def test_musl_tenant_with_the_preload_kept_cannot_start(machine: tuple[Daemon, d
     """Why the musl tenant drops LD_PRELOAD: musl's loader honours it and then
     fails on the glibc-built libcgpu (a usability limit, not a bypass)."""
     d, _ = machine
-    proc = subprocess.run([str(BIN / "cgpuctl"), "--socket", str(d.socket), "run", "--mem", "1", "--", "env",
-                           *bypass_build.musl_host_env(), str(bypass_build.musl_bypass()), *ALLOC],
-                          env=d.env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            str(BIN / "cgpuctl"),
+            "--socket",
+            str(d.socket),
+            "run",
+            "--mem",
+            "1",
+            "--",
+            "env",
+            *bypass_build.musl_host_env(),
+            str(bypass_build.musl_bypass()),
+            *ALLOC,
+        ],
+        env=d.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 127, (proc.returncode, proc.stdout, proc.stderr)
     assert "libcgpu.so" in proc.stderr and '"allocated"' not in proc.stdout
 
@@ -184,8 +236,13 @@ def test_bypass_tool_exit_codes_and_refusal(sim_env: dict[str, str]) -> None:
     """The documented exit codes, with no cgpud: a driver refusal ends the
     allocations (exit 3), a resolver this build lacks is a setup error (2)."""
     tool = str(bypass_build.elf_bypass())
-    proc = subprocess.run([tool, "--resolve", "elf", "--alloc-mib", "4096", "--count", "5"], env=sim_env,
-                          capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        [tool, "--resolve", "elf", "--alloc-mib", "4096", "--count", "5"],
+        env=sim_env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert proc.returncode == 3, proc.stderr
     events = [json.loads(x) for x in proc.stdout.splitlines()]
     assert [e["event"] for e in events] == ["ready"] + ["allocated"] * 4 + ["refused", "holding", "summary"]

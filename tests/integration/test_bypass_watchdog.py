@@ -12,6 +12,7 @@ and NVML shows its memory back; the neighbour is untouched either way. A
 process of no instance is reported, never killed; an allow-listed one is
 not reported. A tenant whose kernels skip the compute gate is reported over
 its fixed share; a gated one with the same share is not."""
+
 from __future__ import annotations
 
 import os
@@ -23,9 +24,22 @@ from pathlib import Path
 import pytest
 
 from cgpud.native import native_path
-from tests.harness.bypass_watch import (GIB, INTERVAL, Nvml, Tenant, bypass_command, bypass_events, bypass_listing,
-                                neighbour_command, run_plain, run_tenant, violations, wait_dead, wait_events,
-                                watch_flags)
+from tests.harness.bypass_watch import (
+    GIB,
+    INTERVAL,
+    Nvml,
+    Tenant,
+    bypass_command,
+    bypass_events,
+    bypass_listing,
+    neighbour_command,
+    run_plain,
+    run_tenant,
+    violations,
+    wait_dead,
+    wait_events,
+    watch_flags,
+)
 from tests.harness.sim import write_sim_config
 from tests.harness.daemon import Daemon, running_daemon
 
@@ -70,8 +84,9 @@ def assert_untouched(d: Daemon, neighbour: Tenant, nvml: Nvml) -> None:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_report_mode_reports_a_bypass_within_two_intervals(kind: str, tmp_path: Path, gpu_env: dict[str, str],
-                                                           nvml: Nvml) -> None:
+def test_report_mode_reports_a_bypass_within_two_intervals(
+    kind: str, tmp_path: Path, gpu_env: dict[str, str], nvml: Nvml
+) -> None:
     with running_daemon(tmp_path, gpu_env, *watch_flags("report")) as d:
         neighbour, _ = start_neighbour(d, nvml, tmp_path)
         tenant = run_tenant(d, "1", bypass_command(kind), tmp_path)
@@ -82,8 +97,7 @@ def test_report_mode_reports_a_bypass_within_two_intervals(kind: str, tmp_path: 
             assert tenant.pid in event["pids"] and event["limit_bytes"] == GIB and event["used_bytes"] > 1.5 * GIB
             assert event["time"] - crossed <= 2 * INTERVAL, (event["time"] - crossed, event)
             print(f"{kind}: reported {(event['time'] - crossed) * 1e3:.0f} ms after the crossing allocation")
-            tenant.out.wait(lambda o: o.get("event") == "allocated" and o["total_bytes"] == 4 * GIB, 10,
-                            "the 4th GiB")
+            tenant.out.wait(lambda o: o.get("event") == "allocated" and o["total_bytes"] == 4 * GIB, 10, "the 4th GiB")
             # Rounds later: still running with its 4 GiB, reported once (again only after 60 s).
             time.sleep(5 * INTERVAL)
             assert tenant.alive(), tenant.errors()
@@ -100,7 +114,8 @@ def test_report_mode_reports_a_bypass_within_two_intervals(kind: str, tmp_path: 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_kill_mode_kills_a_bypass_within_two_intervals_and_the_memory_returns(
-        kind: str, tmp_path: Path, gpu_env: dict[str, str], nvml: Nvml) -> None:
+    kind: str, tmp_path: Path, gpu_env: dict[str, str], nvml: Nvml
+) -> None:
     with running_daemon(tmp_path, gpu_env, *watch_flags("kill")) as d:
         neighbour, baseline = start_neighbour(d, nvml, tmp_path)
         tenant = run_tenant(d, "1", bypass_command(kind), tmp_path)
@@ -110,8 +125,10 @@ def test_kill_mode_kills_a_bypass_within_two_intervals_and_the_memory_returns(
             assert dead is not None, f"tenant {tenant.pid} still runs 10 s after crossing its limit"
             assert dead - crossed <= 2 * INTERVAL + OBSERVE, dead - crossed
             [event] = wait_events(d, lambda e: e["instance_id"] == tenant.instance_id, 10, "the kill's event")
-            print(f"{kind}: killed at {(event['time'] - crossed) * 1e3:.0f} ms, seen dead at "
-                  f"{(dead - crossed) * 1e3:.0f} ms after the crossing allocation")
+            print(
+                f"{kind}: killed at {(event['time'] - crossed) * 1e3:.0f} ms, seen dead at "
+                f"{(dead - crossed) * 1e3:.0f} ms after the crossing allocation"
+            )
             assert event["kind"] == "memory_over_limit" and event["action"] == "killed", event
             assert event["killed"] == [tenant.pid] and event["time"] - crossed <= 2 * INTERVAL, event
             # cgpuctl run sees its child killed, and releases the instance.
@@ -128,7 +145,8 @@ def test_kill_mode_kills_a_bypass_within_two_intervals_and_the_memory_returns(
 
 
 def test_an_unknown_process_is_reported_not_killed_and_an_allowed_one_is_left_alone(
-        tmp_path: Path, gpu_env: dict[str, str], nvml: Nvml) -> None:
+    tmp_path: Path, gpu_env: dict[str, str], nvml: Nvml
+) -> None:
     """Kill mode: a GPU process of no instance (the bypass tool with no
     cgpuctl at all) is reported as unknown_process and keeps running; the
     same tool at an allow-listed path is not reported."""
@@ -138,13 +156,14 @@ def test_an_unknown_process_is_reported_not_killed_and_an_allowed_one_is_left_al
     allowed_exe.parent.mkdir()
     shutil.copy2(bypass_build.elf_bypass(), allowed_exe)
     hold = ["--resolve", "elf", "--alloc-mib", "256", "--count", "1", "--hold", "600"]
-    with running_daemon(tmp_path, gpu_env, *watch_flags("kill", INTERVAL, "--bypass-allow",
-                                                         f"exe:{allowed_exe}")) as d:
+    with running_daemon(tmp_path, gpu_env, *watch_flags("kill", INTERVAL, "--bypass-allow", f"exe:{allowed_exe}")) as d:
         allowed = run_plain(gpu_env, [str(allowed_exe), *hold], tmp_path)
         unknown = run_plain(gpu_env, [str(bypass_build.elf_bypass()), *hold], tmp_path)
         try:
-            allocated = [float(t.out.wait(lambda o: o.get("event") == "allocated", 10, "an allocation")["time"])
-                         for t in (allowed, unknown)]
+            allocated = [
+                float(t.out.wait(lambda o: o.get("event") == "allocated", 10, "an allocation")["time"])
+                for t in (allowed, unknown)
+            ]
             [event] = wait_events(d, lambda e: e["kind"] == "unknown_process", 10, "an unknown_process event")
             assert event["pids"] == [unknown.pid] and event["instance_id"] == "", event
             assert event["action"] == "reported" and event["killed"] == [], event
@@ -159,25 +178,36 @@ def test_an_unknown_process_is_reported_not_killed_and_an_allowed_one_is_left_al
 
 
 def test_ungated_kernels_over_a_fixed_share_are_reported_and_gated_ones_are_not(
-        tmp_path: Path, gpu_env: dict[str, str], nvml: Nvml) -> None:
+    tmp_path: Path, gpu_env: dict[str, str], nvml: Nvml
+) -> None:
     """core_mem, policy fixed, two tenants of 20 % on one GPU running 1 ms
     kernels back to back: one with LD_PRELOAD removed (no gate), one through
     libcgpu. Only the first is over its share plus 20 points."""
     window = 2.0
     burn = [str(native_path("bin/cgpu-burn")), "--duration", "60", "--kernel-ns", "1000000"]
-    with running_daemon(tmp_path, gpu_env, "--mode", "core_mem", "--compute-policy", "3",
-                        *watch_flags("report", INTERVAL, "--bypass-compute-window", str(window))) as d:
+    with running_daemon(
+        tmp_path,
+        gpu_env,
+        "--mode",
+        "core_mem",
+        "--compute-policy",
+        "3",
+        *watch_flags("report", INTERVAL, "--bypass-compute-window", str(window)),
+    ) as d:
         gated = run_tenant(d, "1", burn, tmp_path, core=20)
         ungated = run_tenant(d, "1", ["env", "-u", "LD_PRELOAD", *burn], tmp_path, core=20)
         try:
             nvml.wait(lambda v: ungated.pid in v["procs"] and gated.pid in v["procs"], 10, "both tenants' contexts")
             started = time.time()
-            [event] = wait_events(d, lambda e: e["kind"] == "compute_over_share", window + 10,
-                                  "a compute_over_share event")
+            [event] = wait_events(
+                d, lambda e: e["kind"] == "compute_over_share", window + 10, "a compute_over_share event"
+            )
             assert event["instance_id"] == ungated.instance_id and event["pids"] == [ungated.pid], event
             assert event["time"] - started <= window + 2 * INTERVAL, event["time"] - started
-            print(f"compute: reported {event['time'] - started:.2f} s after both ran, measured "
-                  f"{event['measured_percent']:.0f} % of a 20 % share")
+            print(
+                f"compute: reported {event['time'] - started:.2f} s after both ran, measured "
+                f"{event['measured_percent']:.0f} % of a 20 % share"
+            )
             assert event["measured_percent"] > 20 + 20 and event["allowed_percent"] == 20, event
             # A full window and more later, the gated tenant (at its share) is still not reported.
             time.sleep(max(0.0, started + window + 3 * INTERVAL - time.time()))
@@ -211,7 +241,8 @@ def test_forking_for_more_slack_gains_nothing(tmp_path: Path, gpu_env: dict[str,
 
 
 def test_an_executable_name_that_is_not_utf8_is_reported_and_breaks_no_listing(
-        tmp_path: Path, gpu_env: dict[str, str]) -> None:
+    tmp_path: Path, gpu_env: dict[str, str]
+) -> None:
     """A process of no instance whose executable's name holds a byte that
     is not UTF-8 (0xff): the event carries the name as \\xff, and cgpuctl
     events, list and inspect still answer (a protobuf string refuses lone
@@ -221,8 +252,9 @@ def test_an_executable_name_that_is_not_utf8_is_reported_and_breaks_no_listing(
     odd = Path(os.fsdecode(bytes(tmp_path) + b"/gpu\xff-tool"))
     shutil.copy2(bypass_build.elf_bypass(), odd)
     with running_daemon(tmp_path, gpu_env, *watch_flags("report")) as d:
-        tenant = run_plain(gpu_env, [str(odd), "--resolve", "elf", "--alloc-mib", "256", "--count", "1",
-                                     "--hold", "600"], tmp_path)
+        tenant = run_plain(
+            gpu_env, [str(odd), "--resolve", "elf", "--alloc-mib", "256", "--count", "1", "--hold", "600"], tmp_path
+        )
         try:
             [event] = wait_events(d, lambda e: e["kind"] == "unknown_process", 10, "the odd name's event")
             assert event["pids"] == [tenant.pid] and "gpu\\xff-tool" in event["detail"], event

@@ -1,6 +1,7 @@
 """cgpu.v1.Capacity of a real cgpud process on the simulated GPUs (2 x 16 GiB),
 over real TCP, TLS by openssl-made certificates: what a cluster scheduler
 sees and what its reservations do."""
+
 from __future__ import annotations
 
 import json
@@ -29,7 +30,9 @@ WAIT = 10.0
 
 
 @contextmanager
-def _capacity(tmp_path: Path, sim_env: dict[str, str], *extra: str) -> Iterator[tuple[Daemon, pb_grpc.CapacityStub, str]]:
+def _capacity(
+    tmp_path: Path, sim_env: dict[str, str], *extra: str
+) -> Iterator[tuple[Daemon, pb_grpc.CapacityStub, str]]:
     address = f"127.0.0.1:{_free_port()}"
     with running_daemon(tmp_path, sim_env, "--capacity-listen", address, *extra) as d:
         with grpc.insecure_channel(address) as channel:
@@ -41,8 +44,12 @@ def _share(gpu: int, gib: int) -> pb.Share:
 
 
 def _reserve(stub: pb_grpc.CapacityStub, uid: str, *shares: pb.Share, ttl: int = 0) -> pb.Reservation:
-    return stub.Reserve(pb.ReserveRequest(pod_uid=uid, pod_namespace="default", pod_name=f"pod-{uid}",
-                                          shares=list(shares), ttl_seconds=ttl), timeout=WAIT)
+    return stub.Reserve(
+        pb.ReserveRequest(
+            pod_uid=uid, pod_namespace="default", pod_name=f"pod-{uid}", shares=list(shares), ttl_seconds=ttl
+        ),
+        timeout=WAIT,
+    )
 
 
 class _Watch:
@@ -72,7 +79,9 @@ def test_get_node_shows_the_simulated_gpus_and_health_serves(tmp_path, sim_env):
     with _capacity(tmp_path, sim_env) as (_, stub, address):
         view = stub.GetNode(pb.GetNodeRequest(), timeout=WAIT)
         assert [(g.index, g.memory_total_bytes, g.memory_allocated_bytes, g.healthy, g.model) for g in view.gpus] == [
-            (0, 16 * GIB, 0, True, "NVIDIA H100 80GB HBM3"), (1, 16 * GIB, 0, True, "NVIDIA H100 80GB HBM3")]
+            (0, 16 * GIB, 0, True, "NVIDIA H100 80GB HBM3"),
+            (1, 16 * GIB, 0, True, "NVIDIA H100 80GB HBM3"),
+        ]
         assert all(g.uuid.startswith("GPU-") and g.max_instances == 20 for g in view.gpus)
         assert (view.mode, view.placement, view.core_step) == ("cgpu", "binpack", 5)
         assert (view.card.name, view.card.memory_bytes, view.card.count) == ("NVIDIA-H100-80GB-HBM3", 16 * GIB, 2)
@@ -168,16 +177,27 @@ def test_a_reservation_holds_memory_against_cgpuctl_create(tmp_path, sim_env):
 
 
 def _tls_channel(address: str, pki: Pki, cert: Path | None, key: Path | None) -> grpc.Channel:
-    credentials = grpc.ssl_channel_credentials(pki.ca.read_bytes(), key.read_bytes() if key else None,
-                                               cert.read_bytes() if cert else None)
+    credentials = grpc.ssl_channel_credentials(
+        pki.ca.read_bytes(), key.read_bytes() if key else None, cert.read_bytes() if cert else None
+    )
     return grpc.secure_channel(address, credentials)
 
 
 def test_tls_serves_a_trusted_client_and_refuses_the_others_before_any_call(tmp_path, sim_env):
     pki = make_pki(tmp_path / "pki", server_ips=["127.0.0.1"])
     address = f"127.0.0.1:{_free_port()}"
-    with running_daemon(tmp_path, sim_env, "--capacity-listen", address, "--capacity-tls-cert", str(pki.server_cert),
-                        "--capacity-tls-key", str(pki.server_key), "--capacity-tls-ca", str(pki.ca)):
+    with running_daemon(
+        tmp_path,
+        sim_env,
+        "--capacity-listen",
+        address,
+        "--capacity-tls-cert",
+        str(pki.server_cert),
+        "--capacity-tls-key",
+        str(pki.server_key),
+        "--capacity-tls-ca",
+        str(pki.ca),
+    ):
         with _tls_channel(address, pki, pki.client_cert, pki.client_key) as channel:
             trusted = pb_grpc.CapacityStub(channel)
             before = trusted.GetNode(pb.GetNodeRequest(), timeout=WAIT)
@@ -186,7 +206,8 @@ def test_tls_serves_a_trusted_client_and_refuses_the_others_before_any_call(tmp_
                 with _tls_channel(address, pki, cert, key) as other:
                     with pytest.raises(grpc.RpcError) as err:
                         pb_grpc.CapacityStub(other).Reserve(
-                            pb.ReserveRequest(pod_uid="intruder", shares=[_share(0, 16)]), timeout=WAIT)
+                            pb.ReserveRequest(pod_uid="intruder", shares=[_share(0, 16)]), timeout=WAIT
+                        )
                     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
             with grpc.insecure_channel(address) as plain:  # no TLS at all
                 with pytest.raises(grpc.RpcError) as err:
@@ -231,10 +252,26 @@ def test_kubernetes_mode_writes_the_capacity_address_on_the_node(tmp_path, sim_e
         server.state.nodes["node-c"] = node_json("node-c", {"ack.node.gpu.schedule": "cgpu"})
         plugins = tmp_path / "plugins"
         plugins.mkdir()
-        with running_daemon(tmp_path, sim_env, "--orchestrator", "kubernetes", "--kubeconfig", str(kubeconfig),
-                            "--node-name", "node-c", "--device-plugin-dir", str(plugins), "--cdi-dir",
-                            str(tmp_path / "cdi"), "--pod-resources-socket", str(tmp_path / "none.sock"),
-                            "--capacity-listen", f"127.0.0.1:{port}", "--capacity-advertise", "198.51.100.7"):
+        with running_daemon(
+            tmp_path,
+            sim_env,
+            "--orchestrator",
+            "kubernetes",
+            "--kubeconfig",
+            str(kubeconfig),
+            "--node-name",
+            "node-c",
+            "--device-plugin-dir",
+            str(plugins),
+            "--cdi-dir",
+            str(tmp_path / "cdi"),
+            "--pod-resources-socket",
+            str(tmp_path / "none.sock"),
+            "--capacity-listen",
+            f"127.0.0.1:{port}",
+            "--capacity-advertise",
+            "198.51.100.7",
+        ):
             deadline = time.monotonic() + WAIT
             while time.monotonic() < deadline:
                 with server.state.lock:
@@ -252,12 +289,19 @@ def test_a_gpu_health_change_is_a_view_change_in_standalone_mode(tmp_path, sim_e
     with _capacity(tmp_path, sim_env, "--gpu-health-recovery-window", "0") as (_, stub, _address):
         watch = _Watch(stub)
         assert all(g.healthy for g in watch.next().gpus)
-        fault = subprocess.run([str(BIN / "cgpuctl"), "sim", "fault", "--gpu", "1", "--xid", "48"], env=sim_env,
-                               capture_output=True, text=True, timeout=30)
+        fault = subprocess.run(
+            [str(BIN / "cgpuctl"), "sim", "fault", "--gpu", "1", "--xid", "48"],
+            env=sim_env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert fault.returncode == 0, fault.stderr
         view = watch.next()
         assert [(g.healthy, g.health_reason) for g in view.gpus] == [
-            (True, ""), (False, "fatal XID 48 (double-bit ECC error)")]
+            (True, ""),
+            (False, "fatal XID 48 (double-bit ECC error)"),
+        ]
         watch.stream.cancel()
 
 

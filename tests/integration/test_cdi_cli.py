@@ -1,6 +1,7 @@
 """cgpuctl create / release / cdi generate against a real cgpud process on
 the simulated GPUs: a reserved device instance becomes a CDI device whose
 edits name the daemon's own region and runtime files."""
+
 from __future__ import annotations
 
 import json

@@ -1,4 +1,5 @@
 """cgpuctl and cgpud as a user runs them: real processes, real files."""
+
 from __future__ import annotations
 
 import json
@@ -37,8 +38,13 @@ def test_sim_env_makes_programs_see_the_simulated_gpus(private_runtime_dir, tmp_
     out = json.loads(proc.stdout)
     assert out["total_mem"] == 8 << 30 and out["alloc"]["granted_bytes"] == 2 << 30
     state = next(line for line in exports.stdout.splitlines() if "CGPU_SIM_STATE" in line).split('"')[1]
-    reset = subprocess.run(["bash", "-c", exports.stdout + "cgpuctl sim reset"], capture_output=True, text=True,
-                           env=dict(private_runtime_dir, PATH=f"{BIN}:{os.environ['PATH']}"), timeout=60)
+    reset = subprocess.run(
+        ["bash", "-c", exports.stdout + "cgpuctl sim reset"],
+        capture_output=True,
+        text=True,
+        env=dict(private_runtime_dir, PATH=f"{BIN}:{os.environ['PATH']}"),
+        timeout=60,
+    )
     assert reset.returncode == 0 and reset.stdout.strip() == f"cleared {state}"
     assert not Path(state).exists()
 

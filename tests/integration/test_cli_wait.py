@@ -2,6 +2,7 @@
 (as long as the relays for commands that change something, shorter for
 reads), and fails with a clear message when it does not. Real cgpuctl and
 cgpud processes on the simulated GPUs."""
+
 from __future__ import annotations
 
 import subprocess
@@ -16,8 +17,13 @@ BIN = Path(sys.executable).parent
 
 
 def _cgpuctl(socket: Path, env: dict[str, str], *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([str(BIN / "cgpuctl"), "--socket", str(socket), *args], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [str(BIN / "cgpuctl"), "--socket", str(socket), *args],
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def test_run_started_while_cgpud_is_down_waits_for_it(tmp_path, sim_env):
@@ -31,8 +37,9 @@ def test_run_started_while_cgpud_is_down_waits_for_it(tmp_path, sim_env):
         out, err = proc.communicate(timeout=RELAY_WAIT_S + 20)
         assert proc.returncode == 0, err
         assert out == "tenant ran\n"
-        assert err == (f"cgpuctl: cgpud is not running ({d.socket}: No such file or directory); "
-                       f"retrying for {RELAY_WAIT_S} s\n")
+        assert err == (
+            f"cgpuctl: cgpud is not running ({d.socket}: No such file or directory); retrying for {RELAY_WAIT_S} s\n"
+        )
         # The tenant's instance was made and released by the daemon that came up.
         listed = d.cgpuctl("list", "--all", "--output", "json")
         assert listed.returncode == 0 and '"state": "released"' in listed.stdout, listed.stdout
@@ -50,8 +57,10 @@ def test_cgpud_that_never_comes_back_fails_within_the_bound(tmp_path, sim_env):
     took = time.monotonic() - started
     assert proc.returncode == 1
     why = f"cgpud is not running ({socket}: No such file or directory)"
-    assert err == (f"cgpuctl: {why}; retrying for 1.5 s\n"
-                   f"cgpuctl: {why}; it did not come back within 1.5 s: start it (systemctl start cgpud)\n")
+    assert err == (
+        f"cgpuctl: {why}; retrying for 1.5 s\n"
+        f"cgpuctl: {why}; it did not come back within 1.5 s: start it (systemctl start cgpud)\n"
+    )
     assert 1.5 <= took < 6, took
 
 

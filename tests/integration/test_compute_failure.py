@@ -3,6 +3,7 @@ and `cgpuctl run --core N -- cgpu-burn` tenants (libcgpu.so preloaded):
 cgpud killed with SIGKILL while a tenant waits at its closed gate, and a
 kernel far longer than the fence timeout. Device time comes from the
 simulated GPU's own per-process accounting."""
+
 from __future__ import annotations
 
 import mmap
@@ -58,8 +59,7 @@ def _stop(run: subprocess.Popen[bytes]) -> None:
     run.wait(timeout=60)
 
 
-def test_a_tenant_at_a_closed_gate_runs_on_when_cgpud_is_killed_and_is_gated_again_after_restart(
-        rig: ShareRig) -> None:
+def test_a_tenant_at_a_closed_gate_runs_on_when_cgpud_is_killed_and_is_gated_again_after_restart(rig: ShareRig) -> None:
     assert rig.daemon.cgpuctl("policy", "set", "fixed").returncode == 0
     run = rig._start(TenantSpec(30))
     sampler = Sampler(rig.env, 20)
@@ -117,13 +117,18 @@ def test_a_200ms_kernel_under_a_30_percent_share_is_charged_in_full(rig: ShareRi
     assert 20 <= share <= 37, share
 
 
-@pytest.mark.parametrize(("policy", "tenants", "long_range", "neighbour_min"), [
-    ("fixed", (LONG, TenantSpec(70)), (20, 37), 45),
-    ("soft", (LONG, TenantSpec(70)), (20, 37), 60),
-    ("preemptive", (TenantSpec(0, kernel_ns=200_000_000, streams=1), TenantSpec(0)), (40, 60), 40),
-], ids=["fixed 30/70", "soft 30/70", "preemptive"])
-def test_a_neighbour_of_200ms_kernels_keeps_its_share(rig: ShareRig, policy: str, tenants: tuple[TenantSpec, ...],
-                                                      long_range: tuple[float, float], neighbour_min: float) -> None:
+@pytest.mark.parametrize(
+    ("policy", "tenants", "long_range", "neighbour_min"),
+    [
+        ("fixed", (LONG, TenantSpec(70)), (20, 37), 45),
+        ("soft", (LONG, TenantSpec(70)), (20, 37), 60),
+        ("preemptive", (TenantSpec(0, kernel_ns=200_000_000, streams=1), TenantSpec(0)), (40, 60), 40),
+    ],
+    ids=["fixed 30/70", "soft 30/70", "preemptive"],
+)
+def test_a_neighbour_of_200ms_kernels_keeps_its_share(
+    rig: ShareRig, policy: str, tenants: tuple[TenantSpec, ...], long_range: tuple[float, float], neighbour_min: float
+) -> None:
     """While the long kernel runs, nobody else is granted (a grant would be
     charged for time the neighbour cannot use), and the long kernel's
     tenant pays it back in full. Fixed leaves the neighbour short of its

@@ -12,6 +12,7 @@ bench/bench_compute.py --bursty holds the real target (>= 95 % of the same
 processes run natively). The idle grace is learned per instance: read from
 cgpud's metrics while the tenants run, the bursty tenant loses it and a
 tenant that synchronises after every kernel keeps it."""
+
 from __future__ import annotations
 
 import os

@@ -4,6 +4,7 @@ shares read from the simulated GPU's own per-process accounting. These are
 the 2 s versions of bench/bench_compute.py's scenarios with looser bounds
 (5 points over the interval, 10 in any 1 s window): a shared 2-core CI
 machine is noisier than the benchmark's."""
+
 from __future__ import annotations
 
 import os
@@ -24,24 +25,43 @@ MIX = (20_000, 200_000, 2_000_000)
 
 SCENARIOS = [
     Scenario("fixed 30/70", "fixed", (TenantSpec(30), TenantSpec(70)), SECONDS),
-    Scenario("fixed 10/90, mixed kernels", "fixed", (TenantSpec(10, kernel_ns=20_000),
-                                                     TenantSpec(90, kernel_ns=2_000_000)), SECONDS),
-    Scenario("fixed 4 x 25, mixed kernels", "fixed",
-             tuple(TenantSpec(25, kernel_ns=MIX[i % 3]) for i in range(4)), SECONDS),
-    Scenario("fixed, graph and cooperative tenants", "fixed",
-             (TenantSpec(30, launch_api="graph"), TenantSpec(30, launch_api="cooperative"), TenantSpec(40)),
-             SECONDS),
+    Scenario(
+        "fixed 10/90, mixed kernels",
+        "fixed",
+        (TenantSpec(10, kernel_ns=20_000), TenantSpec(90, kernel_ns=2_000_000)),
+        SECONDS,
+    ),
+    Scenario(
+        "fixed 4 x 25, mixed kernels", "fixed", tuple(TenantSpec(25, kernel_ns=MIX[i % 3]) for i in range(4)), SECONDS
+    ),
+    Scenario(
+        "fixed, graph and cooperative tenants",
+        "fixed",
+        (TenantSpec(30, launch_api="graph"), TenantSpec(30, launch_api="cooperative"), TenantSpec(40)),
+        SECONDS,
+    ),
     Scenario("fixed 30 % alone stays at 30 %", "fixed", (TenantSpec(30),), SECONDS),
     Scenario("fixed 30 % and a memory-only tenant", "fixed", (TenantSpec(30), TenantSpec(0)), SECONDS, (30, 70)),
     Scenario("fair: equal slices", "fair", (TenantSpec(0), TenantSpec(0)), SECONDS, (50, 50)),
     Scenario("preemptive: equal among the busy", "preemptive", (TenantSpec(0),) * 3, SECONDS, (100 / 3,) * 3),
     Scenario("weighted 1:3", "weighted", (TenantSpec(0, weight=1), TenantSpec(0, weight=3)), SECONDS, (25, 75)),
     Scenario("soft: idle share lent by share", "soft", (TenantSpec(30), TenantSpec(20)), SECONDS, (60, 40)),
-    Scenario("high priority takes its ratio first", "preemptive",
-             (TenantSpec(0, high_priority=True), TenantSpec(0)), SECONDS, (80, 20)),
+    Scenario(
+        "high priority takes its ratio first",
+        "preemptive",
+        (TenantSpec(0, high_priority=True), TenantSpec(0)),
+        SECONDS,
+        (80, 20),
+    ),
     Scenario("a tenant joins", "preemptive", (TenantSpec(0), TenantSpec(0, delay_s=0.5)), SECONDS, (50, 50)),
-    Scenario("fixed 30/70, then preemptive", "fixed", (TenantSpec(30), TenantSpec(70)), SECONDS, (50, 50),
-             then_policy="preemptive"),
+    Scenario(
+        "fixed 30/70, then preemptive",
+        "fixed",
+        (TenantSpec(30), TenantSpec(70)),
+        SECONDS,
+        (50, 50),
+        then_policy="preemptive",
+    ),
 ]
 WORK_CONSERVING = {"preemptive", "weighted", "soft"}
 

@@ -10,6 +10,7 @@ against each line's headers (PyPI has no nvcc for 12.x), and, for the lines
 that ship nvcc, tests/cuda/spin.cu built by that line's own nvcc (its kernel
 registered from the embedded fatbin, launched with <<<>>>). Each prints
 "<step> <cudaError name> [values]"."""
+
 from __future__ import annotations
 
 import os
@@ -38,8 +39,21 @@ def kernels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("kernels")
     nvcc = str(cudakit.toolkit().nvcc)
     src = str(ROOT / "tests/cuda/spin_kernel.cu")
-    subprocess.run([nvcc, "-fatbin", "-gencode", "arch=compute_75,code=compute_75", "-gencode",
-                    "arch=compute_80,code=sm_80", "-o", str(out / "spin.fatbin"), src], check=True, timeout=300)
+    subprocess.run(
+        [
+            nvcc,
+            "-fatbin",
+            "-gencode",
+            "arch=compute_75,code=compute_75",
+            "-gencode",
+            "arch=compute_80,code=sm_80",
+            "-o",
+            str(out / "spin.fatbin"),
+            src,
+        ],
+        check=True,
+        timeout=300,
+    )
     subprocess.run([nvcc, "-ptx", "-arch=compute_75", "-o", str(out / "spin.ptx"), src], check=True, timeout=300)
     return {"fatbin": out / "spin.fatbin", "ptx": out / "spin.ptx"}
 
@@ -51,9 +65,21 @@ def programs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], 
     built = {}
     for line, cudart in MATRIX:
         exe = out / f"steps-{line}-{cudart}"
-        proc = subprocess.run(["cc", "-std=c11", "-Wall", "-Wextra", "-Werror", "-o", str(exe),
-                               str(ROOT / "tests/cuda/runtime_steps.c"), *cudakit.toolkit(line).cc_flags(cudart)],
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            [
+                "cc",
+                "-std=c11",
+                "-Wall",
+                "-Wextra",
+                "-Werror",
+                "-o",
+                str(exe),
+                str(ROOT / "tests/cuda/runtime_steps.c"),
+                *cudakit.toolkit(line).cc_flags(cudart),
+            ],
+            capture_output=True,
+            text=True,
+        )
         assert proc.returncode == 0, proc.stderr
         built[line, cudart] = exe
     return built
@@ -62,8 +88,12 @@ def programs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], 
 @pytest.fixture(scope="module")
 def machine(tmp_path_factory: pytest.TempPathFactory, native: Path) -> dict[str, str]:
     tmp = tmp_path_factory.mktemp("machine")
-    return dict(os.environ, LD_LIBRARY_PATH=str(native / "sim"),
-                CGPU_SIM_CONFIG=str(write_sim_config(tmp / "sim.conf")), CGPU_SIM_STATE=str(tmp / "sim.state"))
+    return dict(
+        os.environ,
+        LD_LIBRARY_PATH=str(native / "sim"),
+        CGPU_SIM_CONFIG=str(write_sim_config(tmp / "sim.conf")),
+        CGPU_SIM_STATE=str(tmp / "sim.state"),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -84,9 +114,23 @@ def assert_share(burn: list[str]) -> None:
 
 @pytest.mark.parametrize(("line", "cudart"), MATRIX)
 def test_bare_the_runtime_sees_the_gpus_runs_kernels_from_fatbin_and_ptx_and_fills_16gib(
-        programs, kernels, machine, line, cudart):
-    got = steps(programs[line, cudart], machine, "version", "count", "props", "meminfo",
-                f"load={kernels['fatbin']}", "kernel", "events", "graph", f"load={kernels['ptx']}", "kernel", "fill")
+    programs, kernels, machine, line, cudart
+):
+    got = steps(
+        programs[line, cudart],
+        machine,
+        "version",
+        "count",
+        "props",
+        "meminfo",
+        f"load={kernels['fatbin']}",
+        "kernel",
+        "events",
+        "graph",
+        f"load={kernels['ptx']}",
+        "kernel",
+        "fill",
+    )
     # the runtime is the line asked for, on the driver version the simulated GPU reports
     assert got["version"] == ["cudaSuccess", "13000", str(cudakit.LINES[line].version)]
     assert got["count"] == ["cudaSuccess", "2"]
@@ -104,11 +148,23 @@ def test_bare_the_runtime_sees_the_gpus_runs_kernels_from_fatbin_and_ptx_and_fil
 
 @pytest.mark.parametrize(("line", "cudart"), MATRIX)
 def test_under_cgpuctl_run_the_runtime_sees_1gib_stops_there_and_gets_30_percent(
-        programs, kernels, cgpud, line, cudart):
-    got = steps(programs[line, cudart], cgpud.env, "meminfo", f"load={kernels['fatbin']}", "burn=3", "graph",
-                "fill", "meminfo", prefix=under_limits(cgpud))
-    print(f"under limits, CUDA {line} {cudart}: total {got['meminfo'][2]} held {got['fill'][1]} "
-          f"share {int(got['burn'][1]) / int(got['burn'][2]):.3f}")
+    programs, kernels, cgpud, line, cudart
+):
+    got = steps(
+        programs[line, cudart],
+        cgpud.env,
+        "meminfo",
+        f"load={kernels['fatbin']}",
+        "burn=3",
+        "graph",
+        "fill",
+        "meminfo",
+        prefix=under_limits(cgpud),
+    )
+    print(
+        f"under limits, CUDA {line} {cudart}: total {got['meminfo'][2]} held {got['fill'][1]} "
+        f"share {int(got['burn'][1]) / int(got['burn'][2]):.3f}"
+    )
     assert got["meminfo"] == ["cudaSuccess", str(GIB), str(GIB)]
     assert got["load"] == ["cudaSuccess"]
     assert_share(got["burn"])
@@ -121,15 +177,30 @@ def test_under_cgpuctl_run_the_runtime_sees_1gib_stops_there_and_gets_30_percent
 def nvcc_programs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
     """spin.cu by each line's own nvcc, shared and static cudart."""
     out = tmp_path_factory.mktemp("nvcc")
-    return {(line, cudart): build_spin(out / f"spin-{line}-{cudart}", "default", "compute_75", cudart, line=line)
-            for line, cudart in NVCC_MATRIX}
+    return {
+        (line, cudart): build_spin(out / f"spin-{line}-{cudart}", "default", "compute_75", cudart, line=line)
+        for line, cudart in NVCC_MATRIX
+    }
 
 
 @pytest.mark.parametrize(("line", "cudart"), NVCC_MATRIX)
 def test_nvcc_built_programs_of_each_line_run_bare_and_under_limits(nvcc_programs, machine, cgpud, line, cudart):
     exe = nvcc_programs[line, cudart]
-    got = steps(exe, machine, "count", "meminfo", "malloc", "async", "copy", "kernel", "graph", "capture", "reset",
-                "device=1", "kernel")
+    got = steps(
+        exe,
+        machine,
+        "count",
+        "meminfo",
+        "malloc",
+        "async",
+        "copy",
+        "kernel",
+        "graph",
+        "capture",
+        "reset",
+        "device=1",
+        "kernel",
+    )
     assert got["count"] == ["cudaSuccess", "2"]
     assert got["meminfo"] == ["cudaSuccess", str(16 * GIB), str(16 * GIB)]
     assert got["malloc"] == got["async"] == ["cudaSuccess"] and got["copy"] == ["cudaSuccess", "1"]
@@ -138,8 +209,10 @@ def test_nvcc_built_programs_of_each_line_run_bare_and_under_limits(nvcc_program
     assert got["graph"][0] == "cudaSuccess" and 39_000 <= int(got["graph"][1]) < 500_000, got["graph"]
     assert got["capture"][0] == "cudaSuccess" and got["capture"][2] == "1", got["capture"]
     got = steps(exe, cgpud.env, "meminfo", "burn=3", "asyncfill", "fill", prefix=under_limits(cgpud))
-    print(f"under limits, nvcc {line} {cudart}: total {got['meminfo'][2]} held {got['fill'][1]} "
-          f"share {int(got['burn'][1]) / int(got['burn'][2]):.3f}")
+    print(
+        f"under limits, nvcc {line} {cudart}: total {got['meminfo'][2]} held {got['fill'][1]} "
+        f"share {int(got['burn'][1]) / int(got['burn'][2]):.3f}"
+    )
     assert got["meminfo"] == ["cudaSuccess", str(GIB), str(GIB)]
     assert_share(got["burn"])
     assert got["asyncfill"] == got["fill"] == ["cudaErrorMemoryAllocation", str(GIB)]

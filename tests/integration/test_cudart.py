@@ -5,6 +5,7 @@ as tenants of `cgpuctl run --mem 1GiB --core 30`. Each program step prints
 "<step> <cudaError name> [values]" (see spin.cu). The toolchain is the
 default CUDA line's from PyPI (tests/harness/cudakit.py); every line's runtime:
 test_cuda_runtimes.py."""
+
 from __future__ import annotations
 
 import subprocess
@@ -55,8 +56,19 @@ int main(int argc, char **argv)
 def c_program(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("cudart_c")
     (tmp / "prog.c").write_text(C_PROGRAM)
-    subprocess.run(["cc", "-std=c11", "-Wall", "-Werror", "-o", str(tmp / "prog"), str(tmp / "prog.c"),
-                    *cudakit.toolkit().cc_flags("shared")], check=True)
+    subprocess.run(
+        [
+            "cc",
+            "-std=c11",
+            "-Wall",
+            "-Werror",
+            "-o",
+            str(tmp / "prog"),
+            str(tmp / "prog.c"),
+            *cudakit.toolkit().cc_flags("shared"),
+        ],
+        check=True,
+    )
     return tmp / "prog"
 
 
@@ -73,8 +85,25 @@ def test_c_program_on_the_real_runtime_sees_and_fills_the_simulated_gpus(c_progr
 
 
 def test_nvcc_program_allocates_launches_and_runs_a_graph_through_cudart(spin, sim_env):
-    got = steps(spin, sim_env, "count", "meminfo", "malloc", "async", "managed", "copy", "attrs", "kernel", "graph",
-                "capture", "reset", "kernel", "device=1", "kernel", "graph")
+    got = steps(
+        spin,
+        sim_env,
+        "count",
+        "meminfo",
+        "malloc",
+        "async",
+        "managed",
+        "copy",
+        "attrs",
+        "kernel",
+        "graph",
+        "capture",
+        "reset",
+        "kernel",
+        "device=1",
+        "kernel",
+        "graph",
+    )
     assert got["count"] == ["cudaSuccess", "2"]
     assert got["meminfo"] == ["cudaSuccess", str(16 * GIB), str(16 * GIB)]
     for step in ("malloc", "free", "async", "freeasync", "managed"):
@@ -144,8 +173,9 @@ def tenant_daemon(tmp_path, sim_env):
 
 def test_under_cgpuctl_run_cudart_sees_1gib_stops_there_and_gets_30_percent(tenant_daemon, spin, c_program):
     run = (str(BIN / "cgpuctl"), "--socket", str(tenant_daemon.socket), "run", "--mem", "1GiB", "--core", "30", "--")
-    got = steps(spin, tenant_daemon.env, "meminfo", "burn=4", "capture", "asyncfill", "poolfill", "fill", "meminfo",
-                prefix=run)
+    got = steps(
+        spin, tenant_daemon.env, "meminfo", "burn=4", "capture", "asyncfill", "poolfill", "fill", "meminfo", prefix=run
+    )
     assert got["meminfo"] == ["cudaSuccess", str(GIB), str(GIB)]
     # stream-ordered allocation, from the default pool and from one of its own:
     # held at 1 GiB too, and given back by cudaFreeAsync (fill gets it all)
@@ -170,13 +200,30 @@ def test_cudart_paths_are_clean_under_sanitizers(tmp_path, san_env, line):
     is preloaded; cudart's own allocations are not ours to check)."""
     spin = build_spin(tmp_path / "spin", "default", line=line)
     env = sanitizers.python_env(san_env)
-    proc = subprocess.run([str(spin), "count", "meminfo", "malloc", "async", "managed", "kernel", "graph", "capture",
-                           "device=1", "kernel"], env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            str(spin),
+            "count",
+            "meminfo",
+            "malloc",
+            "async",
+            "managed",
+            "kernel",
+            "graph",
+            "capture",
+            "device=1",
+            "kernel",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert "Sanitizer" not in proc.stderr and "runtime error" not in proc.stderr, proc.stderr
     assert proc.returncode == 0 and proc.stdout.count("cudaSuccess") == 13, proc.stdout + proc.stderr
 
 
-FATBIN_ATTACKS = r'''
+FATBIN_ATTACKS = r"""
 import ctypes as C, json, struct
 from cudapy import Driver, SPIN_PTX
 cu = Driver()
@@ -216,7 +263,7 @@ for name, data in cases.items():
         out[name].append(cu.rc("cuLibraryGetKernel", C.byref(k), lib, b"cgpu_spin"))
         cu.rc("cuLibraryUnload", lib)
 print(json.dumps(out))
-'''
+"""
 
 
 def test_hostile_fatbins_are_refused_cleanly_by_the_sanitized_driver(san_env):

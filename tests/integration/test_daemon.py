@@ -1,6 +1,7 @@
 """cgpud as it runs on a node: a real process on a real unix socket with its
 SQLite file and regions in a temp dir, driven by cgpuctl and the client,
 on the simulated GPUs. Readiness is awaited on a real notify socket."""
+
 from __future__ import annotations
 
 import json
@@ -42,9 +43,16 @@ def test_cgpuctl_run_makes_a_4gib_limit_real(daemon):
 
 
 def test_the_environment_names_the_instance(daemon):
-    out = daemon.cgpuctl("run", "--mem", "3", "--", "sh", "-c",
-                         "echo $ALIYUN_COM_GPU_MEM_CONTAINER $ALIYUN_COM_GPU_MEM_DEV $ALIYUN_COM_GPU_MEM_IDX "
-                         "$CUDA_VISIBLE_DEVICES; exit 7")
+    out = daemon.cgpuctl(
+        "run",
+        "--mem",
+        "3",
+        "--",
+        "sh",
+        "-c",
+        "echo $ALIYUN_COM_GPU_MEM_CONTAINER $ALIYUN_COM_GPU_MEM_DEV $ALIYUN_COM_GPU_MEM_IDX "
+        "$CUDA_VISIBLE_DEVICES; exit 7",
+    )
     assert out.returncode == 7  # the command's own exit code
     assert out.stdout.split() == ["3", "16", "0", "GPU-5c1a0000-0000-4000-8000-000000c90000"]
 
@@ -55,8 +63,9 @@ def test_inspect_shows_the_ack_table(daemon):
             client.create(Request(Owner(OwnerKind.CONTAINER, f"c{n}"), mem * GIB))
     out = daemon.cgpuctl("inspect")
     lines = out.stdout.splitlines()
-    assert re.fullmatch(r"NAME\s+IPADDRESS\s+GPU0\(Allocated/Total\)\s+GPU1\(Allocated/Total\)\s+GPU Memory\(GiB\)",
-                        lines[0])
+    assert re.fullmatch(
+        r"NAME\s+IPADDRESS\s+GPU0\(Allocated/Total\)\s+GPU1\(Allocated/Total\)\s+GPU Memory\(GiB\)", lines[0]
+    )
     assert lines[1].split()[2:] == ["15/16", "4/16", "19/32"]  # binpack fills GPU 0 first
     assert lines[2] == "-" * 78
     assert lines[3:] == ["Allocated/Total GPU Memory In Cluster:", "19/32 (59%)"]
@@ -98,8 +107,9 @@ def test_a_start_that_fails_half_way_undoes_what_it_started(tmp_path, sim_env):
     port = taken.getsockname()[1]
     d = make_daemon(tmp_path, sim_env, "--capacity-listen", f"127.0.0.1:{port}")
     with open(d.log, "a") as log:
-        done = subprocess.run([str(BIN / "cgpud"), *d.args], env=d.env, stdout=subprocess.DEVNULL, stderr=log,
-                              text=True, timeout=60)
+        done = subprocess.run(
+            [str(BIN / "cgpud"), *d.args], env=d.env, stdout=subprocess.DEVNULL, stderr=log, text=True, timeout=60
+        )
     taken.close()
     assert done.returncode == 1
     assert f"127.0.0.1:{port}" in d.log.read_text()
@@ -137,8 +147,21 @@ def test_policy_set_survives_a_restart(tmp_path, sim_env):
 
 def test_a_killed_cgpuctl_run_is_released_when_its_process_exits(daemon, tmp_path):
     flag = tmp_path / "go"
-    runner = subprocess.Popen([str(BIN / "cgpuctl"), "--socket", str(daemon.socket), "run", "--mem", "1GiB", "--",
-                               "sh", "-c", f"while [ ! -e {flag} ]; do sleep 0.05; done"], env=daemon.env)
+    runner = subprocess.Popen(
+        [
+            str(BIN / "cgpuctl"),
+            "--socket",
+            str(daemon.socket),
+            "run",
+            "--mem",
+            "1GiB",
+            "--",
+            "sh",
+            "-c",
+            f"while [ ! -e {flag} ]; do sleep 0.05; done",
+        ],
+        env=daemon.env,
+    )
     with LocalClient(daemon.socket) as client:
         deadline = time.monotonic() + 30
         while not [i for i in client.list() if len(i.pids) == 2] and time.monotonic() < deadline:
@@ -166,8 +189,13 @@ def test_restart_repairs_a_damaged_region(tmp_path, sim_env):
     d.start()
     try:
         env = dict(d.env, LD_PRELOAD=str(native_path("lib/libcgpu.so")), CGPU_REGION_DIR=str(region))
-        out = subprocess.run([str(native_path("bin/cgpu-burn")), "--alloc-until-fail", "1GiB"], capture_output=True,
-                             text=True, env=env, timeout=60)
+        out = subprocess.run(
+            [str(native_path("bin/cgpu-burn")), "--alloc-until-fail", "1GiB"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
         assert json.loads(out.stdout)["alloc"]["until_fail_count"] == 2, out.stderr
     finally:
         d.stop()
@@ -188,8 +216,15 @@ def test_doctor_names_what_is_missing(daemon, tmp_path):
 MAX_HELD = 24  # instances of 256 MiB per client: 4 x 24 x 256 MiB is 24 of the 32 GiB
 
 
-def _client_loop(sock: Path, name: str, stop: threading.Event, abandon: threading.Event, acked: set[str],
-                 released: set[str], refused: list[str]) -> None:
+def _client_loop(
+    sock: Path,
+    name: str,
+    stop: threading.Event,
+    abandon: threading.Event,
+    acked: set[str],
+    released: set[str],
+    refused: list[str],
+) -> None:
     """Creates and releases instances, retrying each call until the daemon
     (killed and restarted underneath) acknowledges it. Holds at most
     MAX_HELD, so the four clients never fill the two 16 GiB GPUs: a refusal
@@ -229,9 +264,10 @@ def test_kill_9_at_any_instant_loses_nothing_and_grants_nothing_twice(tmp_path, 
     acked: set[str] = set()
     released: set[str] = set()
     refused: list[str] = []
-    clients = [threading.Thread(target=_client_loop,
-                                args=(d.socket, f"client{i}", stop, abandon, acked, released, refused))
-               for i in range(4)]
+    clients = [
+        threading.Thread(target=_client_loop, args=(d.socket, f"client{i}", stop, abandon, acked, released, refused))
+        for i in range(4)
+    ]
     for c in clients:
         c.start()
     rng = random.Random(7)

@@ -5,6 +5,7 @@ cannot take a signal at that moment. cgpud used to wait for its stop Event
 in the main thread with the handler setting it: a SIGTERM that landed on
 another thread left the main thread asleep in that wait for good (seen in
 CI as a cgpud that never said STOPPING=1)."""
+
 from __future__ import annotations
 
 import os
@@ -21,8 +22,9 @@ def other_threads(pid: int) -> list[int]:
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_stop_signal_delivered_to_any_thread_stops_cgpud(tmp_path: Path, sim_env: dict[str, str],
-                                                           signum: signal.Signals) -> None:
+def test_a_stop_signal_delivered_to_any_thread_stops_cgpud(
+    tmp_path: Path, sim_env: dict[str, str], signum: signal.Signals
+) -> None:
     with running_daemon(tmp_path, sim_env, "--mode", "cgpu", "--bypass-interval", "0.2") as d:
         assert d.proc is not None
         threads = other_threads(d.proc.pid)

@@ -6,6 +6,7 @@ policy); the attacker is a separate process, as a tenant inside its own
 container would be. cgpud must stay up (same pid), the neighbour keep its
 share and finish, `cgpuctl inspect` answer, the sweep and a restart repair
 the file, and the state filesystem (SQLite) see none of it."""
+
 from __future__ import annotations
 
 import json
@@ -56,8 +57,7 @@ ATTACKS = ("truncate", "grow-sparse", "fill", "scribble")
 
 
 def attack(path: Path, how: str) -> int:
-    out = subprocess.run([sys.executable, "-c", ATTACKER, str(path), how], capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run([sys.executable, "-c", ATTACKER, str(path), how], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return int(out.stdout)
 
@@ -114,9 +114,24 @@ def test_an_attacked_usage_file_harms_neither_cgpud_nor_the_neighbour(rig: Share
     # its file mapped too and meets a truncation of it for certain (the
     # victim's own library may die of its truncated file, and its instance
     # go, before the scheduler reads the victim's).
-    idle = subprocess.Popen([str(BIN / "cgpuctl"), "--socket", str(d.socket), "run", "--mem", "256MiB", "--core",
-                             "5", "--", "sleep", "600"], env=d.env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    idle = subprocess.Popen(
+        [
+            str(BIN / "cgpuctl"),
+            "--socket",
+            str(d.socket),
+            "run",
+            "--mem",
+            "256MiB",
+            "--core",
+            "5",
+            "--",
+            "sleep",
+            "600",
+        ],
+        env=d.env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     victim = rig._start(TenantSpec(25))
     procs += [idle, victim]
     sampler = Sampler(rig.env, 20)
@@ -127,9 +142,28 @@ def test_an_attacked_usage_file_harms_neither_cgpud_nor_the_neighbour(rig: Share
         until(lambda: len(_instances(rig)) == 2, 60.0, interval=0.05)
         target, idle_region = _region_of(rig, 25), _region_of(rig, 5)
         neighbour_run = subprocess.Popen(
-            [str(BIN / "cgpuctl"), "--socket", str(d.socket), "run", "--mem", "512MiB", "--core", "70", "--",
-             str(native_path("bin/cgpu-burn")), "--duration", "5", "--kernel-ns", "200000", "--streams", "4"],
-            env=d.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            [
+                str(BIN / "cgpuctl"),
+                "--socket",
+                str(d.socket),
+                "run",
+                "--mem",
+                "512MiB",
+                "--core",
+                "70",
+                "--",
+                str(native_path("bin/cgpu-burn")),
+                "--duration",
+                "5",
+                "--kernel-ns",
+                "200000",
+                "--streams",
+                "4",
+            ],
+            env=d.env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         procs.append(neighbour_run)
         pids = [victim_pid, rig._burn_pid(neighbour_run, deadline)]
         rig._wait_running(sampler, pids, deadline)
@@ -150,12 +184,22 @@ def test_an_attacked_usage_file_harms_neither_cgpud_nor_the_neighbour(rig: Share
             assert written < MIB, f"a tenant wrote {written} bytes into its usage file"
             assert free_before - _free_bytes(d.state) < 16 * MIB
         # The sweep (every 2 s here) puts the idle instance's file right.
-        until(lambda: usage_problem(idle_region) is None, 60.0, interval=0.05, explain=lambda: str(usage_problem(idle_region)))
+        until(
+            lambda: usage_problem(idle_region) is None,
+            60.0,
+            interval=0.05,
+            explain=lambda: str(usage_problem(idle_region)),
+        )
         assert os.stat(idle_region / "usage").st_size == USAGE_SIZE
         if how == "truncate":
             # cgpud's scheduler met the cut-off file (its guard read zeros)
             # and mapped the repaired one afresh.
-            until(lambda: '"remapped": true' in d.log.read_text(), 60.0, interval=0.05, explain=lambda: str(d.log.read_text()[-3000:]))
+            until(
+                lambda: '"remapped": true' in d.log.read_text(),
+                60.0,
+                interval=0.05,
+                explain=lambda: str(d.log.read_text()[-3000:]),
+            )
     finally:
         runs = [p for p in (victim, neighbour_run) if p is not None]
         for p in runs:
@@ -181,17 +225,33 @@ def test_an_attacked_usage_file_harms_neither_cgpud_nor_the_neighbour(rig: Share
     assert out.returncode == 0, out.stderr
 
 
-def test_a_tenant_whose_own_file_is_wiped_while_it_waits_at_its_gate_still_finishes(rig: ShareRig,
-                                                                                    procs: list) -> None:
+def test_a_tenant_whose_own_file_is_wiped_while_it_waits_at_its_gate_still_finishes(rig: ShareRig, procs: list) -> None:
     """A process of the instance zeroes the usage file over and over: a
     thread waiting at the closed gate loses its demand with it, and cgpud
     would never grant it again. The thread asks again, so the run ends."""
     d = rig.daemon
     assert d.cgpuctl("policy", "set", "fixed").returncode == 0
     victim = subprocess.Popen(
-        [str(BIN / "cgpuctl"), "--socket", str(d.socket), "run", "--mem", "256MiB", "--core", "30", "--",
-         str(native_path("bin/cgpu-burn")), "--duration", "3", "--kernel-ns", "200000"],
-        env=d.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        [
+            str(BIN / "cgpuctl"),
+            "--socket",
+            str(d.socket),
+            "run",
+            "--mem",
+            "256MiB",
+            "--core",
+            "30",
+            "--",
+            str(native_path("bin/cgpu-burn")),
+            "--duration",
+            "3",
+            "--kernel-ns",
+            "200000",
+        ],
+        env=d.env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     procs.append(victim)
     rig._burn_pid(victim, time.monotonic() + 60)
     until(lambda: len(_instances(rig)) == 1, 60.0, interval=0.05)

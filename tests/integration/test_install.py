@@ -1,5 +1,6 @@
 """`pip install .` from a clean copy of the repository builds every C part
 into the installed package, and the README's demo command works there."""
+
 from __future__ import annotations
 
 import os
@@ -46,18 +47,35 @@ def test_pip_install_builds_everything_and_the_demo_runs(clean_copy, tmp_path):
     where = _run([str(venv / "bin" / "python"), "-c", "import cgpud.native as n; print(n.native_dir())"], cwd=tmp_path)
     native = Path(where.stdout.strip())
     assert "site-packages" in str(native)
-    for part in ("sim/libcuda.so.1", "sim/libnvidia-ml.so.1", "bin/cgpu-burn", "bin/cgpu-sim-stat",
-                 "bin/cgpu-runtime", "bin/cgpu-runtime-gpu", "bin/cgpu-hook"):
+    for part in (
+        "sim/libcuda.so.1",
+        "sim/libnvidia-ml.so.1",
+        "bin/cgpu-burn",
+        "bin/cgpu-sim-stat",
+        "bin/cgpu-runtime",
+        "bin/cgpu-runtime-gpu",
+        "bin/cgpu-hook",
+    ):
         assert (native / part).is_file(), part
-    _run([str(venv / "bin" / "python"), "-c", "import cgpud._scheduler as s; assert s.lib.cgpu_sched_abi_version() == 2"],
-         cwd=tmp_path)
+    _run(
+        [
+            str(venv / "bin" / "python"),
+            "-c",
+            "import cgpud._scheduler as s; assert s.lib.cgpu_sched_abi_version() == 2",
+        ],
+        cwd=tmp_path,
+    )
 
     # README command one, in the fresh copy, reusing this venv (dev installs editable over it).
     env = dict(os.environ, CGPU_VENV=str(venv), XDG_RUNTIME_DIR=str(tmp_path))
     demo = _run([str(clean_copy / "dev"), "demo", "--seconds", "2"], env=env)
     bare = re.search(r"^Without cgpu: A got ([\d.]+) %, B got ([\d.]+) %", demo.stdout, re.MULTILINE)
-    got = re.search(r"^With cgpu: +A asked 30 %, got ([\d.]+) %; B asked 70 %, got ([\d.]+) %; "
-                    r"A asked 24 GiB, got (\d+) GiB", demo.stdout, re.MULTILINE)
+    got = re.search(
+        r"^With cgpu: +A asked 30 %, got ([\d.]+) %; B asked 70 %, got ([\d.]+) %; "
+        r"A asked 24 GiB, got (\d+) GiB",
+        demo.stdout,
+        re.MULTILINE,
+    )
     assert bare and got, demo.stdout
     # Bare, the driver's time slicing favours A's four streams over B's one.
     assert float(bare[1]) > float(bare[2]), demo.stdout

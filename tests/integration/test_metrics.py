@@ -4,6 +4,7 @@ fixed policy, one holding memory only), scraped over real HTTP and parsed
 with prometheus-client's own parser; compared with `cgpuctl list`, with
 what the tenants allocated and with the simulator's per-process device
 time (`cgpu-sim-stat --sample`)."""
+
 from __future__ import annotations
 
 import json
@@ -39,9 +40,24 @@ class Tenants:
 
     def start(self, mem: str, core: int, *burn: str) -> int:
         d = self.rig.daemon
-        run = subprocess.Popen([str(BIN / "cgpuctl"), "--socket", str(d.socket), "run", "--mem", mem, "--core",
-                                str(core), "--", str(native_path("bin/cgpu-burn")), *burn],
-                               env=d.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        run = subprocess.Popen(
+            [
+                str(BIN / "cgpuctl"),
+                "--socket",
+                str(d.socket),
+                "run",
+                "--mem",
+                mem,
+                "--core",
+                str(core),
+                "--",
+                str(native_path("bin/cgpu-burn")),
+                *burn,
+            ],
+            env=d.env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         self.runs.append(run)
         return self.rig._burn_pid(run, time.monotonic() + 60)
 
@@ -78,9 +94,11 @@ def test_scrape_matches_cgpuctl_list_and_the_simulator(rig: tuple[ShareRig, int]
     sampler = Sampler(r.env, 50)
     try:
         burn = ("--duration", "600", "--kernel-ns", "200000", "--streams", "4")
-        pids = {"a": tenants.start("2GiB", 30, "--alloc", "512MiB", *burn),
-                "b": tenants.start("1GiB", 20, "--alloc", "256MiB", *burn),
-                "m": tenants.start("3GiB", 0, "--alloc", "768MiB", "--hold", "600")}
+        pids = {
+            "a": tenants.start("2GiB", 30, "--alloc", "512MiB", *burn),
+            "b": tenants.start("1GiB", 20, "--alloc", "256MiB", *burn),
+            "m": tenants.start("3GiB", 0, "--alloc", "768MiB", "--hold", "600"),
+        }
         r._wait_running(sampler, [pids["a"], pids["b"]], time.monotonic() + 60)
         time.sleep(2.5)  # two of the engine's 1 s windows with every tenant at its share
         before = scrape(port)
@@ -119,8 +137,9 @@ def test_scrape_matches_cgpuctl_list_and_the_simulator(rig: tuple[ShareRig, int]
         assert value(before, "cgpu_instance_throttled_seconds_total", **labels[name]) > 0.5
         assert value(before, "cgpu_instance_launches_gated_total", **labels[name]) > 0
         assert value(before, "cgpu_instance_compute_grants_total", **labels[name]) > 10
-        assert (value(after, "cgpu_instance_compute_charged_seconds_total", **labels[name])
-                > value(before, "cgpu_instance_compute_charged_seconds_total", **labels[name]))
+        assert value(after, "cgpu_instance_compute_charged_seconds_total", **labels[name]) > value(
+            before, "cgpu_instance_compute_charged_seconds_total", **labels[name]
+        )
     assert value(before, "cgpu_instance_compute_achieved_percent", **labels["m"]) == 0
     assert value(before, "cgpu_instance_launches_gated_total", **labels["m"]) == 0
 
@@ -135,8 +154,10 @@ def test_scrape_matches_cgpuctl_list_and_the_simulator(rig: tuple[ShareRig, int]
 
     # Requests: cgpuctl list between the scrapes counted; the refused release an error.
     admin = {"kind": "admin"}
-    assert value(after, "cgpu_requests_total", method="ListInstances", **admin) == \
-        value(before, "cgpu_requests_total", 0, method="ListInstances", **admin) + 1
+    assert (
+        value(after, "cgpu_requests_total", method="ListInstances", **admin)
+        == value(before, "cgpu_requests_total", 0, method="ListInstances", **admin) + 1
+    )
     assert value(before, "cgpu_requests_total", method="CreateInstance", **admin) >= 3
     assert value(after, "cgpu_request_errors_total", method="ReleaseInstance", code="NOT_FOUND", **admin) == 1
     assert value(before, "cgpu_request_errors_total", 0, method="ReleaseInstance", code="NOT_FOUND", **admin) == 0
@@ -154,8 +175,12 @@ def test_only_metrics_is_served(rig: tuple[ShareRig, int]) -> None:
 
 def _cgpud_fails(tmp_path: Path, *extra: str) -> str:
     cfg = write_sim_config(tmp_path / "sim.conf", gpus=1)
-    env = dict(os.environ, LD_LIBRARY_PATH=str(native_path("sim")), CGPU_SIM_CONFIG=str(cfg),
-               CGPU_SIM_STATE=str(tmp_path / "sim.state"))
+    env = dict(
+        os.environ,
+        LD_LIBRARY_PATH=str(native_path("sim")),
+        CGPU_SIM_CONFIG=str(cfg),
+        CGPU_SIM_STATE=str(tmp_path / "sim.state"),
+    )
     d = make_daemon(tmp_path, env, *extra)
     proc = subprocess.run([str(BIN / "cgpud"), *d.args], env=d.env, capture_output=True, text=True, timeout=60)
     d.notify.close()

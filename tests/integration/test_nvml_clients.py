@@ -4,6 +4,7 @@ and inside an instance (`cgpuctl run --mem 1GiB`) they show the instance's
 1 GiB as the GPU's memory and its own processes, never a neighbour's.
 
 A process on the GPU is cgpu-burn holding memory and running kernels."""
+
 from __future__ import annotations
 
 import json
@@ -92,8 +93,11 @@ print(json.dumps({"sizes": [call(0, 0), call(0, 1), call(0, 8), call(3, 8)],
 
 def test_detail_list_bare_lists_every_process_with_its_memory(native, sim_env):
     with burner(sim_env, native, "1GiB") as one, burner(sim_env, native, "256MiB") as two:
-        got = json.loads(subprocess.run([sys.executable, "-c", DETAIL_LIST], env=sim_env, capture_output=True,
-                                        text=True, timeout=60, check=True).stdout)
+        got = json.loads(
+            subprocess.run(
+                [sys.executable, "-c", DETAIL_LIST], env=sim_env, capture_output=True, text=True, timeout=60, check=True
+            ).stdout
+        )
     both = sorted([[one.pid, 1024], [two.pid, 256]])
     # INSUFFICIENT_SIZE (7) with the count needed; compute and "all" list both.
     assert got["sizes"] == [[7, 2, []], [7, 2, []], [0, 2, both], [0, 2, both]], got
@@ -106,10 +110,28 @@ def test_inside_an_instance_both_tools_show_its_limit_and_only_its_processes(dae
     # on a 2-GPU machine: binpack puts it on GPU 0, where the neighbour is.
     with burner(daemon.env, native, "2GiB") as neighbour:
         proc = subprocess.run(
-            [str(BIN / "cgpuctl"), "--socket", str(daemon.socket), "run", "--mem", "1GiB", "--",
-             sys.executable, "-c", INSIDE, str(native / "bin/cgpu-burn"), str(NVITOP), str(GPUSTAT), WAIT_OWN,
-             NVML_CALLS],
-            env=daemon.env, capture_output=True, text=True, timeout=300)
+            [
+                str(BIN / "cgpuctl"),
+                "--socket",
+                str(daemon.socket),
+                "run",
+                "--mem",
+                "1GiB",
+                "--",
+                sys.executable,
+                "-c",
+                INSIDE,
+                str(native / "bin/cgpu-burn"),
+                str(NVITOP),
+                str(GPUSTAT),
+                WAIT_OWN,
+                NVML_CALLS,
+            ],
+            env=daemon.env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert proc.returncode == 0, proc.stdout + proc.stderr
         got = json.loads(proc.stdout.strip().splitlines()[-1])
     check_inside(got, neighbour.pid)
@@ -126,25 +148,54 @@ def test_the_tools_nvml_paths_are_clean_under_sanitizers(tmp_path, native, sim_e
         if target.output in ("sim/libnvidia-ml.so.1", "lib/libcgpu.so"):
             build_native.compile_target(target, san, build_native.SANITIZE)
     shutil.copy(native / "sim/libcuda.so.1", san / "sim/libcuda.so.1")
-    uuid = subprocess.run([sys.executable, "-c", "import pynvml as n; n.nvmlInit(); "
-                           "print(n.nvmlDeviceGetUUID(n.nvmlDeviceGetHandleByIndex(0)))"],
-                          env=sim_env, capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+    uuid = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import pynvml as n; n.nvmlInit(); print(n.nvmlDeviceGetUUID(n.nvmlDeviceGetHandleByIndex(0)))",
+        ],
+        env=sim_env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout.strip()
     write_region(tmp_path / "region", InstanceLimits("san", (DeviceLimit(uuid, 1 << 30, 0),)))
     asan = subprocess.run(["cc", "-print-file-name=libasan.so"], capture_output=True, text=True, check=True).stdout
-    env = dict(sim_env, LD_LIBRARY_PATH=str(san / "sim"), CGPU_REGION_DIR=str(tmp_path / "region"),
-               # The ASan runtime first; Python itself leaks at exit by design.
-               LD_PRELOAD=f"{asan.strip()}:{san / 'lib/libcgpu.so'}",
-               ASAN_OPTIONS="detect_leaks=0:abort_on_error=0:exitcode=86",
-               UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:exitcode=87")
+    env = dict(
+        sim_env,
+        LD_LIBRARY_PATH=str(san / "sim"),
+        CGPU_REGION_DIR=str(tmp_path / "region"),
+        # The ASan runtime first; Python itself leaks at exit by design.
+        LD_PRELOAD=f"{asan.strip()}:{san / 'lib/libcgpu.so'}",
+        ASAN_OPTIONS="detect_leaks=0:abort_on_error=0:exitcode=86",
+        UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:exitcode=87",
+    )
     with burner(sim_env, native, "2GiB") as neighbour:
-        proc = subprocess.run([sys.executable, "-c", INSIDE, str(native / "bin/cgpu-burn"), str(NVITOP), str(GPUSTAT),
-                               WAIT_OWN, NVML_CALLS], env=env, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                INSIDE,
+                str(native / "bin/cgpu-burn"),
+                str(NVITOP),
+                str(GPUSTAT),
+                WAIT_OWN,
+                NVML_CALLS,
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     assert "Sanitizer" not in proc.stderr and "runtime error" not in proc.stderr, proc.stderr
     assert proc.returncode == 0, proc.stdout + proc.stderr
     check_inside(json.loads(proc.stdout.strip().splitlines()[-1]), neighbour.pid)
 
 
-MONITOR = PYNVML + """
+MONITOR = (
+    PYNVML
+    + """
 n.nvmlInit()
 def state(i):
     h = n.nvmlDeviceGetHandleByIndex(i)
@@ -172,19 +223,44 @@ print(json.dumps({
                err(lambda: n.nvmlDeviceGetTotalEccErrors(h, 2, 0))],
 }))
 """
+)
 
 
 def test_monitoring_queries_answer_like_a_data_centre_gpu(native, sim_env):
     with burner(sim_env, native, "64MiB"):
-        out = subprocess.run([sys.executable, "-c", MONITOR], env=sim_env, capture_output=True, text=True,
-                             timeout=60, check=True).stdout
+        out = subprocess.run(
+            [sys.executable, "-c", MONITOR], env=sim_env, capture_output=True, text=True, timeout=60, check=True
+        ).stdout
     got = json.loads(out)
     assert got["idle"] == {"temp": 32, "power": 70000, "sm_clock": 345, "util": 0}
     busy = got["busy"]
     assert busy["util"] > 0 and busy["sm_clock"] == 1980
     # Each query reads utilisation at its own moment: linear in some share above 0.
     assert 32 < busy["temp"] <= 72 and 70000 < busy["power"] <= 700000 and (busy["power"] - 70000) % 6300 == 0
-    assert got["fixed"] == [0, 1, 0, 0, 0, [1, 1], [0, 0], 0, 0, 700000, 700000, [200000, 700000], 1980, 2619,
-                            [0, 167000], [0, 167000], 0, [5, 16], 16]
-    assert got["errors"] == ["NVMLError_NotSupported", "NVMLError_InvalidArgument", "NVMLError_InvalidArgument",
-                             "NVMLError_InvalidArgument"]
+    assert got["fixed"] == [
+        0,
+        1,
+        0,
+        0,
+        0,
+        [1, 1],
+        [0, 0],
+        0,
+        0,
+        700000,
+        700000,
+        [200000, 700000],
+        1980,
+        2619,
+        [0, 167000],
+        [0, 167000],
+        0,
+        [5, 16],
+        16,
+    ]
+    assert got["errors"] == [
+        "NVMLError_NotSupported",
+        "NVMLError_InvalidArgument",
+        "NVMLError_InvalidArgument",
+        "NVMLError_InvalidArgument",
+    ]

@@ -1,4 +1,5 @@
 """pid_alive against real processes, including one cgpud is denied a look at."""
+
 from __future__ import annotations
 
 import subprocess
@@ -54,6 +55,12 @@ def test_process_that_cannot_be_inspected_is_alive(sleeper: subprocess.Popen[byt
         print(pid_alive({sleeper.pid}, time.time()))
     """)
     script = f'mount -t proc -o hidepid=1 proc /proc && exec "{sys.executable}" -c "$0"'
-    out = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, probe],
-                         cwd=ROOT, capture_output=True, text=True, timeout=30, check=True)
+    out = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, probe],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
     assert out.stdout.split() == ["denied", "True"], out.stderr

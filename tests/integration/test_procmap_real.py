@@ -2,6 +2,7 @@
 removed after), real PID namespaces, real fork trees and real kills. The
 test process plays cgpud (procmap compares with its own cgroup and PID
 namespace)."""
+
 from __future__ import annotations
 
 import errno
@@ -25,7 +26,6 @@ from cgpud.node.bypass_policy import parse_allow
 from tests.harness.wait import until
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make cgroups and PID namespaces")
-
 
 
 def hierarchies() -> dict[str, Path]:
@@ -114,14 +114,30 @@ def cgroups(request: pytest.FixtureRequest, procs: Procs) -> Iterator[Cgroups]:
 
 
 def container(iid: str, init: int) -> Instance:
-    return Instance(iid, Owner(OwnerKind.CONTAINER, f"{iid}@/bundles/{iid}"), (Grant(0, "GPU-0", GIB, 0),),
-                    InstanceState.BOUND, True, pids=(init,), updated=time.time(), holder=f"{iid}@/bundles/{iid}")
+    return Instance(
+        iid,
+        Owner(OwnerKind.CONTAINER, f"{iid}@/bundles/{iid}"),
+        (Grant(0, "GPU-0", GIB, 0),),
+        InstanceState.BOUND,
+        True,
+        pids=(init,),
+        updated=time.time(),
+        holder=f"{iid}@/bundles/{iid}",
+    )
 
 
-def run_instance(iid: str, pids: tuple[int, ...], updated: float | None = None,
-                 state: InstanceState = InstanceState.BOUND) -> Instance:
-    return Instance(iid, Owner(OwnerKind.PROCESS, f"cgpuctl-run-test-{pids[0]}"), (Grant(0, "GPU-0", GIB, 0),),
-                    state, True, pids=pids, updated=time.time() if updated is None else updated)
+def run_instance(
+    iid: str, pids: tuple[int, ...], updated: float | None = None, state: InstanceState = InstanceState.BOUND
+) -> Instance:
+    return Instance(
+        iid,
+        Owner(OwnerKind.PROCESS, f"cgpuctl-run-test-{pids[0]}"),
+        (Grant(0, "GPU-0", GIB, 0),),
+        state,
+        True,
+        pids=pids,
+        updated=time.time() if updated is None else updated,
+    )
 
 
 def owners(mapper: ProcessMapper, pids: list[int], instances: list[Instance]) -> dict[int, str | None]:
@@ -141,7 +157,7 @@ def dead(pid: int) -> bool:
         stat = Path(f"/proc/{pid}/stat").read_bytes()
     except FileNotFoundError:
         return True
-    return stat[stat.rfind(b")") + 2:][:1] in (b"Z", b"X")
+    return stat[stat.rfind(b")") + 2 :][:1] in (b"Z", b"X")
 
 
 def only_child(pid: int) -> int:
@@ -232,8 +248,13 @@ def test_kill_a_mapped_child_and_refuse_the_rest(procs: Procs) -> None:
     parent = ProcessIdentity(os.getppid(), read_stat(os.getppid()).starttime, "", "", "r1")
     init = ProcessIdentity(1, 1, "", "", "r1")
     stale = ProcessIdentity(c, ids[c].starttime + 1, ids[c].exe, ids[c].cgroup, "r1")
-    for identity, why in [(ids[other.pid], "no instance"), (own, "cgpud"), (parent, "cgpud"), (init, "pid 0 or 1"),
-                          (stale, "pid reused")]:
+    for identity, why in [
+        (ids[other.pid], "no instance"),
+        (own, "cgpud"),
+        (parent, "cgpud"),
+        (init, "pid 0 or 1"),
+        (stale, "pid reused"),
+    ]:
         ok, detail = kill_process(identity, mapper, [inst])
         assert not ok and why in detail, detail
     ok, detail = kill_process(ids[c], mapper, [inst], allow=parse_allow(f"exe:{ids[c].exe}"))
@@ -250,7 +271,8 @@ def test_kill_a_mapped_child_and_refuse_the_rest(procs: Procs) -> None:
 
 
 def test_with_kill_unknown_a_process_of_no_instance_is_killed_and_one_that_joined_an_instance_is_not(
-        procs: Procs) -> None:
+    procs: Procs,
+) -> None:
     """bypass_kill_unknown: the process of a container that got a GPU around
     cgpu. The re-check still holds: one that maps to an instance by now, the
     allow list, cgpud and pid 1 are refused."""
@@ -262,8 +284,9 @@ def test_with_kill_unknown_a_process_of_no_instance_is_killed_and_one_that_joine
     own = ProcessIdentity(os.getpid(), read_stat(os.getpid()).starttime, "", "", None)
     ok, detail = kill_process(own, mapper, [], unknown=True)
     assert not ok and "cgpud" in detail, detail
-    ok, detail = kill_process(ids[stranger.pid], mapper, [], allow=parse_allow(f"exe:{ids[stranger.pid].exe}"),
-                              unknown=True)
+    ok, detail = kill_process(
+        ids[stranger.pid], mapper, [], allow=parse_allow(f"exe:{ids[stranger.pid].exe}"), unknown=True
+    )
     assert not ok and "allow list" in detail, detail
     # c was of no instance when identified and is of one now: not this kill's to make
     ok, detail = kill_process(ids[c], mapper, [run_instance("r1", (p, c))], unknown=True)
@@ -322,7 +345,9 @@ def test_identify_cost_for_24_processes(cgroups: Cgroups, procs: Procs) -> None:
     for n in range(3):
         script = "import os, time\nfor _ in range(4):\n    os.fork() or time.sleep(300)\ntime.sleep(300)"
         parent = procs.start([sys.executable, "-c", script])
-        kids = until(lambda: len(children(parent.pid)) == 4 and children(parent.pid), 10.0, interval=0.01, what="4 children")
+        kids = until(
+            lambda: len(children(parent.pid)) == 4 and children(parent.pid), 10.0, interval=0.01, what="4 children"
+        )
         instances.append(run_instance(f"r{n}", (parent.pid,)))
         expected.update({k: f"r{n}" for k in kids})
     pids = sorted(expected)
@@ -340,8 +365,10 @@ def test_identify_cost_for_24_processes(cgroups: Cgroups, procs: Procs) -> None:
     assert {p: i.instance_id for p, i in first.items()} == expected
     assert {p: i.instance_id for p, i in got.items()} == expected
     median = statistics.median(rounds)
-    print(f"\nidentify() of 24 processes in 6 instances: first round {cold * 1e3:.2f} ms, "
-          f"then median {median * 1e3:.2f} ms, worst {max(rounds) * 1e3:.2f} ms")
+    print(
+        f"\nidentify() of 24 processes in 6 instances: first round {cold * 1e3:.2f} ms, "
+        f"then median {median * 1e3:.2f} ms, worst {max(rounds) * 1e3:.2f} ms"
+    )
     assert median < 0.02  # ~1 ms measured; 20x for a loaded 2-core machine
 
 

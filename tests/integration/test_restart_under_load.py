@@ -17,6 +17,7 @@ same instances with the same grants after every start); no launch waits
 longer than STALL_BOUND_S; the share is back within SHARE_TOLERANCE points
 over a 200 ms window within 1 s of the new cgpud's READY=1; a tenant started
 after the upgrade gets the newer build's runtime files."""
+
 from __future__ import annotations
 
 import json
@@ -42,7 +43,7 @@ from tests.harness.sharerun import Sampler, _at, _busy
 GIB = 1 << 30
 MS = 1_000_000
 SECOND = 1_000_000_000
-CORE = 20                # the measured tenant's share
+CORE = 20  # the measured tenant's share
 SYNC_CORE = 15
 # Documented in docs/operations.md. A launch with a share waits for its
 # grant as always (up to ~150 ms at 15 % under fixed), and when cgpud is
@@ -55,13 +56,22 @@ POOL_STALL_BOUND_S = 1.4
 # Allocation never talks to cgpud: only CPU contention shows.
 ALLOC_BOUND_S = 0.25
 RECOVERY_BOUND_S = 1.0
-SHARE_TOLERANCE = 5.0    # percentage points, over a 200 ms window
+SHARE_TOLERANCE = 5.0  # percentage points, over a 200 ms window
 WINDOW = 200 * MS
 SAMPLE_MS = 20
 # (signal, downtime in s): killed ones stay down long enough to show the fail-open.
-RESTARTS = [(signal.SIGKILL, 0.8), (signal.SIGTERM, 0.3), (signal.SIGKILL, 0.6), (signal.SIGTERM, 0.2),
-            (signal.SIGKILL, 1.0), (signal.SIGTERM, 0.5), (signal.SIGKILL, 0.7), (signal.SIGTERM, 0.1),
-            (signal.SIGKILL, 0.9), (signal.SIGTERM, 0.4)]
+RESTARTS = [
+    (signal.SIGKILL, 0.8),
+    (signal.SIGTERM, 0.3),
+    (signal.SIGKILL, 0.6),
+    (signal.SIGTERM, 0.2),
+    (signal.SIGKILL, 1.0),
+    (signal.SIGTERM, 0.5),
+    (signal.SIGKILL, 0.7),
+    (signal.SIGTERM, 0.1),
+    (signal.SIGKILL, 0.9),
+    (signal.SIGTERM, 0.4),
+]
 
 
 @dataclass
@@ -76,9 +86,9 @@ class Tenant:
 @dataclass
 class Restart:
     how: str
-    down_ns: int           # the signal was sent
-    start_ns: int          # the new cgpud was started
-    ready_ns: int          # its READY=1 arrived
+    down_ns: int  # the signal was sent
+    start_ns: int  # the new cgpud was started
+    ready_ns: int  # its READY=1 arrived
     recovery_s: float | None = None
     open_share: float | None = None  # measured tenant, while cgpud was down
 
@@ -103,16 +113,29 @@ def _adopted(client: LocalClient) -> dict[str, tuple[object, ...]]:
     return out
 
 
-def _launch(client: LocalClient, name: str, mode: str, instance: Instance, base_env: dict[str, str],
-            preload: str | None, args: tuple[str, ...]) -> Tenant:
+def _launch(
+    client: LocalClient,
+    name: str,
+    mode: str,
+    instance: Instance,
+    base_env: dict[str, str],
+    preload: str | None,
+    args: tuple[str, ...],
+) -> Tenant:
     region = client.region_dir(instance.id)
     assert region is not None
     gpu_memory = {g.gpu.index: g.gpu.memory for g in client.node_info().gpus}
     env = instance_environment(instance, region, gpu_memory, base_env)
     if preload:
         env["LD_PRELOAD"] = preload
-    proc = subprocess.Popen([sys.executable, "-m", "tests.harness.restart_tenant", mode, *args], env=env, cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.harness.restart_tenant", mode, *args],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     return Tenant(name, mode, instance, proc)
 
 
@@ -147,8 +170,10 @@ def _share(samples: list[tuple[int, int, dict[int, int]]], pid: int, lo: int, hi
 def _recovery(samples: list[tuple[int, int, dict[int, int]]], pid: int, ready_ns: int, target: float) -> float | None:
     """Seconds from READY=1 to the first 200 ms window whose share, and the
     next window's, are within SHARE_TOLERANCE of the target."""
+
     def ok(lo: int) -> bool:
         return abs(_share(samples, pid, lo, lo + WINDOW) - target) <= SHARE_TOLERANCE
+
     t = ready_ns
     while t + 2 * WINDOW <= samples[-1][0]:
         if ok(t) and ok(t + WINDOW):
@@ -182,7 +207,8 @@ def daemon(tmp_path: Path, sim_env: dict[str, str]) -> Iterator[Daemon]:
 
 
 def test_twenty_tenants_keep_their_limits_and_shares_through_ten_restarts_and_an_upgrade(
-        daemon: Daemon, newer: Build, sim_env: dict[str, str]) -> None:
+    daemon: Daemon, newer: Build, sim_env: dict[str, str]
+) -> None:
     d = daemon
     base_env = dict(sim_env, PYTHONPATH=str(ROOT))
     tenants: list[Tenant] = []
@@ -194,11 +220,11 @@ def test_twenty_tenants_keep_their_limits_and_shares_through_ten_restarts_and_an
             client.set_compute_policy(ComputePolicy.FIXED)
             # Spread placement alternates GPUs: queue0 and the even ones on GPU 0.
             for gpu in range(2):
-                tenants.append(_spawn(client, f"queue{gpu}", "compute", CORE, base_env, "--streams", "4",
-                                      "--sync-every", "16"))
+                tenants.append(
+                    _spawn(client, f"queue{gpu}", "compute", CORE, base_env, "--streams", "4", "--sync-every", "16")
+                )
             tenants += [_spawn(client, f"sync{i}", "compute", SYNC_CORE, base_env) for i in range(8)]
-            tenants += [_spawn(client, f"mem{i}", "mem", 0, base_env, "--kernel-ns", "100000")
-                        for i in range(10)]
+            tenants += [_spawn(client, f"mem{i}", "mem", 0, base_env, "--kernel-ns", "100000") for i in range(10)]
             before = _adopted(client)
         for t in tenants:
             _wait_ready(t)
@@ -270,6 +296,7 @@ def test_twenty_tenants_keep_their_limits_and_shares_through_ten_restarts_and_an
         r.recovery_s = _recovery(samples, pid, r.ready_ns, CORE)
         if r.how == "SIGKILL":
             r.open_share = _share(samples, pid, r.down_ns + 300 * MS, r.start_ns)
+
     def worst(key: str, mode: str) -> tuple[float, str]:
         return max((int(t.counts[key]) / SECOND, t.name) for t in tenants + [late] if t.mode == mode)
 
@@ -277,19 +304,24 @@ def test_twenty_tenants_keep_their_limits_and_shares_through_ten_restarts_and_an
     pool_stall, pool_at = worst("worst_launch_gap_ns", "mem")
     alloc, alloc_at = worst("worst_alloc_call_ns", "mem")
     recoveries = [r.recovery_s for r in restarts]
-    print(f"\nrestart under load: 20 tenants, 10 restarts and an upgrade; baseline share {baseline:.1f} % "
-          f"(fixed {CORE} %)\n  worst launch stall {stall * 1000:.0f} ms ({stall_at}; memory-only, from the "
-          f"unreserved pool: {pool_stall * 1000:.0f} ms, {pool_at}); worst allocation call {alloc * 1000:.1f} ms")
+    print(
+        f"\nrestart under load: 20 tenants, 10 restarts and an upgrade; baseline share {baseline:.1f} % "
+        f"(fixed {CORE} %)\n  worst launch stall {stall * 1000:.0f} ms ({stall_at}; memory-only, from the "
+        f"unreserved pool: {pool_stall * 1000:.0f} ms, {pool_at}); worst allocation call {alloc * 1000:.1f} ms"
+    )
     stalled = next(t for t in tenants if t.name == stall_at)
     at = int(stalled.counts["worst_launch_gap_at_ns"])
     near = min(restarts, key=lambda r: abs(at - r.down_ns))
-    print(f"  the worst stall ended {(at - near.down_ns) / MS:+.0f} ms from a {near.how} "
-          f"(READY at {(near.ready_ns - near.down_ns) / MS:+.0f} ms)")
+    print(
+        f"  the worst stall ended {(at - near.down_ns) / MS:+.0f} ms from a {near.how} "
+        f"(READY at {(near.ready_ns - near.down_ns) / MS:+.0f} ms)"
+    )
     for r in restarts:
         rec = "never" if r.recovery_s is None else f"{r.recovery_s * 1000:.0f} ms"
         extra = f", share while down {r.open_share:.0f} %" if r.open_share is not None else ""
-        print(f"  {r.how:8} start to READY {(r.ready_ns - r.start_ns) / MS:4.0f} ms, share back {rec} after READY"
-              f"{extra}")
+        print(
+            f"  {r.how:8} start to READY {(r.ready_ns - r.start_ns) / MS:4.0f} ms, share back {rec} after READY{extra}"
+        )
 
     for t in tenants + [late]:
         c = t.counts
@@ -306,5 +338,6 @@ def test_twenty_tenants_keep_their_limits_and_shares_through_ten_restarts_and_an
     assert alloc < ALLOC_BOUND_S, (alloc, alloc_at)
     assert all(r is not None and r < RECOVERY_BOUND_S for r in recoveries), recoveries
     # cgpud killed, the gates fail open: the queueing tenant takes more than its share.
-    assert all(r.open_share is not None and r.open_share > CORE + 10 for r in restarts if r.how == "SIGKILL"), \
-        [r.open_share for r in restarts]
+    assert all(r.open_share is not None and r.open_share > CORE + 10 for r in restarts if r.how == "SIGKILL"), [
+        r.open_share for r in restarts
+    ]

@@ -5,6 +5,7 @@ lives and removes it in a sweep after the release. The "other version" is the
 same tree whose distribution metadata (what cgpud.__version__ reads) says
 9.9.9, first on PYTHONPATH: no rebuild needed to change only the version
 (tests/harness/restart_build.py makes a real newer build for the upgrade test)."""
+
 from __future__ import annotations
 
 import json
@@ -35,7 +36,9 @@ def test_old_runtime_version_lives_as_long_as_its_instance(tmp_path, sim_env):
     assert current != OTHER
     meta = tmp_path / "other-version"
     (meta / f"cgpud-{OTHER}.dist-info").mkdir(parents=True)
-    (meta / f"cgpud-{OTHER}.dist-info" / "METADATA").write_text(f"Metadata-Version: 2.1\nName: cgpud\nVersion: {OTHER}\n")
+    (meta / f"cgpud-{OTHER}.dist-info" / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: cgpud\nVersion: {OTHER}\n"
+    )
     d = make_daemon(tmp_path, sim_env)
     runtime = d.state / "runtime"
     d.start()

@@ -1,6 +1,7 @@
 """Every C part built with AddressSanitizer and UndefinedBehaviorSanitizer,
 then exercised: the workload on the simulated driver through each
 allocation and launch path, the state dump, and the relays."""
+
 from __future__ import annotations
 
 import json
@@ -111,8 +112,13 @@ def _gated_burn(san_native: Path, env: dict[str, str], *args: str) -> Iterator[t
     region = Path(env["CGPU_REGION_DIR"])
     write_grants(region, grants_bytes([GATE_SEQ_STEP]))
     view = GrantsView(region)
-    proc = subprocess.Popen([str(san_native / "bin" / "cgpu-burn"), *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [str(san_native / "bin" / "cgpu-burn"), *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         yield proc, view
         out, err = proc.communicate(timeout=60)
@@ -131,14 +137,26 @@ def test_gated_launches_are_clean_under_sanitizers(san_native, san_instance, api
     from cgpud._region import lib
     from tests.harness.grants import GATE_OPEN, GATE_SEQ_STEP
 
-    with _gated_burn(san_native, san_instance, f"--launch-api={api}", "--duration=1.5", "--kernel-ns=1000000",
-                     "--per-thread-stream", "--streams=2") as (proc, view):
+    with _gated_burn(
+        san_native,
+        san_instance,
+        f"--launch-api={api}",
+        "--duration=1.5",
+        "--kernel-ns=1000000",
+        "--per-thread-stream",
+        "--streams=2",
+    ) as (proc, view):
         until(lambda: view.waiting() >= 1, 10.0, interval=0.005, what="a launch waiting at the gate")
         view.set_gate(0, 2 * GATE_SEQ_STEP | GATE_OPEN)
         until(lambda: view.waiting() == 0, 10.0, interval=0.005, what="launches")
         time.sleep(0.2)
         view.set_gate(0, 3 * GATE_SEQ_STEP)
-        until(lambda: view.fence_ack(proc.pid) == 3 * GATE_SEQ_STEP | lib.CGPU_ACK_LAUNCHED, 10.0, interval=0.005, what="the fence")
+        until(
+            lambda: view.fence_ack(proc.pid) == 3 * GATE_SEQ_STEP | lib.CGPU_ACK_LAUNCHED,
+            10.0,
+            interval=0.005,
+            what="the fence",
+        )
         view.set_gate(0, 4 * GATE_SEQ_STEP | GATE_OPEN)
 
 

@@ -11,6 +11,7 @@ HTTP face and cgpud's metrics and Capacity ports.
 - /bind without a client certificate, when the extender requires one: 403,
   no Binding; a certificate of another CA does not get through TLS.
 """
+
 from __future__ import annotations
 
 import http.client
@@ -61,8 +62,11 @@ def rss(pid: int) -> int:
 def get(port: int, path: str, context: ssl.SSLContext | None = None) -> tuple[int, float]:
     """(status, seconds) of one GET on a fresh connection."""
     t0 = time.monotonic()
-    conn = (http.client.HTTPSConnection("127.0.0.1", port, context=context, timeout=5) if context
-            else http.client.HTTPConnection("127.0.0.1", port, timeout=5))
+    conn = (
+        http.client.HTTPSConnection("127.0.0.1", port, context=context, timeout=5)
+        if context
+        else http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    )
     try:
         conn.request("GET", path)
         r = conn.getresponse()
@@ -98,12 +102,14 @@ def stalled_bodies(port: int, n: int = 20, size: int = 15 * MIB) -> list[socket.
     chunk = b"x" * MIB
     for _ in range(n):
         s = socket.create_connection(("127.0.0.1", port), timeout=10)
-        s.sendall(f"POST /filter HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  f"Content-Length: {size}\r\n\r\n".encode())
+        s.sendall(
+            f"POST /filter HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {size}\r\n\r\n".encode()
+        )
         try:
             left = size - 1
             while left:
-                left -= s.send(chunk[:min(len(chunk), left)])
+                left -= s.send(chunk[: min(len(chunk), left)])
         except OSError:  # answered 503 and closed without reading: what the budget does
             pass
         socks.append(s)
@@ -123,8 +129,12 @@ def extender_process(tmp: Path, *args: str) -> Iterator[tuple[subprocess.Popen[s
     nodes.write_text(f"node-0 127.0.0.1:{free_port()}\n")
     log = tmp / "extender.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([str(BIN / "cgpu-scheduler"), "--listen", f"127.0.0.1:{port}", "--nodes", str(nodes),
-                                 *args], stdout=subprocess.DEVNULL, stderr=out, text=True)
+        proc = subprocess.Popen(
+            [str(BIN / "cgpu-scheduler"), "--listen", f"127.0.0.1:{port}", "--nodes", str(nodes), *args],
+            stdout=subprocess.DEVNULL,
+            stderr=out,
+            text=True,
+        )
     try:
         deadline = time.monotonic() + 30
         while "listening on" not in log.read_text():
@@ -197,8 +207,16 @@ def test_bind_needs_a_client_certificate_of_the_client_ca(tmp_path: Path, pki: P
     stays open for the kubelet's probe."""
     with api_server(tmp_path) as (api, kubeconfig):
         api.state.add_pod(pod_json("payments-db-0", "", namespace="prod", containers={"db": {}}))
-        serve = ("--serve-cert", str(pki.server_cert), "--serve-key", str(pki.server_key),
-                 "--client-ca", str(pki.ca), "--kubeconfig", str(kubeconfig))
+        serve = (
+            "--serve-cert",
+            str(pki.server_cert),
+            "--serve-key",
+            str(pki.server_key),
+            "--client-ca",
+            str(pki.ca),
+            "--kubeconfig",
+            str(kubeconfig),
+        )
         with extender_process(tmp_path, *serve) as (_, port):
             bind = {"PodName": "payments-db-0", "PodNamespace": "prod", "PodUID": "", "Node": "control-plane-1"}
             anonymous = client_context(pki)
@@ -217,8 +235,12 @@ def test_bind_needs_a_client_certificate_of_the_client_ca(tmp_path: Path, pki: P
 
 @contextmanager
 def cgpud_process(tmp: Path, native: Path, *args: str) -> Iterator[int]:
-    env = dict(os.environ, LD_LIBRARY_PATH=str(native / "sim"),
-               CGPU_SIM_CONFIG=str(write_sim_config(tmp / "sim.conf")), CGPU_SIM_STATE=str(tmp / "sim.state"))
+    env = dict(
+        os.environ,
+        LD_LIBRARY_PATH=str(native / "sim"),
+        CGPU_SIM_CONFIG=str(write_sim_config(tmp / "sim.conf")),
+        CGPU_SIM_STATE=str(tmp / "sim.state"),
+    )
     d = make_daemon(tmp, env, *args)
     d.start()
     try:
@@ -228,8 +250,7 @@ def cgpud_process(tmp: Path, native: Path, *args: str) -> Iterator[int]:
         d.stop()
 
 
-def test_300_idle_connections_and_stalled_requests_leave_cgpuds_metrics_answering(tmp_path: Path,
-                                                                               native: Path) -> None:
+def test_300_idle_connections_and_stalled_requests_leave_cgpuds_metrics_answering(tmp_path: Path, native: Path) -> None:
     port = free_port()
     with cgpud_process(tmp_path, native, "--metrics-listen", f"127.0.0.1:{port}") as pid:
         get(port, "/metrics")

@@ -2,6 +2,7 @@
 serialised kernels, events, entry-point lookup, errors. Every test runs its
 programs in subprocesses on a private simulated machine (fixture sim_env:
 2 GPUs x 16 GiB)."""
+
 from __future__ import annotations
 
 import json
@@ -38,7 +39,10 @@ def test_memory_runs_out_across_four_processes(sim_env):
     assert sum(r["granted"] for r in results) == 16
     assert all(r["free"] < GIB for r in results)
     # Processes that exited hold nothing: a newcomer sees the whole GPU.
-    after = run_py(sim_env, "import json; from cudapy import Driver; cu=Driver(); cu.init_device(0); print(json.dumps(cu.mem_info()))")
+    after = run_py(
+        sim_env,
+        "import json; from cudapy import Driver; cu=Driver(); cu.init_device(0); print(json.dumps(cu.mem_info()))",
+    )
     assert after == [16 * GIB, 16 * GIB]
 
 
@@ -47,22 +51,28 @@ def test_memory_of_a_killed_process_is_returned(sim_env):
     assert json.loads(holder.stdout.readline())["granted"] == 4
     holder.send_signal(signal.SIGKILL)
     holder.wait(timeout=30)
-    got = run_py(sim_env, """
+    got = run_py(
+        sim_env,
+        """
         import json; from cudapy import Driver
         cu = Driver(); cu.init_device(1)
         print(json.dumps([cu.alloc(16 << 30)[0], cu.mem_info()]))
-    """)
+    """,
+    )
     assert got == ["CUDA_SUCCESS", [0, 16 * GIB]]
 
 
 def test_gpus_have_separate_memory(sim_env):
-    got = run_py(sim_env, """
+    got = run_py(
+        sim_env,
+        """
         import json; from cudapy import Driver
         cu = Driver(); cu.init_device(0)
         first = cu.alloc(10 << 30)[0]
         ctx = cu.init_device(1)
         print(json.dumps([first, cu.alloc(10 << 30)[0], cu.mem_info()[0] >> 30]))
-    """)
+    """,
+    )
     assert got == ["CUDA_SUCCESS", "CUDA_SUCCESS", 6]
 
 
@@ -79,7 +89,9 @@ ALLOCATORS = {
 
 @pytest.mark.parametrize("api", sorted(ALLOCATORS))
 def test_every_allocation_path_charges_the_gpu(sim_env, api):
-    got = run_py(sim_env, f"""
+    got = run_py(
+        sim_env,
+        f"""
         import ctypes as C, json; from cudapy import Driver
         cu = Driver(); cu.init_device(0)
         SIZE = 1 << 30
@@ -87,7 +99,8 @@ def test_every_allocation_path_charges_the_gpu(sim_env, api):
         used = (16 << 30) - cu.mem_info()[0]
         free()
         print(json.dumps([r, used, cu.mem_info()[0]]))
-    """)
+    """,
+    )
     # Pitched allocations round each row up to 512 bytes: 1000 -> 1024.
     assert got == ["CUDA_SUCCESS", GIB, 16 * GIB]
 
@@ -118,11 +131,14 @@ def test_virtual_memory_charges_device_locations_only(sim_env, loc_type, charged
 
 
 def test_out_of_memory_leaves_nothing_charged(sim_env):
-    got = run_py(sim_env, """
+    got = run_py(
+        sim_env,
+        """
         import json; from cudapy import Driver
         cu = Driver(); cu.init_device(0)
         print(json.dumps([cu.alloc(17 << 30)[0], cu.mem_info()[0], cu.alloc(16 << 30)[0]]))
-    """)
+    """,
+    )
     assert got == ["CUDA_ERROR_OUT_OF_MEMORY", 16 * GIB, "CUDA_SUCCESS"]
 
 
@@ -130,27 +146,62 @@ ERRORS = [
     ("before cuInit", "r = cu.rc('cuDeviceGetCount', C.byref(C.c_int()))", "CUDA_ERROR_NOT_INITIALIZED"),
     ("bad init flags", "r = cu.rc('cuInit', 1)", "CUDA_ERROR_INVALID_VALUE"),
     ("no context", "cu.call('cuInit', 0); r = cu.alloc(1)[0]", "CUDA_ERROR_INVALID_CONTEXT"),
-    ("bad device", "cu.call('cuInit', 0); r = cu.rc('cuDeviceGet', C.byref(C.c_int()), 2)", "CUDA_ERROR_INVALID_DEVICE"),
+    (
+        "bad device",
+        "cu.call('cuInit', 0); r = cu.rc('cuDeviceGet', C.byref(C.c_int()), 2)",
+        "CUDA_ERROR_INVALID_DEVICE",
+    ),
     ("zero bytes", "cu.init_device(); r = cu.alloc(0)[0]", "CUDA_ERROR_INVALID_VALUE"),
     ("unknown pointer", "cu.init_device(); r = cu.rc('cuMemFree_v2', C.c_uint64(12345))", "CUDA_ERROR_INVALID_VALUE"),
-    ("double free", "cu.init_device(); p = cu.alloc(64)[1]; cu.call('cuMemFree_v2', C.c_uint64(p)); r = cu.rc('cuMemFree_v2', C.c_uint64(p))", "CUDA_ERROR_INVALID_VALUE"),
-    ("not a module", "cu.init_device(); m = C.c_void_p(); r = cu.rc('cuModuleLoadData', C.byref(m), b'\\x7fELF....')", "CUDA_ERROR_NO_BINARY_FOR_GPU"),
-    ("missing kernel", "cu.init_device(); m = C.c_void_p(); cu.call('cuModuleLoadData', C.byref(m), C.c_char_p(SPIN_PTX)); r = cu.rc('cuModuleGetFunction', C.byref(C.c_void_p()), m, b'nope')", "CUDA_ERROR_NOT_FOUND"),
-    ("block too large", "cu.init_device(); f = cu.spin_function(); r = cu.rc('cuLaunchKernel', f, 1, 1, 1, 2048, 1, 1, 0, None, None, None)", "CUDA_ERROR_INVALID_VALUE"),
-    ("cooperative grid too large", "cu.init_device(); f = cu.spin_function(); r = cu.rc('cuLaunchCooperativeKernel', f, 100000, 1, 1, 32, 1, 1, 0, None, None)", "CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE"),
-    ("stale stream", "cu.init_device(); s = C.c_void_p(); cu.call('cuStreamCreate', C.byref(s), 0); cu.call('cuStreamDestroy_v2', s); r = cu.rc('cuStreamSynchronize', s)", "CUDA_ERROR_INVALID_HANDLE"),
-    ("unknown error code", "r = 'CUDA_ERROR_INVALID_VALUE' if cu.lib.cuGetErrorName(12345, C.byref(C.c_char_p())) == 1 else 'accepted'", "CUDA_ERROR_INVALID_VALUE"),
+    (
+        "double free",
+        "cu.init_device(); p = cu.alloc(64)[1]; cu.call('cuMemFree_v2', C.c_uint64(p)); r = cu.rc('cuMemFree_v2', C.c_uint64(p))",
+        "CUDA_ERROR_INVALID_VALUE",
+    ),
+    (
+        "not a module",
+        "cu.init_device(); m = C.c_void_p(); r = cu.rc('cuModuleLoadData', C.byref(m), b'\\x7fELF....')",
+        "CUDA_ERROR_NO_BINARY_FOR_GPU",
+    ),
+    (
+        "missing kernel",
+        "cu.init_device(); m = C.c_void_p(); cu.call('cuModuleLoadData', C.byref(m), C.c_char_p(SPIN_PTX)); r = cu.rc('cuModuleGetFunction', C.byref(C.c_void_p()), m, b'nope')",
+        "CUDA_ERROR_NOT_FOUND",
+    ),
+    (
+        "block too large",
+        "cu.init_device(); f = cu.spin_function(); r = cu.rc('cuLaunchKernel', f, 1, 1, 1, 2048, 1, 1, 0, None, None, None)",
+        "CUDA_ERROR_INVALID_VALUE",
+    ),
+    (
+        "cooperative grid too large",
+        "cu.init_device(); f = cu.spin_function(); r = cu.rc('cuLaunchCooperativeKernel', f, 100000, 1, 1, 32, 1, 1, 0, None, None)",
+        "CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE",
+    ),
+    (
+        "stale stream",
+        "cu.init_device(); s = C.c_void_p(); cu.call('cuStreamCreate', C.byref(s), 0); cu.call('cuStreamDestroy_v2', s); r = cu.rc('cuStreamSynchronize', s)",
+        "CUDA_ERROR_INVALID_HANDLE",
+    ),
+    (
+        "unknown error code",
+        "r = 'CUDA_ERROR_INVALID_VALUE' if cu.lib.cuGetErrorName(12345, C.byref(C.c_char_p())) == 1 else 'accepted'",
+        "CUDA_ERROR_INVALID_VALUE",
+    ),
 ]
 
 
 @pytest.mark.parametrize(("case", "code", "expected"), ERRORS, ids=[e[0] for e in ERRORS])
 def test_errors_are_the_drivers_own(sim_env, case, code, expected):
-    got = run_py(sim_env, f"""
+    got = run_py(
+        sim_env,
+        f"""
         import ctypes as C, json; from cudapy import Driver, SPIN_PTX
         cu = Driver()
         {code}
         print(json.dumps(r))
-    """)
+    """,
+    )
     assert got == expected, case
 
 
@@ -159,7 +210,9 @@ def test_events_time_kernels_in_device_time(sim_env, tmp_path):
     however late this (shared, noisy) host launches them: the events must
     measure exactly their device time, not the host's."""
     write_sim_config(tmp_path / "sim.conf", extra="queue_us=1000000")
-    got = run_py(sim_env, """
+    got = run_py(
+        sim_env,
+        """
         import json, time; from cudapy import Driver
         cu = Driver(); cu.init_device(0); fn = cu.spin_function()
         a, b = cu.event(), cu.event()
@@ -172,7 +225,8 @@ def test_events_time_kernels_in_device_time(sim_env, tmp_path):
         early = cu.rc("cuEventElapsedTime", __import__("ctypes").byref(__import__("ctypes").c_float()), a, b)
         cu.call("cuEventSynchronize", b)
         print(json.dumps([not_ready, early, cu.rc("cuEventQuery", b), cu.elapsed_ms(a, b)]))
-    """)
+    """,
+    )
     assert got[:3] == ["CUDA_ERROR_NOT_READY", "CUDA_ERROR_NOT_READY", "CUDA_SUCCESS"]
     assert 9.99 <= got[3] <= 10.01
 
@@ -183,7 +237,9 @@ def test_synchronisation_returns_when_the_work_is_done(sim_env):
     slack later (5 ms here, so the difference cannot hide in noise: with it
     the median lateness was over a ms), and the caller's slack is left as
     it was."""
-    got = run_py(sim_env, """
+    got = run_py(
+        sim_env,
+        """
         import ctypes as C, json, statistics, time; from cudapy import Driver
         libc = C.CDLL(None, use_errno=True)
         PR_SET_TIMERSLACK, PR_GET_TIMERSLACK = 29, 30
@@ -196,24 +252,30 @@ def test_synchronisation_returns_when_the_work_is_done(sim_env):
             cu.call("cuCtxSynchronize")
             late.append(time.monotonic_ns() - t0 - 2_000_000)
         print(json.dumps([statistics.median(late), libc.prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0)]))
-    """)
+    """,
+    )
     assert got[0] < 1_000_000, got  # ns after the kernel's end, at most: launched at t0 or later
     assert got[1] == 5_000_000
 
 
 def test_events_without_timing_cannot_be_timed(sim_env):
-    got = run_py(sim_env, """
+    got = run_py(
+        sim_env,
+        """
         import ctypes as C, json; from cudapy import Driver
         cu = Driver(); cu.init_device(0)
         a, b = cu.event(2), cu.event()
         cu.call("cuEventRecord", a, None); cu.call("cuEventRecord", b, None); cu.call("cuCtxSynchronize")
         print(json.dumps(cu.rc("cuEventElapsedTime", C.byref(C.c_float()), a, b)))
-    """)
+    """,
+    )
     assert got == "CUDA_ERROR_INVALID_HANDLE"
 
 
 def test_stream_query_and_per_thread_default_stream(sim_env):
-    got = run_py(sim_env, """
+    got = run_py(
+        sim_env,
+        """
         import json; from cudapy import Driver
         cu = Driver(); cu.init_device(0); fn = cu.spin_function()
         cu.launch_spin(fn, 50_000_000, name="cuLaunchKernel_ptsz")
@@ -222,7 +284,8 @@ def test_stream_query_and_per_thread_default_stream(sim_env):
         cu.call("cuStreamSynchronize_ptsz", None)
         out.append(cu.rc("cuStreamQuery_ptsz", None))
         print(json.dumps(out))
-    """)
+    """,
+    )
     assert got == ["CUDA_SUCCESS", "CUDA_ERROR_NOT_READY", "CUDA_ERROR_NOT_READY", "CUDA_SUCCESS"]
 
 
@@ -286,7 +349,9 @@ PROC_CASES = [
 
 
 def test_get_proc_address_honours_version_and_flags(sim_env):
-    got = run_py(sim_env, f"""
+    got = run_py(
+        sim_env,
+        f"""
         import json; from cudapy import Driver
         cu = Driver()
         out = []
@@ -294,14 +359,17 @@ def test_get_proc_address_honours_version_and_flags(sim_env):
             rc, addr, status = cu.proc_address(symbol, version, flags)
             out.append([rc, status, addr == cu.address_of(expected) if expected else addr is None])
         print(json.dumps(out))
-    """)
+    """,
+    )
     for case, (rc, status, same) in zip(PROC_CASES, got):
         expected_rc = "CUDA_SUCCESS" if case[3] else "CUDA_ERROR_NOT_FOUND"
         assert [rc, status, same] == [expected_rc, case[4], True], case
 
 
 def test_legacy_get_proc_address_and_pointer_to_itself(sim_env):
-    got = run_py(sim_env, """
+    got = run_py(
+        sim_env,
+        """
         import ctypes as C, json; from cudapy import Driver
         cu = Driver()
         pfn = C.c_void_p()
@@ -311,12 +379,15 @@ def test_legacy_get_proc_address_and_pointer_to_itself(sim_env):
         inner, status = C.c_void_p(), C.c_int()
         rc2 = via(b"cuMemFree", C.byref(inner), 12000, 0, C.byref(status))
         print(json.dumps([rc, rc2, inner.value == cu.address_of("cuMemFree_v2")]))
-    """)
+    """,
+    )
     assert got == [0, 0, True]
 
 
 def test_graph_and_cooperative_and_ex_launches_take_device_time(sim_env):
-    got = run_py(sim_env, """
+    got = run_py(
+        sim_env,
+        """
         import ctypes as C, json; from cudapy import Driver
         cu = Driver(); cu.init_device(0); fn = cu.spin_function()
         ns = C.c_uint64(1_000_000)
@@ -351,13 +422,16 @@ def test_graph_and_cooperative_and_ex_launches_take_device_time(sim_env):
             cu.call("cuEventRecord", b, None); cu.call("cuEventSynchronize", b)
             out.append(cu.elapsed_ms(a, b))
         print(json.dumps(out))
-    """)
+    """,
+    )
     # Device time of the kernels plus the script's own gap between record and launch.
     assert all(3.0 <= ms <= 3.3 for ms in got), got
 
 
 def test_forked_child_starts_uninitialised_and_keeps_parent_memory(sim_env):
-    got = run_py(sim_env, """
+    got = run_py(
+        sim_env,
+        """
         import ctypes as C, json, os; from cudapy import Driver
         cu = Driver(); cu.init_device(0)
         assert cu.alloc(4 << 30)[0] == "CUDA_SUCCESS"
@@ -371,7 +445,8 @@ def test_forked_child_starts_uninitialised_and_keeps_parent_memory(sim_env):
         os.waitpid(pid, 0)
         child = json.loads(os.read(r, 4096))
         print(json.dumps([child, cu.mem_info()[0] >> 30]))
-    """)
+    """,
+    )
     # The child sees the parent's 4 GiB as used; once it exits, its 2 GiB return.
     assert got == [["CUDA_ERROR_NOT_INITIALIZED", "CUDA_SUCCESS", 10], 12]
 

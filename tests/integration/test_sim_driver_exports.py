@@ -5,6 +5,7 @@ variant) the headers know with the function of that name, and the ordinary
 calls frameworks make at start (pinned host memory, copies, P2P attributes,
 cache configuration, limits) behaving, from a program built against
 NVIDIA's cuda.h."""
+
 from __future__ import annotations
 
 import json
@@ -26,7 +27,6 @@ CUDA_ERROR_NOT_SUPPORTED = 801
 CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM = 2
 
 
-
 def real_cuda_include() -> Path:
     """NVIDIA's cuda.h: the default CUDA line's (tests/harness/cudakit.py)."""
     return cudakit.toolkit().header("cuda.h").parent
@@ -34,10 +34,14 @@ def real_cuda_include() -> Path:
 
 def _rows() -> list[tuple[str, str, int, str]]:
     """(symbol, base, since, kind) of every cuGetProcAddress answer."""
-    modelled = re.findall(r"^CU_FN\((\w+),\s*(\w+),\s*(\d+),\s*(\w+),",
-                          (CSRC / "include/cgpu/cuda_functions.def").read_text(), re.MULTILINE)
-    stubs = re.findall(r"^CU_PROC\((\w+),\s*(\w+),\s*(\d+),\s*(\w+)\)",
-                       (CSRC / "simgpu/cuda_unmodelled.def").read_text(), re.MULTILINE)
+    modelled = re.findall(
+        r"^CU_FN\((\w+),\s*(\w+),\s*(\d+),\s*(\w+),",
+        (CSRC / "include/cgpu/cuda_functions.def").read_text(),
+        re.MULTILINE,
+    )
+    stubs = re.findall(
+        r"^CU_PROC\((\w+),\s*(\w+),\s*(\d+),\s*(\w+)\)", (CSRC / "simgpu/cuda_unmodelled.def").read_text(), re.MULTILINE
+    )
     return [(s, b, int(v), k) for s, b, v, k in modelled + stubs]
 
 
@@ -65,8 +69,13 @@ print(json.dumps(out))
 
 
 def _run(sim_env: dict[str, str], code: str, arg: object) -> object:
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code), json.dumps(arg)], env=sim_env,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), json.dumps(arg)],
+        env=sim_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
@@ -116,16 +125,21 @@ SAMPLES = [
 def test_a_sample_of_queries_resolves_as_a_real_driver(sim_env):
     got = _resolve(sim_env, [(b, v, f) for b, v, f, _ in SAMPLES], sorted({s for *_, s in SAMPLES}))
     assert [(b, v, f, r) for (b, v, f, _), r in zip(SAMPLES, got)] == [
-        (b, v, f, [0, 0, s, 0, s]) for b, v, f, s in SAMPLES]
+        (b, v, f, [0, 0, s, 0, s]) for b, v, f, s in SAMPLES
+    ]
 
 
 def test_queries_it_cannot_answer_say_why(sim_env):
-    got = _resolve(sim_env, [
-        ("cuLogsCurrent", 12080, 0),  # added in 12.9: too new for a 12.8 runtime
-        ("cuMemcpyBatchAsync", 12000, 2),
-        ("cuNoSuchFunction", 13000, 0),
-        ("cuMemAlloc_v2", 13000, 0),  # exported names are not base names
-    ], [])
+    got = _resolve(
+        sim_env,
+        [
+            ("cuLogsCurrent", 12080, 0),  # added in 12.9: too new for a 12.8 runtime
+            ("cuMemcpyBatchAsync", 12000, 2),
+            ("cuNoSuchFunction", 13000, 0),
+            ("cuMemAlloc_v2", 13000, 0),  # exported names are not base names
+        ],
+        [],
+    )
     CUDA_ERROR_NOT_FOUND, SYMBOL_NOT_FOUND, VERSION_NOT_SUFFICIENT = 500, 1, 2
     assert got == [
         [CUDA_ERROR_NOT_FOUND, VERSION_NOT_SUFFICIENT, None, CUDA_ERROR_NOT_FOUND, None],
@@ -139,19 +153,35 @@ def test_every_stub_answers_not_supported(sim_env):
     # Stubs read no argument, so calling them bare is what any caller gets.
     stubs = _stubs()
     assert len(stubs) > 300
-    got = _run(sim_env, """
+    got = _run(
+        sim_env,
+        """
         import ctypes as C, json, sys
         lib = C.CDLL("libcuda.so.1")
         print(json.dumps({s: getattr(lib, s)() for s in json.loads(sys.argv[1])}))
-    """, stubs)
+    """,
+        stubs,
+    )
     assert {s for s, rc in got.items() if rc != CUDA_ERROR_NOT_SUPPORTED} == set()
 
 
 def _build_calls(out: Path, lib_dir: Path, *flags: str) -> Path:
     exe = out / "sim_driver_calls"
     subprocess.run(
-        ["cc", "-std=c11", "-Wall", "-Wextra", "-Werror", *flags, f"-I{real_cuda_include()}",
-         str(Path(__file__).with_name("sim_driver_calls.c")), "-o", str(exe), f"-L{lib_dir}", "-l:libcuda.so.1"],
+        [
+            "cc",
+            "-std=c11",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            *flags,
+            f"-I{real_cuda_include()}",
+            str(Path(__file__).with_name("sim_driver_calls.c")),
+            "-o",
+            str(exe),
+            f"-L{lib_dir}",
+            "-l:libcuda.so.1",
+        ],
         check=True,
     )
     return exe
@@ -172,7 +202,7 @@ def _run_calls(exe: Path, sim_env: dict[str, str]) -> dict[str, object]:
 
 def test_a_program_built_against_cuda_h_pins_copies_and_queries(calls_program, sim_env):
     got = _run_calls(calls_program, sim_env)
-    assert got["first_fail_line"] == 0, proc.stderr
+    assert got["first_fail_line"] == 0, got
     assert got["total"] == 1 << 30
     assert got["huge"] == 0
     assert got["free_pinned"] == got["free_before"]  # 2 GiB pinned, nothing charged
@@ -199,7 +229,9 @@ def test_a_program_built_against_cuda_h_pins_copies_and_queries(calls_program, s
 
 def test_pinned_memory_is_not_device_memory_across_processes(sim_env):
     # One process pins 4 GiB and holds it; another sees the GPU whole.
-    got = run_py(sim_env, """
+    got = run_py(
+        sim_env,
+        """
         import ctypes as C, json, subprocess, sys
         from cudapy import Driver
         cu = Driver(); cu.init_device(0)
@@ -210,7 +242,8 @@ def test_pinned_memory_is_not_device_memory_across_processes(sim_env):
             capture_output=True, text=True, check=True).stdout
         freed = cu.rc("cuMemFreeHost", p)
         print(json.dumps([rc, json.loads(other), freed, cu.rc("cuMemFreeHost", p)]))
-    """)
+    """,
+    )
     assert got[0] == "CUDA_SUCCESS"
     free, total = got[1]
     assert total == 16 << 30 and total - free < 1 << 30  # only the contexts' memory
@@ -218,7 +251,9 @@ def test_pinned_memory_is_not_device_memory_across_processes(sim_env):
 
 
 def test_pointer_attributes_tell_device_managed_pool_and_pinned_memory(sim_env):
-    got = run_py(sim_env, """
+    got = run_py(
+        sim_env,
+        """
         import ctypes as C, json
         from cudapy import Driver
         cu = Driver(); ctx = cu.init_device(1)
@@ -252,11 +287,22 @@ def test_pointer_attributes_tell_device_managed_pool_and_pinned_memory(sim_env):
         mt = C.c_uint(7); data = (C.c_void_p * 1)(C.cast(C.byref(mt), C.c_void_p)); which = (C.c_int * 1)(MEMORY_TYPE)
         out["unknown_many"] = [cu.rc("cuPointerGetAttributes", 1, which, data, C.c_uint64(C.addressof(junk))), mt.value]
         print(json.dumps(out))
-    """)
+    """,
+    )
     dev, managed, asy, pinned = got["dev"], got["managed"], got["async"], got["pinned"]
-    assert dev == {"rc": ["CUDA_ERROR_INVALID_VALUE", "CUDA_SUCCESS"], "type": 2, "dev_is_p": True, "host": None,
-                   "id": dev["id"], "managed": False, "ordinal": 1, "ipc": True, "start_off": 100,
-                   "size": 1 << 20, "pool": None}  # no host pointer to device memory
+    assert dev == {
+        "rc": ["CUDA_ERROR_INVALID_VALUE", "CUDA_SUCCESS"],
+        "type": 2,
+        "dev_is_p": True,
+        "host": None,
+        "id": dev["id"],
+        "managed": False,
+        "ordinal": 1,
+        "ipc": True,
+        "start_off": 100,
+        "size": 1 << 20,
+        "pool": None,
+    }  # no host pointer to device memory
     assert managed["rc"] == ["CUDA_SUCCESS"] and managed["managed"] and not managed["ipc"] and managed["host"]
     assert asy["pool"] == got["pool"] and asy["size"] == 3 << 20 and not asy["ipc"]
     assert pinned["rc"] == ["CUDA_SUCCESS"] and pinned["type"] == 1 and pinned["start_off"] == 8
@@ -269,7 +315,9 @@ def test_pointer_attributes_tell_device_managed_pool_and_pinned_memory(sim_env):
 
 
 def test_function_attributes_have_defaults_and_take_what_may_be_set(sim_env):
-    got = run_py(sim_env, """
+    got = run_py(
+        sim_env,
+        """
         import ctypes as C, json
         from cudapy import Driver
         cu = Driver(); primary = cu.init_device(0); fn = cu.spin_function()
@@ -285,7 +333,8 @@ def test_function_attributes_have_defaults_and_take_what_may_be_set(sim_env):
         ctx = C.c_void_p()
         out["stream_ctx"] = [cu.rc("cuStreamGetCtx", None, C.byref(ctx)), ctx.value == primary.value]
         print(json.dumps(out))
-    """)
+    """,
+    )
     assert got["max_threads"] == ["CUDA_SUCCESS", 1024]
     assert got["binary"] == ["CUDA_SUCCESS", 90]  # the config's compute capability 9.0
     assert got["dyn_shared"] == ["CUDA_SUCCESS", 49152] and got["carveout"] == ["CUDA_SUCCESS", -1]
@@ -305,15 +354,20 @@ def test_pinning_and_copies_are_clean_under_sanitizers(sim_env, tmp_path):
     target = next(t for t in build_native.TARGETS if t.output == "sim/libcuda.so.1")
     build_native.compile_target(target, tmp_path, build_native.SANITIZE)
     exe = _build_calls(tmp_path, tmp_path / "sim", *build_native.SANITIZE_FLAGS)
-    env = dict(sim_env, LD_LIBRARY_PATH=str(tmp_path / "sim"),
-               ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:exitcode=86",
-               UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:exitcode=87")
+    env = dict(
+        sim_env,
+        LD_LIBRARY_PATH=str(tmp_path / "sim"),
+        ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:exitcode=86",
+        UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:exitcode=87",
+    )
     got = _run_calls(exe, env)
     assert got["first_fail_line"] == 0 and got["roundtrip"] == 1
 
 
 def test_occupancy_follows_threads_shared_memory_and_limits(sim_env):
-    got = run_py(sim_env, """
+    got = run_py(
+        sim_env,
+        """
         import ctypes as C, json
         from cudapy import Driver
         cu = Driver(); cu.init_device(0); fn = cu.spin_function()
@@ -332,7 +386,8 @@ def test_occupancy_follows_threads_shared_memory_and_limits(sim_env):
             "bad_flags": blocks(128, 0, 4)[0], "zero": blocks(0, 0)[0],
             "best": best(0), "best_100": best(100), "best_cb": best(0, per_block=lambda b: 48 * b),
         }))
-    """)
+    """,
+    )
     assert got["b256"] == ["CUDA_SUCCESS", 8] and got["b1024"] == ["CUDA_SUCCESS", 2]  # 2048 threads an SM
     assert got["b96"] == ["CUDA_SUCCESS", 21]
     assert got["smem"] == ["CUDA_SUCCESS", 5]  # 228 KiB of shared memory an SM
@@ -346,7 +401,9 @@ def test_occupancy_follows_threads_shared_memory_and_limits(sim_env):
 
 
 def test_managed_hints_ids_and_event_flags(sim_env):
-    got = run_py(sim_env, """
+    got = run_py(
+        sim_env,
+        """
         import ctypes as C, json
         from cudapy import Driver
         cu = Driver(); ctx = cu.init_device(0)
@@ -376,7 +433,8 @@ def test_managed_hints_ids_and_event_flags(sim_env):
         out["record"] = [cu.rc("cuEventRecordWithFlags", ev, s, 0), cu.rc("cuEventRecordWithFlags_ptsz", ev, None, 1),
                          cu.rc("cuEventRecordWithFlags", ev, s, 2), cu.rc("cuEventQuery", ev)]
         print(json.dumps(out))
-    """)
+    """,
+    )
     assert got["advise"] == got["advise_cpu"] == got["prefetch"] == got["prefetch_ptsz"] == "CUDA_SUCCESS"
     assert got["advise_bad_gpu"] == "CUDA_ERROR_INVALID_DEVICE"
     assert got["advise_device_mem"] == got["advise_past_end"] == "CUDA_ERROR_INVALID_VALUE"  # managed memory only
@@ -388,7 +446,9 @@ def test_managed_hints_ids_and_event_flags(sim_env):
 
 
 def test_host_functions_run_after_the_work_queued_before_them(sim_env):
-    got = run_py(sim_env, """
+    got = run_py(
+        sim_env,
+        """
         import ctypes as C, json, time
         from cudapy import Driver
         cu = Driver(); cu.init_device(0); fn = cu.spin_function()
@@ -408,9 +468,15 @@ def test_host_functions_run_after_the_work_queued_before_them(sim_env):
         rcs.append(cu.rc("cuLaunchHostFunc", cap, host, None))
         graph = C.c_void_p(); cu.call("cuStreamEndCapture", cap, C.byref(graph))
         print(json.dumps({"rcs": rcs, "seen": [[k, (t - t0) // 1_000_000, *rest] for k, t, *rest in seen]}))
-    """)
-    assert got["rcs"] == ["CUDA_SUCCESS", "CUDA_SUCCESS", "CUDA_ERROR_INVALID_VALUE", "CUDA_ERROR_INVALID_VALUE",
-                          "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED"]
+    """,
+    )
+    assert got["rcs"] == [
+        "CUDA_SUCCESS",
+        "CUDA_SUCCESS",
+        "CUDA_ERROR_INVALID_VALUE",
+        "CUDA_ERROR_INVALID_VALUE",
+        "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
+    ]
     (host, host_ms, host_data), (cb, cb_ms, same_stream, status, cb_data) = got["seen"]
     assert (host, host_data, cb, same_stream, status, cb_data) == ("host", 7, "cb", True, 0, 9)
     assert 49 <= host_ms <= cb_ms < 1000  # after the 50 ms kernel, in order
@@ -435,7 +501,9 @@ print(json.dumps([rc, buf.raw[:8].decode(), free_before - cu.mem_info()[0], cu.r
 
 
 def test_ipc_handles_share_the_bytes_and_charge_only_the_exporter(sim_env):
-    got = run_py(sim_env, f"""
+    got = run_py(
+        sim_env,
+        f"""
         import ctypes as C, json, subprocess, sys
         from cudapy import Driver
         class Handle(C.Structure):
@@ -450,7 +518,8 @@ def test_ipc_handles_share_the_bytes_and_charge_only_the_exporter(sim_env):
         man = C.c_uint64(); cu.call("cuMemAllocManaged", C.byref(man), C.c_size_t(4096), 1)
         print(json.dumps({{"rc": rc, "kid": json.loads(kid.stdout) if kid.returncode == 0 else kid.stderr,
                           "back": back.raw.decode(), "managed": cu.rc("cuIpcGetMemHandle", C.byref(h), man)}}))
-    """)
+    """,
+    )
     assert got["rc"] == "CUDA_SUCCESS"
     opened, seen, charged, free_rc, close_rc, close_again = got["kid"]
     assert opened == "CUDA_SUCCESS" and seen == "parent!!" and charged == 0

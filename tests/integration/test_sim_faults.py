@@ -3,6 +3,7 @@ through NVML's event API (pynvml and raw ctypes), a GPU off the bus
 (GPU_IS_LOST, CUDA_ERROR_UNKNOWN) and its reset. Faults are injected from
 another process, by `cgpuctl sim fault` or cgpu-sim-stat, as an operator or
 a test would."""
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,13 @@ def nvml(sim_env: dict[str, str], body: str) -> object:
 
 def fault(sim_env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     """`cgpuctl sim fault ARGS` on the test's machine."""
-    return subprocess.run([sys.executable, "-m", "cgpud.cli.main", "sim", "fault", *args], env=sim_env,
-                          capture_output=True, text=True, timeout=30)
+    return subprocess.run(
+        [sys.executable, "-m", "cgpud.cli.main", "sim", "fault", *args],
+        env=sim_env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
 
 
 def inject(sim_env: dict[str, str], *args: str) -> None:
@@ -32,7 +38,10 @@ def inject(sim_env: dict[str, str], *args: str) -> None:
 
 def test_each_event_set_sees_each_xid_posted_after_it_registered_once(native, sim_env):
     inject(sim_env, "--gpu", "1", "--xid", "61")  # before anyone registered: seen by no one
-    waiter = start_py(sim_env, PYNVML + textwrap.dedent("""
+    waiter = start_py(
+        sim_env,
+        PYNVML
+        + textwrap.dedent("""
         n.nvmlInit()
         s = n.nvmlEventSetCreate()
         hs = [n.nvmlDeviceGetHandleByIndex(i) for i in range(2)]
@@ -50,19 +59,23 @@ def test_each_event_set_sees_each_xid_posted_after_it_registered_once(native, si
                         d.gpuInstanceId, d.computeInstanceId])
         n.nvmlEventSetFree(s)
         print(json.dumps(got))
-    """))
+    """),
+    )
     try:
         assert waiter.stdout.readline().strip() == "ready"
         # A second process's set, registered later, sees only what follows.
         inject(sim_env, "--gpu", "0", "--xid", "48")
-        late = nvml(sim_env, f"""
+        late = nvml(
+            sim_env,
+            f"""
             n.nvmlInit()
             s = n.nvmlEventSetCreate()
             n.nvmlDeviceRegisterEvents(n.nvmlDeviceGetHandleByIndex(1), n.nvmlEventTypeXidCriticalError, s)
-            subprocess.run(["{native / 'bin' / 'cgpu-sim-stat'}", "--xid", "1", "94"], check=True, capture_output=True)
+            subprocess.run(["{native / "bin" / "cgpu-sim-stat"}", "--xid", "1", "94"], check=True, capture_output=True)
             d = n.nvmlEventSetWait(s, 5000)
             print(json.dumps([d.eventData, err(lambda: n.nvmlEventSetWait(s, 0))]))
-        """)
+        """,
+        )
         assert late == [94, "NVMLError_Timeout"]
         out, errs = waiter.communicate("go\n", timeout=30)
     finally:
@@ -72,33 +85,38 @@ def test_each_event_set_sees_each_xid_posted_after_it_registered_once(native, si
 
 
 def test_a_wait_wakes_when_another_process_posts_and_times_out_otherwise(native, sim_env):
-    got = nvml(sim_env, f"""
+    got = nvml(
+        sim_env,
+        f"""
         n.nvmlInit()
         s = n.nvmlEventSetCreate()
         n.nvmlDeviceRegisterEvents(n.nvmlDeviceGetHandleByIndex(0), n.nvmlEventTypeXidCriticalError, s)
         t = time.monotonic()
         timeout = err(lambda: n.nvmlEventSetWait_v2(s, 250))
         waited = time.monotonic() - t
-        poster = subprocess.Popen(["sh", "-c", "sleep 0.3; exec {native / 'bin' / 'cgpu-sim-stat'} --xid 0 119"],
+        poster = subprocess.Popen(["sh", "-c", "sleep 0.3; exec {native / "bin" / "cgpu-sim-stat"} --xid 0 119"],
                                   stdout=subprocess.DEVNULL)
         t = time.monotonic()
         d = n.nvmlEventSetWait_v2(s, 10000)
         woke = time.monotonic() - t
         poster.wait()
         print(json.dumps([timeout, waited, d.eventData, woke]))
-    """)
+    """,
+    )
     timeout, waited, xid, woke = got
     assert timeout == "NVMLError_Timeout" and 0.24 <= waited < 1.0
     assert xid == 119 and 0.25 <= woke < 2.0  # woken by the post, not by the 10 s timeout
 
 
 def test_a_set_that_falls_behind_gets_the_latest_xids(native, sim_env):
-    got = nvml(sim_env, f"""
+    got = nvml(
+        sim_env,
+        f"""
         n.nvmlInit()
         s = n.nvmlEventSetCreate()
         n.nvmlDeviceRegisterEvents(n.nvmlDeviceGetHandleByIndex(1), n.nvmlEventTypeXidCriticalError, s)
         for x in range(1, 71):
-            subprocess.run(["{native / 'bin' / 'cgpu-sim-stat'}", "--xid", "1", str(x)], check=True,
+            subprocess.run(["{native / "bin" / "cgpu-sim-stat"}", "--xid", "1", str(x)], check=True,
                            capture_output=True)
         got = []
         while True:
@@ -107,7 +125,8 @@ def test_a_set_that_falls_behind_gets_the_latest_xids(native, sim_env):
             except n.NVMLError_Timeout:
                 break
         print(json.dumps(got))
-    """)
+    """,
+    )
     assert got == list(range(7, 71))  # the ring keeps the last 64
 
 
@@ -160,9 +179,19 @@ def test_a_lost_gpu_answers_gpu_is_lost_until_reset(native, sim_env):
         proc.kill()
         proc.wait()
     is_lost = "NVMLError_GpuIsLost"
-    assert lost == {"event": [True, 79], "wait": is_lost, "count": 2, "by_index": is_lost, "by_uuid": is_lost,
-                    "memory": is_lost, "name": is_lost, "utilization": is_lost, "processes": is_lost,
-                    "register": is_lost, "other_gpu": "ok"}
+    assert lost == {
+        "event": [True, 79],
+        "wait": is_lost,
+        "count": 2,
+        "by_index": is_lost,
+        "by_uuid": is_lost,
+        "memory": is_lost,
+        "name": is_lost,
+        "utilization": is_lost,
+        "processes": is_lost,
+        "register": is_lost,
+        "other_gpu": "ok",
+    }
     assert back == {"memory": "ok", "by_uuid": "ok", "wait": "NVMLError_Timeout"}
     assert sim_stat(native, sim_env)["gpus"][1]["lost"] is False
 
@@ -200,7 +229,9 @@ def test_cuda_fails_on_a_lost_gpu_and_a_context_from_before_the_loss_stays_broke
 
 
 def test_raw_abi_event_calls_check_their_arguments(native, sim_env):
-    got = run_py(sim_env, """
+    got = run_py(
+        sim_env,
+        """
         import ctypes as C, json
         lib = C.CDLL("libnvidia-ml.so.1")
         class Data(C.Structure):
@@ -225,14 +256,29 @@ def test_raw_abi_event_calls_check_their_arguments(native, sim_env):
         out["free_null"] = lib.nvmlEventSetFree(None)
         out["free"] = lib.nvmlEventSetFree(s)
         print(json.dumps(out))
-    """)
-    assert got == {"before_init": 1, "create_null": 2, "create": 0, "supported": [0, 0x1F], "supported_null": 2,
-                   "register_unsupported": 3, "register_null_set": 2, "register": 0, "wait_null_data": 2,
-                   "wait_null_set": 2, "wait_timeout": 10, "free_null": 2, "free": 0}
+    """,
+    )
+    assert got == {
+        "before_init": 1,
+        "create_null": 2,
+        "create": 0,
+        "supported": [0, 0x1F],
+        "supported_null": 2,
+        "register_unsupported": 3,
+        "register_null_set": 2,
+        "register": 0,
+        "wait_null_data": 2,
+        "wait_null_set": 2,
+        "wait_timeout": 10,
+        "free_null": 2,
+        "free": 0,
+    }
 
 
 def test_the_legacy_wait_writes_only_the_pre_mig_fields(native, sim_env):
-    got = run_py(sim_env, f"""
+    got = run_py(
+        sim_env,
+        f"""
         import ctypes as C, json, subprocess
         lib = C.CDLL("libnvidia-ml.so.1")
         assert lib.nvmlInit_v2() == 0
@@ -240,12 +286,13 @@ def test_the_legacy_wait_writes_only_the_pre_mig_fields(native, sim_env):
         assert lib.nvmlDeviceGetHandleByIndex_v2(0, C.byref(h)) == 0
         assert lib.nvmlEventSetCreate(C.byref(s)) == 0
         assert lib.nvmlDeviceRegisterEvents(h, C.c_ulonglong(8), s) == 0
-        subprocess.run(["{native / 'bin' / 'cgpu-sim-stat'}", "--xid", "0", "74"], check=True, capture_output=True)
+        subprocess.run(["{native / "bin" / "cgpu-sim-stat"}", "--xid", "0", "74"], check=True, capture_output=True)
         buf = (C.c_ubyte * 32)(*([0xAB] * 32))
         rc = lib.nvmlEventSetWait(s, buf, 5000)
         fields = (C.c_ulonglong * 3).from_buffer(buf)
         print(json.dumps([rc, fields[0] == h.value, fields[1], fields[2], list(buf[24:])]))
-    """)
+    """,
+    )
     assert got == [0, True, 8, 74, [0xAB] * 8]
 
 
@@ -265,8 +312,9 @@ def test_a_bad_fault_is_refused_with_a_reason_and_changes_nothing(native, sim_en
 
 def test_cgpu_sim_stat_fault_modes_report_the_gpu(native, sim_env):
     def run(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([str(native / "bin" / "cgpu-sim-stat"), *args], env=sim_env, capture_output=True,
-                              text=True, timeout=30)
+        return subprocess.run(
+            [str(native / "bin" / "cgpu-sim-stat"), *args], env=sim_env, capture_output=True, text=True, timeout=30
+        )
 
     assert json.loads(run("--xid", "1", "999").stdout) == {"index": 1, "lost": False, "xids": 1}
     assert json.loads(run("--lost", "1").stdout) == {"index": 1, "lost": True, "xids": 2}

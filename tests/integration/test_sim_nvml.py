@@ -7,6 +7,7 @@ LD_LIBRARY_PATH when it loads.
 The tests at the end (`test_with_libcuda_*`) need the simulated libcuda.so.1
 to create processes on the GPUs; they skip, naming the missing file, when it
 has not been built."""
+
 from __future__ import annotations
 
 import contextlib
@@ -62,7 +63,9 @@ def machine(tmp_path: Path, sim_env: dict[str, str], lines: list[str]) -> dict[s
 
 
 def test_default_machine_inventory(sim_env):
-    got = nvml(sim_env, """
+    got = nvml(
+        sim_env,
+        """
         n.nvmlInit()
         out = {"count": n.nvmlDeviceGetCount(), "driver": n.nvmlSystemGetDriverVersion(),
                "nvml": n.nvmlSystemGetNVMLVersion(), "cuda": n.nvmlSystemGetCudaDriverVersion(),
@@ -82,7 +85,8 @@ def test_default_machine_inventory(sim_env):
             })
         n.nvmlShutdown()
         print(json.dumps(out))
-    """)
+    """,
+    )
     assert got["count"] == 2
     assert (got["driver"], got["nvml"], got["cuda"], got["cuda_v2"]) == ("580.65.06", "13.580.65.06", 13000, 13000)
     gpus = got["gpus"]
@@ -100,9 +104,12 @@ def test_default_machine_inventory(sim_env):
 
 @pytest.mark.parametrize("version", ["v1", "v2"])
 def test_memory_info_at_start(sim_env, version):
-    call = {"v1": "n.nvmlDeviceGetMemoryInfo(h)",
-            "v2": "n.nvmlDeviceGetMemoryInfo(h, version=n.nvmlMemory_v2)"}[version]
-    got = nvml(sim_env, f"""
+    call = {"v1": "n.nvmlDeviceGetMemoryInfo(h)", "v2": "n.nvmlDeviceGetMemoryInfo(h, version=n.nvmlMemory_v2)"}[
+        version
+    ]
+    got = nvml(
+        sim_env,
+        f"""
         n.nvmlInit()
         out = []
         for i in range(2):
@@ -110,43 +117,69 @@ def test_memory_info_at_start(sim_env, version):
             m = {call}
             out.append([m.total, m.free, m.used, getattr(m, "reserved", 0)])
         print(json.dumps(out))
-    """)
+    """,
+    )
     assert got == [[16 * GIB, 16 * GIB, 0, 0]] * 2
 
 
 def test_memory_info_v2_checks_the_struct_version(sim_env):
-    got = nvml(sim_env, """
+    got = nvml(
+        sim_env,
+        """
         n.nvmlInit(); h = n.nvmlDeviceGetHandleByIndex(0)
         print(json.dumps(err(lambda: n.nvmlDeviceGetMemoryInfo(h, version=0x01000028))))
-    """)
+    """,
+    )
     assert got == "NVMLError_ArgumentVersionMismatch"
 
 
 def test_configured_identity_is_reported(tmp_path, sim_env):
-    env = machine(tmp_path, sim_env, [
-        "driver_version=12080 driver_version_string=570.86.15",
-        'gpu name="NVIDIA A100-SXM4-40GB" mem=40GiB sms=108 cc=8.0 '
-        "uuid=GPU-11111111-2222-3333-4444-555555555555 pci=00000001:3B:00.0",
-    ])
-    got = nvml(env, """
+    env = machine(
+        tmp_path,
+        sim_env,
+        [
+            "driver_version=12080 driver_version_string=570.86.15",
+            'gpu name="NVIDIA A100-SXM4-40GB" mem=40GiB sms=108 cc=8.0 '
+            "uuid=GPU-11111111-2222-3333-4444-555555555555 pci=00000001:3B:00.0",
+        ],
+    )
+    got = nvml(
+        env,
+        """
         n.nvmlInit(); h = n.nvmlDeviceGetHandleByIndex(0); pci = n.nvmlDeviceGetPciInfo(h)
         print(json.dumps([n.nvmlDeviceGetCount(), n.nvmlDeviceGetName(h), n.nvmlDeviceGetUUID(h),
                           pci.busId, n.nvmlDeviceGetCudaComputeCapability(h),
                           n.nvmlDeviceGetMemoryInfo(h).total, n.nvmlSystemGetCudaDriverVersion(),
                           n.nvmlSystemGetNVMLVersion(),
                           addr(n.nvmlDeviceGetHandleByPciBusId("00000001:3b:00.0")) == addr(h)]))
-    """)
-    assert got == [1, "NVIDIA A100-SXM4-40GB", "GPU-11111111-2222-3333-4444-555555555555",
-                   "00000001:3B:00.0", [8, 0], 40 * GIB, 12080, "12.570.86.15", True]
+    """,
+    )
+    assert got == [
+        1,
+        "NVIDIA A100-SXM4-40GB",
+        "GPU-11111111-2222-3333-4444-555555555555",
+        "00000001:3B:00.0",
+        [8, 0],
+        40 * GIB,
+        12080,
+        "12.570.86.15",
+        True,
+    ]
 
 
-@pytest.mark.parametrize("bus_id", ["00000000:28:00.0", "0000:28:00.0", "28:00.0", "0000:28:00"],
-                         ids=["nvml", "legacy", "bus-device-function", "domain-bus-device"])
+@pytest.mark.parametrize(
+    "bus_id",
+    ["00000000:28:00.0", "0000:28:00.0", "28:00.0", "0000:28:00"],
+    ids=["nvml", "legacy", "bus-device-function", "domain-bus-device"],
+)
 def test_handle_by_pci_bus_id_accepts_the_usual_spellings(sim_env, bus_id):
-    got = nvml(sim_env, f"""
+    got = nvml(
+        sim_env,
+        f"""
         n.nvmlInit()
         print(json.dumps(n.nvmlDeviceGetIndex(n.nvmlDeviceGetHandleByPciBusId({bus_id!r}))))
-    """)
+    """,
+    )
     assert got == 1
 
 
@@ -159,8 +192,11 @@ ERRORS = [
     ("bus id of function 1", "n.nvmlDeviceGetHandleByPciBusId('0000:18:00.1')", "NVMLError_NotFound"),
     ("link past the last", f"n.nvmlDeviceGetNvLinkState({GPU0}, 36)", "NVMLError_InvalidArgument"),
     ("nvlink on a GPU without", f"n.nvmlDeviceGetNvLinkState({GPU0}, 0)", "NVMLError_NotSupported"),
-    ("p2p index unknown", "n.nvmlDeviceGetP2PStatus(*[n.nvmlDeviceGetHandleByIndex(i) for i in (0, 1)], 5)",
-     "NVMLError_InvalidArgument"),
+    (
+        "p2p index unknown",
+        "n.nvmlDeviceGetP2PStatus(*[n.nvmlDeviceGetHandleByIndex(i) for i in (0, 1)], 5)",
+        "NVMLError_InvalidArgument",
+    ),
     ("no process samples", f"n.nvmlDeviceGetProcessUtilization({GPU0}, 0)", "NVMLError_NotFound"),
     ("forged handle", "n.nvmlDeviceGetName(C.cast(C.c_void_p(4096), n.c_nvmlDevice_t))", "NVMLError_InvalidArgument"),
 ]
@@ -168,44 +204,63 @@ ERRORS = [
 
 @pytest.mark.parametrize(("case", "call", "expected"), ERRORS, ids=[e[0] for e in ERRORS])
 def test_errors_are_nvmls_own(sim_env, case, call, expected):
-    got = nvml(sim_env, f"""
+    got = nvml(
+        sim_env,
+        f"""
         n.nvmlInit()
         print(json.dumps(err(lambda: {call})))
-    """)
+    """,
+    )
     assert got == expected, case
 
 
 def test_init_is_reference_counted(sim_env):
-    got = nvml(sim_env, """
+    got = nvml(
+        sim_env,
+        """
         n.nvmlInit(); n.nvmlInit()
         out = [err(n.nvmlShutdown), err(n.nvmlDeviceGetCount), err(n.nvmlShutdown), err(n.nvmlDeviceGetCount),
                err(lambda: n.nvmlDeviceGetHandleByIndex(0)), err(n.nvmlSystemGetDriverVersion)]
         n.nvmlInit(); out.append(err(n.nvmlDeviceGetCount))
         print(json.dumps(out))
-    """)
-    assert got == ["ok", "ok", "ok", "NVMLError_Uninitialized", "NVMLError_Uninitialized",
-                   "NVMLError_Uninitialized", "ok"]
+    """,
+    )
+    assert got == [
+        "ok",
+        "ok",
+        "ok",
+        "NVMLError_Uninitialized",
+        "NVMLError_Uninitialized",
+        "NVMLError_Uninitialized",
+        "ok",
+    ]
 
 
 def test_raw_calls_before_init_and_after_last_shutdown(sim_env):
-    got = raw(sim_env, """
+    got = raw(
+        sim_env,
+        """
         count, buf = C.c_uint(99), C.create_string_buffer(80)
         out = [lib.nvmlDeviceGetCount_v2(C.byref(count)), lib.nvmlShutdown(), lib.nvmlSystemGetDriverVersion(buf, 80)]
         out += [lib.nvmlInit_v2(), lib.nvmlDeviceGetCount(C.byref(count)), count.value]
         out += [lib.nvmlShutdown(), lib.nvmlShutdown(), lib.nvmlErrorString(1).decode()]
         print(json.dumps(out))
-    """)
+    """,
+    )
     assert got == [1, 1, 1, 0, 0, 2, 0, 1, "Uninitialized"]
 
 
 def test_version_queries_need_no_init(sim_env):
     # As documented for real NVML: they list no NVML_ERROR_UNINITIALIZED.
-    got = raw(sim_env, """
+    got = raw(
+        sim_env,
+        """
         cuda, cuda2, buf = C.c_int(), C.c_int(), C.create_string_buffer(80)
         out = [lib.nvmlSystemGetCudaDriverVersion(C.byref(cuda)), lib.nvmlSystemGetCudaDriverVersion_v2(C.byref(cuda2)),
                lib.nvmlSystemGetNVMLVersion(buf, 80)]
         print(json.dumps(out + [cuda.value, cuda2.value, buf.value.decode()]))
-    """)
+    """,
+    )
     assert got == [0, 0, 0, 13000, 13000, "13.580.65.06"]
 
 
@@ -227,11 +282,14 @@ SIZES = [
 
 @pytest.mark.parametrize(("case", "call", "rc", "count"), SIZES, ids=[s[0] for s in SIZES])
 def test_buffers_and_pointers(sim_env, case, call, rc, count):
-    got = raw(sim_env, f"""
+    got = raw(
+        sim_env,
+        f"""
         assert lib.nvmlInit_v2() == 0
         count = C.c_uint(0)
         print(json.dumps([{call}, count.value]))
-    """)
+    """,
+    )
     assert got[0] == rc, case
     if count is not None:
         assert got[1] == count, case
@@ -240,7 +298,9 @@ def test_buffers_and_pointers(sim_env, case, call, rc, count):
 def test_legacy_pci_info_leaves_the_new_bus_id_alone(sim_env):
     # Old callers pass the 52-byte pre-9.0 struct: bytes past pciSubSystemId
     # are theirs (reserved words), not ours to write.
-    got = raw(sim_env, """
+    got = raw(
+        sim_env,
+        """
         assert lib.nvmlInit_v2() == 0
         out = []
         for fn in ("nvmlDeviceGetPciInfo", "nvmlDeviceGetPciInfo_v2", "nvmlDeviceGetPciInfo_v3"):
@@ -248,10 +308,14 @@ def test_legacy_pci_info_leaves_the_new_bus_id_alone(sim_env):
             rc = getattr(lib, fn)(handle(1), buf)
             out.append([rc, bytes(buf[:16]).split(b"\\0")[0].decode(), bytes(buf[36:68]).split(b"\\0")[0].hex()])
         print(json.dumps(out))
-    """)
+    """,
+    )
     untouched = "ab" * 32
-    assert got == [[0, "0000:28:00.0", untouched], [0, "0000:28:00.0", untouched],
-                   [0, "0000:28:00.0", b"00000000:28:00.0".hex()]]
+    assert got == [
+        [0, "0000:28:00.0", untouched],
+        [0, "0000:28:00.0", untouched],
+        [0, "0000:28:00.0", b"00000000:28:00.0".hex()],
+    ]
 
 
 NVLINK_MACHINE = [
@@ -266,7 +330,9 @@ NVLINK_MACHINE = [
 
 def test_nvlink_state_remote_and_p2p(tmp_path, sim_env):
     env = machine(tmp_path, sim_env, NVLINK_MACHINE)
-    got = nvml(env, """
+    got = nvml(
+        env,
+        """
         n.nvmlInit(); h = [n.nvmlDeviceGetHandleByIndex(i) for i in range(4)]
         def state(d, l):
             try:
@@ -286,7 +352,8 @@ def test_nvlink_state_remote_and_p2p(tmp_path, sim_env):
             "topo": [n.nvmlDeviceGetTopologyCommonAncestor(h[0], h[d]) for d in (0, 1)],
         }
         print(json.dumps(out))
-    """)
+    """,
+    )
     assert got["state"] == [[1, 1, 0], [1, 0, 0], [1, 0, 0], ["NVMLError_NotSupported"] * 3]
     assert got["remote"] == ["00000000:2A:00.0", "00000000:3A:00.0"]
     assert got["remote_down"] == "NVMLError_NotSupported"
@@ -308,18 +375,25 @@ def test_init_fails_with_driver_not_loaded_on_a_bad_config(tmp_path, sim_env):
 def test_exported_symbols_are_the_def_list(native):
     listed = set(re.findall(r"^NVML_FN\((\w+)", DEF_FILE.read_text(), re.M))
     listed |= set(re.findall(r"^NVML_STUB\((\w+)", STUB_FILE.read_text(), re.M))
-    nm = subprocess.run(["nm", "-D", "--defined-only", str(native / "sim" / "libnvidia-ml.so.1")],
-                        capture_output=True, text=True, check=True)
+    nm = subprocess.run(
+        ["nm", "-D", "--defined-only", str(native / "sim" / "libnvidia-ml.so.1")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     exported = {line.split()[-1] for line in nm.stdout.splitlines() if line.strip()}
     assert exported == listed
 
 
 def test_sim_stat_shape_matches_nvml(native, sim_env):
     stat = sim_stat(native, sim_env)
-    uuids = nvml(sim_env, """
+    uuids = nvml(
+        sim_env,
+        """
         n.nvmlInit()
         print(json.dumps([n.nvmlDeviceGetUUID(n.nvmlDeviceGetHandleByIndex(i)) for i in range(2)]))
-    """)
+    """,
+    )
     assert set(stat) == {"gpus", "procs", "now_ns"}
     assert [(g["index"], g["uuid"]) for g in stat["gpus"]] == list(enumerate(uuids))
     for g in stat["gpus"]:
@@ -343,22 +417,29 @@ STAT_ERRORS = [
 
 @pytest.mark.parametrize(("case", "args", "env_change", "code"), STAT_ERRORS, ids=[e[0] for e in STAT_ERRORS])
 def test_sim_stat_errors_are_one_line(native, sim_env, case, args, env_change, code):
-    proc = subprocess.run([str(native / "bin" / "cgpu-sim-stat"), *args], env={**sim_env, **env_change},
-                          capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        [str(native / "bin" / "cgpu-sim-stat"), *args],
+        env={**sim_env, **env_change},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert (proc.returncode, proc.stdout) == (code, ""), case
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
 def test_sim_stat_refuses_a_state_made_for_another_config(tmp_path, native, sim_env):
     sim_stat(native, sim_env)  # creates the state for the 2-GPU config
-    other = machine(tmp_path, sim_env, ['gpu mem=8GiB'])
+    other = machine(tmp_path, sim_env, ["gpu mem=8GiB"])
     other["CGPU_SIM_STATE"] = sim_env["CGPU_SIM_STATE"]
-    proc = subprocess.run([str(native / "bin" / "cgpu-sim-stat")], env=other, capture_output=True, text=True,
-                          timeout=30)
+    proc = subprocess.run(
+        [str(native / "bin" / "cgpu-sim-stat")], env=other, capture_output=True, text=True, timeout=30
+    )
     assert proc.returncode == 1 and "another configuration" in proc.stderr
 
 
 # --- Processes on the GPUs: these need the simulated libcuda.so.1. ---------
+
 
 @pytest.fixture
 def libcuda(native: Path) -> Path:
@@ -382,14 +463,19 @@ def test_with_libcuda_processes_memory_and_reaping(libcuda, native, sim_env):
     holder = start_py(sim_env, HOLDER.format(size=3 * GIB))
     try:
         pid = json.loads(holder.stdout.readline())
-        seen = nvml(sim_env, """
+        seen = nvml(
+            sim_env,
+            """
             n.nvmlInit(); h = [n.nvmlDeviceGetHandleByIndex(i) for i in range(2)]
             procs = [[[p.pid, p.usedGpuMemory, p.gpuInstanceId] for p in n.nvmlDeviceGetComputeRunningProcesses(d)]
                      for d in h]
             print(json.dumps({"procs": procs, "used": [n.nvmlDeviceGetMemoryInfo(d).used for d in h],
                               "mem_util": n.nvmlDeviceGetUtilizationRates(h[1]).memory}))
-        """)
-        by_ctypes = raw(sim_env, """
+        """,
+        )
+        by_ctypes = raw(
+            sim_env,
+            """
             lib.nvmlInit_v2()
             count = C.c_uint(0)
             first = lib.nvmlDeviceGetComputeRunningProcesses(handle(1), C.byref(count), None)
@@ -398,7 +484,8 @@ def test_with_libcuda_processes_memory_and_reaping(libcuda, native, sim_env):
             second = lib.nvmlDeviceGetComputeRunningProcesses(handle(1), C.byref(count), infos)
             print(json.dumps([first, needed, second, count.value, int.from_bytes(bytes(infos[0:4]), "little"),
                               int.from_bytes(bytes(infos[8:16]), "little")]))
-        """)
+        """,
+        )
         stat = sim_stat(native, sim_env)
     finally:
         holder.send_signal(signal.SIGKILL)
@@ -410,10 +497,13 @@ def test_with_libcuda_processes_memory_and_reaping(libcuda, native, sim_env):
     assert [(p["pid"], p["alive"], p["used"]) for p in stat["procs"]] == [(pid, True, [0, 3 * GIB])]
     assert stat["gpus"][1]["used"] == 3 * GIB
     # Killed: the next query finds the process gone and its memory free.
-    after = nvml(sim_env, """
+    after = nvml(
+        sim_env,
+        """
         n.nvmlInit(); h = n.nvmlDeviceGetHandleByIndex(1)
         print(json.dumps([n.nvmlDeviceGetComputeRunningProcesses(h), n.nvmlDeviceGetMemoryInfo(h).used]))
-    """)
+    """,
+    )
     assert after == [[], 0]
     assert sim_stat(native, sim_env)["procs"] == []
 
@@ -434,7 +524,9 @@ sys.stdin.readline()
 # Waits on stdin so that it samples right after the kernels end, not after an
 # interpreter start; notes CLOCK_MONOTONIC (the state's clock) around the
 # samples so that the test can ask cgpu-sim-stat about the same second.
-UTIL_READER = PYNVML + """
+UTIL_READER = (
+    PYNVML
+    + """
 import sys, time
 n.nvmlInit(); h = [n.nvmlDeviceGetHandleByIndex(i) for i in range(2)]
 sys.stdin.readline()
@@ -446,6 +538,7 @@ later = err(lambda: n.nvmlDeviceGetProcessUtilization(h[0], samples[0][2] + 1))
 print(json.dumps({"util": util, "samples": samples, "later": later, "now_us": int(time.time() * 1e6),
                   "before": before, "after": after}))
 """
+)
 
 
 def test_with_libcuda_utilization_follows_kernels(libcuda, native, sim_env):
@@ -461,8 +554,10 @@ def test_with_libcuda_utilization_follows_kernels(libcuda, native, sim_env):
         busy = sim_stat(native, sim_env, "--busy", "0", str(t0), str(stat["now_ns"]))
         # The device's busy share of the second before each sample, bounded by
         # the two ends of the sampling.
-        shares = [sim_stat(native, sim_env, "--busy", "0", str(t - 1_000_000_000), str(t))["busy_ns"] / 1e7
-                  for t in (got["before"], got["after"])]
+        shares = [
+            sim_stat(native, sim_env, "--busy", "0", str(t - 1_000_000_000), str(t))["busy_ns"] / 1e7
+            for t in (got["before"], got["after"])
+        ]
     finally:
         spinner.send_signal(signal.SIGKILL)
         spinner.wait(timeout=30)
@@ -515,9 +610,25 @@ class NsTenant:
 
     def __init__(self, sim_env: dict[str, str], size: int, gpu: int = 1, spin_s: float = 0, drop: bool = False):
         self.proc = subprocess.Popen(
-            ["unshare", "-p", "-f", "--mount-proc", sys.executable, "-c", NS_TENANT, str(size), str(gpu),
-             str(spin_s), "drop" if drop else "keep"],
-            env=py_env(sim_env), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            [
+                "unshare",
+                "-p",
+                "-f",
+                "--mount-proc",
+                sys.executable,
+                "-c",
+                NS_TENANT,
+                str(size),
+                str(gpu),
+                str(spin_s),
+                "drop" if drop else "keep",
+            ],
+            env=py_env(sim_env),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
     def started(self) -> NsTenant:
         line = self.proc.stdout.readline()
@@ -553,8 +664,13 @@ print(json.dumps({{"procs": sorted([p.pid, p.usedGpuMemory] for p in n.nvmlDevic
 
 def nvml_in(sim_env: dict[str, str], prefix: list[str], body: str) -> object:
     """A pynvml script run under `prefix` (unshare, nsenter)."""
-    proc = subprocess.run([*prefix, sys.executable, "-c", PYNVML + textwrap.dedent(body)], env=py_env(sim_env),
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [*prefix, sys.executable, "-c", PYNVML + textwrap.dedent(body)],
+        env=py_env(sim_env),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -577,19 +693,26 @@ def test_pids_are_those_of_the_callers_namespace(libcuda, native, sim_env):
 
 @needs_root
 def test_same_pid_in_two_namespaces_is_two_processes(libcuda, native, sim_env):
-    with ns_tenants(sim_env, {"size": GIB, "gpu": 0, "spin_s": 0.8},
-                    {"size": 2 * GIB, "gpu": 0, "spin_s": 0.4}) as [a, b]:
-        got = nvml(sim_env, """
+    with ns_tenants(sim_env, {"size": GIB, "gpu": 0, "spin_s": 0.8}, {"size": 2 * GIB, "gpu": 0, "spin_s": 0.4}) as [
+        a,
+        b,
+    ]:
+        got = nvml(
+            sim_env,
+            """
             n.nvmlInit(); h = n.nvmlDeviceGetHandleByIndex(0)
             procs = sorted([p.pid, p.usedGpuMemory] for p in n.nvmlDeviceGetComputeRunningProcesses(h))
             before = time.monotonic_ns()
             samples = sorted([s.pid, s.smUtil] for s in n.nvmlDeviceGetProcessUtilization(h, 0))
             after = time.monotonic_ns()
             print(json.dumps({"procs": procs, "samples": samples, "before": before, "after": after}))
-        """)
+        """,
+        )
         # Each one's busy share of the second before each end of the sampling.
-        shares = [sim_stat(native, sim_env, "--busy", "0", str(t - 1_000_000_000), str(t))["per_pid"]
-                  for t in (got["before"], got["after"])]
+        shares = [
+            sim_stat(native, sim_env, "--busy", "0", str(t - 1_000_000_000), str(t))["per_pid"]
+            for t in (got["before"], got["after"])
+        ]
     assert a.ns_pid == b.ns_pid == 1
     assert got["procs"] == sorted([[a.host_pid, GIB], [b.host_pid, 2 * GIB]])
     assert [pid for pid, _ in got["samples"]] == sorted([a.host_pid, b.host_pid])
@@ -612,8 +735,7 @@ def test_killed_namespaced_process_memory_returns(libcuda, native, sim_env):
 
 
 def _posix_lock_holders() -> set[int]:
-    return {int(line.split()[4]) for line in Path("/proc/locks").read_text().splitlines()
-            if line.split()[1] == "POSIX"}
+    return {int(line.split()[4]) for line in Path("/proc/locks").read_text().splitlines() if line.split()[1] == "POSIX"}
 
 
 @needs_root
@@ -655,11 +777,14 @@ def test_context_mib_is_charged_once_per_process_and_gpu(libcuda, tmp_path, nati
         for size in (GIB, 2 * GIB):  # one after the other: b's free memory counts all of a
             tenants.append(start_py(env, CONTEXTS.format(size=size)))
             seen.append(json.loads(tenants[-1].stdout.readline()))
-        got = nvml(env, """
+        got = nvml(
+            env,
+            """
             n.nvmlInit(); h = [n.nvmlDeviceGetHandleByIndex(i) for i in range(2)]
             print(json.dumps([[sorted([p.pid, p.usedGpuMemory] for p in n.nvmlDeviceGetComputeRunningProcesses(d)),
                                n.nvmlDeviceGetMemoryInfo(d).used] for d in h]))
-        """)
+        """,
+        )
         stat = sim_stat(native, env)
     finally:
         for t in tenants:
@@ -676,13 +801,16 @@ def test_context_mib_is_charged_once_per_process_and_gpu(libcuda, tmp_path, nati
 
 def test_a_context_that_does_not_fit_fails(libcuda, tmp_path, sim_env):
     env = machine(tmp_path, sim_env, ["context_mib=2048", "gpu mem=1GiB"])
-    got = run_py(env, """
+    got = run_py(
+        env,
+        """
         import ctypes as C, json
         from cudapy import Driver
         cu = Driver(); cu.call("cuInit", 0); ctx = C.c_void_p()
         print(json.dumps([cu.rc("cuDevicePrimaryCtxRetain", C.byref(ctx), 0),
                           cu.rc("cuCtxCreate_v2", C.byref(ctx), 0, 0)]))
-    """)
+    """,
+    )
     assert got == ["CUDA_ERROR_OUT_OF_MEMORY", "CUDA_ERROR_OUT_OF_MEMORY"]
 
 
@@ -696,7 +824,9 @@ def test_with_libcuda_mps_lists_and_processes_utilization_info(libcuda, sim_env)
     spinner = start_py(sim_env, SPINNER)
     try:
         pid = json.loads(spinner.stdout.readline())
-        got = nvml(sim_env, """
+        got = nvml(
+            sim_env,
+            """
             n.nvmlInit(); h = n.nvmlDeviceGetHandleByIndex(0)
             old = [[s.pid, s.smUtil] for s in n.nvmlDeviceGetProcessUtilization(h, 0)]
             new = [[s.pid, s.smUtil, s.timeStamp, s.memUtil, s.jpgUtil, s.ofaUtil]
@@ -713,12 +843,16 @@ def test_with_libcuda_mps_lists_and_processes_utilization_info(libcuda, sim_env)
                               "compute": [p.pid for p in n.nvmlDeviceGetComputeRunningProcesses(h)],
                               "mps": [n.nvmlDeviceGetMPSComputeRunningProcesses(h),
                                       n.nvmlDeviceGetMPSComputeRunningProcesses_v2(h)]}))
-        """)
-        count = raw(sim_env, """
+        """,
+        )
+        count = raw(
+            sim_env,
+            """
             lib.nvmlInit_v2(); count = C.c_uint(0)
             print(json.dumps([lib.nvmlDeviceGetMPSComputeRunningProcesses(handle(0), C.byref(count), None),
                               count.value]))
-        """)
+        """,
+        )
     finally:
         spinner.send_signal(signal.SIGKILL)
         spinner.wait(timeout=30)
@@ -737,9 +871,16 @@ def test_with_libcuda_mps_lists_and_processes_utilization_info(libcuda, sim_env)
 @needs_root
 def test_sim_stat_sample_names_namespaced_processes_by_the_samplers_pids(libcuda, native, sim_env):
     stat = str(native / "bin" / "cgpu-sim-stat")
-    samplers = [subprocess.Popen([*prefix, stat, "--sample", "0", "50", "0"], env=sim_env, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True)
-                for prefix in ([], ["unshare", "-p", "-f", "--mount-proc", "--kill-child"])]
+    samplers = [
+        subprocess.Popen(
+            [*prefix, stat, "--sample", "0", "50", "0"],
+            env=sim_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for prefix in ([], ["unshare", "-p", "-f", "--mount-proc", "--kill-child"])
+    ]
     try:
         for s in samplers:
             s.stdout.readline()  # running before the tenant starts

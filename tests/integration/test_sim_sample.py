@@ -3,6 +3,7 @@ benchmarks read while tenants run. Real cgpu-burn processes on the simulated
 GPU (fixture sim_env: a private machine of 2 GPUs); the samples are checked
 against each other, against the device's busy time, and against what each
 process itself launched."""
+
 from __future__ import annotations
 
 import json
@@ -18,13 +19,17 @@ MS = 1_000_000
 
 
 def _sampler(native: Path, sim_env: dict[str, str], *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([str(native / "bin" / "cgpu-sim-stat"), "--sample", *args], env=sim_env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [str(native / "bin" / "cgpu-sim-stat"), "--sample", *args],
+        env=sim_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _burn(native: Path, sim_env: dict[str, str], *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([str(native / "bin" / "cgpu-burn"), *args], env=sim_env, stdout=subprocess.PIPE,
-                            text=True)
+    return subprocess.Popen([str(native / "bin" / "cgpu-burn"), *args], env=sim_env, stdout=subprocess.PIPE, text=True)
 
 
 def _device_ns(burn: subprocess.Popen[str]) -> int:
@@ -123,8 +128,14 @@ def test_process_followed_then_replaced(native, sim_env):
 
 
 def test_count_lines_on_an_idle_gpu(native, sim_env):
-    out = subprocess.run([str(native / "bin" / "cgpu-sim-stat"), "--sample", "1", "20", "5"], env=sim_env, check=False,
-                         capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [str(native / "bin" / "cgpu-sim-stat"), "--sample", "1", "20", "5"],
+        env=sim_env,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 0, out.stderr
     samples = [json.loads(line) for line in out.stdout.splitlines()]
     assert len(samples) == 5
@@ -136,19 +147,28 @@ def test_count_lines_on_an_idle_gpu(native, sim_env):
     assert samples[-1]["now_ns"] - samples[0]["now_ns"] >= 3 * 20 * MS
 
 
-@pytest.mark.parametrize("args", [
-    ["--sample"],
-    ["--sample", "0", "100"],
-    ["--sample", "x", "100", "1"],
-    ["--sample", "0", "0", "1"],
-    ["--sample", "0", "100", "-1"],
-    ["--sample", "0", "1.5", "1"],
-    ["--sample", "0", "100", "1", "extra"],
-    ["--sample", "2", "100", "1"],
-], ids=["no-args", "missing-count", "bad-gpu", "zero-interval", "negative-count", "fraction", "extra",
-        "no-such-gpu"])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--sample"],
+        ["--sample", "0", "100"],
+        ["--sample", "x", "100", "1"],
+        ["--sample", "0", "0", "1"],
+        ["--sample", "0", "100", "-1"],
+        ["--sample", "0", "1.5", "1"],
+        ["--sample", "0", "100", "1", "extra"],
+        ["--sample", "2", "100", "1"],
+    ],
+    ids=["no-args", "missing-count", "bad-gpu", "zero-interval", "negative-count", "fraction", "extra", "no-such-gpu"],
+)
 def test_bad_arguments(native, sim_env, args):
-    proc = subprocess.run([str(native / "bin" / "cgpu-sim-stat"), *args], env=sim_env, check=False,
-                          capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        [str(native / "bin" / "cgpu-sim-stat"), *args],
+        env=sim_env,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert (proc.returncode, proc.stdout) == (2, "")
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr

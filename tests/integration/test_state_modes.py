@@ -2,6 +2,7 @@
 of cgpud's files, even where an installer or an older cgpud left the state
 directory 0755. Containers reach their region files through bind mounts,
 which do not cross these directories (tests/e2e/test_security.py)."""
+
 from __future__ import annotations
 
 import json
@@ -21,6 +22,7 @@ from cgpud.containers.runtime_files import version_dir_name
 from tests.harness.daemon import BIN, Daemon, make_daemon
 
 NOBODY = 65534
+
 
 def opened_as_nobody(paths: list[Path]) -> list[str]:
     """Which paths a child process running as nobody (no groups) can open,
@@ -95,8 +97,12 @@ def test_no_host_user_but_root_opens_any_state_file(open_state: tuple[Daemon, Pa
 
 
 def _hold_instance(d: Daemon) -> tuple[subprocess.Popen[bytes], Path]:
-    run = subprocess.Popen([str(BIN / "cgpuctl"), "--socket", str(d.socket), "run", "--mem", "1GiB", "--", "sleep",
-                            "600"], env=d.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    run = subprocess.Popen(
+        [str(BIN / "cgpuctl"), "--socket", str(d.socket), "run", "--mem", "1GiB", "--", "sleep", "600"],
+        env=d.env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         listing = json.loads(d.cgpuctl("list", "--output", "json").stdout or "[]")
@@ -138,7 +144,7 @@ def test_without_cap_sys_admin_regions_are_plain_and_doctor_says_so(tmp_path: Pa
     # restrictive unit: it cannot mount.
     real = BIN / "cgpud"
     wrapper = tmp_path / "cgpud-nocap"
-    wrapper.write_text(f"#!/bin/sh\nexec setpriv --bounding-set -sys_admin --inh-caps -sys_admin {real} \"$@\"\n")
+    wrapper.write_text(f'#!/bin/sh\nexec setpriv --bounding-set -sys_admin --inh-caps -sys_admin {real} "$@"\n')
     wrapper.chmod(0o755)
     _start_with(d, str(wrapper))
     try:

@@ -2,6 +2,7 @@
 a real notify socket only while its sweep loop turns. The loop is made to
 hang for real: the test holds the write lock of cgpud's SQLite database from
 another connection, so each sweep blocks in the store for its busy timeout."""
+
 from __future__ import annotations
 
 import sqlite3
@@ -50,8 +51,7 @@ def test_pings_stop_while_the_sweep_hangs_and_resume_after(tmp_path, sim_env):
 def test_a_keepalive_period_shorter_than_four_sweeps_is_refused(tmp_path, sim_env):
     d = make_daemon(tmp_path, sim_env)
     d.env["WATCHDOG_USEC"] = "500000"  # pings every 0.25 s; sweeps every 0.2 s
-    out = subprocess.run([str(BIN / "cgpud"), *d.args],
-                         env=d.env, capture_output=True, text=True, timeout=60)
+    out = subprocess.run([str(BIN / "cgpud"), *d.args], env=d.env, capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert "at least 4 sweep intervals" in out.stderr
     assert not d.socket.exists()  # refused before serving anything

@@ -2,6 +2,7 @@
 own writer, and environments that preload the library on the simulated GPUs.
 No compute scheduler runs in these tests: a test that gates launches plays
 its part on the grants file (GrantsView)."""
+
 from __future__ import annotations
 
 import itertools
@@ -49,8 +50,9 @@ def gated(tmp_path: Path, sim_env: dict[str, str], libcgpu: Path) -> Iterator[Ca
     made: list[GrantsView] = []
     count = itertools.count()
 
-    def make(gates: list[int] | bytes | None, gpus: tuple[int, ...] = (0,),
-             env: dict[str, str] | None = None) -> tuple[dict[str, str], GrantsView | None]:
+    def make(
+        gates: list[int] | bytes | None, gpus: tuple[int, ...] = (0,), env: dict[str, str] | None = None
+    ) -> tuple[dict[str, str], GrantsView | None]:
         region = tmp_path / f"gated{next(count)}"
         devices = tuple(DeviceLimit(sim_uuid(g), 4 * GIB, g) for g in gpus)
         write_region(region, InstanceLimits(region.name, devices))

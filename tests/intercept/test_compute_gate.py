@@ -6,6 +6,7 @@ refuses launches, and a forked child takes part on its own.
 
 cgpud's scheduler is not in these tests: the test plays its part on the
 grants file, storing gate words and waking the futex waiters as it would."""
+
 from __future__ import annotations
 
 import json
@@ -41,8 +42,9 @@ def busy_between(native: Path, env: dict[str, str], pid: int, start: int, end: i
 
 
 def start_burn(native: Path, env: dict[str, str], *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([str(native / "bin" / "cgpu-burn"), *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [str(native / "bin" / "cgpu-burn"), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def finish(proc: subprocess.Popen[str], timeout: float = 30) -> dict:
@@ -64,7 +66,12 @@ def test_a_closed_gate_holds_every_launch_until_it_opens(native, sim_env, gated,
     try:
         # Blocked in its first launch, counted as demand, nothing on the device.
         until(lambda: region.waiting() >= 1, 5.0, interval=0.005, what="a thread waiting at the gate")
-        until(lambda: region.fence_ack(proc.pid) == closed(1), 5.0, interval=0.005, what="the fence watcher's first acknowledgement")
+        until(
+            lambda: region.fence_ack(proc.pid) == closed(1),
+            5.0,
+            interval=0.005,
+            what="the fence watcher's first acknowledgement",
+        )
         time.sleep(0.2)
         assert proc.poll() is None
         assert busy_ns(native, env, proc.pid) == 0
@@ -83,8 +90,9 @@ def test_a_closed_gate_holds_every_launch_until_it_opens(native, sim_env, gated,
 @EVERY_API
 def test_without_compute_control_launches_run_freely(native, gated, grants, api):
     env, region = gated([GATE_UNGATED] if grants == "ungated" else None)
-    out = finish(start_burn(native, env, f"--launch-api={api}", "--launches=20", "--kernel-ns=10000",
-                            "--per-thread-stream"))
+    out = finish(
+        start_burn(native, env, f"--launch-api={api}", "--launches=20", "--kernel-ns=10000", "--per-thread-stream")
+    )
     assert out["errors"] == [] and out["launches"] == 20
     if region is not None:
         assert region.waiting() == 0 and region.usage.proc[0].watching == 0  # no watcher, nothing to fence
@@ -94,15 +102,21 @@ def test_without_compute_control_launches_run_freely(native, gated, grants, api)
 @EVERY_API
 def test_closing_the_gate_fences_the_work_in_flight(native, sim_env, gated, api, per_thread):
     env, region = gated([opened(1)])
-    proc = start_burn(native, env, *stream_args(api, per_thread), "--duration=1.5", "--kernel-ns=2000000",
-                      "--streams=2")
+    proc = start_burn(
+        native, env, *stream_args(api, per_thread), "--duration=1.5", "--kernel-ns=2000000", "--streams=2"
+    )
     try:
         until(lambda: busy_ns(native, env, proc.pid) > 0, 5.0, interval=0.005, what="device work")
         assert region.watching(proc.pid) == 1
         time.sleep(0.1)
         bell = region.bell()
         region.set_gate(0, closed(2))
-        until(lambda: region.fence_ack(proc.pid) == closed(2) | ACK_LAUNCHED, 3, interval=0.005, what="the fence acknowledgement")
+        until(
+            lambda: region.fence_ack(proc.pid) == closed(2) | ACK_LAUNCHED,
+            3,
+            interval=0.005,
+            what="the fence acknowledgement",
+        )
         acked = time.monotonic_ns()
         assert region.bell() > bell
         # Everything it had queued was done by the time it said so...
@@ -129,8 +143,14 @@ def test_a_grants_file_that_cannot_be_trusted_refuses_launches(native, gated, da
     else:
         good = good[:64]
     env, _ = gated(bytes(good))
-    proc = subprocess.run([str(native / "bin" / "cgpu-burn"), "--alloc-until-fail=1GiB", "--launches=3",
-                           "--kernel-ns=1000"], env=env, capture_output=True, text=True, timeout=60, check=False)
+    proc = subprocess.run(
+        [str(native / "bin" / "cgpu-burn"), "--alloc-until-fail=1GiB", "--launches=3", "--kernel-ns=1000"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     out = json.loads(proc.stdout)
     assert proc.returncode == 1
     assert out["errors"] == [{"call": "cuLaunchKernel", "result": "CUDA_ERROR_NOT_PERMITTED"}]
@@ -148,8 +168,14 @@ def test_a_broken_region_with_grants_refuses_launches_too(native, gated):
     data[200] ^= 0xFF
     limits.chmod(0o644)
     limits.write_bytes(bytes(data))
-    proc = subprocess.run([str(native / "bin" / "cgpu-burn"), "--alloc=1MiB", "--launches=2"], env=env,
-                          capture_output=True, text=True, timeout=60, check=False)
+    proc = subprocess.run(
+        [str(native / "bin" / "cgpu-burn"), "--alloc=1MiB", "--launches=2"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     out = json.loads(proc.stdout)
     assert out["alloc"]["results"] == ["CUDA_ERROR_OUT_OF_MEMORY"]
     assert out["errors"] == [{"call": "cuLaunchKernel", "result": "CUDA_ERROR_NOT_PERMITTED"}]
@@ -209,7 +235,12 @@ def test_a_forked_child_fences_and_waits_on_its_own(native, gated):
         assert region.ledger(proc.pid) != region.ledger(child)
         region.set_gate(0, closed(2))
         for pid in (proc.pid, child):
-            until(lambda pid=pid: region.fence_ack(pid) == closed(2) | ACK_LAUNCHED, 5.0, interval=0.005, what=f"{pid}'s fence")
+            until(
+                lambda pid=pid: region.fence_ack(pid) == closed(2) | ACK_LAUNCHED,
+                5.0,
+                interval=0.005,
+                what=f"{pid}'s fence",
+            )
         busy = busy_ns(native, env, child)
         proc.stdin.write("go\n")
         proc.stdin.flush()
@@ -222,7 +253,6 @@ def test_a_forked_child_fences_and_waits_on_its_own(native, gated):
         proc.kill()
     assert out.split() == ["child-done", "0"], err
     assert region.waiting() == 0
-
 
 
 def test_a_closed_gate_nobody_drives_lets_launches_through_until_the_gate_moves(native, sim_env, gated):

@@ -6,6 +6,7 @@ work, shows memory or waits for work gets libcgpu's hook for the variant the
 driver picks, whatever version and stream flavour cudart asks for. A CUDA
 release whose runtime asks for a new such name fails here until it is
 classified and hooked."""
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,15 @@ LAUNCH_PATTERN = re.compile(r"^cu\w*Launch\w*$")
 NOT_DEVICE_WORK = {"cuLaunchHostFunc": "runs a host function in stream order: no device time"}
 # Not allocations or launches, but libcgpu must see them on every path too:
 # the memory a tenant is shown, and the waits that say a process is idle.
-VIEWS_AND_WAITS = {"cuMemGetInfo", "cuDeviceTotalMem", "cuCtxSynchronize", "cuStreamSynchronize",
-                   "cuStreamQuery", "cuEventSynchronize", "cuEventQuery"}
+VIEWS_AND_WAITS = {
+    "cuMemGetInfo",
+    "cuDeviceTotalMem",
+    "cuCtxSynchronize",
+    "cuStreamSynchronize",
+    "cuStreamQuery",
+    "cuEventSynchronize",
+    "cuEventQuery",
+}
 
 STARTS_CUDART = r"""
 #include <stdio.h>
@@ -46,14 +54,16 @@ int main(void)
 }
 """
 
+
 @pytest.fixture(scope="module", params=list(cudakit.LINES))
 def kit(request: pytest.FixtureRequest) -> cudakit.Toolkit:
     return cudakit.toolkit(request.param)
 
 
 @pytest.fixture(scope="module")
-def cudart_requests(tmp_path_factory: pytest.TempPathFactory, native: Path,
-                    kit: cudakit.Toolkit) -> list[tuple[str, int, int]]:
+def cudart_requests(
+    tmp_path_factory: pytest.TempPathFactory, native: Path, kit: cudakit.Toolkit
+) -> list[tuple[str, int, int]]:
     """Every (name, cudaVersion, flags) the line's libcudart asks the driver
     for while it starts, in order, traced on the simulated GPU by
     tests/cuda/gpa_tracer.c (preloaded)."""
@@ -62,10 +72,29 @@ def cudart_requests(tmp_path_factory: pytest.TempPathFactory, native: Path,
     src.write_text(STARTS_CUDART)
     exe, tracer = tmp / "starts", tmp / "libgpa_tracer.so"
     subprocess.run(["cc", "-o", str(exe), str(src), *kit.cc_flags("shared")], check=True)
-    subprocess.run(["cc", "-std=c11", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC", "-o", str(tracer),
-                    str(ROOT / "tests/cuda/gpa_tracer.c"), "-ldl"], check=True)
-    env = dict(os.environ, LD_LIBRARY_PATH=str(native / "sim"), LD_PRELOAD=str(tracer),
-               CGPU_SIM_CONFIG=str(write_sim_config(tmp / "sim.conf")), CGPU_SIM_STATE=str(tmp / "sim.state"))
+    subprocess.run(
+        [
+            "cc",
+            "-std=c11",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-shared",
+            "-fPIC",
+            "-o",
+            str(tracer),
+            str(ROOT / "tests/cuda/gpa_tracer.c"),
+            "-ldl",
+        ],
+        check=True,
+    )
+    env = dict(
+        os.environ,
+        LD_LIBRARY_PATH=str(native / "sim"),
+        LD_PRELOAD=str(tracer),
+        CGPU_SIM_CONFIG=str(write_sim_config(tmp / "sim.conf")),
+        CGPU_SIM_STATE=str(tmp / "sim.state"),
+    )
     out = subprocess.run([str(exe)], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout == "cudaSuccess 2\n", out.stdout + out.stderr[-3000:]
     # cudart's first request is for an empty name (a probe): not an entry point
@@ -125,13 +154,20 @@ def test_cudart_asks_for_hundreds_of_names_and_the_simulator_answers_each(cudart
     assert len(unanswered) < len(names) // 10
 
 
-def test_every_allocating_launching_or_viewing_name_cudart_resolves_lands_on_libcgpu(cudart_requests, sim_env,
-                                                                                      instance, kit):
+def test_every_allocating_launching_or_viewing_name_cudart_resolves_lands_on_libcgpu(
+    cudart_requests, sim_env, instance, kit
+):
     names = {name for name, _, _ in cudart_requests}
     hooked, unclassified = must_be_hooked(names)
     assert not unclassified, f"classify these driver entry points cudart resolves: {sorted(unclassified)}"
-    assert {"cuMemAlloc", "cuMemAllocAsync", "cuMemAllocManaged", "cuLaunchKernel", "cuGraphLaunch",
-            "cuMemGetInfo"} <= hooked
+    assert {
+        "cuMemAlloc",
+        "cuMemAllocAsync",
+        "cuMemAllocManaged",
+        "cuLaunchKernel",
+        "cuGraphLaunch",
+        "cuMemGetInfo",
+    } <= hooked
     wanted = [req for req in cudart_requests if req[0] in hooked]
     bare = resolve_all(sim_env, wanted)
     under = resolve_all(instance({0: GIB}), wanted)
@@ -150,16 +186,24 @@ def test_every_allocating_launching_or_viewing_name_cudart_resolves_lands_on_lib
 def test_figures_of_what_cudart_resolves(cudart_requests, sim_env, instance, kit):
     """How many of cudart's names the simulator models, stubs, and libcgpu
     intercepts (docs/simulated-gpu.md quotes these)."""
-    modelled = set(re.findall(r"^CU_FN\(\w+, (\w+),", (ROOT / "csrc/include/cgpu/cuda_functions.def").read_text(),
-                              re.MULTILINE))
-    stubbed = set(re.findall(r"^CU_PROC\(\w+, (\w+),", (ROOT / "csrc/simgpu/cuda_unmodelled.def").read_text(),
-                             re.MULTILINE))
+    modelled = set(
+        re.findall(r"^CU_FN\(\w+, (\w+),", (ROOT / "csrc/include/cgpu/cuda_functions.def").read_text(), re.MULTILINE)
+    )
+    stubbed = set(
+        re.findall(r"^CU_PROC\(\w+, (\w+),", (ROOT / "csrc/simgpu/cuda_unmodelled.def").read_text(), re.MULTILINE)
+    )
     names = {name for name, _, _ in cudart_requests}
     under = resolve_all(instance({0: GIB}), cudart_requests)
     intercepted = {req[0] for req, (_, lib, _) in zip(cudart_requests, under) if lib == "libcgpu.so"}
-    figures = {"line": kit.line.name, "requests": len(cudart_requests), "names": len(names), "modelled": len(names & modelled),
-               "stubbed": len(names & stubbed - modelled), "not_found": len(names - modelled - stubbed),
-               "intercepted": len(intercepted)}
+    figures = {
+        "line": kit.line.name,
+        "requests": len(cudart_requests),
+        "names": len(names),
+        "modelled": len(names & modelled),
+        "stubbed": len(names & stubbed - modelled),
+        "not_found": len(names - modelled - stubbed),
+        "intercepted": len(intercepted),
+    }
     print(json.dumps(figures))
     assert names - modelled - stubbed <= interop_names(kit)
     assert intercepted <= names and len(intercepted) >= 20

@@ -3,6 +3,7 @@ left to run (an idle report in its ledger's fence_ack, cgpu/region.h), so
 that cgpud can pass the GPU on before the slice ends; its next launch takes
 the report back. The test plays cgpud on the grants file and drives a real
 program's driver calls one at a time."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -93,7 +94,12 @@ def fence_and_grant_again(p: Program, region: GrantsView) -> None:
     region.set_gate(0, closed(2))
     until(lambda: region.fence_ack(p.pid) == closed(2) | LAUNCHED, 5.0, interval=0.005, what="the fence")
     region.set_gate(0, opened(3))
-    until(lambda: region.fence_ack(p.pid) == report(opened(3), True), 5.0, interval=0.005, what="the watcher's idle report")
+    until(
+        lambda: region.fence_ack(p.pid) == report(opened(3), True),
+        5.0,
+        interval=0.005,
+        what="the watcher's idle report",
+    )
 
 
 @pytest.mark.parametrize("sync, drained", [("ctxsync", True), ("streamsync", False), ("eventsync", False)])
@@ -171,7 +177,12 @@ def test_no_report_while_the_gate_is_closed_or_over_a_later_closings_acknowledge
     # An acknowledgement newer than the open grant (as a race with a closing
     # would leave) is never replaced by a report for the older grant.
     region.set_gate(0, opened(3))
-    until(lambda: region.fence_ack(p.pid) == report(opened(3), True), 5.0, interval=0.005, what="the watcher's idle report")
+    until(
+        lambda: region.fence_ack(p.pid) == report(opened(3), True),
+        5.0,
+        interval=0.005,
+        what="the watcher's idle report",
+    )
     assert p.do("launch 1000") == "ok"
     region.usage.proc[0].fence_ack[0] = closed(4)
     assert p.do("ctxsync") == "ok"

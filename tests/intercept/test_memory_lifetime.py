@@ -4,6 +4,7 @@ order), imported memory to the importer, exported memory to the exporter,
 graph memory nodes refused, context heap and stack growth, and the 32-bit
 entry points cuGetProcAddress hands a runtime built for CUDA 3.0. Each case
 is a tenant program in C (tests/intercept/programs/memory_attack.c)."""
+
 from __future__ import annotations
 
 import json
@@ -19,14 +20,17 @@ from tests.harness.memory_attack import Phased, build_attacker, check_vmm_sequen
 
 MIB = 1 << 20
 ROOT = Path(__file__).resolve().parents[2]
+
+
 @pytest.fixture
 def attacker(tmp_path: Path) -> Path:
     return build_attacker(tmp_path)
 
 
 def run_once(attacker: Path, env: dict[str, str], mode: str) -> list[dict]:
-    proc = subprocess.run([str(attacker), mode], env=env, capture_output=True, text=True, timeout=120,
-                          stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        [str(attacker), mode], env=env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL
+    )
     assert proc.returncode == 0, proc.stderr
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
@@ -99,8 +103,9 @@ def _hooked_names() -> set[str]:
 def _entry_points() -> dict[str, set[int]]:
     """base name -> every cudaVersion at which the driver's answer changes,
     for the bases of which libcgpu hooks at least one variant."""
-    defs = re.findall(r"^CU_FN\((\w+), (\w+), (\d+), (\w+)", (ROOT / "csrc/include/cgpu/cuda_functions.def").read_text(),
-                      re.MULTILINE)
+    defs = re.findall(
+        r"^CU_FN\((\w+), (\w+), (\d+), (\w+)", (ROOT / "csrc/include/cgpu/cuda_functions.def").read_text(), re.MULTILINE
+    )
     hooked = set(re.findall(r"^HOOK\((\w+)", (ROOT / "csrc/intercept/hooks.def").read_text(), re.MULTILINE))
     bases = {base for symbol, base, _, _ in defs if symbol in hooked}
     versions: dict[str, set[int]] = {b: {13000} for b in bases}
@@ -114,9 +119,15 @@ def test_every_version_get_proc_address_hands_out_is_a_hook(instance, libcgpu):
     # Whatever variant the driver picks for a hooked base name -- for any
     # cudaVersion, either stream flavour, through cuGetProcAddress or _v2 --
     # the caller gets our hook, never the driver's function.
-    cases = [[base, version, flags] for base, vs in sorted(_entry_points().items()) for version in sorted(vs)
-             for flags in (0, 1, 2)]
-    got = run_py(instance({0: GIB}), f"""
+    cases = [
+        [base, version, flags]
+        for base, vs in sorted(_entry_points().items())
+        for version in sorted(vs)
+        for flags in (0, 1, 2)
+    ]
+    got = run_py(
+        instance({0: GIB}),
+        f"""
         import ctypes as C, json; from cudapy import Driver
         cu = Driver(); ours = C.CDLL({str(libcgpu)!r})
         hooks = {{C.cast(getattr(ours, n), C.c_void_p).value: n for n in {sorted(_hooked_names())!r}
@@ -132,6 +143,6 @@ def test_every_version_get_proc_address_hands_out_is_a_hook(instance, libcgpu):
                 if rc == 0 and pfn.value not in hooks:
                     out.append([base, version, flags, "v1" if v1 else "v2"])
         print(json.dumps(out))
-    """)
+    """,
+    )
     assert got == []
-

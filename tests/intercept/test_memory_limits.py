@@ -1,6 +1,7 @@
 """libcgpu.so makes an instance's memory limit real: every allocation API,
 every way of reaching the driver, many processes at once, killed processes,
 reordered devices, the views of CUDA and NVML, and a broken region."""
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,9 @@ MIB = 1 << 20
 
 
 def burn(native: Path, env: dict[str, str], *args: str) -> dict:
-    proc = subprocess.run([str(native / "bin" / "cgpu-burn"), *args], env=env, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [str(native / "bin" / "cgpu-burn"), *args], env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
@@ -52,7 +54,9 @@ def test_limit_holds_however_the_driver_is_resolved(native, instance, resolve, p
 
 
 def test_over_the_limit_is_oom_and_the_process_goes_on(instance):
-    got = run_py(instance({0: 4 * GIB}), """
+    got = run_py(
+        instance({0: 4 * GIB}),
+        """
         import ctypes as C, json; from cudapy import Driver
         cu = Driver(); cu.init_device(0)
         r1, p1 = cu.alloc(3 << 30)
@@ -63,24 +67,37 @@ def test_over_the_limit_is_oom_and_the_process_goes_on(instance):
         total = C.c_size_t(); cu.call("cuDeviceTotalMem_v2", C.byref(total), 0)
         null = cu.rc("cuMemGetInfo_v2", None, None)
         print(json.dumps([r1, r2, info, r3, cu.mem_info(), total.value, null]))
-    """)
-    assert got == ["CUDA_SUCCESS", "CUDA_ERROR_OUT_OF_MEMORY", [GIB, 4 * GIB], "CUDA_SUCCESS", [0, 4 * GIB],
-                   4 * GIB, "CUDA_ERROR_INVALID_VALUE"]
+    """,
+    )
+    assert got == [
+        "CUDA_SUCCESS",
+        "CUDA_ERROR_OUT_OF_MEMORY",
+        [GIB, 4 * GIB],
+        "CUDA_SUCCESS",
+        [0, 4 * GIB],
+        4 * GIB,
+        "CUDA_ERROR_INVALID_VALUE",
+    ]
 
 
 def test_pitched_allocations_are_charged_by_real_pitch(instance):
-    got = run_py(instance({0: 1 * GIB}), """
+    got = run_py(
+        instance({0: 1 * GIB}),
+        """
         import ctypes as C, json; from cudapy import Driver
         cu = Driver(); cu.init_device(0)
         ptr, pitch = C.c_uint64(), C.c_size_t()
         cu.call("cuMemAllocPitch_v2", C.byref(ptr), C.byref(pitch), C.c_size_t(1000), C.c_size_t(4096), 4)
         print(json.dumps([pitch.value, (1 << 30) - cu.mem_info()[0]]))
-    """)
+    """,
+    )
     assert got == [1024, 1024 * 4096]
 
 
 def test_host_memory_from_cumemcreate_is_not_device_memory(native, instance):
-    got = run_py(instance({0: 1 * GIB}), """
+    got = run_py(
+        instance({0: 1 * GIB}),
+        """
         import ctypes as C, json; from cudapy import Driver
         cu = Driver(); cu.init_device(0)
         out = []
@@ -89,7 +106,8 @@ def test_host_memory_from_cumemcreate_is_not_device_memory(native, instance):
             h = C.c_uint64()
             out.append(cu.rc("cuMemCreate", C.byref(h), C.c_size_t(2 << 30), prop, C.c_uint64(0)))
         print(json.dumps(out))
-    """)
+    """,
+    )
     assert got == ["CUDA_SUCCESS", "CUDA_ERROR_OUT_OF_MEMORY"]
 
 
@@ -132,11 +150,14 @@ def test_memory_of_a_killed_process_is_reclaimed(instance):
         held = usage.device_used(0)
         assert held >= 1536 * MIB  # errs on the safe side until someone reaps
     # The next process reclaims the dead one's ledger when it needs the room.
-    got = run_py(env, """
+    got = run_py(
+        env,
+        """
         import json; from cudapy import Driver
         cu = Driver(); cu.init_device(0)
         print(json.dumps([cu.alloc(2 << 30)[0], cu.mem_info()[0]]))
-    """)
+    """,
+    )
     assert got == ["CUDA_SUCCESS", 0]
 
 
@@ -153,8 +174,11 @@ sys.stdin.readline()
 
 def test_the_daemon_reaps_a_killed_process_alone(instance):
     env = instance({0: 2 * GIB})
-    survivor = start_py(env, "import sys; from cudapy import Driver\ncu = Driver(); cu.init_device(0)\n"
-                             "print(cu.alloc(1 << 20)[0], flush=True); sys.stdin.readline()")
+    survivor = start_py(
+        env,
+        "import sys; from cudapy import Driver\ncu = Driver(); cu.init_device(0)\n"
+        "print(cu.alloc(1 << 20)[0], flush=True); sys.stdin.readline()",
+    )
     assert survivor.stdout.readline().strip() == "CUDA_SUCCESS"
     # Killed once refused, not mid-allocation: no charge of its own is in
     # flight, so the device and the ledgers agree to the byte. (A kill
@@ -172,11 +196,14 @@ def test_the_daemon_reaps_a_killed_process_alone(instance):
         assert usage.device_used(0) == MIB
     survivor.communicate("done\n", timeout=30)
     # Nobody lives now: the next process has the whole instance.
-    got = run_py(env, """
+    got = run_py(
+        env,
+        """
         import json; from cudapy import Driver
         cu = Driver(); cu.init_device(0)
         print(json.dumps([cu.alloc(2 << 30)[0], cu.mem_info()[0]]))
-    """)
+    """,
+    )
     assert got == ["CUDA_SUCCESS", 0]
 
 
@@ -228,8 +255,11 @@ print(json.dumps([[m1.total, m1.used, m1.free], [m2.total, m2.used, m2.free, m2.
 
 
 def test_nvml_shows_the_instance_and_its_own_processes(sim_env, instance):
-    outsider = start_py(sim_env, "import sys; from cudapy import Driver\ncu = Driver(); cu.init_device(0)\n"
-                                 "cu.alloc(1 << 30); print('ready', flush=True); sys.stdin.readline()")
+    outsider = start_py(
+        sim_env,
+        "import sys; from cudapy import Driver\ncu = Driver(); cu.init_device(0)\n"
+        "cu.alloc(1 << 30); print('ready', flush=True); sys.stdin.readline()",
+    )
     assert outsider.stdout.readline().strip() == "ready"
     try:
         m1, m2, procs, me = run_py(instance({0: 2 * GIB}), NVML_VIEW)
@@ -265,8 +295,9 @@ def test_a_broken_region_fails_closed_with_one_message(native, instance, damage)
         _corrupt_limits(env)
     else:
         (Path(env["CGPU_REGION_DIR"]) / "usage").unlink()
-    proc = subprocess.run([str(native / "bin" / "cgpu-burn"), "--alloc=1MiB"], env=env, capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(
+        [str(native / "bin" / "cgpu-burn"), "--alloc=1MiB"], env=env, capture_output=True, text=True, timeout=60
+    )
     assert json.loads(proc.stdout)["alloc"]["results"] == ["CUDA_ERROR_OUT_OF_MEMORY"]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "GPU memory limits unavailable" in lines[0]
@@ -275,26 +306,41 @@ def test_a_broken_region_fails_closed_with_one_message(native, instance, damage)
 
 def test_log_level_from_the_environment_only_adds_messages(native, instance):
     env = instance({0: 1 * GIB})
-    quiet = subprocess.run([str(native / "bin" / "cgpu-burn"), "--alloc=2GiB"], env=env, capture_output=True,
-                           text=True, timeout=60)
-    loud = subprocess.run([str(native / "bin" / "cgpu-burn"), "--alloc=2GiB"], env=dict(env, CGPU_LOG_LEVEL="3"),
-                          capture_output=True, text=True, timeout=60)
+    quiet = subprocess.run(
+        [str(native / "bin" / "cgpu-burn"), "--alloc=2GiB"], env=env, capture_output=True, text=True, timeout=60
+    )
+    loud = subprocess.run(
+        [str(native / "bin" / "cgpu-burn"), "--alloc=2GiB"],
+        env=dict(env, CGPU_LOG_LEVEL="3"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert quiet.stderr == ""
     assert "out of memory: 2147483648 bytes asked" in loud.stderr
     assert json.loads(loud.stdout)["alloc"]["results"] == ["CUDA_ERROR_OUT_OF_MEMORY"]
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
-                    reason="needs root and unshare(1) for a private mount namespace (CI runs as root)")
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None,
+    reason="needs root and unshare(1) for a private mount namespace (CI runs as root)",
+)
 def test_inside_a_container_the_mounted_region_wins_over_the_environment(native, instance, tmp_path):
     small = instance({0: 1 * GIB})
     big = instance({0: 8 * GIB})
     # As in a container: the instance region mounted at the fixed path, and a
     # tenant-controlled environment pointing at a bigger one.
-    script = (f"mkdir -p /run/cgpu && mount --bind {small['CGPU_REGION_DIR']} /run/cgpu && "
-              f"exec {native / 'bin' / 'cgpu-burn'} --alloc=2GiB")
-    proc = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script], env=big,
-                          capture_output=True, text=True, timeout=60)
+    script = (
+        f"mkdir -p /run/cgpu && mount --bind {small['CGPU_REGION_DIR']} /run/cgpu && "
+        f"exec {native / 'bin' / 'cgpu-burn'} --alloc=2GiB"
+    )
+    proc = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+        env=big,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["mem_total_reported"] == 1 * GIB and out["alloc"]["results"] == ["CUDA_ERROR_OUT_OF_MEMORY"]
@@ -302,7 +348,9 @@ def test_inside_a_container_the_mounted_region_wins_over_the_environment(native,
 
 def test_forked_children_get_their_own_ledger(instance):
     env = instance({0: 2 * GIB})
-    got = run_py(env, """
+    got = run_py(
+        env,
+        """
         import json, os; from cudapy import Driver
         from pathlib import Path
         from usage_tenant import TenantUsage  # tests/ is on PYTHONPATH
@@ -319,20 +367,24 @@ def test_forked_children_get_their_own_ledger(instance):
         os.waitpid(pid, 0)
         child = json.loads(os.read(r, 4096))
         print(json.dumps([child, cu.mem_info()[0] >> 20]))
-    """)
+    """,
+    )
     # Each process charged its own ledger; the child's 512 MiB came back when it exited.
     assert got == [[True, True], 1024]
 
 
 def test_graph_memory_nodes_are_refused_under_a_limit(instance, libcgpu):
     # Called on the library directly: the simulated driver has no graph memory nodes.
-    got = run_py(instance({0: GIB}), f"""
+    got = run_py(
+        instance({0: GIB}),
+        f"""
         import ctypes as C, json; from cudapy import Driver
         cu = Driver(); cu.init_device(0)
         ours = C.CDLL({str(libcgpu)!r})
         params = (C.c_char * 128)()
         print(json.dumps(cu.error_name(ours.cuGraphAddMemAllocNode(C.byref(C.c_void_p()), None, None, C.c_size_t(0), params))))
-    """)
+    """,
+    )
     assert got == "CUDA_ERROR_NOT_SUPPORTED"
 
 
@@ -341,8 +393,13 @@ def test_a_region_path_too_long_is_refused_not_truncated(native, instance):
     # The same directory, named by a path too long to join with "/limits":
     # truncated, it would name the directory itself.
     padded = env["CGPU_REGION_DIR"] + "/." * ((4096 - len(env["CGPU_REGION_DIR"])) // 2)
-    proc = subprocess.run([str(native / "bin" / "cgpu-burn"), "--alloc=1MiB"],
-                          env=dict(env, CGPU_REGION_DIR=padded), capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [str(native / "bin" / "cgpu-burn"), "--alloc=1MiB"],
+        env=dict(env, CGPU_REGION_DIR=padded),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert json.loads(proc.stdout)["alloc"]["results"] == ["CUDA_ERROR_OUT_OF_MEMORY"]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "GPU memory limits unavailable" in lines[0]

@@ -2,6 +2,7 @@
 linking, dlopen + dlsym, dlvsym, dlsym(RTLD_NEXT), cuGetProcAddress v1/v2
 for each CUDA version and stream flavour, and the pointer it gives for
 itself; everything else reaches the driver untouched."""
+
 from __future__ import annotations
 
 import json
@@ -42,7 +43,9 @@ PROC_CASES = [
 
 
 def test_get_proc_address_returns_our_hook_for_the_variant_the_driver_picks(instance, libcgpu):
-    got = run_py(instance({0: GIB}), f"""
+    got = run_py(
+        instance({0: GIB}),
+        f"""
         import ctypes as C, json; from cudapy import Driver
         cu = Driver(); ours = C.CDLL({str(libcgpu)!r})
         real = C.CDLL("libcuda.so.1", mode=C.RTLD_LOCAL)
@@ -53,7 +56,8 @@ def test_get_proc_address_returns_our_hook_for_the_variant_the_driver_picks(inst
             hooked = hasattr(ours, exported) and addr == C.cast(getattr(ours, exported), C.c_void_p).value
             out.append([rc, status, hooked])
         print(json.dumps(out))
-    """)
+    """,
+    )
     for case, result in zip(PROC_CASES, got):
         assert result == ["CUDA_SUCCESS", 0, case[3] in HOOKED], case
 
@@ -142,7 +146,9 @@ void *probe_next_untouched(void) { return dlsym(RTLD_NEXT, "cuCtxSynchronize"); 
 
 def test_dlsym_dlvsym_and_rtld_next_lead_to_the_hooks(tmp_path, instance, libcgpu):
     lib = build_c(tmp_path, NEXT_LIB, "libprobe.so", "-shared", "-fPIC", "-ldl")
-    got = run_py(instance({0: GIB}), f"""
+    got = run_py(
+        instance({0: GIB}),
+        f"""
         import ctypes as C, json
         probe = C.CDLL({str(lib)!r})              # loaded before the driver: RTLD_NEXT reaches it
         cuda = C.CDLL("libcuda.so.1")
@@ -163,7 +169,8 @@ def test_dlsym_dlvsym_and_rtld_next_lead_to_the_hooks(tmp_path, instance, libcgp
             probe.probe_vnext() in (None, hook),
             probe.probe_next_untouched() == C.cast(cuda.cuCtxSynchronize, C.c_void_p).value,
         ]))
-    """)
+    """,
+    )
     assert got == [True, True, True, True, True]
 
 

@@ -4,6 +4,7 @@ and answer RTLD_NEXT with cgpu_dlsym_next. The program (resolve/prog.c) runs
 once without the preload, where every answer is glibc's, and once with it;
 answers are compared across the runs as file:offset and, within the preloaded
 run, with glibc's dlsym called directly from the same caller object."""
+
 from __future__ import annotations
 
 import os
@@ -38,19 +39,43 @@ def compile_c(extra: tuple[str, ...], *args: object) -> None:
 
 def build(out: Path, sanitized: bool) -> None:
     extra = SANITIZE if sanitized else ()
-    compile_c(extra, "-O2", "-fvisibility=hidden", "-shared", f"-I{INTERCEPT}",
-              INTERCEPT / "resolve.c", SRC / "preload_shim.c", "-o", out / "libpreloaded.so")
+    compile_c(
+        extra,
+        "-O2",
+        "-fvisibility=hidden",
+        "-shared",
+        f"-I{INTERCEPT}",
+        INTERCEPT / "resolve.c",
+        SRC / "preload_shim.c",
+        "-o",
+        out / "libpreloaded.so",
+    )
     # -ldl puts libdl.so.2 in the process: a stub without dlsym on glibc >= 2.34,
     # the home of dlsym before; the libc search must cope with either.
-    compile_c(extra + CALLER_CODE, "-shared", "-Wl,-soname,liba.so", "-Wl,--hash-style=gnu",
-              SRC / "liba.c", "-ldl", "-o", out / "liba.so")
+    compile_c(
+        extra + CALLER_CODE,
+        "-shared",
+        "-Wl,-soname,liba.so",
+        "-Wl,--hash-style=gnu",
+        SRC / "liba.c",
+        "-ldl",
+        "-o",
+        out / "liba.so",
+    )
     # Only DT_HASH in libb, so lookups there take the fallback path.
-    compile_c(extra + CALLER_CODE, "-shared", "-Wl,-soname,libb.so", "-Wl,--hash-style=sysv",
-              SRC / "libb.c", "-o", out / "libb.so")
-    compile_c(extra, "-shared", f"-Wl,--version-script={SRC / 'libother.map'}", SRC / "libother.c",
-              "-o", out / "libother.so")
-    compile_c(extra + CALLER_CODE, SRC / "prog.c", f"-L{out}", "-la", "-lb", f"-Wl,-rpath,{out}",
-              "-o", out / "prog")
+    compile_c(
+        extra + CALLER_CODE,
+        "-shared",
+        "-Wl,-soname,libb.so",
+        "-Wl,--hash-style=sysv",
+        SRC / "libb.c",
+        "-o",
+        out / "libb.so",
+    )
+    compile_c(
+        extra, "-shared", f"-Wl,--version-script={SRC / 'libother.map'}", SRC / "libother.c", "-o", out / "libother.so"
+    )
+    compile_c(extra + CALLER_CODE, SRC / "prog.c", f"-L{out}", "-la", "-lb", f"-Wl,-rpath,{out}", "-o", out / "prog")
 
 
 @dataclass(frozen=True)
@@ -84,8 +109,9 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     build(out, sanitized)
     # The ASan runtime must come first in the library list, before our preload.
     preload = ([asan] if sanitized else []) + [str(out / "libpreloaded.so")]
-    return Runs(out, sanitized, run(out, preload[:-1]), run(out, preload),
-                run(out, preload + [str(out / "libother.so")]))
+    return Runs(
+        out, sanitized, run(out, preload[:-1]), run(out, preload), run(out, preload + [str(out / "libother.so")])
+    )
 
 
 def test_hook_serves_the_programs_dlsym_and_changes_no_answer(runs: Runs) -> None:
@@ -128,8 +154,11 @@ def test_dlsym_next_matches_glibcs_rtld_next(runs: Runs) -> None:
     assert runs.plain["main_next_which"].startswith("liba.so:")
     assert runs.plain["b_next_which"] == "null"
     assert runs.pre["cgpu.a:which@"] != "(nil)"
-    pairs = {k[5:]: (v, runs.pre["glibc." + k[5:]]) for k, v in runs.pre.items()
-             if k.startswith("cgpu.") and "glibc." + k[5:] in runs.pre}
+    pairs = {
+        k[5:]: (v, runs.pre["glibc." + k[5:]])
+        for k, v in runs.pre.items()
+        if k.startswith("cgpu.") and "glibc." + k[5:] in runs.pre
+    }
     assert len(pairs) == 16
     assert {k: cg for k, (cg, _) in pairs.items()} == {k: gl for k, (_, gl) in pairs.items()}
     assert runs.pre["tls_ok"] == "1"
@@ -159,8 +188,9 @@ def test_resolver_is_internal_and_hash_styles_are_as_built(runs: Runs) -> None:
     nm, readelf = shutil.which("nm"), shutil.which("readelf")
     if nm is None or readelf is None:
         pytest.skip("binutils not installed")
-    exported = subprocess.run([nm, "-D", "--defined-only", str(runs.dir / "libpreloaded.so")],
-                              capture_output=True, text=True, check=True).stdout
+    exported = subprocess.run(
+        [nm, "-D", "--defined-only", str(runs.dir / "libpreloaded.so")], capture_output=True, text=True, check=True
+    ).stdout
     assert " dlsym" in exported and "cgpu_" not in exported
     dyn_b = subprocess.run([readelf, "-d", str(runs.dir / "libb.so")], capture_output=True, text=True).stdout
     dyn_a = subprocess.run([readelf, "-d", str(runs.dir / "liba.so")], capture_output=True, text=True).stdout

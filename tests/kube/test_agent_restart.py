@@ -2,6 +2,7 @@
 nothing twice: cgpud as a real process with orchestrator=kubernetes on the
 simulated GPUs, the test playing the kubelet (Registration, Allocate, the
 pod-resources API) and the API server."""
+
 from __future__ import annotations
 
 import json
@@ -27,7 +28,8 @@ WAIT = 20.0
 def _allocate(plugin: Path, ids: list[str]) -> pb.ContainerAllocateResponse:
     with grpc.insecure_channel(f"unix:{plugin}") as channel:
         answer = pb_grpc.DevicePluginStub(channel).Allocate(
-            pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)]), timeout=WAIT)
+            pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)]), timeout=WAIT
+        )
     return answer.container_responses[0]
 
 
@@ -43,12 +45,34 @@ def test_restarts_of_cgpud_and_the_kubelet_keep_the_pod_instance_and_grant_nothi
     try:
         with api_server(tmp_path) as (server, kubeconfig), kubelet_pods() as (kubelet_api, pod_resources):
             server.state.nodes[NODE] = node_json(NODE, {"ack.node.gpu.schedule": "cgpu"})
-            server.state.add_pod(pod_json("train", NODE, containers={"main": {"aliyun.com/gpu-mem": 3}}, annotations={
-                "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "1", "ALIYUN_COM_GPU_MEM_ASSIGNED": "false",
-                "ALIYUN_COM_GPU_MEM_IDX": "1"}))
-            cgpud = make_daemon(tmp_path, sim_env, "--orchestrator", "kubernetes", "--device-plugin-dir", str(plugins),
-                                "--pod-resources-socket", str(pod_resources), "--kubeconfig", str(kubeconfig),
-                                "--node-name", NODE, "--cdi-dir", str(tmp_path / "cdi"))
+            server.state.add_pod(
+                pod_json(
+                    "train",
+                    NODE,
+                    containers={"main": {"aliyun.com/gpu-mem": 3}},
+                    annotations={
+                        "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "1",
+                        "ALIYUN_COM_GPU_MEM_ASSIGNED": "false",
+                        "ALIYUN_COM_GPU_MEM_IDX": "1",
+                    },
+                )
+            )
+            cgpud = make_daemon(
+                tmp_path,
+                sim_env,
+                "--orchestrator",
+                "kubernetes",
+                "--device-plugin-dir",
+                str(plugins),
+                "--pod-resources-socket",
+                str(pod_resources),
+                "--kubeconfig",
+                str(kubeconfig),
+                "--node-name",
+                NODE,
+                "--cdi-dir",
+                str(tmp_path / "cdi"),
+            )
             cgpud.start()
             try:
                 names = {r.resource_name: r.endpoint for r in kubelet.take_registrations(5)}

@@ -2,6 +2,7 @@
 instance service on a real SQLite file and real region files, the official
 Kubernetes client against tests/harness/api_server.py, the kubelet's
 pod-resources API over real gRPC (tests/harness/kubelet_pods.py)."""
+
 from __future__ import annotations
 
 import json
@@ -44,8 +45,9 @@ class Rig:
         annotations = {"ALIYUN_COM_GPU_MEM_ASSUME_TIME": str(t), "ALIYUN_COM_GPU_MEM_ASSIGNED": "false"}
         if idx is not None:
             annotations["ALIYUN_COM_GPU_MEM_IDX"] = idx
-        return self.server.state.add_pod(pod_json(name, NODE, containers={"main": {MEM: gib, **limits}},
-                                                  annotations=annotations))
+        return self.server.state.add_pod(
+            pod_json(name, NODE, containers={"main": {MEM: gib, **limits}}, annotations=annotations)
+        )
 
     def nothing_made(self) -> None:
         assert self.service.list() == []
@@ -59,8 +61,9 @@ def ids(n: int, gpu: str = "GPU-aaaa", start: int = 0) -> list[str]:
 @pytest.fixture
 def rig(tmp_path: Path) -> Iterator[Rig]:
     mode = NodeMode.CORE_MEM
-    service = InstanceService(Store(tmp_path / "cgpud.db"), GPUS, NodePolicy(mode=mode), tmp_path / "regions",
-                              "580.65.06", "boot-1")
+    service = InstanceService(
+        Store(tmp_path / "cgpud.db"), GPUS, NodePolicy(mode=mode), tmp_path / "regions", "580.65.06", "boot-1"
+    )
     rt = tmp_path / "rt"
     files = RuntimeFiles(rt / "libcgpu.so", rt / "ld.so.preload", rt / "cgpu-hook", tmp_path / "relay.sock")
     cdi = tmp_path / "cdi"
@@ -82,7 +85,8 @@ def test_allocate_creates_the_instance_on_the_annotated_gpu_and_marks_the_pod(ri
     assert inst.owner.kind is OwnerKind.POD and inst.owner.id == f"{uid}/default/train/main"
     assert [(g.gpu_index, g.memory) for g in inst.grants] == [(1, 2 * GIB)]
     assert [(d.uuid, d.mem_limit) for d in read_limits(rig.service.region_dir(inst.id)).devices] == [
-        ("GPU-bbbb", 2 * GIB)]
+        ("GPU-bbbb", 2 * GIB)
+    ]
     assert got.cdi_devices == (f"cgpu.io/gpu={inst.id}",)
     assert got.envs["ALIYUN_COM_GPU_MEM_CONTAINER"] == "2" and got.envs["ALIYUN_COM_GPU_MEM_IDX"] == "1"
     assert got.envs["ALIYUN_COM_GPU_MEM_DEV"] == "16" and got.envs["ALIYUN_COM_GPU_MEM_POD"] == "2"
@@ -91,7 +95,8 @@ def test_allocate_creates_the_instance_on_the_annotated_gpu_and_marks_the_pod(ri
     # the NVIDIA toolkit's device list (what it reads when set to ignore env):
     # exactly the instance's GPU
     assert [m for m in got.mounts if m.container_path.startswith("/var/run/nvidia-container-devices/")] == [
-        MountSpec("/dev/null", "/var/run/nvidia-container-devices/GPU-bbbb", True)]
+        MountSpec("/dev/null", "/var/run/nvidia-container-devices/GPU-bbbb", True)
+    ]
     spec = json.loads(spec_path(rig.cdi, inst.id).read_text())
     assert spec["kind"] == "cgpu.io/gpu" and [d["name"] for d in spec["devices"]] == [inst.id]
     assert rig.server.state.pod("default", "train")["metadata"]["annotations"]["ALIYUN_COM_GPU_MEM_ASSIGNED"] == "true"
@@ -117,8 +122,11 @@ def test_the_oldest_assumed_pod_is_served_first(rig: Rig):
 
 def test_no_assigned_pod_is_a_clear_error_and_makes_nothing(rig: Rig):
     rig.server.state.add_pod(pod_json("plain", NODE, containers={"main": {MEM: 2}}))
-    with pytest.raises(AllocationError, match=r"no pod on node node-1 is assumed for 2 GiB of aliyun.com/gpu-mem: "
-                       r"is the cgpu scheduler extender \(or gpushare\) configured\? \(pod default/plain"):
+    with pytest.raises(
+        AllocationError,
+        match=r"no pod on node node-1 is assumed for 2 GiB of aliyun.com/gpu-mem: "
+        r"is the cgpu scheduler extender \(or gpushare\) configured\? \(pod default/plain",
+    ):
         rig.allocator.allocate(Resource.GPU_MEM, ids(2))
     rig.nothing_made()
     assert rig.server.state.patches == []
@@ -126,8 +134,9 @@ def test_no_assigned_pod_is_a_clear_error_and_makes_nothing(rig: Rig):
 
 def test_a_malformed_annotation_names_the_pod_and_makes_nothing(rig: Rig):
     rig.assumed_pod("bad", idx="GPU one")
-    with pytest.raises(AllocationError, match="pod default/bad: annotation ALIYUN_COM_GPU_MEM_IDX='GPU one' is not "
-                       "a GPU index"):
+    with pytest.raises(
+        AllocationError, match="pod default/bad: annotation ALIYUN_COM_GPU_MEM_IDX='GPU one' is not a GPU index"
+    ):
         rig.allocator.allocate(Resource.GPU_MEM, ids(2))
     rig.nothing_made()
 
@@ -163,8 +172,11 @@ def test_more_than_the_annotated_gpu_holds_fails_with_the_reason(rig: Rig):
 def test_a_failed_patch_undoes_the_instance(rig: Rig):
     rig.assumed_pod("train")
     rig.server.state.fail_patch = 403
-    with pytest.raises(AllocationError, match=r"pod default/train container main: instance not kept: cannot annotate "
-                       r"pod default/train: the API server refused it \(403"):
+    with pytest.raises(
+        AllocationError,
+        match=r"pod default/train container main: instance not kept: cannot annotate "
+        r"pod default/train: the API server refused it \(403",
+    ):
         rig.allocator.allocate(Resource.GPU_MEM, ids(2))
     assert [i.state for i in rig.service.list(include_released=True)] == [InstanceState.RELEASED]
     rig.nothing_made()
@@ -181,8 +193,18 @@ def test_an_unreachable_api_server_fails_allocate_and_makes_nothing(rig: Rig):
 
 
 def test_containers_one_by_one_and_the_pod_is_assigned_with_the_last(rig: Rig):
-    rig.server.state.add_pod(pod_json("duo", NODE, containers={"a": {MEM: 3}, "b": {MEM: 3}}, annotations={
-        "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "5", "ALIYUN_COM_GPU_MEM_ASSIGNED": "false", "ALIYUN_COM_GPU_MEM_IDX": "0"}))
+    rig.server.state.add_pod(
+        pod_json(
+            "duo",
+            NODE,
+            containers={"a": {MEM: 3}, "b": {MEM: 3}},
+            annotations={
+                "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "5",
+                "ALIYUN_COM_GPU_MEM_ASSIGNED": "false",
+                "ALIYUN_COM_GPU_MEM_IDX": "0",
+            },
+        )
+    )
     a = rig.allocator.allocate(Resource.GPU_MEM, ids(3))
     assert rig.server.state.pod("default", "duo")["metadata"]["annotations"]["ALIYUN_COM_GPU_MEM_ASSIGNED"] == "false"
     b = rig.allocator.allocate(Resource.GPU_MEM, ids(3, start=3))
@@ -213,8 +235,10 @@ def test_whole_gpus_name_their_gpus(rig: Rig):
     got = rig.allocator.allocate(Resource.NVIDIA_GPU, ["GPU-bbbb", "GPU-aaaa"])
     assert got.envs == {"NVIDIA_VISIBLE_DEVICES": "GPU-aaaa,GPU-bbbb", "ALIYUN_COM_GPU_MEM_IDX": "0,1"}
     # whole GPUs keep their GPUs with the toolkit set to device lists only
-    assert got.mounts == (MountSpec("/dev/null", "/var/run/nvidia-container-devices/GPU-aaaa", True),
-                          MountSpec("/dev/null", "/var/run/nvidia-container-devices/GPU-bbbb", True))
+    assert got.mounts == (
+        MountSpec("/dev/null", "/var/run/nvidia-container-devices/GPU-aaaa", True),
+        MountSpec("/dev/null", "/var/run/nvidia-container-devices/GPU-bbbb", True),
+    )
     with pytest.raises(AllocationError, match="no GPU with UUID 'GPU-zzzz'"):
         rig.allocator.allocate(Resource.NVIDIA_GPU, ["GPU-zzzz"])
     assert rig.service.list() == []
@@ -240,8 +264,18 @@ def test_a_reserved_gpu_is_full_for_others_and_its_pod_gets_it(rig: Rig):
 
 
 def test_each_container_draws_on_the_reservation_and_the_last_drops_what_is_left(rig: Rig):
-    pod = rig.server.state.add_pod(pod_json("duo", NODE, containers={"a": {MEM: 3}, "b": {MEM: 3}}, annotations={
-        "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "5", "ALIYUN_COM_GPU_MEM_ASSIGNED": "false", "ALIYUN_COM_GPU_MEM_IDX": "0"}))
+    pod = rig.server.state.add_pod(
+        pod_json(
+            "duo",
+            NODE,
+            containers={"a": {MEM: 3}, "b": {MEM: 3}},
+            annotations={
+                "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "5",
+                "ALIYUN_COM_GPU_MEM_ASSIGNED": "false",
+                "ALIYUN_COM_GPU_MEM_IDX": "0",
+            },
+        )
+    )
     uid = pod["metadata"]["uid"]
     # One GiB more than the pod needs: the last Allocate gives it back.
     rig.service.reserve(uid, "default", "duo", [Share(0, 7 * GIB, 0, 2)])
@@ -311,8 +345,12 @@ def test_nothing_is_released_while_a_witness_cannot_be_asked(rig: Rig, tmp_path:
     rig.server.stop()
     assert rig.releaser.sweep() == 0 and rig.service.get(inst).active
     rig.server.start()
-    blind_kubelet = PodReleaser(rig.service, lambda: rig.api.pods_on_node(NODE),
-                                lambda: kubelet_pods(PodResourcesClient(tmp_path / "no.sock").list()), rig.cdi)
+    blind_kubelet = PodReleaser(
+        rig.service,
+        lambda: rig.api.pods_on_node(NODE),
+        lambda: kubelet_pods(PodResourcesClient(tmp_path / "no.sock").list()),
+        rig.cdi,
+    )
     assert blind_kubelet.sweep() == 0 and rig.service.get(inst).active
     assert rig.releaser.sweep() == 1  # both answer again: caught up
 
@@ -341,8 +379,14 @@ def test_a_gone_pods_reservation_is_given_back_at_the_sweep_not_at_its_expiry(tm
     this node (deleted, bound elsewhere, never bound): given back once it has
     been missing for the grace. Bound here and live: kept."""
     now = [100.0]
-    releaser = PodReleaser(rig.service, lambda: rig.api.pods_on_node(NODE), lambda: [], rig.cdi,
-                           reservation_grace=5.0, clock=lambda: now[0])
+    releaser = PodReleaser(
+        rig.service,
+        lambda: rig.api.pods_on_node(NODE),
+        lambda: [],
+        rig.cdi,
+        reservation_grace=5.0,
+        clock=lambda: now[0],
+    )
     here = rig.server.state.add_pod(pod_json("here", NODE, containers={"main": {MEM: 2}}))
     done = rig.server.state.add_pod(pod_json("done", NODE, containers={"main": {MEM: 2}}, phase="Succeeded"))
     unbound = rig.server.state.add_pod(pod_json("unbound", "", containers={"main": {MEM: 2}}))

@@ -1,5 +1,6 @@
 """cgpud/kube/apiserver.py through the official client library against
 tests/harness/api_server.py, which serves the API server's REST paths and JSON."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -7,8 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from cgpud.kube.apiserver import (ApiServer, ApiServerError, ApiServerUnavailable, ContainerInfo, LazyApiServer,
-                                  client_from)
+from cgpud.kube.apiserver import (
+    ApiServer,
+    ApiServerError,
+    ApiServerUnavailable,
+    ContainerInfo,
+    LazyApiServer,
+    client_from,
+)
 from tests.harness.api_server import ApiServerProcess, api_server, node_json, pod_json
 
 
@@ -22,17 +29,26 @@ def served(tmp_path: Path) -> Iterator[tuple[ApiServerProcess, ApiServer]]:
 
 def test_pods_of_this_node_only_with_our_limits(served):
     server, api = served
-    server.state.add_pod(pod_json("a", "node-1", containers={"main": {"aliyun.com/gpu-mem": 2, "cpu": "500m"}},
-                                  init_containers={"setup": {"aliyun.com/gpu-core.percentage": 30}},
-                                  annotations={"ALIYUN_COM_GPU_MEM_IDX": "1"}, uid="uid-a"))
+    server.state.add_pod(
+        pod_json(
+            "a",
+            "node-1",
+            containers={"main": {"aliyun.com/gpu-mem": 2, "cpu": "500m"}},
+            init_containers={"setup": {"aliyun.com/gpu-core.percentage": 30}},
+            annotations={"ALIYUN_COM_GPU_MEM_IDX": "1"},
+            uid="uid-a",
+        )
+    )
     server.state.add_pod(pod_json("b", "node-2"))
     pods = api.pods_on_node("node-1")
     assert [p.key for p in pods] == ["default/a"]
     a = pods[0]
     assert (a.uid, a.node, a.phase, a.deleting) == ("uid-a", "node-1", "Pending", False)
     assert a.annotations == {"ALIYUN_COM_GPU_MEM_IDX": "1"}
-    assert a.containers == (ContainerInfo("setup", {"aliyun.com/gpu-core.percentage": 30}, True),
-                            ContainerInfo("main", {"aliyun.com/gpu-mem": 2}))
+    assert a.containers == (
+        ContainerInfo("setup", {"aliyun.com/gpu-core.percentage": 30}, True),
+        ContainerInfo("main", {"aliyun.com/gpu-mem": 2}),
+    )
     assert ("GET", "/api/v1/pods?fieldSelector=spec.nodeName%3Dnode-1") in server.state.requests
 
 
@@ -60,8 +76,11 @@ def test_a_refusal_names_the_call_and_rbac(served):
     server, api = served
     server.state.add_pod(pod_json("a", "node-1"))
     server.state.fail_patch = 403
-    with pytest.raises(ApiServerError, match=r"cannot annotate pod default/a: the API server refused it \(403 patch "
-                       r"refused by test\): check cgpud's RBAC") as info:
+    with pytest.raises(
+        ApiServerError,
+        match=r"cannot annotate pod default/a: the API server refused it \(403 patch "
+        r"refused by test\): check cgpud's RBAC",
+    ) as info:
         api.annotate_pod("default", "a", {"x": "1"})
     assert not isinstance(info.value, ApiServerUnavailable)
 
@@ -69,8 +88,9 @@ def test_a_refusal_names_the_call_and_rbac(served):
 def test_an_unreachable_server_is_its_own_kind_and_recovers(served):
     server, api = served
     server.stop()
-    with pytest.raises(ApiServerUnavailable, match="cannot list the pods of node node-1: the API server cannot be "
-                       "reached"):
+    with pytest.raises(
+        ApiServerUnavailable, match="cannot list the pods of node node-1: the API server cannot be reached"
+    ):
         api.pods_on_node("node-1")
     server.start()
     assert api.pods_on_node("node-1") == []

@@ -1,6 +1,7 @@
 """The Capacity API's address on the Node (cgpu.io/capacity-address): the
 label thread writes it, again when someone changed it, and after an API
 server outage. The official client against tests/harness/api_server.py."""
+
 from __future__ import annotations
 
 import threading
@@ -18,14 +19,20 @@ from tests.harness.api_server import api_server, node_json
 ADDRESS = {ANNOTATION_CAPACITY_ADDRESS: "10.0.0.7:9455"}
 
 
-def _annotations(state, node: str = "node-1") -> dict[str, str]:  # noqa: ANN001
+def _annotations(state, node: str = "node-1") -> dict[str, str]:
     with state.lock:
         return dict(state.nodes[node]["metadata"].get("annotations", {}))
 
 
 def test_the_address_is_written_kept_and_written_again_after_an_outage(tmp_path: Path):
-    service = InstanceService(Store(tmp_path / "cgpud.db"), (GpuCapacity(0, "GPU-a", 16 * GIB),), NodePolicy(),
-                              tmp_path / "regions", "580", "boot")
+    service = InstanceService(
+        Store(tmp_path / "cgpud.db"),
+        (GpuCapacity(0, "GPU-a", 16 * GIB),),
+        NodePolicy(),
+        tmp_path / "regions",
+        "580",
+        "boot",
+    )
     with api_server(tmp_path) as (server, kubeconfig):
         server.state.nodes["node-1"] = node_json("node-1")
         server.state.nodes["node-1"]["metadata"]["annotations"] = {"other": "kept"}

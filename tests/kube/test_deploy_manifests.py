@@ -5,6 +5,7 @@ discovery even with --validate=false, so the manifests go through kubectl's
 `set env --local` / `set subject --local` decode the DaemonSet and the
 binding into their typed Go structs and print them back, which drops any
 field the API does not have: each field we wrote must come back."""
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,13 @@ KUBECTL = shutil.which("kubectl")
 
 def kubectl(*args: str) -> Any:
     assert KUBECTL is not None, "kubectl is not installed"
-    done = subprocess.run([KUBECTL, *args, "-o", "json"], capture_output=True, text=True, timeout=60,
-                          env={"PATH": "/usr/bin:/bin", "HOME": "/nonexistent", "KUBECONFIG": "/dev/null"})
+    done = subprocess.run(
+        [KUBECTL, *args, "-o", "json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "HOME": "/nonexistent", "KUBECONFIG": "/dev/null"},
+    )
     assert done.returncode == 0, done.stderr
     # One JSON document per file, one after the other.
     out, text, decoder = [], done.stdout.strip(), json.JSONDecoder()
@@ -61,12 +67,20 @@ def test_every_object_decodes_with_its_kind():
     files = [a for p in sorted(DEPLOY.glob("*.yaml")) if p.name != SCHEDULER_CONFIG for a in ("-f", str(p))]
     objects = kubectl("label", "--local", *files, "checked=yes")
     kinds = sorted((o["kind"], o["metadata"]["name"]) for o in objects)
-    assert kinds == [("ClusterRole", "cgpu-scheduler"), ("ClusterRole", "cgpud"),
-                     ("ClusterRoleBinding", "cgpu-scheduler"), ("ClusterRoleBinding", "cgpud"),
-                     ("DaemonSet", "cgpud"), ("Deployment", "cgpu-scheduler"), ("NetworkPolicy", "cgpu-scheduler"),
-                     ("Service", "cgpu-scheduler"), ("ServiceAccount", "cgpu-scheduler"), ("ServiceAccount", "cgpud"),
-                     ("ValidatingAdmissionPolicy", "cgpud-own-node"),
-                     ("ValidatingAdmissionPolicyBinding", "cgpud-own-node")]
+    assert kinds == [
+        ("ClusterRole", "cgpu-scheduler"),
+        ("ClusterRole", "cgpud"),
+        ("ClusterRoleBinding", "cgpu-scheduler"),
+        ("ClusterRoleBinding", "cgpud"),
+        ("DaemonSet", "cgpud"),
+        ("Deployment", "cgpu-scheduler"),
+        ("NetworkPolicy", "cgpu-scheduler"),
+        ("Service", "cgpu-scheduler"),
+        ("ServiceAccount", "cgpu-scheduler"),
+        ("ServiceAccount", "cgpud"),
+        ("ValidatingAdmissionPolicy", "cgpud-own-node"),
+        ("ValidatingAdmissionPolicyBinding", "cgpud-own-node"),
+    ]
 
 
 def test_the_daemonset_has_only_real_fields_and_what_cgpud_needs():
@@ -80,12 +94,21 @@ def test_the_daemonset_has_only_real_fields_and_what_cgpud_needs():
     env = {e["name"]: e for e in container["env"]}
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
     mounted = {m["mountPath"] for m in container["volumeMounts"]}
-    assert {"/var/lib/kubelet/device-plugins", "/var/lib/kubelet/pod-resources", "/var/run/cdi", "/run/cgpud",
-            "/var/lib/cgpud", "/dev"} <= mounted
+    assert {
+        "/var/lib/kubelet/device-plugins",
+        "/var/lib/kubelet/pod-resources",
+        "/var/run/cdi",
+        "/run/cgpud",
+        "/var/lib/cgpud",
+        "/dev",
+    } <= mounted
     # Host paths at the same paths: CDI specs and Allocate mounts name them for the host.
     host = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
-    assert all(host[m["name"]] == m["mountPath"] for m in container["volumeMounts"]
-               if m["name"] in host and m["name"] != "capacity-tls")
+    assert all(
+        host[m["name"]] == m["mountPath"]
+        for m in container["volumeMounts"]
+        if m["name"] in host and m["name"] != "capacity-tls"
+    )
     # The Capacity API: the node's own TLS files from the host (a certificate
     # naming its Node: no Secret shared by every node), its own address on the Node.
     assert pod["hostNetwork"] is True and env["HOST_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"
@@ -98,6 +121,7 @@ def test_the_daemonset_has_only_real_fields_and_what_cgpud_needs():
     assert all(flags[f"--capacity-tls-{k}"].startswith(tls_dir + "/") for k in ("cert", "key", "ca"))
     assert container["resources"]["limits"]["memory"] == "512Mi"
     from cgpud.daemon.main import _parser
+
     _parser().parse_args(args[1:])  # every flag is cgpud's
     [term] = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
     assert term["matchExpressions"] == [{"key": "ack.node.gpu.schedule", "operator": "Exists"}]
@@ -107,8 +131,11 @@ def test_rbac_grants_what_the_agent_calls(tmp_path):
     roles = {d["kind"]: d for d in documents("cgpud-rbac.yaml")}
     rules = {(tuple(r["apiGroups"]), tuple(r["resources"])): set(r["verbs"]) for r in roles["ClusterRole"]["rules"]}
     # exactly what cgpud/kube/apiserver.py calls, nothing more (no watch, no delete, no other resource)
-    assert rules == {(("",), ("pods",)): {"get", "list", "patch"}, (("",), ("nodes",)): {"get", "patch"},
-                     (("",), ("events",)): {"create"}}
+    assert rules == {
+        (("",), ("pods",)): {"get", "list", "patch"},
+        (("",), ("nodes",)): {"get", "patch"},
+        (("",), ("events",)): {"create"},
+    }
     alone = tmp_path / "binding.yaml"
     alone.write_text(yaml.safe_dump(roles["ClusterRoleBinding"]))
     [binding] = kubectl("set", "subject", "--local", "-f", str(alone), "--serviceaccount=kube-system:check")
@@ -125,19 +152,43 @@ def test_a_misspelt_field_is_caught(tmp_path):
     assert missing(written, decoded) == ["/spec/template/spec/hostPid"]
 
 
-
 # ---- the cluster side: cgpu-scheduler and kube-scheduler's configuration -------------------
 
 # k8s.io/kube-scheduler/config/v1 (types.go): the JSON names of Extender and
 # ExtenderManagedResource. kube-scheduler decodes its --config strictly, so
 # a field not among these stops it from starting.
-EXTENDER_FIELDS = {"urlPrefix", "filterVerb", "preemptVerb", "prioritizeVerb", "weight", "bindVerb", "enableHTTPS",
-                   "tlsConfig", "httpTimeout", "nodeCacheCapable", "managedResources", "ignorable"}
+EXTENDER_FIELDS = {
+    "urlPrefix",
+    "filterVerb",
+    "preemptVerb",
+    "prioritizeVerb",
+    "weight",
+    "bindVerb",
+    "enableHTTPS",
+    "tlsConfig",
+    "httpTimeout",
+    "nodeCacheCapable",
+    "managedResources",
+    "ignorable",
+}
 MANAGED_RESOURCE_FIELDS = {"name", "ignoredByScheduler"}
-SCHEDULER_CONFIG_FIELDS = {"apiVersion", "kind", "parallelism", "leaderElection", "clientConnection",
-                           "healthzBindAddress", "metricsBindAddress", "enableProfiling", "enableContentionProfiling",
-                           "percentageOfNodesToScore", "podInitialBackoffSeconds", "podMaxBackoffSeconds", "profiles",
-                           "extenders", "delayCacheUntilActive"}
+SCHEDULER_CONFIG_FIELDS = {
+    "apiVersion",
+    "kind",
+    "parallelism",
+    "leaderElection",
+    "clientConnection",
+    "healthzBindAddress",
+    "metricsBindAddress",
+    "enableProfiling",
+    "enableContentionProfiling",
+    "percentageOfNodesToScore",
+    "podInitialBackoffSeconds",
+    "podMaxBackoffSeconds",
+    "profiles",
+    "extenders",
+    "delayCacheUntilActive",
+}
 
 
 def scheduler_objects() -> dict[str, dict[str, Any]]:
@@ -166,7 +217,10 @@ def test_the_scheduler_config_names_real_fields_and_our_resources():
     resources = extender["managedResources"]
     assert all(set(r) <= MANAGED_RESOURCE_FIELDS for r in resources)
     assert {r["name"]: r["ignoredByScheduler"] for r in resources} == {
-        "aliyun.com/gpu-mem": True, "aliyun.com/gpu-core.percentage": True, "aliyun.com/gpu-count": True}
+        "aliyun.com/gpu-mem": True,
+        "aliyun.com/gpu-core.percentage": True,
+        "aliyun.com/gpu-count": True,
+    }
     # The urlPrefix reaches the Service on its https port.
     service = scheduler_objects()["Service"]
     url = urlsplit(extender["urlPrefix"])
@@ -181,15 +235,23 @@ def test_the_configs_verbs_are_the_ones_the_extender_answers():
 
     [config] = documents(SCHEDULER_CONFIG)
     [extender] = config["extenders"]
-    pod = {"metadata": {"name": "p", "namespace": "default", "uid": "u1"},
-           "spec": {"containers": [{"name": "c", "resources": {"limits": {"aliyun.com/gpu-mem": "2"}}}]}}
-    bodies = {"filterVerb": {"Pod": pod, "NodeNames": ["n1"]}, "prioritizeVerb": {"Pod": pod, "NodeNames": ["n1"]},
-              "bindVerb": {"PodName": "p", "PodNamespace": "default", "PodUID": "u1", "Node": "n1"}}
+    pod = {
+        "metadata": {"name": "p", "namespace": "default", "uid": "u1"},
+        "spec": {"containers": [{"name": "c", "resources": {"limits": {"aliyun.com/gpu-mem": "2"}}}]},
+    }
+    bodies = {
+        "filterVerb": {"Pod": pod, "NodeNames": ["n1"]},
+        "prioritizeVerb": {"Pod": pod, "NodeNames": ["n1"]},
+        "bindVerb": {"PodName": "p", "PodNamespace": "default", "PodUID": "u1", "Node": "n1"},
+    }
     server = ExtenderServer(ClusterState(), None).start()
     try:
         for verb, body in bodies.items():
-            request = urllib.request.Request(f"{server.url}/{extender[verb]}", data=json.dumps(body).encode(),
-                                             headers={"Content-Type": "application/json"})
+            request = urllib.request.Request(
+                f"{server.url}/{extender[verb]}",
+                data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"},
+            )
             with urllib.request.urlopen(request, timeout=10) as answer:
                 assert answer.status == 200, verb
                 reply = json.loads(answer.read())
@@ -226,20 +288,26 @@ def test_the_deployment_runs_the_extender_where_the_service_and_config_say(tmp_p
     mounts = {m["name"]: m for m in container["volumeMounts"]}
     assert all(m["readOnly"] is True for m in mounts.values())
     secrets = {v["name"]: v["secret"] for v in pod["volumes"]}
-    for flags_of, volume in ((("--tls-cert", "--tls-key", "--tls-ca"), "capacity-client"),
-                             (("--serve-cert", "--serve-key", "--client-ca"), "serving")):
+    for flags_of, volume in (
+        (("--tls-cert", "--tls-key", "--tls-ca"), "capacity-client"),
+        (("--serve-cert", "--serve-key", "--client-ca"), "serving"),
+    ):
         for flag in flags_of:
             assert Path(flags[flag]).parent == Path(mounts[volume]["mountPath"]), flag
         assert secrets[volume]["defaultMode"] & 0o007 == 0  # not world-readable
     assert secrets["capacity-client"]["secretName"] == "cgpu-capacity-client"
     assert secrets["serving"]["secretName"] == "cgpu-scheduler-serving"
     from cgpud.extender.main import _parser
+
     _parser().parse_args(command[1:])  # every flag is cgpu-scheduler's
     # Only the control plane's addresses reach the port.
     policy = objects["NetworkPolicy"]
     [decoded_policy] = kubectl("label", "--local", "-f", str(alone(tmp_path, policy)), "checked=yes")
     assert missing(policy, decoded_policy) == []
-    assert policy["spec"]["podSelector"]["matchLabels"].items() <= decoded["spec"]["template"]["metadata"]["labels"].items()
+    assert (
+        policy["spec"]["podSelector"]["matchLabels"].items()
+        <= decoded["spec"]["template"]["metadata"]["labels"].items()
+    )
     [rule] = policy["spec"]["ingress"]
     assert [p["port"] for p in rule["ports"]] == [int(port)] and [list(f) for f in rule["from"]] == [["ipBlock"]]
 
@@ -252,10 +320,15 @@ def test_the_deployment_runs_the_extender_where_the_service_and_config_say(tmp_p
 
 
 # What each generated client method the extender may call needs from RBAC: (resource, verb).
-CALLS = {"read_namespaced_pod": ("pods", "get"), "patch_namespaced_pod": ("pods", "patch"),
-         "create_namespaced_binding": ("bindings", "create"),
-         "create_namespaced_pod_binding": ("pods/binding", "create"),
-         "read_node": ("nodes", "get"), "list_node": ("nodes", "list"), "watch:list_node": ("nodes", "watch")}
+CALLS = {
+    "read_namespaced_pod": ("pods", "get"),
+    "patch_namespaced_pod": ("pods", "patch"),
+    "create_namespaced_binding": ("bindings", "create"),
+    "create_namespaced_pod_binding": ("pods/binding", "create"),
+    "read_node": ("nodes", "get"),
+    "list_node": ("nodes", "list"),
+    "watch:list_node": ("nodes", "watch"),
+}
 VERBS = {"GET": "get", "PATCH": "patch", "POST": "create", "PUT": "update", "DELETE": "delete"}
 
 
@@ -287,8 +360,13 @@ def extender_calls() -> set[tuple[str, str]]:
     the generated client methods it names and the REST requests it builds
     itself (METHOD, "/api/v1/..." literals)."""
     source = "\n".join(p.read_text() for p in sorted((DEPLOY.parent / "cgpud" / "extender").glob("*.py")))
-    called = set(re.findall(r"\.((?:read|list|patch|create|delete|replace)_(?:namespaced_)?"
-                            r"(?:pod|node|binding|service|endpoints|event|config_map|secret|namespace)\w*)\b", source))
+    called = set(
+        re.findall(
+            r"\.((?:read|list|patch|create|delete|replace)_(?:namespaced_)?"
+            r"(?:pod|node|binding|service|endpoints|event|config_map|secret|namespace)\w*)\b",
+            source,
+        )
+    )
     unknown = called - set(CALLS)
     assert not unknown, f"the extender calls {unknown}: add them to CALLS and to the ClusterRole"
     needed = {CALLS[c] for c in called}
@@ -302,8 +380,13 @@ def extender_calls() -> set[tuple[str, str]]:
 
 def test_the_scheduler_rbac_grants_exactly_what_the_extender_calls(tmp_path):
     objects = scheduler_objects()
-    granted = {(resource, verb) for rule in objects["ClusterRole"]["rules"] for resource in rule["resources"]
-               for verb in rule["verbs"] if rule["apiGroups"] == [""]}
+    granted = {
+        (resource, verb)
+        for rule in objects["ClusterRole"]["rules"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+        if rule["apiGroups"] == [""]
+    }
     assert all(rule["apiGroups"] == [""] for rule in objects["ClusterRole"]["rules"])
     needed = extender_calls()
     # bind reads a pod it did not see; its Binding carries the annotations
@@ -312,14 +395,17 @@ def test_the_scheduler_rbac_grants_exactly_what_the_extender_calls(tmp_path):
     # Node discovery (get/list/watch of the annotation) is granted for the API-server mode.
     assert granted - needed <= {("nodes", "get"), ("nodes", "list"), ("nodes", "watch")}
     binding = objects["ClusterRoleBinding"]
-    [decoded] = kubectl("set", "subject", "--local", "-f", str(alone(tmp_path, binding)),
-                        "--serviceaccount=kube-system:check")
+    [decoded] = kubectl(
+        "set", "subject", "--local", "-f", str(alone(tmp_path, binding)), "--serviceaccount=kube-system:check"
+    )
     assert missing(binding, decoded) == []
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                                  "name": objects["ClusterRole"]["metadata"]["name"]}
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": objects["ClusterRole"]["metadata"]["name"],
+    }
     account = objects["ServiceAccount"]["metadata"]
-    assert {"kind": "ServiceAccount", "name": account["name"], "namespace": account["namespace"]} in \
-        binding["subjects"]
+    assert {"kind": "ServiceAccount", "name": account["name"], "namespace": account["namespace"]} in binding["subjects"]
     assert objects["Deployment"]["spec"]["template"]["spec"]["serviceAccountName"] == account["name"]
 
 
@@ -336,18 +422,28 @@ def test_the_admission_policy_binds_cgpud_to_what_it_writes_on_its_own_node(tmp_
         [decoded] = kubectl("label", "--local", "-f", str(alone(tmp_path, obj)), "checked=yes")
         assert missing(obj, decoded) == []
     assert binding["spec"]["policyName"] == policy["metadata"]["name"] and binding["spec"]["validationActions"] == [
-        "Deny"]
+        "Deny"
+    ]
     spec = policy["spec"]
     assert spec["failurePolicy"] == "Fail"
     [who] = spec["matchConditions"]
     assert "system:serviceaccount:kube-system:cgpud" in who["expression"]
     rbac = {d["kind"]: d for d in documents("cgpud-rbac.yaml")}
     assert rbac["ServiceAccount"]["metadata"]["name"] == "cgpud"
-    writes = {(r, v) for rule in rbac["ClusterRole"]["rules"] for r in rule["resources"] for v in rule["verbs"]
-              if v in ("patch", "create", "update", "delete")}
+    writes = {
+        (r, v)
+        for rule in rbac["ClusterRole"]["rules"]
+        for r in rule["resources"]
+        for v in rule["verbs"]
+        if v in ("patch", "create", "update", "delete")
+    }
     operation = {"patch": "UPDATE", "update": "UPDATE", "create": "CREATE", "delete": "DELETE"}
-    matched = {(r, op) for rule in spec["matchConstraints"]["resourceRules"] for r in rule["resources"]
-               for op in rule["operations"]}
+    matched = {
+        (r, op)
+        for rule in spec["matchConstraints"]["resourceRules"]
+        for r in rule["resources"]
+        for op in rule["operations"]
+    }
     assert {(r, operation[v]) for r, v in writes} == matched
     text = json.dumps(spec)
     assert "authentication.kubernetes.io/node-name" in text

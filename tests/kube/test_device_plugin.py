@@ -6,6 +6,7 @@ kubelet calls; a kubelet restart is played the way a kubelet does it.
 Allocate's real work is H6's allocator (cgpud/kube/allocator.py, tested
 with it); here a small recording allocator stands in for it, only to test
 the gRPC plumbing around it: the tests that use it say so in their names."""
+
 from __future__ import annotations
 
 import os
@@ -80,8 +81,13 @@ def allocator() -> RecordingAllocator:
 
 @pytest.fixture
 def plugin(directory: Path, kubelet: Kubelet, allocator: RecordingAllocator) -> Iterator[DevicePlugin]:
-    p = DevicePlugin(PluginSettings(directory, watch_interval=0.1, register_timeout=2.0), allocator,
-                     mode=NodeMode.CGPU, placement=Placement.BINPACK, gpus=GPUS).start()
+    p = DevicePlugin(
+        PluginSettings(directory, watch_interval=0.1, register_timeout=2.0),
+        allocator,
+        mode=NodeMode.CGPU,
+        placement=Placement.BINPACK,
+        gpus=GPUS,
+    ).start()
     kubelet.take_registrations(len(Resource))
     yield p
     p.stop(grace=0.5)
@@ -107,10 +113,16 @@ def devices(response: pb.ListAndWatchResponse) -> dict[str, str]:
     return {d.ID: d.health for d in response.devices}
 
 
-def test_registers_every_resource_with_the_kubelet(directory: Path, kubelet: Kubelet,
-                                                   allocator: RecordingAllocator) -> None:
-    p = DevicePlugin(PluginSettings(directory, watch_interval=0.1), allocator,
-                     mode=NodeMode.CGPU, placement=Placement.BINPACK, gpus=GPUS).start()
+def test_registers_every_resource_with_the_kubelet(
+    directory: Path, kubelet: Kubelet, allocator: RecordingAllocator
+) -> None:
+    p = DevicePlugin(
+        PluginSettings(directory, watch_interval=0.1),
+        allocator,
+        mode=NodeMode.CGPU,
+        placement=Placement.BINPACK,
+        gpus=GPUS,
+    ).start()
     try:
         got = kubelet.take_registrations(len(Resource))
         assert {r.resource_name for r in got} == {r.value for r in Resource}
@@ -153,8 +165,13 @@ def test_other_modes_resources_advertise_no_devices(directory: Path, plugin: Dev
         stream = stub(directory, resource).ListAndWatch(pb.Empty(), timeout=WAIT)
         counts[resource] = len(next(stream).devices)
         stream.cancel()
-    assert counts == {Resource.GPU_MEM: 24, Resource.GPU_COUNT: 2, Resource.GPU_CORE: 0,
-                      Resource.GPU_TOPOLOGY: 0, Resource.NVIDIA_GPU: 0}
+    assert counts == {
+        Resource.GPU_MEM: 24,
+        Resource.GPU_COUNT: 2,
+        Resource.GPU_CORE: 0,
+        Resource.GPU_TOPOLOGY: 0,
+        Resource.NVIDIA_GPU: 0,
+    }
 
 
 def test_a_mode_change_moves_capacity(directory: Path, plugin: DevicePlugin) -> None:
@@ -184,10 +201,12 @@ def test_an_inventory_change_is_sent(directory: Path, plugin: DevicePlugin) -> N
 
 def test_get_preferred_allocation_packs_one_gpu(directory: Path, plugin: DevicePlugin) -> None:
     available = [f"{UUID0}-_-{j}" for j in range(4, 16)] + [f"{UUID1}-_-{j}" for j in range(3, 8)]
-    request = pb.PreferredAllocationRequest(container_requests=[
-        pb.ContainerPreferredAllocationRequest(available_deviceIDs=available, allocation_size=4),
-        pb.ContainerPreferredAllocationRequest(available_deviceIDs=available, allocation_size=6),
-    ])
+    request = pb.PreferredAllocationRequest(
+        container_requests=[
+            pb.ContainerPreferredAllocationRequest(available_deviceIDs=available, allocation_size=4),
+            pb.ContainerPreferredAllocationRequest(available_deviceIDs=available, allocation_size=6),
+        ]
+    )
     answer = stub(directory, Resource.GPU_MEM).GetPreferredAllocation(request, timeout=WAIT)
     first, second = (list(r.deviceIDs) for r in answer.container_responses)
     assert first == [f"{UUID1}-_-{j}" for j in range(3, 7)]  # binpack: the fuller GPU that fits
@@ -202,10 +221,12 @@ def test_allocate_plumbing_passes_ids_to_the_allocator_and_its_answer_back(
     directory: Path, plugin: DevicePlugin, allocator: RecordingAllocator
 ) -> None:
     ids = [f"{UUID1}-_-0", f"{UUID1}-_-1"]
-    request = pb.AllocateRequest(container_requests=[
-        pb.ContainerAllocateRequest(devices_ids=ids),
-        pb.ContainerAllocateRequest(devices_ids=[f"{UUID0}-_-3"]),
-    ])
+    request = pb.AllocateRequest(
+        container_requests=[
+            pb.ContainerAllocateRequest(devices_ids=ids),
+            pb.ContainerAllocateRequest(devices_ids=[f"{UUID0}-_-3"]),
+        ]
+    )
     answer = stub(directory, Resource.GPU_MEM).Allocate(request, timeout=WAIT)
     assert allocator.calls == [(Resource.GPU_MEM, tuple(ids)), (Resource.GPU_MEM, (f"{UUID0}-_-3",))]
     first, second = answer.container_responses
@@ -213,20 +234,24 @@ def test_allocate_plumbing_passes_ids_to_the_allocator_and_its_answer_back(
     assert [d.name for d in second.cdi_devices] == ["cgpu.io/gpu=test-2"]
     assert dict(first.envs) == {"ALIYUN_COM_GPU_MEM_CONTAINER": "2"}
     assert [(m.host_path, m.container_path, m.read_only) for m in first.mounts] == [
-        ("/host/region", "/run/cgpu/region", True)]
+        ("/host/region", "/run/cgpu/region", True)
+    ]
     assert dict(first.annotations) == {"cgpu.io/instance": "test-1"}
     assert len(first.devices) == 0  # no device nodes: CDI or the mounts carry everything
 
-    pre = stub(directory, Resource.GPU_MEM).PreStartContainer(pb.PreStartContainerRequest(devices_ids=ids),
-                                                              timeout=WAIT)
+    pre = stub(directory, Resource.GPU_MEM).PreStartContainer(
+        pb.PreStartContainerRequest(devices_ids=ids), timeout=WAIT
+    )
     assert pre == pb.PreStartContainerResponse()
 
 
 @pytest.mark.parametrize(
     "error,code",
     [
-        (AllocationError("no pod on node n1 is assumed for 2 GiB of aliyun.com/gpu-mem"),
-         grpc.StatusCode.INVALID_ARGUMENT),
+        (
+            AllocationError("no pod on node n1 is assumed for 2 GiB of aliyun.com/gpu-mem"),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
         (AdmissionError("2 GiB does not fit on GPU 1 (1 GiB free)"), grpc.StatusCode.RESOURCE_EXHAUSTED),
     ],
 )
@@ -310,8 +335,13 @@ def test_a_refused_registration_is_retried_until_the_kubelet_accepts(
     directory: Path, kubelet: Kubelet, allocator: RecordingAllocator
 ) -> None:
     kubelet.refuse = "resource name already registered"
-    p = DevicePlugin(PluginSettings(directory, watch_interval=0.1), allocator,
-                     mode=NodeMode.CGPU, placement=Placement.BINPACK, gpus=GPUS).start()
+    p = DevicePlugin(
+        PluginSettings(directory, watch_interval=0.1),
+        allocator,
+        mode=NodeMode.CGPU,
+        placement=Placement.BINPACK,
+        gpus=GPUS,
+    ).start()
     try:
         time.sleep(0.5)
         assert p.registrations == 0 and kubelet.registered.empty()
@@ -322,8 +352,13 @@ def test_a_refused_registration_is_retried_until_the_kubelet_accepts(
 
 
 def test_no_kubelet_yet_means_waiting_then_registering(directory: Path, allocator: RecordingAllocator) -> None:
-    p = DevicePlugin(PluginSettings(directory, watch_interval=0.1), allocator,
-                     mode=NodeMode.DEFAULT, placement=Placement.BINPACK, gpus=GPUS).start()
+    p = DevicePlugin(
+        PluginSettings(directory, watch_interval=0.1),
+        allocator,
+        mode=NodeMode.DEFAULT,
+        placement=Placement.BINPACK,
+        gpus=GPUS,
+    ).start()
     k = Kubelet(directory)
     try:
         time.sleep(0.3)
@@ -336,10 +371,16 @@ def test_no_kubelet_yet_means_waiting_then_registering(directory: Path, allocato
         k.stop()
 
 
-def test_stop_is_bounded_and_ends_open_streams(directory: Path, kubelet: Kubelet,
-                                               allocator: RecordingAllocator) -> None:
-    p = DevicePlugin(PluginSettings(directory, watch_interval=0.1), allocator,
-                     mode=NodeMode.CGPU, placement=Placement.BINPACK, gpus=GPUS).start()
+def test_stop_is_bounded_and_ends_open_streams(
+    directory: Path, kubelet: Kubelet, allocator: RecordingAllocator
+) -> None:
+    p = DevicePlugin(
+        PluginSettings(directory, watch_interval=0.1),
+        allocator,
+        mode=NodeMode.CGPU,
+        placement=Placement.BINPACK,
+        gpus=GPUS,
+    ).start()
     kubelet.take_registrations(len(Resource))
     stream = stub(directory, Resource.GPU_MEM).ListAndWatch(pb.Empty(), timeout=WAIT)
     next(stream)
@@ -360,8 +401,11 @@ def test_stop_is_bounded_and_ends_open_streams(directory: Path, kubelet: Kubelet
     assert ended.wait(WAIT)
     assert not list(directory.glob("cgpu-*.sock"))  # its own sockets removed
     assert kubelet.socket.exists()  # never the kubelet's
-    until(lambda: not [t for t in threading.enumerate() if t.name.startswith(("cgpud-dp-", "cgpud-device-plugin"))],
-          WAIT, what="the plugin's threads to end")
+    until(
+        lambda: not [t for t in threading.enumerate() if t.name.startswith(("cgpud-dp-", "cgpud-device-plugin"))],
+        WAIT,
+        what="the plugin's threads to end",
+    )
 
 
 def test_an_unknown_mode_update_changes_nothing(directory: Path, plugin: DevicePlugin) -> None:
@@ -382,16 +426,22 @@ def test_socket_paths_longer_than_a_unix_socket_allows_are_refused(allocator: Re
     assert not os.path.exists(long_dir)
 
 
-def test_sockets_a_killed_cgpud_left_are_replaced(directory: Path, kubelet: Kubelet,
-                                                  allocator: RecordingAllocator) -> None:
+def test_sockets_a_killed_cgpud_left_are_replaced(
+    directory: Path, kubelet: Kubelet, allocator: RecordingAllocator
+) -> None:
     import socket
 
     stale = directory / SOCKET_NAMES[Resource.GPU_MEM]
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.bind(str(stale))
     s.close()  # the file stays, nothing answers on it
-    p = DevicePlugin(PluginSettings(directory, watch_interval=0.1), allocator,
-                     mode=NodeMode.CGPU, placement=Placement.BINPACK, gpus=GPUS).start()
+    p = DevicePlugin(
+        PluginSettings(directory, watch_interval=0.1),
+        allocator,
+        mode=NodeMode.CGPU,
+        placement=Placement.BINPACK,
+        gpus=GPUS,
+    ).start()
     try:
         kubelet.take_registrations(len(Resource))
         stream = stub(directory, Resource.GPU_MEM).ListAndWatch(pb.Empty(), timeout=WAIT)
@@ -401,14 +451,20 @@ def test_sockets_a_killed_cgpud_left_are_replaced(directory: Path, kubelet: Kube
         p.stop(grace=0.5)
 
 
-def test_a_socket_another_live_server_holds_is_not_taken(directory: Path, kubelet: Kubelet,
-                                                         allocator: RecordingAllocator) -> None:
+def test_a_socket_another_live_server_holds_is_not_taken(
+    directory: Path, kubelet: Kubelet, allocator: RecordingAllocator
+) -> None:
     held = directory / SOCKET_NAMES[Resource.GPU_COUNT]
     other = grpc.server(ThreadPoolExecutor(max_workers=1))  # another cgpud, say
     assert other.add_insecure_port(f"unix:{held}") != 0
     other.start()
-    p = DevicePlugin(PluginSettings(directory, watch_interval=0.1), allocator,
-                     mode=NodeMode.CGPU, placement=Placement.BINPACK, gpus=GPUS).start()
+    p = DevicePlugin(
+        PluginSettings(directory, watch_interval=0.1),
+        allocator,
+        mode=NodeMode.CGPU,
+        placement=Placement.BINPACK,
+        gpus=GPUS,
+    ).start()
     try:
         time.sleep(0.5)
         assert kubelet.registered.empty()  # half a plugin is not registered
@@ -441,15 +497,34 @@ def test_cgpud_in_kubernetes_mode_registers_and_reports_a_lost_gpu(sim_env: dict
     env = dict(sim_env, NODE_NAME="gpu-node-1")
 
     def fault(*args: str) -> None:
-        proc = subprocess.run([sys.executable, "-m", "cgpud.cli.main", "sim", "fault", *args], env=env,
-                              capture_output=True, text=True, timeout=30)
+        proc = subprocess.run(
+            [sys.executable, "-m", "cgpud.cli.main", "sim", "fault", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert proc.returncode == 0, proc.stderr
 
     try:
-        with running_daemon(base, env, "--orchestrator", "kubernetes", "--mode", "core_mem",
-                            "--device-plugin-dir", str(plugins), "--kubeconfig", str(base / "no-kubeconfig"),
-                            "--cdi-dir", str(base / "cdi"), "--pod-resources-socket", str(base / "pr.sock"),
-                            "--gpu-health-probe-interval", "0.2") as daemon:
+        with running_daemon(
+            base,
+            env,
+            "--orchestrator",
+            "kubernetes",
+            "--mode",
+            "core_mem",
+            "--device-plugin-dir",
+            str(plugins),
+            "--kubeconfig",
+            str(base / "no-kubeconfig"),
+            "--cdi-dir",
+            str(base / "cdi"),
+            "--pod-resources-socket",
+            str(base / "pr.sock"),
+            "--gpu-health-probe-interval",
+            "0.2",
+        ) as daemon:
             got = kubelet.take_registrations(len(Resource))
             assert {r.resource_name for r in got} == {r.value for r in Resource}
             sizes = {}
@@ -458,11 +533,22 @@ def test_cgpud_in_kubernetes_mode_registers_and_reports_a_lost_gpu(sim_env: dict
                 sizes[resource] = len(next(stream).devices)
                 stream.cancel()
             # Two simulated GPUs of 16 GiB (tests/conftest.py).
-            assert sizes == {Resource.GPU_MEM: 32, Resource.GPU_COUNT: 2, Resource.GPU_CORE: 200,
-                             Resource.GPU_TOPOLOGY: 0, Resource.NVIDIA_GPU: 0}
+            assert sizes == {
+                Resource.GPU_MEM: 32,
+                Resource.GPU_COUNT: 2,
+                Resource.GPU_CORE: 200,
+                Resource.GPU_TOPOLOGY: 0,
+                Resource.NVIDIA_GPU: 0,
+            }
 
-            inventory = subprocess.run([sys.executable, "-m", "cgpud.daemon.main", "--inventory"], env=env,
-                                       capture_output=True, text=True, timeout=30, check=True)
+            inventory = subprocess.run(
+                [sys.executable, "-m", "cgpud.daemon.main", "--inventory"],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=True,
+            )
             uuids = [g["uuid"] for g in json.loads(inventory.stdout)["gpus"]]
             stream = stub(plugins, Resource.GPU_COUNT).ListAndWatch(pb.Empty(), timeout=30)
             assert devices(next(stream)) == {uuids[0]: "Healthy", uuids[1]: "Healthy"}

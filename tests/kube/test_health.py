@@ -2,6 +2,7 @@
 on the simulated GPUs, with faults injected by `cgpuctl sim fault` from
 another process. The watcher runs in a subprocess because pynvml finds
 libnvidia-ml.so.1 through LD_LIBRARY_PATH, fixed when a process starts."""
+
 from __future__ import annotations
 
 import json
@@ -122,8 +123,9 @@ def test_apply_changes_only_the_observed_gpu():
     assert healthy_by_index(after) == {0: True, 1: False}
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [({"probe_interval": 0}, "probe interval"),
-                                                 ({"wait_ms": 0}, "event wait")])
+@pytest.mark.parametrize(
+    ("kwargs", "message"), [({"probe_interval": 0}, "probe interval"), ({"wait_ms": 0}, "event wait")]
+)
 def test_watcher_settings_are_checked(kwargs, message):
     with pytest.raises(UsageError, match=message):
         HealthWatcher([], lambda _: None, **kwargs)
@@ -192,9 +194,14 @@ class Watcher:
 
 
 def start_watcher(sim_env: dict[str, str], recovery_window: float) -> Watcher:
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(WATCHER), str(recovery_window)],
-                            env=py_env(sim_env), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(WATCHER), str(recovery_window)],
+        env=py_env(sim_env),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     watcher = Watcher(proc)
     ready = watcher.next(30.0)
     assert ready == {"ready": {"0": [True, ""], "1": [True, ""]}}
@@ -204,8 +211,13 @@ def start_watcher(sim_env: dict[str, str], recovery_window: float) -> Watcher:
 def inject(sim_env: dict[str, str], *args: str) -> float:
     """`cgpuctl sim fault ARGS` in its own process; the monotonic time it
     returned."""
-    proc = subprocess.run([sys.executable, "-m", "cgpud.cli.main", "sim", "fault", *args], env=sim_env,
-                          capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        [sys.executable, "-m", "cgpud.cli.main", "sim", "fault", *args],
+        env=sim_env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert proc.returncode == 0, proc.stderr
     return time.monotonic()
 
@@ -282,12 +294,15 @@ def test_a_gpu_lost_before_the_watcher_starts_is_unhealthy_from_the_start(native
         w.stop()
         print(json.dumps({"gpus": {i: [h.healthy, h.reason] for i, h in snap.items()}, "calls": len(calls)}))
     """)
-    proc = subprocess.run([sys.executable, "-c", script, *uuids], env=py_env(sim_env), capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *uuids], env=py_env(sim_env), capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr
     # The first verdict is the snapshot's; on_change hears of changes only.
-    assert json.loads(proc.stdout.splitlines()[-1]) == {"gpus": {"0": [False, "GPU is lost"], "1": [True, ""]},
-                                                        "calls": 0}
+    assert json.loads(proc.stdout.splitlines()[-1]) == {
+        "gpus": {"0": [False, "GPU is lost"], "1": [True, ""]},
+        "calls": 0,
+    }
 
 
 def test_snapshot_before_start_is_all_healthy():
@@ -302,13 +317,16 @@ def test_the_daemon_settings_make_the_policy(tmp_path):
 
     empty = tmp_path / "config.toml"
     empty.write_text("")
-    settings = config.load(empty, {
-        "gpu_health_skip_xids": "48,94", "gpu_health_recovery_window": "0", "gpu_health_probe_interval": "2.5"})
+    settings = config.load(
+        empty, {"gpu_health_skip_xids": "48,94", "gpu_health_recovery_window": "0", "gpu_health_probe_interval": "2.5"}
+    )
     assert settings.health_policy() == HealthPolicy(DEFAULT_SKIPPED_XIDS | {48, 94}, 0.0)
     assert settings.gpu_health_probe_interval == 2.5
     assert config.DaemonConfig().health_policy() == HealthPolicy()
-    for bad, message in [({"gpu_health_skip_xids": "48 x"}, "XIDs must be numbers"),
-                         ({"gpu_health_recovery_window": "-1"}, "recovery window"),
-                         ({"gpu_health_probe_interval": "0"}, "gpu_health_probe_interval")]:
+    for bad, message in [
+        ({"gpu_health_skip_xids": "48 x"}, "XIDs must be numbers"),
+        ({"gpu_health_recovery_window": "-1"}, "recovery window"),
+        ({"gpu_health_probe_interval": "0"}, "gpu_health_probe_interval"),
+    ]:
         with pytest.raises(UsageError, match=message):
             config.load(empty, bad)

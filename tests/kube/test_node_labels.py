@@ -3,6 +3,7 @@ and placement at runtime by the rules of `policy_change_problem`, card-model
 labels are written, and an API server outage keeps the node on what it has
 until it answers again. The official client against tests/harness/api_server.py,
 the real instance service."""
+
 from __future__ import annotations
 
 import threading
@@ -20,8 +21,11 @@ from cgpud.kube.node_labels import NodeLabels, card_label_patch, initial_policy,
 from tests.harness.api_server import ApiServerProcess, api_server, node_json
 
 GPUS = (GpuCapacity(0, "GPU-aaaa", 16 * GIB),)
-CARD = {"aliyun.accelerator/nvidia_name": "NVIDIA-H100-80GB-HBM3", "aliyun.accelerator/nvidia_mem": "16384MiB",
-        "aliyun.accelerator/nvidia_count": "1"}
+CARD = {
+    "aliyun.accelerator/nvidia_name": "NVIDIA-H100-80GB-HBM3",
+    "aliyun.accelerator/nvidia_mem": "16384MiB",
+    "aliyun.accelerator/nvidia_count": "1",
+}
 CONFIGURED = NodePolicy(mode=NodeMode.CGPU, placement=Placement.BINPACK)
 
 
@@ -49,7 +53,8 @@ def test_label_policy_and_card_patch_are_pure():
     assert bad.problems[0].startswith("label ack.node.gpu.schedule='turbo' is not a mode cgpud knows")
     assert bad.problems[1] == "label ack.node.gpu.placement='pack' is not binpack or spread: keeping binpack"
     assert card_label_patch({**CARD, "aliyun.accelerator/nvidia_count": "2"}, CARD) == {
-        "aliyun.accelerator/nvidia_count": "1"}
+        "aliyun.accelerator/nvidia_count": "1"
+    }
     assert card_label_patch(CARD, CARD) == {}
 
 
@@ -59,8 +64,10 @@ def test_a_core_mem_label_is_refused_where_more_instances_per_gpu_are_allowed_th
     many = replace(CONFIGURED, max_instances_per_gpu=40)
     got = label_policy({"ack.node.gpu.schedule": "core_mem"}, many)
     assert got.mode is NodeMode.CGPU
-    assert got.problems == ("label ack.node.gpu.schedule=core_mem needs max_instances_per_gpu of at most 32 (the "
-                            "instances the compute scheduler takes per GPU; it is 40): keeping cgpu",)
+    assert got.problems == (
+        "label ack.node.gpu.schedule=core_mem needs max_instances_per_gpu of at most 32 (the "
+        "instances the compute scheduler takes per GPU; it is 40): keeping cgpu",
+    )
     assert label_policy({"ack.node.gpu.schedule": "core_mem"}, CONFIGURED).mode is NodeMode.CORE_MEM
 
 

@@ -1,5 +1,6 @@
 """The pod-resources client against the kubelet's API served by the test
 over real gRPC on a unix socket."""
+
 from __future__ import annotations
 
 import shutil
@@ -24,12 +25,19 @@ def _pod(namespace: str, name: str, *containers: pb.ContainerResources) -> pb.Po
 
 
 PODS = [
-    _pod("ml", "train-0",
-         pb.ContainerResources(name="main", devices=[
-             pb.ContainerDevices(resource_name="aliyun.com/gpu-mem", device_ids=[f"{UUID0}-_-0", f"{UUID0}-_-1"]),
-             pb.ContainerDevices(resource_name="aliyun.com/gpu-core.percentage", device_ids=[f"{UUID0}-_-c0"]),
-         ], cpu_ids=[2, 3]),
-         pb.ContainerResources(name="sidecar")),  # holds nothing
+    _pod(
+        "ml",
+        "train-0",
+        pb.ContainerResources(
+            name="main",
+            devices=[
+                pb.ContainerDevices(resource_name="aliyun.com/gpu-mem", device_ids=[f"{UUID0}-_-0", f"{UUID0}-_-1"]),
+                pb.ContainerDevices(resource_name="aliyun.com/gpu-core.percentage", device_ids=[f"{UUID0}-_-c0"]),
+            ],
+            cpu_ids=[2, 3],
+        ),
+        pb.ContainerResources(name="sidecar"),
+    ),  # holds nothing
     _pod("kube-system", "coredns-1", pb.ContainerResources(name="coredns")),
 ]
 

@@ -1,6 +1,7 @@
 """Which pod instances go (cgpud/kube/releases.py gone_instances): only
 when the API server and the kubelet agree the pod is gone, never one a
 running container holds."""
+
 from __future__ import annotations
 
 from cgpud.node.model import Grant, Instance, InstanceState, Owner, OwnerKind
@@ -8,8 +9,9 @@ from cgpud.kube.apiserver import PodInfo
 from cgpud.kube.releases import KubeletPod, gone_instances
 
 
-def instance(iid: str, owner: str, state: InstanceState = InstanceState.RESERVED,
-             kind: OwnerKind = OwnerKind.POD) -> Instance:
+def instance(
+    iid: str, owner: str, state: InstanceState = InstanceState.RESERVED, kind: OwnerKind = OwnerKind.POD
+) -> Instance:
     return Instance(iid, Owner(kind, owner), (Grant(0, "GPU-a", 1 << 30, 0),), state, True)
 
 

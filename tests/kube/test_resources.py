@@ -1,4 +1,5 @@
 """The device lists per node mode and the reading back of device IDs."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,5 +1,6 @@
 """The deb and rpm, built once per test run by packaging/build.py from
 one staged tree: an "old" and a "new" deb (for upgrades) and the new rpm."""
+
 from __future__ import annotations
 
 import subprocess
@@ -25,8 +26,9 @@ class Packages:
 
 
 def build(*args: str) -> list[Path]:
-    out = subprocess.run([sys.executable, str(REPO / "packaging" / "build.py"), *args],
-                         capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [sys.executable, str(REPO / "packaging" / "build.py"), *args], capture_output=True, text=True, timeout=900
+    )
     assert out.returncode == 0, out.stderr
     return [Path(line) for line in out.stdout.split()]
 

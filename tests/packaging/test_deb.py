@@ -1,6 +1,7 @@
 """The deb in a throwaway root (dpkg --root with its own admin directory;
 maintainer scripts run without chroot and act on $DPKG_ROOT): its files,
 conffile handling across upgrades, removal and purge."""
+
 from __future__ import annotations
 
 import re
@@ -15,8 +16,12 @@ PY = "python3.11"
 
 
 def dpkg(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    out = subprocess.run(["dpkg", f"--root={root}", "--force-script-chrootless", "--force-depends",
-                          "--log=/dev/null", *args], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        ["dpkg", f"--root={root}", "--force-script-chrootless", "--force-depends", "--log=/dev/null", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     return out
 
@@ -36,8 +41,9 @@ def test_the_deb_declares_its_conffile_scripts_and_dependencies(packages: Packag
     depends = next(line for line in fields.splitlines() if line.startswith("Depends:"))
     assert "libssl3" in depends and "libsqlite3-0" in depends
     assert re.search(r"\blibc6 \(>= 2\.[0-9]+\)", depends)  # the newest GLIBC_ symbol version needed
-    conffiles = subprocess.run(["dpkg-deb", "-I", str(packages.new_deb), "conffiles"], capture_output=True,
-                               text=True).stdout
+    conffiles = subprocess.run(
+        ["dpkg-deb", "-I", str(packages.new_deb), "conffiles"], capture_output=True, text=True
+    ).stdout
     assert conffiles.split() == ["/etc/cgpu/config.toml"]
     listing = subprocess.run(["dpkg-deb", "-c", str(packages.new_deb)], capture_output=True, text=True).stdout
     owners = {line.split()[1] for line in listing.splitlines()}
@@ -46,8 +52,13 @@ def test_the_deb_declares_its_conffile_scripts_and_dependencies(packages: Packag
     tops = {n.split("/")[1] for n in names if n.count("/") > 1}
     assert tops == {"etc", "lib", "opt", "usr"}  # nothing in /var: state is made by the unit, kept by removal
     stdlib = f"/opt/cgpu/{NEW}/python/lib/{PY}/"
-    pruned = [n for n in names if n.startswith(stdlib) and not n.startswith(stdlib + "site-packages/")
-              and ({"test", "tests", "tkinter", "idlelib", "ensurepip"} & set(n[len(stdlib):].split("/")))]
+    pruned = [
+        n
+        for n in names
+        if n.startswith(stdlib)
+        and not n.startswith(stdlib + "site-packages/")
+        and ({"test", "tests", "tkinter", "idlelib", "ensurepip"} & set(n[len(stdlib) :].split("/")))
+    ]
     assert pruned == []
     assert stdlib + "ctypes/__init__.py" in names and stdlib + "lib-dynload/" in names
 
@@ -57,22 +68,32 @@ def test_install_upgrade_keeps_edits_remove_keeps_state_purge_deletes_it(package
     dpkg(root, "-i", str(packages.old_deb))
     old_prefix = root / "opt/cgpu" / OLD
     site = old_prefix / "python/lib" / PY / "site-packages"
-    for part in ("cgpud/_native/lib/libcgpu.so", "cgpud/_native/bin/cgpu-runtime", "cgpud/_native/bin/cgpu-hook",
-                 "cgpud/_native/sim/libcuda.so.1", "cgpud/_native/sim/libnvidia-ml.so.1", "grpc", "kubernetes",
-                 "prometheus_client", f"cgpud-{OLD}.dist-info/METADATA"):
+    for part in (
+        "cgpud/_native/lib/libcgpu.so",
+        "cgpud/_native/bin/cgpu-runtime",
+        "cgpud/_native/bin/cgpu-hook",
+        "cgpud/_native/sim/libcuda.so.1",
+        "cgpud/_native/sim/libnvidia-ml.so.1",
+        "grpc",
+        "kubernetes",
+        "prometheus_client",
+        f"cgpud-{OLD}.dist-info/METADATA",
+    ):
         assert (site / part).exists(), part
     assert list(site.glob("cgpud/_region*.so")) and list(site.glob("cgpud/_scheduler*.so"))
     assert (old_prefix / "python/bin" / PY).exists()
     assert (root / "usr/bin/cgpud").readlink() == Path(f"/opt/cgpu/{OLD}/bin/cgpud")
-    assert (root / "usr/bin/cgpu-runtime").readlink() == Path(f"/opt/cgpu/{OLD}/python/lib/{PY}/site-packages"
-                                                               "/cgpud/_native/bin/cgpu-runtime")
+    assert (root / "usr/bin/cgpu-runtime").readlink() == Path(
+        f"/opt/cgpu/{OLD}/python/lib/{PY}/site-packages/cgpud/_native/bin/cgpu-runtime"
+    )
     assert (old_prefix / "bin/cgpud").read_text().startswith(f"#!/opt/cgpu/{OLD}/python/bin/{PY} -IB\n")
     unit = (root / "lib/systemd/system/cgpud.service").read_text()
     assert "Type=notify" in unit and "WatchdogSec=" in unit and "KillMode=process" in unit
     config = root / "etc/cgpu/config.toml"
     default = config.read_text()
     assert "# sweep_interval = 2.0" in default and all(
-        not line or line.startswith("#") for line in default.splitlines())  # every setting commented out
+        not line or line.startswith("#") for line in default.splitlines()
+    )  # every setting commented out
 
     # The operator edits the config; cgpud has made its state.
     config.write_text(default + "\nsweep_interval = 1.0\n")
@@ -122,8 +143,9 @@ def repack_with_new_default(deb: Path, tmp_path: Path) -> Path:
     control = tree / "DEBIAN/control"
     control.write_text(control.read_text().replace(f"Version: {NEW}", f"Version: {NEW}.1"))
     out = tmp_path / "newer.deb"
-    subprocess.run(["dpkg-deb", "--root-owner-group", "-Zzstd", "-z1", "-b", str(tree), str(out)], check=True,
-                   capture_output=True)
+    subprocess.run(
+        ["dpkg-deb", "--root-owner-group", "-Zzstd", "-z1", "-b", str(tree), str(out)], check=True, capture_output=True
+    )
     return out
 
 

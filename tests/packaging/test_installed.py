@@ -3,6 +3,7 @@ throwaway machine), purged at the end: /usr/bin/cgpud from the package,
 started as the unit's ExecStart starts it (with a notify socket; no systemd
 here), passes the source tree's memory-limit check with the package's own
 cgpuctl, tools and simulated driver, found as `cgpuctl sim env` says."""
+
 from __future__ import annotations
 
 import json
@@ -72,8 +73,15 @@ def test_the_installed_cgpud_holds_a_memory_limit(installed: Packages, tmp_path:
     # The unit's command line, with this test's state and sockets (tests of
     # the source tree may run beside it). It reads the package's conffile,
     # /etc/cgpu/config.toml, every line of it commented out.
-    argv = [*exec_start(), "--state-dir", str(tmp_path / "state"), "--socket", str(sock),
-            "--relay-socket", str(tmp_path / "run" / "relay.sock")]
+    argv = [
+        *exec_start(),
+        "--state-dir",
+        str(tmp_path / "state"),
+        "--socket",
+        str(sock),
+        "--relay-socket",
+        str(tmp_path / "run" / "relay.sock"),
+    ]
     assert argv[0] == "/usr/bin/cgpud"
     with open(tmp_path / "cgpud.log", "w") as log:
         daemon = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=log)
@@ -116,8 +124,13 @@ def test_every_entry_point_and_the_kubernetes_side_import_from_the_package(insta
         out = run(f"/usr/bin/{tool}", "--help")
         assert out.returncode == 0 and out.stdout.startswith("usage:"), (tool, out.stderr)
     python = f"/opt/cgpu/{NEW}/python/bin/python3.11"
-    out = run(python, "-I", "-c", "import cgpud, cgpud.kube.agent, cgpud.kube.plugin, cgpud.extender.main, "
-              "cgpud.daemon.metrics, cgpud._region, cgpud._scheduler, ssl, sqlite3, ctypes; print(cgpud.__file__)")
+    out = run(
+        python,
+        "-I",
+        "-c",
+        "import cgpud, cgpud.kube.agent, cgpud.kube.plugin, cgpud.extender.main, "
+        "cgpud.daemon.metrics, cgpud._region, cgpud._scheduler, ssl, sqlite3, ctypes; print(cgpud.__file__)",
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(f"/opt/cgpu/{NEW}/")  # not the source tree's
 

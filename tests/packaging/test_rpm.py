@@ -1,6 +1,7 @@
 """The rpm: its file list, and an install, an edited config and an erase in
 a throwaway root with its own rpm database. rpm runs scriptlets chrooted in
 the root; a static busybox is its /bin/sh, as on a minimal host."""
+
 from __future__ import annotations
 
 import re
@@ -23,10 +24,19 @@ def test_rpm_lists_the_expected_files(packages: Packages) -> None:
     assert packages.new_rpm.name == f"cgpu-{NEW}-1.x86_64.rpm"
     files = set(rpm("-qlp", str(packages.new_rpm)).stdout.split())
     site = f"/opt/cgpu/{NEW}/python/lib/{PY}/site-packages"
-    for path in ("/usr/bin/cgpud", "/usr/bin/cgpuctl", "/usr/bin/cgpu-scheduler", "/usr/bin/kubectl-inspect-cgpu",
-                 "/usr/bin/cgpu-runtime", "/usr/lib/systemd/system/cgpud.service", "/etc/cgpu/config.toml",
-                 f"/opt/cgpu/{NEW}/python/bin/{PY}", f"{site}/cgpud/_native/lib/libcgpu.so",
-                 f"{site}/cgpud/_native/sim/libcuda.so.1", f"{site}/cgpud-{NEW}.dist-info/METADATA"):
+    for path in (
+        "/usr/bin/cgpud",
+        "/usr/bin/cgpuctl",
+        "/usr/bin/cgpu-scheduler",
+        "/usr/bin/kubectl-inspect-cgpu",
+        "/usr/bin/cgpu-runtime",
+        "/usr/lib/systemd/system/cgpud.service",
+        "/etc/cgpu/config.toml",
+        f"/opt/cgpu/{NEW}/python/bin/{PY}",
+        f"{site}/cgpud/_native/lib/libcgpu.so",
+        f"{site}/cgpud/_native/sim/libcuda.so.1",
+        f"{site}/cgpud-{NEW}.dist-info/METADATA",
+    ):
         assert path in files, path
     assert not any(f.startswith("/var/") for f in files)
     requires = rpm("-qp", "--requires", str(packages.new_rpm)).stdout.splitlines()
@@ -50,8 +60,9 @@ def test_rpm_installs_into_a_root_and_erase_keeps_edits_and_state(packages: Pack
     assert rpm(*db, "-q", "cgpu").stdout.strip() == f"cgpu-{NEW}-1.x86_64"
     assert (root / "usr/bin/cgpud").readlink() == Path(f"/opt/cgpu/{NEW}/bin/cgpud")
     assert (root / "usr/lib/systemd/system/cgpud.service").read_text().startswith("# cgpud")
-    assert (root / f"opt/cgpu/{NEW}/python/lib/{PY}/site-packages/cgpud/_native/bin/cgpu-runtime").stat().st_mode \
-        & 0o111
+    assert (
+        root / f"opt/cgpu/{NEW}/python/lib/{PY}/site-packages/cgpud/_native/bin/cgpu-runtime"
+    ).stat().st_mode & 0o111
     rpm(*db, "-V", "--nodeps", "cgpu")  # every file as packed
 
     config = root / "etc/cgpu/config.toml"

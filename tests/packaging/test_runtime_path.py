@@ -1,5 +1,6 @@
 """`cgpuctl runtime configure`'s default path: the package's stable link
 when it leads to this very cgpu-runtime, else the installed file."""
+
 from __future__ import annotations
 
 import shutil

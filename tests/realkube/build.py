@@ -14,6 +14,7 @@ k8s.io/kubernetes cannot be `go install`ed (its go.mod replaces its staging
 modules with local paths); kube/go.mod requires it and points each staging
 module at its published v0.x release, and pins everything in kube/go.sum.
 etcd is the server release k8s.io/kubernetes itself requires."""
+
 from __future__ import annotations
 
 import argparse
@@ -60,10 +61,16 @@ def _version_flags() -> str:
     """The version the components report (a module build leaves it unset,
     v0.0.0-master): the kubelet reports it on its Node, kubectl compares it."""
     major, minor = KUBERNETES.removeprefix("v").split(".")[:2]
-    return " ".join(f"-X {package}.{name}={value}"
-                    for package in ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version")
-                    for name, value in (("gitVersion", KUBERNETES), ("gitMajor", major), ("gitMinor", minor),
-                                        ("gitTreeState", "clean")))
+    return " ".join(
+        f"-X {package}.{name}={value}"
+        for package in ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version")
+        for name, value in (
+            ("gitVersion", KUBERNETES),
+            ("gitMajor", major),
+            ("gitMinor", minor),
+            ("gitTreeState", "clean"),
+        )
+    )
 
 
 def _go_env() -> dict[str, str]:
@@ -105,7 +112,9 @@ def build(log=print) -> KubeBinaries:
         work = target.with_name(target.name + ".partial")
         (work / "bin").mkdir(parents=True)
         env = _go_env()
-        seconds = _go(env, KUBE_MODULE, "build", f"-ldflags=-s -w {_version_flags()}", "-o", str(work / "bin" / "kube"), ".")
+        seconds = _go(
+            env, KUBE_MODULE, "build", f"-ldflags=-s -w {_version_flags()}", "-o", str(work / "bin" / "kube"), "."
+        )
         log(f"built etcd and Kubernetes {KUBERNETES} in {seconds:.0f} s")
         for name in COMPONENTS:
             (work / "bin" / name).symlink_to("kube")

@@ -14,6 +14,7 @@ Addresses: node i is 10.X.i.2 in its namespace, the host's side of its veth
 reaches it at its own 10.X.i.1. (A kubelet refuses a loopback node IP.)
 Names follow tests/harness/cluster.py's, so its sweep_leftovers removes what a
 killed run left."""
+
 from __future__ import annotations
 
 import json
@@ -37,8 +38,16 @@ from typing import Any
 import yaml
 
 from cgpud.native import native_dir, native_path
-from tests.harness.cluster import ROOT_PREFIX, _pid_alive, _tag_pid, _unmount_regions, free_port, free_second_octet, \
-    node_network, sweep_leftovers
+from tests.harness.cluster import (
+    ROOT_PREFIX,
+    _pid_alive,
+    _tag_pid,
+    _unmount_regions,
+    free_port,
+    free_second_octet,
+    node_network,
+    sweep_leftovers,
+)
 from tests.harness.sim import write_sim_config
 from tests.harness.daemon import BIN
 from tests.harness.oci import build_rootfs
@@ -63,8 +72,9 @@ class ClusterError(AssertionError):
     pass
 
 
-def _run(*args: str, check: bool = True, timeout: float = 60, env: dict[str, str] | None = None,
-         input: str | None = None) -> subprocess.CompletedProcess[str]:
+def _run(
+    *args: str, check: bool = True, timeout: float = 60, env: dict[str, str] | None = None, input: str | None = None
+) -> subprocess.CompletedProcess[str]:
     done = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout, env=env, input=input)
     if check and done.returncode != 0:
         raise ClusterError(f"{' '.join(args)} exited {done.returncode}: {done.stderr[-3000:]}")
@@ -106,8 +116,9 @@ class Process:
     def start(self) -> Process:
         prefix = ["nsenter", f"--net=/run/netns/{self.netns}", "--"] if self.netns else []
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen([*prefix, *self.command], stdout=log, stderr=log, env=self.env,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                [*prefix, *self.command], stdout=log, stderr=log, env=self.env, start_new_session=True
+            )
         return self
 
     def alive(self) -> bool:
@@ -164,18 +175,26 @@ class ClusterPki:
         return leaf(self.dir, name, (self.ca, self.ca_key), "serverAuth", san)
 
 
-def kubeconfig(path: Path, server: str, ca_file: Path, *, cert: tuple[Path, Path] | None = None,
-               token: str | None = None) -> Path:
+def kubeconfig(
+    path: Path, server: str, ca_file: Path, *, cert: tuple[Path, Path] | None = None, token: str | None = None
+) -> Path:
     user: dict[str, Any] = {}
     if cert:
         user = {"client-certificate": str(cert[0]), "client-key": str(cert[1])}
     if token:
         user = {"token": token}
-    path.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "c",
-        "clusters": [{"name": "c", "cluster": {"server": server, "certificate-authority": str(ca_file)}}],
-        "users": [{"name": "u", "user": user}],
-        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))
+    path.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "c",
+                "clusters": [{"name": "c", "cluster": {"server": server, "certificate-authority": str(ca_file)}}],
+                "users": [{"name": "u", "user": user}],
+                "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+            }
+        )
+    )
     return path
 
 
@@ -221,8 +240,9 @@ class RealNode:
         return self.cgpud_dir / "run" / "cgpud.sock"
 
     def cgpuctl(self, *args: str, socket: Path | None = None) -> subprocess.CompletedProcess[str]:
-        return _run(str(BIN / "cgpuctl"), "--socket", str(socket or self.cgpud_socket), *args, check=False,
-                    env=self.sim_env)
+        return _run(
+            str(BIN / "cgpuctl"), "--socket", str(socket or self.cgpud_socket), *args, check=False, env=self.sim_env
+        )
 
 
 class RealCluster:
@@ -297,8 +317,11 @@ class RealCluster:
         pattern = re.compile(rf"/tmp/{ROOT_PREFIX}([0-9a-f]+)-")
         for proc in Path("/proc").iterdir():  # shims and the like whose socket path names a dead run
             try:
-                m = pattern.search((proc / "cmdline").read_bytes().decode(errors="replace")) if proc.name.isdigit() \
+                m = (
+                    pattern.search((proc / "cmdline").read_bytes().decode(errors="replace"))
+                    if proc.name.isdigit()
                     else None
+                )
             except OSError:
                 continue
             pid = _tag_pid(m.group(1)) if m else None
@@ -317,8 +340,14 @@ class RealCluster:
                 cls._clean_node(root / f"n{m.group(2)}", group.name)
             cls._clean_node(Path("/nonexistent") / group.name, group.name)
 
-    def _process(self, name: str, command: list[str], netns: str | None = None,
-                 env: dict[str, str] | None = None, log: Path | None = None) -> Process:
+    def _process(
+        self,
+        name: str,
+        command: list[str],
+        netns: str | None = None,
+        env: dict[str, str] | None = None,
+        log: Path | None = None,
+    ) -> Process:
         process = Process(name, command, log or self.root / f"{name}.log", netns, env).start()
         self._stack.callback(process.stop)
         return process
@@ -335,24 +364,52 @@ class RealCluster:
     def admin_kubeconfig(self) -> Path:
         return self.root / "admin.kubeconfig"
 
-    def kubectl(self, *args: str, check: bool = True, input: str | None = None,
-                kubeconfig: Path | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-        return _run("kubectl", "--kubeconfig", str(kubeconfig or self.admin_kubeconfig), *args, check=check,
-                    input=input, timeout=timeout)
+    def kubectl(
+        self,
+        *args: str,
+        check: bool = True,
+        input: str | None = None,
+        kubeconfig: Path | None = None,
+        timeout: float = 60,
+    ) -> subprocess.CompletedProcess[str]:
+        return _run(
+            "kubectl",
+            "--kubeconfig",
+            str(kubeconfig or self.admin_kubeconfig),
+            *args,
+            check=check,
+            input=input,
+            timeout=timeout,
+        )
 
     def get(self, *args: str) -> Any:
         return json.loads(self.kubectl("get", *args, "-o", "json").stdout)
 
     def _start_control_plane(self) -> None:
         etcd_port, peer_port, self.api_port = free_port(), free_port(), free_port("0.0.0.0")
-        etcd = self._process("etcd", [
-            str(self.bin["etcd"]), "--name", "etcd", "--data-dir", str(self.root / "etcd"),
-            "--listen-client-urls", f"http://127.0.0.1:{etcd_port}",
-            "--advertise-client-urls", f"http://127.0.0.1:{etcd_port}",
-            "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
-            "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
-            "--initial-cluster", f"etcd=http://127.0.0.1:{peer_port}",
-            "--unsafe-no-fsync", "--log-level", "warn"])
+        etcd = self._process(
+            "etcd",
+            [
+                str(self.bin["etcd"]),
+                "--name",
+                "etcd",
+                "--data-dir",
+                str(self.root / "etcd"),
+                "--listen-client-urls",
+                f"http://127.0.0.1:{etcd_port}",
+                "--advertise-client-urls",
+                f"http://127.0.0.1:{etcd_port}",
+                "--listen-peer-urls",
+                f"http://127.0.0.1:{peer_port}",
+                "--initial-advertise-peer-urls",
+                f"http://127.0.0.1:{peer_port}",
+                "--initial-cluster",
+                f"etcd=http://127.0.0.1:{peer_port}",
+                "--unsafe-no-fsync",
+                "--log-level",
+                "warn",
+            ],
+        )
 
         def etcd_ready() -> bool:
             etcd.check()
@@ -364,22 +421,40 @@ class RealCluster:
 
         until(etcd_ready, WAIT, interval=0.2, what="etcd ready", explain=etcd.tail)
         host_ips = [self.host_ip(i) for i in range(self.count)]
-        serving = self.pki.server("kube-apiserver", ["127.0.0.1", "10.96.0.1", *host_ips],
-                                  ["localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc"])
-        kubelet_client = self.pki.client("apiserver-kubelet-client", "kube-apiserver-kubelet-client",
-                                         ["system:masters"])
-        apiserver = self._process("kube-apiserver", [
-            str(self.bin["kube-apiserver"]), f"--etcd-servers=http://127.0.0.1:{etcd_port}",
-            "--bind-address=0.0.0.0", f"--secure-port={self.api_port}", f"--advertise-address={host_ips[0]}",
-            f"--tls-cert-file={serving[0]}", f"--tls-private-key-file={serving[1]}",
-            f"--client-ca-file={self.pki.ca}",
-            f"--kubelet-client-certificate={kubelet_client[0]}", f"--kubelet-client-key={kubelet_client[1]}",
-            f"--kubelet-certificate-authority={self.pki.ca}", "--kubelet-preferred-address-types=InternalIP",
-            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
-            f"--service-account-key-file={self.pki.sa_pub}", f"--service-account-signing-key-file={self.pki.sa_key}",
-            "--service-cluster-ip-range=10.96.0.0/24", "--authorization-mode=Node,RBAC",
-            "--enable-admission-plugins=NodeRestriction", "--allow-privileged=true",
-            "--endpoint-reconciler-type=none", "--profiling=false"])
+        serving = self.pki.server(
+            "kube-apiserver",
+            ["127.0.0.1", "10.96.0.1", *host_ips],
+            ["localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc"],
+        )
+        kubelet_client = self.pki.client(
+            "apiserver-kubelet-client", "kube-apiserver-kubelet-client", ["system:masters"]
+        )
+        apiserver = self._process(
+            "kube-apiserver",
+            [
+                str(self.bin["kube-apiserver"]),
+                f"--etcd-servers=http://127.0.0.1:{etcd_port}",
+                "--bind-address=0.0.0.0",
+                f"--secure-port={self.api_port}",
+                f"--advertise-address={host_ips[0]}",
+                f"--tls-cert-file={serving[0]}",
+                f"--tls-private-key-file={serving[1]}",
+                f"--client-ca-file={self.pki.ca}",
+                f"--kubelet-client-certificate={kubelet_client[0]}",
+                f"--kubelet-client-key={kubelet_client[1]}",
+                f"--kubelet-certificate-authority={self.pki.ca}",
+                "--kubelet-preferred-address-types=InternalIP",
+                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+                f"--service-account-key-file={self.pki.sa_pub}",
+                f"--service-account-signing-key-file={self.pki.sa_key}",
+                "--service-cluster-ip-range=10.96.0.0/24",
+                "--authorization-mode=Node,RBAC",
+                "--enable-admission-plugins=NodeRestriction",
+                "--allow-privileged=true",
+                "--endpoint-reconciler-type=none",
+                "--profiling=false",
+            ],
+        )
         admin = self.pki.client("admin", "cluster-admin", ["system:masters"])
         kubeconfig(self.admin_kubeconfig, self.api_url("127.0.0.1"), self.pki.ca, cert=admin)
 
@@ -390,15 +465,28 @@ class RealCluster:
         until(api_ready, WAIT, interval=0.2, what="kube-apiserver ready", explain=apiserver.tail)
         self.control.update(etcd=etcd, apiserver=apiserver)
         cm = self.pki.client("kube-controller-manager", "system:kube-controller-manager")
-        self.control["controller-manager"] = self._process("kube-controller-manager", [
-            str(self.bin["kube-controller-manager"]),
-            f"--kubeconfig={kubeconfig(self.root / 'cm.kubeconfig', self.api_url('127.0.0.1'), self.pki.ca, cert=cm)}",
-            f"--service-account-private-key-file={self.pki.sa_key}", f"--root-ca-file={self.pki.ca}",
-            "--use-service-account-credentials=true", "--leader-elect=false", "--secure-port=0"])
+        self.control["controller-manager"] = self._process(
+            "kube-controller-manager",
+            [
+                str(self.bin["kube-controller-manager"]),
+                "--kubeconfig="
+                + str(kubeconfig(self.root / "cm.kubeconfig", self.api_url("127.0.0.1"), self.pki.ca, cert=cm)),
+                f"--service-account-private-key-file={self.pki.sa_key}",
+                f"--root-ca-file={self.pki.ca}",
+                "--use-service-account-credentials=true",
+                "--leader-elect=false",
+                "--secure-port=0",
+            ],
+        )
         # The default ServiceAccount that pods need is the controller-manager's doing.
         cm_process = self.control["controller-manager"]
-        until(lambda: cm_process.check() or
-                   self.kubectl("get", "serviceaccount", "default", check=False).returncode == 0, WAIT, interval=0.2, what="the default ServiceAccount", explain=cm_process.tail)
+        until(
+            lambda: cm_process.check() or self.kubectl("get", "serviceaccount", "default", check=False).returncode == 0,
+            WAIT,
+            interval=0.2,
+            what="the default ServiceAccount",
+            explain=cm_process.tail,
+        )
 
     @property
     def sim_root(self) -> Path:
@@ -420,8 +508,11 @@ class RealCluster:
         accounts and rights, and the admission policy."""
         self.apply(self.manifests("cgpud-rbac.yaml"))
         self.apply(self.manifests("cgpud-admission-policy.yaml"))
-        self.apply(self.manifests("cgpu-scheduler.yaml",
-                                  ["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"]))
+        self.apply(
+            self.manifests(
+                "cgpu-scheduler.yaml", ["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"]
+            )
+        )
 
     def token(self, account: str, namespace: str = "kube-system", *bound: str) -> str:
         return self.kubectl("create", "token", account, "-n", namespace, "--duration", "24h", *bound).stdout.strip()
@@ -432,14 +523,35 @@ class RealCluster:
         two Secrets deploy/cgpu-scheduler.yaml mounts. The serving
         certificate names node-0's address, where its pod runs."""
         c = self.capacity_pki
-        serving = leaf(c.dir, "cgpu-scheduler-serving", (c.ca, c.ca_key), "serverAuth",
-                       f"IP:{self.node_ip(0)},DNS:cgpu-scheduler.kube-system.svc")
-        self.kubectl("-n", "kube-system", "create", "secret", "generic", "cgpu-capacity-client",
-                     f"--from-file=tls.crt={c.client_cert}", f"--from-file=tls.key={c.client_key}",
-                     f"--from-file=ca.crt={c.ca}")
-        self.kubectl("-n", "kube-system", "create", "secret", "generic", "cgpu-scheduler-serving",
-                     f"--from-file=tls.crt={serving[0]}", f"--from-file=tls.key={serving[1]}",
-                     f"--from-file=client-ca.crt={c.ca}")
+        serving = leaf(
+            c.dir,
+            "cgpu-scheduler-serving",
+            (c.ca, c.ca_key),
+            "serverAuth",
+            f"IP:{self.node_ip(0)},DNS:cgpu-scheduler.kube-system.svc",
+        )
+        self.kubectl(
+            "-n",
+            "kube-system",
+            "create",
+            "secret",
+            "generic",
+            "cgpu-capacity-client",
+            f"--from-file=tls.crt={c.client_cert}",
+            f"--from-file=tls.key={c.client_key}",
+            f"--from-file=ca.crt={c.ca}",
+        )
+        self.kubectl(
+            "-n",
+            "kube-system",
+            "create",
+            "secret",
+            "generic",
+            "cgpu-scheduler-serving",
+            f"--from-file=tls.crt={serving[0]}",
+            f"--from-file=tls.key={serving[1]}",
+            f"--from-file=client-ca.crt={c.ca}",
+        )
 
     def extender_manifests(self) -> list[dict[str, Any]]:
         """deploy/cgpu-scheduler.yaml's Deployment, Service and NetworkPolicy
@@ -458,10 +570,12 @@ class RealCluster:
         [container] = pod["containers"]
         container["image"], container["imagePullPolicy"] = CGPUD_IMAGE, "Never"
         venv, base = Path(sys.prefix), Path(sys.base_prefix)
-        container["env"] = [*container.get("env", []),
-                            {"name": "PATH", "value": f"{venv / 'bin'}:/usr/local/bin:/usr/bin:/bin"},
-                            {"name": "KUBERNETES_SERVICE_HOST", "value": self.host_ip(0)},
-                            {"name": "KUBERNETES_SERVICE_PORT", "value": str(self.api_port)}]
+        container["env"] = [
+            *container.get("env", []),
+            {"name": "PATH", "value": f"{venv / 'bin'}:/usr/local/bin:/usr/bin:/bin"},
+            {"name": "KUBERNETES_SERVICE_HOST", "value": self.host_ip(0)},
+            {"name": "KUBERNETES_SERVICE_PORT", "value": str(self.api_port)},
+        ]
         for i, path in enumerate(dict.fromkeys([venv, base, REPO, Path("/usr"), native_dir()])):
             pod["volumes"].append({"name": f"host-{i}", "hostPath": {"path": str(path), "type": "Directory"}})
             container["volumeMounts"].append({"name": f"host-{i}", "mountPath": str(path), "readOnly": True})
@@ -474,14 +588,30 @@ class RealCluster:
         self.apply(self.extender_manifests())
 
         def ready() -> bool:
-            done = self.kubectl("-n", "kube-system", "get", "deployment", "cgpu-scheduler", "-o",
-                                "jsonpath={.status.readyReplicas}", check=False)
+            done = self.kubectl(
+                "-n",
+                "kube-system",
+                "get",
+                "deployment",
+                "cgpu-scheduler",
+                "-o",
+                "jsonpath={.status.readyReplicas}",
+                check=False,
+            )
             return done.stdout.strip() == "1"
 
-        until(ready, WAIT, interval=0.2, what="cgpu-scheduler's Deployment ready", explain=lambda: self.kubectl(
-            "-n", "kube-system", "describe", "pods", "-l", "app.kubernetes.io/name=cgpu-scheduler",
-            check=False).stdout[-4000:] + self.kubectl("-n", "kube-system", "logs", "deployment/cgpu-scheduler",
-                                                       check=False).stdout[-3000:])
+        until(
+            ready,
+            WAIT,
+            interval=0.2,
+            what="cgpu-scheduler's Deployment ready",
+            explain=lambda: (
+                self.kubectl(
+                    "-n", "kube-system", "describe", "pods", "-l", "app.kubernetes.io/name=cgpu-scheduler", check=False
+                ).stdout[-4000:]
+                + self.kubectl("-n", "kube-system", "logs", "deployment/cgpu-scheduler", check=False).stdout[-3000:]
+            ),
+        )
 
     def scheduler_config(self) -> dict[str, Any]:
         """deploy/kube-scheduler-config.yaml with this cluster's paths and the
@@ -489,7 +619,8 @@ class RealCluster:
         [config] = self.manifests("kube-scheduler-config.yaml")
         client = self.pki.client("kube-scheduler", "system:kube-scheduler")
         config["clientConnection"]["kubeconfig"] = str(
-            kubeconfig(self.root / "scheduler.kubeconfig", self.api_url("127.0.0.1"), self.pki.ca, cert=client))
+            kubeconfig(self.root / "scheduler.kubeconfig", self.api_url("127.0.0.1"), self.pki.ca, cert=client)
+        )
         config["leaderElection"] = {"leaderElect": False}
         [extender] = config["extenders"]
         extender["urlPrefix"] = self.extender_url
@@ -500,8 +631,9 @@ class RealCluster:
     def _start_scheduler(self) -> None:
         path = self.root / "kube-scheduler.yaml"
         path.write_text(yaml.safe_dump(self.scheduler_config()))
-        self.control["kube-scheduler"] = self._process("kube-scheduler", [
-            str(self.bin["kube-scheduler"]), f"--config={path}", "--secure-port=0"])
+        self.control["kube-scheduler"] = self._process(
+            "kube-scheduler", [str(self.bin["kube-scheduler"]), f"--config={path}", "--secure-port=0"]
+        )
 
     # ---- images --------------------------------------------------------------------------
 
@@ -512,9 +644,11 @@ class RealCluster:
         nvml = workload / "usr" / "bin" / "nvml-total"
         source = images / "nvml_total.c"
         build_nvml_total(nvml, source)
-        return [write_archive(workload, WORKLOAD_IMAGE, images / "workload.tar"),
-                write_archive(workload, CGPUD_IMAGE, images / "cgpud.tar"),
-                write_archive(pause_root(images / "pause"), PAUSE_IMAGE, images / "pause.tar", ["/bin/pause"])]
+        return [
+            write_archive(workload, WORKLOAD_IMAGE, images / "workload.tar"),
+            write_archive(workload, CGPUD_IMAGE, images / "cgpud.tar"),
+            write_archive(pause_root(images / "pause"), PAUSE_IMAGE, images / "pause.tar", ["/bin/pause"]),
+        ]
 
     # ---- nodes ---------------------------------------------------------------------------
 
@@ -537,12 +671,26 @@ class RealCluster:
         sim_env["LD_LIBRARY_PATH"] = str(native_dir() / "sim")
         sim_env["CGPU_SIM_CONFIG"] = str(write_sim_config(sim / "sim.conf", gpus=self.gpus, mem=self.gpu_memory))
         sim_env["CGPU_SIM_STATE"] = str(sim / "sim.state")
-        node = RealNode(i, name, netns, host_ip, ip, directory, sim_env,
-                        containerd=Process("containerd", [], directory / "containerd.log"),
-                        kubelet=Process("kubelet", [], directory / "kubelet.log"))
+        node = RealNode(
+            i,
+            name,
+            netns,
+            host_ip,
+            ip,
+            directory,
+            sim_env,
+            containerd=Process("containerd", [], directory / "containerd.log"),
+            kubelet=Process("kubelet", [], directory / "kubelet.log"),
+        )
         self._start_containerd(node)
         self._start_kubelet(node)
-        until(lambda: node.kubelet.check() or self.kubectl("get", "node", name, check=False).returncode == 0, WAIT, interval=0.2, what=f"Node {name} registered", explain=node.kubelet.tail)
+        until(
+            lambda: node.kubelet.check() or self.kubectl("get", "node", name, check=False).returncode == 0,
+            WAIT,
+            interval=0.2,
+            what=f"Node {name} registered",
+            explain=node.kubelet.tail,
+        )
         return node
 
     @staticmethod
@@ -572,8 +720,9 @@ class RealCluster:
             time.sleep(0.1)
         _unmount_regions(directory)
         points = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()]
-        for point in sorted((p for p in points if p == str(directory) or p.startswith(f"{directory}/")),
-                            key=len, reverse=True):
+        for point in sorted(
+            (p for p in points if p == str(directory) or p.startswith(f"{directory}/")), key=len, reverse=True
+        ):
             subprocess.run(["umount", "-l", point], capture_output=True)
         for group in groups:
             _remove_cgroup(group)
@@ -581,45 +730,69 @@ class RealCluster:
     def _containerd_config(self, node: RealNode) -> str:
         d = node.dir
         (d / "cni" / "net.d").mkdir(parents=True)
-        (d / "cni" / "net.d" / "10-lo.conflist").write_text(json.dumps(
-            {"cniVersion": "0.4.0", "name": "lo-only", "plugins": [{"type": "loopback"}]}))
+        (d / "cni" / "net.d" / "10-lo.conflist").write_text(
+            json.dumps({"cniVersion": "0.4.0", "name": "lo-only", "plugins": [{"type": "loopback"}]})
+        )
         runtime = "plugins.'io.containerd.cri.v1.runtime'"
-        return "\n".join([
-            "version = 3",
-            f"root = '{d / 'containerd' / 'root'}'",
-            f"state = '{d / 'containerd' / 'state'}'",
-            "[grpc]",
-            f"  address = '{node.containerd_socket}'",
-            "[ttrpc]",
-            f"  address = '{node.containerd_socket}.ttrpc'",
-            f"[{runtime}]",
-            "  enable_cdi = true",
-            f"  cdi_spec_dirs = ['{node.cdi_dir}']",
-            # no CAP_SYS_RESOURCE on these machines: runc could not lower a score
-            "  restrict_oom_score_adj = true",
-            f"[{runtime}.cni]",
-            f"  bin_dirs = ['{CNI_BIN}']",
-            f"  conf_dir = '{d / 'cni' / 'net.d'}'",
-            f"[{runtime}.containerd.runtimes.runc]",
-            "  runtime_type = 'io.containerd.runc.v2'",
-            f"[{runtime}.containerd.runtimes.runc.options]",
-            "  SystemdCgroup = false",
-            f"  Root = '{d / 'runc'}'",
-            "[plugins.'io.containerd.cri.v1.images'.pinned_images]",
-            f"  sandbox = '{PAUSE_IMAGE}'",
-            ""])
+        return "\n".join(
+            [
+                "version = 3",
+                f"root = '{d / 'containerd' / 'root'}'",
+                f"state = '{d / 'containerd' / 'state'}'",
+                "[grpc]",
+                f"  address = '{node.containerd_socket}'",
+                "[ttrpc]",
+                f"  address = '{node.containerd_socket}.ttrpc'",
+                f"[{runtime}]",
+                "  enable_cdi = true",
+                f"  cdi_spec_dirs = ['{node.cdi_dir}']",
+                # no CAP_SYS_RESOURCE on these machines: runc could not lower a score
+                "  restrict_oom_score_adj = true",
+                f"[{runtime}.cni]",
+                f"  bin_dirs = ['{CNI_BIN}']",
+                f"  conf_dir = '{d / 'cni' / 'net.d'}'",
+                f"[{runtime}.containerd.runtimes.runc]",
+                "  runtime_type = 'io.containerd.runc.v2'",
+                f"[{runtime}.containerd.runtimes.runc.options]",
+                "  SystemdCgroup = false",
+                f"  Root = '{d / 'runc'}'",
+                "[plugins.'io.containerd.cri.v1.images'.pinned_images]",
+                f"  sandbox = '{PAUSE_IMAGE}'",
+                "",
+            ]
+        )
 
     def _start_containerd(self, node: RealNode) -> None:
         config = node.dir / "containerd.toml"
         config.write_text(self._containerd_config(node))
         node.cdi_dir.mkdir()
         env = dict(os.environ, PATH=f"{self.bin.bin}:{os.environ['PATH']}")
-        node.containerd = self._process("containerd", [str(self.bin["containerd"]), "--config", str(config)],
-                                        node.netns, env, node.dir / "containerd.log")
-        until(lambda: node.containerd.check() or node.containerd_socket.exists(), WAIT, interval=0.2, what=f"containerd of {node.name}", explain=node.containerd.tail)
+        node.containerd = self._process(
+            "containerd",
+            [str(self.bin["containerd"]), "--config", str(config)],
+            node.netns,
+            env,
+            node.dir / "containerd.log",
+        )
+        until(
+            lambda: node.containerd.check() or node.containerd_socket.exists(),
+            WAIT,
+            interval=0.2,
+            what=f"containerd of {node.name}",
+            explain=node.containerd.tail,
+        )
         for archive in self.images:
-            _run(str(self.bin["ctr"]), "--address", str(node.containerd_socket), "-n", "k8s.io", "images", "import",
-                 str(archive), timeout=120)
+            _run(
+                str(self.bin["ctr"]),
+                "--address",
+                str(node.containerd_socket),
+                "-n",
+                "k8s.io",
+                "images",
+                "import",
+                str(archive),
+                timeout=120,
+            )
 
     def _cgroup_name(self, i: int) -> str:
         return f"cgk{self.tag}n{i}"
@@ -645,29 +818,56 @@ class RealCluster:
         client = self.pki.client(f"kubelet-{node.name}", f"system:node:{node.name}", ["system:nodes"])
         serving = self.pki.server(f"kubelet-serving-{node.name}", [node.ip], [node.name])
         config = {
-            "apiVersion": "kubelet.config.k8s.io/v1beta1", "kind": "KubeletConfiguration",
-            "authentication": {"x509": {"clientCAFile": str(self.pki.ca)}, "webhook": {"enabled": False},
-                               "anonymous": {"enabled": False}},
+            "apiVersion": "kubelet.config.k8s.io/v1beta1",
+            "kind": "KubeletConfiguration",
+            "authentication": {
+                "x509": {"clientCAFile": str(self.pki.ca)},
+                "webhook": {"enabled": False},
+                "anonymous": {"enabled": False},
+            },
             "authorization": {"mode": "AlwaysAllow"},
-            "tlsCertFile": str(serving[0]), "tlsPrivateKeyFile": str(serving[1]),
-            "address": node.ip, "healthzBindAddress": "127.0.0.1", "readOnlyPort": 0,
-            "cgroupDriver": "cgroupfs", "failCgroupV1": False, "cgroupRoot": self._cgroup_root(node),
+            "tlsCertFile": str(serving[0]),
+            "tlsPrivateKeyFile": str(serving[1]),
+            "address": node.ip,
+            "healthzBindAddress": "127.0.0.1",
+            "readOnlyPort": 0,
+            "cgroupDriver": "cgroupfs",
+            "failCgroupV1": False,
+            "cgroupRoot": self._cgroup_root(node),
             "containerRuntimeEndpoint": f"unix://{node.containerd_socket}",
-            "failSwapOn": False, "oomScoreAdj": 0, "resolvConf": "", "podLogsDir": str(node.dir / "pod-logs"),
-            "evictionHard": {"memory.available": "1Mi", "nodefs.available": "1%", "imagefs.available": "1%",
-                             "nodefs.inodesFree": "1%"},
-            "imageGCHighThresholdPercent": 100, "imageGCLowThresholdPercent": 99,
-            "syncFrequency": "5s", "fileCheckFrequency": "5s", "nodeStatusUpdateFrequency": "5s",
-            "serializeImagePulls": False, "registerNode": True,
+            "failSwapOn": False,
+            "oomScoreAdj": 0,
+            "resolvConf": "",
+            "podLogsDir": str(node.dir / "pod-logs"),
+            "evictionHard": {
+                "memory.available": "1Mi",
+                "nodefs.available": "1%",
+                "imagefs.available": "1%",
+                "nodefs.inodesFree": "1%",
+            },
+            "imageGCHighThresholdPercent": 100,
+            "imageGCLowThresholdPercent": 99,
+            "syncFrequency": "5s",
+            "fileCheckFrequency": "5s",
+            "nodeStatusUpdateFrequency": "5s",
+            "serializeImagePulls": False,
+            "registerNode": True,
         }
         path = node.dir / "kubelet.yaml"
         path.write_text(yaml.safe_dump(config))
-        config_file = kubeconfig(node.dir / "kubelet.kubeconfig", self.api_url(node.host_ip), self.pki.ca,
-                                 cert=client)
-        kubelet = [str(self.bin["kubelet"]), f"--config={path}", f"--kubeconfig={config_file}", f"--root-dir={d}",
-                   f"--hostname-override={node.name}", f"--node-ip={node.ip}", "--v=2"]
-        node.kubelet = self._process("kubelet", self._own_device_plugin_dir(node, kubelet), node.netns, None,
-                                     node.dir / "kubelet.log")
+        config_file = kubeconfig(node.dir / "kubelet.kubeconfig", self.api_url(node.host_ip), self.pki.ca, cert=client)
+        kubelet = [
+            str(self.bin["kubelet"]),
+            f"--config={path}",
+            f"--kubeconfig={config_file}",
+            f"--root-dir={d}",
+            f"--hostname-override={node.name}",
+            f"--node-ip={node.ip}",
+            "--v=2",
+        ]
+        node.kubelet = self._process(
+            "kubelet", self._own_device_plugin_dir(node, kubelet), node.netns, None, node.dir / "kubelet.log"
+        )
 
     def _own_device_plugin_dir(self, node: RealNode, command: list[str]) -> list[str]:
         """The kubelet's device-plugin directory is fixed at
@@ -686,8 +886,20 @@ class RealCluster:
             fixed.mkdir(parents=True)
             self._stack.callback(_remove_if_empty, fixed)
         script = 'mount --bind "$1" "$2" && shift 2 && exec "$@"'
-        return ["unshare", "--mount", "--propagation", "unchanged", "--", "sh", "-c", script, "kubelet-ns",
-                str(node.device_plugin_dir), str(fixed), *command]
+        return [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "unchanged",
+            "--",
+            "sh",
+            "-c",
+            script,
+            "kubelet-ns",
+            str(node.device_plugin_dir),
+            str(fixed),
+            *command,
+        ]
 
     def restart_kubelet(self, node: RealNode) -> None:
         """The kubelet stopped and started again with the same flags, as
@@ -698,8 +910,9 @@ class RealCluster:
     def wait_node_ready(self, node: RealNode, timeout: float = WAIT) -> None:
         def ready() -> bool:
             node.kubelet.check()
-            done = self.kubectl("get", "node", node.name, "-o",
-                                "jsonpath={.status.conditions[?(@.type=='Ready')].status}", check=False)
+            done = self.kubectl(
+                "get", "node", node.name, "-o", "jsonpath={.status.conditions[?(@.type=='Ready')].status}", check=False
+            )
             return done.stdout.strip() == "True"
 
         until(ready, timeout, interval=0.2, what=f"Node {node.name} Ready", explain=node.kubelet.tail)
@@ -718,19 +931,51 @@ class RealCluster:
         (d / "none.toml").write_text("")
         env = dict(node.sim_env)
         env["PATH"] = f"{BIN}:{native_path('bin/cgpu-burn').parent}:{env['PATH']}"
-        command = [str(BIN / "cgpud"), "--orchestrator", "kubernetes", "--node-name", node.name,
-                   "--kubeconfig", str(config), "--config", str(d / "none.toml"),
-                   "--state-dir", str(d / "state"), "--socket", str(node.cgpud_socket),
-                   "--relay-socket", str(d / "run" / "relay.sock"),
-                   "--device-plugin-dir", str(node.device_plugin_dir),
-                   "--pod-resources-socket", str(node.kubelet_dir / "pod-resources" / "kubelet.sock"),
-                   "--cdi-dir", str(node.cdi_dir),
-                   "--capacity-listen", f"{node.ip}:{CAPACITY_PORT}",
-                   "--capacity-tls-cert", str(cert), "--capacity-tls-key", str(key),
-                   "--capacity-tls-ca", str(self.capacity_pki.ca), "--sweep-interval", "0.5", *extra]
+        command = [
+            str(BIN / "cgpud"),
+            "--orchestrator",
+            "kubernetes",
+            "--node-name",
+            node.name,
+            "--kubeconfig",
+            str(config),
+            "--config",
+            str(d / "none.toml"),
+            "--state-dir",
+            str(d / "state"),
+            "--socket",
+            str(node.cgpud_socket),
+            "--relay-socket",
+            str(d / "run" / "relay.sock"),
+            "--device-plugin-dir",
+            str(node.device_plugin_dir),
+            "--pod-resources-socket",
+            str(node.kubelet_dir / "pod-resources" / "kubelet.sock"),
+            "--cdi-dir",
+            str(node.cdi_dir),
+            "--capacity-listen",
+            f"{node.ip}:{CAPACITY_PORT}",
+            "--capacity-tls-cert",
+            str(cert),
+            "--capacity-tls-key",
+            str(key),
+            "--capacity-tls-ca",
+            str(self.capacity_pki.ca),
+            "--sweep-interval",
+            "0.5",
+            *extra,
+        ]
         node.cgpud = self._process("cgpud", command, node.netns, env, d / "cgpud.log")
-        until(lambda: node.cgpud.check() or  # type: ignore[union-attr]
-                   node.cgpuctl("list").returncode == 0, WAIT, interval=0.2, what=f"cgpud of {node.name} answering", explain=node.cgpud.tail)
+        until(
+            lambda: (
+                node.cgpud.check()  # type: ignore[union-attr]
+                or node.cgpuctl("list").returncode == 0
+            ),
+            WAIT,
+            interval=0.2,
+            what=f"cgpud of {node.name} answering",
+            explain=node.cgpud.tail,
+        )
         return node.cgpud
 
     def gpu_node(self, node: RealNode, mode: str = "core_mem") -> None:
@@ -769,9 +1014,17 @@ class RealCluster:
         pod = ds["spec"]["template"]["spec"]
         [container] = pod["containers"]
         container["image"], container["imagePullPolicy"] = CGPUD_IMAGE, "Never"
-        container["command"] = [*container["command"], "--state-dir", str(state),
-                                "--socket", str(run / "cgpud.sock"), "--relay-socket", str(run / "relay.sock"),
-                                "--sweep-interval", "0.5"]
+        container["command"] = [
+            *container["command"],
+            "--state-dir",
+            str(state),
+            "--socket",
+            str(run / "cgpud.sock"),
+            "--relay-socket",
+            str(run / "relay.sock"),
+            "--sweep-interval",
+            "0.5",
+        ]
         venv, base = Path(sys.prefix), Path(sys.base_prefix)
         sim = self.sim_root
         container["env"] += [
@@ -780,10 +1033,18 @@ class RealCluster:
             {"name": "CGPU_SIM_CONFIG", "value": f"{sim}/$(NODE_NAME)/sim.conf"},
             {"name": "CGPU_SIM_STATE", "value": f"{sim}/$(NODE_NAME)/sim.state"},
             {"name": "KUBERNETES_SERVICE_HOST", "value": node.host_ip},
-            {"name": "KUBERNETES_SERVICE_PORT", "value": str(self.api_port)}]
-        host_paths = {"device-plugins": node.device_plugin_dir, "pod-resources": node.kubelet_dir / "pod-resources",
-                      "cdi": node.cdi_dir, "run": run, "state": state, "config": config, "capacity-tls": tls,
-                      "runtime-state": node.dir / "containerd" / "state"}
+            {"name": "KUBERNETES_SERVICE_PORT", "value": str(self.api_port)},
+        ]
+        host_paths = {
+            "device-plugins": node.device_plugin_dir,
+            "pod-resources": node.kubelet_dir / "pod-resources",
+            "cdi": node.cdi_dir,
+            "run": run,
+            "state": state,
+            "config": config,
+            "capacity-tls": tls,
+            "runtime-state": node.dir / "containerd" / "state",
+        }
         for volume in pod["volumes"]:
             if volume["name"] in host_paths:
                 volume["hostPath"]["path"] = str(host_paths[volume["name"]])
@@ -797,38 +1058,67 @@ class RealCluster:
         container["volumeMounts"].append({"name": "sim", "mountPath": str(sim)})
         return ds
 
-    def workload_pod(self, name: str, command: str, limits: dict[str, Any] | None = None, *,
-                     node: str | None = None, annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    def workload_pod(
+        self,
+        name: str,
+        command: str,
+        limits: dict[str, Any] | None = None,
+        *,
+        node: str | None = None,
+        annotations: dict[str, str] | None = None,
+    ) -> dict[str, Any]:
         """A pod of the workload image. It plays the NVIDIA toolkit's part as
         tests/harness/oci.py does: the driver libraries are in the image, and the
         (simulated) device state of whichever node it lands on comes in by a
         hostPath and two variables; cgpu gives it nothing else."""
         sim = str(self.sim_root)
         spec: dict[str, Any] = {
-            "hostNetwork": True, "restartPolicy": "Never", "terminationGracePeriodSeconds": 1,
-            "containers": [{
-                "name": "main", "image": WORKLOAD_IMAGE, "imagePullPolicy": "Never",
-                "command": ["sh", "-c", command], "resources": {"limits": limits or {}},
-                "env": [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+            "hostNetwork": True,
+            "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": 1,
+            "containers": [
+                {
+                    "name": "main",
+                    "image": WORKLOAD_IMAGE,
+                    "imagePullPolicy": "Never",
+                    "command": ["sh", "-c", command],
+                    "resources": {"limits": limits or {}},
+                    "env": [
+                        {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
                         {"name": "CGPU_SIM_CONFIG", "value": f"{sim}/$(NODE_NAME)/sim.conf"},
-                        {"name": "CGPU_SIM_STATE", "value": f"{sim}/$(NODE_NAME)/sim.state"}],
-                "volumeMounts": [{"name": "gpu", "mountPath": sim}]}],
-            "volumes": [{"name": "gpu", "hostPath": {"path": sim, "type": "Directory"}}]}
+                        {"name": "CGPU_SIM_STATE", "value": f"{sim}/$(NODE_NAME)/sim.state"},
+                    ],
+                    "volumeMounts": [{"name": "gpu", "mountPath": sim}],
+                }
+            ],
+            "volumes": [{"name": "gpu", "hostPath": {"path": sim, "type": "Directory"}}],
+        }
         if node:
             spec["nodeSelector"] = {"kubernetes.io/hostname": node}
-        return {"apiVersion": "v1", "kind": "Pod",
-                "metadata": {"name": name, "namespace": "default", "annotations": annotations or {}}, "spec": spec}
+        return {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "namespace": "default", "annotations": annotations or {}},
+            "spec": spec,
+        }
 
     def pod_phase(self, name: str, namespace: str = "default") -> str:
         done = self.kubectl("get", "pod", name, "-n", namespace, "-o", "jsonpath={.status.phase}", check=False)
         return done.stdout.strip() if done.returncode == 0 else ""
 
-    def wait_pod(self, name: str, phases: Sequence[str] = ("Succeeded",), timeout: float = WAIT,
-                 namespace: str = "default") -> str:
+    def wait_pod(
+        self, name: str, phases: Sequence[str] = ("Succeeded",), timeout: float = WAIT, namespace: str = "default"
+    ) -> str:
         def reached() -> bool:
             return self.pod_phase(name, namespace) in phases
 
-        until(reached, timeout, interval=0.2, what=f"pod {namespace}/{name} {'/'.join(phases)}", explain=lambda: self.describe(name, namespace))
+        until(
+            reached,
+            timeout,
+            interval=0.2,
+            what=f"pod {namespace}/{name} {'/'.join(phases)}",
+            explain=lambda: self.describe(name, namespace),
+        )
         return self.pod_phase(name, namespace)
 
     def describe(self, name: str, namespace: str = "default") -> str:

@@ -3,6 +3,7 @@ outside the clone) and one cluster for this folder's tests, shared by them in
 order (starting one takes about half a minute); each test module leaves it
 as it found it: drained, core_mem, cgpud running. Two nodes: node-1 has no
 GPU role (no label, no cgpud) until test_two_nodes.py gives it one."""
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,13 @@ def driver_device_nodes() -> Iterator[list[str]]:
     (195; uvm's is dynamic): containerd copies them into containers as
     cgpud's answers name them. Nothing opens them. Made only where the host
     has none (a real GPU host keeps its own), removed afterwards."""
-    wanted = {"/dev/nvidiactl": 255, "/dev/nvidia-uvm": 254, "/dev/nvidia-uvm-tools": 253, "/dev/nvidia0": 0,
-              "/dev/nvidia1": 1}
+    wanted = {
+        "/dev/nvidiactl": 255,
+        "/dev/nvidia-uvm": 254,
+        "/dev/nvidia-uvm-tools": 253,
+        "/dev/nvidia0": 0,
+        "/dev/nvidia1": 1,
+    }
     made = []
     try:
         if not Path("/dev/nvidiactl").exists():

@@ -3,6 +3,7 @@ API server: cgpud's ServiceAccount token, bound to its node's Node as a
 DaemonSet pod's token is bound to its node, may change what cgpud changes
 on its own node and nothing else. Each test plays root on that node using
 cgpud's credentials with real kubectl."""
+
 from __future__ import annotations
 
 import json
@@ -15,7 +16,9 @@ import pytest
 from cgpud.kube.model import ANNOTATION_ASSIGNED, ANNOTATION_CAPACITY_ADDRESS, LABEL_MODE
 from tests.realkube.cluster import RealCluster, kubeconfig
 
-pytestmark = pytest.mark.host_global  # the real cluster turns on ip_forward and iptables rules and makes /dev/nvidia* nodes
+pytestmark = (
+    pytest.mark.host_global
+)  # the real cluster turns on ip_forward and iptables rules and makes /dev/nvidia* nodes
 
 OTHER = "node-elsewhere"  # a second Node with no kubelet: what a compromised node would reach for
 
@@ -32,14 +35,17 @@ def setting(cluster: RealCluster, tmp_path_factory: pytest.TempPathFactory) -> I
     d = tmp_path_factory.mktemp("admission")
     server = cluster.api_url("127.0.0.1")
     bound = cluster.token("cgpud", "kube-system", "--bound-object-kind", "Node", "--bound-object-name", node.name)
-    yield {"bound": kubeconfig(d / "bound", server, cluster.pki.ca, token=bound),
-           "unbound": kubeconfig(d / "unbound", server, cluster.pki.ca, token=cluster.token("cgpud"))}
+    yield {
+        "bound": kubeconfig(d / "bound", server, cluster.pki.ca, token=bound),
+        "unbound": kubeconfig(d / "unbound", server, cluster.pki.ca, token=cluster.token("cgpud")),
+    }
     cluster.kubectl("delete", "pod", "on-mine", "on-theirs", "--grace-period=0", "--force", "--wait=false")
     cluster.kubectl("delete", "node", OTHER)
 
 
-def _as_cgpud(cluster: RealCluster, setting: dict[str, Path], *args: str,
-              which: str = "bound") -> subprocess.CompletedProcess[str]:
+def _as_cgpud(
+    cluster: RealCluster, setting: dict[str, Path], *args: str, which: str = "bound"
+) -> subprocess.CompletedProcess[str]:
     return cluster.kubectl(*args, kubeconfig=setting[which], check=False)
 
 
@@ -54,44 +60,71 @@ def _denied(done: subprocess.CompletedProcess[str], message: str) -> None:
 
 def test_cgpud_may_write_its_own_nodes_capacity_address_and_card_labels(cluster: RealCluster, setting) -> None:
     node = cluster.nodes[0]
-    done = _as_cgpud(cluster, setting, *_patch("node", node.name, {"metadata": {
-        "annotations": {ANNOTATION_CAPACITY_ADDRESS: f"{node.ip}:9455"},
-        "labels": {"aliyun.accelerator/nvidia_count": "2"}}}))
+    done = _as_cgpud(
+        cluster,
+        setting,
+        *_patch(
+            "node",
+            node.name,
+            {
+                "metadata": {
+                    "annotations": {ANNOTATION_CAPACITY_ADDRESS: f"{node.ip}:9455"},
+                    "labels": {"aliyun.accelerator/nvidia_count": "2"},
+                }
+            },
+        ),
+    )
     assert done.returncode == 0, done.stderr
 
 
 def test_cgpud_may_not_relabel_its_own_node_to_another_mode(cluster: RealCluster, setting) -> None:
-    done = _as_cgpud(cluster, setting, *_patch("node", cluster.nodes[0].name, {"metadata": {"labels": {
-        LABEL_MODE: "share"}}}))
+    done = _as_cgpud(
+        cluster, setting, *_patch("node", cluster.nodes[0].name, {"metadata": {"labels": {LABEL_MODE: "share"}}})
+    )
     _denied(done, "cgpud may change only its Node's aliyun.accelerator/* labels")
     assert cluster.get("node", cluster.nodes[0].name)["metadata"]["labels"].get(LABEL_MODE) != "share"
 
 
 def test_cgpud_may_not_point_another_nodes_capacity_address_anywhere(cluster: RealCluster, setting) -> None:
-    done = _as_cgpud(cluster, setting, *_patch("node", OTHER, {"metadata": {"annotations": {
-        ANNOTATION_CAPACITY_ADDRESS: f"{cluster.nodes[0].ip}:9455"}}}))
+    done = _as_cgpud(
+        cluster,
+        setting,
+        *_patch(
+            "node", OTHER, {"metadata": {"annotations": {ANNOTATION_CAPACITY_ADDRESS: f"{cluster.nodes[0].ip}:9455"}}}
+        ),
+    )
     _denied(done, f"cgpud on node {cluster.nodes[0].name} may change only its own Node")
 
 
 def test_cgpud_may_mark_a_pod_of_its_node_assigned_and_change_nothing_else(cluster: RealCluster, setting) -> None:
-    done = _as_cgpud(cluster, setting, *_patch("pod", "on-mine", {"metadata": {"annotations": {
-        ANNOTATION_ASSIGNED: "true"}}}))
+    done = _as_cgpud(
+        cluster, setting, *_patch("pod", "on-mine", {"metadata": {"annotations": {ANNOTATION_ASSIGNED: "true"}}})
+    )
     assert done.returncode == 0, done.stderr
-    _denied(_as_cgpud(cluster, setting, *_patch("pod", "on-mine", {"metadata": {"labels": {"owned": "yes"}}})),
-            "cgpud may change only a pod's ALIYUN_COM_GPU_MEM_ASSIGNED annotation")
-    _denied(_as_cgpud(cluster, setting, "set", "image", "pod/on-mine", "main=evil.example/miner:1"),
-            "cgpud may change only a pod's ALIYUN_COM_GPU_MEM_ASSIGNED annotation")
+    _denied(
+        _as_cgpud(cluster, setting, *_patch("pod", "on-mine", {"metadata": {"labels": {"owned": "yes"}}})),
+        "cgpud may change only a pod's ALIYUN_COM_GPU_MEM_ASSIGNED annotation",
+    )
+    _denied(
+        _as_cgpud(cluster, setting, "set", "image", "pod/on-mine", "main=evil.example/miner:1"),
+        "cgpud may change only a pod's ALIYUN_COM_GPU_MEM_ASSIGNED annotation",
+    )
 
 
 def test_cgpud_may_not_touch_a_pod_on_another_node(cluster: RealCluster, setting) -> None:
-    done = _as_cgpud(cluster, setting, *_patch("pod", "on-theirs", {"metadata": {"annotations": {
-        ANNOTATION_ASSIGNED: "true"}}}))
+    done = _as_cgpud(
+        cluster, setting, *_patch("pod", "on-theirs", {"metadata": {"annotations": {ANNOTATION_ASSIGNED: "true"}}})
+    )
     _denied(done, f"cgpud on node {cluster.nodes[0].name} may change only pods bound to that node")
 
 
 def test_a_cgpud_token_bound_to_no_node_may_change_nothing(cluster: RealCluster, setting) -> None:
-    done = _as_cgpud(cluster, setting, *_patch("pod", "on-mine", {"metadata": {"annotations": {
-        ANNOTATION_ASSIGNED: "true"}}}), which="unbound")
+    done = _as_cgpud(
+        cluster,
+        setting,
+        *_patch("pod", "on-mine", {"metadata": {"annotations": {ANNOTATION_ASSIGNED: "true"}}}),
+        which="unbound",
+    )
     _denied(done, "cgpud's credentials name no node")
 
 
@@ -104,14 +137,22 @@ def test_cgpud_may_record_events_about_pods_only_as_its_own_node(cluster: RealCl
     node = cluster.nodes[0]
 
     def event(name: str, host: str) -> str:
-        return json.dumps({"apiVersion": "v1", "kind": "Event", "metadata": {"name": name, "namespace": "default"},
-                           "involvedObject": {"kind": "Pod", "name": "on-mine", "namespace": "default"},
-                           "reason": "CgpuAnnotationInvalid", "message": "m", "type": "Warning",
-                           "source": {"component": "cgpud", "host": host}})
+        return json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Event",
+                "metadata": {"name": name, "namespace": "default"},
+                "involvedObject": {"kind": "Pod", "name": "on-mine", "namespace": "default"},
+                "reason": "CgpuAnnotationInvalid",
+                "message": "m",
+                "type": "Warning",
+                "source": {"component": "cgpud", "host": host},
+            }
+        )
 
-    ok = cluster.kubectl("create", "-f", "-", kubeconfig=setting["bound"], input=event("e-own", node.name),
-                         check=False)
+    ok = cluster.kubectl("create", "-f", "-", kubeconfig=setting["bound"], input=event("e-own", node.name), check=False)
     assert ok.returncode == 0, ok.stderr
-    forged = cluster.kubectl("create", "-f", "-", kubeconfig=setting["bound"], input=event("e-forged", OTHER),
-                             check=False)
+    forged = cluster.kubectl(
+        "create", "-f", "-", kubeconfig=setting["bound"], input=event("e-forged", OTHER), check=False
+    )
     _denied(forged, "cgpud may record only events about pods, as its own node")

@@ -4,6 +4,7 @@ this machine and why): it lands on the labelled node, authenticates with
 its pod's bound token (which deploy/cgpud-admission-policy.yaml checks),
 registers with the kubelet, gives a pod its limit through CDI, and a
 replacement pod after a delete keeps every instance."""
+
 from __future__ import annotations
 
 import json
@@ -15,7 +16,9 @@ from cgpud.kube.model import ANNOTATION_ASSIGNED, LABEL_MODE
 from tests.harness.wait import until
 from tests.realkube.cluster import WAIT, RealCluster
 
-pytestmark = pytest.mark.host_global  # the real cluster turns on ip_forward and iptables rules and makes /dev/nvidia* nodes
+pytestmark = (
+    pytest.mark.host_global
+)  # the real cluster turns on ip_forward and iptables rules and makes /dev/nvidia* nodes
 
 MEM = "aliyun.com/gpu-mem"
 SELECTOR = "app.kubernetes.io/name=cgpud"
@@ -27,12 +30,24 @@ def _cgpud_pods(cluster: RealCluster) -> list[dict]:
 
 def _running_cgpud(cluster: RealCluster, other_than: str = "") -> str:
     def running() -> str:
-        return next((p["metadata"]["name"] for p in _cgpud_pods(cluster) if p["status"].get("phase") == "Running"
-                     and p["metadata"]["name"] != other_than and all(
-                         c.get("ready") for c in p["status"].get("containerStatuses", []))), "")
+        return next(
+            (
+                p["metadata"]["name"]
+                for p in _cgpud_pods(cluster)
+                if p["status"].get("phase") == "Running"
+                and p["metadata"]["name"] != other_than
+                and all(c.get("ready") for c in p["status"].get("containerStatuses", []))
+            ),
+            "",
+        )
 
-    until(lambda: bool(running()), WAIT, interval=0.2, what="a running cgpud pod", explain=lambda: "\n".join(
-        cluster.describe(p["metadata"]["name"], "kube-system") for p in _cgpud_pods(cluster)))
+    until(
+        lambda: bool(running()),
+        WAIT,
+        interval=0.2,
+        what="a running cgpud pod",
+        explain=lambda: "\n".join(cluster.describe(p["metadata"]["name"], "kube-system") for p in _cgpud_pods(cluster)),
+    )
     return running()
 
 
@@ -47,7 +62,13 @@ def test_cgpud_as_the_daemonset_gives_a_pod_its_limit_and_a_replaced_cgpud_pod_k
     cluster.apply([ds])
     try:
         first = _running_cgpud(cluster)
-        until(lambda: cluster.allocatable(node).get(MEM) == "32", WAIT, interval=0.2, what="the node's allocatable from the DaemonSet's cgpud", explain=lambda: cluster.kubectl("logs", "-n", "kube-system", first, check=False).stdout[-3000:])
+        until(
+            lambda: cluster.allocatable(node).get(MEM) == "32",
+            WAIT,
+            interval=0.2,
+            what="the node's allocatable from the DaemonSet's cgpud",
+            explain=lambda: cluster.kubectl("logs", "-n", "kube-system", first, check=False).stdout[-3000:],
+        )
         cluster.apply([cluster.workload_pod("under-ds", "sleep 3600", {MEM: 2})])
         cluster.wait_pod("under-ds", ("Running",))
         out = cluster.kubectl("exec", "under-ds", "--", "sh", "-c", "cgpu-burn --alloc-until-fail 512MiB").stdout
@@ -63,14 +84,27 @@ def test_cgpud_as_the_daemonset_gives_a_pod_its_limit_and_a_replaced_cgpud_pod_k
         cluster.kubectl("delete", "pod", "-n", "kube-system", first, "--wait=true", timeout=120)
         second = _running_cgpud(cluster, other_than=first)
         assert second != first
-        until(lambda: node.cgpuctl("list", socket=socket).returncode == 0, WAIT, interval=0.2, what="the replacement answering")
+        until(
+            lambda: node.cgpuctl("list", socket=socket).returncode == 0,
+            WAIT,
+            interval=0.2,
+            what="the replacement answering",
+        )
         assert json.loads(node.cgpuctl("list", "--output", "json", socket=socket).stdout) == before
         out = cluster.kubectl("exec", "under-ds", "--", "sh", "-c", "cgpu-burn --alloc-until-fail 512MiB").stdout
-        assert json.loads(next(line for line in out.splitlines() if line.startswith('{"device"')))[
-            "alloc"]["until_fail_bytes"] == 2 * GIB
+        assert (
+            json.loads(next(line for line in out.splitlines() if line.startswith('{"device"')))["alloc"][
+                "until_fail_bytes"
+            ]
+            == 2 * GIB
+        )
     finally:
         cluster.kubectl("delete", "pod", "under-ds", "--grace-period=1", "--wait=true", check=False, timeout=120)
-        until(lambda: node.cgpuctl("list", "--output", "json", socket=socket).stdout
-                   .strip() in ("[]", ""), 60, interval=0.2, what="the instance released")
+        until(
+            lambda: node.cgpuctl("list", "--output", "json", socket=socket).stdout.strip() in ("[]", ""),
+            60,
+            interval=0.2,
+            what="the instance released",
+        )
         cluster.kubectl("delete", "daemonset", "-n", "kube-system", "cgpud", "--wait=true", timeout=120)
         until(lambda: not _cgpud_pods(cluster), WAIT, interval=0.2, what="no cgpud pod")

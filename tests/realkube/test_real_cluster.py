@@ -6,6 +6,7 @@ real kubelet and containerd 2 (CDI on), cgpud as the node's device plugin
 DaemonSet), real kubectl. node-0 has two simulated 16 GiB GPUs (node-1 has no GPU
 role until test_two_nodes.py); the tests share it, in file order, and each
 leaves it drained."""
+
 from __future__ import annotations
 
 import json
@@ -23,7 +24,9 @@ from tests.harness.wait import until
 from tests.realkube.cluster import WAIT, RealCluster, RealNode
 from tests.harness.sharerun import Sampler
 
-pytestmark = pytest.mark.host_global  # the real cluster turns on ip_forward and iptables rules and makes /dev/nvidia* nodes
+pytestmark = (
+    pytest.mark.host_global
+)  # the real cluster turns on ip_forward and iptables rules and makes /dev/nvidia* nodes
 
 MEM = "aliyun.com/gpu-mem"
 CORE = "aliyun.com/gpu-core.percentage"
@@ -51,7 +54,13 @@ def _drain(cluster: RealCluster) -> None:
     if _pods(cluster):
         cluster.kubectl("delete", "pods", "--all", "-n", "default", "--wait=true", "--grace-period=1", timeout=120)
     node = cluster.nodes[0]
-    until(lambda: _instances(node) == [], WAIT, interval=0.2, what="every instance released", explain=lambda: json.dumps(_instances(node)))
+    until(
+        lambda: _instances(node) == [],
+        WAIT,
+        interval=0.2,
+        what="every instance released",
+        explain=lambda: json.dumps(_instances(node)),
+    )
 
 
 def _run_pod(cluster: RealCluster, name: str, command: str, limits: dict, timeout: float = 120) -> str:
@@ -83,19 +92,30 @@ def _set_mode(cluster: RealCluster, mode: str, placement: str = "binpack") -> No
     """The node's labels changed, and then waited for: cgpud reads them every
     10 s (docs/kubernetes.md) and cgpu-scheduler learns them from cgpud."""
     node = cluster.nodes[0]
-    cluster.kubectl("label", "node", node.name, f"{LABEL_MODE}={mode}", f"{LABEL_PLACEMENT}={placement}",
-                    "--overwrite")
+    cluster.kubectl("label", "node", node.name, f"{LABEL_MODE}={mode}", f"{LABEL_PLACEMENT}={placement}", "--overwrite")
 
     def followed() -> bool:
         state = cluster.extender_view().get(node.name, {})
         return state.get("mode") == mode and state.get("placement") == placement
 
-    until(followed, 60, interval=0.2, what=f"cgpu-scheduler sees {node.name} as {mode}/{placement}", explain=lambda: json.dumps(cluster.extender_view().get(node.name, {}))[:2000])
+    until(
+        followed,
+        60,
+        interval=0.2,
+        what=f"cgpu-scheduler sees {node.name} as {mode}/{placement}",
+        explain=lambda: json.dumps(cluster.extender_view().get(node.name, {}))[:2000],
+    )
 
 
 def _wait_allocatable(cluster: RealCluster, wanted: dict[str, str]) -> None:
     node = cluster.nodes[0]
-    until(lambda: all(cluster.allocatable(node).get(k) == v for k, v in wanted.items()), WAIT, interval=0.2, what=f"allocatable {wanted}", explain=lambda: f"{cluster.allocatable(node)}\n{node.cgpud.tail() if node.cgpud else ''}")
+    until(
+        lambda: all(cluster.allocatable(node).get(k) == v for k, v in wanted.items()),
+        WAIT,
+        interval=0.2,
+        what=f"allocatable {wanted}",
+        explain=lambda: f"{cluster.allocatable(node)}\n{node.cgpud.tail() if node.cgpud else ''}",
+    )
 
 
 # ---- core_mem ------------------------------------------------------------------------------
@@ -138,7 +158,9 @@ def test_a_pod_gets_the_device_nodes_of_its_gpu_and_a_pod_without_gpu_none(clust
 def test_30_and_70_percent_pods_side_by_side_get_30_and_70_percent(cluster: RealCluster) -> None:
     node = cluster.nodes[0]
     # the shell's own pid (the kubelet would turn a "$$" into "$"), which exec hands to cgpu-burn
-    command = "read -r pid rest < /proc/self/stat; echo PID=$pid; exec cgpu-burn --kernel-ns 200000 --streams 4 --duration 6"
+    command = (
+        "read -r pid rest < /proc/self/stat; echo PID=$pid; exec cgpu-burn --kernel-ns 200000 --streams 4 --duration 6"
+    )
     pods = {"core30": 30, "core70": 70}
     docs = []
     for name, core in pods.items():
@@ -222,13 +244,28 @@ def test_a_kubelet_restart_re_registers_the_plugin_and_running_pods_keep_their_l
     _running(cluster, ("kept", {MEM: 3}))
     registered = node.cgpud.tail(10**6).count("registered with the kubelet")  # type: ignore[union-attr]
     cluster.restart_kubelet(node)
-    until(lambda: node.cgpud.tail(10**6).count(  # type: ignore[union-attr]
-        "registered with the kubelet") > registered, WAIT, interval=0.2, what="cgpud registered again", explain=node.cgpud.tail)  # type: ignore[union-attr]
+    until(
+        lambda: (
+            node.cgpud.tail(10**6).count(  # type: ignore[union-attr]
+                "registered with the kubelet"
+            )
+            > registered
+        ),
+        WAIT,
+        interval=0.2,
+        what="cgpud registered again",
+        explain=node.cgpud.tail,
+    )  # type: ignore[union-attr]
     cluster.wait_node_ready(node)
     _wait_allocatable(cluster, {MEM: str(GPUS * GPU_GIB), CORE: str(GPUS * 100)})
     # A restarted kubelet reports Ready before it has taken its running pods
     # back: until then exec answers "pod does not exist".
-    until(lambda: cluster.kubectl("exec", "kept", "--", "true", check=False).returncode == 0, 60, interval=0.2, what="the restarted kubelet serving exec in the running pod")
+    until(
+        lambda: cluster.kubectl("exec", "kept", "--", "true", check=False).returncode == 0,
+        60,
+        interval=0.2,
+        what="the restarted kubelet serving exec in the running pod",
+    )
     _still_limited_and_admitting(cluster, "kept", "after-kubelet")
 
 
@@ -283,8 +320,7 @@ def test_share_mode_gives_the_pod_its_env_and_no_limit(cluster: RealCluster) -> 
 def test_a_drained_node_switched_to_default_gives_whole_gpus_for_nvidia_com_gpu(cluster: RealCluster) -> None:
     _set_mode(cluster, "default")
     _wait_allocatable(cluster, {"nvidia.com/gpu": str(GPUS), MEM: "0"})
-    logs = _run_pod(cluster, "whole", f"echo NVD=$NVIDIA_VISIBLE_DEVICES; {LIST_NODES}; {SHOW}",
-                    {"nvidia.com/gpu": 1})
+    logs = _run_pod(cluster, "whole", f"echo NVD=$NVIDIA_VISIBLE_DEVICES; {LIST_NODES}; {SHOW}", {"nvidia.com/gpu": 1})
     nodes = _device_nodes(logs)
     assert {"/dev/nvidiactl", "/dev/nvidia-uvm"} <= nodes and len([n for n in nodes if n[-1].isdigit()]) == 1, logs
     burn = _burn(logs)

@@ -1,6 +1,7 @@
 """Two GPU nodes, each a kubelet, containerd and cgpud in a network
 namespace of its own: kube-scheduler and cgpu-scheduler place across them,
 and a node whose capacity address is pointed at the other's is refused."""
+
 from __future__ import annotations
 
 import json
@@ -13,7 +14,9 @@ from cgpud.kube.model import ANNOTATION_CAPACITY_ADDRESS, ANNOTATION_GPU_INDEX, 
 from tests.harness.wait import until
 from tests.realkube.cluster import WAIT, RealCluster
 
-pytestmark = pytest.mark.host_global  # the real cluster turns on ip_forward and iptables rules and makes /dev/nvidia* nodes
+pytestmark = (
+    pytest.mark.host_global
+)  # the real cluster turns on ip_forward and iptables rules and makes /dev/nvidia* nodes
 
 MEM = "aliyun.com/gpu-mem"
 
@@ -26,15 +29,25 @@ def test_pods_too_big_to_share_a_gpu_spread_over_both_nodes_gpus(cluster: RealCl
     first, second = cluster.nodes
     cluster.gpu_node(first)
     cluster.gpu_node(second)
-    until(lambda: all(_connected(cluster, n.name) for n in cluster.nodes), WAIT, interval=0.2, what="both nodes in cgpu-scheduler's view")
+    until(
+        lambda: all(_connected(cluster, n.name) for n in cluster.nodes),
+        WAIT,
+        interval=0.2,
+        what="both nodes in cgpu-scheduler's view",
+    )
     until(lambda: cluster.allocatable(second).get(MEM) == "32", WAIT, interval=0.2, what=f"{second.name}'s allocatable")
     names = [f"big-{i}" for i in range(4)]  # 12 GiB each: one per 16 GiB GPU, four GPUs in all
     cluster.apply([cluster.workload_pod(n, "sleep 3600", {MEM: 12}) for n in names])
     try:
         for n in names:
             cluster.wait_pod(n, ("Running",), 120)
-        placed = [(cluster.get("pod", n)["spec"]["nodeName"], cluster.get("pod", n)["metadata"]["annotations"][
-            ANNOTATION_GPU_INDEX]) for n in names]
+        placed = [
+            (
+                cluster.get("pod", n)["spec"]["nodeName"],
+                cluster.get("pod", n)["metadata"]["annotations"][ANNOTATION_GPU_INDEX],
+            )
+            for n in names
+        ]
         assert len(set(placed)) == 4 and Counter(node for node, _ in placed) == {first.name: 2, second.name: 2}, placed
         # The one on node-1's GPU 0: the simulated driver lists every GPU of
         # its node whatever device nodes a container has, so a container on
@@ -45,9 +58,15 @@ def test_pods_too_big_to_share_a_gpu_spread_over_both_nodes_gpus(cluster: RealCl
         burn = json.loads(next(line for line in out.splitlines() if line.startswith('{"device"')))
         assert burn["alloc"]["until_fail_bytes"] == 12 * GIB, burn
         cluster.apply([cluster.workload_pod("one-too-many", "sleep 3600", {MEM: 12})])
-        until(lambda: any(
-            e.get("reason") == "FailedScheduling" for e in cluster.get(
-                "events", "--field-selector", "involvedObject.name=one-too-many")["items"]), WAIT, interval=0.2, what="the fifth pod refused")
+        until(
+            lambda: any(
+                e.get("reason") == "FailedScheduling"
+                for e in cluster.get("events", "--field-selector", "involvedObject.name=one-too-many")["items"]
+            ),
+            WAIT,
+            interval=0.2,
+            what="the fifth pod refused",
+        )
         assert cluster.pod_phase("one-too-many") == "Pending"
     finally:
         cluster.kubectl("delete", "pods", "--all", "--grace-period=1", "--wait=true", timeout=120)
@@ -55,15 +74,21 @@ def test_pods_too_big_to_share_a_gpu_spread_over_both_nodes_gpus(cluster: RealCl
 
 def test_a_node_whose_capacity_address_names_the_other_node_is_refused(cluster: RealCluster) -> None:
     first, second = cluster.nodes
-    until(lambda: all(_connected(cluster, n.name) for n in cluster.nodes), WAIT, interval=0.2, what="both nodes in cgpu-scheduler's view")
+    until(
+        lambda: all(_connected(cluster, n.name) for n in cluster.nodes),
+        WAIT,
+        interval=0.2,
+        what="both nodes in cgpu-scheduler's view",
+    )
     # Root on the API (or a node allowed to write it) points node-1 at node-0's cgpud.
     cluster.kubectl("annotate", "node", second.name, f"{ANNOTATION_CAPACITY_ADDRESS}={first.ip}:9455", "--overwrite")
     try:
         until(lambda: not _connected(cluster, second.name), 30, interval=0.2, what=f"{second.name} refused")
         assert _connected(cluster, first.name)
     finally:
-        cluster.kubectl("annotate", "node", second.name, f"{ANNOTATION_CAPACITY_ADDRESS}={second.ip}:9455",
-                        "--overwrite")
+        cluster.kubectl(
+            "annotate", "node", second.name, f"{ANNOTATION_CAPACITY_ADDRESS}={second.ip}:9455", "--overwrite"
+        )
         until(lambda: _connected(cluster, second.name), 60, interval=0.2, what=f"{second.name} back")
         assert second.cgpud is not None
         second.cgpud.stop()

@@ -1,6 +1,7 @@
 """Fixtures for the relay tests: every test runs against the release build
 and against an AddressSanitizer/UBSan build of the relays, built once per
 session for all the modules here."""
+
 from __future__ import annotations
 
 import shutil

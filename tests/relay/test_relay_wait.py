@@ -3,6 +3,7 @@
 back, and fails with a clear message when it does not. A container that asks
 for no GPU never waits. Real relay binaries (release and sanitizer builds),
 a real socket that appears late."""
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,7 @@ def spawn(prog: Path, args: list[str], env: dict[str, str], stdin: bytes = b"") 
     os.write(write, stdin)  # small: fits the pipe, so the child may read it any time
     os.close(write)
     try:
-        return subprocess.Popen([str(prog), *args], env=env, stdin=read, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE)
+        return subprocess.Popen([str(prog), *args], env=env, stdin=read, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     finally:
         os.close(read)
 
@@ -85,8 +85,9 @@ def test_hook_waits_the_full_default_bound_then_fails(native, sock_path):
 
     assert HOOK_TIMEOUT > RELAY_WAIT_S + 5
     started = time.monotonic()
-    proc = spawn(native / "bin" / "cgpu-hook", ["--socket", str(sock_path), "--instance", "i1", "poststop"], {},
-                 stdin=STATE)
+    proc = spawn(
+        native / "bin" / "cgpu-hook", ["--socket", str(sock_path), "--instance", "i1", "poststop"], {}, stdin=STATE
+    )
     code, err = finish(proc)
     took = time.monotonic() - started
     assert code == 1 and RELAY_WAIT_S <= took < RELAY_WAIT_S + 3, took
@@ -99,8 +100,9 @@ def test_hook_waits_the_full_default_bound_then_fails(native, sock_path):
 
 def test_hook_waits_for_cgpud_to_come_back(bins, cgpud, sock_path):
     env = {**SAN_OPTIONS, "CGPU_RELAY_WAIT_MS": "5000"}
-    proc = spawn(bins / "cgpu-hook", ["--socket", str(sock_path), "--instance", "i1", "createRuntime"], env,
-                 stdin=STATE)
+    proc = spawn(
+        bins / "cgpu-hook", ["--socket", str(sock_path), "--instance", "i1", "createRuntime"], env, stdin=STATE
+    )
     time.sleep(0.5)
     server = cgpud(b"ok bound i1\n")
     code, err = finish(proc)
@@ -145,8 +147,9 @@ def test_request_lost_with_a_dying_cgpud_is_sent_again(bins, env, runtime, sock_
     finally:
         server.close()
     assert code == 0, err
-    assert err == (f"cgpu-runtime: cgpud went away without answering ({sock_path}: connection closed); "
-                   "retrying for 5 s\n")
+    assert err == (
+        f"cgpu-runtime: cgpud went away without answering ({sock_path}: connection closed); retrying for 5 s\n"
+    )
     assert len(server.requests) == 2 and server.requests[0] == server.requests[1]
     assert server.requests[0].startswith(b"prepare c1\n")
 
@@ -154,8 +157,12 @@ def test_request_lost_with_a_dying_cgpud_is_sent_again(bins, env, runtime, sock_
 def test_container_without_gpu_never_waits(bins, runtime, sock_path, tmp_path):
     # The default bound (no CGPU_RELAY_WAIT_MS) and no cgpud: still no wait.
     b = bundle(tmp_path, config=PLAIN_CONFIG)
-    env = {"PATH": "/usr/bin:/bin", "CGPU_REAL_RUNTIME": str(runtime.path), "CGPU_RELAY_SOCKET": str(sock_path),
-           **SAN_OPTIONS}
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "CGPU_REAL_RUNTIME": str(runtime.path),
+        "CGPU_RELAY_SOCKET": str(sock_path),
+        **SAN_OPTIONS,
+    }
     started = time.monotonic()
     code, err = finish(spawn(bins / "cgpu-runtime", ["create", "--bundle", str(b), "c1"], env))
     assert code == 0 and err == "" and runtime.argv is not None

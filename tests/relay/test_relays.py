@@ -3,6 +3,7 @@ the relay wire protocol. The peer is a real unix socket server playing cgpud's
 side (it records each request and answers a scripted line); the "real runtime"
 is a script that records its argv. Every test runs against the release build
 and against an AddressSanitizer/UBSan build of the two relays."""
+
 from __future__ import annotations
 
 import json
@@ -122,14 +123,29 @@ def test_prepare_finds_id_and_bundle_wherever_runc_accepts_them(bins, env, runti
         '{"process":{"env":["ALIYUN\\u005fCOM_GPU_MEM_CONTAINER=2"]}}',
         '{"mounts":[{"destination":"\\/run\\/cgpu"}]}',
         # cgpud reads these as claims of /run/cgpu as well (found by tests/fuzz py_bundle)
-        *(json.dumps({"mounts": [{"destination": d, "source": "/var/lib/cgpud/x", "type": "bind"}]})
-          for d in ("/run/cgpu/", "/run//cgpu", "/run/./cgpu/usage")),
+        *(
+            json.dumps({"mounts": [{"destination": d, "source": "/var/lib/cgpud/x", "type": "bind"}]})
+            for d in ("/run/cgpu/", "/run//cgpu", "/run/./cgpu/usage")
+        ),
         # a marker straddling two reads of the scan
         *(" " * (65536 - k) + GPU_CONFIG for k in (1, 8, 13, 20, 40)),
         " " * (8 * MIB + 1),  # too large to scan: cgpud decides
     ],
-    ids=["env", "mount", "u-escape", "slash-escape", "mount-slash", "mount-2slash", "mount-under", "cut1", "cut8",
-         "cut13", "cut20", "cut40", "huge"],
+    ids=[
+        "env",
+        "mount",
+        "u-escape",
+        "slash-escape",
+        "mount-slash",
+        "mount-2slash",
+        "mount-under",
+        "cut1",
+        "cut8",
+        "cut13",
+        "cut20",
+        "cut40",
+        "huge",
+    ],
 )
 def test_any_marker_sends_the_bundle_to_cgpud(bins, env, runtime, cgpud, tmp_path, config):
     server = cgpud(b"ok prepared 1 GPU\n")
@@ -157,9 +173,7 @@ def test_escapes_an_encoder_writes_itself_stay_on_the_fast_path(bins, env, runti
 
 
 @pytest.mark.parametrize("fmt", ["json", "text"])
-def test_refusal_stops_the_start_and_reaches_containerd_through_the_log(
-    bins, env, runtime, cgpud, tmp_path, fmt
-):
+def test_refusal_stops_the_start_and_reaches_containerd_through_the_log(bins, env, runtime, cgpud, tmp_path, fmt):
     server = cgpud(f"error {REFUSAL}\n".encode())
     b = bundle(tmp_path)
     log = tmp_path / "log.json"
@@ -169,7 +183,7 @@ def test_refusal_stops_the_start_and_reaches_containerd_through_the_log(
     assert proc.returncode == 1 and runtime.argv is None and len(server.requests) == 1
     assert proc.stderr == f"cgpu-runtime: {REFUSAL}\n"
     lines = log.read_text().splitlines()
-    assert len(lines) == 2 and lines[0].endswith("earlier line\",\"time\":\"2024-01-01T00:00:00Z\"}")
+    assert len(lines) == 2 and lines[0].endswith('earlier line","time":"2024-01-01T00:00:00Z"}')
     if fmt == "json":
         entry = json.loads(lines[1])
         assert entry["level"] == "error" and entry["msg"] == f"cgpu-runtime: {REFUSAL}"
@@ -192,7 +206,9 @@ def test_unreachable_cgpud_fails_closed_and_names_the_socket(bins, env, runtime,
     log = tmp_path / "log"
     args = ["--log", str(log), "create", "--bundle", str(bundle(tmp_path)), "c1"]
     proc = run(bins / "cgpu-runtime", args, env)
-    msg = f"cgpu-runtime: cgpud is not running ({sock_path}: No such file or directory): start it (systemctl start cgpud)"
+    msg = (
+        f"cgpu-runtime: cgpud is not running ({sock_path}: No such file or directory): start it (systemctl start cgpud)"
+    )
     assert proc.returncode == 1 and runtime.argv is None and proc.stderr == msg + "\n"
     assert log.read_text().endswith(f'level=error msg="{msg}"\n')
 
@@ -203,8 +219,9 @@ def test_socket_without_listener_is_unreachable(bins, env, runtime, sock_path, t
     dead.close()
     proc = run(bins / "cgpu-runtime", ["create", "--bundle", str(bundle(tmp_path)), "c1"], env)
     assert proc.returncode == 1 and runtime.argv is None
-    assert proc.stderr == (f"cgpu-runtime: cgpud is not running ({sock_path}: Connection refused): "
-                           "start it (systemctl start cgpud)\n")
+    assert proc.stderr == (
+        f"cgpu-runtime: cgpud is not running ({sock_path}: Connection refused): start it (systemctl start cgpud)\n"
+    )
 
 
 @pytest.mark.parametrize(
@@ -282,6 +299,7 @@ def test_runtime_is_found_on_path_by_name(bins, env, runtime, name):
 
 # --- cgpu-hook ------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     "opts",
     [["--socket", "{sock}", "--instance", "inst-1.a_b"], ["--instance=inst-1.a_b", "--socket={sock}"]],
@@ -311,7 +329,9 @@ def test_hook_without_answer_fails(bins, hook_env, cgpud, sock_path):
     args = ["--socket", str(sock_path), "--instance", "i1", "createRuntime"]
     proc = run(bins / "cgpu-hook", args, hook_env, stdin=STATE)
     assert proc.returncode == 1 and proc.stderr == (
-        f"cgpu-hook: cgpud went away without answering ({sock_path}: connection closed): start it (systemctl start cgpud)\n")
+        f"cgpu-hook: cgpud went away without answering ({sock_path}: connection closed): "
+        "start it (systemctl start cgpud)\n"
+    )
     assert len(server.requests) == 1
 
 
@@ -391,6 +411,7 @@ def test_hook_version(bins, hook_env, args):
 # Against a scripted cgpud and a fake runc: the requests it sends, the pid
 # file read as hostile input, the real runtime's exit code passed through,
 # and a failed bind undone with `delete --force`.
+
 
 class ShimRunc:
     """A fake runc: logs each call's argv as one line; `create` writes
@@ -503,14 +524,18 @@ def test_a_refused_bind_undoes_the_create(bins, fake, shim_env, tmp_path, sock_p
     finally:
         server.close()
     assert proc.returncode == 1 and "cgpu-runtime: instance belongs to container x" in proc.stderr
-    assert [h for h, _ in bodies(server.requests)] == ["prepare c1 shim-binds spec-fd", f"bind {INSTANCE}",
-                                                         f"release {INSTANCE}"]
+    assert [h for h, _ in bodies(server.requests)] == [
+        "prepare c1 shim-binds spec-fd",
+        f"bind {INSTANCE}",
+        f"release {INSTANCE}",
+    ]
     assert fake.calls()[-1] == f"--root {tmp_path / 'root'} delete --force c1"
     assert not (tmp_path / "root" / "c1").exists()
 
 
-def test_the_real_runtimes_failure_is_its_exit_code_and_frees_the_instance(bins, cgpud, fake, shim_env,
-                                                                             tmp_path) -> None:
+def test_the_real_runtimes_failure_is_its_exit_code_and_frees_the_instance(
+    bins, cgpud, fake, shim_env, tmp_path
+) -> None:
     server = cgpud(f"ok instance {INSTANCE}\n".encode())
     b = bundle(tmp_path)
     proc = run(bins / "cgpu-runtime", create_args(tmp_path, b), dict(shim_env, FAKE_CREATE_RC="3"))

@@ -3,6 +3,7 @@ of every container goes through it, and it execs the real runtime itself
 unless the command needs the shim proper, cgpu-runtime-gpu beside it. Played
 with the real binaries (the release front, built without libc, and the
 sanitizer build of the same logic on libc) and a fake runc."""
+
 from __future__ import annotations
 
 import os
@@ -21,6 +22,7 @@ from tests.harness.relay import GPU_CONFIG, PLAIN_CONFIG, bundle, run
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "csrc"))
 import build_native  # noqa: E402
+
 CHUNK = 64 << 10  # runtime_rules.h CONFIG_CHUNK: a marker may straddle two reads
 CONFIG_MAX = 8 << 20
 
@@ -37,7 +39,7 @@ def front_in(where: Path, bins: Path, gpu_shim: str | None) -> Path:
     return front
 
 
-SPY = "#!/bin/sh\nprintf '%s\\0' \"$@\" > \"$(dirname \"$0\")/gpu-shim.argv\"\nexit 42\n"
+SPY = '#!/bin/sh\nprintf \'%s\\0\' "$@" > "$(dirname "$0")/gpu-shim.argv"\nexit 42\n'
 
 
 def spied(front: Path) -> list[str] | None:
@@ -52,10 +54,14 @@ def spied(front: Path) -> list[str] | None:
 def test_commands_that_need_nothing_of_cgpu_run_without_the_gpu_shim(bins, env, runtime, tmp_path):
     front = front_in(tmp_path / "alone", bins, None)
     plain = bundle(tmp_path, "plain", PLAIN_CONFIG)
-    for args in (["state", "c1"], ["--root", str(tmp_path / "root"), "delete", "c1"],
-                 ["--log", str(tmp_path / "log"), "create", "--bundle", str(plain), "--pid-file", "p", "c1"],
-                 ["run", "-b", str(plain), "c1"], ["create", "--bundle", str(tmp_path / "missing"), "c1"],
-                 ["kill", "c1", "KILL"]):
+    for args in (
+        ["state", "c1"],
+        ["--root", str(tmp_path / "root"), "delete", "c1"],
+        ["--log", str(tmp_path / "log"), "create", "--bundle", str(plain), "--pid-file", "p", "c1"],
+        ["run", "-b", str(plain), "c1"],
+        ["create", "--bundle", str(tmp_path / "missing"), "c1"],
+        ["kill", "c1", "KILL"],
+    ):
         proc = run(front, args, env)
         assert (proc.returncode, proc.stdout) == (0, "fake-runc ran\n"), proc.stderr
         assert runtime.argv == args
@@ -65,8 +71,10 @@ def test_a_gpu_start_without_the_gpu_shim_fails_closed(bins, env, runtime, tmp_p
     front = front_in(tmp_path / "alone", bins, None)
     proc = run(front, ["create", "--bundle", str(bundle(tmp_path)), "c1"], env)
     assert proc.returncode == 127
-    assert proc.stderr.startswith(f"cgpu-runtime: cannot run {front.parent}/cgpu-runtime-gpu: it is installed with "
-                                  "cgpu-runtime, in the same directory; reinstall cgpu")
+    assert proc.stderr.startswith(
+        f"cgpu-runtime: cannot run {front.parent}/cgpu-runtime-gpu: it is installed with "
+        "cgpu-runtime, in the same directory; reinstall cgpu"
+    )
     assert runtime.argv is None
 
 
@@ -139,7 +147,7 @@ def test_through_a_link_the_gpu_shim_is_found_beside_the_real_file(bins, env, ru
 def test_the_release_front_runs_without_libc_where_it_knows_how(native):
     data = (native / "bin" / "cgpu-runtime").read_bytes()
     assert data[:4] == b"\x7fELF" and data[4] == 2  # 64-bit
-    phoff, = struct.unpack_from("<Q", data, 0x20)
+    (phoff,) = struct.unpack_from("<Q", data, 0x20)
     phentsize, phnum = struct.unpack_from("<HH", data, 0x36)
     kinds = {struct.unpack_from("<I", data, phoff + i * phentsize)[0] for i in range(phnum)}
     # No PT_INTERP and no PT_DYNAMIC: nothing is loaded or relocated before it runs.
@@ -197,20 +205,29 @@ def test_nothing_is_sent_ahead_for_a_start_the_shim_refuses(bins, env, runtime, 
     front = front_in(tmp_path / "spied", bins, SHIM_SEES.format(var=SENT_FD))
     server = cgpud(None)
     b = bundle(tmp_path)
-    for args in (["create", "--bundle", str(b)], ["create", "--bundle", str(b), "bad id"],
-                 ["create", "--bundle", str(b), "x" * 1025]):
+    for args in (
+        ["create", "--bundle", str(b)],
+        ["create", "--bundle", str(b), "bad id"],
+        ["create", "--bundle", str(b), "x" * 1025],
+    ):
         assert run(front, args, env).returncode == 42
         assert (front.parent / "seen").read_text() == "\n"  # no variable, so no socket either
     assert server.requests == []
 
 
 def shim_with_fd(bins: Path, env: dict[str, str], b: Path, fd: int) -> subprocess.CompletedProcess[bytes]:
-    return subprocess.run([str(bins / "cgpu-runtime-gpu"), "create", "--bundle", str(b), "c1"],
-                          env=dict(env, **{SENT_FD: str(fd)}), pass_fds=(fd,), capture_output=True, timeout=20)
+    return subprocess.run(
+        [str(bins / "cgpu-runtime-gpu"), "create", "--bundle", str(b), "c1"],
+        env=dict(env, **{SENT_FD: str(fd)}),
+        pass_fds=(fd,),
+        capture_output=True,
+        timeout=20,
+    )
 
 
 def test_the_gpu_shim_asks_itself_when_the_fd_it_is_told_of_is_no_connection_to_cgpud(
-        bins, env, runtime, cgpud, tmp_path):
+    bins, env, runtime, cgpud, tmp_path
+):
     server = cgpud(b"ok\n")
     b = bundle(tmp_path)
     other = tmp_path / "other.sock"
@@ -234,8 +251,9 @@ def test_the_real_runtime_inherits_neither_the_connection_nor_the_variable(bins,
     fake.write_text(f"#!/bin/sh\n{{ env | grep {SENT_FD}; ls -l /proc/$$/fd | grep -c socket; }} > {record}\nexit 0\n")
     fake.chmod(0o755)
     server = cgpud(b"ok\n")
-    proc = run(bins / "cgpu-runtime", ["run", "--bundle", str(bundle(tmp_path)), "c1"],
-               dict(env, CGPU_REAL_RUNTIME=str(fake)))
+    proc = run(
+        bins / "cgpu-runtime", ["run", "--bundle", str(bundle(tmp_path)), "c1"], dict(env, CGPU_REAL_RUNTIME=str(fake))
+    )
     assert proc.returncode == 0, proc.stderr
     assert len(server.requests) == 1 and record.read_text() == "0\n"
 

@@ -6,6 +6,7 @@ does (a real unix socket, the descriptor received as cgpud receives it)
 and a fake runc that reads config.json as runc does (one JSON value from
 whatever its open finds) or to the end of the file. Release and
 sanitizer builds, as test_relays.py."""
+
 from __future__ import annotations
 
 import json
@@ -20,9 +21,14 @@ import pytest
 
 from tests.harness.relay import INSTANCE, Cgpud, bundle, create_args, relay_env, run
 
-ORIGINAL = json.dumps({"ociVersion": "1.0.2",
-                       "process": {"args": ["sh"], "env": ["PATH=/bin", "ALIYUN_COM_GPU_MEM_CONTAINER=2"]},
-                       "mounts": [{"destination": "/data", "source": "/srv/data"}]}, indent=1)
+ORIGINAL = json.dumps(
+    {
+        "ociVersion": "1.0.2",
+        "process": {"args": ["sh"], "env": ["PATH=/bin", "ALIYUN_COM_GPU_MEM_CONTAINER=2"]},
+        "mounts": [{"destination": "/data", "source": "/srv/data"}],
+    },
+    indent=1,
+)
 EDITED_ENV = "CGPU_EDITED=1"
 
 
@@ -74,8 +80,11 @@ class EditingCgpud(Cgpud):
                     tmp.write_text(json.dumps(edited))
                     tmp.chmod(stat.S_IMODE(os.lstat(config).st_mode))
                     os.rename(tmp, config)
-                answer = {"edit": f"ok instance {INSTANCE}\n", "refuse": "error no GPU has 17 GiB free\n",
-                          "plain": "ok no GPU request\n"}.get(step)
+                answer = {
+                    "edit": f"ok instance {INSTANCE}\n",
+                    "refuse": "error no GPU has 17 GiB free\n",
+                    "plain": "ok no GPU request\n",
+                }.get(step)
                 if answer:
                     conn.sendall(answer.encode())
 
@@ -171,8 +180,11 @@ def untouched(b: Path) -> None:
 def test_runc_reads_cgpuds_edit_wherever_its_open_lands(bins, cgpud, runc, env, tmp_path, slow, read) -> None:
     server = cgpud(["edit"], delay=0.3 if slow == "cgpud" else 0.0)
     b = engine_bundle(tmp_path)
-    proc = run(bins / "cgpu-runtime", create_args(tmp_path, b),
-               dict(env, FAKE_READ=read, FAKE_OPEN_DELAY="0.3" if slow == "runc" else "0"))
+    proc = run(
+        bins / "cgpu-runtime",
+        create_args(tmp_path, b),
+        dict(env, FAKE_READ=read, FAKE_OPEN_DELAY="0.3" if slow == "runc" else "0"),
+    )
     assert proc.returncode == 0, proc.stderr
     assert server.heads == ["prepare c1 shim-binds spec-fd", f"bind {INSTANCE}"]
     assert server.specs[0] == ORIGINAL.encode()  # cgpud read the engine's spec through the descriptor

@@ -1,5 +1,6 @@
 """docs/architecture.md names every module: a new file that is not on the map
 fails here, so the map cannot fall behind the tree."""
+
 from __future__ import annotations
 
 import re
@@ -12,12 +13,15 @@ GENERATED = re.compile(r"_pb2(_grpc)?\.pyi?$")
 def _map_text() -> str:
     text = (ROOT / "docs" / "architecture.md").read_text()
     start = text.index("## What exists")
-    return text[start:text.index("## ", start + 3)]
+    return text[start : text.index("## ", start + 3)]
 
 
 def _modules() -> list[Path]:
-    python = [p for p in (ROOT / "cgpud").rglob("*.py")
-              if p.name != "__init__.py" and not GENERATED.search(p.name) and "_native" not in p.parts]
+    python = [
+        p
+        for p in (ROOT / "cgpud").rglob("*.py")
+        if p.name != "__init__.py" and not GENERATED.search(p.name) and "_native" not in p.parts
+    ]
     native = [p for p in (ROOT / "csrc").rglob("*") if p.suffix in (".c", ".h", ".def", ".py")]
     protos = list((ROOT / "proto").rglob("*.proto"))
     return sorted(python + native + protos)

@@ -1,5 +1,6 @@
 """cgpud/boundedhttp.py's decisions over real sockets: who is cut at the
 cap, when an idle connection is reaped, what the body budget lets in."""
+
 from __future__ import annotations
 
 import socket

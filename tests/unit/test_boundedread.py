@@ -1,5 +1,6 @@
 """read_at_most: a file's bytes up to a limit, one byte more when it is
 longer, from regular files, /proc files (which report size 0) and pipes."""
+
 from __future__ import annotations
 
 import os

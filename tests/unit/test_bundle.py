@@ -1,5 +1,6 @@
 """config.json reading and rewriting, and the rootfs link check, on real
 files in a temp dir."""
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,13 @@ def test_plain_rootfs_and_missing_paths_pass(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("link", "target"),
-    [("etc", "/../../tmp/x"), ("run", "/proc/self/cwd"), ("usr/local", "../opt"), ("etc/ld.so.preload", "/proc/1/x"),
-     ("usr", "/usr")],
+    [
+        ("etc", "/../../tmp/x"),
+        ("run", "/proc/self/cwd"),
+        ("usr/local", "../opt"),
+        ("etc/ld.so.preload", "/proc/1/x"),
+        ("usr", "/usr"),
+    ],
 )
 def test_a_symlink_on_the_way_is_refused(tmp_path: Path, link: str, target: str) -> None:
     root = rootfs(tmp_path)
@@ -96,15 +102,20 @@ def test_a_spec_over_the_limit_is_refused_and_one_at_it_is_read(tmp_path: Path) 
 
 # ---- volumes over the paths cgpu mounts at (check_volumes)
 
+
 def bind(dest: str, source: Path | str, kind: str = "bind") -> dict:
     return {"destination": dest, "type": kind, "source": str(source), "options": ["rbind", "ro"]}
 
 
 @pytest.mark.parametrize(
     ("dest", "link", "target"),
-    [("/run", "cgpu", "/run/cgpu"), ("/etc", "ld.so.preload", "/etc/ld.so.preload"),
-     ("/usr/local", "cgpu", "/usr/local/cgpu/libcgpu.so"), ("/usr", "local", "/usr/local/cgpu/libcgpu.so"),
-     ("/", "run", "/run/cgpu")],
+    [
+        ("/run", "cgpu", "/run/cgpu"),
+        ("/etc", "ld.so.preload", "/etc/ld.so.preload"),
+        ("/usr/local", "cgpu", "/usr/local/cgpu/libcgpu.so"),
+        ("/usr", "local", "/usr/local/cgpu/libcgpu.so"),
+        ("/", "run", "/run/cgpu"),
+    ],
 )
 def test_a_link_in_a_volume_source_is_refused_naming_mount_and_link(tmp_path: Path, dest, link, target) -> None:
     src = tmp_path / "src"
@@ -119,9 +130,15 @@ def test_a_link_in_a_volume_source_is_refused_naming_mount_and_link(tmp_path: Pa
 def test_tmpfs_unrelated_and_replaced_mounts_pass(tmp_path: Path) -> None:
     src = tmp_path / "src"
     (src / "cgpu").mkdir(parents=True)
-    mounts = [{"destination": "/usr/local", "type": "tmpfs", "source": "tmpfs"}, {"destination": "/run", "type": "tmpfs"},
-              bind("/data", tmp_path / "missing"), bind("/run/cgpu/x", "/nonexistent"), bind("/etc/hosts", src),
-              bind("/runner", src), "not a mount"]
+    mounts = [
+        {"destination": "/usr/local", "type": "tmpfs", "source": "tmpfs"},
+        {"destination": "/run", "type": "tmpfs"},
+        bind("/data", tmp_path / "missing"),
+        bind("/run/cgpu/x", "/nonexistent"),
+        bind("/etc/hosts", src),
+        bind("/runner", src),
+        "not a mount",
+    ]
     check_volumes(tmp_path / "rootfs", mounts, TARGETS)
     # A mount exactly at one of cgpu's targets is replaced by cgpu's own.
     (tmp_path / "pre").symlink_to("/proc/self/cwd")
@@ -143,13 +160,21 @@ def test_a_bind_volume_over_a_target_is_refused_even_without_a_link(tmp_path: Pa
 
 def test_volumes_cgpu_cannot_look_into_are_refused(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="a overlay mount at /usr covers /usr/local/cgpu/libcgpu.so"):
-        check_volumes(tmp_path / "rootfs", [{"destination": "/usr", "type": "overlay", "source": "overlay", "options": []}], TARGETS)
+        check_volumes(
+            tmp_path / "rootfs",
+            [{"destination": "/usr", "type": "overlay", "source": "overlay", "options": []}],
+            TARGETS,
+        )
     src = tmp_path / "src"
     src.mkdir()
     (src / "usr").mkdir()
     (src / "usr" / "local").write_text("")
     with pytest.raises(UsageError, match="has a file at /usr/local .* needs a directory"):
-        check_volumes(tmp_path / "rootfs", [{"destination": "/", "type": "none", "source": str(src), "options": ["bind"]}], TARGETS)
+        check_volumes(
+            tmp_path / "rootfs",
+            [{"destination": "/", "type": "none", "source": str(src), "options": ["bind"]}],
+            TARGETS,
+        )
 
 
 def test_a_destination_counts_where_links_in_the_image_or_earlier_volumes_put_it(tmp_path: Path) -> None:
@@ -160,7 +185,12 @@ def test_a_destination_counts_where_links_in_the_image_or_earlier_volumes_put_it
     (root / "opt").symlink_to("usr/local")
     src = tmp_path / "src"
     src.mkdir()
-    for written, lands in (("/var/run", "/run"), ("/var/lock", "/run"), ("/opt", "/usr/local"), ("/var/run/../etc", "/etc")):
+    for written, lands in (
+        ("/var/run", "/run"),
+        ("/var/lock", "/run"),
+        ("/opt", "/usr/local"),
+        ("/var/run/../etc", "/etc"),
+    ):
         with pytest.raises(UsageError, match=f"the volume at {lands} \\(written as {written}\\)"):
             check_volumes(root, [bind(written, src)], TARGETS)
     check_volumes(root, [{"destination": "/var/run", "type": "tmpfs", "source": "tmpfs"}], TARGETS)
@@ -177,19 +207,24 @@ def test_a_destination_counts_where_links_in_the_image_or_earlier_volumes_put_it
         check_volumes(root, [bind("/loop/a", src)], TARGETS)
 
 
-@pytest.mark.parametrize(("encoding", "text", "refused"), [
-    ("utf-8", '"A=\\u0000x"', True),                    # the escape, in UTF-8
-    ("utf-16", '"A=\\u0000x"', True),                   # the same in UTF-16, which json.loads also reads
-    ("utf-32", '"\\u0000"', True),
-    ("utf-8", '"A=\\\\u0000"', False),                  # a backslash, then the text u0000: no NUL
-    ("utf-8", '"caf\\u00e9 \\u0001"', False),
-])
-def test_a_nul_anywhere_in_the_spec_is_refused_whatever_its_encoding(tmp_path: Path, encoding: str, text: str,
-                                                                      refused: bool) -> None:
+@pytest.mark.parametrize(
+    ("encoding", "text", "refused"),
+    [
+        ("utf-8", '"A=\\u0000x"', True),  # the escape, in UTF-8
+        ("utf-16", '"A=\\u0000x"', True),  # the same in UTF-16, which json.loads also reads
+        ("utf-32", '"\\u0000"', True),
+        ("utf-8", '"A=\\\\u0000"', False),  # a backslash, then the text u0000: no NUL
+        ("utf-8", '"caf\\u00e9 \\u0001"', False),
+    ],
+)
+def test_a_nul_anywhere_in_the_spec_is_refused_whatever_its_encoding(
+    tmp_path: Path, encoding: str, text: str, refused: bool
+) -> None:
     """A NUL would make os.open() raise ValueError where a path is used; the
     check that finds it skips the walk only when the bytes cannot hold one."""
     (tmp_path / "config.json").write_bytes(
-        f'{{"ociVersion": "1.0.2", "root": {{"path": "rootfs"}}, "process": {{"env": [{text}]}}}}'.encode(encoding))
+        f'{{"ociVersion": "1.0.2", "root": {{"path": "rootfs"}}, "process": {{"env": [{text}]}}}}'.encode(encoding)
+    )
     if refused:
         with pytest.raises(UsageError, match="NUL character"):
             read_spec(tmp_path)

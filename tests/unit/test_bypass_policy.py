@@ -1,5 +1,6 @@
 """The watchdog's pure decision as tables: what NVML lists and whose each
 process is, in; violations, out."""
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -24,18 +25,21 @@ UNKNOWN = ViolationKind.UNKNOWN_PROCESS
 COMPUTE = ViolationKind.COMPUTE_OVER_SHARE
 
 
-def inst(iid: str, *grants: tuple[int, int, int], state: InstanceState = InstanceState.BOUND,
-         enforced: bool = True) -> Instance:
-    return Instance(iid, Owner(OwnerKind.PROCESS, iid), tuple(Grant(g, f"GPU-{g}", m, c) for g, m, c in grants),
-                    state, enforced)
+def inst(
+    iid: str, *grants: tuple[int, int, int], state: InstanceState = InstanceState.BOUND, enforced: bool = True
+) -> Instance:
+    return Instance(
+        iid, Owner(OwnerKind.PROCESS, iid), tuple(Grant(g, f"GPU-{g}", m, c) for g, m, c in grants), state, enforced
+    )
 
 
 def who(pid: int, iid: str | None, exe: str = "/usr/bin/tenant", cgroup: str = "/user.slice") -> ProcessIdentity:
     return ProcessIdentity(pid, 1000 + pid, exe, cgroup, iid)
 
 
-def settings(isolating: bool = True, allow: tuple[AllowRule, ...] = DEFAULT_ALLOW, excess: float = 20.0
-             ) -> WatchSettings:
+def settings(
+    isolating: bool = True, allow: tuple[AllowRule, ...] = DEFAULT_ALLOW, excess: float = 20.0
+) -> WatchSettings:
     return WatchSettings(SLACK, excess, allow, isolating)
 
 
@@ -45,44 +49,102 @@ B = inst("b", (0, 2 * GIB, 0))
 # (name, instances, processes, identities, expected [(kind, instance, gpu, pids, used, limit)])
 MEMORY_CASES = [
     ("at the limit plus one process's slack", [A], [GpuProcess(0, 10, GIB + SLACK)], [who(10, "a")], []),
-    ("one byte over limit + slack", [A], [GpuProcess(0, 10, GIB + SLACK + 1)], [who(10, "a")],
-     [(MEM, "a", 0, (10,), GIB + SLACK + 1, GIB)]),
-    ("two processes: slack counts twice", [A],
-     [GpuProcess(0, 10, GIB), GpuProcess(0, 11, 2 * SLACK)], [who(10, "a"), who(11, "a")], []),
-    ("limit + slack x n + 1", [A],
-     [GpuProcess(0, 10, GIB), GpuProcess(0, 11, 2 * SLACK + 1)], [who(10, "a"), who(11, "a")],
-     [(MEM, "a", 0, (10, 11), GIB + 2 * SLACK + 1, GIB)]),
-    ("the slack counts for four processes at most: four at limit + 4 slacks", [A],
-     [GpuProcess(0, 10 + i, (GIB + 4 * SLACK) // 4) for i in range(4)], [who(10 + i, "a") for i in range(4)], []),
-    ("eight forked processes get four slacks", [A],
-     [GpuProcess(0, 10 + i, 500 * MIB) for i in range(8)], [who(10 + i, "a") for i in range(8)],
-     [(MEM, "a", 0, tuple(range(10, 18)), 4000 * MIB, GIB)]),
-    ("used not available counts nothing", [A],
-     [GpuProcess(0, 10, None), GpuProcess(0, 11, None)], [who(10, "a"), who(11, "a")], []),
-    ("not available beside a known figure", [A],
-     [GpuProcess(0, 10, None), GpuProcess(0, 11, GIB + 2 * SLACK + 1)], [who(10, "a"), who(11, "a")],
-     [(MEM, "a", 0, (10, 11), GIB + 2 * SLACK + 1, GIB)]),
-    ("a GPU it has no grant on has limit 0", [A], [GpuProcess(1, 10, SLACK + 1)], [who(10, "a")],
-     [(MEM, "a", 1, (10,), SLACK + 1, 0)]),
+    (
+        "one byte over limit + slack",
+        [A],
+        [GpuProcess(0, 10, GIB + SLACK + 1)],
+        [who(10, "a")],
+        [(MEM, "a", 0, (10,), GIB + SLACK + 1, GIB)],
+    ),
+    (
+        "two processes: slack counts twice",
+        [A],
+        [GpuProcess(0, 10, GIB), GpuProcess(0, 11, 2 * SLACK)],
+        [who(10, "a"), who(11, "a")],
+        [],
+    ),
+    (
+        "limit + slack x n + 1",
+        [A],
+        [GpuProcess(0, 10, GIB), GpuProcess(0, 11, 2 * SLACK + 1)],
+        [who(10, "a"), who(11, "a")],
+        [(MEM, "a", 0, (10, 11), GIB + 2 * SLACK + 1, GIB)],
+    ),
+    (
+        "the slack counts for four processes at most: four at limit + 4 slacks",
+        [A],
+        [GpuProcess(0, 10 + i, (GIB + 4 * SLACK) // 4) for i in range(4)],
+        [who(10 + i, "a") for i in range(4)],
+        [],
+    ),
+    (
+        "eight forked processes get four slacks",
+        [A],
+        [GpuProcess(0, 10 + i, 500 * MIB) for i in range(8)],
+        [who(10 + i, "a") for i in range(8)],
+        [(MEM, "a", 0, tuple(range(10, 18)), 4000 * MIB, GIB)],
+    ),
+    (
+        "used not available counts nothing",
+        [A],
+        [GpuProcess(0, 10, None), GpuProcess(0, 11, None)],
+        [who(10, "a"), who(11, "a")],
+        [],
+    ),
+    (
+        "not available beside a known figure",
+        [A],
+        [GpuProcess(0, 10, None), GpuProcess(0, 11, GIB + 2 * SLACK + 1)],
+        [who(10, "a"), who(11, "a")],
+        [(MEM, "a", 0, (10, 11), GIB + 2 * SLACK + 1, GIB)],
+    ),
+    (
+        "a GPU it has no grant on has limit 0",
+        [A],
+        [GpuProcess(1, 10, SLACK + 1)],
+        [who(10, "a")],
+        [(MEM, "a", 1, (10,), SLACK + 1, 0)],
+    ),
     ("within the slack on a GPU without a grant", [A], [GpuProcess(1, 10, SLACK)], [who(10, "a")], []),
-    ("two instances on one GPU are judged apart", [A, B],
-     [GpuProcess(0, 10, 3 * GIB), GpuProcess(0, 20, 2 * GIB)], [who(10, "a"), who(20, "b")],
-     [(MEM, "a", 0, (10,), 3 * GIB, GIB)]),
-    ("both over, sorted by instance", [B, A],
-     [GpuProcess(0, 20, 5 * GIB), GpuProcess(0, 10, 3 * GIB)], [who(10, "a"), who(20, "b")],
-     [(MEM, "a", 0, (10,), 3 * GIB, GIB), (MEM, "b", 0, (20,), 5 * GIB, 2 * GIB)]),
-    ("one process on two GPUs: each GPU on its own", [inst("m", (0, GIB, 0), (1, GIB, 0))],
-     [GpuProcess(0, 10, GIB), GpuProcess(1, 10, 2 * GIB)], [who(10, "m")],
-     [(MEM, "m", 1, (10,), 2 * GIB, GIB)]),
-    ("an instance that does not enforce (share mode) has no limit", [inst("s", (0, GIB, 0), enforced=False)],
-     [GpuProcess(0, 10, 8 * GIB)], [who(10, "s")], []),
-    ("a whole-GPU grant (memory 0) has no limit", [inst("w", (0, 0, 0))],
-     [GpuProcess(0, 10, 8 * GIB)], [who(10, "w")], []),
+    (
+        "two instances on one GPU are judged apart",
+        [A, B],
+        [GpuProcess(0, 10, 3 * GIB), GpuProcess(0, 20, 2 * GIB)],
+        [who(10, "a"), who(20, "b")],
+        [(MEM, "a", 0, (10,), 3 * GIB, GIB)],
+    ),
+    (
+        "both over, sorted by instance",
+        [B, A],
+        [GpuProcess(0, 20, 5 * GIB), GpuProcess(0, 10, 3 * GIB)],
+        [who(10, "a"), who(20, "b")],
+        [(MEM, "a", 0, (10,), 3 * GIB, GIB), (MEM, "b", 0, (20,), 5 * GIB, 2 * GIB)],
+    ),
+    (
+        "one process on two GPUs: each GPU on its own",
+        [inst("m", (0, GIB, 0), (1, GIB, 0))],
+        [GpuProcess(0, 10, GIB), GpuProcess(1, 10, 2 * GIB)],
+        [who(10, "m")],
+        [(MEM, "m", 1, (10,), 2 * GIB, GIB)],
+    ),
+    (
+        "an instance that does not enforce (share mode) has no limit",
+        [inst("s", (0, GIB, 0), enforced=False)],
+        [GpuProcess(0, 10, 8 * GIB)],
+        [who(10, "s")],
+        [],
+    ),
+    (
+        "a whole-GPU grant (memory 0) has no limit",
+        [inst("w", (0, 0, 0))],
+        [GpuProcess(0, 10, 8 * GIB)],
+        [who(10, "w")],
+        [],
+    ),
 ]
 
 
-@pytest.mark.parametrize("name,instances,processes,identities,expected", MEMORY_CASES,
-                         ids=[c[0] for c in MEMORY_CASES])
+@pytest.mark.parametrize("name,instances,processes,identities,expected", MEMORY_CASES, ids=[c[0] for c in MEMORY_CASES])
 def test_memory_rule(name, instances, processes, identities, expected):
     got = decide(instances, processes, {i.pid: i for i in identities}, [], settings())
     assert [(v.kind, v.instance_id, v.gpu_index, v.pids, v.used_bytes, v.limit_bytes) for v in got] == expected
@@ -98,10 +160,18 @@ UNKNOWN_CASES = [
     ("allowed by a default exe rule", settings(), who(30, None, exe=PERSISTENCED), []),
     ("default exe rule in another directory", settings(), who(30, None, exe="/opt/nv/bin/nv-hostengine"), []),
     ("default rule is on the name, not a prefix", settings(), who(30, None, exe="/tmp/Xorg-evil"), [(30,)]),
-    ("allowed by a cgroup rule", settings(allow=parse_allow("cgroup:/system.slice/dcgm*")),
-     who(30, None, cgroup="/system.slice/dcgm-exporter.service"), []),
-    ("cgroup rule does not match another cgroup", settings(allow=parse_allow("cgroup:/system.slice/dcgm*")),
-     who(30, None, cgroup="/user.slice/dcgm"), [(30,)]),
+    (
+        "allowed by a cgroup rule",
+        settings(allow=parse_allow("cgroup:/system.slice/dcgm*")),
+        who(30, None, cgroup="/system.slice/dcgm-exporter.service"),
+        [],
+    ),
+    (
+        "cgroup rule does not match another cgroup",
+        settings(allow=parse_allow("cgroup:/system.slice/dcgm*")),
+        who(30, None, cgroup="/user.slice/dcgm"),
+        [(30,)],
+    ),
     ("unreadable exe is never allowed", settings(allow=parse_allow("exe:*")), who(30, None, exe=""), [(30,)]),
     ("non-isolating node reports nothing", settings(isolating=False), who(30, None), []),
     ("vanished before it was identified", settings(), None, []),
@@ -172,24 +242,32 @@ def test_all_rules_at_once_are_sorted_and_deterministic():
     assert decide([F], list(reversed(procs)), ids, [view()], settings()) == first
 
 
-@pytest.mark.parametrize("text,rules", [
-    ("", ()),
-    ("  ", ()),
-    ("exe:/usr/bin/nv-hostengine", (AllowRule("exe", "/usr/bin/nv-hostengine"),)),
-    ("cgroup:/system.slice/dcgm*  exe:*/Xorg",
-     (AllowRule("cgroup", "/system.slice/dcgm*"), AllowRule("exe", "*/Xorg"))),
-])
+@pytest.mark.parametrize(
+    "text,rules",
+    [
+        ("", ()),
+        ("  ", ()),
+        ("exe:/usr/bin/nv-hostengine", (AllowRule("exe", "/usr/bin/nv-hostengine"),)),
+        (
+            "cgroup:/system.slice/dcgm*  exe:*/Xorg",
+            (AllowRule("cgroup", "/system.slice/dcgm*"), AllowRule("exe", "*/Xorg")),
+        ),
+    ],
+)
 def test_parse_allow(text, rules):
     assert parse_allow(text) == rules
 
 
-@pytest.mark.parametrize("text,bad", [
-    ("exe", "exe"),
-    ("exe:", "exe:"),
-    ("path:/usr/bin/x", "path:/usr/bin/x"),
-    ("cgroup:/ok EXE:/usr/bin/x", "EXE:/usr/bin/x"),
-    ("exe:nv-hostengine", "exe:nv-hostengine"),
-])
+@pytest.mark.parametrize(
+    "text,bad",
+    [
+        ("exe", "exe"),
+        ("exe:", "exe:"),
+        ("path:/usr/bin/x", "path:/usr/bin/x"),
+        ("cgroup:/ok EXE:/usr/bin/x", "EXE:/usr/bin/x"),
+        ("exe:nv-hostengine", "exe:nv-hostengine"),
+    ],
+)
 def test_parse_allow_refuses_with_one_line_naming_the_entry(text, bad):
     with pytest.raises(UsageError) as e:
         parse_allow(text)

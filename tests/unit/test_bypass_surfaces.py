@@ -4,6 +4,7 @@ inspect -d ID, events) and the Prometheus counters. A real InstanceService
 over a real SQLite store, the real gRPC server on a real unix socket, real
 cgpuctl; the event ring is filled by hand, as the watchdog fills it (it is
 data, not a component under test here)."""
+
 from __future__ import annotations
 
 import json
@@ -50,28 +51,63 @@ class Node:
         return code, out, err
 
 
-def memory_event(instance_id: str, at: float, action: EventAction = EventAction.REPORTED,
-                 killed: tuple[int, ...] = (), detail: str = "") -> BypassEvent:
-    v = Violation(ViolationKind.MEMORY_OVER_LIMIT, 0, instance_id, (4242, 4243), used_bytes=4 * GIB,
-                  limit_bytes=GIB, detail="holds 4096 MiB on GPU 0, limit 1024 MiB + 2 x 512 MiB slack")
+def memory_event(
+    instance_id: str,
+    at: float,
+    action: EventAction = EventAction.REPORTED,
+    killed: tuple[int, ...] = (),
+    detail: str = "",
+) -> BypassEvent:
+    v = Violation(
+        ViolationKind.MEMORY_OVER_LIMIT,
+        0,
+        instance_id,
+        (4242, 4243),
+        used_bytes=4 * GIB,
+        limit_bytes=GIB,
+        detail="holds 4096 MiB on GPU 0, limit 1024 MiB + 2 x 512 MiB slack",
+    )
     return BypassEvent(at, v, action, killed, detail)
 
 
 def fill(events: BypassEvents, a: str) -> None:
     events.add(memory_event(a, T0))
-    events.add(BypassEvent(T0 + 1, Violation(ViolationKind.UNKNOWN_PROCESS, 1, "", (777,), used_bytes=300 * MIB,
-                                             detail="pid 777 (/usr/bin/rogue) belongs to no instance"),
-                           EventAction.REPORTED))
-    events.add(BypassEvent(T0 + 2, Violation(ViolationKind.COMPUTE_OVER_SHARE, 0, a, (4242,),
-                                             measured_percent=91.5, allowed_percent=30.0), EventAction.REPORTED))
+    events.add(
+        BypassEvent(
+            T0 + 1,
+            Violation(
+                ViolationKind.UNKNOWN_PROCESS,
+                1,
+                "",
+                (777,),
+                used_bytes=300 * MIB,
+                detail="pid 777 (/usr/bin/rogue) belongs to no instance",
+            ),
+            EventAction.REPORTED,
+        )
+    )
+    events.add(
+        BypassEvent(
+            T0 + 2,
+            Violation(ViolationKind.COMPUTE_OVER_SHARE, 0, a, (4242,), measured_percent=91.5, allowed_percent=30.0),
+            EventAction.REPORTED,
+        )
+    )
     events.add(memory_event(a, T0 + 3, EventAction.KILLED, killed=(4242, 4243)))
     events.add(memory_event(a, T0 + 4, EventAction.KILL_FAILED, detail="pid 4243 is gone"))
 
 
-def node(tmp_path: Path, events: BypassEvents | None, watching: tuple[bool, str] | None,
-         name: str = "cgpud.sock") -> tuple[Node, LocalServer]:
-    svc = InstanceService(Store(tmp_path / "db" / "cgpud.db"), GPUS, NodePolicy(mode=NodeMode.CORE_MEM),
-                          tmp_path / "regions", "580.65.06", "boot-1")
+def node(
+    tmp_path: Path, events: BypassEvents | None, watching: tuple[bool, str] | None, name: str = "cgpud.sock"
+) -> tuple[Node, LocalServer]:
+    svc = InstanceService(
+        Store(tmp_path / "db" / "cgpud.db"),
+        GPUS,
+        NodePolicy(mode=NodeMode.CORE_MEM),
+        tmp_path / "regions",
+        "580.65.06",
+        "boot-1",
+    )
     a = svc.create(Request(Owner(OwnerKind.PROCESS, "tenant-a"), GIB, core_percent=30)).id
     b = svc.create(Request(Owner(OwnerKind.DEVICE, "train-b"), 2 * GIB, gpu_count=2)).id
     if events is not None:
@@ -111,13 +147,17 @@ def test_the_api_gives_events_newest_last_as_recorded(watched: Node) -> None:
         assert list(listing.events) == watched.events.recent()
         assert [e.time for e in listing.events] == [T0 + i for i in range(5)]
         mine = client.bypass_events(watched.a)
-        assert [e.violation.kind for e in mine.events] == [ViolationKind.MEMORY_OVER_LIMIT,
-                                                           ViolationKind.COMPUTE_OVER_SHARE,
-                                                           ViolationKind.MEMORY_OVER_LIMIT,
-                                                           ViolationKind.MEMORY_OVER_LIMIT]
+        assert [e.violation.kind for e in mine.events] == [
+            ViolationKind.MEMORY_OVER_LIMIT,
+            ViolationKind.COMPUTE_OVER_SHARE,
+            ViolationKind.MEMORY_OVER_LIMIT,
+            ViolationKind.MEMORY_OVER_LIMIT,
+        ]
         last_two = client.bypass_events(watched.a, limit=2).events
         assert [(e.action, e.killed, e.detail) for e in last_two] == [
-            (EventAction.KILLED, (4242, 4243), ""), (EventAction.KILL_FAILED, (), "pid 4243 is gone")]
+            (EventAction.KILLED, (4242, 4243), ""),
+            (EventAction.KILL_FAILED, (), "pid 4243 is gone"),
+        ]
         assert client.bypass_events(watched.b).events == ()
 
 
@@ -186,7 +226,7 @@ def test_inspect_d_id_shows_the_instance_and_its_events(watched: Node, capsys: p
     assert "GRANTS:      gpu 0 GPU-aaaa 1024 MiB core 30%" in lines
     header = next(i for i, line in enumerate(lines) if line.startswith("TIME"))
     assert lines[header].split() == ["TIME", "KIND", "GPU", "PIDS", "USED/ALLOWED", "ACTION", "DETAIL"]
-    rows = [line.split(None, 6) for line in lines[header + 1:]]
+    rows = [line.split(None, 6) for line in lines[header + 1 :]]
     assert [r[:6] for r in rows] == [
         ["2026-11-24T06:00:00Z", "memory_over_limit", "0", "4242,4243", "4096/1024MiB", "reported"],
         ["2026-11-24T06:00:02Z", "compute_over_share", "0", "4242", "92/30%", "reported"],
@@ -200,11 +240,21 @@ def test_inspect_d_id_shows_the_instance_and_its_events(watched: Node, capsys: p
     doc = json.loads(out)
     assert doc["id"] == watched.a and doc["violations"] == 4 and doc["watching"] is True
     [event] = doc["events"]
-    assert event == {"time": T0 + 4, "kind": "memory_over_limit", "instance_id": watched.a, "gpu": 0,
-                     "pids": [4242, 4243], "used_bytes": 4 * GIB, "limit_bytes": GIB, "measured_percent": 0.0,
-                     "allowed_percent": 0.0, "action": "kill_failed", "killed": [],
-                     "detail": "holds 4096 MiB on GPU 0, limit 1024 MiB + 2 x 512 MiB slack",
-                     "action_detail": "pid 4243 is gone"}
+    assert event == {
+        "time": T0 + 4,
+        "kind": "memory_over_limit",
+        "instance_id": watched.a,
+        "gpu": 0,
+        "pids": [4242, 4243],
+        "used_bytes": 4 * GIB,
+        "limit_bytes": GIB,
+        "measured_percent": 0.0,
+        "allowed_percent": 0.0,
+        "action": "kill_failed",
+        "killed": [],
+        "detail": "holds 4096 MiB on GPU 0, limit 1024 MiB + 2 x 512 MiB slack",
+        "action_detail": "pid 4243 is gone",
+    }
 
     code, out, _ = watched.cgpuctl(capsys, "inspect", "-d", watched.b)
     assert code == 0 and "VIOLATIONS:  0" in out and out.rstrip().endswith("no bypass events")
@@ -218,8 +268,13 @@ def test_events_lists_everything_newest_last(watched: Node, capsys: pytest.Captu
     assert code == 0
     header, *rows = out.splitlines()
     assert header.split() == ["TIME", "KIND", "INSTANCE", "GPU", "PIDS", "USED/ALLOWED", "ACTION", "DETAIL"]
-    assert [r.split()[1] for r in rows] == ["memory_over_limit", "unknown_process", "compute_over_share",
-                                            "memory_over_limit", "memory_over_limit"]
+    assert [r.split()[1] for r in rows] == [
+        "memory_over_limit",
+        "unknown_process",
+        "compute_over_share",
+        "memory_over_limit",
+        "memory_over_limit",
+    ]
     unknown = rows[1].split(None, 7)
     assert unknown[2:7] == ["-", "1", "777", "300/0MiB", "reported"]
     assert unknown[7] == "pid 777 (/usr/bin/rogue) belongs to no instance"
@@ -249,8 +304,9 @@ def test_events_say_plainly_when_the_watchdog_is_off(tmp_path: Path, capsys: pyt
         server.stop(None).wait(5)
 
 
-def test_events_without_a_ring_say_the_watchdog_is_not_running(unwatched: Node,
-                                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_events_without_a_ring_say_the_watchdog_is_not_running(
+    unwatched: Node, capsys: pytest.CaptureFixture[str]
+) -> None:
     code, out, _ = unwatched.cgpuctl(capsys, "events")
     assert code == 0
     assert out.splitlines() == [f"the bypass watchdog is off: {NOT_WATCHING}", "no bypass events"]
@@ -270,8 +326,12 @@ def test_events_refusals_are_one_line(watched: Node, capsys: pytest.CaptureFixtu
 
 def test_the_installed_cgpuctl_lists_events(watched: Node) -> None:
     # The entry point a shell runs, in its own process.
-    out = subprocess.run([str(Path(sys.executable).parent / "cgpuctl"), "--socket", str(watched.socket),
-                          "events", "--output", "json"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [str(Path(sys.executable).parent / "cgpuctl"), "--socket", str(watched.socket), "events", "--output", "json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     assert len(json.loads(out.stdout)["events"]) == 5
 
@@ -304,7 +364,16 @@ def test_a_scrape_shows_the_bypass_counters(watched: Node) -> None:
     assert value("cgpu_bypass_processes_killed_total") == 2
     assert value("cgpu_bypass_duration_seconds_count") == 2
     # One series per instance, labelled like the other per-instance metrics.
-    assert value("cgpu_instance_bypass_violations_total", instance_id=watched.a, owner_kind="process",
-                 owner="tenant-a", gpu="0", UUID="GPU-aaaa") == 4
+    assert (
+        value(
+            "cgpu_instance_bypass_violations_total",
+            instance_id=watched.a,
+            owner_kind="process",
+            owner="tenant-a",
+            gpu="0",
+            UUID="GPU-aaaa",
+        )
+        == 4
+    )
     assert value("cgpu_instance_bypass_violations_total", instance_id=watched.b, gpu="0") == 0
     assert not [s for s in samples if s[0] == "cgpu_instance_bypass_violations_total" and s[1]["gpu"] == "1"]

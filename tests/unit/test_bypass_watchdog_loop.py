@@ -5,11 +5,12 @@ answers, a lost GPU skipped; the loop's mode gate, debounce of reports,
 kills every round, its log lines, and a thread that survives a failing
 round. The NVML answers are pynvml's own exception classes and record
 shapes; the decision is bypass_policy's unless a test scripts it."""
+
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -31,8 +32,18 @@ from cgpud.node.bypass_model import (
 )
 from cgpud.node.compute import TenantMetrics
 from cgpud.daemon.metrics import DaemonStats
-from cgpud.node.model import (GIB, MIB, ComputePolicy, Grant, Instance, InstanceState, NodeMode, NodePolicy, Owner,
-                                OwnerKind)
+from cgpud.node.model import (
+    GIB,
+    MIB,
+    ComputePolicy,
+    Grant,
+    Instance,
+    InstanceState,
+    NodeMode,
+    NodePolicy,
+    Owner,
+    OwnerKind,
+)
 from cgpud.node.bypass_watchdog import BypassWatchdog, NvmlProcessReader
 
 SECOND_US = 1_000_000
@@ -135,9 +146,11 @@ def by_pid(processes: list[GpuProcess]) -> dict[tuple[int, int], GpuProcess]:
 
 
 def test_lists_merge_per_pid_with_the_most_memory_listed():
-    nvml = FakeNvml(compute={0: [proc(10, 1 * GIB), proc(11, None), proc(0, GIB)]},
-                    graphics={0: [proc(10, 2 * GIB), proc(12, 300 * MIB)]},
-                    mps={0: [proc(13, 5 * GIB)]})
+    nvml = FakeNvml(
+        compute={0: [proc(10, 1 * GIB), proc(11, None), proc(0, GIB)]},
+        graphics={0: [proc(10, 2 * GIB), proc(12, 300 * MIB)]},
+        mps={0: [proc(13, 5 * GIB)]},
+    )
     r = reader(nvml, Clock())
     got = by_pid(r.read())
     # pid 0 is one NVML cannot name from here: nothing to map or kill
@@ -248,9 +261,11 @@ def test_a_lost_gpu_is_skipped_and_logged_once_per_change():
         assert set(by_pid(r.read())) == {(0, 10), (1, 20)}
         r.read()
     events = [(x["event"], x.get("error")) for x in logs]
-    assert events == [("the bypass watchdog skips a GPU NVML does not answer for", "GPU is lost"),
-                      ("the bypass watchdog skips a GPU NVML does not answer for", "Unknown Error"),
-                      ("the bypass watchdog reads a GPU again", None)]
+    assert events == [
+        ("the bypass watchdog skips a GPU NVML does not answer for", "GPU is lost"),
+        ("the bypass watchdog skips a GPU NVML does not answer for", "Unknown Error"),
+        ("the bypass watchdog reads a GPU again", None),
+    ]
     r.close()
     assert nvml.shut and r.read() == []
 
@@ -259,9 +274,16 @@ def test_a_lost_gpu_is_skipped_and_logged_once_per_change():
 
 
 def instance(iid: str, *grants: tuple[int, int, int], pids: tuple[int, ...] = (100,)) -> Instance:
-    return Instance(iid, Owner(OwnerKind.PROCESS, f"owner-{iid}"),
-                    tuple(Grant(g, f"GPU-{g}", mem, core) for g, mem, core in grants),
-                    InstanceState.BOUND, True, pids=pids, created=1.0, updated=1.0)
+    return Instance(
+        iid,
+        Owner(OwnerKind.PROCESS, f"owner-{iid}"),
+        tuple(Grant(g, f"GPU-{g}", mem, core) for g, mem, core in grants),
+        InstanceState.BOUND,
+        True,
+        pids=pids,
+        created=1.0,
+        updated=1.0,
+    )
 
 
 @dataclass
@@ -299,8 +321,11 @@ class FakeMapper:
     owners: dict[int, str | None]
 
     def identify(self, pids: Sequence[int], instances: Sequence[Instance]) -> dict[int, ProcessIdentity]:
-        return {p: ProcessIdentity(p, 1000 + p, f"/usr/bin/p{p}", "/user.slice", self.owners[p])
-                for p in pids if p in self.owners}
+        return {
+            p: ProcessIdentity(p, 1000 + p, f"/usr/bin/p{p}", "/user.slice", self.owners[p])
+            for p in pids
+            if p in self.owners
+        }
 
 
 @dataclass
@@ -308,8 +333,14 @@ class Kills:
     refuse: set[int] = field(default_factory=set)
     done: list[int] = field(default_factory=list)
 
-    def __call__(self, identity: ProcessIdentity, mapper: Any, instances: Sequence[Instance],
-                 allow: Sequence[Any] = (), unknown: bool = False) -> tuple[bool, str]:
+    def __call__(
+        self,
+        identity: ProcessIdentity,
+        mapper: Any,
+        instances: Sequence[Instance],
+        allow: Sequence[Any] = (),
+        unknown: bool = False,
+    ) -> tuple[bool, str]:
         assert allow == SETTINGS.allow and unknown == (identity.instance_id is None)
         if identity.pid in self.refuse:
             return False, f"pid {identity.pid} not killed: it now maps to another instance"
@@ -318,9 +349,18 @@ class Kills:
 
 
 SETTINGS = WatchSettings(memory_slack_bytes=0, compute_excess_percent=20.0, allow=(), isolating=False)
-MEMORY = Violation(ViolationKind.MEMORY_OVER_LIMIT, 0, "inst-a", (100, 101), used_bytes=4 * GIB, limit_bytes=GIB,
-                   detail="4 GiB held on GPU 0 against a 1 GiB limit")
-UNKNOWN = Violation(ViolationKind.UNKNOWN_PROCESS, 0, "", (300,), used_bytes=GIB, detail="pid 300 belongs to no instance")
+MEMORY = Violation(
+    ViolationKind.MEMORY_OVER_LIMIT,
+    0,
+    "inst-a",
+    (100, 101),
+    used_bytes=4 * GIB,
+    limit_bytes=GIB,
+    detail="4 GiB held on GPU 0 against a 1 GiB limit",
+)
+UNKNOWN = Violation(
+    ViolationKind.UNKNOWN_PROCESS, 0, "", (300,), used_bytes=GIB, detail="pid 300 belongs to no instance"
+)
 
 
 class Script:
@@ -335,11 +375,28 @@ class Script:
         return self.rounds.pop(0) if len(self.rounds) > 1 else self.rounds[0]
 
 
-def watchdog(service: FakeService, reader: FakeReader, decide: Any = None, action: BypassAction = BypassAction.REPORT,
-             kill: Kills | None = None, owners: dict[int, str | None] | None = None,
-             events: BypassEvents | None = None, **kw: Any) -> BypassWatchdog:
-    return BypassWatchdog(service, events or BypassEvents(), reader, FakeMapper(owners or {100: "inst-a", 101: "inst-a"}),
-                          SETTINGS, action, 0.01, decide=decide, kill=kill or Kills(), **kw)
+def watchdog(
+    service: FakeService,
+    reader: FakeReader,
+    decide: Any = None,
+    action: BypassAction = BypassAction.REPORT,
+    kill: Kills | None = None,
+    owners: dict[int, str | None] | None = None,
+    events: BypassEvents | None = None,
+    **kw: Any,
+) -> BypassWatchdog:
+    return BypassWatchdog(
+        service,
+        events or BypassEvents(),
+        reader,
+        FakeMapper(owners or {100: "inst-a", 101: "inst-a"}),
+        SETTINGS,
+        action,
+        0.01,
+        decide=decide,
+        kill=kill or Kills(),
+        **kw,
+    )
 
 
 PROCS = [GpuProcess(0, 100, 2 * GIB), GpuProcess(0, 101, 2 * GIB)]
@@ -369,23 +426,40 @@ def test_reports_once_when_it_appears_then_every_60_s_and_anew_after_it_ends():
     assert [e.time for e in events.recent()] == [100.0, 160.5, 162.0]
     assert events.count("inst-a") == 3
     line = logs[0]
-    assert line == {"event": "bypass", "log_level": "warning", "kind": "memory_over_limit", "instance": "inst-a",
-                    "gpu": 0, "pids": [100, 101], "used": 4 * GIB, "limit": GIB, "action": "reported",
-                    "detail": MEMORY.detail}
+    assert line == {
+        "event": "bypass",
+        "log_level": "warning",
+        "kind": "memory_over_limit",
+        "instance": "inst-a",
+        "gpu": 0,
+        "pids": [100, 101],
+        "used": 4 * GIB,
+        "limit": GIB,
+        "action": "reported",
+        "detail": MEMORY.detail,
+    }
 
 
 def test_kill_mode_kills_every_round_and_never_a_process_of_no_instance():
     kills = Kills()
     events = BypassEvents()
     decide = Script([MEMORY, UNKNOWN])
-    w = watchdog(FakeService([instance("inst-a", (0, GIB, 0))]), FakeReader([PROCS + [GpuProcess(0, 300, GIB)]]),
-                 decide, BypassAction.KILL, kills, owners={100: "inst-a", 101: "inst-a", 300: None}, events=events)
+    w = watchdog(
+        FakeService([instance("inst-a", (0, GIB, 0))]),
+        FakeReader([PROCS + [GpuProcess(0, 300, GIB)]]),
+        decide,
+        BypassAction.KILL,
+        kills,
+        owners={100: "inst-a", 101: "inst-a", 300: None},
+        events=events,
+    )
     first = w.tick(100.0)
     second = w.tick(101.0)
     assert kills.done == [100, 101, 100, 101]
     assert [(e.violation.kind, e.action, e.killed) for e in first] == [
         (ViolationKind.MEMORY_OVER_LIMIT, EventAction.KILLED, (100, 101)),
-        (ViolationKind.UNKNOWN_PROCESS, EventAction.REPORTED, ())]
+        (ViolationKind.UNKNOWN_PROCESS, EventAction.REPORTED, ()),
+    ]
     assert [(e.action, e.killed) for e in second] == [(EventAction.KILLED, (100, 101))]  # the report waits 60 s
     assert events.totals() == ({("memory_over_limit", "killed"): 2, ("unknown_process", "reported"): 1}, 4)
 
@@ -397,36 +471,58 @@ def test_with_kill_unknown_kill_mode_kills_processes_of_no_instance_too():
     from dataclasses import replace
 
     kills = Kills()
-    w = BypassWatchdog(FakeService([instance("inst-a", (0, GIB, 0))]), BypassEvents(),
-                       FakeReader([PROCS + [GpuProcess(0, 300, GIB)]]), FakeMapper({100: "inst-a", 101: "inst-a",
-                                                                                      300: None}),
-                       replace(SETTINGS, kill_unknown=True), BypassAction.KILL, 0.01, decide=Script([UNKNOWN]),
-                       kill=kills)
+    w = BypassWatchdog(
+        FakeService([instance("inst-a", (0, GIB, 0))]),
+        BypassEvents(),
+        FakeReader([PROCS + [GpuProcess(0, 300, GIB)]]),
+        FakeMapper({100: "inst-a", 101: "inst-a", 300: None}),
+        replace(SETTINGS, kill_unknown=True),
+        BypassAction.KILL,
+        0.01,
+        decide=Script([UNKNOWN]),
+        kill=kills,
+    )
     first, second = w.tick(100.0), w.tick(101.0)
     assert kills.done == [300, 300]
     assert [(e.violation.kind, e.action, e.killed) for e in first + second] == [
-        (ViolationKind.UNKNOWN_PROCESS, EventAction.KILLED, (300,))] * 2
+        (ViolationKind.UNKNOWN_PROCESS, EventAction.KILLED, (300,))
+    ] * 2
 
 
 def test_a_kill_refused_by_the_safety_checks_is_an_event_saying_why():
     kills = Kills(refuse={101})
-    three = Violation(ViolationKind.MEMORY_OVER_LIMIT, 0, "inst-a", (100, 101, 102), used_bytes=6 * GIB,
-                      limit_bytes=GIB, detail="over")
-    w = watchdog(FakeService([instance("inst-a", (0, GIB, 0))]), FakeReader([PROCS]), Script([three]),
-                 BypassAction.KILL, kills, owners={100: "inst-a", 101: "inst-a"})  # 102 was not identified
+    three = Violation(
+        ViolationKind.MEMORY_OVER_LIMIT,
+        0,
+        "inst-a",
+        (100, 101, 102),
+        used_bytes=6 * GIB,
+        limit_bytes=GIB,
+        detail="over",
+    )
+    w = watchdog(
+        FakeService([instance("inst-a", (0, GIB, 0))]),
+        FakeReader([PROCS]),
+        Script([three]),
+        BypassAction.KILL,
+        kills,
+        owners={100: "inst-a", 101: "inst-a"},
+    )  # 102 was not identified
     with capture_logs() as logs:
         [event] = w.tick(100.0)
     assert event.action is EventAction.KILL_FAILED and event.killed == (100,) and kills.done == [100]
-    assert event.detail == ("killed pid 100; pid 101 not killed: it now maps to another instance; "
-                            "pid 102 not killed: not identified")
+    assert event.detail == (
+        "killed pid 100; pid 101 not killed: it now maps to another instance; pid 102 not killed: not identified"
+    )
     assert logs[0]["action"] == "kill_failed" and logs[0]["killed"] == [100]
     assert logs[0]["detail"] == "over" and logs[0]["outcome"] == event.detail
 
 
 def test_compute_views_follow_the_policy_per_gpu_and_average_the_engine_over_the_window():
     inst = instance("inst-a", (0, GIB, 30), (1, GIB, 30), (2, GIB, 0))
-    node = NodePolicy(mode=NodeMode.CORE_MEM, compute_policy=ComputePolicy.FIXED,
-                      gpu_compute_policies=((1, ComputePolicy.NATIVE),))
+    node = NodePolicy(
+        mode=NodeMode.CORE_MEM, compute_policy=ComputePolicy.FIXED, gpu_compute_policies=((1, ComputePolicy.NATIVE),)
+    )
     service = FakeService([inst], node)
     decide = Script([])
     w = watchdog(service, FakeReader([PROCS], window_s=2.0), decide)
@@ -466,20 +562,38 @@ def test_a_round_with_the_real_decision():
     daemon on the default allow list is not, a stray process is."""
     from cgpud.node.bypass_policy import DEFAULT_ALLOW
 
-    service = FakeService([instance("inst-a", (0, GIB, 0), pids=(100,)), instance("inst-b", (0, 2 * GIB, 0), pids=(200,))])
-    procs = [GpuProcess(0, 100, 3 * GIB), GpuProcess(0, 200, 2 * GIB + 500 * MIB), GpuProcess(0, 300, 200 * MIB),
-             GpuProcess(0, 301, GIB)]
+    service = FakeService(
+        [instance("inst-a", (0, GIB, 0), pids=(100,)), instance("inst-b", (0, 2 * GIB, 0), pids=(200,))]
+    )
+    procs = [
+        GpuProcess(0, 100, 3 * GIB),
+        GpuProcess(0, 200, 2 * GIB + 500 * MIB),
+        GpuProcess(0, 300, 200 * MIB),
+        GpuProcess(0, 301, GIB),
+    ]
     mapper = FakeMapper({100: "inst-a", 200: "inst-b", 300: None, 301: None})
     mapper.identify = lambda pids, inst: {  # type: ignore[method-assign]
-        p: ProcessIdentity(p, 1, "/usr/bin/nvidia-persistenced" if p == 300 else f"/usr/bin/p{p}", "/", mapper.owners[p])
-        for p in pids}
+        p: ProcessIdentity(
+            p, 1, "/usr/bin/nvidia-persistenced" if p == 300 else f"/usr/bin/p{p}", "/", mapper.owners[p]
+        )
+        for p in pids
+    }
     events = BypassEvents()
-    w = BypassWatchdog(service, events, FakeReader([procs]), mapper,
-                       WatchSettings(512 * MIB, 20.0, DEFAULT_ALLOW, isolating=False), BypassAction.REPORT, 1.0,
-                       kill=Kills())
+    w = BypassWatchdog(
+        service,
+        events,
+        FakeReader([procs]),
+        mapper,
+        WatchSettings(512 * MIB, 20.0, DEFAULT_ALLOW, isolating=False),
+        BypassAction.REPORT,
+        1.0,
+        kill=Kills(),
+    )
     got = w.tick(100.0)
     assert [(e.violation.kind, e.violation.instance_id, e.violation.pids) for e in got] == [
-        (ViolationKind.MEMORY_OVER_LIMIT, "inst-a", (100,)), (ViolationKind.UNKNOWN_PROCESS, "", (301,))]
+        (ViolationKind.MEMORY_OVER_LIMIT, "inst-a", (100,)),
+        (ViolationKind.UNKNOWN_PROCESS, "", (301,)),
+    ]
     assert got[0].violation.used_bytes == 3 * GIB and got[0].violation.limit_bytes == GIB
 
 
@@ -496,7 +610,14 @@ def test_the_instances_are_read_after_nvml_so_a_new_tenant_is_not_unknown():
             service.instances.append(new)  # created, then its process listed by NVML
             return [GpuProcess(0, 100, 200 * MIB)]
 
-    w = BypassWatchdog(service, BypassEvents(), Starting([]), FakeMapper({100: "inst-new"}),
-                       WatchSettings(512 * MIB, 20.0, DEFAULT_ALLOW, isolating=False), BypassAction.REPORT, 1.0,
-                       kill=Kills())
+    w = BypassWatchdog(
+        service,
+        BypassEvents(),
+        Starting([]),
+        FakeMapper({100: "inst-new"}),
+        WatchSettings(512 * MIB, 20.0, DEFAULT_ALLOW, isolating=False),
+        BypassAction.REPORT,
+        1.0,
+        kill=Kills(),
+    )
     assert w.tick(100.0) == []

@@ -1,6 +1,7 @@
 """The Capacity API without a server: the NodeView of a snapshot (pure),
 the ReserveRequest checks, listen addresses and the advertised address,
 and the servicer over a real InstanceService (real SQLite) in-process."""
+
 from __future__ import annotations
 
 import threading
@@ -11,34 +12,68 @@ from pathlib import Path
 import grpc
 import pytest
 
-from cgpud.api.capacity import (CapacityServicer, NodeFacts, NodeSnapshot, node_facts, node_view, nvlink_pairs,
-                                reserve_from_pb)
+from cgpud.api.capacity import (
+    CapacityServicer,
+    NodeFacts,
+    NodeSnapshot,
+    node_facts,
+    node_view,
+    nvlink_pairs,
+    reserve_from_pb,
+)
 from cgpud.api.capacity_server import CapacityTls, advertised, serve_capacity
 from cgpud.api.cgpu.v1 import capacity_pb2 as pb
 from cgpud.api.cgpu.v1 import capacity_pb2_grpc as pb_grpc
 from cgpud.api.listen import Endpoint, is_loopback, parse_endpoint, plaintext_problem, tls_problem
 from cgpud.node.inventory import Gpu, Inventory
-from cgpud.node.model import (GIB, GpuCapacity, Grant, Instance, InstanceState, NodeMode, NodePolicy, Owner,
-                                OwnerKind, Placement, Reservation, Share)
+from cgpud.node.model import (
+    GIB,
+    GpuCapacity,
+    Grant,
+    Instance,
+    InstanceState,
+    NodeMode,
+    NodePolicy,
+    Owner,
+    OwnerKind,
+    Placement,
+    Reservation,
+    Share,
+)
 from cgpud.node.service import InstanceService
 from cgpud.node.store import Store
 from cgpud.errors import CgpuError, UsageError
 from cgpud.extender.model import node_from_pb
 
 GPUS = (GpuCapacity(0, "GPU-a", 16 * GIB), GpuCapacity(1, "GPU-b", 16 * GIB))
-FACTS = NodeFacts("node-1", ("10.0.0.7",), "580.65.06", "NVIDIA-A10", 16 * GIB, 2, {0: "NVIDIA A10", 1: "NVIDIA A10"},
-                  ((0, 1),))
+FACTS = NodeFacts(
+    "node-1", ("10.0.0.7",), "580.65.06", "NVIDIA-A10", 16 * GIB, 2, {0: "NVIDIA A10", 1: "NVIDIA A10"}, ((0, 1),)
+)
 
 
-def _instance(iid: str, kind: OwnerKind, owner: str, grants: list[tuple[int, int, int]],
-              state: InstanceState = InstanceState.BOUND) -> Instance:
-    return Instance(iid, Owner(kind, owner), tuple(Grant(i, f"GPU-{i}", m * GIB, c) for i, m, c in grants), state,
-                    enforced=True)
+def _instance(
+    iid: str,
+    kind: OwnerKind,
+    owner: str,
+    grants: list[tuple[int, int, int]],
+    state: InstanceState = InstanceState.BOUND,
+) -> Instance:
+    return Instance(
+        iid, Owner(kind, owner), tuple(Grant(i, f"GPU-{i}", m * GIB, c) for i, m, c in grants), state, enforced=True
+    )
 
 
 def _snapshot(**kw: object) -> NodeSnapshot:
-    base: dict[str, object] = dict(facts=FACTS, incarnation="inc", revision=7, policy=NodePolicy(), gpus=GPUS,
-                                   active=(), reservations=(), health={})
+    base: dict[str, object] = dict(
+        facts=FACTS,
+        incarnation="inc",
+        revision=7,
+        policy=NodePolicy(),
+        gpus=GPUS,
+        active=(),
+        reservations=(),
+        health={},
+    )
     base.update(kw)
     return NodeSnapshot(**base)  # type: ignore[arg-type]
 
@@ -51,9 +86,19 @@ def test_an_empty_node_shows_its_facts_policy_and_every_gpu_free():
     assert (view.incarnation, view.revision, view.node_name, list(view.addresses)) == ("inc", 7, "node-1", ["10.0.0.7"])
     assert (view.mode, view.placement, view.core_step, view.driver_version) == ("core_mem", "spread", 10, "580.65.06")
     assert (view.card.name, view.card.memory_bytes, view.card.count) == ("NVIDIA-A10", 16 * GIB, 2)
-    assert [(g.index, g.uuid, g.model, g.memory_total_bytes, g.memory_allocated_bytes, g.instances, g.max_instances,
-             g.healthy) for g in view.gpus] == [(0, "GPU-a", "NVIDIA A10", 16 * GIB, 0, 0, 8, True),
-                                               (1, "GPU-b", "NVIDIA A10", 16 * GIB, 0, 0, 8, True)]
+    assert [
+        (
+            g.index,
+            g.uuid,
+            g.model,
+            g.memory_total_bytes,
+            g.memory_allocated_bytes,
+            g.instances,
+            g.max_instances,
+            g.healthy,
+        )
+        for g in view.gpus
+    ] == [(0, "GPU-a", "NVIDIA A10", 16 * GIB, 0, 0, 8, True), (1, "GPU-b", "NVIDIA A10", 16 * GIB, 0, 0, 8, True)]
     assert [(n.gpu_a, n.gpu_b) for n in view.nvlinks] == [(0, 1)]
     assert not view.reservations and not view.pod_instances and view.other_instances == 0
 
@@ -71,10 +116,17 @@ def test_instances_and_reservations_count_together_and_the_reserved_part_alone()
     [r] = view.reservations
     assert (r.pod_uid, r.pod_namespace, r.pod_name, r.expires_unix_ms) == ("uid-2", "default", "infer", 1000500)
     assert [(s.gpu_index, s.memory_bytes, s.core_percent, s.instances) for s in r.shares] == [
-        (0, 3 * GIB, 10, 2), (1, 5 * GIB, 0, 1)]
+        (0, 3 * GIB, 10, 2),
+        (1, 5 * GIB, 0, 1),
+    ]
     [p] = view.pod_instances
     assert (p.instance_id, p.pod_uid, p.pod_namespace, p.pod_name, p.container) == (
-        "i1", "uid-1", "default", "train", "main")
+        "i1",
+        "uid-1",
+        "default",
+        "train",
+        "main",
+    )
     assert [(s.gpu_index, s.memory_bytes, s.core_percent) for s in p.shares] == [(0, 4 * GIB, 20)]
     assert view.other_instances == 1  # the host process; the released one is gone
 
@@ -88,7 +140,9 @@ def test_a_pod_owner_the_device_plugin_did_not_write_is_shown_by_its_whole_id():
 def test_health_comes_from_the_provider_and_a_gpu_it_does_not_name_is_healthy():
     view = node_view(_snapshot(health={1: (False, "XID 79 (GPU has fallen off the bus)")}))
     assert [(g.healthy, g.health_reason) for g in view.gpus] == [
-        (True, ""), (False, "XID 79 (GPU has fallen off the bus)")]
+        (True, ""),
+        (False, "XID 79 (GPU has fallen off the bus)"),
+    ]
     unexplained = node_view(_snapshot(health={0: (False, "")}))
     assert (unexplained.gpus[0].healthy, unexplained.gpus[0].health_reason) == (False, "unhealthy")
 
@@ -109,20 +163,32 @@ class _G:
 
 
 def test_nvlink_peers_become_index_pairs_once_each():
-    gpus = [_G(0, "00000000:17:00.0", ("0000:65:00.0", "00000000:CA:00.0")),
-            _G(1, "00000000:65:00.0", ("00000000:17:00.0",)),
-            _G(2, "00000000:CA:00.0", ("00000000:17:00.0", "00000000:ff:00.0")),  # ff: an NVSwitch, not a GPU
-            _G(3, "00000000:E3:00.0", ())]
+    gpus = [
+        _G(0, "00000000:17:00.0", ("0000:65:00.0", "00000000:CA:00.0")),
+        _G(1, "00000000:65:00.0", ("00000000:17:00.0",)),
+        _G(2, "00000000:CA:00.0", ("00000000:17:00.0", "00000000:ff:00.0")),  # ff: an NVSwitch, not a GPU
+        _G(3, "00000000:E3:00.0", ()),
+    ]
     assert nvlink_pairs(gpus) == ((0, 1), (0, 2))
 
 
 def test_node_facts_from_the_inventory():
-    inv = Inventory("580.1", 12080, (
-        Gpu(0, "GPU-a", "NVIDIA A10", 24 * GIB, 72, "00000000:17:00.0", 0, (8, 6), ("00000000:65:00.0",)),
-        Gpu(1, "GPU-b", "NVIDIA A10", 24 * GIB, 72, "00000000:65:00.0", 1, (8, 6), ("00000000:17:00.0",))))
+    inv = Inventory(
+        "580.1",
+        12080,
+        (
+            Gpu(0, "GPU-a", "NVIDIA A10", 24 * GIB, 72, "00000000:17:00.0", 0, (8, 6), ("00000000:65:00.0",)),
+            Gpu(1, "GPU-b", "NVIDIA A10", 24 * GIB, 72, "00000000:65:00.0", 1, (8, 6), ("00000000:17:00.0",)),
+        ),
+    )
     facts = node_facts(inv, "n", ["10.0.0.1", "", "10.0.0.1", "127.0.0.1"])
     assert facts.addresses == ("10.0.0.1", "127.0.0.1")
-    assert (facts.card_name, facts.card_memory, facts.card_count, facts.nvlinks) == ("NVIDIA-A10", 24 * GIB, 2, ((0, 1),))
+    assert (facts.card_name, facts.card_memory, facts.card_count, facts.nvlinks) == (
+        "NVIDIA-A10",
+        24 * GIB,
+        2,
+        ((0, 1),),
+    )
     assert facts.models == {0: "NVIDIA A10", 1: "NVIDIA A10"}
     empty = node_facts(Inventory("580.1", 12080, ()), "n", [])
     assert (empty.card_name, empty.card_count, empty.nvlinks) == ("", 0, ())
@@ -132,9 +198,12 @@ def test_node_facts_from_the_inventory():
 
 
 def _reserve(**kw: object) -> pb.ReserveRequest:
-    base: dict[str, object] = dict(pod_uid="u1", pod_namespace="default", pod_name="p",
-                                   shares=[pb.Share(gpu_index=1, memory_bytes=GIB), pb.Share(gpu_index=0, memory_bytes=2 * GIB,
-                                                                                      instances=2)])
+    base: dict[str, object] = dict(
+        pod_uid="u1",
+        pod_namespace="default",
+        pod_name="p",
+        shares=[pb.Share(gpu_index=1, memory_bytes=GIB), pb.Share(gpu_index=0, memory_bytes=2 * GIB, instances=2)],
+    )
     base.update(kw)
     return pb.ReserveRequest(**base)  # type: ignore[arg-type]
 
@@ -146,16 +215,21 @@ def test_a_reserve_request_decodes_sorted_with_zero_instances_as_one_and_ttl_zer
     assert reserve_from_pb(_reserve(ttl_seconds=30)).ttl == 30.0
 
 
-@pytest.mark.parametrize("kw, message", [
-    (dict(pod_uid=""), "needs the pod's UID"),
-    (dict(pod_uid="  "), "needs the pod's UID"),
-    (dict(pod_uid="a/b"), "holds a '/'"),
-    (dict(pod_name="x/y"), "holds a '/'"),
-    (dict(ttl_seconds=3601), "at most 3600"),
-    (dict(shares=[]), "names no GPU share"),
-    (dict(shares=[pb.Share(gpu_index=1, memory_bytes=GIB), pb.Share(gpu_index=1, memory_bytes=GIB)]),
-     "names GPU 1 twice"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(pod_uid=""), "needs the pod's UID"),
+        (dict(pod_uid="  "), "needs the pod's UID"),
+        (dict(pod_uid="a/b"), "holds a '/'"),
+        (dict(pod_name="x/y"), "holds a '/'"),
+        (dict(ttl_seconds=3601), "at most 3600"),
+        (dict(shares=[]), "names no GPU share"),
+        (
+            dict(shares=[pb.Share(gpu_index=1, memory_bytes=GIB), pb.Share(gpu_index=1, memory_bytes=GIB)]),
+            "names GPU 1 twice",
+        ),
+    ],
+)
 def test_a_wrong_reserve_request_is_a_usage_error(kw, message):
     with pytest.raises(UsageError, match=message):
         reserve_from_pb(_reserve(**kw))
@@ -164,16 +238,37 @@ def test_a_wrong_reserve_request_is_a_usage_error(kw, message):
 # ---- addresses ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("text, host, port", [
-    ("127.0.0.1:9455", "127.0.0.1", 9455), ("0.0.0.0:0", "0.0.0.0", 0), ("[::1]:80", "::1", 80),
-    ("[::]:9455", "::", 9455), ("node-1.example:9455", "node-1.example", 9455), (" localhost:1 ", "localhost", 1),
-])
+@pytest.mark.parametrize(
+    "text, host, port",
+    [
+        ("127.0.0.1:9455", "127.0.0.1", 9455),
+        ("0.0.0.0:0", "0.0.0.0", 0),
+        ("[::1]:80", "::1", 80),
+        ("[::]:9455", "::", 9455),
+        ("node-1.example:9455", "node-1.example", 9455),
+        (" localhost:1 ", "localhost", 1),
+    ],
+)
 def test_listen_addresses_parse(text, host, port):
     assert parse_endpoint(text, "capacity_listen") == Endpoint(host, port)
 
 
-@pytest.mark.parametrize("text", ["9455", "127.0.0.1", "::1:9455", "[::1]", "[::1]9455", "[nope]:1", ":9455",
-                                  "127.0.0.1:65536", "127.0.0.1:-1", "127.0.0.1:x", "a b:1"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "9455",
+        "127.0.0.1",
+        "::1:9455",
+        "[::1]",
+        "[::1]9455",
+        "[nope]:1",
+        ":9455",
+        "127.0.0.1:65536",
+        "127.0.0.1:-1",
+        "127.0.0.1:x",
+        "a b:1",
+    ],
+)
 def test_wrong_listen_addresses_name_the_setting(text):
     with pytest.raises(UsageError, match="capacity_listen"):
         parse_endpoint(text, "capacity_listen")
@@ -191,8 +286,10 @@ def test_plaintext_only_on_loopback_unless_insecure_or_tls():
     problem = plaintext_problem(Endpoint("0.0.0.0", 9455), tls=False, insecure=False)
     assert problem and "capacity_tls_cert" in problem and "capacity_insecure" in problem
     assert tls_problem("", "", "") is None and tls_problem("a", "b", "c") is None
-    assert tls_problem("a", "", "c") == ("TLS for the Capacity API needs capacity_tls_cert, capacity_tls_key and "
-                                         "capacity_tls_ca together; capacity_tls_key is not set")
+    assert tls_problem("a", "", "c") == (
+        "TLS for the Capacity API needs capacity_tls_cert, capacity_tls_key and "
+        "capacity_tls_ca together; capacity_tls_key is not set"
+    )
     with pytest.raises(UsageError, match="capacity_tls_cert, capacity_tls_key are not set"):
         CapacityTls.from_settings("", "", "ca.pem")
     assert CapacityTls.from_settings("", "", "") is None
@@ -286,9 +383,10 @@ def test_stop_ends_every_watch(service):
 def test_errors_map_to_status_codes_with_the_service_message_and_change_nothing(service):
     servicer = CapacityServicer(service, FACTS)
     before = service.changes.revision
-    for request, code in ((_reserve(shares=[pb.Share(gpu_index=0, memory_bytes=17 * GIB)]),
-                           grpc.StatusCode.INVALID_ARGUMENT),
-                          (_reserve(ttl_seconds=4000), grpc.StatusCode.INVALID_ARGUMENT)):
+    for request, code in (
+        (_reserve(shares=[pb.Share(gpu_index=0, memory_bytes=17 * GIB)]), grpc.StatusCode.INVALID_ARGUMENT),
+        (_reserve(ttl_seconds=4000), grpc.StatusCode.INVALID_ARGUMENT),
+    ):
         ctx = _Context()
         with pytest.raises(RuntimeError):
             servicer.Reserve(request, ctx)

@@ -6,6 +6,7 @@ Field names and rules are those of cncf-tags/container-device-interface:
 specs-go/config.go (types and JSON names), schema/defs.json, SPEC.md
 ("at least one entry must be specified" in devices), pkg/cdi/spec.go
 ("invalid spec, no devices") and specs-go/version.go (minimum versions)."""
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,18 @@ from typing import Any
 import pytest
 
 from cgpud import atomicfile
-from cgpud.node.model import (GIB, GpuCapacity, Grant, Instance, InstanceState, NodeMode, NodePolicy, Owner,
-                                OwnerKind, Request)
+from cgpud.node.model import (
+    GIB,
+    GpuCapacity,
+    Grant,
+    Instance,
+    InstanceState,
+    NodeMode,
+    NodePolicy,
+    Owner,
+    OwnerKind,
+    Request,
+)
 from cgpud.node.service import InstanceService
 from cgpud.node.store import Store
 from cgpud.errors import CgpuError, StateError, UsageError
@@ -38,8 +49,12 @@ from cgpud.containers.edits import (
 from cgpud.containers.request import CONTAINER_REGION
 
 REGIONS = Path("/var/lib/cgpud/instances")
-FILES = RuntimeFiles(Path("/var/lib/cgpud/runtime/libcgpu.so"), Path("/var/lib/cgpud/runtime/ld.so.preload"),
-                     Path("/var/lib/cgpud/runtime/cgpu-hook"), Path("/run/cgpud/relay.sock"))
+FILES = RuntimeFiles(
+    Path("/var/lib/cgpud/runtime/libcgpu.so"),
+    Path("/var/lib/cgpud/runtime/ld.so.preload"),
+    Path("/var/lib/cgpud/runtime/cgpu-hook"),
+    Path("/run/cgpud/relay.sock"),
+)
 GPU_MEMORY = {0: 16 * GIB, 1: 16 * GIB}
 GPUS = (GpuCapacity(0, "GPU-aaaa", 16 * GIB), GpuCapacity(1, "GPU-bbbb", 16 * GIB))
 
@@ -57,8 +72,9 @@ NAME_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.:-]*[A-Za-z0-9])?$")
 
 
 def instance(iid: str, *grants: Grant, enforced: bool = True, kind: OwnerKind = OwnerKind.DEVICE) -> Instance:
-    return Instance(iid, Owner(kind, f"dev-{iid}"), grants or (Grant(0, "GPU-aaaa", 4 * GIB, 0),),
-                    InstanceState.RESERVED, enforced)
+    return Instance(
+        iid, Owner(kind, f"dev-{iid}"), grants or (Grant(0, "GPU-aaaa", 4 * GIB, 0),), InstanceState.RESERVED, enforced
+    )
 
 
 def edits_of(inst: Instance) -> ContainerEdits:
@@ -103,8 +119,9 @@ def test_edits_are_carried_exactly():
     ce = d["containerEdits"]
     assert ce["env"] == [f"{k}={v}" for k, v in e.env]
     assert "ALIYUN_COM_GPU_MEM_IDX=0,1" in ce["env"] and "NVIDIA_VISIBLE_DEVICES=GPU-aaaa,GPU-bbbb" in ce["env"]
-    assert ce["mounts"] == [{"hostPath": m.source, "containerPath": m.destination, "type": "bind",
-                             "options": m.options} for m in e.mounts]
+    assert ce["mounts"] == [
+        {"hostPath": m.source, "containerPath": m.destination, "type": "bind", "options": m.options} for m in e.mounts
+    ]
     by_target = {m["containerPath"]: m for m in ce["mounts"]}
     assert by_target[CONTAINER_REGION]["hostPath"] == str(REGIONS / "cgpu-aaaaaaaaaaaa")
     assert "ro" in by_target[CONTAINER_REGION]["options"] and "rbind" in by_target[CONTAINER_REGION]["options"]
@@ -113,25 +130,48 @@ def test_edits_are_carried_exactly():
     assert "noexec" not in by_target[CONTAINER_LIBRARY]["options"]
     assert by_target[PRELOAD]["hostPath"] == str(FILES.preload)
     assert ce["hooks"] == [
-        {"hookName": stage, "path": str(FILES.hook),
-         "args": ["cgpu-hook", "--socket", str(FILES.relay_socket), "--instance", "cgpu-aaaaaaaaaaaa", stage],
-         "env": list(HOOK_ENV), "timeout": HOOK_TIMEOUT}
+        {
+            "hookName": stage,
+            "path": str(FILES.hook),
+            "args": ["cgpu-hook", "--socket", str(FILES.relay_socket), "--instance", "cgpu-aaaaaaaaaaaa", stage],
+            "env": list(HOOK_ENV),
+            "timeout": HOOK_TIMEOUT,
+        }
         for stage in ("createRuntime",)  # no poststop: cgpud sees the init exit itself
     ]
 
 
 def test_hook_env_and_timeout_come_from_the_edits():
-    e = ContainerEdits((("A", "1"),), (Mount("/h/src", "/c/dst", read_only=True),),
-                       (Hook("createRuntime", "/h/hook", ("hook", "x"), env=("PATH=/x", "K=V"), timeout=3),),
-                       "cgpu-cccccccccccc")
+    e = ContainerEdits(
+        (("A", "1"),),
+        (Mount("/h/src", "/c/dst", read_only=True),),
+        (Hook("createRuntime", "/h/hook", ("hook", "x"), env=("PATH=/x", "K=V"), timeout=3),),
+        "cgpu-cccccccccccc",
+    )
     [d] = cdi.cdi_spec([e])["devices"]
-    assert d == {"name": "cgpu-cccccccccccc", "containerEdits": {
-        "env": ["A=1"],
-        "mounts": [{"hostPath": "/h/src", "containerPath": "/c/dst", "type": "bind",
-                    "options": ["rbind", "ro", "nosuid", "nodev", "noexec"]}],
-        "hooks": [{"hookName": "createRuntime", "path": "/h/hook", "args": ["hook", "x"], "env": ["PATH=/x", "K=V"],
-                   "timeout": 3}],
-    }}
+    assert d == {
+        "name": "cgpu-cccccccccccc",
+        "containerEdits": {
+            "env": ["A=1"],
+            "mounts": [
+                {
+                    "hostPath": "/h/src",
+                    "containerPath": "/c/dst",
+                    "type": "bind",
+                    "options": ["rbind", "ro", "nosuid", "nodev", "noexec"],
+                }
+            ],
+            "hooks": [
+                {
+                    "hookName": "createRuntime",
+                    "path": "/h/hook",
+                    "args": ["hook", "x"],
+                    "env": ["PATH=/x", "K=V"],
+                    "timeout": 3,
+                }
+            ],
+        },
+    }
 
 
 def test_a_share_mode_instance_has_env_and_hooks_but_no_mounts():
@@ -149,14 +189,19 @@ def test_no_devices_is_refused_not_written_invalid():
 
 
 def service(tmp_path: Path, mode: NodeMode = NodeMode.CGPU) -> InstanceService:
-    return InstanceService(Store(tmp_path / "db" / "cgpud.db"), GPUS, NodePolicy(mode=mode), tmp_path / "regions",
-                           "580.65.06", "boot-1")
+    return InstanceService(
+        Store(tmp_path / "db" / "cgpud.db"), GPUS, NodePolicy(mode=mode), tmp_path / "regions", "580.65.06", "boot-1"
+    )
 
 
 def test_render_lists_only_active_device_instances(tmp_path):
     svc = service(tmp_path)
-    files = RuntimeFiles(tmp_path / "rt" / "libcgpu.so", tmp_path / "rt" / "ld.so.preload", tmp_path / "rt" / "hook",
-                         tmp_path / "relay.sock")
+    files = RuntimeFiles(
+        tmp_path / "rt" / "libcgpu.so",
+        tmp_path / "rt" / "ld.so.preload",
+        tmp_path / "rt" / "hook",
+        tmp_path / "relay.sock",
+    )
     with pytest.raises(StateError, match="no device instances"):
         cdi.render(svc, files)
     a = svc.create(Request(Owner(OwnerKind.DEVICE, "a"), 4 * GIB))
@@ -168,8 +213,9 @@ def test_render_lists_only_active_device_instances(tmp_path):
     check_cdi_rules(spec)
     [d] = spec["devices"]
     assert d["name"] == a.id
-    assert {m["containerPath"]: m["hostPath"] for m in d["containerEdits"]["mounts"]}[CONTAINER_REGION] == \
-        str(svc.region_dir(a.id))
+    assert {m["containerPath"]: m["hostPath"] for m in d["containerEdits"]["mounts"]}[CONTAINER_REGION] == str(
+        svc.region_dir(a.id)
+    )
     assert "ALIYUN_COM_GPU_MEM_DEV=16" in d["containerEdits"]["env"]
 
 

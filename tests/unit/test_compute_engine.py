@@ -2,6 +2,7 @@
 the tenant processes' side of the protocol in cgpu/region.h (demand, fence
 acknowledgements, a process dying with its ledger), and checks what cgpud
 does with the gates. libcgpu.so's side is tested in tests/intercept."""
+
 from __future__ import annotations
 
 import ctypes
@@ -32,20 +33,31 @@ from tests.harness.wait import WaitTimeout, until
 
 pytestmark = pytest.mark.timing  # measures compute shares and hand-over times
 
+
 def launching_process(region: Path, waiting: bool) -> subprocess.Popen[str]:
     """A real process with a ledger in the region's usage file that says it
     launches on device 0 (and, if `waiting`, waits at its gate); returns once
     it holds the ledger, so killing it leaves what a killed tenant leaves."""
-    child = subprocess.Popen([sys.executable, "-c", (
-        "import time\n"
-        "from tests.harness.usage_tenant import TenantUsage\n"
-        f"r = TenantUsage({str(region)!r})\n"
-        "u = r._mapped()\n"
-        "i = r.claim(1)\n"
-        "u.proc[i].watching = 1\n"
-        f"u.device[0].waiting += {int(waiting)}\n"
-        "print(i, flush=True)\n"
-        "time.sleep(60)\n")], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2])
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import time\n"
+                "from tests.harness.usage_tenant import TenantUsage\n"
+                f"r = TenantUsage({str(region)!r})\n"
+                "u = r._mapped()\n"
+                "i = r.claim(1)\n"
+                "u.proc[i].watching = 1\n"
+                f"u.device[0].waiting += {int(waiting)}\n"
+                "print(i, flush=True)\n"
+                "time.sleep(60)\n"
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     assert child.stdout is not None
     int(child.stdout.readline())
     return child
@@ -141,7 +153,8 @@ def test_an_unacknowledged_fence_times_out_and_the_next_tenant_runs(sched: Compu
 
 
 def test_a_tenant_killed_holding_the_gate_stalls_the_others_for_at_most_a_slice(
-        sched: ComputeScheduler, tenants) -> None:
+    sched: ComputeScheduler, tenants
+) -> None:
     sched.configure(NodePolicy(compute_policy=ComputePolicy.PREEMPTIVE))
     a, b = tenants("a"), tenants("b")
     # A real process claims a ledger in a's usage file, says it launches on
@@ -196,7 +209,8 @@ def test_bad_attachments_are_refused_and_change_nothing(sched: ComputeScheduler,
 
 
 def test_waiting_left_by_a_process_killed_at_the_gate_stops_counting_as_demand(
-        sched: ComputeScheduler, tenants) -> None:
+    sched: ComputeScheduler, tenants
+) -> None:
     sched.configure(NodePolicy(compute_policy=ComputePolicy.PREEMPTIVE))
     a, b = tenants("a"), tenants("b")
     # A process waits at a's closed gate (counted in `waiting`) and is
@@ -221,7 +235,8 @@ def test_waiting_left_by_a_process_killed_at_the_gate_stops_counting_as_demand(
 
 
 def test_a_holder_detached_during_its_fence_is_gone_at_once_and_its_key_can_come_back(
-        sched: ComputeScheduler, tenants) -> None:
+    sched: ComputeScheduler, tenants
+) -> None:
     """The loop still reads the files of a holder detached while it awaits
     the fence, and unmaps them afterwards; for every caller the key is gone at
     once, and attaching it again makes a tenant the late unmapping leaves be."""
@@ -247,8 +262,9 @@ def test_a_holder_detached_during_its_fence_is_gone_at_once_and_its_key_can_come
     def charged() -> int:
         assert slib.cgpu_engine_tenant_get(e, 0, 1, info) == 0
         return int(info.charged_ns)
+
     # Granted (and then, its fence overdue, kept off the GPU and charged).
-    until(lambda: charged() > 0, 10, interval=0.0005, explain=lambda: str("key 1, attached again, is never granted"))
+    until(lambda: charged() > 0, 10, interval=0.0005, explain=lambda: "key 1, attached again, is never granted")
 
 
 class Acker:
@@ -312,6 +328,7 @@ def test_a_fence_that_outlives_the_timeout_is_charged_until_it_comes(sched: Comp
     def charged() -> int:
         assert slib.cgpu_engine_tenant_get(sched._engine, 0, 1, info) == 0
         return int(info.charged_ns)
+
     acker = Acker(b)  # launches and fences: its demand never goes stale
     try:
         until(lambda: a.gate & OPEN, 3.0, interval=0.0005)
@@ -325,13 +342,14 @@ def test_a_fence_that_outlives_the_timeout_is_charged_until_it_comes(sched: Comp
         assert sched.schedule(0).fences_late == 0
         a.ack(ledger)
         until(lambda: sched.schedule(0).fences_late == 1, 3.0, interval=0.0005)
-        until(lambda: a.gate & OPEN, 10, interval=0.0005, explain=lambda: str("granted again once fenced"))
+        until(lambda: a.gate & OPEN, 10, interval=0.0005, explain=lambda: "granted again once fenced")
     finally:
         acker.stop()
 
 
 def test_a_scribbling_tenant_cannot_stall_the_engine_or_take_its_neighbours_share(
-        sched: ComputeScheduler, tenants) -> None:
+    sched: ComputeScheduler, tenants
+) -> None:
     """Every field of a's usage file the engine reads, scribbled on: 1024
     "live" ledgers that launch everywhere and never acknowledge (one of them
     a real process holding its ledger lock), a huge ledger count and waiting
@@ -357,13 +375,19 @@ def test_a_scribbling_tenant_cannot_stall_the_engine_or_take_its_neighbours_shar
     def charged(key: int) -> int:
         assert slib.cgpu_engine_tenant_get(sched._engine, 0, key, info) == 0
         return int(info.charged_ns)
+
     try:
         # a's first closing runs into the fence timeout, and the GPU stays
         # its own for CGPU_ENGINE_OVERDUE_HOLD_NS: once. Measure after that.
         until(lambda: sched.schedule(0).fence_timeouts >= 1, 10, interval=0.0005)
         time.sleep(slib.CGPU_ENGINE_OVERDUE_HOLD_NS / 1e9)
         start, b0, decisions = time.monotonic_ns(), charged(2), sched.schedule(0).decisions
-        until(lambda: time.monotonic_ns() - start > 1_000_000_000 and sched.schedule(0).grants > 10, 10, interval=0.0005, explain=lambda: str(sched.schedule(0)))
+        until(
+            lambda: time.monotonic_ns() - start > 1_000_000_000 and sched.schedule(0).grants > 10,
+            10,
+            interval=0.0005,
+            explain=lambda: str(sched.schedule(0)),
+        )
         wall = time.monotonic_ns() - start
     finally:
         acker.stop()
@@ -379,6 +403,7 @@ def test_a_scribbling_tenant_cannot_stall_the_engine_or_take_its_neighbours_shar
 
 # ------------------------------------------------------------ sanitizers
 
+
 def test_engine_is_clean_under_asan_and_ubsan(tmp_path: Path) -> None:
     """Runner threads, tenant threads playing libcgpu's side, and random
     valid and invalid control calls checked against what they should leave,
@@ -388,15 +413,28 @@ def test_engine_is_clean_under_asan_and_ubsan(tmp_path: Path) -> None:
     import build_native
 
     driver = Path(__file__).resolve().parent / "engine_driver.c"
-    target = build_native.Target("bin/engine-driver", (str(driver), "scheduler/engine.c", "scheduler/scheduler.c",
-                                                        "region/region.c", "region/region_file.c",
-                                                        "region/guard.c"),
-                                 libs=("-lpthread",), includes=("include", "scheduler", "region"))
+    target = build_native.Target(
+        "bin/engine-driver",
+        (
+            str(driver),
+            "scheduler/engine.c",
+            "scheduler/scheduler.c",
+            "region/region.c",
+            "region/region_file.c",
+            "region/guard.c",
+        ),
+        libs=("-lpthread",),
+        includes=("include", "scheduler", "region"),
+    )
     exe = build_native.compile_target(target, tmp_path, build_native.SANITIZE)
     (tmp_path / "regions").mkdir()
-    env = {"ASAN_OPTIONS": "detect_leaks=1:exitcode=86", "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1:exitcode=87"}
-    proc = subprocess.run([str(exe), str(tmp_path / "regions")], capture_output=True, text=True, timeout=120, env=env,
-                          check=False)
+    env = {
+        "ASAN_OPTIONS": "detect_leaks=1:exitcode=86",
+        "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1:exitcode=87",
+    }
+    proc = subprocess.run(
+        [str(exe), str(tmp_path / "regions")], capture_output=True, text=True, timeout=120, env=env, check=False
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
     assert "runtime error" not in proc.stderr and "Sanitizer" not in proc.stderr
 
@@ -459,13 +497,18 @@ def report_idle(t: Tenant, ledger: int, drained: bool = True) -> None:
 
 
 def granted(t: Tenant, timeout: float = 3.0, why: str = "") -> bool:
-    return until(lambda: bool(t.gate & OPEN), timeout, interval=0.0005,
-                 what=f"{t.instance.id}'s gate to open" + (f" ({why})" if why else ""))
+    return until(
+        lambda: bool(t.gate & OPEN),
+        timeout,
+        interval=0.0005,
+        what=f"{t.instance.id}'s gate to open" + (f" ({why})" if why else ""),
+    )
 
 
 @pytest.mark.parametrize("drained", [True, False], ids=["drained", "stream-synchronised"])
-def test_an_idle_holder_is_passed_over_well_inside_its_slice(slow_sched: ComputeScheduler, tenants,
-                                                             drained: bool) -> None:
+def test_an_idle_holder_is_passed_over_well_inside_its_slice(
+    slow_sched: ComputeScheduler, tenants, drained: bool
+) -> None:
     a, b = attach_two(slow_sched, tenants)
     ledger = a.watch()
     a.want(1)
@@ -610,7 +653,12 @@ def test_a_holder_that_stays_idle_is_passed_over_without_a_grace(slow_sched: Com
         pass_over(slow_sched, a, la, b)
         pass_over(slow_sched, b, lb, a)
         want = SHORT_GRACE if i == LEARN - 1 else FULL_GRACE
-        until(lambda: grace_of(slow_sched, a) == want, 3.0, interval=0.0005, explain=lambda: str((i, grace_of(slow_sched, a))))
+        until(
+            lambda: grace_of(slow_sched, a) == want,
+            3.0,
+            interval=0.0005,
+            explain=lambda: str((i, grace_of(slow_sched, a))),
+        )
     until(lambda: grace_of(slow_sched, b) == SHORT_GRACE, 3.0, interval=0.0005)
     assert SHORT_GRACE < FULL_GRACE
     assert slow_sched.schedule(0).idle_handovers == 2 * LEARN
@@ -645,7 +693,12 @@ def test_a_holder_back_at_its_gate_within_the_grace_has_it_again(slow_sched: Com
         pass_over(slow_sched, a, la, b)
         pass_over(slow_sched, b, lb, a)
         want = SHORT_GRACE if i == 2 * LEARN - 1 else FULL_GRACE
-        until(lambda: grace_of(slow_sched, a) == want, 3.0, interval=0.0005, explain=lambda: str((i, grace_of(slow_sched, a))))
+        until(
+            lambda: grace_of(slow_sched, a) == want,
+            3.0,
+            interval=0.0005,
+            explain=lambda: str((i, grace_of(slow_sched, a))),
+        )
 
 
 def _engine_thread_cpu(name: str = "cgpu-sched-0") -> float:
@@ -660,9 +713,10 @@ def _engine_thread_cpu(name: str = "cgpu-sched-0") -> float:
 def test_the_engine_thread_waits_without_timer_slack(sched: ComputeScheduler) -> None:
     """Its waits are the 0.1 ms idle grace and slice ends: with a thread's
     default 50 us of slack every hand-over would wait up to half a grace more."""
+
     def engine_tids() -> list[str]:
-        return [t.name for t in Path("/proc/self/task").iterdir()
-                if (t / "comm").read_text().strip() == "cgpu-sched-0"]
+        return [t.name for t in Path("/proc/self/task").iterdir() if (t / "comm").read_text().strip() == "cgpu-sched-0"]
+
     until(lambda: len(engine_tids()) == 1, 3.0, interval=0.0005, explain=lambda: str(engine_tids()))
     # Named first, then the slack set: wait for both.
     until(lambda: int(Path(f"/proc/{engine_tids()[0]}/timerslack_ns").read_text()) == 1, 3.0, interval=0.0005)
@@ -677,25 +731,34 @@ def test_a_tenant_ringing_its_bell_flat_out_costs_cgpud_little(slow_sched: Compu
     a.want(1)
     assert granted(a)
     b.want(1)
-    ringer = subprocess.Popen([sys.executable, "-c", (
-        "import ctypes, time\n"
-        "from tests.harness.usage_tenant import TenantUsage\n"
-        "from cgpud._region import ffi\n"
-        f"r = TenantUsage({str(a.dir)!r})\n"
-        "u = r._mapped()\n"
-        "i = r.claim(1)\n"
-        "u.proc[i].watching = 1\n"
-        f"g = open({str(a.dir / GRANTS_FILE)!r}, 'rb')\n"
-        "libc = ctypes.CDLL(None, use_errno=True)\n"
-        "bell = int(ffi.cast('uintptr_t', ffi.addressof(u.device[0], 'bell')))\n"
-        "print(i, flush=True)\n"
-        "end = time.monotonic() + 60\n"
-        "while time.monotonic() < end:\n"
-        f"    u.proc[i].fence_ack[0] = {IDLE | DRAINED}\n"  # a report for a grant that is not open
-        "    u.device[0].bell += 1\n"
-        f"    libc.syscall({_SYS_FUTEX}, ctypes.c_void_p(bell), {_FUTEX_WAKE}, 0x7fffffff, None, None, 0)\n"
-        "    u.proc[i].fence_ack[0] = 0\n")], stdout=subprocess.PIPE, text=True,
-        cwd=Path(__file__).resolve().parents[2])
+    ringer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import ctypes, time\n"
+                "from tests.harness.usage_tenant import TenantUsage\n"
+                "from cgpud._region import ffi\n"
+                f"r = TenantUsage({str(a.dir)!r})\n"
+                "u = r._mapped()\n"
+                "i = r.claim(1)\n"
+                "u.proc[i].watching = 1\n"
+                f"g = open({str(a.dir / GRANTS_FILE)!r}, 'rb')\n"
+                "libc = ctypes.CDLL(None, use_errno=True)\n"
+                "bell = int(ffi.cast('uintptr_t', ffi.addressof(u.device[0], 'bell')))\n"
+                "print(i, flush=True)\n"
+                "end = time.monotonic() + 60\n"
+                "while time.monotonic() < end:\n"
+                f"    u.proc[i].fence_ack[0] = {IDLE | DRAINED}\n"  # a report for a grant that is not open
+                "    u.device[0].bell += 1\n"
+                f"    libc.syscall({_SYS_FUTEX}, ctypes.c_void_p(bell), {_FUTEX_WAKE}, 0x7fffffff, None, None, 0)\n"
+                "    u.proc[i].fence_ack[0] = 0\n"
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     try:
         assert ringer.stdout is not None
         int(ringer.stdout.readline())

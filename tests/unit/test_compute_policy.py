@@ -1,4 +1,5 @@
 """`cgpuctl policy set` for the node or one GPU, and the stored form."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """cgpud's settings as the file and the flags give them."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,6 +1,7 @@
 """The Capacity API's settings: capacity_listen and its TLS files,
 capacity_insecure (the first bool setting: TOML true/false, a bare flag),
 capacity_advertise and reservation_ttl, refused at start when wrong."""
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,11 @@ def test_loopback_plaintext_needs_nothing_else(tmp_path: Path):
 
 
 def test_plaintext_off_loopback_is_refused_naming_what_to_set(tmp_path: Path):
-    with pytest.raises(UsageError, match=r"capacity_listen = '0.0.0.0:9455' is not a loopback address.*"
-                                         r"capacity_tls_cert.*capacity_insecure = true"):
+    with pytest.raises(
+        UsageError,
+        match=r"capacity_listen = '0.0.0.0:9455' is not a loopback address.*"
+        r"capacity_tls_cert.*capacity_insecure = true",
+    ):
         _flags("--capacity-listen", "0.0.0.0:9455")
     assert _load(tmp_path, 'capacity_listen = "0.0.0.0:9455"\ncapacity_insecure = true\n').capacity_insecure
     assert _flags("--capacity-listen", "0.0.0.0:9455", "--capacity-insecure").capacity_insecure
@@ -54,16 +58,19 @@ def test_tls_files_come_all_three(tmp_path: Path):
         _flags("--capacity-tls-key", "k.pem", "--capacity-tls-ca", "ca.pem")
 
 
-@pytest.mark.parametrize("text, message", [
-    ('capacity_listen = "9455"', "setting capacity_listen = '9455' is not HOST:PORT"),
-    ('capacity_listen = "::1:9455"', "put an IPv6 address in brackets"),
-    ('capacity_listen = "127.0.0.1:70000"', "the port must be a number 0-65535"),
-    ('capacity_advertise = "a b"', "setting capacity_advertise"),
-    ("capacity_insecure = 1", "setting capacity_insecure = 1 is not valid"),
-    ('capacity_insecure = "maybe"', "setting capacity_insecure = 'maybe' is not valid"),
-    ("reservation_ttl = 0.5", "reservation_ttl must be between 1 and 3600 seconds"),
-    ("reservation_ttl = 3601", "reservation_ttl must be between 1 and 3600 seconds"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('capacity_listen = "9455"', "setting capacity_listen = '9455' is not HOST:PORT"),
+        ('capacity_listen = "::1:9455"', "put an IPv6 address in brackets"),
+        ('capacity_listen = "127.0.0.1:70000"', "the port must be a number 0-65535"),
+        ('capacity_advertise = "a b"', "setting capacity_advertise"),
+        ("capacity_insecure = 1", "setting capacity_insecure = 1 is not valid"),
+        ('capacity_insecure = "maybe"', "setting capacity_insecure = 'maybe' is not valid"),
+        ("reservation_ttl = 0.5", "reservation_ttl must be between 1 and 3600 seconds"),
+        ("reservation_ttl = 3601", "reservation_ttl must be between 1 and 3600 seconds"),
+    ],
+)
 def test_wrong_values_are_refused_with_the_setting_named(tmp_path: Path, text: str, message: str):
     with pytest.raises(UsageError, match=message):
         _load(tmp_path, text + "\n")

@@ -1,6 +1,7 @@
 """Which container a request is about, and what its poststop may change:
 the lifecycle over a real instance service (SQLite, region files) with
 bundles in a temp dir, driven as the relays drive it."""
+
 from __future__ import annotations
 
 import os
@@ -13,6 +14,7 @@ from cgpud.errors import StateError, UsageError
 from cgpud.containers.edits import RuntimeFiles
 from cgpud.containers.identity import ContainerKey, container_key
 from tests.harness.lifecycle import bundle, lifecycle, state
+
 
 def test_the_key_is_the_canonical_bundle_and_the_id(tmp_path: Path) -> None:
     (tmp_path / "real").mkdir()
@@ -101,8 +103,11 @@ def test_a_linked_volume_is_refused_and_leaves_nothing(tmp_path: Path) -> None:
     src = tmp_path / "vol"
     src.mkdir()
     (src / "ld.so.preload").symlink_to("/proc/self/cwd/x")
-    a = bundle(tmp_path / "a", "ALIYUN_COM_GPU_MEM_CONTAINER=1",
-               mounts=[{"destination": "/etc", "type": "bind", "source": str(src), "options": ["rbind"]}])
+    a = bundle(
+        tmp_path / "a",
+        "ALIYUN_COM_GPU_MEM_CONTAINER=1",
+        mounts=[{"destination": "/etc", "type": "bind", "source": str(src), "options": ["rbind"]}],
+    )
     before = (a / "config.json").read_bytes()
     with pytest.raises(UsageError, match=r"the volume at /etc .* makes /etc/ld.so.preload a symbolic link"):
         lc.prepare("job", a)
@@ -113,7 +118,8 @@ def test_a_linked_volume_is_refused_and_leaves_nothing(tmp_path: Path) -> None:
 def test_the_createruntime_check_looks_where_the_edits_mount(tmp_path: Path) -> None:
     from cgpud.containers.edits import instance_edits
     from cgpud.containers.lifecycle import ENFORCED_TARGETS
-    lc, svc = lifecycle(tmp_path)
+
+    _, svc = lifecycle(tmp_path)
     inst = svc.create(Request(Owner(OwnerKind.DEVICE, "d"), GIB))
     rt = tmp_path / "rt"
     files = RuntimeFiles(rt / "libcgpu.so", rt / "ld.so.preload", rt / "cgpu-hook", tmp_path / "relay.sock")

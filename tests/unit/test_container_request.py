@@ -1,5 +1,6 @@
 """Reading a container's GPU request from its OCI spec, and the spec edits
 that give it its instance: pure functions, checked rule by rule."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,13 +14,21 @@ from cgpud.containers.edits import CONTAINER_LIBRARY, PRELOAD, RuntimeFiles, app
 from cgpud.containers.request import Claim, EnvRequest, read_request
 
 REGIONS = Path("/var/lib/cgpud/instances")
-FILES = RuntimeFiles(Path("/var/lib/cgpud/runtime/libcgpu.so"), Path("/var/lib/cgpud/runtime/ld.so.preload"),
-                     Path("/var/lib/cgpud/runtime/cgpu-hook"), Path("/run/cgpud/relay.sock"))
+FILES = RuntimeFiles(
+    Path("/var/lib/cgpud/runtime/libcgpu.so"),
+    Path("/var/lib/cgpud/runtime/ld.so.preload"),
+    Path("/var/lib/cgpud/runtime/cgpu-hook"),
+    Path("/run/cgpud/relay.sock"),
+)
 
 
 def spec(*env: str, mounts: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    return {"ociVersion": "1.0.2", "process": {"args": ["sh"], "env": ["PATH=/bin", *env]},
-            "root": {"path": "rootfs"}, "mounts": mounts or [{"destination": "/proc", "type": "proc", "source": "proc"}]}
+    return {
+        "ociVersion": "1.0.2",
+        "process": {"args": ["sh"], "env": ["PATH=/bin", *env]},
+        "root": {"path": "rootfs"},
+        "mounts": mounts or [{"destination": "/proc", "type": "proc", "source": "proc"}],
+    }
 
 
 def ask(s: dict[str, Any], trust_env: bool = True) -> EnvRequest | Claim | None:
@@ -32,8 +41,15 @@ def test_no_request_is_none() -> None:
 
 
 def test_env_request_all_fields() -> None:
-    got = ask(spec("ALIYUN_COM_GPU_MEM_CONTAINER=2", "ALIYUN_COM_GPU_CORE_PERCENTAGE=30",
-                   "ALIYUN_COM_GPU_COUNT=2", "ALIYUN_COM_GPU_SCHD_WEIGHT=3", "ALIYUN_COM_GPU_HIGH_PRIO=true"))
+    got = ask(
+        spec(
+            "ALIYUN_COM_GPU_MEM_CONTAINER=2",
+            "ALIYUN_COM_GPU_CORE_PERCENTAGE=30",
+            "ALIYUN_COM_GPU_COUNT=2",
+            "ALIYUN_COM_GPU_SCHD_WEIGHT=3",
+            "ALIYUN_COM_GPU_HIGH_PRIO=true",
+        )
+    )
     assert got == EnvRequest(memory_gib=2, gpu_count=2, core_percent=30, weight=3, priority=1)
 
 
@@ -48,7 +64,10 @@ def test_env_request_defaults() -> None:
         ("ALIYUN_COM_GPU_MEM_CONTAINER=two", r"ALIYUN_COM_GPU_MEM_CONTAINER='two' is not a whole number of GiB"),
         ("ALIYUN_COM_GPU_MEM_CONTAINER=1.5", r"not a whole number of GiB: set it to e.g. 2"),
         ("ALIYUN_COM_GPU_MEM_CONTAINER=-1", r"not a whole number"),
-        ("ALIYUN_COM_GPU_CORE_PERCENTAGE=30", r"ALIYUN_COM_GPU_CORE_PERCENTAGE is set but ALIYUN_COM_GPU_MEM_CONTAINER is not"),
+        (
+            "ALIYUN_COM_GPU_CORE_PERCENTAGE=30",
+            r"ALIYUN_COM_GPU_CORE_PERCENTAGE is set but ALIYUN_COM_GPU_MEM_CONTAINER is not",
+        ),
     ],
 )
 def test_bad_env_values(env: str, message: str) -> None:
@@ -180,8 +199,10 @@ def test_edits_are_idempotent_and_keep_user_hooks() -> None:
 
 
 def test_user_mount_over_our_targets_is_replaced() -> None:
-    base = spec("ALIYUN_COM_GPU_MEM_CONTAINER=2",
-                mounts=[{"destination": "/etc/ld.so.preload", "type": "bind", "source": "/tmp/evil"}])
+    base = spec(
+        "ALIYUN_COM_GPU_MEM_CONTAINER=2",
+        mounts=[{"destination": "/etc/ld.so.preload", "type": "bind", "source": "/tmp/evil"}],
+    )
     s = edited(instance(), base)
     assert [m["source"] for m in s["mounts"] if m["destination"] == PRELOAD] == [str(FILES.preload)]
 
@@ -189,12 +210,27 @@ def test_user_mount_over_our_targets_is_replaced() -> None:
 def test_without_toolkit_devices_sets_every_copy_to_void_and_leaves_the_rest():
     from cgpud.containers.request import without_toolkit_devices
 
-    spec = {"process": {"env": ["PATH=/bin", "NVIDIA_VISIBLE_DEVICES=all", "X=1", "NVIDIA_VISIBLE_DEVICES=0,1"],
-                        "args": ["sh"]}, "root": {"path": "rootfs"}}
+    spec = {
+        "process": {
+            "env": ["PATH=/bin", "NVIDIA_VISIBLE_DEVICES=all", "X=1", "NVIDIA_VISIBLE_DEVICES=0,1"],
+            "args": ["sh"],
+        },
+        "root": {"path": "rootfs"},
+    }
     got = without_toolkit_devices(spec)
-    assert got == {"process": {"env": ["PATH=/bin", "NVIDIA_VISIBLE_DEVICES=void", "X=1",
-                                       "NVIDIA_VISIBLE_DEVICES=void"], "args": ["sh"]}, "root": {"path": "rootfs"}}
+    assert got == {
+        "process": {
+            "env": ["PATH=/bin", "NVIDIA_VISIBLE_DEVICES=void", "X=1", "NVIDIA_VISIBLE_DEVICES=void"],
+            "args": ["sh"],
+        },
+        "root": {"path": "rootfs"},
+    }
     assert spec["process"]["env"][1] == "NVIDIA_VISIBLE_DEVICES=all"  # the caller's spec is not changed
-    for quiet in ({"process": {"env": ["PATH=/bin"]}}, {"process": {"env": ["NVIDIA_VISIBLE_DEVICES=void"]}},
-                  {"process": {}}, {}, {"process": {"env": "NVIDIA_VISIBLE_DEVICES=all"}}):
+    for quiet in (
+        {"process": {"env": ["PATH=/bin"]}},
+        {"process": {"env": ["NVIDIA_VISIBLE_DEVICES=void"]}},
+        {"process": {}},
+        {},
+        {"process": {"env": "NVIDIA_VISIBLE_DEVICES=all"}},
+    ):
         assert without_toolkit_devices(quiet) is None, quiet

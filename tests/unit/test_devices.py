@@ -1,4 +1,5 @@
 """The GPUs' device nodes in cgpud's CDI spec and whole-GPU answers."""
+
 from __future__ import annotations
 
 import os
@@ -13,8 +14,7 @@ from cgpud.kube.plugin import allocation_to_pb
 
 
 def test_device_paths_are_the_control_nodes_then_each_gpu_once() -> None:
-    assert device_paths([gpu_node(1), "", gpu_node(0), gpu_node(1)]) == (*CONTROL_NODES, "/dev/nvidia1",
-                                                                         "/dev/nvidia0")
+    assert device_paths([gpu_node(1), "", gpu_node(0), gpu_node(1)]) == (*CONTROL_NODES, "/dev/nvidia1", "/dev/nvidia0")
 
 
 def test_present_keeps_character_devices_with_their_numbers_and_skips_the_rest(tmp_path: Path) -> None:
@@ -29,11 +29,14 @@ def test_a_cdi_device_carries_its_nodes_and_none_when_there_are_none() -> None:
     edits = ContainerEdits((("A", "1"),), (), (), "cgpu-1", nodes)
     assert device(edits)["containerEdits"]["deviceNodes"] == [
         {"path": "/dev/nvidiactl", "type": "c", "major": 195, "minor": 255, "permissions": "rw"},
-        {"path": "/dev/nvidia1", "type": "c", "major": 195, "minor": 1, "permissions": "rw"}]
+        {"path": "/dev/nvidia1", "type": "c", "major": 195, "minor": 1, "permissions": "rw"},
+    ]
     assert "deviceNodes" not in device(ContainerEdits((("A", "1"),), (), (), "cgpu-1"))["containerEdits"]
 
 
 def test_a_whole_gpu_answer_names_its_device_nodes_for_the_kubelet() -> None:
     answer = allocation_to_pb(ContainerAllocation(devices=("/dev/nvidiactl", "/dev/nvidia0")))
     assert [(d.container_path, d.host_path, d.permissions) for d in answer.devices] == [
-        ("/dev/nvidiactl", "/dev/nvidiactl", "rw"), ("/dev/nvidia0", "/dev/nvidia0", "rw")]
+        ("/dev/nvidiactl", "/dev/nvidiactl", "rw"),
+        ("/dev/nvidia0", "/dev/nvidia0", "rw"),
+    ]

@@ -2,6 +2,7 @@
 watch itself over real child processes, then the instance service over a
 real store: released or handed back at the exit, and a start refused for
 room retried once the exits that are ready are handled."""
+
 from __future__ import annotations
 
 import subprocess
@@ -103,8 +104,9 @@ def test_settle_hands_ready_exits_to_the_caller_and_nothing_twice(children) -> N
 
 
 def service(tmp_path: Path, exits: ExitWatch | None) -> InstanceService:
-    return InstanceService(Store(tmp_path / "db" / "cgpud.db"), GPUS, NodePolicy(), tmp_path / "regions", "580", "b",
-                           exits=exits)
+    return InstanceService(
+        Store(tmp_path / "db" / "cgpud.db"), GPUS, NodePolicy(), tmp_path / "regions", "580", "b", exits=exits
+    )
 
 
 def test_a_containers_own_instance_is_released_when_its_init_exits(tmp_path, children) -> None:

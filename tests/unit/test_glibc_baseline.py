@@ -2,6 +2,7 @@
 preload that needs a symbol version the image's libc lacks, and the
 container then runs without limits. objdump and readelf read what the
 dynamic linker will ask for."""
+
 from __future__ import annotations
 
 import re
@@ -24,8 +25,7 @@ def test_libcgpu_needs_no_glibc_version_newer_than_2_17() -> None:
     assert needs, "readelf listed no GLIBC_ version needs: is libcgpu.so linked against glibc?"
     too_new = sorted({(int(a), int(b)) for a, b in needs if (int(a), int(b)) > FLOOR})
     imports = _tool("objdump", "-T", lib)
-    culprits = [line.split()[-1] for line in imports.splitlines()
-                if any(f"GLIBC_{a}.{b}" in line for a, b in too_new)]
+    culprits = [line.split()[-1] for line in imports.splitlines() if any(f"GLIBC_{a}.{b}" in line for a, b in too_new)]
     assert not too_new, f"libcgpu.so needs glibc {too_new} for {culprits}: pin them in glibc_baseline.h"
 
 

@@ -2,6 +2,7 @@
 and UBSan: a mapped file truncated under a registered mapping reads as
 zeros and is marked damaged; a fault anywhere else reaches the handler that
 was there before and still kills with SIGBUS."""
+
 from __future__ import annotations
 
 import signal
@@ -19,9 +20,20 @@ ENV = {"ASAN_OPTIONS": "detect_leaks=1:exitcode=86", "UBSAN_OPTIONS": "print_sta
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("guard") / "guard_driver"
-    cmd = ["cc", "-std=c11", "-Wall", "-Wextra", "-Werror", *SAN, f"-I{ROOT / 'csrc/region'}",
-           str(Path(__file__).with_name("guard_driver.c")), str(ROOT / "csrc/region/guard.c"), "-o", str(out),
-           "-lpthread"]
+    cmd = [
+        "cc",
+        "-std=c11",
+        "-Wall",
+        "-Wextra",
+        "-Werror",
+        *SAN,
+        f"-I{ROOT / 'csrc/region'}",
+        str(Path(__file__).with_name("guard_driver.c")),
+        str(ROOT / "csrc/region/guard.c"),
+        "-o",
+        str(out),
+        "-lpthread",
+    ]
     subprocess.run(cmd, check=True)
     return out
 
@@ -74,6 +86,7 @@ print("ok")
 
 @pytest.mark.parametrize("order", ["scheduler-first", "region-first"])
 def test_the_guards_of_both_cgpud_modules_compose(tmp_path: Path, order: str) -> None:
-    proc = subprocess.run([sys.executable, "-c", COMPOSED, str(tmp_path), order], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-c", COMPOSED, str(tmp_path), order], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", (proc.returncode, proc.stderr[-3000:])

@@ -2,6 +2,7 @@
 test modules by import or as a fixture from a conftest.py. A test module
 imported by another runs its module-scoped fixtures and builds once per
 importer and couples two suites by accident, so no module imports one."""
+
 from __future__ import annotations
 
 import ast
@@ -23,15 +24,22 @@ def _imported_modules(path: Path) -> list[tuple[int, str]]:
 
 
 def test_no_module_imports_a_test_module() -> None:
-    offenders = [f"{path.relative_to(ROOT)}:{line}: {name}"
-                 for top in ("tests", "bench") for path in sorted((ROOT / top).rglob("*.py"))
-                 for line, name in _imported_modules(path)
-                 if name.startswith("tests.") and any(part.startswith("test_") for part in name.split("."))]
+    offenders = [
+        f"{path.relative_to(ROOT)}:{line}: {name}"
+        for top in ("tests", "bench")
+        for path in sorted((ROOT / top).rglob("*.py"))
+        for line, name in _imported_modules(path)
+        if name.startswith("tests.") and any(part.startswith("test_") for part in name.split("."))
+    ]
     assert not offenders, "import from tests/harness/ (fixtures: a conftest.py) instead:\n" + "\n".join(offenders)
 
 
 def test_the_harness_imports_no_conftest() -> None:
     """conftest.py files expose the harness; the harness never reaches back."""
-    offenders = [f"{path.relative_to(ROOT)}:{line}: {name}" for path in sorted((ROOT / "tests/harness").glob("*.py"))
-                 for line, name in _imported_modules(path) if "conftest" in name.split(".")]
+    offenders = [
+        f"{path.relative_to(ROOT)}:{line}: {name}"
+        for path in sorted((ROOT / "tests/harness").glob("*.py"))
+        for line, name in _imported_modules(path)
+        if "conftest" in name.split(".")
+    ]
     assert not offenders, "\n".join(offenders)

@@ -2,6 +2,7 @@
 the ways the view is fetched: cgpu-scheduler's GET /inspect, the API
 server's service proxy (a small HTTP server on the real path, the real
 `kubernetes` client), and the real kubectl's plugin dispatch."""
+
 from __future__ import annotations
 
 import json
@@ -27,25 +28,58 @@ MIB = 1 << 20
 V100 = 16160 * MIB  # a "16 GB" V100: 15.78 GiB, shown as 15
 
 
-def gpu(index: int, allocated: int, total: int = V100, healthy: bool = True, reason: str = "",
-        core: int = 0) -> GpuState:
-    return GpuState(index=index, uuid=f"GPU-{index:08d}", model="Tesla V100-SXM2-16GB", memory_total=total,
-                    memory_allocated=allocated, core_allocated=core, instances=1, max_instances=20, healthy=healthy,
-                    health_reason=reason)
+def gpu(
+    index: int, allocated: int, total: int = V100, healthy: bool = True, reason: str = "", core: int = 0
+) -> GpuState:
+    return GpuState(
+        index=index,
+        uuid=f"GPU-{index:08d}",
+        model="Tesla V100-SXM2-16GB",
+        memory_total=total,
+        memory_allocated=allocated,
+        core_allocated=core,
+        instances=1,
+        max_instances=20,
+        healthy=healthy,
+        health_reason=reason,
+    )
 
 
-def node(name: str, gpus: tuple[GpuState, ...], pods: tuple[PodShare, ...] = (), mode: str = "cgpu",
-         address: str = "192.0.2.109", other: int = 0) -> NodeState:
-    return NodeState(name=name, incarnation="i1", revision=7, addresses=(address,), mode=mode, placement="binpack",
-                     core_step=5, card_name="Tesla V100-SXM2-16GB", gpus=gpus, pods=pods, other_instances=other)
+def node(
+    name: str,
+    gpus: tuple[GpuState, ...],
+    pods: tuple[PodShare, ...] = (),
+    mode: str = "cgpu",
+    address: str = "192.0.2.109",
+    other: int = 0,
+) -> NodeState:
+    return NodeState(
+        name=name,
+        incarnation="i1",
+        revision=7,
+        addresses=(address,),
+        mode=mode,
+        placement="binpack",
+        core_step=5,
+        card_name="Tesla V100-SXM2-16GB",
+        gpus=gpus,
+        pods=pods,
+        other_instances=other,
+    )
 
 
 def entry(state: NodeState, connected: bool = True, error: str = "") -> NodeEntry:
     return NodeEntry(state.name, f"{state.addresses[0]}:9455", connected, error, state)
 
 
-def pod(name: str, *gpus: tuple[int, int, int], namespace: str = "default", uid: str = "",
-        container: str = "main", reserved: bool = False) -> PodShare:
+def pod(
+    name: str,
+    *gpus: tuple[int, int, int],
+    namespace: str = "default",
+    uid: str = "",
+    container: str = "main",
+    reserved: bool = False,
+) -> PodShare:
     return PodShare(uid or f"uid-{name}", namespace, name, "" if reserved else container, gpus, reserved)
 
 
@@ -61,7 +95,8 @@ def test_the_summary_is_acks_table_to_the_character():
         "cn-shanghai.192.0.2.109    192.0.2.109    15/15                  9/15                   24/30\n"
         "------------------------------------------------------------------------------\n"
         "Allocated/Total GPU Memory In Cluster:\n"
-        "24/30 (80%)\n")
+        "24/30 (80%)\n"
+    )
 
 
 def test_gib_like_ack_totals_down_allocations_up_percent_truncated():
@@ -75,11 +110,21 @@ def test_gib_like_ack_totals_down_allocations_up_percent_truncated():
 
 def test_nodes_with_fewer_gpus_show_dashes_and_the_cluster_adds_up():
     a = node("a", (gpu(0, 2 * GIB), gpu(1, 0)), address="10.0.0.1")
-    b = node("b", (gpu(0, 4 * GIB, total=80 * GIB), gpu(1, 0, total=80 * GIB), gpu(2, 8 * GIB, total=80 * GIB)),
-             address="10.0.0.2")
+    b = node(
+        "b",
+        (gpu(0, 4 * GIB, total=80 * GIB), gpu(1, 0, total=80 * GIB), gpu(2, 8 * GIB, total=80 * GIB)),
+        address="10.0.0.2",
+    )
     rows = ki.summary(ClusterView((entry(a), entry(b)))).splitlines()
-    assert rows[0].split() == ["NAME", "IPADDRESS", "GPU0(Allocated/Total)", "GPU1(Allocated/Total)",
-                               "GPU2(Allocated/Total)", "GPU", "Memory(GiB)"]
+    assert rows[0].split() == [
+        "NAME",
+        "IPADDRESS",
+        "GPU0(Allocated/Total)",
+        "GPU1(Allocated/Total)",
+        "GPU2(Allocated/Total)",
+        "GPU",
+        "Memory(GiB)",
+    ]
     assert rows[1].split() == ["a", "10.0.0.1", "2/15", "0/15", "-", "2/30"]
     assert rows[2].split() == ["b", "10.0.0.2", "4/80", "0/80", "8/80", "12/240"]
     assert rows[-1] == "14/270 (5%)"
@@ -96,10 +141,13 @@ def test_a_node_whose_stream_is_down_is_listed_with_its_reason_and_no_stale_numb
     assert rows[2].split() == ["gpu-3", "10.0.0.3", "-", "-", "-"]
     assert rows[3].split() == ["gpu-4", "fd00::4", "-", "-", "-"]
     assert "14/" not in out and "10.9.9.9" not in out
-    assert rows[5:] == ["Allocated/Total GPU Memory In Cluster:", "24/30 (80%)",
-                        "Not counted (no current view):",
-                        "  gpu-3: capacity stream down: failed to connect to all addresses",
-                        "  gpu-4: no view from its cgpud yet"]
+    assert rows[5:] == [
+        "Allocated/Total GPU Memory In Cluster:",
+        "24/30 (80%)",
+        "Not counted (no current view):",
+        "  gpu-3: capacity stream down: failed to connect to all addresses",
+        "  gpu-4: no view from its cgpud yet",
+    ]
 
 
 def test_an_unhealthy_gpu_is_marked_and_named():
@@ -119,10 +167,16 @@ def test_an_empty_cluster():
 def test_details_are_acks_layout_to_the_character():
     # The layout of ACK's `-d` (totals written into the pods' table, so they line up).
     gpus = tuple(gpu(i, a * GIB, total=14 * GIB + 512 * MIB) for i, a in enumerate((6, 14, 0, 0)))
-    n = node("k8s-gpu1", gpus, address="172.16.33.69", pods=(
-        pod("binpack-6-7d9f48946c-9strc", (0, 6 * GIB, 0)),
-        pod("binpack-10-6b5fcd9ddc-wzdzv", (1, 10 * GIB, 0)),
-        pod("binpack-4-5c857c579-5shjc", (1, 4 * GIB, 0))))
+    n = node(
+        "k8s-gpu1",
+        gpus,
+        address="172.16.33.69",
+        pods=(
+            pod("binpack-6-7d9f48946c-9strc", (0, 6 * GIB, 0)),
+            pod("binpack-10-6b5fcd9ddc-wzdzv", (1, 10 * GIB, 0)),
+            pod("binpack-4-5c857c579-5shjc", (1, 4 * GIB, 0)),
+        ),
+    )
     assert ki.details(ClusterView((entry(n),))) == (
         "NAME:       k8s-gpu1\n"
         "IPADDRESS:  172.16.33.69\n"
@@ -135,14 +189,21 @@ def test_details_are_acks_layout_to_the_character():
         "Total :                      56\n"
         "------------------------------------------------------------------------------\n"
         "\n"
-        "Allocated/Total GPU Memory In Cluster:  20/56 (35%)\n")
+        "Allocated/Total GPU Memory In Cluster:  20/56 (35%)\n"
+    )
 
 
 def test_details_add_up_a_pods_containers_and_mark_reservations():
-    n = node("n1", (gpu(0, 7 * GIB), gpu(1, 6 * GIB)), pods=(
-        pod("web", (0, 2 * GIB, 0), container="a"),
-        pod("web", (0, 1 * GIB, 0), (1, 1 * GIB, 0), container="b"),
-        pod("train", (0, 3 * GIB, 0), (1, 5 * GIB, 0), namespace="ml", reserved=True)), other=2)
+    n = node(
+        "n1",
+        (gpu(0, 7 * GIB), gpu(1, 6 * GIB)),
+        pods=(
+            pod("web", (0, 2 * GIB, 0), container="a"),
+            pod("web", (0, 1 * GIB, 0), (1, 1 * GIB, 0), container="b"),
+            pod("train", (0, 3 * GIB, 0), (1, 5 * GIB, 0), namespace="ml", reserved=True),
+        ),
+        other=2,
+    )
     rows = ki.details(ClusterView((entry(n),))).splitlines()
     assert rows[3].split() == ["NAME", "NAMESPACE", "GPU0(Allocated)", "GPU1(Allocated)"]
     assert rows[4].split() == ["web", "default", "3", "1"]
@@ -165,8 +226,7 @@ def test_details_of_a_down_node_give_its_reason_and_an_unhealthy_gpu_is_named():
     down = NodeEntry("n2", "10.0.0.2:9455", False, "deadline exceeded", ACK_NODE)
     out = ki.details(ClusterView((entry(sick), down)))
     assert "Unhealthy: GPU1*: XID 48: double-bit ECC\n" in out
-    assert ("NAME:       n2\nIPADDRESS:  10.0.0.2\n\nNot counted: capacity stream down: deadline exceeded\n"
-            in out)
+    assert "NAME:       n2\nIPADDRESS:  10.0.0.2\n\nNot counted: capacity stream down: deadline exceeded\n" in out
     assert out.endswith("Allocated/Total GPU Memory In Cluster:  0/30 (0%)\n")
 
 
@@ -182,7 +242,7 @@ def http_server(routes: dict[str, tuple[int, bytes]]) -> Iterator[tuple[str, lis
     asked: list[str] = []
 
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        def do_GET(self) -> None:
             path = unquote(self.path.split("?", 1)[0])
             asked.append(path)
             status, body = routes.get(path, (404, b'{"kind":"Status","message":"no such path"}'))
@@ -227,11 +287,14 @@ def test_from_the_extender_table_details_and_json(capsys):
     assert asked == ["/inspect"] * 3
 
 
-@pytest.mark.parametrize(("status", "body", "says"), [
-    (200, b"<html>not json</html>", "did not answer with a cgpu cluster view"),
-    (200, b'{"nodes": [{"name": "x"}]}', "did not answer with a cgpu cluster view"),
-    (503, b"no view yet", "answered 503"),
-])
+@pytest.mark.parametrize(
+    ("status", "body", "says"),
+    [
+        (200, b"<html>not json</html>", "did not answer with a cgpu cluster view"),
+        (200, b'{"nodes": [{"name": "x"}]}', "did not answer with a cgpu cluster view"),
+        (503, b"no view yet", "answered 503"),
+    ],
+)
 def test_a_bad_answer_is_one_line_and_exit_1(capsys, status, body, says):
     with http_server({"/inspect": (status, body)}) as (url, _):
         code, out, err = run(capsys, "--extender", url)
@@ -265,11 +328,18 @@ def test_bad_arguments(capsys, tmp_path):
 
 def kubeconfig(tmp_path: Path, server: str) -> Path:
     path = tmp_path / "kubeconfig"
-    path.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "t",
-        "clusters": [{"name": "t", "cluster": {"server": server}}],
-        "users": [{"name": "t", "user": {"token": "secret"}}],
-        "contexts": [{"name": "t", "context": {"cluster": "t", "user": "t"}}]}))
+    path.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "t",
+                "clusters": [{"name": "t", "cluster": {"server": server}}],
+                "users": [{"name": "t", "user": {"token": "secret"}}],
+                "contexts": [{"name": "t", "context": {"cluster": "t", "user": "t"}}],
+            }
+        )
+    )
     return path
 
 
@@ -280,9 +350,11 @@ PLAIN = "/api/v1/namespaces/gpu/services/sched:http/proxy/inspect"
 def test_through_the_api_servers_service_proxy(capsys, tmp_path, monkeypatch):
     """The HTTPS port of deploy/cgpu-scheduler.yaml first; an extender
     serving plain HTTP (no port named https: 503) on its http port."""
-    routes = {PROXY: (200, view_body()),
-              "/api/v1/namespaces/gpu/services/https:sched:https/proxy/inspect": (503, b'{"message": "no port"}'),
-              PLAIN: (200, view_body(ClusterView(())))}
+    routes = {
+        PROXY: (200, view_body()),
+        "/api/v1/namespaces/gpu/services/https:sched:https/proxy/inspect": (503, b'{"message": "no port"}'),
+        PLAIN: (200, view_body(ClusterView(()))),
+    }
     with http_server(routes) as (url, asked):
         config = kubeconfig(tmp_path, url)
         code, out, err = run(capsys, "--kubeconfig", str(config))
@@ -292,11 +364,17 @@ def test_through_the_api_servers_service_proxy(capsys, tmp_path, monkeypatch):
         assert code == 0 and out.splitlines()[-1] == "0/0 (0%)"
         code, _, err = run(capsys, "-n", "elsewhere")
         assert code == 1 and err.count("\n") == 1
-        assert "cannot read the cluster view from service elsewhere/cgpu-scheduler (port https, else http) through " \
-               "the API server: 404 no such path" in err
-    assert asked == [PROXY, "/api/v1/namespaces/gpu/services/https:sched:https/proxy/inspect", PLAIN,
-                     "/api/v1/namespaces/elsewhere/services/https:cgpu-scheduler:https/proxy/inspect",
-                     "/api/v1/namespaces/elsewhere/services/cgpu-scheduler:http/proxy/inspect"]
+        assert (
+            "cannot read the cluster view from service elsewhere/cgpu-scheduler (port https, else http) through "
+            "the API server: 404 no such path" in err
+        )
+    assert asked == [
+        PROXY,
+        "/api/v1/namespaces/gpu/services/https:sched:https/proxy/inspect",
+        PLAIN,
+        "/api/v1/namespaces/elsewhere/services/https:cgpu-scheduler:https/proxy/inspect",
+        "/api/v1/namespaces/elsewhere/services/cgpu-scheduler:http/proxy/inspect",
+    ]
 
 
 def test_no_kubeconfig_and_not_in_a_pod_says_what_to_give(capsys, tmp_path, monkeypatch):
@@ -319,15 +397,18 @@ def test_the_real_kubectl_finds_the_plugin_and_passes_it_its_arguments(tmp_path)
     listed = subprocess.run([kubectl, "plugin", "list"], capture_output=True, text=True, env=env, timeout=60)
     assert f"{bin_dir}/kubectl-inspect-cgpu" in listed.stdout
     with http_server({"/inspect": (200, view_body())}) as (url, _):
-        done = subprocess.run([kubectl, "inspect", "cgpu", "--extender", url], capture_output=True, text=True,
-                              env=env, timeout=60)
+        done = subprocess.run(
+            [kubectl, "inspect", "cgpu", "--extender", url], capture_output=True, text=True, env=env, timeout=60
+        )
         assert done.returncode == 0, done.stderr
         assert done.stdout == ki.summary(VIEW)
-        detailed = subprocess.run([kubectl, "inspect", "cgpu", "-d", "--extender", url], capture_output=True,
-                                  text=True, env=env, timeout=60)
+        detailed = subprocess.run(
+            [kubectl, "inspect", "cgpu", "-d", "--extender", url], capture_output=True, text=True, env=env, timeout=60
+        )
         assert detailed.stdout == ki.details(VIEW)
-    failed = subprocess.run([kubectl, "inspect", "cgpu", "--extender", url], capture_output=True, text=True,
-                            env=env, timeout=60)
+    failed = subprocess.run(
+        [kubectl, "inspect", "cgpu", "--extender", url], capture_output=True, text=True, env=env, timeout=60
+    )
     assert failed.returncode == 1 and failed.stdout == ""
     assert failed.stderr.startswith("kubectl inspect cgpu: cannot reach cgpu-scheduler")
 
@@ -341,15 +422,46 @@ def node_view_pb(name: str, address: str) -> Any:
     from cgpud.api.cgpu.v1 import capacity_pb2 as pb
 
     return pb.NodeView(
-        incarnation="i9", revision=3, node_name=name, addresses=[address], mode="cgpu", placement="binpack",
-        core_step=5, card=pb.CardModel(name="Tesla V100-SXM2-16GB", memory_bytes=V100, count=2),
-        gpus=[pb.GpuView(index=i, uuid=f"GPU-{i}", model="Tesla V100-SXM2-16GB", memory_total_bytes=V100,
-                         memory_allocated_bytes=a, instances=1, max_instances=20, healthy=True)
-              for i, a in enumerate((15 * GIB, 9 * GIB))],
-        pod_instances=[pb.PodInstance(instance_id="x", pod_uid="u1", pod_namespace="default", pod_name="web",
-                                      container="main", shares=[pb.Share(gpu_index=1, memory_bytes=9 * GIB)])],
-        reservations=[pb.Reservation(pod_uid="u2", pod_namespace="ml", pod_name="train",
-                                     shares=[pb.Share(gpu_index=0, memory_bytes=15 * GIB)])])
+        incarnation="i9",
+        revision=3,
+        node_name=name,
+        addresses=[address],
+        mode="cgpu",
+        placement="binpack",
+        core_step=5,
+        card=pb.CardModel(name="Tesla V100-SXM2-16GB", memory_bytes=V100, count=2),
+        gpus=[
+            pb.GpuView(
+                index=i,
+                uuid=f"GPU-{i}",
+                model="Tesla V100-SXM2-16GB",
+                memory_total_bytes=V100,
+                memory_allocated_bytes=a,
+                instances=1,
+                max_instances=20,
+                healthy=True,
+            )
+            for i, a in enumerate((15 * GIB, 9 * GIB))
+        ],
+        pod_instances=[
+            pb.PodInstance(
+                instance_id="x",
+                pod_uid="u1",
+                pod_namespace="default",
+                pod_name="web",
+                container="main",
+                shares=[pb.Share(gpu_index=1, memory_bytes=9 * GIB)],
+            )
+        ],
+        reservations=[
+            pb.Reservation(
+                pod_uid="u2",
+                pod_namespace="ml",
+                pod_name="train",
+                shares=[pb.Share(gpu_index=0, memory_bytes=15 * GIB)],
+            )
+        ],
+    )
 
 
 @contextmanager
@@ -363,14 +475,16 @@ def capacity_server(view: Any, pki: Any) -> Iterator[str]:
     from cgpud.api.cgpu.v1 import capacity_pb2_grpc as pb_grpc
 
     class Servicer(pb_grpc.CapacityServicer):
-        def GetNode(self, request: Any, context: Any) -> Any:  # noqa: N802 (gRPC's name)
+        def GetNode(self, request: Any, context: Any) -> Any:
             return view
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     pb_grpc.add_CapacityServicer_to_server(Servicer(), server)
     credentials = grpc.ssl_server_credentials(
-        [(pki.server_key.read_bytes(), pki.server_cert.read_bytes())], root_certificates=pki.ca.read_bytes(),
-        require_client_auth=True)
+        [(pki.server_key.read_bytes(), pki.server_cert.read_bytes())],
+        root_certificates=pki.ca.read_bytes(),
+        require_client_auth=True,
+    )
     port = server.add_secure_port("127.0.0.1:0", credentials)
     server.start()
     try:
@@ -399,13 +513,18 @@ def test_from_each_nodes_cgpud_with_client_certificates(capsys, tmp_path):
         assert rows[7].startswith(f"  gpu-2: capacity stream down: GetNode at 127.0.0.1:{dead}: UNAVAILABLE")
         code, out, _ = run(capsys, "-d", "--nodes", str(nodes), *tls, "--timeout", "5")
         assert code == 0
-        assert [r.split() for r in out.splitlines()[4:6]] == [["web", "default", "0", "9"],
-                                                              ["train(reserved)", "ml", "15", "0"]]
+        assert [r.split() for r in out.splitlines()[4:6]] == [
+            ["web", "default", "0", "9"],
+            ["train(reserved)", "ml", "15", "0"],
+        ]
         # A client certificate of another CA is refused by the node: it is down, with the reason.
         other = ["--tls-cert", str(pki.untrusted_cert), "--tls-key", str(pki.untrusted_key), "--tls-ca", str(pki.ca)]
         code, out, err = run(capsys, "--nodes", str(nodes), *other, "--timeout", "5")
         assert code == 0 and err == ""
         # No node has a current view: no GPU columns, nothing counted.
-        assert out.splitlines()[:3] == ["NAME     IPADDRESS    GPU Memory(GiB)", "gpu-1    127.0.0.1    -",
-                                        "gpu-2    127.0.0.1    -"]
+        assert out.splitlines()[:3] == [
+            "NAME     IPADDRESS    GPU Memory(GiB)",
+            "gpu-1    127.0.0.1    -",
+            "gpu-2    127.0.0.1    -",
+        ]
         assert "0/0 (0%)\nNot counted (no current view):\n  gpu-1: capacity stream down: GetNode at" in out

@@ -2,6 +2,7 @@
 imports only its own layer and those below, and the package graph has no
 cycle. Every import counts: function-level ones and those under
 TYPE_CHECKING too, since a cycle hidden in a function is still a cycle."""
+
 from __future__ import annotations
 
 import ast
@@ -12,8 +13,21 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Lowest first. A unit is a subpackage of cgpud or a top-level module.
 LAYERS: tuple[frozenset[str], ...] = (
-    frozenset({"cgpud", "errors", "units", "contract", "native", "atomicfile", "boundedhttp", "boundedread", "logs",
-               "signals", "sockets"}),  # the shared vocabulary and plumbing
+    frozenset(
+        {
+            "cgpud",
+            "errors",
+            "units",
+            "contract",
+            "native",
+            "atomicfile",
+            "boundedhttp",
+            "boundedread",
+            "logs",
+            "signals",
+            "sockets",
+        }
+    ),  # the shared vocabulary and plumbing
     frozenset({"node"}),  # the node core
     frozenset({"containers", "api", "kube"}),  # the node's faces
     frozenset({"extender"}),
@@ -48,7 +62,7 @@ def _imports(source: str, package: str) -> Iterator[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                parent = package.split(".")[:len(package.split(".")) - node.level + 1]
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(parent + ([base] if base else []))
             yield base
             yield from (f"{base}.{a.name}" for a in node.names)  # `from cgpud import config` imports cgpud.config
@@ -79,7 +93,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(u)
         for v in sorted(graph.get(u, ())):
             if state.get(v) == 1:
-                return stack[stack.index(v):] + [v]
+                return stack[stack.index(v) :] + [v]
             if v not in state and (found := visit(v)) is not None:
                 return found
         stack.pop()
@@ -93,8 +107,11 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_every_import_goes_down_or_sideways() -> None:
-    upward = [f"cgpud.{s} imports cgpud.{t} ({', '.join(sorted(set(where)))})"
-              for (s, t), where in _edges().items() if _layer(t) > _layer(s)]
+    upward = [
+        f"cgpud.{s} imports cgpud.{t} ({', '.join(sorted(set(where)))})"
+        for (s, t), where in _edges().items()
+        if _layer(t) > _layer(s)
+    ]
     assert not upward, "imports against the layer order:\n" + "\n".join(upward)
 
 

@@ -1,6 +1,7 @@
 """The metrics collector's pure parts: request and duration bookkeeping,
 reading (and bounding) the tenant-written usage counters, and the families
 built from a daemon's state, exposed and parsed back as Prometheus text."""
+
 from __future__ import annotations
 
 import os
@@ -19,8 +20,19 @@ from cgpud.containers.relay import RelayServer
 from cgpud import config as settings
 from cgpud.node.compute import TenantMetrics
 from cgpud.daemon.metrics import CgpuCollector, CountedAllocator, DaemonStats, MetricsServer, read_usage
-from cgpud.node.model import (GIB, MIB, GpuCapacity, Grant, Instance, InstanceState, NodeMode, NodePolicy, Owner,
-                                OwnerKind, Reservation)
+from cgpud.node.model import (
+    GIB,
+    MIB,
+    GpuCapacity,
+    Grant,
+    Instance,
+    InstanceState,
+    NodeMode,
+    NodePolicy,
+    Owner,
+    OwnerKind,
+    Reservation,
+)
 from cgpud.node.region import USAGE_FILE, DeviceLimit, InstanceLimits, write_region
 from cgpud.errors import CgpuError, UsageError
 
@@ -120,8 +132,10 @@ class FakeDaemon:
 
 
 def _instance(root: Path, name: str, grants: tuple[Grant, ...]) -> Instance:
-    write_region(root / name, InstanceLimits(name, tuple(DeviceLimit(g.gpu_uuid, g.memory, g.gpu_index,
-                                                                     g.core_percent) for g in grants)))
+    write_region(
+        root / name,
+        InstanceLimits(name, tuple(DeviceLimit(g.gpu_uuid, g.memory, g.gpu_index, g.core_percent) for g in grants)),
+    )
     return Instance(name, Owner(OwnerKind.CONTAINER, f"ctr-{name}"), grants, InstanceState.BOUND, True)
 
 
@@ -155,8 +169,14 @@ def test_collector_builds_instance_and_gpu_families_from_one_snapshot(tmp_path: 
     s = _scrape(CgpuCollector(daemon, stats, "9.9.9", {0: "Model A", 1: "Model B"}, lambda: {0: 55, 7: 1}))
     assert daemon.snapshots == 1
 
-    ia = {"instance_id": "a", "gpu": "0", "UUID": "GPU-a", "modelName": "Model A", "owner_kind": "container",
-          "owner": "ctr-a"}
+    ia = {
+        "instance_id": "a",
+        "gpu": "0",
+        "UUID": "GPU-a",
+        "modelName": "Model A",
+        "owner_kind": "container",
+        "owner": "ctr-a",
+    }
     assert _one(s, "cgpu_instance_memory_limit_bytes", **ia) == 2 * GIB
     assert _one(s, "cgpu_instance_memory_used_bytes", **ia) == 512 * MIB
     assert _one(s, "cgpu_instance_launches_gated_total", **ia) == 17
@@ -216,8 +236,9 @@ class FakeLifecycle:
         def summary(self) -> str:
             return "prepared"
 
-    def prepare(self, container_id: str, bundle: Path, *, hooks: bool = True,
-                spec_fd: int | None = None) -> FakeLifecycle.Prepared:
+    def prepare(
+        self, container_id: str, bundle: Path, *, hooks: bool = True, spec_fd: int | None = None
+    ) -> FakeLifecycle.Prepared:
         return self.Prepared()
 
     def hook(self, stage: str, instance_id: str, state_json: bytes, decided: object = None) -> str:
@@ -235,8 +256,11 @@ def _ask(path: Path, request: bytes) -> bytes:
 def test_relay_requests_are_counted_by_verb_and_outcome(tmp_path: Path) -> None:
     stats = DaemonStats()
     path = tmp_path / "relay.sock"
-    relay = RelayServer(FakeLifecycle(), path,  # type: ignore[arg-type]  (duck-typed lifecycle)
-                        on_request=lambda verb, code: stats.request("relay", verb, code)).start()
+    relay = RelayServer(
+        FakeLifecycle(),
+        path,  # type: ignore[arg-type]  (duck-typed lifecycle)
+        on_request=lambda verb, code: stats.request("relay", verb, code),
+    ).start()
     try:
         assert _ask(path, b"prepare c1\n/b").startswith(b"ok ")
         assert _ask(path, b"prepare c2 shim-binds\n/b").startswith(b"ok ")
@@ -248,11 +272,20 @@ def test_relay_requests_are_counted_by_verb_and_outcome(tmp_path: Path) -> None:
     finally:
         relay.stop()
     requests, errors, _ = stats.snapshot()
-    assert requests == {("relay", "prepare"): 3, ("relay", "bind"): 1, ("relay", "hook poststop"): 1,
-                        ("relay", "hook createRuntime"): 1, ("relay", "other"): 1}
-    assert errors == {("relay", "prepare", "error"): 1, ("relay", "bind", "error"): 1,
-                      ("relay", "hook poststop", "error"): 1, ("relay", "hook createRuntime", "error"): 1,
-                      ("relay", "other", "error"): 1}
+    assert requests == {
+        ("relay", "prepare"): 3,
+        ("relay", "bind"): 1,
+        ("relay", "hook poststop"): 1,
+        ("relay", "hook createRuntime"): 1,
+        ("relay", "other"): 1,
+    }
+    assert errors == {
+        ("relay", "prepare", "error"): 1,
+        ("relay", "bind", "error"): 1,
+        ("relay", "hook poststop", "error"): 1,
+        ("relay", "hook createRuntime", "error"): 1,
+        ("relay", "other", "error"): 1,
+    }
 
 
 class FakeAllocator:

@@ -2,6 +2,7 @@
 throttled time, grants, the 1 s achieved-share window), against real region
 files with this test playing two tenants that always have work and fence
 every closing at once."""
+
 from __future__ import annotations
 
 import threading
@@ -50,8 +51,11 @@ def test_charged_throttled_and_achieved_follow_the_fixed_shares(sched: ComputeSc
         started = time.monotonic()
         # The first window ends a second after the loop's first turn; the
         # second is the first with both tenants at work throughout.
-        until(lambda: sched.tenant_metrics()["a"][0].window_ns > 0
-                          and time.monotonic() - started > 2.1, 5, interval=0.0005)
+        until(
+            lambda: sched.tenant_metrics()["a"][0].window_ns > 0 and time.monotonic() - started > 2.1,
+            5,
+            interval=0.0005,
+        )
         m = sched.tenant_metrics()
         elapsed = time.monotonic() - started
     finally:

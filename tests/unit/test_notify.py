@@ -1,5 +1,6 @@
 """cgpud.daemon.notify against real AF_UNIX datagram sockets, as systemd
 listens: a filesystem one and an abstract one."""
+
 from __future__ import annotations
 
 import os

@@ -1,5 +1,6 @@
 """Reading the container's mount table at createRuntime, and what it must
 show for cgpu's mounts to count as in place."""
+
 from __future__ import annotations
 
 import os
@@ -15,22 +16,29 @@ TARGETS = ("/run/cgpu", "/run/cgpu/usage", "/usr/local/cgpu/libcgpu.so", "/etc/l
 
 
 def test_parse_mountinfo_fields_and_escapes() -> None:
-    data = (b"22 1 0:21 / / rw - ext4 /dev/vda rw\n"
-            b"40 22 0:39 / /b/root\\040fs/run/cgpu ro,nosuid shared:5 master:1 - tmpfs cgpu-region rw\n"
-            b"garbage\n41 22 0:40 / /x rw - \n")
+    data = (
+        b"22 1 0:21 / / rw - ext4 /dev/vda rw\n"
+        b"40 22 0:39 / /b/root\\040fs/run/cgpu ro,nosuid shared:5 master:1 - tmpfs cgpu-region rw\n"
+        b"garbage\n41 22 0:40 / /x rw - \n"
+    )
     assert parse_mountinfo(data) == [MountPoint("/", "ext4"), MountPoint("/b/root fs/run/cgpu", "tmpfs")]
     assert any(m.path == "/" for m in read_mountinfo(os.getpid()))
 
 
 def test_parse_mountinfo_under_a_root_keeps_only_what_lies_there() -> None:
-    data = (b"22 1 0:21 / / rw - ext4 /dev/vda rw\n"
-            b"30 22 0:30 / /b/root\\040fs rw - overlay overlay rw\n"
-            b"31 30 0:31 / /b/root\\040fs/proc rw - proc proc rw\n"
-            b"32 22 0:32 / /b/root\\040fs2/run rw - tmpfs tmpfs rw\n"  # a sibling whose name starts alike
-            b"33 22 0:33 / /elsewhere/b/root\\040fs/run rw - tmpfs tmpfs rw\n"  # holds it, not below it
-            b"40 30 0:39 / /b/root\\040fs/run/cgpu ro - tmpfs cgpu-region rw\n")
-    expected = [MountPoint(ROOT, "overlay"), MountPoint(f"{ROOT}/proc", "proc"),
-                MountPoint(f"{ROOT}/run/cgpu", "tmpfs")]
+    data = (
+        b"22 1 0:21 / / rw - ext4 /dev/vda rw\n"
+        b"30 22 0:30 / /b/root\\040fs rw - overlay overlay rw\n"
+        b"31 30 0:31 / /b/root\\040fs/proc rw - proc proc rw\n"
+        b"32 22 0:32 / /b/root\\040fs2/run rw - tmpfs tmpfs rw\n"  # a sibling whose name starts alike
+        b"33 22 0:33 / /elsewhere/b/root\\040fs/run rw - tmpfs tmpfs rw\n"  # holds it, not below it
+        b"40 30 0:39 / /b/root\\040fs/run/cgpu ro - tmpfs cgpu-region rw\n"
+    )
+    expected = [
+        MountPoint(ROOT, "overlay"),
+        MountPoint(f"{ROOT}/proc", "proc"),
+        MountPoint(f"{ROOT}/run/cgpu", "tmpfs"),
+    ]
     assert parse_mountinfo(data, under=ROOT) == expected
     assert parse_mountinfo(data, under=ROOT + "/") == expected
     # The same verdict as from the whole table: the filter drops nothing check_placed reads.
@@ -74,4 +82,4 @@ def test_a_mount_table_over_the_limit_is_refused_and_a_missing_process_named(mon
     with pytest.raises(UsageError, match="mount table of process .* is larger than"):
         read_mountinfo(os.getpid())
     with pytest.raises(UsageError, match="cannot read the mounts of the container's init process"):
-        read_mountinfo(2 ** 22 + 1)  # above pid_max's ceiling: no such process
+        read_mountinfo(2**22 + 1)  # above pid_max's ceiling: no such process

@@ -1,6 +1,7 @@
 """Admission and placement: each rule, each message a user reads, the shapes
 ACK's documentation shows, and properties over random nodes and request
 sequences (hypothesis)."""
+
 from __future__ import annotations
 
 from dataclasses import replace

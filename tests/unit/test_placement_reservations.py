@@ -3,6 +3,7 @@
 gpu_usage and admit, what an instance takes off its pod's reservation
 (consume), and over random sequences of reserves and admits that nothing is
 ever granted twice (hypothesis)."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -41,8 +42,12 @@ def node(*gib: float) -> tuple[GpuCapacity, ...]:
 TWO = node(16, 16)
 
 
-def held(gpus: tuple[GpuCapacity, ...], *parts: tuple[int, float, int], name: str = "held",
-         state: InstanceState = InstanceState.BOUND) -> Instance:
+def held(
+    gpus: tuple[GpuCapacity, ...],
+    *parts: tuple[int, float, int],
+    name: str = "held",
+    state: InstanceState = InstanceState.BOUND,
+) -> Instance:
     grants = tuple(Grant(i, gpus[i].uuid, int(g * GIB), core) for i, g, core in parts)
     return Instance(id=name, owner=Owner(OwnerKind.CONTAINER, name), grants=grants, state=state, enforced=True)
 
@@ -65,8 +70,9 @@ def req(gib: float, **kw: Any) -> Request:
 
 def test_gpu_usage_counts_reservations_on_top_of_instances():
     active = [held(TWO, (0, 2, 0))]
-    usage = gpu_usage(TWO, active, [reservation("a", share(0, 3, 10, 2), share(1, 4, 0, 1)),
-                                    reservation("b", share(1, 1, 5, 0))])
+    usage = gpu_usage(
+        TWO, active, [reservation("a", share(0, 3, 10, 2), share(1, 4, 0, 1)), reservation("b", share(1, 1, 5, 0))]
+    )
     got = [(u.gpu.index, u.allocated // GIB, u.core_percent, u.instances) for u in usage]
     assert got == [(0, 5, 10, 3), (1, 5, 5, 1)]
 
@@ -145,35 +151,69 @@ def test_whole_gpu_modes_see_a_reserved_gpu_as_in_use():
     "shares, policy, message",
     [
         pytest.param([], CGPU, "a reservation needs at least one GPU share", id="no-shares"),
-        pytest.param([share(0, 1), share(0, 2)], CGPU, "the reservation names GPU 0 more than once",
-                     id="gpu-twice"),
-        pytest.param([share(1, 1), share(1, 1), share(0, 1), share(0, 1)], CGPU,
-                     "the reservation names GPUs 0 and 1 more than once", id="gpus-twice"),
-        pytest.param([share(2, 1)], CGPU,
-                     r"the reservation names GPU 2, which this node does not have \(it has GPUs 0 and 1\): "
-                     "the scheduler's view of this node is out of date", id="absent-gpu"),
-        pytest.param([share(0, 1), share(5, 1), share(3, 1)], CGPU,
-                     "the reservation names GPUs 3 and 5, which this node does not have", id="absent-gpus"),
-        pytest.param([Share(0, 0)], CGPU, "the reservation asks for 0 bytes on GPU 0: ask for a memory size above 0",
-                     id="zero-memory"),
+        pytest.param([share(0, 1), share(0, 2)], CGPU, "the reservation names GPU 0 more than once", id="gpu-twice"),
+        pytest.param(
+            [share(1, 1), share(1, 1), share(0, 1), share(0, 1)],
+            CGPU,
+            "the reservation names GPUs 0 and 1 more than once",
+            id="gpus-twice",
+        ),
+        pytest.param(
+            [share(2, 1)],
+            CGPU,
+            r"the reservation names GPU 2, which this node does not have \(it has GPUs 0 and 1\): "
+            "the scheduler's view of this node is out of date",
+            id="absent-gpu",
+        ),
+        pytest.param(
+            [share(0, 1), share(5, 1), share(3, 1)],
+            CGPU,
+            "the reservation names GPUs 3 and 5, which this node does not have",
+            id="absent-gpus",
+        ),
+        pytest.param(
+            [Share(0, 0)],
+            CGPU,
+            "the reservation asks for 0 bytes on GPU 0: ask for a memory size above 0",
+            id="zero-memory",
+        ),
         pytest.param([Share(1, -5)], CGPU, "asks for -5 bytes on GPU 1", id="negative-memory"),
-        pytest.param([share(0, 17)], CGPU,
-                     r"the reservation asks for 17 GiB on GPU 0, which has 16 GiB: ask for 16 GiB or less "
-                     r"\(aliyun.com/gpu-mem\)", id="more-than-the-gpu"),
-        pytest.param([share(0, 1, 0, -1)], CGPU, "asks for -1 instance slots on GPU 0: use 0 or more",
-                     id="negative-instances"),
-        pytest.param([share(0, 1, 10)], CGPU,
-                     "node mode cgpu does not enforce compute shares; reserve without a core percentage",
-                     id="core-on-cgpu"),
-        pytest.param([share(0, 1, 10)], NodePolicy(mode=NodeMode.SHARE), "node mode share does not enforce compute",
-                     id="core-on-share"),
-        pytest.param([share(0, 1, 7)], CORE_MEM,
-                     r"asks for 7% compute on GPU 0: ask for 0 \(no share\) or a multiple of 5 from 5 to 100",
-                     id="core-off-step"),
+        pytest.param(
+            [share(0, 17)],
+            CGPU,
+            r"the reservation asks for 17 GiB on GPU 0, which has 16 GiB: ask for 16 GiB or less "
+            r"\(aliyun.com/gpu-mem\)",
+            id="more-than-the-gpu",
+        ),
+        pytest.param(
+            [share(0, 1, 0, -1)], CGPU, "asks for -1 instance slots on GPU 0: use 0 or more", id="negative-instances"
+        ),
+        pytest.param(
+            [share(0, 1, 10)],
+            CGPU,
+            "node mode cgpu does not enforce compute shares; reserve without a core percentage",
+            id="core-on-cgpu",
+        ),
+        pytest.param(
+            [share(0, 1, 10)],
+            NodePolicy(mode=NodeMode.SHARE),
+            "node mode share does not enforce compute",
+            id="core-on-share",
+        ),
+        pytest.param(
+            [share(0, 1, 7)],
+            CORE_MEM,
+            r"asks for 7% compute on GPU 0: ask for 0 \(no share\) or a multiple of 5 from 5 to 100",
+            id="core-off-step",
+        ),
         pytest.param([share(0, 1, 105)], CORE_MEM, "asks for 105% compute on GPU 0", id="core-over-100"),
         pytest.param([share(0, 1, -5)], CORE_MEM, "asks for -5% compute on GPU 0", id="core-negative"),
-        pytest.param([share(0, 1, 10)], NodePolicy(mode=NodeMode.CORE_MEM, core_step=25),
-                     "a multiple of 25 from 25 to 100", id="core-step-25"),
+        pytest.param(
+            [share(0, 1, 10)],
+            NodePolicy(mode=NodeMode.CORE_MEM, core_step=25),
+            "a multiple of 25 from 25 to 100",
+            id="core-step-25",
+        ),
         pytest.param([share(0, 1)], NodePolicy(mode="warp"), "unknown node mode 'warp'", id="bad-mode"),
     ],
 )
@@ -189,13 +229,17 @@ def test_a_node_without_gpus_says_so():
 
 @pytest.mark.parametrize("mode", [NodeMode.DEFAULT, NodeMode.TOPOLOGY], ids=lambda m: m.value)
 def test_whole_gpu_nodes_refuse_reservations(mode):
-    with pytest.raises(StateError, match=f"node mode {mode.value} gives whole GPUs \\(nvidia.com/gpu\\); "
-                                         "cgpu-scheduler reserves only on nodes that share GPUs"):
+    with pytest.raises(
+        StateError,
+        match=f"node mode {mode.value} gives whole GPUs \\(nvidia.com/gpu\\); "
+        "cgpu-scheduler reserves only on nodes that share GPUs",
+    ):
         check_reservation([share(0, 1)], TWO, [], [], NodePolicy(mode=mode))
 
 
-@pytest.mark.parametrize("mode", [NodeMode.CGPU, NodeMode.SHARE, NodeMode.MPS, NodeMode.CORE_MEM],
-                         ids=lambda m: m.value)
+@pytest.mark.parametrize(
+    "mode", [NodeMode.CGPU, NodeMode.SHARE, NodeMode.MPS, NodeMode.CORE_MEM], ids=lambda m: m.value
+)
 def test_sharing_nodes_take_a_memory_reservation(mode):
     assert check_reservation([share(0, 16), share(1, 1, 0, 0)], TWO, [], [], NodePolicy(mode=mode)) is None
 
@@ -211,25 +255,65 @@ def test_core_mem_takes_a_compute_share():
 @pytest.mark.parametrize(
     "shares, active, others, policy, message",
     [
-        pytest.param([share(0, 5)], [held(TWO, (0, 12, 0))], [], CGPU,
-                     r"GPU 0 has 4 GiB free \(of 16 GiB\) and the reservation asks for 5 GiB; "
-                     "release an instance or reserve less", id="memory-instances"),
-        pytest.param([share(1, 5)], [], [reservation("b", share(1, 12))], CGPU,
-                     r"GPU 1 has 4 GiB free \(of 16 GiB\) and the reservation asks for 5 GiB", id="memory-reserved"),
-        pytest.param([share(0, 1), share(1, 5)], [held(TWO, (1, 6, 0))], [reservation("b", share(1, 6))], CGPU,
-                     r"GPU 1 has 4 GiB free \(of 16 GiB\)", id="memory-both"),
-        pytest.param([Share(0, 512 * MIB)], [held(TWO, (0, 15.75, 0))], [], CGPU,
-                     "GPU 0 has 256 MiB free .* asks for 512 MiB", id="memory-mib"),
-        pytest.param([share(0, 1, 0, 2)], [held(TWO, (0, 1, 0), name="x")], [],
-                     NodePolicy(mode=NodeMode.CGPU, max_instances_per_gpu=2),
-                     r"GPU 0 has room for 1 instance more \(max_instances_per_gpu=2, 1 held\) and the reservation "
-                     "asks for 2; release one or raise the limit", id="room"),
-        pytest.param([share(0, 1, 0, 1)], [], [reservation("b", share(0, 1, 0, 3))],
-                     NodePolicy(mode=NodeMode.CGPU, max_instances_per_gpu=2),
-                     r"GPU 0 has room for 0 instances more \(max_instances_per_gpu=2, 3 held\)", id="room-over"),
-        pytest.param([share(0, 1, 50)], [held(TWO, (0, 1, 30))], [reservation("b", share(0, 1, 30))], CORE_MEM,
-                     "GPU 0 has 40% compute left and the reservation asks for 50%; release an instance or reserve "
-                     "a smaller core percentage", id="compute"),
+        pytest.param(
+            [share(0, 5)],
+            [held(TWO, (0, 12, 0))],
+            [],
+            CGPU,
+            r"GPU 0 has 4 GiB free \(of 16 GiB\) and the reservation asks for 5 GiB; "
+            "release an instance or reserve less",
+            id="memory-instances",
+        ),
+        pytest.param(
+            [share(1, 5)],
+            [],
+            [reservation("b", share(1, 12))],
+            CGPU,
+            r"GPU 1 has 4 GiB free \(of 16 GiB\) and the reservation asks for 5 GiB",
+            id="memory-reserved",
+        ),
+        pytest.param(
+            [share(0, 1), share(1, 5)],
+            [held(TWO, (1, 6, 0))],
+            [reservation("b", share(1, 6))],
+            CGPU,
+            r"GPU 1 has 4 GiB free \(of 16 GiB\)",
+            id="memory-both",
+        ),
+        pytest.param(
+            [Share(0, 512 * MIB)],
+            [held(TWO, (0, 15.75, 0))],
+            [],
+            CGPU,
+            "GPU 0 has 256 MiB free .* asks for 512 MiB",
+            id="memory-mib",
+        ),
+        pytest.param(
+            [share(0, 1, 0, 2)],
+            [held(TWO, (0, 1, 0), name="x")],
+            [],
+            NodePolicy(mode=NodeMode.CGPU, max_instances_per_gpu=2),
+            r"GPU 0 has room for 1 instance more \(max_instances_per_gpu=2, 1 held\) and the reservation "
+            "asks for 2; release one or raise the limit",
+            id="room",
+        ),
+        pytest.param(
+            [share(0, 1, 0, 1)],
+            [],
+            [reservation("b", share(0, 1, 0, 3))],
+            NodePolicy(mode=NodeMode.CGPU, max_instances_per_gpu=2),
+            r"GPU 0 has room for 0 instances more \(max_instances_per_gpu=2, 3 held\)",
+            id="room-over",
+        ),
+        pytest.param(
+            [share(0, 1, 50)],
+            [held(TWO, (0, 1, 30))],
+            [reservation("b", share(0, 1, 30))],
+            CORE_MEM,
+            "GPU 0 has 40% compute left and the reservation asks for 50%; release an instance or reserve "
+            "a smaller core percentage",
+            id="compute",
+        ),
     ],
 )
 def test_reservations_that_do_not_fit_now(shares, active, others, policy, message):
@@ -248,8 +332,7 @@ def test_released_instances_hold_nothing_for_a_reservation():
 
 
 def test_the_last_byte_fits_exactly():
-    assert check_reservation([share(0, 4)], TWO, [held(TWO, (0, 6, 0))], [reservation("b", share(0, 6))],
-                             CGPU) is None
+    assert check_reservation([share(0, 4)], TWO, [held(TWO, (0, 6, 0))], [reservation("b", share(0, 6))], CGPU) is None
 
 
 def test_a_wrong_request_is_reported_before_a_full_node():
@@ -304,8 +387,9 @@ def steps(draw):
         core = draw(st.sampled_from([0, 25, 50])) if mode == NodeMode.CORE_MEM else 0
         memory = draw(st.integers(1, 16)) * GIB
         if kind == "reserve":
-            picked = draw(st.lists(st.sampled_from([g.index for g in gpus]), min_size=1, max_size=len(gpus),
-                                   unique=True))
+            picked = draw(
+                st.lists(st.sampled_from([g.index for g in gpus]), min_size=1, max_size=len(gpus), unique=True)
+            )
             out.append(("reserve", pod, [Share(i, memory, core, draw(st.integers(0, 2))) for i in picked]))
         elif kind == "admit":
             uid = draw(st.sampled_from([*pods, ""]))

@@ -1,12 +1,24 @@
 """What a cluster scheduler decides for the node, in placement.py: the GPUs
 it chose for a request (Request.gpu_indexes: those or none), and whether the
 node's mode may change at runtime (policy_change_problem)."""
+
 from __future__ import annotations
 
 import pytest
 
-from cgpud.node.model import (GIB, GpuCapacity, Grant, Instance, InstanceState, NodeMode, NodePolicy, Owner,
-                                OwnerKind, Placement, Request)
+from cgpud.node.model import (
+    GIB,
+    GpuCapacity,
+    Grant,
+    Instance,
+    InstanceState,
+    NodeMode,
+    NodePolicy,
+    Owner,
+    OwnerKind,
+    Placement,
+    Request,
+)
 from cgpud.node.placement import admit, policy_change_problem
 from cgpud.errors import AdmissionError, UsageError
 
@@ -16,8 +28,13 @@ CGPU = NodePolicy(mode=NodeMode.CGPU)
 
 
 def holding(gpu: int, gib: int, core: int = 0) -> Instance:
-    return Instance(f"i{gpu}-{gib}", Owner(OwnerKind.CONTAINER, f"c{gpu}-{gib}"),
-                    (Grant(gpu, f"GPU-{gpu}", gib * GIB, core),), InstanceState.BOUND, True)
+    return Instance(
+        f"i{gpu}-{gib}",
+        Owner(OwnerKind.CONTAINER, f"c{gpu}-{gib}"),
+        (Grant(gpu, f"GPU-{gpu}", gib * GIB, core),),
+        InstanceState.BOUND,
+        True,
+    )
 
 
 def test_the_named_gpu_is_used_even_against_the_placement():
@@ -30,19 +47,28 @@ def test_the_named_gpu_is_used_even_against_the_placement():
 
 
 def test_a_named_gpu_that_is_full_is_refused_with_the_schedulers_choice_named():
-    with pytest.raises(AdmissionError, match=r"^the scheduler chose GPU 1: no GPU has 10 GiB free: most free is "
-                       r"8 GiB on GPU 1 \(of 16 GiB\)"):
+    with pytest.raises(
+        AdmissionError,
+        match=r"^the scheduler chose GPU 1: no GPU has 10 GiB free: most free is "
+        r"8 GiB on GPU 1 \(of 16 GiB\)",
+    ):
         admit(Request(OWNER, 10 * GIB, gpu_indexes=(1,)), GPUS, [holding(1, 8)], CGPU)
     with pytest.raises(AdmissionError, match="^the scheduler chose GPU 1: GPU 1 is in use"):
         admit(Request(OWNER, 0, gpu_indexes=(1,)), GPUS, [holding(1, 8)], NodePolicy(mode=NodeMode.DEFAULT))
 
 
-@pytest.mark.parametrize("request_, message", [
-    (Request(OWNER, GIB, gpu_indexes=(5,)), "asked for GPU 5, which this node does not have (it has GPUs 0, 1 and 2)"),
-    (Request(OWNER, GIB, gpu_indexes=(0, 1)), "asked for 1 GPU on GPUs 0 and 1: name each of the 1 GPU once"),
-    (Request(OWNER, GIB, gpu_count=2, gpu_indexes=(1, 1)), "asked for 2 GPUs on GPUs 1 and 1"),
-    (Request(OWNER, 20 * GIB, gpu_indexes=(0,)), "asked for 20 GiB on GPU 0, which has 16 GiB"),
-])
+@pytest.mark.parametrize(
+    "request_, message",
+    [
+        (
+            Request(OWNER, GIB, gpu_indexes=(5,)),
+            "asked for GPU 5, which this node does not have (it has GPUs 0, 1 and 2)",
+        ),
+        (Request(OWNER, GIB, gpu_indexes=(0, 1)), "asked for 1 GPU on GPUs 0 and 1: name each of the 1 GPU once"),
+        (Request(OWNER, GIB, gpu_count=2, gpu_indexes=(1, 1)), "asked for 2 GPUs on GPUs 1 and 1"),
+        (Request(OWNER, 20 * GIB, gpu_indexes=(0,)), "asked for 20 GiB on GPU 0, which has 16 GiB"),
+    ],
+)
 def test_wrong_named_gpus_are_usage_errors(request_, message):
     with pytest.raises(UsageError) as info:
         admit(request_, GPUS, [], CGPU)
@@ -55,8 +81,10 @@ def test_placement_changes_are_always_allowed_and_modes_only_when_nothing_breaks
     assert policy_change_problem(CGPU, NodeMode.MPS, busy, False) is None  # same isolation
     assert policy_change_problem(CGPU, NodeMode.SHARE, [], False) is None
     problem = policy_change_problem(CGPU, NodeMode.SHARE, busy, False)
-    assert problem == ("mode share (memory bookkeeping only) would break the 1 instance granted under cgpu "
-                       "(memory isolation); release them (drain the node) first")
+    assert problem == (
+        "mode share (memory bookkeeping only) would break the 1 instance granted under cgpu "
+        "(memory isolation); release them (drain the node) first"
+    )
     released = [Instance("x", OWNER, (Grant(0, "GPU-0", GIB, 0),), InstanceState.RELEASED, True)]
     assert policy_change_problem(CGPU, NodeMode.DEFAULT, released, False) is None
 

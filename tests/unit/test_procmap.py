@@ -2,6 +2,7 @@
 hierarchy names a container, the guards, ancestry, stickiness and reuse.
 (tests/integration/test_procmap_real.py does the same with real processes,
 cgroups and PID namespaces.)"""
+
 from __future__ import annotations
 
 import os
@@ -41,9 +42,18 @@ class FakeProc:
             path.write_text(name)
         return path
 
-    def add(self, pid: int, ppid: int, started: float, cgroup: str | None = None, unified: str | None = None,
-            comm: str = "tenant", exe: str = "/usr/bin/tenant", ns: str = "host", raw_cgroup: str | None = None
-            ) -> None:
+    def add(
+        self,
+        pid: int,
+        ppid: int,
+        started: float,
+        cgroup: str | None = None,
+        unified: str | None = None,
+        comm: str = "tenant",
+        exe: str = "/usr/bin/tenant",
+        ns: str = "host",
+        raw_cgroup: str | None = None,
+    ) -> None:
         """`started`: seconds after boot."""
         d = self.root / str(pid)
         d.mkdir(exist_ok=True)
@@ -78,13 +88,28 @@ def at(started: float) -> float:
 
 
 def container(iid: str, init: int, updated: float) -> Instance:
-    return Instance(iid, Owner(OwnerKind.CONTAINER, f"{iid}@/b"), (Grant(0, "GPU-0", GIB, 0),),
-                    InstanceState.BOUND, True, pids=(init,), updated=updated, holder=f"{iid}@/b")
+    return Instance(
+        iid,
+        Owner(OwnerKind.CONTAINER, f"{iid}@/b"),
+        (Grant(0, "GPU-0", GIB, 0),),
+        InstanceState.BOUND,
+        True,
+        pids=(init,),
+        updated=updated,
+        holder=f"{iid}@/b",
+    )
 
 
 def run(iid: str, pids: tuple[int, ...], updated: float, state: InstanceState = InstanceState.BOUND) -> Instance:
-    return Instance(iid, Owner(OwnerKind.PROCESS, f"cgpuctl-run-h-{pids[0]}"), (Grant(0, "GPU-0", GIB, 0),),
-                    state, True, pids=pids, updated=updated)
+    return Instance(
+        iid,
+        Owner(OwnerKind.PROCESS, f"cgpuctl-run-h-{pids[0]}"),
+        (Grant(0, "GPU-0", GIB, 0),),
+        state,
+        True,
+        pids=pids,
+        updated=updated,
+    )
 
 
 def owners(mapper: ProcessMapper, pids: list[int], instances: list[Instance]) -> dict[int, str | None]:
@@ -116,13 +141,16 @@ def test_a_vanished_process_reads_as_none(proc):
     assert ProcessMapper(proc.root, SELF).identify([4242], []) == {}
 
 
-@pytest.mark.parametrize("text", [
-    "8:pids:/a\n8:memory:/a\n",  # a hierarchy id twice
-    "0::/x\n0::/victim\n",  # unified twice (a forged line)
-    "8:pids\n",  # no path
-    "x:pids:/a\n",  # no id
-    "8:pids:relative\n",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "8:pids:/a\n8:memory:/a\n",  # a hierarchy id twice
+        "0::/x\n0::/victim\n",  # unified twice (a forged line)
+        "8:pids\n",  # no path
+        "x:pids:/a\n",  # no id
+        "8:pids:relative\n",
+    ],
+)
 def test_cgroup_text_that_is_not_one_line_per_hierarchy_is_refused(text):
     assert parse_cgroups(text.encode()) is None
 
@@ -139,25 +167,31 @@ def test_a_forged_line_is_refused_against_the_hierarchies_every_process_has(proc
     assert read_cgroups(43, proc.root, tuple(parse_cgroups(own))) == parse_cgroups(own)
 
 
-@pytest.mark.parametrize("path,top,inside", [
-    ("/a/b", "/a/b", True),
-    ("/a/b/c", "/a/b", True),
-    ("/a/bc", "/a/b", False),
-    ("/a", "/a/b", False),
-    ("/a/b/", "/a/b/", True),
-])
+@pytest.mark.parametrize(
+    "path,top,inside",
+    [
+        ("/a/b", "/a/b", True),
+        ("/a/b/c", "/a/b", True),
+        ("/a/bc", "/a/b", False),
+        ("/a", "/a/b", False),
+        ("/a/b/", "/a/b/", True),
+    ],
+)
 def test_within(path, top, inside):
     assert within(path, top) is inside
 
 
-@pytest.mark.parametrize("text,expected", [
-    (HYBRID.format(p="/ct", u="/"), ("pids", "/ct")),  # hybrid host, runc: v1 only
-    (HYBRID.format(p="/ct", u="/ct-u"), ("", "/ct-u")),  # unified in use
-    ("0::/system.slice/docker-1.scope\n", ("", "/system.slice/docker-1.scope")),  # pure v2
-    ("0::/\n", ("", "/")),
-    ("9:name=systemd:/s\n4:memory:/m\n", ("name=systemd", "/s")),
-    ("4:memory:/m\n2:cpu,cpuacct:/c\n", ("memory", "/m")),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        (HYBRID.format(p="/ct", u="/"), ("pids", "/ct")),  # hybrid host, runc: v1 only
+        (HYBRID.format(p="/ct", u="/ct-u"), ("", "/ct-u")),  # unified in use
+        ("0::/system.slice/docker-1.scope\n", ("", "/system.slice/docker-1.scope")),  # pure v2
+        ("0::/\n", ("", "/")),
+        ("9:name=systemd:/s\n4:memory:/m\n", ("name=systemd", "/s")),
+        ("4:memory:/m\n2:cpu,cpuacct:/c\n", ("memory", "/m")),
+    ],
+)
 def test_preferred_cgroup(text, expected):
     assert preferred_cgroup(parse_cgroups(text.encode())) == expected
 
@@ -293,8 +327,16 @@ def test_a_claimed_instance_handed_to_another_container_forgets_the_first_ones_p
     mapper = ProcessMapper(proc.root, SELF)
 
     def claimed(holder: str, init: int) -> Instance:
-        return Instance("d1", Owner(OwnerKind.DEVICE, "dev-1"), (Grant(0, "GPU-0", GIB, 0),), InstanceState.BOUND,
-                        True, pids=(init,), updated=at(80), holder=holder)
+        return Instance(
+            "d1",
+            Owner(OwnerKind.DEVICE, "dev-1"),
+            (Grant(0, "GPU-0", GIB, 0),),
+            InstanceState.BOUND,
+            True,
+            pids=(init,),
+            updated=at(80),
+            holder=holder,
+        )
 
     assert owners(mapper, [101], [claimed("a@/ba", 100)]) == {101: "d1"}
     assert owners(mapper, [101], [claimed("b@/bb", 200)]) == {101: None}

@@ -1,5 +1,6 @@
 """The instance region as cgpud writes and watches it: real files in tmp_path,
 real tenant processes that claim ledgers, charge, and die."""
+
 from __future__ import annotations
 
 import fcntl
@@ -253,7 +254,9 @@ def _instance(**kw: Any) -> InstanceLimits:
         ),
         pytest.param(lambda: _device(mem_limit=2**64), "memory limit of GPU-0 is 18446744073709551616", id="huge-mem"),
         pytest.param(
-            lambda: _device(core_percent=101), "core percent of GPU-0 is 101; it must be between 0 and 100", id="core-101"
+            lambda: _device(core_percent=101),
+            "core percent of GPU-0 is 101; it must be between 0 and 100",
+            id="core-101",
         ),
         pytest.param(lambda: _device(core_percent=-1), "core percent of GPU-0 is -1", id="core-negative"),
         pytest.param(lambda: _device(host_index=-1), "host index of GPU-0 is -1", id="host-index-negative"),
@@ -303,7 +306,11 @@ def _set(field: str, value: int) -> Callable[[Path], None]:
     [
         pytest.param(_flip_mem_limit_byte, "limits region checksum mismatch: the file is damaged", id="flipped-byte"),
         pytest.param(_set("magic", 0x1234), "not a cgpu limits region (bad size or magic)", id="magic"),
-        pytest.param(_set("version", 3), f"limits region version 3 (size {ffi.sizeof('struct cgpu_limits')}); this library reads version 2", id="version"),
+        pytest.param(
+            _set("version", 3),
+            f"limits region version 3 (size {ffi.sizeof('struct cgpu_limits')}); this library reads version 2",
+            id="version",
+        ),
         pytest.param(_set("size", 2016), "limits region version 2 (size 2016)", id="size-field"),
         pytest.param(lambda p: os.truncate(p, 100), "not a cgpu limits region (bad size or magic)", id="truncated"),
         pytest.param(lambda p: os.truncate(p, 0), "not a cgpu limits region (bad size or magic)", id="empty"),
@@ -355,7 +362,9 @@ def _symlink_elsewhere(path: Path) -> None:
 
 USAGE_DAMAGE = [
     pytest.param(_usage_set("magic", 7), "not a cgpu usage region (bad size or magic)", id="magic"),
-    pytest.param(_usage_set("version", 3), f"usage region version 3 (size {ffi.sizeof('struct cgpu_usage')})", id="version"),
+    pytest.param(
+        _usage_set("version", 3), f"usage region version 3 (size {ffi.sizeof('struct cgpu_usage')})", id="version"
+    ),
     pytest.param(_usage_set("size", 64), "usage region version 2 (size 64)", id="size-field"),
     pytest.param(lambda p: os.truncate(p, 1000), "not a cgpu usage region (bad size or magic)", id="truncated"),
     pytest.param(lambda p: os.truncate(p, 0), "not a cgpu usage region (bad size or magic)", id="empty"),
@@ -365,9 +374,7 @@ USAGE_DAMAGE = [
 
 
 @pytest.mark.parametrize(("damage", "message"), USAGE_DAMAGE)
-def test_damaged_usage_is_refused_naming_the_file(
-    tmp_path: Path, damage: Callable[[Path], None], message: str
-) -> None:
+def test_damaged_usage_is_refused_naming_the_file(tmp_path: Path, damage: Callable[[Path], None], message: str) -> None:
     write_region(tmp_path, one_gpu())
     damage(tmp_path / USAGE_FILE)
     with pytest.raises(RegionError) as caught:
@@ -419,7 +426,7 @@ def test_a_usage_file_truncated_under_the_mapping_reads_zeros_and_is_refused(tmp
         with pytest.raises(RegionError, match="0 bytes now"):
             region.ledgers()
         # What a read between the size check and the truncation sees: zeros, no SIGBUS.
-        assert region._u.device[0].used == 0  # noqa: SLF001
+        assert region._u.device[0].used == 0
         assert region.damaged
         with pytest.raises(RegionError, match="truncated while mapped"):
             region.reap()
@@ -485,9 +492,7 @@ def test_live_tenant_is_not_reaped(tmp_path: Path, spawn: Callable[..., Tenant])
         assert region.device_used(0) == 0
 
 
-def test_a_charge_torn_by_a_kill_comes_back_when_no_process_lives(
-    tmp_path: Path, spawn: Callable[..., Tenant]
-) -> None:
+def test_a_charge_torn_by_a_kill_comes_back_when_no_process_lives(tmp_path: Path, spawn: Callable[..., Tenant]) -> None:
     write_region(tmp_path, one_gpu())
     torn, live = spawn("torn", 0, 4 * GIB, GIB), spawn("once", 0, 4 * GIB, MIB)
     assert torn.expect("ready")[1] == 1

@@ -3,6 +3,7 @@ reads the bundle's config.json from the descriptor sent with the request
 (its path holds the shim's FIFO by then) and writes the edited spec to the
 path. Any other use of a descriptor is refused and changes nothing. Real
 relay socket, instance service and SQLite file."""
+
 from __future__ import annotations
 
 import json
@@ -82,10 +83,20 @@ def test_the_spec_is_read_from_the_descriptor_and_the_edit_written_to_the_path(r
     assert svc.get(iid).active
 
 
-@pytest.mark.parametrize("case", ["flag without descriptor", "descriptor without flag", "descriptor with a bind",
-                                  "two descriptors", "a pipe", "opened for writing only"])
-def test_a_descriptor_that_does_not_fit_the_request_is_refused_and_changes_nothing(relay, tmp_path: Path,
-                                                                                   case: str) -> None:
+@pytest.mark.parametrize(
+    "case",
+    [
+        "flag without descriptor",
+        "descriptor without flag",
+        "descriptor with a bind",
+        "two descriptors",
+        "a pipe",
+        "opened for writing only",
+    ],
+)
+def test_a_descriptor_that_does_not_fit_the_request_is_refused_and_changes_nothing(
+    relay, tmp_path: Path, case: str
+) -> None:
     path, svc = relay
     b = bundle(tmp_path / "b", GPU)
     before = (b / "config.json").read_bytes()

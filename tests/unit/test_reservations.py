@@ -4,6 +4,7 @@ damaged row is skipped), and InstanceService.reserve/unreserve/create over
 a real file: expiry by the service clock, replacement, what an instance
 takes off its pod's reservation, restarts, and threads racing for the last
 GiB."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,20 @@ from pathlib import Path
 import pytest
 
 from cgpud.node.changes import Changes
-from cgpud.node.model import (GIB, ComputePolicy, GpuCapacity, InstanceState, NodeMode, NodePolicy, Owner,
-                                OwnerKind, Placement, Request, Reservation, Share)
+from cgpud.node.model import (
+    GIB,
+    ComputePolicy,
+    GpuCapacity,
+    InstanceState,
+    NodeMode,
+    NodePolicy,
+    Owner,
+    OwnerKind,
+    Placement,
+    Request,
+    Reservation,
+    Share,
+)
 from cgpud.node.service import DEFAULT_RESERVATION_TTL, InstanceService
 from cgpud.node.store import SCHEMA_VERSION, Store
 from cgpud.errors import AdmissionError, StateError, UsageError
@@ -33,10 +46,19 @@ class Clock:
         return self.now
 
 
-def service(tmp_path: Path, mode: NodeMode = NodeMode.CGPU, clock: Callable[[], float] = time.time,
-            **kw: object) -> InstanceService:
-    return InstanceService(Store(tmp_path / "db" / "cgpud.db"), GPUS, NodePolicy(mode=mode), tmp_path / "regions",
-                           "580.65.06", "boot-1", clock=clock, **kw)  # type: ignore[arg-type]
+def service(
+    tmp_path: Path, mode: NodeMode = NodeMode.CGPU, clock: Callable[[], float] = time.time, **kw: object
+) -> InstanceService:
+    return InstanceService(
+        Store(tmp_path / "db" / "cgpud.db"),
+        GPUS,
+        NodePolicy(mode=mode),
+        tmp_path / "regions",
+        "580.65.06",
+        "boot-1",
+        clock=clock,
+        **kw,
+    )  # type: ignore[arg-type]
 
 
 def pod(uid: str, container: str = "main") -> Owner:
@@ -171,16 +193,19 @@ def test_store_refuses_a_reservation_without_a_pod_uid(tmp_path: Path):
             s.put_reservation(Reservation("", "ns", "a", (gib(0, 1),), 10.0))
 
 
-@pytest.mark.parametrize("shares", [
-    "not json",
-    '{"gpu_index": 0}',
-    '[{"gpu_index": 0, "memory": 1}]',
-    '[{"gpu_index": 0, "memory": "1", "core_percent": 0, "instances": 1}]',
-    '[{"gpu_index": 0, "memory": 1.5, "core_percent": 0, "instances": 1}]',
-    '[{"gpu_index": true, "memory": 1, "core_percent": 0, "instances": 1}]',
-    '[[0, 1, 0, 1]]',
-    '["x"]',
-])
+@pytest.mark.parametrize(
+    "shares",
+    [
+        "not json",
+        '{"gpu_index": 0}',
+        '[{"gpu_index": 0, "memory": 1}]',
+        '[{"gpu_index": 0, "memory": "1", "core_percent": 0, "instances": 1}]',
+        '[{"gpu_index": 0, "memory": 1.5, "core_percent": 0, "instances": 1}]',
+        '[{"gpu_index": true, "memory": 1, "core_percent": 0, "instances": 1}]',
+        "[[0, 1, 0, 1]]",
+        '["x"]',
+    ],
+)
 def test_a_damaged_reservation_row_is_skipped_not_fatal(tmp_path: Path, shares: str, capsys):
     path = tmp_path / "cgpud.db"
     good = Reservation("uid-good", "ns", "g", (gib(0, 1),), 50.0)
@@ -213,7 +238,8 @@ def test_a_version_2_file_opens_and_gains_the_reservations_table(tmp_path: Path)
     conn = sqlite3.connect(path, isolation_level=None)
     assert conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0] == str(SCHEMA_VERSION)
     assert json.loads(conn.execute("SELECT shares FROM reservations").fetchone()[0]) == [
-        {"gpu_index": 1, "memory": 2 * GIB, "core_percent": 0, "instances": 1}]
+        {"gpu_index": 1, "memory": 2 * GIB, "core_percent": 0, "instances": 1}
+    ]
     conn.close()
     with Store(path) as s:
         assert s.reservations() == [r]
@@ -341,8 +367,7 @@ def test_create_draws_on_its_pods_reservation_and_takes_what_it_got(tmp_path: Pa
     with pytest.raises(AdmissionError):
         svc.create(Request(pod("uid-c"), GIB, gpu_indexes=(0,)))
     # ...but pod A's containers get what was held for them.
-    first = svc.create(Request(pod("uid-a", "one"), 8 * GIB, core_percent=40, gpu_indexes=(0,),
-                               reservation="uid-a"))
+    first = svc.create(Request(pod("uid-a", "one"), 8 * GIB, core_percent=40, gpu_indexes=(0,), reservation="uid-a"))
     assert [(g.gpu_index, g.memory, g.core_percent) for g in first.grants] == [(0, 8 * GIB, 40)]
     [left] = [r for r in svc.reservations() if r.pod_uid == "uid-a"]
     assert left.shares == (gib(0, 4, 20, 1),)
@@ -415,9 +440,11 @@ def test_every_change_bumps_the_revision(tmp_path: Path):
     check("set_node_policy", lambda: svc.set_node_policy(NodeMode.SHARE, Placement.SPREAD))
     check("release", lambda: svc.release(inst.id))
     # What changes nothing bumps nothing.
-    for name, call in (("unreserve of none", lambda: svc.unreserve("nobody")),
-                       ("release again", lambda: svc.release(inst.id)),
-                       ("sweep", svc.sweep)):
+    for name, call in (
+        ("unreserve of none", lambda: svc.unreserve("nobody")),
+        ("release again", lambda: svc.release(inst.id)),
+        ("sweep", svc.sweep),
+    ):
         call()
         assert svc.changes.revision == revision, f"{name} bumped"
 
@@ -447,7 +474,7 @@ def race(calls: list[Callable[[], object]]) -> list[object]:
         barrier.wait()
         try:
             results[i] = calls[i]()
-        except Exception as e:  # noqa: BLE001 - collected and asserted on
+        except Exception as e:
             results[i] = e
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
@@ -520,14 +547,19 @@ def test_holdings_never_show_a_drawn_share_twice_or_not_at_all(tmp_path: Path):
     def reader() -> None:
         while not done.is_set():
             active, reserved = svc.holdings()
-            seen.append(sum(g.memory for i in active for g in i.grants)
-                        + sum(s.memory for r in reserved for s in r.shares))
+            seen.append(
+                sum(g.memory for i in active for g in i.grants) + sum(s.memory for r in reserved for s in r.shares)
+            )
 
     t = threading.Thread(target=reader)
     t.start()
     try:
-        results = race([lambda i=i: svc.create(Request(pod("uid-a", f"c{i}"), GIB, gpu_indexes=(0,),
-                                                       reservation="uid-a")) for i in range(16)])
+        results = race(
+            [
+                lambda i=i: svc.create(Request(pod("uid-a", f"c{i}"), GIB, gpu_indexes=(0,), reservation="uid-a"))
+                for i in range(16)
+            ]
+        )
     finally:
         done.set()
         t.join(10)
@@ -590,8 +622,15 @@ def test_a_create_the_compute_scheduler_refuses_keeps_the_reservation(tmp_path: 
         def detach(self, instance_id: str) -> None:
             pass
 
-    svc = InstanceService(Store(tmp_path / "cgpud.db"), GPUS, NodePolicy(mode=NodeMode.CORE_MEM),
-                          tmp_path / "regions", "580.65.06", "boot-1", compute=Refusing())  # type: ignore[arg-type]
+    svc = InstanceService(
+        Store(tmp_path / "cgpud.db"),
+        GPUS,
+        NodePolicy(mode=NodeMode.CORE_MEM),
+        tmp_path / "regions",
+        "580.65.06",
+        "boot-1",
+        compute=Refusing(),
+    )  # type: ignore[arg-type]
     before = svc.reserve("uid-a", "ns", "a", [gib(0, 4, 20)])
     with pytest.raises(ComputeError):
         svc.create(Request(pod("uid-a"), 4 * GIB, core_percent=20, gpu_indexes=(0,), reservation="uid-a"))
@@ -610,8 +649,9 @@ def test_random_reserves_creates_and_expiry_never_overcommit(tmp_path: Path, see
     rng = random.Random(seed)
     clock = Clock()
     policy = NodePolicy(mode=NodeMode.CORE_MEM, max_instances_per_gpu=3)
-    svc = InstanceService(Store(tmp_path / "cgpud.db"), GPUS, policy, tmp_path / "regions", "580.65.06", "boot-1",
-                          clock=clock)
+    svc = InstanceService(
+        Store(tmp_path / "cgpud.db"), GPUS, policy, tmp_path / "regions", "580.65.06", "boot-1", clock=clock
+    )
     pods = [f"uid-{n}" for n in range(5)]
     created = 0
     for step in range(150):
@@ -619,13 +659,22 @@ def test_random_reserves_creates_and_expiry_never_overcommit(tmp_path: Path, see
         uid = rng.choice(pods)
         try:
             if op == "reserve":
-                shares = [Share(i, rng.randint(1, 10) * GIB, rng.choice([0, 25, 50]), rng.randint(0, 2))
-                          for i in rng.sample([0, 1], rng.randint(1, 2))]
+                shares = [
+                    Share(i, rng.randint(1, 10) * GIB, rng.choice([0, 25, 50]), rng.randint(0, 2))
+                    for i in rng.sample([0, 1], rng.randint(1, 2))
+                ]
                 svc.reserve(uid, "ns", uid, shares, ttl=rng.choice([1, 5, 30]))
             elif op == "create":
                 gpu = rng.choice([(), (0,), (1,)])
-                svc.create(Request(pod(uid, f"c{step}"), rng.randint(1, 8) * GIB, core_percent=rng.choice([0, 25]),
-                                   gpu_indexes=gpu, reservation=rng.choice([uid, ""])))
+                svc.create(
+                    Request(
+                        pod(uid, f"c{step}"),
+                        rng.randint(1, 8) * GIB,
+                        core_percent=rng.choice([0, 25]),
+                        gpu_indexes=gpu,
+                        reservation=rng.choice([uid, ""]),
+                    )
+                )
                 created += 1
             elif op == "release":
                 live = svc.list()

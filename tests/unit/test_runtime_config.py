@@ -2,6 +2,7 @@
 read back by tomllib/json and, for containerd, by containerd's own config
 loader (`containerd config dump` loads a config with its imports and prints
 the merged result without starting the daemon)."""
+
 from __future__ import annotations
 
 import copy
@@ -47,8 +48,11 @@ def configure(engine: Engine, config: Path, shim: Path, major: int | None = 1, *
 
 
 def snapshot(root: Path) -> dict[str, tuple[bytes, int, int]]:
-    return {str(p.relative_to(root)): (p.read_bytes(), p.stat().st_mtime_ns, p.stat().st_mode)
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): (p.read_bytes(), p.stat().st_mtime_ns, p.stat().st_mode)
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def need_containerd() -> None:
@@ -57,8 +61,9 @@ def need_containerd() -> None:
 
 
 def containerd_dump(config: Path) -> dict[str, Any]:
-    proc = subprocess.run([CONTAINERD, "--config", str(config), "config", "dump"],
-                          check=False, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [CONTAINERD, "--config", str(config), "config", "dump"], check=False, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr
     return tomllib.loads(proc.stdout)
 
@@ -67,8 +72,9 @@ def default_config(tmp_path: Path) -> str:
     """containerd's own default config, pointed at private directories, with
     settings an operator typically changes."""
     need_containerd()
-    text = subprocess.run([CONTAINERD, "config", "default"], capture_output=True, text=True,
-                          check=True, timeout=60).stdout
+    text = subprocess.run(
+        [CONTAINERD, "config", "default"], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
     lines = []
     for line in text.splitlines(keepends=True):
         key = line.strip().split(" = ")[0]
@@ -148,8 +154,7 @@ def test_cli_keeps_every_comment_and_key_order_of_a_real_config(tmp_path, shim, 
     config.write_text(original)
     before = containerd_dump(config)
 
-    assert main(["runtime", "configure", "--containerd", "--config", str(config),
-                 "--runtime-path", str(shim)]) == 0
+    assert main(["runtime", "configure", "--containerd", "--config", str(config), "--runtime-path", str(shim)]) == 0
     assert "created" in capsys.readouterr().out
 
     # Every line of config.toml, comments included, is kept in its order: the
@@ -158,8 +163,11 @@ def test_cli_keeps_every_comment_and_key_order_of_a_real_config(tmp_path, shim, 
     assert config.read_text() == original.replace("imports = []", f'imports = ["{glob}"]', 1)
     # The drop-in's copy of the CRI section keeps the operator's comments too.
     dropin = (config.parent / "conf.d" / "cgpu.toml").read_text()
-    cri_notes = [line.strip() for line in original.splitlines()
-                 if "# note" in line and ("sandbox_image" in line or "max_concurrent_downloads" in line)]
+    cri_notes = [
+        line.strip()
+        for line in original.splitlines()
+        if "# note" in line and ("sandbox_image" in line or "max_concurrent_downloads" in line)
+    ]
     assert cri_notes and all(note in dropin for note in cri_notes)
 
     after = containerd_dump(config)
@@ -191,8 +199,9 @@ def test_containerd_minimal_config_keeps_the_builtin_runc(tmp_path, shim):
     after = containerd_dump(config)
     runtimes = after["plugins"][CRI]["containerd"]["runtimes"]
     builtin = before["plugins"][CRI]["containerd"]["runtimes"]["runc"]
-    assert {k: v for k, v in runtimes["runc"].items() if k != "options"} == \
-        {k: v for k, v in builtin.items() if k != "options"}
+    assert {k: v for k, v in runtimes["runc"].items() if k != "options"} == {
+        k: v for k, v in builtin.items() if k != "options"
+    }
     # containerd prints the built-in runc options as zero values, which is what
     # no options means to the runc shim.
     assert not any(builtin["options"].values()) and not any(runtimes["runc"].get("options", {}).values())
@@ -203,8 +212,10 @@ def test_containerd_minimal_config_keeps_the_builtin_runc(tmp_path, shim):
 def test_containerd_version1_config_through_the_real_parser(tmp_path, shim):
     need_containerd()
     config = tmp_path / "config.toml"
-    config.write_text(f'root = "{tmp_path}/root"\nstate = "{tmp_path}/state"\n\n'
-                      '[plugins.cri]\n  sandbox_image = "registry.example.com/pause:9"\n')
+    config.write_text(
+        f'root = "{tmp_path}/root"\nstate = "{tmp_path}/state"\n\n'
+        '[plugins.cri]\n  sandbox_image = "registry.example.com/pause:9"\n'
+    )
     configure(Engine.CONTAINERD, config, shim, set_as_default=True)
     dropin = tomllib.loads((tmp_path / "conf.d" / "cgpu.toml").read_text())
     assert dropin["version"] == 1
@@ -278,10 +289,19 @@ def test_containerd_version3_and_version1_plugin_names(tmp_path, shim):
     v3 = cc.containerd_changes(config, "version = 3\n", None, spec(shim, set_as_default=True), containerd_major=2)
     doc = tomllib.loads(v3[0].new)
     # containerd 2.x merges plugin sections key by key: the drop-in holds only ours.
-    assert doc == {"version": 3, "plugins": {"io.containerd.cri.v1.runtime": {"containerd": {
-        "default_runtime_name": "cgpu",
-        "runtimes": {"cgpu": {"runtime_type": "io.containerd.runc.v2", "options": {"BinaryName": str(shim)}}},
-    }}}}
+    assert doc == {
+        "version": 3,
+        "plugins": {
+            "io.containerd.cri.v1.runtime": {
+                "containerd": {
+                    "default_runtime_name": "cgpu",
+                    "runtimes": {
+                        "cgpu": {"runtime_type": "io.containerd.runc.v2", "options": {"BinaryName": str(shim)}}
+                    },
+                }
+            }
+        },
+    }
     assert '[plugins."io.containerd.cri.v1.runtime".containerd.runtimes.cgpu.options]' in v3[0].new
 
     v1 = cc.containerd_changes(config, "oom_score = 0\n", None, spec(shim), containerd_major=1)
@@ -291,8 +311,11 @@ def test_containerd_version3_and_version1_plugin_names(tmp_path, shim):
     assert "[plugins.cri.containerd.runtimes.cgpu]" in v1[0].new
 
     v2 = cc.containerd_changes(config, "version = 2\n", None, spec(shim), containerd_major=2)
-    assert tomllib.loads(v2[0].new)["plugins"][CRI] == {"containerd": {"runtimes": {"cgpu": {
-        "runtime_type": "io.containerd.runc.v2", "options": {"BinaryName": str(shim)}}}}}
+    assert tomllib.loads(v2[0].new)["plugins"][CRI] == {
+        "containerd": {
+            "runtimes": {"cgpu": {"runtime_type": "io.containerd.runc.v2", "options": {"BinaryName": str(shim)}}}
+        }
+    }
 
     with pytest.raises(UsageError, match="version 3, which the installed containerd 1.x cannot read"):
         cc.containerd_changes(config, "version = 3\n", None, spec(shim), containerd_major=1)
@@ -335,31 +358,40 @@ def test_containerd_with_cri_disabled_is_configured_with_a_warning(tmp_path, shi
     config = tmp_path / "config.toml"
     config.write_text('disabled_plugins = ["cri"]\n')
     out = configure(Engine.CONTAINERD, config, shim)
-    assert out.endswith(f"warning: {config} disables the CRI plugin (disabled_plugins): Kubernetes cannot use "
-                        "containerd or this runtime until it is enabled; for Docker, use --docker\n")
+    assert out.endswith(
+        f"warning: {config} disables the CRI plugin (disabled_plugins): Kubernetes cannot use "
+        "containerd or this runtime until it is enabled; for Docker, use --docker\n"
+    )
     assert "warning:" not in configure(Engine.CONTAINERD, tmp_path / "other.toml", shim)
 
 
 # ---------------------------------------------------------------- imports editing
 
 
-@pytest.mark.parametrize(("before", "after"), [
-    ('version = 2\nimports = []\n', 'version = 2\nimports = ["/x/*.toml"]\n'),
-    ('imports = ["/a.toml"] # keep\nversion = 2\n', 'imports = ["/a.toml", "/x/*.toml"] # keep\nversion = 2\n'),
-    ('imports = [\n  "/a.toml",  # first\n]\n', 'imports = [\n  "/a.toml",  # first\n  "/x/*.toml",\n]\n'),
-    ('imports = [ "/a].toml", ]\n', 'imports = [ "/a].toml", "/x/*.toml" ]\n'),
-    ('# head\n\nversion = 2 # v\n\n[grpc]\n  address = "x"\n',
-     '# head\n\nversion = 2 # v\nimports = ["/x/*.toml"]\n\n[grpc]\n  address = "x"\n'),
-    ('# head\noom_score = 0\n[grpc]\n', '# head\noom_score = 0\nimports = ["/x/*.toml"]\n\n[grpc]\n'),
-    ('# only a table\n[grpc]\n', '# only a table\nimports = ["/x/*.toml"]\n\n[grpc]\n'),
-    ('version = 2', 'version = 2\nimports = ["/x/*.toml"]\n'),
-    ('', 'imports = ["/x/*.toml"]\n'),
-    ('version = 2\r\n[grpc]\r\n', 'version = 2\r\nimports = ["/x/*.toml"]\r\n\r\n[grpc]\r\n'),
-    ('s = """\n[imports]\nimports = [\n"""\nversion = 2\n',
-     's = """\n[imports]\nimports = [\n"""\nversion = 2\nimports = ["/x/*.toml"]\n'),
-    ("\"imports\" = ['/a.toml']\n", "\"imports\" = ['/a.toml', \"/x/*.toml\"]\n"),
-    ('[plugins]\nimports = ["/in/a/table"]\n', 'imports = ["/x/*.toml"]\n\n[plugins]\nimports = ["/in/a/table"]\n'),
-])
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        ("version = 2\nimports = []\n", 'version = 2\nimports = ["/x/*.toml"]\n'),
+        ('imports = ["/a.toml"] # keep\nversion = 2\n', 'imports = ["/a.toml", "/x/*.toml"] # keep\nversion = 2\n'),
+        ('imports = [\n  "/a.toml",  # first\n]\n', 'imports = [\n  "/a.toml",  # first\n  "/x/*.toml",\n]\n'),
+        ('imports = [ "/a].toml", ]\n', 'imports = [ "/a].toml", "/x/*.toml" ]\n'),
+        (
+            '# head\n\nversion = 2 # v\n\n[grpc]\n  address = "x"\n',
+            '# head\n\nversion = 2 # v\nimports = ["/x/*.toml"]\n\n[grpc]\n  address = "x"\n',
+        ),
+        ("# head\noom_score = 0\n[grpc]\n", '# head\noom_score = 0\nimports = ["/x/*.toml"]\n\n[grpc]\n'),
+        ("# only a table\n[grpc]\n", '# only a table\nimports = ["/x/*.toml"]\n\n[grpc]\n'),
+        ("version = 2", 'version = 2\nimports = ["/x/*.toml"]\n'),
+        ("", 'imports = ["/x/*.toml"]\n'),
+        ("version = 2\r\n[grpc]\r\n", 'version = 2\r\nimports = ["/x/*.toml"]\r\n\r\n[grpc]\r\n'),
+        (
+            's = """\n[imports]\nimports = [\n"""\nversion = 2\n',
+            's = """\n[imports]\nimports = [\n"""\nversion = 2\nimports = ["/x/*.toml"]\n',
+        ),
+        ("\"imports\" = ['/a.toml']\n", '"imports" = [\'/a.toml\', "/x/*.toml"]\n'),
+        ('[plugins]\nimports = ["/in/a/table"]\n', 'imports = ["/x/*.toml"]\n\n[plugins]\nimports = ["/in/a/table"]\n'),
+    ],
+)
 def test_imports_edit_is_minimal(before, after):
     """tomlkit edits in place: the file's comments and key order stay."""
     assert cc.add_import(Path("/c/config.toml"), before, "/x/*.toml", covers=Path("/x/cgpu.toml")) == after
@@ -382,12 +414,18 @@ def test_imports_that_are_not_strings_are_refused():
 
 
 _keys = st.text(min_size=1, max_size=8)
-_scalars = (st.text(max_size=12) | st.integers(-2**63, 2**63 - 1) | st.booleans()
-            | st.floats(allow_nan=False) | st.datetimes())
+_scalars = (
+    st.text(max_size=12)
+    | st.integers(-(2**63), 2**63 - 1)
+    | st.booleans()
+    | st.floats(allow_nan=False)
+    | st.datetimes()
+)
 _values = st.recursive(
     _scalars | st.lists(_scalars, max_size=3),
-    lambda inner: st.dictionaries(_keys, inner, max_size=4) | st.lists(st.dictionaries(_keys, inner, max_size=3),
-                                                                      max_size=3),
+    lambda inner: (
+        st.dictionaries(_keys, inner, max_size=4) | st.lists(st.dictionaries(_keys, inner, max_size=3), max_size=3)
+    ),
     max_leaves=20,
 )
 
@@ -403,9 +441,12 @@ def test_toml_writer_reads_back(doc):
 
 def test_docker_keeps_other_keys_and_runtimes(tmp_path, shim):
     config = tmp_path / "daemon.json"
-    original = {"log-driver": "json-file", "runtimes": {"nvidia": {"path": "nvidia-container-runtime",
-                                                                    "runtimeArgs": []}},
-                "default-runtime": "runc", "storage-driver": "overlay2"}
+    original = {
+        "log-driver": "json-file",
+        "runtimes": {"nvidia": {"path": "nvidia-container-runtime", "runtimeArgs": []}},
+        "default-runtime": "runc",
+        "storage-driver": "overlay2",
+    }
     config.write_text(json.dumps(original))
     out = configure(Engine.DOCKER, config, shim)
     assert f"updated {config} (original kept as {config}.cgpu.bak)" in out
@@ -445,9 +486,11 @@ def test_docker_already_configured_file_is_not_reformatted(tmp_path, shim):
 
 def test_docker_bad_json_changes_nothing(tmp_path, shim):
     config = tmp_path / "daemon.json"
-    for bad, error in [('{\n  "debug": true,\n}\n', rf"{config} is not valid JSON: .* at line 3 column 1"),
-                       ("[]", "does not hold a JSON object"),
-                       ('{"runtimes": []}', '"runtimes" is not a JSON object')]:
+    for bad, error in [
+        ('{\n  "debug": true,\n}\n', rf"{config} is not valid JSON: .* at line 3 column 1"),
+        ("[]", "does not hold a JSON object"),
+        ('{"runtimes": []}', '"runtimes" is not a JSON object'),
+    ]:
         config.write_text(bad)
         files = snapshot(tmp_path)
         with pytest.raises(UsageError, match=error):
@@ -499,8 +542,18 @@ def test_bad_runtime_names(name):
 def test_cli_configures_containerd(tmp_path, shim, capsys):
     config = tmp_path / "config.toml"
     config.write_text("version = 2\n")
-    args = ["runtime", "configure", "--containerd", "--config", str(config), "--runtime-path", str(shim),
-            "--name", "gpu-share", "--set-as-default"]
+    args = [
+        "runtime",
+        "configure",
+        "--containerd",
+        "--config",
+        str(config),
+        "--runtime-path",
+        str(shim),
+        "--name",
+        "gpu-share",
+        "--set-as-default",
+    ]
     assert main([*args, "--dry-run"]) == 0
     assert "+++ " in capsys.readouterr().out and not (tmp_path / "conf.d").exists()
     assert main(args) == 0
@@ -564,6 +617,7 @@ def test_the_nvidia_toolkit_is_set_to_take_gpus_from_device_lists_only(tmp_path,
     assert "ignores NVIDIA_VISIBLE_DEVICES in unprivileged containers" in capsys.readouterr().out
     text = config.read_text()
     import tomllib
+
     got = tomllib.loads(text)
     assert got["accept-nvidia-visible-devices-envvar-when-unprivileged"] is False
     assert got["accept-nvidia-visible-devices-as-volume-mounts"] is True
@@ -591,12 +645,15 @@ def test_cli_malformed_daemon_json_is_one_error_and_nothing_is_written(tmp_path,
     assert snapshot(tmp_path) == files
 
 
-@pytest.mark.parametrize(("text", "detail"), [
-    ("{", "{path} is not valid JSON: "),
-    ("[]", "{path} does not hold a JSON object"),
-    ('{"runtimes": {}}', "no containerd or docker runtime entry for cgpu"),
-    (None, "no containerd or docker runtime entry for cgpu"),
-])
+@pytest.mark.parametrize(
+    ("text", "detail"),
+    [
+        ("{", "{path} is not valid JSON: "),
+        ("[]", "{path} does not hold a JSON object"),
+        ('{"runtimes": {}}', "no containerd or docker runtime entry for cgpu"),
+        (None, "no containerd or docker runtime entry for cgpu"),
+    ],
+)
 def test_doctor_reports_a_malformed_daemon_json_as_malformed(tmp_path, monkeypatch, text, detail):
     from cgpud.cli import doctor
 
@@ -628,8 +685,9 @@ def test_doctor_finds_a_renamed_docker_entry_and_containerd_too(tmp_path, monkey
     (tmp_path / "conf.d").mkdir()
     (tmp_path / "conf.d" / "cgpu.toml").write_text("")
     monkeypatch.setattr(doctor, "CONTAINERD_DROPINS", tmp_path / "conf.d")
-    assert doctor._runtime([path]) == (f'containerd: {tmp_path / "conf.d" / "cgpu.toml"}; '
-                                       f'docker: runtime "gpu-share" runs {shim} ({path})')
+    assert doctor._runtime([path]) == (
+        f'containerd: {tmp_path / "conf.d" / "cgpu.toml"}; docker: runtime "gpu-share" runs {shim} ({path})'
+    )
 
 
 @pytest.mark.parametrize("program", ["{tmp}/gone/cgpu-runtime", "{tmp}/daemon.json", "cgpu-runtime-not-on-path"])
@@ -644,37 +702,57 @@ def test_doctor_reports_a_docker_entry_whose_program_is_gone(tmp_path, monkeypat
     monkeypatch.setattr(doctor, "CONTAINERD_DROPINS", tmp_path / "no-conf.d")
     with pytest.raises(CgpuError) as e:
         doctor._runtime([path])
-    assert str(e.value) == (f'{path}: runtime "cgpu" runs {program}, which is not an executable file, so '
-                            "`docker run --runtime cgpu` fails; run: cgpuctl runtime configure --docker")
+    assert str(e.value) == (
+        f'{path}: runtime "cgpu" runs {program}, which is not an executable file, so '
+        "`docker run --runtime cgpu` fails; run: cgpuctl runtime configure --docker"
+    )
 
 
 def test_doctor_reads_the_daemon_json_each_running_dockerd_reads(tmp_path):
     from cgpud.cli import doctor
 
     proc = tmp_path / "proc"
-    for pid, argv in {"10": ["/usr/sbin/dockerd", "-H", "fd://", "--config-file", "/srv/docker.json"],
-                      "11": ["dockerd", "--config-file=conf/d.json"],
-                      "12": ["/usr/sbin/dockerd", "-H", "fd://"],
-                      "13": ["/usr/bin/containerd", "--config-file", "/nope"],
-                      "self": ["dockerd", "--config-file", "/nope"]}.items():
+    for pid, argv in {
+        "10": ["/usr/sbin/dockerd", "-H", "fd://", "--config-file", "/srv/docker.json"],
+        "11": ["dockerd", "--config-file=conf/d.json"],
+        "12": ["/usr/sbin/dockerd", "-H", "fd://"],
+        "13": ["/usr/bin/containerd", "--config-file", "/nope"],
+        "self": ["dockerd", "--config-file", "/nope"],
+    }.items():
         (proc / pid).mkdir(parents=True)
         (proc / pid / "cmdline").write_bytes(b"\0".join(a.encode() for a in argv) + b"\0")
         (proc / pid / "cwd").symlink_to(tmp_path / "cwd")
     (proc / "14").mkdir()  # a process that exited while /proc was read
     assert doctor.running_dockerd_configs(proc) == sorted(
-        [Path("/srv/docker.json"), tmp_path / "cwd" / "conf" / "d.json", doctor.DOCKER_CONFIG])
+        [Path("/srv/docker.json"), tmp_path / "cwd" / "conf" / "d.json", doctor.DOCKER_CONFIG]
+    )
 
 
-@pytest.mark.parametrize("text, ok, detail", [
-    (None, True, "not installed"),
-    ("accept-nvidia-visible-devices-envvar-when-unprivileged = false\n"
-     "accept-nvidia-visible-devices-as-volume-mounts = true\n", True, "only from the device lists"),
-    ("", False, "lacks accept-nvidia-visible-devices-envvar-when-unprivileged = false, "
-                "accept-nvidia-visible-devices-as-volume-mounts = true"),
-    ("accept-nvidia-visible-devices-envvar-when-unprivileged = true\n"
-     "accept-nvidia-visible-devices-as-volume-mounts = true\n", False, "gets every GPU without an instance"),
-    ("[nvidia-container-cli\n", False, "is not TOML"),
-])
+@pytest.mark.parametrize(
+    "text, ok, detail",
+    [
+        (None, True, "not installed"),
+        (
+            "accept-nvidia-visible-devices-envvar-when-unprivileged = false\n"
+            "accept-nvidia-visible-devices-as-volume-mounts = true\n",
+            True,
+            "only from the device lists",
+        ),
+        (
+            "",
+            False,
+            "lacks accept-nvidia-visible-devices-envvar-when-unprivileged = false, "
+            "accept-nvidia-visible-devices-as-volume-mounts = true",
+        ),
+        (
+            "accept-nvidia-visible-devices-envvar-when-unprivileged = true\n"
+            "accept-nvidia-visible-devices-as-volume-mounts = true\n",
+            False,
+            "gets every GPU without an instance",
+        ),
+        ("[nvidia-container-cli\n", False, "is not TOML"),
+    ],
+)
 def test_doctor_checks_that_the_nvidia_toolkit_ignores_the_visible_devices_variable(tmp_path, text, ok, detail):
     from cgpud.cli import doctor
     from cgpud.errors import CgpuError
@@ -694,7 +772,9 @@ def test_the_toolkit_config_configure_writes_passes_the_doctor(tmp_path):
     from cgpud.cli.toolkit_config import toolkit_changes, toolkit_gaps
 
     path = tmp_path / "config.toml"
-    before = '[nvidia-container-cli]\nldconfig = "@/sbin/ldconfig"\naccept-nvidia-visible-devices-as-volume-mounts = false\n'
+    before = (
+        '[nvidia-container-cli]\nldconfig = "@/sbin/ldconfig"\naccept-nvidia-visible-devices-as-volume-mounts = false\n'
+    )
     assert len(toolkit_gaps(path, before)) == 2
     [change] = toolkit_changes(path, before)
     assert toolkit_gaps(path, change.new) == []

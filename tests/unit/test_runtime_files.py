@@ -2,6 +2,7 @@
 version installs its own <state_dir>/runtime/<version>/, and an old version's
 files go only once no active instance's edits name them. The decision is a
 pure function; the rest runs over a real store, service and directory."""
+
 from __future__ import annotations
 
 import os
@@ -13,8 +14,13 @@ import pytest
 import cgpud
 from cgpud.containers import cdi, runtime_files
 from cgpud.containers.edits import RuntimeFiles, apply_edits, instance_edits
-from cgpud.containers.runtime_files import (collect, install_runtime_files, installed_versions, unused_versions,
-                                            version_dir_name)
+from cgpud.containers.runtime_files import (
+    collect,
+    install_runtime_files,
+    installed_versions,
+    unused_versions,
+    version_dir_name,
+)
 from cgpud.node.model import GIB, GpuCapacity, NodeMode, NodePolicy, Owner, OwnerKind, Request
 from cgpud.node.service import InstanceService
 from cgpud.node.store import LEGACY_RUNTIME, Store
@@ -22,30 +28,36 @@ from cgpud.node.store import LEGACY_RUNTIME, Store
 GPUS = (GpuCapacity(0, "GPU-aaaa", 16 * GIB),)
 
 
-@pytest.mark.parametrize(("version", "name"), [
-    ("0.1.0", "0.1.0"),
-    ("1.2.3+local.4", "1.2.3+local.4"),
-    ("0.2.0.dev1-g1a2b3c", "0.2.0.dev1-g1a2b3c"),
-    ("../../etc", "v.._.._etc"),
-    ("..", "v.."),
-    ("a/b c", "a_b_c"),
-    ("", "v"),
-])
+@pytest.mark.parametrize(
+    ("version", "name"),
+    [
+        ("0.1.0", "0.1.0"),
+        ("1.2.3+local.4", "1.2.3+local.4"),
+        ("0.2.0.dev1-g1a2b3c", "0.2.0.dev1-g1a2b3c"),
+        ("../../etc", "v.._.._etc"),
+        ("..", "v.."),
+        ("a/b c", "a_b_c"),
+        ("", "v"),
+    ],
+)
 def test_a_version_becomes_one_safe_path_component(version, name):
     assert version_dir_name(version) == name
     assert "/" not in name and name not in ("", ".", "..") and not name.startswith(".")
 
 
-@pytest.mark.parametrize(("installed", "in_use", "current", "doomed"), [
-    ({"0.1.0"}, set(), "0.1.0", set()),  # the current version always stays
-    ({"0.1.0", "0.2.0"}, set(), "0.2.0", {"0.1.0"}),
-    ({"0.1.0", "0.2.0"}, {"0.1.0"}, "0.2.0", set()),  # an active instance names it
-    ({"0.1.0", "0.2.0", "0.3.0"}, {"0.2.0"}, "0.3.0", {"0.1.0"}),
-    ({LEGACY_RUNTIME, "0.2.0"}, {LEGACY_RUNTIME}, "0.2.0", set()),  # pre-versioning files in use
-    ({LEGACY_RUNTIME, "0.2.0"}, {"0.2.0"}, "0.2.0", {LEGACY_RUNTIME}),
-    ({"0.2.0"}, {"0.1.0"}, "0.2.0", set()),  # in use but already gone: nothing to do
-    ({"0.1.0", "0.2.0"}, set(), "0.1.0", {"0.2.0"}),  # a downgrade removes the newer, unused one
-])
+@pytest.mark.parametrize(
+    ("installed", "in_use", "current", "doomed"),
+    [
+        ({"0.1.0"}, set(), "0.1.0", set()),  # the current version always stays
+        ({"0.1.0", "0.2.0"}, set(), "0.2.0", {"0.1.0"}),
+        ({"0.1.0", "0.2.0"}, {"0.1.0"}, "0.2.0", set()),  # an active instance names it
+        ({"0.1.0", "0.2.0", "0.3.0"}, {"0.2.0"}, "0.3.0", {"0.1.0"}),
+        ({LEGACY_RUNTIME, "0.2.0"}, {LEGACY_RUNTIME}, "0.2.0", set()),  # pre-versioning files in use
+        ({LEGACY_RUNTIME, "0.2.0"}, {"0.2.0"}, "0.2.0", {LEGACY_RUNTIME}),
+        ({"0.2.0"}, {"0.1.0"}, "0.2.0", set()),  # in use but already gone: nothing to do
+        ({"0.1.0", "0.2.0"}, set(), "0.1.0", {"0.2.0"}),  # a downgrade removes the newer, unused one
+    ],
+)
 def test_gc_decision(installed, in_use, current, doomed):
     assert unused_versions(installed, in_use, current) == doomed
 
@@ -58,8 +70,9 @@ def state(tmp_path: Path) -> Path:
 
 
 def service(state: Path) -> InstanceService:
-    return InstanceService(Store(state / "cgpud.db"), GPUS, NodePolicy(mode=NodeMode.CGPU), state / "instances",
-                           "580.65.06", "boot-1")
+    return InstanceService(
+        Store(state / "cgpud.db"), GPUS, NodePolicy(mode=NodeMode.CGPU), state / "instances", "580.65.06", "boot-1"
+    )
 
 
 def test_each_version_installs_its_own_directory_and_leaves_the_other(state, monkeypatch):
@@ -137,14 +150,27 @@ def test_files_from_before_versioning_are_kept_for_the_instances_of_then(state, 
 def test_a_retried_prepare_across_versions_replaces_the_old_hooks(state):
     svc = service(state)
     inst = svc.create(Request(Owner(OwnerKind.CONTAINER, "c1@/b"), GIB))
-    old = RuntimeFiles(state / "runtime/0.1.0/libcgpu.so", state / "runtime/0.1.0/ld.so.preload",
-                       state / "runtime/0.1.0/cgpu-hook", Path("/r.sock"), "0.1.0")
-    new = RuntimeFiles(state / "runtime/0.2.0/libcgpu.so", state / "runtime/0.2.0/ld.so.preload",
-                       state / "runtime/0.2.0/cgpu-hook", Path("/r.sock"), "0.2.0")
+    old = RuntimeFiles(
+        state / "runtime/0.1.0/libcgpu.so",
+        state / "runtime/0.1.0/ld.so.preload",
+        state / "runtime/0.1.0/cgpu-hook",
+        Path("/r.sock"),
+        "0.1.0",
+    )
+    new = RuntimeFiles(
+        state / "runtime/0.2.0/libcgpu.so",
+        state / "runtime/0.2.0/ld.so.preload",
+        state / "runtime/0.2.0/cgpu-hook",
+        Path("/r.sock"),
+        "0.2.0",
+    )
     # An older version also wrote a poststop entry of its own hook: dropped.
     theirs = {"path": str(old.hook), "args": ["cgpu-hook", "--instance", inst.id, "poststop"]}
-    spec = {"process": {"env": []}, "mounts": [],
-            "hooks": {"poststop": [{"path": "/usr/bin/mine", "args": ["mine"]}, theirs]}}
+    spec = {
+        "process": {"env": []},
+        "mounts": [],
+        "hooks": {"poststop": [{"path": "/usr/bin/mine", "args": ["mine"]}, theirs]},
+    }
     first = apply_edits(spec, instance_edits(inst, state / "instances" / inst.id, {0: 16 * GIB}, old), old)
     second = apply_edits(first, instance_edits(inst, state / "instances" / inst.id, {0: 16 * GIB}, new), new)
     assert [h["path"] for h in second["hooks"]["poststop"]] == ["/usr/bin/mine"]

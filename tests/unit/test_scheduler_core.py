@@ -5,6 +5,7 @@ kernel durations; the holder of each decision runs kernels back to back until
 its slice ends (the last kernel may overrun) and is charged what it really
 used. Shares are measured from that simulated device time, never from what the
 scheduler says about itself. Run with -s to print the accuracy table."""
+
 from __future__ import annotations
 
 import itertools
@@ -190,8 +191,10 @@ def report(scenario: str, sim: Sim, expected: dict[int, float], seconds: float, 
 def print_table():
     yield
     if TABLE:
-        print("\n\n(share and util in % of wall time; window: worst |err| over the 1 s windows starting"
-              " every 10 ms, or over the one shorter window for spans under 1 s)")
+        print(
+            "\n\n(share and util in % of wall time; window: worst |err| over the 1 s windows starting"
+            " every 10 ms, or over the one shorter window for spans under 1 s)"
+        )
         print(f"{'scenario':<42} tenant  requested  achieved  |err|  worst-window  util")
         for scen, tenant, want, got, worst, util in TABLE:
             err = abs(got - want)
@@ -216,8 +219,12 @@ def test_fixed_splits_are_accurate_over_10s_and_every_1s_window(split, kernel):
     for t in saturating(list(split), kernel):
         sim.add(t)
     sim.run(10)
-    report(f"fixed {'/'.join(map(str, split[:4]))}{'..' if len(split) > 4 else ''} {kernel_name(kernel)}", sim,
-           {t.key: t.share for t in sim.tenants.values()}, 10)
+    report(
+        f"fixed {'/'.join(map(str, split[:4]))}{'..' if len(split) > 4 else ''} {kernel_name(kernel)}",
+        sim,
+        {t.key: t.share for t in sim.tenants.values()},
+        10,
+    )
     for t in sim.tenants.values():
         assert abs(sim.share(t.key) - t.share) <= 2, (t.key, sim.share(t.key))
         assert all(abs(w - t.share) <= 5 for w in sim.windows(t.key, 0, 10, 1.0, 0.01)), t.key
@@ -701,8 +708,21 @@ def _snapshot(s) -> tuple:
         out.append((cfg.policy, cfg.period_ns, cfg.max_slice_ns, cfg.high_prio_percent, count))
         for key in range(1, 40):
             if lib.cgpu_sched_tenant_get(s, gpu, key, info) == 0:
-                out.append(tuple(getattr(info, f) for f in ("key", "share_percent", "weight", "high_priority",
-                                                             "has_work", "charged_ns", "lag_ns", "budget_ns")))
+                out.append(
+                    tuple(
+                        getattr(info, f)
+                        for f in (
+                            "key",
+                            "share_percent",
+                            "weight",
+                            "high_priority",
+                            "has_work",
+                            "charged_ns",
+                            "lag_ns",
+                            "budget_ns",
+                        )
+                    )
+                )
     return tuple(out)
 
 

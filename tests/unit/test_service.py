@@ -1,6 +1,7 @@
 """The instance service over a real SQLite file and real region files:
 idempotent create/release, regions written and removed, and what
 reconcile() repairs after a crash."""
+
 from __future__ import annotations
 
 import subprocess
@@ -21,8 +22,9 @@ GPUS = (GpuCapacity(0, "GPU-aaaa", 16 * GIB), GpuCapacity(1, "GPU-bbbb", 16 * GI
 
 
 def service(tmp_path: Path, mode: NodeMode = NodeMode.CGPU, boot: str = "boot-1") -> InstanceService:
-    return InstanceService(Store(tmp_path / "db" / "cgpud.db"), GPUS, NodePolicy(mode=mode), tmp_path / "regions",
-                           "580.65.06", boot)
+    return InstanceService(
+        Store(tmp_path / "db" / "cgpud.db"), GPUS, NodePolicy(mode=mode), tmp_path / "regions", "580.65.06", boot
+    )
 
 
 def owner(name: str, kind: OwnerKind = OwnerKind.CONTAINER) -> Owner:
@@ -98,6 +100,7 @@ def test_an_orphan_region_that_cannot_be_removed_is_not_counted_removed(tmp_path
     assert svc.reconcile()["orphan_regions_removed"] == 0
     assert stuck.exists()
 
+
 def test_a_reboot_releases_everything_from_before(tmp_path):
     svc = service(tmp_path)
     inst = svc.create(Request(owner("c1"), GIB))
@@ -126,8 +129,9 @@ def test_a_drained_node_starts_and_stops_its_compute_scheduler_with_the_mode(tmp
         return started[-1]
 
     fixed = NodePolicy(mode=NodeMode.CGPU, compute_policy=ComputePolicy.FIXED)  # native would leave gates open
-    svc = InstanceService(Store(tmp_path / "cgpud.db"), GPUS, fixed, tmp_path / "regions", "580.65.06", "boot-1",
-                          start_compute=start)
+    svc = InstanceService(
+        Store(tmp_path / "cgpud.db"), GPUS, fixed, tmp_path / "regions", "580.65.06", "boot-1", start_compute=start
+    )
     try:
         before = svc.create(Request(owner("c0"), 4 * GIB))
         assert not is_gated(svc.region_dir(before.id))
@@ -139,8 +143,10 @@ def test_a_drained_node_starts_and_stops_its_compute_scheduler_with_the_mode(tmp
         assert svc.policy().mode is NodeMode.CORE_MEM and len(started) == 1
         inst = svc.create(Request(owner("c1"), 4 * GIB, core_percent=30))
         # The engine thread takes the tenant (and gates it) on its next turn, not within create().
-        until(lambda: is_gated(svc.region_dir(inst.id)) and started[0].schedule(0).tenants == 1,
-              what="the scheduler to take the tenant")
+        until(
+            lambda: is_gated(svc.region_dir(inst.id)) and started[0].schedule(0).tenants == 1,
+            what="the scheduler to take the tenant",
+        )
         with pytest.raises(StateError, match="would break the 1 instance"):
             svc.set_node_policy(NodeMode.CGPU, Placement.BINPACK)
         svc.release(inst.id)
@@ -158,8 +164,15 @@ def test_released_instances_are_purged_after_a_week_and_looked_for_once_an_hour(
 
     now = [1_000_000.0]
     clock = lambda: now[0]  # noqa: E731
-    svc = InstanceService(Store(tmp_path / "db" / "cgpud.db", clock=clock), GPUS, NodePolicy(mode=NodeMode.CGPU),
-                          tmp_path / "regions", "580", "boot-1", clock=clock)
+    svc = InstanceService(
+        Store(tmp_path / "db" / "cgpud.db", clock=clock),
+        GPUS,
+        NodePolicy(mode=NodeMode.CGPU),
+        tmp_path / "regions",
+        "580",
+        "boot-1",
+        clock=clock,
+    )
     old = svc.create(Request(owner("old"), GIB))
     svc.release(old.id)
     now[0] += RELEASED_KEPT - 60

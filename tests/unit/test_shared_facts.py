@@ -1,6 +1,7 @@
 """Facts cgpud shares with its C parts and its documentation, each written
 once. A test per fact: each fails if one side drifted from the other, or if
 Python wrote the value down again instead of reading it from C."""
+
 from __future__ import annotations
 
 import ast
@@ -49,8 +50,12 @@ def _string_literals(path: Path) -> Iterator[str]:
 
 
 def _restatements(*values: str) -> list[str]:
-    return [f"{p.relative_to(ROOT)}: {v!r}" for p in sorted((ROOT / "cgpud").rglob("*.py"))
-            for v in _string_literals(p) if v in values or any(v.startswith(x + "/") for x in values)]
+    return [
+        f"{p.relative_to(ROOT)}: {v!r}"
+        for p in sorted((ROOT / "cgpud").rglob("*.py"))
+        for v in _string_literals(p)
+        if v in values or any(v.startswith(x + "/") for x in values)
+    ]
 
 
 def _bundle(tmp_path: Path, config: dict) -> Path:
@@ -64,8 +69,9 @@ def _shim(native: Path, tmp_path: Path, config: dict, container_id: str = "c1") 
     """`cgpu-runtime create` of a bundle, with no cgpud listening: a bundle
     the shim sends to cgpud fails at once with "cgpud is not running", any
     other runs the real runtime (`true`)."""
-    env = dict(os.environ, CGPU_REAL_RUNTIME="true", CGPU_RELAY_SOCKET=str(tmp_path / "no-cgpud.sock"),
-               CGPU_RELAY_WAIT_MS="0")
+    env = dict(
+        os.environ, CGPU_REAL_RUNTIME="true", CGPU_RELAY_SOCKET=str(tmp_path / "no-cgpud.sock"), CGPU_RELAY_WAIT_MS="0"
+    )
     args = [str(native / "bin/cgpu-runtime"), "create", "--bundle", str(_bundle(tmp_path, config)), container_id]
     return subprocess.run(args, env=env, capture_output=True, text=True, timeout=30)
 
@@ -95,7 +101,10 @@ def test_region_place_and_env_come_from_region_h_and_are_written_nowhere_else(na
 
 def test_relay_limits_come_from_relay_wire_h():
     assert (contract.RELAY_MAX_REQUEST, contract.RELAY_MSG_MAX, contract.RELAY_TIMEOUT_S) == (
-        region_lib.CGPU_RELAY_MAX_REQUEST, region_lib.CGPU_RELAY_MSG_MAX, region_lib.CGPU_RELAY_TIMEOUT_S)
+        region_lib.CGPU_RELAY_MAX_REQUEST,
+        region_lib.CGPU_RELAY_MSG_MAX,
+        region_lib.CGPU_RELAY_TIMEOUT_S,
+    )
     assert relay.READ_TIMEOUT < contract.RELAY_TIMEOUT_S  # cgpud gives up on a request before its relay does
     assert _restatements(contract.RELAY_DEFAULT_SOCKET) == []
     assert str(DaemonConfig().relay_socket) == contract.RELAY_DEFAULT_SOCKET
@@ -104,7 +113,8 @@ def test_relay_limits_come_from_relay_wire_h():
 def test_prepares_flags_come_from_relay_wire_h():
     assert (contract.RELAY_SHIM_BINDS, contract.RELAY_SPEC_FD) == (
         region_ffi.string(region_lib.CGPU_RELAY_SHIM_BINDS).decode(),
-        region_ffi.string(region_lib.CGPU_RELAY_SPEC_FD).decode())
+        region_ffi.string(region_lib.CGPU_RELAY_SPEC_FD).decode(),
+    )
     assert _restatements(contract.RELAY_SHIM_BINDS, contract.RELAY_SPEC_FD) == []
 
 
@@ -158,8 +168,12 @@ def test_a_long_answer_reaches_the_user_through_the_real_relay(native, tmp_path)
     server = threading.Thread(target=serve, daemon=True)
     server.start()
     try:
-        proc = subprocess.run([str(native / "bin/cgpu-hook"), "--socket", str(path), "--instance", "i1", "poststop"],
-                              input=b"{}", capture_output=True, timeout=30)
+        proc = subprocess.run(
+            [str(native / "bin/cgpu-hook"), "--socket", str(path), "--instance", "i1", "poststop"],
+            input=b"{}",
+            capture_output=True,
+            timeout=30,
+        )
     finally:
         server.join(10)
         listener.close()
@@ -187,10 +201,17 @@ def test_instance_id_limit_is_what_a_region_and_the_hook_hold(native, tmp_path):
         InstanceLimits(too_long, gpu)
 
     def hook(instance: str) -> subprocess.CompletedProcess:
-        args = [str(native / "bin/cgpu-hook"), "--socket", str(tmp_path / "none.sock"), "--instance", instance,
-                "poststop"]
-        return subprocess.run(args, input="{}", capture_output=True, text=True, timeout=30,
-                              env=dict(os.environ, CGPU_RELAY_WAIT_MS="0"))
+        args = [
+            str(native / "bin/cgpu-hook"),
+            "--socket",
+            str(tmp_path / "none.sock"),
+            "--instance",
+            instance,
+            "poststop",
+        ]
+        return subprocess.run(
+            args, input="{}", capture_output=True, text=True, timeout=30, env=dict(os.environ, CGPU_RELAY_WAIT_MS="0")
+        )
 
     assert hook(longest).returncode == 1 and "cgpud is not running" in hook(longest).stderr
     assert hook(too_long).returncode == 2 and f"1-{contract.INSTANCE_ID_MAX} characters" in hook(too_long).stderr
@@ -202,8 +223,9 @@ def test_instance_id_limit_is_what_a_region_and_the_hook_hold(native, tmp_path):
 def test_relays_print_the_package_version(native):
     assert build_native.package_version() == cgpud.__version__
     env = dict(os.environ, CGPU_REAL_RUNTIME="true")
-    shim = subprocess.run([str(native / "bin/cgpu-runtime"), "--version"], env=env, capture_output=True, text=True,
-                          timeout=30)
+    shim = subprocess.run(
+        [str(native / "bin/cgpu-runtime"), "--version"], env=env, capture_output=True, text=True, timeout=30
+    )
     assert shim.stdout.splitlines()[0] == f"cgpu-runtime {cgpud.__version__}"
     hook = subprocess.run([str(native / "bin/cgpu-hook"), "--version"], capture_output=True, text=True, timeout=30)
     assert hook.stdout == f"cgpu-hook {cgpud.__version__}\n"
@@ -232,9 +254,16 @@ def test_scheduler_limits_are_the_cores():
     assert config.MAX_SCHEDULED == sched_lib.CGPU_SCHED_MAX_TENANTS
     s = sched_ffi.gc(sched_lib.cgpu_sched_create(1), sched_lib.cgpu_sched_destroy)
     tiny = config.SLICE_MS[0]
-    cases = [(config.PERIOD_MS[0], tiny), (config.PERIOD_MS[1], tiny), (config.PERIOD_MS[0] - 0.001, tiny),
-             (config.PERIOD_MS[1] + 0.001, tiny), (100.0, config.SLICE_MS[0]), (100.0, config.SLICE_MS[1]),
-             (100.0, config.SLICE_MS[0] - 0.001), (100.0, config.SLICE_MS[1] + 0.001)]
+    cases = [
+        (config.PERIOD_MS[0], tiny),
+        (config.PERIOD_MS[1], tiny),
+        (config.PERIOD_MS[0] - 0.001, tiny),
+        (config.PERIOD_MS[1] + 0.001, tiny),
+        (100.0, config.SLICE_MS[0]),
+        (100.0, config.SLICE_MS[1]),
+        (100.0, config.SLICE_MS[0] - 0.001),
+        (100.0, config.SLICE_MS[1] + 0.001),
+    ]
     for period_ms, slice_ms in cases:
         cfg = DaemonConfig(compute_period_ms=period_ms, compute_slice_ms=slice_ms)
         try:

@@ -2,6 +2,7 @@
 writes no hook entries (and drops those of an earlier prepare of the same
 bundle), and the shim's `bind`/`release` requests do what the createRuntime
 and poststop hooks do, with the same checks. Real instance service."""
+
 from __future__ import annotations
 
 import json
@@ -17,9 +18,8 @@ import pytest
 import structlog
 
 from cgpud.errors import StateError, UsageError
-from cgpud.containers.lifecycle import ContainerLifecycle
 from cgpud.containers.relay import RelayProtocolError, RelayServer, handle
-from cgpud.node.model import GIB, InstanceState, Owner, OwnerKind, Request
+from cgpud.node.model import InstanceState
 from tests.harness.lifecycle import bundle, lifecycle, state
 
 GPU = "ALIYUN_COM_GPU_MEM_CONTAINER=2"
@@ -30,8 +30,19 @@ def init() -> Iterator[int]:
     """A stand-in for a created container's init, as the shim's bind finds
     it: in a mount namespace of its own (here without /proc, which cgpud
     takes for a table it cannot check: the unit tests have no rootfs)."""
-    proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c",
-                             "umount -l /proc && echo ready && exec sleep 300"], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            "umount -l /proc && echo ready && exec sleep 300",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
     yield proc.pid
     proc.kill()
@@ -82,7 +93,7 @@ def test_bind_and_release_requests_do_the_hooks_work(tmp_path: Path, init: int) 
 
 
 def test_the_shims_bind_checks_the_inits_own_mount_table_and_never_reads_the_spec(tmp_path: Path, init: int) -> None:
-    lc, svc = lifecycle(tmp_path)
+    lc, _ = lifecycle(tmp_path)
     b = bundle(tmp_path / "b", GPU)
     iid = handle(lc, ["prepare", "job", "shim-binds"], str(b).encode()).split()[-1]
     (b / "config.json").write_text("not json")  # runc read the spec before; the bind needs no rootfs path
@@ -131,8 +142,9 @@ def test_a_release_answers_before_its_work_and_holds_the_memory_until_done(tmp_p
         seen["region then"] = svc.region_dir(iid).exists()
         seen["state then"] = svc.get(iid).state.value
         # The next start, sent the moment the runtime has its answer.
-        nxt = threading.Thread(target=lambda: seen.setdefault(
-            "next", handle(lc, ["prepare", "next", "shim-binds"], str(second).encode())))
+        nxt = threading.Thread(
+            target=lambda: seen.setdefault("next", handle(lc, ["prepare", "next", "shim-binds"], str(second).encode()))
+        )
         nxt.start()
         nxt.join(0.3)
         seen["next waited"] = nxt.is_alive()  # it must queue behind the release, not be refused
@@ -181,10 +193,12 @@ def test_a_bind_and_a_release_answer_early_and_refusals_at_the_end(tmp_path: Pat
 
 
 def test_a_bind_whose_write_fails_after_its_answer_kills_the_init_and_frees_the_instance(
-        tmp_path: Path, init: int, monkeypatch) -> None:
+    tmp_path: Path, init: int, monkeypatch
+) -> None:
     """The runtime already has `ok bound`; the container must not then run
     with an instance cgpud never recorded as bound."""
     from cgpud.node import store as store_module
+
     lc, svc = lifecycle(tmp_path)
     b = bundle(tmp_path / "b", GPU)
     iid = handle(lc, ["prepare", "job", "shim-binds"], str(b).encode()).split()[-1]
@@ -224,8 +238,7 @@ def _ask(path: Path, request: bytes, *, read: bool = True) -> bytes:
         return b"".join(iter(lambda: s.recv(65536), b"")) if read else b""  # all of it, up to the close
 
 
-def test_over_the_socket_a_release_answers_once_and_finishes_without_its_runtime(tmp_path: Path,
-                                                                                 monkeypatch) -> None:
+def test_over_the_socket_a_release_answers_once_and_finishes_without_its_runtime(tmp_path: Path, monkeypatch) -> None:
     lc, svc = lifecycle(tmp_path)
     relay_path = tmp_path / "relay.sock"
     relay = RelayServer(lc, relay_path).start()
@@ -250,6 +263,7 @@ def test_over_the_socket_a_release_answers_once_and_finishes_without_its_runtime
 
         def broken(instance_id: str, restore: object = None) -> None:
             raise StateError("the store is gone")
+
         monkeypatch.setattr(svc, "_release_locked", broken)
         with structlog.testing.capture_logs() as logs:
             assert _ask(relay_path, f"release {iid}\n".encode() + state(name, b)) == f"ok released {iid}\n".encode()

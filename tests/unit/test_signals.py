@@ -1,5 +1,6 @@
 """StopSignals in the test process itself (pytest runs tests in the main
 thread, which signal handling needs)."""
+
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
 """cgpuctl sim: the config it writes, and its one-line errors (sizes: test_units.py)."""
+
 from __future__ import annotations
 
 import pytest

@@ -3,6 +3,7 @@ what a create takes from it is exactly what a region made at the create
 holds, as a tmpfs of its own or as a plain directory, gated as the
 scheduler of the moment needs; a spare is never half taken, and none
 outlives cgpud. Real SQLite, real files, real tmpfs mounts (as root)."""
+
 from __future__ import annotations
 
 import os
@@ -21,8 +22,16 @@ GPUS = (GpuCapacity(0, "GPU-aaaa", 16 * GIB), GpuCapacity(1, "GPU-bbbb", 16 * GI
 
 
 def service(tmp_path: Path, tmpfs: bool, **kw: object) -> InstanceService:
-    return InstanceService(Store(tmp_path / "cgpud.db"), GPUS, kw.pop("policy", NodePolicy(mode=NodeMode.CGPU)),
-                           tmp_path / "regions", "580.65.06", "boot-1", tmpfs_regions=tmpfs, **kw)  # type: ignore[arg-type]
+    return InstanceService(
+        Store(tmp_path / "cgpud.db"),
+        GPUS,
+        kw.pop("policy", NodePolicy(mode=NodeMode.CGPU)),
+        tmp_path / "regions",
+        "580.65.06",
+        "boot-1",
+        tmpfs_regions=tmpfs,
+        **kw,
+    )  # type: ignore[arg-type]
 
 
 def request(name: str, gib: int = 4, core: int = 0) -> Request:
@@ -76,8 +85,12 @@ def test_a_spare_made_for_no_scheduler_is_not_taken_once_one_runs(tmp_path):
         started.append(ComputeScheduler(len(GPUS)).start())
         return started[-1]
 
-    svc = service(tmp_path, tmpfs=False, start_compute=start,
-                  policy=NodePolicy(mode=NodeMode.CGPU, compute_policy=ComputePolicy.FIXED))
+    svc = service(
+        tmp_path,
+        tmpfs=False,
+        start_compute=start,
+        policy=NodePolicy(mode=NodeMode.CGPU, compute_policy=ComputePolicy.FIXED),
+    )
     try:
         svc.refill_region_spare()
         assert not is_gated(tmp_path / "regions" / SPARE_REGION)
@@ -128,6 +141,7 @@ def test_a_refill_holds_the_instance_lock_only_for_moments(tmp_path, monkeypatch
     import threading
 
     from cgpud.node import service as service_module
+
     svc = service(tmp_path, tmpfs=False)
     making, go_on = threading.Event(), threading.Event()
     real = service_module.make_spare_region

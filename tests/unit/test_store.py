@@ -1,5 +1,6 @@
 """The SQLite store as cgpud uses it: real database files in tmp_path, real
 threads, and a real writer process killed with SIGKILL mid-stream."""
+
 from __future__ import annotations
 
 import os
@@ -125,8 +126,7 @@ def test_duplicate_id_and_gpu_refused_and_change_nothing(store: Store) -> None:
     with pytest.raises(CgpuError, match=f"instance {first.id} already exists"):
         store.insert(make(iid=first.id, gpus=1))
     twice = make()
-    twice = Instance(twice.id, twice.owner, (Grant(0, "GPU-a", 1, 0), Grant(0, "GPU-a", 1, 0)),
-                     RESERVED, True)
+    twice = Instance(twice.id, twice.owner, (Grant(0, "GPU-a", 1, 0), Grant(0, "GPU-a", 1, 0)), RESERVED, True)
     with pytest.raises(UsageError, match="lists a GPU twice"):
         store.insert(twice)
     bad = make()
@@ -175,9 +175,7 @@ def test_bound_to_bound_updates_pids(store: Store) -> None:
         ([], RESERVED, "is reserved; it cannot be reserved again$"),
     ],
 )
-def test_refused_transitions(
-    store: Store, path: list[InstanceState], new: InstanceState, message: str
-) -> None:
+def test_refused_transitions(store: Store, path: list[InstanceState], new: InstanceState, message: str) -> None:
     inst = store.insert(make())
     for step in path:
         store.set_state(inst.id, step)
@@ -307,7 +305,7 @@ def test_concurrent_inserts_from_four_threads_all_land(store: Store, db: Path) -
                 ids[n].append(inst.id)
                 if k % 5 == 0:
                     store.set_state(inst.id, BOUND, pids=[n * 1000 + k + 1])
-        except BaseException as e:  # noqa: BLE001 - reported by the assert below
+        except BaseException as e:
             errors.append(e)
 
     threads = [threading.Thread(target=work, args=(n,)) for n in range(4)]
@@ -401,9 +399,7 @@ def test_file_and_directory_modes(tmp_path: Path) -> None:
 def test_pragmas_on_disk(store: Store, db: Path) -> None:
     conn = raw(db)
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"  # persistent in the file
-    assert conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0] == str(
-        SCHEMA_VERSION
-    )
+    assert conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0] == str(SCHEMA_VERSION)
     conn.close()
 
 
@@ -546,9 +542,12 @@ def test_crash_safety_under_sigkill(tmp_path: Path) -> None:
         conn = raw(db)
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         assert conn.execute("PRAGMA foreign_key_check").fetchall() == []
-        assert conn.execute(
-            "SELECT count(*) FROM grants WHERE instance_id NOT IN (SELECT id FROM instances)"
-        ).fetchone()[0] == 0
+        assert (
+            conn.execute("SELECT count(*) FROM grants WHERE instance_id NOT IN (SELECT id FROM instances)").fetchone()[
+                0
+            ]
+            == 0
+        )
         conn.close()
     assert len(inserted) >= 100
 

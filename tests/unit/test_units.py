@@ -1,5 +1,6 @@
 """GPU memory sizes (cgpud/units.py): the one parser every --mem goes
 through, so a bare number means GiB in each of cgpuctl's entry points."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -93,7 +94,7 @@ def _verb_memory(monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> int:
     monkeypatch.setattr(client, "LocalClient", Client)
     if argv[0] == "sim":
         args = cgpuctl.build_parser().parse_args(argv)
-        return cgpuctl._machine(args).memory  # noqa: SLF001 - the sim verbs' one reading of --mem
+        return cgpuctl._machine(args).memory
     assert cgpuctl.main(["--socket", "/nonexistent/cgpud.sock", *argv]) == 0
     [memory] = seen
     return memory
@@ -117,11 +118,12 @@ def test_every_mem_option_reads_a_bare_number_as_gib(monkeypatch, argv, text, si
 
 def test_sim_default_memory_is_the_machine_default():
     args = cgpuctl.build_parser().parse_args(["sim", "env"])
-    assert cgpuctl._machine(args).memory == 80 * GIB  # noqa: SLF001
+    assert cgpuctl._machine(args).memory == 80 * GIB
 
 
-@pytest.mark.parametrize("verb", [["run", "--mem", "lots", "--", "true"], ["create", "--mem", "lots"],
-                                  ["sim", "env", "--mem", "lots"]])
+@pytest.mark.parametrize(
+    "verb", [["run", "--mem", "lots", "--", "true"], ["create", "--mem", "lots"], ["sim", "env", "--mem", "lots"]]
+)
 def test_a_bad_mem_is_one_clear_line(capsys, verb):
     assert cgpuctl.main(["--socket", "/nonexistent/cgpud.sock", *verb]) == 1
     assert capsys.readouterr().err == (
