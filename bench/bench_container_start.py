@@ -84,15 +84,7 @@ from bench.table import print_table
 from cgpud.native import native_dir, native_path
 from tests.harness.sim import write_sim_config
 from tests.harness.daemon import Daemon, make_daemon
-from tests.harness.oci import (
-    Bundle,
-    Host,
-    MissingTool,
-    build_rootfs,
-    default_spec,
-    require_tools,
-    runtime_env,
-)
+from tests.harness.oci import Bundle, Host, MissingTool, build_rootfs, default_spec, require_tools, runtime_env
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU_REQUEST = "ALIYUN_COM_GPU_MEM_CONTAINER=2"

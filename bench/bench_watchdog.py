@@ -39,18 +39,8 @@ from pathlib import Path
 
 from bench.table import print_table
 from cgpud.native import native_path
-from tests.harness.bypass_watch import (
-    GIB,
-    MIB,
-    Tenant,
-    bypass_command,
-    bypass_events,
-    neighbour_command,
-    run_tenant,
-    wait_dead,
-    wait_events,
-    watch_flags,
-)
+from tests.harness.bypass_watch import GIB, MIB, Tenant, bypass_command, bypass_events, neighbour_command, run_tenant
+from tests.harness.bypass_watch import wait_dead, wait_events, watch_flags
 from tests.harness.sim import region_mounts as _region_mounts, write_sim_config
 from tests.harness.daemon import Daemon, make_daemon
 from tests.harness.sharerun import _process_cpu

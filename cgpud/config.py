@@ -18,16 +18,8 @@ from cgpud.api import DEFAULT_SOCKET
 from cgpud.api.listen import parse_endpoint, plaintext_problem, tls_problem
 from cgpud.contract import ENV_PREFIX, RELAY_DEFAULT_SOCKET
 from cgpud.node.bypass_model import AllowRule, BypassAction, WatchSettings
-from cgpud.node.model import (
-    MAX_SCHEDULED,
-    ComputePolicy,
-    ComputeTiming,
-    NodeMode,
-    NodePolicy,
-    Orchestrator,
-    Placement,
-    isolates,
-)
+from cgpud.node.model import MAX_SCHEDULED, ComputePolicy, ComputeTiming, NodeMode, NodePolicy, Orchestrator, Placement
+from cgpud.node.model import isolates
 from cgpud.node.compute_policy import decode_compute_policies
 from cgpud.node.bypass_policy import DEFAULT_ALLOW, parse_allow
 from cgpud.errors import UsageError

@@ -23,13 +23,8 @@ from pathlib import Path
 from cgpud.atomicfile import write_atomic
 from cgpud.contract import RUNTIME_GPU_PROGRAM
 from cgpud.cli.config_change import FileChange, RuntimeSpec
-from cgpud.cli.containerd_config import (
-    CONTAINERD_CONFIG,
-    containerd_changes,
-    containerd_major_version,
-    containerd_warnings,
-    dropin_path,
-)
+from cgpud.cli.containerd_config import CONTAINERD_CONFIG, containerd_changes, containerd_major_version
+from cgpud.cli.containerd_config import containerd_warnings, dropin_path
 from cgpud.cli.docker_config import DOCKER_CONFIG, docker_changes
 from cgpud.cli.toolkit_config import TOOLKIT_CONFIG, toolkit_changes
 from cgpud.errors import CgpuError, UsageError

@@ -20,14 +20,8 @@ from cgpud.containers.devices import DeviceNode
 from cgpud.contract import RELAY_WAIT_S
 from cgpud.node.model import GIB, Instance
 from cgpud.errors import UsageError
-from cgpud.containers.request import (
-    CONTAINER_REGION,
-    ENV_CORE,
-    ENV_MEMORY,
-    ENV_MEMORY_DEV,
-    ENV_MEMORY_INDEX,
-    ENV_MEMORY_POD,
-)
+from cgpud.containers.request import CONTAINER_REGION, ENV_CORE, ENV_MEMORY, ENV_MEMORY_DEV, ENV_MEMORY_INDEX
+from cgpud.containers.request import ENV_MEMORY_POD
 from cgpud.node.region import USAGE_FILE
 
 CONTAINER_LIBRARY = "/usr/local/cgpu/libcgpu.so"

@@ -31,26 +31,12 @@ from cgpud.node.model import GIB, Instance, InstanceState, Owner, OwnerKind, Req
 from cgpud.node.service import InstanceService
 from cgpud.errors import StateError, UsageError
 from cgpud.containers.bundle import check_targets, check_volumes, read_spec, rootfs_path, write_spec
-from cgpud.containers.edits import (
-    BIND_STAGE,
-    CONTAINER_LIBRARY,
-    PRELOAD,
-    RELEASE_STAGE,
-    RuntimeFiles,
-    apply_edits,
-    instance_edits,
-)
+from cgpud.containers.edits import BIND_STAGE, CONTAINER_LIBRARY, PRELOAD, RELEASE_STAGE, RuntimeFiles, apply_edits
+from cgpud.containers.edits import instance_edits
 from cgpud.containers.placed import check_placed, read_mountinfo
 from cgpud.containers.identity import ContainerKey, container_key
-from cgpud.containers.request import (
-    CONTAINER_REGION,
-    TOOLKIT_ENV,
-    TOOLKIT_NONE,
-    Claim,
-    EnvRequest,
-    read_request,
-    without_toolkit_devices,
-)
+from cgpud.containers.request import CONTAINER_REGION, TOOLKIT_ENV, TOOLKIT_NONE, Claim, EnvRequest, read_request
+from cgpud.containers.request import without_toolkit_devices
 
 BIND_STAGES = (BIND_STAGE, "prestart")
 # Where instance_edits mounts for an enforced instance.

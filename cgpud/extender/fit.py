@@ -29,14 +29,8 @@ from cgpud.node.model import GpuCapacity, GpuUsage, NodePolicy, Owner, OwnerKind
 from cgpud.node.model import Placement as NodePlacement
 from cgpud.extender.model import NodeState
 from cgpud.extender.pod import GIB, PodDemand
-from cgpud.kube.model import (
-    ANNOTATION_ALLOCATION,
-    ANNOTATION_ASSIGNED,
-    ANNOTATION_ASSUME_TIME,
-    ANNOTATION_GPU_INDEX,
-    ANNOTATION_GPU_MEM_DEV,
-    ANNOTATION_POD_MEMORY,
-)
+from cgpud.kube.model import ANNOTATION_ALLOCATION, ANNOTATION_ASSIGNED, ANNOTATION_ASSUME_TIME, ANNOTATION_GPU_INDEX
+from cgpud.kube.model import ANNOTATION_GPU_MEM_DEV, ANNOTATION_POD_MEMORY
 
 MAX_SCORE = 10  # kube-scheduler's MaxExtenderPriority
 _CACHE_SIZE = 64  # pod shapes remembered per view

@@ -33,16 +33,8 @@ from cgpud.containers.edits import RuntimeFiles, instance_edits
 from cgpud.containers.request import ENV_CORE
 from cgpud.kube import assignment
 from cgpud.kube.apiserver import ApiServerError, ApiServerUnavailable, PodInfo
-from cgpud.kube.model import (
-    ANNOTATION_ASSIGNED,
-    ANNOTATION_GPU_INDEX,
-    DEFAULT_CDI_DIR,
-    TOOLKIT_DEVICE_LIST_DIR,
-    AllocationError,
-    ContainerAllocation,
-    MountSpec,
-    Resource,
-)
+from cgpud.kube.model import ANNOTATION_ASSIGNED, ANNOTATION_GPU_INDEX, DEFAULT_CDI_DIR, TOOLKIT_DEVICE_LIST_DIR
+from cgpud.kube.model import AllocationError, ContainerAllocation, MountSpec, Resource
 
 DYNAMIC_CDI_DIR = Path(DEFAULT_CDI_DIR)
 SPEC_PREFIX = "cgpu-pod-"  # one spec file per pod instance: cgpu-pod-<instance id>.json

@@ -29,14 +29,8 @@ from dataclasses import dataclass
 
 from cgpud.kube.apiserver import ContainerInfo, PodInfo
 from cgpud.node.model import PodContainer
-from cgpud.kube.model import (
-    ANNOTATION_ALLOCATION,
-    ANNOTATION_ASSIGNED,
-    ANNOTATION_ASSUME_TIME,
-    ANNOTATION_GPU_INDEX,
-    AllocationError,
-    Resource,
-)
+from cgpud.kube.model import ANNOTATION_ALLOCATION, ANNOTATION_ASSIGNED, ANNOTATION_ASSUME_TIME, ANNOTATION_GPU_INDEX
+from cgpud.kube.model import AllocationError, Resource
 
 _UNITS = {Resource.GPU_MEM: "GiB of ", Resource.GPU_CORE: "percent of ", Resource.GPU_COUNT: "GPUs of "}
 _HINT = "is the cgpu scheduler extender (or gpushare) configured?"

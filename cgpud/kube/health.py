@@ -29,24 +29,9 @@ import pynvml
 import structlog
 
 from cgpud.errors import GpuQueryError, UsageError
-from cgpud.kube.health_policy import (
-    DEFAULT_PROBE_INTERVAL,
-    DEFAULT_RECOVERY_WINDOW,
-    DEFAULT_SKIPPED_XIDS,
-    DEFAULT_WAIT_MS,
-    XID_NAMES,
-    GpuHealth,
-    GpuRef,
-    HealthPolicy,
-    Observation,
-    ProbeObserved,
-    XidObserved,
-    apply,
-    decide,
-    healthy_by_index,
-    parse_xids,
-    xid_text,
-)
+from cgpud.kube.health_policy import DEFAULT_PROBE_INTERVAL, DEFAULT_RECOVERY_WINDOW, DEFAULT_SKIPPED_XIDS
+from cgpud.kube.health_policy import DEFAULT_WAIT_MS, XID_NAMES, GpuHealth, GpuRef, HealthPolicy, Observation
+from cgpud.kube.health_policy import ProbeObserved, XidObserved, apply, decide, healthy_by_index, parse_xids, xid_text
 
 __all__ = [
     "DEFAULT_PROBE_INTERVAL",

@@ -8,15 +8,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from fnmatch import fnmatchcase
 
-from cgpud.node.bypass_model import (
-    AllowRule,
-    ComputeView,
-    GpuProcess,
-    ProcessIdentity,
-    Violation,
-    ViolationKind,
-    WatchSettings,
-)
+from cgpud.node.bypass_model import AllowRule, ComputeView, GpuProcess, ProcessIdentity, Violation, ViolationKind
+from cgpud.node.bypass_model import WatchSettings
 from cgpud.node.model import Instance
 from cgpud.errors import UsageError
 from cgpud.units import format_memory

@@ -23,18 +23,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import structlog
 
 from cgpud.node import bypass_policy, procmap
-from cgpud.node.bypass_model import (
-    BypassAction,
-    BypassEvent,
-    BypassEvents,
-    ComputeView,
-    EventAction,
-    GpuProcess,
-    ProcessIdentity,
-    Violation,
-    ViolationKind,
-    WatchSettings,
-)
+from cgpud.node.bypass_model import BypassAction, BypassEvent, BypassEvents, ComputeView, EventAction, GpuProcess
+from cgpud.node.bypass_model import ProcessIdentity, Violation, ViolationKind, WatchSettings
 from cgpud.node.compute_policy import limits_compute
 from cgpud.node.model import ComputePolicy, Instance, NodeMode, NodePolicy, isolates
 from cgpud.errors import CgpuError

@@ -16,19 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
-from cgpud.node.model import (
-    GpuCapacity,
-    GpuUsage,
-    Grant,
-    Instance,
-    NodeMode,
-    NodePolicy,
-    Placement,
-    Request,
-    Reservation,
-    Share,
-    WHOLE_GPU_MODES,
-)
+from cgpud.node.model import GpuCapacity, GpuUsage, Grant, Instance, NodeMode, NodePolicy, Placement, Request
+from cgpud.node.model import Reservation, Share, WHOLE_GPU_MODES
 from cgpud.errors import AdmissionError, StateError, UsageError
 from cgpud.units import format_memory
 

@@ -25,48 +25,16 @@ import structlog
 
 from cgpud.node import host, placement
 from cgpud.node.changes import Changes
-from cgpud.node.model import (
-    ComputePolicy,
-    GpuCapacity,
-    Instance,
-    InstanceState,
-    NodeInfo,
-    NodeMode,
-    NodePolicy,
-    OwnerKind,
-    Placement,
-    Request,
-    Reservation,
-    Share,
-    WHOLE_GPU_MODES,
-)
+from cgpud.node.model import ComputePolicy, GpuCapacity, Instance, InstanceState, NodeInfo, NodeMode, NodePolicy
+from cgpud.node.model import OwnerKind, Placement, Request, Reservation, Share, WHOLE_GPU_MODES
 from cgpud.node.compute import ComputeError, ComputeScheduler, TenantMetrics
-from cgpud.node.compute_policy import (
-    decode_compute_policies,
-    encode_compute_policies,
-    limits_compute,
-    with_compute_policy,
-)
+from cgpud.node.compute_policy import decode_compute_policies, encode_compute_policies, limits_compute
+from cgpud.node.compute_policy import with_compute_policy
 from cgpud.node.exits import ExitWatch
-from cgpud.node.region import (
-    INSTANCES_MODE,
-    REGION_FS_FILE,
-    SPARE_REGION,
-    USAGE_FILE,
-    DeviceLimit,
-    InstanceLimits,
-    RegionError,
-    UsageRegion,
-    claim_spare_region,
-    grants_problem,
-    make_region_dir,
-    make_spare_region,
-    read_limits,
-    remove_region_dir,
-    repair_usage,
-    usage_problem,
-    write_region,
-)
+from cgpud.node.region import INSTANCES_MODE, REGION_FS_FILE, SPARE_REGION, USAGE_FILE, DeviceLimit, InstanceLimits
+from cgpud.node.region import RegionError, UsageRegion, claim_spare_region, grants_problem, make_region_dir
+from cgpud.node.region import make_spare_region, read_limits, remove_region_dir, repair_usage, usage_problem
+from cgpud.node.region import write_region
 from cgpud.node.store import Store, new_instance_id
 from cgpud.errors import AdmissionError, CgpuError, NotFoundError, StateError, UsageError
 

@@ -25,12 +25,8 @@ import pytest
 
 from cgpud.api.cgpu.v1 import capacity_pb2 as cap
 from cgpud.api.cgpu.v1 import capacity_pb2_grpc as cap_grpc
-from cgpud.kube.model import (
-    ANNOTATION_ASSIGNED,
-    ANNOTATION_ASSUME_TIME,
-    ANNOTATION_CAPACITY_ADDRESS,
-    ANNOTATION_GPU_INDEX,
-)
+from cgpud.kube.model import ANNOTATION_ASSIGNED, ANNOTATION_ASSUME_TIME, ANNOTATION_CAPACITY_ADDRESS
+from cgpud.kube.model import ANNOTATION_GPU_INDEX
 from tests.harness.cluster import Cluster, Extender, Outcome, post_json, schedule, schedule_once, share_pod
 from tests.harness.daemon import BIN
 from tests.harness.api_server import node_json

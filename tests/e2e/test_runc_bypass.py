@@ -29,17 +29,8 @@ from typing import Any
 import pytest
 
 from tests.harness import bypass_build
-from tests.harness.bypass_watch import (
-    GIB,
-    INTERVAL,
-    SLACK,
-    Nvml,
-    bypass_events,
-    violations,
-    wait_dead,
-    wait_events,
-    watch_flags,
-)
+from tests.harness.bypass_watch import GIB, INTERVAL, SLACK, Nvml, bypass_events, violations, wait_dead, wait_events
+from tests.harness.bypass_watch import watch_flags
 from tests.harness.daemon import Daemon, running_daemon
 from tests.harness.oci import Host, create, runc
 

@@ -21,14 +21,7 @@ from cgpud.api.cgpu.v1 import local_pb2_grpc as pb_grpc
 from cgpud.api.server import SERVICE_NAME, serve
 from cgpud.cli.client import LocalClient
 from cgpud.node import model
-from cgpud.errors import (
-    AdmissionError,
-    CgpuError,
-    GpuQueryError,
-    NotFoundError,
-    StateError,
-    UsageError,
-)
+from cgpud.errors import AdmissionError, CgpuError, GpuQueryError, NotFoundError, StateError, UsageError
 
 GPU = model.GpuCapacity(index=0, uuid="GPU-11111111-2222-3333-4444-555555555555", memory=16 * model.GIB)
 

@@ -24,22 +24,9 @@ from pathlib import Path
 import pytest
 
 from cgpud.native import native_path
-from tests.harness.bypass_watch import (
-    GIB,
-    INTERVAL,
-    Nvml,
-    Tenant,
-    bypass_command,
-    bypass_events,
-    bypass_listing,
-    neighbour_command,
-    run_plain,
-    run_tenant,
-    violations,
-    wait_dead,
-    wait_events,
-    watch_flags,
-)
+from tests.harness.bypass_watch import GIB, INTERVAL, Nvml, Tenant, bypass_command, bypass_events, bypass_listing
+from tests.harness.bypass_watch import neighbour_command, run_plain, run_tenant, violations, wait_dead, wait_events
+from tests.harness.bypass_watch import watch_flags
 from tests.harness.sim import write_sim_config
 from tests.harness.daemon import Daemon, running_daemon
 

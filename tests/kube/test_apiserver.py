@@ -8,14 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from cgpud.kube.apiserver import (
-    ApiServer,
-    ApiServerError,
-    ApiServerUnavailable,
-    ContainerInfo,
-    LazyApiServer,
-    client_from,
-)
+from cgpud.kube.apiserver import ApiServer, ApiServerError, ApiServerUnavailable, ContainerInfo, LazyApiServer
+from cgpud.kube.apiserver import client_from
 from tests.harness.api_server import ApiServerProcess, api_server, node_json, pod_json
 
 

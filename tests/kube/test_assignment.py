@@ -9,14 +9,8 @@ import pytest
 from cgpud.kube.apiserver import ContainerInfo, PodInfo
 from cgpud.node.model import PodContainer
 from cgpud.kube.assignment import Assignment, assumed, check_count, complete, find_asker, pod_container, resolve_memory
-from cgpud.kube.model import (
-    ANNOTATION_ALLOCATION,
-    ANNOTATION_ASSIGNED,
-    ANNOTATION_ASSUME_TIME,
-    ANNOTATION_GPU_INDEX,
-    AllocationError,
-    Resource,
-)
+from cgpud.kube.model import ANNOTATION_ALLOCATION, ANNOTATION_ASSIGNED, ANNOTATION_ASSUME_TIME, ANNOTATION_GPU_INDEX
+from cgpud.kube.model import AllocationError, Resource
 
 MEM, CORE, COUNT = Resource.GPU_MEM.value, Resource.GPU_CORE.value, Resource.GPU_COUNT.value
 

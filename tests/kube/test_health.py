@@ -19,18 +19,8 @@ from typing import Any
 import pytest
 
 from cgpud.errors import UsageError
-from cgpud.kube.health import (
-    DEFAULT_SKIPPED_XIDS,
-    GpuHealth,
-    HealthPolicy,
-    HealthWatcher,
-    ProbeObserved,
-    XidObserved,
-    apply,
-    decide,
-    healthy_by_index,
-    parse_xids,
-)
+from cgpud.kube.health import DEFAULT_SKIPPED_XIDS, GpuHealth, HealthPolicy, HealthWatcher, ProbeObserved, XidObserved
+from cgpud.kube.health import apply, decide, healthy_by_index, parse_xids
 from tests.harness.simrun import py_env, sim_stat
 
 POLICY = HealthPolicy(recovery_window=60.0)

@@ -38,16 +38,8 @@ from typing import Any
 import yaml
 
 from cgpud.native import native_dir, native_path
-from tests.harness.cluster import (
-    ROOT_PREFIX,
-    _pid_alive,
-    _tag_pid,
-    _unmount_regions,
-    free_port,
-    free_second_octet,
-    node_network,
-    sweep_leftovers,
-)
+from tests.harness.cluster import ROOT_PREFIX, _pid_alive, _tag_pid, _unmount_regions, free_port, free_second_octet
+from tests.harness.cluster import node_network, sweep_leftovers
 from tests.harness.sim import write_sim_config
 from tests.harness.daemon import BIN
 from tests.harness.oci import build_rootfs

@@ -7,14 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from cgpud.node.bypass_model import (
-    AllowRule,
-    ComputeView,
-    GpuProcess,
-    ProcessIdentity,
-    ViolationKind,
-    WatchSettings,
-)
+from cgpud.node.bypass_model import AllowRule, ComputeView, GpuProcess, ProcessIdentity, ViolationKind, WatchSettings
 from cgpud.node.model import GIB, MIB, Grant, Instance, InstanceState, Owner, OwnerKind
 from cgpud.node.bypass_policy import DEFAULT_ALLOW, allowed, decide, parse_allow
 from cgpud.errors import UsageError

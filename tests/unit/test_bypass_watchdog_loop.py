@@ -19,31 +19,12 @@ import pynvml
 import pytest
 from structlog.testing import capture_logs
 
-from cgpud.node.bypass_model import (
-    BypassAction,
-    BypassEvents,
-    ComputeView,
-    EventAction,
-    GpuProcess,
-    ProcessIdentity,
-    Violation,
-    ViolationKind,
-    WatchSettings,
-)
+from cgpud.node.bypass_model import BypassAction, BypassEvents, ComputeView, EventAction, GpuProcess, ProcessIdentity
+from cgpud.node.bypass_model import Violation, ViolationKind, WatchSettings
 from cgpud.node.compute import TenantMetrics
 from cgpud.daemon.metrics import DaemonStats
-from cgpud.node.model import (
-    GIB,
-    MIB,
-    ComputePolicy,
-    Grant,
-    Instance,
-    InstanceState,
-    NodeMode,
-    NodePolicy,
-    Owner,
-    OwnerKind,
-)
+from cgpud.node.model import GIB, MIB, ComputePolicy, Grant, Instance, InstanceState, NodeMode, NodePolicy, Owner
+from cgpud.node.model import OwnerKind
 from cgpud.node.bypass_watchdog import BypassWatchdog, NvmlProcessReader
 
 SECOND_US = 1_000_000

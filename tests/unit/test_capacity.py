@@ -12,34 +12,15 @@ from pathlib import Path
 import grpc
 import pytest
 
-from cgpud.api.capacity import (
-    CapacityServicer,
-    NodeFacts,
-    NodeSnapshot,
-    node_facts,
-    node_view,
-    nvlink_pairs,
-    reserve_from_pb,
-)
+from cgpud.api.capacity import CapacityServicer, NodeFacts, NodeSnapshot, node_facts, node_view, nvlink_pairs
+from cgpud.api.capacity import reserve_from_pb
 from cgpud.api.capacity_server import CapacityTls, advertised, serve_capacity
 from cgpud.api.cgpu.v1 import capacity_pb2 as pb
 from cgpud.api.cgpu.v1 import capacity_pb2_grpc as pb_grpc
 from cgpud.api.listen import Endpoint, is_loopback, parse_endpoint, plaintext_problem, tls_problem
 from cgpud.node.inventory import Gpu, Inventory
-from cgpud.node.model import (
-    GIB,
-    GpuCapacity,
-    Grant,
-    Instance,
-    InstanceState,
-    NodeMode,
-    NodePolicy,
-    Owner,
-    OwnerKind,
-    Placement,
-    Reservation,
-    Share,
-)
+from cgpud.node.model import GIB, GpuCapacity, Grant, Instance, InstanceState, NodeMode, NodePolicy, Owner, OwnerKind
+from cgpud.node.model import Placement, Reservation, Share
 from cgpud.node.service import InstanceService
 from cgpud.node.store import Store
 from cgpud.errors import CgpuError, UsageError

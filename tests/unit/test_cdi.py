@@ -19,33 +19,14 @@ from typing import Any
 import pytest
 
 from cgpud import atomicfile
-from cgpud.node.model import (
-    GIB,
-    GpuCapacity,
-    Grant,
-    Instance,
-    InstanceState,
-    NodeMode,
-    NodePolicy,
-    Owner,
-    OwnerKind,
-    Request,
-)
+from cgpud.node.model import GIB, GpuCapacity, Grant, Instance, InstanceState, NodeMode, NodePolicy, Owner, OwnerKind
+from cgpud.node.model import Request
 from cgpud.node.service import InstanceService
 from cgpud.node.store import Store
 from cgpud.errors import CgpuError, StateError, UsageError
 from cgpud.containers import cdi
-from cgpud.containers.edits import (
-    CONTAINER_LIBRARY,
-    HOOK_ENV,
-    HOOK_TIMEOUT,
-    PRELOAD,
-    ContainerEdits,
-    Hook,
-    Mount,
-    RuntimeFiles,
-    instance_edits,
-)
+from cgpud.containers.edits import CONTAINER_LIBRARY, HOOK_ENV, HOOK_TIMEOUT, PRELOAD, ContainerEdits, Hook, Mount
+from cgpud.containers.edits import RuntimeFiles, instance_edits
 from cgpud.containers.request import CONTAINER_REGION
 
 REGIONS = Path("/var/lib/cgpud/instances")

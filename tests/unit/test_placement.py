@@ -11,21 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cgpud.node.model import (
-    GIB,
-    MIB,
-    GpuCapacity,
-    Grant,
-    Instance,
-    InstanceState,
-    NodeMode,
-    NodePolicy,
-    Owner,
-    OwnerKind,
-    Placement,
-    Request,
-    WHOLE_GPU_MODES,
-)
+from cgpud.node.model import GIB, MIB, GpuCapacity, Grant, Instance, InstanceState, NodeMode, NodePolicy, Owner
+from cgpud.node.model import OwnerKind, Placement, Request, WHOLE_GPU_MODES
 from cgpud.node.placement import admit, gpu_usage
 from cgpud.errors import AdmissionError, UsageError
 

@@ -12,21 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cgpud.node.model import (
-    GIB,
-    MIB,
-    GpuCapacity,
-    Grant,
-    Instance,
-    InstanceState,
-    NodeMode,
-    NodePolicy,
-    Owner,
-    OwnerKind,
-    Request,
-    Reservation,
-    Share,
-)
+from cgpud.node.model import GIB, MIB, GpuCapacity, Grant, Instance, InstanceState, NodeMode, NodePolicy, Owner
+from cgpud.node.model import OwnerKind, Request, Reservation, Share
 from cgpud.node.placement import admit, check_reservation, consume, gpu_usage
 from cgpud.errors import AdmissionError, StateError, UsageError
 

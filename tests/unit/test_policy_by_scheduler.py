@@ -6,19 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from cgpud.node.model import (
-    GIB,
-    GpuCapacity,
-    Grant,
-    Instance,
-    InstanceState,
-    NodeMode,
-    NodePolicy,
-    Owner,
-    OwnerKind,
-    Placement,
-    Request,
-)
+from cgpud.node.model import GIB, GpuCapacity, Grant, Instance, InstanceState, NodeMode, NodePolicy, Owner, OwnerKind
+from cgpud.node.model import Placement, Request
 from cgpud.node.placement import admit, policy_change_problem
 from cgpud.errors import AdmissionError, UsageError
 

@@ -11,15 +11,8 @@ from pathlib import Path
 import pytest
 
 from cgpud.node.model import GIB, Grant, Instance, InstanceState, Owner, OwnerKind
-from cgpud.node.procmap import (
-    ProcessMapper,
-    parse_cgroups,
-    parse_stat,
-    preferred_cgroup,
-    read_cgroups,
-    read_stat,
-    within,
-)
+from cgpud.node.procmap import ProcessMapper, parse_cgroups, parse_stat, preferred_cgroup, read_cgroups, read_stat
+from cgpud.node.procmap import within
 
 BTIME = 1_000_000
 TICKS = os.sysconf("SC_CLK_TCK")

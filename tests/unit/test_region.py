@@ -21,20 +21,8 @@ from typing import Any
 import pytest
 
 from cgpud._region import ffi, lib
-from cgpud.node.region import (
-    GRANTS_FILE,
-    LIMITS_FILE,
-    MAX_DEVICES,
-    MAX_PROCS,
-    USAGE_FILE,
-    DeviceLimit,
-    InstanceLimits,
-    RegionError,
-    UsageRegion,
-    read_limits,
-    usage_problem,
-    write_region,
-)
+from cgpud.node.region import GRANTS_FILE, LIMITS_FILE, MAX_DEVICES, MAX_PROCS, USAGE_FILE, DeviceLimit, InstanceLimits
+from cgpud.node.region import RegionError, UsageRegion, read_limits, usage_problem, write_region
 from tests.harness.usage_tenant import TenantUsage
 
 ROOT = Path(__file__).resolve().parents[2]

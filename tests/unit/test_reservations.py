@@ -17,20 +17,8 @@ from pathlib import Path
 import pytest
 
 from cgpud.node.changes import Changes
-from cgpud.node.model import (
-    GIB,
-    ComputePolicy,
-    GpuCapacity,
-    InstanceState,
-    NodeMode,
-    NodePolicy,
-    Owner,
-    OwnerKind,
-    Placement,
-    Request,
-    Reservation,
-    Share,
-)
+from cgpud.node.model import GIB, ComputePolicy, GpuCapacity, InstanceState, NodeMode, NodePolicy, Owner, OwnerKind
+from cgpud.node.model import Placement, Request, Reservation, Share
 from cgpud.node.service import DEFAULT_RESERVATION_TTL, InstanceService
 from cgpud.node.store import SCHEMA_VERSION, Store
 from cgpud.errors import AdmissionError, StateError, UsageError

@@ -14,13 +14,8 @@ import pytest
 import cgpud
 from cgpud.containers import cdi, runtime_files
 from cgpud.containers.edits import RuntimeFiles, apply_edits, instance_edits
-from cgpud.containers.runtime_files import (
-    collect,
-    install_runtime_files,
-    installed_versions,
-    unused_versions,
-    version_dir_name,
-)
+from cgpud.containers.runtime_files import collect, install_runtime_files, installed_versions, unused_versions
+from cgpud.containers.runtime_files import version_dir_name
 from cgpud.node.model import GIB, GpuCapacity, NodeMode, NodePolicy, Owner, OwnerKind, Request
 from cgpud.node.service import InstanceService
 from cgpud.node.store import LEGACY_RUNTIME, Store
