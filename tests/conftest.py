@@ -10,6 +10,7 @@ import pytest
 
 from cgpud.native import native_dir
 from tests.harness.sim import region_mounts, sim_env_in
+from tests.harness.xdist_groups import group_by_module
 
 
 @pytest.fixture(scope="session")
@@ -37,18 +38,6 @@ def _no_region_mounts_left(tmp_path_factory: pytest.TempPathFactory) -> Iterator
         lib.cgpu_region_unmount(point.encode())
 
 
-# Tests that share an expensive package- or session-scoped fixture stay on
-# one xdist worker: another worker would build the same cluster or packages
-# again; the two netns cluster modules each bring up to 8 cgpuds, one such
-# cluster at a time is enough for two cores. Every other module is a group of
-# its own, so module-scoped fixtures are set up once too (what --dist loadfile
-# does, with these groups on top).
-_ONE_WORKER = ("tests/realkube/", "tests/packaging/", "tests/e2e/test_cluster")
-
-
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            module = item.nodeid.split("::")[0]
-            item.add_marker(pytest.mark.xdist_group(next((d for d in _ONE_WORKER if module.startswith(d)), module)))
+    group_by_module(items)

@@ -64,10 +64,22 @@ def attack(path: Path, how: str) -> int:
 
 @pytest.fixture
 def rig(tmp_path: Path) -> Iterator[ShareRig]:
+    # cgpud's state directory on a tmpfs of its own, so that its free space
+    # (which the fill attack must not eat) moves only with this test, not
+    # with what other tests on the machine write meanwhile.
+    state = tmp_path / "state"
+    state.mkdir()
+    private = os.geteuid() == 0
+    if private:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m,mode=0700", "cgpu-test-state", str(state)], check=True)
     r = ShareRig(tmp_path, dict(os.environ))
-    yield r
-    if r.daemon.proc is not None and r.daemon.proc.poll() is None:
-        r.close()
+    try:
+        yield r
+    finally:
+        if r.daemon.proc is not None and r.daemon.proc.poll() is None:
+            r.close()
+        if private:  # with the region tmpfs mounted inside it
+            subprocess.run(["umount", "--lazy", str(state)], check=True)
 
 
 @pytest.fixture

@@ -40,6 +40,8 @@ from tests.harness.daemon import Daemon, make_daemon
 from tests.harness.restart_build import ROOT, Build, newer_build
 from tests.harness.sharerun import Sampler, _at, _busy
 
+pytestmark = pytest.mark.timing  # bounds how long a tenant's sync may stall across cgpud restarts
+
 GIB = 1 << 30
 MS = 1_000_000
 SECOND = 1_000_000_000

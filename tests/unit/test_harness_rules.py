@@ -6,6 +6,10 @@ importer and couples two suites by accident, so no module imports one."""
 from __future__ import annotations
 
 import ast
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,3 +47,31 @@ def test_the_harness_imports_no_conftest() -> None:
         if "conftest" in name.split(".")
     ]
     assert not offenders, "\n".join(offenders)
+
+
+def test_a_module_runs_on_one_xdist_worker(tmp_path: Path) -> None:
+    """./dev test's parallel pass keeps each module on one worker through
+    the xdist_group marks of tests/harness/xdist_groups.py; a pytest or
+    xdist release that stops honouring them (pytest-xdist#1386, pytest 9.2)
+    would spread modules over workers silently."""
+    (tmp_path / "conftest.py").write_text(
+        "import pytest\nfrom tests.harness.xdist_groups import group_by_module\n\n"
+        "@pytest.hookimpl(tryfirst=True)\ndef pytest_collection_modifyitems(config, items):\n"
+        "    group_by_module(items)\n"
+    )
+    for name in ("test_a.py", "test_b.py"):
+        (tmp_path / name).write_text("".join(f"def test_{i}():\n    pass\n" for i in range(6)))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-v", "-p", "no:cacheprovider", "."],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=env,
+        check=False,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    ran = re.findall(r"\[(gw\d+)\].*PASSED (test_[ab])\.py::test_\d+", out.stdout)
+    assert len(ran) == 12, out.stdout
+    assert all(len({w for w, m in ran if m == module}) == 1 for module in ("test_a", "test_b")), out.stdout
