@@ -132,10 +132,11 @@ def parse_policy(mode: str, placement: str, core_step: int, max_instances_per_gp
     """Node settings as another process reports them (a Capacity view's
     text), checked as admission checks its own: UsageError names what is
     wrong."""
+    # The text goes in as it came, for check_policy to refuse what is not a mode or placement.
     raw = NodePolicy(
-        mode=mode,
-        placement=placement,
-        core_step=core_step,  # type: ignore[arg-type]
+        mode=mode,  # type: ignore[arg-type]
+        placement=placement,  # type: ignore[arg-type]
+        core_step=core_step,
         max_instances_per_gpu=max_instances_per_gpu,
     )
     checked_mode, checked_placement = check_policy(raw)

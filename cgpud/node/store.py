@@ -485,9 +485,8 @@ def _reservation(row: tuple[object, ...]) -> Reservation:
         if any(isinstance(v, bool) or not isinstance(v, int) for v in values):
             raise ValueError(f"share {item!r} holds a value that is not an integer")
         parsed.append(Share(*values))
-    return Reservation(
-        str(pod_uid), str(namespace), str(name), tuple(sorted(parsed, key=lambda s: s.gpu_index)), float(expires)
-    )  # type: ignore[arg-type]
+    shares = tuple(sorted(parsed, key=lambda s: s.gpu_index))
+    return Reservation(str(pod_uid), str(namespace), str(name), shares, float(expires))  # type: ignore[arg-type]
 
 
 def _one_call(
