@@ -31,6 +31,8 @@ from tests.harness.cluster import Cluster, Extender, Outcome, post_json, schedul
 from tests.harness.daemon import BIN
 from tests.harness.api_server import node_json
 
+pytestmark = pytest.mark.slow  # tens of seconds to minutes each
+
 GIB = 1 << 30
 NODES, GPUS, GPU_GIB, POD_GIB = 8, 2, 16, 4
 CAPACITY = NODES * GPUS * GPU_GIB // POD_GIB  # 64 pods fill the cluster exactly

@@ -16,6 +16,8 @@ import pytest
 
 from tests.harness.cluster import LINK_PREFIX, NETNS_PREFIX, ROOT_PREFIX, Cluster, sweep_leftovers
 
+pytestmark = pytest.mark.slow  # tens of seconds to minutes each
+
 REPO = Path(__file__).resolve().parents[2]
 
 

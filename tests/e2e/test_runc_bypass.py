@@ -34,6 +34,8 @@ from tests.harness.bypass_watch import watch_flags
 from tests.harness.daemon import Daemon, running_daemon
 from tests.harness.oci import Host, create, runc
 
+pytestmark = pytest.mark.slow  # tens of seconds to minutes each
+
 KINDS = ("elf", "static", "musl")
 OBSERVE = 0.1  # what the test process may add to a death it observes (see test_bypass_watchdog)
 HOLD = ["--alloc-mib", "1024", "--count", "4", "--hold", "600"]

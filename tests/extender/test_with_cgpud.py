@@ -380,6 +380,7 @@ def test_concurrent_binds_never_overcommit_a_node(tmp_path: Path, native: Path) 
         assert len([p for p in view.pods if p.reserved]) == 8
 
 
+@pytest.mark.slow
 def test_a_node_that_stops_answering_is_refused_after_the_keepalive(tmp_path: Path, native: Path) -> None:
     """A frozen cgpud keeps its TCP connection open (the kernel answers for
     it): only the missing keepalive pong tells, 15 + 5 s later."""

@@ -23,6 +23,9 @@ from pathlib import Path
 from cgpud.native import native_path
 from tests.harness.bypass_watch import MIB, Nvml, Tenant, bypass_events, run_tenant, wait_events, watch_flags
 from tests.harness.daemon import running_daemon
+import pytest
+
+pytestmark = pytest.mark.slow  # tens of seconds to minutes each
 
 CONTEXT_MIB = 300
 SECONDS = 60.0

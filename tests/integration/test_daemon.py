@@ -257,6 +257,7 @@ def _client_loop(
             held.append(inst.id)
 
 
+@pytest.mark.slow
 def test_kill_9_at_any_instant_loses_nothing_and_grants_nothing_twice(tmp_path, sim_env):
     d = make_daemon(tmp_path, sim_env, "--max-instances-per-gpu", "1000")
     d.start()

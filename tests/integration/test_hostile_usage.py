@@ -34,6 +34,8 @@ MIB = 1 << 20
 # container's bind mount gives it. Prints how many bytes it managed to write.
 ATTACKER = r"""
 import os, sys
+
+pytestmark = pytest.mark.slow  # tens of seconds to minutes each
 path, attack = sys.argv[1], sys.argv[2]
 fd = os.open(path, os.O_RDWR)
 written = 0

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # tens of seconds to minutes each
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

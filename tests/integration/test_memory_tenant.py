@@ -14,6 +14,8 @@ from tests.harness.daemon import BIN
 from tests.harness.simrun import sim_stat
 from tests.harness.memory_attack import Phased, build_attacker, check_vmm_sequence
 
+pytestmark = pytest.mark.slow  # tens of seconds to minutes each
+
 
 def test_vmm_sequence_under_cgpuctl_run_is_held_to_the_limit(daemon, native, sim_env, tmp_path):
     attacker = build_attacker(tmp_path)

@@ -40,7 +40,8 @@ from tests.harness.daemon import Daemon, make_daemon
 from tests.harness.restart_build import ROOT, Build, newer_build
 from tests.harness.sharerun import Sampler, _at, _busy
 
-pytestmark = pytest.mark.timing  # bounds how long a tenant's sync may stall across cgpud restarts
+# Bounds how long a tenant's sync may stall across cgpud restarts (timing); takes a minute (slow).
+pytestmark = [pytest.mark.timing, pytest.mark.slow]
 
 GIB = 1 << 30
 MS = 1_000_000

@@ -250,6 +250,7 @@ def cgpud_process(tmp: Path, native: Path, *args: str) -> Iterator[int]:
         d.stop()
 
 
+@pytest.mark.slow
 def test_300_idle_connections_and_stalled_requests_leave_cgpuds_metrics_answering(tmp_path: Path, native: Path) -> None:
     port = free_port()
     with cgpud_process(tmp_path, native, "--metrics-listen", f"127.0.0.1:{port}") as pid:

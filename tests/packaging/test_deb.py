@@ -12,6 +12,8 @@ import pytest
 
 from tests.packaging.conftest import NEW, OLD, Packages
 
+pytestmark = pytest.mark.slow  # tens of seconds to minutes each
+
 PY = "python3.11"
 
 

@@ -21,7 +21,8 @@ import pytest
 from cgpud.node.model import GIB
 from tests.packaging.conftest import NEW, Packages
 
-pytestmark = pytest.mark.host_global  # installs the deb on this machine (dpkg, systemd unit, /opt/cgpu)
+# Installs the deb on this machine (dpkg, systemd unit, /opt/cgpu): host_global.
+pytestmark = [pytest.mark.host_global, pytest.mark.slow]
 
 UNIT = Path("/lib/systemd/system/cgpud.service")
 

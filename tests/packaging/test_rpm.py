@@ -10,6 +10,9 @@ import subprocess
 from pathlib import Path
 
 from tests.packaging.conftest import NEW, Packages
+import pytest
+
+pytestmark = pytest.mark.slow  # tens of seconds to minutes each
 
 PY = "python3.11"
 

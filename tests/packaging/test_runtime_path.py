@@ -8,6 +8,9 @@ from pathlib import Path
 
 from cgpud.cli.runtime_configure import default_runtime_path
 from cgpud.native import native_path
+import pytest
+
+pytestmark = pytest.mark.slow  # tens of seconds to minutes each
 
 
 def test_the_stable_link_is_named_only_when_it_leads_here(tmp_path: Path) -> None:

@@ -24,9 +24,9 @@ from tests.harness.wait import until
 from tests.realkube.cluster import WAIT, RealCluster, RealNode
 from tests.harness.sharerun import Sampler
 
-pytestmark = (
-    pytest.mark.host_global
-)  # the real cluster turns on ip_forward and iptables rules and makes /dev/nvidia* nodes
+# The real cluster turns on ip_forward and iptables rules and makes
+# /dev/nvidia* nodes (host_global); it takes minutes (slow).
+pytestmark = [pytest.mark.host_global, pytest.mark.slow]
 
 MEM = "aliyun.com/gpu-mem"
 CORE = "aliyun.com/gpu-core.percentage"
