@@ -44,7 +44,7 @@ from cgpud.native import native_path
 from tests.harness.daemon import running_daemon
 from tests.harness.api_server import ApiServerProcess, api_server, node_json, pod_json
 from tests.harness.kubelet_pods import kubelet_pods
-from tests.harness.kubelet import Kubelet
+from tests.harness.kubelet import Kubelet, cgpud_kube_args
 
 NODE = "bench-node"
 WAIT = 30.0
@@ -72,22 +72,11 @@ def node(tmp: Path, probe_interval: float) -> Iterator[tuple[ApiServerProcess, d
             running_daemon(
                 tmp,
                 env,
-                "--orchestrator",
-                "kubernetes",
+                *cgpud_kube_args(plugins, pod_resources, kubeconfig, NODE, tmp / "cdi"),
                 "--mode",
                 "cgpu",
                 "--max-instances-per-gpu",
                 "200",
-                "--device-plugin-dir",
-                str(plugins),
-                "--pod-resources-socket",
-                str(pod_resources),
-                "--kubeconfig",
-                str(kubeconfig),
-                "--node-name",
-                NODE,
-                "--cdi-dir",
-                str(tmp / "cdi"),
                 "--gpu-health-probe-interval",
                 str(probe_interval),
             ),
