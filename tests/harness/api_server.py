@@ -360,17 +360,22 @@ class ApiServerProcess:
     def kubeconfig(self, path: Path, address: str | None = None) -> Path:
         """A kubeconfig for this server; `address`: the host its client
         reaches it at (another network namespace's view), else `url`'s."""
-        server = self.url if address is None else f"http://{address}:{self.port}"
-        config = {
-            "apiVersion": "v1",
-            "kind": "Config",
-            "current-context": "test",
-            "clusters": [{"name": "test", "cluster": {"server": server}}],
-            "users": [{"name": "cgpud", "user": {"token": "test-token"}}],
-            "contexts": [{"name": "test", "context": {"cluster": "test", "user": "cgpud"}}],
-        }
-        path.write_text(json.dumps(config))  # JSON is YAML
-        return path
+        return write_kubeconfig(path, self.url if address is None else f"http://{address}:{self.port}")
+
+
+def write_kubeconfig(path: Path, server: str) -> Path:
+    """A kubeconfig at `path` for the API server at URL `server`, with a
+    bearer token (what cgpud's and kubectl's clients read)."""
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "current-context": "test",
+        "clusters": [{"name": "test", "cluster": {"server": server}}],
+        "users": [{"name": "cgpud", "user": {"token": "test-token"}}],
+        "contexts": [{"name": "test", "context": {"cluster": "test", "user": "cgpud"}}],
+    }
+    path.write_text(json.dumps(config))  # JSON is YAML
+    return path
 
 
 @contextmanager
