@@ -470,22 +470,13 @@ def test_cgpud_in_kubernetes_mode_registers_and_reports_a_lost_gpu(sim_env: dict
     import sys
 
     from tests.harness.daemon import running_daemon
+    from tests.harness.sim_fault import inject_fault
 
     base = Path(tempfile.mkdtemp(prefix="dpd-", dir="/tmp"))
     plugins = base / "dp"
     plugins.mkdir()
     kubelet = Kubelet(plugins).start()
     env = dict(sim_env, NODE_NAME="gpu-node-1")
-
-    def fault(*args: str) -> None:
-        proc = subprocess.run(
-            [sys.executable, "-m", "cgpud.cli.main", "sim", "fault", *args],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-        assert proc.returncode == 0, proc.stderr
 
     try:
         with running_daemon(
@@ -527,10 +518,10 @@ def test_cgpud_in_kubernetes_mode_registers_and_reports_a_lost_gpu(sim_env: dict
             uuids = [g["uuid"] for g in json.loads(inventory.stdout)["gpus"]]
             stream = list_and_watch(plugins, Resource.GPU_COUNT, timeout=30)
             assert devices(next(stream)) == {uuids[0]: "Healthy", uuids[1]: "Healthy"}
-            fault("--gpu", "1", "--lost")
+            inject_fault(env, "--gpu", "1", "--lost")
             lost = devices(next(stream))
             assert lost == {uuids[0]: "Healthy", uuids[1]: "Unhealthy"}
-            fault("--gpu", "1", "--recover")
+            inject_fault(env, "--gpu", "1", "--recover")
             assert set(devices(next(stream)).values()) == {"Healthy"}
             stream.cancel()
             assert "API server cannot be reached" in daemon.log.read_text()
