@@ -319,31 +319,27 @@ def test_the_console_script_serves_and_stops_on_sigterm(tmp_path: Path, native: 
         assert "stopping" in (tmp_path / "scheduler.log").read_text()
 
 
-def test_bad_flags_are_refused_with_a_message(tmp_path: Path) -> None:
+def refusal(*args: str) -> str:
+    """cgpu-scheduler's stderr for flags it must refuse with a usage error
+    (exit 2). Outside a pod: with no --nodes it may not fall back on the
+    API server, so KUBERNETES_SERVICE_HOST is dropped."""
     done = subprocess.run(
-        [str(BIN / "cgpu-scheduler"), "--listen", "127.0.0.1:0"],
+        [str(BIN / "cgpu-scheduler"), *args],
         capture_output=True,
         text=True,
         timeout=30,
         env={k: v for k, v in os.environ.items() if k != "KUBERNETES_SERVICE_HOST"},
     )
-    assert done.returncode == 2 and "no nodes: give --nodes FILE" in done.stderr
+    assert done.returncode == 2, done.stderr
+    return done.stderr
+
+
+def test_bad_flags_are_refused_with_a_message(tmp_path: Path) -> None:
+    assert "no nodes: give --nodes FILE" in refusal("--listen", "127.0.0.1:0")
     bad = tmp_path / "nodes"
     bad.write_text("node-1 nowhere\n")
-    done = subprocess.run(
-        [str(BIN / "cgpu-scheduler"), "--listen", "127.0.0.1:0", "--nodes", str(bad)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert done.returncode == 2 and "line 1: 'node-1 nowhere' is not `NAME HOST:PORT`" in done.stderr
-    done = subprocess.run(
-        [str(BIN / "cgpu-scheduler"), "--listen", "nowhere", "--nodes", str(bad)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert done.returncode == 2 and "--listen 'nowhere' is not HOST:PORT" in done.stderr
+    assert "line 1: 'node-1 nowhere' is not `NAME HOST:PORT`" in refusal("--listen", "127.0.0.1:0", "--nodes", str(bad))
+    assert "--listen 'nowhere' is not HOST:PORT" in refusal("--listen", "nowhere", "--nodes", str(bad))
 
 
 def test_concurrent_binds_never_overcommit_a_node(tmp_path: Path, native: Path) -> None:
