@@ -26,9 +26,9 @@ from cgpud.extender.state import ClusterState
 from cgpud.extender.watch import Watchers
 from tests.harness.extender_nodes import GIB, container, pod
 from tests.harness.cgpud_nodes import BIN, Node, cgpud_nodes
-from tests.harness.net import free_port
 from tests.harness.tls import Pki, make_pki
 from tests.harness.wait import until
+from tests.harness.extender_process import extender_process
 
 
 @dataclass
@@ -289,14 +289,7 @@ def test_the_console_script_serves_and_stops_on_sigterm(tmp_path: Path, native: 
     with cgpud_nodes(tmp_path, native, 1) as nodes:
         node_file = tmp_path / "nodes"
         node_file.write_text(f"# test\n{nodes[0].name} {nodes[0].address}\n")
-        port = free_port()
-        log = open(tmp_path / "scheduler.log", "w")
-        proc = subprocess.Popen(
-            [str(BIN / "cgpu-scheduler"), "--listen", f"127.0.0.1:{port}", "--nodes", str(node_file)],
-            stdout=log,
-            stderr=log,
-        )
-        try:
+        with extender_process(tmp_path / "scheduler.log", "--nodes", str(node_file)) as (proc, port):
 
             def inspect() -> dict[str, Any] | None:
                 try:
@@ -311,11 +304,6 @@ def test_the_console_script_serves_and_stops_on_sigterm(tmp_path: Path, native: 
             assert data["nodes"][0]["state"]["gpus"][0]["memory_total"] == 16 * GIB
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=10) == 0
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            log.close()
         assert "stopping" in (tmp_path / "scheduler.log").read_text()
 
 
