@@ -42,7 +42,7 @@ from cgpud.api.k8s.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 from cgpud.kube.model import Resource
 from cgpud.native import native_path
 from tests.harness.daemon import running_daemon
-from tests.harness.api_server import ApiServerProcess, api_server, node_json, pod_json
+from tests.harness.api_server import ApiServerProcess, api_server, assumed, node_json, pod_json
 from tests.harness.kubelet_pods import kubelet_pods
 from tests.harness.kubelet import Kubelet, cgpud_kube_args
 
@@ -114,7 +114,7 @@ def measure_allocations(server: ApiServerProcess, socket: Path, count: int, roun
                     f"p{round_}-{n}",
                     NODE,
                     containers={"main": {Resource.GPU_MEM.value: 1}},
-                    annotations={"ALIYUN_COM_GPU_MEM_ASSUME_TIME": str(n + 1), "ALIYUN_COM_GPU_MEM_ASSIGNED": "false"},
+                    annotations=assumed(n + 1),
                 )
             )
             ids = [devices[n % len(devices)]]

@@ -22,7 +22,7 @@ from tests.harness.daemon import Daemon, running_daemon
 from tests.harness.oci import Bundle, Host, run
 from tests.harness.cdi import apply_cdi
 from tests.harness.workload import BURN, burn_json
-from tests.harness.api_server import ApiServerProcess, api_server, node_json, pod_json
+from tests.harness.api_server import ApiServerProcess, api_server, assumed, node_json, pod_json
 from tests.harness.kubelet_pods import kubelet_pods
 from tests.harness.kubelet import Kubelet, allocate, cgpud_kube_args, first_device_ids
 
@@ -53,11 +53,7 @@ def test_allocate_cdi_runc_sees_its_gib_and_the_pod_delete_releases_it(
             "train",
             NODE,
             containers={"main": {"aliyun.com/gpu-mem": 2}},
-            annotations={
-                "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "1",
-                "ALIYUN_COM_GPU_MEM_ASSIGNED": "false",
-                "ALIYUN_COM_GPU_MEM_IDX": "0",
-            },
+            annotations=assumed(1, gpu_index=0),
         )
     )
     cdi_dir = tmp_path / "cdi"

@@ -39,6 +39,18 @@ def merge_patch(target: Any, patch: Any) -> Any:
     return out
 
 
+def assumed(assume_time: int, gpu_index: int | str | None = None) -> dict[str, str]:
+    """The annotations cgpu's scheduler extender leaves on a pod it has placed
+    and the kubelet has not allocated yet: assumed at `assume_time` (the
+    Allocate that comes takes the oldest pod of its size), not assigned, on
+    GPU `gpu_index` when one is named (a string is written as it is: tests
+    of malformed annotations give one)."""
+    annotations = {"ALIYUN_COM_GPU_MEM_ASSUME_TIME": str(assume_time), "ALIYUN_COM_GPU_MEM_ASSIGNED": "false"}
+    if gpu_index is not None:
+        annotations["ALIYUN_COM_GPU_MEM_IDX"] = str(gpu_index)
+    return annotations
+
+
 def pod_json(
     name: str,
     node: str,

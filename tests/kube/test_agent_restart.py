@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from tests.harness.daemon import Daemon, make_daemon
-from tests.harness.api_server import api_server, node_json, pod_json
+from tests.harness.api_server import api_server, assumed, node_json, pod_json
 from tests.harness.kubelet_pods import kubelet_pods
 from tests.harness.kubelet import Kubelet, allocate, cgpud_kube_args, first_device_ids
 
@@ -40,11 +40,7 @@ def test_restarts_of_cgpud_and_the_kubelet_keep_the_pod_instance_and_grant_nothi
                     "train",
                     NODE,
                     containers={"main": {"aliyun.com/gpu-mem": 3}},
-                    annotations={
-                        "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "1",
-                        "ALIYUN_COM_GPU_MEM_ASSIGNED": "false",
-                        "ALIYUN_COM_GPU_MEM_IDX": "1",
-                    },
+                    annotations=assumed(1, gpu_index=1),
                 )
             )
             cgpud = make_daemon(

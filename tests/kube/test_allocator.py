@@ -22,7 +22,7 @@ from cgpud.kube.apiserver import ApiServer
 from cgpud.kube.model import AllocationError, MountSpec, Resource
 from cgpud.kube.pod_resources import PodResourcesClient
 from cgpud.kube.releases import PodReleaser, kubelet_pods
-from tests.harness.api_server import ApiServerProcess, api_server, pod_json
+from tests.harness.api_server import ApiServerProcess, api_server, assumed, pod_json
 from tests.harness.kubelet_pods import KubeletPods
 from tests.harness.kubelet_pods import kubelet_pods as serve_kubelet_pods
 
@@ -42,11 +42,8 @@ class Rig:
     cdi: Path
 
     def assumed_pod(self, name: str, gib: int = 2, idx: str | None = "1", t: int = 100, **limits: int) -> dict:
-        annotations = {"ALIYUN_COM_GPU_MEM_ASSUME_TIME": str(t), "ALIYUN_COM_GPU_MEM_ASSIGNED": "false"}
-        if idx is not None:
-            annotations["ALIYUN_COM_GPU_MEM_IDX"] = idx
         return self.server.state.add_pod(
-            pod_json(name, NODE, containers={"main": {MEM: gib, **limits}}, annotations=annotations)
+            pod_json(name, NODE, containers={"main": {MEM: gib, **limits}}, annotations=assumed(t, idx))
         )
 
     def assumed_duo(self) -> dict:
@@ -56,11 +53,7 @@ class Rig:
                 "duo",
                 NODE,
                 containers={"a": {MEM: 3}, "b": {MEM: 3}},
-                annotations={
-                    "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "5",
-                    "ALIYUN_COM_GPU_MEM_ASSIGNED": "false",
-                    "ALIYUN_COM_GPU_MEM_IDX": "0",
-                },
+                annotations=assumed(5, gpu_index=0),
             )
         )
 
