@@ -11,7 +11,6 @@ Deleting the pod releases the instance within a sweep."""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from tests.harness.workload import BURN, burn_json
 from tests.harness.api_server import ApiServerProcess, api_server, assumed, node_json, pod_json
 from tests.harness.kubelet_pods import kubelet_pods
 from tests.harness.kubelet import Kubelet, allocate, cgpud_kube_args, first_device_ids
+from tests.harness.wait import until
 
 
 NODE = "node-e2e"
@@ -102,10 +102,7 @@ def test_allocate_cdi_runc_sees_its_gib_and_the_pod_delete_releases_it(
             kubelet_api.hold("default", "train", "main", "aliyun.com/gpu-mem", tuple(devices[:2]))
             server.state.delete_pod("default", "train")
             kubelet_api.forget("default", "train")
-            deadline = time.monotonic() + WAIT
-            while _list(cgpud) and time.monotonic() < deadline:
-                time.sleep(0.2)
-            assert _list(cgpud) == []
+            until(lambda: _list(cgpud) == [], WAIT, interval=0.2, what="the deleted pod's instance released")
             assert not (cdi_dir / f"cgpu-pod-{iid}.json").exists()
             assert pod["metadata"]["uid"]
     finally:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 import grpc
@@ -18,6 +17,7 @@ from tests.harness.daemon import Daemon, make_daemon
 from tests.harness.api_server import api_server, assumed, node_json, pod_json
 from tests.harness.kubelet_pods import kubelet_pods
 from tests.harness.kubelet import Kubelet, allocate, cgpud_kube_args, first_device_ids
+from tests.harness.wait import until
 
 NODE = "node-r"
 WAIT = 20.0
@@ -73,10 +73,7 @@ def test_restarts_of_cgpud_and_the_kubelet_keep_the_pod_instance_and_grant_nothi
 
                 server.state.delete_pod("default", "train")
                 kubelet_api.forget("default", "train")
-                deadline = time.monotonic() + WAIT
-                while _listed(cgpud) and time.monotonic() < deadline:
-                    time.sleep(0.2)
-                assert _listed(cgpud) == []
+                until(lambda: _listed(cgpud) == [], WAIT, interval=0.2, what="the deleted pod's instance released")
             finally:
                 cgpud.stop()
     finally:
