@@ -42,9 +42,9 @@ from cgpud.api.k8s.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 from cgpud.kube.model import Resource
 from cgpud.native import native_path
 from tests.harness.daemon import running_daemon
-from tests.harness.api_server import ApiServerProcess, api_server, node_json, pod_json
+from tests.harness.api_server import ApiServerProcess, api_server, assumed, node_json, pod_json
 from tests.harness.kubelet_pods import kubelet_pods
-from tests.harness.kubelet import Kubelet
+from tests.harness.kubelet import Kubelet, cgpud_kube_args
 
 NODE = "bench-node"
 WAIT = 30.0
@@ -72,22 +72,11 @@ def node(tmp: Path, probe_interval: float) -> Iterator[tuple[ApiServerProcess, d
             running_daemon(
                 tmp,
                 env,
-                "--orchestrator",
-                "kubernetes",
+                *cgpud_kube_args(plugins, pod_resources, kubeconfig, NODE, tmp / "cdi"),
                 "--mode",
                 "cgpu",
                 "--max-instances-per-gpu",
                 "200",
-                "--device-plugin-dir",
-                str(plugins),
-                "--pod-resources-socket",
-                str(pod_resources),
-                "--kubeconfig",
-                str(kubeconfig),
-                "--node-name",
-                NODE,
-                "--cdi-dir",
-                str(tmp / "cdi"),
                 "--gpu-health-probe-interval",
                 str(probe_interval),
             ),
@@ -125,7 +114,7 @@ def measure_allocations(server: ApiServerProcess, socket: Path, count: int, roun
                     f"p{round_}-{n}",
                     NODE,
                     containers={"main": {Resource.GPU_MEM.value: 1}},
-                    annotations={"ALIYUN_COM_GPU_MEM_ASSUME_TIME": str(n + 1), "ALIYUN_COM_GPU_MEM_ASSIGNED": "false"},
+                    annotations=assumed(n + 1),
                 )
             )
             ids = [devices[n % len(devices)]]

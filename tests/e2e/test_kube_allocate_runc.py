@@ -11,23 +11,20 @@ Deleting the pod releases the instance within a sweep."""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 
-from cgpud.api.k8s.deviceplugin.v1beta1 import api_pb2 as pb
-from cgpud.api.k8s.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 from cgpud.node.model import GIB
 from tests.harness.daemon import Daemon, running_daemon
 from tests.harness.oci import Bundle, Host, run
 from tests.harness.cdi import apply_cdi
 from tests.harness.workload import BURN, burn_json
-from tests.harness.api_server import ApiServerProcess, api_server, node_json, pod_json
+from tests.harness.api_server import ApiServerProcess, api_server, assumed, node_json, pod_json
 from tests.harness.kubelet_pods import kubelet_pods
-from tests.harness.kubelet import Kubelet
+from tests.harness.kubelet import Kubelet, allocate, cgpud_kube_args, first_device_ids
+from tests.harness.wait import until
 
 
 NODE = "node-e2e"
@@ -39,24 +36,6 @@ def cluster(tmp_path: Path) -> Iterator[tuple[ApiServerProcess, Path]]:
     with api_server(tmp_path) as (server, kubeconfig):
         server.state.nodes[NODE] = node_json(NODE, {"ack.node.gpu.schedule": "cgpu"})
         yield server, kubeconfig
-
-
-def _allocate(plugin: Path, ids: list[str]) -> pb.ContainerAllocateResponse:
-    with grpc.insecure_channel(f"unix:{plugin}") as channel:
-        stub = pb_grpc.DevicePluginStub(channel)
-        answer = stub.Allocate(
-            pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)]), timeout=WAIT
-        )
-    [container] = answer.container_responses
-    return container
-
-
-def _devices(plugin: Path) -> list[str]:
-    with grpc.insecure_channel(f"unix:{plugin}") as channel:
-        stream = pb_grpc.DevicePluginStub(channel).ListAndWatch(pb.Empty(), timeout=WAIT)
-        first = next(iter(stream))
-        stream.cancel()
-    return [d.ID for d in first.devices]
 
 
 def _list(cgpud: Daemon) -> list[dict]:
@@ -74,11 +53,7 @@ def test_allocate_cdi_runc_sees_its_gib_and_the_pod_delete_releases_it(
             "train",
             NODE,
             containers={"main": {"aliyun.com/gpu-mem": 2}},
-            annotations={
-                "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "1",
-                "ALIYUN_COM_GPU_MEM_ASSIGNED": "false",
-                "ALIYUN_COM_GPU_MEM_IDX": "0",
-            },
+            annotations=assumed(1, gpu_index=0),
         )
     )
     cdi_dir = tmp_path / "cdi"
@@ -92,25 +67,14 @@ def test_allocate_cdi_runc_sees_its_gib_and_the_pod_delete_releases_it(
             running_daemon(
                 tmp_path,
                 gpu_env,
-                "--orchestrator",
-                "kubernetes",
-                "--device-plugin-dir",
-                str(plugins),
-                "--pod-resources-socket",
-                str(pod_resources),
-                "--kubeconfig",
-                str(kubeconfig),
-                "--node-name",
-                NODE,
-                "--cdi-dir",
-                str(cdi_dir),
+                *cgpud_kube_args(plugins, pod_resources, kubeconfig, NODE, cdi_dir),
             ) as cgpud,
         ):
             names = {r.resource_name: r.endpoint for r in kubelet.take_registrations(5)}
             mem_plugin = plugins / names["aliyun.com/gpu-mem"]
-            devices = _devices(mem_plugin)
+            devices = first_device_ids(mem_plugin, WAIT)
             assert len(devices) == 16  # one per GiB of the 16 GiB GPU
-            answer = _allocate(mem_plugin, devices[:2])
+            answer = allocate(mem_plugin, devices[:2], WAIT)
             [cdi_name] = [d.name for d in answer.cdi_devices]
             iid = cdi_name.removeprefix("cgpu.io/gpu=")
             assert answer.envs["ALIYUN_COM_GPU_MEM_CONTAINER"] == "2"
@@ -138,10 +102,7 @@ def test_allocate_cdi_runc_sees_its_gib_and_the_pod_delete_releases_it(
             kubelet_api.hold("default", "train", "main", "aliyun.com/gpu-mem", tuple(devices[:2]))
             server.state.delete_pod("default", "train")
             kubelet_api.forget("default", "train")
-            deadline = time.monotonic() + WAIT
-            while _list(cgpud) and time.monotonic() < deadline:
-                time.sleep(0.2)
-            assert _list(cgpud) == []
+            until(lambda: _list(cgpud) == [], WAIT, interval=0.2, what="the deleted pod's instance released")
             assert not (cdi_dir / f"cgpu-pod-{iid}.json").exists()
             assert pod["metadata"]["uid"]
     finally:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import http.client
 import json
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,8 +18,8 @@ import pytest
 from cgpud.extender.client import get_node
 from cgpud.kube import assignment
 from cgpud.kube.apiserver import ApiServer
-from tests.harness.cgpud_nodes import BIN, cgpud_nodes
-from tests.harness.net import free_port
+from tests.harness.cgpud_nodes import cgpud_nodes
+from tests.harness.extender_process import extender_process
 from tests.harness.wait import until
 from tests.harness.api_server import ApiState, api_server, node_json, pod_json
 
@@ -66,33 +65,22 @@ def setup(tmp_path: Path, native: Path) -> Iterator[tuple[list[Any], ApiState, S
             obj["metadata"]["annotations"] = {"cgpu.io/capacity-address": n.address}
             api.state.nodes[n.name] = obj
         api.state.nodes["plain"] = node_json("plain")
-        port = free_port()
-        log = open(tmp_path / "scheduler.log", "w")
-        proc = subprocess.Popen(
-            [str(BIN / "cgpu-scheduler"), "--listen", f"127.0.0.1:{port}", "--kubeconfig", str(kubeconfig)],
-            stdout=log,
-            stderr=log,
-        )
-        sched = Scheduler(port, kubeconfig)
-        try:
-
-            def ready() -> bool:
-                try:
-                    _, view = sched.call("GET", "/inspect")
-                except OSError:
-                    return False
-                return sorted(n["name"] for n in view["nodes"] if n["connected"]) == ["node-0", "node-1"]
-
-            until(ready, timeout=15, what="both nodes found through the API server")
-            yield nodes, api.state, sched
-        finally:
-            proc.send_signal(signal.SIGTERM)
+        with extender_process(tmp_path / "scheduler.log", "--kubeconfig", str(kubeconfig)) as (proc, port):
+            sched = Scheduler(port, kubeconfig)
             try:
-                assert proc.wait(timeout=10) == 0
+
+                def ready() -> bool:
+                    try:
+                        _, view = sched.call("GET", "/inspect")
+                    except OSError:
+                        return False
+                    return sorted(n["name"] for n in view["nodes"] if n["connected"]) == ["node-0", "node-1"]
+
+                until(ready, timeout=15, what="both nodes found through the API server")
+                yield nodes, api.state, sched
             finally:
-                if proc.poll() is None:
-                    proc.kill()
-                log.close()
+                proc.send_signal(signal.SIGTERM)
+                assert proc.wait(timeout=10) == 0
 
 
 def gpu_pod(state: ApiState, name: str, gib: int, count: int = 1) -> dict[str, Any]:

@@ -26,9 +26,9 @@ from cgpud.extender.state import ClusterState
 from cgpud.extender.watch import Watchers
 from tests.harness.extender_nodes import GIB, container, pod
 from tests.harness.cgpud_nodes import BIN, Node, cgpud_nodes
-from tests.harness.net import free_port
 from tests.harness.tls import Pki, make_pki
 from tests.harness.wait import until
+from tests.harness.extender_process import extender_process
 
 
 @dataclass
@@ -289,14 +289,7 @@ def test_the_console_script_serves_and_stops_on_sigterm(tmp_path: Path, native: 
     with cgpud_nodes(tmp_path, native, 1) as nodes:
         node_file = tmp_path / "nodes"
         node_file.write_text(f"# test\n{nodes[0].name} {nodes[0].address}\n")
-        port = free_port()
-        log = open(tmp_path / "scheduler.log", "w")
-        proc = subprocess.Popen(
-            [str(BIN / "cgpu-scheduler"), "--listen", f"127.0.0.1:{port}", "--nodes", str(node_file)],
-            stdout=log,
-            stderr=log,
-        )
-        try:
+        with extender_process(tmp_path / "scheduler.log", "--nodes", str(node_file)) as (proc, port):
 
             def inspect() -> dict[str, Any] | None:
                 try:
@@ -311,39 +304,30 @@ def test_the_console_script_serves_and_stops_on_sigterm(tmp_path: Path, native: 
             assert data["nodes"][0]["state"]["gpus"][0]["memory_total"] == 16 * GIB
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=10) == 0
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            log.close()
         assert "stopping" in (tmp_path / "scheduler.log").read_text()
 
 
-def test_bad_flags_are_refused_with_a_message(tmp_path: Path) -> None:
+def refusal(*args: str) -> str:
+    """cgpu-scheduler's stderr for flags it must refuse with a usage error
+    (exit 2). Outside a pod: with no --nodes it may not fall back on the
+    API server, so KUBERNETES_SERVICE_HOST is dropped."""
     done = subprocess.run(
-        [str(BIN / "cgpu-scheduler"), "--listen", "127.0.0.1:0"],
+        [str(BIN / "cgpu-scheduler"), *args],
         capture_output=True,
         text=True,
         timeout=30,
         env={k: v for k, v in os.environ.items() if k != "KUBERNETES_SERVICE_HOST"},
     )
-    assert done.returncode == 2 and "no nodes: give --nodes FILE" in done.stderr
+    assert done.returncode == 2, done.stderr
+    return done.stderr
+
+
+def test_bad_flags_are_refused_with_a_message(tmp_path: Path) -> None:
+    assert "no nodes: give --nodes FILE" in refusal("--listen", "127.0.0.1:0")
     bad = tmp_path / "nodes"
     bad.write_text("node-1 nowhere\n")
-    done = subprocess.run(
-        [str(BIN / "cgpu-scheduler"), "--listen", "127.0.0.1:0", "--nodes", str(bad)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert done.returncode == 2 and "line 1: 'node-1 nowhere' is not `NAME HOST:PORT`" in done.stderr
-    done = subprocess.run(
-        [str(BIN / "cgpu-scheduler"), "--listen", "nowhere", "--nodes", str(bad)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert done.returncode == 2 and "--listen 'nowhere' is not HOST:PORT" in done.stderr
+    assert "line 1: 'node-1 nowhere' is not `NAME HOST:PORT`" in refusal("--listen", "127.0.0.1:0", "--nodes", str(bad))
+    assert "--listen 'nowhere' is not HOST:PORT" in refusal("--listen", "nowhere", "--nodes", str(bad))
 
 
 def test_concurrent_binds_never_overcommit_a_node(tmp_path: Path, native: Path) -> None:

@@ -39,6 +39,18 @@ def merge_patch(target: Any, patch: Any) -> Any:
     return out
 
 
+def assumed(assume_time: int, gpu_index: int | str | None = None) -> dict[str, str]:
+    """The annotations cgpu's scheduler extender leaves on a pod it has placed
+    and the kubelet has not allocated yet: assumed at `assume_time` (the
+    Allocate that comes takes the oldest pod of its size), not assigned, on
+    GPU `gpu_index` when one is named (a string is written as it is: tests
+    of malformed annotations give one)."""
+    annotations = {"ALIYUN_COM_GPU_MEM_ASSUME_TIME": str(assume_time), "ALIYUN_COM_GPU_MEM_ASSIGNED": "false"}
+    if gpu_index is not None:
+        annotations["ALIYUN_COM_GPU_MEM_IDX"] = str(gpu_index)
+    return annotations
+
+
 def pod_json(
     name: str,
     node: str,
@@ -360,17 +372,22 @@ class ApiServerProcess:
     def kubeconfig(self, path: Path, address: str | None = None) -> Path:
         """A kubeconfig for this server; `address`: the host its client
         reaches it at (another network namespace's view), else `url`'s."""
-        server = self.url if address is None else f"http://{address}:{self.port}"
-        config = {
-            "apiVersion": "v1",
-            "kind": "Config",
-            "current-context": "test",
-            "clusters": [{"name": "test", "cluster": {"server": server}}],
-            "users": [{"name": "cgpud", "user": {"token": "test-token"}}],
-            "contexts": [{"name": "test", "context": {"cluster": "test", "user": "cgpud"}}],
-        }
-        path.write_text(json.dumps(config))  # JSON is YAML
-        return path
+        return write_kubeconfig(path, self.url if address is None else f"http://{address}:{self.port}")
+
+
+def write_kubeconfig(path: Path, server: str) -> Path:
+    """A kubeconfig at `path` for the API server at URL `server`, with a
+    bearer token (what cgpud's and kubectl's clients read)."""
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "current-context": "test",
+        "clusters": [{"name": "test", "cluster": {"server": server}}],
+        "users": [{"name": "cgpud", "user": {"token": "test-token"}}],
+        "contexts": [{"name": "test", "context": {"cluster": "test", "user": "cgpud"}}],
+    }
+    path.write_text(json.dumps(config))  # JSON is YAML
+    return path
 
 
 @contextmanager

@@ -14,6 +14,15 @@ from cgpud.node.service import InstanceService
 from cgpud.node.store import Store
 
 GPUS = (GpuCapacity(0, "GPU-aaaa", 16 * GIB),)
+# Where a default install keeps instance regions and the runtime files: what
+# the container edits name when a test only reads them and runs nothing.
+INSTALLED_REGIONS = Path("/var/lib/cgpud/instances")
+INSTALLED_FILES = RuntimeFiles(
+    Path("/var/lib/cgpud/runtime/libcgpu.so"),
+    Path("/var/lib/cgpud/runtime/ld.so.preload"),
+    Path("/var/lib/cgpud/runtime/cgpu-hook"),
+    Path("/run/cgpud/relay.sock"),
+)
 
 
 def lifecycle(tmp_path: Path) -> tuple[ContainerLifecycle, InstanceService]:

@@ -12,7 +12,10 @@ import shlex
 import socket
 import subprocess
 import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import ParamSpec, Protocol, TypeVar
 
 from tests.harness.sanitizers import SAN_OPTIONS, assert_clean
 
@@ -24,6 +27,14 @@ STATE = b'  {"ociVersion":"1.0.2","id":"c1","status":"creating","pid":4242,"bund
     b'"annotations":{"note":"caf\xc3\xa9 \\" \\n \\u0000"}}\n'
 )
 INSTANCE = "cgpu-0123456789ab"
+
+
+class _Closable(Protocol):
+    def close(self) -> None: ...
+
+
+P = ParamSpec("P")
+S = TypeVar("S", bound=_Closable)
 
 
 class Cgpud:
@@ -45,11 +56,7 @@ class Cgpud:
             except OSError:  # close() shut the listener down
                 return
             with conn:
-                conn.settimeout(10)
-                data = b""
-                while chunk := conn.recv(1 << 16):
-                    data += chunk
-                self.requests.append(data)
+                self.requests.append(read_request(conn))
                 if self.answer is not None:
                     conn.sendall(self.answer)
 
@@ -57,6 +64,33 @@ class Cgpud:
         self._sock.shutdown(socket.SHUT_RDWR)
         self._thread.join(5)
         self._sock.close()
+
+
+def read_request(conn: socket.socket) -> bytes:
+    """One relay request: everything up to the relay's EOF (a relay that
+    never closes its side fails the read in 10 s instead of hanging)."""
+    conn.settimeout(10)
+    data = b""
+    while chunk := conn.recv(1 << 16):
+        data += chunk
+    return data
+
+
+@contextmanager
+def closed_after(start: Callable[P, S]) -> Iterator[Callable[P, S]]:
+    """`start` for a test's servers (Cgpud and its kin), each one it
+    started closed when the block ends."""
+    servers: list[S] = []
+
+    def started(*args: P.args, **kwargs: P.kwargs) -> S:
+        servers.append(start(*args, **kwargs))
+        return servers[-1]
+
+    try:
+        yield started
+    finally:
+        for server in servers:
+            server.close()
 
 
 class FakeRuntime:

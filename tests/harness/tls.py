@@ -41,18 +41,17 @@ def _openssl(*args: str) -> None:
         raise RuntimeError(f"openssl {' '.join(args)} failed: {done.stderr}")
 
 
+def _new_key(key: Path) -> tuple[str, ...]:
+    """`openssl req` arguments for a new unencrypted P-256 key written to `key`."""
+    return ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(key))
+
+
 def ca(dir: Path, name: str) -> tuple[Path, Path]:
     cert, key = dir / f"{name}.crt", dir / f"{name}.key"
     _openssl(
         "req",
         "-x509",
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:prime256v1",
-        "-nodes",
-        "-keyout",
-        str(key),
+        *_new_key(key),
         "-out",
         str(cert),
         "-days",
@@ -75,13 +74,7 @@ def leaf(
     cert, key, csr, ext = dir / f"{name}.crt", dir / f"{name}.key", dir / f"{name}.csr", dir / f"{name}.ext"
     _openssl(
         "req",
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:prime256v1",
-        "-nodes",
-        "-keyout",
-        str(key),
+        *_new_key(key),
         "-out",
         str(csr),
         "-subj",

@@ -20,9 +20,10 @@ from pathlib import Path
 import pytest
 
 from cgpud.node.bypass_model import ProcessIdentity
-from cgpud.node.model import GIB, Grant, Instance, InstanceState, Owner, OwnerKind
+from cgpud.node.model import InstanceState
 from cgpud.node.procmap import ProcessMapper, kill_process, read_stat
 from cgpud.node.bypass_policy import parse_allow
+from tests.harness.procmap_instances import container_instance, owners, run_instance
 from tests.harness.wait import until
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make cgroups and PID namespaces")
@@ -113,37 +114,6 @@ def cgroups(request: pytest.FixtureRequest, procs: Procs) -> Iterator[Cgroups]:
     cg.remove()
 
 
-def container(iid: str, init: int) -> Instance:
-    return Instance(
-        iid,
-        Owner(OwnerKind.CONTAINER, f"{iid}@/bundles/{iid}"),
-        (Grant(0, "GPU-0", GIB, 0),),
-        InstanceState.BOUND,
-        True,
-        pids=(init,),
-        updated=time.time(),
-        holder=f"{iid}@/bundles/{iid}",
-    )
-
-
-def run_instance(
-    iid: str, pids: tuple[int, ...], updated: float | None = None, state: InstanceState = InstanceState.BOUND
-) -> Instance:
-    return Instance(
-        iid,
-        Owner(OwnerKind.PROCESS, f"cgpuctl-run-test-{pids[0]}"),
-        (Grant(0, "GPU-0", GIB, 0),),
-        state,
-        True,
-        pids=pids,
-        updated=time.time() if updated is None else updated,
-    )
-
-
-def owners(mapper: ProcessMapper, pids: list[int], instances: list[Instance]) -> dict[int, str | None]:
-    return {pid: i.instance_id for pid, i in mapper.identify(pids, instances).items()}
-
-
 def children(pid: int) -> list[int]:
     try:
         return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
@@ -170,9 +140,9 @@ def test_container_processes_by_cgroup_not_a_sibling_sharing_the_prefix(cgroups:
     cgroups.move(init.pid, ct)
     cgroups.move(execd.pid, nested)  # as `runc exec` puts it: in the container, not the init's child
     cgroups.move(other.pid, sibling)
-    got = owners(ProcessMapper(), [init.pid, execd.pid, other.pid, host.pid], [container("c1", init.pid)])
+    got = owners(ProcessMapper(), [init.pid, execd.pid, other.pid, host.pid], [container_instance("c1", init.pid)])
     assert got == {init.pid: "c1", execd.pid: "c1", other.pid: None, host.pid: None}
-    ids = ProcessMapper().identify([execd.pid], [container("c1", init.pid)])
+    ids = ProcessMapper().identify([execd.pid], [container_instance("c1", init.pid)])
     assert ids[execd.pid].cgroup.endswith(f"/cgpu-procmap-{os.getpid()}/ct/sub")
     assert ids[execd.pid].exe == os.path.realpath(shutil.which("sleep") or "")
 
@@ -182,7 +152,7 @@ def test_a_container_whose_init_died_maps_nothing(cgroups: Cgroups, procs: Procs
     init, member = procs.sleep(), procs.sleep()
     cgroups.move(init.pid, ct)
     cgroups.move(member.pid, ct)
-    inst = container("c1", init.pid)
+    inst = container_instance("c1", init.pid)
     assert owners(ProcessMapper(), [member.pid], [inst]) == {member.pid: "c1"}
     os.kill(init.pid, signal.SIGKILL)
     init.wait()
@@ -321,7 +291,7 @@ def test_pid_namespace_fallback_when_the_cgroup_is_cgpuds_own(procs: Procs) -> N
     host = procs.sleep().pid
     assert Path(f"/proc/{member}/cgroup").read_text() == Path("/proc/self/cgroup").read_text()
     assert os.stat(f"/proc/{member}/ns/pid").st_ino == os.stat(f"/proc/{init}/ns/pid").st_ino
-    got = owners(ProcessMapper(), [member, nested, host, entered.pid], [container("c1", init)])
+    got = owners(ProcessMapper(), [member, nested, host, entered.pid], [container_instance("c1", init)])
     assert got == {member: "c1", nested: "c1", host: None, entered.pid: None}
 
 
@@ -329,7 +299,11 @@ def test_process_tree_fallback_when_cgroup_and_namespace_are_cgpuds_own(procs: P
     # `--pid=host` with no cgroup of its own: only the tree says.
     p, c, g = fork_tree(procs)
     stranger = procs.sleep().pid
-    assert owners(ProcessMapper(), [c, g, stranger], [container("c1", p)]) == {c: "c1", g: "c1", stranger: None}
+    assert owners(ProcessMapper(), [c, g, stranger], [container_instance("c1", p)]) == {
+        c: "c1",
+        g: "c1",
+        stranger: None,
+    }
 
 
 def test_identify_cost_for_24_processes(cgroups: Cgroups, procs: Procs) -> None:
@@ -340,7 +314,7 @@ def test_identify_cost_for_24_processes(cgroups: Cgroups, procs: Procs) -> None:
         members = [procs.sleep() for _ in range(4)]
         for m in members:
             cgroups.move(m.pid, group)
-        instances.append(container(f"c{n}", members[0].pid))
+        instances.append(container_instance(f"c{n}", members[0].pid))
         expected.update({m.pid: f"c{n}" for m in members})
     for n in range(3):
         script = "import os, time\nfor _ in range(4):\n    os.fork() or time.sleep(300)\ntime.sleep(300)"

@@ -8,29 +8,19 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 import grpc
 import pytest
 
-from cgpud.api.k8s.deviceplugin.v1beta1 import api_pb2 as pb
-from cgpud.api.k8s.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 from tests.harness.daemon import Daemon, make_daemon
-from tests.harness.api_server import api_server, node_json, pod_json
+from tests.harness.api_server import api_server, assumed, node_json, pod_json
 from tests.harness.kubelet_pods import kubelet_pods
-from tests.harness.kubelet import Kubelet
+from tests.harness.kubelet import Kubelet, allocate, cgpud_kube_args, first_device_ids
+from tests.harness.wait import until
 
 NODE = "node-r"
 WAIT = 20.0
-
-
-def _allocate(plugin: Path, ids: list[str]) -> pb.ContainerAllocateResponse:
-    with grpc.insecure_channel(f"unix:{plugin}") as channel:
-        answer = pb_grpc.DevicePluginStub(channel).Allocate(
-            pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)]), timeout=WAIT
-        )
-    return answer.container_responses[0]
 
 
 def _listed(cgpud: Daemon) -> list[tuple[str, str, str]]:
@@ -50,38 +40,20 @@ def test_restarts_of_cgpud_and_the_kubelet_keep_the_pod_instance_and_grant_nothi
                     "train",
                     NODE,
                     containers={"main": {"aliyun.com/gpu-mem": 3}},
-                    annotations={
-                        "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "1",
-                        "ALIYUN_COM_GPU_MEM_ASSIGNED": "false",
-                        "ALIYUN_COM_GPU_MEM_IDX": "1",
-                    },
+                    annotations=assumed(1, gpu_index=1),
                 )
             )
             cgpud = make_daemon(
                 tmp_path,
                 sim_env,
-                "--orchestrator",
-                "kubernetes",
-                "--device-plugin-dir",
-                str(plugins),
-                "--pod-resources-socket",
-                str(pod_resources),
-                "--kubeconfig",
-                str(kubeconfig),
-                "--node-name",
-                NODE,
-                "--cdi-dir",
-                str(tmp_path / "cdi"),
+                *cgpud_kube_args(plugins, pod_resources, kubeconfig, NODE, tmp_path / "cdi"),
             )
             cgpud.start()
             try:
                 names = {r.resource_name: r.endpoint for r in kubelet.take_registrations(5)}
                 mem = plugins / names["aliyun.com/gpu-mem"]
-                with grpc.insecure_channel(f"unix:{mem}") as channel:
-                    stream = pb_grpc.DevicePluginStub(channel).ListAndWatch(pb.Empty(), timeout=WAIT)
-                    ids = [d.ID for d in next(iter(stream)).devices][:3]
-                    stream.cancel()
-                first = _allocate(mem, ids)
+                ids = first_device_ids(mem, WAIT)[:3]
+                first = allocate(mem, ids, WAIT)
                 [(iid, kind, _)] = _listed(cgpud)
                 assert kind == "pod" and first.cdi_devices[0].name == f"cgpu.io/gpu={iid}"
                 kubelet_api.hold("default", "train", "main", "aliyun.com/gpu-mem", tuple(ids))
@@ -96,15 +68,12 @@ def test_restarts_of_cgpud_and_the_kubelet_keep_the_pod_instance_and_grant_nothi
                 assert [i[0] for i in _listed(cgpud)] == [iid]
                 # The pod is assigned: another Allocate of that size finds no pod and makes nothing.
                 with pytest.raises(grpc.RpcError, match="no pod on node node-r is assumed for 3 GiB"):
-                    _allocate(mem, ids)
+                    allocate(mem, ids, WAIT)
                 assert [i[0] for i in _listed(cgpud)] == [iid]
 
                 server.state.delete_pod("default", "train")
                 kubelet_api.forget("default", "train")
-                deadline = time.monotonic() + WAIT
-                while _listed(cgpud) and time.monotonic() < deadline:
-                    time.sleep(0.2)
-                assert _listed(cgpud) == []
+                until(lambda: _listed(cgpud) == [], WAIT, interval=0.2, what="the deleted pod's instance released")
             finally:
                 cgpud.stop()
     finally:

@@ -22,7 +22,7 @@ from cgpud.kube.apiserver import ApiServer
 from cgpud.kube.model import AllocationError, MountSpec, Resource
 from cgpud.kube.pod_resources import PodResourcesClient
 from cgpud.kube.releases import PodReleaser, kubelet_pods
-from tests.harness.api_server import ApiServerProcess, api_server, pod_json
+from tests.harness.api_server import ApiServerProcess, api_server, assumed, pod_json
 from tests.harness.kubelet_pods import KubeletPods
 from tests.harness.kubelet_pods import kubelet_pods as serve_kubelet_pods
 
@@ -42,11 +42,19 @@ class Rig:
     cdi: Path
 
     def assumed_pod(self, name: str, gib: int = 2, idx: str | None = "1", t: int = 100, **limits: int) -> dict:
-        annotations = {"ALIYUN_COM_GPU_MEM_ASSUME_TIME": str(t), "ALIYUN_COM_GPU_MEM_ASSIGNED": "false"}
-        if idx is not None:
-            annotations["ALIYUN_COM_GPU_MEM_IDX"] = idx
         return self.server.state.add_pod(
-            pod_json(name, NODE, containers={"main": {MEM: gib, **limits}}, annotations=annotations)
+            pod_json(name, NODE, containers={"main": {MEM: gib, **limits}}, annotations=assumed(t, idx))
+        )
+
+    def assumed_duo(self) -> dict:
+        """Pod "duo": containers a and b of 3 GiB each, assumed on GPU 0."""
+        return self.server.state.add_pod(
+            pod_json(
+                "duo",
+                NODE,
+                containers={"a": {MEM: 3}, "b": {MEM: 3}},
+                annotations=assumed(5, gpu_index=0),
+            )
         )
 
     def nothing_made(self) -> None:
@@ -193,18 +201,7 @@ def test_an_unreachable_api_server_fails_allocate_and_makes_nothing(rig: Rig):
 
 
 def test_containers_one_by_one_and_the_pod_is_assigned_with_the_last(rig: Rig):
-    rig.server.state.add_pod(
-        pod_json(
-            "duo",
-            NODE,
-            containers={"a": {MEM: 3}, "b": {MEM: 3}},
-            annotations={
-                "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "5",
-                "ALIYUN_COM_GPU_MEM_ASSIGNED": "false",
-                "ALIYUN_COM_GPU_MEM_IDX": "0",
-            },
-        )
-    )
+    rig.assumed_duo()
     a = rig.allocator.allocate(Resource.GPU_MEM, ids(3))
     assert rig.server.state.pod("default", "duo")["metadata"]["annotations"]["ALIYUN_COM_GPU_MEM_ASSIGNED"] == "false"
     b = rig.allocator.allocate(Resource.GPU_MEM, ids(3, start=3))
@@ -264,18 +261,7 @@ def test_a_reserved_gpu_is_full_for_others_and_its_pod_gets_it(rig: Rig):
 
 
 def test_each_container_draws_on_the_reservation_and_the_last_drops_what_is_left(rig: Rig):
-    pod = rig.server.state.add_pod(
-        pod_json(
-            "duo",
-            NODE,
-            containers={"a": {MEM: 3}, "b": {MEM: 3}},
-            annotations={
-                "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "5",
-                "ALIYUN_COM_GPU_MEM_ASSIGNED": "false",
-                "ALIYUN_COM_GPU_MEM_IDX": "0",
-            },
-        )
-    )
+    pod = rig.assumed_duo()
     uid = pod["metadata"]["uid"]
     # One GiB more than the pod needs: the last Allocate gives it back.
     rig.service.reserve(uid, "default", "duo", [Share(0, 7 * GIB, 0, 2)])

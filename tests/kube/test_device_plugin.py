@@ -81,21 +81,65 @@ def allocator() -> RecordingAllocator:
 
 @pytest.fixture
 def plugin(directory: Path, kubelet: Kubelet, allocator: RecordingAllocator) -> Iterator[DevicePlugin]:
-    p = DevicePlugin(
-        PluginSettings(directory, watch_interval=0.1, register_timeout=2.0),
-        allocator,
-        mode=NodeMode.CGPU,
-        placement=Placement.BINPACK,
-        gpus=GPUS,
-    ).start()
+    p = start_plugin(directory, allocator, register_timeout=2.0)
     kubelet.take_registrations(len(Resource))
     yield p
     p.stop(grace=0.5)
 
 
+def start_plugin(
+    directory: Path,
+    allocator: RecordingAllocator,
+    mode: NodeMode = NodeMode.CGPU,
+    register_timeout: float = PluginSettings.register_timeout,
+) -> DevicePlugin:
+    """A started plugin on GPUS that looks at its sockets every 0.1 s, so
+    that a kubelet restart or a deleted socket is seen within a test's wait."""
+    return DevicePlugin(
+        PluginSettings(directory, watch_interval=0.1, register_timeout=register_timeout),
+        allocator,
+        mode=mode,
+        placement=Placement.BINPACK,
+        gpus=GPUS,
+    ).start()
+
+
 def stub(directory: Path, resource: Resource) -> pb_grpc.DevicePluginStub:
     channel = grpc.insecure_channel(f"unix:{directory / SOCKET_NAMES[resource]}")
     return pb_grpc.DevicePluginStub(channel)
+
+
+def list_and_watch(directory: Path, resource: Resource, timeout: float = WAIT) -> Iterator[pb.ListAndWatchResponse]:
+    return stub(directory, resource).ListAndWatch(pb.Empty(), timeout=timeout)
+
+
+def first_list_size(directory: Path, resource: Resource) -> int:
+    """How many devices the first list on resource's socket has; the stream
+    is closed again."""
+    stream = list_and_watch(directory, resource)
+    try:
+        return len(next(stream).devices)
+    finally:
+        stream.cancel()
+
+
+def take_every_registration(kubelet: Kubelet) -> list[pb.RegisterRequest]:
+    """The Register calls of one registration round, which names every resource."""
+    got = kubelet.take_registrations(len(Resource))
+    assert {r.resource_name for r in got} == {r.value for r in Resource}
+    return got
+
+
+def allocate_request(*containers: Sequence[str]) -> pb.AllocateRequest:
+    return pb.AllocateRequest(
+        container_requests=[pb.ContainerAllocateRequest(devices_ids=list(ids)) for ids in containers]
+    )
+
+
+def refused_allocate(directory: Path, resource: Resource, request: pb.AllocateRequest) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as caught:
+        stub(directory, resource).Allocate(request, timeout=WAIT)
+    return caught.value
 
 
 def ends(stream: Iterator[pb.ListAndWatchResponse]) -> bool:
@@ -116,17 +160,9 @@ def devices(response: pb.ListAndWatchResponse) -> dict[str, str]:
 def test_registers_every_resource_with_the_kubelet(
     directory: Path, kubelet: Kubelet, allocator: RecordingAllocator
 ) -> None:
-    p = DevicePlugin(
-        PluginSettings(directory, watch_interval=0.1),
-        allocator,
-        mode=NodeMode.CGPU,
-        placement=Placement.BINPACK,
-        gpus=GPUS,
-    ).start()
+    p = start_plugin(directory, allocator)
     try:
-        got = kubelet.take_registrations(len(Resource))
-        assert {r.resource_name for r in got} == {r.value for r in Resource}
-        for r in got:
+        for r in take_every_registration(kubelet):
             assert r.version == "v1beta1"
             assert r.endpoint == SOCKET_NAMES[Resource(r.resource_name)]
             assert "/" not in r.endpoint  # relative to the kubelet's directory
@@ -144,7 +180,7 @@ def test_registers_every_resource_with_the_kubelet(
 
 
 def test_list_and_watch_sends_the_modes_lists_then_a_health_change(directory: Path, plugin: DevicePlugin) -> None:
-    stream = stub(directory, Resource.GPU_MEM).ListAndWatch(pb.Empty(), timeout=WAIT)
+    stream = list_and_watch(directory, Resource.GPU_MEM)
     first = devices(next(stream))
     assert len(first) == 16 + 8 and set(first.values()) == {"Healthy"}
     assert f"{UUID0}-_-15" in first and f"{UUID1}-_-7" in first
@@ -160,12 +196,7 @@ def test_list_and_watch_sends_the_modes_lists_then_a_health_change(directory: Pa
 
 
 def test_other_modes_resources_advertise_no_devices(directory: Path, plugin: DevicePlugin) -> None:
-    counts = {}
-    for resource in Resource:
-        stream = stub(directory, resource).ListAndWatch(pb.Empty(), timeout=WAIT)
-        counts[resource] = len(next(stream).devices)
-        stream.cancel()
-    assert counts == {
+    assert {resource: first_list_size(directory, resource) for resource in Resource} == {
         Resource.GPU_MEM: 24,
         Resource.GPU_COUNT: 2,
         Resource.GPU_CORE: 0,
@@ -175,9 +206,9 @@ def test_other_modes_resources_advertise_no_devices(directory: Path, plugin: Dev
 
 
 def test_a_mode_change_moves_capacity(directory: Path, plugin: DevicePlugin) -> None:
-    mem = stub(directory, Resource.GPU_MEM).ListAndWatch(pb.Empty(), timeout=WAIT)
-    whole = stub(directory, Resource.NVIDIA_GPU).ListAndWatch(pb.Empty(), timeout=WAIT)
-    core = stub(directory, Resource.GPU_CORE).ListAndWatch(pb.Empty(), timeout=WAIT)
+    mem = list_and_watch(directory, Resource.GPU_MEM)
+    whole = list_and_watch(directory, Resource.NVIDIA_GPU)
+    core = list_and_watch(directory, Resource.GPU_CORE)
     assert len(next(mem).devices) == 24 and len(next(whole).devices) == 0 and len(next(core).devices) == 0
 
     plugin.update(mode=NodeMode.CORE_MEM)
@@ -192,7 +223,7 @@ def test_a_mode_change_moves_capacity(directory: Path, plugin: DevicePlugin) -> 
 
 
 def test_an_inventory_change_is_sent(directory: Path, plugin: DevicePlugin) -> None:
-    count = stub(directory, Resource.GPU_COUNT).ListAndWatch(pb.Empty(), timeout=WAIT)
+    count = list_and_watch(directory, Resource.GPU_COUNT)
     assert set(devices(next(count))) == {UUID0, UUID1}
     plugin.update(gpus=GPUS[:1])
     assert set(devices(next(count))) == {UUID0}
@@ -221,12 +252,7 @@ def test_allocate_plumbing_passes_ids_to_the_allocator_and_its_answer_back(
     directory: Path, plugin: DevicePlugin, allocator: RecordingAllocator
 ) -> None:
     ids = [f"{UUID1}-_-0", f"{UUID1}-_-1"]
-    request = pb.AllocateRequest(
-        container_requests=[
-            pb.ContainerAllocateRequest(devices_ids=ids),
-            pb.ContainerAllocateRequest(devices_ids=[f"{UUID0}-_-3"]),
-        ]
-    )
+    request = allocate_request(ids, [f"{UUID0}-_-3"])
     answer = stub(directory, Resource.GPU_MEM).Allocate(request, timeout=WAIT)
     assert allocator.calls == [(Resource.GPU_MEM, tuple(ids)), (Resource.GPU_MEM, (f"{UUID0}-_-3",))]
     first, second = answer.container_responses
@@ -259,11 +285,9 @@ def test_allocate_plumbing_turns_allocator_errors_into_statuses_with_their_messa
     directory: Path, plugin: DevicePlugin, allocator: RecordingAllocator, error: Exception, code: grpc.StatusCode
 ) -> None:
     allocator.error = error
-    request = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=[f"{UUID0}-_-0"])])
-    with pytest.raises(grpc.RpcError) as caught:
-        stub(directory, Resource.GPU_MEM).Allocate(request, timeout=WAIT)
-    assert caught.value.code() == code
-    assert caught.value.details() == str(error)
+    refused = refused_allocate(directory, Resource.GPU_MEM, allocate_request([f"{UUID0}-_-0"]))
+    assert refused.code() == code
+    assert refused.details() == str(error)
 
 
 @pytest.mark.parametrize(
@@ -278,35 +302,29 @@ def test_allocate_plumbing_turns_allocator_errors_into_statuses_with_their_messa
 def test_allocate_of_unknown_device_ids_is_refused_before_the_allocator(
     directory: Path, plugin: DevicePlugin, allocator: RecordingAllocator, resource: Resource, ids: list[str]
 ) -> None:
-    request = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)])
-    with pytest.raises(grpc.RpcError) as caught:
-        stub(directory, resource).Allocate(request, timeout=WAIT)
-    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert resource.value in caught.value.details()
+    refused = refused_allocate(directory, resource, allocate_request(ids))
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert resource.value in refused.details()
     if ids:
-        assert ids[0] in caught.value.details()
+        assert ids[0] in refused.details()
     assert allocator.calls == []
 
 
 def test_kubelet_restart_brings_a_new_registration_and_fresh_sockets(
     directory: Path, kubelet: Kubelet, plugin: DevicePlugin
 ) -> None:
-    old = stub(directory, Resource.GPU_MEM).ListAndWatch(pb.Empty(), timeout=WAIT)
+    old = list_and_watch(directory, Resource.GPU_MEM)
     assert len(next(old).devices) == 24
     before = plugin.registrations
 
     kubelet.restart()
-    again = kubelet.take_registrations(len(Resource))
-    assert {r.resource_name for r in again} == {r.value for r in Resource}
-    for r in again:
+    for r in take_every_registration(kubelet):
         assert (directory / r.endpoint).exists()
     until(lambda: plugin.registrations == before + 1, WAIT, what="the new registration")
     # The old stream belonged to the old kubelet: it ends.
     assert ends(old)
     # The new kubelet gets the lists on the new sockets.
-    fresh = stub(directory, Resource.GPU_MEM).ListAndWatch(pb.Empty(), timeout=WAIT)
-    assert len(next(fresh).devices) == 24
-    fresh.cancel()
+    assert first_list_size(directory, Resource.GPU_MEM) == 24
 
 
 def test_a_recreated_kubelet_socket_alone_brings_a_new_registration(
@@ -314,19 +332,15 @@ def test_a_recreated_kubelet_socket_alone_brings_a_new_registration(
 ) -> None:
     kubelet.stop()  # the plugin sockets stay: only kubelet.sock is new
     kubelet.start()
-    again = kubelet.take_registrations(len(Resource))
-    assert {r.resource_name for r in again} == {r.value for r in Resource}
-    stream = stub(directory, Resource.GPU_MEM).ListAndWatch(pb.Empty(), timeout=WAIT)
-    assert len(next(stream).devices) == 24
-    stream.cancel()
+    take_every_registration(kubelet)
+    assert first_list_size(directory, Resource.GPU_MEM) == 24
 
 
 def test_a_deleted_plugin_socket_alone_is_served_and_registered_again(
     directory: Path, kubelet: Kubelet, plugin: DevicePlugin
 ) -> None:
     (directory / SOCKET_NAMES[Resource.GPU_CORE]).unlink()
-    again = kubelet.take_registrations(len(Resource))
-    assert {r.resource_name for r in again} == {r.value for r in Resource}
+    take_every_registration(kubelet)
     options = stub(directory, Resource.GPU_CORE).GetDevicePluginOptions(pb.Empty(), timeout=WAIT)
     assert options.get_preferred_allocation_available
 
@@ -335,13 +349,7 @@ def test_a_refused_registration_is_retried_until_the_kubelet_accepts(
     directory: Path, kubelet: Kubelet, allocator: RecordingAllocator
 ) -> None:
     kubelet.refuse = "resource name already registered"
-    p = DevicePlugin(
-        PluginSettings(directory, watch_interval=0.1),
-        allocator,
-        mode=NodeMode.CGPU,
-        placement=Placement.BINPACK,
-        gpus=GPUS,
-    ).start()
+    p = start_plugin(directory, allocator)
     try:
         time.sleep(0.5)
         assert p.registrations == 0 and kubelet.registered.empty()
@@ -352,20 +360,13 @@ def test_a_refused_registration_is_retried_until_the_kubelet_accepts(
 
 
 def test_no_kubelet_yet_means_waiting_then_registering(directory: Path, allocator: RecordingAllocator) -> None:
-    p = DevicePlugin(
-        PluginSettings(directory, watch_interval=0.1),
-        allocator,
-        mode=NodeMode.DEFAULT,
-        placement=Placement.BINPACK,
-        gpus=GPUS,
-    ).start()
+    p = start_plugin(directory, allocator, NodeMode.DEFAULT)
     k = Kubelet(directory)
     try:
         time.sleep(0.3)
         assert not list(directory.glob("cgpu-*.sock"))  # nothing served before a kubelet is there
         k.start()
-        got = k.take_registrations(len(Resource))
-        assert {r.resource_name for r in got} == {r.value for r in Resource}
+        take_every_registration(k)
     finally:
         p.stop(grace=0.5)
         k.stop()
@@ -374,15 +375,9 @@ def test_no_kubelet_yet_means_waiting_then_registering(directory: Path, allocato
 def test_stop_is_bounded_and_ends_open_streams(
     directory: Path, kubelet: Kubelet, allocator: RecordingAllocator
 ) -> None:
-    p = DevicePlugin(
-        PluginSettings(directory, watch_interval=0.1),
-        allocator,
-        mode=NodeMode.CGPU,
-        placement=Placement.BINPACK,
-        gpus=GPUS,
-    ).start()
+    p = start_plugin(directory, allocator)
     kubelet.take_registrations(len(Resource))
-    stream = stub(directory, Resource.GPU_MEM).ListAndWatch(pb.Empty(), timeout=WAIT)
+    stream = list_and_watch(directory, Resource.GPU_MEM)
     next(stream)
     ended = threading.Event()
 
@@ -435,18 +430,10 @@ def test_sockets_a_killed_cgpud_left_are_replaced(
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.bind(str(stale))
     s.close()  # the file stays, nothing answers on it
-    p = DevicePlugin(
-        PluginSettings(directory, watch_interval=0.1),
-        allocator,
-        mode=NodeMode.CGPU,
-        placement=Placement.BINPACK,
-        gpus=GPUS,
-    ).start()
+    p = start_plugin(directory, allocator)
     try:
         kubelet.take_registrations(len(Resource))
-        stream = stub(directory, Resource.GPU_MEM).ListAndWatch(pb.Empty(), timeout=WAIT)
-        assert len(next(stream).devices) == 24
-        stream.cancel()
+        assert first_list_size(directory, Resource.GPU_MEM) == 24
     finally:
         p.stop(grace=0.5)
 
@@ -458,13 +445,7 @@ def test_a_socket_another_live_server_holds_is_not_taken(
     other = grpc.server(ThreadPoolExecutor(max_workers=1))  # another cgpud, say
     assert other.add_insecure_port(f"unix:{held}") != 0
     other.start()
-    p = DevicePlugin(
-        PluginSettings(directory, watch_interval=0.1),
-        allocator,
-        mode=NodeMode.CGPU,
-        placement=Placement.BINPACK,
-        gpus=GPUS,
-    ).start()
+    p = start_plugin(directory, allocator)
     try:
         time.sleep(0.5)
         assert kubelet.registered.empty()  # half a plugin is not registered
@@ -489,22 +470,13 @@ def test_cgpud_in_kubernetes_mode_registers_and_reports_a_lost_gpu(sim_env: dict
     import sys
 
     from tests.harness.daemon import running_daemon
+    from tests.harness.sim_fault import inject_fault
 
     base = Path(tempfile.mkdtemp(prefix="dpd-", dir="/tmp"))
     plugins = base / "dp"
     plugins.mkdir()
     kubelet = Kubelet(plugins).start()
     env = dict(sim_env, NODE_NAME="gpu-node-1")
-
-    def fault(*args: str) -> None:
-        proc = subprocess.run(
-            [sys.executable, "-m", "cgpud.cli.main", "sim", "fault", *args],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-        assert proc.returncode == 0, proc.stderr
 
     try:
         with running_daemon(
@@ -525,15 +497,9 @@ def test_cgpud_in_kubernetes_mode_registers_and_reports_a_lost_gpu(sim_env: dict
             "--gpu-health-probe-interval",
             "0.2",
         ) as daemon:
-            got = kubelet.take_registrations(len(Resource))
-            assert {r.resource_name for r in got} == {r.value for r in Resource}
-            sizes = {}
-            for resource in Resource:
-                stream = stub(plugins, resource).ListAndWatch(pb.Empty(), timeout=WAIT)
-                sizes[resource] = len(next(stream).devices)
-                stream.cancel()
+            take_every_registration(kubelet)
             # Two simulated GPUs of 16 GiB (tests/conftest.py).
-            assert sizes == {
+            assert {resource: first_list_size(plugins, resource) for resource in Resource} == {
                 Resource.GPU_MEM: 32,
                 Resource.GPU_COUNT: 2,
                 Resource.GPU_CORE: 200,
@@ -550,12 +516,12 @@ def test_cgpud_in_kubernetes_mode_registers_and_reports_a_lost_gpu(sim_env: dict
                 check=True,
             )
             uuids = [g["uuid"] for g in json.loads(inventory.stdout)["gpus"]]
-            stream = stub(plugins, Resource.GPU_COUNT).ListAndWatch(pb.Empty(), timeout=30)
+            stream = list_and_watch(plugins, Resource.GPU_COUNT, timeout=30)
             assert devices(next(stream)) == {uuids[0]: "Healthy", uuids[1]: "Healthy"}
-            fault("--gpu", "1", "--lost")
+            inject_fault(env, "--gpu", "1", "--lost")
             lost = devices(next(stream))
             assert lost == {uuids[0]: "Healthy", uuids[1]: "Unhealthy"}
-            fault("--gpu", "1", "--recover")
+            inject_fault(env, "--gpu", "1", "--recover")
             assert set(devices(next(stream)).values()) == {"Healthy"}
             stream.cancel()
             assert "API server cannot be reached" in daemon.log.read_text()

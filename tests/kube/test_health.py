@@ -22,6 +22,7 @@ from cgpud.errors import UsageError
 from cgpud.kube.health import DEFAULT_SKIPPED_XIDS, GpuHealth, HealthPolicy, HealthWatcher, ProbeObserved, XidObserved
 from cgpud.kube.health import apply, decide, healthy_by_index, parse_xids
 from tests.harness.simrun import py_env, sim_stat
+from tests.harness.sim_fault import inject_fault
 
 POLICY = HealthPolicy(recovery_window=60.0)
 GPU = GpuHealth(1, "GPU-1", changed_at=0.0)
@@ -201,14 +202,7 @@ def start_watcher(sim_env: dict[str, str], recovery_window: float) -> Watcher:
 def inject(sim_env: dict[str, str], *args: str) -> float:
     """`cgpuctl sim fault ARGS` in its own process; the monotonic time it
     returned."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "cgpud.cli.main", "sim", "fault", *args],
-        env=sim_env,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert proc.returncode == 0, proc.stderr
+    inject_fault(sim_env, *args)
     return time.monotonic()
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness import sanitizers
-from tests.harness.relay import Cgpud, FakeRuntime, relay_env
+from tests.harness.relay import Cgpud, FakeRuntime, closed_after, relay_env
 from tests.harness.sanitizers import SAN_OPTIONS
 
 
@@ -33,15 +33,11 @@ def sock_path() -> Iterator[Path]:
 
 @pytest.fixture
 def cgpud(sock_path: Path) -> Iterator[Callable[..., Cgpud]]:
-    servers: list[Cgpud] = []
+    def answering(answer: bytes | None = b"ok\n") -> Cgpud:
+        return Cgpud(sock_path, answer)
 
-    def start(answer: bytes | None = b"ok\n") -> Cgpud:
-        servers.append(Cgpud(sock_path, answer))
-        return servers[-1]
-
-    yield start
-    for server in servers:
-        server.close()
+    with closed_after(answering) as start:
+        yield start
 
 
 @pytest.fixture

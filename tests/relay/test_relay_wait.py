@@ -9,12 +9,11 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import threading
 import time
 from pathlib import Path
 
 from cgpud.contract import RELAY_WAIT_S
-from tests.harness.relay import PLAIN_CONFIG, STATE, bundle
+from tests.harness.relay import PLAIN_CONFIG, STATE, Cgpud, bundle, read_request
 from tests.harness.sanitizers import SAN_OPTIONS
 
 START_HINT = "start it (systemctl start cgpud)"
@@ -110,32 +109,20 @@ def test_hook_waits_for_cgpud_to_come_back(bins, cgpud, sock_path):
     assert server.requests == [b"hook createRuntime i1\n" + STATE]
 
 
-class DiesOnce:
+class DiesOnce(Cgpud):
     """A cgpud that reads the first request and dies without answering
     (kill -9 mid-request), then comes back and answers."""
 
     def __init__(self, path: Path) -> None:
-        self.requests: list[bytes] = []
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.bind(str(path))
-        self._sock.listen(8)
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
+        super().__init__(path, None)
 
     def _serve(self) -> None:
         for answer in (None, b"ok instance cgpu-1\n"):
             conn, _ = self._sock.accept()
             with conn:
-                data = b""
-                while chunk := conn.recv(1 << 16):
-                    data += chunk
-                self.requests.append(data)
+                self.requests.append(read_request(conn))
                 if answer is not None:
                     conn.sendall(answer)
-
-    def close(self) -> None:
-        self._thread.join(10)
-        self._sock.close()
 
 
 def test_request_lost_with_a_dying_cgpud_is_sent_again(bins, env, runtime, sock_path, tmp_path):

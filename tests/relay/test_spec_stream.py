@@ -15,11 +15,13 @@ import socket
 import stat
 import sys
 import time
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
 
-from tests.harness.relay import INSTANCE, Cgpud, bundle, create_args, relay_env, run
+from tests.harness.relay import INSTANCE, Cgpud, bundle, closed_after, create_args, run
 
 ORIGINAL = json.dumps(
     {
@@ -137,27 +139,17 @@ if "delete" in args:
 
 
 @pytest.fixture
-def runc(tmp_path: Path) -> StreamRunc:
+def runtime(tmp_path: Path) -> StreamRunc:
+    """Stands in for conftest.py's fake runtime, so its `env` points the
+    relays at this runc."""
     (tmp_path / "rt").mkdir()
     return StreamRunc(tmp_path / "rt" / "runc")
 
 
 @pytest.fixture
-def env(runc: StreamRunc, sock_path: Path) -> dict[str, str]:
-    return relay_env(runc.path, sock_path)
-
-
-@pytest.fixture
-def cgpud(sock_path: Path):
-    servers: list[EditingCgpud] = []
-
-    def start(steps: list[str], delay: float = 0.0) -> EditingCgpud:
-        servers.append(EditingCgpud(sock_path, steps, delay))
-        return servers[-1]
-
-    yield start
-    for server in servers:
-        server.close()
+def cgpud(sock_path: Path) -> Iterator[Callable[..., EditingCgpud]]:
+    with closed_after(partial(EditingCgpud, sock_path)) as start:
+        yield start
 
 
 def engine_bundle(tmp_path: Path) -> Path:
@@ -177,7 +169,7 @@ def untouched(b: Path) -> None:
 # cgpud slow (runc opens the FIFO and waits), or runc slow (it opens the edited file).
 @pytest.mark.parametrize("slow", ["cgpud", "runc"])
 @pytest.mark.parametrize("read", ["decoder", "eof"])
-def test_runc_reads_cgpuds_edit_wherever_its_open_lands(bins, cgpud, runc, env, tmp_path, slow, read) -> None:
+def test_runc_reads_cgpuds_edit_wherever_its_open_lands(bins, cgpud, runtime, env, tmp_path, slow, read) -> None:
     server = cgpud(["edit"], delay=0.3 if slow == "cgpud" else 0.0)
     b = engine_bundle(tmp_path)
     proc = run(
@@ -188,14 +180,14 @@ def test_runc_reads_cgpuds_edit_wherever_its_open_lands(bins, cgpud, runc, env, 
     assert proc.returncode == 0, proc.stderr
     assert server.heads == ["prepare c1 shim-binds spec-fd", f"bind {INSTANCE}"]
     assert server.specs[0] == ORIGINAL.encode()  # cgpud read the engine's spec through the descriptor
-    assert EDITED_ENV in runc.spec()["process"]["env"]
+    assert EDITED_ENV in runtime.spec()["process"]["env"]
     st = os.lstat(b / "config.json")
     assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o640
     assert EDITED_ENV in json.loads((b / "config.json").read_text())["process"]["env"]
     assert os.listdir(b) == ["config.json"]
 
 
-def test_a_refusal_kills_the_waiting_runtime_and_puts_the_spec_back(bins, cgpud, runc, env, tmp_path) -> None:
+def test_a_refusal_kills_the_waiting_runtime_and_puts_the_spec_back(bins, cgpud, runtime, env, tmp_path) -> None:
     server = cgpud(["refuse"], delay=0.3)
     b = engine_bundle(tmp_path)
     log = tmp_path / "runc.log"
@@ -203,30 +195,30 @@ def test_a_refusal_kills_the_waiting_runtime_and_puts_the_spec_back(bins, cgpud,
     assert proc.returncode == 1 and "cgpu-runtime: no GPU has 17 GiB free" in proc.stderr
     assert "no GPU has 17 GiB free" in log.read_text().splitlines()[-1]  # where containerd looks
     assert server.heads == ["prepare c1 shim-binds spec-fd"]
-    assert len(runc.calls()) == 1 and runc.spec() is None  # started, killed before it had a spec
+    assert len(runtime.calls()) == 1 and runtime.spec() is None  # started, killed before it had a spec
     assert not (tmp_path / "root").exists()
     untouched(b)
 
 
-def test_a_bundle_asking_for_no_gpu_gets_the_engines_spec(bins, cgpud, runc, env, tmp_path) -> None:
+def test_a_bundle_asking_for_no_gpu_gets_the_engines_spec(bins, cgpud, runtime, env, tmp_path) -> None:
     server = cgpud(["plain"], delay=0.3)
     b = engine_bundle(tmp_path)
     proc = run(bins / "cgpu-runtime", create_args(tmp_path, b), env)
     assert proc.returncode == 0, proc.stderr
     assert server.heads == ["prepare c1 shim-binds spec-fd"]  # nothing to bind
-    assert runc.spec() == json.loads(ORIGINAL)
+    assert runtime.spec() == json.loads(ORIGINAL)
     untouched(b)
 
 
-def test_cgpud_not_running_leaves_the_bundle_as_it_was(bins, runc, env, tmp_path) -> None:
+def test_cgpud_not_running_leaves_the_bundle_as_it_was(bins, runtime, env, tmp_path) -> None:
     b = engine_bundle(tmp_path)
     proc = run(bins / "cgpu-runtime", create_args(tmp_path, b), env)
     assert proc.returncode == 1 and "cgpud is not running" in proc.stderr
-    assert runc.calls() == []
+    assert runtime.calls() == []
     untouched(b)
 
 
-def test_cgpud_gone_before_any_edit_is_asked_again_the_usual_way(bins, cgpud, runc, env, tmp_path) -> None:
+def test_cgpud_gone_before_any_edit_is_asked_again_the_usual_way(bins, cgpud, runtime, env, tmp_path) -> None:
     """A restart mid-request: the streamed start is undone (runc killed,
     the spec put back) and the prepare sent again, by path, as any relay
     request is after cgpud went away."""
@@ -235,11 +227,11 @@ def test_cgpud_gone_before_any_edit_is_asked_again_the_usual_way(bins, cgpud, ru
     proc = run(bins / "cgpu-runtime", create_args(tmp_path, b), env)
     assert proc.returncode == 0, proc.stderr
     assert server.heads == ["prepare c1 shim-binds spec-fd", "prepare c1 shim-binds", f"bind {INSTANCE}"]
-    assert len(runc.calls()) == 2 and EDITED_ENV in runc.spec()["process"]["env"]
+    assert len(runtime.calls()) == 2 and EDITED_ENV in runtime.spec()["process"]["env"]
     assert os.listdir(b) == ["config.json"]
 
 
-def test_cgpud_gone_after_its_edit_starts_nothing(bins, cgpud, runc, env, tmp_path) -> None:
+def test_cgpud_gone_after_its_edit_starts_nothing(bins, cgpud, runtime, env, tmp_path) -> None:
     """cgpud edited the bundle and went away without its ok: runc may have
     read the edit, so it is let finish and its container deleted."""
     server = cgpud(["edit-vanish"], delay=0.3)
@@ -247,14 +239,14 @@ def test_cgpud_gone_after_its_edit_starts_nothing(bins, cgpud, runc, env, tmp_pa
     proc = run(bins / "cgpu-runtime", create_args(tmp_path, b), env)
     assert proc.returncode == 1 and "cgpud went away without answering" in proc.stderr
     assert server.heads == ["prepare c1 shim-binds spec-fd"]
-    assert runc.calls()[-1] == f"--root {tmp_path / 'root'} delete --force c1"
+    assert runtime.calls()[-1] == f"--root {tmp_path / 'root'} delete --force c1"
     assert not (tmp_path / "root" / "c1").exists()
     assert os.listdir(b) == ["config.json"]
 
 
-def test_a_runtime_not_named_runc_gets_the_finished_file(bins, cgpud, runc, env, tmp_path) -> None:
-    crun = runc.path.with_name("crun")
-    crun.write_text(runc.path.read_text())
+def test_a_runtime_not_named_runc_gets_the_finished_file(bins, cgpud, runtime, env, tmp_path) -> None:
+    crun = runtime.path.with_name("crun")
+    crun.write_text(runtime.path.read_text())
     crun.chmod(0o755)
     server = cgpud(["edit"])
     b = engine_bundle(tmp_path)
@@ -262,4 +254,4 @@ def test_a_runtime_not_named_runc_gets_the_finished_file(bins, cgpud, runc, env,
     assert proc.returncode == 0, proc.stderr
     assert server.heads == ["prepare c1 shim-binds", f"bind {INSTANCE}"]
     assert server.specs[0] is None
-    assert EDITED_ENV in runc.spec()["process"]["env"]
+    assert EDITED_ENV in runtime.spec()["process"]["env"]

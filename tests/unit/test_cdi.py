@@ -28,14 +28,8 @@ from cgpud.containers import cdi
 from cgpud.containers.edits import CONTAINER_LIBRARY, HOOK_ENV, HOOK_TIMEOUT, PRELOAD, ContainerEdits, Hook, Mount
 from cgpud.containers.edits import RuntimeFiles, instance_edits
 from cgpud.containers.request import CONTAINER_REGION
+from tests.harness.lifecycle import INSTALLED_FILES as FILES, INSTALLED_REGIONS as REGIONS
 
-REGIONS = Path("/var/lib/cgpud/instances")
-FILES = RuntimeFiles(
-    Path("/var/lib/cgpud/runtime/libcgpu.so"),
-    Path("/var/lib/cgpud/runtime/ld.so.preload"),
-    Path("/var/lib/cgpud/runtime/cgpu-hook"),
-    Path("/run/cgpud/relay.sock"),
-)
 GPU_MEMORY = {0: 16 * GIB, 1: 16 * GIB}
 GPUS = (GpuCapacity(0, "GPU-aaaa", 16 * GIB), GpuCapacity(1, "GPU-bbbb", 16 * GIB))
 

@@ -3,23 +3,15 @@ that give it its instance: pure functions, checked rule by rule."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from cgpud.node.model import GIB, Grant, Instance, InstanceState, Owner, OwnerKind
 from cgpud.errors import UsageError
-from cgpud.containers.edits import CONTAINER_LIBRARY, PRELOAD, RuntimeFiles, apply_edits, instance_edits
+from cgpud.containers.edits import CONTAINER_LIBRARY, PRELOAD, apply_edits, instance_edits
 from cgpud.containers.request import Claim, EnvRequest, read_request
-
-REGIONS = Path("/var/lib/cgpud/instances")
-FILES = RuntimeFiles(
-    Path("/var/lib/cgpud/runtime/libcgpu.so"),
-    Path("/var/lib/cgpud/runtime/ld.so.preload"),
-    Path("/var/lib/cgpud/runtime/cgpu-hook"),
-    Path("/run/cgpud/relay.sock"),
-)
+from tests.harness.lifecycle import INSTALLED_FILES as FILES, INSTALLED_REGIONS as REGIONS
 
 
 def spec(*env: str, mounts: list[dict[str, Any]] | None = None) -> dict[str, Any]:

@@ -22,6 +22,7 @@ import pytest
 
 from cgpud.cli import kubectl_inspect as ki
 from cgpud.extender.model import ClusterView, GpuState, NodeEntry, NodeState, PodShare, view_from_json, view_to_json
+from tests.harness.api_server import write_kubeconfig
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -326,23 +327,6 @@ def test_bad_arguments(capsys, tmp_path):
     assert code == 1 and "--tls-cert, --tls-key and --tls-ca go together" in err
 
 
-def kubeconfig(tmp_path: Path, server: str) -> Path:
-    path = tmp_path / "kubeconfig"
-    path.write_text(
-        json.dumps(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "current-context": "t",
-                "clusters": [{"name": "t", "cluster": {"server": server}}],
-                "users": [{"name": "t", "user": {"token": "secret"}}],
-                "contexts": [{"name": "t", "context": {"cluster": "t", "user": "t"}}],
-            }
-        )
-    )
-    return path
-
-
 PROXY = "/api/v1/namespaces/kube-system/services/https:cgpu-scheduler:https/proxy/inspect"
 PLAIN = "/api/v1/namespaces/gpu/services/sched:http/proxy/inspect"
 
@@ -356,7 +340,7 @@ def test_through_the_api_servers_service_proxy(capsys, tmp_path, monkeypatch):
         PLAIN: (200, view_body(ClusterView(()))),
     }
     with http_server(routes) as (url, asked):
-        config = kubeconfig(tmp_path, url)
+        config = write_kubeconfig(tmp_path / "kubeconfig", url)
         code, out, err = run(capsys, "--kubeconfig", str(config))
         assert (code, err) == (0, "") and out == ki.summary(VIEW)
         monkeypatch.setenv("KUBECONFIG", str(config))  # what kubectl itself would use

@@ -13,6 +13,7 @@ import pytest
 from cgpud.node.model import GIB, Grant, Instance, InstanceState, Owner, OwnerKind
 from cgpud.node.procmap import ProcessMapper, parse_cgroups, parse_stat, preferred_cgroup, read_cgroups, read_stat
 from cgpud.node.procmap import within
+from tests.harness.procmap_instances import container_instance, owners, run_instance
 
 BTIME = 1_000_000
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -78,35 +79,6 @@ def proc(tmp_path: Path) -> FakeProc:
 def at(started: float) -> float:
     """Unix time of `started` seconds after boot."""
     return BTIME + started
-
-
-def container(iid: str, init: int, updated: float) -> Instance:
-    return Instance(
-        iid,
-        Owner(OwnerKind.CONTAINER, f"{iid}@/b"),
-        (Grant(0, "GPU-0", GIB, 0),),
-        InstanceState.BOUND,
-        True,
-        pids=(init,),
-        updated=updated,
-        holder=f"{iid}@/b",
-    )
-
-
-def run(iid: str, pids: tuple[int, ...], updated: float, state: InstanceState = InstanceState.BOUND) -> Instance:
-    return Instance(
-        iid,
-        Owner(OwnerKind.PROCESS, f"cgpuctl-run-h-{pids[0]}"),
-        (Grant(0, "GPU-0", GIB, 0),),
-        state,
-        True,
-        pids=pids,
-        updated=updated,
-    )
-
-
-def owners(mapper: ProcessMapper, pids: list[int], instances: list[Instance]) -> dict[int, str | None]:
-    return {pid: i.instance_id for pid, i in mapper.identify(pids, instances).items()}
 
 
 @pytest.mark.parametrize("comm", ["a) b (c", "x)", ") 1 2 3 4 5", "new\nline", "(((", "16charsxxxxxxxxx"])
@@ -195,7 +167,7 @@ def test_container_by_cgroup_and_not_a_sibling_sharing_the_prefix(proc):
     proc.add(102, 1, 52, "/ct1/nested")  # not a descendant of the init: runc exec
     proc.add(103, 1, 53, "/ct10")
     proc.add(104, 1, 54, "/")
-    got = owners(ProcessMapper(proc.root, SELF), [101, 102, 103, 104], [container("c1", 100, at(50))])
+    got = owners(ProcessMapper(proc.root, SELF), [101, 102, 103, 104], [container_instance("c1", 100, at(50))])
     assert got == {101: "c1", 102: "c1", 103: None, 104: None}
 
 
@@ -203,7 +175,7 @@ def test_container_on_the_unified_hierarchy(proc):
     proc.add(100, 1, 50, "/", unified="/ct1")
     proc.add(101, 100, 51, "/", unified="/ct1/x")
     proc.add(102, 1, 51, "/", unified="/ct1x")
-    got = owners(ProcessMapper(proc.root, SELF), [101, 102], [container("c1", 100, at(50))])
+    got = owners(ProcessMapper(proc.root, SELF), [101, 102], [container_instance("c1", 100, at(50))])
     assert got == {101: "c1", 102: None}
 
 
@@ -213,7 +185,7 @@ def test_guard_init_in_cgpuds_own_cgroup_falls_back_to_the_pid_namespace(proc):
     proc.add(101, 1, 51, "/system.slice/cgpud.service", ns="ct")  # in the namespace, not the init's child
     proc.add(102, 100, 51, "/system.slice/cgpud.service")  # the init's child, in the host namespace (cannot be)
     proc.add(103, 1, 51, "/system.slice/cgpud.service")
-    got = owners(ProcessMapper(proc.root, SELF), [101, 102, 103], [container("c1", 100, at(50))])
+    got = owners(ProcessMapper(proc.root, SELF), [101, 102, 103], [container_instance("c1", 100, at(50))])
     assert got == {101: "c1", 102: None, 103: None}
 
 
@@ -222,7 +194,7 @@ def test_guard_root_cgroup_and_host_namespace_fall_back_to_the_process_tree(proc
     proc.add(101, 100, 51, "/")
     proc.add(102, 101, 52, "/")
     proc.add(103, 1, 53, "/")
-    got = owners(ProcessMapper(proc.root, SELF), [102, 103], [container("c1", 100, at(50))])
+    got = owners(ProcessMapper(proc.root, SELF), [102, 103], [container_instance("c1", 100, at(50))])
     assert got == {102: "c1", 103: None}
 
 
@@ -233,7 +205,7 @@ def test_cgpuctl_run_descendants_map_and_others_do_not(proc):
     proc.add(203, 1, 62)
     proc.add(300, 1, 60, comm="cgpuctl")
     proc.add(301, 300, 61)
-    instances = [run("r1", (200, 201), at(61)), run("r2", (300, 301), at(61))]
+    instances = [run_instance("r1", (200, 201), at(61)), run_instance("r2", (300, 301), at(61))]
     got = owners(ProcessMapper(proc.root, SELF), [201, 202, 203, 301], instances)
     assert got == {201: "r1", 202: "r1", 203: None, 301: "r2"}
 
@@ -242,25 +214,25 @@ def test_a_reused_bound_pid_maps_nothing(proc):
     # cgpuctl (200) died; pid 200 now is a process started after the bind.
     proc.add(200, 1, 80)
     proc.add(201, 200, 81)
-    got = owners(ProcessMapper(proc.root, SELF), [201], [run("r1", (200,), at(61))])
+    got = owners(ProcessMapper(proc.root, SELF), [201], [run_instance("r1", (200,), at(61))])
     assert got == {201: None}
     # The same tree with the bound process itself (started before the bind + 1 s).
     proc.add(200, 1, 61.9)
-    assert owners(ProcessMapper(proc.root, SELF), [201], [run("r1", (200,), at(61))]) == {201: "r1"}
+    assert owners(ProcessMapper(proc.root, SELF), [201], [run_instance("r1", (200,), at(61))]) == {201: "r1"}
 
 
 def test_a_dead_or_reused_container_init_maps_nothing(proc):
     proc.add(101, 1, 51, "/ct1")
-    assert owners(ProcessMapper(proc.root, SELF), [101], [container("c1", 100, at(50))]) == {101: None}
+    assert owners(ProcessMapper(proc.root, SELF), [101], [container_instance("c1", 100, at(50))]) == {101: None}
     proc.add(100, 1, 70, "/ct1")  # pid 100 again, but born after the bind
-    assert owners(ProcessMapper(proc.root, SELF), [101], [container("c1", 100, at(50))]) == {101: None}
+    assert owners(ProcessMapper(proc.root, SELF), [101], [container_instance("c1", 100, at(50))]) == {101: None}
 
 
 def test_sticky_after_reparenting_and_forgotten_when_gone_or_released(proc):
     proc.add(200, 1, 60)
     proc.add(201, 200, 61)
     proc.add(202, 201, 62)
-    inst = run("r1", (200, 201), at(61))
+    inst = run_instance("r1", (200, 201), at(61))
     mapper = ProcessMapper(proc.root, SELF)
     assert owners(mapper, [202], [inst]) == {202: "r1"}
     proc.remove(201)
@@ -274,7 +246,7 @@ def test_sticky_after_reparenting_and_forgotten_when_gone_or_released(proc):
     proc.add(202, 201, 62)
     proc.add(201, 200, 61)
     assert owners(mapper, [202], [inst]) == {202: "r1"} and len(mapper) == 1
-    released = run("r1", (200, 201), at(61), state=InstanceState.RELEASED)
+    released = run_instance("r1", (200, 201), at(61), state=InstanceState.RELEASED)
     assert owners(mapper, [202], [released]) == {202: None}
     assert len(mapper) == 0
 
@@ -283,7 +255,7 @@ def test_sticky_map_forgets_a_process_that_left_the_gpu_and_died(proc):
     proc.add(200, 1, 60)
     proc.add(201, 200, 61)
     proc.add(202, 200, 61)
-    inst = run("r1", (200,), at(61))
+    inst = run_instance("r1", (200,), at(61))
     mapper = ProcessMapper(proc.root, SELF)
     owners(mapper, [201, 202], [inst])
     assert len(mapper) == 2
@@ -299,7 +271,7 @@ def test_sticky_map_is_bounded(proc):
     for pid in range(201, 221):
         proc.add(pid, 200, 61)
     mapper = ProcessMapper(proc.root, SELF, cache_size=8)
-    got = owners(mapper, list(range(201, 221)), [run("r1", (200,), at(61))])
+    got = owners(mapper, list(range(201, 221)), [run_instance("r1", (200,), at(61))])
     assert set(got.values()) == {"r1"} and len(got) == 20
     assert len(mapper) == 8
 
@@ -308,7 +280,7 @@ def test_identity_fields(proc):
     proc.add(100, 1, 50, "/ct1", exe="/opt/app/bin/train")
     proc.add(101, 100, 51, "/ct1", exe="/opt/app/bin/train")
     (proc.root / "101" / "exe").unlink()  # unreadable exe
-    got = ProcessMapper(proc.root, SELF).identify([100, 101], [container("c1", 100, at(50))])
+    got = ProcessMapper(proc.root, SELF).identify([100, 101], [container_instance("c1", 100, at(50))])
     assert got[100].exe == "/opt/app/bin/train" and got[100].cgroup == "/ct1"
     assert got[101].exe == "" and got[101].starttime == int(51 * TICKS) and got[101].instance_id == "c1"
 

@@ -18,7 +18,7 @@ import pytest
 
 from cgpud.node.changes import Changes
 from cgpud.node.model import GIB, ComputePolicy, GpuCapacity, InstanceState, NodeMode, NodePolicy, Owner, OwnerKind
-from cgpud.node.model import Placement, Request, Reservation, Share
+from cgpud.node.model import Instance, Placement, Request, Reservation, Share
 from cgpud.node.service import DEFAULT_RESERVATION_TTL, InstanceService
 from cgpud.node.store import SCHEMA_VERSION, Store
 from cgpud.errors import AdmissionError, StateError, UsageError
@@ -560,10 +560,16 @@ def test_holdings_never_show_a_drawn_share_twice_or_not_at_all(tmp_path: Path):
 # Service: an undone instance gives its pod's reservation back
 
 
+def reserve_then_draw_4_gib(svc: InstanceService, *shares: Share) -> tuple[Reservation, Instance]:
+    """Pod uid-a's reservation of `shares`, and its 4 GiB instance on GPU 0
+    drawn on it: what each undo below starts from."""
+    before = svc.reserve("uid-a", "ns", "a", list(shares))
+    return before, svc.create(Request(pod("uid-a"), 4 * GIB, gpu_indexes=(0,), reservation="uid-a"))
+
+
 def test_release_with_restore_puts_the_reservation_back(tmp_path: Path):
     svc = service(tmp_path)
-    before = svc.reserve("uid-a", "ns", "a", [gib(0, 6, 0, 2)])
-    inst = svc.create(Request(pod("uid-a"), 4 * GIB, gpu_indexes=(0,), reservation="uid-a"))
+    before, inst = reserve_then_draw_4_gib(svc, gib(0, 6, 0, 2))
     assert svc.reservations()[0].shares == (gib(0, 2),)
     svc.release(inst.id, restore=before)
     assert svc.reservations() == [before]
@@ -572,8 +578,7 @@ def test_release_with_restore_puts_the_reservation_back(tmp_path: Path):
 
 def test_release_with_restore_brings_back_a_reservation_fully_drawn(tmp_path: Path):
     svc = service(tmp_path)
-    before = svc.reserve("uid-a", "ns", "a", [gib(0, 4)])
-    inst = svc.create(Request(pod("uid-a"), 4 * GIB, gpu_indexes=(0,), reservation="uid-a"))
+    before, inst = reserve_then_draw_4_gib(svc, gib(0, 4))
     assert svc.reservations() == []
     svc.release(inst.id, restore=before)
     assert svc.reservations() == [before]
@@ -581,8 +586,7 @@ def test_release_with_restore_brings_back_a_reservation_fully_drawn(tmp_path: Pa
 
 def test_release_with_restore_leaves_a_replaced_reservation_alone(tmp_path: Path):
     svc = service(tmp_path)
-    before = svc.reserve("uid-a", "ns", "a", [gib(0, 6)])
-    inst = svc.create(Request(pod("uid-a"), 4 * GIB, gpu_indexes=(0,), reservation="uid-a"))
+    before, inst = reserve_then_draw_4_gib(svc, gib(0, 6))
     replaced = svc.reserve("uid-a", "ns", "a", [gib(1, 3)])
     svc.release(inst.id, restore=before)
     assert svc.reservations() == [replaced]
@@ -590,8 +594,7 @@ def test_release_with_restore_leaves_a_replaced_reservation_alone(tmp_path: Path
 
 def test_release_with_restore_leaves_a_given_back_reservation_gone(tmp_path: Path):
     svc = service(tmp_path)
-    before = svc.reserve("uid-a", "ns", "a", [gib(0, 6)])
-    inst = svc.create(Request(pod("uid-a"), 4 * GIB, gpu_indexes=(0,), reservation="uid-a"))
+    before, inst = reserve_then_draw_4_gib(svc, gib(0, 6))
     svc.unreserve("uid-a")
     svc.release(inst.id, restore=before)
     assert svc.reservations() == []
