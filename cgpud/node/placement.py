@@ -133,9 +133,9 @@ def parse_policy(mode: str, placement: str, core_step: int, max_instances_per_gp
     text), checked as admission checks its own: UsageError names what is
     wrong."""
     raw = NodePolicy(
-        mode=mode,
-        placement=placement,
-        core_step=core_step,  # type: ignore[arg-type]
+        mode=mode,  # type: ignore[arg-type]
+        placement=placement,  # type: ignore[arg-type]
+        core_step=core_step,
         max_instances_per_gpu=max_instances_per_gpu,
     )
     checked_mode, checked_placement = check_policy(raw)

@@ -486,8 +486,12 @@ def _reservation(row: tuple[object, ...]) -> Reservation:
             raise ValueError(f"share {item!r} holds a value that is not an integer")
         parsed.append(Share(*values))
     return Reservation(
-        str(pod_uid), str(namespace), str(name), tuple(sorted(parsed, key=lambda s: s.gpu_index)), float(expires)
-    )  # type: ignore[arg-type]
+        str(pod_uid),
+        str(namespace),
+        str(name),
+        tuple(sorted(parsed, key=lambda s: s.gpu_index)),
+        float(expires),  # type: ignore[arg-type]
+    )
 
 
 def _one_call(
