@@ -13,63 +13,21 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from bench.harness import sim_environment, start_cgpud
 from cgpud.api.gate import private_socket_path
 from cgpud.cli.client import LocalClient
 from cgpud.node.model import GIB, GpuCapacity, NodePolicy, Owner, OwnerKind, Request
 from cgpud.node.service import InstanceService
 from cgpud.node.store import Store
 from cgpud.logs import configure_logging
-from cgpud.native import native_dir
-
-BIN = Path(sys.executable).parent
-
-
-def sim_environment(tmp: Path) -> dict[str, str]:
-    config = tmp / "sim.conf"
-    config.write_text('gpu name="NVIDIA H100 80GB HBM3" mem=80GiB sms=132\n' * 2)
-    return dict(
-        os.environ,
-        LD_LIBRARY_PATH=str(native_dir() / "sim"),
-        CGPU_SIM_CONFIG=str(config),
-        CGPU_SIM_STATE=str(tmp / "sim.state"),
-    )
-
-
-def start_daemon(tmp: Path, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], Path]:
-    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    notify.bind(str(tmp / "notify"))
-    sock = tmp / "run" / "cgpud.sock"
-    (tmp / "empty.toml").write_text("")
-    proc = subprocess.Popen(
-        [
-            str(BIN / "cgpud"),
-            "--config",
-            str(tmp / "empty.toml"),
-            "--state-dir",
-            str(tmp / "state"),
-            "--socket",
-            str(sock),
-            "--max-instances-per-gpu",
-            "1000",
-        ],
-        env=dict(env, NOTIFY_SOCKET=str(tmp / "notify")),
-        stderr=subprocess.DEVNULL,
-    )
-    notify.settimeout(60)
-    while b"READY=1" not in notify.recv(4096):
-        pass
-    return proc, sock
 
 
 def timed(ops: int, once: Callable[[int], None]) -> list[float]:
@@ -96,7 +54,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="cgpu-bench-api-") as d:
         tmp = Path(d)
         env = sim_environment(tmp)
-        proc, sock = start_daemon(tmp, env)
+        proc, sock = start_cgpud(tmp, env, "--max-instances-per-gpu", "1000")
         gpus = (
             GpuCapacity(0, "GPU-5c1a0000-0000-4000-8000-000000c90000", 80 * GIB),
             GpuCapacity(1, "GPU-5c1a0000-0000-4000-8000-000000c90001", 80 * GIB),

@@ -80,6 +80,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.harness import BenchError, exit_with
 from bench.table import print_table
 from cgpud.native import native_dir, native_path
 from tests.harness.sim import write_sim_config
@@ -121,10 +122,6 @@ TARGETS = (
 
 # The timed steps, each from the end of the one before: where an added millisecond lies.
 PHASES = ("create", "start", "exit", "delete")
-
-
-class BenchError(Exception):
-    """The benchmark could not run; the message says what failed."""
 
 
 class InstantRelay:
@@ -715,8 +712,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except BenchError as exc:
-        print(f"bench_container_start: error: {exc}", file=sys.stderr)
-        sys.exit(1)
+    exit_with("bench_container_start", main)

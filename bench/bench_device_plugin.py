@@ -35,7 +35,7 @@ from pathlib import Path
 
 import grpc
 
-from bench.bench_api import sim_environment
+from bench.harness import sim_environment
 from bench.table import print_table
 from cgpud.api.k8s.deviceplugin.v1beta1 import api_pb2 as pb
 from cgpud.api.k8s.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc

@@ -36,6 +36,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.harness import BenchError, exit_with
 from bench.table import print_table
 from cgpud._region import ffi, lib
 from cgpud.node.region import DeviceLimit, InstanceLimits, write_region
@@ -66,10 +67,6 @@ TARGETS = (
     ("launch-open", "ns", 100.0, "ns", "cuLaunchKernel (gate open, grant held) added time"),
     ("allocfree", "ns", 1000.0, "ns", "cuMemAlloc_v2+cuMemFree_v2 pair added time"),
 )
-
-
-class BenchError(Exception):
-    """The benchmark could not run; the message says what failed."""
 
 
 @dataclass
@@ -394,8 +391,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except BenchError as exc:
-        print(f"bench_intercept: error: {exc}", file=sys.stderr)
-        sys.exit(1)
+    exit_with("bench_intercept", main)

@@ -14,9 +14,7 @@ order; prints p50 and p90 per scrape, the response size, and the ratios."""
 from __future__ import annotations
 
 import argparse
-import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,58 +27,24 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
+from bench.harness import free_port, sim_environment, start_cgpud
 from bench.table import print_table
 from cgpud.cli.client import LocalClient
 from cgpud.node.model import GIB, Owner, OwnerKind, Request
-from cgpud.native import native_dir
-
-BIN = Path(sys.executable).parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_daemon(tmp: Path, port: int) -> tuple[subprocess.Popen[bytes], Path]:
     tmp.mkdir()
-    (tmp / "sim.conf").write_text('gpu name="NVIDIA H100 80GB HBM3" mem=80GiB sms=132\n')
-    env = dict(
-        os.environ,
-        LD_LIBRARY_PATH=str(native_dir() / "sim"),
-        CGPU_SIM_CONFIG=str(tmp / "sim.conf"),
-        CGPU_SIM_STATE=str(tmp / "sim.state"),
-        NOTIFY_SOCKET=str(tmp / "notify"),
+    return start_cgpud(
+        tmp,
+        sim_environment(tmp, gpus=1),
+        "--relay-socket",
+        str(tmp / "run" / "relay"),
+        "--mode",
+        "core_mem",
+        "--metrics-listen",
+        f"127.0.0.1:{port}",
     )
-    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    notify.bind(str(tmp / "notify"))
-    sock = tmp / "run" / "cgpud.sock"
-    (tmp / "empty.toml").write_text("")
-    proc = subprocess.Popen(
-        [
-            str(BIN / "cgpud"),
-            "--config",
-            str(tmp / "empty.toml"),
-            "--state-dir",
-            str(tmp / "state"),
-            "--socket",
-            str(sock),
-            "--relay-socket",
-            str(tmp / "run" / "relay"),
-            "--mode",
-            "core_mem",
-            "--metrics-listen",
-            f"127.0.0.1:{port}",
-        ],
-        env=env,
-        stderr=subprocess.DEVNULL,
-    )
-    notify.settimeout(60)
-    while b"READY=1" not in notify.recv(4096):
-        pass
-    notify.close()
-    return proc, sock
 
 
 class _Quiet(WSGIRequestHandler):
@@ -110,7 +74,7 @@ def main() -> int:
     created: list[str] = []
     with tempfile.TemporaryDirectory(prefix="cgpu-bench-metrics-") as d:
         tmp = Path(d)
-        loaded_port, empty_port, bare_port = _free_port(), _free_port(), _free_port()
+        loaded_port, empty_port, bare_port = free_port(), free_port(), free_port()
         try:
             loaded, sock = start_daemon(tmp / "loaded", loaded_port)
             procs.append(loaded)

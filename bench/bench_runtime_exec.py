@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from bench.bench_container_start import median_ci, wait_exact
+from bench.harness import BenchError, exit_with
 from bench.table import print_table
 from cgpud.native import native_path
 
@@ -39,10 +40,6 @@ COMMANDS_PER_CONTAINER = 3  # create, start, delete
 WRAPPER_C = """#include <unistd.h>
 int main(int argc, char **argv) { (void)argc; execv(RUNC, argv); return 127; }
 """
-
-
-class BenchError(Exception):
-    """The benchmark could not run; the message says what failed."""
 
 
 def build_wrappers(work: Path, runc: str) -> dict[str, Path]:
@@ -135,8 +132,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except BenchError as exc:
-        print(f"bench_runtime_exec: error: {exc}", file=sys.stderr)
-        sys.exit(1)
+    exit_with("bench_runtime_exec", main)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import socket
 import statistics
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
+from bench.harness import free_port
 from bench.table import print_table
 from cgpud.native import native_path
 from tests.harness.bypass_watch import GIB, MIB, Tenant, bypass_command, bypass_events, neighbour_command, run_tenant
@@ -66,12 +66,6 @@ def daemon(where: Path, *flags: str) -> Iterator[Daemon]:
         yield d
     finally:
         d.stop()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def unmount_regions(under: Path) -> None:
@@ -132,7 +126,7 @@ def cpu(
     where: Path, rounds: int, seconds: float, instances: int
 ) -> tuple[dict[float, list[float]], dict[float, tuple[float, int]]]:
     intervals = (0.0, 1.0, 0.2)
-    ports = {i: _free_port() for i in intervals}
+    ports = {i: free_port() for i in intervals}
     with ExitStack() as stack:
         daemons = {
             i: stack.enter_context(

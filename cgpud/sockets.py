@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import socket
 import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,20 @@ def prepare_socket_directory(directory: Path, log: Any) -> None:
             directory=str(directory),
             mode=f"{stat.S_IMODE(st.st_mode):04o}",
         )
+
+
+@contextmanager
+def owner_only_listening(path: Path) -> Iterator[None]:
+    """A socket bound to `path` inside is 0600 from bind() on (umask 0177):
+    no moment when others may connect. An OSError inside becomes the
+    CgpuError that names `path`."""
+    old = os.umask(0o177)
+    try:
+        yield
+    except OSError as e:
+        raise CgpuError(f"cannot listen on {path}: {e.strerror}") from e
+    finally:
+        os.umask(old)
 
 
 def remove_stale_socket(path: Path, log: Any) -> None:

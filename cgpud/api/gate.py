@@ -27,6 +27,7 @@ from typing import Any
 import structlog
 
 from cgpud.errors import CgpuError
+from cgpud.sockets import owner_only_listening
 
 REFUSAL_PREFIX = b"cgpud: "
 MAX_CONNECTIONS = 64  # admin clients are cgpuctl and node agents: a handful
@@ -73,15 +74,13 @@ class PeerGate:
     def start(self) -> PeerGate:
         """Binds the public socket (0600 from the start) and accepts on it."""
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        old = os.umask(0o177)
         try:
-            listener.bind(str(self._public))
-            listener.listen(64)
-        except OSError as e:
+            with owner_only_listening(self._public):
+                listener.bind(str(self._public))
+                listener.listen(64)
+        except CgpuError:
             listener.close()
-            raise CgpuError(f"cannot listen on {self._public}: {e.strerror}") from e
-        finally:
-            os.umask(old)
+            raise
         self._listener = listener
         self._thread = threading.Thread(target=self._accept_loop, name="cgpud-api-gate", daemon=True)
         self._thread.start()

@@ -22,7 +22,7 @@ from cgpud.contract import RELAY_MAX_REQUEST, RELAY_MSG_MAX, RELAY_SHIM_BINDS, R
 from cgpud.errors import CgpuError, UsageError
 from cgpud.containers.edits import BIND_STAGE, RELEASE_STAGE
 from cgpud.containers.lifecycle import BIND_STAGES, ContainerLifecycle
-from cgpud.sockets import prepare_socket_directory, remove_stale_socket
+from cgpud.sockets import owner_only_listening, prepare_socket_directory, remove_stale_socket
 
 # Requests are handled one at a time (RelayServer), so a client that
 # connects and stalls holds the others up to this long. The relays send
@@ -156,13 +156,8 @@ class RelayServer:
             def handle(self) -> None:
                 answer(self.request)
 
-        old = os.umask(0o177)  # the socket is 0600 from bind() on
-        try:
+        with owner_only_listening(self._path):  # the socket is 0600 from bind() on
             server = socketserver.UnixStreamServer(str(self._path), Handler)
-        except OSError as e:
-            raise CgpuError(f"cannot listen on {self._path}: {e.strerror}") from e
-        finally:
-            os.umask(old)
         self._server = server
         self._after_thread = threading.Thread(target=self._work_after_answers, name="cgpud-relay-after", daemon=True)
         self._after_thread.start()

@@ -35,6 +35,7 @@ from cgpud.api.listen import Endpoint, parse_endpoint
 from cgpud.boundedhttp import BoundedHandler, BoundedServer, Bounds
 from cgpud.node.bypass_model import BypassEvents
 from cgpud.node.compute import TenantMetrics
+from cgpud.node.inventory import NvmlHandles
 from cgpud.node.model import GpuCapacity, Instance, NodePolicy, Reservation
 from cgpud.node.region import USAGE_FILE
 from cgpud.errors import CgpuError
@@ -194,24 +195,18 @@ class NvmlUtilisation:
         import pynvml
 
         self._nvml = pynvml
-        self._handles: dict[int, Any] = {}
         self._log = structlog.get_logger("cgpud.metrics")
-        try:
-            pynvml.nvmlInit()
-        except pynvml.NVMLError as e:
-            self._log.error("GPU utilisation is not reported: NVML does not start", error=str(e))
-            self._up = False
-            return
-        self._up = True
-        for index in indexes:
-            try:
-                self._handles[index] = pynvml.nvmlDeviceGetHandleByIndex(index)
-            except pynvml.NVMLError as e:
-                self._log.error("GPU utilisation is not reported", gpu=index, error=str(e))
+        self._gpus = NvmlHandles(
+            pynvml,
+            indexes,
+            self._log,
+            "GPU utilisation is not reported: NVML does not start",
+            "GPU utilisation is not reported",
+        )
 
     def __call__(self) -> dict[int, int]:
         out: dict[int, int] = {}
-        for index, handle in self._handles.items():
+        for index, handle in self._gpus.handles.items():
             try:
                 out[index] = int(self._nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
             except self._nvml.NVMLError:
@@ -219,13 +214,7 @@ class NvmlUtilisation:
         return out
 
     def close(self) -> None:
-        if self._up:
-            self._up = False
-            self._handles.clear()
-            try:
-                self._nvml.nvmlShutdown()
-            except self._nvml.NVMLError:
-                pass  # nothing is left to release
+        self._gpus.close()
 
 
 _GPU_LABELS = ("gpu", "UUID", "modelName")

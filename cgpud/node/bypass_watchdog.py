@@ -26,6 +26,7 @@ from cgpud.node import bypass_policy, procmap
 from cgpud.node.bypass_model import BypassAction, BypassEvent, BypassEvents, ComputeView, EventAction, GpuProcess
 from cgpud.node.bypass_model import ProcessIdentity, Violation, ViolationKind, WatchSettings
 from cgpud.node.compute_policy import limits_compute
+from cgpud.node.inventory import NvmlHandles
 from cgpud.node.model import ComputePolicy, Instance, NodeMode, NodePolicy, isolates
 from cgpud.errors import CgpuError
 
@@ -117,27 +118,21 @@ class NvmlProcessReader:
         self.window_s = window_s
         self._clock = clock
         self._log = structlog.get_logger("cgpud.bypass")
-        self._handles: dict[int, Any] = {}
         self._util: dict[int, _UtilWindow] = {}
         self._trouble: dict[int, str] = {}  # GPU -> the error it answers, while it does
         self._versioned: dict[str, str] = {}  # list name -> the pynvml function that works here
         self._no_mps: set[int] = set()
-        try:
-            nvml.nvmlInit()
-        except nvml.NVMLError as e:
-            self._log.error("the bypass watchdog reads no GPU: NVML does not start", error=str(e))
-            self.up = False
-            return
-        self.up = True
-        for index in gpu_indexes:
-            try:
-                self._handles[index] = nvml.nvmlDeviceGetHandleByIndex(index)
-            except nvml.NVMLError as e:
-                self._log.error("the bypass watchdog does not read this GPU", gpu=index, error=str(e))
+        self._gpus = NvmlHandles(
+            nvml,
+            gpu_indexes,
+            self._log,
+            "the bypass watchdog reads no GPU: NVML does not start",
+            "the bypass watchdog does not read this GPU",
+        )
 
     @property
     def gpus(self) -> tuple[int, ...]:
-        return tuple(self._handles)
+        return tuple(self._gpus.handles)
 
     def compute_supported(self, gpu: int) -> bool:
         """False once NVML said it has no per-process utilisation there."""
@@ -147,7 +142,7 @@ class NvmlProcessReader:
     def read(self, mps: bool = False) -> list[GpuProcess]:
         out: list[GpuProcess] = []
         now_us = int(self._clock() * 1e6)
-        for gpu, handle in self._handles.items():
+        for gpu, handle in self._gpus.handles.items():
             try:
                 memory = self._processes(gpu, handle, mps)
                 util = self._utilisation(gpu, handle, now_us)
@@ -227,14 +222,12 @@ class NvmlProcessReader:
             # pynvml raises "success" when the size query finds no sample
         return window.means(now_us, int(self.window_s * 1e6))
 
+    @property
+    def up(self) -> bool:
+        return self._gpus.up
+
     def close(self) -> None:
-        if self.up:
-            self.up = False
-            self._handles.clear()
-            try:
-                self._nvml.nvmlShutdown()
-            except self._nvml.NVMLError:
-                pass  # nothing is left to release
+        self._gpus.close()
 
 
 class ProcessReader(Protocol):

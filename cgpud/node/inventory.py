@@ -3,7 +3,7 @@ runs on a real driver and on any library that speaks the NVML ABI."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
@@ -99,6 +99,39 @@ def _gpu(index: int) -> Gpu:
         compute_capability=tuple(_query("compute capability", pynvml.nvmlDeviceGetCudaComputeCapability, h)),
         nvlink_peers=_nvlink_peers(h),
     )
+
+
+class NvmlHandles:
+    """NVML started for its owner's life (until close) and a handle of each
+    GPU of `indexes` it answers for. `nvml` is the pynvml module or a
+    stand-in. Failures are logged as errors: `down` when NVML does not start
+    (`up` is False and there is no handle), `lost` (with the GPU) for a GPU
+    it does not find (left out)."""
+
+    def __init__(self, nvml: Any, indexes: Iterable[int], log: Any, down: str, lost: str) -> None:
+        self.nvml = nvml
+        self.handles: dict[int, Any] = {}
+        try:
+            nvml.nvmlInit()
+        except nvml.NVMLError as e:
+            log.error(down, error=str(e))
+            self.up = False
+            return
+        self.up = True
+        for index in indexes:
+            try:
+                self.handles[index] = nvml.nvmlDeviceGetHandleByIndex(index)
+            except nvml.NVMLError as e:
+                log.error(lost, gpu=index, error=str(e))
+
+    def close(self) -> None:
+        if self.up:
+            self.up = False
+            self.handles.clear()
+            try:
+                self.nvml.nvmlShutdown()
+            except self.nvml.NVMLError:
+                pass  # nothing is left to release
 
 
 def read_inventory() -> Inventory:
