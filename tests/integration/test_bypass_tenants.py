@@ -165,24 +165,16 @@ def test_bypass_tenant_holds_4gib_in_a_1gib_instance(
 
 
 def burn(d: Daemon, *prefix: str) -> dict[str, Any]:
-    proc = subprocess.run(
-        [
-            str(BIN / "cgpuctl"),
-            "--socket",
-            str(d.socket),
-            "run",
-            "--mem",
-            "1",
-            "--",
-            *prefix,
-            str(native_path("bin/cgpu-burn")),
-            "--resolve",
-            "dlsym",
-            *[a for _ in range(4) for a in ("--alloc", "1GiB")],
-        ],
-        env=d.env,
-        capture_output=True,
-        text=True,
+    proc = d.cgpuctl(
+        "run",
+        "--mem",
+        "1",
+        "--",
+        *prefix,
+        str(native_path("bin/cgpu-burn")),
+        "--resolve",
+        "dlsym",
+        *[a for _ in range(4) for a in ("--alloc", "1GiB")],
         timeout=60,
     )
     assert proc.returncode == 0, proc.stderr
@@ -209,23 +201,15 @@ def test_musl_tenant_with_the_preload_kept_cannot_start(machine: tuple[Daemon, d
     """Why the musl tenant drops LD_PRELOAD: musl's loader honours it and then
     fails on the glibc-built libcgpu (a usability limit, not a bypass)."""
     d, _ = machine
-    proc = subprocess.run(
-        [
-            str(BIN / "cgpuctl"),
-            "--socket",
-            str(d.socket),
-            "run",
-            "--mem",
-            "1",
-            "--",
-            "env",
-            *bypass_build.musl_host_env(),
-            str(bypass_build.musl_bypass()),
-            *ALLOC,
-        ],
-        env=d.env,
-        capture_output=True,
-        text=True,
+    proc = d.cgpuctl(
+        "run",
+        "--mem",
+        "1",
+        "--",
+        "env",
+        *bypass_build.musl_host_env(),
+        str(bypass_build.musl_bypass()),
+        *ALLOC,
         timeout=60,
     )
     assert proc.returncode == 127, (proc.returncode, proc.stdout, proc.stderr)

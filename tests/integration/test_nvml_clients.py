@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness.daemon import BIN
 from tests.harness.nvml_clients import ERROR_TEXT, GPUSTAT, INSIDE, NVITOP, NVML_CALLS, WAIT_OWN, burner, check_inside
 from tests.harness.simrun import PYNVML
 
@@ -109,27 +108,19 @@ def test_inside_an_instance_both_tools_show_its_limit_and_only_its_processes(dae
     # The neighbour runs outside any instance on the same GPU; 1 GiB instance
     # on a 2-GPU machine: binpack puts it on GPU 0, where the neighbour is.
     with burner(daemon.env, native, "2GiB") as neighbour:
-        proc = subprocess.run(
-            [
-                str(BIN / "cgpuctl"),
-                "--socket",
-                str(daemon.socket),
-                "run",
-                "--mem",
-                "1GiB",
-                "--",
-                sys.executable,
-                "-c",
-                INSIDE,
-                str(native / "bin/cgpu-burn"),
-                str(NVITOP),
-                str(GPUSTAT),
-                WAIT_OWN,
-                NVML_CALLS,
-            ],
-            env=daemon.env,
-            capture_output=True,
-            text=True,
+        proc = daemon.cgpuctl(
+            "run",
+            "--mem",
+            "1GiB",
+            "--",
+            sys.executable,
+            "-c",
+            INSIDE,
+            str(native / "bin/cgpu-burn"),
+            str(NVITOP),
+            str(GPUSTAT),
+            WAIT_OWN,
+            NVML_CALLS,
             timeout=300,
         )
         assert proc.returncode == 0, proc.stdout + proc.stderr
