@@ -17,8 +17,8 @@ import pytest
 from cgpud.cli.client import LocalClient
 from cgpud.node.model import GIB, Owner, OwnerKind, Request
 from tests.harness.daemon import Daemon
-from tests.harness.oci import HOOK_ENV_PATH, Host, create, host_mounts, run, runc, shim_container
-from tests.harness.containerd import Containerd, loaded_binary_name
+from tests.harness.oci import Host, create, host_mounts, run, runc, shim_container
+from tests.harness.containerd import Containerd, ctr_run_on_sim, loaded_binary_name
 from tests.harness.workload import instances
 
 
@@ -295,37 +295,15 @@ def test_one_id_in_two_containerd_namespaces_gets_two_instances(
     tmp_path, host: Host, cgpud: Daemon, containerd: Containerd
 ) -> None:
     binary = loaded_binary_name(containerd.config)
-    sim = host.sim_env
 
     def ctr(ns: str, *args: str) -> subprocess.CompletedProcess[str]:
         return containerd.ctr("--namespace", ns, *args)
 
     def start(ns: str, gib: int) -> subprocess.CompletedProcess[str]:
+        env = (f"ALIYUN_COM_GPU_MEM_CONTAINER={gib}",)
         rootfs = tmp_path / f"rootfs-{ns}"
-        subprocess.run(["cp", "-al", str(host.template), str(rootfs)], check=True)
-        return ctr(
-            ns,
-            "run",
-            "-d",
-            "--runtime",
-            "io.containerd.runc.v2",
-            "--runc-binary",
-            binary,
-            "--rootfs",
-            "--mount",
-            f"type=bind,src={host.sim_dir},dst={host.sim_dir},options=rbind:rw",
-            "--env",
-            HOOK_ENV_PATH,
-            "--env",
-            f"CGPU_SIM_CONFIG={sim['CGPU_SIM_CONFIG']}",
-            "--env",
-            f"CGPU_SIM_STATE={sim['CGPU_SIM_STATE']}",
-            "--env",
-            f"ALIYUN_COM_GPU_MEM_CONTAINER={gib}",
-            str(rootfs),
-            "job",
-            "sleep",
-            "60",
+        return ctr_run_on_sim(
+            containerd, host, rootfs, binary, env, "job", "sleep", "60", namespace=ns, run_opts=("-d",)
         )
 
     def remove(ns: str) -> None:
