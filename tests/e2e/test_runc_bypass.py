@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,7 +31,7 @@ from tests.harness import bypass_build
 from tests.harness.bypass_watch import GIB, INTERVAL, SLACK, Nvml, bypass_events, violations, wait_dead, wait_events
 from tests.harness.bypass_watch import watch_flags
 from tests.harness.daemon import Daemon, running_daemon
-from tests.harness.oci import Host, create, runc
+from tests.harness.oci import Host, create, plain_create, runc
 
 KINDS = ("elf", "static", "musl")
 OBSERVE = 0.1  # what the test process may add to a death it observes (see test_bypass_watchdog)
@@ -169,16 +168,8 @@ def test_kill_mode_stops_a_bypass_container(kind: str, tmp_path: Path, host: Hos
 def plain_container(host: Host, bundle: Any, cid: str) -> Iterator[int]:
     """A container run by runc itself, not through cgpu-runtime: a GPU user
     cgpu never heard of. Yields its host PID."""
-    log = bundle.path / "stdio.log"
-    with open(log, "w") as out:
-        made = subprocess.run(
-            ["runc", "--root", str(host.runc_root), "create", "--bundle", str(bundle.path), cid],
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=out,
-            timeout=60,
-        )
-    assert made.returncode == 0, log.read_text()
+    code, log = plain_create(host, bundle, cid)
+    assert code == 0, log
     try:
         assert runc(host, "start", cid).returncode == 0
         yield int(json.loads(runc(host, "state", cid).stdout)["pid"])

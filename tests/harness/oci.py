@@ -206,26 +206,26 @@ def create(
     in the bundle (a pipe would stay open as long as the container runs).
     With pid_file (as containerd and docker always pass it) the shim binds
     the instance itself; without, runc's createRuntime hook does."""
-    log = bundle.path / "stdio.log"
     extra = ["--pid-file", str(pid_file)] if pid_file else []
+    shim = str(native_path("bin/cgpu-runtime"))
+    command = [shim, "--root", str(host.runc_root), "create", "--bundle", str(bundle.path), *extra, container_id]
+    return _create_logged(command, bundle, env or runtime_env(relay), timeout)
+
+
+def plain_create(host: Host, bundle: Bundle, container_id: str, timeout: float = 60) -> tuple[int, str]:
+    """`runc create` by runc itself, no cgpu-runtime before it (what runs
+    is only what the bundle's hooks run); stdio to a file as in create."""
+    command = ["runc", "--root", str(host.runc_root), "create", "--bundle", str(bundle.path), container_id]
+    return _create_logged(command, bundle, dict(os.environ), timeout)
+
+
+def _create_logged(command: list[str], bundle: Bundle, env: dict[str, str], timeout: float) -> tuple[int, str]:
+    """Runs a create with the container's stdio in a file in the bundle: a
+    pipe would stay open as long as the container runs. Its exit code and
+    the file's text."""
+    log = bundle.path / "stdio.log"
     with open(log, "w") as out:
-        proc = subprocess.run(
-            [
-                str(native_path("bin/cgpu-runtime")),
-                "--root",
-                str(host.runc_root),
-                "create",
-                "--bundle",
-                str(bundle.path),
-                *extra,
-                container_id,
-            ],
-            env=env or runtime_env(relay),
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=out,
-            timeout=timeout,
-        )
+        proc = subprocess.run(command, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out, timeout=timeout)
     return proc.returncode, log.read_text()
 
 
