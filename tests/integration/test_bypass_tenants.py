@@ -32,6 +32,7 @@ import pytest
 
 from cgpud.native import native_path
 from tests.harness import bypass_build
+from tests.harness.bypass_watch import bypass_command
 from tests.harness.sim import write_sim_config
 from tests.harness.daemon import BIN, Daemon, running_daemon
 from tests.harness.simrun import sim_stat
@@ -114,31 +115,12 @@ def instance_of(d: Daemon, pid: int) -> dict[str, Any]:
     return inst
 
 
-def bypass_commands() -> dict[str, list[str]]:
-    hold = ["--hold", "60"]
-    return {
-        "elf": [str(bypass_build.elf_bypass()), "--resolve", "elf", *ALLOC, *hold],
-        "static": [str(bypass_build.static_bypass()), "--resolve", "link", *ALLOC, *hold],
-        "musl": [
-            "env",
-            "-u",
-            "LD_PRELOAD",
-            *bypass_build.musl_host_env(),
-            str(bypass_build.musl_bypass()),
-            "--resolve",
-            "link",
-            *ALLOC,
-            *hold,
-        ],
-    }
-
-
 @pytest.mark.parametrize("kind", ["elf", "static", "musl"])
 def test_bypass_tenant_holds_4gib_in_a_1gib_instance(
     machine: tuple[Daemon, dict[str, str]], native: Path, kind: str
 ) -> None:
     d, env = machine
-    with tenant(d, bypass_commands()[kind]) as t:
+    with tenant(d, bypass_command(kind, hold=60)) as t:
         ready = t.until("ready")
         held = t.until("holding")
         pid = ready["pid"]
