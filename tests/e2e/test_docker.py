@@ -30,7 +30,7 @@ from cgpud.node.model import GIB, Owner, OwnerKind, Request
 from cgpud.native import native_path
 from tests.harness.daemon import BIN, Daemon, running_daemon
 from tests.harness.docker import IMAGE, Dockerd, running_dockerd
-from tests.harness.oci import runtime_env, settled
+from tests.harness.oci import plant_symlink, runtime_env, settled
 from tests.harness.workload import (
     BURN,
     assert_2gib_granted,
@@ -97,19 +97,16 @@ def docker_run(
     gpu_env: dict[str, str],
     *cmd: str,
     env: tuple[str, ...] = (),
-    runtime: str = "cgpu",
+    runtime: str | None = "cgpu",
     opts: tuple[str, ...] = ("--rm",),
     image: str = IMAGE,
 ) -> subprocess.CompletedProcess[str]:
     """`docker run` with the simulated device handed in as the NVIDIA
-    toolkit would hand in the real one (tests/harness/oci.py)."""
+    toolkit would hand in the real one (tests/harness/oci.py); runtime None:
+    dockerd's default runtime."""
     sim = Path(gpu_env["CGPU_SIM_CONFIG"]).parent
-    args = [
-        "run",
-        "--network",
-        "none",
-        "--runtime",
-        runtime,
+    args = ["run", "--network", "none", *(["--runtime", runtime] if runtime else [])]
+    args += [
         "-v",
         f"{sim}:{sim}",
         "-e",
@@ -338,13 +335,7 @@ def test_compute_share_on_a_core_mem_node(tmp_path, gpu_env, dockerd: Dockerd) -
 def _image_with_symlink(dockerd: Dockerd, template: Path, where: Path, link: str, target: str) -> str:
     rootfs = where / "rootfs"
     subprocess.run(["cp", "-al", str(template), str(rootfs)], check=True)
-    inside = rootfs / link.lstrip("/")
-    if inside.is_dir() and not inside.is_symlink():
-        subprocess.run(["rm", "-rf", str(inside)], check=True)
-    else:
-        inside.unlink(missing_ok=True)
-    inside.parent.mkdir(parents=True, exist_ok=True)
-    inside.symlink_to(target)
+    plant_symlink(rootfs, link, target)
     tag = f"cgpu-e2e:hostile-{uuid.uuid4().hex[:8]}"
     dockerd.import_rootfs(rootfs, tag)
     return tag
@@ -514,25 +505,7 @@ def test_cgpu_as_the_default_runtime(gpu_env, cgpud: Daemon, dockerd: Dockerd) -
         while dockerd.docker("info", "--format", "{{.DefaultRuntime}}").stdout.strip() != "cgpu":
             assert time.monotonic() < deadline, dockerd.tail()
             time.sleep(0.1)
-        sim = Path(gpu_env["CGPU_SIM_CONFIG"]).parent
-        out = dockerd.docker(
-            "run",
-            "--rm",
-            "--network",
-            "none",
-            "-v",
-            f"{sim}:{sim}",
-            "-e",
-            f"CGPU_SIM_CONFIG={gpu_env['CGPU_SIM_CONFIG']}",
-            "-e",
-            f"CGPU_SIM_STATE={gpu_env['CGPU_SIM_STATE']}",
-            "-e",
-            "ALIYUN_COM_GPU_MEM_CONTAINER=2",
-            IMAGE,
-            "sh",
-            "-c",
-            BURN,
-        )
+        out = docker_run(dockerd, gpu_env, "sh", "-c", BURN, env=("ALIYUN_COM_GPU_MEM_CONTAINER=2",), runtime=None)
         assert out.returncode == 0, out.stderr
         assert burn_json(out.stdout)["alloc"]["until_fail_bytes"] == 2 * GIB
         assert [i["state"] for i in instances(cgpud, all_=True)] == ["released"]

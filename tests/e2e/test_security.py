@@ -11,7 +11,7 @@ import pytest
 
 from cgpud.node.model import GIB
 from tests.harness.daemon import Daemon
-from tests.harness.oci import Host, run, settled, shim_container
+from tests.harness.oci import Host, plant_symlink, run, settled, shim_container
 from tests.harness.preload_poc import build_poc
 from tests.harness.workload import BURN, assert_no_breakout, breakout_script, burn_json, instances
 
@@ -45,14 +45,7 @@ def _symlinked(
     b = host.bundle(
         tmp_path / name, ["sh", "-c", f"cat /etc/ld.so.preload; {BURN}"], ("ALIYUN_COM_GPU_MEM_CONTAINER=2",)
     )
-    inside = b.rootfs / link.lstrip("/")
-    if inside.is_dir() and not inside.is_symlink():
-        subprocess.run(["rm", "-rf", str(inside)], check=True)
-    else:
-        inside.unlink(missing_ok=True)
-    inside.parent.mkdir(parents=True, exist_ok=True)
-    inside.symlink_to(target)
-    return b, inside
+    return b, plant_symlink(b.rootfs, link, target)
 
 
 @pytest.mark.parametrize(

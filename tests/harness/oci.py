@@ -160,6 +160,20 @@ class Host:
         return f"{prefix}-{os.getpid()}-{self.counter[0]}"
 
 
+def plant_symlink(root: Path, link: str, target: str) -> Path:
+    """Makes `link` (an absolute path inside the image) in root a symbolic
+    link to target, whatever stood there: how a hostile image points cgpu's
+    paths elsewhere. Returns the link's path on the host."""
+    inside = root / link.lstrip("/")
+    if inside.is_dir() and not inside.is_symlink():
+        subprocess.run(["rm", "-rf", str(inside)], check=True)
+    else:
+        inside.unlink(missing_ok=True)
+    inside.parent.mkdir(parents=True, exist_ok=True)
+    inside.symlink_to(target)
+    return inside
+
+
 def runtime_env(relay: Path, base: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(base or os.environ)
     env["CGPU_RELAY_SOCKET"] = str(relay)
