@@ -15,6 +15,7 @@ sys.path.insert(0, str(ROOT / "csrc"))
 import build_native  # noqa: E402
 
 from tests.harness import cudakit  # noqa: E402
+from tests.harness.cc import compile_strict  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -31,21 +32,7 @@ def nvml_include() -> Path:
 
 def _probe(tmp_path: Path, *flags: str, source: str = "abi_probe.c") -> str:
     exe = tmp_path / f"{Path(source).stem}{len(flags)}"
-    subprocess.run(
-        [
-            "cc",
-            "-std=c11",
-            "-Wall",
-            "-Wextra",
-            "-Werror",
-            *flags,
-            f"-I{ROOT / 'csrc/include'}",
-            str(ROOT / "tests/abi" / source),
-            "-o",
-            str(exe),
-        ],
-        check=True,
-    )
+    compile_strict(exe, *flags, f"-I{ROOT / 'csrc/include'}", str(ROOT / "tests/abi" / source))
     return subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
 
 

@@ -13,37 +13,16 @@ from pathlib import Path
 from cgpud.node.model import GIB
 from cgpud.native import native_path
 from tests.harness.daemon import Daemon
-from tests.harness.oci import HOOK_ENV_PATH, Host
-from tests.harness.containerd import Containerd, loaded_binary_name
+from tests.harness.oci import Host
+from tests.harness.containerd import Containerd, ctr_run_on_sim, loaded_binary_name
 from tests.harness.workload import BURN, burn_json, env_lines, instances
 
 
 def ctr_run(
     c: Containerd, host: Host, tmp: Path, binary: str, env: tuple[str, ...], *cmd: str
 ) -> subprocess.CompletedProcess[str]:
-    rootfs = tmp / f"rootfs-{host.new_id()}"
-    subprocess.run(["cp", "-al", str(host.template), str(rootfs)], check=True)
-    sim = host.sim_env
-    args = [
-        "run",
-        "--rm",
-        "--runtime",
-        "io.containerd.runc.v2",
-        "--runc-binary",
-        binary,
-        "--rootfs",
-        "--mount",
-        f"type=bind,src={host.sim_dir},dst={host.sim_dir},options=rbind:rw",
-        "--env",
-        HOOK_ENV_PATH,
-        "--env",
-        f"CGPU_SIM_CONFIG={sim['CGPU_SIM_CONFIG']}",
-        "--env",
-        f"CGPU_SIM_STATE={sim['CGPU_SIM_STATE']}",
-    ]
-    for e in env:
-        args += ["--env", e]
-    return c.ctr(*args, str(rootfs), host.new_id(), *cmd)
+    """A `ctr run --rm` of a fresh copy of the template under tmp."""
+    return ctr_run_on_sim(c, host, tmp / f"rootfs-{host.new_id()}", binary, env, host.new_id(), *cmd)
 
 
 def test_runtime_configure_registers_the_shim_containerd_loads(containerd: Containerd) -> None:

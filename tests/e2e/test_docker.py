@@ -20,6 +20,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -29,8 +30,16 @@ from cgpud.node.model import GIB, Owner, OwnerKind, Request
 from cgpud.native import native_path
 from tests.harness.daemon import BIN, Daemon, running_daemon
 from tests.harness.docker import IMAGE, Dockerd, running_dockerd
-from tests.harness.oci import runtime_env, settled
-from tests.harness.workload import BURN, assert_2gib_granted, burn_json, env_lines, instances
+from tests.harness.oci import plant_symlink, runtime_env, settled
+from tests.harness.workload import (
+    BURN,
+    assert_2gib_granted,
+    assert_no_breakout,
+    breakout_script,
+    burn_json,
+    env_lines,
+    instances,
+)
 from tests.harness.preload_poc import build_poc
 
 # An operator's settings that `runtime configure` must keep.
@@ -88,19 +97,16 @@ def docker_run(
     gpu_env: dict[str, str],
     *cmd: str,
     env: tuple[str, ...] = (),
-    runtime: str = "cgpu",
+    runtime: str | None = "cgpu",
     opts: tuple[str, ...] = ("--rm",),
     image: str = IMAGE,
 ) -> subprocess.CompletedProcess[str]:
     """`docker run` with the simulated device handed in as the NVIDIA
-    toolkit would hand in the real one (tests/harness/oci.py)."""
+    toolkit would hand in the real one (tests/harness/oci.py); runtime None:
+    dockerd's default runtime."""
     sim = Path(gpu_env["CGPU_SIM_CONFIG"]).parent
-    args = [
-        "run",
-        "--network",
-        "none",
-        "--runtime",
-        runtime,
+    args = ["run", "--network", "none", *(["--runtime", runtime] if runtime else [])]
+    args += [
         "-v",
         f"{sim}:{sim}",
         "-e",
@@ -124,6 +130,30 @@ def owner(d: Dockerd, container_id: str) -> str:
     """The instance owner cgpud records: Docker's full id and the bundle its
     containerd made for it."""
     return f"{container_id}@{d.task_dir / container_id}"
+
+
+@contextmanager
+def detached_gpu_container(dockerd: Dockerd, gpu_env: dict[str, str], gib: int) -> Iterator[tuple[str, str]]:
+    """`docker run -d` of a container asking for gib GiB that sleeps; yields
+    its name and Docker's id, and removes it (the removal checked) after."""
+    name = f"cgpu-e2e-{uuid.uuid4().hex[:8]}"
+    out = docker_run(
+        dockerd, gpu_env, "sleep", "600", env=(f"ALIYUN_COM_GPU_MEM_CONTAINER={gib}",), opts=("-d", "--name", name)
+    )
+    assert out.returncode == 0, out.stderr + dockerd.tail()
+    try:
+        yield name, out.stdout.strip()
+    finally:
+        removed = dockerd.docker("rm", "-f", name)
+    assert removed.returncode == 0, removed.stderr
+
+
+def assert_exec_burn_stops_at(dockerd: Dockerd, name: str, gib: int) -> None:
+    """cgpu-burn by `docker exec` in a running container: it joins the
+    container's instance, so its allocations stop at the container's limit."""
+    ex = dockerd.docker("exec", name, "sh", "-c", BURN)
+    assert ex.returncode == 0, ex.stderr
+    assert burn_json(ex.stdout)["alloc"]["until_fail_bytes"] == gib * GIB
 
 
 def test_runtime_configure_registers_the_shim_dockerd_reloads(dockerd: Dockerd) -> None:
@@ -178,13 +208,7 @@ def test_2gib_container_through_docker(tmp_path, gpu_env, cgpud: Daemon, dockerd
 def test_a_container_holds_its_instance_across_exec_restart_stop_and_start(
     gpu_env, cgpud: Daemon, dockerd: Dockerd
 ) -> None:
-    name = f"cgpu-e2e-{uuid.uuid4().hex[:8]}"
-    out = docker_run(
-        dockerd, gpu_env, "sleep", "600", env=("ALIYUN_COM_GPU_MEM_CONTAINER=3",), opts=("-d", "--name", name)
-    )
-    assert out.returncode == 0, out.stderr + dockerd.tail()
-    try:
-        cid = out.stdout.strip()
+    with detached_gpu_container(dockerd, gpu_env, 3) as (name, cid):
 
         def bound_to_init() -> dict:
             [inst] = instances(cgpud)
@@ -195,9 +219,7 @@ def test_a_container_holds_its_instance_across_exec_restart_stop_and_start(
 
         first = bound_to_init()
         # `docker exec` joins the container: the same library, region and limit.
-        ex = dockerd.docker("exec", name, "sh", "-c", BURN)
-        assert ex.returncode == 0, ex.stderr
-        assert burn_json(ex.stdout)["alloc"]["until_fail_bytes"] == 3 * GIB
+        assert_exec_burn_stops_at(dockerd, name, 3)
         # Its env is Docker's record of the container, not the spec cgpud
         # edited: the request is there, cgpud's outputs only in the init's.
         ex = dockerd.docker("exec", name, "sh", "-c", "env; echo; tr '\\0' '\\n' < /proc/1/environ")
@@ -219,9 +241,6 @@ def test_a_container_holds_its_instance_across_exec_restart_stop_and_start(
         while instances(cgpud):
             assert time.monotonic() < deadline, instances(cgpud)
             time.sleep(0.05)
-    finally:
-        removed = dockerd.docker("rm", "-f", name)
-    assert removed.returncode == 0, removed.stderr
     assert instances(cgpud) == []
     assert [i["state"] for i in instances(cgpud, all_=True)] == ["released"] * 3
 
@@ -316,13 +335,7 @@ def test_compute_share_on_a_core_mem_node(tmp_path, gpu_env, dockerd: Dockerd) -
 def _image_with_symlink(dockerd: Dockerd, template: Path, where: Path, link: str, target: str) -> str:
     rootfs = where / "rootfs"
     subprocess.run(["cp", "-al", str(template), str(rootfs)], check=True)
-    inside = rootfs / link.lstrip("/")
-    if inside.is_dir() and not inside.is_symlink():
-        subprocess.run(["rm", "-rf", str(inside)], check=True)
-    else:
-        inside.unlink(missing_ok=True)
-    inside.parent.mkdir(parents=True, exist_ok=True)
-    inside.symlink_to(target)
+    plant_symlink(rootfs, link, target)
     tag = f"cgpu-e2e:hostile-{uuid.uuid4().hex[:8]}"
     dockerd.import_rootfs(rootfs, tag)
     return tag
@@ -408,27 +421,11 @@ def test_an_image_ld_preload_from_cwd_never_runs_on_the_host(
 
 
 def test_a_container_cannot_write_its_limits_or_reach_other_instances(gpu_env, cgpud: Daemon, dockerd: Dockerd) -> None:
-    name = f"cgpu-e2e-{uuid.uuid4().hex[:8]}"
-    out = docker_run(
-        dockerd, gpu_env, "sleep", "600", env=("ALIYUN_COM_GPU_MEM_CONTAINER=1",), opts=("-d", "--name", name)
-    )
-    assert out.returncode == 0, out.stderr
-    try:
+    with detached_gpu_container(dockerd, gpu_env, 1):
         [other] = instances(cgpud)
         other_region = cgpud.state / "instances" / other["id"]
         other_limits = (other_region / "limits").read_bytes()
-        script = "; ".join(
-            [
-                "echo x > /run/cgpu/limits && echo WROTE-LIMITS",
-                "echo x > /run/cgpu/grants && echo WROTE-GRANTS",
-                "mount -o remount,rw /run/cgpu 2>/dev/null && echo REMOUNTED",
-                "echo x > /usr/local/cgpu/libcgpu.so && echo WROTE-LIB",
-                "echo x > /etc/ld.so.preload && echo WROTE-PRELOAD",
-                f"ls {other_region} 2>/dev/null && echo SEES-OTHER",
-                "ls /run/cgpu",
-                "id -u",
-            ]
-        )
+        script = breakout_script(other_region)
         for user in ("0", "1000"):
             out = docker_run(
                 dockerd,
@@ -440,12 +437,8 @@ def test_a_container_cannot_write_its_limits_or_reach_other_instances(gpu_env, c
                 opts=("--rm", "--user", f"{user}:{user}"),
             )
             assert out.returncode == 0, out.stderr
-            for bad in ("WROTE-LIMITS", "WROTE-GRANTS", "REMOUNTED", "WROTE-LIB", "WROTE-PRELOAD", "SEES-OTHER"):
-                assert bad not in out.stdout, out.stdout
-            assert out.stdout.split() == ["grants", "limits", "usage", user]
+            assert_no_breakout(out.stdout, user)
         assert (other_region / "limits").read_bytes() == other_limits
-    finally:
-        assert dockerd.docker("rm", "-f", name).returncode == 0
     assert instances(cgpud) == []
 
 
@@ -512,25 +505,7 @@ def test_cgpu_as_the_default_runtime(gpu_env, cgpud: Daemon, dockerd: Dockerd) -
         while dockerd.docker("info", "--format", "{{.DefaultRuntime}}").stdout.strip() != "cgpu":
             assert time.monotonic() < deadline, dockerd.tail()
             time.sleep(0.1)
-        sim = Path(gpu_env["CGPU_SIM_CONFIG"]).parent
-        out = dockerd.docker(
-            "run",
-            "--rm",
-            "--network",
-            "none",
-            "-v",
-            f"{sim}:{sim}",
-            "-e",
-            f"CGPU_SIM_CONFIG={gpu_env['CGPU_SIM_CONFIG']}",
-            "-e",
-            f"CGPU_SIM_STATE={gpu_env['CGPU_SIM_STATE']}",
-            "-e",
-            "ALIYUN_COM_GPU_MEM_CONTAINER=2",
-            IMAGE,
-            "sh",
-            "-c",
-            BURN,
-        )
+        out = docker_run(dockerd, gpu_env, "sh", "-c", BURN, env=("ALIYUN_COM_GPU_MEM_CONTAINER=2",), runtime=None)
         assert out.returncode == 0, out.stderr
         assert burn_json(out.stdout)["alloc"]["until_fail_bytes"] == 2 * GIB
         assert [i["state"] for i in instances(cgpud, all_=True)] == ["released"]
@@ -604,23 +579,13 @@ def test_a_command_that_does_not_exist_leaves_no_instance(gpu_env, cgpud: Daemon
 
 
 def test_a_running_container_keeps_its_instance_across_a_cgpud_kill(gpu_env, cgpud: Daemon, dockerd: Dockerd) -> None:
-    name = f"cgpu-e2e-{uuid.uuid4().hex[:8]}"
-    out = docker_run(
-        dockerd, gpu_env, "sleep", "600", env=("ALIYUN_COM_GPU_MEM_CONTAINER=2",), opts=("-d", "--name", name)
-    )
-    assert out.returncode == 0, out.stderr
-    try:
+    with detached_gpu_container(dockerd, gpu_env, 2) as (name, _):
         [before] = instances(cgpud)
         cgpud.kill()
         cgpud.start()
         [after] = instances(cgpud)
         assert (after["id"], after["state"], after["pids"]) == (before["id"], "bound", before["pids"])
-        ex = dockerd.docker("exec", name, "sh", "-c", BURN)
-        assert ex.returncode == 0, ex.stderr
-        assert burn_json(ex.stdout)["alloc"]["until_fail_bytes"] == 2 * GIB
-    finally:
-        removed = dockerd.docker("rm", "-f", name)
-    assert removed.returncode == 0, removed.stderr
+        assert_exec_burn_stops_at(dockerd, name, 2)
     assert instances(cgpud) == []
 
 
@@ -630,20 +595,10 @@ def test_a_gpu_container_runs_on_with_its_limit_across_a_dockerd_restart(
     """With live-restore (set in the operator's daemon.json here), an
     upgrade of docker.io leaves containers running: the container keeps its
     instance, and its removal after the restart still releases it."""
-    name = f"cgpu-e2e-{uuid.uuid4().hex[:8]}"
-    out = docker_run(
-        dockerd, gpu_env, "sleep", "600", env=("ALIYUN_COM_GPU_MEM_CONTAINER=2",), opts=("-d", "--name", name)
-    )
-    assert out.returncode == 0, out.stderr
-    try:
+    with detached_gpu_container(dockerd, gpu_env, 2) as (name, _):
         [before] = instances(cgpud)
         dockerd.restart()
         assert state(dockerd, name)["State"]["Running"]
         assert instances(cgpud) == [before]
-        ex = dockerd.docker("exec", name, "sh", "-c", BURN)
-        assert ex.returncode == 0, ex.stderr
-        assert burn_json(ex.stdout)["alloc"]["until_fail_bytes"] == 2 * GIB
-    finally:
-        removed = dockerd.docker("rm", "-f", name)
-    assert removed.returncode == 0, removed.stderr
+        assert_exec_burn_stops_at(dockerd, name, 2)
     assert instances(cgpud) == []

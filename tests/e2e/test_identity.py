@@ -17,8 +17,8 @@ import pytest
 from cgpud.cli.client import LocalClient
 from cgpud.node.model import GIB, Owner, OwnerKind, Request
 from tests.harness.daemon import Daemon
-from tests.harness.oci import HOOK_ENV_PATH, Host, create, host_mounts, run, runc, shim_container
-from tests.harness.containerd import Containerd, loaded_binary_name
+from tests.harness.oci import Bundle, Host, create, host_mounts, plain_create, run, runc, shim_container
+from tests.harness.containerd import Containerd, ctr_run_on_sim, loaded_binary_name
 from tests.harness.workload import instances
 
 
@@ -26,6 +26,16 @@ def in_namespace(host: Host, tmp_path: Path, ns: str) -> Host:
     """The same host seen from another containerd namespace: its own runc
     root and its own bundle directory per container."""
     return dataclasses.replace(host, runc_root=tmp_path / ns / "runc")
+
+
+def bundle_with_volume(host: Host, where: Path, destination: str, source: Path) -> Bundle:
+    """A 2 GiB container running `true` with `source` bind-mounted read-write
+    at `destination`, as a pod's volume is."""
+    b = host.bundle(where, ["true"], ("ALIYUN_COM_GPU_MEM_CONTAINER=2",))
+    b.spec["mounts"].append(
+        {"destination": destination, "type": "bind", "source": str(source), "options": ["rbind", "rw"]}
+    )
+    return b.write()
 
 
 def test_one_id_under_two_runtime_roots_gets_two_instances(tmp_path, host: Host, cgpud: Daemon) -> None:
@@ -118,9 +128,7 @@ def test_a_volume_whose_source_holds_a_link_on_cgpus_way_is_refused(
     source = tmp_path / "volume"
     source.mkdir()
     (source / link).symlink_to(escape.format(out=outside))
-    b = host.bundle(tmp_path / "b", ["true"], ("ALIYUN_COM_GPU_MEM_CONTAINER=2",))
-    b.spec["mounts"].append({"destination": volume, "type": "bind", "source": str(source), "options": ["rbind", "rw"]})
-    b.write()
+    b = bundle_with_volume(host, tmp_path / "b", volume, source)
 
     def mine() -> list[str]:
         return [m for m in host_mounts() if str(tmp_path) in m]  # others' tests mount too
@@ -145,9 +153,7 @@ def test_a_shared_volume_over_run_is_refused_even_without_links(tmp_path, host: 
     detaches cgpu's mounts from this container; so it never starts."""
     source = tmp_path / "empty-dir"
     source.mkdir()
-    b = host.bundle(tmp_path / "b", ["true"], ("ALIYUN_COM_GPU_MEM_CONTAINER=2",))
-    b.spec["mounts"].append({"destination": "/run", "type": "bind", "source": str(source), "options": ["rbind", "rw"]})
-    b.write()
+    b = bundle_with_volume(host, tmp_path / "b", "/run", source)
     before = b.read()
     out = run(host, b, host.new_id(), shim=True, relay=cgpud.relay)
     assert out.returncode != 0
@@ -184,13 +190,9 @@ def test_a_volume_at_var_run_in_an_image_where_it_links_to_run_is_refused(tmp_pa
     volume written as /var/run is mounted over /run."""
     source = tmp_path / "empty-dir"
     source.mkdir()
-    b = host.bundle(tmp_path / "b", ["true"], ("ALIYUN_COM_GPU_MEM_CONTAINER=2",))
+    b = bundle_with_volume(host, tmp_path / "b", "/var/run", source)
     (b.rootfs / "var").mkdir(exist_ok=True)
     (b.rootfs / "var" / "run").symlink_to("/run")
-    b.spec["mounts"].append(
-        {"destination": "/var/run", "type": "bind", "source": str(source), "options": ["rbind", "rw"]}
-    )
-    b.write()
     before = b.read()
     out = run(host, b, host.new_id(), shim=True, relay=cgpud.relay)
     assert out.returncode != 0
@@ -224,18 +226,10 @@ def test_a_link_swapped_in_after_the_check_keeps_the_container_from_starting(
     shutil.rmtree(b.rootfs / "run")
     (b.rootfs / "srv").mkdir()
     (b.rootfs / "run").symlink_to("/srv")
-    log = tmp_path / "create.log"
-    with open(log, "w") as f:  # a pipe would stay open while a created container runs
-        code = subprocess.run(
-            ["runc", "--root", str(host.runc_root), "create", "--bundle", str(b.path), cid],
-            stdin=subprocess.DEVNULL,
-            stdout=f,
-            stderr=f,
-            timeout=60,
-        ).returncode
+    code, log = plain_create(host, b, cid)
     try:
         assert code != 0
-        assert "cgpu-hook: cgpu's mount at /run/cgpu is not in place" in log.read_text(), log.read_text()
+        assert "cgpu-hook: cgpu's mount at /run/cgpu is not in place" in log, log
         assert runc(host, "state", cid).returncode != 0  # no container left
         assert instances(cgpud) == []
         assert [i["state"] for i in instances(cgpud, all_=True) if i["id"] == prepared["id"]] == ["released"]
@@ -295,37 +289,15 @@ def test_one_id_in_two_containerd_namespaces_gets_two_instances(
     tmp_path, host: Host, cgpud: Daemon, containerd: Containerd
 ) -> None:
     binary = loaded_binary_name(containerd.config)
-    sim = host.sim_env
 
     def ctr(ns: str, *args: str) -> subprocess.CompletedProcess[str]:
         return containerd.ctr("--namespace", ns, *args)
 
     def start(ns: str, gib: int) -> subprocess.CompletedProcess[str]:
+        env = (f"ALIYUN_COM_GPU_MEM_CONTAINER={gib}",)
         rootfs = tmp_path / f"rootfs-{ns}"
-        subprocess.run(["cp", "-al", str(host.template), str(rootfs)], check=True)
-        return ctr(
-            ns,
-            "run",
-            "-d",
-            "--runtime",
-            "io.containerd.runc.v2",
-            "--runc-binary",
-            binary,
-            "--rootfs",
-            "--mount",
-            f"type=bind,src={host.sim_dir},dst={host.sim_dir},options=rbind:rw",
-            "--env",
-            HOOK_ENV_PATH,
-            "--env",
-            f"CGPU_SIM_CONFIG={sim['CGPU_SIM_CONFIG']}",
-            "--env",
-            f"CGPU_SIM_STATE={sim['CGPU_SIM_STATE']}",
-            "--env",
-            f"ALIYUN_COM_GPU_MEM_CONTAINER={gib}",
-            str(rootfs),
-            "job",
-            "sleep",
-            "60",
+        return ctr_run_on_sim(
+            containerd, host, rootfs, binary, env, "job", "sleep", "60", namespace=ns, run_opts=("-d",)
         )
 
     def remove(ns: str) -> None:

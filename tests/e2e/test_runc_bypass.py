@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,7 +31,7 @@ from tests.harness import bypass_build
 from tests.harness.bypass_watch import GIB, INTERVAL, SLACK, Nvml, bypass_events, violations, wait_dead, wait_events
 from tests.harness.bypass_watch import watch_flags
 from tests.harness.daemon import Daemon, running_daemon
-from tests.harness.oci import Host, create, runc
+from tests.harness.oci import Host, create, plain_create, runc
 
 pytestmark = pytest.mark.slow  # tens of seconds to minutes each
 
@@ -118,6 +117,21 @@ def nvml(host: Host) -> Iterator[Nvml]:
     probe.close()
 
 
+def killed_in_time(d: Daemon, t: Container) -> tuple[float, float, dict[str, Any]]:
+    """Kill mode's promise for a container past its limit: dead within two
+    intervals of the crossing allocation, and an event naming its pid as
+    killed. The crossing's and the death's times, and the event."""
+    crossed = t.crossing(GIB)
+    dead = wait_dead(t.pid, 10)
+    assert dead is not None, (
+        f"container {t.cid} (pid {t.pid}) still runs 10 s after crossing its limit: {bypass_events(d)}"
+    )
+    assert dead - crossed <= 2 * INTERVAL + OBSERVE, dead - crossed
+    [event] = wait_events(d, lambda e: e["instance_id"] == t.instance_id, 10, "the kill's event")
+    assert event["action"] == "killed" and event["killed"] == [t.pid], event
+    return crossed, dead, event
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_report_mode_reports_a_bypass_container(kind: str, tmp_path: Path, host: Host, nvml: Nvml) -> None:
     with (
@@ -146,12 +160,7 @@ def test_kill_mode_stops_a_bypass_container(kind: str, tmp_path: Path, host: Hos
         neighbour(host, d, nvml, tmp_path / "n") as (n, baseline),
     ):
         with container(host, d, tenant_bundle(host, tmp_path / "t", kind)) as t:
-            crossed = t.crossing(GIB)
-            dead = wait_dead(t.pid, 10)
-            assert dead is not None, f"container {t.cid} (pid {t.pid}) still runs 10 s after crossing its limit"
-            assert dead - crossed <= 2 * INTERVAL + OBSERVE, dead - crossed
-            [event] = wait_events(d, lambda e: e["instance_id"] == t.instance_id, 10, "the kill's event")
-            assert event["action"] == "killed" and event["killed"] == [t.pid], event
+            crossed, dead, event = killed_in_time(d, t)
             assert event["time"] - crossed <= 2 * INTERVAL, event
             print(
                 f"{kind}: killed at {(event['time'] - crossed) * 1e3:.0f} ms, seen dead at "
@@ -171,16 +180,8 @@ def test_kill_mode_stops_a_bypass_container(kind: str, tmp_path: Path, host: Hos
 def plain_container(host: Host, bundle: Any, cid: str) -> Iterator[int]:
     """A container run by runc itself, not through cgpu-runtime: a GPU user
     cgpu never heard of. Yields its host PID."""
-    log = bundle.path / "stdio.log"
-    with open(log, "w") as out:
-        made = subprocess.run(
-            ["runc", "--root", str(host.runc_root), "create", "--bundle", str(bundle.path), cid],
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=out,
-            timeout=60,
-        )
-    assert made.returncode == 0, log.read_text()
+    code, log = plain_create(host, bundle, cid)
+    assert code == 0, log
     try:
         assert runc(host, "start", cid).returncode == 0
         yield int(json.loads(runc(host, "state", cid).stdout)["pid"])
@@ -260,9 +261,4 @@ def test_naming_the_binary_like_an_allowed_daemon_protects_nothing(tmp_path: Pat
         assert unknown["pids"] == [xorg] and unknown["action"] == "reported", unknown
         with container(host, d, tenant) as t:
             assert exe_once_started(t.pid) == "/usr/bin/nvidia-persistenced"
-            crossed = t.crossing(GIB)
-            dead = wait_dead(t.pid, 10)
-            assert dead is not None, f"the tenant named nvidia-persistenced still runs: {bypass_events(d)}"
-            assert dead - crossed <= 2 * INTERVAL + OBSERVE, dead - crossed
-            [event] = wait_events(d, lambda e: e["instance_id"] == t.instance_id, 10, "the kill's event")
-            assert event["action"] == "killed" and event["killed"] == [t.pid], event
+            killed_in_time(d, t)

@@ -6,15 +6,13 @@ neighbour keep its share and finish, and the instance go away cleanly."""
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 from pathlib import Path
 
-from cgpud.native import native_path
-from tests.harness.daemon import BIN, Daemon, make_daemon
+from tests.harness.daemon import Daemon, make_daemon
 from tests.harness.oci import Host, host_mounts, run
 from tests.harness.workload import instances
-from tests.harness.sharerun import Sampler, ShareRig, _at, _busy
+from tests.harness.sharerun import Sampler, ShareRig, busy_percent, start_burn_tenant
 
 # The burn runs first: a thread of the tenant's own waiting at its gate when
 # the file goes would lose its demand with it and wait on (docs/compute.md).
@@ -50,29 +48,7 @@ def test_a_container_truncating_and_filling_its_usage_file_harms_nobody(tmp_path
 def _attack_and_check(tmp_path: Path, host: Host, d: Daemon) -> None:
     assert d.proc is not None
     pid = d.proc.pid
-    neighbour = subprocess.Popen(
-        [
-            str(BIN / "cgpuctl"),
-            "--socket",
-            str(d.socket),
-            "run",
-            "--mem",
-            "512MiB",
-            "--core",
-            "70",
-            "--",
-            str(native_path("bin/cgpu-burn")),
-            "--duration",
-            "8",
-            "--kernel-ns",
-            "200000",
-            "--streams",
-            "4",
-        ],
-        env=d.env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+    neighbour = start_burn_tenant(d, "512MiB", 70, "--duration", "8", "--kernel-ns", "200000", "--streams", "4")
     sampler = Sampler(host.sim_env, 20)
     try:
         deadline = time.monotonic() + 60
@@ -101,9 +77,7 @@ def _attack_and_check(tmp_path: Path, host: Host, d: Daemon) -> None:
             neighbour.wait(timeout=60)
         sampler.stop()
     # The neighbour's own device time from the truncation on: its 70 %.
-    s = sampler.samples
-    a, z = _at(s, started + 1_500_000_000), _at(s, ended)
-    share = 100.0 * (_busy(z, burn) - _busy(a, burn)) / max(1, z[0] - a[0])
+    share = busy_percent(sampler.samples, burn, started + 1_500_000_000, ended)
     assert abs(share - 70) <= 10, share
     assert instances(d) == []
     d.stop()

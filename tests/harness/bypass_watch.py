@@ -168,14 +168,14 @@ def neighbour_command(total: int) -> list[str]:
     return [str(native_path("bin/cgpu-burn")), "--alloc", f"{total // MIB}MiB", "--require-alloc", "--hold", "600"]
 
 
-def bypass_command(kind: str, *args: str) -> list[str]:
-    """A tenant of tests/harness/bypass_build.py allocating 4 x 1 GiB and holding it,
-    as a command for `cgpuctl run` (the musl one has LD_PRELOAD removed: its
-    loader would try the glibc-built libcgpu and fail to start, so dropping
-    the variable is what such a tenant does)."""
+def bypass_command(kind: str, *args: str, hold: int = 600) -> list[str]:
+    """A tenant of tests/harness/bypass_build.py allocating 4 x 1 GiB and holding it
+    `hold` seconds, as a command for `cgpuctl run` (the musl one has LD_PRELOAD
+    removed: its loader would try the glibc-built libcgpu and fail to start,
+    so dropping the variable is what such a tenant does)."""
     from tests.harness import bypass_build
 
-    alloc = ["--alloc-mib", "1024", "--count", "4", "--hold", "600", *args]
+    alloc = ["--alloc-mib", "1024", "--count", "4", "--hold", str(hold), *args]
     if kind == "elf":
         return [str(bypass_build.elf_bypass()), "--resolve", "elf", *alloc]
     if kind == "static":

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tests.harness.daemon import BIN, Daemon
-from tests.harness.oci import runtime_env
+from tests.harness.oci import HOOK_ENV_PATH, Host, runtime_env
 
 
 @dataclass
@@ -74,3 +74,43 @@ def running_containerd(tmp_path: Path, cgpud: Daemon) -> Iterator[Containerd]:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def ctr_run_on_sim(
+    c: Containerd,
+    host: Host,
+    rootfs: Path,
+    binary: str,
+    env: tuple[str, ...],
+    container_id: str,
+    *cmd: str,
+    namespace: str | None = None,
+    run_opts: tuple[str, ...] = ("--rm",),
+) -> subprocess.CompletedProcess[str]:
+    """`ctr run` through the runc-compatible `binary` (cgpu-runtime, as
+    containerd loaded it) of host's rootfs template, hard-linked to rootfs,
+    with the simulated device handed in as the NVIDIA toolkit would hand in
+    the real one (tests/harness/oci.py) and the hooks' PATH set."""
+    subprocess.run(["cp", "-al", str(host.template), str(rootfs)], check=True)
+    sim = host.sim_env
+    args = ["--namespace", namespace] if namespace else []  # none: ctr's own default
+    args += [
+        "run",
+        *run_opts,
+        "--runtime",
+        "io.containerd.runc.v2",
+        "--runc-binary",
+        binary,
+        "--rootfs",
+        "--mount",
+        f"type=bind,src={host.sim_dir},dst={host.sim_dir},options=rbind:rw",
+        "--env",
+        HOOK_ENV_PATH,
+        "--env",
+        f"CGPU_SIM_CONFIG={sim['CGPU_SIM_CONFIG']}",
+        "--env",
+        f"CGPU_SIM_STATE={sim['CGPU_SIM_STATE']}",
+    ]
+    for e in env:
+        args += ["--env", e]
+    return c.ctr(*args, str(rootfs), container_id, *cmd)

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from cgpud.native import native_path
 
@@ -70,14 +71,19 @@ class Daemon:
             self.wait_for(b"STOPPING=1")
             assert self.proc.wait(timeout=30) == 0
 
+    def cgpuctl_argv(self, *args: str) -> list[str]:
+        """cgpuctl's command line against this daemon's socket."""
+        return [str(BIN / "cgpuctl"), "--socket", str(self.socket), *args]
+
     def cgpuctl(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [str(BIN / "cgpuctl"), "--socket", str(self.socket), *args],
-            env=self.env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
+        return subprocess.run(self.cgpuctl_argv(*args), env=self.env, capture_output=True, text=True, timeout=timeout)
+
+    def start_cgpuctl(
+        self, *args: str, stdout: int | None = None, stderr: int | None = None, text: bool = False
+    ) -> subprocess.Popen[Any]:
+        """cgpuctl in the background (a `cgpuctl run` tenant that runs while
+        the test acts on it), in the daemon's environment; the caller waits."""
+        return subprocess.Popen(self.cgpuctl_argv(*args), env=self.env, stdout=stdout, stderr=stderr, text=text)
 
 
 def make_daemon(tmp_path: Path, sim_env: dict[str, str], *extra: str) -> Daemon:

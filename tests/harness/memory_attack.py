@@ -9,6 +9,7 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
+from tests.harness.cc import compile_strict
 from tests.harness.grants import GIB
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -18,24 +19,7 @@ PROGRAM = ROOT / "tests/intercept/programs/memory_attack.c"
 
 
 def build_attacker(out_dir: Path, *flags: str) -> Path:
-    out = out_dir / "memory_attack"
-    subprocess.run(
-        [
-            "cc",
-            "-std=c11",
-            "-Wall",
-            "-Wextra",
-            "-Werror",
-            f"-I{ROOT / 'csrc/include'}",
-            *flags,
-            "-o",
-            str(out),
-            str(PROGRAM),
-            "-ldl",
-        ],
-        check=True,
-    )
-    return out
+    return compile_strict(out_dir / "memory_attack", f"-I{ROOT / 'csrc/include'}", *flags, str(PROGRAM), "-ldl")
 
 
 class Phased:

@@ -4,6 +4,7 @@ client inside must see."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -122,8 +123,16 @@ while int(sys.argv[1]) not in [p.pid for p in n.nvmlDeviceGetComputeRunningProce
 """
 
 
-def check_inside(got: dict, neighbour: int) -> None:
-    """What INSIDE saw: 1 GiB and its own process, nothing of `neighbour`."""
+def inside_argv(python: str, burn: str) -> list[str]:
+    """The command that runs INSIDE under `python`, with its own cgpu-burn
+    at `burn` (both paths as the instance sees them)."""
+    return [python, "-c", INSIDE, burn, str(NVITOP), str(GPUSTAT), WAIT_OWN, NVML_CALLS]
+
+
+def check_inside(stdout: str, neighbour: int) -> None:
+    """What INSIDE saw (its last line of output): 1 GiB and its own
+    process, nothing of `neighbour`."""
+    got = json.loads(stdout.strip().splitlines()[-1])
     own, tools = got["pid"], got["tools"]
     calls = tools.pop("nvml")
     assert calls == {

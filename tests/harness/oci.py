@@ -160,6 +160,20 @@ class Host:
         return f"{prefix}-{os.getpid()}-{self.counter[0]}"
 
 
+def plant_symlink(root: Path, link: str, target: str) -> Path:
+    """Makes `link` (an absolute path inside the image) in root a symbolic
+    link to target, whatever stood there: how a hostile image points cgpu's
+    paths elsewhere. Returns the link's path on the host."""
+    inside = root / link.lstrip("/")
+    if inside.is_dir() and not inside.is_symlink():
+        subprocess.run(["rm", "-rf", str(inside)], check=True)
+    else:
+        inside.unlink(missing_ok=True)
+    inside.parent.mkdir(parents=True, exist_ok=True)
+    inside.symlink_to(target)
+    return inside
+
+
 def runtime_env(relay: Path, base: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(base or os.environ)
     env["CGPU_RELAY_SOCKET"] = str(relay)
@@ -206,26 +220,26 @@ def create(
     in the bundle (a pipe would stay open as long as the container runs).
     With pid_file (as containerd and docker always pass it) the shim binds
     the instance itself; without, runc's createRuntime hook does."""
-    log = bundle.path / "stdio.log"
     extra = ["--pid-file", str(pid_file)] if pid_file else []
+    shim = str(native_path("bin/cgpu-runtime"))
+    command = [shim, "--root", str(host.runc_root), "create", "--bundle", str(bundle.path), *extra, container_id]
+    return _create_logged(command, bundle, env or runtime_env(relay), timeout)
+
+
+def plain_create(host: Host, bundle: Bundle, container_id: str, timeout: float = 60) -> tuple[int, str]:
+    """`runc create` by runc itself, no cgpu-runtime before it (what runs
+    is only what the bundle's hooks run); stdio to a file as in create."""
+    command = ["runc", "--root", str(host.runc_root), "create", "--bundle", str(bundle.path), container_id]
+    return _create_logged(command, bundle, dict(os.environ), timeout)
+
+
+def _create_logged(command: list[str], bundle: Bundle, env: dict[str, str], timeout: float) -> tuple[int, str]:
+    """Runs a create with the container's stdio in a file in the bundle: a
+    pipe would stay open as long as the container runs. Its exit code and
+    the file's text."""
+    log = bundle.path / "stdio.log"
     with open(log, "w") as out:
-        proc = subprocess.run(
-            [
-                str(native_path("bin/cgpu-runtime")),
-                "--root",
-                str(host.runc_root),
-                "create",
-                "--bundle",
-                str(bundle.path),
-                *extra,
-                container_id,
-            ],
-            env=env or runtime_env(relay),
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=out,
-            timeout=timeout,
-        )
+        proc = subprocess.run(command, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out, timeout=timeout)
     return proc.returncode, log.read_text()
 
 

@@ -159,6 +159,23 @@ class Sampler:
         self._thread.join(timeout=10)
 
 
+def start_burn_tenant(d: Daemon, mem: str, core: int, *burn: str) -> subprocess.Popen[bytes]:
+    """`cgpuctl run --mem MEM --core CORE -- cgpu-burn BURN...` in the
+    background: stdout dropped, stderr kept for the message if it fails."""
+    return d.start_cgpuctl(
+        "run",
+        "--mem",
+        mem,
+        "--core",
+        str(core),
+        "--",
+        str(native_path("bin/cgpu-burn")),
+        *burn,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+
 def _at(samples: list[tuple[int, int, dict[int, int]]], t: int) -> tuple[int, int, dict[int, int]]:
     """The last sample taken at or before t."""
     best = samples[0]
@@ -171,6 +188,13 @@ def _at(samples: list[tuple[int, int, dict[int, int]]], t: int) -> tuple[int, in
 
 def _busy(sample: tuple[int, int, dict[int, int]], pid: int) -> int:
     return sample[2].get(pid, 0)
+
+
+def busy_percent(samples: list[tuple[int, int, dict[int, int]]], pid: int, start_ns: int, end_ns: int) -> float:
+    """pid's device time between the samples at start_ns and end_ns, in
+    percent of the wall time between them."""
+    a, b = _at(samples, start_ns), _at(samples, end_ns)
+    return 100.0 * (_busy(b, pid) - _busy(a, pid)) / max(1, b[0] - a[0])
 
 
 class ShareRig:

@@ -5,6 +5,7 @@ end-to-end test."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from cgpud.node.model import GIB
 from tests.harness.daemon import Daemon
@@ -36,6 +37,35 @@ def assert_2gib_granted(stdout: str) -> None:
     assert env["ALIYUN_COM_GPU_MEM_IDX"] == "0"
     assert env["ALIYUN_COM_GPU_MEM_POD"] == "2"
     assert env["NVIDIA_VISIBLE_DEVICES"].startswith("GPU-")
+
+
+# What a tenant tries against cgpu's read-only mounts and a neighbour's
+# region; each attempt prints its word only if it got through.
+BREAKOUT_WORDS = ("WROTE-LIMITS", "WROTE-GRANTS", "REMOUNTED", "WROTE-LIB", "WROTE-PRELOAD", "SEES-OTHER")
+
+
+def breakout_script(other_region: Path) -> str:
+    """A shell line that tries every write in BREAKOUT_WORDS, then lists its
+    own /run/cgpu and prints its uid."""
+    return "; ".join(
+        [
+            "echo x > /run/cgpu/limits && echo WROTE-LIMITS",
+            "echo x > /run/cgpu/grants && echo WROTE-GRANTS",
+            "mount -o remount,rw /run/cgpu 2>/dev/null && echo REMOUNTED",
+            "echo x > /usr/local/cgpu/libcgpu.so && echo WROTE-LIB",
+            "echo x > /etc/ld.so.preload && echo WROTE-PRELOAD",
+            f"ls {other_region} 2>/dev/null && echo SEES-OTHER",
+            "ls /run/cgpu",
+            "id -u",
+        ]
+    )
+
+
+def assert_no_breakout(stdout: str, uid: str) -> None:
+    """breakout_script's output when every attempt failed, run as uid."""
+    for bad in BREAKOUT_WORDS:
+        assert bad not in stdout, stdout
+    assert stdout.split() == ["grants", "limits", "usage", uid]
 
 
 def instances(cgpud: Daemon, all_: bool = False) -> list[dict]:

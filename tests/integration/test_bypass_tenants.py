@@ -32,6 +32,7 @@ import pytest
 
 from cgpud.native import native_path
 from tests.harness import bypass_build
+from tests.harness.bypass_watch import bypass_command
 from tests.harness.sim import write_sim_config
 from tests.harness.daemon import BIN, Daemon, running_daemon
 from tests.harness.simrun import sim_stat
@@ -114,31 +115,12 @@ def instance_of(d: Daemon, pid: int) -> dict[str, Any]:
     return inst
 
 
-def bypass_commands() -> dict[str, list[str]]:
-    hold = ["--hold", "60"]
-    return {
-        "elf": [str(bypass_build.elf_bypass()), "--resolve", "elf", *ALLOC, *hold],
-        "static": [str(bypass_build.static_bypass()), "--resolve", "link", *ALLOC, *hold],
-        "musl": [
-            "env",
-            "-u",
-            "LD_PRELOAD",
-            *bypass_build.musl_host_env(),
-            str(bypass_build.musl_bypass()),
-            "--resolve",
-            "link",
-            *ALLOC,
-            *hold,
-        ],
-    }
-
-
 @pytest.mark.parametrize("kind", ["elf", "static", "musl"])
 def test_bypass_tenant_holds_4gib_in_a_1gib_instance(
     machine: tuple[Daemon, dict[str, str]], native: Path, kind: str
 ) -> None:
     d, env = machine
-    with tenant(d, bypass_commands()[kind]) as t:
+    with tenant(d, bypass_command(kind, hold=60)) as t:
         ready = t.until("ready")
         held = t.until("holding")
         pid = ready["pid"]
@@ -165,24 +147,16 @@ def test_bypass_tenant_holds_4gib_in_a_1gib_instance(
 
 
 def burn(d: Daemon, *prefix: str) -> dict[str, Any]:
-    proc = subprocess.run(
-        [
-            str(BIN / "cgpuctl"),
-            "--socket",
-            str(d.socket),
-            "run",
-            "--mem",
-            "1",
-            "--",
-            *prefix,
-            str(native_path("bin/cgpu-burn")),
-            "--resolve",
-            "dlsym",
-            *[a for _ in range(4) for a in ("--alloc", "1GiB")],
-        ],
-        env=d.env,
-        capture_output=True,
-        text=True,
+    proc = d.cgpuctl(
+        "run",
+        "--mem",
+        "1",
+        "--",
+        *prefix,
+        str(native_path("bin/cgpu-burn")),
+        "--resolve",
+        "dlsym",
+        *[a for _ in range(4) for a in ("--alloc", "1GiB")],
         timeout=60,
     )
     assert proc.returncode == 0, proc.stderr
@@ -209,23 +183,15 @@ def test_musl_tenant_with_the_preload_kept_cannot_start(machine: tuple[Daemon, d
     """Why the musl tenant drops LD_PRELOAD: musl's loader honours it and then
     fails on the glibc-built libcgpu (a usability limit, not a bypass)."""
     d, _ = machine
-    proc = subprocess.run(
-        [
-            str(BIN / "cgpuctl"),
-            "--socket",
-            str(d.socket),
-            "run",
-            "--mem",
-            "1",
-            "--",
-            "env",
-            *bypass_build.musl_host_env(),
-            str(bypass_build.musl_bypass()),
-            *ALLOC,
-        ],
-        env=d.env,
-        capture_output=True,
-        text=True,
+    proc = d.cgpuctl(
+        "run",
+        "--mem",
+        "1",
+        "--",
+        "env",
+        *bypass_build.musl_host_env(),
+        str(bypass_build.musl_bypass()),
+        *ALLOC,
         timeout=60,
     )
     assert proc.returncode == 127, (proc.returncode, proc.stdout, proc.stderr)

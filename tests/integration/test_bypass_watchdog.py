@@ -19,6 +19,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -70,65 +71,71 @@ def assert_untouched(d: Daemon, neighbour: Tenant, nvml: Nvml) -> None:
     assert not [e for e in bypass_events(d) if e["instance_id"] == neighbour.instance_id]
 
 
+@contextmanager
+def bypass_beside_a_neighbour(
+    tmp_path: Path, gpu_env: dict[str, str], nvml: Nvml, mode: str, kind: str
+) -> Iterator[tuple[Daemon, Tenant, int, Tenant]]:
+    """cgpud watching in `mode`, the 2 GiB neighbour running, then a 1 GiB
+    tenant that bypasses libcgpu by `kind`. Yields cgpud, the neighbour,
+    NVML's used memory with the neighbour alone, and the tenant; both
+    tenants are stopped however the test ends."""
+    with running_daemon(tmp_path, gpu_env, *watch_flags(mode)) as d:
+        neighbour, baseline = start_neighbour(d, nvml, tmp_path)
+        tenant = run_tenant(d, "1", bypass_command(kind), tmp_path)
+        try:
+            yield d, neighbour, baseline, tenant
+        finally:
+            tenant.stop()
+            neighbour.stop()
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_report_mode_reports_a_bypass_within_two_intervals(
     kind: str, tmp_path: Path, gpu_env: dict[str, str], nvml: Nvml
 ) -> None:
-    with running_daemon(tmp_path, gpu_env, *watch_flags("report")) as d:
-        neighbour, _ = start_neighbour(d, nvml, tmp_path)
-        tenant = run_tenant(d, "1", bypass_command(kind), tmp_path)
-        try:
-            crossed = tenant.crossing(GIB)
-            [event] = wait_events(d, lambda e: e["instance_id"] == tenant.instance_id, 10, "event for the tenant")
-            assert event["kind"] == "memory_over_limit" and event["action"] == "reported", event
-            assert tenant.pid in event["pids"] and event["limit_bytes"] == GIB and event["used_bytes"] > 1.5 * GIB
-            assert event["time"] - crossed <= 2 * INTERVAL, (event["time"] - crossed, event)
-            print(f"{kind}: reported {(event['time'] - crossed) * 1e3:.0f} ms after the crossing allocation")
-            tenant.out.wait(lambda o: o.get("event") == "allocated" and o["total_bytes"] == 4 * GIB, 10, "the 4th GiB")
-            # Rounds later: still running with its 4 GiB, reported once (again only after 60 s).
-            time.sleep(5 * INTERVAL)
-            assert tenant.alive(), tenant.errors()
-            assert nvml.query()["procs"].get(tenant.pid) == 4 * GIB
-            listing = bypass_listing(d)
-            assert listing["watching"] is True, listing
-            assert [e["instance_id"] for e in listing["events"]] == [tenant.instance_id], listing
-            assert violations(d) == {tenant.instance_id: 1, neighbour.instance_id: 0}  # cgpuctl list
-            assert_untouched(d, neighbour, nvml)
-        finally:
-            tenant.stop()
-            neighbour.stop()
+    with bypass_beside_a_neighbour(tmp_path, gpu_env, nvml, "report", kind) as (d, neighbour, _, tenant):
+        crossed = tenant.crossing(GIB)
+        [event] = wait_events(d, lambda e: e["instance_id"] == tenant.instance_id, 10, "event for the tenant")
+        assert event["kind"] == "memory_over_limit" and event["action"] == "reported", event
+        assert tenant.pid in event["pids"] and event["limit_bytes"] == GIB and event["used_bytes"] > 1.5 * GIB
+        assert event["time"] - crossed <= 2 * INTERVAL, (event["time"] - crossed, event)
+        print(f"{kind}: reported {(event['time'] - crossed) * 1e3:.0f} ms after the crossing allocation")
+        tenant.out.wait(lambda o: o.get("event") == "allocated" and o["total_bytes"] == 4 * GIB, 10, "the 4th GiB")
+        # Rounds later: still running with its 4 GiB, reported once (again only after 60 s).
+        time.sleep(5 * INTERVAL)
+        assert tenant.alive(), tenant.errors()
+        assert nvml.query()["procs"].get(tenant.pid) == 4 * GIB
+        listing = bypass_listing(d)
+        assert listing["watching"] is True, listing
+        assert [e["instance_id"] for e in listing["events"]] == [tenant.instance_id], listing
+        assert violations(d) == {tenant.instance_id: 1, neighbour.instance_id: 0}  # cgpuctl list
+        assert_untouched(d, neighbour, nvml)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_kill_mode_kills_a_bypass_within_two_intervals_and_the_memory_returns(
     kind: str, tmp_path: Path, gpu_env: dict[str, str], nvml: Nvml
 ) -> None:
-    with running_daemon(tmp_path, gpu_env, *watch_flags("kill")) as d:
-        neighbour, baseline = start_neighbour(d, nvml, tmp_path)
-        tenant = run_tenant(d, "1", bypass_command(kind), tmp_path)
-        try:
-            crossed = tenant.crossing(GIB)
-            dead = wait_dead(tenant.pid, 10)
-            assert dead is not None, f"tenant {tenant.pid} still runs 10 s after crossing its limit"
-            assert dead - crossed <= 2 * INTERVAL + OBSERVE, dead - crossed
-            [event] = wait_events(d, lambda e: e["instance_id"] == tenant.instance_id, 10, "the kill's event")
-            print(
-                f"{kind}: killed at {(event['time'] - crossed) * 1e3:.0f} ms, seen dead at "
-                f"{(dead - crossed) * 1e3:.0f} ms after the crossing allocation"
-            )
-            assert event["kind"] == "memory_over_limit" and event["action"] == "killed", event
-            assert event["killed"] == [tenant.pid] and event["time"] - crossed <= 2 * INTERVAL, event
-            # cgpuctl run sees its child killed, and releases the instance.
-            assert tenant.proc.wait(timeout=30) == 128 + 9
-            view = nvml.wait(lambda v: v["used"] == baseline, 2, f"used memory back to {baseline}")
-            assert tenant.pid not in view["procs"]
-            listed = d.cgpuctl("list", "--output", "json")
-            assert tenant.instance_id not in listed.stdout
-            assert_untouched(d, neighbour, nvml)
-            assert [e["instance_id"] for e in bypass_events(d)] == [tenant.instance_id]
-        finally:
-            tenant.stop()
-            neighbour.stop()
+    with bypass_beside_a_neighbour(tmp_path, gpu_env, nvml, "kill", kind) as (d, neighbour, baseline, tenant):
+        crossed = tenant.crossing(GIB)
+        dead = wait_dead(tenant.pid, 10)
+        assert dead is not None, f"tenant {tenant.pid} still runs 10 s after crossing its limit"
+        assert dead - crossed <= 2 * INTERVAL + OBSERVE, dead - crossed
+        [event] = wait_events(d, lambda e: e["instance_id"] == tenant.instance_id, 10, "the kill's event")
+        print(
+            f"{kind}: killed at {(event['time'] - crossed) * 1e3:.0f} ms, seen dead at "
+            f"{(dead - crossed) * 1e3:.0f} ms after the crossing allocation"
+        )
+        assert event["kind"] == "memory_over_limit" and event["action"] == "killed", event
+        assert event["killed"] == [tenant.pid] and event["time"] - crossed <= 2 * INTERVAL, event
+        # cgpuctl run sees its child killed, and releases the instance.
+        assert tenant.proc.wait(timeout=30) == 128 + 9
+        view = nvml.wait(lambda v: v["used"] == baseline, 2, f"used memory back to {baseline}")
+        assert tenant.pid not in view["procs"]
+        listed = d.cgpuctl("list", "--output", "json")
+        assert tenant.instance_id not in listed.stdout
+        assert_untouched(d, neighbour, nvml)
+        assert [e["instance_id"] for e in bypass_events(d)] == [tenant.instance_id]
 
 
 def test_an_unknown_process_is_reported_not_killed_and_an_allowed_one_is_left_alone(

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness import cudakit
+from tests.harness.cc import compile_strict
 from tests.harness.sim import write_sim_config
 from tests.harness.daemon import BIN, Daemon, running_daemon
 from tests.harness.spin import build_spin, steps
@@ -65,22 +66,7 @@ def programs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], 
     built = {}
     for line, cudart in MATRIX:
         exe = out / f"steps-{line}-{cudart}"
-        proc = subprocess.run(
-            [
-                "cc",
-                "-std=c11",
-                "-Wall",
-                "-Wextra",
-                "-Werror",
-                "-o",
-                str(exe),
-                str(ROOT / "tests/cuda/runtime_steps.c"),
-                *cudakit.toolkit(line).cc_flags(cudart),
-            ],
-            capture_output=True,
-            text=True,
-        )
-        assert proc.returncode == 0, proc.stderr
+        compile_strict(exe, str(ROOT / "tests/cuda/runtime_steps.c"), *cudakit.toolkit(line).cc_flags(cudart))
         built[line, cudart] = exe
     return built
 

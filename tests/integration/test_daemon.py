@@ -147,20 +147,8 @@ def test_policy_set_survives_a_restart(tmp_path, sim_env):
 
 def test_a_killed_cgpuctl_run_is_released_when_its_process_exits(daemon, tmp_path):
     flag = tmp_path / "go"
-    runner = subprocess.Popen(
-        [
-            str(BIN / "cgpuctl"),
-            "--socket",
-            str(daemon.socket),
-            "run",
-            "--mem",
-            "1GiB",
-            "--",
-            "sh",
-            "-c",
-            f"while [ ! -e {flag} ]; do sleep 0.05; done",
-        ],
-        env=daemon.env,
+    runner = daemon.start_cgpuctl(
+        "run", "--mem", "1GiB", "--", "sh", "-c", f"while [ ! -e {flag} ]; do sleep 0.05; done"
     )
     with LocalClient(daemon.socket) as client:
         deadline = time.monotonic() + 30

@@ -22,9 +22,7 @@ import pytest
 
 from cgpud._region import ffi
 from cgpud.node.region import usage_problem
-from cgpud.native import native_path
-from tests.harness.daemon import BIN
-from tests.harness.sharerun import Sampler, ShareRig, TenantSpec, _at, _busy
+from tests.harness.sharerun import Sampler, ShareRig, TenantSpec, busy_percent, start_burn_tenant
 from tests.harness.wait import until
 
 USAGE_SIZE = ffi.sizeof("struct cgpu_usage")
@@ -128,21 +126,15 @@ def test_an_attacked_usage_file_harms_neither_cgpud_nor_the_neighbour(rig: Share
     # its file mapped too and meets a truncation of it for certain (the
     # victim's own library may die of its truncated file, and its instance
     # go, before the scheduler reads the victim's).
-    idle = subprocess.Popen(
-        [
-            str(BIN / "cgpuctl"),
-            "--socket",
-            str(d.socket),
-            "run",
-            "--mem",
-            "256MiB",
-            "--core",
-            "5",
-            "--",
-            "sleep",
-            "600",
-        ],
-        env=d.env,
+    idle = d.start_cgpuctl(
+        "run",
+        "--mem",
+        "256MiB",
+        "--core",
+        "5",
+        "--",
+        "sleep",
+        "600",
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -155,29 +147,7 @@ def test_an_attacked_usage_file_harms_neither_cgpud_nor_the_neighbour(rig: Share
         victim_pid = rig._burn_pid(victim, deadline)
         until(lambda: len(_instances(rig)) == 2, 60.0, interval=0.05)
         target, idle_region = _region_of(rig, 25), _region_of(rig, 5)
-        neighbour_run = subprocess.Popen(
-            [
-                str(BIN / "cgpuctl"),
-                "--socket",
-                str(d.socket),
-                "run",
-                "--mem",
-                "512MiB",
-                "--core",
-                "70",
-                "--",
-                str(native_path("bin/cgpu-burn")),
-                "--duration",
-                "5",
-                "--kernel-ns",
-                "200000",
-                "--streams",
-                "4",
-            ],
-            env=d.env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
+        neighbour_run = start_burn_tenant(d, "512MiB", 70, "--duration", "5", "--kernel-ns", "200000", "--streams", "4")
         procs.append(neighbour_run)
         pids = [victim_pid, rig._burn_pid(neighbour_run, deadline)]
         rig._wait_running(sampler, pids, deadline)
@@ -223,9 +193,7 @@ def test_an_attacked_usage_file_harms_neither_cgpud_nor_the_neighbour(rig: Share
             p.wait(timeout=60)
         sampler.stop()
     # Fixed shares: the neighbour had its 70 % after the attack as before it.
-    s = sampler.samples
-    a, b = _at(s, attacked_at + 200_000_000), _at(s, measured_at)
-    share = 100.0 * (_busy(b, pids[1]) - _busy(a, pids[1])) / max(1, b[0] - a[0])
+    share = busy_percent(sampler.samples, pids[1], attacked_at + 200_000_000, measured_at)
     assert abs(share - 70) <= 10, share
 
     # The same damage while cgpud is down: the restart repairs it.
@@ -245,27 +213,7 @@ def test_a_tenant_whose_own_file_is_wiped_while_it_waits_at_its_gate_still_finis
     would never grant it again. The thread asks again, so the run ends."""
     d = rig.daemon
     assert d.cgpuctl("policy", "set", "fixed").returncode == 0
-    victim = subprocess.Popen(
-        [
-            str(BIN / "cgpuctl"),
-            "--socket",
-            str(d.socket),
-            "run",
-            "--mem",
-            "256MiB",
-            "--core",
-            "30",
-            "--",
-            str(native_path("bin/cgpu-burn")),
-            "--duration",
-            "3",
-            "--kernel-ns",
-            "200000",
-        ],
-        env=d.env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+    victim = start_burn_tenant(d, "256MiB", 30, "--duration", "3", "--kernel-ns", "200000")
     procs.append(victim)
     rig._burn_pid(victim, time.monotonic() + 60)
     until(lambda: len(_instances(rig)) == 1, 60.0, interval=0.05)

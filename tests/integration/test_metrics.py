@@ -25,7 +25,7 @@ from tests.harness.sim import write_sim_config
 from tests.harness.daemon import BIN, Daemon, make_daemon
 from tests.harness.promscrape import scrape, value
 from tests.harness.net import free_port as _free_port
-from tests.harness.sharerun import Sampler, ShareRig, _at, _busy
+from tests.harness.sharerun import Sampler, ShareRig, _at, _busy, start_burn_tenant
 
 MIB = 1 << 20
 SECOND = 1_000_000_000
@@ -39,25 +39,7 @@ class Tenants:
         self.runs: list[subprocess.Popen[bytes]] = []
 
     def start(self, mem: str, core: int, *burn: str) -> int:
-        d = self.rig.daemon
-        run = subprocess.Popen(
-            [
-                str(BIN / "cgpuctl"),
-                "--socket",
-                str(d.socket),
-                "run",
-                "--mem",
-                mem,
-                "--core",
-                str(core),
-                "--",
-                str(native_path("bin/cgpu-burn")),
-                *burn,
-            ],
-            env=d.env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
+        run = start_burn_tenant(self.rig.daemon, mem, core, *burn)
         self.runs.append(run)
         return self.rig._burn_pid(run, time.monotonic() + 60)
 

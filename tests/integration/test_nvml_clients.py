@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness.daemon import BIN
-from tests.harness.nvml_clients import ERROR_TEXT, GPUSTAT, INSIDE, NVITOP, NVML_CALLS, WAIT_OWN, burner, check_inside
+from tests.harness.nvml_clients import ERROR_TEXT, GPUSTAT, NVITOP, burner, check_inside, inside_argv
 from tests.harness.simrun import PYNVML
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,32 +108,16 @@ def test_inside_an_instance_both_tools_show_its_limit_and_only_its_processes(dae
     # The neighbour runs outside any instance on the same GPU; 1 GiB instance
     # on a 2-GPU machine: binpack puts it on GPU 0, where the neighbour is.
     with burner(daemon.env, native, "2GiB") as neighbour:
-        proc = subprocess.run(
-            [
-                str(BIN / "cgpuctl"),
-                "--socket",
-                str(daemon.socket),
-                "run",
-                "--mem",
-                "1GiB",
-                "--",
-                sys.executable,
-                "-c",
-                INSIDE,
-                str(native / "bin/cgpu-burn"),
-                str(NVITOP),
-                str(GPUSTAT),
-                WAIT_OWN,
-                NVML_CALLS,
-            ],
-            env=daemon.env,
-            capture_output=True,
-            text=True,
+        proc = daemon.cgpuctl(
+            "run",
+            "--mem",
+            "1GiB",
+            "--",
+            *inside_argv(sys.executable, str(native / "bin/cgpu-burn")),
             timeout=300,
         )
         assert proc.returncode == 0, proc.stdout + proc.stderr
-        got = json.loads(proc.stdout.strip().splitlines()[-1])
-    check_inside(got, neighbour.pid)
+    check_inside(proc.stdout, neighbour.pid)
 
 
 def test_the_tools_nvml_paths_are_clean_under_sanitizers(tmp_path, native, sim_env):
@@ -173,16 +156,7 @@ def test_the_tools_nvml_paths_are_clean_under_sanitizers(tmp_path, native, sim_e
     )
     with burner(sim_env, native, "2GiB") as neighbour:
         proc = subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                INSIDE,
-                str(native / "bin/cgpu-burn"),
-                str(NVITOP),
-                str(GPUSTAT),
-                WAIT_OWN,
-                NVML_CALLS,
-            ],
+            inside_argv(sys.executable, str(native / "bin/cgpu-burn")),
             env=env,
             capture_output=True,
             text=True,
@@ -190,7 +164,7 @@ def test_the_tools_nvml_paths_are_clean_under_sanitizers(tmp_path, native, sim_e
         )
     assert "Sanitizer" not in proc.stderr and "runtime error" not in proc.stderr, proc.stderr
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    check_inside(json.loads(proc.stdout.strip().splitlines()[-1]), neighbour.pid)
+    check_inside(proc.stdout, neighbour.pid)
 
 
 MONITOR = (

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness import cudakit
+from tests.harness.cc import compile_strict
 from tests.harness.sim import write_sim_config
 from tests.harness.simrun import run_py
 
@@ -166,25 +167,14 @@ def test_every_stub_answers_not_supported(sim_env):
 
 
 def _build_calls(out: Path, lib_dir: Path, *flags: str) -> Path:
-    exe = out / "sim_driver_calls"
-    subprocess.run(
-        [
-            "cc",
-            "-std=c11",
-            "-Wall",
-            "-Wextra",
-            "-Werror",
-            *flags,
-            f"-I{real_cuda_include()}",
-            str(Path(__file__).with_name("sim_driver_calls.c")),
-            "-o",
-            str(exe),
-            f"-L{lib_dir}",
-            "-l:libcuda.so.1",
-        ],
-        check=True,
+    return compile_strict(
+        out / "sim_driver_calls",
+        *flags,
+        f"-I{real_cuda_include()}",
+        str(Path(__file__).with_name("sim_driver_calls.c")),
+        f"-L{lib_dir}",
+        "-l:libcuda.so.1",
     )
-    return exe
 
 
 @pytest.fixture(scope="module")

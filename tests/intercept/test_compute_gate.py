@@ -47,6 +47,15 @@ def start_burn(native: Path, env: dict[str, str], *args: str) -> subprocess.Pope
     )
 
 
+def burn_to_the_end(native: Path, env: dict[str, str], *args: str) -> tuple[int, dict, list[str]]:
+    """cgpu-burn run to its end whatever its exit code: the code, its JSON
+    report and the lines of its stderr."""
+    proc = subprocess.run(
+        [str(native / "bin" / "cgpu-burn"), *args], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    return proc.returncode, json.loads(proc.stdout), proc.stderr.strip().splitlines()
+
+
 def finish(proc: subprocess.Popen[str], timeout: float = 30) -> dict:
     out, err = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, err
@@ -143,21 +152,12 @@ def test_a_grants_file_that_cannot_be_trusted_refuses_launches(native, gated, da
     else:
         good = good[:64]
     env, _ = gated(bytes(good))
-    proc = subprocess.run(
-        [str(native / "bin" / "cgpu-burn"), "--alloc-until-fail=1GiB", "--launches=3", "--kernel-ns=1000"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    out = json.loads(proc.stdout)
-    assert proc.returncode == 1
+    code, out, lines = burn_to_the_end(native, env, "--alloc-until-fail=1GiB", "--launches=3", "--kernel-ns=1000")
+    assert code == 1
     assert out["errors"] == [{"call": "cuLaunchKernel", "result": "CUDA_ERROR_NOT_PERMITTED"}]
     assert out["launches"] == 0
     # Memory limits hold as ever.
     assert out["alloc"]["until_fail_count"] == 4 and out["mem_total_reported"] == 4 * GIB
-    lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "compute grants unavailable" in lines[0] and "grants" in lines[0]
 
 
@@ -168,18 +168,9 @@ def test_a_broken_region_with_grants_refuses_launches_too(native, gated):
     data[200] ^= 0xFF
     limits.chmod(0o644)
     limits.write_bytes(bytes(data))
-    proc = subprocess.run(
-        [str(native / "bin" / "cgpu-burn"), "--alloc=1MiB", "--launches=2"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    out = json.loads(proc.stdout)
+    _, out, lines = burn_to_the_end(native, env, "--alloc=1MiB", "--launches=2")
     assert out["alloc"]["results"] == ["CUDA_ERROR_OUT_OF_MEMORY"]
     assert out["errors"] == [{"call": "cuLaunchKernel", "result": "CUDA_ERROR_NOT_PERMITTED"}]
-    lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "allocations and kernel launches will fail" in lines[0]
 
 

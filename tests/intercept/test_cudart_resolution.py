@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness import cudakit
+from tests.harness.cc import compile_strict
 from tests.harness.sim import write_sim_config
 from tests.harness.simrun import run_py
 from tests.harness.grants import GIB
@@ -72,22 +73,7 @@ def cudart_requests(
     src.write_text(STARTS_CUDART)
     exe, tracer = tmp / "starts", tmp / "libgpa_tracer.so"
     subprocess.run(["cc", "-o", str(exe), str(src), *kit.cc_flags("shared")], check=True)
-    subprocess.run(
-        [
-            "cc",
-            "-std=c11",
-            "-Wall",
-            "-Wextra",
-            "-Werror",
-            "-shared",
-            "-fPIC",
-            "-o",
-            str(tracer),
-            str(ROOT / "tests/cuda/gpa_tracer.c"),
-            "-ldl",
-        ],
-        check=True,
-    )
+    compile_strict(tracer, "-shared", "-fPIC", str(ROOT / "tests/cuda/gpa_tracer.c"), "-ldl")
     env = dict(
         os.environ,
         LD_LIBRARY_PATH=str(native / "sim"),

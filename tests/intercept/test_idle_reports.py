@@ -91,8 +91,18 @@ def report(seq_word: int, drained: bool) -> int:
 def fence_and_grant_again(p: Program, region: GrantsView) -> None:
     """cgpud closes the gate (sequence 2) after p launched, p fences, and
     the gate opens again (3): p's watcher reports the new grant idle."""
+    close_gate_and_await_fence(p, region)
+    open_gate_and_await_idle_report(p, region)
+
+
+def close_gate_and_await_fence(p: Program, region: GrantsView) -> None:
+    """cgpud closes the gate (sequence 2) after p launched; p fences."""
     region.set_gate(0, closed(2))
     until(lambda: region.fence_ack(p.pid) == closed(2) | LAUNCHED, 5.0, interval=0.005, what="the fence")
+
+
+def open_gate_and_await_idle_report(p: Program, region: GrantsView) -> None:
+    """The gate opens again (sequence 3): p's watcher reports the grant idle."""
     region.set_gate(0, opened(3))
     until(
         lambda: region.fence_ack(p.pid) == report(opened(3), True),
@@ -170,19 +180,12 @@ def test_a_grant_to_a_process_with_nothing_launched_since_its_fence_is_idle_from
 def test_no_report_while_the_gate_is_closed_or_over_a_later_closings_acknowledgement(program):
     p, region = program
     assert p.do("launch 1000") == "ok"
-    region.set_gate(0, closed(2))
-    until(lambda: region.fence_ack(p.pid) == closed(2) | LAUNCHED, 5.0, interval=0.005, what="the fence")
+    close_gate_and_await_fence(p, region)
     assert p.do("ctxsync") == "ok"
     assert region.fence_ack(p.pid) == closed(2) | LAUNCHED  # a closed gate is no grant to be idle in
     # An acknowledgement newer than the open grant (as a race with a closing
     # would leave) is never replaced by a report for the older grant.
-    region.set_gate(0, opened(3))
-    until(
-        lambda: region.fence_ack(p.pid) == report(opened(3), True),
-        5.0,
-        interval=0.005,
-        what="the watcher's idle report",
-    )
+    open_gate_and_await_idle_report(p, region)
     assert p.do("launch 1000") == "ok"
     region.usage.proc[0].fence_ack[0] = closed(4)
     assert p.do("ctxsync") == "ok"

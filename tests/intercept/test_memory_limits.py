@@ -128,6 +128,20 @@ def test_odd_sized_racers_stay_within_the_limit(native, instance):
     assert 1 * GIB - 100_000_000 < granted <= 1 * GIB
 
 
+def assert_a_new_process_gets_all_2gib(env: dict[str, str]) -> None:
+    """A fresh process of the 2 GiB instance allocates all of it at once and
+    then sees none free: no dead process's ledger is left in its way."""
+    got = run_py(
+        env,
+        """
+        import json; from cudapy import Driver
+        cu = Driver(); cu.init_device(0)
+        print(json.dumps([cu.alloc(2 << 30)[0], cu.mem_info()[0]]))
+    """,
+    )
+    assert got == ["CUDA_SUCCESS", 0]
+
+
 GRABBER = """
 import json, sys; from cudapy import Driver
 cu = Driver(); cu.init_device(0)
@@ -150,15 +164,7 @@ def test_memory_of_a_killed_process_is_reclaimed(instance):
         held = usage.device_used(0)
         assert held >= 1536 * MIB  # errs on the safe side until someone reaps
     # The next process reclaims the dead one's ledger when it needs the room.
-    got = run_py(
-        env,
-        """
-        import json; from cudapy import Driver
-        cu = Driver(); cu.init_device(0)
-        print(json.dumps([cu.alloc(2 << 30)[0], cu.mem_info()[0]]))
-    """,
-    )
-    assert got == ["CUDA_SUCCESS", 0]
+    assert_a_new_process_gets_all_2gib(env)
 
 
 FILLER = """
@@ -196,15 +202,7 @@ def test_the_daemon_reaps_a_killed_process_alone(instance):
         assert usage.device_used(0) == MIB
     survivor.communicate("done\n", timeout=30)
     # Nobody lives now: the next process has the whole instance.
-    got = run_py(
-        env,
-        """
-        import json; from cudapy import Driver
-        cu = Driver(); cu.init_device(0)
-        print(json.dumps([cu.alloc(2 << 30)[0], cu.mem_info()[0]]))
-    """,
-    )
-    assert got == ["CUDA_SUCCESS", 0]
+    assert_a_new_process_gets_all_2gib(env)
 
 
 VISIBLE = """
