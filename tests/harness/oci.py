@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 from cgpud.node.region import SPARE_REGION
 from cgpud.native import native_path
+from tests.harness.cluster import NETNS_PREFIX
 
 BUSYBOX_CANDIDATES = ("/bin/busybox", "/usr/bin/busybox")
 APPLETS = ("sh", "true", "env", "cat", "sleep", "echo", "ls", "mount", "test", "touch", "id", "grep")
@@ -264,13 +265,17 @@ def shim_container(
     assert deleted.returncode == 0, deleted.stderr
 
 
+NETNS_DIR = Path("/run/netns")  # where `ip netns add` pins a namespace
+
+
 def host_mounts(ours: Path | None = None) -> list[str]:
     """The host's mount table. cgpud's spare region is remade after every
     start, so its line changes (mount id, device): it is counted, not
     listed, and a leak still shows in the count. With `ours` (a pytest
     base temp dir), the mounts other pytest sessions and xdist workers make
     under the same pytest-of-<user> dir are left out: their cgpuds come and
-    go meanwhile. A mount anywhere else still counts."""
+    go meanwhile; so are the test clusters' network namespaces. A mount
+    anywhere else still counts."""
     lines = [
         line
         for line in Path("/proc/self/mountinfo").read_text().splitlines()
@@ -283,6 +288,8 @@ def host_mounts(ours: Path | None = None) -> list[str]:
 def _others(line: str, ours: Path) -> bool:
     root = next((p for p in (ours, *ours.parents) if p.name.startswith("pytest-of-")), ours)
     point = Path(line.split()[4].encode().decode("unicode_escape"))
+    if point.parent == NETNS_DIR and point.name.startswith(NETNS_PREFIX):
+        return True  # a test cluster's node namespace (tests/harness/cluster.py), not a container's
     return point.is_relative_to(root) and not point.is_relative_to(ours)
 
 

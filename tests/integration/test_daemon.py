@@ -189,6 +189,9 @@ def test_restart_repairs_a_damaged_region(tmp_path, sim_env):
         d.stop()
 
 
+# host_global: doctor reads the runtime config of every containerd and dockerd running on the
+# machine, and other tests run theirs.
+@pytest.mark.host_global
 def test_doctor_names_what_is_missing(daemon, tmp_path):
     settings = tmp_path / "doctor.toml"
     settings.write_text(f'state_dir = "{daemon.state}"\n')
