@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from cgpud.node.region import SPARE_REGION
 from cgpud.native import native_path
-from tests.harness.cluster import NETNS_PREFIX
+from tests.harness.cluster import NETNS_PREFIX, ROOT_PREFIX
 
 BUSYBOX_CANDIDATES = ("/bin/busybox", "/usr/bin/busybox")
 APPLETS = ("sh", "true", "env", "cat", "sleep", "echo", "ls", "mount", "test", "touch", "id", "grep")
@@ -266,6 +266,7 @@ def shim_container(
 
 
 NETNS_DIR = Path("/run/netns")  # where `ip netns add` pins a namespace
+CLUSTER_TMP = Path("/tmp")  # where the cluster harness makes its run directory
 
 
 def host_mounts(ours: Path | None = None) -> list[str]:
@@ -290,6 +291,8 @@ def _others(line: str, ours: Path) -> bool:
     point = Path(line.split()[4].encode().decode("unicode_escape"))
     if point.parent == NETNS_DIR and point.name.startswith(NETNS_PREFIX):
         return True  # a test cluster's node namespace (tests/harness/cluster.py), not a container's
+    if point.is_relative_to(CLUSTER_TMP) and point.relative_to(CLUSTER_TMP).parts[0].startswith(ROOT_PREFIX):
+        return True  # a test cluster node's regions: that cluster's cgpuds come and go meanwhile
     return point.is_relative_to(root) and not point.is_relative_to(ours)
 
 

@@ -25,6 +25,8 @@ from cgpud.node.region import usage_problem
 from tests.harness.sharerun import Sampler, ShareRig, TenantSpec, busy_percent, start_burn_tenant
 from tests.harness.wait import until
 
+pytestmark = pytest.mark.slow  # tens of seconds to minutes each
+
 USAGE_SIZE = ffi.sizeof("struct cgpu_usage")
 MIB = 1 << 20
 
@@ -32,8 +34,6 @@ MIB = 1 << 20
 # container's bind mount gives it. Prints how many bytes it managed to write.
 ATTACKER = r"""
 import os, sys
-
-pytestmark = pytest.mark.slow  # tens of seconds to minutes each
 path, attack = sys.argv[1], sys.argv[2]
 fd = os.open(path, os.O_RDWR)
 written = 0
