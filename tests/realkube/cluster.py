@@ -356,6 +356,18 @@ class RealCluster:
     def admin_kubeconfig(self) -> Path:
         return self.root / "admin.kubeconfig"
 
+    def _secret(self, name: str, files: dict[str, Path]) -> None:
+        """A generic Secret in kube-system, one key per file."""
+        self.kubectl(
+            "-n",
+            "kube-system",
+            "create",
+            "secret",
+            "generic",
+            name,
+            *(f"--from-file={k}={v}" for k, v in files.items()),
+        )
+
     def kubectl(
         self,
         *args: str,
@@ -522,28 +534,8 @@ class RealCluster:
             "serverAuth",
             f"IP:{self.node_ip(0)},DNS:cgpu-scheduler.kube-system.svc",
         )
-        self.kubectl(
-            "-n",
-            "kube-system",
-            "create",
-            "secret",
-            "generic",
-            "cgpu-capacity-client",
-            f"--from-file=tls.crt={c.client_cert}",
-            f"--from-file=tls.key={c.client_key}",
-            f"--from-file=ca.crt={c.ca}",
-        )
-        self.kubectl(
-            "-n",
-            "kube-system",
-            "create",
-            "secret",
-            "generic",
-            "cgpu-scheduler-serving",
-            f"--from-file=tls.crt={serving[0]}",
-            f"--from-file=tls.key={serving[1]}",
-            f"--from-file=client-ca.crt={c.ca}",
-        )
+        self._secret("cgpu-capacity-client", {"tls.crt": c.client_cert, "tls.key": c.client_key, "ca.crt": c.ca})
+        self._secret("cgpu-scheduler-serving", {"tls.crt": serving[0], "tls.key": serving[1], "client-ca.crt": c.ca})
 
     def extender_manifests(self) -> list[dict[str, Any]]:
         """deploy/cgpu-scheduler.yaml's Deployment, Service and NetworkPolicy
