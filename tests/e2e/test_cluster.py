@@ -30,6 +30,7 @@ from cgpud.kube.model import ANNOTATION_GPU_INDEX
 from tests.harness.cluster import Cluster, Extender, Outcome, post_json, schedule, schedule_once, share_pod
 from tests.harness.daemon import BIN
 from tests.harness.api_server import node_json
+from tests.harness.wait import until
 
 pytestmark = pytest.mark.slow  # tens of seconds to minutes each
 
@@ -303,11 +304,13 @@ def test_deleted_pods_give_their_share_back_admitted_or_not_and_the_next_pods_ge
         # Deleted: one admitted (its instance goes), one only reserved (its reservation goes).
         cluster.delete_pod("default", admitted["metadata"]["name"])
         cluster.delete_pod("default", reserved["metadata"]["name"])
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and any(
-            v.gpus[0].memory_allocated_bytes > 8 * GIB for v in map(cluster.get_node, range(2))
-        ):
-            time.sleep(0.1)
+        until(
+            lambda: all(v.gpus[0].memory_allocated_bytes <= 8 * GIB for v in map(cluster.get_node, range(2))),
+            timeout=15,
+            interval=0.1,
+            what="the deleted pods' memory to be given back on both nodes",
+            explain=lambda: f"allocated: {[cluster.get_node(i).gpus[0].memory_allocated_bytes for i in range(2)]}",
+        )
         views = [cluster.get_node(i) for i in range(2)]
         assert [v.gpus[0].memory_allocated_bytes for v in views] == [8 * GIB, 8 * GIB]
         assert cluster.instances(0) == []
@@ -394,13 +397,17 @@ def test_kill_9_of_a_node_mid_run_keeps_its_pods_and_new_pods_avoid_it_until_it_
         # (A pod it reserved but whose bind the kill cut short was bound
         # elsewhere on retry: the node gives that one back at its next sweep.)
         bound_there = {p["metadata"]["uid"] for p in by_node[victim_name]}
-        deadline = time.monotonic() + 10
-        while True:
-            held = {r.pod_uid for r in cluster.get_node(victim).reservations}
-            if held == bound_there or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
-        assert held == bound_there
+
+        def held() -> set[str]:
+            return {r.pod_uid for r in cluster.get_node(victim).reservations}
+
+        until(
+            lambda: held() == bound_there,
+            timeout=10,
+            interval=0.1,
+            what="the restarted node's reservations to be the pods bound to it",
+            explain=lambda: f"it holds {held()}, bound to it: {bound_there}",
+        )
 
         # Back: it is used again. Fill the cluster; every node ends full.
         assert len(by_node[victim_name]) < KILL_CAPACITY // KILL_NODES

@@ -9,12 +9,12 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.harness.cluster import LINK_PREFIX, NETNS_PREFIX, ROOT_PREFIX, Cluster, sweep_leftovers
+from tests.harness.wait import until
 
 pytestmark = pytest.mark.slow  # tens of seconds to minutes each
 
@@ -36,13 +36,16 @@ def traces(tag: str) -> list[str]:
     return found
 
 
-def gone(tag: str) -> bool:
-    """No trace of the run left (the kernel removes a deleted namespace's
-    veth pair a moment later)."""
-    deadline = time.monotonic() + 5
-    while traces(tag) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return traces(tag) == []
+def wait_gone(tag: str) -> None:
+    """Until no trace of the run is left (the kernel removes a deleted
+    namespace's veth pair a moment later)."""
+    until(
+        lambda: traces(tag) == [],
+        timeout=5,
+        interval=0.05,
+        what=f"no trace left of run {tag}",
+        explain=lambda: f"left: {traces(tag)}",
+    )
 
 
 def running(pid: int) -> bool:
@@ -61,7 +64,7 @@ def test_a_failing_block_leaves_no_namespace_link_directory_or_process() -> None
             pids = [n.daemon.proc.pid for n in cluster.nodes if n.daemon.proc is not None]
             assert len(pids) == 2 and all(map(running, pids))
             raise RuntimeError("the test failed")
-    assert gone(cluster.tag)
+    wait_gone(cluster.tag)
     assert not any(map(running, pids))
 
 
@@ -91,5 +94,5 @@ def test_the_sweep_removes_what_a_killed_run_left() -> None:
 
     removed = sweep_leftovers()
     assert f"{NETNS_PREFIX}{tag}-0" in removed and any(r.startswith(f"/tmp/{ROOT_PREFIX}{tag}-") for r in removed)
-    assert gone(tag)
+    wait_gone(tag)
     assert not running(int(pid))

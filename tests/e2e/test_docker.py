@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import subprocess
-import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -41,6 +40,7 @@ from tests.harness.workload import (
     instances,
 )
 from tests.harness.preload_poc import build_poc
+from tests.harness.wait import until
 
 # An operator's settings that `runtime configure` must keep.
 OPERATOR_JSON = {"log-level": "info", "live-restore": True, "runtimes": {"other": {"path": "runc"}}}
@@ -77,10 +77,13 @@ def dockerd(tmp_path_factory: pytest.TempPathFactory, rootfs_template: Path) -> 
         assert 'reload docker (systemctl reload docker) to load the runtime "cgpu"' in configured.stdout
         # Runtimes are among the settings dockerd reloads (systemctl reload docker).
         d.reload()
-        deadline = time.monotonic() + 20
-        while "cgpu" not in d.runtimes():
-            assert time.monotonic() < deadline, f"dockerd did not load the runtime:\n{d.tail()}"
-            time.sleep(0.1)
+        until(
+            lambda: "cgpu" in d.runtimes(),
+            timeout=20,
+            interval=0.1,
+            what="dockerd to load the runtime cgpu",
+            explain=lambda: f"dockerd's log ends:\n{d.tail()}",
+        )
         d.import_rootfs(rootfs_template, IMAGE)
         yield d
     shutil.rmtree(base, ignore_errors=True)
@@ -237,10 +240,13 @@ def test_a_container_holds_its_instance_across_exec_restart_stop_and_start(
         assert dockerd.docker("start", name).returncode == 0
         bound_to_init()
         assert dockerd.docker("kill", name).returncode == 0
-        deadline = time.monotonic() + 10  # docker kill returns once the signal is sent
-        while instances(cgpud):
-            assert time.monotonic() < deadline, instances(cgpud)
-            time.sleep(0.05)
+        until(  # docker kill returns once the signal is sent
+            lambda: not instances(cgpud),
+            timeout=10,
+            interval=0.05,
+            what="the killed container's instance to be released",
+            explain=lambda: f"{instances(cgpud)}",
+        )
     assert instances(cgpud) == []
     assert [i["state"] for i in instances(cgpud, all_=True)] == ["released"] * 3
 
@@ -319,10 +325,18 @@ def test_compute_share_on_a_core_mem_node(tmp_path, gpu_env, dockerd: Dockerd) -
         try:
             [inst] = instances(d)
             assert [(g["memory_bytes"], g["core_percent"]) for g in inst["grants"]] == [(GIB, 30)]
-            deadline = time.monotonic() + 10
-            while "ALIYUN_COM_GPU_CORE_PERCENTAGE" not in (logs := dockerd.docker("logs", name).stdout):
-                assert time.monotonic() < deadline, logs
-                time.sleep(0.05)
+
+            def env_logged() -> str:
+                text = dockerd.docker("logs", name).stdout
+                return text if "ALIYUN_COM_GPU_CORE_PERCENTAGE" in text else ""
+
+            logs = until(
+                env_logged,
+                timeout=10,
+                interval=0.05,
+                what="the container's environment in its logs",
+                explain=lambda: dockerd.docker("logs", name).stdout,
+            )
             assert env_lines(logs)["ALIYUN_COM_GPU_CORE_PERCENTAGE"] == "30"
         finally:
             assert dockerd.docker("rm", "-f", name).returncode == 0
@@ -501,10 +515,7 @@ def test_cgpu_as_the_default_runtime(gpu_env, cgpud: Daemon, dockerd: Dockerd) -
         )
         assert configured.returncode == 0, configured.stderr
         dockerd.reload()
-        deadline = time.monotonic() + 20
-        while dockerd.docker("info", "--format", "{{.DefaultRuntime}}").stdout.strip() != "cgpu":
-            assert time.monotonic() < deadline, dockerd.tail()
-            time.sleep(0.1)
+        _wait_default_runtime(dockerd, "cgpu")
         out = docker_run(dockerd, gpu_env, "sh", "-c", BURN, env=("ALIYUN_COM_GPU_MEM_CONTAINER=2",), runtime=None)
         assert out.returncode == 0, out.stderr
         assert burn_json(out.stdout)["alloc"]["until_fail_bytes"] == 2 * GIB
@@ -514,10 +525,18 @@ def test_cgpu_as_the_default_runtime(gpu_env, cgpud: Daemon, dockerd: Dockerd) -
         # names one: it has to be named back.
         dockerd.config.write_text(json.dumps(json.loads(before) | {"default-runtime": "runc"}))
         dockerd.reload()
-        deadline = time.monotonic() + 20
-        while dockerd.docker("info", "--format", "{{.DefaultRuntime}}").stdout.strip() != "runc":
-            assert time.monotonic() < deadline, dockerd.tail()
-            time.sleep(0.1)
+        _wait_default_runtime(dockerd, "runc")
+
+
+def _wait_default_runtime(dockerd: Dockerd, runtime: str) -> None:
+    """Until the reloaded dockerd has `runtime` as its default."""
+    until(
+        lambda: dockerd.docker("info", "--format", "{{.DefaultRuntime}}").stdout.strip() == runtime,
+        timeout=20,
+        interval=0.1,
+        what=f"dockerd's default runtime to be {runtime}",
+        explain=dockerd.tail,
+    )
 
 
 def toolkit_saw(

@@ -32,6 +32,7 @@ from tests.harness.bypass_watch import GIB, INTERVAL, SLACK, Nvml, bypass_events
 from tests.harness.bypass_watch import watch_flags
 from tests.harness.daemon import Daemon, running_daemon
 from tests.harness.oci import Host, create, plain_create, runc
+from tests.harness.wait import until
 
 pytestmark = pytest.mark.slow  # tens of seconds to minutes each
 
@@ -51,13 +52,20 @@ class Container:
         return [json.loads(line) for line in self.log.read_text().splitlines() if line.startswith("{")]
 
     def crossing(self, limit: int, timeout: float = 30) -> float:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def past() -> dict[str, Any] | None:
             for o in self.lines():
                 if o.get("event") == "allocated" and o["total_bytes"] > limit + SLACK:
-                    return float(o["time"])
-            time.sleep(0.01)
-        raise AssertionError(f"no allocation past the limit in {self.cid}: {self.log.read_text()[-2000:]}")
+                    return o
+            return None
+
+        line = until(
+            past,
+            timeout=timeout,
+            interval=0.01,
+            what=f"an allocation past the limit in {self.cid}",
+            explain=lambda: self.log.read_text()[-2000:],
+        )
+        return float(line["time"])
 
 
 def tenant_bundle(host: Host, where: Path, kind: str) -> Any:
@@ -229,12 +237,13 @@ def test_a_container_outside_cgpu_is_reported_not_killed_and_an_allowed_cgroup_i
 def exe_once_started(pid: int, timeout: float = 10) -> str:
     """/proc/<pid>/exe once the container's process has left runc's init:
     `runc start` returns before the init execs the container's program."""
-    deadline = time.monotonic() + timeout
-    while True:
-        exe = os.readlink(f"/proc/{pid}/exe")
-        if exe.startswith("/usr/bin/") or time.monotonic() > deadline:
-            return exe
-        time.sleep(0.01)
+    return until(
+        lambda: exe if (exe := os.readlink(f"/proc/{pid}/exe")).startswith("/usr/bin/") else "",
+        timeout=timeout,
+        interval=0.01,
+        what=f"pid {pid} to exec the container's program",
+        explain=lambda: f"/proc/{pid}/exe is {os.readlink(f'/proc/{pid}/exe')}",
+    )
 
 
 def test_naming_the_binary_like_an_allowed_daemon_protects_nothing(tmp_path: Path, host: Host, nvml: Nvml) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from tests.harness import bypass_build
 from tests.harness.daemon import Daemon, running_daemon
 from tests.harness.oci import Bundle, Host, runc, shim_container
 from tests.harness.simrun import sim_stat
+from tests.harness.wait import until
 
 GIB = 1 << 30
 GPU_MEM = 16 * GIB
@@ -62,13 +62,14 @@ def lines(b: Bundle) -> list[dict[str, Any]]:
 
 
 def wait_line(b: Bundle, event: str, timeout: float = 30) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = [o for o in lines(b) if o.get("event") == event]
-        if found:
-            return found[0]
-        time.sleep(0.02)
-    raise AssertionError(f"no {event!r} from the container: {(b.path / 'stdio.log').read_text()[-2000:]}")
+    found = until(
+        lambda: [o for o in lines(b) if o.get("event") == event],
+        timeout=timeout,
+        interval=0.02,
+        what=f"{event!r} from the container",
+        explain=lambda: (b.path / "stdio.log").read_text()[-2000:],
+    )
+    return found[0]
 
 
 @pytest.mark.parametrize("kind", ["elf", "static", "musl"])
@@ -108,9 +109,13 @@ def test_dlsym_tenant_is_held_to_its_1gib_container(tmp_path: Path, host: Host, 
     )
     cid = host.new_id("bypass-control")
     with shim_container(host, b, cid, cgpud.relay):
-        deadline = time.monotonic() + 30
-        while not lines(b) and time.monotonic() < deadline:
-            time.sleep(0.02)
+        until(
+            lambda: lines(b),
+            timeout=30,
+            interval=0.02,
+            what="the container's report",
+            explain=lambda: (b.path / "stdio.log").read_text()[-2000:],
+        )
     [report] = lines(b)
     assert report["alloc"]["results"] == ["CUDA_SUCCESS"] + ["CUDA_ERROR_OUT_OF_MEMORY"] * 3
     assert report["mem_total_reported"] == GIB

@@ -19,6 +19,7 @@ from tests.harness.oci import Host, run, runtime_env
 from tests.harness.workload import burn_json, instances
 from tests.harness.freeze import freeze_with_gate_closed
 from tests.harness.sharerun import Sampler
+from tests.harness.wait import until
 
 pytestmark = pytest.mark.timing  # measures compute shares and hand-over times
 
@@ -55,14 +56,12 @@ def test_a_30_percent_container_alone_under_fixed_gets_30_percent(tmp_path: Path
 
 
 def _grants_of_the_one_instance(state: Path, timeout: float = 60) -> Path:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def grants() -> Path | None:
         found = [p for p in state.rglob("grants") if p.is_file()]
-        if found:
-            assert len(found) == 1, found
-            return found[0]
-        time.sleep(0.02)
-    raise AssertionError(f"no instance region under {state}")
+        assert len(found) <= 1, found
+        return found[0] if found else None
+
+    return until(grants, timeout=timeout, interval=0.02, what=f"an instance region under {state}")
 
 
 def test_a_container_at_a_closed_gate_finishes_when_cgpud_is_killed(tmp_path: Path, host: Host) -> None:
@@ -89,9 +88,13 @@ def test_a_container_at_a_closed_gate_finishes_when_cgpud_is_killed(tmp_path: Pa
         with open(grants, "rb") as f:
             m = mmap.mmap(f.fileno(), ffi.sizeof("struct cgpu_grants"), mmap.MAP_SHARED, mmap.PROT_READ)
         view = ffi.from_buffer("struct cgpu_grants *", m)
-        deadline = time.monotonic() + 60
-        while not view.device[0].gate & lib.CGPU_GATE_OPEN:  # scheduled: opened at least once
-            assert time.monotonic() < deadline and proc.poll() is None
+
+        def opened() -> int:
+            assert proc.poll() is None, "the container ended before its gate opened"
+            return int(view.device[0].gate & lib.CGPU_GATE_OPEN)  # noqa: F821 (called before the del below)
+
+        # Scheduled: opened at least once. No sleep between looks: the gate opens for a slice at a time.
+        until(opened, timeout=60, interval=0, what="the container's gate to open")
         assert d.proc
         freeze_with_gate_closed(d.proc.pid, lambda: int(view.device[0].gate))  # noqa: F821 (called before the del below)
         d.kill()

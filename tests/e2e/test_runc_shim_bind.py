@@ -12,7 +12,6 @@ import os
 import shutil
 import stat
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from cgpud.node.region import SPARE_REGION
 from cgpud.native import native_path
 from tests.harness.daemon import BIN, Daemon, running_daemon
 from tests.harness.oci import Host, create, runc, runtime_env, shim_container
+from tests.harness.wait import until
 
 GPU = ("ALIYUN_COM_GPU_MEM_CONTAINER=2",)
 SWEEP_WAIT_S = 10.0  # the e2e cgpud sweeps every 0.2 s
@@ -197,10 +197,13 @@ def test_a_delete_by_plain_runc_is_swept(tmp_path, host: Host, cgpud: Daemon) ->
     assert runc(host, "start", cid).returncode == 0
     deleted = runc(host, "delete", "--force", cid)  # plain runc
     assert deleted.returncode == 0, deleted.stderr
-    deadline = time.monotonic() + SWEEP_WAIT_S
-    while instances(cgpud) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert instances(cgpud) == []
+    until(
+        lambda: instances(cgpud) == [],
+        timeout=SWEEP_WAIT_S,
+        interval=0.05,
+        what="the sweep to free the instance",
+        explain=lambda: f"{instances(cgpud)}",
+    )
     # The shim's marker outlives that; a later delete of the id through the
     # shim (the container is gone) only repeats a release, and succeeds as runc's does.
     again = runc(host, "delete", cid, shim=True, relay=cgpud.relay)
@@ -329,10 +332,13 @@ def test_a_running_container_keeps_its_instance_until_the_runtime_killed_it(
 
 def wait_released(cgpud: Daemon, within: float = 1.0) -> None:
     """Long before the sweep would: the exit watch did it."""
-    deadline = time.monotonic() + within
-    while instances(cgpud):
-        assert time.monotonic() < deadline, f"still active after {within} s: {instances(cgpud)}"
-        time.sleep(0.01)
+    until(
+        lambda: instances(cgpud) == [],
+        timeout=within,
+        interval=0.01,
+        what="the instance to be released",
+        explain=lambda: f"still active: {instances(cgpud)}",
+    )
     assert [i["state"] for i in instances(cgpud, all_=True)] == ["released"]
 
 

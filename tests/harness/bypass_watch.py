@@ -27,6 +27,7 @@ from cgpud.cli.client import LocalClient
 from cgpud.node.model import Instance
 from cgpud.native import native_path
 from tests.harness.daemon import BIN, Daemon
+from tests.harness.wait import until
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -126,14 +127,15 @@ def _spawn(argv: Sequence[str], env: dict[str, str], stderr: Path) -> subprocess
 def instance_of(daemon: Daemon, cgpuctl_pid: int, timeout: float = 30) -> Instance:
     """The instance `cgpuctl run` (pid) made, once it bound its child;
     released ones too (in kill mode a tenant may be gone before we look)."""
-    deadline = time.monotonic() + timeout
     with LocalClient(daemon.socket) as client:
-        while time.monotonic() < deadline:
+
+        def bound() -> Instance | None:
             for inst in client.list(include_released=True):
                 if inst.owner.id.endswith(f"-{cgpuctl_pid}") and len(inst.pids) == 2:
                     return inst
-            time.sleep(0.02)
-    raise AssertionError(f"cgpuctl run {cgpuctl_pid} made no bound instance within {timeout} s")
+            return None
+
+        return until(bound, timeout=timeout, interval=0.02, what=f"a bound instance of cgpuctl run {cgpuctl_pid}")
 
 
 def run_tenant(daemon: Daemon, mem: str, command: Sequence[str], where: Path, core: int = 0) -> Tenant:
@@ -264,14 +266,16 @@ class Nvml:
         }  # highest smUtil of each pid's samples
 
     def wait(self, pred: Callable[[dict[str, Any]], bool], timeout: float, what: str) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        view = self.query()
-        while not pred(view):
-            if time.monotonic() > deadline:
-                raise AssertionError(f"NVML never showed {what} within {timeout} s; last view: {view}")
-            time.sleep(0.02)
+        view: dict[str, Any] = {}
+
+        def shown() -> dict[str, Any] | None:
+            nonlocal view
             view = self.query()
-        return view
+            return view if pred(view) else None
+
+        return until(
+            shown, timeout=timeout, interval=0.02, what=f"NVML to show {what}", explain=lambda: f"last view: {view}"
+        )
 
     def close(self) -> None:
         if self._proc.stdin:
@@ -304,16 +308,20 @@ def violations(daemon: Daemon) -> dict[str, int]:
 def wait_events(
     daemon: Daemon, pred: Callable[[dict[str, Any]], bool], timeout: float, what: str
 ) -> list[dict[str, Any]]:
-    deadline = time.monotonic() + timeout
-    while True:
+    events: list[dict[str, Any]] = []
+
+    def found() -> list[dict[str, Any]]:
+        nonlocal events
         events = bypass_events(daemon)
-        found = [e for e in events if pred(e)]
-        if found:
-            return found
-        if time.monotonic() > deadline:
-            log = daemon.log.read_text()[-3000:]
-            raise AssertionError(f"no {what} within {timeout} s; events: {events}; cgpud's log ends: {log}")
-        time.sleep(0.05)
+        return [e for e in events if pred(e)]
+
+    return until(
+        found,
+        timeout=timeout,
+        interval=0.05,
+        what=what,
+        explain=lambda: f"events: {events}; cgpud's log ends: {daemon.log.read_text()[-3000:]}",
+    )
 
 
 @dataclass

@@ -60,6 +60,7 @@ from tests.harness.api_server import ApiServerProcess, ApiState, node_json
 from tests.harness.kubelet_pods import KubeletPods
 from tests.harness.kubelet import Kubelet
 from tests.harness.net import free_port
+from tests.harness.wait import until
 
 CAPACITY_PORT = 9455
 NETNS_PREFIX = "cgpuc-"  # cgpuc-<tag>-<i>; tag = <pid hex><2 random hex>
@@ -566,32 +567,42 @@ class Cluster:
             proc = subprocess.Popen([*command, *args], stdout=subprocess.DEVNULL, stderr=out, text=True)
         extender = Extender(f"http://127.0.0.1:{port}", proc, log)
         self._extenders.append(extender)
-        deadline = time.monotonic() + WAIT
-        while True:
+
+        def healthy() -> bool:
             if proc.poll() is not None:
                 raise AssertionError(f"cgpu-scheduler exited {proc.returncode}: {log.read_text()[-4000:]}")
             try:
-                if extender.get("/healthz", timeout=1.0)[0] == 200:
-                    break
+                return extender.get("/healthz", timeout=1.0)[0] == 200
             except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"cgpu-scheduler did not answer /healthz: {log.read_text()[-4000:]}")
-            time.sleep(0.05)
+                return False
+
+        until(
+            healthy,
+            timeout=WAIT,
+            interval=0.05,
+            what="cgpu-scheduler to answer /healthz",
+            explain=lambda: f"its log ends: {log.read_text()[-4000:]}",
+        )
         return extender
 
     def wait_connected(self, extender: Extender, names: Sequence[str] | None = None, timeout: float = WAIT) -> None:
         """Until the extender's view has a live stream and a view of each node."""
         wanted = set(names if names is not None else self.names)
-        deadline = time.monotonic() + timeout
         nodes: list[dict[str, Any]] = []
-        while time.monotonic() < deadline:
+
+        def connected() -> bool:
+            nonlocal nodes
             status, view = extender.get("/inspect")
             nodes = view.get("nodes", []) if status == 200 and isinstance(view, dict) else []
-            if wanted <= {n["name"] for n in nodes if n.get("connected") and n.get("state")}:
-                return
-            time.sleep(0.05)
-        raise AssertionError(f"extender not connected to {sorted(wanted)}: {nodes}")
+            return wanted <= {n["name"] for n in nodes if n.get("connected") and n.get("state")}
+
+        until(
+            connected,
+            timeout=timeout,
+            interval=0.05,
+            what=f"the extender to connect to {sorted(wanted)}",
+            explain=lambda: f"its nodes: {nodes}",
+        )
 
     # ---- the kubelet ---------------------------------------------------------------------
 

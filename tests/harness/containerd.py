@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import time
 import tomllib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -13,6 +12,7 @@ from pathlib import Path
 
 from tests.harness.daemon import BIN, Daemon
 from tests.harness.oci import HOOK_ENV_PATH, Host, runtime_env
+from tests.harness.wait import until
 
 
 @dataclass
@@ -64,12 +64,19 @@ def running_containerd(tmp_path: Path, cgpud: Daemon) -> Iterator[Containerd]:
     with open(log, "wb") as out:
         proc = subprocess.Popen(["containerd", "--config", str(config)], env=env, stdout=out, stderr=out)
     c = Containerd(config, tmp / "containerd.sock", proc, log)
-    deadline = time.monotonic() + 30
-    while c.ctr("version").returncode != 0:
-        if time.monotonic() > deadline or proc.poll() is not None:
-            raise AssertionError(f"containerd did not start:\n{log.read_text()[-3000:]}")
-        time.sleep(0.1)
-    try:
+
+    def tail() -> str:
+        return f"containerd's log ends:\n{log.read_text()[-3000:]}"
+
+    def answers() -> bool:
+        if c.ctr("version").returncode == 0:
+            return True
+        if proc.poll() is not None:
+            raise AssertionError(f"containerd did not start (exit {proc.returncode}): {tail()}")
+        return False
+
+    try:  # a containerd that never answers is stopped all the same
+        until(answers, timeout=30, interval=0.1, what="containerd to answer `ctr version`", explain=tail)
         yield c
     finally:
         proc.terminate()

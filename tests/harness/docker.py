@@ -16,11 +16,12 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from tests.harness.wait import until
 
 DOCKERD = Path("/usr/sbin/dockerd")
 DOCKER = Path("/usr/bin/docker")
@@ -97,11 +98,17 @@ def require_docker() -> None:
 
 
 def _wait(what: str, ready: Callable[[], bool], proc: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + 60
-    while not ready():
-        if time.monotonic() > deadline or proc.poll() is not None:
-            raise AssertionError(f"{what} did not start:\n{log.read_text(errors='replace')[-3000:]}")
-        time.sleep(0.1)
+    def tail() -> str:
+        return f"{what}'s log ends:\n{log.read_text(errors='replace')[-3000:]}"
+
+    def started() -> bool:
+        if ready():
+            return True
+        if proc.poll() is not None:
+            raise AssertionError(f"{what} did not start (exit {proc.returncode}): {tail()}")
+        return False
+
+    until(started, timeout=60, interval=0.1, what=f"{what} to start", explain=tail)
 
 
 def _terminate(proc: subprocess.Popen[bytes]) -> None:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cgpud._region import lib
+from tests.harness.wait import until
 
 OPEN = int(lib.CGPU_GATE_OPEN)
 
@@ -26,8 +27,12 @@ def freeze_with_gate_closed(pid: int, gate: Callable[[], int], timeout: float = 
     while True:
         assert time.monotonic() < deadline, "never caught the gate closed"
         os.kill(pid, signal.SIGSTOP)
-        while not _all_stopped(pid):
-            time.sleep(0.001)
+        until(
+            lambda: _all_stopped(pid),
+            timeout=max(deadline - time.monotonic(), 0.0),
+            interval=0.001,
+            what=f"every thread of {pid} stopped",
+        )
         if not gate() & OPEN:
             return
         os.kill(pid, signal.SIGCONT)

@@ -10,11 +10,12 @@ import json
 import os
 import shutil
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.harness.wait import until
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -208,10 +209,12 @@ def test_hold_keeps_allocations_visible_to_other_processes(native, sim_env):
         text=True,
     )
     try:
-        deadline = time.monotonic() + 10
-        while burn_json(native, sim_env)["mem_free_before"] != 12 * GIB:
-            assert time.monotonic() < deadline, "the held 4 GiB never showed up"
-            time.sleep(0.05)
+        until(
+            lambda: burn_json(native, sim_env)["mem_free_before"] == 12 * GIB,
+            timeout=10,
+            interval=0.05,
+            what="the held 4 GiB to show up in another process",
+        )
         assert holder.poll() is None  # seen while still holding
     finally:
         out, err = holder.communicate(timeout=30)

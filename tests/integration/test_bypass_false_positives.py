@@ -23,6 +23,7 @@ from pathlib import Path
 from cgpud.native import native_path
 from tests.harness.bypass_watch import MIB, Nvml, Tenant, bypass_events, run_tenant, wait_events, watch_flags
 from tests.harness.daemon import running_daemon
+from tests.harness.wait import until
 import pytest
 
 pytestmark = pytest.mark.slow  # tens of seconds to minutes each
@@ -79,10 +80,13 @@ def test_twenty_well_behaved_tenants_for_60_s_make_no_event(tmp_path: Path, nati
                 procs = {**nvml.query(0)["procs"], **nvml.query(1)["procs"]}
                 return {pid: (procs.get(pid), used) for pid, used in expected.items() if procs.get(pid) != used}
 
-            deadline = time.monotonic() + 60
-            while off_limits():
-                assert time.monotonic() < deadline, off_limits()
-                time.sleep(0.1)
+            until(
+                lambda: not off_limits(),
+                timeout=60,
+                interval=0.1,
+                what="NVML to show every tenant at its limit plus its context",
+                explain=lambda: f"{off_limits()}",
+            )
             start = time.monotonic()
             while time.monotonic() - start < SECONDS:
                 events = bypass_events(d)

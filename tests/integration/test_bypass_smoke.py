@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from tests.harness.daemon import BIN, Daemon, running_daemon
+from tests.harness.wait import until
 
 INTERVAL = "0.2"
 
@@ -30,13 +31,13 @@ def bypass_lines(d: Daemon) -> list[dict[str, Any]]:
 
 
 def wait_bypass(d: Daemon, timeout: float = 20) -> list[dict[str, Any]]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = bypass_lines(d)
-        if found:
-            return found
-        time.sleep(0.05)
-    raise AssertionError(f"no bypass event within {timeout} s; cgpud's log ends: {d.log.read_text()[-3000:]}")
+    return until(
+        lambda: bypass_lines(d),
+        timeout=timeout,
+        interval=0.05,
+        what="a bypass event",
+        explain=lambda: f"cgpud's log ends: {d.log.read_text()[-3000:]}",
+    )
 
 
 def bypass_tenant(d: Daemon, hold: int) -> subprocess.Popen[str]:

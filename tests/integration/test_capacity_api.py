@@ -25,6 +25,7 @@ from tests.harness.daemon import BIN, Daemon, make_daemon, running_daemon
 from tests.harness.api_server import api_server, node_json
 from tests.harness.tls import Pki, make_pki
 from tests.harness.net import free_port as _free_port
+from tests.harness.wait import until
 
 WAIT = 10.0
 
@@ -272,13 +273,18 @@ def test_kubernetes_mode_writes_the_capacity_address_on_the_node(tmp_path, sim_e
             "--capacity-advertise",
             "198.51.100.7",
         ):
-            deadline = time.monotonic() + WAIT
-            while time.monotonic() < deadline:
+
+            def annotations() -> dict[str, str]:
                 with server.state.lock:
-                    notes = server.state.nodes["node-c"]["metadata"].get("annotations", {})
-                if ANNOTATION_CAPACITY_ADDRESS in notes:
-                    break
-                time.sleep(0.1)
+                    return dict(server.state.nodes["node-c"]["metadata"].get("annotations", {}))
+
+            notes = until(
+                lambda: a if ANNOTATION_CAPACITY_ADDRESS in (a := annotations()) else None,
+                timeout=WAIT,
+                interval=0.1,
+                what="node-c annotated with its Capacity address",
+                explain=lambda: f"its annotations: {annotations()}",
+            )
             assert notes.get(ANNOTATION_CAPACITY_ADDRESS) == f"198.51.100.7:{port}"
             with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
                 view = pb_grpc.CapacityStub(channel).GetNode(pb.GetNodeRequest(), timeout=WAIT)
@@ -316,7 +322,4 @@ def test_a_stopping_cgpud_ends_its_watch_streams_promptly(tmp_path, sim_env):
         d.stop()  # SIGTERM; asserts exit status 0
         assert time.monotonic() - t0 < 5.0
         assert watch.stream.done() or watch.quiet(1.0)
-        deadline = time.monotonic() + WAIT
-        while not watch.stream.done() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert watch.stream.done()
+        until(watch.stream.done, timeout=WAIT, interval=0.05, what="the watch stream to end")

@@ -19,6 +19,7 @@ import pytest
 from cgpud._region import ffi, lib
 from tests.harness.freeze import freeze_with_gate_closed
 from tests.harness.sharerun import Sampler, Scenario, ShareRig, TenantSpec, _at, _busy
+from tests.harness.wait import until
 
 OPEN = int(lib.CGPU_GATE_OPEN)
 
@@ -29,10 +30,13 @@ def _share(sampler: Sampler, pid: int, start_ns: int, end_ns: int) -> float:
 
 
 def _wait_samples_past(sampler: Sampler, t_ns: int, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not (sampler.samples and sampler.samples[-1][0] >= t_ns):
-        assert time.monotonic() < deadline, "the GPU sampler stopped"
-        time.sleep(0.02)
+    until(
+        lambda: sampler.samples and sampler.samples[-1][0] >= t_ns,
+        timeout=timeout,
+        interval=0.02,
+        what=f"a GPU sample at {t_ns} ns or later",
+        explain=lambda: f"the GPU sampler stopped; last sample at {[s[0] for s in sampler.samples[-1:]]} ns",
+    )
 
 
 def _gate_reader(pid: int) -> Callable[[], int]:

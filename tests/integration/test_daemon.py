@@ -21,6 +21,7 @@ from cgpud.node.model import GIB, Owner, OwnerKind, Request
 from cgpud.errors import CgpuError
 from cgpud.native import native_path
 from tests.harness.daemon import BIN, make_daemon
+from tests.harness.wait import until
 
 
 def test_ready_only_after_reconciliation_and_stopping_on_shutdown(tmp_path, sim_env):
@@ -151,18 +152,27 @@ def test_a_killed_cgpuctl_run_is_released_when_its_process_exits(daemon, tmp_pat
         "run", "--mem", "1GiB", "--", "sh", "-c", f"while [ ! -e {flag} ]; do sleep 0.05; done"
     )
     with LocalClient(daemon.socket) as client:
-        deadline = time.monotonic() + 30
-        while not [i for i in client.list() if len(i.pids) == 2] and time.monotonic() < deadline:
-            time.sleep(0.05)
+        deadline = time.monotonic() + 30  # for both waits together
+        until(
+            lambda: [i for i in client.list() if len(i.pids) == 2],
+            timeout=30,
+            interval=0.05,
+            what="the instance bound to cgpuctl and its command",
+            explain=lambda: f"instances: {client.list()}",
+        )
         [instance] = client.list()
         runner.send_signal(signal.SIGKILL)  # cgpuctl dies; its command lives on
         runner.wait(timeout=30)
         time.sleep(0.5)
         assert client.get(instance.id).state.value == "bound"
         flag.touch()
-        while client.get(instance.id).state.value != "released" and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert client.get(instance.id).state.value == "released"
+        until(
+            lambda: client.get(instance.id).state.value == "released",
+            timeout=max(deadline - time.monotonic(), 0.0),
+            interval=0.05,
+            what="the instance to be released once its command exited",
+            explain=lambda: f"it is {client.get(instance.id).state.value}",
+        )
 
 
 def test_restart_repairs_a_damaged_region(tmp_path, sim_env):

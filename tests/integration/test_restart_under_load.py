@@ -39,6 +39,7 @@ from cgpud.node.model import ComputePolicy, Instance, Owner, OwnerKind, Request
 from tests.harness.daemon import Daemon, make_daemon
 from tests.harness.restart_build import ROOT, Build, newer_build
 from tests.harness.sharerun import Sampler, _at, _busy
+from tests.harness.wait import until
 
 # Bounds how long a tenant's sync may stall across cgpud restarts (timing); takes a minute (slow).
 pytestmark = [pytest.mark.timing, pytest.mark.slow]
@@ -186,10 +187,13 @@ def _recovery(samples: list[tuple[int, int, dict[int, int]]], pid: int, ready_ns
 
 
 def _wait_samples_past(sampler: Sampler, t_ns: int) -> None:
-    deadline = time.monotonic() + 30
-    while not (sampler.samples and sampler.samples[-1][0] >= t_ns):
-        assert time.monotonic() < deadline, "the GPU sampler stopped"
-        time.sleep(0.02)
+    until(
+        lambda: sampler.samples and sampler.samples[-1][0] >= t_ns,
+        timeout=30,
+        interval=0.02,
+        what=f"a GPU sample at {t_ns} ns or later",
+        explain=lambda: f"the GPU sampler stopped; last sample at {[s[0] for s in sampler.samples[-1:]]} ns",
+    )
 
 
 def _stop_daemon(d: Daemon, how: signal.Signals) -> None:

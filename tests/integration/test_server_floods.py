@@ -36,6 +36,7 @@ from tests.harness.daemon import make_daemon
 from tests.harness.api_server import api_server, pod_json
 from tests.harness.tls import Pki, make_pki
 from tests.harness.net import free_port
+from tests.harness.wait import until
 
 BIN = Path(sys.executable).parent
 MIB = 1 << 20
@@ -136,10 +137,14 @@ def extender_process(tmp: Path, *args: str) -> Iterator[tuple[subprocess.Popen[s
             text=True,
         )
     try:
-        deadline = time.monotonic() + 30
-        while "listening on" not in log.read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.05)
+
+        def listening() -> bool:
+            if "listening on" in log.read_text():
+                return True
+            assert proc.poll() is None, log.read_text()
+            return False
+
+        until(listening, timeout=30, interval=0.05, what="the extender to log 'listening on'", explain=log.read_text)
         yield proc, port
     finally:
         proc.terminate()

@@ -20,6 +20,7 @@ import pytest
 from cgpud import __version__
 from cgpud.containers.runtime_files import version_dir_name
 from tests.harness.daemon import BIN, Daemon, make_daemon
+from tests.harness.wait import until
 
 NOBODY = 65534
 
@@ -103,15 +104,19 @@ def _hold_instance(d: Daemon) -> tuple[subprocess.Popen[bytes], Path]:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+
+    def region() -> Path | None:
         listing = json.loads(d.cgpuctl("list", "--output", "json").stdout or "[]")
         # Listed once committed; its files come just after.
-        if listing and (region := d.state / "instances" / listing[0]["id"] / "usage").exists():
-            return run, region.parent
-        time.sleep(0.05)
-    run.terminate()
-    raise AssertionError("the instance never appeared")
+        if listing and (usage := d.state / "instances" / listing[0]["id"] / "usage").exists():
+            return usage.parent
+        return None
+
+    try:
+        return run, until(region, timeout=60, interval=0.05, what="the instance and its region")
+    except BaseException:
+        run.terminate()
+        raise
 
 
 def _doctor(d: Daemon, tmp_path: Path) -> str:

@@ -15,6 +15,7 @@ from cgpud.kube.apiserver import ApiServer
 from cgpud.kube.model import ANNOTATION_CAPACITY_ADDRESS
 from cgpud.kube.node_labels import NodeLabels
 from tests.harness.api_server import api_server, node_json
+from tests.harness.wait import until
 
 ADDRESS = {ANNOTATION_CAPACITY_ADDRESS: "10.0.0.7:9455"}
 
@@ -52,9 +53,13 @@ def test_the_address_is_written_kept_and_written_again_after_an_outage(tmp_path:
         try:
             time.sleep(0.3)
             server.start()
-            deadline = time.monotonic() + 5
-            while ANNOTATION_CAPACITY_ADDRESS not in _annotations(server.state) and time.monotonic() < deadline:
-                time.sleep(0.05)
+            until(
+                lambda: ANNOTATION_CAPACITY_ADDRESS in _annotations(server.state),
+                timeout=5,
+                interval=0.05,
+                what="the annotation to be written back once the API server returned",
+                explain=lambda: f"annotations: {_annotations(server.state)}",
+            )
             assert _annotations(server.state) == {"other": "kept", **ADDRESS} and agent.reachable
         finally:
             stop.set()

@@ -19,6 +19,7 @@ from cgpud.node.store import Store
 from cgpud.kube.apiserver import ApiServer
 from cgpud.kube.node_labels import NodeLabels, card_label_patch, initial_policy, label_policy
 from tests.harness.api_server import ApiServerProcess, api_server, node_json
+from tests.harness.wait import until
 
 GPUS = (GpuCapacity(0, "GPU-aaaa", 16 * GIB),)
 CARD = {
@@ -125,9 +126,13 @@ def test_an_outage_keeps_the_policy_and_the_loop_catches_up(served):
         time.sleep(0.3)
         assert service.policy().placement is Placement.BINPACK
         server.start()
-        deadline = time.monotonic() + 5
-        while service.policy().placement is not Placement.SPREAD and time.monotonic() < deadline:
-            time.sleep(0.05)
+        until(
+            lambda: service.policy().placement is Placement.SPREAD,
+            timeout=5,
+            interval=0.05,
+            what="the spread placement label to apply once the API server returned",
+            explain=lambda: f"the policy is {service.policy()}",
+        )
         assert service.policy().placement is Placement.SPREAD and agent.reachable
         assert labels(server)["aliyun.accelerator/nvidia_count"] == "1"
     finally:

@@ -13,11 +13,11 @@ import socket
 import struct
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from tests.fuzz.py_bundle import shim_may_ask
 from tests.harness.relay import GPU_CONFIG, PLAIN_CONFIG, bundle, run
+from tests.harness.wait import until
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "csrc"))
@@ -164,9 +164,7 @@ def recorded(server) -> None:
     """Waits (10 s at most) for the server's thread to record a request: it
     does once it has read it to the end, which may come after the process
     that sent it has exited and nobody waited for an answer."""
-    deadline = time.monotonic() + 10
-    while not server.requests and time.monotonic() < deadline:
-        time.sleep(0.01)
+    until(lambda: server.requests, timeout=10, interval=0.01, what="the server to record a request")
 
 
 def test_the_front_sends_the_prepare_request_before_the_gpu_shim_runs(bins, env, runtime, cgpud, tmp_path):

@@ -9,7 +9,6 @@ shapes; the decision is bypass_policy's unless a test scripts it."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -26,6 +25,7 @@ from cgpud.daemon.metrics import DaemonStats
 from cgpud.node.model import GIB, MIB, ComputePolicy, Grant, Instance, InstanceState, NodeMode, NodePolicy, Owner
 from cgpud.node.model import OwnerKind
 from cgpud.node.bypass_watchdog import BypassWatchdog, NvmlProcessReader
+from tests.harness.wait import until
 
 SECOND_US = 1_000_000
 
@@ -525,11 +525,11 @@ def test_the_thread_survives_a_failing_round_and_times_each_round():
     stop = threading.Event()
     with capture_logs() as logs:
         thread = w.start(stop)
-        deadline = time.monotonic() + 10
-        while reader_.reads < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        stop.set()
-        thread.join(5)
+        try:
+            until(lambda: reader_.reads >= 3, timeout=10, interval=0.01, what="three rounds of NVML reads")
+        finally:
+            stop.set()
+            thread.join(5)
     assert not thread.is_alive() and reader_.reads >= 3
     assert any(x["event"] == "bypass round failed" and "NVML went away" in x["error"] for x in logs)
     assert [x for x in logs if x["event"] == "bypass"]  # later rounds still report

@@ -52,11 +52,12 @@ def test_a_fault_outside_every_registered_mapping_still_kills(driver: Path) -> N
 # Both cffi modules of cgpud map usage files, each with its own copy of the
 # guard; whichever installs second sees the first as the previous handler.
 COMPOSED = r"""
-import os, sys, time
+import os, sys
 from pathlib import Path
 from cgpud.node.compute import ComputeScheduler
 from cgpud.node.model import ComputePolicy, Grant, Instance, InstanceState, NodePolicy, Owner, OwnerKind
 from cgpud.node.region import USAGE_FILE, DeviceLimit, InstanceLimits, UsageRegion, write_region
+from tests.harness.wait import until
 
 root, order = Path(sys.argv[1]), sys.argv[2]
 for name in ("engine", "python"):
@@ -75,10 +76,8 @@ sched.start()
 os.truncate(root / "python" / USAGE_FILE, 0)
 assert usage._u.device[0].used == 0 and usage.damaged  # no SIGBUS in Python's own read
 os.truncate(root / "engine" / USAGE_FILE, 0)
-deadline = time.monotonic() + 30
-while not sched.damaged("engine"):  # the scheduler's loop reads the file every slice
-    assert time.monotonic() < deadline, "the engine never met the truncated file"
-    time.sleep(0.01)
+# The scheduler's loop reads the file every slice.
+until(lambda: sched.damaged("engine"), timeout=30, interval=0.01, what="the engine to meet the truncated file")
 sched.stop()
 print("ok")
 """

@@ -21,6 +21,7 @@ from cgpud.errors import StateError, UsageError
 from cgpud.containers.relay import RelayProtocolError, RelayServer, handle
 from cgpud.node.model import InstanceState
 from tests.harness.lifecycle import bundle, lifecycle, state
+from tests.harness.wait import until
 
 GPU = "ALIYUN_COM_GPU_MEM_CONTAINER=2"
 
@@ -214,10 +215,7 @@ def test_a_bind_whose_write_fails_after_its_answer_kills_the_init_and_frees_the_
     with pytest.raises(StateError, match="disk full"):
         handle(lc, ["bind", iid], state("job", b, init), early.append)
     assert early == [f"bound {iid}"]
-    deadline = time.monotonic() + 10
-    while _alive(init) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not _alive(init)
+    until(lambda: not _alive(init), timeout=10, interval=0.01, what="the init to end after the failed bind")
     assert svc.get(iid).state is InstanceState.RELEASED
 
 
@@ -254,10 +252,13 @@ def test_over_the_socket_a_release_answers_once_and_finishes_without_its_runtime
         # A runtime killed before reading its answer still has its release done.
         name, b, iid = ids[1]
         _ask(relay_path, f"release {iid}\n".encode() + state(name, b), read=False)
-        deadline = time.monotonic() + 10
-        while svc.get(iid).state.value != "released" and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert svc.get(iid).state.value == "released"
+        until(
+            lambda: svc.get(iid).state.value == "released",
+            timeout=10,
+            interval=0.01,
+            what="the release of the runtime that did not read its answer",
+            explain=lambda: f"the instance is {svc.get(iid).state.value}",
+        )
         # Work that fails after the ok is logged, not answered a second time.
         name, b, iid = ids[2]
 
