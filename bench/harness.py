@@ -1,6 +1,6 @@
 """What several benchmarks do the same way: a private simulated machine, a
 real cgpud started on it and waited for (READY=1 on a notify socket), a free
-TCP port, and the exit of a benchmark that could not measure."""
+TCP port (the tests' own), and the exit of a benchmark that could not measure."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from cgpud.native import native_dir
+from tests.harness.net import free_port  # noqa: F401  (re-exported for the benchmarks)
 
 BIN = Path(sys.executable).parent
 H100 = 'gpu name="NVIDIA H100 80GB HBM3" mem=80GiB sms=132\n'
@@ -71,9 +72,3 @@ def start_cgpud(tmp: Path, env: dict[str, str], *flags: str) -> tuple[subprocess
         pass
     notify.close()
     return proc, sock
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
