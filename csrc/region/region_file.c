@@ -19,7 +19,10 @@ int cgpu_region_file_map(const char *dir, const char *name, int flags, size_t si
         snprintf(err, errlen, "region path %.200s.../%s is longer than %zu bytes", dir, name, sizeof(path) - 1);
         return -ENAMETOOLONG;
     }
-    int fd = open(path, flags | O_CLOEXEC);
+    /* O_NONBLOCK: a FIFO put where a region file belongs would block open()
+     * until a writer came; now it opens and fails at lseek (ESPIPE). On a
+     * regular file the flag changes nothing, the locks included. */
+    int fd = open(path, flags | O_CLOEXEC | O_NONBLOCK);
     /* The size by lseek, not fstat: fstat is a glibc 2.33 symbol, and images
      * with an older libc would skip libcgpu's preload (glibc_baseline.h). */
     off_t length = fd < 0 ? -1 : lseek(fd, 0, SEEK_END);

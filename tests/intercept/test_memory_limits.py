@@ -402,3 +402,24 @@ def test_a_region_path_too_long_is_refused_not_truncated(native, instance):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "GPU memory limits unavailable" in lines[0]
     assert "longer than 4095 bytes; use a shorter CGPU_REGION_DIR" in lines[0]
+
+
+def test_a_fifo_where_the_limits_belong_is_refused_not_waited_on(native, instance, tmp_path):
+    """A process that names its own region directory (CGPU_REGION_DIR) and
+    puts a FIFO at limits: libcgpu refuses the limits at once, fail-closed,
+    instead of blocking in open() for a writer that never comes."""
+    env = instance({0: 4 * GIB})
+    region = tmp_path / "fifo-region"
+    shutil.copytree(env["CGPU_REGION_DIR"], region)
+    (region / "limits").unlink()
+    os.mkfifo(region / "limits")
+    proc = subprocess.run(
+        [str(native / "bin" / "cgpu-burn"), "--alloc=1MiB"],
+        env=dict(env, CGPU_REGION_DIR=str(region)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert json.loads(proc.stdout)["alloc"]["results"] == ["CUDA_ERROR_OUT_OF_MEMORY"]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "GPU memory limits unavailable" in lines[0] and "Illegal seek" in lines[0]
