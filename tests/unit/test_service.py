@@ -142,7 +142,8 @@ def test_a_drained_node_starts_and_stops_its_compute_scheduler_with_the_mode(tmp
         svc.set_node_policy(NodeMode.CORE_MEM, Placement.BINPACK)
         assert svc.policy().mode is NodeMode.CORE_MEM and len(started) == 1
         inst = svc.create(Request(owner("c1"), 4 * GIB, core_percent=30))
-        # The engine thread takes the tenant (and gates it) on its next turn, not within create().
+        # The engine thread takes the tenant, and on a GPU it had left ungated closes its gate, on its next
+        # turn, not within create() (engine.c: cgpu_engine_attach).
         until(
             lambda: is_gated(svc.region_dir(inst.id)) and started[0].schedule(0).tenants == 1,
             what="the scheduler to take the tenant",

@@ -96,9 +96,12 @@ def test_a_spare_made_for_no_scheduler_is_not_taken_once_one_runs(tmp_path):
         assert not is_gated(tmp_path / "regions" / SPARE_REGION)
         svc.set_node_policy(NodeMode.CORE_MEM, Placement.BINPACK)
         inst = svc.create(request("c1", core=30))
-        assert is_gated(svc.region_dir(inst.id))
-        # The engine thread takes the tenant on its next turn, not within create().
-        until(lambda: started[0].schedule(0).tenants == 1, what="the scheduler to take the tenant")
+        # The engine thread takes the tenant, and on a GPU it had left ungated closes its gate, on its next
+        # turn, not within create() (engine.c: cgpu_engine_attach).
+        until(
+            lambda: is_gated(svc.region_dir(inst.id)) and started[0].schedule(0).tenants == 1,
+            what="the scheduler to take the tenant",
+        )
         svc.refill_region_spare()  # remade for the scheduler
         assert is_gated(tmp_path / "regions" / SPARE_REGION)
         taken = svc.create(request("c2", core=30))
