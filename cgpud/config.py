@@ -106,6 +106,11 @@ class DaemonConfig:
     cdi_dir: Path = _setting(
         Path(DEFAULT_CDI_DIR), "where cgpud writes the CDI specs of pod instances (orchestrator kubernetes)"
     )
+    dev_root: Path = _setting(
+        Path("/"),
+        "where the driver's device nodes are: ROOT/dev/nvidia* (a driver container's, e.g. /run/nvidia/driver); "
+        "containers get them at /dev/nvidia*",
+    )
     capacity_listen: str = _setting(
         "", "HOST:PORT of the Capacity API for cluster schedulers (IPv6 in brackets); empty: not served"
     )
@@ -262,6 +267,8 @@ def validate(config: DaemonConfig) -> DaemonConfig:
     config.health_policy()  # bad XIDs or a negative window are refused at start
     if not 1 <= config.reservation_ttl <= 3600:
         raise UsageError("reservation_ttl must be between 1 and 3600 seconds")
+    if not config.dev_root.is_absolute():
+        raise UsageError(f"dev_root must be an absolute path, not {str(config.dev_root)!r}")
     _validate_capacity(config)
     if config.metrics_listen:
         parse_endpoint(config.metrics_listen, "metrics_listen")

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cgpud.atomicfile import write_atomic
-from cgpud.containers.devices import DeviceNode, device_paths, present
+from cgpud.containers.devices import HOST_ROOT, DeviceNode, device_paths, present
 from cgpud.node.model import GpuCapacity, OwnerKind
 from cgpud.errors import CgpuError, StateError, UsageError
 from cgpud.containers.edits import ContainerEdits, Mount, RuntimeFiles, instance_edits
@@ -41,6 +41,13 @@ def _mount(m: Mount) -> dict[str, Any]:
     return {"hostPath": m.source, "containerPath": m.destination, "type": "bind", "options": m.options}
 
 
+def _device_node(d: DeviceNode) -> dict[str, Any]:
+    node: dict[str, Any] = {"path": d.path, "type": "c", "major": d.major, "minor": d.minor, "permissions": "rw"}
+    if d.host_path:  # CDI 0.5.0's hostPath: the node is elsewhere on the host (a dev_root)
+        node["hostPath"] = d.host_path
+    return node
+
+
 def device(edits: ContainerEdits) -> dict[str, Any]:
     """One CDI device. Empty lists are left out: the CDI types mark them
     omitempty, and a reader never has to tell [] from absent."""
@@ -48,10 +55,7 @@ def device(edits: ContainerEdits) -> dict[str, Any]:
     if edits.mounts:
         container_edits["mounts"] = [_mount(m) for m in edits.mounts]
     if edits.device_nodes:
-        container_edits["deviceNodes"] = [
-            {"path": d.path, "type": "c", "major": d.major, "minor": d.minor, "permissions": "rw"}
-            for d in edits.device_nodes
-        ]
+        container_edits["deviceNodes"] = [_device_node(d) for d in edits.device_nodes]
     if edits.hooks:
         container_edits["hooks"] = [
             {"hookName": h.stage, "path": h.path, "args": list(h.args), "env": list(h.env), "timeout": h.timeout}
@@ -69,7 +73,9 @@ def cdi_spec(devices: Sequence[ContainerEdits]) -> dict[str, Any]:
     return {"cdiVersion": CDI_VERSION, "kind": KIND, "devices": [device(e) for e in devices]}
 
 
-def device_instance_edits(service: InstanceService, files: RuntimeFiles) -> list[ContainerEdits]:
+def device_instance_edits(
+    service: InstanceService, files: RuntimeFiles, dev_root: Path = HOST_ROOT
+) -> list[ContainerEdits]:
     """The edits of every active device-owned instance, oldest first. Each
     instance is recorded as using these runtime files first (runtime_files.py)."""
     gpu_memory = {g.index: g.memory for g in service.gpus()}
@@ -81,21 +87,23 @@ def device_instance_edits(service: InstanceService, files: RuntimeFiles) -> list
             service.region_dir(i.id),
             gpu_memory,
             files,
-            device_nodes=instance_device_nodes(service.gpus(), [g.gpu_index for g in i.grants]),
+            device_nodes=instance_device_nodes(service.gpus(), [g.gpu_index for g in i.grants], dev_root),
         )
         for i in devices
     ]
 
 
-def instance_device_nodes(gpus: Sequence[GpuCapacity], indexes: Sequence[int]) -> tuple[DeviceNode, ...]:
+def instance_device_nodes(
+    gpus: Sequence[GpuCapacity], indexes: Sequence[int], dev_root: Path = HOST_ROOT
+) -> tuple[DeviceNode, ...]:
     """The device nodes of these GPUs (and the control nodes) the host has."""
     by_index = {g.index: g.device_node for g in gpus}
-    return present(device_paths([by_index.get(i, "") for i in indexes]))
+    return present(device_paths([by_index.get(i, "") for i in indexes]), dev_root)
 
 
-def render(service: InstanceService, files: RuntimeFiles) -> str:
+def render(service: InstanceService, files: RuntimeFiles, dev_root: Path = HOST_ROOT) -> str:
     """The daemon's current CDI spec as JSON text (GetCdiSpec)."""
-    return json.dumps(cdi_spec(device_instance_edits(service, files)), indent=2) + "\n"
+    return json.dumps(cdi_spec(device_instance_edits(service, files, dev_root)), indent=2) + "\n"
 
 
 def check_output(path: Path) -> Path:

@@ -164,7 +164,7 @@ class Daemon:
         server = serve(
             service,
             config.socket,
-            cdi_spec=lambda: cdi.render(service, files),
+            cdi_spec=lambda: cdi.render(service, files, config.dev_root),
             on_request=lambda method, code: stats.request("admin", method, code),
             events=events,
             watching=_bypass_watching(config, bypass),
@@ -187,6 +187,7 @@ class Daemon:
                 config.policy(),
                 inventory.card_labels(),
                 cdi_dir=config.cdi_dir,
+                dev_root=config.dev_root,
                 pod_resources_socket=config.pod_resources_socket,
             )
             plugin = DevicePlugin(

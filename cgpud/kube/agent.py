@@ -21,6 +21,7 @@ from pathlib import Path
 
 import structlog
 
+from cgpud.containers.devices import HOST_ROOT
 from cgpud.containers.edits import RuntimeFiles
 from cgpud.node.model import NodePolicy
 from cgpud.node.service import InstanceService
@@ -54,6 +55,7 @@ class KubeAgent:
         card_labels: Mapping[str, str],
         *,
         cdi_dir: Path = DYNAMIC_CDI_DIR,
+        dev_root: Path = HOST_ROOT,
         pod_resources_socket: Path = Path(DEFAULT_POD_RESOURCES_SOCKET),
         label_interval: float = DEFAULT_INTERVAL,
     ) -> None:
@@ -66,7 +68,7 @@ class KubeAgent:
                 "cannot create the CDI spec directory", dir=str(cdi_dir), error=e.strerror
             )
         self.on_policy: Callable[[NodePolicy], None] | None = None  # set once the device plugin exists
-        self.allocator = PodAllocator(service, api, node, files, cdi_dir)
+        self.allocator = PodAllocator(service, api, node, files, cdi_dir, dev_root)
         kubelet = PodResourcesClient(pod_resources_socket)
         self.releaser = PodReleaser(
             service, lambda: api.pods_on_node(node), lambda: kubelet_pods(kubelet.list()), cdi_dir

@@ -29,6 +29,7 @@ from cgpud.node.model import GIB, Instance, Owner, OwnerKind, PodContainer, Requ
 from cgpud.node.service import InstanceService
 from cgpud.errors import CgpuError
 from cgpud.containers import cdi
+from cgpud.containers.devices import HOST_ROOT
 from cgpud.containers.edits import RuntimeFiles, instance_edits
 from cgpud.containers.request import ENV_CORE
 from cgpud.kube import assignment
@@ -77,9 +78,16 @@ class PodAllocator:
     """cgpud's Allocator (cgpud.kube.model.Allocator)."""
 
     def __init__(
-        self, service: InstanceService, api: PodSource, node: str, files: RuntimeFiles, cdi_dir: Path = DYNAMIC_CDI_DIR
+        self,
+        service: InstanceService,
+        api: PodSource,
+        node: str,
+        files: RuntimeFiles,
+        cdi_dir: Path = DYNAMIC_CDI_DIR,
+        dev_root: Path = HOST_ROOT,
     ) -> None:
         self._service = service
+        self._dev_root = dev_root
         self._api = api
         self._node = node
         self._files = files
@@ -213,7 +221,9 @@ class PodAllocator:
             self._service.region_dir(instance.id),
             gpu_memory,
             self._files,
-            device_nodes=cdi.instance_device_nodes(self._service.gpus(), [g.gpu_index for g in instance.grants]),
+            device_nodes=cdi.instance_device_nodes(
+                self._service.gpus(), [g.gpu_index for g in instance.grants], self._dev_root
+            ),
         )
         text = json.dumps(cdi.cdi_spec([edits]), indent=2) + "\n"
         cdi.write_spec(text, spec_path(self._cdi_dir, instance.id))
@@ -261,9 +271,9 @@ class PodAllocator:
             raise AllocationError(f"{resource.value}: no GPU with UUID {unknown[0]!r} on node {self._node}")
         indexes = sorted(by_uuid[d] for d in device_ids)
         uuids = [u for i in indexes for u, j in by_uuid.items() if i == j]
-        nodes = cdi.instance_device_nodes(self._service.gpus(), indexes)
+        nodes = cdi.instance_device_nodes(self._service.gpus(), indexes, self._dev_root)
         return ContainerAllocation(
             envs={"NVIDIA_VISIBLE_DEVICES": ",".join(uuids), ANNOTATION_GPU_INDEX: ",".join(map(str, indexes))},
             mounts=device_list(uuids),
-            devices=tuple(n.path for n in nodes),
+            devices=nodes,
         )

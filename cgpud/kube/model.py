@@ -8,6 +8,7 @@ from enum import Enum
 from typing import Protocol
 from collections.abc import Sequence
 
+from cgpud.containers.devices import DeviceNode
 from cgpud.errors import UsageError
 
 # Device plugin API version the kubelet's Registration expects.
@@ -73,7 +74,7 @@ class ContainerAllocation:
     envs: dict[str, str] = field(default_factory=dict)
     mounts: tuple[MountSpec, ...] = ()
     annotations: dict[str, str] = field(default_factory=dict)
-    devices: tuple[str, ...] = ()  # device nodes, the same path on the host and in the container
+    devices: tuple[DeviceNode, ...] = ()  # the driver's device nodes (whole GPUs)
 
 
 class Allocator(Protocol):

@@ -130,7 +130,9 @@ def allocation_to_pb(allocation: ContainerAllocation) -> pb.ContainerAllocateRes
         ],
         annotations=dict(allocation.annotations),
         cdi_devices=[pb.CDIDevice(name=name) for name in allocation.cdi_devices],
-        devices=[pb.DeviceSpec(container_path=d, host_path=d, permissions="rw") for d in allocation.devices],
+        devices=[
+            pb.DeviceSpec(container_path=d.path, host_path=d.on_host, permissions="rw") for d in allocation.devices
+        ],
     )
 
 

@@ -23,3 +23,11 @@ def test_a_text_setting_given_a_number_is_refused(tmp_path: Path):
     path.write_text("gpu_compute_policy = 3\n")
     with pytest.raises(UsageError, match="setting gpu_compute_policy = 3 is not valid"):
         config.load(path, {})
+
+
+def test_a_relative_dev_root_is_refused_and_an_absolute_one_is_kept(tmp_path: Path):
+    path = tmp_path / "config.toml"
+    path.write_text('dev_root = "run/nvidia/driver"\n')
+    with pytest.raises(UsageError, match="dev_root must be an absolute path, not 'run/nvidia/driver'"):
+        config.load(path, {})
+    assert config.load(path, {"dev_root": "/run/nvidia/driver"}).dev_root == Path("/run/nvidia/driver")

@@ -34,9 +34,30 @@ def test_a_cdi_device_carries_its_nodes_and_none_when_there_are_none() -> None:
     assert "deviceNodes" not in device(ContainerEdits((("A", "1"),), (), (), "cgpu-1"))["containerEdits"]
 
 
+def test_under_a_dev_root_nodes_are_found_there_and_keep_their_dev_path_in_the_container(tmp_path: Path) -> None:
+    (tmp_path / "dev").mkdir()
+    os.mknod(tmp_path / "dev/nvidia3", stat.S_IFCHR | 0o600, os.makedev(195, 3))
+    found = present(["/dev/nvidia3", "/dev/nvidia4"], tmp_path)
+    assert found == (DeviceNode("/dev/nvidia3", 195, 3, str(tmp_path / "dev/nvidia3")),)
+    assert device(ContainerEdits((), (), (), "cgpu-1", found))["containerEdits"]["deviceNodes"] == [
+        {
+            "path": "/dev/nvidia3",
+            "type": "c",
+            "major": 195,
+            "minor": 3,
+            "permissions": "rw",
+            "hostPath": str(tmp_path / "dev/nvidia3"),
+        }
+    ]
+
+
 def test_a_whole_gpu_answer_names_its_device_nodes_for_the_kubelet() -> None:
-    answer = allocation_to_pb(ContainerAllocation(devices=("/dev/nvidiactl", "/dev/nvidia0")))
+    nodes = (
+        DeviceNode("/dev/nvidiactl", 195, 255),
+        DeviceNode("/dev/nvidia0", 195, 0, "/run/nvidia/driver/dev/nvidia0"),
+    )
+    answer = allocation_to_pb(ContainerAllocation(devices=nodes))
     assert [(d.container_path, d.host_path, d.permissions) for d in answer.devices] == [
         ("/dev/nvidiactl", "/dev/nvidiactl", "rw"),
-        ("/dev/nvidia0", "/dev/nvidia0", "rw"),
+        ("/dev/nvidia0", "/run/nvidia/driver/dev/nvidia0", "rw"),
     ]
