@@ -24,6 +24,7 @@ import secrets
 import shutil
 import signal
 import ssl
+import stat
 import subprocess
 import sys
 import tempfile
@@ -247,6 +248,7 @@ class RealCluster:
         self.gpu_memory = gpu_memory
         self.tag = f"{os.getpid():x}{secrets.token_hex(1)}"
         self.root = Path(tempfile.mkdtemp(prefix=f"{ROOT_PREFIX}{self.tag}-", dir="/tmp"))
+        self.dev_root = self.root / "driver"  # cgpud's dev_root: the driver's device nodes, as a driver container's
         self.octet = 0
         self.nodes: list[RealNode] = []
         self.control: dict[str, Process] = {}
@@ -275,6 +277,7 @@ class RealCluster:
         sweep_leftovers()
         self.octet = free_second_octet()
         self._route_between_nodes()
+        self._driver_device_nodes()
         self.pki = ClusterPki.make(self.root / "pki")
         self.capacity_pki: Pki = make_pki(self.root / "capacity-pki")  # the Capacity API's and the extender's
         self.images = self._images()
@@ -300,6 +303,21 @@ class RealCluster:
             rule = ["FORWARD", "-s", f"10.{self.octet}.0.0/16", "-d", f"10.{self.octet}.0.0/16", "-j", "ACCEPT"]
             if _run("iptables", "-I", *rule, check=False).returncode == 0:
                 self._stack.callback(_run, "iptables", "-D", *rule, check=False)
+
+    def _driver_device_nodes(self) -> None:
+        """What the NVIDIA driver makes, /dev/nvidiactl, /dev/nvidia-uvm(-tools)
+        and /dev/nvidia<minor> for the simulated GPUs' minor numbers, as
+        character devices with the driver's major (195; uvm's is dynamic),
+        under the cluster's own dev_root as a driver container makes them:
+        the host's /dev, which every other test's cgpud reads, is left
+        alone. containerd copies them into containers as cgpud's answers
+        name them; nothing opens them."""
+        dev = self.dev_root / "dev"
+        dev.mkdir(parents=True)
+        minors = {"nvidiactl": 255, "nvidia-uvm": 254, "nvidia-uvm-tools": 253}
+        minors.update({f"nvidia{i}": i for i in range(self.gpus)})
+        for name, minor in minors.items():
+            os.mknod(dev / name, stat.S_IFCHR | 0o666, os.makedev(195, minor))
 
     @classmethod
     def _sweep(cls) -> None:
@@ -560,6 +578,8 @@ class RealCluster:
             {"name": "KUBERNETES_SERVICE_HOST", "value": self.host_ip(0)},
             {"name": "KUBERNETES_SERVICE_PORT", "value": str(self.api_port)},
         ]
+        pod["volumes"].append({"name": "driver-root", "hostPath": {"path": str(self.dev_root), "type": "Directory"}})
+        container["volumeMounts"].append({"name": "driver-root", "mountPath": str(self.dev_root), "readOnly": True})
         for i, path in enumerate(dict.fromkeys([venv, base, REPO, Path("/usr"), native_dir()])):
             pod["volumes"].append({"name": f"host-{i}", "hostPath": {"path": str(path), "type": "Directory"}})
             container["volumeMounts"].append({"name": f"host-{i}", "mountPath": str(path), "readOnly": True})
@@ -947,6 +967,8 @@ class RealCluster:
             str(self.capacity_pki.ca),
             "--sweep-interval",
             "0.5",
+            "--dev-root",
+            str(self.dev_root),
             *extra,
         ]
         node.cgpud = self._process("cgpud", command, node.netns, env, d / "cgpud.log")
@@ -979,6 +1001,8 @@ class RealCluster:
           driver's device nodes and libraries;
         - the API server: no kube-proxy runs here, so the Service address the
           kubelet gives pods is replaced by the API server's own;
+        - the driver's device nodes are under a dev_root, as a driver
+          container's are (mounted at the same path, as the GPU Operator's);
         - node paths: every node of this harness shares one host, so the
           host paths are the node's directories. Those that cgpud's CDI specs
           name to containerd (its state and sockets) keep host path = pod
@@ -1008,6 +1032,8 @@ class RealCluster:
             str(run / "relay.sock"),
             "--sweep-interval",
             "0.5",
+            "--dev-root",
+            str(self.dev_root),
         ]
         venv, base = Path(sys.prefix), Path(sys.base_prefix)
         sim = self.sim_root
@@ -1035,6 +1061,8 @@ class RealCluster:
         for mount in container["volumeMounts"]:
             if mount["name"] in ("run", "state", "runtime-state"):
                 mount["mountPath"] = str(host_paths[mount["name"]])
+        pod["volumes"].append({"name": "driver-root", "hostPath": {"path": str(self.dev_root), "type": "Directory"}})
+        container["volumeMounts"].append({"name": "driver-root", "mountPath": str(self.dev_root), "readOnly": True})
         for i, path in enumerate(dict.fromkeys([venv, base, REPO, Path("/usr"), native_dir()])):
             pod["volumes"].append({"name": f"host-{i}", "hostPath": {"path": str(path), "type": "Directory"}})
             container["volumeMounts"].append({"name": f"host-{i}", "mountPath": str(path), "readOnly": True})
