@@ -298,6 +298,15 @@ def _add_machine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nvlink", action="store_true", help="connect every GPU to every other by NVLink")
 
 
+def _add_request_options(p: argparse.ArgumentParser) -> None:
+    """What an instance asks for, as run and create take it."""
+    p.add_argument("--mem", required=True, help="memory per GPU: 4 (GiB, like aliyun.com/gpu-mem), 4GiB, 512MiB")
+    p.add_argument("--gpus", type=int, default=1, help="number of GPUs (default 1)")
+    p.add_argument("--core", type=int, default=0, help="compute share in percent (core_mem nodes)")
+    p.add_argument("--weight", type=int, default=1, help="scheduling weight under the weighted policy (default 1)")
+    p.add_argument("--high-priority", action="store_true", help="schedule ahead of normal instances")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cgpuctl", description="Operate cgpu, the GPU sharing runtime, on this node.")
     p.add_argument("--version", action="version", version=f"cgpuctl {__version__}")
@@ -353,11 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run a command under a fresh instance (memory limit, compute share)",
         description="Example: cgpuctl run --mem 4GiB --core 30 -- python train.py",
     )
-    run.add_argument("--mem", required=True, help="memory per GPU: 4 (GiB, like aliyun.com/gpu-mem), 4GiB, 512MiB")
-    run.add_argument("--core", type=int, default=0, help="compute share in percent (core_mem nodes)")
-    run.add_argument("--gpus", type=int, default=1, help="number of GPUs (default 1)")
-    run.add_argument("--weight", type=int, default=1, help="scheduling weight under the weighted policy (default 1)")
-    run.add_argument("--high-priority", action="store_true", help="schedule ahead of normal instances")
+    _add_request_options(run)
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     run.set_defaults(handler=_run)
 
@@ -367,11 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Example: cgpuctl create --mem 4GiB --name train-a. Prints the instance id; containers get it "
         "as the CDI device cgpu.io/gpu=<id> (see cgpuctl cdi generate).",
     )
-    create.add_argument("--mem", required=True, help="memory per GPU: 4 (GiB, like aliyun.com/gpu-mem), 4GiB, 512MiB")
-    create.add_argument("--gpus", type=int, default=1, help="number of GPUs (default 1)")
-    create.add_argument("--core", type=int, default=0, help="compute share in percent (core_mem nodes)")
-    create.add_argument("--weight", type=int, default=1, help="scheduling weight (default 1)")
-    create.add_argument("--high-priority", action="store_true", help="schedule ahead of normal instances")
+    _add_request_options(create)
     create.add_argument(
         "--name", help="device name; the same name gets the same instance back (default cgpuctl-<hostname>-<random>)"
     )
