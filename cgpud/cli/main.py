@@ -17,7 +17,8 @@ from cgpud import __version__
 from cgpud.cli import simulator
 from cgpud import config as settings
 from cgpud.node.model import ComputePolicy
-from cgpud.errors import CgpuError, UsageError
+from cgpud.errors import UsageError
+from cgpud.logs import run_command
 from cgpud.units import parse_memory
 
 if TYPE_CHECKING:
@@ -505,11 +506,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handler: Handler = args.handler
-    try:
-        return handler(args)
-    except CgpuError as e:
-        print(f"cgpuctl: {e}", file=sys.stderr)
-        return 1
+    return run_command("cgpuctl", lambda: handler(args))
 
 
 if __name__ == "__main__":
