@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from cgpud import __version__
 from cgpud.cli import simulator
 from cgpud import config as settings
-from cgpud.node.model import ComputePolicy
+from cgpud.node.model import ComputePolicy, Owner, OwnerKind, Request
 from cgpud.errors import UsageError
 from cgpud.logs import run_command
 from cgpud.units import parse_memory
@@ -174,40 +174,26 @@ def _events(args: argparse.Namespace) -> int:
 _limit = _bounded(int, 1, 1000, "a whole number", "events")
 
 
+def _request(args: argparse.Namespace, owner: Owner) -> Request:
+    """The instance _add_request_options asks for."""
+    return Request(owner, parse_memory(args.mem), args.gpus, args.core, args.weight, int(args.high_priority))
+
+
 def _run(args: argparse.Namespace) -> int:
     from cgpud.cli import run
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    return run.run(
-        _socket(args),
-        parse_memory(args.mem),
-        args.gpus,
-        args.core,
-        command,
-        weight=args.weight,
-        high_priority=args.high_priority,
-        wait=_wait(args),
-        notice=_say,
-    )
+    return run.run(_socket(args), _request(args, run.owner()), command, wait=_wait(args), notice=_say)
 
 
 def _create(args: argparse.Namespace) -> int:
     from cgpud.cli import inspect
-    from cgpud.node.model import Owner, OwnerKind, Request
 
     # A random default name: each plain `create` is a new device. A given
     # --name makes create idempotent (the same name gets the same instance).
     name = args.name or f"cgpuctl-{socket.gethostname()}-{secrets.token_hex(3)}"
-    request = Request(
-        Owner(OwnerKind.DEVICE, name),
-        parse_memory(args.mem),
-        args.gpus,
-        args.core,
-        args.weight,
-        1 if args.high_priority else 0,
-    )
     with _client(args) as client:
-        instance = client.create(request)
+        instance = client.create(_request(args, Owner(OwnerKind.DEVICE, name)))
     if args.output == "json":
         print(json.dumps(inspect.as_json_instances([instance])[0], indent=2))
     else:
