@@ -240,33 +240,38 @@ def _types() -> dict[str, type]:
     return typing.get_type_hints(DaemonConfig)
 
 
+# Settings whose values lie in a closed range: (lowest, highest, the unit the message gives them in).
+_BOUNDS: dict[str, tuple[float, float, str]] = {
+    "max_instances_per_gpu": (1, 1000, ""),
+    "core_step": (1, 100, ""),
+    "compute_period_ms": (*PERIOD_MS, ""),
+    "high_priority_percent": (0, 100, ""),
+    "sweep_interval": (0.1, 3600, " seconds"),
+    "gpu_health_probe_interval": (0.1, 3600, " seconds"),
+    "reservation_ttl": (1, 3600, " seconds"),
+    "bypass_memory_slack_mib": (0, 65536, ""),
+    "bypass_memory_slack_processes": (1, 1024, ""),
+    "bypass_compute_window": (1, 600, " seconds"),
+    "bypass_compute_excess_percent": (1, 100, ""),
+}
+
+
 def validate(config: DaemonConfig) -> DaemonConfig:
-    if not 1 <= config.max_instances_per_gpu <= 1000:
-        raise UsageError("max_instances_per_gpu must be between 1 and 1000")
-    if not 1 <= config.core_step <= 100:
-        raise UsageError("core_step must be between 1 and 100")
+    for name, (low, high, unit) in _BOUNDS.items():
+        if not low <= getattr(config, name) <= high:
+            raise UsageError(f"{name} must be between {low:g} and {high:g}{unit}")
     if config.mode is NodeMode.CORE_MEM and config.max_instances_per_gpu > MAX_SCHEDULED:
         raise UsageError(
             f"max_instances_per_gpu must be at most {MAX_SCHEDULED} in core_mem mode "
             "(the instances the compute scheduler takes per GPU)"
         )
     config.policy()  # a bad gpu_compute_policy is refused at start, not at the first request
-    if not PERIOD_MS[0] <= config.compute_period_ms <= PERIOD_MS[1]:
-        raise UsageError(f"compute_period_ms must be between {PERIOD_MS[0]:g} and {PERIOD_MS[1]:g}")
     if not SLICE_MS[0] <= config.compute_slice_ms <= min(SLICE_MS[1], config.compute_period_ms):
         raise UsageError(
             f"compute_slice_ms must be between {SLICE_MS[0]:g} and {SLICE_MS[1]:g}, "
             "and not longer than compute_period_ms"
         )
-    if not 0 <= config.high_priority_percent <= 100:
-        raise UsageError("high_priority_percent must be between 0 and 100")
-    if not 0.1 <= config.sweep_interval <= 3600:
-        raise UsageError("sweep_interval must be between 0.1 and 3600 seconds")
-    if not 0.1 <= config.gpu_health_probe_interval <= 3600:
-        raise UsageError("gpu_health_probe_interval must be between 0.1 and 3600 seconds")
     config.health_policy()  # bad XIDs or a negative window are refused at start
-    if not 1 <= config.reservation_ttl <= 3600:
-        raise UsageError("reservation_ttl must be between 1 and 3600 seconds")
     if not config.dev_root.is_absolute():
         raise UsageError(f"dev_root must be an absolute path, not {str(config.dev_root)!r}")
     _validate_capacity(config)
@@ -279,14 +284,6 @@ def validate(config: DaemonConfig) -> DaemonConfig:
 def _validate_bypass(config: DaemonConfig) -> None:
     if config.bypass_interval != 0 and not 0.1 <= config.bypass_interval <= 60:
         raise UsageError("bypass_interval must be 0 (off) or between 0.1 and 60 seconds")
-    if not 0 <= config.bypass_memory_slack_mib <= 65536:
-        raise UsageError("bypass_memory_slack_mib must be between 0 and 65536")
-    if not 1 <= config.bypass_memory_slack_processes <= 1024:
-        raise UsageError("bypass_memory_slack_processes must be between 1 and 1024")
-    if not 1 <= config.bypass_compute_window <= 600:
-        raise UsageError("bypass_compute_window must be between 1 and 600 seconds")
-    if not 1 <= config.bypass_compute_excess_percent <= 100:
-        raise UsageError("bypass_compute_excess_percent must be between 1 and 100")
     config.allow_rules()  # a bad allow rule is refused at start, with the entry named
 
 

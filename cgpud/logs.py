@@ -1,12 +1,26 @@
-"""structlog set-up shared by cgpud and cgpuctl: JSON lines when stderr is
-not a terminal (journald, files), readable key=value on a terminal."""
+"""What cgpu's commands write to stderr. structlog set-up shared by cgpud
+and cgpuctl: JSON lines when stderr is not a terminal (journald, files),
+readable key=value on a terminal. And a command's failure: one line."""
 
 from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
 
 import structlog
+
+from cgpud.errors import CgpuError
+
+
+def run_command(prog: str, work: Callable[[], int], failed: int = 1) -> int:
+    """`work`'s exit status; a CgpuError it raises is printed as the one
+    line `prog: message`, and the status is `failed`."""
+    try:
+        return work()
+    except CgpuError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return failed
 
 
 def configure_logging(level: int = logging.INFO) -> None:

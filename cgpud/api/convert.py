@@ -38,6 +38,17 @@ def _same(source: object, *names: str) -> dict[str, Any]:
 _INSTANCE_SCALARS = ("id", "state", "enforced", "weight", "priority", "boot_id", "created", "updated")
 _REQUEST_SCALARS = ("core_percent", "weight", "priority")
 _NODE_SCALARS = ("hostname", "address", "driver_version")
+# A bypass event's violation fields, named alike in the model and the message
+# (the event's own detail travels as action_detail).
+_VIOLATION_SCALARS = (
+    "instance_id",
+    "gpu_index",
+    "used_bytes",
+    "limit_bytes",
+    "measured_percent",
+    "allowed_percent",
+    "detail",
+)
 
 
 # ---- owner, grant, instance ------------------------------------------------------
@@ -230,31 +241,19 @@ def bypass_event_to_pb(event: BypassEvent) -> pb.BypassEvent:
     return pb.BypassEvent(
         time=event.time,
         kind=v.kind.value,
-        instance_id=v.instance_id,
-        gpu_index=v.gpu_index,
         pids=list(v.pids),
-        used_bytes=v.used_bytes,
-        limit_bytes=v.limit_bytes,
-        measured_percent=v.measured_percent,
-        allowed_percent=v.allowed_percent,
         action=event.action.value,
         killed=list(event.killed),
-        detail=v.detail,
         action_detail=event.detail,
+        **_same(v, *_VIOLATION_SCALARS),
     )
 
 
 def bypass_event_from_pb(msg: pb.BypassEvent) -> BypassEvent:
     violation = Violation(
         kind=_enum(ViolationKind, msg.kind, "event.kind"),
-        gpu_index=msg.gpu_index,
-        instance_id=msg.instance_id,
         pids=tuple(msg.pids),
-        used_bytes=msg.used_bytes,
-        limit_bytes=msg.limit_bytes,
-        measured_percent=msg.measured_percent,
-        allowed_percent=msg.allowed_percent,
-        detail=msg.detail,
+        **_same(msg, *_VIOLATION_SCALARS),
     )
     return BypassEvent(
         time=msg.time,

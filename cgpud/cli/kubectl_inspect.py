@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 from cgpud.cli.inspect import RULE, _gib_down, _gib_up, _table
 from cgpud.errors import CgpuError, UsageError
 from cgpud.extender.model import ClusterView, GpuState, NodeEntry, NodeState, PodShare, view_from_json, view_to_json
+from cgpud.logs import run_command
 
 if TYPE_CHECKING:
     from cgpud.extender.client import TlsFiles
@@ -365,11 +366,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["cgpu"]:  # run by hand as `kubectl-inspect-cgpu cgpu ...`
         argv = argv[1:]
     args = _parser().parse_args(argv)
-    try:
-        view = load_view(args)
-    except CgpuError as e:
-        print(f"{PROG}: {e}", file=sys.stderr)
-        return 1
+    return run_command(PROG, lambda: _show(args))
+
+
+def _show(args: argparse.Namespace) -> int:
+    view = load_view(args)
     if args.output == "json":
         text = as_json(view)
     else:

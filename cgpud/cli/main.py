@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 from cgpud import __version__
 from cgpud.cli import simulator
 from cgpud import config as settings
-from cgpud.node.model import ComputePolicy
-from cgpud.errors import CgpuError, UsageError
+from cgpud.node.model import ComputePolicy, Owner, OwnerKind, Request
+from cgpud.errors import UsageError
+from cgpud.logs import run_command
 from cgpud.units import parse_memory
 
 if TYPE_CHECKING:
@@ -173,40 +174,26 @@ def _events(args: argparse.Namespace) -> int:
 _limit = _bounded(int, 1, 1000, "a whole number", "events")
 
 
+def _request(args: argparse.Namespace, owner: Owner) -> Request:
+    """The instance _add_request_options asks for."""
+    return Request(owner, parse_memory(args.mem), args.gpus, args.core, args.weight, int(args.high_priority))
+
+
 def _run(args: argparse.Namespace) -> int:
     from cgpud.cli import run
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    return run.run(
-        _socket(args),
-        parse_memory(args.mem),
-        args.gpus,
-        args.core,
-        command,
-        weight=args.weight,
-        high_priority=args.high_priority,
-        wait=_wait(args),
-        notice=_say,
-    )
+    return run.run(_socket(args), _request(args, run.owner()), command, wait=_wait(args), notice=_say)
 
 
 def _create(args: argparse.Namespace) -> int:
     from cgpud.cli import inspect
-    from cgpud.node.model import Owner, OwnerKind, Request
 
     # A random default name: each plain `create` is a new device. A given
     # --name makes create idempotent (the same name gets the same instance).
     name = args.name or f"cgpuctl-{socket.gethostname()}-{secrets.token_hex(3)}"
-    request = Request(
-        Owner(OwnerKind.DEVICE, name),
-        parse_memory(args.mem),
-        args.gpus,
-        args.core,
-        args.weight,
-        1 if args.high_priority else 0,
-    )
     with _client(args) as client:
-        instance = client.create(request)
+        instance = client.create(_request(args, Owner(OwnerKind.DEVICE, name)))
     if args.output == "json":
         print(json.dumps(inspect.as_json_instances([instance])[0], indent=2))
     else:
@@ -298,6 +285,15 @@ def _add_machine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nvlink", action="store_true", help="connect every GPU to every other by NVLink")
 
 
+def _add_request_options(p: argparse.ArgumentParser) -> None:
+    """What an instance asks for, as run and create take it."""
+    p.add_argument("--mem", required=True, help="memory per GPU: 4 (GiB, like aliyun.com/gpu-mem), 4GiB, 512MiB")
+    p.add_argument("--gpus", type=int, default=1, help="number of GPUs (default 1)")
+    p.add_argument("--core", type=int, default=0, help="compute share in percent (core_mem nodes)")
+    p.add_argument("--weight", type=int, default=1, help="scheduling weight under the weighted policy (default 1)")
+    p.add_argument("--high-priority", action="store_true", help="schedule ahead of normal instances")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cgpuctl", description="Operate cgpu, the GPU sharing runtime, on this node.")
     p.add_argument("--version", action="version", version=f"cgpuctl {__version__}")
@@ -353,11 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run a command under a fresh instance (memory limit, compute share)",
         description="Example: cgpuctl run --mem 4GiB --core 30 -- python train.py",
     )
-    run.add_argument("--mem", required=True, help="memory per GPU: 4 (GiB, like aliyun.com/gpu-mem), 4GiB, 512MiB")
-    run.add_argument("--core", type=int, default=0, help="compute share in percent (core_mem nodes)")
-    run.add_argument("--gpus", type=int, default=1, help="number of GPUs (default 1)")
-    run.add_argument("--weight", type=int, default=1, help="scheduling weight under the weighted policy (default 1)")
-    run.add_argument("--high-priority", action="store_true", help="schedule ahead of normal instances")
+    _add_request_options(run)
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     run.set_defaults(handler=_run)
 
@@ -367,11 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Example: cgpuctl create --mem 4GiB --name train-a. Prints the instance id; containers get it "
         "as the CDI device cgpu.io/gpu=<id> (see cgpuctl cdi generate).",
     )
-    create.add_argument("--mem", required=True, help="memory per GPU: 4 (GiB, like aliyun.com/gpu-mem), 4GiB, 512MiB")
-    create.add_argument("--gpus", type=int, default=1, help="number of GPUs (default 1)")
-    create.add_argument("--core", type=int, default=0, help="compute share in percent (core_mem nodes)")
-    create.add_argument("--weight", type=int, default=1, help="scheduling weight (default 1)")
-    create.add_argument("--high-priority", action="store_true", help="schedule ahead of normal instances")
+    _add_request_options(create)
     create.add_argument(
         "--name", help="device name; the same name gets the same instance back (default cgpuctl-<hostname>-<random>)"
     )
@@ -504,11 +492,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handler: Handler = args.handler
-    try:
-        return handler(args)
-    except CgpuError as e:
-        print(f"cgpuctl: {e}", file=sys.stderr)
-        return 1
+    return run_command("cgpuctl", lambda: handler(args))
 
 
 if __name__ == "__main__":

@@ -37,25 +37,25 @@ def instance_environment(
     return env
 
 
+def owner() -> Owner:
+    """The owner of this cgpuctl run's instance: this process, on this host."""
+    return Owner(OwnerKind.PROCESS, f"cgpuctl-run-{socket.gethostname()}-{os.getpid()}")
+
+
 def run(
     socket_path: Path,
-    memory: int,
-    gpus: int,
-    core: int,
+    request: Request,
     command: Sequence[str],
-    weight: int = 1,
-    high_priority: bool = False,
     wait: float = 0.0,
     notice: Callable[[str], None] | None = None,
 ) -> int:
-    """Runs `command` under a fresh instance; waits up to `wait` seconds for
-    a cgpud that is down (LocalClient), so a tenant started during a restart
-    starts after it."""
+    """Runs `command` under a fresh instance made for `request` (owned by
+    owner()); waits up to `wait` seconds for a cgpud that is down
+    (LocalClient), so a tenant started during a restart starts after it."""
     if not command:
         raise UsageError("nothing to run: give the command after --, e.g. cgpuctl run --mem 4GiB -- python train.py")
-    owner = Owner(OwnerKind.PROCESS, f"cgpuctl-run-{socket.gethostname()}-{os.getpid()}")
     with LocalClient(socket_path, wait=wait, notice=notice) as client:
-        instance = client.create(Request(owner, memory, gpus, core, weight, int(high_priority)), pid=os.getpid())
+        instance = client.create(request, pid=os.getpid())
         try:
             region = client.region_dir(instance.id)
             if region is None:  # released already: there is no region to run under

@@ -10,8 +10,7 @@ from collections.abc import Sequence
 from cgpud import __version__
 from cgpud import config as settings
 from cgpud.daemon.daemon import Daemon
-from cgpud.errors import CgpuError
-from cgpud.logs import configure_logging
+from cgpud.logs import configure_logging, run_command
 from cgpud.node.inventory import read_inventory
 
 
@@ -35,17 +34,17 @@ def run(config: settings.DaemonConfig) -> int:
     return 0
 
 
+def _inventory_or_run(args: argparse.Namespace) -> int:
+    if args.inventory:
+        print(json.dumps(read_inventory().as_dict(), indent=2))
+        return 0
+    return run(settings.from_arguments(args))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     configure_logging()
-    try:
-        if args.inventory:
-            print(json.dumps(read_inventory().as_dict(), indent=2))
-            return 0
-        return run(settings.from_arguments(args))
-    except CgpuError as e:
-        print(f"cgpud: {e}", file=sys.stderr)
-        return 1
+    return run_command("cgpud", lambda: _inventory_or_run(args))
 
 
 if __name__ == "__main__":

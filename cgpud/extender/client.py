@@ -88,16 +88,6 @@ def _failure(what: str, address: str, e: grpc.RpcError) -> CapacityError:
     return CapacityError(f"{what} at {address}: {name}: {details}", code)
 
 
-def get_node(
-    address: str, tls: TlsFiles | None, timeout: float = DEFAULT_TIMEOUT, node: str | None = None
-) -> NodeState:
-    with capacity_channel(address, tls, node) as channel:
-        try:
-            return node_from_pb(pb_grpc.CapacityStub(channel).GetNode(pb.GetNodeRequest(), timeout=timeout))
-        except grpc.RpcError as e:
-            raise _failure("GetNode", address, e) from None
-
-
 class CapacityClient:
     """One node's Capacity API over one long-lived channel (thread-safe)."""
 
@@ -125,45 +115,39 @@ class CapacityClient:
         ttl: int = 0,
         timeout: float = DEFAULT_TIMEOUT,
     ) -> pb.Reservation:
-        return reserve(self.stub, self.address, pod_uid, namespace, name, shares, ttl, timeout)
+        request = pb.ReserveRequest(
+            pod_uid=pod_uid,
+            pod_namespace=namespace,
+            pod_name=name,
+            ttl_seconds=ttl,
+            shares=[
+                pb.Share(
+                    gpu_index=s.gpu_index, memory_bytes=s.memory, core_percent=s.core_percent, instances=s.instances
+                )
+                for s in shares
+            ],
+        )
+        try:
+            return self.stub.Reserve(request, timeout=timeout)
+        except grpc.RpcError as e:
+            raise _failure("Reserve", self.address, e) from None
 
     def unreserve(self, pod_uid: str, timeout: float = DEFAULT_TIMEOUT) -> pb.UnreserveResponse:
-        return unreserve(self.stub, self.address, pod_uid, timeout)
+        try:
+            return self.stub.Unreserve(pb.UnreserveRequest(pod_uid=pod_uid), timeout=timeout)
+        except grpc.RpcError as e:
+            raise _failure("Unreserve", self.address, e) from None
 
 
-def reserve(
-    stub: pb_grpc.CapacityStub,
-    address: str,
-    pod_uid: str,
-    namespace: str,
-    name: str,
-    shares: Sequence[Share],
-    ttl: int = 0,
-    timeout: float = DEFAULT_TIMEOUT,
-) -> pb.Reservation:
-    request = pb.ReserveRequest(
-        pod_uid=pod_uid,
-        pod_namespace=namespace,
-        pod_name=name,
-        ttl_seconds=ttl,
-        shares=[
-            pb.Share(gpu_index=s.gpu_index, memory_bytes=s.memory, core_percent=s.core_percent, instances=s.instances)
-            for s in shares
-        ],
-    )
+def get_node(
+    address: str, tls: TlsFiles | None, timeout: float = DEFAULT_TIMEOUT, node: str | None = None
+) -> NodeState:
+    """One GetNode on a channel of its own (kubectl inspect cgpu --nodes)."""
+    client = CapacityClient(address, tls, node)
     try:
-        return stub.Reserve(request, timeout=timeout)
-    except grpc.RpcError as e:
-        raise _failure("Reserve", address, e) from None
-
-
-def unreserve(
-    stub: pb_grpc.CapacityStub, address: str, pod_uid: str, timeout: float = DEFAULT_TIMEOUT
-) -> pb.UnreserveResponse:
-    try:
-        return stub.Unreserve(pb.UnreserveRequest(pod_uid=pod_uid), timeout=timeout)
-    except grpc.RpcError as e:
-        raise _failure("Unreserve", address, e) from None
+        return client.get_node(timeout)
+    finally:
+        client.close()
 
 
 class Clients:

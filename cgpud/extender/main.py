@@ -23,8 +23,8 @@ from pathlib import Path
 import structlog
 
 from cgpud.api.listen import join_host_port, parse_endpoint
-from cgpud.errors import CgpuError, UsageError
-from cgpud.logs import configure_logging
+from cgpud.errors import UsageError
+from cgpud.logs import configure_logging, run_command
 from cgpud.signals import StopSignals
 
 
@@ -155,11 +155,7 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     configure_logging(getattr(logging, args.log_level.upper()))
-    try:
-        return run(args)
-    except CgpuError as e:
-        print(f"cgpu-scheduler: {e}", file=sys.stderr)
-        return 2
+    return run_command("cgpu-scheduler", lambda: run(args), failed=2)
 
 
 if __name__ == "__main__":

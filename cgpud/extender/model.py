@@ -4,7 +4,7 @@ is the JSON of `GET /inspect`, which `kubectl inspect cgpu` reads."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from cgpud.api.cgpu.v1 import capacity_pb2 as pb
@@ -93,24 +93,22 @@ def _shares(shares: Any) -> tuple[tuple[int, int, int], ...]:
     return tuple(sorted((s.gpu_index, s.memory_bytes, s.core_percent) for s in shares))
 
 
+# GpuState's fields are GpuView's; these drop the unit from the name.
+_GPU_VIEW_RENAMED = {
+    "memory_total": "memory_total_bytes",
+    "memory_allocated": "memory_allocated_bytes",
+    "core_allocated": "core_allocated_percent",
+    "memory_reserved": "memory_reserved_bytes",
+    "core_reserved": "core_reserved_percent",
+}
+
+
+def _gpu_from_pb(g: pb.GpuView) -> GpuState:
+    return GpuState(**{f.name: getattr(g, _GPU_VIEW_RENAMED.get(f.name, f.name)) for f in fields(GpuState)})
+
+
 def node_from_pb(msg: pb.NodeView) -> NodeState:
-    gpus = tuple(
-        GpuState(
-            index=g.index,
-            uuid=g.uuid,
-            model=g.model,
-            memory_total=g.memory_total_bytes,
-            memory_allocated=g.memory_allocated_bytes,
-            core_allocated=g.core_allocated_percent,
-            instances=g.instances,
-            max_instances=g.max_instances,
-            healthy=g.healthy,
-            health_reason=g.health_reason,
-            memory_reserved=g.memory_reserved_bytes,
-            core_reserved=g.core_reserved_percent,
-        )
-        for g in msg.gpus
-    )
+    gpus = tuple(_gpu_from_pb(g) for g in msg.gpus)
     pods = tuple(
         PodShare(p.pod_uid, p.pod_namespace, p.pod_name, p.container, _shares(p.shares)) for p in msg.pod_instances
     )

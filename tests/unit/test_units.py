@@ -90,7 +90,7 @@ def _verb_memory(monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> int:
             seen.append(request.memory)
             return SimpleNamespace(id="cgpu-000000000000")
 
-    monkeypatch.setattr(run, "run", lambda socket, memory, *a, **kw: seen.append(memory) or 0)
+    monkeypatch.setattr(run, "run", lambda socket, request, *a, **kw: seen.append(request.memory) or 0)
     monkeypatch.setattr(client, "LocalClient", Client)
     if argv[0] == "sim":
         args = cgpuctl.build_parser().parse_args(argv)
