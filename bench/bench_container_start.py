@@ -118,6 +118,17 @@ TARGETS = (
     ("GPU container (2 GiB), shim", "runc-gpu", "shim-gpu", 5.0, 10.0),
     ("GPU container (2 GiB), CDI/hooks", "runc-gpu", "hook-gpu", 5.0, 10.0),
 )
+# Shown where both variants ran: (label, from key, to key).
+AGAINST_BASELINE = (
+    ("shim, GPU 2 GiB", "shim-gpu-base", "shim-gpu"),
+    ("runc + hooks (CDI), GPU 2 GiB", "hook-gpu-base", "hook-gpu"),
+)
+PARTS = (
+    ("shim: itself, against a relay doing nothing", "runc-gpu", FLOOR),
+    ("shim: cgpud's work (prepare, bind, the release at the exit) on top of that", FLOOR, "shim-gpu"),
+    ("hooks: runc running a hook that does nothing (true)", "runc-gpu", HOOK_FLOOR),
+    ("hooks: cgpu-hook and cgpud's work (bind, the release at the exit) on top of that", HOOK_FLOOR, "hook-gpu"),
+)
 
 
 # The timed steps, each from the end of the one before: where an added millisecond lies.
@@ -431,6 +442,29 @@ def median_ci(values: list[float]) -> tuple[float, float]:
     return ordered[lo], ordered[hi]
 
 
+@dataclass(frozen=True)
+class Paired:
+    """The per-round differences of two variants (to - from): their median and its ~95% interval."""
+
+    median: float
+    lo: float
+    hi: float
+
+    def text(self, unit: str = "") -> str:
+        return f"{self.median:+.2f}{unit} [{self.lo:+.2f}, {self.hi:+.2f}]"
+
+
+def paired(before: list[float], after: list[float]) -> Paired:
+    diffs = [y - x for x, y in zip(before, after)]
+    lo, hi = median_ci(diffs)
+    return Paired(statistics.median(diffs), lo, hi)
+
+
+def difference(x: Variant, y: Variant) -> str:
+    """y against x, at the median and paired."""
+    return f"{y.median() - x.median():+.2f} ms at the median; paired {paired(x.ms, y.ms).text(' ms')}"
+
+
 def report(variants: dict[str, Variant], args: argparse.Namespace) -> None:
     head = ("variant", "median ms", "p90 ms", "IQR ms")
     rows = [(v.label, f"{v.median():.2f}", f"{v.p90():.2f}", f"{v.spread():.2f}") for v in variants.values()]
@@ -449,9 +483,7 @@ def report(variants: dict[str, Variant], args: argparse.Namespace) -> None:
         for name in PHASES:
             cell = f"{statistics.median(v.phases[name]):.2f}"
             if v.gpu and v is not base:
-                paired = [y - x for x, y in zip(base.phases[name], v.phases[name])]
-                lo, hi = median_ci(paired)
-                cell += f" ({statistics.median(paired):+.2f} [{lo:+.2f}, {hi:+.2f}])"
+                cell += f" ({paired(base.phases[name], v.phases[name]).text()})"
             cells.append(cell)
         phase_rows.append((v.label, *cells))
     print_table(("variant", *PHASES), phase_rows)
@@ -470,15 +502,13 @@ def report(variants: dict[str, Variant], args: argparse.Namespace) -> None:
         b, m = variants[base], variants[measured]
         added = m.median() - b.median()
         verdict = "PASS" if added <= limit else "FAIL"
-        paired = [y - x for x, y in zip(b.ms, m.ms)]
-        lo, hi = median_ci(paired)
+        diff = paired(b.ms, m.ms)
         noise = ""
-        if lo <= limit < hi:
+        if diff.lo <= limit < diff.hi:
             noise = "  [not decided: the interval straddles the target; more --rounds or a quieter machine]"
         print(
             f"  {verdict:<5} {text}: {added:+.2f} ms at the median, ratio {m.median() / b.median():.3f}x "
-            f"(target <= {limit:g} ms); paired {statistics.median(paired):+.2f} ms "
-            f"[{lo:+.2f}, {hi:+.2f}]{noise}"
+            f"(target <= {limit:g} ms); paired {diff.text(' ms')}{noise}"
         )
         if p90_limit is not None:
             added90 = m.p90() - b.p90()
@@ -487,55 +517,21 @@ def report(variants: dict[str, Variant], args: argparse.Namespace) -> None:
                 f"  {verdict:<5} {text}: {added90:+.2f} ms at p90 ({m.p90():.2f} vs {b.p90():.2f} ms), "
                 f"ratio {m.p90() / b.p90():.3f}x (target <= {p90_limit:g} ms)"
             )
-    pairs = [
-        (text, theirs, ours)
-        for text, theirs, ours in (
-            ("shim, GPU 2 GiB", "shim-gpu-base", "shim-gpu"),
-            ("runc + hooks (CDI), GPU 2 GiB", "hook-gpu-base", "hook-gpu"),
-        )
-        if theirs in variants and ours in variants
-    ]
+    pairs = [(text, x, y) for text, x, y in AGAINST_BASELINE if x in variants and y in variants]
     if pairs:
         print(
             "\nThis tree against --baseline-tree (paired medians of this tree minus that one, ~95% intervals; "
             "and each step's):"
         )
-        for text, theirs, ours in pairs:
-            paired = [b - a for a, b in zip(variants[theirs].ms, variants[ours].ms)]
-            lo, hi = median_ci(paired)
-            steps = []
-            for name in PHASES:
-                step = [b - a for a, b in zip(variants[theirs].phases[name], variants[ours].phases[name])]
-                slo, shi = median_ci(step)
-                steps.append(f"{name} {statistics.median(step):+.2f} [{slo:+.2f}, {shi:+.2f}]")
-            print(
-                f"  {text}: {variants[ours].median() - variants[theirs].median():+.2f} ms at the median; "
-                f"paired {statistics.median(paired):+.2f} ms [{lo:+.2f}, {hi:+.2f}]; {', '.join(steps)}"
-            )
-    parts = [
-        (text, x, y)
-        for text, x, y in (
-            ("shim: itself, against a relay doing nothing", "runc-gpu", FLOOR),
-            ("shim: cgpud's work (prepare, bind, the release at the exit) on top of that", FLOOR, "shim-gpu"),
-            ("hooks: runc running a hook that does nothing (true)", "runc-gpu", HOOK_FLOOR),
-            (
-                "hooks: cgpu-hook and cgpud's work (bind, the release at the exit) on top of that",
-                HOOK_FLOOR,
-                "hook-gpu",
-            ),
-        )
-        if x in variants and y in variants
-    ]
+    for text, x_key, y_key in pairs:
+        x, y = variants[x_key], variants[y_key]
+        steps = [f"{name} {paired(x.phases[name], y.phases[name]).text()}" for name in PHASES]
+        print(f"  {text}: {difference(x, y)}; {', '.join(steps)}")
+    parts = [(text, x, y) for text, x, y in PARTS if x in variants and y in variants]
     if parts:
         print("\nWhere the added time goes (information; paired medians with their ~95% intervals):")
     for text, x_key, y_key in parts:
-        x, y = variants[x_key], variants[y_key]
-        paired = [b - a for a, b in zip(x.ms, y.ms)]
-        lo, hi = median_ci(paired)
-        print(
-            f"  {text}: {y.median() - x.median():+.2f} ms at the median; paired "
-            f"{statistics.median(paired):+.2f} ms [{lo:+.2f}, {hi:+.2f}]"
-        )
+        print(f"  {text}: {difference(variants[x_key], variants[y_key])}")
 
 
 def main(argv: list[str]) -> int:

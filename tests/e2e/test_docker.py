@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -122,6 +123,11 @@ def docker_run(
     return d.docker(*args, *opts, image, *cmd)
 
 
+def docker_sh(d: Dockerd, gpu_env: dict[str, str], script: str, **options: Any) -> subprocess.CompletedProcess[str]:
+    """docker_run of `sh -c script`."""
+    return docker_run(d, gpu_env, "sh", "-c", script, **options)
+
+
 def state(d: Dockerd, name: str) -> dict:
     out = d.docker("inspect", name)
     assert out.returncode == 0, out.stderr
@@ -190,11 +196,9 @@ def test_doctor_reports_the_runtime_dockerd_loaded(tmp_path, cgpud: Daemon, dock
 
 def test_2gib_container_through_docker(tmp_path, gpu_env, cgpud: Daemon, dockerd: Dockerd, nvml_total: Path) -> None:
     cidfile = tmp_path / "cid"
-    out = docker_run(
+    out = docker_sh(
         dockerd,
         gpu_env,
-        "sh",
-        "-c",
         f"env; nvml-total; {BURN}",
         env=("ALIYUN_COM_GPU_MEM_CONTAINER=2",),
         opts=("--rm", "--cidfile", str(cidfile), "-v", f"{nvml_total}:/usr/bin/nvml-total:ro"),
@@ -312,11 +316,9 @@ def test_compute_share_on_a_core_mem_node(tmp_path, gpu_env, dockerd: Dockerd) -
         assert "asked for 33% compute: ask for 0 (no share) or a multiple of 5" in out.stderr, out.stderr
         assert instances(d, all_=True) == []
         name = f"cgpu-e2e-{uuid.uuid4().hex[:8]}"
-        out = docker_run(
+        out = docker_sh(
             dockerd,
             gpu_env,
-            "sh",
-            "-c",
             "env; sleep 600",
             env=("ALIYUN_COM_GPU_MEM_CONTAINER=1", "ALIYUN_COM_GPU_CORE_PERCENTAGE=30"),
             opts=("-d", "--name", name),
@@ -376,11 +378,9 @@ def test_symlinks_in_an_image_never_lead_outside_it(
     tag = _image_with_symlink(dockerd, rootfs_template, tmp_path, link, escape.format(out=outside))
     mounts_before = mounts()
     try:
-        out = docker_run(
+        out = docker_sh(
             dockerd,
             gpu_env,
-            "sh",
-            "-c",
             f"cat /etc/ld.so.preload; {BURN}",
             env=("ALIYUN_COM_GPU_MEM_CONTAINER=2",),
             image=tag,
@@ -416,11 +416,9 @@ def test_an_image_ld_preload_from_cwd_never_runs_on_the_host(
     tag = f"cgpu-e2e:poc-{uuid.uuid4().hex[:8]}"
     dockerd.import_rootfs(rootfs, tag)
     try:
-        out = docker_run(
+        out = docker_sh(
             dockerd,
             gpu_env,
-            "sh",
-            "-c",
             "cgpu-burn --help >/dev/null; ls /tmp",
             env=("ALIYUN_COM_GPU_MEM_CONTAINER=1", "LD_PRELOAD=/proc/self/cwd/poc.so"),
             opts=("--rm", "--workdir", "/"),
@@ -441,11 +439,9 @@ def test_a_container_cannot_write_its_limits_or_reach_other_instances(gpu_env, c
         other_limits = (other_region / "limits").read_bytes()
         script = breakout_script(other_region)
         for user in ("0", "1000"):
-            out = docker_run(
+            out = docker_sh(
                 dockerd,
                 gpu_env,
-                "sh",
-                "-c",
                 script,
                 env=("ALIYUN_COM_GPU_MEM_CONTAINER=1",),
                 opts=("--rm", "--user", f"{user}:{user}"),

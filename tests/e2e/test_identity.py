@@ -38,6 +38,13 @@ def bundle_with_volume(host: Host, where: Path, destination: str, source: Path) 
     return b.write()
 
 
+def refused(host: Host, cgpud: Daemon, b: Bundle) -> str:
+    """Start `b` through the shim, which must refuse it; its stderr."""
+    out = run(host, b, host.new_id(), shim=True, relay=cgpud.relay)
+    assert out.returncode != 0
+    return out.stderr
+
+
 def test_one_id_under_two_runtime_roots_gets_two_instances(tmp_path, host: Host, cgpud: Daemon) -> None:
     a, b = in_namespace(host, tmp_path, "ns-a"), in_namespace(host, tmp_path, "ns-b")
     ba = a.bundle(tmp_path / "ns-a" / "job", ["sleep", "60"], ("ALIYUN_COM_GPU_MEM_CONTAINER=8",))
@@ -134,13 +141,12 @@ def test_a_volume_whose_source_holds_a_link_on_cgpus_way_is_refused(
         return [m for m in host_mounts() if str(tmp_path) in m]  # others' tests mount too
 
     before, mounts_before = b.read(), mine()
-    out = run(host, b, host.new_id(), shim=True, relay=cgpud.relay)
-    assert out.returncode != 0
+    err = refused(host, cgpud, b)
     assert (
         f"the volume at {volume} (from {source}) makes {volume}/{link} a symbolic link "
         f"({source / link} -> {escape.format(out=outside)})"
-    ) in out.stderr, out.stderr
-    assert target in out.stderr and out.stderr.count("cgpu-runtime:") == 1
+    ) in err, err
+    assert target in err and err.count("cgpu-runtime:") == 1
     assert b.read() == before
     assert instances(cgpud) == []  # admitted, then released before the bundle was touched
     assert list(outside.iterdir()) == [] and sorted(os.listdir(source)) == [link]
@@ -155,12 +161,11 @@ def test_a_shared_volume_over_run_is_refused_even_without_links(tmp_path, host: 
     source.mkdir()
     b = bundle_with_volume(host, tmp_path / "b", "/run", source)
     before = b.read()
-    out = run(host, b, host.new_id(), shim=True, relay=cgpud.relay)
-    assert out.returncode != 0
+    err = refused(host, cgpud, b)
     assert (
         f"cgpu-runtime: the volume at /run (from {source}) covers /run/cgpu, where cgpu mounts its files: "
         f"anyone else who can write {source} could remove cgpu's mount points there"
-    ) in out.stderr, out.stderr
+    ) in err, err
     assert b.read() == before and instances(cgpud) == [] and list(source.iterdir()) == []
 
 
@@ -194,9 +199,8 @@ def test_a_volume_at_var_run_in_an_image_where_it_links_to_run_is_refused(tmp_pa
     (b.rootfs / "var").mkdir(exist_ok=True)
     (b.rootfs / "var" / "run").symlink_to("/run")
     before = b.read()
-    out = run(host, b, host.new_id(), shim=True, relay=cgpud.relay)
-    assert out.returncode != 0
-    assert f"the volume at /run (written as /var/run) (from {source}) covers /run/cgpu" in out.stderr, out.stderr
+    err = refused(host, cgpud, b)
+    assert f"the volume at /run (written as /var/run) (from {source}) covers /run/cgpu" in err, err
     assert b.read() == before and instances(cgpud) == [] and list(source.iterdir()) == []
 
 

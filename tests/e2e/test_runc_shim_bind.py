@@ -197,13 +197,7 @@ def test_a_delete_by_plain_runc_is_swept(tmp_path, host: Host, cgpud: Daemon) ->
     assert runc(host, "start", cid).returncode == 0
     deleted = runc(host, "delete", "--force", cid)  # plain runc
     assert deleted.returncode == 0, deleted.stderr
-    until(
-        lambda: instances(cgpud) == [],
-        timeout=SWEEP_WAIT_S,
-        interval=0.05,
-        what="the sweep to free the instance",
-        explain=lambda: f"{instances(cgpud)}",
-    )
+    wait_no_instances(cgpud, SWEEP_WAIT_S, 0.05, "the sweep to free the instance")
     # The shim's marker outlives that; a later delete of the id through the
     # shim (the container is gone) only repeats a release, and succeeds as runc's does.
     again = runc(host, "delete", cid, shim=True, relay=cgpud.relay)
@@ -330,15 +324,19 @@ def test_a_running_container_keeps_its_instance_until_the_runtime_killed_it(
     wait_released(cgpud)
 
 
-def wait_released(cgpud: Daemon, within: float = 1.0) -> None:
-    """Long before the sweep would: the exit watch did it."""
+def wait_no_instances(cgpud: Daemon, within: float, interval: float, what: str) -> None:
     until(
         lambda: instances(cgpud) == [],
         timeout=within,
-        interval=0.01,
-        what="the instance to be released",
+        interval=interval,
+        what=what,
         explain=lambda: f"still active: {instances(cgpud)}",
     )
+
+
+def wait_released(cgpud: Daemon, within: float = 1.0) -> None:
+    """Long before the sweep would: the exit watch did it."""
+    wait_no_instances(cgpud, within, 0.01, "the instance to be released")
     assert [i["state"] for i in instances(cgpud, all_=True)] == ["released"]
 
 

@@ -60,6 +60,7 @@ from tests.harness.api_server import ApiServerProcess, ApiState, node_json
 from tests.harness.kubelet_pods import KubeletPods
 from tests.harness.kubelet import Kubelet
 from tests.harness.net import free_port
+from tests.harness.teardown import StartOrClose, terminate
 from tests.harness.wait import until
 
 CAPACITY_PORT = 9455
@@ -249,13 +250,7 @@ class Extender:
             return e.code, _json_or_text(e.read())
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        terminate(self.proc, timeout=10)
 
 
 def _json_or_text(data: bytes) -> Any:
@@ -275,7 +270,7 @@ def post_json(url: str, body: Any, timeout: float = 10.0) -> tuple[int, Any]:
         return e.code, _json_or_text(e.read())
 
 
-class Cluster:
+class Cluster(StartOrClose):
     """N nodes, one API server; a context manager that removes everything
     it made however it ends. `mode`: the nodes' ack.node.gpu.schedule."""
 
@@ -315,20 +310,6 @@ class Cluster:
         self._extenders: list[Extender] = []
 
     # ---- life ----------------------------------------------------------------------------
-
-    def __enter__(self) -> Cluster:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def start(self) -> Cluster:
-        try:
-            self._start()
-        except BaseException:
-            self.close()
-            raise
-        return self
 
     def _start(self) -> None:
         missing = [tool for tool, package in TOOLS.items() if shutil.which(tool) is None]
@@ -420,28 +401,12 @@ class Cluster:
 
     @staticmethod
     def _stop_daemon(daemon: NodeDaemon) -> None:
-        proc = daemon.proc
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        if daemon.proc is not None:
+            terminate(daemon.proc)
 
     def _stop_all(self) -> None:
-        """SIGTERM to every node at once, then wait: they stop side by side."""
-        running = [n.daemon.proc for n in self.nodes if n.daemon.proc is not None and n.daemon.proc.poll() is None]
-        for proc in running:
-            proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 20
-        for proc in running:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
+        """Every node at once: they stop side by side."""
+        terminate(*(n.daemon.proc for n in self.nodes if n.daemon.proc is not None))
 
     def _take_registrations(self, node: Node) -> None:
         """The plugin registers each resource with the kubelet (again after a

@@ -21,6 +21,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.harness.teardown import terminate
 from tests.harness.wait import until
 
 DOCKERD = Path("/usr/sbin/dockerd")
@@ -52,7 +53,7 @@ class Dockerd:
     def restart(self) -> None:
         """Stop dockerd and start it again: what an upgrade of docker.io does."""
         assert self.proc is not None
-        _terminate(self.proc)
+        terminate(self.proc, timeout=30)
         self.start()
 
     @property
@@ -111,16 +112,6 @@ def _wait(what: str, ready: Callable[[], bool], proc: subprocess.Popen[bytes], l
     until(started, timeout=60, interval=0.1, what=f"{what} to start", explain=tail)
 
 
-def _terminate(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
-
-
 @contextmanager
 def running_dockerd(
     root: Path, daemon_json: dict, containerd_env: dict[str, str], dockerd_path: Path | None = None
@@ -151,7 +142,7 @@ def running_dockerd(
                 stderr=out,
                 stdin=subprocess.DEVNULL,
             )
-        stack.callback(_terminate, containerd)
+        stack.callback(terminate, containerd, timeout=30)
         stack.callback(_reap_containers, root, ctd / "containerd.sock")
         _wait("containerd", lambda: (ctd / "containerd.sock").exists(), containerd, ctd_log)
 
@@ -195,7 +186,7 @@ def _stop(d: Dockerd) -> None:
         left = d.docker("ps", "-aq").stdout.split()
         if left:
             d.docker("rm", "-f", *left)
-    _terminate(d.proc)
+    terminate(d.proc, timeout=30)
 
 
 def _reap_containers(root: Path, containerd_socket: Path) -> None:

@@ -52,7 +52,9 @@ def sim_stat(native: Path, sim_env: dict[str, str], *args: str) -> Any:
 
 
 # Prelude of the pynvml scripts run on the simulated GPUs: `err(f)` gives the
-# NVMLError class name a call raises, or "ok"; `addr(h)` a handle's address.
+# NVMLError class name a call raises, or "ok"; `addr(h)` a handle's address;
+# `xid_set(*gpus)` a new event set registered for those GPUs' XIDs;
+# `drain(s)` the data of every event the set holds now, oldest first.
 PYNVML = """
 import ctypes as C, json, subprocess, sys, time, pynvml as n
 def err(f):
@@ -63,4 +65,16 @@ def err(f):
         return type(e).__name__
 def addr(h):
     return C.cast(h, C.c_void_p).value
+def xid_set(*gpus):
+    s = n.nvmlEventSetCreate()
+    for i in gpus:
+        n.nvmlDeviceRegisterEvents(n.nvmlDeviceGetHandleByIndex(i), n.nvmlEventTypeXidCriticalError, s)
+    return s
+def drain(s):
+    got = []
+    while True:
+        try:
+            got.append(n.nvmlEventSetWait_v2(s, 0).eventData)
+        except n.NVMLError_Timeout:
+            return got
 """

@@ -74,16 +74,17 @@ def assert_untouched(d: Daemon, neighbour: Tenant, nvml: Nvml) -> None:
 @contextmanager
 def bypass_beside_a_neighbour(
     tmp_path: Path, gpu_env: dict[str, str], nvml: Nvml, mode: str, kind: str
-) -> Iterator[tuple[Daemon, Tenant, int, Tenant]]:
+) -> Iterator[tuple[Daemon, Tenant, int, Tenant, float]]:
     """cgpud watching in `mode`, the 2 GiB neighbour running, then a 1 GiB
-    tenant that bypasses libcgpu by `kind`. Yields cgpud, the neighbour,
-    NVML's used memory with the neighbour alone, and the tenant; both
-    tenants are stopped however the test ends."""
+    tenant that bypasses libcgpu by `kind`, until it crosses its limit.
+    Yields cgpud, the neighbour, NVML's used memory with the neighbour
+    alone, the tenant and when it crossed; both tenants are stopped however
+    the test ends."""
     with running_daemon(tmp_path, gpu_env, *watch_flags(mode)) as d:
         neighbour, baseline = start_neighbour(d, nvml, tmp_path)
         tenant = run_tenant(d, "1", bypass_command(kind), tmp_path)
         try:
-            yield d, neighbour, baseline, tenant
+            yield d, neighbour, baseline, tenant, tenant.crossing(GIB)
         finally:
             tenant.stop()
             neighbour.stop()
@@ -93,8 +94,7 @@ def bypass_beside_a_neighbour(
 def test_report_mode_reports_a_bypass_within_two_intervals(
     kind: str, tmp_path: Path, gpu_env: dict[str, str], nvml: Nvml
 ) -> None:
-    with bypass_beside_a_neighbour(tmp_path, gpu_env, nvml, "report", kind) as (d, neighbour, _, tenant):
-        crossed = tenant.crossing(GIB)
+    with bypass_beside_a_neighbour(tmp_path, gpu_env, nvml, "report", kind) as (d, neighbour, _, tenant, crossed):
         [event] = wait_events(d, lambda e: e["instance_id"] == tenant.instance_id, 10, "event for the tenant")
         assert event["kind"] == "memory_over_limit" and event["action"] == "reported", event
         assert tenant.pid in event["pids"] and event["limit_bytes"] == GIB and event["used_bytes"] > 1.5 * GIB
@@ -116,8 +116,7 @@ def test_report_mode_reports_a_bypass_within_two_intervals(
 def test_kill_mode_kills_a_bypass_within_two_intervals_and_the_memory_returns(
     kind: str, tmp_path: Path, gpu_env: dict[str, str], nvml: Nvml
 ) -> None:
-    with bypass_beside_a_neighbour(tmp_path, gpu_env, nvml, "kill", kind) as (d, neighbour, baseline, tenant):
-        crossed = tenant.crossing(GIB)
+    with bypass_beside_a_neighbour(tmp_path, gpu_env, nvml, "kill", kind) as (d, neighbour, baseline, tenant, crossed):
         dead = wait_dead(tenant.pid, 10)
         assert dead is not None, f"tenant {tenant.pid} still runs 10 s after crossing its limit"
         assert dead - crossed <= 2 * INTERVAL + OBSERVE, dead - crossed

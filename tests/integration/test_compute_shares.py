@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from tests.harness.sharerun import Sampler, Scenario, ShareRig, TenantSpec, _at, _busy
+from tests.harness.teardown import terminate
 
 pytestmark = pytest.mark.timing  # measures compute shares and hand-over times
 
@@ -106,11 +107,7 @@ def test_a_tenant_killed_holding_the_gpu_stalls_the_other_for_at_most_about_a_sl
         killed_at = time.monotonic_ns()
         time.sleep(0.6)
     finally:
-        for r in runs:
-            if r.poll() is None:
-                r.send_signal(signal.SIGTERM)
-        for r in runs:
-            r.wait(timeout=30)
+        terminate(*runs, timeout=30, kill=False)
         sampler.stop()
     s = sampler.samples
     # The survivor's device time over the 0.5 s after the kill, allowing
@@ -130,8 +127,7 @@ def test_cgpuctl_run_core_refuses_more_than_the_gpu_has(rig: ShareRig) -> None:
         assert out.returncode != 0 and out.stderr.count("\n") == 1, out.stderr
         assert "40" in out.stderr and "core" in out.stderr.lower(), out.stderr
     finally:
-        hold.send_signal(signal.SIGTERM)
-        hold.wait(timeout=30)
+        terminate(hold, timeout=30, kill=False)
 
 
 def test_stopping_cgpud_leaves_no_tenant_waiting(tmp_path: Path) -> None:
@@ -152,8 +148,7 @@ def test_stopping_cgpud_leaves_no_tenant_waiting(tmp_path: Path) -> None:
             sampler.stop()
         # With cgpud gone every gate is open: the tenant runs unthrottled.
         assert 100.0 * (_busy(t1, pid) - _busy(t0, pid)) / (t1[0] - t0[0]) > 80
-        run.send_signal(signal.SIGTERM)
-        run.wait(timeout=30)
+        terminate(run, timeout=30, kill=False)
     finally:
         if r.daemon.proc and r.daemon.proc.poll() is None:
             r.close()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import pytest
 from cgpud._region import ffi
 from cgpud.node.region import usage_problem
 from tests.harness.sharerun import Sampler, ShareRig, TenantSpec, busy_percent, start_burn_tenant
+from tests.harness.teardown import terminate
 from tests.harness.wait import until
 
 pytestmark = pytest.mark.slow  # tens of seconds to minutes each
@@ -87,14 +87,7 @@ def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
     """Processes a test starts, ended whatever happens to it."""
     started: list[subprocess.Popen[bytes]] = []
     yield started
-    for p in started:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in started:
-        try:
-            p.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            p.kill()
+    terminate(*started, timeout=60)
 
 
 def _instances(rig: ShareRig) -> list[dict]:
@@ -185,12 +178,7 @@ def test_an_attacked_usage_file_harms_neither_cgpud_nor_the_neighbour(rig: Share
                 explain=lambda: str(d.log.read_text()[-3000:]),
             )
     finally:
-        runs = [p for p in (victim, neighbour_run) if p is not None]
-        for p in runs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in runs:
-            p.wait(timeout=60)
+        terminate(*(p for p in (victim, neighbour_run) if p is not None), timeout=60, kill=False)
         sampler.stop()
     # Fixed shares: the neighbour had its 70 % after the attack as before it.
     share = busy_percent(sampler.samples, pids[1], attacked_at + 200_000_000, measured_at)

@@ -17,6 +17,7 @@ import pytest
 
 from tests.harness import sanitizers
 from tests.harness.sanitizers import run_clean
+from tests.harness.simrun import PYNVML
 from tests.harness.wait import until
 
 BURNS = {
@@ -53,8 +54,9 @@ def test_faults_and_nvml_events_are_clean_under_sanitizers(san_native, san_env):
     driven by pynvml in a Python that preloads the ASan runtime."""
     stat = str(san_native / "bin" / "cgpu-sim-stat")
     py_env = sanitizers.python_env(san_env)
-    script = f"""
-import json, subprocess, pynvml as n
+    script = (
+        PYNVML
+        + f"""
 n.nvmlInit()
 h = [n.nvmlDeviceGetHandleByIndex(i) for i in range(2)]
 s = n.nvmlEventSetCreate()
@@ -62,12 +64,7 @@ for x in h:
     n.nvmlDeviceRegisterEvents(x, n.nvmlDeviceGetSupportedEventTypes(x), s)
 for x in range(1, 80):
     subprocess.run(["{stat}", "--xid", str(x % 2), str(x)], check=True, capture_output=True)
-got = []
-while True:
-    try:
-        got.append(n.nvmlEventSetWait_v2(s, 0).eventData)
-    except n.NVMLError_Timeout:
-        break
+got = drain(s)
 subprocess.run(["{stat}", "--lost", "1"], check=True, capture_output=True)
 lost = [n.nvmlEventSetWait(s, 100).eventData]
 for f in (lambda: n.nvmlEventSetWait(s, 100), lambda: n.nvmlDeviceGetMemoryInfo(h[1])):
@@ -80,6 +77,7 @@ n.nvmlEventSetFree(s)
 n.nvmlShutdown()
 print(json.dumps([len(got), lost]))
 """
+    )
     proc = run_clean([sys.executable, "-c", script], py_env)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == [79, [79, "lost", "lost"]]

@@ -17,7 +17,8 @@ from tests.harness.simrun import PYNVML, run_py, sim_stat, start_py
 
 
 def nvml(sim_env: dict[str, str], body: str) -> object:
-    return run_py(sim_env, PYNVML + textwrap.dedent(body))
+    """Run `body` with pynvml initialised; return the JSON value it prints."""
+    return run_py(sim_env, PYNVML + "n.nvmlInit()\n" + textwrap.dedent(body))
 
 
 def fault(sim_env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
@@ -68,9 +69,7 @@ def test_each_event_set_sees_each_xid_posted_after_it_registered_once(native, si
         late = nvml(
             sim_env,
             f"""
-            n.nvmlInit()
-            s = n.nvmlEventSetCreate()
-            n.nvmlDeviceRegisterEvents(n.nvmlDeviceGetHandleByIndex(1), n.nvmlEventTypeXidCriticalError, s)
+            s = xid_set(1)
             subprocess.run(["{native / "bin" / "cgpu-sim-stat"}", "--xid", "1", "94"], check=True, capture_output=True)
             d = n.nvmlEventSetWait(s, 5000)
             print(json.dumps([d.eventData, err(lambda: n.nvmlEventSetWait(s, 0))]))
@@ -88,9 +87,7 @@ def test_a_wait_wakes_when_another_process_posts_and_times_out_otherwise(native,
     got = nvml(
         sim_env,
         f"""
-        n.nvmlInit()
-        s = n.nvmlEventSetCreate()
-        n.nvmlDeviceRegisterEvents(n.nvmlDeviceGetHandleByIndex(0), n.nvmlEventTypeXidCriticalError, s)
+        s = xid_set(0)
         t = time.monotonic()
         timeout = err(lambda: n.nvmlEventSetWait_v2(s, 250))
         waited = time.monotonic() - t
@@ -112,19 +109,11 @@ def test_a_set_that_falls_behind_gets_the_latest_xids(native, sim_env):
     got = nvml(
         sim_env,
         f"""
-        n.nvmlInit()
-        s = n.nvmlEventSetCreate()
-        n.nvmlDeviceRegisterEvents(n.nvmlDeviceGetHandleByIndex(1), n.nvmlEventTypeXidCriticalError, s)
+        s = xid_set(1)
         for x in range(1, 71):
             subprocess.run(["{native / "bin" / "cgpu-sim-stat"}", "--xid", "1", str(x)], check=True,
                            capture_output=True)
-        got = []
-        while True:
-            try:
-                got.append(n.nvmlEventSetWait_v2(s, 0).eventData)
-            except n.NVMLError_Timeout:
-                break
-        print(json.dumps(got))
+        print(json.dumps(drain(s)))
     """,
     )
     assert got == list(range(7, 71))  # the ring keeps the last 64

@@ -28,6 +28,17 @@ def _sampler(native: Path, sim_env: dict[str, str], *args: str) -> subprocess.Po
     )
 
 
+def _stat(native: Path, sim_env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(native / "bin" / "cgpu-sim-stat"), *args],
+        env=sim_env,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
 def _burn(native: Path, sim_env: dict[str, str], *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen([str(native / "bin" / "cgpu-burn"), *args], env=sim_env, stdout=subprocess.PIPE, text=True)
 
@@ -128,14 +139,7 @@ def test_process_followed_then_replaced(native, sim_env):
 
 
 def test_count_lines_on_an_idle_gpu(native, sim_env):
-    out = subprocess.run(
-        [str(native / "bin" / "cgpu-sim-stat"), "--sample", "1", "20", "5"],
-        env=sim_env,
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    out = _stat(native, sim_env, "--sample", "1", "20", "5")
     assert out.returncode == 0, out.stderr
     samples = [json.loads(line) for line in out.stdout.splitlines()]
     assert len(samples) == 5
@@ -162,13 +166,6 @@ def test_count_lines_on_an_idle_gpu(native, sim_env):
     ids=["no-args", "missing-count", "bad-gpu", "zero-interval", "negative-count", "fraction", "extra", "no-such-gpu"],
 )
 def test_bad_arguments(native, sim_env, args):
-    proc = subprocess.run(
-        [str(native / "bin" / "cgpu-sim-stat"), *args],
-        env=sim_env,
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    proc = _stat(native, sim_env, *args)
     assert (proc.returncode, proc.stdout) == (2, "")
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr

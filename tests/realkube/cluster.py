@@ -46,6 +46,7 @@ from tests.harness.daemon import BIN
 from tests.harness.oci import build_rootfs
 from tests.realkube.build import KubeBinaries
 from tests.realkube.image import pause_root, write_archive
+from tests.harness.teardown import StartOrClose, terminate
 from tests.harness.tls import Pki, ca, leaf, make_pki
 from tests.harness.nvml_total import build_nvml_total
 from tests.harness.wait import until
@@ -118,15 +119,8 @@ class Process:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self, timeout: float = 20) -> None:
-        if not self.alive():
-            return
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
+        if self.proc is not None:
+            terminate(self.proc, timeout=timeout)
 
     def tail(self, size: int = 3000) -> str:
         try:
@@ -238,7 +232,7 @@ class RealNode:
         )
 
 
-class RealCluster:
+class RealCluster(StartOrClose):
     """A context manager that removes everything it made however it ends."""
 
     def __init__(self, binaries: KubeBinaries, nodes: int = 1, *, gpus: int = 1, gpu_memory: str = "16GiB") -> None:
@@ -257,17 +251,6 @@ class RealCluster:
         self._stack.callback(shutil.rmtree, self.root, True)  # last: after every node is cleaned
 
     # ---- life ----------------------------------------------------------------------------
-
-    def __enter__(self) -> RealCluster:
-        try:
-            self._start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def close(self) -> None:
         self._stack.close()

@@ -83,6 +83,12 @@ def tenants(tmp_path: Path) -> Iterator[Callable[[str, int], Tenant]]:
         t.close()
 
 
+def two_tenants(sched: ComputeScheduler, tenants, policy: ComputePolicy, core: int = 0) -> tuple[Tenant, Tenant]:
+    """`sched` under `policy`, and tenants a and b of `core` percent each (not attached yet)."""
+    sched.configure(NodePolicy(compute_policy=policy))
+    return tenants("a", core), tenants("b", core)
+
+
 def test_only_core_mem_nodes_limit_compute() -> None:
     assert limits_compute(NodeMode.CORE_MEM)
     assert not any(limits_compute(m) for m in (NodeMode.CGPU, NodeMode.SHARE, NodeMode.DEFAULT, NodeMode.MPS))
@@ -136,8 +142,7 @@ def test_a_waiting_tenant_is_granted_and_fenced_at_the_end_of_its_share(sched: C
 
 
 def test_an_unacknowledged_fence_times_out_and_the_next_tenant_runs(sched: ComputeScheduler, tenants) -> None:
-    sched.configure(NodePolicy(compute_policy=ComputePolicy.PREEMPTIVE))
-    a, b = tenants("a"), tenants("b")
+    a, b = two_tenants(sched, tenants, ComputePolicy.PREEMPTIVE)
     sched.attach(a.instance, a.dir)
     sched.attach(b.instance, b.dir)
     a.watch()  # a process that launches but never acknowledges (stopped, hung)
@@ -155,8 +160,7 @@ def test_an_unacknowledged_fence_times_out_and_the_next_tenant_runs(sched: Compu
 def test_a_tenant_killed_holding_the_gate_stalls_the_others_for_at_most_a_slice(
     sched: ComputeScheduler, tenants
 ) -> None:
-    sched.configure(NodePolicy(compute_policy=ComputePolicy.PREEMPTIVE))
-    a, b = tenants("a"), tenants("b")
+    a, b = two_tenants(sched, tenants, ComputePolicy.PREEMPTIVE)
     # A real process claims a ledger in a's usage file, says it launches on
     # device 0, and is killed: its ledger lock goes with it.
     child = launching_process(a.dir, waiting=False)
@@ -211,8 +215,7 @@ def test_bad_attachments_are_refused_and_change_nothing(sched: ComputeScheduler,
 def test_waiting_left_by_a_process_killed_at_the_gate_stops_counting_as_demand(
     sched: ComputeScheduler, tenants
 ) -> None:
-    sched.configure(NodePolicy(compute_policy=ComputePolicy.PREEMPTIVE))
-    a, b = tenants("a"), tenants("b")
+    a, b = two_tenants(sched, tenants, ComputePolicy.PREEMPTIVE)
     # A process waits at a's closed gate (counted in `waiting`) and is
     # killed there: nothing takes it off the count.
     child = launching_process(a.dir, waiting=True)
@@ -241,8 +244,7 @@ def test_a_holder_detached_during_its_fence_is_gone_at_once_and_its_key_can_come
     the fence, and unmaps them afterwards; for every caller the key is gone at
     once, and attaching it again makes a tenant the late unmapping leaves be."""
 
-    sched.configure(NodePolicy(compute_policy=ComputePolicy.FIXED))
-    a, b = tenants("a", 50), tenants("b", 50)
+    a, b = two_tenants(sched, tenants, ComputePolicy.FIXED, 50)
     sched.attach(a.instance, a.dir)  # key 1
     sched.attach(b.instance, b.dir)  # key 2
     a.watch()  # never acknowledges: each fence of a lasts the 50 ms timeout
@@ -316,8 +318,7 @@ def test_a_fence_that_outlives_the_timeout_is_charged_until_it_comes(sched: Comp
     timeout, but the late one is charged until its fence really arrives and
     is not granted before that."""
 
-    sched.configure(NodePolicy(compute_policy=ComputePolicy.PREEMPTIVE))
-    a, b = tenants("a"), tenants("b")
+    a, b = two_tenants(sched, tenants, ComputePolicy.PREEMPTIVE)
     sched.attach(a.instance, a.dir)  # key 1
     sched.attach(b.instance, b.dir)
     ledger = a.watch()
@@ -356,8 +357,7 @@ def test_a_scribbling_tenant_cannot_stall_the_engine_or_take_its_neighbours_shar
     count. b, next to it, still gets its share: a's fences cost it one
     timeout, not one per grant of a's."""
 
-    sched.configure(NodePolicy(compute_policy=ComputePolicy.FIXED))
-    a, b = tenants("a", 50), tenants("b", 50)
+    a, b = two_tenants(sched, tenants, ComputePolicy.FIXED, 50)
     sched.attach(a.instance, a.dir)  # key 1
     sched.attach(b.instance, b.dir)  # key 2
     b.want(1)

@@ -12,6 +12,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from cgpud.node.model import Instance, Placement, Request, Reservation, Share
 from cgpud.node.service import DEFAULT_RESERVATION_TTL, InstanceService
 from cgpud.node.store import SCHEMA_VERSION, Store
 from cgpud.errors import AdmissionError, StateError, UsageError
+from tests.harness.threads import run_threads
 
 GPUS = (GpuCapacity(0, "GPU-aaaa", 16 * GIB), GpuCapacity(1, "GPU-bbbb", 16 * GIB))
 
@@ -127,11 +129,7 @@ def test_concurrent_bumps_are_all_counted():
             with lock:
                 seen.append(r)
 
-    threads = [threading.Thread(target=bumper) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads(*[bumper] * 4)
     assert c.revision == 2000
     assert sorted(seen) == list(range(1, 2001))  # each revision handed out once
 
@@ -465,11 +463,7 @@ def race(calls: list[Callable[[], object]]) -> list[object]:
         except Exception as e:
             results[i] = e
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    run_threads(*(partial(run, i) for i in range(len(calls))), timeout=60)
     return results
 
 

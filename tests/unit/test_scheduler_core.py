@@ -293,12 +293,18 @@ def test_fixed_reservation_of_an_idle_tenant_is_not_lent():
     assert abs(sim.share(1) - 10) <= 2 and sim.share(2) == 0
 
 
-def test_fixed_memory_only_tenants_share_the_unreserved_remainder():
-    sim = Sim(FIXED)
-    sim.add(Tenant(1, share=30))
+def beside_memory_only_tenants(policy: int, share: int, seconds: int) -> Sim:
+    """Tenant 1 with `share`, memory-only tenants 2 and 3 (3 busy for
+    `seconds` only), all run for twice that."""
+    sim = Sim(policy)
+    sim.add(Tenant(1, share=share))
     sim.add(Tenant(2, share=0))
-    sim.add(Tenant(3, share=0, work=[(0, 2 * S)]))
-    sim.run(4)
+    sim.add(Tenant(3, share=0, work=[(0, seconds * S)]))
+    return sim.run(2 * seconds)
+
+
+def test_fixed_memory_only_tenants_share_the_unreserved_remainder():
+    sim = beside_memory_only_tenants(FIXED, 30, 2)
     report("fixed 30 + 2 memory-only, 0-2s", sim, {1: 30, 2: 35, 3: 35}, 2)
     report("fixed 30 + 1 memory-only, 2-4s", sim, {1: 30, 2: 70, 3: 0}, 4, t0=2)
     assert abs(sim.share(1, 0, 4) - 30) <= 2
@@ -555,11 +561,7 @@ def test_soft_lends_idle_share_and_a_returning_tenant_reclaims_it_within_100ms()
 
 
 def test_soft_memory_only_tenants_get_the_unreserved_remainder_and_lend_it():
-    sim = Sim(SOFT)
-    sim.add(Tenant(1, share=40))
-    sim.add(Tenant(2, share=0))
-    sim.add(Tenant(3, share=0, work=[(0, 1 * S)]))
-    sim.run(2)
+    sim = beside_memory_only_tenants(SOFT, 40, 1)
     assert abs(sim.share(1, 0, 1) - 40) <= 2 and abs(sim.share(2, 0, 1) - 30) <= 2
     assert abs(sim.share(1, 1, 2) - 40 / 0.7) <= 2  # tenant 3's 30 lent ∝ guarantees
 

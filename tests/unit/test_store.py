@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ import pytest
 from cgpud.node.model import GIB, Grant, Instance, InstanceState, Owner, OwnerKind
 from cgpud.node.store import SCHEMA_VERSION, Store, new_instance_id
 from cgpud.errors import CgpuError, NotFoundError, StateError, UsageError
+from tests.harness.threads import run_threads
 
 REPO = Path(__file__).resolve().parents[2]
 RESERVED, BOUND, RELEASED = InstanceState.RESERVED, InstanceState.BOUND, InstanceState.RELEASED
@@ -283,11 +285,7 @@ def test_admission_in_one_transaction_is_atomic(store: Store) -> None:
             else:
                 admitted.append(False)
 
-    threads = [threading.Thread(target=admit) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads(*[admit] * 8)
     assert len(admitted) == 8, "an admission thread failed"
     assert admitted.count(True) == 5 and len(store.active()) == 5
 
@@ -308,11 +306,7 @@ def test_concurrent_inserts_from_four_threads_all_land(store: Store, db: Path) -
         except BaseException as e:
             errors.append(e)
 
-    threads = [threading.Thread(target=work, args=(n,)) for n in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads(*(partial(work, n) for n in range(4)))
     assert errors == []
     want = {i for chunk in ids for i in chunk}
     assert len(want) == 200
