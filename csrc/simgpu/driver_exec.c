@@ -139,11 +139,11 @@ CUstreamCaptureStatus sim_capture_status(const struct sim_stream *s);
 void sim_capture_forget(const struct sim_stream *s);
 CUresult sim_capture_launch(struct sim_stream *s, CUfunction f, const unsigned grid[3], const unsigned block[3],
                             void **params, void **extra, bool *captured);
-                            
-                            #define PER_THREAD_SLOTS 8
-                            static _Thread_local struct sim_stream per_thread_stream[PER_THREAD_SLOTS];
-                            
-                            static struct sim_stream *per_thread_of(struct sim_ctx *ctx)
+
+#define PER_THREAD_SLOTS 8
+static _Thread_local struct sim_stream per_thread_stream[PER_THREAD_SLOTS];
+
+static struct sim_stream *per_thread_of(struct sim_ctx *ctx)
 {
     for (int i = 0; i < PER_THREAD_SLOTS; i++) {
         struct sim_stream *s = &per_thread_stream[i];
@@ -249,9 +249,7 @@ CUresult sim_stream_sync(CUstream h, bool per_thread)
     CUresult rc = sim_resolve_stream(h, per_thread, &s);
     if (rc)
         return rc;
-    uint64_t tail = atomic_load(&s->tail);
-    if (tail > sim_now_ns())
-        sim_sleep_until(tail);
+    sim_sleep_until(atomic_load(&s->tail));
     return CUDA_SUCCESS;
 }
 
@@ -279,15 +277,23 @@ static CUresult event_get(CUevent h, struct sim_event **e)
     return sim_check_handle(*e, MAGIC_EVENT, CUDA_ERROR_INVALID_HANDLE);
 }
 
+/* The stream, then the event, of a call on both (event_get: on an event alone). */
+static CUresult stream_event(CUstream h, bool per_thread, CUevent ev, struct sim_stream **s, struct sim_event **e)
+{
+    CUresult rc = sim_resolve_stream(h, per_thread, s);
+    if (rc)
+        return rc;
+    *e = event_of(ev);
+    return *e ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
 CUresult sim_stream_wait_event(CUstream h, CUevent ev, unsigned int flags, bool per_thread)
 {
     struct sim_stream *s;
-    CUresult rc = sim_resolve_stream(h, per_thread, &s);
+    struct sim_event *e;
+    CUresult rc = stream_event(h, per_thread, ev, &s, &e);
     if (rc)
         return rc;
-    struct sim_event *e = event_of(ev);
-    if (!e)
-        return CUDA_ERROR_INVALID_HANDLE;
     if (flags != 0)
         return CUDA_ERROR_INVALID_VALUE;
     uint64_t when = atomic_load(&e->when), tail = atomic_load(&s->tail);
@@ -325,12 +331,10 @@ SIM_EXPORT CUresult cuEventDestroy_v2(CUevent hEvent)
 CUresult sim_event_record(CUevent ev, CUstream h, bool per_thread)
 {
     struct sim_stream *s;
-    CUresult rc = sim_resolve_stream(h, per_thread, &s);
+    struct sim_event *e;
+    CUresult rc = stream_event(h, per_thread, ev, &s, &e);
     if (rc)
         return rc;
-    struct sim_event *e = event_of(ev);
-    if (!e)
-        return CUDA_ERROR_INVALID_HANDLE;
     /* The event completes when the stream's queued work does, or now if
      * the stream is idle: device time, as the GPU would stamp it. */
     uint64_t now = sim_now_ns(), tail = atomic_load(&s->tail);
@@ -354,9 +358,7 @@ SIM_EXPORT CUresult cuEventSynchronize(CUevent hEvent)
     CUresult rc = event_get(hEvent, &e);
     if (rc)
         return rc;
-    uint64_t when = atomic_load(&e->when);
-    if (when > sim_now_ns())
-        sim_sleep_until(when);
+    sim_sleep_until(atomic_load(&e->when));
     return CUDA_SUCCESS;
 }
 
@@ -393,6 +395,16 @@ static struct sim_function *function_of(CUfunction f)
 {
     struct sim_function *fn = (struct sim_function *)f;
     return fn && fn->magic == MAGIC_FUNC ? sim_kernel_function(fn) : NULL;
+}
+
+/* The function a call on it alone names, once the driver is initialised. */
+static CUresult function_get(CUfunction h, struct sim_function **fn)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    *fn = function_of(h);
+    return *fn ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
 }
 
 /* Device time of one launch: the first parameter of a timed kernel. */
@@ -557,20 +569,10 @@ CUresult sim_launch_ex(const CUlaunchConfig *c, CUfunction f, void **params, voi
 
 /* ---- the deprecated execution-control API ---------------------------------------- */
 
-/* The function a deprecated call names, once the driver is initialised. */
-static CUresult legacy_function(CUfunction h, struct sim_function **fn)
-{
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
-    *fn = function_of(h);
-    return *fn ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
-}
-
 SIM_EXPORT CUresult cuFuncSetBlockShape(CUfunction hfunc, int x, int y, int z)
 {
     struct sim_function *fn;
-    CUresult rc = legacy_function(hfunc, &fn);
+    CUresult rc = function_get(hfunc, &fn);
     if (rc)
         return rc;
     if (x <= 0 || y <= 0 || z <= 0)
@@ -584,7 +586,7 @@ SIM_EXPORT CUresult cuFuncSetBlockShape(CUfunction hfunc, int x, int y, int z)
 SIM_EXPORT CUresult cuFuncSetSharedSize(CUfunction hfunc, unsigned int bytes)
 {
     struct sim_function *fn;
-    CUresult rc = legacy_function(hfunc, &fn);
+    CUresult rc = function_get(hfunc, &fn);
     if (rc)
         return rc;
     fn->legacy.shared_bytes = bytes;
@@ -594,7 +596,7 @@ SIM_EXPORT CUresult cuFuncSetSharedSize(CUfunction hfunc, unsigned int bytes)
 SIM_EXPORT CUresult cuParamSetSize(CUfunction hfunc, unsigned int numbytes)
 {
     struct sim_function *fn;
-    CUresult rc = legacy_function(hfunc, &fn);
+    CUresult rc = function_get(hfunc, &fn);
     if (rc)
         return rc;
     if (numbytes > SIM_LEGACY_PARAM_MAX)
@@ -606,7 +608,7 @@ SIM_EXPORT CUresult cuParamSetSize(CUfunction hfunc, unsigned int numbytes)
 SIM_EXPORT CUresult cuParamSetv(CUfunction hfunc, int offset, void *ptr, unsigned int numbytes)
 {
     struct sim_function *fn;
-    CUresult rc = legacy_function(hfunc, &fn);
+    CUresult rc = function_get(hfunc, &fn);
     if (rc)
         return rc;
     if (offset < 0 || !ptr || numbytes > SIM_LEGACY_PARAM_MAX ||
@@ -621,7 +623,7 @@ SIM_EXPORT CUresult cuParamSetv(CUfunction hfunc, int offset, void *ptr, unsigne
 CUresult sim_launch_legacy(CUfunction f, int grid_width, int grid_height, CUstream h)
 {
     struct sim_function *fn;
-    CUresult rc = legacy_function(f, &fn);
+    CUresult rc = function_get(f, &fn);
     if (rc)
         return rc;
     if (grid_width <= 0 || grid_height <= 0)
@@ -843,16 +845,6 @@ CUresult sim_graph_launch(CUgraphExec hGraphExec, CUstream h, bool per_thread)
 #define SHARED_PER_BLOCK 49152          /* CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK */
 #define SHARED_PER_BLOCK_OPTIN 232448   /* ..._OPTIN: what a kernel may opt into */
 
-/* The function a call names, once the driver is initialised. */
-static CUresult attr_function(CUfunction h, struct sim_function **fn)
-{
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
-    *fn = function_of(h);
-    return *fn ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
-}
-
 /* What a small kernel compiled for the GPU reports: no static shared,
  * constant or local memory, 16 registers, code for the GPU's own
  * compute capability (the simulation JIT-compiles PTX for it). */
@@ -873,7 +865,7 @@ static int function_default(const struct sim_function *fn, CUfunction_attribute 
 SIM_EXPORT CUresult cuFuncGetAttribute(int *pi, CUfunction_attribute attrib, CUfunction hfunc)
 {
     struct sim_function *fn;
-    CUresult rc = attr_function(hfunc, &fn);
+    CUresult rc = function_get(hfunc, &fn);
     if (rc)
         return rc;
     if (!pi || (unsigned)attrib >= CU_FUNC_ATTRIBUTE_MAX)
@@ -886,7 +878,7 @@ SIM_EXPORT CUresult cuFuncGetAttribute(int *pi, CUfunction_attribute attrib, CUf
 SIM_EXPORT CUresult cuFuncSetAttribute(CUfunction hfunc, CUfunction_attribute attrib, int value)
 {
     struct sim_function *fn;
-    CUresult rc = attr_function(hfunc, &fn);
+    CUresult rc = function_get(hfunc, &fn);
     if (rc)
         return rc;
     bool ok;
@@ -911,7 +903,7 @@ SIM_EXPORT CUresult cuFuncSetAttribute(CUfunction hfunc, CUfunction_attribute at
 SIM_EXPORT CUresult cuFuncSetCacheConfig(CUfunction hfunc, CUfunc_cache config)
 {
     struct sim_function *fn;
-    CUresult rc = attr_function(hfunc, &fn);
+    CUresult rc = function_get(hfunc, &fn);
     if (rc)
         return rc;
     return (unsigned)config <= CU_FUNC_CACHE_PREFER_EQUAL ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
