@@ -93,12 +93,7 @@ SIM_EXPORT CUresult cuModuleLoadData(CUmodule *module, const void *image)
     return CUDA_SUCCESS;
 }
 
-/* The init check and handle lookup that open every module call. */
-static CUresult module_get(CUmodule hmod, struct sim_module **m)
-{
-    *m = (struct sim_module *)hmod;
-    return sim_check_handle(*m, MAGIC_MODULE, CUDA_ERROR_INVALID_HANDLE);
-}
+SIM_HANDLE_GET(module_get, CUmodule, struct sim_module, MAGIC_MODULE, CUDA_ERROR_INVALID_HANDLE)
 
 SIM_EXPORT CUresult cuModuleUnload(CUmodule hmod)
 {
@@ -270,12 +265,7 @@ static struct sim_event *event_of(CUevent h)
     return e && e->magic == MAGIC_EVENT ? e : NULL;
 }
 
-/* The init check and handle lookup of the calls on an event alone. */
-static CUresult event_get(CUevent h, struct sim_event **e)
-{
-    *e = (struct sim_event *)h;
-    return sim_check_handle(*e, MAGIC_EVENT, CUDA_ERROR_INVALID_HANDLE);
-}
+SIM_HANDLE_GET(event_get, CUevent, struct sim_event, MAGIC_EVENT, CUDA_ERROR_INVALID_HANDLE)
 
 /* The stream, then the event, of a call on both (event_get: on an event alone). */
 static CUresult stream_event(CUstream h, bool per_thread, CUevent ev, struct sim_stream **s, struct sim_event **e)
@@ -658,11 +648,8 @@ struct sim_graph_exec {
     uint64_t alloc_bytes;
 };
 
-static struct sim_graph *graph_of(CUgraph h)
-{
-    struct sim_graph *g = (struct sim_graph *)h;
-    return g && g->magic == MAGIC_GRAPH ? g : NULL;
-}
+SIM_HANDLE_GET(graph_get, CUgraph, struct sim_graph, MAGIC_GRAPH, CUDA_ERROR_INVALID_VALUE)
+SIM_HANDLE_GET(exec_get, CUgraphExec, struct sim_graph_exec, MAGIC_GRAPH_EXEC, CUDA_ERROR_INVALID_VALUE)
 
 SIM_EXPORT CUresult cuGraphCreate(CUgraph *phGraph, unsigned int flags)
 {
@@ -681,12 +668,10 @@ SIM_EXPORT CUresult cuGraphCreate(CUgraph *phGraph, unsigned int flags)
 
 SIM_EXPORT CUresult cuGraphDestroy(CUgraph hGraph)
 {
-    CUresult rc = sim_check_init();
+    struct sim_graph *g;
+    CUresult rc = graph_get(hGraph, &g);
     if (rc)
         return rc;
-    struct sim_graph *g = graph_of(hGraph);
-    if (!g)
-        return CUDA_ERROR_INVALID_VALUE;
     g->magic = MAGIC_DEAD;
     free(g->node_ns);
     free(g);
@@ -697,12 +682,12 @@ SIM_EXPORT CUresult cuGraphDestroy(CUgraph hGraph)
 static CUresult add_kernel_node(CUgraphNode *phNode, CUgraph hGraph, size_t numDependencies, const void *deps,
                                 CUfunction func, const struct launch_shape *sh, void **params, void **extra)
 {
-    CUresult rc = sim_check_init();
+    struct sim_graph *g;
+    CUresult rc = graph_get(hGraph, &g);
     if (rc)
         return rc;
-    struct sim_graph *g = graph_of(hGraph);
     struct sim_function *fn = function_of(func);
-    if (!g || !phNode || (numDependencies && !deps))
+    if (!phNode || (numDependencies && !deps))
         return CUDA_ERROR_INVALID_VALUE;
     if (!fn)
         return CUDA_ERROR_INVALID_HANDLE;
@@ -754,11 +739,11 @@ SIM_EXPORT CUresult cuGraphAddKernelNode_v2(CUgraphNode *phGraphNode, CUgraph hG
 CUresult sim_graph_add_node(CUgraphNode *phNode, CUgraph hGraph, size_t numDependencies, const void *deps,
                             CUgraphNodeParams *p)
 {
-    CUresult rc = sim_check_init();
+    struct sim_graph *g;
+    CUresult rc = graph_get(hGraph, &g);
     if (rc)
         return rc;
-    struct sim_graph *g = graph_of(hGraph);
-    if (!g || !phNode || !p || (numDependencies && !deps))
+    if (!phNode || !p || (numDependencies && !deps))
         return CUDA_ERROR_INVALID_VALUE;
     if (p->type != CU_GRAPH_NODE_TYPE_MEM_ALLOC)
         return CUDA_ERROR_NOT_SUPPORTED;
@@ -782,11 +767,11 @@ SIM_EXPORT CUresult cuGraphAddNode_v2(CUgraphNode *phGraphNode, CUgraph hGraph, 
 
 SIM_EXPORT CUresult cuGraphInstantiateWithFlags(CUgraphExec *phGraphExec, CUgraph hGraph, unsigned long long flags)
 {
-    CUresult rc = sim_check_init();
+    struct sim_graph *g;
+    CUresult rc = graph_get(hGraph, &g);
     if (rc)
         return rc;
-    struct sim_graph *g = graph_of(hGraph);
-    if (!g || !phGraphExec || (flags & ~0xfULL))
+    if (!phGraphExec || (flags & ~0xfULL))
         return CUDA_ERROR_INVALID_VALUE;
     struct sim_graph_exec *x = malloc(sizeof(*x));
     if (!x)
@@ -802,20 +787,12 @@ SIM_EXPORT CUresult cuGraphInstantiateWithFlags(CUgraphExec *phGraphExec, CUgrap
     return CUDA_SUCCESS;
 }
 
-static struct sim_graph_exec *exec_of(CUgraphExec h)
-{
-    struct sim_graph_exec *x = (struct sim_graph_exec *)h;
-    return x && x->magic == MAGIC_GRAPH_EXEC ? x : NULL;
-}
-
 SIM_EXPORT CUresult cuGraphExecDestroy(CUgraphExec hGraphExec)
 {
-    CUresult rc = sim_check_init();
+    struct sim_graph_exec *x;
+    CUresult rc = exec_get(hGraphExec, &x);
     if (rc)
         return rc;
-    struct sim_graph_exec *x = exec_of(hGraphExec);
-    if (!x)
-        return CUDA_ERROR_INVALID_VALUE;
     if (x->alloc_bytes)
         sim_mem_release(&sim_drv.shared, x->dev, x->alloc_bytes);
     x->magic = MAGIC_DEAD;
@@ -826,12 +803,10 @@ SIM_EXPORT CUresult cuGraphExecDestroy(CUgraphExec hGraphExec)
 CUresult sim_graph_launch(CUgraphExec hGraphExec, CUstream h, bool per_thread)
 {
     struct sim_stream *s;
+    struct sim_graph_exec *x;
     CUresult rc = sim_resolve_stream(h, per_thread, &s);
-    if (rc)
+    if (rc || (rc = exec_get(hGraphExec, &x)))
         return rc;
-    struct sim_graph_exec *x = exec_of(hGraphExec);
-    if (!x)
-        return CUDA_ERROR_INVALID_VALUE;
     if (x->dev != s->ctx->dev)
         return CUDA_ERROR_INVALID_CONTEXT;
     /* The nodes run back to back on one device: one stretch of device time. */

@@ -4,12 +4,7 @@
 
 #include "driver.h"
 
-/* The init check and handle lookup that open the calls on a pool. */
-static CUresult pool_get(CUmemoryPool pool, struct sim_pool **p)
-{
-    *p = (struct sim_pool *)pool;
-    return sim_check_handle(*p, MAGIC_POOL, CUDA_ERROR_INVALID_VALUE);
-}
+SIM_HANDLE_GET(pool_get, CUmemoryPool, struct sim_pool, MAGIC_POOL, CUDA_ERROR_INVALID_VALUE)
 
 CUresult sim_pool_alloc(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream,
                         bool per_thread)
