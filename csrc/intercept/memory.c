@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "../region/region_ops.h"
+#include "cgpu/array_format.h"
 #include "libcgpu.h"
 
 /* ---- which instance device ------------------------------------------------------ */
@@ -460,26 +461,12 @@ CGPU_EXPORT CUresult cuMemAllocPitch(CUdeviceptr_v1 *dptr, unsigned int *pPitch,
     return settle_pitch(slot, guess, (uint64_t)*pPitch * Height, *dptr);
 }
 
-static uint64_t format_bytes(CUarray_format f)
-{
-    switch (f) {
-    case CU_AD_FORMAT_UNSIGNED_INT8:
-    case CU_AD_FORMAT_SIGNED_INT8: return 1;
-    case CU_AD_FORMAT_UNSIGNED_INT16:
-    case CU_AD_FORMAT_SIGNED_INT16:
-    case CU_AD_FORMAT_HALF: return 2;
-    case CU_AD_FORMAT_UNSIGNED_INT32:
-    case CU_AD_FORMAT_SIGNED_INT32:
-    case CU_AD_FORMAT_FLOAT: return 4;
-    default: return 8; /* wider formats: count generously */
-    }
-}
-
 /* Bytes of a W x H x D array level; 0 (forward, the driver rejects it)
  * when the description cannot be sized. */
 static uint64_t array_bytes(uint64_t w, uint64_t h, uint64_t d, CUarray_format f, unsigned channels)
 {
-    uint64_t elem = format_bytes(f) * (channels ? channels : 1);
+    uint64_t format = cgpu_array_format_bytes(f);
+    uint64_t elem = (format ? format : 8) * (channels ? channels : 1); /* wider formats: count generously */
     uint64_t n = w;
     for (uint64_t dim = h ? h : 1, k = 0; k < 2; k++, dim = d ? d : 1) {
         if (n > UINT64_MAX / dim)
