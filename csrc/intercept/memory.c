@@ -216,9 +216,13 @@ static bool remember_aux(enum alloc_kind kind, uint64_t value, uint64_t bytes, i
     return false;
 }
 
-static bool remember(enum alloc_kind kind, uint64_t value, uint64_t bytes, int slot)
+/* Records what an allocation holds. With the table full its bytes stay
+ * charged (the safe side) and the log says so: the allocation stands. */
+static CUresult keep(enum alloc_kind kind, uint64_t value, uint64_t bytes, int slot)
 {
-    return remember_aux(kind, value, bytes, slot, 0);
+    if (!remember_aux(kind, value, bytes, slot, 0))
+        cgpu_log(CGPU_LOG_ERROR, "allocation table full: %llu bytes stay charged", (unsigned long long)bytes);
+    return CUDA_SUCCESS;
 }
 
 /* Puts a record back after the driver refused to free what it names. The
@@ -231,7 +235,8 @@ static void put_back(enum alloc_kind kind, uint64_t value, uint64_t bytes, int s
                  (unsigned long long)bytes);
 }
 
-/* The live record, left in place; callers serialise on vmm_lock. */
+/* The live record, left in place; callers that change it serialise on
+ * vmm_lock. */
 static struct alloc_entry *lookup(enum alloc_kind kind, uint64_t value)
 {
     struct alloc_entry *t = atomic_load_explicit(&table, memory_order_acquire);
@@ -251,21 +256,17 @@ static struct alloc_entry *lookup(enum alloc_kind kind, uint64_t value)
 /* Takes the record out; exactly one caller gets it. */
 static bool forget_aux(enum alloc_kind kind, uint64_t value, uint64_t *bytes, int *slot, uint64_t *aux)
 {
-    struct alloc_entry *t = atomic_load_explicit(&table, memory_order_acquire);
-    if (!t)
-        return false;
-    uint64_t key = make_key(kind, value);
-    for (size_t n = 0, i = home(key); n < TABLE_SIZE; n++, i = (i + 1) & (TABLE_SIZE - 1)) {
-        uint64_t cur = atomic_load_explicit(&t[i].key, memory_order_acquire);
-        if (cur == KEY_EMPTY)
-            return false;
-        if (cur != key || t[i].value != value)
-            continue;
-        *bytes = t[i].bytes;
-        *slot = t[i].slot;
-        *aux = t[i].aux;
-        if (atomic_compare_exchange_strong(&t[i].key, &cur, KEY_TOMB))
+    /* Read before the exchange, which frees the entry for reuse; a record
+     * another caller took meanwhile fails it: look again. */
+    for (struct alloc_entry *e; (e = lookup(kind, value));) {
+        uint64_t key = make_key(kind, value), b = e->bytes, a = e->aux;
+        int s = e->slot;
+        if (atomic_compare_exchange_strong(&e->key, &key, KEY_TOMB)) {
+            *bytes = b;
+            *slot = s;
+            *aux = a;
             return true;
+        }
     }
     return false;
 }
@@ -316,28 +317,30 @@ static enum route route_current(int *slot)
     case ROUTE_CHARGE: break;                                                                   \
     }
 
-/* Charge, call the driver, then remember what the result holds or roll back. */
-#define CHARGED_CALL(kind, slot, bytes, key, symbol, ...)                                       \
+/* Charge `bytes`, make `call` (the driver's answer) and roll the charge back
+ * if it fails; else return `settle`, evaluated only then. */
+#define CHARGE_AROUND(slot, bytes, call, settle)                                                \
     do {                                                                                        \
         if (!charge(slot, bytes))                                                               \
             return CUDA_ERROR_OUT_OF_MEMORY;                                                    \
-        CUresult rc_ = CALL_REAL(symbol, __VA_ARGS__);                                          \
+        CUresult rc_ = (call);                                                                  \
         if (rc_ != CUDA_SUCCESS) {                                                              \
             uncharge(slot, bytes);                                                              \
             return rc_;                                                                         \
         }                                                                                       \
-        if (!remember(kind, (uint64_t)(key), bytes, slot))                                      \
-            cgpu_log(CGPU_LOG_ERROR, "allocation table full: %llu bytes stay charged",          \
-                     (unsigned long long)(bytes));                                              \
-        return CUDA_SUCCESS;                                                                    \
+        return settle;                                                                          \
     } while (0)
+
+/* Charge, call the driver, then remember what the result holds or roll back. */
+#define CHARGED_CALL(kind, slot, bytes, key, symbol, ...) \
+    CHARGE_AROUND(slot, bytes, CALL_REAL(symbol, __VA_ARGS__), keep(kind, (uint64_t)(key), bytes, slot))
 
 /* Gives back what the freed object held, exactly once; if the driver
  * refuses the free, the record goes back. */
 #define RELEASING_CALL(kind, value, symbol, ...)                                                \
     do {                                                                                        \
-        uint64_t bytes_;                                                                        \
-        int slot_;                                                                              \
+        uint64_t bytes_ = 0; /* both read only when held_ */                                   \
+        int slot_ = -1;                                                                         \
         bool held_ = cgpu_state() == CGPU_ACTIVE && forget(kind, (uint64_t)(value), &bytes_, &slot_); \
         CUresult rc_ = CALL_REAL(symbol, __VA_ARGS__);                                          \
         if (held_ && rc_ == CUDA_SUCCESS)                                                       \
@@ -416,9 +419,7 @@ static CUresult settle_pitch(int slot, uint64_t guess, uint64_t real, CUdevicept
     }
     if (real < guess)
         uncharge(slot, guess - real);
-    if (!remember(KIND_POINTER, ptr, real, slot))
-        cgpu_log(CGPU_LOG_ERROR, "allocation table full: %llu bytes stay charged", (unsigned long long)real);
-    return CUDA_SUCCESS;
+    return keep(KIND_POINTER, ptr, real, slot);
 }
 
 /* The pitch is the driver's choice: charge a row rounded to 512 bytes (the
@@ -432,14 +433,8 @@ CGPU_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_
     ROUTE_OR_RETURN(sane ? route_current(&slot) : ROUTE_FORWARD, cuMemAllocPitch_v2, dptr, pPitch, WidthInBytes,
                     Height, ElementSizeBytes);
     uint64_t guess = row * Height;
-    if (!charge(slot, guess))
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    CUresult rc = CALL_REAL(cuMemAllocPitch_v2, dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
-    if (rc != CUDA_SUCCESS) {
-        uncharge(slot, guess);
-        return rc;
-    }
-    return settle_pitch(slot, guess, (uint64_t)*pPitch * Height, *dptr);
+    CHARGE_AROUND(slot, guess, CALL_REAL(cuMemAllocPitch_v2, dptr, pPitch, WidthInBytes, Height, ElementSizeBytes),
+                  settle_pitch(slot, guess, (uint64_t)*pPitch * Height, *dptr));
 }
 
 CGPU_EXPORT CUresult cuMemAllocPitch(CUdeviceptr_v1 *dptr, unsigned int *pPitch, unsigned int WidthInBytes,
@@ -451,14 +446,8 @@ CGPU_EXPORT CUresult cuMemAllocPitch(CUdeviceptr_v1 *dptr, unsigned int *pPitch,
     ROUTE_OR_RETURN(sane ? route_current(&slot) : ROUTE_FORWARD, cuMemAllocPitch, dptr, pPitch, WidthInBytes, Height,
                     ElementSizeBytes);
     uint64_t guess = row * Height;
-    if (!charge(slot, guess))
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    CUresult rc = CALL_REAL(cuMemAllocPitch, dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
-    if (rc != CUDA_SUCCESS) {
-        uncharge(slot, guess);
-        return rc;
-    }
-    return settle_pitch(slot, guess, (uint64_t)*pPitch * Height, *dptr);
+    CHARGE_AROUND(slot, guess, CALL_REAL(cuMemAllocPitch, dptr, pPitch, WidthInBytes, Height, ElementSizeBytes),
+                  settle_pitch(slot, guess, (uint64_t)*pPitch * Height, *dptr));
 }
 
 /* Bytes of a W x H x D array level; 0 (forward, the driver rejects it)
@@ -495,14 +484,8 @@ static CUresult create_array(void **out, uint64_t bytes, enum cgpu_hook_id id, c
     case ROUTE_REFUSE: return CUDA_ERROR_OUT_OF_MEMORY;
     case ROUTE_CHARGE: break;
     }
-    if (!charge(slot, bytes))
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    CUresult rc = call_array_create(id, out, desc, levels);
-    if (rc != CUDA_SUCCESS)
-        uncharge(slot, bytes);
-    else if (!remember(KIND_ARRAY, (uint64_t)(uintptr_t)*out, bytes, slot))
-        cgpu_log(CGPU_LOG_ERROR, "allocation table full: %llu bytes stay charged", (unsigned long long)bytes);
-    return rc;
+    CHARGE_AROUND(slot, bytes, call_array_create(id, out, desc, levels),
+                  keep(KIND_ARRAY, (uint64_t)(uintptr_t)*out, bytes, slot));
 }
 
 CGPU_EXPORT CUresult cuArrayCreate_v2(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR *d)
