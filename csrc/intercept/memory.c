@@ -350,63 +350,28 @@ static enum route route_current(int *slot)
         return rc_;                                                                             \
     } while (0)
 
-CGPU_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
-{
-    int slot = -1;
-    ROUTE_OR_RETURN(dptr && bytesize ? route_current(&slot) : ROUTE_FORWARD, cuMemAlloc_v2, dptr, bytesize);
-    CHARGED_CALL(KIND_POINTER, slot, bytesize, *dptr, cuMemAlloc_v2, dptr, bytesize);
-}
+/* An allocation of `bytesize` bytes at *dptr on the current GPU, charged
+ * before the driver is asked: one definition per entry point, `params` its
+ * parameter list (naming dptr and bytesize), the rest its arguments. */
+#define ALLOC_HOOK(symbol, params, ...)                                                         \
+    CGPU_EXPORT CUresult symbol params                                                          \
+    {                                                                                           \
+        int slot = -1;                                                                          \
+        ROUTE_OR_RETURN(dptr && bytesize ? route_current(&slot) : ROUTE_FORWARD, symbol, __VA_ARGS__); \
+        CHARGED_CALL(KIND_POINTER, slot, bytesize, *dptr, symbol, __VA_ARGS__);                 \
+    }
 
-CGPU_EXPORT CUresult cuMemAlloc(CUdeviceptr_v1 *dptr, unsigned int bytesize)
-{
-    int slot = -1;
-    ROUTE_OR_RETURN(dptr && bytesize ? route_current(&slot) : ROUTE_FORWARD, cuMemAlloc, dptr, bytesize);
-    CHARGED_CALL(KIND_POINTER, slot, bytesize, *dptr, cuMemAlloc, dptr, bytesize);
-}
-
-CGPU_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags)
-{
-    int slot = -1;
-    /* Counted in full against the current GPU: managed memory can all
-     * become resident there. */
-    ROUTE_OR_RETURN(dptr && bytesize ? route_current(&slot) : ROUTE_FORWARD, cuMemAllocManaged, dptr, bytesize,
-                    flags);
-    CHARGED_CALL(KIND_POINTER, slot, bytesize, *dptr, cuMemAllocManaged, dptr, bytesize, flags);
-}
-
-CGPU_EXPORT CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
-{
-    int slot = -1;
-    ROUTE_OR_RETURN(dptr && bytesize ? route_current(&slot) : ROUTE_FORWARD, cuMemAllocAsync, dptr, bytesize,
-                    hStream);
-    CHARGED_CALL(KIND_POINTER, slot, bytesize, *dptr, cuMemAllocAsync, dptr, bytesize, hStream);
-}
-
-CGPU_EXPORT CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
-{
-    int slot = -1;
-    ROUTE_OR_RETURN(dptr && bytesize ? route_current(&slot) : ROUTE_FORWARD, cuMemAllocAsync_ptsz, dptr,
-                    bytesize, hStream);
-    CHARGED_CALL(KIND_POINTER, slot, bytesize, *dptr, cuMemAllocAsync_ptsz, dptr, bytesize, hStream);
-}
-
-CGPU_EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
-                                             CUstream hStream)
-{
-    int slot = -1;
-    ROUTE_OR_RETURN(dptr && bytesize ? route_current(&slot) : ROUTE_FORWARD, cuMemAllocFromPoolAsync, dptr,
-                    bytesize, pool, hStream);
-    CHARGED_CALL(KIND_POINTER, slot, bytesize, *dptr, cuMemAllocFromPoolAsync, dptr, bytesize, pool, hStream);
-}
-
-CGPU_EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
-                                                  CUstream hStream)
-{
-    int slot = -1;
-    ROUTE_OR_RETURN(dptr && bytesize ? route_current(&slot) : ROUTE_FORWARD, cuMemAllocFromPoolAsync_ptsz, dptr,
-                    bytesize, pool, hStream);
-    CHARGED_CALL(KIND_POINTER, slot, bytesize, *dptr, cuMemAllocFromPoolAsync_ptsz, dptr, bytesize, pool, hStream);
-}
+ALLOC_HOOK(cuMemAlloc_v2, (CUdeviceptr *dptr, size_t bytesize), dptr, bytesize)
+ALLOC_HOOK(cuMemAlloc, (CUdeviceptr_v1 *dptr, unsigned int bytesize), dptr, bytesize)
+/* Counted in full against the current GPU: managed memory can all become
+ * resident there. */
+ALLOC_HOOK(cuMemAllocManaged, (CUdeviceptr *dptr, size_t bytesize, unsigned int flags), dptr, bytesize, flags)
+ALLOC_HOOK(cuMemAllocAsync, (CUdeviceptr *dptr, size_t bytesize, CUstream hStream), dptr, bytesize, hStream)
+ALLOC_HOOK(cuMemAllocAsync_ptsz, (CUdeviceptr *dptr, size_t bytesize, CUstream hStream), dptr, bytesize, hStream)
+ALLOC_HOOK(cuMemAllocFromPoolAsync, (CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream), dptr,
+           bytesize, pool, hStream)
+ALLOC_HOOK(cuMemAllocFromPoolAsync_ptsz, (CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream),
+           dptr, bytesize, pool, hStream)
 
 /* Moves the charge of a pitched allocation from the guess to its real size;
  * frees it if the limit cannot take the difference. */
@@ -488,29 +453,19 @@ static CUresult create_array(void **out, uint64_t bytes, enum cgpu_hook_id id, c
                   keep(KIND_ARRAY, (uint64_t)(uintptr_t)*out, bytes, slot));
 }
 
-CGPU_EXPORT CUresult cuArrayCreate_v2(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR *d)
-{
-    uint64_t bytes = d ? array_bytes(d->Width, d->Height, 0, d->Format, d->NumChannels) : 0;
-    return create_array((void **)pHandle, bytes, HOOK_cuArrayCreate_v2, d, 0);
-}
+/* One definition per array entry point and descriptor version; `depth`,
+ * an expression of the descriptor d, is 0 for the 2D ones. */
+#define ARRAY_HOOK(symbol, desc_t, depth)                                                       \
+    CGPU_EXPORT CUresult symbol(CUarray *pHandle, const desc_t *d)                              \
+    {                                                                                           \
+        uint64_t bytes = d ? array_bytes(d->Width, d->Height, depth, d->Format, d->NumChannels) : 0; \
+        return create_array((void **)pHandle, bytes, HOOK_##symbol, d, 0);                      \
+    }
 
-CGPU_EXPORT CUresult cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *d)
-{
-    uint64_t bytes = d ? array_bytes(d->Width, d->Height, d->Depth, d->Format, d->NumChannels) : 0;
-    return create_array((void **)pHandle, bytes, HOOK_cuArray3DCreate_v2, d, 0);
-}
-
-CGPU_EXPORT CUresult cuArrayCreate(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR_v1 *d)
-{
-    uint64_t bytes = d ? array_bytes(d->Width, d->Height, 0, d->Format, d->NumChannels) : 0;
-    return create_array((void **)pHandle, bytes, HOOK_cuArrayCreate, d, 0);
-}
-
-CGPU_EXPORT CUresult cuArray3DCreate(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR_v1 *d)
-{
-    uint64_t bytes = d ? array_bytes(d->Width, d->Height, d->Depth, d->Format, d->NumChannels) : 0;
-    return create_array((void **)pHandle, bytes, HOOK_cuArray3DCreate, d, 0);
-}
+ARRAY_HOOK(cuArrayCreate_v2, CUDA_ARRAY_DESCRIPTOR, 0)
+ARRAY_HOOK(cuArray3DCreate_v2, CUDA_ARRAY3D_DESCRIPTOR, d->Depth)
+ARRAY_HOOK(cuArrayCreate, CUDA_ARRAY_DESCRIPTOR_v1, 0)
+ARRAY_HOOK(cuArray3DCreate, CUDA_ARRAY3D_DESCRIPTOR_v1, d->Depth)
 
 CGPU_EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *d,
                                             unsigned int numMipmapLevels)
@@ -952,17 +907,36 @@ static void instance_mem_info(uint64_t gpu_free, uint64_t *free_bytes, uint64_t 
     *total = limit;
 }
 
-CGPU_EXPORT CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total)
+/* The memory queries, one definition per entry point: the driver first (it
+ * validates the arguments and the context), then the instance's figures,
+ * `narrow`ed to the entry point's `type`. */
+#define MEMINFO_HOOK(symbol, type, narrow)                                                      \
+    CGPU_EXPORT CUresult symbol(type *free_bytes, type *total)                                  \
+    {                                                                                           \
+        CUresult rc = CALL_REAL(symbol, free_bytes, total);                                     \
+        if (rc != CUDA_SUCCESS || cgpu_state() != CGPU_ACTIVE)                                  \
+            return rc;                                                                          \
+        uint64_t f, t;                                                                          \
+        instance_mem_info(*free_bytes, &f, &t);                                                 \
+        *free_bytes = narrow(f);                                                                \
+        *total = narrow(t);                                                                     \
+        return rc;                                                                              \
+    }
+
+#define TOTALMEM_HOOK(symbol, type, narrow)                                                     \
+    CGPU_EXPORT CUresult symbol(type *bytes, CUdevice dev)                                      \
+    {                                                                                           \
+        CUresult rc = CALL_REAL(symbol, bytes, dev);                                            \
+        if (rc != CUDA_SUCCESS || cgpu_state() != CGPU_ACTIVE)                                  \
+            return rc;                                                                          \
+        int slot = cgpu_slot_of_cuda_device(dev);                                               \
+        *bytes = slot >= 0 ? narrow(g_cgpu.device[slot].mem_limit) : 0;                         \
+        return rc;                                                                              \
+    }
+
+static size_t as_size(uint64_t v)
 {
-    /* The driver first: it validates the arguments and the context. */
-    CUresult rc = CALL_REAL(cuMemGetInfo_v2, free_bytes, total);
-    if (rc != CUDA_SUCCESS || cgpu_state() != CGPU_ACTIVE)
-        return rc;
-    uint64_t f, t;
-    instance_mem_info(*free_bytes, &f, &t);
-    *free_bytes = (size_t)f;
-    *total = (size_t)t;
-    return rc;
+    return (size_t)v;
 }
 
 static unsigned int clamp32(uint64_t v)
@@ -970,36 +944,9 @@ static unsigned int clamp32(uint64_t v)
     return v > UINT_MAX ? UINT_MAX : (unsigned int)v;
 }
 
+MEMINFO_HOOK(cuMemGetInfo_v2, size_t, as_size)
 /* The 32-bit view: the driver's own free figure is already clamped, and
  * may be below the instance's real free memory; never above it. */
-CGPU_EXPORT CUresult cuMemGetInfo(unsigned int *free_bytes, unsigned int *total)
-{
-    CUresult rc = CALL_REAL(cuMemGetInfo, free_bytes, total);
-    if (rc != CUDA_SUCCESS || cgpu_state() != CGPU_ACTIVE)
-        return rc;
-    uint64_t f, t;
-    instance_mem_info(*free_bytes, &f, &t);
-    *free_bytes = clamp32(f);
-    *total = clamp32(t);
-    return rc;
-}
-
-CGPU_EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
-{
-    CUresult rc = CALL_REAL(cuDeviceTotalMem_v2, bytes, dev);
-    if (rc != CUDA_SUCCESS || cgpu_state() != CGPU_ACTIVE)
-        return rc;
-    int slot = cgpu_slot_of_cuda_device(dev);
-    *bytes = slot >= 0 ? (size_t)g_cgpu.device[slot].mem_limit : 0;
-    return rc;
-}
-
-CGPU_EXPORT CUresult cuDeviceTotalMem(unsigned int *bytes, CUdevice dev)
-{
-    CUresult rc = CALL_REAL(cuDeviceTotalMem, bytes, dev);
-    if (rc != CUDA_SUCCESS || cgpu_state() != CGPU_ACTIVE)
-        return rc;
-    int slot = cgpu_slot_of_cuda_device(dev);
-    *bytes = slot >= 0 ? clamp32(g_cgpu.device[slot].mem_limit) : 0;
-    return rc;
-}
+MEMINFO_HOOK(cuMemGetInfo, unsigned int, clamp32)
+TOTALMEM_HOOK(cuDeviceTotalMem_v2, size_t, as_size)
+TOTALMEM_HOOK(cuDeviceTotalMem, unsigned int, clamp32)
