@@ -56,40 +56,42 @@
 #define ALLOC_BYTES ((size_t)1 << 20)
 #define VMM_BYTES ((size_t)2 << 20) /* rounded up to the allocation granularity */
 
-/* X(exported symbol, base name for cuGetProcAddress) */
-#define BENCH_FUNCTIONS(X)                                        \
-    X(cuInit, cuInit)                                             \
-    X(cuGetErrorName, cuGetErrorName)                             \
-    X(cuDeviceGet, cuDeviceGet)                                   \
-    X(cuDevicePrimaryCtxRetain, cuDevicePrimaryCtxRetain)         \
-    X(cuDevicePrimaryCtxRelease_v2, cuDevicePrimaryCtxRelease)    \
-    X(cuCtxSetCurrent, cuCtxSetCurrent)                           \
-    X(cuModuleLoadData, cuModuleLoadData)                         \
-    X(cuModuleGetFunction, cuModuleGetFunction)                   \
-    X(cuModuleUnload, cuModuleUnload)                             \
-    X(cuStreamCreate, cuStreamCreate)                             \
-    X(cuStreamDestroy_v2, cuStreamDestroy)                        \
-    X(cuStreamSynchronize, cuStreamSynchronize)                   \
-    X(cuLaunchKernel, cuLaunchKernel)                             \
-    X(cuMemAlloc_v2, cuMemAlloc)                                  \
-    X(cuMemFree_v2, cuMemFree)                                    \
-    X(cuMemGetInfo_v2, cuMemGetInfo)                              \
-    X(cuMemGetAllocationGranularity, cuMemGetAllocationGranularity) \
-    X(cuMemAddressReserve, cuMemAddressReserve)                   \
-    X(cuMemAddressFree, cuMemAddressFree)                         \
-    X(cuMemCreate, cuMemCreate)                                   \
-    X(cuMemMap, cuMemMap)                                         \
-    X(cuMemRelease, cuMemRelease)                                 \
-    X(cuMemUnmap, cuMemUnmap)
+enum mode { M_LAUNCH, M_ALLOCFREE, M_MEMINFO, M_VMM };
+static const char *const mode_names[] = {"launch", "allocfree", "meminfo", "vmm"};
+#define NO_MODE (-1) /* a function no mode measures: setup, teardown, synchronize */
+
+/* X(exported symbol, base name for cuGetProcAddress, the mode that measures
+ * it or NO_MODE); "resolved_from" names the library of each one measured */
+#define BENCH_FUNCTIONS(X)                                                    \
+    X(cuInit, cuInit, NO_MODE)                                                \
+    X(cuGetErrorName, cuGetErrorName, NO_MODE)                                \
+    X(cuDeviceGet, cuDeviceGet, NO_MODE)                                      \
+    X(cuDevicePrimaryCtxRetain, cuDevicePrimaryCtxRetain, NO_MODE)            \
+    X(cuDevicePrimaryCtxRelease_v2, cuDevicePrimaryCtxRelease, NO_MODE)       \
+    X(cuCtxSetCurrent, cuCtxSetCurrent, NO_MODE)                              \
+    X(cuModuleLoadData, cuModuleLoadData, NO_MODE)                            \
+    X(cuModuleGetFunction, cuModuleGetFunction, NO_MODE)                      \
+    X(cuModuleUnload, cuModuleUnload, NO_MODE)                                \
+    X(cuStreamCreate, cuStreamCreate, NO_MODE)                                \
+    X(cuStreamDestroy_v2, cuStreamDestroy, NO_MODE)                           \
+    X(cuStreamSynchronize, cuStreamSynchronize, NO_MODE)                      \
+    X(cuLaunchKernel, cuLaunchKernel, M_LAUNCH)                               \
+    X(cuMemAlloc_v2, cuMemAlloc, M_ALLOCFREE)                                 \
+    X(cuMemFree_v2, cuMemFree, M_ALLOCFREE)                                   \
+    X(cuMemGetInfo_v2, cuMemGetInfo, M_MEMINFO)                               \
+    X(cuMemGetAllocationGranularity, cuMemGetAllocationGranularity, NO_MODE)  \
+    X(cuMemAddressReserve, cuMemAddressReserve, NO_MODE)                      \
+    X(cuMemAddressFree, cuMemAddressFree, NO_MODE)                            \
+    X(cuMemCreate, cuMemCreate, M_VMM)                                        \
+    X(cuMemMap, cuMemMap, M_VMM)                                              \
+    X(cuMemRelease, cuMemRelease, M_VMM)                                      \
+    X(cuMemUnmap, cuMemUnmap, M_VMM)
 
 struct api {
-#define X(sym, base) __typeof__(&sym) sym;
+#define X(sym, base, measured_in) __typeof__(&sym) sym;
     BENCH_FUNCTIONS(X)
 #undef X
 };
-
-enum mode { M_LAUNCH, M_ALLOCFREE, M_MEMINFO, M_VMM };
-static const char *const mode_names[] = {"launch", "allocfree", "meminfo", "vmm"};
 
 struct bench {
     enum mode mode;
@@ -113,7 +115,7 @@ static int load_driver(struct bench *b, int by_dlsym, void **handle)
     if (rc)
         return rc;
     void *dl = *handle;
-#define X(sym, base)                                                                           \
+#define X(sym, base, measured_in)                                                              \
     {                                                                                          \
         CUdriverProcAddressQueryResult st = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;              \
         pfn = NULL;                                                                            \
@@ -204,35 +206,19 @@ static const char *origin(void (*fp)(void))
     return dladdr(p, &info) && info.dli_fname ? info.dli_fname : "?";
 }
 
-/* `"fn":"<library>"`, after `sep`: the entry point's name is written once. */
-#define PRINT_ORIGIN(sep, api, fn)                                                                                     \
-    do {                                                                                                               \
-        printf(sep "\"" #fn "\":");                                                                                    \
-        json_str(origin((void (*)(void))(api)->fn));                                                                   \
-    } while (0)
-
+/* `"fn":"<library>"` for each function of the measured mode. */
 static void print_origins(const struct bench *b)
 {
-    const struct api *f = &b->f;
+    const char *sep = "";
     printf("\"resolved_from\":{");
-    switch (b->mode) {
-    case M_LAUNCH:
-        PRINT_ORIGIN("", f, cuLaunchKernel);
-        break;
-    case M_ALLOCFREE:
-        PRINT_ORIGIN("", f, cuMemAlloc_v2);
-        PRINT_ORIGIN(",", f, cuMemFree_v2);
-        break;
-    case M_MEMINFO:
-        PRINT_ORIGIN("", f, cuMemGetInfo_v2);
-        break;
-    case M_VMM:
-        PRINT_ORIGIN("", f, cuMemCreate);
-        PRINT_ORIGIN(",", f, cuMemMap);
-        PRINT_ORIGIN(",", f, cuMemRelease);
-        PRINT_ORIGIN(",", f, cuMemUnmap);
-        break;
+#define X(sym, base, measured_in)                               \
+    if ((measured_in) == (int)b->mode) {                        \
+        printf("%s\"" #sym "\":", sep);                         \
+        json_str(origin((void (*)(void))b->f.sym));             \
+        sep = ",";                                              \
     }
+    BENCH_FUNCTIONS(X)
+#undef X
     printf("}");
 }
 

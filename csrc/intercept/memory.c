@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "../region/region_ops.h"
+#include "cgpu/array_format.h"
 #include "libcgpu.h"
 
 /* ---- which instance device ------------------------------------------------------ */
@@ -215,9 +216,13 @@ static bool remember_aux(enum alloc_kind kind, uint64_t value, uint64_t bytes, i
     return false;
 }
 
-static bool remember(enum alloc_kind kind, uint64_t value, uint64_t bytes, int slot)
+/* Records what an allocation holds. With the table full its bytes stay
+ * charged (the safe side) and the log says so: the allocation stands. */
+static CUresult keep(enum alloc_kind kind, uint64_t value, uint64_t bytes, int slot)
 {
-    return remember_aux(kind, value, bytes, slot, 0);
+    if (!remember_aux(kind, value, bytes, slot, 0))
+        cgpu_log(CGPU_LOG_ERROR, "allocation table full: %llu bytes stay charged", (unsigned long long)bytes);
+    return CUDA_SUCCESS;
 }
 
 /* Puts a record back after the driver refused to free what it names. The
@@ -230,7 +235,8 @@ static void put_back(enum alloc_kind kind, uint64_t value, uint64_t bytes, int s
                  (unsigned long long)bytes);
 }
 
-/* The live record, left in place; callers serialise on vmm_lock. */
+/* The live record, left in place; callers that change it serialise on
+ * vmm_lock. */
 static struct alloc_entry *lookup(enum alloc_kind kind, uint64_t value)
 {
     struct alloc_entry *t = atomic_load_explicit(&table, memory_order_acquire);
@@ -250,21 +256,17 @@ static struct alloc_entry *lookup(enum alloc_kind kind, uint64_t value)
 /* Takes the record out; exactly one caller gets it. */
 static bool forget_aux(enum alloc_kind kind, uint64_t value, uint64_t *bytes, int *slot, uint64_t *aux)
 {
-    struct alloc_entry *t = atomic_load_explicit(&table, memory_order_acquire);
-    if (!t)
-        return false;
-    uint64_t key = make_key(kind, value);
-    for (size_t n = 0, i = home(key); n < TABLE_SIZE; n++, i = (i + 1) & (TABLE_SIZE - 1)) {
-        uint64_t cur = atomic_load_explicit(&t[i].key, memory_order_acquire);
-        if (cur == KEY_EMPTY)
-            return false;
-        if (cur != key || t[i].value != value)
-            continue;
-        *bytes = t[i].bytes;
-        *slot = t[i].slot;
-        *aux = t[i].aux;
-        if (atomic_compare_exchange_strong(&t[i].key, &cur, KEY_TOMB))
+    /* Read before the exchange, which frees the entry for reuse; a record
+     * another caller took meanwhile fails it: look again. */
+    for (struct alloc_entry *e; (e = lookup(kind, value));) {
+        uint64_t key = make_key(kind, value), b = e->bytes, a = e->aux;
+        int s = e->slot;
+        if (atomic_compare_exchange_strong(&e->key, &key, KEY_TOMB)) {
+            *bytes = b;
+            *slot = s;
+            *aux = a;
             return true;
+        }
     }
     return false;
 }
@@ -315,28 +317,30 @@ static enum route route_current(int *slot)
     case ROUTE_CHARGE: break;                                                                   \
     }
 
-/* Charge, call the driver, then remember what the result holds or roll back. */
-#define CHARGED_CALL(kind, slot, bytes, key, symbol, ...)                                       \
+/* Charge `bytes`, make `call` (the driver's answer) and roll the charge back
+ * if it fails; else return `settle`, evaluated only then. */
+#define CHARGE_AROUND(slot, bytes, call, settle)                                                \
     do {                                                                                        \
         if (!charge(slot, bytes))                                                               \
             return CUDA_ERROR_OUT_OF_MEMORY;                                                    \
-        CUresult rc_ = CALL_REAL(symbol, __VA_ARGS__);                                          \
+        CUresult rc_ = (call);                                                                  \
         if (rc_ != CUDA_SUCCESS) {                                                              \
             uncharge(slot, bytes);                                                              \
             return rc_;                                                                         \
         }                                                                                       \
-        if (!remember(kind, (uint64_t)(key), bytes, slot))                                      \
-            cgpu_log(CGPU_LOG_ERROR, "allocation table full: %llu bytes stay charged",          \
-                     (unsigned long long)(bytes));                                              \
-        return CUDA_SUCCESS;                                                                    \
+        return settle;                                                                          \
     } while (0)
+
+/* Charge, call the driver, then remember what the result holds or roll back. */
+#define CHARGED_CALL(kind, slot, bytes, key, symbol, ...) \
+    CHARGE_AROUND(slot, bytes, CALL_REAL(symbol, __VA_ARGS__), keep(kind, (uint64_t)(key), bytes, slot))
 
 /* Gives back what the freed object held, exactly once; if the driver
  * refuses the free, the record goes back. */
 #define RELEASING_CALL(kind, value, symbol, ...)                                                \
     do {                                                                                        \
-        uint64_t bytes_;                                                                        \
-        int slot_;                                                                              \
+        uint64_t bytes_ = 0; /* both read only when held_ */                                   \
+        int slot_ = -1;                                                                         \
         bool held_ = cgpu_state() == CGPU_ACTIVE && forget(kind, (uint64_t)(value), &bytes_, &slot_); \
         CUresult rc_ = CALL_REAL(symbol, __VA_ARGS__);                                          \
         if (held_ && rc_ == CUDA_SUCCESS)                                                       \
@@ -346,63 +350,28 @@ static enum route route_current(int *slot)
         return rc_;                                                                             \
     } while (0)
 
-CGPU_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
-{
-    int slot = -1;
-    ROUTE_OR_RETURN(dptr && bytesize ? route_current(&slot) : ROUTE_FORWARD, cuMemAlloc_v2, dptr, bytesize);
-    CHARGED_CALL(KIND_POINTER, slot, bytesize, *dptr, cuMemAlloc_v2, dptr, bytesize);
-}
+/* An allocation of `bytesize` bytes at *dptr on the current GPU, charged
+ * before the driver is asked: one definition per entry point, `params` its
+ * parameter list (naming dptr and bytesize), the rest its arguments. */
+#define ALLOC_HOOK(symbol, params, ...)                                                         \
+    CGPU_EXPORT CUresult symbol params                                                          \
+    {                                                                                           \
+        int slot = -1;                                                                          \
+        ROUTE_OR_RETURN(dptr && bytesize ? route_current(&slot) : ROUTE_FORWARD, symbol, __VA_ARGS__); \
+        CHARGED_CALL(KIND_POINTER, slot, bytesize, *dptr, symbol, __VA_ARGS__);                 \
+    }
 
-CGPU_EXPORT CUresult cuMemAlloc(CUdeviceptr_v1 *dptr, unsigned int bytesize)
-{
-    int slot = -1;
-    ROUTE_OR_RETURN(dptr && bytesize ? route_current(&slot) : ROUTE_FORWARD, cuMemAlloc, dptr, bytesize);
-    CHARGED_CALL(KIND_POINTER, slot, bytesize, *dptr, cuMemAlloc, dptr, bytesize);
-}
-
-CGPU_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags)
-{
-    int slot = -1;
-    /* Counted in full against the current GPU: managed memory can all
-     * become resident there. */
-    ROUTE_OR_RETURN(dptr && bytesize ? route_current(&slot) : ROUTE_FORWARD, cuMemAllocManaged, dptr, bytesize,
-                    flags);
-    CHARGED_CALL(KIND_POINTER, slot, bytesize, *dptr, cuMemAllocManaged, dptr, bytesize, flags);
-}
-
-CGPU_EXPORT CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
-{
-    int slot = -1;
-    ROUTE_OR_RETURN(dptr && bytesize ? route_current(&slot) : ROUTE_FORWARD, cuMemAllocAsync, dptr, bytesize,
-                    hStream);
-    CHARGED_CALL(KIND_POINTER, slot, bytesize, *dptr, cuMemAllocAsync, dptr, bytesize, hStream);
-}
-
-CGPU_EXPORT CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
-{
-    int slot = -1;
-    ROUTE_OR_RETURN(dptr && bytesize ? route_current(&slot) : ROUTE_FORWARD, cuMemAllocAsync_ptsz, dptr,
-                    bytesize, hStream);
-    CHARGED_CALL(KIND_POINTER, slot, bytesize, *dptr, cuMemAllocAsync_ptsz, dptr, bytesize, hStream);
-}
-
-CGPU_EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
-                                             CUstream hStream)
-{
-    int slot = -1;
-    ROUTE_OR_RETURN(dptr && bytesize ? route_current(&slot) : ROUTE_FORWARD, cuMemAllocFromPoolAsync, dptr,
-                    bytesize, pool, hStream);
-    CHARGED_CALL(KIND_POINTER, slot, bytesize, *dptr, cuMemAllocFromPoolAsync, dptr, bytesize, pool, hStream);
-}
-
-CGPU_EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
-                                                  CUstream hStream)
-{
-    int slot = -1;
-    ROUTE_OR_RETURN(dptr && bytesize ? route_current(&slot) : ROUTE_FORWARD, cuMemAllocFromPoolAsync_ptsz, dptr,
-                    bytesize, pool, hStream);
-    CHARGED_CALL(KIND_POINTER, slot, bytesize, *dptr, cuMemAllocFromPoolAsync_ptsz, dptr, bytesize, pool, hStream);
-}
+ALLOC_HOOK(cuMemAlloc_v2, (CUdeviceptr *dptr, size_t bytesize), dptr, bytesize)
+ALLOC_HOOK(cuMemAlloc, (CUdeviceptr_v1 *dptr, unsigned int bytesize), dptr, bytesize)
+/* Counted in full against the current GPU: managed memory can all become
+ * resident there. */
+ALLOC_HOOK(cuMemAllocManaged, (CUdeviceptr *dptr, size_t bytesize, unsigned int flags), dptr, bytesize, flags)
+ALLOC_HOOK(cuMemAllocAsync, (CUdeviceptr *dptr, size_t bytesize, CUstream hStream), dptr, bytesize, hStream)
+ALLOC_HOOK(cuMemAllocAsync_ptsz, (CUdeviceptr *dptr, size_t bytesize, CUstream hStream), dptr, bytesize, hStream)
+ALLOC_HOOK(cuMemAllocFromPoolAsync, (CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream), dptr,
+           bytesize, pool, hStream)
+ALLOC_HOOK(cuMemAllocFromPoolAsync_ptsz, (CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream),
+           dptr, bytesize, pool, hStream)
 
 /* Moves the charge of a pitched allocation from the guess to its real size;
  * frees it if the limit cannot take the difference. */
@@ -415,9 +384,7 @@ static CUresult settle_pitch(int slot, uint64_t guess, uint64_t real, CUdevicept
     }
     if (real < guess)
         uncharge(slot, guess - real);
-    if (!remember(KIND_POINTER, ptr, real, slot))
-        cgpu_log(CGPU_LOG_ERROR, "allocation table full: %llu bytes stay charged", (unsigned long long)real);
-    return CUDA_SUCCESS;
+    return keep(KIND_POINTER, ptr, real, slot);
 }
 
 /* The pitch is the driver's choice: charge a row rounded to 512 bytes (the
@@ -431,14 +398,8 @@ CGPU_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_
     ROUTE_OR_RETURN(sane ? route_current(&slot) : ROUTE_FORWARD, cuMemAllocPitch_v2, dptr, pPitch, WidthInBytes,
                     Height, ElementSizeBytes);
     uint64_t guess = row * Height;
-    if (!charge(slot, guess))
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    CUresult rc = CALL_REAL(cuMemAllocPitch_v2, dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
-    if (rc != CUDA_SUCCESS) {
-        uncharge(slot, guess);
-        return rc;
-    }
-    return settle_pitch(slot, guess, (uint64_t)*pPitch * Height, *dptr);
+    CHARGE_AROUND(slot, guess, CALL_REAL(cuMemAllocPitch_v2, dptr, pPitch, WidthInBytes, Height, ElementSizeBytes),
+                  settle_pitch(slot, guess, (uint64_t)*pPitch * Height, *dptr));
 }
 
 CGPU_EXPORT CUresult cuMemAllocPitch(CUdeviceptr_v1 *dptr, unsigned int *pPitch, unsigned int WidthInBytes,
@@ -450,36 +411,16 @@ CGPU_EXPORT CUresult cuMemAllocPitch(CUdeviceptr_v1 *dptr, unsigned int *pPitch,
     ROUTE_OR_RETURN(sane ? route_current(&slot) : ROUTE_FORWARD, cuMemAllocPitch, dptr, pPitch, WidthInBytes, Height,
                     ElementSizeBytes);
     uint64_t guess = row * Height;
-    if (!charge(slot, guess))
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    CUresult rc = CALL_REAL(cuMemAllocPitch, dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
-    if (rc != CUDA_SUCCESS) {
-        uncharge(slot, guess);
-        return rc;
-    }
-    return settle_pitch(slot, guess, (uint64_t)*pPitch * Height, *dptr);
-}
-
-static uint64_t format_bytes(CUarray_format f)
-{
-    switch (f) {
-    case CU_AD_FORMAT_UNSIGNED_INT8:
-    case CU_AD_FORMAT_SIGNED_INT8: return 1;
-    case CU_AD_FORMAT_UNSIGNED_INT16:
-    case CU_AD_FORMAT_SIGNED_INT16:
-    case CU_AD_FORMAT_HALF: return 2;
-    case CU_AD_FORMAT_UNSIGNED_INT32:
-    case CU_AD_FORMAT_SIGNED_INT32:
-    case CU_AD_FORMAT_FLOAT: return 4;
-    default: return 8; /* wider formats: count generously */
-    }
+    CHARGE_AROUND(slot, guess, CALL_REAL(cuMemAllocPitch, dptr, pPitch, WidthInBytes, Height, ElementSizeBytes),
+                  settle_pitch(slot, guess, (uint64_t)*pPitch * Height, *dptr));
 }
 
 /* Bytes of a W x H x D array level; 0 (forward, the driver rejects it)
  * when the description cannot be sized. */
 static uint64_t array_bytes(uint64_t w, uint64_t h, uint64_t d, CUarray_format f, unsigned channels)
 {
-    uint64_t elem = format_bytes(f) * (channels ? channels : 1);
+    uint64_t format = cgpu_array_format_bytes(f);
+    uint64_t elem = (format ? format : 8) * (channels ? channels : 1); /* wider formats: count generously */
     uint64_t n = w;
     for (uint64_t dim = h ? h : 1, k = 0; k < 2; k++, dim = d ? d : 1) {
         if (n > UINT64_MAX / dim)
@@ -508,39 +449,23 @@ static CUresult create_array(void **out, uint64_t bytes, enum cgpu_hook_id id, c
     case ROUTE_REFUSE: return CUDA_ERROR_OUT_OF_MEMORY;
     case ROUTE_CHARGE: break;
     }
-    if (!charge(slot, bytes))
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    CUresult rc = call_array_create(id, out, desc, levels);
-    if (rc != CUDA_SUCCESS)
-        uncharge(slot, bytes);
-    else if (!remember(KIND_ARRAY, (uint64_t)(uintptr_t)*out, bytes, slot))
-        cgpu_log(CGPU_LOG_ERROR, "allocation table full: %llu bytes stay charged", (unsigned long long)bytes);
-    return rc;
+    CHARGE_AROUND(slot, bytes, call_array_create(id, out, desc, levels),
+                  keep(KIND_ARRAY, (uint64_t)(uintptr_t)*out, bytes, slot));
 }
 
-CGPU_EXPORT CUresult cuArrayCreate_v2(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR *d)
-{
-    uint64_t bytes = d ? array_bytes(d->Width, d->Height, 0, d->Format, d->NumChannels) : 0;
-    return create_array((void **)pHandle, bytes, HOOK_cuArrayCreate_v2, d, 0);
-}
+/* One definition per array entry point and descriptor version; `depth`,
+ * an expression of the descriptor d, is 0 for the 2D ones. */
+#define ARRAY_HOOK(symbol, desc_t, depth)                                                       \
+    CGPU_EXPORT CUresult symbol(CUarray *pHandle, const desc_t *d)                              \
+    {                                                                                           \
+        uint64_t bytes = d ? array_bytes(d->Width, d->Height, depth, d->Format, d->NumChannels) : 0; \
+        return create_array((void **)pHandle, bytes, HOOK_##symbol, d, 0);                      \
+    }
 
-CGPU_EXPORT CUresult cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *d)
-{
-    uint64_t bytes = d ? array_bytes(d->Width, d->Height, d->Depth, d->Format, d->NumChannels) : 0;
-    return create_array((void **)pHandle, bytes, HOOK_cuArray3DCreate_v2, d, 0);
-}
-
-CGPU_EXPORT CUresult cuArrayCreate(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR_v1 *d)
-{
-    uint64_t bytes = d ? array_bytes(d->Width, d->Height, 0, d->Format, d->NumChannels) : 0;
-    return create_array((void **)pHandle, bytes, HOOK_cuArrayCreate, d, 0);
-}
-
-CGPU_EXPORT CUresult cuArray3DCreate(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR_v1 *d)
-{
-    uint64_t bytes = d ? array_bytes(d->Width, d->Height, d->Depth, d->Format, d->NumChannels) : 0;
-    return create_array((void **)pHandle, bytes, HOOK_cuArray3DCreate, d, 0);
-}
+ARRAY_HOOK(cuArrayCreate_v2, CUDA_ARRAY_DESCRIPTOR, 0)
+ARRAY_HOOK(cuArray3DCreate_v2, CUDA_ARRAY3D_DESCRIPTOR, d->Depth)
+ARRAY_HOOK(cuArrayCreate, CUDA_ARRAY_DESCRIPTOR_v1, 0)
+ARRAY_HOOK(cuArray3DCreate, CUDA_ARRAY3D_DESCRIPTOR_v1, d->Depth)
 
 CGPU_EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *d,
                                             unsigned int numMipmapLevels)
@@ -982,17 +907,36 @@ static void instance_mem_info(uint64_t gpu_free, uint64_t *free_bytes, uint64_t 
     *total = limit;
 }
 
-CGPU_EXPORT CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total)
+/* The memory queries, one definition per entry point: the driver first (it
+ * validates the arguments and the context), then the instance's figures,
+ * `narrow`ed to the entry point's `type`. */
+#define MEMINFO_HOOK(symbol, type, narrow)                                                      \
+    CGPU_EXPORT CUresult symbol(type *free_bytes, type *total)                                  \
+    {                                                                                           \
+        CUresult rc = CALL_REAL(symbol, free_bytes, total);                                     \
+        if (rc != CUDA_SUCCESS || cgpu_state() != CGPU_ACTIVE)                                  \
+            return rc;                                                                          \
+        uint64_t f, t;                                                                          \
+        instance_mem_info(*free_bytes, &f, &t);                                                 \
+        *free_bytes = narrow(f);                                                                \
+        *total = narrow(t);                                                                     \
+        return rc;                                                                              \
+    }
+
+#define TOTALMEM_HOOK(symbol, type, narrow)                                                     \
+    CGPU_EXPORT CUresult symbol(type *bytes, CUdevice dev)                                      \
+    {                                                                                           \
+        CUresult rc = CALL_REAL(symbol, bytes, dev);                                            \
+        if (rc != CUDA_SUCCESS || cgpu_state() != CGPU_ACTIVE)                                  \
+            return rc;                                                                          \
+        int slot = cgpu_slot_of_cuda_device(dev);                                               \
+        *bytes = slot >= 0 ? narrow(g_cgpu.device[slot].mem_limit) : 0;                         \
+        return rc;                                                                              \
+    }
+
+static size_t as_size(uint64_t v)
 {
-    /* The driver first: it validates the arguments and the context. */
-    CUresult rc = CALL_REAL(cuMemGetInfo_v2, free_bytes, total);
-    if (rc != CUDA_SUCCESS || cgpu_state() != CGPU_ACTIVE)
-        return rc;
-    uint64_t f, t;
-    instance_mem_info(*free_bytes, &f, &t);
-    *free_bytes = (size_t)f;
-    *total = (size_t)t;
-    return rc;
+    return (size_t)v;
 }
 
 static unsigned int clamp32(uint64_t v)
@@ -1000,36 +944,9 @@ static unsigned int clamp32(uint64_t v)
     return v > UINT_MAX ? UINT_MAX : (unsigned int)v;
 }
 
+MEMINFO_HOOK(cuMemGetInfo_v2, size_t, as_size)
 /* The 32-bit view: the driver's own free figure is already clamped, and
  * may be below the instance's real free memory; never above it. */
-CGPU_EXPORT CUresult cuMemGetInfo(unsigned int *free_bytes, unsigned int *total)
-{
-    CUresult rc = CALL_REAL(cuMemGetInfo, free_bytes, total);
-    if (rc != CUDA_SUCCESS || cgpu_state() != CGPU_ACTIVE)
-        return rc;
-    uint64_t f, t;
-    instance_mem_info(*free_bytes, &f, &t);
-    *free_bytes = clamp32(f);
-    *total = clamp32(t);
-    return rc;
-}
-
-CGPU_EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
-{
-    CUresult rc = CALL_REAL(cuDeviceTotalMem_v2, bytes, dev);
-    if (rc != CUDA_SUCCESS || cgpu_state() != CGPU_ACTIVE)
-        return rc;
-    int slot = cgpu_slot_of_cuda_device(dev);
-    *bytes = slot >= 0 ? (size_t)g_cgpu.device[slot].mem_limit : 0;
-    return rc;
-}
-
-CGPU_EXPORT CUresult cuDeviceTotalMem(unsigned int *bytes, CUdevice dev)
-{
-    CUresult rc = CALL_REAL(cuDeviceTotalMem, bytes, dev);
-    if (rc != CUDA_SUCCESS || cgpu_state() != CGPU_ACTIVE)
-        return rc;
-    int slot = cgpu_slot_of_cuda_device(dev);
-    *bytes = slot >= 0 ? clamp32(g_cgpu.device[slot].mem_limit) : 0;
-    return rc;
-}
+MEMINFO_HOOK(cuMemGetInfo, unsigned int, clamp32)
+TOTALMEM_HOOK(cuDeviceTotalMem_v2, size_t, as_size)
+TOTALMEM_HOOK(cuDeviceTotalMem, unsigned int, clamp32)

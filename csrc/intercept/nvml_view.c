@@ -91,6 +91,20 @@ static nvmlReturn_t keep_own(const unsigned char *all, unsigned int n, size_t si
     return rc;
 }
 
+/* keep_own() for a driver's answer `rc` of per-process utilisation samples:
+ * none of the instance's left is NOT_FOUND, as NVML answers when no
+ * process has a sample. */
+static nvmlReturn_t keep_own_samples(nvmlReturn_t rc, const unsigned char *all, unsigned int n, size_t size,
+                                     size_t pid_at, unsigned int *count, unsigned char *out)
+{
+    if (rc == NVML_ERROR_NOT_FOUND)
+        *count = 0;
+    if (rc != NVML_SUCCESS)
+        return rc;
+    rc = keep_own(all, n, size, pid_at, count, out);
+    return rc == NVML_SUCCESS && *count == 0 ? NVML_ERROR_NOT_FOUND : rc;
+}
+
 /* The pid is the first field of every nvmlProcessInfo version. */
 #define PROCESS_HOOK(symbol, type)                                                              \
     CGPU_EXPORT nvmlReturn_t symbol(nvmlDevice_t device, unsigned int *infoCount, type *infos)  \
@@ -116,8 +130,7 @@ PROCESS_HOOK(nvmlDeviceGetMPSComputeRunningProcesses_v2, nvmlProcessInfo_v2_t)
 PROCESS_HOOK(nvmlDeviceGetMPSComputeRunningProcesses_v3, nvmlProcessInfo_t)
 
 /* Per-process utilisation names pids and their share of the GPU: only the
- * instance's own. No sample left is NOT_FOUND, as NVML answers when no
- * process has a sample. */
+ * instance's own. */
 CGPU_EXPORT nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device,
                                                          nvmlProcessUtilizationSample_t *utilization,
                                                          unsigned int *processSamplesCount,
@@ -129,13 +142,9 @@ CGPU_EXPORT nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device,
     nvmlProcessUtilizationSample_t all[MAX_LISTED];
     unsigned int n = MAX_LISTED;
     nvmlReturn_t rc = CALL_NVML(nvmlDeviceGetProcessUtilization, device, all, &n, lastSeenTimeStamp);
-    if (rc == NVML_ERROR_NOT_FOUND)
-        *processSamplesCount = 0;
-    if (rc != NVML_SUCCESS)
-        return rc;
-    rc = keep_own((const unsigned char *)all, n, sizeof(all[0]), offsetof(nvmlProcessUtilizationSample_t, pid),
-                  processSamplesCount, (unsigned char *)utilization);
-    return rc == NVML_SUCCESS && *processSamplesCount == 0 ? NVML_ERROR_NOT_FOUND : rc;
+    return keep_own_samples(rc, (const unsigned char *)all, n, sizeof(all[0]),
+                            offsetof(nvmlProcessUtilizationSample_t, pid), processSamplesCount,
+                            (unsigned char *)utilization);
 }
 
 CGPU_EXPORT nvmlReturn_t nvmlDeviceGetProcessesUtilizationInfo(nvmlDevice_t device,
@@ -154,14 +163,9 @@ CGPU_EXPORT nvmlReturn_t nvmlDeviceGetProcessesUtilizationInfo(nvmlDevice_t devi
     mine.processSamplesCount = MAX_LISTED;
     mine.procUtilArray = all;
     nvmlReturn_t rc = CALL_NVML(nvmlDeviceGetProcessesUtilizationInfo, device, &mine);
-    if (rc == NVML_ERROR_NOT_FOUND)
-        info->processSamplesCount = 0;
-    if (rc != NVML_SUCCESS)
-        return rc;
-    rc = keep_own((const unsigned char *)all, mine.processSamplesCount, sizeof(all[0]),
-                  offsetof(nvmlProcessUtilizationInfo_v1_t, pid), &info->processSamplesCount,
-                  (unsigned char *)info->procUtilArray);
-    return rc == NVML_SUCCESS && info->processSamplesCount == 0 ? NVML_ERROR_NOT_FOUND : rc;
+    return keep_own_samples(rc, (const unsigned char *)all, mine.processSamplesCount, sizeof(all[0]),
+                            offsetof(nvmlProcessUtilizationInfo_v1_t, pid), &info->processSamplesCount,
+                            (unsigned char *)info->procUtilArray);
 }
 
 /* Every mode of the list, pid first in each entry. An unknown version is

@@ -149,6 +149,26 @@ static struct tenant *find(struct gpu_loop *g, uint64_t key)
     return NULL;
 }
 
+/* Takes the mutex and finds tenant `key` of `gpu` (and its loop, unless `g`
+ * is NULL): 0 with the mutex held for the caller to release; else, not
+ * holding it, EINVAL without an engine, ENODEV for a GPU it does not drive,
+ * ENOENT for a tenant it does not know. */
+static int lock_tenant(struct cgpu_engine *e, unsigned gpu, uint64_t key, struct gpu_loop **g, struct tenant **t)
+{
+    struct gpu_loop *loop = loop_at(e, gpu);
+    if (!loop)
+        return e ? CGPU_SCHED_ENODEV : CGPU_SCHED_EINVAL;
+    pthread_mutex_lock(&e->mu);
+    *t = find(loop, key);
+    if (!*t) {
+        pthread_mutex_unlock(&e->mu);
+        return CGPU_SCHED_ENOENT;
+    }
+    if (g)
+        *g = loop;
+    return 0;
+}
+
 static void unmap_tenant(struct tenant *t)
 {
     if (t->grants)
@@ -325,27 +345,24 @@ static void forget(struct cgpu_engine *e, unsigned gpu, struct tenant *t)
 
 int cgpu_engine_detach(struct cgpu_engine *e, unsigned gpu, uint64_t key)
 {
-    struct gpu_loop *g = loop_at(e, gpu);
-    if (!g)
-        return e ? CGPU_SCHED_ENODEV : CGPU_SCHED_EINVAL;
-    pthread_mutex_lock(&e->mu);
-    struct tenant *t = find(g, key);
-    int rc = t ? 0 : CGPU_SCHED_ENOENT;
-    if (t && g->fencing == t) {
+    struct gpu_loop *g;
+    struct tenant *t;
+    int rc = lock_tenant(e, gpu, key, &g, &t);
+    if (rc)
+        return rc;
+    if (g->fencing == t) {
         t->detach_pending = 1; /* the loop reads its files right now; it finishes this */
         if (g->bell_wait)
             gate_set(t, 0); /* it only sleeps on the holder's bell: close now, as forget would */
-    }
-    else if (t)
+    } else {
         forget(e, gpu, t);
-    if (t) {
-        cgpu_sched_tenant_remove(e->sched, gpu, key);
-        if (g->quiet_key == key)
-            g->quiet_key = 0;
-        wake_loop(g);
     }
+    cgpu_sched_tenant_remove(e->sched, gpu, key);
+    if (g->quiet_key == key)
+        g->quiet_key = 0;
+    wake_loop(g);
     pthread_mutex_unlock(&e->mu);
-    return rc;
+    return 0;
 }
 
 void cgpu_engine_stop(struct cgpu_engine *e)
@@ -908,12 +925,11 @@ int cgpu_engine_stats_get(struct cgpu_engine *e, unsigned gpu, struct cgpu_engin
 
 int cgpu_engine_tenant_damaged(struct cgpu_engine *e, unsigned gpu, uint64_t key)
 {
-    struct gpu_loop *g = loop_at(e, gpu);
-    if (!g)
-        return e ? CGPU_SCHED_ENODEV : CGPU_SCHED_EINVAL;
-    pthread_mutex_lock(&e->mu);
-    struct tenant *t = find(g, key);
-    int rc = !t ? CGPU_SCHED_ENOENT : t->usage_guard && cgpu_guard_damaged(t->usage_guard - 1);
+    struct tenant *t;
+    int rc = lock_tenant(e, gpu, key, NULL, &t);
+    if (rc)
+        return rc;
+    rc = t->usage_guard && cgpu_guard_damaged(t->usage_guard - 1);
     pthread_mutex_unlock(&e->mu);
     return rc;
 }
@@ -931,16 +947,17 @@ int cgpu_engine_tenant_get(struct cgpu_engine *e, unsigned gpu, uint64_t key, st
 int cgpu_engine_tenant_metrics_get(struct cgpu_engine *e, unsigned gpu, uint64_t key,
                                    struct cgpu_engine_tenant_metrics *out)
 {
-    struct gpu_loop *g = loop_at(e, gpu);
-    if (!g || !out)
-        return !e || !out ? CGPU_SCHED_EINVAL : CGPU_SCHED_ENODEV;
-    pthread_mutex_lock(&e->mu);
-    struct tenant *t = find(g, key);
-    if (t)
-        *out = (struct cgpu_engine_tenant_metrics){.charged_ns = t->charged_ns, .throttled_ns = t->throttled_ns,
-                                                   .grants = t->granted, .window_ns = g->win_ns,
-                                                   .window_charged_ns = t->win_charged,
-                                                   .idle_grace_ns = idle_grace(t)};
+    if (!out)
+        return CGPU_SCHED_EINVAL;
+    struct gpu_loop *g;
+    struct tenant *t;
+    int rc = lock_tenant(e, gpu, key, &g, &t);
+    if (rc)
+        return rc;
+    *out = (struct cgpu_engine_tenant_metrics){.charged_ns = t->charged_ns, .throttled_ns = t->throttled_ns,
+                                               .grants = t->granted, .window_ns = g->win_ns,
+                                               .window_charged_ns = t->win_charged,
+                                               .idle_grace_ns = idle_grace(t)};
     pthread_mutex_unlock(&e->mu);
-    return t ? 0 : CGPU_SCHED_ENOENT;
+    return 0;
 }

@@ -10,6 +10,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdbool.h>
+#include <stddef.h>
 
 #include "cgpu/cuda_abi.h"
 #include "simstate.h"
@@ -187,6 +188,16 @@ CUresult sim_require_ctx_args(struct sim_ctx **out, bool bad_args);
 /* sim_check_init, then h a live object of its kind: one whose first member
  * is `magic`; else `bad` (INVALID_HANDLE or INVALID_VALUE by kind). */
 CUresult sim_check_handle(const void *h, uint32_t magic, CUresult bad);
+/* Defines `static CUresult name(handle_t h, type **out)`: the init check and
+ * handle lookup (sim_check_handle) that open the calls on one kind of object. */
+#define SIM_HANDLE_GET(name, handle_t, type, magic_value, bad)                                     \
+    static CUresult name(handle_t h, type **out)                                                   \
+    {                                                                                              \
+        _Static_assert(offsetof(type, magic) == 0, "sim_check_handle reads the magic first");      \
+        *out = (type *)h;                                                                          \
+        return sim_check_handle(*out, magic_value, bad);                                           \
+    }
+
 /* Validates a context handle the application passed. */
 bool sim_ctx_valid(const struct sim_ctx *ctx);
 void sim_ctx_note_end(struct sim_ctx *ctx, uint64_t end);

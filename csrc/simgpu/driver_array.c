@@ -3,6 +3,7 @@
 #define _GNU_SOURCE
 #include <stdlib.h>
 
+#include "cgpu/array_format.h"
 #include "driver.h"
 
 struct sim_array {
@@ -11,25 +12,10 @@ struct sim_array {
     uint64_t size;
 };
 
-static uint64_t format_bytes(CUarray_format f)
-{
-    switch (f) {
-    case CU_AD_FORMAT_UNSIGNED_INT8:
-    case CU_AD_FORMAT_SIGNED_INT8: return 1;
-    case CU_AD_FORMAT_UNSIGNED_INT16:
-    case CU_AD_FORMAT_SIGNED_INT16:
-    case CU_AD_FORMAT_HALF: return 2;
-    case CU_AD_FORMAT_UNSIGNED_INT32:
-    case CU_AD_FORMAT_SIGNED_INT32:
-    case CU_AD_FORMAT_FLOAT: return 4;
-    default: return 0;
-    }
-}
-
 /* Bytes of a W x H x D array level, 0 if the description is invalid. */
 static uint64_t array_bytes(size_t w, size_t h, size_t d, CUarray_format f, unsigned channels)
 {
-    uint64_t elem = format_bytes(f);
+    uint64_t elem = cgpu_array_format_bytes(f);
     if (!elem || w == 0 || (channels != 1 && channels != 2 && channels != 4))
         return 0;
     uint64_t n = (uint64_t)w * (h ? h : 1);

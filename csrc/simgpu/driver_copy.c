@@ -42,9 +42,8 @@ CUresult sim_copy_stream(CUstream h, bool per_thread, bool sync, struct sim_stre
     if (rc)
         return rc;
     if (sync) {
-        uint64_t end = *out == &(*out)->ctx->legacy ? atomic_load(&(*out)->ctx->last_end) : atomic_load(&(*out)->tail);
-        if (end > sim_now_ns())
-            sim_sleep_until(end);
+        struct sim_stream *s = *out;
+        sim_sleep_until(s == &s->ctx->legacy ? atomic_load(&s->ctx->last_end) : atomic_load(&s->tail));
     }
     return CUDA_SUCCESS;
 }

@@ -99,10 +99,6 @@ CUresult sim_check_init_args(bool bad_args)
     return rc ? rc : bad_args ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
 }
 
-_Static_assert(offsetof(struct sim_module, magic) == 0 && offsetof(struct sim_event, magic) == 0 &&
-                   offsetof(struct sim_pool, magic) == 0,
-               "sim_check_handle reads a handle's magic as its first member");
-
 CUresult sim_check_handle(const void *h, uint32_t magic, CUresult bad)
 {
     CUresult rc = sim_check_init();
@@ -466,12 +462,17 @@ SIM_EXPORT CUresult cuDeviceGetByPCIBusId(CUdevice *dev, const char *pciBusId)
     return CUDA_ERROR_INVALID_DEVICE;
 }
 
+/* sim_device for the two devices of a peer query. */
+static CUresult device_pair(CUdevice a, CUdevice b, int *phys_a, int *phys_b)
+{
+    CUresult rc = sim_device(a, phys_a);
+    return rc ? rc : sim_device(b, phys_b);
+}
+
 SIM_EXPORT CUresult cuDeviceCanAccessPeer(int *canAccessPeer, CUdevice dev, CUdevice peerDev)
 {
     int phys, peer;
-    CUresult rc = sim_device(dev, &phys);
-    if (!rc)
-        rc = sim_device(peerDev, &peer);
+    CUresult rc = device_pair(dev, peerDev, &phys, &peer);
     if (rc)
         return rc;
     if (!canAccessPeer)
@@ -486,9 +487,7 @@ SIM_EXPORT CUresult cuDeviceGetP2PAttribute(int *value, CUdevice_P2PAttribute at
                                             CUdevice dstDevice)
 {
     int src, dst;
-    CUresult rc = sim_device(srcDevice, &src);
-    if (!rc)
-        rc = sim_device(dstDevice, &dst);
+    CUresult rc = device_pair(srcDevice, dstDevice, &src, &dst);
     if (rc)
         return rc;
     if (src == dst)
@@ -582,15 +581,20 @@ static CUresult use_gpu(int dev)
     return rc;
 }
 
+/* The checks that open a context on device `dev`: sim_device_args, the GPU
+ * still on the bus, then use_gpu. */
+static CUresult context_device(CUdevice dev, int *phys, bool bad_args)
+{
+    CUresult rc = sim_device_args(dev, phys, bad_args);
+    if (!rc)
+        rc = gpu_usable(*phys, NULL);
+    return rc ? rc : use_gpu(*phys);
+}
+
 SIM_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
 {
     int phys;
-    CUresult rc = sim_device_args(dev, &phys, !pctx);
-    if (rc)
-        return rc;
-    rc = gpu_usable(phys, NULL);
-    if (!rc)
-        rc = use_gpu(phys);
+    CUresult rc = context_device(dev, &phys, !pctx);
     if (rc)
         return rc;
     pthread_mutex_lock(&sim_drv.lock);
@@ -665,12 +669,7 @@ static CUresult push_ctx(struct sim_ctx *ctx)
 CUresult sim_ctx_create(CUcontext *pctx, unsigned int flags, CUdevice dev)
 {
     int phys;
-    CUresult rc = sim_device_args(dev, &phys, !pctx || (flags & ~0xffu));
-    if (rc)
-        return rc;
-    rc = gpu_usable(phys, NULL);
-    if (!rc)
-        rc = use_gpu(phys);
+    CUresult rc = context_device(dev, &phys, !pctx || (flags & ~0xffu));
     if (rc)
         return rc;
     struct sim_ctx *ctx = calloc(1, sizeof(*ctx));
@@ -794,9 +793,7 @@ SIM_EXPORT CUresult cuCtxSynchronize(void)
     CUresult rc = sim_require_ctx(&ctx);
     if (rc)
         return rc;
-    uint64_t end = atomic_load(&ctx->last_end);
-    if (end > sim_now_ns())
-        sim_sleep_until(end);
+    sim_sleep_until(atomic_load(&ctx->last_end));
     return CUDA_SUCCESS;
 }
 

@@ -93,12 +93,7 @@ SIM_EXPORT CUresult cuModuleLoadData(CUmodule *module, const void *image)
     return CUDA_SUCCESS;
 }
 
-/* The init check and handle lookup that open every module call. */
-static CUresult module_get(CUmodule hmod, struct sim_module **m)
-{
-    *m = (struct sim_module *)hmod;
-    return sim_check_handle(*m, MAGIC_MODULE, CUDA_ERROR_INVALID_HANDLE);
-}
+SIM_HANDLE_GET(module_get, CUmodule, struct sim_module, MAGIC_MODULE, CUDA_ERROR_INVALID_HANDLE)
 
 SIM_EXPORT CUresult cuModuleUnload(CUmodule hmod)
 {
@@ -139,11 +134,11 @@ CUstreamCaptureStatus sim_capture_status(const struct sim_stream *s);
 void sim_capture_forget(const struct sim_stream *s);
 CUresult sim_capture_launch(struct sim_stream *s, CUfunction f, const unsigned grid[3], const unsigned block[3],
                             void **params, void **extra, bool *captured);
-                            
-                            #define PER_THREAD_SLOTS 8
-                            static _Thread_local struct sim_stream per_thread_stream[PER_THREAD_SLOTS];
-                            
-                            static struct sim_stream *per_thread_of(struct sim_ctx *ctx)
+
+#define PER_THREAD_SLOTS 8
+static _Thread_local struct sim_stream per_thread_stream[PER_THREAD_SLOTS];
+
+static struct sim_stream *per_thread_of(struct sim_ctx *ctx)
 {
     for (int i = 0; i < PER_THREAD_SLOTS; i++) {
         struct sim_stream *s = &per_thread_stream[i];
@@ -249,9 +244,7 @@ CUresult sim_stream_sync(CUstream h, bool per_thread)
     CUresult rc = sim_resolve_stream(h, per_thread, &s);
     if (rc)
         return rc;
-    uint64_t tail = atomic_load(&s->tail);
-    if (tail > sim_now_ns())
-        sim_sleep_until(tail);
+    sim_sleep_until(atomic_load(&s->tail));
     return CUDA_SUCCESS;
 }
 
@@ -272,22 +265,25 @@ static struct sim_event *event_of(CUevent h)
     return e && e->magic == MAGIC_EVENT ? e : NULL;
 }
 
-/* The init check and handle lookup of the calls on an event alone. */
-static CUresult event_get(CUevent h, struct sim_event **e)
+SIM_HANDLE_GET(event_get, CUevent, struct sim_event, MAGIC_EVENT, CUDA_ERROR_INVALID_HANDLE)
+
+/* The stream, then the event, of a call on both (event_get: on an event alone). */
+static CUresult stream_event(CUstream h, bool per_thread, CUevent ev, struct sim_stream **s, struct sim_event **e)
 {
-    *e = (struct sim_event *)h;
-    return sim_check_handle(*e, MAGIC_EVENT, CUDA_ERROR_INVALID_HANDLE);
+    CUresult rc = sim_resolve_stream(h, per_thread, s);
+    if (rc)
+        return rc;
+    *e = event_of(ev);
+    return *e ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
 }
 
 CUresult sim_stream_wait_event(CUstream h, CUevent ev, unsigned int flags, bool per_thread)
 {
     struct sim_stream *s;
-    CUresult rc = sim_resolve_stream(h, per_thread, &s);
+    struct sim_event *e;
+    CUresult rc = stream_event(h, per_thread, ev, &s, &e);
     if (rc)
         return rc;
-    struct sim_event *e = event_of(ev);
-    if (!e)
-        return CUDA_ERROR_INVALID_HANDLE;
     if (flags != 0)
         return CUDA_ERROR_INVALID_VALUE;
     uint64_t when = atomic_load(&e->when), tail = atomic_load(&s->tail);
@@ -325,12 +321,10 @@ SIM_EXPORT CUresult cuEventDestroy_v2(CUevent hEvent)
 CUresult sim_event_record(CUevent ev, CUstream h, bool per_thread)
 {
     struct sim_stream *s;
-    CUresult rc = sim_resolve_stream(h, per_thread, &s);
+    struct sim_event *e;
+    CUresult rc = stream_event(h, per_thread, ev, &s, &e);
     if (rc)
         return rc;
-    struct sim_event *e = event_of(ev);
-    if (!e)
-        return CUDA_ERROR_INVALID_HANDLE;
     /* The event completes when the stream's queued work does, or now if
      * the stream is idle: device time, as the GPU would stamp it. */
     uint64_t now = sim_now_ns(), tail = atomic_load(&s->tail);
@@ -354,9 +348,7 @@ SIM_EXPORT CUresult cuEventSynchronize(CUevent hEvent)
     CUresult rc = event_get(hEvent, &e);
     if (rc)
         return rc;
-    uint64_t when = atomic_load(&e->when);
-    if (when > sim_now_ns())
-        sim_sleep_until(when);
+    sim_sleep_until(atomic_load(&e->when));
     return CUDA_SUCCESS;
 }
 
@@ -393,6 +385,16 @@ static struct sim_function *function_of(CUfunction f)
 {
     struct sim_function *fn = (struct sim_function *)f;
     return fn && fn->magic == MAGIC_FUNC ? sim_kernel_function(fn) : NULL;
+}
+
+/* The function a call on it alone names, once the driver is initialised. */
+static CUresult function_get(CUfunction h, struct sim_function **fn)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    *fn = function_of(h);
+    return *fn ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
 }
 
 /* Device time of one launch: the first parameter of a timed kernel. */
@@ -557,20 +559,10 @@ CUresult sim_launch_ex(const CUlaunchConfig *c, CUfunction f, void **params, voi
 
 /* ---- the deprecated execution-control API ---------------------------------------- */
 
-/* The function a deprecated call names, once the driver is initialised. */
-static CUresult legacy_function(CUfunction h, struct sim_function **fn)
-{
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
-    *fn = function_of(h);
-    return *fn ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
-}
-
 SIM_EXPORT CUresult cuFuncSetBlockShape(CUfunction hfunc, int x, int y, int z)
 {
     struct sim_function *fn;
-    CUresult rc = legacy_function(hfunc, &fn);
+    CUresult rc = function_get(hfunc, &fn);
     if (rc)
         return rc;
     if (x <= 0 || y <= 0 || z <= 0)
@@ -584,7 +576,7 @@ SIM_EXPORT CUresult cuFuncSetBlockShape(CUfunction hfunc, int x, int y, int z)
 SIM_EXPORT CUresult cuFuncSetSharedSize(CUfunction hfunc, unsigned int bytes)
 {
     struct sim_function *fn;
-    CUresult rc = legacy_function(hfunc, &fn);
+    CUresult rc = function_get(hfunc, &fn);
     if (rc)
         return rc;
     fn->legacy.shared_bytes = bytes;
@@ -594,7 +586,7 @@ SIM_EXPORT CUresult cuFuncSetSharedSize(CUfunction hfunc, unsigned int bytes)
 SIM_EXPORT CUresult cuParamSetSize(CUfunction hfunc, unsigned int numbytes)
 {
     struct sim_function *fn;
-    CUresult rc = legacy_function(hfunc, &fn);
+    CUresult rc = function_get(hfunc, &fn);
     if (rc)
         return rc;
     if (numbytes > SIM_LEGACY_PARAM_MAX)
@@ -606,7 +598,7 @@ SIM_EXPORT CUresult cuParamSetSize(CUfunction hfunc, unsigned int numbytes)
 SIM_EXPORT CUresult cuParamSetv(CUfunction hfunc, int offset, void *ptr, unsigned int numbytes)
 {
     struct sim_function *fn;
-    CUresult rc = legacy_function(hfunc, &fn);
+    CUresult rc = function_get(hfunc, &fn);
     if (rc)
         return rc;
     if (offset < 0 || !ptr || numbytes > SIM_LEGACY_PARAM_MAX ||
@@ -621,7 +613,7 @@ SIM_EXPORT CUresult cuParamSetv(CUfunction hfunc, int offset, void *ptr, unsigne
 CUresult sim_launch_legacy(CUfunction f, int grid_width, int grid_height, CUstream h)
 {
     struct sim_function *fn;
-    CUresult rc = legacy_function(f, &fn);
+    CUresult rc = function_get(f, &fn);
     if (rc)
         return rc;
     if (grid_width <= 0 || grid_height <= 0)
@@ -656,11 +648,8 @@ struct sim_graph_exec {
     uint64_t alloc_bytes;
 };
 
-static struct sim_graph *graph_of(CUgraph h)
-{
-    struct sim_graph *g = (struct sim_graph *)h;
-    return g && g->magic == MAGIC_GRAPH ? g : NULL;
-}
+SIM_HANDLE_GET(graph_get, CUgraph, struct sim_graph, MAGIC_GRAPH, CUDA_ERROR_INVALID_VALUE)
+SIM_HANDLE_GET(exec_get, CUgraphExec, struct sim_graph_exec, MAGIC_GRAPH_EXEC, CUDA_ERROR_INVALID_VALUE)
 
 SIM_EXPORT CUresult cuGraphCreate(CUgraph *phGraph, unsigned int flags)
 {
@@ -679,12 +668,10 @@ SIM_EXPORT CUresult cuGraphCreate(CUgraph *phGraph, unsigned int flags)
 
 SIM_EXPORT CUresult cuGraphDestroy(CUgraph hGraph)
 {
-    CUresult rc = sim_check_init();
+    struct sim_graph *g;
+    CUresult rc = graph_get(hGraph, &g);
     if (rc)
         return rc;
-    struct sim_graph *g = graph_of(hGraph);
-    if (!g)
-        return CUDA_ERROR_INVALID_VALUE;
     g->magic = MAGIC_DEAD;
     free(g->node_ns);
     free(g);
@@ -695,12 +682,12 @@ SIM_EXPORT CUresult cuGraphDestroy(CUgraph hGraph)
 static CUresult add_kernel_node(CUgraphNode *phNode, CUgraph hGraph, size_t numDependencies, const void *deps,
                                 CUfunction func, const struct launch_shape *sh, void **params, void **extra)
 {
-    CUresult rc = sim_check_init();
+    struct sim_graph *g;
+    CUresult rc = graph_get(hGraph, &g);
     if (rc)
         return rc;
-    struct sim_graph *g = graph_of(hGraph);
     struct sim_function *fn = function_of(func);
-    if (!g || !phNode || (numDependencies && !deps))
+    if (!phNode || (numDependencies && !deps))
         return CUDA_ERROR_INVALID_VALUE;
     if (!fn)
         return CUDA_ERROR_INVALID_HANDLE;
@@ -752,11 +739,11 @@ SIM_EXPORT CUresult cuGraphAddKernelNode_v2(CUgraphNode *phGraphNode, CUgraph hG
 CUresult sim_graph_add_node(CUgraphNode *phNode, CUgraph hGraph, size_t numDependencies, const void *deps,
                             CUgraphNodeParams *p)
 {
-    CUresult rc = sim_check_init();
+    struct sim_graph *g;
+    CUresult rc = graph_get(hGraph, &g);
     if (rc)
         return rc;
-    struct sim_graph *g = graph_of(hGraph);
-    if (!g || !phNode || !p || (numDependencies && !deps))
+    if (!phNode || !p || (numDependencies && !deps))
         return CUDA_ERROR_INVALID_VALUE;
     if (p->type != CU_GRAPH_NODE_TYPE_MEM_ALLOC)
         return CUDA_ERROR_NOT_SUPPORTED;
@@ -780,11 +767,11 @@ SIM_EXPORT CUresult cuGraphAddNode_v2(CUgraphNode *phGraphNode, CUgraph hGraph, 
 
 SIM_EXPORT CUresult cuGraphInstantiateWithFlags(CUgraphExec *phGraphExec, CUgraph hGraph, unsigned long long flags)
 {
-    CUresult rc = sim_check_init();
+    struct sim_graph *g;
+    CUresult rc = graph_get(hGraph, &g);
     if (rc)
         return rc;
-    struct sim_graph *g = graph_of(hGraph);
-    if (!g || !phGraphExec || (flags & ~0xfULL))
+    if (!phGraphExec || (flags & ~0xfULL))
         return CUDA_ERROR_INVALID_VALUE;
     struct sim_graph_exec *x = malloc(sizeof(*x));
     if (!x)
@@ -800,20 +787,12 @@ SIM_EXPORT CUresult cuGraphInstantiateWithFlags(CUgraphExec *phGraphExec, CUgrap
     return CUDA_SUCCESS;
 }
 
-static struct sim_graph_exec *exec_of(CUgraphExec h)
-{
-    struct sim_graph_exec *x = (struct sim_graph_exec *)h;
-    return x && x->magic == MAGIC_GRAPH_EXEC ? x : NULL;
-}
-
 SIM_EXPORT CUresult cuGraphExecDestroy(CUgraphExec hGraphExec)
 {
-    CUresult rc = sim_check_init();
+    struct sim_graph_exec *x;
+    CUresult rc = exec_get(hGraphExec, &x);
     if (rc)
         return rc;
-    struct sim_graph_exec *x = exec_of(hGraphExec);
-    if (!x)
-        return CUDA_ERROR_INVALID_VALUE;
     if (x->alloc_bytes)
         sim_mem_release(&sim_drv.shared, x->dev, x->alloc_bytes);
     x->magic = MAGIC_DEAD;
@@ -824,12 +803,10 @@ SIM_EXPORT CUresult cuGraphExecDestroy(CUgraphExec hGraphExec)
 CUresult sim_graph_launch(CUgraphExec hGraphExec, CUstream h, bool per_thread)
 {
     struct sim_stream *s;
+    struct sim_graph_exec *x;
     CUresult rc = sim_resolve_stream(h, per_thread, &s);
-    if (rc)
+    if (rc || (rc = exec_get(hGraphExec, &x)))
         return rc;
-    struct sim_graph_exec *x = exec_of(hGraphExec);
-    if (!x)
-        return CUDA_ERROR_INVALID_VALUE;
     if (x->dev != s->ctx->dev)
         return CUDA_ERROR_INVALID_CONTEXT;
     /* The nodes run back to back on one device: one stretch of device time. */
@@ -842,16 +819,6 @@ CUresult sim_graph_launch(CUgraphExec hGraphExec, CUstream h, bool per_thread)
 
 #define SHARED_PER_BLOCK 49152          /* CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK */
 #define SHARED_PER_BLOCK_OPTIN 232448   /* ..._OPTIN: what a kernel may opt into */
-
-/* The function a call names, once the driver is initialised. */
-static CUresult attr_function(CUfunction h, struct sim_function **fn)
-{
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
-    *fn = function_of(h);
-    return *fn ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
-}
 
 /* What a small kernel compiled for the GPU reports: no static shared,
  * constant or local memory, 16 registers, code for the GPU's own
@@ -873,7 +840,7 @@ static int function_default(const struct sim_function *fn, CUfunction_attribute 
 SIM_EXPORT CUresult cuFuncGetAttribute(int *pi, CUfunction_attribute attrib, CUfunction hfunc)
 {
     struct sim_function *fn;
-    CUresult rc = attr_function(hfunc, &fn);
+    CUresult rc = function_get(hfunc, &fn);
     if (rc)
         return rc;
     if (!pi || (unsigned)attrib >= CU_FUNC_ATTRIBUTE_MAX)
@@ -886,7 +853,7 @@ SIM_EXPORT CUresult cuFuncGetAttribute(int *pi, CUfunction_attribute attrib, CUf
 SIM_EXPORT CUresult cuFuncSetAttribute(CUfunction hfunc, CUfunction_attribute attrib, int value)
 {
     struct sim_function *fn;
-    CUresult rc = attr_function(hfunc, &fn);
+    CUresult rc = function_get(hfunc, &fn);
     if (rc)
         return rc;
     bool ok;
@@ -911,7 +878,7 @@ SIM_EXPORT CUresult cuFuncSetAttribute(CUfunction hfunc, CUfunction_attribute at
 SIM_EXPORT CUresult cuFuncSetCacheConfig(CUfunction hfunc, CUfunc_cache config)
 {
     struct sim_function *fn;
-    CUresult rc = attr_function(hfunc, &fn);
+    CUresult rc = function_get(hfunc, &fn);
     if (rc)
         return rc;
     return (unsigned)config <= CU_FUNC_CACHE_PREFER_EQUAL ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;

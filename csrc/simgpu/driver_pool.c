@@ -4,12 +4,7 @@
 
 #include "driver.h"
 
-/* The init check and handle lookup that open the calls on a pool. */
-static CUresult pool_get(CUmemoryPool pool, struct sim_pool **p)
-{
-    *p = (struct sim_pool *)pool;
-    return sim_check_handle(*p, MAGIC_POOL, CUDA_ERROR_INVALID_VALUE);
-}
+SIM_HANDLE_GET(pool_get, CUmemoryPool, struct sim_pool, MAGIC_POOL, CUDA_ERROR_INVALID_VALUE)
 
 CUresult sim_pool_alloc(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream,
                         bool per_thread)
@@ -27,14 +22,23 @@ CUresult sim_pool_alloc(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, C
     return rc;
 }
 
-SIM_EXPORT CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool_out, CUdevice dev)
+/* Device `dev`'s default pool or, when `current`, the pool its allocations
+ * come from: cuDeviceSetMemPool's, else the default. */
+static CUresult device_pool(CUmemoryPool *out, CUdevice dev, bool current)
 {
     int phys;
-    CUresult rc = sim_device_args(dev, &phys, !pool_out);
+    CUresult rc = sim_device_args(dev, &phys, !out);
     if (rc)
         return rc;
-    *pool_out = (CUmemoryPool)&sim_drv.default_pool[phys];
+    pthread_mutex_lock(&sim_drv.lock);
+    *out = (CUmemoryPool)(current ? sim_current_pool(phys) : &sim_drv.default_pool[phys]);
+    pthread_mutex_unlock(&sim_drv.lock);
     return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool_out, CUdevice dev)
+{
+    return device_pool(pool_out, dev, false);
 }
 
 SIM_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *poolProps)
@@ -81,14 +85,7 @@ SIM_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
 
 SIM_EXPORT CUresult cuDeviceGetMemPool(CUmemoryPool *pool, CUdevice dev)
 {
-    int phys;
-    CUresult rc = sim_device_args(dev, &phys, !pool);
-    if (rc)
-        return rc;
-    pthread_mutex_lock(&sim_drv.lock);
-    *pool = (CUmemoryPool)sim_current_pool(phys);
-    pthread_mutex_unlock(&sim_drv.lock);
-    return CUDA_SUCCESS;
+    return device_pool(pool, dev, true);
 }
 
 SIM_EXPORT CUresult cuDeviceSetMemPool(CUdevice dev, CUmemoryPool pool)

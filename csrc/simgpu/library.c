@@ -197,7 +197,6 @@ struct sim_library {
 };
 
 #define MAGIC_LIBRARY 0x4c494231
-_Static_assert(offsetof(struct sim_library, magic) == 0, "sim_check_handle reads the magic first");
 
 /* Every loaded library, to find the one a kernel handle came from. */
 static struct {
@@ -288,11 +287,7 @@ SIM_EXPORT CUresult cuLibraryLoadData(CUlibrary *library, const void *code, CUji
     return CUDA_SUCCESS;
 }
 
-static CUresult library_get(CUlibrary h, struct sim_library **lib)
-{
-    *lib = (struct sim_library *)h;
-    return sim_check_handle(*lib, MAGIC_LIBRARY, CUDA_ERROR_INVALID_HANDLE);
-}
+SIM_HANDLE_GET(library_get, CUlibrary, struct sim_library, MAGIC_LIBRARY, CUDA_ERROR_INVALID_HANDLE)
 
 SIM_EXPORT CUresult cuLibraryUnload(CUlibrary library)
 {

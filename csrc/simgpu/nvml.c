@@ -204,6 +204,14 @@ static nvmlReturn_t lookup_out_args(nvmlDevice_t device, const void *out, unsign
     return rc == NVML_SUCCESS && bad_args ? NVML_ERROR_INVALID_ARGUMENT : rc;
 }
 
+/* lookup_out() for a versioned struct, whose first member is its version:
+ * ARGUMENT_VERSION_MISMATCH unless that is `version`. */
+static nvmlReturn_t lookup_versioned(nvmlDevice_t device, const void *out, unsigned int version, unsigned int *gpu)
+{
+    nvmlReturn_t rc = lookup_out(device, out, gpu);
+    return rc == NVML_SUCCESS && *(const unsigned int *)out != version ? NVML_ERROR_ARGUMENT_VERSION_MISMATCH : rc;
+}
+
 /* A query answered from the GPU's index g alone, once the handle and the
  * output pointer have been checked. */
 #define NVML_GPU_QUERY(name, type, out, answer)                   \
@@ -214,6 +222,17 @@ static nvmlReturn_t lookup_out_args(nvmlDevice_t device, const void *out, unsign
         if (rc == NVML_SUCCESS)                                   \
             answer;                                               \
         return rc;                                                \
+    }
+
+/* NVML_GPU_QUERY for a query that answers through two pointers. */
+#define NVML_GPU_QUERY2(name, type, out1, out2, answer)                            \
+    NVML_EXPORT nvmlReturn_t name(nvmlDevice_t device, type *out1, type *out2)     \
+    {                                                                              \
+        unsigned int g;                                                            \
+        nvmlReturn_t rc = lookup_out_args(device, out1, &g, out2 == NULL);         \
+        if (rc == NVML_SUCCESS)                                                    \
+            answer;                                                                \
+        return rc;                                                                 \
     }
 
 static nvmlReturn_t copy_string(char *dst, unsigned int length, const char *src)
@@ -443,32 +462,26 @@ static unsigned long long used_bytes(unsigned int gpu)
     return used < g_cfg.gpu[gpu].total_mem ? used : g_cfg.gpu[gpu].total_mem;
 }
 
-NVML_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
+/* GPU g's memory, once the processes that died have given theirs back. */
+static nvmlMemory_t memory_of(unsigned int g)
 {
-    unsigned int g;
-    nvmlReturn_t rc = lookup_out(device, memory, &g);
-    if (rc != NVML_SUCCESS)
-        return rc;
     reap_dead();
-    memory->total = g_cfg.gpu[g].total_mem;
-    memory->used = used_bytes(g);
-    memory->free = memory->total - memory->used;
-    return NVML_SUCCESS;
+    nvmlMemory_t m = {.total = g_cfg.gpu[g].total_mem, .used = used_bytes(g)};
+    m.free = m.total - m.used;
+    return m;
 }
+
+NVML_GPU_QUERY(nvmlDeviceGetMemoryInfo, nvmlMemory_t, memory, *memory = memory_of(g))
 
 NVML_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory)
 {
     unsigned int g;
-    nvmlReturn_t rc = lookup_out(device, memory, &g);
+    nvmlReturn_t rc = lookup_versioned(device, memory, nvmlMemory_v2, &g);
     if (rc != NVML_SUCCESS)
         return rc;
-    if (memory->version != nvmlMemory_v2)
-        return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
-    reap_dead();
-    memory->total = g_cfg.gpu[g].total_mem;
-    memory->reserved = 0; /* the simulated driver keeps no memory for itself */
-    memory->used = used_bytes(g);
-    memory->free = memory->total - memory->used;
+    nvmlMemory_t m = memory_of(g);
+    /* reserved 0: the simulated driver keeps no memory for itself */
+    *memory = (nvmlMemory_v2_t){.version = nvmlMemory_v2, .total = m.total, .free = m.free, .used = m.used};
     return NVML_SUCCESS;
 }
 
@@ -548,17 +561,8 @@ NVML_GPU_QUERY(nvmlDeviceGetMaxPcieLinkWidth, unsigned int, maxLinkWidth, *maxLi
 /* A GPU handle is never a MIG device: the simulation has no MIG. */
 NVML_GPU_QUERY(nvmlDeviceIsMigDeviceHandle, unsigned int, isMigDevice, *isMigDevice = 0)
 
-NVML_EXPORT nvmlReturn_t nvmlDeviceGetPowerManagementLimitConstraints(nvmlDevice_t device, unsigned int *minLimit,
-                                                                      unsigned int *maxLimit)
-{
-    unsigned int g;
-    nvmlReturn_t rc = lookup_out_args(device, minLimit, &g, maxLimit == NULL);
-    if (rc != NVML_SUCCESS)
-        return rc;
-    *minLimit = SIM_POWER_MIN_LIMIT_MW;
-    *maxLimit = SIM_POWER_LIMIT_MW;
-    return NVML_SUCCESS;
-}
+NVML_GPU_QUERY2(nvmlDeviceGetPowerManagementLimitConstraints, unsigned int, minLimit, maxLimit,
+                (*minLimit = SIM_POWER_MIN_LIMIT_MW, *maxLimit = SIM_POWER_LIMIT_MW))
 
 static unsigned int temperature(unsigned int g)
 {
@@ -581,11 +585,9 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t device, nvmlTempe
 NVML_EXPORT nvmlReturn_t nvmlDeviceGetTemperatureV(nvmlDevice_t device, nvmlTemperature_t *temp)
 {
     unsigned int g;
-    nvmlReturn_t rc = lookup_out(device, temp, &g);
+    nvmlReturn_t rc = lookup_versioned(device, temp, nvmlTemperature_v1, &g);
     if (rc != NVML_SUCCESS)
         return rc;
-    if (temp->version != nvmlTemperature_v1)
-        return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
     if ((unsigned int)temp->sensorType >= (unsigned int)NVML_TEMPERATURE_COUNT)
         return NVML_ERROR_INVALID_ARGUMENT;
     temp->temperature = (int)temperature(g);
@@ -646,16 +648,7 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetDecoderUtilization(nvmlDevice_t device, un
 }
 
 /* ECC on, as data-centre GPUs ship; simulated memory never flips a bit. */
-NVML_EXPORT nvmlReturn_t nvmlDeviceGetEccMode(nvmlDevice_t device, nvmlEnableState_t *current,
-                                              nvmlEnableState_t *pending)
-{
-    unsigned int g;
-    nvmlReturn_t rc = lookup_out_args(device, current, &g, pending == NULL);
-    if (rc != NVML_SUCCESS)
-        return rc;
-    *current = *pending = NVML_FEATURE_ENABLED;
-    return NVML_SUCCESS;
-}
+NVML_GPU_QUERY2(nvmlDeviceGetEccMode, nvmlEnableState_t, current, pending, *current = *pending = NVML_FEATURE_ENABLED)
 
 NVML_EXPORT nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t device, nvmlMemoryErrorType_t errorType,
                                                      nvmlEccCounterType_t counterType, unsigned long long *eccCounts)
@@ -700,16 +693,8 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetBAR1MemoryInfo(nvmlDevice_t device, nvmlBA
 }
 
 /* MIG off: the simulation partitions no GPU. */
-NVML_EXPORT nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *currentMode,
-                                              unsigned int *pendingMode)
-{
-    unsigned int g;
-    nvmlReturn_t rc = lookup_out_args(device, currentMode, &g, pendingMode == NULL);
-    if (rc != NVML_SUCCESS)
-        return rc;
-    *currentMode = *pendingMode = NVML_DEVICE_MIG_DISABLE;
-    return NVML_SUCCESS;
-}
+NVML_GPU_QUERY2(nvmlDeviceGetMigMode, unsigned int, currentMode, pendingMode,
+                *currentMode = *pendingMode = NVML_DEVICE_MIG_DISABLE)
 
 struct proc_view {
     unsigned int pid;
@@ -931,12 +916,10 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetProcessesUtilizationInfo(nvmlDevice_t devi
                                                                nvmlProcessesUtilizationInfo_t *procesesUtilInfo)
 {
     unsigned int g;
-    nvmlReturn_t rc = lookup_out(device, procesesUtilInfo, &g);
+    nvmlReturn_t rc = lookup_versioned(device, procesesUtilInfo, nvmlProcessesUtilizationInfo_v1, &g);
     if (rc != NVML_SUCCESS)
         return rc;
     nvmlProcessesUtilizationInfo_t *info = procesesUtilInfo;
-    if (info->version != nvmlProcessesUtilizationInfo_v1)
-        return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
     nvmlProcessUtilizationSample_t samples[SIM_MAX_PROCS];
     unsigned int n = util_samples(g, info->lastSeenTimeStamp, samples);
     if (n == 0) {
@@ -1004,8 +987,9 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetP2PStatus(nvmlDevice_t device1, nvmlDevice
 }
 
 /* Link i of a GPU leads to its i-th NVLink peer in index order. Returns the
- * peer, -1 for a link that exists but is down, or an error through *rc. */
-static int link_peer(nvmlDevice_t device, unsigned int link, nvmlReturn_t *rc)
+ * peer, -1 for a link that exists but is down, or an error through *rc:
+ * INVALID_ARGUMENT, once the link is known, for a NULL `out` or `bad_args`. */
+static int link_peer(nvmlDevice_t device, unsigned int link, const void *out, bool bad_args, nvmlReturn_t *rc)
 {
     unsigned int g;
     *rc = lookup(device, &g);
@@ -1020,6 +1004,10 @@ static int link_peer(nvmlDevice_t device, unsigned int link, nvmlReturn_t *rc)
         *rc = NVML_ERROR_NOT_SUPPORTED; /* a GPU without NVLink */
         return -1;
     }
+    if (out == NULL || bad_args) {
+        *rc = NVML_ERROR_INVALID_ARGUMENT;
+        return -1;
+    }
     for (int i = 0; i < SIM_MAX_GPUS; i++)
         if (((peers >> i) & 1u) && link-- == 0)
             return i;
@@ -1029,11 +1017,9 @@ static int link_peer(nvmlDevice_t device, unsigned int link, nvmlReturn_t *rc)
 NVML_EXPORT nvmlReturn_t nvmlDeviceGetNvLinkState(nvmlDevice_t device, unsigned int link, nvmlEnableState_t *isActive)
 {
     nvmlReturn_t rc;
-    int peer = link_peer(device, link, &rc);
+    int peer = link_peer(device, link, isActive, false, &rc);
     if (rc != NVML_SUCCESS)
         return rc;
-    if (isActive == NULL)
-        return NVML_ERROR_INVALID_ARGUMENT;
     *isActive = peer >= 0 ? NVML_FEATURE_ENABLED : NVML_FEATURE_DISABLED;
     return NVML_SUCCESS;
 }
@@ -1042,11 +1028,10 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetNvLinkCapability(nvmlDevice_t device, unsi
                                                        nvmlNvLinkCapability_t capability, unsigned int *capResult)
 {
     nvmlReturn_t rc;
-    int peer = link_peer(device, link, &rc);
+    bool bad_capability = (unsigned int)capability >= (unsigned int)NVML_NVLINK_CAP_COUNT;
+    int peer = link_peer(device, link, capResult, bad_capability, &rc);
     if (rc != NVML_SUCCESS)
         return rc;
-    if (capResult == NULL || (unsigned int)capability >= (unsigned int)NVML_NVLINK_CAP_COUNT)
-        return NVML_ERROR_INVALID_ARGUMENT;
     /* A link between two GPUs: peer access and peer atomics; with no CPU at
      * the other end, no system memory through it. */
     bool gpu_link = capability == NVML_NVLINK_CAP_P2P_SUPPORTED || capability == NVML_NVLINK_CAP_P2P_ATOMICS ||
@@ -1059,11 +1044,9 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo_v2(nvmlDevice_t device
                                                              nvmlPciInfo_t *pci)
 {
     nvmlReturn_t rc;
-    int peer = link_peer(device, link, &rc);
+    int peer = link_peer(device, link, pci, false, &rc);
     if (rc != NVML_SUCCESS)
         return rc;
-    if (pci == NULL)
-        return NVML_ERROR_INVALID_ARGUMENT;
     if (peer < 0)
         return NVML_ERROR_NOT_SUPPORTED; /* nothing at the end of a link that is down */
     fill_pci(pci, (unsigned int)peer);

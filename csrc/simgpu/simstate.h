@@ -213,6 +213,7 @@ int sim_xid_read(const struct sim_state *st, int gpu, uint64_t seq, uint64_t *xi
 int sim_fault_wait(struct sim_state *st, uint32_t seen, uint64_t timeout_ns);
 
 uint64_t sim_now_ns(void);
+/* Sleep until sim_now_ns() reaches t_ns; at once if it has. */
 void sim_sleep_until(uint64_t t_ns);
 
 #endif

@@ -8,18 +8,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #include <cuda_runtime_api.h>
+
+#include "steps.h"
 
 static cudaKernel_t spin;
 static cudaStream_t stream;
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
-}
 
 static void report(const char *step, cudaError_t rc)
 {
@@ -144,8 +138,8 @@ int main(int argc, char **argv)
             printf(" %llu", (unsigned long long)(ms * 1000));
         } else if (!strcmp(s, "graph")) {
             /* two 20 ms kernels captured from the stream, launched once */
-            cudaGraph_t g;
-            cudaGraphExec_t x;
+            cudaGraph_t g = NULL;
+            unsigned long long us = 0;
             rc = cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal);
             if (!rc)
                 rc = launch_spin(20000000ULL, stream);
@@ -153,15 +147,9 @@ int main(int argc, char **argv)
                 rc = launch_spin(20000000ULL, stream);
             if (!rc)
                 rc = cudaStreamEndCapture(stream, &g);
-            if (!rc)
-                rc = cudaGraphInstantiate(&x, g, 0);
-            double t0 = now_s();
-            if (!rc)
-                rc = cudaGraphLaunch(x, stream);
-            if (!rc)
-                rc = cudaStreamSynchronize(stream);
+            rc = launch_graph_once(rc, g, stream, &us);
             report(s, rc);
-            printf(" %llu", (unsigned long long)((now_s() - t0) * 1e6));
+            printf(" %llu", us);
         } else if (!strncmp(s, "burn=", 5)) {
             /* 10 ms kernels for the given seconds: the share the GPU gave */
             double secs = atof(s + 5), t0 = now_s();

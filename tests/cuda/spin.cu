@@ -10,6 +10,7 @@
 // The spin kernel: its cost is known without knowing the GPU, as the
 // driver-API workload's cgpu_spin.
 #include "spin_kernel.cu"
+#include "steps.h"
 
 static void report(const char *step, cudaError_t rc, const char *fmt = "", unsigned long long a = 0,
                    unsigned long long b = 0)
@@ -21,13 +22,6 @@ static void report(const char *step, cudaError_t rc, const char *fmt = "", unsig
     }
     printf("\n");
     fflush(stdout);
-}
-
-static double now_s()
-{
-    timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec / 1e9;
 }
 
 int main(int argc, char **argv)
@@ -42,9 +36,10 @@ int main(int argc, char **argv)
             size_t free_b = 0, total = 0;
             cudaError_t rc = cudaMemGetInfo(&free_b, &total);
             report(s, rc, "%llu %llu", free_b, total);
-        } else if (!strcmp(s, "malloc")) {
+        } else if (!strcmp(s, "malloc") || !strcmp(s, "managed")) {
+            // 64 MiB of device or managed memory, then freed
             void *p = nullptr;
-            cudaError_t rc = cudaMalloc(&p, 64 << 20);
+            cudaError_t rc = !strcmp(s, "managed") ? cudaMallocManaged(&p, 64 << 20) : cudaMalloc(&p, 64 << 20);
             report(s, rc);
             if (!rc)
                 report("free", cudaFree(p));
@@ -58,12 +53,6 @@ int main(int argc, char **argv)
                     rc = cudaStreamSynchronize(0);
                 report("freeasync", rc);
             }
-        } else if (!strcmp(s, "managed")) {
-            void *p = nullptr;
-            cudaError_t rc = cudaMallocManaged(&p, 64 << 20);
-            report(s, rc);
-            if (!rc)
-                report("free", cudaFree(p));
         } else if (!strcmp(s, "fill")) {
             // cudaMalloc 64 MiB blocks until it fails: what the limit lets through.
             unsigned long long held = 0;
@@ -130,8 +119,7 @@ int main(int argc, char **argv)
             report("burn", rc, "%llu %llu", n * 10000000ULL, (unsigned long long)((now_s() - t0) * 1e9));
         } else if (!strcmp(s, "graph")) {
             // a graph of two 20 ms kernel nodes built node by node, launched once
-            cudaGraph_t g;
-            cudaGraphExec_t x;
+            cudaGraph_t g = nullptr;
             cudaGraphNode_t a, b;
             unsigned long long ns = 20000000ULL;
             void *args[] = {&ns};
@@ -145,14 +133,9 @@ int main(int argc, char **argv)
                 rc = cudaGraphAddKernelNode(&a, g, nullptr, 0, &p);
             if (!rc)
                 rc = cudaGraphAddKernelNode(&b, g, &a, 1, &p);
-            if (!rc)
-                rc = cudaGraphInstantiate(&x, g, 0);
-            double t0 = now_s();
-            if (!rc)
-                rc = cudaGraphLaunch(x, 0);
-            if (!rc)
-                rc = cudaStreamSynchronize(0);
-            report(s, rc, "%llu", (unsigned long long)((now_s() - t0) * 1e6));
+            unsigned long long us = 0;
+            rc = launch_graph_once(rc, g, 0, &us);
+            report(s, rc, "%llu", us);
         } else if (!strcmp(s, "attrs")) {
             // what frameworks ask of a kernel before launching it
             cudaFuncAttributes fa = {};
@@ -182,8 +165,7 @@ int main(int argc, char **argv)
         } else if (!strcmp(s, "capture")) {
             // two 20 ms kernels captured from a stream into a graph, launched once
             cudaStream_t st;
-            cudaGraph_t g;
-            cudaGraphExec_t x;
+            cudaGraph_t g = nullptr;
             cudaStreamCaptureStatus during = cudaStreamCaptureStatusNone;
             cudaError_t rc = cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking);
             if (!rc)
@@ -195,15 +177,9 @@ int main(int argc, char **argv)
             }
             if (!rc)
                 rc = cudaStreamEndCapture(st, &g);
-            if (!rc)
-                rc = cudaGraphInstantiate(&x, g, 0);
-            double t0 = now_s();
-            if (!rc)
-                rc = cudaGraphLaunch(x, st);
-            if (!rc)
-                rc = cudaStreamSynchronize(st);
-            report(s, rc, "%llu %llu", (unsigned long long)((now_s() - t0) * 1e6),
-                   (unsigned long long)(during == cudaStreamCaptureStatusActive));
+            unsigned long long us = 0;
+            rc = launch_graph_once(rc, g, st, &us);
+            report(s, rc, "%llu %llu", us, (unsigned long long)(during == cudaStreamCaptureStatusActive));
         } else {
             fprintf(stderr, "unknown step %s\n", s);
             return 2;
