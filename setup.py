@@ -1,5 +1,5 @@
 """Build glue: the cffi scheduler extension plus every other C part
-(csrc/build_native.py) and the gRPC code generated from proto/, so
+(csrc/build_native.py) and the gRPC code generated from proto/ and third_party/proto/, so
 `pip install .` and `pip install -e .` need no separate make step."""
 
 from __future__ import annotations
@@ -62,14 +62,16 @@ class BuildNative(GeneratedFiles):
             raise SystemExit(f"error: {e}") from e
 
 
-PROTO_ROOT = ROOT / "proto"
+# (import root, path below it): protoc names each module after the path.
 PROTOS = (
-    "cgpu/v1/local.proto",
-    "cgpu/v1/capacity.proto",
-    # The kubelet's APIs, which cgpud's device plugin serves and calls.
-    "k8s/deviceplugin/v1beta1/api.proto",
-    "k8s/podresources/v1/api.proto",
+    ("proto", "cgpu/v1/local.proto"),
+    ("proto", "cgpu/v1/capacity.proto"),
+    # The kubelet's APIs, which cgpud's device plugin serves and calls:
+    # Kubernetes' shape, transcribed, hence third_party/.
+    ("third_party/proto", "k8s/deviceplugin/v1beta1/api.proto"),
+    ("third_party/proto", "k8s/podresources/v1/api.proto"),
 )
+PROTO_ROOTS = tuple(dict.fromkeys(root for root, _ in PROTOS))
 # protoc names modules after the proto's path ("cgpu/v1/local.proto" ->
 # cgpu.v1.local_pb2); they are shipped as cgpud.api.cgpu.v1.local_pb2 (and
 # cgpud.api.k8s.deviceplugin.v1beta1.api_pb2, ...).
@@ -101,12 +103,12 @@ class BuildProto(GeneratedFiles):
         with tempfile.TemporaryDirectory(prefix="cgpu-protoc-") as tmp:
             args = [
                 "grpc_tools.protoc",
-                f"-I{PROTO_ROOT}",
+                *(f"-I{ROOT / root}" for root in PROTO_ROOTS),
                 f"-I{files('grpc_tools') / '_proto'}",  # well-known types
                 f"--python_out={tmp}",
                 f"--pyi_out={tmp}",
                 f"--grpc_python_out={tmp}",
-                *(str(PROTO_ROOT / p) for p in PROTOS),
+                *(str(ROOT / root / p) for root, p in PROTOS),
             ]
             if protoc.main(args) != 0:
                 raise SystemExit(f"error: grpc_tools.protoc failed: {' '.join(args[1:])}")
@@ -123,7 +125,7 @@ class BuildProto(GeneratedFiles):
 
     def get_source_files(self) -> list[str]:
         # setuptools wants these relative to setup.py, /-separated.
-        return [f"proto/{p}" for p in PROTOS]
+        return [f"{root}/{p}" for root, p in PROTOS]
 
 
 def _make_pb2_import_relative(path: Path, package: str) -> None:

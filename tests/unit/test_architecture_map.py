@@ -23,7 +23,7 @@ def _modules() -> list[Path]:
         if p.name != "__init__.py" and not GENERATED.search(p.name) and "_native" not in p.parts
     ]
     native = [p for p in (ROOT / "csrc").rglob("*") if p.suffix in (".c", ".h", ".def", ".py")]
-    protos = list((ROOT / "proto").rglob("*.proto"))
+    protos = [*(ROOT / "proto").rglob("*.proto"), *(ROOT / "third_party" / "proto").rglob("*.proto")]
     return sorted(python + native + protos)
 
 
