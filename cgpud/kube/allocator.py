@@ -29,7 +29,6 @@ from cgpud.node.model import GIB, Instance, Owner, OwnerKind, PodContainer, Requ
 from cgpud.node.service import InstanceService
 from cgpud.errors import CgpuError
 from cgpud.containers import cdi
-from cgpud.containers.devices import HOST_ROOT
 from cgpud.containers.edits import RuntimeFiles, instance_edits
 from cgpud.containers.request import ENV_CORE
 from cgpud.kube import assignment
@@ -78,13 +77,7 @@ class PodAllocator:
     """cgpud's Allocator (cgpud.kube.model.Allocator)."""
 
     def __init__(
-        self,
-        service: InstanceService,
-        api: PodSource,
-        node: str,
-        files: RuntimeFiles,
-        cdi_dir: Path = DYNAMIC_CDI_DIR,
-        dev_root: Path = HOST_ROOT,
+        self, service: InstanceService, api: PodSource, node: str, files: RuntimeFiles, cdi_dir: Path, dev_root: Path
     ) -> None:
         self._service = service
         self._dev_root = dev_root

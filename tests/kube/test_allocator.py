@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from cgpud.containers.devices import HOST_ROOT
 from cgpud.containers.edits import RuntimeFiles
 from cgpud.node.model import GIB, GpuCapacity, InstanceState, NodeMode, NodePolicy, OwnerKind, Share
 from cgpud.node.region import read_limits
@@ -78,7 +79,7 @@ def rig(tmp_path: Path) -> Iterator[Rig]:
     cdi.mkdir()
     with api_server(tmp_path) as (server, kubeconfig), serve_kubelet_pods() as (kubelet, socket):
         api = ApiServer.connect(kubeconfig, timeout=2.0)
-        allocator = PodAllocator(service, api, NODE, files, cdi)
+        allocator = PodAllocator(service, api, NODE, files, cdi, HOST_ROOT)
         client = PodResourcesClient(socket, timeout=2.0)
         releaser = PodReleaser(service, lambda: api.pods_on_node(NODE), lambda: kubelet_pods(client.list()), cdi)
         yield Rig(service, server, api, allocator, kubelet, releaser, cdi)
