@@ -75,3 +75,28 @@ def test_a_module_runs_on_one_xdist_worker(tmp_path: Path) -> None:
     ran = re.findall(r"\[(gw\d+)\].*PASSED (test_[ab])\.py::test_\d+", out.stdout)
     assert len(ran) == 12, out.stdout
     assert all(len({w for w, m in ran if m == module}) == 1 for module in ("test_a", "test_b")), out.stdout
+
+
+def test_the_long_groups_start_first_then_the_largest(tmp_path: Path) -> None:
+    """The order ./dev test's parallel pass hands groups out in
+    (--no-loadscope-reorder keeps it): LONG_FIRST's, then by size."""
+    (tmp_path / "conftest.py").write_text(
+        "import pytest\nfrom tests.harness.xdist_groups import group_by_module\n\n"
+        "@pytest.hookimpl(tryfirst=True)\ndef pytest_collection_modifyitems(config, items):\n"
+        "    group_by_module(items, long_first=('test_c.py',))\n"
+    )
+    for name, count in (("test_a.py", 1), ("test_b.py", 3), ("test_c.py", 2)):
+        (tmp_path / name).write_text("".join(f"def test_{i}():\n    pass\n" for i in range(count)))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "."],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=env,
+        check=False,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    modules = [line.split("::")[0] for line in out.stdout.splitlines() if "::" in line]
+    assert modules == ["test_c.py"] * 2 + ["test_b.py"] * 3 + ["test_a.py"], out.stdout
