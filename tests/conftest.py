@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from cgpud.native import native_dir
-from tests.harness.priority import raised
 from tests.harness.sim import region_mounts, sim_env_in
 from tests.harness.xdist_groups import group_by_module
 
@@ -37,18 +36,6 @@ def _no_region_mounts_left(tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
     for point in region_mounts(tmp_path_factory.getbasetemp()):
         lib.cgpu_region_unmount(point.encode())
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _timing_priority(request: pytest.FixtureRequest) -> Iterator[None]:
-    """A timing module's daemons and tenants, started by its fixtures and
-    tests, run at a raised CPU priority (tests/harness/priority.py): before
-    the module's other fixtures, as autouse fixtures of a scope are."""
-    if request.node.get_closest_marker("timing") is None:
-        yield
-        return
-    with raised():
-        yield
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups

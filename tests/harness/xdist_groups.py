@@ -1,9 +1,7 @@
 """Which tests share an xdist worker in ./dev test's parallel pass
 (--dist loadgroup), and in which order the groups start: a module's tests
 stay together, so module-scoped fixtures are set up once (what --dist
-loadfile does); the folders below share one worker besides, and so do the
-timing modules, one at a time, at a raised CPU priority
-(tests/harness/priority.py): two of them side by side would skew each other."""
+loadfile does), and the folders below share one worker besides."""
 
 from __future__ import annotations
 
@@ -20,10 +18,8 @@ ONE_WORKER = ("tests/realkube/", "tests/e2e/test_cluster")
 # Groups that take minutes on one worker, started first so that the pass
 # does not end waiting on one of them (xdist would start the groups with
 # the most tests first, and the real cluster's 22 tests came last).
-TIMING = "timing"
 LONG_FIRST = (
     "tests/realkube/",  # 4 to 5 minutes
-    TIMING,  # 3 to 4 minutes
     "tests/e2e/test_cluster",
     "tests/integration/test_bypass_false_positives.py",  # 60 s by design
     "tests/integration/test_install.py",
@@ -33,17 +29,14 @@ LONG_FIRST = (
 
 def _group(item: pytest.Item, one_worker: Sequence[str]) -> str:
     module = item.nodeid.split("::")[0]
-    folder = next((d for d in one_worker if module.startswith(d)), None)
-    if folder is not None:
-        return folder  # the real cluster raises its own priority
-    return TIMING if item.get_closest_marker("timing") is not None else module
+    return next((d for d in one_worker if module.startswith(d)), module)
 
 
 def group_by_module(
     items: list[pytest.Item], one_worker: Sequence[str] = ONE_WORKER, long_first: Sequence[str] = LONG_FIRST
 ) -> None:
     """Marks every test without an xdist_group with its module's (or its
-    ONE_WORKER prefix's, or TIMING) group, and orders the groups: LONG_FIRST's, then
+    ONE_WORKER prefix's) group, and orders the groups: LONG_FIRST's, then
     the rest by their number of tests, as xdist would (run the pass with
     --no-loadscope-reorder to keep this order). Call it from a tryfirst
     pytest_collection_modifyitems: xdist's own hook reads the marks."""

@@ -44,7 +44,6 @@ from tests.harness.cluster import node_network, sweep_leftovers
 from tests.harness.sim import write_sim_config
 from tests.harness.daemon import BIN
 from tests.harness.oci import build_rootfs
-from tests.harness.priority import TIMING_NICE
 from tests.realkube.build import KubeBinaries
 from tests.realkube.image import pause_root, write_archive
 from tests.harness.teardown import StartOrClose, terminate
@@ -109,9 +108,7 @@ class Process:
     proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Process:
-        # The cluster's shares are measured while other tests run (tests/harness/priority.py).
-        prefix = ["nice", "-n", str(TIMING_NICE)]
-        prefix += ["nsenter", f"--net=/run/netns/{self.netns}", "--"] if self.netns else []
+        prefix = ["nsenter", f"--net=/run/netns/{self.netns}", "--"] if self.netns else []
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 [*prefix, *self.command], stdout=log, stderr=log, env=self.env, start_new_session=True

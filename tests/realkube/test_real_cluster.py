@@ -123,7 +123,7 @@ def _wait_allocatable(cluster: RealCluster, wanted: dict[str, str]) -> None:
 
 def _core_mem(cluster: RealCluster) -> None:
     """cgpud on node-0 in core_mem mode: what this module's first test
-    leaves, made by a test run without it (-m timing, -k)."""
+    leaves, made by a test that runs without it (./dev test's serial pass)."""
     if cluster.nodes[0].cgpud is None:
         cluster.start_cgpud(cluster.nodes[0])
     _set_mode(cluster, "core_mem")
@@ -162,7 +162,7 @@ def test_a_pod_gets_the_device_nodes_of_its_gpu_and_a_pod_without_gpu_none(clust
     _drain(cluster)
 
 
-@pytest.mark.timing  # measures compute shares, beside other tests: the cluster runs at a raised priority
+@pytest.mark.timing  # measures compute shares: in ./dev test's serial pass, on a cluster of its own
 def test_30_and_70_percent_pods_side_by_side_get_30_and_70_percent(cluster: RealCluster) -> None:
     _core_mem(cluster)
     node = cluster.nodes[0]
