@@ -49,54 +49,46 @@ def test_the_harness_imports_no_conftest() -> None:
     assert not offenders, "\n".join(offenders)
 
 
+def _pytest_on(tmp_path: Path, modules: dict[str, int], call: str, *args: str) -> str:
+    """pytest run in tmp_path on modules of that many trivial tests, with
+    a conftest that groups them as tests/conftest.py does (`call`)."""
+    (tmp_path / "conftest.py").write_text(
+        "import pytest\nfrom tests.harness.xdist_groups import group_by_module\n\n"
+        "@pytest.hookimpl(tryfirst=True)\ndef pytest_collection_modifyitems(config, items):\n"
+        f"    {call}\n"
+    )
+    for name, count in modules.items():
+        (tmp_path / name).write_text("".join(f"def test_{i}():\n    pass\n" for i in range(count)))
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", *args, "-p", "no:cacheprovider", "."],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        check=False,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
 def test_a_module_runs_on_one_xdist_worker(tmp_path: Path) -> None:
     """./dev test's parallel pass keeps each module on one worker through
     the xdist_group marks of tests/harness/xdist_groups.py; a pytest or
     xdist release that stops honouring them (pytest-xdist#1386, pytest 9.2)
     would spread modules over workers silently."""
-    (tmp_path / "conftest.py").write_text(
-        "import pytest\nfrom tests.harness.xdist_groups import group_by_module\n\n"
-        "@pytest.hookimpl(tryfirst=True)\ndef pytest_collection_modifyitems(config, items):\n"
-        "    group_by_module(items)\n"
+    out = _pytest_on(
+        tmp_path, {"test_a.py": 6, "test_b.py": 6}, "group_by_module(items)", "-n", "2", "--dist", "loadgroup", "-v"
     )
-    for name in ("test_a.py", "test_b.py"):
-        (tmp_path / name).write_text("".join(f"def test_{i}():\n    pass\n" for i in range(6)))
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-v", "-p", "no:cacheprovider", "."],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-        env=env,
-        check=False,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    ran = re.findall(r"\[(gw\d+)\].*PASSED (test_[ab])\.py::test_\d+", out.stdout)
-    assert len(ran) == 12, out.stdout
-    assert all(len({w for w, m in ran if m == module}) == 1 for module in ("test_a", "test_b")), out.stdout
+    ran = re.findall(r"\[(gw\d+)\].*PASSED (test_[ab])\.py::test_\d+", out)
+    assert len(ran) == 12, out
+    assert all(len({w for w, m in ran if m == module}) == 1 for module in ("test_a", "test_b")), out
 
 
 def test_the_long_groups_start_first_then_the_largest(tmp_path: Path) -> None:
     """The order ./dev test's parallel pass hands groups out in
     (--no-loadscope-reorder keeps it): LONG_FIRST's, then by size."""
-    (tmp_path / "conftest.py").write_text(
-        "import pytest\nfrom tests.harness.xdist_groups import group_by_module\n\n"
-        "@pytest.hookimpl(tryfirst=True)\ndef pytest_collection_modifyitems(config, items):\n"
-        "    group_by_module(items, long_first=('test_c.py',))\n"
-    )
-    for name, count in (("test_a.py", 1), ("test_b.py", 3), ("test_c.py", 2)):
-        (tmp_path / name).write_text("".join(f"def test_{i}():\n    pass\n" for i in range(count)))
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    out = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "."],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-        env=env,
-        check=False,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    modules = [line.split("::")[0] for line in out.stdout.splitlines() if "::" in line]
-    assert modules == ["test_c.py"] * 2 + ["test_b.py"] * 3 + ["test_a.py"], out.stdout
+    modules = {"test_a.py": 1, "test_b.py": 3, "test_c.py": 2}
+    out = _pytest_on(tmp_path, modules, "group_by_module(items, long_first=('test_c.py',))", "--collect-only", "-q")
+    collected = [line.split("::")[0] for line in out.splitlines() if "::" in line]
+    assert collected == ["test_c.py"] * 2 + ["test_b.py"] * 3 + ["test_a.py"], out
