@@ -16,6 +16,7 @@ import builtins
 import socket
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
@@ -48,7 +49,7 @@ _CHANNEL_OPTIONS = (
 )
 
 
-class LocalClient:
+class LocalClient(AbstractContextManager["LocalClient"]):
     """`with LocalClient() as c: c.list()`. Calls give up after `timeout`
     seconds. Without `wait` they fail fast when the daemon is down; with it,
     each call waits up to `wait` seconds for the daemon to come back, and
@@ -71,9 +72,6 @@ class LocalClient:
         # call reports an unreachable daemon.
         self._channel = grpc.insecure_channel(f"unix:{self.socket_path}", options=_CHANNEL_OPTIONS)
         self._stub = pb_grpc.LocalStub(self._channel)
-
-    def __enter__(self) -> LocalClient:
-        return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None

@@ -27,6 +27,7 @@ import os
 import shutil
 import stat
 import threading
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -494,7 +495,7 @@ def read_limits(directory: Path) -> InstanceLimits:
 # ------------------------------------------------------------ usage region
 
 
-class UsageRegion:
+class UsageRegion(AbstractContextManager["UsageRegion"]):
     """The shared usage file of one instance, mapped read-write to reap the
     ledgers of dead processes.
 
@@ -529,9 +530,6 @@ class UsageRegion:
         except BaseException:
             self.close()
             raise
-
-    def __enter__(self) -> UsageRegion:
-        return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
