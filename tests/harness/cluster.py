@@ -73,7 +73,10 @@ SHARED = (Resource.GPU_MEM, Resource.GPU_CORE, Resource.GPU_COUNT)  # what the k
 
 
 def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(list(args), capture_output=True, text=True, check=check, timeout=30)
+    out = subprocess.run(list(args), capture_output=True, text=True, check=False, timeout=30)
+    if check and out.returncode != 0:  # with what the command said: CalledProcessError's text leaves it out
+        raise AssertionError(f"$ {' '.join(args)}: exit {out.returncode}: {out.stderr.strip() or out.stdout.strip()}")
+    return out
 
 
 def _pid_alive(pid: int) -> bool:
