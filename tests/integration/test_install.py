@@ -69,7 +69,9 @@ def test_pip_install_builds_everything_and_the_demo_runs(clean_copy, tmp_path):
     )
 
     # README command one, in the fresh copy, reusing this venv (dev installs editable over it).
-    env = dict(os.environ, CGPU_VENV=str(venv), XDG_RUNTIME_DIR=str(tmp_path))
+    # Its state (and its instances' tmpfs mounts) under this test's directory, where the
+    # mount checks of tests running meanwhile know it is not theirs.
+    env = dict(os.environ, CGPU_VENV=str(venv), XDG_RUNTIME_DIR=str(tmp_path), TMPDIR=str(tmp_path))
     demo = _run([str(clean_copy / "dev"), "demo", "--seconds", "2"], env=env)
     bare = re.search(r"^Without cgpu: A got ([\d.]+) %, B got ([\d.]+) %", demo.stdout, re.MULTILINE)
     got = re.search(
