@@ -8,6 +8,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
+from abc import ABC, abstractmethod
 from typing import Any, Self
 
 # A SIGKILLed process still has to be reaped; only one stuck in the kernel takes long.
@@ -33,16 +34,16 @@ def terminate(*procs: subprocess.Popen[Any], timeout: float = 20, kill: bool = T
             p.wait(timeout=KILL_WAIT_S)
 
 
-class StartOrClose:
+class StartOrClose(ABC):
     """A context manager over `_start` and `close`: a start that fails part
     way closes what it had made before the error goes on, so `close` must
     take down any part of the setup."""
 
-    def _start(self) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def _start(self) -> None: ...
 
-    def close(self) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def close(self) -> None: ...
 
     def start(self) -> Self:
         try:
