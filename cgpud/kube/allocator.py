@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import json
 import threading
+from dataclasses import dataclass, field
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import structlog
 
@@ -73,22 +74,21 @@ def pod_memory_gib(pod: PodInfo) -> int:
     return max(init, sum(c.limit(Resource.GPU_MEM) for c in pod.containers if not c.init))
 
 
+@dataclass(eq=False)
 class PodAllocator:
     """cgpud's Allocator (cgpud.kube.model.Allocator)."""
 
-    def __init__(
-        self, service: InstanceService, api: PodSource, node: str, files: RuntimeFiles, cdi_dir: Path, dev_root: Path
-    ) -> None:
-        self._service = service
-        self._dev_root = dev_root
-        self._api = api
-        self._node = node
-        self._files = files
-        self._cdi_dir = cdi_dir
-        self._lock = threading.Lock()  # one Allocate at a time: resolution reads what the last one made
-        # (resource, device IDs) -> instance id of answered memory Allocates, for retries.
-        self._answered: dict[tuple[Resource, frozenset[str]], str] = {}
-        self._log = structlog.get_logger("cgpud.kube.allocator")
+    service: InstanceService
+    api: PodSource
+    node: str
+    files: RuntimeFiles
+    cdi_dir: Path
+    dev_root: Path
+    # One Allocate at a time: resolution reads what the last one made.
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+    # (resource, device IDs) -> instance id of answered memory Allocates, for retries.
+    _answered: dict[tuple[Resource, frozenset[str]], str] = field(default_factory=dict, init=False, repr=False)
+    _log: Any = field(default_factory=lambda: structlog.get_logger("cgpud.kube.allocator"), init=False, repr=False)
 
     def allocate(self, resource: Resource, device_ids: Sequence[str]) -> ContainerAllocation:
         count = assignment.check_count(device_ids, resource)
@@ -98,7 +98,7 @@ class PodAllocator:
             pods = self._pods()
             if resource is Resource.GPU_MEM:
                 return self._memory(pods, count, frozenset(device_ids))
-            pod, container = assignment.find_asker(pods, resource, count, self._node)
+            pod, container = assignment.find_asker(pods, resource, count, self.node)
             self._log.info("allocated", resource=resource.value, count=count, pod=pod.key, container=container.name)
             return ContainerAllocation(envs={ENV_CORE: str(count)} if resource is Resource.GPU_CORE else {})
 
@@ -109,12 +109,12 @@ class PodAllocator:
         if retried is not None:
             self._write_spec(retried)  # the spec may be what failed the first time
             return self._answer(retried, pods)
-        pod_instances = [i for i in self._service.list() if i.owner.kind is OwnerKind.POD]
+        pod_instances = [i for i in self.service.list() if i.owner.kind is OwnerKind.POD]
         held = {i.owner.id for i in pod_instances}
         live_ids = {i.id for i in pod_instances}  # answers of released instances are no retry's any more
         self._answered = {k: v for k, v in self._answered.items() if v in live_ids}
         try:
-            resolution = assignment.resolve_memory(pods, gib, self._node, held)
+            resolution = assignment.resolve_memory(pods, gib, self.node, held)
         except assignment.Unresolved as e:
             self._warn_skipped(e.skipped)
             raise
@@ -130,16 +130,16 @@ class PodAllocator:
         )
         where = f"pod {chosen.pod.key} container {chosen.container}"
         # As it is before the instance draws on it: an undone Allocate puts it back.
-        reserved = next((r for r in self._service.reservations() if r.pod_uid == chosen.pod.uid), None)
+        reserved = next((r for r in self.service.reservations() if r.pod_uid == chosen.pod.uid), None)
         try:
-            instance = self._service.create(request)
+            instance = self.service.create(request)
         except CgpuError as e:  # does not fit, or a request the node refuses: the kubelet shows why
             raise AllocationError(f"{where}: {e}") from e
         complete = assignment.complete(chosen.pod, held | {chosen.owner.owner_id})
         try:
             self._write_spec(instance)
             if complete:
-                self._api.annotate_pod(chosen.pod.namespace, chosen.pod.name, {ANNOTATION_ASSIGNED: "true"})
+                self.api.annotate_pod(chosen.pod.namespace, chosen.pod.name, {ANNOTATION_ASSIGNED: "true"})
         except (CgpuError, OSError) as e:
             self._undo(instance, reserved)
             raise AllocationError(f"{where}: instance not kept: {e}") from e
@@ -163,7 +163,7 @@ class PodAllocator:
         """Every container of the pod has its instance: what is left of the
         scheduler's reservation for it holds capacity nobody will use."""
         try:
-            self._service.unreserve(pod.uid)
+            self.service.unreserve(pod.uid)
         except CgpuError as e:  # it expires on its own
             self._log.error("cannot drop the pod's reservation", pod=pod.key, error=str(e))
 
@@ -174,7 +174,7 @@ class PodAllocator:
         if instance_id is None:
             return None
         try:
-            instance = self._service.get(instance_id)
+            instance = self.service.get(instance_id)
         except CgpuError:
             instance = None
         owner = PodContainer.parse(instance.owner.id) if instance is not None else None
@@ -189,9 +189,9 @@ class PodAllocator:
         return instance
 
     def _answer(self, instance: Instance, pods: list[PodInfo]) -> ContainerAllocation:
-        gpu_memory = {g.index: g.memory for g in self._service.gpus()}
-        self._service.use_runtime([instance.id], self._files.version)  # before the edits leave (runtime_files.py)
-        edits = instance_edits(instance, self._service.region_dir(instance.id), gpu_memory, self._files)
+        gpu_memory = {g.index: g.memory for g in self.service.gpus()}
+        self.service.use_runtime([instance.id], self.files.version)  # before the edits leave (runtime_files.py)
+        edits = instance_edits(instance, self.service.region_dir(instance.id), gpu_memory, self.files)
         envs = dict(edits.env)
         owner = PodContainer.parse(instance.owner.id)
         pod = next((p for p in pods if owner is not None and p.uid == owner.uid), None)
@@ -207,26 +207,26 @@ class PodAllocator:
         )
 
     def _write_spec(self, instance: Instance) -> None:
-        gpu_memory = {g.index: g.memory for g in self._service.gpus()}
-        self._service.use_runtime([instance.id], self._files.version)  # before the edits leave (runtime_files.py)
+        gpu_memory = {g.index: g.memory for g in self.service.gpus()}
+        self.service.use_runtime([instance.id], self.files.version)  # before the edits leave (runtime_files.py)
         edits = instance_edits(
             instance,
-            self._service.region_dir(instance.id),
+            self.service.region_dir(instance.id),
             gpu_memory,
-            self._files,
+            self.files,
             device_nodes=cdi.instance_device_nodes(
-                self._service.gpus(), [g.gpu_index for g in instance.grants], self._dev_root
+                self.service.gpus(), [g.gpu_index for g in instance.grants], self.dev_root
             ),
         )
         text = json.dumps(cdi.cdi_spec([edits]), indent=2) + "\n"
-        cdi.write_spec(text, spec_path(self._cdi_dir, instance.id))
+        cdi.write_spec(text, spec_path(self.cdi_dir, instance.id))
 
     def _undo(self, instance: Instance, reserved: Reservation | None = None) -> None:
         try:
-            remove_spec(self._cdi_dir, instance.id)
+            remove_spec(self.cdi_dir, instance.id)
         except OSError as e:
             self._log.error("cannot remove CDI spec", id=instance.id, error=str(e))
-        self._service.release(instance.id, restore=reserved)
+        self.service.release(instance.id, restore=reserved)
 
     # ---- helpers ---------------------------------------------------------------------
 
@@ -236,18 +236,18 @@ class PodAllocator:
         for s in skipped:
             self._log.warning("pod passed over", pod=s.pod.key, reason=s.reason)
             try:
-                self._api.warn_pod(
+                self.api.warn_pod(
                     s.pod,
-                    self._node,
+                    self.node,
                     "CgpuAnnotationInvalid",
-                    f"cgpud on {self._node} passed this pod over for a GPU share: {s.reason}",
+                    f"cgpud on {self.node} passed this pod over for a GPU share: {s.reason}",
                 )
             except ApiServerError as e:  # the log line stays
                 self._log.error("cannot record an event on the pod", pod=s.pod.key, error=str(e))
 
     def _pods(self) -> list[PodInfo]:
         try:
-            return self._api.pods_on_node(self._node)
+            return self.api.pods_on_node(self.node)
         except ApiServerUnavailable as e:
             raise AllocationError(
                 f"cannot tell which pod this Allocate is for: {e}; the kubelet retries when the pod is created again"
@@ -258,13 +258,13 @@ class PodAllocator:
     def _whole_gpus(self, resource: Resource, device_ids: Sequence[str]) -> ContainerAllocation:
         """Whole GPUs: the device IDs are GPU UUIDs and the kubelet alone
         keeps each GPU to one container."""
-        by_uuid = {g.uuid: g.index for g in self._service.gpus()}
+        by_uuid = {g.uuid: g.index for g in self.service.gpus()}
         unknown = [d for d in device_ids if d not in by_uuid]
         if unknown:
-            raise AllocationError(f"{resource.value}: no GPU with UUID {unknown[0]!r} on node {self._node}")
+            raise AllocationError(f"{resource.value}: no GPU with UUID {unknown[0]!r} on node {self.node}")
         indexes = sorted(by_uuid[d] for d in device_ids)
         uuids = [u for i in indexes for u, j in by_uuid.items() if i == j]
-        nodes = cdi.instance_device_nodes(self._service.gpus(), indexes, self._dev_root)
+        nodes = cdi.instance_device_nodes(self.service.gpus(), indexes, self.dev_root)
         return ContainerAllocation(
             envs={"NVIDIA_VISIBLE_DEVICES": ",".join(uuids), ANNOTATION_GPU_INDEX: ",".join(map(str, indexes))},
             mounts=device_list(uuids),
