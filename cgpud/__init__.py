@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from importlib import metadata
 
+def __getattr__(name: str) -> str:
+    # __version__ on first use: importlib.metadata is a tenth of every
+    # cgpuctl call, and most calls never print a version.
+    if name != "__version__":
+        raise AttributeError(f"module 'cgpud' has no attribute {name!r}")
+    from importlib import metadata
 
-def _version() -> str:
     try:
         return metadata.version("cgpud")
     except metadata.PackageNotFoundError:  # imported from a source tree without install
         return "0+unknown"
-
-
-__version__ = _version()

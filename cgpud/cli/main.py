@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cgpud import __version__
+import cgpud
 from cgpud.cli import simulator
 from cgpud import config as settings
 from cgpud.node.model import ComputePolicy, Owner, OwnerKind, Request
@@ -294,9 +294,17 @@ def _add_request_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--high-priority", action="store_true", help="schedule ahead of normal instances")
 
 
+class _PrintVersion(argparse.Action):
+    """argparse's "version" action, with the version read only when asked for (cgpud.__version__)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        sys.stdout.write(f"cgpuctl {cgpud.__version__}\n")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cgpuctl", description="Operate cgpu, the GPU sharing runtime, on this node.")
-    p.add_argument("--version", action="version", version=f"cgpuctl {__version__}")
+    p.add_argument("--version", action=_PrintVersion, nargs=0, help="show the version and exit")
     p.add_argument(
         "--socket", help="cgpud's local API socket (default from /etc/cgpu/config.toml, else /run/cgpud/cgpud.sock)"
     )

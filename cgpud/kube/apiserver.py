@@ -6,7 +6,10 @@ the API types): answers are plain dataclasses, failures CgpuError subclasses.
 An API server that cannot be reached, or no credentials at all, is its own
 kind (ApiServerUnavailable): callers keep running on the node's config and
 catch up later, while an answer the API server gave (403, 404, 422) is an
-ApiServerError that says which call and why."""
+ApiServerError that says which call and why.
+
+The client is imported where it is first used, not with this module: it is
+150 ms of every cgpud start (a third of it), and only kubernetes mode calls it."""
 
 from __future__ import annotations
 
@@ -17,17 +20,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import Any
-
-import urllib3
-from kubernetes import client as k8s
-from kubernetes import config as k8s_config
-from kubernetes.client.exceptions import ApiException
-from kubernetes.config.config_exception import ConfigException
-from kubernetes.utils import parse_quantity
+from typing import TYPE_CHECKING, Any
 
 from cgpud.errors import CgpuError
 from cgpud.kube.model import Resource
+
+if TYPE_CHECKING:
+    from kubernetes import client as k8s
+    from kubernetes.client.exceptions import ApiException
 
 MERGE_PATCH = "application/merge-patch+json"
 # Pods past these phases hold no device: the kubelet frees what they had.
@@ -84,6 +84,8 @@ class NodeInfo:
 
 
 def _whole(quantity: str, what: str) -> int:
+    from kubernetes.utils import parse_quantity
+
     try:
         value = parse_quantity(quantity)
     except (ValueError, InvalidOperation, TypeError) as e:
@@ -126,6 +128,10 @@ def pod_info(pod: Any) -> PodInfo:
 def client_from(kubeconfig: Path | None = None) -> k8s.ApiClient:
     """An API client from a kubeconfig file when one is given, else the pod's
     service account (in-cluster). No credentials is ApiServerUnavailable."""
+    from kubernetes import client as k8s
+    from kubernetes import config as k8s_config
+    from kubernetes.config.config_exception import ConfigException
+
     configuration = k8s.Configuration()
     try:
         if kubeconfig is not None:
@@ -152,6 +158,8 @@ class ApiServer:
     urllib3 pool)."""
 
     def __init__(self, api_client: k8s.ApiClient, timeout: float = DEFAULT_TIMEOUT) -> None:
+        from kubernetes import client as k8s
+
         self._client = api_client
         self._core = k8s.CoreV1Api(api_client)
         self._timeout = timeout
@@ -196,6 +204,8 @@ class ApiServer:
 
     def warn_pod(self, pod: PodInfo, node: str, reason: str, message: str) -> None:
         """A Warning event on the pod (what `kubectl describe pod` shows)."""
+        from kubernetes import client as k8s
+
         now = datetime.datetime.now(datetime.UTC)
         body = k8s.CoreV1Event(
             metadata=k8s.V1ObjectMeta(generate_name=f"{pod.name}.", namespace=pod.namespace),
@@ -236,6 +246,9 @@ class ApiServer:
     # ---- edge ---------------------------------------------------------------------------
 
     def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        import urllib3
+        from kubernetes.client.exceptions import ApiException
+
         try:
             return fn(*args, _request_timeout=self._timeout, **kwargs)
         except ApiException as e:

@@ -5,8 +5,6 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-from pyroute2 import IPRoute
-
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
 
@@ -23,6 +21,8 @@ def primary_address() -> str:
     """The IPv4 address the node's default route leaves from, as `kubectl
     inspect cgpu` shows it; the first global address if there is no default
     route; "" if the node has none."""
+    from pyroute2 import IPRoute  # 90 ms to import: paid by the first status call, not every start
+
     with IPRoute() as ip:
         for route in ip.get_default_routes(family=socket.AF_INET):
             src = route.get_attr("RTA_PREFSRC")
