@@ -8,12 +8,16 @@ while the init waits in runc for `start`, so what it names is that init.
 The callback runs on the watch's thread (or on a caller's, in settle());
 each exit is handed to exactly one of them.
 
+Kernels before 5.3 (RHEL 8's 4.18) have no pidfd_open: the watch says so
+once and watches nothing; the sweep finds each exit instead.
+
 ExitWatch may be shared by threads: its table has its own lock, and the
 callback is called without it."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import select
 import threading
@@ -44,17 +48,30 @@ class ExitWatch:
         self._epoll.register(self._wake_r, select.EPOLLIN)
         self._on_exit: OnExit | None = None
         self._closed = False
+        self._pidfds = True  # False once the kernel has said it has no pidfd_open
         self._log = structlog.get_logger("cgpud.exits")
 
     def watch(self, instance_id: str, pid: int, pidfd: int | None = None) -> None:
         """Watches `pid` for the instance, instead of any pid watched for it.
         `pidfd`: one the caller already opened on `pid`; the watch owns it."""
+        if pidfd is None and not self._pidfds:
+            self.forget(instance_id)
+            return
         try:
             fd: int | None = pidfd if pidfd is not None else os.pidfd_open(pid)
         except ProcessLookupError:
             fd = None
-        except OSError as e:  # EMFILE and the like: the sweep still finds it gone
+        except OSError as e:
             self.forget(instance_id)
+            if e.errno == errno.ENOSYS:
+                with self._lock:
+                    first, self._pidfds = self._pidfds, False
+                if first:
+                    self._log.info(
+                        "this kernel has no pidfd_open (Linux 5.3): containers' exits are found by the sweep"
+                    )
+                return
+            # EMFILE and the like: the sweep still finds it gone
             self._log.warning(
                 "cannot watch the init process; the sweep will notice its exit", id=instance_id, pid=pid, error=str(e)
             )

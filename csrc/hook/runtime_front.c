@@ -26,6 +26,7 @@
 
 #if defined(CGPU_FRONT_FREESTANDING)
 /* ---- system calls, without libc -------------------------------------------------------- */
+#include <asm/stat.h>
 #include <asm/unistd.h>
 #include <linux/fcntl.h>
 #include <linux/stat.h>
@@ -78,14 +79,16 @@ static void f_close(int fd)
     sys6(__NR_close, fd, 0, 0, 0, 0, 0);
 }
 
-/* 1 and the size if fd is a regular file, 0 if not, -1 on error. */
+/* 1 and the size if fd is a regular file, 0 if not, -1 on error. fstat,
+ * not statx: kernels before 4.11 (CentOS 7's 3.10) have no statx, and an
+ * unreadable config would send a GPU start to runc without its limits. */
 static int f_regular(int fd, unsigned long long *size)
 {
-    struct statx st;
-    if (sys6(__NR_statx, fd, (long)"", AT_EMPTY_PATH, STATX_TYPE | STATX_SIZE, (long)&st, 0) < 0)
+    struct stat st;
+    if (sys6(__NR_fstat, fd, (long)&st, 0, 0, 0, 0) < 0)
         return -1;
-    *size = st.stx_size;
-    return (st.stx_mode & S_IFMT) == S_IFREG;
+    *size = (unsigned long long)st.st_size;
+    return (st.st_mode & S_IFMT) == S_IFREG;
 }
 
 /* Returns only on failure: -errno. */

@@ -27,6 +27,8 @@ class Daemon:
     notify: socket.socket
     args: list[str]
     proc: subprocess.Popen[str] | None = None
+    # What cgpud runs under (tests/harness/old_kernel.py's launcher), if anything.
+    wrapper: tuple[str, ...] = ()
 
     @property
     def log(self) -> Path:
@@ -41,7 +43,11 @@ class Daemon:
         # daemon whose log fills it blocks mid-request.
         with open(self.log, "a") as log:
             self.proc = subprocess.Popen(
-                [str(BIN / "cgpud"), *self.args], env=self.env, stdout=subprocess.DEVNULL, stderr=log, text=True
+                [*self.wrapper, str(BIN / "cgpud"), *self.args],
+                env=self.env,
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+                text=True,
             )
         self.wait_for(b"READY=1")
 

@@ -14,7 +14,7 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -183,13 +183,21 @@ def runtime_env(relay: Path, base: dict[str, str] | None = None) -> dict[str, st
 
 
 def run(
-    host: Host, bundle: Bundle, container_id: str, *, shim: bool, relay: Path | None = None, timeout: float = 60
+    host: Host,
+    bundle: Bundle,
+    container_id: str,
+    *,
+    shim: bool,
+    relay: Path | None = None,
+    timeout: float = 60,
+    wrapper: Sequence[str] = (),
 ) -> subprocess.CompletedProcess[str]:
-    """`runc run` of the bundle in the foreground, through the shim or not."""
+    """`runc run` of the bundle in the foreground, through the shim or not
+    (under `wrapper`, tests/harness/old_kernel.py's launcher, if given)."""
     binary = str(native_path("bin/cgpu-runtime")) if shim else "runc"
     env = runtime_env(relay) if relay else dict(os.environ)
     return subprocess.run(
-        [binary, "--root", str(host.runc_root), "run", "--bundle", str(bundle.path), container_id],
+        [*wrapper, binary, "--root", str(host.runc_root), "run", "--bundle", str(bundle.path), container_id],
         env=env,
         capture_output=True,
         text=True,
@@ -199,12 +207,23 @@ def run(
 
 
 def runc(
-    host: Host, *args: str, shim: bool = False, relay: Path | None = None, timeout: float = 60, **kw: Any
+    host: Host,
+    *args: str,
+    shim: bool = False,
+    relay: Path | None = None,
+    timeout: float = 60,
+    wrapper: Sequence[str] = (),
+    **kw: Any,
 ) -> subprocess.CompletedProcess[str]:
     binary = str(native_path("bin/cgpu-runtime")) if shim else "runc"
     env = runtime_env(relay) if relay else dict(os.environ)
     return subprocess.run(
-        [binary, "--root", str(host.runc_root), *args], env=env, capture_output=True, text=True, timeout=timeout, **kw
+        [*wrapper, binary, "--root", str(host.runc_root), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kw,
     )
 
 
@@ -216,6 +235,7 @@ def create(
     timeout: float = 60,
     pid_file: Path | None = None,
     env: dict[str, str] | None = None,
+    wrapper: Sequence[str] = (),
 ) -> tuple[int, str]:
     """`runc create` through the shim; the container's stdio goes to a file
     in the bundle (a pipe would stay open as long as the container runs).
@@ -223,7 +243,17 @@ def create(
     the instance itself; without, runc's createRuntime hook does."""
     extra = ["--pid-file", str(pid_file)] if pid_file else []
     shim = str(native_path("bin/cgpu-runtime"))
-    command = [shim, "--root", str(host.runc_root), "create", "--bundle", str(bundle.path), *extra, container_id]
+    command = [
+        *wrapper,
+        shim,
+        "--root",
+        str(host.runc_root),
+        "create",
+        "--bundle",
+        str(bundle.path),
+        *extra,
+        container_id,
+    ]
     return _create_logged(command, bundle, env or runtime_env(relay), timeout)
 
 
