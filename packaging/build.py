@@ -48,6 +48,11 @@ STDLIB_PRUNE = {
     "__pycache__",
     "turtle.py",
 }
+# What cgpud never imports of its dependencies: the kubernetes client's
+# asyncio twin (kubernetes/aio, half the client's size) and the libraries
+# only it needs. tests/packaging/test_installed.py imports the rest.
+DEPENDENCY_PRUNE_DIRS = (Path("kubernetes/aio"),)
+DEPENDENCY_PRUNE_DISTS = frozenset({"aiohttp", "aiohttp-retry"})
 DYNLOAD_PRUNE = re.compile(r"^(_tkinter|_test|_xxtest|xxlimited|_ctypes_test|xxsubtype)")
 
 
@@ -176,14 +181,15 @@ def _requirements(dist: metadata.Distribution, extras: Iterable[str] = ()) -> li
 
 def runtime_distributions() -> list[metadata.Distribution]:
     """cgpud's dependencies, transitively, as installed in this venv
-    (without extras: no test tools)."""
+    (without extras: no test tools), less DEPENDENCY_PRUNE_DISTS and what
+    only they need."""
     seen: dict[str, metadata.Distribution] = {}
     done: set[tuple[str, frozenset[str]]] = set()
     todo = _requirements(metadata.distribution("cgpud"))
     while todo:
         name, extras = todo.pop()
         key = re.sub(r"[-_.]+", "-", name).lower()
-        if (key, extras) in done:
+        if (key, extras) in done or key in DEPENDENCY_PRUNE_DISTS:
             continue
         done.add((key, extras))
         try:
@@ -202,6 +208,8 @@ def stage_dependencies(site: Path) -> None:
             rel = Path(str(file))
             if rel.parts[0] == ".." or "__pycache__" in rel.parts or not src.is_file():
                 continue  # scripts in bin/ and bytecode: the package compiles its own
+            if any(rel.is_relative_to(d) for d in DEPENDENCY_PRUNE_DIRS):
+                continue
             dst = site / rel
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dst)
@@ -412,8 +420,9 @@ def build_deb(root: Path, layout: Layout, out: Path, depends: Sequence[str]) -> 
         (debian / script).chmod(0o755)
     out.mkdir(parents=True, exist_ok=True)
     deb = out / f"{PACKAGE}_{layout.version}_amd64.deb"
-    # zstd at level 1 on all cores: the build runs in CI on every push.
-    run("dpkg-deb", "--root-owner-group", "-Zzstd", "-z1", "--build", root, deb)
+    # xz, which dpkg reads from Debian 9 and Ubuntu 16.04 on (zstd members only
+    # from Debian 12 and Ubuntu 21.10); level 1: the build runs in CI on every push.
+    run("dpkg-deb", "--root-owner-group", "-Zxz", "-z1", "--build", root, deb)
     shutil.rmtree(debian)
     shutil.rmtree(root / "lib")
     return deb

@@ -65,6 +65,11 @@ def test_the_deb_declares_its_conffile_scripts_and_dependencies(packages: Packag
     assert stdlib + "ctypes/__init__.py" in names and stdlib + "lib-dynload/" in names
 
 
+def test_the_deb_is_xz_which_dpkg_reads_from_debian_9_and_ubuntu_16_04_on(packages: Packages) -> None:
+    members = subprocess.run(["ar", "t", str(packages.new_deb)], capture_output=True, text=True, check=True).stdout
+    assert members.split() == ["debian-binary", "control.tar.xz", "data.tar.xz"]
+
+
 def test_install_upgrade_keeps_edits_remove_keeps_state_purge_deletes_it(packages: Packages, tmp_path: Path) -> None:
     root = empty_root(tmp_path / "root")
     dpkg(root, "-i", str(packages.old_deb))
@@ -146,7 +151,7 @@ def repack_with_new_default(deb: Path, tmp_path: Path) -> Path:
     control.write_text(control.read_text().replace(f"Version: {NEW}", f"Version: {NEW}.1"))
     out = tmp_path / "newer.deb"
     subprocess.run(
-        ["dpkg-deb", "--root-owner-group", "-Zzstd", "-z1", "-b", str(tree), str(out)], check=True, capture_output=True
+        ["dpkg-deb", "--root-owner-group", "-Zxz", "-z1", "-b", str(tree), str(out)], check=True, capture_output=True
     )
     return out
 

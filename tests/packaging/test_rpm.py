@@ -52,6 +52,13 @@ def test_rpm_lists_the_expected_files(packages: Packages) -> None:
     assert "docker" not in scripts.lower() and "containerd" not in scripts
 
 
+def test_the_rpm_has_an_xz_payload_and_sha256_digests_which_rpm_4_11_reads(packages: Packages) -> None:
+    """CentOS 7's rpm 4.11 reads xz payloads (not zstd: 4.14) and sha256
+    file digests (PGPHASHALGO 8)."""
+    query = rpm("-qp", "--qf", "%{PAYLOADCOMPRESSOR} %{FILEDIGESTALGO}", str(packages.new_rpm)).stdout
+    assert query.split() == ["xz", "8"]
+
+
 def test_rpm_installs_into_a_root_and_erase_keeps_edits_and_state(packages: Packages, tmp_path: Path) -> None:
     root = tmp_path / "root"
     (root / "bin").mkdir(parents=True)
