@@ -48,11 +48,6 @@ STDLIB_PRUNE = {
     "__pycache__",
     "turtle.py",
 }
-# What cgpud never imports of its dependencies: the kubernetes client's
-# asyncio twin (kubernetes/aio, half the client's size) and the libraries
-# only it needs. tests/packaging/test_installed.py imports the rest.
-DEPENDENCY_PRUNE_DIRS = (Path("kubernetes/aio"),)
-DEPENDENCY_PRUNE_DISTS = frozenset({"aiohttp", "aiohttp-retry"})
 DYNLOAD_PRUNE = re.compile(r"^(_tkinter|_test|_xxtest|xxlimited|_ctypes_test|xxsubtype)")
 
 
@@ -181,15 +176,14 @@ def _requirements(dist: metadata.Distribution, extras: Iterable[str] = ()) -> li
 
 def runtime_distributions() -> list[metadata.Distribution]:
     """cgpud's dependencies, transitively, as installed in this venv
-    (without extras: no test tools), less DEPENDENCY_PRUNE_DISTS and what
-    only they need."""
+    (without extras: no test tools)."""
     seen: dict[str, metadata.Distribution] = {}
     done: set[tuple[str, frozenset[str]]] = set()
     todo = _requirements(metadata.distribution("cgpud"))
     while todo:
         name, extras = todo.pop()
         key = re.sub(r"[-_.]+", "-", name).lower()
-        if (key, extras) in done or key in DEPENDENCY_PRUNE_DISTS:
+        if (key, extras) in done:
             continue
         done.add((key, extras))
         try:
@@ -208,8 +202,6 @@ def stage_dependencies(site: Path) -> None:
             rel = Path(str(file))
             if rel.parts[0] == ".." or "__pycache__" in rel.parts or not src.is_file():
                 continue  # scripts in bin/ and bytecode: the package compiles its own
-            if any(rel.is_relative_to(d) for d in DEPENDENCY_PRUNE_DIRS):
-                continue
             dst = site / rel
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dst)

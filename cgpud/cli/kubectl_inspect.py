@@ -282,33 +282,33 @@ def from_service_proxy(
     kubeconfig: Path | None, namespace: str, service: str, timeout: float = DEFAULT_TIMEOUT
 ) -> ClusterView:
     """GET /inspect of the cgpu-scheduler Service through the API server."""
-    import urllib3
-    from kubernetes.client import CoreV1Api
-    from kubernetes.client.exceptions import ApiException
-
-    from cgpud.kube.apiserver import ApiServerError, _reason, client_from
+    from cgpud.kube.apiserver import ApiServerError, client_from
+    from cgpud.kube.rest import RestError
 
     where = f"service {namespace}/{service} (port https, else http) through the API server"
     try:
-        api = client_from(kubeconfig)
+        api = client_from(kubeconfig, timeout)
     except ApiServerError as e:
         raise InspectError(f"{e}; or give --extender URL or --nodes FILE") from e
     try:
-        proxy = CoreV1Api(api).connect_get_namespaced_service_proxy_with_path
         try:  # deploy/cgpu-scheduler.yaml serves HTTPS on a port named https
-            answer = proxy(
-                f"https:{service}:https", namespace, "inspect", _preload_content=False, _request_timeout=timeout
+            body = api.fetch(
+                "GET",
+                "/api/v1/namespaces/{namespace}/services/{name}/proxy/inspect",
+                {"namespace": namespace, "name": f"https:{service}:https"},
             )
-        except ApiException as e:
+        except RestError as e:
             if e.status not in (404, 503):
                 raise
-            answer = proxy(f"{service}:http", namespace, "inspect", _preload_content=False, _request_timeout=timeout)
-        # _preload_content=False: the urllib3 response, not the str the client's annotation says.
-        body = answer.data  # type: ignore[attr-defined]
-    except ApiException as e:
-        raise InspectError(f"cannot read the cluster view from {where}: {e.status} {_reason(e)}") from e
-    except (urllib3.exceptions.HTTPError, OSError) as e:
-        raise InspectError(f"cannot reach the API server for {where}: {e}") from e
+            body = api.fetch(
+                "GET",
+                "/api/v1/namespaces/{namespace}/services/{name}/proxy/inspect",
+                {"namespace": namespace, "name": f"{service}:http"},
+            )
+    except RestError as e:
+        if e.status == 0:
+            raise InspectError(f"cannot reach the API server for {where}: {e.reason}") from e
+        raise InspectError(f"cannot read the cluster view from {where}: {e.status} {e.reason}") from e
     finally:
         api.close()
     return _parse(body, where)

@@ -13,7 +13,6 @@ reported (log, /inspect) without annotations or a Binding."""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections import OrderedDict, deque
@@ -24,9 +23,6 @@ from typing import Any, Protocol
 
 import grpc
 import structlog
-import urllib3
-from kubernetes import client as k8s
-from kubernetes.client.exceptions import ApiException
 
 from cgpud.errors import CgpuError
 from cgpud.extender.client import CapacityError, Clients
@@ -37,7 +33,8 @@ from cgpud.extender.fit import annotations as pod_annotations
 from cgpud.extender.pod import PodDemand, PodError, pod_demand
 from cgpud.kube.model import Resource
 from cgpud.extender.state import ClusterState, Hold
-from cgpud.kube.apiserver import client_from
+from cgpud.kube.apiserver import ApiServerError, client_from
+from cgpud.kube.rest import RestError
 
 _log = structlog.get_logger("cgpud.extender")
 
@@ -86,30 +83,24 @@ class PodApi(Protocol):
 
 
 class KubePodApi:
-    """The two calls bind makes, with the official client."""
+    """The two calls bind makes."""
 
     def __init__(self, kubeconfig: Path | None, timeout: float = 5.0, connections: int = 32) -> None:
-        loaded = client_from(kubeconfig)
-        configuration = loaded.configuration
-        loaded.close()
         # kube-scheduler binds up to 16 pods at once: a connection each, kept.
-        configuration.connection_pool_maxsize = connections
-        self._client = k8s.ApiClient(configuration)
-        self._timeout = timeout
+        try:
+            self._client = client_from(kubeconfig, timeout, connections)
+        except ApiServerError as e:
+            raise BindError(str(e)) from e
 
     def close(self) -> None:
         self._client.close()
 
     def get_pod(self, namespace: str, name: str) -> dict[str, Any]:
-        data = self._request(
+        where = {"namespace": namespace, "name": name}
+        pod: dict[str, Any] = self._request(
             f"read pod {namespace}/{name}",
-            "GET",
-            "/api/v1/namespaces/{namespace}/pods/{name}",
-            {"namespace": namespace, "name": name},
+            lambda: self._client.call("GET", "/api/v1/namespaces/{namespace}/pods/{name}", where),
         )
-        pod = json.loads(data)
-        if not isinstance(pod, dict):
-            raise BindError(f"cannot read pod {namespace}/{name}: the API server sent no object")
         return pod
 
     def bind(self, namespace: str, name: str, uid: str, node: str, annotations: Mapping[str, str]) -> None:
@@ -124,63 +115,19 @@ class KubePodApi:
             "metadata": meta,
             "target": {"apiVersion": "v1", "kind": "Node", "name": node},
         }
-        # The answer is a Status, which the generated create_namespaced_binding
-        # cannot read back as a V1Binding (kubernetes-client/python#547, #825);
-        # the raw answer is all bind needs.
+        where = {"namespace": namespace, "name": name}
         self._request(
             f"bind pod {namespace}/{name} to node {node}",
-            "POST",
-            "/api/v1/namespaces/{namespace}/pods/{name}/binding",
-            {"namespace": namespace, "name": name},
-            body,
+            lambda: self._client.send("POST", "/api/v1/namespaces/{namespace}/pods/{name}/binding", where, body),
         )
 
-    def _request(
-        self,
-        what: str,
-        method: str,
-        path: str,
-        params: Mapping[str, str],
-        body: Any = None,
-        content_type: str = "application/json",
-    ) -> bytes:
-        """One call through the client's serializer, auth and connection pool,
-        below its generated methods (their per-call argument validation costs
-        more CPU than the request)."""
-        headers = {"Accept": "application/json"}
-        if body is not None:
-            headers["Content-Type"] = content_type
+    def _request(self, what: str, call: Callable[[], Any]) -> Any:
         try:
-            request = self._client.param_serialize(
-                method=method,
-                resource_path=path,
-                path_params=dict(params),
-                header_params=headers,
-                body=body,
-                auth_settings=["BearerToken"],
-            )
-            answer = self._client.call_api(*request, _request_timeout=self._timeout)
-            data = answer.read()
-        except ApiException as e:
-            raise BindError(f"cannot {what}: {e.status} {_reason(e)}") from None
-        except (urllib3.exceptions.HTTPError, OSError) as e:
-            raise BindError(f"cannot {what}: the API server cannot be reached ({e})") from None
-        if not 200 <= answer.status <= 299:
-            raise BindError(f"cannot {what}: {answer.status} {_message(data) or answer.reason}")
-        return data
-
-
-def _message(data: bytes | str | None) -> str:
-    """The message of a Status the API server sent, else ""."""
-    try:
-        status = json.loads(data or b"")
-    except (ValueError, TypeError):
-        return ""
-    return str(status.get("message", "")) if isinstance(status, dict) else ""
-
-
-def _reason(e: ApiException) -> str:
-    return _message(e.body) or str(e.reason or "")
+            return call()
+        except RestError as e:
+            if e.status == 0:
+                raise BindError(f"cannot {what}: {e.reason}") from None
+            raise BindError(f"cannot {what}: {e.status} {e.reason}") from None
 
 
 class Demands:

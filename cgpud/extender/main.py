@@ -77,8 +77,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kubernetes import client as k8s
-
     from cgpud.extender.bind import Binder, KubePodApi
     from cgpud.extender.client import Clients, TlsFiles
     from cgpud.extender.server import ExtenderServer, ServerTls
@@ -124,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         def skipped(reasons: dict[str, str]) -> None:
             server.extender.skipped = dict(reasons)
 
-        source = ApiNodeSource(k8s.CoreV1Api(client_from(args.kubeconfig)), watchers.sync, skipped).start()
+        source = ApiNodeSource(client_from(args.kubeconfig, timeout=10), watchers.sync, skipped).start()
     signals = StopSignals(threading.Event())
     log.info(
         "ready",

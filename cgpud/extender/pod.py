@@ -21,9 +21,8 @@ from functools import cached_property
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from kubernetes.utils import parse_quantity
-
 from cgpud.kube.model import Resource
+from cgpud.kube.quantity import parse_quantity
 
 GIB = 1 << 30
 CORE_UNIT = 5  # aliyun.com/gpu-core.percentage is asked in multiples of this

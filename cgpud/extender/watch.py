@@ -21,6 +21,7 @@ from cgpud.extender.client import Clients
 from cgpud.extender.model import node_from_pb
 from cgpud.extender.state import ClusterState
 from cgpud.kube.model import ANNOTATION_CAPACITY_ADDRESS
+from cgpud.kube.rest import RestClient
 
 _log = structlog.get_logger("cgpud.extender")
 
@@ -214,29 +215,24 @@ class ApiNodeSource:
 
     def __init__(
         self,
-        core_api: Any,
+        client: RestClient,
         on_nodes: Callable[[dict[str, str]], None],
         on_skipped: Callable[[dict[str, str]], None] = lambda _: None,
     ) -> None:
-        self._core = core_api
+        self._client = client
         self._on_nodes = on_nodes
         self._on_skipped = on_skipped
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="node-source", daemon=True)
-        self._watch: Any = None
 
     def start(self) -> ApiNodeSource:
         self._thread.start()
         return self
 
     def stop(self, timeout: float = 0.5) -> None:
-        """Bounded: the client's Watch.stop does not always interrupt a read
-        blocked on an idle watch (plain HTTP), and the thread is a daemon
-        that ends with the process or the watch's own timeout."""
+        """Bounded: a read blocked on an idle watch ends only with its
+        timeout, and the thread is a daemon that ends with the process."""
         self._stop.set()
-        w = self._watch
-        if w is not None:
-            w.stop()
         self._thread.join(timeout)
 
     def _publish(self, objects: dict[str, dict[str, Any]]) -> None:
@@ -245,24 +241,19 @@ class ApiNodeSource:
         self._on_nodes(found)
 
     def _run(self) -> None:
-        from kubernetes import watch
-
         delay = FIRST_BACKOFF
         while not self._stop.is_set():
             try:
-                listed = self._core.list_node(_preload_content=False, _request_timeout=10)
-                data = _json(listed.data)
+                data = self._client.call("GET", "/api/v1/nodes", timeout=10)
                 objects = {n["metadata"]["name"]: n for n in data.get("items") or []}
                 self._publish(objects)
                 version = (data.get("metadata") or {}).get("resourceVersion", "")
                 delay = FIRST_BACKOFF
-                self._watch = watch.Watch()
-                for event in self._watch.stream(
-                    self._core.list_node, resource_version=version, timeout_seconds=300, _request_timeout=330
-                ):
+                query = {"resourceVersion": version, "timeoutSeconds": "300"}
+                for event in self._client.watch("GET", "/api/v1/nodes", query, timeout=330):
                     if self._stop.is_set():
                         break
-                    obj = event.get("raw_object") or {}
+                    obj = event.get("object") or {}
                     name = (obj.get("metadata") or {}).get("name")
                     if event.get("type") == "ERROR" or not name:
                         break  # expired resourceVersion and the like: list again
@@ -276,12 +267,3 @@ class ApiNodeSource:
                 if self._stop.wait(delay):
                     break
                 delay = min(delay * 2, MAX_BACKOFF)
-
-
-def _json(data: bytes) -> dict[str, Any]:
-    import json
-
-    value = json.loads(data)
-    if not isinstance(value, dict):
-        raise ValueError("the Node list is not a JSON object")
-    return value

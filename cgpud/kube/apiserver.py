@@ -1,37 +1,34 @@
 """The API server, as far as the node agent talks to it: the pods on this
 node, one pod, its annotations, this Node and its labels.
 
-A thin edge over the official `kubernetes` client (which keeps auth, TLS and
-the API types): answers are plain dataclasses, failures CgpuError subclasses.
+A thin edge over cgpud.kube.rest (auth, TLS, JSON): answers are plain
+dataclasses, failures CgpuError subclasses.
 An API server that cannot be reached, or no credentials at all, is its own
 kind (ApiServerUnavailable): callers keep running on the node's config and
 catch up later, while an answer the API server gave (403, 404, 422) is an
-ApiServerError that says which call and why.
-
-The client is imported where it is first used, not with this module: it is
-150 ms of every cgpud start (a third of it), and only kubernetes mode calls it."""
+ApiServerError that says which call and why."""
 
 from __future__ import annotations
 
 import datetime
-import json
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cgpud.errors import CgpuError
 from cgpud.kube.model import Resource
+from cgpud.kube.quantity import parse_quantity
+from cgpud.kube.rest import MERGE_PATCH, CredentialsError, RestClient, RestError, server_from
 
-if TYPE_CHECKING:
-    from kubernetes import client as k8s
-    from kubernetes.client.exceptions import ApiException
-
-MERGE_PATCH = "application/merge-patch+json"
 # Pods past these phases hold no device: the kubelet frees what they had.
 TERMINAL_PHASES = ("Succeeded", "Failed")
+# What the agent calls (deploy/cgpud-rbac.yaml grants exactly these).
+PODS = "/api/v1/pods"
+POD = "/api/v1/namespaces/{namespace}/pods/{name}"
+EVENTS = "/api/v1/namespaces/{namespace}/events"
+NODE = "/api/v1/nodes/{name}"
 DEFAULT_TIMEOUT = 5.0  # seconds per call: a sweep or an Allocate must not hang on a dead API server
 _OUR_RESOURCES = tuple(r.value for r in Resource)
 
@@ -84,8 +81,6 @@ class NodeInfo:
 
 
 def _whole(quantity: str, what: str) -> int:
-    from kubernetes.utils import parse_quantity
-
     try:
         value = parse_quantity(quantity)
     except (ValueError, InvalidOperation, TypeError) as e:
@@ -95,78 +90,56 @@ def _whole(quantity: str, what: str) -> int:
     return int(value)
 
 
-def _containers(spec: Any, pod: str) -> tuple[ContainerInfo, ...]:
+def _containers(spec: Mapping[str, Any], pod: str) -> tuple[ContainerInfo, ...]:
     out = []
-    for init, items in ((True, spec.init_containers or []), (False, spec.containers or [])):
+    for init, items in ((True, spec.get("initContainers") or []), (False, spec.get("containers") or [])):
         for c in items:
-            limits = (c.resources.limits if c.resources is not None else None) or {}
+            limits = (c.get("resources") or {}).get("limits") or {}
             ours = {
-                name: _whole(str(q), f"pod {pod} container {c.name} limit {name}")
+                name: _whole(str(q), f"pod {pod} container {c.get('name')} limit {name}")
                 for name, q in limits.items()
                 if name in _OUR_RESOURCES
             }
-            out.append(ContainerInfo(c.name, ours, init))
+            out.append(ContainerInfo(str(c.get("name") or ""), ours, init))
     return tuple(out)
 
 
-def pod_info(pod: Any) -> PodInfo:
-    """A PodInfo from the client's V1Pod."""
-    meta = pod.metadata
-    key = f"{meta.namespace}/{meta.name}"
+def pod_info(pod: Mapping[str, Any]) -> PodInfo:
+    """A PodInfo from a Pod as the API server sends it (JSON)."""
+    meta = pod.get("metadata") or {}
+    spec = pod.get("spec")
+    key = f"{meta.get('namespace')}/{meta.get('name')}"
     return PodInfo(
-        uid=meta.uid or "",
-        namespace=meta.namespace or "",
-        name=meta.name or "",
-        node=(pod.spec.node_name if pod.spec is not None else None) or "",
-        phase=(pod.status.phase if pod.status is not None else None) or "",
-        annotations=dict(meta.annotations or {}),
-        containers=_containers(pod.spec, key) if pod.spec is not None else (),
-        deleting=meta.deletion_timestamp is not None,
+        uid=meta.get("uid") or "",
+        namespace=meta.get("namespace") or "",
+        name=meta.get("name") or "",
+        node=(spec or {}).get("nodeName") or "",
+        phase=(pod.get("status") or {}).get("phase") or "",
+        annotations=dict(meta.get("annotations") or {}),
+        containers=_containers(spec, key) if spec is not None else (),
+        deleting=meta.get("deletionTimestamp") is not None,
     )
 
 
-def client_from(kubeconfig: Path | None = None) -> k8s.ApiClient:
-    """An API client from a kubeconfig file when one is given, else the pod's
+def client_from(kubeconfig: Path | None = None, timeout: float = DEFAULT_TIMEOUT, connections: int = 4) -> RestClient:
+    """A client from a kubeconfig file when one is given, else the pod's
     service account (in-cluster). No credentials is ApiServerUnavailable."""
-    from kubernetes import client as k8s
-    from kubernetes import config as k8s_config
-    from kubernetes.config.config_exception import ConfigException
-
-    configuration = k8s.Configuration()
     try:
-        if kubeconfig is not None:
-            if not kubeconfig.is_file():
-                raise ApiServerUnavailable(f"kubeconfig {kubeconfig} does not exist")
-            k8s_config.load_kube_config(
-                config_file=str(kubeconfig), client_configuration=configuration, persist_config=False
-            )
-        elif os.environ.get("KUBERNETES_SERVICE_HOST"):
-            k8s_config.load_incluster_config(client_configuration=configuration)
-        else:
-            raise ApiServerUnavailable(
-                "no credentials for the API server: not in a pod (KUBERNETES_SERVICE_HOST is unset) and no "
-                "kubeconfig given"
-            )
-    except ConfigException as e:
-        raise ApiServerUnavailable(f"cannot load the API server's credentials: {e}") from e
-    configuration.retries = 0  # callers retry on their own schedule; a dead server must fail fast
-    return k8s.ApiClient(configuration)
+        return RestClient(server_from(kubeconfig), timeout, connections)
+    except CredentialsError as e:
+        raise ApiServerUnavailable(str(e)) from e
 
 
 class ApiServer:
     """The calls the node agent makes. Thread-safe as the client is (one
     urllib3 pool)."""
 
-    def __init__(self, api_client: k8s.ApiClient, timeout: float = DEFAULT_TIMEOUT) -> None:
-        from kubernetes import client as k8s
-
-        self._client = api_client
-        self._core = k8s.CoreV1Api(api_client)
-        self._timeout = timeout
+    def __init__(self, client: RestClient) -> None:
+        self._client = client
 
     @classmethod
     def connect(cls, kubeconfig: Path | None = None, timeout: float = DEFAULT_TIMEOUT) -> ApiServer:
-        return cls(client_from(kubeconfig), timeout)
+        return cls(client_from(kubeconfig, timeout))
 
     def close(self) -> None:
         self._client.close()
@@ -175,16 +148,16 @@ class ApiServer:
 
     def pods_on_node(self, node: str) -> list[PodInfo]:
         answer = self._call(
-            f"list the pods of node {node}",
-            self._core.list_pod_for_all_namespaces,
-            field_selector=f"spec.nodeName={node}",
+            f"list the pods of node {node}", "GET", PODS, {}, query={"fieldSelector": f"spec.nodeName={node}"}
         )
-        return [pod_info(p) for p in answer.items or []]
+        return [pod_info(p) for p in answer.get("items") or []]
 
     def pod(self, namespace: str, name: str) -> PodInfo | None:
         """The pod, or None when there is no such pod."""
         try:
-            return pod_info(self._call(f"read pod {namespace}/{name}", self._core.read_namespaced_pod, name, namespace))
+            return pod_info(
+                self._call(f"read pod {namespace}/{name}", "GET", POD, {"namespace": namespace, "name": name})
+            )
         except _NotFound:
             return None
 
@@ -194,97 +167,102 @@ class ApiServer:
         return pod_info(
             self._call(
                 f"annotate pod {namespace}/{name}",
-                self._core.patch_namespaced_pod,
-                name,
-                namespace,
+                "PATCH",
+                POD,
+                {"namespace": namespace, "name": name},
                 body,
-                _content_type=MERGE_PATCH,
+                content_type=MERGE_PATCH,
             )
         )
 
     def warn_pod(self, pod: PodInfo, node: str, reason: str, message: str) -> None:
         """A Warning event on the pod (what `kubectl describe pod` shows)."""
-        from kubernetes import client as k8s
-
-        now = datetime.datetime.now(datetime.UTC)
-        body = k8s.CoreV1Event(
-            metadata=k8s.V1ObjectMeta(generate_name=f"{pod.name}.", namespace=pod.namespace),
-            involved_object=k8s.V1ObjectReference(
-                kind="Pod", api_version="v1", namespace=pod.namespace, name=pod.name, uid=pod.uid
-            ),
-            reason=reason,
-            message=message[:1024],
-            type="Warning",
-            count=1,
-            first_timestamp=now,
-            last_timestamp=now,
-            source=k8s.V1EventSource(component="cgpud", host=node),
-            reporting_component="cgpud",
-            reporting_instance=node,
+        now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        body = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{pod.name}.", "namespace": pod.namespace},
+            "involvedObject": {
+                "kind": "Pod",
+                "apiVersion": "v1",
+                "namespace": pod.namespace,
+                "name": pod.name,
+                "uid": pod.uid,
+            },
+            "reason": reason,
+            "message": message[:1024],
+            "type": "Warning",
+            "count": 1,
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "source": {"component": "cgpud", "host": node},
+            "reportingComponent": "cgpud",
+            "reportingInstance": node,
+        }
+        self._call(
+            f"record an event on pod {pod.key}",
+            "POST",
+            EVENTS,
+            {"namespace": pod.namespace},
+            body,
         )
-        self._call(f"record an event on pod {pod.key}", self._core.create_namespaced_event, pod.namespace, body)
 
     # ---- nodes ----------------------------------------------------------------------
 
     def node(self, name: str) -> NodeInfo:
-        return _node_info(self._call(f"read node {name}", self._core.read_node, name), name)
+        return _node_info(self._call(f"read node {name}", "GET", NODE, {"name": name}), name)
 
     def label_node(self, name: str, labels: Mapping[str, str | None]) -> NodeInfo:
         """Merge-patch the Node's labels (None removes one)."""
         body = {"metadata": {"labels": dict(labels)}}
         return _node_info(
-            self._call(f"label node {name}", self._core.patch_node, name, body, _content_type=MERGE_PATCH), name
+            self._call(f"label node {name}", "PATCH", NODE, {"name": name}, body, content_type=MERGE_PATCH), name
         )
 
     def annotate_node(self, name: str, annotations: Mapping[str, str | None]) -> NodeInfo:
         """Merge-patch the Node's annotations (None removes one)."""
         body = {"metadata": {"annotations": dict(annotations)}}
         return _node_info(
-            self._call(f"annotate node {name}", self._core.patch_node, name, body, _content_type=MERGE_PATCH), name
+            self._call(f"annotate node {name}", "PATCH", NODE, {"name": name}, body, content_type=MERGE_PATCH), name
         )
 
     # ---- edge ---------------------------------------------------------------------------
 
-    def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        import urllib3
-        from kubernetes.client.exceptions import ApiException
-
+    def _call(
+        self,
+        what: str,
+        method: str,
+        path: str,
+        params: Mapping[str, str],
+        body: Any = None,
+        *,
+        query: Mapping[str, str] | None = None,
+        content_type: str = "application/json",
+    ) -> dict[str, Any]:
         try:
-            return fn(*args, _request_timeout=self._timeout, **kwargs)
-        except ApiException as e:
+            return self._client.call(method, path, params, query=query, body=body, content_type=content_type)
+        except RestError as e:
             if e.status == 404:
                 raise _NotFound(f"cannot {what}: not found") from e
-            reason = _reason(e)
             if e.status in (401, 403):
                 raise ApiServerError(
-                    f"cannot {what}: the API server refused it ({e.status} {reason}): "
+                    f"cannot {what}: the API server refused it ({e.status} {e.reason}): "
                     "check cgpud's RBAC (deploy/cgpud-rbac.yaml)"
                 ) from e
-            if e.status is None or e.status >= 500 or e.status == 0:
-                raise ApiServerUnavailable(f"cannot {what}: the API server failed ({e.status} {reason})") from e
-            raise ApiServerError(f"cannot {what}: {e.status} {reason}") from e
-        except (urllib3.exceptions.HTTPError, OSError) as e:
-            raise ApiServerUnavailable(f"cannot {what}: the API server cannot be reached ({e})") from e
+            if e.status == 0:
+                raise ApiServerUnavailable(f"cannot {what}: {e.reason}") from e
+            if e.status >= 500:
+                raise ApiServerUnavailable(f"cannot {what}: the API server failed ({e.status} {e.reason})") from e
+            raise ApiServerError(f"cannot {what}: {e.status} {e.reason}") from e
 
 
 class _NotFound(ApiServerError):
     pass
 
 
-def _node_info(node: Any, name: str) -> NodeInfo:
-    meta = node.metadata
-    return NodeInfo(meta.name or name, dict(meta.labels or {}), dict(meta.annotations or {}))
-
-
-def _reason(e: ApiException) -> str:
-    """The Status message the API server sent, else the HTTP reason."""
-    try:
-        status = json.loads(e.body or "")
-        if isinstance(status, dict) and status.get("message"):
-            return str(status["message"])
-    except (ValueError, TypeError):
-        pass
-    return str(e.reason or "")
+def _node_info(node: Mapping[str, Any], name: str) -> NodeInfo:
+    meta = node.get("metadata") or {}
+    return NodeInfo(meta.get("name") or name, dict(meta.get("labels") or {}), dict(meta.get("annotations") or {}))
 
 
 class LazyApiServer:

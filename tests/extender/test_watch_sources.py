@@ -45,8 +45,6 @@ def test_capacity_addresses_from_node_annotations() -> None:
 
 
 def test_api_node_source_follows_nodes_and_survives_an_api_server_outage(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from kubernetes import client as k8s
-
     from cgpud.extender.watch import ApiNodeSource
     from cgpud.kube.apiserver import client_from
     from tests.harness.api_server import api_server, node_json
@@ -59,7 +57,7 @@ def test_api_node_source_follows_nodes_and_survives_an_api_server_outage(tmp_pat
         a["metadata"]["annotations"] = {"cgpu.io/capacity-address": "10.0.0.1:9455"}
         api.state.nodes["a"] = a
         api.state.nodes["b"] = node_json("b")
-        source = ApiNodeSource(k8s.CoreV1Api(client_from(kubeconfig)), seen.append, skipped.append).start()
+        source = ApiNodeSource(client_from(kubeconfig), seen.append, skipped.append).start()
         try:
             until(lambda: bool(seen) and seen[-1] == {"a": "10.0.0.1:9455"})
             assert "b" in skipped[-1]

@@ -82,11 +82,13 @@ def test_install_upgrade_keeps_edits_remove_keeps_state_purge_deletes_it(package
         "cgpud/_native/sim/libcuda.so.1",
         "cgpud/_native/sim/libnvidia-ml.so.1",
         "grpc",
-        "kubernetes",
+        "yaml",
+        "urllib3",
         "prometheus_client",
         f"cgpud-{OLD}.dist-info/METADATA",
     ):
         assert (site / part).exists(), part
+    assert not (site / "kubernetes").exists()  # cgpud/kube/rest.py makes the calls
     assert list(site.glob("cgpud/_region*.so")) and list(site.glob("cgpud/_scheduler*.so"))
     assert (old_prefix / "python/bin" / PY).exists()
     assert (root / "usr/bin/cgpud").readlink() == Path(f"/opt/cgpu/{OLD}/bin/cgpud")

@@ -130,9 +130,8 @@ def test_every_entry_point_and_the_kubernetes_side_import_from_the_package(insta
         "-I",
         "-c",
         "import cgpud, cgpud.kube.agent, cgpud.kube.plugin, cgpud.extender.main, "
-        "cgpud.daemon.metrics, cgpud._region, cgpud._scheduler, ssl, sqlite3, ctypes, "
-        # imported where first used (cgpud/kube/apiserver.py); the package prunes their asyncio twin
-        "kubernetes.client, kubernetes.config, kubernetes.utils, cgpud.extender.bind; print(cgpud.__file__)",
+        "cgpud.daemon.metrics, cgpud._region, cgpud._scheduler, ssl, sqlite3, ctypes, yaml, urllib3, "
+        "cgpud.kube.rest, cgpud.extender.bind; print(cgpud.__file__)",
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(f"/opt/cgpu/{NEW}/")  # not the source tree's

@@ -1,0 +1,295 @@
+"""The Kubernetes API over HTTP(S), as far as cgpu calls it: JSON in, JSON
+out, a Status's message as the error, and a watch as a stream of lines.
+
+Credentials come from a kubeconfig (a client certificate, a token or token
+file, the cluster's CA, as kubectl writes them) or from the pod's service
+account. Exec and auth-provider plugins are refused with a message: cgpud
+runs as a node daemon and runs no programs a kubeconfig names.
+
+Not the official client: that one is 126 MiB installed and its import costs
+cgpud a third of its start; these are the few calls cgpu makes.
+
+RestClient is thread-safe (one urllib3 pool); close() ends it."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import ssl
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, urlencode
+
+import urllib3
+import yaml
+
+from cgpud.errors import CgpuError
+
+SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+TOKEN_REREAD_S = 60.0  # projected service-account tokens rotate; kubelet renews them well before expiry
+JSON = "application/json"
+MERGE_PATCH = "application/merge-patch+json"
+
+
+class CredentialsError(CgpuError):
+    """No usable credentials: no kubeconfig and not in a pod, or a kubeconfig that cannot be used."""
+
+
+class RestError(Exception):
+    """A call that failed: `status` is the HTTP status the API server
+    answered, 0 when it could not be reached; `reason` its Status message."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(f"{status} {reason}" if status else reason)
+        self.status = status
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Server:
+    """Where the API server is and how to talk to it."""
+
+    url: str  # scheme://host:port, no trailing slash
+    tls: ssl.SSLContext | None
+    token: Callable[[], str | None]
+
+
+def server_from(kubeconfig: Path | None = None) -> Server:
+    """From a kubeconfig file when one is given, else the pod's service
+    account (in-cluster)."""
+    if kubeconfig is not None:
+        return _from_kubeconfig(kubeconfig)
+    host = os.environ.get("KUBERNETES_SERVICE_HOST")
+    if not host:
+        raise CredentialsError(
+            "no credentials for the API server: not in a pod (KUBERNETES_SERVICE_HOST is unset) and no kubeconfig given"
+        )
+    port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+    host = f"[{host}]" if ":" in host else host
+    ca = SERVICE_ACCOUNT / "ca.crt"
+    try:
+        context = ssl.create_default_context(cafile=str(ca))
+    except OSError as e:
+        raise CredentialsError(f"cannot read the service account's CA {ca}: {e.strerror or e}") from e
+    return Server(f"https://{host}:{port}", context, _token_file(SERVICE_ACCOUNT / "token"))
+
+
+def _from_kubeconfig(path: Path) -> Server:
+    if not path.is_file():
+        raise CredentialsError(f"kubeconfig {path} does not exist")
+    try:
+        return _kubeconfig_server(path)
+    except CredentialsError as e:
+        raise CredentialsError(f"cannot load the API server's credentials: {e}") from e
+
+
+def _kubeconfig_server(path: Path) -> Server:
+    try:
+        config = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise CredentialsError(f"cannot read kubeconfig {path}: {e}") from e
+    if not isinstance(config, dict):
+        raise CredentialsError(f"kubeconfig {path} is not a mapping")
+    base = path.parent
+    context_name = config.get("current-context")
+    context = _named(config, "contexts", "context", context_name, path)
+    cluster = _named(config, "clusters", "cluster", context.get("cluster"), path)
+    user = _named(config, "users", "user", context.get("user"), path) if context.get("user") else {}
+    for plugin in ("exec", "auth-provider"):
+        if plugin in user:
+            raise CredentialsError(
+                f"kubeconfig {path}: user {context.get('user')!r} uses {plugin} credentials, which cgpu does not run; "
+                "give it a client certificate or a token"
+            )
+    server = str(cluster.get("server") or "").rstrip("/")
+    if not server.startswith(("https://", "http://")):
+        raise CredentialsError(f"kubeconfig {path}: cluster {context.get('cluster')!r} has no https:// server")
+    tls = None
+    if server.startswith("https://"):
+        tls = _tls(cluster, user, base, path)
+    token = user.get("token")
+    if token:
+        return Server(server, tls, lambda: str(token))
+    if user.get("tokenFile"):
+        return Server(server, tls, _token_file(_relative(base, user["tokenFile"])))
+    return Server(server, tls, lambda: None)
+
+
+def _named(config: dict[str, Any], section: str, key: str, name: Any, path: Path) -> dict[str, Any]:
+    for entry in config.get(section) or []:
+        if isinstance(entry, dict) and entry.get("name") == name and isinstance(entry.get(key), dict):
+            return dict(entry[key])
+    what = "current-context" if section == "contexts" else f"{key} of the current context"
+    raise CredentialsError(f"kubeconfig {path}: no {key} {name!r} (its {what})")
+
+
+def _relative(base: Path, name: str) -> Path:
+    p = Path(os.path.expanduser(name))
+    return p if p.is_absolute() else base / p
+
+
+def _pem(entry: dict[str, Any], field: str, base: Path) -> bytes | None:
+    """The PEM of `field-data` (base64) or of the file `field`."""
+    data = entry.get(f"{field}-data")
+    if data:
+        return base64.b64decode(data)
+    if entry.get(field):
+        return _relative(base, entry[field]).read_bytes()
+    return None
+
+
+def _tls(cluster: dict[str, Any], user: dict[str, Any], base: Path, path: Path) -> ssl.SSLContext:
+    try:
+        context = ssl.create_default_context()
+        if cluster.get("insecure-skip-tls-verify"):
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+        ca = _pem(cluster, "certificate-authority", base)
+        if ca is not None:
+            context.load_verify_locations(cadata=ca.decode())
+        cert, key = _pem(user, "client-certificate", base), _pem(user, "client-key", base)
+        if cert is not None and key is not None:
+            _load_chain(context, cert, key)
+    except (OSError, ValueError, ssl.SSLError) as e:
+        raise CredentialsError(f"kubeconfig {path}: cannot use its certificates: {e}") from e
+    return context
+
+
+def _load_chain(context: ssl.SSLContext, cert: bytes, key: bytes) -> None:
+    # ssl loads a certificate and key only from files: private ones, gone once loaded.
+    with tempfile.TemporaryDirectory(prefix="cgpu-kubeconfig-") as d:
+        cert_file, key_file = Path(d) / "cert.pem", Path(d) / "key.pem"
+        for file, data in ((cert_file, cert), (key_file, key)):
+            fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+        context.load_cert_chain(str(cert_file), str(key_file))
+
+
+def _token_file(path: Path) -> Callable[[], str | None]:
+    """The token in `path`, read again every TOKEN_REREAD_S seconds."""
+    lock = threading.Lock()
+    cached: list[Any] = [None, -TOKEN_REREAD_S]
+
+    def token() -> str | None:
+        with lock:
+            if time.monotonic() - cached[1] >= TOKEN_REREAD_S:
+                try:
+                    cached[0] = path.read_text().strip()
+                except OSError as e:
+                    raise RestError(0, f"cannot read the token {path}: {e.strerror or e}") from None
+                cached[1] = time.monotonic()
+            return str(cached[0])
+
+    return token
+
+
+def _path(template: str, params: Mapping[str, str] | None) -> str:
+    """A path from its template ("/api/v1/namespaces/{namespace}/pods/{name}":
+    callers write the API's paths as its reference does, which the RBAC tests
+    read) and the values, each quoted as one segment."""
+    return template.format_map({k: quote(v, safe=":") for k, v in (params or {}).items()})
+
+
+class RestClient:
+    def __init__(self, server: Server, timeout: float, connections: int = 4) -> None:
+        self._server = server
+        self._timeout = timeout
+        self._pool = urllib3.PoolManager(maxsize=connections, ssl_context=server.tls, retries=False)
+
+    def close(self) -> None:
+        self._pool.clear()
+
+    def call(
+        self,
+        method: str,
+        path: str,
+        params: Mapping[str, str] | None = None,
+        *,
+        query: Mapping[str, str] | None = None,
+        body: Any = None,
+        content_type: str = JSON,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        """The JSON object the API server answers; RestError otherwise."""
+        answer = self._request(method, _path(path, params), query, body, content_type, timeout, stream=False)
+        try:
+            value = json.loads(answer.data)
+        except ValueError:
+            value = None
+        if not isinstance(value, dict):
+            raise RestError(answer.status, "the API server's answer is not a JSON object")
+        return value
+
+    def send(self, method: str, path: str, params: Mapping[str, str], body: Any) -> None:
+        """A call whose answer is not needed (a Binding's is a Status, or nothing)."""
+        self._request(method, _path(path, params), None, body, JSON, None, stream=False)
+
+    def fetch(self, method: str, path: str, params: Mapping[str, str]) -> bytes:
+        """The body of an answer, whatever it is (a service's, through the API server's proxy)."""
+        return bytes(self._request(method, _path(path, params), None, None, JSON, None, stream=False).data)
+
+    def watch(self, method: str, path: str, query: Mapping[str, str], timeout: float) -> Iterator[dict[str, Any]]:
+        """The events of a watch (`watch=1` is added), one JSON object a line,
+        until the API server ends it or `timeout` seconds pass without a byte."""
+        answer = self._request(method, path, {**query, "watch": "1"}, None, JSON, timeout, stream=True)
+        try:
+            pending = b""
+            for chunk in answer.stream(65536, decode_content=True):
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    if line.strip():
+                        yield json.loads(line)
+        except (urllib3.exceptions.HTTPError, OSError) as e:
+            raise RestError(0, f"the watch broke off: {e}") from None
+        finally:
+            answer.release_conn()
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        query: Mapping[str, str] | None,
+        body: Any,
+        content_type: str,
+        timeout: float | None,
+        stream: bool,
+    ) -> urllib3.BaseHTTPResponse:
+        headers = {"Accept": JSON}
+        token = self._server.token()
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        data = None
+        if body is not None:
+            headers["Content-Type"] = content_type
+            data = json.dumps(body).encode()
+        url = self._server.url + path + (f"?{urlencode(query)}" if query else "")
+        seconds = self._timeout if timeout is None else timeout
+        try:
+            answer = self._pool.request(
+                method, url, body=data, headers=headers, timeout=seconds, preload_content=not stream
+            )
+        except (urllib3.exceptions.HTTPError, OSError) as e:
+            raise RestError(0, f"the API server cannot be reached ({e})") from None
+        if not 200 <= answer.status <= 299:
+            raw = answer.read() if stream else answer.data
+            if stream:
+                answer.release_conn()
+            raise RestError(answer.status, _message(raw) or answer.reason or "")
+        return answer
+
+
+def _message(data: bytes | None) -> str:
+    """The message of a Status the API server sent, else ""."""
+    try:
+        status = json.loads(data or b"")
+    except ValueError:
+        return ""
+    return str(status.get("message", "")) if isinstance(status, dict) else ""
