@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from tests.harness.net import send_json
+
 PATCH_TYPES = ("application/merge-patch+json", "application/strategic-merge-patch+json")
 
 
@@ -178,12 +180,7 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
     def _send(self, code: int, body: Mapping[str, Any]) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        send_json(self, code, json.dumps(body).encode())
 
     def _route(self) -> tuple[list[str], dict[str, list[str]]]:
         url = urlsplit(self.path)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import base64
 import json
 import ssl
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from decimal import Decimal
@@ -20,6 +19,7 @@ import yaml
 
 from cgpud.kube.quantity import parse_quantity
 from cgpud.kube.rest import CredentialsError, RestClient, RestError, server_from
+from tests.harness.net import send_json, serving
 from tests.harness.tls import Pki, make_pki
 
 
@@ -39,15 +39,9 @@ def https_server(pki: Pki) -> Iterator[tuple[str, list[dict[str, Any]]]]:
         def do_GET(self) -> None:
             seen.append({"path": self.path, "auth": self.headers.get("Authorization")})
             if self.path.startswith("/missing"):
-                body, code = {"kind": "Status", "message": 'pods "x" not found'}, 404
+                send_json(self, 404, json.dumps({"kind": "Status", "message": 'pods "x" not found'}).encode())
             else:
-                body, code = {"path": self.path}, 200
-            data = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+                send_json(self, 200, json.dumps({"path": self.path}).encode())
 
         def log_message(self, *_: Any) -> None:
             pass
@@ -58,13 +52,8 @@ def https_server(pki: Pki) -> Iterator[tuple[str, list[dict[str, Any]]]]:
     context.load_verify_locations(str(pki.ca))
     context.verify_mode = ssl.CERT_REQUIRED
     server.socket = context.wrap_socket(server.socket, server_side=True)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"https://127.0.0.1:{server.server_address[1]}", seen
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(server) as port:
+        yield f"https://127.0.0.1:{port}", seen
 
 
 def b64(path: Path) -> str:
@@ -88,6 +77,16 @@ def kubeconfig(tmp_path: Path, cluster: dict[str, Any], user: dict[str, Any]) ->
     return path
 
 
+def file_client(tmp_path: Path, url: str, ca: Path, cert: Path, key: Path) -> RestClient:
+    """A client of a kubeconfig that names its CA, certificate and key as files."""
+    config = kubeconfig(
+        tmp_path,
+        {"server": url, "certificate-authority": str(ca)},
+        {"client-certificate": str(cert), "client-key": str(key)},
+    )
+    return RestClient(server_from(config), timeout=5)
+
+
 def test_a_client_certificate_in_the_kubeconfig_is_presented_and_the_ca_checked(tmp_path: Path, pki: Pki) -> None:
     with https_server(pki) as (url, seen):
         config = kubeconfig(
@@ -104,12 +103,7 @@ def test_a_client_certificate_in_the_kubeconfig_is_presented_and_the_ca_checked(
         finally:
             client.close()
         # A certificate another CA signed gets no answer: the handshake fails.
-        untrusted = kubeconfig(
-            tmp_path,
-            {"server": url, "certificate-authority": str(pki.ca)},
-            {"client-certificate": str(pki.untrusted_cert), "client-key": str(pki.untrusted_key)},
-        )
-        client = RestClient(server_from(untrusted), timeout=5)
+        client = file_client(tmp_path, url, pki.ca, pki.untrusted_cert, pki.untrusted_key)
         with pytest.raises(RestError) as refused:
             client.call("GET", "/api/v1/nodes")
         assert refused.value.status == 0 and "cannot be reached" in refused.value.reason
@@ -119,12 +113,7 @@ def test_a_client_certificate_in_the_kubeconfig_is_presented_and_the_ca_checked(
 
 def test_a_server_certificate_of_another_ca_is_refused(tmp_path: Path, pki: Pki) -> None:
     with https_server(pki) as (url, seen):
-        config = kubeconfig(
-            tmp_path,
-            {"server": url, "certificate-authority": str(pki.untrusted_ca)},
-            {"client-certificate": str(pki.client_cert), "client-key": str(pki.client_key)},
-        )
-        client = RestClient(server_from(config), timeout=5)
+        client = file_client(tmp_path, url, pki.untrusted_ca, pki.client_cert, pki.client_key)
         with pytest.raises(RestError, match="CERTIFICATE_VERIFY_FAILED"):
             client.call("GET", "/api/v1/nodes")
         client.close()

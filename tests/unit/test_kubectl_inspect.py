@@ -9,7 +9,6 @@ import json
 import shutil
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -23,6 +22,7 @@ import pytest
 from cgpud.cli import kubectl_inspect as ki
 from cgpud.extender.model import ClusterView, GpuState, NodeEntry, NodeState, PodShare, view_from_json, view_to_json
 from tests.harness.api_server import write_kubeconfig
+from tests.harness.net import send_json, serving
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -246,24 +246,13 @@ def http_server(routes: dict[str, tuple[int, bytes]]) -> Iterator[tuple[str, lis
         def do_GET(self) -> None:
             path = unquote(self.path.split("?", 1)[0])
             asked.append(path)
-            status, body = routes.get(path, (404, b'{"kind":"Status","message":"no such path"}'))
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            send_json(self, *routes.get(path, (404, b'{"kind":"Status","message":"no such path"}')))
 
         def log_message(self, *args: object) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", asked
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(ThreadingHTTPServer(("127.0.0.1", 0), Handler)) as port:
+        yield f"http://127.0.0.1:{port}", asked
 
 
 def view_body(view: ClusterView = VIEW) -> bytes:
