@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from elf_needs import ElfError, elf_files, newest_glibc
+
 REPO = Path(__file__).resolve().parent.parent
 PACKAGING = REPO / "packaging"
 PYVER = f"python{sys.version_info.major}.{sys.version_info.minor}"
@@ -330,7 +332,7 @@ def deb_depends(root: Path) -> list[str]:
     tree load (libssl, libsqlite3, libffi ...): what pyenv's CPython was
     built against on this machine."""
     libs: set[str] = set()
-    for path in _elf_files(root):
+    for path in elf_files(root):
         out = subprocess.run(["ldd", str(path)], capture_output=True, text=True).stdout
         for m in re.finditer(r"=> (/\S+)", out):
             lib = Path(m.group(1))
@@ -360,30 +362,14 @@ def deb_depends(root: Path) -> list[str]:
     return sorted(f"{p} (>= {floor})" if p == "libc6" else p for p in packages)
 
 
-def _elf_files(root: Path) -> list[Path]:
-    found = []
-    for path in root.rglob("*"):
-        if path.is_symlink() or not path.is_file():
-            continue
-        if not (path.suffix == ".so" or ".so." in path.name or os.access(path, os.X_OK)):
-            continue
-        with open(path, "rb") as f:
-            if f.read(4) == b"\x7fELF":
-                found.append(path)
-    return found
-
-
 def glibc_floor(root: Path) -> str:
-    """The newest GLIBC_x.y symbol version any ELF file in the tree needs:
-    the oldest glibc the package runs on (what this machine built against)."""
-    versions = {
-        tuple(int(n) for n in m.split(b"."))
-        for path in _elf_files(root)
-        for m in re.findall(rb"GLIBC_(2\.[0-9]+)", path.read_bytes())
-    }
-    if not versions:
-        raise BuildError(f"no GLIBC_ symbol versions under {root}")
-    return ".".join(map(str, max(versions)))
+    """The newest GLIBC_ symbol version any ELF file in the tree needs
+    (elf_needs.py): the oldest glibc the package runs on."""
+    try:
+        newest, _ = newest_glibc(root)
+    except ElfError as e:
+        raise BuildError(str(e)) from e
+    return ".".join(map(str, newest))
 
 
 def _installed_size_kib(root: Path) -> int:
