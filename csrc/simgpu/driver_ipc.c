@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include "driver.h"
+#include "memfd.h"
 
 /* What a CUipcMemHandle carries: the exporting process and the memfd that
  * holds the allocation's bytes there, which another process opens through
@@ -26,7 +27,7 @@ _Static_assert(sizeof(struct sim_ipc_handle) <= CU_IPC_HANDLE_SIZE, "an IPC hand
  * sim_drv.lock. */
 static CUresult share_backing(struct alloc_entry *e)
 {
-    int fd = memfd_create("cgpu-sim-ipc", MFD_CLOEXEC);
+    int fd = sim_memfd("cgpu-sim-ipc", MFD_CLOEXEC);
     if (fd < 0 || ftruncate(fd, (off_t)e->size) != 0) {
         if (fd >= 0)
             close(fd);

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include "driver.h"
+#include "memfd.h"
 
 SIM_EXPORT CUresult cuMemGetAllocationGranularity(size_t *granularity, const CUmemAllocationProp *prop,
                                                   CUmemAllocationGranularity_flags option)
@@ -219,7 +220,7 @@ SIM_EXPORT CUresult cuMemExportToShareableHandle(void *shareableHandle, CUmemGen
     pthread_mutex_unlock(&sim_drv.lock);
     if (!d.size)
         return CUDA_ERROR_INVALID_VALUE;
-    int fd = memfd_create("cgpu-sim-vmm", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    int fd = sim_memfd("cgpu-sim-vmm", MFD_CLOEXEC | MFD_ALLOW_SEALING);
     if (fd < 0)
         return CUDA_ERROR_OPERATING_SYSTEM;
     if (pwrite(fd, &d, sizeof(d), 0) != (ssize_t)sizeof(d) ||
