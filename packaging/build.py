@@ -327,10 +327,10 @@ def stage_root(base: Path, root: Path, version: str) -> Layout:
 # ----------------------------------------------------------------- the deb
 
 
-def deb_depends(root: Path) -> list[str]:
+def deb_depends(root: Path, glibc: str) -> list[str]:
     """Debian packages of the shared libraries the ELF files outside the
     tree load (libssl, libsqlite3, libffi ...): what pyenv's CPython was
-    built against on this machine."""
+    built against on this machine; libc6 at least `glibc` (glibc_floor)."""
     libs: set[str] = set()
     for path in elf_files(root):
         out = subprocess.run(["ldd", str(path)], capture_output=True, text=True).stdout
@@ -358,8 +358,7 @@ def deb_depends(root: Path) -> list[str]:
                     break
         else:
             raise BuildError(f"no Debian package owns {lib}: cannot state the deb's dependencies")
-    floor = glibc_floor(root)
-    return sorted(f"{p} (>= {floor})" if p == "libc6" else p for p in packages)
+    return sorted(f"{p} (>= {glibc})" if p == "libc6" else p for p in packages)
 
 
 def glibc_floor(root: Path) -> str:
@@ -409,7 +408,7 @@ def build_deb(root: Path, layout: Layout, out: Path, depends: Sequence[str]) -> 
 # ----------------------------------------------------------------- the rpm
 
 
-def build_rpm(root: Path, layout: Layout, out: Path, work: Path) -> Path:
+def build_rpm(root: Path, layout: Layout, out: Path, work: Path, glibc: str) -> Path:
     top = work / f"rpmbuild-{layout.version}"
     if top.exists():
         shutil.rmtree(top)
@@ -430,7 +429,7 @@ def build_rpm(root: Path, layout: Layout, out: Path, work: Path) -> Path:
         "--define",
         f"cgpu_root {root}",
         "--define",
-        f"glibc_min {glibc_floor(root)}",
+        f"glibc_min {glibc}",
         "--define",
         f"cgpu_unit {REPO / 'systemd' / 'cgpud.service'}",
         PACKAGING / "rpm" / "cgpu.spec",
@@ -454,13 +453,15 @@ def build(
     base = work / "base"
     if not (reuse and (base / "python" / "bin" / PYVER).exists()):
         stage_base(base)
-    depends = deb_depends(base) if "deb" in formats else []
+    # Read once: every version's root is the base tree, hard-linked.
+    glibc = glibc_floor(base)
+    depends = deb_depends(base, glibc) if "deb" in formats else []
     made = []
     for version in versions:
         root = work / f"root-{version}"
         layout = stage_root(base, root, version)
         if "rpm" in formats:
-            made.append(build_rpm(root, layout, out, work))
+            made.append(build_rpm(root, layout, out, work, glibc))
         if "deb" in formats:
             made.append(build_deb(root, layout, out, depends))
         shutil.rmtree(root)

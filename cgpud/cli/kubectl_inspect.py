@@ -290,21 +290,14 @@ def from_service_proxy(
         api = client_from(kubeconfig, timeout)
     except ApiServerError as e:
         raise InspectError(f"{e}; or give --extender URL or --nodes FILE") from e
+    proxy = "/api/v1/namespaces/{namespace}/services/{name}/proxy/inspect"
     try:
         try:  # deploy/cgpu-scheduler.yaml serves HTTPS on a port named https
-            body = api.fetch(
-                "GET",
-                "/api/v1/namespaces/{namespace}/services/{name}/proxy/inspect",
-                {"namespace": namespace, "name": f"https:{service}:https"},
-            )
+            body = api.fetch(proxy, {"namespace": namespace, "name": f"https:{service}:https"})
         except RestError as e:
             if e.status not in (404, 503):
                 raise
-            body = api.fetch(
-                "GET",
-                "/api/v1/namespaces/{namespace}/services/{name}/proxy/inspect",
-                {"namespace": namespace, "name": f"{service}:http"},
-            )
+            body = api.fetch(proxy, {"namespace": namespace, "name": f"{service}:http"})
     except RestError as e:
         if e.status == 0:
             raise InspectError(f"cannot reach the API server for {where}: {e.reason}") from e

@@ -16,7 +16,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -96,12 +97,10 @@ class KubePodApi:
         self._client.close()
 
     def get_pod(self, namespace: str, name: str) -> dict[str, Any]:
-        where = {"namespace": namespace, "name": name}
-        pod: dict[str, Any] = self._request(
-            f"read pod {namespace}/{name}",
-            lambda: self._client.call("GET", "/api/v1/namespaces/{namespace}/pods/{name}", where),
-        )
-        return pod
+        with _bind_error(f"read pod {namespace}/{name}"):
+            return self._client.call(
+                "GET", "/api/v1/namespaces/{namespace}/pods/{name}", {"namespace": namespace, "name": name}
+            )
 
     def bind(self, namespace: str, name: str, uid: str, node: str, annotations: Mapping[str, str]) -> None:
         meta: dict[str, Any] = {"name": name, "namespace": namespace}
@@ -116,18 +115,16 @@ class KubePodApi:
             "target": {"apiVersion": "v1", "kind": "Node", "name": node},
         }
         where = {"namespace": namespace, "name": name}
-        self._request(
-            f"bind pod {namespace}/{name} to node {node}",
-            lambda: self._client.send("POST", "/api/v1/namespaces/{namespace}/pods/{name}/binding", where, body),
-        )
+        with _bind_error(f"bind pod {namespace}/{name} to node {node}"):
+            self._client.send("POST", "/api/v1/namespaces/{namespace}/pods/{name}/binding", where, body)
 
-    def _request(self, what: str, call: Callable[[], Any]) -> Any:
-        try:
-            return call()
-        except RestError as e:
-            if e.status == 0:
-                raise BindError(f"cannot {what}: {e.reason}") from None
-            raise BindError(f"cannot {what}: {e.status} {e.reason}") from None
+
+@contextmanager
+def _bind_error(what: str) -> Iterator[None]:
+    try:
+        yield
+    except RestError as e:
+        raise BindError(f"cannot {what}: {e}") from None
 
 
 class Demands:

@@ -250,7 +250,7 @@ class ApiNodeSource:
                 version = (data.get("metadata") or {}).get("resourceVersion", "")
                 delay = FIRST_BACKOFF
                 query = {"resourceVersion": version, "timeoutSeconds": "300"}
-                for event in self._client.watch("GET", "/api/v1/nodes", query, timeout=330):
+                for event in self._client.watch("/api/v1/nodes", query, timeout=330):
                     if self._stop.is_set():
                         break
                     obj = event.get("object") or {}

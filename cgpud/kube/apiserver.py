@@ -20,7 +20,7 @@ from typing import Any
 from cgpud.errors import CgpuError
 from cgpud.kube.model import Resource
 from cgpud.kube.quantity import parse_quantity
-from cgpud.kube.rest import MERGE_PATCH, CredentialsError, RestClient, RestError, server_from
+from cgpud.kube.rest import JSON, MERGE_PATCH, CredentialsError, RestClient, RestError, server_from
 
 # Pods past these phases hold no device: the kubelet frees what they had.
 TERMINAL_PHASES = ("Succeeded", "Failed")
@@ -237,7 +237,7 @@ class ApiServer:
         body: Any = None,
         *,
         query: Mapping[str, str] | None = None,
-        content_type: str = "application/json",
+        content_type: str = JSON,
     ) -> dict[str, Any]:
         try:
             return self._client.call(method, path, params, query=query, body=body, content_type=content_type)

@@ -77,7 +77,7 @@ def server_from(kubeconfig: Path | None = None) -> Server:
         context = ssl.create_default_context(cafile=str(ca))
     except OSError as e:
         raise CredentialsError(f"cannot read the service account's CA {ca}: {e.strerror or e}") from e
-    return Server(f"https://{host}:{port}", context, _token_file(SERVICE_ACCOUNT / "token"))
+    return Server(f"https://{host}:{port}", context, _TokenFile(SERVICE_ACCOUNT / "token"))
 
 
 def _from_kubeconfig(path: Path) -> Server:
@@ -117,7 +117,7 @@ def _kubeconfig_server(path: Path) -> Server:
     if token:
         return Server(server, tls, lambda: str(token))
     if user.get("tokenFile"):
-        return Server(server, tls, _token_file(_relative(base, user["tokenFile"])))
+        return Server(server, tls, _TokenFile(_relative(base, user["tokenFile"])))
     return Server(server, tls, lambda: None)
 
 
@@ -172,22 +172,24 @@ def _load_chain(context: ssl.SSLContext, cert: bytes, key: bytes) -> None:
         context.load_cert_chain(str(cert_file), str(key_file))
 
 
-def _token_file(path: Path) -> Callable[[], str | None]:
-    """The token in `path`, read again every TOKEN_REREAD_S seconds."""
-    lock = threading.Lock()
-    cached: list[Any] = [None, -TOKEN_REREAD_S]
+class _TokenFile:
+    """The token in a file, read again every TOKEN_REREAD_S seconds. Thread-safe."""
 
-    def token() -> str | None:
-        with lock:
-            if time.monotonic() - cached[1] >= TOKEN_REREAD_S:
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._lock = threading.Lock()
+        self._token = ""
+        self._read_at = -TOKEN_REREAD_S
+
+    def __call__(self) -> str | None:
+        with self._lock:
+            if time.monotonic() - self._read_at >= TOKEN_REREAD_S:
                 try:
-                    cached[0] = path.read_text().strip()
+                    self._token = self._path.read_text().strip()
                 except OSError as e:
-                    raise RestError(0, f"cannot read the token {path}: {e.strerror or e}") from None
-                cached[1] = time.monotonic()
-            return str(cached[0])
-
-    return token
+                    raise RestError(0, f"cannot read the token {self._path}: {e.strerror or e}") from None
+                self._read_at = time.monotonic()
+            return self._token
 
 
 def _path(template: str, params: Mapping[str, str] | None) -> str:
@@ -231,14 +233,14 @@ class RestClient:
         """A call whose answer is not needed (a Binding's is a Status, or nothing)."""
         self._request(method, _path(path, params), None, body, JSON, None, stream=False)
 
-    def fetch(self, method: str, path: str, params: Mapping[str, str]) -> bytes:
-        """The body of an answer, whatever it is (a service's, through the API server's proxy)."""
-        return bytes(self._request(method, _path(path, params), None, None, JSON, None, stream=False).data)
+    def fetch(self, path: str, params: Mapping[str, str]) -> bytes:
+        """The body of a GET, whatever it is (a service's answer, through the API server's proxy)."""
+        return bytes(self._request("GET", _path(path, params), None, None, JSON, None, stream=False).data)
 
-    def watch(self, method: str, path: str, query: Mapping[str, str], timeout: float) -> Iterator[dict[str, Any]]:
+    def watch(self, path: str, query: Mapping[str, str], timeout: float) -> Iterator[dict[str, Any]]:
         """The events of a watch (`watch=1` is added), one JSON object a line,
         until the API server ends it or `timeout` seconds pass without a byte."""
-        answer = self._request(method, path, {**query, "watch": "1"}, None, JSON, timeout, stream=True)
+        answer = self._request("GET", path, {**query, "watch": "1"}, None, JSON, timeout, stream=True)
         try:
             pending = b""
             for chunk in answer.stream(65536, decode_content=True):

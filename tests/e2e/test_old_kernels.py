@@ -9,18 +9,18 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.harness.daemon import Daemon, make_daemon
+from cgpud.node.model import GIB
+from tests.harness.daemon import Daemon, running_daemon
 from tests.harness.old_kernel import KERNELS, OldKernel, launcher
 from tests.harness.oci import Host, create, run, runc
 from tests.harness.wait import until
 from tests.harness.workload import BURN, assert_2gib_granted, burn_json, instances
-
-GIB = 1 << 30
 
 
 @pytest.fixture(scope="module")
@@ -35,20 +35,13 @@ def kernel(request: pytest.FixtureRequest) -> OldKernel:
 
 @pytest.fixture
 def old_cgpud(tmp_path: Path, gpu_env: dict[str, str], old_kernel: Path, kernel: OldKernel) -> Iterator[Daemon]:
-    d = make_daemon(tmp_path, gpu_env)
-    d.wrapper = tuple(kernel.argv(old_kernel))
-    d.start()
-    try:
+    with running_daemon(tmp_path, gpu_env, wrapper=kernel.argv(old_kernel)) as d:
         yield d
-    finally:
-        d.stop()
     assert "Traceback" not in d.log.read_text()
 
 
 def test_the_filter_plays_the_kernel(old_kernel: Path, kernel: OldKernel) -> None:
     """The launcher really takes the calls away (else the tests below prove nothing)."""
-    import subprocess
-
     probe = "import os\ntry:\n    os.pidfd_open(os.getpid())\nexcept OSError as e:\n    print(e.errno)"
     out = subprocess.run(kernel.argv(old_kernel, "python3", "-c", probe), capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "38"  # ENOSYS

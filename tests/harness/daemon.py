@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,7 +92,7 @@ class Daemon:
         return subprocess.Popen(self.cgpuctl_argv(*args), env=self.env, stdout=stdout, stderr=stderr, text=text)
 
 
-def make_daemon(tmp_path: Path, sim_env: dict[str, str], *extra: str) -> Daemon:
+def make_daemon(tmp_path: Path, sim_env: dict[str, str], *extra: str, wrapper: Sequence[str] = ()) -> Daemon:
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify_path = tmp_path / "notify.sock"
     notify.bind(str(notify_path))
@@ -112,13 +112,16 @@ def make_daemon(tmp_path: Path, sim_env: dict[str, str], *extra: str) -> Daemon:
         *extra,
     ]
     (tmp_path / "none.toml").write_text("")
-    return Daemon(tmp_path / "run" / "cgpud.sock", tmp_path / "state", env, notify, args)
+    return Daemon(tmp_path / "run" / "cgpud.sock", tmp_path / "state", env, notify, args, wrapper=tuple(wrapper))
 
 
 @contextmanager
-def running_daemon(tmp_path: Path, sim_env: dict[str, str], *extra: str) -> Iterator[Daemon]:
-    """A started cgpud, stopped cleanly when the block ends however it ends."""
-    d = make_daemon(tmp_path, sim_env, *extra)
+def running_daemon(
+    tmp_path: Path, sim_env: dict[str, str], *extra: str, wrapper: Sequence[str] = ()
+) -> Iterator[Daemon]:
+    """A started cgpud (under `wrapper`, if given), stopped cleanly when the
+    block ends however it ends."""
+    d = make_daemon(tmp_path, sim_env, *extra, wrapper=wrapper)
     d.start()
     try:
         yield d

@@ -12,7 +12,7 @@ import pytest
 
 from cgpud.native import native_path
 from cgpud.node.model import GIB
-from tests.harness.daemon import make_daemon
+from tests.harness.daemon import running_daemon
 from tests.harness.old_kernel import KERNELS, OldKernel, launcher
 from tests.harness.wait import until
 
@@ -26,10 +26,7 @@ def old_kernel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_a_tenant_is_held_to_its_limit_and_released_at_its_exit(
     tmp_path: Path, sim_env: dict[str, str], old_kernel: Path, kernel: OldKernel
 ) -> None:
-    d = make_daemon(tmp_path, sim_env)
-    d.wrapper = tuple(kernel.argv(old_kernel))
-    d.start()
-    try:
+    with running_daemon(tmp_path, sim_env, wrapper=kernel.argv(old_kernel)) as d:
         burn = kernel.argv(
             old_kernel,
             *d.cgpuctl_argv(
@@ -51,8 +48,6 @@ def test_a_tenant_is_held_to_its_limit_and_released_at_its_exit(
             10,
             what="the tenant's instance released after its exit",
         )
-    finally:
-        d.stop()
     log = d.log.read_text()
     assert "Traceback" not in log, log
 
@@ -62,18 +57,14 @@ def test_kill_mode_kills_a_bypassing_tenant_without_a_pidfd(
     tmp_path: Path, sim_env: dict[str, str], old_kernel: Path, kernel: OldKernel
 ) -> None:
     """Without pidfd_open the kill re-checks the process and uses kill(2)."""
-    d = make_daemon(tmp_path, sim_env, "--bypass-interval", "0.2", "--bypass-action", "kill")
-    d.wrapper = tuple(kernel.argv(old_kernel))
-    d.start()
-    try:
+    flags = ("--bypass-interval", "0.2", "--bypass-action", "kill")
+    with running_daemon(tmp_path, sim_env, *flags, wrapper=kernel.argv(old_kernel)) as d:
         # 3 GiB in a 1 GiB instance, libcgpu not preloaded.
         tenant = d.start_cgpuctl(
             "run", "--mem", "1", "--", "env", "-u", "LD_PRELOAD", "cgpu-burn", "--alloc", "3GiB", "--require-alloc",
             "--hold", "60", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         out, err = tenant.communicate(timeout=60)
-    finally:
-        d.stop()
     assert tenant.returncode == 128 + 9, (out, err)  # cgpuctl run: its child died of SIGKILL
     killed = [
         e
