@@ -1,5 +1,5 @@
 """Plays the Kubernetes API server for the node agent's few calls, over its
-real REST paths and JSON, so the official client library on cgpud's side
+real REST paths and JSON, so cgpud's client (cgpud/kube/rest.py)
 runs unchanged: list pods by node (field selector), read and merge-patch a
 pod, read and merge-patch a Node. For the scheduler side (cgpu-scheduler):
 bind a pod (POST pods/{name}/binding, or the bindings collection), record
