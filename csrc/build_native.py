@@ -138,6 +138,10 @@ class Variant:
     ldflags: tuple[str, ...] = ()
     defines: tuple[str, ...] = ()
     extra_includes: tuple[str, ...] = field(default=())
+    # Link libdl and libpthread as -ldl/-lpthread, not by file name: zig's
+    # stubs of an older glibc (packaging/zig.py) take only that form, while
+    # glibc >= 2.34's own -ldl finds an empty archive and links nothing.
+    libs_by_name: bool = False
 
 
 RELEASE = Variant()
@@ -207,7 +211,12 @@ def compile_target(target: Target, out_dir: Path, variant: Variant = RELEASE, cc
         if target.shared:
             cmd += ["-shared", f"-Wl,-soname,{Path(target.output).name}", *_version_script(target, Path(tmp))]
         cmd += [str(CSRC / src) for src in target.sources]
-        cmd += ["-o", str(out), *variant.ldflags, *target.libs, *(FREESTANDING_LDFLAGS if freestanding else ())]
+        libs = (
+            [re.sub(r"^-l:lib(\w+)\.so\.\d+$", r"-l\1", lib) for lib in target.libs]
+            if variant.libs_by_name
+            else target.libs
+        )
+        cmd += ["-o", str(out), *variant.ldflags, *libs, *(FREESTANDING_LDFLAGS if freestanding else ())]
         proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise NativeBuildError(f"building {target.output} failed:\n$ {' '.join(cmd)}\n{proc.stderr}")
