@@ -1,16 +1,17 @@
 """Build the deb and rpm of cgpu: a self-contained tree under
-/opt/cgpu/<version>/ (this machine's CPython, the runtime dependencies from
-the venv, the project with every C part), thin entry points in /usr/bin, the
-systemd unit and a commented default /etc/cgpu/config.toml.
+/opt/cgpu/<version>/ (a CPython built for glibc 2.17 by interpreter.py, the
+venv's runtime dependencies as manylinux2014 wheels, the project with every
+C part built by zig for glibc 2.17), thin entry points in /usr/bin, the
+systemd unit and a commented default /etc/cgpu/config.toml. Every ELF file
+needs at most GLIBC_2.17: the packages run on CentOS 7 and everything newer.
 
     python packaging/build.py [--version V] [--out dist] [--formats deb,rpm]
 
-Run it with the venv's interpreter after the C parts are built (`./dev
-package` does both). The expensive part, the version-independent tree, is
-staged once under --work and reused by every version built in the same call
-(and by later calls with --reuse), so tests can build a "previous" and a
-"newer" package cheaply.
-"""
+Run it with the venv's interpreter (`./dev package` does). The first run
+builds zig's CPython (minutes; cached outside the clone). The expensive
+part, the version-independent tree, is staged once under --work and reused
+by every version built in the same call (and by later calls with --reuse),
+so tests can build a "previous" and a "newer" package cheaply."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import re
 import shutil
 import subprocess
 import sys
-import sysconfig
+import tempfile
 import tomllib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -30,9 +31,17 @@ from importlib import metadata
 from pathlib import Path
 
 from elf_needs import ElfError, elf_files, newest_glibc
+from interpreter import Interpreter
+from interpreter import install as install_interpreter
+from zig import Zig
+from zig import install as install_zig
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGING = REPO / "packaging"
+sys.path.insert(0, str(REPO / "csrc"))
+import build_native  # noqa: E402
+
+PORTABLE = build_native.Variant("portable", libs_by_name=True)
 PYVER = f"python{sys.version_info.major}.{sys.version_info.minor}"
 PACKAGE = "cgpu"
 
@@ -102,54 +111,15 @@ def _copy_tree(src: Path, dst: Path, skip: Iterable[str] = ()) -> None:
     shutil.copytree(src, dst, symlinks=True, ignore=shutil.ignore_patterns("__pycache__", *skip), dirs_exist_ok=True)
 
 
-def _runpath(binary: Path) -> str | None:
-    out = run("readelf", "-d", binary).stdout
-    m = re.search(r"\((?:RUNPATH|RPATH)\)\s+Library r(?:un)?path: \[(.*)\]", out)
-    return m.group(1) if m else None
-
-
-def _relocate(binary: Path, old_prefix: str) -> None:
-    """pyenv's CPython finds its stdlib relative to the executable but its
-    libpython through an absolute RUNPATH; rewrite that string in place to
-    $ORIGIN/../lib (padded with NULs: .dynstr keeps its size)."""
-    runpath = _runpath(binary)
-    if runpath is None or not runpath.startswith(old_prefix):
-        return
-    new = runpath.replace(old_prefix, "$ORIGIN/..", 1).encode()
-    old = runpath.encode()
-    if len(new) > len(old):
-        raise BuildError(f"{binary}: RUNPATH {runpath} is too short to rewrite to {new.decode()}")
-    data = binary.read_bytes()
-    if data.count(old + b"\0") != 1:
-        raise BuildError(f"{binary}: RUNPATH {runpath} is not a single string in the file")
-    binary.chmod(0o755)
-    binary.write_bytes(data.replace(old + b"\0", new + b"\0" * (len(old) - len(new) + 1)))
-
-
-def stage_python(dest: Path) -> None:
-    """This interpreter's base installation, pruned, with an empty
-    site-packages of its own."""
-    base = Path(sys.base_prefix)
-    exe = base / "bin" / PYVER
+def stage_python(interp: Interpreter, dest: Path) -> None:
+    """The interpreter built for glibc 2.17 (interpreter.py), pruned, with
+    an empty site-packages of its own."""
     (dest / "bin").mkdir(parents=True)
-    shutil.copy2(exe, dest / "bin" / PYVER)
+    shutil.copy2(interp.python, dest / "bin" / PYVER)
     (dest / "bin" / "python3").symlink_to(PYVER)
-    libdir = dest / "lib"
-    libdir.mkdir()
-    ldlib = sysconfig.get_config_var("LDLIBRARY") or ""
-    if sysconfig.get_config_var("Py_ENABLE_SHARED"):
-        real = base / "lib" / ldlib
-        for so in (base / "lib").glob(f"lib{PYVER}.so*"):
-            if so.is_symlink():
-                (libdir / so.name).symlink_to(os.readlink(so))
-            else:
-                shutil.copy2(so, libdir / so.name)
-        if not real.exists():
-            raise BuildError(f"{real} is missing: cannot bundle libpython")
-    stdlib_src = base / "lib" / PYVER
-    stdlib = libdir / PYVER
-    stdlib.mkdir()
-    for entry in stdlib_src.iterdir():
+    stdlib = dest / "lib" / PYVER
+    stdlib.mkdir(parents=True)
+    for entry in interp.stdlib.iterdir():
         if entry.name in STDLIB_PRUNE or entry.name.startswith("config-"):
             continue
         if entry.is_dir() and not entry.is_symlink():
@@ -160,7 +130,6 @@ def stage_python(dest: Path) -> None:
         if DYNLOAD_PRUNE.match(so.name):
             so.unlink()
     (stdlib / "site-packages").mkdir()
-    _relocate(dest / "bin" / PYVER, str(base))
 
 
 def _requirements(dist: metadata.Distribution, extras: Iterable[str] = ()) -> list[tuple[str, frozenset[str]]]:
@@ -198,42 +167,79 @@ def runtime_distributions() -> list[metadata.Distribution]:
 
 
 def stage_dependencies(site: Path) -> None:
-    for dist in runtime_distributions():
-        for file in dist.files or []:
-            src = Path(str(file.locate())).resolve()
-            rel = Path(str(file))
-            if rel.parts[0] == ".." or "__pycache__" in rel.parts or not src.is_file():
-                continue  # scripts in bin/ and bytecode: the package compiles its own
-            dst = site / rel
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dst)
+    """The venv's runtime dependencies at the venv's versions, as the
+    manylinux2014 (glibc 2.17) wheels PyPI serves for them: the venv's own
+    may be built for this machine's newer glibc."""
+    pins = [f"{d.metadata['Name']}=={d.version}" for d in runtime_distributions()]
+    platforms = [f"--platform={p}_x86_64" for p in ("manylinux_2_17", "manylinux2014", "manylinux2010", "manylinux1")]
+    run(
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--disable-pip-version-check",
+        "--no-deps",
+        "--no-compile",
+        "--only-binary=:all:",
+        "--implementation=cp",
+        f"--python-version={sys.version_info.major}.{sys.version_info.minor}",
+        *platforms,
+        "--target",
+        site,
+        *pins,
+    )
+    shutil.rmtree(site / "bin", ignore_errors=True)  # console scripts of the dependencies: unused
 
 
-def stage_project(site: Path) -> None:
-    """The source tree's cgpud with the C parts built in place (the
-    extensions, the relays, libcgpu, the simulated driver and its tools)."""
+def stage_project(site: Path, zig: Zig, interp: Interpreter) -> None:
+    """The source tree's cgpud, with every C part built again by zig for
+    glibc 2.17: the relays, libcgpu, the simulated driver and its tools
+    (csrc/build_native.py), and the cffi extensions (setup.py build_ext)."""
     src = REPO / "cgpud"
-    for needed in (
-        "_native/lib/libcgpu.so",
-        "_native/bin/cgpu-runtime",
-        "_native/bin/cgpu-runtime-gpu",
-        "_native/sim/libcuda.so.1",
-    ):
-        if not (src / needed).exists():
-            raise BuildError(f"{src / needed} is missing: build the C parts first (./dev package does)")
-    if not list(src.glob("_region*.so")) or not list(src.glob("_scheduler*.so")):
-        raise BuildError("the cffi extensions are not built: run `python setup.py build_ext --inplace`")
-    _copy_tree(src, site / "cgpud", skip=("*.c", "*.o", "*.pyc"))
+    _copy_tree(src, site / "cgpud", skip=("*.c", "*.o", "*.pyc", "*.so", "*.so.*", "_native"))
+    native = site / "cgpud" / "_native"
+    for target in build_native.TARGETS:
+        # The freestanding front calls no libc at all: the host's gcc, which
+        # knows its flags, builds it; it needs no glibc version.
+        if target.freestanding:
+            build_native.compile_target(target, native, build_native.RELEASE)
+        else:
+            build_native.compile_target(target, native, PORTABLE, cc=str(zig.cc))
+    with tempfile.TemporaryDirectory(prefix="cgpu-ext-") as tmp:
+        env = dict(os.environ)
+        # distutils takes the compiler from CC/LDSHARED; the interpreter's
+        # own headers come first (CFLAGS precede the venv's -I).
+        env.update({"CC": str(zig.cc), "LDSHARED": f"{zig.cc} -shared", "CFLAGS": f"-I{interp.include}"})
+        run(
+            sys.executable,
+            "setup.py",
+            "-q",
+            "build_ext",
+            "--force",
+            "--build-lib",
+            Path(tmp) / "lib",
+            "--build-temp",
+            Path(tmp) / "temp",
+            cwd=REPO,
+            env=env,
+        )
+        built = sorted((Path(tmp) / "lib" / "cgpud").glob("_*.so"))
+        if {p.name.split(".")[0] for p in built} != {"_region", "_scheduler"}:
+            raise BuildError(f"setup.py build_ext made {[p.name for p in built]}, expected _region and _scheduler")
+        for ext in built:
+            shutil.copy2(ext, site / "cgpud" / ext.name)
 
 
 def stage_base(base: Path) -> None:
     if base.exists():
         shutil.rmtree(base)
     python = base / "python"
-    stage_python(python)
+    interp = install_interpreter()
+    stage_python(interp, python)
     site = python / "lib" / PYVER / "site-packages"
     stage_dependencies(site)
-    stage_project(site)
+    stage_project(site, install_zig(), interp)
     # Bytecode now, by the bundled interpreter: a read-only /opt never gets
     # a __pycache__ that dpkg does not know about, and the daemon starts
     # fast. Unchecked hashes: file times in the package do not matter.
@@ -327,24 +333,41 @@ def stage_root(base: Path, root: Path, version: str) -> Layout:
 # ----------------------------------------------------------------- the deb
 
 
-def deb_depends(root: Path, glibc: str) -> list[str]:
-    """Debian packages of the shared libraries the ELF files outside the
-    tree load (libssl, libsqlite3, libffi ...): what pyenv's CPython was
-    built against on this machine; libc6 at least `glibc` (glibc_floor)."""
-    libs: set[str] = set()
+# The packages that own each shared library the tree may load from the
+# system, as RHEL and its rebuilds (CentOS 7, Rocky, Alibaba Cloud Linux)
+# name them: the same names from CentOS 7 to RHEL 9.
+RPM_OWNERS = {
+    "libc.so.6": "glibc",
+    "libm.so.6": "glibc",
+    "libpthread.so.0": "glibc",
+    "libdl.so.2": "glibc",
+    "librt.so.1": "glibc",
+    "libutil.so.1": "glibc",
+    "ld-linux-x86-64.so.2": "glibc",
+    "libstdc++.so.6": "libstdc++",
+    "libgcc_s.so.1": "libgcc",
+}
+
+
+def system_libraries(root: Path) -> set[Path]:
+    """The shared libraries the ELF files under root load from outside it
+    (ldd on this machine; the simulated and real drivers are not among
+    them: they are loaded by path, or provided by the GPU driver)."""
+    libs: set[Path] = set()
     for path in elf_files(root):
         out = subprocess.run(["ldd", str(path)], capture_output=True, text=True).stdout
         for m in re.finditer(r"=> (/\S+)", out):
             lib = Path(m.group(1))
-            if (
-                not str(lib.resolve()).startswith(str(root))
-                and "libpython" not in lib.name
-                and not lib.name.startswith(("libcuda", "libnvidia-ml"))
-            ):
-                libs.add(str(lib))
+            if not str(lib.resolve()).startswith(str(root)) and not lib.name.startswith(("libcuda", "libnvidia-ml")):
+                libs.add(lib)
+    return libs
+
+
+def deb_depends(libs: Iterable[Path], glibc: str) -> list[str]:
+    """The Debian packages that own `libs`; libc6 at least `glibc` (glibc_floor)."""
     packages: set[str] = set()
     for lib in sorted(libs):
-        for candidate in (lib, str(Path(lib).resolve())):
+        for candidate in (str(lib), str(lib.resolve())):
             found = subprocess.run(["dpkg", "-S", candidate], capture_output=True, text=True)
             if found.returncode == 0:
                 packages.add(found.stdout.split(":")[0])
@@ -359,6 +382,15 @@ def deb_depends(root: Path, glibc: str) -> list[str]:
         else:
             raise BuildError(f"no Debian package owns {lib}: cannot state the deb's dependencies")
     return sorted(f"{p} (>= {glibc})" if p == "libc6" else p for p in packages)
+
+
+def rpm_requires(libs: Iterable[Path], glibc: str) -> list[str]:
+    """The RHEL packages that own `libs` (RPM_OWNERS); glibc at least `glibc`."""
+    unknown = sorted(lib.name for lib in libs if lib.name not in RPM_OWNERS)
+    if unknown:
+        raise BuildError(f"no RHEL package is known for {', '.join(unknown)}: add it to RPM_OWNERS")
+    packages = {RPM_OWNERS[lib.name] for lib in libs} | {"glibc"}
+    return sorted(f"{p} >= {glibc}" if p == "glibc" else p for p in packages)
 
 
 def glibc_floor(root: Path) -> str:
@@ -408,7 +440,7 @@ def build_deb(root: Path, layout: Layout, out: Path, depends: Sequence[str]) -> 
 # ----------------------------------------------------------------- the rpm
 
 
-def build_rpm(root: Path, layout: Layout, out: Path, work: Path, glibc: str) -> Path:
+def build_rpm(root: Path, layout: Layout, out: Path, work: Path, requires: Sequence[str]) -> Path:
     top = work / f"rpmbuild-{layout.version}"
     if top.exists():
         shutil.rmtree(top)
@@ -429,7 +461,7 @@ def build_rpm(root: Path, layout: Layout, out: Path, work: Path, glibc: str) -> 
         "--define",
         f"cgpu_root {root}",
         "--define",
-        f"glibc_min {glibc}",
+        f"cgpu_requires {', '.join(requires)}",
         "--define",
         f"cgpu_unit {REPO / 'systemd' / 'cgpud.service'}",
         PACKAGING / "rpm" / "cgpu.spec",
@@ -455,13 +487,15 @@ def build(
         stage_base(base)
     # Read once: every version's root is the base tree, hard-linked.
     glibc = glibc_floor(base)
-    depends = deb_depends(base, glibc) if "deb" in formats else []
+    libs = system_libraries(base)
+    depends = deb_depends(libs, glibc) if "deb" in formats else []
+    requires = rpm_requires(libs, glibc)
     made = []
     for version in versions:
         root = work / f"root-{version}"
         layout = stage_root(base, root, version)
         if "rpm" in formats:
-            made.append(build_rpm(root, layout, out, work, glibc))
+            made.append(build_rpm(root, layout, out, work, requires))
         if "deb" in formats:
             made.append(build_deb(root, layout, out, depends))
         shutil.rmtree(root)

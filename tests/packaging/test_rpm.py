@@ -4,7 +4,6 @@ the root; a static busybox is its /bin/sh, as on a minimal host."""
 
 from __future__ import annotations
 
-import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -43,7 +42,10 @@ def test_rpm_lists_the_expected_files(packages: Packages) -> None:
         assert path in files, path
     assert not any(f.startswith("/var/") for f in files)
     requires = rpm("-qp", "--requires", str(packages.new_rpm)).stdout.splitlines()
-    assert any(re.fullmatch(r"glibc >= 2\.[0-9]+", r) for r in requires), requires
+    # RHEL's names (CentOS 7 to RHEL 9, Alibaba Cloud Linux 2 and 3): glibc,
+    # and the C++ runtime grpcio's wheel links; the rest is in the bundled CPython.
+    declared = [r for r in requires if not r.startswith("rpmlib(") and not r.startswith("/")]
+    assert sorted(declared) == ["glibc >= 2.17", "libgcc", "libstdc++"], requires
     configs = rpm("-qcp", str(packages.new_rpm)).stdout.split()
     assert configs == ["/etc/cgpu/config.toml"]
     scripts = rpm("-qp", "--scripts", str(packages.new_rpm)).stdout
