@@ -8,8 +8,11 @@ the source tree (the venv).
                  dpkg -i for the run and purged after) and .venv/bin/cgpud,
                  interleaved round by round, each with a fresh state dir on one
                  simulated GPU: Popen to READY=1 on a notify socket
+  interpreter    the package's CPython (built by zig for glibc 2.17) against
+                 the venv's base interpreter on one pure-Python and stdlib
+                 workload (WORKLOAD), interleaved round by round
 
-Prints medians and the ratio package/source. A report: exit 0 whether or not
+Prints medians and the ratios package/source and package/venv's base. A report: exit 0 whether or not
 a figure pleases, 1 when it could not measure, 2 on a bad argument. Needs
 root, dpkg-deb and rpmbuild; refuses to run when a cgpu package is already
 installed (it would not be this tree's).
@@ -39,10 +42,36 @@ from tests.harness.daemon import BIN
 ROOT = Path(__file__).resolve().parent.parent
 VERSION = "0.1.0+bench"
 PACKAGED_SIM = Path(f"/opt/cgpu/{VERSION}/python/lib/python3.11/site-packages/cgpud/_native/sim")
+PACKAGED_PYTHON = Path(f"/opt/cgpu/{VERSION}/python/bin/python3.11")
+
+
+# What a daemon's interpreter spends its time on, roughly: JSON, SQLite,
+# plain Python arithmetic and hashing. Prints its own elapsed seconds.
+WORKLOAD = """
+import hashlib, json, sqlite3, time
+t = time.perf_counter()
+doc = {"a": [{"k": i, "v": str(i) * 3} for i in range(2000)]}
+for _ in range(40):
+    json.loads(json.dumps(doc))
+db = sqlite3.connect(":memory:")
+db.execute("create table t(a, b)")
+db.executemany("insert into t values (?, ?)", [(i, str(i)) for i in range(100000)])
+db.execute("select sum(a) from t").fetchone()
+s = 0
+for i in range(2000000):
+    s += i * i % 7
+hashlib.sha256(b"x" * 50_000_000).hexdigest()
+print(time.perf_counter() - t)
+"""
 
 
 class CannotMeasure(RuntimeError):
     pass
+
+
+def workload_seconds(python: Path) -> float:
+    out = _run(python, "-I", "-c", WORKLOAD)
+    return float(out.stdout)
 
 
 def _run(*args: str | Path, timeout: float = 900) -> subprocess.CompletedProcess[str]:
@@ -157,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
             for i in range(args.rounds):
                 package.append(start_to_ready(Path("/usr/bin/cgpud"), PACKAGED_SIM, tmp / f"pkg{i}"))
                 source.append(start_to_ready(BIN / "cgpud", native_path("sim/libcuda.so.1").parent, tmp / f"src{i}"))
+            bundled, base = [], []
+            for _ in range(args.rounds):
+                bundled.append(workload_seconds(PACKAGED_PYTHON))
+                base.append(workload_seconds(Path(sys.base_prefix) / "bin" / "python3"))
     except CannotMeasure as e:
         print(f"bench_package: {e}", file=sys.stderr)
         return 1
@@ -193,7 +226,21 @@ def main(argv: list[str] | None = None) -> int:
             ),
         ],
     )
-    print(f"\npackage / source: {pm / sm:.2f}")
+    print(f"\npackage / source: {pm / sm:.2f}\n")
+    bm, vm = statistics.median(bundled), statistics.median(base)
+    print_table(
+        ("interpreter, WORKLOAD", f"median of {args.rounds}", "min", "max"),
+        [
+            (
+                f"package ({PACKAGED_PYTHON.name}, zig, glibc 2.17)",
+                f"{bm:.3f} s",
+                f"{min(bundled):.3f} s",
+                f"{max(bundled):.3f} s",
+            ),
+            (f"venv's base ({sys.base_prefix})", f"{vm:.3f} s", f"{min(base):.3f} s", f"{max(base):.3f} s"),
+        ],
+    )
+    print(f"\npackage / venv's base: {bm / vm:.2f}")
     return 0
 
 
