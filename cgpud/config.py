@@ -24,7 +24,12 @@ from cgpud.node.compute_policy import decode_compute_policies
 from cgpud.node.bypass_policy import DEFAULT_ALLOW, parse_allow
 from cgpud.errors import UsageError
 from cgpud.kube.health_policy import DEFAULT_PROBE_INTERVAL, DEFAULT_RECOVERY_WINDOW, HealthPolicy, parse_xids
-from cgpud.kube.model import DEFAULT_CDI_DIR, DEFAULT_DEVICE_PLUGIN_DIR, DEFAULT_POD_RESOURCES_SOCKET
+from cgpud.kube.model import (
+    DEFAULT_CDI_DIR,
+    DEFAULT_DEVICE_PLUGIN_DIR,
+    DEFAULT_MIN_POD_PRIORITY,
+    DEFAULT_POD_RESOURCES_SOCKET,
+)
 from cgpud.units import MIB
 
 DEFAULT_CONFIG = Path("/etc/cgpu/config.toml")
@@ -126,6 +131,12 @@ class DaemonConfig:
         "",
         "HOST:PORT written on the Node for cgpu-scheduler (orchestrator kubernetes); empty: the listen address, "
         "or the node's primary address when listening on every address",
+    )
+    pod_share_priority_min: int = _setting(
+        DEFAULT_MIN_POD_PRIORITY,
+        "lowest Kubernetes pod priority (spec.priority, from a PriorityClass) whose containers may ask for a "
+        f"compute weight or high priority ({ENV_PREFIX}_SCHD_WEIGHT, {ENV_PREFIX}_HIGH_PRIO, cgpu.io/gpu-weight, "
+        "cgpu.io/gpu-high-priority); others that ask are refused at Allocate (orchestrator kubernetes)",
     )
     reservation_ttl: float = _setting(
         120.0, "seconds a Capacity reservation holds unless its Reserve says otherwise (1-3600)"
@@ -249,6 +260,8 @@ _BOUNDS: dict[str, tuple[float, float, str]] = {
     "sweep_interval": (0.1, 3600, " seconds"),
     "gpu_health_probe_interval": (0.1, 3600, " seconds"),
     "reservation_ttl": (1, 3600, " seconds"),
+    # Kubernetes' own range of pod priorities.
+    "pod_share_priority_min": (-(2**31), 2**31 - 1, ""),
     "bypass_memory_slack_mib": (0, 65536, ""),
     "bypass_memory_slack_processes": (1, 1024, ""),
     "bypass_compute_window": (1, 600, " seconds"),

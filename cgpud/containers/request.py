@@ -81,7 +81,8 @@ def spec_env(spec: Mapping[str, Any]) -> dict[str, str]:
     return env
 
 
-def _whole(env: Mapping[str, str], name: str, default: int, low: int, high: int, unit: str, example: str) -> int:
+def parse_whole(env: Mapping[str, str], name: str, default: int, low: int, high: int, unit: str, example: str) -> int:
+    """env[name] as a whole number in [low, high]; `default` when unset."""
     text = env.get(name)
     if text is None:
         return default
@@ -93,7 +94,8 @@ def _whole(env: Mapping[str, str], name: str, default: int, low: int, high: int,
     return value
 
 
-def _flag(env: Mapping[str, str], name: str) -> bool:
+def parse_flag(env: Mapping[str, str], name: str) -> bool:
+    """env[name] as yes or no (unset or empty: no)."""
     text = env.get(name, "").strip().lower()
     if text in _TRUE:
         return True
@@ -108,7 +110,7 @@ def env_request(env: Mapping[str, str]) -> EnvRequest | None:
     placement's decision."""
     if not any(name in env for name in REQUEST_ENV):
         return None
-    if _flag(env, ENV_DISABLE):
+    if parse_flag(env, ENV_DISABLE):
         return None
     if ENV_VISIBLE in env:
         raise UsageError(
@@ -119,11 +121,11 @@ def env_request(env: Mapping[str, str]) -> EnvRequest | None:
         present = next(name for name in REQUEST_ENV if name in env)
         raise UsageError(f"{present} is set but {ENV_MEMORY} is not: ask for GPU memory in GiB, e.g. {ENV_MEMORY}=2")
     return EnvRequest(
-        memory_gib=_whole(env, ENV_MEMORY, 0, 1, 1 << 20, " of GiB", "2"),
-        gpu_count=_whole(env, ENV_COUNT, 1, 1, 64, " of GPUs", "1"),
-        core_percent=_whole(env, ENV_CORE, 0, 0, 100, " percent", "30"),
-        weight=_whole(env, ENV_WEIGHT, 1, 1, 100, "", "2"),
-        priority=1 if ENV_PRIORITY in env and _flag(env, ENV_PRIORITY) else 0,
+        memory_gib=parse_whole(env, ENV_MEMORY, 0, 1, 1 << 20, " of GiB", "2"),
+        gpu_count=parse_whole(env, ENV_COUNT, 1, 1, 64, " of GPUs", "1"),
+        core_percent=parse_whole(env, ENV_CORE, 0, 0, 100, " percent", "30"),
+        weight=parse_whole(env, ENV_WEIGHT, 1, 1, 100, "", "2"),
+        priority=1 if ENV_PRIORITY in env and parse_flag(env, ENV_PRIORITY) else 0,
     )
 
 

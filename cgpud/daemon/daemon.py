@@ -189,6 +189,7 @@ class Daemon:
                 cdi_dir=config.cdi_dir,
                 dev_root=config.dev_root,
                 pod_resources_socket=config.pod_resources_socket,
+                min_pod_priority=config.pod_share_priority_min,
             )
             plugin = DevicePlugin(
                 PluginSettings(config.device_plugin_dir),

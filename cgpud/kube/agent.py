@@ -27,7 +27,7 @@ from cgpud.node.model import NodePolicy
 from cgpud.node.service import InstanceService
 from cgpud.kube.allocator import DYNAMIC_CDI_DIR, PodAllocator
 from cgpud.kube.apiserver import LazyApiServer
-from cgpud.kube.model import DEFAULT_POD_RESOURCES_SOCKET
+from cgpud.kube.model import DEFAULT_MIN_POD_PRIORITY, DEFAULT_POD_RESOURCES_SOCKET
 from cgpud.kube.node_labels import DEFAULT_INTERVAL, NodeLabels
 from cgpud.kube.pod_resources import PodResourcesClient
 from cgpud.kube.releases import PodReleaser, kubelet_pods
@@ -58,6 +58,7 @@ class KubeAgent:
         dev_root: Path = HOST_ROOT,
         pod_resources_socket: Path = Path(DEFAULT_POD_RESOURCES_SOCKET),
         label_interval: float = DEFAULT_INTERVAL,
+        min_pod_priority: int = DEFAULT_MIN_POD_PRIORITY,
     ) -> None:
         self.api = api
         self.node = node
@@ -68,7 +69,7 @@ class KubeAgent:
                 "cannot create the CDI spec directory", dir=str(cdi_dir), error=e.strerror
             )
         self.on_policy: Callable[[NodePolicy], None] | None = None  # set once the device plugin exists
-        self.allocator = PodAllocator(service, api, node, files, cdi_dir, dev_root)
+        self.allocator = PodAllocator(service, api, node, files, cdi_dir, dev_root, min_pod_priority)
         kubelet = PodResourcesClient(pod_resources_socket)
         self.releaser = PodReleaser(
             service, lambda: api.pods_on_node(node), lambda: kubelet_pods(kubelet.list()), cdi_dir

@@ -32,9 +32,10 @@ from cgpud.errors import CgpuError
 from cgpud.containers import cdi
 from cgpud.containers.edits import RuntimeFiles, instance_edits
 from cgpud.containers.request import ENV_CORE
-from cgpud.kube import assignment
+from cgpud.kube import assignment, share_priority
 from cgpud.kube.apiserver import ApiServerError, ApiServerUnavailable, PodInfo
-from cgpud.kube.model import ANNOTATION_ASSIGNED, ANNOTATION_GPU_INDEX, DEFAULT_CDI_DIR, TOOLKIT_DEVICE_LIST_DIR
+from cgpud.kube.model import ANNOTATION_ASSIGNED, ANNOTATION_GPU_INDEX, DEFAULT_CDI_DIR, DEFAULT_MIN_POD_PRIORITY
+from cgpud.kube.model import TOOLKIT_DEVICE_LIST_DIR
 from cgpud.kube.model import AllocationError, ContainerAllocation, MountSpec, Resource
 
 DYNAMIC_CDI_DIR = Path(DEFAULT_CDI_DIR)
@@ -84,6 +85,8 @@ class PodAllocator:
     files: RuntimeFiles
     cdi_dir: Path
     dev_root: Path
+    # Pods below this priority may not ask for a compute weight or high priority (share_priority.py).
+    min_pod_priority: int = DEFAULT_MIN_POD_PRIORITY
     # One Allocate at a time: resolution reads what the last one made.
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
     # (resource, device IDs) -> instance id of answered memory Allocates, for retries.
@@ -120,15 +123,21 @@ class PodAllocator:
             raise
         self._warn_skipped(resolution.skipped)
         chosen = resolution.assignment
+        where = f"pod {chosen.pod.key} container {chosen.container}"
+        try:
+            share = share_priority.granted(chosen.pod, chosen.container, self.min_pod_priority)
+        except CgpuError as e:
+            raise AllocationError(str(e)) from e
         request = Request(
             Owner(OwnerKind.POD, chosen.owner.owner_id),
             chosen.memory_gib * GIB,
             chosen.gpu_count,
             chosen.core_percent,
+            share.weight,
+            share.priority,
             gpu_indexes=chosen.gpu_indexes,
             reservation=chosen.pod.uid,
         )
-        where = f"pod {chosen.pod.key} container {chosen.container}"
         # As it is before the instance draws on it: an undone Allocate puts it back.
         reserved = next((r for r in self.service.reservations() if r.pod_uid == chosen.pod.uid), None)
         try:

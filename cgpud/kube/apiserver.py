@@ -17,6 +17,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
+from cgpud.containers.request import ENV_PRIORITY, ENV_WEIGHT
 from cgpud.errors import CgpuError
 from cgpud.kube.model import Resource
 from cgpud.kube.quantity import parse_quantity
@@ -42,11 +43,18 @@ class ApiServerUnavailable(ApiServerError):
     run on the node's own config and try again later."""
 
 
+# The env a container may ask for its compute weight and priority by
+# (cgpud.kube.share_priority); an entry set by valueFrom reads as NOT_LITERAL.
+POD_SHARE_ENV = (ENV_WEIGHT, ENV_PRIORITY)
+NOT_LITERAL = "\0valueFrom"
+
+
 @dataclass(frozen=True)
 class ContainerInfo:
     name: str
     limits: Mapping[str, int]  # our resources only, by resource name; absent: not asked
     init: bool = False
+    env: Mapping[str, str] = field(default_factory=dict)  # POD_SHARE_ENV entries only
 
     def limit(self, resource: Resource) -> int:
         return self.limits.get(resource.value, 0)
@@ -63,6 +71,7 @@ class PodInfo:
     # Init containers first, then the others: the order the kubelet admits them in.
     containers: tuple[ContainerInfo, ...] = ()
     deleting: bool = False  # a deletion timestamp is set
+    priority: int = 0  # spec.priority, from the pod's PriorityClass
 
     @property
     def key(self) -> str:
@@ -100,7 +109,12 @@ def _containers(spec: Mapping[str, Any], pod: str) -> tuple[ContainerInfo, ...]:
                 for name, q in limits.items()
                 if name in _OUR_RESOURCES
             }
-            out.append(ContainerInfo(str(c.get("name") or ""), ours, init))
+            env = {
+                str(e["name"]): str(e["value"]) if "value" in e else NOT_LITERAL
+                for e in c.get("env") or []
+                if isinstance(e, Mapping) and e.get("name") in POD_SHARE_ENV
+            }
+            out.append(ContainerInfo(str(c.get("name") or ""), ours, init, env))
     return tuple(out)
 
 
@@ -118,7 +132,16 @@ def pod_info(pod: Mapping[str, Any]) -> PodInfo:
         annotations=dict(meta.get("annotations") or {}),
         containers=_containers(spec, key) if spec is not None else (),
         deleting=meta.get("deletionTimestamp") is not None,
+        priority=_priority((spec or {}).get("priority"), key),
     )
+
+
+def _priority(value: Any, pod: str) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ApiServerError(f"pod {pod}: spec.priority = {value!r} is not an integer")
+    return value
 
 
 def client_from(kubeconfig: Path | None = None, timeout: float = DEFAULT_TIMEOUT, connections: int = 4) -> RestClient:

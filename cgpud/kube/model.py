@@ -15,6 +15,9 @@ from cgpud.errors import UsageError
 DEVICE_PLUGIN_VERSION = "v1beta1"
 DEFAULT_DEVICE_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
 DEFAULT_POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
+# Pods without a PriorityClass have priority 0: by default none may ask for a
+# compute weight or high priority (cgpud.kube.share_priority).
+DEFAULT_MIN_POD_PRIORITY = 1
 # Runtimes read dynamic CDI specs here; cgpud writes its pod instances' specs.
 DEFAULT_CDI_DIR = "/var/run/cdi"
 

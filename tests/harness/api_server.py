@@ -16,7 +16,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -63,11 +63,18 @@ def pod_json(
     phase: str = "Pending",
     uid: str | None = None,
     init_containers: Mapping[str, Mapping[str, Any]] | None = None,
+    env: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
+    priority: int | None = None,
 ) -> dict[str, Any]:
-    """A Pod as the API server sends it; `containers` maps a name to its limits."""
+    """A Pod as the API server sends it; `containers` maps a name to its
+    limits, `env` a container's name to its env entries ({"name", "value"}
+    or {"name", "valueFrom"}); `priority` is spec.priority (absent if None)."""
 
     def container(cname: str, limits: Mapping[str, Any]) -> dict[str, Any]:
-        return {"name": cname, "image": "busybox", "resources": {"limits": {k: str(v) for k, v in limits.items()}}}
+        made = {"name": cname, "image": "busybox", "resources": {"limits": {k: str(v) for k, v in limits.items()}}}
+        if env and cname in env:
+            made["env"] = [dict(e) for e in env[cname]]
+        return made
 
     return {
         "kind": "Pod",
@@ -83,6 +90,7 @@ def pod_json(
             "nodeName": node,
             "initContainers": [container(c, lim) for c, lim in (init_containers or {}).items()],
             "containers": [container(c, lim) for c, lim in (containers or {"main": {}}).items()],
+            **({} if priority is None else {"priority": priority}),
         },
         "status": {"phase": phase},
     }

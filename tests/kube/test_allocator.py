@@ -392,3 +392,98 @@ def test_a_gone_pods_reservation_is_given_back_at_the_sweep_not_at_its_expiry(tm
     now[0] += 1.0
     releaser.sweep()
     assert sorted(r.pod_name for r in rig.service.reservations()) == ["here", "unbound"]
+
+
+# ---- compute weight and high priority (cgpud.kube.share_priority) ------------------------
+
+
+def share_pod(rig: Rig, name: str, priority: int | None, env=None, annotations=None) -> dict:
+    return rig.server.state.add_pod(
+        pod_json(
+            name,
+            NODE,
+            containers={"main": {MEM: 2}},
+            annotations={**assumed(100, "0"), **(annotations or {})},
+            env={"main": env} if env else None,
+            priority=priority,
+        )
+    )
+
+
+def test_a_prioritised_pods_env_reaches_the_instance_and_its_region(rig: Rig):
+    """cGPU's env names, as ACK users write them, in a pod whose
+    PriorityClass reaches the node's minimum (1 by default): the instance
+    and the limits file the scheduler and libcgpu read carry them."""
+    env = [{"name": "ALIYUN_COM_GPU_SCHD_WEIGHT", "value": "3"}, {"name": "ALIYUN_COM_GPU_HIGH_PRIO", "value": "1"}]
+    share_pod(rig, "urgent", priority=1000, env=env)
+    rig.allocator.allocate(Resource.GPU_MEM, ids(2))
+    [inst] = rig.service.list()
+    assert (inst.weight, inst.priority) == (3, 1)
+    [dev] = read_limits(rig.service.region_dir(inst.id)).devices
+    assert (dev.weight, dev.priority) == (3, 1)
+
+
+def test_annotations_ask_for_every_container_and_env_wins(rig: Rig):
+    annotations = {"cgpu.io/gpu-weight": "5", "cgpu.io/gpu-high-priority": "true"}
+    share_pod(rig, "batch", 10, [{"name": "ALIYUN_COM_GPU_SCHD_WEIGHT", "value": "2"}], annotations)
+    rig.allocator.allocate(Resource.GPU_MEM, ids(2))
+    [inst] = rig.service.list()
+    assert (inst.weight, inst.priority) == (2, 1)
+
+
+@pytest.mark.parametrize("priority", [None, 0])
+def test_a_pod_without_a_priority_class_that_asks_is_refused_and_nothing_is_made(rig: Rig, priority):
+    """Whoever can create a pod can write the env: taking compute from the
+    neighbours needs a PriorityClass, which only administrators create."""
+    share_pod(rig, "greedy", priority, [{"name": "ALIYUN_COM_GPU_HIGH_PRIO", "value": "1"}])
+    with pytest.raises(AllocationError) as e:
+        rig.allocator.allocate(Resource.GPU_MEM, ids(2))
+    assert "pod default/greedy container main asks for GPU compute high priority" in str(e.value)
+    assert "pod_share_priority_min (1)" in str(e.value) and "PriorityClass of at least 1" in str(e.value)
+    rig.nothing_made()
+
+
+def test_a_pod_that_asks_nothing_needs_no_priority_and_gets_weight_1(rig: Rig):
+    share_pod(rig, "plain", None, [{"name": "ALIYUN_COM_GPU_SCHD_WEIGHT", "value": "1"}])
+    rig.allocator.allocate(Resource.GPU_MEM, ids(2))
+    [inst] = rig.service.list()
+    assert (inst.weight, inst.priority) == (1, 0)
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        (
+            {"name": "ALIYUN_COM_GPU_SCHD_WEIGHT", "value": "heavy"},
+            "ALIYUN_COM_GPU_SCHD_WEIGHT='heavy' is not a whole number",
+        ),
+        (
+            {"name": "ALIYUN_COM_GPU_SCHD_WEIGHT", "value": "101"},
+            "ALIYUN_COM_GPU_SCHD_WEIGHT=101 is out of range: use 1 to 100",
+        ),
+        (
+            {"name": "ALIYUN_COM_GPU_HIGH_PRIO", "value": "maybe"},
+            "ALIYUN_COM_GPU_HIGH_PRIO='maybe' is not a yes/no value",
+        ),
+        (
+            {"name": "ALIYUN_COM_GPU_HIGH_PRIO", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            "ALIYUN_COM_GPU_HIGH_PRIO must be a literal value",
+        ),
+    ],
+)
+def test_a_bad_value_is_one_clear_error_and_makes_nothing(rig: Rig, entry, message):
+    share_pod(rig, "typo", 1000, [entry])
+    with pytest.raises(AllocationError) as e:
+        rig.allocator.allocate(Resource.GPU_MEM, ids(2))
+    assert message in str(e.value)
+    rig.nothing_made()
+
+
+def test_the_nodes_minimum_is_the_allocators(rig: Rig):
+    rig.allocator.min_pod_priority = 2000
+    share_pod(rig, "mid", 1000, [{"name": "ALIYUN_COM_GPU_SCHD_WEIGHT", "value": "4"}])
+    with pytest.raises(
+        AllocationError, match=r"priority \(1000\) is below this node's pod_share_priority_min \(2000\)"
+    ):
+        rig.allocator.allocate(Resource.GPU_MEM, ids(2))
+    rig.nothing_made()
