@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import cgpud
+from cgpud.cli.sim_topology import TOPOLOGIES
 from cgpud.cli import simulator
 from cgpud import config as settings
 from cgpud.node.model import ComputePolicy, Owner, OwnerKind, Request
@@ -28,8 +29,18 @@ Handler = Callable[[argparse.Namespace], int]
 
 
 def _machine(args: argparse.Namespace) -> simulator.SimMachine:
+    if args.topology and args.nvlink:
+        raise UsageError("--nvlink and --topology both say which GPUs are linked: give one")
+    gpus = args.gpus
+    if gpus is None:
+        gpus = len(TOPOLOGIES[args.topology]) if args.topology else simulator.SimMachine.gpus
     return simulator.SimMachine(
-        gpus=args.gpus, memory=parse_memory(args.mem), name=args.name, sms=args.sms, nvlink=args.nvlink
+        gpus=gpus,
+        memory=parse_memory(args.mem),
+        name=args.name,
+        sms=args.sms,
+        nvlink=args.nvlink,
+        topology=args.topology or "",
     )
 
 
@@ -274,7 +285,7 @@ def _runtime_configure(args: argparse.Namespace) -> int:
 
 def _add_machine_options(p: argparse.ArgumentParser) -> None:
     d = simulator.SimMachine()
-    p.add_argument("--gpus", type=int, default=d.gpus, help=f"number of GPUs (default {d.gpus})")
+    p.add_argument("--gpus", type=int, default=None, help=f"number of GPUs (default {d.gpus}, or the --topology's)")
     p.add_argument(
         "--mem",
         default="80GiB",
@@ -283,6 +294,11 @@ def _add_machine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", default=d.name, help=f"GPU model name (default {d.name!r})")
     p.add_argument("--sms", type=int, default=d.sms, help=f"streaming multiprocessors per GPU (default {d.sms})")
     p.add_argument("--nvlink", action="store_true", help="connect every GPU to every other by NVLink")
+    p.add_argument(
+        "--topology",
+        choices=sorted(TOPOLOGIES),
+        help="a machine's PCIe tree and NVLinks: dgx1 (8 GPUs), pcie4 or nvlink2x2 (4); docs/simulated-gpu.md",
+    )
 
 
 def _add_request_options(p: argparse.ArgumentParser) -> None:

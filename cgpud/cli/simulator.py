@@ -12,6 +12,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from cgpud.cli.sim_topology import placement
 from cgpud.errors import CgpuError, UsageError
 from cgpud.native import native_path
 from cgpud.units import GIB, MIB
@@ -28,6 +29,7 @@ class SimMachine:
     name: str = "NVIDIA H100 80GB HBM3"
     sms: int = 132
     nvlink: bool = False  # all GPUs linked to each other
+    topology: str = ""  # a machine shape of sim_topology.TOPOLOGIES: PCIe tree and NVLinks
 
     def validate(self) -> None:
         if not 1 <= self.gpus <= MAX_GPUS:
@@ -38,14 +40,19 @@ class SimMachine:
             raise UsageError("--sms must be at least 1")
         if '"' in self.name or "\n" in self.name:
             raise UsageError("--name must not contain quotes or newlines")
+        if self.topology:
+            placement(self.topology, self.gpus)
 
     def config_text(self) -> str:
         lines = ["# simulated GPUs written by `cgpuctl sim env`; format: docs/simulated-gpu.md"]
+        shape = placement(self.topology, self.gpus) if self.topology else ()
         for i in range(self.gpus):
             line = f'gpu name="{self.name}" mem={self.memory}B sms={self.sms}'
             peers = [str(j) for j in range(self.gpus) if j != i]
             if self.nvlink and peers:
                 line += " nvlink=" + ",".join(peers)
+            if shape:
+                line += " " + shape[i]
             lines.append(line)
         return "\n".join(lines) + "\n"
 

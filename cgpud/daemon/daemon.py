@@ -197,6 +197,7 @@ class Daemon:
                 mode=policy.mode,
                 placement=policy.placement,
                 gpus=gpus,
+                links=inventory.links(),
             ).start()
             stack.callback(plugin.stop)
             agent.on_policy = lambda p: plugin.update(mode=p.mode, placement=p.placement)

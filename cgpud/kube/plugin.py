@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 import grpc
 import structlog
 
+from cgpud.node.topology import Links
 from cgpud.api.k8s.deviceplugin.v1beta1 import api_pb2 as pb
 from cgpud.api.k8s.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 from cgpud.api.status import abort_rpc
@@ -56,9 +57,15 @@ class _State:
     one condition so that open ListAndWatch streams wake on a change."""
 
     def __init__(
-        self, mode: NodeMode | str, placement: Placement, gpus: Sequence[GpuCapacity], health: Mapping[int, bool]
+        self,
+        mode: NodeMode | str,
+        placement: Placement,
+        gpus: Sequence[GpuCapacity],
+        health: Mapping[int, bool],
+        links: Links | None = None,
     ) -> None:
         self.changed = threading.Condition()
+        self.links = links  # how the GPUs are joined (inventory), for whole-GPU choices
         self._mode = mode
         self._placement = placement
         self._gpus = tuple(gpus)
@@ -184,6 +191,7 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
                 req.allocation_size,
                 placement,
                 order,
+                self._state.links,
             )
             answers.append(pb.ContainerPreferredAllocationResponse(deviceIDs=list(ids)))
         return pb.PreferredAllocationResponse(container_responses=answers)
@@ -256,6 +264,7 @@ class DevicePlugin:
         placement: Placement,
         gpus: Sequence[GpuCapacity],
         health: Mapping[int, bool] | None = None,
+        links: Links | None = None,
     ) -> None:
         self._settings = replace(settings, directory=Path(os.path.abspath(settings.directory)))
         for name in resources.SOCKET_NAMES.values():
@@ -266,7 +275,7 @@ class DevicePlugin:
                     f"{path} exceeds the {_SUN_PATH_MAX} bytes a unix socket path may have"
                 )
         self._allocator = allocator
-        self._state = _State(mode, placement, gpus, health or {})
+        self._state = _State(mode, placement, gpus, health or {}, links)
         self._log = structlog.get_logger("cgpud.kube.plugin")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

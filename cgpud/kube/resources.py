@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from cgpud.node import topology
+from cgpud.node.topology import Links
 from cgpud.node.model import NodeMode, Placement
 from cgpud.errors import UsageError
 from cgpud.kube.model import AllocationError, Resource
@@ -181,6 +183,7 @@ def preferred(
     size: int,
     placement: Placement,
     gpu_order: Mapping[str, int] | None = None,
+    links: Links | None = None,
 ) -> tuple[str, ...]:
     """GetPreferredAllocation for one container: `size` IDs out of
     `available`, `must_include` among them.
@@ -189,8 +192,9 @@ def preferred(
     free: with binpack the GPU with the fewest free units that still fits
     (fill GPUs one by one), with spread the one with the most free. When
     none fits alone, units are taken GPU by GPU in that order. Whole-GPU
-    resources are taken in GPU order whatever the placement: each GPU is
-    one device, so there is nothing to fill or balance.
+    resources are the best-joined set by `links` (cgpud.node.topology;
+    NVLink, then the PCIe path), else in GPU order: each GPU is one device,
+    so there is nothing to fill or balance.
     `gpu_order` maps a GPU UUID to its index to break ties and order
     whole GPUs; UUIDs it lacks sort last, by UUID."""
     if size < 0:
@@ -206,6 +210,10 @@ def preferred(
         return (order.get(uuid, len(order)), uuid)
 
     if resource not in SLICED:
+        if links is not None and all(u in order for u in (*chosen, *free)) and len(chosen) + len(free) >= size:
+            uuid_of = {order[u]: u for u in (*chosen, *free)}
+            best = topology.best_set(links, [order[u] for u in (*chosen, *free)], size, [order[u] for u in chosen])
+            return tuple(chosen + [uuid_of[i] for i in best if uuid_of[i] not in taken])
         free.sort(key=gpu_key)
         return tuple(chosen + free[: size - len(chosen)])
 

@@ -3,6 +3,7 @@ runs on a real driver and on any library that speaks the NVML ABI."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
@@ -10,6 +11,7 @@ from typing import Any, TypeVar
 import pynvml
 
 from cgpud.errors import GpuQueryError
+from cgpud.node.topology import SYSTEM, Link
 from cgpud.units import MIB
 
 T = TypeVar("T")
@@ -25,7 +27,9 @@ class Gpu:
     pci_bus_id: str
     minor_number: int
     compute_capability: tuple[int, int]
-    nvlink_peers: tuple[str, ...]  # PCI bus ids at the far end of active links
+    nvlink_peers: tuple[str, ...]  # PCI bus ids at the far end of active links, one per link
+    # The PCIe common ancestor (an NVML topology level) with each GPU, by index.
+    pcie_levels: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,17 @@ class Inventory:
             "aliyun.accelerator/nvidia_mem": f"{first.memory_total // MIB}MiB",
             "aliyun.accelerator/nvidia_count": str(len(self.gpus)),
         }
+
+    def links(self) -> dict[tuple[int, int], Link]:
+        """How each pair of GPUs is joined: the placement decisions' view
+        (cgpud.node.topology)."""
+        by_bus = {g.pci_bus_id.lower(): g.index for g in self.gpus}
+        found = {}
+        for a, b in itertools.combinations(self.gpus, 2):
+            level = a.pcie_levels[b.index] if b.index < len(a.pcie_levels) else SYSTEM
+            nvlinks = sum(1 for bus in a.nvlink_peers if by_bus.get(bus.lower()) == b.index)
+            found[(a.index, b.index)] = Link(level, nvlinks)
+        return found
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -84,8 +99,16 @@ def _sm_count(handle: Any) -> int | None:
         return None  # older GPUs and drivers answer "not supported"
 
 
-def _gpu(index: int) -> Gpu:
+def _pcie_level(handle: Any, other: Any) -> int:
+    try:
+        return int(pynvml.nvmlDeviceGetTopologyCommonAncestor(handle, other))
+    except pynvml.NVMLError:
+        return SYSTEM  # not reported (some drivers, virtual GPUs): assume the farthest
+
+
+def _gpu(index: int, count: int) -> Gpu:
     h = _query(f"handle of GPU {index}", pynvml.nvmlDeviceGetHandleByIndex, index)
+    others = [_query(f"handle of GPU {i}", pynvml.nvmlDeviceGetHandleByIndex, i) for i in range(count)]
     memory = _query("memory info", pynvml.nvmlDeviceGetMemoryInfo, h)
     pci = _query("PCI info", pynvml.nvmlDeviceGetPciInfo, h)
     return Gpu(
@@ -98,6 +121,7 @@ def _gpu(index: int) -> Gpu:
         minor_number=_query("minor number", pynvml.nvmlDeviceGetMinorNumber, h),
         compute_capability=tuple(_query("compute capability", pynvml.nvmlDeviceGetCudaComputeCapability, h)),
         nvlink_peers=_nvlink_peers(h),
+        pcie_levels=tuple(_pcie_level(h, o) for o in others),
     )
 
 
@@ -146,7 +170,7 @@ def read_inventory() -> Inventory:
         return Inventory(
             driver_version=_text(_query("driver version", pynvml.nvmlSystemGetDriverVersion)),
             cuda_driver_version=_query("CUDA driver version", pynvml.nvmlSystemGetCudaDriverVersion),
-            gpus=tuple(_gpu(i) for i in range(count)),
+            gpus=tuple(_gpu(i, count) for i in range(count)),
         )
     finally:
         pynvml.nvmlShutdown()

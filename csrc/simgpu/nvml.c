@@ -945,17 +945,58 @@ static nvmlReturn_t lookup_pair(nvmlDevice_t device1, nvmlDevice_t device2, cons
     return rc == NVML_SUCCESS ? lookup_out(device2, out, b) : rc;
 }
 
-/* The simulation has no PCIe tree, so every pair of distinct GPUs is reported
- * as the most distant (SYSTEM) and nothing assumes PCIe peer access;
- * NVLink peers are told apart by the NVLink and P2P queries instead. */
+/* The PCIe path between two GPUs from the config's switch, bridge and socket
+ * (each 0 when unset): GPUs placed nowhere are the most distant, SYSTEM. */
+static nvmlGpuTopologyLevel_t topology_level(unsigned int a, unsigned int b)
+{
+    const struct sim_gpu_config *x = &g_cfg.gpu[a], *y = &g_cfg.gpu[b];
+    if (a == b)
+        return NVML_TOPOLOGY_INTERNAL;
+    if (x->pcie_switch && x->pcie_switch == y->pcie_switch)
+        return NVML_TOPOLOGY_SINGLE;
+    if (x->host_bridge && x->host_bridge == y->host_bridge)
+        return NVML_TOPOLOGY_HOSTBRIDGE;
+    if (x->cpu_socket && x->cpu_socket == y->cpu_socket)
+        return NVML_TOPOLOGY_NODE;
+    return NVML_TOPOLOGY_SYSTEM;
+}
+
 NVML_EXPORT nvmlReturn_t nvmlDeviceGetTopologyCommonAncestor(nvmlDevice_t device1, nvmlDevice_t device2,
                                                              nvmlGpuTopologyLevel_t *pathInfo)
 {
     unsigned int a, b;
     nvmlReturn_t rc = lookup_pair(device1, device2, pathInfo, &a, &b);
     if (rc == NVML_SUCCESS)
-        *pathInfo = a == b ? NVML_TOPOLOGY_INTERNAL : NVML_TOPOLOGY_SYSTEM;
+        *pathInfo = topology_level(a, b);
     return rc;
+}
+
+/* The other GPUs at `level` or nearer. With *count 0 only the number is
+ * given; a smaller *count than that is INSUFFICIENT_SIZE, with the number. */
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetTopologyNearestGpus(nvmlDevice_t device, nvmlGpuTopologyLevel_t level,
+                                                          unsigned int *count, nvmlDevice_t *deviceArray)
+{
+    unsigned int g;
+    nvmlReturn_t rc = lookup_out(device, count, &g);
+    if (rc != NVML_SUCCESS)
+        return rc;
+    if ((unsigned int)level > (unsigned int)NVML_TOPOLOGY_SYSTEM || (*count > 0 && deviceArray == NULL))
+        return NVML_ERROR_INVALID_ARGUMENT;
+    unsigned int found = 0;
+    for (unsigned int i = 0; i < g_cfg.gpu_count; i++)
+        if (i != g && topology_level(g, i) <= level)
+            found++;
+    if (*count == 0 || *count < found) {
+        bool asked = *count != 0;
+        *count = found;
+        return asked ? NVML_ERROR_INSUFFICIENT_SIZE : NVML_SUCCESS;
+    }
+    unsigned int n = 0;
+    for (unsigned int i = 0; i < g_cfg.gpu_count; i++)
+        if (i != g && topology_level(g, i) <= level)
+            deviceArray[n++] = &g_dev[i];
+    *count = n;
+    return NVML_SUCCESS;
 }
 
 /* NVLink peers of a GPU among the GPUs that exist. A link joins two GPUs, so
@@ -970,6 +1011,15 @@ static uint32_t nvlink_peers(unsigned int gpu)
     return peers & exists & ~(1u << gpu);
 }
 
+/* How many links join two linked GPUs: the larger count either side names. */
+static unsigned int nvlink_count(unsigned int a, unsigned int b)
+{
+    unsigned int x = (g_cfg.gpu[a].nvlink_peers >> b) & 1u ? g_cfg.gpu[a].nvlink_links[b] : 0;
+    unsigned int y = (g_cfg.gpu[b].nvlink_peers >> a) & 1u ? g_cfg.gpu[b].nvlink_links[a] : 0;
+    unsigned int n = x > y ? x : y;
+    return n ? n : 1;
+}
+
 NVML_EXPORT nvmlReturn_t nvmlDeviceGetP2PStatus(nvmlDevice_t device1, nvmlDevice_t device2,
                                                 nvmlGpuP2PCapsIndex_t p2pIndex, nvmlGpuP2PStatus_t *p2pStatus)
 {
@@ -979,14 +1029,16 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetP2PStatus(nvmlDevice_t device1, nvmlDevice
         return rc;
     if ((unsigned int)p2pIndex >= (unsigned int)NVML_P2P_CAPS_INDEX_UNKNOWN)
         return NVML_ERROR_INVALID_ARGUMENT;
-    /* Peer access runs over NVLink only (see the topology above); a GPU is
-     * not its own peer, as cuDeviceCanAccessPeer says. */
+    /* Peer access runs over NVLink only, as cuDeviceCanAccessPeer says (the
+     * PCIe tree above places GPUs; the simulation models no PCIe P2P); a GPU
+     * is not its own peer. */
     bool linked = a != b && ((nvlink_peers(a) >> b) & 1u);
     *p2pStatus = linked && p2pIndex != NVML_P2P_CAPS_INDEX_PCI ? NVML_P2P_STATUS_OK : NVML_P2P_STATUS_NOT_SUPPORTED;
     return NVML_SUCCESS;
 }
 
-/* Link i of a GPU leads to its i-th NVLink peer in index order. Returns the
+/* The links of a GPU lead to its NVLink peers in index order, each peer's
+ * links one after another. Returns the
  * peer, -1 for a link that exists but is down, or an error through *rc:
  * INVALID_ARGUMENT, once the link is known, for a NULL `out` or `bad_args`. */
 static int link_peer(nvmlDevice_t device, unsigned int link, const void *out, bool bad_args, nvmlReturn_t *rc)
@@ -1008,9 +1060,14 @@ static int link_peer(nvmlDevice_t device, unsigned int link, const void *out, bo
         *rc = NVML_ERROR_INVALID_ARGUMENT;
         return -1;
     }
-    for (int i = 0; i < SIM_MAX_GPUS; i++)
-        if (((peers >> i) & 1u) && link-- == 0)
-            return i;
+    for (unsigned int i = 0; i < SIM_MAX_GPUS; i++) {
+        if (!((peers >> i) & 1u))
+            continue;
+        unsigned int n = nvlink_count(g, i);
+        if (link < n)
+            return (int)i;
+        link -= n;
+    }
     return -1;
 }
 

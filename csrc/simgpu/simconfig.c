@@ -130,16 +130,36 @@ static int set_gpu_field(struct sim_gpu_config *g, const char *key, const char *
         g->pci_bus_id[0] = '\0';
         return 0;
     }
-    if (!strcmp(key, "nvlink")) {
+    if (!strcmp(key, "nvlink")) { /* peers, each "i" (one link) or "i*n" (n links) */
         g->nvlink_peers = 0;
+        memset(g->nvlink_links, 0, sizeof(g->nvlink_links));
         char buf[128];
-        snprintf(buf, sizeof(buf), "%s", val);
+        if (snprintf(buf, sizeof(buf), "%s", val) >= (int)sizeof(buf))
+            return -1;
         for (char *save = NULL, *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
-            uint32_t peer;
+            uint32_t peer, links = 1;
+            char *star = strchr(t, '*');
+            if (star) {
+                *star = '\0';
+                if (parse_uint(star + 1, &links, 10) || links == 0 || links > 18)
+                    return -1;
+            }
             if (parse_uint(t, &peer, 10) || peer >= SIM_MAX_GPUS)
                 return -1;
             g->nvlink_peers |= 1u << peer;
+            g->nvlink_links[peer] = (uint8_t)links;
         }
+        return 0;
+    }
+    uint32_t *place = !strcmp(key, "switch")   ? &g->pcie_switch
+                      : !strcmp(key, "bridge") ? &g->host_bridge
+                      : !strcmp(key, "socket") ? &g->cpu_socket
+                                               : NULL;
+    if (place) {
+        uint32_t id;
+        if (parse_uint(val, &id, 10) || id >= 1024)
+            return -1;
+        *place = id + 1;
         return 0;
     }
     return -1;

@@ -42,6 +42,11 @@ struct sim_gpu_config {
     uint32_t minor_number;
     uint32_t nvlink_peers;        /* bit i: an NVLink to GPU i */
     uint32_t reserved;            /* no padding: the config is hashed as bytes */
+    /* Where the GPU sits in the PCIe tree, each an id + 1 (0: not behind one):
+     * GPUs behind one switch are SINGLE apart, under one host bridge
+     * HOSTBRIDGE, on one CPU socket NODE, else SYSTEM. */
+    uint32_t pcie_switch, host_bridge, cpu_socket, reserved2;
+    uint8_t nvlink_links[SIM_MAX_GPUS]; /* links to GPU i, for i in nvlink_peers (1 if unset) */
 };
 
 struct sim_config {

@@ -364,6 +364,44 @@ def test_nvlink_state_remote_and_p2p(tmp_path, sim_env):
     assert got["topo"] == [0, 50]  # NVML_TOPOLOGY_INTERNAL, NVML_TOPOLOGY_SYSTEM
 
 
+TREE_MACHINE = [
+    # GPUs 0 and 1 behind one PCIe switch, 2 beside them under the same host
+    # bridge, 3 on the same socket elsewhere, 4 on the other socket; 0-1 by
+    # two NVLinks, 0-4 by one.
+    "gpu mem=16GiB pci=00000000:18:00.0 switch=0 bridge=0 socket=0 nvlink=1*2,4",
+    "gpu mem=16GiB pci=00000000:2A:00.0 switch=0 bridge=0 socket=0",
+    "gpu mem=16GiB pci=00000000:3A:00.0 bridge=0 socket=0",
+    "gpu mem=16GiB pci=00000000:5D:00.0 socket=0",
+    "gpu mem=16GiB pci=00000000:9A:00.0 socket=1",
+]
+
+
+def test_the_pcie_tree_and_link_counts(tmp_path, sim_env):
+    env = machine(tmp_path, sim_env, TREE_MACHINE)
+    got = nvml(
+        env,
+        """
+        n.nvmlInit(); h = [n.nvmlDeviceGetHandleByIndex(i) for i in range(5)]
+        index = {n.nvmlDeviceGetPciInfo(x).busId: i for i, x in enumerate(h)}
+        out = {
+            "levels": [n.nvmlDeviceGetTopologyCommonAncestor(h[0], h[d]) for d in range(5)],
+            "nearest": {lvl: sorted(index[n.nvmlDeviceGetPciInfo(x).busId]
+                                    for x in n.nvmlDeviceGetTopologyNearestGpus(h[0], lvl))
+                        for lvl in (0, 10, 30, 40, 50)},
+            "links": [n.nvmlDeviceGetNvLinkRemotePciInfo(h[0], l).busId for l in range(3)],
+            "link_3": n.nvmlDeviceGetNvLinkState(h[0], 3),
+            "bad_level": err(lambda: n.nvmlDeviceGetTopologyNearestGpus(h[0], 60)),
+        }
+        print(json.dumps(out))
+    """,
+    )
+    assert got["levels"] == [0, 10, 30, 40, 50]  # INTERNAL, SINGLE, HOSTBRIDGE, NODE, SYSTEM
+    assert got["nearest"] == {"0": [], "10": [1], "30": [1, 2], "40": [1, 2, 3], "50": [1, 2, 3, 4]}
+    assert got["links"] == ["00000000:2A:00.0", "00000000:2A:00.0", "00000000:9A:00.0"]
+    assert got["link_3"] == 0  # a link the GPU has, down (NVML_FEATURE_DISABLED)
+    assert got["bad_level"] == "NVMLError_InvalidArgument"
+
+
 def test_init_fails_with_driver_not_loaded_on_a_bad_config(tmp_path, sim_env):
     env = dict(sim_env, CGPU_SIM_CONFIG=str(tmp_path / "missing.conf"))
     script = "import pynvml as n\ntry:\n    n.nvmlInit()\nexcept n.NVMLError as e:\n    print(type(e).__name__)"

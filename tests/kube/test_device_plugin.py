@@ -22,6 +22,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from cgpud.node.topology import NODE, SYSTEM, Link
 from cgpud.api.k8s.deviceplugin.v1beta1 import api_pb2 as pb
 from cgpud.api.k8s.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 from cgpud.node.model import GpuCapacity, NodeMode, Placement
@@ -531,3 +532,47 @@ def test_cgpud_in_kubernetes_mode_registers_and_reports_a_lost_gpu(sim_env: dict
     finally:
         kubelet.stop()
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_whole_gpus_are_preferred_by_their_links(
+    directory: Path, kubelet: Kubelet, allocator: RecordingAllocator
+) -> None:
+    """Two NVLink-bridged pairs on two sockets (the links as cgpud reads them
+    through NVML, cgpud.node.inventory): one GPU is taken from the pair that
+    is broken already, and a pair stays a pair."""
+    uuids = [f"GPU-6a1e0c55-{i}{i}{i}{i}-4c3e-8f00-{i}" for i in range(4)]
+    gpus = tuple(GpuCapacity(i, u, 16 * GIB) for i, u in enumerate(uuids))
+    links = {
+        (0, 1): Link(NODE, 2),
+        (2, 3): Link(NODE, 2),
+        (0, 2): Link(SYSTEM),
+        (0, 3): Link(SYSTEM),
+        (1, 2): Link(SYSTEM),
+        (1, 3): Link(SYSTEM),
+    }
+    plugin = DevicePlugin(
+        PluginSettings(directory, register_timeout=0.5),
+        allocator,
+        mode=NodeMode.DEFAULT,
+        placement=Placement.BINPACK,
+        gpus=gpus,
+        links=links,
+    ).start()
+    try:
+        kubelet.take_registrations(len(Resource))
+        request = pb.PreferredAllocationRequest(
+            container_requests=[
+                pb.ContainerPreferredAllocationRequest(available_deviceIDs=uuids[:3], allocation_size=1),
+                pb.ContainerPreferredAllocationRequest(
+                    available_deviceIDs=uuids, must_include_deviceIDs=[uuids[3]], allocation_size=2
+                ),
+                pb.ContainerPreferredAllocationRequest(
+                    available_deviceIDs=[uuids[1], uuids[2], uuids[3]], allocation_size=2
+                ),
+            ]
+        )
+        answer = stub(directory, Resource.NVIDIA_GPU).GetPreferredAllocation(request, timeout=WAIT)
+        chosen = [sorted(uuids.index(d) for d in r.deviceIDs) for r in answer.container_responses]
+        assert chosen == [[2], [2, 3], [2, 3]]
+    finally:
+        plugin.stop(grace=0.5)

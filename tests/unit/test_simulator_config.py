@@ -24,8 +24,20 @@ def test_config_has_one_gpu_line_each_and_nvlink_peers():
         (SimMachine(memory=1000), "--mem must be at least 1MiB"),
         (SimMachine(sms=0), "--sms must be at least 1"),
         (SimMachine(name='a"b'), "--name must not contain quotes"),
+        (SimMachine(gpus=4, topology="dgx1"), "--topology dgx1 has 8 GPUs: use --gpus 8"),
+        (SimMachine(gpus=8, topology="hgx"), "unknown --topology 'hgx': use one of dgx1, pcie4, nvlink2x2"),
     ],
 )
 def test_impossible_machines_are_refused(machine, message):
     with pytest.raises(UsageError, match=message):
         machine.validate()
+
+
+def test_a_topology_places_each_gpu():
+    lines = [ln for ln in SimMachine(gpus=4, topology="nvlink2x2").config_text().splitlines() if ln.startswith("gpu ")]
+    assert [ln.split("sms=132 ")[1] for ln in lines] == [
+        "socket=0 nvlink=1*2",
+        "socket=0 nvlink=0*2",
+        "socket=1 nvlink=3*2",
+        "socket=1 nvlink=2*2",
+    ]

@@ -1,0 +1,42 @@
+"""cgpud.node.topology: whole-GPU choices by how GPUs are joined (the side
+by side with go-gpuallocator is tests/integration/test_topology.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cgpud.node.topology import HOSTBRIDGE, NODE, SINGLE, SYSTEM, Link, best_set, set_score
+
+# Two NVLink pairs (0-1, 2-3); 0 and 2 share a host bridge.
+LINKS = {
+    (0, 1): Link(NODE, 2),
+    (2, 3): Link(NODE, 2),
+    (0, 2): Link(HOSTBRIDGE),
+    (0, 3): Link(SYSTEM),
+    (1, 2): Link(SYSTEM),
+    (1, 3): Link(SYSTEM),
+}
+
+
+def test_scores_follow_go_gpuallocator() -> None:
+    assert Link(SINGLE, 0).score == 50 and Link(SYSTEM, 2).score == 210 and Link().score == 10
+    assert set_score(LINKS, (0, 1, 2)) == 220 + 30 + 10
+
+
+def test_a_pair_goes_to_a_pair_and_one_gpu_to_a_broken_pair() -> None:
+    assert best_set(LINKS, [0, 1, 2, 3], 2) == (0, 1)
+    assert best_set(LINKS, [0, 1, 2], 1) == (2,)
+    assert best_set(LINKS, [0, 1, 2, 3], 2, required=[3]) == (2, 3)
+
+
+def test_gpus_without_links_go_in_index_order() -> None:
+    assert best_set({}, [3, 1, 2], 2) == (1, 2)
+
+
+@pytest.mark.parametrize(
+    ("available", "size", "required", "message"),
+    [([0, 1], 3, [], "cannot choose 3 of 2"), ([0, 1], 1, [2], r"required GPUs \[2\] are not all available")],
+)
+def test_impossible_requests_say_why(available: list[int], size: int, required: list[int], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        best_set(LINKS, available, size, required)
