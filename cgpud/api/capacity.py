@@ -25,6 +25,7 @@ from cgpud.api.cgpu.v1 import capacity_pb2_grpc as pb_grpc
 from cgpud.api.status import abort_rpc
 from cgpud.node import placement
 from cgpud.node.inventory import Inventory
+from cgpud.node.topology import Link
 from cgpud.node.model import GpuCapacity, Instance, NodePolicy, OwnerKind, Reservation, Share
 from cgpud.errors import UsageError
 from cgpud.node.model import PodContainer
@@ -88,6 +89,7 @@ class NodeFacts:
     card_count: int = 0
     models: Mapping[int, str] = field(default_factory=dict)  # GPU index -> model name
     nvlinks: tuple[tuple[int, int], ...] = ()  # each pair once, a < b
+    links: Mapping[tuple[int, int], Link] = field(default_factory=dict)  # inventory.links()
 
 
 def _pci_key(bus_id: str) -> tuple[int, ...] | None:
@@ -127,6 +129,7 @@ def node_facts(inventory: Inventory, name: str, addresses: Sequence[str]) -> Nod
         card_count=len(inventory.gpus),
         models={g.index: g.name for g in inventory.gpus},
         nvlinks=nvlink_pairs(inventory.gpus),
+        links=inventory.links(),
     )
 
 
@@ -215,6 +218,10 @@ def node_view(s: NodeSnapshot) -> pb.NodeView:
         card=pb.CardModel(name=s.facts.card_name, memory_bytes=s.facts.card_memory, count=s.facts.card_count),
         gpus=gpus,
         nvlinks=[pb.NvLink(gpu_a=a, gpu_b=b) for a, b in s.facts.nvlinks],
+        links=[
+            pb.GpuLink(gpu_a=a, gpu_b=b, pcie_level=link.level, nvlinks=link.nvlinks)
+            for (a, b), link in sorted(s.facts.links.items())
+        ],
         reservations=[reservation_to_pb(r) for r in sorted(s.reservations, key=lambda r: r.pod_uid)],
         pod_instances=[_pod_instance(i) for i in sorted(pods, key=lambda i: (i.owner.id, i.id))],
         driver_version=s.facts.driver_version,

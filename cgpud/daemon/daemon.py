@@ -134,6 +134,7 @@ class Daemon:
             start_compute=start_compute,
             reservation_ttl=config.reservation_ttl,
             exits=exits,
+            links=inventory.links(),
         )
         stack.callback(service.stop_compute)
         stack.callback(exits.start(service.init_exited, stop).join, 2)

@@ -27,6 +27,7 @@ from cgpud.errors import AdmissionError, StateError, UsageError
 from cgpud.node import placement as admission
 from cgpud.node.model import GpuCapacity, GpuUsage, NodePolicy, Owner, OwnerKind, Request, Share
 from cgpud.node.model import Placement as NodePlacement
+from cgpud.node.topology import Links
 from cgpud.extender.model import NodeState
 from cgpud.extender.pod import GIB, PodDemand
 from cgpud.kube.model import ANNOTATION_ALLOCATION, ANNOTATION_ASSIGNED, ANNOTATION_ASSUME_TIME, ANNOTATION_GPU_INDEX
@@ -83,6 +84,9 @@ class NodeSummary:
     # prioritize answer as JSON text: `"name":"reason"` (FailedNodes) or
     # `{"Host":"name","Score":n}`.
     rendered: dict[Any, tuple[Placement | Reason, str]] = field(default_factory=dict)
+    # How the GPUs are joined (the view's links); None from a cgpud too old
+    # to say: multi-GPU choices then go by placement alone.
+    links: Links | None = None
 
     @property
     def spread(self) -> bool:
@@ -126,6 +130,7 @@ def summarize(state: NodeState, name: str | None = None) -> NodeSummary:
         usage=usage,
         sick=sick,
         name_json=json.dumps(state.name if name is None else name),
+        links=state.topology() or None,
     )
 
 
@@ -171,7 +176,7 @@ def _fit(demand: PodDemand, s: NodeSummary) -> Placement | Reason:
     last = len(demand.shape) - 1
     for k, ((memory, core, count), label) in enumerate(zip(demand.shape, demand.labels)):
         try:
-            grants = admission.admit_usage(Request(_OWNER, memory, count, core), usage, s.policy)
+            grants = admission.admit_usage(Request(_OWNER, memory, count, core), usage, s.policy, s.links)
         except (UsageError, AdmissionError) as e:
             return _refused(e, label, k, s)
         placed.append((memory, core, tuple(g.gpu_index for g in grants)))

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from cgpud.node.topology import Link
 from cgpud.api.cgpu.v1 import capacity_pb2 as pb
 
 
@@ -57,12 +58,19 @@ class NodeState:
     gpus: tuple[GpuState, ...]
     nvlinks: tuple[tuple[int, int], ...] = ()
     pods: tuple[PodShare, ...] = ()
+    # (a, b) -> (PCIe level, NVLinks), each pair once (cgpud.node.topology.Link)
+    links: tuple[tuple[int, int, int, int], ...] = ()
     driver_version: str = ""
     other_instances: int = 0
 
     @property
     def memory_total(self) -> int:
         return sum(g.memory_total for g in self.gpus)
+
+    def topology(self) -> dict[tuple[int, int], Link]:
+        """How the node's GPUs are joined, as its cgpud read them; {} from a
+        cgpud too old to say (choices then go by placement alone)."""
+        return {(a, b): Link(level, n) for a, b, level, n in self.links}
 
     @property
     def memory_allocated(self) -> int:
@@ -127,6 +135,7 @@ def node_from_pb(msg: pb.NodeView) -> NodeState:
         gpus=tuple(sorted(gpus, key=lambda g: g.index)),
         nvlinks=tuple((n.gpu_a, n.gpu_b) for n in msg.nvlinks),
         pods=pods + reserved,
+        links=tuple((k.gpu_a, k.gpu_b, k.pcie_level, k.nvlinks) for k in msg.links),
         driver_version=msg.driver_version,
         other_instances=msg.other_instances,
     )
@@ -164,6 +173,7 @@ def _state(d: dict[str, Any]) -> NodeState:
         addresses=tuple(d["addresses"]),
         gpus=tuple(GpuState(**g) for g in d["gpus"]),
         nvlinks=tuple((a, b) for a, b in d.get("nvlinks", ())),
+        links=tuple((a, b, level, n) for a, b, level, n in d.get("links", ())),
         pods=tuple(
             PodShare(
                 p["pod_uid"],

@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
+from cgpud.node import topology
+from cgpud.node.topology import Links
 from cgpud.node.model import GpuCapacity, GpuUsage, Grant, Instance, NodeMode, NodePolicy, Placement, Request
 from cgpud.node.model import Reservation, Share, WHOLE_GPU_MODES
 from cgpud.errors import AdmissionError, StateError, UsageError
@@ -80,29 +82,35 @@ def admit(
     active: Sequence[Instance],
     policy: NodePolicy,
     reserved: Sequence[Reservation] = (),
+    links: Links | None = None,
 ) -> tuple[Grant, ...]:
     """The grants for `request`, one per GPU, sorted by GPU index, or an
     error saying why there are none. Same inputs, same answer. Every live
     reservation in `reserved` counts as taken, except the one of the pod
     the request draws on (request.reservation)."""
     others = [r for r in reserved if not request.reservation or r.pod_uid != request.reservation]
-    return admit_usage(request, gpu_usage(gpus, active, others), policy)
+    return admit_usage(request, gpu_usage(gpus, active, others), policy, links)
 
 
-def admit_usage(request: Request, usage: Sequence[GpuUsage], policy: NodePolicy) -> tuple[Grant, ...]:
+def admit_usage(
+    request: Request, usage: Sequence[GpuUsage], policy: NodePolicy, links: Links | None = None
+) -> tuple[Grant, ...]:
     """admit, on what is already held of each GPU: the node counts it from
     its instances and reservations, the cluster scheduler from the node's
-    Capacity view, and both judge the request here."""
+    Capacity view, and both judge the request here. With `links` (how the
+    GPUs are joined), whole GPUs in `topology` mode and every request for
+    several GPUs take the best-joined set of those that fit
+    (cgpud.node.topology) instead of placement's first."""
     mode, placement = check_policy(policy)
     _check_request(request, [u.gpu for u in usage], mode, policy)
     if request.gpu_indexes:  # a cluster scheduler chose them: those or none
         usage = tuple(u for u in usage if u.gpu.index in request.gpu_indexes)
     try:
         if mode in WHOLE_GPU_MODES:
-            chosen = _whole_gpus(request, tuple(usage), placement, mode)
+            chosen = _whole_gpus(request, tuple(usage), placement, mode, links)
             grants = [Grant(u.gpu.index, u.gpu.uuid, u.gpu.memory, _FULL_CORE) for u in chosen]
         else:
-            chosen = _shared_gpus(request, tuple(usage), placement, policy)
+            chosen = _shared_gpus(request, tuple(usage), placement, policy, links)
             grants = [Grant(u.gpu.index, u.gpu.uuid, request.memory, request.core_percent) for u in chosen]
     except AdmissionError as e:
         if not request.gpu_indexes:
@@ -278,11 +286,24 @@ def _free(u: GpuUsage) -> int:
     return u.gpu.memory - u.allocated
 
 
-def _whole_gpus(request: Request, usage: tuple[GpuUsage, ...], placement: Placement, mode: NodeMode) -> list[GpuUsage]:
+def _by_links(fitting: list[GpuUsage], n: int, links: Links, placement: Placement) -> list[GpuUsage]:
+    """The best-joined n of `fitting`; among equally joined sets, placement's
+    choice (on a node whose GPUs are all joined alike, always)."""
+    ordered = _order(fitting, placement)
+    by_index = {u.gpu.index: u for u in ordered}
+    chosen = topology.best_set(links, list(by_index), n, prefer=list(by_index))
+    return [u for u in ordered if u.gpu.index in chosen]
+
+
+def _whole_gpus(
+    request: Request, usage: tuple[GpuUsage, ...], placement: Placement, mode: NodeMode, links: Links | None = None
+) -> list[GpuUsage]:
     """`default` and `topology` modes: whole GPUs, each with no active instance at all."""
     n = request.gpu_count
     idle = [u for u in usage if u.instances == 0]
     if len(idle) >= n:
+        if links is not None and (mode is NodeMode.TOPOLOGY or n > 1):
+            return _by_links(idle, n, links, placement)
         return _order(idle, placement)[:n]
     total = len(usage)
     how = f"node mode {mode.value} gives each container whole GPUs"
@@ -319,7 +340,11 @@ class _Check:
 
 
 def _shared_gpus(
-    request: Request, usage: tuple[GpuUsage, ...], placement: Placement, policy: NodePolicy
+    request: Request,
+    usage: tuple[GpuUsage, ...],
+    placement: Placement,
+    policy: NodePolicy,
+    links: Links | None = None,
 ) -> list[GpuUsage]:
     """cgpu, core_mem, share, mps: a GPU fits when it has the memory free,
     room for one more instance and the compute share left. `share` and `mps`
@@ -333,6 +358,8 @@ def _shared_gpus(
     ]
     fitting = [u for u, memory_ok, room_ok, core_ok in measured if memory_ok and room_ok and core_ok]
     if len(fitting) >= request.gpu_count:
+        if links is not None and request.gpu_count > 1:
+            return _by_links(fitting, request.gpu_count, links, placement)
         return _order(fitting, placement)[: request.gpu_count]
     checks = [_Check(*m) for m in measured]
     raise AdmissionError(_shortfall(request, checks, policy))

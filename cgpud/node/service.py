@@ -23,6 +23,7 @@ from pathlib import Path
 import psutil
 import structlog
 
+from cgpud.node.topology import Links
 from cgpud.node import host, placement
 from cgpud.node.changes import Changes
 from cgpud.node.model import ComputePolicy, GpuCapacity, Instance, InstanceState, NodeInfo, NodeMode, NodePolicy
@@ -87,8 +88,10 @@ class InstanceService:
         start_compute: Callable[[], ComputeScheduler] | None = None,
         reservation_ttl: float = DEFAULT_RESERVATION_TTL,
         exits: ExitWatch | None = None,
+        links: Links | None = None,
     ) -> None:
         self._store = store
+        self._links = links  # how the GPUs are joined (inventory): multi-GPU and topology choices
         self._reservation_ttl = self._check_ttl(reservation_ttl)
         # Bumped on every change a node view shows (instances, policy,
         # reservations); the Capacity API's watchers wait on it.
@@ -204,7 +207,7 @@ class InstanceService:
                     return existing
                 now = self._clock()
                 reserved = [r for r in tx.reservations() if r.live(now)]
-                grants = placement.admit(request, self._gpus, active, self._policy, reserved)
+                grants = placement.admit(request, self._gpus, active, self._policy, reserved, self._links)
                 instance = Instance(
                     id=new_instance_id(),
                     owner=request.owner,

@@ -60,10 +60,14 @@ def best_left(links: Links, left: Sequence[int], size: int) -> int:
     return max(set_score(links, s) for s in itertools.combinations(left, size))
 
 
-def best_set(links: Links, available: Sequence[int], size: int, required: Sequence[int] = ()) -> tuple[int, ...]:
-    """`size` GPUs of `available`, `required` among them: the best joined;
-    ties go to the set that leaves the best set of the same size behind,
-    then to the lowest indexes. ValueError if it cannot be done."""
+def best_set(
+    links: Links, available: Sequence[int], size: int, required: Sequence[int] = (), prefer: Sequence[int] = ()
+) -> tuple[int, ...]:
+    """`size` GPUs of `available`, `required` among them: the set that with
+    the best set of the same size left behind scores most, then the better
+    joined, then the set whose most preferred GPU comes first in `prefer`
+    (a placement's order; by default the lowest index). ValueError if it
+    cannot be done."""
     free = sorted(set(available))
     must = sorted(set(required))
     if not set(must) <= set(free):
@@ -73,9 +77,11 @@ def best_set(links: Links, available: Sequence[int], size: int, required: Sequen
     others = [g for g in free if g not in must]
     candidates = [tuple(sorted((*must, *extra))) for extra in itertools.combinations(others, size - len(must))]
 
-    def value(chosen: tuple[int, ...]) -> tuple[int, int, list[int]]:
+    rank = {g: i for i, g in enumerate(prefer)}
+
+    def value(chosen: tuple[int, ...]) -> tuple[int, int, list[tuple[int, int]]]:
         score = set_score(links, chosen)
         left = best_left(links, [g for g in free if g not in chosen], size)
-        return (score + left, score, [-g for g in chosen])
+        return (score + left, score, sorted(((-rank.get(g, len(rank)), -g) for g in chosen), reverse=True))
 
     return max(candidates, key=value)

@@ -254,3 +254,24 @@ def test_annotations_single_init_container_on_two_gpus() -> None:
     notes = annotations(d, pl, n, 1)
     assert "scheduler.framework.gpushare.allocation" not in notes
     assert _resolve_all(p, notes) == {"init": (pl.gpus, 2)}
+
+
+# ---- topology: how the node's GPUs are joined (its Capacity view's links) ----------------
+
+# Two NVLink pairs, (0, 1) and (2, 3), on two sockets; GPU 0 holds a share.
+PAIRS = [(0, 1, 40, 2), (2, 3, 40, 2), (0, 2, 50, 0), (0, 3, 50, 0), (1, 2, 50, 0), (1, 3, 50, 0)]
+
+
+def test_a_two_gpu_share_goes_to_a_linked_pair_not_binpacks_first_gpus() -> None:
+    gpus = [gpu(0, used=2), gpu(1), gpu(2), gpu(3, used=1)]
+    two = demand(container("c", mem="4", count="2"))
+    assert placed(fit(two, node(gpus=gpus))).gpus == (0, 3)  # placement alone: the fuller GPUs
+    # Both pairs are as good; binpack takes the one with the fuller GPU.
+    assert placed(fit(two, node(gpus=gpus, links=PAIRS))).gpus == (0, 1)
+
+
+def test_equally_joined_gpus_keep_placements_choice() -> None:
+    flat = [(a, b, 50, 0) for a in range(4) for b in range(a + 1, 4)]
+    gpus = [gpu(0, used=2), gpu(1), gpu(2), gpu(3, used=1)]
+    two = demand(container("c", mem="4", count="2"))
+    assert placed(fit(two, node(gpus=gpus, links=flat))).gpus == (0, 3)

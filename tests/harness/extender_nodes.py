@@ -46,6 +46,7 @@ def node(
     incarnation: str = "inc-1",
     revision: int = 1,
     pods: Sequence[PodShare] = (),
+    links: Sequence[tuple[int, int, int, int]] = (),
 ) -> NodeState:
     return NodeState(
         name=name,
@@ -58,6 +59,7 @@ def node(
         card_name="Tesla T4",
         gpus=tuple(gpus if gpus is not None else [gpu(0), gpu(1)]),
         pods=tuple(pods),
+        links=tuple(links),
     )
 
 

@@ -25,6 +25,7 @@ from cgpud.node.service import InstanceService
 from cgpud.node.store import Store
 from cgpud.errors import CgpuError, UsageError
 from cgpud.extender.model import node_from_pb
+from cgpud.node.topology import SINGLE, SYSTEM, Link
 
 GPUS = (GpuCapacity(0, "GPU-a", 16 * GIB), GpuCapacity(1, "GPU-b", 16 * GIB))
 FACTS = NodeFacts(
@@ -171,6 +172,7 @@ def test_node_facts_from_the_inventory():
         ((0, 1),),
     )
     assert facts.models == {0: "NVIDIA A10", 1: "NVIDIA A10"}
+    assert facts.links == {(0, 1): Link(SYSTEM, 1)}  # no PCIe levels read: the farthest
     empty = node_facts(Inventory("580.1", 12080, ()), "n", [])
     assert (empty.card_name, empty.card_count, empty.nvlinks) == ("", 0, ())
 
@@ -422,3 +424,10 @@ def test_serving_on_ipv6_loopback_in_brackets(service):
         assert view.node_name == "node-1" and len(view.gpus) == 2
     finally:
         server.stop(None).wait(5)
+
+
+def test_the_view_carries_how_each_pair_is_joined_and_the_extender_reads_it():
+    facts = NodeFacts("n", (), links={(0, 1): Link(SINGLE, 2)})
+    view = node_view(_snapshot(facts=facts))
+    assert [(k.gpu_a, k.gpu_b, k.pcie_level, k.nvlinks) for k in view.links] == [(0, 1, SINGLE, 2)]
+    assert node_from_pb(view).topology() == {(0, 1): Link(SINGLE, 2)}

@@ -15,6 +15,7 @@ from cgpud.node.model import GIB, MIB, GpuCapacity, Grant, Instance, InstanceSta
 from cgpud.node.model import OwnerKind, Placement, Request, WHOLE_GPU_MODES
 from cgpud.node.placement import admit, gpu_usage
 from cgpud.errors import AdmissionError, UsageError
+from cgpud.node.topology import NODE, SYSTEM, Link
 
 OWNER = Owner(OwnerKind.CONTAINER, "c0ffee")
 CGPU = NodePolicy(mode=NodeMode.CGPU)
@@ -752,3 +753,33 @@ def test_admission_is_deterministic(scenario):
                 assert type(second) is type(outcome) and str(second) == str(outcome)
 
     replay(gpus, policy, steps, check)
+
+
+# ---- by how the GPUs are joined (cgpud.node.topology) ----------------------------------
+
+PAIR_LINKS = {
+    (0, 1): Link(NODE, 2),
+    (2, 3): Link(NODE, 2),
+    (0, 2): Link(SYSTEM),
+    (0, 3): Link(SYSTEM),
+    (1, 2): Link(SYSTEM),
+    (1, 3): Link(SYSTEM),
+}
+TOPOLOGY = NodePolicy(mode=NodeMode.TOPOLOGY)
+
+
+def test_topology_mode_takes_one_gpu_from_a_broken_pair() -> None:
+    gpus = node(16, 16, 16, 16)
+    [g] = admit(req(0), gpus, [held(gpus, (3, 16, 0))], TOPOLOGY, links=PAIR_LINKS)
+    assert g.gpu_index == 2  # 0 and 1 stay a pair for the next two-GPU request
+    [g] = admit(req(0), gpus, [held(gpus, (3, 16, 0))], TOPOLOGY)
+    assert g.gpu_index == 0  # without links: placement's first
+
+
+def test_a_multi_gpu_request_gets_a_linked_pair_in_every_mode() -> None:
+    gpus = node(16, 16, 16, 16)
+    busy = [held(gpus, (1, 2, 0), name="a"), held(gpus, (2, 2, 0), name="b")]
+    grants = admit(req(4, gpu_count=2), gpus, busy, CGPU, links=PAIR_LINKS)
+    assert sorted(g.gpu_index for g in grants) in ([0, 1], [2, 3])
+    assert sorted(g.gpu_index for g in admit(req(4, gpu_count=2), gpus, busy, CGPU)) == [1, 2]  # binpack alone
+    assert sorted(g.gpu_index for g in admit(req(0, gpu_count=2), gpus, [], DEFAULT, links=PAIR_LINKS)) == [0, 1]
