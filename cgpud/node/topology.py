@@ -54,10 +54,33 @@ def set_score(links: Links, gpus: Iterable[int]) -> int:
 def best_left(links: Links, left: Sequence[int], size: int) -> int:
     """How well joined what is left is: the score of its best set of `size`
     GPUs, of at least a pair, of at most all that is left."""
-    size = min(max(size, 2), len(left))
-    if size < 2:
-        return 0
-    return max(set_score(links, s) for s in itertools.combinations(left, size))
+    return _Scores(links, left).best(left, min(max(size, 2), len(left)))
+
+
+class _Scores:
+    """Pair scores of the GPUs in play, in a matrix: the searches below add
+    them up thousands of times."""
+
+    def __init__(self, links: Links, gpus: Sequence[int]) -> None:
+        self.pair = {(a, b): link(links, a, b).score for a, b in itertools.combinations(sorted(gpus), 2)}
+
+    def of(self, chosen: Sequence[int]) -> int:
+        pair = self.pair
+        return sum(pair[(a, b)] for a, b in itertools.combinations(chosen, 2))
+
+    def best(self, gpus: Sequence[int], size: int, ceiling: int | None = None) -> int:
+        """The best score of `size` of `gpus` (sorted); stops at `ceiling`,
+        which nothing beats."""
+        if size < 2 or len(gpus) < size:
+            return 0
+        top = 0
+        for chosen in itertools.combinations(gpus, size):
+            score = self.of(chosen)
+            if score > top:
+                top = score
+                if ceiling is not None and top >= ceiling:
+                    break
+        return top
 
 
 def best_set(
@@ -74,14 +97,27 @@ def best_set(
         raise ValueError(f"required GPUs {must} are not all available ({free})")
     if not len(must) <= size <= len(free):
         raise ValueError(f"cannot choose {size} of {len(free)} available GPUs with {len(must)} required")
-    others = [g for g in free if g not in must]
-    candidates = [tuple(sorted((*must, *extra))) for extra in itertools.combinations(others, size - len(must))]
-
+    scores = _Scores(links, free)
     rank = {g: i for i, g in enumerate(prefer)}
+    others = [g for g in free if g not in must]
+    left_size = max(size, 2)
 
-    def value(chosen: tuple[int, ...]) -> tuple[int, int, list[tuple[int, int]]]:
-        score = set_score(links, chosen)
-        left = best_left(links, [g for g in free if g not in chosen], size)
-        return (score + left, score, sorted(((-rank.get(g, len(rank)), -g) for g in chosen), reverse=True))
+    def preference(chosen: tuple[int, ...]) -> list[tuple[int, int]]:
+        return sorted(((-rank.get(g, len(rank)), -g) for g in chosen), reverse=True)
 
-    return max(candidates, key=value)
+    candidates = [tuple(sorted((*must, *extra))) for extra in itertools.combinations(others, size - len(must))]
+    scored = sorted(((scores.of(c), preference(c), c) for c in candidates), reverse=True)
+    # Nothing left behind scores more than the best set of that size among
+    # all free GPUs: candidates, best joined first, stop mattering once
+    # even that could not lift them to the best found.
+    ceiling = scores.best(free, left_size) if len(free) - size >= 2 else 0
+    best: tuple[int, int, list[tuple[int, int]], tuple[int, ...]] | None = None
+    for score, pref, chosen in scored:
+        if best is not None and (score + ceiling, score) < (best[0], best[1]):
+            break
+        left = [g for g in free if g not in chosen]
+        total = score + scores.best(left, min(left_size, len(left)), ceiling)
+        if best is None or (total, score, pref) > best[:3]:
+            best = (total, score, pref, chosen)
+    assert best is not None  # at least one candidate: the size checks above
+    return best[3]
