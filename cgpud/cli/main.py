@@ -297,7 +297,7 @@ def _add_machine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--topology",
         choices=sorted(TOPOLOGIES),
-        help="a machine's PCIe tree and NVLinks: dgx1 (8 GPUs), pcie4 or nvlink2x2 (4); docs/simulated-gpu.md",
+        help="a machine's PCIe tree and NVLinks: dgx1 or hgx8 (8 GPUs), pcie4 or nvlink2x2 (4); docs/simulated-gpu.md",
     )
 
 

@@ -8,6 +8,8 @@ its NVLinks join, as the simulator's config keys (docs/simulated-gpu.md).
   links as NVIDIA's go-gpuallocator describes the machine in its tests).
 - pcie4: 4 PCIe GPUs, no NVLink: two behind one switch on socket 0, two
   behind another on socket 1.
+- hgx8: 8 H100 on an NVSwitch fabric (18 links each, every GPU reaches
+  every other through it); pairs share a PCIe switch, 4 GPUs a socket.
 - nvlink2x2: 4 PCIe GPUs in two NVLink-bridged pairs (two links each),
   GPUs 0-1 on socket 0 and 2-3 on socket 1, each on a root port of its own.
 """
@@ -28,6 +30,7 @@ TOPOLOGIES: dict[str, tuple[str, ...]] = {
         "switch=3 bridge=1 socket=1 nvlink=2,4,5*2,7*2",
         "switch=3 bridge=1 socket=1 nvlink=3,4*2,5,6*2",
     ),
+    "hgx8": tuple(f"switch={i // 2} bridge={i // 4} socket={i // 4} nvswitch=18" for i in range(8)),
     "pcie4": (
         "switch=0 bridge=0 socket=0",
         "switch=0 bridge=0 socket=0",

@@ -30,6 +30,7 @@ class Gpu:
     nvlink_peers: tuple[str, ...]  # PCI bus ids at the far end of active links, one per link
     # The PCIe common ancestor (an NVML topology level) with each GPU, by index.
     pcie_levels: tuple[int, ...] = ()
+    nvswitch_links: int = 0  # links into an NVSwitch fabric, which joins every GPU on it
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,8 @@ class Inventory:
         for a, b in itertools.combinations(self.gpus, 2):
             level = a.pcie_levels[b.index] if b.index < len(a.pcie_levels) else SYSTEM
             nvlinks = sum(1 for bus in a.nvlink_peers if by_bus.get(bus.lower()) == b.index)
+            # Through the switches each pair can use all the links the lesser GPU has.
+            nvlinks += min(a.nvswitch_links, b.nvswitch_links)
             found[(a.index, b.index)] = Link(level, nvlinks)
         return found
 
@@ -79,8 +82,10 @@ def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def _nvlink_peers(handle: Any) -> tuple[str, ...]:
-    peers = []
+def _nvlinks(handle: Any) -> tuple[tuple[str, ...], int]:
+    """The PCI bus ids at the far end of each active link, and how many of
+    those ends are NVSwitches."""
+    peers, switched = [], 0
     for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
         try:
             if pynvml.nvmlDeviceGetNvLinkState(handle, link) != pynvml.NVML_FEATURE_ENABLED:
@@ -89,7 +94,12 @@ def _nvlink_peers(handle: Any) -> tuple[str, ...]:
         except pynvml.NVMLError:
             break  # no such link, or NVLink not supported on this GPU
         peers.append(_text(remote.busId))
-    return tuple(peers)
+        try:
+            kind = pynvml.nvmlDeviceGetNvLinkRemoteDeviceType(handle, link)
+        except pynvml.NVMLError:
+            continue  # older drivers: a GPU's bus id tells a GPU end apart anyway
+        switched += kind == pynvml.NVML_NVLINK_DEVICE_TYPE_SWITCH
+    return tuple(peers), switched
 
 
 def _sm_count(handle: Any) -> int | None:
@@ -109,6 +119,7 @@ def _pcie_level(handle: Any, other: Any) -> int:
 def _gpu(index: int, count: int) -> Gpu:
     h = _query(f"handle of GPU {index}", pynvml.nvmlDeviceGetHandleByIndex, index)
     others = [_query(f"handle of GPU {i}", pynvml.nvmlDeviceGetHandleByIndex, i) for i in range(count)]
+    peers, switched = _nvlinks(h)
     memory = _query("memory info", pynvml.nvmlDeviceGetMemoryInfo, h)
     pci = _query("PCI info", pynvml.nvmlDeviceGetPciInfo, h)
     return Gpu(
@@ -120,8 +131,9 @@ def _gpu(index: int, count: int) -> Gpu:
         pci_bus_id=_text(pci.busId),
         minor_number=_query("minor number", pynvml.nvmlDeviceGetMinorNumber, h),
         compute_capability=tuple(_query("compute capability", pynvml.nvmlDeviceGetCudaComputeCapability, h)),
-        nvlink_peers=_nvlink_peers(h),
+        nvlink_peers=peers,
         pcie_levels=tuple(_pcie_level(h, o) for o in others),
+        nvswitch_links=switched,
     )
 
 

@@ -477,7 +477,8 @@ SIM_EXPORT CUresult cuDeviceCanAccessPeer(int *canAccessPeer, CUdevice dev, CUde
         return rc;
     if (!canAccessPeer)
         return CUDA_ERROR_INVALID_VALUE;
-    *canAccessPeer = phys != peer && (sim_cfg()->gpu[phys].nvlink_peers >> peer) & 1u;
+    *canAccessPeer = phys != peer && (((sim_cfg()->gpu[phys].nvlink_peers >> peer) & 1u) ||
+                                      (sim_cfg()->gpu[phys].nvswitch_links && sim_cfg()->gpu[peer].nvswitch_links));
     return CUDA_SUCCESS;
 }
 
@@ -494,7 +495,8 @@ SIM_EXPORT CUresult cuDeviceGetP2PAttribute(int *value, CUdevice_P2PAttribute at
         return CUDA_ERROR_INVALID_DEVICE;
     if (!value)
         return CUDA_ERROR_INVALID_VALUE;
-    int peer = (sim_cfg()->gpu[src].nvlink_peers >> dst) & 1u;
+    int peer = ((sim_cfg()->gpu[src].nvlink_peers >> dst) & 1u) ||
+               (src != dst && sim_cfg()->gpu[src].nvswitch_links && sim_cfg()->gpu[dst].nvswitch_links);
     switch (attrib) {
     case CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK: *value = 0; break;
     case CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED:

@@ -1020,6 +1020,16 @@ static unsigned int nvlink_count(unsigned int a, unsigned int b)
     return n ? n : 1;
 }
 
+/* GPUs with NVSwitch links all reach each other through the fabric, whose
+ * switches (SIM_NVSWITCHES of them) take a GPU's links in turn. */
+#define SIM_NVSWITCHES 4
+#define LINK_TO_SWITCH 1000 /* link_peer's answer for a link to switch s: LINK_TO_SWITCH + s */
+
+static bool in_fabric(unsigned int a, unsigned int b)
+{
+    return a != b && g_cfg.gpu[a].nvswitch_links && g_cfg.gpu[b].nvswitch_links;
+}
+
 NVML_EXPORT nvmlReturn_t nvmlDeviceGetP2PStatus(nvmlDevice_t device1, nvmlDevice_t device2,
                                                 nvmlGpuP2PCapsIndex_t p2pIndex, nvmlGpuP2PStatus_t *p2pStatus)
 {
@@ -1032,13 +1042,13 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetP2PStatus(nvmlDevice_t device1, nvmlDevice
     /* Peer access runs over NVLink only, as cuDeviceCanAccessPeer says (the
      * PCIe tree above places GPUs; the simulation models no PCIe P2P); a GPU
      * is not its own peer. */
-    bool linked = a != b && ((nvlink_peers(a) >> b) & 1u);
+    bool linked = a != b && (((nvlink_peers(a) >> b) & 1u) || in_fabric(a, b));
     *p2pStatus = linked && p2pIndex != NVML_P2P_CAPS_INDEX_PCI ? NVML_P2P_STATUS_OK : NVML_P2P_STATUS_NOT_SUPPORTED;
     return NVML_SUCCESS;
 }
 
 /* The links of a GPU lead to its NVLink peers in index order, each peer's
- * links one after another. Returns the
+ * links one after another, then to the NVSwitches. Returns the
  * peer, -1 for a link that exists but is down, or an error through *rc:
  * INVALID_ARGUMENT, once the link is known, for a NULL `out` or `bad_args`. */
 static int link_peer(nvmlDevice_t device, unsigned int link, const void *out, bool bad_args, nvmlReturn_t *rc)
@@ -1052,7 +1062,7 @@ static int link_peer(nvmlDevice_t device, unsigned int link, const void *out, bo
         return -1;
     }
     uint32_t peers = nvlink_peers(g);
-    if (peers == 0) {
+    if (peers == 0 && g_cfg.gpu[g].nvswitch_links == 0) {
         *rc = NVML_ERROR_NOT_SUPPORTED; /* a GPU without NVLink */
         return -1;
     }
@@ -1068,6 +1078,8 @@ static int link_peer(nvmlDevice_t device, unsigned int link, const void *out, bo
             return (int)i;
         link -= n;
     }
+    if (link < g_cfg.gpu[g].nvswitch_links)
+        return LINK_TO_SWITCH + (int)(link % SIM_NVSWITCHES);
     return -1;
 }
 
@@ -1097,6 +1109,19 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetNvLinkCapability(nvmlDevice_t device, unsi
     return NVML_SUCCESS;
 }
 
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetNvLinkRemoteDeviceType(nvmlDevice_t device, unsigned int link,
+                                                             nvmlIntNvLinkDeviceType_t *pNvLinkDeviceType)
+{
+    nvmlReturn_t rc;
+    int peer = link_peer(device, link, pNvLinkDeviceType, false, &rc);
+    if (rc != NVML_SUCCESS)
+        return rc;
+    if (peer < 0)
+        return NVML_ERROR_NOT_SUPPORTED;
+    *pNvLinkDeviceType = peer >= LINK_TO_SWITCH ? NVML_NVLINK_DEVICE_TYPE_SWITCH : NVML_NVLINK_DEVICE_TYPE_GPU;
+    return NVML_SUCCESS;
+}
+
 NVML_EXPORT nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo_v2(nvmlDevice_t device, unsigned int link,
                                                              nvmlPciInfo_t *pci)
 {
@@ -1106,6 +1131,15 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo_v2(nvmlDevice_t device
         return rc;
     if (peer < 0)
         return NVML_ERROR_NOT_SUPPORTED; /* nothing at the end of a link that is down */
+    if (peer >= LINK_TO_SWITCH) { /* an NVSwitch: bridges of their own, after the GPUs' */
+        unsigned int s = (unsigned int)(peer - LINK_TO_SWITCH);
+        memset(pci, 0, sizeof(*pci));
+        pci->bus = 0xc1u + s;
+        pci->pciDeviceId = 0x22a310deu; /* NVSwitch (H100 systems) */
+        snprintf(pci->busIdLegacy, sizeof(pci->busIdLegacy), NVML_DEVICE_PCI_BUS_ID_LEGACY_FMT, 0u, pci->bus & 0xFFu, 0u);
+        snprintf(pci->busId, sizeof(pci->busId), "%08X:%02X:00.0", 0u, pci->bus);
+        return NVML_SUCCESS;
+    }
     fill_pci(pci, (unsigned int)peer);
     return NVML_SUCCESS;
 }

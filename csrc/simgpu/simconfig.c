@@ -151,6 +151,8 @@ static int set_gpu_field(struct sim_gpu_config *g, const char *key, const char *
         }
         return 0;
     }
+    if (!strcmp(key, "nvswitch"))
+        return parse_uint(val, &g->nvswitch_links, 10) || g->nvswitch_links > 18 ? -1 : 0;
     uint32_t *place = !strcmp(key, "switch")   ? &g->pcie_switch
                       : !strcmp(key, "bridge") ? &g->host_bridge
                       : !strcmp(key, "socket") ? &g->cpu_socket

@@ -45,7 +45,8 @@ struct sim_gpu_config {
     /* Where the GPU sits in the PCIe tree, each an id + 1 (0: not behind one):
      * GPUs behind one switch are SINGLE apart, under one host bridge
      * HOSTBRIDGE, on one CPU socket NODE, else SYSTEM. */
-    uint32_t pcie_switch, host_bridge, cpu_socket, reserved2;
+    uint32_t pcie_switch, host_bridge, cpu_socket;
+    uint32_t nvswitch_links;      /* links into the machine's NVSwitch fabric (after the direct ones) */
     uint8_t nvlink_links[SIM_MAX_GPUS]; /* links to GPU i, for i in nvlink_peers (1 if unset) */
 };
 

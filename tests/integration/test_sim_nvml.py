@@ -402,6 +402,34 @@ def test_the_pcie_tree_and_link_counts(tmp_path, sim_env):
     assert got["bad_level"] == "NVMLError_InvalidArgument"
 
 
+def test_an_nvswitch_fabric_joins_its_gpus(tmp_path, sim_env):
+    """GPUs 0 and 1 have 4 links each into the fabric; GPU 2 none."""
+    lines = [
+        f"gpu mem=16GiB pci=00000000:{bus}:00.0{extra}"
+        for bus, extra in (("18", " nvswitch=4"), ("2A", " nvswitch=4"), ("3A", ""))
+    ]
+    env = machine(tmp_path, sim_env, lines)
+    got = nvml(
+        env,
+        """
+        n.nvmlInit(); h = [n.nvmlDeviceGetHandleByIndex(i) for i in range(3)]
+        out = {
+            "types": [n.nvmlDeviceGetNvLinkRemoteDeviceType(h[0], l) for l in range(4)],
+            "remote": sorted({n.nvmlDeviceGetNvLinkRemotePciInfo(h[0], l).busId for l in range(4)}),
+            "state_4": n.nvmlDeviceGetNvLinkState(h[0], 4),
+            "p2p": [n.nvmlDeviceGetP2PStatus(h[0], h[d], n.NVML_P2P_CAPS_INDEX_NVLINK) for d in (1, 2)],
+            "no_link": err(lambda: n.nvmlDeviceGetNvLinkRemoteDeviceType(h[2], 0)),
+        }
+        print(json.dumps(out))
+    """,
+    )
+    assert got["types"] == [2, 2, 2, 2]  # NVML_NVLINK_DEVICE_TYPE_SWITCH
+    assert got["remote"] == [f"00000000:C{k}:00.0" for k in (1, 2, 3, 4)]  # four switches, none a GPU
+    assert got["state_4"] == 0  # past its links: down
+    assert got["p2p"] == [0, 5]  # OK through the fabric; NOT_SUPPORTED to a GPU outside it
+    assert got["no_link"] == "NVMLError_NotSupported"
+
+
 def test_init_fails_with_driver_not_loaded_on_a_bad_config(tmp_path, sim_env):
     env = dict(sim_env, CGPU_SIM_CONFIG=str(tmp_path / "missing.conf"))
     script = "import pynvml as n\ntry:\n    n.nvmlInit()\nexcept n.NVMLError as e:\n    print(type(e).__name__)"

@@ -1,8 +1,8 @@
 """Whole-GPU choices by topology, side by side with NVIDIA's go-gpuallocator
 (its best-effort policy, built from the Go module proxy:
 tests/harness/gpuallocator.py). Both read the same simulated machine
-through NVML: DGX-1's hybrid cube-mesh, 4 PCIe GPUs on two sockets, and
-two NVLink-bridged pairs (cgpud/cli/sim_topology.py). cgpu's side is
+through NVML: DGX-1's hybrid cube-mesh, an 8-GPU NVSwitch HGX, 4 PCIe GPUs
+on two sockets, and two NVLink-bridged pairs (cgpud/cli/sim_topology.py). cgpu's side is
 `cgpud --inventory` (the links it reads) and cgpud.node.topology.best_set,
 what its device plugin's GetPreferredAllocation answers with.
 
@@ -70,6 +70,12 @@ def test_the_simulated_dgx1_reads_as_nvidia_describes_it(tmp_path: Path) -> None
     assert links[(0, 3)] == Link(30, 2) and links[(0, 1)] == Link(SINGLE, 1) and links[(0, 4)] == Link(50, 2)
     assert links[(0, 5)] == Link(50, 0)  # across sockets, no link
     assert sum(link.nvlinks for (a, b), link in links.items() if 0 in (a, b)) == 6  # six links a V100
+
+
+def test_the_simulated_hgx_joins_every_pair_through_its_nvswitches(tmp_path: Path) -> None:
+    links = cgpu_links(machine(tmp_path, "hgx8"))
+    assert links[(0, 1)] == Link(SINGLE, 18) and links[(0, 7)] == Link(50, 18)
+    assert {link.nvlinks for link in links.values()} == {18}
 
 
 @pytest.mark.parametrize("topology", sorted(TOPOLOGIES))

@@ -25,7 +25,7 @@ def test_config_has_one_gpu_line_each_and_nvlink_peers():
         (SimMachine(sms=0), "--sms must be at least 1"),
         (SimMachine(name='a"b'), "--name must not contain quotes"),
         (SimMachine(gpus=4, topology="dgx1"), "--topology dgx1 has 8 GPUs: use --gpus 8"),
-        (SimMachine(gpus=8, topology="hgx"), "unknown --topology 'hgx': use one of dgx1, pcie4, nvlink2x2"),
+        (SimMachine(gpus=8, topology="hgx"), "unknown --topology 'hgx': use one of dgx1, hgx8, pcie4, nvlink2x2"),
     ],
 )
 def test_impossible_machines_are_refused(machine, message):
