@@ -4,13 +4,19 @@ and the region tmpfs mounts cgpud leaves under a directory."""
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 
-def write_sim_config(path: Path, gpus: int = 2, mem: str = "16GiB", extra: str = "") -> Path:
+def write_sim_config(
+    path: Path, gpus: int = 2, mem: str = "16GiB", extra: str = "", placements: Sequence[str] = ()
+) -> Path:
+    """`placements`: more keys for each GPU's line (its PCIe place and links,
+    cgpud/cli/sim_topology.py)."""
     lines = [extra] if extra else []
-    for _ in range(gpus):
-        lines.append(f'gpu name="NVIDIA H100 80GB HBM3" mem={mem} sms=132 cc=9.0')
+    for i in range(gpus):
+        more = f" {placements[i]}" if i < len(placements) else ""
+        lines.append(f'gpu name="NVIDIA H100 80GB HBM3" mem={mem} sms=132 cc=9.0{more}')
     path.write_text("\n".join(lines) + "\n")
     return path
 

@@ -38,6 +38,7 @@ from typing import Any
 
 import yaml
 
+from cgpud.cli.sim_topology import placement
 from cgpud.native import native_dir, native_path
 from tests.harness.cluster import ROOT_PREFIX, _pid_alive, _tag_pid, _unmount_regions, free_port, free_second_octet
 from tests.harness.cluster import node_network, sweep_leftovers
@@ -235,10 +236,14 @@ class RealNode:
 class RealCluster(StartOrClose):
     """A context manager that removes everything it made however it ends."""
 
-    def __init__(self, binaries: KubeBinaries, nodes: int = 1, *, gpus: int = 1, gpu_memory: str = "16GiB") -> None:
+    def __init__(
+        self, binaries: KubeBinaries, nodes: int = 1, *, gpus: int = 1, gpu_memory: str = "16GiB", topology: str = ""
+    ) -> None:
         self.bin = binaries
         self.count = nodes
         self.gpus = gpus
+        # Each node's GPUs placed as a machine of cgpud/cli/sim_topology.py ("": no PCIe tree, no links).
+        self.placements = placement(topology, gpus) if topology else ()
         self.gpu_memory = gpu_memory
         self.tag = f"{os.getpid():x}{secrets.token_hex(1)}"
         self.root = Path(tempfile.mkdtemp(prefix=f"{ROOT_PREFIX}{self.tag}-", dir="/tmp"))
@@ -656,7 +661,9 @@ class RealCluster(StartOrClose):
         sim.mkdir(parents=True)
         sim_env = dict(os.environ)
         sim_env["LD_LIBRARY_PATH"] = str(native_dir() / "sim")
-        sim_env["CGPU_SIM_CONFIG"] = str(write_sim_config(sim / "sim.conf", gpus=self.gpus, mem=self.gpu_memory))
+        sim_env["CGPU_SIM_CONFIG"] = str(
+            write_sim_config(sim / "sim.conf", gpus=self.gpus, mem=self.gpu_memory, placements=self.placements)
+        )
         sim_env["CGPU_SIM_STATE"] = str(sim / "sim.state")
         node = RealNode(
             i,
