@@ -1,7 +1,7 @@
-"""Which GPUs to give a request for whole GPUs: the set that is best
-joined (NVLink, then the PCIe path) together with the best set of the
-same size that is left for the next request; then the better joined of
-those; then the lowest indexes. Pure.
+"""Which GPUs to give a request for several GPUs, or for whole GPUs on a
+topology node: the set that is best joined (NVLink, then the PCIe path)
+together with the best set of the same size left for the next request;
+then the better joined of those; then placement's order. Pure.
 
 A pair's score follows NVIDIA's go-gpuallocator best-effort policy, so
 choices compare with its: each NVLink between the two is worth 100, and
@@ -11,7 +11,7 @@ into sets of the requested size and takes a set of the best partition;
 for one GPU every partition scores 0 and it takes the first, breaking a
 linked pair the next two-GPU request needed. Looking at the best set left
 behind instead takes a GPU whose partner is already gone
-(tests/integration/test_topology.py asks both every request on three
+(tests/integration/test_topology.py asks both every request on four
 machines and shows where and why they differ)."""
 
 from __future__ import annotations
