@@ -22,7 +22,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-from cgpud.node.topology import NODE, SYSTEM, Link
 from cgpud.api.k8s.deviceplugin.v1beta1 import api_pb2 as pb
 from cgpud.api.k8s.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 from cgpud.node.model import GpuCapacity, NodeMode, Placement
@@ -31,6 +30,7 @@ from cgpud.kube.model import AllocationError, ContainerAllocation, MountSpec, Re
 from cgpud.kube.plugin import DevicePlugin, PluginSettings
 from cgpud.kube.resources import SOCKET_NAMES
 from cgpud.units import GIB
+from tests.harness.links import NVLINK_PAIRS
 from tests.harness.kubelet import Kubelet
 from tests.harness.wait import until
 
@@ -542,21 +542,13 @@ def test_whole_gpus_are_preferred_by_their_links(
     is broken already, and a pair stays a pair."""
     uuids = [f"GPU-6a1e0c55-{i}{i}{i}{i}-4c3e-8f00-{i}" for i in range(4)]
     gpus = tuple(GpuCapacity(i, u, 16 * GIB) for i, u in enumerate(uuids))
-    links = {
-        (0, 1): Link(NODE, 2),
-        (2, 3): Link(NODE, 2),
-        (0, 2): Link(SYSTEM),
-        (0, 3): Link(SYSTEM),
-        (1, 2): Link(SYSTEM),
-        (1, 3): Link(SYSTEM),
-    }
     plugin = DevicePlugin(
         PluginSettings(directory, register_timeout=0.5),
         allocator,
         mode=NodeMode.DEFAULT,
         placement=Placement.BINPACK,
         gpus=gpus,
-        links=links,
+        links=NVLINK_PAIRS,
     ).start()
     try:
         kubelet.take_registrations(len(Resource))

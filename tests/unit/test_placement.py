@@ -15,7 +15,7 @@ from cgpud.node.model import GIB, MIB, GpuCapacity, Grant, Instance, InstanceSta
 from cgpud.node.model import OwnerKind, Placement, Request, WHOLE_GPU_MODES
 from cgpud.node.placement import admit, gpu_usage
 from cgpud.errors import AdmissionError, UsageError
-from cgpud.node.topology import NODE, SYSTEM, Link
+from tests.harness.links import NVLINK_PAIRS
 
 OWNER = Owner(OwnerKind.CONTAINER, "c0ffee")
 CGPU = NodePolicy(mode=NodeMode.CGPU)
@@ -757,14 +757,7 @@ def test_admission_is_deterministic(scenario):
 
 # ---- by how the GPUs are joined (cgpud.node.topology) ----------------------------------
 
-PAIR_LINKS = {
-    (0, 1): Link(NODE, 2),
-    (2, 3): Link(NODE, 2),
-    (0, 2): Link(SYSTEM),
-    (0, 3): Link(SYSTEM),
-    (1, 2): Link(SYSTEM),
-    (1, 3): Link(SYSTEM),
-}
+PAIR_LINKS = NVLINK_PAIRS
 TOPOLOGY = NodePolicy(mode=NodeMode.TOPOLOGY)
 
 
