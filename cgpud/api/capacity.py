@@ -67,6 +67,8 @@ class CapacityService(Protocol):
 
     def holdings(self) -> tuple[builtins.list[Instance], builtins.list[Reservation]]: ...
 
+    def whole_held(self) -> frozenset[int]: ...
+
     def reserve(
         self, pod_uid: str, namespace: str, name: str, shares: Sequence[Share], ttl: float | None = None
     ) -> Reservation: ...
@@ -143,6 +145,7 @@ class NodeSnapshot:
     active: tuple[Instance, ...]  # released ones are skipped
     reservations: tuple[Reservation, ...]  # live ones
     health: Mapping[int, tuple[bool, str]] = field(default_factory=dict)
+    whole: frozenset[int] = frozenset()  # GPUs pods hold whole (InstanceService.set_whole_held)
 
 
 def _share_pb(share: Share) -> pb.Share:
@@ -184,7 +187,7 @@ def node_view(s: NodeSnapshot) -> pb.NodeView:
     hold together (what admission sees as taken), the reserved part alone."""
     active = [i for i in s.active if i.active]
     # Placement's own count, so the view and admission cannot disagree.
-    held = placement.gpu_usage(s.gpus, active, s.reservations)
+    held = placement.gpu_usage(s.gpus, active, s.reservations, s.whole)
     reserved = {u.gpu.index: u for u in placement.gpu_usage(s.gpus, (), s.reservations)}
     gpus = []
     for u in held:
@@ -317,6 +320,7 @@ class CapacityServicer(pb_grpc.CapacityServicer):
             active=tuple(active),
             reservations=tuple(reserved),
             health=dict(self._health()),
+            whole=self._service.whole_held(),
         )
 
     def view(self) -> pb.NodeView:

@@ -200,6 +200,15 @@ class Binder:
             raise BindError(
                 f"pod {key} asks for no GPU share ({', '.join(_OURS)}): cgpu-scheduler binds only pods it places"
             )
+        if demand.whole:
+            # Whole GPUs are the kubelet's to give (GetPreferredAllocation):
+            # nothing to reserve or annotate; kube-scheduler binds them itself
+            # (deploy/kube-scheduler-config.yaml gives that entry no bindVerb).
+            raise BindError(
+                f"pod {key} asks for whole GPUs ({Resource.GPU_TOPOLOGY.value}), which cgpu-scheduler filters and "
+                "scores but does not bind: give aliyun.com/gpu its own extender entry without bindVerb "
+                "(deploy/kube-scheduler-config.yaml)"
+            )
         # Fit and a pending hold under the node's lock, the Reserve outside
         # it: a second pod for the node is placed at once on a view that
         # counts the first (not on the same GPU, to be refused by the node),

@@ -25,11 +25,12 @@ from typing import Any, NamedTuple
 
 from cgpud.errors import AdmissionError, StateError, UsageError
 from cgpud.node import placement as admission
-from cgpud.node.model import GpuCapacity, GpuUsage, NodePolicy, Owner, OwnerKind, Request, Share
+from cgpud.node.model import GpuCapacity, GpuUsage, NodeMode, NodePolicy, Owner, OwnerKind, Request, Share
 from cgpud.node.model import Placement as NodePlacement
-from cgpud.node.topology import Links
+from cgpud.node.topology import Links, set_score
 from cgpud.extender.model import NodeState
 from cgpud.extender.pod import GIB, PodDemand
+from cgpud.kube.model import Resource
 from cgpud.kube.model import ANNOTATION_ALLOCATION, ANNOTATION_ASSIGNED, ANNOTATION_ASSUME_TIME, ANNOTATION_GPU_INDEX
 from cgpud.kube.model import ANNOTATION_GPU_MEM_DEV, ANNOTATION_POD_MEMORY
 
@@ -167,6 +168,8 @@ def rendered(demand: PodDemand, summary: NodeSummary) -> tuple[Placement | Reaso
 
 
 def _fit(demand: PodDemand, s: NodeSummary) -> Placement | Reason:
+    if demand.whole:
+        return _fit_whole(demand, s)
     if s.problem is not None:
         return s.problem
     assert s.policy is not None  # no problem: the settings were read
@@ -190,6 +193,46 @@ def _fit(demand: PodDemand, s: NodeSummary) -> Placement | Reason:
     spread = s.spread
     points = round(MAX_SCORE * ((1.0 - full) if spread else full))
     return Placement(s.state.name, tuple(placed), fullness, spread, points)
+
+
+def _fit_whole(demand: PodDemand, s: NodeSummary) -> Placement | Reason:
+    """Whole GPUs (aliyun.com/gpu) on a topology node: the node's admission
+    picks the best-joined set of the GPUs no pod holds (the view counts
+    those the kubelet gave whole); the score is how well joined the sets
+    are (10: every pair as well as the node's best pair), or, for single
+    GPUs, binpack or spread by GPUs in use."""
+    mode = s.state.mode
+    if mode != NodeMode.TOPOLOGY.value:
+        return Reason(
+            f"node mode {mode} does not give {Resource.GPU_TOPOLOGY.value}: whole GPUs chosen by topology come "
+            "from topology nodes (ack.node.gpu.schedule=topology)",
+            resolvable=False,
+        )
+    if s.policy is None:
+        return s.problem or Reason("the node's settings cannot be read", resolvable=False)
+    if not s.usage:
+        return Reason(f"no healthy GPU on this node ({s.sick})", resolvable=False)
+    usage = s.usage
+    placed: list[tuple[int, int, tuple[int, ...]]] = []
+    joined: list[float] = []
+    best_pair = max((link.score for link in (s.links or {}).values()), default=0)
+    for k, (c, label) in enumerate(zip(demand.containers, demand.labels)):
+        try:
+            grants = admission.admit_usage(Request(_OWNER, 0, c.gpu_count), usage, s.policy, s.links)
+        except (UsageError, AdmissionError) as e:
+            return _refused(e, label, k, s)
+        gpus = tuple(g.gpu_index for g in grants)
+        placed.append((0, 0, gpus))
+        usage = admission.with_shares(usage, [Share(g.gpu_index, 0, 0) for g in grants])
+        if len(gpus) > 1 and s.links and best_pair:
+            pairs = len(gpus) * (len(gpus) - 1) // 2
+            joined.append(set_score(s.links, gpus) / (pairs * best_pair))
+    in_use = sum(1 for u in usage if u.instances) / len(usage)
+    if joined:
+        points = round(MAX_SCORE * sum(joined) / len(joined))
+    else:
+        points = round(MAX_SCORE * ((1.0 - in_use) if s.spread else in_use))
+    return Placement(s.state.name, tuple(placed), in_use, s.spread, points)
 
 
 def _refused(error: Exception, label: str, others: int, s: NodeSummary) -> Reason:

@@ -5,7 +5,9 @@ Each container that asks for aliyun.com/gpu-mem gets an instance on the
 node: `gpu-mem` GiB in all (split evenly over its `gpu-count` GPUs, default
 1) and `gpu-core.percentage` percent of each of those GPUs. That is how the
 device plugin sizes it at Allocate (cgpud/kube/assignment.py), so the
-extender reads the pod the same way.
+extender reads the pod the same way. A container that asks for
+aliyun.com/gpu gets that many whole GPUs on a `topology` node (`whole`);
+a pod asks for shares or for whole GPUs, not both.
 
 Limit: an init container that asks for GPU memory is placed only when it is
 the pod's one GPU container. The annotations that carry the scheduler's
@@ -26,7 +28,7 @@ from cgpud.kube.quantity import parse_quantity
 
 GIB = 1 << 30
 CORE_UNIT = 5  # aliyun.com/gpu-core.percentage is asked in multiples of this
-_OURS = (Resource.GPU_MEM.value, Resource.GPU_CORE.value, Resource.GPU_COUNT.value)
+_OURS = (Resource.GPU_MEM.value, Resource.GPU_CORE.value, Resource.GPU_COUNT.value, Resource.GPU_TOPOLOGY.value)
 
 
 class PodError(ValueError):
@@ -41,6 +43,7 @@ class ContainerDemand:
     core_percent: int  # of each of its GPUs
     gpu_count: int
     index: int  # among the pod's non-init containers (the allocation annotation's key); -1 for an init container
+    whole: bool = False  # whole GPUs (aliyun.com/gpu), no memory or compute share
 
     @property
     def init(self) -> bool:
@@ -86,6 +89,11 @@ class PodDemand:
         """How a reason names each container ("" when there is one)."""
         many = len(self.containers) > 1
         return tuple(f"container {c.name} " if many else "" for c in self.containers)
+
+    @cached_property
+    def whole(self) -> bool:
+        """Whole GPUs (aliyun.com/gpu), which only topology nodes give."""
+        return any(c.whole for c in self.containers)
 
     @cached_property
     def most_per_gpu(self) -> int:
@@ -136,6 +144,11 @@ def pod_demand(pod: Any) -> PodDemand:
             demand = _container(c, key, field, i, -1 if init else i)
             if demand is not None:
                 found.append(demand)
+    if any(c.whole for c in found) and not all(c.whole for c in found):
+        raise PodError(
+            f"pod {key} asks for whole GPUs ({Resource.GPU_TOPOLOGY.value}) in one container and a GPU share "
+            f"({Resource.GPU_MEM.value}) in another; a node gives one or the other: split the pod"
+        )
     inits = [c for c in found if c.init]
     if inits and len(found) > 1:
         raise PodError(
@@ -174,6 +187,14 @@ def _container(c: Any, pod: str, field: str, i: int, index: int) -> ContainerDem
     core = asked.get(Resource.GPU_CORE.value, 0)
     count_given = Resource.GPU_COUNT.value in asked
     count = asked.get(Resource.GPU_COUNT.value, 1)
+    whole = asked.get(Resource.GPU_TOPOLOGY.value, 0)
+    if whole:
+        if memory or core or count_given:
+            raise PodError(
+                f"{where} asks for {whole} whole GPUs ({Resource.GPU_TOPOLOGY.value}) and for a GPU share: "
+                "ask for one of them"
+            )
+        return ContainerDemand(cname, 0, 0, whole, index, whole=True)
     if memory == 0:
         if core or (count_given and count):
             what = Resource.GPU_CORE.value if core else Resource.GPU_COUNT.value

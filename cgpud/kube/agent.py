@@ -29,7 +29,8 @@ from cgpud.kube.allocator import DYNAMIC_CDI_DIR, PodAllocator
 from cgpud.kube.apiserver import LazyApiServer
 from cgpud.kube.model import DEFAULT_MIN_POD_PRIORITY, DEFAULT_POD_RESOURCES_SOCKET
 from cgpud.kube.node_labels import DEFAULT_INTERVAL, NodeLabels
-from cgpud.kube.pod_resources import PodResourcesClient
+from cgpud.kube import resources
+from cgpud.kube.pod_resources import KubeletUnavailable, PodResourcesClient
 from cgpud.kube.releases import PodReleaser, kubelet_pods
 
 
@@ -70,7 +71,8 @@ class KubeAgent:
             )
         self.on_policy: Callable[[NodePolicy], None] | None = None  # set once the device plugin exists
         self.allocator = PodAllocator(service, api, node, files, cdi_dir, dev_root, min_pod_priority)
-        kubelet = PodResourcesClient(pod_resources_socket)
+        self.service = service
+        self._kubelet = kubelet = PodResourcesClient(pod_resources_socket)
         self.releaser = PodReleaser(
             service, lambda: api.pods_on_node(node), lambda: kubelet_pods(kubelet.list()), cdi_dir
         )
@@ -87,7 +89,19 @@ class KubeAgent:
         return self
 
     def sweep(self) -> int:
-        return self.releaser.sweep()
+        released = self.releaser.sweep()
+        self.whole_gpus_sweep()
+        return released
+
+    def whole_gpus_sweep(self) -> None:
+        """The GPUs pods hold whole, from the kubelet's pod-resources (cgpud
+        keeps no instance for them), into the node's books. While the
+        kubelet cannot be asked, the last answer stands."""
+        try:
+            listed = self._kubelet.list()
+        except KubeletUnavailable:
+            return
+        self.service.set_whole_held(resources.whole_gpus_held(listed, self.service.gpus()))
 
     def stop(self, timeout: float = 2.0) -> None:
         """After `stop` (the event) is set: wait for the label thread, close the client."""

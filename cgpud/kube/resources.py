@@ -22,10 +22,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from cgpud.node import topology
 from cgpud.node.topology import Links
-from cgpud.node.model import NodeMode, Placement
+from cgpud.node.model import GpuCapacity, NodeMode, Placement
 from cgpud.errors import UsageError
 from cgpud.kube.model import AllocationError, Resource
 from cgpud.units import GIB
@@ -251,3 +252,21 @@ def _decodes(resource: Resource, raw: str) -> bool:
     except AllocationError:
         return False
     return True
+
+
+class _Devices(Protocol):
+    """A pod-resources entry (cgpud.kube.pod_resources.ContainerDevices)."""
+
+    @property
+    def resource(self) -> str: ...
+
+    @property
+    def device_ids(self) -> tuple[str, ...]: ...
+
+
+def whole_gpus_held(listed: Iterable[_Devices], gpus: Sequence[GpuCapacity]) -> frozenset[int]:
+    """The indexes of the GPUs the kubelet lists as given to containers whole
+    (nvidia.com/gpu, aliyun.com/gpu: device IDs are GPU UUIDs)."""
+    by_uuid = {g.uuid: g.index for g in gpus}
+    whole = (Resource.NVIDIA_GPU.value, Resource.GPU_TOPOLOGY.value)
+    return frozenset(by_uuid[d] for e in listed if e.resource in whole for d in e.device_ids if d in by_uuid)

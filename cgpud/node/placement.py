@@ -32,12 +32,17 @@ _FULL_CORE = 100
 
 
 def gpu_usage(
-    gpus: Sequence[GpuCapacity], active: Iterable[Instance], reserved: Iterable[Reservation] = ()
+    gpus: Sequence[GpuCapacity],
+    active: Iterable[Instance],
+    reserved: Iterable[Reservation] = (),
+    whole: Iterable[int] = (),
 ) -> tuple[GpuUsage, ...]:
     """What active instances and reservations hold of each GPU, in GPU index
     order. A reservation's share holds its memory, compute and instance
     slots as instances would; `reserved` are the live ones (the caller has
-    the clock).
+    the clock). `whole`: GPUs the kubelet has given pods whole
+    (nvidia.com/gpu, aliyun.com/gpu), for which cgpud keeps no instance:
+    each holds all of its GPU, as one instance.
 
     Released instances are skipped even if a caller passes them, so a stale
     list can never make the node look fuller than it is. Grants and shares on
@@ -69,7 +74,8 @@ def gpu_usage(
         GpuUsage(gpu=by_index[i], allocated=allocated[i], core_percent=cores[i], instances=counts[i])
         for i in sorted(by_index)
     )
-    return with_shares(held, (share for reservation in reserved for share in reservation.shares))
+    pods = [Share(i, by_index[i].memory, _FULL_CORE) for i in sorted(set(whole)) if i in by_index]
+    return with_shares(held, [*(share for reservation in reserved for share in reservation.shares), *pods])
 
 
 # --------------------------------------------------------------------------
@@ -83,13 +89,15 @@ def admit(
     policy: NodePolicy,
     reserved: Sequence[Reservation] = (),
     links: Links | None = None,
+    whole: Iterable[int] = (),
 ) -> tuple[Grant, ...]:
     """The grants for `request`, one per GPU, sorted by GPU index, or an
     error saying why there are none. Same inputs, same answer. Every live
     reservation in `reserved` counts as taken, except the one of the pod
-    the request draws on (request.reservation)."""
+    the request draws on (request.reservation); so do the GPUs pods hold
+    whole (`whole`, gpu_usage)."""
     others = [r for r in reserved if not request.reservation or r.pod_uid != request.reservation]
-    return admit_usage(request, gpu_usage(gpus, active, others), policy, links)
+    return admit_usage(request, gpu_usage(gpus, active, others, whole), policy, links)
 
 
 def admit_usage(

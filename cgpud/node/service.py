@@ -16,7 +16,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -92,6 +92,8 @@ class InstanceService:
     ) -> None:
         self._store = store
         self._links = links  # how the GPUs are joined (inventory): multi-GPU and topology choices
+        # GPUs the kubelet gave pods whole (set_whole_held): no instance of ours, but taken.
+        self._whole: frozenset[int] = frozenset()
         self._reservation_ttl = self._check_ttl(reservation_ttl)
         # Bumped on every change a node view shows (instances, policy,
         # reservations); the Capacity API's watchers wait on it.
@@ -148,8 +150,22 @@ class InstanceService:
             address=host.primary_address(),
             driver_version=self._driver_version,
             policy=self._policy,
-            gpus=placement.gpu_usage(self._gpus, *self.holdings()),
+            gpus=placement.gpu_usage(self._gpus, *self.holdings(), self._whole),
         )
+
+    def whole_held(self) -> frozenset[int]:
+        return self._whole
+
+    def set_whole_held(self, indexes: Iterable[int]) -> None:
+        """The GPUs pods hold whole (nvidia.com/gpu, aliyun.com/gpu), as the
+        kubelet's pod-resources lists them: admission and the Capacity view
+        count them taken. A change is a change of the node's view."""
+        held = frozenset(i for i in indexes if any(g.index == i for g in self._gpus))
+        with self._lock:
+            if held == self._whole:
+                return
+            self._whole = held
+        self.changes.bump()
 
     def holdings(self) -> tuple[builtins.list[Instance], builtins.list[Reservation]]:
         """The active instances and live reservations, read together (one
@@ -207,7 +223,7 @@ class InstanceService:
                     return existing
                 now = self._clock()
                 reserved = [r for r in tx.reservations() if r.live(now)]
-                grants = placement.admit(request, self._gpus, active, self._policy, reserved, self._links)
+                grants = placement.admit(request, self._gpus, active, self._policy, reserved, self._links, self._whole)
                 instance = Instance(
                     id=new_instance_id(),
                     owner=request.owner,

@@ -234,3 +234,15 @@ def test_a_refused_reserve_drops_its_pending_hold(state: ClusterState) -> None:
         b.bind(BindArgs("p", "default", "u1", "n1"))
     rec = state.record("n1")
     assert rec is not None and rec.holds == ()
+
+
+def test_a_whole_gpu_pod_is_not_bound_here(state: ClusterState) -> None:
+    """Whole GPUs are filtered and scored, then bound by kube-scheduler (no
+    bindVerb on that extender entry): nothing to reserve or annotate."""
+    spec = {"name": "c", "image": "x", "resources": {"limits": {"aliyun.com/gpu": 2}}}
+    api = FakeApi({"t": pod("t", [spec], uid="u1")})
+    clients = FakeClients()
+    b = Binder(state, clients, api)  # type: ignore[arg-type]
+    with pytest.raises(BindError, match=r"asks for whole GPUs \(aliyun.com/gpu\).*does not bind"):
+        b.bind(BindArgs("t", "default", "u1", "n1"))
+    assert clients.node.reserved == {} and api.bound == {}

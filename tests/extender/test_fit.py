@@ -275,3 +275,40 @@ def test_equally_joined_gpus_keep_placements_choice() -> None:
     gpus = [gpu(0, used=2), gpu(1), gpu(2), gpu(3, used=1)]
     two = demand(container("c", mem="4", count="2"))
     assert placed(fit(two, node(gpus=gpus, links=flat))).gpus == (0, 3)
+
+
+# ---- whole GPUs (aliyun.com/gpu) on topology nodes --------------------------------------
+
+
+def whole(n: int = 2) -> object:
+    return pod_demand(pod(containers=[{"name": "c", "image": "x", "resources": {"limits": {"aliyun.com/gpu": n}}}]))
+
+
+def test_whole_gpus_go_to_topology_nodes_only() -> None:
+    r = refused(fit(whole(), node(mode="cgpu")))
+    assert "node mode cgpu does not give aliyun.com/gpu" in r.text and not r.resolvable
+
+
+def test_whole_gpus_take_the_linked_pair_and_score_how_well_it_is_joined() -> None:
+    gpus = [gpu(0, used=16), gpu(1), gpu(2), gpu(3)]  # GPU 0 held (a pod's whole GPU, as the view counts it)
+    p = placed(fit(whole(2), node(gpus=gpus, mode="topology", links=PAIRS)))
+    assert p.containers == ((0, 0, (2, 3)),)
+    assert score(p) == MAX_SCORE  # joined as well as the node's best pair
+    flat = [(a, b, 50, 0) for a in range(4) for b in range(a + 1, 4)]
+    weak = placed(fit(whole(2), node(gpus=gpus, mode="topology", links=flat)))
+    assert weak.containers == ((0, 0, (1, 2)),) and score(weak) == MAX_SCORE  # all alike: as good as any
+
+
+def test_a_node_whose_free_gpus_are_worse_joined_scores_lower() -> None:
+    held_pair = [gpu(0), gpu(1), gpu(2, used=16), gpu(3)]  # 2 held: no linked pair left
+    p = placed(fit(whole(2), node(gpus=held_pair, mode="topology", links=PAIRS)))
+    assert p.containers == ((0, 0, (0, 1)),) and score(p) == MAX_SCORE
+    broken = [gpu(0, used=16), gpu(1), gpu(2, used=16), gpu(3)]
+    q = placed(fit(whole(2), node(gpus=broken, mode="topology", links=PAIRS)))
+    assert q.containers == ((0, 0, (1, 3)),) and score(q) < MAX_SCORE // 2
+
+
+def test_more_whole_gpus_than_are_free_is_refused_with_the_count() -> None:
+    gpus = [gpu(0, used=16), gpu(1), gpu(2), gpu(3)]
+    r = refused(fit(whole(4), node(gpus=gpus, mode="topology", links=PAIRS)))
+    assert "asked for 4 whole GPUs but only 3 of 4 are free" in r.text

@@ -123,3 +123,30 @@ def test_core_or_count_without_memory_is_refused(kwargs: dict[str, str], what: s
 def test_wrong_shapes_say_what(bad: object, words: str) -> None:
     with pytest.raises(PodError, match=words):
         pod_demand(bad)
+
+
+def _whole_container(name: str, n: object, **more: object) -> dict:
+    return {"name": name, "image": "x", "resources": {"limits": {"aliyun.com/gpu": n, **more}}}
+
+
+def test_whole_gpus_are_a_demand_of_their_own() -> None:
+    d = pod_demand(pod(containers=[_whole_container("train", "4")]))
+    assert d.whole and d.containers == (ContainerDemand("train", 0, 0, 4, 0, whole=True),)
+
+
+@pytest.mark.parametrize(
+    ("containers", "message"),
+    [
+        (
+            [_whole_container("c", 2, **{"aliyun.com/gpu-mem": 4})],
+            "asks for 2 whole GPUs (aliyun.com/gpu) and for a GPU share",
+        ),
+        (
+            [_whole_container("a", 1), container("b", mem="2")],
+            "asks for whole GPUs (aliyun.com/gpu) in one container and a GPU share (aliyun.com/gpu-mem) in another",
+        ),
+    ],
+)
+def test_whole_gpus_and_shares_do_not_mix(containers: list, message: str) -> None:
+    with pytest.raises(PodError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        pod_demand(pod(containers=containers))

@@ -14,7 +14,7 @@ import pytest
 
 from cgpud.containers.devices import HOST_ROOT
 from cgpud.containers.edits import RuntimeFiles
-from cgpud.node.model import GIB, GpuCapacity, InstanceState, NodeMode, NodePolicy, OwnerKind, Share
+from cgpud.node.model import GIB, GpuCapacity, InstanceState, NodeMode, NodePolicy, Owner, OwnerKind, Request, Share
 from cgpud.node.region import read_limits
 from cgpud.node.service import InstanceService
 from cgpud.node.store import Store
@@ -22,6 +22,8 @@ from cgpud.kube.allocator import PodAllocator, spec_path
 from cgpud.kube.apiserver import ApiServer
 from cgpud.kube.model import AllocationError, MountSpec, Resource
 from cgpud.kube.pod_resources import PodResourcesClient
+from cgpud.kube.resources import whole_gpus_held
+from cgpud.errors import CgpuError
 from cgpud.kube.releases import PodReleaser, kubelet_pods
 from tests.harness.api_server import ApiServerProcess, api_server, assumed, pod_json
 from tests.harness.kubelet_pods import KubeletPods
@@ -41,6 +43,7 @@ class Rig:
     kubelet: KubeletPods
     releaser: PodReleaser
     cdi: Path
+    kubelet_socket: Path
 
     def assumed_pod(self, name: str, gib: int = 2, idx: str | None = "1", t: int = 100, **limits: int) -> dict:
         return self.server.state.add_pod(
@@ -82,7 +85,7 @@ def rig(tmp_path: Path) -> Iterator[Rig]:
         allocator = PodAllocator(service, api, NODE, files, cdi, HOST_ROOT)
         client = PodResourcesClient(socket, timeout=2.0)
         releaser = PodReleaser(service, lambda: api.pods_on_node(NODE), lambda: kubelet_pods(client.list()), cdi)
-        yield Rig(service, server, api, allocator, kubelet, releaser, cdi)
+        yield Rig(service, server, api, allocator, kubelet, releaser, cdi, socket)
         api.close()
 
 
@@ -487,3 +490,31 @@ def test_the_nodes_minimum_is_the_allocators(rig: Rig):
     ):
         rig.allocator.allocate(Resource.GPU_MEM, ids(2))
     rig.nothing_made()
+
+
+# ---- GPUs pods hold whole: the kubelet's word (pod-resources), cgpud's books -----------
+
+
+def test_gpus_the_kubelet_gave_whole_are_taken_in_admission_and_the_view(rig: Rig):
+    """cgpud keeps no instance for nvidia.com/gpu and aliyun.com/gpu; the
+    sweep reads which GPUs pods hold from the kubelet's pod-resources List."""
+    rig.kubelet.hold("default", "whole", "main", "aliyun.com/gpu", ("GPU-aaaa",))
+    rig.kubelet.hold("default", "share", "main", MEM, ("GPU-bbbb-_-0",))  # a share: cgpud's own books
+    before = rig.service.changes.revision
+    listed = PodResourcesClient(rig.kubelet_socket, timeout=2.0).list()
+    rig.service.set_whole_held(whole_gpus_held(listed, rig.service.gpus()))
+    assert rig.service.whole_held() == {0} and rig.service.changes.revision > before
+    usage = {g.gpu.index: g for g in rig.service.node_info().gpus}
+    assert (usage[0].allocated, usage[0].instances, usage[1].instances) == (16 * GIB, 1, 0)
+    # A request that needs GPU 0 is refused, one that fits GPU 1 goes there;
+    # the same set again is no change.
+    with pytest.raises(CgpuError) as refused:
+        rig.service.create(Request(Owner(OwnerKind.PROCESS, "host"), 4 * GIB, gpu_count=2))
+    assert "the next most free is 0 GiB on GPU 0" in str(refused.value)
+    assert rig.service.create(Request(Owner(OwnerKind.PROCESS, "host"), 4 * GIB)).grants[0].gpu_index == 1
+    revision = rig.service.changes.revision
+    rig.service.set_whole_held({0})
+    assert rig.service.changes.revision == revision
+    rig.kubelet.forget("default", "whole")
+    rig.service.set_whole_held(whole_gpus_held(PodResourcesClient(rig.kubelet_socket).list(), rig.service.gpus()))
+    assert rig.service.whole_held() == frozenset()

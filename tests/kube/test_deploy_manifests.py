@@ -206,8 +206,16 @@ def test_the_scheduler_config_names_real_fields_and_our_resources():
     assert config["apiVersion"] == "kubescheduler.config.k8s.io/v1"
     assert config["kind"] == "KubeSchedulerConfiguration"
     assert set(config) <= SCHEDULER_CONFIG_FIELDS
-    [extender] = config["extenders"]
+    extender, whole = config["extenders"]
     assert set(extender) <= EXTENDER_FIELDS, set(extender) - EXTENDER_FIELDS
+    # The second entry: the same extender for whole GPUs on topology nodes,
+    # filter and prioritize only (kube-scheduler binds; it counts them too).
+    assert set(whole) <= EXTENDER_FIELDS and "bindVerb" not in whole
+    assert {k: whole[k] for k in ("urlPrefix", "tlsConfig", "enableHTTPS")} == {
+        k: extender[k] for k in ("urlPrefix", "tlsConfig", "enableHTTPS")
+    }
+    assert whole["ignorable"] is True  # a preference: pods still schedule, by count, without it
+    assert whole["managedResources"] == [{"name": "aliyun.com/gpu", "ignoredByScheduler": False}]
     assert extender["nodeCacheCapable"] is True and extender["enableHTTPS"] is True
     # kube-scheduler's client certificate: cgpu-scheduler binds only for it
     assert set(extender["tlsConfig"]) == {"certFile", "keyFile", "caFile"}
@@ -234,7 +242,7 @@ def test_the_configs_verbs_are_the_ones_the_extender_answers():
     from cgpud.extender.state import ClusterState
 
     [config] = documents(SCHEDULER_CONFIG)
-    [extender] = config["extenders"]
+    extender, _ = config["extenders"]
     pod = {
         "metadata": {"name": "p", "namespace": "default", "uid": "u1"},
         "spec": {"containers": [{"name": "c", "resources": {"limits": {"aliyun.com/gpu-mem": "2"}}}]},

@@ -614,10 +614,10 @@ class RealCluster(StartOrClose):
             kubeconfig(self.root / "scheduler.kubeconfig", self.api_url("127.0.0.1"), self.pki.ca, cert=client)
         )
         config["leaderElection"] = {"leaderElect": False}
-        [extender] = config["extenders"]
-        extender["urlPrefix"] = self.extender_url
         c = self.capacity_pki
-        extender["tlsConfig"] = {"certFile": str(c.client_cert), "keyFile": str(c.client_key), "caFile": str(c.ca)}
+        for extender in config["extenders"]:  # shares, and whole GPUs on topology nodes
+            extender["urlPrefix"] = self.extender_url
+            extender["tlsConfig"] = {"certFile": str(c.client_cert), "keyFile": str(c.client_key), "caFile": str(c.ca)}
         return config
 
     def _start_scheduler(self) -> None:

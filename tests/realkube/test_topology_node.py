@@ -4,9 +4,11 @@
 the real kubelet asks cgpud's GetPreferredAllocation which GPUs to give
 and cgpud answers by how they are joined (cgpud.node.topology).
 
-One pod takes one GPU (GPU 0: all four are alike then). A second pod that
-asks for two gets the linked pair 2-3, not GPUs 1 and 2 (the next in GPU
-order, on two sockets with no link)."""
+One pod takes one GPU (GPU 0: all four are alike then); cgpud reads that
+from the kubelet's pod-resources and cgpu-scheduler's view shows it. A
+second pod that asks for two (filtered and scored by cgpu-scheduler's
+second extender entry, bound by kube-scheduler) gets the linked pair 2-3,
+not GPUs 1 and 2 (the next in GPU order, on two sockets with no link)."""
 
 from __future__ import annotations
 
@@ -49,6 +51,20 @@ def test_two_gpus_go_to_the_linked_pair_the_kubelet_is_told_of(topology_cluster:
     c.wait_pod("one", ("Running",))
     until(lambda: "IDX=" in c.logs("one"), WAIT, interval=0.2, what="pod one's index in its log")
     assert _index(c.logs("one")) == "0"
+    # cgpud keeps no instance for a whole GPU: its sweep reads the kubelet's
+    # pod-resources, and cgpu-scheduler's view of the node shows GPU 0 taken.
+    node = c.nodes[0].name
+
+    def held() -> list[int]:
+        return [g["instances"] for g in c.extender_view().get(node, {}).get("gpus", [])]
+
+    until(
+        lambda: held() == [1, 0, 0, 0],
+        WAIT,
+        interval=0.2,
+        what="GPU 0 held in cgpu-scheduler's view",
+        explain=lambda: str(held()),
+    )
     c.apply([c.workload_pod("two", SHOW_INDEX, {GPU: 2})])
     phase = c.wait_pod("two", ("Succeeded", "Failed"), 120)
     logs = c.logs("two")
