@@ -33,7 +33,7 @@ from pathlib import Path
 from elf_needs import ElfError, elf_files, newest_glibc
 from interpreter import Interpreter
 from interpreter import install as install_interpreter
-from zig import Zig
+from zig import Zig, pip_install
 from zig import install as install_zig
 
 REPO = Path(__file__).resolve().parent.parent
@@ -172,23 +172,17 @@ def stage_dependencies(site: Path) -> None:
     may be built for this machine's newer glibc."""
     pins = [f"{d.metadata['Name']}=={d.version}" for d in runtime_distributions()]
     platforms = [f"--platform={p}_x86_64" for p in ("manylinux_2_17", "manylinux2014", "manylinux2010", "manylinux1")]
-    run(
-        sys.executable,
-        "-m",
-        "pip",
-        "install",
-        "-q",
-        "--disable-pip-version-check",
-        "--no-deps",
+    pip = pip_install(
+        site,
         "--no-compile",
         "--only-binary=:all:",
         "--implementation=cp",
         f"--python-version={sys.version_info.major}.{sys.version_info.minor}",
         *platforms,
-        "--target",
-        site,
         *pins,
     )
+    if pip.returncode != 0:
+        raise BuildError(f"pip could not install the manylinux2014 wheels of {', '.join(pins)}:\n{pip.stderr[-3000:]}")
     shutil.rmtree(site / "bin", ignore_errors=True)  # console scripts of the dependencies: unused
 
 

@@ -61,6 +61,13 @@ class Zig:
         }
 
 
+def pip_install(target: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    """`pip install --target target --no-deps ARGS` with this interpreter's
+    pip, quietly: what the packaging scripts fetch from PyPI."""
+    command = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps"]
+    return subprocess.run([*command, "--target", str(target), *args], capture_output=True, text=True, timeout=timeout)
+
+
 def _scripts(bin_dir: Path, zig: Path) -> None:
     bin_dir.mkdir()
     for name, command in (("cc", f"cc -target {TARGET}"), ("ar", "ar"), ("ranlib", "ranlib")):
@@ -82,23 +89,7 @@ def install() -> Zig:
             return Zig(root)
         staging = Path(tempfile.mkdtemp(prefix=".zig-", dir=cache))
         try:
-            pip = subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "pip",
-                    "install",
-                    "-q",
-                    "--disable-pip-version-check",
-                    "--no-deps",
-                    "--target",
-                    str(staging / "wheel"),
-                    f"ziglang=={ZIG_VERSION}",
-                ],
-                capture_output=True,
-                text=True,
-                timeout=600,
-            )
+            pip = pip_install(staging / "wheel", f"ziglang=={ZIG_VERSION}", timeout=600)
             if pip.returncode != 0:
                 raise ZigError(f"installing ziglang=={ZIG_VERSION} from PyPI failed:\n{pip.stderr[-2000:]}")
             _scripts(staging / "bin", root / "wheel" / "ziglang" / "zig")
