@@ -67,7 +67,7 @@ class CapacityService(Protocol):
 
     def holdings(self) -> tuple[builtins.list[Instance], builtins.list[Reservation]]: ...
 
-    def whole_held(self) -> frozenset[int]: ...
+    def whole_held(self) -> Mapping[int, str]: ...
 
     def reserve(
         self, pod_uid: str, namespace: str, name: str, shares: Sequence[Share], ttl: float | None = None
@@ -145,7 +145,8 @@ class NodeSnapshot:
     active: tuple[Instance, ...]  # released ones are skipped
     reservations: tuple[Reservation, ...]  # live ones
     health: Mapping[int, tuple[bool, str]] = field(default_factory=dict)
-    whole: frozenset[int] = frozenset()  # GPUs pods hold whole (InstanceService.set_whole_held)
+    # GPUs pods hold whole: index -> "namespace/pod/container" (InstanceService.set_whole_held)
+    whole: Mapping[int, str] = field(default_factory=dict)
 
 
 def _share_pb(share: Share) -> pb.Share:
@@ -180,6 +181,16 @@ def _pod_instance(instance: Instance) -> pb.PodInstance:
     return pb.PodInstance(
         instance_id=instance.id, pod_uid=uid, pod_namespace=namespace, pod_name=name, container=container, shares=shares
     )
+
+
+def _whole_gpu_pod(index: int, holder: str, gpus: Sequence[GpuCapacity]) -> pb.PodInstance:
+    """A pod's whole GPU, as the kubelet lists it: no instance of cgpud's and
+    no UID (pod-resources names pods by namespace and name)."""
+    namespace, _, rest = holder.partition("/")
+    name, _, container = rest.partition("/")
+    memory = next((g.memory for g in gpus if g.index == index), 0)
+    share = pb.Share(gpu_index=index, memory_bytes=memory, core_percent=100, instances=1)
+    return pb.PodInstance(pod_namespace=namespace, pod_name=name, container=container, shares=[share])
 
 
 def node_view(s: NodeSnapshot) -> pb.NodeView:
@@ -226,7 +237,8 @@ def node_view(s: NodeSnapshot) -> pb.NodeView:
             for (a, b), link in sorted(s.facts.links.items())
         ],
         reservations=[reservation_to_pb(r) for r in sorted(s.reservations, key=lambda r: r.pod_uid)],
-        pod_instances=[_pod_instance(i) for i in sorted(pods, key=lambda i: (i.owner.id, i.id))],
+        pod_instances=[_pod_instance(i) for i in sorted(pods, key=lambda i: (i.owner.id, i.id))]
+        + [_whole_gpu_pod(index, who, s.gpus) for index, who in sorted(s.whole.items())],
         driver_version=s.facts.driver_version,
         other_instances=len(active) - len(pods),
     )

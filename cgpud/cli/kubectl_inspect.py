@@ -161,7 +161,9 @@ def _pod_rows(pods: Sequence[PodShare]) -> list[_PodRow]:
     reservation not yet consumed is a row of its own."""
     rows: dict[tuple[str, bool], _PodRow] = {}
     for p in pods:
-        row = rows.setdefault((p.pod_uid, p.reserved), _PodRow(p.pod_namespace, p.pod_name, p.reserved, {}, {}))
+        # A pod's whole GPUs come without a UID (the kubelet's pod-resources): its name then.
+        key = (p.pod_uid or f"{p.pod_namespace}/{p.pod_name}", p.reserved)
+        row = rows.setdefault(key, _PodRow(p.pod_namespace, p.pod_name, p.reserved, {}, {}))
         for index, memory, core in p.gpus:
             row.memory[index] = row.memory.get(index, 0) + memory
             row.core[index] = row.core.get(index, 0) + core

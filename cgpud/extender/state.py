@@ -189,7 +189,7 @@ class ClusterState:
 
 def _live(holds: Sequence[Hold], view: NodeState, now: float) -> tuple[Hold, ...]:
     """The holds `view` does not count yet."""
-    shown = {p.pod_uid for p in view.pods}
+    shown = {p.pod_uid for p in view.pods if p.pod_uid}  # whole GPUs come without one
     out = []
     for h in holds:
         if h.expires <= now or h.pod_uid in shown:

@@ -258,15 +258,30 @@ class _Devices(Protocol):
     """A pod-resources entry (cgpud.kube.pod_resources.ContainerDevices)."""
 
     @property
+    def namespace(self) -> str: ...
+
+    @property
+    def pod(self) -> str: ...
+
+    @property
+    def container(self) -> str: ...
+
+    @property
     def resource(self) -> str: ...
 
     @property
     def device_ids(self) -> tuple[str, ...]: ...
 
 
-def whole_gpus_held(listed: Iterable[_Devices], gpus: Sequence[GpuCapacity]) -> frozenset[int]:
-    """The indexes of the GPUs the kubelet lists as given to containers whole
-    (nvidia.com/gpu, aliyun.com/gpu: device IDs are GPU UUIDs)."""
+def whole_gpus_held(listed: Iterable[_Devices], gpus: Sequence[GpuCapacity]) -> dict[int, str]:
+    """The GPUs the kubelet lists as given to containers whole (nvidia.com/gpu,
+    aliyun.com/gpu: device IDs are GPU UUIDs): index -> "namespace/pod/container"."""
     by_uuid = {g.uuid: g.index for g in gpus}
     whole = (Resource.NVIDIA_GPU.value, Resource.GPU_TOPOLOGY.value)
-    return frozenset(by_uuid[d] for e in listed if e.resource in whole for d in e.device_ids if d in by_uuid)
+    return {
+        by_uuid[d]: f"{e.namespace}/{e.pod}/{e.container}"
+        for e in listed
+        if e.resource in whole
+        for d in e.device_ids
+        if d in by_uuid
+    }

@@ -16,7 +16,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -92,8 +92,9 @@ class InstanceService:
     ) -> None:
         self._store = store
         self._links = links  # how the GPUs are joined (inventory): multi-GPU and topology choices
-        # GPUs the kubelet gave pods whole (set_whole_held): no instance of ours, but taken.
-        self._whole: frozenset[int] = frozenset()
+        # GPUs the kubelet gave pods whole (set_whole_held): no instance of
+        # ours, but taken. GPU index -> "namespace/pod/container".
+        self._whole: dict[int, str] = {}
         self._reservation_ttl = self._check_ttl(reservation_ttl)
         # Bumped on every change a node view shows (instances, policy,
         # reservations); the Capacity API's watchers wait on it.
@@ -153,14 +154,16 @@ class InstanceService:
             gpus=placement.gpu_usage(self._gpus, *self.holdings(), self._whole),
         )
 
-    def whole_held(self) -> frozenset[int]:
-        return self._whole
+    def whole_held(self) -> Mapping[int, str]:
+        """GPU index -> the "namespace/pod/container" that holds it whole."""
+        return dict(self._whole)
 
-    def set_whole_held(self, indexes: Iterable[int]) -> None:
+    def set_whole_held(self, holders: Mapping[int, str]) -> None:
         """The GPUs pods hold whole (nvidia.com/gpu, aliyun.com/gpu), as the
         kubelet's pod-resources lists them: admission and the Capacity view
         count them taken. A change is a change of the node's view."""
-        held = frozenset(i for i in indexes if any(g.index == i for g in self._gpus))
+        known = {g.index for g in self._gpus}
+        held = {i: who for i, who in holders.items() if i in known}
         with self._lock:
             if held == self._whole:
                 return

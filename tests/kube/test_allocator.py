@@ -503,7 +503,7 @@ def test_gpus_the_kubelet_gave_whole_are_taken_in_admission_and_the_view(rig: Ri
     before = rig.service.changes.revision
     listed = PodResourcesClient(rig.kubelet_socket, timeout=2.0).list()
     rig.service.set_whole_held(whole_gpus_held(listed, rig.service.gpus()))
-    assert rig.service.whole_held() == {0} and rig.service.changes.revision > before
+    assert rig.service.whole_held() == {0: "default/whole/main"} and rig.service.changes.revision > before
     usage = {g.gpu.index: g for g in rig.service.node_info().gpus}
     assert (usage[0].allocated, usage[0].instances, usage[1].instances) == (16 * GIB, 1, 0)
     # A request that needs GPU 0 is refused, one that fits GPU 1 goes there;
@@ -513,8 +513,8 @@ def test_gpus_the_kubelet_gave_whole_are_taken_in_admission_and_the_view(rig: Ri
     assert "the next most free is 0 GiB on GPU 0" in str(refused.value)
     assert rig.service.create(Request(Owner(OwnerKind.PROCESS, "host"), 4 * GIB)).grants[0].gpu_index == 1
     revision = rig.service.changes.revision
-    rig.service.set_whole_held({0})
+    rig.service.set_whole_held({0: "default/whole/main"})
     assert rig.service.changes.revision == revision
     rig.kubelet.forget("default", "whole")
     rig.service.set_whole_held(whole_gpus_held(PodResourcesClient(rig.kubelet_socket).list(), rig.service.gpus()))
-    assert rig.service.whole_held() == frozenset()
+    assert rig.service.whole_held() == {}

@@ -65,6 +65,8 @@ def test_two_gpus_go_to_the_linked_pair_the_kubelet_is_told_of(topology_cluster:
         what="GPU 0 held in cgpu-scheduler's view",
         explain=lambda: str(held()),
     )
+    pods = c.extender_view()[node]["pods"]
+    assert [(p["pod_namespace"], p["pod_name"], p["gpus"][0][0]) for p in pods] == [("default", "one", 0)], pods
     c.apply([c.workload_pod("two", SHOW_INDEX, {GPU: 2})])
     phase = c.wait_pod("two", ("Succeeded", "Failed"), 120)
     logs = c.logs("two")

@@ -431,3 +431,19 @@ def test_the_view_carries_how_each_pair_is_joined_and_the_extender_reads_it():
     view = node_view(_snapshot(facts=facts))
     assert [(k.gpu_a, k.gpu_b, k.pcie_level, k.nvlinks) for k in view.links] == [(0, 1, SINGLE, 2)]
     assert node_from_pb(view).topology() == {(0, 1): Link(SINGLE, 2)}
+
+
+def test_a_gpu_a_pod_holds_whole_is_full_and_names_the_pod():
+    """cgpud keeps no instance for it: the kubelet's pod-resources says who."""
+    view = node_view(_snapshot(whole={1: "ml/train/main"}))
+    g0, g1 = view.gpus
+    assert (g0.instances, g1.instances, g1.memory_allocated_bytes, g1.core_allocated_percent) == (0, 1, 16 * GIB, 100)
+    [pod] = view.pod_instances
+    assert (pod.instance_id, pod.pod_uid, pod.pod_namespace, pod.pod_name, pod.container) == (
+        "",
+        "",
+        "ml",
+        "train",
+        "main",
+    )
+    assert [(s.gpu_index, s.memory_bytes) for s in pod.shares] == [(1, 16 * GIB)]

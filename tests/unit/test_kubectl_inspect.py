@@ -213,6 +213,21 @@ def test_details_add_up_a_pods_containers_and_mark_reservations():
     assert rows[8].split() == ["Not", "pods", ":", "2", "instances", "(in", "Allocated)"]
 
 
+def test_details_show_pods_holding_whole_gpus_one_row_each():
+    """Whole GPUs come from the kubelet's pod-resources, without pod UIDs:
+    two pods are still two rows."""
+    n = node(
+        "n1",
+        (gpu(0, 16 * GIB), gpu(1, 16 * GIB)),
+        pods=(
+            PodShare("", "ml", "a", "main", ((0, 16 * GIB, 100),)),
+            PodShare("", "ml", "b", "main", ((1, 16 * GIB, 100),)),
+        ),
+    )
+    rows = ki.details(ClusterView((entry(n),))).splitlines()
+    assert [r.split() for r in rows[4:6]] == [["a", "ml", "16", "0"], ["b", "ml", "0", "16"]]
+
+
 def test_details_show_a_core_column_on_core_mem_nodes_only():
     shares = (pod("a", (0, 2 * GIB, 30)), pod("b", (0, 1 * GIB, 0)))
     cm = ki.details(ClusterView((entry(node("cm", (gpu(0, 3 * GIB),), shares, mode="core_mem")),))).splitlines()
