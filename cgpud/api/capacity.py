@@ -24,7 +24,7 @@ from cgpud.api.cgpu.v1 import capacity_pb2 as pb
 from cgpud.api.cgpu.v1 import capacity_pb2_grpc as pb_grpc
 from cgpud.api.status import abort_rpc
 from cgpud.node import placement
-from cgpud.node.inventory import Inventory
+from cgpud.node.inventory import Inventory, pci_key
 from cgpud.node.topology import Link
 from cgpud.node.model import GpuCapacity, Instance, NodePolicy, OwnerKind, Reservation, Share
 from cgpud.errors import UsageError
@@ -94,26 +94,16 @@ class NodeFacts:
     links: Mapping[tuple[int, int], Link] = field(default_factory=dict)  # inventory.links()
 
 
-def _pci_key(bus_id: str) -> tuple[int, ...] | None:
-    """ "00000000:17:00.0" and "0000:17:00.0" name the same function."""
-    try:
-        domain, bus, rest = bus_id.strip().split(":")
-        device, function = rest.split(".")
-        return int(domain, 16), int(bus, 16), int(device, 16), int(function, 16)
-    except ValueError:
-        return None
-
-
 def nvlink_pairs(gpus: Sequence[Any]) -> tuple[tuple[int, int], ...]:
     """NVLink peers (PCI bus ids, inventory.Gpu.nvlink_peers) as pairs of GPU
     indexes, each once with a < b; links to anything not among `gpus` (an
     NVSwitch) are left out."""
-    by_pci = {_pci_key(g.pci_bus_id): g.index for g in gpus}
+    by_pci = {pci_key(g.pci_bus_id): g.index for g in gpus}
     by_pci.pop(None, None)
     pairs = set()
     for g in gpus:
         for peer in g.nvlink_peers:
-            other = by_pci.get(_pci_key(peer))
+            other = by_pci.get(pci_key(peer))
             if other is not None and other != g.index:
                 pairs.add((min(g.index, other), max(g.index, other)))
     return tuple(sorted(pairs))

@@ -25,12 +25,13 @@ from cgpud.containers.devices import HOST_ROOT
 from cgpud.containers.edits import RuntimeFiles
 from cgpud.node.model import NodePolicy
 from cgpud.node.service import InstanceService
+from cgpud.errors import CgpuError
 from cgpud.kube.allocator import DYNAMIC_CDI_DIR, PodAllocator
 from cgpud.kube.apiserver import LazyApiServer
 from cgpud.kube.model import DEFAULT_MIN_POD_PRIORITY, DEFAULT_POD_RESOURCES_SOCKET
 from cgpud.kube.node_labels import DEFAULT_INTERVAL, NodeLabels
 from cgpud.kube import resources
-from cgpud.kube.pod_resources import KubeletUnavailable, PodResourcesClient
+from cgpud.kube.pod_resources import ContainerDevices, PodResourcesClient
 from cgpud.kube.releases import PodReleaser, kubelet_pods
 
 
@@ -72,9 +73,12 @@ class KubeAgent:
         self.on_policy: Callable[[NodePolicy], None] | None = None  # set once the device plugin exists
         self.allocator = PodAllocator(service, api, node, files, cdi_dir, dev_root, min_pod_priority)
         self.service = service
-        self._kubelet = kubelet = PodResourcesClient(pod_resources_socket)
+        self._kubelet = PodResourcesClient(pod_resources_socket)
+        # The kubelet's pod-resources List of this sweep, or why there is none:
+        # read once, for the releases and for the GPUs pods hold whole.
+        self._listed: list[ContainerDevices] | CgpuError = []
         self.releaser = PodReleaser(
-            service, lambda: api.pods_on_node(node), lambda: kubelet_pods(kubelet.list()), cdi_dir
+            service, lambda: api.pods_on_node(node), lambda: kubelet_pods(self._listing()), cdi_dir
         )
         self.labels = NodeLabels(
             api, node, service, configured, card_labels, on_policy=self._policy_changed, interval=label_interval
@@ -89,19 +93,21 @@ class KubeAgent:
         return self
 
     def sweep(self) -> int:
-        released = self.releaser.sweep()
-        self.whole_gpus_sweep()
-        return released
-
-    def whole_gpus_sweep(self) -> None:
-        """The GPUs pods hold whole, from the kubelet's pod-resources (cgpud
-        keeps no instance for them), into the node's books. While the
-        kubelet cannot be asked, the last answer stands."""
+        """The GPUs pods hold whole into the node's books (cgpud keeps no
+        instance for them; while the kubelet cannot be asked, the last answer
+        stands), then the releases."""
         try:
-            listed = self._kubelet.list()
-        except KubeletUnavailable:
-            return
-        self.service.set_whole_held(resources.whole_gpus_held(listed, self.service.gpus()))
+            self._listed = self._kubelet.list()
+        except CgpuError as e:  # the releaser says so, and waits
+            self._listed = e
+        else:
+            self.service.set_whole_held(resources.whole_gpus_held(self._listed, self.service.gpus()))
+        return self.releaser.sweep()
+
+    def _listing(self) -> list[ContainerDevices]:
+        if isinstance(self._listed, CgpuError):
+            raise self._listed
+        return self._listed
 
     def stop(self, timeout: float = 2.0) -> None:
         """After `stop` (the event) is set: wait for the label thread, close the client."""

@@ -4,7 +4,7 @@ runs on a real driver and on any library that speaks the NVML ABI."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
@@ -54,11 +54,12 @@ class Inventory:
     def links(self) -> dict[tuple[int, int], Link]:
         """How each pair of GPUs is joined: the placement decisions' view
         (cgpud.node.topology)."""
-        by_bus = {g.pci_bus_id.lower(): g.index for g in self.gpus}
+        by_bus = {pci_key(g.pci_bus_id): g.index for g in self.gpus}
+        by_bus.pop(None, None)  # an unreadable bus id matches nothing
         found = {}
         for a, b in itertools.combinations(self.gpus, 2):
             level = a.pcie_levels[b.index] if b.index < len(a.pcie_levels) else SYSTEM
-            nvlinks = sum(1 for bus in a.nvlink_peers if by_bus.get(bus.lower()) == b.index)
+            nvlinks = sum(1 for bus in a.nvlink_peers if by_bus.get(pci_key(bus)) == b.index)
             # Through the switches each pair can use all the links the lesser GPU has.
             nvlinks += min(a.nvswitch_links, b.nvswitch_links)
             found[(a.index, b.index)] = Link(level, nvlinks)
@@ -76,6 +77,16 @@ def _query(what: str, fn: Callable[..., T], *args: Any) -> T:
         return fn(*args)
     except pynvml.NVMLError as e:
         raise GpuQueryError(f"NVML {what} failed: {e}") from e
+
+
+def pci_key(bus_id: str) -> tuple[int, ...] | None:
+    """ "00000000:17:00.0" and "0000:17:00.0" name the same function."""
+    try:
+        domain, bus, rest = bus_id.strip().split(":")
+        device, function = rest.split(".")
+        return int(domain, 16), int(bus, 16), int(device, 16), int(function, 16)
+    except ValueError:
+        return None
 
 
 def _text(value: str | bytes) -> str:
@@ -116,9 +127,8 @@ def _pcie_level(handle: Any, other: Any) -> int:
         return SYSTEM  # not reported (some drivers, virtual GPUs): assume the farthest
 
 
-def _gpu(index: int, count: int) -> Gpu:
-    h = _query(f"handle of GPU {index}", pynvml.nvmlDeviceGetHandleByIndex, index)
-    others = [_query(f"handle of GPU {i}", pynvml.nvmlDeviceGetHandleByIndex, i) for i in range(count)]
+def _gpu(index: int, handles: Sequence[Any]) -> Gpu:
+    h = handles[index]
     peers, switched = _nvlinks(h)
     memory = _query("memory info", pynvml.nvmlDeviceGetMemoryInfo, h)
     pci = _query("PCI info", pynvml.nvmlDeviceGetPciInfo, h)
@@ -132,7 +142,7 @@ def _gpu(index: int, count: int) -> Gpu:
         minor_number=_query("minor number", pynvml.nvmlDeviceGetMinorNumber, h),
         compute_capability=tuple(_query("compute capability", pynvml.nvmlDeviceGetCudaComputeCapability, h)),
         nvlink_peers=peers,
-        pcie_levels=tuple(_pcie_level(h, o) for o in others),
+        pcie_levels=tuple(_pcie_level(h, o) for o in handles),
         nvswitch_links=switched,
     )
 
@@ -179,10 +189,11 @@ def read_inventory() -> Inventory:
         ) from e
     try:
         count = _query("device count", pynvml.nvmlDeviceGetCount)
+        handles = [_query(f"handle of GPU {i}", pynvml.nvmlDeviceGetHandleByIndex, i) for i in range(count)]
         return Inventory(
             driver_version=_text(_query("driver version", pynvml.nvmlSystemGetDriverVersion)),
             cuda_driver_version=_query("CUDA driver version", pynvml.nvmlSystemGetCudaDriverVersion),
-            gpus=tuple(_gpu(i, count) for i in range(count)),
+            gpus=tuple(_gpu(i, handles) for i in range(count)),
         )
     finally:
         pynvml.nvmlShutdown()
