@@ -88,6 +88,22 @@ def _pid_alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[-1].split()[0] != "Z"
 
 
+def new_tag() -> str:
+    """A cluster's tag: this process's id and two hex digits no cluster of it
+    still uses (its root directory or a namespace is there). A random pick
+    alone once gave two clusters of one xdist worker the same tag: "ip netns
+    add ...: File exists"."""
+    pid = f"{os.getpid():x}"
+    netns = Path("/run/netns")
+    used = {d.name[len(ROOT_PREFIX) + len(pid) :][:2] for d in Path("/tmp").glob(f"{ROOT_PREFIX}{pid}??-*")}
+    if netns.is_dir():
+        used |= {n.name[len(NETNS_PREFIX) + len(pid) :][:2] for n in netns.glob(f"{NETNS_PREFIX}{pid}??-*")}
+    free = [f"{b:02x}" for b in range(256) if f"{b:02x}" not in used]
+    if not free:
+        raise RuntimeError(f"all 256 cluster tags of process {pid} are in use")
+    return pid + secrets.choice(free)
+
+
 def _tag_pid(tag: str) -> int | None:
     """The creating process id in a tag (all but its last two hex digits)."""
     try:
@@ -302,7 +318,7 @@ class Cluster(StartOrClose):
         # cgpud's sweep (2 s by default) also asks the API server about each
         # reservation's pod; every node asks the one API server of the test
         self.daemon_args = ("--sweep-interval", str(sweep_interval), *daemon_args)
-        self.tag = f"{os.getpid():x}{secrets.token_hex(1)}"
+        self.tag = new_tag()
         self.nodes: list[Node] = []
         self.api: ApiServerProcess | None = None
         self.pki: Any = None  # tests.harness.tls.Pki when tls

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 import shutil
 import signal
 import ssl
@@ -41,6 +40,7 @@ import yaml
 from cgpud.cli.sim_topology import placement
 from cgpud.native import native_dir, native_path
 from tests.harness.cluster import ROOT_PREFIX, _pid_alive, _tag_pid, _unmount_regions, free_port, free_second_octet
+from tests.harness.cluster import new_tag
 from tests.harness.cluster import node_network, sweep_leftovers
 from tests.harness.sim import write_sim_config
 from tests.harness.daemon import BIN
@@ -245,7 +245,7 @@ class RealCluster(StartOrClose):
         # Each node's GPUs placed as a machine of cgpud/cli/sim_topology.py ("": no PCIe tree, no links).
         self.placements = placement(topology, gpus) if topology else ()
         self.gpu_memory = gpu_memory
-        self.tag = f"{os.getpid():x}{secrets.token_hex(1)}"
+        self.tag = new_tag()
         self.root = Path(tempfile.mkdtemp(prefix=f"{ROOT_PREFIX}{self.tag}-", dir="/tmp"))
         self.dev_root = self.root / "driver"  # cgpud's dev_root: the driver's device nodes, as a driver container's
         self.octet = 0
