@@ -51,6 +51,10 @@ class LocalService(Protocol):
 
     def release(self, instance_id: str) -> model.Instance: ...
 
+    def resize(
+        self, instance_id: str, memory: int | None = None, core_percent: int | None = None
+    ) -> model.Instance: ...
+
     def list(self, include_released: bool = False) -> builtins.list[model.Instance]: ...
 
     def get(self, instance_id: str) -> model.Instance: ...
@@ -130,6 +134,12 @@ class LocalServicer(pb_grpc.LocalServicer):
     @_rpc
     def ReleaseInstance(self, request: pb.ReleaseInstanceRequest) -> pb.Instance:
         return self._instance(self._service.release(request.id))
+
+    @_rpc
+    def ResizeInstance(self, request: pb.ResizeInstanceRequest) -> pb.Instance:
+        memory = request.memory_bytes if request.HasField("memory_bytes") else None
+        core = request.core_percent if request.HasField("core_percent") else None
+        return self._instance(self._service.resize(request.id, memory, core))
 
     @_rpc
     def ListInstances(self, request: pb.ListInstancesRequest) -> pb.ListInstancesResponse:

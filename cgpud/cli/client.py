@@ -95,6 +95,10 @@ class LocalClient(AbstractContextManager["LocalClient"]):
         msg = pb.ReleaseInstanceRequest(id=instance_id)
         return convert.instance_from_pb(self._call(self._stub.ReleaseInstance, msg))
 
+    def resize(self, instance_id: str, memory: int | None, core_percent: int | None) -> model.Instance:
+        msg = pb.ResizeInstanceRequest(id=instance_id, memory_bytes=memory, core_percent=core_percent)
+        return convert.instance_from_pb(self._call(self._stub.ResizeInstance, msg))
+
     def list(self, include_released: bool = False) -> builtins.list[model.Instance]:
         msg = pb.ListInstancesRequest(include_released=include_released)
         return [convert.instance_from_pb(i) for i in self._call(self._stub.ListInstances, msg).instances]

@@ -20,7 +20,7 @@ from cgpud import config as settings
 from cgpud.node.model import ComputePolicy, Owner, OwnerKind, Request
 from cgpud.errors import UsageError
 from cgpud.logs import run_command
-from cgpud.units import parse_memory
+from cgpud.units import format_memory, parse_memory
 
 if TYPE_CHECKING:
     from cgpud.cli.client import LocalClient
@@ -219,6 +219,18 @@ def _release(args: argparse.Namespace) -> int:
     return 0
 
 
+def _resize(args: argparse.Namespace) -> int:
+    if args.mem is None and args.core is None:
+        raise UsageError("nothing to resize: give --mem, --core or both")
+    memory = None if args.mem is None else parse_memory(args.mem)
+    with _client(args) as client:
+        instance = client.resize(args.id, memory, args.core)
+    grant = instance.grants[0]
+    core = f", {grant.core_percent}% compute" if grant.core_percent else ""
+    print(f"resized {instance.id}: {format_memory(grant.memory)} per GPU{core}")
+    return 0
+
+
 def _cdi_generate(args: argparse.Namespace) -> int:
     from cgpud.containers import cdi
 
@@ -395,6 +407,17 @@ def build_parser() -> argparse.ArgumentParser:
     release = verbs.add_parser("release", help="release an instance (its GPU memory and compute share)")
     release.add_argument("id", help="instance id, as cgpuctl create or cgpuctl list shows it")
     release.set_defaults(handler=_release)
+
+    resize = verbs.add_parser(
+        "resize",
+        help="change a running instance's memory or compute share in place",
+        description="Its processes see the new memory limit at their next allocation (cuMemGetInfo shows it) "
+        "and the scheduler the new share at once. A shrink below what they hold now is refused.",
+    )
+    resize.add_argument("id", help="instance id, as cgpuctl list shows it")
+    resize.add_argument("--mem", help="memory per GPU: 4 (GiB), 4GiB, 512MiB")
+    resize.add_argument("--core", type=int, help="compute share in percent (core_mem nodes; 0: none)")
+    resize.set_defaults(handler=_resize)
 
     cdi = verbs.add_parser("cdi", help="Container Device Interface spec for reserved instances")
     cdi_verbs = cdi.add_subparsers(dest="cdi_verb", metavar="ACTION", required=True)

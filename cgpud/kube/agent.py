@@ -27,12 +27,13 @@ from cgpud.node.model import NodePolicy
 from cgpud.node.service import InstanceService
 from cgpud.errors import CgpuError
 from cgpud.kube.allocator import DYNAMIC_CDI_DIR, PodAllocator
-from cgpud.kube.apiserver import LazyApiServer
+from cgpud.kube.apiserver import LazyApiServer, PodInfo
 from cgpud.kube.model import DEFAULT_MIN_POD_PRIORITY, DEFAULT_POD_RESOURCES_SOCKET
 from cgpud.kube.node_labels import DEFAULT_INTERVAL, NodeLabels
 from cgpud.kube import resources
 from cgpud.kube.pod_resources import ContainerDevices, PodResourcesClient
 from cgpud.kube.releases import PodReleaser, kubelet_pods
+from cgpud.kube.resizer import PodResizer
 
 
 def node_name(configured: str = "") -> str:
@@ -77,9 +78,11 @@ class KubeAgent:
         # The kubelet's pod-resources List of this sweep, or why there is none:
         # read once, for the releases and for the GPUs pods hold whole.
         self._listed: list[ContainerDevices] | CgpuError = []
-        self.releaser = PodReleaser(
-            service, lambda: api.pods_on_node(node), lambda: kubelet_pods(self._listing()), cdi_dir
-        )
+        # The API server's pods on this node, listed at most once a sweep
+        # for the releases and the resizes.
+        self._api_pods: list[PodInfo] | None = None
+        self.releaser = PodReleaser(service, self._api_listing, lambda: kubelet_pods(self._listing()), cdi_dir)
+        self.resizer = PodResizer(service, api, node, self._api_listing, min_pod_priority)
         self.labels = NodeLabels(
             api, node, service, configured, card_labels, on_policy=self._policy_changed, interval=label_interval
         )
@@ -102,7 +105,15 @@ class KubeAgent:
             self._listed = e
         else:
             self.service.set_whole_held(resources.whole_gpus_held(self._listed, self.service.gpus()))
-        return self.releaser.sweep()
+        self._api_pods = None
+        released = self.releaser.sweep()
+        self.resizer.sweep()
+        return released
+
+    def _api_listing(self) -> list[PodInfo]:
+        if self._api_pods is None:
+            self._api_pods = self.api.pods_on_node(self.node)
+        return self._api_pods
 
     def _listing(self) -> list[ContainerDevices]:
         if isinstance(self._listed, CgpuError):

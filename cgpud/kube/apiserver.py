@@ -200,6 +200,10 @@ class ApiServer:
 
     def warn_pod(self, pod: PodInfo, node: str, reason: str, message: str) -> None:
         """A Warning event on the pod (what `kubectl describe pod` shows)."""
+        self.event_pod(pod, node, reason, message, "Warning")
+
+    def event_pod(self, pod: PodInfo, node: str, reason: str, message: str, kind: str = "Normal") -> None:
+        """An event of `kind` (Normal or Warning) on the pod."""
         now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         body = {
             "apiVersion": "v1",
@@ -214,7 +218,7 @@ class ApiServer:
             },
             "reason": reason,
             "message": message[:1024],
-            "type": "Warning",
+            "type": kind,
             "count": 1,
             "firstTimestamp": now,
             "lastTimestamp": now,
@@ -316,6 +320,9 @@ class LazyApiServer:
 
     def warn_pod(self, pod: PodInfo, node: str, reason: str, message: str) -> None:
         self._connected().warn_pod(pod, node, reason, message)
+
+    def event_pod(self, pod: PodInfo, node: str, reason: str, message: str, kind: str = "Normal") -> None:
+        self._connected().event_pod(pod, node, reason, message, kind)
 
     def node(self, name: str) -> NodeInfo:
         return self._connected().node(name)

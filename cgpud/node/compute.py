@@ -164,6 +164,32 @@ class ComputeScheduler:
                 raise
             self._keys[instance.id] = done
 
+    def reshare(self, instance: Instance) -> None:
+        """A resized instance's compute share, weight and priority, on the GPUs
+        it is scheduled on; its accounting goes on."""
+        err = ffi.new("char[]", _ERRLEN)
+        with self._lock:
+            keys = self._keys.get(instance.id)
+            if keys is None:
+                raise ComputeError(f"instance {instance.id} is not scheduled")
+            for slot, (grant, (gpu, key)) in enumerate(zip(instance.grants, keys, strict=True)):
+                _check(
+                    lib.cgpu_engine_attach(
+                        self._engine,
+                        gpu,
+                        key,
+                        b"",
+                        slot,
+                        grant.core_percent,
+                        instance.weight,
+                        int(instance.priority > 0),
+                        err,
+                        _ERRLEN,
+                    ),
+                    f"cannot give instance {instance.id} {grant.core_percent}% of GPU {gpu}",
+                    err,
+                )
+
     def detach(self, instance_id: str) -> None:
         with self._lock:
             for gpu, key in self._keys.pop(instance_id, []):

@@ -127,6 +127,52 @@ def admit_usage(
     return tuple(sorted(grants, key=lambda g: g.gpu_index))
 
 
+def admit_resize(
+    instance: Instance,
+    memory: int | None,
+    core_percent: int | None,
+    gpus: Sequence[GpuCapacity],
+    active: Sequence[Instance],
+    policy: NodePolicy,
+    reserved: Sequence[Reservation] = (),
+    whole: Iterable[int] = (),
+) -> tuple[Grant, ...]:
+    """The grants of a running `instance` with `memory` per GPU and
+    `core_percent` (None: as it is now), on the GPUs it holds: the resized
+    instance is judged as a request for those GPUs against everything else
+    the node holds. What its processes use now is the caller's check."""
+    mode, _ = check_policy(policy)
+    if not instance.active:
+        raise StateError(f"instance {instance.id} is {instance.state.value}: only a running instance can be resized")
+    if mode in WHOLE_GPU_MODES:
+        raise UsageError(f"node mode {mode.value} gives whole GPUs: instance {instance.id} has no share to resize")
+    first = instance.grants[0]
+    request = Request(
+        owner=instance.owner,
+        memory=first.memory if memory is None else memory,
+        gpu_count=len(instance.grants),
+        core_percent=first.core_percent if core_percent is None else core_percent,
+        weight=instance.weight,
+        priority=instance.priority,
+        gpu_indexes=tuple(g.gpu_index for g in instance.grants),
+    )
+    grants = tuple(replace(g, memory=request.memory, core_percent=request.core_percent) for g in instance.grants)
+    if grants == instance.grants:
+        return grants
+    _check_request(request, gpus, mode, policy)
+    others = [i for i in active if i.id != instance.id]
+    usage = tuple(u for u in gpu_usage(gpus, others, reserved, whole) if u.gpu.index in request.gpu_indexes)
+    try:
+        _shared_gpus(request, usage, Placement.BINPACK, policy)
+    except AdmissionError as e:
+        core = f" with {request.core_percent}% compute" if request.core_percent else ""
+        raise AdmissionError(
+            f"cannot resize instance {instance.id} to {format_memory(request.memory)}{core} on "
+            f"{_gpu_list(list(request.gpu_indexes))}: {e}"
+        ) from None
+    return grants
+
+
 def with_shares(usage: Sequence[GpuUsage], shares: Iterable[Share]) -> tuple[GpuUsage, ...]:
     """`usage` once `shares` are held too: each share takes its memory,
     compute and instance slots, as a reservation's does in gpu_usage.

@@ -181,15 +181,18 @@ def _new_usage() -> bytes:
 _USAGE_HEADER = _new_usage()[:_HEADER]  # what every sound usage file starts with
 
 
-def _new_grants(gated: bool) -> bytes:
+def _new_grants(gated: bool, limits: InstanceLimits | None = None) -> bytes:
     # Gated: every gate closed, so an instance computes only once the
-    # scheduler has it. Otherwise open for good.
+    # scheduler has it. Otherwise open for good. The live memory limits are
+    # the limits file's until a resize.
     raw = ffi.new("struct cgpu_grants *")
     raw.magic = lib.CGPU_GRANTS_MAGIC
     raw.version = lib.CGPU_REGION_VERSION
     raw.size = ffi.sizeof("struct cgpu_grants")
     for d in range(MAX_DEVICES):
         raw.device[d].gate = 0 if gated else lib.CGPU_GATE_UNGATED
+    for d, dev in enumerate(limits.devices if limits else ()):
+        raw.device[d].mem_limit = dev.mem_limit
     return bytes(ffi.buffer(raw))
 
 
@@ -401,7 +404,7 @@ def write_region(directory: Path, limits: InstanceLimits, gated: bool = False, *
         try:
             _create_new(directory / USAGE_FILE, _new_usage(), USAGE_MODE, preallocate=True)
             _create_new(directory / LIMITS_FILE, _encode_limits(limits), LIMITS_MODE)
-            _create_new(directory / GRANTS_FILE, _new_grants(gated), GRANTS_MODE)
+            _create_new(directory / GRANTS_FILE, _new_grants(gated, limits), GRANTS_MODE)
         except OSError as e:
             raise RegionError(f"cannot write the region of instance {limits.instance_id} in {directory}: {e}") from e
         return
@@ -417,7 +420,11 @@ def write_region(directory: Path, limits: InstanceLimits, gated: bool = False, *
         write_atomic(directory / LIMITS_FILE, _encode_limits(limits), LIMITS_MODE, durable=False)
         grants = directory / GRANTS_FILE
         if _file_problem(grants, lib.cgpu_grants_check, "struct cgpu_grants") is not None:
-            write_atomic(grants, _new_grants(gated), GRANTS_MODE, durable=False)
+            write_atomic(grants, _new_grants(gated, limits), GRANTS_MODE, durable=False)
+        else:  # processes may be reading it: in place
+            with LiveLimits(directory, with_usage=False) as live:
+                for slot, dev in enumerate(limits.devices):
+                    live.store(slot, dev.mem_limit)
     except OSError as e:
         raise RegionError(f"cannot write the region of instance {limits.instance_id} in {directory}: {e}") from e
 
@@ -455,6 +462,13 @@ def claim_spare_region(spare: Path, directory: Path, limits: InstanceLimits, mou
         return False
     try:
         _create_new(directory / LIMITS_FILE, _encode_limits(limits), LIMITS_MODE)
+        # Nobody has opened the spare's grants file yet: plain writes do.
+        fd = _open_regular(directory / GRANTS_FILE, os.O_WRONLY)
+        try:
+            for slot, dev in enumerate(limits.devices):
+                os.pwrite(fd, dev.mem_limit.to_bytes(8, "little"), _live_limit_offset(slot))
+        finally:
+            os.close(fd)
     except OSError as e:
         raise RegionError(f"cannot write the region of instance {limits.instance_id} in {directory}: {e}") from e
     return True
@@ -577,3 +591,89 @@ class UsageRegion(AbstractContextManager["UsageRegion"]):
         fd, self._fd = getattr(self, "_fd", -1), -1
         if fd >= 0:
             os.close(fd)
+
+
+# ------------------------------------------------------------ live limits
+
+
+def _live_limit_offset(slot: int) -> int:
+    return int(ffi.offsetof("struct cgpu_grants", "device", slot, "mem_limit"))
+
+
+@dataclass(frozen=True)
+class Shrink:
+    """A device whose new limit is below what the instance holds there now."""
+
+    slot: int
+    used: int  # bytes
+
+
+class LiveLimits(AbstractContextManager["LiveLimits"]):
+    """An instance's live memory limits, in its grants file, where running
+    processes read them at every allocation (region_ops.h:
+    cgpu_grants_store_mem_limit). `with_usage`: each store also reads the
+    device's usage, so a shrink below it can be undone."""
+
+    def __init__(self, directory: Path, *, with_usage: bool = True) -> None:
+        self.path = Path(directory) / GRANTS_FILE
+        self._usage: UsageRegion | None = None
+        size = ffi.sizeof("struct cgpu_grants")
+        try:
+            self._fd = _open_regular(self.path, os.O_RDWR)
+        except OSError as e:
+            raise RegionError(f"cannot open grants region {self.path}: {e.strerror}") from e
+        try:
+            if os.fstat(self._fd).st_size != size:
+                raise RegionError(f"{self.path} is not a grants file of this version")
+            # cgpud's own file (0644, read-only to the instance): nobody else can truncate it.
+            self._map: mmap.mmap | None = mmap.mmap(self._fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self._g = ffi.from_buffer("struct cgpu_grants *", self._map, require_writable=True)
+            if with_usage:
+                self._usage = UsageRegion(Path(directory))
+        except BaseException:
+            self.close()
+            raise
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def current(self, slot: int) -> int:
+        return int(self._g.device[slot].mem_limit)
+
+    def store(self, slot: int, limit: int) -> int:
+        """Publishes `limit` for device `slot`; the device's usage right after
+        (0 without usage)."""
+        usage = self._usage._mapped() if self._usage is not None else ffi.NULL
+        return int(lib.cgpu_grants_store_mem_limit(self._g, usage, slot, limit))
+
+    def close(self) -> None:
+        usage, self._usage = self._usage, None
+        if usage is not None:
+            usage.close()
+        g, self._g = getattr(self, "_g", None), None
+        if g is not None:
+            ffi.release(g)
+        mapping, self._map = getattr(self, "_map", None), None
+        if mapping is not None:
+            mapping.close()
+        fd, self._fd = getattr(self, "_fd", -1), -1
+        if fd >= 0:
+            os.close(fd)
+
+
+def resize_live_limits(directory: Path, limits: dict[int, int]) -> tuple[Shrink, ...]:
+    """Sets the live memory limit of each device slot in `limits` (slot ->
+    bytes). All or nothing: if a device's usage is above its new limit,
+    every slot gets its old limit back and the shrinks that did not fit are
+    returned; () when the new limits stand."""
+    with LiveLimits(directory) as live:
+        old = {slot: live.current(slot) for slot in limits}
+        refused = tuple(
+            Shrink(slot, used) for slot, limit in sorted(limits.items()) if (used := live.store(slot, limit)) > limit
+        )
+        if refused:
+            for slot, limit in old.items():
+                live.store(slot, limit)
+        return refused

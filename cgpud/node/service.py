@@ -35,9 +35,10 @@ from cgpud.node.exits import ExitWatch
 from cgpud.node.region import INSTANCES_MODE, REGION_FS_FILE, SPARE_REGION, USAGE_FILE, DeviceLimit, InstanceLimits
 from cgpud.node.region import RegionError, UsageRegion, claim_spare_region, grants_problem, make_region_dir
 from cgpud.node.region import make_spare_region, read_limits, remove_region_dir, repair_usage, usage_problem
-from cgpud.node.region import write_region
+from cgpud.node.region import resize_live_limits, write_region
 from cgpud.node.store import Store, new_instance_id
 from cgpud.errors import AdmissionError, CgpuError, NotFoundError, StateError, UsageError
+from cgpud.units import format_memory
 
 COMPUTE_POLICY_KEY = "compute_policy"
 # Modes whose instances get a region (and so libcgpu enforcement).
@@ -451,6 +452,70 @@ class InstanceService:
         except RegionError as e:  # released all the same; the orphan sweep retries
             self._log.error("region left behind", id=instance_id, error=str(e))
         return instance
+
+    def resize(self, instance_id: str, memory: int | None = None, core_percent: int | None = None) -> Instance:
+        """A running instance's memory per GPU and compute share, changed in
+        place (None: as it is). Admitted as the instance on its own GPUs
+        against everything else the node holds; a shrink below what its
+        processes hold now is refused with the figure. Running processes see
+        the new memory limit at their next allocation or query, the scheduler
+        the new share at its next decision."""
+        with self._lock:
+            with self._store.transaction() as tx:
+                instance = tx.get(instance_id)
+                now = self._clock()
+                reserved = [r for r in tx.reservations() if r.live(now)]
+                grants = placement.admit_resize(
+                    instance, memory, core_percent, self._gpus, tx.active(), self._policy, reserved, self._whole
+                )
+                if grants == instance.grants:
+                    return instance
+                resized = tx.set_grants(instance, grants)
+                # Inside the transaction: a refusal or failure below undoes the row too.
+                self._apply_resize(instance, resized)
+            self.changes.bump()
+            if resized.enforced:
+                try:  # processes started from now on read the limits file
+                    write_region(self.region_dir(resized.id), self._limits(resized), gated=self._gated())
+                except RegionError as e:  # the live limits hold; reconcile rewrites it from the table
+                    self._log.error("limits file not rewritten after a resize", id=resized.id, error=str(e))
+        self._log.info(
+            "resized",
+            id=resized.id,
+            grants=[(g.gpu_index, g.memory, g.core_percent) for g in resized.grants],
+            was=[(g.gpu_index, g.memory, g.core_percent) for g in instance.grants],
+        )
+        return resized
+
+    def _apply_resize(self, before: Instance, after: Instance) -> None:
+        """The live memory limits, then the compute share; each undone if a
+        later step fails."""
+        if not after.enforced:
+            return
+        region = self.region_dir(after.id)
+        new = {slot: g.memory for slot, g in enumerate(after.grants)}
+        try:
+            refused = resize_live_limits(region, new)
+        except RegionError as e:
+            raise RegionError(f"cannot resize instance {after.id}: {e}") from e
+        if refused:
+            parts = [f"{format_memory(r.used)} on GPU {after.grants[r.slot].gpu_index}" for r in refused]
+            most = max(r.used for r in refused)
+            raise AdmissionError(
+                f"cannot shrink instance {after.id} to {format_memory(after.grants[0].memory)} per GPU: "
+                f"its processes hold {' and '.join(parts)} now; free that memory first "
+                f"or resize to {format_memory(most)} or more"
+            )
+        if self._compute is None or all(
+            a.core_percent == b.core_percent for a, b in zip(before.grants, after.grants, strict=True)
+        ):
+            return
+        try:
+            self._compute.reshare(after)
+        except ComputeError:
+            resize_live_limits(region, {slot: g.memory for slot, g in enumerate(before.grants)})
+            self._compute.reshare(before)
+            raise
 
     def set_compute_policy(self, policy: ComputePolicy, gpu: int | None = None) -> NodePolicy:
         """For the whole node, or for one GPU; survives restarts."""

@@ -38,7 +38,7 @@ import sqlite3
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -356,6 +356,26 @@ class Transaction:
                 instance_id,
             ),
         )
+        return changed
+
+    def set_grants(self, instance: Instance, grants: Sequence[Grant]) -> Instance:
+        """A resize: new memory and compute for the GPUs `instance` holds
+        (the same GPUs, each once). Returns the instance as stored."""
+        db = self._db(write=True)
+        if sorted(g.gpu_index for g in grants) != sorted(g.gpu_index for g in instance.grants):
+            raise UsageError(f"instance {instance.id}: a resize keeps its GPUs")
+        for g in grants:
+            if g.memory < 0 or not 0 <= g.core_percent <= 100:
+                raise UsageError(
+                    f"instance {instance.id}: GPU {g.gpu_index} grant of {g.memory} bytes and"
+                    f" {g.core_percent}% compute is out of range (memory >= 0, compute 0..100)"
+                )
+        changed = replace(instance, grants=tuple(grants), updated=self._clock())
+        db.executemany(
+            "UPDATE grants SET memory = ?, core_percent = ? WHERE instance_id = ? AND gpu_index = ?",
+            [(g.memory, g.core_percent, instance.id, g.gpu_index) for g in grants],
+        )
+        db.execute("UPDATE instances SET updated = ? WHERE id = ?", (changed.updated, instance.id))
         return changed
 
     def set_setting(self, key: str, value: str) -> None:
@@ -692,6 +712,7 @@ class Store:
     get_setting = _one_call(Transaction.get_setting, write=False)
     insert = _one_call(Transaction.insert, write=True)
     set_state = _one_call(Transaction.set_state, write=True)
+    set_grants = _one_call(Transaction.set_grants, write=True)
     purge_released = _one_call(Transaction.purge_released, write=True)
     runtime_versions_in_use = _one_call(Transaction.runtime_versions_in_use, write=False)
     add_runtime_users = _one_call(Transaction.add_runtime_users, write=True)

@@ -69,7 +69,8 @@ static int load_limits(const char *dir, char *err, size_t errlen)
         g_cgpu.device_count = l->device_count;
         for (unsigned i = 0; i < l->device_count; i++) {
             memcpy(g_cgpu.device[i].uuid, l->device[i].uuid, CGPU_UUID_LEN);
-            g_cgpu.device[i].mem_limit = l->device[i].mem_limit;
+            atomic_store_explicit(&g_cgpu.device[i].file_limit, l->device[i].mem_limit, memory_order_relaxed);
+            g_cgpu.device[i].mem_limit = &g_cgpu.device[i].file_limit;
         }
         if ((int)l->log_level > g_cgpu.log_level)
             g_cgpu.log_level = (int)l->log_level;
@@ -140,6 +141,10 @@ static void load_grants(const char *dir)
     g_cgpu.grants_fd = f.fd;
     for (unsigned i = 0; i < CGPU_MAX_DEVICES; i++)
         g_cgpu.gate[i] = &g->device[i].gate;
+    /* A cgpud that resizes keeps the live limit here; an older one left 0. */
+    for (unsigned i = 0; i < g_cgpu.device_count; i++)
+        if (atomic_load_explicit(&g->device[i].mem_limit, memory_order_relaxed) != 0)
+            g_cgpu.device[i].mem_limit = &g->device[i].mem_limit;
 }
 
 /* A forked child must not share its parent's ledger (or its lock): it gets

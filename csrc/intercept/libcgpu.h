@@ -40,7 +40,9 @@ enum cgpu_state {
 
 struct cgpu_device_view {
     char uuid[CGPU_UUID_LEN];
-    uint64_t mem_limit;
+    _Atomic uint64_t file_limit;      /* the limits file's, as read at init */
+    const _Atomic uint64_t *mem_limit; /* the live one: in the grants mapping (a resize
+                                        * stores there), else file_limit */
 };
 
 struct cgpu_process {
@@ -112,6 +114,12 @@ void cgpu_gate_after_fork(void);
 /* Process-local VMM bookkeeping goes with the threads a fork leaves
  * behind. Async-signal-safe. */
 void cgpu_memory_after_fork(void);
+
+/* The memory limit of an instance device now: a resize may change it. */
+static inline uint64_t cgpu_mem_limit(int slot)
+{
+    return atomic_load_explicit(g_cgpu.device[slot].mem_limit, memory_order_relaxed);
+}
 
 /* Index of the instance device the CUDA ordinal / NVML handle is, or -1. */
 int cgpu_slot_of_cuda_device(CUdevice dev);

@@ -116,16 +116,28 @@ int cgpu_reap_dead(void)
     return reaped;
 }
 
+/* Charged under `limit`; kept unless a shrink lowered the live limit under
+ * the instance's usage meanwhile (region_ops.h: cgpu_grants_store_mem_limit). */
+static bool kept(int slot, int ledger, uint64_t limit, uint64_t bytes)
+{
+    const _Atomic uint64_t *live = g_cgpu.device[slot].mem_limit;
+    if (CGPU_LIKELY(atomic_load_explicit(live, memory_order_seq_cst) >= limit) ||
+        !cgpu_usage_over_live(g_cgpu.usage, (unsigned)slot, live, limit))
+        return true;
+    cgpu_ledger_uncharge(g_cgpu.usage, ledger, (unsigned)slot, bytes);
+    return false;
+}
+
 static bool charge(int slot, uint64_t bytes)
 {
-    uint64_t limit = g_cgpu.device[slot].mem_limit;
+    uint64_t limit = cgpu_mem_limit(slot);
     int ledger = my_ledger();
     if (ledger < 0)
         return false;
     if (cgpu_ledger_charge(g_cgpu.usage, ledger, (unsigned)slot, limit, bytes))
-        return true;
+        return kept(slot, ledger, limit, bytes);
     if (cgpu_reap_dead() && cgpu_ledger_charge(g_cgpu.usage, ledger, (unsigned)slot, limit, bytes))
-        return true;
+        return kept(slot, ledger, limit, bytes);
     cgpu_log(CGPU_LOG_DEBUG, "out of memory: %llu bytes asked, %llu of %llu in use on %s", (unsigned long long)bytes,
              (unsigned long long)cgpu_slot_used(slot), (unsigned long long)limit, g_cgpu.device[slot].uuid);
     return false;
@@ -778,7 +790,7 @@ static CUresult imported_size(CUmemGenericAllocationHandle h, uint64_t *bytes, i
     rc = CALL_REAL(cuMemGetAllocationGranularity, &gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
     if (rc != CUDA_SUCCESS || gran == 0)
         return rc ? rc : CUDA_ERROR_INVALID_VALUE;
-    uint64_t most = g_cgpu.device[*slot].mem_limit / gran + 1;
+    uint64_t most = cgpu_mem_limit(*slot) / gran + 1;
     CUdeviceptr va;
     if ((rc = CALL_REAL(cuMemAddressReserve, &va, (size_t)(most * gran), 0, 0, 0)) != CUDA_SUCCESS)
         return rc;
@@ -899,7 +911,7 @@ static void instance_mem_info(uint64_t gpu_free, uint64_t *free_bytes, uint64_t 
 {
     cgpu_reap_dead();
     int slot = current_slot();
-    uint64_t limit = slot >= 0 ? g_cgpu.device[slot].mem_limit : 0;
+    uint64_t limit = slot >= 0 ? cgpu_mem_limit(slot) : 0;
     uint64_t used = slot >= 0 ? cgpu_slot_used(slot) : 0;
     uint64_t left = used < limit ? limit - used : 0;
     /* Never more than the GPU really has free: other tenants may hold it. */
@@ -930,7 +942,7 @@ static void instance_mem_info(uint64_t gpu_free, uint64_t *free_bytes, uint64_t 
         if (rc != CUDA_SUCCESS || cgpu_state() != CGPU_ACTIVE)                                  \
             return rc;                                                                          \
         int slot = cgpu_slot_of_cuda_device(dev);                                               \
-        *bytes = slot >= 0 ? narrow(g_cgpu.device[slot].mem_limit) : 0;                         \
+        *bytes = slot >= 0 ? narrow(cgpu_mem_limit(slot)) : 0;                                  \
         return rc;                                                                              \
     }
 

@@ -24,7 +24,7 @@ static bool instance_memory(nvmlDevice_t device, unsigned long long *limit, unsi
         return false;
     cgpu_reap_dead();
     int slot = cgpu_slot_of_nvml_device(device);
-    *limit = slot >= 0 ? g_cgpu.device[slot].mem_limit : 0;
+    *limit = slot >= 0 ? cgpu_mem_limit(slot) : 0;
     *used = slot >= 0 ? cgpu_slot_used(slot) : 0;
     if (*used > *limit) /* a transient overshoot must not show as huge free memory */
         *used = *limit;

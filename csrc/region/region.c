@@ -261,7 +261,8 @@ bool cgpu_usage_reserve(struct cgpu_usage *u, unsigned dev, uint64_t limit, uint
     _Atomic uint64_t *used = &u->device[dev].used;
     uint64_t cur = atomic_load_explicit(used, memory_order_relaxed);
     while (bytes <= limit && cur <= limit - bytes) {
-        if (atomic_compare_exchange_weak_explicit(used, &cur, cur + bytes, memory_order_acq_rel,
+        /* seq_cst: pairs with cgpu_grants_store_mem_limit (region_ops.h) */
+        if (atomic_compare_exchange_weak_explicit(used, &cur, cur + bytes, memory_order_seq_cst,
                                                   memory_order_relaxed))
             return true;
     }
@@ -272,6 +273,20 @@ void cgpu_usage_unreserve(struct cgpu_usage *u, unsigned dev, uint64_t bytes)
 {
     if (dev < CGPU_MAX_DEVICES)
         sub_floor(&u->device[dev].used, bytes);
+}
+
+uint64_t cgpu_grants_store_mem_limit(struct cgpu_grants *g, const struct cgpu_usage *u, unsigned dev, uint64_t limit)
+{
+    if (dev >= CGPU_MAX_DEVICES)
+        return 0;
+    atomic_store_explicit(&g->device[dev].mem_limit, limit, memory_order_seq_cst);
+    return u ? atomic_load_explicit(&u->device[dev].used, memory_order_seq_cst) : 0;
+}
+
+bool cgpu_usage_over_live(const struct cgpu_usage *u, unsigned dev, const CGPU_ATOMIC uint64_t *live, uint64_t limit)
+{
+    uint64_t now = atomic_load_explicit(live, memory_order_seq_cst);
+    return now < limit && atomic_load_explicit(&u->device[dev].used, memory_order_relaxed) > now;
 }
 
 bool cgpu_ledger_charge(struct cgpu_usage *u, int ledger, unsigned dev, uint64_t limit, uint64_t bytes)

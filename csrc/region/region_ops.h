@@ -45,6 +45,19 @@ int cgpu_ledger_reap(struct cgpu_usage *u, int fd, int self);
 bool cgpu_usage_reserve(struct cgpu_usage *u, unsigned dev, uint64_t limit, uint64_t bytes);
 void cgpu_usage_unreserve(struct cgpu_usage *u, unsigned dev, uint64_t bytes);
 
+/* Resizing a running instance. cgpud stores a device's new live limit, then
+ * reads its usage; a charger reserves, then reads the live limit again
+ * (cgpu_usage_over_live). All four steps are sequentially consistent, so
+ * either cgpud sees the charge (and puts the old limit back when usage
+ * exceeds the new one) or the charger sees the new limit (and gives the
+ * charge back): a shrink never leaves an instance above its limit.
+ * Returns the device's usage after the store (0 for a NULL `u`: publishing
+ * a limit that needs no check). */
+uint64_t cgpu_grants_store_mem_limit(struct cgpu_grants *g, const struct cgpu_usage *u, unsigned dev, uint64_t limit);
+/* After a reserve under `limit`: true if the live limit fell below it
+ * meanwhile and the device's usage no longer fits under the new one. */
+bool cgpu_usage_over_live(const struct cgpu_usage *u, unsigned dev, const CGPU_ATOMIC uint64_t *live, uint64_t limit);
+
 /* Reserve on the device and record it in a process's ledger; and back. */
 bool cgpu_ledger_charge(struct cgpu_usage *u, int ledger, unsigned dev, uint64_t limit, uint64_t bytes);
 void cgpu_ledger_uncharge(struct cgpu_usage *u, int ledger, unsigned dev, uint64_t bytes);

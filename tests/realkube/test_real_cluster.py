@@ -224,6 +224,47 @@ def test_kubectl_inspect_cgpu_prints_the_node_from_the_real_api_server(cluster: 
     _drain(cluster)
 
 
+def _inspect_total(cluster: RealCluster) -> str:
+    env = dict(os.environ, PATH=f"{BIN}:/usr/bin:/bin", KUBECONFIG=str(cluster.admin_kubeconfig))
+    shown = subprocess.run(["kubectl", "inspect", "cgpu"], env=env, capture_output=True, text=True, timeout=60)
+    found = re.search(r"Allocated/Total GPU Memory In Cluster:\s+(\S+)", shown.stdout)
+    return found[1] if found else shown.stdout + shown.stderr
+
+
+def _events(cluster: RealCluster, pod: str, reason: str) -> list[str]:
+    items = cluster.get("events", "-n", "default", "--field-selector", f"involvedObject.name={pod}")["items"]
+    return [e["message"] for e in items if e.get("reason") == reason]
+
+
+def test_a_pod_annotation_resizes_its_running_container(cluster: RealCluster) -> None:
+    """cgpu.io/resize-gpu-mem and -core on a running pod: cgpud's sweep
+    shrinks its instance in place, says so in an event, and the cluster's
+    view follows; a grow by a pod without priority is refused the same way."""
+    _core_mem(cluster)
+    node = cluster.nodes[0]
+    _running(cluster, ("resized", {MEM: 4, CORE: 30}))
+    before = _instances(node)
+    cluster.kubectl("annotate", "pod", "resized", "cgpu.io/resize-gpu-mem=2", "cgpu.io/resize-gpu-core=20")
+
+    def grants() -> list[tuple[int, int]]:
+        return [(g["memory_bytes"], g["core_percent"]) for i in _instances(node) for g in i["grants"]]
+
+    until(lambda: grants() == [(2 * GIB, 20)], WAIT, interval=0.2, what="the instance resized", explain=grants)
+    assert [i["id"] for i in _instances(node)] == [i["id"] for i in before]  # the same instance, not a new one
+    until(lambda: _events(cluster, "resized", "Resized"), WAIT, interval=0.5, what="a Resized event")
+    assert "2 GiB per GPU and 20% compute" in _events(cluster, "resized", "Resized")[0]
+    # A process started in the running container sees the new limit; so does the cluster.
+    burn = _exec_burn(cluster, "resized")
+    assert burn["mem_total_reported"] == 2 * GIB and burn["alloc"]["until_fail_bytes"] == 2 * GIB, burn
+    until(lambda: _inspect_total(cluster) == f"2/{GPUS * GPU_GIB}", WAIT, interval=0.5, what="inspect shows 2 GiB")
+
+    cluster.kubectl("annotate", "--overwrite", "pod", "resized", "cgpu.io/resize-gpu-mem=8")
+    until(lambda: _events(cluster, "resized", "ResizeRefused"), WAIT, interval=0.5, what="a ResizeRefused event")
+    assert "pod_share_priority_min" in _events(cluster, "resized", "ResizeRefused")[0]
+    assert grants() == [(2 * GIB, 20)]
+    _drain(cluster)
+
+
 def test_binpack_fills_one_gpu_and_spread_uses_both(cluster: RealCluster) -> None:
     _running(cluster, ("pack-a", {MEM: 4}), ("pack-b", {MEM: 4}))
     assert _gpu_index(cluster, "pack-a") == _gpu_index(cluster, "pack-b")

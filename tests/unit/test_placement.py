@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cgpud.node.model import GIB, MIB, GpuCapacity, Grant, Instance, InstanceState, NodeMode, NodePolicy, Owner
-from cgpud.node.model import OwnerKind, Placement, Request, WHOLE_GPU_MODES
-from cgpud.node.placement import admit, gpu_usage
-from cgpud.errors import AdmissionError, UsageError
+from cgpud.node.model import OwnerKind, Placement, Request, Reservation, Share, WHOLE_GPU_MODES
+from cgpud.node.placement import admit, admit_resize, gpu_usage
+from cgpud.errors import AdmissionError, StateError, UsageError
 from tests.harness.links import NVLINK_PAIRS
 
 OWNER = Owner(OwnerKind.CONTAINER, "c0ffee")
@@ -776,3 +776,63 @@ def test_a_multi_gpu_request_gets_a_linked_pair_in_every_mode() -> None:
     assert sorted(g.gpu_index for g in grants) in ([0, 1], [2, 3])
     assert sorted(g.gpu_index for g in admit(req(4, gpu_count=2), gpus, busy, CGPU)) == [1, 2]  # binpack alone
     assert sorted(g.gpu_index for g in admit(req(0, gpu_count=2), gpus, [], DEFAULT, links=PAIR_LINKS)) == [0, 1]
+
+
+# ---- admit_resize: a running instance judged anew on its own GPUs ----
+
+GPUS = node(16, 16)
+
+
+def test_grow_and_shrink_in_place_keep_the_gpus() -> None:
+    me = held(GPUS, (1, 4, 30), name="me")
+    grants = admit_resize(me, 10 * GIB, None, GPUS, [me, held(GPUS, (1, 6, 0))], CORE_MEM)
+    assert [(g.gpu_index, g.memory, g.core_percent) for g in grants] == [(1, 10 * GIB, 30)]
+    grants = admit_resize(me, None, 70, GPUS, [me], CORE_MEM)
+    assert [(g.gpu_index, g.memory, g.core_percent) for g in grants] == [(1, 4 * GIB, 70)]
+    assert admit_resize(me, 4 * GIB, 30, GPUS, [me], CORE_MEM) == me.grants
+
+
+def test_a_grow_past_what_is_free_on_its_gpu_says_what_is() -> None:
+    me = held(GPUS, (0, 4, 0), name="me")
+    with pytest.raises(AdmissionError) as e:
+        admit_resize(me, 11 * GIB, None, GPUS, [me, held(GPUS, (0, 6, 0))], CGPU)
+    assert str(e.value).startswith("cannot resize instance me to 11 GiB on GPU 0: ")
+    assert "most free is 10 GiB on GPU 0" in str(e.value)
+
+
+def test_compute_counts_the_neighbours_and_reservations_count_too() -> None:
+    me = held(GPUS, (0, 2, 30), name="me")
+    with pytest.raises(AdmissionError, match="no GPU has 60% compute left: most left is 50% on GPU 0"):
+        admit_resize(me, None, 60, GPUS, [me, held(GPUS, (0, 2, 50))], CORE_MEM)
+    pod = Reservation("pod-1", "ns", "p", (Share(0, 12 * GIB, 0),), expires=1e12)
+    with pytest.raises(AdmissionError, match="most free is 4 GiB"):
+        admit_resize(me, 5 * GIB, None, GPUS, [me], CORE_MEM, [pod])
+
+
+def test_every_gpu_of_a_multi_gpu_instance_must_fit() -> None:
+    me = held(GPUS, (0, 4, 0), (1, 4, 0), name="me")
+    with pytest.raises(AdmissionError, match="on GPUs 0 and 1"):
+        admit_resize(me, 8 * GIB, None, GPUS, [me, held(GPUS, (1, 10, 0))], CGPU)
+    grants = admit_resize(me, 6 * GIB, None, GPUS, [me, held(GPUS, (1, 10, 0))], CGPU)
+    assert [g.memory for g in grants] == [6 * GIB, 6 * GIB]
+
+
+@pytest.mark.parametrize(
+    ("memory", "core", "policy", "error", "message"),
+    [
+        (0, None, CGPU, UsageError, "ask for a memory size per GPU"),
+        (None, 30, CGPU, UsageError, "node mode cgpu does not enforce compute shares"),
+        (None, 33, CORE_MEM, UsageError, "a multiple of"),
+        (2 * GIB, None, DEFAULT, UsageError, "node mode default gives whole GPUs"),
+    ],
+)
+def test_bad_resizes_are_usage_errors(memory, core, policy, error, message) -> None:
+    me = held(GPUS, (0, 4, 0), name="me")
+    with pytest.raises(error, match=message):
+        admit_resize(me, memory, core, GPUS, [me], policy)
+
+
+def test_only_a_running_instance_resizes() -> None:
+    gone = held(GPUS, (0, 4, 0), state=InstanceState.RELEASED, name="gone")
+    with pytest.raises(StateError, match="instance gone is released: only a running instance can be resized"):
+        admit_resize(gone, 2 * GIB, None, GPUS, [], CGPU)

@@ -22,7 +22,8 @@ import pytest
 
 from cgpud._region import ffi, lib
 from cgpud.node.region import GRANTS_FILE, LIMITS_FILE, MAX_DEVICES, MAX_PROCS, USAGE_FILE, DeviceLimit, InstanceLimits
-from cgpud.node.region import RegionError, UsageRegion, read_limits, usage_problem, write_region
+from cgpud.node.region import LiveLimits, RegionError, Shrink, UsageRegion, read_limits, resize_live_limits
+from cgpud.node.region import usage_problem, write_region
 from tests.harness.usage_tenant import TenantUsage
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -435,6 +436,36 @@ def test_refused_charge_changes_nothing(tmp_path: Path) -> None:
             region.charge(999, 0, GIB, 1)
         with pytest.raises(RegionError, match="device index is 16; it must be between 0 and 15"):
             region.charge(ledger, MAX_DEVICES, GIB, 1)
+
+
+def test_a_shrink_and_a_charge_in_either_order_never_leave_usage_over_the_new_limit(tmp_path: Path) -> None:
+    """The resize protocol (region_ops.h) step by step, in the two orders
+    that matter: a charge that read the old limit before cgpud stored the
+    new one and reserved after cgpud read the usage is given back by its
+    re-check; one that reserved before that read makes cgpud's store report
+    the usage over, and cgpud puts the old limit back."""
+    write_region(tmp_path, one_gpu(2 * GIB))
+    with TenantUsage(tmp_path) as region, LiveLimits(tmp_path) as live:
+        ledger = region.claim(7)
+        grants = live._g
+        assert live.current(0) == 2 * GIB  # write_region publishes the live limit
+        assert region.charge(ledger, 0, 2 * GIB, 900 * MIB)
+
+        old = live.current(0)  # the charger reads the limit ...
+        assert live.store(0, 1000 * MIB) == 900 * MIB  # ... cgpud shrinks: usage fits, accepted ...
+        assert region.charge(ledger, 0, old, 150 * MIB)  # ... the reserve under the old limit passes ...
+        over = lib.cgpu_usage_over_live(region._mapped(), 0, ffi.addressof(grants.device[0], "mem_limit"), old)
+        assert over  # ... and its re-check sees the new limit: libcgpu gives it back
+        lib.cgpu_ledger_uncharge(region._mapped(), ledger, 0, 150 * MIB)
+        assert region.device_used(0) == 900 * MIB
+
+        # The other order: the reserve lands first, cgpud sees it and refuses.
+        assert region.charge(ledger, 0, live.current(0), 100 * MIB)
+        assert resize_live_limits(tmp_path, {0: 900 * MIB}) == (Shrink(0, 1000 * MIB),)
+        assert live.current(0) == 1000 * MIB
+        assert not lib.cgpu_usage_over_live(
+            region._mapped(), 0, ffi.addressof(grants.device[0], "mem_limit"), 1000 * MIB
+        )
 
 
 def test_own_ledgers_are_distinct_and_not_reaped(tmp_path: Path) -> None:

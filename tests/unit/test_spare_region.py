@@ -12,7 +12,7 @@ from pathlib import Path
 
 from cgpud.node.compute import ComputeScheduler
 from cgpud.node.model import GIB, ComputePolicy, GpuCapacity, NodeMode, NodePolicy, Owner, OwnerKind, Placement, Request
-from cgpud.node.region import SPARE_REGION, grants_problem, read_limits, usage_problem
+from cgpud.node.region import SPARE_REGION, LiveLimits, grants_problem, read_limits, usage_problem
 from cgpud.node.service import InstanceService
 from cgpud.node.store import Store
 from tests.harness.grants import is_gated
@@ -44,6 +44,8 @@ def assert_region_sound(svc: InstanceService, instance_id: str, gib: int) -> Non
     assert [(d.uuid, d.mem_limit) for d in read_limits(region).devices] == [("GPU-aaaa", gib * GIB)]
     assert sorted(p.name for p in region.iterdir()) == ["grants", "limits", "usage"]
     assert oct(region.stat().st_mode & 0o777) == oct(0o755)
+    with LiveLimits(region, with_usage=False) as live:  # what running processes enforce
+        assert live.current(0) == gib * GIB
 
 
 def test_the_next_instance_takes_the_spare_tmpfs_and_another_is_made(tmp_path):

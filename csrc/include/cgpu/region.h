@@ -2,10 +2,12 @@
  * (enforces it inside the container) and the compute scheduler. Three files in
  * one directory:
  *
- *   limits  written once by cgpud, mounted read-only: what the instance may use
+ *   limits  written by cgpud, mounted read-only: what the instance may use
+ *           (read once by each process; a resize also stores the new memory
+ *           limit in grants, where running processes read it)
  *   usage   shared, writable: what its processes use now, one ledger per process
- *   grants  written by cgpud's scheduler, read-only to the instance: whether it
- *           may launch work on each device now
+ *   grants  written by cgpud, read-only to the instance: whether it may launch
+ *           work on each device now, and each device's live memory limit
  *
  * Versioned binary layout with magic numbers; C reads it directly, Python
  * through cffi from this same header (csrc/region/build_region.py).
@@ -143,7 +145,9 @@ struct cgpu_device_grant {
     CGPU_ATOMIC uint32_t gate;
     uint32_t reserved0;
     CGPU_ATOMIC uint64_t slice_end_ns; /* CLOCK_MONOTONIC; while OPEN: when the slice ends (informational) */
-    uint64_t reserved[6];              /* one cache line per device */
+    CGPU_ATOMIC uint64_t mem_limit;    /* the live memory limit (a resize changes it in place);
+                                        * 0: the limits file's, as regions of older cgpud */
+    uint64_t reserved[5];              /* one cache line per device */
 };
 
 struct cgpu_grants {
