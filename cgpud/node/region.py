@@ -663,12 +663,13 @@ class LiveLimits(AbstractContextManager["LiveLimits"]):
             os.close(fd)
 
 
-def resize_live_limits(directory: Path, limits: dict[int, int]) -> tuple[Shrink, ...]:
+def resize_live_limits(directory: Path, limits: dict[int, int], *, check: bool = True) -> tuple[Shrink, ...]:
     """Sets the live memory limit of each device slot in `limits` (slot ->
     bytes). All or nothing: if a device's usage is above its new limit,
     every slot gets its old limit back and the shrinks that did not fit are
-    returned; () when the new limits stand."""
-    with LiveLimits(directory) as live:
+    returned; () when the new limits stand. `check=False`: set them whatever
+    is held (putting back what stood a moment ago)."""
+    with LiveLimits(directory, with_usage=check) as live:
         old = {slot: live.current(slot) for slot in limits}
         refused = tuple(
             Shrink(slot, used) for slot, limit in sorted(limits.items()) if (used := live.store(slot, limit)) > limit

@@ -461,18 +461,25 @@ class InstanceService:
         the new memory limit at their next allocation or query, the scheduler
         the new share at its next decision."""
         with self._lock:
-            with self._store.transaction() as tx:
-                instance = tx.get(instance_id)
-                now = self._clock()
-                reserved = [r for r in tx.reservations() if r.live(now)]
-                grants = placement.admit_resize(
-                    instance, memory, core_percent, self._gpus, tx.active(), self._policy, reserved, self._whole
-                )
-                if grants == instance.grants:
-                    return instance
-                resized = tx.set_grants(instance, grants)
-                # Inside the transaction: a refusal or failure below undoes the row too.
-                self._apply_resize(instance, resized)
+            applied: tuple[Instance, Instance] | None = None
+            try:
+                with self._store.transaction() as tx:
+                    instance = tx.get(instance_id)
+                    now = self._clock()
+                    reserved = [r for r in tx.reservations() if r.live(now)]
+                    grants = placement.admit_resize(
+                        instance, memory, core_percent, self._gpus, tx.active(), self._policy, reserved, self._whole
+                    )
+                    if grants == instance.grants:
+                        return instance
+                    resized = tx.set_grants(instance, grants)
+                    # Inside the transaction: a refusal or failure here undoes the row too.
+                    self._apply_resize(instance, resized)
+                    applied = (instance, resized)
+            except BaseException:
+                if applied is not None:  # the commit failed: SQLite still has the old size
+                    self._undo_resize(*applied)
+                raise
             self.changes.bump()
             if resized.enforced:
                 try:  # processes started from now on read the limits file
@@ -513,9 +520,20 @@ class InstanceService:
         try:
             self._compute.reshare(after)
         except ComputeError:
-            resize_live_limits(region, {slot: g.memory for slot, g in enumerate(before.grants)})
-            self._compute.reshare(before)
+            self._undo_resize(before, after)
             raise
+
+    def _undo_resize(self, before: Instance, after: Instance) -> None:
+        """`before`'s live limits and share again, whatever is held now (it
+        held that much under them a moment ago)."""
+        try:
+            resize_live_limits(
+                self.region_dir(before.id), {s: g.memory for s, g in enumerate(before.grants)}, check=False
+            )
+            if self._compute is not None and before.grants != after.grants:
+                self._compute.reshare(before)
+        except CgpuError as e:  # reconcile rewrites the region from SQLite at the next start
+            self._log.error("a failed resize was not undone", id=before.id, error=str(e))
 
     def set_compute_policy(self, policy: ComputePolicy, gpu: int | None = None) -> NodePolicy:
         """For the whole node, or for one GPU; survives restarts."""

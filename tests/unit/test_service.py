@@ -191,3 +191,32 @@ def test_released_instances_are_purged_after_a_week_and_looked_for_once_an_hour(
         svc.get(old.id)
     assert {i.id for i in svc.list(include_released=True)} == {recent.id, active.id}
     assert svc.get(active.id).state is InstanceState.RESERVED  # an active instance is never purged, however old
+
+
+def test_a_resize_that_fails_half_way_leaves_the_instance_as_it_was(tmp_path):
+    """The compute scheduler refuses the new share after the live limit was
+    stored: the limit is put back, SQLite keeps the old row, the limits
+    file and the Capacity revision do not move."""
+    from cgpud.node.compute import ComputeError, ComputeScheduler
+    from cgpud.node.model import ComputePolicy
+    from cgpud.node.region import LiveLimits
+
+    compute = ComputeScheduler(len(GPUS))
+    policy = NodePolicy(mode=NodeMode.CORE_MEM, compute_policy=ComputePolicy.FIXED)
+    svc = InstanceService(
+        Store(tmp_path / "cgpud.db"), GPUS, policy, tmp_path / "regions", "580.65.06", "boot-1", compute=compute
+    )
+    inst = svc.create(Request(owner("c1"), 4 * GIB, core_percent=30))
+    compute.detach(inst.id)  # the scheduler has lost it: the reshare fails
+    revision = svc.changes.revision
+    with pytest.raises(ComputeError, match=f"instance {inst.id} is not scheduled"):
+        svc.resize(inst.id, 2 * GIB, 50)
+    assert svc.get(inst.id).grants == inst.grants
+    with LiveLimits(svc.region_dir(inst.id), with_usage=False) as live:
+        assert live.current(0) == 4 * GIB
+    assert read_limits(svc.region_dir(inst.id)).devices[0].mem_limit == 4 * GIB
+    assert svc.changes.revision == revision
+    resized = svc.resize(inst.id, 2 * GIB, None)  # memory alone needs no scheduler
+    assert [(g.memory, g.core_percent) for g in resized.grants] == [(2 * GIB, 30)]
+    assert read_limits(svc.region_dir(inst.id)).devices[0].mem_limit == 2 * GIB
+    assert svc.changes.revision > revision
