@@ -141,22 +141,7 @@ class ComputeScheduler:
                 for slot, grant in enumerate(instance.grants):
                     key = self._next_key
                     self._next_key += 1
-                    _check(
-                        lib.cgpu_engine_attach(
-                            self._engine,
-                            grant.gpu_index,
-                            key,
-                            str(region).encode(),
-                            slot,
-                            grant.core_percent,
-                            instance.weight,
-                            int(instance.priority > 0),
-                            err,
-                            _ERRLEN,
-                        ),
-                        f"cannot schedule instance {instance.id} on GPU {grant.gpu_index}",
-                        err,
-                    )
+                    self._engine_attach(instance, slot, key, str(region).encode(), err)
                     done.append((grant.gpu_index, key))
             except ComputeError:
                 for gpu, key in done:
@@ -172,23 +157,27 @@ class ComputeScheduler:
             keys = self._keys.get(instance.id)
             if keys is None:
                 raise ComputeError(f"instance {instance.id} is not scheduled")
-            for slot, (grant, (gpu, key)) in enumerate(zip(instance.grants, keys, strict=True)):
-                _check(
-                    lib.cgpu_engine_attach(
-                        self._engine,
-                        gpu,
-                        key,
-                        b"",
-                        slot,
-                        grant.core_percent,
-                        instance.weight,
-                        int(instance.priority > 0),
-                        err,
-                        _ERRLEN,
-                    ),
-                    f"cannot give instance {instance.id} {grant.core_percent}% of GPU {gpu}",
-                    err,
-                )
+            for slot, (_, key) in enumerate(keys):
+                self._engine_attach(instance, slot, key, b"", err)  # a known key: its share only
+
+    def _engine_attach(self, instance: Instance, slot: int, key: int, region: bytes, err: Any) -> None:
+        grant = instance.grants[slot]
+        _check(
+            lib.cgpu_engine_attach(
+                self._engine,
+                grant.gpu_index,
+                key,
+                region,
+                slot,
+                grant.core_percent,
+                instance.weight,
+                int(instance.priority > 0),
+                err,
+                _ERRLEN,
+            ),
+            f"cannot give instance {instance.id} {grant.core_percent}% of GPU {grant.gpu_index}",
+            err,
+        )
 
     def detach(self, instance_id: str) -> None:
         with self._lock:
