@@ -21,9 +21,9 @@
 #include <time.h>
 
 #include "cgpu/nvml_abi.h"
+#include "nvml_internal.h"
 #include "simstate.h"
 
-#define NVML_EXPORT __attribute__((visibility("default")))
 /* A legacy entry point whose signature never changed: the same code under
  * both names. */
 #define NVML_ALIAS(legacy, current, params) NVML_EXPORT nvmlReturn_t legacy params __attribute__((alias(#current)));
@@ -47,25 +47,23 @@ _Static_assert(nvmlProcessDetailList_v1 == 0x01000018, "nvmlProcessDetailList_v1
 /* gpuInstanceId / computeInstanceId of a process outside MIG. */
 #define NO_MIG_INSTANCE 0xFFFFFFFFu
 
-struct nvmlDevice_st {
-    unsigned int index;
-};
-
 static pthread_mutex_t g_init_lock = PTHREAD_MUTEX_INITIALIZER;
 static _Atomic unsigned int g_refs;
 /* Written once under g_init_lock before g_attached and g_refs are set. */
-static struct sim_handle g_sim = {.st = NULL, .fd = -1, .slot = -1};
+struct sim_handle g_sim = {.st = NULL, .fd = -1, .slot = -1};
 static atomic_bool g_attached;
 /* A private copy with terminated strings: a corrupt state file cannot make
  * a string query read past its field. */
-static struct sim_config g_cfg;
-static struct nvmlDevice_st g_dev[SIM_MAX_GPUS];
+struct sim_config g_cfg;
+struct nvmlDevice_st g_dev[SIM_MAX_GPUS];
 
 static void snapshot_config(void)
 {
     g_cfg = g_sim.st->config;
     if (g_cfg.gpu_count > SIM_MAX_GPUS)
         g_cfg.gpu_count = SIM_MAX_GPUS;
+    if (g_cfg.mig_count > SIM_MAX_GPUS - g_cfg.gpu_count)
+        g_cfg.mig_count = SIM_MAX_GPUS - g_cfg.gpu_count;
     g_cfg.driver_version_str[sizeof(g_cfg.driver_version_str) - 1] = '\0';
     for (unsigned int i = 0; i < SIM_MAX_GPUS; i++) {
         struct sim_gpu_config *g = &g_cfg.gpu[i];
@@ -152,7 +150,7 @@ NVML_EXPORT const char *nvmlErrorString(nvmlReturn_t result)
     }
 }
 
-static bool ready(void)
+bool ready(void)
 {
     return atomic_load(&g_refs) > 0;
 }
@@ -173,7 +171,7 @@ static nvmlReturn_t lookup_handle(nvmlDevice_t device, unsigned int *gpu)
 
 /* The first check of every device query: a GPU off the bus answers
  * nothing, as the real driver's queries fail with GPU_IS_LOST. */
-static nvmlReturn_t lookup(nvmlDevice_t device, unsigned int *gpu)
+nvmlReturn_t lookup(nvmlDevice_t device, unsigned int *gpu)
 {
     nvmlReturn_t rc = lookup_handle(device, gpu);
     return rc == NVML_SUCCESS && sim_gpu_lost(g_sim.st, (int)*gpu) ? NVML_ERROR_GPU_IS_LOST : rc;
@@ -181,16 +179,17 @@ static nvmlReturn_t lookup(nvmlDevice_t device, unsigned int *gpu)
 
 /* A handle lookup's answer for GPU i: NVIDIA documents GPU_IS_LOST for the
  * GetHandleBy* calls, and nvidia-smi shows exactly that for a lost GPU. */
-static nvmlReturn_t give_handle(unsigned int i, nvmlDevice_t *device)
+nvmlReturn_t give_handle(unsigned int i, nvmlDevice_t *device)
 {
-    if (sim_gpu_lost(g_sim.st, (int)i))
+    unsigned int gpu = g_cfg.gpu[i].mig_parent ? g_cfg.gpu[i].mig_parent - 1 : i;
+    if (sim_gpu_lost(g_sim.st, (int)gpu))
         return NVML_ERROR_GPU_IS_LOST;
     *device = &g_dev[i];
     return NVML_SUCCESS;
 }
 
 /* lookup() for a query that writes through `out`. */
-static nvmlReturn_t lookup_out(nvmlDevice_t device, const void *out, unsigned int *gpu)
+nvmlReturn_t lookup_out(nvmlDevice_t device, const void *out, unsigned int *gpu)
 {
     nvmlReturn_t rc = lookup(device, gpu);
     return rc == NVML_SUCCESS && out == NULL ? NVML_ERROR_INVALID_ARGUMENT : rc;
@@ -235,7 +234,7 @@ static nvmlReturn_t lookup_versioned(nvmlDevice_t device, const void *out, unsig
         return rc;                                                                 \
     }
 
-static nvmlReturn_t copy_string(char *dst, unsigned int length, const char *src)
+nvmlReturn_t copy_string(char *dst, unsigned int length, const char *src)
 {
     if (dst == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
@@ -246,7 +245,7 @@ static nvmlReturn_t copy_string(char *dst, unsigned int length, const char *src)
     return NVML_SUCCESS;
 }
 
-static void reap_dead(void)
+void reap_dead(void)
 {
     sim_reap_dead(&g_sim);
 }
@@ -323,7 +322,8 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_
         return NVML_ERROR_UNINITIALIZED;
     if (uuid == NULL || device == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
-    for (unsigned int i = 0; i < g_cfg.gpu_count; i++) {
+    /* MIG devices too: their UUIDs are unique across GPUs and MIG devices. */
+    for (unsigned int i = 0; i < g_cfg.gpu_count + g_cfg.mig_count; i++) {
         if (strcmp(uuid, g_cfg.gpu[i].uuid) == 0)
             return give_handle(i, device);
     }
@@ -389,14 +389,14 @@ NVML_GPU_QUERY(nvmlDeviceGetIndex, unsigned int, index, *index = g)
 NVML_EXPORT nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int length)
 {
     unsigned int g;
-    nvmlReturn_t rc = lookup(device, &g);
+    nvmlReturn_t rc = lookup_any(device, &g);
     return rc != NVML_SUCCESS ? rc : copy_string(name, length, g_cfg.gpu[g].name);
 }
 
 NVML_EXPORT nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length)
 {
     unsigned int g;
-    nvmlReturn_t rc = lookup(device, &g);
+    nvmlReturn_t rc = lookup_any(device, &g);
     return rc != NVML_SUCCESS ? rc : copy_string(uuid, length, g_cfg.gpu[g].uuid);
 }
 
@@ -429,16 +429,6 @@ NVML_GPU_QUERY(nvmlDeviceGetPciInfo_v3, nvmlPciInfo_t, pci, fill_pci(pci, g))
 
 NVML_GPU_QUERY(nvmlDeviceGetMinorNumber, unsigned int, minorNumber, *minorNumber = g_cfg.gpu[g].minor_number)
 
-/* The whole GPU as one instance: what a GPU outside MIG reports. */
-NVML_GPU_QUERY(nvmlDeviceGetAttributes_v2, nvmlDeviceAttributes_t, attributes,
-               *attributes = ((nvmlDeviceAttributes_t){.multiprocessorCount = g_cfg.gpu[g].sm_count,
-                                                       .sharedCopyEngineCount = 3,
-                                                       .gpuInstanceSliceCount = 7,
-                                                       .computeInstanceSliceCount = 7,
-                                                       .memorySizeMB = g_cfg.gpu[g].total_mem >> 20}))
-/* The pre-MIG name binds the same struct. */
-NVML_ALIAS(nvmlDeviceGetAttributes, nvmlDeviceGetAttributes_v2, (nvmlDevice_t device, nvmlDeviceAttributes_t *attributes))
-
 NVML_EXPORT nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device, int *major, int *minor)
 {
     unsigned int g;
@@ -458,7 +448,7 @@ NVML_GPU_QUERY(nvmlDeviceGetMultiGpuBoard, unsigned int, multiGpuBool, *multiGpu
  * show as 17592186044134 MiB free. */
 static unsigned long long used_bytes(unsigned int gpu)
 {
-    unsigned long long used = atomic_load(&g_sim.st->gpu[gpu].used);
+    unsigned long long used = mig_used_bytes(gpu);
     return used < g_cfg.gpu[gpu].total_mem ? used : g_cfg.gpu[gpu].total_mem;
 }
 
@@ -471,12 +461,27 @@ static nvmlMemory_t memory_of(unsigned int g)
     return m;
 }
 
-NVML_GPU_QUERY(nvmlDeviceGetMemoryInfo, nvmlMemory_t, memory, *memory = memory_of(g))
+/* A MIG device's handle answers for the instance's own memory. */
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
+{
+    unsigned int g;
+    nvmlReturn_t rc = lookup_any(device, &g);
+    if (rc != NVML_SUCCESS)
+        return rc;
+    if (memory == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *memory = memory_of(g);
+    return NVML_SUCCESS;
+}
 
 NVML_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory)
 {
     unsigned int g;
-    nvmlReturn_t rc = lookup_versioned(device, memory, nvmlMemory_v2, &g);
+    nvmlReturn_t rc = lookup_any(device, &g);
+    if (rc == NVML_SUCCESS && memory == NULL)
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    if (rc == NVML_SUCCESS && memory->version != nvmlMemory_v2)
+        rc = NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
     if (rc != NVML_SUCCESS)
         return rc;
     nvmlMemory_t m = memory_of(g);
@@ -559,7 +564,6 @@ NVML_GPU_QUERY(nvmlDeviceGetMaxPcieLinkGeneration, unsigned int, maxLinkGen, *ma
 NVML_GPU_QUERY(nvmlDeviceGetCurrPcieLinkWidth, unsigned int, currLinkWidth, *currLinkWidth = SIM_PCIE_WIDTH)
 NVML_GPU_QUERY(nvmlDeviceGetMaxPcieLinkWidth, unsigned int, maxLinkWidth, *maxLinkWidth = SIM_PCIE_WIDTH)
 /* A GPU handle is never a MIG device: the simulation has no MIG. */
-NVML_GPU_QUERY(nvmlDeviceIsMigDeviceHandle, unsigned int, isMigDevice, *isMigDevice = 0)
 
 NVML_GPU_QUERY2(nvmlDeviceGetPowerManagementLimitConstraints, unsigned int, minLimit, maxLimit,
                 (*minLimit = SIM_POWER_MIN_LIMIT_MW, *maxLimit = SIM_POWER_LIMIT_MW))
@@ -693,9 +697,6 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetBAR1MemoryInfo(nvmlDevice_t device, nvmlBA
 }
 
 /* MIG off: the simulation partitions no GPU. */
-NVML_GPU_QUERY2(nvmlDeviceGetMigMode, unsigned int, currentMode, pendingMode,
-                *currentMode = *pendingMode = NVML_DEVICE_MIG_DISABLE)
-
 struct proc_view {
     unsigned int pid;
     unsigned long long used;

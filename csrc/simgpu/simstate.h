@@ -17,7 +17,7 @@
 #include <stdint.h>
 
 #define SIM_MAGIC 0x31305453554d4953ULL /* "SIMUST01" */
-#define SIM_VERSION 3
+#define SIM_VERSION 4
 #define SIM_MAX_GPUS 16
 #define SIM_MAX_PROCS 512
 #define SIM_RING 8192 /* execution records kept per GPU */
@@ -47,6 +47,14 @@ struct sim_gpu_config {
      * HOSTBRIDGE, on one CPU socket NODE, else SYSTEM. */
     uint32_t pcie_switch, host_bridge, cpu_socket;
     uint32_t nvswitch_links;      /* links into the machine's NVSwitch fabric (after the direct ones) */
+    /* MIG (simmig.h). A physical GPU: mig_mode 1 when enabled. A MIG device
+     * (an entry after the physical GPUs): its parent's index + 1, its GPU
+     * instance profile (NVML index), instance ids and first memory slice. */
+    uint32_t mig_mode;
+    uint32_t mig_parent;          /* 0: a physical GPU */
+    uint32_t mig_profile;
+    uint32_t gi_id, ci_id;
+    uint32_t gi_start;
     uint8_t nvlink_links[SIM_MAX_GPUS]; /* links to GPU i, for i in nvlink_peers (1 if unset) */
 };
 
@@ -54,6 +62,8 @@ struct sim_config {
     uint32_t gpu_count;
     uint32_t driver_version;      /* as cuDriverGetVersion: 13000 */
     char driver_version_str[32];  /* as nvmlSystemGetDriverVersion */
+    uint32_t mig_count;           /* MIG devices: gpu[gpu_count .. gpu_count + mig_count) */
+    uint32_t reserved;
     uint64_t queue_ns;            /* device time a stream may queue ahead */
     uint64_t default_kernel_ns;   /* cost of a kernel the simulation cannot time */
     uint64_t context_bytes;       /* driver memory of a process's first context on a GPU */
