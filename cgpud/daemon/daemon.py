@@ -25,6 +25,7 @@ from cgpud.containers.relay import RelayServer
 from cgpud.daemon.metrics import CountedAllocator, DaemonStats, serve_metrics
 from cgpud.daemon.notify import Heartbeat, Notifier, heartbeat_max_age, start_keepalive
 from cgpud.errors import CgpuError, UsageError
+from cgpud.kube import mig
 from cgpud.kube.agent import KubeAgent, kubeconfig_path, node_name
 from cgpud.kube.apiserver import LazyApiServer
 from cgpud.kube.health import HealthWatcher, healthy_by_index
@@ -109,7 +110,10 @@ class Daemon:
         # Refused before anything starts: a keep-alive period too short for the sweep.
         max_age = heartbeat_max_age(self._notifier, config.sweep_interval)
         inventory = read_inventory()
-        gpus = tuple(GpuCapacity(g.index, g.uuid, g.memory_total, gpu_node(g.minor_number)) for g in inventory.gpus)
+        gpus = tuple(
+            GpuCapacity(g.index, g.uuid, g.memory_total, gpu_node(g.minor_number), mig=g.mig_mode)
+            for g in inventory.gpus
+        )
         private_state_dir(config.state_dir)
         store = Store(config.database)
         stack.callback(store.close)
@@ -180,17 +184,25 @@ class Daemon:
         plugin = agent = health = None
         if kube:
             assert api is not None
+            migs = mig.plan(config.mig_strategy, inventory.gpus)
+            if migs.problem:
+                self._log.warning("MIG devices not served as they are", problem=migs.problem)
+            card_labels = {
+                **inventory.card_labels(),
+                **mig.gfd_labels(config.mig_strategy, inventory.gpus, any(g.mig_capable for g in inventory.gpus)),
+            }
             agent = KubeAgent(
                 service,
                 api,
                 node_name(config.node_name),
                 files,
                 config.policy(),
-                inventory.card_labels(),
+                card_labels,
                 cdi_dir=config.cdi_dir,
                 dev_root=config.dev_root,
                 pod_resources_socket=config.pod_resources_socket,
                 min_pod_priority=config.pod_share_priority_min,
+                mig_devices=migs.by_uuid(),
             )
             plugin = DevicePlugin(
                 PluginSettings(config.device_plugin_dir),
@@ -199,6 +211,7 @@ class Daemon:
                 placement=policy.placement,
                 gpus=gpus,
                 links=inventory.links(),
+                mig=migs,
             ).start()
             stack.callback(plugin.stop)
             agent.on_policy = lambda p: plugin.update(mode=p.mode, placement=p.placement)

@@ -123,6 +123,9 @@ class GpuCapacity:
     uuid: str
     memory: int  # bytes
     device_node: str = ""  # /dev/nvidia<minor>; "" where unknown (a view from another node)
+    # In MIG mode: its memory belongs to its MIG devices, so cgpu neither
+    # shares it nor gives it whole (placement counts it full; docs/modes.md).
+    mig: bool = False
 
 
 @dataclass(frozen=True)
