@@ -12,6 +12,7 @@ import pytest
 
 from cgpud.errors import UsageError
 from cgpud.kube.mig import MigStrategy, gfd_labels, parse_strategy, plan
+from cgpud.kube.mig_devices import capability_nodes, capability_paths, parse_mig_minors
 from cgpud.kube.resources import PluginGpu, advertised
 from cgpud.node.inventory import Gpu, Inventory
 from cgpud.node.mig import mig_profile_name
@@ -184,3 +185,31 @@ def test_sharing_never_lands_on_a_gpu_in_mig_mode(mixed_machine):
 def test_a_node_whose_gpus_are_all_in_mig_mode_refuses_shares_with_what_to_ask_for(uniform_machine):
     with pytest.raises(UsageError, match=r"every GPU of this node is in MIG mode.*nvidia.com/mig-<profile>"):
         admit(share(4), capacities(uniform_machine), [], NodePolicy(mode=NodeMode.CGPU))
+
+
+MIG_MINORS = """config 1
+monitor 2
+gpu0/gi1/access 12
+gpu0/gi1/ci0/access 13
+gpu0/gi13/access 84
+gpu0/gi13/ci0/access 85
+gpu1/gi1/access 147
+bogus line
+"""
+
+
+def test_a_mig_devices_capability_nodes_from_the_drivers_minors(mixed_machine, tmp_path):
+    three_g, _, one_g = mixed_machine.gpus[0].mig_devices  # GPU instances 1 and 13 of GPU 0 (minor 0)
+    minors = parse_mig_minors(MIG_MINORS)
+    assert minors["gpu0/gi13/ci0/access"] == 85 and "bogus" not in " ".join(minors)
+    assert capability_paths([one_g, three_g], {0: 0}, minors) == [
+        "/dev/nvidia-caps/nvidia-cap84",
+        "/dev/nvidia-caps/nvidia-cap85",
+        "/dev/nvidia-caps/nvidia-cap12",
+        "/dev/nvidia-caps/nvidia-cap13",
+    ]
+    assert capability_paths([one_g], {0: 1}, minors) == []  # GPU 0 is /dev/nvidia1: gpu1/gi13 is not listed
+    # A host whose driver lists none (the simulated GPUs): no node is named.
+    assert capability_nodes([one_g], {0: 0}, tmp_path, tmp_path / "mig-minors") == ()
+    (tmp_path / "mig-minors").write_text(MIG_MINORS)
+    assert capability_nodes([one_g], {0: 0}, tmp_path, tmp_path / "mig-minors") == ()  # nodes absent under the root
