@@ -12,7 +12,7 @@ Strategies (setting `mig_strategy`), as NVIDIA's device plugin has them:
   MIG device is one `nvidia.com/gpu` (on a `default` node). A node that is
   not so serves no MIG device and says why, in NVIDIA's words ("more than
   one MIG device type present on node"); GFD then labels the product
-  `<product>-MIG-INVALID` with zero counts.
+  `<product>-MIG-INVALID`, count and memory 0.
 - `mixed`: each MIG device is one `nvidia.com/mig-<profile>` ("+" as ".":
   `1g.10gb+me` is `mig-1g.10gb.me`), in every node mode; GPUs outside MIG
   mode are served as the mode serves them.
@@ -163,17 +163,12 @@ def gfd_labels(strategy: MigStrategy, gpus: Sequence[Gpu], mig_capable: bool) ->
             labels.update(_device_labels(prefix, first[profile]))
         return labels
     if strategy is MigStrategy.SINGLE and any(g.mig_mode for g in gpus):
-        if p.problem:
+        if p.problem:  # GFD's own tests: these three, nothing else
             labels[LABEL_PRODUCT] = f"{_product(gpus)}-MIG-INVALID"
             labels[LABEL_COUNT] = labels[LABEL_MEMORY] = "0"
-            for key in _device_labels("nvidia.com/gpu", gpus[0].mig_devices[0] if gpus[0].mig_devices else _NONE):
-                labels[key] = "0"
             return labels
         m = p.served[0].device
         labels[LABEL_PRODUCT] = f"{_product(gpus)}-MIG-{m.profile}"
         labels[LABEL_COUNT] = str(len(p.served))
         labels.update(_device_labels("nvidia.com/gpu", m))
     return labels
-
-
-_NONE = MigDevice("", 0, 0, 0, "", 0, 0, 0, 0)

@@ -124,7 +124,8 @@ def test_single_labels_override_the_gpu_product_count_and_memory(uniform_machine
     assert (labels["nvidia.com/gpu.multiprocessors"], labels["nvidia.com/gpu.slices.gi"]) == ("60", "3")
     invalid = gfd_labels(MigStrategy.SINGLE, mixed_machine.gpus, mig_capable=True)
     assert invalid["nvidia.com/gpu.product"] == "NVIDIA-H100-80GB-HBM3-MIG-INVALID"
-    assert invalid["nvidia.com/gpu.count"] == "0" and invalid["nvidia.com/gpu.multiprocessors"] == "0"
+    assert (invalid["nvidia.com/gpu.count"], invalid["nvidia.com/gpu.memory"]) == ("0", "0")
+    assert "nvidia.com/gpu.multiprocessors" not in invalid  # as GPU feature discovery's own tests have it
 
 
 def test_no_mig_labels_but_capable_and_strategy_on_a_node_without_mig(mixed_machine):
@@ -155,6 +156,8 @@ def test_device_lists_by_strategy_and_mode(mixed_machine, uniform_machine):
         NodeMode.DEFAULT, plugin_gpus(uniform_machine.gpus), plan(MigStrategy.SINGLE, uniform_machine.gpus)
     )
     assert [d.id for d in single["nvidia.com/gpu"]] == [m.uuid for g in uniform_machine.gpus for m in g.mig_devices]
+    topology = advertised("topology", plugin_gpus(gpus), plan(MigStrategy.MIXED, gpus))
+    assert [d.id for d in topology["aliyun.com/gpu"]] == [gpus[1].uuid]
     # none: neither the GPU in MIG mode nor its MIG devices.
     none = advertised(NodeMode.DEFAULT, plugin_gpus(gpus), plan(MigStrategy.NONE, gpus))
     assert [d.id for d in none["nvidia.com/gpu"]] == [gpus[1].uuid]
