@@ -262,9 +262,12 @@ class Daemon:
         turn an isolating mode on later, and until then its rounds only read
         the policy."""
         config = self.config
-        if config.bypass_interval <= 0 or not gpus:
+        # Not a GPU in MIG mode: cgpu has no instance there, and its processes
+        # are the MIG devices' (pods given them whole), not tenants going around libcgpu.
+        watched = [g.index for g in gpus if not g.mig]
+        if config.bypass_interval <= 0 or not watched:
             return None
-        reader = NvmlProcessReader([g.index for g in gpus], config.bypass_compute_window)
+        reader = NvmlProcessReader(watched, config.bypass_compute_window)
         stack.callback(reader.close)
         return BypassWatchdog(
             service,

@@ -699,6 +699,7 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetBAR1MemoryInfo(nvmlDevice_t device, nvmlBA
 /* MIG off: the simulation partitions no GPU. */
 struct proc_view {
     unsigned int pid;
+    unsigned int gi, ci;          /* the MIG instance it runs in; NO_MIG_INSTANCE outside MIG */
     unsigned long long used;
     int slot;
     uint64_t generation;
@@ -756,6 +757,7 @@ static bool read_slot(int i, unsigned int gpu, uint64_t self_ns, struct proc_vie
     if (!cached)
         cache_pid(i, gen, self_ns, pid); /* 0 too: a process never becomes visible */
     v->pid = (unsigned int)pid;
+    v->gi = v->ci = NO_MIG_INSTANCE;
     v->slot = i;
     v->generation = gen;
     return pid != 0;
@@ -772,6 +774,26 @@ static unsigned int live_procs(unsigned int gpu, struct proc_view *out)
     return n;
 }
 
+/* A GPU in MIG mode lists the processes of its MIG devices, each with its
+ * GPU and compute instance ids, as a real driver lists them to root. A
+ * process holds one MIG device at most (CUDA enumerates one). */
+static unsigned int mig_procs(unsigned int gpu, struct proc_view *out)
+{
+    unsigned int n = 0;
+    for (unsigned int d = g_cfg.gpu_count; d < g_cfg.gpu_count + g_cfg.mig_count; d++) {
+        if (g_cfg.gpu[d].mig_parent != gpu + 1)
+            continue;
+        struct proc_view found[SIM_MAX_PROCS];
+        unsigned int k = live_procs(d, found);
+        for (unsigned int i = 0; i < k && n < SIM_MAX_PROCS; i++, n++) {
+            out[n] = found[i];
+            out[n].gi = g_cfg.gpu[d].gi_id;
+            out[n].ci = g_cfg.gpu[d].ci_id;
+        }
+    }
+    return n;
+}
+
 enum info_layout { INFO_V1, INFO_V2, INFO_V3 };
 
 /* The count protocol of every NVML list query: *count in is the room in
@@ -785,7 +807,7 @@ static nvmlReturn_t list_procs(nvmlDevice_t device, unsigned int *infoCount, voi
     if (rc != NVML_SUCCESS)
         return rc;
     struct proc_view procs[SIM_MAX_PROCS];
-    unsigned int n = none ? 0 : live_procs(g, procs);
+    unsigned int n = none ? 0 : g_cfg.gpu[g].mig_mode ? mig_procs(g, procs) : live_procs(g, procs);
     if (*infoCount < n) {
         *infoCount = n;
         return NVML_ERROR_INSUFFICIENT_SIZE;
@@ -797,10 +819,9 @@ static nvmlReturn_t list_procs(nvmlDevice_t device, unsigned int *infoCount, voi
             ((nvmlProcessInfo_v1_t *)infos)[i] = (nvmlProcessInfo_v1_t){procs[i].pid, procs[i].used};
         else if (layout == INFO_V2)
             ((nvmlProcessInfo_v2_t *)infos)[i] =
-                (nvmlProcessInfo_v2_t){procs[i].pid, procs[i].used, NO_MIG_INSTANCE, NO_MIG_INSTANCE};
+                (nvmlProcessInfo_v2_t){procs[i].pid, procs[i].used, procs[i].gi, procs[i].ci};
         else
-            ((nvmlProcessInfo_t *)infos)[i] =
-                (nvmlProcessInfo_t){procs[i].pid, procs[i].used, NO_MIG_INSTANCE, NO_MIG_INSTANCE};
+            ((nvmlProcessInfo_t *)infos)[i] = (nvmlProcessInfo_t){procs[i].pid, procs[i].used, procs[i].gi, procs[i].ci};
     }
     *infoCount = n;
     return NVML_SUCCESS;

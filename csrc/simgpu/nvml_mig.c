@@ -101,8 +101,8 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int 
         return rc;
     if (currentMode == NULL || pendingMode == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
-    if (!sim_mig_capable(&g_cfg.gpu[g]))
-        return NVML_ERROR_NOT_SUPPORTED;
+    /* Every simulated GPU is an H100 by name and compute capability, which
+     * answers; only the 80 GiB shape can be booted in MIG mode (simmig.h). */
     *currentMode = *pendingMode = g_cfg.gpu[g].mig_mode ? NVML_DEVICE_MIG_ENABLE : NVML_DEVICE_MIG_DISABLE;
     return NVML_SUCCESS;
 }

@@ -6,9 +6,15 @@ says what to ask for instead, with nothing made (docs/modes.md, "MIG")."""
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
 
 from tests.harness.daemon import make_daemon
 from tests.harness.sim import sim_env_in
+from tests.harness.simrun import py_env
+from tests.harness.wait import until
 
 
 def _instances(daemon) -> list[dict]:
@@ -42,4 +48,57 @@ def test_a_machine_all_in_mig_mode_refuses_a_share_in_one_line(tmp_path, native)
         assert "nvidia.com/mig-<profile>" in run.stderr
         assert _instances(daemon) == []
     finally:
+        daemon.stop()
+
+
+HOLD = """
+import sys
+from cudapy import Driver
+cu = Driver(); cu.init_device(0)
+assert cu.alloc(1 << 30)[0] == "CUDA_SUCCESS"
+print("held", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_the_bypass_watchdog_leaves_processes_on_mig_devices_alone(tmp_path, native):
+    """With kill_unknown, a process of no instance on the shared GPU is
+    killed; one on a MIG device (a pod's whole MIG device, cgpu's business
+    nowhere) is not, though NVML lists it on its GPU."""
+    env = sim_env_in(tmp_path / "sim", native, mem="80GiB", placements=["mig=3g.40gb"])
+    daemon = make_daemon(
+        tmp_path,
+        env,
+        "--mode",
+        "cgpu",
+        "--bypass-interval",
+        "0.2",
+        "--bypass-action",
+        "kill",
+        "--bypass-kill-unknown",
+        "true",
+    )
+    daemon.start()
+    mig_uuid = "MIG-5c1a0000-0000-4000-8000-000000a10001"  # the 3g.40gb: GPU instance 1
+    tenants = {
+        name: subprocess.Popen(
+            [sys.executable, "-c", HOLD],
+            env=py_env(dict(env, CUDA_VISIBLE_DEVICES=visible)),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for name, visible in (("mig", mig_uuid), ("shared", "1"))
+    }
+    try:
+        for t in tenants.values():
+            assert t.stdout.readline().strip() == "held"  # type: ignore[union-attr]
+        until(lambda: tenants["shared"].poll() is not None, 20, interval=0.1, what="the shared GPU's stray killed")
+        assert tenants["shared"].returncode == -signal.SIGKILL
+        time.sleep(1.0)  # five more rounds
+        assert tenants["mig"].poll() is None
+    finally:
+        for t in tenants.values():
+            t.kill()
+            t.wait(10)
         daemon.stop()

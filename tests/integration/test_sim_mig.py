@@ -266,6 +266,44 @@ def test_memory_of_a_mig_device_runs_out_at_its_own_size_and_shows_on_the_gpu(mi
     assert seen == [held, 0, 0, held]
 
 
+def test_the_gpu_lists_the_processes_of_its_mig_devices_with_their_instance_ids(mig_env):
+    uuids = mig_uuids(mig_env)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_1_GIB],
+        env=py_env(dict(mig_env, CUDA_VISIBLE_DEVICES=uuids[1])),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"  # type: ignore[union-attr]
+        listed = nvml(
+            mig_env,
+            """
+            n.nvmlInit()
+            out = []
+            for i in range(2):
+                h = n.nvmlDeviceGetHandleByIndex(i)
+                out.append([[p.pid, p.usedGpuMemory, p.gpuInstanceId, p.computeInstanceId]
+                            for p in n.nvmlDeviceGetComputeRunningProcesses(h)])
+            print(json.dumps(out))
+            """,
+        )
+    finally:
+        holder.communicate("done\n", timeout=30)
+    assert listed == [[[holder.pid, GIB, 5, 0]], []]  # the 2g.20gb at slices 4-5 is GPU instance 5
+
+
+HOLD_1_GIB = """
+import sys
+from cudapy import Driver
+cu = Driver(); cu.init_device(0)
+assert cu.alloc(1 << 30)[0] == "CUDA_SUCCESS"
+print("held", flush=True)
+sys.stdin.readline()
+"""
+
+
 @pytest.mark.parametrize(
     ("line", "message"),
     [
