@@ -9,6 +9,7 @@
 
 #include "driver.h"
 #include "driver_procs.h"
+#include "simmig.h"
 
 struct sim_driver sim_drv = {.lock = PTHREAD_MUTEX_INITIALIZER, .shared = {.fd = -1, .slot = -1}};
 
@@ -122,14 +123,30 @@ CUdevice sim_ordinal(int phys)
     return -1;
 }
 
-/* The device a UUID (or a unique prefix of one) names among the GPUs and
- * MIG devices whose UUIDs start with `kind` ("GPU-" or "MIG-"). */
-static int device_by_uuid(const char *entry)
+/* Device `i` as it is now: a GPU, or a MIG device (a GPU instance with
+ * its compute instance; NVML may change the MIG layout at any time, so it
+ * is read as a whole copy, simmig.h). False for anything else. */
+static bool device_now(unsigned i, struct sim_gpu_config *out)
 {
     const struct sim_config *cfg = sim_cfg();
+    if (i < cfg->gpu_count) {
+        *out = cfg->gpu[i];
+        out->mig_mode = sim_mig_load(&cfg->gpu[i].mig_mode);
+        return true;
+    }
+    return sim_mig_entry(cfg, i, out) && sim_mig_is_device(out);
+}
+
+/* The GPU or MIG device a UUID (or a unique prefix of one) names. */
+static int device_by_uuid(const char *entry)
+{
     int found = -1;
-    for (unsigned i = 0; i < cfg->gpu_count + cfg->mig_count; i++) {
-        if (strncasecmp(cfg->gpu[i].uuid, entry, strlen(entry)) == 0) {
+    for (unsigned i = 0; i < SIM_MAX_GPUS; i++) {
+        struct sim_gpu_config d;
+        if (!device_now(i, &d))
+            continue;
+        d.uuid[sizeof(d.uuid) - 1] = '\0';
+        if (strncasecmp(d.uuid, entry, strlen(entry)) == 0) {
             if (found >= 0)
                 return -1; /* ambiguous prefix */
             found = (int)i;
@@ -151,9 +168,9 @@ static int mig_by_parent(const char *entry)
     memcpy(uuid, entry, (size_t)(slash - entry));
     uuid[slash - entry] = '\0';
     int parent = device_by_uuid(uuid);
-    for (unsigned i = cfg->gpu_count; parent >= 0 && i < cfg->gpu_count + cfg->mig_count; i++) {
-        const struct sim_gpu_config *m = &cfg->gpu[i];
-        if (m->mig_parent == (unsigned)parent + 1 && m->gi_id == gi && m->ci_id == ci)
+    for (unsigned i = cfg->gpu_count; parent >= 0 && (unsigned)parent < cfg->gpu_count && i < SIM_MAX_GPUS; i++) {
+        struct sim_gpu_config m;
+        if (device_now(i, &m) && m.mig_parent == (unsigned)parent + 1 && m.gi_id == gi && m.ci_id == ci)
             return (int)i;
     }
     return -1;
@@ -176,15 +193,16 @@ static int visible_entry(const char *entry)
         if (end != entry && *end == '\0' && idx >= 0 && idx < (long)cfg->gpu_count)
             dev = (int)idx;
     }
-    return dev >= 0 && cfg->gpu[dev].mig_mode ? -1 : dev;
+    return dev >= 0 && (unsigned)dev < cfg->gpu_count && sim_mig_load(&cfg->gpu[dev].mig_mode) ? -1 : dev;
 }
 
 /* The first MIG device of a GPU in MIG mode, -1 if it has none. */
 static int first_mig_device(unsigned gpu)
 {
     const struct sim_config *cfg = sim_cfg();
-    for (unsigned i = cfg->gpu_count; i < cfg->gpu_count + cfg->mig_count; i++) {
-        if (cfg->gpu[i].mig_parent == gpu + 1)
+    for (unsigned i = cfg->gpu_count; i < SIM_MAX_GPUS; i++) {
+        struct sim_gpu_config m;
+        if (device_now(i, &m) && m.mig_parent == gpu + 1)
             return (int)i;
     }
     return -1;
@@ -204,10 +222,11 @@ static void read_visible_devices(void)
     sim_drv.visible_count = 0;
     if (!env) {
         for (unsigned i = 0; i < cfg->gpu_count; i++) {
-            int dev = cfg->gpu[i].mig_mode ? (have_mig ? -1 : first_mig_device(i)) : (int)i;
+            bool mig = sim_mig_load(&cfg->gpu[i].mig_mode);
+            int dev = mig ? (have_mig ? -1 : first_mig_device(i)) : (int)i;
             if (dev < 0)
                 continue;
-            have_mig = have_mig || cfg->gpu[i].mig_mode;
+            have_mig = have_mig || mig;
             sim_drv.visible[sim_drv.visible_count++] = dev;
         }
         return;
@@ -220,7 +239,7 @@ static void read_visible_devices(void)
         int g = visible_entry(tok);
         if (g < 0 || sim_ordinal(g) >= 0)
             break;
-        bool mig = cfg->gpu[g].mig_parent != 0;
+        bool mig = (unsigned)g >= cfg->gpu_count;
         if (mig && have_mig)
             continue;
         have_mig = have_mig || mig;
@@ -418,7 +437,8 @@ SIM_EXPORT CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev)
     if (rc)
         return rc;
     const struct sim_gpu_config *g = &sim_cfg()->gpu[phys];
-    uuid_bytes(g->mig_parent ? sim_cfg()->gpu[g->mig_parent - 1].uuid : g->uuid, uuid);
+    uint32_t parent = (unsigned)phys >= sim_cfg()->gpu_count ? sim_mig_load(&g->mig_parent) : 0;
+    uuid_bytes(parent && parent <= sim_cfg()->gpu_count ? sim_cfg()->gpu[parent - 1].uuid : g->uuid, uuid);
     return CUDA_SUCCESS;
 }
 

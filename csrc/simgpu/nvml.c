@@ -22,6 +22,7 @@
 
 #include "cgpu/nvml_abi.h"
 #include "nvml_internal.h"
+#include "simmig.h"
 #include "simstate.h"
 
 /* A legacy entry point whose signature never changed: the same code under
@@ -181,7 +182,8 @@ nvmlReturn_t lookup(nvmlDevice_t device, unsigned int *gpu)
  * GetHandleBy* calls, and nvidia-smi shows exactly that for a lost GPU. */
 nvmlReturn_t give_handle(unsigned int i, nvmlDevice_t *device)
 {
-    unsigned int gpu = g_cfg.gpu[i].mig_parent ? g_cfg.gpu[i].mig_parent - 1 : i;
+    struct sim_gpu_config v;
+    unsigned int gpu = i >= g_cfg.gpu_count && dev_view(i, &v) ? v.mig_parent - 1 : i;
     if (sim_gpu_lost(g_sim.st, (int)gpu))
         return NVML_ERROR_GPU_IS_LOST;
     *device = &g_dev[i];
@@ -323,8 +325,10 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_
     if (uuid == NULL || device == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
     /* MIG devices too: their UUIDs are unique across GPUs and MIG devices. */
-    for (unsigned int i = 0; i < g_cfg.gpu_count + g_cfg.mig_count; i++) {
-        if (strcmp(uuid, g_cfg.gpu[i].uuid) == 0)
+    for (unsigned int i = 0; i < SIM_MAX_GPUS; i++) {
+        struct sim_gpu_config v;
+        if ((i < g_cfg.gpu_count || (dev_view(i, &v) && sim_mig_is_device(&v))) &&
+            strcmp(uuid, i < g_cfg.gpu_count ? g_cfg.gpu[i].uuid : v.uuid) == 0)
             return give_handle(i, device);
     }
     return NVML_ERROR_NOT_FOUND;
@@ -389,15 +393,17 @@ NVML_GPU_QUERY(nvmlDeviceGetIndex, unsigned int, index, *index = g)
 NVML_EXPORT nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int length)
 {
     unsigned int g;
-    nvmlReturn_t rc = lookup_any(device, &g);
-    return rc != NVML_SUCCESS ? rc : copy_string(name, length, g_cfg.gpu[g].name);
+    struct sim_gpu_config v;
+    nvmlReturn_t rc = lookup_any(device, &g, &v);
+    return rc != NVML_SUCCESS ? rc : copy_string(name, length, v.name);
 }
 
 NVML_EXPORT nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length)
 {
     unsigned int g;
-    nvmlReturn_t rc = lookup_any(device, &g);
-    return rc != NVML_SUCCESS ? rc : copy_string(uuid, length, g_cfg.gpu[g].uuid);
+    struct sim_gpu_config v;
+    nvmlReturn_t rc = lookup_any(device, &g, &v);
+    return rc != NVML_SUCCESS ? rc : copy_string(uuid, length, v.uuid);
 }
 
 /* Fills the fields the pre-9.0 struct shares with nvmlPciInfo_t. */
@@ -446,17 +452,17 @@ NVML_GPU_QUERY(nvmlDeviceGetMultiGpuBoard, unsigned int, multiGpuBool, *multiGpu
 
 /* Used bytes, never above total: a transiently inconsistent counter must not
  * show as 17592186044134 MiB free. */
-static unsigned long long used_bytes(unsigned int gpu)
+static unsigned long long used_bytes(unsigned int gpu, unsigned long long total)
 {
     unsigned long long used = mig_used_bytes(gpu);
-    return used < g_cfg.gpu[gpu].total_mem ? used : g_cfg.gpu[gpu].total_mem;
+    return used < total ? used : total;
 }
 
-/* GPU g's memory, once the processes that died have given theirs back. */
-static nvmlMemory_t memory_of(unsigned int g)
+/* Device g's memory, once the processes that died have given theirs back. */
+static nvmlMemory_t memory_of(unsigned int g, unsigned long long total)
 {
     reap_dead();
-    nvmlMemory_t m = {.total = g_cfg.gpu[g].total_mem, .used = used_bytes(g)};
+    nvmlMemory_t m = {.total = total, .used = used_bytes(g, total)};
     m.free = m.total - m.used;
     return m;
 }
@@ -465,26 +471,28 @@ static nvmlMemory_t memory_of(unsigned int g)
 NVML_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
 {
     unsigned int g;
-    nvmlReturn_t rc = lookup_any(device, &g);
+    struct sim_gpu_config v;
+    nvmlReturn_t rc = lookup_any(device, &g, &v);
     if (rc != NVML_SUCCESS)
         return rc;
     if (memory == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
-    *memory = memory_of(g);
+    *memory = memory_of(g, v.total_mem);
     return NVML_SUCCESS;
 }
 
 NVML_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory)
 {
     unsigned int g;
-    nvmlReturn_t rc = lookup_any(device, &g);
+    struct sim_gpu_config v;
+    nvmlReturn_t rc = lookup_any(device, &g, &v);
     if (rc == NVML_SUCCESS && memory == NULL)
         rc = NVML_ERROR_INVALID_ARGUMENT;
     if (rc == NVML_SUCCESS && memory->version != nvmlMemory_v2)
         rc = NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
     if (rc != NVML_SUCCESS)
         return rc;
-    nvmlMemory_t m = memory_of(g);
+    nvmlMemory_t m = memory_of(g, v.total_mem);
     /* reserved 0: the simulated driver keeps no memory for itself */
     *memory = (nvmlMemory_v2_t){.version = nvmlMemory_v2, .total = m.total, .free = m.free, .used = m.used};
     return NVML_SUCCESS;
@@ -515,7 +523,7 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvml
         return rc;
     utilization->gpu = busy_percent(g);
     /* The simulation has no memory bandwidth: report occupancy instead. */
-    utilization->memory = percent(used_bytes(g), g_cfg.gpu[g].total_mem);
+    utilization->memory = percent(used_bytes(g, g_cfg.gpu[g].total_mem), g_cfg.gpu[g].total_mem);
     return NVML_SUCCESS;
 }
 
@@ -780,15 +788,16 @@ static unsigned int live_procs(unsigned int gpu, struct proc_view *out)
 static unsigned int mig_procs(unsigned int gpu, struct proc_view *out)
 {
     unsigned int n = 0;
-    for (unsigned int d = g_cfg.gpu_count; d < g_cfg.gpu_count + g_cfg.mig_count; d++) {
-        if (g_cfg.gpu[d].mig_parent != gpu + 1)
+    for (unsigned int d = g_cfg.gpu_count; d < SIM_MAX_GPUS; d++) {
+        struct sim_gpu_config m;
+        if (!dev_view(d, &m) || !sim_mig_is_device(&m) || m.mig_parent != gpu + 1)
             continue;
         struct proc_view found[SIM_MAX_PROCS];
         unsigned int k = live_procs(d, found);
         for (unsigned int i = 0; i < k && n < SIM_MAX_PROCS; i++, n++) {
             out[n] = found[i];
-            out[n].gi = g_cfg.gpu[d].gi_id;
-            out[n].ci = g_cfg.gpu[d].ci_id;
+            out[n].gi = m.gi_id;
+            out[n].ci = m.ci_id;
         }
     }
     return n;
@@ -807,7 +816,8 @@ static nvmlReturn_t list_procs(nvmlDevice_t device, unsigned int *infoCount, voi
     if (rc != NVML_SUCCESS)
         return rc;
     struct proc_view procs[SIM_MAX_PROCS];
-    unsigned int n = none ? 0 : g_cfg.gpu[g].mig_mode ? mig_procs(g, procs) : live_procs(g, procs);
+    bool mig = sim_mig_load(&g_sim.st->config.gpu[g].mig_mode);
+    unsigned int n = none ? 0 : mig ? mig_procs(g, procs) : live_procs(g, procs);
     if (*infoCount < n) {
         *infoCount = n;
         return NVML_ERROR_INSUFFICIENT_SIZE;

@@ -32,8 +32,14 @@ nvmlReturn_t give_handle(unsigned int i, nvmlDevice_t *device);
 nvmlReturn_t copy_string(char *dst, unsigned int length, const char *src);
 void reap_dead(void);
 
-/* nvml_mig.c: a handle of a GPU or of a MIG device; its device index. */
-nvmlReturn_t lookup_any(nvmlDevice_t device, unsigned int *dev);
+/* nvml_mig.c. The MIG layout changes at run time (NVML's own calls, in
+ * any process): it is read from the shared state, never from g_cfg.
+ * dev_view: device `dev` as it is now (a GPU: g_cfg's with its MIG mode
+ * now; a GPU instance: its entry), strings terminated; false for a free
+ * entry. lookup_any: a handle of a GPU or of a MIG device (a GPU instance
+ * with its compute instance); its index and, if `view`, its view. */
+bool dev_view(unsigned int dev, struct sim_gpu_config *out);
+nvmlReturn_t lookup_any(nvmlDevice_t device, unsigned int *dev, struct sim_gpu_config *view);
 /* Bytes used on device `dev`: a GPU in MIG mode counts its MIG devices'. */
 unsigned long long mig_used_bytes(unsigned int dev);
 

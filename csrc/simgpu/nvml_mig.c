@@ -1,18 +1,21 @@
-/* NVML's Multi-Instance GPU queries over the simulated GPUs: MIG mode, GPU
- * and compute instances, MIG device handles (simmig.h has the profiles).
+/* NVML's Multi-Instance GPU calls over the simulated GPUs: MIG mode, GPU
+ * and compute instances (queried, created, destroyed), MIG device handles
+ * (simmig.h has the profiles and the shared layout).
  *
- * The instances are those the configuration lays out; each GPU instance
- * holds one compute instance over all its slices (the default `nvidia-smi
- * mig -cgi ... -C`). Creating and destroying instances at run time is not
- * modelled: those entry points stay stubs (NOT_SUPPORTED).
+ * The configuration boots a layout; these calls change it for every
+ * process (the shared state). A GPU instance has at most one compute
+ * instance, over all its slices (`nvidia-smi mig -cci` of the full
+ * profile); smaller compute instances are not modelled (NOT_SUPPORTED).
  *
- * Handles: a GPU instance and its compute instance are named by the MIG
- * device's index, as are MIG device handles (g_dev). Thread-safety: the
- * handles are constant once NVML is initialised. */
+ * Handles: a GPU instance and its compute instance are named by their
+ * entry's index, as are MIG device handles (g_dev); a handle of an entry
+ * freed since is INVALID_ARGUMENT. Thread-safety: every read of the layout
+ * is a whole copy (sim_mig_entry); changes take the state's MIG lock. */
 #define _GNU_SOURCE
 #include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "nvml_internal.h"
 #include "simmig.h"
@@ -46,25 +49,45 @@ static struct nvmlComputeInstance_st g_ci[SIM_MAX_GPUS] = {
 };
 _Static_assert(SIM_MAX_GPUS == 16, "one GI and CI handle per device");
 
-static bool is_mig(unsigned int dev)
+static const struct sim_config *live(void)
 {
-    return g_cfg.gpu[dev].mig_parent != 0;
+    return &g_sim.st->config;
 }
 
-static unsigned int parent_of(unsigned int dev)
+bool dev_view(unsigned int dev, struct sim_gpu_config *out)
 {
-    return is_mig(dev) ? g_cfg.gpu[dev].mig_parent - 1 : dev;
+    if (dev < g_cfg.gpu_count) {
+        *out = g_cfg.gpu[dev];
+        out->mig_mode = sim_mig_load(&live()->gpu[dev].mig_mode);
+        return true;
+    }
+    if (!sim_mig_entry(live(), dev, out))
+        return false;
+    out->name[sizeof(out->name) - 1] = '\0';
+    out->uuid[sizeof(out->uuid) - 1] = '\0';
+    out->pci_bus_id[sizeof(out->pci_bus_id) - 1] = '\0';
+    return out->mig_parent <= g_cfg.gpu_count;
 }
 
-nvmlReturn_t lookup_any(nvmlDevice_t device, unsigned int *dev)
+static unsigned int parent_of(const struct sim_gpu_config *v, unsigned int dev)
+{
+    return v->mig_parent ? v->mig_parent - 1 : dev;
+}
+
+nvmlReturn_t lookup_any(nvmlDevice_t device, unsigned int *dev, struct sim_gpu_config *view)
 {
     if (!ready())
         return NVML_ERROR_UNINITIALIZED;
-    for (unsigned int i = 0; i < g_cfg.gpu_count + g_cfg.mig_count; i++) {
-        if (device == &g_dev[i]) {
-            *dev = i;
-            return sim_gpu_lost(g_sim.st, (int)parent_of(i)) ? NVML_ERROR_GPU_IS_LOST : NVML_SUCCESS;
-        }
+    struct sim_gpu_config v;
+    for (unsigned int i = 0; i < SIM_MAX_GPUS; i++) {
+        if (device != &g_dev[i])
+            continue;
+        if (!dev_view(i, &v) || (i >= g_cfg.gpu_count && !sim_mig_is_device(&v)))
+            return NVML_ERROR_INVALID_ARGUMENT;
+        *dev = i;
+        if (view)
+            *view = v;
+        return sim_gpu_lost(g_sim.st, (int)parent_of(&v, i)) ? NVML_ERROR_GPU_IS_LOST : NVML_SUCCESS;
     }
     return NVML_ERROR_INVALID_ARGUMENT;
 }
@@ -72,8 +95,9 @@ nvmlReturn_t lookup_any(nvmlDevice_t device, unsigned int *dev)
 unsigned long long mig_used_bytes(unsigned int dev)
 {
     unsigned long long used = atomic_load(&g_sim.st->gpu[dev].used);
-    for (unsigned int i = g_cfg.gpu_count; !is_mig(dev) && i < g_cfg.gpu_count + g_cfg.mig_count; i++) {
-        if (g_cfg.gpu[i].mig_parent == dev + 1)
+    for (unsigned int i = g_cfg.gpu_count; dev < g_cfg.gpu_count && i < SIM_MAX_GPUS; i++) {
+        struct sim_gpu_config m;
+        if (dev_view(i, &m) && m.mig_parent == dev + 1)
             used += atomic_load(&g_sim.st->gpu[i].used);
     }
     return used;
@@ -84,13 +108,26 @@ unsigned long long mig_used_bytes(unsigned int dev)
 static nvmlReturn_t lookup_mig_gpu(nvmlDevice_t device, unsigned int *gpu)
 {
     nvmlReturn_t rc = lookup(device, gpu);
-    return rc == NVML_SUCCESS && !g_cfg.gpu[*gpu].mig_mode ? NVML_ERROR_NOT_SUPPORTED : rc;
+    return rc == NVML_SUCCESS && !sim_mig_load(&live()->gpu[*gpu].mig_mode) ? NVML_ERROR_NOT_SUPPORTED : rc;
 }
 
-static nvmlReturn_t lookup_mig_device(nvmlDevice_t device, unsigned int *dev)
+static nvmlReturn_t lookup_mig_device(nvmlDevice_t device, unsigned int *dev, struct sim_gpu_config *view)
 {
-    nvmlReturn_t rc = lookup_any(device, dev);
-    return rc == NVML_SUCCESS && !is_mig(*dev) ? NVML_ERROR_NOT_SUPPORTED : rc;
+    nvmlReturn_t rc = lookup_any(device, dev, view);
+    return rc == NVML_SUCCESS && *dev < g_cfg.gpu_count ? NVML_ERROR_NOT_SUPPORTED : rc;
+}
+
+/* What a layout change answers. */
+static nvmlReturn_t mig_rc(enum sim_mig_rc rc)
+{
+    switch (rc) {
+    case SIM_MIG_OK: return NVML_SUCCESS;
+    case SIM_MIG_NOT_SUPPORTED: return NVML_ERROR_NOT_SUPPORTED;
+    case SIM_MIG_IN_USE: return NVML_ERROR_IN_USE;
+    case SIM_MIG_NO_ROOM: return NVML_ERROR_INSUFFICIENT_RESOURCES;
+    case SIM_MIG_BUSY: return NVML_ERROR_TIMEOUT;
+    default: return NVML_ERROR_INVALID_ARGUMENT;
+    }
 }
 
 NVML_EXPORT nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *currentMode, unsigned int *pendingMode)
@@ -102,19 +139,39 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int 
     if (currentMode == NULL || pendingMode == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
     /* Every simulated GPU is an H100 by name and compute capability, which
-     * answers; only the 80 GiB shape can be booted in MIG mode (simmig.h). */
-    *currentMode = *pendingMode = g_cfg.gpu[g].mig_mode ? NVML_DEVICE_MIG_ENABLE : NVML_DEVICE_MIG_DISABLE;
+     * answers; only the 80 GiB shape can be in MIG mode (simmig.h). */
+    *currentMode = *pendingMode =
+        sim_mig_load(&live()->gpu[g].mig_mode) ? NVML_DEVICE_MIG_ENABLE : NVML_DEVICE_MIG_DISABLE;
     return NVML_SUCCESS;
+}
+
+/* Takes effect at once (the simulation needs no GPU reset): current and
+ * pending mode are the same again, and activationStatus is SUCCESS. Root
+ * only; IN_USE while a process uses the GPU (enabling) or while it has GPU
+ * instances (disabling). */
+NVML_EXPORT nvmlReturn_t nvmlDeviceSetMigMode(nvmlDevice_t device, unsigned int mode, nvmlReturn_t *activationStatus)
+{
+    unsigned int g;
+    nvmlReturn_t rc = lookup(device, &g);
+    if (rc != NVML_SUCCESS)
+        return rc;
+    if (activationStatus == NULL || (mode != NVML_DEVICE_MIG_ENABLE && mode != NVML_DEVICE_MIG_DISABLE))
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (geteuid() != 0)
+        return NVML_ERROR_NO_PERMISSION;
+    rc = mig_rc(sim_mig_set_mode(&g_sim, g, mode == NVML_DEVICE_MIG_ENABLE));
+    *activationStatus = rc;
+    return rc;
 }
 
 NVML_EXPORT nvmlReturn_t nvmlDeviceIsMigDeviceHandle(nvmlDevice_t device, unsigned int *isMigDevice)
 {
     unsigned int d;
-    nvmlReturn_t rc = lookup_any(device, &d);
+    nvmlReturn_t rc = lookup_any(device, &d, NULL);
     if (rc == NVML_SUCCESS && isMigDevice == NULL)
         rc = NVML_ERROR_INVALID_ARGUMENT;
     if (rc == NVML_SUCCESS)
-        *isMigDevice = is_mig(d);
+        *isMigDevice = d >= g_cfg.gpu_count;
     return rc;
 }
 
@@ -126,7 +183,7 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetMaxMigDeviceCount(nvmlDevice_t device, uns
     if (rc == NVML_SUCCESS && count == NULL)
         rc = NVML_ERROR_INVALID_ARGUMENT;
     if (rc == NVML_SUCCESS)
-        *count = g_cfg.gpu[g].mig_mode ? SIM_MIG_COMPUTE_SLICES : 0;
+        *count = sim_mig_load(&live()->gpu[g].mig_mode) ? SIM_MIG_COMPUTE_SLICES : 0;
     return rc;
 }
 
@@ -139,8 +196,12 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t device
         return rc;
     if (migDevice == NULL || index >= SIM_MIG_COMPUTE_SLICES)
         return NVML_ERROR_INVALID_ARGUMENT;
-    for (unsigned int i = g_cfg.gpu_count; i < g_cfg.gpu_count + g_cfg.mig_count; i++) {
-        if (g_cfg.gpu[i].mig_parent == g + 1 && sim_mig_ordinal(&g_cfg, i) == index) {
+    unsigned int n = 0;
+    for (unsigned int i = g_cfg.gpu_count; i < SIM_MAX_GPUS; i++) {
+        struct sim_gpu_config m;
+        if (!dev_view(i, &m) || !sim_mig_is_device(&m) || m.mig_parent != g + 1)
+            continue;
+        if (n++ == index) {
             *migDevice = &g_dev[i];
             return NVML_SUCCESS;
         }
@@ -151,34 +212,37 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t device
 NVML_EXPORT nvmlReturn_t nvmlDeviceGetDeviceHandleFromMigDeviceHandle(nvmlDevice_t migDevice, nvmlDevice_t *device)
 {
     unsigned int d;
-    nvmlReturn_t rc = lookup_any(migDevice, &d);
+    struct sim_gpu_config v;
+    nvmlReturn_t rc = lookup_any(migDevice, &d, &v);
     if (rc != NVML_SUCCESS)
         return rc;
-    if (device == NULL || !is_mig(d))
+    if (device == NULL || d < g_cfg.gpu_count)
         return NVML_ERROR_INVALID_ARGUMENT;
-    *device = &g_dev[parent_of(d)];
+    *device = &g_dev[parent_of(&v, d)];
     return NVML_SUCCESS;
 }
 
 NVML_EXPORT nvmlReturn_t nvmlDeviceGetGpuInstanceId(nvmlDevice_t device, unsigned int *id)
 {
     unsigned int d;
-    nvmlReturn_t rc = lookup_mig_device(device, &d);
+    struct sim_gpu_config v;
+    nvmlReturn_t rc = lookup_mig_device(device, &d, &v);
     if (rc == NVML_SUCCESS && id == NULL)
         rc = NVML_ERROR_INVALID_ARGUMENT;
     if (rc == NVML_SUCCESS)
-        *id = g_cfg.gpu[d].gi_id;
+        *id = v.gi_id;
     return rc;
 }
 
 NVML_EXPORT nvmlReturn_t nvmlDeviceGetComputeInstanceId(nvmlDevice_t device, unsigned int *id)
 {
     unsigned int d;
-    nvmlReturn_t rc = lookup_mig_device(device, &d);
+    struct sim_gpu_config v;
+    nvmlReturn_t rc = lookup_mig_device(device, &d, &v);
     if (rc == NVML_SUCCESS && id == NULL)
         rc = NVML_ERROR_INVALID_ARGUMENT;
     if (rc == NVML_SUCCESS)
-        *id = g_cfg.gpu[d].ci_id;
+        *id = v.ci_id;
     return rc;
 }
 
@@ -186,15 +250,15 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetComputeInstanceId(nvmlDevice_t device, uns
 NVML_EXPORT nvmlReturn_t nvmlDeviceGetAttributes_v2(nvmlDevice_t device, nvmlDeviceAttributes_t *attributes)
 {
     unsigned int d;
-    nvmlReturn_t rc = lookup_any(device, &d);
+    struct sim_gpu_config g;
+    nvmlReturn_t rc = lookup_any(device, &d, &g);
     if (rc != NVML_SUCCESS)
         return rc;
     if (attributes == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
-    const struct sim_gpu_config *g = &g_cfg.gpu[d];
-    const struct sim_mig_profile *p = is_mig(d) ? sim_mig_by_index(g->mig_profile) : NULL;
+    const struct sim_mig_profile *p = d >= g_cfg.gpu_count ? sim_mig_by_index(g.mig_profile) : NULL;
     *attributes = (nvmlDeviceAttributes_t){
-        .multiprocessorCount = g->sm_count,
+        .multiprocessorCount = g.sm_count,
         .sharedCopyEngineCount = p ? p->copy_engines : 3,
         .sharedDecoderCount = p ? p->decoders : 0,
         .sharedEncoderCount = p ? p->encoders : 0,
@@ -202,7 +266,7 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetAttributes_v2(nvmlDevice_t device, nvmlDev
         .sharedOfaCount = p ? p->ofas : 0,
         .gpuInstanceSliceCount = p ? p->slices : 7,
         .computeInstanceSliceCount = p ? p->slices : 7,
-        .memorySizeMB = g->total_mem >> 20,
+        .memorySizeMB = g.total_mem >> 20,
     };
     return NVML_SUCCESS;
 }
@@ -324,6 +388,53 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetGpuInstancePossiblePlacements_v2(nvmlDevic
     return NVML_SUCCESS;
 }
 
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetGpuInstanceRemainingCapacity(nvmlDevice_t device, unsigned int profileId,
+                                                                   unsigned int *count)
+{
+    unsigned int g;
+    const struct sim_mig_profile *p;
+    nvmlReturn_t rc = gi_profile_by_id(device, profileId, &g, &p);
+    if (rc == NVML_SUCCESS && count == NULL)
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    if (rc == NVML_SUCCESS)
+        *count = sim_mig_remaining(live(), g, p);
+    return rc;
+}
+
+/* Root only, as on a real driver; the instance has no compute instance yet. */
+static nvmlReturn_t create_gi(nvmlDevice_t device, unsigned int profileId, int start, nvmlGpuInstance_t *gpuInstance)
+{
+    unsigned int g, dev;
+    const struct sim_mig_profile *p;
+    nvmlReturn_t rc = gi_profile_by_id(device, profileId, &g, &p);
+    if (rc != NVML_SUCCESS)
+        return rc;
+    if (gpuInstance == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (geteuid() != 0)
+        return NVML_ERROR_NO_PERMISSION;
+    rc = mig_rc(sim_mig_create_gi(&g_sim, g, p, start, &dev));
+    if (rc == NVML_SUCCESS)
+        *gpuInstance = &g_gi[dev];
+    return rc;
+}
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceCreateGpuInstance(nvmlDevice_t device, unsigned int profileId,
+                                                     nvmlGpuInstance_t *gpuInstance)
+{
+    return create_gi(device, profileId, -1, gpuInstance);
+}
+
+NVML_EXPORT nvmlReturn_t nvmlDeviceCreateGpuInstanceWithPlacement(nvmlDevice_t device, unsigned int profileId,
+                                                                  const nvmlGpuInstancePlacement_t *placement,
+                                                                  nvmlGpuInstance_t *gpuInstance)
+{
+    const struct sim_mig_profile *p = sim_mig_by_id(profileId);
+    if (placement == NULL || (p && placement->size != p->memory_slices) || placement->start >= SIM_MIG_MEMORY_SLICES)
+        return ready() ? NVML_ERROR_INVALID_ARGUMENT : NVML_ERROR_UNINITIALIZED;
+    return create_gi(device, profileId, (int)placement->start, gpuInstance);
+}
+
 /* The GPU instances of one profile; `gpuInstances` has room for the
  * profile's instanceCount, as NVML's reference asks. */
 NVML_EXPORT nvmlReturn_t nvmlDeviceGetGpuInstances(nvmlDevice_t device, unsigned int profileId,
@@ -337,8 +448,9 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetGpuInstances(nvmlDevice_t device, unsigned
     if (gpuInstances == NULL || count == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
     unsigned int n = 0;
-    for (unsigned int i = g_cfg.gpu_count; i < g_cfg.gpu_count + g_cfg.mig_count; i++) {
-        if (g_cfg.gpu[i].mig_parent == g + 1 && g_cfg.gpu[i].mig_profile == p->index && n < p->instance_count)
+    for (unsigned int i = g_cfg.gpu_count; i < SIM_MAX_GPUS && n < p->instance_count; i++) {
+        struct sim_gpu_config m;
+        if (dev_view(i, &m) && m.mig_parent == g + 1 && m.mig_profile == p->index)
             gpuInstances[n++] = &g_gi[i];
     }
     *count = n;
@@ -354,8 +466,9 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetGpuInstanceById(nvmlDevice_t device, unsig
         return rc;
     if (gpuInstance == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
-    for (unsigned int i = g_cfg.gpu_count; i < g_cfg.gpu_count + g_cfg.mig_count; i++) {
-        if (g_cfg.gpu[i].mig_parent == g + 1 && g_cfg.gpu[i].gi_id == id) {
+    for (unsigned int i = g_cfg.gpu_count; i < SIM_MAX_GPUS; i++) {
+        struct sim_gpu_config m;
+        if (dev_view(i, &m) && m.mig_parent == g + 1 && m.gi_id == id) {
             *gpuInstance = &g_gi[i];
             return NVML_SUCCESS;
         }
@@ -363,14 +476,16 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetGpuInstanceById(nvmlDevice_t device, unsig
     return NVML_ERROR_NOT_FOUND;
 }
 
-/* The MIG device behind a GPU instance handle; INVALID_ARGUMENT for
- * anything else. */
-static nvmlReturn_t lookup_gi(nvmlGpuInstance_t gi, const void *out, unsigned int *dev)
+/* The entry behind a GPU instance handle, as it is now; INVALID_ARGUMENT
+ * for anything else (a handle of an instance destroyed since included). */
+static nvmlReturn_t lookup_gi(nvmlGpuInstance_t gi, const void *out, unsigned int *dev, struct sim_gpu_config *view)
 {
     if (!ready())
         return NVML_ERROR_UNINITIALIZED;
-    for (unsigned int i = g_cfg.gpu_count; i < g_cfg.gpu_count + g_cfg.mig_count; i++) {
+    for (unsigned int i = g_cfg.gpu_count; i < SIM_MAX_GPUS; i++) {
         if (gi == &g_gi[i]) {
+            if (!dev_view(i, view))
+                return NVML_ERROR_INVALID_ARGUMENT;
             *dev = i;
             return out == NULL ? NVML_ERROR_INVALID_ARGUMENT : NVML_SUCCESS;
         }
@@ -381,18 +496,31 @@ static nvmlReturn_t lookup_gi(nvmlGpuInstance_t gi, const void *out, unsigned in
 NVML_EXPORT nvmlReturn_t nvmlGpuInstanceGetInfo(nvmlGpuInstance_t gpuInstance, nvmlGpuInstanceInfo_t *info)
 {
     unsigned int d;
-    nvmlReturn_t rc = lookup_gi(gpuInstance, info, &d);
+    struct sim_gpu_config m;
+    nvmlReturn_t rc = lookup_gi(gpuInstance, info, &d, &m);
     if (rc != NVML_SUCCESS)
         return rc;
-    const struct sim_gpu_config *m = &g_cfg.gpu[d];
-    const struct sim_mig_profile *p = sim_mig_by_index(m->mig_profile);
+    const struct sim_mig_profile *p = sim_mig_by_index(m.mig_profile);
     *info = (nvmlGpuInstanceInfo_t){
-        .device = &g_dev[parent_of(d)],
-        .id = m->gi_id,
+        .device = &g_dev[parent_of(&m, d)],
+        .id = m.gi_id,
         .profileId = p ? p->id : 0,
-        .placement = {m->gi_start, p ? p->memory_slices : 0},
+        .placement = {m.gi_start, p ? p->memory_slices : 0},
     };
     return NVML_SUCCESS;
+}
+
+/* Root only; IN_USE while it has its compute instance. */
+NVML_EXPORT nvmlReturn_t nvmlGpuInstanceDestroy(nvmlGpuInstance_t gpuInstance)
+{
+    unsigned int d;
+    struct sim_gpu_config m;
+    nvmlReturn_t rc = lookup_gi(gpuInstance, gpuInstance, &d, &m);
+    if (rc != NVML_SUCCESS)
+        return rc;
+    if (geteuid() != 0)
+        return NVML_ERROR_NO_PERMISSION;
+    return mig_rc(sim_mig_destroy_gi(&g_sim, d));
 }
 
 /* ---- compute instances -------------------------------------------------------- */
@@ -406,15 +534,17 @@ static unsigned int ci_slices(unsigned int profile)
 }
 
 static nvmlReturn_t ci_profile(nvmlGpuInstance_t gi, unsigned int profile, unsigned int engProfile, const void *info,
-                               nvmlComputeInstanceProfileInfo_t *out)
+                               nvmlComputeInstanceProfileInfo_t *out, const struct sim_mig_profile **gi_p)
 {
     unsigned int d;
-    nvmlReturn_t rc = lookup_gi(gi, info, &d);
+    struct sim_gpu_config m;
+    nvmlReturn_t rc = lookup_gi(gi, info, &d, &m);
     if (rc != NVML_SUCCESS)
         return rc;
     if (profile >= NVML_COMPUTE_INSTANCE_PROFILE_COUNT || engProfile != NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED)
         return NVML_ERROR_INVALID_ARGUMENT;
-    const struct sim_mig_profile *p = sim_mig_by_index(g_cfg.gpu[d].mig_profile);
+    const struct sim_mig_profile *p = sim_mig_by_index(m.mig_profile);
+    *gi_p = p;
     unsigned int slices = ci_slices(profile);
     if (p == NULL || slices == 0 || slices > p->slices)
         return NVML_ERROR_NOT_SUPPORTED;
@@ -437,7 +567,8 @@ NVML_EXPORT nvmlReturn_t nvmlGpuInstanceGetComputeInstanceProfileInfo(nvmlGpuIns
                                                                       nvmlComputeInstanceProfileInfo_t *info)
 {
     nvmlComputeInstanceProfileInfo_t base;
-    nvmlReturn_t rc = ci_profile(gpuInstance, profile, engProfile, info, &base);
+    const struct sim_mig_profile *p;
+    nvmlReturn_t rc = ci_profile(gpuInstance, profile, engProfile, info, &base, &p);
     if (rc == NVML_SUCCESS)
         *info = base;
     return rc;
@@ -449,12 +580,11 @@ NVML_EXPORT nvmlReturn_t nvmlGpuInstanceGetComputeInstanceProfileInfoV(nvmlGpuIn
                                                                        nvmlComputeInstanceProfileInfo_v2_t *info)
 {
     nvmlComputeInstanceProfileInfo_t b;
-    nvmlReturn_t rc = ci_profile(gpuInstance, profile, engProfile, info, &b);
+    const struct sim_mig_profile *p;
+    nvmlReturn_t rc = ci_profile(gpuInstance, profile, engProfile, info, &b, &p);
     if (rc != NVML_SUCCESS)
         return rc;
     unsigned int version = info->version;
-    unsigned int d = ((struct nvmlGpuInstance_st *)gpuInstance)->dev;
-    const struct sim_mig_profile *p = sim_mig_by_index(g_cfg.gpu[d].mig_profile);
     char name[NVML_DEVICE_NAME_V2_BUFFER_SIZE];
     if (b.sliceCount == p->slices)
         snprintf(name, sizeof(name), "MIG %s", p->name);
@@ -485,14 +615,15 @@ NVML_EXPORT nvmlReturn_t nvmlGpuInstanceGetComputeInstances(nvmlGpuInstance_t gp
                                                             unsigned int *count)
 {
     unsigned int d;
-    nvmlReturn_t rc = lookup_gi(gpuInstance, computeInstances, &d);
+    struct sim_gpu_config m;
+    nvmlReturn_t rc = lookup_gi(gpuInstance, computeInstances, &d, &m);
     if (rc != NVML_SUCCESS)
         return rc;
     if (count == NULL || profileId >= NVML_COMPUTE_INSTANCE_PROFILE_COUNT)
         return NVML_ERROR_INVALID_ARGUMENT;
-    const struct sim_mig_profile *p = sim_mig_by_index(g_cfg.gpu[d].mig_profile);
+    const struct sim_mig_profile *p = sim_mig_by_index(m.mig_profile);
     *count = 0;
-    if (p && p->ci_index == profileId)
+    if (p && p->ci_index == profileId && sim_mig_is_device(&m))
         computeInstances[(*count)++] = &g_ci[d];
     return NVML_SUCCESS;
 }
@@ -501,36 +632,101 @@ NVML_EXPORT nvmlReturn_t nvmlGpuInstanceGetComputeInstanceById(nvmlGpuInstance_t
                                                                nvmlComputeInstance_t *computeInstance)
 {
     unsigned int d;
-    nvmlReturn_t rc = lookup_gi(gpuInstance, computeInstance, &d);
+    struct sim_gpu_config m;
+    nvmlReturn_t rc = lookup_gi(gpuInstance, computeInstance, &d, &m);
     if (rc != NVML_SUCCESS)
         return rc;
-    if (g_cfg.gpu[d].ci_id != id)
+    if (!sim_mig_is_device(&m) || m.ci_id != id)
         return NVML_ERROR_NOT_FOUND;
     *computeInstance = &g_ci[d];
     return NVML_SUCCESS;
 }
 
-NVML_EXPORT nvmlReturn_t nvmlComputeInstanceGetInfo_v2(nvmlComputeInstance_t computeInstance,
-                                                       nvmlComputeInstanceInfo_t *info)
+/* The entry behind a compute instance handle while it has its compute
+ * instance; INVALID_ARGUMENT for anything else. */
+static nvmlReturn_t lookup_ci(nvmlComputeInstance_t ci, const void *out, unsigned int *dev, struct sim_gpu_config *view)
 {
     if (!ready())
         return NVML_ERROR_UNINITIALIZED;
-    for (unsigned int i = g_cfg.gpu_count; i < g_cfg.gpu_count + g_cfg.mig_count; i++) {
-        if (computeInstance != &g_ci[i])
-            continue;
-        if (info == NULL)
-            return NVML_ERROR_INVALID_ARGUMENT;
-        const struct sim_mig_profile *p = sim_mig_by_index(g_cfg.gpu[i].mig_profile);
-        *info = (nvmlComputeInstanceInfo_t){
-            .device = &g_dev[parent_of(i)],
-            .gpuInstance = &g_gi[i],
-            .id = g_cfg.gpu[i].ci_id,
-            .profileId = p ? p->ci_index : 0,
-            .placement = {0, p ? p->slices : 0},
-        };
-        return NVML_SUCCESS;
+    for (unsigned int i = g_cfg.gpu_count; i < SIM_MAX_GPUS; i++) {
+        if (ci == &g_ci[i]) {
+            if (!dev_view(i, view) || !sim_mig_is_device(view) || out == NULL)
+                return NVML_ERROR_INVALID_ARGUMENT;
+            *dev = i;
+            return NVML_SUCCESS;
+        }
     }
     return NVML_ERROR_INVALID_ARGUMENT;
+}
+
+NVML_EXPORT nvmlReturn_t nvmlComputeInstanceGetInfo_v2(nvmlComputeInstance_t computeInstance,
+                                                       nvmlComputeInstanceInfo_t *info)
+{
+    unsigned int i;
+    struct sim_gpu_config m;
+    nvmlReturn_t rc = lookup_ci(computeInstance, info, &i, &m);
+    if (rc != NVML_SUCCESS)
+        return rc;
+    const struct sim_mig_profile *p = sim_mig_by_index(m.mig_profile);
+    *info = (nvmlComputeInstanceInfo_t){
+        .device = &g_dev[parent_of(&m, i)],
+        .gpuInstance = &g_gi[i],
+        .id = m.ci_id,
+        .profileId = p ? p->ci_index : 0,
+        .placement = {0, p ? p->slices : 0},
+    };
+    return NVML_SUCCESS;
+}
+
+/* The compute instance over the whole GPU instance, which makes it a MIG
+ * device; smaller ones are not modelled (NOT_SUPPORTED). Root only. */
+static nvmlReturn_t create_ci(nvmlGpuInstance_t gpuInstance, unsigned int profileId, unsigned int start,
+                              nvmlComputeInstance_t *computeInstance)
+{
+    unsigned int d;
+    struct sim_gpu_config m;
+    nvmlReturn_t rc = lookup_gi(gpuInstance, computeInstance, &d, &m);
+    if (rc != NVML_SUCCESS)
+        return rc;
+    const struct sim_mig_profile *p = sim_mig_by_index(m.mig_profile);
+    if (profileId >= NVML_COMPUTE_INSTANCE_PROFILE_COUNT || p == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (profileId != p->ci_index || start != 0)
+        return NVML_ERROR_NOT_SUPPORTED;
+    if (geteuid() != 0)
+        return NVML_ERROR_NO_PERMISSION;
+    rc = mig_rc(sim_mig_create_ci(&g_sim, d));
+    if (rc == NVML_SUCCESS)
+        *computeInstance = &g_ci[d];
+    return rc;
+}
+
+NVML_EXPORT nvmlReturn_t nvmlGpuInstanceCreateComputeInstance(nvmlGpuInstance_t gpuInstance, unsigned int profileId,
+                                                              nvmlComputeInstance_t *computeInstance)
+{
+    return create_ci(gpuInstance, profileId, 0, computeInstance);
+}
+
+NVML_EXPORT nvmlReturn_t nvmlGpuInstanceCreateComputeInstanceWithPlacement(
+    nvmlGpuInstance_t gpuInstance, unsigned int profileId, const nvmlComputeInstancePlacement_t *placement,
+    nvmlComputeInstance_t *computeInstance)
+{
+    if (placement == NULL)
+        return ready() ? NVML_ERROR_INVALID_ARGUMENT : NVML_ERROR_UNINITIALIZED;
+    return create_ci(gpuInstance, profileId, placement->start, computeInstance);
+}
+
+/* Root only; IN_USE while a process has a context or memory on it. */
+NVML_EXPORT nvmlReturn_t nvmlComputeInstanceDestroy(nvmlComputeInstance_t computeInstance)
+{
+    unsigned int d;
+    struct sim_gpu_config m;
+    nvmlReturn_t rc = lookup_ci(computeInstance, computeInstance, &d, &m);
+    if (rc != NVML_SUCCESS)
+        return rc;
+    if (geteuid() != 0)
+        return NVML_ERROR_NO_PERMISSION;
+    return mig_rc(sim_mig_destroy_ci(&g_sim, d));
 }
 
 /* The first version took the same struct. */

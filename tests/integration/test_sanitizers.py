@@ -115,6 +115,21 @@ print(json.dumps([out, a.multiprocessorCount, p.id]))
     proc = run_clean([sys.executable, "-c", script], sanitizers.python_env(env))
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == [["ok", "ok"] + ["NVMLError_NotFound"] * 5, 16, 19]
+    # The layout changed at run time: MIG mode on GPU 1, an instance made and taken down again.
+    admin = """
+import ctypes as C, json
+lib = C.CDLL("libnvidia-ml.so.1"); assert lib.nvmlInit_v2() == 0
+h = C.c_void_p(); lib.nvmlDeviceGetHandleByIndex_v2(1, C.byref(h))
+s = C.c_int(); gi = C.c_void_p(); ci = C.c_void_p(); m = C.c_void_p()
+rcs = [lib.nvmlDeviceSetMigMode(h, 1, C.byref(s)), lib.nvmlDeviceCreateGpuInstance(h, 0, C.byref(gi)),
+       lib.nvmlGpuInstanceCreateComputeInstance(gi, 4, C.byref(ci)),
+       lib.nvmlDeviceGetMigDeviceHandleByIndex(h, 0, C.byref(m)),
+       lib.nvmlComputeInstanceDestroy(ci), lib.nvmlGpuInstanceDestroy(gi), lib.nvmlDeviceSetMigMode(h, 0, C.byref(s))]
+print(json.dumps(rcs))
+"""
+    proc = run_clean([sys.executable, "-c", admin], sanitizers.python_env(env))
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == [0] * 7
     uuid = "MIG-5c1a0000-0000-4000-8000-000000a1000b"  # the 1g.10gb at slice 4: GPU instance 11
     burn = str(san_native / "bin" / "cgpu-burn")
     plain = run_clean([burn, "--alloc-until-fail=1GiB"], dict(env, CUDA_VISIBLE_DEVICES=uuid))

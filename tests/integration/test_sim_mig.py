@@ -320,3 +320,113 @@ def test_a_layout_that_cannot_be_is_refused_with_the_reason(tmp_path, native, li
     )
     assert json.loads(proc.stdout)["init"] == "CUDA_ERROR_NO_DEVICE"
     assert message in proc.stderr, proc.stderr
+
+
+# ctypes callers of the instance calls, as a MIG manager (nvidia-smi mig,
+# nvidia-mig-manager) drives them; each script is a process of its own.
+ADMIN = """
+import ctypes as C, json, sys
+lib = C.CDLL("libnvidia-ml.so.1")
+assert lib.nvmlInit_v2() == 0
+class Placement(C.Structure): _fields_ = [("start", C.c_uint), ("size", C.c_uint)]
+class GiInfo(C.Structure):
+    _fields_ = [("device", C.c_void_p), ("id", C.c_uint), ("profileId", C.c_uint), ("placement", Placement)]
+def gpu(i):
+    h = C.c_void_p(); assert lib.nvmlDeviceGetHandleByIndex_v2(i, C.byref(h)) == 0; return h
+def gi_by_id(h, gi_id):
+    gi = C.c_void_p(); rc = lib.nvmlDeviceGetGpuInstanceById(h, gi_id, C.byref(gi)); return rc, gi
+def mig_uuids(h):
+    out = []
+    for i in range(7):
+        m = C.c_void_p()
+        if lib.nvmlDeviceGetMigDeviceHandleByIndex(h, i, C.byref(m)) == 0:
+            u = C.create_string_buffer(96); assert lib.nvmlDeviceGetUUID(m, u, 96) == 0; out.append(u.value.decode())
+    return out
+"""
+
+SET_UP = """
+h = gpu(1)
+status = C.c_int(-1)
+out = {"enable": [lib.nvmlDeviceSetMigMode(h, 1, C.byref(status)), status.value]}
+cur, pend = C.c_uint(), C.c_uint(); lib.nvmlDeviceGetMigMode(h, C.byref(cur), C.byref(pend))
+out["mode"] = [cur.value, pend.value]
+gi = C.c_void_p()
+out["create"] = lib.nvmlDeviceCreateGpuInstance(h, 9, C.byref(gi))  # 3g.40gb
+info = GiInfo(); lib.nvmlGpuInstanceGetInfo(gi, C.byref(info))
+out["gi"] = [info.id, info.profileId, info.placement.start, info.placement.size]
+out["before_ci"] = mig_uuids(h)
+ci = C.c_void_p()
+out["ci"] = lib.nvmlGpuInstanceCreateComputeInstance(gi, 2, C.byref(ci))
+out["small_ci"] = lib.nvmlGpuInstanceCreateComputeInstance(gi, 0, C.byref(ci))  # a 1-slice CI: not modelled
+out["second_ci"] = lib.nvmlGpuInstanceCreateComputeInstance(gi, 2, C.byref(ci))
+gi2 = C.c_void_p()
+out["taken"] = lib.nvmlDeviceCreateGpuInstanceWithPlacement(h, 9, C.byref(Placement(0, 4)), C.byref(gi2))
+out["no_such_place"] = lib.nvmlDeviceCreateGpuInstanceWithPlacement(h, 9, C.byref(Placement(1, 4)), C.byref(gi2))
+out["second_gi"] = lib.nvmlDeviceCreateGpuInstanceWithPlacement(h, 9, C.byref(Placement(4, 4)), C.byref(gi2))
+left = C.c_uint(9)
+lib.nvmlDeviceGetGpuInstanceRemainingCapacity(h, 19, C.byref(left))
+out["room_for_1g"] = left.value
+out["destroy_with_ci"] = lib.nvmlGpuInstanceDestroy(gi)
+out["disable_with_gis"] = lib.nvmlDeviceSetMigMode(h, 0, C.byref(status))
+out["migs"] = mig_uuids(h)
+print(json.dumps(out))
+"""
+
+TEAR_DOWN = """
+h = gpu(1)
+out = {}
+rc, gi = gi_by_id(h, 1)
+cis = (C.c_void_p * 1)(); n = C.c_uint(0)
+assert rc == 0 and lib.nvmlGpuInstanceGetComputeInstances(gi, 2, cis, C.byref(n)) == 0 and n.value == 1
+out["destroy_ci"] = lib.nvmlComputeInstanceDestroy(C.c_void_p(cis[0]))
+if out["destroy_ci"] == 0:
+    out["destroy_gi"] = lib.nvmlGpuInstanceDestroy(gi)
+    out["destroy_gi2"] = lib.nvmlGpuInstanceDestroy(gi_by_id(h, 2)[1])
+    status = C.c_int(-1)
+    out["disable"] = lib.nvmlDeviceSetMigMode(h, 0, C.byref(status))
+    out["stale_handle"] = lib.nvmlGpuInstanceGetInfo(gi, C.byref(GiInfo()))
+print(json.dumps(out))
+"""
+
+IN_USE, INSUFFICIENT_RESOURCES, NOT_SUPPORTED, INVALID_ARGUMENT, NOT_FOUND = 19, 23, 3, 2, 6
+
+
+def test_instances_made_and_destroyed_at_run_time_are_seen_by_every_process(mig_env):
+    got = run_py(mig_env, ADMIN + SET_UP)
+    assert got["enable"] == [0, 0] and got["mode"] == [1, 1]
+    assert got["create"] == 0 and got["gi"] == [1, 9, 0, 4]
+    assert got["before_ci"] == []  # a GPU instance without a compute instance is no MIG device
+    assert (got["ci"], got["small_ci"], got["second_ci"]) == (0, NOT_SUPPORTED, INSUFFICIENT_RESOURCES)
+    assert (got["taken"], got["no_such_place"], got["second_gi"]) == (INSUFFICIENT_RESOURCES, INVALID_ARGUMENT, 0)
+    assert got["room_for_1g"] == 0
+    assert (got["destroy_with_ci"], got["disable_with_gis"]) == (IN_USE, IN_USE)
+    [made] = got["migs"]
+    assert made.startswith("MIG-") and made not in mig_uuids(mig_env)
+    # Another process, the CUDA driver: the new MIG device is there, GPU 1 is not.
+    seen = cuda_view(mig_env, made)
+    assert [(d[0], d[1], d[2]) for d in seen["devices"]] == [("NVIDIA H100 80GB HBM3 MIG 3g.40gb", 40448 * MIB, 60)]
+    assert cuda_view(mig_env, "1")["init"] == "CUDA_ERROR_NO_DEVICE"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_1_GIB],
+        env=py_env(dict(mig_env, CUDA_VISIBLE_DEVICES=made)),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"  # type: ignore[union-attr]
+        assert run_py(mig_env, ADMIN + TEAR_DOWN) == {"destroy_ci": IN_USE}  # a process uses it
+    finally:
+        holder.communicate("done\n", timeout=30)
+    assert run_py(mig_env, ADMIN + TEAR_DOWN) == {
+        "destroy_ci": 0,
+        "destroy_gi": 0,
+        "destroy_gi2": 0,
+        "disable": 0,
+        "stale_handle": INVALID_ARGUMENT,
+    }
+    whole = cuda_view(mig_env, "1")["devices"]
+    assert [(d[0], d[1]) for d in whole] == [("NVIDIA H100 80GB HBM3", 80 * GIB)]
+    # Made again at the same place, it is another MIG device.
+    again = run_py(mig_env, ADMIN + SET_UP)
+    assert again["migs"] != [made] and len(again["migs"]) == 1
