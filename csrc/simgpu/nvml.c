@@ -690,21 +690,28 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetPcieThroughput(nvmlDevice_t device, nvmlPc
 
 /* BAR1 is the device memory's size rounded up to a power of two, as on the
  * A100 40GB (64 GiB) and H100 80GB (128 GiB); the simulation maps nothing
- * through it. */
+ * through it. A MIG device answers for its share of its GPU's BAR1 by
+ * memory slices (the simulation's reading: tools such as nvitop show it). */
 NVML_EXPORT nvmlReturn_t nvmlDeviceGetBAR1MemoryInfo(nvmlDevice_t device, nvmlBAR1Memory_t *bar1Memory)
 {
     unsigned int g;
-    nvmlReturn_t rc = lookup_out(device, bar1Memory, &g);
+    struct sim_gpu_config v;
+    nvmlReturn_t rc = lookup_any(device, &g, &v);
+    if (rc == NVML_SUCCESS && bar1Memory == NULL)
+        rc = NVML_ERROR_INVALID_ARGUMENT;
     if (rc != NVML_SUCCESS)
         return rc;
+    unsigned int gpu = g < g_cfg.gpu_count ? g : v.mig_parent - 1;
     unsigned long long total = 1;
-    while (total < g_cfg.gpu[g].total_mem && total < (1ULL << 62))
+    while (total < g_cfg.gpu[gpu].total_mem && total < (1ULL << 62))
         total <<= 1;
+    const struct sim_mig_profile *p = g < g_cfg.gpu_count ? NULL : sim_mig_by_index(v.mig_profile);
+    if (p != NULL)
+        total = total / SIM_MIG_MEMORY_SLICES * p->memory_slices;
     *bar1Memory = (nvmlBAR1Memory_t){.bar1Total = total, .bar1Free = total, .bar1Used = 0};
     return NVML_SUCCESS;
 }
 
-/* MIG off: the simulation partitions no GPU. */
 struct proc_view {
     unsigned int pid;
     unsigned int gi, ci;          /* the MIG instance it runs in; NO_MIG_INSTANCE outside MIG */

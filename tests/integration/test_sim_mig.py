@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness.nvml_clients import NVITOP
 from tests.harness.sim import sim_env_in
 from tests.harness.simrun import PYNVML, py_env, run_py
 
@@ -430,3 +431,15 @@ def test_instances_made_and_destroyed_at_run_time_are_seen_by_every_process(mig_
     # Made again at the same place, it is another MIG device.
     again = run_py(mig_env, ADMIN + SET_UP)
     assert again["migs"] != [made] and len(again["migs"]) == 1
+
+
+def test_nvitop_shows_the_mig_devices_under_their_gpu(mig_env):
+    """nvitop walks MIG devices as it would on a real H100 (it stops with a
+    KeyError where a MIG device answers no BAR1)."""
+    proc = subprocess.run(
+        [str(NVITOP), "--once"], env=dict(mig_env, COLUMNS="160"), capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    for line in ("3g.40gb @ GI/CI: 1/0", "2g.20gb @ GI/CI: 5/0", "1g.10gb @ GI/CI:13/0", "9984MiB"):
+        assert line in proc.stdout, proc.stdout
+    assert proc.stdout.count("Enabled") == 1 and proc.stdout.count("Disabled") == 1
