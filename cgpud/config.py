@@ -95,6 +95,11 @@ class DaemonConfig:
         "MIG devices to the kubelet, as NVIDIA's device plugin: none, single (each MIG device one nvidia.com/gpu; "
         "all alike) or mixed (nvidia.com/mig-<profile>); docs/kubernetes.md (orchestrator kubernetes)",
     )
+    mig_share: bool = _setting(
+        False,
+        "each MIG device is one of the node's GPUs, shared as the node mode shares GPUs (memory limits within "
+        "the instance's memory); mig_strategy then serves none; docs/modes.md",
+    )
     pod_resources_socket: Path = _setting(
         Path(DEFAULT_POD_RESOURCES_SOCKET),
         "the kubelet's pod-resources socket: which pods still hold devices (orchestrator kubernetes)",

@@ -87,9 +87,14 @@ def _whole_ci(m: MigDevice) -> bool:
     return m.ci_slices == m.gi_slices
 
 
-def plan(strategy: MigStrategy, gpus: Sequence[Gpu]) -> MigPlan:
+def plan(strategy: MigStrategy, gpus: Sequence[Gpu], shared: bool = False) -> MigPlan:
+    """`shared` (setting mig_share): the MIG devices are the node's GPUs
+    (cgpud.node.inventory.capacities), served as its mode serves GPUs; none
+    is served by the strategy."""
     mig_gpus = [g for g in gpus if g.mig_mode]
     hidden = tuple(g.index for g in mig_gpus)
+    if shared:
+        return MigPlan(strategy, hidden=hidden)
     devices = [m for g in mig_gpus for m in g.mig_devices]
     if strategy is MigStrategy.NONE:
         problem = (
@@ -148,11 +153,14 @@ def _device_labels(prefix: str, m: MigDevice) -> dict[str, str]:
     }
 
 
-def gfd_labels(strategy: MigStrategy, gpus: Sequence[Gpu], mig_capable: bool) -> dict[str, str]:
+def gfd_labels(strategy: MigStrategy, gpus: Sequence[Gpu], mig_capable: bool, shared: bool = False) -> dict[str, str]:
     """The MIG labels GPU feature discovery writes for this node's GPUs:
     `nvidia.com/mig.capable`, `nvidia.com/mig.strategy`, and per strategy
-    single's overridden `nvidia.com/gpu.*` or mixed's `nvidia.com/mig-<profile>.*`."""
+    single's overridden `nvidia.com/gpu.*` or mixed's `nvidia.com/mig-<profile>.*`
+    (none of those when the MIG devices are shared: the strategy serves none)."""
     labels = {LABEL_CAPABLE: str(mig_capable).lower(), LABEL_STRATEGY: strategy.value}
+    if shared:
+        return labels
     p = plan(strategy, gpus)
     if strategy is MigStrategy.MIXED:
         counts = Counter(s.device.profile for s in p.served)

@@ -15,7 +15,7 @@ import os
 
 from cgpud.boundedread import read_at_most
 from cgpud.containers.devices import HOST_ROOT, DeviceNode, present
-from cgpud.node.inventory import MigDevice
+from cgpud.node.inventory import Gpu, MigDevice
 
 MIG_MINORS = Path("/proc/driver/nvidia-caps/mig-minors")
 _MAX_MINORS_FILE = 1 << 20
@@ -47,15 +47,27 @@ def capability_paths(
     return list(dict.fromkeys(paths))
 
 
-def capability_nodes(
-    devices: Sequence[MigDevice], gpu_minors: Mapping[int, int], dev_root: Path = HOST_ROOT, source: Path = MIG_MINORS
-) -> tuple[DeviceNode, ...]:
+def _read_minors(source: Path) -> dict[str, int]:
     try:
         fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
-        return ()  # no MIG capability nodes on this host
+        return {}  # no MIG capability nodes on this host
     try:
-        text = read_at_most(fd, _MAX_MINORS_FILE).decode(errors="replace")
+        return parse_mig_minors(read_at_most(fd, _MAX_MINORS_FILE).decode(errors="replace"))
     finally:
         os.close(fd)
-    return present(capability_paths(devices, gpu_minors, parse_mig_minors(text)), dev_root)
+
+
+def capability_map(gpus: Sequence[Gpu], source: Path = MIG_MINORS) -> dict[str, tuple[str, ...]]:
+    """Each MIG device's capability node paths, by MIG UUID (setting
+    mig_share: they go with its instances' device nodes)."""
+    minors = _read_minors(source)
+    by_gpu = {g.index: g.minor_number for g in gpus}
+    return {m.uuid: tuple(capability_paths([m], by_gpu, minors)) for g in gpus for m in g.mig_devices}
+
+
+def capability_nodes(
+    devices: Sequence[MigDevice], gpu_minors: Mapping[int, int], dev_root: Path = HOST_ROOT, source: Path = MIG_MINORS
+) -> tuple[DeviceNode, ...]:
+    minors = _read_minors(source)
+    return present(capability_paths(devices, gpu_minors, minors), dev_root) if minors else ()

@@ -76,7 +76,11 @@ class _State:
         self.devices = self._compute()
 
     def _compute(self) -> dict[str, tuple[PluginDevice, ...]]:
-        gpus = [PluginGpu(g.index, g.uuid, g.memory, self._health.get(g.index, True)) for g in self._gpus]
+        # A MIG device taken as a GPU (mig_share) is as healthy as the GPU it is on.
+        gpus = [
+            PluginGpu(g.index, g.uuid, g.memory, self._health.get(g.parent if g.parent >= 0 else g.index, True))
+            for g in self._gpus
+        ]
         return resources.advertised(self._mode, gpus, self._mig)
 
     def names(self) -> list[str]:

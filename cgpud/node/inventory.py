@@ -4,7 +4,7 @@ runs on a real driver and on any library that speaks the NVML ABI."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
@@ -12,6 +12,7 @@ import pynvml
 
 from cgpud.errors import GpuQueryError
 from cgpud.node.mig import mig_profile_name
+from cgpud.node.model import GpuCapacity
 from cgpud.node.topology import SYSTEM, Link
 from cgpud.units import MIB
 
@@ -113,6 +114,34 @@ def pci_key(bus_id: str) -> tuple[int, ...] | None:
         return int(domain, 16), int(bus, 16), int(device, 16), int(function, 16)
     except ValueError:
         return None
+
+
+def capacities(
+    inventory: Inventory,
+    node_of: Callable[[int], str],
+    mig_share: bool = False,
+    mig_nodes: Mapping[str, tuple[str, ...]] | None = None,
+) -> tuple[GpuCapacity, ...]:
+    """What placement knows of the node's GPUs: each GPU (node_of gives its
+    device node from its minor number; a GPU in MIG mode marked so, and
+    counted full), then with `mig_share` each MIG device as one more GPU of
+    its own memory, on its GPU's device node and its capability nodes
+    (`mig_nodes` by MIG UUID), numbered after the GPUs."""
+    gpus = [
+        GpuCapacity(g.index, g.uuid, g.memory_total, node_of(g.minor_number), mig=g.mig_mode) for g in inventory.gpus
+    ]
+    if mig_share:
+        for g in inventory.gpus:
+            for m in g.mig_devices:
+                if m.ci_slices != m.gi_slices:
+                    continue  # as NVIDIA serves them: whole GPU instances only
+                nodes = (mig_nodes or {}).get(m.uuid, ())
+                gpus.append(
+                    GpuCapacity(
+                        len(gpus), m.uuid, m.memory_total, node_of(g.minor_number), parent=g.index, extra_nodes=nodes
+                    )
+                )
+    return tuple(gpus)
 
 
 def _text(value: str | bytes) -> str:

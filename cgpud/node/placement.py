@@ -206,11 +206,13 @@ def _check_request(request: Request, gpus: Sequence[GpuCapacity], mode: NodeMode
         raise UsageError(
             f"asked for {_gpus(n)} but every GPU of this node is in MIG mode, which cgpu does not share or give "
             f"whole: ask for a MIG device (nvidia.com/mig-<profile>, or nvidia.com/gpu under mig_strategy single), "
-            "or disable MIG on a GPU"
+            "or have the node share its MIG devices (mig_share), or disable MIG on a GPU"
         )
-    if n > len(gpus):
+    usable = [g for g in gpus if not g.mig]  # a GPU in MIG mode never holds a share nor goes whole
+    if n > len(usable):
         raise UsageError(
-            f"asked for {_gpus(n)} but this node has {len(gpus)}: ask for {len(gpus)} or fewer (aliyun.com/gpu-count)"
+            f"asked for {_gpus(n)} but this node has {len(usable)}: ask for {len(usable)} or fewer "
+            "(aliyun.com/gpu-count)"
         )
     if request.gpu_indexes:
         _check_named(request, gpus)
@@ -247,11 +249,11 @@ def _check_request(request: Request, gpus: Sequence[GpuCapacity], mode: NodeMode
     if mode not in WHOLE_GPU_MODES:
         # A size no GPU here could ever hold is a wrong request, not a busy
         # node: waiting or releasing instances would never help.
-        big_enough = sum(1 for g in gpus if g.memory >= request.memory)
+        big_enough = sum(1 for g in usable if g.memory >= request.memory)
         if big_enough < n:
             mem = format_memory(request.memory)
             if big_enough == 0:
-                largest = format_memory(max(g.memory for g in gpus))
+                largest = format_memory(max(g.memory for g in usable))
                 raise UsageError(
                     f"asked for {mem} per GPU but the largest GPU on this node has {largest}: "
                     f"ask for {largest} or less (aliyun.com/gpu-mem)"

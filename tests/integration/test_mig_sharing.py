@@ -102,3 +102,33 @@ def test_the_bypass_watchdog_leaves_processes_on_mig_devices_alone(tmp_path, nat
             t.kill()
             t.wait(10)
         daemon.stop()
+
+
+def test_with_mig_share_each_mig_device_is_shared_within_its_own_memory(tmp_path, native):
+    """mig_share: a MIG device is one of the node's GPUs. A 4 GiB share on
+    it holds its process to 4 GiB (libcgpu, by the MIG UUID), more than its
+    instance has is refused, and an instance fills at its own size."""
+    env = sim_env_in(tmp_path / "sim", native, mem="80GiB", placements=["mig=3g.40gb,1g.10gb"] * 2)
+    daemon = make_daemon(tmp_path, env, "--mode", "cgpu", "--mig-share", "true")
+    daemon.start()
+    try:
+        run = daemon.cgpuctl("run", "--mem", "4", "--", "cgpu-burn", "--alloc-until-fail=1GiB")
+        assert run.returncode == 0, run.stderr
+        out = json.loads(run.stdout)
+        assert out["mem_total_reported"] == 4 << 30 and out["alloc"]["until_fail_count"] == 4
+        too_big = daemon.cgpuctl("run", "--mem", "40", "--", "true")
+        assert too_big.returncode != 0 and too_big.stderr.count("\n") == 1, too_big.stderr
+        assert "the largest GPU on this node has 40448 MiB" in too_big.stderr
+        assert _instances(daemon) == []
+        gpus = json.loads(daemon.cgpuctl("inspect", "--output", "json").stdout)["gpus"]
+        # The GPUs in MIG mode are full (their MIG devices hold their memory); the MIG devices follow.
+        assert [(g["index"], g["uuid"][:4], g["total_bytes"] >> 20, g["allocated_bytes"] >> 20) for g in gpus] == [
+            (0, "GPU-", 81920, 81920),
+            (1, "GPU-", 81920, 81920),
+            (2, "MIG-", 40448, 0),
+            (3, "MIG-", 9984, 0),
+            (4, "MIG-", 40448, 0),
+            (5, "MIG-", 9984, 0),
+        ]
+    finally:
+        daemon.stop()

@@ -15,6 +15,7 @@ from cgpud.kube.mig import MigStrategy, gfd_labels, parse_strategy, plan
 from cgpud.kube.mig_devices import capability_nodes, capability_paths, parse_mig_minors
 from cgpud.kube.resources import PluginGpu, advertised
 from cgpud.node.inventory import Gpu, Inventory
+from cgpud.node.inventory import capacities as node_capacities
 from cgpud.node.mig import mig_profile_name
 from cgpud.node.model import GIB, GpuCapacity, NodeMode, NodePolicy, Request, Owner, OwnerKind
 from cgpud.node.placement import admit, gpu_usage
@@ -216,3 +217,24 @@ def test_a_mig_devices_capability_nodes_from_the_drivers_minors(mixed_machine, t
     assert capability_nodes([one_g], {0: 0}, tmp_path, tmp_path / "mig-minors") == ()
     (tmp_path / "mig-minors").write_text(MIG_MINORS)
     assert capability_nodes([one_g], {0: 0}, tmp_path, tmp_path / "mig-minors") == ()  # nodes absent under the root
+
+
+def test_with_mig_share_each_mig_device_is_one_more_gpu(mixed_machine):
+    nodes = {mixed_machine.gpus[0].mig_devices[2].uuid: ("/dev/nvidia-caps/nvidia-cap84",)}
+    got = node_capacities(mixed_machine, lambda minor: f"/dev/nvidia{minor}", mig_share=True, mig_nodes=nodes)
+    assert [(g.index, g.memory // MIB, g.mig, g.parent, g.device_node, g.extra_nodes) for g in got] == [
+        (0, 81920, True, -1, "/dev/nvidia0", ()),
+        (1, 81920, False, -1, "/dev/nvidia1", ()),
+        (2, 40448, False, 0, "/dev/nvidia0", ()),
+        (3, 20096, False, 0, "/dev/nvidia0", ()),
+        (4, 9984, False, 0, "/dev/nvidia0", ("/dev/nvidia-caps/nvidia-cap84",)),
+    ]
+    assert [g.uuid for g in got[2:]] == [m.uuid for m in mixed_machine.gpus[0].mig_devices]
+    assert len(node_capacities(mixed_machine, lambda minor: "", mig_share=False)) == 2
+    # Shared, the MIG devices are served as the mode serves GPUs, and by no strategy.
+    shared = plan(MigStrategy.MIXED, mixed_machine.gpus, shared=True)
+    assert shared.served == () and shared.hidden == (0,) and shared.problem == ""
+    assert gfd_labels(MigStrategy.MIXED, mixed_machine.gpus, True, shared=True) == {
+        "nvidia.com/mig.capable": "true",
+        "nvidia.com/mig.strategy": "mixed",
+    }
