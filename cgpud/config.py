@@ -18,6 +18,7 @@ from cgpud.api import DEFAULT_SOCKET
 from cgpud.api.listen import parse_endpoint, plaintext_problem, tls_problem
 from cgpud.contract import ENV_PREFIX, RELAY_DEFAULT_SOCKET
 from cgpud.node.bypass_model import AllowRule, BypassAction, WatchSettings
+from cgpud.kube.mig import MigStrategy
 from cgpud.node.model import MAX_SCHEDULED, ComputePolicy, ComputeTiming, NodeMode, NodePolicy, Orchestrator, Placement
 from cgpud.node.model import isolates
 from cgpud.node.compute_policy import decode_compute_policies
@@ -88,6 +89,16 @@ class DaemonConfig:
         Path(DEFAULT_DEVICE_PLUGIN_DIR),
         "the kubelet's device-plugins directory: cgpud serves its device plugin sockets there and registers with "
         "its kubelet.sock (orchestrator kubernetes)",
+    )
+    mig_strategy: MigStrategy = _setting(
+        MigStrategy.NONE,
+        "MIG devices to the kubelet, as NVIDIA's device plugin: none, single (each MIG device one nvidia.com/gpu; "
+        "all alike) or mixed (nvidia.com/mig-<profile>); docs/kubernetes.md (orchestrator kubernetes)",
+    )
+    mig_share: bool = _setting(
+        False,
+        "each MIG device is one of the node's GPUs, shared as the node mode shares GPUs (memory limits within "
+        "the instance's memory); mig_strategy then serves none; docs/modes.md",
     )
     pod_resources_socket: Path = _setting(
         Path(DEFAULT_POD_RESOURCES_SOCKET),

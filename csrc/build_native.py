@@ -21,7 +21,7 @@ PYPROJECT = CSRC.parent / "pyproject.toml"
 WARNINGS = ("-Wall", "-Wextra", "-Werror")
 BASE_FLAGS = ("-std=c11", "-g", "-fPIC", "-fvisibility=hidden", "-fno-semantic-interposition", *WARNINGS)
 SANITIZE_FLAGS = ("-O1", "-fno-omit-frame-pointer", "-fsanitize=address,undefined", "-fno-sanitize-recover=all")
-SIM_STATE = ("simgpu/simstate.c", "simgpu/simconfig.c")
+SIM_STATE = ("simgpu/simstate.c", "simgpu/simconfig.c", "simgpu/simmig.c")
 # The simulated driver's device and host memory, one family a file.
 SIM_MEMORY = tuple(
     f"simgpu/{f}"
@@ -92,7 +92,7 @@ TARGETS: tuple[Target, ...] = (
     ),
     Target(
         "sim/libnvidia-ml.so.1",
-        ("simgpu/nvml.c", "simgpu/nvml_stubs.c", *SIM_STATE),
+        ("simgpu/nvml.c", "simgpu/nvml_mig.c", "simgpu/nvml_stubs.c", *SIM_STATE),
         exports=("include/cgpu/nvml_functions.def", "NVML_FN"),
         extra_exports=(("simgpu/nvml_unmodelled.def", "NVML_STUB"),),
         libs=("-lpthread",),

@@ -41,6 +41,7 @@ def _machine(args: argparse.Namespace) -> simulator.SimMachine:
         sms=args.sms,
         nvlink=args.nvlink,
         topology=args.topology or "",
+        mig=args.mig or "",
     )
 
 
@@ -310,6 +311,11 @@ def _add_machine_options(p: argparse.ArgumentParser) -> None:
         "--topology",
         choices=sorted(TOPOLOGIES),
         help="a machine's PCIe tree and NVLinks: dgx1 or hgx8 (8 GPUs), pcie4 or nvlink2x2 (4); docs/simulated-gpu.md",
+    )
+    p.add_argument(
+        "--mig",
+        help="boot every GPU in MIG mode with these GPU instances, in order: 3g.40gb,2g.20gb,1g.10gb "
+        "('on': MIG mode, no instance); H100 80GB profiles, docs/simulated-gpu.md",
     )
 
 

@@ -17,7 +17,9 @@ from cgpud.errors import CgpuError, UsageError
 from cgpud.native import native_path
 from cgpud.units import GIB, MIB
 
-MAX_GPUS = 16  # SIM_MAX_GPUS in csrc/simgpu/simstate.h
+MAX_GPUS = 16  # SIM_MAX_GPUS in csrc/simgpu/simstate.h: GPUs and MIG devices together
+# The MIG profiles the simulator has (csrc/simgpu/simmig.c; an H100 80GB's).
+MIG_PROFILES = ("1g.10gb", "1g.10gb+me", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb")
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,7 @@ class SimMachine:
     sms: int = 132
     nvlink: bool = False  # all GPUs linked to each other
     topology: str = ""  # a machine shape of sim_topology.TOPOLOGIES: PCIe tree and NVLinks
+    mig: str = ""  # every GPU in MIG mode with these instances ("1g.10gb,3g.40gb"; "on": none)
 
     def validate(self) -> None:
         if not 1 <= self.gpus <= MAX_GPUS:
@@ -42,6 +45,18 @@ class SimMachine:
             raise UsageError("--name must not contain quotes or newlines")
         if self.topology:
             placement(self.topology, self.gpus)
+        if self.mig:
+            self._validate_mig()
+
+    def _validate_mig(self) -> None:
+        if (self.memory, self.sms) != (80 * GIB, 132):
+            raise UsageError("--mig needs the H100 80GB shape (--mem 80GiB --sms 132): its MIG profiles are simulated")
+        profiles = [] if self.mig == "on" else self.mig.split(",")
+        unknown = [p for p in profiles if p not in MIG_PROFILES]
+        if unknown:
+            raise UsageError(f"--mig: unknown MIG profile {unknown[0]!r}: use {', '.join(MIG_PROFILES)} or 'on'")
+        if self.gpus * (1 + len(profiles)) > MAX_GPUS:
+            raise UsageError(f"--mig: {self.gpus} GPUs with {len(profiles)} MIG devices each exceed {MAX_GPUS} devices")
 
     def config_text(self) -> str:
         lines = ["# simulated GPUs written by `cgpuctl sim env`; format: docs/simulated-gpu.md"]
@@ -53,6 +68,8 @@ class SimMachine:
                 line += " nvlink=" + ",".join(peers)
             if shape:
                 line += " " + shape[i]
+            if self.mig:
+                line += f" mig={self.mig}"
             lines.append(line)
         return "\n".join(lines) + "\n"
 

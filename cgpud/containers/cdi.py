@@ -97,8 +97,8 @@ def instance_device_nodes(
     gpus: Sequence[GpuCapacity], indexes: Sequence[int], dev_root: Path = HOST_ROOT
 ) -> tuple[DeviceNode, ...]:
     """The device nodes of these GPUs (and the control nodes) the host has."""
-    by_index = {g.index: g.device_node for g in gpus}
-    return present(device_paths([by_index.get(i, "") for i in indexes]), dev_root)
+    by_index = {g.index: (g.device_node, *g.extra_nodes) for g in gpus}
+    return present(device_paths([p for i in indexes for p in by_index.get(i, ())]), dev_root)
 
 
 def render(service: InstanceService, files: RuntimeFiles, dev_root: Path = HOST_ROOT) -> str:

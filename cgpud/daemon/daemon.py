@@ -25,6 +25,7 @@ from cgpud.containers.relay import RelayServer
 from cgpud.daemon.metrics import CountedAllocator, DaemonStats, serve_metrics
 from cgpud.daemon.notify import Heartbeat, Notifier, heartbeat_max_age, start_keepalive
 from cgpud.errors import CgpuError, UsageError
+from cgpud.kube import mig, mig_devices
 from cgpud.kube.agent import KubeAgent, kubeconfig_path, node_name
 from cgpud.kube.apiserver import LazyApiServer
 from cgpud.kube.health import HealthWatcher, healthy_by_index
@@ -37,7 +38,7 @@ from cgpud.node.bypass_watchdog import BypassWatchdog, NvmlProcessReader
 from cgpud.node.compute import ComputeScheduler
 from cgpud.node.compute_policy import limits_compute
 from cgpud.node.exits import ExitWatch
-from cgpud.node.inventory import Inventory, read_inventory
+from cgpud.node.inventory import Inventory, capacities, read_inventory
 from cgpud.node.model import GpuCapacity, Orchestrator
 from cgpud.node.procmap import ProcessMapper
 from cgpud.node.service import InstanceService
@@ -109,7 +110,8 @@ class Daemon:
         # Refused before anything starts: a keep-alive period too short for the sweep.
         max_age = heartbeat_max_age(self._notifier, config.sweep_interval)
         inventory = read_inventory()
-        gpus = tuple(GpuCapacity(g.index, g.uuid, g.memory_total, gpu_node(g.minor_number)) for g in inventory.gpus)
+        mig_nodes = mig_devices.capability_map(inventory.gpus) if config.mig_share else {}
+        gpus = capacities(inventory, gpu_node, config.mig_share, mig_nodes)
         private_state_dir(config.state_dir)
         store = Store(config.database)
         stack.callback(store.close)
@@ -150,7 +152,7 @@ class Daemon:
                 service,
                 stats,
                 __version__,
-                {g.index: g.name for g in inventory.gpus},
+                {g.index: g.name for g in inventory.gpus} | _mig_models(inventory, gpus),
                 events=events,
             )
             stack.callback(metrics.stop)
@@ -180,17 +182,30 @@ class Daemon:
         plugin = agent = health = None
         if kube:
             assert api is not None
+            migs = mig.plan(config.mig_strategy, inventory.gpus, shared=config.mig_share)
+            if migs.problem:
+                self._log.warning("MIG devices not served as they are", problem=migs.problem)
+            card_labels = {
+                **inventory.card_labels(),
+                **mig.gfd_labels(
+                    config.mig_strategy,
+                    inventory.gpus,
+                    any(g.mig_capable for g in inventory.gpus),
+                    shared=config.mig_share,
+                ),
+            }
             agent = KubeAgent(
                 service,
                 api,
                 node_name(config.node_name),
                 files,
                 config.policy(),
-                inventory.card_labels(),
+                card_labels,
                 cdi_dir=config.cdi_dir,
                 dev_root=config.dev_root,
                 pod_resources_socket=config.pod_resources_socket,
                 min_pod_priority=config.pod_share_priority_min,
+                mig_devices=migs.by_uuid(),
             )
             plugin = DevicePlugin(
                 PluginSettings(config.device_plugin_dir),
@@ -199,6 +214,7 @@ class Daemon:
                 placement=policy.placement,
                 gpus=gpus,
                 links=inventory.links(),
+                mig=migs,
             ).start()
             stack.callback(plugin.stop)
             agent.on_policy = lambda p: plugin.update(mode=p.mode, placement=p.placement)
@@ -249,9 +265,13 @@ class Daemon:
         turn an isolating mode on later, and until then its rounds only read
         the policy."""
         config = self.config
-        if config.bypass_interval <= 0 or not gpus:
+        # Not a GPU in MIG mode: cgpu has no instance there, and its processes
+        # are the MIG devices' (pods given them whole), not tenants going around libcgpu.
+        # Nor a MIG device taken as a GPU (mig_share): NVML lists its processes on its GPU, not by its index.
+        watched = [g.index for g in gpus if not g.mig and g.parent < 0]
+        if config.bypass_interval <= 0 or not watched:
             return None
-        reader = NvmlProcessReader([g.index for g in gpus], config.bypass_compute_window)
+        reader = NvmlProcessReader(watched, config.bypass_compute_window)
         stack.callback(reader.close)
         return BypassWatchdog(
             service,
@@ -263,6 +283,12 @@ class Daemon:
             config.bypass_interval,
             stats=stats,
         )
+
+
+def _mig_models(inventory: Inventory, gpus: Sequence[GpuCapacity]) -> dict[int, str]:
+    """The metrics' model of each MIG device taken as a GPU (mig_share)."""
+    names = {m.uuid: f"{g.name} MIG {m.profile}" for g in inventory.gpus for m in g.mig_devices}
+    return {g.index: names.get(g.uuid, "") for g in gpus if g.parent >= 0}
 
 
 def _bypass_watching(config: DaemonConfig, watchdog: BypassWatchdog | None) -> Callable[[], tuple[bool, str]]:
@@ -319,7 +345,9 @@ def _serve_capacity(
     def gpu_health() -> dict[int, tuple[bool, str]]:
         if health is None:
             return {}
-        return {i: (h.healthy, h.reason) for i, h in health.snapshot().items()}
+        by_gpu = {i: (h.healthy, h.reason) for i, h in health.snapshot().items()}
+        # A MIG device taken as a GPU (mig_share) is as healthy as the GPU it is on.
+        return by_gpu | {g.index: by_gpu[g.parent] for g in service.gpus() if g.parent in by_gpu}
 
     facts = node_facts(inventory, node_name(config.node_name), [primary, address_host])
     server = serve_capacity(

@@ -125,7 +125,7 @@ class CountedAllocator:
         self._allocator = allocator
         self._stats = stats
 
-    def allocate(self, resource: Resource, device_ids: Sequence[str]) -> ContainerAllocation:
+    def allocate(self, resource: Resource | str, device_ids: Sequence[str]) -> ContainerAllocation:
         try:
             allocation = self._allocator.allocate(resource, device_ids)
         except Exception as e:

@@ -26,6 +26,7 @@ from cgpud.containers.edits import RuntimeFiles
 from cgpud.node.model import NodePolicy
 from cgpud.node.service import InstanceService
 from cgpud.errors import CgpuError
+from cgpud.kube.mig import ServedMig
 from cgpud.kube.allocator import DYNAMIC_CDI_DIR, PodAllocator
 from cgpud.kube.apiserver import LazyApiServer, PodInfo
 from cgpud.kube.model import DEFAULT_MIN_POD_PRIORITY, DEFAULT_POD_RESOURCES_SOCKET
@@ -62,6 +63,7 @@ class KubeAgent:
         pod_resources_socket: Path = Path(DEFAULT_POD_RESOURCES_SOCKET),
         label_interval: float = DEFAULT_INTERVAL,
         min_pod_priority: int = DEFAULT_MIN_POD_PRIORITY,
+        mig_devices: Mapping[str, ServedMig] | None = None,
     ) -> None:
         self.api = api
         self.node = node
@@ -72,7 +74,9 @@ class KubeAgent:
                 "cannot create the CDI spec directory", dir=str(cdi_dir), error=e.strerror
             )
         self.on_policy: Callable[[NodePolicy], None] | None = None  # set once the device plugin exists
-        self.allocator = PodAllocator(service, api, node, files, cdi_dir, dev_root, min_pod_priority)
+        self.allocator = PodAllocator(
+            service, api, node, files, cdi_dir, dev_root, min_pod_priority, migs=dict(mig_devices or {})
+        )
         self.service = service
         self._kubelet = PodResourcesClient(pod_resources_socket)
         # The kubelet's pod-resources List of this sweep, or why there is none:

@@ -13,7 +13,11 @@ the same live pod and gets the same instance back; the instance's owner
 (pod UID and container) makes a second instance impossible anyway.
 aliyun.com/gpu-core.percentage and aliyun.com/gpu-count create nothing (see
 assignment.py); whole-GPU resources (nvidia.com/gpu, aliyun.com/gpu) name
-their GPUs in their device IDs and get env only."""
+their GPUs in their device IDs and get env only. So do MIG devices
+(nvidia.com/mig-<profile>, or nvidia.com/gpu under the single strategy):
+their device IDs are MIG UUIDs, and the answer names them as NVIDIA's device
+plugin does (NVIDIA_VISIBLE_DEVICES=MIG-...) with their GPU's device nodes
+and the MIG capability nodes the driver lists (mig_devices.py)."""
 
 from __future__ import annotations
 
@@ -32,10 +36,11 @@ from cgpud.errors import CgpuError
 from cgpud.containers import cdi
 from cgpud.containers.edits import RuntimeFiles, instance_edits
 from cgpud.containers.request import ENV_CORE
-from cgpud.kube import assignment, share_priority
+from cgpud.kube import assignment, mig_devices, share_priority
 from cgpud.kube.apiserver import ApiServerError, ApiServerUnavailable, PodInfo
 from cgpud.kube.model import ANNOTATION_ASSIGNED, ANNOTATION_GPU_INDEX, DEFAULT_CDI_DIR, DEFAULT_MIN_POD_PRIORITY
 from cgpud.kube.model import TOOLKIT_DEVICE_LIST_DIR
+from cgpud.kube.mig import ServedMig
 from cgpud.kube.model import AllocationError, ContainerAllocation, MountSpec, Resource
 
 DYNAMIC_CDI_DIR = Path(DEFAULT_CDI_DIR)
@@ -68,6 +73,11 @@ def device_list(uuids: Iterable[str]) -> tuple[MountSpec, ...]:
     return tuple(MountSpec("/dev/null", f"{TOOLKIT_DEVICE_LIST_DIR}/{u}", True) for u in uuids)
 
 
+def _minor(device_node: str) -> bool:
+    """Whether a GPU's node reads /dev/nvidia<minor>."""
+    return device_node.startswith("/dev/nvidia") and device_node[len("/dev/nvidia") :].isdigit()
+
+
 def pod_memory_gib(pod: PodInfo) -> int:
     """ALIYUN_COM_GPU_MEM_POD: what the pod's containers ask in all. Init
     containers run before the others, so the pod holds at most the larger."""
@@ -87,15 +97,21 @@ class PodAllocator:
     dev_root: Path
     # Pods below this priority may not ask for a compute weight or high priority (share_priority.py).
     min_pod_priority: int = DEFAULT_MIN_POD_PRIORITY
+    # The MIG devices served (MIG UUID -> device), from the MIG strategy's plan.
+    migs: dict[str, ServedMig] = field(default_factory=dict)
     # One Allocate at a time: resolution reads what the last one made.
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
     # (resource, device IDs) -> instance id of answered memory Allocates, for retries.
     _answered: dict[tuple[Resource, frozenset[str]], str] = field(default_factory=dict, init=False, repr=False)
     _log: Any = field(default_factory=lambda: structlog.get_logger("cgpud.kube.allocator"), init=False, repr=False)
 
-    def allocate(self, resource: Resource, device_ids: Sequence[str]) -> ContainerAllocation:
+    def allocate(self, resource: Resource | str, device_ids: Sequence[str]) -> ContainerAllocation:
         count = assignment.check_count(device_ids, resource)
         with self._lock:
+            if not isinstance(resource, Resource) or (
+                resource is Resource.NVIDIA_GPU and any(d in self.migs for d in device_ids)
+            ):
+                return self._mig(str(resource.value if isinstance(resource, Resource) else resource), device_ids)
             if resource in (Resource.NVIDIA_GPU, Resource.GPU_TOPOLOGY):
                 return self._whole_gpus(resource, device_ids)
             pods = self._pods()
@@ -263,6 +279,26 @@ class PodAllocator:
             ) from e
         except ApiServerError as e:
             raise AllocationError(f"cannot tell which pod this Allocate is for: {e}") from e
+
+    def _mig(self, resource: str, device_ids: Sequence[str]) -> ContainerAllocation:
+        """MIG devices, each given whole to one container by the kubelet."""
+        served = [self.migs.get(d) for d in device_ids]
+        wrong = [d for d, s in zip(device_ids, served) if s is None or s.resource != resource]
+        if wrong:
+            raise AllocationError(f"{resource}: no MIG device {wrong[0]!r} of that resource on node {self.node}")
+        devices = [s.device for s in served if s is not None]
+        by_index = {g.index: g for g in self.service.gpus()}
+        parents = sorted({m.parent_index for m in devices})
+        nodes = cdi.instance_device_nodes(self.service.gpus(), [i for i in parents if i in by_index], self.dev_root)
+        minors = {g.index: int(g.device_node[len("/dev/nvidia") :]) for g in by_index.values() if _minor(g.device_node)}
+        caps = mig_devices.capability_nodes(devices, minors, self.dev_root)
+        uuids = [m.uuid for m in devices]
+        self._log.info("allocated", resource=resource, mig_devices=uuids)
+        return ContainerAllocation(
+            envs={"NVIDIA_VISIBLE_DEVICES": ",".join(uuids), ANNOTATION_GPU_INDEX: ",".join(map(str, parents))},
+            mounts=device_list(uuids),
+            devices=nodes + caps,
+        )
 
     def _whole_gpus(self, resource: Resource, device_ids: Sequence[str]) -> ContainerAllocation:
         """Whole GPUs: the device IDs are GPU UUIDs and the kubelet alone

@@ -259,10 +259,11 @@ def _gib_list(per_gpu: dict[int, int]) -> str:
     return ", ".join(f"{v} GiB on GPU {g}" for g, v in sorted(per_gpu.items()))
 
 
-def check_count(device_ids: Sequence[str], resource: Resource) -> int:
+def check_count(device_ids: Sequence[str], resource: Resource | str) -> int:
     """How many units an Allocate asks for; the kubelet sends each ID once."""
+    name = resource.value if isinstance(resource, Resource) else resource
     if not device_ids:
-        raise AllocationError(f"Allocate of {resource.value} names no devices")
+        raise AllocationError(f"Allocate of {name} names no devices")
     if len(set(device_ids)) != len(device_ids):
-        raise AllocationError(f"Allocate of {resource.value} names a device twice")
+        raise AllocationError(f"Allocate of {name} names a device twice")
     return len(device_ids)

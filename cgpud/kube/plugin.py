@@ -36,6 +36,7 @@ from cgpud.api.status import abort_rpc
 from cgpud.node.model import GpuCapacity, NodeMode, Placement
 from cgpud.errors import CgpuError, UsageError
 from cgpud.kube import resources
+from cgpud.kube.mig import MigPlan
 from cgpud.kube.model import DEVICE_PLUGIN_VERSION, Allocator, ContainerAllocation, Resource
 from cgpud.kube.resources import PluginDevice, PluginGpu
 from cgpud.sockets import remove_stale_socket
@@ -63,6 +64,7 @@ class _State:
         gpus: Sequence[GpuCapacity],
         health: Mapping[int, bool],
         links: Links | None = None,
+        mig: MigPlan | None = None,
     ) -> None:
         self.changed = threading.Condition()
         self.links = links  # how the GPUs are joined (inventory), for whole-GPU choices
@@ -70,11 +72,21 @@ class _State:
         self._placement = placement
         self._gpus = tuple(gpus)
         self._health = dict(health)
+        self._mig = mig
         self.devices = self._compute()
 
-    def _compute(self) -> dict[Resource, tuple[PluginDevice, ...]]:
-        gpus = [PluginGpu(g.index, g.uuid, g.memory, self._health.get(g.index, True)) for g in self._gpus]
-        return resources.advertised(self._mode, gpus)
+    def _compute(self) -> dict[str, tuple[PluginDevice, ...]]:
+        # A MIG device taken as a GPU (mig_share) is as healthy as the GPU it is on.
+        gpus = [
+            PluginGpu(g.index, g.uuid, g.memory, self._health.get(g.parent if g.parent >= 0 else g.index, True))
+            for g in self._gpus
+        ]
+        return resources.advertised(self._mode, gpus, self._mig)
+
+    def names(self) -> list[str]:
+        """Every resource served: cgpu's own, then the MIG plan's."""
+        with self.changed:
+            return list(self.devices)
 
     def update(
         self,
@@ -82,7 +94,8 @@ class _State:
         placement: Placement | None,
         gpus: Sequence[GpuCapacity] | None,
         health: Mapping[int, bool] | None,
-    ) -> list[Resource]:
+        mig: MigPlan | None = None,
+    ) -> list[str]:
         """Apply what is given; return the resources whose lists changed."""
         with self.changed:
             if mode is not None:
@@ -94,8 +107,10 @@ class _State:
                 self._gpus = tuple(gpus)
             if health is not None:
                 self._health = dict(health)
+            if mig is not None:
+                self._mig = mig
             new = self._compute()
-            moved = [r for r in Resource if new[r] != self.devices[r]]
+            moved = [r for r in dict.fromkeys([*self.devices, *new]) if new.get(r) != self.devices.get(r)]
             self.devices = new
             if moved:
                 self.changed.notify_all()
@@ -146,12 +161,13 @@ def allocation_to_pb(allocation: ContainerAllocation) -> pb.ContainerAllocateRes
 class DevicePluginServicer(pb_grpc.DevicePluginServicer):
     """v1beta1.DevicePlugin for one resource."""
 
-    def __init__(self, resource: Resource, state: _State, allocator: Allocator, stopped: threading.Event) -> None:
-        self._resource = resource
+    def __init__(self, resource: str, state: _State, allocator: Allocator, stopped: threading.Event) -> None:
+        known = {r.value: r for r in Resource}
+        self._resource: Resource | str = known.get(resource, resource)
         self._state = state
         self._allocator = allocator
         self._stopped = stopped  # set when this server is being replaced or stopped
-        self._log = structlog.get_logger("cgpud.kube.plugin").bind(resource=resource.value)
+        self._log = structlog.get_logger("cgpud.kube.plugin").bind(resource=resource)
 
     def GetDevicePluginOptions(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.DevicePluginOptions:
         return _OPTIONS
@@ -163,7 +179,7 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
             with self._state.changed:
                 while True:
                     ended = self._stopped.is_set() or not context.is_active()
-                    devices = self._state.devices[self._resource]
+                    devices = self._state.devices.get(self._resource, ())
                     if ended or devices != sent:
                         break
                     self._state.changed.wait(_STREAM_POLL)
@@ -198,12 +214,12 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
 
     @_rpc
     def Allocate(self, request: pb.AllocateRequest, context: grpc.ServicerContext) -> pb.AllocateResponse:
-        devices = self._state.devices[self._resource]
+        devices = self._state.devices.get(self._resource, ())
         answers = []
         for req in request.container_requests:
             ids = tuple(req.devices_ids)
             if not ids:
-                raise UsageError(f"Allocate for {self._resource.value} named no devices")
+                raise UsageError(f"Allocate for {resources.name_of(self._resource)} named no devices")
             resources.check_device_ids(self._resource, ids, devices)
             allocation = self._allocator.allocate(self._resource, ids)
             self._log.info("allocated", devices=len(ids), cdi_devices=list(allocation.cdi_devices))
@@ -223,7 +239,7 @@ _OPTIONS = pb.DevicePluginOptions(pre_start_required=False, get_preferred_alloca
 class _Endpoint:
     """One resource's server and the socket file it made."""
 
-    resource: Resource
+    resource: str
     path: Path
     server: grpc.Server
     pool: ThreadPoolExecutor
@@ -265,9 +281,10 @@ class DevicePlugin:
         gpus: Sequence[GpuCapacity],
         health: Mapping[int, bool] | None = None,
         links: Links | None = None,
+        mig: MigPlan | None = None,
     ) -> None:
         self._settings = replace(settings, directory=Path(os.path.abspath(settings.directory)))
-        for name in resources.SOCKET_NAMES.values():
+        for name in [*resources.SOCKET_NAMES.values(), resources.socket_name("nvidia.com/mig-1c.7g.100gb.me")]:
             path = self._settings.directory / name
             if len(os.fsencode(path)) > _SUN_PATH_MAX:
                 raise UsageError(
@@ -275,11 +292,11 @@ class DevicePlugin:
                     f"{path} exceeds the {_SUN_PATH_MAX} bytes a unix socket path may have"
                 )
         self._allocator = allocator
-        self._state = _State(mode, placement, gpus, health or {}, links)
+        self._state = _State(mode, placement, gpus, health or {}, links, mig)
         self._log = structlog.get_logger("cgpud.kube.plugin")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._endpoints: dict[Resource, _Endpoint] = {}
+        self._endpoints: dict[str, _Endpoint] = {}
         self._registered_with: tuple[int, int, int] | None = None
         self._last_problem = ""
         self.registrations = 0  # completed rounds of Register, for tests and metrics
@@ -288,11 +305,11 @@ class DevicePlugin:
     def kubelet_socket(self) -> Path:
         return self._settings.directory / KUBELET_SOCKET
 
-    def socket_path(self, resource: Resource) -> Path:
-        return self._settings.directory / resources.SOCKET_NAMES[resource]
+    def socket_path(self, resource: Resource | str) -> Path:
+        return self._settings.directory / resources.socket_name(resource)
 
-    def devices(self, resource: Resource) -> tuple[PluginDevice, ...]:
-        return self._state.devices[resource]
+    def devices(self, resource: Resource | str) -> tuple[PluginDevice, ...]:
+        return self._state.devices.get(resources.name_of(resource), ())
 
     def start(self) -> DevicePlugin:
         self._thread = threading.Thread(target=self._watch, name="cgpud-device-plugin", daemon=True)
@@ -306,13 +323,14 @@ class DevicePlugin:
         placement: Placement | None = None,
         gpus: Sequence[GpuCapacity] | None = None,
         health: Mapping[int, bool] | None = None,
+        mig: MigPlan | None = None,
     ) -> None:
         """A node fact changed. `health` maps GPU index to healthy and
         replaces the previous map (a GPU it lacks is healthy). Open
         ListAndWatch streams send the lists that changed."""
-        moved = self._state.update(mode, placement, gpus, health)
+        moved = self._state.update(mode, placement, gpus, health, mig)
         if moved:
-            self._log.info("device lists changed", resources=[r.value for r in moved])
+            self._log.info("device lists changed", resources=moved)
 
     def stop(self, grace: float = 1.0) -> None:
         """Stop watching and serving; returns within about grace + the
@@ -345,7 +363,7 @@ class DevicePlugin:
             else:
                 self._problem("no kubelet socket yet: waiting for the kubelet", socket=str(self.kubelet_socket))
             return
-        ours_intact = len(self._endpoints) == len(Resource) and all(
+        ours_intact = set(self._endpoints) == set(self._state.names()) and all(
             (ident := _socket_identity(e.path)) is not None and ident[:2] == e.inode for e in self._endpoints.values()
         )
         if ours_intact and kubelet == self._registered_with:
@@ -358,15 +376,14 @@ class DevicePlugin:
 
     def _restart_endpoints(self) -> None:
         self._stop_endpoints(grace=0.5)
-        for resource in Resource:
+        names = self._state.names()
+        for resource in names:
             if self._stop.is_set():
                 return
             self._endpoints[resource] = self._serve(resource)
-        self._log.info(
-            "device plugin serving", directory=str(self._settings.directory), resources=[r.value for r in Resource]
-        )
+        self._log.info("device plugin serving", directory=str(self._settings.directory), resources=names)
 
-    def _serve(self, resource: Resource) -> _Endpoint:
+    def _serve(self, resource: str) -> _Endpoint:
         path = self.socket_path(resource)
         remove_stale_socket(path, self._log)
         stopped = threading.Event()
@@ -384,7 +401,7 @@ class DevicePlugin:
         except (RuntimeError, OSError) as e:
             server.stop(None)
             pool.shutdown(wait=False)
-            raise CgpuError(f"cannot serve the device plugin for {resource.value} on {path}: {e}") from e
+            raise CgpuError(f"cannot serve the device plugin for {resource} on {path}: {e}") from e
         server.start()
         return _Endpoint(resource, path, server, pool, stopped, (st.st_dev, st.st_ino))
 
@@ -408,12 +425,12 @@ class DevicePlugin:
         try:
             with grpc.insecure_channel(target) as channel:
                 stub = pb_grpc.RegistrationStub(channel)
-                for resource in Resource:
+                for resource in self._endpoints:
                     stub.Register(
                         pb.RegisterRequest(
                             version=DEVICE_PLUGIN_VERSION,
-                            endpoint=resources.SOCKET_NAMES[resource],
-                            resource_name=resource.value,
+                            endpoint=resources.socket_name(resource),
+                            resource_name=resource,
                             options=_OPTIONS,
                         ),
                         timeout=self._settings.register_timeout,
@@ -428,9 +445,7 @@ class DevicePlugin:
         self._registered_with = kubelet
         self._last_problem = ""
         self.registrations += 1
-        self._log.info(
-            "registered with the kubelet", socket=str(self.kubelet_socket), resources=[r.value for r in Resource]
-        )
+        self._log.info("registered with the kubelet", socket=str(self.kubelet_socket), resources=list(self._endpoints))
 
     def _problem(self, message: str, exc_info: bool = False, **fields: Any) -> None:
         """Log a waiting state once, not once per watch round."""

@@ -16,6 +16,12 @@ devices as ACK's gpushare and cGPU cut them:
 Every resource is advertised in every mode; those the mode does not use
 have no devices, so a mode change moves capacity instead of leaving the old
 mode's capacity on the Node. A device is Unhealthy when its GPU is.
+
+MIG (cgpud/kube/mig.py): a GPU in MIG mode makes no device of these
+resources (no CUDA process can use it whole, and cgpu does not share it);
+its MIG devices are served by the MIG strategy's plan, their device ID the
+MIG UUID: under `single` as `nvidia.com/gpu` on a default node, under
+`mixed` as `nvidia.com/mig-<profile>` in every mode.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from cgpud.node import topology
 from cgpud.node.topology import Links
 from cgpud.node.model import GpuCapacity, NodeMode, Placement
 from cgpud.errors import UsageError
+from cgpud.kube.mig import RESOURCE_GPU, MigPlan
 from cgpud.kube.model import AllocationError, Resource
 from cgpud.units import GIB
 
@@ -61,6 +68,14 @@ SOCKET_NAMES: dict[Resource, str] = {
     Resource.GPU_TOPOLOGY: "cgpu-gpu-topology.sock",
     Resource.NVIDIA_GPU: "cgpu-nvidia-gpu.sock",
 }
+
+
+def socket_name(resource: Resource | str) -> str:
+    """cgpu-<short>.sock; a MIG resource's: cgpu-mig-1g.10gb.sock."""
+    if isinstance(resource, Resource):
+        return SOCKET_NAMES[resource]
+    known = {r.value: n for r, n in SOCKET_NAMES.items()}
+    return known.get(resource) or "cgpu-" + resource.rpartition("/")[2] + ".sock"
 
 
 @dataclass(frozen=True)
@@ -129,13 +144,32 @@ def devices_for(resource: Resource, mode: NodeMode | str, gpus: Iterable[PluginG
     return tuple(devices)
 
 
-def advertised(mode: NodeMode | str, gpus: Sequence[PluginGpu]) -> dict[Resource, tuple[PluginDevice, ...]]:
-    """Every resource with its device list (empty for other modes' ones)."""
-    return {r: devices_for(r, mode, gpus) for r in Resource}
+def advertised(
+    mode: NodeMode | str, gpus: Sequence[PluginGpu], mig: MigPlan | None = None
+) -> dict[str, tuple[PluginDevice, ...]]:
+    """Every resource with its device list (empty for other modes' ones),
+    keyed by resource name; with a MIG plan, its resources too."""
+    hidden = set(mig.hidden) if mig else set()
+    whole = [g for g in gpus if g.index not in hidden]
+    lists: dict[str, tuple[PluginDevice, ...]] = {r.value: devices_for(r, mode, whole) for r in Resource}
+    if mig is None:
+        return lists
+    healthy = {g.index: g.healthy for g in gpus}
+    for name in mig.resources():
+        lists[name] = ()
+    extra: dict[str, list[PluginDevice]] = {}
+    for served in mig.served:
+        if served.resource == RESOURCE_GPU and RESOURCE_GPU not in [r.value for r in resources_for(mode)]:
+            continue  # single serves nvidia.com/gpu where the mode does: on default nodes
+        device = PluginDevice(served.device.uuid, healthy.get(served.device.parent_index, True))
+        extra.setdefault(served.resource, []).append(device)
+    for name, devices in extra.items():
+        lists[name] = lists.get(name, ()) + tuple(devices)
+    return lists
 
 
 def check_device_ids(
-    resource: Resource, device_ids: Iterable[str], devices: Iterable[PluginDevice]
+    resource: Resource | str, device_ids: Iterable[str], devices: Iterable[PluginDevice]
 ) -> tuple[DeviceUnit, ...]:
     """Read back device IDs the kubelet sent for `resource`, each of which
     must be one this node advertises for it now. An ID from another node,
@@ -153,17 +187,21 @@ def check_device_ids(
         shown = ", ".join(repr(u) for u in unknown[:3]) + (f" and {len(unknown) - 3} more" if len(unknown) > 3 else "")
         what = "its mode advertises none" if not known else f"it advertises {len(known)} other devices"
         raise AllocationError(
-            f"unknown device ID {shown} for {resource.value}: this node does not advertise it ({what}); "
+            f"unknown device ID {shown} for {name_of(resource)}: this node does not advertise it ({what}); "
             "the kubelet's checkpoint may be from before a node mode or GPU change: delete the pod and create it again"
         )
     return tuple(units)
 
 
-def decode_device_id(resource: Resource, raw: str) -> DeviceUnit:
-    """The GPU and unit a device ID of `resource` names, by its shape alone."""
+def name_of(resource: Resource | str) -> str:
+    return resource.value if isinstance(resource, Resource) else resource
+
+
+def decode_device_id(resource: Resource | str, raw: str) -> DeviceUnit:
+    """The GPU (or MIG device) and unit a device ID of `resource` names, by its shape alone."""
     if resource not in SLICED:
         if not raw or ID_SEPARATOR in raw:
-            raise AllocationError(f"device ID {raw!r} is not a GPU UUID, which is what {resource.value} devices are")
+            raise AllocationError(f"device ID {raw!r} is not a GPU UUID, which is what {name_of(resource)} devices are")
         return DeviceUnit(raw, 0)
     uuid, sep, unit = raw.rpartition(ID_SEPARATOR)
     if resource is Resource.GPU_CORE:
@@ -172,13 +210,13 @@ def decode_device_id(resource: Resource, raw: str) -> DeviceUnit:
     else:
         ok = True
     if not (sep and uuid and ok and unit.isdigit() and unit.isascii()):
-        shape = device_id(resource, "<GPU UUID>", 0).replace("0", "<n>")
-        raise AllocationError(f"device ID {raw!r} is not one of {resource.value}'s (they read {shape})")
+        shape = device_id(Resource(resource), "<GPU UUID>", 0).replace("0", "<n>")
+        raise AllocationError(f"device ID {raw!r} is not one of {name_of(resource)}'s (they read {shape})")
     return DeviceUnit(uuid, int(unit))
 
 
 def preferred(
-    resource: Resource,
+    resource: Resource | str,
     available: Sequence[str],
     must_include: Sequence[str],
     size: int,
@@ -199,7 +237,7 @@ def preferred(
     `gpu_order` maps a GPU UUID to its index to break ties and order
     whole GPUs; UUIDs it lacks sort last, by UUID."""
     if size < 0:
-        raise AllocationError(f"preferred allocation of {size} devices of {resource.value}: a size is 0 or more")
+        raise AllocationError(f"preferred allocation of {size} devices of {name_of(resource)}: a size is 0 or more")
     order = gpu_order or {}
     chosen = list(dict.fromkeys(must_include))
     if len(chosen) >= size:
@@ -246,7 +284,7 @@ def preferred(
     return tuple(chosen)
 
 
-def _decodes(resource: Resource, raw: str) -> bool:
+def _decodes(resource: Resource | str, raw: str) -> bool:
     try:
         decode_device_id(resource, raw)
     except AllocationError:

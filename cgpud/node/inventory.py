@@ -4,17 +4,41 @@ runs on a real driver and on any library that speaks the NVML ABI."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
 import pynvml
 
 from cgpud.errors import GpuQueryError
+from cgpud.node.mig import mig_profile_name
+from cgpud.node.model import GpuCapacity
 from cgpud.node.topology import SYSTEM, Link
 from cgpud.units import MIB
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class MigDevice:
+    """One MIG device (a compute instance of a GPU instance) as NVML reports
+    it. `profile` is NVIDIA's name for it ("1g.10gb", "1c.3g.40gb"), made as
+    the device plugin makes it (cgpud.node.mig)."""
+
+    uuid: str  # "MIG-..."
+    parent_index: int
+    gpu_instance: int
+    compute_instance: int
+    profile: str
+    memory_total: int  # bytes
+    sm_count: int
+    gi_slices: int
+    ci_slices: int
+    copy_engines: int = 0
+    decoders: int = 0
+    encoders: int = 0
+    jpegs: int = 0
+    ofas: int = 0
 
 
 @dataclass(frozen=True)
@@ -31,6 +55,9 @@ class Gpu:
     # The PCIe common ancestor (an NVML topology level) with each GPU, by index.
     pcie_levels: tuple[int, ...] = ()
     nvswitch_links: int = 0  # links into an NVSwitch fabric, which joins every GPU on it
+    mig_capable: bool = False  # NVML answers its MIG mode (Ampere and newer data-centre GPUs)
+    mig_mode: bool = False  # MIG enabled: the GPU's memory and SMs belong to its MIG devices
+    mig_devices: tuple[MigDevice, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -89,6 +116,34 @@ def pci_key(bus_id: str) -> tuple[int, ...] | None:
         return None
 
 
+def capacities(
+    inventory: Inventory,
+    node_of: Callable[[int], str],
+    mig_share: bool = False,
+    mig_nodes: Mapping[str, tuple[str, ...]] | None = None,
+) -> tuple[GpuCapacity, ...]:
+    """What placement knows of the node's GPUs: each GPU (node_of gives its
+    device node from its minor number; a GPU in MIG mode marked so, and
+    counted full), then with `mig_share` each MIG device as one more GPU of
+    its own memory, on its GPU's device node and its capability nodes
+    (`mig_nodes` by MIG UUID), numbered after the GPUs."""
+    gpus = [
+        GpuCapacity(g.index, g.uuid, g.memory_total, node_of(g.minor_number), mig=g.mig_mode) for g in inventory.gpus
+    ]
+    if mig_share:
+        for g in inventory.gpus:
+            for m in g.mig_devices:
+                if m.ci_slices != m.gi_slices:
+                    continue  # as NVIDIA serves them: whole GPU instances only
+                nodes = (mig_nodes or {}).get(m.uuid, ())
+                gpus.append(
+                    GpuCapacity(
+                        len(gpus), m.uuid, m.memory_total, node_of(g.minor_number), parent=g.index, extra_nodes=nodes
+                    )
+                )
+    return tuple(gpus)
+
+
 def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
@@ -120,6 +175,51 @@ def _sm_count(handle: Any) -> int | None:
         return None  # older GPUs and drivers answer "not supported"
 
 
+def _mig_mode(handle: Any) -> tuple[bool, bool]:
+    """(MIG capable, MIG enabled now)."""
+    try:
+        current, _pending = pynvml.nvmlDeviceGetMigMode(handle)
+    except pynvml.NVMLError:
+        return False, False  # a GPU without MIG answers "not supported"
+    return True, bool(current == pynvml.NVML_DEVICE_MIG_ENABLE)
+
+
+def _mig_devices(index: int, handle: Any, gpu_memory: int) -> tuple[MigDevice, ...]:
+    """The MIG devices of a GPU in MIG mode, walked as NVIDIA's tools walk
+    them: every index up to the maximum, holes skipped."""
+    found = []
+    for i in range(_query("MIG device count", pynvml.nvmlDeviceGetMaxMigDeviceCount, handle)):
+        try:
+            mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, i)
+        except (pynvml.NVMLError_NotFound, pynvml.NVMLError_InvalidArgument):
+            continue
+        except pynvml.NVMLError as e:
+            raise GpuQueryError(f"NVML MIG device {i} of GPU {index} failed: {e}") from e
+        attrs = _query("MIG device attributes", pynvml.nvmlDeviceGetAttributes, mig)
+        memory = int(_query("MIG device memory", pynvml.nvmlDeviceGetMemoryInfo, mig).total)
+        found.append(
+            MigDevice(
+                uuid=_text(_query("MIG device UUID", pynvml.nvmlDeviceGetUUID, mig)),
+                parent_index=index,
+                gpu_instance=int(_query("GPU instance id", pynvml.nvmlDeviceGetGpuInstanceId, mig)),
+                compute_instance=int(_query("compute instance id", pynvml.nvmlDeviceGetComputeInstanceId, mig)),
+                profile=mig_profile_name(
+                    attrs.gpuInstanceSliceCount, attrs.computeInstanceSliceCount, attrs.memorySizeMB, gpu_memory
+                ),
+                memory_total=memory,
+                sm_count=int(attrs.multiprocessorCount),
+                gi_slices=int(attrs.gpuInstanceSliceCount),
+                ci_slices=int(attrs.computeInstanceSliceCount),
+                copy_engines=int(attrs.sharedCopyEngineCount),
+                decoders=int(attrs.sharedDecoderCount),
+                encoders=int(attrs.sharedEncoderCount),
+                jpegs=int(attrs.sharedJpegCount),
+                ofas=int(attrs.sharedOfaCount),
+            )
+        )
+    return tuple(found)
+
+
 def _pcie_level(handle: Any, other: Any) -> int:
     try:
         return int(pynvml.nvmlDeviceGetTopologyCommonAncestor(handle, other))
@@ -132,6 +232,7 @@ def _gpu(index: int, handles: Sequence[Any]) -> Gpu:
     peers, switched = _nvlinks(h)
     memory = _query("memory info", pynvml.nvmlDeviceGetMemoryInfo, h)
     pci = _query("PCI info", pynvml.nvmlDeviceGetPciInfo, h)
+    capable, mig = _mig_mode(h)
     return Gpu(
         index=index,
         uuid=_text(_query("UUID", pynvml.nvmlDeviceGetUUID, h)),
@@ -144,6 +245,9 @@ def _gpu(index: int, handles: Sequence[Any]) -> Gpu:
         nvlink_peers=peers,
         pcie_levels=tuple(_pcie_level(h, o) for o in handles),
         nvswitch_links=switched,
+        mig_capable=capable,
+        mig_mode=mig,
+        mig_devices=_mig_devices(index, h, int(memory.total)) if mig else (),
     )
 
 

@@ -123,6 +123,15 @@ class GpuCapacity:
     uuid: str
     memory: int  # bytes
     device_node: str = ""  # /dev/nvidia<minor>; "" where unknown (a view from another node)
+    # In MIG mode: its memory belongs to its MIG devices, so cgpu neither
+    # shares it nor gives it whole (placement counts it full; docs/modes.md).
+    mig: bool = False
+    # A MIG device taken as one of the node's GPUs (setting mig_share): the
+    # index of the GPU it is on; -1 for a GPU.
+    parent: int = -1
+    # Device nodes a container needs besides device_node (a MIG device's
+    # /dev/nvidia-caps/nvidia-cap<N>).
+    extra_nodes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

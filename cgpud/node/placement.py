@@ -74,7 +74,9 @@ def gpu_usage(
         GpuUsage(gpu=by_index[i], allocated=allocated[i], core_percent=cores[i], instances=counts[i])
         for i in sorted(by_index)
     )
-    pods = [Share(i, by_index[i].memory, _FULL_CORE) for i in sorted(set(whole)) if i in by_index]
+    # A GPU in MIG mode is as taken as one a pod holds whole.
+    taken = set(whole) | {i for i, g in by_index.items() if g.mig}
+    pods = [Share(i, by_index[i].memory, _FULL_CORE) for i in sorted(taken) if i in by_index]
     return with_shares(held, [*(share for reservation in reserved for share in reservation.shares), *pods])
 
 
@@ -246,9 +248,17 @@ def _check_request(request: Request, gpus: Sequence[GpuCapacity], mode: NodeMode
         raise UsageError(f"asked for {n} GPUs: ask for at least 1 (aliyun.com/gpu-count)")
     if not gpus:
         raise UsageError(f"asked for {_gpus(n)} but this node has no GPUs: run it on a GPU node")
-    if n > len(gpus):
+    if all(g.mig for g in gpus):
         raise UsageError(
-            f"asked for {_gpus(n)} but this node has {len(gpus)}: ask for {len(gpus)} or fewer (aliyun.com/gpu-count)"
+            f"asked for {_gpus(n)} but every GPU of this node is in MIG mode, which cgpu does not share or give "
+            f"whole: ask for a MIG device (nvidia.com/mig-<profile>, or nvidia.com/gpu under mig_strategy single), "
+            "or have the node share its MIG devices (mig_share), or disable MIG on a GPU"
+        )
+    usable = [g for g in gpus if not g.mig]  # a GPU in MIG mode never holds a share nor goes whole
+    if n > len(usable):
+        raise UsageError(
+            f"asked for {_gpus(n)} but this node has {len(usable)}: ask for {len(usable)} or fewer "
+            "(aliyun.com/gpu-count)"
         )
     if request.gpu_indexes:
         _check_named(request, gpus)
@@ -285,11 +295,11 @@ def _check_request(request: Request, gpus: Sequence[GpuCapacity], mode: NodeMode
     if mode not in WHOLE_GPU_MODES:
         # A size no GPU here could ever hold is a wrong request, not a busy
         # node: waiting or releasing instances would never help.
-        big_enough = sum(1 for g in gpus if g.memory >= request.memory)
+        big_enough = sum(1 for g in usable if g.memory >= request.memory)
         if big_enough < n:
             mem = format_memory(request.memory)
             if big_enough == 0:
-                largest = format_memory(max(g.memory for g in gpus))
+                largest = format_memory(max(g.memory for g in usable))
                 raise UsageError(
                     f"asked for {mem} per GPU but the largest GPU on this node has {largest}: "
                     f"ask for {largest} or less (aliyun.com/gpu-mem)"
@@ -308,6 +318,12 @@ def _check_named(request: Request, gpus: Sequence[GpuCapacity]) -> None:
     if len(set(named)) != len(named) or len(named) != n:
         raise UsageError(f"asked for {_gpus(n)} on {_gpu_list(named)}: name each of the {_gpus(n)} once")
     by_index = {g.index: g for g in gpus}
+    mig = [i for i in named if i in by_index and by_index[i].mig]
+    if mig:
+        raise UsageError(
+            f"asked for {_gpu_list(mig)}, which {_is(len(mig))} in MIG mode: cgpu does not share a GPU in MIG "
+            "mode or give it whole (its memory belongs to its MIG devices); the scheduler must choose another GPU"
+        )
     absent = [i for i in named if i not in by_index]
     if absent:
         raise UsageError(

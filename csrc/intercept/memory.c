@@ -35,8 +35,22 @@ static int slot_of_uuid(const char *uuid)
 static void format_uuid(const CUuuid *u, char *out, size_t len)
 {
     const unsigned char *b = (const unsigned char *)u->bytes;
-    snprintf(out, len, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0], b[1], b[2],
-             b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]);
+    snprintf(out, len, "%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0], b[1], b[2], b[3],
+             b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]);
+}
+
+/* The instance device whose UUID has these 16 bytes. A region names a GPU
+ * "GPU-..." and a MIG device "MIG-..."; the driver's bytes say neither:
+ * cuDeviceGetUuid_v2 gives a MIG device's own UUID, and UUIDs are unique
+ * across GPUs and MIG devices. */
+static int slot_of_uuid_hex(const char *hex)
+{
+    for (unsigned i = 0; i < g_cgpu.device_count; i++) {
+        const char *u = g_cgpu.device[i].uuid;
+        if ((strncmp(u, "GPU-", 4) == 0 || strncmp(u, "MIG-", 4) == 0) && strcasecmp(u + 4, hex) == 0)
+            return (int)i;
+    }
+    return -1;
 }
 
 int cgpu_slot_of_cuda_device(CUdevice dev)
@@ -54,7 +68,7 @@ int cgpu_slot_of_cuda_device(CUdevice dev)
         return -1; /* not cached: the driver may not be initialised yet */
     char text[CGPU_UUID_LEN];
     format_uuid(&uuid, text, sizeof(text));
-    int slot = slot_of_uuid(text);
+    int slot = slot_of_uuid_hex(text);
     atomic_store_explicit(&slot_of_ordinal[dev], slot + 2, memory_order_relaxed);
     return slot;
 }

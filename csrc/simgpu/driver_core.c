@@ -9,6 +9,7 @@
 
 #include "driver.h"
 #include "driver_procs.h"
+#include "simmig.h"
 
 struct sim_driver sim_drv = {.lock = PTHREAD_MUTEX_INITIALIZER, .shared = {.fd = -1, .slot = -1}};
 
@@ -122,37 +123,112 @@ CUdevice sim_ordinal(int phys)
     return -1;
 }
 
-/* The GPU a CUDA_VISIBLE_DEVICES entry names: an index or a UUID prefix. */
+/* Device `i` as it is now: a GPU, or a MIG device (a GPU instance with
+ * its compute instance; NVML may change the MIG layout at any time, so it
+ * is read as a whole copy, simmig.h). False for anything else. */
+static bool device_now(unsigned i, struct sim_gpu_config *out)
+{
+    const struct sim_config *cfg = sim_cfg();
+    if (i < cfg->gpu_count) {
+        *out = cfg->gpu[i];
+        out->mig_mode = sim_mig_load(&cfg->gpu[i].mig_mode);
+        return true;
+    }
+    return sim_mig_entry(cfg, i, out) && sim_mig_is_device(out);
+}
+
+/* The GPU or MIG device a UUID (or a unique prefix of one) names. */
+static int device_by_uuid(const char *entry)
+{
+    int found = -1;
+    for (unsigned i = 0; i < SIM_MAX_GPUS; i++) {
+        struct sim_gpu_config d;
+        if (!device_now(i, &d))
+            continue;
+        d.uuid[sizeof(d.uuid) - 1] = '\0';
+        if (strncasecmp(d.uuid, entry, strlen(entry)) == 0) {
+            if (found >= 0)
+                return -1; /* ambiguous prefix */
+            found = (int)i;
+        }
+    }
+    return found;
+}
+
+/* "MIG-GPU-<uuid>/<gi>/<ci>", the form drivers before R470 named MIG
+ * devices by, still accepted in CUDA_VISIBLE_DEVICES. */
+static int mig_by_parent(const char *entry)
+{
+    const struct sim_config *cfg = sim_cfg();
+    char uuid[SIM_UUID_LEN];
+    unsigned gi, ci;
+    const char *slash = strchr(entry, '/');
+    if (!slash || (size_t)(slash - entry) >= sizeof(uuid) || sscanf(slash, "/%u/%u", &gi, &ci) != 2)
+        return -1;
+    memcpy(uuid, entry, (size_t)(slash - entry));
+    uuid[slash - entry] = '\0';
+    int parent = device_by_uuid(uuid);
+    for (unsigned i = cfg->gpu_count; parent >= 0 && (unsigned)parent < cfg->gpu_count && i < SIM_MAX_GPUS; i++) {
+        struct sim_gpu_config m;
+        if (device_now(i, &m) && m.mig_parent == (unsigned)parent + 1 && m.gi_id == gi && m.ci_id == ci)
+            return (int)i;
+    }
+    return -1;
+}
+
+/* The device a CUDA_VISIBLE_DEVICES entry names: an index or a UUID
+ * prefix of a GPU outside MIG mode, or a MIG device by its UUID. A GPU in
+ * MIG mode is no CUDA device itself: only its MIG devices are. */
 static int visible_entry(const char *entry)
 {
     const struct sim_config *cfg = sim_cfg();
-    if (strncmp(entry, "GPU-", 4) == 0) {
-        int found = -1;
-        for (unsigned i = 0; i < cfg->gpu_count; i++) {
-            if (strncasecmp(cfg->gpu[i].uuid, entry, strlen(entry)) == 0) {
-                if (found >= 0)
-                    return -1; /* ambiguous prefix */
-                found = (int)i;
-            }
-        }
-        return found;
+    int dev = -1;
+    if (strncmp(entry, "MIG-GPU-", 8) == 0)
+        return mig_by_parent(entry + 4);
+    if (strncmp(entry, "GPU-", 4) == 0 || strncmp(entry, "MIG-", 4) == 0) {
+        dev = device_by_uuid(entry);
+    } else {
+        char *end;
+        long idx = strtol(entry, &end, 10);
+        if (end != entry && *end == '\0' && idx >= 0 && idx < (long)cfg->gpu_count)
+            dev = (int)idx;
     }
-    char *end;
-    long idx = strtol(entry, &end, 10);
-    return end != entry && *end == '\0' && idx >= 0 && idx < (long)cfg->gpu_count ? (int)idx : -1;
+    return dev >= 0 && (unsigned)dev < cfg->gpu_count && sim_mig_load(&cfg->gpu[dev].mig_mode) ? -1 : dev;
 }
 
-/* CUDA_VISIBLE_DEVICES as the driver reads it: the listed GPUs become
+/* The first MIG device of a GPU in MIG mode, -1 if it has none. */
+static int first_mig_device(unsigned gpu)
+{
+    const struct sim_config *cfg = sim_cfg();
+    for (unsigned i = cfg->gpu_count; i < SIM_MAX_GPUS; i++) {
+        struct sim_gpu_config m;
+        if (device_now(i, &m) && m.mig_parent == gpu + 1)
+            return (int)i;
+    }
+    return -1;
+}
+
+/* CUDA_VISIBLE_DEVICES as the driver reads it: the listed devices become
  * ordinals 0, 1, ... in that order; the list ends at the first entry that
- * names no GPU (or one already listed). Unset: every GPU. */
+ * names no device (or one already listed). Unset: every GPU outside MIG
+ * mode, and for the first GPU in MIG mode its first MIG device. A process
+ * enumerates one MIG device at most (NVIDIA's MIG user guide): later MIG
+ * entries are passed over. */
 static void read_visible_devices(void)
 {
     const struct sim_config *cfg = sim_cfg();
     const char *env = getenv("CUDA_VISIBLE_DEVICES");
+    bool have_mig = false;
     sim_drv.visible_count = 0;
     if (!env) {
-        for (unsigned i = 0; i < cfg->gpu_count; i++)
-            sim_drv.visible[sim_drv.visible_count++] = (int)i;
+        for (unsigned i = 0; i < cfg->gpu_count; i++) {
+            bool mig = sim_mig_load(&cfg->gpu[i].mig_mode);
+            int dev = mig ? (have_mig ? -1 : first_mig_device(i)) : (int)i;
+            if (dev < 0)
+                continue;
+            have_mig = have_mig || mig;
+            sim_drv.visible[sim_drv.visible_count++] = dev;
+        }
         return;
     }
     char buf[1024];
@@ -163,6 +239,10 @@ static void read_visible_devices(void)
         int g = visible_entry(tok);
         if (g < 0 || sim_ordinal(g) >= 0)
             break;
+        bool mig = (unsigned)g >= cfg->gpu_count;
+        if (mig && have_mig)
+            continue;
+        have_mig = have_mig || mig;
         sim_drv.visible[sim_drv.visible_count++] = g;
     }
 }
@@ -324,15 +404,10 @@ static int hexval(char c)
     return c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
 }
 
-SIM_EXPORT CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev)
+/* The 16 bytes of a "GPU-..." or "MIG-..." UUID string. */
+static void uuid_bytes(const char *s, CUuuid *uuid)
 {
-    int phys;
-    CUresult rc = sim_device_args(dev, &phys, !uuid);
-    if (rc)
-        return rc;
-    /* "GPU-" then 32 hex digits with dashes: the 16 bytes NVML prints. */
-    const char *s = sim_cfg()->gpu[phys].uuid;
-    s += strncmp(s, "GPU-", 4) == 0 ? 4 : 0;
+    s += strncmp(s, "GPU-", 4) == 0 || strncmp(s, "MIG-", 4) == 0 ? 4 : 0;
     memset(uuid->bytes, 0, sizeof(uuid->bytes));
     for (int n = 0; *s && n < 32; s++) {
         int v = hexval(*s);
@@ -341,6 +416,29 @@ SIM_EXPORT CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev)
         uuid->bytes[n / 2] = (char)(uuid->bytes[n / 2] | (n % 2 ? v : v << 4));
         n++;
     }
+}
+
+/* A MIG device's own UUID (its compute instance), as CUDA 11.4 added. */
+SIM_EXPORT CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev)
+{
+    int phys;
+    CUresult rc = sim_device_args(dev, &phys, !uuid);
+    if (rc)
+        return rc;
+    uuid_bytes(sim_cfg()->gpu[phys].uuid, uuid);
+    return CUDA_SUCCESS;
+}
+
+/* The first version names the GPU: a MIG device's parent. */
+SIM_EXPORT CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev)
+{
+    int phys;
+    CUresult rc = sim_device_args(dev, &phys, !uuid);
+    if (rc)
+        return rc;
+    const struct sim_gpu_config *g = &sim_cfg()->gpu[phys];
+    uint32_t parent = (unsigned)phys >= sim_cfg()->gpu_count ? sim_mig_load(&g->mig_parent) : 0;
+    uuid_bytes(parent && parent <= sim_cfg()->gpu_count ? sim_cfg()->gpu[parent - 1].uuid : g->uuid, uuid);
     return CUDA_SUCCESS;
 }
 

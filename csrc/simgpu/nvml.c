@@ -21,9 +21,10 @@
 #include <time.h>
 
 #include "cgpu/nvml_abi.h"
+#include "nvml_internal.h"
+#include "simmig.h"
 #include "simstate.h"
 
-#define NVML_EXPORT __attribute__((visibility("default")))
 /* A legacy entry point whose signature never changed: the same code under
  * both names. */
 #define NVML_ALIAS(legacy, current, params) NVML_EXPORT nvmlReturn_t legacy params __attribute__((alias(#current)));
@@ -47,25 +48,23 @@ _Static_assert(nvmlProcessDetailList_v1 == 0x01000018, "nvmlProcessDetailList_v1
 /* gpuInstanceId / computeInstanceId of a process outside MIG. */
 #define NO_MIG_INSTANCE 0xFFFFFFFFu
 
-struct nvmlDevice_st {
-    unsigned int index;
-};
-
 static pthread_mutex_t g_init_lock = PTHREAD_MUTEX_INITIALIZER;
 static _Atomic unsigned int g_refs;
 /* Written once under g_init_lock before g_attached and g_refs are set. */
-static struct sim_handle g_sim = {.st = NULL, .fd = -1, .slot = -1};
+struct sim_handle g_sim = {.st = NULL, .fd = -1, .slot = -1};
 static atomic_bool g_attached;
 /* A private copy with terminated strings: a corrupt state file cannot make
  * a string query read past its field. */
-static struct sim_config g_cfg;
-static struct nvmlDevice_st g_dev[SIM_MAX_GPUS];
+struct sim_config g_cfg;
+struct nvmlDevice_st g_dev[SIM_MAX_GPUS];
 
 static void snapshot_config(void)
 {
     g_cfg = g_sim.st->config;
     if (g_cfg.gpu_count > SIM_MAX_GPUS)
         g_cfg.gpu_count = SIM_MAX_GPUS;
+    if (g_cfg.mig_count > SIM_MAX_GPUS - g_cfg.gpu_count)
+        g_cfg.mig_count = SIM_MAX_GPUS - g_cfg.gpu_count;
     g_cfg.driver_version_str[sizeof(g_cfg.driver_version_str) - 1] = '\0';
     for (unsigned int i = 0; i < SIM_MAX_GPUS; i++) {
         struct sim_gpu_config *g = &g_cfg.gpu[i];
@@ -152,7 +151,7 @@ NVML_EXPORT const char *nvmlErrorString(nvmlReturn_t result)
     }
 }
 
-static bool ready(void)
+bool ready(void)
 {
     return atomic_load(&g_refs) > 0;
 }
@@ -173,7 +172,7 @@ static nvmlReturn_t lookup_handle(nvmlDevice_t device, unsigned int *gpu)
 
 /* The first check of every device query: a GPU off the bus answers
  * nothing, as the real driver's queries fail with GPU_IS_LOST. */
-static nvmlReturn_t lookup(nvmlDevice_t device, unsigned int *gpu)
+nvmlReturn_t lookup(nvmlDevice_t device, unsigned int *gpu)
 {
     nvmlReturn_t rc = lookup_handle(device, gpu);
     return rc == NVML_SUCCESS && sim_gpu_lost(g_sim.st, (int)*gpu) ? NVML_ERROR_GPU_IS_LOST : rc;
@@ -181,16 +180,18 @@ static nvmlReturn_t lookup(nvmlDevice_t device, unsigned int *gpu)
 
 /* A handle lookup's answer for GPU i: NVIDIA documents GPU_IS_LOST for the
  * GetHandleBy* calls, and nvidia-smi shows exactly that for a lost GPU. */
-static nvmlReturn_t give_handle(unsigned int i, nvmlDevice_t *device)
+nvmlReturn_t give_handle(unsigned int i, nvmlDevice_t *device)
 {
-    if (sim_gpu_lost(g_sim.st, (int)i))
+    struct sim_gpu_config v;
+    unsigned int gpu = i >= g_cfg.gpu_count && dev_view(i, &v) ? v.mig_parent - 1 : i;
+    if (sim_gpu_lost(g_sim.st, (int)gpu))
         return NVML_ERROR_GPU_IS_LOST;
     *device = &g_dev[i];
     return NVML_SUCCESS;
 }
 
 /* lookup() for a query that writes through `out`. */
-static nvmlReturn_t lookup_out(nvmlDevice_t device, const void *out, unsigned int *gpu)
+nvmlReturn_t lookup_out(nvmlDevice_t device, const void *out, unsigned int *gpu)
 {
     nvmlReturn_t rc = lookup(device, gpu);
     return rc == NVML_SUCCESS && out == NULL ? NVML_ERROR_INVALID_ARGUMENT : rc;
@@ -235,7 +236,7 @@ static nvmlReturn_t lookup_versioned(nvmlDevice_t device, const void *out, unsig
         return rc;                                                                 \
     }
 
-static nvmlReturn_t copy_string(char *dst, unsigned int length, const char *src)
+nvmlReturn_t copy_string(char *dst, unsigned int length, const char *src)
 {
     if (dst == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
@@ -246,7 +247,7 @@ static nvmlReturn_t copy_string(char *dst, unsigned int length, const char *src)
     return NVML_SUCCESS;
 }
 
-static void reap_dead(void)
+void reap_dead(void)
 {
     sim_reap_dead(&g_sim);
 }
@@ -323,8 +324,11 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_
         return NVML_ERROR_UNINITIALIZED;
     if (uuid == NULL || device == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
-    for (unsigned int i = 0; i < g_cfg.gpu_count; i++) {
-        if (strcmp(uuid, g_cfg.gpu[i].uuid) == 0)
+    /* MIG devices too: their UUIDs are unique across GPUs and MIG devices. */
+    for (unsigned int i = 0; i < SIM_MAX_GPUS; i++) {
+        struct sim_gpu_config v;
+        if ((i < g_cfg.gpu_count || (dev_view(i, &v) && sim_mig_is_device(&v))) &&
+            strcmp(uuid, i < g_cfg.gpu_count ? g_cfg.gpu[i].uuid : v.uuid) == 0)
             return give_handle(i, device);
     }
     return NVML_ERROR_NOT_FOUND;
@@ -389,15 +393,17 @@ NVML_GPU_QUERY(nvmlDeviceGetIndex, unsigned int, index, *index = g)
 NVML_EXPORT nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int length)
 {
     unsigned int g;
-    nvmlReturn_t rc = lookup(device, &g);
-    return rc != NVML_SUCCESS ? rc : copy_string(name, length, g_cfg.gpu[g].name);
+    struct sim_gpu_config v;
+    nvmlReturn_t rc = lookup_any(device, &g, &v);
+    return rc != NVML_SUCCESS ? rc : copy_string(name, length, v.name);
 }
 
 NVML_EXPORT nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length)
 {
     unsigned int g;
-    nvmlReturn_t rc = lookup(device, &g);
-    return rc != NVML_SUCCESS ? rc : copy_string(uuid, length, g_cfg.gpu[g].uuid);
+    struct sim_gpu_config v;
+    nvmlReturn_t rc = lookup_any(device, &g, &v);
+    return rc != NVML_SUCCESS ? rc : copy_string(uuid, length, v.uuid);
 }
 
 /* Fills the fields the pre-9.0 struct shares with nvmlPciInfo_t. */
@@ -429,16 +435,6 @@ NVML_GPU_QUERY(nvmlDeviceGetPciInfo_v3, nvmlPciInfo_t, pci, fill_pci(pci, g))
 
 NVML_GPU_QUERY(nvmlDeviceGetMinorNumber, unsigned int, minorNumber, *minorNumber = g_cfg.gpu[g].minor_number)
 
-/* The whole GPU as one instance: what a GPU outside MIG reports. */
-NVML_GPU_QUERY(nvmlDeviceGetAttributes_v2, nvmlDeviceAttributes_t, attributes,
-               *attributes = ((nvmlDeviceAttributes_t){.multiprocessorCount = g_cfg.gpu[g].sm_count,
-                                                       .sharedCopyEngineCount = 3,
-                                                       .gpuInstanceSliceCount = 7,
-                                                       .computeInstanceSliceCount = 7,
-                                                       .memorySizeMB = g_cfg.gpu[g].total_mem >> 20}))
-/* The pre-MIG name binds the same struct. */
-NVML_ALIAS(nvmlDeviceGetAttributes, nvmlDeviceGetAttributes_v2, (nvmlDevice_t device, nvmlDeviceAttributes_t *attributes))
-
 NVML_EXPORT nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device, int *major, int *minor)
 {
     unsigned int g;
@@ -456,30 +452,47 @@ NVML_GPU_QUERY(nvmlDeviceGetMultiGpuBoard, unsigned int, multiGpuBool, *multiGpu
 
 /* Used bytes, never above total: a transiently inconsistent counter must not
  * show as 17592186044134 MiB free. */
-static unsigned long long used_bytes(unsigned int gpu)
+static unsigned long long used_bytes(unsigned int gpu, unsigned long long total)
 {
-    unsigned long long used = atomic_load(&g_sim.st->gpu[gpu].used);
-    return used < g_cfg.gpu[gpu].total_mem ? used : g_cfg.gpu[gpu].total_mem;
+    unsigned long long used = mig_used_bytes(gpu);
+    return used < total ? used : total;
 }
 
-/* GPU g's memory, once the processes that died have given theirs back. */
-static nvmlMemory_t memory_of(unsigned int g)
+/* Device g's memory, once the processes that died have given theirs back. */
+static nvmlMemory_t memory_of(unsigned int g, unsigned long long total)
 {
     reap_dead();
-    nvmlMemory_t m = {.total = g_cfg.gpu[g].total_mem, .used = used_bytes(g)};
+    nvmlMemory_t m = {.total = total, .used = used_bytes(g, total)};
     m.free = m.total - m.used;
     return m;
 }
 
-NVML_GPU_QUERY(nvmlDeviceGetMemoryInfo, nvmlMemory_t, memory, *memory = memory_of(g))
+/* A MIG device's handle answers for the instance's own memory. */
+NVML_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
+{
+    unsigned int g;
+    struct sim_gpu_config v;
+    nvmlReturn_t rc = lookup_any(device, &g, &v);
+    if (rc != NVML_SUCCESS)
+        return rc;
+    if (memory == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *memory = memory_of(g, v.total_mem);
+    return NVML_SUCCESS;
+}
 
 NVML_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory)
 {
     unsigned int g;
-    nvmlReturn_t rc = lookup_versioned(device, memory, nvmlMemory_v2, &g);
+    struct sim_gpu_config v;
+    nvmlReturn_t rc = lookup_any(device, &g, &v);
+    if (rc == NVML_SUCCESS && memory == NULL)
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    if (rc == NVML_SUCCESS && memory->version != nvmlMemory_v2)
+        rc = NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
     if (rc != NVML_SUCCESS)
         return rc;
-    nvmlMemory_t m = memory_of(g);
+    nvmlMemory_t m = memory_of(g, v.total_mem);
     /* reserved 0: the simulated driver keeps no memory for itself */
     *memory = (nvmlMemory_v2_t){.version = nvmlMemory_v2, .total = m.total, .free = m.free, .used = m.used};
     return NVML_SUCCESS;
@@ -510,7 +523,7 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvml
         return rc;
     utilization->gpu = busy_percent(g);
     /* The simulation has no memory bandwidth: report occupancy instead. */
-    utilization->memory = percent(used_bytes(g), g_cfg.gpu[g].total_mem);
+    utilization->memory = percent(used_bytes(g, g_cfg.gpu[g].total_mem), g_cfg.gpu[g].total_mem);
     return NVML_SUCCESS;
 }
 
@@ -559,7 +572,6 @@ NVML_GPU_QUERY(nvmlDeviceGetMaxPcieLinkGeneration, unsigned int, maxLinkGen, *ma
 NVML_GPU_QUERY(nvmlDeviceGetCurrPcieLinkWidth, unsigned int, currLinkWidth, *currLinkWidth = SIM_PCIE_WIDTH)
 NVML_GPU_QUERY(nvmlDeviceGetMaxPcieLinkWidth, unsigned int, maxLinkWidth, *maxLinkWidth = SIM_PCIE_WIDTH)
 /* A GPU handle is never a MIG device: the simulation has no MIG. */
-NVML_GPU_QUERY(nvmlDeviceIsMigDeviceHandle, unsigned int, isMigDevice, *isMigDevice = 0)
 
 NVML_GPU_QUERY2(nvmlDeviceGetPowerManagementLimitConstraints, unsigned int, minLimit, maxLimit,
                 (*minLimit = SIM_POWER_MIN_LIMIT_MW, *maxLimit = SIM_POWER_LIMIT_MW))
@@ -678,26 +690,31 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetPcieThroughput(nvmlDevice_t device, nvmlPc
 
 /* BAR1 is the device memory's size rounded up to a power of two, as on the
  * A100 40GB (64 GiB) and H100 80GB (128 GiB); the simulation maps nothing
- * through it. */
+ * through it. A MIG device answers for its share of its GPU's BAR1 by
+ * memory slices (the simulation's reading: tools such as nvitop show it). */
 NVML_EXPORT nvmlReturn_t nvmlDeviceGetBAR1MemoryInfo(nvmlDevice_t device, nvmlBAR1Memory_t *bar1Memory)
 {
     unsigned int g;
-    nvmlReturn_t rc = lookup_out(device, bar1Memory, &g);
+    struct sim_gpu_config v;
+    nvmlReturn_t rc = lookup_any(device, &g, &v);
+    if (rc == NVML_SUCCESS && bar1Memory == NULL)
+        rc = NVML_ERROR_INVALID_ARGUMENT;
     if (rc != NVML_SUCCESS)
         return rc;
+    unsigned int gpu = g < g_cfg.gpu_count ? g : v.mig_parent - 1;
     unsigned long long total = 1;
-    while (total < g_cfg.gpu[g].total_mem && total < (1ULL << 62))
+    while (total < g_cfg.gpu[gpu].total_mem && total < (1ULL << 62))
         total <<= 1;
+    const struct sim_mig_profile *p = g < g_cfg.gpu_count ? NULL : sim_mig_by_index(v.mig_profile);
+    if (p != NULL)
+        total = total / SIM_MIG_MEMORY_SLICES * p->memory_slices;
     *bar1Memory = (nvmlBAR1Memory_t){.bar1Total = total, .bar1Free = total, .bar1Used = 0};
     return NVML_SUCCESS;
 }
 
-/* MIG off: the simulation partitions no GPU. */
-NVML_GPU_QUERY2(nvmlDeviceGetMigMode, unsigned int, currentMode, pendingMode,
-                *currentMode = *pendingMode = NVML_DEVICE_MIG_DISABLE)
-
 struct proc_view {
     unsigned int pid;
+    unsigned int gi, ci;          /* the MIG instance it runs in; NO_MIG_INSTANCE outside MIG */
     unsigned long long used;
     int slot;
     uint64_t generation;
@@ -755,6 +772,7 @@ static bool read_slot(int i, unsigned int gpu, uint64_t self_ns, struct proc_vie
     if (!cached)
         cache_pid(i, gen, self_ns, pid); /* 0 too: a process never becomes visible */
     v->pid = (unsigned int)pid;
+    v->gi = v->ci = NO_MIG_INSTANCE;
     v->slot = i;
     v->generation = gen;
     return pid != 0;
@@ -771,6 +789,27 @@ static unsigned int live_procs(unsigned int gpu, struct proc_view *out)
     return n;
 }
 
+/* A GPU in MIG mode lists the processes of its MIG devices, each with its
+ * GPU and compute instance ids, as a real driver lists them to root. A
+ * process holds one MIG device at most (CUDA enumerates one). */
+static unsigned int mig_procs(unsigned int gpu, struct proc_view *out)
+{
+    unsigned int n = 0;
+    for (unsigned int d = g_cfg.gpu_count; d < SIM_MAX_GPUS; d++) {
+        struct sim_gpu_config m;
+        if (!dev_view(d, &m) || !sim_mig_is_device(&m) || m.mig_parent != gpu + 1)
+            continue;
+        struct proc_view found[SIM_MAX_PROCS];
+        unsigned int k = live_procs(d, found);
+        for (unsigned int i = 0; i < k && n < SIM_MAX_PROCS; i++, n++) {
+            out[n] = found[i];
+            out[n].gi = m.gi_id;
+            out[n].ci = m.ci_id;
+        }
+    }
+    return n;
+}
+
 enum info_layout { INFO_V1, INFO_V2, INFO_V3 };
 
 /* The count protocol of every NVML list query: *count in is the room in
@@ -784,7 +823,8 @@ static nvmlReturn_t list_procs(nvmlDevice_t device, unsigned int *infoCount, voi
     if (rc != NVML_SUCCESS)
         return rc;
     struct proc_view procs[SIM_MAX_PROCS];
-    unsigned int n = none ? 0 : live_procs(g, procs);
+    bool mig = sim_mig_load(&g_sim.st->config.gpu[g].mig_mode);
+    unsigned int n = none ? 0 : mig ? mig_procs(g, procs) : live_procs(g, procs);
     if (*infoCount < n) {
         *infoCount = n;
         return NVML_ERROR_INSUFFICIENT_SIZE;
@@ -796,10 +836,9 @@ static nvmlReturn_t list_procs(nvmlDevice_t device, unsigned int *infoCount, voi
             ((nvmlProcessInfo_v1_t *)infos)[i] = (nvmlProcessInfo_v1_t){procs[i].pid, procs[i].used};
         else if (layout == INFO_V2)
             ((nvmlProcessInfo_v2_t *)infos)[i] =
-                (nvmlProcessInfo_v2_t){procs[i].pid, procs[i].used, NO_MIG_INSTANCE, NO_MIG_INSTANCE};
+                (nvmlProcessInfo_v2_t){procs[i].pid, procs[i].used, procs[i].gi, procs[i].ci};
         else
-            ((nvmlProcessInfo_t *)infos)[i] =
-                (nvmlProcessInfo_t){procs[i].pid, procs[i].used, NO_MIG_INSTANCE, NO_MIG_INSTANCE};
+            ((nvmlProcessInfo_t *)infos)[i] = (nvmlProcessInfo_t){procs[i].pid, procs[i].used, procs[i].gi, procs[i].ci};
     }
     *infoCount = n;
     return NVML_SUCCESS;

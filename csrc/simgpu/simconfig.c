@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "simmig.h"
 #include "simstate.h"
 
 static void default_gpu(struct sim_gpu_config *g, unsigned idx)
@@ -214,6 +215,8 @@ int sim_config_load(const char *path, struct sim_config *cfg, char *err, size_t 
         return -1;
     }
     char line[1024];
+    char mig[SIM_MAX_GPUS][256]; /* each GPU's mig= setting, laid out once every GPU is known */
+    memset(mig, 0, sizeof(mig));
     unsigned lineno = 0, gpus = 0;
     int rc = 0;
     while (rc == 0 && fgets(line, sizeof(line), f)) {
@@ -236,7 +239,11 @@ int sim_config_load(const char *path, struct sim_config *cfg, char *err, size_t 
         }
         int t;
         while ((t = next_token(&p, &key, &val)) == 1) {
-            int bad = is_gpu ? set_gpu_field(&cfg->gpu[gpus], key, val) : set_global_field(cfg, key, val);
+            int bad;
+            if (is_gpu && !strcmp(key, "mig"))
+                bad = val[0] == '\0' || snprintf(mig[gpus], sizeof(mig[gpus]), "%s", val) >= (int)sizeof(mig[gpus]);
+            else
+                bad = is_gpu ? set_gpu_field(&cfg->gpu[gpus], key, val) : set_global_field(cfg, key, val);
             if (bad) {
                 snprintf(err, errlen, "%s:%u: bad setting %s=%s", path, lineno, key, val);
                 rc = -1;
@@ -262,5 +269,12 @@ int sim_config_load(const char *path, struct sim_config *cfg, char *err, size_t 
         finish_gpu(&cfg->gpu[i], i);
     for (unsigned i = gpus; i < SIM_MAX_GPUS; i++)
         memset(&cfg->gpu[i], 0, sizeof(cfg->gpu[i]));
+    for (unsigned i = 0; i < gpus; i++) {
+        char why[200];
+        if (mig[i][0] && sim_mig_layout(cfg, i, mig[i], why, sizeof(why)) != 0) {
+            snprintf(err, errlen, "%s: mig=%s: %s", path, mig[i], why);
+            return -1;
+        }
+    }
     return 0;
 }

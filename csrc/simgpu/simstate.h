@@ -17,7 +17,7 @@
 #include <stdint.h>
 
 #define SIM_MAGIC 0x31305453554d4953ULL /* "SIMUST01" */
-#define SIM_VERSION 3
+#define SIM_VERSION 4
 #define SIM_MAX_GPUS 16
 #define SIM_MAX_PROCS 512
 #define SIM_RING 8192 /* execution records kept per GPU */
@@ -47,6 +47,20 @@ struct sim_gpu_config {
      * HOSTBRIDGE, on one CPU socket NODE, else SYSTEM. */
     uint32_t pcie_switch, host_bridge, cpu_socket;
     uint32_t nvswitch_links;      /* links into the machine's NVSwitch fabric (after the direct ones) */
+    /* MIG (simmig.h). A physical GPU: mig_mode 1 when enabled. A GPU
+     * instance (an entry after the physical GPUs): its parent's index + 1
+     * (0: a free entry), its profile (NVML index), instance ids (ci_id
+     * SIM_MIG_NO_CI until it has a compute instance) and first memory
+     * slice; mig_gen changes whenever the entry is taken or freed. NVML
+     * changes these at run time: mig_mode, mig_parent, ci_id and mig_gen
+     * are read and written atomically (simmig.h). */
+    uint32_t mig_mode;
+    uint32_t mig_parent;
+    uint32_t mig_profile;
+    uint32_t gi_id, ci_id;
+    uint32_t gi_start;
+    uint32_t mig_gen;
+    uint32_t mig_reserved;
     uint8_t nvlink_links[SIM_MAX_GPUS]; /* links to GPU i, for i in nvlink_peers (1 if unset) */
 };
 
@@ -54,6 +68,8 @@ struct sim_config {
     uint32_t gpu_count;
     uint32_t driver_version;      /* as cuDriverGetVersion: 13000 */
     char driver_version_str[32];  /* as nvmlSystemGetDriverVersion */
+    uint32_t mig_count;           /* GPU instance entries: gpu[gpu_count .. gpu_count + mig_count), some free */
+    uint32_t reserved;
     uint64_t queue_ns;            /* device time a stream may queue ahead */
     uint64_t default_kernel_ns;   /* cost of a kernel the simulation cannot time */
     uint64_t context_bytes;       /* driver memory of a process's first context on a GPU */
@@ -122,7 +138,7 @@ struct sim_state {
     /* Bumped on every fault change; a futex word that NVML event waits
      * sleep on (shared mapping, so not FUTEX_PRIVATE). */
     _Atomic uint32_t fault_epoch;
-    uint32_t reserved;
+    _Atomic uint32_t mig_created; /* GPU instances ever created at run time: their UUIDs differ */
 };
 
 /* Byte offset of the lock that keeps process slot i alive. The lock bytes lie
@@ -133,6 +149,9 @@ struct sim_state {
  * namespace (the kernel translates l_pid, 0 when not visible there), as a
  * real driver reports pids to each caller. Liveness stays on the OFD lock. */
 #define SIM_SLOT_PID_OFFSET(i) ((long)sizeof(struct sim_state) + SIM_MAX_PROCS + (long)(i))
+/* The byte whose OFD lock a process holds while it changes the MIG layout
+ * (simmig.c): the kernel drops it if that process dies. */
+#define SIM_MIG_LOCK_OFFSET ((long)sizeof(struct sim_state) + 2L * SIM_MAX_PROCS)
 
 /* The process's view of the simulation. */
 struct sim_handle {

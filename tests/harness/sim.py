@@ -1,11 +1,17 @@
 """A private simulated machine per test: its config file and environment,
-and the region tmpfs mounts cgpud leaves under a directory."""
+cgpud's inventory of it, and the region tmpfs mounts cgpud leaves under a
+directory."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+from cgpud.node.inventory import Gpu, Inventory, MigDevice
 
 
 def write_sim_config(
@@ -42,3 +48,22 @@ def region_mounts(under: Path) -> list[str]:
         if source == "cgpu-region" and Path(point).is_relative_to(under):
             points.append(point)
     return points
+
+
+def read_sim_inventory(env: dict[str, str]) -> Inventory:
+    """cgpud's inventory of the simulated machine `env` names, read by
+    `cgpud --inventory` in a process of its own (NVML is found through
+    LD_LIBRARY_PATH when that process starts)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "cgpud.daemon.main", "--inventory"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    gpus = []
+    for g in data["gpus"]:
+        migs = tuple(MigDevice(**m) for m in g.pop("mig_devices"))
+        g["compute_capability"] = tuple(g["compute_capability"])
+        g["nvlink_peers"] = tuple(g["nvlink_peers"])
+        g["pcie_levels"] = tuple(g["pcie_levels"])
+        gpus.append(Gpu(**g, mig_devices=migs))
+    return Inventory(data["driver_version"], data["cuda_driver_version"], tuple(gpus))

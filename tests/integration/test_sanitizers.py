@@ -86,6 +86,68 @@ print(json.dumps([len(got), lost]))
     assert run_clean([stat, "--xid", "0", "1000"], san_env).returncode == 2
 
 
+def test_mig_nvml_cuda_and_libcgpu_are_clean_under_sanitizers(san_native, tmp_path):
+    """A GPU in MIG mode: the sanitized NVML's MIG and instance queries, the
+    sanitized driver on a MIG device, and the sanitized libcgpu.so holding
+    that MIG device to 2 GiB."""
+    from cgpud.node.region import DeviceLimit, InstanceLimits, write_region
+    from tests.harness.sim import sim_env_in
+
+    env = sanitizers.san_env(
+        sim_env_in(tmp_path / "mig", Path(str(san_native)), mem="80GiB", placements=["mig=3g.40gb,1g.10gb"]),
+        san_native,
+    )
+    script = (
+        PYNVML
+        + """
+n.nvmlInit()
+h = n.nvmlDeviceGetHandleByIndex(0)
+out = []
+for i in range(n.nvmlDeviceGetMaxMigDeviceCount(h)):
+    out.append(err(lambda: n.nvmlDeviceGetMigDeviceHandleByIndex(h, i)))
+m = n.nvmlDeviceGetMigDeviceHandleByIndex(h, 1)
+a = n.nvmlDeviceGetAttributes(m)
+p = n.nvmlDeviceGetGpuInstanceProfileInfo(h, 0)
+n.nvmlShutdown()
+print(json.dumps([out, a.multiprocessorCount, p.id]))
+"""
+    )
+    proc = run_clean([sys.executable, "-c", script], sanitizers.python_env(env))
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == [["ok", "ok"] + ["NVMLError_NotFound"] * 5, 16, 19]
+    # The layout changed at run time: MIG mode on GPU 1, an instance made and taken down again.
+    admin = """
+import ctypes as C, json
+lib = C.CDLL("libnvidia-ml.so.1"); assert lib.nvmlInit_v2() == 0
+h = C.c_void_p(); lib.nvmlDeviceGetHandleByIndex_v2(1, C.byref(h))
+s = C.c_int(); gi = C.c_void_p(); ci = C.c_void_p(); m = C.c_void_p()
+rcs = [lib.nvmlDeviceSetMigMode(h, 1, C.byref(s)), lib.nvmlDeviceCreateGpuInstance(h, 0, C.byref(gi)),
+       lib.nvmlGpuInstanceCreateComputeInstance(gi, 4, C.byref(ci)),
+       lib.nvmlDeviceGetMigDeviceHandleByIndex(h, 0, C.byref(m)),
+       lib.nvmlComputeInstanceDestroy(ci), lib.nvmlGpuInstanceDestroy(gi), lib.nvmlDeviceSetMigMode(h, 0, C.byref(s))]
+print(json.dumps(rcs))
+"""
+    proc = run_clean([sys.executable, "-c", admin], sanitizers.python_env(env))
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == [0] * 7
+    uuid = "MIG-5c1a0000-0000-4000-8000-000000a1000b"  # the 1g.10gb at slice 4: GPU instance 11
+    burn = str(san_native / "bin" / "cgpu-burn")
+    plain = run_clean([burn, "--alloc-until-fail=1GiB"], dict(env, CUDA_VISIBLE_DEVICES=uuid))
+    assert plain.returncode == 0, plain.stderr
+    assert json.loads(plain.stdout)["alloc"]["until_fail_count"] == 9  # 9984 MiB
+    write_region(tmp_path / "region", InstanceLimits("san-mig", (DeviceLimit(uuid, 2 << 30, 0),)))
+    limited = dict(
+        env,
+        CUDA_VISIBLE_DEVICES=uuid,
+        LD_PRELOAD=f"{sanitizers.asan_runtime()}:{san_native / 'lib' / 'libcgpu.so'}",
+        CGPU_REGION_DIR=str(tmp_path / "region"),
+    )
+    proc = run_clean([burn, "--alloc-until-fail=256MiB"], limited)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["mem_total_reported"] == 2 << 30 and out["alloc"]["until_fail_count"] == 8
+
+
 # The relays (cgpu-runtime, cgpu-hook) run every case of tests/relay under
 # sanitizers too.
 

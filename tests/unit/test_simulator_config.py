@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
-from cgpud.cli.simulator import SimMachine
+from cgpud.cli.simulator import MIG_PROFILES, SimMachine
 from cgpud.errors import UsageError
 
 
@@ -26,6 +29,9 @@ def test_config_has_one_gpu_line_each_and_nvlink_peers():
         (SimMachine(name='a"b'), "--name must not contain quotes"),
         (SimMachine(gpus=4, topology="dgx1"), "--topology dgx1 has 8 GPUs: use --gpus 8"),
         (SimMachine(gpus=8, topology="hgx"), "unknown --topology 'hgx': use one of dgx1, hgx8, pcie4, nvlink2x2"),
+        (SimMachine(mig="1g.5gb"), "--mig: unknown MIG profile '1g.5gb'"),
+        (SimMachine(memory=16 << 30, mig="1g.10gb"), "--mig needs the H100 80GB shape"),
+        (SimMachine(gpus=4, mig="1g.10gb,1g.10gb,1g.10gb,1g.10gb"), "4 GPUs with 4 MIG devices each exceed 16"),
     ],
 )
 def test_impossible_machines_are_refused(machine, message):
@@ -41,3 +47,10 @@ def test_a_topology_places_each_gpu():
         "socket=1 nvlink=3*2",
         "socket=1 nvlink=2*2",
     ]
+
+
+def test_mig_boots_every_gpu_with_the_layout_and_names_the_simulators_profiles():
+    lines = [ln for ln in SimMachine(mig="3g.40gb,1g.10gb").config_text().splitlines() if ln.startswith("gpu ")]
+    assert len(lines) == 2 and all(ln.endswith(" mig=3g.40gb,1g.10gb") for ln in lines)
+    source = (Path(__file__).resolve().parents[2] / "csrc" / "simgpu" / "simmig.c").read_text()
+    assert tuple(re.findall(r'^    \{"([^"]+)", ', source, re.M)) == MIG_PROFILES
