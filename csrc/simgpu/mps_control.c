@@ -466,6 +466,8 @@ static int listen_control(struct daemon *d)
         fprintf(stderr, "cannot listen on %s: %s\n", d->sock, strerror(errno));
         return -1;
     }
+    /* Clients of every user connect: the daemon starts a server per user. */
+    (void)chmod(d->sock, 0777);
     return 0;
 }
 
