@@ -109,6 +109,7 @@ TARGETS: tuple[Target, ...] = (
             "intercept/memory.c",
             "intercept/nvml_view.c",
             "intercept/launch.c",
+            "intercept/mps_env.c",
             "region/region.c",
             "region/region_file.c",
         ),

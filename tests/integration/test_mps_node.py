@@ -128,6 +128,40 @@ def test_libcgpu_limits_hold_under_mps_whatever_the_tenant_sets(node: Daemon) ->
     assert json.loads(r.stdout)["alloc"]["until_fail_count"] <= 4  # 1 GiB at most
 
 
+def test_a_tenant_cannot_raise_its_thread_percentage_through_its_env(node: Daemon) -> None:
+    """The driver takes the client's env as given; libcgpu lowers it to the
+    instance's share before the program starts."""
+    tenant = node.start_cgpuctl(
+        "run",
+        "--mem",
+        "2GiB",
+        "--core",
+        "30",
+        "--",
+        "env",
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100",
+        BURN,
+        "--duration",
+        "3",
+        "--kernel-ns",
+        "200000",
+        "--streams",
+        "4",
+        stdout=subprocess.DEVNULL,
+    )
+    sampler = Sampler(node.env, 100)
+    try:
+        time.sleep(2.5)
+    finally:
+        sampler.stop()
+    assert tenant.wait(timeout=30) == 0
+    first = next(s for s in sampler.samples if s[0] >= sampler.samples[0][0] + 1_000_000_000)
+    last = sampler.samples[-1]
+    share = 100 * (last[1] - first[1]) / (last[0] - first[0])
+    print(f"a --core 30 tenant that sets CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100: {share:.1f} % of the GPU")
+    assert abs(share - 30) <= 4, share
+
+
 def test_a_dead_daemon_is_restarted_and_serves_again(node: Daemon) -> None:
     old = daemon_pid(node, 0)
     os.kill(old, signal.SIGKILL)
