@@ -304,6 +304,11 @@ class MpsControl:
             r = subprocess.run(
                 [self._control, "-d"], env=env, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S
             )
+        except FileNotFoundError as e:
+            raise MpsError(
+                f"mps mode needs NVIDIA's MPS: {self._control} is not on cgpud's PATH "
+                "(install the driver's compute utilities, or run the node in another mode)"
+            ) from e
         except (OSError, subprocess.TimeoutExpired) as e:
             raise MpsError(f"cannot start {self._control} for GPU {d.gpu.index} ({uuid}): {e}") from e
         if r.returncode != 0:

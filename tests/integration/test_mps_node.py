@@ -180,3 +180,13 @@ def test_a_restarted_cgpud_adopts_the_running_daemons(node: Daemon) -> None:
     assert "MPS control daemon adopted" in node.log.read_text()
     r = run(node, "--mem", "2GiB", "--", BURN, "--launches", "1")
     assert r.returncode == 0, r.stderr
+
+
+def test_an_mps_node_without_mps_installed_does_not_start_and_says_why(tmp_path: Path, sim_env: dict[str, str]) -> None:
+    from tests.harness.daemon import BIN, make_daemon
+
+    env = dict(sim_env, PATH=":".join(p for p in sim_env["PATH"].split(":") if not p.endswith("/sim")))
+    d = make_daemon(tmp_path, env, "--mode", "mps")
+    r = subprocess.run([str(BIN / "cgpud"), *d.args], env=d.env, capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "nvidia-cuda-mps-control is not on cgpud's PATH" in r.stderr, r.stderr
+    assert modes(sim_env) == [0, 0]  # nothing left exclusive
