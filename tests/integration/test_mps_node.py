@@ -190,3 +190,36 @@ def test_an_mps_node_without_mps_installed_does_not_start_and_says_why(tmp_path:
     r = subprocess.run([str(BIN / "cgpud"), *d.args], env=d.env, capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "nvidia-cuda-mps-control is not on cgpud's PATH" in r.stderr, r.stderr
     assert modes(sim_env) == [0, 0]  # nothing left exclusive
+
+
+def test_tenants_keep_their_mps_server_across_cgpud_restarts_and_stops(tmp_path: Path, sim_env: dict[str, str]) -> None:
+    """kill -9 of cgpud, then a clean stop, each while a tenant computes:
+    the tenant's server lives on (the daemon is adopted, then kept for its
+    client with its GPU exclusive); once the tenant is gone the next stop
+    quits the daemon and gives the mode back."""
+    from tests.harness.daemon import make_daemon
+
+    d = make_daemon(tmp_path, sim_env, "--mode", "mps")
+    d.start()
+    out = tmp_path / "burn.json"
+    burn = f"{BURN} --duration 4 --kernel-ns 200000 > {out}"
+    tenant = d.start_cgpuctl("run", "--mem", "2GiB", "--core", "50", "--", "sh", "-c", burn, stderr=subprocess.PIPE)
+    try:
+        until(lambda: len(mps_list(d.env)) == 1, timeout=10, what="the tenant listed as an MPS client")
+        daemon0 = daemon_pid(d, 0)
+        d.kill()
+        d.start()
+        assert daemon_pid(d, 0) == daemon0
+        d.stop()
+        assert "MPS control daemon kept for its clients" in d.log.read_text()
+        assert Path(f"/proc/{daemon0}").exists() and modes(d.env)[0] == 3
+        assert mps_list(d.env) and tenant.poll() is None  # still computing
+    finally:
+        tenant.wait(timeout=30)  # cgpuctl itself fails at the end: its cgpud is stopped
+    burned = json.loads(out.read_text())
+    assert burned["errors"] == [] and burned["launches"] > 0  # its work done, through the restarts
+    d.start()
+    assert daemon_pid(d, 0) == daemon0  # adopted again
+    d.stop()
+    until(lambda: not Path(f"/proc/{daemon0}").exists(), timeout=10, what="the idle daemon quit")
+    assert modes(d.env) == [0, 0]
