@@ -425,13 +425,16 @@ static uint64_t mps_exec_reserve(struct sim_handle *h, int gpu, uint64_t not_bef
         sim_sleep_until(not_before - queue);
         now = sim_now_ns();
     }
+    /* Who else is busy is judged now, not at the kernel's start: a
+     * saturating client keeps work queued past now, but at a start time
+     * further ahead its queue may not reach yet, and both would then count
+     * themselves alone (two at 100 % got 56 % each). */
+    uint32_t pct = sim_mps_share(h->st, h->slot, gpu, now);
     uint64_t old = atomic_load(&me->mps_lane[gpu]), start, end;
-    uint32_t pct;
     do {
         start = old > now ? old : now;
         if (not_before > start)
             start = not_before;
-        pct = sim_mps_share(h->st, h->slot, gpu, start);
         end = start + dur_ns * 100 / pct;
     } while (!atomic_compare_exchange_weak(&me->mps_lane[gpu], &old, end));
     record_exec(h, gpu, start, end, pct);

@@ -214,9 +214,9 @@ int sim_use_gpu(struct sim_handle *h, int gpu, uint64_t ctx_bytes);
  * server and that server's live clients. */
 bool sim_mps_client_live(const struct sim_state *st, int i);
 bool sim_excludes(const struct sim_state *st, int self, int i, int gpu);
-/* An MPS client's part of the SMs of `gpu` now, in percent: its active
- * thread percentage, scaled down when its server's busy clients together
- * ask for more than the GPU has. */
+/* An MPS client's part of the SMs of `gpu` at `now`, in percent: its
+ * active thread percentage, scaled down when its server's clients with work
+ * queued past `now` together ask for more than the GPU has. */
 uint32_t sim_mps_share(const struct sim_state *st, int slot, int gpu, uint64_t now);
 
 /* The pid namespace of the calling process (inode), 0 if /proc cannot say. */

@@ -100,7 +100,7 @@ def test_oversubscribed_clients_share_the_sms_by_their_percentages(mps: dict[str
     clients = [Client({}), Client({})]
     shares, total = measured_shares(mps, clients, seconds=1.5)
     assert all(abs(s - 50) <= 5 for s in shares), shares
-    assert total >= 95, total
+    assert 95 <= total <= 100.5 and sum(shares) <= 100.5, (total, shares)  # never more than the GPU
 
 
 def test_a_client_cannot_raise_its_percentage_above_the_daemons(sim_env: dict[str, str], tmp_path: Path) -> None:
