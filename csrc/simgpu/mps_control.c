@@ -178,6 +178,16 @@ static void stop_server(struct daemon *d)
 static void server_gone(struct daemon *d)
 {
     logmsg(d, "Server %d exited", (int)d->server_pid);
+    if (!d->server_ready) {
+        /* It died starting: its waiting clients fail now, rather than the
+         * daemon starting one server after another until they give up. */
+        for (int i = 0; i < MAX_CONNS; i++) {
+            if (d->conns[i].kind == C_PENDING && d->conns[i].uid == d->server_uid) {
+                say(d->conns[i].fd, "ERR %d\n", (int)CUDA_ERROR_MPS_SERVER_NOT_READY);
+                drop(d, i);
+            }
+        }
+    }
     d->server_pid = 0;
     d->server_ready = false;
     d->server_quitting = false;

@@ -161,3 +161,24 @@ def test_a_client_sees_only_its_servers_gpu(mps: dict[str, str]) -> None:
     assert rc != 0 and "CUDA_ERROR_INVALID_DEVICE" in err
     rc, _, err = burn(mps, "--device", "0", "--launches", "1")
     assert rc == 0, err
+
+
+def test_a_server_that_cannot_get_its_gpu_fails_its_clients_at_once(mps: dict[str, str]) -> None:
+    """EXCLUSIVE_PROCESS with a process that is not a client on the GPU:
+    the server cannot make its context, and the client's cuInit says why
+    (no server started again and again until the client gives up)."""
+    nvml(mps, "n.nvmlDeviceSetComputeMode(h, n.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS); out = 0")
+    alone = {**mps, "CUDA_MPS_PIPE_DIRECTORY": str(Path(mps["CUDA_MPS_PIPE_DIRECTORY"]).parent / "none")}
+    holder = start_clients(alone, [Client({})], 4.0)[0]
+    try:
+        time.sleep(0.5)
+        started = time.monotonic()
+        rc, _, err = burn(mps, "--launches", "1")
+        assert rc != 0 and "CUDA_ERROR_DEVICE_UNAVAILABLE" in err, err
+        assert time.monotonic() - started < 5
+        log = (Path(mps["CUDA_MPS_LOG_DIRECTORY"]) / "control.log").read_text()
+        assert log.count("Starting new server") == 1, log
+    finally:
+        holder.communicate(timeout=30)
+        nvml(mps, "n.nvmlDeviceSetComputeMode(h, n.NVML_COMPUTEMODE_DEFAULT); out = 0")
+    assert holder.returncode == 0
