@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from cgpud.native import native_path
+from tests.harness.bypass_watch import bypass_events
 from tests.harness.daemon import Daemon, running_daemon
 from tests.harness.sharerun import Sampler
 from tests.harness.wait import until
@@ -109,6 +110,9 @@ def test_two_tenants_30_70_get_their_shares_through_mps(node: Daemon) -> None:
     print(f"cgpud mps node, 30/70: {[round(s, 1) for s in shares]} % of GPU 0's work")
     assert len(shares) == 2, shares  # both on one GPU (binpack)
     assert abs(shares[0] - 30) <= 4 and abs(shares[1] - 70) <= 4, shares
+    # The bypass watchdog (a round a second) took neither the server nor
+    # the clients for processes going around libcgpu.
+    assert bypass_events(node) == []
 
 
 def test_libcgpu_limits_hold_under_mps_whatever_the_tenant_sets(node: Daemon) -> None:
