@@ -559,6 +559,7 @@ def test_an_mps_nodes_allocate_over_grpc_gives_the_gpus_pipe_and_the_mps_variabl
                 PluginSettings(plugins), allocator, mode=NodeMode.MPS, placement=Placement.BINPACK, gpus=GPUS
             ).start()
             try:
+                kubelet.take_registrations(len(Resource))  # every plugin serving: its socket is there
                 server.state.add_pod(
                     pod_json("infer", NODE, containers={"main": {MEM: 4, CORE: 30}}, annotations=assumed(7, "1"))
                 )
