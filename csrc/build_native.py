@@ -83,6 +83,8 @@ TARGETS: tuple[Target, ...] = (
             "simgpu/library.c",
             "simgpu/capture.c",
             "simgpu/driver_stubs.c",
+            "simgpu/mps_client.c",
+            "simgpu/mps_wire.c",
             *SIM_STATE,
         ),
         exports=("include/cgpu/cuda_functions.def", "CU_FN"),
@@ -107,6 +109,7 @@ TARGETS: tuple[Target, ...] = (
             "intercept/memory.c",
             "intercept/nvml_view.c",
             "intercept/launch.c",
+            "intercept/mps_env.c",
             "region/region.c",
             "region/region_file.c",
         ),
@@ -116,6 +119,20 @@ TARGETS: tuple[Target, ...] = (
         libs=("-Wl,--no-as-needed", "-l:libdl.so.2", "-l:libpthread.so.0", "-Wl,--as-needed"),
         includes=("include", "intercept"),
         cflags=("-include", "csrc/intercept/glibc_baseline.h"),
+    ),
+    # The simulated GPUs' MPS, installed beside their driver as NVIDIA's
+    # driver installs its own (the control daemon finds the server beside it).
+    Target(
+        "sim/nvidia-cuda-mps-control",
+        ("simgpu/mps_control.c", "simgpu/mps_wire.c", *SIM_STATE),
+        libs=("-lpthread",),
+        includes=("include", "simgpu"),
+    ),
+    Target(
+        "sim/nvidia-cuda-mps-server",
+        ("simgpu/mps_server.c", "simgpu/mps_wire.c", *SIM_STATE),
+        libs=("-lpthread",),
+        includes=("include", "simgpu"),
     ),
     Target("bin/cgpu-sim-stat", ("simgpu/simstat.c", *SIM_STATE), includes=("include", "simgpu")),
     Target("bin/cgpu-burn", ("tools/cgpu_burn.c",), libs=("-ldl",)),

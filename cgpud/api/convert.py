@@ -77,10 +77,13 @@ def grant_from_pb(msg: pb.Grant) -> model.Grant:
     )
 
 
-def instance_to_pb(instance: model.Instance, region_dir: Path | None = None, violations: int = 0) -> pb.Instance:
-    """`region_dir` and `violations` are not part of the model (the service
-    computes the one, the bypass watchdog counts the other), hence separate
-    arguments; region_dir is None for a released instance whose region is gone."""
+def instance_to_pb(
+    instance: model.Instance, region_dir: Path | None = None, violations: int = 0, mps_pipe_dir: Path | None = None
+) -> pb.Instance:
+    """`region_dir`, `mps_pipe_dir` and `violations` are not part of the
+    model (the service computes the first two, the bypass watchdog counts
+    the other), hence separate arguments; region_dir is None for a released
+    instance whose region is gone."""
     scalars = _same(instance, *_INSTANCE_SCALARS) | {"state": instance.state.value}
     return pb.Instance(
         owner=owner_to_pb(instance.owner),
@@ -88,6 +91,7 @@ def instance_to_pb(instance: model.Instance, region_dir: Path | None = None, vio
         pids=list(instance.pids),
         region_dir=str(region_dir) if region_dir is not None else "",
         violations=violations,
+        mps_pipe_dir=str(mps_pipe_dir) if mps_pipe_dir is not None else "",
         **scalars,
     )
 
@@ -104,6 +108,10 @@ def instance_from_pb(msg: pb.Instance) -> model.Instance:
 
 def region_dir_from_pb(msg: pb.Instance) -> Path | None:
     return Path(msg.region_dir) if msg.region_dir else None
+
+
+def mps_pipe_dir_from_pb(msg: pb.Instance) -> Path | None:
+    return Path(msg.mps_pipe_dir) if msg.mps_pipe_dir else None
 
 
 # ---- requests --------------------------------------------------------------------

@@ -31,6 +31,7 @@ from cgpud.api.cgpu.v1 import local_pb2_grpc as pb_grpc
 from cgpud.api.status import abort_rpc
 from cgpud.node import model
 from cgpud.node.bypass_model import BypassEvents
+from cgpud.node.mps import mps_pipe
 from cgpud.errors import CgpuError, StateError, UsageError
 from cgpud.sockets import prepare_socket_directory, remove_stale_socket
 
@@ -60,6 +61,8 @@ class LocalService(Protocol):
     def get(self, instance_id: str) -> model.Instance: ...
 
     def region_dir(self, instance_id: str) -> Path: ...
+
+    def mps_pipes(self) -> dict[int, Path]: ...
 
     def policy(self) -> model.NodePolicy: ...
 
@@ -119,7 +122,8 @@ class LocalServicer(pb_grpc.LocalServicer):
         # A released instance's region files are removed with it: no path.
         region = self._service.region_dir(instance.id) if instance.active else None
         violations = self._events.count(instance.id) if self._events is not None else 0
-        return convert.instance_to_pb(instance, region, violations)
+        pipe = mps_pipe(instance, self._service.mps_pipes()) if instance.active else None
+        return convert.instance_to_pb(instance, region, violations, pipe)
 
     @_rpc
     def CreateInstance(self, request: pb.CreateInstanceRequest) -> pb.Instance:

@@ -121,6 +121,10 @@ class LocalClient(AbstractContextManager["LocalClient"]):
         """Host directory of the instance's region files; None once released."""
         return convert.region_dir_from_pb(self._inspect(instance_id))
 
+    def mps_pipe_dir(self, instance_id: str) -> Path | None:
+        """Host MPS pipe directory of the instance's GPU on an mps node; None elsewhere."""
+        return convert.mps_pipe_dir_from_pb(self._inspect(instance_id))
+
     def policy(self) -> model.NodePolicy:
         return convert.policy_from_pb(self._call(self._stub.GetPolicy, pb.GetPolicyRequest()))
 

@@ -323,7 +323,7 @@ def _add_request_options(p: argparse.ArgumentParser) -> None:
     """What an instance asks for, as run and create take it."""
     p.add_argument("--mem", required=True, help="memory per GPU: 4 (GiB, like aliyun.com/gpu-mem), 4GiB, 512MiB")
     p.add_argument("--gpus", type=int, default=1, help="number of GPUs (default 1)")
-    p.add_argument("--core", type=int, default=0, help="compute share in percent (core_mem nodes)")
+    p.add_argument("--core", type=int, default=0, help="compute share in percent (core_mem and mps nodes)")
     p.add_argument("--weight", type=int, default=1, help="scheduling weight under the weighted policy (default 1)")
     p.add_argument("--high-priority", action="store_true", help="schedule ahead of normal instances")
 

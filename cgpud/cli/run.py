@@ -18,14 +18,16 @@ from cgpud.node.model import Instance, Owner, OwnerKind, Request
 from cgpud.errors import CgpuError, UsageError
 from cgpud.containers.edits import application_env
 from cgpud.native import native_path
+from cgpud.node.mps import PIPE_ENV, client_env
 
 
 def instance_environment(
-    instance: Instance, region: Path, gpu_memory: dict[int, int], base: dict[str, str]
+    instance: Instance, region: Path, gpu_memory: dict[int, int], base: dict[str, str], mps_pipe: Path | None = None
 ) -> dict[str, str]:
     """What the process sees: the library and its region, only its GPUs, and
     the ALIYUN_COM_GPU_MEM_* variables cGPU applications read (outputs for
-    them, never inputs to enforcement)."""
+    them, never inputs to enforcement); on an mps node the MPS variables,
+    with the GPU's pipe directory where the host has it."""
     env = dict(base)
     if instance.enforced:
         lib = str(native_path("lib/libcgpu.so"))
@@ -34,6 +36,10 @@ def instance_environment(
     env.update(application_env(instance, gpu_memory))
     # No container runtime narrows a host process's view: the driver must.
     env["CUDA_VISIBLE_DEVICES"] = env["NVIDIA_VISIBLE_DEVICES"]
+    if mps_pipe is not None:
+        grant = instance.grants[0]
+        env.update(client_env(grant.core_percent, grant.memory))
+        env[PIPE_ENV] = str(mps_pipe)
     return env
 
 
@@ -61,7 +67,8 @@ def run(
             if region is None:  # released already: there is no region to run under
                 raise CgpuError(f"instance {instance.id} was released before {command[0]} could start")
             gpu_memory = {g.gpu.index: g.gpu.memory for g in client.node_info().gpus}
-            env = instance_environment(instance, region, gpu_memory, dict(os.environ))
+            mps_pipe = client.mps_pipe_dir(instance.id)
+            env = instance_environment(instance, region, gpu_memory, dict(os.environ), mps_pipe)
             try:
                 child = subprocess.Popen(list(command), env=env)
             except OSError as e:

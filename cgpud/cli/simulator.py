@@ -115,7 +115,9 @@ def env_exports(files: SimFiles) -> str:
                 f'export LD_LIBRARY_PATH="{lib}${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}"',
                 f'export CGPU_SIM_CONFIG="{files.config}"',
                 f'export CGPU_SIM_STATE="{files.state}"',
-                f'export PATH="{tools}:$PATH"',
+                # The simulated driver's own programs (nvidia-cuda-mps-control) too,
+                # where NVIDIA's driver installs its own.
+                f'export PATH="{tools}:{lib}:$PATH"',
             ]
         )
         + "\n"

@@ -88,6 +88,7 @@ def device_instance_edits(
             gpu_memory,
             files,
             device_nodes=instance_device_nodes(service.gpus(), [g.gpu_index for g in i.grants], dev_root),
+            mps_pipes=service.mps_pipes(),
         )
         for i in devices
     ]

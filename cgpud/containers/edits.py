@@ -22,6 +22,7 @@ from cgpud.node.model import GIB, Instance
 from cgpud.errors import UsageError
 from cgpud.containers.request import CONTAINER_REGION, ENV_CORE, ENV_MEMORY, ENV_MEMORY_DEV, ENV_MEMORY_INDEX
 from cgpud.containers.request import ENV_MEMORY_POD
+from cgpud.node.mps import CONTAINER_PIPE, client_env, mps_pipe
 from cgpud.node.region import USAGE_FILE
 
 CONTAINER_LIBRARY = "/usr/local/cgpu/libcgpu.so"
@@ -117,14 +118,17 @@ def instance_edits(
     *,
     hooks: bool = True,
     device_nodes: tuple[DeviceNode, ...] = (),
+    mps_pipes: Mapping[int, Path] | None = None,
 ) -> ContainerEdits:
     """Env and the bind hook for every instance; the library, its preload
     entry and the region only where the node enforces limits (not in share
     mode). hooks=False: the runtime shim binds after `create` itself, so runc
     runs no hook of ours. No poststop hook: cgpud learns of the init's exit
     itself (node/exits.py); apply_edits still drops one an older version
-    wrote."""
+    wrote. `mps_pipes` (GPU index -> pipe directory, on an mps node): the
+    GPU's MPS pipe directory, read-only, and the MPS variables for it."""
     mounts: tuple[Mount, ...] = ()
+    env = application_env(instance, gpu_memory)
     if instance.enforced:
         mounts = (
             Mount(str(region), CONTAINER_REGION, read_only=True),
@@ -132,6 +136,11 @@ def instance_edits(
             Mount(str(files.library), CONTAINER_LIBRARY, read_only=True, exec_ok=True),
             Mount(str(files.preload), PRELOAD, read_only=True),
         )
+        pipe = mps_pipe(instance, mps_pipes or {})
+        if pipe is not None:
+            grant = instance.grants[0]
+            mounts += (Mount(str(pipe), CONTAINER_PIPE, read_only=True),)
+            env.update(client_env(grant.core_percent, grant.memory))
     entries = (
         tuple(
             Hook(
@@ -144,9 +153,7 @@ def instance_edits(
         if hooks
         else ()
     )
-    return ContainerEdits(
-        tuple(application_env(instance, gpu_memory).items()), mounts, entries, instance.id, device_nodes
-    )
+    return ContainerEdits(tuple(env.items()), mounts, entries, instance.id, device_nodes)
 
 
 def _ours(mount: Any, destinations: set[str]) -> bool:

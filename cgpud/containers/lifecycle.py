@@ -90,7 +90,12 @@ class ContainerLifecycle:
                 self._service.use_runtime([instance.id], self._files.version)
             gpu_memory = {g.index: g.memory for g in self._service.gpus()}
             edits = instance_edits(
-                instance, self._service.region_dir(instance.id), gpu_memory, self._files, hooks=hooks
+                instance,
+                self._service.region_dir(instance.id),
+                gpu_memory,
+                self._files,
+                hooks=hooks,
+                mps_pipes=self._service.mps_pipes(),
             )
             targets = [m.destination for m in edits.mounts]
             rootfs = rootfs_path(bundle, spec)

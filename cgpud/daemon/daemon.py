@@ -39,7 +39,8 @@ from cgpud.node.compute import ComputeScheduler
 from cgpud.node.compute_policy import limits_compute
 from cgpud.node.exits import ExitWatch
 from cgpud.node.inventory import Inventory, capacities, read_inventory
-from cgpud.node.model import GpuCapacity, Orchestrator
+from cgpud.node.model import GpuCapacity, NodeMode, Orchestrator
+from cgpud.node.mps import MpsControl, MpsGpu
 from cgpud.node.procmap import ProcessMapper
 from cgpud.node.service import InstanceService
 from cgpud.node.store import Store
@@ -123,6 +124,12 @@ class Daemon:
             policy = initial_policy(api, node_name(config.node_name), policy)  # the Node's labels win over the file
         start_compute = (lambda: ComputeScheduler(len(gpus), config.timing()).start()) if gpus else None
         compute = start_compute() if start_compute and limits_compute(policy.mode) else None
+        mps = None
+        if policy.mode is NodeMode.MPS and gpus:  # before any instance: the GPUs exclusive to MPS first
+            mps = MpsControl(config.socket.parent / "mps", [MpsGpu(g.index, g.uuid) for g in gpus])
+            mps.start()
+            stack.callback(mps.stop)
+            stack.callback(mps.watch(stop).join, 5)
         exits = ExitWatch()
         service = InstanceService(
             store,
@@ -137,6 +144,7 @@ class Daemon:
             reservation_ttl=config.reservation_ttl,
             exits=exits,
             links=inventory.links(),
+            mps_pipes=mps.pipes() if mps is not None else None,
         )
         stack.callback(service.stop_compute)
         stack.callback(exits.start(service.init_exited, stop).join, 2)

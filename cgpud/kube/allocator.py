@@ -216,7 +216,9 @@ class PodAllocator:
     def _answer(self, instance: Instance, pods: list[PodInfo]) -> ContainerAllocation:
         gpu_memory = {g.index: g.memory for g in self.service.gpus()}
         self.service.use_runtime([instance.id], self.files.version)  # before the edits leave (runtime_files.py)
-        edits = instance_edits(instance, self.service.region_dir(instance.id), gpu_memory, self.files)
+        edits = instance_edits(
+            instance, self.service.region_dir(instance.id), gpu_memory, self.files, mps_pipes=self.service.mps_pipes()
+        )
         envs = dict(edits.env)
         owner = PodContainer.parse(instance.owner.id)
         pod = next((p for p in pods if owner is not None and p.uid == owner.uid), None)
@@ -242,6 +244,7 @@ class PodAllocator:
             device_nodes=cdi.instance_device_nodes(
                 self.service.gpus(), [g.gpu_index for g in instance.grants], self.dev_root
             ),
+            mps_pipes=self.service.mps_pipes(),
         )
         text = json.dumps(cdi.cdi_spec([edits]), indent=2) + "\n"
         cdi.write_spec(text, spec_path(self.cdi_dir, instance.id))

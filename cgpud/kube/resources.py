@@ -54,7 +54,7 @@ _SHARED = (Resource.GPU_MEM, Resource.GPU_COUNT)
 _BY_MODE: dict[str, tuple[Resource, ...]] = {
     NodeMode.CGPU.value: _SHARED,
     NodeMode.SHARE.value: _SHARED,
-    NodeMode.MPS.value: _SHARED,
+    NodeMode.MPS.value: (*_SHARED, Resource.GPU_CORE),  # the share is MPS's active thread percentage
     NodeMode.CORE_MEM.value: (*_SHARED, Resource.GPU_CORE),
     "topology": (Resource.GPU_TOPOLOGY,),
     NodeMode.DEFAULT.value: (Resource.NVIDIA_GPU,),

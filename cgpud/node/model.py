@@ -25,6 +25,9 @@ class NodeMode(str, Enum):
 
 # Modes that give each request whole GPUs, never a share of one.
 WHOLE_GPU_MODES = (NodeMode.DEFAULT, NodeMode.TOPOLOGY)
+# Modes that give instances a compute share: core_mem by cgpu's time-slice
+# scheduler, mps by MPS's active thread percentage.
+COMPUTE_SHARE_MODES = (NodeMode.CORE_MEM, NodeMode.MPS)
 # Modes whose limits hold: a GPU reached without an instance goes around them.
 ISOLATING_MODES = (NodeMode.CGPU, NodeMode.CORE_MEM, NodeMode.MPS)
 

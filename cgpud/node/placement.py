@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from cgpud.node import topology
 from cgpud.node.topology import Links
 from cgpud.node.model import GpuCapacity, GpuUsage, Grant, Instance, NodeMode, NodePolicy, Placement, Request
-from cgpud.node.model import Reservation, Share, WHOLE_GPU_MODES
+from cgpud.node.model import COMPUTE_SHARE_MODES, Reservation, Share, WHOLE_GPU_MODES
 from cgpud.errors import AdmissionError, StateError, UsageError
 from cgpud.units import format_memory
 
@@ -260,6 +260,11 @@ def _check_request(request: Request, gpus: Sequence[GpuCapacity], mode: NodeMode
             f"asked for {_gpus(n)} but this node has {len(usable)}: ask for {len(usable)} or fewer "
             "(aliyun.com/gpu-count)"
         )
+    if mode is NodeMode.MPS and n > 1:
+        raise UsageError(
+            f"asked for {_gpus(n)} on an mps node, which runs one MPS control daemon per GPU and a process "
+            "reaches one: ask for 1 GPU per container (aliyun.com/gpu-count) or run on a cgpu node"
+        )
     if request.gpu_indexes:
         _check_named(request, gpus)
     if request.memory < 0:
@@ -277,10 +282,10 @@ def _check_request(request: Request, gpus: Sequence[GpuCapacity], mode: NodeMode
                 f"node mode {mode.value} gives whole GPUs and does not divide compute; "
                 "ask without a core percentage or run on a core_mem node"
             )
-        if mode != NodeMode.CORE_MEM:
+        if mode not in COMPUTE_SHARE_MODES:
             raise UsageError(
                 f"node mode {mode.value} does not enforce compute shares; "
-                "ask without a core percentage or run on a core_mem node"
+                "ask without a core percentage or run on a core_mem or mps node"
             )
         step = policy.core_step
         if not step <= request.core_percent <= 100 or request.core_percent % step:
@@ -580,10 +585,10 @@ def check_reservation(
     for share in shares:
         if share.core_percent == 0:
             continue
-        if mode != NodeMode.CORE_MEM:
+        if mode not in COMPUTE_SHARE_MODES:
             raise UsageError(
                 f"node mode {mode.value} does not enforce compute shares; "
-                "reserve without a core percentage or use a core_mem node"
+                "reserve without a core percentage or use a core_mem or mps node"
             )
         if not step <= share.core_percent <= 100 or share.core_percent % step:
             raise UsageError(
@@ -646,13 +651,13 @@ _ENFORCEMENT = {
     NodeMode.TOPOLOGY: "whole GPUs",
     NodeMode.SHARE: "memory bookkeeping only",
     NodeMode.CGPU: "memory isolation",
-    NodeMode.MPS: "memory isolation",
+    NodeMode.MPS: "memory isolation, compute through MPS",
     NodeMode.CORE_MEM: "memory and compute isolation",
 }
 
 
 def policy_change_problem(
-    current: NodePolicy, mode: NodeMode, active: Sequence[Instance], compute_running: bool
+    current: NodePolicy, mode: NodeMode, active: Sequence[Instance], compute_running: bool, mps_running: bool = False
 ) -> str | None:
     """Why the node may not switch to `mode` now, None when it may. A
     placement change is always allowed: it only orders GPUs for the next
@@ -675,6 +680,12 @@ def policy_change_problem(
         started = "runs" if compute_running else "does not run"
         return (
             f"the compute scheduler {started} in this cgpud (it is started with core_mem mode only): restart cgpud "
+            f"to switch to {mode.value}; it reads the node's labels at start"
+        )
+    if (mode is NodeMode.MPS) != mps_running:
+        started = "run" if mps_running else "do not run"
+        return (
+            f"the MPS control daemons {started} in this cgpud (they are started with mps mode only): restart cgpud "
             f"to switch to {mode.value}; it reads the node's labels at start"
         )
     return None

@@ -90,8 +90,12 @@ class InstanceService:
         reservation_ttl: float = DEFAULT_RESERVATION_TTL,
         exits: ExitWatch | None = None,
         links: Links | None = None,
+        mps_pipes: Mapping[int, Path] | None = None,
     ) -> None:
         self._store = store
+        # GPU index -> its MPS pipe directory, while cgpud runs the MPS
+        # control daemons (mps mode at start; node/mps.py); None: it does not.
+        self._mps_pipes = dict(mps_pipes) if mps_pipes is not None else None
         self._links = links  # how the GPUs are joined (inventory): multi-GPU and topology choices
         # GPUs the kubelet gave pods whole (set_whole_held): no instance of
         # ours, but taken. GPU index -> "namespace/pod/container".
@@ -145,6 +149,13 @@ class InstanceService:
 
     def gpus(self) -> tuple[GpuCapacity, ...]:
         return self._gpus
+
+    def mps_pipes(self) -> dict[int, Path]:
+        """GPU index -> its MPS pipe directory, for the containers' edits:
+        empty unless the node is in mps mode and cgpud runs the daemons."""
+        if self._mps_pipes is None or self._policy.mode is not NodeMode.MPS:
+            return {}
+        return dict(self._mps_pipes)
 
     def node_info(self) -> NodeInfo:
         return NodeInfo(
@@ -561,7 +572,11 @@ class InstanceService:
                 and not any(i.active for i in active)
             )
             problem = placement.policy_change_problem(
-                self._policy, mode, active, wants_compute if switch else self._compute is not None
+                self._policy,
+                mode,
+                active,
+                wants_compute if switch else self._compute is not None,
+                mps_running=self._mps_pipes is not None,
             )
             if problem is not None:
                 raise StateError(problem)

@@ -175,7 +175,7 @@ int cgpu_claim_ledger_locked(void)
     return g_cgpu.ledger >= 0 ? 0 : -1;
 }
 
-static const char *region_dir(void)
+const char *cgpu_region_dir(void)
 {
     /* Inside a container the mounted region is authoritative: the
      * environment cannot point the library anywhere else. */
@@ -189,7 +189,7 @@ static void init_locked(void)
 {
     g_cgpu.log_level = env_log_level();
     gates_point_at(&ungated_word);
-    const char *dir = region_dir();
+    const char *dir = cgpu_region_dir();
     if (!dir) {
         atomic_store(&g_cgpu.state, CGPU_PASSTHROUGH);
         return;

@@ -68,6 +68,10 @@ extern struct cgpu_process g_cgpu;
 
 /* Reads the region once; later calls return at once. */
 void cgpu_init_slow(void);
+
+/* The instance region's directory: the mounted one inside a container,
+ * else CGPU_REGION_DIR; NULL for none. */
+const char *cgpu_region_dir(void);
 /* Claims this process's ledger; the caller holds g_cgpu.ledger_lock. */
 int cgpu_claim_ledger_locked(void);
 static inline int cgpu_state(void)

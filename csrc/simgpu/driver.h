@@ -170,6 +170,16 @@ static inline const struct sim_config *sim_cfg(void)
     return &sim_drv.shared.st->config;
 }
 
+/* mps_client.c: at cuInit, become the client of the MPS server the control
+ * daemon in CUDA_MPS_PIPE_DIRECTORY names (CUDA_SUCCESS and nothing done
+ * when no daemon listens there); forget the connection in a forked child;
+ * whether this process is a client; CUDA_ERROR_MPS_CLIENT_TERMINATED once
+ * its server is gone. */
+CUresult sim_mps_attach(void);
+void sim_mps_forget(void);
+bool sim_mps_client(void);
+CUresult sim_mps_check(void);
+
 /* CUDA_SUCCESS once cuInit succeeded, else CUDA_ERROR_NOT_INITIALIZED. */
 CUresult sim_check_init(void);
 /* Checks a CUDA ordinal and gives the simulated GPU behind it

@@ -26,6 +26,7 @@ static void after_fork_child(void)
     }
     memset(sim_drv.primary_refs, 0, sizeof(sim_drv.primary_refs));
     sim_forget_allocations();
+    sim_mps_forget();
 }
 
 static void read_visible_devices(void);
@@ -68,9 +69,14 @@ SIM_EXPORT CUresult cuInit(unsigned int Flags)
                 sim_drv.next_va[d] = SIM_VA_BASE(d);
             }
             read_visible_devices();
-            atomic_store(&sim_drv.initialized, 1);
-            if (sim_drv.visible_count == 0)
-                rc = CUDA_ERROR_NO_DEVICE;
+            rc = sim_mps_attach();
+            if (rc != CUDA_SUCCESS) {
+                sim_detach(&sim_drv.shared);
+            } else {
+                atomic_store(&sim_drv.initialized, 1);
+                if (sim_drv.visible_count == 0)
+                    rc = CUDA_ERROR_NO_DEVICE;
+            }
         }
     }
     pthread_mutex_unlock(&sim_drv.lock);
@@ -269,6 +275,7 @@ static const struct {
     {CUDA_ERROR_OUT_OF_MEMORY, "CUDA_ERROR_OUT_OF_MEMORY", "out of memory"},
     {CUDA_ERROR_NOT_INITIALIZED, "CUDA_ERROR_NOT_INITIALIZED", "initialization error"},
     {CUDA_ERROR_DEINITIALIZED, "CUDA_ERROR_DEINITIALIZED", "driver shutting down"},
+    {CUDA_ERROR_DEVICE_UNAVAILABLE, "CUDA_ERROR_DEVICE_UNAVAILABLE", "CUDA-capable device(s) is/are busy or unavailable"},
     {CUDA_ERROR_NO_DEVICE, "CUDA_ERROR_NO_DEVICE", "no CUDA-capable device is detected"},
     {CUDA_ERROR_INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal"},
     {CUDA_ERROR_INVALID_IMAGE, "CUDA_ERROR_INVALID_IMAGE", "device kernel image is invalid"},
@@ -297,6 +304,9 @@ static const struct {
     {CUDA_ERROR_NOT_PERMITTED, "CUDA_ERROR_NOT_PERMITTED", "operation not permitted"},
     {CUDA_ERROR_NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED", "operation not supported"},
     {CUDA_ERROR_SYSTEM_DRIVER_MISMATCH, "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH", "system has unsupported display driver / cuda driver combination"},
+    {CUDA_ERROR_MPS_CONNECTION_FAILED, "CUDA_ERROR_MPS_CONNECTION_FAILED", "MPS client failed to connect to the MPS control daemon or the MPS server"},
+    {CUDA_ERROR_MPS_SERVER_NOT_READY, "CUDA_ERROR_MPS_SERVER_NOT_READY", "the MPS server is not ready to accept new MPS client requests"},
+    {CUDA_ERROR_MPS_CLIENT_TERMINATED, "CUDA_ERROR_MPS_CLIENT_TERMINATED", "the MPS client has been terminated by the server"},
     {CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED", "operation not permitted when stream is capturing"},
     {CUDA_ERROR_UNKNOWN, "CUDA_ERROR_UNKNOWN", "unknown error"},
 };
@@ -511,6 +521,8 @@ SIM_EXPORT CUresult cuDeviceGetAttribute(int *pi, CUdevice_attribute attrib, CUd
     int v = attribute_value(&sim_cfg()->gpu[phys], attrib, &ok);
     if (!ok)
         return CUDA_ERROR_INVALID_VALUE;
+    if (attrib == CU_DEVICE_ATTRIBUTE_COMPUTE_MODE) /* set through NVML, shared by every process */
+        v = (int)atomic_load(&sim_drv.shared.st->gpu[phys].compute_mode);
     *pi = v;
     return CUDA_SUCCESS;
 }
@@ -641,6 +653,9 @@ CUresult sim_require_ctx(struct sim_ctx **out)
     struct sim_ctx *ctx = sim_current_ctx();
     if (!sim_ctx_valid(ctx))
         return CUDA_ERROR_INVALID_CONTEXT;
+    rc = sim_mps_check();
+    if (rc)
+        return rc;
     rc = gpu_usable(ctx->dev, ctx);
     if (rc)
         return rc;
@@ -667,18 +682,12 @@ void sim_ctx_note_end(struct sim_ctx *ctx, uint64_t end)
  * not fit, as a real context creation fails on a full GPU. */
 static CUresult use_gpu(int dev)
 {
-    struct sim_proc_slot *slot = &sim_drv.shared.st->proc[sim_drv.shared.slot];
-    uint64_t bytes = sim_cfg()->context_bytes;
-    CUresult rc = CUDA_SUCCESS;
     pthread_mutex_lock(&sim_drv.lock);
-    if (!((atomic_load(&slot->gpu_mask) >> dev) & 1u)) {
-        if (bytes && !sim_mem_charge(&sim_drv.shared, dev, bytes))
-            rc = CUDA_ERROR_OUT_OF_MEMORY;
-        else
-            atomic_fetch_or(&slot->gpu_mask, 1u << dev);
-    }
+    int rc = sim_use_gpu(&sim_drv.shared, dev, sim_cfg()->context_bytes);
     pthread_mutex_unlock(&sim_drv.lock);
-    return rc;
+    /* Another process holds an EXCLUSIVE_PROCESS GPU (or it is PROHIBITED):
+     * what a real driver answers ("busy or unavailable"). */
+    return rc == 0 ? CUDA_SUCCESS : rc == -1 ? CUDA_ERROR_OUT_OF_MEMORY : CUDA_ERROR_DEVICE_UNAVAILABLE;
 }
 
 /* The checks that open a context on device `dev`: sim_device_args, the GPU

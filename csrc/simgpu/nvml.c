@@ -18,6 +18,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include <time.h>
 
 #include "cgpu/nvml_abi.h"
@@ -553,8 +554,28 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvml
 /* The sampling period real drivers report for encoder/decoder utilisation. */
 #define SIM_CODEC_SAMPLE_US 167000u
 
-/* Multi-process contexts are allowed: sharing the GPU is what cgpu does. */
-NVML_GPU_QUERY(nvmlDeviceGetComputeMode, nvmlComputeMode_t, mode, *mode = NVML_COMPUTEMODE_DEFAULT)
+/* Default until someone sets it (it is the GPU's, shared by every process;
+ * a new simulated machine starts Default, as a GPU after a reboot). */
+NVML_GPU_QUERY(nvmlDeviceGetComputeMode, nvmlComputeMode_t, mode,
+               *mode = (nvmlComputeMode_t)atomic_load(&g_sim.st->gpu[g].compute_mode))
+
+/* Root only, as NVIDIA documents; takes effect at once for new contexts.
+ * EXCLUSIVE_THREAD is no longer a mode CUDA has. */
+NVML_EXPORT nvmlReturn_t nvmlDeviceSetComputeMode(nvmlDevice_t device, nvmlComputeMode_t mode)
+{
+    unsigned int g;
+    nvmlReturn_t rc = lookup(device, &g);
+    if (rc != NVML_SUCCESS)
+        return rc;
+    if ((unsigned)mode >= NVML_COMPUTEMODE_COUNT)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (mode == NVML_COMPUTEMODE_EXCLUSIVE_THREAD)
+        return NVML_ERROR_NOT_SUPPORTED;
+    if (geteuid() != 0)
+        return NVML_ERROR_NO_PERMISSION;
+    atomic_store(&g_sim.st->gpu[g].compute_mode, (uint32_t)mode);
+    return NVML_SUCCESS;
+}
 /* Servers run nvidia-persistenced and drive no display. */
 NVML_GPU_QUERY(nvmlDeviceGetPersistenceMode, nvmlEnableState_t, mode, *mode = NVML_FEATURE_ENABLED)
 NVML_GPU_QUERY(nvmlDeviceGetDisplayMode, nvmlEnableState_t, display, *display = NVML_FEATURE_DISABLED)
@@ -778,15 +799,27 @@ static bool read_slot(int i, unsigned int gpu, uint64_t self_ns, struct proc_vie
     return pid != 0;
 }
 
-static unsigned int live_procs(unsigned int gpu, struct proc_view *out)
+/* Which processes a list names: every process with a context on the GPU
+ * (an MPS server and, since each has a context of its own, its clients),
+ * only the MPS clients of live servers, or none (graphics). */
+enum proc_list { PROCS_COMPUTE, PROCS_MPS, PROCS_NONE };
+
+static unsigned int live_procs_of(unsigned int gpu, struct proc_view *out, enum proc_list which)
 {
     unsigned int n = 0;
+    if (which == PROCS_NONE)
+        return 0;
     uint64_t self_ns = sim_pidns_self();
     reap_dead();
     for (int i = 0; i < SIM_MAX_PROCS; i++)
-        if (read_slot(i, gpu, self_ns, &out[n]))
+        if ((which != PROCS_MPS || sim_mps_client_live(g_sim.st, i)) && read_slot(i, gpu, self_ns, &out[n]))
             n++;
     return n;
+}
+
+static unsigned int live_procs(unsigned int gpu, struct proc_view *out)
+{
+    return live_procs_of(gpu, out, PROCS_COMPUTE);
 }
 
 /* A GPU in MIG mode lists the processes of its MIG devices, each with its
@@ -816,15 +849,16 @@ enum info_layout { INFO_V1, INFO_V2, INFO_V3 };
  * `infos`; too little room (a NULL `infos` with room 0 asks for the size)
  * gives NVML_ERROR_INSUFFICIENT_SIZE and the count needed. */
 static nvmlReturn_t list_procs(nvmlDevice_t device, unsigned int *infoCount, void *infos, enum info_layout layout,
-                               bool none)
+                               enum proc_list which)
 {
     unsigned int g;
     nvmlReturn_t rc = lookup_out(device, infoCount, &g);
     if (rc != NVML_SUCCESS)
         return rc;
     struct proc_view procs[SIM_MAX_PROCS];
+    /* No MPS on a GPU in MIG mode here: its compute list is its MIG devices'. */
     bool mig = sim_mig_load(&g_sim.st->config.gpu[g].mig_mode);
-    unsigned int n = none ? 0 : mig ? mig_procs(g, procs) : live_procs(g, procs);
+    unsigned int n = mig ? (which == PROCS_COMPUTE ? mig_procs(g, procs) : 0) : live_procs_of(g, procs, which);
     if (*infoCount < n) {
         *infoCount = n;
         return NVML_ERROR_INSUFFICIENT_SIZE;
@@ -844,22 +878,22 @@ static nvmlReturn_t list_procs(nvmlDevice_t device, unsigned int *infoCount, voi
     return NVML_SUCCESS;
 }
 
-/* One definition per exported name and struct version. `none`: a list the
- * simulation never fills (no graphics contexts, no MPS clients). */
-#define RUNNING_PROCESSES(symbol, info_t, layout, none)                                     \
+/* One definition per exported name and struct version, and the processes
+ * it lists (the simulation has no graphics contexts). */
+#define RUNNING_PROCESSES(symbol, info_t, layout, which)                                    \
     NVML_EXPORT nvmlReturn_t symbol(nvmlDevice_t device, unsigned int *infoCount, info_t *infos) \
     {                                                                                        \
-        return list_procs(device, infoCount, infos, layout, none);                           \
+        return list_procs(device, infoCount, infos, layout, which);                          \
     }
-RUNNING_PROCESSES(nvmlDeviceGetComputeRunningProcesses, nvmlProcessInfo_v1_t, INFO_V1, false)
-RUNNING_PROCESSES(nvmlDeviceGetComputeRunningProcesses_v2, nvmlProcessInfo_v2_t, INFO_V2, false)
-RUNNING_PROCESSES(nvmlDeviceGetComputeRunningProcesses_v3, nvmlProcessInfo_t, INFO_V3, false)
-RUNNING_PROCESSES(nvmlDeviceGetGraphicsRunningProcesses, nvmlProcessInfo_v1_t, INFO_V1, true)
-RUNNING_PROCESSES(nvmlDeviceGetGraphicsRunningProcesses_v2, nvmlProcessInfo_v2_t, INFO_V2, true)
-RUNNING_PROCESSES(nvmlDeviceGetGraphicsRunningProcesses_v3, nvmlProcessInfo_t, INFO_V3, true)
-RUNNING_PROCESSES(nvmlDeviceGetMPSComputeRunningProcesses, nvmlProcessInfo_v1_t, INFO_V1, true)
-RUNNING_PROCESSES(nvmlDeviceGetMPSComputeRunningProcesses_v2, nvmlProcessInfo_v2_t, INFO_V2, true)
-RUNNING_PROCESSES(nvmlDeviceGetMPSComputeRunningProcesses_v3, nvmlProcessInfo_t, INFO_V3, true)
+RUNNING_PROCESSES(nvmlDeviceGetComputeRunningProcesses, nvmlProcessInfo_v1_t, INFO_V1, PROCS_COMPUTE)
+RUNNING_PROCESSES(nvmlDeviceGetComputeRunningProcesses_v2, nvmlProcessInfo_v2_t, INFO_V2, PROCS_COMPUTE)
+RUNNING_PROCESSES(nvmlDeviceGetComputeRunningProcesses_v3, nvmlProcessInfo_t, INFO_V3, PROCS_COMPUTE)
+RUNNING_PROCESSES(nvmlDeviceGetGraphicsRunningProcesses, nvmlProcessInfo_v1_t, INFO_V1, PROCS_NONE)
+RUNNING_PROCESSES(nvmlDeviceGetGraphicsRunningProcesses_v2, nvmlProcessInfo_v2_t, INFO_V2, PROCS_NONE)
+RUNNING_PROCESSES(nvmlDeviceGetGraphicsRunningProcesses_v3, nvmlProcessInfo_t, INFO_V3, PROCS_NONE)
+RUNNING_PROCESSES(nvmlDeviceGetMPSComputeRunningProcesses, nvmlProcessInfo_v1_t, INFO_V1, PROCS_MPS)
+RUNNING_PROCESSES(nvmlDeviceGetMPSComputeRunningProcesses_v2, nvmlProcessInfo_v2_t, INFO_V2, PROCS_MPS)
+RUNNING_PROCESSES(nvmlDeviceGetMPSComputeRunningProcesses_v3, nvmlProcessInfo_t, INFO_V3, PROCS_MPS)
 
 /* The same processes in one versioned call per mode. nvml.h documents a bad
  * version or mode as INVALID_ARGUMENT here, not ARGUMENT_VERSION_MISMATCH.
@@ -874,7 +908,8 @@ NVML_EXPORT nvmlReturn_t nvmlDeviceGetRunningProcessDetailList(nvmlDevice_t devi
         return NVML_ERROR_INVALID_ARGUMENT;
     struct proc_view procs[SIM_MAX_PROCS];
     bool compute = plist->mode == NVML_PROCESS_MODE_COMPUTE || plist->mode == NVML_PROCESS_MODE_ALL;
-    unsigned int n = compute ? live_procs(g, procs) : 0;
+    enum proc_list which = compute ? PROCS_COMPUTE : plist->mode == NVML_PROCESS_MODE_MPS ? PROCS_MPS : PROCS_NONE;
+    unsigned int n = live_procs_of(g, procs, which);
     if (plist->numProcArrayEntries < n || (n > 0 && plist->procArray == NULL)) {
         plist->numProcArrayEntries = n;
         return NVML_ERROR_INSUFFICIENT_SIZE;

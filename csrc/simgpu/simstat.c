@@ -295,7 +295,8 @@ static void read_slots(struct sampler *sm, uint64_t now)
 
 /* A record of a process that is gone, or of one that came and went between
  * two samples on a slot claimed again since. */
-static void attribute_past(struct sampler *sm, const struct sim_pid_busy *who, uint64_t s, uint64_t e, uint64_t now)
+static void attribute_past(struct sampler *sm, const struct sim_pid_busy *who, uint64_t s, uint64_t e, uint64_t now,
+                           uint64_t pct)
 {
     struct retired *r = NULL;
     uint32_t slot = who->slot;
@@ -316,7 +317,7 @@ static void attribute_past(struct sampler *sm, const struct sim_pid_busy *who, u
         return;
     uint64_t lo = s > r->t_base ? s : r->t_base, hi = e < now ? e : now;
     if (hi > lo)
-        r->tail += hi - lo;
+        r->tail += (hi - lo) * pct / 100;
     if (e > now)
         r->future = true;
 }
@@ -339,7 +340,7 @@ static uint64_t scan_ring(struct sampler *sm, uint64_t now)
         const struct sim_exec_record *r = &g->ring[idx % SIM_RING];
         if (atomic_load_explicit(&r->seq, memory_order_acquire) != idx + 1)
             continue; /* being written: its owner has not charged it yet */
-        uint64_t s = atomic_load(&r->start_ns), e = atomic_load(&r->end_ns);
+        uint64_t s = atomic_load(&r->start_ns), e = atomic_load(&r->end_ns), pct = atomic_load(&r->pct);
         struct sim_pid_busy who = {.pid = atomic_load(&r->pid),
                                    .slot = atomic_load(&r->slot),
                                    .generation = atomic_load(&r->generation),
@@ -347,14 +348,15 @@ static uint64_t scan_ring(struct sampler *sm, uint64_t now)
         uint32_t slot = who.slot;
         if (atomic_load(&r->seq) != idx + 1)
             continue;
+        pct = pct > 100 ? 100 : pct; /* an MPS client's stretch is that part of the GPU's work */
         if (e > now) {
-            uint64_t f = e - (s > now ? s : now);
+            uint64_t f = (e - (s > now ? s : now)) * pct / 100;
             all += f;
             if (slot < SIM_MAX_PROCS && sm->slot[slot].fresh && sm->slot[slot].gen == who.generation)
                 sm->slot[slot].future += f;
         }
         if (e > sm->stop_t && slot < SIM_MAX_PROCS && (sm->nret || sm->slot[slot].gap))
-            attribute_past(sm, &who, s, e, now);
+            attribute_past(sm, &who, s, e, now, pct);
         quiet = e <= sm->stop_t ? quiet + 1 : 0;
     }
     return all;

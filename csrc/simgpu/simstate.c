@@ -232,9 +232,16 @@ static int claim_free_slot(struct sim_handle *h)
         }
         if (cur != SIM_SLOT_FREE) /* a live or half-claimed slot whose owner died */
             release_slot(h->st, i);
-        for (unsigned g = 0; g < SIM_MAX_GPUS; g++)
+        for (unsigned g = 0; g < SIM_MAX_GPUS; g++) {
             atomic_store(&s->busy_ns[g], 0);
+            atomic_store(&s->mps_lane[g], 0);
+            atomic_store(&s->mps_mem_limit[g], 0);
+        }
         atomic_store(&s->gpu_mask, 0);
+        atomic_store(&s->mps_role, SIM_MPS_NONE);
+        atomic_store(&s->mps_pct, 100);
+        atomic_store(&s->mps_server, -1);
+        atomic_store(&s->mps_server_gen, 0);
         /* Best effort: without the pid lock readers fall back to /proc. */
         struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = SIM_SLOT_PID_OFFSET(i), .l_len = 1};
         (void)fcntl(h->fd, F_SETLK, &fl);
@@ -255,6 +262,13 @@ bool sim_mem_charge(struct sim_handle *h, int gpu, uint64_t bytes)
 {
     struct sim_gpu_live *g = &h->st->gpu[gpu];
     uint64_t total = h->st->config.gpu[gpu].total_mem;
+    /* An MPS client's pinned device memory limit: what it holds on the GPU
+     * (its context's memory too) stays within it. Only the process itself
+     * charges its slot, so the check cannot race with another charger. */
+    const struct sim_proc_slot *me = &h->st->proc[h->slot];
+    uint64_t limit = atomic_load(&me->mps_mem_limit[gpu]), mine = atomic_load(&me->used[gpu]);
+    if (limit && (bytes > limit || mine > limit - bytes))
+        return false;
     for (int attempt = 0; attempt < 2; attempt++) {
         uint64_t cur = atomic_load(&g->used);
         while (bytes <= total && cur <= total - bytes) {
@@ -275,18 +289,25 @@ void sim_mem_release(struct sim_handle *h, int gpu, uint64_t bytes)
     atomic_fetch_sub(&h->st->gpu[gpu].used, bytes);
 }
 
-static void record_exec(struct sim_handle *h, int gpu, uint64_t start, uint64_t end)
+/* How far back a process looks for its own latest stretch to extend: MPS
+ * clients' stretches interleave in the ring. */
+#define SIM_EXTEND_LOOKBACK 8
+
+static void record_exec(struct sim_handle *h, int gpu, uint64_t start, uint64_t end, uint32_t pct)
 {
     struct sim_gpu_live *g = &h->st->gpu[gpu];
     uint64_t head = atomic_load(&g->ring_head);
-    if (head > 0) {
-        struct sim_exec_record *last = &g->ring[(head - 1) % SIM_RING];
+    for (uint64_t k = 1; k <= SIM_EXTEND_LOOKBACK && k <= head; k++) {
+        struct sim_exec_record *last = &g->ring[(head - k) % SIM_RING];
+        if (atomic_load(&last->seq) != head - k + 1 || atomic_load(&last->slot) != (uint32_t)h->slot)
+            continue;
         uint64_t expect = start;
-        /* Contiguous with our own latest stretch: extend it, keeping the ring
-         * long enough to cover a saturating tenant for seconds. */
-        if (atomic_load(&last->seq) == head && atomic_load(&last->slot) == (uint32_t)h->slot &&
-            atomic_compare_exchange_strong(&last->end_ns, &expect, end))
+        /* Contiguous with our own latest stretch at the same part of the
+         * SMs: extend it, keeping the ring long enough to cover a
+         * saturating tenant for seconds. */
+        if (atomic_load(&last->pct) == pct && atomic_compare_exchange_strong(&last->end_ns, &expect, end))
             return;
+        break; /* our latest stretch, and it does not continue */
     }
     uint64_t idx = atomic_fetch_add(&g->ring_head, 1);
     struct sim_exec_record *r = &g->ring[idx % SIM_RING];
@@ -294,6 +315,7 @@ static void record_exec(struct sim_handle *h, int gpu, uint64_t start, uint64_t 
     atomic_store(&r->start_ns, start);
     atomic_store(&r->end_ns, end);
     atomic_store(&r->slot, (uint32_t)h->slot);
+    atomic_store(&r->pct, pct);
     const struct sim_proc_slot *owner = &h->st->proc[h->slot];
     atomic_store(&r->pid, atomic_load(&owner->pid));
     atomic_store(&r->generation, atomic_load(&owner->generation));
@@ -301,8 +323,130 @@ static void record_exec(struct sim_handle *h, int gpu, uint64_t start, uint64_t 
     atomic_store_explicit(&r->seq, idx + 1, memory_order_release);
 }
 
+/* ---- MPS --------------------------------------------------------------------- */
+
+int sim_use_gpu(struct sim_handle *h, int gpu, uint64_t ctx_bytes)
+{
+    struct sim_proc_slot *me = &h->st->proc[h->slot];
+    uint32_t bit = 1u << gpu;
+    if (atomic_load(&me->gpu_mask) & bit)
+        return 0;
+    uint32_t mode = atomic_load(&h->st->gpu[gpu].compute_mode);
+    if (mode == SIM_COMPUTEMODE_PROHIBITED)
+        return -2;
+    if (ctx_bytes && !sim_mem_charge(h, gpu, ctx_bytes))
+        return -1;
+    /* Mark first, then look: of two processes racing for an exclusive GPU
+     * at least one sees the other, so never both get it. */
+    atomic_fetch_or(&me->gpu_mask, bit);
+    if (mode == SIM_COMPUTEMODE_EXCLUSIVE_PROCESS || mode == SIM_COMPUTEMODE_EXCLUSIVE_THREAD) {
+        sim_reap_dead(h);
+        for (int i = 0; i < SIM_MAX_PROCS; i++) {
+            if (sim_excludes(h->st, h->slot, i, gpu)) {
+                atomic_fetch_and(&me->gpu_mask, ~bit);
+                if (ctx_bytes)
+                    sim_mem_release(h, gpu, ctx_bytes);
+                return -2;
+            }
+        }
+    }
+    return 0;
+}
+
+bool sim_mps_client_live(const struct sim_state *st, int i)
+{
+    const struct sim_proc_slot *c = &st->proc[i];
+    if (atomic_load(&c->mps_role) != SIM_MPS_CLIENT)
+        return false;
+    int32_t srv = atomic_load(&c->mps_server);
+    if (srv < 0 || srv >= SIM_MAX_PROCS)
+        return false;
+    const struct sim_proc_slot *s = &st->proc[srv];
+    return atomic_load(&s->state) == SIM_SLOT_LIVE && atomic_load(&s->mps_role) == SIM_MPS_SERVER &&
+           atomic_load(&s->generation) == atomic_load(&c->mps_server_gen);
+}
+
+static bool same_server(const struct sim_state *st, int a, int b)
+{
+    return atomic_load(&st->proc[a].mps_server) == atomic_load(&st->proc[b].mps_server) &&
+           atomic_load(&st->proc[a].mps_server_gen) == atomic_load(&st->proc[b].mps_server_gen);
+}
+
+bool sim_excludes(const struct sim_state *st, int self, int i, int gpu)
+{
+    const struct sim_proc_slot *o = &st->proc[i];
+    if (i == self || atomic_load(&o->state) != SIM_SLOT_LIVE || !((atomic_load(&o->gpu_mask) >> gpu) & 1u))
+        return false;
+    bool other_client = atomic_load(&o->mps_role) == SIM_MPS_CLIENT;
+    if (other_client && !sim_mps_client_live(st, i))
+        return false; /* its server is gone, and with it the context it used */
+    if (other_client && atomic_load(&o->mps_server) == self &&
+        atomic_load(&o->mps_server_gen) == atomic_load(&st->proc[self].generation))
+        return false; /* our own client */
+    if (sim_mps_client_live(st, self)) {
+        const struct sim_proc_slot *me = &st->proc[self];
+        if (i == atomic_load(&me->mps_server) && atomic_load(&o->generation) == atomic_load(&me->mps_server_gen))
+            return false; /* our server */
+        if (other_client && same_server(st, self, i))
+            return false; /* a client of our server */
+    }
+    return true;
+}
+
+uint32_t sim_mps_share(const struct sim_state *st, int slot, int gpu, uint64_t now)
+{
+    const struct sim_proc_slot *me = &st->proc[slot];
+    uint32_t mine = atomic_load(&me->mps_pct);
+    mine = mine < 1 ? 1 : mine > 100 ? 100 : mine;
+    uint64_t asked = mine;
+    for (int i = 0; i < SIM_MAX_PROCS; i++) {
+        const struct sim_proc_slot *o = &st->proc[i];
+        if (i == slot || atomic_load(&o->state) != SIM_SLOT_LIVE || atomic_load(&o->mps_role) != SIM_MPS_CLIENT ||
+            atomic_load(&o->mps_lane[gpu]) <= now || !same_server(st, slot, i))
+            continue;
+        uint32_t p = atomic_load(&o->mps_pct);
+        asked += p < 1 ? 1 : p > 100 ? 100 : p;
+    }
+    if (asked <= 100)
+        return mine;
+    uint64_t share = (uint64_t)mine * 100 / asked;
+    return share ? (uint32_t)share : 1;
+}
+
+/* An MPS client's kernel runs on its own lane, beside the other clients'
+ * (each client has its own queues on the GPU), on its part of the SMs: a
+ * kernel that fills the GPU takes 100/p times as long at p percent. */
+static uint64_t mps_exec_reserve(struct sim_handle *h, int gpu, uint64_t not_before, uint64_t dur_ns)
+{
+    struct sim_proc_slot *me = &h->st->proc[h->slot];
+    uint64_t queue = h->st->config.queue_ns;
+    uint64_t now = sim_now_ns();
+    if (not_before > now + queue) {
+        sim_sleep_until(not_before - queue);
+        now = sim_now_ns();
+    }
+    /* Who else is busy is judged now, not at the kernel's start: a
+     * saturating client keeps work queued past now, but at a start time
+     * further ahead its queue may not reach yet, and both would then count
+     * themselves alone (two at 100 % got 56 % each). */
+    uint32_t pct = sim_mps_share(h->st, h->slot, gpu, now);
+    uint64_t old = atomic_load(&me->mps_lane[gpu]), start, end;
+    do {
+        start = old > now ? old : now;
+        if (not_before > start)
+            start = not_before;
+        end = start + dur_ns * 100 / pct;
+    } while (!atomic_compare_exchange_weak(&me->mps_lane[gpu], &old, end));
+    record_exec(h, gpu, start, end, pct);
+    atomic_fetch_add(&me->busy_ns[gpu], dur_ns);
+    atomic_fetch_add(&h->st->gpu[gpu].busy_total, dur_ns);
+    return end;
+}
+
 uint64_t sim_exec_reserve(struct sim_handle *h, int gpu, uint64_t not_before, uint64_t dur_ns)
 {
+    if (atomic_load_explicit(&h->st->proc[h->slot].mps_role, memory_order_relaxed) == SIM_MPS_CLIENT)
+        return mps_exec_reserve(h, gpu, not_before, dur_ns);
     struct sim_gpu_live *g = &h->st->gpu[gpu];
     uint64_t queue = h->st->config.queue_ns;
     uint64_t now = sim_now_ns();
@@ -318,7 +462,7 @@ uint64_t sim_exec_reserve(struct sim_handle *h, int gpu, uint64_t not_before, ui
         if (not_before > start)
             start = not_before;
     } while (!atomic_compare_exchange_weak(&g->busy_until, &old, start + dur_ns));
-    record_exec(h, gpu, start, start + dur_ns);
+    record_exec(h, gpu, start, start + dur_ns, 100);
     atomic_fetch_add(&h->st->proc[h->slot].busy_ns[gpu], dur_ns);
     atomic_fetch_add(&g->busy_total, dur_ns);
     return start + dur_ns;
@@ -349,7 +493,7 @@ bool sim_busy_between(const struct sim_state *st, int gpu, uint64_t from, uint64
         const struct sim_exec_record *r = &g->ring[idx % SIM_RING];
         if (atomic_load_explicit(&r->seq, memory_order_acquire) != idx + 1)
             continue;
-        uint64_t s = atomic_load(&r->start_ns), e = atomic_load(&r->end_ns);
+        uint64_t s = atomic_load(&r->start_ns), e = atomic_load(&r->end_ns), pct = atomic_load(&r->pct);
         struct sim_pid_busy who = {.pid = atomic_load(&r->pid),
                                    .slot = atomic_load(&r->slot),
                                    .generation = atomic_load(&r->generation),
@@ -361,8 +505,10 @@ bool sim_busy_between(const struct sim_state *st, int gpu, uint64_t from, uint64
         uint64_t lo = s > from ? s : from, hi = e < to ? e : to;
         if (hi <= lo)
             continue;
-        sum += hi - lo;
-        who.ns = hi - lo;
+        /* The GPU's work: an MPS stretch at p percent of the SMs is p
+         * percent of the GPU for its length. */
+        who.ns = (hi - lo) * (pct > 100 ? 100 : pct) / 100;
+        sum += who.ns;
         if (per_pid)
             add_proc_busy(per_pid, cap, &found, &who);
     }

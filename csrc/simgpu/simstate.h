@@ -87,6 +87,10 @@ struct sim_exec_record {
     _Atomic int32_t pid;
     _Atomic uint64_t generation;
     _Atomic uint64_t pidns;
+    /* Percent of the GPU's SMs the stretch had: 100, or an MPS client's
+     * share of them while it ran beside others (sim_mps_share). */
+    _Atomic uint32_t pct;
+    uint32_t reserved;
 };
 
 /* One XID the GPU reported. Written once per use of its ring slot. */
@@ -112,6 +116,8 @@ struct sim_gpu_live {
     _Atomic uint64_t ring_head;
     struct sim_exec_record ring[SIM_RING];
     struct sim_gpu_fault fault;
+    _Atomic uint32_t compute_mode; /* nvmlComputeMode_t: 0 default, 3 exclusive process */
+    uint32_t reserved;
 };
 
 enum sim_slot_state { SIM_SLOT_FREE = 0, SIM_SLOT_CLAIMING = 1, SIM_SLOT_LIVE = 2 };
@@ -125,7 +131,19 @@ struct sim_proc_slot {
     _Atomic uint64_t busy_ns[SIM_MAX_GPUS];
     _Atomic uint32_t gpu_mask;    /* GPUs this process has a context on */
     char comm[16];
+    /* MPS (mps_client.c, mps_server.c): a server holds the GPUs' one
+     * context; a client runs beside the other clients of its server, on
+     * its own lane per GPU, limited to mps_pct percent of the SMs. */
+    _Atomic uint32_t mps_role;    /* enum sim_mps_role */
+    _Atomic uint32_t mps_pct;     /* a client's active thread percentage, 1-100 */
+    _Atomic int32_t mps_server;   /* a client's server: its slot ... */
+    uint32_t reserved;
+    _Atomic uint64_t mps_server_gen; /* ... and that slot's generation */
+    _Atomic uint64_t mps_lane[SIM_MAX_GPUS];      /* ns when a client's queued work ends */
+    _Atomic uint64_t mps_mem_limit[SIM_MAX_GPUS]; /* pinned device memory limit, bytes; 0: none */
 };
+
+enum sim_mps_role { SIM_MPS_NONE = 0, SIM_MPS_SERVER = 1, SIM_MPS_CLIENT = 2 };
 
 struct sim_state {
     uint64_t magic;
@@ -191,6 +209,35 @@ void sim_mem_release(struct sim_handle *h, int gpu, uint64_t bytes);
  * already has more than queue_ns of work queued ahead of now. */
 uint64_t sim_exec_reserve(struct sim_handle *h, int gpu, uint64_t not_before, uint64_t dur_ns);
 
+/* Compute modes, numbered as nvmlComputeMode_t and CUcomputemode number
+ * them. Set through nvmlDeviceSetComputeMode; a new state starts Default,
+ * as a GPU does after a reboot. */
+enum sim_compute_mode {
+    SIM_COMPUTEMODE_DEFAULT = 0,
+    SIM_COMPUTEMODE_EXCLUSIVE_THREAD = 1, /* gone from CUDA; treated as exclusive process */
+    SIM_COMPUTEMODE_PROHIBITED = 2,
+    SIM_COMPUTEMODE_EXCLUSIVE_PROCESS = 3,
+};
+
+/* Put the calling process on `gpu` (its first context there): charge the
+ * driver's context memory (`ctx_bytes`) and mark the GPU in its mask,
+ * unless the compute mode refuses it: PROHIBITED always, EXCLUSIVE_PROCESS
+ * while another process holds the GPU (sim_excludes). 0 on the GPU (or
+ * already), -1 out of memory, -2 unavailable. Serialise per process. */
+int sim_use_gpu(struct sim_handle *h, int gpu, uint64_t ctx_bytes);
+
+/* MPS. Whether slot i is a client of a live server (its server's slot still
+ * holds the generation it connected to), and whether it is a holder of
+ * `gpu` that excludes the caller (slot `self`) under EXCLUSIVE_PROCESS:
+ * any other live process with a context there, except the caller's own
+ * server and that server's live clients. */
+bool sim_mps_client_live(const struct sim_state *st, int i);
+bool sim_excludes(const struct sim_state *st, int self, int i, int gpu);
+/* An MPS client's part of the SMs of `gpu` at `now`, in percent: its
+ * active thread percentage, scaled down when its server's clients with work
+ * queued past `now` together ask for more than the GPU has. */
+uint32_t sim_mps_share(const struct sim_state *st, int slot, int gpu, uint64_t now);
+
 /* The pid namespace of the calling process (inode), 0 if /proc cannot say. */
 uint64_t sim_pidns_self(void);
 
@@ -213,7 +260,8 @@ struct sim_pid_busy {
     uint64_t ns;
 };
 
-/* Device busy time of `gpu` in [from, to) from the execution records: the
+/* Device busy time of `gpu` in [from, to) from the execution records (an
+ * MPS client's stretch counts its percent of the SMs: the GPU's work): the
  * total, and per process (slot, generation) for up to `cap` processes.
  * Returns false if the records no longer reach back to `from`. Lock-free;
  * safe while others write. */

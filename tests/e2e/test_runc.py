@@ -75,7 +75,7 @@ def test_cgpud_stopped_fails_gpu_containers_with_a_clear_message(tmp_path, host:
     [
         (("ALIYUN_COM_GPU_MEM_CONTAINER=0",), "ALIYUN_COM_GPU_MEM_CONTAINER=0 is out of range"),
         (("ALIYUN_COM_GPU_MEM_CONTAINER=17",), "asked for 17 GiB per GPU but the largest GPU on this node has 16 GiB"),
-        (("ALIYUN_COM_GPU_MEM_CONTAINER=1", "ALIYUN_COM_GPU_CORE_PERCENTAGE=33"), "core_mem node"),
+        (("ALIYUN_COM_GPU_MEM_CONTAINER=1", "ALIYUN_COM_GPU_CORE_PERCENTAGE=33"), "core_mem or mps node"),
         (("ALIYUN_COM_GPU_MEM_CONTAINER=lots",), "ALIYUN_COM_GPU_MEM_CONTAINER='lots' is not a whole number of GiB"),
     ],
 )

@@ -46,10 +46,16 @@ def test_unknown_mode_is_refused() -> None:
     assert "unknown node mode 'weird'" in refused(fit(demand(), node(mode="weird"))).text
 
 
-@pytest.mark.parametrize("mode", ["share", "cgpu", "mps"])
-def test_compute_share_needs_core_mem(mode: str) -> None:
+@pytest.mark.parametrize("mode", ["share", "cgpu"])
+def test_compute_share_needs_core_mem_or_mps(mode: str) -> None:
     r = refused(fit(demand(container("c", mem="2", core="30")), node(mode=mode)))
     assert f"node mode {mode} does not enforce compute shares" in r.text and not r.resolvable
+
+
+def test_mps_takes_a_compute_share_and_one_gpu_per_container() -> None:
+    assert placed(fit(demand(container("c", mem="2", core="30")), node(mode="mps"))).gpus in ((0,), (1,))
+    r = refused(fit(demand(container("c", mem="2", count="2")), node(mode="mps")))
+    assert "runs one MPS control daemon per GPU" in r.text and not r.resolvable
 
 
 def test_compute_share_on_core_mem() -> None:

@@ -33,6 +33,9 @@ def sim_env_in(dir: Path, native: Path, **config: object) -> dict[str, str]:
     dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     env["LD_LIBRARY_PATH"] = str(native / "sim")
+    # The simulated driver's programs (nvidia-cuda-mps-control), found on
+    # PATH as NVIDIA's are (cgpuctl sim env does the same).
+    env["PATH"] = f"{native / 'sim'}:{env.get('PATH', '/usr/bin:/bin')}"
     env["CGPU_SIM_CONFIG"] = str(write_sim_config(dir / "sim.conf", **config))  # type: ignore[arg-type]
     env["CGPU_SIM_STATE"] = str(dir / "sim.state")
     return env

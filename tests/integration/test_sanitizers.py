@@ -233,3 +233,48 @@ def test_a_gate_orphaned_by_a_dead_cgpud_is_clean_under_sanitizers(san_native, s
         view.set_gate(0, 2 * GATE_SEQ_STEP)
         until(lambda: view.waiting() >= 1, 10.0, interval=0.005, what="a launch waiting at the new gate")
         view.set_gate(0, 3 * GATE_SEQ_STEP | GATE_OPEN)
+
+
+def test_mps_daemon_server_and_clients_are_clean_under_sanitizers(san_native, san_env, tmp_path):
+    """The sanitized nvidia-cuda-mps-control (in the foreground, so its and
+    its server's reports reach a file), its commands, two sanitized clients
+    at 30 and 70 %, a pinned memory limit, and the sanitized libcgpu's MPS
+    environment check in a client of an instance; then quit."""
+    pipe, logs = tmp_path / "pipe", tmp_path / "log"
+    pipe.mkdir()
+    logs.mkdir()
+    env = dict(san_env, CUDA_MPS_PIPE_DIRECTORY=str(pipe), CUDA_MPS_LOG_DIRECTORY=str(logs))
+    control = str(san_native / "sim" / "nvidia-cuda-mps-control")
+    burn = str(san_native / "bin" / "cgpu-burn")
+    with open(tmp_path / "daemon.err", "w") as err:
+        daemon = subprocess.Popen([control, "-f"], env=dict(env, CUDA_VISIBLE_DEVICES="0"), stderr=err)
+    try:
+        until(lambda: (pipe / "control").exists(), timeout=30, what="the control socket")
+        assert run_clean([control], env, stdin="set_default_active_thread_percentage 80\n").stdout == "80.0\n"
+        clients = [
+            subprocess.Popen(
+                [burn, "--launches=40", "--kernel-ns=200000", "--streams=2"],
+                env=dict(env, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=pct),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for pct in ("30", "70")
+        ]
+        for c in clients:
+            out, errs = c.communicate(timeout=120)
+            sanitizers.assert_clean(errs)
+            assert c.returncode == 0 and json.loads(out)["errors"] == [], errs
+        limited = run_clean([burn, "--alloc-until-fail=256MiB"], dict(env, CUDA_MPS_PINNED_DEVICE_MEM_LIMIT="0=1G"))
+        assert limited.returncode == 0 and json.loads(limited.stdout)["alloc"]["until_fail_count"] <= 4
+        inst = sanitizers.instance_env(env, san_native, tmp_path / "region")
+        assert run_clean([burn, "--launches=2", "--kernel-ns=1000"], inst).returncode == 0
+        server = run_clean([control], env, stdin="get_server_list\n").stdout.split()
+        assert len(server) == 1
+        run_clean([control], env, stdin="quit\n")
+        assert daemon.wait(timeout=60) == 0
+    finally:
+        if daemon.poll() is None:
+            daemon.kill()
+            daemon.wait(timeout=30)
+    sanitizers.assert_clean((tmp_path / "daemon.err").read_text())

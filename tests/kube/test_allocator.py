@@ -6,6 +6,8 @@ pod-resources API over real gRPC (tests/harness/kubelet_pods.py)."""
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -518,3 +520,69 @@ def test_gpus_the_kubelet_gave_whole_are_taken_in_admission_and_the_view(rig: Ri
     rig.kubelet.forget("default", "whole")
     rig.service.set_whole_held(whole_gpus_held(PodResourcesClient(rig.kubelet_socket).list(), rig.service.gpus()))
     assert rig.service.whole_held() == {}
+
+
+def test_an_mps_nodes_allocate_over_grpc_gives_the_gpus_pipe_and_the_mps_variables(tmp_path: Path) -> None:
+    """The kubelet's Allocate through the device plugin's real gRPC server
+    into the real allocator, on an mps node: the answer and the CDI spec
+    carry the GPU's MPS pipe directory (read-only) and the variables."""
+    import grpc
+
+    from cgpud.api.k8s.deviceplugin.v1beta1 import api_pb2 as dp
+    from cgpud.api.k8s.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
+    from cgpud.kube.plugin import DevicePlugin, PluginSettings
+    from cgpud.kube.resources import SOCKET_NAMES
+    from cgpud.node.model import Placement
+    from tests.harness.kubelet import Kubelet
+
+    pipes = {0: tmp_path / "mps" / "0" / "pipe", 1: tmp_path / "mps" / "1" / "pipe"}
+    service = InstanceService(
+        Store(tmp_path / "cgpud.db"),
+        GPUS,
+        NodePolicy(mode=NodeMode.MPS),
+        tmp_path / "regions",
+        "580.65.06",
+        "boot-1",
+        mps_pipes=pipes,
+    )
+    rt = tmp_path / "rt"
+    files = RuntimeFiles(rt / "libcgpu.so", rt / "ld.so.preload", rt / "cgpu-hook", tmp_path / "relay.sock")
+    cdi = tmp_path / "cdi"
+    cdi.mkdir()
+    plugins = Path(tempfile.mkdtemp(prefix="dp-", dir="/tmp"))  # a unix socket path has 107 bytes
+    kubelet = Kubelet(plugins).start()
+    try:
+        with api_server(tmp_path) as (server, kubeconfig):
+            api = ApiServer.connect(kubeconfig, timeout=2.0)
+            allocator = PodAllocator(service, api, NODE, files, cdi, HOST_ROOT)
+            plugin = DevicePlugin(
+                PluginSettings(plugins), allocator, mode=NodeMode.MPS, placement=Placement.BINPACK, gpus=GPUS
+            ).start()
+            try:
+                kubelet.take_registrations(len(Resource))  # every plugin serving: its socket is there
+                server.state.add_pod(
+                    pod_json("infer", NODE, containers={"main": {MEM: 4, CORE: 30}}, annotations=assumed(7, "1"))
+                )
+                channel = grpc.insecure_channel(f"unix:{plugins / SOCKET_NAMES[Resource.GPU_MEM]}")
+                request = dp.AllocateRequest(container_requests=[dp.ContainerAllocateRequest(devices_ids=ids(4))])
+                [answer] = dp_grpc.DevicePluginStub(channel).Allocate(request, timeout=10).container_responses
+                channel.close()
+            finally:
+                plugin.stop(grace=0.5)
+                api.close()
+    finally:
+        kubelet.stop()
+        shutil.rmtree(plugins, ignore_errors=True)
+    [inst] = service.list()
+    assert inst.grants[0].gpu_index == 1 and inst.grants[0].core_percent == 30
+    assert answer.envs["CUDA_MPS_PIPE_DIRECTORY"] == "/tmp/nvidia-mps"
+    assert answer.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "30"
+    assert answer.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=4096M"
+    assert [(m.host_path, m.read_only) for m in answer.mounts if m.container_path == "/tmp/nvidia-mps"] == [
+        (str(pipes[1]), True)
+    ]
+    spec = json.loads(spec_path(cdi, inst.id).read_text())
+    edits = spec["devices"][0]["containerEdits"]
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=30" in edits["env"]
+    [mount] = [m for m in edits["mounts"] if m["containerPath"] == "/tmp/nvidia-mps"]
+    assert mount["hostPath"] == str(pipes[1]) and "ro" in mount["options"]

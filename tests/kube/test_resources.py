@@ -22,7 +22,7 @@ def ids(devices: tuple[PluginDevice, ...]) -> list[str]:
     return [d.id for d in devices]
 
 
-@pytest.mark.parametrize("mode", [NodeMode.CGPU, NodeMode.SHARE, NodeMode.MPS])
+@pytest.mark.parametrize("mode", [NodeMode.CGPU, NodeMode.SHARE])
 def test_memory_modes_advertise_gib_and_gpu_count_only(mode: NodeMode) -> None:
     lists = resources.advertised(mode, GPUS)
     assert set(lists) == set(Resource)  # every resource, so none keeps stale capacity
@@ -34,8 +34,9 @@ def test_memory_modes_advertise_gib_and_gpu_count_only(mode: NodeMode) -> None:
         assert lists[other] == ()
 
 
-def test_core_mem_adds_a_hundred_percent_per_gpu() -> None:
-    lists = resources.advertised(NodeMode.CORE_MEM, GPUS)
+@pytest.mark.parametrize("mode", [NodeMode.CORE_MEM, NodeMode.MPS])
+def test_compute_share_modes_add_a_hundred_percent_per_gpu(mode: NodeMode) -> None:
+    lists = resources.advertised(mode, GPUS)
     core = ids(lists[Resource.GPU_CORE])
     assert len(core) == 200
     assert core[0] == f"{UUID0}-_-c0" and core[199] == f"{UUID1}-_-c99"

@@ -112,10 +112,10 @@ TWO = node(15, 15)
                 TWO,
                 NodePolicy(mode=mode),
                 f"node mode {mode.value} does not enforce compute shares; "
-                "ask without a core percentage or run on a core_mem node",
+                "ask without a core percentage or run on a core_mem or mps node",
                 id=f"core-share-on-{mode.value}",
             )
-            for mode in (NodeMode.CGPU, NodeMode.SHARE, NodeMode.MPS)
+            for mode in (NodeMode.CGPU, NodeMode.SHARE)
         ],
         pytest.param(
             req(0, core_percent=50),
@@ -693,6 +693,9 @@ def test_grants_match_the_request_and_refusals_are_justified(scenario):
             # Never refuse what fits, and say something a person can act on.
             assert len(can) < r.gpu_count
             assert "\n" not in str(outcome) and "; " in str(outcome)
+        elif policy.mode is NodeMode.MPS and r.gpu_count > 1:
+            # mps nodes give one GPU per container (one MPS daemon per GPU).
+            assert "runs one MPS control daemon per GPU" in str(outcome)
         else:
             # Only a size no GPU here can ever hold is a usage error here.
             assert policy.mode not in WHOLE_GPU_MODES

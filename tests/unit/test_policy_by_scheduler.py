@@ -67,7 +67,8 @@ def test_wrong_named_gpus_are_usage_errors(request_, message):
 def test_placement_changes_are_always_allowed_and_modes_only_when_nothing_breaks():
     busy = [holding(0, 4)]
     assert policy_change_problem(CGPU, NodeMode.CGPU, busy, False) is None
-    assert policy_change_problem(CGPU, NodeMode.MPS, busy, False) is None  # same isolation
+    assert "would break the 1 instance" in policy_change_problem(CGPU, NodeMode.MPS, busy, False, True)
+    assert policy_change_problem(CGPU, NodeMode.MPS, [], False, mps_running=True) is None
     assert policy_change_problem(CGPU, NodeMode.SHARE, [], False) is None
     problem = policy_change_problem(CGPU, NodeMode.SHARE, busy, False)
     assert problem == (
@@ -76,6 +77,12 @@ def test_placement_changes_are_always_allowed_and_modes_only_when_nothing_breaks
     )
     released = [Instance("x", OWNER, (Grant(0, "GPU-0", GIB, 0),), InstanceState.RELEASED, True)]
     assert policy_change_problem(CGPU, NodeMode.DEFAULT, released, False) is None
+
+
+def test_mps_needs_the_mps_daemons_of_a_start():
+    assert "restart cgpud to switch to mps" in policy_change_problem(CGPU, NodeMode.MPS, [], False)
+    mps = NodePolicy(mode=NodeMode.MPS)
+    assert "restart cgpud to switch to cgpu" in policy_change_problem(mps, NodeMode.CGPU, [], False, True)
 
 
 def test_core_mem_needs_the_compute_scheduler_of_a_start():
