@@ -161,6 +161,18 @@ def admit_resize(
     grants = tuple(replace(g, memory=request.memory, core_percent=request.core_percent) for g in instance.grants)
     if grants == instance.grants:
         return grants
+    if mode is NodeMode.MPS:
+        # The MPS server fixed both when the client connected.
+        if request.core_percent != first.core_percent:
+            raise UsageError(
+                f"instance {instance.id} is an MPS client: its thread percentage "
+                "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE) is fixed when it connects; restart it for another core share"
+            )
+        if request.memory > first.memory:
+            raise UsageError(
+                f"instance {instance.id} is an MPS client held to the pinned memory it started with "
+                "(CUDA_MPS_PINNED_DEVICE_MEM_LIMIT): on an mps node it can shrink, not grow; restart it to grow"
+            )
     _check_request(request, gpus, mode, policy)
     others = [i for i in active if i.id != instance.id]
     usage = tuple(u for u in gpu_usage(gpus, others, reserved, whole) if u.gpu.index in request.gpu_indexes)

@@ -839,3 +839,13 @@ def test_only_a_running_instance_resizes() -> None:
     gone = held(GPUS, (0, 4, 0), state=InstanceState.RELEASED, name="gone")
     with pytest.raises(StateError, match="instance gone is released: only a running instance can be resized"):
         admit_resize(gone, 2 * GIB, None, GPUS, [], CGPU)
+
+
+def test_an_mps_client_only_shrinks_its_memory_in_place() -> None:
+    mps = NodePolicy(mode=NodeMode.MPS)
+    me = held(GPUS, (0, 4, 30), name="me")
+    assert [g.memory for g in admit_resize(me, 2 * GIB, None, GPUS, [me], mps)] == [2 * GIB]
+    with pytest.raises(UsageError, match="CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"):
+        admit_resize(me, 6 * GIB, None, GPUS, [me], mps)
+    with pytest.raises(UsageError, match="CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"):
+        admit_resize(me, None, 50, GPUS, [me], mps)
