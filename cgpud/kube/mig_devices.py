@@ -3,7 +3,7 @@ the driver's capability nodes of its GPU instance and compute instance,
 `/dev/nvidia-caps/nvidia-cap<minor>`, whose minors the driver lists in
 /proc/driver/nvidia-caps/mig-minors as `gpu<G>/gi<I>/access <minor>` and
 `gpu<G>/gi<I>/ci<C>/access <minor>` (G the GPU's device minor). A host
-without the file (the simulated GPUs) or without a node gives none: a
+without the file (a driver that makes no capability nodes) or without a node gives none: a
 runtime refuses a spec naming a missing node."""
 
 from __future__ import annotations
