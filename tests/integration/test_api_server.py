@@ -77,6 +77,23 @@ class FakeService:
         self.instances[instance_id] = inst
         return inst
 
+    def resize(self, instance_id: str, memory: int | None = None, core_percent: int | None = None) -> model.Instance:
+        self.calls.append(("resize", instance_id, memory, core_percent))
+        inst = self.get(instance_id)
+        grants = tuple(
+            replace(
+                g,
+                memory=g.memory if memory is None else memory,
+                core_percent=g.core_percent if core_percent is None else core_percent,
+            )
+            for g in inst.grants
+        )
+        self.instances[instance_id] = replace(inst, grants=grants)
+        return self.instances[instance_id]
+
+    def mps_pipes(self) -> dict[int, Path]:
+        return {}
+
     def list(self, include_released: bool = False) -> list[model.Instance]:
         return [i for i in self.instances.values() if include_released or i.active]
 
@@ -181,6 +198,18 @@ def test_bind_release_list_and_get(api: Running) -> None:
     assert [i.id for i in api.client.list(include_released=True)] == [a.id, b.id]
     assert api.client.get(b.id) == api.service.instances[b.id]
     assert api.client.region_dir(b.id) is None  # its region is gone with it
+
+
+def test_resize_sends_only_what_was_given(api: Running) -> None:
+    """Unset stays unset on the wire: None is "as it is", 0 a real value."""
+    a = api.client.create(_request())
+    resized = api.client.resize(a.id, 2 * model.GIB, None)
+    assert api.service.calls[-1] == ("resize", a.id, 2 * model.GIB, None)
+    assert resized.grants[0].memory == 2 * model.GIB
+    api.client.resize(a.id, None, 0)
+    assert api.service.calls[-1] == ("resize", a.id, None, 0)
+    with pytest.raises(NotFoundError, match="no instance 'nope'"):
+        api.client.resize("nope", model.GIB, None)
 
 
 def test_policy_and_node_info(api: Running) -> None:
