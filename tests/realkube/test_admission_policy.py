@@ -69,7 +69,11 @@ def test_cgpud_may_write_its_own_nodes_capacity_address_and_card_labels(cluster:
             {
                 "metadata": {
                     "annotations": {ANNOTATION_CAPACITY_ADDRESS: f"{node.ip}:9455"},
-                    "labels": {"aliyun.accelerator/nvidia_count": "2"},
+                    "labels": {
+                        "aliyun.accelerator/nvidia_count": "2",
+                        "nvidia.com/mig.capable": "false",  # GPU feature discovery's, as the MIG strategies write
+                        "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
+                    },
                 }
             },
         ),
@@ -81,7 +85,7 @@ def test_cgpud_may_not_relabel_its_own_node_to_another_mode(cluster: RealCluster
     done = _as_cgpud(
         cluster, setting, *_patch("node", cluster.nodes[0].name, {"metadata": {"labels": {LABEL_MODE: "share"}}})
     )
-    _denied(done, "cgpud may change only its Node's aliyun.accelerator/* labels")
+    _denied(done, "cgpud may change only its Node's card labels")
     assert cluster.get("node", cluster.nodes[0].name)["metadata"]["labels"].get(LABEL_MODE) != "share"
 
 
