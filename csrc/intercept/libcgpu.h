@@ -59,6 +59,11 @@ struct cgpu_process {
      * (UNGATED without compute control, closed when launches are refused),
      * so the launch path never tests for NULL. */
     const _Atomic uint32_t *gate[CGPU_MAX_DEVICES];
+    /* What the launch hooks read first: gate[0] once init is done and the
+     * process has at most one instance device, else a word that is neither
+     * ungated nor open (before init, several devices), which sends every
+     * launch to the full path. Stored once, after init. */
+    const _Atomic uint32_t *_Atomic launch_gate;
     int grants_fd;                 /* read-only: probes cgpud's lock on it (CGPU_GRANTS_LOCK_OFFSET) */
     bool launches_refused;         /* a grants file that cannot be trusted */
     char refused_why[512];         /* said at the first refused launch; empty: said already */
