@@ -11,6 +11,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "../region/region_charge.h"
 #include "../region/region_ops.h"
 #include "cgpu/array_format.h"
 #include "libcgpu.h"
@@ -118,17 +119,25 @@ int cgpu_reap_dead(void)
 
 /* Charged under `limit`; kept unless a shrink lowered the live limit under
  * the instance's usage meanwhile (region_ops.h: cgpu_grants_store_mem_limit). */
-static bool kept(int slot, int ledger, uint64_t limit, uint64_t bytes)
+static __attribute__((noinline, cold)) bool kept_after_shrink(int slot, int ledger, uint64_t limit, uint64_t bytes)
 {
-    const _Atomic uint64_t *live = g_cgpu.device[slot].mem_limit;
-    if (CGPU_LIKELY(atomic_load_explicit(live, memory_order_seq_cst) >= limit) ||
-        !cgpu_usage_over_live(g_cgpu.usage, (unsigned)slot, live, limit))
+    if (!cgpu_usage_over_live(g_cgpu.usage, (unsigned)slot, g_cgpu.device[slot].mem_limit, limit))
         return true;
     cgpu_ledger_uncharge(g_cgpu.usage, ledger, (unsigned)slot, bytes);
     return false;
 }
 
-static bool charge(int slot, uint64_t bytes)
+static inline bool kept(int slot, int ledger, uint64_t limit, uint64_t bytes)
+{
+    /* seq_cst, after the seq_cst reserve: the charger's half of the protocol */
+    if (CGPU_LIKELY(atomic_load_explicit(g_cgpu.device[slot].mem_limit, memory_order_seq_cst) >= limit))
+        return true;
+    return kept_after_shrink(slot, ledger, limit, bytes);
+}
+
+/* Everything but a first try that fits: no ledger yet (after fork), memory
+ * of dead processes to reap, out of memory. */
+static __attribute__((noinline, cold)) bool charge_slow(int slot, uint64_t bytes)
 {
     uint64_t limit = cgpu_mem_limit(slot);
     int ledger = my_ledger();
@@ -143,9 +152,21 @@ static bool charge(int slot, uint64_t bytes)
     return false;
 }
 
-static void uncharge(int slot, uint64_t bytes)
+/* The steps of cgpu_ledger_charge and the live-limit check inline: a first
+ * try that fits makes no call. */
+static inline bool charge(int slot, uint64_t bytes)
 {
-    cgpu_ledger_uncharge(g_cgpu.usage, g_cgpu.ledger, (unsigned)slot, bytes);
+    uint64_t limit = cgpu_mem_limit(slot);
+    int ledger = g_cgpu.ledger;
+    if (CGPU_LIKELY(ledger >= 0) &&
+        CGPU_LIKELY(cgpu_ledger_charge_inline(g_cgpu.usage, ledger, (unsigned)slot, limit, bytes)))
+        return kept(slot, ledger, limit, bytes);
+    return charge_slow(slot, bytes);
+}
+
+static inline void uncharge(int slot, uint64_t bytes)
+{
+    cgpu_ledger_uncharge_inline(g_cgpu.usage, g_cgpu.ledger, (unsigned)slot, bytes);
 }
 
 /* ---- what each allocation holds ------------------------------------------------- */
@@ -307,12 +328,55 @@ static enum route route_to(int slot)
     return slot >= 0 ? ROUTE_CHARGE : ROUTE_REFUSE; /* a GPU outside the instance */
 }
 
+/* The instance device every context of this process is on, when the driver
+ * shows the process exactly one device and it is the instance's (a
+ * container's usual view; CUDA_VISIBLE_DEVICES is fixed at cuInit); else
+ * -1, not known yet or several. Saves asking the driver for the current
+ * device at every allocation. */
+#define ONLY_UNKNOWN (-1)
+#define ONLY_NONE (-2)
+static _Atomic int only_slot = ONLY_UNKNOWN;
+
+/* Asked once a context exists (the driver is initialised then). */
+static __attribute__((noinline, cold)) void learn_only_slot(void)
+{
+    int count = 0, slot = ONLY_NONE;
+    __typeof__(&cuDeviceGetCount) get_count = REAL(cuDeviceGetCount);
+    if (!get_count || get_count(&count) != CUDA_SUCCESS)
+        return; /* ask again next time */
+    if (count == 1 && cgpu_slot_of_cuda_device(0) >= 0)
+        slot = cgpu_slot_of_cuda_device(0);
+    atomic_store_explicit(&only_slot, slot, memory_order_relaxed);
+}
+
 static enum route route_current(int *slot)
 {
     if (cgpu_state() != CGPU_ACTIVE)
         return route_to(-1);
     *slot = current_slot();
+    if (*slot >= 0 && atomic_load_explicit(&only_slot, memory_order_relaxed) == ONLY_UNKNOWN)
+        learn_only_slot();
     return route_to(*slot);
+}
+
+/* route_current for the allocation hooks. With only_slot known (ACTIVE by
+ * then) no driver call: a call without a context is charged, refused by
+ * the driver and given back, and one the limit refuses asks
+ * no_context_after_all before saying out of memory. */
+static inline enum route route_alloc(int *slot, bool *assumed)
+{
+    int only = atomic_load_explicit(&only_slot, memory_order_relaxed);
+    if (CGPU_LIKELY(only >= 0)) {
+        *slot = only;
+        *assumed = true;
+        return ROUTE_CHARGE;
+    }
+    return route_current(slot);
+}
+
+static __attribute__((noinline, cold)) bool no_context_after_all(void)
+{
+    return current_slot() == -2;
 }
 
 /* Calls the driver, or reports it missing instead of calling NULL. */
@@ -369,8 +433,16 @@ static enum route route_current(int *slot)
     CGPU_EXPORT CUresult symbol params                                                          \
     {                                                                                           \
         int slot = -1;                                                                          \
-        ROUTE_OR_RETURN(dptr && bytesize ? route_current(&slot) : ROUTE_FORWARD, symbol, __VA_ARGS__); \
-        CHARGED_CALL(KIND_POINTER, slot, bytesize, *dptr, symbol, __VA_ARGS__);                 \
+        bool assumed = false;                                                                   \
+        ROUTE_OR_RETURN(dptr && bytesize ? route_alloc(&slot, &assumed) : ROUTE_FORWARD, symbol, __VA_ARGS__); \
+        if (CGPU_UNLIKELY(!charge(slot, bytesize)))                                             \
+            return assumed && no_context_after_all() ? CALL_REAL(symbol, __VA_ARGS__) : CUDA_ERROR_OUT_OF_MEMORY; \
+        CUresult rc_ = CALL_REAL(symbol, __VA_ARGS__);                                          \
+        if (rc_ != CUDA_SUCCESS) {                                                              \
+            uncharge(slot, bytesize);                                                           \
+            return rc_;                                                                         \
+        }                                                                                       \
+        return keep(KIND_POINTER, (uint64_t)*dptr, bytesize, slot);                             \
     }
 
 ALLOC_HOOK(cuMemAlloc_v2, (CUdeviceptr *dptr, size_t bytesize), dptr, bytesize)
