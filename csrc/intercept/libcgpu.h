@@ -19,6 +19,9 @@
 #include "cgpu/region.h"
 
 #define CGPU_EXPORT __attribute__((visibility("default")))
+/* On declarations too: the hot paths then address these directly, not
+ * through the GOT. */
+#define CGPU_HIDDEN __attribute__((visibility("hidden")))
 #define CGPU_UNLIKELY(x) __builtin_expect(!!(x), 0)
 #define CGPU_LIKELY(x) __builtin_expect(!!(x), 1)
 
@@ -69,7 +72,7 @@ struct cgpu_process {
     char refused_why[512];         /* said at the first refused launch; empty: said already */
 };
 
-extern struct cgpu_process g_cgpu;
+extern CGPU_HIDDEN struct cgpu_process g_cgpu;
 
 /* Reads the region once; later calls return at once. */
 void cgpu_init_slow(void);
@@ -89,7 +92,7 @@ void cgpu_log(int level, const char *fmt, ...) __attribute__((format(printf, 2, 
 
 /* ---- the real functions ------------------------------------------------------ */
 
-extern void *_Atomic g_real[HOOK_COUNT];
+extern CGPU_HIDDEN void *_Atomic g_real[HOOK_COUNT];
 extern void *const g_hook[HOOK_COUNT]; /* NULL for USE entries */
 extern const char *const g_hook_name[HOOK_COUNT];
 void *cgpu_resolve_real(enum cgpu_hook_id id);

@@ -127,12 +127,17 @@ static __attribute__((noinline, cold)) bool kept_after_shrink(int slot, int ledg
     return false;
 }
 
-static inline bool kept(int slot, int ledger, uint64_t limit, uint64_t bytes)
+static inline bool kept_live(const _Atomic uint64_t *live, int slot, int ledger, uint64_t limit, uint64_t bytes)
 {
     /* seq_cst, after the seq_cst reserve: the charger's half of the protocol */
-    if (CGPU_LIKELY(atomic_load_explicit(g_cgpu.device[slot].mem_limit, memory_order_seq_cst) >= limit))
+    if (CGPU_LIKELY(atomic_load_explicit(live, memory_order_seq_cst) >= limit))
         return true;
     return kept_after_shrink(slot, ledger, limit, bytes);
+}
+
+static inline bool kept(int slot, int ledger, uint64_t limit, uint64_t bytes)
+{
+    return kept_live(g_cgpu.device[slot].mem_limit, slot, ledger, limit, bytes);
 }
 
 /* Everything but a first try that fits: no ledger yet (after fork), memory
@@ -153,20 +158,28 @@ static __attribute__((noinline, cold)) bool charge_slow(int slot, uint64_t bytes
 }
 
 /* The steps of cgpu_ledger_charge and the live-limit check inline: a first
- * try that fits makes no call. */
+ * try that fits makes no call. `slot` is an instance device, and a claimed
+ * ledger is in range. */
 static inline bool charge(int slot, uint64_t bytes)
 {
-    uint64_t limit = cgpu_mem_limit(slot);
+    const _Atomic uint64_t *live = g_cgpu.device[slot].mem_limit;
+    uint64_t limit = atomic_load_explicit(live, memory_order_relaxed);
     int ledger = g_cgpu.ledger;
     if (CGPU_LIKELY(ledger >= 0) &&
-        CGPU_LIKELY(cgpu_ledger_charge_inline(g_cgpu.usage, ledger, (unsigned)slot, limit, bytes)))
-        return kept(slot, ledger, limit, bytes);
+        CGPU_LIKELY(cgpu_ledger_charge_at(g_cgpu.usage, ledger, (unsigned)slot, limit, bytes)))
+        return kept_live(live, slot, ledger, limit, bytes);
     return charge_slow(slot, bytes);
 }
 
+/* `slot` is always an instance device (a route's or a record's); the
+ * ledger is -1 in a child that has not claimed its own yet. */
 static inline void uncharge(int slot, uint64_t bytes)
 {
-    cgpu_ledger_uncharge_inline(g_cgpu.usage, g_cgpu.ledger, (unsigned)slot, bytes);
+    int ledger = g_cgpu.ledger;
+    if (CGPU_LIKELY(ledger >= 0))
+        cgpu_ledger_uncharge_at(g_cgpu.usage, ledger, (unsigned)slot, bytes);
+    else
+        cgpu_ledger_uncharge_inline(g_cgpu.usage, ledger, (unsigned)slot, bytes);
 }
 
 /* ---- what each allocation holds ------------------------------------------------- */
@@ -196,22 +209,19 @@ struct alloc_entry {
 
 static struct alloc_entry *_Atomic table;
 
-static struct alloc_entry *get_table(void)
+/* Out of line, so that the allocation path saves no registers for it. */
+static __attribute__((noinline, cold)) struct alloc_entry *make_table(void)
 {
-    struct alloc_entry *t = atomic_load_explicit(&table, memory_order_acquire);
-    if (CGPU_UNLIKELY(!t)) {
-        void *m = mmap(NULL, TABLE_SIZE * sizeof(*t), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE,
-                       -1, 0);
-        if (m == MAP_FAILED)
-            return NULL;
-        struct alloc_entry *expect = NULL;
-        if (!atomic_compare_exchange_strong(&table, &expect, m)) {
-            munmap(m, TABLE_SIZE * sizeof(*t));
-            return expect;
-        }
-        t = m;
+    void *m = mmap(NULL, TABLE_SIZE * sizeof(struct alloc_entry), PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    if (m == MAP_FAILED)
+        return NULL;
+    struct alloc_entry *expect = NULL;
+    if (!atomic_compare_exchange_strong(&table, &expect, m)) {
+        munmap(m, TABLE_SIZE * sizeof(struct alloc_entry));
+        return expect;
     }
-    return t;
+    return m;
 }
 
 static uint64_t make_key(enum alloc_kind kind, uint64_t value)
@@ -224,11 +234,21 @@ static size_t home(uint64_t key)
     return (size_t)((key * 0x9E3779B97F4A7C15ULL) >> 47) & (TABLE_SIZE - 1);
 }
 
+static bool remember_aux(enum alloc_kind kind, uint64_t value, uint64_t bytes, int slot, uint64_t aux);
+
+/* The first record makes the table; a tail call, so that remember_aux
+ * saves no registers for it. */
+static __attribute__((noinline, cold)) bool remember_first(enum alloc_kind kind, uint64_t value, uint64_t bytes,
+                                                           int slot, uint64_t aux)
+{
+    return make_table() && remember_aux(kind, value, bytes, slot, aux);
+}
+
 static bool remember_aux(enum alloc_kind kind, uint64_t value, uint64_t bytes, int slot, uint64_t aux)
 {
-    struct alloc_entry *t = get_table();
-    if (!t)
-        return false;
+    struct alloc_entry *t = atomic_load_explicit(&table, memory_order_acquire);
+    if (CGPU_UNLIKELY(!t))
+        return remember_first(kind, value, bytes, slot, aux);
     uint64_t key = make_key(kind, value);
     for (size_t n = 0, i = home(key); n < TABLE_SIZE; n++, i = (i + 1) & (TABLE_SIZE - 1)) {
         uint64_t cur = atomic_load_explicit(&t[i].key, memory_order_relaxed);
@@ -359,19 +379,18 @@ static enum route route_current(int *slot)
     return route_to(*slot);
 }
 
-/* route_current for the allocation hooks. With only_slot known (ACTIVE by
- * then) no driver call: a call without a context is charged, refused by
- * the driver and given back, and one the limit refuses asks
- * no_context_after_all before saying out of memory. */
-static inline enum route route_alloc(int *slot, bool *assumed)
+/* route_current for the allocation hooks, by value: the instance device
+ * to charge, or ALLOC_FORWARD / ALLOC_REFUSE. */
+#define ALLOC_FORWARD (-1)
+#define ALLOC_REFUSE (-2)
+static __attribute__((noinline, cold)) int route_alloc_slow(void)
 {
-    int only = atomic_load_explicit(&only_slot, memory_order_relaxed);
-    if (CGPU_LIKELY(only >= 0)) {
-        *slot = only;
-        *assumed = true;
-        return ROUTE_CHARGE;
+    int slot = -1;
+    switch (route_current(&slot)) {
+    case ROUTE_FORWARD: return ALLOC_FORWARD;
+    case ROUTE_REFUSE: return ALLOC_REFUSE;
+    default: return slot;
     }
-    return route_current(slot);
 }
 
 static __attribute__((noinline, cold)) bool no_context_after_all(void)
@@ -417,24 +436,34 @@ static __attribute__((noinline, cold)) bool no_context_after_all(void)
     do {                                                                                        \
         uint64_t bytes_ = 0; /* both read only when held_ */                                   \
         int slot_ = -1;                                                                         \
-        bool held_ = cgpu_state() == CGPU_ACTIVE && forget(kind, (uint64_t)(value), &bytes_, &slot_); \
+        /* The state without initialising: no record exists before an allocation did. */       \
+        bool held_ = atomic_load_explicit(&g_cgpu.state, memory_order_acquire) == CGPU_ACTIVE &&  \
+                     forget(kind, (uint64_t)(value), &bytes_, &slot_);                          \
         CUresult rc_ = CALL_REAL(symbol, __VA_ARGS__);                                          \
-        if (held_ && rc_ == CUDA_SUCCESS)                                                       \
-            uncharge(slot_, bytes_);                                                            \
-        else if (held_)                                                                         \
-            put_back(kind, (uint64_t)(value), bytes_, slot_, 0);                                \
+        if (CGPU_LIKELY(held_)) {                                                               \
+            if (CGPU_LIKELY(rc_ == CUDA_SUCCESS))                                               \
+                uncharge(slot_, bytes_);                                                        \
+            else                                                                                \
+                put_back(kind, (uint64_t)(value), bytes_, slot_, 0);                            \
+        }                                                                                       \
         return rc_;                                                                             \
     } while (0)
 
 /* An allocation of `bytesize` bytes at *dptr on the current GPU, charged
  * before the driver is asked: one definition per entry point, `params` its
  * parameter list (naming dptr and bytesize), the rest its arguments. */
+/* With only_slot known (ACTIVE by then) no driver call: a call without a
+ * context is charged, refused by the driver and given back, and one the
+ * limit refuses looks for a context before saying out of memory. */
 #define ALLOC_HOOK(symbol, params, ...)                                                         \
     CGPU_EXPORT CUresult symbol params                                                          \
     {                                                                                           \
-        int slot = -1;                                                                          \
-        bool assumed = false;                                                                   \
-        ROUTE_OR_RETURN(dptr && bytesize ? route_alloc(&slot, &assumed) : ROUTE_FORWARD, symbol, __VA_ARGS__); \
+        if (CGPU_UNLIKELY(!dptr) || CGPU_UNLIKELY(!bytesize))                                   \
+            return CALL_REAL(symbol, __VA_ARGS__);                                              \
+        int slot = atomic_load_explicit(&only_slot, memory_order_relaxed);                      \
+        bool assumed = slot >= 0;                                                               \
+        if (CGPU_UNLIKELY(!assumed) && (slot = route_alloc_slow()) < 0)                         \
+            return slot == ALLOC_FORWARD ? CALL_REAL(symbol, __VA_ARGS__) : CUDA_ERROR_OUT_OF_MEMORY; \
         if (CGPU_UNLIKELY(!charge(slot, bytesize)))                                             \
             return assumed && no_context_after_all() ? CALL_REAL(symbol, __VA_ARGS__) : CUDA_ERROR_OUT_OF_MEMORY; \
         CUresult rc_ = CALL_REAL(symbol, __VA_ARGS__);                                          \
