@@ -9,6 +9,7 @@
 #include <string.h>
 #include <strings.h>
 #include <sys/mman.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "../region/region_charge.h"
@@ -322,6 +323,21 @@ static bool forget_aux(enum alloc_kind kind, uint64_t value, uint64_t *bytes, in
         }
     }
     return false;
+}
+
+/* forget_aux of a record the caller just looked up, holding vmm_lock (which
+ * every change of a VMM record takes): no second lookup. */
+static bool take_locked(struct alloc_entry *e, enum alloc_kind kind, uint64_t value, uint64_t *bytes, int *slot,
+                        uint64_t *aux)
+{
+    uint64_t key = make_key(kind, value), b = e->bytes, a = e->aux;
+    int s = e->slot;
+    if (!atomic_compare_exchange_strong(&e->key, &key, KEY_TOMB))
+        return forget_aux(kind, value, bytes, slot, aux);
+    *bytes = b;
+    *slot = s;
+    *aux = a;
+    return true;
 }
 
 static bool forget(enum alloc_kind kind, uint64_t value, uint64_t *bytes, int *slot)
@@ -670,9 +686,40 @@ CGPU_EXPORT CUresult cuMipmappedArrayDestroy(CUmipmappedArray hMipmappedArray)
 /* ---- VMM memory: alive until released and unmapped ------------------------------- */
 
 /* Serialises the PHYS reference counts and the records naming them.
- * Process-local and never held across a driver call. */
-static pthread_mutex_t vmm_lock = PTHREAD_MUTEX_INITIALIZER;
+ * Process-local, held for a few table operations and never across a
+ * driver call: a spinlock, an exchange and a store when free (a pthread
+ * mutex pair is ~50 instructions, and a VMM cycle takes it seven times).
+ * A waiter spins briefly, then sleeps between looks, so a holder that was
+ * preempted gets the CPU back. */
+static _Atomic int vmm_lock;
 static uint64_t vmm_serial; /* under vmm_lock */
+
+#define VMM_SPINS 128
+#define VMM_PAUSE_NS 10000
+
+static __attribute__((noinline, cold)) void vmm_lock_wait(void)
+{
+    unsigned spins = 0;
+    do {
+        while (atomic_load_explicit(&vmm_lock, memory_order_relaxed)) {
+            if (++spins > VMM_SPINS) {
+                struct timespec ts = {0, VMM_PAUSE_NS};
+                nanosleep(&ts, NULL);
+            }
+        }
+    } while (atomic_exchange_explicit(&vmm_lock, 1, memory_order_acquire));
+}
+
+static inline void vmm_take(void)
+{
+    if (CGPU_UNLIKELY(atomic_exchange_explicit(&vmm_lock, 1, memory_order_acquire)))
+        vmm_lock_wait();
+}
+
+static inline void vmm_give(void)
+{
+    atomic_store_explicit(&vmm_lock, 0, memory_order_release);
+}
 
 /* An exported allocation stays charged to the exporter until it exits:
  * the file descriptor can keep the memory alive where we cannot see it. */
@@ -680,7 +727,7 @@ static uint64_t vmm_serial; /* under vmm_lock */
 
 void cgpu_memory_after_fork(void)
 {
-    pthread_mutex_init(&vmm_lock, NULL);
+    atomic_store_explicit(&vmm_lock, 0, memory_order_relaxed); /* a holder's thread is gone */
 }
 
 static CUresult imported_size(CUmemGenericAllocationHandle h, uint64_t *bytes, int *slot);
@@ -688,11 +735,11 @@ static CUresult imported_size(CUmemGenericAllocationHandle h, uint64_t *bytes, i
 /* Records `bytes` (already charged) as held by `handle`. */
 static void track_handle(CUmemGenericAllocationHandle handle, uint64_t bytes, int slot)
 {
-    pthread_mutex_lock(&vmm_lock);
+    vmm_take();
     uint64_t serial = ++vmm_serial << 2; /* make_key() keeps bit 1 */
     if (!remember_aux(KIND_PHYS, serial, bytes, slot, 0) || !remember_aux(KIND_HANDLE, handle, 0, slot, serial))
         cgpu_log(CGPU_LOG_ERROR, "allocation table full: %llu bytes stay charged", (unsigned long long)bytes);
-    pthread_mutex_unlock(&vmm_lock);
+    vmm_give();
 }
 
 /* One thing fewer keeps the memory alive; the last one gives its bytes
@@ -700,17 +747,24 @@ static void track_handle(CUmemGenericAllocationHandle handle, uint64_t bytes, in
 static void unref_phys_locked(uint64_t serial)
 {
     struct alloc_entry *e = serial ? lookup(KIND_PHYS, serial) : NULL;
-    uint64_t bytes;
+    uint64_t bytes, aux;
     int slot;
-    if (e && --e->refs <= 0 && forget(KIND_PHYS, serial, &bytes, &slot))
+    if (e && --e->refs <= 0 && take_locked(e, KIND_PHYS, serial, &bytes, &slot, &aux))
         uncharge(slot, bytes);
+}
+
+/* The PHYS record of a handle we track, or NULL. Caller holds vmm_lock. */
+static struct alloc_entry *phys_of_locked(CUmemGenericAllocationHandle handle)
+{
+    struct alloc_entry *h = lookup(KIND_HANDLE, handle);
+    return h ? lookup(KIND_PHYS, h->aux) : NULL;
 }
 
 /* The PHYS serial of a handle we track, or 0. Caller holds vmm_lock. */
 static uint64_t serial_of_locked(CUmemGenericAllocationHandle handle)
 {
-    struct alloc_entry *h = lookup(KIND_HANDLE, handle);
-    return h && lookup(KIND_PHYS, h->aux) ? h->aux : 0;
+    struct alloc_entry *phys = phys_of_locked(handle);
+    return phys ? phys->value : 0;
 }
 
 CGPU_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
@@ -741,25 +795,25 @@ CGPU_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
         return CALL_REAL(cuMemRelease, handle);
     uint64_t unused, serial = 0;
     int slot = -1;
-    pthread_mutex_lock(&vmm_lock);
+    vmm_take();
     struct alloc_entry *h = lookup(KIND_HANDLE, handle);
     bool last = h && h->refs <= 1, held = h != NULL;
     if (h && !last) {
         h->refs--;
         serial = h->aux;
     } else if (h) {
-        forget_aux(KIND_HANDLE, handle, &unused, &slot, &serial);
+        take_locked(h, KIND_HANDLE, handle, &unused, &slot, &serial);
     }
-    pthread_mutex_unlock(&vmm_lock);
+    vmm_give();
     CUresult rc = CALL_REAL(cuMemRelease, handle);
-    pthread_mutex_lock(&vmm_lock);
+    vmm_take();
     if (held && rc == CUDA_SUCCESS)
         unref_phys_locked(serial);
     else if (held && !last && (h = lookup(KIND_HANDLE, handle)))
         h->refs++;
     else if (held && last)
         put_back(KIND_HANDLE, handle, 0, slot, serial);
-    pthread_mutex_unlock(&vmm_lock);
+    vmm_give();
     return rc;
 }
 
@@ -770,7 +824,7 @@ CGPU_EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *h
     CUresult rc = CALL_REAL(cuMemRetainAllocationHandle, handle, addr);
     if (rc != CUDA_SUCCESS || cgpu_state() != CGPU_ACTIVE)
         return rc;
-    pthread_mutex_lock(&vmm_lock);
+    vmm_take();
     struct alloc_entry *h = lookup(KIND_HANDLE, *handle), *m = NULL, *phys = NULL;
     uint64_t serial = h ? h->aux : (m = lookup(KIND_MAPPING, (uint64_t)(uintptr_t)addr)) ? m->aux : 0;
     if (serial && (phys = lookup(KIND_PHYS, serial))) {
@@ -780,7 +834,7 @@ CGPU_EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *h
         else if (!remember_aux(KIND_HANDLE, *handle, 0, phys->slot, serial))
             cgpu_log(CGPU_LOG_ERROR, "allocation table full: a handle stays charged");
     }
-    pthread_mutex_unlock(&vmm_lock);
+    vmm_give();
     if (phys)
         return CUDA_SUCCESS;
     /* An address inside a mapping, not its start: charged again in full
@@ -805,18 +859,19 @@ CGPU_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmem
         return CALL_REAL(cuMemMap, ptr, size, offset, handle, flags);
     /* The mapping's reference is taken first, so that a release racing
      * with the map never sees the memory unused. */
-    pthread_mutex_lock(&vmm_lock);
-    uint64_t serial = serial_of_locked(handle);
-    if (serial)
-        lookup(KIND_PHYS, serial)->refs++;
-    pthread_mutex_unlock(&vmm_lock);
+    vmm_take();
+    struct alloc_entry *phys = phys_of_locked(handle);
+    uint64_t serial = phys ? phys->value : 0;
+    if (phys)
+        phys->refs++;
+    vmm_give();
     CUresult rc = CALL_REAL(cuMemMap, ptr, size, offset, handle, flags);
-    pthread_mutex_lock(&vmm_lock);
+    vmm_take();
     if (rc != CUDA_SUCCESS)
         unref_phys_locked(serial);
     else if (!remember_aux(KIND_MAPPING, ptr, size, -1, serial)) /* untracked memory too: unmap walks ranges */
         cgpu_log(CGPU_LOG_ERROR, "allocation table full: a mapping stays charged");
-    pthread_mutex_unlock(&vmm_lock);
+    vmm_give();
     return rc;
 }
 
@@ -835,15 +890,15 @@ CGPU_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
     } taken[UNMAP_BATCH];
     int n = 0, slot;
     CUdeviceptr at = ptr, end = ptr + size >= ptr ? ptr + size : ~(CUdeviceptr)0;
-    pthread_mutex_lock(&vmm_lock);
+    vmm_take();
     while (n < UNMAP_BATCH && at < end &&
            forget_aux(KIND_MAPPING, at, &taken[n].bytes, &slot, &taken[n].serial) && taken[n].bytes) {
         taken[n].at = at;
         at += taken[n++].bytes;
     }
-    pthread_mutex_unlock(&vmm_lock);
+    vmm_give();
     CUresult rc = CALL_REAL(cuMemUnmap, ptr, size);
-    pthread_mutex_lock(&vmm_lock);
+    vmm_take();
     for (int i = 0; i < n; i++) {
         if (rc == CUDA_SUCCESS)
             unref_phys_locked(taken[i].serial);
@@ -855,7 +910,7 @@ CGPU_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
         unref_phys_locked(serial);
         at += bytes;
     }
-    pthread_mutex_unlock(&vmm_lock);
+    vmm_give();
     return rc;
 }
 
@@ -865,11 +920,11 @@ CGPU_EXPORT CUresult cuMemExportToShareableHandle(void *shareableHandle, CUmemGe
     CUresult rc = CALL_REAL(cuMemExportToShareableHandle, shareableHandle, handle, handleType, flags);
     if (rc != CUDA_SUCCESS || cgpu_state() != CGPU_ACTIVE)
         return rc;
-    pthread_mutex_lock(&vmm_lock);
+    vmm_take();
     uint64_t serial = serial_of_locked(handle);
     if (serial)
         lookup(KIND_PHYS, serial)->refs |= EXPORT_PIN;
-    pthread_mutex_unlock(&vmm_lock);
+    vmm_give();
     return rc;
 }
 
@@ -982,7 +1037,7 @@ CGPU_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value)
     uint64_t real_b = limit_bytes(limit, after, dev);
     uint64_t key = ((uint64_t)(uintptr_t)ctx << 4) | ((uint64_t)limit << 2), held = 0, aux;
     int s;
-    pthread_mutex_lock(&vmm_lock);
+    vmm_take();
     forget_aux(KIND_LIMIT, key, &held, &s, &aux);
     if (real_b >= old_b) {
         uint64_t want = real_b - old_b;
@@ -1000,7 +1055,7 @@ CGPU_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value)
     }
     if (held && !remember_aux(KIND_LIMIT, key, held, slot, 0))
         cgpu_log(CGPU_LOG_ERROR, "allocation table full: %llu bytes stay charged", (unsigned long long)held);
-    pthread_mutex_unlock(&vmm_lock);
+    vmm_give();
     return CUDA_SUCCESS;
 }
 
