@@ -41,13 +41,9 @@ static void format_uuid(const CUuuid *u, char *out, size_t len)
              b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]);
 }
 
-int cgpu_slot_of_cuda_device(CUdevice dev)
+/* The first look-up of an ordinal (or one the driver could not answer). */
+static __attribute__((noinline)) int slot_of_cuda_device_slow(CUdevice dev)
 {
-    if (dev < 0 || dev >= MAX_ORDINALS)
-        return -1;
-    int cached = atomic_load_explicit(&slot_of_ordinal[dev], memory_order_relaxed);
-    if (cached)
-        return cached - 2;
     CUuuid uuid;
     __typeof__(&cuDeviceGetUuid_v2) get_uuid = REAL(cuDeviceGetUuid_v2);
     if (!get_uuid)
@@ -59,6 +55,14 @@ int cgpu_slot_of_cuda_device(CUdevice dev)
     int slot = slot_of_uuid(text);
     atomic_store_explicit(&slot_of_ordinal[dev], slot + 2, memory_order_relaxed);
     return slot;
+}
+
+int cgpu_slot_of_cuda_device(CUdevice dev)
+{
+    if (dev < 0 || dev >= MAX_ORDINALS)
+        return -1;
+    int cached = atomic_load_explicit(&slot_of_ordinal[dev], memory_order_relaxed);
+    return CGPU_LIKELY(cached) ? cached - 2 : slot_of_cuda_device_slow(dev);
 }
 
 int cgpu_slot_of_nvml_device(nvmlDevice_t dev)
@@ -1066,7 +1070,14 @@ CGPU_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value)
 static void instance_mem_info(uint64_t gpu_free, uint64_t *free_bytes, uint64_t *total)
 {
     cgpu_reap_dead();
-    int slot = current_slot();
+    /* The driver has just answered for the current context: with one
+     * device visible it is on that one. */
+    int slot = atomic_load_explicit(&only_slot, memory_order_relaxed);
+    if (slot < 0) {
+        slot = current_slot();
+        if (slot >= 0 && atomic_load_explicit(&only_slot, memory_order_relaxed) == ONLY_UNKNOWN)
+            learn_only_slot();
+    }
     uint64_t limit = slot >= 0 ? cgpu_mem_limit(slot) : 0;
     uint64_t used = slot >= 0 ? cgpu_slot_used(slot) : 0;
     uint64_t left = used < limit ? limit - used : 0;
