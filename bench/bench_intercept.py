@@ -407,7 +407,7 @@ def main(argv: list[str]) -> int:
         if not args.no_callgrind:
             print(
                 f"count:   valgrind --tool=callgrind --callgrind-out-file=F intercept_calls MODE "
-                f"{args.callgrind_calls} (and {2 * args.callgrind_calls}), same two environments"
+                f"{args.callgrind_calls} (and {2 * args.callgrind_calls}), in the same environments"
             )
         print(
             f"machine: simulated {SIM_CONFIG.strip()}; regions: {MEM_LIMIT >> 30} GiB limit on {uuid}, "
