@@ -575,9 +575,12 @@ static inline __attribute__((always_inline)) int hold_fast(const _Atomic uint32_
         return HOLD_NO;
     }
     uint32_t n = atomic_fetch_add_explicit(&s->launched, 1, memory_order_relaxed) + 1;
+    /* Before the drain, not after as gate_enter does: the same outcome (a
+     * drain that empties the queue records the stream itself), and
+     * symbol_drain needs no `n`. */
+    track_stream(s, n, stream);
     if (CGPU_UNLIKELY(n > atomic_load_explicit(&s->credits, memory_order_relaxed)))
         return HOLD_DRAIN;
-    track_stream(s, n, stream);
     return HOLD_YES;
 }
 
@@ -597,7 +600,7 @@ static inline __attribute__((always_inline)) int hold_fast(const _Atomic uint32_
     {                                                                                           \
         GATED_CALL(symbol, stream, __VA_ARGS__);                                                \
     }                                                                                           \
-    /* Holding the grant, out of credits: as gate_enter does then. */                           \
+    /* Holding the grant (stream tracked), out of credits: as gate_enter then. */              \
     static __attribute__((noinline, cold)) CUresult symbol##_drain params                       \
     {                                                                                           \
         drain_queue(&slots[0], (stream));                                                       \
