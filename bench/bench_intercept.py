@@ -20,6 +20,10 @@ call), 2 on a bad argument.
 Run from the repository root:
     .venv/bin/python -m bench.bench_intercept [--rounds 7] [--calls 200000]
         [--modes launch-noregion,launch,launch-open,allocfree,meminfo,vmm] [--no-callgrind]
+        [--baseline-library OTHER/libcgpu.so]
+
+With --baseline-library, another build (e.g. main's) runs as a third side in
+the same rounds and callgrind counts, so before and after come from one run.
 """
 
 from __future__ import annotations
@@ -59,13 +63,15 @@ MEM_LIMIT = 8 << 30
 SIM_CONFIG = 'gpu name="NVIDIA H100 80GB HBM3" mem=16GiB sms=132\n'
 RUN_TIMEOUT_S = 300
 
-# (mode, metric, limit, unit, description) -- from the issue. vmm has none:
-# reported only.
+# (mode, metric, limit, unit, description) -- from issues 1 (ns) and 39 (Ir).
 TARGETS = (
     ("launch", "ns", 50.0, "ns", "cuLaunchKernel (gate ungated) added time"),
-    ("launch", "ir", 150.0, "instructions", "cuLaunchKernel (gate ungated) added instructions"),
+    ("launch", "ir", 20.0, "instructions", "cuLaunchKernel (gate ungated) added instructions"),
     ("launch-open", "ns", 100.0, "ns", "cuLaunchKernel (gate open, grant held) added time"),
+    ("launch-open", "ir", 40.0, "instructions", "cuLaunchKernel (gate open, grant held) added instructions"),
     ("allocfree", "ns", 1000.0, "ns", "cuMemAlloc_v2+cuMemFree_v2 pair added time"),
+    ("allocfree", "ir", 200.0, "instructions", "cuMemAlloc_v2+cuMemFree_v2 pair added instructions"),
+    ("vmm", "ir", 400.0, "instructions", "VMM create+map+release+unmap cycle added instructions"),
 )
 
 
@@ -73,17 +79,22 @@ TARGETS = (
 class ModeResult:
     bare_ns: list[float] = field(default_factory=list)
     cgpu_ns: list[float] = field(default_factory=list)
+    base_ns: list[float] = field(default_factory=list)  # --baseline-library
     bare_ir: float | None = None
     cgpu_ir: float | None = None
+    base_ir: float | None = None
     intercepted: dict[str, bool] = field(default_factory=dict)
     cycle_bytes: int | None = None  # vmm: the size created and mapped per cycle
 
+    def rounds(self, which: str) -> list[float]:
+        return {"bare": self.bare_ns, "cgpu": self.cgpu_ns, "base": self.base_ns}[which]
+
     def median(self, which: str) -> float:
-        return statistics.median(self.bare_ns if which == "bare" else self.cgpu_ns)
+        return statistics.median(self.rounds(which))
 
     def spread(self, which: str) -> float:
         """Interquartile range of the rounds: how far apart the middle half lies."""
-        values = self.bare_ns if which == "bare" else self.cgpu_ns
+        values = self.rounds(which)
         if len(values) < 2:
             return 0.0
         q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
@@ -102,6 +113,12 @@ class ModeResult:
         if self.bare_ir is None or self.cgpu_ir is None:
             return None
         return self.cgpu_ir - self.bare_ir
+
+    @property
+    def base_added_ir(self) -> float | None:
+        if self.bare_ir is None or self.base_ir is None:
+            return None
+        return self.base_ir - self.bare_ir
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -125,6 +142,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         type=Path,
         default=None,
         help="interception library to preload (the built lib/libcgpu.so)",
+    )
+    p.add_argument(
+        "--baseline-library",
+        type=Path,
+        default=None,
+        help="another build of libcgpu.so (e.g. main's) run as a third side in the same rounds",
     )
     args = p.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -227,18 +250,21 @@ def timed_rounds(
 ) -> ModeResult:
     result = ModeResult()
     for r in range(args.rounds):
-        # Alternate which configuration goes first so that neither always
-        # runs on a warmer (or busier) machine.
-        order = ("bare", "cgpu") if r % 2 == 0 else ("cgpu", "bare")
+        sides = [c for c in ("bare", "cgpu", "base") if c in envs]
+        # Rotate which side goes first so that none always runs on a warmer
+        # (or busier) machine.
+        order = sides[r % len(sides) :] + sides[: r % len(sides)]
         for config in order:
             report = measure(exe, mode, args.calls, envs[config], f"{mode} round {r + 1} ({config})")
             if config == "bare":
                 if not all(resolved_in(report, driver).values()):
                     raise BenchError(f"bare run of {mode} did not call the simulated driver: {report['resolved_from']}")
                 result.bare_ns.append(report["ns_per_call"])
-            else:
+            elif config == "cgpu":
                 result.intercepted = resolved_in(report, library)
                 result.cgpu_ns.append(report["ns_per_call"])
+            else:
+                result.base_ns.append(report["ns_per_call"])
             result.cycle_bytes = report.get("bytes")
     return result
 
@@ -267,8 +293,8 @@ def fmt(value: float | None, spec: str, sign: bool = False) -> str:
 
 
 def report(results: dict[str, ModeResult], args: argparse.Namespace, library: Path) -> None:
-    head = ("call", "bare ns", "cgpu ns", "added ns", "ratio", "bare Ir", "cgpu Ir", "added Ir")
-    rows = [
+    head: tuple[str, ...] = ("call", "bare ns", "cgpu ns", "added ns", "ratio", "bare Ir", "cgpu Ir", "added Ir")
+    rows: list[tuple[str, ...]] = [
         (
             LABELS[m],
             fmt(r.median("bare"), ".1f"),
@@ -281,6 +307,18 @@ def report(results: dict[str, ModeResult], args: argparse.Namespace, library: Pa
         )
         for m, r in results.items()
     ]
+    if args.baseline_library:
+        head += ("base ns", "base added ns", "base Ir", "base added Ir")
+        rows = [
+            (
+                *row,
+                fmt(r.median("base"), ".1f"),
+                fmt(r.median("base") - r.median("bare"), ".1f", sign=True),
+                fmt(r.base_ir, ".1f"),
+                fmt(r.base_added_ir, ".1f", sign=True),
+            )
+            for row, r in zip(rows, results.values(), strict=True)
+        ]
     print()
     print(
         f"Per call (allocfree: per alloc+free pair; vmm: per create+map+release+unmap cycle); "
@@ -299,6 +337,8 @@ def report(results: dict[str, ModeResult], args: argparse.Namespace, library: Pa
     for m, r in results.items():
         print(f"  {m:<15} bare {' '.join(f'{v:.1f}' for v in r.bare_ns)}  (IQR {r.spread('bare'):.1f})")
         print(f"  {'':<15} cgpu {' '.join(f'{v:.1f}' for v in r.cgpu_ns)}  (IQR {r.spread('cgpu'):.1f})")
+        if r.base_ns:
+            print(f"  {'':<15} base {' '.join(f'{v:.1f}' for v in r.base_ns)}  (IQR {r.spread('base'):.1f})")
     for r in results.values():
         direct = [fn for fn, hooked in r.intercepted.items() if not hooked]
         if direct:
@@ -330,6 +370,9 @@ def main(argv: list[str]) -> int:
     library = (args.library or native / "lib" / "libcgpu.so").resolve()
     if args.library and not library.is_file():
         raise BenchError(f"--library {args.library}: no such file")
+    baseline = args.baseline_library.resolve() if args.baseline_library else None
+    if baseline and not baseline.is_file():
+        raise BenchError(f"--baseline-library {args.baseline_library}: no such file")
     for part in (driver, library):
         if not part.exists():
             raise BenchError(f"{part} is missing: run `pip install -e .` in {ROOT}")
@@ -351,15 +394,20 @@ def main(argv: list[str]) -> int:
             "open": dict(preloaded, CGPU_REGION_DIR=str(opened)),
         }
         envs = {m: {"bare": bare, "cgpu": configs[CONFIG.get(m, "ungated")]} for m in args.modes}
+        if baseline:
+            for env in envs.values():
+                env["base"] = dict(env["cgpu"], LD_PRELOAD=str(baseline))
         print("build:  ", shlex.join(build_cmd))
         print(
             f"run:     LD_LIBRARY_PATH={bare['LD_LIBRARY_PATH']} CGPU_SIM_CONFIG=... CGPU_SIM_STATE=... "
             f"[LD_PRELOAD={library} [CGPU_REGION_DIR=...]] intercept_calls MODE {args.calls}"
         )
+        if baseline:
+            print(f"base:    the same with LD_PRELOAD={baseline}, a third side in every round")
         if not args.no_callgrind:
             print(
                 f"count:   valgrind --tool=callgrind --callgrind-out-file=F intercept_calls MODE "
-                f"{args.callgrind_calls} (and {2 * args.callgrind_calls}), same two environments"
+                f"{args.callgrind_calls} (and {2 * args.callgrind_calls}), in the same environments"
             )
         print(
             f"machine: simulated {SIM_CONFIG.strip()}; regions: {MEM_LIMIT >> 30} GiB limit on {uuid}, "
@@ -382,7 +430,8 @@ def main(argv: list[str]) -> int:
                     ir = instructions(exe, mode, args.callgrind_calls, env, workdir, config)
                     setattr(results[mode], f"{config}_ir", ir)
                 print(
-                    f"  counted {mode}: bare {results[mode].bare_ir:.1f} Ir, cgpu {results[mode].cgpu_ir:.1f} Ir",
+                    f"  counted {mode}: bare {results[mode].bare_ir:.1f} Ir, cgpu {results[mode].cgpu_ir:.1f} Ir"
+                    + (f", base {results[mode].base_ir:.1f} Ir" if baseline else ""),
                     flush=True,
                 )
         print(f"host:    load average {os.getloadavg()[0]:.2f} at end")

@@ -16,12 +16,17 @@
 #include "../region/region_ops.h"
 #include "libcgpu.h"
 
-struct cgpu_process g_cgpu = {
-    .usage_fd = -1, .ledger = -1, .grants_fd = -1, .ledger_lock = PTHREAD_MUTEX_INITIALIZER};
-
 /* What a gate reads without a grants file, and when launches are refused. */
 static const _Atomic uint32_t ungated_word = CGPU_GATE_UNGATED;
 static const _Atomic uint32_t refused_word = 0;
+/* launch_gate before init and with several devices: never ungated nor open. */
+static const _Atomic uint32_t full_path_word = 0;
+
+struct cgpu_process g_cgpu = {.usage_fd = -1,
+                              .ledger = -1,
+                              .grants_fd = -1,
+                              .ledger_lock = PTHREAD_MUTEX_INITIALIZER,
+                              .launch_gate = &full_path_word};
 
 void cgpu_log(int level, const char *fmt, ...)
 {
@@ -235,6 +240,10 @@ void cgpu_init_slow(void)
     if (atomic_load(&g_cgpu.state) == CGPU_UNINIT) {
         pthread_mutex_lock(&g_cgpu.ledger_lock);
         init_locked();
+        /* gate[] is final: launches that read this pointer skip `state`;
+         * until it is stored they take the full path, which reads `state`. */
+        atomic_store_explicit(&g_cgpu.launch_gate, g_cgpu.device_count <= 1 ? g_cgpu.gate[0] : &full_path_word,
+                              memory_order_release);
         pthread_mutex_unlock(&g_cgpu.ledger_lock);
     }
     pthread_mutex_unlock(&init_lock);

@@ -427,17 +427,16 @@ static __attribute__((noinline, cold)) void drain_queue(struct gate_slot *s, CUs
     atomic_fetch_add(&s->resets, 1);
 }
 
-/* Records where launch number `n` since the queue was last empty goes. */
-static __attribute__((noinline, cold)) void note_stream(struct gate_slot *s, uint32_t n, CUstream stream)
-{
-    atomic_store_explicit(&s->queue_stream, n == 1 ? (uintptr_t)stream : QUEUE_MANY, memory_order_relaxed);
-}
-
+/* Records where launch number `n` since the queue was last empty goes:
+ * the first names its stream, a later one into another stream makes it
+ * QUEUE_MANY. Into the stream already recorded nothing changes (a first
+ * launch would store the same value), so the common case is one compare;
+ * no call, so the launch hooks keep their arguments in place. */
 static inline void track_stream(struct gate_slot *s, uint32_t n, CUstream stream)
 {
     uintptr_t q = atomic_load_explicit(&s->queue_stream, memory_order_relaxed);
-    if (CGPU_UNLIKELY(n == 1 || (q != (uintptr_t)stream && q != QUEUE_MANY)))
-        note_stream(s, n, stream);
+    if (CGPU_UNLIKELY(q != (uintptr_t)stream) && (n == 1 || q != QUEUE_MANY))
+        atomic_store_explicit(&s->queue_stream, n == 1 ? (uintptr_t)stream : QUEUE_MANY, memory_order_relaxed);
 }
 
 /* True when no cgpud holds the lock on the slot's gate: nobody will open it.
@@ -554,6 +553,93 @@ static inline void gate_leave(int slot)
         atomic_fetch_sub_explicit(&slots[slot].inflight, 1, memory_order_release);
 }
 
+/* ---- the launch hooks' hot path ----------------------------------------------------- */
+
+enum { HOLD_NO, HOLD_YES, HOLD_DRAIN };
+
+/* gate_enter's open-gate case on the one-device gate (launch_gate), without
+ * a call: HOLD_YES, the grant is held (gate_leave(0) after the driver);
+ * HOLD_DRAIN, held but out of credits (drain first); HOLD_NO, nothing is
+ * left counted and the full path decides. The steps and their order are
+ * hold_open_gate's; an idle report to withdraw sends the launch to the full
+ * path, uncounted, as a gate found closed on the second look does. */
+static inline __attribute__((always_inline)) int hold_fast(const _Atomic uint32_t *gate, uint32_t g,
+                                                           CUstream stream)
+{
+    struct gate_slot *s = &slots[0];
+    if (!(g & CGPU_GATE_OPEN) || !atomic_load_explicit(&s->watched, memory_order_acquire))
+        return HOLD_NO;
+    atomic_fetch_add(&s->inflight, 1);
+    if (CGPU_UNLIKELY(atomic_load(&s->idle_report) != 0) || CGPU_UNLIKELY(!(atomic_load(gate) & CGPU_GATE_OPEN))) {
+        atomic_fetch_sub_explicit(&s->inflight, 1, memory_order_release);
+        return HOLD_NO;
+    }
+    uint32_t n = atomic_fetch_add_explicit(&s->launched, 1, memory_order_relaxed) + 1;
+    /* Before the drain, not after as gate_enter does: the same outcome (a
+     * drain that empties the queue records the stream itself), and
+     * symbol_drain needs no `n`. */
+    track_stream(s, n, stream);
+    if (CGPU_UNLIKELY(n > atomic_load_explicit(&s->credits, memory_order_relaxed)))
+        return HOLD_DRAIN;
+    return HOLD_YES;
+}
+
+/* A launch hook: `params` its parameter list, `stream` (an expression of
+ * the parameters) where the launch goes, the rest its arguments.
+ *
+ * GCC loads every stack-passed argument into a register and stores it back
+ * around a tail call that follows a branch (cuLaunchKernel has five), and
+ * tail-calls whatever it can. So the hook itself has no branch: it picks,
+ * with a mask, the driver (gate ungated) or symbol_gated and jumps there
+ * with the arguments untouched. symbol_gated makes exactly one call, not a
+ * tail call: the driver holding the open grant (gate_leave after), or
+ * symbol_drain (held, out of credits), or symbol_full (gate_enter: init,
+ * several devices, a closed gate, an idle report, refusals). */
+#define GATED_HOOK(symbol, params, stream, ...)                                                 \
+    static __attribute__((noinline, cold)) CUresult symbol##_full params                        \
+    {                                                                                           \
+        GATED_CALL(symbol, stream, __VA_ARGS__);                                                \
+    }                                                                                           \
+    /* Holding the grant (stream tracked), out of credits: as gate_enter then. */              \
+    static __attribute__((noinline, cold)) CUresult symbol##_drain params                       \
+    {                                                                                           \
+        drain_queue(&slots[0], (stream));                                                       \
+        CUresult rc_ = REAL(symbol)(__VA_ARGS__);                                               \
+        gate_leave(0);                                                                          \
+        return rc_;                                                                             \
+    }                                                                                           \
+    static __attribute__((noinline)) CUresult symbol##_gated params                             \
+    {                                                                                           \
+        __typeof__(&symbol) real_ =                                                             \
+            (__typeof__(&symbol))atomic_load_explicit(&g_real[HOOK_##symbol], memory_order_acquire); \
+        const _Atomic uint32_t *gate_ = atomic_load_explicit(&g_cgpu.launch_gate, memory_order_acquire); \
+        int held_ = real_ ? hold_fast(gate_, atomic_load_explicit(gate_, memory_order_acquire), (stream)) : HOLD_NO; \
+        __typeof__(&symbol) fn_ = CGPU_LIKELY(held_ == HOLD_YES) ? real_                          \
+                                  : held_ == HOLD_DRAIN          ? symbol##_drain               \
+                                                                 : symbol##_full;               \
+        CUresult rc_ = fn_(__VA_ARGS__);                                                        \
+        __asm__("" : "+r"(rc_)); /* not a tail call: one call site */                           \
+        if (held_ == HOLD_YES)                                                                  \
+            gate_leave(0);                                                                      \
+        return rc_;                                                                             \
+    }                                                                                           \
+    CGPU_EXPORT CUresult symbol params                                                          \
+    {                                                                                           \
+        /* Relaxed: an acquire load here is a compiler barrier that has the \
+         * stack arguments loaded before it. Nothing read after depends on \
+         * these but the gate word, read through the pointer (a dependency \
+         * that orders it on every CPU Linux runs on); a driver pointer    \
+         * names code, nothing written.                                   */ \
+        uintptr_t real_ = (uintptr_t)atomic_load_explicit(&g_real[HOOK_##symbol], memory_order_relaxed); \
+        const _Atomic uint32_t *gate_ = atomic_load_explicit(&g_cgpu.launch_gate, memory_order_relaxed); \
+        uint32_t g_ = atomic_load_explicit(gate_, memory_order_relaxed);                        \
+        uintptr_t keep_ = (uintptr_t)0 - ((g_ / CGPU_GATE_UNGATED) & 1); /* all ones if ungated */ \
+        __asm__("" : "+r"(keep_)); /* stays arithmetic: a branch costs the stack arguments */   \
+        uintptr_t to_ = real_ & keep_;                                                          \
+        __typeof__(&symbol) fn_ = to_ ? (__typeof__(&symbol))to_ : symbol##_gated;              \
+        return fn_(__VA_ARGS__);                                                                \
+    }
+
 /* `stream`: where the launch goes (only looked at when draining). */
 #define GATED_CALL(symbol, stream, ...)                                                         \
     do {                                                                                        \
@@ -576,33 +662,24 @@ static inline void gate_leave(int slot)
 #define PTSZ_NULL(s) ((s) ? (s) : CU_STREAM_PER_THREAD)
 
 #define LAUNCH_HOOK(symbol, null)                                                               \
-    CGPU_EXPORT CUresult symbol(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx, \
-                                unsigned int by, unsigned int bz, unsigned int shmem, CUstream s, void **params, \
-                                void **extra)                                                   \
-    {                                                                                           \
-        GATED_CALL(symbol, null(s), f, gx, gy, gz, bx, by, bz, shmem, s, params, extra);         \
-    }
+    GATED_HOOK(symbol,                                                                          \
+               (CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx, unsigned int by, \
+                unsigned int bz, unsigned int shmem, CUstream s, void **params, void **extra),  \
+               null(s), f, gx, gy, gz, bx, by, bz, shmem, s, params, extra)
 
 LAUNCH_HOOK(cuLaunchKernel, LEGACY_NULL)
 LAUNCH_HOOK(cuLaunchKernel_ptsz, PTSZ_NULL)
 
-CGPU_EXPORT CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra)
-{
-    GATED_CALL(cuLaunchKernelEx, config ? config->hStream : NULL, config, f, kernelParams, extra);
-}
-
-CGPU_EXPORT CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f, void **kernelParams,
-                                           void **extra)
-{
-    GATED_CALL(cuLaunchKernelEx_ptsz, PTSZ_NULL(config ? config->hStream : NULL), config, f, kernelParams, extra);
-}
+GATED_HOOK(cuLaunchKernelEx, (const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra),
+           config ? config->hStream : NULL, config, f, kernelParams, extra)
+GATED_HOOK(cuLaunchKernelEx_ptsz, (const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra),
+           PTSZ_NULL(config ? config->hStream : NULL), config, f, kernelParams, extra)
 
 #define COOPERATIVE_HOOK(symbol, null)                                                          \
-    CGPU_EXPORT CUresult symbol(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx, \
-                                unsigned int by, unsigned int bz, unsigned int shmem, CUstream s, void **params) \
-    {                                                                                           \
-        GATED_CALL(symbol, null(s), f, gx, gy, gz, bx, by, bz, shmem, s, params);                \
-    }
+    GATED_HOOK(symbol,                                                                          \
+               (CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx, unsigned int by, \
+                unsigned int bz, unsigned int shmem, CUstream s, void **params),                \
+               null(s), f, gx, gy, gz, bx, by, bz, shmem, s, params)
 
 COOPERATIVE_HOOK(cuLaunchCooperativeKernel, LEGACY_NULL)
 COOPERATIVE_HOOK(cuLaunchCooperativeKernel_ptsz, PTSZ_NULL)
@@ -629,32 +706,15 @@ CGPU_EXPORT CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *la
                launchParamsList, numDevices, flags);
 }
 
-CGPU_EXPORT CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream)
-{
-    GATED_CALL(cuGraphLaunch, hStream, hGraphExec, hStream);
-}
-
-CGPU_EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream)
-{
-    GATED_CALL(cuGraphLaunch_ptsz, PTSZ_NULL(hStream), hGraphExec, hStream);
-}
+GATED_HOOK(cuGraphLaunch, (CUgraphExec hGraphExec, CUstream hStream), hStream, hGraphExec, hStream)
+GATED_HOOK(cuGraphLaunch_ptsz, (CUgraphExec hGraphExec, CUstream hStream), PTSZ_NULL(hStream), hGraphExec, hStream)
 
 /* The deprecated execution-control API: shape and parameters were set on the
  * function beforehand; these run it on the NULL stream. */
-CGPU_EXPORT CUresult cuLaunch(CUfunction f)
-{
-    GATED_CALL(cuLaunch, NULL, f);
-}
-
-CGPU_EXPORT CUresult cuLaunchGrid(CUfunction f, int grid_width, int grid_height)
-{
-    GATED_CALL(cuLaunchGrid, NULL, f, grid_width, grid_height);
-}
-
-CGPU_EXPORT CUresult cuLaunchGridAsync(CUfunction f, int grid_width, int grid_height, CUstream hStream)
-{
-    GATED_CALL(cuLaunchGridAsync, hStream, f, grid_width, grid_height, hStream);
-}
+GATED_HOOK(cuLaunch, (CUfunction f), NULL, f)
+GATED_HOOK(cuLaunchGrid, (CUfunction f, int grid_width, int grid_height), NULL, f, grid_width, grid_height)
+GATED_HOOK(cuLaunchGridAsync, (CUfunction f, int grid_width, int grid_height, CUstream hStream), hStream, f,
+           grid_width, grid_height, hStream)
 
 /* ---- synchronisation: where an application learns its queue is empty ---------- */
 

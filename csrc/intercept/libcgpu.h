@@ -19,6 +19,9 @@
 #include "cgpu/region.h"
 
 #define CGPU_EXPORT __attribute__((visibility("default")))
+/* On declarations too: the hot paths then address these directly, not
+ * through the GOT. */
+#define CGPU_HIDDEN __attribute__((visibility("hidden")))
 #define CGPU_UNLIKELY(x) __builtin_expect(!!(x), 0)
 #define CGPU_LIKELY(x) __builtin_expect(!!(x), 1)
 
@@ -59,12 +62,17 @@ struct cgpu_process {
      * (UNGATED without compute control, closed when launches are refused),
      * so the launch path never tests for NULL. */
     const _Atomic uint32_t *gate[CGPU_MAX_DEVICES];
+    /* What the launch hooks read first: gate[0] once init is done and the
+     * process has at most one instance device, else a word that is neither
+     * ungated nor open (before init, several devices), which sends every
+     * launch to the full path. Stored once, after init. */
+    const _Atomic uint32_t *_Atomic launch_gate;
     int grants_fd;                 /* read-only: probes cgpud's lock on it (CGPU_GRANTS_LOCK_OFFSET) */
     bool launches_refused;         /* a grants file that cannot be trusted */
     char refused_why[512];         /* said at the first refused launch; empty: said already */
 };
 
-extern struct cgpu_process g_cgpu;
+extern CGPU_HIDDEN struct cgpu_process g_cgpu;
 
 /* Reads the region once; later calls return at once. */
 void cgpu_init_slow(void);
@@ -88,7 +96,7 @@ void cgpu_log(int level, const char *fmt, ...) __attribute__((format(printf, 2, 
 
 /* ---- the real functions ------------------------------------------------------ */
 
-extern void *_Atomic g_real[HOOK_COUNT];
+extern CGPU_HIDDEN void *_Atomic g_real[HOOK_COUNT];
 extern void *const g_hook[HOOK_COUNT]; /* NULL for USE entries */
 extern const char *const g_hook_name[HOOK_COUNT];
 void *cgpu_resolve_real(enum cgpu_hook_id id);

@@ -9,8 +9,10 @@
 #include <string.h>
 #include <strings.h>
 #include <sys/mman.h>
+#include <time.h>
 #include <unistd.h>
 
+#include "../region/region_charge.h"
 #include "../region/region_ops.h"
 #include "cgpu/array_format.h"
 #include "libcgpu.h"
@@ -53,13 +55,9 @@ static int slot_of_uuid_hex(const char *hex)
     return -1;
 }
 
-int cgpu_slot_of_cuda_device(CUdevice dev)
+/* The first look-up of an ordinal (or one the driver could not answer). */
+static __attribute__((noinline)) int slot_of_cuda_device_slow(CUdevice dev)
 {
-    if (dev < 0 || dev >= MAX_ORDINALS)
-        return -1;
-    int cached = atomic_load_explicit(&slot_of_ordinal[dev], memory_order_relaxed);
-    if (cached)
-        return cached - 2;
     CUuuid uuid;
     __typeof__(&cuDeviceGetUuid_v2) get_uuid = REAL(cuDeviceGetUuid_v2);
     if (!get_uuid)
@@ -71,6 +69,14 @@ int cgpu_slot_of_cuda_device(CUdevice dev)
     int slot = slot_of_uuid_hex(text);
     atomic_store_explicit(&slot_of_ordinal[dev], slot + 2, memory_order_relaxed);
     return slot;
+}
+
+int cgpu_slot_of_cuda_device(CUdevice dev)
+{
+    if (dev < 0 || dev >= MAX_ORDINALS)
+        return -1;
+    int cached = atomic_load_explicit(&slot_of_ordinal[dev], memory_order_relaxed);
+    return CGPU_LIKELY(cached) ? cached - 2 : slot_of_cuda_device_slow(dev);
 }
 
 int cgpu_slot_of_nvml_device(nvmlDevice_t dev)
@@ -132,17 +138,30 @@ int cgpu_reap_dead(void)
 
 /* Charged under `limit`; kept unless a shrink lowered the live limit under
  * the instance's usage meanwhile (region_ops.h: cgpu_grants_store_mem_limit). */
-static bool kept(int slot, int ledger, uint64_t limit, uint64_t bytes)
+static __attribute__((noinline, cold)) bool kept_after_shrink(int slot, int ledger, uint64_t limit, uint64_t bytes)
 {
-    const _Atomic uint64_t *live = g_cgpu.device[slot].mem_limit;
-    if (CGPU_LIKELY(atomic_load_explicit(live, memory_order_seq_cst) >= limit) ||
-        !cgpu_usage_over_live(g_cgpu.usage, (unsigned)slot, live, limit))
+    if (!cgpu_usage_over_live(g_cgpu.usage, (unsigned)slot, g_cgpu.device[slot].mem_limit, limit))
         return true;
     cgpu_ledger_uncharge(g_cgpu.usage, ledger, (unsigned)slot, bytes);
     return false;
 }
 
-static bool charge(int slot, uint64_t bytes)
+static inline bool kept_live(const _Atomic uint64_t *live, int slot, int ledger, uint64_t limit, uint64_t bytes)
+{
+    /* seq_cst, after the seq_cst reserve: the charger's half of the protocol */
+    if (CGPU_LIKELY(atomic_load_explicit(live, memory_order_seq_cst) >= limit))
+        return true;
+    return kept_after_shrink(slot, ledger, limit, bytes);
+}
+
+static inline bool kept(int slot, int ledger, uint64_t limit, uint64_t bytes)
+{
+    return kept_live(g_cgpu.device[slot].mem_limit, slot, ledger, limit, bytes);
+}
+
+/* Everything but a first try that fits: no ledger yet (after fork), memory
+ * of dead processes to reap, out of memory. */
+static __attribute__((noinline, cold)) bool charge_slow(int slot, uint64_t bytes)
 {
     uint64_t limit = cgpu_mem_limit(slot);
     int ledger = my_ledger();
@@ -157,9 +176,29 @@ static bool charge(int slot, uint64_t bytes)
     return false;
 }
 
-static void uncharge(int slot, uint64_t bytes)
+/* The steps of cgpu_ledger_charge and the live-limit check inline: a first
+ * try that fits makes no call. `slot` is an instance device, and a claimed
+ * ledger is in range. */
+static inline bool charge(int slot, uint64_t bytes)
 {
-    cgpu_ledger_uncharge(g_cgpu.usage, g_cgpu.ledger, (unsigned)slot, bytes);
+    const _Atomic uint64_t *live = g_cgpu.device[slot].mem_limit;
+    uint64_t limit = atomic_load_explicit(live, memory_order_relaxed);
+    int ledger = g_cgpu.ledger;
+    if (CGPU_LIKELY(ledger >= 0) &&
+        CGPU_LIKELY(cgpu_ledger_charge_at(g_cgpu.usage, ledger, (unsigned)slot, limit, bytes)))
+        return kept_live(live, slot, ledger, limit, bytes);
+    return charge_slow(slot, bytes);
+}
+
+/* `slot` is always an instance device (a route's or a record's); the
+ * ledger is -1 in a child that has not claimed its own yet. */
+static inline void uncharge(int slot, uint64_t bytes)
+{
+    int ledger = g_cgpu.ledger;
+    if (CGPU_LIKELY(ledger >= 0))
+        cgpu_ledger_uncharge_at(g_cgpu.usage, ledger, (unsigned)slot, bytes);
+    else
+        cgpu_ledger_uncharge_inline(g_cgpu.usage, ledger, (unsigned)slot, bytes);
 }
 
 /* ---- what each allocation holds ------------------------------------------------- */
@@ -189,22 +228,19 @@ struct alloc_entry {
 
 static struct alloc_entry *_Atomic table;
 
-static struct alloc_entry *get_table(void)
+/* Out of line, so that the allocation path saves no registers for it. */
+static __attribute__((noinline, cold)) struct alloc_entry *make_table(void)
 {
-    struct alloc_entry *t = atomic_load_explicit(&table, memory_order_acquire);
-    if (CGPU_UNLIKELY(!t)) {
-        void *m = mmap(NULL, TABLE_SIZE * sizeof(*t), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE,
-                       -1, 0);
-        if (m == MAP_FAILED)
-            return NULL;
-        struct alloc_entry *expect = NULL;
-        if (!atomic_compare_exchange_strong(&table, &expect, m)) {
-            munmap(m, TABLE_SIZE * sizeof(*t));
-            return expect;
-        }
-        t = m;
+    void *m = mmap(NULL, TABLE_SIZE * sizeof(struct alloc_entry), PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    if (m == MAP_FAILED)
+        return NULL;
+    struct alloc_entry *expect = NULL;
+    if (!atomic_compare_exchange_strong(&table, &expect, m)) {
+        munmap(m, TABLE_SIZE * sizeof(struct alloc_entry));
+        return expect;
     }
-    return t;
+    return m;
 }
 
 static uint64_t make_key(enum alloc_kind kind, uint64_t value)
@@ -217,11 +253,21 @@ static size_t home(uint64_t key)
     return (size_t)((key * 0x9E3779B97F4A7C15ULL) >> 47) & (TABLE_SIZE - 1);
 }
 
+static bool remember_aux(enum alloc_kind kind, uint64_t value, uint64_t bytes, int slot, uint64_t aux);
+
+/* The first record makes the table; a tail call, so that remember_aux
+ * saves no registers for it. */
+static __attribute__((noinline, cold)) bool remember_first(enum alloc_kind kind, uint64_t value, uint64_t bytes,
+                                                           int slot, uint64_t aux)
+{
+    return make_table() && remember_aux(kind, value, bytes, slot, aux);
+}
+
 static bool remember_aux(enum alloc_kind kind, uint64_t value, uint64_t bytes, int slot, uint64_t aux)
 {
-    struct alloc_entry *t = get_table();
-    if (!t)
-        return false;
+    struct alloc_entry *t = atomic_load_explicit(&table, memory_order_acquire);
+    if (CGPU_UNLIKELY(!t))
+        return remember_first(kind, value, bytes, slot, aux);
     uint64_t key = make_key(kind, value);
     for (size_t n = 0, i = home(key); n < TABLE_SIZE; n++, i = (i + 1) & (TABLE_SIZE - 1)) {
         uint64_t cur = atomic_load_explicit(&t[i].key, memory_order_relaxed);
@@ -297,6 +343,21 @@ static bool forget_aux(enum alloc_kind kind, uint64_t value, uint64_t *bytes, in
     return false;
 }
 
+/* forget_aux of a record the caller just looked up, holding vmm_lock (which
+ * every change of a VMM record takes): no second lookup. */
+static bool take_locked(struct alloc_entry *e, enum alloc_kind kind, uint64_t value, uint64_t *bytes, int *slot,
+                        uint64_t *aux)
+{
+    uint64_t key = make_key(kind, value), b = e->bytes, a = e->aux;
+    int s = e->slot;
+    if (!atomic_compare_exchange_strong(&e->key, &key, KEY_TOMB))
+        return forget_aux(kind, value, bytes, slot, aux);
+    *bytes = b;
+    *slot = s;
+    *aux = a;
+    return true;
+}
+
 static bool forget(enum alloc_kind kind, uint64_t value, uint64_t *bytes, int *slot)
 {
     uint64_t aux;
@@ -321,12 +382,54 @@ static enum route route_to(int slot)
     return slot >= 0 ? ROUTE_CHARGE : ROUTE_REFUSE; /* a GPU outside the instance */
 }
 
+/* The instance device every context of this process is on, when the driver
+ * shows the process exactly one device and it is the instance's (a
+ * container's usual view; CUDA_VISIBLE_DEVICES is fixed at cuInit); else
+ * -1, not known yet or several. Saves asking the driver for the current
+ * device at every allocation. */
+#define ONLY_UNKNOWN (-1)
+#define ONLY_NONE (-2)
+static _Atomic int only_slot = ONLY_UNKNOWN;
+
+/* Asked once a context exists (the driver is initialised then). */
+static __attribute__((noinline, cold)) void learn_only_slot(void)
+{
+    int count = 0, slot = ONLY_NONE;
+    __typeof__(&cuDeviceGetCount) get_count = REAL(cuDeviceGetCount);
+    if (!get_count || get_count(&count) != CUDA_SUCCESS)
+        return; /* ask again next time */
+    if (count == 1 && cgpu_slot_of_cuda_device(0) >= 0)
+        slot = cgpu_slot_of_cuda_device(0);
+    atomic_store_explicit(&only_slot, slot, memory_order_relaxed);
+}
+
 static enum route route_current(int *slot)
 {
     if (cgpu_state() != CGPU_ACTIVE)
         return route_to(-1);
     *slot = current_slot();
+    if (*slot >= 0 && atomic_load_explicit(&only_slot, memory_order_relaxed) == ONLY_UNKNOWN)
+        learn_only_slot();
     return route_to(*slot);
+}
+
+/* route_current for the allocation hooks, by value: the instance device
+ * to charge, or ALLOC_FORWARD / ALLOC_REFUSE. */
+#define ALLOC_FORWARD (-1)
+#define ALLOC_REFUSE (-2)
+static __attribute__((noinline, cold)) int route_alloc_slow(void)
+{
+    int slot = -1;
+    switch (route_current(&slot)) {
+    case ROUTE_FORWARD: return ALLOC_FORWARD;
+    case ROUTE_REFUSE: return ALLOC_REFUSE;
+    default: return slot;
+    }
+}
+
+static __attribute__((noinline, cold)) bool no_context_after_all(void)
+{
+    return current_slot() == -2;
 }
 
 /* Calls the driver, or reports it missing instead of calling NULL. */
@@ -367,24 +470,42 @@ static enum route route_current(int *slot)
     do {                                                                                        \
         uint64_t bytes_ = 0; /* both read only when held_ */                                   \
         int slot_ = -1;                                                                         \
-        bool held_ = cgpu_state() == CGPU_ACTIVE && forget(kind, (uint64_t)(value), &bytes_, &slot_); \
+        /* The state without initialising: no record exists before an allocation did. */       \
+        bool held_ = atomic_load_explicit(&g_cgpu.state, memory_order_acquire) == CGPU_ACTIVE &&  \
+                     forget(kind, (uint64_t)(value), &bytes_, &slot_);                          \
         CUresult rc_ = CALL_REAL(symbol, __VA_ARGS__);                                          \
-        if (held_ && rc_ == CUDA_SUCCESS)                                                       \
-            uncharge(slot_, bytes_);                                                            \
-        else if (held_)                                                                         \
-            put_back(kind, (uint64_t)(value), bytes_, slot_, 0);                                \
+        if (CGPU_LIKELY(held_)) {                                                               \
+            if (CGPU_LIKELY(rc_ == CUDA_SUCCESS))                                               \
+                uncharge(slot_, bytes_);                                                        \
+            else                                                                                \
+                put_back(kind, (uint64_t)(value), bytes_, slot_, 0);                            \
+        }                                                                                       \
         return rc_;                                                                             \
     } while (0)
 
 /* An allocation of `bytesize` bytes at *dptr on the current GPU, charged
  * before the driver is asked: one definition per entry point, `params` its
  * parameter list (naming dptr and bytesize), the rest its arguments. */
+/* With only_slot known (ACTIVE by then) no driver call: a call without a
+ * context is charged, refused by the driver and given back, and one the
+ * limit refuses looks for a context before saying out of memory. */
 #define ALLOC_HOOK(symbol, params, ...)                                                         \
     CGPU_EXPORT CUresult symbol params                                                          \
     {                                                                                           \
-        int slot = -1;                                                                          \
-        ROUTE_OR_RETURN(dptr && bytesize ? route_current(&slot) : ROUTE_FORWARD, symbol, __VA_ARGS__); \
-        CHARGED_CALL(KIND_POINTER, slot, bytesize, *dptr, symbol, __VA_ARGS__);                 \
+        if (CGPU_UNLIKELY(!dptr) || CGPU_UNLIKELY(!bytesize))                                   \
+            return CALL_REAL(symbol, __VA_ARGS__);                                              \
+        int slot = atomic_load_explicit(&only_slot, memory_order_relaxed);                      \
+        bool assumed = slot >= 0;                                                               \
+        if (CGPU_UNLIKELY(!assumed) && (slot = route_alloc_slow()) < 0)                         \
+            return slot == ALLOC_FORWARD ? CALL_REAL(symbol, __VA_ARGS__) : CUDA_ERROR_OUT_OF_MEMORY; \
+        if (CGPU_UNLIKELY(!charge(slot, bytesize)))                                             \
+            return assumed && no_context_after_all() ? CALL_REAL(symbol, __VA_ARGS__) : CUDA_ERROR_OUT_OF_MEMORY; \
+        CUresult rc_ = CALL_REAL(symbol, __VA_ARGS__);                                          \
+        if (rc_ != CUDA_SUCCESS) {                                                              \
+            uncharge(slot, bytesize);                                                           \
+            return rc_;                                                                         \
+        }                                                                                       \
+        return keep(KIND_POINTER, (uint64_t)*dptr, bytesize, slot);                             \
     }
 
 ALLOC_HOOK(cuMemAlloc_v2, (CUdeviceptr *dptr, size_t bytesize), dptr, bytesize)
@@ -583,9 +704,40 @@ CGPU_EXPORT CUresult cuMipmappedArrayDestroy(CUmipmappedArray hMipmappedArray)
 /* ---- VMM memory: alive until released and unmapped ------------------------------- */
 
 /* Serialises the PHYS reference counts and the records naming them.
- * Process-local and never held across a driver call. */
-static pthread_mutex_t vmm_lock = PTHREAD_MUTEX_INITIALIZER;
+ * Process-local, held for a few table operations and never across a
+ * driver call: a spinlock, an exchange and a store when free (a pthread
+ * mutex pair is ~50 instructions, and a VMM cycle takes it seven times).
+ * A waiter spins briefly, then sleeps between looks, so a holder that was
+ * preempted gets the CPU back. */
+static _Atomic int vmm_lock;
 static uint64_t vmm_serial; /* under vmm_lock */
+
+#define VMM_SPINS 128
+#define VMM_PAUSE_NS 10000
+
+static __attribute__((noinline, cold)) void vmm_lock_wait(void)
+{
+    unsigned spins = 0;
+    do {
+        while (atomic_load_explicit(&vmm_lock, memory_order_relaxed)) {
+            if (++spins > VMM_SPINS) {
+                struct timespec ts = {0, VMM_PAUSE_NS};
+                nanosleep(&ts, NULL);
+            }
+        }
+    } while (atomic_exchange_explicit(&vmm_lock, 1, memory_order_acquire));
+}
+
+static inline void vmm_take(void)
+{
+    if (CGPU_UNLIKELY(atomic_exchange_explicit(&vmm_lock, 1, memory_order_acquire)))
+        vmm_lock_wait();
+}
+
+static inline void vmm_give(void)
+{
+    atomic_store_explicit(&vmm_lock, 0, memory_order_release);
+}
 
 /* An exported allocation stays charged to the exporter until it exits:
  * the file descriptor can keep the memory alive where we cannot see it. */
@@ -593,7 +745,7 @@ static uint64_t vmm_serial; /* under vmm_lock */
 
 void cgpu_memory_after_fork(void)
 {
-    pthread_mutex_init(&vmm_lock, NULL);
+    atomic_store_explicit(&vmm_lock, 0, memory_order_relaxed); /* a holder's thread is gone */
 }
 
 static CUresult imported_size(CUmemGenericAllocationHandle h, uint64_t *bytes, int *slot);
@@ -601,11 +753,11 @@ static CUresult imported_size(CUmemGenericAllocationHandle h, uint64_t *bytes, i
 /* Records `bytes` (already charged) as held by `handle`. */
 static void track_handle(CUmemGenericAllocationHandle handle, uint64_t bytes, int slot)
 {
-    pthread_mutex_lock(&vmm_lock);
+    vmm_take();
     uint64_t serial = ++vmm_serial << 2; /* make_key() keeps bit 1 */
     if (!remember_aux(KIND_PHYS, serial, bytes, slot, 0) || !remember_aux(KIND_HANDLE, handle, 0, slot, serial))
         cgpu_log(CGPU_LOG_ERROR, "allocation table full: %llu bytes stay charged", (unsigned long long)bytes);
-    pthread_mutex_unlock(&vmm_lock);
+    vmm_give();
 }
 
 /* One thing fewer keeps the memory alive; the last one gives its bytes
@@ -613,17 +765,24 @@ static void track_handle(CUmemGenericAllocationHandle handle, uint64_t bytes, in
 static void unref_phys_locked(uint64_t serial)
 {
     struct alloc_entry *e = serial ? lookup(KIND_PHYS, serial) : NULL;
-    uint64_t bytes;
+    uint64_t bytes, aux;
     int slot;
-    if (e && --e->refs <= 0 && forget(KIND_PHYS, serial, &bytes, &slot))
+    if (e && --e->refs <= 0 && take_locked(e, KIND_PHYS, serial, &bytes, &slot, &aux))
         uncharge(slot, bytes);
+}
+
+/* The PHYS record of a handle we track, or NULL. Caller holds vmm_lock. */
+static struct alloc_entry *phys_of_locked(CUmemGenericAllocationHandle handle)
+{
+    struct alloc_entry *h = lookup(KIND_HANDLE, handle);
+    return h ? lookup(KIND_PHYS, h->aux) : NULL;
 }
 
 /* The PHYS serial of a handle we track, or 0. Caller holds vmm_lock. */
 static uint64_t serial_of_locked(CUmemGenericAllocationHandle handle)
 {
-    struct alloc_entry *h = lookup(KIND_HANDLE, handle);
-    return h && lookup(KIND_PHYS, h->aux) ? h->aux : 0;
+    struct alloc_entry *phys = phys_of_locked(handle);
+    return phys ? phys->value : 0;
 }
 
 CGPU_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
@@ -654,25 +813,25 @@ CGPU_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
         return CALL_REAL(cuMemRelease, handle);
     uint64_t unused, serial = 0;
     int slot = -1;
-    pthread_mutex_lock(&vmm_lock);
+    vmm_take();
     struct alloc_entry *h = lookup(KIND_HANDLE, handle);
     bool last = h && h->refs <= 1, held = h != NULL;
     if (h && !last) {
         h->refs--;
         serial = h->aux;
     } else if (h) {
-        forget_aux(KIND_HANDLE, handle, &unused, &slot, &serial);
+        take_locked(h, KIND_HANDLE, handle, &unused, &slot, &serial);
     }
-    pthread_mutex_unlock(&vmm_lock);
+    vmm_give();
     CUresult rc = CALL_REAL(cuMemRelease, handle);
-    pthread_mutex_lock(&vmm_lock);
+    vmm_take();
     if (held && rc == CUDA_SUCCESS)
         unref_phys_locked(serial);
     else if (held && !last && (h = lookup(KIND_HANDLE, handle)))
         h->refs++;
     else if (held && last)
         put_back(KIND_HANDLE, handle, 0, slot, serial);
-    pthread_mutex_unlock(&vmm_lock);
+    vmm_give();
     return rc;
 }
 
@@ -683,7 +842,7 @@ CGPU_EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *h
     CUresult rc = CALL_REAL(cuMemRetainAllocationHandle, handle, addr);
     if (rc != CUDA_SUCCESS || cgpu_state() != CGPU_ACTIVE)
         return rc;
-    pthread_mutex_lock(&vmm_lock);
+    vmm_take();
     struct alloc_entry *h = lookup(KIND_HANDLE, *handle), *m = NULL, *phys = NULL;
     uint64_t serial = h ? h->aux : (m = lookup(KIND_MAPPING, (uint64_t)(uintptr_t)addr)) ? m->aux : 0;
     if (serial && (phys = lookup(KIND_PHYS, serial))) {
@@ -693,7 +852,7 @@ CGPU_EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *h
         else if (!remember_aux(KIND_HANDLE, *handle, 0, phys->slot, serial))
             cgpu_log(CGPU_LOG_ERROR, "allocation table full: a handle stays charged");
     }
-    pthread_mutex_unlock(&vmm_lock);
+    vmm_give();
     if (phys)
         return CUDA_SUCCESS;
     /* An address inside a mapping, not its start: charged again in full
@@ -718,18 +877,19 @@ CGPU_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmem
         return CALL_REAL(cuMemMap, ptr, size, offset, handle, flags);
     /* The mapping's reference is taken first, so that a release racing
      * with the map never sees the memory unused. */
-    pthread_mutex_lock(&vmm_lock);
-    uint64_t serial = serial_of_locked(handle);
-    if (serial)
-        lookup(KIND_PHYS, serial)->refs++;
-    pthread_mutex_unlock(&vmm_lock);
+    vmm_take();
+    struct alloc_entry *phys = phys_of_locked(handle);
+    uint64_t serial = phys ? phys->value : 0;
+    if (phys)
+        phys->refs++;
+    vmm_give();
     CUresult rc = CALL_REAL(cuMemMap, ptr, size, offset, handle, flags);
-    pthread_mutex_lock(&vmm_lock);
+    vmm_take();
     if (rc != CUDA_SUCCESS)
         unref_phys_locked(serial);
     else if (!remember_aux(KIND_MAPPING, ptr, size, -1, serial)) /* untracked memory too: unmap walks ranges */
         cgpu_log(CGPU_LOG_ERROR, "allocation table full: a mapping stays charged");
-    pthread_mutex_unlock(&vmm_lock);
+    vmm_give();
     return rc;
 }
 
@@ -748,15 +908,15 @@ CGPU_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
     } taken[UNMAP_BATCH];
     int n = 0, slot;
     CUdeviceptr at = ptr, end = ptr + size >= ptr ? ptr + size : ~(CUdeviceptr)0;
-    pthread_mutex_lock(&vmm_lock);
+    vmm_take();
     while (n < UNMAP_BATCH && at < end &&
            forget_aux(KIND_MAPPING, at, &taken[n].bytes, &slot, &taken[n].serial) && taken[n].bytes) {
         taken[n].at = at;
         at += taken[n++].bytes;
     }
-    pthread_mutex_unlock(&vmm_lock);
+    vmm_give();
     CUresult rc = CALL_REAL(cuMemUnmap, ptr, size);
-    pthread_mutex_lock(&vmm_lock);
+    vmm_take();
     for (int i = 0; i < n; i++) {
         if (rc == CUDA_SUCCESS)
             unref_phys_locked(taken[i].serial);
@@ -768,7 +928,7 @@ CGPU_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
         unref_phys_locked(serial);
         at += bytes;
     }
-    pthread_mutex_unlock(&vmm_lock);
+    vmm_give();
     return rc;
 }
 
@@ -778,11 +938,11 @@ CGPU_EXPORT CUresult cuMemExportToShareableHandle(void *shareableHandle, CUmemGe
     CUresult rc = CALL_REAL(cuMemExportToShareableHandle, shareableHandle, handle, handleType, flags);
     if (rc != CUDA_SUCCESS || cgpu_state() != CGPU_ACTIVE)
         return rc;
-    pthread_mutex_lock(&vmm_lock);
+    vmm_take();
     uint64_t serial = serial_of_locked(handle);
     if (serial)
         lookup(KIND_PHYS, serial)->refs |= EXPORT_PIN;
-    pthread_mutex_unlock(&vmm_lock);
+    vmm_give();
     return rc;
 }
 
@@ -895,7 +1055,7 @@ CGPU_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value)
     uint64_t real_b = limit_bytes(limit, after, dev);
     uint64_t key = ((uint64_t)(uintptr_t)ctx << 4) | ((uint64_t)limit << 2), held = 0, aux;
     int s;
-    pthread_mutex_lock(&vmm_lock);
+    vmm_take();
     forget_aux(KIND_LIMIT, key, &held, &s, &aux);
     if (real_b >= old_b) {
         uint64_t want = real_b - old_b;
@@ -913,7 +1073,7 @@ CGPU_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value)
     }
     if (held && !remember_aux(KIND_LIMIT, key, held, slot, 0))
         cgpu_log(CGPU_LOG_ERROR, "allocation table full: %llu bytes stay charged", (unsigned long long)held);
-    pthread_mutex_unlock(&vmm_lock);
+    vmm_give();
     return CUDA_SUCCESS;
 }
 
@@ -924,7 +1084,14 @@ CGPU_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value)
 static void instance_mem_info(uint64_t gpu_free, uint64_t *free_bytes, uint64_t *total)
 {
     cgpu_reap_dead();
-    int slot = current_slot();
+    /* The driver has just answered for the current context: with one
+     * device visible it is on that one. */
+    int slot = atomic_load_explicit(&only_slot, memory_order_relaxed);
+    if (slot < 0) {
+        slot = current_slot();
+        if (slot >= 0 && atomic_load_explicit(&only_slot, memory_order_relaxed) == ONLY_UNKNOWN)
+            learn_only_slot();
+    }
     uint64_t limit = slot >= 0 ? cgpu_mem_limit(slot) : 0;
     uint64_t used = slot >= 0 ? cgpu_slot_used(slot) : 0;
     uint64_t left = used < limit ? limit - used : 0;

@@ -1,5 +1,6 @@
 #define _GNU_SOURCE
 #include "region_ops.h"
+#include "region_charge.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -116,14 +117,9 @@ static int ledger_lock(int fd, int i, short type)
     return lock_bytes(fd, F_OFD_SETLK, type, CGPU_LEDGER_LOCK_OFFSET(i), 1);
 }
 
-/* Subtracts without wrapping: the usage file is writable by the tenant, and
- * a counter that wrapped would lock the whole instance out of memory. */
 static void sub_floor(_Atomic uint64_t *v, uint64_t n)
 {
-    uint64_t cur = atomic_load_explicit(v, memory_order_relaxed);
-    while (!atomic_compare_exchange_weak_explicit(v, &cur, cur > n ? cur - n : 0, memory_order_acq_rel,
-                                                  memory_order_relaxed)) {
-    }
+    cgpu_sub_floor(v, n);
 }
 
 /* Gives a dead process's usage back to the instance. */
@@ -256,17 +252,7 @@ int cgpu_ledger_reap(struct cgpu_usage *u, int fd, int self)
 
 bool cgpu_usage_reserve(struct cgpu_usage *u, unsigned dev, uint64_t limit, uint64_t bytes)
 {
-    if (dev >= CGPU_MAX_DEVICES)
-        return false;
-    _Atomic uint64_t *used = &u->device[dev].used;
-    uint64_t cur = atomic_load_explicit(used, memory_order_relaxed);
-    while (bytes <= limit && cur <= limit - bytes) {
-        /* seq_cst: pairs with cgpu_grants_store_mem_limit (region_ops.h) */
-        if (atomic_compare_exchange_weak_explicit(used, &cur, cur + bytes, memory_order_seq_cst,
-                                                  memory_order_relaxed))
-            return true;
-    }
-    return false;
+    return cgpu_usage_reserve_inline(u, dev, limit, bytes);
 }
 
 void cgpu_usage_unreserve(struct cgpu_usage *u, unsigned dev, uint64_t bytes)
@@ -291,20 +277,10 @@ bool cgpu_usage_over_live(const struct cgpu_usage *u, unsigned dev, const CGPU_A
 
 bool cgpu_ledger_charge(struct cgpu_usage *u, int ledger, unsigned dev, uint64_t limit, uint64_t bytes)
 {
-    if (ledger < 0 || ledger >= CGPU_MAX_PROCS || !cgpu_usage_reserve(u, dev, limit, bytes))
-        return false;
-    /* Device first, ledger second: a process killed in between leaves the
-     * bytes counted (safe) rather than a ledger the reaper would subtract
-     * from a device that never had them. */
-    atomic_fetch_add_explicit(&u->proc[ledger].used[dev], bytes, memory_order_relaxed);
-    return true;
+    return cgpu_ledger_charge_inline(u, ledger, dev, limit, bytes);
 }
 
 void cgpu_ledger_uncharge(struct cgpu_usage *u, int ledger, unsigned dev, uint64_t bytes)
 {
-    if (dev >= CGPU_MAX_DEVICES)
-        return;
-    if (ledger >= 0 && ledger < CGPU_MAX_PROCS)
-        sub_floor(&u->proc[ledger].used[dev], bytes);
-    sub_floor(&u->device[dev].used, bytes);
+    cgpu_ledger_uncharge_inline(u, ledger, dev, bytes);
 }

@@ -13,11 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness.cc import compile_strict
 from tests.harness.simrun import run_py, start_py
 from tests.harness.grants import GIB
 from tests.harness.usage_tenant import TenantUsage
 
 MIB = 1 << 20
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def burn(native: Path, env: dict[str, str], *args: str) -> dict:
@@ -423,3 +425,62 @@ def test_a_fifo_where_the_limits_belong_is_refused_not_waited_on(native, instanc
     assert json.loads(proc.stdout)["alloc"]["results"] == ["CUDA_ERROR_OUT_OF_MEMORY"]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "GPU memory limits unavailable" in lines[0] and "Illegal seek" in lines[0]
+
+
+@pytest.fixture(scope="module")
+def vmm_threads(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return compile_strict(
+        tmp_path_factory.mktemp("vmm") / "vmm_threads",
+        f"-I{ROOT / 'csrc/include'}",
+        str(ROOT / "tests/intercept/programs/vmm_threads.c"),
+        "-ldl",
+        "-pthread",
+    )
+
+
+def test_threads_racing_vmm_cycles_keep_the_count_exact(instance, vmm_threads):
+    """Eight threads of one process create, map, retain, release and unmap
+    VMM memory at once, and map one shared handle (the bookkeeping
+    serialises on a process-local spinlock): every call succeeds, memory
+    that only a mapping keeps alive stays charged, and in the end exactly
+    what the one plain allocation holds is: no cycle left bytes behind or
+    gave some back twice."""
+    proc = subprocess.run([str(vmm_threads)], env=instance({0: 1 * GIB}), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    assert (got["errors"], got["first_error"]) == (0, "")
+    # Eight released handles still mapped, and the shared one: charged.
+    assert (got["free_held"], got["total"]) == (1 * GIB - 100 * MIB - 9 * 2 * MIB, 1 * GIB)
+    assert got["free"] == 1 * GIB - 100 * MIB
+
+
+@pytest.mark.parametrize("visible", ["0", None], ids=["one-device-visible", "two-devices-visible"])
+def test_an_allocation_without_a_context_gets_the_drivers_error(instance, visible):
+    """Once the process is known to see one device (the instance's), the
+    allocation hooks stop asking the driver for the current device. A thread
+    with no context still gets the driver's answer, never the limit's, and
+    nothing stays charged; as when the process sees two devices and the
+    hooks do ask."""
+    env = instance({0: 1 * GIB})
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
+    got = run_py(
+        env,
+        """
+        import ctypes as C, json, threading; from cudapy import Driver
+        cu = Driver(); cu.init_device(0)
+        first, _ = cu.alloc(1 << 20)  # with a context: the device is learnt
+        out = []
+        def no_context():
+            ptr = C.c_uint64()
+            for size in (1 << 20, 2 << 30):  # within the limit, and over it
+                out.append(cu.rc("cuMemAlloc_v2", C.byref(ptr), C.c_size_t(size)))
+        t = threading.Thread(target=no_context); t.start(); t.join()
+        print(json.dumps([first, out, cu.mem_info()]))
+    """,
+    )
+    assert got == [
+        "CUDA_SUCCESS",
+        ["CUDA_ERROR_INVALID_CONTEXT", "CUDA_ERROR_INVALID_CONTEXT"],
+        [1 * GIB - 1 * MIB, 1 * GIB],
+    ]
