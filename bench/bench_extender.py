@@ -42,7 +42,8 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -593,65 +594,97 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def measure_binds(pods: int, nodes: int, parallel: int, gpu_memory_gib: int) -> dict[str, Any]:
+@contextmanager
+def _python_path(root: str | None) -> Iterator[None]:
+    """Processes started in the block import cgpud from `root` (a baseline
+    tree) when given."""
+    if root is None:
+        yield
+        return
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = root + (f":{old}" if old else "")
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = old
+
+
+def measure_binds(pods: int, nodes: int, parallel: int, gpu_memory_gib: int, root: str | None = None) -> dict[str, Any]:
     """`pods` pods of 1 GiB through filter, prioritize and bind on the real
     multi-node setup; kube-scheduler's part runs in a process of its own
     (the harness's API server is a thread of this one). Checked after:
     every pod bound where the extender said, no GPU over its memory, one
-    reservation per pod."""
-    from tests.harness.cluster import Cluster, share_pod
+    reservation per pod. With `root`, the cgpud nodes and cgpu-scheduler
+    run that tree's code (the harness, the API server and the scheduling
+    loop stay this tree's)."""
+    from tests.harness.cluster import Cluster
 
-    with Cluster(nodes=nodes, gpus=2, gpu_memory=f"{gpu_memory_gib}GiB") as cluster:
-        assert cluster.api is not None
+    with _python_path(root):
+        cluster = Cluster(nodes=nodes, gpus=2, gpu_memory=f"{gpu_memory_gib}GiB").__enter__()
+    try:
+        return _binds(cluster, pods, nodes, parallel, root)
+    finally:
+        cluster.__exit__(None, None, None)
+
+
+def _binds(cluster: Any, pods: int, nodes: int, parallel: int, root: str | None) -> dict[str, Any]:
+    from tests.harness.cluster import share_pod
+
+    assert cluster.api is not None
+    with _python_path(root):
         extender = cluster.start_extender()
-        cluster.wait_connected(extender)
-        batch = [cluster.api.state.add_pod(share_pod(f"bind-{k}", 1)) for k in range(pods)]
-        ctx = multiprocessing.get_context("spawn")  # no fork of a process with gRPC threads
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(
-            target=scheduler_loop, args=(extender.url, cluster.names, batch, parallel, child), daemon=True
-        )
-        proc.start()
-        pids = {
-            "cgpu-scheduler": [extender.proc.pid],
-            "API server (this process)": [os.getpid()],
-            "cgpud x nodes": [n.daemon.proc.pid for n in cluster.nodes if n.daemon.proc is not None],
-            "kube-scheduler's part": [proc.pid],
-        }
-        try:
-            if not parent.poll(120) or parent.recv() != "ready":
-                raise RuntimeError("the scheduling loop's process did not start")
-            cpu0 = {k: sum(process_cpu_seconds(p) for p in v) for k, v in pids.items()}
-            parent.send("go")
-            if not parent.poll(600):
-                raise RuntimeError("the scheduling loop did not finish in 600 s")
-            answer = parent.recv()
-            cpu = {k: sum(process_cpu_seconds(p) for p in v) - cpu0[k] for k, v in pids.items()}
-        finally:
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()
-        if isinstance(answer, Exception):
-            raise answer
-        elapsed, bound, retries, failed_binds, cycle_ms, bind_ms = answer
-        for name, node in bound.items():
-            if cluster.api.state.pod("default", name)["spec"].get("nodeName") != node:
-                raise RuntimeError(f"pod {name}: the API server's binding is not the extender's answer {node}")
-        reservations = over = 0
-        for i in range(nodes):
-            view = cluster.get_node(i)
-            reservations += len(view.reservations)
-            over += sum(1 for g in view.gpus if g.memory_allocated_bytes > g.memory_total_bytes)
-        if over or reservations != pods:
-            raise RuntimeError(
-                f"after the binds: {over} GPUs over capacity, {reservations} reservations for {pods} pods"
-            )
-        per_node = sorted(list(bound.values()).count(n) for n in cluster.names)
+    cluster.wait_connected(extender)
+    if root is not None:
+        tree = Path(f"/proc/{extender.proc.pid}/environ").read_bytes()
+        if f"PYTHONPATH={root}".encode() not in tree:
+            raise RuntimeError(f"cgpu-scheduler was not started with the baseline tree {root}")
+    batch = [cluster.api.state.add_pod(share_pod(f"bind-{k}", 1)) for k in range(pods)]
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process with gRPC threads
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=scheduler_loop, args=(extender.url, cluster.names, batch, parallel, child), daemon=True)
+    proc.start()
+    pids = {
+        "cgpu-scheduler": [extender.proc.pid],
+        "API server (this process)": [os.getpid()],
+        "cgpud x nodes": [n.daemon.proc.pid for n in cluster.nodes if n.daemon.proc is not None],
+        "kube-scheduler's part": [proc.pid],
+    }
+    try:
+        if not parent.poll(120) or parent.recv() != "ready":
+            raise RuntimeError("the scheduling loop's process did not start")
+        cpu0 = {k: sum(process_cpu_seconds(p) for p in v) for k, v in pids.items()}
+        parent.send("go")
+        if not parent.poll(600):
+            raise RuntimeError("the scheduling loop did not finish in 600 s")
+        answer = parent.recv()
+        cpu = {k: sum(process_cpu_seconds(p) for p in v) - cpu0[k] for k, v in pids.items()}
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    if isinstance(answer, Exception):
+        raise answer
+    elapsed, bound, retries, failed_binds, cycle_ms, bind_ms = answer
+    for name, node in bound.items():
+        if cluster.api.state.pod("default", name)["spec"].get("nodeName") != node:
+            raise RuntimeError(f"pod {name}: the API server's binding is not the extender's answer {node}")
+    reservations = over = 0
+    for i in range(nodes):
+        view = cluster.get_node(i)
+        reservations += len(view.reservations)
+        over += sum(1 for g in view.gpus if g.memory_allocated_bytes > g.memory_total_bytes)
+    if over or reservations != pods:
+        raise RuntimeError(f"after the binds: {over} GPUs over capacity, {reservations} reservations for {pods} pods")
+    per_node = sorted(list(bound.values()).count(n) for n in cluster.names)
     return {
         "pods": pods,
         "seconds": elapsed,
         "rate": pods / elapsed,
         "retries": retries + len(failed_binds),
+        "failed_binds": failed_binds[:3],
         "per_node": per_node,
         "cycle_ms": cycle_ms,
         "bind_ms": bind_ms,
@@ -679,6 +712,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="a tree (e.g. a worktree of main, built) whose extender runs beside this one's, interleaved",
     )
     p.add_argument("--no-cache-side", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--bind-rounds", type=int, default=1, help="bind runs per tree, interleaved with the baseline's")
     args = p.parse_args(argv)
     try:
         sizes = [int(x) for x in args.nodes.split(",") if x]
@@ -701,20 +735,40 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         if args.bind_pods:
             before = load()
-            bind = measure_binds(args.bind_pods, args.bind_nodes, args.bind_parallel, args.bind_gpu_gib)
-            print(
-                f"\nbind end to end: {bind['pods']} pods of 1 GiB on {args.bind_nodes} nodes x 2 GPUs, "
-                f"{args.bind_parallel} in flight: {bind['seconds']:.2f} s, {bind['rate']:.0f} pods/s "
-                f"({bind['retries']} cycles retried; pods per node {bind['per_node']})"
-            )
-            print(
-                f"  filter+prioritize in the loop: p50 {statistics.median(bind['cycle_ms']):.2f} ms, "
-                f"p99 {quantile(bind['cycle_ms'], 0.99):.2f} ms; one bind (Reserve, Binding with annotations): "
-                f"p50 {statistics.median(bind['bind_ms']):.2f} ms, p99 {quantile(bind['bind_ms'], 0.99):.2f} ms"
-            )
-            print("  CPU per pod, ms: " + ", ".join(f"{k} {v:.1f}" for k, v in bind["cpu_ms_per_pod"].items()))
-            verdict = "PASS" if bind["rate"] >= TARGET_BINDS else "FAIL"
-            print(f"target: >= {TARGET_BINDS:.0f} pods/s: {bind['rate']:.0f}  {verdict}")
+            trees: dict[str, str | None] = {"this tree": None} | ({"baseline": args.baseline} if args.baseline else {})
+            runs: dict[str, list[dict[str, Any]]] = {t: [] for t in trees}
+            for r in range(args.bind_rounds):
+                for t in list(trees) if r % 2 == 0 else list(trees)[::-1]:
+                    bind = measure_binds(
+                        args.bind_pods, args.bind_nodes, args.bind_parallel, args.bind_gpu_gib, trees[t]
+                    )
+                    runs[t].append(bind)
+                    print(
+                        f"\nbind end to end ({t}, round {r + 1}): {bind['pods']} pods of 1 GiB on "
+                        f"{args.bind_nodes} nodes x 2 GPUs, {args.bind_parallel} in flight: "
+                        f"{bind['seconds']:.2f} s, {bind['rate']:.0f} pods/s ({bind['retries']} cycles retried; "
+                        f"pods per node {bind['per_node']}) {bind['failed_binds']}"
+                    )
+                    print(
+                        f"  filter+prioritize in the loop: p50 {statistics.median(bind['cycle_ms']):.2f} ms, "
+                        f"p99 {quantile(bind['cycle_ms'], 0.99):.2f} ms; one bind (Reserve, Binding with "
+                        f"annotations): p50 {statistics.median(bind['bind_ms']):.2f} ms, "
+                        f"p99 {quantile(bind['bind_ms'], 0.99):.2f} ms"
+                    )
+                    print("  CPU per pod, ms: " + ", ".join(f"{k} {v:.2f}" for k, v in bind["cpu_ms_per_pod"].items()))
+            rates = {t: statistics.median(b["rate"] for b in v) for t, v in runs.items()}
+            print()
+            for t, v in runs.items():
+                cpu = {k: statistics.median(b["cpu_ms_per_pod"][k] for b in v) for k in v[0]["cpu_ms_per_pod"]}
+                each = ", ".join(f"{b['rate']:.0f}" for b in v)
+                print(
+                    f"bind, {t}: median {rates[t]:.0f} pods/s over {len(v)} runs "
+                    f"({each}); CPU per pod, ms (median): " + ", ".join(f"{k} {x:.2f}" for k, x in cpu.items())
+                )
+            if args.baseline:
+                print(f"bind rate, this tree / baseline: {rates['this tree'] / rates['baseline']:.2f}x")
+            verdict = "PASS" if rates["this tree"] >= TARGET_BINDS else "FAIL"
+            print(f"target: >= {TARGET_BINDS:.0f} pods/s: {rates['this tree']:.0f}  {verdict}")
             print(f"load average {before} before, {load()} after")
     except Exception as e:  # could not measure: say what, exit 1
         print(f"bench_extender: {e}", file=sys.stderr)
