@@ -21,10 +21,11 @@ import ssl
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from operator import itemgetter
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import orjson
 import structlog
@@ -32,7 +33,7 @@ import structlog
 from cgpud.boundedhttp import BoundedHandler, BoundedServer, Bounds
 from cgpud.errors import CgpuError, UsageError
 from cgpud.extender.bind import Assignment, BindArgs
-from cgpud.extender.fit import NodeSummary, Reason, rendered
+from cgpud.extender.fit import NodeSummary, Reason, Rendered, render, rendered
 from cgpud.extender.model import view_to_json
 from cgpud.extender.pod import PodDemand, PodError, pod_demand
 from cgpud.extender.state import ClusterState
@@ -65,32 +66,36 @@ class Raw(str):
 FILTER, PRIORITIZE = "filter", "prioritize"
 
 
+# Per verb, the Rendered fields its answer is joined from.
+_FIELDS = {FILTER: (2, 3, 4), PRIORITIZE: (5,)}
+
+
 @dataclass
 class _Judged:
-    """Every node's answer for one pod shape and node list, and the pieces
-    of the verbs' answers as JSON text, one per node ("" where a node has
-    no piece in that list): an answer is a join of them, and a node whose
-    view changed swaps its own pieces."""
+    """Every node's Rendered answer for one pod shape and node list, and per
+    verb the lists of pieces its answer joins: a node whose view changed
+    swaps its own pieces, and an answer no piece of which changed is the
+    same text again."""
 
-    judged: list[tuple[Any, str]]  # per node: fit's answer, its rendered text
-    names_json: list[str]  # per node: its name as a JSON string
+    judged: list[Rendered]
     passed: int = 0  # how many answers are placements
-    pieces: dict[str, tuple[list[str], ...]] = field(default_factory=dict)  # by verb, made when first asked
+    pieces: dict[str, list[list[str]]] = field(default_factory=dict)  # by verb, made when first asked
     joined: dict[str, list[str | None]] = field(default_factory=dict)  # by verb, each list joined (None: redo)
     texts: dict[str, str] = field(default_factory=dict)  # by verb, the whole answer until a piece changes
 
     def __post_init__(self) -> None:
-        self.passed = sum(1 for a, _ in self.judged if type(a) is not Reason)
+        self.passed = sum(map(bool, map(itemgetter(2), self.judged)))
 
-    def set(self, i: int, answer: tuple[Any, str]) -> None:
+    def set(self, i: int, new: Rendered) -> None:
         old = self.judged[i]
-        self.passed += (type(answer[0]) is not Reason) - (type(old[0]) is not Reason)
-        self.judged[i] = answer
+        self.passed += bool(new.passed) - bool(old.passed)
+        self.judged[i] = new
         for verb, lists in self.pieces.items():
             joined = self.joined[verb]
-            for k, (into, piece) in enumerate(zip(lists, _pieces(verb, answer, self.names_json[i]))):
-                if into[i] != piece:  # a node that still passes the filter leaves its answer as it was
-                    into[i] = piece
+            for k, f in enumerate(_FIELDS[verb]):
+                piece = cast(str, new[f])
+                if old[f] != piece:  # a node that still passes the filter leaves its answer as it was
+                    lists[k][i] = piece
                     joined[k] = None
                     self.texts.pop(verb, None)
 
@@ -100,10 +105,8 @@ class _Judged:
             return text
         lists = self.pieces.get(verb)
         if lists is None:
-            rows = [_pieces(verb, a, n) for a, n in zip(self.judged, self.names_json)]
-            width = 3 if verb == FILTER else 1
-            lists = self.pieces[verb] = tuple(list(column) for column in zip(*rows)) if rows else ([],) * width
-            self.joined[verb] = [None] * width
+            lists = self.pieces[verb] = [list(map(itemgetter(f), self.judged)) for f in _FIELDS[verb]]
+            self.joined[verb] = [None] * len(lists)
         joined = self.joined[verb]
         for k, value in enumerate(joined):
             if value is None:
@@ -118,18 +121,6 @@ class _Judged:
             text = f"[{joined[0]}]"
         self.texts[verb] = text
         return text
-
-
-def _pieces(verb: str, judged: tuple[Any, str], name_json: str) -> tuple[str, ...]:
-    """A node's pieces of a verb's answer: filter (NodeNames, FailedNodes,
-    FailedAndUnresolvableNodes), prioritize (its HostPriority)."""
-    answer, text = judged
-    failed = type(answer) is Reason
-    if verb == FILTER:
-        if not failed:
-            return name_json, "", ""
-        return ("", text, "") if answer.resolvable else ("", "", text)
-    return (f'{{"Host":{name_json},"Score":0}}' if failed else text,)
 
 
 class _Names(tuple[str, ...]):
@@ -210,13 +201,12 @@ class Extender:
                     for name in changed:
                         i = memo.index.get(name)
                         if i is not None:
-                            answers, _ = self._judge_all(demand, [name])
-                            judged.set(i, answers[0])
+                            judged.set(i, self._judge_all(demand, (name,))[0])
                     memo.generation = generation
                     self._memos.move_to_end(key)
                     return self._text(verb, names, judged)
             generation = self.state.generation  # before the nodes are read: a later write is redone next time
-            judged = _Judged(*self._judge_all(demand, names))
+            judged = _Judged(self._judge_all(demand, names))
             if memo is None and key not in self._once:
                 # Kept from its second time on: kube-scheduler may send a
                 # different sample of nodes for every pod.
@@ -325,28 +315,22 @@ class Extender:
                 raise BadRequest(f"ExtenderArgs.Pod: {e}") from None
             return e
 
-    def _judge_all(self, demand: PodDemand, names: Sequence[str]) -> tuple[list[tuple[Any, str]], list[str]]:
-        """For each node in order, fit's answer (Placement or Reason) with the
-        node's part of the answer as JSON text, and each name as a JSON
-        string: the hot loop."""
+    def _judge_all(self, demand: PodDemand, names: Sequence[str]) -> list[Rendered]:
+        """For each node in order, fit's answer with the node's pieces of the
+        answers (Rendered): the hot loop."""
         record = self.state.records.get
         shape = demand.fit_key
-        out: list[tuple[Any, str]] = []
-        named: list[str] = []
-        append, name_json = out.append, named.append
+        out: list[Rendered] = []
+        append = out.append
         for name in names:
             rec = record(name)
             summary = rec.summary if rec is not None else None
             if summary is None:
-                reason = self._missing(name, rec)
-                quoted = json.dumps(name)
-                append((reason, f"{quoted}:{json.dumps(reason.text)}"))
-                name_json(quoted)
+                append(render(self._missing(name, rec), json.dumps(name)))
                 continue
             hit = summary.rendered.get(shape)
             append(hit if hit is not None else rendered(demand, summary))
-            name_json(summary.name_json)
-        return out, named
+        return out
 
     def _missing(self, name: str, rec: Any) -> Reason:
         if rec is None:
@@ -360,15 +344,19 @@ class Extender:
         return Reason("no view from the node's cgpud yet", resolvable=False, transient=True)
 
     @staticmethod
-    def _retry_later(names: Sequence[str], judged: Sequence[tuple[Any, str]]) -> dict[str, Any] | None:
+    def _retry_later(names: Sequence[str], judged: Sequence[Rendered]) -> dict[str, Any] | None:
         """When no node fits and some only because its cgpud is not reached
         yet: an Error, not a filter result. kube-scheduler parks a pod an
         extender filtered out until some cluster event, and a cgpud coming
         back is none (up to 5 minutes in an idle cluster, seen on v1.37); an
         error puts it in the backoff queue, retried within 10 s."""
-        if any(type(a) is not Reason for a, _ in judged):
+        if any(type(r.answer) is not Reason for r in judged):
             return None
-        waiting = [f"{n}: {a.text}" for n, (a, _) in zip(names, judged) if a.transient]
+        waiting = [
+            f"{n}: {r.answer.text}"
+            for n, r in zip(names, judged)
+            if isinstance(r.answer, Reason) and r.answer.transient
+        ]
         if not waiting:
             return None
         return {
@@ -391,11 +379,12 @@ class Extender:
             self._seen(demand)
             if items is None:  # the node cache's answer, built as text from the nodes' rendered parts
                 return self._answer(FILTER, demand, names)
-            judged, _ = self._judge_all(demand, names)
+            judged = self._judge_all(demand, names)
             later = self._retry_later(names, judged)
             if later is not None:
                 return later
-            for name, (answer, _) in zip(names, judged):
+            for name, r in zip(names, judged):
+                answer = r.answer
                 if type(answer) is Reason:
                     (failed if answer.resolvable else unresolvable)[name] = answer.text
                 else:

@@ -248,7 +248,7 @@ def test_a_new_view_is_answered_for_recent_pod_shapes_before_it_is_read(
     assert rec is not None and rec.summary is not None
     shapes = set(rec.summary.rendered)
     assert shapes == {((4 << 30, 0, 1),), ((3 << 30, 0, 2),)}
-    answer, text = rec.summary.rendered[((4 << 30, 0, 1),)]
+    answer, text, *_ = rec.summary.rendered[((4 << 30, 0, 1),)]
     assert answer.containers == ((4 << 30, 0, (0,)),) and text == f'{{"Host":"idle","Score":{answer.score}}}'
     # And the HTTP answer is that one.
     _, out = c.call("POST", "/prioritize", args(pod(containers=[container("c", mem="4")]), ["idle"]))
