@@ -280,6 +280,7 @@ class Side:
     label: str
     ms: list[float] = field(default_factory=list)
     cpu: float = 0.0  # the extender process's CPU seconds over this side's requests
+    cpus: list[float] = field(default_factory=list)  # per pod, ms
 
 
 def _post(conn: http.client.HTTPConnection, path: str, body: bytes) -> tuple[float, bytes]:
@@ -374,7 +375,9 @@ def measure_scale(
     def timed(label: str, server: str, pod: dict[str, Any], nodes: list[dict[str, Any]] | None) -> None:
         cpu = cpu_seconds(servers[server].pid)
         sides[label].ms.append(one_pod(conns[server], pod, names, nodes) * 1e3)
-        sides[label].cpu += cpu_seconds(servers[server].pid) - cpu
+        spent = cpu_seconds(servers[server].pid) - cpu
+        sides[label].cpu += spent
+        sides[label].cpus.append(spent * 1e3)
 
     def touch(i: int) -> None:  # a bind on node i gives it a new view
         for server in servers.values():
@@ -450,15 +453,17 @@ def report_scale(results: dict[int, dict[str, Side]]) -> None:
                     f"{quantile(side.ms, 0.99):.2f}",
                     f"{max(side.ms):.2f}",
                     versus,
+                    f"{statistics.median(side.cpus):.3f}",
                     f"{side.cpu * 1e3 / len(side.ms):.3f}",
                 ]
             )
     with_base = any("base: cache" in sides for sides in results.values())
     print(
         "filter + prioritize per pod (ms, one pod = both round trips, all nodes sent; CPU: the extender "
-        "process's, ms per pod)"
+        "process's, ms per pod: median, mean)"
     )
-    print_table(["pods", "n", "p50", "p99", "max", "p50 vs base" if with_base else "vs no cache", "CPU"], rows)
+    head = ["pods", "n", "p50", "p99", "max", "p50 vs base" if with_base else "vs no cache", "CPU p50", "CPU mean"]
+    print_table(head, rows)
     sizes = sorted(results)
     if len(sizes) >= 2:
         lo, hi = sizes[0], sizes[-1]
