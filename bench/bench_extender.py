@@ -752,7 +752,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         f"\nbind end to end ({t}, round {r + 1}): {bind['pods']} pods of 1 GiB on "
                         f"{args.bind_nodes} nodes x 2 GPUs, {args.bind_parallel} in flight: "
                         f"{bind['seconds']:.2f} s, {bind['rate']:.0f} pods/s ({bind['retries']} cycles retried; "
-                        f"pods per node {bind['per_node']}) {bind['failed_binds']}"
+                        f"pods per node {bind['per_node']})"
+                        + (f"; first failed bind: {bind['failed_binds'][0][:160]}" if bind["failed_binds"] else "")
                     )
                     print(
                         f"  filter+prioritize in the loop: p50 {statistics.median(bind['cycle_ms']):.2f} ms, "
