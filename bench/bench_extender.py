@@ -42,7 +42,8 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -54,11 +55,12 @@ GIB = 1 << 30
 GPUS = 8
 GPU_MEMORY = 80 * GIB
 SHAPES = [(gib, count) for gib in (1, 2, 3, 4, 6, 8, 12, 16, 24) for count in (1,)] + [(8, 2), (16, 2), (32, 4)]
-TARGET_P99_MS = 5.0
+# Issue 39: p99 of the warm node-cache side at 1,000 nodes, and at 5,000.
+TARGET_P99_MS = {1000: 2.0, 5000: 5.0}
 # A pod that comes after a quiet spell finds the extender's data out of the
 # CPU's caches (other processes ran meanwhile): the `after idle` row.
 IDLE = 0.05
-TARGET_BINDS = 300.0
+TARGET_BINDS = 600.0
 
 
 # ---- the cluster kube-scheduler sees ----------------------------------------------------
@@ -238,10 +240,14 @@ def pod_json(n: int, gib: int, count: int) -> dict[str, Any]:
 # ---- the extender, in its own process ---------------------------------------------------------
 
 
-def serve(n: int, seed: int, control: Connection) -> None:
-    """Child: an ExtenderServer over a ClusterState of `n` synthetic nodes.
-    Commands on `control`: ("touch", i) gives node i a new view; ("cold",)
-    gives every node a new view (no answer cached); ("stop",)."""
+def serve(n: int, seed: int, control: Connection, root: str | None = None) -> None:
+    """Child: an ExtenderServer over a ClusterState of `n` synthetic nodes,
+    cgpud imported from `root` when given (a baseline tree). Commands on
+    `control`: ("touch", i) gives node i a new view; ("cold",) gives every
+    node a new view (no answer cached); ("stop",)."""
+    if root is not None:
+        sys.path.insert(0, root)
+    import cgpud
     from cgpud.extender.server import ExtenderServer
     from cgpud.extender.state import ClusterState
 
@@ -252,7 +258,7 @@ def serve(n: int, seed: int, control: Connection) -> None:
     for i, name in enumerate(names):
         state.set_state(name, f"10.1.{i // 250}.{i % 250}:9455", synthetic_state(name, i, 1, rng))
     server = ExtenderServer(state, None, "127.0.0.1", 0).start()
-    control.send(server.port)
+    control.send((server.port, str(Path(cgpud.__file__).resolve().parent.parent)))
     try:
         while True:
             command = control.recv()
@@ -274,6 +280,7 @@ class Side:
     label: str
     ms: list[float] = field(default_factory=list)
     cpu: float = 0.0  # the extender process's CPU seconds over this side's requests
+    cpus: list[float] = field(default_factory=list)  # per pod, ms
 
 
 def _post(conn: http.client.HTTPConnection, path: str, body: bytes) -> tuple[float, bytes]:
@@ -319,14 +326,18 @@ def one_pod(
 class ExtenderProcess:
     """An extender over `n` synthetic nodes in a child process."""
 
-    def __init__(self, n: int, seed: int) -> None:
-        ctx = multiprocessing.get_context("fork")
+    def __init__(self, n: int, seed: int, root: str | None = None) -> None:
+        # A baseline tree's cgpud is imported in a fresh interpreter (spawn),
+        # not in a fork of this one, which imported this tree's.
+        ctx = multiprocessing.get_context("fork" if root is None else "spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=serve, args=(n, seed, child), daemon=True)
+        self._proc = ctx.Process(target=serve, args=(n, seed, child, root), daemon=True)
         self._proc.start()
-        if not self._conn.poll(120):
+        if not self._conn.poll(300):
             raise RuntimeError(f"the extender with {n} nodes did not start")
-        self.port: int = self._conn.recv()
+        self.port, tree = self._conn.recv()
+        if root is not None and Path(tree) != Path(root).resolve():
+            raise RuntimeError(f"the baseline extender imported cgpud from {tree}, not {root}")
         self.pid = self._proc.pid
 
     def command(self, *c: Any) -> None:
@@ -341,35 +352,52 @@ class ExtenderProcess:
             self._proc.kill()
 
 
-def measure_scale(n: int, rounds: int, pods: int, seed: int) -> dict[str, Side]:
+LABELS = ("cache", "no cache", "cache, after idle", "cache, cold")
+
+
+def measure_scale(
+    n: int, rounds: int, pods: int, seed: int, baseline: str | None = None, no_cache: bool = True
+) -> dict[str, Side]:
     """Rounds of blocks: each round runs the same `pods` pods as a burst
     through each side (the sides' order alternates round by round), then the
     cache side again with an idle pause before each pod, then a few pods
     after every view changed. Each side has an extender process of its own
-    over the same synthetic cluster (same seed)."""
-    sides = {k: Side(k) for k in ("cache", "no cache", "cache, after idle", "cache, cold")}
+    over the same synthetic cluster (same seed). With a `baseline` tree its
+    extender runs the same cache rows beside this tree's, interleaved pod
+    block by pod block (keys "base: ...")."""
+    trees: dict[str, str | None] = {"": None} | ({"base: ": baseline} if baseline else {})
+    labels = [f"{t}{k}" for t in trees for k in LABELS if k != "no cache"]
+    if no_cache:
+        labels.insert(1, "no cache")
+    sides = {k: Side(k) for k in labels}
     servers: dict[str, ExtenderProcess] = {}
 
     def timed(label: str, server: str, pod: dict[str, Any], nodes: list[dict[str, Any]] | None) -> None:
         cpu = cpu_seconds(servers[server].pid)
         sides[label].ms.append(one_pod(conns[server], pod, names, nodes) * 1e3)
-        sides[label].cpu += cpu_seconds(servers[server].pid) - cpu
+        spent = cpu_seconds(servers[server].pid) - cpu
+        sides[label].cpu += spent
+        sides[label].cpus.append(spent * 1e3)
 
     def touch(i: int) -> None:  # a bind on node i gives it a new view
         for server in servers.values():
             server.command("touch", i)
 
     try:
-        for label in ("cache", "no cache"):
-            servers[label] = ExtenderProcess(n, seed)
+        for t, root in trees.items():
+            servers[f"{t}cache"] = ExtenderProcess(n, seed, root)
+        if no_cache:
+            servers["no cache"] = ExtenderProcess(n, seed)
         names = node_names(n)
-        full = [v1_node(name, i) for i, name in enumerate(names)]
+        full = [v1_node(name, i) for i, name in enumerate(names)] if no_cache else []
         rng = random.Random(seed + 1)
         conns = {k: http.client.HTTPConnection("127.0.0.1", servers[k].port, timeout=60) for k in servers}
         # Warm-up: connections open, answers for every shape cached once.
-        for k, (gib, count) in enumerate(SHAPES):
-            one_pod(conns["cache"], pod_json(-1 - k, gib, count), names, None)
-        one_pod(conns["no cache"], pod_json(-100, 1, 1), names, full)
+        for t in trees:
+            for k, (gib, count) in enumerate(SHAPES):
+                one_pod(conns[f"{t}cache"], pod_json(-1 - k, gib, count), names, None)
+        if no_cache:
+            one_pod(conns["no cache"], pod_json(-100, 1, 1), names, full)
         serial = 0
         for r in range(rounds):
             batch = []
@@ -377,18 +405,23 @@ def measure_scale(n: int, rounds: int, pods: int, seed: int) -> dict[str, Side]:
                 serial += 1
                 gib, count = rng.choice(SHAPES)
                 batch.append((pod_json(serial, gib, count), rng.randrange(n)))
-            order = [("cache", None), ("no cache", full)]
+            order: list[tuple[str, list[dict[str, Any]] | None]] = [(f"{t}cache", None) for t in trees]
+            if no_cache:
+                order.append(("no cache", full))
             for label, nodes in order if r % 2 == 0 else order[::-1]:
                 for pod, touched in batch:
                     timed(label, label, pod, nodes)
                     touch(touched)
+            tree_order = list(trees) if r % 2 == 0 else list(trees)[::-1]
             for pod, touched in batch[: max(1, pods // 4)]:
-                time.sleep(IDLE)
-                timed("cache, after idle", "cache", pod, None)
+                for t in tree_order:
+                    time.sleep(IDLE)
+                    timed(f"{t}cache, after idle", f"{t}cache", pod, None)
                 touch(touched)
             for pod, _ in batch[: max(1, pods // 8)]:
-                servers["cache"].command("cold")
-                timed("cache, cold", "cache", pod, None)
+                for t in tree_order:
+                    servers[f"{t}cache"].command("cold")
+                    timed(f"{t}cache, cold", f"{t}cache", pod, None)
         for c in conns.values():
             c.close()
     finally:
@@ -405,8 +438,13 @@ def quantile(values: Sequence[float], q: float) -> float:
 def report_scale(results: dict[int, dict[str, Side]]) -> None:
     rows = []
     for n, sides in results.items():
-        base = statistics.median(sides["no cache"].ms)
+        base = sides.get("no cache") or sides.get("base: cache")
         for side in sides.values():
+            versus = ""
+            if base is not None and (side.label == "no cache" or not side.label.startswith("base: ")):
+                # this tree's rows against the baseline tree's same row when there is one
+                other = sides.get(f"base: {side.label}", base) if side.label != "no cache" else base
+                versus = f"{statistics.median(side.ms) / statistics.median(other.ms):.2f}x"
             rows.append(
                 [
                     f"{n} nodes, {side.label}",
@@ -414,15 +452,18 @@ def report_scale(results: dict[int, dict[str, Side]]) -> None:
                     f"{statistics.median(side.ms):.2f}",
                     f"{quantile(side.ms, 0.99):.2f}",
                     f"{max(side.ms):.2f}",
-                    f"{statistics.median(side.ms) / base:.2f}x",
-                    f"{side.cpu * 1e3 / len(side.ms):.2f}",
+                    versus,
+                    f"{statistics.median(side.cpus):.3f}",
+                    f"{side.cpu * 1e3 / len(side.ms):.3f}",
                 ]
             )
+    with_base = any("base: cache" in sides for sides in results.values())
     print(
         "filter + prioritize per pod (ms, one pod = both round trips, all nodes sent; CPU: the extender "
-        "process's, mean per pod)"
+        "process's, ms per pod: median, mean)"
     )
-    print_table(["pods", "n", "p50", "p99", "max", "vs no cache", "CPU"], rows)
+    head = ["pods", "n", "p50", "p99", "max", "p50 vs base" if with_base else "vs no cache", "CPU p50", "CPU mean"]
+    print_table(head, rows)
     sizes = sorted(results)
     if len(sizes) >= 2:
         lo, hi = sizes[0], sizes[-1]
@@ -430,13 +471,14 @@ def report_scale(results: dict[int, dict[str, Side]]) -> None:
         for label in results[lo]:
             a, b = results[lo][label].ms, results[hi][label].ms
             print(
-                f"  {label:18s} p50 {statistics.median(b) / statistics.median(a):5.1f}x   "
+                f"  {label:24s} p50 {statistics.median(b) / statistics.median(a):5.1f}x   "
                 f"p99 {quantile(b, 0.99) / quantile(a, 0.99):5.1f}x"
             )
-    if 1000 in results:
-        p99 = quantile(results[1000]["cache"].ms, 0.99)
-        verdict = "PASS" if p99 <= TARGET_P99_MS else "FAIL"
-        print(f"\ntarget: p99 <= {TARGET_P99_MS} ms at 1000 nodes (node cache, warm): {p99:.2f} ms  {verdict}")
+    for n, target in TARGET_P99_MS.items():
+        if n in results:
+            p99 = quantile(results[n]["cache"].ms, 0.99)
+            verdict = "PASS" if p99 <= target else "FAIL"
+            print(f"target: p99 <= {target} ms at {n} nodes (node cache, warm): {p99:.2f} ms  {verdict}")
 
 
 # ---- bind throughput on the real multi-node setup ------------------------------------------------
@@ -557,65 +599,97 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def measure_binds(pods: int, nodes: int, parallel: int, gpu_memory_gib: int) -> dict[str, Any]:
+@contextmanager
+def _python_path(root: str | None) -> Iterator[None]:
+    """Processes started in the block import cgpud from `root` (a baseline
+    tree) when given."""
+    if root is None:
+        yield
+        return
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = root + (f":{old}" if old else "")
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = old
+
+
+def measure_binds(pods: int, nodes: int, parallel: int, gpu_memory_gib: int, root: str | None = None) -> dict[str, Any]:
     """`pods` pods of 1 GiB through filter, prioritize and bind on the real
     multi-node setup; kube-scheduler's part runs in a process of its own
     (the harness's API server is a thread of this one). Checked after:
     every pod bound where the extender said, no GPU over its memory, one
-    reservation per pod."""
-    from tests.harness.cluster import Cluster, share_pod
+    reservation per pod. With `root`, the cgpud nodes and cgpu-scheduler
+    run that tree's code (the harness, the API server and the scheduling
+    loop stay this tree's)."""
+    from tests.harness.cluster import Cluster
 
-    with Cluster(nodes=nodes, gpus=2, gpu_memory=f"{gpu_memory_gib}GiB") as cluster:
-        assert cluster.api is not None
+    with _python_path(root):
+        cluster = Cluster(nodes=nodes, gpus=2, gpu_memory=f"{gpu_memory_gib}GiB").__enter__()
+    try:
+        return _binds(cluster, pods, nodes, parallel, root)
+    finally:
+        cluster.__exit__(None, None, None)
+
+
+def _binds(cluster: Any, pods: int, nodes: int, parallel: int, root: str | None) -> dict[str, Any]:
+    from tests.harness.cluster import share_pod
+
+    assert cluster.api is not None
+    with _python_path(root):
         extender = cluster.start_extender()
-        cluster.wait_connected(extender)
-        batch = [cluster.api.state.add_pod(share_pod(f"bind-{k}", 1)) for k in range(pods)]
-        ctx = multiprocessing.get_context("spawn")  # no fork of a process with gRPC threads
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(
-            target=scheduler_loop, args=(extender.url, cluster.names, batch, parallel, child), daemon=True
-        )
-        proc.start()
-        pids = {
-            "cgpu-scheduler": [extender.proc.pid],
-            "API server (this process)": [os.getpid()],
-            "cgpud x nodes": [n.daemon.proc.pid for n in cluster.nodes if n.daemon.proc is not None],
-            "kube-scheduler's part": [proc.pid],
-        }
-        try:
-            if not parent.poll(120) or parent.recv() != "ready":
-                raise RuntimeError("the scheduling loop's process did not start")
-            cpu0 = {k: sum(process_cpu_seconds(p) for p in v) for k, v in pids.items()}
-            parent.send("go")
-            if not parent.poll(600):
-                raise RuntimeError("the scheduling loop did not finish in 600 s")
-            answer = parent.recv()
-            cpu = {k: sum(process_cpu_seconds(p) for p in v) - cpu0[k] for k, v in pids.items()}
-        finally:
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()
-        if isinstance(answer, Exception):
-            raise answer
-        elapsed, bound, retries, failed_binds, cycle_ms, bind_ms = answer
-        for name, node in bound.items():
-            if cluster.api.state.pod("default", name)["spec"].get("nodeName") != node:
-                raise RuntimeError(f"pod {name}: the API server's binding is not the extender's answer {node}")
-        reservations = over = 0
-        for i in range(nodes):
-            view = cluster.get_node(i)
-            reservations += len(view.reservations)
-            over += sum(1 for g in view.gpus if g.memory_allocated_bytes > g.memory_total_bytes)
-        if over or reservations != pods:
-            raise RuntimeError(
-                f"after the binds: {over} GPUs over capacity, {reservations} reservations for {pods} pods"
-            )
-        per_node = sorted(list(bound.values()).count(n) for n in cluster.names)
+    cluster.wait_connected(extender)
+    if root is not None:
+        tree = Path(f"/proc/{extender.proc.pid}/environ").read_bytes()
+        if f"PYTHONPATH={root}".encode() not in tree:
+            raise RuntimeError(f"cgpu-scheduler was not started with the baseline tree {root}")
+    batch = [cluster.api.state.add_pod(share_pod(f"bind-{k}", 1)) for k in range(pods)]
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process with gRPC threads
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=scheduler_loop, args=(extender.url, cluster.names, batch, parallel, child), daemon=True)
+    proc.start()
+    pids = {
+        "cgpu-scheduler": [extender.proc.pid],
+        "API server (this process)": [os.getpid()],
+        "cgpud x nodes": [n.daemon.proc.pid for n in cluster.nodes if n.daemon.proc is not None],
+        "kube-scheduler's part": [proc.pid],
+    }
+    try:
+        if not parent.poll(120) or parent.recv() != "ready":
+            raise RuntimeError("the scheduling loop's process did not start")
+        cpu0 = {k: sum(process_cpu_seconds(p) for p in v) for k, v in pids.items()}
+        parent.send("go")
+        if not parent.poll(600):
+            raise RuntimeError("the scheduling loop did not finish in 600 s")
+        answer = parent.recv()
+        cpu = {k: sum(process_cpu_seconds(p) for p in v) - cpu0[k] for k, v in pids.items()}
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    if isinstance(answer, Exception):
+        raise answer
+    elapsed, bound, retries, failed_binds, cycle_ms, bind_ms = answer
+    for name, node in bound.items():
+        if cluster.api.state.pod("default", name)["spec"].get("nodeName") != node:
+            raise RuntimeError(f"pod {name}: the API server's binding is not the extender's answer {node}")
+    reservations = over = 0
+    for i in range(nodes):
+        view = cluster.get_node(i)
+        reservations += len(view.reservations)
+        over += sum(1 for g in view.gpus if g.memory_allocated_bytes > g.memory_total_bytes)
+    if over or reservations != pods:
+        raise RuntimeError(f"after the binds: {over} GPUs over capacity, {reservations} reservations for {pods} pods")
+    per_node = sorted(list(bound.values()).count(n) for n in cluster.names)
     return {
         "pods": pods,
         "seconds": elapsed,
         "rate": pods / elapsed,
         "retries": retries + len(failed_binds),
+        "failed_binds": failed_binds[:3],
         "per_node": per_node,
         "cycle_ms": cycle_ms,
         "bind_ms": bind_ms,
@@ -637,6 +711,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--bind-nodes", type=int, default=8)
     p.add_argument("--bind-parallel", type=int, default=BIND_PARALLEL)
     p.add_argument("--bind-gpu-gib", type=int, default=32, help="memory of each of a bind node's 2 GPUs")
+    p.add_argument(
+        "--baseline",
+        default=None,
+        help="a tree (e.g. a worktree of main, built) whose extender runs beside this one's, interleaved",
+    )
+    p.add_argument("--no-cache-side", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--bind-rounds", type=int, default=1, help="bind runs per tree, interleaved with the baseline's")
     args = p.parse_args(argv)
     try:
         sizes = [int(x) for x in args.nodes.split(",") if x]
@@ -649,7 +730,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if sizes:
             before = load()
-            results = {n: measure_scale(n, args.rounds, args.pods, args.seed) for n in sizes}
+            results = {
+                n: measure_scale(n, args.rounds, args.pods, args.seed, args.baseline, args.no_cache_side) for n in sizes
+            }
             report_scale(results)
             print(
                 f"load average {before} before, {load()} after (2 vCPUs here: above 1 the timings include "
@@ -657,20 +740,41 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         if args.bind_pods:
             before = load()
-            bind = measure_binds(args.bind_pods, args.bind_nodes, args.bind_parallel, args.bind_gpu_gib)
-            print(
-                f"\nbind end to end: {bind['pods']} pods of 1 GiB on {args.bind_nodes} nodes x 2 GPUs, "
-                f"{args.bind_parallel} in flight: {bind['seconds']:.2f} s, {bind['rate']:.0f} pods/s "
-                f"({bind['retries']} cycles retried; pods per node {bind['per_node']})"
-            )
-            print(
-                f"  filter+prioritize in the loop: p50 {statistics.median(bind['cycle_ms']):.2f} ms, "
-                f"p99 {quantile(bind['cycle_ms'], 0.99):.2f} ms; one bind (Reserve, Binding with annotations): "
-                f"p50 {statistics.median(bind['bind_ms']):.2f} ms, p99 {quantile(bind['bind_ms'], 0.99):.2f} ms"
-            )
-            print("  CPU per pod, ms: " + ", ".join(f"{k} {v:.1f}" for k, v in bind["cpu_ms_per_pod"].items()))
-            verdict = "PASS" if bind["rate"] >= TARGET_BINDS else "FAIL"
-            print(f"target: >= {TARGET_BINDS:.0f} pods/s: {bind['rate']:.0f}  {verdict}")
+            trees: dict[str, str | None] = {"this tree": None} | ({"baseline": args.baseline} if args.baseline else {})
+            runs: dict[str, list[dict[str, Any]]] = {t: [] for t in trees}
+            for r in range(args.bind_rounds):
+                for t in list(trees) if r % 2 == 0 else list(trees)[::-1]:
+                    bind = measure_binds(
+                        args.bind_pods, args.bind_nodes, args.bind_parallel, args.bind_gpu_gib, trees[t]
+                    )
+                    runs[t].append(bind)
+                    print(
+                        f"\nbind end to end ({t}, round {r + 1}): {bind['pods']} pods of 1 GiB on "
+                        f"{args.bind_nodes} nodes x 2 GPUs, {args.bind_parallel} in flight: "
+                        f"{bind['seconds']:.2f} s, {bind['rate']:.0f} pods/s ({bind['retries']} cycles retried; "
+                        f"pods per node {bind['per_node']})"
+                        + (f"; first failed bind: {bind['failed_binds'][0][:160]}" if bind["failed_binds"] else "")
+                    )
+                    print(
+                        f"  filter+prioritize in the loop: p50 {statistics.median(bind['cycle_ms']):.2f} ms, "
+                        f"p99 {quantile(bind['cycle_ms'], 0.99):.2f} ms; one bind (Reserve, Binding with "
+                        f"annotations): p50 {statistics.median(bind['bind_ms']):.2f} ms, "
+                        f"p99 {quantile(bind['bind_ms'], 0.99):.2f} ms"
+                    )
+                    print("  CPU per pod, ms: " + ", ".join(f"{k} {v:.2f}" for k, v in bind["cpu_ms_per_pod"].items()))
+            rates = {t: statistics.median(b["rate"] for b in v) for t, v in runs.items()}
+            print()
+            for t, v in runs.items():
+                cpu = {k: statistics.median(b["cpu_ms_per_pod"][k] for b in v) for k in v[0]["cpu_ms_per_pod"]}
+                each = ", ".join(f"{b['rate']:.0f}" for b in v)
+                print(
+                    f"bind, {t}: median {rates[t]:.0f} pods/s over {len(v)} runs "
+                    f"({each}); CPU per pod, ms (median): " + ", ".join(f"{k} {x:.2f}" for k, x in cpu.items())
+                )
+            if args.baseline:
+                print(f"bind rate, this tree / baseline: {rates['this tree'] / rates['baseline']:.2f}x")
+            verdict = "PASS" if rates["this tree"] >= TARGET_BINDS else "FAIL"
+            print(f"target: >= {TARGET_BINDS:.0f} pods/s: {rates['this tree']:.0f}  {verdict}")
             print(f"load average {before} before, {load()} after")
     except Exception as e:  # could not measure: say what, exit 1
         print(f"bench_extender: {e}", file=sys.stderr)

@@ -70,6 +70,31 @@ class Placement(NamedTuple):
         return tuple(sorted({i for _, _, idx in self.containers for i in idx}))
 
 
+class Rendered(NamedTuple):
+    """fit's answer for one node and pod shape, with the node's pieces of
+    the extender's answers as JSON text, made once per view and shape (off
+    the request path when the shape is a recent one): a request joins them.
+    A piece is "" where the node has none in that list."""
+
+    answer: Placement | Reason
+    text: str  # `"name":"reason"` when refused, else `{"Host":"name","Score":n}`
+    passed: str  # filter's NodeNames entry: `"name"`
+    failed: str  # filter's FailedNodes entry (a reason eviction may fix)
+    never: str  # filter's FailedAndUnresolvableNodes entry
+    scored: str  # prioritize's entry (score 0 when refused)
+
+
+def render(answer: Placement | Reason, name_json: str) -> Rendered:
+    if isinstance(answer, Reason):
+        text = f"{name_json}:{json.dumps(answer.text)}"
+        zero = f'{{"Host":{name_json},"Score":0}}'
+        if answer.resolvable:
+            return Rendered(answer, text, "", text, "", zero)
+        return Rendered(answer, text, "", "", text, zero)
+    text = f'{{"Host":{name_json},"Score":{answer.score}}}'
+    return Rendered(answer, text, name_json, "", "", text)
+
+
 @dataclass
 class NodeSummary:
     """A node's view in the node's own vocabulary, built once per view."""
@@ -84,7 +109,7 @@ class NodeSummary:
     # Per pod shape, fit's answer with the node's part of a filter or
     # prioritize answer as JSON text: `"name":"reason"` (FailedNodes) or
     # `{"Host":"name","Score":n}`.
-    rendered: dict[Any, tuple[Placement | Reason, str]] = field(default_factory=dict)
+    rendered: dict[Any, Rendered] = field(default_factory=dict)
     # How the GPUs are joined (the view's links); None from a cgpud too old
     # to say: multi-GPU choices then go by placement alone.
     links: Links | None = None
@@ -151,19 +176,14 @@ def fit(demand: PodDemand, node: NodeSummary | NodeState) -> Placement | Reason:
     return answer
 
 
-def rendered(demand: PodDemand, summary: NodeSummary) -> tuple[Placement | Reason, str]:
-    """fit's answer and the node's part of the extender's answer as JSON
-    text (see NodeSummary.rendered), both remembered per pod shape."""
+def rendered(demand: PodDemand, summary: NodeSummary) -> Rendered:
+    """fit's answer and the node's parts of the extender's answers as JSON
+    text (see Rendered), remembered per pod shape."""
     shape = demand.fit_key
     hit = summary.rendered.get(shape)
     if hit is not None:
         return hit
-    answer = fit(demand, summary)
-    if isinstance(answer, Reason):
-        text = f"{summary.name_json}:{json.dumps(answer.text)}"
-    else:
-        text = f'{{"Host":{summary.name_json},"Score":{answer.score}}}'
-    summary.rendered[shape] = hit = (answer, text)
+    summary.rendered[shape] = hit = render(fit(demand, summary), summary.name_json)
     return hit
 
 

@@ -16,21 +16,24 @@ from __future__ import annotations
 import gc
 import json
 import socket
+import socketserver
 import ssl
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from operator import itemgetter
+from dataclasses import dataclass, field
+from http import HTTPStatus
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
+import orjson
 import structlog
 
 from cgpud.boundedhttp import BoundedHandler, BoundedServer, Bounds
 from cgpud.errors import CgpuError, UsageError
 from cgpud.extender.bind import Assignment, BindArgs
-from cgpud.extender.fit import NodeSummary, Reason, rendered
+from cgpud.extender.fit import NodeSummary, Reason, Rendered, render, rendered
 from cgpud.extender.model import view_to_json
 from cgpud.extender.pod import PodDemand, PodError, pod_demand
 from cgpud.extender.state import ClusterState
@@ -42,7 +45,7 @@ BOUNDS = Bounds(max_connections=64, idle_timeout=30.0, body_budget=64 << 20)
 # a million names in 5 MiB would otherwise ask for a 170 MB answer).
 MAX_NODES = 20_000
 RECENT_SHAPES = 16  # pod shapes answered ahead on each new node view
-MEMOS = 16  # (pod shape, node list) answers kept
+MEMOS = 64  # (pod shape, node list) answers kept: a filter and a prioritize list per recent shape
 _log = structlog.get_logger("cgpud.extender")
 
 
@@ -60,11 +63,86 @@ class Raw(str):
     """An answer already encoded as JSON text."""
 
 
+FILTER, PRIORITIZE = "filter", "prioritize"
+
+
+# Per verb, the Rendered fields its answer is joined from.
+_FIELDS = {FILTER: (2, 3, 4), PRIORITIZE: (5,)}
+
+
+@dataclass
+class _Judged:
+    """Every node's Rendered answer for one pod shape and node list, and per
+    verb the lists of pieces its answer joins: a node whose view changed
+    swaps its own pieces, and an answer no piece of which changed is the
+    same text again."""
+
+    judged: list[Rendered]
+    passed: int = 0  # how many answers are placements
+    pieces: dict[str, list[list[str]]] = field(default_factory=dict)  # by verb, made when first asked
+    joined: dict[str, list[str | None]] = field(default_factory=dict)  # by verb, each list joined (None: redo)
+    texts: dict[str, str] = field(default_factory=dict)  # by verb, the whole answer until a piece changes
+
+    def __post_init__(self) -> None:
+        self.passed = sum(map(bool, map(itemgetter(2), self.judged)))
+
+    def set(self, i: int, new: Rendered) -> None:
+        old = self.judged[i]
+        self.passed += bool(new.passed) - bool(old.passed)
+        self.judged[i] = new
+        for verb, lists in self.pieces.items():
+            joined = self.joined[verb]
+            for k, f in enumerate(_FIELDS[verb]):
+                piece = cast(str, new[f])
+                if old[f] != piece:  # a node that still passes the filter leaves its answer as it was
+                    lists[k][i] = piece
+                    joined[k] = None
+                    self.texts.pop(verb, None)
+
+    def text(self, verb: str) -> str:
+        text = self.texts.get(verb)
+        if text is not None:
+            return text
+        lists = self.pieces.get(verb)
+        if lists is None:
+            lists = self.pieces[verb] = [list(map(itemgetter(f), self.judged)) for f in _FIELDS[verb]]
+            self.joined[verb] = [None] * len(lists)
+        joined = self.joined[verb]
+        for k, value in enumerate(joined):
+            if value is None:
+                joined[k] = ",".join(filter(None, lists[k]))  # the empty pieces skipped, in C
+        if verb == FILTER:
+            ok, bad, never = joined
+            text = (
+                f'{{"Nodes":null,"NodeNames":[{ok}],"FailedNodes":{{{bad}}},'
+                f'"FailedAndUnresolvableNodes":{{{never}}},"Error":""}}'
+            )
+        else:
+            text = f"[{joined[0]}]"
+        self.texts[verb] = text
+        return text
+
+
+class _Names(tuple[str, ...]):
+    """A node list that computes its hash once (a tuple's is computed at
+    every look-up: 1,000 names each time)."""
+
+    _hash: int
+
+    def __new__(cls, names: Sequence[str]) -> _Names:
+        self = super().__new__(cls, names)
+        self._hash = tuple.__hash__(self)
+        return self
+
+    def __hash__(self) -> int:
+        return self._hash
+
+
 @dataclass
 class _Memo:
     generation: int  # ClusterState.generation the answers are from
-    index: dict[str, list[int]]  # node name -> its places in the list
-    judged: list[tuple[Any, str]]
+    index: dict[str, int]  # node name -> its place in the list
+    judged: _Judged
 
 
 UNKNOWN_NODE = (
@@ -86,14 +164,17 @@ class Extender:
         # requests; a request redoes only the nodes written since
         # (ClusterState.changed_since). kube-scheduler sends the same node
         # list pod after pod, and a bind changes one node.
-        self._memos: OrderedDict[tuple[Any, tuple[str, ...]], _Memo] = OrderedDict()
+        self._memos: OrderedDict[tuple[Any, _Names], _Memo] = OrderedDict()
         self._memo_lock = threading.Lock()
-        self._once: OrderedDict[tuple[Any, tuple[str, ...]], None] = OrderedDict()  # seen once, not kept yet
+        self._once: OrderedDict[tuple[Any, _Names], None] = OrderedDict()  # seen once, not kept yet
         # The last pod shapes filtered, one demand each: a node's new view is
         # answered for them as it arrives (warm), so the next pod of a
         # recent shape finds every node's answer ready.
         self._recent: OrderedDict[Any, PodDemand] = OrderedDict()  # by PodDemand.fit_key
         self._recent_lock = threading.Lock()
+        # Node lists that passed _args's checks (see _checked_before).
+        self._checked: OrderedDict[_Names, _Names] = OrderedDict()
+        self._checked_lock = threading.Lock()
 
     @property
     def skipped(self) -> dict[str, str]:
@@ -105,40 +186,47 @@ class Extender:
             self._skipped = dict(reasons)
             self._memos.clear()  # their unknown nodes' reasons may have changed
 
-    def _judged(self, demand: PodDemand, names: list[str]) -> list[tuple[Any, str]]:
-        """_judge_all's answer, from the memo of this shape and node list when
-        there is one (redoing only the nodes written since)."""
-        key = (demand.fit_key, tuple(names))
+    def _answer(self, verb: str, demand: PodDemand, names: _Names) -> dict[str, Any] | Raw:
+        """The verb's answer as JSON text, from the memo of this shape and
+        node list when there is one (redoing only the nodes written since;
+        the same text again when none was)."""
+        key = (demand.fit_key, names)
         with self._memo_lock:
             memo = self._memos.get(key)
             if memo is not None:
                 generation, changed = self.state.changed_since(memo.generation)
                 # Most of the nodes changed (a burst of views): one pass over all is cheaper.
-                if changed is not None and len(changed) <= max(len(memo.judged) // 4, 16):
+                if changed is not None and len(changed) <= max(len(memo.index) // 4, 16):
+                    judged = memo.judged
                     for name in changed:
-                        for i in memo.index.get(name, ()):
-                            memo.judged[i] = self._judge_all(demand, [name])[0]
+                        i = memo.index.get(name)
+                        if i is not None:
+                            judged.set(i, self._judge_all(demand, (name,))[0])
                     memo.generation = generation
                     self._memos.move_to_end(key)
-                    return list(memo.judged)
+                    return self._text(verb, names, judged)
             generation = self.state.generation  # before the nodes are read: a later write is redone next time
-            judged = self._judge_all(demand, names)
+            judged = _Judged(self._judge_all(demand, names))
             if memo is None and key not in self._once:
                 # Kept from its second time on: kube-scheduler may send a
                 # different sample of nodes for every pod.
                 self._once[key] = None
                 while len(self._once) > 4 * MEMOS:
                     self._once.popitem(last=False)
-                return judged
+                return self._text(verb, names, judged)
             self._once.pop(key, None)
-            index: dict[str, list[int]] = {}
-            for i, name in enumerate(names):
-                index.setdefault(name, []).append(i)
-            self._memos[key] = _Memo(generation, index, judged)
+            self._memos[key] = _Memo(generation, {name: i for i, name in enumerate(names)}, judged)
             self._memos.move_to_end(key)
             while len(self._memos) > MEMOS:
                 self._memos.popitem(last=False)
-            return list(judged)
+            return self._text(verb, names, judged)
+
+    def _text(self, verb: str, names: Sequence[str], judged: _Judged) -> dict[str, Any] | Raw:
+        if verb == FILTER and not judged.passed:
+            later = self._retry_later(names, judged.judged)
+            if later is not None:
+                return later
+        return Raw(judged.text(verb))
 
     def warm(self, summary: NodeSummary) -> None:
         """Answer the recent pod shapes on a node summary not yet published."""
@@ -157,7 +245,7 @@ class Extender:
             while len(self._recent) > RECENT_SHAPES:
                 self._recent.popitem(last=False)
 
-    def _args(self, body: Any) -> tuple[PodDemand | PodError, list[str], list[Any] | None]:
+    def _args(self, body: Any) -> tuple[PodDemand | PodError, _Names, list[Any] | None]:
         """(demand or why the pod cannot be placed, node names, node objects when given as Nodes)."""
         if not isinstance(body, dict):
             raise BadRequest(f"ExtenderArgs must be a JSON object, not {_kind(body)}")
@@ -168,7 +256,12 @@ class Extender:
         nodes = body.get("Nodes")
         items: list[Any] | None = None
         if names is not None:
-            if not isinstance(names, list) or not set(map(type, names)) <= {str}:
+            if not isinstance(names, list):
+                raise BadRequest("ExtenderArgs.NodeNames must be a list of node names")
+            known = self._known(names)
+            if known is not None:
+                return self._demand(pod), known, None
+            if not set(map(type, names)) <= {str}:
                 raise BadRequest("ExtenderArgs.NodeNames must be a list of node names")
         elif nodes is not None:
             if not isinstance(nodes, dict) or not isinstance(nodes.get("items") or [], list):
@@ -188,27 +281,52 @@ class Extender:
             )
         if len(set(names)) != len(names):
             raise BadRequest("ExtenderArgs names a node more than once")
+        key = _Names(names)
+        if items is None:
+            with self._checked_lock:
+                self._checked[key] = key
+                while len(self._checked) > 4 * MEMOS:
+                    self._checked.popitem(last=False)
+        return self._demand(pod), key, items
+
+    def _known(self, names: list[str]) -> _Names | None:
+        """The list kept when this very list of names passed the checks
+        before, else None. kube-scheduler sends the same list pod after pod,
+        and checking 1,000 names costs more than finding them; the kept
+        list is then the key of the answers kept for it, found by identity.
+        A list equal to one that passed is strings alone, each once (JSON
+        makes no str subclasses)."""
         try:
-            demand: PodDemand | PodError = pod_demand(pod)
+            probe = _Names(names)
+        except TypeError:  # an unhashable item: not names
+            return None
+        with self._checked_lock:
+            kept = self._checked.get(probe)
+            if kept is not None:
+                self._checked.move_to_end(kept)
+            return kept
+
+    @staticmethod
+    def _demand(pod: Any) -> PodDemand | PodError:
+        try:
+            return pod_demand(pod)
         except PodError as e:
             if not isinstance(pod, dict) or not isinstance(pod.get("metadata"), dict):
                 raise BadRequest(f"ExtenderArgs.Pod: {e}") from None
-            demand = e
-        return demand, names, items
+            return e
 
-    def _judge_all(self, demand: PodDemand, names: list[str]) -> list[tuple[Any, str]]:
-        """For each node in order, fit's answer (Placement or Reason) and the
-        node's part of the answer as JSON text: the hot loop."""
+    def _judge_all(self, demand: PodDemand, names: Sequence[str]) -> list[Rendered]:
+        """For each node in order, fit's answer with the node's pieces of the
+        answers (Rendered): the hot loop."""
         record = self.state.records.get
         shape = demand.fit_key
-        out: list[tuple[Any, str]] = []
+        out: list[Rendered] = []
         append = out.append
         for name in names:
             rec = record(name)
             summary = rec.summary if rec is not None else None
             if summary is None:
-                reason = self._missing(name, rec)
-                append((reason, f"{json.dumps(name)}:{json.dumps(reason.text)}"))
+                append(render(self._missing(name, rec), json.dumps(name)))
                 continue
             hit = summary.rendered.get(shape)
             append(hit if hit is not None else rendered(demand, summary))
@@ -226,15 +344,19 @@ class Extender:
         return Reason("no view from the node's cgpud yet", resolvable=False, transient=True)
 
     @staticmethod
-    def _retry_later(names: Sequence[str], judged: Sequence[tuple[Any, str]]) -> dict[str, Any] | None:
+    def _retry_later(names: Sequence[str], judged: Sequence[Rendered]) -> dict[str, Any] | None:
         """When no node fits and some only because its cgpud is not reached
         yet: an Error, not a filter result. kube-scheduler parks a pod an
         extender filtered out until some cluster event, and a cgpud coming
         back is none (up to 5 minutes in an idle cluster, seen on v1.37); an
         error puts it in the backoff queue, retried within 10 s."""
-        if any(type(a) is not Reason for a, _ in judged):
+        if any(type(r.answer) is not Reason for r in judged):
             return None
-        waiting = [f"{n}: {a.text}" for n, (a, _) in zip(names, judged) if a.transient]
+        waiting = [
+            f"{n}: {r.answer.text}"
+            for n, r in zip(names, judged)
+            if isinstance(r.answer, Reason) and r.answer.transient
+        ]
         if not waiting:
             return None
         return {
@@ -255,24 +377,14 @@ class Extender:
             if self.binder is not None:
                 self.binder.remember(demand)
             self._seen(demand)
-            judged = self._judged(demand, names)
+            if items is None:  # the node cache's answer, built as text from the nodes' rendered parts
+                return self._answer(FILTER, demand, names)
+            judged = self._judge_all(demand, names)
             later = self._retry_later(names, judged)
             if later is not None:
                 return later
-            if items is None:  # the node cache's answer, built as text from the nodes' rendered parts
-                ok: list[str] = []
-                bad: list[str] = []
-                never: list[str] = []
-                for name, (answer, text) in zip(names, judged):
-                    if type(answer) is Reason:
-                        (bad if answer.resolvable else never).append(text)
-                    else:
-                        ok.append(name)
-                return Raw(
-                    f'{{"Nodes":null,"NodeNames":{json.dumps(ok)},"FailedNodes":{{{",".join(bad)}}},'
-                    f'"FailedAndUnresolvableNodes":{{{",".join(never)}}},"Error":""}}'
-                )
-            for name, (answer, _) in zip(names, judged):
+            for name, r in zip(names, judged):
+                answer = r.answer
                 if type(answer) is Reason:
                     (failed if answer.resolvable else unresolvable)[name] = answer.text
                 else:
@@ -287,17 +399,13 @@ class Extender:
             out["NodeNames"] = None
         return out
 
-    def prioritize(self, body: Any) -> list[dict[str, Any]] | Raw:
+    def prioritize(self, body: Any) -> list[dict[str, Any]] | dict[str, Any] | Raw:
         demand, names, _ = self._args(body)
         if isinstance(demand, PodError) or not demand.containers:
             return [{"Host": n, "Score": 0} for n in names]
         if self.binder is not None:
             self.binder.remember(demand)
-        parts = [
-            text if type(answer) is not Reason else f'{{"Host":{json.dumps(name)},"Score":0}}'
-            for name, (answer, text) in zip(names, self._judged(demand, names))
-        ]
-        return Raw(f"[{','.join(parts)}]")
+        return self._answer(PRIORITIZE, demand, names)
 
     def bind(self, body: Any) -> dict[str, Any]:
         if not isinstance(body, dict):
@@ -361,12 +469,21 @@ class ServerTls:
 OPEN_PATHS = ("/healthz", "/inspect")
 
 
-class _Handler(BoundedHandler, BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # keep-alive: kube-scheduler reuses its connections
-    server: _Http
+# Request heads: http.server's bounds (a line of 64 KiB, 100 header lines).
+MAX_LINE = 65536
+MAX_HEADERS = 100
 
-    def log_message(self, *args: Any) -> None:
-        pass
+
+class _Handler(BoundedHandler, socketserver.StreamRequestHandler):
+    """HTTP/1.1 with keep-alive, read by hand: http.server's handler parses
+    every request's head with the email package and builds the answer's
+    head a header at a time, which was half of a filter's CPU at 1,000
+    nodes. What is read here: the request line, Content-Length,
+    Connection and Expect; a body comes only with a Content-Length."""
+
+    server: _Http
+    close_connection: bool = True
+    path: str = ""
 
     def setup(self) -> None:
         super().setup()
@@ -374,15 +491,93 @@ class _Handler(BoundedHandler, BaseHTTPRequestHandler):
         # reply can wait for the peer's delayed ACK (~40 ms).
         self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
+    def handle(self) -> None:
+        self.close_connection = False
+        while not self.close_connection:
+            try:
+                self._one()
+            except OSError:  # the peer went away, timed out, or was cut (TLS errors included)
+                return
+            finally:
+                self.answered()
+
     def _send(self, code: int, body: Any) -> None:
-        data = body.encode() if isinstance(body, Raw) else json.dumps(body, separators=(",", ":")).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        # Headers and body in one write (end_headers would send the headers alone);
-        # _headers_buffer is BaseHTTPRequestHandler's, which typeshed leaves out.
-        self._headers_buffer.append(b"\r\n" + data)  # type: ignore[attr-defined]
-        self.flush_headers()
+        data = body.encode() if isinstance(body, Raw) else orjson.dumps(body)
+        close = "Connection: close\r\n" if self.close_connection else ""
+        head = (
+            f"HTTP/1.1 {code} {HTTPStatus(code).phrase}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n{close}\r\n"
+        )
+        # Head and body in one write.
+        self.wfile.write(head.encode("ascii") + data)
+
+    def _refuse(self, code: int, error: str) -> None:
+        """An answer after which the connection's bytes cannot be trusted to
+        be at a request's start: closed."""
+        self.close_connection = True
+        self._send(code, {"Error": error})
+
+    def _one(self) -> None:
+        line = self.rfile.readline(MAX_LINE + 1)
+        if not line:
+            self.close_connection = True
+            return
+        if len(line) > MAX_LINE:
+            self._refuse(414, f"request line longer than {MAX_LINE} bytes")
+            return
+        words = line.split()
+        if len(words) != 3 or not words[2].startswith(b"HTTP/"):
+            self._refuse(400, f"bad request line {line[:200]!r}")
+            return
+        method, version = words[0], words[2]
+        self.path = words[1].decode("latin-1")
+        if version not in (b"HTTP/1.1", b"HTTP/1.0"):
+            self._refuse(505, f"HTTP version {version[:20]!r}: HTTP/1.1 is spoken here")
+            return
+        keep = version == b"HTTP/1.1"
+        length: bytes | None = None
+        chunked = expect = False
+        for _ in range(MAX_HEADERS + 1):
+            line = self.rfile.readline(MAX_LINE + 1)
+            if len(line) > MAX_LINE:
+                self._refuse(431, f"header line longer than {MAX_LINE} bytes")
+                return
+            if line in (b"\r\n", b"\n", b""):
+                break
+            name, colon, value = line.partition(b":")
+            if not colon:
+                self._refuse(400, f"bad header line {line[:200]!r}")
+                return
+            name, value = name.strip().lower(), value.strip()
+            if name == b"content-length":
+                if length is not None and length != value:
+                    self._refuse(400, "two different Content-Length headers")
+                    return
+                length = value
+            elif name == b"connection":
+                tokens = {t.strip() for t in value.lower().split(b",")}
+                keep = b"close" not in tokens and (keep or b"keep-alive" in tokens)
+            elif name == b"transfer-encoding":
+                chunked = True
+            elif name == b"expect":
+                expect = value.lower() == b"100-continue"
+        else:
+            self._refuse(431, f"more than {MAX_HEADERS} header lines")
+            return
+        if not line:  # the peer closed inside the head
+            self.close_connection = True
+            return
+        self.close_connection = not keep
+        if chunked:
+            self._refuse(411, "a request body needs a Content-Length (no Transfer-Encoding)")
+        elif method == b"GET":
+            if length not in (None, b"0"):
+                self.close_connection = True  # a body nobody reads: the next request cannot be found
+            self._get()
+        elif method == b"POST":
+            self._post(length, expect)
+        else:
+            self._refuse(501, f"no {method[:20].decode('latin-1')} here: GET /healthz, /inspect; POST the verbs")
 
     def _path(self) -> str:
         return self.path.split("?", 1)[0].rstrip("/") or "/"
@@ -394,23 +589,14 @@ class _Handler(BoundedHandler, BaseHTTPRequestHandler):
         conn = self.connection
         if isinstance(conn, ssl.SSLSocket) and conn.getpeercert():
             return False
-        self.close_connection = True
-        self._send(
+        self._refuse(
             403,
-            {
-                "Error": f"{path} needs a client certificate signed by the extender's client CA "
-                "(kube-scheduler's extender tlsConfig certFile/keyFile)"
-            },
+            f"{path} needs a client certificate signed by the extender's client CA "
+            "(kube-scheduler's extender tlsConfig certFile/keyFile)",
         )
         return True
 
-    def handle_one_request(self) -> None:
-        try:
-            super().handle_one_request()
-        finally:
-            self.answered()
-
-    def do_GET(self) -> None:
+    def _get(self) -> None:
         path = self._path()
         self.answering()
         if self._caller_refused(path):
@@ -418,45 +604,41 @@ class _Handler(BoundedHandler, BaseHTTPRequestHandler):
         if path == "/healthz":
             self._send(200, {"status": "ok"})
         elif path == "/inspect":
-            self._send(200, self.server.extender.inspect())
+            self._send(200, Raw(json.dumps(self.server.extender.inspect(), separators=(",", ":"))))
         else:
             self._send(404, {"Error": f"no GET {path}: use /healthz or /inspect"})
 
-    def do_POST(self) -> None:
+    def _post(self, length_text: bytes | None, expect: bool) -> None:
         path = self._path()
         verbs = {
-            "/filter": self.server.extender.filter,
-            "/prioritize": self.server.extender.prioritize,
-            "/bind": self.server.extender.bind,
+            FILTER: self.server.extender.filter,
+            PRIORITIZE: self.server.extender.prioritize,
+            "bind": self.server.extender.bind,
         }
-        length_text = self.headers.get("Content-Length")
         if length_text is None:
-            self.close_connection = True
-            self._send(411, {"Error": "a request body needs a Content-Length"})
+            self._refuse(411, "a request body needs a Content-Length")
             return
-        try:
-            length = int(length_text)
-        except ValueError:
-            length = -1
+        length = int(length_text) if length_text.isdigit() else -1
         if length < 0 or length > MAX_BODY:
-            self.close_connection = True
-            self._send(413, {"Error": f"request body of {length_text} bytes: at most {MAX_BODY} are read"})
+            text = length_text[:40].decode("latin-1")
+            self._refuse(413, f"request body of {text} bytes: at most {MAX_BODY} are read")
             return
         if self._caller_refused(path):
             return
-        verb = verbs.get(path)
+        verb = verbs.get(path[1:]) if path.startswith("/") else None
+        if expect:
+            self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         with self.body(length) as raw:
             self.answering()
             if raw is None:
-                self.close_connection = True
-                self._send(503, {"Error": "too many request bodies in flight: try again"})
+                self._refuse(503, "too many request bodies in flight: try again")
                 return
             if verb is None:
                 self._send(404, {"Error": f"no POST {path}: use /filter, /prioritize or /bind"})
                 return
             try:
-                body = json.loads(raw)
-            except (ValueError, RecursionError) as e:
+                body = orjson.loads(raw)
+            except orjson.JSONDecodeError as e:
                 self._send(400, {"Error": f"{path}: the body is not JSON ({e})"})
                 return
         try:
@@ -471,7 +653,7 @@ class _Handler(BoundedHandler, BaseHTTPRequestHandler):
         self._send(200, answer)
 
 
-class _Http(BoundedServer, HTTPServer):
+class _Http(BoundedServer, socketserver.TCPServer):
     allow_reuse_address = True
     request_queue_size = 128
     bounds = BOUNDS

@@ -9,13 +9,16 @@ runs as a node daemon and runs no programs a kubeconfig names.
 Not the official client: that one is 126 MiB installed and its import costs
 cgpud a third of its start; these are the few calls cgpu makes.
 
-RestClient is thread-safe (one urllib3 pool); close() ends it."""
+RestClient is thread-safe (kept connections for whole answers, one urllib3
+pool for watches); close() ends it."""
 
 from __future__ import annotations
 
 import base64
 import json
 import os
+import select
+import socket
 import ssl
 import tempfile
 import threading
@@ -23,8 +26,8 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-from urllib.parse import quote, urlencode
+from typing import Any, BinaryIO
+from urllib.parse import quote, urlencode, urlsplit
 
 import urllib3
 import yaml
@@ -199,14 +202,194 @@ def _path(template: str, params: Mapping[str, str] | None) -> str:
     return template.format_map({k: quote(v, safe=":") for k, v in (params or {}).items()})
 
 
+MAX_LINE = 65536  # a status or header line of an answer
+MAX_HEADERS = 100
+MAX_ANSWER = 256 << 20  # bytes of one whole answer
+
+
+class _Kept:
+    """HTTP/1.1 calls whose answer is read whole, over kept connections.
+    Through urllib3 (http.client, the email package for every answer's
+    head) a call cost more CPU than the work it asked for, and a bind makes
+    two. Like urllib3 without retries: a kept connection the server closed
+    meanwhile is found before it is used (readable while idle) and not
+    used; a call that fails is not sent again. Thread-safe."""
+
+    def __init__(self, url: str, tls: ssl.SSLContext | None, size: int) -> None:
+        parts = urlsplit(url)
+        self._https = parts.scheme == "https"
+        self._host = parts.hostname or ""
+        self._port = parts.port or (443 if self._https else 80)
+        self._netloc = parts.netloc
+        self._tls = tls if self._https else None
+        if self._https and self._tls is None:
+            self._tls = ssl.create_default_context()
+        self._size = size
+        self._lock = threading.Lock()
+        self._idle: list[tuple[socket.socket, BinaryIO]] = []
+        self._closed = False
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+            self._closed = True
+        for conn in idle:
+            _shut(conn)
+
+    def _take(self, timeout: float) -> tuple[socket.socket, BinaryIO]:
+        with self._lock:
+            while self._idle:
+                conn = self._idle.pop()
+                if not _dropped(conn[0]):
+                    conn[0].settimeout(timeout)
+                    return conn
+                _shut(conn)
+        sock = socket.create_connection((self._host, self._port), timeout)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._tls is not None:
+                sock = self._tls.wrap_socket(sock, server_hostname=self._host)
+        except BaseException:
+            sock.close()
+            raise
+        return sock, sock.makefile("rb")
+
+    def _give(self, conn: tuple[socket.socket, BinaryIO]) -> None:
+        with self._lock:
+            if not self._closed and len(self._idle) < self._size:
+                self._idle.append(conn)
+                return
+        _shut(conn)
+
+    def request(
+        self, method: str, target: str, headers: Mapping[str, str], body: bytes | None, timeout: float
+    ) -> tuple[int, str, bytes]:
+        """(status, reason, body); OSError when the server cannot be reached
+        or answers what is not HTTP/1.x."""
+        lines = [f"{method} {target} HTTP/1.1", f"Host: {self._netloc}"]
+        lines += [f"{k}: {v}" for k, v in headers.items()]
+        if body is not None or method in ("POST", "PUT", "PATCH"):
+            lines.append(f"Content-Length: {len(body or b'')}")
+        data = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (body or b"")
+        conn = self._take(timeout)
+        try:
+            conn[0].sendall(data)
+            status, reason, answer, keep = _answer(conn[1], method)
+        except BaseException:
+            _shut(conn)
+            raise
+        if keep:
+            self._give(conn)
+        else:
+            _shut(conn)
+        return status, reason, answer
+
+
+def _shut(conn: tuple[socket.socket, BinaryIO]) -> None:
+    for part in (conn[1], conn[0]):
+        try:
+            part.close()
+        except OSError:
+            pass
+
+
+def _dropped(sock: socket.socket) -> bool:
+    """An idle connection with something to read: the server closed it (or
+    sent what no request asked for)."""
+    poll = select.poll()
+    poll.register(sock, select.POLLIN)
+    return bool(poll.poll(0))
+
+
+def _line(rfile: BinaryIO) -> bytes:
+    line = rfile.readline(MAX_LINE + 1)
+    if len(line) > MAX_LINE:
+        raise ConnectionError("the API server sent a line longer than 64 KiB")
+    if not line:
+        raise ConnectionError("the API server closed the connection")
+    return line
+
+
+def _answer(rfile: BinaryIO, method: str) -> tuple[int, str, bytes, bool]:
+    """(status, reason, body, whether the connection can be kept) of one
+    answer; informational (1xx) answers before it are skipped."""
+    while True:
+        words = _line(rfile).split(None, 2)
+        if len(words) < 2 or not words[0].startswith(b"HTTP/1.") or not words[1].isdigit():
+            raise ConnectionError(f"the API server's answer is not HTTP/1.x: {b' '.join(words)[:100]!r}")
+        status, reason = int(words[1]), words[2].strip().decode("latin-1") if len(words) > 2 else ""
+        keep = words[0] == b"HTTP/1.1"
+        length: int | None = None
+        chunked = False
+        for _ in range(MAX_HEADERS + 1):
+            line = _line(rfile)
+            if line in (b"\r\n", b"\n"):
+                break
+            name, _, value = line.partition(b":")
+            name, value = name.strip().lower(), value.strip()
+            if name == b"content-length":
+                if not value.isdigit():
+                    raise ConnectionError(f"the API server sent Content-Length {value[:40]!r}")
+                length = int(value)
+            elif name == b"transfer-encoding":
+                chunked = value.lower() != b"identity"
+            elif name == b"connection":
+                tokens = {t.strip() for t in value.lower().split(b",")}
+                keep = b"close" not in tokens and (keep or b"keep-alive" in tokens)
+        else:
+            raise ConnectionError(f"the API server sent more than {MAX_HEADERS} header lines")
+        if 100 <= status < 200:
+            continue
+        if method == "HEAD" or status in (204, 304):
+            return status, reason, b"", keep
+        if chunked:
+            return status, reason, _chunks(rfile), keep
+        if length is None:  # to the end of the connection
+            body = rfile.read(MAX_ANSWER + 1)
+            if len(body) > MAX_ANSWER:
+                raise ConnectionError(f"the API server's answer is over {MAX_ANSWER} bytes")
+            return status, reason, body, False
+        if length > MAX_ANSWER:
+            raise ConnectionError(f"the API server's answer is {length} bytes, over {MAX_ANSWER}")
+        body = rfile.read(length)
+        if len(body) != length:
+            raise ConnectionError("the API server closed the connection inside an answer")
+        return status, reason, body, keep
+
+
+def _chunks(rfile: BinaryIO) -> bytes:
+    parts: list[bytes] = []
+    total = 0
+    while True:
+        size_text = _line(rfile).split(b";", 1)[0].strip()
+        try:
+            size = int(size_text, 16)
+        except ValueError:
+            raise ConnectionError(f"the API server sent a bad chunk size {size_text[:40]!r}") from None
+        if size == 0:
+            for _ in range(MAX_HEADERS + 1):  # trailers, then the empty line
+                if _line(rfile) in (b"\r\n", b"\n"):
+                    return b"".join(parts)
+            raise ConnectionError("the API server sent too many trailer lines")
+        total += size
+        if size < 0 or total > MAX_ANSWER:
+            raise ConnectionError(f"the API server's answer is over {MAX_ANSWER} bytes")
+        chunk = rfile.read(size)
+        if len(chunk) != size or _line(rfile) not in (b"\r\n", b"\n"):
+            raise ConnectionError("the API server closed the connection inside a chunk")
+        parts.append(chunk)
+
+
 class RestClient:
     def __init__(self, server: Server, timeout: float, connections: int = 4) -> None:
         self._server = server
         self._timeout = timeout
         self._pool = urllib3.PoolManager(maxsize=connections, ssl_context=server.tls, retries=False)
+        self._kept = _Kept(server.url, server.tls, connections)
 
     def close(self) -> None:
         self._pool.clear()
+        self._kept.close()
 
     def call(
         self,
@@ -220,22 +403,55 @@ class RestClient:
         timeout: float | None = None,
     ) -> dict[str, Any]:
         """The JSON object the API server answers; RestError otherwise."""
-        answer = self._request(method, _path(path, params), query, body, content_type, timeout, stream=False)
+        status, data = self._whole(method, _path(path, params), query, body, content_type, timeout)
         try:
-            value = json.loads(answer.data)
+            value = json.loads(data)
         except ValueError:
             value = None
         if not isinstance(value, dict):
-            raise RestError(answer.status, "the API server's answer is not a JSON object")
+            raise RestError(status, "the API server's answer is not a JSON object")
         return value
 
     def send(self, method: str, path: str, params: Mapping[str, str], body: Any) -> None:
         """A call whose answer is not needed (a Binding's is a Status, or nothing)."""
-        self._request(method, _path(path, params), None, body, JSON, None, stream=False)
+        self._whole(method, _path(path, params), None, body, JSON, None)
 
     def fetch(self, path: str, params: Mapping[str, str]) -> bytes:
         """The body of a GET, whatever it is (a service's answer, through the API server's proxy)."""
-        return bytes(self._request("GET", _path(path, params), None, None, JSON, None, stream=False).data)
+        return self._whole("GET", _path(path, params), None, None, JSON, None)[1]
+
+    def _headers(self, body: Any, content_type: str) -> tuple[dict[str, str], bytes | None]:
+        headers = {"Accept": JSON}
+        token = self._server.token()
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        data = None
+        if body is not None:
+            headers["Content-Type"] = content_type
+            data = json.dumps(body).encode()
+        return headers, data
+
+    def _whole(
+        self,
+        method: str,
+        path: str,
+        query: Mapping[str, str] | None,
+        body: Any,
+        content_type: str,
+        timeout: float | None,
+    ) -> tuple[int, bytes]:
+        """(status, body) of a 2xx answer read whole; RestError otherwise."""
+        headers, data = self._headers(body, content_type)
+        target = path + (f"?{urlencode(query)}" if query else "")
+        try:
+            status, reason, answer = self._kept.request(
+                method, target, headers, data, self._timeout if timeout is None else timeout
+            )
+        except OSError as e:  # TLS errors and timeouts are OSErrors too
+            raise RestError(0, f"the API server cannot be reached ({e})") from None
+        if not 200 <= status <= 299:
+            raise RestError(status, _message(answer) or reason)
+        return status, answer
 
     def watch(self, path: str, query: Mapping[str, str], timeout: float) -> Iterator[dict[str, Any]]:
         """The events of a watch (`watch=1` is added), one JSON object a line,
@@ -264,14 +480,7 @@ class RestClient:
         timeout: float | None,
         stream: bool,
     ) -> urllib3.BaseHTTPResponse:
-        headers = {"Accept": JSON}
-        token = self._server.token()
-        if token:
-            headers["Authorization"] = f"Bearer {token}"
-        data = None
-        if body is not None:
-            headers["Content-Type"] = content_type
-            data = json.dumps(body).encode()
+        headers, data = self._headers(body, content_type)
         url = self._server.url + path + (f"?{urlencode(query)}" if query else "")
         seconds = self._timeout if timeout is None else timeout
         try:

@@ -248,7 +248,7 @@ def test_a_new_view_is_answered_for_recent_pod_shapes_before_it_is_read(
     assert rec is not None and rec.summary is not None
     shapes = set(rec.summary.rendered)
     assert shapes == {((4 << 30, 0, 1),), ((3 << 30, 0, 2),)}
-    answer, text = rec.summary.rendered[((4 << 30, 0, 1),)]
+    answer, text, *_ = rec.summary.rendered[((4 << 30, 0, 1),)]
     assert answer.containers == ((4 << 30, 0, (0,)),) and text == f'{{"Host":"idle","Score":{answer.score}}}'
     # And the HTTP answer is that one.
     _, out = c.call("POST", "/prioritize", args(pod(containers=[container("c", mem="4")]), ["idle"]))
@@ -295,3 +295,64 @@ def test_reasons_name_the_container_of_the_pod_asked_about(server: tuple[Extende
     _, out2 = c.call("POST", "/filter", args(two, ["idle"]))
     assert "container b " in out1["FailedAndUnresolvableNodes"]["idle"]
     assert "container y " in out2["FailedAndUnresolvableNodes"]["idle"]
+
+
+def raw_exchange(port: int, data: bytes, timeout: float = 5.0) -> bytes:
+    """Send `data` on a fresh connection, read until the server closes it."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(data)
+        got = b""
+        while True:
+            piece = s.recv(65536)
+            if not piece:
+                return got
+            got += piece
+
+
+def test_the_request_head_is_read_by_hand_with_http_servers_bounds(server: tuple[ExtenderServer, FakeBinder]) -> None:
+    """The handler reads heads itself: what it does not take is refused
+    with a JSON Error and the connection closed (the close ends raw_exchange)."""
+    srv, binder = server
+    body = json.dumps(args(pod(containers=[container("c", mem="4")]), ["idle"])).encode()
+    chunked = raw_exchange(
+        srv.port,
+        b"POST /filter HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body),
+    )
+    assert chunked.startswith(b"HTTP/1.1 411 ") and b"Connection: close" in chunked
+    assert raw_exchange(srv.port, b"GET /healthz HTTP/2.0\r\n\r\n").startswith(b"HTTP/1.1 505 ")
+    assert raw_exchange(srv.port, b"GET /healthz\r\n\r\n").startswith(b"HTTP/1.1 400 ")
+    long_header = b"GET /healthz HTTP/1.1\r\nX: " + b"a" * 70000 + b"\r\n\r\n"
+    assert raw_exchange(srv.port, long_header).startswith(b"HTTP/1.1 431 ")
+    many = b"GET /healthz HTTP/1.1\r\n" + b"X: 1\r\n" * 101 + b"\r\n"
+    assert raw_exchange(srv.port, many).startswith(b"HTTP/1.1 431 ")
+    two_lengths = b"POST /filter HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}"
+    assert raw_exchange(srv.port, two_lengths).startswith(b"HTTP/1.1 400 ")
+    assert raw_exchange(srv.port, b"DELETE /filter HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 501 ")
+    assert binder.seen == []
+
+
+def test_keep_alive_pipelining_http_1_0_and_expect_100_continue(server: tuple[ExtenderServer, FakeBinder]) -> None:
+    srv, binder = server
+    body = json.dumps(args(pod(containers=[container("c", mem="4")]), ["idle"])).encode()
+    post = b"POST /filter HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    # Two requests in one write, then one asking to close: three answers in order.
+    got = raw_exchange(
+        srv.port, post + b"GET /healthz HTTP/1.1\r\n\r\n" + b"GET /healthz HTTP/1.1\r\nConnection: close\r\n\r\n"
+    )
+    assert got.count(b"HTTP/1.1 200 OK") == 3 and got.index(b'"NodeNames":["idle"]') < got.index(b'"status"')
+    # HTTP/1.0 without keep-alive: one answer, closed.
+    got = raw_exchange(srv.port, b"GET /healthz HTTP/1.0\r\n\r\n")
+    assert got.startswith(b"HTTP/1.1 200 ") and b"Connection: close" in got
+    # Expect: 100-continue: the interim answer first, then the verb's.
+    import socket
+
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
+        s.sendall(b"POST /filter HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(body))
+        assert s.recv(100).startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
+        s.sendall(body)
+        answer = s.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 200 ") and b'"NodeNames":["idle"]' in answer
+    assert [d.name for d in binder.seen] == ["p", "p"]

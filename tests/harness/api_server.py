@@ -12,6 +12,7 @@ kubeconfig file pointing at it. Objects live in dicts the test owns (`pods`,
 from __future__ import annotations
 
 import itertools
+import socket
 import json
 import threading
 import time
@@ -182,6 +183,13 @@ class ApiState:
 
 
 class _Handler(BaseHTTPRequestHandler):
+    # Keep-alive, as the API server keeps its clients' connections (HTTP/1.0
+    # made every client call pay a connection and this server a thread).
+    protocol_version = "HTTP/1.1"
+    # The head and the body go in two writes: on a kept connection Nagle
+    # would hold the body for the peer's delayed ACK (40 ms). Go's servers
+    # set TCP_NODELAY too.
+    disable_nagle_algorithm = True
     server: _Server
 
     def log_message(self, *args: Any) -> None:  # quiet
@@ -331,12 +339,36 @@ class _Server(ThreadingHTTPServer):
         super().__init__((host, port), _Handler)
         self.state = state
         self.stopping = threading.Event()  # ends the watches
+        self._conns: set[socket.socket] = set()
+        self._conns_lock = threading.Lock()
         self._revision = itertools.count(1)
         self.revision = 0
 
     def bump(self) -> int:
         self.revision = next(self._revision)
         return self.revision
+
+    # The open connections, cut at stop: a kept-alive connection would
+    # otherwise go on being answered through an outage.
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._conns_lock:
+            self._conns.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._conns_lock:
+            self._conns.discard(request)
+        super().shutdown_request(request)
+
+    def cut_connections(self) -> None:
+        with self._conns_lock:
+            conns = list(self._conns)
+        for conn in conns:
+            try:
+                socket.socket.shutdown(conn, socket.SHUT_RDWR)
+            except OSError:
+                pass
 
 
 class ApiServerProcess:
@@ -372,6 +404,7 @@ class ApiServerProcess:
             self._server.stopping.set()
             self._server.shutdown()
             self._server.server_close()
+            self._server.cut_connections()
             self._server = None
 
     def kubeconfig(self, path: Path, address: str | None = None) -> Path:

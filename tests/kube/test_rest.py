@@ -181,3 +181,100 @@ def test_quantities_read_as_the_api_server_writes_them(text: str, value: Decimal
 def test_what_is_not_a_quantity_is_refused(text: str) -> None:
     with pytest.raises(ValueError):
         parse_quantity(text)
+
+
+class RawServer:
+    """A server on 127.0.0.1 that answers each request on a connection with
+    the next of `answers` (raw bytes) and closes the connection after those
+    marked close; it counts the connections and the requests it read."""
+
+    def __init__(self, answers: list[tuple[bytes, bool]]) -> None:
+        import socket
+        import threading
+
+        self.answers = list(answers)
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while self.answers:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            with conn, conn.makefile("rb") as rfile:
+                while self.answers:
+                    head = b""
+                    while not head.endswith(b"\r\n\r\n"):
+                        line = rfile.readline()
+                        if not line:
+                            break
+                        head += line
+                    if not head:
+                        break
+                    length = 0
+                    for line in head.split(b"\r\n"):
+                        if line.lower().startswith(b"content-length:"):
+                            length = int(line.split(b":")[1])
+                    self.requests.append(head + rfile.read(length))
+                    answer, close = self.answers.pop(0)
+                    conn.sendall(answer)
+                    if close:
+                        break
+
+    def client(self, tmp_path: Path) -> RestClient:
+        path = kubeconfig(tmp_path, {"server": f"http://127.0.0.1:{self.port}"}, {"token": "t"})
+        return RestClient(server_from(path), 5.0)
+
+
+def test_whole_answers_come_over_one_kept_connection_chunked_or_not(tmp_path: Path) -> None:
+    server = RawServer(
+        [
+            (b'HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\n{"a": 1}', False),
+            (
+                b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                b'4;x=y\r\n{"b"\r\n3\r\n: 2\r\n1\r\n}\r\n0\r\nTrailer: t\r\n\r\n',
+                False,
+            ),
+            (b"HTTP/1.1 201 Created\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}", True),
+            (b'HTTP/1.1 200 OK\r\n\r\n{"to": "the end"}', True),  # no length: to the close
+        ]
+    )
+    client = server.client(tmp_path)
+    assert client.call("GET", "/api/v1/a") == {"a": 1}
+    assert client.call("GET", "/api/v1/b") == {"b": 2}
+    client.send("POST", "/api/v1/namespaces/{ns}/things", {"ns": "n s"}, {"x": 1})
+    assert server.connections == 1  # kept until the server said close
+    assert client.call("GET", "/api/v1/c") == {"to": "the end"}
+    assert server.connections == 2
+    post = server.requests[2]
+    assert post.startswith(b"POST /api/v1/namespaces/n%20s/things HTTP/1.1\r\n")
+    assert b"Authorization: Bearer t\r\n" in post and post.endswith(b'\r\n\r\n{"x": 1}')
+    client.close()
+
+
+def test_a_kept_connection_the_server_closed_is_not_used_and_bad_answers_are_errors(tmp_path: Path) -> None:
+    import time
+
+    status = b'{"kind":"Status","message":"not here"}'
+    server = RawServer(
+        [
+            (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}", True),  # closed without saying so
+            (b"HTTP/1.1 404 Not Found\r\nContent-Length: %d\r\n\r\n%s" % (len(status), status), False),
+            (b"SSH-2.0-OpenSSH\r\n\r\n", True),
+        ]
+    )
+    client = server.client(tmp_path)
+    assert client.call("GET", "/one") == {}
+    time.sleep(0.2)  # the server's close arrives
+    with pytest.raises(RestError) as e:
+        client.call("GET", "/two")
+    assert e.value.status == 404 and e.value.reason == "not here"
+    assert server.connections == 2
+    with pytest.raises(RestError) as e:
+        client.call("GET", "/three")
+    assert e.value.status == 0 and "not HTTP/1.x" in e.value.reason

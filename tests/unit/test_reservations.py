@@ -679,3 +679,24 @@ def test_random_reserves_creates_and_expiry_never_overcommit(tmp_path: Path, see
             assert u.instances <= policy.max_instances_per_gpu, (seed, step)
         assert all(r.live(clock.now) for r in svc.reservations())
     assert created > 5  # the sequence did exercise admission
+
+
+def test_a_row_changed_under_an_open_store_is_read_as_it_is_now(tmp_path: Path, capsys):
+    """Decoded reservations are kept by their whole row: a row another
+    writer changed (its expiry, its shares, damaged) is decoded again."""
+    path = tmp_path / "cgpud.db"
+    with Store(path) as s:
+        s.put_reservation(Reservation("uid-a", "ns", "a", (gib(0, 1),), 50.0))
+        assert [r.expires for r in s.reservations()] == [50.0]
+        conn = sqlite3.connect(path, isolation_level=None)
+        conn.execute("UPDATE reservations SET expires = 70.0 WHERE pod_uid = 'uid-a'")
+        assert [r.expires for r in s.reservations()] == [70.0]
+        conn.execute(
+            "UPDATE reservations SET shares = ? WHERE pod_uid = 'uid-a'",
+            ('[{"gpu_index": 1, "memory": 2, "core_percent": 5, "instances": 1}]',),
+        )
+        assert s.reservations()[0].shares == (Share(1, 2, 5, 1),)
+        conn.execute("UPDATE reservations SET shares = 'not json' WHERE pod_uid = 'uid-a'")
+        assert s.reservations() == []
+        conn.close()
+    assert "unreadable reservation skipped" in capsys.readouterr().out
