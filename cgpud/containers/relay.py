@@ -30,14 +30,6 @@ from cgpud.sockets import owner_only_listening, prepare_socket_directory, remove
 READ_TIMEOUT = 2.0
 # Verbs counted by name in metrics; anything else (a malformed request) is "other".
 _VERBS = ("prepare", "bind", "release", *(f"hook {stage}" for stage in (*BIND_STAGES, RELEASE_STAGE)))
-# The nice value of the thread that answers the relay socket. Every GPU
-# start waits on its requests, and on a busy node the thread's wake-up, not
-# its work, was most of a round trip: a createRuntime hook's exec to its exit
-# took 1.48 ms on a 2-CPU VM at load 6, of which cgpud's bind is about half a
-# millisecond (bench/README.md). The work after an answer and the exit
-# watch keep the daemon's priority. Without the right to raise it (no
-# CAP_SYS_NICE) the thread runs at the daemon's.
-RELAY_NICE = -10
 # The flags of prepare. shim-binds: the shim binds after create and releases
 # after delete itself, so cgpud writes no hook entries. spec-fd: the spec
 # comes as the request's one file descriptor (the shim has put a FIFO at
@@ -169,17 +161,9 @@ class RelayServer:
         self._server = server
         self._after_thread = threading.Thread(target=self._work_after_answers, name="cgpud-relay-after", daemon=True)
         self._after_thread.start()
-        threading.Thread(target=self._serve, args=(server,), name="cgpud-relay", daemon=True).start()
+        threading.Thread(target=server.serve_forever, name="cgpud-relay", daemon=True).start()
         log.info("serving", socket=str(self._path))
         return self
-
-    def _serve(self, server: socketserver.UnixStreamServer) -> None:
-        try:
-            # On Linux a thread's id names that thread alone here.
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), RELAY_NICE)
-        except OSError as e:
-            self._log.info("relay thread keeps the daemon's priority", nice=RELAY_NICE, error=str(e))
-        server.serve_forever()
 
     def stop(self) -> None:
         if self._server is not None:
