@@ -142,7 +142,7 @@ TARGETS: tuple[Target, ...] = (
     # the shim proper it hands GPU starts to, found beside it.
     Target("bin/cgpu-runtime", ("hook/runtime_front.c",), freestanding=True),
     Target("bin/cgpu-runtime-gpu", ("hook/cgpu_runtime.c", "hook/relay.c")),
-    Target("bin/cgpu-hook", ("hook/cgpu_hook.c", "hook/relay.c")),
+    Target("bin/cgpu-hook", ("hook/cgpu_hook.c",), freestanding=True),
 )
 
 

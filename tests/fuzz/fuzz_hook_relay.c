@@ -1,8 +1,9 @@
-/* libFuzzer target: cgpu-hook end to end (csrc/hook/cgpu_hook.c and
- * relay.c): arguments and the container state on stdin from the input, a
- * real unix socket server thread playing cgpud. Whatever the input, the
- * request that reaches cgpud is "hook <letters> <instance id>\n" followed by
- * stdin byte for byte, and the hook says yes only when cgpud said ok.
+/* libFuzzer target: cgpu-hook end to end (csrc/hook/cgpu_hook.c, its own
+ * relay client here on libc): arguments and the container state on stdin
+ * from the input, a real unix socket server thread playing cgpud. Whatever
+ * the input, the request that reaches cgpud is "hook <letters> <instance
+ * id>\n" followed by stdin byte for byte, and the hook says yes only when
+ * cgpud said ok.
  * Input: [argv length: 2][NUL-separated args][answer choice][stdin].
  * An argument "@S" stands for the server's socket path (fuzz_server.h: the
  * relay can reach no other socket). */
@@ -14,6 +15,7 @@
 /* usage_error() exits; the harness takes the exit back instead. */
 #define FUZZ_RELAY_SOURCE "hook/cgpu_hook.c"
 #define FUZZ_RELAY_MAIN cgpu_hook_main
+#define FUZZ_RELAY_OWN_CLIENT
 #include "fuzz_relay_main.h"
 
 static const char *const ANSWERS[] = {"ok\n", "ok bound cgpu-0000aaaa\n", "error instance is released\n", "",

@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.fuzz.py_bundle import shim_may_ask
 from tests.harness.relay import GPU_CONFIG, PLAIN_CONFIG, bundle, run
 from tests.harness.wait import until
@@ -144,8 +146,10 @@ def test_through_a_link_the_gpu_shim_is_found_beside_the_real_file(bins, env, ru
     assert runtime.argv is None
 
 
-def test_the_release_front_runs_without_libc_where_it_knows_how(native):
-    data = (native / "bin" / "cgpu-runtime").read_bytes()
+# cgpu-hook too: runc runs it inside every CDI/hooks start's `create`.
+@pytest.mark.parametrize("program", ["cgpu-runtime", "cgpu-hook"])
+def test_the_release_front_runs_without_libc_where_it_knows_how(native, program):
+    data = (native / "bin" / program).read_bytes()
     assert data[:4] == b"\x7fELF" and data[4] == 2  # 64-bit
     (phoff,) = struct.unpack_from("<Q", data, 0x20)
     phentsize, phnum = struct.unpack_from("<HH", data, 0x36)
