@@ -47,6 +47,7 @@ class TenantSpec:
     burst_ms: float = 0.0  # > 0: bursts of this much queued work, each ended by cuCtxSynchronize ...
     gap_ms: float = 0.0  # ... then this long idle
     sync_every: int = 0  # > 0: synchronise every this many launches
+    burst_sync: str = "ctx"  # how a burst's end is waited for: ctx | streams | events | query | none
 
     def burn_args(self) -> list[str]:
         """cgpu-burn's command line for this tenant (after the program)."""
@@ -61,7 +62,14 @@ class TenantSpec:
             self.launch_api,
         ]
         if self.burst_ms:
-            args += ["--burst-ms", f"{self.burst_ms:g}", "--gap-ms", f"{self.gap_ms:g}"]
+            args += [
+                "--burst-ms",
+                f"{self.burst_ms:g}",
+                "--gap-ms",
+                f"{self.gap_ms:g}",
+                "--burst-sync",
+                self.burst_sync,
+            ]
         if self.sync_every:
             args += ["--sync-every", str(self.sync_every)]
         return args
