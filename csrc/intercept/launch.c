@@ -63,6 +63,7 @@
 #define DRAIN_FAST_NS 2500000    /* a drain quicker than this doubles the credits */
 #define DRAIN_SLOW_NS 10000000   /* one slower than this halves them */
 #define IDLE_RING_NS 1000000     /* idle reports wake cgpud at most this often per process */
+#define PROBE_REST_NS 250000     /* asked to look for idleness: between looks that found work */
 
 struct gate_slot {
     _Atomic uint32_t inflight; /* launches between their gate check and the driver's return */
@@ -299,6 +300,33 @@ static void acknowledge(unsigned slot, uint32_t seq, struct cgpu_proc_ledger *le
     futex_wake_all(&dev->bell);
 }
 
+/* Asked by cgpud (the grant's `probe`, cgpu/region.h): whether this
+ * process's queue is empty, learned however the application waits for its
+ * work, or if it never does. The watcher synchronises every context the
+ * process launched in (a real driver call, off the launch path); if nothing
+ * was in flight before and nothing launched since, the queue is empty and
+ * the grant idle. Returns when a report stands or the gate has moved; the
+ * caller looks again PROBE_REST_NS later, so a report a launch withdrew is
+ * made again once that work is done. */
+static void look_for_idle(unsigned slot, uint32_t g)
+{
+    struct gate_slot *s = &slots[slot];
+    const _Atomic uint32_t *gate = g_cgpu.gate[slot];
+    while (atomic_load(gate) == g && atomic_load(&s->idle_report) == 0) {
+        /* The mark before the in-flight count: a launch counted in flight
+         * after this look moves the mark before it reaches the driver. */
+        uint64_t mark = launch_mark(s);
+        if (atomic_load(&s->inflight) == 0) {
+            synchronize_contexts(s);
+            if (atomic_load(&s->inflight) == 0 && launch_mark(s) == mark) {
+                cgpu_report_idle(slot, mark, true, true);
+                return;
+            }
+        }
+        futex_wait_timed(gate, g, PROBE_REST_NS);
+    }
+}
+
 /* The watcher's argument: its slot and its ledger, in one pointer-sized value. */
 static void *watch(void *arg)
 {
@@ -306,6 +334,9 @@ static void *watch(void *arg)
     unsigned slot = (unsigned)(v % CGPU_MAX_DEVICES);
     struct cgpu_proc_ledger *ledger = &g_cgpu.usage->proc[v / CGPU_MAX_DEVICES];
     const _Atomic uint32_t *gate = g_cgpu.gate[slot];
+    /* The gate word is the first of its grant (the watcher only runs on a
+     * mapped grants file). */
+    const _Atomic uint32_t *probe = &((const struct cgpu_device_grant *)(const void *)gate)->probe;
     bool acked = false;
     uint32_t acked_seq = 0;
     for (;;) {
@@ -321,8 +352,14 @@ static void *watch(void *arg)
          * fence (which drained its queue): idle from the start. No wake-up:
          * its threads waiting at the gate launch at once, and cgpud looks
          * when another process's report rings. */
-        if ((g & (CGPU_GATE_OPEN | CGPU_GATE_UNGATED)) == CGPU_GATE_OPEN && atomic_load(&slots[slot].launched) == 0)
+        bool open = (g & (CGPU_GATE_OPEN | CGPU_GATE_UNGATED)) == CGPU_GATE_OPEN;
+        if (open && atomic_load(&slots[slot].launched) == 0)
             cgpu_report_idle(slot, launch_mark(&slots[slot]), true, false);
+        if (open && g_cgpu.grants_fd >= 0 && atomic_load(probe) == g) {
+            look_for_idle(slot, g);
+            futex_wait_timed(gate, g, PROBE_REST_NS);
+            continue;
+        }
         futex_wait(gate, g);
     }
     return NULL;

@@ -124,6 +124,20 @@ static uint32_t gate_set(struct tenant *t, uint32_t bits)
     return v;
 }
 
+/* Asks the holder's processes to look for their own idleness (the grants
+ * file's `probe`, cgpu/region.h) while another tenant waits. The gate word
+ * is unchanged; the futex wake-up reaches their fence watchers, the only
+ * threads asleep on an open gate. At most once per grant: a watcher keeps
+ * looking until the gate changes. */
+static void ask_probe(struct tenant *t, uint32_t open_word)
+{
+    _Atomic uint32_t *probe = &t->grants->device[t->slot].probe;
+    if (atomic_load_explicit(probe, memory_order_relaxed) == open_word)
+        return;
+    atomic_store(probe, open_word);
+    futex_wake_all(gate_of(t));
+}
+
 static struct gpu_loop *loop_at(struct cgpu_engine *e, unsigned gpu)
 {
     return e && gpu < e->gpu_count ? &e->gpu[gpu] : NULL;
@@ -773,6 +787,8 @@ static int hold_while_busy(struct cgpu_engine *e, struct gpu_loop *g, struct ten
         } else {
             g->idle_since = 0;
             watch = CGPU_ENGINE_IDLE_WATCH_NS;
+            if (others_waiting(g, t))
+                ask_probe(t, g->open_word);
             if (rang)
                 wake = now + CGPU_ENGINE_IDLE_RECHECK_NS;
             else
@@ -863,6 +879,10 @@ int cgpu_engine_run(struct cgpu_engine *e, unsigned gpu)
         judge_quiet(g, now, t ? t->key : 0, 0);
         if (t) {
             atomic_store(&t->grants->device[t->slot].slice_end_ns, now + d.slice_ns);
+            /* Set before the gate opens, so the watchers the opening wakes
+             * see it: no second wake-up in the common case. */
+            uint32_t opening = ((atomic_load(gate_of(t)) & CGPU_GATE_SEQ_MASK) + CGPU_GATE_SEQ_STEP) | CGPU_GATE_OPEN;
+            atomic_store(&t->grants->device[t->slot].probe, others_waiting(g, t) ? opening : 0);
             g->open_word = gate_set(t, CGPU_GATE_OPEN);
             g->idle_since = 0;
             t->idle_out = 0;

@@ -163,7 +163,7 @@ struct burn {
     CUevent burst_ev[MAX_STREAMS]; /* --burst-sync events: each stream's end of burst */
     float ev_ms[MAX_STREAMS];
     uint64_t launched, bursts;
-    double t0, busy_s, wall_s;
+    double t0, busy_s, wall_s, max_launch_s;
     const char *error_calls[MAX_ERRORS];
     CUresult error_results[MAX_ERRORS];
     size_t nerrors;
@@ -682,6 +682,9 @@ static bool launch_and_pace(struct burn *b, uint64_t call, uint64_t sync_every)
     double start = now_s();
     if (!check(b, launch_calls[o->launch_api], launch_one(b, s)))
         return false;
+    double took = now_s() - start; /* a launch held at a gate: how long at most */
+    if (took > b->max_launch_s)
+        b->max_launch_s = took;
     b->launched += o->launch_api == LA_GRAPH ? o->graph_nodes : 1;
     if (o->duty < 1) {
         if (!check(b, "cuStreamSynchronize", b->f.cuStreamSynchronize(on_null_stream(b) ? CU_STREAM_LEGACY : s)))
@@ -825,6 +828,7 @@ static void print_timing(const struct burn *b)
 {
     const struct options *o = &b->opt;
     float max_ms = 0;
+    printf("\"max_launch_ms\":%.3f,", b->max_launch_s * 1e3);
     printf("\"launches\":%llu,\"kernel_ns\":%llu,\"wall_s\":%.6f,\"stream_event_ms\":",
            (unsigned long long)b->launched, (unsigned long long)o->kernel_ns, b->wall_s);
     if (!b->timed) {

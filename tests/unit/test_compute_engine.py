@@ -535,6 +535,33 @@ def test_an_idle_holder_is_passed_over_well_inside_its_slice(
     assert slow_sched.tenant_metrics()["a"][0].charged_ns < 150_000_000
 
 
+def test_a_holder_is_asked_to_look_for_idleness_only_while_another_waits(slow_sched: ComputeScheduler, tenants) -> None:
+    """The grant's `probe` (cgpu/region.h) asks the holder's processes to
+    learn their idleness however they wait for their work: set to the open
+    gate word while another tenant waits, never when nobody does (a lone
+    tenant's watcher then costs nothing)."""
+    a, b = attach_two(slow_sched, tenants)
+    ledger = a.watch()
+    a.want(1)
+    assert granted(a)
+    a.want(0)
+    time.sleep(0.02)
+    assert a.grants.device[0].probe != a.gate, "asked with nobody else waiting"
+    b.want(1)
+    # The engine's next look (after a ring) asks.
+    bell = int(rffi.cast("uintptr_t", rffi.addressof(a.u.device[0], "bell")))
+    a.u.device[0].bell += 1
+    assert _LIBC.syscall(_SYS_FUTEX, ctypes.c_void_p(bell), _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0) >= 0
+    until(lambda: a.grants.device[0].probe == a.gate, 0.1, interval=0.0005, what="the ask")
+    assert a.gate & OPEN, "asked inside the 200 ms slice"
+    # b's grant, with a waiting, carries the ask from its opening.
+    a.want(1)
+    until(lambda: not a.gate & OPEN, 1.0, interval=0.0005, what="the end of a's slice")
+    a.ack(ledger)
+    assert granted(b)
+    assert b.grants.device[0].probe == b.gate
+
+
 def test_an_idle_holder_keeps_the_gpu_while_nobody_else_wants_it(slow_sched: ComputeScheduler, tenants) -> None:
     a, b = attach_two(slow_sched, tenants)
     ledger = a.watch()
