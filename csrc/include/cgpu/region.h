@@ -158,7 +158,15 @@ struct cgpu_device_grant {
     CGPU_ATOMIC uint64_t slice_end_ns; /* CLOCK_MONOTONIC; while OPEN: when the slice ends (informational) */
     CGPU_ATOMIC uint64_t mem_limit;    /* the live memory limit (a resize changes it in place);
                                         * 0: the limits file's, as regions of older cgpud */
-    uint64_t reserved[5];              /* one cache line per device */
+    /* While cgpud is away (its lock free, CGPU_GRANTS_LOCK_OFFSET): the
+     * instance may launch only in [alone_start_ns, alone_start_ns +
+     * alone_len_ns) of every alone_period_ns of CLOCK_MONOTONIC, a window
+     * cgpud tiles with its neighbours' so that fixed shares hold without
+     * it. alone_period_ns 0: no window, launches run ungated (fail open). */
+    CGPU_ATOMIC uint64_t alone_period_ns;
+    CGPU_ATOMIC uint64_t alone_start_ns;
+    CGPU_ATOMIC uint64_t alone_len_ns;
+    uint64_t reserved[2];              /* one cache line per device */
 };
 
 struct cgpu_grants {
