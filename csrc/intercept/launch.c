@@ -384,13 +384,16 @@ static void pace_alone(unsigned slot, uint32_t g)
     }
 }
 
-/* The watcher of an open gate past its slice's end: if nobody drives it,
- * every launch of this process from now on takes the slow path (no
- * credits), which paces it (drain_queue). */
+/* The watcher of an open gate past its slice's end: if nobody drives it
+ * and the instance has a window, every launch of this process from now on
+ * takes the slow path (no credits), which paces it (drain_queue). Without
+ * a window the open gate already lets launches through: nothing to do. */
 static void orphan_open_gate(unsigned slot, uint32_t g)
 {
     struct gate_slot *s = &slots[slot];
-    if (atomic_load(&s->orphaned) == (ORPHANED | g) || !gate_orphaned((int)slot) || atomic_load(g_cgpu.gate[slot]) != g)
+    const struct cgpu_device_grant *d = grant_at(slot);
+    if (!d || !atomic_load(&d->alone_period_ns) || atomic_load(&s->orphaned) == (ORPHANED | g) ||
+        !gate_orphaned((int)slot) || atomic_load(g_cgpu.gate[slot]) != g)
         return;
     note_orphaned((int)slot, g);
     uint32_t c = atomic_exchange(&s->credits, 0);
