@@ -296,7 +296,10 @@ class ShareRig:
         if any(t.delay_s for t in sc.tenants) or sc.then_policy:
             sample_ms = min(sample_ms, 20)  # the join or switch is timed to a sample
         if not native:
-            policy = self.daemon.cgpuctl("policy", "set", sc.policy)
+            for _attempt in range(3):  # a cgpud too busy to answer in time says "try again"
+                policy = self.daemon.cgpuctl("policy", "set", sc.policy)
+                if policy.returncode == 0 or "try again" not in policy.stderr:
+                    break
             assert policy.returncode == 0, policy.stderr
         sampler = Sampler(self.env, sample_ms)
         runs: dict[int, subprocess.Popen[bytes]] = {}

@@ -175,7 +175,17 @@ def test_fixed_shares_hold_while_cgpud_is_away_for_10_s(rig: ShareRig, how: str)
     runs = [_timed_tenant(rig, core, 16.0) for core in (30, 70)]
     sampler = Sampler(rig.env, 20)
     try:
-        pids = [rig._burn_pid(r, time.monotonic() + 60) for r in runs]
+        pids = []
+        for i, core in enumerate((30, 70)):
+            for _attempt in range(3):  # a cgpud too busy to answer cgpuctl in time says "try again"
+                try:
+                    pids.append(rig._burn_pid(runs[i], time.monotonic() + 60))
+                    break
+                except AssertionError as e:
+                    if "try again" not in str(e):
+                        raise
+                    runs[i] = _timed_tenant(rig, core, 16.0)
+            assert len(pids) == i + 1, "cgpuctl run never reached cgpud"
         rig._wait_running(sampler, pids, time.monotonic() + 60)
         time.sleep(2.0)
         before = time.monotonic_ns()
@@ -202,5 +212,6 @@ def test_fixed_shares_hold_while_cgpud_is_away_for_10_s(rig: ShareRig, how: str)
         sampler.stop()
     assert abs(shares[0] - 30) <= 5 and abs(shares[1] - 70) <= 5, shares
     stalls = [rep["max_launch_ms"] for rep in reports]
+    print(f"cgpud {how}: longest launch call {stalls} ms (30 %, 70 %)")
     assert max(stalls) < AWAY_STALL_BOUND_MS, stalls
     assert all(not rep["errors"] for rep in reports), reports
