@@ -435,13 +435,19 @@ static void look_for_idle(unsigned slot, uint32_t g)
 {
     struct gate_slot *s = &slots[slot];
     const _Atomic uint32_t *gate = g_cgpu.gate[slot];
-    while (atomic_load(gate) == g && atomic_load(&s->idle_report) == 0) {
+    /* Nothing launched since the fence: the watcher's report at the grant
+     * (which wakes nobody, as the threads let through launch at once) says
+     * it; one that rang here would race them. */
+    while (atomic_load(gate) == g && atomic_load(&s->idle_report) == 0 && atomic_load(&s->launched) != 0) {
         /* The mark before the in-flight count: a launch counted in flight
          * after this look moves the mark before it reaches the driver. */
         uint64_t mark = launch_mark(s);
-        if (atomic_load(&s->inflight) == 0) {
+        /* Threads still counted at the gate have just been let through it
+         * (the look that follows a grant races them): not idle. */
+        const _Atomic uint32_t *waiting = &g_cgpu.usage->device[slot].waiting;
+        if (atomic_load(&s->inflight) == 0 && atomic_load(waiting) == 0) {
             synchronize_contexts(s);
-            if (atomic_load(&s->inflight) == 0 && launch_mark(s) == mark) {
+            if (atomic_load(&s->inflight) == 0 && atomic_load(waiting) == 0 && launch_mark(s) == mark) {
                 cgpu_report_idle(slot, mark, true, true);
                 return;
             }
