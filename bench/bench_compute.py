@@ -13,6 +13,11 @@ are within +-5 points over the first 200 ms after a new tenant starts or the
 policy changes; cgpud <= 1 % of a
 core per GPU with 10 tenants.
 
+`--bursty --shapes` runs issue 39's grid: the bursty tenant waits for its
+burst by cuStreamSynchronize per stream, events, cuStreamQuery polling,
+cuCtxSynchronize or not at all, and every tenant asks for a share (30/70,
+or 3 x 10 bursty beside 70), as users run core_mem nodes.
+
 `--bursty` runs the bursty grid instead (issue 17): tenants that queue B ms
 of kernels, wait for them with cuCtxSynchronize and idle G ms, beside one
 saturating tenant, each cell under cgpu and natively (the same processes on
@@ -25,7 +30,7 @@ a hand-over on idle that is too eager would starve it.
 It is a report: exit 0 whether or not a target is met, 1 when it could not
 measure. Run from the repository root:
     .venv/bin/python -m bench.bench_compute [--seconds 10] [--quick] [--only NAME]
-    .venv/bin/python -m bench.bench_compute --bursty [--quick] [--rounds 3] [--seconds 2] [--only NAME]
+    .venv/bin/python -m bench.bench_compute --bursty [--shapes] [--quick] [--rounds 3] [--seconds 2] [--only NAME]
 """
 
 from __future__ import annotations
@@ -120,6 +125,42 @@ def scenarios(seconds: float, quick: bool) -> list[Scenario]:
     return out
 
 
+BURST_SYNCS = ("streams", "events", "query", "ctx", "none")  # issue 39: every way a burst's end is waited for
+SHAPE_SATURATING = TenantSpec(
+    70, kernel_ns=500_000, streams=2
+)  # 0.5 ms kernels on two streams, as users ask: --core 70
+
+
+@dataclass(frozen=True)
+class ShapeGroup:
+    """Issue 39's bursty tenant: 20 kernels of 0.3 ms over two streams, its
+    end waited for as `sync` says, then 20 ms asleep; beside the saturating
+    tenant, every tenant with the share users ask for (30/70, or `count`
+    bursty tenants splitting the 30)."""
+
+    sync: str
+    count: int
+    policies: tuple[str, ...] = HANDOVER_POLICIES
+
+    @property
+    def name(self) -> str:
+        shares = "30/70" if self.count == 1 else f"{self.count} x {30 // self.count} beside 70"
+        return f"burst shape {self.sync}, {shares}"
+
+    def scenario(self, policy: str, seconds: float) -> Scenario:
+        core = 30 // self.count // 5 * 5
+        bursty = TenantSpec(core, kernel_ns=300_000, streams=2, burst_ms=6, gap_ms=20, burst_sync=self.sync)
+        return Scenario(f"{self.name}, {policy}", policy, (SHAPE_SATURATING, *(bursty,) * self.count), seconds)
+
+    @property
+    def columns(self) -> tuple[str, str, str]:
+        return (self.sync, "6 / 20", f"{self.count}")
+
+
+def shape_groups(quick: bool) -> list[ShapeGroup]:
+    return [ShapeGroup(sync, n) for sync in BURST_SYNCS for n in ((1,) if quick else (1, 3))]
+
+
 @dataclass(frozen=True)
 class BurstyGroup:
     """One burst/gap/count: the native run and one scenario per policy."""
@@ -132,6 +173,10 @@ class BurstyGroup:
     @property
     def name(self) -> str:
         return f"bursty {self.burst_ms} ms on / {self.gap_ms} ms off x {self.count}"
+
+    @property
+    def columns(self) -> tuple[str, str, str]:
+        return ("ctx", f"{self.burst_ms} / {self.gap_ms}", f"{self.count}")
 
     def scenario(self, policy: str, seconds: float) -> Scenario:
         reserved = policy in INFO_POLICIES
@@ -183,7 +228,7 @@ def _bursty_share(r: ScenarioResult) -> float:
 
 
 def run_bursty(
-    rig: ShareRig, groups: list[BurstyGroup], seconds: float, rounds: int, with_sync: bool
+    rig: ShareRig, groups: list[BurstyGroup] | list[ShapeGroup], seconds: float, rounds: int, with_sync: bool
 ) -> list[tuple[str, ...]]:
     rows = []
     for g in groups:
@@ -209,9 +254,7 @@ def run_bursty(
             )
             rows.append(
                 (
-                    f"{g.burst_ms}",
-                    f"{g.gap_ms}",
-                    f"{g.count}",
+                    *g.columns,
                     sc.policy,
                     f"{nat_util:.1f}",
                     f"{util:.1f}",
@@ -236,8 +279,8 @@ def run_bursty(
         )
         rows.append(
             (
-                "sync every kernel (20 us)",
-                "-",
+                "after every kernel",
+                "20 us / -",
                 "1",
                 "preemptive",
                 f"{nat_util:.1f}",
@@ -254,13 +297,15 @@ def run_bursty(
 def bursty_main(args: argparse.Namespace) -> int:
     seconds = args.seconds or (1.5 if args.quick else 2.0)
     rounds = args.rounds or (2 if args.quick else 3)
-    groups = [g for g in bursty_groups(args.quick) if not args.only or args.only in g.name]
-    with_sync = not args.only or args.only in sync_scenario(seconds).name
+    all_groups = shape_groups(args.quick) if args.shapes else bursty_groups(args.quick)
+    groups = [g for g in all_groups if not args.only or args.only in g.name]
+    with_sync = not args.shapes and (not args.only or args.only in sync_scenario(seconds).name)
     if not groups and not with_sync:
         print(f"no bursty scenario matches {args.only!r}", file=sys.stderr)
         return 2
     print(
-        f"# bursty tenants on the simulated GPU: {len(groups)} burst/gap/count groups, {rounds} rounds x "
+        f"# bursty tenants on the simulated GPU: {len(groups)} {'shape' if args.shapes else 'burst/gap'}/count"
+        f" groups, {rounds} rounds x "
         f"{seconds:g} s each, native and cgpu interleaved; load {os.getloadavg()[0]:.2f}"
     )
     t0 = time.monotonic()
@@ -276,8 +321,8 @@ def bursty_main(args: argparse.Namespace) -> int:
     )
     print_table(
         (
-            "burst ms",
-            "gap ms",
+            "burst end",
+            "burst / gap ms",
             "bursty tenants",
             "policy",
             "native util %",
@@ -341,6 +386,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", help="run the scenarios whose name contains this")
     ap.add_argument("--bursty", action="store_true", help="the bursty grid, cgpu against native, instead")
     ap.add_argument("--rounds", type=int, help="--bursty: rounds per cell, the median is reported (3)")
+    ap.add_argument(
+        "--shapes",
+        action="store_true",
+        help="--bursty: issue 39's burst shapes (how a burst's end is waited for), every tenant with a share",
+    )
     args = ap.parse_args(argv)
     if args.bursty:
         return bursty_main(args)

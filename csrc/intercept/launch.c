@@ -63,6 +63,10 @@
 #define DRAIN_FAST_NS 2500000    /* a drain quicker than this doubles the credits */
 #define DRAIN_SLOW_NS 10000000   /* one slower than this halves them */
 #define IDLE_RING_NS 1000000     /* idle reports wake cgpud at most this often per process */
+#define PROBE_REST_NS 250000     /* asked to look for idleness: between looks that found work */
+/* An open gate this long past its slice's end may be nobody's: the watcher
+ * then looks (one fcntl) whether cgpud still holds its lock. */
+#define ALONE_AFTER_NS 100000000
 
 struct gate_slot {
     _Atomic uint32_t inflight; /* launches between their gate check and the driver's return */
@@ -73,7 +77,17 @@ struct gate_slot {
     _Atomic uint32_t idle_report; /* the idle report this process has in its fence_ack, 0 for none */
     _Atomic uint32_t idle_prev;   /* the acknowledgement that report replaced, restored on withdrawal */
     _Atomic uint64_t rung_at;     /* CLOCK_MONOTONIC of this process's last idle wake-up of cgpud */
-    _Atomic uint64_t orphaned; /* ORPHANED | the closed gate word nobody drives, or 0 */
+    _Atomic uint64_t orphaned; /* ORPHANED | the gate word nobody drives, or 0 */
+    /* While cgpud is away (pace_alone): launches since the queue was
+     * drained, how many may be queued (kept to a few ms of work), the
+     * credits an orphaned open gate set aside, the window whose end was
+     * drained, and how far past that end its queue ran (the next window
+     * starts that much later). */
+    _Atomic uint32_t alone_launched;
+    _Atomic uint32_t alone_cap;
+    _Atomic uint32_t alone_credits;
+    _Atomic uint64_t alone_drained;
+    _Atomic uint64_t alone_debt;
     /* The one stream this process has launched into since its queue was
      * last known empty (a fence or a drain: `launched` counted from 1), or
      * QUEUE_MANY. A stream's synchronisation says the queue is empty only
@@ -105,6 +119,11 @@ void cgpu_gate_after_fork(void)
         atomic_store(&slots[i].credits, LAUNCH_CREDITS);
         atomic_store(&slots[i].resets, 0);
         atomic_store(&slots[i].idle_report, 0);
+        atomic_store(&slots[i].alone_launched, 0);
+        atomic_store(&slots[i].alone_credits, 0);
+        atomic_store(&slots[i].alone_drained, 0);
+        atomic_store(&slots[i].alone_debt, 0);
+        atomic_store(&slots[i].alone_cap, 0);
         slots[i].ncontexts = 0;
     }
 }
@@ -277,6 +296,111 @@ static void cgpu_report_idle(unsigned slot, uint64_t mark, bool drained, bool ri
         futex_wake_all(&dev->bell);
 }
 
+/* ---- while cgpud is away ------------------------------------------------------ */
+
+static bool gate_orphaned(int slot);
+static void note_orphaned(int slot, uint32_t g);
+
+/* The slot's grant: the gate word is its first member. NULL without a
+ * mapped grants file. */
+static const struct cgpu_device_grant *grant_at(unsigned slot)
+{
+    return g_cgpu.grants_fd >= 0 && !g_cgpu.launches_refused
+               ? (const struct cgpu_device_grant *)(const void *)g_cgpu.gate[slot]
+               : NULL;
+}
+
+
+/* Waits for the calling thread's context; returns when it had drained. */
+static uint64_t drain_current(void)
+{
+    __typeof__(&cuCtxSynchronize) sync = REAL(cuCtxSynchronize);
+    if (sync)
+        sync();
+    return mono_ns();
+}
+
+/* cgpud is away and nobody drives the gate word `g`: this launch keeps to
+ * the instance's window (the grant's alone_*, which cgpud tiled with its
+ * neighbours' while it ran). Inside the window it goes at once, the
+ * queue kept to a few ms of work; past it, the process first waits for
+ * what it queued in the window (once per window, by one thread), starts
+ * its next window as much later as that ran past the end (so the GPU never
+ * idles between windows and each instance gets its length), and sleeps
+ * until then. Returns at
+ * once without a window (fail open), and as soon as the gate word moves
+ * (cgpud is back). Each sleep is shorter than a period. */
+static void pace_alone(unsigned slot, uint32_t g)
+{
+    const struct cgpu_device_grant *d = grant_at(slot);
+    if (!d)
+        return;
+    uint64_t p = atomic_load_explicit(&d->alone_period_ns, memory_order_relaxed);
+    uint64_t start = atomic_load_explicit(&d->alone_start_ns, memory_order_relaxed);
+    uint64_t len = atomic_load_explicit(&d->alone_len_ns, memory_order_relaxed);
+    if (!p || !len || len >= p || start >= p)
+        return;
+    struct gate_slot *s = &slots[slot];
+    const _Atomic uint32_t *gate = g_cgpu.gate[slot];
+    for (;;) {
+        uint64_t now = mono_ns();
+        uint64_t pos = (now % p + p - start) % p; /* since this instance's window last opened */
+        uint64_t opened = now - pos;
+        uint64_t debt = atomic_load(&s->alone_debt);
+        if (pos >= debt && pos < len) {
+            uint32_t cap = atomic_load(&s->alone_cap);
+            if (!cap)
+                cap = LAUNCH_CREDITS;
+            if (atomic_fetch_add(&s->alone_launched, 1) >= cap) {
+                /* A few ms of work queued, as under a grant: what runs past
+                 * the window is paid back, so a longer queue costs no share. */
+                uint64_t took = drain_current() - now;
+                if (took < DRAIN_FAST_NS && cap < LAUNCH_CREDITS_MAX)
+                    cap *= 2;
+                else if (took > DRAIN_SLOW_NS && cap > LAUNCH_CREDITS_MIN)
+                    cap /= 2;
+                atomic_store(&s->alone_cap, cap);
+                atomic_store(&s->alone_launched, 1);
+            }
+            return;
+        }
+        uint64_t seen = atomic_load(&s->alone_drained);
+        if (pos >= len && seen != opened && atomic_compare_exchange_strong(&s->alone_drained, &seen, opened)) {
+            /* What ran past the end is paid for at the start of the next. */
+            uint64_t done = drain_current(), end = opened + len;
+            atomic_store(&s->alone_debt, done > end ? (done - end < len ? done - end : len) : 0);
+            atomic_store(&s->alone_launched, 0);
+            continue;
+        }
+        if (pos < debt) { /* paying: wait until the debt is paid */
+            futex_wait_timed(gate, g, (long)(debt - pos));
+            if (atomic_load(gate) != g)
+                return;
+            continue;
+        }
+        futex_wait_timed(gate, g, (long)(p - pos));
+        if (atomic_load(gate) != g)
+            return;
+    }
+}
+
+/* The watcher of an open gate past its slice's end: if nobody drives it
+ * and the instance has a window, every launch of this process from now on
+ * takes the slow path (no credits), which paces it (drain_queue). Without
+ * a window the open gate already lets launches through: nothing to do. */
+static void orphan_open_gate(unsigned slot, uint32_t g)
+{
+    struct gate_slot *s = &slots[slot];
+    const struct cgpu_device_grant *d = grant_at(slot);
+    if (!d || !atomic_load(&d->alone_period_ns) || atomic_load(&s->orphaned) == (ORPHANED | g) ||
+        !gate_orphaned((int)slot) || atomic_load(g_cgpu.gate[slot]) != g)
+        return;
+    note_orphaned((int)slot, g);
+    uint32_t c = atomic_exchange(&s->credits, 0);
+    if (c)
+        atomic_store(&s->alone_credits, c);
+}
+
 /* ---- the fence watcher ------------------------------------------------------- */
 
 static void acknowledge(unsigned slot, uint32_t seq, struct cgpu_proc_ledger *ledger)
@@ -299,6 +423,39 @@ static void acknowledge(unsigned slot, uint32_t seq, struct cgpu_proc_ledger *le
     futex_wake_all(&dev->bell);
 }
 
+/* Asked by cgpud (the grant's `probe`, cgpu/region.h): whether this
+ * process's queue is empty, learned however the application waits for its
+ * work, or if it never does. The watcher synchronises every context the
+ * process launched in (a real driver call, off the launch path); if nothing
+ * was in flight before and nothing launched since, the queue is empty and
+ * the grant idle. Returns when a report stands or the gate has moved; the
+ * caller looks again PROBE_REST_NS later, so a report a launch withdrew is
+ * made again once that work is done. */
+static void look_for_idle(unsigned slot, uint32_t g)
+{
+    struct gate_slot *s = &slots[slot];
+    const _Atomic uint32_t *gate = g_cgpu.gate[slot];
+    /* Nothing launched since the fence: the watcher's report at the grant
+     * (which wakes nobody, as the threads let through launch at once) says
+     * it; one that rang here would race them. */
+    while (atomic_load(gate) == g && atomic_load(&s->idle_report) == 0 && atomic_load(&s->launched) != 0) {
+        /* The mark before the in-flight count: a launch counted in flight
+         * after this look moves the mark before it reaches the driver. */
+        uint64_t mark = launch_mark(s);
+        /* Threads still counted at the gate have just been let through it
+         * (the look that follows a grant races them): not idle. */
+        const _Atomic uint32_t *waiting = &g_cgpu.usage->device[slot].waiting;
+        if (atomic_load(&s->inflight) == 0 && atomic_load(waiting) == 0) {
+            synchronize_contexts(s);
+            if (atomic_load(&s->inflight) == 0 && atomic_load(waiting) == 0 && launch_mark(s) == mark) {
+                cgpu_report_idle(slot, mark, true, true);
+                return;
+            }
+        }
+        futex_wait_timed(gate, g, PROBE_REST_NS);
+    }
+}
+
 /* The watcher's argument: its slot and its ledger, in one pointer-sized value. */
 static void *watch(void *arg)
 {
@@ -306,11 +463,21 @@ static void *watch(void *arg)
     unsigned slot = (unsigned)(v % CGPU_MAX_DEVICES);
     struct cgpu_proc_ledger *ledger = &g_cgpu.usage->proc[v / CGPU_MAX_DEVICES];
     const _Atomic uint32_t *gate = g_cgpu.gate[slot];
+    /* The gate word is the first of its grant (the watcher only runs on a
+     * mapped grants file). */
+    const _Atomic uint32_t *probe = &((const struct cgpu_device_grant *)(const void *)gate)->probe;
+    const _Atomic uint64_t *slice_end = &((const struct cgpu_device_grant *)(const void *)gate)->slice_end_ns;
+    struct gate_slot *s = &slots[slot];
     bool acked = false;
     uint32_t acked_seq = 0;
     for (;;) {
         uint32_t g = atomic_load(gate);
         uint32_t seq = g & CGPU_GATE_SEQ_MASK;
+        /* cgpud is back (the word moved): launches take credits again. */
+        if (!atomic_load(&s->credits) && atomic_load(&s->orphaned) != (ORPHANED | g)) {
+            uint32_t c = atomic_exchange(&s->alone_credits, 0);
+            atomic_store(&s->credits, c ? c : LAUNCH_CREDITS);
+        }
         if (!(g & (CGPU_GATE_OPEN | CGPU_GATE_UNGATED)) && (!acked || seq != acked_seq)) {
             acknowledge(slot, seq, ledger);
             acked = true;
@@ -321,9 +488,28 @@ static void *watch(void *arg)
          * fence (which drained its queue): idle from the start. No wake-up:
          * its threads waiting at the gate launch at once, and cgpud looks
          * when another process's report rings. */
-        if ((g & (CGPU_GATE_OPEN | CGPU_GATE_UNGATED)) == CGPU_GATE_OPEN && atomic_load(&slots[slot].launched) == 0)
-            cgpu_report_idle(slot, launch_mark(&slots[slot]), true, false);
-        futex_wait(gate, g);
+        bool open = (g & (CGPU_GATE_OPEN | CGPU_GATE_UNGATED)) == CGPU_GATE_OPEN;
+        if (!open) {
+            futex_wait(gate, g);
+            continue;
+        }
+        if (atomic_load(&s->orphaned) == (ORPHANED | g)) {
+            futex_wait(gate, g); /* paced by the launches themselves until the word moves */
+            continue;
+        }
+        uint64_t now = mono_ns(), lost = atomic_load(slice_end) + ALONE_AFTER_NS;
+        if (now >= lost) {
+            orphan_open_gate(slot, g);
+            lost = now + ALONE_AFTER_NS; /* a lone holder keeps its word past the slice: look again later */
+        }
+        if (atomic_load(&s->launched) == 0)
+            cgpu_report_idle(slot, launch_mark(s), true, false);
+        if (atomic_load(probe) == g) {
+            look_for_idle(slot, g);
+            futex_wait_timed(gate, g, PROBE_REST_NS);
+            continue;
+        }
+        futex_wait_timed(gate, g, (long)(lost - now));
     }
     return NULL;
 }
@@ -408,6 +594,13 @@ static inline uint32_t hold_open_gate(const _Atomic uint32_t *gate, struct gate_
  * the driver cannot say (a query refused during another thread's capture). */
 static __attribute__((noinline, cold)) void drain_queue(struct gate_slot *s, CUstream stream)
 {
+    /* An open gate nobody drives (its credits taken: orphan_open_gate). */
+    unsigned slot = (unsigned)(s - slots);
+    uint32_t g = atomic_load(g_cgpu.gate[slot]);
+    if (atomic_load(&s->orphaned) == (ORPHANED | g)) {
+        pace_alone(slot, g);
+        return;
+    }
     __typeof__(&cuStreamIsCapturing) capturing = REAL(cuStreamIsCapturing);
     __typeof__(&cuCtxSynchronize) sync = REAL(cuCtxSynchronize);
     CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_ACTIVE;
@@ -450,9 +643,11 @@ static bool gate_orphaned(int slot)
 static void note_orphaned(int slot, uint32_t g)
 {
     atomic_store(&slots[slot].orphaned, ORPHANED | g);
+    const struct cgpu_device_grant *d = grant_at((unsigned)slot);
+    bool window = d && atomic_load(&d->alone_period_ns) != 0;
     if (!atomic_exchange(&orphan_logged, true))
-        fprintf(stderr, "cgpu[%d]: the compute scheduler (cgpud) is gone; kernel launches run ungated until it is back\n",
-                (int)getpid());
+        fprintf(stderr, "cgpu[%d]: the compute scheduler (cgpud) is gone; kernel launches %s until it is back\n",
+                (int)getpid(), window ? "keep to the instance's share" : "run ungated");
 }
 
 /* Takes back what this thread added to `waiting`, never below zero: the
@@ -478,8 +673,12 @@ static __attribute__((noinline, cold)) int gate_slow(int slot, CUresult *err, CU
     struct gate_slot *s = &slots[slot];
     for (;;) {
         uint32_t g = atomic_load_explicit(gate, memory_order_acquire);
-        if ((g & CGPU_GATE_UNGATED) || atomic_load(&s->orphaned) == (ORPHANED | g))
+        if (g & CGPU_GATE_UNGATED)
             return GATE_FREE;
+        if (atomic_load(&s->orphaned) == (ORPHANED | g)) {
+            pace_alone((unsigned)slot, g);
+            return GATE_FREE;
+        }
         if (!ensure_watcher((unsigned)slot)) {
             *err = CUDA_ERROR_OUT_OF_MEMORY;
             return GATE_ERROR;

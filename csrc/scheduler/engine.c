@@ -52,6 +52,7 @@ struct tenant {
     uint64_t idle_dead[CGPU_MAX_PROCS / 64];   /* of those, the dead */
     uint32_t quiet_handovers; /* idle hand-overs in a row it did not come back from within a grace */
     uint32_t learn_after;     /* how many make its grace short (CGPU_ENGINE_GRACE_LEARN, doubling) */
+    unsigned share;           /* its percentage, for the windows it keeps while cgpud is away */
 };
 
 struct gpu_loop {
@@ -71,6 +72,8 @@ struct gpu_loop {
     uint64_t quiet_until;    /* back at its gate before this, it would have kept a full grace */
     _Atomic uint32_t *bell_wait; /* the holder's bell while the loop sleeps on it */
     int kicked;              /* something changed since the loop last turned */
+    int policy;              /* as configured: whether shares hold while cgpud is away */
+    uint64_t period_ns;
     pthread_cond_t wake;
     struct cgpu_engine_stats stats;
 };
@@ -122,6 +125,20 @@ static uint32_t gate_set(struct tenant *t, uint32_t bits)
     atomic_store(g, v);
     futex_wake_all(g);
     return v;
+}
+
+/* Asks the holder's processes to look for their own idleness (the grants
+ * file's `probe`, cgpu/region.h) while another tenant waits. The gate word
+ * is unchanged; the futex wake-up reaches their fence watchers, the only
+ * threads asleep on an open gate. At most once per grant: a watcher keeps
+ * looking until the gate changes. */
+static void ask_probe(struct tenant *t, uint32_t open_word)
+{
+    _Atomic uint32_t *probe = &t->grants->device[t->slot].probe;
+    if (atomic_load_explicit(probe, memory_order_relaxed) == open_word)
+        return;
+    atomic_store(probe, open_word);
+    futex_wake_all(gate_of(t));
 }
 
 static struct gpu_loop *loop_at(struct cgpu_engine *e, unsigned gpu)
@@ -225,6 +242,42 @@ void cgpu_engine_destroy(struct cgpu_engine *e)
     free(e);
 }
 
+/* The windows each tenant keeps to while cgpud is away (cgpu/region.h,
+ * alone_*): under `fixed`, every share tiles its part of the period in
+ * turn and the memory-only tenants share what is left, so tenants that
+ * pace themselves without talking to each other never overlap. Other
+ * policies lend and borrow, which takes an arbiter: no window (fail open).
+ * Caller holds the mutex. */
+static void plan_alone(struct gpu_loop *g)
+{
+    uint64_t p = g->period_ns, at = 0;
+    unsigned total = 0;
+    for (unsigned i = 0; i < CGPU_SCHED_MAX_TENANTS; i++)
+        total += g->t[i].key && !g->t[i].detach_pending ? g->t[i].share : 0;
+    int plan = g->policy == CGPU_SCHED_FIXED && p && total <= 100;
+    for (int pass = 0; pass < 2; pass++) {
+        uint64_t rest = p > at ? p - at : 0, rest_at = at;
+        for (unsigned i = 0; i < CGPU_SCHED_MAX_TENANTS; i++) {
+            struct tenant *t = &g->t[i];
+            if (!t->key || !t->grants || (pass == 0) != (t->share > 0))
+                continue;
+            uint64_t start = 0, len = 0;
+            if (plan && t->share && !t->detach_pending) {
+                start = at;
+                len = p / 100 * t->share;
+                at += len;
+            } else if (plan && !t->detach_pending) {
+                start = rest_at;
+                len = rest;
+            }
+            struct cgpu_device_grant *d = &t->grants->device[t->slot];
+            atomic_store(&d->alone_start_ns, start);
+            atomic_store(&d->alone_len_ns, len);
+            atomic_store(&d->alone_period_ns, len ? p : 0);
+        }
+    }
+}
+
 int cgpu_engine_configure(struct cgpu_engine *e, unsigned gpu, int policy, uint64_t period_ns,
                           uint64_t max_slice_ns, unsigned high_prio_percent)
 {
@@ -233,8 +286,12 @@ int cgpu_engine_configure(struct cgpu_engine *e, unsigned gpu, int policy, uint6
         return e ? CGPU_SCHED_ENODEV : CGPU_SCHED_EINVAL;
     pthread_mutex_lock(&e->mu);
     int rc = cgpu_sched_configure(e->sched, gpu, policy, period_ns, max_slice_ns, high_prio_percent);
-    if (rc == 0)
+    if (rc == 0) {
+        g->policy = policy;
+        g->period_ns = period_ns;
+        plan_alone(g);
         wake_loop(g);
+    }
     pthread_mutex_unlock(&e->mu);
     return rc;
 }
@@ -286,6 +343,10 @@ int cgpu_engine_attach(struct cgpu_engine *e, unsigned gpu, uint64_t key, const 
     if (t) { /* a new share, weight or priority for a known tenant */
         rc = t->slot == slot ? cgpu_sched_tenant_set(e->sched, gpu, key, share_percent, weight, high_priority)
                              : CGPU_SCHED_EINVAL;
+        if (rc == 0) {
+            t->share = share_percent;
+            plan_alone(g);
+        }
         goto out;
     }
     for (unsigned i = 0; !t && i < CGPU_SCHED_MAX_TENANTS; i++)
@@ -323,6 +384,8 @@ int cgpu_engine_attach(struct cgpu_engine *e, unsigned gpu, uint64_t key, const 
         goto out;
     }
     *t = fresh;
+    t->share = share_percent;
+    plan_alone(g);
     t->locked = take_gate_lock(t);
     /* Closed until the loop grants it, or open if the GPU is ungated. */
     gate_set(t, g->ungated ? CGPU_GATE_UNGATED : 0);
@@ -360,6 +423,7 @@ int cgpu_engine_detach(struct cgpu_engine *e, unsigned gpu, uint64_t key)
     cgpu_sched_tenant_remove(e->sched, gpu, key);
     if (g->quiet_key == key)
         g->quiet_key = 0;
+    plan_alone(g);
     wake_loop(g);
     pthread_mutex_unlock(&e->mu);
     return 0;
@@ -773,6 +837,8 @@ static int hold_while_busy(struct cgpu_engine *e, struct gpu_loop *g, struct ten
         } else {
             g->idle_since = 0;
             watch = CGPU_ENGINE_IDLE_WATCH_NS;
+            if (others_waiting(g, t))
+                ask_probe(t, g->open_word);
             if (rang)
                 wake = now + CGPU_ENGINE_IDLE_RECHECK_NS;
             else
@@ -863,6 +929,10 @@ int cgpu_engine_run(struct cgpu_engine *e, unsigned gpu)
         judge_quiet(g, now, t ? t->key : 0, 0);
         if (t) {
             atomic_store(&t->grants->device[t->slot].slice_end_ns, now + d.slice_ns);
+            /* Set before the gate opens, so the watchers the opening wakes
+             * see it: no second wake-up in the common case. */
+            uint32_t opening = ((atomic_load(gate_of(t)) & CGPU_GATE_SEQ_MASK) + CGPU_GATE_SEQ_STEP) | CGPU_GATE_OPEN;
+            atomic_store(&t->grants->device[t->slot].probe, others_waiting(g, t) ? opening : 0);
             g->open_word = gate_set(t, CGPU_GATE_OPEN);
             g->idle_since = 0;
             t->idle_out = 0;
@@ -900,8 +970,24 @@ int cgpu_engine_run(struct cgpu_engine *e, unsigned gpu)
         pthread_cond_timedwait(&g->wake, &e->mu, &ts);
     }
     /* cgpud is going away: nobody may be left waiting for a grant that no
-     * one will give. Compute runs unlimited until it is back. */
-    set_all_gates(g, CGPU_GATE_UNGATED);
+     * one will give. A tenant with a window (`fixed`) keeps to it: its gate
+     * closed and cgpud's lock let go, its processes pace themselves as they
+     * do when cgpud is killed. The others run unlimited until it is back. */
+    for (unsigned i = 0; i < CGPU_SCHED_MAX_TENANTS; i++) {
+        struct tenant *t = &g->t[i];
+        if (!t->key)
+            continue;
+        if (t->grants && atomic_load(&t->grants->device[t->slot].alone_period_ns) && !g->ungated) {
+            gate_set(t, 0);
+            struct flock fl = {.l_type = F_UNLCK, .l_whence = SEEK_SET,
+                               .l_start = CGPU_GRANTS_LOCK_OFFSET(t->slot), .l_len = 1};
+            if (t->locked && fcntl(t->grants_fd, F_OFD_SETLK, &fl) == 0)
+                t->locked = 0;
+        } else {
+            gate_set(t, CGPU_GATE_UNGATED);
+            t->overdue = 0;
+        }
+    }
     g->holder = 0;
     g->running = 0;
     pthread_mutex_unlock(&e->mu);

@@ -76,6 +76,7 @@
     X(cuStreamCreate, cuStreamCreate, 0)                               \
     X(cuStreamDestroy_v2, cuStreamDestroy, 0)                          \
     X(cuStreamSynchronize, cuStreamSynchronize, 1)                     \
+    X(cuStreamQuery, cuStreamQuery, 1)                                 \
     X(cuEventCreate, cuEventCreate, 0)                                 \
     X(cuEventRecord, cuEventRecord, 1)                                 \
     X(cuEventSynchronize, cuEventSynchronize, 0)                       \
@@ -116,13 +117,16 @@ static const char *const launch_calls[] = {"cuLaunchKernel", "cuLaunchKernelEx",
                                            "cuLaunch", "cuLaunchGrid", "cuLaunchGridAsync",
                                            "cuLaunchCooperativeKernelMultiDevice"};
 enum resolver { RESOLVE_PROC, RESOLVE_DLSYM };
+/* How a burst's end is waited for (--burst-sync): the shapes applications use. */
+enum burst_sync { BS_CTX, BS_STREAMS, BS_EVENTS, BS_QUERY, BS_NONE };
+static const char *const burst_syncs[] = {"ctx", "streams", "events", "query", "none", NULL};
 static const char *const resolvers[] = {"proc", "dlsym", NULL};
 
 struct options {
     uint64_t device, kernel_ns, launches, streams, sync_every, graph_nodes;
     size_t sizes[MAX_ALLOCS], nsizes, until_fail_chunk;
     double hold_s, duration_s, duty, burst_ms, gap_ms;
-    int alloc_api, launch_api, resolve;
+    int alloc_api, launch_api, resolve, burst_sync;
     bool require_alloc, events, per_thread, launches_given;
 };
 
@@ -156,9 +160,10 @@ struct burn {
     CUgraphExec exec;
     CUstream streams[MAX_STREAMS];
     CUevent ev[2][MAX_STREAMS]; /* start and end, per stream */
+    CUevent burst_ev[MAX_STREAMS]; /* --burst-sync events: each stream's end of burst */
     float ev_ms[MAX_STREAMS];
     uint64_t launched, bursts;
-    double t0, busy_s, wall_s;
+    double t0, busy_s, wall_s, max_launch_s;
     const char *error_calls[MAX_ERRORS];
     CUresult error_results[MAX_ERRORS];
     size_t nerrors;
@@ -231,6 +236,9 @@ static const struct spec specs[] = {
     OPT("burst-ms", "MS", K_POSITIVE, burst_ms, 0, 1e9,
         "with --duration: queue MS of kernels, cuCtxSynchronize, sleep --gap-ms, repeat"),
     OPT("gap-ms", "MS", K_REAL, gap_ms, 0, 1e9, "idle time after each burst (0)"),
+    CHOICE("burst-sync", "HOW", burst_sync, burst_syncs,
+           "end a burst with cuCtxSynchronize (ctx), cuStreamSynchronize per stream (streams), an event per "
+           "stream and cuEventSynchronize (events), cuStreamQuery polling (query), or nothing (none)"),
     CHOICE("launch-api", "API", launch_api, launch_apis,
            "kernel|ex|cooperative|graph|launch|grid|grid-async|multi-device (the last four: deprecated)"),
     OPT("graph-nodes", "N", K_COUNT, graph_nodes, 1, 1024, "kernels per graph, each a launch (4)"),
@@ -339,6 +347,10 @@ static int parse_options(int argc, char **argv, struct options *o)
         return fail("--burst-ms needs --duration");
     if (o->burst_ms > 0 && (o->duty < 1 || o->sync_every))
         return fail("--burst-ms cannot be used with --duty or --sync-every");
+    if (o->burst_sync != BS_CTX && o->burst_ms <= 0)
+        return fail("--burst-sync needs --burst-ms");
+    if (o->burst_sync != BS_CTX && (o->launch_api == LA_LAUNCH || o->launch_api == LA_GRID))
+        return fail("--burst-sync other than ctx needs a launch API that takes a stream");
     if (o->gap_ms > 0 && o->burst_ms <= 0)
         return fail("--gap-ms needs --burst-ms");
     return -1;
@@ -592,6 +604,8 @@ static int setup_kernel(struct burn *b)
         SETUP(b, "cuStreamCreate", f->cuStreamCreate(&b->streams[i], CU_STREAM_DEFAULT));
         for (int k = 0; k < 2 && b->opt.events; k++)
             SETUP(b, "cuEventCreate", f->cuEventCreate(&b->ev[k][i], CU_EVENT_DEFAULT));
+        if (b->opt.burst_ms > 0 && b->opt.burst_sync == BS_EVENTS)
+            SETUP(b, "cuEventCreate", f->cuEventCreate(&b->burst_ev[i], CU_EVENT_DISABLE_TIMING));
     }
     if (b->opt.launch_api == LA_GRAPH)
         SETUP(b, "building the CUDA graph", build_graph(b));
@@ -668,6 +682,9 @@ static bool launch_and_pace(struct burn *b, uint64_t call, uint64_t sync_every)
     double start = now_s();
     if (!check(b, launch_calls[o->launch_api], launch_one(b, s)))
         return false;
+    double took = now_s() - start; /* a launch held at a gate: how long at most */
+    if (took > b->max_launch_s)
+        b->max_launch_s = took;
     b->launched += o->launch_api == LA_GRAPH ? o->graph_nodes : 1;
     if (o->duty < 1) {
         if (!check(b, "cuStreamSynchronize", b->f.cuStreamSynchronize(on_null_stream(b) ? CU_STREAM_LEGACY : s)))
@@ -692,9 +709,40 @@ static uint64_t sync_interval(const struct options *o)
     return n < o->streams ? o->streams : n > 1024 ? 1024 : n;
 }
 
+/* Waits for a burst as --burst-sync says. Query polling looks every 50 us
+ * (a server's poll loop); `none` does not wait: the work runs while the
+ * program sleeps its gap. */
+static bool end_burst(struct burn *b)
+{
+    const struct api *f = &b->f;
+    const struct options *o = &b->opt;
+    switch ((enum burst_sync)o->burst_sync) {
+    case BS_CTX: return check(b, "cuCtxSynchronize", f->cuCtxSynchronize());
+    case BS_STREAMS: return sync_streams(b);
+    case BS_EVENTS:
+        for (uint64_t i = 0; i < o->streams; i++)
+            if (!check(b, "cuEventRecord", f->cuEventRecord(b->burst_ev[i], b->streams[i])))
+                return false;
+        for (uint64_t i = 0; i < o->streams; i++)
+            if (!check(b, "cuEventSynchronize", f->cuEventSynchronize(b->burst_ev[i])))
+                return false;
+        return true;
+    case BS_QUERY:
+        for (uint64_t i = 0; i < o->streams; i++) {
+            CUresult r;
+            while ((r = f->cuStreamQuery(b->streams[i])) == CUDA_ERROR_NOT_READY)
+                sleep_until(now_s() + 50e-6);
+            if (!check(b, "cuStreamQuery", r))
+                return false;
+        }
+        return true;
+    case BS_NONE: return true;
+    }
+    return false;
+}
+
 /* An inference server's pattern: a burst of queued work, a wait for all of
- * it, then idle. The wait is cuCtxSynchronize on purpose: libcgpu takes an
- * application's context sync as the moment its queue is known empty. */
+ * it (--burst-sync), then idle. */
 static bool run_bursts(struct burn *b)
 {
     const struct options *o = &b->opt;
@@ -707,7 +755,7 @@ static bool run_bursts(struct burn *b)
     for (uint64_t call = 0; ok && now_s() < end;) {
         for (uint64_t i = 0; ok && i < calls; i++)
             ok = launch_and_pace(b, call++, 0);
-        ok = ok && check(b, "cuCtxSynchronize", b->f.cuCtxSynchronize());
+        ok = ok && end_burst(b);
         b->bursts += ok;
         double wake = now_s() + o->gap_ms * 1e-3;
         sleep_until(wake < end ? wake : end);
@@ -746,6 +794,8 @@ static void release_run(struct burn *b)
         for (int k = 0; k < 2; k++)
             if (b->ev[k][i])
                 f->cuEventDestroy_v2(b->ev[k][i]);
+        if (b->burst_ev[i])
+            f->cuEventDestroy_v2(b->burst_ev[i]);
         if (b->streams[i])
             f->cuStreamDestroy_v2(b->streams[i]);
     }
@@ -778,6 +828,7 @@ static void print_timing(const struct burn *b)
 {
     const struct options *o = &b->opt;
     float max_ms = 0;
+    printf("\"max_launch_ms\":%.3f,", b->max_launch_s * 1e3);
     printf("\"launches\":%llu,\"kernel_ns\":%llu,\"wall_s\":%.6f,\"stream_event_ms\":",
            (unsigned long long)b->launched, (unsigned long long)o->kernel_ns, b->wall_s);
     if (!b->timed) {
@@ -804,8 +855,8 @@ static void print_report(const struct burn *b)
            b->mem_free_after_alloc);
     print_alloc(b);
     print_timing(b);
-    printf("\"burst_ms\":%.3f,\"gap_ms\":%.3f,\"bursts\":%llu,", o->burst_ms, o->gap_ms,
-           (unsigned long long)b->bursts);
+    printf("\"burst_ms\":%.3f,\"gap_ms\":%.3f,\"bursts\":%llu,\"burst_sync\":\"%s\",", o->burst_ms, o->gap_ms,
+           (unsigned long long)b->bursts, burst_syncs[o->burst_sync]);
     printf("\"launch_api\":\"%s\",\"graph_nodes\":%llu,\"streams\":%llu,\"duty\":%.4f,"
            "\"resolve\":\"%s\",\"per_thread_stream\":%s,\"errors\":[",
            launch_apis[o->launch_api], (unsigned long long)o->graph_nodes,

@@ -86,6 +86,32 @@ def test_an_idle_holder_hands_the_gpu_over(rig: ShareRig, policy: str) -> None:
     assert rig.daemon.cgpuctl("list", "--output", "json").stdout.strip() in ("[]", "")
 
 
+@pytest.mark.parametrize("sync", ["streams", "events", "query", "none"])
+def test_an_idle_holder_hands_over_however_it_waits_for_its_work(rig: ShareRig, sync: str) -> None:
+    """Issue 39: tenants with the shares users ask for (30/70), the bursty
+    one waiting for its bursts over two streams by stream synchronisation,
+    events, cuStreamQuery polling, or not at all. None of these tells
+    libcgpu that the whole queue is empty (74-79 % busy before); its fence
+    watcher, asked by cgpud while the other tenant waits, learns it with a
+    real synchronisation of its own."""
+    bursty = TenantSpec(30, kernel_ns=300_000, streams=2, burst_ms=6, gap_ms=20, burst_sync=sync)
+    sc = Scenario(
+        f"bursty ({sync}) beside saturating, fair 30/70",
+        "fair",
+        (TenantSpec(70, kernel_ns=500_000, streams=2), bursty),
+        SECONDS,
+    )
+    runs: list[ScenarioResult] = []
+    while len(runs) < 3:
+        runs.append(rig.run(sc))
+        over = sum(r.utilisation >= BUSY for r in runs)
+        if over >= 2 or len(runs) - over >= 2:
+            break
+    seen = [(round(r.utilisation, 1), [round(t.share, 1) for t in r.tenants]) for r in runs]
+    assert over >= 2, seen
+    assert statistics.median(r.tenants[1].share for r in runs) >= 8, seen
+
+
 def graces_while_running(rig: MetricsRig, sc: Scenario, looks: int = 3) -> list[list[float]]:
     """Runs `sc` and reads every instance's idle grace (seconds) from cgpud's
     metrics `looks` times while it runs, once the tenants have been at it

@@ -63,7 +63,7 @@ RECOVERY_BOUND_S = 1.0
 SHARE_TOLERANCE = 5.0  # percentage points, over a 200 ms window
 WINDOW = 200 * MS
 SAMPLE_MS = 20
-# (signal, downtime in s): killed ones stay down long enough to show the fail-open.
+# (signal, downtime in s): killed ones stay down long enough to show the share held without cgpud.
 RESTARTS = [
     (signal.SIGKILL, 0.8),
     (signal.SIGTERM, 0.3),
@@ -344,7 +344,9 @@ def test_twenty_tenants_keep_their_limits_and_shares_through_ten_restarts_and_an
     assert pool_stall < POOL_STALL_BOUND_S, (pool_stall, pool_at)
     assert alloc < ALLOC_BOUND_S, (alloc, alloc_at)
     assert all(r is not None and r < RECOVERY_BOUND_S for r in recoveries), recoveries
-    # cgpud killed, the gates fail open: the queueing tenant takes more than its share.
-    assert all(r.open_share is not None and r.open_share > CORE + 10 for r in restarts if r.how == "SIGKILL"), [
-        r.open_share for r in restarts
-    ]
+    # cgpud killed: under fixed each tenant paces itself to its own window
+    # (issue 39), so the queueing tenant keeps its share (it took 60-74 %
+    # when the gates failed open).
+    assert all(
+        r.open_share is not None and abs(r.open_share - CORE) <= SHARE_TOLERANCE for r in restarts if r.how == "SIGKILL"
+    ), [r.open_share for r in restarts]

@@ -326,3 +326,52 @@ def test_what_a_process_has_queued_when_its_gate_closes_is_bounded(native, tmp_p
     assert out["errors"] == []
     # 128 launches of 100 us, and the few that raced the closing.
     assert queued <= 16_000_000, queued
+
+
+PERIOD_NS = 100_000_000
+WINDOW_NS = 30_000_000
+
+
+@pytest.mark.parametrize("gate", ["closed", "open"])
+def test_a_gate_nobody_drives_keeps_the_process_to_its_window(native, sim_env, gated, gate: str) -> None:
+    """cgpud gone under `fixed` (issue 39): the grants file names the
+    instance's window (30 ms of every 100 ms), and the process launches only
+    in it, whether it was waiting at a closed gate or held an open one whose
+    slice ended long ago (its watcher finds cgpud gone). The simulated GPU
+    says when each of its kernels ran: nearly all in the window, about 30 %
+    of the time. A new gate word (cgpud back) ends the pacing."""
+    env, region = gated([closed(1) if gate == "closed" else opened(1)])
+    d = region.grants.device[0]
+    d.alone_start_ns, d.alone_len_ns, d.alone_period_ns = 0, WINDOW_NS, PERIOD_NS
+    d.slice_end_ns = 0  # an open gate's slice ended long ago
+    proc = start_burn(native, env, "--duration=30", "--kernel-ns=200000", "--streams=2")
+    try:
+        if gate == "closed":
+            until(lambda: region.waiting() >= 1, 5.0, interval=0.005, what="a thread waiting at the gate")
+        else:
+            until(lambda: busy_ns(native, env, proc.pid) > 0, 10, interval=0.005, what="launches at the open gate")
+        region.drive(False)
+        time.sleep(0.5)  # noticed (50 ms at a closed gate, 100 ms past the slice at an open one) and settled
+        start = time.monotonic_ns()
+        time.sleep(2.0)
+        end = time.monotonic_ns()
+        share = 100.0 * busy_between(native, env, proc.pid, start, end) / (end - start)
+        assert 22 <= share <= 38, share
+        # Outside the window (here 40-95 ms of each period, leaving room for
+        # the queue's overrun) the process's kernels hardly ran.
+        outside = 0
+        for k in range(start // PERIOD_NS + 1, end // PERIOD_NS - 1):
+            outside += busy_between(native, env, proc.pid, k * PERIOD_NS + 40_000_000, k * PERIOD_NS + 95_000_000)
+        periods = end // PERIOD_NS - 1 - (start // PERIOD_NS + 1)
+        assert outside <= periods * 2_000_000, (outside, periods)
+        region.drive(True)
+        region.set_gate(0, opened(2))
+        paced = busy_ns(native, env, proc.pid)
+        time.sleep(1.0)
+        # The whole GPU again (about 1 s of it; more than half even when
+        # the machine's two cores are shared with a dozen other processes).
+        assert busy_ns(native, env, proc.pid) - paced > 500_000_000
+    finally:
+        proc.kill()
+        _, err = proc.communicate(timeout=30)
+    assert err.count("kernel launches keep to the instance's share until it is back") == 1, err

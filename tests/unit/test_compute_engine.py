@@ -197,7 +197,52 @@ def test_detach_closes_the_gate_and_stop_opens_every_gate(tenants) -> None:
     assert a.gate & (OPEN | UNGATED) == 0
     assert s.schedule(0).tenants == 1
     s.stop()
-    assert b.gate & UNGATED, "cgpud stopping must not leave processes waiting for a grant"
+    # Under fixed, b keeps to its window (docs/compute.md, cgpud stopping):
+    # its gate stays closed and cgpud's lock goes, so its processes, which
+    # look for that lock while they wait, pace themselves instead.
+    assert not b.gate & (OPEN | UNGATED)
+    assert _grants_lock(b) == fcntl.F_UNLCK, "cgpud stopping must not leave processes waiting for a grant"
+    assert b.grants.device[0].alone_period_ns == FAST.period_ns
+    assert (b.grants.device[0].alone_start_ns, b.grants.device[0].alone_len_ns) == (0, FAST.period_ns // 2)
+
+
+def test_stop_opens_every_gate_of_a_policy_that_lends(tenants) -> None:
+    """Without an arbiter, sharing that lends and borrows cannot hold: those
+    gates open (no window) rather than leave processes waiting."""
+    s = ComputeScheduler(1, FAST).start()
+    a = tenants("a", 50)
+    s.configure(NodePolicy(compute_policy=ComputePolicy.PREEMPTIVE))
+    s.attach(a.instance, a.dir)
+    assert a.grants.device[0].alone_period_ns == 0
+    s.stop()
+    assert a.gate & UNGATED
+
+
+def test_windows_for_cgpud_away_tile_the_period_under_fixed(tenants) -> None:
+    """Each share gets its own part of the period, the memory-only tenants
+    share the rest, and a change of shares or tenants plans again."""
+    s = ComputeScheduler(1, FAST).start()
+    try:
+        s.configure(NodePolicy(compute_policy=ComputePolicy.FIXED))
+        a, b, m = tenants("a", 30), tenants("b", 20), tenants("m", 0)
+        for t in (a, b, m):
+            s.attach(t.instance, t.dir)
+
+        def window(t: Tenant) -> tuple[int, int, int]:
+            d = t.grants.device[0]
+            return int(d.alone_start_ns), int(d.alone_len_ns), int(d.alone_period_ns)
+
+        p = FAST.period_ns
+        assert window(a) == (0, p // 100 * 30, p)
+        assert window(b) == (p // 100 * 30, p // 100 * 20, p)
+        assert window(m) == (p // 100 * 50, p - p // 100 * 50, p)
+        s.detach("a")
+        assert window(b) == (0, p // 100 * 20, p)
+        assert window(m) == (p // 100 * 20, p - p // 100 * 20, p)
+        s.configure(NodePolicy(compute_policy=ComputePolicy.SOFT))
+        assert window(b)[2] == 0 and window(m)[2] == 0
+    finally:
+        s.stop()
 
 
 def test_bad_attachments_are_refused_and_change_nothing(sched: ComputeScheduler, tenants, tmp_path: Path) -> None:
@@ -533,6 +578,33 @@ def test_an_idle_holder_is_passed_over_well_inside_its_slice(
     assert s.idle_handovers == 1 and s.fence_timeouts == 0
     # It keeps its entitlement: charged only the time it held the GPU.
     assert slow_sched.tenant_metrics()["a"][0].charged_ns < 150_000_000
+
+
+def test_a_holder_is_asked_to_look_for_idleness_only_while_another_waits(slow_sched: ComputeScheduler, tenants) -> None:
+    """The grant's `probe` (cgpu/region.h) asks the holder's processes to
+    learn their idleness however they wait for their work: set to the open
+    gate word while another tenant waits, never when nobody does (a lone
+    tenant's watcher then costs nothing)."""
+    a, b = attach_two(slow_sched, tenants)
+    ledger = a.watch()
+    a.want(1)
+    assert granted(a)
+    a.want(0)
+    time.sleep(0.02)
+    assert a.grants.device[0].probe != a.gate, "asked with nobody else waiting"
+    b.want(1)
+    # The engine's next look (after a ring) asks.
+    bell = int(rffi.cast("uintptr_t", rffi.addressof(a.u.device[0], "bell")))
+    a.u.device[0].bell += 1
+    assert _LIBC.syscall(_SYS_FUTEX, ctypes.c_void_p(bell), _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0) >= 0
+    until(lambda: a.grants.device[0].probe == a.gate, 0.1, interval=0.0005, what="the ask")
+    assert a.gate & OPEN, "asked inside the 200 ms slice"
+    # b's grant, with a waiting, carries the ask from its opening.
+    a.want(1)
+    until(lambda: not a.gate & OPEN, 1.0, interval=0.0005, what="the end of a's slice")
+    a.ack(ledger)
+    assert granted(b)
+    assert b.grants.device[0].probe == b.gate
 
 
 def test_an_idle_holder_keeps_the_gpu_while_nobody_else_wants_it(slow_sched: ComputeScheduler, tenants) -> None:

@@ -132,7 +132,14 @@ struct cgpu_usage {
  *     the GPU is passed on, the holder's entitlement is not (it was charged
  *     only what it used). Reports that still stand, all DRAINED, once the
  *     gate is closed end the closing at once (no launch can have passed the
- *     gate since); otherwise it is fenced as any other. */
+ *     gate since); otherwise it is fenced as any other.
+ *   - While the gate is open with word W and probe == W (cgpud sets it when
+ *     another instance waits, and wakes the gate's futex without changing
+ *     it), a process that launched in the grant waits for its own queue in
+ *     its watcher (every context it launched in) and reports the grant idle
+ *     as above when nothing was in flight before and nothing launched since:
+ *     so a holder is passed over however it waits for its work, or if it
+ *     does not wait at all. */
 #define CGPU_GATE_OPEN 1u
 #define CGPU_GATE_UNGATED 2u
 #define CGPU_GATE_SEQ_STEP 4u
@@ -143,11 +150,23 @@ struct cgpu_usage {
 
 struct cgpu_device_grant {
     CGPU_ATOMIC uint32_t gate;
-    uint32_t reserved0;
+    /* The open gate word while another instance waits for the device: the
+     * holder's processes then look for their own idleness off the launch
+     * path (a real synchronisation in their fence watcher) and report it as
+     * below. Any other value (0 from an older cgpud): they need not. */
+    CGPU_ATOMIC uint32_t probe;
     CGPU_ATOMIC uint64_t slice_end_ns; /* CLOCK_MONOTONIC; while OPEN: when the slice ends (informational) */
     CGPU_ATOMIC uint64_t mem_limit;    /* the live memory limit (a resize changes it in place);
                                         * 0: the limits file's, as regions of older cgpud */
-    uint64_t reserved[5];              /* one cache line per device */
+    /* While cgpud is away (its lock free, CGPU_GRANTS_LOCK_OFFSET): the
+     * instance may launch only in [alone_start_ns, alone_start_ns +
+     * alone_len_ns) of every alone_period_ns of CLOCK_MONOTONIC, a window
+     * cgpud tiles with its neighbours' so that fixed shares hold without
+     * it. alone_period_ns 0: no window, launches run ungated (fail open). */
+    CGPU_ATOMIC uint64_t alone_period_ns;
+    CGPU_ATOMIC uint64_t alone_start_ns;
+    CGPU_ATOMIC uint64_t alone_len_ns;
+    uint64_t reserved[2];              /* one cache line per device */
 };
 
 struct cgpu_grants {
