@@ -284,7 +284,9 @@ class DevicePlugin:
         mig: MigPlan | None = None,
     ) -> None:
         self._settings = replace(settings, directory=Path(os.path.abspath(settings.directory)))
-        for name in [*resources.SOCKET_NAMES.values(), resources.socket_name("nvidia.com/mig-1c.7g.100gb.me")]:
+        # The sockets it will serve: cgpu's, and the MIG profiles this node has.
+        served_mig = mig.resources() if mig is not None else ()
+        for name in [*resources.SOCKET_NAMES.values(), *(resources.socket_name(r) for r in served_mig)]:
             path = self._settings.directory / name
             if len(os.fsencode(path)) > _SUN_PATH_MAX:
                 raise UsageError(

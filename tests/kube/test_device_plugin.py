@@ -422,6 +422,16 @@ def test_socket_paths_longer_than_a_unix_socket_allows_are_refused(allocator: Re
     assert not os.path.exists(long_dir)
 
 
+def test_only_the_sockets_it_will_serve_must_fit(allocator: RecordingAllocator, tmp_path: Path) -> None:
+    """A directory that holds cgpu's own sockets is fine on a node without
+    MIG, however long a MIG profile's socket name could be."""
+    longest = max(len(n) for n in SOCKET_NAMES.values())
+    room = 107 - len(os.fsencode(tmp_path)) - 2 - longest  # "/" twice, sun_path's 107 usable bytes
+    snug = tmp_path / ("d" * room)
+    assert len(os.fsencode(snug / "cgpu-mig-1c.7g.100gb.me.sock")) > 107  # the old worst-case check refused it
+    DevicePlugin(PluginSettings(snug), allocator, mode=NodeMode.CGPU, placement=Placement.BINPACK, gpus=GPUS)
+
+
 def test_sockets_a_killed_cgpud_left_are_replaced(
     directory: Path, kubelet: Kubelet, allocator: RecordingAllocator
 ) -> None:
