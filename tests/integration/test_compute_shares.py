@@ -130,10 +130,14 @@ def test_cgpuctl_run_core_refuses_more_than_the_gpu_has(rig: ShareRig) -> None:
         terminate(hold, timeout=30, kill=False)
 
 
-def test_stopping_cgpud_leaves_no_tenant_waiting(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("policy", "low", "high"), [("fixed", 25, 35), ("preemptive", 80, 101)])
+def test_stopping_cgpud_leaves_no_tenant_waiting(tmp_path: Path, policy: str, low: float, high: float) -> None:
+    """cgpud stopped under a 30 % tenant: under `fixed` the tenant keeps
+    running in its own window, at its share (docs/compute.md, "while cgpud
+    is away"); under the other policies its gate opens for good."""
     r = ShareRig(tmp_path, dict(os.environ))
     try:
-        assert r.daemon.cgpuctl("policy", "set", "fixed").returncode == 0
+        assert r.daemon.cgpuctl("policy", "set", policy).returncode == 0
         run = r._start(TenantSpec(30, kernel_ns=200_000))
         pid = r._burn_pid(run, time.monotonic() + 60)
         sampler = Sampler(r.env, 20)
@@ -146,8 +150,8 @@ def test_stopping_cgpud_leaves_no_tenant_waiting(tmp_path: Path) -> None:
             t1 = sampler.samples[-1]
         finally:
             sampler.stop()
-        # With cgpud gone every gate is open: the tenant runs unthrottled.
-        assert 100.0 * (_busy(t1, pid) - _busy(t0, pid)) / (t1[0] - t0[0]) > 80
+        share = 100.0 * (_busy(t1, pid) - _busy(t0, pid)) / (t1[0] - t0[0])
+        assert low <= share <= high, share
         terminate(run, timeout=30, kill=False)
     finally:
         if r.daemon.proc and r.daemon.proc.poll() is None:
