@@ -73,18 +73,11 @@ def asked(pod: PodInfo) -> Asked | None:
     return Asked(memory, core)
 
 
-def _grows(instance: Instance, want: Asked) -> bool:
+def _compare(instance: Instance, want: Asked) -> tuple[bool, bool]:
+    """(changes anything, grows anything) against the instance's grant now."""
     now = instance.grants[0]
-    return (want.memory is not None and want.memory > now.memory) or (
-        want.core_percent is not None and want.core_percent > now.core_percent
-    )
-
-
-def _changes(instance: Instance, want: Asked) -> bool:
-    now = instance.grants[0]
-    return (want.memory is not None and want.memory != now.memory) or (
-        want.core_percent is not None and want.core_percent != now.core_percent
-    )
+    pairs = [(w, n) for w, n in ((want.memory, now.memory), (want.core_percent, now.core_percent)) if w is not None]
+    return any(w != n for w, n in pairs), any(w > n for w, n in pairs)
 
 
 def pod_resizes(
@@ -107,9 +100,12 @@ def pod_resizes(
         except UsageError as e:
             refusals.append(Refusal(instance, pod, "", str(e)))
             continue
-        if want is None or not _changes(instance, want):
+        if want is None:
             continue
-        if _grows(instance, want) and pod.priority < min_pod_priority:
+        changes, grows = _compare(instance, want)
+        if not changes:
+            continue
+        if grows and pod.priority < min_pod_priority:
             refusals.append(
                 Refusal(
                     instance,
