@@ -26,9 +26,6 @@ from pathlib import Path
 
 RELEASE = "bullseye"
 MIRROR = "http://deb.debian.org/debian"
-# runc: the root's own, for a container started through the root's cgpu-runtime.
-INCLUDE = ("runc",)
-RECIPE = 1
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -41,10 +38,26 @@ def cache_root() -> Path:
     return Path(base) / "cgpu" / "roots"
 
 
-def cached_root(release: str = RELEASE) -> Path:
+@dataclass(frozen=True)
+class Recipe:
+    """What debootstrap makes: `name` and `revision` key the cache (raise
+    the revision when `include` changes)."""
+
+    release: str
+    include: tuple[str, ...]
+    name: str
+    revision: int
+
+
+# runc: the root's own, for a container started through the root's cgpu-runtime.
+BULLSEYE = Recipe(RELEASE, ("runc",), "minbase", 1)
+
+
+def cached_root(recipe: Recipe = BULLSEYE) -> Path:
     """The debootstrapped root, made first if it is not in the cache."""
     cache = cache_root()
-    root = cache / f"{release}-minbase-r{RECIPE}"
+    release = recipe.release
+    root = cache / f"{release}-{recipe.name}-r{recipe.revision}"
     if (root / ".complete").is_file():
         return root / "fs"
     cache.mkdir(parents=True, exist_ok=True)
@@ -58,7 +71,7 @@ def cached_root(release: str = RELEASE) -> Path:
                 [
                     "debootstrap",
                     "--variant=minbase",
-                    f"--include={','.join(INCLUDE)}",
+                    f"--include={','.join(recipe.include)}",
                     release,
                     str(staging / "fs"),
                     MIRROR,
@@ -124,8 +137,10 @@ def _in_holder(holder: subprocess.Popen[bytes], *argv: str) -> None:
 
 
 @contextmanager
-def older_root(work: Path, release: str = RELEASE) -> Iterator[OlderRoot]:
-    lower = cached_root(release)
+def older_root(work: Path, recipe: Recipe = BULLSEYE, api_filesystems: bool = True) -> Iterator[OlderRoot]:
+    """`api_filesystems`: /proc, /sys, /dev, /run and /tmp mounted for a
+    chroot; off for a root that an init boots (it mounts its own)."""
+    lower = cached_root(recipe)
     upper, scratch, merged = work / "upper", work / "overlay-work", work / "merged"
     for d in (upper, scratch, merged):
         d.mkdir(parents=True)
@@ -142,10 +157,7 @@ def older_root(work: Path, release: str = RELEASE) -> Iterator[OlderRoot]:
             f"lowerdir={lower},upperdir={upper},workdir={scratch}",
             str(merged),
         )
-        _in_holder(holder, "mount", "-t", "proc", "proc", str(merged / "proc"))
-        _in_holder(holder, "mount", "--rbind", "/sys", str(merged / "sys"))
-        _in_holder(holder, "mount", "--rbind", "/dev", str(merged / "dev"))
-        for tmpfs in ("run", "tmp"):
+        for tmpfs in ("run", "tmp") if api_filesystems else ():
             _in_holder(
                 holder,
                 "mount",
@@ -156,6 +168,10 @@ def older_root(work: Path, release: str = RELEASE) -> Iterator[OlderRoot]:
                 tmpfs,
                 str(merged / tmpfs),
             )
+        if api_filesystems:
+            _in_holder(holder, "mount", "-t", "proc", "proc", str(merged / "proc"))
+            _in_holder(holder, "mount", "--rbind", "/sys", str(merged / "sys"))
+            _in_holder(holder, "mount", "--rbind", "/dev", str(merged / "dev"))
         yield OlderRoot(holder, merged)
     finally:
         holder.kill()
