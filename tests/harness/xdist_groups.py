@@ -22,6 +22,7 @@ LONG_FIRST = (
     "tests/realkube/",  # 4 to 5 minutes
     "tests/e2e/test_cluster",
     "tests/integration/test_bypass_false_positives.py",  # 60 s by design
+    "tests/packaging/test_systemd.py",  # five boots of a systemd: 2 to 3 minutes
     "tests/integration/test_install.py",
     "tests/integration/test_server_floods.py",
 )
