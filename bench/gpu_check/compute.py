@@ -1,8 +1,142 @@
-"""stub"""
+"""Compute share: two tenants asking 30 % and 70 % of GPU 0, both saturating
+it with spin kernels of several lengths and with graphs, under the `fixed`
+and `fair` policies and under native time slicing.
 
-from bench.gpu_check.rig import Rig
-from bench.gpu_check.runner import Runner
+A tenant's share is its achieved kernel throughput (kernel time completed
+per wall second, from cgpu-burn's own report) over the throughput of the
+same workload alone on the GPU: it needs no per-process accounting, so it
+reads the same on a real GPU and on any driver."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from bench.gpu_check.model import CheckError, CheckResult
+from bench.gpu_check.rig import Cgpud, Rig, json_line, kill_group
+from bench.gpu_check.runner import Runner, verdict
+
+GROUP = "compute"
+SHARES = (30, 70)
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    kernel_ns: int
+    args: tuple[str, ...] = ()
+
+    def burn_args(self, seconds: float) -> list[str]:
+        return ["--duration", str(seconds), "--kernel-ns", str(self.kernel_ns), *self.args]
+
+
+SHAPES = {
+    "100us": Shape("100us", 100_000),
+    "1ms": Shape("1ms", 1_000_000),
+    "10ms": Shape("10ms", 10_000_000),
+    "graph": Shape("graph", 1_000_000, ("--launch-api", "graph", "--graph-nodes", "4")),
+}
+# (policy, shapes): every shape under fixed, the common one under the others
+PLAN_FULL = (("fixed", ("100us", "1ms", "10ms", "graph")), ("fair", ("1ms", "graph")), ("native", ("1ms", "graph")))
+PLAN_QUICK = (("fixed", ("1ms", "10ms", "graph")), ("fair", ("1ms",)), ("native", ("1ms",)))
+
+
+def rate(burn: dict[str, Any]) -> float:
+    """Kernel time completed per wall second."""
+    wall = float(burn["wall_s"])
+    if wall <= 0 or burn.get("errors"):
+        raise CheckError(f"cgpu-burn ran nothing or failed: {burn.get('errors')}")
+    return int(burn["launches"]) * int(burn["kernel_ns"]) / 1e9 / wall
+
+
+def together(rig: Rig, d: Cgpud, shape: Shape, seconds: float) -> list[dict[str, Any]]:
+    """The two tenants started at once, each cgpu-burn's report."""
+    procs = [
+        subprocess.Popen(
+            d.run_argv(f"{rig.options.mem_gib}GiB", str(rig.tools.burn), *shape.burn_args(seconds), core=core),
+            env=rig.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for core in SHARES
+    ]
+    out = []
+    deadline = time.monotonic() + seconds + 60
+    try:
+        for core, p in zip(SHARES, procs):
+            try:
+                stdout, stderr = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise CheckError(f"the {core} % tenant did not finish within {seconds + 60:.0f} s") from None
+            if p.returncode != 0:
+                raise CheckError(f"the {core} % tenant exited {p.returncode}: {stderr.strip()[-300:]}")
+            out.append(json_line(stdout, f"{core} % tenant", '{"device"'))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                kill_group(p)
+                p.wait()
+    return out
+
+
+def expected(policy: str, tol: float) -> tuple[str, Any]:
+    if policy == "fixed":
+        return f"30/70 +-{tol * 100:.0f}", lambda s: all(abs(x - c / 100) <= tol for x, c in zip(s, SHARES))
+    if policy == "fair":
+        return f"50/50 +-{tol * 100:.0f} (equal slices)", lambda s: all(abs(x - 0.5) <= tol for x in s)
+    return "GPU kept busy: sum >= 85", lambda s: sum(s) >= 0.85
+
+
+def share_check(rig: Rig, d: Cgpud, policy: str, shape: Shape, alone: float) -> CheckResult:
+    seconds = rig.seconds(2.5, 10.0)
+    tol = rig.seconds(0.08, 0.05)
+    burns = together(rig, d, shape, seconds)
+    shares = [rate(b) / alone for b in burns]
+    want, ok = expected(policy, tol)
+    return CheckResult(
+        "",
+        GROUP,
+        verdict(ok(shares)),
+        figure="/".join(f"{s * 100:.1f}" for s in shares),
+        expected=want,
+        detail="" if ok(shares) else f"shares {shares} of the throughput alone",
+        values={
+            "policy": policy,
+            "shape": shape.name,
+            "kernel_ns": shape.kernel_ns,
+            "asked": list(SHARES),
+            "shares": shares,
+            "alone_rate": alone,
+            "rates": [rate(b) for b in burns],
+            "seconds": seconds,
+        },
+    )
 
 
 def run(rig: Rig, runner: Runner) -> None:
-    pass
+    plan = PLAN_QUICK if rig.options.quick else PLAN_FULL
+    names = tuple(f"compute.{policy}.{shape}" for policy, shapes in plan for shape in shapes)
+    if not any(runner.wanted(n) for n in names):
+        return
+    alone: dict[str, float] = {}
+    try:
+        for _, shapes in plan:
+            for s in shapes:
+                if s not in alone:
+                    burn = rig.burn(SHAPES[s].burn_args(rig.seconds(1.5, 4.0)), 60, f"{s} alone")
+                    alone[s] = rate(burn)
+        with rig.cgpud("compute", "--mode", "core_mem", "--compute-policy", "3") as d:
+            for policy, shapes in plan:
+                d.cgpuctl("policy", "set", policy)
+                for s in shapes:
+                    runner.check(
+                        f"compute.{policy}.{s}",
+                        GROUP,
+                        lambda p=policy, s=s: share_check(rig, d, p, SHAPES[s], alone[s]),
+                    )
+    except CheckError as e:
+        runner.fail_rest(names, GROUP, str(e))
