@@ -10,6 +10,7 @@ reads the same on a real GPU and on any driver."""
 from __future__ import annotations
 
 import subprocess
+from functools import partial
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -134,9 +135,7 @@ def run(rig: Rig, runner: Runner) -> None:
                 d.cgpuctl("policy", "set", policy)
                 for s in shapes:
                     runner.check(
-                        f"compute.{policy}.{s}",
-                        GROUP,
-                        lambda p=policy, s=s: share_check(rig, d, p, SHAPES[s], alone[s]),
+                        f"compute.{policy}.{s}", GROUP, partial(share_check, rig, d, policy, SHAPES[s], alone[s])
                     )
     except CheckError as e:
         runner.fail_rest(names, GROUP, str(e))
