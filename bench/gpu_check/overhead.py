@@ -53,7 +53,7 @@ def per_call(rig: Rig, d: Cgpud, mode: str) -> CheckResult:
         "",
         GROUP,
         verdict(ok),
-        figure=f"+{added:.1f} ns ({statistics.median(bare):.1f} -> {statistics.median(cgpu):.1f})",
+        figure=f"{added:+.1f} ns ({statistics.median(bare):.1f} -> {statistics.median(cgpu):.1f})",
         expected=f"<= +{limit:.0f} ns, every call through libcgpu",
         detail="" if intercepted else "the calls did not go through libcgpu.so",
         values={
