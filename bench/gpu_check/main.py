@@ -21,6 +21,7 @@ from bench.gpu_check import build, compute, container, hami, memory, modes, nvml
 from bench.gpu_check.model import CheckError, CheckResult, Machine, Report, Status
 from bench.gpu_check.rig import Options, Rig
 from bench.gpu_check.runner import Runner, verdict
+from cgpud.logs import configure_logging
 
 LOG = structlog.get_logger("gpu-check")
 SUITES = (memory, compute, overhead, watchdog, container, modes, hami)
@@ -109,6 +110,7 @@ def main(argv: Sequence[str]) -> int:
     except UsageError as e:
         print(f"gpu-check: {e}", file=sys.stderr)
         return 2
+    configure_logging()  # progress on stderr; the table and the report path on stdout
     t0 = time.monotonic()
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     work = Path(tempfile.mkdtemp(prefix="cgpu-gpu-check."))

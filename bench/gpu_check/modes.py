@@ -35,7 +35,10 @@ def mps(rig: Rig) -> CheckResult:
         raise Skip("MPS: needs root (cgpud sets the compute mode)")
     if shutil.which("nvidia-cuda-mps-control", path=rig.env.get("PATH")) is None:
         raise Skip("MPS: nvidia-cuda-mps-control is not on PATH")
-    found = [g["compute_mode"] for g in nvml.machine()["gpus"]]
+    gpus = nvml.machine()["gpus"]
+    if all(g["mig_mode"] == 1 for g in gpus):
+        raise Skip("MPS: every GPU is in MIG mode (MPS runs on whole GPUs here)")
+    found = [g["compute_mode"] for g in gpus]
     limit = rig.options.mem_gib * GIB
     during: list[int] = []
     try:

@@ -84,7 +84,7 @@ def end_to_end(rig: Rig, d: Cgpud) -> CheckResult:
         "",
         GROUP,
         verdict(ratio >= floor),
-        figure=f"{(1 - ratio) * 100:+.1f} % slower",
+        figure=f"slowdown {(1 - ratio) * 100:+.1f} %",
         expected=f"<= {(1 - floor) * 100:.0f} % slower ({E2E_KERNEL_NS // 1000} us kernels)",
         values={"kernel_ns": E2E_KERNEL_NS, "bare_rate": bare, "cgpu_rate": cgpu, "ratio": ratio},
     )
