@@ -27,7 +27,8 @@ def toolkit(cache: Path) -> cudakit.Toolkit:
     if not (root / ".complete").is_file():
         run(
             [sys.executable, "-m", "tests.harness.cudakit", "install", line.name],
-            dict(os.environ, **{cudakit.CACHE_ENV: str(cache)}),
+            # the wheels stay in `cache` only: no pip download cache elsewhere
+            dict(os.environ, PIP_NO_CACHE_DIR="1", **{cudakit.CACHE_ENV: str(cache)}),
             900,
             f"installing the CUDA {line.name} toolchain from PyPI into {cache}",
         )
