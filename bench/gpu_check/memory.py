@@ -21,29 +21,30 @@ CHUNK = 256 * MIB
 CONTEXT_ALLOWANCE = 1 * GIB
 GROUP = "memory"
 
+# the instance's GPU by the UUID cgpuctl run gives the tenant (NVML ignores CUDA_VISIBLE_DEVICES)
 NVML_VIEW = """
-import json, pynvml as n
+import json, os, pynvml as n
 n.nvmlInit()
-h = n.nvmlDeviceGetHandleByIndex(0)
+h = n.nvmlDeviceGetHandleByUUID(os.environ["NVIDIA_VISIBLE_DEVICES"].split(",")[0].encode())
 m = n.nvmlDeviceGetMemoryInfo(h)
 print(json.dumps({"total": int(m.total), "free": int(m.free), "used": int(m.used)}))
 """
 
 
 class PeakUse:
-    """The most memory GPU `index` had in use above what it had at the
-    start, sampled every 50 ms from NVML while the block runs."""
+    """The most memory any GPU had in use above what it had at the start,
+    sampled every 50 ms from NVML while the block runs (the tenant's GPU is
+    whichever cgpud placed it on)."""
 
-    def __init__(self, index: int) -> None:
-        self.index = index
-        self.base = nvml.memory_used(index)
-        self.peak = self.base
+    def __init__(self) -> None:
+        self.base = nvml.memory_used_all()
+        self.peak = list(self.base)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._sample, daemon=True)
 
     def _sample(self) -> None:
         while not self.stop.wait(0.05):
-            self.peak = max(self.peak, nvml.memory_used(self.index))
+            self.peak = [max(p, u) for p, u in zip(self.peak, nvml.memory_used_all())]
 
     def __enter__(self) -> PeakUse:
         self.thread.start()
@@ -55,7 +56,7 @@ class PeakUse:
 
     @property
     def held(self) -> int:
-        return self.peak - self.base
+        return max((p - b for p, b in zip(self.peak, self.base)), default=0)
 
 
 def _mib(b: int) -> str:
@@ -65,7 +66,7 @@ def _mib(b: int) -> str:
 def driver_api(rig: Rig, d: Cgpud, api: str) -> CheckResult:
     limit = rig.options.mem_gib * GIB
     hold = rig.seconds(1.0, 3.0)
-    with PeakUse(0) as use:
+    with PeakUse() as use:
         burn = rig.burn(
             ["--alloc-api", api, "--alloc-until-fail", str(CHUNK), "--hold", str(hold)],
             60,
@@ -101,7 +102,7 @@ def driver_api(rig: Rig, d: Cgpud, api: str) -> CheckResult:
 def cudart(rig: Rig, d: Cgpud) -> CheckResult:
     limit = rig.options.mem_gib * GIB
     hold = f"burn={rig.seconds(0.5, 2.0)}"  # kernels while the filled memory is held, for NVML to see it
-    with PeakUse(0) as use:
+    with PeakUse() as use:
         done = rig.run(
             d.run_argv(f"{rig.options.mem_gib}GiB", str(rig.tools.spin), "meminfo", "fill", hold, "meminfo"),
             120,
@@ -139,7 +140,13 @@ def nvml_view(rig: Rig, d: Cgpud) -> CheckResult:
     smi = rig.machine.get("nvidia_smi")
     if smi:
         out = rig.run(
-            [*prefix, smi, "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", "0"],
+            [
+                *prefix,
+                "sh",
+                "-c",
+                f'exec "{smi}" --query-gpu=memory.total --format=csv,noheader,nounits '
+                '--id="${NVIDIA_VISIBLE_DEVICES%%,*}"',
+            ],
             60,
             "nvidia-smi inside cgpuctl run",
         ).stdout.strip()

@@ -77,18 +77,15 @@ def mig_mode_of(h: Any) -> int | None:
         return None
 
 
-def memory_used(index: int) -> int:
-    return call("memory in use", lambda: int(n.nvmlDeviceGetMemoryInfo(n.nvmlDeviceGetHandleByIndex(index)).used))
+def memory_used_all() -> list[int]:
+    """Memory in use on every GPU, by index."""
 
+    def read() -> list[int]:
+        return [
+            int(n.nvmlDeviceGetMemoryInfo(n.nvmlDeviceGetHandleByIndex(i)).used) for i in range(n.nvmlDeviceGetCount())
+        ]
 
-def processes(index: int) -> dict[int, int]:
-    """The compute processes on GPU `index`: host PID -> bytes it holds."""
-
-    def read() -> dict[int, int]:
-        h = n.nvmlDeviceGetHandleByIndex(index)
-        return {int(p.pid): int(p.usedGpuMemory or 0) for p in n.nvmlDeviceGetComputeRunningProcesses(h)}
-
-    return call("process list", read)
+    return call("memory in use", read)
 
 
 def compute_mode(index: int) -> int:
