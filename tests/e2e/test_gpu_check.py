@@ -215,7 +215,7 @@ def test_shares_nobody_enforces_are_a_fail(tmp_path, native, short_tmp):
         """,
     )["by_name"]["compute.fixed.1ms"]
     assert got["status"] == "FAIL", got
-    assert all(0.4 <= s <= 0.6 for s in got["values"]["shares"]), got["values"]
+    assert all(0.4 <= x <= 0.6 for x in got["values"]["split"]), got["values"]
 
 
 def test_modes_found_changed_are_put_back(tmp_path, native, short_tmp):
