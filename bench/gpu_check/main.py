@@ -19,7 +19,7 @@ import structlog
 
 from bench.gpu_check import build, compute, container, hami, memory, modes, nvml, overhead, watchdog
 from bench.gpu_check.model import CheckError, CheckResult, Machine, Report, Status
-from bench.gpu_check.rig import Options, Rig
+from bench.gpu_check.rig import Options, Rig, region_mounts, unmount_regions
 from bench.gpu_check.runner import Runner, verdict
 from cgpud.logs import configure_logging
 
@@ -77,6 +77,19 @@ def left_as_found(before: dict[str, object]) -> CheckResult:
         figure="unchanged" if found == now else f"was {found}, now {now}",
         expected="every GPU's MIG and compute mode as found",
         values={"found": found, "after": now},
+    )
+
+
+def nothing_mounted(work: Path) -> CheckResult:
+    left = region_mounts(work)
+    return CheckResult(
+        "",
+        "safety",
+        verdict(not left),
+        figure=f"{len(left)} mounts left",
+        expected="no mount left under the run's directory",
+        detail=", ".join(left),
+        values={"mounts": left},
     )
 
 
@@ -150,6 +163,7 @@ def main(argv: Sequence[str]) -> int:
             for suite in SUITES:
                 suite.run(rig, runner)
         runner.check("safety.state", "safety", lambda: left_as_found(found))
+        runner.check("safety.mounts", "safety", lambda: nothing_mounted(work))
         report.checks = runner.results
         report.seconds = round(time.monotonic() - t0, 1)
         print_report(report)
@@ -160,4 +174,5 @@ def main(argv: Sequence[str]) -> int:
         if args.keep:
             print(f"kept: {work}")
         else:
+            unmount_regions(work)
             shutil.rmtree(work, ignore_errors=True)

@@ -135,15 +135,23 @@ def mig(rig: Rig) -> CheckResult:
     with mig_device(0) as uuid:
         with rig.cgpud("mig", "--mode", "cgpu", "--mig-share") as d:
             # every other whole GPU taken, so the share can only land on the MIG device
-            for g in gpus[1:]:
-                if g["mig_mode"] != 1:
-                    d.cgpuctl("create", "--mem", f"{int(g['memory_total']) >> 30}GiB", "--name", f"hold-{g['index']}")
-            burn = rig.burn(
-                ["--alloc-until-fail", "256MiB"],
-                60,
-                "cgpu-burn on the MIG device under cgpuctl run",
-                prefix=d.run_argv(f"{rig.options.mem_gib}GiB"),
-            )
+            held = [
+                d.cgpuctl(
+                    "create", "--mem", f"{int(g['memory_total']) >> 30}GiB", "--name", f"hold-{g['index']}"
+                ).stdout.strip()
+                for g in gpus[1:]
+                if g["mig_mode"] != 1
+            ]
+            try:
+                burn = rig.burn(
+                    ["--alloc-until-fail", "256MiB"],
+                    60,
+                    "cgpu-burn on the MIG device under cgpuctl run",
+                    prefix=d.run_argv(f"{rig.options.mem_gib}GiB"),
+                )
+            finally:
+                for iid in held:
+                    d.cgpuctl("release", iid, check=False)
     after = nvml.machine()["gpus"][0]["mig_mode"]
     # the driver API has no MIG- prefix: cgpu-burn prints every UUID's bytes as GPU-...
     on_mig = str(burn["uuid"])[4:] == uuid[4:]

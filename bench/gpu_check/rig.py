@@ -87,6 +87,27 @@ def kill_group(proc: subprocess.Popen[Any]) -> None:
         pass
 
 
+def region_mounts(under: Path) -> list[str]:
+    """cgpud's per-instance tmpfs mounts under `under` (/proc/self/mountinfo)."""
+    points = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        point = fields[4].encode().decode("unicode_escape")  # \040 and friends
+        source = fields[fields.index("-") + 2]
+        if source == "cgpu-region" and Path(point).is_relative_to(under):
+            points.append(point)
+    return points
+
+
+def unmount_regions(under: Path) -> list[str]:
+    """Detaches what cgpud keeps mounted across its own restarts (its
+    instances' tmpfs, a reserved instance's too) under `under`; the mount
+    points it could not detach."""
+    from cgpud._region import lib
+
+    return [p for p in region_mounts(under) if lib.cgpu_region_unmount(p.encode()) != 0]
+
+
 def json_line(out: str, what: str, starts: str = "{") -> dict[str, Any]:
     """The last line of `out` that is a JSON object."""
     for line in reversed(out.splitlines()):
@@ -177,17 +198,21 @@ class Cgpud:
             return "(no log)"
 
     def stop(self, timeout: float = 20) -> None:
-        """SIGTERM, then SIGKILL past `timeout`; the MPS and compute mode
-        restore is cgpud's own stop, so it gets its time."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            LOG.warning("cgpud did not stop on SIGTERM: killed", log=str(self.log))
-            kill_group(self.proc)
-            self.proc.wait()
+        """SIGTERM, then SIGKILL past `timeout` (the MPS and compute mode
+        restore is cgpud's own stop, so it gets its time); then its
+        instances' tmpfs mounts detached."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                LOG.warning("cgpud did not stop on SIGTERM: killed", log=str(self.log))
+                kill_group(self.proc)
+                self.proc.wait()
+        # cgpud keeps its instances' tmpfs for its next start: this one has none
+        left = unmount_regions(self.dir)
+        if left:
+            LOG.error("region mounts not detached", mounts=left)
 
     def cgpuctl_argv(self, *args: str) -> list[str]:
         return [str(BIN / "cgpuctl"), "--socket", str(self.socket), *args]

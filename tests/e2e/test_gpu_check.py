@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 
 from tests.harness import cudakit
-from tests.harness.sim import sim_env_in
+from cgpud._region import lib
+from tests.harness.sim import region_mounts, sim_env_in
 
 ROOT = Path(__file__).resolve().parents[2]
 # An H100 80GB: the shape the simulator models MIG for (docs/simulated-gpu.md).
@@ -53,6 +54,7 @@ EVERY_CHECK = {
     "hami.share",
     "hami.overhead",
     "safety.state",
+    "safety.mounts",
 }
 
 
@@ -62,7 +64,11 @@ def short_tmp() -> Iterator[Path]:
     (pytest's tmp_path may not), and checked empty after the run."""
     path = Path(tempfile.mkdtemp(prefix="gc-", dir="/tmp"))
     yield path
+    left = region_mounts(path)  # cgpud keeps instance tmpfs across restarts: the checks detach them
+    for point in left:
+        lib.cgpu_region_unmount(point.encode())
     shutil.rmtree(path, ignore_errors=True)
+    assert left == [], left
 
 
 def machine_env(tmp_path: Path, native: Path, gpus: int = 1, **config: object) -> dict[str, str]:
@@ -113,9 +119,9 @@ def test_every_check_runs_and_passes_on_the_simulated_gpu(tmp_path, native, caps
     assert set(statuses) == EVERY_CHECK, set(statuses) ^ EVERY_CHECK
     not_passed = {n: s for n, s in statuses.items() if s != "PASS"}
     # the only skip the simulated machine has: no HAMi library was given
-    assert not_passed == {"hami.memory": "SKIP", "hami.share": "SKIP", "hami.overhead": "SKIP"}, [
-        c for c in report["checks"] if c["status"] != "PASS"
-    ]
+    assert not_passed == {"hami.memory": "SKIP", "hami.share": "SKIP", "hami.overhead": "SKIP"}, "\n".join(
+        f"{c['name']} {c['status']}: {c['detail']}" for c in report["checks"] if c["status"] != "PASS"
+    )
     assert all(c["detail"] == "HAMi: no --hami path given" for c in report["checks"] if c["name"].startswith("hami."))
     assert done.returncode == 0 and report["passed"] is True, done.stderr[-2000:]
     assert took <= 90, f"gpu-check --quick took {took:.1f} s (CI keeps it within 90)"
