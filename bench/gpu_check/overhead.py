@@ -69,7 +69,7 @@ def per_call(rig: Rig, d: Cgpud, mode: str) -> CheckResult:
 
 def end_to_end(rig: Rig, d: Cgpud) -> CheckResult:
     seconds = rig.seconds(1.0, 5.0)
-    rounds = int(rig.seconds(2, 3))
+    rounds = int(rig.seconds(3, 3))
     args = ["--duration", str(seconds), "--kernel-ns", str(E2E_KERNEL_NS), "--sync-every", "64"]
     bare: list[float] = []
     cgpu: list[float] = []
