@@ -1,0 +1,2 @@
+"""gpu-check: one command that checks every promise of cgpu on the machine's
+GPU, real or simulated alike (docs/gpu-check.md)."""

@@ -1,0 +1,169 @@
+"""Compute share: two tenants asking 30 % and 70 % of GPU 0, both saturating
+it with spin kernels of several lengths and with graphs, under the `fixed`
+and `fair` policies and under native time slicing.
+
+A tenant's share is its achieved kernel throughput (kernel time completed
+per wall second, from cgpu-burn's own report) over the throughput of the
+same workload alone on the GPU: it needs no per-process accounting, so it
+reads the same on a real GPU and on any driver."""
+
+from __future__ import annotations
+
+import subprocess
+from functools import partial
+import time
+from dataclasses import dataclass
+from typing import Any
+from collections.abc import Callable
+
+from bench.gpu_check.model import CheckError, CheckResult
+from bench.gpu_check.rig import Cgpud, Rig, json_line, kill_group
+from bench.gpu_check.runner import Runner, verdict
+
+GROUP = "compute"
+SHARES = (30, 70)
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    kernel_ns: int
+    args: tuple[str, ...] = ()
+
+    def burn_args(self, seconds: float) -> list[str]:
+        return ["--duration", str(seconds), "--kernel-ns", str(self.kernel_ns), *self.args]
+
+
+SHAPES = {
+    "100us": Shape("100us", 100_000),
+    "1ms": Shape("1ms", 1_000_000),
+    "10ms": Shape("10ms", 10_000_000),
+    "graph": Shape("graph", 1_000_000, ("--launch-api", "graph", "--graph-nodes", "4")),
+}
+# (policy, shapes): every shape under fixed, the common one under the others
+PLAN_FULL = (("fixed", ("100us", "1ms", "10ms", "graph")), ("fair", ("1ms", "graph")), ("native", ("1ms", "graph")))
+PLAN_QUICK = (("fixed", ("1ms", "10ms", "graph")), ("fair", ("1ms",)), ("native", ("1ms",)))
+
+
+def rate(burn: dict[str, Any]) -> float:
+    """Kernel time completed per wall second."""
+    wall = float(burn["wall_s"])
+    if wall <= 0 or burn.get("errors"):
+        raise CheckError(f"cgpu-burn ran nothing or failed: {burn.get('errors')}")
+    return int(burn["launches"]) * int(burn["kernel_ns"]) / 1e9 / wall
+
+
+def together(rig: Rig, d: Cgpud, shape: Shape, seconds: float) -> list[dict[str, Any]]:
+    """The two tenants started at once, each cgpu-burn's report."""
+    procs = [
+        subprocess.Popen(
+            d.run_argv(f"{rig.options.mem_gib}GiB", str(rig.tools.burn), *shape.burn_args(seconds), core=core),
+            env=rig.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for core in SHARES
+    ]
+    out = []
+    deadline = time.monotonic() + seconds + 60
+    try:
+        for core, p in zip(SHARES, procs):
+            try:
+                stdout, stderr = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise CheckError(f"the {core} % tenant did not finish within {seconds + 60:.0f} s") from None
+            if p.returncode != 0:
+                raise CheckError(f"the {core} % tenant exited {p.returncode}: {stderr.strip()[-300:]}")
+            out.append(json_line(stdout, f"{core} % tenant", '{"device"'))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                kill_group(p)
+                p.wait()
+    return out
+
+
+def expected(policy: str, tol: float, busy: float) -> tuple[str, Callable[[list[float]], bool]]:
+    """What the shares (fractions of the throughput alone) must be: the
+    split between the two within `tol` of the policy's, neither above its
+    split by more than `tol`, and together at least `busy` of the GPU (a
+    host short of CPU slows both tenants alike: the split shows the
+    scheduler, the sum what the GPU lost)."""
+    split = [c / 100 for c in SHARES] if policy == "fixed" else [0.5, 0.5]
+
+    def ok(shares: list[float]) -> bool:
+        total = sum(shares)
+        if total < busy:
+            return False
+        if policy == "native":
+            return True
+        return all(abs(x / total - want) <= tol and x <= want + tol for x, want in zip(shares, split))
+
+    want = "/".join(f"{w * 100:.0f}" for w in split)
+    if policy == "native":
+        return f"GPU kept busy: sum >= {busy * 100:.0f}", ok
+    return f"split {want} +-{tol * 100:.0f}, sum >= {busy * 100:.0f}", ok
+
+
+class Alone:
+    """Each shape's throughput alone on the GPU: measured again before each
+    pair of tenants, the best so far kept, so a busy host (another
+    process waking late after a sync) does not lower the reference."""
+
+    def __init__(self, rig: Rig) -> None:
+        self.rig = rig
+        self.best: dict[str, float] = {}
+
+    def __call__(self, shape: Shape) -> float:
+        burn = self.rig.burn(shape.burn_args(self.rig.seconds(1.0, 3.0)), 60, f"{shape.name} alone")
+        self.best[shape.name] = max(self.best.get(shape.name, 0.0), rate(burn))
+        return self.best[shape.name]
+
+
+def share_check(rig: Rig, d: Cgpud, policy: str, shape: Shape, alone: Alone) -> CheckResult:
+    seconds = rig.seconds(2.5, 10.0)
+    tol = rig.seconds(0.08, 0.05)
+    busy = rig.seconds(0.80, 0.85)
+    alone(shape)
+    burns = together(rig, d, shape, seconds)
+    reference = alone(shape)
+    shares = [rate(b) / reference for b in burns]
+    want, ok = expected(policy, tol, busy)
+    return CheckResult(
+        "",
+        GROUP,
+        verdict(ok(shares)),
+        figure="/".join(f"{s * 100:.1f}" for s in shares) + f" (sum {sum(shares) * 100:.0f})",
+        expected=want,
+        detail="" if ok(shares) else "shares of the throughput alone: " + "/".join(f"{s:.3f}" for s in shares),
+        values={
+            "policy": policy,
+            "shape": shape.name,
+            "kernel_ns": shape.kernel_ns,
+            "asked": list(SHARES),
+            "shares": shares,
+            "split": [x / sum(shares) for x in shares] if sum(shares) > 0 else [],
+            "sum": sum(shares),
+            "alone_rate": reference,
+            "rates": [rate(b) for b in burns],
+            "seconds": seconds,
+        },
+    )
+
+
+def run(rig: Rig, runner: Runner) -> None:
+    plan = PLAN_QUICK if rig.options.quick else PLAN_FULL
+    names = tuple(f"compute.{policy}.{shape}" for policy, shapes in plan for shape in shapes)
+    if not any(runner.wanted(n) for n in names):
+        return
+    alone = Alone(rig)
+    try:
+        with rig.cgpud("compute", "--mode", "core_mem", "--compute-policy", "3") as d:
+            for policy, shapes in plan:
+                d.cgpuctl("policy", "set", policy)
+                for s in shapes:
+                    runner.check(f"compute.{policy}.{s}", GROUP, partial(share_check, rig, d, policy, SHAPES[s], alone))
+    except CheckError as e:
+        runner.fail_rest(names, GROUP, str(e))
