@@ -41,3 +41,19 @@ def _no_region_mounts_left(tmp_path_factory: pytest.TempPathFactory) -> Iterator
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     group_by_module(items)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The README blocks this run ran (tests/harness/readme.py), and how each ended."""
+    ran = [
+        (value, r.outcome, r.nodeid)
+        for outcome in ("passed", "failed")
+        for r in terminalreporter.stats.get(outcome, [])
+        if r.when == "call"
+        for name, value in r.user_properties
+        if name == "readme_block"
+    ]
+    if ran:
+        terminalreporter.section("README blocks run")
+        for where, outcome, nodeid in sorted(ran):
+            terminalreporter.write_line(f"{where}  {outcome}  {nodeid.split('::')[0]}")
