@@ -49,7 +49,8 @@ def stages(data: Path, base_tree: str) -> dict[tuple[str, str], list[float]]:
     text = subprocess.run(
         ["perf", "script", "-i", str(data), "-F", "comm,pid,tid,time,event,trace"],
         capture_output=True,
-        text=True,
+        encoding="utf-8",
+        errors="replace",  # a process may name itself in any bytes
         check=True,
     ).stdout
     parent: dict[int, int] = {}
