@@ -129,14 +129,15 @@ static void say(const char *a, const char *b, const char *c)
     f_write(2, "\n", 1);
 }
 
-/* The shim proper's path, beside this program's own file; 0 (and said
- * why) if it cannot be named. */
-static int shim_path(char *shim)
+/* The shim proper's path, beside this program's own file; 0 (and, if
+ * `loud`, said why) if it cannot be named. */
+static int shim_path(char *shim, int loud)
 {
     char self[PATH_BYTES];
     long n = f_readlink("/proc/self/exe", self, sizeof(self) - 1);
     if (n <= 0) {
-        say("cannot find " GPU_SHIM ": /proc/self/exe cannot be read", "", " (is /proc mounted?)");
+        if (loud)
+            say("cannot find " GPU_SHIM ": /proc/self/exe cannot be read", "", " (is /proc mounted?)");
         return 0;
     }
     self[n] = '\0';
@@ -144,7 +145,8 @@ static int shim_path(char *shim)
     while (dir > 0 && self[dir - 1] != '/')
         dir--;
     if (dir == 0 || !join(shim, self, dir - 1, GPU_SHIM)) {
-        say("cannot find " GPU_SHIM " beside ", self, "");
+        if (loud)
+            say("cannot find " GPU_SHIM " beside ", self, "");
         return 0;
     }
     return 1;
@@ -153,7 +155,7 @@ static int shim_path(char *shim)
 static _Noreturn void exec_gpu_shim(char **argv, char *const *envp)
 {
     static char shim[PATH_BYTES];
-    if (!shim_path(shim))
+    if (!shim_path(shim, 1))
         f_exit(127);
     argv[0] = shim;
     f_execve(shim, argv, envp);
@@ -366,8 +368,9 @@ static void front_stream(char **argv, int cmd, char *const *envp)
     char *const *clean = with_var(envp, NULL); /* runc's env, as the shim proper gives it */
     int parent = f_getpid();
     long len;
-    /* A shim proper that cannot run would leave runc waiting on a FIFO. */
-    if (!clean || !id || !valid_container_id(id) || !bundle_path(bundle, abs, sizeof(abs)) || !shim_path(shim) ||
+    /* A shim proper that cannot run would leave runc waiting on a FIFO;
+     * exec_gpu_shim says why it cannot. */
+    if (!clean || !id || !valid_container_id(id) || !bundle_path(bundle, abs, sizeof(abs)) || !shim_path(shim, 0) ||
         !f_executable(shim) ||
         (len = prepare_request(request, sizeof(request), id, abs,
                                " " CGPU_RELAY_SHIM_BINDS " " CGPU_RELAY_SPEC_FD)) < 0)
@@ -418,7 +421,7 @@ static void front_stream(char **argv, int cmd, char *const *envp)
         k += put_decimal(var + k, (unsigned long)child);
     var[k] = '\0';
     argv[0] = shim;
-    f_execve(shim, argv, with_var(envp, var));
+    f_execve(shim, argv, with_var(envp, var)); /* fits: `clean` did, with room for one more */
     /* Not after the check above but for want of memory: runc dies with
      * this process; the FIFO stays at config.json and the start fails. */
     say("cannot run ", shim, " to carry on a start it began; the bundle's config.json is a FIFO now");
