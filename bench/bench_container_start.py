@@ -225,6 +225,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "this tree's, as two more variants, and the report adds this tree minus that one, paired",
     )
     p.add_argument(
+        "--settle-ms",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="wait this long after the hook variants' untimed prepare before the timed create (0): "
+        "with a device plugin the prepare (Allocate) comes well before the container's create, so "
+        "cgpud's work after answering it (the next spare region) is over by then",
+    )
+    p.add_argument(
         "--only",
         metavar="KEY[,KEY...]",
         help="only these variants, and plain runc with the GPU bundle that they are measured against: "
@@ -353,7 +362,9 @@ def relay_release(relay: Path, instance: str, cid: str, bundle: Path) -> None:
         raise BenchError(f"cgpud's release of {instance} answered {answer!r}")
 
 
-def start_once(v: Variant, runc_root: Path, cid: str, work: Path, cgpud: Daemon) -> tuple[float, list[float]]:
+def start_once(
+    v: Variant, runc_root: Path, cid: str, work: Path, cgpud: Daemon, settle_ms: float = 0.0
+) -> tuple[float, list[float]]:
     """One create+start+exit+delete; returns wall ms, and the ms of each of
     PHASES (the pid file's read counts to `start`). The container's stdio
     goes to a file: runc create hands it to the container, which outlives
@@ -370,6 +381,7 @@ def start_once(v: Variant, runc_root: Path, cid: str, work: Path, cgpud: Daemon)
                 for hook in entries:
                     hook["path"], hook["args"] = TRUE, ["true"]
             (v.bundle.path / "config.json").write_text(json.dumps(spec))
+        time.sleep(settle_ms / 1e3)
     log = work / f"{v.key}.log"
     log.write_bytes(b"")
     pid_file = work / f"{v.key}.pid"
@@ -637,6 +649,7 @@ def main(argv: list[str]) -> int:
                 f"busybox `true`, non-GPU: no toolkit mounts; GPU: the simulated device directory "
                 f"bind-mounted (the toolkit's part) and {GPU_REQUEST}; hooks: cgpud's hook-mode prepare "
                 f"over the relay socket before each start, untimed"
+                + (f", then {args.settle_ms:g} ms untimed before the create" if args.settle_ms else "")
             )
             print(
                 f"cgpud:   {Path(sys.executable).parent / 'cgpud'} on a simulated 1 x 16 GiB GPU, "
@@ -658,7 +671,12 @@ def main(argv: list[str]) -> int:
                 # every other as often, not always the same one.
                 for v in rng.sample(order, len(order)):
                     ms, phases = start_once(
-                        v, host.runc_root, f"bench-{os.getpid()}-{v.key}-{r + args.warmup}", work, v.daemon or cgpud
+                        v,
+                        host.runc_root,
+                        f"bench-{os.getpid()}-{v.key}-{r + args.warmup}",
+                        work,
+                        v.daemon or cgpud,
+                        args.settle_ms,
                     )
                     if r >= 0:
                         v.ms.append(ms)

@@ -6,7 +6,8 @@ on every CPU with `perf record` for SECONDS (or reads a recording), and
 times, per build:
   - the front: `cgpu-runtime`'s exec to its exec of `cgpu-runtime-gpu`;
   - the shim proper: its exec to runc's exec (its start, the FIFO, the
-    prepare sent); runc's `create` (exec to exit); runc's exit to the
+    prepare sent; negative once the front starts runc itself), the front's
+    exec to runc's exec; runc's `create` (exec to exit); runc's exit to the
     shim's exit (the bind's round trip and the exit);
   - the hook: `cgpu-hook`'s exec to its exit (its start, the relay round trip,
     cgpud's bind), and runc's `create` that ran it; a `true` hook beside it
@@ -48,7 +49,8 @@ def stages(data: Path, base_tree: str) -> dict[tuple[str, str], list[float]]:
     text = subprocess.run(
         ["perf", "script", "-i", str(data), "-F", "comm,pid,tid,time,event,trace"],
         capture_output=True,
-        text=True,
+        encoding="utf-8",
+        errors="replace",  # a process may name itself in any bytes
         check=True,
     ).stdout
     parent: dict[int, int] = {}
@@ -96,7 +98,11 @@ def stages(data: Path, base_tree: str) -> dict[tuple[str, str], list[float]]:
                 )
                 if runcs and pid in exited and runcs[0][1] in exited:
                     t2, c = runcs[0]
+                    # Since 2026-11-29 (p39-start2) the front starts runc before it
+                    # execs the shim proper: this is then negative, and the row
+                    # both builds share is the front's exec to runc's.
                     out[(b, "shim: its exec to runc's exec")].append(t2 - t1)
+                    out[(b, "shim: the front's exec to runc's exec")].append(t2 - t)
                     out[(b, "shim: runc create, exec to exit")].append(exited[c] - t2)
                     out[(b, "shim: runc's exit to the shim's exit (bind)")].append(exited[pid] - exited[c])
                     out[(b, "shim: the front's exec to the shim's exit")].append(exited[pid] - t)

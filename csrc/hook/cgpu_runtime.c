@@ -31,6 +31,7 @@
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <sys/stat.h>
+#include <sys/time.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -172,6 +173,27 @@ out:
     return kind;
 }
 
+/* fd, made blocking and closed on exec, if it is a connection to cgpud's
+ * relay socket `socket` (the front's, runtime_front.c); else -1. */
+static int relay_connection(int fd, const char *socket)
+{
+    struct stat st;
+    struct sockaddr_un peer;
+    socklen_t len = sizeof(peer);
+    if (fstat(fd, &st) < 0 || !S_ISSOCK(st.st_mode) || getpeername(fd, (struct sockaddr *)&peer, &len) < 0 ||
+        peer.sun_family != AF_UNIX || len < offsetof(struct sockaddr_un, sun_path))
+        return -1;
+    /* The address cgpud bound: its socket path, which may fill sun_path without a NUL. */
+    size_t room = (len < sizeof(peer) ? len : sizeof(peer)) - offsetof(struct sockaddr_un, sun_path);
+    size_t n = strnlen(peer.sun_path, room);
+    if (n != strlen(socket) || memcmp(peer.sun_path, socket, n) != 0)
+        return -1;
+    int flags = fcntl(fd, F_GETFL);
+    if (flags < 0 || fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) < 0 || fcntl(fd, F_SETFD, FD_CLOEXEC) < 0)
+        return -1; /* the front opened it without waiting; the answer is waited for */
+    return fd;
+}
+
 /* The socket on which the front sent this start's prepare request
  * (runtime_front.c), or -1: then the shim sends it. Taken only if it is a
  * connection to `socket` (a variable from elsewhere names no such thing). */
@@ -185,22 +207,7 @@ static int sent_prepare(const char *socket)
     long fd = strtol(v, &end, 10);
     int bad = errno || end == v || *end || fd < 3 || fd > INT_MAX;
     unsetenv(SENT_FD_ENV); /* not the real runtime's */
-    struct stat st;
-    struct sockaddr_un peer;
-    socklen_t len = sizeof(peer);
-    if (bad || fstat((int)fd, &st) < 0 || !S_ISSOCK(st.st_mode) ||
-        getpeername((int)fd, (struct sockaddr *)&peer, &len) < 0 || peer.sun_family != AF_UNIX ||
-        len < offsetof(struct sockaddr_un, sun_path))
-        return -1;
-    /* The address cgpud bound: its socket path, which may fill sun_path without a NUL. */
-    size_t room = (len < sizeof(peer) ? len : sizeof(peer)) - offsetof(struct sockaddr_un, sun_path);
-    size_t n = strnlen(peer.sun_path, room);
-    if (n != strlen(socket) || memcmp(peer.sun_path, socket, n) != 0)
-        return -1;
-    int flags = fcntl((int)fd, F_GETFL);
-    if (flags < 0 || fcntl((int)fd, F_SETFL, flags & ~O_NONBLOCK) < 0 || fcntl((int)fd, F_SETFD, FD_CLOEXEC) < 0)
-        return -1; /* the front opened it without waiting; the answer is waited for */
-    return (int)fd;
+    return bad ? -1 : relay_connection((int)fd, socket);
 }
 
 /* The value of --pid-file among create's arguments, or NULL. */
@@ -547,6 +554,9 @@ static int wait_streamed(const char *runtime, pid_t child, struct streamed *s)
     return wait_runtime(runtime, child);
 }
 
+static void stream_run(const char *runtime, char **argv, int cmd, const char *socket, struct shim_bound *b,
+                       struct streamed *sp, int conn, pid_t child, const char *bundle_abs, const char *id);
+
 /* `create --pid-file` of a bundle that may ask for a GPU share, with the
  * spec streamed. Returns only if that could not be set up, or cgpud was not
  * there to ask: the bundle is as it was, and the caller asks the usual way. */
@@ -564,13 +574,25 @@ static void create_streamed(const char *runtime, char **argv, int cmd, const cha
         stream_setup(bundle_abs, &s) < 0)
         return; /* the usual path says what is wrong */
     char msg[CGPU_RELAY_MSG_MAX];
-    int down, gone = 0;
+    int down;
     int conn = cgpu_relay_send_fd(socket, request, (size_t)len, s.original, msg, sizeof(msg), &down);
     if (conn < 0) {
         stream_abandon(&s, runtime, 0);
         return;
     }
-    pid_t child = start_runtime(runtime, argv);
+    stream_run(runtime, argv, cmd, socket, b, &s, conn, start_runtime(runtime, argv), bundle_abs, id);
+}
+
+/* The streamed create once the prepare is on its way on `conn` and runc
+ * (`child`) waits on the FIFO: cgpud's answer, the spec fed to runc, the
+ * bind. Returns only if cgpud went away before editing: the bundle is as it
+ * was, runc gone, and the caller asks the usual way. */
+static void stream_run(const char *runtime, char **argv, int cmd, const char *socket, struct shim_bound *b,
+                       struct streamed *sp, int conn, pid_t child, const char *bundle_abs, const char *id)
+{
+    struct streamed s = *sp;
+    char msg[CGPU_RELAY_MSG_MAX];
+    int gone = 0;
     int rc = cgpu_relay_answer(conn, socket, msg, sizeof(msg), &gone);
     if (rc == 0 && take_instance(msg, bundle_abs, id, b) < 0) {
         char named[81] = {0};
@@ -615,6 +637,65 @@ static void create_streamed(const char *runtime, char **argv, int cmd, const cha
     bind_created(runtime, argv, cmd, socket, b, code);
 }
 
+/* The streamed create the front began (runtime_front.c, front_stream; the
+ * hand-over in STREAM_ENV), carried on as create_streamed() would after its
+ * own first steps. Returns only to go the usual way, the bundle as it was;
+ * a hand-over that does not hold together stops the start. */
+static void stream_adopt(const char *runtime, char **argv, int cmd, const char *socket, struct shim_bound *b,
+                         const char *handed)
+{
+    long v[5];
+    const char *p = handed;
+    int bad = 0;
+    for (int i = 0; i < 5 && !bad; i++) {
+        char *end;
+        errno = 0;
+        v[i] = strtol(p, &end, 10);
+        bad = errno || end == p || *end != (i < 4 ? ',' : '\0') || v[i] < -1 || v[i] > INT_MAX ||
+              (i < 4 && v[i] >= 0 && v[i] < 3);
+        p = end + 1;
+    }
+    unsetenv(STREAM_ENV); /* not the real runtime's */
+    const char *bundle = ".", *id = NULL;
+    parse_create(argv + cmd + 1, &bundle, &id, NULL);
+    char bundle_abs[PATH_MAX];
+    struct streamed s = {.dir = bad ? -1 : (int)v[1], .original = bad ? -1 : (int)v[2], .fifo = bad ? -1 : (int)v[3]};
+    pid_t child = bad ? -1 : (pid_t)v[4];
+    int conn = bad ? -1 : (int)v[0];
+    siginfo_t info = {0};
+    struct stat bundle_st;
+    /* Each descriptor is what the front says it is: the bundle's directory,
+     * a regular file, a FIFO (cgpud may have renamed its edit over it by
+     * now); runc a child of ours. */
+    int held = !bad && id && valid_container_id(id) && realpath(bundle, bundle_abs) && stat(bundle_abs, &bundle_st) == 0 &&
+               s.dir >= 0 && fstat(s.dir, &s.original_st) == 0 && S_ISDIR(s.original_st.st_mode) &&
+               s.original_st.st_dev == bundle_st.st_dev && s.original_st.st_ino == bundle_st.st_ino &&
+               s.original >= 0 && fstat(s.original, &s.original_st) == 0 && S_ISREG(s.original_st.st_mode) &&
+               s.fifo >= 0 && fstat(s.fifo, &s.fifo_st) == 0 && S_ISFIFO(s.fifo_st.st_mode) &&
+               fcntl(s.dir, F_SETFD, FD_CLOEXEC) == 0 && fcntl(s.original, F_SETFD, FD_CLOEXEC) == 0 &&
+               fcntl(s.fifo, F_SETFD, FD_CLOEXEC) == 0 &&
+               (child == -1 || (child > 1 && waitid(P_PID, (id_t)child, &info, WEXITED | WNOHANG | WNOWAIT) == 0));
+    if (!held) {
+        if (!bad && child > 1 && waitid(P_PID, (id_t)child, &info, WEXITED | WNOHANG | WNOWAIT) == 0)
+            kill(child, SIGKILL); /* ours, and it cannot be given a spec */
+        die(1, "the start cgpu-runtime began cannot be carried on (" STREAM_ENV "=%.80s): run containers through "
+               "cgpu-runtime, not " CGPU_RUNTIME_GPU_PROGRAM " itself",
+            handed);
+    }
+    snprintf(s.tmp, sizeof(s.tmp), STREAM_TMP_PREFIX "%ld", (long)getpid());
+    struct timeval tv = {.tv_sec = CGPU_RELAY_TIMEOUT_S};
+    if (conn >= 0 && (relay_connection(conn, socket) < 0 || setsockopt(conn, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv)) < 0)) {
+        close(conn);
+        conn = -1;
+    }
+    if (conn < 0) {
+        /* The prepare did not go out: undone, and asked the usual way. */
+        stream_abandon(&s, runtime, child > 1 ? child : 0);
+        return;
+    }
+    stream_run(runtime, argv, cmd, socket, b, &s, conn, child > 1 ? child : start_runtime(runtime, argv), bundle_abs, id);
+}
+
 int main(int argc, char **argv)
 {
     if (argc < 1)
@@ -628,7 +709,10 @@ int main(int argc, char **argv)
         fflush(stdout);
     } else if (argv[cmd] && strcmp(argv[cmd], "create") == 0 && (pid_file = create_pid_file(argv + cmd + 1))) {
         struct shim_bound b = {.pid_file = pid_file};
-        if (runtime_streams_spec(runtime) && getenv(SENT_FD_ENV) == NULL)
+        const char *handed = getenv(STREAM_ENV);
+        if (handed && runtime_streams_spec(runtime))
+            stream_adopt(runtime, argv, cmd, socket, &b, handed);
+        else if (runtime_streams_spec(runtime) && getenv(SENT_FD_ENV) == NULL)
             create_streamed(runtime, argv, cmd, socket, &b);
         prepare(argv[cmd], argv + cmd + 1, socket, &b);
         if (b.instance[0])

@@ -255,8 +255,17 @@ static inline const char *f_strerror(int err)
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/time.h>
 #include <unistd.h>
+
+/* The raw call, -errno on failure, as the freestanding one: the calls both
+ * halves share (below) are written once. */
+static inline long sys6(long n, long a, long b, long c, long d, long e, long f)
+{
+    long r = syscall(n, a, b, c, d, e, f);
+    return r == -1 ? -errno : r;
+}
 
 #define E_NOENT ENOENT
 #define E_NOTDIR ENOTDIR
@@ -384,6 +393,132 @@ static inline const char *f_strerror(int err)
     return strerror(err);
 }
 #endif
+
+/* ---- the front's streamed start (runtime_front.c), both halves ------------------------ */
+
+#define F_SIGCHLD 17
+#define F_SIGKILL 9
+#define F_PR_SET_PDEATHSIG 1
+#define F_SOL_SOCKET_RIGHTS 1 /* SOL_SOCKET */
+#define F_SCM_RIGHTS 1
+#define F_F_SETFD 2
+#define F_S_IFIFO 0010000
+#define F_S_IFMT 0170000
+#define F_X_OK 1
+
+/* The kernel's struct iovec, msghdr and one cmsghdr carrying one fd, as
+ * on every 64-bit Linux (x86-64 and aarch64 alike). */
+struct f_iovec {
+    const void *base;
+    size_t len;
+};
+struct f_msghdr {
+    void *name;
+    int namelen;
+    struct f_iovec *iov;
+    size_t iovlen;
+    void *control;
+    size_t controllen;
+    unsigned flags;
+};
+struct f_cmsg_fd {
+    size_t len;
+    int level;
+    int type;
+    int fd;
+    int pad; /* CMSG_SPACE(sizeof(int)) is 24 */
+};
+
+static inline int f_getpid(void)
+{
+    return (int)sys6(__NR_getpid, 0, 0, 0, 0, 0, 0);
+}
+
+static inline int f_getppid(void)
+{
+    return (int)sys6(__NR_getppid, 0, 0, 0, 0, 0, 0);
+}
+
+static inline int f_openat(int dir, const char *path, int flags, int mode)
+{
+    return (int)sys6(__NR_openat, dir, (long)path, flags, mode, 0, 0);
+}
+
+/* The file's type and permission bits (st_mode); -errno. */
+static inline long f_mode(int fd)
+{
+    struct stat st;
+#if defined(CGPU_FRONT_FREESTANDING)
+    long r = sys6(__NR_fstat, fd, (long)&st, 0, 0, 0, 0);
+#else
+    long r = fstat(fd, &st) < 0 ? -errno : 0;
+#endif
+    return r < 0 ? r : (long)st.st_mode;
+}
+
+static inline int f_mkfifoat(int dir, const char *name, int mode)
+{
+    return (int)sys6(__NR_mknodat, dir, (long)name, F_S_IFIFO | mode, 0, 0, 0);
+}
+
+static inline int f_fchmod(int fd, int mode)
+{
+    return (int)sys6(__NR_fchmod, fd, mode, 0, 0, 0, 0);
+}
+
+static inline int f_renameat(int from_dir, const char *from, int to_dir, const char *to)
+{
+#if defined(__NR_renameat)
+    return (int)sys6(__NR_renameat, from_dir, (long)from, to_dir, (long)to, 0, 0);
+#else /* aarch64 has only renameat2 */
+    return (int)sys6(__NR_renameat2, from_dir, (long)from, to_dir, (long)to, 0, 0);
+#endif
+}
+
+static inline int f_unlinkat(int dir, const char *name)
+{
+    return (int)sys6(__NR_unlinkat, dir, (long)name, 0, 0, 0, 0);
+}
+
+static inline int f_cloexec(int fd, int on)
+{
+    return (int)sys6(__NR_fcntl, fd, F_F_SETFD, on, 0, 0, 0);
+}
+
+static inline int f_executable(const char *path)
+{
+    return sys6(__NR_faccessat, AT_FDCWD, (long)path, F_X_OK, 0, 0, 0) == 0;
+}
+
+/* `len` bytes of `buf` and one descriptor, in one non-blocking send. */
+static inline long f_send_fd(int sock, const char *buf, size_t len, int fd)
+{
+    struct f_iovec iov = {buf, len};
+    struct f_cmsg_fd cm = {.len = sizeof(size_t) + 2 * sizeof(int) + sizeof(int), .level = F_SOL_SOCKET_RIGHTS,
+                           .type = F_SCM_RIGHTS, .fd = fd};
+    struct f_msghdr msg = {.iov = &iov, .iovlen = 1, .control = &cm, .controllen = sizeof(cm)};
+    _Static_assert(sizeof(struct f_cmsg_fd) == 24, "CMSG_SPACE(sizeof(int))");
+    return sys6(__NR_sendmsg, sock, (long)&msg, 0x4000 /* MSG_NOSIGNAL */, 0, 0, 0);
+}
+
+/* fork(2): 0 in the child, its pid in the parent, -errno. clone with
+ * SIGCHLD alone is fork on both machines (aarch64 has no fork call). The
+ * libc build forks through libc, which the sanitizers follow. */
+static inline long f_fork(void)
+{
+#if defined(CGPU_FRONT_FREESTANDING)
+    return sys6(__NR_clone, F_SIGCHLD, 0, 0, 0, 0, 0);
+#else
+    pid_t pid = fork();
+    return pid < 0 ? -errno : pid;
+#endif
+}
+
+/* Dies with its parent: a front killed while runc waits takes runc along. */
+static inline void f_die_with_parent(void)
+{
+    sys6(__NR_prctl, F_PR_SET_PDEATHSIG, F_SIGKILL, 0, 0, 0, 0);
+}
 
 
 #endif

@@ -39,6 +39,14 @@ enum config_kind { CONFIG_UNREADABLE, CONFIG_PLAIN, CONFIG_MAY_ASK };
  * connected socket's number, for the shim proper to read the answer on. */
 #define SENT_FD_ENV "CGPU_RUNTIME_SENT_FD"
 
+/* A streamed `create` the front began (runtime_front.c, front_stream):
+ * "<connection>,<bundle dir>,<engine's config.json>,<FIFO>,<runc's pid>",
+ * the four descriptors open across the exec, runc the shim proper's child.
+ * The connection is -1 if the prepare could not be sent, the pid -1 if
+ * runc could not be started: the shim proper then carries on from there. */
+#define STREAM_ENV "CGPU_RUNTIME_STREAM"
+#define STREAM_TMP_PREFIX ".config.json.cgpu-" /* + the pid the front and the shim share */
+
 
 /* The global flags cgpu-runtime reads itself (pointers into argv). */
 struct runc_globals {

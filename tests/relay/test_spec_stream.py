@@ -99,6 +99,7 @@ class StreamRunc:
 
     def __init__(self, path: Path) -> None:
         self.path, self.log, self.read = path, path.with_suffix(".log"), path.with_suffix(".read")
+        self.inherited_path = path.with_suffix(".inherited")
         path.write_text(f"""#!{sys.executable}
 import json, os, sys, time
 args = sys.argv[1:]
@@ -106,7 +107,19 @@ with open({str(self.log)!r}, "a") as f:
     f.write(" ".join(args) + "\\n")
 def value(name):
     return args[args.index(name) + 1] if name in args else None
+def fd_open(fd):
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
 if "create" in args:
+    inherited = {{
+        "fds": [fd for fd in range(3, 64) if fd_open(fd)],
+        "env": sorted(k for k in os.environ if k.startswith("CGPU_RUNTIME_")),
+    }}
+    with open({str(self.inherited_path)!r}, "w") as f:
+        json.dump(inherited, f)
     time.sleep(float(os.environ.get("FAKE_OPEN_DELAY", "0")))
     fd = os.open(os.path.join(value("--bundle"), "config.json"), os.O_RDONLY)
     data, spec = b"", None
@@ -133,6 +146,10 @@ if "delete" in args:
 
     def calls(self) -> list[str]:
         return self.log.read_text().splitlines() if self.log.exists() else []
+
+    def inherited(self) -> dict | None:
+        """What `create` found open beyond stdio, and the CGPU_RUNTIME_* variables it got."""
+        return json.loads(self.inherited_path.read_text()) if self.inherited_path.exists() else None
 
     def spec(self) -> dict | None:
         return json.loads(self.read.read_text()) if self.read.exists() else None
@@ -255,3 +272,68 @@ def test_a_runtime_not_named_runc_gets_the_finished_file(bins, cgpud, runtime, e
     assert server.heads == ["prepare c1 shim-binds", f"bind {INSTANCE}"]
     assert server.specs[0] is None
     assert EDITED_ENV in runtime.spec()["process"]["env"]
+
+
+def test_runc_inherits_nothing_of_the_hand_over(bins, cgpud, runtime, env, tmp_path) -> None:
+    """The front starts runc itself and hands the start on to the shim
+    proper in CGPU_RUNTIME_STREAM, with four descriptors: runc gets neither
+    the variable nor any of them, and variables inherited from the engine
+    are dropped, not taken for a hand-over."""
+    server = cgpud(["edit"], delay=0.2)
+    b = engine_bundle(tmp_path)
+    inherited = dict(env, CGPU_RUNTIME_STREAM="3,4,5,6,1", CGPU_RUNTIME_SENT_FD="3")
+    proc = run(bins / "cgpu-runtime", create_args(tmp_path, b), inherited)
+    assert proc.returncode == 0, proc.stderr
+    assert server.heads == ["prepare c1 shim-binds spec-fd", f"bind {INSTANCE}"]
+    assert runtime.inherited() == {"fds": [], "env": []}
+    assert EDITED_ENV in runtime.spec()["process"]["env"]
+    assert os.listdir(b) == ["config.json"]
+
+
+@pytest.mark.parametrize("handed", ["3,4,5,6,1", "-1,-1,-1,-1,-1", "x", "3,4,5,6", "0,1,2,3,4"])
+def test_a_hand_over_that_does_not_hold_together_starts_nothing(bins, runtime, env, tmp_path, handed) -> None:
+    """cgpu-runtime-gpu run with a CGPU_RUNTIME_STREAM that is not the
+    front's: one message, the bundle untouched, no runtime."""
+    b = engine_bundle(tmp_path)
+    proc = run(bins / "cgpu-runtime-gpu", create_args(tmp_path, b), dict(env, CGPU_RUNTIME_STREAM=handed))
+    assert proc.returncode == 1
+    assert "the start cgpu-runtime began cannot be carried on" in proc.stderr
+    assert runtime.calls() == []
+    untouched(b)
+
+
+FRONT_WITHOUT_SEND = """
+import os, sys
+shim, runc, bundle, *args = sys.argv[1:]
+d = os.open(bundle, os.O_PATH | os.O_DIRECTORY)
+original = os.open("config.json", os.O_RDONLY, dir_fd=d)
+tmp = ".config.json.cgpu-%d" % os.getpid()
+os.mkfifo(tmp, 0o600, dir_fd=d)
+fifo = os.open(tmp, os.O_RDWR | os.O_NONBLOCK, dir_fd=d)
+os.chmod(fifo, 0o640)
+os.rename(tmp, "config.json", src_dir_fd=d, dst_dir_fd=d)
+child = os.fork()
+if child == 0:
+    os.execv(runc, [runc, *args])
+for fd in (d, original, fifo):
+    os.set_inheritable(fd, True)
+os.execve(shim, [shim, *args], dict(os.environ, CGPU_RUNTIME_STREAM=f"-1,{d},{original},{fifo},{child}"))
+"""
+
+
+def test_a_prepare_the_front_could_not_send_is_undone_and_asked_again(bins, cgpud, runtime, env, tmp_path) -> None:
+    """The front put the FIFO in place and started runc, but the request did
+    not go out (connection -1 in the hand-over, played here by a script in
+    the front's place): the shim proper kills runc, puts the engine's spec
+    back, and asks the usual way."""
+    server = cgpud(["edit"])
+    b = engine_bundle(tmp_path)
+    front = tmp_path / "front.py"
+    front.write_text(FRONT_WITHOUT_SEND)
+    args = [str(front), str(bins / "cgpu-runtime-gpu"), str(runtime.path), str(b), *create_args(tmp_path, b)]
+    proc = run(Path(sys.executable), args, dict(env, FAKE_OPEN_DELAY="0"))
+    assert proc.returncode == 0, proc.stderr
+    assert server.heads == ["prepare c1 shim-binds", f"bind {INSTANCE}"]
+    # The first runc is killed, often before it got as far as its log.
+    assert 1 <= len(runtime.calls()) <= 2 and EDITED_ENV in runtime.spec()["process"]["env"]
+    assert os.listdir(b) == ["config.json"]
