@@ -25,6 +25,7 @@ from typing import Any
 import structlog
 
 from bench.gpu_check.model import CheckError
+from tests.harness.sim import region_mounts
 
 BIN = Path(sys.executable).parent
 LOG = structlog.get_logger("gpu-check")
@@ -101,18 +102,6 @@ def kill_group(proc: subprocess.Popen[Any]) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-
-
-def region_mounts(under: Path) -> list[str]:
-    """cgpud's per-instance tmpfs mounts under `under` (/proc/self/mountinfo)."""
-    points = []
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        fields = line.split()
-        point = fields[4].encode().decode("unicode_escape")  # \040 and friends
-        source = fields[fields.index("-") + 2]
-        if source == "cgpu-region" and Path(point).is_relative_to(under):
-            points.append(point)
-    return points
 
 
 def unmount_regions(under: Path) -> list[str]:

@@ -197,6 +197,13 @@ def assert_undisturbed(counts: dict[str, object]) -> None:
     assert counts["launch_errors"] == 0, counts
 
 
+def restarted(root: BootedRoot, before: dict[str, str], what: str, timeout: float) -> dict[str, str]:
+    """The unit's state once a cgpud other than `before`'s main process is active."""
+    return wait_for(
+        root, lambda s: s["MainPID"] not in ("0", before["MainPID"]) and s["ActiveState"] == "active", what, timeout
+    )
+
+
 def main_pid(root: BootedRoot) -> int:
     return int(state(root)["MainPID"])
 
@@ -238,12 +245,7 @@ def test_a_stalled_cgpud_is_killed_by_the_watchdog_and_the_new_one_adopts_the_te
         before = state(root)
         stalled_at = time.monotonic()
         os.kill(host_pid(root, int(before["MainPID"])), signal.SIGSTOP)
-        after = wait_for(
-            root,
-            lambda s: s["MainPID"] not in ("0", before["MainPID"]) and s["ActiveState"] == "active",
-            "a new cgpud after the watchdog",
-            timeout=120,
-        )
+        after = restarted(root, before, "a new cgpud after the watchdog", timeout=120)
         ready_s = int(after["ActiveEnterTimestampMonotonic"]) / 1e6 - stalled_at
         journal = root.journal(UNIT, 200)
         assert "Watchdog timeout" in journal and "SIGABRT" in journal, journal
@@ -309,12 +311,7 @@ def test_kill_9_brings_cgpud_back_and_its_tenants_notice_nothing(packages: Packa
             held = sampler.share(t0 - 1_500_000_000, t0)
             killed_at = time.monotonic_ns()
             os.kill(host_pid(root, int(before["MainPID"])), signal.SIGKILL)
-            after = wait_for(
-                root,
-                lambda s: s["MainPID"] not in ("0", before["MainPID"]) and s["ActiveState"] == "active",
-                "cgpud restarted after kill -9",
-                timeout=60,
-            )
+            after = restarted(root, before, "cgpud restarted after kill -9", timeout=60)
             ready_ns = int(after["ActiveEnterTimestampMonotonic"]) * 1000
             assert int(after["NRestarts"]) == int(before["NRestarts"]) + 1
             time.sleep(2.5)
