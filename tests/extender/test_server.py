@@ -356,3 +356,53 @@ def test_keep_alive_pipelining_http_1_0_and_expect_100_continue(server: tuple[Ex
         answer = s.recv(65536)
         assert answer.startswith(b"HTTP/1.1 200 ") and b'"NodeNames":["idle"]' in answer
     assert [d.name for d in binder.seen] == ["p", "p"]
+
+
+def test_a_node_list_sent_again_is_found_by_its_text(server: tuple[ExtenderServer, FakeBinder]) -> None:
+    srv, _ = server
+    c = Conn(srv.port)
+    names = ["busy", "idle", "ghost"]
+    compact = json.dumps(args(pod(), names), separators=(",", ":")).encode()
+    for _ in range(2):
+        code, out = c.call("POST", "/filter", raw=compact)
+        assert code == 200 and out["NodeNames"] == ["busy", "idle"]
+    text = compact[compact.rindex(b"[") :][:-1]
+    kept = srv.extender._texts[text]
+    assert list(kept) == names
+    body, names_text = srv.extender.parse(compact)
+    assert body["NodeNames"] is kept and names_text == text
+    # The same list's text behind a pod that is wrong is still a 400, and a
+    # list that failed the checks is never kept.
+    code, out = c.call("POST", "/filter", raw=b'{"Pod":3,"NodeNames":' + text + b"}")
+    assert code == 400 and "ExtenderArgs.Pod" in out["Error"]
+    twice = b'{"Pod":{"metadata":{"name":"p"},"spec":{}},"NodeNames":["busy","busy"]}'
+    for _ in range(2):
+        code, out = c.call("POST", "/filter", raw=twice)
+        assert code == 400 and "more than once" in out["Error"]
+    assert b'["busy","busy"]' not in srv.extender._texts
+    # A body the cut would misread is parsed whole.
+    code, out = c.call("POST", "/filter", raw=b'{,"NodeNames":' + text + b"}")
+    assert code == 400 and "not JSON" in out["Error"]
+
+
+def test_answers_joined_in_blocks_are_the_answers_joined_whole() -> None:
+    from cgpud.extender.fit import Placement, Reason, render
+    from cgpud.extender.server import BLOCK, FILTER, PRIORITIZE, _Judged
+
+    def one(i: int, fits: bool) -> Any:
+        name = json.dumps(f"n{i}")
+        return render(Placement(f"n{i}", (), 0.5, False, i % 11) if fits else Reason(f"full {i}", i % 2 == 0), name)
+
+    n = 3 * BLOCK + 5
+    now = [one(i, i % 3 != 0) for i in range(n)]
+    kept = _Judged(list(now))
+    for verb in (FILTER, PRIORITIZE):
+        kept.text(verb)
+    for step, i in enumerate((0, BLOCK, BLOCK + 1, n - 1, 7, 0)):
+        now[i] = one(i + step, step % 2 == 0)
+        kept.set(i, now[i])
+        fresh = _Judged(list(now))
+        for verb in (FILTER, PRIORITIZE):
+            assert kept.text(verb) == fresh.text(verb)
+            json.loads(kept.text(verb))
+        assert kept.passed == fresh.passed
