@@ -146,9 +146,23 @@ class ClusterState:
             old = self._records.get(name)
             if old is None:
                 return
-            holds = tuple(h for h in old.holds if h.pod_uid != hold.pod_uid) + (hold,)
+            mine = [i for i, h in enumerate(old.holds) if h.pod_uid == hold.pod_uid]
+            if mine:  # in its place: the node's state lists the pods in the holds' order
+                holds = (
+                    old.holds[: mine[0]]
+                    + (hold,)
+                    + tuple(h for h in old.holds[mine[0] + 1 :] if h.pod_uid != hold.pod_uid)
+                )
+            else:
+                holds = old.holds + (hold,)
             if old.view is not None:
                 holds = _live(holds, old.view, self._clock())
+            if old.summary is not None and counted(holds) == counted(old.holds):
+                # The same shares for the same pods (a pending hold its Reserve
+                # answered): the node's state and summary stand, readers have
+                # nothing to redo.
+                self._records[name] = replace(old, holds=holds)
+                return
             self._put(name, old.entry.capacity_address, old.entry.connected, old.entry.error, old.view, holds)
 
     def release(self, name: str, pod_uid: str) -> None:
@@ -185,6 +199,12 @@ class ClusterState:
     def _logged(self, name: str) -> None:
         self._generation += 1
         self._changes.append((self._generation, name))
+
+
+def counted(holds: Sequence[Hold]) -> list[tuple[str, str, str, tuple[Share, ...]]]:
+    """What of the holds the node's state shows (with_holds): the rest (the
+    incarnation, revision and time a hold lives) only decides when it goes."""
+    return [(h.pod_uid, h.pod_namespace, h.pod_name, h.shares) for h in holds]
 
 
 def _live(holds: Sequence[Hold], view: NodeState, now: float) -> tuple[Hold, ...]:

@@ -447,3 +447,21 @@ def test_a_gpu_a_pod_holds_whole_is_full_and_names_the_pod():
         "main",
     )
     assert [(s.gpu_index, s.memory_bytes) for s in pod.shares] == [(1, 16 * GIB)]
+
+
+def test_views_built_from_kept_reservation_pieces_are_the_views_built_whole(service):
+    from cgpud.api.capacity import ReservationPieces
+
+    servicer = CapacityServicer(service, FACTS)
+    pieces = ReservationPieces()
+    for step, uid in enumerate(("u3", "u1", "u2", "u1", "u4")):  # u1 twice: replaced, a new row
+        servicer.Reserve(_reserve(pod_uid=uid, shares=[pb.Share(gpu_index=step % 2, memory_bytes=GIB)]), _Context())
+        if step == 3:
+            servicer.Unreserve(pb.UnreserveRequest(pod_uid="u2"), _Context())
+        snap = servicer.snapshot()
+        kept = node_view(snap, pieces)
+        assert kept == node_view(snap) and kept.SerializeToString() == node_view(snap).SerializeToString()
+        assert [r.pod_uid for r in kept.reservations] == sorted(r.pod_uid for r in snap.reservations)
+        # Only the last view's reservations are kept, each encoded once.
+        assert {id(r) for r in snap.reservations} == set(pieces._kept)
+    assert servicer.view() == node_view(servicer.snapshot())
