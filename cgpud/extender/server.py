@@ -25,7 +25,7 @@ from operator import itemgetter
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Any, NamedTuple, Protocol, cast
 
 import orjson
 import structlog
@@ -50,6 +50,10 @@ MEMOS = 64  # (pod shape, node list) answers kept: a filter and a prioritize lis
 # Node lists kept by the text they came as (Extender.parse): as many as
 # answers are kept, and at most these bytes of text together.
 LIST_TEXTS_BYTES = 32 << 20
+# Pods' demands kept by the text they came as: a pod's prioritize follows
+# its filter with the same Pod text. Few: a pod is filtered once a cycle.
+POD_TEXTS = 16
+POD_TEXT_BYTES = 256 << 10  # a longer one is not kept (16 of them: at most 4 MiB)
 _log = structlog.get_logger("cgpud.extender")
 
 
@@ -148,6 +152,14 @@ class _Names(tuple[str, ...]):
         return self._hash
 
 
+class _Texts(NamedTuple):
+    """A filter or prioritize body as it came, cut (wire.Cut): NodeNames's
+    text, and the rest's."""
+
+    names: bytes
+    rest: bytes
+
+
 @dataclass
 class _Memo:
     generation: int  # ClusterState.generation the answers are from
@@ -189,6 +201,8 @@ class Extender:
         # the bytes of those texts.
         self._texts: OrderedDict[bytes, _Names] = OrderedDict()
         self._texts_bytes = 0
+        # Demands by the text of the body without NodeNames (see parse).
+        self._pods: OrderedDict[bytes, PodDemand | PodError] = OrderedDict()
 
     @property
     def skipped(self) -> dict[str, str]:
@@ -259,9 +273,10 @@ class Extender:
             while len(self._recent) > RECENT_SHAPES:
                 self._recent.popitem(last=False)
 
-    def parse(self, raw: bytes) -> tuple[Any, bytes | None]:
+    def parse(self, raw: bytes) -> tuple[Any, _Texts | None]:
         """A filter or prioritize body as orjson parses it, and NodeNames's
-        JSON text when the body could be cut there (wire.cut_node_names).
+        JSON text and the rest's when the body could be cut there
+        (wire.cut_node_names).
         A node list whose very text passed the checks before comes as the
         list kept then, unparsed: at 5,000 nodes parsing, hashing and
         comparing the names was most of a warm pod's work. Raises
@@ -281,30 +296,30 @@ class Extender:
         if not isinstance(body, dict) or not body or "NodeNames" in body:
             return orjson.loads(raw), None
         body["NodeNames"] = names
-        return body, cut.names
+        return body, _Texts(cut.names, cut.pod)
 
-    def _args(
-        self, body: Any, names_text: bytes | None = None
-    ) -> tuple[PodDemand | PodError, _Names, list[Any] | None]:
+    def _args(self, body: Any, texts: _Texts | None = None) -> tuple[PodDemand | PodError, _Names, list[Any] | None]:
         """(demand or why the pod cannot be placed, node names, node objects
-        when given as Nodes). `names_text`: NodeNames as sent (see parse)."""
+        when given as Nodes). `texts`: NodeNames and the rest as sent (see parse)."""
         if not isinstance(body, dict):
             raise BadRequest(f"ExtenderArgs must be a JSON object, not {_kind(body)}")
         pod = body.get("Pod")
         if pod is None:
             raise BadRequest("ExtenderArgs has no Pod")
+        names_text = texts.names if texts is not None else None
+        rest = texts.rest if texts is not None else None
         names = body.get("NodeNames")
         nodes = body.get("Nodes")
         items: list[Any] | None = None
         if names is not None:
             if type(names) is _Names:  # kept by parse: checked before
-                return self._demand(pod), names, None
+                return self._demand_of(pod, rest), names, None
             if not isinstance(names, list):
                 raise BadRequest("ExtenderArgs.NodeNames must be a list of node names")
             known = self._known(names)
             if known is not None:
                 self._keep_text(names_text, known)
-                return self._demand(pod), known, None
+                return self._demand_of(pod, rest), known, None
             if not set(map(type, names)) <= {str}:
                 raise BadRequest("ExtenderArgs.NodeNames must be a list of node names")
         elif nodes is not None:
@@ -332,7 +347,23 @@ class Extender:
                 while len(self._checked) > 4 * MEMOS:
                     self._checked.popitem(last=False)
             self._keep_text(names_text, key)
-        return self._demand(pod), key, items
+        return self._demand_of(pod, rest), key, items
+
+    def _demand_of(self, pod: Any, text: bytes | None) -> PodDemand | PodError:
+        """The pod's demand, kept by `text` (the body without NodeNames, which
+        holds the Pod) for the verb that follows with the same pod."""
+        if text is None or len(text) > POD_TEXT_BYTES:
+            return self._demand(pod)
+        with self._checked_lock:
+            kept = self._pods.get(text)
+        if kept is not None:
+            return kept
+        demand = self._demand(pod)  # BadRequest: nothing kept
+        with self._checked_lock:
+            self._pods[text] = demand
+            while len(self._pods) > POD_TEXTS:
+                self._pods.popitem(last=False)
+        return demand
 
     def _keep_text(self, text: bytes | None, names: _Names) -> None:
         """Find `names` by `text`, the JSON it came as, from now on."""
@@ -422,8 +453,8 @@ class Extender:
             f"kube-scheduler retries it: {'; '.join(waiting)}"
         }
 
-    def filter(self, body: Any, names_text: bytes | None = None) -> dict[str, Any] | bytes:
-        demand, names, items = self._args(body, names_text)
+    def filter(self, body: Any, texts: _Texts | None = None) -> dict[str, Any] | bytes:
+        demand, names, items = self._args(body, texts)
         failed: dict[str, str] = {}
         unresolvable: dict[str, str] = {}
         passed: list[str] = []
@@ -457,8 +488,8 @@ class Extender:
             out["NodeNames"] = None
         return out
 
-    def prioritize(self, body: Any, names_text: bytes | None = None) -> list[dict[str, Any]] | dict[str, Any] | bytes:
-        demand, names, _ = self._args(body, names_text)
+    def prioritize(self, body: Any, texts: _Texts | None = None) -> list[dict[str, Any]] | dict[str, Any] | bytes:
+        demand, names, _ = self._args(body, texts)
         if isinstance(demand, PodError) or not demand.containers:
             return [{"Host": n, "Score": 0} for n in names]
         if self.binder is not None:
@@ -669,7 +700,7 @@ class _Handler(BoundedHandler, socketserver.StreamRequestHandler):
     def _post(self, length_text: bytes | None, expect: bool) -> None:
         path = self._path()
         extender = self.server.extender
-        verbs: dict[str, Callable[[Any, bytes | None], Any]] = {
+        verbs: dict[str, Callable[[Any, _Texts | None], Any]] = {
             FILTER: extender.filter,
             PRIORITIZE: extender.prioritize,
             "bind": lambda body, _: extender.bind(body),
@@ -696,12 +727,12 @@ class _Handler(BoundedHandler, socketserver.StreamRequestHandler):
                 self._send(404, {"Error": f"no POST {path}: use /filter, /prioritize or /bind"})
                 return
             try:
-                body, names_text = extender.parse(raw) if verb is not verbs["bind"] else (orjson.loads(raw), None)
+                body, texts = extender.parse(raw) if verb is not verbs["bind"] else (orjson.loads(raw), None)
             except orjson.JSONDecodeError as e:
                 self._send(400, {"Error": f"{path}: the body is not JSON ({e})"})
                 return
         try:
-            answer = verb(body, names_text)
+            answer = verb(body, texts)
         except BadRequest as e:
             self._send(400, {"Error": f"{path}: {e}"})
             return

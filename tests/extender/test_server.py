@@ -369,8 +369,8 @@ def test_a_node_list_sent_again_is_found_by_its_text(server: tuple[ExtenderServe
     text = compact[compact.rindex(b"[") :][:-1]
     kept = srv.extender._texts[text]
     assert list(kept) == names
-    body, names_text = srv.extender.parse(compact)
-    assert body["NodeNames"] is kept and names_text == text
+    body, texts = srv.extender.parse(compact)
+    assert body["NodeNames"] is kept and texts is not None and texts.names == text
     # The same list's text behind a pod that is wrong is still a 400, and a
     # list that failed the checks is never kept.
     code, out = c.call("POST", "/filter", raw=b'{"Pod":3,"NodeNames":' + text + b"}")
@@ -406,3 +406,23 @@ def test_answers_joined_in_blocks_are_the_answers_joined_whole() -> None:
             assert kept.text(verb) == fresh.text(verb)
             json.loads(kept.text(verb))
         assert kept.passed == fresh.passed
+
+
+def test_a_pods_demand_is_kept_by_its_text_for_the_next_verb(server: tuple[ExtenderServer, FakeBinder]) -> None:
+    srv, binder = server
+    c = Conn(srv.port)
+    p = pod("kept", containers=[container("c", mem="4")])
+    compact = json.dumps(args(p, ["busy", "idle"]), separators=(",", ":")).encode()
+    assert c.call("POST", "/filter", raw=compact)[0] == 200
+    assert c.call("POST", "/prioritize", raw=compact)[0] == 200
+    assert binder.seen[0] is binder.seen[1]  # parsed once
+    rest = compact[: compact.index(b',"NodeNames"')] + b"}"
+    assert srv.extender._pods[rest] is binder.seen[0]
+    # Another pod's text is another demand; a bad pod is never kept.
+    for k in range(20):
+        other = json.dumps(args(pod(f"o{k}"), ["idle"]), separators=(",", ":")).encode()
+        assert c.call("POST", "/filter", raw=other)[0] == 200
+    assert rest not in srv.extender._pods and len(srv.extender._pods) == 16
+    bad = b'{"Pod":3,"NodeNames":["idle"]}'
+    assert c.call("POST", "/filter", raw=bad)[0] == 400
+    assert b'{"Pod":3}' not in srv.extender._pods
