@@ -408,10 +408,17 @@ class Extender:
         """For each node in order, fit's answer with the node's pieces of the
         answers (Rendered): the hot loop."""
         record = self.state.records.get
+        answers = self.state.answers.get
         shape = demand.fit_key
         out: list[Rendered] = []
         append = out.append
         for name in names:
+            kept = answers(name)
+            if kept is not None:
+                hit = kept.get(shape)
+                if hit is not None:
+                    append(hit)
+                    continue
             rec = record(name)
             summary = rec.summary if rec is not None else None
             if summary is None:

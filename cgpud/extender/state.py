@@ -24,10 +24,11 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from cgpud.node import placement as admission
 from cgpud.node.model import GpuCapacity, GpuUsage, Reservation, Share
-from cgpud.extender.fit import NodeSummary, summarize
+from cgpud.extender.fit import NodeSummary, Rendered, summarize
 from cgpud.extender.model import ClusterView, GpuState, NodeEntry, NodeState, PodShare
 
 
@@ -71,6 +72,11 @@ class ClusterState:
         # reader that kept answers for many nodes redoes only the changed ones.
         self._generation = 0
         self._changes: deque[tuple[int, str]] = deque(maxlen=CHANGE_LOG)
+        # Each node's summary's rendered answers (NodeSummary.rendered), for
+        # a pass over many nodes: one look-up and the answer, without the
+        # record and the summary between (right after a burst of new views
+        # those are memory the CPU's caches do not hold).
+        self._answers: dict[str, dict[Any, Rendered]] = {}
 
     # ---- reads ------------------------------------------------------------------------
 
@@ -82,6 +88,12 @@ class ClusterState:
         """Every node's record, for loops over many nodes (read only: a
         writer replaces a record whole, never changes one)."""
         return self._records
+
+    @property
+    def answers(self) -> Mapping[str, dict[Any, Rendered]]:
+        """Each node's rendered answers by pod shape (its summary's
+        `rendered`), for nodes that have a summary (read only)."""
+        return self._answers
 
     @property
     def generation(self) -> int:
@@ -137,6 +149,7 @@ class ClusterState:
 
     def remove(self, name: str) -> None:
         with self._lock:
+            self._answers.pop(name, None)
             if self._records.pop(name, None) is not None:
                 self._logged(name)
 
@@ -192,6 +205,10 @@ class ClusterState:
         if summary is not None and self.on_summary is not None:
             self.on_summary(summary)
         self._records[name] = NodeRecord(entry, summary, view, holds)
+        if summary is not None:
+            self._answers[name] = summary.rendered
+        else:
+            self._answers.pop(name, None)
         self._logged(name)
         if self.on_write is not None:
             self.on_write()

@@ -215,3 +215,19 @@ def test_a_pending_hold_answered_keeps_the_state_and_summary_but_goes_with_its_r
     rec = s.record("n1")
     assert rec is not None and rec.entry.state is not None and [h.pod_uid for h in rec.holds] == ["u3"]
     assert rec.entry.state.gpus[0].memory_allocated == 6 * GIB and s.generation > generation
+
+
+def test_answers_follow_each_nodes_summary() -> None:
+    s = ClusterState(Clock())
+    s.set_state("n1", "a:1", node(gpus=[gpu(0)]))
+    rec = s.record("n1")
+    assert rec is not None and rec.summary is not None and s.answers["n1"] is rec.summary.rendered
+    s.set_state("n1", "a:1", node(gpus=[gpu(0, used=2)], revision=2))
+    rec = s.record("n1")
+    assert rec is not None and rec.summary is not None and s.answers["n1"] is rec.summary.rendered
+    s.set_down("n1", "a:1", "connection refused")  # no summary while down: no answers
+    assert "n1" not in s.answers
+    s.set_state("n1", "a:1", node(gpus=[gpu(0)], revision=3))
+    assert "n1" in s.answers
+    s.remove("n1")
+    assert "n1" not in s.answers and s.record("n1") is None
