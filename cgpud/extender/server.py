@@ -86,18 +86,13 @@ class _Judged:
     again."""
 
     judged: list[Rendered]
-    passed: int = 0  # how many answers are placements
     pieces: dict[str, list[list[str]]] = field(default_factory=dict)  # by verb, made when first asked
     blocks: dict[str, list[list[str | None]]] = field(default_factory=dict)  # by verb, each list's blocks joined
     joined: dict[str, list[str | None]] = field(default_factory=dict)  # by verb, each list joined (None: redo)
     texts: dict[str, bytes] = field(default_factory=dict)  # by verb, the whole answer until a piece changes
 
-    def __post_init__(self) -> None:
-        self.passed = sum(map(bool, map(itemgetter(2), self.judged)))
-
     def set(self, i: int, new: Rendered) -> None:
         old = self.judged[i]
-        self.passed += bool(new.passed) - bool(old.passed)
         self.judged[i] = new
         for verb, lists in self.pieces.items():
             for k, f in enumerate(_FIELDS[verb]):
@@ -135,6 +130,14 @@ class _Judged:
             whole = f"[{joined[0]}]"
         self.texts[verb] = text = whole.encode()
         return text
+
+    def none_passed(self) -> bool:
+        """Whether no node's answer is a placement: the filter's NodeNames
+        are joined from the placed nodes' pieces, and only theirs are not
+        empty (read from the joined text: counting would read every piece
+        again)."""
+        self.text(FILTER)
+        return not self.joined[FILTER][0]
 
 
 class _Names(tuple[str, ...]):
@@ -250,7 +253,7 @@ class Extender:
             return self._text(verb, names, judged)
 
     def _text(self, verb: str, names: Sequence[str], judged: _Judged) -> dict[str, Any] | bytes:
-        if verb == FILTER and not judged.passed:
+        if verb == FILTER and judged.none_passed():
             later = self._retry_later(names, judged.judged)
             if later is not None:
                 return later
