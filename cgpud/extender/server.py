@@ -168,6 +168,7 @@ class _Memo:
     generation: int  # ClusterState.generation the answers are from
     index: dict[str, int]  # node name -> its place in the list
     judged: _Judged
+    demand: PodDemand  # one pod of the shape, to answer a node's new view
 
 
 UNKNOWN_NODE = (
@@ -246,7 +247,7 @@ class Extender:
                     self._once.popitem(last=False)
                 return self._text(verb, names, judged)
             self._once.pop(key, None)
-            self._memos[key] = _Memo(generation, {name: i for i, name in enumerate(names)}, judged)
+            self._memos[key] = _Memo(generation, {name: i for i, name in enumerate(names)}, judged, demand)
             self._memos.move_to_end(key)
             while len(self._memos) > MEMOS:
                 self._memos.popitem(last=False)
@@ -258,6 +259,28 @@ class Extender:
             if later is not None:
                 return later
         return judged.text(verb)
+
+    def patch(self, name: str, summary: NodeSummary | None, generation: int) -> None:
+        """A node's record was replaced (write `generation`): each kept
+        answer that was current takes the node's new answer now, where the
+        view arrives, so that after a burst of views the next pod finds its
+        answers current instead of judging every node on the request path.
+        Best effort: when a request holds the answers (and may be waiting
+        for the writers' lock in changed_since) nothing is patched, and the
+        answers that fall behind catch up on their next request as before."""
+        if summary is None or not self._memo_lock.acquire(blocking=False):
+            return
+        try:
+            for memo in self._memos.values():
+                if memo.generation != generation - 1:
+                    continue  # behind already: its next request catches it up
+                i = memo.index.get(name)
+                if i is not None:
+                    hit = summary.rendered.get(memo.demand.fit_key)
+                    memo.judged.set(i, hit if hit is not None else rendered(memo.demand, summary))
+                memo.generation = generation
+        finally:
+            self._memo_lock.release()
 
     def warm(self, summary: NodeSummary) -> None:
         """Answer the recent pod shapes on a node summary not yet published."""
@@ -861,6 +884,7 @@ class ExtenderServer:
         )
         self._thread.start()
         self._state.on_summary = self.extender.warm
+        self._state.on_put = self.extender.patch
         if self._heap is not None:
             self._heap.start()
         return self
@@ -875,4 +899,5 @@ class ExtenderServer:
         if self._heap is not None:
             self._heap.stop()
         self._state.on_summary = None
+        self._state.on_put = None
         self._http = None

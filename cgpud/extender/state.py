@@ -68,6 +68,12 @@ class ClusterState:
         # Called with each new node summary before readers see it (the
         # server answers recent pod shapes there, off the request path).
         self.on_summary: Callable[[NodeSummary], None] | None = None
+        # Called after a node's record is replaced, with its name, its
+        # summary (None: no view or the stream is down) and the generation
+        # that write has, under the writers' lock: the server patches the
+        # answers it keeps there. It must not wait for a lock a reader may
+        # hold while it calls changed_since.
+        self.on_put: Callable[[str, NodeSummary | None, int], None] | None = None
         # Every write bumps the generation and logs the node's name, so a
         # reader that kept answers for many nodes redoes only the changed ones.
         self._generation = 0
@@ -210,6 +216,8 @@ class ClusterState:
         else:
             self._answers.pop(name, None)
         self._logged(name)
+        if self.on_put is not None:
+            self.on_put(name, summary, self._generation)
         if self.on_write is not None:
             self.on_write()
 

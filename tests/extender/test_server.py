@@ -426,3 +426,34 @@ def test_a_pods_demand_is_kept_by_its_text_for_the_next_verb(server: tuple[Exten
     bad = b'{"Pod":3,"NodeNames":["idle"]}'
     assert c.call("POST", "/filter", raw=bad)[0] == 400
     assert b'{"Pod":3}' not in srv.extender._pods
+
+
+def test_kept_answers_take_a_nodes_new_view_where_it_arrives(
+    server: tuple[ExtenderServer, FakeBinder], cluster: ClusterState
+) -> None:
+    srv, _ = server
+    c = Conn(srv.port)
+    names = ["busy", "idle", "ghost"]
+    p = pod(containers=[container("c", mem="8")])
+    for _ in range(2):
+        c.call("POST", "/filter", args(p, names))
+    memo = next(iter(srv.extender._memos.values()))
+    assert memo.generation == cluster.generation
+    # A view arrives: the kept answer is current at once, no request needed.
+    cluster.set_state("busy", "10.0.0.1:9455", node("busy", gpus=[gpu(0), gpu(1)], revision=2))
+    assert memo.generation == cluster.generation
+    assert memo.judged.judged[0].passed == '"busy"'
+    # A write the writer does not patch (a node gone): the answer falls
+    # behind, later views leave it so, and the next request catches up.
+    cluster.remove("idle")
+    cluster.set_state("busy", "10.0.0.1:9455", node("busy", gpus=[gpu(0, used=12), gpu(1, used=12)], revision=3))
+    assert memo.generation < cluster.generation
+    _, out = c.call("POST", "/filter", args(p, names))
+    assert out["NodeNames"] == [] and "unknown to cgpu-scheduler" in out["FailedAndUnresolvableNodes"]["idle"]
+    assert "no GPU has 8 GiB free" in out["FailedNodes"]["busy"] and memo.generation == cluster.generation
+    # While a request holds the kept answers, a view is not waited for.
+    with srv.extender._memo_lock:
+        cluster.set_state("busy", "10.0.0.1:9455", node("busy", gpus=[gpu(0), gpu(1)], revision=4))
+    assert memo.generation < cluster.generation
+    _, out = c.call("POST", "/filter", args(p, names))
+    assert out["NodeNames"] == ["busy"]
