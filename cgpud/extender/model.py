@@ -115,14 +115,52 @@ def _gpu_from_pb(g: pb.GpuView) -> GpuState:
     return GpuState(**{f.name: getattr(g, _GPU_VIEW_RENAMED.get(f.name, f.name)) for f in fields(GpuState)})
 
 
-def node_from_pb(msg: pb.NodeView) -> NodeState:
+def _pod_share(p: pb.PodInstance) -> PodShare:
+    return PodShare(p.pod_uid, p.pod_namespace, p.pod_name, p.container, _shares(p.shares))
+
+
+def _reserved_share(r: pb.Reservation) -> PodShare:
+    return PodShare(r.pod_uid, r.pod_namespace, r.pod_name, "", _shares(r.shares), reserved=True)
+
+
+class KeptShares:
+    """A node stream's PodShares by their entries' encoded bytes: a view
+    after a Reserve differs from the one before by a reservation, and
+    making every pod's PodShare again was most of node_from_pb with 40
+    held. Only the last view's are kept. One per stream (not thread-safe)."""
+
+    def __init__(self) -> None:
+        self._kept: dict[tuple[bool, bytes], PodShare] = {}
+        self._now: dict[tuple[bool, bytes], PodShare] = {}
+
+    def shares(self, entries: Any, reserved: bool) -> tuple[PodShare, ...]:
+        make = _reserved_share if reserved else _pod_share
+        kept, now, out = self._kept, self._now, []
+        for e in entries:
+            key = (reserved, e.SerializeToString())
+            share = kept.get(key)
+            if share is None:
+                share = make(e)
+            now[key] = share
+            out.append(share)
+        return tuple(out)
+
+    def done(self) -> None:
+        """The view is read: keep its shares, forget the rest."""
+        self._kept, self._now = self._now, {}
+
+
+def node_from_pb(msg: pb.NodeView, kept: KeptShares | None = None) -> NodeState:
+    """The model of a NodeView; with `kept`, PodShares equal to the last
+    view's entries are the ones made then (the same state)."""
     gpus = tuple(_gpu_from_pb(g) for g in msg.gpus)
-    pods = tuple(
-        PodShare(p.pod_uid, p.pod_namespace, p.pod_name, p.container, _shares(p.shares)) for p in msg.pod_instances
-    )
-    reserved = tuple(
-        PodShare(r.pod_uid, r.pod_namespace, r.pod_name, "", _shares(r.shares), reserved=True) for r in msg.reservations
-    )
+    if kept is not None:
+        pods = kept.shares(msg.pod_instances, reserved=False)
+        reserved = kept.shares(msg.reservations, reserved=True)
+        kept.done()
+    else:
+        pods = tuple(_pod_share(p) for p in msg.pod_instances)
+        reserved = tuple(_reserved_share(r) for r in msg.reservations)
     return NodeState(
         name=msg.node_name,
         incarnation=msg.incarnation,

@@ -20,12 +20,12 @@ import socketserver
 import ssl
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from operator import itemgetter
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Any, NamedTuple, Protocol, cast
 
 import orjson
 import structlog
@@ -37,6 +37,7 @@ from cgpud.extender.fit import NodeSummary, Reason, Rendered, render, rendered
 from cgpud.extender.model import view_to_json
 from cgpud.extender.pod import PodDemand, PodError, pod_demand
 from cgpud.extender.state import ClusterState
+from cgpud.extender.wire import cut_node_names
 
 MAX_BODY = 16 << 20
 BOUNDS = Bounds(max_connections=64, idle_timeout=30.0, body_budget=64 << 20)
@@ -46,6 +47,13 @@ BOUNDS = Bounds(max_connections=64, idle_timeout=30.0, body_budget=64 << 20)
 MAX_NODES = 20_000
 RECENT_SHAPES = 16  # pod shapes answered ahead on each new node view
 MEMOS = 64  # (pod shape, node list) answers kept: a filter and a prioritize list per recent shape
+# Node lists kept by the text they came as (Extender.parse): as many as
+# answers are kept, and at most these bytes of text together.
+LIST_TEXTS_BYTES = 32 << 20
+# Pods' demands kept by the text they came as: a pod's prioritize follows
+# its filter with the same Pod text. Few: a pod is filtered once a cycle.
+POD_TEXTS = 16
+POD_TEXT_BYTES = 256 << 10  # a longer one is not kept (16 of them: at most 4 MiB)
 _log = structlog.get_logger("cgpud.extender")
 
 
@@ -59,10 +67,6 @@ class BadRequest(ValueError):
     pass
 
 
-class Raw(str):
-    """An answer already encoded as JSON text."""
-
-
 FILTER, PRIORITIZE = "filter", "prioritize"
 
 
@@ -70,57 +74,70 @@ FILTER, PRIORITIZE = "filter", "prioritize"
 _FIELDS = {FILTER: (2, 3, 4), PRIORITIZE: (5,)}
 
 
+BLOCK = 64  # pieces joined together: a node whose answer changed re-joins its block, not the whole list
+
+
 @dataclass
 class _Judged:
     """Every node's Rendered answer for one pod shape and node list, and per
-    verb the lists of pieces its answer joins: a node whose view changed
-    swaps its own pieces, and an answer no piece of which changed is the
-    same text again."""
+    verb the lists of pieces its answer joins, joined in blocks of BLOCK
+    nodes: a node whose view changed swaps its own pieces and its block is
+    joined again, and an answer no piece of which changed is the same bytes
+    again."""
 
     judged: list[Rendered]
-    passed: int = 0  # how many answers are placements
     pieces: dict[str, list[list[str]]] = field(default_factory=dict)  # by verb, made when first asked
+    blocks: dict[str, list[list[str | None]]] = field(default_factory=dict)  # by verb, each list's blocks joined
     joined: dict[str, list[str | None]] = field(default_factory=dict)  # by verb, each list joined (None: redo)
-    texts: dict[str, str] = field(default_factory=dict)  # by verb, the whole answer until a piece changes
-
-    def __post_init__(self) -> None:
-        self.passed = sum(map(bool, map(itemgetter(2), self.judged)))
+    texts: dict[str, bytes] = field(default_factory=dict)  # by verb, the whole answer until a piece changes
 
     def set(self, i: int, new: Rendered) -> None:
         old = self.judged[i]
-        self.passed += bool(new.passed) - bool(old.passed)
         self.judged[i] = new
         for verb, lists in self.pieces.items():
-            joined = self.joined[verb]
             for k, f in enumerate(_FIELDS[verb]):
                 piece = cast(str, new[f])
                 if old[f] != piece:  # a node that still passes the filter leaves its answer as it was
                     lists[k][i] = piece
-                    joined[k] = None
+                    self.blocks[verb][k][i // BLOCK] = None
+                    self.joined[verb][k] = None
                     self.texts.pop(verb, None)
 
-    def text(self, verb: str) -> str:
+    def text(self, verb: str) -> bytes:
         text = self.texts.get(verb)
         if text is not None:
             return text
         lists = self.pieces.get(verb)
         if lists is None:
             lists = self.pieces[verb] = [list(map(itemgetter(f), self.judged)) for f in _FIELDS[verb]]
+            self.blocks[verb] = [[None] * -(-len(self.judged) // BLOCK) for _ in lists]
             self.joined[verb] = [None] * len(lists)
         joined = self.joined[verb]
         for k, value in enumerate(joined):
             if value is None:
-                joined[k] = ",".join(filter(None, lists[k]))  # the empty pieces skipped, in C
+                blocks, pieces = self.blocks[verb][k], lists[k]
+                for b, block in enumerate(blocks):
+                    if block is None:  # the empty pieces skipped, in C
+                        blocks[b] = ",".join(filter(None, pieces[b * BLOCK : (b + 1) * BLOCK]))
+                joined[k] = ",".join(filter(None, blocks))
         if verb == FILTER:
             ok, bad, never = joined
-            text = (
+            whole = (
                 f'{{"Nodes":null,"NodeNames":[{ok}],"FailedNodes":{{{bad}}},'
                 f'"FailedAndUnresolvableNodes":{{{never}}},"Error":""}}'
             )
         else:
-            text = f"[{joined[0]}]"
-        self.texts[verb] = text
+            whole = f"[{joined[0]}]"
+        self.texts[verb] = text = whole.encode()
         return text
+
+    def none_passed(self) -> bool:
+        """Whether no node's answer is a placement: the filter's NodeNames
+        are joined from the placed nodes' pieces, and only theirs are not
+        empty (read from the joined text: counting would read every piece
+        again)."""
+        self.text(FILTER)
+        return not self.joined[FILTER][0]
 
 
 class _Names(tuple[str, ...]):
@@ -138,11 +155,20 @@ class _Names(tuple[str, ...]):
         return self._hash
 
 
+class _Texts(NamedTuple):
+    """A filter or prioritize body as it came, cut (wire.Cut): NodeNames's
+    text, and the rest's."""
+
+    names: bytes
+    rest: bytes
+
+
 @dataclass
 class _Memo:
     generation: int  # ClusterState.generation the answers are from
     index: dict[str, int]  # node name -> its place in the list
     judged: _Judged
+    demand: PodDemand  # one pod of the shape, to answer a node's new view
 
 
 UNKNOWN_NODE = (
@@ -175,6 +201,12 @@ class Extender:
         # Node lists that passed _args's checks (see _checked_before).
         self._checked: OrderedDict[_Names, _Names] = OrderedDict()
         self._checked_lock = threading.Lock()
+        # The same lists by the JSON text they came as (see parse), and
+        # the bytes of those texts.
+        self._texts: OrderedDict[bytes, _Names] = OrderedDict()
+        self._texts_bytes = 0
+        # Demands by the text of the body without NodeNames (see parse).
+        self._pods: OrderedDict[bytes, PodDemand | PodError] = OrderedDict()
 
     @property
     def skipped(self) -> dict[str, str]:
@@ -186,7 +218,7 @@ class Extender:
             self._skipped = dict(reasons)
             self._memos.clear()  # their unknown nodes' reasons may have changed
 
-    def _answer(self, verb: str, demand: PodDemand, names: _Names) -> dict[str, Any] | Raw:
+    def _answer(self, verb: str, demand: PodDemand, names: _Names) -> dict[str, Any] | bytes:
         """The verb's answer as JSON text, from the memo of this shape and
         node list when there is one (redoing only the nodes written since;
         the same text again when none was)."""
@@ -215,18 +247,40 @@ class Extender:
                     self._once.popitem(last=False)
                 return self._text(verb, names, judged)
             self._once.pop(key, None)
-            self._memos[key] = _Memo(generation, {name: i for i, name in enumerate(names)}, judged)
+            self._memos[key] = _Memo(generation, {name: i for i, name in enumerate(names)}, judged, demand)
             self._memos.move_to_end(key)
             while len(self._memos) > MEMOS:
                 self._memos.popitem(last=False)
             return self._text(verb, names, judged)
 
-    def _text(self, verb: str, names: Sequence[str], judged: _Judged) -> dict[str, Any] | Raw:
-        if verb == FILTER and not judged.passed:
+    def _text(self, verb: str, names: Sequence[str], judged: _Judged) -> dict[str, Any] | bytes:
+        if verb == FILTER and judged.none_passed():
             later = self._retry_later(names, judged.judged)
             if later is not None:
                 return later
-        return Raw(judged.text(verb))
+        return judged.text(verb)
+
+    def patch(self, name: str, summary: NodeSummary | None, generation: int) -> None:
+        """A node's record was replaced (write `generation`): each kept
+        answer that was current takes the node's new answer now, where the
+        view arrives, so that after a burst of views the next pod finds its
+        answers current instead of judging every node on the request path.
+        Best effort: when a request holds the answers (and may be waiting
+        for the writers' lock in changed_since) nothing is patched, and the
+        answers that fall behind catch up on their next request as before."""
+        if summary is None or not self._memo_lock.acquire(blocking=False):
+            return
+        try:
+            for memo in self._memos.values():
+                if memo.generation != generation - 1:
+                    continue  # behind already: its next request catches it up
+                i = memo.index.get(name)
+                if i is not None:
+                    hit = summary.rendered.get(memo.demand.fit_key)
+                    memo.judged.set(i, hit if hit is not None else rendered(memo.demand, summary))
+                memo.generation = generation
+        finally:
+            self._memo_lock.release()
 
     def warm(self, summary: NodeSummary) -> None:
         """Answer the recent pod shapes on a node summary not yet published."""
@@ -245,22 +299,53 @@ class Extender:
             while len(self._recent) > RECENT_SHAPES:
                 self._recent.popitem(last=False)
 
-    def _args(self, body: Any) -> tuple[PodDemand | PodError, _Names, list[Any] | None]:
-        """(demand or why the pod cannot be placed, node names, node objects when given as Nodes)."""
+    def parse(self, raw: bytes) -> tuple[Any, _Texts | None]:
+        """A filter or prioritize body as orjson parses it, and NodeNames's
+        JSON text and the rest's when the body could be cut there
+        (wire.cut_node_names).
+        A node list whose very text passed the checks before comes as the
+        list kept then, unparsed: at 5,000 nodes parsing, hashing and
+        comparing the names was most of a warm pod's work. Raises
+        orjson.JSONDecodeError for a body that is not JSON."""
+        cut = cut_node_names(raw)
+        if cut is None:
+            return orjson.loads(raw), None
+        with self._checked_lock:
+            kept = self._texts.get(cut.names)
+            if kept is not None:
+                self._texts.move_to_end(cut.names)
+        try:
+            body = orjson.loads(cut.pod)
+            names = kept if kept is not None else orjson.loads(cut.names)
+        except orjson.JSONDecodeError:
+            return orjson.loads(raw), None
+        if not isinstance(body, dict) or not body or "NodeNames" in body:
+            return orjson.loads(raw), None
+        body["NodeNames"] = names
+        return body, _Texts(cut.names, cut.pod)
+
+    def _args(self, body: Any, texts: _Texts | None = None) -> tuple[PodDemand | PodError, _Names, list[Any] | None]:
+        """(demand or why the pod cannot be placed, node names, node objects
+        when given as Nodes). `texts`: NodeNames and the rest as sent (see parse)."""
         if not isinstance(body, dict):
             raise BadRequest(f"ExtenderArgs must be a JSON object, not {_kind(body)}")
         pod = body.get("Pod")
         if pod is None:
             raise BadRequest("ExtenderArgs has no Pod")
+        names_text = texts.names if texts is not None else None
+        rest = texts.rest if texts is not None else None
         names = body.get("NodeNames")
         nodes = body.get("Nodes")
         items: list[Any] | None = None
         if names is not None:
+            if type(names) is _Names:  # kept by parse: checked before
+                return self._demand_of(pod, rest), names, None
             if not isinstance(names, list):
                 raise BadRequest("ExtenderArgs.NodeNames must be a list of node names")
             known = self._known(names)
             if known is not None:
-                return self._demand(pod), known, None
+                self._keep_text(names_text, known)
+                return self._demand_of(pod, rest), known, None
             if not set(map(type, names)) <= {str}:
                 raise BadRequest("ExtenderArgs.NodeNames must be a list of node names")
         elif nodes is not None:
@@ -287,7 +372,37 @@ class Extender:
                 self._checked[key] = key
                 while len(self._checked) > 4 * MEMOS:
                     self._checked.popitem(last=False)
-        return self._demand(pod), key, items
+            self._keep_text(names_text, key)
+        return self._demand_of(pod, rest), key, items
+
+    def _demand_of(self, pod: Any, text: bytes | None) -> PodDemand | PodError:
+        """The pod's demand, kept by `text` (the body without NodeNames, which
+        holds the Pod) for the verb that follows with the same pod."""
+        if text is None or len(text) > POD_TEXT_BYTES:
+            return self._demand(pod)
+        with self._checked_lock:
+            kept = self._pods.get(text)
+        if kept is not None:
+            return kept
+        demand = self._demand(pod)  # BadRequest: nothing kept
+        with self._checked_lock:
+            self._pods[text] = demand
+            while len(self._pods) > POD_TEXTS:
+                self._pods.popitem(last=False)
+        return demand
+
+    def _keep_text(self, text: bytes | None, names: _Names) -> None:
+        """Find `names` by `text`, the JSON it came as, from now on."""
+        if text is None or len(text) > LIST_TEXTS_BYTES:
+            return
+        with self._checked_lock:
+            if text in self._texts:
+                return
+            self._texts[text] = names
+            self._texts_bytes += len(text)
+            while len(self._texts) > MEMOS or self._texts_bytes > LIST_TEXTS_BYTES:
+                old, _ = self._texts.popitem(last=False)
+                self._texts_bytes -= len(old)
 
     def _known(self, names: list[str]) -> _Names | None:
         """The list kept when this very list of names passed the checks
@@ -319,10 +434,17 @@ class Extender:
         """For each node in order, fit's answer with the node's pieces of the
         answers (Rendered): the hot loop."""
         record = self.state.records.get
+        answers = self.state.answers.get
         shape = demand.fit_key
         out: list[Rendered] = []
         append = out.append
         for name in names:
+            kept = answers(name)
+            if kept is not None:
+                hit = kept.get(shape)
+                if hit is not None:
+                    append(hit)
+                    continue
             rec = record(name)
             summary = rec.summary if rec is not None else None
             if summary is None:
@@ -364,8 +486,8 @@ class Extender:
             f"kube-scheduler retries it: {'; '.join(waiting)}"
         }
 
-    def filter(self, body: Any) -> dict[str, Any] | Raw:
-        demand, names, items = self._args(body)
+    def filter(self, body: Any, texts: _Texts | None = None) -> dict[str, Any] | bytes:
+        demand, names, items = self._args(body, texts)
         failed: dict[str, str] = {}
         unresolvable: dict[str, str] = {}
         passed: list[str] = []
@@ -399,8 +521,8 @@ class Extender:
             out["NodeNames"] = None
         return out
 
-    def prioritize(self, body: Any) -> list[dict[str, Any]] | dict[str, Any] | Raw:
-        demand, names, _ = self._args(body)
+    def prioritize(self, body: Any, texts: _Texts | None = None) -> list[dict[str, Any]] | dict[str, Any] | bytes:
+        demand, names, _ = self._args(body, texts)
         if isinstance(demand, PodError) or not demand.containers:
             return [{"Host": n, "Score": 0} for n in names]
         if self.binder is not None:
@@ -502,7 +624,7 @@ class _Handler(BoundedHandler, socketserver.StreamRequestHandler):
                 self.answered()
 
     def _send(self, code: int, body: Any) -> None:
-        data = body.encode() if isinstance(body, Raw) else orjson.dumps(body)
+        data = body if isinstance(body, bytes) else orjson.dumps(body)  # bytes: JSON already
         close = "Connection: close\r\n" if self.close_connection else ""
         head = (
             f"HTTP/1.1 {code} {HTTPStatus(code).phrase}\r\nContent-Type: application/json\r\n"
@@ -604,16 +726,17 @@ class _Handler(BoundedHandler, socketserver.StreamRequestHandler):
         if path == "/healthz":
             self._send(200, {"status": "ok"})
         elif path == "/inspect":
-            self._send(200, Raw(json.dumps(self.server.extender.inspect(), separators=(",", ":"))))
+            self._send(200, json.dumps(self.server.extender.inspect(), separators=(",", ":")).encode())
         else:
             self._send(404, {"Error": f"no GET {path}: use /healthz or /inspect"})
 
     def _post(self, length_text: bytes | None, expect: bool) -> None:
         path = self._path()
-        verbs = {
-            FILTER: self.server.extender.filter,
-            PRIORITIZE: self.server.extender.prioritize,
-            "bind": self.server.extender.bind,
+        extender = self.server.extender
+        verbs: dict[str, Callable[[Any, _Texts | None], Any]] = {
+            FILTER: extender.filter,
+            PRIORITIZE: extender.prioritize,
+            "bind": lambda body, _: extender.bind(body),
         }
         if length_text is None:
             self._refuse(411, "a request body needs a Content-Length")
@@ -637,12 +760,12 @@ class _Handler(BoundedHandler, socketserver.StreamRequestHandler):
                 self._send(404, {"Error": f"no POST {path}: use /filter, /prioritize or /bind"})
                 return
             try:
-                body = orjson.loads(raw)
+                body, texts = extender.parse(raw) if verb is not verbs["bind"] else (orjson.loads(raw), None)
             except orjson.JSONDecodeError as e:
                 self._send(400, {"Error": f"{path}: the body is not JSON ({e})"})
                 return
         try:
-            answer = verb(body)
+            answer = verb(body, texts)
         except BadRequest as e:
             self._send(400, {"Error": f"{path}: {e}"})
             return
@@ -761,6 +884,7 @@ class ExtenderServer:
         )
         self._thread.start()
         self._state.on_summary = self.extender.warm
+        self._state.on_put = self.extender.patch
         if self._heap is not None:
             self._heap.start()
         return self
@@ -775,4 +899,5 @@ class ExtenderServer:
         if self._heap is not None:
             self._heap.stop()
         self._state.on_summary = None
+        self._state.on_put = None
         self._http = None

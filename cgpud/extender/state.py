@@ -24,10 +24,11 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from cgpud.node import placement as admission
 from cgpud.node.model import GpuCapacity, GpuUsage, Reservation, Share
-from cgpud.extender.fit import NodeSummary, summarize
+from cgpud.extender.fit import NodeSummary, Rendered, summarize
 from cgpud.extender.model import ClusterView, GpuState, NodeEntry, NodeState, PodShare
 
 
@@ -67,10 +68,21 @@ class ClusterState:
         # Called with each new node summary before readers see it (the
         # server answers recent pod shapes there, off the request path).
         self.on_summary: Callable[[NodeSummary], None] | None = None
+        # Called after a node's record is replaced, with its name, its
+        # summary (None: no view or the stream is down) and the generation
+        # that write has, under the writers' lock: the server patches the
+        # answers it keeps there. It must not wait for a lock a reader may
+        # hold while it calls changed_since.
+        self.on_put: Callable[[str, NodeSummary | None, int], None] | None = None
         # Every write bumps the generation and logs the node's name, so a
         # reader that kept answers for many nodes redoes only the changed ones.
         self._generation = 0
         self._changes: deque[tuple[int, str]] = deque(maxlen=CHANGE_LOG)
+        # Each node's summary's rendered answers (NodeSummary.rendered), for
+        # a pass over many nodes: one look-up and the answer, without the
+        # record and the summary between (right after a burst of new views
+        # those are memory the CPU's caches do not hold).
+        self._answers: dict[str, dict[Any, Rendered]] = {}
 
     # ---- reads ------------------------------------------------------------------------
 
@@ -82,6 +94,12 @@ class ClusterState:
         """Every node's record, for loops over many nodes (read only: a
         writer replaces a record whole, never changes one)."""
         return self._records
+
+    @property
+    def answers(self) -> Mapping[str, dict[Any, Rendered]]:
+        """Each node's rendered answers by pod shape (its summary's
+        `rendered`), for nodes that have a summary (read only)."""
+        return self._answers
 
     @property
     def generation(self) -> int:
@@ -137,6 +155,7 @@ class ClusterState:
 
     def remove(self, name: str) -> None:
         with self._lock:
+            self._answers.pop(name, None)
             if self._records.pop(name, None) is not None:
                 self._logged(name)
 
@@ -146,9 +165,23 @@ class ClusterState:
             old = self._records.get(name)
             if old is None:
                 return
-            holds = tuple(h for h in old.holds if h.pod_uid != hold.pod_uid) + (hold,)
+            mine = [i for i, h in enumerate(old.holds) if h.pod_uid == hold.pod_uid]
+            if mine:  # in its place: the node's state lists the pods in the holds' order
+                holds = (
+                    old.holds[: mine[0]]
+                    + (hold,)
+                    + tuple(h for h in old.holds[mine[0] + 1 :] if h.pod_uid != hold.pod_uid)
+                )
+            else:
+                holds = old.holds + (hold,)
             if old.view is not None:
                 holds = _live(holds, old.view, self._clock())
+            if old.summary is not None and counted(holds) == counted(old.holds):
+                # The same shares for the same pods (a pending hold its Reserve
+                # answered): the node's state and summary stand, readers have
+                # nothing to redo.
+                self._records[name] = replace(old, holds=holds)
+                return
             self._put(name, old.entry.capacity_address, old.entry.connected, old.entry.error, old.view, holds)
 
     def release(self, name: str, pod_uid: str) -> None:
@@ -178,13 +211,25 @@ class ClusterState:
         if summary is not None and self.on_summary is not None:
             self.on_summary(summary)
         self._records[name] = NodeRecord(entry, summary, view, holds)
+        if summary is not None:
+            self._answers[name] = summary.rendered
+        else:
+            self._answers.pop(name, None)
         self._logged(name)
+        if self.on_put is not None:
+            self.on_put(name, summary, self._generation)
         if self.on_write is not None:
             self.on_write()
 
     def _logged(self, name: str) -> None:
         self._generation += 1
         self._changes.append((self._generation, name))
+
+
+def counted(holds: Sequence[Hold]) -> list[tuple[str, str, str, tuple[Share, ...]]]:
+    """What of the holds the node's state shows (with_holds): the rest (the
+    incarnation, revision and time a hold lives) only decides when it goes."""
+    return [(h.pod_uid, h.pod_namespace, h.pod_name, h.shares) for h in holds]
 
 
 def _live(holds: Sequence[Hold], view: NodeState, now: float) -> tuple[Hold, ...]:

@@ -18,7 +18,7 @@ import structlog
 from cgpud.api.cgpu.v1 import capacity_pb2 as pb
 from cgpud.errors import UsageError
 from cgpud.extender.client import Clients
-from cgpud.extender.model import node_from_pb
+from cgpud.extender.model import KeptShares, node_from_pb
 from cgpud.extender.state import ClusterState
 from cgpud.kube.model import ANNOTATION_CAPACITY_ADDRESS
 from cgpud.kube.rest import RestClient
@@ -84,6 +84,7 @@ class NodeWatcher:
         """Follow one stream until it ends: why it ended, and whether at
         least one view arrived."""
         got = False
+        kept = KeptShares()  # this stream's pods, from one view to the next
         try:
             call = self._clients.get(self.name, self.address).stub.WatchNode(pb.WatchNodeRequest())
             with self._lock:
@@ -91,7 +92,7 @@ class NodeWatcher:
             if self._stop.is_set():
                 call.cancel()
             for msg in call:
-                view = node_from_pb(msg)
+                view = node_from_pb(msg, kept)
                 if view.name != self.name:
                     # The address came from the Node (or the node file); the
                     # view is the node's own word: a view of another node

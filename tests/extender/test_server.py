@@ -356,3 +356,104 @@ def test_keep_alive_pipelining_http_1_0_and_expect_100_continue(server: tuple[Ex
         answer = s.recv(65536)
         assert answer.startswith(b"HTTP/1.1 200 ") and b'"NodeNames":["idle"]' in answer
     assert [d.name for d in binder.seen] == ["p", "p"]
+
+
+def test_a_node_list_sent_again_is_found_by_its_text(server: tuple[ExtenderServer, FakeBinder]) -> None:
+    srv, _ = server
+    c = Conn(srv.port)
+    names = ["busy", "idle", "ghost"]
+    compact = json.dumps(args(pod(), names), separators=(",", ":")).encode()
+    for _ in range(2):
+        code, out = c.call("POST", "/filter", raw=compact)
+        assert code == 200 and out["NodeNames"] == ["busy", "idle"]
+    text = compact[compact.rindex(b"[") :][:-1]
+    kept = srv.extender._texts[text]
+    assert list(kept) == names
+    body, texts = srv.extender.parse(compact)
+    assert body["NodeNames"] is kept and texts is not None and texts.names == text
+    # The same list's text behind a pod that is wrong is still a 400, and a
+    # list that failed the checks is never kept.
+    code, out = c.call("POST", "/filter", raw=b'{"Pod":3,"NodeNames":' + text + b"}")
+    assert code == 400 and "ExtenderArgs.Pod" in out["Error"]
+    twice = b'{"Pod":{"metadata":{"name":"p"},"spec":{}},"NodeNames":["busy","busy"]}'
+    for _ in range(2):
+        code, out = c.call("POST", "/filter", raw=twice)
+        assert code == 400 and "more than once" in out["Error"]
+    assert b'["busy","busy"]' not in srv.extender._texts
+    # A body the cut would misread is parsed whole.
+    code, out = c.call("POST", "/filter", raw=b'{,"NodeNames":' + text + b"}")
+    assert code == 400 and "not JSON" in out["Error"]
+
+
+def test_answers_joined_in_blocks_are_the_answers_joined_whole() -> None:
+    from cgpud.extender.fit import Placement, Reason, render
+    from cgpud.extender.server import BLOCK, FILTER, PRIORITIZE, _Judged
+
+    def one(i: int, fits: bool) -> Any:
+        name = json.dumps(f"n{i}")
+        return render(Placement(f"n{i}", (), 0.5, False, i % 11) if fits else Reason(f"full {i}", i % 2 == 0), name)
+
+    n = 3 * BLOCK + 5
+    now = [one(i, i % 3 != 0) for i in range(n)]
+    kept = _Judged(list(now))
+    for verb in (FILTER, PRIORITIZE):
+        kept.text(verb)
+    for step, i in enumerate((0, BLOCK, BLOCK + 1, n - 1, 7, 0)):
+        now[i] = one(i + step, step % 2 == 0)
+        kept.set(i, now[i])
+        fresh = _Judged(list(now))
+        for verb in (FILTER, PRIORITIZE):
+            assert kept.text(verb) == fresh.text(verb)
+            json.loads(kept.text(verb))
+        assert kept.none_passed() == fresh.none_passed() == (not any(r.passed for r in now))
+
+
+def test_a_pods_demand_is_kept_by_its_text_for_the_next_verb(server: tuple[ExtenderServer, FakeBinder]) -> None:
+    srv, binder = server
+    c = Conn(srv.port)
+    p = pod("kept", containers=[container("c", mem="4")])
+    compact = json.dumps(args(p, ["busy", "idle"]), separators=(",", ":")).encode()
+    assert c.call("POST", "/filter", raw=compact)[0] == 200
+    assert c.call("POST", "/prioritize", raw=compact)[0] == 200
+    assert binder.seen[0] is binder.seen[1]  # parsed once
+    rest = compact[: compact.index(b',"NodeNames"')] + b"}"
+    assert srv.extender._pods[rest] is binder.seen[0]
+    # Another pod's text is another demand; a bad pod is never kept.
+    for k in range(20):
+        other = json.dumps(args(pod(f"o{k}"), ["idle"]), separators=(",", ":")).encode()
+        assert c.call("POST", "/filter", raw=other)[0] == 200
+    assert rest not in srv.extender._pods and len(srv.extender._pods) == 16
+    bad = b'{"Pod":3,"NodeNames":["idle"]}'
+    assert c.call("POST", "/filter", raw=bad)[0] == 400
+    assert b'{"Pod":3}' not in srv.extender._pods
+
+
+def test_kept_answers_take_a_nodes_new_view_where_it_arrives(
+    server: tuple[ExtenderServer, FakeBinder], cluster: ClusterState
+) -> None:
+    srv, _ = server
+    c = Conn(srv.port)
+    names = ["busy", "idle", "ghost"]
+    p = pod(containers=[container("c", mem="8")])
+    for _ in range(2):
+        c.call("POST", "/filter", args(p, names))
+    memo = next(iter(srv.extender._memos.values()))
+    assert memo.generation == cluster.generation
+    # A view arrives: the kept answer is current at once, no request needed.
+    cluster.set_state("busy", "10.0.0.1:9455", node("busy", gpus=[gpu(0), gpu(1)], revision=2))
+    assert memo.generation == cluster.generation
+    assert memo.judged.judged[0].passed == '"busy"'
+    # A write the writer does not patch (a node gone): the answer falls
+    # behind, later views leave it so, and the next request catches up.
+    cluster.remove("idle")
+    cluster.set_state("busy", "10.0.0.1:9455", node("busy", gpus=[gpu(0, used=12), gpu(1, used=12)], revision=3))
+    assert memo.generation < cluster.generation
+    _, out = c.call("POST", "/filter", args(p, names))
+    assert out["NodeNames"] == [] and "unknown to cgpu-scheduler" in out["FailedAndUnresolvableNodes"]["idle"]
+    assert "no GPU has 8 GiB free" in out["FailedNodes"]["busy"] and memo.generation == cluster.generation
+    # While a request holds the kept answers, a view is not waited for.
+    with srv.extender._memo_lock:
+        cluster.set_state("busy", "10.0.0.1:9455", node("busy", gpus=[gpu(0), gpu(1)], revision=4))
+    assert memo.generation < cluster.generation
+    _, out = c.call("POST", "/filter", args(p, names))
+    assert out["NodeNames"] == ["busy"]

@@ -187,3 +187,47 @@ def test_changed_since_too_far_back_says_so() -> None:
         s.set_state("b", "b:1", node("b", revision=r))
     assert s.changed_since(g1)[1] is None
     assert s.changed_since(s.generation - 3)[1] == {"b"}
+
+
+def test_a_pending_hold_answered_keeps_the_state_and_summary_but_goes_with_its_revision() -> None:
+    clock = Clock()
+    s = ClusterState(clock)
+    s.set_state("n1", "a:1", node(gpus=[gpu(0)], revision=4))
+    s.hold("n1", hold("u0", gib=1, revision=5))  # an earlier hold: its place is kept
+    s.hold("n1", hold("u1", gib=4, incarnation="", revision=0))  # pending: the Reserve is under way
+    pending = s.record("n1")
+    generation = s.generation
+    s.hold("n1", hold("u1", gib=4, revision=6))  # the Reserve's answer: same shares
+    rec = s.record("n1")
+    assert rec is not None and pending is not None
+    assert rec.entry is pending.entry and rec.summary is pending.summary and s.generation == generation
+    assert [(h.pod_uid, h.revision) for h in rec.holds] == [("u0", 5), ("u1", 6)]
+    # The view at its revision takes both away.
+    s.set_state("n1", "a:1", node(gpus=[gpu(0, used=5)], revision=6))
+    rec = s.record("n1")
+    assert rec is not None and rec.holds == () and rec.entry.state is not None
+    assert rec.entry.state.gpus[0].memory_allocated == 5 * GIB
+    # Other shares for the pod, or a hold that ran out meanwhile: the state is made again.
+    s.hold("n1", hold("u2", gib=2, incarnation="", revision=0, expires=1010.0))
+    s.hold("n1", hold("u3", gib=1, incarnation="", revision=0))
+    clock.now = 1020.0
+    s.hold("n1", hold("u3", gib=1, revision=7))
+    rec = s.record("n1")
+    assert rec is not None and rec.entry.state is not None and [h.pod_uid for h in rec.holds] == ["u3"]
+    assert rec.entry.state.gpus[0].memory_allocated == 6 * GIB and s.generation > generation
+
+
+def test_answers_follow_each_nodes_summary() -> None:
+    s = ClusterState(Clock())
+    s.set_state("n1", "a:1", node(gpus=[gpu(0)]))
+    rec = s.record("n1")
+    assert rec is not None and rec.summary is not None and s.answers["n1"] is rec.summary.rendered
+    s.set_state("n1", "a:1", node(gpus=[gpu(0, used=2)], revision=2))
+    rec = s.record("n1")
+    assert rec is not None and rec.summary is not None and s.answers["n1"] is rec.summary.rendered
+    s.set_down("n1", "a:1", "connection refused")  # no summary while down: no answers
+    assert "n1" not in s.answers
+    s.set_state("n1", "a:1", node(gpus=[gpu(0)], revision=3))
+    assert "n1" in s.answers
+    s.remove("n1")
+    assert "n1" not in s.answers and s.record("n1") is None

@@ -137,6 +137,27 @@ def test_the_extender_reads_the_view_back_as_the_same_numbers():
     assert {(p.pod_uid, p.reserved) for p in state.pods} == {("uid-1", False), ("uid-2", True)}
 
 
+def test_a_stream_read_with_kept_shares_gives_the_states_read_whole():
+    from cgpud.extender.model import KeptShares
+
+    kept = KeptShares()
+    pod = _instance("i1", OwnerKind.POD, "uid-1/ns/p/c", [(1, 6, 0)])
+    a = Reservation("uid-2", "ns", "q", (Share(0, 2 * GIB),), 50.0)
+    b = Reservation("uid-3", "ns", "r", (Share(1, 1 * GIB),), 50.0)
+    views = [
+        node_view(_snapshot(active=(pod,), reservations=(a,))),
+        node_view(_snapshot(active=(pod,), reservations=(a, b))),
+        node_view(_snapshot(reservations=(b, Reservation("uid-2", "ns", "q", (Share(1, 3 * GIB),), 50.0)))),
+        node_view(_snapshot(active=(pod,))),
+    ]
+    states = [node_from_pb(v, kept) for v in views]
+    assert states == [node_from_pb(v) for v in views]
+    # The same entry again is the PodShare made the first time.
+    assert states[1].pods[0] is states[0].pods[0] and states[1].pods[1] is states[0].pods[1]
+    assert states[2].pods[1] is states[1].pods[2]  # uid-3, now first of the reservations
+    assert states[2].pods[0].gpus != states[1].pods[1].gpus  # uid-2 changed: made again
+
+
 @dataclass(frozen=True)
 class _G:
     index: int
@@ -447,3 +468,21 @@ def test_a_gpu_a_pod_holds_whole_is_full_and_names_the_pod():
         "main",
     )
     assert [(s.gpu_index, s.memory_bytes) for s in pod.shares] == [(1, 16 * GIB)]
+
+
+def test_views_built_from_kept_reservation_pieces_are_the_views_built_whole(service):
+    from cgpud.api.capacity import ReservationPieces
+
+    servicer = CapacityServicer(service, FACTS)
+    pieces = ReservationPieces()
+    for step, uid in enumerate(("u3", "u1", "u2", "u1", "u4")):  # u1 twice: replaced, a new row
+        servicer.Reserve(_reserve(pod_uid=uid, shares=[pb.Share(gpu_index=step % 2, memory_bytes=GIB)]), _Context())
+        if step == 3:
+            servicer.Unreserve(pb.UnreserveRequest(pod_uid="u2"), _Context())
+        snap = servicer.snapshot()
+        kept = node_view(snap, pieces)
+        assert kept == node_view(snap) and kept.SerializeToString() == node_view(snap).SerializeToString()
+        assert [r.pod_uid for r in kept.reservations] == sorted(r.pod_uid for r in snap.reservations)
+        # Only the last view's reservations are kept, each encoded once.
+        assert {id(r) for r in snap.reservations} == set(pieces._kept)
+    assert servicer.view() == node_view(servicer.snapshot())
