@@ -74,7 +74,10 @@ struct gate_slot {
     _Atomic uint32_t watched;  /* this process's fence watcher runs */
     _Atomic uint32_t credits;  /* launches allowed between fences before a drain */
     _Atomic uint32_t resets;   /* times `launched` was reset: with it, an unchanged (launched, resets) means no launch */
-    _Atomic uint32_t idle_report; /* the idle report this process has in its fence_ack, 0 for none */
+    /* Low half: the idle report this process has in its fence_ack, 0 for
+     * none; | UNWATCHED until its fence watcher runs. Nonzero sends a
+     * launch to the full path: one word for the launch hooks to test. */
+    _Atomic uint64_t idle_report;
     _Atomic uint32_t idle_prev;   /* the acknowledgement that report replaced, restored on withdrawal */
     _Atomic uint64_t rung_at;     /* CLOCK_MONOTONIC of this process's last idle wake-up of cgpud */
     _Atomic uint64_t orphaned; /* ORPHANED | the gate word nobody drives, or 0 */
@@ -97,7 +100,9 @@ struct gate_slot {
     CUcontext contexts[MAX_CONTEXTS];
 } __attribute__((aligned(64)));
 
-static struct gate_slot slots[CGPU_MAX_DEVICES] = {[0 ... CGPU_MAX_DEVICES - 1] = {.credits = LAUNCH_CREDITS}};
+#define UNWATCHED (1ull << 32) /* idle_report: no fence watcher runs yet */
+static struct gate_slot slots[CGPU_MAX_DEVICES] = {
+    [0 ... CGPU_MAX_DEVICES - 1] = {.credits = LAUNCH_CREDITS, .idle_report = UNWATCHED}};
 static pthread_mutex_t gate_lock = PTHREAD_MUTEX_INITIALIZER;
 static atomic_bool refusal_logged;
 static atomic_bool contexts_full_logged;
@@ -118,7 +123,7 @@ void cgpu_gate_after_fork(void)
         atomic_store(&slots[i].orphaned, 0);
         atomic_store(&slots[i].credits, LAUNCH_CREDITS);
         atomic_store(&slots[i].resets, 0);
-        atomic_store(&slots[i].idle_report, 0);
+        atomic_store(&slots[i].idle_report, UNWATCHED);
         atomic_store(&slots[i].alone_launched, 0);
         atomic_store(&slots[i].alone_credits, 0);
         atomic_store(&slots[i].alone_drained, 0);
@@ -238,7 +243,7 @@ static struct cgpu_proc_ledger *own_ledger(void)
  * acknowledgement has replaced it already. Lock-free: launches call it. */
 static __attribute__((noinline, cold)) void withdraw_idle(struct gate_slot *s, unsigned slot)
 {
-    uint32_t report = atomic_exchange(&s->idle_report, 0);
+    uint32_t report = (uint32_t)atomic_fetch_and(&s->idle_report, UNWATCHED);
     struct cgpu_proc_ledger *ledger = own_ledger();
     if (report && ledger)
         atomic_compare_exchange_strong(&ledger->fence_ack[slot], &report, atomic_load(&s->idle_prev));
@@ -266,7 +271,7 @@ static void cgpu_report_idle(unsigned slot, uint64_t mark, bool drained, bool ri
         pthread_mutex_unlock(&gate_lock);
     }
     uint32_t report = (g & CGPU_GATE_SEQ_MASK) | CGPU_ACK_IDLE | (drained ? CGPU_ACK_DRAINED : 0);
-    if (atomic_load(&s->idle_report) == report)
+    if (atomic_load(&s->idle_report) == report) /* watched: UNWATCHED is clear */
         return;
     pthread_mutex_lock(&gate_lock);
     uint32_t ack = atomic_load(&ledger->fence_ack[slot]);
@@ -541,6 +546,8 @@ static bool ensure_watcher(unsigned slot)
         pthread_attr_destroy(&attr);
         if (ok) {
             pthread_setname_np(tid, "cgpu-fence");
+            /* Before `watched`: whoever sees that sees this too. */
+            atomic_fetch_and(&s->idle_report, ~UNWATCHED);
             atomic_store_explicit(&s->watched, 1, memory_order_release);
         } else if (!was) {
             atomic_fetch_and(watching, ~bit); /* nobody would acknowledge */
@@ -579,7 +586,7 @@ static inline uint32_t hold_open_gate(const _Atomic uint32_t *gate, struct gate_
     /* Withdrawn before the gate is read, as cgpud closes the gate before it
      * reads the reports: either this sees the gate closed, or cgpud sees
      * the report gone and waits for the fence. */
-    if (CGPU_UNLIKELY(atomic_load(&s->idle_report) != 0))
+    if (CGPU_UNLIKELY((uint32_t)atomic_load(&s->idle_report) != 0))
         withdraw_idle(s, (unsigned)(s - slots));
     if (CGPU_LIKELY(atomic_load(gate) & CGPU_GATE_OPEN))
         return atomic_fetch_add_explicit(&s->launched, 1, memory_order_relaxed) + 1;
@@ -760,25 +767,26 @@ enum { HOLD_NO, HOLD_YES, HOLD_DRAIN };
  * a call: HOLD_YES, the grant is held (gate_leave(0) after the driver);
  * HOLD_DRAIN, held but out of credits (drain first); HOLD_NO, nothing is
  * left counted and the full path decides. The steps and their order are
- * hold_open_gate's; an idle report to withdraw sends the launch to the full
- * path, uncounted, as a gate found closed on the second look does. */
-static inline __attribute__((always_inline)) int hold_fast(const _Atomic uint32_t *gate, uint32_t g,
-                                                           CUstream stream)
+ * hold_open_gate's, with no first look at the gate: the count in flight
+ * first (undone if the gate turns out closed, as hold_open_gate does when
+ * it closed between two looks), then one word for an idle report to
+ * withdraw or no fence watcher yet (idle_report: either sends the launch
+ * to the full path, uncounted), then the gate. */
+static inline __attribute__((always_inline)) int hold_fast(const _Atomic uint32_t *gate, CUstream stream)
 {
     struct gate_slot *s = &slots[0];
-    if (!(g & CGPU_GATE_OPEN) || !atomic_load_explicit(&s->watched, memory_order_acquire))
-        return HOLD_NO;
     atomic_fetch_add(&s->inflight, 1);
     if (CGPU_UNLIKELY(atomic_load(&s->idle_report) != 0) || CGPU_UNLIKELY(!(atomic_load(gate) & CGPU_GATE_OPEN))) {
         atomic_fetch_sub_explicit(&s->inflight, 1, memory_order_release);
         return HOLD_NO;
     }
-    uint32_t n = atomic_fetch_add_explicit(&s->launched, 1, memory_order_relaxed) + 1;
+    uint32_t before = atomic_fetch_add_explicit(&s->launched, 1, memory_order_relaxed);
     /* Before the drain, not after as gate_enter does: the same outcome (a
      * drain that empties the queue records the stream itself), and
-     * symbol_drain needs no `n`. */
-    track_stream(s, n, stream);
-    if (CGPU_UNLIKELY(n > atomic_load_explicit(&s->credits, memory_order_relaxed)))
+     * symbol_drain needs no count. */
+    track_stream(s, before + 1, stream);
+    /* Launch before + 1 > credits: compared without the addition. */
+    if (CGPU_UNLIKELY(before >= atomic_load_explicit(&s->credits, memory_order_relaxed)))
         return HOLD_DRAIN;
     return HOLD_YES;
 }
@@ -812,7 +820,7 @@ static inline __attribute__((always_inline)) int hold_fast(const _Atomic uint32_
         __typeof__(&symbol) real_ =                                                             \
             (__typeof__(&symbol))atomic_load_explicit(&g_real[HOOK_##symbol], memory_order_acquire); \
         const _Atomic uint32_t *gate_ = atomic_load_explicit(&g_cgpu.launch_gate, memory_order_acquire); \
-        int held_ = real_ ? hold_fast(gate_, atomic_load_explicit(gate_, memory_order_acquire), (stream)) : HOLD_NO; \
+        int held_ = real_ ? hold_fast(gate_, (stream)) : HOLD_NO;                                   \
         __typeof__(&symbol) fn_ = CGPU_LIKELY(held_ == HOLD_YES) ? real_                          \
                                   : held_ == HOLD_DRAIN          ? symbol##_drain               \
                                                                  : symbol##_full;               \
@@ -829,11 +837,14 @@ static inline __attribute__((always_inline)) int hold_fast(const _Atomic uint32_
          * these but the gate word, read through the pointer (a dependency \
          * that orders it on every CPU Linux runs on); a driver pointer    \
          * names code, nothing written.                                   */ \
-        uintptr_t real_ = (uintptr_t)atomic_load_explicit(&g_real[HOOK_##symbol], memory_order_relaxed); \
         const _Atomic uint32_t *gate_ = atomic_load_explicit(&g_cgpu.launch_gate, memory_order_relaxed); \
-        uint32_t g_ = atomic_load_explicit(gate_, memory_order_relaxed);                        \
+        uint64_t g_ = atomic_load_explicit(gate_, memory_order_relaxed);                        \
+        uintptr_t real_ = (uintptr_t)atomic_load_explicit(&g_real[HOOK_##symbol], memory_order_relaxed); \
+        /* Opaque to the optimiser: the mask stays arithmetic (a branch costs \
+         * the stack arguments), and computed from a 64-bit value it is a     \
+         * shift pair (gate bit 1 to the sign, then spread), no register move. */ \
+        __asm__("" : "+r"(g_));                                                                 \
         uintptr_t keep_ = (uintptr_t)0 - ((g_ / CGPU_GATE_UNGATED) & 1); /* all ones if ungated */ \
-        __asm__("" : "+r"(keep_)); /* stays arithmetic: a branch costs the stack arguments */   \
         uintptr_t to_ = real_ & keep_;                                                          \
         __typeof__(&symbol) fn_ = to_ ? (__typeof__(&symbol))to_ : symbol##_gated;              \
         return fn_(__VA_ARGS__);                                                                \
