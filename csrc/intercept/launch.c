@@ -70,10 +70,16 @@
 
 struct gate_slot {
     _Atomic uint32_t inflight; /* launches between their gate check and the driver's return */
-    _Atomic uint32_t launched; /* launches since the last acknowledgement or drain */
+    /* Launches since the last acknowledgement or drain, as a countdown:
+     * the upper half (int32) how many more may go before a drain (below
+     * zero: drain first), the lower half how many were allowed when the
+     * count restarted; launched = allowed - left (count_launched). One
+     * word, so that a launch counts itself with one instruction whose sign
+     * says "drain", and no reader sees half of a restart. */
+    _Atomic uint64_t count;
     _Atomic uint32_t watched;  /* this process's fence watcher runs */
     _Atomic uint32_t credits;  /* launches allowed between fences before a drain */
-    _Atomic uint32_t resets;   /* times `launched` was reset: with it, an unchanged (launched, resets) means no launch */
+    _Atomic uint32_t resets;   /* times `count` restarted: with it, an unchanged (count, resets) means no launch */
     /* Low half: the idle report this process has in its fence_ack, 0 for
      * none; | UNWATCHED until its fence watcher runs. Nonzero sends a
      * launch to the full path: one word for the launch hooks to test. */
@@ -100,9 +106,34 @@ struct gate_slot {
     CUcontext contexts[MAX_CONTEXTS];
 } __attribute__((aligned(64)));
 
+#define QUEUE_MANY UINTPTR_MAX     /* queue_stream: launches went to more than one stream */
+#define QUEUE_ANY (UINTPTR_MAX - 1) /* a synchronisation whose stream is unknown (an event's) */
+#define QUEUE_NONE (UINTPTR_MAX - 2) /* queue_stream: no launch since the queue was last known empty */
 #define UNWATCHED (1ull << 32) /* idle_report: no fence watcher runs yet */
+/* `count` restarted with `allowed` launches allowed, `launched` of them made. */
+#define COUNT_WORD(allowed, launched)                                                           \
+    ((uint64_t)(uint32_t)((uint32_t)(allowed) - (uint32_t)(launched)) << 32 | (uint32_t)(allowed))
+#define COUNT_ONE (1ull << 32)   /* one launch, taken from `left` */
+#define COUNT_SPENT (1ull << 63) /* the sign of `left`: out of credits */
+/* Every launch drains (drain_queue paces it, and stores this again): left
+ * -2^30, far from wrapping in either direction; nothing allowed, so the
+ * launches counted are never none. */
+#define COUNT_PACED (0xc0000000ull << 32)
 static struct gate_slot slots[CGPU_MAX_DEVICES] = {
-    [0 ... CGPU_MAX_DEVICES - 1] = {.credits = LAUNCH_CREDITS, .idle_report = UNWATCHED}};
+    [0 ... CGPU_MAX_DEVICES - 1] = {.count = COUNT_WORD(LAUNCH_CREDITS, 0),
+                                    .credits = LAUNCH_CREDITS,
+                                    .idle_report = UNWATCHED,
+                                    .queue_stream = QUEUE_NONE}};
+
+static inline uint32_t count_launched(uint64_t count)
+{
+    return (uint32_t)count - (uint32_t)(count >> 32);
+}
+
+static uint32_t launched_since(struct gate_slot *s)
+{
+    return count_launched(atomic_load(&s->count));
+}
 static pthread_mutex_t gate_lock = PTHREAD_MUTEX_INITIALIZER;
 static atomic_bool refusal_logged;
 static atomic_bool contexts_full_logged;
@@ -110,15 +141,14 @@ static atomic_bool watcher_failure_logged;
 static atomic_bool orphan_logged;
 
 #define ORPHANED (1ull << 32)
-#define QUEUE_MANY UINTPTR_MAX     /* queue_stream: launches went to more than one stream */
-#define QUEUE_ANY (UINTPTR_MAX - 1) /* a synchronisation whose stream is unknown (an event's) */
 
 void cgpu_gate_after_fork(void)
 {
     pthread_mutex_init(&gate_lock, NULL);
     for (unsigned i = 0; i < CGPU_MAX_DEVICES; i++) {
         atomic_store(&slots[i].inflight, 0);
-        atomic_store(&slots[i].launched, 0);
+        atomic_store(&slots[i].count, COUNT_WORD(LAUNCH_CREDITS, 0));
+        atomic_store(&slots[i].queue_stream, QUEUE_NONE);
         atomic_store(&slots[i].watched, 0);
         atomic_store(&slots[i].orphaned, 0);
         atomic_store(&slots[i].credits, LAUNCH_CREDITS);
@@ -231,7 +261,7 @@ static uint64_t mono_ns(void)
 /* (launched, resets) in one word: equal marks mean no launch in between. */
 static uint64_t launch_mark(struct gate_slot *s)
 {
-    return (uint64_t)atomic_load(&s->resets) << 32 | atomic_load(&s->launched);
+    return (uint64_t)atomic_load(&s->resets) << 32 | (uint32_t)(atomic_load(&s->count) >> 32); /* left */
 }
 
 static struct cgpu_proc_ledger *own_ledger(void)
@@ -404,6 +434,7 @@ static void orphan_open_gate(unsigned slot, uint32_t g)
     uint32_t c = atomic_exchange(&s->credits, 0);
     if (c)
         atomic_store(&s->alone_credits, c);
+    atomic_store(&s->count, COUNT_PACED);
 }
 
 /* ---- the fence watcher ------------------------------------------------------- */
@@ -417,7 +448,9 @@ static void acknowledge(unsigned slot, uint32_t seq, struct cgpu_proc_ledger *le
         struct timespec ts = {0, INFLIGHT_POLL_NS};
         nanosleep(&ts, NULL);
     }
-    bool launched = atomic_exchange(&s->launched, 0) != 0;
+    uint32_t allowed = atomic_load_explicit(&s->credits, memory_order_relaxed);
+    atomic_store_explicit(&s->queue_stream, QUEUE_NONE, memory_order_relaxed); /* emptied by the fence below */
+    bool launched = count_launched(atomic_exchange(&s->count, COUNT_WORD(allowed, 0))) != 0;
     atomic_fetch_add(&s->resets, 1);
     atomic_store(&s->idle_report, 0); /* the acknowledgement below replaces it */
     if (launched)
@@ -443,7 +476,7 @@ static void look_for_idle(unsigned slot, uint32_t g)
     /* Nothing launched since the fence: the watcher's report at the grant
      * (which wakes nobody, as the threads let through launch at once) says
      * it; one that rang here would race them. */
-    while (atomic_load(gate) == g && atomic_load(&s->idle_report) == 0 && atomic_load(&s->launched) != 0) {
+    while (atomic_load(gate) == g && atomic_load(&s->idle_report) == 0 && launched_since(s) != 0) {
         /* The mark before the in-flight count: a launch counted in flight
          * after this look moves the mark before it reaches the driver. */
         uint64_t mark = launch_mark(s);
@@ -507,7 +540,7 @@ static void *watch(void *arg)
             orphan_open_gate(slot, g);
             lost = now + ALONE_AFTER_NS; /* a lone holder keeps its word past the slice: look again later */
         }
-        if (atomic_load(&s->launched) == 0)
+        if (launched_since(s) == 0)
             cgpu_report_idle(slot, launch_mark(s), true, false);
         if (atomic_load(probe) == g) {
             look_for_idle(slot, g);
@@ -579,8 +612,8 @@ static int slot_of_current_context(void)
 
 /* Counts the launch in flight if the gate is still open once it is counted:
  * either the watcher then sees the count, or this sees the gate closed.
- * Returns how many launches this makes since the last fence, 0 if closed. */
-static inline uint32_t hold_open_gate(const _Atomic uint32_t *gate, struct gate_slot *s)
+ * False if closed; else *count is `count` with this launch in it. */
+static inline bool hold_open_gate(const _Atomic uint32_t *gate, struct gate_slot *s, uint64_t *count)
 {
     atomic_fetch_add(&s->inflight, 1);
     /* Withdrawn before the gate is read, as cgpud closes the gate before it
@@ -588,10 +621,12 @@ static inline uint32_t hold_open_gate(const _Atomic uint32_t *gate, struct gate_
      * the report gone and waits for the fence. */
     if (CGPU_UNLIKELY((uint32_t)atomic_load(&s->idle_report) != 0))
         withdraw_idle(s, (unsigned)(s - slots));
-    if (CGPU_LIKELY(atomic_load(gate) & CGPU_GATE_OPEN))
-        return atomic_fetch_add_explicit(&s->launched, 1, memory_order_relaxed) + 1;
+    if (CGPU_LIKELY(atomic_load(gate) & CGPU_GATE_OPEN)) {
+        *count = atomic_fetch_sub_explicit(&s->count, COUNT_ONE, memory_order_relaxed) - COUNT_ONE;
+        return true;
+    }
     atomic_fetch_sub_explicit(&s->inflight, 1, memory_order_release);
-    return 0;
+    return false;
 }
 
 /* Out of credits: the process's queue on this GPU drains before it grows.
@@ -605,6 +640,8 @@ static __attribute__((noinline, cold)) void drain_queue(struct gate_slot *s, CUs
     unsigned slot = (unsigned)(s - slots);
     uint32_t g = atomic_load(g_cgpu.gate[slot]);
     if (atomic_load(&s->orphaned) == (ORPHANED | g)) {
+        /* Paced here until the word moves. */
+        atomic_store(&s->count, COUNT_PACED);
         pace_alone(slot, g);
         return;
     }
@@ -622,21 +659,33 @@ static __attribute__((noinline, cold)) void drain_queue(struct gate_slot *s, CUs
         else if (took > DRAIN_SLOW_NS && c > LAUNCH_CREDITS_MIN)
             atomic_store_explicit(&s->credits, c / 2, memory_order_relaxed);
     }
-    atomic_store_explicit(&s->launched, 1, memory_order_relaxed);
+    /* This launch is the first of the new count. */
+    atomic_store_explicit(&s->count, COUNT_WORD(atomic_load_explicit(&s->credits, memory_order_relaxed), 1),
+                          memory_order_relaxed);
     atomic_store_explicit(&s->queue_stream, (uintptr_t)stream, memory_order_relaxed);
     atomic_fetch_add(&s->resets, 1);
 }
 
-/* Records where launch number `n` since the queue was last empty goes:
- * the first names its stream, a later one into another stream makes it
- * QUEUE_MANY. Into the stream already recorded nothing changes (a first
- * launch would store the same value), so the common case is one compare;
- * no call, so the launch hooks keep their arguments in place. */
-static inline void track_stream(struct gate_slot *s, uint32_t n, CUstream stream)
+/* Records where a launch since the queue was last empty goes: the first
+ * (QUEUE_NONE before it) names its stream, by a compare-and-swap so that
+ * of two racing first launches into two streams the second sees the
+ * first's; one into another stream makes it QUEUE_MANY, a plain store:
+ * QUEUE_MANY is always true of a queue that is not empty, and no fence
+ * (which sets QUEUE_NONE) runs while this launch is in flight. Into the
+ * stream already recorded nothing changes, so the common case is one
+ * compare and needs no count of launches; no call and no register beyond
+ * the stream's, so the launch hooks keep their arguments in place. */
+static inline void track_stream(struct gate_slot *s, CUstream stream)
 {
     uintptr_t q = atomic_load_explicit(&s->queue_stream, memory_order_relaxed);
-    if (CGPU_UNLIKELY(q != (uintptr_t)stream) && (n == 1 || q != QUEUE_MANY))
-        atomic_store_explicit(&s->queue_stream, n == 1 ? (uintptr_t)stream : QUEUE_MANY, memory_order_relaxed);
+    if (CGPU_LIKELY(q == (uintptr_t)stream))
+        return;
+    /* Whether it worked is in q: still QUEUE_NONE, or what another put there. */
+    if (q == QUEUE_NONE)
+        (void)atomic_compare_exchange_strong_explicit(&s->queue_stream, &q, (uintptr_t)stream, memory_order_relaxed,
+                                                      memory_order_relaxed);
+    if (q != QUEUE_NONE && q != (uintptr_t)stream && q != QUEUE_MANY)
+        atomic_store_explicit(&s->queue_stream, QUEUE_MANY, memory_order_relaxed);
 }
 
 /* True when no cgpud holds the lock on the slot's gate: nobody will open it.
@@ -690,11 +739,11 @@ static __attribute__((noinline, cold)) int gate_slow(int slot, CUresult *err, CU
             *err = CUDA_ERROR_OUT_OF_MEMORY;
             return GATE_ERROR;
         }
-        uint32_t n;
-        if ((g & CGPU_GATE_OPEN) && (n = hold_open_gate(gate, s)) != 0) {
-            if (n > atomic_load_explicit(&s->credits, memory_order_relaxed))
+        uint64_t count;
+        if ((g & CGPU_GATE_OPEN) && hold_open_gate(gate, s, &count)) {
+            if (count & COUNT_SPENT)
                 drain_queue(s, stream);
-            track_stream(s, n, stream);
+            track_stream(s, stream);
             return slot;
         }
         if (g & CGPU_GATE_OPEN)
@@ -742,11 +791,11 @@ static inline __attribute__((always_inline)) int gate_enter(CUresult *err, CUstr
         return GATE_FREE;
     struct gate_slot *s = &slots[slot];
     if (CGPU_LIKELY((g & CGPU_GATE_OPEN) && atomic_load_explicit(&s->watched, memory_order_acquire))) {
-        uint32_t n = hold_open_gate(gate, s);
-        if (CGPU_LIKELY(n != 0)) {
-            if (CGPU_UNLIKELY(n > atomic_load_explicit(&s->credits, memory_order_relaxed)))
+        uint64_t count;
+        if (CGPU_LIKELY(hold_open_gate(gate, s, &count))) {
+            if (CGPU_UNLIKELY(count & COUNT_SPENT))
                 drain_queue(s, stream);
-            track_stream(s, n, stream);
+            track_stream(s, stream);
             return slot;
         }
     }
@@ -776,18 +825,16 @@ static inline __attribute__((always_inline)) int hold_fast(const _Atomic uint32_
 {
     struct gate_slot *s = &slots[0];
     atomic_fetch_add(&s->inflight, 1);
-    if (CGPU_UNLIKELY(atomic_load(&s->idle_report) != 0) || CGPU_UNLIKELY(!(atomic_load(gate) & CGPU_GATE_OPEN))) {
+    if (CGPU_UNLIKELY(!(atomic_load(gate) & CGPU_GATE_OPEN)) || CGPU_UNLIKELY(atomic_load(&s->idle_report) != 0)) {
         atomic_fetch_sub_explicit(&s->inflight, 1, memory_order_release);
         return HOLD_NO;
     }
-    uint32_t before = atomic_fetch_add_explicit(&s->launched, 1, memory_order_relaxed);
-    /* Before the drain, not after as gate_enter does: the same outcome (a
-     * drain that empties the queue records the stream itself), and
-     * symbol_drain needs no count. */
-    track_stream(s, before + 1, stream);
-    /* Launch before + 1 > credits: compared without the addition. */
-    if (CGPU_UNLIKELY(before >= atomic_load_explicit(&s->credits, memory_order_relaxed)))
-        return HOLD_DRAIN;
+    /* GCC's builtin: the decrement's own sign flag says "drain" (C11's
+     * fetch_sub returns the old value, tested apart). */
+    uint64_t count = __atomic_sub_fetch(&s->count, COUNT_ONE, __ATOMIC_RELAXED);
+    if (CGPU_UNLIKELY(count & COUNT_SPENT))
+        return HOLD_DRAIN; /* symbol_drain tracks the stream */
+    track_stream(s, stream);
     return HOLD_YES;
 }
 
@@ -807,9 +854,10 @@ static inline __attribute__((always_inline)) int hold_fast(const _Atomic uint32_
     {                                                                                           \
         GATED_CALL(symbol, stream, __VA_ARGS__);                                                \
     }                                                                                           \
-    /* Holding the grant (stream tracked), out of credits: as gate_enter then. */              \
+    /* Holding the grant, out of credits: as gate_enter then.            */ \
     static __attribute__((noinline, cold)) CUresult symbol##_drain params                       \
     {                                                                                           \
+        track_stream(&slots[0], (stream));                                                      \
         drain_queue(&slots[0], (stream));                                                       \
         CUresult rc_ = REAL(symbol)(__VA_ARGS__);                                               \
         gate_leave(0);                                                                          \
@@ -950,7 +998,7 @@ static inline int idle_watch_begin(uint64_t *mark)
 static bool queue_in(int slot, uintptr_t stream)
 {
     struct gate_slot *s = &slots[slot];
-    if (atomic_load_explicit(&s->launched, memory_order_relaxed) == 0)
+    if (launched_since(s) == 0)
         return true;
     uintptr_t q = atomic_load_explicit(&s->queue_stream, memory_order_relaxed);
     return stream == QUEUE_ANY ? q != QUEUE_MANY : q == stream;
