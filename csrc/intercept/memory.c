@@ -339,8 +339,10 @@ static inline __attribute__((always_inline)) struct alloc_entry *lookup(enum all
     return NULL;
 }
 
-/* Takes the record out; exactly one caller gets it. */
-static bool forget_aux(enum alloc_kind kind, uint64_t value, uint64_t *bytes, int *slot, uint64_t *aux)
+/* Takes the record out; exactly one caller gets it. Inline: with lookup
+ * inline too, a free makes no call here. */
+static inline __attribute__((always_inline)) bool forget_aux(enum alloc_kind kind, uint64_t value, uint64_t *bytes,
+                                                          int *slot, uint64_t *aux)
 {
     /* Read before the exchange, which frees the entry for reuse; a record
      * another caller took meanwhile fails it: look again. */
@@ -357,7 +359,8 @@ static bool forget_aux(enum alloc_kind kind, uint64_t value, uint64_t *bytes, in
     return false;
 }
 
-static bool forget(enum alloc_kind kind, uint64_t value, uint64_t *bytes, int *slot)
+static inline __attribute__((always_inline)) bool forget(enum alloc_kind kind, uint64_t value, uint64_t *bytes,
+                                                              int *slot)
 {
     uint64_t aux;
     return forget_aux(kind, value, bytes, slot, &aux);
