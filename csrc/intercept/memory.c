@@ -221,7 +221,7 @@ static inline void uncharge(int slot, uint64_t bytes)
  * MAPPING: a mapped VA, its size, and in aux the address of its HANDLE
  * record (0: memory we do not track). Records never move (the table is
  * never grown), so a mapping can name its memory by address: no third
- * record, no look-up by serial. LIMIT: a context's stack/heap charge. */
+ * record, no look-up by a serial of ours. LIMIT: a context's stack/heap charge. */
 enum alloc_kind { KIND_POINTER = 1, KIND_HANDLE = 2, KIND_ARRAY = 3, KIND_DETACHED = 4, KIND_MAPPING = 5, KIND_LIMIT = 6 };
 
 struct alloc_entry {
@@ -705,10 +705,14 @@ CGPU_EXPORT CUresult cuMipmappedArrayDestroy(CUmipmappedArray hMipmappedArray)
 
 /* ---- VMM memory: alive until released and unmapped ------------------------------- */
 
-/* Serialises the PHYS reference counts and the records naming them.
- * Process-local, held for a few table operations and never across a
- * driver call: a spinlock, an exchange and a store when free (a pthread
- * mutex pair is ~50 instructions, and a VMM cycle takes it seven times).
+/* Serialises finding a HANDLE record (by handle, or through a mapping)
+ * with what changes its handle references or key, and taking mapping
+ * records: whoever finds a record under it may take a reference, because
+ * the one it found by stays until the lock is given back. References are
+ * given back without it. Process-local, held for a few table operations
+ * and never across a driver call: a spinlock, an exchange and a store
+ * when free (a pthread mutex pair is ~50 instructions; a VMM cycle takes
+ * it three times).
  * A waiter spins briefly, then sleeps between looks, so a holder that was
  * preempted gets the CPU back. */
 static _Atomic int vmm_lock;
