@@ -762,7 +762,9 @@ static uint64_t detached_key(const struct alloc_entry *mem)
 }
 
 /* Records `bytes` (already charged) as held by `handle`, one reference.
- * Without vmm_lock: nobody names a record before it exists. */
+ * Without vmm_lock: nobody names a record before it exists. Memory that is
+ * not charged (host locations) is recorded too, with 0 bytes on slot 0, so
+ * that a handle with no record is one cuMemMap can refuse (below). */
 static inline void track_handle(CUmemGenericAllocationHandle handle, uint64_t bytes, int slot)
 {
     if (!remember_inline(KIND_HANDLE, handle, bytes, slot, 1))
@@ -799,13 +801,26 @@ static void reattach_locked(struct alloc_entry *mem, CUmemGenericAllocationHandl
     atomic_store_explicit(&mem->key, make_key(KIND_HANDLE, handle), memory_order_release);
 }
 
+/* Host locations (NCCL's host buffers) are not device memory: not charged,
+ * but recorded (0 bytes) so that cuMemMap knows the handle. */
+static __attribute__((noinline, cold)) CUresult create_uncharged(CUmemGenericAllocationHandle *handle, size_t size,
+                                                                 const CUmemAllocationProp *prop,
+                                                                 unsigned long long flags)
+{
+    CUresult rc = CALL_REAL(cuMemCreate, handle, size, prop, flags);
+    if (rc == CUDA_SUCCESS && handle && cgpu_state() == CGPU_ACTIVE)
+        track_handle(*handle, 0, 0);
+    return rc;
+}
+
 CGPU_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
                                  unsigned long long flags)
 {
-    /* Host locations (NCCL's host buffers) are not device memory. */
     bool device = handle && size && prop && prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE;
-    int slot = device && cgpu_state() == CGPU_ACTIVE ? cgpu_slot_of_cuda_device(prop->location.id) : -1;
-    ROUTE_OR_RETURN(device ? route_to(slot) : ROUTE_FORWARD, cuMemCreate, handle, size, prop, flags);
+    if (!device)
+        return create_uncharged(handle, size, prop, flags);
+    int slot = cgpu_state() == CGPU_ACTIVE ? cgpu_slot_of_cuda_device(prop->location.id) : -1;
+    ROUTE_OR_RETURN(route_to(slot), cuMemCreate, handle, size, prop, flags);
     if (!charge(slot, size))
         return CUDA_ERROR_OUT_OF_MEMORY;
     CUresult rc = CALL_REAL(cuMemCreate, handle, size, prop, flags);
@@ -889,14 +904,35 @@ CGPU_EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *h
     uint64_t bytes;
     int slot;
     CUresult sized = imported_size(*handle, &bytes, &slot);
-    if (sized == CUDA_SUCCESS && bytes == 0)
+    if (sized == CUDA_SUCCESS && bytes == 0) {
+        track_handle(*handle, 0, 0); /* host memory: known, not charged */
         return CUDA_SUCCESS;
+    }
     if (sized != CUDA_SUCCESS || !charge(slot, bytes)) {
         CALL_REAL(cuMemRelease, *handle);
         return sized != CUDA_SUCCESS ? sized : CUDA_ERROR_OUT_OF_MEMORY;
     }
     track_handle(*handle, bytes, slot);
     return CUDA_SUCCESS;
+}
+
+/* A handle with no record: every handle made through us (create, import,
+ * retain; host memory too) has one before the call that made it returns,
+ * so this is a value the caller did not get from such a call yet: a guess
+ * at what another thread's create is about to return, while that create
+ * is between the driver and its record. Mapped untracked, the memory would
+ * be given back at its release while still mapped (a way past the limit).
+ * Looked up once more under the lock (the record may have come since);
+ * still none: refused, as the driver refuses a handle it does not know.
+ * (A full table leaves a handle unrecorded too: refused as well.) */
+static __attribute__((noinline, cold)) struct alloc_entry *map_unrecorded(CUmemGenericAllocationHandle handle)
+{
+    vmm_take();
+    struct alloc_entry *mem = lookup(KIND_HANDLE, handle);
+    if (mem)
+        atomic_fetch_add_explicit(&mem->refs, 1, memory_order_relaxed);
+    vmm_give();
+    return mem;
 }
 
 CGPU_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
@@ -911,14 +947,13 @@ CGPU_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmem
     if (mem)
         atomic_fetch_add_explicit(&mem->refs, 1, memory_order_relaxed);
     vmm_give();
+    if (CGPU_UNLIKELY(!mem) && !(mem = map_unrecorded(handle)))
+        return CUDA_ERROR_INVALID_VALUE;
     CUresult rc = CALL_REAL(cuMemMap, ptr, size, offset, handle, flags);
-    if (rc != CUDA_SUCCESS) {
-        if (mem)
-            unref_memory(mem);
-    } else if (!remember_inline(KIND_MAPPING, ptr, size, -1, (uint64_t)(uintptr_t)mem)) {
-        /* untracked memory too: unmap walks ranges */
+    if (rc != CUDA_SUCCESS)
+        unref_memory(mem);
+    else if (!remember_inline(KIND_MAPPING, ptr, size, -1, (uint64_t)(uintptr_t)mem))
         cgpu_log(CGPU_LOG_ERROR, "allocation table full: a mapping stays charged");
-    }
     return rc;
 }
 
@@ -1064,8 +1099,10 @@ CGPU_EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle
     uint64_t bytes;
     int slot;
     CUresult sized = imported_size(*handle, &bytes, &slot);
-    if (sized == CUDA_SUCCESS && bytes == 0)
-        return CUDA_SUCCESS; /* host memory */
+    if (sized == CUDA_SUCCESS && bytes == 0) {
+        track_handle(*handle, 0, 0); /* host memory: known, not charged */
+        return CUDA_SUCCESS;
+    }
     if (sized != CUDA_SUCCESS || !charge(slot, bytes)) {
         CALL_REAL(cuMemRelease, *handle);
         return sized != CUDA_SUCCESS ? sized : CUDA_ERROR_OUT_OF_MEMORY;
