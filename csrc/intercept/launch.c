@@ -70,11 +70,20 @@
 
 struct gate_slot {
     _Atomic uint32_t inflight; /* launches between their gate check and the driver's return */
-    _Atomic uint32_t launched; /* launches since the last acknowledgement or drain */
+    /* Launches since the last acknowledgement or drain: the upper half
+     * (int32) how many more may go before a drain, the lower half how many
+     * went (count_launched). One word, so that a launch counts itself with
+     * one instruction (COUNT_STEP) whose sign sends it out of line, and no
+     * reader sees half of a restart. Below zero: out of credits (drain
+     * first), or IDLE_BIAS lower while this process may have an idle report
+     * standing (take it back first); every restart keeps the bias. */
+    _Atomic uint64_t count;
     _Atomic uint32_t watched;  /* this process's fence watcher runs */
     _Atomic uint32_t credits;  /* launches allowed between fences before a drain */
-    _Atomic uint32_t resets;   /* times `launched` was reset: with it, an unchanged (launched, resets) means no launch */
-    _Atomic uint32_t idle_report; /* the idle report this process has in its fence_ack, 0 for none */
+    _Atomic uint32_t resets;   /* times `count` restarted: with it, an unchanged (count, resets) means no launch */
+    /* The idle report this process has in its fence_ack, 0 for none.
+     * The launch hooks do not read it: a report biases `count`. */
+    _Atomic uint32_t idle_report;
     _Atomic uint32_t idle_prev;   /* the acknowledgement that report replaced, restored on withdrawal */
     _Atomic uint64_t rung_at;     /* CLOCK_MONOTONIC of this process's last idle wake-up of cgpud */
     _Atomic uint64_t orphaned; /* ORPHANED | the gate word nobody drives, or 0 */
@@ -97,7 +106,83 @@ struct gate_slot {
     CUcontext contexts[MAX_CONTEXTS];
 } __attribute__((aligned(64)));
 
-static struct gate_slot slots[CGPU_MAX_DEVICES] = {[0 ... CGPU_MAX_DEVICES - 1] = {.credits = LAUNCH_CREDITS}};
+#define QUEUE_MANY UINTPTR_MAX     /* queue_stream: launches went to more than one stream */
+#define QUEUE_ANY (UINTPTR_MAX - 1) /* a synchronisation whose stream is unknown (an event's) */
+#define QUEUE_NONE (UINTPTR_MAX - 2) /* queue_stream: no launch since the queue was last known empty */
+/* `count` with `left` launches left before a drain and `launched` made. */
+#define COUNT_WORD(left, launched) ((uint64_t)(uint32_t)(int32_t)(left) << 32 | (uint32_t)(launched))
+/* Subtracted by each launch: one more launched (the lower half: -(2^32-1)
+ * is +1 there with a borrow), so one fewer left (the upper half, through
+ * that borrow). The result's sign is the upper half's. */
+#define COUNT_STEP 0xffffffffull
+/* The bias while an idle report may stand, in `left`. Unbiased, `left` stays
+ * within [-2^29, 2^29): at most LAUNCH_CREDITS_MAX, and COUNT_PACED_LEFT
+ * less the launches in flight at once; biased, it is below -2^29 and above
+ * -2^31. So the bias is read off the word itself, and no restart (a store
+ * made from other words) can drop or double it. */
+#define IDLE_BIAS (1 << 30)
+#define COUNT_BIAS ((uint64_t)IDLE_BIAS << 32)
+/* Every launch drains (drain_queue paces it, and stores this again): far
+ * from wrapping, and from the bias's range; one launched, so the launches
+ * counted are never none. */
+#define COUNT_PACED_LEFT (-(1 << 28))
+static struct gate_slot slots[CGPU_MAX_DEVICES] = {
+    [0 ... CGPU_MAX_DEVICES - 1] = {.count = COUNT_WORD(LAUNCH_CREDITS, 0),
+                                    .credits = LAUNCH_CREDITS,
+                                    .queue_stream = QUEUE_NONE}};
+
+/* What the launch hooks' inline path reads for each hook: the one-device
+ * gate (gate[0]) once a full-path launch has seen init done, one instance
+ * device, the fence watcher running (its ledger says `watching`) and the
+ * driver's function found; before that (and in a forked child until its own
+ * watcher runs) a word that is never open, which sends every launch to the
+ * full path. So the inline path needs no test of its own for a watcher, for
+ * init or for the driver's pointer. */
+static const _Atomic uint32_t never_open = 0;
+static const _Atomic uint32_t *_Atomic open_gate[HOOK_COUNT] = {[0 ... HOOK_COUNT - 1] = &never_open};
+
+static inline uint32_t count_launched(uint64_t count)
+{
+    return (uint32_t)count;
+}
+
+static inline bool count_biased(uint64_t count)
+{
+    return (int32_t)(count >> 32) < -(IDLE_BIAS / 2);
+}
+
+/* Launches left before a drain, without the bias. */
+static inline int32_t count_left(uint64_t count)
+{
+    int32_t left = (int32_t)(count >> 32);
+    return count_biased(count) ? left + IDLE_BIAS : left;
+}
+
+/* Sets (or clears) the bias unless it is so already. Whoever reads the
+ * count after this sees it: a launch that counts itself there goes out of
+ * line and looks for a report to take back. */
+static void count_set_bias(_Atomic uint64_t *count, bool on)
+{
+    uint64_t c = atomic_load(count);
+    while (count_biased(c) != on && !atomic_compare_exchange_weak(count, &c, on ? c - COUNT_BIAS : c + COUNT_BIAS))
+        ;
+}
+
+/* Restarts the count with `left` launches left and `launched` made,
+ * keeping the bias (a report may stand); returns the word it replaced. */
+static uint64_t count_restart(_Atomic uint64_t *count, int32_t left, uint32_t launched)
+{
+    uint64_t c = atomic_load(count);
+    while (!atomic_compare_exchange_weak(count, &c,
+                                         COUNT_WORD(left, launched) - (count_biased(c) ? COUNT_BIAS : 0)))
+        ;
+    return c;
+}
+
+static uint32_t launched_since(struct gate_slot *s)
+{
+    return count_launched(atomic_load(&s->count));
+}
 static pthread_mutex_t gate_lock = PTHREAD_MUTEX_INITIALIZER;
 static atomic_bool refusal_logged;
 static atomic_bool contexts_full_logged;
@@ -105,15 +190,14 @@ static atomic_bool watcher_failure_logged;
 static atomic_bool orphan_logged;
 
 #define ORPHANED (1ull << 32)
-#define QUEUE_MANY UINTPTR_MAX     /* queue_stream: launches went to more than one stream */
-#define QUEUE_ANY (UINTPTR_MAX - 1) /* a synchronisation whose stream is unknown (an event's) */
 
 void cgpu_gate_after_fork(void)
 {
     pthread_mutex_init(&gate_lock, NULL);
     for (unsigned i = 0; i < CGPU_MAX_DEVICES; i++) {
         atomic_store(&slots[i].inflight, 0);
-        atomic_store(&slots[i].launched, 0);
+        atomic_store(&slots[i].count, COUNT_WORD(LAUNCH_CREDITS, 0));
+        atomic_store(&slots[i].queue_stream, QUEUE_NONE);
         atomic_store(&slots[i].watched, 0);
         atomic_store(&slots[i].orphaned, 0);
         atomic_store(&slots[i].credits, LAUNCH_CREDITS);
@@ -126,6 +210,9 @@ void cgpu_gate_after_fork(void)
         atomic_store(&slots[i].alone_cap, 0);
         slots[i].ncontexts = 0;
     }
+    /* No watcher in the child: its launches take the full path until one runs. */
+    for (unsigned i = 0; i < HOOK_COUNT; i++)
+        atomic_store(&open_gate[i], &never_open);
 }
 
 /* Shared futexes: the words live in MAP_SHARED file mappings. */
@@ -226,7 +313,7 @@ static uint64_t mono_ns(void)
 /* (launched, resets) in one word: equal marks mean no launch in between. */
 static uint64_t launch_mark(struct gate_slot *s)
 {
-    return (uint64_t)atomic_load(&s->resets) << 32 | atomic_load(&s->launched);
+    return (uint64_t)atomic_load(&s->resets) << 32 | count_launched(atomic_load(&s->count));
 }
 
 static struct cgpu_proc_ledger *own_ledger(void)
@@ -273,14 +360,22 @@ static void cgpu_report_idle(unsigned slot, uint64_t mark, bool drained, bool ri
     bool posted = false;
     if ((int32_t)((ack & CGPU_GATE_SEQ_MASK) - (report & CGPU_GATE_SEQ_MASK)) < 0) {
         atomic_store(&s->idle_prev, ack);
-        atomic_store(&s->idle_report, report);
         posted = atomic_compare_exchange_strong(&ledger->fence_ack[slot], &ack, report);
-        if (!posted)
-            atomic_store(&s->idle_report, 0);
-        /* A launch counts itself in flight, then looks at idle_report: either
-         * it sees the report and withdraws it, or this sees it here. */
-        else if (atomic_load(&s->inflight) != 0 || launch_mark(s) != mark)
-            withdraw_idle(s, slot), posted = false;
+        if (posted) {
+            /* Once posted: a launch that takes idle_report back then finds
+             * it in fence_ack. Then the bias: a launch that counts itself
+             * after it goes out of line, and finds idle_report. */
+            atomic_store(&s->idle_report, report);
+            count_set_bias(&s->count, true);
+            /* A launch counts itself in flight, then in `count`: either it
+             * sees the bias and withdraws the report, or this sees it here. */
+            if (atomic_load(&s->inflight) != 0 || launch_mark(s) != mark) {
+                withdraw_idle(s, slot);
+                /* No other report stands (they are made under gate_lock). */
+                count_set_bias(&s->count, false);
+                posted = false;
+            }
+        }
     }
     pthread_mutex_unlock(&gate_lock);
     if (!posted)
@@ -399,6 +494,7 @@ static void orphan_open_gate(unsigned slot, uint32_t g)
     uint32_t c = atomic_exchange(&s->credits, 0);
     if (c)
         atomic_store(&s->alone_credits, c);
+    count_restart(&s->count, COUNT_PACED_LEFT, 1);
 }
 
 /* ---- the fence watcher ------------------------------------------------------- */
@@ -412,9 +508,13 @@ static void acknowledge(unsigned slot, uint32_t seq, struct cgpu_proc_ledger *le
         struct timespec ts = {0, INFLIGHT_POLL_NS};
         nanosleep(&ts, NULL);
     }
-    bool launched = atomic_exchange(&s->launched, 0) != 0;
+    uint32_t allowed = atomic_load_explicit(&s->credits, memory_order_relaxed);
+    atomic_store_explicit(&s->queue_stream, QUEUE_NONE, memory_order_relaxed); /* emptied by the fence below */
+    bool launched = count_launched(count_restart(&s->count, (int32_t)allowed, 0)) != 0;
     atomic_fetch_add(&s->resets, 1);
-    atomic_store(&s->idle_report, 0); /* the acknowledgement below replaces it */
+    /* The acknowledgement below replaces the report (the bias stays: the
+     * next launch goes out of line once and finds none). */
+    atomic_store(&s->idle_report, 0);
     if (launched)
         synchronize_contexts(s);
     atomic_store_explicit(&ledger->fence_ack[slot], seq | (launched ? CGPU_ACK_LAUNCHED : 0), memory_order_release);
@@ -438,7 +538,7 @@ static void look_for_idle(unsigned slot, uint32_t g)
     /* Nothing launched since the fence: the watcher's report at the grant
      * (which wakes nobody, as the threads let through launch at once) says
      * it; one that rang here would race them. */
-    while (atomic_load(gate) == g && atomic_load(&s->idle_report) == 0 && atomic_load(&s->launched) != 0) {
+    while (atomic_load(gate) == g && atomic_load(&s->idle_report) == 0 && launched_since(s) != 0) {
         /* The mark before the in-flight count: a launch counted in flight
          * after this look moves the mark before it reaches the driver. */
         uint64_t mark = launch_mark(s);
@@ -502,7 +602,7 @@ static void *watch(void *arg)
             orphan_open_gate(slot, g);
             lost = now + ALONE_AFTER_NS; /* a lone holder keeps its word past the slice: look again later */
         }
-        if (atomic_load(&s->launched) == 0)
+        if (launched_since(s) == 0)
             cgpu_report_idle(slot, launch_mark(s), true, false);
         if (atomic_load(probe) == g) {
             look_for_idle(slot, g);
@@ -541,6 +641,8 @@ static bool ensure_watcher(unsigned slot)
         pthread_attr_destroy(&attr);
         if (ok) {
             pthread_setname_np(tid, "cgpu-fence");
+            /* Launch hooks take the inline path (open_gate) only once a
+             * full-path launch has seen this. */
             atomic_store_explicit(&s->watched, 1, memory_order_release);
         } else if (!was) {
             atomic_fetch_and(watching, ~bit); /* nobody would acknowledge */
@@ -570,21 +672,33 @@ static int slot_of_current_context(void)
     return slot >= 0 ? slot : GATE_FREE; /* a GPU outside the instance is not scheduled here */
 }
 
+/* Takes back this process's idle report, if one may stand, for a launch
+ * counted in flight: the bias first (a report posted after this biases the
+ * count again), then the report. */
+static inline void take_back_idle(struct gate_slot *s)
+{
+    if (CGPU_UNLIKELY(count_biased(atomic_load(&s->count))))
+        count_set_bias(&s->count, false);
+    if (CGPU_UNLIKELY(atomic_load(&s->idle_report) != 0))
+        withdraw_idle(s, (unsigned)(s - slots));
+}
+
 /* Counts the launch in flight if the gate is still open once it is counted:
  * either the watcher then sees the count, or this sees the gate closed.
- * Returns how many launches this makes since the last fence, 0 if closed. */
-static inline uint32_t hold_open_gate(const _Atomic uint32_t *gate, struct gate_slot *s)
+ * False if closed; else *count is `count` with this launch in it. */
+static inline bool hold_open_gate(const _Atomic uint32_t *gate, struct gate_slot *s, uint64_t *count)
 {
     atomic_fetch_add(&s->inflight, 1);
     /* Withdrawn before the gate is read, as cgpud closes the gate before it
      * reads the reports: either this sees the gate closed, or cgpud sees
      * the report gone and waits for the fence. */
-    if (CGPU_UNLIKELY(atomic_load(&s->idle_report) != 0))
-        withdraw_idle(s, (unsigned)(s - slots));
-    if (CGPU_LIKELY(atomic_load(gate) & CGPU_GATE_OPEN))
-        return atomic_fetch_add_explicit(&s->launched, 1, memory_order_relaxed) + 1;
+    take_back_idle(s);
+    if (CGPU_LIKELY(atomic_load(gate) & CGPU_GATE_OPEN)) {
+        *count = atomic_fetch_sub(&s->count, COUNT_STEP) - COUNT_STEP;
+        return true;
+    }
     atomic_fetch_sub_explicit(&s->inflight, 1, memory_order_release);
-    return 0;
+    return false;
 }
 
 /* Out of credits: the process's queue on this GPU drains before it grows.
@@ -598,6 +712,8 @@ static __attribute__((noinline, cold)) void drain_queue(struct gate_slot *s, CUs
     unsigned slot = (unsigned)(s - slots);
     uint32_t g = atomic_load(g_cgpu.gate[slot]);
     if (atomic_load(&s->orphaned) == (ORPHANED | g)) {
+        /* Paced here until the word moves. */
+        count_restart(&s->count, COUNT_PACED_LEFT, 1);
         pace_alone(slot, g);
         return;
     }
@@ -615,21 +731,32 @@ static __attribute__((noinline, cold)) void drain_queue(struct gate_slot *s, CUs
         else if (took > DRAIN_SLOW_NS && c > LAUNCH_CREDITS_MIN)
             atomic_store_explicit(&s->credits, c / 2, memory_order_relaxed);
     }
-    atomic_store_explicit(&s->launched, 1, memory_order_relaxed);
+    /* This launch is the first of the new count. */
+    count_restart(&s->count, (int32_t)atomic_load_explicit(&s->credits, memory_order_relaxed) - 1, 1);
     atomic_store_explicit(&s->queue_stream, (uintptr_t)stream, memory_order_relaxed);
     atomic_fetch_add(&s->resets, 1);
 }
 
-/* Records where launch number `n` since the queue was last empty goes:
- * the first names its stream, a later one into another stream makes it
- * QUEUE_MANY. Into the stream already recorded nothing changes (a first
- * launch would store the same value), so the common case is one compare;
- * no call, so the launch hooks keep their arguments in place. */
-static inline void track_stream(struct gate_slot *s, uint32_t n, CUstream stream)
+/* Records where a launch since the queue was last empty goes: the first
+ * (QUEUE_NONE before it) names its stream, by a compare-and-swap so that
+ * of two racing first launches into two streams the second sees the
+ * first's; one into another stream makes it QUEUE_MANY, a plain store:
+ * QUEUE_MANY is always true of a queue that is not empty, and no fence
+ * (which sets QUEUE_NONE) runs while this launch is in flight. Into the
+ * stream already recorded nothing changes, so the common case is one
+ * compare and needs no count of launches; no call and no register beyond
+ * the stream's, so the launch hooks keep their arguments in place. */
+static inline void track_stream(struct gate_slot *s, CUstream stream)
 {
     uintptr_t q = atomic_load_explicit(&s->queue_stream, memory_order_relaxed);
-    if (CGPU_UNLIKELY(q != (uintptr_t)stream) && (n == 1 || q != QUEUE_MANY))
-        atomic_store_explicit(&s->queue_stream, n == 1 ? (uintptr_t)stream : QUEUE_MANY, memory_order_relaxed);
+    if (CGPU_LIKELY(q == (uintptr_t)stream))
+        return;
+    /* Whether it worked is in q: still QUEUE_NONE, or what another put there. */
+    if (q == QUEUE_NONE)
+        (void)atomic_compare_exchange_strong_explicit(&s->queue_stream, &q, (uintptr_t)stream, memory_order_relaxed,
+                                                      memory_order_relaxed);
+    if (q != QUEUE_NONE && q != (uintptr_t)stream && q != QUEUE_MANY)
+        atomic_store_explicit(&s->queue_stream, QUEUE_MANY, memory_order_relaxed);
 }
 
 /* True when no cgpud holds the lock on the slot's gate: nobody will open it.
@@ -683,11 +810,11 @@ static __attribute__((noinline, cold)) int gate_slow(int slot, CUresult *err, CU
             *err = CUDA_ERROR_OUT_OF_MEMORY;
             return GATE_ERROR;
         }
-        uint32_t n;
-        if ((g & CGPU_GATE_OPEN) && (n = hold_open_gate(gate, s)) != 0) {
-            if (n > atomic_load_explicit(&s->credits, memory_order_relaxed))
+        uint64_t count;
+        if ((g & CGPU_GATE_OPEN) && hold_open_gate(gate, s, &count)) {
+            if (count_left(count) < 0)
                 drain_queue(s, stream);
-            track_stream(s, n, stream);
+            track_stream(s, stream);
             return slot;
         }
         if (g & CGPU_GATE_OPEN)
@@ -735,11 +862,11 @@ static inline __attribute__((always_inline)) int gate_enter(CUresult *err, CUstr
         return GATE_FREE;
     struct gate_slot *s = &slots[slot];
     if (CGPU_LIKELY((g & CGPU_GATE_OPEN) && atomic_load_explicit(&s->watched, memory_order_acquire))) {
-        uint32_t n = hold_open_gate(gate, s);
-        if (CGPU_LIKELY(n != 0)) {
-            if (CGPU_UNLIKELY(n > atomic_load_explicit(&s->credits, memory_order_relaxed)))
+        uint64_t count;
+        if (CGPU_LIKELY(hold_open_gate(gate, s, &count))) {
+            if (CGPU_UNLIKELY(count_left(count) < 0))
                 drain_queue(s, stream);
-            track_stream(s, n, stream);
+            track_stream(s, stream);
             return slot;
         }
     }
@@ -754,33 +881,62 @@ static inline void gate_leave(int slot)
 
 /* ---- the launch hooks' hot path ----------------------------------------------------- */
 
-enum { HOLD_NO, HOLD_YES, HOLD_DRAIN };
+enum { HOLD_NO, HOLD_YES, HOLD_COLD };
 
-/* gate_enter's open-gate case on the one-device gate (launch_gate), without
- * a call: HOLD_YES, the grant is held (gate_leave(0) after the driver);
- * HOLD_DRAIN, held but out of credits (drain first); HOLD_NO, nothing is
- * left counted and the full path decides. The steps and their order are
- * hold_open_gate's; an idle report to withdraw sends the launch to the full
- * path, uncounted, as a gate found closed on the second look does. */
-static inline __attribute__((always_inline)) int hold_fast(const _Atomic uint32_t *gate, uint32_t g,
-                                                           CUstream stream)
+static void publish_open_gate(enum cgpu_hook_id id)
+{
+    const _Atomic uint32_t *gate = atomic_load_explicit(&g_cgpu.launch_gate, memory_order_acquire);
+    if (g_cgpu.device_count <= 1 && gate == g_cgpu.gate[0] &&
+        atomic_load_explicit(&slots[0].watched, memory_order_acquire) &&
+        atomic_load_explicit(&g_real[id], memory_order_acquire) &&
+        atomic_load_explicit(&open_gate[id], memory_order_relaxed) != gate)
+        atomic_store_explicit(&open_gate[id], gate, memory_order_release);
+}
+
+/* gate_enter's open-gate case on the one-device gate (open_gate), without a
+ * call: HOLD_YES, the grant is held (gate_leave(0) after the driver);
+ * HOLD_COLD, held but `count` went below zero (hold_cold decides); HOLD_NO,
+ * nothing is left counted and the full path decides. The steps and their
+ * order are hold_open_gate's, with no first look at the gate: the count in
+ * flight first (undone if the gate turns out closed, as hold_open_gate does
+ * when it closed between two looks), then the gate, then one step of
+ * `count`, whose sign says "drain" or "an idle report may stand" (the
+ * bias): it is seq_cst, as the report's poster biases the count and then
+ * reads `inflight` (cgpu_report_idle). */
+static inline __attribute__((always_inline)) int hold_fast(const _Atomic uint32_t *gate, CUstream stream)
 {
     struct gate_slot *s = &slots[0];
-    if (!(g & CGPU_GATE_OPEN) || !atomic_load_explicit(&s->watched, memory_order_acquire))
-        return HOLD_NO;
     atomic_fetch_add(&s->inflight, 1);
-    if (CGPU_UNLIKELY(atomic_load(&s->idle_report) != 0) || CGPU_UNLIKELY(!(atomic_load(gate) & CGPU_GATE_OPEN))) {
+    if (CGPU_UNLIKELY(!(atomic_load(gate) & CGPU_GATE_OPEN))) {
         atomic_fetch_sub_explicit(&s->inflight, 1, memory_order_release);
         return HOLD_NO;
     }
-    uint32_t n = atomic_fetch_add_explicit(&s->launched, 1, memory_order_relaxed) + 1;
-    /* Before the drain, not after as gate_enter does: the same outcome (a
-     * drain that empties the queue records the stream itself), and
-     * symbol_drain needs no `n`. */
-    track_stream(s, n, stream);
-    if (CGPU_UNLIKELY(n > atomic_load_explicit(&s->credits, memory_order_relaxed)))
-        return HOLD_DRAIN;
+    /* GCC's builtin: the subtraction's own sign flag says "out of line"
+     * (C11's fetch_sub returns the old value, tested apart). */
+    uint64_t count = __atomic_sub_fetch(&s->count, COUNT_STEP, __ATOMIC_SEQ_CST);
+    if (CGPU_UNLIKELY(count >> 63))
+        return HOLD_COLD; /* hold_cold tracks the stream */
+    track_stream(s, stream);
     return HOLD_YES;
+}
+
+/* hold_fast's launch whose count went below zero, holding the grant. An
+ * idle report may stand (the bias): it is taken back and the gate looked
+ * at again, as hold_open_gate does before its look (cgpud may have closed
+ * the gate on the report). Closed: not held; the launch stays in `count`
+ * (the safe side: its fence synchronises and says it launched) and the full
+ * path waits. Out of credits: the queue drains first. True when held. */
+static __attribute__((noinline, cold)) bool hold_cold(struct gate_slot *s, CUstream stream)
+{
+    take_back_idle(s);
+    if (!(atomic_load(g_cgpu.gate[0]) & CGPU_GATE_OPEN)) {
+        atomic_fetch_sub_explicit(&s->inflight, 1, memory_order_release);
+        return false;
+    }
+    track_stream(s, stream);
+    if (count_left(atomic_load(&s->count)) < 0)
+        drain_queue(s, stream);
+    return true;
 }
 
 /* A launch hook: `params` its parameter list, `stream` (an expression of
@@ -792,29 +948,37 @@ static inline __attribute__((always_inline)) int hold_fast(const _Atomic uint32_
  * with a mask, the driver (gate ungated) or symbol_gated and jumps there
  * with the arguments untouched. symbol_gated makes exactly one call, not a
  * tail call: the driver holding the open grant (gate_leave after), or
- * symbol_drain (held, out of credits), or symbol_full (gate_enter: init,
- * several devices, a closed gate, an idle report, refusals). */
+ * symbol_cold (held, count below zero), or symbol_full (gate_enter: init,
+ * no watcher yet, several devices, a closed gate, refusals). */
 #define GATED_HOOK(symbol, params, stream, ...)                                                 \
-    static __attribute__((noinline, cold)) CUresult symbol##_full params                        \
+    static inline __attribute__((always_inline)) CUresult symbol##_call params                  \
     {                                                                                           \
         GATED_CALL(symbol, stream, __VA_ARGS__);                                                \
     }                                                                                           \
-    /* Holding the grant (stream tracked), out of credits: as gate_enter then. */              \
-    static __attribute__((noinline, cold)) CUresult symbol##_drain params                       \
+    static __attribute__((noinline, cold)) CUresult symbol##_full params                        \
     {                                                                                           \
-        drain_queue(&slots[0], (stream));                                                       \
+        CUresult rc_ = symbol##_call(__VA_ARGS__);                                              \
+        publish_open_gate(HOOK_##symbol);                                                       \
+        return rc_;                                                                             \
+    }                                                                                           \
+    static __attribute__((noinline, cold)) CUresult symbol##_cold params                        \
+    {                                                                                           \
+        if (!hold_cold(&slots[0], (stream)))                                                    \
+            return symbol##_full(__VA_ARGS__);                                                  \
         CUresult rc_ = REAL(symbol)(__VA_ARGS__);                                               \
         gate_leave(0);                                                                          \
         return rc_;                                                                             \
     }                                                                                           \
     static __attribute__((noinline)) CUresult symbol##_gated params                             \
     {                                                                                           \
+        /* The gate first: published after the driver's pointer was seen, \
+         * so that pointer is not NULL whenever the gate can be open.     */ \
+        const _Atomic uint32_t *gate_ = atomic_load_explicit(&open_gate[HOOK_##symbol], memory_order_acquire); \
         __typeof__(&symbol) real_ =                                                             \
-            (__typeof__(&symbol))atomic_load_explicit(&g_real[HOOK_##symbol], memory_order_acquire); \
-        const _Atomic uint32_t *gate_ = atomic_load_explicit(&g_cgpu.launch_gate, memory_order_acquire); \
-        int held_ = real_ ? hold_fast(gate_, atomic_load_explicit(gate_, memory_order_acquire), (stream)) : HOLD_NO; \
+            (__typeof__(&symbol))atomic_load_explicit(&g_real[HOOK_##symbol], memory_order_relaxed); \
+        int held_ = hold_fast(gate_, (stream));                                                 \
         __typeof__(&symbol) fn_ = CGPU_LIKELY(held_ == HOLD_YES) ? real_                          \
-                                  : held_ == HOLD_DRAIN          ? symbol##_drain               \
+                                  : held_ == HOLD_COLD           ? symbol##_cold                \
                                                                  : symbol##_full;               \
         CUresult rc_ = fn_(__VA_ARGS__);                                                        \
         __asm__("" : "+r"(rc_)); /* not a tail call: one call site */                           \
@@ -829,11 +993,14 @@ static inline __attribute__((always_inline)) int hold_fast(const _Atomic uint32_
          * these but the gate word, read through the pointer (a dependency \
          * that orders it on every CPU Linux runs on); a driver pointer    \
          * names code, nothing written.                                   */ \
-        uintptr_t real_ = (uintptr_t)atomic_load_explicit(&g_real[HOOK_##symbol], memory_order_relaxed); \
         const _Atomic uint32_t *gate_ = atomic_load_explicit(&g_cgpu.launch_gate, memory_order_relaxed); \
-        uint32_t g_ = atomic_load_explicit(gate_, memory_order_relaxed);                        \
+        uint64_t g_ = atomic_load_explicit(gate_, memory_order_relaxed);                        \
+        uintptr_t real_ = (uintptr_t)atomic_load_explicit(&g_real[HOOK_##symbol], memory_order_relaxed); \
+        /* Opaque to the optimiser: the mask stays arithmetic (a branch costs \
+         * the stack arguments), and computed from a 64-bit value it is a     \
+         * shift pair (gate bit 1 to the sign, then spread), no register move. */ \
+        __asm__("" : "+r"(g_));                                                                 \
         uintptr_t keep_ = (uintptr_t)0 - ((g_ / CGPU_GATE_UNGATED) & 1); /* all ones if ungated */ \
-        __asm__("" : "+r"(keep_)); /* stays arithmetic: a branch costs the stack arguments */   \
         uintptr_t to_ = real_ & keep_;                                                          \
         __typeof__(&symbol) fn_ = to_ ? (__typeof__(&symbol))to_ : symbol##_gated;              \
         return fn_(__VA_ARGS__);                                                                \
@@ -939,7 +1106,7 @@ static inline int idle_watch_begin(uint64_t *mark)
 static bool queue_in(int slot, uintptr_t stream)
 {
     struct gate_slot *s = &slots[slot];
-    if (atomic_load_explicit(&s->launched, memory_order_relaxed) == 0)
+    if (launched_since(s) == 0)
         return true;
     uintptr_t q = atomic_load_explicit(&s->queue_stream, memory_order_relaxed);
     return stream == QUEUE_ANY ? q != QUEUE_MANY : q == stream;

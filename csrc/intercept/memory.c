@@ -211,11 +211,18 @@ static inline void uncharge(int slot, uint64_t bytes)
 #define KEY_EMPTY 0ULL
 #define KEY_TOMB 1ULL
 
-/* VMM memory has three kinds of record: PHYS (keyed by a serial of ours:
- * the physical memory, its bytes and how many things keep it alive), HANDLE
- * (the application's handle, naming its PHYS in aux) and MAPPING (a mapped
- * VA, its size, and its PHYS in aux). LIMIT: a context's stack/heap charge. */
-enum alloc_kind { KIND_POINTER = 1, KIND_HANDLE = 2, KIND_ARRAY = 3, KIND_PHYS = 4, KIND_MAPPING = 5, KIND_LIMIT = 6 };
+/* VMM memory has two kinds of record. HANDLE: the physical memory behind an
+ * application's handle (its value, bytes and slot), with aux the handle's
+ * references (cuMemCreate or import, then one per retain; under vmm_lock)
+ * and refs what keeps the memory alive (1 while aux > 0, one per mapping,
+ * EXPORT_PIN). Once its last handle reference is released the record is
+ * detached: re-keyed in place to a key nobody looks up (the driver may give
+ * the handle value to a new allocation), still named by its mappings.
+ * MAPPING: a mapped VA, its size, and in aux the address of its HANDLE
+ * record (0: memory we do not track). Records never move (the table is
+ * never grown), so a mapping can name its memory by address: no third
+ * record, no look-up by a serial of ours. LIMIT: a context's stack/heap charge. */
+enum alloc_kind { KIND_POINTER = 1, KIND_HANDLE = 2, KIND_ARRAY = 3, KIND_DETACHED = 4, KIND_MAPPING = 5, KIND_LIMIT = 6 };
 
 struct alloc_entry {
     _Atomic uint64_t key;
@@ -223,7 +230,7 @@ struct alloc_entry {
     uint64_t bytes;
     uint64_t aux;
     int slot;
-    int refs; /* PHYS only, under vmm_lock */
+    _Atomic int refs; /* HANDLE/DETACHED only */
 };
 
 static struct alloc_entry *_Atomic table;
@@ -263,7 +270,9 @@ static __attribute__((noinline, cold)) bool remember_first(enum alloc_kind kind,
     return make_table() && remember_aux(kind, value, bytes, slot, aux);
 }
 
-static bool remember_aux(enum alloc_kind kind, uint64_t value, uint64_t bytes, int slot, uint64_t aux)
+/* remember_aux's steps, inline where a VMM hook makes a record per call. */
+static inline __attribute__((always_inline)) bool remember_inline(enum alloc_kind kind, uint64_t value, uint64_t bytes,
+                                                                  int slot, uint64_t aux)
 {
     struct alloc_entry *t = atomic_load_explicit(&table, memory_order_acquire);
     if (CGPU_UNLIKELY(!t))
@@ -280,12 +289,17 @@ static bool remember_aux(enum alloc_kind kind, uint64_t value, uint64_t bytes, i
             t[i].bytes = bytes;
             t[i].slot = slot;
             t[i].aux = aux;
-            t[i].refs = 1;
+            atomic_store_explicit(&t[i].refs, 1, memory_order_relaxed);
             atomic_store_explicit(&t[i].key, key, memory_order_release);
             return true;
         }
     }
     return false;
+}
+
+static bool remember_aux(enum alloc_kind kind, uint64_t value, uint64_t bytes, int slot, uint64_t aux)
+{
+    return remember_inline(kind, value, bytes, slot, aux);
 }
 
 /* Records what an allocation holds. With the table full its bytes stay
@@ -308,8 +322,8 @@ static void put_back(enum alloc_kind kind, uint64_t value, uint64_t bytes, int s
 }
 
 /* The live record, left in place; callers that change it serialise on
- * vmm_lock. */
-static struct alloc_entry *lookup(enum alloc_kind kind, uint64_t value)
+ * vmm_lock. Inline: a VMM cycle looks up three times. */
+static inline __attribute__((always_inline)) struct alloc_entry *lookup(enum alloc_kind kind, uint64_t value)
 {
     struct alloc_entry *t = atomic_load_explicit(&table, memory_order_acquire);
     if (!t)
@@ -325,8 +339,10 @@ static struct alloc_entry *lookup(enum alloc_kind kind, uint64_t value)
     return NULL;
 }
 
-/* Takes the record out; exactly one caller gets it. */
-static bool forget_aux(enum alloc_kind kind, uint64_t value, uint64_t *bytes, int *slot, uint64_t *aux)
+/* Takes the record out; exactly one caller gets it. Inline: with lookup
+ * inline too, a free makes no call here. */
+static inline __attribute__((always_inline)) bool forget_aux(enum alloc_kind kind, uint64_t value, uint64_t *bytes,
+                                                          int *slot, uint64_t *aux)
 {
     /* Read before the exchange, which frees the entry for reuse; a record
      * another caller took meanwhile fails it: look again. */
@@ -343,22 +359,8 @@ static bool forget_aux(enum alloc_kind kind, uint64_t value, uint64_t *bytes, in
     return false;
 }
 
-/* forget_aux of a record the caller just looked up, holding vmm_lock (which
- * every change of a VMM record takes): no second lookup. */
-static bool take_locked(struct alloc_entry *e, enum alloc_kind kind, uint64_t value, uint64_t *bytes, int *slot,
-                        uint64_t *aux)
-{
-    uint64_t key = make_key(kind, value), b = e->bytes, a = e->aux;
-    int s = e->slot;
-    if (!atomic_compare_exchange_strong(&e->key, &key, KEY_TOMB))
-        return forget_aux(kind, value, bytes, slot, aux);
-    *bytes = b;
-    *slot = s;
-    *aux = a;
-    return true;
-}
-
-static bool forget(enum alloc_kind kind, uint64_t value, uint64_t *bytes, int *slot)
+static inline __attribute__((always_inline)) bool forget(enum alloc_kind kind, uint64_t value, uint64_t *bytes,
+                                                              int *slot)
 {
     uint64_t aux;
     return forget_aux(kind, value, bytes, slot, &aux);
@@ -703,14 +705,17 @@ CGPU_EXPORT CUresult cuMipmappedArrayDestroy(CUmipmappedArray hMipmappedArray)
 
 /* ---- VMM memory: alive until released and unmapped ------------------------------- */
 
-/* Serialises the PHYS reference counts and the records naming them.
- * Process-local, held for a few table operations and never across a
- * driver call: a spinlock, an exchange and a store when free (a pthread
- * mutex pair is ~50 instructions, and a VMM cycle takes it seven times).
+/* Serialises finding a HANDLE record (by handle, or through a mapping)
+ * with what changes its handle references or key, and taking mapping
+ * records: whoever finds a record under it may take a reference, because
+ * the one it found by stays until the lock is given back. References are
+ * given back without it. Process-local, held for a few table operations
+ * and never across a driver call: a spinlock, an exchange and a store
+ * when free (a pthread mutex pair is ~50 instructions; a VMM cycle takes
+ * it three times).
  * A waiter spins briefly, then sleeps between looks, so a holder that was
  * preempted gets the CPU back. */
 static _Atomic int vmm_lock;
-static uint64_t vmm_serial; /* under vmm_lock */
 
 #define VMM_SPINS 128
 #define VMM_PAUSE_NS 10000
@@ -750,48 +755,72 @@ void cgpu_memory_after_fork(void)
 
 static CUresult imported_size(CUmemGenericAllocationHandle h, uint64_t *bytes, int *slot);
 
-/* Records `bytes` (already charged) as held by `handle`. */
-static void track_handle(CUmemGenericAllocationHandle handle, uint64_t bytes, int slot)
+/* The key of a detached record: its own address, which no look-up asks for. */
+static uint64_t detached_key(const struct alloc_entry *mem)
 {
-    vmm_take();
-    uint64_t serial = ++vmm_serial << 2; /* make_key() keeps bit 1 */
-    if (!remember_aux(KIND_PHYS, serial, bytes, slot, 0) || !remember_aux(KIND_HANDLE, handle, 0, slot, serial))
+    return make_key(KIND_DETACHED, (uint64_t)(uintptr_t)mem);
+}
+
+/* Records `bytes` (already charged) as held by `handle`, one reference.
+ * Without vmm_lock: nobody names a record before it exists. Memory that is
+ * not charged (host locations) is recorded too, with 0 bytes on slot 0, so
+ * that a handle with no record is one cuMemMap can refuse (below). */
+static inline void track_handle(CUmemGenericAllocationHandle handle, uint64_t bytes, int slot)
+{
+    if (!remember_inline(KIND_HANDLE, handle, bytes, slot, 1))
         cgpu_log(CGPU_LOG_ERROR, "allocation table full: %llu bytes stay charged", (unsigned long long)bytes);
-    vmm_give();
 }
 
 /* One thing fewer keeps the memory alive; the last one gives its bytes
- * back. Caller holds vmm_lock. */
-static void unref_phys_locked(uint64_t serial)
+ * back. No lock: the count is atomic, and a record at zero is one nobody
+ * can reach (detached, no mapping names it) and nobody can revive (a
+ * look-up by handle or through a mapping finds only records with a
+ * reference standing). */
+static inline void unref_memory(struct alloc_entry *mem)
 {
-    struct alloc_entry *e = serial ? lookup(KIND_PHYS, serial) : NULL;
-    uint64_t bytes, aux;
-    int slot;
-    if (e && --e->refs <= 0 && take_locked(e, KIND_PHYS, serial, &bytes, &slot, &aux))
-        uncharge(slot, bytes);
+    if (atomic_fetch_sub_explicit(&mem->refs, 1, memory_order_acq_rel) != 1)
+        return;
+    uint64_t bytes = mem->bytes;
+    int slot = mem->slot;
+    atomic_store_explicit(&mem->key, KEY_TOMB, memory_order_release); /* only its own key was there */
+    uncharge(slot, bytes);
 }
 
-/* The PHYS record of a handle we track, or NULL. Caller holds vmm_lock. */
-static struct alloc_entry *phys_of_locked(CUmemGenericAllocationHandle handle)
+/* The handle's record is attached again where it was (its key's probe
+ * sequence passes there), unless another record took the handle value
+ * meanwhile: then this memory keeps its reference for good (the safe
+ * side) and the log says so. Caller holds vmm_lock. */
+static void reattach_locked(struct alloc_entry *mem, CUmemGenericAllocationHandle handle)
 {
-    struct alloc_entry *h = lookup(KIND_HANDLE, handle);
-    return h ? lookup(KIND_PHYS, h->aux) : NULL;
+    if (lookup(KIND_HANDLE, handle)) {
+        cgpu_log(CGPU_LOG_ERROR, "handle %llu named twice: %llu bytes stay charged", (unsigned long long)handle,
+                 (unsigned long long)mem->bytes);
+        return;
+    }
+    mem->aux = 1;
+    atomic_store_explicit(&mem->key, make_key(KIND_HANDLE, handle), memory_order_release);
 }
 
-/* The PHYS serial of a handle we track, or 0. Caller holds vmm_lock. */
-static uint64_t serial_of_locked(CUmemGenericAllocationHandle handle)
+/* Host locations (NCCL's host buffers) are not device memory: not charged,
+ * but recorded (0 bytes) so that cuMemMap knows the handle. */
+static __attribute__((noinline, cold)) CUresult create_uncharged(CUmemGenericAllocationHandle *handle, size_t size,
+                                                                 const CUmemAllocationProp *prop,
+                                                                 unsigned long long flags)
 {
-    struct alloc_entry *phys = phys_of_locked(handle);
-    return phys ? phys->value : 0;
+    CUresult rc = CALL_REAL(cuMemCreate, handle, size, prop, flags);
+    if (rc == CUDA_SUCCESS && handle && cgpu_state() == CGPU_ACTIVE)
+        track_handle(*handle, 0, 0);
+    return rc;
 }
 
 CGPU_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
                                  unsigned long long flags)
 {
-    /* Host locations (NCCL's host buffers) are not device memory. */
     bool device = handle && size && prop && prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE;
-    int slot = device && cgpu_state() == CGPU_ACTIVE ? cgpu_slot_of_cuda_device(prop->location.id) : -1;
-    ROUTE_OR_RETURN(device ? route_to(slot) : ROUTE_FORWARD, cuMemCreate, handle, size, prop, flags);
+    if (!device)
+        return create_uncharged(handle, size, prop, flags);
+    int slot = cgpu_state() == CGPU_ACTIVE ? cgpu_slot_of_cuda_device(prop->location.id) : -1;
+    ROUTE_OR_RETURN(route_to(slot), cuMemCreate, handle, size, prop, flags);
     if (!charge(slot, size))
         return CUDA_ERROR_OUT_OF_MEMORY;
     CUresult rc = CALL_REAL(cuMemCreate, handle, size, prop, flags);
@@ -803,35 +832,43 @@ CGPU_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t si
     return CUDA_SUCCESS;
 }
 
-/* A HANDLE record's refs count the application's references to the handle
- * (cuMemCreate or import, then one per cuMemRetainAllocationHandle). The
- * last one's record goes before the driver is asked: once the driver has
- * released the handle, a new allocation may get the same value. */
+/* A refused release: the reference it took away comes back. */
+static __attribute__((noinline, cold)) void release_refused(struct alloc_entry *mem, CUmemGenericAllocationHandle handle,
+                                                            bool last)
+{
+    vmm_take();
+    if (last)
+        reattach_locked(mem, handle); /* its reference never went: alive */
+    else if ((mem = lookup(KIND_HANDLE, handle)))
+        mem->aux++;
+    vmm_give();
+}
+
+/* The last handle reference detaches the record before the driver is
+ * asked: once the driver has released the handle, a new allocation may
+ * get the same value. Its reference on the memory goes once the driver
+ * has said yes. */
 CGPU_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
 {
     if (cgpu_state() != CGPU_ACTIVE)
         return CALL_REAL(cuMemRelease, handle);
-    uint64_t unused, serial = 0;
-    int slot = -1;
     vmm_take();
-    struct alloc_entry *h = lookup(KIND_HANDLE, handle);
-    bool last = h && h->refs <= 1, held = h != NULL;
-    if (h && !last) {
-        h->refs--;
-        serial = h->aux;
-    } else if (h) {
-        take_locked(h, KIND_HANDLE, handle, &unused, &slot, &serial);
+    struct alloc_entry *mem = lookup(KIND_HANDLE, handle);
+    bool last = mem && mem->aux <= 1;
+    if (last) {
+        mem->aux = 0;
+        atomic_store_explicit(&mem->key, detached_key(mem), memory_order_relaxed);
+    } else if (mem) {
+        mem->aux--;
     }
     vmm_give();
     CUresult rc = CALL_REAL(cuMemRelease, handle);
-    vmm_take();
-    if (held && rc == CUDA_SUCCESS)
-        unref_phys_locked(serial);
-    else if (held && !last && (h = lookup(KIND_HANDLE, handle)))
-        h->refs++;
-    else if (held && last)
-        put_back(KIND_HANDLE, handle, 0, slot, serial);
-    vmm_give();
+    if (CGPU_LIKELY(rc == CUDA_SUCCESS)) {
+        if (last)
+            unref_memory(mem);
+    } else if (mem) {
+        release_refused(mem, handle, last);
+    }
     return rc;
 }
 
@@ -843,31 +880,59 @@ CGPU_EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *h
     if (rc != CUDA_SUCCESS || cgpu_state() != CGPU_ACTIVE)
         return rc;
     vmm_take();
-    struct alloc_entry *h = lookup(KIND_HANDLE, *handle), *m = NULL, *phys = NULL;
-    uint64_t serial = h ? h->aux : (m = lookup(KIND_MAPPING, (uint64_t)(uintptr_t)addr)) ? m->aux : 0;
-    if (serial && (phys = lookup(KIND_PHYS, serial))) {
-        phys->refs++;
-        if (h)
-            h->refs++;
-        else if (!remember_aux(KIND_HANDLE, *handle, 0, phys->slot, serial))
-            cgpu_log(CGPU_LOG_ERROR, "allocation table full: a handle stays charged");
+    struct alloc_entry *mem = lookup(KIND_HANDLE, *handle), *m;
+    bool held = mem != NULL;
+    if (mem) {
+        mem->aux++;
+    } else if ((m = lookup(KIND_MAPPING, (uint64_t)(uintptr_t)addr)) && m->aux) {
+        /* Alive while vmm_lock keeps the mapping's record (and reference)
+         * where it is. Released while mapped: the driver gives back the
+         * same handle (its value is the memory's while the memory lives). */
+        mem = (struct alloc_entry *)(uintptr_t)m->aux;
+        if (mem->aux == 0 && mem->value == *handle) {
+            atomic_fetch_add_explicit(&mem->refs, 1, memory_order_relaxed);
+            reattach_locked(mem, *handle);
+            held = true;
+        }
     }
     vmm_give();
-    if (phys)
+    if (held)
         return CUDA_SUCCESS;
-    /* An address inside a mapping, not its start: charged again in full
-     * (the safe side), as if imported. */
+    /* An address inside a mapping, not its start, or a handle value the
+     * memory's record does not have: charged again in full (the safe
+     * side), as if imported. */
     uint64_t bytes;
     int slot;
     CUresult sized = imported_size(*handle, &bytes, &slot);
-    if (sized == CUDA_SUCCESS && bytes == 0)
+    if (sized == CUDA_SUCCESS && bytes == 0) {
+        track_handle(*handle, 0, 0); /* host memory: known, not charged */
         return CUDA_SUCCESS;
+    }
     if (sized != CUDA_SUCCESS || !charge(slot, bytes)) {
         CALL_REAL(cuMemRelease, *handle);
         return sized != CUDA_SUCCESS ? sized : CUDA_ERROR_OUT_OF_MEMORY;
     }
     track_handle(*handle, bytes, slot);
     return CUDA_SUCCESS;
+}
+
+/* A handle with no record: every handle made through us (create, import,
+ * retain; host memory too) has one before the call that made it returns,
+ * so this is a value the caller did not get from such a call yet: a guess
+ * at what another thread's create is about to return, while that create
+ * is between the driver and its record. Mapped untracked, the memory would
+ * be given back at its release while still mapped (a way past the limit).
+ * Looked up once more under the lock (the record may have come since);
+ * still none: refused, as the driver refuses a handle it does not know.
+ * (A full table leaves a handle unrecorded too: refused as well.) */
+static __attribute__((noinline, cold)) struct alloc_entry *map_unrecorded(CUmemGenericAllocationHandle handle)
+{
+    vmm_take();
+    struct alloc_entry *mem = lookup(KIND_HANDLE, handle);
+    if (mem)
+        atomic_fetch_add_explicit(&mem->refs, 1, memory_order_relaxed);
+    vmm_give();
+    return mem;
 }
 
 CGPU_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
@@ -878,57 +943,92 @@ CGPU_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmem
     /* The mapping's reference is taken first, so that a release racing
      * with the map never sees the memory unused. */
     vmm_take();
-    struct alloc_entry *phys = phys_of_locked(handle);
-    uint64_t serial = phys ? phys->value : 0;
-    if (phys)
-        phys->refs++;
+    struct alloc_entry *mem = lookup(KIND_HANDLE, handle);
+    if (mem)
+        atomic_fetch_add_explicit(&mem->refs, 1, memory_order_relaxed);
     vmm_give();
+    if (CGPU_UNLIKELY(!mem) && !(mem = map_unrecorded(handle)))
+        return CUDA_ERROR_INVALID_VALUE;
     CUresult rc = CALL_REAL(cuMemMap, ptr, size, offset, handle, flags);
-    vmm_take();
     if (rc != CUDA_SUCCESS)
-        unref_phys_locked(serial);
-    else if (!remember_aux(KIND_MAPPING, ptr, size, -1, serial)) /* untracked memory too: unmap walks ranges */
+        unref_memory(mem);
+    else if (!remember_inline(KIND_MAPPING, ptr, size, -1, (uint64_t)(uintptr_t)mem))
         cgpu_log(CGPU_LOG_ERROR, "allocation table full: a mapping stays charged");
-    vmm_give();
     return rc;
 }
 
 #define UNMAP_BATCH 64
 
-/* One unmap may cover several mappings. Their records go before the driver
- * is asked (the range can be mapped again the moment it returns) and come
- * back if it refuses; past UNMAP_BATCH mappings the rest are settled after. */
-CGPU_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
+/* Settles an unmap whose first mapping, [ptr, ptr + first), was taken
+ * and does not cover the range: as many mappings as follow it in the
+ * range, taken before the driver is asked (up to UNMAP_BATCH; the rest
+ * are settled after) and given back if it refuses. */
+static __attribute__((noinline, cold)) CUresult unmap_many(CUdeviceptr ptr, size_t size, uint64_t first,
+                                                          uint64_t first_mem)
 {
-    if (cgpu_state() != CGPU_ACTIVE)
-        return CALL_REAL(cuMemUnmap, ptr, size);
     struct {
         CUdeviceptr at;
-        uint64_t bytes, serial;
-    } taken[UNMAP_BATCH];
-    int n = 0, slot;
-    CUdeviceptr at = ptr, end = ptr + size >= ptr ? ptr + size : ~(CUdeviceptr)0;
+        uint64_t bytes, mem;
+    } taken[UNMAP_BATCH] = {{ptr, first, first_mem}};
+    int n = 1, slot;
+    CUdeviceptr at = ptr + first, end = ptr + size >= ptr ? ptr + size : ~(CUdeviceptr)0;
     vmm_take();
     while (n < UNMAP_BATCH && at < end &&
-           forget_aux(KIND_MAPPING, at, &taken[n].bytes, &slot, &taken[n].serial) && taken[n].bytes) {
+           forget_aux(KIND_MAPPING, at, &taken[n].bytes, &slot, &taken[n].mem) && taken[n].bytes) {
         taken[n].at = at;
         at += taken[n++].bytes;
     }
     vmm_give();
     CUresult rc = CALL_REAL(cuMemUnmap, ptr, size);
-    vmm_take();
     for (int i = 0; i < n; i++) {
-        if (rc == CUDA_SUCCESS)
-            unref_phys_locked(taken[i].serial);
-        else
-            put_back(KIND_MAPPING, taken[i].at, taken[i].bytes, -1, taken[i].serial);
+        if (rc != CUDA_SUCCESS)
+            put_back(KIND_MAPPING, taken[i].at, taken[i].bytes, -1, taken[i].mem);
+        else if (taken[i].mem)
+            unref_memory((struct alloc_entry *)(uintptr_t)taken[i].mem);
     }
-    uint64_t bytes, serial;
-    while (rc == CUDA_SUCCESS && at < end && forget_aux(KIND_MAPPING, at, &bytes, &slot, &serial) && bytes) {
-        unref_phys_locked(serial);
-        at += bytes;
+    if (rc == CUDA_SUCCESS && at < end && n == UNMAP_BATCH) {
+        uint64_t bytes, mem;
+        vmm_take();
+        while (at < end && forget_aux(KIND_MAPPING, at, &bytes, &slot, &mem) && bytes) {
+            if (mem)
+                unref_memory((struct alloc_entry *)(uintptr_t)mem);
+            at += bytes;
+        }
+        vmm_give();
+    }
+    return rc;
+}
+
+/* One unmap may cover several mappings (unmap_many). A mapping's record
+ * goes before the driver is asked (the range can be mapped again the
+ * moment it returns) and comes back if it refuses. Records are taken under
+ * vmm_lock (a retain reads a mapping's memory under it); references are
+ * given back without it. The usual unmap, of one whole mapping, is
+ * settled here. */
+CGPU_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
+{
+    if (cgpu_state() != CGPU_ACTIVE)
+        return CALL_REAL(cuMemUnmap, ptr, size);
+    uint64_t bytes = 0, mem = 0;
+    vmm_take();
+    /* Only unmaps take mapping records, all under vmm_lock: no race for it. */
+    struct alloc_entry *m = lookup(KIND_MAPPING, ptr);
+    bool held = m != NULL;
+    if (held) {
+        bytes = m->bytes;
+        mem = m->aux;
+        atomic_store_explicit(&m->key, KEY_TOMB, memory_order_release);
     }
     vmm_give();
+    if (held && bytes < size)
+        return unmap_many(ptr, size, bytes, mem);
+    CUresult rc = CALL_REAL(cuMemUnmap, ptr, size);
+    if (!held)
+        return rc; /* nothing of ours started there: nothing more in the range either */
+    if (rc != CUDA_SUCCESS)
+        put_back(KIND_MAPPING, ptr, bytes, -1, mem);
+    else if (mem)
+        unref_memory((struct alloc_entry *)(uintptr_t)mem);
     return rc;
 }
 
@@ -939,9 +1039,9 @@ CGPU_EXPORT CUresult cuMemExportToShareableHandle(void *shareableHandle, CUmemGe
     if (rc != CUDA_SUCCESS || cgpu_state() != CGPU_ACTIVE)
         return rc;
     vmm_take();
-    uint64_t serial = serial_of_locked(handle);
-    if (serial)
-        lookup(KIND_PHYS, serial)->refs |= EXPORT_PIN;
+    struct alloc_entry *mem = lookup(KIND_HANDLE, handle);
+    if (mem)
+        atomic_fetch_or_explicit(&mem->refs, EXPORT_PIN, memory_order_relaxed);
     vmm_give();
     return rc;
 }
@@ -999,8 +1099,10 @@ CGPU_EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle
     uint64_t bytes;
     int slot;
     CUresult sized = imported_size(*handle, &bytes, &slot);
-    if (sized == CUDA_SUCCESS && bytes == 0)
-        return CUDA_SUCCESS; /* host memory */
+    if (sized == CUDA_SUCCESS && bytes == 0) {
+        track_handle(*handle, 0, 0); /* host memory: known, not charged */
+        return CUDA_SUCCESS;
+    }
     if (sized != CUDA_SUCCESS || !charge(slot, bytes)) {
         CALL_REAL(cuMemRelease, *handle);
         return sized != CUDA_SUCCESS ? sized : CUDA_ERROR_OUT_OF_MEMORY;

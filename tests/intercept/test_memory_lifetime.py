@@ -53,6 +53,41 @@ def test_a_retained_handle_keeps_the_memory_charged(instance, attacker):
     assert got["free_released"] == 512 * MIB  # the retained 512 MiB is back; the new one is held
 
 
+def test_memory_mapped_after_its_handle_is_gone_is_charged_once_and_given_back_once(instance, attacker):
+    # 256 MiB stay allocated throughout, so a byte given back twice would
+    # show as more free memory than the instance has left.
+    [got] = run_once(attacker, instance({0: 1 * GIB}), "vmm-orders")
+    base = 1 * GIB - 256 * MIB
+    assert got["base"] == base
+    # One handle mapped twice, then released: charged once, until one
+    # unmap over both mappings.
+    assert got["twice"] == base - 512 * MIB
+    assert got["unmapped_both"] == base
+    # A second release of the same value (the simulated driver refuses it;
+    # whatever a driver says): no second give-back, and the mapping still
+    # holds the memory.
+    assert got["release_again"] == "CUDA_ERROR_INVALID_VALUE"
+    assert got["released_twice"] == base - 512 * MIB
+    assert got["unmapped_once"] == base
+    # Retained through the mapping after its release: the handle holds it.
+    assert got["retained"] == base - 512 * MIB
+    assert got["remapped"] == base - 512 * MIB
+    assert got["all_gone"] == base
+    assert got["cycled"] == base
+
+
+def test_vmm_memory_of_a_killed_process_is_reclaimed(native, instance, attacker):
+    # Killed while 1 GiB is held by mappings whose handles were released.
+    env = instance({0: 1 * GIB})
+    run = Phased([str(attacker), "vmm"], env)
+    held = run.report()
+    assert held["free"] == 0
+    run.proc.kill()
+    run.proc.wait(timeout=30)
+    # The next process gets the whole limit back (the dead ledger is reaped).
+    check_vmm_sequence(Phased([str(attacker), "vmm"], env), lambda: gpu_used(native, env))
+
+
 def test_imported_memory_is_charged_to_the_importer_and_exported_memory_to_the_exporter(instance, attacker):
     # The exporter creates 512 MiB, exports it, releases its handle and
     # execs an importer that waits for the exporter to exit; both write to
