@@ -22,7 +22,7 @@ import os
 import select
 import signal
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cgpud.boundedread import read_at_most
@@ -48,6 +48,7 @@ class ProcStat:
     pid: int
     ppid: int
     starttime: int  # clock ticks after boot (stat field 22)
+    state: str = ""  # stat field 3: "R", "S", ... "Z" for a zombie
 
 
 def _read(path: str, limit: int, dir_fd: int | None = None) -> bytes | None:
@@ -72,7 +73,7 @@ def parse_stat(pid: int, text: bytes) -> ProcStat | None:
     close = text.rfind(b")")
     fields = text[close + 1 :].split() if close >= 0 else []
     try:
-        return ProcStat(pid, int(fields[1]), int(fields[19]))
+        return ProcStat(pid, int(fields[1]), int(fields[19]), fields[0].decode("ascii", "replace"))
     except (IndexError, ValueError):
         return None
 
@@ -80,6 +81,58 @@ def parse_stat(pid: int, text: bytes) -> ProcStat | None:
 def read_stat(pid: int, proc: Path = PROC) -> ProcStat | None:
     text = _read(f"{proc}/{pid}/stat", _STAT_MAX)
     return parse_stat(pid, text) if text is not None else None
+
+
+@dataclass
+class BootClock:
+    """Unix time a process started, as psutil computes it: boot time (read
+    once from /proc/stat) plus its start in clock ticks."""
+
+    proc: Path = PROC
+    _btime: float | None = None
+    _ticks: int = field(default_factory=lambda: os.sysconf("SC_CLK_TCK"))
+
+    def created(self, st: ProcStat) -> float:
+        if self._btime is None:
+            self._btime = 0.0
+            for line in (_read(f"{self.proc}/stat", 1 << 20) or b"").splitlines():
+                if line.startswith(b"btime "):
+                    self._btime = float(line.split()[1])
+        return self._btime + st.starttime / self._ticks
+
+
+def stat_alive(st: ProcStat | None, created: float | None, since: float) -> bool:
+    """The decision of pid_alive (pure): a process exists (`st`), is no
+    zombie (it has exited; only its parent has not waited) and started no
+    later than `since` + 1 s (else another process took the pid)."""
+    return st is not None and created is not None and created <= since + 1.0 and st.state != "Z"
+
+
+def pid_alive(pid: int, since: float, clock: BootClock | None = None) -> bool:
+    """The process exists and is the one recorded at `since`, not a reused
+    pid. One read of /proc/PID/stat.
+
+    A process cgpud may not inspect (proc mounted hidepid=1, an LSM) still
+    exists: taking it for dead would release a live instance's memory. Its
+    start time is unreadable, so a reused pid holds the instance until it
+    exits."""
+    clock = BootClock() if clock is None else clock
+    try:
+        fd = os.open(f"{clock.proc}/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+    except PermissionError:
+        return True
+    except OSError:
+        return False
+    try:
+        text = read_at_most(fd, _STAT_MAX)
+    except PermissionError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    st = parse_stat(pid, text) if len(text) <= _STAT_MAX else None
+    return stat_alive(st, clock.created(st) if st is not None else None, since)
 
 
 def parse_cgroups(text: bytes) -> dict[str, str] | None:
@@ -341,8 +394,9 @@ class ProcessMapper:
         self._cache_size = cache_size
         # (pid, starttime) -> (instance, its binding when the process was seen)
         self._sticky: dict[tuple[int, int], tuple[str, tuple[str, int]]] = {}
-        self._btime: float | None = None
-        self._ticks = os.sysconf("SC_CLK_TCK")
+        # (pid, starttime) -> its identity when it was mapped; only for keys in _sticky
+        self._known: dict[tuple[int, int], ProcessIdentity] = {}
+        self._clock = BootClock(proc)
         self._root = _file_id(f"{proc}/{self.self_pid}/root")
 
     def host_root(self, info: ProcInfo) -> bool:
@@ -352,12 +406,7 @@ class ProcessMapper:
     def created(self, st: ProcStat) -> float:
         """Unix time the process started, as psutil computes it (and so
         pid_alive): boot time plus its start in clock ticks."""
-        if self._btime is None:
-            self._btime = 0.0
-            for line in (_read(f"{self.proc}/stat", 1 << 20) or b"").splitlines():
-                if line.startswith(b"btime "):
-                    self._btime = float(line.split()[1])
-        return self._btime + st.starttime / self._ticks
+        return self._clock.created(st)
 
     def identify(self, pids: Iterable[int], instances: Sequence[Instance]) -> dict[int, ProcessIdentity]:
         """Each pid's identity; a pid whose process is gone is left out.
@@ -403,37 +452,57 @@ class ProcessMapper:
         return iid
 
     def _identify(self, rnd: _Round, pid: int) -> ProcessIdentity | None:
+        # A process already mapped to an instance that is still bound as it
+        # was is that instance's for its life: its stat (the start time,
+        # against pid reuse) is the one read it takes, not the four of a
+        # process seen afresh. Its executable and cgroup, as first read,
+        # decide nothing for a mapped process (the kill reads them again).
+        st = read_stat(pid, self.proc)
+        if st is None:
+            return None
+        key = (pid, st.starttime)
+        known, seen = self._known.get(key), self._sticky.get(key)
+        if known is not None and seen is not None and rnd.binding(seen[0]) == seen[1]:
+            rnd.stats[pid] = st
+            return known
         info = read_process(pid, self.proc)
         if info is None:
             return None
         rnd.stats[pid] = st = info.stat
         cgroups = checked_cgroups(info.cgroup_text, rnd.hierarchies)
         iid = self._map(rnd, st, cgroups)
-        return ProcessIdentity(
+        identity = ProcessIdentity(
             pid, st.starttime, info.exe, preferred_cgroup(cgroups)[1] if cgroups else "", iid, self.host_root(info)
         )
+        if iid is not None and (st.pid, st.starttime) in self._sticky:
+            self._known[(st.pid, st.starttime)] = identity
+        return identity
 
     def _remember(self, key: tuple[int, int], iid: str, binding: tuple[str, int] | None) -> None:
         if binding is None:
             return
-        self._sticky.pop(key, None)
+        self._forget(key)
         while len(self._sticky) >= self._cache_size:
-            del self._sticky[next(iter(self._sticky))]
+            self._forget(next(iter(self._sticky)))
         self._sticky[key] = (iid, binding)
+
+    def _forget(self, key: tuple[int, int]) -> None:
+        self._sticky.pop(key, None)
+        self._known.pop(key, None)
 
     def _prune(self, rnd: _Round, seen: Mapping[int, ProcessIdentity]) -> None:
         """Forget processes that are gone and instances no longer active."""
         for key, (iid, binding) in list(self._sticky.items()):
             pid, start = key
             if rnd.binding(iid) != binding:
-                del self._sticky[key]
+                self._forget(key)
             elif pid in seen:
                 if seen[pid].starttime != start:
-                    del self._sticky[key]
+                    self._forget(key)
             else:
                 st = rnd.stat(pid)
                 if st is None or st.starttime != start:
-                    del self._sticky[key]
+                    self._forget(key)
 
     def __len__(self) -> int:
         return len(self._sticky)
