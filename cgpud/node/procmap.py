@@ -41,6 +41,7 @@ _NS_GET_PARENT = 0xB702  # ioctl on a namespace fd: its parent's fd
 # there, runc then only uses the v1 controllers).
 _V1_KEYS = ("pids", "name=systemd", "memory")
 DEFAULT_CACHE = 4096
+PIDFDS = 256  # pidfds the mapper holds on processes it mapped (the rest: a stat read a round)
 
 
 @dataclass(frozen=True)
@@ -388,7 +389,9 @@ class ProcessMapper:
     sticky map of processes once mapped (bounded); not thread-safe: one
     watchdog loop uses it."""
 
-    def __init__(self, proc: Path = PROC, self_pid: int | None = None, cache_size: int = DEFAULT_CACHE) -> None:
+    def __init__(
+        self, proc: Path = PROC, self_pid: int | None = None, cache_size: int = DEFAULT_CACHE, pidfds: int = PIDFDS
+    ) -> None:
         self.proc = proc
         self.self_pid = os.getpid() if self_pid is None else self_pid
         self._cache_size = cache_size
@@ -396,6 +399,12 @@ class ProcessMapper:
         self._sticky: dict[tuple[int, int], tuple[str, tuple[str, int]]] = {}
         # (pid, starttime) -> its identity when it was mapped; only for keys in _sticky
         self._known: dict[tuple[int, int], ProcessIdentity] = {}
+        # (pid, starttime) -> a pidfd on that very process, for at most `pidfds`
+        # keys of _known: while it is not readable the process lives, so its pid
+        # is still its own and not even its stat needs reading. Only on the real
+        # /proc (a fake tree's pids are not the host's).
+        self._pidfd_max = pidfds if proc == PROC and hasattr(os, "pidfd_open") else 0
+        self._pidfds: dict[tuple[int, int], int] = {}
         self._clock = BootClock(proc)
         self._root = _file_id(f"{proc}/{self.self_pid}/root")
 
@@ -413,12 +422,53 @@ class ProcessMapper:
         instance_id None: it belongs to no active instance."""
         rnd = _Round(self, instances)
         out = {}
-        for pid in sorted(set(pids)):
-            identity = self._identify(rnd, pid)
+        wanted = sorted(set(pids))
+        living = self._living(wanted)
+        for pid in wanted:
+            identity = self._identify(rnd, pid, living.get(pid))
             if identity is not None:
                 out[pid] = identity
         self._prune(rnd, out)
         return out
+
+    def _living(self, pids: Sequence[int]) -> dict[int, tuple[int, int]]:
+        """pid -> key of the known processes among `pids` whose pidfd says
+        they have not exited: one poll for all of them."""
+        if not self._pidfds:
+            return {}
+        by_pid = {key[0]: (key, fd) for key, fd in self._pidfds.items()}
+        mine = [by_pid[pid] for pid in pids if pid in by_pid]
+        if not mine:
+            return {}
+        poller = select.poll()
+        for _, fd in mine:
+            poller.register(fd, select.POLLIN)
+        exited = {fd for fd, _ in poller.poll(0)}
+        return {key[0]: key for key, fd in mine if fd not in exited}
+
+    def _pin(self, key: tuple[int, int]) -> None:
+        """A pidfd on the known process `key`, if there is room and it is
+        still that process once the pidfd is open."""
+        if len(self._pidfds) >= self._pidfd_max or key in self._pidfds:
+            return
+        try:
+            fd = os.pidfd_open(key[0])
+        except OSError as e:
+            if e.errno == errno.ENOSYS:
+                self._pidfd_max = 0
+            return
+        st = read_stat(key[0], self.proc)  # the pid may have been reused before the pidfd was opened
+        if st is None or st.starttime != key[1]:
+            os.close(fd)
+            return
+        self._pidfds[key] = fd
+
+    def close(self) -> None:
+        """Lets go of the pidfds; the mapper still works, reading stats."""
+        self._pidfd_max = 0
+        for fd in self._pidfds.values():
+            os.close(fd)
+        self._pidfds.clear()
 
     def instance_of(self, pid: int, instances: Sequence[Instance]) -> tuple[ProcStat | None, str | None]:
         """The process's stat as read now and the instance it maps to now
@@ -451,19 +501,23 @@ class ProcessMapper:
             self._remember(key, iid, rnd.binding(iid))
         return iid
 
-    def _identify(self, rnd: _Round, pid: int) -> ProcessIdentity | None:
+    def _identify(self, rnd: _Round, pid: int, living: tuple[int, int] | None = None) -> ProcessIdentity | None:
         # A process already mapped to an instance that is still bound as it
-        # was is that instance's for its life: its stat (the start time,
-        # against pid reuse) is the one read it takes, not the four of a
+        # was is that instance's for its life: its pidfd (it has not exited,
+        # so the pid is still its own) or else its stat (the start time,
+        # against pid reuse) is all it takes, not the four reads of a
         # process seen afresh. Its executable and cgroup, as first read,
         # decide nothing for a mapped process (the kill reads them again).
-        st = read_stat(pid, self.proc)
-        if st is None:
-            return None
-        key = (pid, st.starttime)
+        if living is not None:
+            key = living
+        else:
+            st = read_stat(pid, self.proc)
+            if st is None:
+                return None
+            rnd.stats[pid] = st
+            key = (pid, st.starttime)
         known, seen = self._known.get(key), self._sticky.get(key)
         if known is not None and seen is not None and rnd.binding(seen[0]) == seen[1]:
-            rnd.stats[pid] = st
             return known
         info = read_process(pid, self.proc)
         if info is None:
@@ -476,6 +530,8 @@ class ProcessMapper:
         )
         if iid is not None and (st.pid, st.starttime) in self._sticky:
             self._known[(st.pid, st.starttime)] = identity
+            if self._pidfd_max:
+                self._pin((st.pid, st.starttime))
         return identity
 
     def _remember(self, key: tuple[int, int], iid: str, binding: tuple[str, int] | None) -> None:
@@ -489,6 +545,9 @@ class ProcessMapper:
     def _forget(self, key: tuple[int, int]) -> None:
         self._sticky.pop(key, None)
         self._known.pop(key, None)
+        fd = self._pidfds.pop(key, None)
+        if fd is not None:
+            os.close(fd)
 
     def _prune(self, rnd: _Round, seen: Mapping[int, ProcessIdentity]) -> None:
         """Forget processes that are gone and instances no longer active."""
