@@ -720,9 +720,14 @@ class InstanceService:
 
     def _expire_reservations(self) -> int:
         """Deletes reservations whose time ran out (admission already
-        ignored them); a scheduler that reserved and never bound."""
+        ignored them); a scheduler that reserved and never bound. A write
+        only when one has expired: a write every sweep would make every
+        reader of the instance table read it afresh."""
+        now = self._clock()
+        if not any(r.expires <= now for r in self._store.holdings()[1]):
+            return 0
         with self._lock:
-            expired = self._store.delete_expired_reservations(self._clock())
+            expired = self._store.delete_expired_reservations(now)
             if expired:
                 self.changes.bump()
         for pod_uid in expired:
