@@ -709,6 +709,17 @@ static int holder_idle(struct tenant *t, uint32_t open_word)
     uint32_t want = (open_word & CGPU_GATE_SEQ_MASK) | CGPU_ACK_IDLE, bit = 1u << t->slot;
     const uint32_t report = CGPU_GATE_SEQ_MASK | CGPU_ACK_IDLE; /* drained or not */
     uint32_t n = atomic_load(&u->ledgers_used);
+    /* Without a single report the answer is "busy" whoever is dead, so no
+     * lock is probed: a busy holder (the common case, at every grant) costs
+     * no syscall here. */
+    int any = 0;
+    for (uint32_t i = 0; i < n && i < CGPU_MAX_PROCS && !any; i++) {
+        struct cgpu_proc_ledger *p = &u->proc[i];
+        any = !(t->idle_dead[i / 64] & (1ull << (i % 64))) && atomic_load(&p->state) == CGPU_LEDGER_LIVE &&
+              (atomic_load(&p->watching) & bit) && (atomic_load(&p->fence_ack[t->slot]) & report) == want;
+    }
+    if (!any)
+        return 0;
     int reported = 0;
     for (uint32_t i = 0; i < n && i < CGPU_MAX_PROCS; i++) {
         struct cgpu_proc_ledger *p = &u->proc[i];
