@@ -675,11 +675,18 @@ static int report_demand(struct cgpu_engine *e, unsigned gpu, uint64_t now)
 {
     struct gpu_loop *g = &e->gpu[gpu];
     int idle = 0;
+    /* Each `waiting` is on another tenant's page, written from other CPUs:
+     * a cache (and often TLB) miss apiece. Read back to back, with nothing
+     * between them that depends on them, the misses overlap instead of
+     * adding up one per tenant (they were the loop's dearest instructions). */
+    uint32_t seen[CGPU_SCHED_MAX_TENANTS];
+    for (unsigned i = 0; i < CGPU_SCHED_MAX_TENANTS; i++)
+        seen[i] = g->t[i].key ? atomic_load(&g->t[i].usage->device[g->t[i].slot].waiting) : 0;
     for (unsigned i = 0; i < CGPU_SCHED_MAX_TENANTS; i++) {
         struct tenant *t = &g->t[i];
         if (!t->key)
             continue;
-        uint32_t waiting = atomic_load(&t->usage->device[t->slot].waiting);
+        uint32_t waiting = seen[i];
         if (waiting < t->stale_waiting)
             t->stale_waiting = waiting;
         if (!t->locked)
