@@ -146,6 +146,8 @@ def collect(service: InstanceService, files: RuntimeFiles, root: Path) -> list[s
     the only one new edits name. Returns the versions removed."""
     log = structlog.get_logger("cgpud.runtime")
     installed = installed_versions(root)
+    if not installed - {files.version}:  # only the current one: nothing may go, no need to ask the table
+        return []
     doomed = unused_versions(installed, service.runtime_versions_in_use(), files.version)
     removed: list[str] = []
     for version in sorted(doomed):

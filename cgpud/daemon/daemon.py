@@ -281,11 +281,13 @@ class Daemon:
             return None
         reader = NvmlProcessReader(watched, config.bypass_compute_window)
         stack.callback(reader.close)
+        mapper = ProcessMapper()
+        stack.callback(mapper.close)  # after the watchdog's thread ends (pushed later, so joined first)
         return BypassWatchdog(
             service,
             events,
             reader,
-            ProcessMapper(),
+            mapper,
             config.watch_settings(),
             config.bypass_action,
             config.bypass_interval,

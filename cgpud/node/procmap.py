@@ -22,7 +22,7 @@ import os
 import select
 import signal
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cgpud.boundedread import read_at_most
@@ -41,6 +41,7 @@ _NS_GET_PARENT = 0xB702  # ioctl on a namespace fd: its parent's fd
 # there, runc then only uses the v1 controllers).
 _V1_KEYS = ("pids", "name=systemd", "memory")
 DEFAULT_CACHE = 4096
+PIDFDS = 256  # pidfds the mapper holds on processes it mapped (the rest: a stat read a round)
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class ProcStat:
     pid: int
     ppid: int
     starttime: int  # clock ticks after boot (stat field 22)
+    state: str = ""  # stat field 3: "R", "S", ... "Z" for a zombie
 
 
 def _read(path: str, limit: int, dir_fd: int | None = None) -> bytes | None:
@@ -72,7 +74,7 @@ def parse_stat(pid: int, text: bytes) -> ProcStat | None:
     close = text.rfind(b")")
     fields = text[close + 1 :].split() if close >= 0 else []
     try:
-        return ProcStat(pid, int(fields[1]), int(fields[19]))
+        return ProcStat(pid, int(fields[1]), int(fields[19]), fields[0].decode("ascii", "replace"))
     except (IndexError, ValueError):
         return None
 
@@ -80,6 +82,58 @@ def parse_stat(pid: int, text: bytes) -> ProcStat | None:
 def read_stat(pid: int, proc: Path = PROC) -> ProcStat | None:
     text = _read(f"{proc}/{pid}/stat", _STAT_MAX)
     return parse_stat(pid, text) if text is not None else None
+
+
+@dataclass
+class BootClock:
+    """Unix time a process started, as psutil computes it: boot time (read
+    once from /proc/stat) plus its start in clock ticks."""
+
+    proc: Path = PROC
+    _btime: float | None = None
+    _ticks: int = field(default_factory=lambda: os.sysconf("SC_CLK_TCK"))
+
+    def created(self, st: ProcStat) -> float:
+        if self._btime is None:
+            self._btime = 0.0
+            for line in (_read(f"{self.proc}/stat", 1 << 20) or b"").splitlines():
+                if line.startswith(b"btime "):
+                    self._btime = float(line.split()[1])
+        return self._btime + st.starttime / self._ticks
+
+
+def stat_alive(st: ProcStat | None, created: float | None, since: float) -> bool:
+    """The decision of pid_alive (pure): a process exists (`st`), is no
+    zombie (it has exited; only its parent has not waited) and started no
+    later than `since` + 1 s (else another process took the pid)."""
+    return st is not None and created is not None and created <= since + 1.0 and st.state != "Z"
+
+
+def pid_alive(pid: int, since: float, clock: BootClock | None = None) -> bool:
+    """The process exists and is the one recorded at `since`, not a reused
+    pid. One read of /proc/PID/stat.
+
+    A process cgpud may not inspect (proc mounted hidepid=1, an LSM) still
+    exists: taking it for dead would release a live instance's memory. Its
+    start time is unreadable, so a reused pid holds the instance until it
+    exits."""
+    clock = BootClock() if clock is None else clock
+    try:
+        fd = os.open(f"{clock.proc}/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+    except PermissionError:
+        return True
+    except OSError:
+        return False
+    try:
+        text = read_at_most(fd, _STAT_MAX)
+    except PermissionError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    st = parse_stat(pid, text) if len(text) <= _STAT_MAX else None
+    return stat_alive(st, clock.created(st) if st is not None else None, since)
 
 
 def parse_cgroups(text: bytes) -> dict[str, str] | None:
@@ -335,14 +389,23 @@ class ProcessMapper:
     sticky map of processes once mapped (bounded); not thread-safe: one
     watchdog loop uses it."""
 
-    def __init__(self, proc: Path = PROC, self_pid: int | None = None, cache_size: int = DEFAULT_CACHE) -> None:
+    def __init__(
+        self, proc: Path = PROC, self_pid: int | None = None, cache_size: int = DEFAULT_CACHE, pidfds: int = PIDFDS
+    ) -> None:
         self.proc = proc
         self.self_pid = os.getpid() if self_pid is None else self_pid
         self._cache_size = cache_size
         # (pid, starttime) -> (instance, its binding when the process was seen)
         self._sticky: dict[tuple[int, int], tuple[str, tuple[str, int]]] = {}
-        self._btime: float | None = None
-        self._ticks = os.sysconf("SC_CLK_TCK")
+        # (pid, starttime) -> its identity when it was mapped; only for keys in _sticky
+        self._known: dict[tuple[int, int], ProcessIdentity] = {}
+        # (pid, starttime) -> a pidfd on that very process, for at most `pidfds`
+        # keys of _known: while it is not readable the process lives, so its pid
+        # is still its own and not even its stat needs reading. Only on the real
+        # /proc (a fake tree's pids are not the host's).
+        self._pidfd_max = pidfds if proc == PROC and hasattr(os, "pidfd_open") else 0
+        self._pidfds: dict[tuple[int, int], int] = {}
+        self._clock = BootClock(proc)
         self._root = _file_id(f"{proc}/{self.self_pid}/root")
 
     def host_root(self, info: ProcInfo) -> bool:
@@ -352,24 +415,60 @@ class ProcessMapper:
     def created(self, st: ProcStat) -> float:
         """Unix time the process started, as psutil computes it (and so
         pid_alive): boot time plus its start in clock ticks."""
-        if self._btime is None:
-            self._btime = 0.0
-            for line in (_read(f"{self.proc}/stat", 1 << 20) or b"").splitlines():
-                if line.startswith(b"btime "):
-                    self._btime = float(line.split()[1])
-        return self._btime + st.starttime / self._ticks
+        return self._clock.created(st)
 
     def identify(self, pids: Iterable[int], instances: Sequence[Instance]) -> dict[int, ProcessIdentity]:
         """Each pid's identity; a pid whose process is gone is left out.
         instance_id None: it belongs to no active instance."""
         rnd = _Round(self, instances)
         out = {}
-        for pid in sorted(set(pids)):
-            identity = self._identify(rnd, pid)
+        wanted = sorted(set(pids))
+        living = self._living(wanted)
+        for pid in wanted:
+            identity = self._identify(rnd, pid, living.get(pid))
             if identity is not None:
                 out[pid] = identity
         self._prune(rnd, out)
         return out
+
+    def _living(self, pids: Sequence[int]) -> dict[int, tuple[int, int]]:
+        """pid -> key of the known processes among `pids` whose pidfd says
+        they have not exited: one poll for all of them."""
+        if not self._pidfds:
+            return {}
+        by_pid = {key[0]: (key, fd) for key, fd in self._pidfds.items()}
+        mine = [by_pid[pid] for pid in pids if pid in by_pid]
+        if not mine:
+            return {}
+        poller = select.poll()
+        for _, fd in mine:
+            poller.register(fd, select.POLLIN)
+        exited = {fd for fd, _ in poller.poll(0)}
+        return {key[0]: key for key, fd in mine if fd not in exited}
+
+    def _pin(self, key: tuple[int, int]) -> None:
+        """A pidfd on the known process `key`, if there is room and it is
+        still that process once the pidfd is open."""
+        if len(self._pidfds) >= self._pidfd_max or key in self._pidfds:
+            return
+        try:
+            fd = os.pidfd_open(key[0])
+        except OSError as e:
+            if e.errno == errno.ENOSYS:
+                self._pidfd_max = 0
+            return
+        st = read_stat(key[0], self.proc)  # the pid may have been reused before the pidfd was opened
+        if st is None or st.starttime != key[1]:
+            os.close(fd)
+            return
+        self._pidfds[key] = fd
+
+    def close(self) -> None:
+        """Lets go of the pidfds; the mapper still works, reading stats."""
+        self._pidfd_max = 0
+        for fd in self._pidfds.values():
+            os.close(fd)
+        self._pidfds.clear()
 
     def instance_of(self, pid: int, instances: Sequence[Instance]) -> tuple[ProcStat | None, str | None]:
         """The process's stat as read now and the instance it maps to now
@@ -402,38 +501,67 @@ class ProcessMapper:
             self._remember(key, iid, rnd.binding(iid))
         return iid
 
-    def _identify(self, rnd: _Round, pid: int) -> ProcessIdentity | None:
+    def _identify(self, rnd: _Round, pid: int, living: tuple[int, int] | None = None) -> ProcessIdentity | None:
+        # A process already mapped to an instance that is still bound as it
+        # was is that instance's for its life: its pidfd (it has not exited,
+        # so the pid is still its own) or else its stat (the start time,
+        # against pid reuse) is all it takes, not the four reads of a
+        # process seen afresh. Its executable and cgroup, as first read,
+        # decide nothing for a mapped process (the kill reads them again).
+        if living is not None:
+            key = living
+        else:
+            st = read_stat(pid, self.proc)
+            if st is None:
+                return None
+            rnd.stats[pid] = st
+            key = (pid, st.starttime)
+        known, seen = self._known.get(key), self._sticky.get(key)
+        if known is not None and seen is not None and rnd.binding(seen[0]) == seen[1]:
+            return known
         info = read_process(pid, self.proc)
         if info is None:
             return None
         rnd.stats[pid] = st = info.stat
         cgroups = checked_cgroups(info.cgroup_text, rnd.hierarchies)
         iid = self._map(rnd, st, cgroups)
-        return ProcessIdentity(
+        identity = ProcessIdentity(
             pid, st.starttime, info.exe, preferred_cgroup(cgroups)[1] if cgroups else "", iid, self.host_root(info)
         )
+        if iid is not None and (st.pid, st.starttime) in self._sticky:
+            self._known[(st.pid, st.starttime)] = identity
+            if self._pidfd_max:
+                self._pin((st.pid, st.starttime))
+        return identity
 
     def _remember(self, key: tuple[int, int], iid: str, binding: tuple[str, int] | None) -> None:
         if binding is None:
             return
-        self._sticky.pop(key, None)
+        self._forget(key)
         while len(self._sticky) >= self._cache_size:
-            del self._sticky[next(iter(self._sticky))]
+            self._forget(next(iter(self._sticky)))
         self._sticky[key] = (iid, binding)
+
+    def _forget(self, key: tuple[int, int]) -> None:
+        self._sticky.pop(key, None)
+        self._known.pop(key, None)
+        fd = self._pidfds.pop(key, None)
+        if fd is not None:
+            os.close(fd)
 
     def _prune(self, rnd: _Round, seen: Mapping[int, ProcessIdentity]) -> None:
         """Forget processes that are gone and instances no longer active."""
         for key, (iid, binding) in list(self._sticky.items()):
             pid, start = key
             if rnd.binding(iid) != binding:
-                del self._sticky[key]
+                self._forget(key)
             elif pid in seen:
                 if seen[pid].starttime != start:
-                    del self._sticky[key]
+                    self._forget(key)
             else:
                 st = rnd.stat(pid)
                 if st is None or st.starttime != start:
-                    del self._sticky[key]
+                    self._forget(key)
 
     def __len__(self) -> int:
         return len(self._sticky)

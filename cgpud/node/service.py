@@ -20,11 +20,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-import psutil
 import structlog
 
 from cgpud.node.topology import Links
-from cgpud.node import host, placement
+from cgpud.node import host, placement, procmap
 from cgpud.node.changes import Changes
 from cgpud.node.model import ComputePolicy, GpuCapacity, Instance, InstanceState, NodeInfo, NodeMode, NodePolicy
 from cgpud.node.model import OwnerKind, Placement, Request, Reservation, Share, WHOLE_GPU_MODES
@@ -57,21 +56,9 @@ DEFAULT_RESERVATION_TTL = 120.0
 RESERVATION_TTL_RANGE = (1.0, 3600.0)
 
 
-def pid_alive(pid: int, since: float) -> bool:
-    """The process exists and is the one we recorded, not a reused PID.
-
-    A process cgpud may not inspect (proc mounted hidepid=1, an LSM) still
-    exists: taking it for dead would release a live instance's memory. Its
-    start time is unreadable, so a reused PID holds the instance until it exits.
-    A zombie has exited: nothing of it runs, only its parent has not waited.
-    """
-    try:
-        process = psutil.Process(pid)
-        return process.create_time() <= since + 1.0 and process.status() != psutil.STATUS_ZOMBIE
-    except psutil.AccessDenied:
-        return True
-    except (psutil.NoSuchProcess, ValueError):
-        return False
+def pid_alive(pid: int, since: float, clock: procmap.BootClock | None = None) -> bool:
+    """procmap.pid_alive (kept here for its callers)."""
+    return procmap.pid_alive(pid, since, clock)
 
 
 class InstanceService:
@@ -111,6 +98,7 @@ class InstanceService:
         self._boot_id = boot_id
         self._clock = clock
         self._purged_at: float | None = None  # the sweep's last purge of released rows
+        self._boot = procmap.BootClock()  # process start times, for the sweep's pid checks
         self._lock = threading.Lock()
         self._log = structlog.get_logger("cgpud.instances")
         stored = store.get_setting(COMPUTE_POLICY_KEY)
@@ -732,9 +720,14 @@ class InstanceService:
 
     def _expire_reservations(self) -> int:
         """Deletes reservations whose time ran out (admission already
-        ignored them); a scheduler that reserved and never bound."""
+        ignored them); a scheduler that reserved and never bound. A write
+        only when one has expired: a write every sweep would make every
+        reader of the instance table read it afresh."""
+        now = self._clock()
+        if not any(r.expires <= now for r in self._store.holdings()[1]):
+            return 0
         with self._lock:
-            expired = self._store.delete_expired_reservations(self._clock())
+            expired = self._store.delete_expired_reservations(now)
             if expired:
                 self.changes.bump()
         for pod_uid in expired:
@@ -747,14 +740,23 @@ class InstanceService:
         mapping. Reads each file's size and header only; one instance's
         damage never stops the others'. Returns how many were repaired."""
         repaired = 0
-        for instance in instances:
-            if not instance.enforced:
-                continue
-            region = self.region_dir(instance.id)
+        enforced = [i for i in instances if i.enforced]
+        if not enforced:
+            return 0
+        # One lock and one read of the table for the whole pass (a header
+        # read per file): an instance released since the caller's snapshot
+        # is left alone, as its region goes with it.
+        with self._lock:
             try:
-                with self._lock:
-                    if self._store.get(instance.id).state is InstanceState.RELEASED:
-                        continue
+                current = {i.id for i in self._store.active()}
+            except CgpuError as e:
+                self._log.error("usage files not checked", error=str(e))
+                return 0
+            for instance in enforced:
+                if instance.id not in current:
+                    continue
+                region = self.region_dir(instance.id)
+                try:
                     problem = usage_problem(region)
                     damaged = self._compute is not None and self._compute.damaged(instance.id)
                     if problem is None and not damaged:
@@ -763,16 +765,16 @@ class InstanceService:
                         repair_usage(region / USAGE_FILE)
                     if self._compute is not None and damaged:
                         self._compute.reattach(instance, region)
-            except (CgpuError, OSError, MemoryError) as e:
-                self._log.error("usage file cannot be repaired", id=instance.id, error=str(e))
-                continue
-            self._log.warning(
-                "usage file repaired",
-                id=instance.id,
-                remapped=damaged,
-                problem=problem or "truncated under the scheduler's mapping",
-            )
-            repaired += 1
+                except (CgpuError, OSError, MemoryError) as e:
+                    self._log.error("usage file cannot be repaired", id=instance.id, error=str(e))
+                    continue
+                self._log.warning(
+                    "usage file repaired",
+                    id=instance.id,
+                    remapped=damaged,
+                    problem=problem or "truncated under the scheduler's mapping",
+                )
+                repaired += 1
         return repaired
 
     # ---- helpers ------------------------------------------------------------------------
@@ -799,14 +801,14 @@ class InstanceService:
         # of their bound PIDs runs.
         if instance.owner.kind in (OwnerKind.POD, OwnerKind.DEVICE) or not instance.pids:
             return False
-        return not any(pid_alive(pid, instance.updated) for pid in instance.pids)
+        return not any(pid_alive(pid, instance.updated, self._boot) for pid in instance.pids)
 
     def _container_gone(self, instance: Instance) -> bool:
         return (
             instance.owner.kind in (OwnerKind.POD, OwnerKind.DEVICE)
             and instance.state is InstanceState.BOUND
             and bool(instance.pids)
-            and not any(pid_alive(pid, instance.updated) for pid in instance.pids)
+            and not any(pid_alive(pid, instance.updated, self._boot) for pid in instance.pids)
         )
 
     def _never_started(self, instance: Instance) -> bool:

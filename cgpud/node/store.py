@@ -544,9 +544,25 @@ def _one_call(
     return call
 
 
+@dataclass(frozen=True)
+class _Holdings:
+    """The active instances and the reservations as read at `key`: (this
+    store's count of write transactions, SQLite's data_version, which
+    moves when another connection commits)."""
+
+    key: tuple[int, int]
+    active: tuple[Instance, ...]
+    reservations: tuple[Reservation, ...]
+
+
 class Store:
     """The SQLite file holding cgpud's instance tables and run-time settings.
-    See the module docstring for crash safety and thread-safety."""
+    See the module docstring for crash safety and thread-safety.
+
+    The active instances and the reservations are read again only when a
+    write committed since the last read, through this store or any other
+    connection: the watchdog, the sweep, the metrics and every admission
+    read them, and most of those reads find nothing changed."""
 
     def __init__(self, path: str | os.PathLike[str], *, clock: Callable[[], float] = time.time):
         self.path = Path(path)
@@ -557,6 +573,8 @@ class Store:
         self._in_transaction = False
         self._conn: sqlite3.Connection | None = None
         self._decoded = _DecodedRows()
+        self._writes = 0  # write transactions begun on this store, committed or not
+        self._holdings: _Holdings | None = None
         self._create_file()
         try:
             self._conn = self._connect()
@@ -709,6 +727,8 @@ class Store:
             begin = "BEGIN IMMEDIATE" if write else "BEGIN DEFERRED"
             tx = Transaction(conn, self._clock, write, threading.get_ident(), _decoded=self._decoded)
             self._in_transaction = True
+            if write:
+                self._writes += 1  # before it begins: no read may keep a key that predates it
             try:
                 try:
                     conn.execute(begin)
@@ -729,9 +749,36 @@ class Store:
 
     # ------------------------------------------------- one-call transactions
 
+    def active(self) -> builtins.list[Instance]:
+        return builtins.list(self._read_holdings().active)
+
+    active.__doc__ = Transaction.active.__doc__
+
+    def holdings(self) -> tuple[builtins.list[Instance], builtins.list[Reservation]]:
+        held = self._read_holdings()
+        return builtins.list(held.active), builtins.list(held.reservations)
+
+    holdings.__doc__ = Transaction.holdings.__doc__
+
+    def _read_holdings(self) -> _Holdings:
+        with self._lock:
+            if self._in_transaction:
+                raise CgpuError("a store transaction is already open on this thread")
+            try:
+                version = int(self._connection().execute("PRAGMA data_version").fetchone()[0])
+            except sqlite3.Error as e:
+                raise CgpuError(f"state database {self.path}: {e}") from e
+            key = (self._writes, version)
+            if self._holdings is None or self._holdings.key != key:
+                # Keyed by what was true before the read: a commit by another
+                # connection during it only makes the next read look again.
+                with self._transaction(write=False) as tx:
+                    active, reserved = tx.holdings()
+                self._holdings = _Holdings(key, tuple(active), tuple(reserved))
+            return self._holdings
+
     get = _one_call(Transaction.get, write=False)
     list = _one_call(Transaction.list, write=False)
-    active = _one_call(Transaction.active, write=False)
     get_setting = _one_call(Transaction.get_setting, write=False)
     insert = _one_call(Transaction.insert, write=True)
     set_state = _one_call(Transaction.set_state, write=True)
@@ -740,7 +787,6 @@ class Store:
     runtime_versions_in_use = _one_call(Transaction.runtime_versions_in_use, write=False)
     add_runtime_users = _one_call(Transaction.add_runtime_users, write=True)
     reservations = _one_call(Transaction.reservations, write=False)
-    holdings = _one_call(Transaction.holdings, write=False)
     put_reservation = _one_call(Transaction.put_reservation, write=True)
     delete_reservation = _one_call(Transaction.delete_reservation, write=True)
     delete_expired_reservations = _one_call(Transaction.delete_expired_reservations, write=True)

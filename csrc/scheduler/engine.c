@@ -675,11 +675,18 @@ static int report_demand(struct cgpu_engine *e, unsigned gpu, uint64_t now)
 {
     struct gpu_loop *g = &e->gpu[gpu];
     int idle = 0;
+    /* Each `waiting` is on another tenant's page, written from other CPUs:
+     * a cache (and often TLB) miss apiece. Read back to back, with nothing
+     * between them that depends on them, the misses overlap instead of
+     * adding up one per tenant (they were the loop's dearest instructions). */
+    uint32_t seen[CGPU_SCHED_MAX_TENANTS];
+    for (unsigned i = 0; i < CGPU_SCHED_MAX_TENANTS; i++)
+        seen[i] = g->t[i].key ? atomic_load(&g->t[i].usage->device[g->t[i].slot].waiting) : 0;
     for (unsigned i = 0; i < CGPU_SCHED_MAX_TENANTS; i++) {
         struct tenant *t = &g->t[i];
         if (!t->key)
             continue;
-        uint32_t waiting = atomic_load(&t->usage->device[t->slot].waiting);
+        uint32_t waiting = seen[i];
         if (waiting < t->stale_waiting)
             t->stale_waiting = waiting;
         if (!t->locked)
@@ -709,6 +716,17 @@ static int holder_idle(struct tenant *t, uint32_t open_word)
     uint32_t want = (open_word & CGPU_GATE_SEQ_MASK) | CGPU_ACK_IDLE, bit = 1u << t->slot;
     const uint32_t report = CGPU_GATE_SEQ_MASK | CGPU_ACK_IDLE; /* drained or not */
     uint32_t n = atomic_load(&u->ledgers_used);
+    /* Without a single report the answer is "busy" whoever is dead, so no
+     * lock is probed: a busy holder (the common case, at every grant) costs
+     * no syscall here. */
+    int any = 0;
+    for (uint32_t i = 0; i < n && i < CGPU_MAX_PROCS && !any; i++) {
+        struct cgpu_proc_ledger *p = &u->proc[i];
+        any = !(t->idle_dead[i / 64] & (1ull << (i % 64))) && atomic_load(&p->state) == CGPU_LEDGER_LIVE &&
+              (atomic_load(&p->watching) & bit) && (atomic_load(&p->fence_ack[t->slot]) & report) == want;
+    }
+    if (!any)
+        return 0;
     int reported = 0;
     for (uint32_t i = 0; i < n && i < CGPU_MAX_PROCS; i++) {
         struct cgpu_proc_ledger *p = &u->proc[i];

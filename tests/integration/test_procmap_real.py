@@ -362,3 +362,31 @@ def test_kill_without_pidfd_rechecks_then_kills(procs: Procs, monkeypatch: pytes
     ok, detail = kill_process(ids[g], mapper, [inst])
     assert ok and "no pidfd" in detail, detail
     until(lambda: dead(g), 10.0, interval=0.01, what="G dead")
+
+
+def test_a_mapped_process_is_held_by_a_pidfd_and_read_no_more_while_it_lives(
+    procs: Procs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    p, c, g = fork_tree(procs)
+    inst = run_instance("r1", (p, c))
+    mapper = ProcessMapper()
+    try:
+        assert owners(mapper, [g, c], [inst]) == {g: "r1", c: "r1"}
+        opened: list[str] = []
+        real_open = os.open
+
+        def counting_open(path: str, *args: object, **kwargs: object) -> int:
+            opened.append(str(path))
+            return real_open(path, *args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(os, "open", counting_open)
+        assert owners(mapper, [g, c], [inst]) == {g: "r1", c: "r1"}
+        assert not [f for f in opened if f.startswith((f"/proc/{g}", f"/proc/{c}"))]
+        monkeypatch.undo()
+        os.kill(c, signal.SIGKILL)  # P reaps it
+        until(lambda: read_stat(c) is None, 10.0, interval=0.01, what="C gone")
+        assert owners(mapper, [g, c], [inst]) == {g: "r1"}  # C's pidfd said it exited: read afresh, gone
+        assert len(mapper) == 1
+    finally:
+        mapper.close()
+    assert owners(mapper, [g], [inst]) == {g: "r1"}  # without pidfds: by its stat

@@ -12,7 +12,7 @@ import pytest
 
 from cgpud.node.model import GIB, Grant, Instance, InstanceState, Owner, OwnerKind
 from cgpud.node.procmap import ProcessMapper, parse_cgroups, parse_stat, preferred_cgroup, read_cgroups, read_stat
-from cgpud.node.procmap import within
+from cgpud.node.procmap import BootClock, ProcStat, pid_alive, stat_alive, within
 from tests.harness.procmap_instances import container_instance, owners, run_instance
 
 BTIME = 1_000_000
@@ -306,3 +306,74 @@ def test_a_claimed_instance_handed_to_another_container_forgets_the_first_ones_p
     assert owners(mapper, [101], [claimed("a@/ba", 100)]) == {101: "d1"}
     assert owners(mapper, [101], [claimed("b@/bb", 200)]) == {101: None}
     assert len(mapper) == 0
+
+
+def test_a_mapped_process_costs_one_stat_read_a_round(proc, monkeypatch):
+    proc.add(200, 1, 60, comm="cgpuctl")
+    proc.add(201, 200, 61)
+    inst = run_instance("r1", (200,), at(61))
+    mapper = ProcessMapper(proc.root, SELF)
+    first = mapper.identify([201], [inst])
+    opened: list[str] = []
+    real_open = os.open
+
+    def counting_open(path, *args, **kwargs):
+        opened.append(str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", counting_open)
+    again = mapper.identify([201], [inst])
+    assert again == first and again[201].instance_id == "r1"
+    # cgpud's own cgroup (the round's hierarchies), then 201's stat: not its
+    # directory, cgroup or exe again
+    assert opened == [f"{proc.root}/{SELF}/cgroup", f"{proc.root}/201/stat"]
+
+
+def test_a_mapped_process_is_read_afresh_when_its_pid_is_reused_or_its_instance_rebound(proc):
+    proc.add(200, 1, 60, comm="cgpuctl")
+    proc.add(201, 200, 61, exe="/usr/bin/first")
+    inst = run_instance("r1", (200,), at(61))
+    mapper = ProcessMapper(proc.root, SELF)
+    assert mapper.identify([201], [inst])[201].exe == "/usr/bin/first"
+    proc.add(201, 1, 90, exe="/usr/bin/other")  # another process took the pid
+    got = mapper.identify([201], [inst])[201]
+    assert (got.exe, got.instance_id, got.starttime) == ("/usr/bin/other", None, int(90 * TICKS))
+    proc.add(201, 200, 61, exe="/usr/bin/first")
+    assert mapper.identify([201], [inst])[201].instance_id == "r1"
+    released = run_instance("r1", (200,), at(61), state=InstanceState.RELEASED)
+    assert mapper.identify([201], [released])[201].instance_id is None
+
+
+@pytest.mark.parametrize(
+    ("state", "started", "since", "alive"),
+    [
+        ("S", 60, at(61), True),
+        ("R", 62.0, at(61), True),  # within the second of slack
+        ("S", 62.5, at(61), False),  # born after the record: the pid was reused
+        ("Z", 60, at(61), False),  # exited, not yet waited for
+    ],
+)
+def test_pid_alive(proc, state, started, since, alive):
+    proc.add(300, 1, started)
+    stat = proc.root / "300" / "stat"
+    stat.write_bytes(stat.read_bytes().replace(b") S ", f") {state} ".encode()))
+    assert pid_alive(300, since, BootClock(proc.root)) is alive
+
+
+def test_pid_alive_of_a_gone_or_hidden_process(proc):
+    assert not pid_alive(4242, at(61), BootClock(proc.root))
+    proc.add(300, 1, 60)
+    (proc.root / "300" / "stat").write_bytes(b"300 (x) S 1 garbage")
+    assert not pid_alive(300, at(61), BootClock(proc.root))
+    # unreadable (hidepid): alive, or a live instance would lose its memory
+    proc.add(301, 1, 60)
+    (proc.root / "301" / "stat").chmod(0)
+    if os.geteuid() == 0:
+        pytest.skip("root reads a mode-0 file; tests/integration/test_pid_alive.py covers hidepid")
+    assert pid_alive(301, at(61), BootClock(proc.root))
+
+
+def test_stat_alive_decision():
+    st = ProcStat(1, 0, 100, "S")
+    assert stat_alive(st, 10.0, 9.0) and not stat_alive(st, 10.5, 9.0)
+    assert not stat_alive(None, None, 9.0) and not stat_alive(ProcStat(1, 0, 100, "Z"), 1.0, 9.0)

@@ -700,3 +700,18 @@ def test_a_row_changed_under_an_open_store_is_read_as_it_is_now(tmp_path: Path, 
         assert s.reservations() == []
         conn.close()
     assert "unreadable reservation skipped" in capsys.readouterr().out
+
+
+def test_a_sweep_that_finds_nothing_expired_writes_nothing(tmp_path: Path):
+    clock = Clock()
+    svc = service(tmp_path, clock=clock)
+    svc.reserve("uid-a", "ns", "a", [gib(0, 1)], ttl=10)
+    svc.create(Request(pod("uid-c"), GIB, gpu_indexes=(0,)))
+    writes: list[str] = []
+    svc.sweep()  # the first also purges old released rows (then once an hour)
+    svc._store._connection().set_trace_callback(lambda sql: writes.append(sql) if "IMMEDIATE" in sql else None)
+    svc.sweep()
+    assert writes == []
+    clock.now += 10
+    svc.sweep()
+    assert len(writes) == 1 and svc.reservations() == []

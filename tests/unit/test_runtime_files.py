@@ -172,3 +172,17 @@ def test_a_retried_prepare_across_versions_replaces_the_old_hooks(state):
     assert [h["path"] for h in second["hooks"]["createRuntime"]] == [str(new.hook)]
     assert {m["source"] for m in second["mounts"]} >= {str(new.library), str(new.preload)}
     assert not any("0.1.0" in m["source"] for m in second["mounts"])
+
+
+def test_with_only_the_current_version_installed_the_table_is_not_asked(state, monkeypatch):
+    svc = service(state)
+    files = install_runtime_files(state, Path("/r.sock"))
+
+    def asked() -> set[str]:
+        raise AssertionError("the instance table was read")
+
+    monkeypatch.setattr(svc, "runtime_versions_in_use", asked)
+    assert collect(svc, files, state / "runtime") == []
+    (state / "runtime" / "0.0.1").mkdir()
+    with pytest.raises(AssertionError, match="table was read"):
+        collect(svc, files, state / "runtime")

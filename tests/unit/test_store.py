@@ -575,3 +575,40 @@ def test_a_version_1_file_opens_and_gains_the_holder_column(db: Path) -> None:
     conn.close()
     with Store(db) as s:  # and opens again as the current version
         assert s.get("cgpu-old").holder == "job@/b"
+
+
+def _selects(store: Store) -> list[str]:
+    """The SELECTs the store's connection runs from now on."""
+    seen: list[str] = []
+    store._connection().set_trace_callback(lambda sql: seen.append(sql) if sql.lstrip().startswith("SELECT") else None)
+    return seen
+
+
+def test_holdings_are_read_again_only_after_a_write(store: Store) -> None:
+    a = store.insert(make())
+    assert [i.id for i in store.active()] == [a.id]
+    selects = _selects(store)
+    assert [i.id for i in store.active()] == [a.id] and store.holdings() == ([a], [])
+    assert selects == []  # nothing committed since: no table read
+    b = store.insert(make(created=1.0))
+    assert {i.id for i in store.active()} == {a.id, b.id}
+    store.set_state(a.id, RELEASED)
+    assert [i.id for i in store.holdings()[0]] == [b.id]
+
+
+def test_holdings_see_a_commit_by_another_connection(store: Store, db: Path) -> None:
+    a = store.insert(make())
+    assert [i.id for i in store.active()] == [a.id]
+    with Store(db) as other:
+        b = other.insert(make(created=1.0))
+        other.set_state(a.id, RELEASED)
+    assert [i.id for i in store.active()] == [b.id]
+    with raw(db) as conn:
+        conn.execute("UPDATE instances SET state = ? WHERE id = ?", (RELEASED.value, b.id))
+    assert store.active() == []
+
+
+def test_holdings_are_copies(store: Store) -> None:
+    store.insert(make())
+    store.active().clear()
+    assert len(store.active()) == 1
