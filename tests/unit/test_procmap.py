@@ -365,12 +365,26 @@ def test_pid_alive_of_a_gone_or_hidden_process(proc):
     proc.add(300, 1, 60)
     (proc.root / "300" / "stat").write_bytes(b"300 (x) S 1 garbage")
     assert not pid_alive(300, at(61), BootClock(proc.root))
-    # unreadable (hidepid): alive, or a live instance would lose its memory
+
+
+def test_pid_alive_of_a_process_it_may_not_read(proc):
+    """Unreadable (hidepid, an LSM): alive, or a live instance would lose
+    its memory. Root reads a mode-0 file, so the look is taken by a child
+    that has dropped to nobody, as an unprivileged reader would."""
     proc.add(301, 1, 60)
     (proc.root / "301" / "stat").chmod(0)
-    if os.geteuid() == 0:
-        pytest.skip("root reads a mode-0 file; tests/integration/test_pid_alive.py covers hidepid")
-    assert pid_alive(301, at(61), BootClock(proc.root))
+    clock = BootClock(proc.root)
+    child = os.fork()
+    if child == 0:
+        try:
+            if os.geteuid() == 0:
+                os.setgid(65534)
+                os.setuid(65534)
+            os._exit(0 if pid_alive(301, at(61), clock) else 1)
+        finally:
+            os._exit(2)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 def test_stat_alive_decision():
