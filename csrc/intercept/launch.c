@@ -912,8 +912,14 @@ static inline __attribute__((always_inline)) int hold_fast(const _Atomic uint32_
         return HOLD_NO;
     }
     /* GCC's builtin: the subtraction's own sign flag says "out of line"
-     * (C11's fetch_sub returns the old value, tested apart). */
+     * (C11's fetch_sub returns the old value, tested apart). clang (the
+     * packages' zig cc) refuses the builtin on an _Atomic object: there the
+     * C11 form, the same operation. */
+#if defined(__clang__)
+    uint64_t count = atomic_fetch_sub(&s->count, COUNT_STEP) - COUNT_STEP;
+#else
     uint64_t count = __atomic_sub_fetch(&s->count, COUNT_STEP, __ATOMIC_SEQ_CST);
+#endif
     if (CGPU_UNLIKELY(count >> 63))
         return HOLD_COLD; /* hold_cold tracks the stream */
     track_stream(s, stream);

@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -71,8 +72,15 @@ def test_pip_install_builds_everything_and_the_demo_runs(clean_copy, tmp_path):
     # README command one, in the fresh copy, reusing this venv (dev installs editable over it).
     # Its state (and its instances' tmpfs mounts) under this test's directory, where the
     # mount checks of tests running meanwhile know it is not theirs.
-    env = dict(os.environ, CGPU_VENV=str(venv), XDG_RUNTIME_DIR=str(tmp_path), TMPDIR=str(tmp_path))
-    demo = _run([str(clean_copy / "dev"), "demo", "--seconds", "2"], env=env)
+    # Named through a short link: pytest's numbered base directory grows by a
+    # digit now and then, and the demo's sockets must fit in sun_path.
+    short = Path(tempfile.mkdtemp(prefix="cgpu-i-", dir="/tmp")) / "t"
+    short.symlink_to(tmp_path)
+    env = dict(os.environ, CGPU_VENV=str(venv), XDG_RUNTIME_DIR=str(short), TMPDIR=str(short))
+    try:
+        demo = _run([str(clean_copy / "dev"), "demo", "--seconds", "2"], env=env)
+    finally:
+        shutil.rmtree(short.parent)  # the link, not what it names
     bare = re.search(r"^Without cgpu: A got ([\d.]+) %, B got ([\d.]+) %", demo.stdout, re.MULTILINE)
     got = re.search(
         r"^With cgpu: +A asked 30 %, got ([\d.]+) %; B asked 70 %, got ([\d.]+) %; "

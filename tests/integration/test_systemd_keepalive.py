@@ -1,7 +1,8 @@
 """The systemd keep-alive (WatchdogSec=) as cgpud runs under it: a real cgpud process pings
 a real notify socket only while its sweep loop turns. The loop is made to
 hang for real: the test holds the write lock of cgpud's SQLite database from
-another connection, so each sweep blocks in the store for its busy timeout."""
+another connection while a reservation expires, so the sweep blocks in the
+store, deleting it, for its busy timeout."""
 
 from __future__ import annotations
 
@@ -34,7 +35,15 @@ def test_pings_stop_while_the_sweep_hangs_and_resume_after(tmp_path, sim_env):
     try:
         assert len(_pings(d, 1.6)) >= 2
         db = sqlite3.connect(d.state / "cgpud.db", isolation_level=None, timeout=30)
-        db.execute("BEGIN EXCLUSIVE")  # every sweep expires reservations: a write, now blocked
+        # A scheduler's reservation that runs out while the lock is held: the
+        # sweep's delete of it is a write, and it blocks. (A sweep with
+        # nothing to expire writes nothing, and reads go on beside the lock.)
+        share = '[{"gpu_index": 0, "memory": 1073741824, "core_percent": 0, "instances": 1}]'
+        db.execute(
+            "INSERT INTO reservations (pod_uid, namespace, name, shares, expires) VALUES (?, ?, ?, ?, ?)",
+            ("keepalive-test", "default", "held", share, time.time() + 0.6),
+        )
+        db.execute("BEGIN EXCLUSIVE")
         try:
             _pings(d, 1.2)  # a ping may still be due from the last beat before the lock
             assert _pings(d, 3.0) == []
