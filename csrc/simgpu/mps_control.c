@@ -175,8 +175,14 @@ static void stop_server(struct daemon *d)
     logmsg(d, "Stopping server %d", (int)d->server_pid);
 }
 
+static void readable(struct daemon *d, int i);
+
 static void server_gone(struct daemon *d)
 {
+    /* A FAIL it wrote just before it exited may be unread yet (the exit
+     * was seen first): its reason, not "not ready", is the clients' answer. */
+    if (d->server_conn >= 0)
+        readable(d, d->server_conn);
     logmsg(d, "Server %d exited", (int)d->server_pid);
     if (!d->server_ready) {
         /* It died starting: its waiting clients fail now, rather than the
