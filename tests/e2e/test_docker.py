@@ -30,7 +30,7 @@ from cgpud.node.model import GIB, Owner, OwnerKind, Request
 from cgpud.native import native_path
 from tests.harness.daemon import BIN, Daemon, running_daemon
 from tests.harness.docker import IMAGE, Dockerd, running_dockerd
-from tests.harness.oci import plant_symlink, runtime_env, settled
+from tests.harness.oci import plant_symlink, runtime_env, settled, steady_mounts
 from tests.harness.workload import (
     BURN,
     assert_2gib_granted,
@@ -376,7 +376,7 @@ def test_symlinks_in_an_image_never_lead_outside_it(
     outside.mkdir()
     core_pattern = Path("/proc/sys/kernel/core_pattern").read_text()
     tag = _image_with_symlink(dockerd, rootfs_template, tmp_path, link, escape.format(out=outside))
-    mounts_before = mounts()
+    mounts_before = steady_mounts(mounts)
     try:
         out = docker_sh(
             dockerd,
@@ -455,7 +455,7 @@ def test_a_container_cannot_write_its_limits_or_reach_other_instances(gpu_env, c
 def test_mount_table_unchanged_after_10_containers_5_at_a_time(
     gpu_env, cgpud: Daemon, dockerd: Dockerd, mounts
 ) -> None:
-    before = mounts()
+    before = steady_mounts(mounts)
     with ThreadPoolExecutor(5) as pool:
         runs = list(
             pool.map(

@@ -11,7 +11,7 @@ import pytest
 
 from cgpud.node.model import GIB
 from tests.harness.daemon import Daemon
-from tests.harness.oci import Host, plant_symlink, run, settled, shim_container
+from tests.harness.oci import Host, plant_symlink, run, settled, shim_container, steady_mounts
 from tests.harness.preload_poc import build_poc
 from tests.harness.workload import BURN, assert_no_breakout, breakout_script, burn_json, instances
 
@@ -65,7 +65,7 @@ def test_symlinks_in_the_rootfs_never_lead_outside_it(
     outside = tmp_path / "outside"
     outside.mkdir()
     core_pattern = Path("/proc/sys/kernel/core_pattern").read_text()
-    mounts_before = mounts()
+    mounts_before = steady_mounts(mounts)
     b, _ = _symlinked(host, tmp_path, "b", link, escape.format(out=outside))
     out = run(host, b, host.new_id(), shim=True, relay=cgpud.relay)
     # Either it started with its limit or it failed saying why.
@@ -81,7 +81,7 @@ def test_symlinks_in_the_rootfs_never_lead_outside_it(
 
 
 def test_mount_table_unchanged_after_20_container_cycles(tmp_path, host: Host, cgpud: Daemon, mounts) -> None:
-    before = mounts()
+    before = steady_mounts(mounts)
     for i in range(20):
         b = host.bundle(tmp_path / f"b{i}", ["true"], ("ALIYUN_COM_GPU_MEM_CONTAINER=1",))
         out = run(host, b, host.new_id(), shim=True, relay=cgpud.relay)

@@ -334,6 +334,16 @@ def _spare(line: str) -> bool:
 T = TypeVar("T")
 
 
+def steady_mounts(read: Callable[[], list[str]], within: float = 5.0) -> list[str]:
+    """host_mounts-style `read` once no spare region is being remade: cgpud
+    mounts the new spare before the one it replaces is gone, so a read can
+    catch two of one cgpud's at once and make a wrong baseline. Waits for at
+    most one spare (the count itself after `within`: several cgpuds)."""
+    now = read()
+    count = int(now[-1].rsplit(" ", 1)[1])
+    return settled(read, [*now[:-1], f"spare regions: {min(count, 1)}"], within)
+
+
 def settled(read: Callable[[], T], expected: T, within: float = 5.0) -> T:
     """What `read` gives once it equals `expected`, or its last value after
     `within` seconds. cgpud releases an instance, and unmounts its region, at
