@@ -847,7 +847,8 @@ static __attribute__((noinline, cold)) void release_refused(struct alloc_entry *
 /* The last handle reference detaches the record before the driver is
  * asked: once the driver has released the handle, a new allocation may
  * get the same value. Its reference on the memory goes once the driver
- * has said yes. */
+ * has said yes. The driver's release happens under vmm_lock, so that no
+ * cuMemMap is between its look-up and the driver's map meanwhile (below). */
 CGPU_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
 {
     if (cgpu_state() != CGPU_ACTIVE)
@@ -861,8 +862,8 @@ CGPU_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
     } else if (mem) {
         mem->aux--;
     }
-    vmm_give();
     CUresult rc = CALL_REAL(cuMemRelease, handle);
+    vmm_give();
     if (CGPU_LIKELY(rc == CUDA_SUCCESS)) {
         if (last)
             unref_memory(mem);
@@ -922,34 +923,39 @@ CGPU_EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *h
  * at what another thread's create is about to return, while that create
  * is between the driver and its record. Mapped untracked, the memory would
  * be given back at its release while still mapped (a way past the limit).
- * Looked up once more under the lock (the record may have come since);
- * still none: refused, as the driver refuses a handle it does not know.
- * (A full table leaves a handle unrecorded too: refused as well.) */
+ * Called with vmm_lock held: lets it go once (the record may come
+ * meanwhile) and looks again; returns the record with the lock held, or
+ * NULL with it given back: refused, as the driver refuses a handle it does
+ * not know. (A full table leaves a handle unrecorded too: refused as well.) */
 static __attribute__((noinline, cold)) struct alloc_entry *map_unrecorded(CUmemGenericAllocationHandle handle)
 {
+    vmm_give();
     vmm_take();
     struct alloc_entry *mem = lookup(KIND_HANDLE, handle);
-    if (mem)
-        atomic_fetch_add_explicit(&mem->refs, 1, memory_order_relaxed);
-    vmm_give();
+    if (!mem)
+        vmm_give();
     return mem;
 }
 
+/* The mapping's reference is taken first, so that a release racing with
+ * the map never sees the memory unused; and the driver maps under
+ * vmm_lock, as the driver releases: otherwise the handle could be
+ * released and handed to a new allocation between the look-up and the
+ * driver's map, which would then map memory whose record is not the one
+ * charged for it (the new one's charge goes at its release while this
+ * mapping keeps it alive). */
 CGPU_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
                               unsigned long long flags)
 {
     if (cgpu_state() != CGPU_ACTIVE)
         return CALL_REAL(cuMemMap, ptr, size, offset, handle, flags);
-    /* The mapping's reference is taken first, so that a release racing
-     * with the map never sees the memory unused. */
     vmm_take();
     struct alloc_entry *mem = lookup(KIND_HANDLE, handle);
-    if (mem)
-        atomic_fetch_add_explicit(&mem->refs, 1, memory_order_relaxed);
-    vmm_give();
     if (CGPU_UNLIKELY(!mem) && !(mem = map_unrecorded(handle)))
         return CUDA_ERROR_INVALID_VALUE;
+    atomic_fetch_add_explicit(&mem->refs, 1, memory_order_relaxed);
     CUresult rc = CALL_REAL(cuMemMap, ptr, size, offset, handle, flags);
+    vmm_give();
     if (rc != CUDA_SUCCESS)
         unref_memory(mem);
     else if (!remember_inline(KIND_MAPPING, ptr, size, -1, (uint64_t)(uintptr_t)mem))

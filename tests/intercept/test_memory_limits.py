@@ -488,6 +488,38 @@ def test_a_guessed_handle_mapped_before_its_create_returns_never_leaves_memory_u
         assert got["charged_end"] >= got["mapped"], got
 
 
+@pytest.fixture(scope="module")
+def vmm_reuse(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return compile_strict(
+        tmp_path_factory.mktemp("vmm") / "vmm_reuse",
+        f"-I{ROOT / 'csrc/include'}",
+        str(ROOT / "tests/intercept/programs/vmm_reuse.c"),
+        "-ldl",
+        "-pthread",
+    )
+
+
+def test_a_handle_released_and_made_again_while_it_is_being_mapped_leaves_nothing_uncharged(instance, vmm_reuse):
+    """A tenant maps a 2 MiB handle while its other thread releases that
+    handle and creates 64 MiB, which the driver gives the same value: a map
+    that reaches the driver after that create maps the 64 MiB. Whichever
+    memory a map ends up mapping is what it keeps charged: a mapping of the
+    64 MiB holds 64 MiB of charge once both handles are released (before
+    libcgpu mapped under its VMM lock, the map's reference could be on the
+    2 MiB record while the driver mapped the 64 MiB)."""
+    runs = []
+    for _ in range(3):
+        proc = subprocess.run([str(vmm_reuse)], env=instance({0: 1 * GIB}), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        got = json.loads(proc.stdout)
+        assert got["total"] == 1 * GIB
+        assert (got["attempts"], got["escapes"], got["charged_end"]) == (4000, 0, 0), got
+        runs.append(got)
+    # The race ran both ways: maps that reached the driver before the
+    # release (the 2 MiB) and after a create that got the value (the 64 MiB).
+    assert sum(r["big_maps"] for r in runs) > 0 and sum(r["maps"] - r["big_maps"] for r in runs) > 0, runs
+
+
 @pytest.mark.parametrize("visible", ["0", None], ids=["one-device-visible", "two-devices-visible"])
 def test_an_allocation_without_a_context_gets_the_drivers_error(instance, visible):
     """Once the process is known to see one device (the instance's), the
