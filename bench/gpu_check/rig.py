@@ -51,24 +51,12 @@ class Options:
     only: frozenset[str]
 
 
-BUSY = "is not accepting requests"  # cgpuctl's word for a connection that timed out: "try again"
-BUSY_TRIES = 3
-
-
 def run(
     argv: Sequence[str], env: dict[str, str], timeout: float, what: str, check: bool = True
 ) -> subprocess.CompletedProcess[str]:
     """`argv` to its end within `timeout` seconds (killed past it, with
-    everything it started in its process group). A cgpuctl that says cgpud
-    is not accepting requests (its gRPC connection timed out: seen on the
-    2-vCPU test machines beside other work, right after cgpud's start)
-    started nothing and is tried again, up to BUSY_TRIES times."""
-    for attempt in range(BUSY_TRIES):
-        done = _run_once(argv, env, timeout, what)
-        if done.returncode == 0 or BUSY not in done.stderr or attempt == BUSY_TRIES - 1:
-            break
-        LOG.warning("cgpud busy: trying again", what=what, stderr=done.stderr.strip()[-200:])
-        time.sleep(0.5)
+    everything it started in its process group)."""
+    done = _run_once(argv, env, timeout, what)
     if check and done.returncode != 0:
         tail = " | ".join((done.stderr.strip() or done.stdout.strip() or "no output").splitlines()[-3:])
         raise CheckError(f"{what}: exit {done.returncode}: {tail}")

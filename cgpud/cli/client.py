@@ -44,8 +44,14 @@ _CHANNEL_OPTIONS = (
     # A local socket is either there or not: retry connecting within a
     # second, not after gRPC's default backoff of up to two minutes.
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    # gRPC's name for how long one connection attempt may take, the
+    # server's HTTP/2 SETTINGS included. Once 100 ms here: a cgpud that
+    # had accepted the connection but was busy for a moment (just started
+    # on a loaded machine, or stopped for a second) failed the call at
+    # once with "timed out before receiving SETTINGS frame". A socket
+    # nobody listens on still fails at once (refused).
+    ("grpc.min_reconnect_backoff_ms", 20_000),
 )
 
 

@@ -255,21 +255,6 @@ class ShareRig:
             time.sleep(0.02)
         raise AssertionError("cgpu-burn did not start under cgpuctl run")
 
-    def _burn_pid_retrying(
-        self, runs: dict[int, subprocess.Popen[bytes]], i: int, spec: TenantSpec, deadline: float, native: bool
-    ) -> int:
-        """_burn_pid, starting the tenant again when cgpuctl could not reach
-        a cgpud too busy to answer in time (it says "try again"): on a
-        loaded 2-core machine that costs a grid an hour's run, not a figure."""
-        for attempt in range(3):
-            try:
-                return self._burn_pid(runs[i], deadline, native)
-            except AssertionError as e:
-                if "try again" not in str(e) or attempt == 2:
-                    raise
-                runs[i] = self._start(spec, native)
-        raise AssertionError("unreachable")
-
     def run_rounds(self, runs: Sequence[tuple[Scenario, bool]], rounds: int) -> list[list[ScenarioResult]]:
         """Each (scenario, native) `rounds` times, interleaved: every round
         runs them all, starting one further along each time, so neither the
@@ -299,10 +284,7 @@ class ShareRig:
         if any(t.delay_s for t in sc.tenants) or sc.then_policy:
             sample_ms = min(sample_ms, 20)  # the join or switch is timed to a sample
         if not native:
-            for _attempt in range(3):  # a cgpud too busy to answer in time says "try again"
-                policy = self.daemon.cgpuctl("policy", "set", sc.policy)
-                if policy.returncode == 0 or "try again" not in policy.stderr:
-                    break
+            policy = self.daemon.cgpuctl("policy", "set", sc.policy)
             assert policy.returncode == 0, policy.stderr
         sampler = Sampler(self.env, sample_ms)
         runs: dict[int, subprocess.Popen[bytes]] = {}
@@ -313,7 +295,7 @@ class ShareRig:
             for i in first:
                 runs[i] = self._start(sc.tenants[i], native)
             for i in first:
-                pids[i] = self._burn_pid_retrying(runs, i, sc.tenants[i], deadline, native)
+                pids[i] = self._burn_pid(runs[i], deadline, native)
             self._wait_running(sampler, [pids[i] for i in first], deadline)
             start_ns = sampler.samples[-1][0] + int(warmup_s * SECOND)
             joined_ns: int | None = None

@@ -5,6 +5,8 @@ cgpud processes on the simulated GPUs."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -77,3 +79,26 @@ def test_reads_wait_less_and_zero_fails_at_once(tmp_path, sim_env):
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 1
     assert err == f"cgpuctl: cannot reach cgpud at {socket}: is it running? (systemctl status cgpud)\n"
+
+
+def test_a_cgpud_busy_for_two_seconds_still_answers(tmp_path, sim_env):
+    """cgpud accepted the connection (the kernel does, into the listen
+    backlog) but answers nothing for 2 s, as one just started on a loaded
+    machine may: cgpuctl waits for it within its call timeout. It failed at
+    once with "timed out before receiving SETTINGS frame" while gRPC gave a
+    connection attempt only 100 ms."""
+    d = make_daemon(tmp_path, sim_env)
+    d.start()
+    try:
+        assert d.proc is not None
+        os.kill(d.proc.pid, signal.SIGSTOP)
+        try:
+            proc = _cgpuctl(d.socket, d.env, "--wait", "0", "list", "--output", "json")
+            time.sleep(2.0)
+            assert proc.poll() is None, proc.communicate()
+        finally:
+            os.kill(d.proc.pid, signal.SIGCONT)
+        out, err = proc.communicate(timeout=60)
+        assert (proc.returncode, out.strip(), err) == (0, "[]", "")
+    finally:
+        d.stop()
