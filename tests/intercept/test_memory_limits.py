@@ -427,15 +427,20 @@ def test_a_fifo_where_the_limits_belong_is_refused_not_waited_on(native, instanc
     assert len(lines) == 1 and "GPU memory limits unavailable" in lines[0] and "Illegal seek" in lines[0]
 
 
-@pytest.fixture(scope="module")
-def vmm_threads(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def _vmm_tenant(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    """tests/intercept/programs/NAME.c, built: a threaded tenant that reaches the driver by dlsym."""
     return compile_strict(
-        tmp_path_factory.mktemp("vmm") / "vmm_threads",
+        tmp_path_factory.mktemp("vmm") / name,
         f"-I{ROOT / 'csrc/include'}",
-        str(ROOT / "tests/intercept/programs/vmm_threads.c"),
+        str(ROOT / f"tests/intercept/programs/{name}.c"),
         "-ldl",
         "-pthread",
     )
+
+
+@pytest.fixture(scope="module")
+def vmm_threads(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _vmm_tenant(tmp_path_factory, "vmm_threads")
 
 
 def test_threads_racing_vmm_cycles_keep_the_count_exact(instance, vmm_threads):
@@ -456,13 +461,7 @@ def test_threads_racing_vmm_cycles_keep_the_count_exact(instance, vmm_threads):
 
 @pytest.fixture(scope="module")
 def vmm_guess(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return compile_strict(
-        tmp_path_factory.mktemp("vmm") / "vmm_guess",
-        f"-I{ROOT / 'csrc/include'}",
-        str(ROOT / "tests/intercept/programs/vmm_guess.c"),
-        "-ldl",
-        "-pthread",
-    )
+    return _vmm_tenant(tmp_path_factory, "vmm_guess")
 
 
 def test_a_guessed_handle_mapped_before_its_create_returns_never_leaves_memory_uncharged(instance, vmm_guess):
@@ -490,13 +489,7 @@ def test_a_guessed_handle_mapped_before_its_create_returns_never_leaves_memory_u
 
 @pytest.fixture(scope="module")
 def vmm_reuse(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return compile_strict(
-        tmp_path_factory.mktemp("vmm") / "vmm_reuse",
-        f"-I{ROOT / 'csrc/include'}",
-        str(ROOT / "tests/intercept/programs/vmm_reuse.c"),
-        "-ldl",
-        "-pthread",
-    )
+    return _vmm_tenant(tmp_path_factory, "vmm_reuse")
 
 
 def test_a_handle_released_and_made_again_while_it_is_being_mapped_leaves_nothing_uncharged(instance, vmm_reuse):
