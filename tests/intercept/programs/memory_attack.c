@@ -25,23 +25,11 @@
 #include <unistd.h>
 
 #include "cgpu/cuda_abi.h"
+#include "driver_dl.h"
 
 #define MIB (1ULL << 20)
 #define CHUNK (512 * MIB)
 
-static void *lib;
-
-static void *sym(const char *name)
-{
-    void *p = dlsym(lib, name);
-    if (!p) {
-        fprintf(stderr, "no %s\n", name);
-        exit(2);
-    }
-    return p;
-}
-
-#define FN(name) ((__typeof__(&name))sym(#name))
 
 static const char *err(CUresult rc)
 {
@@ -366,9 +354,9 @@ static int oldabi(void)
 
 int main(int argc, char **argv)
 {
-    lib = dlopen("libcuda.so.1", RTLD_NOW);
-    if (!lib || argc < 2)
+    if (argc < 2)
         return 2;
+    driver_open();
     if (strcmp(argv[1], "import") == 0 && argc == 4)
         return import(atoi(argv[2]), atoi(argv[3]));
     if (strcmp(argv[1], "export") == 0) {

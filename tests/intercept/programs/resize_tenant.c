@@ -20,26 +20,14 @@
 #include <time.h>
 
 #include "cgpu/cuda_abi.h"
+#include "driver_dl.h"
 
 #define MIB (1ULL << 20)
 #define MAX_HELD 4096
 
-static void *lib;
 static CUdeviceptr held[MAX_HELD];
 static unsigned long long held_mib[MAX_HELD];
 static unsigned n_held;
-
-static void *sym(const char *name)
-{
-    void *p = dlsym(lib, name);
-    if (!p) {
-        fprintf(stderr, "no %s\n", name);
-        exit(2);
-    }
-    return p;
-}
-
-#define FN(name) ((__typeof__(&name))sym(#name))
 
 static const char *err(CUresult rc)
 {
@@ -114,9 +102,7 @@ static void churn(CUcontext ctx, unsigned threads, unsigned long long mib, doubl
 
 int main(void)
 {
-    lib = dlopen("libcuda.so.1", RTLD_NOW);
-    if (!lib)
-        return 2;
+    driver_open();
     CUcontext ctx;
     if (FN(cuInit)(0) != CUDA_SUCCESS || FN(cuDevicePrimaryCtxRetain)(&ctx, 0) != CUDA_SUCCESS ||
         FN(cuCtxSetCurrent)(ctx) != CUDA_SUCCESS) {

@@ -25,13 +25,13 @@
 #include <time.h>
 
 #include "cgpu/cuda_abi.h"
+#include "driver_dl.h"
 
 #define CYCLES 2000000 /* at most */
 #define ATTEMPTS 200000 /* maps tried before the race ends */
 #define SLOTS 32
 #define SIZE ((size_t)2 << 20)
 
-static void *lib;
 static CUcontext ctx;
 static _Atomic CUmemGenericAllocationHandle guess;
 static atomic_bool done;
@@ -47,18 +47,6 @@ static void pause_here(int sig)
     struct timespec ts = {0, 200000};
     nanosleep(&ts, NULL);
 }
-
-static void *sym(const char *name)
-{
-    void *p = dlsym(lib, name);
-    if (!p) {
-        fprintf(stderr, "no %s\n", name);
-        exit(2);
-    }
-    return p;
-}
-
-#define FN(name) ((__typeof__(&name))sym(#name))
 
 static void *creator(void *arg)
 {
@@ -81,21 +69,9 @@ static void *creator(void *arg)
     return NULL;
 }
 
-static size_t charged(void)
-{
-    size_t free_b = 0, total = 0;
-    if (FN(cuMemGetInfo_v2)(&free_b, &total) != CUDA_SUCCESS)
-        exit(3);
-    return total - free_b;
-}
-
 int main(void)
 {
-    lib = dlopen("libcuda.so.1", RTLD_NOW);
-    if (!lib) {
-        fprintf(stderr, "%s\n", dlerror());
-        return 2;
-    }
+    driver_open();
     CUdevice dev;
     CUdeviceptr va;
     if (FN(cuInit)(0) != CUDA_SUCCESS || FN(cuDeviceGet)(&dev, 0) != CUDA_SUCCESS ||

@@ -29,6 +29,7 @@
 #include <time.h>
 
 #include "cgpu/cuda_abi.h"
+#include "driver_dl.h"
 
 #define ATTEMPTS 4000
 #define SMALL ((size_t)2 << 20)
@@ -38,7 +39,6 @@
 
 enum { IDLE, PUBLISHED, GO, SWAPPED, MAPPED, QUIT };
 
-static void *lib;
 static CUcontext ctx;
 static pthread_t mapper;
 static _Atomic CUmemGenericAllocationHandle target;
@@ -58,18 +58,6 @@ static unsigned spin_count(unsigned *seed)
 {
     return (unsigned)rand_r(seed) % (1u << (rand_r(seed) % 13));
 }
-
-static void *sym(const char *name)
-{
-    void *p = dlsym(lib, name);
-    if (!p) {
-        fprintf(stderr, "no %s\n", name);
-        exit(2);
-    }
-    return p;
-}
-
-#define FN(name) ((__typeof__(&name))sym(#name))
 
 static int await(int want)
 {
@@ -130,21 +118,9 @@ static void *swapper(void *arg)
     return NULL;
 }
 
-static size_t charged(void)
-{
-    size_t free_b = 0, total = 0;
-    if (FN(cuMemGetInfo_v2)(&free_b, &total) != CUDA_SUCCESS)
-        exit(3);
-    return total - free_b;
-}
-
 int main(void)
 {
-    lib = dlopen("libcuda.so.1", RTLD_NOW);
-    if (!lib) {
-        fprintf(stderr, "%s\n", dlerror());
-        return 2;
-    }
+    driver_open();
     CUdevice dev;
     CUdeviceptr slot, scratch, big_scratch;
     if (FN(cuInit)(0) != CUDA_SUCCESS || FN(cuDeviceGet)(&dev, 0) != CUDA_SUCCESS ||

@@ -18,31 +18,19 @@
 #include <stdlib.h>
 
 #include "cgpu/cuda_abi.h"
+#include "driver_dl.h"
 
 #define THREADS 8
 #define CYCLES 2000
 #define HELD_MIB 100
 #define SIZE ((size_t)2 << 20)
 
-static void *lib;
 static CUcontext ctx;
 static CUmemGenericAllocationHandle shared;
 static CUdeviceptr kept_va[THREADS];
 static atomic_int errors;
 static const char *_Atomic first_error;
 static pthread_barrier_t start;
-
-static void *sym(const char *name)
-{
-    void *p = dlsym(lib, name);
-    if (!p) {
-        fprintf(stderr, "no %s\n", name);
-        exit(2);
-    }
-    return p;
-}
-
-#define FN(name) ((__typeof__(&name))sym(#name))
 
 static void check(CUresult rc, const char *what)
 {
@@ -83,11 +71,7 @@ static void *cycles(void *arg)
 
 int main(void)
 {
-    lib = dlopen("libcuda.so.1", RTLD_NOW);
-    if (!lib) {
-        fprintf(stderr, "%s\n", dlerror());
-        return 2;
-    }
+    driver_open();
     CUdevice dev;
     CUdeviceptr held;
     if (FN(cuInit)(0) != CUDA_SUCCESS || FN(cuDeviceGet)(&dev, 0) != CUDA_SUCCESS ||
