@@ -32,11 +32,16 @@ def _nvml() -> str:
     return f"{len(inv.gpus)} GPU(s), driver {inv.driver_version}"
 
 
+DAEMON_ANSWER_S = 5.0
+
+
 def _daemon(socket: Path) -> Callable[[], str]:
     def check() -> str:
         from cgpud.cli.client import LocalClient
 
-        with LocalClient(socket) as client:
+        # A check, not a wait: a cgpud that holds the connection without
+        # answering for this long is reported, not waited out.
+        with LocalClient(socket, timeout=DAEMON_ANSWER_S) as client:
             info = client.node_info()
         return f"cgpud answers on {socket} ({info.policy.mode.value} mode)"
 

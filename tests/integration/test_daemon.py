@@ -5,6 +5,7 @@ on the simulated GPUs. Readiness is awaited on a real notify socket."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import signal
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from cgpud.cli.client import LocalClient
+from cgpud.cli.doctor import DAEMON_ANSWER_S
 from cgpud.node.model import GIB, Owner, OwnerKind, Request
 from cgpud.errors import CgpuError
 from cgpud.native import native_path
@@ -209,6 +211,18 @@ def test_doctor_names_what_is_missing(daemon, tmp_path):
     for check in ("driver/NVML: 2 GPU(s)", "daemon socket: cgpud answers", "state directory", "libcgpu.so"):
         assert f"ok    {check}" in ok.stdout, ok.stdout
     assert "warn  container runtime" in ok.stdout and ok.returncode == 0  # nothing configured on this machine
+    # A cgpud that holds the connection and says nothing (stopped) is
+    # reported after DAEMON_ANSWER_S, not waited out for the call's 30 s.
+    os.kill(daemon.proc.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        hung = daemon.cgpuctl("doctor", "--config", str(settings))
+        took = time.monotonic() - started
+    finally:
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+    assert hung.returncode == 1, hung.stdout
+    assert f"FAIL  daemon socket: cgpud at {daemon.socket} did not answer within 5 s" in hung.stdout, hung.stdout
+    assert DAEMON_ANSWER_S <= took < DAEMON_ANSWER_S + 10, took
     daemon.stop()
     down = daemon.cgpuctl("doctor", "--config", str(settings))
     assert down.returncode == 1 and "FAIL  daemon socket: cannot reach cgpud" in down.stdout
