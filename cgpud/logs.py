@@ -8,8 +8,6 @@ import logging
 import sys
 from collections.abc import Callable
 
-import structlog
-
 from cgpud.errors import CgpuError
 
 
@@ -24,6 +22,10 @@ def run_command(prog: str, work: Callable[[], int], failed: int = 1) -> int:
 
 
 def configure_logging(level: int = logging.INFO) -> None:
+    # Imported here: structlog (and the asyncio it loads) is a sixth of a
+    # cgpuctl verb's start-up, and most verbs never log.
+    import structlog
+
     renderer = (
         structlog.dev.ConsoleRenderer(colors=False) if sys.stderr.isatty() else structlog.processors.JSONRenderer()
     )

@@ -10,3 +10,7 @@ from pathlib import Path
 # Where cgpud listens and cgpuctl connects unless told otherwise. The
 # directory is root-only (0700), which is what keeps other users out.
 DEFAULT_SOCKET = Path("/run/cgpud/cgpud.sock")
+
+# What the admin socket's door (api/gate.py) sends before the one line it
+# gives a peer it turns away; cgpuctl reads it to say why.
+REFUSAL_PREFIX = b"cgpud: "

@@ -26,10 +26,10 @@ from typing import Any
 
 import structlog
 
+from cgpud.api import REFUSAL_PREFIX
 from cgpud.errors import CgpuError
 from cgpud.sockets import owner_only_listening
 
-REFUSAL_PREFIX = b"cgpud: "
 MAX_CONNECTIONS = 64  # admin clients are cgpuctl and node agents: a handful
 _CHUNK = 1 << 16
 

@@ -25,10 +25,13 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from enum import Enum
 
 from cgpud.errors import UsageError
-from cgpud.node.inventory import Gpu, MigDevice
+
+if TYPE_CHECKING:  # annotations only: the inventory loads NVML's bindings
+    from cgpud.node.inventory import Gpu, MigDevice
 
 RESOURCE_GPU = "nvidia.com/gpu"
 RESOURCE_PREFIX = "nvidia.com/mig-"
