@@ -35,7 +35,6 @@ import argparse
 import os
 import re
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -51,6 +50,7 @@ from bench.harness import BenchError, exit_with
 from bench.table import print_table
 from tests.harness.sharerun import _process_cpu
 from tests.harness.sim import write_sim_config
+from tests.harness.teardown import terminate
 
 TARGET_PERCENT = 0.5
 SCENARIOS = {
@@ -149,26 +149,12 @@ def side(build: Build, where: Path, flags: Sequence[str]) -> Iterator[Side]:
     finally:
         notify.close()
         stop_tenants(s)
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        terminate(proc, timeout=30)
         unmount_regions(where)
 
 
 def stop_tenants(s: Side) -> None:
-    for t in s.tenants:
-        if t.poll() is None:
-            t.send_signal(signal.SIGTERM)  # cgpuctl run passes it on and releases the instance
-    for t in s.tenants:
-        try:
-            t.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            t.kill()
-            t.wait()
+    terminate(*s.tenants, timeout=30)  # cgpuctl run passes SIGTERM on and releases the instance
 
 
 def unmount_regions(under: Path) -> None:

@@ -20,7 +20,6 @@ nothing of the container listens on this machine's addresses)."""
 from __future__ import annotations
 
 import shutil
-import signal
 import subprocess
 import time
 from collections.abc import Iterator, Sequence
@@ -31,6 +30,7 @@ from pathlib import Path
 from cgpud.native import native_path
 from tests.harness.older_root import OlderRootError, Recipe, cached_root, older_root
 from tests.harness.sim import write_sim_config
+from tests.harness.teardown import terminate
 
 BOOKWORM_SYSTEMD = Recipe("bookworm", ("systemd", "systemd-sysv", "dbus", "python3", "runc", "rpm"), "systemd", 2)
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -184,7 +184,7 @@ def booted_systemd(work: Path, recipe: Recipe = BOOKWORM_SYSTEMD) -> Iterator[Bo
                 raise OlderRootError(f"systemd is {state!r} after boot; failed units:\n{failed}")
             yield root
         finally:
-            _halt(nspawn)
+            terminate(nspawn, timeout=30)  # nspawn asks the container's systemd to halt on SIGTERM
 
 
 def _booted(root: BootedRoot, deadline: float) -> str:
@@ -201,17 +201,6 @@ def _booted(root: BootedRoot, deadline: float) -> str:
         if state not in ("offline", ""):
             return state
         time.sleep(0.1)
-
-
-def _halt(nspawn: subprocess.Popen[bytes]) -> None:
-    """nspawn asks the container's systemd to halt on the first SIGTERM."""
-    if nspawn.poll() is None:
-        nspawn.send_signal(signal.SIGTERM)
-        try:
-            nspawn.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            nspawn.kill()
-            nspawn.wait()
 
 
 def monotonic_us_now() -> int:
