@@ -753,7 +753,7 @@ void cgpu_memory_after_fork(void)
     atomic_store_explicit(&vmm_lock, 0, memory_order_relaxed); /* a holder's thread is gone */
 }
 
-static CUresult imported_size(CUmemGenericAllocationHandle h, uint64_t *bytes, int *slot);
+static CUresult charge_imported(CUmemGenericAllocationHandle h);
 
 /* The key of a detached record: its own address, which no look-up asks for. */
 static uint64_t detached_key(const struct alloc_entry *mem)
@@ -902,19 +902,7 @@ CGPU_EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *h
     /* An address inside a mapping, not its start, or a handle value the
      * memory's record does not have: charged again in full (the safe
      * side), as if imported. */
-    uint64_t bytes;
-    int slot;
-    CUresult sized = imported_size(*handle, &bytes, &slot);
-    if (sized == CUDA_SUCCESS && bytes == 0) {
-        track_handle(*handle, 0, 0); /* host memory: known, not charged */
-        return CUDA_SUCCESS;
-    }
-    if (sized != CUDA_SUCCESS || !charge(slot, bytes)) {
-        CALL_REAL(cuMemRelease, *handle);
-        return sized != CUDA_SUCCESS ? sized : CUDA_ERROR_OUT_OF_MEMORY;
-    }
-    track_handle(*handle, bytes, slot);
-    return CUDA_SUCCESS;
+    return charge_imported(*handle);
 }
 
 /* A handle with no record: every handle made through us (create, import,
@@ -1089,6 +1077,25 @@ static CUresult imported_size(CUmemGenericAllocationHandle h, uint64_t *bytes, i
     return lo ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
+/* Charges the memory behind `h` in full and records it; on a refusal the
+ * reference the caller just got is given back, so it holds nothing. */
+static CUresult charge_imported(CUmemGenericAllocationHandle h)
+{
+    uint64_t bytes;
+    int slot;
+    CUresult sized = imported_size(h, &bytes, &slot);
+    if (sized == CUDA_SUCCESS && bytes == 0) {
+        track_handle(h, 0, 0); /* host memory: known, not charged */
+        return CUDA_SUCCESS;
+    }
+    if (sized != CUDA_SUCCESS || !charge(slot, bytes)) {
+        CALL_REAL(cuMemRelease, h);
+        return sized != CUDA_SUCCESS ? sized : CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    track_handle(h, bytes, slot);
+    return CUDA_SUCCESS;
+}
+
 /* Memory another process exported is resident on the device whatever the
  * exporter does next: the importer pays for it in full. */
 CGPU_EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, void *osHandle,
@@ -1102,19 +1109,7 @@ CGPU_EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle
     CUresult rc = CALL_REAL(cuMemImportFromShareableHandle, handle, osHandle, shHandleType);
     if (rc != CUDA_SUCCESS)
         return rc;
-    uint64_t bytes;
-    int slot;
-    CUresult sized = imported_size(*handle, &bytes, &slot);
-    if (sized == CUDA_SUCCESS && bytes == 0) {
-        track_handle(*handle, 0, 0); /* host memory: known, not charged */
-        return CUDA_SUCCESS;
-    }
-    if (sized != CUDA_SUCCESS || !charge(slot, bytes)) {
-        CALL_REAL(cuMemRelease, *handle);
-        return sized != CUDA_SUCCESS ? sized : CUDA_ERROR_OUT_OF_MEMORY;
-    }
-    track_handle(*handle, bytes, slot);
-    return CUDA_SUCCESS;
+    return charge_imported(*handle);
 }
 
 /* ---- context limits that reserve device memory ------------------------------------ */
