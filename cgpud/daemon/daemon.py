@@ -8,30 +8,20 @@ import threading
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
 
 import structlog
 
 from cgpud import __version__
-from cgpud.api.capacity import CapacityServicer, node_facts
-from cgpud.api.capacity_server import CapacityTls, advertised, serve_capacity
-from cgpud.api.listen import parse_endpoint
 from cgpud.api.server import serve
 from cgpud.config import DaemonConfig
 from cgpud.containers import cdi, runtime_files
 from cgpud.containers.devices import gpu_node
 from cgpud.containers.lifecycle import ContainerLifecycle
 from cgpud.containers.relay import RelayServer
-from cgpud.daemon.metrics import CountedAllocator, DaemonStats, serve_metrics
+from cgpud.daemon.metrics import DaemonStats, serve_metrics
 from cgpud.daemon.notify import Heartbeat, Notifier, heartbeat_max_age, start_keepalive
-from cgpud.errors import CgpuError, UsageError
-from cgpud.kube import mig, mig_devices
-from cgpud.kube.agent import KubeAgent, kubeconfig_path, node_name
-from cgpud.kube.apiserver import LazyApiServer
-from cgpud.kube.health import HealthWatcher, healthy_by_index
-from cgpud.kube.model import ANNOTATION_CAPACITY_ADDRESS
-from cgpud.kube.node_labels import initial_policy
-from cgpud.kube.plugin import DevicePlugin, PluginSettings
+from cgpud.errors import CgpuError
+from cgpud.kube import mig_devices
 from cgpud.node import host
 from cgpud.node.bypass_model import BypassEvents
 from cgpud.node.bypass_watchdog import BypassWatchdog, NvmlProcessReader
@@ -116,12 +106,13 @@ class Daemon:
         private_state_dir(config.state_dir)
         store = Store(config.database)
         stack.callback(store.close)
-        kube = config.orchestrator is Orchestrator.KUBERNETES
         policy = config.policy()
-        api = None
-        if kube:
-            api = LazyApiServer(kubeconfig_path(config.kubeconfig))
-            policy = initial_policy(api, node_name(config.node_name), policy)  # the Node's labels win over the file
+        cluster = None
+        if config.orchestrator is Orchestrator.KUBERNETES or config.capacity_listen:
+            from cgpud.daemon.cluster import ClusterParts  # a third of a start's imports: only where used
+
+            cluster = ClusterParts(config)
+            policy = cluster.initial_policy(policy)
         start_compute = (lambda: ComputeScheduler(len(gpus), config.timing()).start()) if gpus else None
         compute = start_compute() if start_compute and limits_compute(policy.mode) else None
         mps = None
@@ -187,60 +178,8 @@ class Daemon:
         also: list[Callable[[], object]] = [
             lambda: runtime_files.collect(service, files, runtime_files.runtime_root(config.state_dir))
         ]
-        plugin = agent = health = None
-        if kube:
-            assert api is not None
-            migs = mig.plan(config.mig_strategy, inventory.gpus, shared=config.mig_share)
-            if migs.problem:
-                self._log.warning("MIG devices not served as they are", problem=migs.problem)
-            card_labels = {
-                **inventory.card_labels(),
-                **mig.gfd_labels(
-                    config.mig_strategy,
-                    inventory.gpus,
-                    any(g.mig_capable for g in inventory.gpus),
-                    shared=config.mig_share,
-                ),
-            }
-            agent = KubeAgent(
-                service,
-                api,
-                node_name(config.node_name),
-                files,
-                config.policy(),
-                card_labels,
-                cdi_dir=config.cdi_dir,
-                dev_root=config.dev_root,
-                pod_resources_socket=config.pod_resources_socket,
-                min_pod_priority=config.pod_share_priority_min,
-                mig_devices=migs.by_uuid(),
-            )
-            plugin = DevicePlugin(
-                PluginSettings(config.device_plugin_dir),
-                CountedAllocator(agent.allocator, stats),
-                mode=policy.mode,
-                placement=policy.placement,
-                gpus=gpus,
-                links=inventory.links(),
-                mig=migs,
-            ).start()
-            stack.callback(plugin.stop)
-            agent.on_policy = lambda p: plugin.update(mode=p.mode, placement=p.placement)
-            health = _watch_gpu_health(config, inventory.gpus, plugin, service.changes.bump)
-        elif config.capacity_listen:
-            health = _watch_gpu_health(config, inventory.gpus, None, service.changes.bump)
-        if health is not None:
-            stack.callback(health.stop)
-        annotations: dict[str, str] = {}
-        if config.capacity_listen:
-            capacity, address = _serve_capacity(config, service, inventory, health, kube)
-            stack.callback(lambda: capacity.stop(grace=1).wait())
-            if address:
-                annotations[ANNOTATION_CAPACITY_ADDRESS] = address
-        if agent is not None:
-            agent.start(stop, annotations)
-            stack.callback(agent.stop)
-            also.append(agent.sweep)
+        if cluster is not None:
+            also += cluster.start(stack, stop, service, inventory, gpus, policy, files, stats)
         # Pings vouch for the sweep loop: it touches the store, the instance
         # table and the kubelet/API server clients every round.
         heartbeat = Heartbeat()
@@ -307,62 +246,3 @@ def _bypass_watching(config: DaemonConfig, watchdog: BypassWatchdog | None) -> C
         return watchdog.watching
     reason = "bypass_interval is 0" if config.bypass_interval <= 0 else "this node has no GPU"
     return lambda: (False, reason)
-
-
-def _watch_gpu_health(
-    config: DaemonConfig, gpus: Sequence[Any], plugin: DevicePlugin | None, changed: Callable[[], object]
-) -> HealthWatcher | None:
-    """GPU health into the device plugin's ListAndWatch (when there is one)
-    and the Capacity API's views (`changed` bumps their revision); None when
-    NVML cannot watch (then GPUs stay Healthy rather than the node losing
-    its capacity, and the log says so)."""
-
-    def on_change(snap: Any) -> None:
-        if plugin is not None:
-            plugin.update(health=healthy_by_index(snap))
-        changed()
-
-    watcher = HealthWatcher(
-        gpus, on_change, policy=config.health_policy(), probe_interval=config.gpu_health_probe_interval
-    )
-    try:
-        watcher.start()
-    except CgpuError as e:
-        structlog.get_logger("cgpud.kube").error("GPU health is not watched: GPUs are advertised Healthy", error=str(e))
-        return None
-    if plugin is not None:
-        plugin.update(health=healthy_by_index(watcher.snapshot()))  # start()'s first verdicts reach no callback
-    changed()
-    return watcher
-
-
-def _serve_capacity(
-    config: DaemonConfig, service: InstanceService, inventory: Inventory, health: HealthWatcher | None, kube: bool
-) -> tuple[Any, str]:
-    """The Capacity API on capacity_listen, and the HOST:PORT to advertise
-    ("" when there is none: listening on every address of a node without a
-    primary one; only kubernetes mode needs it, and refuses to start then)."""
-    tls = CapacityTls.from_settings(config.capacity_tls_cert, config.capacity_tls_key, config.capacity_tls_ca)
-    primary = host.primary_address()
-    listen = parse_endpoint(config.capacity_listen, "capacity_listen")
-    try:
-        address_host = advertised(listen, config.capacity_advertise, primary).host  # the port may be 0 until bound
-    except UsageError:
-        if kube:
-            raise
-        address_host = ""
-
-    def gpu_health() -> dict[int, tuple[bool, str]]:
-        if health is None:
-            return {}
-        by_gpu = {i: (h.healthy, h.reason) for i, h in health.snapshot().items()}
-        # A MIG device taken as a GPU (mig_share) is as healthy as the GPU it is on.
-        return by_gpu | {g.index: by_gpu[g.parent] for g in service.gpus() if g.parent in by_gpu}
-
-    facts = node_facts(inventory, node_name(config.node_name), [primary, address_host])
-    server = serve_capacity(
-        CapacityServicer(service, facts, gpu_health), config.capacity_listen, tls, config.capacity_insecure
-    )
-    address = str(advertised(server.endpoint, config.capacity_advertise, primary)) if address_host else ""
-    structlog.get_logger("cgpud.capacity").info("capacity address", advertise=address)
-    return server, address
