@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
 import socket
 import sys
 from collections.abc import Callable, Sequence
@@ -16,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 import cgpud
 from cgpud.cli.sim_topology import TOPOLOGIES
 from cgpud.cli import simulator
-from cgpud import config as settings
 from cgpud.node.model import ComputePolicy, Owner, OwnerKind, Request
 from cgpud.errors import UsageError
 from cgpud.logs import run_command
@@ -84,6 +82,8 @@ def _sim_demo(args: argparse.Namespace) -> int:
 def _socket(args: argparse.Namespace) -> Path:
     if args.socket:
         return Path(args.socket)
+    from cgpud import config as settings  # a third of cgpuctl's imports: only without --socket
+
     return settings.load(None, {}).socket
 
 
@@ -203,7 +203,7 @@ def _create(args: argparse.Namespace) -> int:
 
     # A random default name: each plain `create` is a new device. A given
     # --name makes create idempotent (the same name gets the same instance).
-    name = args.name or f"cgpuctl-{socket.gethostname()}-{secrets.token_hex(3)}"
+    name = args.name or f"cgpuctl-{socket.gethostname()}-{os.urandom(3).hex()}"
     with _client(args) as client:
         instance = client.create(_request(args, Owner(OwnerKind.DEVICE, name)))
     if args.output == "json":
@@ -271,6 +271,7 @@ def _compute_policy(text: str) -> ComputePolicy:
 
 
 def _doctor(args: argparse.Namespace) -> int:
+    from cgpud import config as settings
     from cgpud.cli import doctor
 
     config = settings.load(Path(args.config) if args.config else None, {})

@@ -4,11 +4,8 @@ the simulation itself lives in csrc/simgpu."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,6 +78,8 @@ class SimFiles:
 
 
 def _runtime_dir() -> Path:
+    import tempfile
+
     base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
     return Path(base) / f"cgpu-sim-{os.getuid()}"
 
@@ -88,6 +87,8 @@ def _runtime_dir() -> Path:
 def files_for(machine: SimMachine) -> SimFiles:
     """One config and one state per distinct machine, so switching machines
     never meets a state made for another configuration."""
+    import hashlib
+
     text = machine.config_text()
     tag = hashlib.sha256(text.encode()).hexdigest()[:12]
     shm = Path("/dev/shm")
@@ -164,6 +165,8 @@ class Fault:
 def inject_fault(files: SimFiles, fault: Fault) -> dict[str, object]:
     """Inject `fault` into the machine of `files`; returns the GPU's fault
     state as the simulator reports it ({"index", "lost", "xids"})."""
+    import subprocess
+
     args = fault.sim_stat_args()
     env = dict(os.environ, CGPU_SIM_CONFIG=str(files.config), CGPU_SIM_STATE=str(files.state))
     proc = subprocess.run(
