@@ -18,7 +18,7 @@ from cgpud.api.capacity_server import CapacityTls, advertised, serve_capacity
 from cgpud.api.listen import parse_endpoint
 from cgpud.config import DaemonConfig
 from cgpud.containers.edits import RuntimeFiles
-from cgpud.daemon.metrics import CountedAllocator, DaemonStats
+from cgpud.daemon.stats import CountedAllocator, DaemonStats
 from cgpud.errors import CgpuError, UsageError
 from cgpud.kube import mig
 from cgpud.kube.agent import KubeAgent, kubeconfig_path, node_name

@@ -18,7 +18,7 @@ from cgpud.containers import cdi, runtime_files
 from cgpud.containers.devices import gpu_node
 from cgpud.containers.lifecycle import ContainerLifecycle
 from cgpud.containers.relay import RelayServer
-from cgpud.daemon.metrics import DaemonStats, serve_metrics
+from cgpud.daemon.stats import DaemonStats
 from cgpud.daemon.notify import Heartbeat, Notifier, heartbeat_max_age, start_keepalive
 from cgpud.errors import CgpuError
 from cgpud.kube import mig_devices
@@ -146,6 +146,8 @@ class Daemon:
         events = BypassEvents()
         bypass = self._bypass_watchdog(stack, service, gpus, events, stats)
         if config.metrics_listen:
+            from cgpud.daemon.metrics import serve_metrics  # prometheus_client: only where scraped
+
             metrics = serve_metrics(
                 config.metrics_listen,
                 service,

@@ -24,7 +24,8 @@ from cgpud.api.server import NOT_WATCHING, LocalServer, serve
 from cgpud.cli import main as cgpuctl
 from cgpud.cli.client import LocalClient
 from cgpud.node.bypass_model import BypassEvent, BypassEvents, EventAction, Violation, ViolationKind
-from cgpud.daemon.metrics import DaemonStats, serve_metrics
+from cgpud.daemon.metrics import serve_metrics
+from cgpud.daemon.stats import DaemonStats
 from cgpud.node.model import GIB, MIB, GpuCapacity, NodeMode, NodePolicy, Owner, OwnerKind, Request
 from cgpud.node.service import InstanceService
 from cgpud.node.store import Store

@@ -21,7 +21,7 @@ from structlog.testing import capture_logs
 from cgpud.node.bypass_model import BypassAction, BypassEvents, ComputeView, EventAction, GpuProcess, ProcessIdentity
 from cgpud.node.bypass_model import Violation, ViolationKind, WatchSettings
 from cgpud.node.compute import TenantMetrics
-from cgpud.daemon.metrics import DaemonStats
+from cgpud.daemon.stats import DaemonStats
 from cgpud.node.model import GIB, MIB, ComputePolicy, Grant, Instance, InstanceState, NodeMode, NodePolicy, Owner
 from cgpud.node.model import OwnerKind
 from cgpud.node.bypass_watchdog import BypassWatchdog, NvmlProcessReader

@@ -19,7 +19,8 @@ from cgpud._region import ffi as rffi
 from cgpud.containers.relay import RelayServer
 from cgpud import config as settings
 from cgpud.node.compute import TenantMetrics
-from cgpud.daemon.metrics import CgpuCollector, CountedAllocator, DaemonStats, MetricsServer, read_usage
+from cgpud.daemon.metrics import CgpuCollector, MetricsServer, read_usage
+from cgpud.daemon.stats import CountedAllocator, DaemonStats
 from cgpud.node.model import GIB, MIB, GpuCapacity, Grant, Instance, InstanceState, NodeMode, NodePolicy, Owner
 from cgpud.node.model import OwnerKind, Reservation
 from cgpud.node.region import USAGE_FILE, DeviceLimit, InstanceLimits, write_region
