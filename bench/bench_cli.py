@@ -20,7 +20,6 @@ import argparse
 import os
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -29,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench.harness import sim_environment, start_cgpud
-from bench.table import print_table
+from bench.table import ab_row, print_table
 from tests.harness.daemon import BIN
 
 
@@ -86,17 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
         shutil.rmtree(tmp, ignore_errors=True)
-    rows = []
-    for verb in table:
-        this, baseline = times[("this tree", verb)], times[("baseline", verb)]
-        rows.append(
-            [
-                verb,
-                f"{statistics.median(this):.1f}",
-                f"{statistics.median(baseline):.1f}",
-                f"{statistics.median(this) / statistics.median(baseline):.2f}",
-            ]
-        )
+    rows = [ab_row(verb, times[("this tree", verb)], times[("baseline", verb)]) for verb in table]
     print(f"cgpuctl exec to exit, ms, median of {args.rounds} interleaved rounds; load {os.getloadavg()[0]:.2f}")
     print_table(["verb", "this tree", "baseline", "this / baseline"], rows)
     return 0

@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import statistics
 import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 from bench.bench_package import CannotMeasure, start_to_ready
-from bench.table import print_table
+from bench.table import ab_row, print_table
 from cgpud.native import native_path
 from tests.harness.daemon import BIN
 from tests.harness.net import free_port
@@ -82,17 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    rows = []
-    for config in CONFIGS:
-        this, baseline = times[("this tree", config)], times[("baseline", config)]
-        rows.append(
-            [
-                config,
-                f"{statistics.median(this):.1f} ({min(this):.0f}-{max(this):.0f})",
-                f"{statistics.median(baseline):.1f} ({min(baseline):.0f}-{max(baseline):.0f})",
-                f"{statistics.median(this) / statistics.median(baseline):.2f}",
-            ]
-        )
+    rows = [ab_row(c, times[("this tree", c)], times[("baseline", c)], spread=True) for c in CONFIGS]
     print(f"cgpud exec to READY=1, ms, median (min-max) of {args.rounds} interleaved rounds")
     print_table(["configuration", "this tree", "baseline", "this / baseline"], rows)
     return 0
