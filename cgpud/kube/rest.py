@@ -30,7 +30,6 @@ from typing import Any, BinaryIO
 from urllib.parse import quote, urlencode, urlsplit
 
 import urllib3
-import yaml
 
 from cgpud.errors import CgpuError
 
@@ -93,6 +92,8 @@ def _from_kubeconfig(path: Path) -> Server:
 
 
 def _kubeconfig_server(path: Path) -> Server:
+    import yaml  # a kubeconfig file's only: a pod's service account needs none (16 ms to import)
+
     try:
         config = yaml.safe_load(path.read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
