@@ -11,6 +11,9 @@ reads the settings for the socket (/etc/cgpu/config.toml, else
 /run/cgpud/cgpud.sock: whatever answers there, or the error path; its
 exit is not checked).
 
+Both sides run from bytecode: without PYTHONDONTWRITEBYTECODE, an untimed
+first round writes what is missing.
+
     .venv/bin/python -m bench.bench_cli --baseline-venv /tmp/base/.venv [--rounds 30]
 """
 
@@ -61,6 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not base.exists():
         p.error(f"{base} does not exist: --baseline-venv names a virtual environment with cgpu installed")
     sides = {"this tree": BIN / "cgpuctl", "baseline": base}
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     tmp = Path(tempfile.mkdtemp(prefix="cgpu-cli-"))
     env = sim_environment(tmp, gpus=1)
     try:
@@ -72,12 +76,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     table = verbs(sock, tmp / "nobody.sock")
     times: dict[tuple[str, str], list[float]] = {(s, v): [] for s in sides for v in table}
     try:
-        for r in range(args.rounds):
+        for r in range(-1, args.rounds):  # round -1: untimed, writes the bytecode
             order = list(sides) if r % 2 == 0 else list(reversed(sides))
             for verb, verb_args in table.items():
                 for side in order:
                     want = None if "settings" in verb else "nobody" not in verb
-                    times[(side, verb)].append(once(sides[side], verb_args, env, want) * 1e3)
+                    seconds = once(sides[side], verb_args, env, want)
+                    if r >= 0:
+                        times[(side, verb)].append(seconds * 1e3)
     except RuntimeError as e:
         print(f"cannot measure: {e}", file=sys.stderr)
         return 1

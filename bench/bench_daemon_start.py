@@ -11,10 +11,11 @@ Configurations:
 - capacity: with the Capacity API on 127.0.0.1 (`--capacity-listen`), as a
   node of a cluster scheduler runs it.
 
-The baseline is another build's cgpud package: `--baseline-venv` (its own
-virtual environment's cgpud) or `--baseline-pythonpath` (a directory holding
-a built `cgpud/` package, run with this venv's interpreter, e.g. a copy of
-this tree's `cgpud/` with the .py files of another commit).
+The baseline is another build's virtual environment (`--baseline-venv`),
+its own cgpud. Most of a start is importing modules, so both sides must
+start from bytecode: the processes run without PYTHONDONTWRITEBYTECODE,
+and an untimed first round writes what is missing (a tree whose .pyc were
+never written compiles every module at every start: 70-80 ms here).
 
 Run from the repository root:
     .venv/bin/python -m bench.bench_daemon_start --baseline-venv /tmp/base/.venv [--rounds 15]
@@ -23,6 +24,7 @@ Run from the repository root:
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import tempfile
@@ -47,34 +49,27 @@ def config_args(name: str) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=15)
-    base = p.add_mutually_exclusive_group(required=True)
-    base.add_argument("--baseline-venv", type=Path, help="another build's virtual environment")
-    base.add_argument("--baseline-pythonpath", type=Path, help="a directory holding another build's cgpud/")
+    p.add_argument("--baseline-venv", type=Path, required=True, help="another build's virtual environment")
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
-    sides: dict[str, tuple[Path, dict[str, str]]] = {"this tree": (BIN / "cgpud", {})}
-    if args.baseline_venv is not None:
-        cgpud = args.baseline_venv / "bin" / "cgpud"
-        if not cgpud.exists():
-            p.error(f"{cgpud} does not exist: --baseline-venv names a virtual environment with cgpu installed")
-        sides["baseline"] = (cgpud, {})
-    else:
-        if not (args.baseline_pythonpath / "cgpud" / "__init__.py").exists():
-            p.error(f"{args.baseline_pythonpath} holds no cgpud/ package")
-        sides["baseline"] = (BIN / "cgpud", {"PYTHONPATH": str(args.baseline_pythonpath)})
+    baseline = args.baseline_venv / "bin" / "cgpud"
+    if not baseline.exists():
+        p.error(f"{baseline} does not exist: --baseline-venv names a virtual environment with cgpu installed")
+    sides = {"this tree": BIN / "cgpud", "baseline": baseline}
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     sim_lib = native_path("sim")
     times: dict[tuple[str, str], list[float]] = {(s, c): [] for s in sides for c in CONFIGS}
     root = Path(tempfile.mkdtemp(prefix="cgpu-start-"))
     try:
-        for r in range(args.rounds):
+        for r in range(-1, args.rounds):  # round -1: untimed, writes the bytecode
             order = list(sides) if r % 2 == 0 else list(reversed(sides))
             for config in CONFIGS:
                 for side in order:
-                    cgpud, env = sides[side]
                     tmp = root / f"{r}-{config}-{side.replace(' ', '-')}"
-                    seconds = start_to_ready(cgpud, sim_lib, tmp, config_args(config), env)
-                    times[(side, config)].append(seconds * 1e3)
+                    seconds = start_to_ready(sides[side], sim_lib, tmp, config_args(config))
+                    if r >= 0:
+                        times[(side, config)].append(seconds * 1e3)
                     shutil.rmtree(tmp, ignore_errors=True)
     except CannotMeasure as e:
         print(f"cannot measure: {e}", file=sys.stderr)
