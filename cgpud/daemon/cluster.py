@@ -2,7 +2,8 @@
 (kubernetes mode), GPU health, and the Capacity API (capacity_listen).
 daemon.py imports this module only on a node that has one of them: their
 imports (the API server client, the device plugin and Capacity services)
-are about a third of cgpud's start, which a standalone node need not pay."""
+were about a fifth of a standalone node's start (bench/bench_daemon_start.py),
+which such a node need not pay."""
 
 from __future__ import annotations
 

@@ -109,7 +109,7 @@ class Daemon:
         policy = config.policy()
         cluster = None
         if config.orchestrator is Orchestrator.KUBERNETES or config.capacity_listen:
-            from cgpud.daemon.cluster import ClusterParts  # a third of a start's imports: only where used
+            from cgpud.daemon.cluster import ClusterParts  # a fifth of a start: only where used
 
             cluster = ClusterParts(config)
             policy = cluster.initial_policy(policy)
