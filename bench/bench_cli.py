@@ -19,7 +19,6 @@ first round writes what is missing.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import signal
@@ -30,9 +29,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.harness import sim_environment, start_cgpud
+from bench.harness import sim_environment, start_cgpud, startup_sides
 from bench.table import ab_row, print_table
-from tests.harness.daemon import BIN
 
 
 def verbs(sock: Path, missing: Path) -> dict[str, list[str]]:
@@ -54,17 +52,7 @@ def once(cgpuctl: Path, args: list[str], env: dict[str, str], want_ok: bool | No
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=30)
-    p.add_argument("--baseline-venv", type=Path, required=True, help="another build's virtual environment")
-    args = p.parse_args(argv)
-    if args.rounds < 1:
-        p.error("--rounds must be at least 1")
-    base = args.baseline_venv / "bin" / "cgpuctl"
-    if not base.exists():
-        p.error(f"{base} does not exist: --baseline-venv names a virtual environment with cgpu installed")
-    sides = {"this tree": BIN / "cgpuctl", "baseline": base}
-    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    rounds, sides = startup_sides(__doc__.splitlines()[0], "cgpuctl", 30, argv)
     tmp = Path(tempfile.mkdtemp(prefix="cgpu-cli-"))
     env = sim_environment(tmp, gpus=1)
     try:
@@ -76,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     table = verbs(sock, tmp / "nobody.sock")
     times: dict[tuple[str, str], list[float]] = {(s, v): [] for s in sides for v in table}
     try:
-        for r in range(-1, args.rounds):  # round -1: untimed, writes the bytecode
+        for r in range(-1, rounds):  # round -1: untimed, writes the bytecode
             order = list(sides) if r % 2 == 0 else list(reversed(sides))
             for verb, verb_args in table.items():
                 for side in order:
@@ -92,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         proc.wait(30)
         shutil.rmtree(tmp, ignore_errors=True)
     rows = [ab_row(verb, times[("this tree", verb)], times[("baseline", verb)]) for verb in table]
-    print(f"cgpuctl exec to exit, ms, median of {args.rounds} interleaved rounds; load {os.getloadavg()[0]:.2f}")
+    print(f"cgpuctl exec to exit, ms, median of {rounds} interleaved rounds; load {os.getloadavg()[0]:.2f}")
     print_table(["verb", "this tree", "baseline", "this / baseline"], rows)
     return 0
 

@@ -23,8 +23,6 @@ Run from the repository root:
 
 from __future__ import annotations
 
-import argparse
-import os
 import shutil
 import sys
 import tempfile
@@ -32,9 +30,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench.bench_package import CannotMeasure, start_to_ready
+from bench.harness import startup_sides
 from bench.table import ab_row, print_table
 from cgpud.native import native_path
-from tests.harness.daemon import BIN
 from tests.harness.net import free_port
 
 CONFIGS = ("standalone", "capacity")
@@ -47,22 +45,12 @@ def config_args(name: str) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=15)
-    p.add_argument("--baseline-venv", type=Path, required=True, help="another build's virtual environment")
-    args = p.parse_args(argv)
-    if args.rounds < 1:
-        p.error("--rounds must be at least 1")
-    baseline = args.baseline_venv / "bin" / "cgpud"
-    if not baseline.exists():
-        p.error(f"{baseline} does not exist: --baseline-venv names a virtual environment with cgpu installed")
-    sides = {"this tree": BIN / "cgpud", "baseline": baseline}
-    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    rounds, sides = startup_sides(__doc__.splitlines()[0], "cgpud", 15, argv)
     sim_lib = native_path("sim")
     times: dict[tuple[str, str], list[float]] = {(s, c): [] for s in sides for c in CONFIGS}
     root = Path(tempfile.mkdtemp(prefix="cgpu-start-"))
     try:
-        for r in range(-1, args.rounds):  # round -1: untimed, writes the bytecode
+        for r in range(-1, rounds):  # round -1: untimed, writes the bytecode
             order = list(sides) if r % 2 == 0 else list(reversed(sides))
             for config in CONFIGS:
                 for side in order:
@@ -77,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     rows = [ab_row(c, times[("this tree", c)], times[("baseline", c)], spread=True) for c in CONFIGS]
-    print(f"cgpud exec to READY=1, ms, median (min-max) of {args.rounds} interleaved rounds")
+    print(f"cgpud exec to READY=1, ms, median (min-max) of {rounds} interleaved rounds")
     print_table(["configuration", "this tree", "baseline", "this / baseline"], rows)
     return 0
 

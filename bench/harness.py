@@ -1,14 +1,16 @@
 """What several benchmarks do the same way: a private simulated machine, a
 real cgpud started on it and waited for (READY=1 on a notify socket), a free
-TCP port (the tests' own), and the exit of a benchmark that could not measure."""
+TCP port (the tests' own), the exit of a benchmark that could not measure,
+and the two sides of a start-up benchmark."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
@@ -72,3 +74,24 @@ def start_cgpud(tmp: Path, env: dict[str, str], *flags: str) -> tuple[subprocess
         pass
     notify.close()
     return proc, sock
+
+
+def startup_sides(
+    description: str, program: str, rounds: int, argv: Sequence[str] | None
+) -> tuple[int, dict[str, Path]]:
+    """`--rounds` and `--baseline-venv` of a benchmark that times how a
+    program starts: the rounds and each side's `program` ("this tree"
+    first). Start-up is mostly imports, so the processes started from here
+    on may write bytecode (PYTHONDONTWRITEBYTECODE dropped): a side without
+    .pyc files would compile every module every time."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--rounds", type=int, default=rounds)
+    p.add_argument("--baseline-venv", type=Path, required=True, help="another build's virtual environment")
+    args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
+    baseline = args.baseline_venv / "bin" / program
+    if not baseline.exists():
+        p.error(f"{baseline} does not exist: --baseline-venv names a virtual environment with cgpu installed")
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    return args.rounds, {"this tree": BIN / program, "baseline": baseline}
