@@ -32,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from bench.table import print_table
@@ -114,15 +114,12 @@ def tree_size(root: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and not p.is_symlink())
 
 
-def start_to_ready(
-    cgpud: Path, sim_lib: Path, tmp: Path, extra: Sequence[str] = (), env_extra: Mapping[str, str] | None = None
-) -> float:
+def start_to_ready(cgpud: Path, sim_lib: Path, tmp: Path, extra: Sequence[str] = ()) -> float:
     """Seconds from cgpud's exec to READY=1 on one simulated GPU, in a fresh
     state dir under `tmp` (made here); `extra`: more cgpud arguments."""
     tmp.mkdir()
     env = dict(
         os.environ,
-        **(env_extra or {}),
         LD_LIBRARY_PATH=str(sim_lib),
         CGPU_SIM_CONFIG=str(write_sim_config(tmp / "sim.conf", 1)),
         CGPU_SIM_STATE=str(tmp / "sim.state"),

@@ -23,10 +23,9 @@ from typing import Any, TypeVar
 
 import grpc
 
-from cgpud.api import DEFAULT_SOCKET, convert
+from cgpud.api import DEFAULT_SOCKET, REFUSAL_PREFIX, convert
 from cgpud.api.cgpu.v1 import local_pb2 as pb
 from cgpud.api.cgpu.v1 import local_pb2_grpc as pb_grpc
-from cgpud.api import REFUSAL_PREFIX
 from cgpud.api.status import error_for
 from cgpud.node import model
 from cgpud.errors import CgpuError, UsageError

@@ -40,8 +40,8 @@ class ClusterParts:
 
     def __init__(self, config: DaemonConfig) -> None:
         self._config = config
-        self._kube = config.orchestrator is Orchestrator.KUBERNETES
-        self._api = LazyApiServer(kubeconfig_path(config.kubeconfig)) if self._kube else None
+        kube = config.orchestrator is Orchestrator.KUBERNETES
+        self._api = LazyApiServer(kubeconfig_path(config.kubeconfig)) if kube else None  # None: no agent
         self._log = structlog.get_logger("cgpud.kube")
 
     def initial_policy(self, policy: NodePolicy) -> NodePolicy:
@@ -64,7 +64,7 @@ class ClusterParts:
         """Starts each part, its stop pushed on `stack`; returns what the
         sweep loop must also run."""
         config = self._config
-        plugin = agent = health = None
+        agent = health = None
         if self._api is not None:
             migs = mig.plan(config.mig_strategy, inventory.gpus, shared=config.mig_share)
             if migs.problem:
@@ -101,8 +101,7 @@ class ClusterParts:
                 mig=migs,
             ).start()
             stack.callback(plugin.stop)
-            started = plugin
-            agent.on_policy = lambda p: started.update(mode=p.mode, placement=p.placement)
+            agent.on_policy = lambda p: plugin.update(mode=p.mode, placement=p.placement)
             health = self._watch_gpu_health(inventory.gpus, plugin, service.changes.bump)
         elif config.capacity_listen:
             health = self._watch_gpu_health(inventory.gpus, None, service.changes.bump)
@@ -160,7 +159,7 @@ class ClusterParts:
         try:
             address_host = advertised(listen, config.capacity_advertise, primary).host  # the port may be 0 until bound
         except UsageError:
-            if self._kube:
+            if self._api is not None:  # kubernetes mode: the Node must name an address
                 raise
             address_host = ""
 
