@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import builtins
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -35,6 +36,13 @@ MAX_TTL_SECONDS = 3600
 # How long a WatchNode stream waits for a change before it looks whether
 # its client is still there: a cancelled stream ends within this.
 WATCH_POLL = 0.5
+# At most one view per stream this often. A view costs the node a snapshot
+# and an encoding and the scheduler a decoding and a new summary, and under
+# a stream of binds each Reserve moved the revision: most views were
+# outdated by the next one. A scheduler counts its own reservations until a
+# view shows them (the Reserve's revision), so a later view only delays
+# what others changed (a pod gone, a GPU's health) by at most this.
+WATCH_PACE = 0.05
 
 # GPU index -> (healthy, why not). A GPU it does not name is healthy.
 HealthProvider = Callable[[], Mapping[int, tuple[bool, str]]]
@@ -327,12 +335,14 @@ class CapacityServicer(pb_grpc.CapacityServicer):
         facts: NodeFacts,
         health: HealthProvider | None = None,
         watch_poll: float = WATCH_POLL,
+        watch_pace: float = WATCH_PACE,
     ) -> None:
         self._service = service
         self._facts = facts
         self._pieces = ReservationPieces()
         self._health = health or (lambda: {})
         self._watch_poll = watch_poll
+        self._watch_pace = watch_pace
         self._stopping = threading.Event()
         self._log = structlog.get_logger("cgpud.capacity")
 
@@ -368,15 +378,22 @@ class CapacityServicer(pb_grpc.CapacityServicer):
             abort_rpc(context, self._log, "GetNode", e, "cgpud")
 
     def WatchNode(self, request: pb.WatchNodeRequest, context: grpc.ServicerContext) -> Iterator[pb.NodeView]:
-        """The full view, then a full view whenever the revision moved: a burst
-        of changes may come as one view, never as a stale one."""
+        """The full view, then a full view whenever the revision moved, at
+        most one a pace: a burst of changes may come as one view, never as a
+        stale one."""
         changes = self._service.changes
         peer = context.peer()
         self._log.info("watch started", peer=peer)
         sent: int | None = None
+        built = -self._watch_pace  # monotonic time of the last view
         try:
             while context.is_active() and not self._stopping.is_set():
                 if changes.revision != sent:
+                    early = built + self._watch_pace - time.monotonic()
+                    if early > 0:
+                        self._stopping.wait(min(early, self._watch_poll))
+                        continue
+                    built = time.monotonic()
                     view = self.view()
                     sent = view.revision
                     yield view

@@ -376,6 +376,24 @@ def test_watch_gives_the_full_view_then_one_per_change_and_ends_when_the_client_
     assert time.monotonic() - t0 < 1.0
 
 
+def test_watch_paces_views_a_burst_comes_as_one_and_a_change_after_quiet_at_once(service):
+    servicer = CapacityServicer(service, FACTS, watch_poll=0.05, watch_pace=0.3)
+    stream = servicer.WatchNode(pb.WatchNodeRequest(), _Context())
+    next(stream)
+    shown = time.monotonic()
+    for uid in ("u1", "u2", "u3", "u4", "u5"):
+        servicer.Reserve(_reserve(pod_uid=uid, shares=[pb.Share(gpu_index=0, memory_bytes=GIB)]), _Context())
+    burst = next(stream)
+    assert time.monotonic() - shown >= 0.25  # not before the pace since the last view
+    assert {r.pod_uid for r in burst.reservations} == {"u1", "u2", "u3", "u4", "u5"}
+    assert burst.revision == service.changes.revision
+    time.sleep(0.35)
+    changed = time.monotonic()
+    servicer.Reserve(_reserve(pod_uid="u6", shares=[pb.Share(gpu_index=0, memory_bytes=GIB)]), _Context())
+    after_quiet = next(stream)
+    assert time.monotonic() - changed < 0.2 and "u6" in {r.pod_uid for r in after_quiet.reservations}
+
+
 def test_stop_ends_every_watch(service):
     servicer = CapacityServicer(service, FACTS, watch_poll=0.05)
     stream = servicer.WatchNode(pb.WatchNodeRequest(), _Context())
