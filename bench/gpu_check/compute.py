@@ -14,7 +14,7 @@ from functools import partial
 import time
 from dataclasses import dataclass
 from typing import Any
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from bench.gpu_check.model import CheckError, CheckResult
 from bench.gpu_check.rig import Cgpud, Rig, json_line, kill_group
@@ -53,36 +53,61 @@ def rate(burn: dict[str, Any]) -> float:
     return int(burn["launches"]) * int(burn["kernel_ns"]) / 1e9 / wall
 
 
-def together(rig: Rig, d: Cgpud, shape: Shape, seconds: float) -> list[dict[str, Any]]:
-    """The two tenants started at once, each cgpu-burn's report."""
-    procs = [
-        subprocess.Popen(
-            d.run_argv(f"{rig.options.mem_gib}GiB", str(rig.tools.burn), *shape.burn_args(seconds), core=core),
-            env=rig.env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        for core in SHARES
-    ]
-    out = []
-    deadline = time.monotonic() + seconds + 60
-    try:
-        for core, p in zip(SHARES, procs):
-            try:
-                stdout, stderr = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise CheckError(f"the {core} % tenant did not finish within {seconds + 60:.0f} s") from None
-            if p.returncode != 0:
-                raise CheckError(f"the {core} % tenant exited {p.returncode}: {stderr.strip()[-300:]}")
-            out.append(json_line(stdout, f"{core} % tenant", '{"device"'))
-    finally:
-        for p in procs:
+@dataclass
+class Tenants:
+    """Tenants started together; reports() waits for them, and they are
+    killed if they are still running when it gives up (or fails)."""
+
+    procs: list[tuple[str, subprocess.Popen[str]]]
+
+    def reports(self, timeout: float) -> dict[str, dict[str, Any]]:
+        """Each tenant's cgpu-burn report by name."""
+        out = {}
+        deadline = time.monotonic() + timeout
+        try:
+            for name, p in self.procs:
+                try:
+                    stdout, stderr = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    raise CheckError(f"the {name} tenant did not finish within {timeout:.0f} s") from None
+                if p.returncode != 0:
+                    raise CheckError(f"the {name} tenant exited {p.returncode}: {stderr.strip()[-300:]}")
+                out[name] = json_line(stdout, f"{name} tenant", '{"device"')
+        finally:
+            self.kill()
+        return out
+
+    def kill(self) -> None:
+        for _, p in self.procs:
             if p.poll() is None:
                 kill_group(p)
                 p.wait()
-    return out
+
+
+def start_tenants(rig: Rig, d: Cgpud, tenants: Sequence[tuple[str, int, Sequence[str]]]) -> Tenants:
+    """Each (name, share, cgpu-burn arguments) started at once under `cgpuctl run --core share`."""
+    return Tenants(
+        [
+            (
+                name,
+                subprocess.Popen(
+                    d.run_argv(f"{rig.options.mem_gib}GiB", str(rig.tools.burn), *args, core=core),
+                    env=rig.env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    start_new_session=True,
+                ),
+            )
+            for name, core, args in tenants
+        ]
+    )
+
+
+def together(rig: Rig, d: Cgpud, shape: Shape, seconds: float) -> list[dict[str, Any]]:
+    """The two tenants started at once, each cgpu-burn's report."""
+    tenants = start_tenants(rig, d, [(f"{core} %", core, shape.burn_args(seconds)) for core in SHARES])
+    return list(tenants.reports(seconds + 60).values())
 
 
 def expected(policy: str, tol: float, busy: float) -> tuple[str, Callable[[list[float]], bool]]:

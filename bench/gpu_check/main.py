@@ -17,14 +17,14 @@ from pathlib import Path
 
 import structlog
 
-from bench.gpu_check import build, compute, container, hami, memory, modes, nvml, overhead, watchdog
+from bench.gpu_check import away, build, compute, container, hami, handover, memory, modes, nvml, overhead, watchdog
 from bench.gpu_check.model import CheckError, CheckResult, Machine, Report, Status
 from bench.gpu_check.rig import Options, Rig, region_mounts, unmount_regions
 from bench.gpu_check.runner import Runner, verdict
 from cgpud.logs import configure_logging
 
 LOG = structlog.get_logger("gpu-check")
-SUITES = (memory, compute, overhead, watchdog, container, modes, hami)
+SUITES = (memory, compute, handover, away, overhead, watchdog, container, modes, hami)
 FULL_BUDGET_S = 480.0  # the 8 minutes, builds included
 QUICK_BUDGET_S = 300.0
 

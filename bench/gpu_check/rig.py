@@ -140,6 +140,7 @@ class Cgpud:
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / "empty.toml").write_text("")
         notify_path = self.dir / "notify"
+        notify_path.unlink(missing_ok=True)  # left by the start before a kill (kill, then start again)
         notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         notify.bind(str(notify_path))
         argv = [
@@ -191,6 +192,13 @@ class Cgpud:
             return " | ".join(self.log.read_text(errors="replace").strip().splitlines()[-3:])
         except OSError:
             return "(no log)"
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash: its instances, gates and tmpfs stay for its
+        next start."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
     def stop(self, timeout: float = 20) -> None:
         """SIGTERM, then SIGKILL past `timeout` (the MPS and compute mode

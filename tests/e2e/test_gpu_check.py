@@ -38,6 +38,12 @@ EVERY_CHECK = {
     "compute.fixed.graph",
     "compute.fair.1ms",
     "compute.native.1ms",
+    "handover.fair.streams",
+    "handover.fair.query",
+    "handover.fair.none",
+    "handover.preemptive.ctx",
+    "handover.weighted.events",
+    "away.fixed",
     "overhead.launch",
     "overhead.allocfree",
     "overhead.meminfo",
@@ -124,7 +130,8 @@ def test_every_check_runs_and_passes_on_the_simulated_gpu(tmp_path, native, caps
     )
     assert all(c["detail"] == "HAMi: no --hami path given" for c in report["checks"] if c["name"].startswith("hami."))
     assert done.returncode == 0 and report["passed"] is True, done.stderr[-2000:]
-    assert took <= 90, f"gpu-check --quick took {took:.1f} s (CI keeps it within 90)"
+    # 50 s here before the hand-over and cgpud-away checks, which add about 30
+    assert took <= 120, f"gpu-check --quick took {took:.1f} s (CI keeps it within 120)"
     # the JSON's documented fields
     assert {"machine", "checks", "quick", "started", "seconds", "version", "passed"} <= set(report)
     assert report["machine"]["gpus"][0]["name"] == "NVIDIA H100 80GB HBM3"

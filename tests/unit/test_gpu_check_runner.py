@@ -3,7 +3,9 @@ the run's budget, the report's verdict, and the compute checks' rule."""
 
 from __future__ import annotations
 
+from bench.gpu_check import away, handover
 from bench.gpu_check.compute import expected
+from bench.gpu_check.handover import Busy
 from bench.gpu_check.main import UsageError, parse_args
 from bench.gpu_check.model import CheckError, CheckResult, Machine, Report, Skip, Status
 from bench.gpu_check.runner import Runner
@@ -75,3 +77,35 @@ def test_shares_pass_on_their_split_and_their_sum(policy, shares, ok):
 def test_bad_arguments_are_usage_errors(argv):
     with pytest.raises(UsageError):
         parse_args(argv)
+
+
+@pytest.mark.parametrize(
+    "saturating, bursty, alone, busy",
+    [(0.70, 0.29, 1.0, 0.99), (1.40, 0.56, 2.0, 0.98), (0.70, 0.0, 1.0, 0.70), (0.5, 0.5, 0.0, 0.0)],
+)
+def test_handover_busy_is_both_throughputs_over_the_saturating_alone(saturating, bursty, alone, busy):
+    assert Busy(saturating, bursty, alone).fraction == pytest.approx(busy)
+
+
+def test_every_burst_shape_runs_under_every_lending_policy_and_quick_covers_each_once():
+    assert set(handover.names(False)) == {
+        f"handover.{p}.{s}" for p in ("fair", "preemptive", "weighted") for s in handover.SYNCS
+    }
+    quick = handover.names(True)
+    assert {n.split(".")[2] for n in quick} == set(handover.SYNCS)
+    assert {n.split(".")[1] for n in quick} == {"fair", "preemptive", "weighted"}
+
+
+@pytest.mark.parametrize(
+    "shares, stalls, ok, why",
+    [
+        ([0.30, 0.69], [12.0, 9.0], True, ""),
+        ([0.33, 0.66], [12.0, 9.0], True, ""),
+        ([0.45, 0.52], [12.0, 9.0], False, "split 46.4/53.6 while cgpud was away"),  # failed open
+        ([0.30, 0.69], [300.0, 9.0], False, "a launch waited 300 ms"),
+        ([0.0, 0.0], [0.0, 0.0], False, "the tenants ran nothing"),
+    ],
+)
+def test_away_holds_on_the_split_and_the_launch_bound(shares, stalls, ok, why):
+    held, reason = away.judge(shares, stalls, 0.05)
+    assert held is ok and reason.startswith(why)

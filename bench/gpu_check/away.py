@@ -1,0 +1,93 @@
+"""Shares hold while cgpud is away (issue 39): under `fixed`, tenants of 30 %
+and 70 % saturating GPU 0 keep their split within 5 points while cgpud is
+killed (SIGKILL, as a crash) for 10 s and started again, and no launch of
+theirs waits longer than the gate's bound meanwhile. Each tenant paces itself
+to the window cgpud tiled for it while it ran (docs/compute.md).
+
+The shares are each tenant's throughput over its whole run, most of which
+(10 s of about 13) lies in the outage: a gate that failed open there would
+show as the two near 50/50 (the driver's own time slicing)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from bench.gpu_check.compute import SHAPES, SHARES, Alone, rate, start_tenants
+from bench.gpu_check.model import CheckError, CheckResult
+from bench.gpu_check.rig import Rig
+from bench.gpu_check.runner import Runner, verdict
+
+GROUP = "away"
+NAME = "away.fixed"
+# A launch at a closed gate finds cgpud gone within its 50 ms probe, then
+# waits at most for its own window (within a 100 ms period) and its queue's
+# drain (tests/integration/test_compute_failure.py uses the same bound).
+STALL_BOUND_MS = 250.0
+BEFORE_S = 1.5  # with cgpud, tenants running, before the kill
+AFTER_S = 1.5  # with cgpud started again, before the tenants end
+
+
+def judge(shares: list[float], stalls: list[float], tol: float) -> tuple[bool, str]:
+    """Whether the split held within `tol` and no launch waited past the bound; why not."""
+    total = sum(shares)
+    if total <= 0:
+        return False, "the tenants ran nothing"
+    split = [s / total for s in shares]
+    off = [abs(x - c / 100) for x, c in zip(split, SHARES)]
+    if max(off) > tol:
+        got = "/".join(f"{x * 100:.1f}" for x in split)
+        return False, f"split {got} while cgpud was away, asked {SHARES[0]}/{SHARES[1]}"
+    if max(stalls) >= STALL_BOUND_MS:
+        return False, f"a launch waited {max(stalls):.0f} ms (bound {STALL_BOUND_MS:.0f} ms)"
+    return True, ""
+
+
+def away_check(rig: Rig, alone: Alone) -> CheckResult:
+    away_s = rig.seconds(4.0, 10.0)
+    tol = rig.seconds(0.08, 0.05)
+    shape = SHAPES["1ms"]
+    seconds = BEFORE_S + away_s + AFTER_S
+    alone(shape)
+    with rig.cgpud("away", "--mode", "core_mem", "--compute-policy", "3") as d:
+        tenants = start_tenants(rig, d, [(f"{c} %", c, shape.burn_args(seconds)) for c in SHARES])
+        try:
+            time.sleep(BEFORE_S)
+            d.kill()
+            time.sleep(away_s)
+            d.start()
+            reports: dict[str, dict[str, Any]] = tenants.reports(seconds + 60)
+        finally:
+            tenants.kill()
+    reference = alone(shape)
+    shares = [rate(r) / reference for r in reports.values()]
+    stalls = [float(r.get("max_launch_ms", 0.0)) for r in reports.values()]
+    ok, why = judge(shares, stalls, tol)
+    total = sum(shares)
+    return CheckResult(
+        "",
+        GROUP,
+        verdict(ok),
+        figure="/".join(f"{s / total * 100:.1f}" for s in shares) if total > 0 else "nothing ran",
+        expected=f"split {SHARES[0]}/{SHARES[1]} +-{tol * 100:.0f} over {away_s:g} s away, "
+        f"launches < {STALL_BOUND_MS:.0f} ms",
+        detail=why,
+        values={
+            "asked": list(SHARES),
+            "shares": shares,
+            "split": [s / total for s in shares] if total > 0 else [],
+            "max_launch_ms": stalls,
+            "away_seconds": away_s,
+            "seconds": seconds,
+            "alone_rate": reference,
+        },
+    )
+
+
+def run(rig: Rig, runner: Runner) -> None:
+    if not runner.wanted(NAME):
+        return
+    try:
+        runner.check(NAME, GROUP, lambda: away_check(rig, Alone(rig)))
+    except CheckError as e:
+        runner.fail(NAME, GROUP, str(e))
