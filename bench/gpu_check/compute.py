@@ -85,23 +85,24 @@ class Tenants:
 
 
 def start_tenants(rig: Rig, d: Cgpud, tenants: Sequence[tuple[str, int, Sequence[str]]]) -> Tenants:
-    """Each (name, share, cgpu-burn arguments) started at once under `cgpuctl run --core share`."""
-    return Tenants(
-        [
-            (
-                name,
-                subprocess.Popen(
-                    d.run_argv(f"{rig.options.mem_gib}GiB", str(rig.tools.burn), *args, core=core),
-                    env=rig.env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                    start_new_session=True,
-                ),
+    """Each (name, share, cgpu-burn arguments) started at once under
+    `cgpuctl run --core share`; none left running if one cannot start."""
+    started = Tenants([])
+    try:
+        for name, core, args in tenants:
+            proc = subprocess.Popen(
+                d.run_argv(f"{rig.options.mem_gib}GiB", str(rig.tools.burn), *args, core=core),
+                env=rig.env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
             )
-            for name, core, args in tenants
-        ]
-    )
+            started.procs.append((name, proc))
+    except BaseException:
+        started.kill()
+        raise
+    return started
 
 
 def together(rig: Rig, d: Cgpud, shape: Shape, seconds: float) -> list[dict[str, Any]]:
