@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from bench.gpu_check.compute import SHAPES, SHARES, Alone, rate, start_tenants
+from bench.gpu_check.compute import SHAPES, SHARES, Alone, rate, start_pair
 from bench.gpu_check.model import CheckError, CheckResult
 from bench.gpu_check.rig import Rig
 from bench.gpu_check.runner import Runner, verdict
@@ -50,7 +50,7 @@ def away_check(rig: Rig, alone: Alone) -> CheckResult:
     seconds = BEFORE_S + away_s + AFTER_S
     alone(shape)
     with rig.cgpud("away", "--mode", "core_mem", "--compute-policy", "3") as d:
-        tenants = start_tenants(rig, d, [(f"{c} %", c, shape.burn_args(seconds)) for c in SHARES])
+        tenants = start_pair(rig, d, shape, seconds)
         try:
             time.sleep(BEFORE_S)
             d.kill()

@@ -105,10 +105,14 @@ def start_tenants(rig: Rig, d: Cgpud, tenants: Sequence[tuple[str, int, Sequence
     return started
 
 
+def start_pair(rig: Rig, d: Cgpud, shape: Shape, seconds: float) -> Tenants:
+    """The 30 % and 70 % tenants of `shape`, started at once."""
+    return start_tenants(rig, d, [(f"{core} %", core, shape.burn_args(seconds)) for core in SHARES])
+
+
 def together(rig: Rig, d: Cgpud, shape: Shape, seconds: float) -> list[dict[str, Any]]:
     """The two tenants started at once, each cgpu-burn's report."""
-    tenants = start_tenants(rig, d, [(f"{core} %", core, shape.burn_args(seconds)) for core in SHARES])
-    return list(tenants.reports(seconds + 60).values())
+    return list(start_pair(rig, d, shape, seconds).reports(seconds + 60).values())
 
 
 def expected(policy: str, tol: float, busy: float) -> tuple[str, Callable[[list[float]], bool]]:

@@ -19,16 +19,16 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from bench.gpu_check.compute import rate, start_tenants
+from bench.gpu_check.compute import Alone, Shape, rate, start_tenants
 from bench.gpu_check.model import CheckError, CheckResult
 from bench.gpu_check.rig import Cgpud, Rig
 from bench.gpu_check.runner import Runner, verdict
 
 GROUP = "handover"
-SATURATING = ("--kernel-ns", "500000", "--streams", "2")
+SATURATING = Shape("saturating", 500_000, ("--streams", "2"))
 # bench/bench_compute.py's burst shape: 20 kernels of 0.3 ms over two
 # streams, then 20 ms asleep.
-BURSTY = ("--kernel-ns", "300000", "--streams", "2", "--burst-ms", "6", "--gap-ms", "20")
+BURSTY = Shape("bursty", 300_000, ("--streams", "2", "--burst-ms", "6", "--gap-ms", "20"))
 SHARES = {"saturating": 70, "bursty": 30}
 POLICIES = ("fair", "preemptive", "weighted")
 SYNCS = ("streams", "events", "query", "ctx", "none")  # cgpu-burn --burst-sync
@@ -58,37 +58,21 @@ def names(quick: bool) -> tuple[str, ...]:
 
 def pair(rig: Rig, d: Cgpud, sync: str, seconds: float) -> dict[str, dict[str, Any]]:
     """Both tenants started at once, each cgpu-burn's report by role."""
-    burst = [*BURSTY, "--burst-sync", sync]
     tenants = start_tenants(
         rig,
         d,
         [
-            ("saturating", SHARES["saturating"], ["--duration", f"{seconds:g}", *SATURATING]),
-            ("bursty", SHARES["bursty"], ["--duration", f"{seconds:g}", *burst]),
+            ("saturating", SHARES["saturating"], SATURATING.burn_args(seconds)),
+            ("bursty", SHARES["bursty"], [*BURSTY.burn_args(seconds), "--burst-sync", sync]),
         ],
     )
     return tenants.reports(seconds + 60)
 
 
-class Alone:
-    """The saturating workload alone on the GPU (no cgpud, no libcgpu),
-    looked at before each policy's checks, the best kept (a busy host only
-    ever lowers it)."""
-
-    def __init__(self, rig: Rig) -> None:
-        self.rig = rig
-        self.best = 0.0
-
-    def measure(self) -> float:
-        args = ["--duration", f"{self.rig.seconds(1.0, 2.0):g}", *SATURATING]
-        self.best = max(self.best, rate(self.rig.burn(args, 60, "the saturating tenant alone")))
-        return self.best
-
-
 def handover_check(rig: Rig, d: Cgpud, policy: str, sync: str, alone: Alone, least: float) -> CheckResult:
     seconds = rig.seconds(2.0, 5.0)
     burns = pair(rig, d, sync, seconds)
-    busy = Busy(rate(burns["saturating"]), rate(burns["bursty"]), alone.best)
+    busy = Busy(rate(burns["saturating"]), rate(burns["bursty"]), alone.best[SATURATING.name])
     ok = busy.fraction >= least
     return CheckResult(
         "",
@@ -125,7 +109,7 @@ def run(rig: Rig, runner: Runner) -> None:
     try:
         with rig.cgpud("handover", "--mode", "core_mem") as d:
             for policy, syncs in plan(rig.options.quick):
-                alone.measure()
+                alone(SATURATING)  # bare, before each policy's checks: the best look is the reference
                 d.cgpuctl("policy", "set", policy)
                 for sync in syncs:
                     check = partial(handover_check, rig, d, policy, sync, alone, least)
