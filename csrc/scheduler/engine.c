@@ -696,7 +696,7 @@ static int report_demand(struct cgpu_engine *e, unsigned gpu, uint64_t now)
         if (waiting > t->stale_waiting && t->key != g->holder && g->last_turn && now > g->last_turn)
             t->throttled_ns += now - g->last_turn;
         t->launched = 0;
-        cgpu_sched_demand(e->sched, gpu, t->key, has);
+        cgpu_sched_demand(e->sched, gpu, t->key, has, now);
         idle += !has;
     }
     g->last_turn = now;

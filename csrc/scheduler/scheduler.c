@@ -55,6 +55,8 @@ struct tenant {
     int64_t quota;
     uint64_t last_pick; /* decision sequence number; breaks ties round-robin */
     uint64_t lent;      /* what is left of its last grant's lent slice, uncharged */
+    uint64_t quiet_from; /* when its demand last went away, if it ever has (quieted) */
+    int quieted;
 };
 
 struct gpu {
@@ -87,6 +89,11 @@ struct cgpu_sched {
 static int64_t clamp64(int64_t v, int64_t lo, int64_t hi)
 {
     return v < lo ? lo : v > hi ? hi : v;
+}
+
+static uint64_t max_u64(uint64_t a, uint64_t b)
+{
+    return a > b ? a : b;
 }
 
 static uint64_t min_u64(uint64_t a, uint64_t b)
@@ -438,7 +445,7 @@ int cgpu_sched_tenant_get(const struct cgpu_sched *s, unsigned gpu, uint64_t key
     return CGPU_SCHED_OK;
 }
 
-int cgpu_sched_demand(struct cgpu_sched *s, unsigned gpu, uint64_t key, int has_work)
+int cgpu_sched_demand(struct cgpu_sched *s, unsigned gpu, uint64_t key, int has_work, uint64_t now_ns)
 {
     int rc = 0;
     struct gpu *g = NULL;
@@ -446,9 +453,15 @@ int cgpu_sched_demand(struct cgpu_sched *s, unsigned gpu, uint64_t key, int has_
     if (!t)
         return rc;
     /* Credit earned while waiting is not kept across an idle spell: a tenant
-     * that comes back starts level (soft reclaims promptly, but cannot bank
-     * share by idling). Debt is kept, or idling would launder an overrun. */
-    if (!has_work && t->lag > 0)
+     * that comes back from one starts level (soft reclaims promptly, but
+     * cannot bank share by idling). A gap shorter than a period is no idle
+     * spell: its threads were late back to the gate (a loaded CPU), and
+     * wiping the credit then would forgive whoever ran meanwhile. Debt is
+     * kept, or idling would launder an overrun. */
+    if (!has_work && t->demand) {
+        t->quiet_from = now_ns;
+        t->quieted = 1;
+    } else if (has_work && !t->demand && t->lag > 0 && now_ns - t->quiet_from >= g->period)
         t->lag = 0;
     t->demand = has_work != 0;
     return CGPU_SCHED_OK;
@@ -540,8 +553,29 @@ static uint64_t pace_wait(const struct gpu *g, const struct tenant *t, uint64_t 
     return g->period - have * g->period / (uint64_t)quota;
 }
 
+/* A tenant that owes more than a period (a kernel that ran on long past its
+ * turn; by lag, or by budget under fair) is not given the GPU in a moment's gap: while another tenant's demand
+ * went away less than a slice ago (its threads late back to the gate on a
+ * loaded CPU) the GPU waits for that one, or every such gap would hand the
+ * debtor its next long kernel and the debt, clamped, would never be paid.
+ * Only for time nobody reserved (the work-conserving policies, fair's loans).
+ * Returns 0 when it may run, else when (after the period's start) it may. */
+static uint64_t debtor_wait(const struct gpu *g, const struct tenant *t, uint64_t elapsed)
+{
+    if ((reserving(g) ? t->budget : t->lag) >= -bound(g))
+        return 0;
+    uint64_t left = 0;
+    for (unsigned i = 0; i < g->n; i++) {
+        const struct tenant *u = &g->t[i];
+        if (u != t && !u->demand && u->quieted && u->quiet_from <= g->now && g->now - u->quiet_from < g->max_slice)
+            left = max_u64(left, g->max_slice - (g->now - u->quiet_from));
+    }
+    return left ? elapsed + left : 0;
+}
+
 /* The most owed eligible tenant on pace; among equals the one served
- * longest ago. *next: the earliest a tenant held back by its pace is due. */
+ * longest ago. *next: the earliest a tenant held back by its pace (or as a
+ * debtor) is due. */
 static struct tenant *pick(struct gpu *g, int high_only, uint64_t elapsed, uint64_t *next)
 {
     struct tenant *best = NULL;
@@ -550,6 +584,8 @@ static struct tenant *pick(struct gpu *g, int high_only, uint64_t elapsed, uint6
         if ((high_only && !t->high) || !eligible(g, t))
             continue;
         uint64_t due = pace_wait(g, t, elapsed);
+        if (!due && !reserving(g))
+            due = debtor_wait(g, t, elapsed);
         if (due) {
             *next = min_u64(*next, due);
             continue;
@@ -563,13 +599,19 @@ static struct tenant *pick(struct gpu *g, int high_only, uint64_t elapsed, uint6
 /* Under fair, when no tenant may run by its budget and pace: the most owed
  * tenant with work, whatever its budget (two busy tenants beside an idle one
  * split its time equally, by lag, as under preemptive). */
-static struct tenant *lend(struct gpu *g)
+static struct tenant *lend(struct gpu *g, uint64_t elapsed, uint64_t *next)
 {
     struct tenant *best = NULL;
     for (unsigned i = 0; i < g->n; i++) {
         struct tenant *t = &g->t[i];
-        if (t->demand &&
-            (!best || t->lag > best->lag || (t->lag == best->lag && t->last_pick < best->last_pick)))
+        if (!t->demand)
+            continue;
+        uint64_t due = debtor_wait(g, t, elapsed);
+        if (due) {
+            *next = min_u64(*next, due);
+            continue;
+        }
+        if (!best || t->lag > best->lag || (t->lag == best->lag && t->last_pick < best->last_pick))
             best = t;
     }
     return best;
@@ -622,7 +664,7 @@ int cgpu_sched_next(struct cgpu_sched *s, unsigned gpu, uint64_t now_ns, struct 
      * anyway. A shorter loan than the shortest slice costs more than it
      * gives. */
     uint64_t loan = 0, ahead = 0;
-    struct tenant *borrower = !t && g->policy == CGPU_SCHED_FAIR ? lend(g) : NULL;
+    struct tenant *borrower = !t && g->policy == CGPU_SCHED_FAIR ? lend(g, elapsed, &due) : NULL;
     if (borrower) {
         uint64_t until = due_of_others(g, borrower, elapsed);
         if (until - elapsed >= CGPU_SCHED_MIN_SLICE_NS) {

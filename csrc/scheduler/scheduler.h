@@ -18,7 +18,7 @@
 
 #include <stdint.h>
 
-#define CGPU_SCHED_ABI_VERSION 2
+#define CGPU_SCHED_ABI_VERSION 3
 
 #define CGPU_SCHED_MAX_GPUS 16
 #define CGPU_SCHED_MAX_TENANTS 32
@@ -121,7 +121,9 @@ int cgpu_sched_tenant_count(const struct cgpu_sched *s, unsigned gpu);
 int cgpu_sched_tenant_get(const struct cgpu_sched *s, unsigned gpu, uint64_t key,
                           struct cgpu_sched_tenant_info *out);
 
-int cgpu_sched_demand(struct cgpu_sched *s, unsigned gpu, uint64_t key, int has_work);
+/* now_ns: when the demand was seen, so the core can tell a gap of a moment
+ * (a thread late back to its gate) from an idle spell. */
+int cgpu_sched_demand(struct cgpu_sched *s, unsigned gpu, uint64_t key, int has_work, uint64_t now_ns);
 int cgpu_sched_charge(struct cgpu_sched *s, unsigned gpu, uint64_t key, uint64_t busy_ns);
 int cgpu_sched_next(struct cgpu_sched *s, unsigned gpu, uint64_t now_ns, struct cgpu_sched_decision *out);
 

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -148,6 +149,33 @@ def test_a_neighbour_of_200ms_kernels_keeps_its_share(
     long, neighbour = (round(t.share, 1) for t in r.tenants)
     assert long_range[0] <= long <= long_range[1], (long, neighbour)
     assert neighbour >= neighbour_min, (long, neighbour)
+
+
+@contextmanager
+def _cpu_hogs(n: int) -> Iterator[None]:
+    """n processes that spin on the CPU until the block ends."""
+    hogs = [subprocess.Popen(["sh", "-c", "while :; do :; done"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+
+
+@pytest.mark.timing  # it loads every core: the parallel pass's other tests would feel it
+def test_a_neighbour_starved_of_cpu_keeps_its_share_beside_200ms_kernels_under_soft(rig: ShareRig) -> None:
+    """With the CPU loaded three times over (as a tenant that also spins on
+    the CPU loads it), the neighbour's threads come back to its gate late
+    after each of its synchronisations. Each such gap handed the tenant that
+    owed for its 200 ms kernels its next one, and wiped the neighbour's
+    credit: 51-68 % instead of 30. The GPU now waits up to a slice for a
+    neighbour that has just gone quiet before it lends to a debtor."""
+    with _cpu_hogs(3 * (os.cpu_count() or 1)):
+        r = rig.run(Scenario("soft", "soft", (LONG, TenantSpec(70)), 6.0, ()))
+    long, neighbour = (round(t.share, 1) for t in r.tenants)
+    assert 20 <= long <= 37, (long, neighbour)
+    assert neighbour >= 50, (long, neighbour)
 
 
 AWAY_S = 10.0

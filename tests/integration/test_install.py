@@ -64,7 +64,7 @@ def test_pip_install_builds_everything_and_the_demo_runs(clean_copy, tmp_path):
         [
             str(venv / "bin" / "python"),
             "-c",
-            "import cgpud._scheduler as s; assert s.lib.cgpu_sched_abi_version() == 2",
+            "import cgpud._scheduler as s; assert s.lib.cgpu_sched_abi_version() == 3",
         ],
         cwd=tmp_path,
     )

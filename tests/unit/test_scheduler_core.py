@@ -125,7 +125,7 @@ class Sim:
             for key, t in self.tenants.items():
                 w = t.has_work(self.now)
                 if self.demand.get(key) != w:
-                    assert lib.cgpu_sched_demand(self.s, 0, key, int(w)) == 0
+                    assert lib.cgpu_sched_demand(self.s, 0, key, int(w), self.now) == 0
                     self.demand[key] = w
             assert lib.cgpu_sched_next(self.s, 0, self.now, d) == 0
             assert d.slice_ns > 0
@@ -380,7 +380,7 @@ def _budget(s, info, key: int) -> int:
 
 def test_fair_lent_time_creates_no_debt_and_keeps_the_borrowers_own_budget():
     s, d, info = _fair(2)
-    assert lib.cgpu_sched_demand(s, 0, 1, 1) == 0
+    assert lib.cgpu_sched_demand(s, 0, 1, 1, 0) == 0
     now, own = 0, 0
     while now < 100 * MS:
         assert lib.cgpu_sched_next(s, 0, now, d) == 0 and d.key == 1
@@ -398,7 +398,7 @@ def test_fair_lent_time_creates_no_debt_and_keeps_the_borrowers_own_budget():
 
 def test_fair_overrun_of_a_lent_slice_is_debt():
     s, d, info = _fair(2)
-    assert lib.cgpu_sched_demand(s, 0, 1, 1) == 0
+    assert lib.cgpu_sched_demand(s, 0, 1, 1, 0) == 0
     now = 0
     while True:  # run tenant 1 to the end of its own budget: then it borrows
         assert lib.cgpu_sched_next(s, 0, now, d) == 0 and d.key == 1
@@ -444,14 +444,14 @@ def test_fair_a_tenant_held_back_only_by_its_own_pace_runs_ahead_on_its_budget()
     due time, a slice on its own budget instead."""
     s, d, info = _fair(2)
     for k in (1, 2):
-        assert lib.cgpu_sched_demand(s, 0, k, 1) == 0
+        assert lib.cgpu_sched_demand(s, 0, k, 1, 0) == 0
     assert lib.cgpu_sched_next(s, 0, 0, d) == 0
     first = d.key
     assert lib.cgpu_sched_charge(s, 0, first, 10 * MS) == 0
     other = 3 - first
     assert lib.cgpu_sched_next(s, 0, 10 * MS, d) == 0 and d.key == other
     assert lib.cgpu_sched_charge(s, 0, other, 10 * MS) == 0
-    assert lib.cgpu_sched_demand(s, 0, first, 0) == 0
+    assert lib.cgpu_sched_demand(s, 0, first, 0, 10 * MS) == 0
     # `other` (40 ms left of 50) is on pace only from 15 ms.
     assert lib.cgpu_sched_next(s, 0, 12 * MS, d) == 0 and (d.key, d.slice_ns) == (other, 10 * MS)
     assert lib.cgpu_sched_charge(s, 0, other, 10 * MS) == 0 and _budget(s, info, other) == 30 * MS
@@ -566,6 +566,85 @@ def test_soft_memory_only_tenants_get_the_unreserved_remainder_and_lend_it():
     assert abs(sim.share(1, 1, 2) - 40 / 0.7) <= 2  # tenant 3's 30 lent ∝ guarantees
 
 
+def _soft_30_70_after_a_200ms_kernel():
+    """Soft 30/70, both waiting; tenant 1 has just run a 200 ms kernel, so it
+    owes 140 ms (more than a period) and tenant 2 is owed a period (its
+    credit's cap). Returns the core, a decision and the time: 200 ms."""
+    s = ffi.gc(lib.cgpu_sched_create(1), lib.cgpu_sched_destroy)
+    d = ffi.new("struct cgpu_sched_decision *")
+    info = ffi.new("struct cgpu_sched_tenant_info *")
+    assert lib.cgpu_sched_configure(s, 0, SOFT, 100 * MS, 10 * MS, 0) == 0
+    for key, share in ((1, 30), (2, 70)):
+        assert lib.cgpu_sched_tenant_set(s, 0, key, share, 1, 0) == 0
+        assert lib.cgpu_sched_demand(s, 0, key, 1, 0) == 0
+    assert lib.cgpu_sched_charge(s, 0, 1, 200 * MS) == 0
+    assert lib.cgpu_sched_tenant_get(s, 0, 1, info) == 0 and info.lag_ns == -140 * MS
+    assert lib.cgpu_sched_tenant_get(s, 0, 2, info) == 0 and info.lag_ns == 100 * MS
+    return s, d, info, 200 * MS
+
+
+def test_soft_a_debtor_is_not_lent_a_moments_gap_of_its_neighbour():
+    """The neighbour's threads are late back to its gate (a loaded CPU): the
+    GPU waits up to a slice for them rather than hand the tenant that owes
+    more than a period its next long kernel, which no gate can cut short."""
+    s, d, _, now = _soft_30_70_after_a_200ms_kernel()
+    assert lib.cgpu_sched_demand(s, 0, 2, 0, now) == 0
+    assert lib.cgpu_sched_next(s, 0, now + 1 * MS, d) == 0 and (d.key, d.slice_ns) == (0, 9 * MS)
+    # Back within the slice: it is granted, not the debtor.
+    assert lib.cgpu_sched_demand(s, 0, 2, 1, now + 4 * MS) == 0
+    assert lib.cgpu_sched_next(s, 0, now + 4 * MS, d) == 0 and d.key == 2
+
+
+def test_soft_a_debtor_gets_the_gpu_once_its_neighbour_stays_away_a_slice():
+    """Work conservation still holds: a neighbour gone for a slice is idle,
+    and the GPU goes to the only tenant with work, debt or none."""
+    s, d, _, now = _soft_30_70_after_a_200ms_kernel()
+    assert lib.cgpu_sched_demand(s, 0, 2, 0, now) == 0
+    assert lib.cgpu_sched_next(s, 0, now + 10 * MS, d) == 0 and d.key == 1
+
+
+def test_a_tenant_in_small_debt_is_lent_a_gap_at_once():
+    """Only a debt of more than a period waits: the lag every tenant runs up
+    between turns must not idle the GPU."""
+    sim = Sim(SOFT, max_slice=10 * MS)
+    sim.add(Tenant(1, share=30, kernel=2 * MS))
+    sim.add(Tenant(2, share=70, kernel=2 * MS, work=[(a, a + 45 * MS) for a in range(0, S, 50 * MS)]))
+    sim.run(1)
+    assert sim.util() >= 99.5, sim.util()
+
+
+def test_credit_survives_a_gap_shorter_than_a_period_not_an_idle_spell():
+    """Wiping the neighbour's credit each time its threads are a moment late
+    would forgive the debtor a kernel's worth at every gap; credit kept
+    through a real idle spell would be share banked by idling."""
+    s, _, info, now = _soft_30_70_after_a_200ms_kernel()
+    assert lib.cgpu_sched_demand(s, 0, 2, 0, now) == 0
+    assert lib.cgpu_sched_demand(s, 0, 2, 1, now + 99 * MS) == 0
+    assert lib.cgpu_sched_tenant_get(s, 0, 2, info) == 0 and info.lag_ns == 100 * MS
+    assert lib.cgpu_sched_demand(s, 0, 2, 0, now + 100 * MS) == 0
+    assert lib.cgpu_sched_demand(s, 0, 2, 1, now + 200 * MS) == 0
+    assert lib.cgpu_sched_tenant_get(s, 0, 2, info) == 0 and info.lag_ns == 0
+    # Debt is kept either way.
+    assert lib.cgpu_sched_tenant_get(s, 0, 1, info) == 0 and info.lag_ns == -140 * MS
+
+
+def test_fair_lends_a_debtor_no_moments_gap_either():
+    s, d, info = _fair(2)
+    for k in (1, 2):
+        assert lib.cgpu_sched_demand(s, 0, k, 1, 0) == 0
+    assert lib.cgpu_sched_next(s, 0, 0, d) == 0
+    first = d.key
+    assert lib.cgpu_sched_charge(s, 0, first, 400 * MS) == 0  # a kernel far past its slice
+    other = 3 - first
+    now = 400 * MS
+    assert lib.cgpu_sched_next(s, 0, now, d) == 0 and d.key == other
+    assert _budget(s, info, first) == -150 * MS  # after four refills it still owes more than a period
+    assert lib.cgpu_sched_charge(s, 0, other, 50 * MS) == 0  # its whole quota
+    assert lib.cgpu_sched_demand(s, 0, other, 0, now + 50 * MS) == 0
+    assert lib.cgpu_sched_next(s, 0, now + 51 * MS, d) == 0 and (d.key, d.slice_ns) == (0, 9 * MS)
+    assert lib.cgpu_sched_next(s, 0, now + 60 * MS, d) == 0 and d.key == first
+
+
 # ------------------------------------------------------------ high priority
 
 
@@ -649,7 +728,7 @@ def test_native_means_no_control():
     s = ffi.gc(lib.cgpu_sched_create(2), lib.cgpu_sched_destroy)
     d = ffi.new("struct cgpu_sched_decision *", {"key": 7, "slice_ns": 7})
     assert lib.cgpu_sched_tenant_set(s, 0, 1, 30, 1, 0) == 0
-    assert lib.cgpu_sched_demand(s, 0, 1, 1) == 0
+    assert lib.cgpu_sched_demand(s, 0, 1, 1, 0) == 0
     # Unconfigured GPUs are native: ACK's default.
     assert lib.cgpu_sched_next(s, 0, 0, d) == lib.CGPU_SCHED_UNGATED and (d.key, d.slice_ns) == (0, 0)
     assert lib.cgpu_sched_configure(s, 1, NATIVE, 100 * MS, 5 * MS, 0) == 0
@@ -675,7 +754,7 @@ def test_idle_decision_lasts_until_the_next_period_and_new_work_is_served_at_onc
     assert lib.cgpu_sched_tenant_set(s, 0, 9, 30, 1, 0) == 0
     assert lib.cgpu_sched_next(s, 0, 1000, d) == 0 and (d.key, d.slice_ns) == (0, 100 * MS)
     assert lib.cgpu_sched_next(s, 0, 1000 + 40 * MS, d) == 0 and (d.key, d.slice_ns) == (0, 60 * MS)
-    assert lib.cgpu_sched_demand(s, 0, 9, 1) == 0
+    assert lib.cgpu_sched_demand(s, 0, 9, 1, 1000 + 40 * MS) == 0
     assert lib.cgpu_sched_next(s, 0, 1000 + 40 * MS, d) == 0 and (d.key, d.slice_ns) == (9, 5 * MS)
 
 
@@ -686,7 +765,7 @@ def test_extreme_charges_and_clocks_are_safe():
     assert lib.cgpu_sched_configure(s, 0, SOFT, 100 * MS, 5 * MS, 50) == 0
     for k in (1, 2):
         assert lib.cgpu_sched_tenant_set(s, 0, k, 50, 1, k == 1) == 0
-        assert lib.cgpu_sched_demand(s, 0, k, 1) == 0
+        assert lib.cgpu_sched_demand(s, 0, k, 1, 0) == 0
     top = 2**64 - 1
     for now in (top - 1, top, 5, 0, top // 2):  # including a clock that goes backwards
         assert lib.cgpu_sched_next(s, 0, now, d) == 0 and d.key in (1, 2) and d.slice_ns > 0
@@ -734,7 +813,7 @@ def test_bad_input_is_refused_and_changes_nothing():
     assert lib.cgpu_sched_configure(s, 0, FIXED, 100 * MS, 5 * MS, 10) == 0
     assert lib.cgpu_sched_tenant_set(s, 0, 1, 60, 5, 1) == 0
     assert lib.cgpu_sched_tenant_set(s, 0, 2, 30, 5, 0) == 0
-    assert lib.cgpu_sched_demand(s, 0, 1, 1) == 0
+    assert lib.cgpu_sched_demand(s, 0, 1, 1, 0) == 0
     assert lib.cgpu_sched_next(s, 0, 0, d) == 0 and lib.cgpu_sched_charge(s, 0, d.key, 7 * MS) == 0
     for key in range(3, 35):
         assert lib.cgpu_sched_tenant_set(s, 1, key, 0, 1, 0) == 0
@@ -763,9 +842,9 @@ def test_bad_input_is_refused_and_changes_nothing():
         (lib.cgpu_sched_tenant_remove(s, 0, 3), E.CGPU_SCHED_ENOENT),
         (lib.cgpu_sched_tenant_remove(s, 0, 0), E.CGPU_SCHED_EINVAL),
         (lib.cgpu_sched_tenant_remove(s, 9, 1), E.CGPU_SCHED_ENODEV),
-        (lib.cgpu_sched_demand(s, 0, 3, 1), E.CGPU_SCHED_ENOENT),
-        (lib.cgpu_sched_demand(s, 0, 0, 1), E.CGPU_SCHED_EINVAL),
-        (lib.cgpu_sched_demand(s, 16, 1, 1), E.CGPU_SCHED_ENODEV),
+        (lib.cgpu_sched_demand(s, 0, 3, 1, 0), E.CGPU_SCHED_ENOENT),
+        (lib.cgpu_sched_demand(s, 0, 0, 1, 0), E.CGPU_SCHED_EINVAL),
+        (lib.cgpu_sched_demand(s, 16, 1, 1, 0), E.CGPU_SCHED_ENODEV),
         (lib.cgpu_sched_charge(s, 0, 3, 5), E.CGPU_SCHED_ENOENT),
         (lib.cgpu_sched_charge(s, 0, 0, 5), E.CGPU_SCHED_EINVAL),
         (lib.cgpu_sched_charge(s, 2, 1, 5), E.CGPU_SCHED_ENODEV),
@@ -817,7 +896,7 @@ int main(void)
         case 1: case 2: rc = cgpu_sched_tenant_set(s, gpu, key, (unsigned)(r >> 8) % 60, (unsigned)(r >> 16) % 102,
                                                    (int)(r >> 30) % 3); break;
         case 3: rc = cgpu_sched_tenant_remove(s, gpu, key); break;
-        case 4: case 5: rc = cgpu_sched_demand(s, gpu, key, (int)(r >> 8) % 2); break;
+        case 4: case 5: rc = cgpu_sched_demand(s, gpu, key, (int)(r >> 8) % 2, now); break;
         case 6: rc = cgpu_sched_charge(s, gpu, key, (r >> 8) % 5 == 0 ? r : (r >> 20) % 3000000ull); break;
         case 7: rc = cgpu_sched_tenant_get(s, gpu, key, &info); break;
         case 8: now += (r >> 8) % 300000000ull; /* fallthrough */
