@@ -193,6 +193,7 @@ def _timed_tenant(rig: ShareRig, core: int, seconds: float) -> subprocess.Popen[
     return subprocess.Popen([*cmd, "--", *burn], env=rig.daemon.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
+@pytest.mark.timing  # with the CPU loaded 3x over, 27/64 (each tenant paces itself, and late)
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
 def test_fixed_shares_hold_while_cgpud_is_away_for_10_s(rig: ShareRig, how: str) -> None:
     """Issue 39: under `fixed`, 30/70 tenants keep their shares within 5
