@@ -55,7 +55,7 @@ struct tenant {
     int64_t quota;
     uint64_t last_pick; /* decision sequence number; breaks ties round-robin */
     uint64_t lent;      /* what is left of its last grant's lent slice, uncharged */
-    uint64_t quiet_from; /* when its demand last went away, if it ever has (quieted) */
+    uint64_t quiet_from; /* when its demand last went away; set once quieted */
     int quieted;
 };
 
@@ -554,12 +554,13 @@ static uint64_t pace_wait(const struct gpu *g, const struct tenant *t, uint64_t 
 }
 
 /* A tenant that owes more than a period (a kernel that ran on long past its
- * turn; by lag, or by budget under fair) is not given the GPU in a moment's gap: while another tenant's demand
- * went away less than a slice ago (its threads late back to the gate on a
- * loaded CPU) the GPU waits for that one, or every such gap would hand the
- * debtor its next long kernel and the debt, clamped, would never be paid.
- * Only for time nobody reserved (the work-conserving policies, fair's loans).
- * Returns 0 when it may run, else when (after the period's start) it may. */
+ * turn; by lag, or by budget under fair) is not given the GPU in a moment's
+ * gap: while another tenant's demand went away less than a slice ago (its
+ * threads late back to the gate on a loaded CPU) the GPU waits for that
+ * one, or every such gap would hand the debtor its next long kernel and the
+ * debt, clamped, would never be paid. Only for time nobody reserved (the
+ * work-conserving policies, fair's loans). Returns 0 when it may run, else
+ * when (after the period's start) it may. */
 static uint64_t debtor_wait(const struct gpu *g, const struct tenant *t, uint64_t elapsed)
 {
     if ((reserving(g) ? t->budget : t->lag) >= -bound(g))
