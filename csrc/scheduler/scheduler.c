@@ -79,6 +79,12 @@ struct gpu {
     int64_t pool_quota;
     int64_t hp_budget;   /* high-priority precedence left in this period */
     int64_t hp_quota;
+    /* The GPU idled this period because debtors waited (debtor_wait), and
+     * since when it idles for that now (idling_for_debtor). */
+    uint64_t debtor_idle;
+    uint64_t debtor_idle_from;
+    int idling_for_debtor;
+    int debtor_skipped; /* this decision passed a debtor over */
 };
 
 struct cgpu_sched {
@@ -216,6 +222,7 @@ static void refill_all(struct gpu *g, uint64_t k)
     g->pool_budget = refill(g->pool_budget, g->pool_quota, k, memory_only_waiting ? carry : 0);
     /* Precedence is not a reservation: none of it carries. */
     g->hp_budget = refill(g->hp_budget, g->hp_quota, k, 0);
+    g->debtor_idle = 0;
 }
 
 static void advance_period(struct gpu *g, uint64_t now)
@@ -246,6 +253,8 @@ static void reset_accounts(struct gpu *g)
     }
     g->pool_budget = 0;
     g->hp_budget = 0;
+    g->debtor_idle = 0;
+    g->idling_for_debtor = 0;
     update_quotas(g);
 }
 
@@ -558,12 +567,15 @@ static uint64_t pace_wait(const struct gpu *g, const struct tenant *t, uint64_t 
  * gap: while another tenant's demand went away less than a slice ago (its
  * threads late back to the gate on a loaded CPU) the GPU waits for that
  * one, or every such gap would hand the debtor its next long kernel and the
- * debt, clamped, would never be paid. Only for time nobody reserved (the
+ * debt, clamped, would never be paid. The GPU idles for this at most a
+ * slice a period: beside a tenant whose work really comes in short bursts
+ * the debtor is not repaid by waiting, and would be held to a fraction of
+ * its share while the GPU idled. Only for time nobody reserved (the
  * work-conserving policies, fair's loans). Returns 0 when it may run, else
  * when (after the period's start) it may. */
-static uint64_t debtor_wait(const struct gpu *g, const struct tenant *t, uint64_t elapsed)
+static uint64_t debtor_wait(struct gpu *g, const struct tenant *t, uint64_t elapsed)
 {
-    if ((reserving(g) ? t->budget : t->lag) >= -bound(g))
+    if ((reserving(g) ? t->budget : t->lag) >= -bound(g) || g->debtor_idle >= g->max_slice)
         return 0;
     uint64_t left = 0;
     for (unsigned i = 0; i < g->n; i++) {
@@ -571,7 +583,10 @@ static uint64_t debtor_wait(const struct gpu *g, const struct tenant *t, uint64_
         if (u != t && !u->demand && u->quieted && u->quiet_from <= g->now && g->now - u->quiet_from < g->max_slice)
             left = max_u64(left, g->max_slice - (g->now - u->quiet_from));
     }
-    return left ? elapsed + left : 0;
+    if (!left)
+        return 0;
+    g->debtor_skipped = 1;
+    return elapsed + min_u64(left, g->max_slice - g->debtor_idle);
 }
 
 /* The most owed eligible tenant on pace; among equals the one served
@@ -644,6 +659,10 @@ int cgpu_sched_next(struct cgpu_sched *s, unsigned gpu, uint64_t now_ns, struct 
         out->slice_ns = 0;
         return CGPU_SCHED_UNGATED;
     }
+    if (g->idling_for_debtor && now_ns > g->debtor_idle_from)
+        g->debtor_idle += now_ns - g->debtor_idle_from;
+    g->idling_for_debtor = 0;
+    g->debtor_skipped = 0;
     advance_period(g, now_ns);
     g->now = now_ns;
     /* now_ns - period_start < period, so this is >= 1. */
@@ -682,6 +701,10 @@ int cgpu_sched_next(struct cgpu_sched *s, unsigned gpu, uint64_t now_ns, struct 
     if (!t) {
         /* Nobody may run until a paced tenant is due or the next refill (or
          * until someone reports work, when the caller asks again). */
+        if (g->debtor_skipped) {
+            g->idling_for_debtor = 1;
+            g->debtor_idle_from = now_ns;
+        }
         out->key = 0;
         out->slice_ns = due - elapsed;
         return CGPU_SCHED_OK;

@@ -178,6 +178,18 @@ def test_a_neighbour_starved_of_cpu_keeps_its_share_beside_200ms_kernels_under_s
     assert neighbour >= 50, (long, neighbour)
 
 
+@pytest.mark.timing  # measures shares
+def test_a_tenant_of_200ms_kernels_beside_short_bursts_under_soft_is_not_held_off_an_idle_gpu(rig: ShareRig) -> None:
+    """The neighbour works 1 ms in every 9: each of its gaps is short, so
+    the tenant that owes for its 200 ms kernels would wait in every one,
+    and waiting repays nothing. Unbounded, that held it to 7-9 % with the
+    GPU 17-19 % busy; the GPU idles for debtors at most a slice a period."""
+    bursty = TenantSpec(70, kernel_ns=100_000, streams=1, burst_ms=1, gap_ms=8)
+    r = rig.run(Scenario("soft", "soft", (LONG, bursty), 6.0, ()))
+    long, neighbour = (round(t.share, 1) for t in r.tenants)
+    assert long >= 80 and r.utilisation >= 85, (long, neighbour, r.utilisation)
+
+
 AWAY_S = 10.0
 # How long one launch may wait while cgpud is away: a thread at a closed
 # gate finds cgpud gone within its 50 ms probe, then waits at most for its

@@ -569,7 +569,8 @@ def test_soft_memory_only_tenants_get_the_unreserved_remainder_and_lend_it():
 def _soft_30_70_after_a_200ms_kernel():
     """Soft 30/70, both waiting; tenant 1 has just run a 200 ms kernel, so it
     owes 140 ms (more than a period) and tenant 2 is owed a period (its
-    credit's cap). Returns the core, a decision and the time: 200 ms."""
+    credit's cap). Returns the core, a decision, a tenant-info buffer and
+    the time: 200 ms."""
     s = ffi.gc(lib.cgpu_sched_create(1), lib.cgpu_sched_destroy)
     d = ffi.new("struct cgpu_sched_decision *")
     info = ffi.new("struct cgpu_sched_tenant_info *")
@@ -601,6 +602,22 @@ def test_soft_a_debtor_gets_the_gpu_once_its_neighbour_stays_away_a_slice():
     s, d, _, now = _soft_30_70_after_a_200ms_kernel()
     assert lib.cgpu_sched_demand(s, 0, 2, 0, now) == 0
     assert lib.cgpu_sched_next(s, 0, now + 10 * MS, d) == 0 and d.key == 1
+
+
+def test_the_gpu_idles_for_debtors_at_most_a_slice_a_period():
+    """Beside a tenant whose work really comes in short bursts the debtor is
+    not repaid by waiting: without a bound it was held to a fraction of its
+    share while the GPU idled."""
+    s, d, _, now = _soft_30_70_after_a_200ms_kernel()
+    assert lib.cgpu_sched_demand(s, 0, 2, 0, now) == 0
+    assert lib.cgpu_sched_next(s, 0, now + 1 * MS, d) == 0 and (d.key, d.slice_ns) == (0, 9 * MS)
+    assert lib.cgpu_sched_demand(s, 0, 2, 1, now + 4 * MS) == 0  # 3 ms idled for the debtor
+    assert lib.cgpu_sched_next(s, 0, now + 4 * MS, d) == 0 and d.key == 2
+    assert lib.cgpu_sched_charge(s, 0, 2, 1 * MS) == 0
+    assert lib.cgpu_sched_demand(s, 0, 2, 0, now + 5 * MS) == 0
+    # 7 ms of the slice's idling left this period, not another 10
+    assert lib.cgpu_sched_next(s, 0, now + 5 * MS, d) == 0 and (d.key, d.slice_ns) == (0, 7 * MS)
+    assert lib.cgpu_sched_next(s, 0, now + 12 * MS, d) == 0 and d.key == 1
 
 
 def test_a_tenant_in_small_debt_is_lent_a_gap_at_once():
