@@ -28,12 +28,17 @@ BEFORE_S = 1.5  # with cgpud, tenants running, before the kill
 AFTER_S = 1.5  # with cgpud started again, before the tenants end
 
 
+def split_of(shares: list[float]) -> list[float]:
+    """Each tenant's part of what the two ran; empty when they ran nothing."""
+    total = sum(shares)
+    return [s / total for s in shares] if total > 0 else []
+
+
 def judge(shares: list[float], stalls: list[float], tol: float) -> tuple[bool, str]:
     """Whether the split held within `tol` and no launch waited past the bound; why not."""
-    total = sum(shares)
-    if total <= 0:
+    split = split_of(shares)
+    if not split:
         return False, "the tenants ran nothing"
-    split = [s / total for s in shares]
     off = [abs(x - c / 100) for x, c in zip(split, SHARES)]
     if max(off) > tol:
         got = "/".join(f"{x * 100:.1f}" for x in split)
@@ -63,19 +68,19 @@ def away_check(rig: Rig, alone: Alone) -> CheckResult:
     shares = [rate(r) / reference for r in reports.values()]
     stalls = [float(r.get("max_launch_ms", 0.0)) for r in reports.values()]
     ok, why = judge(shares, stalls, tol)
-    total = sum(shares)
+    split = split_of(shares)
     return CheckResult(
         "",
         GROUP,
         verdict(ok),
-        figure="/".join(f"{s / total * 100:.1f}" for s in shares) if total > 0 else "nothing ran",
+        figure="/".join(f"{x * 100:.1f}" for x in split) if split else "nothing ran",
         expected=f"split {SHARES[0]}/{SHARES[1]} +-{tol * 100:.0f} over {away_s:g} s away, "
         f"launches < {STALL_BOUND_MS:.0f} ms",
         detail=why,
         values={
             "asked": list(SHARES),
             "shares": shares,
-            "split": [s / total for s in shares] if total > 0 else [],
+            "split": split,
             "max_launch_ms": stalls,
             "away_seconds": away_s,
             "seconds": seconds,

@@ -102,7 +102,7 @@ def run(rig: Rig, runner: Runner) -> None:
     if not any(runner.wanted(n) for n in wanted):
         return
     # Issue 39's 95 %; with --quick (short runs on CI's shared 2-vCPU
-    # machines, where a tenant short of CPU launches late) 85 %, still far
+    # machines, where a tenant short of CPU launches late) 93 %, still far
     # above the 74-79 % the GPU was busy before the hand-over learned these.
     least = rig.seconds(0.93, 0.95)
     alone = Alone(rig)
