@@ -39,6 +39,7 @@ import multiprocessing
 import os
 import random
 import socket
+import ssl
 import statistics
 import sys
 import threading
@@ -504,15 +505,22 @@ class _KeepAlive:
     extender gets are the same HTTP/1.1 with the same JSON (orjson writes
     the same objects compactly)."""
 
-    def __init__(self, url: str) -> None:
-        host, port = url.removeprefix("http://").rsplit(":", 1)
+    def __init__(self, url: str, tls: tuple[str, str, str] | None = None) -> None:
+        """tls: (CA, client certificate, key) for an https:// URL."""
+        host, port = url.removeprefix("http://").removeprefix("https://").rsplit(":", 1)
         self._address = (host, int(port))
         self._head = f"Host: {host}:{port}\r\nContent-Type: application/json\r\n".encode()
         self._local = threading.local()
+        self._tls: ssl.SSLContext | None = None
+        if tls is not None:
+            self._tls = ssl.create_default_context(cafile=tls[0])
+            self._tls.load_cert_chain(tls[1], tls[2])
 
     def _connect(self) -> tuple[socket.socket, Any]:
         sock = socket.create_connection(self._address, timeout=30)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as Go's net/http does
+        if self._tls is not None:
+            sock = self._tls.wrap_socket(sock, server_hostname=self._address[0])
         return sock, sock.makefile("rb")
 
     def post(self, path: str, body: Any) -> tuple[int, Any]:
@@ -556,15 +564,24 @@ class _KeepAlive:
         self._local.conn = None
 
 
-def scheduler_loop(url: str, names: list[str], pods: list[dict[str, Any]], parallel: int, control: Connection) -> None:
+def scheduler_loop(
+    url: str,
+    names: list[str],
+    pods: list[dict[str, Any]],
+    parallel: int,
+    control: Connection,
+    tls: tuple[str, str, str] | None = None,
+) -> None:
     """Child process: kube-scheduler's part. One scheduling loop (filter,
     prioritize, the best score, ties at random) hands each pod to up to
     `parallel` binding threads; a failed bind puts the pod back in the
-    queue. Sends (seconds, {pod: node}, filter retries, failed binds)."""
+    queue. Sends (seconds, {pod: node}, filter retries, failed binds).
+    tls: (CA, client certificate, key), as kube-scheduler's extender
+    tlsConfig gives them."""
     import queue
     from concurrent.futures import ThreadPoolExecutor
 
-    client = _KeepAlive(url)
+    client = _KeepAlive(url, tls)
     todo: queue.Queue[dict[str, Any]] = queue.Queue()
     for pod in pods:
         todo.put(pod)
@@ -663,14 +680,17 @@ def _python_path(root: str | None) -> Iterator[None]:
             os.environ["PYTHONPATH"] = old
 
 
-def measure_binds(pods: int, nodes: int, parallel: int, gpu_memory_gib: int, root: str | None = None) -> dict[str, Any]:
+def measure_binds(
+    pods: int, nodes: int, parallel: int, gpu_memory_gib: int, root: str | None = None, tls: bool = False
+) -> dict[str, Any]:
     """`pods` pods of 1 GiB through filter, prioritize and bind on the real
     multi-node setup; kube-scheduler's part runs in a process of its own
     (the harness's API server is a thread of this one). Checked after:
     every pod bound where the extender said, no GPU over its memory, one
     reservation per pod. With `root`, the cgpud nodes and cgpu-scheduler
     run that tree's code (the harness, the API server and the scheduling
-    loop stay this tree's)."""
+    loop stay this tree's). `tls`: cgpu-scheduler as deploy/ runs it,
+    HTTPS with a client CA, called with a client certificate."""
     from tests.harness.cluster import Cluster
 
     with _python_path(root):
@@ -682,17 +702,20 @@ def measure_binds(pods: int, nodes: int, parallel: int, gpu_memory_gib: int, roo
             nodes=nodes, gpus=2, gpu_memory=f"{gpu_memory_gib}GiB", sweep_interval=SWEEP_INTERVAL
         ).__enter__()
     try:
-        return _binds(cluster, pods, nodes, parallel, root)
+        return _binds(cluster, pods, nodes, parallel, root, tls)
     finally:
         cluster.__exit__(None, None, None)
 
 
-def _binds(cluster: Any, pods: int, nodes: int, parallel: int, root: str | None) -> dict[str, Any]:
+def _binds(cluster: Any, pods: int, nodes: int, parallel: int, root: str | None, tls: bool) -> dict[str, Any]:
     from tests.harness.cluster import share_pod
+    from tests.harness.tls import make_pki
 
     assert cluster.api is not None
+    pki = make_pki(cluster.root / "extender-pki") if tls else None
+    client = (str(pki.ca), str(pki.client_cert), str(pki.client_key)) if pki is not None else None
     with _python_path(root):
-        extender = cluster.start_extender()
+        extender = cluster.start_extender(serving=pki)
     cluster.wait_connected(extender)
     if root is not None:
         tree = Path(f"/proc/{extender.proc.pid}/environ").read_bytes()
@@ -701,7 +724,9 @@ def _binds(cluster: Any, pods: int, nodes: int, parallel: int, root: str | None)
     batch = [cluster.api.state.add_pod(share_pod(f"bind-{k}", 1)) for k in range(pods)]
     ctx = multiprocessing.get_context("spawn")  # no fork of a process with gRPC threads
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=scheduler_loop, args=(extender.url, cluster.names, batch, parallel, child), daemon=True)
+    proc = ctx.Process(
+        target=scheduler_loop, args=(extender.url, cluster.names, batch, parallel, child, client), daemon=True
+    )
     proc.start()
     pids = {
         "cgpu-scheduler": [extender.proc.pid],
@@ -770,6 +795,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--no-cache-side", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--bind-rounds", type=int, default=1, help="bind runs per tree, interleaved with the baseline's")
+    p.add_argument(
+        "--bind-tls",
+        action="store_true",
+        help="cgpu-scheduler over HTTPS with a client CA, as deploy/ runs it (kube-scheduler's client certificate)",
+    )
     args = p.parse_args(argv)
     try:
         sizes = [int(x) for x in args.nodes.split(",") if x]
@@ -797,11 +827,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             for r in range(args.bind_rounds):
                 for t in list(trees) if r % 2 == 0 else list(trees)[::-1]:
                     bind = measure_binds(
-                        args.bind_pods, args.bind_nodes, args.bind_parallel, args.bind_gpu_gib, trees[t]
+                        args.bind_pods, args.bind_nodes, args.bind_parallel, args.bind_gpu_gib, trees[t], args.bind_tls
                     )
                     runs[t].append(bind)
                     print(
-                        f"\nbind end to end ({t}, round {r + 1}): {bind['pods']} pods of 1 GiB on "
+                        f"\nbind end to end ({t}, round {r + 1}{', HTTPS, client CA' if args.bind_tls else ''}): "
+                        f"{bind['pods']} pods of 1 GiB on "
                         f"{args.bind_nodes} nodes x 2 GPUs, {args.bind_parallel} in flight: "
                         f"{bind['seconds']:.2f} s, {bind['rate']:.0f} pods/s ({bind['retries']} cycles retried; "
                         f"pods per node {bind['per_node']})"

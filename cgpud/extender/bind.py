@@ -8,6 +8,14 @@ one API call.
 Anything that fails after the Reserve gives the reservation back, so a
 failed bind leaves nothing held; kube-scheduler retries the pod.
 
+Which copy of the pod decides: the API server's, read at bind, unless the
+callers are verified (a client certificate of the extender's client CA:
+only kube-scheduler calls the verbs). Then the pod kube-scheduler sent at
+filter or prioritize is its informer's copy of the API server's, and the
+Binding names that copy's resourceVersion as its precondition, so the API
+server refuses it (409) if the pod changed since: no GET per bind, and no
+placement from a stale pod.
+
 Standalone (no API server): the reservation is made and the assignment
 reported (log, /inspect) without annotations or a Binding."""
 
@@ -80,7 +88,9 @@ class Assignment:
 
 class PodApi(Protocol):
     def get_pod(self, namespace: str, name: str) -> dict[str, Any]: ...
-    def bind(self, namespace: str, name: str, uid: str, node: str, annotations: Mapping[str, str]) -> None: ...
+    def bind(
+        self, namespace: str, name: str, uid: str, node: str, annotations: Mapping[str, str], resource_version: str = ""
+    ) -> None: ...
 
 
 class KubePodApi:
@@ -102,10 +112,16 @@ class KubePodApi:
                 "GET", "/api/v1/namespaces/{namespace}/pods/{name}", {"namespace": namespace, "name": name}
             )
 
-    def bind(self, namespace: str, name: str, uid: str, node: str, annotations: Mapping[str, str]) -> None:
+    def bind(
+        self, namespace: str, name: str, uid: str, node: str, annotations: Mapping[str, str], resource_version: str = ""
+    ) -> None:
+        """resource_version: the pod's, as the placement read it; the API
+        server refuses the Binding (409) if the pod has another by now."""
         meta: dict[str, Any] = {"name": name, "namespace": namespace}
         if uid:
             meta["uid"] = uid
+        if resource_version:
+            meta["resourceVersion"] = resource_version
         if annotations:
             meta["annotations"] = dict(annotations)
         body = {
@@ -163,11 +179,17 @@ class Binder:
         ttl: int = 0,
         keep: int = 100,
         clock: Callable[[], float] = time.time,
+        callers_verified: bool = False,
     ) -> None:
+        """callers_verified: every caller of the verbs showed a client
+        certificate of the extender's client CA (kube-scheduler's), so the
+        pod sent at filter is kube-scheduler's copy and bind may place from
+        it (see the module's doc)."""
         self.state = state
         self.clients = clients
         self.api = api
         self.demands = Demands()
+        self._filter_copy = callers_verified
         self._ttl = ttl
         self._clock = clock
         self._recent: deque[Assignment] = deque(maxlen=keep)
@@ -175,9 +197,9 @@ class Binder:
         self._locks: dict[str, threading.Lock] = {}
 
     def remember(self, demand: PodDemand) -> None:
-        # Only standalone bind reads what filter saw; with an API server the
-        # pod is read from it at bind, so filter need not keep a copy.
-        if self.api is None:
+        # With an API server and callers anyone may be, the pod is read from
+        # it at bind, so filter need not keep a copy.
+        if self.api is None or self._filter_copy:
             self.demands.put(demand)
 
     def _node_lock(self, node: str) -> threading.Lock:
@@ -191,7 +213,7 @@ class Binder:
         return [asdict(a) for a in list(self._recent)]
 
     def bind(self, args: BindArgs) -> Assignment:
-        demand = self._demand(args)
+        demand, source = self._demand(args)
         key = f"{args.pod_namespace}/{args.pod_name}"
         if not demand.containers:
             # kube-scheduler sends the extender only pods asking for its
@@ -252,27 +274,33 @@ class Binder:
         view = record.entry.state if record is not None and record.entry.state is not None else None
         notes = pod_annotations(demand, placement, view, int(self._clock() * 1e9)) if view is not None else {}
         try:
-            return self._finish(args, demand, placement, notes)
+            return self._finish(args, demand, placement, notes, source)
         except BaseException as e:
             self._give_back(args.node, address, uid)
             if isinstance(e, BindError):
                 raise
             raise BindError(f"binding pod {key} to node {args.node} failed: {e!r}") from None
 
-    def _demand(self, args: BindArgs) -> PodDemand:
-        """The pod as the API server has it: what /filter was sent is the
-        caller's word, and a caller of /bind need not be kube-scheduler.
-        Standalone (no API server, no Binding) the pod seen at filter is all
-        there is."""
+    def _demand(self, args: BindArgs) -> tuple[PodDemand, str]:
+        """The pod the placement reads, and whose copy it is (for the log).
+        The API server's, read now: what /filter was sent is the caller's
+        word, and a caller of /bind need not be kube-scheduler. But with
+        verified callers, kube-scheduler's copy seen at filter, if it has a
+        resourceVersion for the Binding's precondition. Standalone (no API
+        server, no Binding) the pod seen at filter is all there is."""
         key = f"{args.pod_namespace}/{args.pod_name}"
+        seen = self.demands.get(args.pod_uid) if args.pod_uid else None
+        if seen is not None and (seen.namespace, seen.name) != (args.pod_namespace, args.pod_name):
+            seen = None
         if self.api is None:
-            demand = self.demands.get(args.pod_uid) if args.pod_uid else None
-            if demand is None or (demand.namespace, demand.name) != (args.pod_namespace, args.pod_name):
+            if seen is None:
                 raise BindError(
                     f"pod {key} (uid {args.pod_uid or '?'}) was not seen at filter or prioritize and "
                     "there is no API server to read it from"
                 )
-            return demand
+            return seen, "filter"
+        if seen is not None and self._filter_copy and seen.resource_version:
+            return seen, "kube-scheduler"
         pod = self.api.get_pod(args.pod_namespace, args.pod_name)
         try:
             demand = pod_demand(pod)
@@ -284,7 +312,7 @@ class Binder:
         bound = spec.get("nodeName") if isinstance(spec, dict) else None
         if bound:
             raise BindError(f"pod {key} is already bound to node {bound}")
-        return demand
+        return demand, "API server"
 
     def _place(self, args: BindArgs, demand: PodDemand) -> tuple[Placement, str]:
         # Holds whose time ran out are dropped by the main loop each second
@@ -302,11 +330,11 @@ class Binder:
         return answer, record.entry.capacity_address
 
     def _finish(
-        self, args: BindArgs, demand: PodDemand, placement: Placement | None, notes: Mapping[str, str]
+        self, args: BindArgs, demand: PodDemand, placement: Placement | None, notes: Mapping[str, str], source: str
     ) -> Assignment:
         key = f"{args.pod_namespace}/{args.pod_name}"
         if self.api is not None:
-            self.api.bind(args.pod_namespace, args.pod_name, args.pod_uid, args.node, notes)
+            self.api.bind(args.pod_namespace, args.pod_name, args.pod_uid, args.node, notes, demand.resource_version)
         done = Assignment(
             key,
             demand.uid or args.pod_uid,
@@ -323,6 +351,7 @@ class Binder:
             pod=key,
             node=args.node,
             gpus=list(done.gpus),
+            pod_from=source,
         )
         return done
 

@@ -110,7 +110,8 @@ def run(args: argparse.Namespace) -> int:
         )
     state = ClusterState()
     clients = Clients(tls)
-    binder = Binder(state, clients, api, ttl=args.reservation_ttl)
+    verified = serving is not None and serving.client_ca is not None
+    binder = Binder(state, clients, api, ttl=args.reservation_ttl, callers_verified=verified)
     server = ExtenderServer(state, binder, listen.host, listen.port, tls=serving)
     watchers = Watchers(state, clients)
     source = None

@@ -61,6 +61,9 @@ class PodDemand:
     namespace: str
     name: str
     containers: tuple[ContainerDemand, ...]  # the GPU containers, in the order they are placed
+    # metadata.resourceVersion of the copy read ("" when it had none): a
+    # Binding made from this demand carries it as its precondition.
+    resource_version: str = ""
 
     @property
     def key(self) -> str:
@@ -156,7 +159,8 @@ def pod_demand(pod: Any) -> PodDemand:
             f"{len(found) - 1} other GPU container(s); cgpu-scheduler places an init container's GPU share only "
             "when it is the pod's one GPU container: move the GPU work into one container"
         )
-    return PodDemand(uid, namespace, name, tuple(found))
+    version = pod["metadata"].get("resourceVersion")
+    return PodDemand(uid, namespace, name, tuple(found), version if isinstance(version, str) else "")
 
 
 def _container(c: Any, pod: str, field: str, i: int, index: int) -> ContainerDemand | None:

@@ -482,3 +482,53 @@ def test_real_kubectl_lists_the_plugin_and_inspect_cgpu_prints_every_test_node(
         assert in_cluster, shown.stdout
         assert int(in_cluster[2]) == NODES * GPUS * GPU_GIB
         assert int(in_cluster[1]) == sum(int(by_name[n][-1].split("/")[0]) for n in cluster.names)
+
+
+def test_with_kube_schedulers_certificate_a_bind_reads_no_pod_and_a_pod_changed_since_its_filter_is_not_bound() -> None:
+    """As deploy/ runs it (HTTPS, a client CA): only kube-scheduler calls
+    cgpu-scheduler, so a bind places the pod kube-scheduler sent at filter
+    and reads nothing from the API server; the Binding names that copy's
+    resourceVersion. A pod changed between its filter and its bind (a label
+    here) is refused by the API server, the node keeps nothing for it, and
+    once filtered again as it is now it binds."""
+    with Cluster(nodes=1, gpus=1, gpu_memory=f"{GPU_GIB}GiB") as cluster:
+        assert cluster.api is not None
+        from tests.harness.tls import make_pki
+
+        extender = cluster.start_extender(serving=make_pki(cluster.root / "extender-pki"))
+        cluster.wait_connected(extender)
+        api = cluster.api.state
+        names = cluster.names
+
+        def filtered(name: str) -> dict[str, Any]:
+            sent = api.pod("default", name)  # kube-scheduler's informer copy
+            code, out = extender.post("filter", {"Pod": sent, "Nodes": None, "NodeNames": names})
+            assert code == 200 and out["NodeNames"] == names, out
+            return sent
+
+        def bind(sent: dict[str, Any]) -> tuple[int, Any]:
+            meta = sent["metadata"]
+            args = {"PodName": meta["name"], "PodNamespace": "default", "PodUID": meta["uid"], "Node": names[0]}
+            return extender.post("bind", args)
+
+        api.add_pod(share_pod("kept", 2))
+        sent = filtered("kept")
+        before = len(api.requests)
+        assert bind(sent) == (200, {"Error": ""})
+        assert [r for r in api.requests[before:] if r[0] == "GET"] == []
+        bound = api.pod("default", "kept")
+        assert bound["spec"]["nodeName"] == names[0] and bound["metadata"]["annotations"][ANNOTATION_GPU_INDEX] == "0"
+
+        api.add_pod(share_pod("changed", 2))
+        sent = filtered("changed")
+        with api.lock:  # a user labels it meanwhile
+            pod = api.pods[("default", "changed")]
+            pod["metadata"].setdefault("labels", {})["team"] = "b"
+            api.new_version(pod)
+        code, out = bind(sent)
+        assert code == 200 and "409" in out["Error"] and "the object has been modified" in out["Error"], out
+        assert api.pod("default", "changed")["spec"].get("nodeName") is None
+        uid = sent["metadata"]["uid"]
+        assert all(r.pod_uid != uid for r in cluster.get_node(0).reservations)
+        assert bind(filtered("changed")) == (200, {"Error": ""})
+        assert api.pod("default", "changed")["spec"]["nodeName"] == names[0]

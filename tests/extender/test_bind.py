@@ -57,18 +57,24 @@ class FakeApi:
         self.pods = dict(pods)
         self.notes: dict[str, dict[str, str]] = {}
         self.bound: dict[str, str] = {}
+        self.preconditions: dict[str, str] = {}  # the resourceVersion each Binding named
+        self.gets = 0
         self.fail_bind = ""
 
     def get_pod(self, namespace: str, name: str) -> dict[str, Any]:
+        self.gets += 1
         if name not in self.pods:
             raise BindError(f"cannot read pod {namespace}/{name}: 404")
         return self.pods[name]
 
-    def bind(self, namespace: str, name: str, uid: str, node: str, annotations: Mapping[str, str]) -> None:
+    def bind(
+        self, namespace: str, name: str, uid: str, node: str, annotations: Mapping[str, str], resource_version: str = ""
+    ) -> None:
         if self.fail_bind:
             raise BindError(self.fail_bind)
         self.notes[name] = dict(annotations)
         self.bound[name] = node
+        self.preconditions[name] = resource_version
 
 
 @pytest.fixture
@@ -246,3 +252,65 @@ def test_a_whole_gpu_pod_is_not_bound_here(state: ClusterState) -> None:
     with pytest.raises(BindError, match=r"asks for whole GPUs \(aliyun.com/gpu\).*does not bind"):
         b.bind(BindArgs("t", "default", "u1", "n1"))
     assert clients.node.reserved == {} and api.bound == {}
+
+
+def _versioned(p: dict[str, Any], version: str) -> dict[str, Any]:
+    p["metadata"]["resourceVersion"] = version
+    return p
+
+
+def test_verified_callers_bind_from_the_pod_seen_at_filter_under_its_resource_version(state: ClusterState) -> None:
+    api = FakeApi()  # a GET would fail: the pod is not there
+    clients = FakeClients()
+    b = Binder(state, clients, api, callers_verified=True)  # type: ignore[arg-type]
+    b.remember(pod_demand(_versioned(pod("p", [container("c", mem="4")], uid="u1"), "41")))
+    a = b.bind(BindArgs("p", "default", "u1", "n1"))
+    assert a.bound and api.bound == {"p": "n1"} and api.gets == 0
+    assert api.preconditions == {"p": "41"}
+    assert clients.node.reserved == {"u1": (Share(0, 4 * GIB, 0, 1),)}
+
+
+def test_unverified_callers_bind_from_the_api_servers_copy(state: ClusterState) -> None:
+    """Anyone may call /filter without a client CA: what it sent is not the
+    pod, the API server's copy is (its version the Binding's precondition)."""
+    api = FakeApi({"p": _versioned(pod("p", [container("c", mem="8")], uid="u1"), "7")})
+    clients = FakeClients()
+    b = Binder(state, clients, api)  # type: ignore[arg-type]
+    b.remember(pod_demand(_versioned(pod("p", [container("c", mem="1")], uid="u1"), "7")))
+    b.bind(BindArgs("p", "default", "u1", "n1"))
+    assert api.gets == 1 and api.preconditions == {"p": "7"}
+    assert clients.node.reserved["u1"][0].memory == 8 * GIB  # as the API server has it
+
+
+@pytest.mark.parametrize(
+    "seen",
+    [
+        pod("p", [container("c", mem="1")], uid="u1"),  # no resourceVersion: nothing to hold the Binding to
+        _versioned(pod("other", [container("c", mem="1")], uid="u1"), "3"),  # another pod's name under the UID
+        _versioned(pod("p", [container("c", mem="1")], uid="u2"), "3"),  # another UID
+    ],
+    ids=["no resourceVersion", "other name", "other uid"],
+)
+def test_verified_callers_bind_from_the_api_unless_filter_saw_this_very_pod_with_a_version(
+    state: ClusterState, seen: dict[str, Any]
+) -> None:
+    api = FakeApi({"p": _versioned(pod("p", [container("c", mem="8")], uid="u1"), "9")})
+    clients = FakeClients()
+    b = Binder(state, clients, api, callers_verified=True)  # type: ignore[arg-type]
+    b.remember(pod_demand(seen))
+    b.bind(BindArgs("p", "default", "u1", "n1"))
+    assert api.gets == 1 and api.preconditions == {"p": "9"}
+    assert clients.node.reserved["u1"][0].memory == 8 * GIB
+
+
+def test_a_binding_refused_for_a_changed_pod_gives_the_reservation_back(state: ClusterState) -> None:
+    api = FakeApi()
+    api.fail_bind = 'cannot bind pod default/p to node n1: 409 Operation cannot be fulfilled on pods "p"'
+    clients = FakeClients()
+    b = Binder(state, clients, api, callers_verified=True)  # type: ignore[arg-type]
+    b.remember(pod_demand(_versioned(pod("p", [container("c", mem="4")], uid="u1"), "41")))
+    with pytest.raises(BindError, match="409 Operation cannot be fulfilled"):
+        b.bind(BindArgs("p", "default", "u1", "n1"))
+    assert clients.node.reserved == {}
+    rec = state.record("n1")
+    assert rec is not None and rec.holds == ()

@@ -132,9 +132,18 @@ class ApiState:
         self.fail_binding: int | None = None  # answer Binding POSTs with this status
         self.bindings: list[tuple[str, str, str]] = []  # (namespace, pod, node) of each Binding made
         self.events: list[dict[str, Any]] = []  # Events created (core/v1), as sent
+        # A pod's resourceVersion moves with each write served here (add_pod,
+        # a Binding, a PATCH), not when a test changes `pods` itself.
+        self._versions = itertools.count(1)
+
+    def new_version(self, pod: dict[str, Any]) -> None:
+        """The pod was written: a new resourceVersion. Called with the lock held."""
+        pod.setdefault("metadata", {})["resourceVersion"] = str(next(self._versions))
 
     def add_pod(self, pod: dict[str, Any]) -> dict[str, Any]:
         with self.lock:
+            if "resourceVersion" not in pod["metadata"]:
+                self.new_version(pod)
             self.pods[(pod["metadata"]["namespace"], pod["metadata"]["name"])] = pod
         return pod
 
@@ -151,13 +160,19 @@ class ApiState:
             return json.loads(json.dumps(self.nodes[name]))
 
     def bind(
-        self, namespace: str, name: str, node: str, uid: str = "", annotations: Mapping[str, str] | None = None
+        self,
+        namespace: str,
+        name: str,
+        node: str,
+        uid: str = "",
+        annotations: Mapping[str, str] | None = None,
+        resource_version: str = "",
     ) -> tuple[int, dict[str, Any]]:
         """What the API server does with a Binding: the pod gets its node,
         once (409 Conflict for a pod already bound, as kube-scheduler sees it
-        when two binds race, or for a UID precondition another pod of that
-        name fails), and the Binding's annotations in the same update
-        (setPodHostAndAnnotations). Called with the lock held."""
+        when two binds race, or for a UID or resourceVersion precondition
+        the pod no longer meets), and the Binding's annotations in the same
+        update (BindingREST.setPodNodeAndMetadata). Called with the lock held."""
         pod = self.pods.get((namespace, name))
         if pod is None:
             return 404, _status(404, "NotFound", f'pods "{name}" not found')
@@ -166,6 +181,13 @@ class ApiState:
                 409,
                 "Conflict",
                 f"Precondition failed: UID in precondition: {uid}, UID in object meta: {pod['metadata'].get('uid')}",
+            )
+        if resource_version and resource_version != pod["metadata"].get("resourceVersion"):
+            return 409, _status(
+                409,
+                "Conflict",
+                f'Operation cannot be fulfilled on pods "{name}": the object has been modified; please apply your '
+                "changes to the latest version and try again",
             )
         if self.fail_binding is not None:
             return self.fail_binding, _status(self.fail_binding, "InternalError", "binding refused by test")
@@ -182,6 +204,7 @@ class ApiState:
         pod["spec"]["nodeName"] = node
         if annotations:
             pod["metadata"].setdefault("annotations", {}).update(annotations)
+        self.new_version(pod)
         self.bindings.append((namespace, name, node))
         return 201, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}
 
@@ -343,10 +366,21 @@ class _Handler(BaseHTTPRequestHandler):
             meta = (body.get("metadata") or {}) if isinstance(body, dict) else {}
             # pods/{name}/binding (the subresource kube-scheduler uses) or the bindings collection
             if len(parts) == 7 and parts[:3] == ["api", "v1", "namespaces"] and parts[4:7:2] == ["pods", "binding"]:
-                return self._send(*state.bind(parts[3], parts[5], node, meta.get("uid", ""), meta.get("annotations")))
-            if parts[:3] == ["api", "v1", "namespaces"] and parts[4:] == ["bindings"]:
+                name = parts[5]
+            elif parts[:3] == ["api", "v1", "namespaces"] and parts[4:] == ["bindings"]:
+                name = meta.get("name", "")
+            else:
+                name = None
+            if name is not None:
                 return self._send(
-                    *state.bind(parts[3], meta.get("name", ""), node, meta.get("uid", ""), meta.get("annotations"))
+                    *state.bind(
+                        parts[3],
+                        name,
+                        node,
+                        meta.get("uid", ""),
+                        meta.get("annotations"),
+                        meta.get("resourceVersion", ""),
+                    )
                 )
             if parts[:3] == ["api", "v1", "namespaces"] and parts[4:] == ["events"] and isinstance(body, dict):
                 event = dict(body, metadata=dict(meta, name=f"{meta.get('generateName', 'e.')}{len(state.events)}"))
@@ -371,6 +405,7 @@ class _Handler(BaseHTTPRequestHandler):
                 if state.fail_patch is not None:
                     return self._send(state.fail_patch, _status(state.fail_patch, "Forbidden", "patch refused by test"))
                 state.pods[key] = merge_patch(state.pods[key], body)
+                state.new_version(state.pods[key])
                 return self._send(200, state.pods[key])
             if len(parts) == 4 and parts[:3] == ["api", "v1", "nodes"]:
                 if parts[3] not in state.nodes:

@@ -32,6 +32,7 @@ import re
 import secrets
 import shutil
 import signal
+import ssl
 import subprocess
 import tempfile
 import threading
@@ -61,6 +62,7 @@ from tests.harness.kubelet_pods import KubeletPods
 from tests.harness.kubelet import Kubelet
 from tests.harness.net import free_port
 from tests.harness.teardown import StartOrClose, terminate
+from tests.harness.tls import Pki
 from tests.harness.wait import until
 
 CAPACITY_PORT = 9455
@@ -257,13 +259,14 @@ class Extender:
     url: str
     proc: subprocess.Popen[str]
     log: Path
+    context: ssl.SSLContext | None = None  # over HTTPS: kube-scheduler's client certificate
 
     def post(self, verb: str, body: Any, timeout: float = 10.0) -> tuple[int, Any]:
-        return post_json(f"{self.url}/{verb}", body, timeout)
+        return post_json(f"{self.url}/{verb}", body, timeout, self.context)
 
     def get(self, path: str, timeout: float = 10.0) -> tuple[int, Any]:
         try:
-            with urllib.request.urlopen(f"{self.url}{path}", timeout=timeout) as r:
+            with urllib.request.urlopen(f"{self.url}{path}", timeout=timeout, context=self.context) as r:
                 return r.status, json.loads(r.read() or b"null")
         except urllib.error.HTTPError as e:
             return e.code, _json_or_text(e.read())
@@ -279,11 +282,11 @@ def _json_or_text(data: bytes) -> Any:
         return data.decode(errors="replace")
 
 
-def post_json(url: str, body: Any, timeout: float = 10.0) -> tuple[int, Any]:
+def post_json(url: str, body: Any, timeout: float = 10.0, context: ssl.SSLContext | None = None) -> tuple[int, Any]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, method="POST", headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as r:
+        with urllib.request.urlopen(request, timeout=timeout, context=context) as r:
             return r.status, json.loads(r.read() or b"null")
     except urllib.error.HTTPError as e:
         return e.code, _json_or_text(e.read())
@@ -530,11 +533,15 @@ class Cluster(StartOrClose):
 
     # ---- the extender --------------------------------------------------------------------
 
-    def start_extender(self, *args: str, with_api: bool = True, node_file: bool = True) -> Extender:
+    def start_extender(
+        self, *args: str, with_api: bool = True, node_file: bool = True, serving: Pki | None = None
+    ) -> Extender:
         """cgpu-scheduler on 127.0.0.1, watching every node: from the node
         file, or (node_file False) from the Nodes' capacity-address
         annotations through the API server. Bound to the fake API server
-        unless with_api is False (standalone)."""
+        unless with_api is False (standalone). `serving`: over HTTPS with
+        that PKI's server certificate, its CA as the client CA (as
+        deploy/ runs it), called with its client certificate."""
         assert self.api is not None
         assert with_api or node_file, "without a node file the extender finds nodes through the API server"
         port = free_port()
@@ -546,10 +553,17 @@ class Cluster(StartOrClose):
         tls = self.capacity_tls()
         if tls is not None:
             command += ["--tls-cert", str(tls[0]), "--tls-key", str(tls[1]), "--tls-ca", str(tls[2])]
+        context = None
+        if serving is not None:
+            command += ["--serve-cert", str(serving.server_cert), "--serve-key", str(serving.server_key)]
+            command += ["--client-ca", str(serving.ca)]
+            context = ssl.create_default_context(cafile=str(serving.ca))
+            context.load_cert_chain(serving.client_cert, serving.client_key)
         log = self.root / f"extender-{len(self._extenders)}.log"
         with open(log, "a") as out:
             proc = subprocess.Popen([*command, *args], stdout=subprocess.DEVNULL, stderr=out, text=True)
-        extender = Extender(f"http://127.0.0.1:{port}", proc, log)
+        scheme = "https" if serving is not None else "http"
+        extender = Extender(f"{scheme}://127.0.0.1:{port}", proc, log, context)
         self._extenders.append(extender)
 
         def healthy() -> bool:

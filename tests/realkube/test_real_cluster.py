@@ -147,6 +147,17 @@ def test_a_2_gib_30_percent_pod_runs_and_sees_2_gib_in_the_driver_and_nvml(clust
     _drain(cluster)
 
 
+def test_cgpu_scheduler_binds_the_pod_kube_scheduler_sent_under_its_resource_version(cluster: RealCluster) -> None:
+    """deploy/ gives cgpu-scheduler a client CA, so only kube-scheduler calls
+    it: the bind places the pod as kube-scheduler sent it at filter (no read
+    of the pod), and the real API server takes the Binding under that
+    copy's resourceVersion."""
+    _run_pod(cluster, "fromfilter", SHOW, {MEM: 2})
+    logs = cluster.kubectl("-n", "kube-system", "logs", "deployment/cgpu-scheduler").stdout
+    bound = [json.loads(line) for line in logs.splitlines() if '"default/fromfilter"' in line and '"bound"' in line]
+    assert [b["pod_from"] for b in bound] == ["kube-scheduler"], logs[-3000:]
+
+
 def _device_nodes(logs: str) -> set[str]:
     return {line.removeprefix("DEV=") for line in logs.splitlines() if line.startswith("DEV=/dev/nvidia")}
 
