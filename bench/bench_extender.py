@@ -4,7 +4,7 @@ cache (NodeNames) beside the same requests without it (full v1.Node objects,
 as a non-cache-capable extender gets them); and bind throughput end to end
 on the real multi-node setup (tests/harness/cluster.py).
 
-    python -m bench.bench_extender [--nodes 100,1000] [--rounds 5] [--pods 40] [--bind-pods 256]
+    python -m bench.bench_extender [--nodes 100,1000] [--rounds 5] [--pods 40] [--bind-pods 256] [--bind-tls]
 
 Filter + prioritize: the extender (ExtenderServer over a ClusterState) runs
 in a child process, fed synthetic node views (the issue allows a synthetic
@@ -27,7 +27,10 @@ real cgpu-scheduler process and the test API server. kube-scheduler's part
 runs in a process of its own: one scheduling loop (filter, prioritize, pick)
 handing pods to 16 binding threads (its parallel binding goroutines); a
 failed bind requeues the pod. Pods per second from the first filter to the
-last bind answer, and the CPU each process spent per pod.
+last bind answer, and the CPU each process spent per pod. `--bind-tls`:
+cgpu-scheduler over HTTPS with a client CA and the loop calling with a
+client certificate, as deploy/ runs it (then a bind places the pod the loop
+sent at filter instead of reading it from the API server).
 """
 
 from __future__ import annotations
