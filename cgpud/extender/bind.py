@@ -12,9 +12,10 @@ Which copy of the pod decides: the API server's, read at bind, unless the
 callers are verified (a client certificate of the extender's client CA:
 only kube-scheduler calls the verbs). Then the pod kube-scheduler sent at
 filter or prioritize is its informer's copy of the API server's, and the
-Binding names that copy's resourceVersion as its precondition, so the API
-server refuses it (409) if the pod changed since: no GET per bind, and no
-placement from a stale pod.
+Binding names that copy's resourceVersion as its precondition: no GET per
+bind, and no Binding from a stale copy. When the pod was written since
+(409), it is read once and bound under its new version if its GPU request
+is the same; a changed request is refused.
 
 Standalone (no API server): the reservation is made and the assignment
 reported (log, /inspect) without annotations or a Binding."""
@@ -63,6 +64,11 @@ _REFUSED = (
 
 class BindError(CgpuError):
     """The pod was not bound; nothing is held for it."""
+
+
+class BindConflict(BindError):
+    """The API server refused the Binding with 409: the pod is bound
+    already, or is not at the resourceVersion (or UID) the Binding named."""
 
 
 @dataclass(frozen=True)
@@ -140,7 +146,7 @@ def _bind_error(what: str) -> Iterator[None]:
     try:
         yield
     except RestError as e:
-        raise BindError(f"cannot {what}: {e}") from None
+        raise (BindConflict if e.status == 409 else BindError)(f"cannot {what}: {e}") from None
 
 
 class Demands:
@@ -274,7 +280,23 @@ class Binder:
         view = record.entry.state if record is not None and record.entry.state is not None else None
         notes = pod_annotations(demand, placement, view, int(self._clock() * 1e9)) if view is not None else {}
         try:
-            return self._finish(args, demand, placement, notes, source)
+            try:
+                return self._finish(args, demand, placement, notes, source)
+            except BindConflict:
+                if source != "kube-scheduler":
+                    raise
+                # kube-scheduler's copy is behind: the pod was written since
+                # its filter (kube-scheduler itself writes nominatedNodeName
+                # before a PreBind that has work, NominatedNodeNameForExpectation,
+                # beta since v1.35). Whatever did not change the GPU request
+                # does not change the placement: bind under the pod as it is.
+                fresh = self._read(args)
+                if fresh.containers != demand.containers:
+                    raise BindError(
+                        f"pod {key} changed its GPU request since kube-scheduler filtered it; "
+                        "kube-scheduler schedules it again"
+                    ) from None
+                return self._finish(args, fresh, placement, notes, "API server, after a conflict")
         except BaseException as e:
             self._give_back(args.node, address, uid)
             if isinstance(e, BindError):
@@ -301,6 +323,12 @@ class Binder:
             return seen, "filter"
         if seen is not None and self._filter_copy and seen.resource_version:
             return seen, "kube-scheduler"
+        return self._read(args), "API server"
+
+    def _read(self, args: BindArgs) -> PodDemand:
+        """The pod from the API server: unbound, and the UID kube-scheduler named."""
+        assert self.api is not None
+        key = f"{args.pod_namespace}/{args.pod_name}"
         pod = self.api.get_pod(args.pod_namespace, args.pod_name)
         try:
             demand = pod_demand(pod)
@@ -312,7 +340,7 @@ class Binder:
         bound = spec.get("nodeName") if isinstance(spec, dict) else None
         if bound:
             raise BindError(f"pod {key} is already bound to node {bound}")
-        return demand, "API server"
+        return demand
 
     def _place(self, args: BindArgs, demand: PodDemand) -> tuple[Placement, str]:
         # Holds whose time ran out are dropped by the main loop each second

@@ -15,7 +15,7 @@ import subprocess
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,7 @@ import pytest
 from cgpud.api.cgpu.v1 import capacity_pb2 as cap
 from cgpud.api.cgpu.v1 import capacity_pb2_grpc as cap_grpc
 from cgpud.kube.model import ANNOTATION_ASSIGNED, ANNOTATION_ASSUME_TIME, ANNOTATION_CAPACITY_ADDRESS
-from cgpud.kube.model import ANNOTATION_GPU_INDEX
+from cgpud.kube.model import ANNOTATION_GPU_INDEX, Resource
 from tests.harness.cluster import Cluster, Extender, Outcome, post_json, schedule, schedule_once, share_pod
 from tests.harness.daemon import BIN
 from tests.harness.api_server import node_json
@@ -484,13 +484,13 @@ def test_real_kubectl_lists_the_plugin_and_inspect_cgpu_prints_every_test_node(
         assert int(in_cluster[1]) == sum(int(by_name[n][-1].split("/")[0]) for n in cluster.names)
 
 
-def test_with_kube_schedulers_certificate_a_bind_reads_no_pod_and_a_pod_changed_since_its_filter_is_not_bound() -> None:
+def test_with_kube_schedulers_certificate_a_bind_reads_no_pod_and_never_binds_a_changed_gpu_request() -> None:
     """As deploy/ runs it (HTTPS, a client CA): only kube-scheduler calls
     cgpu-scheduler, so a bind places the pod kube-scheduler sent at filter
     and reads nothing from the API server; the Binding names that copy's
-    resourceVersion. A pod changed between its filter and its bind (a label
-    here) is refused by the API server, the node keeps nothing for it, and
-    once filtered again as it is now it binds."""
+    resourceVersion. A pod written between its filter and its bind is read
+    once: a label does not stop its bind, a changed GPU request does (the
+    node keeps nothing for it), and filtered again as it is now it binds."""
     with Cluster(nodes=1, gpus=1, gpu_memory=f"{GPU_GIB}GiB") as cluster:
         assert cluster.api is not None
         from tests.harness.tls import make_pki
@@ -511,24 +511,40 @@ def test_with_kube_schedulers_certificate_a_bind_reads_no_pod_and_a_pod_changed_
             args = {"PodName": meta["name"], "PodNamespace": "default", "PodUID": meta["uid"], "Node": names[0]}
             return extender.post("bind", args)
 
+        def written(name: str, change: Callable[[dict[str, Any]], None]) -> None:
+            with api.lock:  # as a PATCH would, with a new resourceVersion
+                change(api.pods[("default", name)])
+                api.new_version(api.pods[("default", name)])
+
+        def reads(since: int) -> int:
+            return len([r for r in api.requests[since:] if r[0] == "GET"])
+
         api.add_pod(share_pod("kept", 2))
         sent = filtered("kept")
         before = len(api.requests)
         assert bind(sent) == (200, {"Error": ""})
-        assert [r for r in api.requests[before:] if r[0] == "GET"] == []
+        assert reads(before) == 0
         bound = api.pod("default", "kept")
         assert bound["spec"]["nodeName"] == names[0] and bound["metadata"]["annotations"][ANNOTATION_GPU_INDEX] == "0"
 
-        api.add_pod(share_pod("changed", 2))
-        sent = filtered("changed")
-        with api.lock:  # a user labels it meanwhile
-            pod = api.pods[("default", "changed")]
-            pod["metadata"].setdefault("labels", {})["team"] = "b"
-            api.new_version(pod)
+        api.add_pod(share_pod("labelled", 2))
+        sent = filtered("labelled")
+        written("labelled", lambda p: p["metadata"].setdefault("labels", {}).update(team="b"))
+        before = len(api.requests)
+        assert bind(sent) == (200, {"Error": ""})
+        assert reads(before) == 1 and api.pod("default", "labelled")["spec"]["nodeName"] == names[0]
+
+        api.add_pod(share_pod("grown", 2))
+        sent = filtered("grown")
+        written(
+            "grown", lambda p: p["spec"]["containers"][0]["resources"]["limits"].update({Resource.GPU_MEM.value: "4"})
+        )
         code, out = bind(sent)
-        assert code == 200 and "409" in out["Error"] and "the object has been modified" in out["Error"], out
-        assert api.pod("default", "changed")["spec"].get("nodeName") is None
+        assert code == 200 and "changed its GPU request" in out["Error"], out
+        assert api.pod("default", "grown")["spec"].get("nodeName") is None
         uid = sent["metadata"]["uid"]
         assert all(r.pod_uid != uid for r in cluster.get_node(0).reservations)
-        assert bind(filtered("changed")) == (200, {"Error": ""})
-        assert api.pod("default", "changed")["spec"]["nodeName"] == names[0]
+        assert bind(filtered("grown")) == (200, {"Error": ""})
+        assert [
+            s.memory_bytes for s in next(r for r in cluster.get_node(0).reservations if r.pod_uid == uid).shares
+        ] == [4 * GIB]

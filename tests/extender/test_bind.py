@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from cgpud.node.model import Share
-from cgpud.extender.bind import BindArgs, BindError, Binder
+from cgpud.extender.bind import BindArgs, BindConflict, BindError, Binder
 from cgpud.extender.client import CapacityError
 from cgpud.extender.pod import pod_demand
 from cgpud.extender.state import ClusterState
@@ -72,6 +72,11 @@ class FakeApi:
     ) -> None:
         if self.fail_bind:
             raise BindError(self.fail_bind)
+        stored = self.pods.get(name)
+        if stored is not None and resource_version and stored["metadata"].get("resourceVersion") != resource_version:
+            raise BindConflict(
+                f'cannot bind pod {namespace}/{name}: 409 Operation cannot be fulfilled on pods "{name}"'
+            )
         self.notes[name] = dict(annotations)
         self.bound[name] = node
         self.preconditions[name] = resource_version
@@ -303,14 +308,43 @@ def test_verified_callers_bind_from_the_api_unless_filter_saw_this_very_pod_with
     assert clients.node.reserved["u1"][0].memory == 8 * GIB
 
 
-def test_a_binding_refused_for_a_changed_pod_gives_the_reservation_back(state: ClusterState) -> None:
-    api = FakeApi()
-    api.fail_bind = 'cannot bind pod default/p to node n1: 409 Operation cannot be fulfilled on pods "p"'
+def test_a_pod_written_since_its_filter_with_the_same_gpu_request_is_bound_under_its_new_version(
+    state: ClusterState,
+) -> None:
+    """kube-scheduler writes nominatedNodeName before a PreBind with work
+    (v1.35+): its copy is then one version behind. Read once, bound."""
+    now = _versioned(pod("p", [container("c", mem="4")], uid="u1"), "42")
+    now["metadata"]["labels"] = {"team": "b"}
+    api = FakeApi({"p": now})
     clients = FakeClients()
     b = Binder(state, clients, api, callers_verified=True)  # type: ignore[arg-type]
     b.remember(pod_demand(_versioned(pod("p", [container("c", mem="4")], uid="u1"), "41")))
-    with pytest.raises(BindError, match="409 Operation cannot be fulfilled"):
+    a = b.bind(BindArgs("p", "default", "u1", "n1"))
+    assert a.bound and api.bound == {"p": "n1"} and api.gets == 1 and api.preconditions == {"p": "42"}
+    assert clients.node.reserved == {"u1": (Share(0, 4 * GIB, 0, 1),)}
+
+
+@pytest.mark.parametrize(
+    ("now", "error"),
+    [
+        (_versioned(pod("p", [container("c", mem="8")], uid="u1"), "42"), "changed its GPU request"),
+        (
+            dict(_versioned(pod("p", [container("c", mem="4")], uid="u1"), "42"), spec={"nodeName": "n9"}),
+            "already bound",
+        ),
+        (_versioned(pod("p", [container("c", mem="4")], uid="u2"), "42"), "it was recreated"),
+    ],
+    ids=["request changed", "bound elsewhere", "recreated"],
+)
+def test_a_pod_changed_since_its_filter_in_what_the_bind_depends_on_is_refused_and_nothing_held(
+    state: ClusterState, now: dict[str, Any], error: str
+) -> None:
+    api = FakeApi({"p": now})
+    clients = FakeClients()
+    b = Binder(state, clients, api, callers_verified=True)  # type: ignore[arg-type]
+    b.remember(pod_demand(_versioned(pod("p", [container("c", mem="4")], uid="u1"), "41")))
+    with pytest.raises(BindError, match=error):
         b.bind(BindArgs("p", "default", "u1", "n1"))
-    assert clients.node.reserved == {}
+    assert api.bound == {} and clients.node.reserved == {}
     rec = state.record("n1")
     assert rec is not None and rec.holds == ()
