@@ -150,8 +150,8 @@ def _bind_error(what: str) -> Iterator[None]:
 
 
 class Demands:
-    """Pods seen at filter and prioritize, by UID, for their bind (bounded:
-    the oldest are forgotten; bind then reads the pod from the API server)."""
+    """Pods' demands by UID, bounded: the oldest are forgotten (a pod seen at
+    filter but forgotten is read from the API server at its bind)."""
 
     def __init__(self, size: int = 4096) -> None:
         self._lock = threading.Lock()
@@ -196,6 +196,11 @@ class Binder:
         self.api = api
         self.demands = Demands()
         self._filter_copy = callers_verified
+        # Pods this extender bound (bounded, oldest forgotten). A second bind
+        # of one (kube-scheduler retrying a bind whose answer it lost) reads
+        # the pod, so it is refused as bound before its Reserve, which would
+        # replace the first bind's reservation on the node.
+        self._bound = Demands()
         self._ttl = ttl
         self._clock = clock
         self._recent: deque[Assignment] = deque(maxlen=keep)
@@ -321,7 +326,7 @@ class Binder:
                     "there is no API server to read it from"
                 )
             return seen, "filter"
-        if seen is not None and self._filter_copy and seen.resource_version:
+        if seen is not None and self._filter_copy and seen.resource_version and self._bound.get(seen.uid) is None:
             return seen, "kube-scheduler"
         return self._read(args), "API server"
 
@@ -374,6 +379,8 @@ class Binder:
         )
         self._recent.append(done)
         self.demands.forget(args.pod_uid)
+        if self.api is not None:
+            self._bound.put(demand)
         _log.info(
             "bound" if self.api is not None else "reserved (standalone, no Binding)",
             pod=key,

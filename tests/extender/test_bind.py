@@ -79,6 +79,8 @@ class FakeApi:
             )
         self.notes[name] = dict(annotations)
         self.bound[name] = node
+        if stored is not None:
+            stored["spec"]["nodeName"] = node
         self.preconditions[name] = resource_version
 
 
@@ -348,3 +350,19 @@ def test_a_pod_changed_since_its_filter_in_what_the_bind_depends_on_is_refused_a
     assert api.bound == {} and clients.node.reserved == {}
     rec = state.record("n1")
     assert rec is not None and rec.holds == ()
+
+
+def test_a_second_bind_of_a_pod_it_bound_reads_the_pod_and_keeps_the_first_reservation(state: ClusterState) -> None:
+    """kube-scheduler lost the first answer and filters the pod again from
+    a copy its informer has not yet seen bound: the second bind must not
+    Reserve again, which would replace (and then give back) the first."""
+    api = FakeApi({"p": _versioned(pod("p", [container("c", mem="4")], uid="u1"), "41")})
+    clients = FakeClients()
+    b = Binder(state, clients, api, callers_verified=True)  # type: ignore[arg-type]
+    b.remember(pod_demand(_versioned(pod("p", [container("c", mem="4")], uid="u1"), "41")))
+    b.bind(BindArgs("p", "default", "u1", "n1"))
+    first = dict(clients.node.reserved)
+    b.remember(pod_demand(_versioned(pod("p", [container("c", mem="4")], uid="u1"), "41")))
+    with pytest.raises(BindError, match="already bound to node n1"):
+        b.bind(BindArgs("p", "default", "u1", "n1"))
+    assert api.gets == 1 and clients.node.reserved == first == {"u1": (Share(0, 4 * GIB, 0, 1),)}
