@@ -64,7 +64,12 @@ def _drain(cluster: RealCluster) -> None:
 
 
 def _run_pod(cluster: RealCluster, name: str, command: str, limits: dict, timeout: float = 120) -> str:
-    cluster.apply([cluster.workload_pod(name, command, limits)])
+    return _run_pod_manifest(cluster, cluster.workload_pod(name, command, limits), timeout)
+
+
+def _run_pod_manifest(cluster: RealCluster, pod: dict, timeout: float = 120) -> str:
+    name = pod["metadata"]["name"]
+    cluster.apply([pod])
     phase = cluster.wait_pod(name, ("Succeeded", "Failed"), timeout)
     logs = cluster.logs(name)
     assert phase == "Succeeded", f"{cluster.describe(name)}\n{logs}"
@@ -156,6 +161,62 @@ def test_cgpu_scheduler_binds_the_pod_kube_scheduler_sent_under_its_resource_ver
     logs = cluster.kubectl("-n", "kube-system", "logs", "deployment/cgpu-scheduler").stdout
     bound = [json.loads(line) for line in logs.splitlines() if '"default/fromfilter"' in line and '"bound"' in line]
     assert [b["pod_from"] for b in bound] == ["kube-scheduler"], logs[-3000:]
+
+
+def test_a_pod_kube_scheduler_nominates_before_its_prebind_is_bound_after_one_read(cluster: RealCluster) -> None:
+    """kube-scheduler (v1.35 on) writes a pod's nominatedNodeName before a
+    PreBind that has work, here binding a claim that waits for its first
+    consumer. The copy it sent at filter is then a version behind, so the
+    Binding under it gets 409; cgpu-scheduler reads the pod once and binds
+    it, its GPU request being the same."""
+    where = cluster.root / "wffc-volume"
+    where.mkdir(exist_ok=True)
+    storage = [
+        {
+            "apiVersion": "storage.k8s.io/v1",
+            "kind": "StorageClass",
+            "metadata": {"name": "cgpu-wffc"},
+            "provisioner": "kubernetes.io/no-provisioner",
+            "volumeBindingMode": "WaitForFirstConsumer",
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolume",
+            "metadata": {"name": "cgpu-wffc"},
+            "spec": {
+                "capacity": {"storage": "1Gi"},
+                "accessModes": ["ReadWriteOnce"],
+                "storageClassName": "cgpu-wffc",
+                "hostPath": {"path": str(where), "type": "Directory"},
+            },
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": "cgpu-wffc", "namespace": "default"},
+            "spec": {
+                "accessModes": ["ReadWriteOnce"],
+                "storageClassName": "cgpu-wffc",
+                "resources": {"requests": {"storage": "1Gi"}},
+            },
+        },
+    ]
+    pod = cluster.workload_pod("claimed", SHOW, {MEM: 2})
+    pod["spec"]["volumes"].append({"name": "cache", "persistentVolumeClaim": {"claimName": "cgpu-wffc"}})
+    pod["spec"]["containers"][0]["volumeMounts"].append({"name": "cache", "mountPath": "/cache"})
+    try:
+        cluster.apply(storage)
+        _run_pod_manifest(cluster, pod)
+        logs = cluster.kubectl("-n", "kube-system", "logs", "deployment/cgpu-scheduler").stdout
+        bound = [json.loads(line) for line in logs.splitlines() if '"default/claimed"' in line and '"bound"' in line]
+        assert [b["pod_from"] for b in bound] == ["API server, after a conflict"], logs[-3000:]
+    finally:
+        cluster.kubectl(
+            "delete", "pod", "claimed", "--ignore-not-found", "--wait=true", "--grace-period=1", timeout=120
+        )
+        cluster.kubectl("delete", "pvc", "cgpu-wffc", "--ignore-not-found", "--wait=true", timeout=120)
+        cluster.kubectl("delete", "pv", "cgpu-wffc", "--ignore-not-found", "--wait=true", timeout=120)
+        cluster.kubectl("delete", "storageclass", "cgpu-wffc", "--ignore-not-found", timeout=120)
 
 
 def _device_nodes(logs: str) -> set[str]:
