@@ -42,7 +42,6 @@ import multiprocessing
 import os
 import random
 import socket
-import ssl
 import statistics
 import sys
 import threading
@@ -52,11 +51,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from bench.table import print_table
+
+if TYPE_CHECKING:
+    from tests.harness.tls import Pki
 
 GIB = 1 << 30
 GPUS = 8
@@ -508,16 +510,13 @@ class _KeepAlive:
     extender gets are the same HTTP/1.1 with the same JSON (orjson writes
     the same objects compactly)."""
 
-    def __init__(self, url: str, tls: tuple[str, str, str] | None = None) -> None:
-        """tls: (CA, client certificate, key) for an https:// URL."""
+    def __init__(self, url: str, tls: Pki | None = None) -> None:
+        """tls: whose CA and client certificate an https:// URL takes."""
         host, port = url.removeprefix("http://").removeprefix("https://").rsplit(":", 1)
         self._address = (host, int(port))
         self._head = f"Host: {host}:{port}\r\nContent-Type: application/json\r\n".encode()
         self._local = threading.local()
-        self._tls: ssl.SSLContext | None = None
-        if tls is not None:
-            self._tls = ssl.create_default_context(cafile=tls[0])
-            self._tls.load_cert_chain(tls[1], tls[2])
+        self._tls = tls.client_context() if tls is not None else None
 
     def _connect(self) -> tuple[socket.socket, Any]:
         sock = socket.create_connection(self._address, timeout=30)
@@ -573,14 +572,14 @@ def scheduler_loop(
     pods: list[dict[str, Any]],
     parallel: int,
     control: Connection,
-    tls: tuple[str, str, str] | None = None,
+    tls: Pki | None = None,
 ) -> None:
     """Child process: kube-scheduler's part. One scheduling loop (filter,
     prioritize, the best score, ties at random) hands each pod to up to
     `parallel` binding threads; a failed bind puts the pod back in the
     queue. Sends (seconds, {pod: node}, filter retries, failed binds).
-    tls: (CA, client certificate, key), as kube-scheduler's extender
-    tlsConfig gives them."""
+    tls: the CA and client certificate kube-scheduler's extender tlsConfig
+    names."""
     import queue
     from concurrent.futures import ThreadPoolExecutor
 
@@ -716,7 +715,6 @@ def _binds(cluster: Any, pods: int, nodes: int, parallel: int, root: str | None,
 
     assert cluster.api is not None
     pki = make_pki(cluster.root / "extender-pki") if tls else None
-    client = (str(pki.ca), str(pki.client_cert), str(pki.client_key)) if pki is not None else None
     with _python_path(root):
         extender = cluster.start_extender(serving=pki)
     cluster.wait_connected(extender)
@@ -728,7 +726,7 @@ def _binds(cluster: Any, pods: int, nodes: int, parallel: int, root: str | None,
     ctx = multiprocessing.get_context("spawn")  # no fork of a process with gRPC threads
     parent, child = ctx.Pipe()
     proc = ctx.Process(
-        target=scheduler_loop, args=(extender.url, cluster.names, batch, parallel, child, client), daemon=True
+        target=scheduler_loop, args=(extender.url, cluster.names, batch, parallel, child, pki), daemon=True
     )
     proc.start()
     pids = {

@@ -29,6 +29,7 @@ from cgpud.kube.model import ANNOTATION_ASSIGNED, ANNOTATION_ASSUME_TIME, ANNOTA
 from cgpud.kube.model import ANNOTATION_GPU_INDEX, Resource
 from tests.harness.cluster import Cluster, Extender, Outcome, post_json, schedule, schedule_once, share_pod
 from tests.harness.daemon import BIN
+from tests.harness.tls import make_pki
 from tests.harness.api_server import node_json
 from tests.harness.wait import until
 
@@ -493,8 +494,6 @@ def test_with_kube_schedulers_certificate_a_bind_reads_no_pod_and_never_binds_a_
     node keeps nothing for it), and filtered again as it is now it binds."""
     with Cluster(nodes=1, gpus=1, gpu_memory=f"{GPU_GIB}GiB") as cluster:
         assert cluster.api is not None
-        from tests.harness.tls import make_pki
-
         extender = cluster.start_extender(serving=make_pki(cluster.root / "extender-pki"))
         cluster.wait_connected(extender)
         api = cluster.api.state

@@ -62,7 +62,7 @@ from tests.harness.kubelet_pods import KubeletPods
 from tests.harness.kubelet import Kubelet
 from tests.harness.net import free_port
 from tests.harness.teardown import StartOrClose, terminate
-from tests.harness.tls import Pki
+from tests.harness.tls import Pki, make_pki
 from tests.harness.wait import until
 
 CAPACITY_PORT = 9455
@@ -344,8 +344,6 @@ class Cluster(StartOrClose):
         self.api = ApiServerProcess(ApiState(), host="0.0.0.0").start()
         self._stack.callback(self.api.stop)
         if self.tls:
-            from tests.harness.tls import make_pki
-
             self.pki = make_pki(self.root / "pki", server_ips=[self.node_ip(i) for i in range(self.count)])
         for i in range(self.count):
             self.nodes.append(self._make_node(i))
@@ -557,8 +555,7 @@ class Cluster(StartOrClose):
         if serving is not None:
             command += ["--serve-cert", str(serving.server_cert), "--serve-key", str(serving.server_key)]
             command += ["--client-ca", str(serving.ca)]
-            context = ssl.create_default_context(cafile=str(serving.ca))
-            context.load_cert_chain(serving.client_cert, serving.client_key)
+            context = serving.client_context()
         log = self.root / f"extender-{len(self._extenders)}.log"
         with open(log, "a") as out:
             proc = subprocess.Popen([*command, *args], stdout=subprocess.DEVNULL, stderr=out, text=True)

@@ -4,6 +4,7 @@ same CA, and an untrusted client whose certificate another CA signed."""
 
 from __future__ import annotations
 
+import ssl
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,12 @@ class Pki:
             san = ",".join([f"DNS:{node}", *(f"IP:{ip}" for ip in ips)])
             cert, key = leaf(self.dir, f"node-{node}", (self.ca, self.ca_key), "serverAuth", san)
         return cert, key
+
+    def client_context(self) -> ssl.SSLContext:
+        """A client's TLS context: trusts the CA, shows the client certificate."""
+        context = ssl.create_default_context(cafile=str(self.ca))
+        context.load_cert_chain(self.client_cert, self.client_key)
+        return context
 
 
 def _openssl(*args: str) -> None:
