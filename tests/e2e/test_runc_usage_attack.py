@@ -9,6 +9,8 @@ import os
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.harness.daemon import Daemon, make_daemon
 from tests.harness.oci import Host, host_mounts, run
 from tests.harness.workload import instances
@@ -46,6 +48,7 @@ def _state_bytes(state: Path) -> int:
     return total
 
 
+@pytest.mark.timing  # the neighbour's 70 % is a measured share
 def test_a_container_truncating_and_filling_its_usage_file_harms_nobody(tmp_path: Path, host: Host) -> None:
     d = make_daemon(tmp_path, host.sim_env, "--mode", "core_mem", "--compute-policy", "3")
     d.start()
