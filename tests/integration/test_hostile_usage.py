@@ -107,6 +107,9 @@ def _free_bytes(path: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
+# timing: it holds the neighbour to its measured 70 %, which a tenant short of
+# CPU beside other workers cannot fill (once 60.0 in a parallel pass).
+@pytest.mark.timing
 @pytest.mark.parametrize("how", ATTACKS)
 def test_an_attacked_usage_file_harms_neither_cgpud_nor_the_neighbour(rig: ShareRig, procs: list, how: str) -> None:
     d = rig.daemon
