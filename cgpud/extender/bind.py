@@ -62,6 +62,14 @@ _REFUSED = (
 )
 
 
+# Whose copy of the pod a bind placed: the `bound` log's pod_from, and on a
+# 409 only kube-scheduler's copy is read again.
+FROM_FILTER = "filter"
+FROM_KUBE_SCHEDULER = "kube-scheduler"
+FROM_API_SERVER = "API server"
+FROM_API_SERVER_AFTER_CONFLICT = "API server, after a conflict"
+
+
 class BindError(CgpuError):
     """The pod was not bound; nothing is held for it."""
 
@@ -288,7 +296,7 @@ class Binder:
             try:
                 return self._finish(args, demand, placement, notes, source)
             except BindConflict:
-                if source != "kube-scheduler":
+                if source != FROM_KUBE_SCHEDULER:
                     raise
                 # kube-scheduler's copy is behind: the pod was written since
                 # its filter (kube-scheduler itself writes nominatedNodeName
@@ -301,7 +309,7 @@ class Binder:
                         f"pod {key} changed its GPU request since kube-scheduler filtered it; "
                         "kube-scheduler schedules it again"
                     ) from None
-                return self._finish(args, fresh, placement, notes, "API server, after a conflict")
+                return self._finish(args, fresh, placement, notes, FROM_API_SERVER_AFTER_CONFLICT)
         except BaseException as e:
             self._give_back(args.node, address, uid)
             if isinstance(e, BindError):
@@ -325,10 +333,10 @@ class Binder:
                     f"pod {key} (uid {args.pod_uid or '?'}) was not seen at filter or prioritize and "
                     "there is no API server to read it from"
                 )
-            return seen, "filter"
+            return seen, FROM_FILTER
         if seen is not None and self._filter_copy and seen.resource_version and self._bound.get(seen.uid) is None:
-            return seen, "kube-scheduler"
-        return self._read(args), "API server"
+            return seen, FROM_KUBE_SCHEDULER
+        return self._read(args), FROM_API_SERVER
 
     def _read(self, args: BindArgs) -> PodDemand:
         """The pod from the API server: unbound, and the UID kube-scheduler named."""

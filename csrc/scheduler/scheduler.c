@@ -572,7 +572,8 @@ static uint64_t pace_wait(const struct gpu *g, const struct tenant *t, uint64_t 
  * the debtor is not repaid by waiting, and would be held to a fraction of
  * its share while the GPU idled. Only for time nobody reserved (the
  * work-conserving policies, fair's loans). Returns 0 when it may run, else
- * when (after the period's start) it may. */
+ * when (after the period's start) it may, and then marks the decision as
+ * having passed a debtor over (debtor_skipped), so its idle time counts. */
 static uint64_t debtor_wait(struct gpu *g, const struct tenant *t, uint64_t elapsed)
 {
     if ((reserving(g) ? t->budget : t->lag) >= -bound(g) || g->debtor_idle >= g->max_slice)

@@ -232,7 +232,7 @@ def test_bind_needs_a_client_certificate_of_the_client_ca(tmp_path: Path, pki: P
             assert get(port, "/inspect", anonymous)[0] == 200  # read-only, for kubectl inspect cgpu
             with pytest.raises((ssl.SSLError, ConnectionError, OSError)):
                 post(port, "/bind", bind, client_context(pki, pki.untrusted_cert, pki.untrusted_key))
-            trusted = client_context(pki, pki.client_cert, pki.client_key)
+            trusted = pki.client_context()
             status, out = post(port, "/bind", bind, trusted)
             assert status == 200 and "asks for no GPU share" in out["Error"]
         assert api.state.bindings == []
