@@ -158,9 +158,16 @@ def test_cgpu_scheduler_binds_the_pod_kube_scheduler_sent_under_its_resource_ver
     of the pod), and the real API server takes the Binding under that
     copy's resourceVersion."""
     _run_pod(cluster, "fromfilter", SHOW, {MEM: 2})
+    sources, logs = _bound_from(cluster, "fromfilter")
+    assert sources == ["kube-scheduler"], logs[-3000:]
+
+
+def _bound_from(cluster: RealCluster, name: str) -> tuple[list[str], str]:
+    """Whose copy of the pod each of cgpu-scheduler's binds of it placed
+    (its `bound` lines' pod_from), and the log they came from."""
     logs = cluster.kubectl("-n", "kube-system", "logs", "deployment/cgpu-scheduler").stdout
-    bound = [json.loads(line) for line in logs.splitlines() if '"default/fromfilter"' in line and '"bound"' in line]
-    assert [b["pod_from"] for b in bound] == ["kube-scheduler"], logs[-3000:]
+    bound = [json.loads(line) for line in logs.splitlines() if f'"default/{name}"' in line and '"bound"' in line]
+    return [b["pod_from"] for b in bound], logs
 
 
 def test_a_pod_kube_scheduler_nominates_before_its_prebind_is_bound_after_one_read(cluster: RealCluster) -> None:
@@ -207,9 +214,8 @@ def test_a_pod_kube_scheduler_nominates_before_its_prebind_is_bound_after_one_re
     try:
         cluster.apply(storage)
         _run_pod_manifest(cluster, pod)
-        logs = cluster.kubectl("-n", "kube-system", "logs", "deployment/cgpu-scheduler").stdout
-        bound = [json.loads(line) for line in logs.splitlines() if '"default/claimed"' in line and '"bound"' in line]
-        assert [b["pod_from"] for b in bound] == ["API server, after a conflict"], logs[-3000:]
+        sources, logs = _bound_from(cluster, "claimed")
+        assert sources == ["API server, after a conflict"], logs[-3000:]
     finally:
         cluster.kubectl(
             "delete", "pod", "claimed", "--ignore-not-found", "--wait=true", "--grace-period=1", timeout=120
