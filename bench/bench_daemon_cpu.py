@@ -10,8 +10,9 @@ core_mem`, the default compute policy, bypass interval and sweep interval
   (`cgpu-burn --alloc 512MiB --hold 600`);
 - busy: each tenant holds 512 MiB and launches 200 us kernels on 4 streams
   without pause (`cgpu-burn --duration 600`);
-- busy-fixed: the same under `--compute-policy 3` (fixed), where the
-  scheduler thread time-slices the GPU (not a default; `--scenarios`).
+- busy-fixed, busy-fair, busy-preemptive: the same under `--compute-policy`
+  3, 0 or 1, where the scheduler thread time-slices the GPU (not a
+  default; `--scenarios`).
 
 Both sides run at the same time, the baseline (`--baseline-venv`: another
 build's virtual environment, e.g. main's) with its own cgpud, cgpuctl,
@@ -56,10 +57,13 @@ TARGET_PERCENT = 0.5
 SCENARIOS = {
     "idle": ((), ("--alloc", "512MiB", "--require-alloc", "--hold", "600")),
     "busy": ((), ("--alloc", "512MiB", "--duration", "600", "--kernel-ns", "200000", "--streams", "4")),
-    "busy-fixed": (
-        ("--compute-policy", "3"),
-        ("--alloc", "512MiB", "--duration", "600", "--kernel-ns", "200000", "--streams", "4"),
-    ),
+    **{
+        f"busy-{policy}": (
+            ("--compute-policy", number),
+            ("--alloc", "512MiB", "--duration", "600", "--kernel-ns", "200000", "--streams", "4"),
+        )
+        for policy, number in (("fixed", "3"), ("fair", "0"), ("preemptive", "1"))
+    },
 }
 
 
