@@ -35,10 +35,14 @@ class Pki:
             cert, key = leaf(self.dir, f"node-{node}", (self.ca, self.ca_key), "serverAuth", san)
         return cert, key
 
-    def client_context(self) -> ssl.SSLContext:
-        """A client's TLS context: trusts the CA, shows the client certificate."""
+    def client_context(
+        self, cert: Path | None = None, key: Path | None = None, *, anonymous: bool = False
+    ) -> ssl.SSLContext:
+        """A client's TLS context: trusts the CA, shows `cert` (the client
+        certificate unless another is given), or none when `anonymous`."""
         context = ssl.create_default_context(cafile=str(self.ca))
-        context.load_cert_chain(self.client_cert, self.client_key)
+        if not anonymous:
+            context.load_cert_chain(cert or self.client_cert, key or self.client_key)
         return context
 
 

@@ -189,13 +189,6 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     return make_pki(tmp_path_factory.mktemp("pki"))
 
 
-def client_context(pki: Pki, cert: Path | None = None, key: Path | None = None) -> ssl.SSLContext:
-    ctx = ssl.create_default_context(cafile=str(pki.ca))
-    if cert is not None and key is not None:
-        ctx.load_cert_chain(cert, key)
-    return ctx
-
-
 def post(port: int, path: str, body: object, context: ssl.SSLContext) -> tuple[int, dict]:
     conn = http.client.HTTPSConnection("127.0.0.1", port, context=context, timeout=10)
     try:
@@ -224,14 +217,14 @@ def test_bind_needs_a_client_certificate_of_the_client_ca(tmp_path: Path, pki: P
         )
         with extender_process(tmp_path, *serve) as (_, port):
             bind = {"PodName": "payments-db-0", "PodNamespace": "prod", "PodUID": "", "Node": "control-plane-1"}
-            anonymous = client_context(pki)
+            anonymous = pki.client_context(anonymous=True)
             assert get(port, "/healthz", anonymous)[0] == 200
             status, out = post(port, "/bind", bind, anonymous)
             assert status == 403 and "needs a client certificate" in out["Error"]
             assert post(port, "/filter", {"Pod": {}, "NodeNames": []}, anonymous)[0] == 403
             assert get(port, "/inspect", anonymous)[0] == 200  # read-only, for kubectl inspect cgpu
             with pytest.raises((ssl.SSLError, ConnectionError, OSError)):
-                post(port, "/bind", bind, client_context(pki, pki.untrusted_cert, pki.untrusted_key))
+                post(port, "/bind", bind, pki.client_context(pki.untrusted_cert, pki.untrusted_key))
             trusted = pki.client_context()
             status, out = post(port, "/bind", bind, trusted)
             assert status == 200 and "asks for no GPU share" in out["Error"]
