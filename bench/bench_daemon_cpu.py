@@ -12,7 +12,10 @@ core_mem`, the default compute policy, bypass interval and sweep interval
   without pause (`cgpu-burn --duration 600`);
 - busy-fixed, busy-fair, busy-preemptive: the same under `--compute-policy`
   3, 0 or 1, where the scheduler thread time-slices the GPU (not a
-  default; `--scenarios`).
+  default; `--scenarios`);
+- busy-fixed-windows: `fixed` with `--fixed-windows`, where each tenant
+  keeps to its own window and the scheduler thread sleeps (not a default;
+  a baseline from before the setting cannot run it).
 
 Both sides run at the same time, the baseline (`--baseline-venv`: another
 build's virtual environment, e.g. main's) with its own cgpud, cgpuctl,
@@ -64,6 +67,10 @@ SCENARIOS = {
         )
         for policy, number in (("fixed", "3"), ("fair", "0"), ("preemptive", "1"))
     },
+    "busy-fixed-windows": (
+        ("--compute-policy", "3", "--fixed-windows"),
+        ("--alloc", "512MiB", "--duration", "600", "--kernel-ns", "200000", "--streams", "4"),
+    ),
 }
 
 

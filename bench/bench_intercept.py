@@ -6,7 +6,9 @@ mode runs, side by side and interleaved, R rounds of {bare driver, driver +
 LD_PRELOAD=libcgpu.so} and reports the median ns per call of each, the ns
 added and the ratio. Modes: cuLaunchKernel with no region (launch-noregion),
 in a region whose gate is ungated (launch) and in one whose gate is open for
-the whole run, the process holding the grant (launch-open);
+the whole run, the process holding the grant (launch-open), and in one
+whose gate cgpud left paced (fixed_windows: the process keeps to its window,
+here one of an hour less a second, by itself; launch-paced);
 cuMemAlloc_v2+cuMemFree_v2 (allocfree); cuMemGetInfo_v2 (meminfo); a VMM
 cycle of 2 MiB, cuMemCreate+cuMemMap+cuMemRelease+cuMemUnmap into a range
 reserved once (vmm). Then it
@@ -19,7 +21,7 @@ call), 2 on a bad argument.
 
 Run from the repository root:
     .venv/bin/python -m bench.bench_intercept [--rounds 7] [--calls 200000]
-        [--modes launch-noregion,launch,launch-open,allocfree,meminfo,vmm] [--no-callgrind]
+        [--modes launch-noregion,launch,launch-open,launch-paced,allocfree,meminfo,vmm] [--no-callgrind]
         [--baseline-library OTHER/libcgpu.so]
 
 With --baseline-library, another build (e.g. main's) runs as a third side in
@@ -47,18 +49,22 @@ from cgpud.node.region import DeviceLimit, InstanceLimits, write_region
 from cgpud.native import native_dir
 
 ROOT = Path(__file__).resolve().parent.parent
-MODES = ("launch-noregion", "launch", "launch-open", "allocfree", "meminfo", "vmm")
+MODES = ("launch-noregion", "launch", "launch-open", "launch-paced", "allocfree", "meminfo", "vmm")
 LABELS = {
     "launch-noregion": "cuLaunchKernel, no region",
     "launch": "cuLaunchKernel, gate ungated",
     "launch-open": "cuLaunchKernel, gate open",
+    "launch-paced": "cuLaunchKernel, paced in a window",
     "allocfree": "cuMemAlloc_v2+cuMemFree_v2",
     "meminfo": "cuMemGetInfo_v2",
     "vmm": "cuMemCreate+Map+Release+Unmap",
 }
 # What intercept_calls runs, and under which preloaded configuration.
-PROGRAM = {"launch-noregion": "launch", "launch-open": "launch"}
-CONFIG = {"launch-noregion": "noregion", "launch-open": "open"}  # others: "ungated"
+PROGRAM = {"launch-noregion": "launch", "launch-open": "launch", "launch-paced": "launch"}
+CONFIG = {"launch-noregion": "noregion", "launch-open": "open", "launch-paced": "paced"}  # others: "ungated"
+# launch-paced's window: all of every hour but its last second (CLOCK_MONOTONIC).
+PACED_PERIOD_NS = 3600 * 10**9
+PACED_LEN_NS = PACED_PERIOD_NS - 10**9
 MEM_LIMIT = 8 << 30
 SIM_CONFIG = 'gpu name="NVIDIA H100 80GB HBM3" mem=16GiB sms=132\n'
 RUN_TIMEOUT_S = 300
@@ -213,15 +219,20 @@ def gpu0_uuid(native: Path, env: dict[str, str]) -> str:
     return json.loads(out)["uuid"]
 
 
-def make_region(directory: Path, uuid: str, gate: int) -> Path:
+def make_region(directory: Path, uuid: str, gate: int, paced: bool = False) -> Path:
     """An instance region on GPU 0 whose gate the scheduler leaves at `gate`
-    for the whole run (nobody closes it)."""
+    for the whole run (nobody closes it); `paced`: the grant names that
+    (closed) word as paced, in PACED_LEN_NS of every PACED_PERIOD_NS."""
     write_region(directory, InstanceLimits("bench", devices=(DeviceLimit(uuid, MEM_LIMIT, 0),)))
     raw = ffi.new("struct cgpu_grants *")
     raw.magic = lib.CGPU_GRANTS_MAGIC
     raw.version = lib.CGPU_REGION_VERSION
     raw.size = ffi.sizeof("struct cgpu_grants")
     raw.device[0].gate = gate
+    if paced:
+        raw.device[0].paced = gate
+        raw.device[0].alone_period_ns = PACED_PERIOD_NS
+        raw.device[0].alone_len_ns = PACED_LEN_NS
     (directory / "grants").write_bytes(bytes(ffi.buffer(raw)))
     return directory
 
@@ -388,10 +399,12 @@ def main(argv: list[str]) -> int:
         preloaded = dict(bare, LD_PRELOAD=str(library))
         ungated = make_region(workdir / "ungated", uuid, lib.CGPU_GATE_UNGATED)
         opened = make_region(workdir / "open", uuid, lib.CGPU_GATE_SEQ_STEP | lib.CGPU_GATE_OPEN)
+        paced = make_region(workdir / "paced", uuid, lib.CGPU_GATE_SEQ_STEP, paced=True)
         configs = {
             "noregion": preloaded,
             "ungated": dict(preloaded, CGPU_REGION_DIR=str(ungated)),
             "open": dict(preloaded, CGPU_REGION_DIR=str(opened)),
+            "paced": dict(preloaded, CGPU_REGION_DIR=str(paced)),
         }
         envs = {m: {"bare": bare, "cgpu": configs[CONFIG.get(m, "ungated")]} for m in args.modes}
         if baseline:

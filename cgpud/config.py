@@ -74,6 +74,11 @@ class DaemonConfig:
         _TIMING.high_priority_percent,
         "share of each period high-priority instances may take ahead of the others (0-100)",
     )
+    fixed_windows: bool = _setting(
+        _TIMING.fixed_windows,
+        "under the fixed policy, each instance keeps to its own window of every period by itself, as while cgpud "
+        "is away: cgpud hands out no slices (far less of its CPU; no grants or charged time in the metrics)",
+    )
     state_dir: Path = _setting(Path("/var/lib/cgpud"), "instance table and instance regions")
     socket: Path = _setting(DEFAULT_SOCKET, "local API socket (root only)")
     relay_socket: Path = _setting(
@@ -201,7 +206,10 @@ class DaemonConfig:
 
     def timing(self) -> ComputeTiming:
         return ComputeTiming(
-            round(self.compute_period_ms * 1e6), round(self.compute_slice_ms * 1e6), self.high_priority_percent
+            round(self.compute_period_ms * 1e6),
+            round(self.compute_slice_ms * 1e6),
+            self.high_priority_percent,
+            self.fixed_windows,
         )
 
     def allow_rules(self) -> tuple[AllowRule, ...]:

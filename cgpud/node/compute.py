@@ -52,6 +52,7 @@ class GpuSchedule:
     fence_wait_ns: int
     fences_late: int = 0
     idle_handovers: int = 0  # grants ended early: the holder was idle and another instance waited
+    paced: bool = False  # every instance keeps to its window by itself (ComputeTiming.fixed_windows)
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,8 @@ class ComputeScheduler:
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._log = structlog.get_logger("cgpud.compute")
+        for gpu in range(gpu_count):
+            _check(lib.cgpu_engine_set_windows(self._engine, gpu, int(timing.fixed_windows)), "cannot set windows")
 
     def start(self) -> ComputeScheduler:
         for gpu in range(self._gpu_count):
@@ -215,6 +218,7 @@ class ComputeScheduler:
             s.fence_wait_ns,
             s.fences_late,
             s.idle_handovers,
+            bool(s.paced),
         )
 
     def tenant_metrics(self) -> dict[str, list[TenantMetrics]]:

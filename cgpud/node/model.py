@@ -163,6 +163,10 @@ class ComputeTiming:
     period_ns: int = _sched.CGPU_SCHED_DEFAULT_PERIOD_NS
     max_slice_ns: int = _sched.CGPU_SCHED_DEFAULT_SLICE_NS
     high_priority_percent: int = 80
+    # Under `fixed`, each instance keeps to its own window of every period by
+    # itself while cgpud runs, as it does while cgpud is away: no slices
+    # handed out (docs/compute.md, "Windows under fixed").
+    fixed_windows: bool = False
 
 
 @dataclass(frozen=True)

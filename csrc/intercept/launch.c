@@ -87,16 +87,21 @@ struct gate_slot {
     _Atomic uint32_t idle_prev;   /* the acknowledgement that report replaced, restored on withdrawal */
     _Atomic uint64_t rung_at;     /* CLOCK_MONOTONIC of this process's last idle wake-up of cgpud */
     _Atomic uint64_t orphaned; /* ORPHANED | the gate word nobody drives, or 0 */
-    /* While cgpud is away (pace_alone): launches since the queue was
-     * drained, how many may be queued (kept to a few ms of work), the
-     * credits an orphaned open gate set aside, the window whose end was
-     * drained, and how far past that end its queue ran (the next window
-     * starts that much later). */
+    /* While the instance keeps to its window (pace_alone): launches since
+     * the queue was drained, how many may be queued (kept to a few ms of
+     * work), the credits an orphaned open gate set aside, the window whose
+     * end was drained, how far past that end its queue ran (the next window
+     * starts that much later), the device time a launch takes (measured
+     * at each drain), when the first launch since the last drain went, and
+     * when what is queued should be done. */
     _Atomic uint32_t alone_launched;
     _Atomic uint32_t alone_cap;
     _Atomic uint32_t alone_credits;
     _Atomic uint64_t alone_drained;
     _Atomic uint64_t alone_debt;
+    _Atomic uint64_t alone_per;
+    _Atomic uint64_t alone_first;
+    _Atomic uint64_t alone_busy;
     /* The one stream this process has launched into since its queue was
      * last known empty (a fence or a drain: `launched` counted from 1), or
      * QUEUE_MANY. A stream's synchronisation says the queue is empty only
@@ -207,6 +212,9 @@ void cgpu_gate_after_fork(void)
         atomic_store(&slots[i].alone_credits, 0);
         atomic_store(&slots[i].alone_drained, 0);
         atomic_store(&slots[i].alone_debt, 0);
+        atomic_store(&slots[i].alone_per, 0);
+        atomic_store(&slots[i].alone_first, 0);
+        atomic_store(&slots[i].alone_busy, 0);
         atomic_store(&slots[i].alone_cap, 0);
         slots[i].ncontexts = 0;
     }
@@ -406,6 +414,15 @@ static const struct cgpu_device_grant *grant_at(unsigned slot)
 }
 
 
+/* Whether cgpud, while it runs, leaves the instance to keep to its window
+ * under the closed gate word `g` (the grant's `paced`): paced as when it is
+ * away, and nothing to say about it. */
+static bool paced_on(unsigned slot, uint32_t g)
+{
+    const struct cgpu_device_grant *d = grant_at(slot);
+    return d && g && atomic_load_explicit(&d->paced, memory_order_acquire) == g;
+}
+
 /* Waits for the calling thread's context; returns when it had drained. */
 static uint64_t drain_current(void)
 {
@@ -415,16 +432,36 @@ static uint64_t drain_current(void)
     return mono_ns();
 }
 
-/* cgpud is away and nobody drives the gate word `g`: this launch keeps to
- * the instance's window (the grant's alone_*, which cgpud tiled with its
- * neighbours' while it ran). Inside the window it goes at once, the
- * queue kept to a few ms of work; past it, the process first waits for
- * what it queued in the window (once per window, by one thread), starts
- * its next window as much later as that ran past the end (so the GPU never
- * idles between windows and each instance gets its length), and sleeps
- * until then. Returns at
- * once without a window (fail open), and as soon as the gate word moves
- * (cgpud is back). Each sleep is shorter than a period. */
+/* The queue drained at `done` after `launched` launches since the last
+ * drain, the first of them at alone_first: the device ran them in between,
+ * so each took about (done - first) / launched (more if a neighbour's
+ * overrun ran first: the safe side, the instance stops early). */
+static void drained(struct gate_slot *s, uint32_t launched, uint64_t done)
+{
+    uint64_t first = atomic_load(&s->alone_first);
+    if (launched && first && done > first) {
+        uint64_t per = (done - first) / launched, old = atomic_load(&s->alone_per);
+        atomic_store(&s->alone_per, old ? (3 * old + per) / 4 : per);
+    }
+    atomic_store(&s->alone_busy, done);
+    atomic_store(&s->alone_launched, 0);
+}
+
+/* cgpud is away and nobody drives the gate word `g`, or cgpud leaves the
+ * instance to itself under it (paced_on): this launch keeps to the
+ * instance's window (the grant's alone_*, which cgpud tiled with its
+ * neighbours'). Inside the window it goes at once if what is queued, this
+ * launch included, should be done by the window's end (the device time a
+ * launch takes is measured between drains); when it would not, the queue
+ * is drained first and the launch looks again, so the queue runs out at
+ * about the end and not into the next instance's window (a launch longer
+ * than half the window goes whenever nothing is queued). The queue is also
+ * kept to a few ms of work, and at most a quarter of a short window. Past
+ * the window, the process waits for what it queued (once per window, by
+ * one thread), starts its next window as much later as that ran past the
+ * end (so each instance gets the length of its window), and sleeps until
+ * then. Returns at once without a window (fail open), and as soon as the
+ * gate word moves. Each sleep is shorter than a period. */
 static void pace_alone(unsigned slot, uint32_t g)
 {
     const struct cgpu_device_grant *d = grant_at(slot);
@@ -440,31 +477,49 @@ static void pace_alone(unsigned slot, uint32_t g)
     for (;;) {
         uint64_t now = mono_ns();
         uint64_t pos = (now % p + p - start) % p; /* since this instance's window last opened */
-        uint64_t opened = now - pos;
+        uint64_t opened = now - pos, end = opened + len;
         uint64_t debt = atomic_load(&s->alone_debt);
         if (pos >= debt && pos < len) {
-            uint32_t cap = atomic_load(&s->alone_cap);
-            if (!cap)
-                cap = LAUNCH_CREDITS;
-            if (atomic_fetch_add(&s->alone_launched, 1) >= cap) {
-                /* A few ms of work queued, as under a grant: what runs past
-                 * the window is paid back, so a longer queue costs no share. */
-                uint64_t took = drain_current() - now;
-                if (took < DRAIN_FAST_NS && cap < LAUNCH_CREDITS_MAX)
-                    cap *= 2;
-                else if (took > DRAIN_SLOW_NS && cap > LAUNCH_CREDITS_MIN)
-                    cap /= 2;
-                atomic_store(&s->alone_cap, cap);
-                atomic_store(&s->alone_launched, 1);
+            uint64_t per = atomic_load(&s->alone_per), busy = atomic_load(&s->alone_busy);
+            uint64_t from = busy > now ? busy : now;
+            /* A few ms queued at most, and at most a quarter of a short window.
+             * Launches too long to pack into the window go one at a time
+             * (what runs past the end is paid back): never none. */
+            uint64_t slow = len / 4 < DRAIN_SLOW_NS ? len / 4 : DRAIN_SLOW_NS;
+            if (!per || (from + per <= end && from - now <= slow) || (per > len / 2 && busy <= now)) {
+                uint32_t cap = atomic_load(&s->alone_cap);
+                if (!cap)
+                    cap = LAUNCH_CREDITS;
+                uint32_t launched = atomic_fetch_add(&s->alone_launched, 1);
+                if (!launched)
+                    atomic_store(&s->alone_first, now);
+                if (launched >= cap) {
+                    uint64_t done = drain_current(), took = done - now;
+                    uint64_t fast = len / 16 < DRAIN_FAST_NS ? len / 16 : DRAIN_FAST_NS;
+                    if (took < fast && cap < LAUNCH_CREDITS_MAX)
+                        cap *= 2;
+                    else if (took > slow && cap > LAUNCH_CREDITS_MIN)
+                        cap /= 2;
+                    atomic_store(&s->alone_cap, cap);
+                    drained(s, launched, done);
+                    continue; /* the drain took time: the window may be over by now */
+                }
+                if (per)
+                    atomic_store(&s->alone_busy, from + per);
+                return;
             }
-            return;
+            if (busy > now) { /* the queue is full, or runs to about the end: wait for it, then look again */
+                drained(s, atomic_load(&s->alone_launched), drain_current());
+                continue;
+            }
+            /* Nothing queued, and no room for a launch before the end. */
         }
         uint64_t seen = atomic_load(&s->alone_drained);
         if (pos >= len && seen != opened && atomic_compare_exchange_strong(&s->alone_drained, &seen, opened)) {
             /* What ran past the end is paid for at the start of the next. */
-            uint64_t done = drain_current(), end = opened + len;
+            uint64_t done = drain_current();
             atomic_store(&s->alone_debt, done > end ? (done - end < len ? done - end : len) : 0);
-            atomic_store(&s->alone_launched, 0);
+            drained(s, atomic_load(&s->alone_launched), done);
             continue;
         }
         if (pos < debt) { /* paying: wait until the debt is paid */
@@ -473,7 +528,8 @@ static void pace_alone(unsigned slot, uint32_t g)
                 return;
             continue;
         }
-        futex_wait_timed(gate, g, (long)(p - pos));
+        uint64_t wait = pos < len ? len - pos : p - pos; /* no room before the end: sleep past it */
+        futex_wait_timed(gate, g, (long)wait);
         if (atomic_load(gate) != g)
             return;
     }
@@ -802,7 +858,7 @@ static __attribute__((noinline, cold)) int gate_slow(int slot, CUresult *err, CU
         uint32_t g = atomic_load_explicit(gate, memory_order_acquire);
         if (g & CGPU_GATE_UNGATED)
             return GATE_FREE;
-        if (atomic_load(&s->orphaned) == (ORPHANED | g)) {
+        if (atomic_load(&s->orphaned) == (ORPHANED | g) || paced_on((unsigned)slot, g)) {
             pace_alone((unsigned)slot, g);
             return GATE_FREE;
         }
@@ -825,7 +881,7 @@ static __attribute__((noinline, cold)) int gate_slow(int slot, CUresult *err, CU
         atomic_fetch_add(waiting, 1);
         atomic_fetch_add_explicit(&g_cgpu.usage->device[slot].gated, 1, memory_order_relaxed);
         while (!((g = atomic_load_explicit(gate, memory_order_acquire)) & (CGPU_GATE_OPEN | CGPU_GATE_UNGATED))) {
-            if (atomic_load(&s->orphaned) == (ORPHANED | g))
+            if (atomic_load(&s->orphaned) == (ORPHANED | g) || paced_on((unsigned)slot, g))
                 break;
             /* EINTR, EAGAIN: look again. Only a wait that ran out with the
              * word unchanged costs a probe. */

@@ -53,6 +53,7 @@ struct tenant {
     uint32_t quiet_handovers; /* idle hand-overs in a row it did not come back from within a grace */
     uint32_t learn_after;     /* how many make its grace short (CGPU_ENGINE_GRACE_LEARN, doubling) */
     unsigned share;           /* its percentage, for the windows it keeps while cgpud is away */
+    int paced;                /* its gate is the grant's `paced` word: it keeps to its window */
 };
 
 struct gpu_loop {
@@ -73,6 +74,8 @@ struct gpu_loop {
     _Atomic uint32_t *bell_wait; /* the holder's bell while the loop sleeps on it */
     int kicked;              /* something changed since the loop last turned */
     int policy;              /* as configured: whether shares hold while cgpud is away */
+    int windows;             /* under `fixed`, the tenants keep to their windows: no slices handed out */
+    int paced;               /* every tenant does so now, and the loop sleeps until a change */
     uint64_t period_ns;
     pthread_cond_t wake;
     struct cgpu_engine_stats stats;
@@ -278,6 +281,74 @@ static void plan_alone(struct gpu_loop *g)
     }
 }
 
+/* Whether every tenant can keep to its own window with nobody handing out
+ * slices: `fixed` with windows asked for, each tenant with a window, cgpud's
+ * lock held (so they know cgpud still runs) and no fence outstanding. A
+ * fixed schedule lends nothing, so the windows are all it would do. */
+static int paceable(const struct gpu_loop *g)
+{
+    if (!g->windows || g->policy != CGPU_SCHED_FIXED)
+        return 0;
+    int n = 0;
+    for (unsigned i = 0; i < CGPU_SCHED_MAX_TENANTS; i++) {
+        const struct tenant *t = &g->t[i];
+        if (!t->key || t->detach_pending)
+            continue;
+        if (!t->grants || !t->locked || t->overdue || !atomic_load(&t->grants->device[t->slot].alone_period_ns))
+            return 0;
+        n++;
+    }
+    return n > 0;
+}
+
+/* Closes each tenant's gate on a word that its grant's `paced` names first,
+ * so that its processes pace themselves in their windows from the change
+ * on. Caller holds the mutex; no tenant holds the GPU. */
+static void pace_all(struct gpu_loop *g)
+{
+    for (unsigned i = 0; i < CGPU_SCHED_MAX_TENANTS; i++) {
+        struct tenant *t = &g->t[i];
+        if (!t->key || t->detach_pending || t->paced)
+            continue;
+        _Atomic uint32_t *w = gate_of(t);
+        uint32_t v = (atomic_load(w) & CGPU_GATE_SEQ_MASK) + CGPU_GATE_SEQ_STEP;
+        if (!v) /* 0 means "not paced" */
+            v = CGPU_GATE_SEQ_STEP;
+        atomic_store(&t->grants->device[t->slot].paced, v);
+        atomic_store(w, v);
+        futex_wake_all(w);
+        t->paced = 1;
+    }
+    g->ungated = 0;
+    g->paced = 1;
+}
+
+/* Back to slices: a new closed word ends every tenant's pacing. */
+static void unpace_all(struct gpu_loop *g)
+{
+    for (unsigned i = 0; i < CGPU_SCHED_MAX_TENANTS; i++) {
+        struct tenant *t = &g->t[i];
+        if (!t->key || !t->paced)
+            continue;
+        atomic_store(&t->grants->device[t->slot].paced, 0);
+        gate_set(t, 0);
+        t->paced = 0;
+    }
+    g->paced = 0;
+}
+
+int cgpu_engine_set_windows(struct cgpu_engine *e, unsigned gpu, int on)
+{
+    struct gpu_loop *g = loop_at(e, gpu);
+    if (!g)
+        return e ? CGPU_SCHED_ENODEV : CGPU_SCHED_EINVAL;
+    pthread_mutex_lock(&e->mu);
+    g->windows = on != 0;
+    wake_loop(g);
+    pthread_mutex_unlock(&e->mu);
+    return 0;
+}
+
 int cgpu_engine_configure(struct cgpu_engine *e, unsigned gpu, int policy, uint64_t period_ns,
                           uint64_t max_slice_ns, unsigned high_prio_percent)
 {
@@ -399,6 +470,7 @@ out:
 static void forget(struct cgpu_engine *e, unsigned gpu, struct tenant *t)
 {
     struct gpu_loop *g = &e->gpu[gpu];
+    atomic_store(&t->grants->device[t->slot].paced, 0);
     gate_set(t, 0);
     cgpu_sched_tenant_remove(e->sched, gpu, t->key);
     if (g->holder == t->key)
@@ -918,6 +990,18 @@ int cgpu_engine_run(struct cgpu_engine *e, unsigned gpu)
         charge_overdue(e, gpu, now);
         turn_window(g, now);
         int idle = report_demand(e, gpu, now);
+        if (paceable(g)) {
+            if (g->holder) {
+                close_holder(e, gpu);
+                continue;
+            }
+            pace_all(g);
+            g->last_turn = 0; /* nobody waits at a gate meanwhile */
+            pthread_cond_wait(&g->wake, &e->mu);
+            continue;
+        }
+        if (g->paced)
+            unpace_all(g);
         struct cgpu_sched_decision d;
         int rc = cgpu_sched_next(e->sched, gpu, now, &d);
         g->stats.decisions++;
@@ -1021,6 +1105,7 @@ int cgpu_engine_stats_get(struct cgpu_engine *e, unsigned gpu, struct cgpu_engin
     *out = g->stats;
     out->holder = g->holder;
     out->tenants = tenant_count(g);
+    out->paced = g->paced;
     struct cgpu_sched_config c;
     out->policy = cgpu_sched_config_get(e->sched, gpu, &c) == 0 ? c.policy : -1;
     pthread_mutex_unlock(&e->mu);

@@ -81,6 +81,7 @@ struct cgpu_engine_stats {
     uint64_t holder;          /* key holding the GPU now, 0 for none */
     int tenants;
     int policy;
+    int paced;                /* every tenant keeps to its window by itself (cgpu_engine_set_windows) */
 };
 
 /* One tenant's accounting, for metrics; counted by cgpud's loop alone,
@@ -106,6 +107,11 @@ void cgpu_engine_destroy(struct cgpu_engine *e);
  * open or map, with the message in err. */
 int cgpu_engine_configure(struct cgpu_engine *e, unsigned gpu, int policy, uint64_t period_ns,
                           uint64_t max_slice_ns, unsigned high_prio_percent);
+/* Under `fixed`, whether the tenants keep to their windows (cgpu/region.h,
+ * alone_*) by themselves while cgpud runs, as they do while it is away: the
+ * loop then hands out no slices and sleeps until a tenant or the policy
+ * changes. Off by default. */
+int cgpu_engine_set_windows(struct cgpu_engine *e, unsigned gpu, int on);
 /* Maps <region_dir>/grants and usage and schedules device `slot` of that
  * instance as tenant `key` on `gpu`. */
 int cgpu_engine_attach(struct cgpu_engine *e, unsigned gpu, uint64_t key, const char *region_dir, unsigned slot,

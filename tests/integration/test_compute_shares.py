@@ -91,6 +91,34 @@ def test_each_tenant_gets_its_share(rig: ShareRig, sc: Scenario) -> None:
     assert rig.daemon.cgpuctl("list", "--output", "json").stdout.strip() in ("[]", "")
 
 
+WINDOWED = [sc for sc in SCENARIOS if sc.policy == "fixed" and not sc.then_policy]
+
+
+@pytest.fixture(scope="module")
+def windows_rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ShareRig]:
+    r = ShareRig(tmp_path_factory.mktemp("windows"), dict(os.environ), "--fixed-windows")
+    yield r
+    r.close()
+
+
+@pytest.mark.parametrize("sc", WINDOWED, ids=[s.name for s in WINDOWED])
+def test_fixed_windows_hold_each_share_with_the_scheduler_thread_asleep(windows_rig: ShareRig, sc: Scenario) -> None:
+    """fixed_windows: the tenants keep to their windows by themselves
+    (libcgpu, as while cgpud is away) and get their shares as under slices,
+    while cgpud's scheduler thread sleeps (it woke 400-1,000 times a second
+    for the same tenants under slices)."""
+    r = windows_rig.run(sc)
+    detail = [(t.target, round(t.share, 2), [round(w, 1) for w in t.windows]) for t in r.tenants]
+    for t in r.tenants:
+        assert t.error <= 5, detail
+        assert all(abs(w - t.target) <= 10 for w in t.windows), detail
+    if sum(t.target for t in r.tenants) >= 99:
+        assert r.utilisation >= 90, (r.utilisation, detail)
+    if len(sc.tenants) == 1:
+        assert r.utilisation <= 35, r.utilisation
+    assert r.scheduler_cpu_percent < 0.05, r.scheduler_cpu_percent
+
+
 def test_a_tenant_killed_holding_the_gpu_stalls_the_other_for_at_most_about_a_slice(rig: ShareRig) -> None:
     """SIGKILL lands whenever it lands, often while the victim holds the
     grant with work in flight. The survivor must own the GPU within about

@@ -245,6 +245,79 @@ def test_windows_for_cgpud_away_tile_the_period_under_fixed(tenants) -> None:
         s.stop()
 
 
+WINDOWS = ComputeTiming(FAST.period_ns, FAST.max_slice_ns, FAST.high_priority_percent, fixed_windows=True)
+
+
+def test_windows_under_fixed_pace_every_tenant_and_hand_out_no_slices(tenants) -> None:
+    """fixed_windows: once every tenant has a window, each gate is closed on
+    the word its grant's `paced` names (libcgpu then keeps to the window)
+    and the loop decides nothing more until something changes; cgpud's lock
+    stays, so nobody takes it for gone. A policy that lends, or a tenant
+    without a window, brings the slices back."""
+    s = ComputeScheduler(1, WINDOWS).start()
+    try:
+        s.configure(NodePolicy(compute_policy=ComputePolicy.FIXED))
+        a, b = tenants("a", 30), tenants("b", 20)
+        for t in (a, b):
+            s.attach(t.instance, t.dir)
+            t.want(1)
+        until(lambda: s.schedule(0).paced, 3.0, interval=0.0005)
+
+        def paced(t: Tenant) -> bool:
+            word = t.gate
+            return word != 0 and not word & (OPEN | UNGATED) and int(t.grants.device[0].paced) == word
+
+        assert paced(a) and paced(b)
+        assert _grants_lock(a) == fcntl.F_WRLCK, "paced tenants must still see cgpud's lock"
+        quiet = s.schedule(0)
+        time.sleep(10 * FAST.period_ns / 1e9)  # ten periods with demand at both gates
+        later = s.schedule(0)
+        assert (later.decisions, later.grants) == (quiet.decisions, quiet.grants)
+        assert paced(a) and paced(b)
+
+        # A newcomer is paced too, its window planned beside the others'.
+        m = tenants("m", 0)
+        s.attach(m.instance, m.dir)
+        until(lambda: paced(m), 3.0, interval=0.0005)
+        assert int(m.grants.device[0].alone_len_ns) == FAST.period_ns // 100 * 50
+
+        # A policy that lends: slices again, and the waiting tenant is granted.
+        words = (a.gate, b.gate)
+        s.configure(NodePolicy(compute_policy=ComputePolicy.PREEMPTIVE))
+        until(lambda: not s.schedule(0).paced, 3.0, interval=0.0005)
+        assert (a.gate, b.gate) != words and int(a.grants.device[0].paced) == 0
+        until(lambda: (a.gate | b.gate) & OPEN, 3.0, interval=0.0005)
+        assert not paced(a) and not paced(b)
+
+        # Back to fixed, then shares that leave the memory-only tenant no
+        # window: it cannot pace, so nobody does.
+        s.configure(NodePolicy(compute_policy=ComputePolicy.FIXED))
+        until(lambda: paced(a) and paced(b) and paced(m), 3.0, interval=0.0005)
+        s.detach("b")
+        c = tenants("c", 70)
+        s.attach(c.instance, c.dir)
+        until(lambda: not s.schedule(0).paced, 3.0, interval=0.0005)
+        assert int(m.grants.device[0].alone_period_ns) == 0
+        assert not paced(a) and not paced(c) and not paced(m)
+    finally:
+        s.stop()
+
+
+def test_without_windows_fixed_hands_out_slices(tenants) -> None:
+    """The default (fixed_windows off): cgpud keeps handing out slices."""
+    s = ComputeScheduler(1, FAST).start()
+    try:
+        s.configure(NodePolicy(compute_policy=ComputePolicy.FIXED))
+        a = tenants("a", 30)
+        s.attach(a.instance, a.dir)
+        a.want(1)
+        until(lambda: a.gate & OPEN, 3.0, interval=0.0005)
+        assert s.schedule(0).grants > 0
+        assert not s.schedule(0).paced and int(a.grants.device[0].paced) == 0
+    finally:
+        s.stop()
+
+
 def test_bad_attachments_are_refused_and_change_nothing(sched: ComputeScheduler, tenants, tmp_path: Path) -> None:
     sched.configure(NodePolicy(compute_policy=ComputePolicy.FIXED))
     a, b = tenants("a", 70), tenants("b", 40)

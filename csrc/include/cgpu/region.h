@@ -166,7 +166,13 @@ struct cgpu_device_grant {
     CGPU_ATOMIC uint64_t alone_period_ns;
     CGPU_ATOMIC uint64_t alone_start_ns;
     CGPU_ATOMIC uint64_t alone_len_ns;
-    uint64_t reserved[2];              /* one cache line per device */
+    /* A closed gate word (never 0) under which cgpud, while it runs, leaves
+     * the instance to keep to its window by itself, as if away: the gate
+     * equal to it means "pace in your window", any other value (0 from an
+     * older cgpud) means nothing. Written before that gate word. */
+    CGPU_ATOMIC uint32_t paced;
+    uint32_t reserved32;
+    uint64_t reserved[1];              /* one cache line per device */
 };
 
 struct cgpu_grants {
