@@ -1,6 +1,8 @@
 """Compute share: two tenants asking 30 % and 70 % of GPU 0, both saturating
 it with spin kernels of several lengths and with graphs, under the `fixed`
-and `fair` policies and under native time slicing.
+and `fair` policies and under native time slicing; and under `fixed` with
+`--fixed-windows`, where each tenant keeps to its own window of the period
+by itself (compute.fixed-windows.*; docs/compute.md).
 
 A tenant's share is its achieved kernel throughput (kernel time completed
 per wall second, from cgpu-burn's own report) over the throughput of the
@@ -43,6 +45,9 @@ SHAPES = {
 # (policy, shapes): every shape under fixed, the common one under the others
 PLAN_FULL = (("fixed", ("100us", "1ms", "10ms", "graph")), ("fair", ("1ms", "graph")), ("native", ("1ms", "graph")))
 PLAN_QUICK = (("fixed", ("1ms", "10ms", "graph")), ("fair", ("1ms",)), ("native", ("1ms",)))
+# Shapes under `fixed` with --fixed-windows, on a cgpud of their own.
+WINDOWS_FULL = ("100us", "1ms", "10ms", "graph")
+WINDOWS_QUICK = ("1ms", "10ms")
 
 
 def rate(burn: dict[str, Any]) -> float:
@@ -186,14 +191,24 @@ def share_check(rig: Rig, d: Cgpud, policy: str, shape: Shape, alone: Alone) -> 
 def run(rig: Rig, runner: Runner) -> None:
     plan = PLAN_QUICK if rig.options.quick else PLAN_FULL
     names = tuple(f"compute.{policy}.{shape}" for policy, shapes in plan for shape in shapes)
-    if not any(runner.wanted(n) for n in names):
-        return
+    windows = WINDOWS_QUICK if rig.options.quick else WINDOWS_FULL
+    window_names = tuple(f"compute.fixed-windows.{shape}" for shape in windows)
     alone = Alone(rig)
-    try:
-        with rig.cgpud("compute", "--mode", "core_mem", "--compute-policy", "3") as d:
-            for policy, shapes in plan:
-                d.cgpuctl("policy", "set", policy)
-                for s in shapes:
-                    runner.check(f"compute.{policy}.{s}", GROUP, partial(share_check, rig, d, policy, SHAPES[s], alone))
-    except CheckError as e:
-        runner.fail_rest(names, GROUP, str(e))
+    if any(runner.wanted(n) for n in names):
+        try:
+            with rig.cgpud("compute", "--mode", "core_mem", "--compute-policy", "3") as d:
+                for policy, shapes in plan:
+                    d.cgpuctl("policy", "set", policy)
+                    for s in shapes:
+                        check = partial(share_check, rig, d, policy, SHAPES[s], alone)
+                        runner.check(f"compute.{policy}.{s}", GROUP, check)
+        except CheckError as e:
+            runner.fail_rest(names, GROUP, str(e))
+    if any(runner.wanted(n) for n in window_names):
+        try:
+            with rig.cgpud("windows", "--mode", "core_mem", "--compute-policy", "3", "--fixed-windows") as d:
+                for s in windows:
+                    check = partial(share_check, rig, d, "fixed", SHAPES[s], alone)
+                    runner.check(f"compute.fixed-windows.{s}", GROUP, check)
+        except CheckError as e:
+            runner.fail_rest(window_names, GROUP, str(e))

@@ -450,11 +450,13 @@ static void drained(struct gate_slot *s, uint32_t launched, uint64_t done)
 /* cgpud is away and nobody drives the gate word `g`, or cgpud leaves the
  * instance to itself under it (paced_on): this launch keeps to the
  * instance's window (the grant's alone_*, which cgpud tiled with its
- * neighbours'). Inside the window it goes at once if what is queued, this
- * launch included, should be done by the window's end (the device time a
- * launch takes is measured between drains); when it would not, the queue
- * is drained first and the launch looks again, so the queue runs out at
- * about the end and not into the next instance's window (a launch longer
+ * neighbours'). Inside the window it goes at once if what is queued, and
+ * at least half of this launch, should be done by the window's end (the
+ * device time a launch takes is measured between drains; half, so that
+ * kernels that do not divide the window lose no share on average); when it
+ * would not, the queue is drained first and the launch looks again, so the
+ * queue runs out at about the end and not far into the next instance's
+ * window (a launch longer
  * than half the window goes whenever nothing is queued). The queue is also
  * kept to a few ms of work, and at most a quarter of a short window. Past
  * the window, the process waits for what it queued (once per window, by
@@ -486,7 +488,7 @@ static void pace_alone(unsigned slot, uint32_t g)
              * Launches too long to pack into the window go one at a time
              * (what runs past the end is paid back): never none. */
             uint64_t slow = len / 4 < DRAIN_SLOW_NS ? len / 4 : DRAIN_SLOW_NS;
-            if (!per || (from + per <= end && from - now <= slow) || (per > len / 2 && busy <= now)) {
+            if (!per || (from + per / 2 <= end && from - now <= slow) || (per > len / 2 && busy <= now)) {
                 uint32_t cap = atomic_load(&s->alone_cap);
                 if (!cap)
                     cap = LAUNCH_CREDITS;

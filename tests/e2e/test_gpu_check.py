@@ -38,6 +38,8 @@ EVERY_CHECK = {
     "compute.fixed.graph",
     "compute.fair.1ms",
     "compute.native.1ms",
+    "compute.fixed-windows.1ms",
+    "compute.fixed-windows.10ms",
     "handover.fair.streams",
     "handover.fair.query",
     "handover.fair.none",
