@@ -77,7 +77,8 @@ class DaemonConfig:
     fixed_windows: bool = _setting(
         _TIMING.fixed_windows,
         "under the fixed policy, each instance keeps to its own window of every period by itself, as while cgpud "
-        "is away: cgpud hands out no slices (far less of its CPU; no grants or charged time in the metrics)",
+        "is away: cgpud hands out no slices (far less of its CPU; its grants and charged time stay still, the "
+        "paced time is tenant-reported)",
     )
     state_dir: Path = _setting(Path("/var/lib/cgpud"), "instance table and instance regions")
     socket: Path = _setting(DEFAULT_SOCKET, "local API socket (root only)")

@@ -43,6 +43,7 @@ _DEVICE_OFFSET = _region_ffi.offsetof("struct cgpu_usage", "device")
 _DEVICE_SIZE = _region_ffi.sizeof("struct cgpu_device_usage")
 _USED_OFFSET = _region_ffi.offsetof("struct cgpu_device_usage", "used")
 _GATED_OFFSET = _region_ffi.offsetof("struct cgpu_device_usage", "gated")
+_PACED_OFFSET = _region_ffi.offsetof("struct cgpu_device_usage", "paced_ns")
 _MAX_DEVICES: int = _region_lib.CGPU_MAX_DEVICES
 
 
@@ -50,6 +51,7 @@ _MAX_DEVICES: int = _region_lib.CGPU_MAX_DEVICES
 class DeviceUsage:
     used: int  # bytes, as the tenant's processes account them
     gated: int  # launches that waited at a closed gate, as they count them
+    paced_ns: int  # device time of their launches while paced in their window, as they measure it
 
 
 def read_usage(path: os.PathLike[str] | str, slots: int) -> list[DeviceUsage] | None:
@@ -78,6 +80,7 @@ def read_usage(path: os.PathLike[str] | str, slots: int) -> list[DeviceUsage] | 
             DeviceUsage(
                 int.from_bytes(raw[base + _USED_OFFSET : base + _USED_OFFSET + 8], "little"),
                 int.from_bytes(raw[base + _GATED_OFFSET : base + _GATED_OFFSET + 8], "little"),
+                int.from_bytes(raw[base + _PACED_OFFSET : base + _PACED_OFFSET + 8], "little"),
             )
         )
     return out
@@ -293,6 +296,12 @@ class CgpuCollector(Collector):
             "launches that waited at a closed gate (tenant-reported)",
             labels=_INSTANCE_LABELS,
         )
+        paced = CounterMetricFamily(
+            "cgpu_instance_compute_paced_seconds",
+            "device time of the instance's launches while they kept to its window of each period by themselves "
+            "(fixed_windows, or cgpud away), as its processes measure it (tenant-reported)",
+            labels=_INSTANCE_LABELS,
+        )
         violations = CounterMetricFamily(
             "cgpu_instance_bypass_violations",
             "the bypass watchdog's reports and kills for the instance (on any of its GPUs)",
@@ -328,6 +337,7 @@ class CgpuCollector(Collector):
                     bound = gpu.memory if gpu else grant.memory
                     used.add_metric(labels, min(usage[slot].used, bound))
                     gated.add_metric(labels, usage[slot].gated)
+                    paced.add_metric(labels, usage[slot].paced_ns / 1e9)
                 m = by_gpu.get(grant.gpu_index)
                 if m is not None:
                     achieved.add_metric(labels, round(m.achieved_percent, 3))
@@ -335,7 +345,7 @@ class CgpuCollector(Collector):
                     throttled.add_metric(labels, m.throttled_ns / 1e9)
                     grants.add_metric(labels, m.grants)
                     grace.add_metric(labels, m.idle_grace_ns / 1e9)
-        yield from (limit, used, share, achieved, charged, throttled, grants, grace, gated, violations)
+        yield from (limit, used, share, achieved, charged, throttled, grants, grace, gated, paced, violations)
 
 
 # A scrape is one short GET: few connections, little patience (boundedhttp.py).

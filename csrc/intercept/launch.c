@@ -442,6 +442,9 @@ static void drained(struct gate_slot *s, uint32_t launched, uint64_t done)
     if (launched && first && done > first) {
         uint64_t per = (done - first) / launched, old = atomic_load(&s->alone_per);
         atomic_store(&s->alone_per, old ? (3 * old + per) / 4 : per);
+        if (g_cgpu.usage) /* for metrics: what the window was used for */
+            atomic_fetch_add_explicit(&g_cgpu.usage->device[s - slots].paced_ns, done - first,
+                                      memory_order_relaxed);
     }
     atomic_store(&s->alone_busy, done);
     atomic_store(&s->alone_launched, 0);

@@ -187,3 +187,42 @@ def test_a_metrics_port_in_use_stops_cgpud_with_a_clear_error(tmp_path: Path) ->
         line = _cgpud_fails(tmp_path, "--metrics-listen", f"127.0.0.1:{port}")
     assert f"cannot serve metrics on 127.0.0.1:{port}" in line and "in use" in line, line
     assert not (tmp_path / "run" / "cgpud.sock").exists()
+
+
+def test_paced_instances_show_their_device_time_tenant_reported(tmp_path: Path) -> None:
+    """Under `fixed` with --fixed-windows the engine hands out no grants, so
+    nothing is charged; the device time the tenants' processes measure
+    while they keep to their windows is the paced counter, which must
+    agree with the simulator's own per-process accounting."""
+    port = _free_port()
+    r = ShareRig(tmp_path, dict(os.environ), "--metrics-listen", f"127.0.0.1:{port}", "--fixed-windows")
+    tenants = Tenants(r)
+    sampler = Sampler(r.env, 50)
+    try:
+        assert r.daemon.cgpuctl("policy", "set", "fixed").returncode == 0
+        burn = ("--duration", "600", "--kernel-ns", "200000", "--streams", "4")
+        pids = {"a": tenants.start("1GiB", 30, *burn), "b": tenants.start("1GiB", 60, *burn)}
+        r._wait_running(sampler, list(pids.values()), time.monotonic() + 60)
+        time.sleep(1.0)
+        before, t0 = scrape(port), sampler.samples[-1]
+        time.sleep(2.0)
+        after, t1 = scrape(port), sampler.samples[-1]
+        listed = _instances(r.daemon)
+    finally:
+        tenants.stop()
+        sampler.stop()
+        r.close()
+    by_pid = {int(i["pids"][0]): str(i["id"]) for i in listed}  # type: ignore[index]
+    for name, pid in pids.items():
+        iid = by_pid.get(pid) or by_pid[tenants.runs[list(pids).index(name)].pid]
+        sim = 100.0 * (_busy(t1, pid) - _busy(t0, pid)) / (t1[0] - t0[0])
+        paced = (
+            100.0
+            * (
+                value(after, "cgpu_instance_compute_paced_seconds_total", instance_id=iid)
+                - value(before, "cgpu_instance_compute_paced_seconds_total", instance_id=iid)
+            )
+            / ((t1[0] - t0[0]) / SECOND)
+        )
+        assert abs(paced - sim) <= 5, (name, paced, sim)
+        assert value(after, "cgpu_instance_compute_grants_total", instance_id=iid) == 0

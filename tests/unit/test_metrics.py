@@ -30,6 +30,7 @@ DEVICE = rffi.offsetof("struct cgpu_usage", "device")
 DEVSIZE = rffi.sizeof("struct cgpu_device_usage")
 USED = rffi.offsetof("struct cgpu_device_usage", "used")
 GATED = rffi.offsetof("struct cgpu_device_usage", "gated")
+PACED = rffi.offsetof("struct cgpu_device_usage", "paced_ns")
 
 
 def poke(path: Path, slot: int, field: int, value: int) -> None:
@@ -81,9 +82,10 @@ def test_usage_counters_are_read_per_device(tmp_path: Path) -> None:
     poke(usage, 0, USED, 300 * MIB)
     poke(usage, 1, USED, 5 * MIB)
     poke(usage, 1, GATED, 42)
+    poke(usage, 1, PACED, 2_500_000_000)
     got = read_usage(usage, 2)
     assert got is not None
-    assert [(d.used, d.gated) for d in got] == [(300 * MIB, 0), (5 * MIB, 42)]
+    assert [(d.used, d.gated, d.paced_ns) for d in got] == [(300 * MIB, 0, 0), (5 * MIB, 42, 2_500_000_000)]
 
 
 def test_a_truncated_missing_or_special_usage_file_reads_as_nothing(tmp_path: Path) -> None:
@@ -150,6 +152,7 @@ def test_collector_builds_instance_and_gpu_families_from_one_snapshot(tmp_path: 
     b = _instance(tmp_path, "b", (Grant(0, "GPU-a", GIB, 0), Grant(1, "GPU-b", GIB, 0)))
     poke(tmp_path / "a" / USAGE_FILE, 0, USED, 512 * MIB)
     poke(tmp_path / "a" / USAGE_FILE, 0, GATED, 17)
+    poke(tmp_path / "a" / USAGE_FILE, 0, PACED, 1_500_000_000)
     poke(tmp_path / "b" / USAGE_FILE, 1, USED, 1 << 62)  # scribbled: bounded by the GPU's memory
     compute = {"a": [TenantMetrics(0, 3_000_000_000, 7_000_000_000, 300, 1_000_000_000, 290_000_000, 100_000)]}
     daemon = FakeDaemon(tmp_path, [a, b], compute)
@@ -170,6 +173,7 @@ def test_collector_builds_instance_and_gpu_families_from_one_snapshot(tmp_path: 
     assert _one(s, "cgpu_instance_memory_limit_bytes", **ia) == 2 * GIB
     assert _one(s, "cgpu_instance_memory_used_bytes", **ia) == 512 * MIB
     assert _one(s, "cgpu_instance_launches_gated_total", **ia) == 17
+    assert _one(s, "cgpu_instance_compute_paced_seconds_total", **ia) == 1.5
     assert _one(s, "cgpu_instance_compute_share_percent", **ia) == 30
     assert _one(s, "cgpu_instance_compute_achieved_percent", **ia) == 29
     assert _one(s, "cgpu_instance_compute_charged_seconds_total", **ia) == 3

@@ -77,7 +77,9 @@ struct cgpu_device_usage {
     CGPU_ATOMIC uint32_t bell;    /* futex word: bumped and woken after each fence_ack */
     CGPU_ATOMIC uint64_t gated;   /* launches that found the gate closed and waited (metrics only;
                                    * tenant-written, so never trusted for a decision) */
-    uint64_t reserved[5];         /* one cache line per device */
+    CGPU_ATOMIC uint64_t paced_ns; /* device time its launches took while paced in their window, as
+                                    * its processes measure it at each drain (metrics only, as gated) */
+    uint64_t reserved[4];         /* one cache line per device */
 };
 
 enum cgpu_ledger_state { CGPU_LEDGER_FREE = 0, CGPU_LEDGER_CLAIMING = 1, CGPU_LEDGER_LIVE = 2 };
