@@ -170,12 +170,15 @@ def test_an_unknown_process_is_reported_not_killed_and_an_allowed_one_is_left_al
             unknown.stop()
 
 
+@pytest.mark.parametrize("windows", [False, True], ids=["slices", "fixed_windows"])
 def test_ungated_kernels_over_a_fixed_share_are_reported_and_gated_ones_are_not(
-    tmp_path: Path, gpu_env: dict[str, str], nvml: Nvml
+    tmp_path: Path, gpu_env: dict[str, str], nvml: Nvml, windows: bool
 ) -> None:
     """core_mem, policy fixed, two tenants of 20 % on one GPU running 1 ms
     kernels back to back: one with LD_PRELOAD removed (no gate), one through
-    libcgpu. Only the first is over its share plus 20 points."""
+    libcgpu. Only the first is over its share plus 20 points. With
+    fixed_windows the engine charges nothing, and the tenant that skips its
+    window is found the same way."""
     window = 2.0
     burn = [str(native_path("bin/cgpu-burn")), "--duration", "60", "--kernel-ns", "1000000"]
     with running_daemon(
@@ -185,6 +188,7 @@ def test_ungated_kernels_over_a_fixed_share_are_reported_and_gated_ones_are_not(
         "core_mem",
         "--compute-policy",
         "3",
+        *(("--fixed-windows",) if windows else ()),
         *watch_flags("report", INTERVAL, "--bypass-compute-window", str(window)),
     ) as d:
         gated = run_tenant(d, "1", burn, tmp_path, core=20)
