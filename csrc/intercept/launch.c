@@ -433,15 +433,17 @@ static uint64_t drain_current(void)
 }
 
 /* The queue drained at `done` after `launched` launches since the last
- * drain, the first of them at alone_first: the device ran them in between,
- * so each took about (done - first) / launched (more if a neighbour's
- * overrun ran first: the safe side, the instance stops early). */
+ * drain, the first of them at alone_first: each took at most (done -
+ * first) / launched of device time (less if the process paused between
+ * launches, or a neighbour's overrun ran first). A bound: the estimate
+ * drops to a lower one at once and rises a quarter of the way to a higher
+ * one, so that pauses barely lift it while kernels that grew still do. */
 static void drained(struct gate_slot *s, uint32_t launched, uint64_t done)
 {
     uint64_t first = atomic_load(&s->alone_first);
     if (launched && first && done > first) {
         uint64_t per = (done - first) / launched, old = atomic_load(&s->alone_per);
-        atomic_store(&s->alone_per, old ? (3 * old + per) / 4 : per);
+        atomic_store(&s->alone_per, !old || per < old ? per : old + (per - old) / 4);
         if (g_cgpu.usage) /* for metrics: what the window was used for */
             atomic_fetch_add_explicit(&g_cgpu.usage->device[s - slots].paced_ns, done - first,
                                       memory_order_relaxed);
