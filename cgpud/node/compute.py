@@ -53,6 +53,7 @@ class GpuSchedule:
     fences_late: int = 0
     idle_handovers: int = 0  # grants ended early: the holder was idle and another instance waited
     paced: bool = False  # every instance keeps to its window by itself (ComputeTiming.fixed_windows)
+    pace_refused: bool = False  # threads waited at a paced gate (an older libcgpu): slices until a change
 
 
 @dataclass(frozen=True)
@@ -219,6 +220,7 @@ class ComputeScheduler:
             s.fences_late,
             s.idle_handovers,
             bool(s.paced),
+            bool(s.pace_refused),
         )
 
     def tenant_metrics(self) -> dict[str, list[TenantMetrics]]:

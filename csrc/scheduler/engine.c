@@ -76,6 +76,8 @@ struct gpu_loop {
     int policy;              /* as configured: whether shares hold while cgpud is away */
     int windows;             /* under `fixed`, the tenants keep to their windows: no slices handed out */
     int paced;               /* every tenant does so now, and the loop sleeps until a change */
+    int pace_strikes;        /* looks in a row that found threads waiting at a paced gate */
+    int pace_refused;        /* so slices again, until the tenants or the policy change */
     uint64_t period_ns;
     pthread_cond_t wake;
     struct cgpu_engine_stats stats;
@@ -287,7 +289,7 @@ static void plan_alone(struct gpu_loop *g)
  * fixed schedule lends nothing, so the windows are all it would do. */
 static int paceable(const struct gpu_loop *g)
 {
-    if (!g->windows || g->policy != CGPU_SCHED_FIXED)
+    if (!g->windows || g->policy != CGPU_SCHED_FIXED || g->pace_refused)
         return 0;
     int n = 0;
     for (unsigned i = 0; i < CGPU_SCHED_MAX_TENANTS; i++) {
@@ -323,6 +325,26 @@ static void pace_all(struct gpu_loop *g)
     g->paced = 1;
 }
 
+/* Whether a paced tenant has threads waiting at its gate: its processes do
+ * not pace themselves (a libcgpu older than pacing), or it says so in its
+ * own usage file, which costs it nothing but cgpud's CPU. */
+static int waiting_at_paced_gate(const struct gpu_loop *g)
+{
+    for (unsigned i = 0; i < CGPU_SCHED_MAX_TENANTS; i++) {
+        const struct tenant *t = &g->t[i];
+        if (t->key && t->paced && atomic_load(&t->usage->device[t->slot].waiting) > t->stale_waiting)
+            return 1;
+    }
+    return 0;
+}
+
+/* A change of tenants or policy: pacing may be tried again. */
+static void pace_again(struct gpu_loop *g)
+{
+    g->pace_refused = 0;
+    g->pace_strikes = 0;
+}
+
 /* Back to slices: a new closed word ends every tenant's pacing. */
 static void unpace_all(struct gpu_loop *g)
 {
@@ -344,6 +366,7 @@ int cgpu_engine_set_windows(struct cgpu_engine *e, unsigned gpu, int on)
         return e ? CGPU_SCHED_ENODEV : CGPU_SCHED_EINVAL;
     pthread_mutex_lock(&e->mu);
     g->windows = on != 0;
+    pace_again(g);
     wake_loop(g);
     pthread_mutex_unlock(&e->mu);
     return 0;
@@ -360,6 +383,7 @@ int cgpu_engine_configure(struct cgpu_engine *e, unsigned gpu, int policy, uint6
     if (rc == 0) {
         g->policy = policy;
         g->period_ns = period_ns;
+        pace_again(g);
         plan_alone(g);
         wake_loop(g);
     }
@@ -456,6 +480,7 @@ int cgpu_engine_attach(struct cgpu_engine *e, unsigned gpu, uint64_t key, const 
     }
     *t = fresh;
     t->share = share_percent;
+    pace_again(g);
     plan_alone(g);
     t->locked = take_gate_lock(t);
     /* Closed until the loop grants it, or open if the GPU is ungated. */
@@ -495,6 +520,7 @@ int cgpu_engine_detach(struct cgpu_engine *e, unsigned gpu, uint64_t key)
     cgpu_sched_tenant_remove(e->sched, gpu, key);
     if (g->quiet_key == key)
         g->quiet_key = 0;
+    pace_again(g);
     plan_alone(g);
     wake_loop(g);
     pthread_mutex_unlock(&e->mu);
@@ -997,7 +1023,12 @@ int cgpu_engine_run(struct cgpu_engine *e, unsigned gpu)
             }
             pace_all(g);
             g->last_turn = 0; /* nobody waits at a gate meanwhile */
-            pthread_cond_wait(&g->wake, &e->mu);
+            struct timespec ts = abs_timespec(mono_ns() + CGPU_ENGINE_PACED_LOOK_NS);
+            if (pthread_cond_timedwait(&g->wake, &e->mu, &ts) == ETIMEDOUT && !g->kicked) {
+                g->pace_strikes = waiting_at_paced_gate(g) ? g->pace_strikes + 1 : 0;
+                if (g->pace_strikes >= 2)
+                    g->pace_refused = 1;
+            }
             continue;
         }
         if (g->paced)
@@ -1106,6 +1137,7 @@ int cgpu_engine_stats_get(struct cgpu_engine *e, unsigned gpu, struct cgpu_engin
     out->holder = g->holder;
     out->tenants = tenant_count(g);
     out->paced = g->paced;
+    out->pace_refused = g->pace_refused;
     struct cgpu_sched_config c;
     out->policy = cgpu_sched_config_get(e->sched, gpu, &c) == 0 ? c.policy : -1;
     pthread_mutex_unlock(&e->mu);

@@ -69,6 +69,11 @@
 /* Achieved shares are measured over windows this long (at the loop's next
  * turn after one ends): long enough to span ten default periods. */
 #define CGPU_ENGINE_SHARE_WINDOW_NS 1000000000
+/* While the tenants pace themselves, the loop looks this often for threads
+ * waiting at a paced gate: processes whose libcgpu predates pacing (they
+ * would wait for a grant that never comes). Found twice in a row, the GPU
+ * goes back to slices until its tenants or policy change. */
+#define CGPU_ENGINE_PACED_LOOK_NS 50000000
 
 struct cgpu_engine_stats {
     uint64_t decisions;
@@ -82,6 +87,7 @@ struct cgpu_engine_stats {
     int tenants;
     int policy;
     int paced;                /* every tenant keeps to its window by itself (cgpu_engine_set_windows) */
+    int pace_refused;         /* a tenant's threads waited at its paced gate: slices until the tenants change */
 };
 
 /* One tenant's accounting, for metrics; counted by cgpud's loop alone,

@@ -260,7 +260,6 @@ def test_windows_under_fixed_pace_every_tenant_and_hand_out_no_slices(tenants) -
         a, b = tenants("a", 30), tenants("b", 20)
         for t in (a, b):
             s.attach(t.instance, t.dir)
-            t.want(1)
         until(lambda: s.schedule(0).paced, 3.0, interval=0.0005)
 
         def paced(t: Tenant) -> bool:
@@ -270,7 +269,7 @@ def test_windows_under_fixed_pace_every_tenant_and_hand_out_no_slices(tenants) -
         assert paced(a) and paced(b)
         assert _grants_lock(a) == fcntl.F_WRLCK, "paced tenants must still see cgpud's lock"
         quiet = s.schedule(0)
-        time.sleep(10 * FAST.period_ns / 1e9)  # ten periods with demand at both gates
+        time.sleep(10 * FAST.period_ns / 1e9)  # ten periods
         later = s.schedule(0)
         assert (later.decisions, later.grants) == (quiet.decisions, quiet.grants)
         assert paced(a) and paced(b)
@@ -283,6 +282,7 @@ def test_windows_under_fixed_pace_every_tenant_and_hand_out_no_slices(tenants) -
 
         # A policy that lends: slices again, and the waiting tenant is granted.
         words = (a.gate, b.gate)
+        a.want(1)
         s.configure(NodePolicy(compute_policy=ComputePolicy.PREEMPTIVE))
         until(lambda: not s.schedule(0).paced, 3.0, interval=0.0005)
         assert (a.gate, b.gate) != words and int(a.grants.device[0].paced) == 0
@@ -291,6 +291,7 @@ def test_windows_under_fixed_pace_every_tenant_and_hand_out_no_slices(tenants) -
 
         # Back to fixed, then shares that leave the memory-only tenant no
         # window: it cannot pace, so nobody does.
+        a.want(0)
         s.configure(NodePolicy(compute_policy=ComputePolicy.FIXED))
         until(lambda: paced(a) and paced(b) and paced(m), 3.0, interval=0.0005)
         s.detach("b")
@@ -299,6 +300,33 @@ def test_windows_under_fixed_pace_every_tenant_and_hand_out_no_slices(tenants) -
         until(lambda: not s.schedule(0).paced, 3.0, interval=0.0005)
         assert int(m.grants.device[0].alone_period_ns) == 0
         assert not paced(a) and not paced(c) and not paced(m)
+    finally:
+        s.stop()
+
+
+def test_threads_waiting_at_a_paced_gate_bring_the_slices_back(tenants) -> None:
+    """A process whose libcgpu predates pacing waits at the closed gate for
+    a grant: seen waiting at two looks in a row (CGPU_ENGINE_PACED_LOOK_NS
+    apart), the GPU goes back to slices and that tenant is granted, until
+    the tenants change."""
+    s = ComputeScheduler(1, WINDOWS).start()
+    try:
+        s.configure(NodePolicy(compute_policy=ComputePolicy.FIXED))
+        a, b = tenants("a", 30), tenants("b", 20)
+        for t in (a, b):
+            s.attach(t.instance, t.dir)
+        until(lambda: s.schedule(0).paced, 3.0, interval=0.0005)
+        a.want(1)
+        t0 = time.monotonic()
+        until(lambda: a.gate & OPEN, 3.0, interval=0.0005)
+        took = time.monotonic() - t0
+        assert s.schedule(0).pace_refused and not s.schedule(0).paced
+        assert 0.05 <= took <= 0.5, took  # two looks 50 ms apart, not the first glance
+        a.want(0)
+        c = tenants("c", 10)  # a change of tenants tries pacing again
+        s.attach(c.instance, c.dir)
+        until(lambda: s.schedule(0).paced, 3.0, interval=0.0005)
+        assert not s.schedule(0).pace_refused
     finally:
         s.stop()
 
