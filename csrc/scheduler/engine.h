@@ -73,7 +73,7 @@
  * waiting at a paced gate: processes whose libcgpu predates pacing (they
  * would wait for a grant that never comes). Found twice in a row, the GPU
  * goes back to slices until its tenants or policy change. */
-#define CGPU_ENGINE_PACED_LOOK_NS 50000000
+#define CGPU_ENGINE_PACED_LOOK_NS 250000000
 
 struct cgpu_engine_stats {
     uint64_t decisions;

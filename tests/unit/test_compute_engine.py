@@ -306,8 +306,8 @@ def test_windows_under_fixed_pace_every_tenant_and_hand_out_no_slices(tenants) -
 
 def test_threads_waiting_at_a_paced_gate_bring_the_slices_back(tenants) -> None:
     """A process whose libcgpu predates pacing waits at the closed gate for
-    a grant: seen waiting at two looks in a row (CGPU_ENGINE_PACED_LOOK_NS
-    apart), the GPU goes back to slices and that tenant is granted, until
+    a grant: seen waiting at two looks in a row (CGPU_ENGINE_PACED_LOOK_NS,
+    250 ms, apart), the GPU goes back to slices and that tenant is granted, until
     the tenants change."""
     s = ComputeScheduler(1, WINDOWS).start()
     try:
@@ -321,7 +321,7 @@ def test_threads_waiting_at_a_paced_gate_bring_the_slices_back(tenants) -> None:
         until(lambda: a.gate & OPEN, 3.0, interval=0.0005)
         took = time.monotonic() - t0
         assert s.schedule(0).pace_refused and not s.schedule(0).paced
-        assert 0.05 <= took <= 0.5, took  # two looks 50 ms apart, not the first glance
+        assert 0.25 <= took <= 1.5, took  # two looks 250 ms apart, not the first glance
         a.want(0)
         c = tenants("c", 10)  # a change of tenants tries pacing again
         s.attach(c.instance, c.dir)
