@@ -248,12 +248,9 @@ def test_windows_for_cgpud_away_tile_the_period_under_fixed(tenants) -> None:
 WINDOWS = ComputeTiming(FAST.period_ns, FAST.max_slice_ns, FAST.high_priority_percent, fixed_windows=True)
 
 
-def test_windows_under_fixed_pace_every_tenant_and_hand_out_no_slices(tenants) -> None:
-    """fixed_windows: once every tenant has a window, each gate is closed on
-    the word its grant's `paced` names (libcgpu then keeps to the window)
-    and the loop decides nothing more until something changes; cgpud's lock
-    stays, so nobody takes it for gone. A policy that lends, or a tenant
-    without a window, brings the slices back."""
+def paced_pair(tenants) -> tuple[ComputeScheduler, Tenant, Tenant]:
+    """A started scheduler with fixed_windows and tenants of 30 and 20 % under
+    `fixed`, once it paces them (the caller stops it)."""
     s = ComputeScheduler(1, WINDOWS).start()
     try:
         s.configure(NodePolicy(compute_policy=ComputePolicy.FIXED))
@@ -261,6 +258,20 @@ def test_windows_under_fixed_pace_every_tenant_and_hand_out_no_slices(tenants) -
         for t in (a, b):
             s.attach(t.instance, t.dir)
         until(lambda: s.schedule(0).paced, 3.0, interval=0.0005)
+    except BaseException:
+        s.stop()
+        raise
+    return s, a, b
+
+
+def test_windows_under_fixed_pace_every_tenant_and_hand_out_no_slices(tenants) -> None:
+    """fixed_windows: once every tenant has a window, each gate is closed on
+    the word its grant's `paced` names (libcgpu then keeps to the window)
+    and the loop decides nothing more until something changes; cgpud's lock
+    stays, so nobody takes it for gone. A policy that lends, or a tenant
+    without a window, brings the slices back."""
+    s, a, b = paced_pair(tenants)
+    try:
 
         def paced(t: Tenant) -> bool:
             word = t.gate
@@ -309,13 +320,8 @@ def test_threads_waiting_at_a_paced_gate_bring_the_slices_back(tenants) -> None:
     a grant: seen waiting at two looks in a row (CGPU_ENGINE_PACED_LOOK_NS,
     250 ms, apart), the GPU goes back to slices and that tenant is granted, until
     the tenants change."""
-    s = ComputeScheduler(1, WINDOWS).start()
+    s, a, _ = paced_pair(tenants)
     try:
-        s.configure(NodePolicy(compute_policy=ComputePolicy.FIXED))
-        a, b = tenants("a", 30), tenants("b", 20)
-        for t in (a, b):
-            s.attach(t.instance, t.dir)
-        until(lambda: s.schedule(0).paced, 3.0, interval=0.0005)
         a.want(1)
         t0 = time.monotonic()
         until(lambda: a.gate & OPEN, 3.0, interval=0.0005)
