@@ -423,6 +423,13 @@ static bool paced_on(unsigned slot, uint32_t g)
     return d && g && atomic_load_explicit(&d->paced, memory_order_acquire) == g;
 }
 
+/* Whether a launch at gate word `g` keeps to the instance's window by
+ * itself: cgpud is gone (orphaned) or leaves it to the instance (paced_on). */
+static bool keeps_to_window(unsigned slot, uint32_t g)
+{
+    return atomic_load(&slots[slot].orphaned) == (ORPHANED | g) || paced_on(slot, g);
+}
+
 /* Waits for the calling thread's context; returns when it had drained. */
 static uint64_t drain_current(void)
 {
@@ -461,9 +468,9 @@ static void drained(struct gate_slot *s, uint32_t launched, uint64_t done)
  * kernels that do not divide the window lose no share on average); when it
  * would not, the queue is drained first and the launch looks again, so the
  * queue runs out at about the end and not far into the next instance's
- * window (a launch longer
- * than half the window goes whenever nothing is queued). The queue is also
- * kept to a few ms of work, and at most a quarter of a short window. Past
+ * window (a launch longer than half the window goes whenever nothing is
+ * queued). The queue is also kept to a few ms of work, and at most a
+ * quarter of a short window. Past
  * the window, the process waits for what it queued (once per window, by
  * one thread), starts its next window as much later as that ran past the
  * end (so each instance gets the length of its window), and sleeps until
@@ -493,6 +500,7 @@ static void pace_alone(unsigned slot, uint32_t g)
              * Launches too long to pack into the window go one at a time
              * (what runs past the end is paid back): never none. */
             uint64_t slow = len / 4 < DRAIN_SLOW_NS ? len / 4 : DRAIN_SLOW_NS;
+            uint64_t fast = len / 16 < DRAIN_FAST_NS ? len / 16 : DRAIN_FAST_NS;
             if (!per || (from + per / 2 <= end && from - now <= slow) || (per > len / 2 && busy <= now)) {
                 uint32_t cap = atomic_load(&s->alone_cap);
                 if (!cap)
@@ -502,7 +510,6 @@ static void pace_alone(unsigned slot, uint32_t g)
                     atomic_store(&s->alone_first, now);
                 if (launched >= cap) {
                     uint64_t done = drain_current(), took = done - now;
-                    uint64_t fast = len / 16 < DRAIN_FAST_NS ? len / 16 : DRAIN_FAST_NS;
                     if (took < fast && cap < LAUNCH_CREDITS_MAX)
                         cap *= 2;
                     else if (took > slow && cap > LAUNCH_CREDITS_MIN)
@@ -865,7 +872,7 @@ static __attribute__((noinline, cold)) int gate_slow(int slot, CUresult *err, CU
         uint32_t g = atomic_load_explicit(gate, memory_order_acquire);
         if (g & CGPU_GATE_UNGATED)
             return GATE_FREE;
-        if (atomic_load(&s->orphaned) == (ORPHANED | g) || paced_on((unsigned)slot, g)) {
+        if (keeps_to_window((unsigned)slot, g)) {
             pace_alone((unsigned)slot, g);
             return GATE_FREE;
         }
@@ -888,7 +895,7 @@ static __attribute__((noinline, cold)) int gate_slow(int slot, CUresult *err, CU
         atomic_fetch_add(waiting, 1);
         atomic_fetch_add_explicit(&g_cgpu.usage->device[slot].gated, 1, memory_order_relaxed);
         while (!((g = atomic_load_explicit(gate, memory_order_acquire)) & (CGPU_GATE_OPEN | CGPU_GATE_UNGATED))) {
-            if (atomic_load(&s->orphaned) == (ORPHANED | g) || paced_on((unsigned)slot, g))
+            if (keeps_to_window((unsigned)slot, g))
                 break;
             /* EINTR, EAGAIN: look again. Only a wait that ran out with the
              * word unchanged costs a probe. */
