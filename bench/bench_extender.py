@@ -70,6 +70,7 @@ TARGET_P99_MS = {1000: 2.0, 5000: 5.0}
 # CPU's caches (other processes ran meanwhile): the `after idle` row.
 IDLE = 0.05
 TARGET_BINDS = 600.0
+PICK_SIDE = "this tree, --pick-at-filter"
 SWEEP_INTERVAL = 2.0  # cgpud's default (cgpud/config.py)
 
 
@@ -589,7 +590,7 @@ def scheduler_loop(
         todo.put(pod)
     done: queue.Queue[tuple[str, str]] = queue.Queue()
     rng = random.Random(14)
-    retries, failed_binds = 0, []
+    retries, failed_binds, prioritized = 0, [], 0
     cycle_ms: list[float] = []
     bind_ms: list[float] = []
 
@@ -635,12 +636,19 @@ def scheduler_loop(
                 todo.put(pod)
                 time.sleep(0.01)
                 continue
-            status, scores = client.post("/prioritize", dict(args, NodeNames=passed))
-            by_host = {x["Host"]: x["Score"] for x in scores} if status == 200 else {}
-            best = max((by_host.get(n, 0) for n in passed), default=0)
+            if len(passed) == 1:
+                # kube-scheduler scores nothing, prioritize extenders included,
+                # when one node passes (schedule_one.go, v1.37: `len(feasibleNodes) == 1`).
+                node = passed[0]
+            else:
+                prioritized += 1
+                status, scores = client.post("/prioritize", dict(args, NodeNames=passed))
+                by_host = {x["Host"]: x["Score"] for x in scores} if status == 200 else {}
+                best = max((by_host.get(n, 0) for n in passed), default=0)
+                node = rng.choice([n for n in passed if by_host.get(n, 0) == best])
             cycle_ms.append((time.perf_counter() - t) * 1e3)
-            pool.submit(bind, pod, rng.choice([n for n in passed if by_host.get(n, 0) == best]))
-    control.send((time.perf_counter() - t0, bound, retries, failed_binds, cycle_ms, bind_ms))
+            pool.submit(bind, pod, node)
+    control.send((time.perf_counter() - t0, bound, retries, failed_binds, cycle_ms, bind_ms, prioritized))
 
 
 def cpu_seconds(pid: int) -> float:
@@ -683,7 +691,13 @@ def _python_path(root: str | None) -> Iterator[None]:
 
 
 def measure_binds(
-    pods: int, nodes: int, parallel: int, gpu_memory_gib: int, root: str | None = None, tls: bool = False
+    pods: int,
+    nodes: int,
+    parallel: int,
+    gpu_memory_gib: int,
+    root: str | None = None,
+    tls: bool = False,
+    extender_args: Sequence[str] = (),
 ) -> dict[str, Any]:
     """`pods` pods of 1 GiB through filter, prioritize and bind on the real
     multi-node setup; kube-scheduler's part runs in a process of its own
@@ -692,7 +706,8 @@ def measure_binds(
     reservation per pod. With `root`, the cgpud nodes and cgpu-scheduler
     run that tree's code (the harness, the API server and the scheduling
     loop stay this tree's). `tls`: cgpu-scheduler as deploy/ runs it,
-    HTTPS with a client CA, called with a client certificate."""
+    HTTPS with a client CA, called with a client certificate.
+    `extender_args`: more of cgpu-scheduler's options."""
     from tests.harness.cluster import Cluster
 
     with _python_path(root):
@@ -704,19 +719,21 @@ def measure_binds(
             nodes=nodes, gpus=2, gpu_memory=f"{gpu_memory_gib}GiB", sweep_interval=SWEEP_INTERVAL
         ).__enter__()
     try:
-        return _binds(cluster, pods, nodes, parallel, root, tls)
+        return _binds(cluster, pods, nodes, parallel, root, tls, extender_args)
     finally:
         cluster.__exit__(None, None, None)
 
 
-def _binds(cluster: Any, pods: int, nodes: int, parallel: int, root: str | None, tls: bool) -> dict[str, Any]:
+def _binds(
+    cluster: Any, pods: int, nodes: int, parallel: int, root: str | None, tls: bool, extender_args: Sequence[str]
+) -> dict[str, Any]:
     from tests.harness.cluster import share_pod
     from tests.harness.tls import make_pki
 
     assert cluster.api is not None
     pki = make_pki(cluster.root / "extender-pki") if tls else None
     with _python_path(root):
-        extender = cluster.start_extender(serving=pki)
+        extender = cluster.start_extender(*extender_args, serving=pki)
     cluster.wait_connected(extender)
     if root is not None:
         tree = Path(f"/proc/{extender.proc.pid}/environ").read_bytes()
@@ -750,7 +767,7 @@ def _binds(cluster: Any, pods: int, nodes: int, parallel: int, root: str | None,
             proc.kill()
     if isinstance(answer, Exception):
         raise answer
-    elapsed, bound, retries, failed_binds, cycle_ms, bind_ms = answer
+    elapsed, bound, retries, failed_binds, cycle_ms, bind_ms, prioritized = answer
     for name, node in bound.items():
         if cluster.api.state.pod("default", name)["spec"].get("nodeName") != node:
             raise RuntimeError(f"pod {name}: the API server's binding is not the extender's answer {node}")
@@ -771,6 +788,7 @@ def _binds(cluster: Any, pods: int, nodes: int, parallel: int, root: str | None,
         "per_node": per_node,
         "cycle_ms": cycle_ms,
         "bind_ms": bind_ms,
+        "prioritized": prioritized,
         "cpu_ms_per_pod": {k: v * 1e3 / pods for k, v in cpu.items()},
     }
 
@@ -796,6 +814,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--no-cache-side", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--bind-rounds", type=int, default=1, help="bind runs per tree, interleaved with the baseline's")
+    p.add_argument(
+        "--bind-pick",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also bind with cgpu-scheduler --pick-at-filter (kube-scheduler then skips prioritize), interleaved",
+    )
     p.add_argument(
         "--bind-tls",
         action="store_true",
@@ -823,12 +847,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         if args.bind_pods:
             before = load()
-            trees: dict[str, str | None] = {"this tree": None} | ({"baseline": args.baseline} if args.baseline else {})
-            runs: dict[str, list[dict[str, Any]]] = {t: [] for t in trees}
+            sides: dict[str, tuple[str | None, tuple[str, ...]]] = {"this tree": (None, ())}
+            if args.bind_pick:
+                sides[PICK_SIDE] = (None, ("--pick-at-filter",))
+            if args.baseline:
+                sides["baseline"] = (args.baseline, ())
+            runs: dict[str, list[dict[str, Any]]] = {t: [] for t in sides}
             for r in range(args.bind_rounds):
-                for t in list(trees) if r % 2 == 0 else list(trees)[::-1]:
+                for t in list(sides) if r % 2 == 0 else list(sides)[::-1]:
+                    root, extender_args = sides[t]
                     bind = measure_binds(
-                        args.bind_pods, args.bind_nodes, args.bind_parallel, args.bind_gpu_gib, trees[t], args.bind_tls
+                        args.bind_pods,
+                        args.bind_nodes,
+                        args.bind_parallel,
+                        args.bind_gpu_gib,
+                        root,
+                        args.bind_tls,
+                        extender_args,
                     )
                     runs[t].append(bind)
                     print(
@@ -836,11 +871,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         f"{bind['pods']} pods of 1 GiB on "
                         f"{args.bind_nodes} nodes x 2 GPUs, {args.bind_parallel} in flight: "
                         f"{bind['seconds']:.2f} s, {bind['rate']:.0f} pods/s ({bind['retries']} cycles retried; "
-                        f"pods per node {bind['per_node']})"
+                        f"{bind['prioritized']} prioritize calls; pods per node {bind['per_node']})"
                         + (f"; first failed bind: {bind['failed_binds'][0][:160]}" if bind["failed_binds"] else "")
                     )
                     print(
-                        f"  filter+prioritize in the loop: p50 {statistics.median(bind['cycle_ms']):.2f} ms, "
+                        f"  filter (+prioritize) in the loop: p50 {statistics.median(bind['cycle_ms']):.2f} ms, "
                         f"p99 {quantile(bind['cycle_ms'], 0.99):.2f} ms; one bind (Reserve, Binding with "
                         f"annotations): p50 {statistics.median(bind['bind_ms']):.2f} ms, "
                         f"p99 {quantile(bind['bind_ms'], 0.99):.2f} ms"
@@ -855,10 +890,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"bind, {t}: median {rates[t]:.0f} pods/s over {len(v)} runs "
                     f"({each}); CPU per pod, ms (median): " + ", ".join(f"{k} {x:.2f}" for k, x in cpu.items())
                 )
-            if args.baseline:
-                print(f"bind rate, this tree / baseline: {rates['this tree'] / rates['baseline']:.2f}x")
-            verdict = "PASS" if rates["this tree"] >= TARGET_BINDS else "FAIL"
-            print(f"target: >= {TARGET_BINDS:.0f} pods/s: {rates['this tree']:.0f}  {verdict}")
+            for t in sides:
+                if t != "this tree":
+                    print(f"bind rate, {t} / this tree: {rates[t] / rates['this tree']:.2f}x")
+            for t in sides:
+                if t != "baseline":
+                    verdict = "PASS" if rates[t] >= TARGET_BINDS else "FAIL"
+                    print(f"target ({t}): >= {TARGET_BINDS:.0f} pods/s: {rates[t]:.0f}  {verdict}")
             print(f"load average {before} before, {load()} after")
     except Exception as e:  # could not measure: say what, exit 1
         print(f"bench_extender: {e}", file=sys.stderr)

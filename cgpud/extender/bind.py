@@ -42,7 +42,7 @@ from cgpud.extender.fit import Placement, Reason, fit, shares
 from cgpud.extender.fit import annotations as pod_annotations
 from cgpud.extender.pod import PodDemand, PodError, pod_demand
 from cgpud.kube.model import Resource
-from cgpud.extender.state import ClusterState, Hold
+from cgpud.extender.state import ClusterState, Hold, Picked
 from cgpud.kube.apiserver import ApiServerError, client_from
 from cgpud.kube.rest import RestError
 
@@ -50,6 +50,7 @@ _log = structlog.get_logger("cgpud.extender")
 
 _OURS = (Resource.GPU_MEM.value, Resource.GPU_CORE.value, Resource.GPU_COUNT.value)
 PENDING_HOLD = 30.0  # seconds a hold lives while its Reserve is under way (the RPC times out long before)
+PICKS = 4096  # pods whose filter's pick is remembered
 
 # Reserve answers that mean the node decided and holds nothing new; any other
 # failure (a timeout, a dropped connection) leaves it unknown.
@@ -214,12 +215,55 @@ class Binder:
         self._recent: deque[Assignment] = deque(maxlen=keep)
         self._locks_lock = threading.Lock()
         self._locks: dict[str, threading.Lock] = {}
+        # The node the filter last picked for each pod (--pick-at-filter), by
+        # UID, bounded: a pod picked again elsewhere gives the first pick back.
+        self._picks: OrderedDict[str, str] = OrderedDict()
 
     def remember(self, demand: PodDemand) -> None:
         # With an API server and callers anyone may be, the pod is read from
         # it at bind, so filter need not keep a copy.
         if self.api is None or self._filter_copy:
             self.demands.put(demand)
+
+    def picked(self, demand: PodDemand, node: str, placement: Placement) -> None:
+        """The filter passed the pod `node` alone (--pick-at-filter): the
+        placement is held there until the pod's bind, so that the next
+        pod's filter counts it, as kube-scheduler assumes a pod on its node
+        before binding it. Only for verified callers (kube-scheduler's
+        client certificate): a filter from anyone would let anyone who
+        reaches the port make every node look full."""
+        if not self._filter_copy or not demand.uid:
+            return
+        record = self.state.record(node)
+        if record is None or any(h.pod_uid == demand.uid and h.picked is None for h in record.holds):
+            return  # its bind is under way there
+        with self._locks_lock:
+            before = self._picks.pop(demand.uid, None)
+            self._picks[demand.uid] = node
+            while len(self._picks) > PICKS:
+                self._picks.popitem(last=False)
+        if before is not None and before != node:
+            self.state.release(before, demand.uid, picked_only=True)
+        self.state.hold(
+            node,
+            Hold(
+                demand.uid,
+                demand.namespace,
+                demand.name,
+                shares(placement),
+                "",
+                0,
+                self._clock() + PENDING_HOLD,
+                Picked(demand.fit_key, placement),
+            ),
+        )
+
+    def _unpick(self, uid: str, bound_on: str = "") -> None:
+        """Forget the pod's pick; give it back unless it is on `bound_on`."""
+        with self._locks_lock:
+            node = self._picks.pop(uid, None)
+        if node is not None and node != bound_on:
+            self.state.release(node, uid, picked_only=True)
 
     def _node_lock(self, node: str) -> threading.Lock:
         with self._locks_lock:
@@ -258,11 +302,13 @@ class Binder:
         if self.state.record(args.node) is None:  # no lock for a name nobody knows
             self._place(args, demand)
         with self._node_lock(args.node):
-            placement, address = self._place(args, demand)
+            placement, address, picked = self._place(args, demand)
             held = shares(placement)
-            self.state.hold(
-                args.node, Hold(uid, args.pod_namespace, args.pod_name, held, "", 0, self._clock() + PENDING_HOLD)
-            )
+            if not picked:
+                self.state.hold(
+                    args.node, Hold(uid, args.pod_namespace, args.pod_name, held, "", 0, self._clock() + PENDING_HOLD)
+                )
+        self._unpick(uid, bound_on=args.node)
         try:
             reservation = self.clients.get(args.node, address).reserve(
                 uid, args.pod_namespace, args.pod_name, held, self._ttl
@@ -355,7 +401,9 @@ class Binder:
             raise BindError(f"pod {key} is already bound to node {bound}")
         return demand
 
-    def _place(self, args: BindArgs, demand: PodDemand) -> tuple[Placement, str]:
+    def _place(self, args: BindArgs, demand: PodDemand) -> tuple[Placement, str, bool]:
+        """(the placement, the node's Capacity address, whether it is the
+        filter's pick held there: a fit now would count the pick itself)."""
         # Holds whose time ran out are dropped by the main loop each second
         # (ClusterState.expire): until then they only make the node look fuller.
         record = self.state.record(args.node)
@@ -365,10 +413,14 @@ class Binder:
             raise BindError(f"node {args.node}'s Capacity stream is down ({record.entry.error}): not binding there")
         if record.summary is None:
             raise BindError(f"node {args.node} has sent no view yet")
+        uid = demand.uid or args.pod_uid
+        for h in record.holds:
+            if h.pod_uid == uid and h.picked is not None and h.picked.fit_key == demand.fit_key:
+                return h.picked.placement, record.entry.capacity_address, True
         answer = fit(demand, record.summary)
         if isinstance(answer, Reason):
             raise BindError(f"pod {demand.key} no longer fits node {args.node}: {answer.text}")
-        return answer, record.entry.capacity_address
+        return answer, record.entry.capacity_address, False
 
     def _finish(
         self, args: BindArgs, demand: PodDemand, placement: Placement | None, notes: Mapping[str, str], source: str

@@ -3,6 +3,7 @@
     cgpu-scheduler --listen HOST:PORT [--nodes FILE] [--kubeconfig FILE]
                    [--tls-cert FILE --tls-key FILE --tls-ca FILE]
                    [--serve-cert FILE --serve-key FILE [--client-ca FILE]]
+                   [--pick-at-filter]
 
 Nodes come from --nodes (one `NAME HOST:PORT` a line) or, without it, from
 the API server's Nodes. Binding goes to the API server (--kubeconfig, or the
@@ -72,6 +73,13 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="how long a node holds a bind's reservation for the pod's Allocate (0: the node's default)",
     )
+    p.add_argument(
+        "--pick-at-filter",
+        action="store_true",
+        help="the filter passes a GPU-share pod only the node it would score highest, so kube-scheduler "
+        "binds there without prioritize (one round trip fewer a pod; kube-scheduler's own scores no "
+        "longer weigh in for these pods)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -112,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     clients = Clients(tls)
     verified = serving is not None and serving.client_ca is not None
     binder = Binder(state, clients, api, ttl=args.reservation_ttl, callers_verified=verified)
-    server = ExtenderServer(state, binder, listen.host, listen.port, tls=serving)
+    server = ExtenderServer(state, binder, listen.host, listen.port, tls=serving, pick_at_filter=args.pick_at_filter)
     watchers = Watchers(state, clients)
     source = None
     server.start()
@@ -130,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
         listen=join_host_port(listen.host, server.port),
         nodes=len(nodes) if nodes is not None else "api-server",
         tls=tls is not None,
+        pick_at_filter=args.pick_at_filter,
         binding="api-server" if api is not None else "standalone",
         serving="https with client certificates"
         if serving is not None and serving.client_ca

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import json
+import random
 import socket
 import socketserver
 import ssl
@@ -33,7 +34,7 @@ import structlog
 from cgpud.boundedhttp import BoundedHandler, BoundedServer, Bounds
 from cgpud.errors import CgpuError, UsageError
 from cgpud.extender.bind import Assignment, BindArgs
-from cgpud.extender.fit import NodeSummary, Reason, Rendered, render, rendered
+from cgpud.extender.fit import NodeSummary, Placement, Reason, Rendered, render, rendered
 from cgpud.extender.model import view_to_json
 from cgpud.extender.pod import PodDemand, PodError, pod_demand
 from cgpud.extender.state import ClusterState
@@ -59,6 +60,7 @@ _log = structlog.get_logger("cgpud.extender")
 
 class Binder(Protocol):
     def remember(self, demand: PodDemand) -> None: ...
+    def picked(self, demand: PodDemand, node: str, placement: Placement) -> None: ...
     def bind(self, args: BindArgs) -> Assignment: ...
     def recent(self) -> list[dict[str, Any]]: ...
 
@@ -67,7 +69,7 @@ class BadRequest(ValueError):
     pass
 
 
-FILTER, PRIORITIZE = "filter", "prioritize"
+FILTER, PRIORITIZE, BIND = "filter", "prioritize", "bind"
 
 
 # Per verb, the Rendered fields its answer is joined from.
@@ -90,10 +92,12 @@ class _Judged:
     blocks: dict[str, list[list[str | None]]] = field(default_factory=dict)  # by verb, each list's blocks joined
     joined: dict[str, list[str | None]] = field(default_factory=dict)  # by verb, each list joined (None: redo)
     texts: dict[str, bytes] = field(default_factory=dict)  # by verb, the whole answer until a piece changes
+    best: list[int] | None = None  # the placed nodes of the highest score, by place; None: find again
 
     def set(self, i: int, new: Rendered) -> None:
         old = self.judged[i]
         self.judged[i] = new
+        self.best = None
         for verb, lists in self.pieces.items():
             for k, f in enumerate(_FIELDS[verb]):
                 piece = cast(str, new[f])
@@ -139,6 +143,32 @@ class _Judged:
         self.text(FILTER)
         return not self.joined[FILTER][0]
 
+    def best_placed(self) -> list[int]:
+        """The places of the nodes whose placement scores highest (empty
+        when none is placed)."""
+        if self.best is None:
+            top, best = -1, []
+            for i, r in enumerate(self.judged):
+                answer = r.answer
+                if not isinstance(answer, Placement):
+                    continue
+                if answer.score > top:
+                    top, best = answer.score, [i]
+                elif answer.score == top:
+                    best.append(i)
+            self.best = best
+        return self.best
+
+    def picked_text(self, i: int) -> bytes:
+        """The filter's answer passing only the node at place `i` (which
+        is placed): the refused nodes as in the whole answer."""
+        self.text(FILTER)
+        _, bad, never = self.joined[FILTER]
+        return (
+            f'{{"Nodes":null,"NodeNames":[{self.judged[i].passed}],"FailedNodes":{{{bad}}},'
+            f'"FailedAndUnresolvableNodes":{{{never}}},"Error":""}}'
+        ).encode()
+
 
 class _Names(tuple[str, ...]):
     """A node list that computes its hash once (a tuple's is computed at
@@ -178,12 +208,31 @@ UNKNOWN_NODE = (
 
 
 class Extender:
-    """The verbs as functions of parsed JSON (the HTTP layer is below)."""
+    """The verbs as functions of parsed JSON (the HTTP layer is below).
 
-    def __init__(self, state: ClusterState, binder: Binder | None, unknown_node: str = UNKNOWN_NODE) -> None:
+    pick_at_filter: the filter passes a GPU-share pod only the node
+    prioritize would score highest (ties drawn at random), so that
+    kube-scheduler, left one feasible node, binds there without scoring:
+    one round trip fewer a pod, and kube-scheduler's own scores no longer
+    weigh in (docs/scheduler.md)."""
+
+    def __init__(
+        self,
+        state: ClusterState,
+        binder: Binder | None,
+        unknown_node: str = UNKNOWN_NODE,
+        pick_at_filter: bool = False,
+        rng: random.Random | None = None,
+    ) -> None:
         self.state = state
         self.binder = binder
         self.unknown_node = unknown_node
+        self.pick_at_filter = pick_at_filter
+        self._rng = rng if rng is not None else random.Random()
+        # Requests answered per verb, for /inspect (with --pick-at-filter,
+        # kube-scheduler sends no prioritize for the pods it places).
+        self._answered = dict.fromkeys((FILTER, PRIORITIZE, BIND), 0)
+        self._answered_lock = threading.Lock()
         # Nodes the node source knows are not cgpu nodes, with why.
         self._skipped: dict[str, str] = {}
         # Per (pod shape, node list): every node's answer, kept across
@@ -222,6 +271,19 @@ class Extender:
         """The verb's answer as JSON text, from the memo of this shape and
         node list when there is one (redoing only the nodes written since;
         the same text again when none was)."""
+        if verb == FILTER and self.pick_at_filter and not demand.whole:
+            pick: list[tuple[str, Placement]] = []
+            text = self._judged(demand, names, lambda judged: self._picked(names, judged, pick))
+            if pick and self.binder is not None:  # outside the memos' lock: the hold writes the node's record
+                self.binder.picked(demand, *pick[0])
+            return text
+        return self._judged(demand, names, lambda judged: self._text(verb, names, judged))
+
+    def _judged(
+        self, demand: PodDemand, names: _Names, answer: Callable[[_Judged], dict[str, Any] | bytes]
+    ) -> dict[str, Any] | bytes:
+        """`answer` of every node's judgement of the pod, from the memo (see
+        _answer); called under the memos' lock, which guards the judgement."""
         key = (demand.fit_key, names)
         with self._memo_lock:
             memo = self._memos.get(key)
@@ -236,7 +298,7 @@ class Extender:
                             judged.set(i, self._judge_all(demand, (name,))[0])
                     memo.generation = generation
                     self._memos.move_to_end(key)
-                    return self._text(verb, names, judged)
+                    return answer(judged)
             generation = self.state.generation  # before the nodes are read: a later write is redone next time
             judged = _Judged(self._judge_all(demand, names))
             if memo is None and key not in self._once:
@@ -245,13 +307,13 @@ class Extender:
                 self._once[key] = None
                 while len(self._once) > 4 * MEMOS:
                     self._once.popitem(last=False)
-                return self._text(verb, names, judged)
+                return answer(judged)
             self._once.pop(key, None)
             self._memos[key] = _Memo(generation, {name: i for i, name in enumerate(names)}, judged, demand)
             self._memos.move_to_end(key)
             while len(self._memos) > MEMOS:
                 self._memos.popitem(last=False)
-            return self._text(verb, names, judged)
+            return answer(judged)
 
     def _text(self, verb: str, names: Sequence[str], judged: _Judged) -> dict[str, Any] | bytes:
         if verb == FILTER and judged.none_passed():
@@ -259,6 +321,18 @@ class Extender:
             if later is not None:
                 return later
         return judged.text(verb)
+
+    def _picked(
+        self, names: Sequence[str], judged: _Judged, pick: list[tuple[str, Placement]]
+    ) -> dict[str, Any] | bytes:
+        """The filter's answer with the best node alone, appended to `pick`
+        with its placement."""
+        best = judged.best_placed()
+        if not best:
+            return self._text(FILTER, names, judged)
+        i = best[0] if len(best) == 1 else self._rng.choice(best)
+        pick.append((names[i], cast(Placement, judged.judged[i].answer)))
+        return judged.picked_text(i)
 
     def patch(self, name: str, summary: NodeSummary | None, generation: int) -> None:
         """A node's record was replaced (write `generation`): each kept
@@ -511,6 +585,13 @@ class Extender:
                     (failed if answer.resolvable else unresolvable)[name] = answer.text
                 else:
                     passed.append(name)
+            if passed and self.pick_at_filter and not demand.whole:
+                placed = [(n, r.answer) for n, r in zip(names, judged) if isinstance(r.answer, Placement)]
+                top = max(a.score for _, a in placed)
+                name, placement = self._rng.choice([(n, a) for n, a in placed if a.score == top])
+                passed = [name]
+                if self.binder is not None:
+                    self.binder.picked(demand, name, placement)
         out: dict[str, Any] = {"FailedNodes": failed, "FailedAndUnresolvableNodes": unresolvable, "Error": ""}
         if items is None:
             out["Nodes"] = None
@@ -551,8 +632,15 @@ class Extender:
             return {"Error": str(e)}
         return {"Error": ""}
 
+    def answered(self, verb: str) -> None:
+        with self._answered_lock:
+            self._answered[verb] += 1
+
     def inspect(self) -> dict[str, Any]:
         out = view_to_json(self.state.view())
+        with self._answered_lock:
+            out["requests"] = dict(self._answered)
+        out["pick_at_filter"] = self.pick_at_filter
         if self.binder is not None:
             out["recent_binds"] = self.binder.recent()
         return out
@@ -736,7 +824,7 @@ class _Handler(BoundedHandler, socketserver.StreamRequestHandler):
         verbs: dict[str, Callable[[Any, _Texts | None], Any]] = {
             FILTER: extender.filter,
             PRIORITIZE: extender.prioritize,
-            "bind": lambda body, _: extender.bind(body),
+            BIND: lambda body, _: extender.bind(body),
         }
         if length_text is None:
             self._refuse(411, "a request body needs a Content-Length")
@@ -760,7 +848,7 @@ class _Handler(BoundedHandler, socketserver.StreamRequestHandler):
                 self._send(404, {"Error": f"no POST {path}: use /filter, /prioritize or /bind"})
                 return
             try:
-                body, texts = extender.parse(raw) if verb is not verbs["bind"] else (orjson.loads(raw), None)
+                body, texts = extender.parse(raw) if verb is not verbs[BIND] else (orjson.loads(raw), None)
             except orjson.JSONDecodeError as e:
                 self._send(400, {"Error": f"{path}: the body is not JSON ({e})"})
                 return
@@ -773,6 +861,7 @@ class _Handler(BoundedHandler, socketserver.StreamRequestHandler):
             _log.exception("extender verb failed", verb=path)
             self._send(500, {"Error": f"{path}: internal error: {e!r}"})
             return
+        extender.answered(path[1:])
         self._send(200, answer)
 
 
@@ -879,8 +968,9 @@ class ExtenderServer:
         quiet_gc: bool = True,
         tls: ServerTls | None = None,
         bounds: Bounds = BOUNDS,
+        pick_at_filter: bool = False,
     ) -> None:
-        self.extender = Extender(state, binder, unknown_node)
+        self.extender = Extender(state, binder, unknown_node, pick_at_filter)
         self._tls = tls
         self._bounds = bounds
         self._host = host

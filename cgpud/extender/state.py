@@ -28,7 +28,7 @@ from typing import Any
 
 from cgpud.node import placement as admission
 from cgpud.node.model import GpuCapacity, GpuUsage, Reservation, Share
-from cgpud.extender.fit import NodeSummary, Rendered, summarize
+from cgpud.extender.fit import NodeSummary, Placement, Rendered, summarize
 from cgpud.extender.model import ClusterView, GpuState, NodeEntry, NodeState, PodShare
 
 
@@ -38,7 +38,9 @@ CHANGE_LOG = 4096  # node writes remembered for changed_since
 @dataclass(frozen=True)
 class Hold:
     """A reservation this extender made on a node; pending (incarnation "")
-    while its Reserve is under way, counted whatever the views say."""
+    while its Reserve is under way, counted whatever the views say. Or, with
+    `picked`, the node the filter passed the pod alone (--pick-at-filter),
+    held until the pod's bind."""
 
     pod_uid: str
     pod_namespace: str
@@ -47,6 +49,16 @@ class Hold:
     incarnation: str
     revision: int
     expires: float  # Unix seconds
+    picked: Picked | None = None
+
+
+@dataclass(frozen=True)
+class Picked:
+    """What the filter's pick placed: the bind of the same pod shape on the
+    node places it so, without a fit that would count the pick itself."""
+
+    fit_key: Any  # PodDemand.fit_key
+    placement: Placement
 
 
 @dataclass(frozen=True)
@@ -184,11 +196,14 @@ class ClusterState:
                 return
             self._put(name, old.entry.capacity_address, old.entry.connected, old.entry.error, old.view, holds)
 
-    def release(self, name: str, pod_uid: str) -> None:
-        """The pod's reservation on `name` was given back."""
+    def release(self, name: str, pod_uid: str, picked_only: bool = False) -> None:
+        """The pod's reservation on `name` was given back (picked_only: only
+        a filter's pick, not a hold its bind made)."""
         with self._lock:
             old = self._records.get(name)
-            if old is None or not any(h.pod_uid == pod_uid for h in old.holds):
+            if old is None or not any(
+                h.pod_uid == pod_uid and (h.picked is not None or not picked_only) for h in old.holds
+            ):
                 return
             holds = tuple(h for h in old.holds if h.pod_uid != pod_uid)
             self._put(name, old.entry.capacity_address, old.entry.connected, old.entry.error, old.view, holds)

@@ -13,6 +13,7 @@ import pytest
 from cgpud.node.model import Share
 from cgpud.extender.bind import BindArgs, BindConflict, BindError, Binder
 from cgpud.extender.client import CapacityError
+from cgpud.extender.fit import Placement, Reason, fit
 from cgpud.extender.pod import pod_demand
 from cgpud.extender.state import ClusterState
 from tests.harness.extender_nodes import GIB, container, gpu, node, pod
@@ -366,3 +367,70 @@ def test_a_second_bind_of_a_pod_it_bound_reads_the_pod_and_keeps_the_first_reser
     with pytest.raises(BindError, match="already bound to node n1"):
         b.bind(BindArgs("p", "default", "u1", "n1"))
     assert api.gets == 1 and clients.node.reserved == first == {"u1": (Share(0, 4 * GIB, 0, 1),)}
+
+
+# ---- the filter's pick (--pick-at-filter) -------------------------------------------------
+
+
+def _picked(b: Binder, state: ClusterState, p: dict[str, Any], where: str) -> None:
+    """The filter picking `where` for `p`, as server.Extender does."""
+    demand = pod_demand(p)
+    b.remember(demand)
+    rec = state.record(where)
+    assert rec is not None and rec.summary is not None
+    placement = fit(demand, rec.summary)
+    assert isinstance(placement, Placement), placement
+    b.picked(demand, where, placement)
+
+
+def _allocated(state: ClusterState, name: str) -> int:
+    """Memory the node's view counts taken, holds included, over its GPUs."""
+    rec = state.record(name)
+    assert rec is not None and rec.entry.state is not None
+    return sum(g.memory_allocated for g in rec.entry.state.gpus)
+
+
+def test_a_pick_is_held_for_the_next_filter_and_its_bind_places_it_once(state: ClusterState) -> None:
+    state.set_state("n1", "10.0.0.1:9455", node("n1", gpus=[gpu(0, used=8), gpu(1, used=16)], revision=7))
+    clients = FakeClients()
+    b = Binder(state, clients, FakeApi(), callers_verified=True)  # type: ignore[arg-type]
+    _picked(b, state, _versioned(pod("p", [container("c", mem="8")], uid="u1"), "41"), "n1")
+    # The next pod's filter counts the pick: the last 8 GiB are taken.
+    assert _allocated(state, "n1") == 32 * GIB
+    rec = state.record("n1")
+    assert rec is not None and rec.summary is not None
+    other = fit(pod_demand(pod("q", [container("c", mem="8")], uid="u2")), rec.summary)
+    assert isinstance(other, Reason) and "no GPU has 8 GiB free" in other.text
+    # Its own bind is placed by the pick, not refused for it.
+    a = b.bind(BindArgs("p", "default", "u1", "n1"))
+    assert a.gpus == (0,) and clients.node.reserved == {"u1": (Share(0, 8 * GIB, 0, 1),)}
+    assert _allocated(state, "n1") == 32 * GIB  # counted once
+
+
+def test_a_pod_picked_again_elsewhere_gives_its_first_pick_back(state: ClusterState) -> None:
+    state.set_state("n3", "10.0.0.3:9455", node("n3", gpus=[gpu(0), gpu(1)], revision=1))
+    b = Binder(state, FakeClients(), FakeApi(), callers_verified=True)  # type: ignore[arg-type]
+    p = _versioned(pod("p", [container("c", mem="4")], uid="u1"), "41")
+    _picked(b, state, p, "n1")
+    assert _allocated(state, "n1") == 12 * GIB
+    _picked(b, state, p, "n3")
+    assert _allocated(state, "n1") == 8 * GIB and _allocated(state, "n3") == 4 * GIB
+
+
+def test_a_refused_bind_gives_its_pick_back(state: ClusterState) -> None:
+    clients = FakeClients()
+    clients.node.refuse = "RESOURCE_EXHAUSTED: no GPU has 4 GiB free"
+    b = Binder(state, clients, FakeApi(), callers_verified=True)  # type: ignore[arg-type]
+    _picked(b, state, _versioned(pod("p", [container("c", mem="4")], uid="u1"), "41"), "n1")
+    assert _allocated(state, "n1") == 12 * GIB
+    with pytest.raises(BindError, match="did not reserve"):
+        b.bind(BindArgs("p", "default", "u1", "n1"))
+    assert _allocated(state, "n1") == 8 * GIB
+
+
+def test_picks_from_callers_anyone_may_be_hold_nothing(state: ClusterState) -> None:
+    """Without kube-scheduler's client certificate a filter is anyone's: a
+    pick held for it would let anyone make every node look full."""
+    b = Binder(state, FakeClients(), FakeApi())  # type: ignore[arg-type]
+    _picked(b, state, pod("p", [container("c", mem="4")], uid="u1"), "n1")
+    assert _allocated(state, "n1") == 8 * GIB

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from cgpud.extender.bind import Assignment, BindArgs, BindError
+from cgpud.extender.fit import Placement
 from cgpud.extender.model import view_from_json
 from cgpud.extender.pod import PodDemand
 from cgpud.extender.server import MAX_BODY, ExtenderServer
@@ -22,9 +23,13 @@ class FakeBinder:
         self.seen: list[PodDemand] = []
         self.bound: list[BindArgs] = []
         self.fail = ""
+        self.picks: list[tuple[str, str]] = []
 
     def remember(self, demand: PodDemand) -> None:
         self.seen.append(demand)
+
+    def picked(self, demand: PodDemand, node: str, placement: Placement) -> None:
+        self.picks.append((demand.name, node))
 
     def bind(self, args: BindArgs) -> Assignment:
         if self.fail:
@@ -167,7 +172,13 @@ def test_healthz_and_inspect(server: tuple[ExtenderServer, FakeBinder], cluster:
     assert c.call("GET", "/healthz") == (200, {"status": "ok"})
     code, out = c.call("GET", "/inspect")
     assert code == 200 and view_from_json(out) == cluster.view()
-    assert "recent_binds" in out
+    assert "recent_binds" in out and out["pick_at_filter"] is False
+    # Requests answered per verb; a refused one is not counted.
+    assert out["requests"] == {"filter": 0, "prioritize": 0, "bind": 0}
+    c.call("POST", "/filter", args(pod(), ["idle"]))
+    c.call("POST", "/prioritize", args(pod(), ["idle"]))
+    c.call("POST", "/prioritize", raw=b"{not json")
+    assert c.call("GET", "/inspect")[1]["requests"] == {"filter": 1, "prioritize": 1, "bind": 0}
 
 
 @pytest.mark.parametrize(
@@ -457,3 +468,75 @@ def test_kept_answers_take_a_nodes_new_view_where_it_arrives(
     assert memo.generation < cluster.generation
     _, out = c.call("POST", "/filter", args(p, names))
     assert out["NodeNames"] == ["busy"]
+
+
+# ---- --pick-at-filter: the filter passes the node prioritize would score highest ----------
+
+
+@pytest.fixture
+def picking(cluster: ClusterState) -> Iterator[ExtenderServer]:
+    srv = ExtenderServer(cluster, FakeBinder(), "127.0.0.1", 0, pick_at_filter=True).start()
+    yield srv
+    srv.stop()
+
+
+def test_pick_at_filter_passes_the_best_scored_node_and_follows_each_new_view(
+    picking: ExtenderServer, cluster: ClusterState
+) -> None:
+    c = Conn(picking.port)
+    p = pod(containers=[container("c", mem="1")])
+    _, scores = c.call("POST", "/prioritize", args(p, ALL))
+    assert max(scores, key=lambda h: h["Score"])["Host"] == "busy"  # binpack: the fuller node
+    for _ in range(3):  # judged afresh, kept from the second time, read from what was kept
+        _, out = c.call("POST", "/filter", args(p, ALL))
+        assert out["NodeNames"] == ["busy"] and out["Error"] == "", out
+        # The refused nodes are reported as without the pick; the passed
+        # node left out is in no list (kube-scheduler drops it silently).
+        assert set(out["FailedAndUnresolvableNodes"]) == {"whole", "dead", "ghost"} and out["FailedNodes"] == {}
+    binder = picking.extender.binder
+    assert isinstance(binder, FakeBinder) and binder.picks == [("p", "busy")] * 3  # each pick is held
+    assert c.call("GET", "/inspect")[1]["pick_at_filter"] is True
+    # busy fills up: the kept answer takes its new view, and idle is picked.
+    cluster.set_state("busy", "10.0.0.1:9455", node("busy", gpus=[gpu(0, used=16), gpu(1, used=16)], revision=2))
+    _, out = c.call("POST", "/filter", args(p, ALL))
+    assert out["NodeNames"] == ["idle"] and "busy" in out["FailedNodes"], out
+    # Nothing fits: the answer is the whole filter's (no node, every reason).
+    _, out = c.call("POST", "/filter", args(pod(containers=[container("c", mem="64")]), ["busy", "idle", "whole"]))
+    assert out["NodeNames"] == [] and set(out["FailedNodes"]) | set(out["FailedAndUnresolvableNodes"]) == {
+        "busy",
+        "idle",
+        "whole",
+    }
+
+
+def test_pick_at_filter_draws_among_nodes_of_equal_score(picking: ExtenderServer, cluster: ClusterState) -> None:
+    cluster.set_state("twin", "10.0.0.5:9455", node("twin", gpus=[gpu(0), gpu(1)]))
+    c = Conn(picking.port)
+    picked = {
+        c.call("POST", "/filter", args(pod(containers=[container("c", mem="1")]), ["idle", "twin"]))[1]["NodeNames"][0]
+        for _ in range(40)
+    }
+    assert picked == {"idle", "twin"}  # both, as kube-scheduler draws among its best (2^-39 to miss one)
+
+
+def test_pick_at_filter_with_full_node_objects(picking: ExtenderServer) -> None:
+    items = [{"metadata": {"name": n}, "status": {}} for n in ("idle", "busy", "whole")]
+    body = {"Pod": pod(containers=[container("c", mem="1")]), "Nodes": {"metadata": {}, "items": items}}
+    _, out = Conn(picking.port).call("POST", "/filter", body)
+    assert out["Nodes"]["items"] == [items[1]] and "whole" in out["FailedAndUnresolvableNodes"], out
+
+
+def test_pick_at_filter_leaves_pods_it_does_not_bind_to_kube_scheduler(
+    picking: ExtenderServer, cluster: ClusterState
+) -> None:
+    c = Conn(picking.port)
+    # No GPU share asked: every node, as without the pick.
+    _, out = c.call("POST", "/filter", args(pod(containers=[container("c")]), ALL))
+    assert out["NodeNames"] == ALL
+    # Whole GPUs (kube-scheduler binds them, and scores with its own
+    # plugins): every topology node that fits.
+    for name in ("topo-a", "topo-b"):
+        cluster.set_state(name, "10.0.0.6:9455", node(name, gpus=[gpu(i) for i in range(4)], mode="topology"))
+    whole = pod(containers=[{"name": "c", "image": "x", "resources": {"limits": {"aliyun.com/gpu": 2}}}])
+    _, out = c.call("POST", "/filter", args(whole, ["topo-a", "topo-b", "idle"]))
+    assert out["NodeNames"] == ["topo-a", "topo-b"], out
