@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 
@@ -605,6 +605,28 @@ class RealCluster(StartOrClose):
             ),
         )
 
+    def restart_extender(self, *options: str) -> None:
+        """cgpu-scheduler's Deployment again with deploy/'s command and
+        `options` after it (its strategy, Recreate, stops the old pod first:
+        both would listen on node-0's port), until the new one is ready."""
+        [deployment] = [d for d in self.extender_manifests() if d["kind"] == "Deployment"]
+        command = [*deployment["spec"]["template"]["spec"]["containers"][0]["command"], *options]
+        patch = [{"op": "replace", "path": "/spec/template/spec/containers/0/command", "value": command}]
+        self.kubectl(
+            "-n", "kube-system", "patch", "deployment", "cgpu-scheduler", "--type=json", "-p", json.dumps(patch)
+        )
+        self.kubectl(
+            "-n", "kube-system", "rollout", "status", "deployment/cgpu-scheduler", "--timeout=120s", timeout=130
+        )
+
+        def serving() -> bool:
+            try:
+                return self.extender_inspect()["pick_at_filter"] == ("--pick-at-filter" in options)
+            except OSError:
+                return False
+
+        until(serving, WAIT, interval=0.2, what="the new cgpu-scheduler answering")
+
     def scheduler_config(self) -> dict[str, Any]:
         """deploy/kube-scheduler-config.yaml with this cluster's paths and the
         extender's address: nothing else of it is changed."""
@@ -1130,12 +1152,16 @@ class RealCluster(StartOrClose):
     def logs(self, name: str, namespace: str = "default") -> str:
         return self.kubectl("logs", name, "-n", namespace).stdout
 
+    def extender_inspect(self) -> dict[str, Any]:
+        """cgpu-scheduler's GET /inspect."""
+        context = ssl.create_default_context(cafile=str(self.capacity_pki.ca))
+        with urllib.request.urlopen(f"{self.extender_url}/inspect", timeout=10, context=context) as r:
+            return cast(dict[str, Any], json.loads(r.read()))
+
     def extender_nodes(self) -> dict[str, dict[str, Any]]:
         """cgpu-scheduler's GET /inspect: node name -> its entry (address,
         connected, error, state)."""
-        context = ssl.create_default_context(cafile=str(self.capacity_pki.ca))
-        with urllib.request.urlopen(f"{self.extender_url}/inspect", timeout=10, context=context) as r:
-            return {n["name"]: n for n in json.loads(r.read())["nodes"]}
+        return {n["name"]: n for n in self.extender_inspect()["nodes"]}
 
     def extender_view(self) -> dict[str, dict[str, Any]]:
         """Node name -> its state as cgpu-scheduler sees it (what it places by)."""
