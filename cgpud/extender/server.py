@@ -267,17 +267,30 @@ class Extender:
             self._skipped = dict(reasons)
             self._memos.clear()  # their unknown nodes' reasons may have changed
 
-    def _answer(self, verb: str, demand: PodDemand, names: _Names) -> dict[str, Any] | bytes:
+    def _answer(
+        self, verb: str, demand: PodDemand, names: _Names, then: list[Callable[[], None]] | None = None
+    ) -> dict[str, Any] | bytes:
         """The verb's answer as JSON text, from the memo of this shape and
         node list when there is one (redoing only the nodes written since;
-        the same text again when none was)."""
+        the same text again when none was). `then`: see filter."""
         if verb == FILTER and self.pick_at_filter and not demand.whole:
             pick: list[tuple[str, Placement]] = []
             text = self._judged(demand, names, lambda judged: self._picked(names, judged, pick))
-            if pick and self.binder is not None:  # outside the memos' lock: the hold writes the node's record
-                self.binder.picked(demand, *pick[0])
+            if pick:  # outside the memos' lock: the hold writes the node's record
+                self._hold_pick(demand, *pick[0], then)
             return text
         return self._judged(demand, names, lambda judged: self._text(verb, names, judged))
+
+    def _hold_pick(
+        self, demand: PodDemand, node: str, placement: Placement, then: list[Callable[[], None]] | None
+    ) -> None:
+        if self.binder is None:
+            return
+        if then is None:
+            self.binder.picked(demand, node, placement)
+        else:
+            binder = self.binder
+            then.append(lambda: binder.picked(demand, node, placement))
 
     def _judged(
         self, demand: PodDemand, names: _Names, answer: Callable[[_Judged], dict[str, Any] | bytes]
@@ -560,7 +573,13 @@ class Extender:
             f"kube-scheduler retries it: {'; '.join(waiting)}"
         }
 
-    def filter(self, body: Any, texts: _Texts | None = None) -> dict[str, Any] | bytes:
+    def filter(
+        self, body: Any, texts: _Texts | None = None, then: list[Callable[[], None]] | None = None
+    ) -> dict[str, Any] | bytes:
+        """`then`: where to leave the work of holding a pick (--pick-at-filter)
+        for after the answer is sent, off kube-scheduler's one scheduling
+        loop; the next filter on the same connection comes after it. None:
+        done before this returns."""
         demand, names, items = self._args(body, texts)
         failed: dict[str, str] = {}
         unresolvable: dict[str, str] = {}
@@ -574,7 +593,7 @@ class Extender:
                 self.binder.remember(demand)
             self._seen(demand)
             if items is None:  # the node cache's answer, built as text from the nodes' rendered parts
-                return self._answer(FILTER, demand, names)
+                return self._answer(FILTER, demand, names, then)
             judged = self._judge_all(demand, names)
             later = self._retry_later(names, judged)
             if later is not None:
@@ -590,8 +609,7 @@ class Extender:
                 top = max(a.score for _, a in placed)
                 name, placement = self._rng.choice([(n, a) for n, a in placed if a.score == top])
                 passed = [name]
-                if self.binder is not None:
-                    self.binder.picked(demand, name, placement)
+                self._hold_pick(demand, name, placement, then)
         out: dict[str, Any] = {"FailedNodes": failed, "FailedAndUnresolvableNodes": unresolvable, "Error": ""}
         if items is None:
             out["Nodes"] = None
@@ -852,8 +870,9 @@ class _Handler(BoundedHandler, socketserver.StreamRequestHandler):
             except orjson.JSONDecodeError as e:
                 self._send(400, {"Error": f"{path}: the body is not JSON ({e})"})
                 return
+        then: list[Callable[[], None]] = []
         try:
-            answer = verb(body, texts)
+            answer = extender.filter(body, texts, then) if verb is verbs[FILTER] else verb(body, texts)
         except BadRequest as e:
             self._send(400, {"Error": f"{path}: {e}"})
             return
@@ -863,6 +882,8 @@ class _Handler(BoundedHandler, socketserver.StreamRequestHandler):
             return
         extender.answered(path[1:])
         self._send(200, answer)
+        for step in then:
+            step()
 
 
 class _Http(BoundedServer, socketserver.TCPServer):

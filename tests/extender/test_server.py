@@ -493,9 +493,11 @@ def test_pick_at_filter_passes_the_best_scored_node_and_follows_each_new_view(
         # The refused nodes are reported as without the pick; the passed
         # node left out is in no list (kube-scheduler drops it silently).
         assert set(out["FailedAndUnresolvableNodes"]) == {"whole", "dead", "ghost"} and out["FailedNodes"] == {}
-    binder = picking.extender.binder
-    assert isinstance(binder, FakeBinder) and binder.picks == [("p", "busy")] * 3  # each pick is held
+    # Each pick is held, after its answer went out and before the next
+    # request on the connection is read.
     assert c.call("GET", "/inspect")[1]["pick_at_filter"] is True
+    binder = picking.extender.binder
+    assert isinstance(binder, FakeBinder) and binder.picks == [("p", "busy")] * 3
     # busy fills up: the kept answer takes its new view, and idle is picked.
     cluster.set_state("busy", "10.0.0.1:9455", node("busy", gpus=[gpu(0, used=16), gpu(1, used=16)], revision=2))
     _, out = c.call("POST", "/filter", args(p, ALL))
