@@ -818,7 +818,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--bind-pick",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="also bind with cgpu-scheduler --pick-at-filter (kube-scheduler then skips prioritize), interleaved",
+        help="also bind with cgpu-scheduler --pick-at-filter (kube-scheduler then skips prioritize), interleaved; "
+        "over HTTPS with a client CA, which the option needs, whatever --bind-tls says",
     )
     p.add_argument(
         "--bind-tls",
@@ -856,18 +857,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             for r in range(args.bind_rounds):
                 for t in list(sides) if r % 2 == 0 else list(sides)[::-1]:
                     root, extender_args = sides[t]
+                    tls = args.bind_tls or t == PICK_SIDE  # --pick-at-filter needs --client-ca
                     bind = measure_binds(
                         args.bind_pods,
                         args.bind_nodes,
                         args.bind_parallel,
                         args.bind_gpu_gib,
                         root,
-                        args.bind_tls,
+                        tls,
                         extender_args,
                     )
                     runs[t].append(bind)
                     print(
-                        f"\nbind end to end ({t}, round {r + 1}{', HTTPS, client CA' if args.bind_tls else ''}): "
+                        f"\nbind end to end ({t}, round {r + 1}{', HTTPS, client CA' if tls else ''}): "
                         f"{bind['pods']} pods of 1 GiB on "
                         f"{args.bind_nodes} nodes x 2 GPUs, {args.bind_parallel} in flight: "
                         f"{bind['seconds']:.2f} s, {bind['rate']:.0f} pods/s ({bind['retries']} cycles retried; "

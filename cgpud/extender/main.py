@@ -78,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="the filter passes a GPU-share pod only the node it would score highest, so kube-scheduler "
         "binds there without prioritize (one round trip fewer a pod; kube-scheduler's own scores no "
-        "longer weigh in for these pods)",
+        "longer weigh in for these pods); needs --client-ca",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
@@ -109,6 +109,12 @@ def run(args: argparse.Namespace) -> int:
             )
         serving = ServerTls(args.serve_cert, args.serve_key, args.client_ca)
         serving.context()  # unreadable files fail now, not at the first request
+    verified = serving is not None and serving.client_ca is not None
+    if args.pick_at_filter and not verified:
+        raise UsageError(
+            "--pick-at-filter needs --client-ca: the pick is held on its node until the pod's bind, and a "
+            "filter anyone may call must not hold capacity (docs/scheduler.md)"
+        )
     nodes = read_node_file(args.nodes) if args.nodes else None
     in_cluster = bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
     api = KubePodApi(args.kubeconfig) if args.kubeconfig or in_cluster else None
@@ -118,7 +124,6 @@ def run(args: argparse.Namespace) -> int:
         )
     state = ClusterState()
     clients = Clients(tls)
-    verified = serving is not None and serving.client_ca is not None
     binder = Binder(state, clients, api, ttl=args.reservation_ttl, callers_verified=verified)
     server = ExtenderServer(state, binder, listen.host, listen.port, tls=serving, pick_at_filter=args.pick_at_filter)
     watchers = Watchers(state, clients)
