@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import http.client
 import json
+import random
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from cgpud.extender.bind import Assignment, BindArgs, BindError
-from cgpud.extender.fit import Placement
+from cgpud.extender.fit import Placement, Reason, Rendered, render
 from cgpud.extender.model import view_from_json
 from cgpud.extender.pod import PodDemand
-from cgpud.extender.server import MAX_BODY, ExtenderServer
+from cgpud.extender.server import MAX_BODY, ExtenderServer, _Judged
 from cgpud.extender.state import ClusterState
 from tests.harness.extender_nodes import container, gpu, node, pod
 
@@ -542,3 +543,24 @@ def test_pick_at_filter_leaves_pods_it_does_not_bind_to_kube_scheduler(
     whole = pod(containers=[{"name": "c", "image": "x", "resources": {"limits": {"aliyun.com/gpu": 2}}}])
     _, out = c.call("POST", "/filter", args(whole, ["topo-a", "topo-b", "idle"]))
     assert out["NodeNames"] == ["topo-a", "topo-b"], out
+
+
+def test_the_best_nodes_kept_in_step_are_those_a_scan_finds() -> None:
+    """_Judged.best_placed follows each node's new answer without scanning
+    every node again (a bind changes one node): checked against a scan
+    over random changes, ties and refusals included."""
+    rng = random.Random(7)
+
+    def answer(i: int) -> Rendered:
+        if rng.random() < 0.2:
+            return render(Reason("full", resolvable=True), json.dumps(f"n{i}"))
+        return render(Placement(f"n{i}", ((1, 0, (0,)),), 0.5, False, rng.randrange(4)), json.dumps(f"n{i}"))
+
+    judged = _Judged([answer(i) for i in range(12)])
+    for _ in range(500):
+        judged.best_placed()
+        i = rng.randrange(12)
+        judged.set(i, answer(i))
+        scores = {k: r.answer.score for k, r in enumerate(judged.judged) if isinstance(r.answer, Placement)}
+        top = max(scores.values(), default=-1)
+        assert sorted(judged.best_placed()) == sorted(k for k, v in scores.items() if v == top)
