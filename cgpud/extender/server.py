@@ -904,7 +904,10 @@ class _Handler(BoundedHandler, socketserver.StreamRequestHandler):
         extender.answered(path[1:])
         self._send(200, answer)
         for step in then:
-            step()
+            try:
+                step()
+            except Exception:  # a bug: say so, keep the connection (its next request is kube-scheduler's)
+                _log.exception("holding the filter's pick failed", verb=path)
 
 
 class _Http(BoundedServer, socketserver.TCPServer):
