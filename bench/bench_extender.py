@@ -5,6 +5,7 @@ as a non-cache-capable extender gets them); and bind throughput end to end
 on the real multi-node setup (tests/harness/cluster.py).
 
     python -m bench.bench_extender [--nodes 100,1000] [--rounds 5] [--pods 40] [--bind-pods 256] [--bind-tls]
+                                   [--bind-rounds N] [--no-bind-pick] [--bind-pin]
 
 Filter + prioritize: the extender (ExtenderServer over a ClusterState) runs
 in a child process, fed synthetic node views (the issue allows a synthetic
@@ -24,10 +25,13 @@ new view (`cold`: every node's fit worked out afresh).
 
 Bind (root; tests/harness/cluster.py): 8 real cgpud nodes in network namespaces, the
 real cgpu-scheduler process and the test API server. kube-scheduler's part
-runs in a process of its own: one scheduling loop (filter, prioritize, pick)
-handing pods to 16 binding threads (its parallel binding goroutines); a
-failed bind requeues the pod. Pods per second from the first filter to the
-last bind answer, and the CPU each process spent per pod. `--bind-tls`:
+runs in a process of its own: one scheduling loop (filter, prioritize, pick;
+no prioritize when one node passes, as kube-scheduler does) handing pods to
+16 binding threads (its parallel binding goroutines); a failed bind requeues
+the pod. Pods per second from the first filter to the last bind answer, and
+the CPU each process spent per pod. Each round also binds with
+cgpu-scheduler --pick-at-filter (`--no-bind-pick`: not). `--bind-pin`:
+cgpu-scheduler on the first CPU, every other process on the rest. `--bind-tls`:
 cgpu-scheduler over HTTPS with a client CA and the loop calling with a
 client certificate, as deploy/ runs it (then a bind places the pod the loop
 sent at filter instead of reading it from the API server).
@@ -698,6 +702,7 @@ def measure_binds(
     root: str | None = None,
     tls: bool = False,
     extender_args: Sequence[str] = (),
+    pin: bool = False,
 ) -> dict[str, Any]:
     """`pods` pods of 1 GiB through filter, prioritize and bind on the real
     multi-node setup; kube-scheduler's part runs in a process of its own
@@ -707,7 +712,9 @@ def measure_binds(
     run that tree's code (the harness, the API server and the scheduling
     loop stay this tree's). `tls`: cgpu-scheduler as deploy/ runs it,
     HTTPS with a client CA, called with a client certificate.
-    `extender_args`: more of cgpu-scheduler's options."""
+    `extender_args`: more of cgpu-scheduler's options. `pin`: cgpu-scheduler
+    on the first CPU, every other process on the rest (as on a cluster,
+    where it has a core of its own and the rest run elsewhere)."""
     from tests.harness.cluster import Cluster
 
     with _python_path(root):
@@ -719,13 +726,20 @@ def measure_binds(
             nodes=nodes, gpus=2, gpu_memory=f"{gpu_memory_gib}GiB", sweep_interval=SWEEP_INTERVAL
         ).__enter__()
     try:
-        return _binds(cluster, pods, nodes, parallel, root, tls, extender_args)
+        return _binds(cluster, pods, nodes, parallel, root, tls, extender_args, pin)
     finally:
         cluster.__exit__(None, None, None)
 
 
 def _binds(
-    cluster: Any, pods: int, nodes: int, parallel: int, root: str | None, tls: bool, extender_args: Sequence[str]
+    cluster: Any,
+    pods: int,
+    nodes: int,
+    parallel: int,
+    root: str | None,
+    tls: bool,
+    extender_args: Sequence[str],
+    pin: bool,
 ) -> dict[str, Any]:
     from tests.harness.cluster import share_pod
     from tests.harness.tls import make_pki
@@ -752,9 +766,15 @@ def _binds(
         "cgpud x nodes": [n.daemon.proc.pid for n in cluster.nodes if n.daemon.proc is not None],
         "kube-scheduler's part": [proc.pid],
     }
+    everywhere = os.sched_getaffinity(0)
     try:
         if not parent.poll(120) or parent.recv() != "ready":
             raise RuntimeError("the scheduling loop's process did not start")
+        if pin:
+            cpus = sorted(everywhere)
+            for k, v in pids.items():
+                for pid in v:
+                    _pin(pid, {cpus[0]} if k == "cgpu-scheduler" else set(cpus[1:]))
         cpu0 = {k: sum(process_cpu_seconds(p) for p in v) for k, v in pids.items()}
         parent.send("go")
         if not parent.poll(600):
@@ -762,6 +782,8 @@ def _binds(
         answer = parent.recv()
         cpu = {k: sum(process_cpu_seconds(p) for p in v) - cpu0[k] for k, v in pids.items()}
     finally:
+        if pin:
+            _pin(os.getpid(), everywhere)  # this process starts the next run's
         proc.join(30)
         if proc.is_alive():
             proc.kill()
@@ -793,6 +815,16 @@ def _binds(
     }
 
 
+def _pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of `pid` on `cpus` (threads started later inherit
+    their starter's)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            os.sched_setaffinity(int(task.name), cpus)
+        except (ProcessLookupError, FileNotFoundError):
+            continue  # the thread ended meanwhile
+
+
 def load() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
@@ -820,6 +852,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=True,
         help="also bind with cgpu-scheduler --pick-at-filter (kube-scheduler then skips prioritize), interleaved; "
         "over HTTPS with a client CA, which the option needs, whatever --bind-tls says",
+    )
+    p.add_argument(
+        "--bind-pin",
+        action="store_true",
+        help="cgpu-scheduler on a CPU of its own and every other process of the bind part on the rest "
+        "(on a cluster the nodes' cgpud, kube-scheduler and the API server run elsewhere)",
     )
     p.add_argument(
         "--bind-tls",
@@ -866,6 +904,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         root,
                         tls,
                         extender_args,
+                        args.bind_pin,
                     )
                     runs[t].append(bind)
                     print(
