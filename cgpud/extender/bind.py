@@ -237,13 +237,16 @@ class Binder:
         record = self.state.record(node)
         if record is None or any(h.pod_uid == demand.uid and h.picked is None for h in record.holds):
             return  # its bind is under way there
+        forgotten: list[tuple[str, str]] = []
         with self._locks_lock:
             before = self._picks.pop(demand.uid, None)
             self._picks[demand.uid] = node
             while len(self._picks) > PICKS:
-                self._picks.popitem(last=False)
+                forgotten.append(self._picks.popitem(last=False))
         if before is not None and before != node:
-            self.state.release(before, demand.uid, picked_only=True)
+            forgotten.append((demand.uid, before))
+        for uid, where in forgotten:  # a pick not remembered is not held: at most PICKS are
+            self.state.release(where, uid, picked_only=True)
         self.state.hold(
             node,
             Hold(

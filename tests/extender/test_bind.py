@@ -434,3 +434,17 @@ def test_picks_from_callers_anyone_may_be_hold_nothing(state: ClusterState) -> N
     b = Binder(state, FakeClients(), FakeApi())  # type: ignore[arg-type]
     _picked(b, state, pod("p", [container("c", mem="4")], uid="u1"), "n1")
     assert _allocated(state, "n1") == 8 * GIB
+
+
+def test_at_most_picks_are_held_however_many_pods_are_filtered(
+    state: ClusterState, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A caller filtering pod after pod that never binds holds no more than
+    the picks remembered: the oldest is given back."""
+    monkeypatch.setattr("cgpud.extender.bind.PICKS", 3)
+    b = Binder(state, FakeClients(), FakeApi(), callers_verified=True)  # type: ignore[arg-type]
+    for k in range(6):
+        _picked(b, state, _versioned(pod(f"p{k}", [container("c", mem="1")], uid=f"u{k}"), "1"), "n1")
+    rec = state.record("n1")
+    assert rec is not None and [h.pod_uid for h in rec.holds] == ["u3", "u4", "u5"]
+    assert _allocated(state, "n1") == 11 * GIB
