@@ -694,70 +694,67 @@ def _python_path(root: str | None) -> Iterator[None]:
             os.environ["PYTHONPATH"] = old
 
 
-def measure_binds(
-    pods: int,
-    nodes: int,
-    parallel: int,
-    gpu_memory_gib: int,
-    root: str | None = None,
-    tls: bool = False,
-    extender_args: Sequence[str] = (),
-    pin: bool = False,
-) -> dict[str, Any]:
-    """`pods` pods of 1 GiB through filter, prioritize and bind on the real
+@dataclass(frozen=True)
+class BindRun:
+    """One bind run: `pods` pods of 1 GiB on `nodes` nodes of two GPUs of
+    `gpu_memory_gib`, `parallel` binds in flight. `root`: the cgpud nodes
+    and cgpu-scheduler run that tree's code (the harness, the API server
+    and the scheduling loop stay this tree's). `tls`: cgpu-scheduler as
+    deploy/ runs it, HTTPS with a client CA, called with a client
+    certificate. `extender_args`: more of cgpu-scheduler's options. `pin`:
+    cgpu-scheduler on the first CPU, every other process on the rest (as on
+    a cluster, where it has a core of its own and the rest run elsewhere)."""
+
+    pods: int
+    nodes: int
+    parallel: int
+    gpu_memory_gib: int
+    root: str | None = None
+    tls: bool = False
+    extender_args: tuple[str, ...] = ()
+    pin: bool = False
+
+
+def measure_binds(run: BindRun) -> dict[str, Any]:
+    """The run's pods through filter, prioritize and bind on the real
     multi-node setup; kube-scheduler's part runs in a process of its own
     (the harness's API server is a thread of this one). Checked after:
     every pod bound where the extender said, no GPU over its memory, one
-    reservation per pod. With `root`, the cgpud nodes and cgpu-scheduler
-    run that tree's code (the harness, the API server and the scheduling
-    loop stay this tree's). `tls`: cgpu-scheduler as deploy/ runs it,
-    HTTPS with a client CA, called with a client certificate.
-    `extender_args`: more of cgpu-scheduler's options. `pin`: cgpu-scheduler
-    on the first CPU, every other process on the rest (as on a cluster,
-    where it has a core of its own and the rest run elsewhere)."""
+    reservation per pod."""
     from tests.harness.cluster import Cluster
 
-    with _python_path(root):
+    with _python_path(run.root):
         # cgpud's own sweep interval (config.sweep_interval, 2 s), not the
         # harness's 1 s for tests: each sweep lists the node's pods from the
         # API server, and on this 2-vCPU VM the eight nodes' extra sweeps
         # took CPU from the binds that a cluster's nodes would not.
         cluster = Cluster(
-            nodes=nodes, gpus=2, gpu_memory=f"{gpu_memory_gib}GiB", sweep_interval=SWEEP_INTERVAL
+            nodes=run.nodes, gpus=2, gpu_memory=f"{run.gpu_memory_gib}GiB", sweep_interval=SWEEP_INTERVAL
         ).__enter__()
     try:
-        return _binds(cluster, pods, nodes, parallel, root, tls, extender_args, pin)
+        return _binds(cluster, run)
     finally:
         cluster.__exit__(None, None, None)
 
 
-def _binds(
-    cluster: Any,
-    pods: int,
-    nodes: int,
-    parallel: int,
-    root: str | None,
-    tls: bool,
-    extender_args: Sequence[str],
-    pin: bool,
-) -> dict[str, Any]:
+def _binds(cluster: Any, run: BindRun) -> dict[str, Any]:
     from tests.harness.cluster import share_pod
     from tests.harness.tls import make_pki
 
     assert cluster.api is not None
-    pki = make_pki(cluster.root / "extender-pki") if tls else None
-    with _python_path(root):
-        extender = cluster.start_extender(*extender_args, serving=pki)
+    pki = make_pki(cluster.root / "extender-pki") if run.tls else None
+    with _python_path(run.root):
+        extender = cluster.start_extender(*run.extender_args, serving=pki)
     cluster.wait_connected(extender)
-    if root is not None:
+    if run.root is not None:
         tree = Path(f"/proc/{extender.proc.pid}/environ").read_bytes()
-        if f"PYTHONPATH={root}".encode() not in tree:
-            raise RuntimeError(f"cgpu-scheduler was not started with the baseline tree {root}")
-    batch = [cluster.api.state.add_pod(share_pod(f"bind-{k}", 1)) for k in range(pods)]
+        if f"PYTHONPATH={run.root}".encode() not in tree:
+            raise RuntimeError(f"cgpu-scheduler was not started with the baseline tree {run.root}")
+    batch = [cluster.api.state.add_pod(share_pod(f"bind-{k}", 1)) for k in range(run.pods)]
     ctx = multiprocessing.get_context("spawn")  # no fork of a process with gRPC threads
     parent, child = ctx.Pipe()
     proc = ctx.Process(
-        target=scheduler_loop, args=(extender.url, cluster.names, batch, parallel, child, pki), daemon=True
+        target=scheduler_loop, args=(extender.url, cluster.names, batch, run.parallel, child, pki), daemon=True
     )
     proc.start()
     pids = {
@@ -770,7 +767,7 @@ def _binds(
     try:
         if not parent.poll(120) or parent.recv() != "ready":
             raise RuntimeError("the scheduling loop's process did not start")
-        if pin:
+        if run.pin:
             cpus = sorted(everywhere)
             for k, v in pids.items():
                 for pid in v:
@@ -782,7 +779,7 @@ def _binds(
         answer = parent.recv()
         cpu = {k: sum(process_cpu_seconds(p) for p in v) - cpu0[k] for k, v in pids.items()}
     finally:
-        if pin:
+        if run.pin:
             _pin(os.getpid(), everywhere)  # this process starts the next run's
         proc.join(30)
         if proc.is_alive():
@@ -794,24 +791,26 @@ def _binds(
         if cluster.api.state.pod("default", name)["spec"].get("nodeName") != node:
             raise RuntimeError(f"pod {name}: the API server's binding is not the extender's answer {node}")
     reservations = over = 0
-    for i in range(nodes):
+    for i in range(run.nodes):
         view = cluster.get_node(i)
         reservations += len(view.reservations)
         over += sum(1 for g in view.gpus if g.memory_allocated_bytes > g.memory_total_bytes)
-    if over or reservations != pods:
-        raise RuntimeError(f"after the binds: {over} GPUs over capacity, {reservations} reservations for {pods} pods")
+    if over or reservations != run.pods:
+        raise RuntimeError(
+            f"after the binds: {over} GPUs over capacity, {reservations} reservations for {run.pods} pods"
+        )
     per_node = sorted(list(bound.values()).count(n) for n in cluster.names)
     return {
-        "pods": pods,
+        "pods": run.pods,
         "seconds": elapsed,
-        "rate": pods / elapsed,
+        "rate": run.pods / elapsed,
         "retries": retries + len(failed_binds),
         "failed_binds": failed_binds[:3],
         "per_node": per_node,
         "cycle_ms": cycle_ms,
         "bind_ms": bind_ms,
         "prioritized": prioritized,
-        "cpu_ms_per_pod": {k: v * 1e3 / pods for k, v in cpu.items()},
+        "cpu_ms_per_pod": {k: v * 1e3 / run.pods for k, v in cpu.items()},
     }
 
 
@@ -897,14 +896,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                     root, extender_args = sides[t]
                     tls = args.bind_tls or t == PICK_SIDE  # --pick-at-filter needs --client-ca
                     bind = measure_binds(
-                        args.bind_pods,
-                        args.bind_nodes,
-                        args.bind_parallel,
-                        args.bind_gpu_gib,
-                        root,
-                        tls,
-                        extender_args,
-                        args.bind_pin,
+                        BindRun(
+                            args.bind_pods,
+                            args.bind_nodes,
+                            args.bind_parallel,
+                            args.bind_gpu_gib,
+                            root,
+                            tls,
+                            extender_args,
+                            args.bind_pin,
+                        )
                     )
                     runs[t].append(bind)
                     print(
