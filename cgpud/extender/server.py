@@ -361,12 +361,19 @@ class Extender:
     ) -> dict[str, Any] | bytes:
         """The filter's answer with the best node alone, appended to `pick`
         with its placement."""
-        best = judged.best_placed()
-        if not best:
+        i = self._best(judged)
+        if i is None:
             return self._text(FILTER, names, judged)
-        i = best[0] if len(best) == 1 else self._rng.choice(best)
         pick.append((names[i], cast(Placement, judged.judged[i].answer)))
         return judged.picked_text(i)
+
+    def _best(self, judged: _Judged) -> int | None:
+        """The place of a node of the highest score (ties drawn at random),
+        or None when none is placed."""
+        best = judged.best_placed()
+        if not best:
+            return None
+        return best[0] if len(best) == 1 else self._rng.choice(best)
 
     def patch(self, name: str, summary: NodeSummary | None, generation: int) -> None:
         """A node's record was replaced (write `generation`): each kept
@@ -625,12 +632,10 @@ class Extender:
                     (failed if answer.resolvable else unresolvable)[name] = answer.text
                 else:
                     passed.append(name)
-            if passed and self.pick_at_filter and not demand.whole:
-                placed = [(n, r.answer) for n, r in zip(names, judged) if isinstance(r.answer, Placement)]
-                top = max(a.score for _, a in placed)
-                name, placement = self._rng.choice([(n, a) for n, a in placed if a.score == top])
-                passed = [name]
-                self._hold_pick(demand, name, placement, then)
+            i = self._best(_Judged(judged)) if self.pick_at_filter and not demand.whole else None
+            if i is not None:
+                passed = [names[i]]
+                self._hold_pick(demand, names[i], cast(Placement, judged[i].answer), then)
         out: dict[str, Any] = {"FailedNodes": failed, "FailedAndUnresolvableNodes": unresolvable, "Error": ""}
         if items is None:
             out["Nodes"] = None
