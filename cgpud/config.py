@@ -80,6 +80,12 @@ class DaemonConfig:
         "is away: cgpud hands out no slices (far less of its CPU; its grants and charged time stay still, the "
         "paced time is tenant-reported)",
     )
+    busy_windows: bool = _setting(
+        _TIMING.busy_windows,
+        "under the fair, preemptive and weighted policies, while every instance keeps the GPU busy in its turn, "
+        "each keeps to its equal (weighted) window by itself and cgpud hands out no slices, until one leaves its "
+        "window idle (far less of cgpud's CPU with many busy instances)",
+    )
     state_dir: Path = _setting(Path("/var/lib/cgpud"), "instance table and instance regions")
     socket: Path = _setting(DEFAULT_SOCKET, "local API socket (root only)")
     relay_socket: Path = _setting(
@@ -211,6 +217,7 @@ class DaemonConfig:
             round(self.compute_slice_ms * 1e6),
             self.high_priority_percent,
             self.fixed_windows,
+            self.busy_windows,
         )
 
     def allow_rules(self) -> tuple[AllowRule, ...]:

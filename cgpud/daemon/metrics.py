@@ -299,7 +299,7 @@ class CgpuCollector(Collector):
         paced = CounterMetricFamily(
             "cgpu_instance_compute_paced_seconds",
             "device time of the instance's launches while they kept to its window of each period by themselves "
-            "(fixed_windows, or cgpud away), as its processes measure it (tenant-reported)",
+            "(fixed_windows, busy_windows, or cgpud away), as its processes measure it (tenant-reported)",
             labels=_INSTANCE_LABELS,
         )
         violations = CounterMetricFamily(

@@ -52,8 +52,9 @@ class GpuSchedule:
     fence_wait_ns: int
     fences_late: int = 0
     idle_handovers: int = 0  # grants ended early: the holder was idle and another instance waited
-    paced: bool = False  # every instance keeps to its window by itself (ComputeTiming.fixed_windows)
+    paced: bool = False  # every instance keeps to its window by itself (ComputeTiming.fixed_windows, busy_windows)
     pace_refused: bool = False  # threads waited at a paced gate (an older libcgpu): slices until a change
+    busy_ended: int = 0  # busy windows ended because an instance left its window idle
 
 
 @dataclass(frozen=True)
@@ -95,8 +96,11 @@ class ComputeScheduler:
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._log = structlog.get_logger("cgpud.compute")
+        windows = (lib.CGPU_ENGINE_WINDOWS_FIXED if timing.fixed_windows else 0) | (
+            lib.CGPU_ENGINE_WINDOWS_BUSY if timing.busy_windows else 0
+        )
         for gpu in range(gpu_count):
-            _check(lib.cgpu_engine_set_windows(self._engine, gpu, int(timing.fixed_windows)), "cannot set windows")
+            _check(lib.cgpu_engine_set_windows(self._engine, gpu, windows), "cannot set windows")
 
     def start(self) -> ComputeScheduler:
         for gpu in range(self._gpu_count):
@@ -221,6 +225,7 @@ class ComputeScheduler:
             s.idle_handovers,
             bool(s.paced),
             bool(s.pace_refused),
+            s.busy_ended,
         )
 
     def tenant_metrics(self) -> dict[str, list[TenantMetrics]]:

@@ -167,6 +167,11 @@ class ComputeTiming:
     # itself while cgpud runs, as it does while cgpud is away: no slices
     # handed out (docs/compute.md, "Windows under fixed").
     fixed_windows: bool = False
+    # Under `fair`, `preemptive` and `weighted`, while every instance keeps
+    # the GPU busy in its turn, each keeps to its equal (weighted) window by
+    # itself: no slices until one leaves its window idle (docs/compute.md,
+    # "Busy windows").
+    busy_windows: bool = False
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,10 @@ struct tenant {
     uint32_t quiet_handovers; /* idle hand-overs in a row it did not come back from within a grace */
     uint32_t learn_after;     /* how many make its grace short (CGPU_ENGINE_GRACE_LEARN, doubling) */
     unsigned share;           /* its percentage, for the windows it keeps while cgpud is away */
+    unsigned weight;          /* for its busy window under `weighted` */
+    int high_priority;        /* takes the GPU first: no busy window holds that */
     int paced;                /* its gate is the grant's `paced` word: it keeps to its window */
+    uint64_t fill_mark;       /* its `paced_ns` when the current busy-window weighing began */
 };
 
 struct gpu_loop {
@@ -74,8 +77,10 @@ struct gpu_loop {
     _Atomic uint32_t *bell_wait; /* the holder's bell while the loop sleeps on it */
     int kicked;              /* something changed since the loop last turned */
     int policy;              /* as configured: whether shares hold while cgpud is away */
-    int windows;             /* under `fixed`, the tenants keep to their windows: no slices handed out */
+    int windows;             /* CGPU_ENGINE_WINDOWS_*: policies whose tenants may keep to windows */
     int paced;               /* every tenant does so now, and the loop sleeps until a change */
+    uint64_t busy_from;      /* slices since then found every tenant with work; 0: not so at the last turn */
+    uint64_t fill_from;      /* busy windows: when the current weighing of their use began */
     int pace_strikes;        /* looks in a row that found threads waiting at a paced gate */
     int pace_refused;        /* so slices again, until the tenants or the policy change */
     uint64_t period_ns;
@@ -247,14 +252,48 @@ void cgpu_engine_destroy(struct cgpu_engine *e)
     free(e);
 }
 
+static int busy_policy(int policy)
+{
+    return policy == CGPU_SCHED_FAIR || policy == CGPU_SCHED_PREEMPTIVE || policy == CGPU_SCHED_WEIGHTED;
+}
+
+/* Busy windows: what `fair` and `preemptive` (equal) and `weighted` (by
+ * weight) hand out when every tenant has work, tiled in turn. Caller holds
+ * the mutex. */
+static void plan_busy(struct gpu_loop *g)
+{
+    uint64_t p = g->period_ns, at = 0, total = 0;
+    for (unsigned i = 0; i < CGPU_SCHED_MAX_TENANTS; i++)
+        if (g->t[i].key && !g->t[i].detach_pending)
+            total += g->policy == CGPU_SCHED_WEIGHTED ? g->t[i].weight : 1;
+    for (unsigned i = 0; i < CGPU_SCHED_MAX_TENANTS; i++) {
+        struct tenant *t = &g->t[i];
+        if (!t->key || !t->grants)
+            continue;
+        uint64_t len = 0;
+        if (!t->detach_pending && total)
+            len = p * (g->policy == CGPU_SCHED_WEIGHTED ? t->weight : 1) / total; /* p < 2^32, weight < 2^32 */
+        struct cgpu_device_grant *d = &t->grants->device[t->slot];
+        atomic_store(&d->alone_start_ns, len ? at : 0);
+        atomic_store(&d->alone_len_ns, len);
+        atomic_store(&d->alone_period_ns, len ? p : 0);
+        at += len;
+    }
+}
+
 /* The windows each tenant keeps to while cgpud is away (cgpu/region.h,
  * alone_*): under `fixed`, every share tiles its part of the period in
  * turn and the memory-only tenants share what is left, so tenants that
  * pace themselves without talking to each other never overlap. Other
- * policies lend and borrow, which takes an arbiter: no window (fail open).
+ * policies lend and borrow, which takes an arbiter: no window (fail open),
+ * except while busy windows last, which are what the arbiter would do.
  * Caller holds the mutex. */
 static void plan_alone(struct gpu_loop *g)
 {
+    if (g->paced && busy_policy(g->policy)) {
+        plan_busy(g);
+        return;
+    }
     uint64_t p = g->period_ns, at = 0;
     unsigned total = 0;
     for (unsigned i = 0; i < CGPU_SCHED_MAX_TENANTS; i++)
@@ -284,19 +323,30 @@ static void plan_alone(struct gpu_loop *g)
 }
 
 /* Whether every tenant can keep to its own window with nobody handing out
- * slices: `fixed` with windows asked for, each tenant with a window, cgpud's
- * lock held (so they know cgpud still runs) and no fence outstanding. A
- * fixed schedule lends nothing, so the windows are all it would do. */
-static int paceable(const struct gpu_loop *g)
+ * slices: windows asked for under this policy, each tenant with a window,
+ * cgpud's lock held (so they know cgpud still runs) and no fence
+ * outstanding. A fixed schedule lends nothing, so the windows are all it
+ * would do. Under the busy policies, the same holds while every tenant has
+ * work all the time: the slices must have shown that for
+ * CGPU_ENGINE_BUSY_PROOF_NS (a tenant's own `waiting` and launches, read by
+ * the loop), and it stays so until a tenant leaves its windows idle, a
+ * tenant comes or goes, or the policy changes; nobody takes the GPU first. */
+static int paceable(const struct gpu_loop *g, uint64_t now)
 {
-    if (!g->windows || g->policy != CGPU_SCHED_FIXED || g->pace_refused)
+    int busy = busy_policy(g->policy);
+    if (g->pace_refused || !(g->windows & (busy ? CGPU_ENGINE_WINDOWS_BUSY : CGPU_ENGINE_WINDOWS_FIXED)))
+        return 0;
+    if (!busy && g->policy != CGPU_SCHED_FIXED)
+        return 0;
+    if (busy && !(g->period_ns && g->busy_from && (g->paced || now - g->busy_from >= CGPU_ENGINE_BUSY_PROOF_NS)))
         return 0;
     int n = 0;
     for (unsigned i = 0; i < CGPU_SCHED_MAX_TENANTS; i++) {
         const struct tenant *t = &g->t[i];
         if (!t->key || t->detach_pending)
             continue;
-        if (!t->grants || !t->locked || t->overdue || !atomic_load(&t->grants->device[t->slot].alone_period_ns))
+        if (!t->grants || !t->locked || t->overdue || (busy && t->high_priority) ||
+            (!busy && !atomic_load(&t->grants->device[t->slot].alone_period_ns)))
             return 0;
         n++;
     }
@@ -306,8 +356,13 @@ static int paceable(const struct gpu_loop *g)
 /* Closes each tenant's gate on a word that its grant's `paced` names first,
  * so that its processes pace themselves in their windows from the change
  * on. Caller holds the mutex; no tenant holds the GPU. */
-static void pace_all(struct gpu_loop *g)
+static void pace_all(struct gpu_loop *g, uint64_t now)
 {
+    if (!g->paced && busy_policy(g->policy)) {
+        g->paced = 1; /* plan_alone then plans busy windows */
+        plan_alone(g);
+        g->fill_from = now;
+    }
     for (unsigned i = 0; i < CGPU_SCHED_MAX_TENANTS; i++) {
         struct tenant *t = &g->t[i];
         if (!t->key || t->detach_pending || t->paced)
@@ -320,6 +375,7 @@ static void pace_all(struct gpu_loop *g)
         atomic_store(w, v);
         futex_wake_all(w);
         t->paced = 1;
+        t->fill_mark = atomic_load(&t->usage->device[t->slot].paced_ns);
     }
     g->ungated = 0;
     g->paced = 1;
@@ -338,11 +394,44 @@ static int waiting_at_paced_gate(const struct gpu_loop *g)
     return 0;
 }
 
-/* A change of tenants or policy: pacing may be tried again. */
+/* Whether each paced tenant used its busy windows over the weighing that
+ * ends now: its processes' own measure of their paced device time
+ * (tenant-written). One that says it idled brings the slices back; one that
+ * lies keeps windows it leaves idle, which its own busy kernels could do as
+ * well: what it can cost the others is the loan of its own window. Starts
+ * the next weighing. */
+static int busy_windows_used(struct gpu_loop *g, uint64_t now)
+{
+    /* Bounded so the arithmetic below cannot wrap (a loop stalled for hours). */
+    const uint64_t cap = 1000ull * CGPU_ENGINE_BUSY_FILL_NS;
+    uint64_t elapsed = now - g->fill_from < cap ? now - g->fill_from : cap;
+    int used = 1;
+    for (unsigned i = 0; i < CGPU_SCHED_MAX_TENANTS; i++) {
+        struct tenant *t = &g->t[i];
+        if (!t->key || !t->paced)
+            continue;
+        uint64_t ns = atomic_load(&t->usage->device[t->slot].paced_ns);
+        uint64_t len = atomic_load(&t->grants->device[t->slot].alone_len_ns);
+        uint64_t took = ns >= t->fill_mark ? ns - t->fill_mark : 0;
+        /* elapsed / 1000 < 2^30 and len <= period < 2^32 (scheduler.h): no
+         * overflow. Measured at each drain of the queue, so up to a window
+         * lags behind. */
+        uint64_t owed = elapsed / 1000 * len / g->period_ns * CGPU_ENGINE_BUSY_FILL_PERCENT / 100 * 1000;
+        if (took + len < owed)
+            used = 0;
+        t->fill_mark = ns;
+    }
+    g->fill_from = now;
+    return used;
+}
+
+/* A change of tenants or policy: pacing may be tried again; busy windows
+ * only after the slices have shown every tenant busy again. */
 static void pace_again(struct gpu_loop *g)
 {
     g->pace_refused = 0;
     g->pace_strikes = 0;
+    g->busy_from = 0;
 }
 
 /* Back to slices: a new closed word ends every tenant's pacing. */
@@ -357,15 +446,18 @@ static void unpace_all(struct gpu_loop *g)
         t->paced = 0;
     }
     g->paced = 0;
+    plan_alone(g); /* busy windows end with the pacing: away, those tenants fail open */
 }
 
-int cgpu_engine_set_windows(struct cgpu_engine *e, unsigned gpu, int on)
+int cgpu_engine_set_windows(struct cgpu_engine *e, unsigned gpu, int which)
 {
     struct gpu_loop *g = loop_at(e, gpu);
     if (!g)
         return e ? CGPU_SCHED_ENODEV : CGPU_SCHED_EINVAL;
+    if (which & ~(CGPU_ENGINE_WINDOWS_FIXED | CGPU_ENGINE_WINDOWS_BUSY))
+        return CGPU_SCHED_EINVAL;
     pthread_mutex_lock(&e->mu);
-    g->windows = on != 0;
+    g->windows = which;
     pace_again(g);
     wake_loop(g);
     pthread_mutex_unlock(&e->mu);
@@ -440,7 +532,10 @@ int cgpu_engine_attach(struct cgpu_engine *e, unsigned gpu, uint64_t key, const 
                              : CGPU_SCHED_EINVAL;
         if (rc == 0) {
             t->share = share_percent;
+            t->weight = weight;
+            t->high_priority = high_priority;
             plan_alone(g);
+            wake_loop(g); /* a tenant that takes the GPU first ends busy windows */
         }
         goto out;
     }
@@ -480,6 +575,8 @@ int cgpu_engine_attach(struct cgpu_engine *e, unsigned gpu, uint64_t key, const 
     }
     *t = fresh;
     t->share = share_percent;
+    t->weight = weight;
+    t->high_priority = high_priority;
     pace_again(g);
     plan_alone(g);
     t->locked = take_gate_lock(t);
@@ -1016,18 +1113,26 @@ int cgpu_engine_run(struct cgpu_engine *e, unsigned gpu)
         charge_overdue(e, gpu, now);
         turn_window(g, now);
         int idle = report_demand(e, gpu, now);
-        if (paceable(g)) {
+        if (!g->paced) /* paced tenants wait at no gate: only slices show who has work */
+            g->busy_from = idle ? 0 : g->busy_from ? g->busy_from : now;
+        if (paceable(g, now)) {
             if (g->holder) {
                 close_holder(e, gpu);
                 continue;
             }
-            pace_all(g);
+            pace_all(g, now);
             g->last_turn = 0; /* nobody waits at a gate meanwhile */
             struct timespec ts = abs_timespec(mono_ns() + CGPU_ENGINE_PACED_LOOK_NS);
             if (pthread_cond_timedwait(&g->wake, &e->mu, &ts) == ETIMEDOUT && !g->kicked) {
                 g->pace_strikes = waiting_at_paced_gate(g) ? g->pace_strikes + 1 : 0;
                 if (g->pace_strikes >= 2)
                     g->pace_refused = 1;
+                uint64_t at = mono_ns();
+                if (busy_policy(g->policy) && at - g->fill_from >= CGPU_ENGINE_BUSY_FILL_NS &&
+                    !busy_windows_used(g, at)) {
+                    g->busy_from = 0;
+                    g->stats.busy_ended++;
+                }
             }
             continue;
         }
@@ -1089,6 +1194,7 @@ int cgpu_engine_run(struct cgpu_engine *e, unsigned gpu)
             if (hold_while_busy(e, g, h, until)) {
                 h->idle_out = 1;
                 g->stats.idle_handovers++;
+                g->busy_from = 0;
                 uint64_t at = mono_ns();
                 judge_quiet(g, at, 0, 1); /* one judgement at a time */
                 g->quiet_key = h->key;

@@ -74,6 +74,19 @@
  * would wait for a grant that never comes). Found twice in a row, the GPU
  * goes back to slices until its tenants or policy change. */
 #define CGPU_ENGINE_PACED_LOOK_NS 250000000
+/* Busy windows (CGPU_ENGINE_WINDOWS_BUSY): the slices must have found every
+ * tenant with work at every turn, and none passed over idle, for this long
+ * before the tenants keep to windows by themselves. */
+#define CGPU_ENGINE_BUSY_PROOF_NS 500000000
+/* While busy windows last, each tenant's paced device time is weighed over
+ * this long: one that used less than CGPU_ENGINE_BUSY_FILL_PERCENT of its
+ * windows (one window's lag allowed) brings the slices back, which lend its
+ * idle time. */
+#define CGPU_ENGINE_BUSY_FILL_NS 1000000000
+#define CGPU_ENGINE_BUSY_FILL_PERCENT 85
+/* cgpu_engine_set_windows: which policies may leave their tenants to windows. */
+#define CGPU_ENGINE_WINDOWS_FIXED 1
+#define CGPU_ENGINE_WINDOWS_BUSY 2
 
 struct cgpu_engine_stats {
     uint64_t decisions;
@@ -83,6 +96,7 @@ struct cgpu_engine_stats {
     uint64_t fences_late;     /* of those, fenced later (charged until then, not granted meanwhile) */
     uint64_t fence_wait_ns;   /* total time from closing to acknowledgement */
     uint64_t idle_handovers;  /* grants ended early: the holder was idle and another tenant waited */
+    uint64_t busy_ended;      /* busy windows ended because a tenant left its windows idle */
     uint64_t holder;          /* key holding the GPU now, 0 for none */
     int tenants;
     int policy;
@@ -113,11 +127,14 @@ void cgpu_engine_destroy(struct cgpu_engine *e);
  * open or map, with the message in err. */
 int cgpu_engine_configure(struct cgpu_engine *e, unsigned gpu, int policy, uint64_t period_ns,
                           uint64_t max_slice_ns, unsigned high_prio_percent);
-/* Under `fixed`, whether the tenants keep to their windows (cgpu/region.h,
- * alone_*) by themselves while cgpud runs, as they do while it is away: the
- * loop then hands out no slices and sleeps until a tenant or the policy
- * changes. Off by default. */
-int cgpu_engine_set_windows(struct cgpu_engine *e, unsigned gpu, int on);
+/* Whether the tenants keep to their windows (cgpu/region.h, alone_*) by
+ * themselves while cgpud runs, as they do while it is away: the loop then
+ * hands out no slices and sleeps until a tenant or the policy changes.
+ * CGPU_ENGINE_WINDOWS_FIXED: under `fixed`, each share's window.
+ * CGPU_ENGINE_WINDOWS_BUSY: under `fair`, `preemptive` and `weighted`, equal
+ * (weighted) windows while every tenant keeps its own busy, which is all the
+ * slices would hand out then. Neither by default. */
+int cgpu_engine_set_windows(struct cgpu_engine *e, unsigned gpu, int which);
 /* Maps <region_dir>/grants and usage and schedules device `slot` of that
  * instance as tenant `key` on `gpu`. */
 int cgpu_engine_attach(struct cgpu_engine *e, unsigned gpu, uint64_t key, const char *region_dir, unsigned slot,

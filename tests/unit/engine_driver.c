@@ -367,6 +367,14 @@ int main(int argc, char **argv)
         case 8:
             tenant_get(e, gpu, key, (r >> 20) % 4 == 0);
             break;
+        case 9: {
+            /* Windows under fixed and the busy policies, on and off; other bits refused. */
+            int which = (int)((r >> 20) % 8);
+            int want = gpu >= GPUS ? CGPU_SCHED_ENODEV : which > 3 ? CGPU_SCHED_EINVAL : 0;
+            int rc = cgpu_engine_set_windows(e, gpu, which);
+            if (rc != want) FAIL("set_windows gpu %u %d: %d, want %d", gpu, which, rc, want);
+            break;
+        }
         default:
             usleep(200);
         }

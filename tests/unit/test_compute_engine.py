@@ -6,6 +6,7 @@ does with the gates. libcgpu.so's side is tested in tests/intercept."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import fcntl
 import os
 import platform
@@ -228,10 +229,6 @@ def test_windows_for_cgpud_away_tile_the_period_under_fixed(tenants) -> None:
         for t in (a, b, m):
             s.attach(t.instance, t.dir)
 
-        def window(t: Tenant) -> tuple[int, int, int]:
-            d = t.grants.device[0]
-            return int(d.alone_start_ns), int(d.alone_len_ns), int(d.alone_period_ns)
-
         p = FAST.period_ns
         assert window(a) == (0, p // 100 * 30, p)
         assert window(b) == (p // 100 * 30, p // 100 * 20, p)
@@ -335,6 +332,200 @@ def test_threads_waiting_at_a_paced_gate_bring_the_slices_back(tenants) -> None:
         assert not s.schedule(0).pace_refused
     finally:
         s.stop()
+
+
+BUSY = ComputeTiming(FAST.period_ns, FAST.max_slice_ns, FAST.high_priority_percent, busy_windows=True)
+
+
+class PacedWork:
+    """Plays the tenants' processes while paced: each adds to its own
+    `paced_ns` what its windows would hold, every 20 ms, until told that one
+    idles."""
+
+    def __init__(self, *tenants: Tenant) -> None:
+        self.busy = {t.instance.id: t for t in tenants}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        last = time.monotonic_ns()
+        while not self._stop.wait(0.02):
+            now = time.monotonic_ns()
+            for t in list(self.busy.values()):
+                d = t.grants.device[0]
+                if d.alone_period_ns:
+                    t.u.device[0].paced_ns += (now - last) * d.alone_len_ns // d.alone_period_ns
+            last = now
+
+    def idle(self, t: Tenant) -> None:
+        self.busy.pop(t.instance.id)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class Players:
+    """The threads that play tenant processes in a test, all stopped at its
+    end (before the tenants' mappings go)."""
+
+    def __init__(self) -> None:
+        self._stops: list[Callable[[], None]] = []
+
+    def acker(self, t: Tenant) -> Acker:
+        a = Acker(t)
+        self._stops.append(a.stop)
+        return a
+
+    def paced(self, *tenants: Tenant) -> PacedWork:
+        w = PacedWork(*tenants)
+        self._stops.append(w.stop)
+        return w
+
+    def bursts(self, t: Tenant) -> None:
+        """Work that comes and goes: `waiting` 0 for 10 ms of every 60."""
+        stop = threading.Event()
+
+        def run() -> None:
+            while not stop.wait(0.05):
+                t.want(0)
+                time.sleep(0.01)
+                t.want(1)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        self._stops.append(lambda: (stop.set(), thread.join()))
+
+    def stop(self) -> None:
+        for s in reversed(self._stops):
+            s()
+
+
+@pytest.fixture
+def players() -> Iterator[Players]:
+    p = Players()
+    yield p
+    p.stop()
+
+
+def window(t: Tenant) -> tuple[int, int, int]:
+    d = t.grants.device[0]
+    return int(d.alone_start_ns), int(d.alone_len_ns), int(d.alone_period_ns)
+
+
+def shown_busy(s: ComputeScheduler, players: Players, *tenants: Tenant) -> None:
+    """Attaches the tenants, each a process that always has work at its gate
+    and fences every closing at once, until the engine paces them; then
+    they wait at no gate, as paced processes do (their fencers go on)."""
+    for t in tenants:
+        players.acker(t)  # alive before the first grant, or `waiting` is taken as stale
+        s.attach(t.instance, t.dir)
+        t.want(1)
+    until(lambda: s.schedule(0).paced, 5.0, interval=0.0005)
+    for t in tenants:
+        t.want(0)
+
+
+@pytest.fixture
+def busy() -> Iterator[ComputeScheduler]:
+    s = ComputeScheduler(1, BUSY).start()
+    yield s
+    s.stop()
+
+
+def test_busy_windows_pace_tenants_shown_busy_and_end_when_one_idles(busy: ComputeScheduler, tenants, players) -> None:
+    """busy_windows under `preemptive`: once the slices have found every
+    tenant with work for CGPU_ENGINE_BUSY_PROOF_NS, each is paced in an equal
+    window and the loop hands out nothing more; one whose paced time stops
+    growing brings the slices back within a weighing or two, and its window
+    goes with them (away, those tenants fail open again)."""
+    s = busy
+    s.configure(NodePolicy(compute_policy=ComputePolicy.PREEMPTIVE))
+    a, b = tenants("a"), tenants("b")
+    t0 = time.monotonic()
+    shown_busy(s, players, a, b)
+    assert time.monotonic() - t0 >= slib.CGPU_ENGINE_BUSY_PROOF_NS / 1e9 * 0.9
+    p = FAST.period_ns
+    assert window(a) == (0, p // 2, p) and window(b) == (p // 2, p // 2, p)
+    assert a.gate == int(a.grants.device[0].paced) and not a.gate & (OPEN | UNGATED)
+    work = players.paced(a, b)
+    quiet = s.schedule(0)
+    time.sleep(2.6 * slib.CGPU_ENGINE_BUSY_FILL_NS / 1e9)  # two weighings and more
+    later = s.schedule(0)
+    assert later.paced and later.busy_ended == 0
+    assert (later.decisions, later.grants) == (quiet.decisions, quiet.grants)
+
+    work.idle(b)
+    until(lambda: not s.schedule(0).paced, 2.6 * slib.CGPU_ENGINE_BUSY_FILL_NS / 1e9, interval=0.001)
+    assert s.schedule(0).busy_ended == 1
+    assert window(a)[2] == 0 and window(b)[2] == 0 and int(a.grants.device[0].paced) == 0
+    a.want(1)  # slices again: the busy one is granted
+    until(lambda: a.gate & OPEN, 3.0, interval=0.0005)
+
+
+def test_busy_windows_follow_weights_and_never_come_with_a_high_priority_or_bursty_tenant(
+    busy: ComputeScheduler, tenants, players
+) -> None:
+    """Under `weighted` the windows follow the weights. A tenant that
+    takes the GPU first, or one whose work comes and goes (no demand at some
+    turns), keeps the GPU in slices."""
+    s = busy
+    s.configure(NodePolicy(compute_policy=ComputePolicy.WEIGHTED))
+    a, b = tenants("a"), tenants("b")
+    a.instance = dataclasses.replace(a.instance, weight=1)
+    b.instance = dataclasses.replace(b.instance, weight=3)
+    shown_busy(s, players, a, b)
+    p = FAST.period_ns
+    assert window(a) == (0, p // 4, p) and window(b) == (p // 4, p * 3 // 4, p)
+
+    h = tenants("h")
+    h.instance = dataclasses.replace(h.instance, priority=1)
+    players.acker(h)
+    s.attach(h.instance, h.dir)
+    for t in (a, b, h):
+        t.want(1)
+    until(lambda: not s.schedule(0).paced, 3.0, interval=0.0005)
+    granted = s.schedule(0).grants
+    time.sleep(3 * slib.CGPU_ENGINE_BUSY_PROOF_NS / 1e9)
+    assert not s.schedule(0).paced and s.schedule(0).grants > granted
+
+    s.detach("h")
+    players.bursts(b)
+    granted = s.schedule(0).grants
+    time.sleep(4 * slib.CGPU_ENGINE_BUSY_PROOF_NS / 1e9)
+    assert not s.schedule(0).paced and s.schedule(0).grants > granted
+
+
+def test_busy_windows_are_off_by_default(sched: ComputeScheduler, tenants, players) -> None:
+    sched.configure(NodePolicy(compute_policy=ComputePolicy.FAIR))
+    c = tenants("c")
+    players.acker(c)
+    sched.attach(c.instance, c.dir)
+    c.want(1)
+    time.sleep(3 * slib.CGPU_ENGINE_BUSY_PROOF_NS / 1e9)
+    assert not sched.schedule(0).paced and window(c)[2] == 0 and sched.schedule(0).grants > 0
+
+
+def test_a_tenant_that_lies_about_its_paced_time_keeps_only_its_own_window(
+    busy: ComputeScheduler, tenants, players
+) -> None:
+    """A tenant may write any `paced_ns`. One that claims to be busy while
+    idle keeps busy windows going: its neighbour still has its own equal
+    window, as the slices would give it. One whose count goes backwards
+    is taken as idle."""
+    s = busy
+    s.configure(NodePolicy(compute_policy=ComputePolicy.FAIR))
+    a, b = tenants("a"), tenants("b")
+    shown_busy(s, players, a, b)
+    a.u.device[0].paced_ns = 1 << 62  # a lie, and at once
+    b.u.device[0].paced_ns = 1 << 62
+    time.sleep(1.3 * slib.CGPU_ENGINE_BUSY_FILL_NS / 1e9)
+    assert s.schedule(0).paced
+    assert window(b)[1] == FAST.period_ns // 2
+    b.u.device[0].paced_ns = 5  # backwards
+    until(lambda: not s.schedule(0).paced, 2.6 * slib.CGPU_ENGINE_BUSY_FILL_NS / 1e9, interval=0.001)
+    assert s.schedule(0).busy_ended == 1
 
 
 def test_without_windows_fixed_hands_out_slices(tenants) -> None:
