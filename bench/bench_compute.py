@@ -31,6 +31,12 @@ It is a report: exit 0 whether or not a target is met, 1 when it could not
 measure. Run from the repository root:
     .venv/bin/python -m bench.bench_compute [--seconds 10] [--quick] [--only NAME]
     .venv/bin/python -m bench.bench_compute --bursty [--shapes] [--quick] [--rounds 3] [--seconds 2] [--only NAME]
+    .venv/bin/python -m bench.bench_compute --compare-arg=--busy-windows --warmup 1.5 [--rounds 3] [--only NAME]
+
+`--cgpud-arg ARG` starts cgpud with ARG (e.g. `--busy-windows`, to show the
+bursty grid's hand-over with that option on). `--compare-arg ARG` runs each
+scenario on two cgpud side by side, the second with ARG, interleaved round
+by round, and prints the shares, utilisation and scheduler thread of both.
 """
 
 from __future__ import annotations
@@ -92,6 +98,23 @@ def scenarios(seconds: float, quick: bool) -> list[Scenario]:
         Scenario("weighted 1:3", "weighted", (TenantSpec(0, weight=1), TenantSpec(0, weight=3)), seconds, (25, 75)),
         Scenario("soft 30/20, both busy", "soft", (TenantSpec(30), TenantSpec(20)), seconds, (60, 40)),
         Scenario("fair 2 tenants", "fair", (TenantSpec(0),) * 2, seconds, (50, 50)),
+        Scenario(
+            "fair 4 tenants, mixed kernels",
+            "fair",
+            tuple(TenantSpec(0, kernel_ns=KERNELS["mix"][i % 3]) for i in range(4)),
+            seconds,
+            (25,) * 4,
+        ),
+        Scenario(
+            "preemptive 2 tenants, 10 ms kernels",
+            "preemptive",
+            (TenantSpec(0, kernel_ns=10_000_000),) * 2,
+            seconds,
+            (50, 50),
+        ),
+        Scenario(
+            "fair 20 tenants, 2 ms kernels", "fair", (TenantSpec(0, kernel_ns=2_000_000),) * 20, seconds, (5,) * 20
+        ),
         Scenario(
             "preemptive, one high-priority",
             "preemptive",
@@ -218,6 +241,11 @@ def sync_scenario(seconds: float, alone: bool = False) -> Scenario:
     )
 
 
+def _chosen(only: str | None, name: str) -> bool:
+    """--only: names containing any of its comma-separated parts."""
+    return not only or any(part in name for part in only.split(","))
+
+
 def _median(results: list[ScenarioResult], value: Callable[[ScenarioResult], float]) -> float:
     return statistics.median(value(r) for r in results)
 
@@ -228,13 +256,18 @@ def _bursty_share(r: ScenarioResult) -> float:
 
 
 def run_bursty(
-    rig: ShareRig, groups: list[BurstyGroup] | list[ShapeGroup], seconds: float, rounds: int, with_sync: bool
+    rig: ShareRig,
+    groups: list[BurstyGroup] | list[ShapeGroup],
+    seconds: float,
+    rounds: int,
+    with_sync: bool,
+    warmup_s: float = 0.5,
 ) -> list[tuple[str, ...]]:
     rows = []
     for g in groups:
         native = g.scenario("native", seconds)
         runs = [(native, True), *((g.scenario(p, seconds), False) for p in g.policies)]
-        results = rig.run_rounds(runs, rounds)
+        results = rig.run_rounds(runs, rounds, warmup_s)
         nat_util, nat_bursty = _median(results[0], lambda r: r.utilisation), _median(results[0], _bursty_share)
         print(f"\n## {g.name}  ({rounds} rounds x {seconds:g} s, median)")
         print(
@@ -266,7 +299,9 @@ def run_bursty(
             )
     if with_sync:
         sc = sync_scenario(seconds)
-        nat, res, alone = rig.run_rounds([(sc, True), (sc, False), (sync_scenario(seconds, alone=True), False)], rounds)
+        nat, res, alone = rig.run_rounds(
+            [(sc, True), (sc, False), (sync_scenario(seconds, alone=True), False)], rounds, warmup_s
+        )
         dev, nat_dev = _median(res, lambda r: r.tenants[0].share), _median(nat, lambda r: r.tenants[0].share)
         alone_dev = _median(alone, lambda r: r.tenants[0].share)
         util, nat_util = _median(res, lambda r: r.utilisation), _median(nat, lambda r: r.utilisation)
@@ -298,21 +333,22 @@ def bursty_main(args: argparse.Namespace) -> int:
     seconds = args.seconds or (1.5 if args.quick else 2.0)
     rounds = args.rounds or (2 if args.quick else 3)
     all_groups = shape_groups(args.quick) if args.shapes else bursty_groups(args.quick)
-    groups = [g for g in all_groups if not args.only or args.only in g.name]
-    with_sync = not args.shapes and (not args.only or args.only in sync_scenario(seconds).name)
+    groups = [g for g in all_groups if _chosen(args.only, g.name)]
+    with_sync = not args.shapes and _chosen(args.only, sync_scenario(seconds).name)
     if not groups and not with_sync:
         print(f"no bursty scenario matches {args.only!r}", file=sys.stderr)
         return 2
     print(
         f"# bursty tenants on the simulated GPU: {len(groups)} {'shape' if args.shapes else 'burst/gap'}/count"
         f" groups, {rounds} rounds x "
-        f"{seconds:g} s each, native and cgpu interleaved; load {os.getloadavg()[0]:.2f}"
+        f"{seconds:g} s each, native and cgpu interleaved; load {os.getloadavg()[0]:.2f};"
+        f" cgpud {' '.join(args.cgpud_arg) or 'at its defaults'}"
     )
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="cgpu-bench-compute-") as tmp:
-        rig = ShareRig(Path(tmp), dict(os.environ))
+        rig = ShareRig(Path(tmp), dict(os.environ), *args.cgpud_arg)
         try:
-            rows = run_bursty(rig, groups, seconds, rounds, with_sync)
+            rows = run_bursty(rig, groups, seconds, rounds, with_sync, args.warmup)
         finally:
             rig.close()
     print(
@@ -334,6 +370,52 @@ def bursty_main(args: argparse.Namespace) -> int:
         ),
         rows,
     )
+    return 0
+
+
+def _shares(results: list[ScenarioResult]) -> str:
+    return "/".join(
+        f"{statistics.median(r.tenants[i].share for r in results):.1f}" for i in range(len(results[0].tenants))
+    )
+
+
+def compare_main(args: argparse.Namespace, chosen: list[Scenario]) -> int:
+    """Each scenario on two cgpud side by side, one with `--compare-arg`s
+    added, interleaved round by round (the order alternating)."""
+    rounds = args.rounds or 3
+    extra = tuple(args.compare_arg)
+    print(
+        f"# compute shares, cgpud {' '.join(args.cgpud_arg) or 'at its defaults'} against the same with"
+        f" {' '.join(extra)}: {len(chosen)} scenarios, {rounds} rounds x {chosen[0].seconds:g} s, measured"
+        f" from {args.warmup:g} s after the tenants run; load {os.getloadavg()[0]:.2f}"
+    )
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="cgpu-bench-compute-") as tmp:
+        rigs = (
+            ShareRig(Path(tmp) / "base", dict(os.environ), *args.cgpud_arg),
+            ShareRig(Path(tmp) / "with", dict(os.environ), *args.cgpud_arg, *extra),
+        )
+        try:
+            for sc in chosen:
+                res: tuple[list[ScenarioResult], list[ScenarioResult]] = ([], [])
+                for r in range(rounds):
+                    for side in (r % 2, 1 - r % 2):
+                        res[side].append(rigs[side].run(sc, warmup_s=args.warmup))
+                targets = "/".join(f"{t.target:g}" for t in res[0][0].tenants)
+                for side, name in ((0, "base"), (1, " ".join(extra))):
+                    util = _median(res[side], lambda r: r.utilisation)
+                    sched = _median(res[side], lambda r: r.scheduler_cpu_percent)
+                    rows.append((sc.name, targets, name, _shares(res[side]), f"{util:.1f}", f"{sched:.3f}"))
+                    print(
+                        f"{sc.name} [{name}]: shares {_shares(res[side])} (target {targets}), utilisation"
+                        f" {util:.1f} % (rounds {', '.join(f'{r.utilisation:.1f}' for r in res[side])}),"
+                        f" scheduler thread {sched:.3f} % of a core"
+                    )
+        finally:
+            for rig in rigs:
+                rig.close()
+    print("\n## summary (medians)")
+    print_table(("scenario", "target %", "cgpud", "shares %", "util %", "scheduler thread % core"), rows)
     return 0
 
 
@@ -383,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, help="measured interval per scenario (10; --bursty: 2 per round)")
     ap.add_argument("--quick", action="store_true", help="2 s and fewer scenarios")
-    ap.add_argument("--only", help="run the scenarios whose name contains this")
+    ap.add_argument("--only", help="run the scenarios whose name contains this (or any of A,B,...)")
     ap.add_argument("--bursty", action="store_true", help="the bursty grid, cgpu against native, instead")
     ap.add_argument("--rounds", type=int, help="--bursty: rounds per cell, the median is reported (3)")
     ap.add_argument(
@@ -391,21 +473,40 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="--bursty: issue 39's burst shapes (how a burst's end is waited for), every tenant with a share",
     )
+    ap.add_argument(
+        "--cgpud-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="an argument for cgpud (repeat for several), e.g. --cgpud-arg=--busy-windows",
+    )
+    ap.add_argument(
+        "--compare-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="run each scenario on a second cgpud with this argument added, side by side (--rounds, 3)",
+    )
+    ap.add_argument(
+        "--warmup", type=float, default=0.5, help="seconds from when every tenant runs to the measured interval (0.5)"
+    )
     args = ap.parse_args(argv)
     if args.bursty:
         return bursty_main(args)
     seconds = 2.0 if args.quick else (args.seconds or 10.0)
-    chosen = [s for s in scenarios(seconds, args.quick) if not args.only or args.only in s.name]
+    chosen = [s for s in scenarios(seconds, args.quick) if _chosen(args.only, s.name)]
     if not chosen:
         print(f"no scenario matches {args.only!r}", file=sys.stderr)
         return 2
+    if args.compare_arg:
+        return compare_main(args, chosen)
     print(f"# compute shares on the simulated GPU: {len(chosen)} scenarios, load {os.getloadavg()[0]:.2f}")
     summary = []
     with tempfile.TemporaryDirectory(prefix="cgpu-bench-compute-") as tmp:
-        rig = ShareRig(Path(tmp), dict(os.environ))
+        rig = ShareRig(Path(tmp), dict(os.environ), *args.cgpud_arg)
         try:
             for sc in chosen:
-                r = rig.run(sc)
+                r = rig.run(sc, warmup_s=args.warmup)
                 report(r)
                 after = "-" if r.settle_error is None else f"{r.settle_error:.2f} / {r.settled_error:.2f}"
                 summary.append(

@@ -15,7 +15,10 @@ core_mem`, the default compute policy, bypass interval and sweep interval
   default; `--scenarios`);
 - busy-fixed-windows: `fixed` with `--fixed-windows`, where each tenant
   keeps to its own window and the scheduler thread sleeps (not a default;
-  a baseline from before the setting cannot run it).
+  a baseline from before the setting cannot run it);
+- busy-fair-windows, busy-preemptive-windows: `fair` or `preemptive` with
+  `--busy-windows`, where the tenants, once shown busy, keep to equal
+  windows and the scheduler thread sleeps (the same caveats).
 
 Both sides run at the same time, the baseline (`--baseline-venv`: another
 build's virtual environment, e.g. main's) with its own cgpud, cgpuctl,
@@ -71,6 +74,13 @@ SCENARIOS = {
         ("--compute-policy", "3", "--fixed-windows"),
         ("--alloc", "512MiB", "--duration", "600", "--kernel-ns", "200000", "--streams", "4"),
     ),
+    **{
+        f"busy-{policy}-windows": (
+            ("--compute-policy", number, "--busy-windows"),
+            ("--alloc", "512MiB", "--duration", "600", "--kernel-ns", "200000", "--streams", "4"),
+        )
+        for policy, number in (("fair", "0"), ("preemptive", "1"))
+    },
 }
 
 

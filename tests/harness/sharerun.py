@@ -255,7 +255,9 @@ class ShareRig:
             time.sleep(0.02)
         raise AssertionError("cgpu-burn did not start under cgpuctl run")
 
-    def run_rounds(self, runs: Sequence[tuple[Scenario, bool]], rounds: int) -> list[list[ScenarioResult]]:
+    def run_rounds(
+        self, runs: Sequence[tuple[Scenario, bool]], rounds: int, warmup_s: float = 0.5
+    ) -> list[list[ScenarioResult]]:
         """Each (scenario, native) `rounds` times, interleaved: every round
         runs them all, starting one further along each time, so neither the
         order nor a drift of the machine's load favours one of them. Returns
@@ -264,7 +266,7 @@ class ShareRig:
         for r in range(rounds):
             for k in range(len(runs)):
                 i = (k + r) % len(runs)
-                out[i].append(self.run(runs[i][0], native=runs[i][1]))
+                out[i].append(self.run(runs[i][0], native=runs[i][1], warmup_s=warmup_s))
         return out
 
     def run(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import statistics
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.harness.sharerun import Sampler, Scenario, ShareRig, TenantSpec, _at, _busy
+from tests.harness.sharerun import Sampler, Scenario, ScenarioResult, ShareRig, TenantSpec, _at, _busy
 from tests.harness.teardown import terminate
 
 pytestmark = pytest.mark.timing  # measures compute shares and hand-over times
@@ -117,6 +118,82 @@ def test_fixed_windows_hold_each_share_with_the_scheduler_thread_asleep(windows_
     if len(sc.tenants) == 1:
         assert r.utilisation <= 35, r.utilisation
     assert r.scheduler_cpu_percent < 0.05, r.scheduler_cpu_percent
+
+
+BUSY_SHOWN_S = 1.5  # the slices' proof that every tenant is busy (0.5 s), the first paced periods, margin
+BUSY_WINDOWED = [sc for sc in SCENARIOS if sc.policy in ("fair", "preemptive", "weighted") and not sc.then_policy]
+BUSY_WINDOWED.append(
+    Scenario(
+        "preemptive, mixed kernels",
+        "preemptive",
+        tuple(TenantSpec(0, kernel_ns=MIX[i % 3]) for i in range(3)),
+        SECONDS,
+        (100 / 3,) * 3,
+    )
+)
+
+
+@pytest.fixture(scope="module")
+def busy_rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ShareRig]:
+    r = ShareRig(tmp_path_factory.mktemp("busy"), dict(os.environ), "--busy-windows")
+    yield r
+    r.close()
+
+
+@pytest.mark.parametrize("sc", BUSY_WINDOWED, ids=[s.name for s in BUSY_WINDOWED])
+def test_busy_windows_hold_each_share_with_the_scheduler_thread_asleep(busy_rig: ShareRig, sc: Scenario) -> None:
+    """busy_windows: tenants the slices have shown busy keep to equal
+    (weighted) windows by themselves and get what the slices gave them,
+    the GPU as busy, while cgpud's scheduler thread sleeps."""
+    r = busy_rig.run(sc, warmup_s=BUSY_SHOWN_S)
+    detail = [(t.target, round(t.share, 2), [round(w, 1) for w in t.windows]) for t in r.tenants]
+    for t in r.tenants:
+        assert t.error <= 5, detail
+        assert all(abs(w - t.target) <= 10 for w in t.windows), detail
+    assert r.utilisation >= 90, (r.utilisation, detail)
+    assert r.scheduler_cpu_percent < 0.05, r.scheduler_cpu_percent
+
+
+def test_busy_windows_leave_a_bursty_tenant_to_the_slices(busy_rig: ShareRig) -> None:
+    """A tenant whose work comes and goes is never shown busy: the slices
+    go on lending its idle time to its saturating neighbour (issue 39's
+    hand-over), and the scheduler thread works as it does without the
+    option."""
+    bursty = TenantSpec(30, kernel_ns=300_000, streams=2, burst_ms=6, gap_ms=20, burst_sync="streams")
+    sc = Scenario("bursty beside saturating, fair 30/70", "fair", (TenantSpec(70, kernel_ns=500_000), bursty), 3.0)
+    runs: list[ScenarioResult] = []
+    while len(runs) < 3:  # the median of three, as tests/integration/test_compute_handover.py
+        runs.append(busy_rig.run(sc, warmup_s=BUSY_SHOWN_S))
+        over = sum(r.utilisation >= 90 for r in runs)
+        if over >= 2 or len(runs) - over >= 2:
+            break
+    seen = [(round(r.utilisation, 1), [round(t.share, 1) for t in r.tenants], r.scheduler_cpu_percent) for r in runs]
+    assert over >= 2, seen
+    assert statistics.median(r.tenants[1].share for r in runs) >= 8, seen
+    assert all(r.scheduler_cpu_percent > 0.05 for r in runs), seen  # slices, not windows
+
+
+def test_busy_windows_end_when_a_tenant_goes_idle(busy_rig: ShareRig) -> None:
+    """Two busy tenants under `preemptive` keep to windows; when one stops
+    launching (its process lives on, idle), the slices come back within
+    about a weighing (1 s) and the other takes the whole GPU."""
+    assert busy_rig.daemon.cgpuctl("policy", "set", "preemptive").returncode == 0
+    sampler = Sampler(busy_rig.env, 20)
+    stays = busy_rig._start(TenantSpec(0))
+    leaves = busy_rig._start(TenantSpec(0, burst_ms=600, gap_ms=60_000))  # 0.6 s of work (1.2 s at half), then idle
+    try:
+        deadline = time.monotonic() + 60
+        pids = [busy_rig._burn_pid(r, deadline) for r in (stays, leaves)]
+        busy_rig._wait_running(sampler, pids, deadline)
+        time.sleep(4.0)
+        t0 = sampler.samples[-1]
+        time.sleep(1.0)
+        t1 = sampler.samples[-1]
+    finally:
+        terminate(stays, leaves, timeout=30, kill=False)
+        sampler.stop()
+    share = 100.0 * (_busy(t1, pids[0]) - _busy(t0, pids[0])) / (t1[0] - t0[0])
+    assert share >= 90, share
 
 
 def test_a_tenant_killed_holding_the_gpu_stalls_the_other_for_at_most_about_a_slice(rig: ShareRig) -> None:
