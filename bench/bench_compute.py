@@ -401,7 +401,7 @@ def compare_main(args: argparse.Namespace, chosen: list[Scenario]) -> int:
                 for r in range(rounds):
                     for side in (r % 2, 1 - r % 2):
                         res[side].append(rigs[side].run(sc, warmup_s=args.warmup))
-                targets = "/".join(f"{t.target:g}" for t in res[0][0].tenants)
+                targets = "/".join(f"{t.target:.3g}" for t in res[0][0].tenants)
                 for side, name in ((0, "base"), (1, " ".join(extra))):
                     util = _median(res[side], lambda r: r.utilisation)
                     sched = _median(res[side], lambda r: r.scheduler_cpu_percent)
@@ -531,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
             "util %",
             "after join/switch: 0-200 / 200-400 ms pt",
             "cgpud CPU %",
-            "scheduler CPU % (ticks)",
+            "scheduler CPU %",
         ),
         summary,
     )

@@ -80,6 +80,7 @@ struct gpu_loop {
     int windows;             /* CGPU_ENGINE_WINDOWS_*: policies whose tenants may keep to windows */
     int paced;               /* every tenant does so now, and the loop sleeps until a change */
     uint64_t busy_from;      /* slices since then found every tenant with work; 0: not so at the last turn */
+    int busy_misses;         /* busy windows ended for want of use since the tenants or policy changed */
     uint64_t fill_from;      /* busy windows: when the current weighing of their use began */
     int pace_strikes;        /* looks in a row that found threads waiting at a paced gate */
     int pace_refused;        /* so slices again, until the tenants or the policy change */
@@ -338,8 +339,12 @@ static int paceable(const struct gpu_loop *g, uint64_t now)
         return 0;
     if (!busy && g->policy != CGPU_SCHED_FIXED)
         return 0;
-    if (busy && !(g->period_ns && g->busy_from && (g->paced || now - g->busy_from >= CGPU_ENGINE_BUSY_PROOF_NS)))
-        return 0;
+    if (busy) {
+        int doublings = g->busy_misses < CGPU_ENGINE_BUSY_BACKOFF_MAX ? g->busy_misses : CGPU_ENGINE_BUSY_BACKOFF_MAX;
+        uint64_t proof = (uint64_t)CGPU_ENGINE_BUSY_PROOF_NS << doublings;
+        if (!(g->period_ns && g->busy_from && (g->paced || now - g->busy_from >= proof)))
+            return 0;
+    }
     int n = 0;
     for (unsigned i = 0; i < CGPU_SCHED_MAX_TENANTS; i++) {
         const struct tenant *t = &g->t[i];
@@ -413,7 +418,7 @@ static int busy_windows_used(struct gpu_loop *g, uint64_t now)
         uint64_t ns = atomic_load(&t->usage->device[t->slot].paced_ns);
         uint64_t len = atomic_load(&t->grants->device[t->slot].alone_len_ns);
         uint64_t took = ns >= t->fill_mark ? ns - t->fill_mark : 0;
-        /* elapsed / 1000 < 2^30 and len <= period < 2^32 (scheduler.h): no
+        /* elapsed / 1000 < 2^31 and len <= period < 2^30 (scheduler.h): no
          * overflow. Measured at each drain of the queue, so up to a window
          * lags behind. */
         uint64_t owed = elapsed / 1000 * len / g->period_ns * CGPU_ENGINE_BUSY_FILL_PERCENT / 100 * 1000;
@@ -432,6 +437,7 @@ static void pace_again(struct gpu_loop *g)
     g->pace_refused = 0;
     g->pace_strikes = 0;
     g->busy_from = 0;
+    g->busy_misses = 0;
 }
 
 /* Back to slices: a new closed word ends every tenant's pacing. */
@@ -1131,6 +1137,7 @@ int cgpu_engine_run(struct cgpu_engine *e, unsigned gpu)
                 if (busy_policy(g->policy) && at - g->fill_from >= CGPU_ENGINE_BUSY_FILL_NS &&
                     !busy_windows_used(g, at)) {
                     g->busy_from = 0;
+                    g->busy_misses++;
                     g->stats.busy_ended++;
                 }
             }

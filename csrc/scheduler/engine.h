@@ -76,14 +76,19 @@
 #define CGPU_ENGINE_PACED_LOOK_NS 250000000
 /* Busy windows (CGPU_ENGINE_WINDOWS_BUSY): the slices must have found every
  * tenant with work at every turn, and none passed over idle, for this long
- * before the tenants keep to windows by themselves. */
+ * before the tenants keep to windows by themselves; twice as long after
+ * each time the windows ended for want of use, up to
+ * CGPU_ENGINE_BUSY_BACKOFF_MAX doublings, until the tenants or the policy
+ * change (work the windows do not fit stays in slices). */
 #define CGPU_ENGINE_BUSY_PROOF_NS 500000000
+#define CGPU_ENGINE_BUSY_BACKOFF_MAX 7
 /* While busy windows last, each tenant's paced device time is weighed over
  * this long: one that used less than CGPU_ENGINE_BUSY_FILL_PERCENT of its
- * windows (one window's lag allowed) brings the slices back, which lend its
- * idle time. */
-#define CGPU_ENGINE_BUSY_FILL_NS 1000000000
-#define CGPU_ENGINE_BUSY_FILL_PERCENT 85
+ * windows (one window's lag allowed: it is counted as each window ends)
+ * brings the slices back, which lend its idle time and fill what the
+ * windows did not. */
+#define CGPU_ENGINE_BUSY_FILL_NS 2000000000
+#define CGPU_ENGINE_BUSY_FILL_PERCENT 90
 /* cgpu_engine_set_windows: which policies may leave their tenants to windows. */
 #define CGPU_ENGINE_WINDOWS_FIXED 1
 #define CGPU_ENGINE_WINDOWS_BUSY 2

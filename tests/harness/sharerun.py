@@ -14,7 +14,6 @@ tests/integration/test_compute_shares.py (2-3 s versions, looser bounds)."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import statistics
 import subprocess
@@ -132,13 +131,12 @@ def _process_cpu(pid: int) -> float:
 
 def _scheduler_cpu(pid: int, gpu: int = 0) -> float:
     """CPU seconds of cgpud's scheduler thread for `gpu` (named by engine.c),
-    from /proc's tick samples: an estimate, where _process_cpu is exact.
-    0 in a mode that runs no scheduler (mps)."""
-    tick = os.sysconf("SC_CLK_TCK")
+    from its schedstat (on-CPU ns; /proc's tick counts are 10 ms samples,
+    which a thread at 0.3 % of a core crosses once in 3 s). 0 in a mode that
+    runs no scheduler (mps)."""
     for task in Path(f"/proc/{pid}/task").iterdir():
         if (task / "comm").read_text().strip() == f"cgpu-sched-{gpu}":
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-            return (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+            return int((task / "schedstat").read_text().split()[0]) / 1e9
     return 0.0
 
 

@@ -8,7 +8,10 @@ machine is noisier than the benchmark's."""
 from __future__ import annotations
 
 import os
+import json
 import signal
+import subprocess
+import sys
 import statistics
 import time
 from collections.abc import Iterator
@@ -16,6 +19,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+from cgpud._region import ffi as rffi
 
 from tests.harness.sharerun import Sampler, Scenario, ScenarioResult, ShareRig, TenantSpec, _at, _busy
 from tests.harness.teardown import terminate
@@ -121,7 +126,13 @@ def test_fixed_windows_hold_each_share_with_the_scheduler_thread_asleep(windows_
 
 
 BUSY_SHOWN_S = 1.5  # the slices' proof that every tenant is busy (0.5 s), the first paced periods, margin
-BUSY_WINDOWED = [sc for sc in SCENARIOS if sc.policy in ("fair", "preemptive", "weighted") and not sc.then_policy]
+BUSY_WINDOWED = [
+    sc
+    for sc in SCENARIOS
+    if sc.policy in ("fair", "preemptive", "weighted")
+    and not sc.then_policy
+    and not any(t.high_priority or t.delay_s for t in sc.tenants)
+]
 BUSY_WINDOWED.append(
     Scenario(
         "preemptive, mixed kernels",
@@ -176,7 +187,7 @@ def test_busy_windows_leave_a_bursty_tenant_to_the_slices(busy_rig: ShareRig) ->
 def test_busy_windows_end_when_a_tenant_goes_idle(busy_rig: ShareRig) -> None:
     """Two busy tenants under `preemptive` keep to windows; when one stops
     launching (its process lives on, idle), the slices come back within
-    about a weighing (1 s) and the other takes the whole GPU."""
+    one or two weighings (2 s each) and the other takes the whole GPU."""
     assert busy_rig.daemon.cgpuctl("policy", "set", "preemptive").returncode == 0
     sampler = Sampler(busy_rig.env, 20)
     stays = busy_rig._start(TenantSpec(0))
@@ -185,7 +196,7 @@ def test_busy_windows_end_when_a_tenant_goes_idle(busy_rig: ShareRig) -> None:
         deadline = time.monotonic() + 60
         pids = [busy_rig._burn_pid(r, deadline) for r in (stays, leaves)]
         busy_rig._wait_running(sampler, pids, deadline)
-        time.sleep(4.0)
+        time.sleep(6.5)  # the work done by about 1.7 s, then up to two weighings
         t0 = sampler.samples[-1]
         time.sleep(1.0)
         t1 = sampler.samples[-1]
@@ -261,3 +272,83 @@ def test_stopping_cgpud_leaves_no_tenant_waiting(tmp_path: Path, policy: str, lo
     finally:
         if r.daemon.proc and r.daemon.proc.poll() is None:
             r.close()
+
+
+def test_busy_windows_hold_while_cgpud_is_away(tmp_path: Path) -> None:
+    """Two busy tenants under `preemptive` with busy windows, then cgpud
+    stopped: each keeps to its window (half the period) as `fixed`
+    tenants do, rather than running ungated."""
+    r = ShareRig(tmp_path, dict(os.environ), "--busy-windows")
+    try:
+        assert r.daemon.cgpuctl("policy", "set", "preemptive").returncode == 0
+        runs = [r._start(TenantSpec(0)) for _ in range(2)]
+        sampler = Sampler(r.env, 20)
+        try:
+            deadline = time.monotonic() + 60
+            pids = [r._burn_pid(run, deadline) for run in runs]
+            r._wait_running(sampler, pids, deadline)
+            time.sleep(BUSY_SHOWN_S)
+            r.daemon.stop()
+            time.sleep(0.3)
+            t0 = sampler.samples[-1]
+            time.sleep(1.0)
+            t1 = sampler.samples[-1]
+        finally:
+            sampler.stop()
+            terminate(*runs, timeout=30, kill=False)
+        shares = [100.0 * (_busy(t1, pid) - _busy(t0, pid)) / (t1[0] - t0[0]) for pid in pids]
+        assert all(40 <= share <= 60 for share in shares), shares
+    finally:
+        if r.daemon.proc and r.daemon.proc.poll() is None:
+            r.close()
+
+
+# A tenant's process (a separate one, as inside its container) that keeps
+# adding to its instance's `paced_ns`: it claims to fill its busy window
+# while its own work has stopped.
+LIAR = r"""
+import os, struct, sys, time
+path, offset = sys.argv[1], int(sys.argv[2])
+fd = os.open(path, os.O_RDWR)
+while True:
+    (ns,) = struct.unpack("<Q", os.pread(fd, 8, offset))
+    os.pwrite(fd, struct.pack("<Q", ns + 50_000_000), offset)
+    time.sleep(0.02)
+"""
+
+
+def test_a_tenant_that_claims_its_busy_window_costs_its_neighbour_no_more_than_its_own_share(
+    busy_rig: ShareRig,
+) -> None:
+    """Under `preemptive` with busy windows, a tenant whose work stops but
+    whose process keeps writing a growing `paced_ns` keeps the windows: its
+    neighbour keeps its own window (half the GPU) and cgpud stays up; what
+    the neighbour loses is the loan of the liar's idle half, which the liar
+    could also burn with kernels of its own (docs/compute.md)."""
+    d = busy_rig.daemon
+    assert d.proc is not None
+    pid = d.proc.pid
+    assert d.cgpuctl("policy", "set", "preemptive").returncode == 0
+    sampler = Sampler(busy_rig.env, 20)
+    honest = busy_rig._start(TenantSpec(0))
+    liar = busy_rig._start(TenantSpec(0, burst_ms=600, gap_ms=60_000))
+    lying: subprocess.Popen[bytes] | None = None
+    try:
+        deadline = time.monotonic() + 60
+        pids = [busy_rig._burn_pid(r, deadline) for r in (honest, liar)]
+        busy_rig._wait_running(sampler, pids, deadline)
+        listed = json.loads(d.cgpuctl("list", "--output", "json").stdout)
+        (instance,) = [i["id"] for i in listed if pids[1] in i["pids"]]
+        offset = rffi.offsetof("struct cgpu_usage", "device") + rffi.offsetof("struct cgpu_device_usage", "paced_ns")
+        usage = d.state / "instances" / instance / "usage"
+        lying = subprocess.Popen([sys.executable, "-c", LIAR, str(usage), str(offset)])
+        time.sleep(6.5)  # its burst over (by about 1.7 s), two weighings and more
+        t0 = sampler.samples[-1]
+        time.sleep(1.0)
+        t1 = sampler.samples[-1]
+    finally:
+        terminate(*(p for p in (honest, liar, lying) if p is not None), timeout=30, kill=False)
+        sampler.stop()
+    share = 100.0 * (_busy(t1, pids[0]) - _busy(t0, pids[0])) / (t1[0] - t0[0])
+    assert d.proc.poll() is None and d.proc.pid == pid
+    assert share >= 45, share  # its own window, whatever the liar writes

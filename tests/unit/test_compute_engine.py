@@ -463,6 +463,13 @@ def test_busy_windows_pace_tenants_shown_busy_and_end_when_one_idles(busy: Compu
     a.want(1)  # slices again: the busy one is granted
     until(lambda: a.gate & OPEN, 3.0, interval=0.0005)
 
+    # Both busy again: windows, but only after twice the proof (the
+    # windows were left unused once since these tenants came).
+    b.want(1)
+    t0 = time.monotonic()
+    until(lambda: s.schedule(0).paced, 5.0, interval=0.0005)
+    assert time.monotonic() - t0 >= 2 * slib.CGPU_ENGINE_BUSY_PROOF_NS / 1e9 * 0.9
+
 
 def test_busy_windows_follow_weights_and_never_come_with_a_high_priority_or_bursty_tenant(
     busy: ComputeScheduler, tenants, players
