@@ -2,7 +2,9 @@
 it with spin kernels of several lengths and with graphs, under the `fixed`
 and `fair` policies and under native time slicing; and under `fixed` with
 `--fixed-windows`, where each tenant keeps to its own window of the period
-by itself (compute.fixed-windows.*; docs/compute.md).
+by itself (compute.fixed-windows.*; docs/compute.md); and under `fair` with
+`--busy-windows`, where two busy tenants keep to equal windows once the
+slices have shown them busy (compute.busy-windows.*).
 
 A tenant's share is its achieved kernel throughput (kernel time completed
 per wall second, from cgpu-burn's own report) over the throughput of the
@@ -48,6 +50,9 @@ PLAN_QUICK = (("fixed", ("1ms", "10ms", "graph")), ("fair", ("1ms",)), ("native"
 # Shapes under `fixed` with --fixed-windows, on a cgpud of their own.
 WINDOWS_FULL = ("100us", "1ms", "10ms", "graph")
 WINDOWS_QUICK = ("1ms", "10ms")
+# Shapes under `fair` with --busy-windows, on a cgpud of their own.
+BUSY_FULL = ("1ms", "10ms", "graph")
+BUSY_QUICK = ("1ms",)
 
 
 def rate(burn: dict[str, Any]) -> float:
@@ -193,6 +198,8 @@ def run(rig: Rig, runner: Runner) -> None:
     names = tuple(f"compute.{policy}.{shape}" for policy, shapes in plan for shape in shapes)
     windows = WINDOWS_QUICK if rig.options.quick else WINDOWS_FULL
     window_names = tuple(f"compute.fixed-windows.{shape}" for shape in windows)
+    busy = BUSY_QUICK if rig.options.quick else BUSY_FULL
+    busy_names = tuple(f"compute.busy-windows.{shape}" for shape in busy)
     alone = Alone(rig)
     if any(runner.wanted(n) for n in names):
         try:
@@ -212,3 +219,11 @@ def run(rig: Rig, runner: Runner) -> None:
                     runner.check(f"compute.fixed-windows.{s}", GROUP, check)
         except CheckError as e:
             runner.fail_rest(window_names, GROUP, str(e))
+    if any(runner.wanted(n) for n in busy_names):
+        try:
+            with rig.cgpud("busy", "--mode", "core_mem", "--compute-policy", "0", "--busy-windows") as d:
+                for s in busy:
+                    check = partial(share_check, rig, d, "fair", SHAPES[s], alone)
+                    runner.check(f"compute.busy-windows.{s}", GROUP, check)
+        except CheckError as e:
+            runner.fail_rest(busy_names, GROUP, str(e))

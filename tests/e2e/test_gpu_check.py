@@ -40,6 +40,7 @@ EVERY_CHECK = {
     "compute.native.1ms",
     "compute.fixed-windows.1ms",
     "compute.fixed-windows.10ms",
+    "compute.busy-windows.1ms",
     "handover.fair.streams",
     "handover.fair.query",
     "handover.fair.none",
