@@ -273,7 +273,7 @@ static void plan_busy(struct gpu_loop *g)
             continue;
         uint64_t len = 0;
         if (!t->detach_pending && total)
-            len = p * (g->policy == CGPU_SCHED_WEIGHTED ? t->weight : 1) / total; /* p < 2^32, weight < 2^32 */
+            len = p * (g->policy == CGPU_SCHED_WEIGHTED ? t->weight : 1) / total; /* p <= 2^30, weight <= 100 */
         struct cgpu_device_grant *d = &t->grants->device[t->slot];
         atomic_store(&d->alone_start_ns, len ? at : 0);
         atomic_store(&d->alone_len_ns, len);
@@ -331,7 +331,8 @@ static void plan_alone(struct gpu_loop *g)
  * work all the time: the slices must have shown that for
  * CGPU_ENGINE_BUSY_PROOF_NS (a tenant's own `waiting` and launches, read by
  * the loop), and it stays so until a tenant leaves its windows idle, a
- * tenant comes or goes, or the policy changes; nobody takes the GPU first. */
+ * tenant comes or goes, or the policy changes; nobody takes the GPU first,
+ * and there are two tenants at least. */
 static int paceable(const struct gpu_loop *g, uint64_t now)
 {
     int busy = busy_policy(g->policy);
@@ -355,7 +356,10 @@ static int paceable(const struct gpu_loop *g, uint64_t now)
             return 0;
         n++;
     }
-    return n > 0;
+    /* A lone busy tenant already holds the GPU with no fences between
+     * slices; a window of the whole period would drain its queue at each
+     * period's end for nothing. */
+    return busy ? n > 1 : n > 0;
 }
 
 /* Closes each tenant's gate on a word that its grant's `paced` names first,

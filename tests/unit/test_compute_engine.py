@@ -504,6 +504,18 @@ def test_busy_windows_follow_weights_and_never_come_with_a_high_priority_or_burs
     assert not s.schedule(0).paced and s.schedule(0).grants > granted
 
 
+def test_a_lone_busy_tenant_keeps_the_gpu_without_windows(busy: ComputeScheduler, tenants, players) -> None:
+    """Alone, a busy tenant holds the GPU with no fences between slices:
+    a window of the whole period would only drain its queue each period."""
+    busy.configure(NodePolicy(compute_policy=ComputePolicy.PREEMPTIVE))
+    c = tenants("c")
+    players.acker(c)
+    busy.attach(c.instance, c.dir)
+    c.want(1)
+    time.sleep(3 * slib.CGPU_ENGINE_BUSY_PROOF_NS / 1e9)
+    assert not busy.schedule(0).paced and window(c)[2] == 0 and c.gate & OPEN
+
+
 def test_busy_windows_are_off_by_default(sched: ComputeScheduler, tenants, players) -> None:
     sched.configure(NodePolicy(compute_policy=ComputePolicy.FAIR))
     c = tenants("c")
