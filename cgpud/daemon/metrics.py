@@ -32,7 +32,7 @@ from cgpud._region import lib as _region_lib
 from cgpud.api.listen import Endpoint, parse_endpoint
 from cgpud.boundedhttp import BoundedHandler, BoundedServer, Bounds
 from cgpud.node.bypass_model import BypassEvents
-from cgpud.node.compute import TenantMetrics
+from cgpud.node.compute import GpuSchedule, TenantMetrics
 from cgpud.node.inventory import NvmlHandles
 from cgpud.node.model import GpuCapacity, Instance, NodePolicy, Reservation
 from cgpud.node.region import USAGE_FILE
@@ -96,6 +96,8 @@ class MetricsSource(Protocol):
     def policy(self) -> NodePolicy: ...
 
     def compute_metrics(self) -> dict[str, list[TenantMetrics]]: ...
+
+    def compute_schedules(self) -> dict[int, GpuSchedule]: ...
 
     def region_dir(self, instance_id: str) -> os.PathLike[str]: ...
 
@@ -240,6 +242,7 @@ class CgpuCollector(Collector):
             cores.add_metric(labels, held[index][1])
             count.add_metric(labels, held[index][2])
         yield from (total, allocated, cores, count)
+        yield from self._schedules(gpus)
         if self._utilisation is not None:
             busy = GaugeMetricFamily(
                 "cgpu_gpu_utilization_percent",
@@ -250,6 +253,25 @@ class CgpuCollector(Collector):
                 if index in gpus:
                     busy.add_metric(self._gpu_labels(gpus[index]), percent)
             yield busy
+
+    def _schedules(self, gpus: Mapping[int, GpuCapacity]) -> Iterator[Metric]:
+        windowed = GaugeMetricFamily(
+            "cgpu_gpu_compute_windowed",
+            "1 while every instance on the GPU keeps to its own window of each period by itself "
+            "(fixed_windows, busy_windows) and the scheduler hands out no slices",
+            labels=_GPU_LABELS,
+        )
+        ended = CounterMetricFamily(
+            "cgpu_gpu_compute_busy_windows_ended",
+            "times busy windows ended because an instance left its window unused",
+            labels=_GPU_LABELS,
+        )
+        for index, s in sorted(self._source.compute_schedules().items()):
+            if index in gpus:
+                labels = self._gpu_labels(gpus[index])
+                windowed.add_metric(labels, int(s.paced))
+                ended.add_metric(labels, s.busy_ended)
+        yield from (windowed, ended)
 
     def _per_instance(self, gpus: Mapping[int, GpuCapacity], instances: Sequence[Instance]) -> Iterator[Metric]:
         limit = GaugeMetricFamily(

@@ -228,6 +228,10 @@ class ComputeScheduler:
             s.busy_ended,
         )
 
+    def schedules(self) -> dict[int, GpuSchedule]:
+        """Every GPU's schedule, by index."""
+        return {gpu: self.schedule(gpu) for gpu in range(self._gpu_count)}
+
     def tenant_metrics(self) -> dict[str, list[TenantMetrics]]:
         """Every scheduled instance's accounting, by instance id."""
         m = ffi.new("struct cgpu_engine_tenant_metrics *")

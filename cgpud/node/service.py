@@ -27,7 +27,7 @@ from cgpud.node import host, placement, procmap
 from cgpud.node.changes import Changes
 from cgpud.node.model import ComputePolicy, GpuCapacity, Instance, InstanceState, NodeInfo, NodeMode, NodePolicy
 from cgpud.node.model import OwnerKind, Placement, Request, Reservation, Share, WHOLE_GPU_MODES
-from cgpud.node.compute import ComputeError, ComputeScheduler, TenantMetrics
+from cgpud.node.compute import ComputeError, ComputeScheduler, GpuSchedule, TenantMetrics
 from cgpud.node.compute_policy import decode_compute_policies, encode_compute_policies, limits_compute
 from cgpud.node.compute_policy import with_compute_policy
 from cgpud.node.exits import ExitWatch
@@ -183,6 +183,11 @@ class InstanceService:
         """The compute scheduler's accounting by instance id ({} without one)."""
         compute = self._compute
         return compute.tenant_metrics() if compute is not None else {}
+
+    def compute_schedules(self) -> dict[int, GpuSchedule]:
+        """What the compute scheduler's loop does on each GPU ({} without one)."""
+        compute = self._compute
+        return compute.schedules() if compute is not None else {}
 
     def use_runtime(self, instance_ids: Sequence[str], version: str) -> None:
         """Records that these instances' edits name runtime `version`'s files,

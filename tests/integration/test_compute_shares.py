@@ -22,8 +22,11 @@ import pytest
 
 from cgpud._region import ffi as rffi
 
+from tests.harness.net import free_port
+from tests.harness.promscrape import scrape, value
 from tests.harness.sharerun import Sampler, Scenario, ScenarioResult, ShareRig, TenantSpec, _at, _busy
 from tests.harness.teardown import terminate
+from tests.harness.wait import until
 
 pytestmark = pytest.mark.timing  # measures compute shares and hand-over times
 
@@ -144,15 +147,30 @@ BUSY_WINDOWED.append(
 )
 
 
+class BusyRig(ShareRig):
+    """A ShareRig whose cgpud runs with --busy-windows and serves its metrics."""
+
+    def __init__(self, workdir: Path, port: int) -> None:
+        super().__init__(workdir, dict(os.environ), "--busy-windows", "--metrics-listen", f"127.0.0.1:{port}")
+        self.metrics_port = port
+
+    def windowed(self) -> tuple[float, float]:
+        """GPU 0's cgpu_gpu_compute_windowed and busy windows ended so far."""
+        s = scrape(self.metrics_port)
+        return value(s, "cgpu_gpu_compute_windowed", gpu="0"), value(
+            s, "cgpu_gpu_compute_busy_windows_ended_total", gpu="0"
+        )
+
+
 @pytest.fixture(scope="module")
-def busy_rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ShareRig]:
-    r = ShareRig(tmp_path_factory.mktemp("busy"), dict(os.environ), "--busy-windows")
+def busy_rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BusyRig]:
+    r = BusyRig(tmp_path_factory.mktemp("busy"), free_port())
     yield r
     r.close()
 
 
 @pytest.mark.parametrize("sc", BUSY_WINDOWED, ids=[s.name for s in BUSY_WINDOWED])
-def test_busy_windows_hold_each_share_with_the_scheduler_thread_asleep(busy_rig: ShareRig, sc: Scenario) -> None:
+def test_busy_windows_hold_each_share_with_the_scheduler_thread_asleep(busy_rig: BusyRig, sc: Scenario) -> None:
     """busy_windows: tenants the slices have shown busy keep to equal
     (weighted) windows by themselves and get what the slices gave them,
     the GPU as busy, while cgpud's scheduler thread sleeps."""
@@ -165,7 +183,7 @@ def test_busy_windows_hold_each_share_with_the_scheduler_thread_asleep(busy_rig:
     assert r.scheduler_cpu_percent < 0.05, r.scheduler_cpu_percent
 
 
-def test_busy_windows_leave_a_bursty_tenant_to_the_slices(busy_rig: ShareRig) -> None:
+def test_busy_windows_leave_a_bursty_tenant_to_the_slices(busy_rig: BusyRig) -> None:
     """A tenant whose work comes and goes is never shown busy: the slices
     go on lending its idle time to its saturating neighbour (issue 39's
     hand-over), and the scheduler thread works as it does without the
@@ -184,11 +202,13 @@ def test_busy_windows_leave_a_bursty_tenant_to_the_slices(busy_rig: ShareRig) ->
     assert all(r.scheduler_cpu_percent > 0.05 for r in runs), seen  # slices, not windows
 
 
-def test_busy_windows_end_when_a_tenant_goes_idle(busy_rig: ShareRig) -> None:
-    """Two busy tenants under `preemptive` keep to windows; when one stops
-    launching (its process lives on, idle), the slices come back within
-    one or two weighings (2 s each) and the other takes the whole GPU."""
+def test_busy_windows_end_when_a_tenant_goes_idle(busy_rig: BusyRig) -> None:
+    """Two busy tenants under `preemptive` keep to windows (the metrics
+    say so); when one stops launching (its process lives on, idle), the
+    slices come back within one or two weighings (2 s each), the other
+    takes the whole GPU, and the metrics count the windows' end."""
     assert busy_rig.daemon.cgpuctl("policy", "set", "preemptive").returncode == 0
+    _, ended = busy_rig.windowed()
     sampler = Sampler(busy_rig.env, 20)
     stays = busy_rig._start(TenantSpec(0))
     leaves = busy_rig._start(TenantSpec(0, burst_ms=600, gap_ms=60_000))  # 0.6 s of work (1.2 s at half), then idle
@@ -196,15 +216,19 @@ def test_busy_windows_end_when_a_tenant_goes_idle(busy_rig: ShareRig) -> None:
         deadline = time.monotonic() + 60
         pids = [busy_rig._burn_pid(r, deadline) for r in (stays, leaves)]
         busy_rig._wait_running(sampler, pids, deadline)
-        time.sleep(6.5)  # the work done by about 1.7 s, then up to two weighings
+        while_busy = until(lambda: busy_rig.windowed()[0] == 1 and busy_rig.windowed(), 5.0, interval=0.1)
+        time.sleep(5.5)  # the work done by about 1.7 s, then up to two weighings
         t0 = sampler.samples[-1]
         time.sleep(1.0)
         t1 = sampler.samples[-1]
+        after = busy_rig.windowed()
     finally:
         terminate(stays, leaves, timeout=30, kill=False)
         sampler.stop()
     share = 100.0 * (_busy(t1, pids[0]) - _busy(t0, pids[0])) / (t1[0] - t0[0])
     assert share >= 90, share
+    assert while_busy == (1, ended), while_busy
+    assert after == (0, ended + 1), after
 
 
 def test_a_tenant_killed_holding_the_gpu_stalls_the_other_for_at_most_about_a_slice(rig: ShareRig) -> None:
@@ -318,7 +342,7 @@ while True:
 
 
 def test_a_tenant_that_claims_its_busy_window_costs_its_neighbour_no_more_than_its_own_share(
-    busy_rig: ShareRig,
+    busy_rig: BusyRig,
 ) -> None:
     """Under `preemptive` with busy windows, a tenant whose work stops but
     whose process keeps writing a growing `paced_ns` keeps the windows: its

@@ -226,3 +226,5 @@ def test_paced_instances_show_their_device_time_tenant_reported(tmp_path: Path) 
         )
         assert abs(paced - sim) <= 5, (name, paced, sim)
         assert value(after, "cgpu_instance_compute_grants_total", instance_id=iid) == 0
+    assert value(after, "cgpu_gpu_compute_windowed", gpu="0") == 1
+    assert value(after, "cgpu_gpu_compute_busy_windows_ended_total", gpu="0") == 0

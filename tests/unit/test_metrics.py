@@ -18,11 +18,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from cgpud._region import ffi as rffi
 from cgpud.containers.relay import RelayServer
 from cgpud import config as settings
-from cgpud.node.compute import TenantMetrics
+from cgpud.node.compute import GpuSchedule, TenantMetrics
 from cgpud.daemon.metrics import CgpuCollector, MetricsServer, read_usage
 from cgpud.daemon.stats import CountedAllocator, DaemonStats
 from cgpud.node.model import GIB, MIB, GpuCapacity, Grant, Instance, InstanceState, NodeMode, NodePolicy, Owner
-from cgpud.node.model import OwnerKind, Reservation
+from cgpud.node.model import ComputePolicy, OwnerKind, Reservation
 from cgpud.node.region import USAGE_FILE, DeviceLimit, InstanceLimits, write_region
 from cgpud.errors import CgpuError, UsageError
 
@@ -104,6 +104,7 @@ class FakeDaemon:
         self.root = root
         self.instances = instances
         self.compute = compute
+        self.schedules: dict[int, GpuSchedule] = {}
         self.snapshots = 0
 
     def holdings(self) -> tuple[list[Instance], list[Reservation]]:
@@ -118,6 +119,9 @@ class FakeDaemon:
 
     def compute_metrics(self) -> dict[str, list[TenantMetrics]]:
         return self.compute
+
+    def compute_schedules(self) -> dict[int, GpuSchedule]:
+        return self.schedules
 
     def region_dir(self, instance_id: str) -> Path:
         return self.root / instance_id
@@ -156,6 +160,11 @@ def test_collector_builds_instance_and_gpu_families_from_one_snapshot(tmp_path: 
     poke(tmp_path / "b" / USAGE_FILE, 1, USED, 1 << 62)  # scribbled: bounded by the GPU's memory
     compute = {"a": [TenantMetrics(0, 3_000_000_000, 7_000_000_000, 300, 1_000_000_000, 290_000_000, 100_000)]}
     daemon = FakeDaemon(tmp_path, [a, b], compute)
+    daemon.schedules = {
+        0: GpuSchedule(0, ComputePolicy.FAIR, 2, 0, 9, 9, 9, 0, 0, paced=True, busy_ended=3),
+        1: GpuSchedule(1, ComputePolicy.FAIR, 1, 1, 9, 9, 9, 0, 0),
+        7: GpuSchedule(7, ComputePolicy.FAIR, 0, 0, 0, 0, 0, 0, 0, paced=True),  # not this node's GPU
+    }
     stats = DaemonStats()
     stats.request("admin", "CreateInstance")
     stats.request("admin", "ReleaseInstance", "NOT_FOUND")
@@ -192,6 +201,10 @@ def test_collector_builds_instance_and_gpu_families_from_one_snapshot(tmp_path: 
     assert _one(s, "cgpu_gpu_compute_allocated_percent", gpu="0") == 30
     assert [lab["gpu"] for lab, _ in s["cgpu_gpu_utilization_percent"]] == ["0"]  # GPU 7 is not this node's
     assert _one(s, "cgpu_gpu_utilization_percent", gpu="0") == 55
+    assert _one(s, "cgpu_gpu_compute_windowed", gpu="0") == 1
+    assert _one(s, "cgpu_gpu_compute_windowed", gpu="1") == 0
+    assert _one(s, "cgpu_gpu_compute_busy_windows_ended_total", gpu="0") == 3
+    assert [lab["gpu"] for lab, _ in s["cgpu_gpu_compute_windowed"]] == ["0", "1"]
 
     assert _one(s, "cgpu_build_info", version="9.9.9") == 1
     assert _one(s, "cgpu_node_info", mode="core_mem", placement="binpack", compute_policy="native") == 1
