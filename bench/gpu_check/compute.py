@@ -211,19 +211,16 @@ def run(rig: Rig, runner: Runner) -> None:
                         runner.check(f"compute.{policy}.{s}", GROUP, check)
         except CheckError as e:
             runner.fail_rest(names, GROUP, str(e))
-    if any(runner.wanted(n) for n in window_names):
+    # Each option on a cgpud of its own.
+    for label, policy, number, option, shapes, checks in (
+        ("windows", "fixed", "3", "--fixed-windows", windows, window_names),
+        ("busy", "fair", "0", "--busy-windows", busy, busy_names),
+    ):
+        if not any(runner.wanted(n) for n in checks):
+            continue
         try:
-            with rig.cgpud("windows", "--mode", "core_mem", "--compute-policy", "3", "--fixed-windows") as d:
-                for s in windows:
-                    check = partial(share_check, rig, d, "fixed", SHAPES[s], alone)
-                    runner.check(f"compute.fixed-windows.{s}", GROUP, check)
+            with rig.cgpud(label, "--mode", "core_mem", "--compute-policy", number, option) as d:
+                for s, name in zip(shapes, checks):
+                    runner.check(name, GROUP, partial(share_check, rig, d, policy, SHAPES[s], alone))
         except CheckError as e:
-            runner.fail_rest(window_names, GROUP, str(e))
-    if any(runner.wanted(n) for n in busy_names):
-        try:
-            with rig.cgpud("busy", "--mode", "core_mem", "--compute-policy", "0", "--busy-windows") as d:
-                for s in busy:
-                    check = partial(share_check, rig, d, "fair", SHAPES[s], alone)
-                    runner.check(f"compute.busy-windows.{s}", GROUP, check)
-        except CheckError as e:
-            runner.fail_rest(busy_names, GROUP, str(e))
+            runner.fail_rest(checks, GROUP, str(e))

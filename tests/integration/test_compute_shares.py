@@ -14,7 +14,7 @@ import subprocess
 import sys
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import psutil
@@ -270,6 +270,31 @@ def test_cgpuctl_run_core_refuses_more_than_the_gpu_has(rig: ShareRig) -> None:
         terminate(hold, timeout=30, kill=False)
 
 
+def shares_once_cgpud_stopped(
+    r: ShareRig, policy: str, tenants: Sequence[TenantSpec], running_s: float, seconds: float
+) -> list[float]:
+    """Starts the tenants under `policy`, lets them run `running_s` more,
+    stops cgpud, and measures each tenant's share over `seconds` from
+    0.3 s later."""
+    assert r.daemon.cgpuctl("policy", "set", policy).returncode == 0
+    runs = [r._start(t) for t in tenants]
+    sampler = Sampler(r.env, 20)
+    try:
+        deadline = time.monotonic() + 60
+        pids = [r._burn_pid(run, deadline) for run in runs]
+        r._wait_running(sampler, pids, deadline)
+        time.sleep(running_s)
+        r.daemon.stop()
+        time.sleep(0.3)
+        t0 = sampler.samples[-1]
+        time.sleep(seconds)
+        t1 = sampler.samples[-1]
+    finally:
+        sampler.stop()
+        terminate(*runs, timeout=30, kill=False)
+    return [100.0 * (_busy(t1, pid) - _busy(t0, pid)) / (t1[0] - t0[0]) for pid in pids]
+
+
 @pytest.mark.parametrize(("policy", "low", "high"), [("fixed", 25, 35), ("preemptive", 80, 101)])
 def test_stopping_cgpud_leaves_no_tenant_waiting(tmp_path: Path, policy: str, low: float, high: float) -> None:
     """cgpud stopped under a 30 % tenant: under `fixed` the tenant keeps
@@ -277,22 +302,8 @@ def test_stopping_cgpud_leaves_no_tenant_waiting(tmp_path: Path, policy: str, lo
     is away"); under the other policies its gate opens for good."""
     r = ShareRig(tmp_path, dict(os.environ))
     try:
-        assert r.daemon.cgpuctl("policy", "set", policy).returncode == 0
-        run = r._start(TenantSpec(30, kernel_ns=200_000))
-        pid = r._burn_pid(run, time.monotonic() + 60)
-        sampler = Sampler(r.env, 20)
-        try:
-            r._wait_running(sampler, [pid], time.monotonic() + 30)
-            r.daemon.stop()
-            time.sleep(0.3)
-            t0 = sampler.samples[-1]
-            time.sleep(0.5)
-            t1 = sampler.samples[-1]
-        finally:
-            sampler.stop()
-        share = 100.0 * (_busy(t1, pid) - _busy(t0, pid)) / (t1[0] - t0[0])
+        (share,) = shares_once_cgpud_stopped(r, policy, [TenantSpec(30, kernel_ns=200_000)], 0.0, 0.5)
         assert low <= share <= high, share
-        terminate(run, timeout=30, kill=False)
     finally:
         if r.daemon.proc and r.daemon.proc.poll() is None:
             r.close()
@@ -304,23 +315,7 @@ def test_busy_windows_hold_while_cgpud_is_away(tmp_path: Path) -> None:
     tenants do, rather than running ungated."""
     r = ShareRig(tmp_path, dict(os.environ), "--busy-windows")
     try:
-        assert r.daemon.cgpuctl("policy", "set", "preemptive").returncode == 0
-        runs = [r._start(TenantSpec(0)) for _ in range(2)]
-        sampler = Sampler(r.env, 20)
-        try:
-            deadline = time.monotonic() + 60
-            pids = [r._burn_pid(run, deadline) for run in runs]
-            r._wait_running(sampler, pids, deadline)
-            time.sleep(BUSY_SHOWN_S)
-            r.daemon.stop()
-            time.sleep(0.3)
-            t0 = sampler.samples[-1]
-            time.sleep(1.0)
-            t1 = sampler.samples[-1]
-        finally:
-            sampler.stop()
-            terminate(*runs, timeout=30, kill=False)
-        shares = [100.0 * (_busy(t1, pid) - _busy(t0, pid)) / (t1[0] - t0[0]) for pid in pids]
+        shares = shares_once_cgpud_stopped(r, "preemptive", [TenantSpec(0)] * 2, BUSY_SHOWN_S, 1.0)
         assert all(40 <= share <= 60 for share in shares), shares
     finally:
         if r.daemon.proc and r.daemon.proc.poll() is None:

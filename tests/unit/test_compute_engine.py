@@ -504,26 +504,26 @@ def test_busy_windows_follow_weights_and_never_come_with_a_high_priority_or_burs
     assert not s.schedule(0).paced and s.schedule(0).grants > granted
 
 
-def test_a_lone_busy_tenant_keeps_the_gpu_without_windows(busy: ComputeScheduler, tenants, players) -> None:
-    """Alone, a busy tenant holds the GPU with no fences between slices:
-    a window of the whole period would only drain its queue each period."""
-    busy.configure(NodePolicy(compute_policy=ComputePolicy.PREEMPTIVE))
-    c = tenants("c")
-    players.acker(c)
-    busy.attach(c.instance, c.dir)
-    c.want(1)
-    time.sleep(3 * slib.CGPU_ENGINE_BUSY_PROOF_NS / 1e9)
-    assert not busy.schedule(0).paced and window(c)[2] == 0 and c.gate & OPEN
-
-
-def test_busy_windows_are_off_by_default(sched: ComputeScheduler, tenants, players) -> None:
-    sched.configure(NodePolicy(compute_policy=ComputePolicy.FAIR))
-    c = tenants("c")
-    players.acker(c)
-    sched.attach(c.instance, c.dir)
-    c.want(1)
-    time.sleep(3 * slib.CGPU_ENGINE_BUSY_PROOF_NS / 1e9)
-    assert not sched.schedule(0).paced and window(c)[2] == 0 and sched.schedule(0).grants > 0
+@pytest.mark.parametrize(
+    ("timing", "count"), [(FAST, 2), (BUSY, 1)], ids=["off by default", "a tenant alone, the option on"]
+)
+def test_busy_tenants_keep_the_slices(timing: ComputeTiming, count: int, tenants, players) -> None:
+    """Busy windows are off by default; and alone, a busy tenant holds the
+    GPU with no fences between slices, where a window of the whole period
+    would only drain its queue each period."""
+    s = ComputeScheduler(1, timing).start()
+    try:
+        s.configure(NodePolicy(compute_policy=ComputePolicy.FAIR))
+        busy = [tenants(name) for name in "cd"[:count]]
+        for t in busy:
+            players.acker(t)
+            s.attach(t.instance, t.dir)
+            t.want(1)
+        time.sleep(3 * slib.CGPU_ENGINE_BUSY_PROOF_NS / 1e9)
+        assert not s.schedule(0).paced and s.schedule(0).grants > 0
+        assert all(window(t)[2] == 0 for t in busy)
+    finally:
+        s.stop()
 
 
 def test_a_tenant_that_lies_about_its_paced_time_keeps_only_its_own_window(
