@@ -193,7 +193,11 @@ def test_paced_instances_show_their_device_time_tenant_reported(tmp_path: Path) 
     """Under `fixed` with --fixed-windows the engine hands out no grants, so
     nothing is charged; the device time the tenants' processes measure
     while they keep to their windows is the paced counter, which must
-    agree with the simulator's own per-process accounting."""
+    agree with the simulator's own per-process accounting. The counter
+    moves as each window ends, so over an interval it may be up to a
+    window off at each end (b, 60 % of a 100 ms period: 3 points over
+    4 s; it read 5.2 points off over 2 s once in CI)."""
+    seconds, period_s = 4.0, 0.1
     port = _free_port()
     r = ShareRig(tmp_path, dict(os.environ), "--metrics-listen", f"127.0.0.1:{port}", "--fixed-windows")
     tenants = Tenants(r)
@@ -205,7 +209,7 @@ def test_paced_instances_show_their_device_time_tenant_reported(tmp_path: Path) 
         r._wait_running(sampler, list(pids.values()), time.monotonic() + 60)
         time.sleep(1.0)
         before, t0 = scrape(port), sampler.samples[-1]
-        time.sleep(2.0)
+        time.sleep(seconds)
         after, t1 = scrape(port), sampler.samples[-1]
         listed = _instances(r.daemon)
     finally:
@@ -224,7 +228,8 @@ def test_paced_instances_show_their_device_time_tenant_reported(tmp_path: Path) 
             )
             / ((t1[0] - t0[0]) / SECOND)
         )
-        assert abs(paced - sim) <= 5, (name, paced, sim)
+        lag = 2 * {"a": 30, "b": 60}[name] * period_s / seconds  # points: a window at each end
+        assert abs(paced - sim) <= 5 + lag, (name, paced, sim)
         assert value(after, "cgpu_instance_compute_grants_total", instance_id=iid) == 0
     assert value(after, "cgpu_gpu_compute_windowed", gpu="0") == 1
     assert value(after, "cgpu_gpu_compute_busy_windows_ended_total", gpu="0") == 0
