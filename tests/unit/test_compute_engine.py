@@ -990,16 +990,27 @@ def test_a_holder_without_a_live_ledger_is_not_idle(slow_sched: ComputeScheduler
 def test_a_withdrawn_report_is_not_idleness(slow_sched: ComputeScheduler, tenants) -> None:
     """A program that synchronises after every kernel reports idle after each
     synchronisation and withdraws the report at its next launch: it keeps
-    its slice."""
-    a, b = attach_two(slow_sched, tenants)
-    ledger = holding_with_a_waiter(a, b)
-    before = int(a.u.proc[ledger].fence_ack[0])
-    for _ in range(300):  # about 60 ms of report, launch, report...
-        report_idle(a, ledger)
-        a.u.proc[ledger].fence_ack[0] = before
-        time.sleep(0.0002)
-    assert a.gate & OPEN and not b.gate & OPEN
-    assert slow_sched.schedule(0).idle_handovers == 0
+    its slice. The withdrawal must come within the grace (100 us) of the
+    report, which this Python thread misses when it is preempted that long
+    between the two (once in CI, with nothing else running): the median of
+    three pairs of fresh tenants decides. An engine that took a withdrawn
+    report for idleness would pass the GPU on in every one."""
+    kept: list[bool] = []
+    while kept.count(True) < 2 and kept.count(False) < 2:
+        a, b = tenants(f"a{len(kept)}"), tenants(f"b{len(kept)}")
+        slow_sched.attach(a.instance, a.dir)
+        slow_sched.attach(b.instance, b.dir)
+        handovers = slow_sched.schedule(0).idle_handovers
+        ledger = holding_with_a_waiter(a, b)
+        before = int(a.u.proc[ledger].fence_ack[0])
+        for _ in range(300):  # about 60 ms of report, launch, report...
+            report_idle(a, ledger)
+            a.u.proc[ledger].fence_ack[0] = before
+            time.sleep(0.0002)
+        kept.append(bool(a.gate & OPEN) and not b.gate & OPEN and slow_sched.schedule(0).idle_handovers == handovers)
+        slow_sched.detach(a.instance.id)
+        slow_sched.detach(b.instance.id)
+    assert kept.count(True) >= 2, kept
 
 
 FULL_GRACE, SHORT_GRACE = int(slib.CGPU_ENGINE_IDLE_GRACE_NS), int(slib.CGPU_ENGINE_IDLE_GRACE_SHORT_NS)
