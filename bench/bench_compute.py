@@ -405,9 +405,10 @@ def compare_main(args: argparse.Namespace, chosen: list[Scenario]) -> int:
                 for side, name in ((0, "base"), (1, " ".join(extra))):
                     util = _median(res[side], lambda r: r.utilisation)
                     sched = _median(res[side], lambda r: r.scheduler_cpu_percent)
-                    rows.append((sc.name, targets, name, _shares(res[side]), f"{util:.1f}", f"{sched:.3f}"))
+                    shares = _shares(res[side])
+                    rows.append((sc.name, targets, name, shares, f"{util:.1f}", f"{sched:.3f}"))
                     print(
-                        f"{sc.name} [{name}]: shares {_shares(res[side])} (target {targets}), utilisation"
+                        f"{sc.name} [{name}]: shares {shares} (target {targets}), utilisation"
                         f" {util:.1f} % (rounds {', '.join(f'{r.utilisation:.1f}' for r in res[side])}),"
                         f" scheduler thread {sched:.3f} % of a core"
                     )
@@ -467,7 +468,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="2 s and fewer scenarios")
     ap.add_argument("--only", help="run the scenarios whose name contains this (or any of A,B,...)")
     ap.add_argument("--bursty", action="store_true", help="the bursty grid, cgpu against native, instead")
-    ap.add_argument("--rounds", type=int, help="--bursty: rounds per cell, the median is reported (3)")
+    ap.add_argument(
+        "--rounds", type=int, help="--bursty and --compare-arg: rounds per cell, the median is reported (3)"
+    )
     ap.add_argument(
         "--shapes",
         action="store_true",

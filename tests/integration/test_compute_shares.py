@@ -216,7 +216,7 @@ def test_busy_windows_end_when_a_tenant_goes_idle(busy_rig: BusyRig) -> None:
         deadline = time.monotonic() + 60
         pids = [busy_rig._burn_pid(r, deadline) for r in (stays, leaves)]
         busy_rig._wait_running(sampler, pids, deadline)
-        while_busy = until(lambda: busy_rig.windowed()[0] == 1 and busy_rig.windowed(), 5.0, interval=0.1)
+        while_busy = until(lambda: (w := busy_rig.windowed())[0] == 1 and w, 5.0, interval=0.1)
         time.sleep(5.5)  # the work done by about 1.7 s, then up to two weighings
         t0 = sampler.samples[-1]
         time.sleep(1.0)
