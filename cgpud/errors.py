@@ -12,6 +12,10 @@ class UsageError(CgpuError):
     """A bad argument or setting; nothing was changed."""
 
 
+class DaemonUnreachable(CgpuError):
+    """cgpud could not be reached: down, restarting, or its socket refused us."""
+
+
 class GpuQueryError(CgpuError):
     """The GPU driver (NVML) could not be queried."""
 

@@ -3,8 +3,8 @@
 Methods mirror the daemon's service (cgpud.api.server.LocalService) and
 return model objects, so code written against one runs against the other.
 Every failure is a cgpud.errors exception: the daemon's refusals come back as
-the class it raised with its message; an unreachable daemon is a CgpuError
-that says what to check.
+the class it raised with its message; an unreachable daemon is a
+DaemonUnreachable (a CgpuError) that says what to check.
 
 A client made with `wait` rides out a cgpud restart: while the socket is
 missing or refuses, it says so once through `notice` and tries again with
@@ -28,7 +28,7 @@ from cgpud.api.cgpu.v1 import local_pb2 as pb
 from cgpud.api.cgpu.v1 import local_pb2_grpc as pb_grpc
 from cgpud.api.status import error_for
 from cgpud.node import model
-from cgpud.errors import CgpuError, UsageError
+from cgpud.errors import CgpuError, DaemonUnreachable, UsageError
 
 T = TypeVar("T")
 
@@ -193,7 +193,7 @@ class LocalClient(AbstractContextManager["LocalClient"]):
             left = deadline - time.monotonic()
             if left <= 0:
                 if why or last is None:
-                    raise CgpuError(
+                    raise DaemonUnreachable(
                         f"cgpud is not running ({self.socket_path}: {why}); it did not come back "
                         f"within {self.wait:g} s: start it (systemctl start cgpud)"
                     )
@@ -245,7 +245,7 @@ def _down(path: Path) -> str | None:
     return ""
 
 
-def unreachable(path: Path, details: str = "") -> CgpuError:
+def unreachable(path: Path, details: str = "") -> DaemonUnreachable:
     """Why cgpud cannot be reached, found out by connecting to the socket
     ourselves: gRPC's own text ("failed to connect to all addresses") does not
     tell a stopped daemon from a permission problem."""
@@ -254,16 +254,16 @@ def unreachable(path: Path, details: str = "") -> CgpuError:
         try:
             probe.connect(str(path))
         except PermissionError:
-            return CgpuError(f"cannot reach cgpud at {path}: its socket is root-only; run as root")
+            return DaemonUnreachable(f"cannot reach cgpud at {path}: its socket is root-only; run as root")
         except (FileNotFoundError, ConnectionRefusedError, NotADirectoryError):
-            return CgpuError(f"cannot reach cgpud at {path}: is it running? (systemctl status cgpud)")
+            return DaemonUnreachable(f"cannot reach cgpud at {path}: is it running? (systemctl status cgpud)")
         except OSError as e:
-            return CgpuError(f"cannot reach cgpud at {path}: {e.strerror or e}")
+            return DaemonUnreachable(f"cannot reach cgpud at {path}: {e.strerror or e}")
         refusal = _refusal(probe)
         if refusal:
-            return CgpuError(f"cgpud refused this client: {refusal}")
+            return DaemonUnreachable(f"cgpud refused this client: {refusal}")
     # The socket answers but gRPC did not get through: starting or stopping.
-    return CgpuError(f"cgpud at {path} is not accepting requests ({details or 'unavailable'}); try again")
+    return DaemonUnreachable(f"cgpud at {path} is not accepting requests ({details or 'unavailable'}); try again")
 
 
 def _refusal(probe: socket.socket) -> str | None:

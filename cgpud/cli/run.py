@@ -1,6 +1,7 @@
 """`cgpuctl run`: a host process under a fresh instance, with libcgpu.so
 preloaded, released when the process exits. If cgpuctl itself is killed,
-the daemon releases the instance once the process (bound by PID) exits."""
+or cgpud is away when the process exits, the daemon releases the instance
+once it finds the processes (bound by PID) gone."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from types import FrameType
 from cgpud.cli.client import LocalClient
 from cgpud.contract import REGION_ENV
 from cgpud.node.model import Instance, Owner, OwnerKind, Request
-from cgpud.errors import CgpuError, UsageError
+from cgpud.errors import CgpuError, DaemonUnreachable, UsageError
 from cgpud.containers.edits import application_env
 from cgpud.native import native_path
 from cgpud.node.mps import PIPE_ENV, client_env
@@ -85,5 +86,17 @@ def run(
                 signal.signal(signum, forward)
             code = child.wait()
         finally:
-            client.release(instance.id)
+            _release_at_exit(socket_path, instance.id, notice)
     return code if code >= 0 else 128 - code
+
+
+def _release_at_exit(socket_path: Path, instance_id: str, notice: Callable[[str], None] | None) -> None:
+    """Releases once, without waiting for a cgpud that is away: this process
+    and its child are about to be gone, and cgpud releases an instance whose
+    processes are gone when it is back. Waiting would only hold the exit."""
+    try:
+        with LocalClient(socket_path) as client:
+            client.release(instance_id)
+    except DaemonUnreachable as e:
+        if notice is not None:
+            notice(f"{e}; cgpud releases instance {instance_id} once it is back")

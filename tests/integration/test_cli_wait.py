@@ -5,6 +5,7 @@ cgpud processes on the simulated GPUs."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -13,7 +14,7 @@ import time
 from pathlib import Path
 
 from cgpud.contract import RELAY_WAIT_S
-from tests.harness.daemon import make_daemon
+from tests.harness.daemon import Daemon, make_daemon
 
 BIN = Path(sys.executable).parent
 
@@ -45,6 +46,49 @@ def test_run_started_while_cgpud_is_down_waits_for_it(tmp_path, sim_env):
         # The tenant's instance was made and released by the daemon that came up.
         listed = d.cgpuctl("list", "--all", "--output", "json")
         assert listed.returncode == 0 and '"state": "released"' in listed.stdout, listed.stdout
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        d.stop()
+
+
+def _instances(d: Daemon, proc: subprocess.Popen[str], state: str) -> list[str]:
+    """The ids of the instances in `state` once there are any (within 30 s)."""
+    deadline = time.monotonic() + 30
+    while True:
+        listed = json.loads(d.cgpuctl("list", "--all", "--output", "json").stdout)
+        found = [i["id"] for i in listed if i["state"] == state]
+        if found:
+            return found
+        assert time.monotonic() < deadline and (state == "released" or proc.poll() is None), (listed, proc.poll())
+        time.sleep(0.05)
+
+
+def test_run_whose_cgpud_goes_away_exits_with_its_childs_code_at_once(tmp_path, sim_env):
+    """The child exits while cgpud is stopped: cgpuctl tries the release
+    once, says cgpud will do it, and exits with the child's code without
+    waiting out --wait; the cgpud that comes back releases the instance."""
+    d = make_daemon(tmp_path, sim_env)
+    d.start()
+    gate = tmp_path / "go"
+    proc = _cgpuctl(
+        d.socket, d.env, "run", "--mem", "1GiB", "--", "sh", "-c", f"while [ ! -e {gate} ]; do sleep 0.02; done; exit 3"
+    )
+    try:
+        (instance,) = _instances(d, proc, "bound")
+        d.stop()
+        gate.touch()
+        started = time.monotonic()
+        _, err = proc.communicate(timeout=30)
+        took = time.monotonic() - started
+        assert proc.returncode == 3, err
+        assert took < RELAY_WAIT_S / 2, took
+        assert err == (
+            f"cgpuctl: cannot reach cgpud at {d.socket}: is it running? (systemctl status cgpud); "
+            f"cgpud releases instance {instance} once it is back\n"
+        )
+        d.start()
+        assert _instances(d, proc, "released") == [instance]
     finally:
         if proc.poll() is None:
             proc.kill()
