@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import mmap
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from cgpud._region import ffi as rffi
@@ -14,7 +16,33 @@ from cgpud.node.model import ComputeTiming, Grant, Instance, InstanceState, Owne
 from cgpud.node.region import GRANTS_FILE, DeviceLimit, InstanceLimits, write_region
 from tests.harness.usage_tenant import TenantUsage
 
-OPEN, UNGATED, SEQ = rlib.CGPU_GATE_OPEN, rlib.CGPU_GATE_UNGATED, rlib.CGPU_GATE_SEQ_MASK
+OPEN, UNGATED, SEQ, SEQ_STEP = (
+    rlib.CGPU_GATE_OPEN,
+    rlib.CGPU_GATE_UNGATED,
+    rlib.CGPU_GATE_SEQ_MASK,
+    rlib.CGPU_GATE_SEQ_STEP,
+)
+
+
+@contextmanager
+def promptly() -> Iterator[None]:
+    """Runs the calling thread at a real-time priority while the tenant it
+    plays must act within the engine's idle grace (100 us): a C program takes
+    nanoseconds between an idle report and its withdrawal, this Python thread
+    microseconds, and on a loaded machine a preemption in between is taken
+    for idleness. Other threads and the engine's keep their priority. Where
+    that priority is refused (not root), the thread runs as it is."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+    except PermissionError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+
+
 FAST = ComputeTiming(period_ns=20_000_000, max_slice_ns=2_000_000, high_priority_percent=80)
 
 
