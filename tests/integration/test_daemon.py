@@ -20,7 +20,7 @@ import pytest
 from cgpud.cli.client import LocalClient
 from cgpud.cli.doctor import DAEMON_ANSWER_S
 from cgpud.node.model import GIB, Owner, OwnerKind, Request
-from cgpud.errors import CgpuError
+from cgpud.errors import CgpuError, DaemonUnreachable
 from cgpud.native import native_path
 from tests.harness.daemon import BIN, make_daemon
 from tests.harness.wait import until
@@ -259,7 +259,7 @@ def _client_loop(
                         inst = client.create(Request(Owner(OwnerKind.CONTAINER, f"{name}-{n}"), 256 << 20))
                 break
             except CgpuError as e:
-                if type(e) is not CgpuError:  # the daemon answered, and said no
+                if type(e) not in (CgpuError, DaemonUnreachable):  # the daemon answered, and said no
                     refused.append(f"{name}: {'release' if release else 'create'}: {e}")
                     return
                 if stop.is_set() and abandon.is_set():
