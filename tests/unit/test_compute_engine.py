@@ -1009,8 +1009,9 @@ def test_a_withdrawn_report_is_not_idleness(slow_sched: ComputeScheduler, tenant
     synchronisation and withdraws the report at its next launch: it keeps
     its slice. The withdrawal must come within the grace (100 us) of the
     report, which this Python thread misses when it is preempted that long
-    between the two (once in CI, with nothing else running): the median of
-    three pairs of fresh tenants decides. An engine that took a withdrawn
+    between the two (once in CI, with nothing else running): it runs at a
+    real-time priority for it (promptly), and the median of three pairs of
+    fresh tenants decides. An engine that took a withdrawn
     report for idleness would pass the GPU on in every one."""
     kept: list[bool] = []
     while kept.count(True) < 2 and kept.count(False) < 2:
