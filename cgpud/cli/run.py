@@ -86,17 +86,17 @@ def run(
                 signal.signal(signum, forward)
             code = child.wait()
         finally:
-            _release_at_exit(socket_path, instance.id, notice)
+            _release_at_exit(client, instance.id, notice)
     return code if code >= 0 else 128 - code
 
 
-def _release_at_exit(socket_path: Path, instance_id: str, notice: Callable[[str], None] | None) -> None:
+def _release_at_exit(client: LocalClient, instance_id: str, notice: Callable[[str], None] | None) -> None:
     """Releases once, without waiting for a cgpud that is away: this process
     and its child are about to be gone, and cgpud releases an instance whose
     processes are gone when it is back. Waiting would only hold the exit."""
+    client.wait = 0.0
     try:
-        with LocalClient(socket_path) as client:
-            client.release(instance_id)
+        client.release(instance_id)
     except DaemonUnreachable as e:
         if notice is not None:
             notice(f"{e}; cgpud releases instance {instance_id} once it is back")

@@ -5,7 +5,6 @@ cgpud processes on the simulated GPUs."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -15,6 +14,8 @@ from pathlib import Path
 
 from cgpud.contract import RELAY_WAIT_S
 from tests.harness.daemon import Daemon, make_daemon
+from tests.harness.wait import until
+from tests.harness.workload import instances
 
 BIN = Path(sys.executable).parent
 
@@ -52,16 +53,8 @@ def test_run_started_while_cgpud_is_down_waits_for_it(tmp_path, sim_env):
         d.stop()
 
 
-def _instances(d: Daemon, proc: subprocess.Popen[str], state: str) -> list[str]:
-    """The ids of the instances in `state` once there are any (within 30 s)."""
-    deadline = time.monotonic() + 30
-    while True:
-        listed = json.loads(d.cgpuctl("list", "--all", "--output", "json").stdout)
-        found = [i["id"] for i in listed if i["state"] == state]
-        if found:
-            return found
-        assert time.monotonic() < deadline and (state == "released" or proc.poll() is None), (listed, proc.poll())
-        time.sleep(0.05)
+def _ids_in(d: Daemon, state: str) -> list[str]:
+    return [i["id"] for i in instances(d, all_=True) if i["state"] == state]
 
 
 def test_run_whose_cgpud_goes_away_exits_with_its_childs_code_at_once(tmp_path, sim_env):
@@ -75,7 +68,7 @@ def test_run_whose_cgpud_goes_away_exits_with_its_childs_code_at_once(tmp_path, 
         d.socket, d.env, "run", "--mem", "1GiB", "--", "sh", "-c", f"while [ ! -e {gate} ]; do sleep 0.02; done; exit 3"
     )
     try:
-        (instance,) = _instances(d, proc, "bound")
+        (instance,) = until(lambda: _ids_in(d, "bound"), 30, interval=0.05, what="the tenant's instance bound")
         d.stop()
         gate.touch()
         started = time.monotonic()
@@ -88,7 +81,7 @@ def test_run_whose_cgpud_goes_away_exits_with_its_childs_code_at_once(tmp_path, 
             f"cgpud releases instance {instance} once it is back\n"
         )
         d.start()
-        assert _instances(d, proc, "released") == [instance]
+        assert until(lambda: _ids_in(d, "released"), 30, interval=0.05) == [instance]
     finally:
         if proc.poll() is None:
             proc.kill()
