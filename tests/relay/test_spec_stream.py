@@ -39,10 +39,15 @@ class EditingCgpud(Cgpud):
     the spec read through it. A prepare is played per the next step:
     "edit" (the edit renamed over config.json, then ok), "refuse", "plain"
     (ok, the bundle asks for no GPU: untouched), "vanish" (closes without a
-    word), "edit-vanish"; after `delay` seconds."""
+    word), "edit-vanish"; after `delay` seconds. With `started`, the first
+    prepare then waits (up to 10 s) until it says so: a played runc killed
+    by the answer must have got as far as recording its call, however
+    loaded the machine."""
 
-    def __init__(self, path: Path, steps: list[str], delay: float = 0.0) -> None:
-        self.steps, self.delay = steps, delay
+    def __init__(
+        self, path: Path, steps: list[str], delay: float = 0.0, started: Callable[[], object] | None = None
+    ) -> None:
+        self.steps, self.delay, self.started = steps, delay, started
         self.heads: list[str] = []
         self.specs: list[bytes | None] = []
         super().__init__(path, None)
@@ -74,6 +79,10 @@ class EditingCgpud(Cgpud):
                     continue
                 step = self.steps.pop(0)
                 time.sleep(self.delay)
+                if self.started is not None and len(self.heads) == 1:
+                    deadline = time.monotonic() + 10
+                    while not self.started() and time.monotonic() < deadline:
+                        time.sleep(0.01)
                 if step.startswith("edit"):
                     config = Path(body) / "config.json"
                     edited = json.loads(spec if spec is not None else config.read_bytes())
@@ -205,7 +214,7 @@ def test_runc_reads_cgpuds_edit_wherever_its_open_lands(bins, cgpud, runtime, en
 
 
 def test_a_refusal_kills_the_waiting_runtime_and_puts_the_spec_back(bins, cgpud, runtime, env, tmp_path) -> None:
-    server = cgpud(["refuse"], delay=0.3)
+    server = cgpud(["refuse"], delay=0.3, started=runtime.calls)
     b = engine_bundle(tmp_path)
     log = tmp_path / "runc.log"
     proc = run(bins / "cgpu-runtime", ["--log", str(log), *create_args(tmp_path, b)], env)
@@ -239,7 +248,7 @@ def test_cgpud_gone_before_any_edit_is_asked_again_the_usual_way(bins, cgpud, ru
     """A restart mid-request: the streamed start is undone (runc killed,
     the spec put back) and the prepare sent again, by path, as any relay
     request is after cgpud went away."""
-    server = cgpud(["vanish", "edit"], delay=0.3)
+    server = cgpud(["vanish", "edit"], delay=0.3, started=runtime.calls)
     b = engine_bundle(tmp_path)
     proc = run(bins / "cgpu-runtime", create_args(tmp_path, b), env)
     assert proc.returncode == 0, proc.stderr
