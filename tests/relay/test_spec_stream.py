@@ -9,6 +9,7 @@ sanitizer builds, as test_relays.py."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -22,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness.relay import INSTANCE, Cgpud, bundle, closed_after, create_args, run
+from tests.harness.wait import WaitTimeout, until
 
 ORIGINAL = json.dumps(
     {
@@ -80,9 +82,8 @@ class EditingCgpud(Cgpud):
                 step = self.steps.pop(0)
                 time.sleep(self.delay)
                 if self.started is not None and len(self.heads) == 1:
-                    deadline = time.monotonic() + 10
-                    while not self.started() and time.monotonic() < deadline:
-                        time.sleep(0.01)
+                    with contextlib.suppress(WaitTimeout):  # the test's own assertion then says what is missing
+                        until(self.started, what="the runtime's first call")
                 if step.startswith("edit"):
                     config = Path(body) / "config.json"
                     edited = json.loads(spec if spec is not None else config.read_bytes())
