@@ -20,10 +20,12 @@ from bench.gpu_check.runner import Runner, verdict
 
 GROUP = "away"
 NAME = "away.fixed"
-# A launch at a closed gate finds cgpud gone within its 50 ms probe, then
-# waits at most for its own window (within a 100 ms period) and its queue's
-# drain (tests/integration/test_compute_failure.py uses the same bound).
-STALL_BOUND_MS = 250.0
+# A launch waiting at the closed gate when cgpud goes has waited up to a
+# period (100 ms) for its grant already; it finds cgpud gone within its
+# 50 ms probe, then waits at most for its own window (within a period) and
+# its queue's drain, plus a late wake-up on a loaded machine
+# (tests/integration/test_compute_failure.py uses the same bound).
+STALL_BOUND_MS = 300.0
 BEFORE_S = 1.5  # with cgpud, tenants running, before the kill
 AFTER_S = 1.5  # with cgpud started again, before the tenants end
 

@@ -191,10 +191,12 @@ def test_a_tenant_of_200ms_kernels_beside_short_bursts_under_soft_is_not_held_of
 
 
 AWAY_S = 10.0
-# How long one launch may wait while cgpud is away: a thread at a closed
-# gate finds cgpud gone within its 50 ms probe, then waits at most for its
-# own window (under a period, 100 ms) and its queue's drain.
-AWAY_STALL_BOUND_MS = 250.0
+# How long one launch may wait as cgpud goes away: a thread at the closed
+# gate has waited up to a period (100 ms) for its grant already, finds
+# cgpud gone within its 50 ms probe, then waits at most for its own window
+# (under a period) and its queue's drain, plus a late wake-up on a loaded
+# machine. The 30 % tenant's longest: 74-186 ms in twelve runs, 274 once in CI.
+AWAY_STALL_BOUND_MS = 300.0
 
 
 def _timed_tenant(rig: ShareRig, core: int, seconds: float) -> subprocess.Popen[bytes]:
